@@ -1,0 +1,40 @@
+# Everything runs from .venv, which `make install` creates (the pinned CPU torch first: an unpinned
+# torch would pull the multi-gigabyte CUDA build).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.*
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test test-fast check protos bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/swarm demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+check: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+protos: install
+	$(BIN)/python swarm/protogen.py
+
+bench: install
+	$(BIN)/python bench/pipeline_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

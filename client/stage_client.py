@@ -1,0 +1,159 @@
+"""A trainer's connection to one stage server: chunked bidi calls with a deadline on each."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from stage_server.server import grpc_options
+from swarm import codec, wire
+from swarm.config import JobConfig
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import stage_pb2_grpc
+
+__all__ = ["BackwardResult", "StageClient"]
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    grad_inputs: torch.Tensor | None
+    receipt: pb.Receipt
+    loss_sum: float = 0.0
+
+
+class StageClient:
+    def __init__(self, address: str, job: JobConfig, job_id: str, stage: int) -> None:
+        self.address, self.job, self.job_id, self.stage = address, job, job_id, stage
+        rt = job.runtime
+        self._timeout, self._chunk, self._max = (
+            rt.rpc_timeout_s,
+            rt.chunk_bytes,
+            rt.max_tensor_bytes,
+        )
+        # Any: the generated stubs type enum fields as their enum class, not int.
+        self._codec: Any = codec.codec_from_name(job.compression.wire)
+        self._block = job.compression.block_size
+        self.channel = grpc.aio.insecure_channel(
+            address, options=grpc_options(rt.max_message_bytes)
+        )
+        self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _tensor(self, t: torch.Tensor, name: str) -> Any:
+        return codec.encode(t, name, self._codec, self._block)
+
+    async def _call(self, method: Any, request: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+        call = method(timeout=self._timeout)
+        for msg in wire.split(request, self._chunk):
+            await call.write(msg)
+        await call.done_writing()
+        received = await wire.receive(_aiter(call), max_bytes=self._max)
+        return received.header, wire.decode_named(received, device="cpu", max_bytes=self._max)
+
+    def _id(self, step: int, index: int) -> pb.MicrobatchId:
+        return pb.MicrobatchId(step=step, index=index)
+
+    async def forward(self, step: int, index: int, inputs: torch.Tensor) -> torch.Tensor:
+        request = pb.StageForwardRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors=[self._tensor(inputs, "inputs")],
+            reply_codec=self._codec,
+        )
+        _, tensors = await self._call(self.stub.Forward, request)
+        return tensors["outputs"]
+
+    async def backward(
+        self,
+        step: int,
+        index: int,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        *,
+        accumulate: bool = True,
+        need_grad_inputs: bool = True,
+    ) -> BackwardResult:
+        request = pb.StageBackwardRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors=[self._tensor(inputs, "inputs"), self._tensor(grad_outputs, "grad_outputs")],
+            reply_codec=self._codec,
+            accumulate=accumulate,
+            need_grad_inputs=need_grad_inputs,
+        )
+        header, tensors = await self._call(self.stub.Backward, request)
+        return BackwardResult(tensors.get("grad_inputs"), header.receipt)
+
+    async def forward_backward(
+        self,
+        step: int,
+        index: int,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        accumulate: bool = True,
+        need_grad_inputs: bool = True,
+    ) -> BackwardResult:
+        request = pb.StageForwardBackwardRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors=[self._tensor(inputs, "inputs"), self._tensor(targets, "targets")],
+            reply_codec=self._codec,
+            accumulate=accumulate,
+            need_grad_inputs=need_grad_inputs,
+        )
+        header, tensors = await self._call(self.stub.ForwardBackward, request)
+        return BackwardResult(tensors.get("grad_inputs"), header.receipt, header.loss_sum)
+
+    async def commit(
+        self, step: int, microbatches: list[int], total_samples: int
+    ) -> pb.StageCommitResponse:
+        request = pb.StageCommitRequest(
+            job=self.job_id,
+            stage=self.stage,
+            step=step,
+            microbatches=microbatches,
+            total_samples=total_samples,
+        )
+        response: pb.StageCommitResponse = await self.stub.Commit(
+            request, timeout=self.job.runtime.commit_timeout_s
+        )
+        return response
+
+    async def info(self) -> pb.StageInfoResponse:
+        response: pb.StageInfoResponse = await self.stub.Info(
+            pb.StageInfoRequest(), timeout=self._timeout
+        )
+        return response
+
+    async def download_state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The replica's parameters (names as in the whole model) and its step."""
+        call = self.stub.DownloadState(
+            pb.StageDownloadStateRequest(job=self.job_id, stage=self.stage),
+            timeout=self.job.runtime.commit_timeout_s,
+        )
+        stream, state, step = _aiter(call), {}, -1
+        while True:
+            try:
+                received = await wire.receive(stream, max_bytes=self._max)
+            except wire.EndOfStream:
+                break
+            step = received.header.step
+            for name, tensor in wire.decode_named(
+                received, device="cpu", max_bytes=self._max
+            ).items():
+                state[name.removeprefix("param/")] = tensor.clone()
+        return step, state
+
+
+def _aiter(call: Any) -> AsyncIterator[Any]:
+    return call.__aiter__()  # type: ignore[no-any-return]

@@ -1,0 +1,1 @@
+"""stage_server."""

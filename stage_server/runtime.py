@@ -1,0 +1,233 @@
+"""One replica's compute: forward, backward (from cached activations or by recomputing),
+per-step gradient accumulation with receipts, and the optimizer update at commit.
+
+Pure torch, no networking: the servicer calls these methods from one worker thread, so nothing here
+is shared between threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from swarm.config import JobConfig
+from swarm.errors import FailedPrecondition, InvalidArgument
+from swarm.model import DTYPES, build_stage, layer_costs, loss_sum, num_layers, partition
+from swarm.optim import build_optimizer
+
+__all__ = ["Receipt", "StageRuntime"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """Proof that microbatch `(step, index)`'s gradients are in this replica's accumulator."""
+
+    stage: int
+    step: int
+    index: int
+    samples: int
+    duplicate: bool
+
+
+class StageRuntime:
+    def __init__(self, job: JobConfig, stage: int, device: torch.device | str = "cpu") -> None:
+        self.job, self.stage, self.device = job, stage, torch.device(device)
+        self.dtype = DTYPES[job.training.dtype]
+        self.layers = list(partition(layer_costs(job.model), job.training.stages)[stage])
+        self.is_first = stage == 0
+        self.is_last = stage == job.training.stages - 1
+        self.module = build_stage(job, stage, self.device)
+        self.params = list(self.module.parameters())
+        self.optimizer = build_optimizer(self.params, job.optimizer)
+        self.step = 0  # steps committed so far; the step being accumulated
+        self._accum: list[torch.Tensor] | None = None
+        self._receipts: dict[int, int] = {}  # index -> samples, for `self.step`
+        # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
+        self._cache: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    # -- validation -----------------------------------------------------------------------------
+    def _check_step(self, step: int) -> None:
+        if step != self.step:
+            raise FailedPrecondition(
+                f"stage {self.stage} is at step {self.step}; microbatch of step {step} is stale"
+                if step < self.step
+                else f"stage {self.stage} is at step {self.step}; step {step} has not started here"
+            )
+
+    def _check_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        cfg = self.job.model
+        if self.is_first:
+            if inputs.dtype != torch.int64 or inputs.dim() != 2:
+                raise InvalidArgument(
+                    f"stage 0 takes int64 token ids [batch, seq]; got {inputs.dtype} "
+                    f"{list(inputs.shape)}"
+                )
+            if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= cfg.vocab_size):
+                raise InvalidArgument(f"token ids must lie in [0, {cfg.vocab_size})")
+        elif inputs.dtype != self.dtype or inputs.dim() != 3 or inputs.shape[2] != cfg.d_model:
+            raise InvalidArgument(
+                f"stage {self.stage} takes {self.job.training.dtype} [batch, seq, {cfg.d_model}]; "
+                f"got {inputs.dtype} {list(inputs.shape)}"
+            )
+        if not 1 <= inputs.shape[1] <= cfg.seq_len or inputs.shape[0] < 1:
+            raise InvalidArgument(
+                f"batch must be >= 1 and seq in 1..{cfg.seq_len}; got {list(inputs.shape)}"
+            )
+        return inputs.to(self.device)
+
+    def _check_grad(self, grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if grad.shape != like.shape or grad.dtype != like.dtype:
+            raise InvalidArgument(
+                f"grad_outputs must be {like.dtype} {list(like.shape)}; "
+                f"got {grad.dtype} {list(grad.shape)}"
+            )
+        return grad.to(self.device)
+
+    def _check_targets(self, targets: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        vocab = self.job.model.vocab_size
+        if targets.dtype != torch.int64 or tuple(targets.shape) != tuple(inputs.shape[:2]):
+            raise InvalidArgument(
+                f"targets must be int64 {list(inputs.shape[:2])}; "
+                f"got {targets.dtype} {list(targets.shape)}"
+            )
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+            raise InvalidArgument(f"targets must lie in [0, {vocab})")
+        return targets.to(self.device)
+
+    # -- compute --------------------------------------------------------------------------------
+    def _leaf(self, inputs: torch.Tensor) -> torch.Tensor:
+        # Token ids are not differentiable; hidden states become leaves whose .grad we return.
+        return inputs if self.is_first else inputs.detach().requires_grad_(True)
+
+    def forward(self, step: int, index: int, inputs: torch.Tensor) -> torch.Tensor:
+        self._check_step(step)
+        x = self._leaf(self._check_inputs(inputs))
+        with torch.enable_grad():
+            out = self.module(x)
+        self._cache[(step, index)] = (x, out)
+        self._cache.move_to_end((step, index))
+        while len(self._cache) > self.job.runtime.activation_cache:
+            self._cache.popitem(last=False)  # the oldest; its Backward will recompute
+        return out.detach()
+
+    def backward(
+        self,
+        step: int,
+        index: int,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        *,
+        accumulate: bool = True,
+        need_grad_inputs: bool = True,
+    ) -> tuple[torch.Tensor | None, Receipt]:
+        self._check_step(step)
+        cached = self._cache.pop((step, index), None)
+        if cached is None:  # another replica did the forward, or the cache evicted it
+            x = self._leaf(self._check_inputs(inputs))
+            with torch.enable_grad():
+                out = self.module(x)
+        else:
+            x, out = cached
+        grad = self._check_grad(grad_outputs, out)
+        return self._backprop(step, index, x, out, grad, accumulate, need_grad_inputs)
+
+    def forward_backward(
+        self,
+        step: int,
+        index: int,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        accumulate: bool = True,
+        need_grad_inputs: bool = True,
+    ) -> tuple[float, torch.Tensor | None, Receipt]:
+        if not self.is_last:
+            raise InvalidArgument(
+                f"ForwardBackward is for the last stage; this is stage {self.stage}"
+            )
+        self._check_step(step)
+        x = self._leaf(self._check_inputs(inputs))
+        y = self._check_targets(targets, x)
+        with torch.enable_grad():
+            loss = loss_sum(self.module(x), y)
+        grad_x, receipt = self._backprop(step, index, x, loss, None, accumulate, need_grad_inputs)
+        return float(loss.detach()), grad_x, receipt
+
+    def _backprop(
+        self,
+        step: int,
+        index: int,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        grad: torch.Tensor | None,
+        accumulate: bool,
+        need_grad_inputs: bool,
+    ) -> tuple[torch.Tensor | None, Receipt]:
+        want_x = need_grad_inputs and not self.is_first
+        targets = [*self.params, x] if want_x else list(self.params)
+        grads = torch.autograd.grad(out, targets, grad, allow_unused=True)
+        samples = int(x.shape[0])
+        duplicate = index in self._receipts
+        if accumulate and not duplicate:
+            param_grads = [
+                g if g is not None else torch.zeros_like(p)
+                for p, g in zip(self.params, grads[: len(self.params)], strict=True)
+            ]
+            if self._accum is None:
+                self._accum = [g.clone() for g in param_grads]
+            else:
+                for acc, g in zip(self._accum, param_grads, strict=True):
+                    acc.add_(g)
+            self._receipts[index] = samples
+        receipt = Receipt(self.stage, step, index, samples, duplicate and accumulate)
+        return (grads[-1] if want_x else None), receipt
+
+    # -- commit ---------------------------------------------------------------------------------
+    def receipts(self) -> dict[int, int]:
+        return dict(self._receipts)
+
+    def commit(self, step: int, microbatches: list[int], total_samples: int) -> bool:
+        """Apply step `step` from the accumulated gradients. Returns True when `step` was already
+        applied (a retried commit), which changes nothing."""
+        if step < self.step:
+            return True
+        self._check_step(step)
+        expected, held = set(microbatches), set(self._receipts)
+        if expected != held:
+            missing, extra = sorted(expected - held), sorted(held - expected)
+            raise FailedPrecondition(
+                f"stage {self.stage} step {step}: receipts missing for microbatches {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}, unexpected {extra[:10]}"
+            )
+        if total_samples <= 0:
+            raise InvalidArgument(f"total_samples must be positive; got {total_samples}")
+        self.apply_update(self._accum, total_samples)
+        return False
+
+    def apply_update(self, grad_sums: list[torch.Tensor] | None, total_samples: int) -> None:
+        """One optimizer step with gradient `grad_sums / total_samples`; then the next step."""
+        for p, g in zip(
+            self.params, grad_sums or [torch.zeros_like(p) for p in self.params], strict=True
+        ):
+            p.grad = g.div_(total_samples)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self._accum, self._receipts = None, {}
+        self._cache.clear()  # activations of the old step are useless now
+
+    # -- state ----------------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.module.state_dict().items()}
+
+    @property
+    def total_layers(self) -> int:
+        return num_layers(self.job.model)

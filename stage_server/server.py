@@ -1,0 +1,124 @@
+"""The stage-server process: build the stage, serve `StageService` and health, serve `/metrics`,
+shut down in order on SIGTERM/SIGINT (a second signal forces exit)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from stage_server.runtime import StageRuntime
+from stage_server.servicer import StageServicer
+from swarm.config import JobConfig
+from swarm.metrics import StageMetrics, serve_metrics
+from swarm.proto import stage_pb2_grpc
+
+__all__ = ["StageServerOptions", "grpc_options", "run_stage_server", "start_stage_server"]
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "swarm.proto.StageService"
+
+
+@dataclass(frozen=True)
+class StageServerOptions:
+    stage: int
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (printed in the ready line)
+    metrics_port: int | None = None  # None: no /metrics; 0: any free port
+    device: str = "cpu"
+    threads: int = 1  # torch intra-op threads; size to this process's share of cores
+    peer: str = ""  # defaults to host:port
+    shutdown_grace_s: float = 10.0  # how long in-flight calls may finish after SIGTERM
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a busy port must fail loudly, not be shared
+    ]
+
+
+@dataclass
+class RunningStageServer:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    executor: ThreadPoolExecutor
+    address: str
+    metrics_port: int | None
+    runtime: StageRuntime
+    grace_s: float
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.grace_s)
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+async def start_stage_server(job: JobConfig, opts: StageServerOptions) -> RunningStageServer:
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {opts.device}: CUDA is not available on this machine")
+    runtime = StageRuntime(job, opts.stage, device)
+    server = grpc.aio.server(options=grpc_options(job.runtime.max_message_bytes))
+    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    if port == 0:
+        raise SystemExit(f"cannot listen on {opts.host}:{opts.port}")
+    address = f"{opts.host}:{port}"
+    peer = opts.peer or address
+    metrics = StageMetrics.create(job.fingerprint(), opts.stage, peer)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{opts.stage}")
+    servicer = StageServicer(
+        runtime, job_id=job.fingerprint(), peer=peer, metrics=metrics, executor=executor
+    )
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    metrics_port = (
+        serve_metrics(metrics.registry, opts.host, opts.metrics_port)
+        if opts.metrics_port is not None
+        else None
+    )
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningStageServer(
+        server, health_servicer, executor, address, metrics_port, runtime, opts.shutdown_grace_s
+    )
+
+
+async def run_stage_server(job: JobConfig, opts: StageServerOptions) -> None:
+    """Serve until SIGTERM/SIGINT. Prints one ready line that tools and tests wait for."""
+    torch.set_num_threads(max(1, opts.threads))
+    running = await start_stage_server(job, opts)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("second signal: exiting now")
+            os._exit(1)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    rt = running.runtime
+    print(
+        f"swarm stage-server ready: stage={opts.stage} address={running.address} "
+        f"metrics={running.metrics_port} layers={rt.layers[0]}..{rt.layers[-1]} "
+        f"params={rt.num_parameters()} device={rt.device} host={socket.gethostname()}",
+        flush=True,
+    )
+    await stop.wait()
+    log.info("stage %d: shutting down (grace %.0fs)", opts.stage, opts.shutdown_grace_s)
+    await running.stop()
+    sys.stdout.flush()

@@ -1,0 +1,277 @@
+"""`StageService` over a `StageRuntime`: decode, check the route, run the compute on the replica's
+worker thread, encode. Domain errors become status codes here and nowhere else; a bad request never
+takes the server down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from google.protobuf.message import Message
+
+from stage_server.runtime import Receipt, StageRuntime
+from swarm import codec, wire
+from swarm.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    WireError,
+)
+from swarm.metrics import StageMetrics
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import stage_pb2_grpc, tensor_pb2
+
+__all__ = ["STATUS", "StageServicer"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+M = TypeVar("M", bound=Message)
+
+STATUS: dict[type[WireError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class StageServicer(stage_pb2_grpc.StageServiceServicer):
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        *,
+        job_id: str,
+        peer: str,
+        metrics: StageMetrics,
+        executor: ThreadPoolExecutor,
+    ) -> None:
+        self.runtime, self.job_id, self.peer = runtime, job_id, peer
+        self.metrics, self._executor = metrics, executor
+        rt = runtime.job.runtime
+        self._chunk, self._max_bytes = rt.chunk_bytes, rt.max_tensor_bytes
+        self._block = runtime.job.compression.block_size
+
+    # -- plumbing -------------------------------------------------------------------------------
+    async def _compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run on the replica's single worker thread: torch work is serial per replica, and the
+        event loop stays free to move bytes for the calls queued behind it."""
+        self.metrics.queue_depth.inc()
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self._executor, functools.partial(fn, *args, **kwargs)
+            )
+        finally:
+            self.metrics.queue_depth.dec()
+
+    @contextlib.asynccontextmanager
+    async def _handling(
+        self, method: str, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        start, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            yield
+        except WireError as e:
+            code = STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT)
+            log.info("stage %d %s refused: %s: %s", self.runtime.stage, method, code.name, e)
+            raise _Aborted(code, str(e)) from e
+        except Exception as e:  # a bug, not bad input: report it, keep serving
+            code = grpc.StatusCode.INTERNAL
+            log.exception("stage %d %s failed", self.runtime.stage, method)
+            raise _Aborted(code, f"{type(e).__name__}: {e}") from e
+        finally:
+            self.metrics.observe(method, code.name, time.perf_counter() - start)
+
+    async def _run(
+        self, method: str, context: grpc.aio.ServicerContext, body: Callable[[], Any]
+    ) -> Any:
+        try:
+            async with self._handling(method, context):
+                return await body()
+        except _Aborted as e:
+            await context.abort(e.code, e.message)
+
+    def _route(self, job: str, stage: int) -> None:
+        if job != self.job_id:
+            raise NotFound(f"unknown job {job!r}; this server serves job {self.job_id!r}")
+        if stage != self.runtime.stage:
+            raise NotFound(
+                f"stage {stage} is not served here; this server serves stage {self.runtime.stage}"
+            )
+
+    async def _receive(self, requests: AsyncIterator[Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+        received = await wire.receive(requests, max_bytes=self._max_bytes)
+        self._route(received.header.job, received.header.stage)
+        tensors = wire.decode_named(received, device="cpu", max_bytes=self._max_bytes)
+        self.metrics.wire_bytes_received.inc(sum(t.nbytes for t in received.header.tensors))
+        self.metrics.raw_bytes_received.inc(
+            sum(t.numel() * t.element_size() for t in tensors.values())
+        )
+        return received.header, tensors
+
+    @staticmethod
+    def _need(tensors: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise InvalidArgument(f"missing tensors {missing}; got {sorted(tensors)}")
+        return [tensors[n] for n in names]
+
+    def _reply_codec(self, value: int) -> int:
+        if value not in codec.CODECS.values():
+            raise InvalidArgument(f"unknown reply codec {value}")
+        return value
+
+    def _encode(
+        self, tensor: torch.Tensor | None, name: str, reply_codec: int
+    ) -> list[tensor_pb2.Tensor]:
+        if tensor is None:
+            return []
+        msg = codec.encode(tensor, name, reply_codec, self._block)
+        self.metrics.wire_bytes_sent.inc(msg.nbytes)
+        self.metrics.raw_bytes_sent.inc(tensor.numel() * tensor.element_size())
+        return [msg]
+
+    def _split(self, msg: M) -> Iterator[M]:
+        return wire.split(msg, self._chunk)
+
+    def _receipt(self, r: Receipt) -> pb.Receipt:
+        self.metrics.pending_receipts.set(len(self.runtime.receipts()))
+        if not r.duplicate:
+            self.metrics.samples.inc(r.samples)
+        return pb.Receipt(
+            peer=self.peer,
+            stage=r.stage,
+            samples=r.samples,
+            duplicate=r.duplicate,
+            microbatch=pb.MicrobatchId(step=r.step, index=r.index),
+        )
+
+    # -- the service ----------------------------------------------------------------------------
+    async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def body() -> pb.StageForwardResponse:
+            h, tensors = await self._receive(request_iterator)
+            (inputs,) = self._need(tensors, "inputs")
+            reply = self._reply_codec(h.reply_codec)
+            out = await self._compute(
+                self.runtime.forward, h.microbatch.step, h.microbatch.index, inputs
+            )
+            return pb.StageForwardResponse(tensors=self._encode(out, "outputs", reply))
+
+        for msg in self._split(await self._run("Forward", context, body)):
+            yield msg
+
+    async def Backward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def body() -> pb.StageBackwardResponse:
+            h, tensors = await self._receive(request_iterator)
+            inputs, grad_outputs = self._need(tensors, "inputs", "grad_outputs")
+            reply = self._reply_codec(h.reply_codec)
+            grad, receipt = await self._compute(
+                self.runtime.backward,
+                h.microbatch.step,
+                h.microbatch.index,
+                inputs,
+                grad_outputs,
+                accumulate=h.accumulate,
+                need_grad_inputs=h.need_grad_inputs,
+            )
+            return pb.StageBackwardResponse(
+                tensors=self._encode(grad, "grad_inputs", reply), receipt=self._receipt(receipt)
+            )
+
+        for msg in self._split(await self._run("Backward", context, body)):
+            yield msg
+
+    async def ForwardBackward(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        async def body() -> pb.StageForwardBackwardResponse:
+            h, tensors = await self._receive(request_iterator)
+            inputs, targets = self._need(tensors, "inputs", "targets")
+            reply = self._reply_codec(h.reply_codec)
+            loss, grad, receipt = await self._compute(
+                self.runtime.forward_backward,
+                h.microbatch.step,
+                h.microbatch.index,
+                inputs,
+                targets,
+                accumulate=h.accumulate,
+                need_grad_inputs=h.need_grad_inputs,
+            )
+            return pb.StageForwardBackwardResponse(
+                tensors=self._encode(grad, "grad_inputs", reply),
+                loss_sum=loss,
+                receipt=self._receipt(receipt),
+            )
+
+        for msg in self._split(await self._run("ForwardBackward", context, body)):
+            yield msg
+
+    async def Commit(
+        self, request: pb.StageCommitRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        async def body() -> pb.StageCommitResponse:
+            self._route(request.job, request.stage)
+            already = await self._compute(
+                self.runtime.commit, request.step, list(request.microbatches), request.total_samples
+            )
+            if not already:
+                self.metrics.optimizer_steps.inc()
+                log.info("stage %d committed step %d", self.runtime.stage, request.step)
+            self.metrics.step.set(self.runtime.step)
+            self.metrics.pending_receipts.set(0)
+            return pb.StageCommitResponse(step=self.runtime.step, already_committed=already)
+
+        return await self._run("Commit", context, body)
+
+    async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> Any:
+        rt = self.runtime
+        return pb.StageInfoResponse(
+            peer=self.peer,
+            job=self.job_id,
+            stage=rt.stage,
+            num_stages=rt.job.training.stages,
+            step=rt.step,
+            device=str(rt.device),
+            num_parameters=rt.num_parameters(),
+            layers=rt.layers,
+            pending_microbatches=len(rt.receipts()),
+        )
+
+    async def DownloadState(
+        self, request: pb.StageDownloadStateRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        async def body() -> list[pb.StageDownloadStateResponse]:
+            self._route(request.job, request.stage)
+            # Snapshot on the worker thread, between updates, so the state is of one step.
+            step, state = await self._compute(
+                lambda: (
+                    self.runtime.step,
+                    {
+                        f"param/{k}": v.detach().cpu().clone()
+                        for k, v in self.runtime.state_dict().items()
+                    },
+                )
+            )
+            return [
+                pb.StageDownloadStateResponse(tensors=[codec.encode(v, k)], step=step)
+                for k, v in state.items()
+            ]
+
+        for msg in await self._run("DownloadState", context, body):
+            for part in self._split(msg):
+                yield part

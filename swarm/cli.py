@@ -1,0 +1,167 @@
+"""The `swarm` command. Each subcommand parses its flags and hands over to its role's module.
+Flags default from `SWARM_<FLAG>` environment variables (e.g. `SWARM_DEVICE=cuda:0`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import SwarmError
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("swarm")
+
+
+def _env(flag: str, default: Any) -> Any:
+    """The default of `--flag`: `SWARM_FLAG` if set (converted to the default's type)."""
+    raw = os.environ.get("SWARM_" + flag.upper().replace("-", "_"))
+    if raw is None:
+        return default
+    return type(default)(raw) if default is not None else raw
+
+
+def _add(p: argparse.ArgumentParser, flag: str, default: Any, help: str, **kw: Any) -> None:
+    p.add_argument(f"--{flag}", default=_env(flag, default), help=help, **kw)
+
+
+def _job(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--job", type=Path, required=required, help="job file (TOML)")
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    import torch
+
+    from swarm.config import load_job
+    from swarm.progress import StepLog
+    from swarm.reference import train_local
+
+    job = load_job(args.job_file)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    with StepLog(job.training.steps, path=args.log, desc=f"local {job.name}") as steps:
+        model = train_local(job, args.device, on_step=steps)
+    if args.out:
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_stage_server(args: argparse.Namespace) -> int:
+    from stage_server.server import StageServerOptions, run_stage_server
+    from swarm.config import load_job
+
+    job = load_job(args.job)
+    opts = StageServerOptions(
+        stage=args.stage,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        device=args.device,
+        threads=args.threads,
+    )
+    asyncio.run(run_stage_server(job, opts))
+    return 0
+
+
+def cmd_trainer(args: argparse.Namespace) -> int:
+    from client.run import run_trainer
+    from swarm.config import load_job
+
+    job = load_job(args.job)
+    addresses = [a.strip() for a in args.stage_servers.split(",") if a.strip()]
+    return asyncio.run(
+        run_trainer(
+            job,
+            addresses,
+            out=args.out,
+            log_path=args.log,
+            threads=args.threads,
+            metrics_port=args.metrics_port,
+        )
+    )
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from client.demo import run_demo
+
+    return run_demo(args.job, stages_from_job=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="swarm", description=__doc__, formatter_class=fmt)
+    parser.add_argument(
+        "--log-level",
+        default=_env("log-level", "WARNING"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, func: Callable[[argparse.Namespace], int], help: str) -> Any:
+        p = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("local", cmd_local, "train a job in this one process (the reference)")
+    p.add_argument("job_file", type=Path, help="job file (TOML)")
+    p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
+    _add(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
+    _add(p, "threads", 0, "torch threads (0: one per core)", type=int)
+    p.add_argument("--log", type=Path, help="write one JSON line per step here")
+
+    p = command("stage-server", cmd_stage_server, "serve one stage of a job")
+    _job(p)
+    p.add_argument("--stage", type=int, required=True, help="stage index, 0..stages-1")
+    _add(p, "host", "127.0.0.1", "address to listen on")
+    _add(p, "port", 0, "gRPC port (0: any free port)", type=int)
+    _add(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    _add(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
+    _add(p, "threads", 1, "torch threads: this process's share of the cores", type=int)
+
+    p = command("trainer", cmd_trainer, "drive a job's microbatches through stage servers")
+    _job(p)
+    _add(
+        p,
+        "stage-servers",
+        None,
+        "HOST:PORT of each stage, in stage order, comma-separated",
+        required=_env("stage-servers", None) is None,
+    )
+    p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
+    p.add_argument("--log", type=Path, help="write one JSON line per step here")
+    _add(p, "threads", 1, "torch threads", type=int)
+    _add(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+
+    p = command("demo", cmd_demo, "train a small model on a local swarm of stage servers")
+    p.add_argument(
+        "--job",
+        type=Path,
+        default=Path(__file__).resolve().parent.parent / "examples" / "tiny.toml",
+        help="job file (TOML)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except SwarmError as e:
+        print(f"swarm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""Job files: TOML parsed into frozen, validated dataclasses.
+
+Every check raises one `ConfigError` naming the full key (`training.dtype`), the bad value and what
+is allowed, so a user can fix a job file from the message alone. The dataclasses validate in
+`__post_init__`, so jobs built in code are held to the same rules as jobs read from files.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+import tomllib
+import types
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+from swarm.errors import ConfigError
+
+__all__ = [
+    "CompressionConfig",
+    "DataConfig",
+    "JobConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RuntimeConfig",
+    "TrainingConfig",
+    "load_job",
+    "parse_job",
+]
+
+MiB = 1 << 20
+
+# (predicate, words appended to the type's description in messages)
+Check = tuple[Callable[[Any], bool], str]
+GE0: Check = (lambda v: v >= 0, ">= 0")
+GE1: Check = (lambda v: v >= 1, ">= 1")
+GT0: Check = (lambda v: v > 0, "> 0")
+UNIT: Check = (lambda v: 0 <= v < 1, "in [0, 1)")
+# Job names appear in MQTT topics and file names, so keep them to a safe alphabet.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _f(default: Any = MISSING, check: Check | None = None) -> Any:
+    return field(default=default, metadata={"check": check} if check else {})
+
+
+def _show(value: Any) -> str:
+    """Render a value as it would look in TOML-ish JSON (strings in double quotes)."""
+    try:
+        return json.dumps(str(value) if isinstance(value, Path) else value)
+    except TypeError:
+        return repr(value)
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{key} = {_show(value)} is not allowed; use {allowed}")
+
+
+def _describe(hint: Any, check: Check | None) -> str:
+    if get_origin(hint) is Literal:
+        return "one of " + ", ".join(_show(a) for a in get_args(hint))
+    words = {int: "an integer", float: "a number", str: "a string", Path: "a path string"}
+    if get_origin(hint) is tuple:
+        text = f"a list of {len(get_args(hint))} numbers"
+    elif get_origin(hint) is types.UnionType:  # `X | None`: None means "not set"
+        text = words[next(a for a in get_args(hint) if a is not type(None))]
+    else:
+        text = words[hint]
+    return f"{text} {check[1]}" if check else text
+
+
+def _coerce(key: str, value: Any, hint: Any, check: Check | None) -> Any:
+    """Return `value` in its canonical Python type, or raise naming `key` and what is allowed."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is types.UnionType and value is None:
+        return None
+    if origin is types.UnionType:
+        hint = next(a for a in args if a is not type(None))
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    items: list[Any] = []
+    if origin is Literal:
+        ok = isinstance(value, str) and value in args
+    elif origin is tuple:
+        ok = isinstance(value, list | tuple) and len(value) == len(args)
+        ok = ok and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+        items = [float(v) for v in value] if ok else []
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok, value = number, float(value) if number else value
+    elif hint is Path:
+        ok, value = isinstance(value, str | Path), Path(value) if isinstance(value, str) else value
+    else:
+        ok = isinstance(value, hint)
+    if ok and check:
+        ok = all(check[0](v) for v in items) if origin is tuple else check[0](value)
+    if not ok:
+        raise _fail(key, value, _describe(hint, check))
+    return tuple(items) if origin is tuple else value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)  # cheap enough: jobs are built rarely
+
+
+class _Section:
+    """Shared validation: per-field type and range checks, then the section's own rules."""
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            key, hint = f"{self.section}.{f.name}", _hints(type(self))[f.name]
+            value = _coerce(key, getattr(self, f.name), hint, f.metadata.get("check"))
+            object.__setattr__(self, f.name, value)  # frozen: normalise in place once
+        self._validate()
+
+    def _validate(self) -> None:
+        """Cross-field rules inside one section; override where needed."""
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """`[model]`: the network's shape. Layers are embedding, `n_layers` blocks, head."""
+
+    section: ClassVar[str] = "model"
+    kind: Literal["gpt"] = "gpt"  #: model family; a decoder-only transformer
+    vocab_size: int = _f(256, GE1)  #: tokens in the vocabulary (count; bytes for text data)
+    d_model: int = _f(64, GE1)  #: width of the residual stream (features per token)
+    n_layers: int = _f(4, GE1)  #: transformer blocks (count)
+    n_heads: int = _f(4, GE1)  #: attention heads per block (count; must divide d_model)
+    seq_len: int = _f(64, GE1)  #: context length (tokens per sample)
+    mlp_ratio: int = _f(4, GE1)  #: MLP hidden width as a multiple of d_model
+
+    def _validate(self) -> None:
+        if self.d_model % self.n_heads:
+            allowed = f"a multiple of model.n_heads = {self.n_heads}"
+            raise _fail("model.d_model", self.d_model, allowed)
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    """`[data]`: where samples come from; each sample is `seq_len + 1` tokens."""
+
+    section: ClassVar[str] = "data"
+    kind: Literal["text", "synthetic"] = "synthetic"  #: UTF-8 file as bytes, or seeded tokens
+    path: Path | None = None  #: text file (required for text; relative to the job file's directory)
+    # Hex sha256 of the text file's bytes. Filled in at load so the fingerprint names the data that
+    # was checked then (and travels without the file); set it in a job file to pin the data.
+    sha256: str | None = None
+
+    def _validate(self) -> None:
+        if self.kind == "text" and self.path is None:
+            raise ConfigError('data.path is required when data.kind = "text"; use a path string')
+        if self.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            raise _fail("data.sha256", self.sha256, "64 lowercase hex digits")
+
+
+@dataclass(frozen=True)
+class TrainingConfig(_Section):
+    """`[training]`: the step protocol's sizes, the seed and the numeric type."""
+
+    section: ClassVar[str] = "training"
+    stages: int = _f(check=GE1)  #: pipeline stages (count; at most model.n_layers + 2)
+    microbatch_size: int = _f(check=GE1)  #: samples per microbatch (the unit of routing)
+    target_batch_size: int = _f(check=GE1)  #: samples per optimizer step
+    steps: int = _f(check=GE1)  #: optimizer steps to run (count)
+    seed: int = _f(0, GE0)  #: seeds parameters and the (seed, step, index) -> data mapping
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"  #: parameter and compute type
+    checkpoint_every: int = _f(0, GE0)  #: steps between checkpoints (0 = never)
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """M = target_batch_size / microbatch_size (count)."""
+        return self.target_batch_size // self.microbatch_size
+
+    def _validate(self) -> None:
+        if self.target_batch_size % self.microbatch_size:
+            allowed = f"a multiple of training.microbatch_size = {self.microbatch_size}"
+            raise _fail("training.target_batch_size", self.target_batch_size, allowed)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    """`[optimizer]`: the update every replica applies identically at commit."""
+
+    section: ClassVar[str] = "optimizer"
+    kind: Literal["adamw", "sgd"] = _f()  #: optimizer algorithm
+    lr: float = _f(check=GT0)  #: learning rate (parameter units per gradient unit)
+    weight_decay: float = _f(0.0, GE0)  #: decoupled (adamw) or L2 (sgd) decay per step (fraction)
+    betas: tuple[float, float] = _f((0.9, 0.999), UNIT)  #: adamw moment decay rates (fractions)
+    eps: float = _f(1e-8, GT0)  #: adamw denominator floor (gradient units)
+    momentum: float = _f(0.0, UNIT)  #: sgd momentum (fraction)
+
+
+@dataclass(frozen=True)
+class CompressionConfig(_Section):
+    """`[compression]`: how activations and gradients are encoded on the wire."""
+
+    section: ClassVar[str] = "compression"
+    wire: Literal["none", "fp16", "bf16", "int8_blockwise"] = "none"  #: tensor codec
+    block_size: int = _f(2048, GE1)  #: values per int8 absmax block (count)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig(_Section):
+    """`[runtime]`: networking and concurrency; none of these change the maths."""
+
+    section: ClassVar[str] = "runtime"
+    max_in_flight: int = _f(8, GE1)  #: microbatches a trainer keeps in flight (count)
+    rpc_timeout_s: float = _f(60.0, GT0)  #: deadline of each Forward/Backward call (seconds)
+    commit_timeout_s: float = _f(120.0, GT0)  #: deadline of a step's commit/averaging (seconds)
+    chunk_bytes: int = _f(4 * MiB, GE1)  #: messages larger than this are streamed in chunks (bytes)
+    max_message_bytes: int = _f(64 * MiB, GE1)  #: gRPC max message size (bytes; > chunk_bytes)
+    max_tensor_bytes: int = _f(1024 * MiB, GE1)  #: largest tensor a server accepts (bytes)
+    activation_cache: int = _f(64, GE0)  #: microbatches whose activations a server keeps (count)
+
+    def _validate(self) -> None:
+        if self.max_message_bytes <= self.chunk_bytes:
+            allowed = f"an integer > runtime.chunk_bytes = {self.chunk_bytes}"
+            raise _fail("runtime.max_message_bytes", self.max_message_bytes, allowed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """A whole job file. `training` and `optimizer` have required keys, so they have no default."""
+
+    name: str  #: job name (letters, digits, ".", "_", "-"); defaults to the job file's stem
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not NAME_RE.fullmatch(self.name):
+            allowed = 'a string of 1-64 letters, digits, ".", "_" or "-", starting alphanumeric'
+            raise _fail("name", self.name, allowed)
+        if self.training.stages > self.model.n_layers + 2:  # embedding + blocks + head
+            allowed = f"an integer <= model.n_layers + 2 = {self.model.n_layers + 2}"
+            raise _fail("training.stages", self.training.stages, allowed)
+        if self.data.kind == "text" and self.model.vocab_size < 256:  # text tokens are bytes
+            allowed = 'an integer >= 256 when data.kind = "text"'
+            raise _fail("model.vocab_size", self.model.vocab_size, allowed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every key (paths as strings, tuples as lists)."""
+        return json.loads(json.dumps(asdict(self), default=str))  # type: ignore[no-any-return]
+
+    def fingerprint(self) -> str:
+        """First 16 hex of sha256 over what changes the maths; runtime and data paths are left out
+        (a moved data file keeps its fingerprint, an edited one does not). checkpoint_every is left
+        out too: when checkpoints are written does not change the parameters."""
+        d = self.to_dict()
+        data: dict[str, Any] = {"kind": self.data.kind}
+        if self.data.kind == "text":
+            data["sha256"] = self.data.sha256 or _data_sha256(self)
+        d["training"].pop("checkpoint_every")
+        keep = {k: d[k] for k in ("model", "training", "optimizer", "compression")}
+        canon = json.dumps({**keep, "data": data}, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def _data_sha256(job: JobConfig) -> str:
+    """Hex sha256 of the text file, checked: exists, UTF-8, longer than one sample."""
+    path, need = job.data.path, job.model.seq_len + 1
+    allowed = f"a UTF-8 text file longer than model.seq_len + 1 = {need} bytes"
+    problem, raw = "", b""
+    try:
+        raw = Path(str(path)).read_bytes()
+        raw.decode("utf-8")
+    except OSError as e:
+        problem = f"cannot be read ({e.strerror})"
+    except UnicodeDecodeError as e:
+        problem = f"is not UTF-8 ({e.reason})"
+    if not problem and len(raw) <= need:
+        problem = f"has {len(raw)} bytes"
+    if problem:
+        raise ConfigError(f"data.path = {_show(path)} {problem}; use {allowed}")
+    return hashlib.sha256(raw).hexdigest()
+
+
+S = TypeVar("S", bound=_Section)
+
+
+def _unknown(what: str, prefix: str, got: str, allowed: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(got, allowed, n=1)  # on bare names: the prefix is shared
+    hint = f"did you mean {prefix}{close[0]}? " if close else ""
+    names = ", ".join(prefix + a for a in allowed)
+    return ConfigError(f"unknown {what} {prefix}{got}; {hint}allowed: {names}")
+
+
+def _build(cls: type[S], table: Any) -> S:
+    """Build a section from its TOML table: unknown and missing keys named, then `cls` checks."""
+    if not isinstance(table, dict):
+        raise _fail(cls.section, table, f"a [{cls.section}] table")
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    for key in table:
+        if key not in names:
+            raise _unknown("key", f"{cls.section}.", key, names)
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.default is MISSING and f.name not in table:
+            allowed = _describe(_hints(cls)[f.name], f.metadata.get("check"))
+            raise ConfigError(f"{cls.section}.{f.name} is required; use {allowed}")
+    return cls(**table)
+
+
+_CLASSES = (ModelConfig, DataConfig, TrainingConfig, OptimizerConfig, CompressionConfig)
+SECTIONS: dict[str, type[_Section]] = {c.section: c for c in (*_CLASSES, RuntimeConfig)}
+
+
+def _parse(text: str, base_dir: Path, name: str, source: str) -> JobConfig:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: invalid TOML: {e}") from None
+    for key in doc:
+        if key != "name" and key not in SECTIONS:
+            raise _unknown("section", "", key, ["name", *SECTIONS])
+    if "name" not in doc and not NAME_RE.fullmatch(name):  # say where the bad name came from
+        raise ConfigError(
+            f"name is not set and the default {name!r} is not a valid job name; set "
+            'name = "..." to 1-64 letters, digits, ".", "_" or "-"'
+        )
+    built = {s: _build(c, doc.get(s, {})) for s, c in SECTIONS.items()}
+    job = JobConfig(name=doc.get("name", name), **built)  # type: ignore[arg-type]
+    path = job.data.path
+    if path is not None and not path.is_absolute():
+        job = replace(job, data=replace(job.data, path=(base_dir / path).resolve()))
+    if job.data.kind != "text":
+        return job
+    digest = _data_sha256(job)  # fail at load time, not when the first trainer starts
+    if job.data.sha256 not in (None, digest):
+        allowed = f'the file\'s sha256 "{digest}", or no data.sha256'
+        raise _fail("data.sha256", job.data.sha256, allowed)
+    return replace(job, data=replace(job.data, sha256=digest))
+
+
+def parse_job(text: str, base_dir: Path, name: str = "job") -> JobConfig:
+    """Parse job TOML; relative data paths resolve against `base_dir`; `name` is the default."""
+    return _parse(text, Path(base_dir), name, f"<{name}>")
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Read and validate a job file; the job's name defaults to the file's stem."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"job file {str(path)!r} cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"job file {str(path)!r} is not UTF-8 ({e.reason})") from None
+    return _parse(text, path.resolve().parent, path.stem, path.name)

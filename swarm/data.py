@@ -1,0 +1,74 @@
+"""Training data as a pure function of `(seed, step, index)`.
+
+Microbatch `(step, index)` always gets the same samples, whichever trainer computes it and however
+often it is replayed; that is what lets a failed microbatch be replayed exactly and lets the
+reference (`swarm local`) see the very same data. The data position of a job is therefore just its
+step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from swarm.config import JobConfig
+
+__all__ = ["DataSource", "SyntheticData", "TextData", "make_data", "microbatch_seed"]
+
+
+class DataSource(Protocol):
+    def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(inputs, targets)`, both int64 `[microbatch_size, seq_len]`, targets shifted by one."""
+        ...
+
+
+def microbatch_seed(seed: int, step: int, index: int) -> int:
+    digest = hashlib.blake2b(f"swarm-data/{seed}/{step}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class TextData:
+    """Byte-level tokens of a UTF-8 file; each sample is a window at a random offset."""
+
+    def __init__(self, path: Path, seq_len: int, microbatch_size: int, seed: int) -> None:
+        raw = Path(path).read_bytes()
+        self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+        self.seq_len, self.microbatch_size, self.seed = seq_len, microbatch_size, seed
+        if len(self.tokens) < seq_len + 2:
+            raise ValueError(f"{path} has {len(raw)} bytes; a sample needs {seq_len + 2}")
+
+    def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(microbatch_seed(self.seed, step, index))
+        high = len(self.tokens) - self.seq_len - 1
+        starts = torch.randint(0, high, (self.microbatch_size,), generator=gen)
+        window = torch.arange(self.seq_len + 1)
+        rows = self.tokens[starts[:, None] + window[None, :]]
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+class SyntheticData:
+    """Learnable sequences with no file: each sample counts up from a random start by a random
+    stride modulo the vocabulary, so the next token follows from the previous two."""
+
+    def __init__(self, vocab_size: int, seq_len: int, microbatch_size: int, seed: int) -> None:
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.microbatch_size, self.seed = microbatch_size, seed
+
+    def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(microbatch_seed(self.seed, step, index))
+        b = self.microbatch_size
+        start = torch.randint(0, self.vocab_size, (b, 1), generator=gen)
+        stride = torch.randint(1, 8, (b, 1), generator=gen)
+        rows = (start + stride * torch.arange(self.seq_len + 1)[None, :]) % self.vocab_size
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def make_data(job: JobConfig) -> DataSource:
+    t = job.training
+    if job.data.kind == "text":
+        assert job.data.path is not None  # validated by the config
+        return TextData(Path(job.data.path), job.model.seq_len, t.microbatch_size, t.seed)
+    return SyntheticData(job.model.vocab_size, job.model.seq_len, t.microbatch_size, t.seed)

@@ -1,0 +1,42 @@
+"""The exception hierarchy. Third-party errors are converted to these at the boundary; servicers map
+them to gRPC status codes in one place (`stage_server.servicer`)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "NotFound",
+    "ResourceExhausted",
+    "SwarmError",
+    "WireError",
+]
+
+
+class SwarmError(Exception):
+    """Base of every error swarm raises on purpose."""
+
+
+class ConfigError(SwarmError, ValueError):
+    """A job file or setting is wrong; the message names the key and what is allowed."""
+
+
+class WireError(SwarmError):
+    """A request or response that cannot be accepted; subclasses say which gRPC status fits."""
+
+
+class InvalidArgument(WireError):
+    """Malformed input: wrong shape, dtype, codec, or bytes that do not match the header."""
+
+
+class NotFound(WireError):
+    """Unknown job, stage or microbatch."""
+
+
+class FailedPrecondition(WireError):
+    """Valid, but not now: a stale step, or a commit without the receipts it names."""
+
+
+class ResourceExhausted(WireError):
+    """Larger than the configured limits."""

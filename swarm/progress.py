@@ -1,0 +1,72 @@
+"""Per-step records, shown as a progress bar and optionally written as JSON lines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from tqdm import tqdm
+
+__all__ = ["StepLog", "StepRecord"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float  # mean over the step's samples of each sample's mean token loss
+    samples: int
+    seconds: float
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+class StepLog:
+    """A progress bar over steps (step, loss, samples/s) and an optional JSON-lines file."""
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        path: Path | None = None,
+        desc: str = "train",
+        initial: int = 0,
+        show: bool = True,
+    ) -> None:
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            desc=desc,
+            unit="step",
+            file=sys.stderr,
+            disable=not show,
+            dynamic_ncols=True,
+        )
+        self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115
+
+    def __call__(self, record: StepRecord) -> None:
+        self._bar.set_postfix(
+            loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_second:.1f}", refresh=False
+        )
+        self._bar.update(1)
+        if self._file:
+            self._file.write(json.dumps(asdict(record)) + "\n")
+            self._file.flush()
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._bar.close()
+        if self._file:
+            self._file.close()

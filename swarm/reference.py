@@ -1,0 +1,45 @@
+"""`swarm local`: the job trained in one process with gradient accumulation over the same
+microbatches. It is the correctness reference for the swarm and its performance baseline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from swarm.config import JobConfig
+from swarm.data import make_data
+from swarm.model import StageModule, build_model, loss_sum
+from swarm.optim import build_optimizer
+from swarm.progress import StepRecord
+
+__all__ = ["train_local"]
+
+
+def train_local(
+    job: JobConfig,
+    device: torch.device | str = "cpu",
+    steps: int | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> StageModule:
+    model = build_model(job, device)
+    optimizer = build_optimizer(model.parameters(), job.optimizer)
+    data = make_data(job)
+    m = job.training.microbatches_per_step
+    for step in range(steps if steps is not None else job.training.steps):
+        start, total_loss, samples = time.perf_counter(), 0.0, 0
+        for index in range(m):
+            inputs, targets = (t.to(device) for t in data.microbatch(step, index))
+            loss = loss_sum(model(inputs), targets)
+            loss.backward()  # .grad accumulates the sum over microbatches
+            total_loss += float(loss.detach())
+            samples += int(inputs.shape[0])
+        for p in model.parameters():
+            assert p.grad is not None
+            p.grad.div_(samples)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if on_step:
+            on_step(StepRecord(step, total_loss / samples, samples, time.perf_counter() - start))
+    return model

@@ -1,0 +1,42 @@
+"""Shared fixtures: leftover child processes are killed after every test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of `pid` (from /proc: no extra dependency)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # The command name may contain spaces and parentheses: split after the last ')'.
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in parents.items() if p in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftover_children() -> Iterator[None]:
+    before = _children(os.getpid())
+    yield
+    for pid in _children(os.getpid()) - before:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,62 @@
+"""Job files for tests: the tiny synthetic job with any key overridden."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from swarm.config import JobConfig, load_job
+
+BASE: dict[str, dict[str, Any]] = {
+    "model": {
+        "kind": "gpt",
+        "vocab_size": 64,
+        "d_model": 32,
+        "n_layers": 2,
+        "n_heads": 2,
+        "seq_len": 16,
+    },
+    "data": {"kind": "synthetic"},
+    "training": {
+        "stages": 4,
+        "microbatch_size": 4,
+        "target_batch_size": 16,
+        "steps": 3,
+        "seed": 0,
+        "dtype": "float64",
+    },
+    "optimizer": {"kind": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+    "compression": {"wire": "none"},
+}
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def render(sections: dict[str, dict[str, Any]], name: str = "test") -> str:
+    lines = [f'name = "{name}"']
+    for section, table in sections.items():
+        lines.append(f"\n[{section}]")
+        lines += [f"{k} = {_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_job(directory: Path, name: str = "test", **overrides: dict[str, Any]) -> Path:
+    """`overrides` maps a section to the keys to change, e.g. training={"dtype": "float32"}."""
+    sections = {k: dict(v) for k, v in BASE.items()}
+    for section, table in overrides.items():
+        sections.setdefault(section, {}).update(table)
+    path = directory / f"{name}.toml"
+    path.write_text(render(sections, name))
+    return path
+
+
+def make_job(directory: Path, name: str = "test", **overrides: dict[str, Any]) -> JobConfig:
+    return load_job(write_job(directory, name, **overrides))

@@ -1,0 +1,282 @@
+"""Job files: the examples parse, bad values are named precisely, fingerprints track the maths."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from swarm.config import (
+    JobConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainingConfig,
+    load_job,
+    parse_job,
+)
+from swarm.errors import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TEXT = b"It is wise to turn circumstances to good account. " * 4  # 200 bytes > seq_len + 1
+
+# Sections as {key: TOML literal}; "" holds top-level keys. None in an override deletes a key,
+# or a whole section.
+Sections = dict[str, dict[str, str | None] | None]
+BASE: Sections = {
+    "": {},
+    "model": {"n_layers": "4", "n_heads": "4", "d_model": "64", "seq_len": "64"},
+    "data": {"kind": '"text"', "path": '"corpus.txt"'},
+    "training": {
+        "stages": "4",
+        "microbatch_size": "8",
+        "target_batch_size": "32",
+        "steps": "3",
+    },
+    "optimizer": {"kind": '"adamw"', "lr": "3e-3"},
+    "runtime": {},
+}
+
+
+def render(overrides: Sections | None = None) -> str:
+    sections: dict[str, dict[str, str | None]] = {k: dict(v or {}) for k, v in BASE.items()}
+    for section, keys in (overrides or {}).items():
+        if keys is None:
+            del sections[section]
+        else:
+            sections.setdefault(section, {}).update(keys)
+    lines = [f"{k} = {v}" for k, v in sections.pop("").items() if v is not None]
+    for section, keys in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {v}" for k, v in keys.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def job(tmp_path: Path, overrides: Sections | None = None, data: bytes = TEXT) -> JobConfig:
+    (tmp_path / "corpus.txt").write_bytes(data)
+    return parse_job(render(overrides), tmp_path)
+
+
+def test_examples_parse() -> None:
+    tiny = load_job(EXAMPLES / "tiny.toml")
+    assert tiny.name == "tiny"
+    assert (tiny.model.d_model, tiny.model.n_layers, tiny.model.n_heads) == (64, 4, 4)
+    assert (tiny.model.seq_len, tiny.model.vocab_size) == (64, 256)
+    assert tiny.data.kind == "text"
+    assert tiny.data.path == (EXAMPLES / "data" / "corpus.txt").resolve()
+    assert tiny.training == TrainingConfig(
+        stages=4, microbatch_size=8, target_batch_size=32, steps=30, seed=0, dtype="float32"
+    )
+    assert tiny.training.microbatches_per_step == 4
+    assert (tiny.optimizer.kind, tiny.optimizer.lr, tiny.optimizer.weight_decay) == (
+        "adamw",
+        3e-3,
+        0.0,
+    )
+    assert tiny.compression.wire == "none"
+
+    synthetic = load_job(EXAMPLES / "tiny_synthetic.toml")
+    assert synthetic.data.kind == "synthetic" and synthetic.data.path is None
+    same = ("model", "training", "optimizer", "compression", "runtime")
+    assert all(getattr(tiny, s) == getattr(synthetic, s) for s in same)
+    assert tiny.fingerprint() != synthetic.fingerprint()
+
+
+def test_corpus_size_and_encoding() -> None:
+    raw = (EXAMPLES / "data" / "corpus.txt").read_bytes()
+    assert 60_000 <= len(raw) <= 150_000
+    raw.decode("utf-8")
+    assert (EXAMPLES / "data" / "README.md").is_file()
+
+
+def test_defaults_and_types(tmp_path: Path) -> None:
+    j = job(tmp_path, {"optimizer": {"lr": "1"}, "": {"name": '"run-1"'}})
+    assert j.name == "run-1"
+    assert j.optimizer.lr == 1.0 and isinstance(j.optimizer.lr, float)
+    assert j.optimizer.betas == (0.9, 0.999) and j.optimizer.eps == 1e-8
+    assert j.compression.block_size == 2048 and j.runtime.chunk_bytes == 4 * 2**20
+    assert j.runtime.max_message_bytes == 64 * 2**20
+    assert j.runtime.max_tensor_bytes == 2**30
+    assert (j.runtime.max_in_flight, j.runtime.activation_cache) == (8, 64)
+    assert (j.runtime.rpc_timeout_s, j.runtime.commit_timeout_s) == (60.0, 120.0)
+    assert (j.training.seed, j.training.dtype, j.training.checkpoint_every) == (0, "float32", 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        j.model.d_model = 8  # type: ignore[misc]
+    assert json.loads(json.dumps(j.to_dict()))["data"]["path"] == str(tmp_path / "corpus.txt")
+
+
+def test_name_defaults_to_file_stem(tmp_path: Path) -> None:
+    (tmp_path / "corpus.txt").write_bytes(TEXT)
+    (tmp_path / "my_job.toml").write_text(render())
+    assert load_job(tmp_path / "my_job.toml").name == "my_job"
+    assert parse_job(render(), tmp_path).name == "job"
+    (tmp_path / "my job.toml").write_text(render())
+    with pytest.raises(ConfigError, match="name is not set and the default 'my job'"):
+        load_job(tmp_path / "my job.toml")
+    (tmp_path / "my job.toml").write_text(render({"": {"name": '"fine"'}}))
+    assert load_job(tmp_path / "my job.toml").name == "fine"
+
+
+def test_code_built_sections_are_validated() -> None:
+    with pytest.raises(ConfigError, match=r"model\.d_model = 65"):
+        ModelConfig(d_model=65)
+    assert OptimizerConfig(kind="sgd", lr=1, betas=[0, 0.5]).betas == (0.0, 0.5)  # type: ignore[arg-type]
+
+
+# (overrides, extra data-file bytes or None, fragments the message must contain)
+BAD: list[tuple[Sections, bytes | None, list[str]]] = [
+    ({"model": {"kind": '"rnn"'}}, None, ['model.kind = "rnn"', 'one of "gpt"']),
+    ({"model": {"vocab_size": "0"}}, None, ["model.vocab_size = 0", "an integer >= 1"]),
+    ({"model": {"d_model": "65"}}, None, ["model.d_model = 65", "multiple of model.n_heads = 4"]),
+    ({"model": {"n_heads": '"4"'}}, None, ['model.n_heads = "4"', "an integer >= 1"]),
+    ({"model": {"seq_len": "true"}}, None, ["model.seq_len = true", "an integer >= 1"]),
+    ({"model": {"mlp_ratio": "1.5"}}, None, ["model.mlp_ratio = 1.5", "an integer >= 1"]),
+    ({"model": {"vocab_size": "128"}}, None, ["model.vocab_size = 128", ">= 256", '"text"']),
+    ({"data": {"kind": '"images"'}}, None, ['data.kind = "images"', '"text", "synthetic"']),
+    ({"data": {"path": None}}, None, ["data.path is required", '"text"']),
+    ({"data": {"path": "3"}}, None, ["data.path = 3", "a path string"]),
+    ({"data": {"sha256": '"abc"'}}, None, ['data.sha256 = "abc"', "64 lowercase hex digits"]),
+    ({"data": {"sha256": '"' + "0" * 64 + '"'}}, None, ["data.sha256 = ", "the file's sha256"]),
+    ({"data": {"path": '"nope.txt"'}}, None, ["data.path = ", "nope.txt", "cannot be read"]),
+    ({}, b"", ["data.path = ", "has 0 bytes", "longer than model.seq_len + 1 = 65 bytes"]),
+    ({}, b"x" * 65, ["data.path = ", "has 65 bytes", "longer than model.seq_len + 1 = 65"]),
+    ({}, b"\xff\xfe" * 100, ["data.path = ", "not UTF-8", "a UTF-8 text file"]),
+    ({"training": {"stages": None}}, None, ["training.stages is required", "an integer >= 1"]),
+    ({"training": {"stages": "0"}}, None, ["training.stages = 0", "an integer >= 1"]),
+    ({"training": {"stages": "7"}}, None, ["training.stages = 7", "<= model.n_layers + 2 = 6"]),
+    ({"training": {"microbatch_size": "0"}}, None, ["training.microbatch_size = 0", ">= 1"]),
+    (
+        {"training": {"target_batch_size": "30"}},
+        None,
+        ["training.target_batch_size = 30", "multiple of training.microbatch_size = 8"],
+    ),
+    ({"training": {"steps": '"30"'}}, None, ['training.steps = "30"', "an integer >= 1"]),
+    ({"training": {"seed": "-1"}}, None, ["training.seed = -1", "an integer >= 0"]),
+    (
+        {"training": {"dtype": '"float16"'}},
+        None,
+        ['training.dtype = "float16" is not allowed; use one of "float32", "float64", "bfloat16"'],
+    ),
+    ({"training": {"checkpoint_every": "-1"}}, None, ["training.checkpoint_every = -1", ">= 0"]),
+    ({"optimizer": {"kind": None}}, None, ["optimizer.kind is required", '"adamw", "sgd"']),
+    ({"optimizer": {"kind": '"adam"'}}, None, ['optimizer.kind = "adam"', '"adamw", "sgd"']),
+    ({"optimizer": {"lr": None}}, None, ["optimizer.lr is required", "a number > 0"]),
+    ({"optimizer": {"lr": "0"}}, None, ["optimizer.lr = 0", "a number > 0"]),
+    ({"optimizer": {"lr": '"fast"'}}, None, ['optimizer.lr = "fast"', "a number > 0"]),
+    ({"optimizer": {"weight_decay": "-0.1"}}, None, ["optimizer.weight_decay = -0.1", ">= 0"]),
+    ({"optimizer": {"betas": "[0.9]"}}, None, ["optimizer.betas = [0.9]", "list of 2 numbers"]),
+    ({"optimizer": {"betas": "[0.9, 1.0]"}}, None, ["optimizer.betas = [0.9, 1.0]", "[0, 1)"]),
+    ({"optimizer": {"betas": "0.9"}}, None, ["optimizer.betas = 0.9", "list of 2 numbers"]),
+    ({"optimizer": {"eps": "0"}}, None, ["optimizer.eps = 0", "a number > 0"]),
+    ({"optimizer": {"momentum": "1.0"}}, None, ["optimizer.momentum = 1.0", "in [0, 1)"]),
+    (
+        {"compression": {"wire": '"fp8"'}},
+        None,
+        ['compression.wire = "fp8"', '"none", "fp16", "bf16", "int8_blockwise"'],
+    ),
+    ({"compression": {"block_size": "0"}}, None, ["compression.block_size = 0", ">= 1"]),
+    ({"runtime": {"max_in_flight": "0"}}, None, ["runtime.max_in_flight = 0", ">= 1"]),
+    ({"runtime": {"rpc_timeout_s": "0"}}, None, ["runtime.rpc_timeout_s = 0", "a number > 0"]),
+    ({"runtime": {"commit_timeout_s": "-1"}}, None, ["runtime.commit_timeout_s = -1", "> 0"]),
+    ({"runtime": {"chunk_bytes": "0"}}, None, ["runtime.chunk_bytes = 0", ">= 1"]),
+    (
+        {"runtime": {"max_message_bytes": "4194304"}},
+        None,
+        ["runtime.max_message_bytes = 4194304", "> runtime.chunk_bytes = 4194304"],
+    ),
+    ({"runtime": {"max_tensor_bytes": "0"}}, None, ["runtime.max_tensor_bytes = 0", ">= 1"]),
+    ({"runtime": {"activation_cache": "-1"}}, None, ["runtime.activation_cache = -1", ">= 0"]),
+    ({"trainig": {}}, None, ["unknown section trainig", "did you mean training?"]),
+    ({"": {"colour": '"red"'}}, None, ["unknown section colour", "allowed: name, model"]),
+    ({"training": {"stepz": "3"}}, None, ["training.stepz", "did you mean training.steps?"]),
+    ({"model": {"zzz": "3"}}, None, ["unknown key model.zzz", "allowed: model.kind"]),
+    ({"": {"name": '"a/b"'}}, None, ['name = "a/b"', "letters, digits"]),
+    ({"": {"name": "5"}}, None, ["name = 5", "a string"]),
+    ({"": {"model": "3"}, "model": None}, None, ["model = 3", "a [model] table"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "data", "fragments"), BAD, ids=[" ".join(f[0].split()[:3]) for *_, f in BAD]
+)
+def test_bad_values_are_named(
+    tmp_path: Path, overrides: Sections, data: bytes | None, fragments: list[str]
+) -> None:
+    (tmp_path / "corpus.txt").write_bytes(TEXT if data is None else data)
+    with pytest.raises(ConfigError) as info:
+        parse_job(render(overrides), tmp_path)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "broken.toml").write_text("[training\nstages = 4\n")
+    with pytest.raises(ConfigError, match=r"broken\.toml: invalid TOML: .*line 1"):
+        load_job(tmp_path / "broken.toml")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_job(tmp_path / "missing.toml")
+
+
+def test_data_path_resolves_against_job_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "corpus.txt").write_bytes(TEXT)
+    (tmp_path / "jobs" / "j.toml").write_text(render({"data": {"path": '"../data/corpus.txt"'}}))
+    monkeypatch.chdir(tmp_path / "data")  # the working directory must not matter
+    loaded = load_job(Path("..") / "jobs" / "j.toml")
+    assert loaded.data.path == tmp_path / "data" / "corpus.txt"
+    absolute = json.dumps(str(tmp_path / "data" / "corpus.txt"))
+    assert job(tmp_path, {"data": {"path": absolute}}).data.path == loaded.data.path
+
+
+def test_fingerprint(tmp_path: Path) -> None:
+    base = job(tmp_path)
+    assert len(base.fingerprint()) == 16
+    assert job(tmp_path).fingerprint() == base.fingerprint()
+    assert (
+        load_job(EXAMPLES / "tiny.toml").fingerprint()
+        == load_job(EXAMPLES / "tiny.toml").fingerprint()
+    )
+
+    maths: list[Sections] = [
+        {"model": {"d_model": "32"}},
+        {"training": {"seed": "1"}},
+        {"training": {"dtype": '"float64"'}},
+        {"optimizer": {"lr": "1e-3"}},
+        {"optimizer": {"kind": '"sgd"'}},
+        {"compression": {"wire": '"fp16"'}},
+        {"data": {"kind": '"synthetic"', "path": None}},
+    ]
+    for overrides in maths:
+        assert job(tmp_path, overrides).fingerprint() != base.fingerprint(), overrides
+    assert job(tmp_path, data=TEXT + b"!").fingerprint() != base.fingerprint()
+
+    same: list[Sections] = [
+        {"runtime": {"max_in_flight": "2", "rpc_timeout_s": "5"}},
+        {"runtime": {"chunk_bytes": "1024", "activation_cache": "0"}},
+        {"training": {"checkpoint_every": "10"}},
+        {"": {"name": '"other"'}},
+    ]
+    for overrides in same:
+        assert job(tmp_path, overrides).fingerprint() == base.fingerprint(), overrides
+    # The data file is fingerprinted by its content at load time, not by where it lies.
+    (tmp_path / "moved").mkdir()
+    assert job(tmp_path / "moved").fingerprint() == base.fingerprint()
+
+
+def test_data_sha256_is_recorded_and_pins_the_file(tmp_path: Path) -> None:
+    digest = hashlib.sha256(TEXT).hexdigest()
+    loaded = job(tmp_path)
+    assert loaded.data.sha256 == digest
+    assert job(tmp_path, {"data": {"sha256": f'"{digest}"'}}) == loaded
+    # Built in code without a digest: the fingerprint reads the file instead.
+    in_code = dataclasses.replace(loaded, data=dataclasses.replace(loaded.data, sha256=None))
+    assert in_code.fingerprint() == loaded.fingerprint()
+    (tmp_path / "corpus.txt").unlink()
+    assert loaded.fingerprint()  # recorded at load: the file is no longer needed
+    with pytest.raises(ConfigError, match="cannot be read"):
+        in_code.fingerprint()

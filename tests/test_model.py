@@ -1,0 +1,95 @@
+"""Model, partitioner and data: the pieces whose determinism makes the swarm exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.data import make_data
+from swarm.errors import ConfigError
+from swarm.model import build_model, build_stage, layer_costs, loss_sum, num_layers, partition
+from tests.jobs import make_job
+
+
+def test_partition_is_contiguous_nonempty_and_optimal() -> None:
+    costs = [1.0, 5.0, 5.0, 5.0, 5.0, 9.0]
+    ranges = partition(costs, 3)
+    assert [list(r) for r in ranges] == [[0, 1, 2], [3, 4], [5]]
+    for stages in range(1, len(costs) + 1):
+        ranges = partition(costs, stages)
+        assert [i for r in ranges for i in r] == list(range(len(costs)))
+        assert all(len(r) > 0 for r in ranges)
+    # brute force over every split into 3: no contiguous split has a smaller bottleneck
+    best = min(
+        max(sum(costs[:a]), sum(costs[a:b]), sum(costs[b:]))
+        for a in range(1, 5)
+        for b in range(a + 1, 6)
+    )
+    assert max(sum(costs[i] for i in r) for r in partition(costs, 3)) == best
+
+
+def test_partition_rejects_more_stages_than_layers() -> None:
+    with pytest.raises(ConfigError, match=r"training\.stages"):
+        partition([1.0, 1.0], 3)
+
+
+def test_first_stage_has_embedding_last_has_head(tmp_path: Path) -> None:
+    job = make_job(tmp_path, model={"n_layers": 6})
+    first, last = build_stage(job, 0), build_stage(job, 3)
+    assert first.indices[0] == 0 and any(k.endswith("tok.weight") for k in first.state_dict())
+    assert last.indices[-1] == num_layers(job.model) - 1
+    assert any(k.endswith("lm_head.weight") for k in last.state_dict())
+    assert len(layer_costs(job.model)) == num_layers(job.model)
+
+
+def test_stage_built_alone_equals_whole_model_bitwise(tmp_path: Path) -> None:
+    job = make_job(tmp_path)
+    torch.manual_seed(123)  # the global RNG must not matter
+    whole = build_model(job).state_dict()
+    union: dict[str, torch.Tensor] = {}
+    for k in range(job.training.stages):
+        torch.manual_seed(k)
+        union.update(build_stage(job, k).state_dict())
+    assert union.keys() == whole.keys()
+    for name, tensor in whole.items():
+        assert torch.equal(tensor, union[name]), name
+        assert tensor.dtype == torch.float64
+
+
+def test_different_seeds_give_different_models(tmp_path: Path) -> None:
+    a = build_model(make_job(tmp_path, "a")).state_dict()
+    b = build_model(make_job(tmp_path, "b", training={"seed": 1})).state_dict()
+    assert not torch.equal(a["layers.1.qkv.weight"], b["layers.1.qkv.weight"])
+
+
+def test_stages_chained_equal_whole_model(tmp_path: Path) -> None:
+    job = make_job(tmp_path)
+    inputs, _ = make_data(job).microbatch(0, 0)
+    x = inputs
+    for k in range(job.training.stages):
+        x = build_stage(job, k)(x)
+    assert torch.equal(x, build_model(job)(inputs))
+
+
+def test_loss_sum_sums_samples_of_mean_token_loss() -> None:
+    logits = torch.randn(3, 5, 7, dtype=torch.float64)
+    targets = torch.randint(0, 7, (3, 5))
+    per_sample = [torch.nn.functional.cross_entropy(logits[i], targets[i]) for i in range(3)]
+    assert torch.allclose(loss_sum(logits, targets), sum(per_sample))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "text"])
+def test_microbatch_data_is_a_function_of_seed_step_index(tmp_path: Path, kind: str) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    data = {"kind": kind, "path": str(corpus)} if kind == "text" else {"kind": kind}
+    job = make_job(tmp_path, model={"vocab_size": 256}, data=data)
+    a, b = make_data(job), make_data(job)
+    x, y = a.microbatch(3, 1)
+    assert x.shape == (4, 16) and x.dtype == torch.int64
+    assert torch.equal(x, b.microbatch(3, 1)[0]) and torch.equal(y, b.microbatch(3, 1)[1])
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    assert not torch.equal(x, a.microbatch(3, 2)[0])
+    assert not torch.equal(x, a.microbatch(4, 1)[0])

@@ -1,0 +1,112 @@
+"""Real processes: 4 stage servers and a trainer, each `swarm ...` started as its own process,
+train a job and end with `swarm local`'s parameters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.procs import start_stage_servers, stop_all
+from tests.jobs import write_job
+
+pytestmark = pytest.mark.slow
+
+
+def _swarm(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str) -> None:
+    job = write_job(
+        tmp_path,
+        training={
+            "stages": 4,
+            "steps": 10,
+            "dtype": dtype,
+            "target_batch_size": 24,
+            "microbatch_size": 4,
+        },
+        runtime={"max_in_flight": 4},
+    )
+    servers = start_stage_servers(job, 4, log_dir=tmp_path)
+    try:
+        addresses = ",".join(s.address for s in servers)
+        _swarm(
+            "trainer",
+            "--job",
+            str(job),
+            "--stage-servers",
+            addresses,
+            "--out",
+            str(tmp_path / "swarm.pt"),
+            "--log",
+            str(tmp_path / "swarm.jsonl"),
+        )
+    finally:
+        codes = [s.stop() for s in servers]
+    assert codes == [0, 0, 0, 0], "stage servers must shut down cleanly on SIGTERM"
+    assert all("Traceback" not in s.log() for s in servers), servers[0].log()[-2000:]
+    _swarm(
+        "local",
+        str(job),
+        "--out",
+        str(tmp_path / "local.pt"),
+        "--log",
+        str(tmp_path / "local.jsonl"),
+    )
+
+    swarm_losses, local_losses = (
+        _losses(tmp_path / "swarm.jsonl"),
+        _losses(tmp_path / "local.jsonl"),
+    )
+    assert len(swarm_losses) == len(local_losses) == 10
+    assert swarm_losses[-1] < swarm_losses[0], "the loss should fall"
+    for a, b in zip(swarm_losses, local_losses, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    swarm_state = torch.load(tmp_path / "swarm.pt")
+    local_state = torch.load(tmp_path / "local.pt")
+    assert swarm_state.keys() == local_state.keys()
+    if dtype == "float64":
+        for name, expected in local_state.items():
+            diff = (swarm_state[name] - expected).abs().max().item()
+            assert diff <= 1e-9, f"{name}: {diff}"
+
+
+def test_trainer_refuses_servers_of_another_job(tmp_path: Path) -> None:
+    job = write_job(tmp_path, "a", training={"stages": 2})
+    other = write_job(tmp_path, "b", training={"stages": 2, "seed": 5})
+    servers = start_stage_servers(job, 2, log_dir=tmp_path, metrics=False)
+    try:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "swarm.cli",
+                "trainer",
+                "--job",
+                str(other),
+                "--stage-servers",
+                ",".join(s.address for s in servers),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        stop_all(servers)
+    assert result.returncode != 0
+    assert "same job file on both sides?" in result.stderr

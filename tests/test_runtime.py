@@ -1,0 +1,141 @@
+"""The stage runtime without networking: the step protocol's arithmetic is exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stage_server.runtime import StageRuntime
+from swarm.config import JobConfig
+from swarm.data import make_data
+from swarm.errors import FailedPrecondition, InvalidArgument
+from swarm.reference import train_local
+from tests.jobs import make_job
+
+
+def _run_step(
+    runtimes: list[StageRuntime],
+    job: JobConfig,
+    step: int,
+    order: list[int],
+    recompute: bool = False,
+) -> float:
+    data = make_data(job)
+    loss_total, samples = 0.0, 0
+    for index in order:
+        inputs, targets = data.microbatch(step, index)
+        boundary = [inputs]
+        for rt in runtimes[:-1]:
+            boundary.append(rt.forward(step, index, boundary[-1]))
+            if recompute:
+                rt._cache.clear()  # as if another replica had done the forward
+        loss, grad, _ = runtimes[-1].forward_backward(step, index, boundary[-1], targets)
+        loss_total += loss
+        samples += inputs.shape[0]
+        for k in range(len(runtimes) - 2, -1, -1):
+            grad, _ = runtimes[k].backward(step, index, boundary[k], grad, need_grad_inputs=k > 0)
+    for rt in runtimes:
+        assert rt.commit(step, order, samples) is False
+    return loss_total / samples
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_stages_equal_local_training(tmp_path: Path, recompute: bool) -> None:
+    job = make_job(tmp_path)
+    runtimes = [StageRuntime(job, k) for k in range(job.training.stages)]
+    m = job.training.microbatches_per_step
+    for step in range(job.training.steps):
+        # reversed order: accumulation order must not matter beyond float reordering
+        _run_step(runtimes, job, step, list(reversed(range(m))), recompute)
+    reference = train_local(job).state_dict()
+    swarm: dict[str, torch.Tensor] = {}
+    for rt in runtimes:
+        swarm.update(rt.state_dict())
+    assert swarm.keys() == reference.keys()
+    for name in reference:
+        assert torch.allclose(swarm[name], reference[name], rtol=0, atol=1e-12), name
+    assert not torch.equal(
+        reference["layers.0.tok.weight"], StageRuntime(job, 0).state_dict()["layers.0.tok.weight"]
+    )
+
+
+def test_duplicate_backward_is_not_counted_twice(tmp_path: Path) -> None:
+    job = make_job(tmp_path, training={"stages": 1})
+    rt = StageRuntime(job, 0)
+    x, y = make_data(job).microbatch(0, 0)
+    _, _, first = rt.forward_backward(0, 0, x, y)
+    accum = [a.clone() for a in rt._accum or []]
+    _, _, again = rt.forward_backward(0, 0, x, y)
+    assert not first.duplicate and again.duplicate
+    assert all(torch.equal(a, b) for a, b in zip(accum, rt._accum or [], strict=True))
+    assert rt.receipts() == {0: 4}
+
+
+def test_commit_needs_exactly_the_named_receipts(tmp_path: Path) -> None:
+    job = make_job(tmp_path, training={"stages": 1})
+    rt = StageRuntime(job, 0)
+    x, y = make_data(job).microbatch(0, 0)
+    rt.forward_backward(0, 0, x, y)
+    with pytest.raises(FailedPrecondition, match=r"missing for microbatches \[1\]"):
+        rt.commit(0, [0, 1], 8)
+    with pytest.raises(FailedPrecondition, match=r"unexpected \[0\]"):
+        rt.commit(0, [], 8)
+    assert rt.commit(0, [0], 4) is False and rt.step == 1
+    assert rt.commit(0, [0], 4) is True and rt.step == 1  # a retried commit changes nothing
+    with pytest.raises(FailedPrecondition, match="stale"):
+        rt.forward_backward(0, 1, x, y)
+    with pytest.raises(FailedPrecondition, match="not started"):
+        rt.commit(5, [], 4)
+
+
+def test_accumulate_false_returns_gradients_without_a_receipt(tmp_path: Path) -> None:
+    job = make_job(tmp_path, training={"stages": 2})
+    rt = StageRuntime(job, 1)
+    x = torch.randn(4, 16, 32, dtype=torch.float64)
+    y = torch.randint(0, 64, (4, 16))
+    _, grad, receipt = rt.forward_backward(0, 0, x, y, accumulate=False)
+    assert grad is not None and grad.shape == x.shape and rt.receipts() == {}
+    assert not receipt.duplicate
+
+
+@pytest.mark.parametrize(
+    ("stage", "inputs", "message"),
+    [
+        (0, torch.zeros(4, 16), "int64 token ids"),
+        (0, torch.full((4, 16), 64, dtype=torch.int64), r"token ids must lie in \[0, 64\)"),
+        (0, torch.zeros(4, 17, dtype=torch.int64), "seq in 1..16"),
+        (1, torch.zeros(4, 16, 31, dtype=torch.float64), "float64 \\[batch, seq, 32\\]"),
+        (1, torch.zeros(4, 16, 32, dtype=torch.float32), "got torch.float32"),
+        (1, torch.zeros(0, 16, 32, dtype=torch.float64), "batch must be >= 1"),
+    ],
+)
+def test_bad_inputs_are_refused(
+    tmp_path: Path, stage: int, inputs: torch.Tensor, message: str
+) -> None:
+    rt = StageRuntime(make_job(tmp_path), stage)
+    with pytest.raises(InvalidArgument, match=message):
+        rt.forward(0, 0, inputs)
+
+
+def test_bad_grad_and_targets_are_refused(tmp_path: Path) -> None:
+    job = make_job(tmp_path)
+    rt = StageRuntime(job, 1)
+    x = torch.zeros(4, 16, 32, dtype=torch.float64)
+    rt.forward(0, 0, x)
+    with pytest.raises(InvalidArgument, match="grad_outputs must be"):
+        rt.backward(0, 0, x, torch.zeros(4, 16, 31, dtype=torch.float64))
+    last = StageRuntime(job, 3)
+    with pytest.raises(InvalidArgument, match="targets must be int64"):
+        last.forward_backward(0, 0, x, torch.zeros(4, 15, dtype=torch.int64))
+    with pytest.raises(InvalidArgument, match="for the last stage"):
+        rt.forward_backward(0, 0, x, torch.zeros(4, 16, dtype=torch.int64))
+
+
+def test_activation_cache_is_bounded(tmp_path: Path) -> None:
+    job = make_job(tmp_path, runtime={"activation_cache": 2})
+    rt = StageRuntime(job, 1)
+    for index in range(5):
+        rt.forward(0, index, torch.randn(4, 16, 32, dtype=torch.float64))
+    assert sorted(rt._cache) == [(0, 3), (0, 4)]

@@ -1,0 +1,223 @@
+"""A live stage server (real gRPC on a free port) refuses bad requests with the right status code
+and keeps serving."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.stage_client import StageClient
+from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
+from swarm import codec
+from swarm.config import JobConfig
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import stage_pb2_grpc, tensor_pb2
+from tests.jobs import make_job
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> JobConfig:
+    return make_job(
+        tmp_path,
+        training={"stages": 3},
+        runtime={
+            "max_tensor_bytes": MiB,
+            "chunk_bytes": 64 * 1024,
+            "max_message_bytes": 256 * 1024,
+        },
+    )
+
+
+@pytest.fixture
+async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
+    running = await start_stage_server(job, StageServerOptions(stage=1, metrics_port=0))
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+async def stub(server: RunningStageServer) -> AsyncIterator[stage_pb2_grpc.StageServiceStub]:
+    big = [
+        ("grpc.max_send_message_length", 64 * MiB),
+        ("grpc.max_receive_message_length", 64 * MiB),
+    ]
+    async with grpc.aio.insecure_channel(server.address, options=big) as channel:
+        yield stage_pb2_grpc.StageServiceStub(channel)
+
+
+def _hidden(
+    batch: int = 4, seq: int = 16, width: int = 32, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    return torch.randn(batch, seq, width, dtype=dtype)
+
+
+def _forward(
+    job: JobConfig,
+    *tensors: tensor_pb2.Tensor,
+    step: int = 0,
+    stage: int = 1,
+    job_id: str | None = None,
+    reply_codec: int = 0,
+) -> pb.StageForwardRequest:
+    return pb.StageForwardRequest(
+        job=job.fingerprint() if job_id is None else job_id,
+        stage=stage,
+        microbatch=pb.MicrobatchId(step=step, index=0),
+        tensors=list(tensors),
+        reply_codec=reply_codec,
+    )
+
+
+async def _call(method: Any, *messages: Any) -> list[Any]:
+    call = method(timeout=30)
+    for m in messages:
+        await call.write(m)
+    await call.done_writing()
+    return [r async for r in call]
+
+
+async def _status(method: Any, *messages: Any) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _call(method, *messages)
+    return info.value.code()
+
+
+async def test_good_forward_then_bad_requests_then_still_serving(
+    job: JobConfig, server: RunningStageServer, stub: stage_pb2_grpc.StageServiceStub
+) -> None:
+    good = codec.encode(_hidden(), "inputs")
+    (reply,) = await _call(stub.Forward, _forward(job, good))
+    out = codec.decode(reply.tensors[0])
+    assert out.shape == (4, 16, 32) and out.dtype == torch.float64
+
+    cases: list[tuple[Any, list[Any], grpc.StatusCode]] = [
+        (stub.Forward, [_forward(job, good, job_id="nope")], grpc.StatusCode.NOT_FOUND),
+        (stub.Forward, [_forward(job, good, stage=0)], grpc.StatusCode.NOT_FOUND),
+        (
+            stub.Forward,
+            [_forward(job, codec.encode(_hidden(width=8), "inputs"))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Forward,
+            [_forward(job, codec.encode(_hidden(dtype=torch.float32), "inputs"))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Forward,
+            [_forward(job, codec.encode(_hidden(), "wrong_name"))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Forward,
+            [
+                _forward(
+                    job,
+                    tensor_pb2.Tensor(
+                        name="inputs",
+                        dtype="float64",
+                        shape=[4, 16, 32],
+                        data=b"\0" * 10,
+                        nbytes=10,
+                    ),
+                )
+            ],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Forward,
+            [
+                _forward(
+                    job,
+                    tensor_pb2.Tensor(
+                        name="inputs", dtype="complex999", shape=[1], data=b"\0" * 8, nbytes=8
+                    ),
+                )
+            ],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (stub.Forward, [_forward(job, good, reply_codec=42)], grpc.StatusCode.INVALID_ARGUMENT),
+        (stub.Forward, [_forward(job, good, step=7)], grpc.StatusCode.FAILED_PRECONDITION),
+        # declared larger than max_tensor_bytes: refused before anything is allocated
+        (
+            stub.Forward,
+            [
+                _forward(
+                    job,
+                    tensor_pb2.Tensor(
+                        name="inputs", dtype="float64", shape=[4096, 16, 32], nbytes=16 * MiB
+                    ),
+                )
+            ],
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+        # one message above the server's max_message_bytes
+        (
+            stub.Forward,
+            [_forward(job, codec.encode(_hidden(batch=64), "inputs"))],
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+        (
+            stub.Backward,
+            [pb.StageBackwardRequest(job=job.fingerprint(), stage=1, tensors=[good])],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (stub.Forward, [], grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    for method, messages, expected in cases:
+        assert await _status(method, *messages) == expected, messages[:1]
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Commit(
+            pb.StageCommitRequest(
+                job=job.fingerprint(), stage=1, step=0, microbatches=[0], total_samples=4
+            ),
+            timeout=10,
+        )
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "missing" in (info.value.details() or "")
+
+    # still serving, and the metrics saw it all
+    (reply,) = await _call(stub.Forward, _forward(job, good))
+    assert torch.equal(codec.decode(reply.tensors[0]), out)
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
+    assert 'method="Forward"' in text and 'code="RESOURCE_EXHAUSTED"' in text
+    assert 'code="NOT_FOUND"' in text and "swarm_stage_request_seconds_bucket" in text
+
+
+async def test_chunked_activations_pass_and_health_says_serving(
+    job: JobConfig, server: RunningStageServer
+) -> None:
+    # 4 x 16 x 32 float64 is 128 KiB: above chunk_bytes (64 KiB), so it streams in chunks.
+    client = StageClient(server.address, job, job.fingerprint(), 1)
+    try:
+        x = _hidden()
+        out = await client.forward(0, 0, x)
+        grad = await client.backward(0, 0, x, torch.ones_like(out))
+        assert grad.grad_inputs is not None and grad.grad_inputs.shape == x.shape
+        assert grad.receipt.samples == 4 and not grad.receipt.duplicate
+        info = await client.info()
+        assert (info.stage, info.num_stages, info.pending_microbatches) == (1, 3, 1)
+        response = await client.commit(0, [0], 4)
+        assert response.step == 1 and not response.already_committed
+        assert (await client.commit(0, [0], 4)).already_committed
+        step, state = await client.download_state()
+        assert step == 1 and set(state) == set(server.runtime.state_dict())
+        health = health_pb2_grpc.HealthStub(client.channel)
+        status = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await client.close()

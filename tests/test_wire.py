@@ -1,0 +1,389 @@
+"""swarm.wire: split/receive round trips, every receive error, and a real gRPC echo."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from swarm.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
+from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted, WireError
+from swarm.proto import stage_pb2, stage_pb2_grpc, tensor_pb2
+from swarm.wire import Received, decode_named, receive, split
+
+MiB = 1 << 20
+
+
+async def stream_of(msgs: Iterable[Any], *, hang: bool = False) -> AsyncIterator[Any]:
+    """The messages, then either end-of-stream or (like an open bidi stream) nothing forever."""
+    for m in msgs:
+        yield m
+    if hang:
+        await asyncio.Event().wait()
+
+
+async def receive_list(msgs: Iterable[Any], max_bytes: int = 1 << 30) -> Received[Any]:
+    return await asyncio.wait_for(receive(stream_of(msgs), max_bytes=max_bytes), timeout=10)
+
+
+def forward_request(**tensors: torch.Tensor) -> stage_pb2.StageForwardRequest:
+    return stage_pb2.StageForwardRequest(
+        job="job-1",
+        stage=2,
+        microbatch=stage_pb2.MicrobatchId(step=7, index=3),
+        reply_codec=CODEC_FP16,
+        tensors=[encode(t, name) for name, t in tensors.items()],
+    )
+
+
+def header(*tensors: tensor_pb2.Tensor) -> stage_pb2.StageForwardRequest:
+    return stage_pb2.StageForwardRequest(job="j", tensors=tensors)
+
+
+def chunk(index: int, data: bytes) -> stage_pb2.StageForwardRequest:
+    return stage_pb2.StageForwardRequest(chunk=tensor_pb2.Chunk(tensor=index, data=data))
+
+
+def declared(nbytes: int, name: str = "x") -> tensor_pb2.Tensor:
+    """A header tensor whose bytes follow in chunks."""
+    return tensor_pb2.Tensor(name=name, dtype="uint8", shape=[nbytes], nbytes=nbytes)
+
+
+# --- split / receive round trips -----------------------------------------------------------
+
+
+async def test_small_message_is_sent_as_is() -> None:
+    msg = forward_request(inputs=torch.randn(10), targets=torch.arange(4))
+    parts = list(split(msg, 1024))
+    assert len(parts) == 1
+    assert parts[0] is msg
+    got = await receive_list(parts)
+    assert got.header is msg
+    assert got.payloads == [t.data for t in msg.tensors]
+    named = decode_named(got)
+    assert torch.equal(named["targets"], torch.arange(4))
+
+
+async def test_exactly_chunk_bytes_is_one_message_and_one_more_byte_splits() -> None:
+    msg = header(encode(torch.zeros(100, dtype=torch.uint8), "x"))
+    assert list(split(msg, 100)) == [msg]
+    parts = list(split(msg, 99))
+    assert [len(p.chunk.data) for p in parts[1:]] == [99, 1]
+
+
+async def test_large_message_round_trip() -> None:
+    inputs = torch.randn(25_000)  # 100 000 bytes: chunked
+    targets = torch.arange(10)  # 80 bytes: stays inline
+    empty = torch.zeros(0, 3)
+    msg = forward_request(inputs=inputs, targets=targets, empty=empty)
+    original = msg.SerializeToString()
+    chunk_bytes = 16 * 1024
+    parts = list(split(msg, chunk_bytes))
+    assert msg.SerializeToString() == original  # the caller's message is untouched
+
+    head = parts[0]
+    assert type(head) is stage_pb2.StageForwardRequest
+    assert not head.HasField("chunk")
+    assert (head.job, head.stage, head.reply_codec) == ("job-1", 2, CODEC_FP16)
+    assert (head.microbatch.step, head.microbatch.index) == (7, 3)
+    assert [t.name for t in head.tensors] == ["inputs", "targets", "empty"]
+    assert [t.nbytes for t in head.tensors] == [100_000, 80, 0]
+    assert head.tensors[0].data == b""
+    assert head.tensors[1].data == msg.tensors[1].data
+    assert list(head.tensors[0].shape) == [25_000]
+    assert head.tensors[0].dtype == "float32"
+
+    chunks = parts[1:]
+    assert len(chunks) == -(-100_000 // chunk_bytes)
+    for c in chunks:
+        assert type(c) is stage_pb2.StageForwardRequest
+        assert not c.tensors and not c.job
+        assert c.chunk.tensor == 0
+        assert 0 < len(c.chunk.data) <= chunk_bytes
+    assert b"".join(c.chunk.data for c in chunks) == msg.tensors[0].data
+
+    got = await receive_list(parts)
+    assert got.header == head
+    assert isinstance(got.payloads[0], bytearray)
+    named = decode_named(got)
+    assert set(named) == {"inputs", "targets", "empty"}
+    assert torch.equal(named["inputs"], inputs)
+    assert torch.equal(named["targets"], targets)
+    assert named["empty"].shape == (0, 3)
+
+
+async def test_several_large_tensors_are_chunked_in_order() -> None:
+    a, b = torch.randn(3000), torch.randn(2000, dtype=torch.float64)
+    msg = forward_request(a=a, b=b)
+    parts = list(split(msg, 5000))
+    indices = [p.chunk.tensor for p in parts[1:]]
+    assert indices == sorted(indices) == [0, 0, 0, 1, 1, 1, 1]
+    named = decode_named(await receive_list(parts))
+    assert torch.equal(named["a"], a) and torch.equal(named["b"], b)
+
+
+async def test_chunk_multiple_of_tensor_size_and_lossy_codecs() -> None:
+    t = torch.randn(4096)
+    msg = stage_pb2.StageForwardRequest(tensors=[encode(t, "q", CODEC_INT8_BLOCKWISE, 512)])
+    size = len(msg.tensors[0].data)
+    parts = list(split(msg, size // 4 + 1))
+    assert len(parts) == 1 + 4
+    got = await receive_list(parts)
+    assert torch.equal(decode_named(got)["q"], decode(msg.tensors[0]))
+
+
+async def test_response_types_keep_their_other_fields() -> None:
+    receipt = stage_pb2.Receipt(peer="p", stage=1, microbatch=stage_pb2.MicrobatchId(step=3))
+    msg = stage_pb2.StageForwardBackwardResponse(
+        tensors=[encode(torch.randn(1000), "grad_inputs")], receipt=receipt, loss_sum=1.5
+    )
+    parts = list(split(msg, 1000))
+    assert all(type(p) is stage_pb2.StageForwardBackwardResponse for p in parts)
+    got = await receive_list(parts)
+    assert got.header.receipt == receipt
+    assert got.header.loss_sum == 1.5
+    assert torch.equal(decode_named(got)["grad_inputs"], decode(msg.tensors[0]))
+
+
+async def test_message_without_tensors() -> None:
+    msg = stage_pb2.StageBackwardResponse(receipt=stage_pb2.Receipt(peer="p"))
+    assert list(split(msg, 1)) == [msg]
+    got = await receive_list([msg])
+    assert got.header is msg and got.payloads == []
+
+
+async def test_receive_does_not_wait_for_end_of_stream() -> None:
+    msg = forward_request(inputs=torch.randn(5000))
+    parts = list(split(msg, 4096))
+    extra = stage_pb2.StageForwardRequest(job="next")
+    it = stream_of([*parts, extra], hang=True)
+    got = await asyncio.wait_for(receive(it, max_bytes=1 << 20), timeout=5)
+    assert torch.equal(decode_named(got)["inputs"], decode(msg.tensors[0]))
+    # It read exactly the message's parts: the next message is still there.
+    assert await anext(it) == extra
+    # A small message, too, returns without end-of-stream.
+    small = forward_request(x=torch.ones(2))
+    got = await asyncio.wait_for(receive(stream_of([small], hang=True), max_bytes=100), 5)
+    assert got.header is small
+
+
+def test_split_rejects_nonpositive_chunk_bytes() -> None:
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        list(split(forward_request(x=torch.ones(2)), 0))
+
+
+# --- receive errors ------------------------------------------------------------------------
+
+
+async def test_empty_stream() -> None:
+    with pytest.raises(InvalidArgument, match="empty stream"):
+        await receive_list([])
+
+
+async def test_first_message_is_a_chunk() -> None:
+    with pytest.raises(InvalidArgument, match="header"):
+        await receive_list([chunk(0, b"abc")])
+
+
+async def test_declared_bytes_above_max_bytes_before_allocating() -> None:
+    # 1 PB declared: must fail on the limit, not with MemoryError.
+    with pytest.raises(ResourceExhausted, match=f"{10**15} tensor bytes, above the limit of 100"):
+        await receive_list([header(declared(10**15))], max_bytes=100)
+    # Inline and chunked bytes both count.
+    inline = encode(torch.zeros(60, dtype=torch.uint8), "a")
+    with pytest.raises(ResourceExhausted, match="110 tensor bytes"):
+        await receive_list([header(inline, declared(50, "b"))], max_bytes=100)
+    got = await receive_list([header(inline, declared(40, "b")), chunk(1, b"z" * 40)], 100)
+    assert got.payloads[1] == b"z" * 40
+
+
+async def test_chunk_for_unknown_tensor() -> None:
+    with pytest.raises(InvalidArgument, match="tensor 1, but the header has 1"):
+        await receive_list([header(declared(10)), chunk(1, b"x")])
+
+
+async def test_chunk_for_inline_tensor() -> None:
+    inline = encode(torch.zeros(4, dtype=torch.uint8), "a")
+    with pytest.raises(InvalidArgument, match="inline"):
+        await receive_list([header(inline, declared(10, "b")), chunk(0, b"x")])
+
+
+async def test_chunk_for_complete_tensor() -> None:
+    msgs = [header(declared(4, "a"), declared(4, "b")), chunk(0, b"1234"), chunk(0, b"5")]
+    with pytest.raises(InvalidArgument, match="already complete"):
+        await receive_list(msgs)
+
+
+async def test_chunk_overflowing_its_tensor() -> None:
+    msgs = [header(declared(4, "a"), declared(4, "b")), chunk(0, b"12"), chunk(0, b"345")]
+    with pytest.raises(InvalidArgument, match="overflows tensor 0: 5 bytes of 4"):
+        await receive_list(msgs)
+
+
+async def test_stream_ending_early() -> None:
+    msgs = [header(declared(10, "a"), declared(5, "b")), chunk(0, b"x" * 10), chunk(1, b"yy")]
+    with pytest.raises(InvalidArgument, match="stream ended after 12 of 15 bytes"):
+        await receive_list(msgs)
+    with pytest.raises(InvalidArgument, match="stream ended after 0 of 10 bytes"):
+        await receive_list([header(declared(10))])
+
+
+async def test_non_chunk_message_after_header() -> None:
+    with pytest.raises(InvalidArgument, match="expected a chunk"):
+        await receive_list([header(declared(10)), header(declared(10))])
+    with pytest.raises(InvalidArgument, match="expected a chunk"):
+        await receive_list([header(declared(10)), stage_pb2.StageForwardRequest(job="j")])
+
+
+async def test_empty_chunk() -> None:
+    with pytest.raises(InvalidArgument, match="empty chunk"):
+        await receive_list([header(declared(10)), chunk(0, b"")])
+
+
+async def test_inconsistent_header_tensors() -> None:
+    bad = tensor_pb2.Tensor(name="a", data=b"abc", nbytes=5)
+    with pytest.raises(InvalidArgument, match="nbytes 5 but 3 inline bytes"):
+        await receive_list([header(bad)])
+    with pytest.raises(InvalidArgument, match="negative nbytes"):
+        await receive_list([header(tensor_pb2.Tensor(name="a", nbytes=-1))])
+
+
+async def test_interleaved_chunks_are_accepted() -> None:
+    msgs = [header(declared(4, "a"), declared(2, "b"))]
+    msgs += [chunk(0, b"12"), chunk(1, b"x"), chunk(0, b"34"), chunk(1, b"y")]
+    got = await receive_list(msgs)
+    assert got.payloads == [bytearray(b"1234"), bytearray(b"xy")]
+
+
+async def test_decode_named_errors() -> None:
+    dup = header(encode(torch.ones(2), "x"), encode(torch.zeros(2), "x"))
+    with pytest.raises(InvalidArgument, match="duplicate tensor names: \\['x'\\]"):
+        decode_named(await receive_list([dup]))
+    two = header(encode(torch.ones(2), "a"), encode(torch.zeros(3), "b"))  # 8 + 12 bytes
+    got = await receive_list([two])
+    assert set(decode_named(got, max_bytes=20)) == {"a", "b"}
+    with pytest.raises(ResourceExhausted, match="20 bytes, above the limit of 19"):
+        decode_named(got, max_bytes=19)
+
+
+# --- a real gRPC round trip ----------------------------------------------------------------
+
+GRPC_MAX_MESSAGE = 64 * MiB
+CHUNK_BYTES = 4 * MiB
+LIMIT = 1 << 30
+OPTIONS = [
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
+]
+
+
+class EchoStage(stage_pb2_grpc.StageServiceServicer):
+    """Forward replies with the request's tensors; wire errors become status codes."""
+
+    async def Forward(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[stage_pb2.StageForwardRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[stage_pb2.StageForwardResponse]:
+        try:
+            got = await receive(request_iterator, max_bytes=LIMIT)
+        except WireError as e:
+            code = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if isinstance(e, ResourceExhausted)
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            await context.abort(code, str(e))
+        reply = stage_pb2.StageForwardResponse()
+        for t, payload in zip(got.header.tensors, got.payloads, strict=True):
+            out = reply.tensors.add()
+            out.CopyFrom(t)
+            out.data = bytes(payload)
+        del got
+        for m in split(reply, CHUNK_BYTES):
+            yield m
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[stage_pb2_grpc.StageServiceStub]:
+    server = grpc.aio.server(options=OPTIONS)
+    stage_pb2_grpc.add_StageServiceServicer_to_server(EchoStage(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS) as channel:
+            yield stage_pb2_grpc.StageServiceStub(channel)
+    finally:
+        await server.stop(grace=None)
+
+
+async def echo(
+    stub: stage_pb2_grpc.StageServiceStub, parts: Iterable[stage_pb2.StageForwardRequest]
+) -> Received[stage_pb2.StageForwardResponse]:
+    call = stub.Forward(timeout=120)
+
+    async def send() -> None:
+        for m in parts:
+            await call.write(m)
+
+    sender = asyncio.create_task(send())
+    # The request side stays open while the reply is read: neither end waits for end-of-stream.
+    got = await receive(call, max_bytes=LIMIT)
+    await sender
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+    return got
+
+
+@pytest.mark.slow
+async def test_grpc_echo_256_mib_bit_exact(stub: stage_pb2_grpc.StageServiceStub) -> None:
+    n = 256 * MiB // 4
+    # Random 32-bit words: every bit pattern, NaN payloads included, must survive.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g).view(torch.float32)
+    start = time.perf_counter()
+    req = stage_pb2.StageForwardRequest(job="j", tensors=[encode(x, "inputs")])
+    got = await echo(stub, split(req, CHUNK_BYTES))
+    del req
+    y = decode_named(got)["inputs"]
+    elapsed = time.perf_counter() - start
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert torch.equal(y.view(torch.int32), x.view(torch.int32))
+    print(f"256 MiB gRPC echo: {elapsed:.2f}s")
+
+
+async def test_grpc_echo_small_and_chunked(stub: stage_pb2_grpc.StageServiceStub) -> None:
+    small = torch.arange(10, dtype=torch.int64)
+    got = await echo(stub, [forward_request(targets=small)])
+    assert torch.equal(decode_named(got)["targets"], small)
+    big = torch.randn(3 * MiB)  # 12 MiB: three 4 MiB chunks each way
+    got = await echo(stub, split(forward_request(inputs=big), CHUNK_BYTES))
+    assert torch.equal(decode_named(got)["inputs"], big)
+
+
+async def test_grpc_truncated_stream_is_invalid_argument(
+    stub: stage_pb2_grpc.StageServiceStub,
+) -> None:
+    call = stub.Forward(timeout=30)
+    await call.write(header(declared(100)))
+    await call.write(chunk(0, b"x" * 40))
+    await call.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await receive(call, max_bytes=LIMIT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream ended after 40 of 100 bytes" in (info.value.details() or "")
+
+
+async def test_grpc_oversized_declaration_is_resource_exhausted(
+    stub: stage_pb2_grpc.StageServiceStub,
+) -> None:
+    call = stub.Forward(timeout=30)
+    await call.write(header(declared(LIMIT + 1)))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await receive(call, max_bytes=LIMIT)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
