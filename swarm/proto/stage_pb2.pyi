@@ -1,25 +1,22 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from swarm.proto import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-
-from swarm.proto import tensor_pb2 as _tensor_pb2
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MicrobatchId(_message.Message):
-    __slots__ = ("index", "step")
+    __slots__ = ("step", "index")
     STEP_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
-    def __init__(self, step: int | None = ..., index: int | None = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Receipt(_message.Message):
-    __slots__ = ("duplicate", "microbatch", "peer", "samples", "stage")
+    __slots__ = ("peer", "stage", "microbatch", "samples", "duplicate")
     PEER_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -30,10 +27,10 @@ class Receipt(_message.Message):
     microbatch: MicrobatchId
     samples: int
     duplicate: bool
-    def __init__(self, peer: str | None = ..., stage: int | None = ..., microbatch: MicrobatchId | _Mapping | None = ..., samples: int | None = ..., duplicate: bool | None = ...) -> None: ...
+    def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., samples: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class StageForwardRequest(_message.Message):
-    __slots__ = ("chunk", "job", "microbatch", "reply_codec", "stage", "tensors")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -46,18 +43,18 @@ class StageForwardRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     reply_codec: _tensor_pb2.Codec
-    def __init__(self, job: str | None = ..., stage: int | None = ..., microbatch: MicrobatchId | _Mapping | None = ..., tensors: _Iterable[_tensor_pb2.Tensor | _Mapping] | None = ..., chunk: _tensor_pb2.Chunk | _Mapping | None = ..., reply_codec: _tensor_pb2.Codec | str | None = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ...) -> None: ...
 
 class StageForwardResponse(_message.Message):
-    __slots__ = ("chunk", "tensors")
+    __slots__ = ("tensors", "chunk")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
-    def __init__(self, tensors: _Iterable[_tensor_pb2.Tensor | _Mapping] | None = ..., chunk: _tensor_pb2.Chunk | _Mapping | None = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class StageBackwardRequest(_message.Message):
-    __slots__ = ("accumulate", "chunk", "job", "microbatch", "need_grad_inputs", "reply_codec", "stage", "tensors")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -74,20 +71,20 @@ class StageBackwardRequest(_message.Message):
     reply_codec: _tensor_pb2.Codec
     accumulate: bool
     need_grad_inputs: bool
-    def __init__(self, job: str | None = ..., stage: int | None = ..., microbatch: MicrobatchId | _Mapping | None = ..., tensors: _Iterable[_tensor_pb2.Tensor | _Mapping] | None = ..., chunk: _tensor_pb2.Chunk | _Mapping | None = ..., reply_codec: _tensor_pb2.Codec | str | None = ..., accumulate: bool | None = ..., need_grad_inputs: bool | None = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ...) -> None: ...
 
 class StageBackwardResponse(_message.Message):
-    __slots__ = ("chunk", "receipt", "tensors")
+    __slots__ = ("tensors", "chunk", "receipt")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     receipt: Receipt
-    def __init__(self, tensors: _Iterable[_tensor_pb2.Tensor | _Mapping] | None = ..., chunk: _tensor_pb2.Chunk | _Mapping | None = ..., receipt: Receipt | _Mapping | None = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ...) -> None: ...
 
 class StageForwardBackwardRequest(_message.Message):
-    __slots__ = ("accumulate", "chunk", "job", "microbatch", "need_grad_inputs", "reply_codec", "stage", "tensors")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -104,10 +101,10 @@ class StageForwardBackwardRequest(_message.Message):
     reply_codec: _tensor_pb2.Codec
     accumulate: bool
     need_grad_inputs: bool
-    def __init__(self, job: str | None = ..., stage: int | None = ..., microbatch: MicrobatchId | _Mapping | None = ..., tensors: _Iterable[_tensor_pb2.Tensor | _Mapping] | None = ..., chunk: _tensor_pb2.Chunk | _Mapping | None = ..., reply_codec: _tensor_pb2.Codec | str | None = ..., accumulate: bool | None = ..., need_grad_inputs: bool | None = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ...) -> None: ...
 
 class StageForwardBackwardResponse(_message.Message):
-    __slots__ = ("chunk", "loss_sum", "receipt", "tensors")
+    __slots__ = ("tensors", "chunk", "receipt", "loss_sum")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
@@ -116,10 +113,10 @@ class StageForwardBackwardResponse(_message.Message):
     chunk: _tensor_pb2.Chunk
     receipt: Receipt
     loss_sum: float
-    def __init__(self, tensors: _Iterable[_tensor_pb2.Tensor | _Mapping] | None = ..., chunk: _tensor_pb2.Chunk | _Mapping | None = ..., receipt: Receipt | _Mapping | None = ..., loss_sum: float | None = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., loss_sum: _Optional[float] = ...) -> None: ...
 
 class StageCommitRequest(_message.Message):
-    __slots__ = ("job", "microbatches", "stage", "step", "total_samples")
+    __slots__ = ("job", "stage", "step", "microbatches", "total_samples")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -130,22 +127,22 @@ class StageCommitRequest(_message.Message):
     step: int
     microbatches: _containers.RepeatedScalarFieldContainer[int]
     total_samples: int
-    def __init__(self, job: str | None = ..., stage: int | None = ..., step: int | None = ..., microbatches: _Iterable[int] | None = ..., total_samples: int | None = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ...) -> None: ...
 
 class StageCommitResponse(_message.Message):
-    __slots__ = ("already_committed", "step")
+    __slots__ = ("step", "already_committed")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ALREADY_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     step: int
     already_committed: bool
-    def __init__(self, step: int | None = ..., already_committed: bool | None = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ...) -> None: ...
 
 class StageInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StageInfoResponse(_message.Message):
-    __slots__ = ("device", "job", "layers", "num_parameters", "num_stages", "peer", "pending_microbatches", "stage", "step")
+    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches")
     PEER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -164,24 +161,24 @@ class StageInfoResponse(_message.Message):
     num_parameters: int
     layers: _containers.RepeatedScalarFieldContainer[int]
     pending_microbatches: int
-    def __init__(self, peer: str | None = ..., job: str | None = ..., stage: int | None = ..., num_stages: int | None = ..., step: int | None = ..., device: str | None = ..., num_parameters: int | None = ..., layers: _Iterable[int] | None = ..., pending_microbatches: int | None = ...) -> None: ...
+    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ...) -> None: ...
 
 class StageDownloadStateRequest(_message.Message):
-    __slots__ = ("include_optimizer", "job", "stage")
+    __slots__ = ("job", "stage", "include_optimizer")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     include_optimizer: bool
-    def __init__(self, job: str | None = ..., stage: int | None = ..., include_optimizer: bool | None = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., include_optimizer: _Optional[bool] = ...) -> None: ...
 
 class StageDownloadStateResponse(_message.Message):
-    __slots__ = ("chunk", "step", "tensors")
+    __slots__ = ("tensors", "chunk", "step")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     step: int
-    def __init__(self, tensors: _Iterable[_tensor_pb2.Tensor | _Mapping] | None = ..., chunk: _tensor_pb2.Chunk | _Mapping | None = ..., step: int | None = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...

@@ -1,10 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -20,7 +19,7 @@ CODEC_BF16: Codec
 CODEC_INT8_BLOCKWISE: Codec
 
 class Tensor(_message.Message):
-    __slots__ = ("block_size", "codec", "data", "dtype", "name", "nbytes", "shape")
+    __slots__ = ("name", "dtype", "shape", "codec", "data", "nbytes", "block_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -35,12 +34,12 @@ class Tensor(_message.Message):
     data: bytes
     nbytes: int
     block_size: int
-    def __init__(self, name: str | None = ..., dtype: str | None = ..., shape: _Iterable[int] | None = ..., codec: Codec | str | None = ..., data: bytes | None = ..., nbytes: int | None = ..., block_size: int | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., data: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("data", "tensor")
+    __slots__ = ("tensor", "data")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     tensor: int
     data: bytes
-    def __init__(self, tensor: int | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, tensor: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

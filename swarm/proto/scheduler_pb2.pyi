@@ -1,0 +1,127 @@
+from swarm.proto import control_pb2 as _control_pb2
+from swarm.proto import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Replica(_message.Message):
+    __slots__ = ("peer", "address", "metrics_address", "device", "state", "samples_per_second")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    address: str
+    metrics_address: str
+    device: str
+    state: _control_pb2.PeerState
+    samples_per_second: float
+    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.PeerState, str]] = ..., samples_per_second: _Optional[float] = ...) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("stage", "layers", "replicas")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, stage: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    name: str
+    state: _control_pb2.JobState
+    step: int
+    steps: int
+    loss: float
+    error: str
+    message: str
+    stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
+    samples_per_second: float
+    created: float
+    updated: float
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ...) -> None: ...
+
+class SchedulerSubmitJobRequest(_message.Message):
+    __slots__ = ("spec", "base_dir")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIR_FIELD_NUMBER: _ClassVar[int]
+    spec: str
+    base_dir: str
+    def __init__(self, spec: _Optional[str] = ..., base_dir: _Optional[str] = ...) -> None: ...
+
+class SchedulerSubmitJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: JobStatus
+    def __init__(self, job: _Optional[_Union[JobStatus, _Mapping]] = ...) -> None: ...
+
+class SchedulerGetJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class SchedulerGetJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: JobStatus
+    def __init__(self, job: _Optional[_Union[JobStatus, _Mapping]] = ...) -> None: ...
+
+class SchedulerListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+
+class SchedulerCancelJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class SchedulerCancelJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: JobStatus
+    def __init__(self, job: _Optional[_Union[JobStatus, _Mapping]] = ...) -> None: ...
+
+class SchedulerExportModelRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class SchedulerExportModelResponse(_message.Message):
+    __slots__ = ("tensors", "chunk", "step")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    chunk: _tensor_pb2.Chunk
+    step: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,127 @@
+"""Brokers for tests: a real Mosquitto in a child process, and small waiting helpers.
+
+Every wait here is bounded; a broker that does not come up fails the test with its own log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = [
+    "MOSQUITTO",
+    "START_TIMEOUT_S",
+    "STOP_TIMEOUT_S",
+    "Mosquitto",
+    "free_port",
+    "mosquitto",
+    "wait_for_port",
+]
+
+MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+START_TIMEOUT_S = 10.0
+"""How long a broker may take to accept connections."""
+STOP_TIMEOUT_S = 5.0
+"""How long a broker may take to exit after SIGTERM before it is killed."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it; a race is possible but rare)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(
+    host: str, port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Return once `host:port` accepts TCP connections; raise after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"broker exited with code {proc.returncode} before listening")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing accepts connections on {host}:{port}") from None
+            time.sleep(0.02)
+
+
+class Mosquitto:
+    """A Mosquitto broker on 127.0.0.1:`port` with a generated config under `workdir`.
+
+    Anonymous access, no persistence; `stop()` then `start()` restarts it on the same port.
+    """
+
+    host = "127.0.0.1"
+
+    def __init__(self, workdir: Path, port: int = 0) -> None:
+        self.workdir = workdir
+        self.port = port or free_port(self.host)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        if self._proc is not None:
+            raise RuntimeError("mosquitto already running")
+        self._starts += 1
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "mosquitto.conf"
+        log_path = self.workdir / f"mosquitto-{self._starts}.log"
+        config.write_text(
+            f"listener {self.port} {self.host}\n"
+            "allow_anonymous true\n"
+            "persistence false\n"
+            "log_dest stderr\n"
+            # Started as root, mosquitto would switch to user "mosquitto"; stay who we are.
+            f"user {pwd.getpwuid(os.getuid()).pw_name}\n"
+        )
+        with log_path.open("wb") as log:
+            self._proc = subprocess.Popen(
+                [MOSQUITTO, "-c", str(config)], stdout=log, stderr=subprocess.STDOUT
+            )
+        try:
+            wait_for_port(self.host, self.port, START_TIMEOUT_S, self._proc)
+        except Exception as exc:
+            self.stop()
+            raise RuntimeError(f"mosquitto did not start: {exc}\n{log_path.read_text()}") from exc
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(STOP_TIMEOUT_S)
+
+    def __enter__(self) -> Mosquitto:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def mosquitto(workdir: Path, port: int = 0) -> Iterator[Mosquitto]:
+    """Run Mosquitto on a free port (or `port`) for the duration of the block."""
+    if not Path(MOSQUITTO).exists():
+        raise RuntimeError(f"mosquitto not found at {MOSQUITTO}; install the Debian package")
+    with Mosquitto(workdir, port) as broker:
+        yield broker

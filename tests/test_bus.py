@@ -1,0 +1,361 @@
+"""The MQTT bus against real brokers: the embedded amqtt one and Mosquitto, in turn."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bus_helpers import Mosquitto
+from google.protobuf.message import Message
+from prometheus_client import CollectorRegistry
+
+from swarm.broker import EmbeddedBroker
+from swarm.bus import (
+    ANY,
+    BrokerUrlError,
+    Bus,
+    BusAuthError,
+    BusNotConnected,
+    BusSettings,
+    Subscription,
+    TopicError,
+    TopicInfo,
+    TopicKind,
+    Topics,
+    parse_broker_url,
+    topic_matches,
+)
+from swarm.errors import ConfigError
+from swarm.proto import control_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+WAIT_S = 10.0  # bound on any single expected event
+FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
+
+
+class BrokerUnderTest:
+    """Either broker behind one interface, so each test runs against both."""
+
+    def __init__(self, kind: str, workdir: Path) -> None:
+        self.kind = kind
+        self._mosquitto = Mosquitto(workdir) if kind == "mosquitto" else None
+        self._embedded: EmbeddedBroker | None = None
+        self.port = self._mosquitto.port if self._mosquitto else 0
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        if self._mosquitto is not None:
+            await asyncio.to_thread(self._mosquitto.start)
+        else:
+            self._embedded = EmbeddedBroker(port=self.port)
+            await self._embedded.start()
+            self.port = self._embedded.port
+
+    async def stop(self) -> None:
+        if self._mosquitto is not None:
+            await asyncio.to_thread(self._mosquitto.stop)
+        elif self._embedded is not None:
+            await self._embedded.stop()
+            self._embedded = None
+
+
+@pytest.fixture(params=["amqtt", "mosquitto"])
+async def broker(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BrokerUnderTest]:
+    under_test = BrokerUnderTest(request.param, tmp_path / "broker")
+    await under_test.start()
+    try:
+        yield under_test
+    finally:
+        await under_test.stop()
+
+
+def bus(url: str, client_id: str, **kwargs: Any) -> Bus:
+    kwargs.setdefault("registry", CollectorRegistry())
+    kwargs.setdefault("settings", FAST)
+    return Bus(url, client_id, **kwargs)
+
+
+async def receive(sub: Subscription, timeout: float = WAIT_S) -> tuple[str, Message]:
+    return await asyncio.wait_for(anext(sub), timeout)
+
+
+async def receive_until(
+    sub: Subscription, done: Callable[[str, Message], bool], timeout: float = WAIT_S
+) -> tuple[str, Message]:
+    """The first message for which `done` holds, skipping others; bounded by `timeout`."""
+    async with asyncio.timeout(timeout):
+        async for topic, message in sub:
+            if done(topic, message):
+                return topic, message
+    raise AssertionError("subscription ended")
+
+
+async def until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
+def serving(peer: str, stage: int = 0) -> pb.PeerAnnouncement:
+    return pb.PeerAnnouncement(
+        peer=peer,
+        address="127.0.0.1:5000",
+        device="cpu",
+        job="j1",
+        stage=stage,
+        state=pb.PEER_STATE_SERVING,
+    )
+
+
+_OUR_FILES = (os.path.join("swarm", "bus.py"), os.path.join("aiomqtt", "client.py"))
+
+
+def _leftover_tasks() -> list[asyncio.Task[Any]]:
+    def ours(task: asyncio.Task[Any]) -> bool:
+        code = getattr(task.get_coro(), "cr_code", None)
+        name = code.co_filename if code else ""
+        return name.endswith(_OUR_FILES)
+
+    return [t for t in asyncio.all_tasks() if not t.done() and ours(t)]
+
+
+# ------------------------------------------------------------------------------ without a broker
+
+
+def test_parse_broker_url() -> None:
+    addr = parse_broker_url("mqtt://alice:s%40cret@broker.example:1884")
+    assert (addr.host, addr.port, addr.username, addr.password, addr.tls) == (
+        "broker.example",
+        1884,
+        "alice",
+        "s@cret",
+        False,
+    )
+    assert "s@cret" not in repr(addr)
+    assert parse_broker_url("mqtts://[::1]").port == 8883
+    assert parse_broker_url("mqtt://h").port == 1883
+    for bad in [
+        "http://h:1",
+        "mqtt://:1883",
+        "mqtt://h:99999",
+        "mqtt://h:0",
+        "mqtt://h/x",
+        "h:1883",
+        "mqtt://u:tok@h:x",
+    ]:
+        with pytest.raises(BrokerUrlError) as info:
+            parse_broker_url(bad)
+        assert "tok" not in str(info.value)
+    assert issubclass(BrokerUrlError, ConfigError)
+
+
+def test_topics_build_and_parse() -> None:
+    t = Topics("s/v1")
+    assert t.prefix == "s/v1/"
+    assert t.peer("p1") == "s/v1/peers/p1"
+    assert t.assign("j", "p") == "s/v1/jobs/j/assign/p"
+    assert t.load("j", ANY) == "s/v1/jobs/j/load/+"
+    assert t.parse(t.peer("p1")) == TopicInfo(TopicKind.PEER, None, "p1")
+    assert t.parse(t.job("j")) == TopicInfo(TopicKind.JOB, "j", None)
+    assert t.parse(t.assign("j", "p")) == TopicInfo(TopicKind.ASSIGN, "j", "p")
+    assert t.parse(t.load("j", "p")) == TopicInfo(TopicKind.LOAD, "j", "p")
+    assert t.parse(t.steps("j")) == TopicInfo(TopicKind.STEPS, "j", None)
+    for bad_id in ["", "a/b", "#", "a+"]:
+        with pytest.raises(TopicError):
+            t.peer(bad_id)
+    for bad_topic in ["x/v1/peers/p", "s/v1/peers/p/q", "s/v1/jobs/j/other/p", "s/v1/peers/+"]:
+        with pytest.raises(TopicError):
+            t.parse(bad_topic)
+    assert topic_matches("s/v1/jobs/j/load/p", t.load(ANY, ANY))
+    assert topic_matches("s/v1/jobs/j", t.everything())
+    assert not topic_matches("s/v1/jobs/j/steps", t.job(ANY))
+    with pytest.raises(ConfigError):
+        BusSettings(reconnect_initial_s=10, reconnect_max_s=5)
+
+
+# ------------------------------------------------------------------------------- against brokers
+
+
+async def test_retained_state_reaches_late_subscriber(broker: BrokerUnderTest) -> None:
+    async with bus(broker.url, "peer-a") as a:
+        await a.wait_connected(WAIT_S)
+        await a.publish(a.topics.peer("a"), serving("a"), retain=True)
+        await a.publish(a.topics.steps("j1"), pb.StepCommitted(job="j1", step=3), retain=True)
+        await a.publish(a.topics.peer("gone"), serving("gone"), retain=True)
+        await a.publish(a.topics.peer("gone"), b"", retain=True)  # clears the topic
+
+        async with bus(broker.url, "late") as late, late.subscribe(late.topics.everything()) as sub:
+            seen: dict[str, Message] = {}
+            while len(seen) < 2:
+                topic, message = await receive(sub)
+                seen[topic] = message
+        assert set(seen) == {a.topics.peer("a"), a.topics.steps("j1")}
+        peer = seen[a.topics.peer("a")]
+        assert isinstance(peer, pb.PeerAnnouncement)
+        assert peer.state == pb.PEER_STATE_SERVING and peer.HasField("stage")
+        assert isinstance(seen[a.topics.steps("j1")], pb.StepCommitted)
+    assert _leftover_tasks() == []
+
+
+async def test_load_reaches_live_subscribers(broker: BrokerUnderTest) -> None:
+    async with bus(broker.url, "sched") as sched, bus(broker.url, "peer-b") as peer:
+        await sched.wait_connected(WAIT_S)
+        loads = sched.subscribe(sched.topics.load("j1", ANY))
+        await loads.wait_subscribed(WAIT_S)
+        await peer.publish(peer.topics.load("j1", "b"), pb.LoadReport(peer="b", queue_depth=4))
+        topic, report = await receive(loads)
+        assert sched.topics.parse(topic) == TopicInfo(TopicKind.LOAD, "j1", "b")
+        assert isinstance(report, pb.LoadReport) and report.queue_depth == 4
+
+        # A consumer cancelled mid-iteration leaves no subscription behind, and closing the bus
+        # ends the iteration of the others.
+        async def consume() -> None:
+            async with sched.subscribe(sched.topics.peer(ANY)) as sub:
+                async for _ in sub:
+                    pass
+
+        consumer = asyncio.create_task(consume())
+        await until(lambda: len(sched._subs) == 2)
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        assert len(sched._subs) == 1
+        draining = asyncio.create_task(receive_until(loads, lambda *_: False))
+    with pytest.raises(AssertionError, match="subscription ended"):
+        await draining
+    assert _leftover_tasks() == []
+
+
+async def test_prefix_isolates_swarms(broker: BrokerUnderTest) -> None:
+    async with (
+        bus(broker.url, "a", prefix="swarm-a/v1/") as a,
+        bus(broker.url, "b", prefix="swarm-b/v1/") as b,
+    ):
+        await a.wait_connected(WAIT_S)
+        await b.wait_connected(WAIT_S)
+        b_all = b.subscribe(b.topics.everything())
+        a_all = a.subscribe(a.topics.everything())
+        await b_all.wait_subscribed(WAIT_S)
+        await a_all.wait_subscribed(WAIT_S)
+        await a.publish(a.topics.peer("x"), serving("x"), retain=True)
+        await b.publish(b.topics.job("marker"), pb.JobAnnouncement(job="marker"))
+        assert (await receive(a_all))[0] == "swarm-a/v1/peers/x"
+        assert (await receive(b_all))[0] == "swarm-b/v1/jobs/marker"  # nothing from swarm-a
+
+
+_CHILD = textwrap.dedent("""
+    import asyncio, sys
+    from swarm.bus import Bus, BusSettings
+    from swarm.proto import control_pb2 as pb
+
+    async def main() -> None:
+        url = sys.argv[1]
+        will = ("swarm/v1/peers/p1", pb.PeerAnnouncement(peer="p1", state=pb.PEER_STATE_OFFLINE))
+        async with Bus(url, "p1", will=will, settings=BusSettings(keepalive_s=1)) as bus:
+            await bus.wait_connected(10)
+            serving = pb.PeerAnnouncement(peer="p1", state=pb.PEER_STATE_SERVING)
+            await bus.publish(bus.topics.peer("p1"), serving, retain=True)
+            print("ready", flush=True)
+            await asyncio.Event().wait()
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.slow
+async def test_last_will_marks_killed_peer_offline(broker: BrokerUnderTest) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CHILD, broker.url, cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), 20)
+        assert line.strip() == b"ready", line
+        async with bus(broker.url, "watcher") as watcher:
+            peers = watcher.subscribe(watcher.topics.peer("p1"))
+            await receive_until(peers, lambda _, m: m.state == pb.PEER_STATE_SERVING)  # type: ignore[attr-defined]
+            child.kill()  # SIGKILL: no clean disconnect, only the broker can speak for p1
+            await receive_until(peers, lambda _, m: m.state == pb.PEER_STATE_OFFLINE, 15)  # type: ignore[attr-defined]
+    finally:
+        if child.returncode is None:
+            child.kill()
+        await child.wait()
+
+
+async def test_reconnects_and_restores_after_broker_restart(broker: BrokerUnderTest) -> None:
+    async with bus(broker.url, "peer-r") as peer, bus(broker.url, "sched-r") as sched:
+        await peer.wait_connected(WAIT_S)
+        await sched.wait_connected(WAIT_S)
+        await peer.publish(peer.topics.peer("r"), serving("r", stage=0), retain=True)
+        loads = sched.subscribe(sched.topics.load("j1", ANY))
+        await loads.wait_subscribed(WAIT_S)
+
+        await broker.stop()
+        await until(lambda: not peer.connected and not sched.connected)
+        # While the broker is down: a retained update is kept, a load report cannot be sent.
+        await peer.publish(peer.topics.peer("r"), serving("r", stage=1), retain=True, timeout=0.2)
+        with pytest.raises(BusNotConnected):
+            await peer.publish(peer.topics.load("j1", "r"), pb.LoadReport(peer="r"), timeout=0.2)
+
+        await broker.start()  # same port, empty: no retained state survived
+        await peer.wait_connected(WAIT_S)
+        await sched.wait_connected(WAIT_S)
+        async with (
+            bus(broker.url, "fresh") as fresh,
+            fresh.subscribe(fresh.topics.peer(ANY)) as sub,
+        ):
+            _, announcement = await receive(sub)
+        assert isinstance(announcement, pb.PeerAnnouncement) and announcement.stage == 1
+
+        await loads.wait_subscribed(WAIT_S)
+        await peer.publish(peer.topics.load("j1", "r"), pb.LoadReport(peer="r", in_flight=2))
+        _, report = await receive(loads)
+        assert isinstance(report, pb.LoadReport) and report.in_flight == 2
+
+
+async def test_malformed_payload_is_dropped_and_counted(broker: BrokerUnderTest) -> None:
+    registry = CollectorRegistry()
+    async with (
+        bus(broker.url, "reader", registry=registry) as reader,
+        bus(broker.url, "writer") as writer,
+    ):
+        await writer.wait_connected(WAIT_S)
+        everything = reader.subscribe(reader.topics.everything())
+        await everything.wait_subscribed(WAIT_S)
+        await writer.publish(writer.topics.peer("bad"), b"\xff\xfe\xfd not a protobuf")
+        await writer.publish(writer.topics.prefix + "unknown/kind", serving("x"))
+        await writer.publish(writer.topics.peer("good"), serving("good"))
+        topic, message = await receive(everything)
+        assert topic == writer.topics.peer("good") and isinstance(message, pb.PeerAnnouncement)
+        assert registry.get_sample_value("swarm_bus_malformed_messages_total") == 2
+
+
+async def test_token_guards_the_embedded_broker() -> None:
+    async with EmbeddedBroker(token="s3cret") as broker:
+        async with bus(broker.url, "good", token="s3cret") as good:
+            await good.wait_connected(WAIT_S)
+            sub = good.subscribe(good.topics.job(ANY))
+            await sub.wait_subscribed(WAIT_S)
+            await good.publish(good.topics.job("j1"), pb.JobAnnouncement(job="j1"), retain=True)
+            assert (await receive(sub))[0] == good.topics.job("j1")
+        for name, token in [("wrong", "guess"), ("none", None)]:
+            async with bus(broker.url, name, token=token) as bad:
+                with pytest.raises(BusAuthError, match="refused"):
+                    await bad.wait_connected(WAIT_S)
+                with pytest.raises(BusAuthError):
+                    await bad.publish(bad.topics.job("j1"), pb.JobAnnouncement(job="j1"))
+    assert _leftover_tasks() == []
