@@ -28,7 +28,7 @@ async def run_trainer(
     show_progress: bool = True,
 ) -> int:
     torch.set_num_threads(max(1, threads))
-    metrics = TrainerMetrics.create(job.fingerprint())
+    metrics = TrainerMetrics(job.fingerprint())
     if metrics_port is not None:
         serve_metrics(metrics.registry, "127.0.0.1", metrics_port)
     trainer = PipelineTrainer(job, addresses, metrics=metrics)

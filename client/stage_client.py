@@ -6,11 +6,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import torch
 
 from stage_server.server import grpc_options
-from swarm import codec, wire
+from swarm import auth, codec, wire
 from swarm.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
@@ -26,7 +25,9 @@ class BackwardResult:
 
 
 class StageClient:
-    def __init__(self, address: str, job: JobConfig, job_id: str, stage: int) -> None:
+    def __init__(
+        self, address: str, job: JobConfig, job_id: str, stage: int, token: str | None = None
+    ) -> None:
         self.address, self.job, self.job_id, self.stage = address, job, job_id, stage
         rt = job.runtime
         self._timeout, self._chunk, self._max = (
@@ -37,8 +38,8 @@ class StageClient:
         # Any: the generated stubs type enum fields as their enum class, not int.
         self._codec: Any = codec.codec_from_name(job.compression.wire)
         self._block = job.compression.block_size
-        self.channel = grpc.aio.insecure_channel(
-            address, options=grpc_options(rt.max_message_bytes)
+        self.channel = auth.channel(
+            address, token=token, options=grpc_options(rt.max_message_bytes)
         )
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
 

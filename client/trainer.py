@@ -48,32 +48,52 @@ class PipelineTrainer:
         *,
         data: DataSource | None = None,
         metrics: TrainerMetrics | None = None,
+        job_id: str | None = None,
+        token: str | None = None,
     ) -> None:
         if len(addresses) != job.training.stages:
             raise TrainerError(
                 f"the job has {job.training.stages} stages; got {len(addresses)} stage servers"
             )
-        self.job, self.job_id = job, job.fingerprint()
-        self.clients = [StageClient(a, job, self.job_id, k) for k, a in enumerate(addresses)]
+        # Standalone servers know a job by its fingerprint; a scheduler names it by its job id.
+        self.job, self.job_id = job, job_id or job.fingerprint()
+        self.clients = [StageClient(a, job, self.job_id, k, token) for k, a in enumerate(addresses)]
         self.data = data or make_data(job)
-        self.metrics = metrics or TrainerMetrics.create(self.job_id)
+        self.metrics = metrics or TrainerMetrics(self.job_id)
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
 
     async def check_servers(self) -> int:
-        """Ask each server what it serves; returns the step they agree on."""
+        """Ask each server what it serves and bring them to one step; returns that step.
+
+        A trainer that died between committing some stages and the rest leaves the laggards one
+        step behind, each still holding every receipt of that step (a commit is only sent once all
+        receipts exist): committing those receipts finishes the step exactly. Any other mismatch is
+        an error."""
         infos = await asyncio.gather(*(c.info() for c in self.clients))
         for k, info in enumerate(infos):
             if info.job != self.job_id or info.stage != k:
                 raise TrainerError(
-                    f"{self.clients[k].address} serves job {info.job} stage {info.stage}; "
-                    f"expected job {self.job_id} stage {k} (same job file on both sides?)"
+                    f"{self.clients[k].address} serves job {info.job!r} stage {info.stage}; "
+                    f"expected job {self.job_id!r} stage {k} (same job file on both sides?)"
                 )
-        steps = {info.step for info in infos}
-        if len(steps) != 1:
+        steps = sorted({info.step for info in infos})
+        if len(steps) == 1:
+            return steps[0]
+        m, mb = self.job.training.microbatches_per_step, self.job.training.microbatch_size
+        behind = [k for k, info in enumerate(infos) if info.step == steps[0]]
+        if (
+            len(steps) > 2
+            or steps[1] != steps[0] + 1
+            or any(len(infos[k].receipts) != m for k in behind)
+        ):
             raise TrainerError(f"stage servers disagree on the step: {[i.step for i in infos]}")
-        return steps.pop()
+        log.warning("finishing step %d's commit on stages %s", steps[0], behind)
+        await asyncio.gather(
+            *(self.clients[k].commit(steps[0], list(infos[k].receipts), m * mb) for k in behind)
+        )
+        return steps[1]
 
     async def _microbatch(self, step: int, index: int, state: _StepState) -> None:
         inputs, targets = self.data.microbatch(step, index)

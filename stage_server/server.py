@@ -18,11 +18,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
+from swarm.auth import server_interceptors
 from swarm.config import JobConfig
 from swarm.metrics import StageMetrics, serve_metrics
 from swarm.proto import stage_pb2_grpc
 
-__all__ = ["StageServerOptions", "grpc_options", "run_stage_server", "start_stage_server"]
+__all__ = [
+    "RunningStageServer",
+    "StageServerOptions",
+    "check_device",
+    "grpc_options",
+    "install_signal_handlers",
+    "run_stage_server",
+    "start_grpc",
+    "start_stage_server",
+]
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "swarm.proto.StageService"
@@ -38,6 +48,7 @@ class StageServerOptions:
     threads: int = 1  # torch intra-op threads; size to this process's share of cores
     peer: str = ""  # defaults to host:port
     shutdown_grace_s: float = 10.0  # how long in-flight calls may finish after SIGTERM
+    token: str | None = None  # swarm token every call must carry (None: open)
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -52,11 +63,15 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 class RunningStageServer:
     server: grpc.aio.Server
     health: health.aio.HealthServicer
+    servicer: StageServicer
     executor: ThreadPoolExecutor
     address: str
     metrics_port: int | None
-    runtime: StageRuntime
     grace_s: float
+
+    @property
+    def runtime(self) -> StageRuntime:
+        return self.servicer.runtime
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
@@ -64,22 +79,32 @@ class RunningStageServer:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-async def start_stage_server(job: JobConfig, opts: StageServerOptions) -> RunningStageServer:
-    device = torch.device(opts.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {opts.device}: CUDA is not available on this machine")
-    runtime = StageRuntime(job, opts.stage, device)
-    server = grpc.aio.server(options=grpc_options(job.runtime.max_message_bytes))
+def check_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: CUDA is not available on this machine")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise SystemExit(f"--device {device}: MPS is not available on this machine")
+    return dev
+
+
+async def start_grpc(
+    opts: StageServerOptions, max_message_bytes: int, throttle: float = 1.0
+) -> RunningStageServer:
+    """A listening stage server that serves no stage yet (`servicer.serve` installs one)."""
+    metrics = StageMetrics(opts.peer or "")
+    server = grpc.aio.server(
+        interceptors=server_interceptors(opts.token, metrics.registry),
+        options=grpc_options(max_message_bytes),
+    )
     port = server.add_insecure_port(f"{opts.host}:{opts.port}")
     if port == 0:
         raise SystemExit(f"cannot listen on {opts.host}:{opts.port}")
     address = f"{opts.host}:{port}"
     peer = opts.peer or address
-    metrics = StageMetrics.create(job.fingerprint(), opts.stage, peer)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{opts.stage}")
-    servicer = StageServicer(
-        runtime, job_id=job.fingerprint(), peer=peer, metrics=metrics, executor=executor
-    )
+    metrics.values["peer"] = peer
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
+    servicer = StageServicer(peer=peer, metrics=metrics, executor=executor, throttle=throttle)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -89,18 +114,25 @@ async def start_stage_server(job: JobConfig, opts: StageServerOptions) -> Runnin
         else None
     )
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return RunningStageServer(
-        server, health_servicer, executor, address, metrics_port, runtime, opts.shutdown_grace_s
+        server, health_servicer, servicer, executor, address, metrics_port, opts.shutdown_grace_s
     )
 
 
-async def run_stage_server(job: JobConfig, opts: StageServerOptions) -> None:
-    """Serve until SIGTERM/SIGINT. Prints one ready line that tools and tests wait for."""
-    torch.set_num_threads(max(1, opts.threads))
-    running = await start_stage_server(job, opts)
-    stop = asyncio.Event()
+async def start_stage_server(
+    job: JobConfig, opts: StageServerOptions, throttle: float = 1.0
+) -> RunningStageServer:
+    """A stage server for `opts.stage` of `job`, given on the command line (no scheduler)."""
+    runtime = StageRuntime(job, opts.stage, check_device(opts.device))
+    running = await start_grpc(opts, job.runtime.max_message_bytes, throttle)
+    running.servicer.serve(runtime, job.fingerprint())
+    await running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    return running
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    """SIGTERM/SIGINT set `stop`; a second one exits at once."""
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
@@ -111,6 +143,14 @@ async def run_stage_server(job: JobConfig, opts: StageServerOptions) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+
+
+async def run_stage_server(job: JobConfig, opts: StageServerOptions, throttle: float = 1.0) -> None:
+    """Serve until SIGTERM/SIGINT. Prints one ready line that tools and tests wait for."""
+    torch.set_num_threads(max(1, opts.threads))
+    running = await start_stage_server(job, opts, throttle)
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
     rt = running.runtime
     print(
         f"swarm stage-server ready: stage={opts.stage} address={running.address} "

@@ -51,33 +51,59 @@ class _Aborted(Exception):
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
+    """Serves whichever stage `serve` last installed; until then every call is NOT_FOUND."""
+
     def __init__(
         self,
-        runtime: StageRuntime,
         *,
-        job_id: str,
         peer: str,
         metrics: StageMetrics,
         executor: ThreadPoolExecutor,
+        throttle: float = 1.0,
     ) -> None:
-        self.runtime, self.job_id, self.peer = runtime, job_id, peer
-        self.metrics, self._executor = metrics, executor
+        self.peer, self.metrics, self._executor = peer, metrics, executor
+        self.throttle = throttle  # >1 stands in for a slower device: compute takes that much longer
+        self.job_id = ""
+        self._runtime: StageRuntime | None = None
+        self._chunk, self._max_bytes, self._block = 4 << 20, 1 << 30, 2048
+
+    def serve(self, runtime: StageRuntime, job_id: str) -> None:
+        """Start serving `runtime` as job `job_id` (called on the event loop between calls)."""
+        self._runtime, self.job_id = runtime, job_id
         rt = runtime.job.runtime
         self._chunk, self._max_bytes = rt.chunk_bytes, rt.max_tensor_bytes
         self._block = runtime.job.compression.block_size
+        self.metrics.bind(job_id, runtime.stage)
+
+    def release(self) -> None:
+        """Stop serving: later calls are NOT_FOUND until the next `serve`."""
+        self._runtime, self.job_id = None, ""
+
+    @property
+    def runtime(self) -> StageRuntime:
+        if self._runtime is None:
+            raise NotFound(f"peer {self.peer} serves no stage yet")
+        return self._runtime
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run on the replica's single worker thread: torch work is serial per replica, and the
         event loop stays free to move bytes for the calls queued behind it."""
-        self.metrics.queue_depth.inc()
+        self.metrics.queue(1)
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self._executor, functools.partial(fn, *args, **kwargs)
-            )
+            call = functools.partial(fn, *args, **kwargs)
+            return await loop.run_in_executor(self._executor, self._throttled, call)
         finally:
-            self.metrics.queue_depth.dec()
+            self.metrics.queue(-1)
+
+    def _throttled(self, call: Callable[[], T]) -> T:
+        start = time.perf_counter()
+        try:
+            return call()
+        finally:
+            if self.throttle > 1:  # hold the worker, as a slower device would be held
+                time.sleep((self.throttle - 1) * (time.perf_counter() - start))
 
     @contextlib.asynccontextmanager
     async def _handling(
@@ -88,11 +114,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             yield
         except WireError as e:
             code = STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT)
-            log.info("stage %d %s refused: %s: %s", self.runtime.stage, method, code.name, e)
+            log.info("%s %s refused: %s: %s", self.peer, method, code.name, e)
             raise _Aborted(code, str(e)) from e
         except Exception as e:  # a bug, not bad input: report it, keep serving
             code = grpc.StatusCode.INTERNAL
-            log.exception("stage %d %s failed", self.runtime.stage, method)
+            log.exception("%s %s failed", self.peer, method)
             raise _Aborted(code, f"{type(e).__name__}: {e}") from e
         finally:
             self.metrics.observe(method, code.name, time.perf_counter() - start)
@@ -107,7 +133,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             await context.abort(e.code, e.message)
 
     def _route(self, job: str, stage: int) -> None:
-        if job != self.job_id:
+        if self._runtime is None or job != self.job_id:
             raise NotFound(f"unknown job {job!r}; this server serves job {self.job_id!r}")
         if stage != self.runtime.stage:
             raise NotFound(
@@ -118,9 +144,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         received = await wire.receive(requests, max_bytes=self._max_bytes)
         self._route(received.header.job, received.header.stage)
         tensors = wire.decode_named(received, device="cpu", max_bytes=self._max_bytes)
-        self.metrics.wire_bytes_received.inc(sum(t.nbytes for t in received.header.tensors))
-        self.metrics.raw_bytes_received.inc(
-            sum(t.numel() * t.element_size() for t in tensors.values())
+        self.metrics.received(
+            sum(t.nbytes for t in received.header.tensors),
+            sum(t.numel() * t.element_size() for t in tensors.values()),
         )
         return received.header, tensors
 
@@ -142,17 +168,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if tensor is None:
             return []
         msg = codec.encode(tensor, name, reply_codec, self._block)
-        self.metrics.wire_bytes_sent.inc(msg.nbytes)
-        self.metrics.raw_bytes_sent.inc(tensor.numel() * tensor.element_size())
+        self.metrics.sent(msg.nbytes, tensor.numel() * tensor.element_size())
         return [msg]
 
     def _split(self, msg: M) -> Iterator[M]:
         return wire.split(msg, self._chunk)
 
     def _receipt(self, r: Receipt) -> pb.Receipt:
-        self.metrics.pending_receipts.set(len(self.runtime.receipts()))
-        if not r.duplicate:
-            self.metrics.samples.inc(r.samples)
+        self.metrics.accumulated(0 if r.duplicate else r.samples, len(self.runtime.receipts()))
         return pb.Receipt(
             peer=self.peer,
             stage=r.stage,
@@ -230,16 +253,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 self.runtime.commit, request.step, list(request.microbatches), request.total_samples
             )
             if not already:
-                self.metrics.optimizer_steps.inc()
-                log.info("stage %d committed step %d", self.runtime.stage, request.step)
-            self.metrics.step.set(self.runtime.step)
-            self.metrics.pending_receipts.set(0)
+                log.info("%s: stage %d committed step %d", self.peer, request.stage, request.step)
+            self.metrics.committed(self.runtime.step, applied=not already)
             return pb.StageCommitResponse(step=self.runtime.step, already_committed=already)
 
         return await self._run("Commit", context, body)
 
     async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> Any:
-        rt = self.runtime
+        rt = self._runtime
+        if rt is None:
+            return pb.StageInfoResponse(peer=self.peer)
         return pb.StageInfoResponse(
             peer=self.peer,
             job=self.job_id,
@@ -250,6 +273,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             num_parameters=rt.num_parameters(),
             layers=rt.layers,
             pending_microbatches=len(rt.receipts()),
+            receipts=sorted(rt.receipts()),
         )
 
     async def DownloadState(

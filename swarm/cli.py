@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from client.commands import add_client_commands
 from swarm.errors import SwarmError
 
 __all__ = ["build_parser", "main"]
@@ -29,6 +30,15 @@ def _env(flag: str, default: Any) -> Any:
 
 def _add(p: argparse.ArgumentParser, flag: str, default: Any, help: str, **kw: Any) -> None:
     p.add_argument(f"--{flag}", default=_env(flag, default), help=help, **kw)
+
+
+def _secret(p: argparse.ArgumentParser) -> None:
+    # No default shown: help output must not print the secret from SWARM_TOKEN.
+    p.add_argument(
+        "--token",
+        default=None,
+        help="swarm token (default: SWARM_TOKEN; prefer it, flags show in `ps`)",
+    )
 
 
 def _job(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -52,20 +62,67 @@ def cmd_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    return args.token or os.environ.get("SWARM_TOKEN") or None
+
+
 def cmd_stage_server(args: argparse.Namespace) -> int:
+    from stage_server.agent import run_peer
     from stage_server.server import StageServerOptions, run_stage_server
     from swarm.config import load_job
 
-    job = load_job(args.job)
     opts = StageServerOptions(
-        stage=args.stage,
+        stage=args.stage if args.stage is not None else -1,
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
         device=args.device,
         threads=args.threads,
+        peer=args.peer,
+        token=_token(args),
     )
-    asyncio.run(run_stage_server(job, opts))
+    if args.job:
+        if args.stage is None:
+            raise SwarmError("--job needs --stage (or leave out both to join a scheduler's swarm)")
+        asyncio.run(run_stage_server(load_job(args.job), opts, throttle=args.throttle))
+    elif args.broker:
+        asyncio.run(run_peer(opts, args.broker, throttle=args.throttle, token=opts.token))
+    else:
+        raise SwarmError(
+            "give --broker URL (or SWARM_BROKER) to join a swarm, "
+            "or --job FILE --stage K to serve one stage on its own"
+        )
+    return 0
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from scheduler.main import SchedulerProcessOptions, run_scheduler
+
+    opts = SchedulerProcessOptions(
+        store=args.store,
+        checkpoint_dir=args.checkpoint_dir,
+        broker=args.broker,
+        broker_port=args.broker_port,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        token=_token(args),
+    )
+    asyncio.run(run_scheduler(opts))
+    return 0
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from swarm.broker import run_broker
+
+    async def serve() -> None:
+        from stage_server.server import install_signal_handlers
+
+        stop = asyncio.Event()
+        install_signal_handlers(stop)
+        await run_broker(args.host, args.port, _token(args), stop)
+
+    asyncio.run(serve())
     return 0
 
 
@@ -116,14 +173,45 @@ def build_parser() -> argparse.ArgumentParser:
     _add(p, "threads", 0, "torch threads (0: one per core)", type=int)
     p.add_argument("--log", type=Path, help="write one JSON line per step here")
 
-    p = command("stage-server", cmd_stage_server, "serve one stage of a job")
-    _job(p)
-    p.add_argument("--stage", type=int, required=True, help="stage index, 0..stages-1")
+    p = command(
+        "stage-server",
+        cmd_stage_server,
+        "join a swarm (--broker) or serve one stage of a job (--job, --stage)",
+    )
+    _add(p, "broker", None, "MQTT broker URL, mqtt://[user:pass@]host:port or mqtts://...")
+    _job(p, required=False)
+    p.add_argument("--stage", type=int, help="stage index, 0..stages-1 (with --job)")
+    _add(
+        p,
+        "throttle",
+        1.0,
+        "make compute this many times slower (stands in for a slow device)",
+        type=float,
+    )
+    _add(p, "peer", "", "peer id (default: hostname-port)")
+    _secret(p)
     _add(p, "host", "127.0.0.1", "address to listen on")
     _add(p, "port", 0, "gRPC port (0: any free port)", type=int)
     _add(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
     _add(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
     _add(p, "threads", 1, "torch threads: this process's share of the cores", type=int)
+
+    p = command("scheduler", cmd_scheduler, "run the scheduler: job API, placement, trainers")
+    _add(p, "broker", None, "MQTT broker URL (default: run an embedded broker)")
+    _add(p, "broker-port", 0, "embedded broker's port (0: any free port)", type=int)
+    _add(p, "host", "127.0.0.1", "address to listen on")
+    _add(p, "port", 7700, "job API gRPC port (0: any free port)", type=int)
+    _add(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    _add(p, "store", Path("swarm-jobs.sqlite"), "SQLite job store", type=Path)
+    _add(p, "checkpoint-dir", Path("swarm-checkpoints"), "where trained models are kept", type=Path)
+    _secret(p)
+
+    p = command("broker", cmd_broker, "run the embedded MQTT broker (amqtt)")
+    _add(p, "host", "127.0.0.1", "address to listen on")
+    _add(p, "port", 1883, "port", type=int)
+    _secret(p)
+
+    add_client_commands(command, _env)
 
     p = command("trainer", cmd_trainer, "drive a job's microbatches through stage servers")
     _job(p)

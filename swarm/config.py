@@ -314,7 +314,9 @@ _CLASSES = (ModelConfig, DataConfig, TrainingConfig, OptimizerConfig, Compressio
 SECTIONS: dict[str, type[_Section]] = {c.section: c for c in (*_CLASSES, RuntimeConfig)}
 
 
-def _parse(text: str, base_dir: Path, name: str, source: str) -> JobConfig:
+def _parse(
+    text: str, base_dir: Path, name: str, source: str, check_data: bool = True
+) -> JobConfig:
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -332,7 +334,7 @@ def _parse(text: str, base_dir: Path, name: str, source: str) -> JobConfig:
     path = job.data.path
     if path is not None and not path.is_absolute():
         job = replace(job, data=replace(job.data, path=(base_dir / path).resolve()))
-    if job.data.kind != "text":
+    if job.data.kind != "text" or not check_data:
         return job
     digest = _data_sha256(job)  # fail at load time, not when the first trainer starts
     if job.data.sha256 not in (None, digest):
@@ -341,9 +343,13 @@ def _parse(text: str, base_dir: Path, name: str, source: str) -> JobConfig:
     return replace(job, data=replace(job.data, sha256=digest))
 
 
-def parse_job(text: str, base_dir: Path, name: str = "job") -> JobConfig:
-    """Parse job TOML; relative data paths resolve against `base_dir`; `name` is the default."""
-    return _parse(text, Path(base_dir), name, f"<{name}>")
+def parse_job(
+    text: str, base_dir: Path, name: str = "job", *, check_data: bool = True
+) -> JobConfig:
+    """Parse job TOML; relative data paths resolve against `base_dir`; `name` is the default.
+    `check_data=False` skips reading the data file: stage servers build the model from a job
+    without ever reading its data, and may run where the file is not."""
+    return _parse(text, Path(base_dir), name, f"<{name}>", check_data)
 
 
 def load_job(path: str | Path) -> JobConfig:

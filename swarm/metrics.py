@@ -1,24 +1,24 @@
 """Prometheus metrics. Each process builds its metrics on its own `CollectorRegistry` (so tests can
 run many servers in one process) and serves it on `/metrics`.
 
-Labels are job, stage and peer, plus `method` on per-RPC series: a bounded set of RPC names,
-which is how Prometheus expects per-method latency to be split (see docs/metrics.md).
+Labels are job, stage and peer, plus `method` and `code` on per-RPC series: bounded sets of RPC
+names and status codes, which is how Prometheus expects per-method latency to be split.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-__all__ = ["StageMetrics", "TrainerMetrics", "serve_metrics"]
+__all__ = ["LATENCY_BUCKETS", "StageMetrics", "TrainerMetrics", "serve_metrics"]
 
 log = logging.getLogger(__name__)
 
 # Hop latencies range from a millisecond (tiny stages) to tens of seconds (big stages on slow
 # devices); exponential buckets cover that.
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_LABELS = ("job", "stage", "peer")
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
@@ -29,123 +29,106 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
     return bound
 
 
-@dataclass
 class StageMetrics:
-    registry: CollectorRegistry
-    labels: dict[str, str]
-    requests: Counter  # labelled further by method and code
-    latency: Histogram  # labelled further by method
-    samples: Counter
-    wire_bytes_received: Counter
-    raw_bytes_received: Counter
-    wire_bytes_sent: Counter
-    raw_bytes_sent: Counter
-    optimizer_steps: Counter
-    queue_depth: Gauge
-    pending_receipts: Gauge
-    step: Gauge
+    """A stage server's series. The job and stage labels change when the peer is assigned a
+    stage (`bind`); the series of earlier assignments stay, as counters should."""
 
-    @classmethod
-    def create(cls, job: str, stage: int, peer: str) -> StageMetrics:
-        reg = CollectorRegistry()
-        labels = {"job": job, "stage": str(stage), "peer": peer}
-        names = list(labels)
+    def __init__(self, peer: str, registry: CollectorRegistry | None = None) -> None:
+        reg = self.registry = registry or CollectorRegistry()
+        self.values = {"job": "", "stage": "", "peer": peer}
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=reg).labels(**labels)
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(name, doc, [*_LABELS, *extra], registry=reg)
 
-        return cls(
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, _LABELS, registry=reg)
+
+        self._requests = counter("swarm_stage_requests_total", "RPCs handled", "method", "code")
+        self._latency = Histogram(
+            "swarm_stage_request_seconds",
+            "RPC handling time by method",
+            [*_LABELS, "method"],
+            buckets=LATENCY_BUCKETS,
             registry=reg,
-            labels=labels,
-            requests=Counter(
-                "swarm_stage_requests_total",
-                "RPCs handled, by method and status code",
-                [*names, "method", "code"],
-                registry=reg,
-            ),
-            latency=Histogram(
-                "swarm_stage_request_seconds",
-                "RPC handling time by method",
-                [*names, "method"],
-                buckets=_LATENCY_BUCKETS,
-                registry=reg,
-            ),
-            samples=counter("swarm_stage_samples_total", "Samples passed through Backward"),
-            wire_bytes_received=counter(
-                "swarm_stage_wire_bytes_received_total",
-                "Tensor bytes received, as encoded on the wire",
-            ),
-            raw_bytes_received=counter(
-                "swarm_stage_raw_bytes_received_total",
-                "Tensor bytes received, decoded (before compression)",
-            ),
-            wire_bytes_sent=counter(
-                "swarm_stage_wire_bytes_sent_total", "Tensor bytes sent, as encoded on the wire"
-            ),
-            raw_bytes_sent=counter(
-                "swarm_stage_raw_bytes_sent_total", "Tensor bytes sent, before compression"
-            ),
-            optimizer_steps=counter("swarm_stage_optimizer_steps_total", "Optimizer steps applied"),
-            queue_depth=Gauge(
-                "swarm_stage_queue_depth",
-                "Compute requests waiting or running",
-                names,
-                registry=reg,
-            ).labels(**labels),
-            pending_receipts=Gauge(
-                "swarm_stage_pending_receipts",
-                "Microbatches accumulated for the current step",
-                names,
-                registry=reg,
-            ).labels(**labels),
-            step=Gauge(
-                "swarm_stage_step", "Steps committed on this replica", names, registry=reg
-            ).labels(**labels),
         )
+        self._samples = counter("swarm_stage_samples_total", "Samples accumulated by Backward")
+        self._wire_in = counter(
+            "swarm_stage_wire_bytes_received_total", "Tensor bytes received, as encoded on the wire"
+        )
+        self._raw_in = counter(
+            "swarm_stage_raw_bytes_received_total",
+            "Tensor bytes received, decoded (before compression)",
+        )
+        self._wire_out = counter(
+            "swarm_stage_wire_bytes_sent_total", "Tensor bytes sent, as encoded on the wire"
+        )
+        self._raw_out = counter(
+            "swarm_stage_raw_bytes_sent_total", "Tensor bytes sent, before compression"
+        )
+        self._steps = counter("swarm_stage_optimizer_steps_total", "Optimizer steps applied")
+        self._queue = gauge("swarm_stage_queue_depth", "Compute requests waiting or running")
+        self._pending = gauge(
+            "swarm_stage_pending_receipts", "Microbatches accumulated for the current step"
+        )
+        self._step = gauge("swarm_stage_step", "Steps committed on this replica")
+
+    def bind(self, job: str, stage: int) -> None:
+        self.values = {**self.values, "job": job, "stage": str(stage)}
 
     def observe(self, method: str, code: str, seconds: float) -> None:
-        self.requests.labels(**self.labels, method=method, code=code).inc()
-        self.latency.labels(**self.labels, method=method).observe(seconds)
+        self._requests.labels(**self.values, method=method, code=code).inc()
+        self._latency.labels(**self.values, method=method).observe(seconds)
+
+    def received(self, wire_bytes: int, raw_bytes: int) -> None:
+        self._wire_in.labels(**self.values).inc(wire_bytes)
+        self._raw_in.labels(**self.values).inc(raw_bytes)
+
+    def sent(self, wire_bytes: int, raw_bytes: int) -> None:
+        self._wire_out.labels(**self.values).inc(wire_bytes)
+        self._raw_out.labels(**self.values).inc(raw_bytes)
+
+    def accumulated(self, samples: int, pending: int) -> None:
+        self._samples.labels(**self.values).inc(samples)
+        self._pending.labels(**self.values).set(pending)
+
+    def committed(self, step: int, applied: bool) -> None:
+        if applied:
+            self._steps.labels(**self.values).inc()
+        self._step.labels(**self.values).set(step)
+        self._pending.labels(**self.values).set(0)
+
+    def queue(self, delta: int) -> None:
+        self._queue.labels(**self.values).inc(delta)
 
 
-@dataclass
 class TrainerMetrics:
-    registry: CollectorRegistry
-    microbatches: Counter
-    samples: Counter
-    in_flight: Gauge
-    step: Gauge
-    loss: Gauge
-    step_seconds: Histogram
-
-    @classmethod
-    def create(cls, job: str) -> TrainerMetrics:
-        reg = CollectorRegistry()
-        return cls(
+    def __init__(self, job: str, registry: CollectorRegistry | None = None) -> None:
+        reg = self.registry = registry or CollectorRegistry()
+        self.microbatches = Counter(
+            "swarm_trainer_microbatches_total",
+            "Microbatches completed",
+            labelnames=["job"],
             registry=reg,
-            microbatches=Counter(
-                "swarm_trainer_microbatches_total", "Microbatches completed", ["job"], registry=reg
-            ).labels(job=job),
-            samples=Counter(
-                "swarm_trainer_samples_total", "Samples trained", ["job"], registry=reg
-            ).labels(job=job),
-            in_flight=Gauge(
-                "swarm_trainer_microbatches_in_flight",
-                "Microbatches in flight",
-                ["job"],
-                registry=reg,
-            ).labels(job=job),
-            step=Gauge("swarm_job_step", "Last committed step", ["job"], registry=reg).labels(
-                job=job
-            ),
-            loss=Gauge(
-                "swarm_job_loss", "Loss of the last committed step", ["job"], registry=reg
-            ).labels(job=job),
-            step_seconds=Histogram(
-                "swarm_trainer_step_seconds",
-                "Wall time per step",
-                ["job"],
-                buckets=_LATENCY_BUCKETS,
-                registry=reg,
-            ).labels(job=job),
-        )
+        ).labels(job=job)
+        self.samples = Counter(
+            "swarm_trainer_samples_total", "Samples trained", labelnames=["job"], registry=reg
+        ).labels(job=job)
+        self.in_flight = Gauge(
+            "swarm_trainer_microbatches_in_flight",
+            "Microbatches in flight",
+            labelnames=["job"],
+            registry=reg,
+        ).labels(job=job)
+        self.step = Gauge(
+            "swarm_job_step", "Steps committed", labelnames=["job"], registry=reg
+        ).labels(job=job)
+        self.loss = Gauge(
+            "swarm_job_loss", "Loss of the last committed step", labelnames=["job"], registry=reg
+        ).labels(job=job)
+        self.step_seconds = Histogram(
+            "swarm_trainer_step_seconds",
+            "Wall time per step",
+            buckets=LATENCY_BUCKETS,
+            labelnames=["job"],
+            registry=reg,
+        ).labels(job=job)

@@ -13,7 +13,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SwarmProcess", "start_process", "start_stage_servers", "stop_all"]
+__all__ = [
+    "LocalSwarm",
+    "SwarmProcess",
+    "start_local_swarm",
+    "start_process",
+    "start_stage_servers",
+    "stop_all",
+]
 
 _READY = re.compile(r"swarm [\w-]+ ready: (.*)$")
 
@@ -142,3 +149,66 @@ def stop_all(procs: list[SwarmProcess], grace: float = 15.0) -> None:
             p.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+@dataclass
+class LocalSwarm:
+    """A scheduler and joining stage servers on this machine, each its own process."""
+
+    scheduler: SwarmProcess
+    peers: list[SwarmProcess]
+    log_dir: Path
+    env: dict[str, str]
+
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+    @property
+    def broker(self) -> str:
+        return self.scheduler.ready["broker"]
+
+    def add_peer(self, throttle: float = 1.0, threads: int = 1, timeout: float = 120.0,
+                 extra: list[str] | None = None) -> SwarmProcess:
+        n = len(self.peers)
+        peer = start_process(
+            ["stage-server", "--broker", self.broker, "--port", "0", "--metrics-port", "0",
+             "--throttle", str(throttle), "--threads", str(threads), "--peer", f"peer{n}",
+             *(extra or [])],
+            log_dir=self.log_dir, name=f"peer{n}", env=self.env)
+        self.peers.append(peer)
+        peer.wait_ready(timeout)
+        return peer
+
+    def restart_scheduler(self, args: list[str], timeout: float = 60.0) -> SwarmProcess:
+        self.scheduler = start_process(args, log_dir=self.log_dir, name="scheduler-restarted",
+                                       env=self.env)
+        self.scheduler.wait_ready(timeout)
+        return self.scheduler
+
+    def stop(self, grace: float = 15.0) -> None:
+        stop_all(self.peers, grace)
+        stop_all([self.scheduler], grace)
+
+
+def start_local_swarm(
+    throttles: list[float], *, log_dir: Path, broker: str | None = None,
+    extra_scheduler: list[str] | None = None, env: dict[str, str] | None = None,
+    threads: int = 1, timeout: float = 120.0,
+) -> tuple[LocalSwarm, list[str]]:
+    """Start a scheduler (with an embedded broker unless `broker` is given) and one stage server
+    per throttle. Returns the swarm and the scheduler's command line (to restart it)."""
+    env = {"SWARM_CACHE_DIR": str(log_dir / "cache"), **(env or {})}
+    args = ["--log-level", "INFO", "scheduler", "--port", "0", "--metrics-port", "0",
+            "--store", str(log_dir / "jobs.sqlite"), "--checkpoint-dir", str(log_dir / "ckpt"),
+            *(["--broker", broker] if broker else []), *(extra_scheduler or [])]
+    scheduler = start_process(args, log_dir=log_dir, name="scheduler", env=env)
+    swarm = LocalSwarm(scheduler, [], log_dir, env)
+    try:
+        scheduler.wait_ready(timeout)
+        for throttle in throttles:
+            swarm.add_peer(throttle, threads, timeout)
+    except BaseException:
+        swarm.stop()
+        raise
+    return swarm, args

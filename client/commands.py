@@ -1,0 +1,255 @@
+"""The CLI's client commands: `swarm submit|status|jobs|cancel|export`.
+
+Each command takes its parsed namespace and returns the exit code: 0 done, 1 failed (the job
+failed or was cancelled, the scheduler is unreachable or refused), 2 bad input (a bad job file, an
+unknown job, no scheduler address). Errors print `swarm <cmd>: error: <message>` to stderr.
+`add_client_commands` registers them with `swarm.cli`'s subcommand factory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+from tqdm import tqdm
+
+from client.sdk import ClientError, SchedulerClient, state_name
+from swarm.auth import token_from_env
+from swarm.errors import ConfigError, SwarmError
+from swarm.proto import control_pb2, scheduler_pb2
+
+__all__ = [
+    "CommandFactory",
+    "EnvDefault",
+    "add_client_commands",
+    "cmd_cancel",
+    "cmd_export",
+    "cmd_jobs",
+    "cmd_status",
+    "cmd_submit",
+]
+
+Command = Callable[[argparse.Namespace], int]
+#: `command(name, func, help)` -> the subcommand's parser (as in `swarm.cli.build_parser`)
+CommandFactory = Callable[[str, Command, str], argparse.ArgumentParser]
+#: `env(flag, default)` -> the flag's default, from `SWARM_<FLAG>` when set
+EnvDefault = Callable[[str, Any], Any]
+
+_BAD_INPUT = frozenset({"NOT_FOUND", "INVALID_ARGUMENT"})
+
+
+class _Usage(SwarmError):
+    """The command line itself is incomplete (exit 2)."""
+
+
+def _fail(name: str, message: str, code: int) -> int:
+    print(f"swarm {name}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _guarded(name: str, body: Callable[[argparse.Namespace], Coroutine[Any, Any, int]]) -> Command:
+    """Run `body` on a fresh event loop and turn its errors into a message and an exit code."""
+
+    @functools.wraps(body)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return asyncio.run(body(args))
+        except ClientError as e:
+            return _fail(name, str(e), 2 if e.code in _BAD_INPUT else 1)
+        except (ConfigError, _Usage) as e:
+            return _fail(name, str(e), 2)
+        except (SwarmError, OSError) as e:
+            return _fail(name, str(e), 1)
+
+    return run
+
+
+def _client(args: argparse.Namespace) -> SchedulerClient:
+    if not args.scheduler:
+        raise _Usage("no scheduler address: pass --scheduler HOST:PORT or set SWARM_SCHEDULER")
+    return SchedulerClient(
+        args.scheduler, token=args.token or token_from_env(), timeout_s=args.timeout
+    )
+
+
+def _loss(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.4f}"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def _outcome(name: str, status: scheduler_pb2.JobStatus) -> int:
+    state = state_name(status.state)
+    if status.state == control_pb2.JOB_STATE_SUCCEEDED:
+        print(f"job {status.job} succeeded: {status.step} steps, loss {_loss(status.loss)}")
+        return 0
+    why = f": {status.error}" if status.error else ""
+    return _fail(name, f"job {status.job} {state} at step {status.step}{why}", 1)
+
+
+# -- the commands ---------------------------------------------------------------------------------
+async def _submit(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        status = await client.submit(args.job_file)
+        print(status.job, flush=True)
+        if not args.wait:
+            return 0
+        with tqdm(total=status.steps, desc=status.job, unit="step", file=sys.stderr) as bar:
+
+            def show(s: scheduler_pb2.JobStatus) -> None:
+                bar.set_postfix(
+                    state=state_name(s.state),
+                    loss=_loss(s.loss),
+                    samples_s=f"{s.samples_per_second:.1f}",
+                    refresh=False,
+                )
+                bar.update(s.step - bar.n)  # refreshes too
+
+            try:
+                final = await client.wait(status.job, show, poll_s=args.poll)
+            except asyncio.CancelledError:  # Ctrl-C: the job itself keeps running
+                bar.close()
+                print(
+                    f"stopped watching; `swarm cancel {status.job}` stops the job", file=sys.stderr
+                )
+                raise
+    return _outcome("submit", final)
+
+
+async def _status(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        s = await client.get(args.job)
+    if args.json:
+        doc = json_format.MessageToDict(
+            s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        print(json.dumps(doc, indent=2))
+        return 0
+    lines = [
+        f"job      {s.job} ({s.name})",
+        f"state    {state_name(s.state)}",
+        f"step     {s.step}/{s.steps}",
+        f"loss     {_loss(s.loss)}",
+        f"speed    {s.samples_per_second:.1f} samples/s",
+    ]
+    lines += [f"message  {s.message}"] if s.message else []
+    lines += [f"error    {s.error}"] if s.error else []
+    for st in s.stages:
+        layers = f"layers {st.layers[0]}-{st.layers[-1]}" if st.layers else "no layers"
+        lines.append(f"stage {st.stage} ({layers}): {len(st.replicas)} replica(s)")
+        rows = [["  PEER", "DEVICE", "SAMPLES/S", "STATE"]]
+        rows += [
+            [f"  {r.peer}", r.device, f"{r.samples_per_second:.1f}", _peer_state(r.state)]
+            for r in st.replicas
+        ]
+        lines += _table(rows).splitlines() if st.replicas else []
+    print("\n".join(lines))
+    return 0
+
+
+def _peer_state(state: int) -> str:
+    return control_pb2.PeerState.Name(state).removeprefix("PEER_STATE_").lower()  # type: ignore[arg-type]
+
+
+async def _jobs(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        jobs = await client.list()
+    if not jobs:
+        print("no jobs")
+        return 0
+    rows = [["JOB", "NAME", "STATE", "STEP", "LOSS", "SAMPLES/S", "CREATED"]]
+    for j in jobs:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created))
+        rows.append(
+            [
+                j.job,
+                j.name,
+                state_name(j.state),
+                f"{j.step}/{j.steps}",
+                _loss(j.loss),
+                f"{j.samples_per_second:.1f}",
+                created,
+            ]
+        )
+    print(_table(rows))
+    return 0
+
+
+async def _cancel(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        s = await client.cancel(args.job)
+    print(f"job {s.job} cancelled at step {s.step}/{s.steps}")
+    return 0
+
+
+async def _export(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        try:
+            step = await client.export(args.job, args.out)
+        except OSError as e:
+            raise OSError(f"cannot write {args.out} ({e.strerror or e})") from None
+    print(f"wrote {args.out} (job {args.job}, after {step} steps)")
+    return 0
+
+
+cmd_submit = _guarded("submit", _submit)
+cmd_status = _guarded("status", _status)
+cmd_jobs = _guarded("jobs", _jobs)
+cmd_cancel = _guarded("cancel", _cancel)
+cmd_export = _guarded("export", _export)
+
+
+def _common(p: argparse.ArgumentParser, env: EnvDefault) -> None:
+    p.add_argument(
+        "--scheduler", default=env("scheduler", None), help="the scheduler's job API, HOST:PORT"
+    )
+    # No default shown: help output must not print the secret from SWARM_TOKEN.
+    p.add_argument(
+        "--token",
+        default=None,
+        help="swarm token (None: SWARM_TOKEN from the environment; prefer that, flags show in ps)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=env("timeout", 30.0), help="deadline per call (seconds)"
+    )
+
+
+def add_client_commands(command: CommandFactory, env: EnvDefault) -> None:
+    """Register submit, status, jobs, cancel and export: `add_client_commands(command, _env)`
+    inside `swarm.cli.build_parser`."""
+    p = command("submit", cmd_submit, "submit a job file to the scheduler; prints the job id")
+    p.add_argument("job_file", type=Path, help="job file (TOML)")
+    p.add_argument("--wait", action="store_true", help="show progress until the job ends")
+    p.add_argument("--poll", type=float, default=0.5, help="seconds between progress polls")
+    _common(p, env)
+
+    p = command("status", cmd_status, "show a job's state, progress and replicas per stage")
+    p.add_argument("job", help="job id (from `swarm submit` or `swarm jobs`)")
+    p.add_argument("--json", action="store_true", help="print the JobStatus as JSON")
+    _common(p, env)
+
+    p = command("jobs", cmd_jobs, "list the scheduler's jobs, newest first")
+    _common(p, env)
+
+    p = command("cancel", cmd_cancel, "cancel a queued or running job")
+    p.add_argument("job", help="job id")
+    _common(p, env)
+
+    p = command("export", cmd_export, "download a job's whole model as a torch state_dict")
+    p.add_argument("job", help="job id")
+    p.add_argument("--out", type=Path, required=True, help="file to write (torch.save)")
+    _common(p, env)

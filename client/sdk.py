@@ -1,0 +1,183 @@
+"""A Python client of the scheduler's job API: submit, watch, cancel and export jobs.
+
+gRPC errors are converted here, at the boundary, into `ClientError`s whose message says what went
+wrong in the user's words (e.g. "cannot reach the scheduler at HOST:PORT").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tomllib
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+import torch
+
+from swarm import auth, wire
+from swarm.config import load_job
+from swarm.errors import SwarmError, WireError
+from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["TERMINAL_STATES", "ClientError", "SchedulerClient", "state_name"]
+
+MiB = 1 << 20
+JobStatus = scheduler_pb2.JobStatus
+_Statuses = list[JobStatus]  # inside SchedulerClient, `list` names its method
+TERMINAL_STATES = frozenset(
+    {
+        control_pb2.JOB_STATE_SUCCEEDED,
+        control_pb2.JOB_STATE_FAILED,
+        control_pb2.JOB_STATE_CANCELLED,
+    }
+)
+
+
+def state_name(state: int) -> str:
+    """The lower-case name of a JobState: "running" for JOB_STATE_RUNNING."""
+    return control_pb2.JobState.Name(state).removeprefix("JOB_STATE_").lower()  # type: ignore[arg-type]
+
+
+class ClientError(SwarmError):
+    """A call to the scheduler failed; `code` is the gRPC status code's name (e.g. NOT_FOUND)."""
+
+    def __init__(self, code: str, details: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.details = code, details
+
+
+class SchedulerClient:
+    """Use inside a running event loop; `async with` (or `close()`) releases the channel."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,  #: deadline of each unary call (seconds)
+        export_timeout_s: float = 600.0,  #: deadline of a whole model export (seconds)
+        max_message_bytes: int = 64 * MiB,  #: largest message accepted (> the server's chunks)
+        max_tensor_bytes: int = 1 << 36,  #: largest single tensor an export may declare (bytes)
+    ) -> None:
+        self.address, self.timeout_s, self.export_timeout_s = address, timeout_s, export_timeout_s
+        self._max_tensor = max_tensor_bytes
+        options = [("grpc.max_receive_message_length", max_message_bytes)]
+        self._channel = auth.channel(address, token=token, options=options)
+        self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @contextlib.contextmanager
+    def _converting(self) -> Iterator[None]:
+        try:
+            yield
+        except grpc.aio.AioRpcError as e:
+            raise _client_error(self.address, e) from None
+
+    async def _unary(self, method: Any, request: Any) -> Any:
+        with self._converting():
+            return await method(request, timeout=self.timeout_s)
+
+    # -- the API --------------------------------------------------------------------------------
+    async def submit(self, path: str | Path) -> JobStatus:
+        """Validate the job file here (a bad one fails before any network call), then submit it.
+        Relative data paths resolve on the scheduler against this file's absolute directory."""
+        path = Path(path)
+        job = load_job(path)  # raises ConfigError naming the key
+        text = path.read_bytes().decode("utf-8")
+        if "name" not in tomllib.loads(text):  # keep the file-stem default load_job applied
+            text = f'name = "{job.name}"\n{text}'
+        request = scheduler_pb2.SchedulerSubmitJobRequest(
+            spec=text, base_dir=str(path.resolve().parent)
+        )
+        return (await self._unary(self._stub.SubmitJob, request)).job  # type: ignore[no-any-return]
+
+    async def get(self, job: str) -> JobStatus:
+        request = scheduler_pb2.SchedulerGetJobRequest(job=job)
+        return (await self._unary(self._stub.GetJob, request)).job  # type: ignore[no-any-return]
+
+    async def list(self) -> _Statuses:
+        request = scheduler_pb2.SchedulerListJobsRequest()
+        return list((await self._unary(self._stub.ListJobs, request)).jobs)
+
+    async def cancel(self, job: str) -> JobStatus:
+        request = scheduler_pb2.SchedulerCancelJobRequest(job=job)
+        return (await self._unary(self._stub.CancelJob, request)).job  # type: ignore[no-any-return]
+
+    async def wait(
+        self, job: str, on_update: Callable[[JobStatus], None], poll_s: float = 0.5
+    ) -> JobStatus:
+        """Poll until the job is succeeded, failed or cancelled; `on_update` sees every poll."""
+        while True:
+            status = await self.get(job)
+            on_update(status)
+            if status.state in TERMINAL_STATES:
+                return status
+            await asyncio.sleep(poll_s)
+
+    async def export(self, job: str, out: str | Path) -> int:
+        """Download the job's whole model and `torch.save` its state_dict to `out` (written to a
+        temporary file first, so a failed export leaves no partial file). Returns its step."""
+        out = Path(out)
+        tmp = out.with_name(f".{out.name}.partial")
+        try:
+            with open(tmp, "wb") as f:  # fails now, not after a long download
+                state, step = await self._download(job)
+                await asyncio.to_thread(torch.save, state, f)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return step
+
+    async def _download(self, job: str) -> tuple[dict[str, torch.Tensor], int]:
+        request = scheduler_pb2.SchedulerExportModelRequest(job=job)
+        state: dict[str, torch.Tensor] = {}
+        steps: set[int] = set()
+        with self._converting():
+            call = self._stub.ExportModel(request, timeout=self.export_timeout_s)
+            stream: AsyncIterator[Any] = call.__aiter__()  # one iterator across messages
+            while True:
+                try:
+                    received = await wire.receive(stream, max_bytes=self._max_tensor)
+                    tensors = wire.decode_named(received)
+                except wire.EndOfStream:
+                    break
+                except WireError as e:  # the scheduler's bug, not the user's input
+                    raise ClientError(
+                        "DATA_LOSS", str(e), f"the export arrived damaged: {e}"
+                    ) from None
+                steps.add(received.header.step)
+                for name, tensor in tensors.items():
+                    if name in state:
+                        raise ClientError("DATA_LOSS", name, f"the export sent {name!r} twice")
+                    state[name] = tensor
+        if len(steps) != 1:
+            what = f"mixed steps {sorted(steps)}" if steps else "no tensors"
+            raise ClientError("DATA_LOSS", what, f"the export of {job!r} sent {what}")
+        return state, steps.pop()
+
+
+def _client_error(address: str, e: grpc.aio.AioRpcError) -> ClientError:
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        message = f"cannot reach the scheduler at {address} ({details})"
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        message = f"the scheduler at {address} did not answer in time"
+    elif code == grpc.StatusCode.UNAUTHENTICATED:
+        message = f"the scheduler at {address} refused the call: {details} (--token, SWARM_TOKEN)"
+    else:
+        message = details or code.name
+    return ClientError(code.name, details, message)

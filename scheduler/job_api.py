@@ -1,0 +1,206 @@
+"""`SchedulerService`'s job API over a `JobStore` and the orchestration (`JobControl`).
+
+The servicer is thin: validate, store, tell the orchestration, answer. Store reads and writes are
+synchronous and happen between awaits, so a call never sees a half-made change. Domain errors
+become status codes here (as in `stage_server.servicer`); anything else is logged and answered
+INTERNAL, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, NoReturn, Protocol, TypeVar, get_args
+
+import grpc
+import torch
+
+from scheduler.store import JobRecord, JobState, JobStore
+from swarm import codec, wire
+from swarm.config import parse_job
+from swarm.errors import (
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SwarmError,
+)
+from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["JobApiServicer", "JobControl", "job_status"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MiB = 1 << 20
+
+_STATUS: tuple[tuple[type[SwarmError], grpc.StatusCode], ...] = (
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+)
+
+
+_STATES: dict[str, Any] = {
+    s: control_pb2.JobState.Value(f"JOB_STATE_{s.upper()}") for s in get_args(JobState)
+}
+
+
+class JobControl(Protocol):
+    """What the job API needs from the orchestration. Called on the event loop's thread; the
+    sync methods must not block. The store is the truth: `submitted` and `cancelled` are called
+    after the store has recorded the change."""
+
+    def submitted(self, job_id: str) -> None:
+        """A new job was stored (queued): place and train it."""
+
+    def cancelled(self, job_id: str) -> None:
+        """The job is now cancelled in the store: stop training it, release its peers."""
+
+    def stages(self, job_id: str) -> list[scheduler_pb2.StageStatus]:
+        """Replicas per stage now (asked for unfinished jobs only)."""
+        ...
+
+    def samples_per_second(self, job_id: str) -> float:
+        """Recent training throughput (asked for unfinished jobs only)."""
+        ...
+
+    async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
+        """(step, the whole model's state_dict) of one committed step. Raise FailedPrecondition
+        with a message saying why when impossible (e.g. a stage has no replica and no checkpoint).
+        """
+        ...
+
+
+def _unknown(job_id: str) -> NotFound:
+    return NotFound(f"unknown job {job_id!r}; `swarm jobs` lists them")
+
+
+def job_status(record: JobRecord, control: JobControl) -> scheduler_pb2.JobStatus:
+    """The wire form of a job: the stored record plus, while it runs, the live stages."""
+    live = not record.finished
+    return scheduler_pb2.JobStatus(
+        job=record.id,
+        name=record.name,
+        state=_STATES[record.state],
+        step=record.step,
+        steps=record.steps,
+        loss=record.loss,  # NaN before the first step
+        error=record.error,
+        message=record.message,
+        stages=control.stages(record.id) if live else [],
+        samples_per_second=control.samples_per_second(record.id) if live else 0.0,
+        created=record.created,
+        updated=record.updated,
+    )
+
+
+class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
+    def __init__(self, store: JobStore, control: JobControl, *, chunk_bytes: int = 4 * MiB) -> None:
+        if chunk_bytes <= 0:
+            raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.store, self.control, self.chunk_bytes = store, control, chunk_bytes
+
+    # -- plumbing -------------------------------------------------------------------------------
+    async def _abort(self, method: str, context: Any, e: Exception) -> NoReturn:
+        code = next((c for t, c in _STATUS if isinstance(e, t)), None)
+        if code is None:  # a bug, not bad input: report it, keep serving
+            log.error("scheduler %s failed", method, exc_info=e)
+            code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+        else:
+            log.info("scheduler %s refused: %s: %s", method, code.name, e)
+            message = str(e)
+        await context.abort(code, message)
+        raise AssertionError("context.abort returned")  # it raises; this satisfies NoReturn
+
+    async def _run(self, method: str, context: Any, body: Callable[[], T]) -> T:
+        try:
+            return body()
+        except Exception as e:
+            await self._abort(method, context, e)
+
+    def _job(self, job_id: str) -> JobRecord:
+        record = self.store.get(job_id)
+        if record is None:
+            raise _unknown(job_id)
+        return record
+
+    def _status(self, record: JobRecord) -> scheduler_pb2.JobStatus:
+        return job_status(record, self.control)
+
+    # -- the service ----------------------------------------------------------------------------
+    async def SubmitJob(
+        self, request: scheduler_pb2.SchedulerSubmitJobRequest, context: Any
+    ) -> scheduler_pb2.SchedulerSubmitJobResponse:
+        def body() -> scheduler_pb2.SchedulerSubmitJobResponse:
+            base_dir = Path(request.base_dir)
+            if not base_dir.is_absolute():
+                raise InvalidArgument(
+                    f"base_dir must be an absolute directory, got {request.base_dir!r}"
+                )
+            job = parse_job(request.spec, base_dir, name="job")
+            record = self.store.create(job.name, request.spec, str(base_dir), job.training.steps)
+            log.info("scheduler: job %s submitted (%d steps)", record.id, record.steps)
+            self.control.submitted(record.id)
+            return scheduler_pb2.SchedulerSubmitJobResponse(job=self._status(record))
+
+        return await self._run("SubmitJob", context, body)
+
+    async def GetJob(
+        self, request: scheduler_pb2.SchedulerGetJobRequest, context: Any
+    ) -> scheduler_pb2.SchedulerGetJobResponse:
+        def body() -> scheduler_pb2.SchedulerGetJobResponse:
+            return scheduler_pb2.SchedulerGetJobResponse(job=self._status(self._job(request.job)))
+
+        return await self._run("GetJob", context, body)
+
+    async def ListJobs(
+        self, request: scheduler_pb2.SchedulerListJobsRequest, context: Any
+    ) -> scheduler_pb2.SchedulerListJobsResponse:
+        def body() -> scheduler_pb2.SchedulerListJobsResponse:
+            jobs = [self._status(r) for r in self.store.list()]
+            return scheduler_pb2.SchedulerListJobsResponse(jobs=jobs)
+
+        return await self._run("ListJobs", context, body)
+
+    async def CancelJob(
+        self, request: scheduler_pb2.SchedulerCancelJobRequest, context: Any
+    ) -> scheduler_pb2.SchedulerCancelJobResponse:
+        def body() -> scheduler_pb2.SchedulerCancelJobResponse:
+            record = self._job(request.job)
+            if record.finished:
+                raise FailedPrecondition(f"job {record.id!r} is already {record.state}")
+            record = self.store.set_state(record.id, "cancelled", message="cancelled on request")
+            log.info("scheduler: job %s cancelled at step %d", record.id, record.step)
+            self.control.cancelled(record.id)
+            return scheduler_pb2.SchedulerCancelJobResponse(job=self._status(record))
+
+        return await self._run("CancelJob", context, body)
+
+    async def ExportModel(
+        self, request: scheduler_pb2.SchedulerExportModelRequest, context: Any
+    ) -> AsyncIterator[scheduler_pb2.SchedulerExportModelResponse]:
+        try:
+            self._job(request.job)
+            step, state = await self.control.export(request.job)
+            if not state:
+                raise FailedPrecondition(f"job {request.job!r} has no parameters to export")
+            for name, tensor in state.items():
+                # Off the event loop: a large tensor's copy would stall every other call.
+                msg = await asyncio.to_thread(_message, name, tensor, step)
+                for part in wire.split(msg, self.chunk_bytes):
+                    yield part
+        except Exception as e:
+            await self._abort("ExportModel", context, e)
+
+
+def _message(
+    name: str, tensor: torch.Tensor, step: int
+) -> scheduler_pb2.SchedulerExportModelResponse:
+    return scheduler_pb2.SchedulerExportModelResponse(
+        tensors=[codec.encode(tensor, name)], step=step
+    )

@@ -1,0 +1,94 @@
+"""`swarm scheduler`: the job API over gRPC, the orchestration, `/metrics`, and an embedded broker
+when no broker URL is given. Ordered shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from scheduler.job_api import JobApiServicer
+from scheduler.service import Scheduler, SchedulerOptions, collector
+from scheduler.store import JobStore
+from stage_server.server import grpc_options, install_signal_handlers
+from swarm.auth import server_interceptors
+from swarm.broker import EmbeddedBroker
+from swarm.bus import Bus
+from swarm.metrics import serve_metrics
+from swarm.proto import scheduler_pb2_grpc
+
+__all__ = ["SchedulerProcessOptions", "run_scheduler"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerProcessOptions:
+    store: Path  # SQLite job store; a restarted scheduler resumes from it
+    checkpoint_dir: Path  # final models (and, later, checkpoints) per job
+    broker: str | None = None  # None: run an embedded broker on `broker_port`
+    broker_port: int = 0  # embedded broker's port (0: any free port)
+    host: str = "127.0.0.1"
+    port: int = 0  # job API port (0: any free port)
+    metrics_port: int | None = None  # /metrics (0: any free port)
+    token: str | None = None  # swarm token: required on every call and as MQTT password
+    connect_timeout_s: float = 30.0  # how long to wait for the broker at start
+    shutdown_grace_s: float = 5.0  # in-flight job API calls may finish within this
+
+
+async def run_scheduler(opts: SchedulerProcessOptions) -> None:
+    embedded: EmbeddedBroker | None = None
+    broker = opts.broker
+    if not broker:
+        embedded = EmbeddedBroker(host=opts.host, port=opts.broker_port, token=opts.token)
+        await embedded.start()
+        broker = embedded.url
+    opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    store = JobStore(opts.store)
+    registry = CollectorRegistry()
+    try:
+        async with Bus(broker, client_id="scheduler", token=opts.token, registry=registry) as bus:
+            await bus.wait_connected(opts.connect_timeout_s)
+            options = SchedulerOptions(opts.checkpoint_dir, token=opts.token)
+            scheduler = Scheduler(store, bus, options, registry)
+            registry.register(collector(scheduler))
+            server = grpc.aio.server(
+                interceptors=server_interceptors(opts.token, registry),
+                options=grpc_options(64 << 20),
+            )
+            scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
+                JobApiServicer(store, scheduler), server
+            )
+            health_servicer = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+            port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+            if port == 0:
+                raise SystemExit(f"cannot listen on {opts.host}:{opts.port}")
+            await server.start()
+            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            metrics_port = (
+                serve_metrics(registry, opts.host, opts.metrics_port)
+                if opts.metrics_port is not None
+                else None
+            )
+            stop = asyncio.Event()
+            install_signal_handlers(stop)
+            print(
+                f"swarm scheduler ready: address={opts.host}:{port} broker={broker} "
+                f"metrics={metrics_port} store={opts.store}",
+                flush=True,
+            )
+            try:
+                await scheduler.run(stop)
+            finally:
+                await health_servicer.enter_graceful_shutdown()
+                await server.stop(opts.shutdown_grace_s)
+    finally:
+        store.close()
+        if embedded:
+            await embedded.stop()

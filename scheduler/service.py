@@ -1,0 +1,442 @@
+"""The scheduler's orchestration: the peer registry (from MQTT), placement of peers on a job's
+stages, the embedded trainer, and the job lifecycle kept in the `JobStore`.
+
+One asyncio task per unfinished job walks it through placing → running → succeeded. Training
+survives a lost stage server by going back to placing and resuming from the servers' step; a
+restarted scheduler resumes its jobs the same way (receipts are idempotent, so a half-done step is
+simply run again, and a half-applied commit is finished by `PipelineTrainer.check_servers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.registry import Collector
+
+from client.trainer import PipelineTrainer, TrainerError
+from scheduler.placement import place
+from scheduler.store import JobRecord, JobState, JobStore
+from swarm.bus import BusLike
+from swarm.config import JobConfig, parse_job
+from swarm.errors import FailedPrecondition, SwarmError
+from swarm.metrics import TrainerMetrics
+from swarm.model import layer_costs, partition
+from swarm.proto import control_pb2 as cpb
+from swarm.proto import scheduler_pb2 as spb
+
+__all__ = ["Scheduler", "SchedulerOptions"]
+
+log = logging.getLogger(__name__)
+
+_JOB_STATES = {
+    "queued": cpb.JOB_STATE_QUEUED,
+    "placing": cpb.JOB_STATE_PLACING,
+    "running": cpb.JOB_STATE_RUNNING,
+    "succeeded": cpb.JOB_STATE_SUCCEEDED,
+    "failed": cpb.JOB_STATE_FAILED,
+    "cancelled": cpb.JOB_STATE_CANCELLED,
+}
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    checkpoint_dir: Path
+    placement_grace_s: float = 2.0  # once enough peers are measured, wait this long for more
+    serve_timeout_s: float = 300.0  # assigned peers must be serving within this, else re-place
+    retry_pause_s: float = 1.0  # after a failed training attempt, before the next one
+    max_failed_attempts: int = 20  # consecutive attempts without progress before the job fails
+    token: str | None = None  # swarm token for calls to stage servers
+
+
+class Scheduler:
+    """Implements `scheduler.job_api.JobControl` for the job API."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        bus: BusLike,
+        opts: SchedulerOptions,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.store, self.bus, self.opts = store, bus, opts
+        self.registry = registry or CollectorRegistry()
+        self.peers: dict[str, cpb.PeerAnnouncement] = {}
+        self._peers_changed = asyncio.Event()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._speed: dict[str, float] = {}
+        self._group: asyncio.TaskGroup | None = None
+        self._user_cancelled: set[str] = set()
+        # The latest record of each job, refreshed on the event loop whenever a job is announced:
+        # the metrics thread reads this, never the store (its connection belongs to this thread).
+        self.snapshot: dict[str, JobRecord] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            watcher = group.create_task(self._watch_peers())
+            self.snapshot = {r.id: r for r in self.store.list()[:100]}
+            for record in self.store.unfinished():
+                log.info("resuming job %s (%s, step %d)", record.id, record.state, record.step)
+                self._start(record.id)
+            await stop.wait()
+            for task in [watcher, *self._tasks.values()]:
+                task.cancel()
+
+    def _start(self, job_id: str) -> None:
+        assert self._group is not None, "Scheduler.run must be running"
+        self._tasks[job_id] = self._group.create_task(self._run_job(job_id))
+
+    # -- JobControl -----------------------------------------------------------------------------
+    def submitted(self, job_id: str) -> None:
+        self._start(job_id)
+
+    def cancelled(self, job_id: str) -> None:
+        task = self._tasks.pop(job_id, None)
+        if task:
+            self._user_cancelled.add(job_id)
+            task.cancel()
+
+    def stages(self, job_id: str) -> list[spb.StageStatus]:
+        record = self.store.get(job_id)
+        if record is None:
+            return []
+        job = self._config(record.spec, record.base_dir, record.name, check_data=False)
+        ranges = partition(layer_costs(job.model), job.training.stages)
+        result = [spb.StageStatus(stage=k, layers=list(r)) for k, r in enumerate(ranges)]
+        for p in self.peers.values():
+            if p.job == job_id and p.HasField("stage") and p.stage < len(result):
+                result[p.stage].replicas.append(
+                    spb.Replica(
+                        peer=p.peer,
+                        address=p.address,
+                        metrics_address=p.metrics_address,
+                        device=p.device,
+                        state=p.state,
+                        samples_per_second=p.samples_per_second.get(p.stage, 0.0),
+                    )
+                )
+        return result
+
+    def samples_per_second(self, job_id: str) -> float:
+        return self._speed.get(job_id, 0.0)
+
+    async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
+        final = self._final_path(job_id)
+        if final.exists():
+            saved = torch.load(final, weights_only=True)
+            return int(saved["step"]), saved["state"]
+        record = self.store.get(job_id)
+        if record is None:
+            raise FailedPrecondition(f"unknown job {job_id!r}")
+        serving = self._serving(job_id, record.step)
+        job = self._config(record.spec, record.base_dir, record.name, check_data=False)
+        if len(serving) < job.training.stages:
+            raise FailedPrecondition(
+                f"job {job_id} has no live replica of stages "
+                f"{sorted(set(range(job.training.stages)) - set(serving))}"
+            )
+        trainer = PipelineTrainer(
+            job,
+            [serving[k] for k in range(job.training.stages)],
+            job_id=job_id,
+            data=_NoData(),
+            metrics=self._trainer_metrics(job_id),
+            token=self.opts.token,
+        )
+        try:
+            return await trainer.check_servers(), await trainer.state_dict()
+        finally:
+            await trainer.close()
+
+    # -- peers ----------------------------------------------------------------------------------
+    async def _watch_peers(self) -> None:
+        async for _topic, message in self.bus.subscribe(self.bus.topics.peer("+")):
+            if isinstance(message, cpb.PeerAnnouncement) and message.peer:
+                self.peers[message.peer] = message
+                self._peers_changed.set()
+
+    async def _peers_change(self, timeout: float) -> None:
+        self._peers_changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._peers_changed.wait(), timeout)
+
+    def _serving(self, job_id: str, step: int | None = None) -> dict[int, str]:
+        """Per stage, the address of the fastest replica serving it."""
+        best: dict[int, tuple[float, str]] = {}
+        for p in self.peers.values():
+            if p.job == job_id and p.state == cpb.PEER_STATE_SERVING and p.HasField("stage"):
+                speed = p.samples_per_second.get(p.stage, 0.0)
+                if p.stage not in best or speed > best[p.stage][0]:
+                    best[p.stage] = (speed, p.address)
+        return {k: address for k, (_, address) in best.items()}
+
+    def _available(self, job_id: str, stages: int) -> dict[str, list[float]]:
+        """Joining peers measured for this job: their samples/s per stage."""
+        return {
+            p.peer: [p.samples_per_second[k] for k in range(stages)]
+            for p in self.peers.values()
+            if p.state == cpb.PEER_STATE_JOINING
+            and p.job == job_id
+            and all(k in p.samples_per_second for k in range(stages))
+        }
+
+    # -- one job --------------------------------------------------------------------------------
+    def _config(self, spec: str, base_dir: str, name: str, check_data: bool = True) -> JobConfig:
+        return parse_job(spec, Path(base_dir), name=name, check_data=check_data)
+
+    async def _announce(self, job_id: str) -> None:
+        r = self.store.get(job_id)
+        if r is None:
+            return
+        self.snapshot[job_id] = r
+        message = cpb.JobAnnouncement(
+            job=r.id,
+            name=r.name,
+            state=_JOB_STATES[r.state],
+            step=r.step,
+            steps=r.steps,
+            loss=r.loss,
+            spec=r.spec,
+            error=r.error or "",
+            time=time.time(),
+        )
+        await self.bus.publish(self.bus.topics.job(job_id), message, retain=True)
+
+    async def _set(self, job_id: str, state: JobState | None = None, message: str = "") -> None:
+        record = self.store.get(job_id)
+        if record is None:
+            return
+        if state and state != record.state:
+            self.store.set_state(job_id, state, message=message)
+        elif message != (record.message or ""):
+            self.store.set_message(job_id, message)
+        await self._announce(job_id)
+
+    async def _run_job(self, job_id: str) -> None:
+        record = self.store.get(job_id)
+        assert record is not None
+        assigned: list[str] = []
+        ended = True  # False only when the scheduler itself stops: the job resumes on restart
+        try:
+            job = self._config(record.spec, record.base_dir, record.name)
+            if record.state == "queued":
+                await self._set(job_id, "placing", "waiting for peers")
+            else:
+                await self._announce(job_id)
+            failures = 0
+            while True:
+                addresses = await self._place(job_id, job, assigned)
+                await self._set(job_id, "running", "training")
+                before = self.store.get(job_id).step  # type: ignore[union-attr]
+                try:
+                    await self._train(job_id, job, addresses)
+                    break
+                except (TrainerError, SwarmError, OSError) as e:
+                    failures = 0 if self.store.get(job_id).step > before else failures + 1  # type: ignore[union-attr]
+                    if failures >= self.opts.max_failed_attempts:
+                        raise
+                    log.warning("job %s: training interrupted (%s); resuming", job_id, e)
+                    await self._set(job_id, "placing", f"training interrupted: {e}; resuming")
+                    await asyncio.sleep(self.opts.retry_pause_s)
+            await self._set(job_id, "succeeded", "done")
+        except asyncio.CancelledError:
+            ended = job_id in self._user_cancelled  # the job API has stored "cancelled" then
+            await self._announce(job_id)
+            raise
+        except Exception as e:
+            log.exception("job %s failed", job_id)
+            self.store.set_state(job_id, "failed", error=str(e), message="failed")
+            await self._announce(job_id)
+        finally:
+            self._tasks.pop(job_id, None)
+            if ended:  # withdraw the assignments; the job's announcement frees the peers
+                holders = {p.peer for p in self.peers.values() if p.job == job_id}
+                for peer in sorted(holders | set(assigned)):
+                    await self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
+
+    async def _place(self, job_id: str, job: JobConfig, assigned: list[str]) -> list[str]:
+        """Wait until every stage has a serving replica; assign peers where none is."""
+        stages = job.training.stages
+        while True:
+            serving = self._serving(job_id)
+            missing = [k for k in range(stages) if k not in serving]
+            if not missing:
+                return [serving[k] for k in range(stages)]
+            record = self.store.get(job_id)
+            assert record is not None
+            if record.step > 0:
+                # Fresh parameters would be wrong here: the stage's trained state is gone.
+                await self._set(
+                    job_id,
+                    None,
+                    f"waiting for a replica of stages {missing} "
+                    f"(trained state lives on its servers)",
+                )
+                await self._peers_change(5.0)
+                continue
+            available = self._available(job_id, stages)
+            if len(available) < len(missing):
+                await self._set(
+                    job_id,
+                    None,
+                    f"waiting for peers: stages {missing} have no "
+                    f"replica, {len(available)} peer(s) measured",
+                )
+                await self._peers_change(5.0)
+                continue
+            await asyncio.sleep(self.opts.placement_grace_s)  # let late peers finish measuring
+            await self._assign(job_id, self._available(job_id, stages), missing, assigned)
+            await self._wait_serving(job_id, missing)
+
+    async def _assign(
+        self,
+        job_id: str,
+        available: dict[str, list[float]],
+        missing: list[int],
+        assigned: list[str],
+    ) -> None:
+        stages = len(next(iter(available.values())))
+        placement = place(available, stages)
+        # One replica per stage for now: the fastest placed on each missing stage.
+        chosen: dict[int, str] = {}
+        for peer, stage in sorted(placement.items()):
+            if stage in missing and (
+                stage not in chosen or available[peer][stage] > available[chosen[stage]][stage]
+            ):
+                chosen[stage] = peer
+        generation = time.time_ns() // 1000  # grows across scheduler restarts
+        for stage, peer in sorted(chosen.items()):
+            log.info(
+                "job %s: stage %d -> %s (%.1f samples/s)",
+                job_id,
+                stage,
+                peer,
+                available[peer][stage],
+            )
+            message = cpb.Assignment(job=job_id, peer=peer, stage=stage, generation=generation)
+            await self.bus.publish(self.bus.topics.assign(job_id, peer), message, retain=True)
+            assigned.append(peer)
+        await self._set(job_id, None, f"starting stage servers for stages {sorted(chosen)}")
+
+    async def _wait_serving(self, job_id: str, stages: list[int]) -> None:
+        deadline = time.monotonic() + self.opts.serve_timeout_s
+        while time.monotonic() < deadline:
+            if all(k in self._serving(job_id) for k in stages):
+                return
+            await self._peers_change(1.0)
+        log.warning(
+            "job %s: stages %s not serving after %.0fs; placing again",
+            job_id,
+            stages,
+            self.opts.serve_timeout_s,
+        )
+
+    def _trainer_metrics(self, job_id: str) -> TrainerMetrics:
+        return TrainerMetrics(job_id, registry=CollectorRegistry())
+
+    async def _train(self, job_id: str, job: JobConfig, addresses: list[str]) -> None:
+        trainer = PipelineTrainer(
+            job,
+            addresses,
+            job_id=job_id,
+            token=self.opts.token,
+            metrics=self._trainer_metrics(job_id),
+        )
+        try:
+            first = await trainer.check_servers()
+            for step in range(first, job.training.steps):
+                result = await trainer.run_step(step)
+                self.store.record_step(job_id, step, result.loss, result.samples, result.seconds)
+                self._speed[job_id] = result.samples_per_second
+                log.info("job %s step %d loss %.4f", job_id, step, result.loss)
+                await self.bus.publish(
+                    self.bus.topics.steps(job_id),
+                    cpb.StepCommitted(
+                        job=job_id,
+                        step=step,
+                        loss=result.loss,
+                        samples=result.samples,
+                        time=time.time(),
+                    ),
+                    retain=True,
+                )
+                await self._announce(job_id)
+            state = await trainer.state_dict()
+            self._save_final(job_id, job.training.steps, state)
+        finally:
+            await trainer.close()
+
+    def _final_path(self, job_id: str) -> Path:
+        return self.opts.checkpoint_dir / job_id / "final.pt"
+
+    def _save_final(self, job_id: str, step: int, state: dict[str, torch.Tensor]) -> None:
+        path = self._final_path(job_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"step": step, "state": state}, tmp)
+        tmp.replace(path)  # atomic: an export never sees half a file
+
+
+class _NoData:
+    """Export reads parameters only; it never asks for data."""
+
+    def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("export does not train")
+
+
+def collector(scheduler: Scheduler) -> Collector:
+    """A Prometheus collector computing peers per stage and state, per-stage throughput, and job
+    state, step and loss at scrape time from the scheduler's live state (nothing to sync)."""
+    from prometheus_client.core import GaugeMetricFamily, Metric
+
+    class _Collector(Collector):
+        def collect(self) -> Iterable[Metric]:
+            peers = GaugeMetricFamily(
+                "swarm_scheduler_peers",
+                "Peers by job, stage and state",
+                labels=["job", "stage", "state"],
+            )
+            speed = GaugeMetricFamily(
+                "swarm_scheduler_stage_samples_per_second",
+                "Summed measured samples/s of a stage's serving replicas",
+                labels=["job", "stage"],
+            )
+            counts: dict[tuple[str, str, str], int] = {}
+            totals: dict[tuple[str, str], float] = {}
+            for p in list(scheduler.peers.values()):
+                stage = str(p.stage) if p.HasField("stage") else ""
+                state = cpb.PeerState.Name(p.state).removeprefix("PEER_STATE_").lower()
+                counts[(p.job, stage, state)] = counts.get((p.job, stage, state), 0) + 1
+                if p.state == cpb.PEER_STATE_SERVING and stage:
+                    key = (p.job, stage)
+                    totals[key] = totals.get(key, 0.0) + p.samples_per_second.get(p.stage, 0.0)
+            for labels, n in counts.items():
+                peers.add_metric(list(labels), n)
+            for labels2, value in totals.items():
+                speed.add_metric(list(labels2), value)
+            job_state = GaugeMetricFamily(
+                "swarm_job_state", "1 for the job's current state", labels=["job", "state"]
+            )
+            step = GaugeMetricFamily("swarm_job_step", "Steps committed", labels=["job"])
+            loss = GaugeMetricFamily(
+                "swarm_job_loss", "Loss of the last committed step", labels=["job"]
+            )
+            for job_id, record in list(scheduler.snapshot.items()):
+                for name in _JOB_STATES:
+                    job_state.add_metric([job_id, name], 1.0 if name == record.state else 0.0)
+                step.add_metric([job_id], record.step)
+                if not math.isnan(record.loss):
+                    loss.add_metric([job_id], record.loss)
+            yield from (peers, speed, job_state, step, loss)
+
+    return _Collector()

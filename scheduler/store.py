@@ -1,0 +1,293 @@
+"""The scheduler's durable job store: SQLite, one connection, used from one thread.
+
+Every write is its own committed transaction (WAL, synchronous=FULL), so what a call reported as
+stored survives a killed process. Methods are synchronous and fast (one small transaction); call
+them from the event loop's thread, between awaits, so a read-then-write is never interleaved.
+The job state machine lives here, so no caller can move a finished job again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Self, cast, get_args
+
+from swarm.errors import FailedPrecondition, InvalidArgument, NotFound, SwarmError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "TERMINAL",
+    "UNFINISHED",
+    "JobRecord",
+    "JobState",
+    "JobStore",
+    "StepRow",
+    "StoreError",
+]
+
+JobState = Literal["queued", "placing", "running", "succeeded", "failed", "cancelled"]
+TERMINAL: frozenset[JobState] = frozenset({"succeeded", "failed", "cancelled"})
+UNFINISHED: tuple[JobState, ...] = ("queued", "placing", "running")
+
+# Allowed moves besides "failed"/"cancelled" (reachable from any unfinished state) and staying put.
+# running -> placing: a stage lost every replica and the job waits to be placed again.
+_NEXT: dict[JobState, frozenset[JobState]] = {
+    "queued": frozenset({"placing"}),
+    "placing": frozenset({"running"}),
+    "running": frozenset({"placing", "succeeded"}),
+}
+
+# Migration i (0-based) takes the schema from version i to i + 1; PRAGMA user_version records
+# how many have run. Append, never edit: a deployed store has run the old ones.
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE jobs (
+            id TEXT PRIMARY KEY, name TEXT NOT NULL, spec TEXT NOT NULL, base_dir TEXT NOT NULL,
+            state TEXT NOT NULL, step INTEGER NOT NULL, steps INTEGER NOT NULL, loss REAL,
+            error TEXT NOT NULL, message TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL
+        )""",
+        "CREATE INDEX jobs_state ON jobs (state)",
+        """CREATE TABLE steps (
+            job TEXT NOT NULL REFERENCES jobs (id), step INTEGER NOT NULL, loss REAL,
+            samples INTEGER NOT NULL, seconds REAL NOT NULL, time REAL NOT NULL,
+            PRIMARY KEY (job, step)
+        )""",
+    ),
+)
+SCHEMA_VERSION = len(_MIGRATIONS)
+
+
+class StoreError(SwarmError):
+    """The store file cannot be used (written by a newer swarm, or not a swarm store)."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    name: str
+    spec: str  #: the job file's TOML text as submitted
+    base_dir: str  #: absolute directory relative data paths resolve against
+    state: JobState
+    step: int  #: committed steps so far (the next step to train)
+    steps: int  #: steps to train in total
+    loss: float  #: loss of the last committed step; NaN before the first
+    error: str  #: why, when failed ("" otherwise)
+    message: str  #: what it is doing or waiting for, for people
+    created: float  #: unix seconds
+    updated: float  #: unix seconds
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+
+@dataclass(frozen=True)
+class StepRow:
+    job: str
+    step: int
+    loss: float  #: mean loss over the step's samples (NaN if it was NaN)
+    samples: int  #: samples the step consumed
+    seconds: float  #: wall time of the step
+    time: float  #: unix seconds of the commit
+
+
+# Aliases: inside JobStore, `list` names its method, not the builtin.
+Records = list[JobRecord]
+Steps = list[StepRow]
+
+
+def _loss(value: float | None) -> float:
+    return math.nan if value is None else float(value)  # SQLite stores NaN as NULL
+
+
+class JobStore:
+    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.path, self._clock = Path(path), clock
+        # isolation_level=None: autocommit; writes open their own transactions (see _write).
+        try:
+            # isolation_level=None: autocommit; multi-statement writes use _tx.
+            self._db = sqlite3.connect(self.path, isolation_level=None)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot open the job store {str(self.path)!r} ({e})") from None
+        self._db.row_factory = sqlite3.Row
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss too
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except BaseException as e:
+            self._db.close()
+            if isinstance(e, sqlite3.Error):
+                raise StoreError(f"{str(self.path)!r} is not a usable job store ({e})") from None
+            raise
+
+    def _migrate(self) -> None:
+        with self._tx():  # read and bump the version under one write lock: two schedulers
+            version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{str(self.path)!r} has schema version {version}, newer than this swarm's "
+                    f"{SCHEMA_VERSION}; upgrade swarm or use another store file"
+                )
+            for i in range(version, SCHEMA_VERSION):
+                for statement in _MIGRATIONS[i]:
+                    self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version = {i + 1}")  # transactional in SQLite
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[None]:
+        """One write transaction, committed on exit (the connection is in autocommit mode)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _write(self, sql: str, args: tuple[Any, ...]) -> int:
+        """Run one statement as its own committed transaction; returns the rows it changed."""
+        return self._db.execute(sql, args).rowcount  # autocommit: one statement, one commit
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- jobs -----------------------------------------------------------------------------------
+    def create(self, name: str, spec: str, base_dir: str, steps: int) -> JobRecord:
+        """Store a new queued job; its id is `{name}-{6 random hex digits}`."""
+        now = self._clock()
+        for _ in range(8):  # 16M ids per name: a collision is rare, and retried
+            job_id = f"{name}-{secrets.token_hex(3)}"
+            try:
+                self._write(
+                    "INSERT INTO jobs VALUES (?, ?, ?, ?, 'queued', 0, ?, NULL, '', '', ?, ?)",
+                    (job_id, name, spec, base_dir, steps, now, now),
+                )
+            except sqlite3.IntegrityError:
+                continue
+            return self._require(job_id)
+        raise StoreError(f"could not find a free job id for {name!r}")
+
+    def get(self, job_id: str) -> JobRecord | None:
+        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else self._record(row)
+
+    def list(self) -> Records:
+        """Every job, newest first."""
+        rows = self._db.execute("SELECT * FROM jobs ORDER BY created DESC, rowid DESC")
+        return [self._record(r) for r in rows]
+
+    def unfinished(self) -> Records:
+        """Queued, placing and running jobs, oldest first: what a restarted scheduler resumes."""
+        marks = ", ".join("?" * len(UNFINISHED))
+        rows = self._db.execute(
+            f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created, rowid", UNFINISHED
+        )
+        return [self._record(r) for r in rows]
+
+    def set_state(
+        self, job_id: str, state: JobState, *, error: str | None = None, message: str | None = None
+    ) -> JobRecord:
+        """Move a job to `state`; `error`/`message` replace the stored ones when given.
+
+        Raises FailedPrecondition for a move the state machine forbids (a finished job is final).
+        """
+        if state not in get_args(JobState):
+            raise InvalidArgument(f"unknown job state {state!r}; allowed: {get_args(JobState)}")
+        old = self._require(job_id)
+        if not _allowed(old.state, state):
+            raise FailedPrecondition(f"job {job_id!r} is {old.state}; it cannot become {state}")
+        self._write(
+            "UPDATE jobs SET state = ?, error = COALESCE(?, error), message = COALESCE(?, message),"
+            " updated = ? WHERE id = ?",
+            (state, error, message, self._clock(), job_id),
+        )
+        return self._require(job_id)
+
+    def set_message(self, job_id: str, message: str) -> None:
+        changed = self._write(
+            "UPDATE jobs SET message = ?, updated = ? WHERE id = ?",
+            (message, self._clock(), job_id),
+        )
+        if not changed:
+            raise NotFound(f"unknown job {job_id!r}")
+
+    # -- steps ----------------------------------------------------------------------------------
+    def record_step(
+        self, job_id: str, step: int, loss: float, samples: int, seconds: float
+    ) -> bool:
+        """Record committed step `step`; the job's step becomes `step + 1` and its loss `loss`.
+
+        Idempotent: a step already recorded changes nothing (returns False), so a retried report
+        after a scheduler restart cannot count a step twice.
+        """
+        job = self._require(job_id)
+        if not 0 <= step < job.steps:
+            raise InvalidArgument(f"step {step} of job {job_id!r} is outside 0..{job.steps - 1}")
+        now = self._clock()
+        with self._tx():  # both rows or neither
+            inserted = self._db.execute(
+                "INSERT OR IGNORE INTO steps VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, step, loss, samples, seconds, now),
+            ).rowcount
+            if inserted:
+                # Right-hand sides see the old row: the loss follows the newest step only.
+                self._db.execute(
+                    "UPDATE jobs SET loss = CASE WHEN ? >= step THEN ? ELSE loss END,"
+                    " step = MAX(step, ?), updated = ? WHERE id = ?",
+                    (step + 1, loss, step + 1, now, job_id),
+                )
+        return bool(inserted)
+
+    def rewind(self, job_id: str, step: int) -> None:
+        """Forget steps `step..` (a rollback to the checkpoint after step `step - 1`)."""
+        self._require(job_id)
+        with self._tx():
+            self._db.execute("DELETE FROM steps WHERE job = ? AND step >= ?", (job_id, step))
+            self._db.execute(
+                "UPDATE jobs SET step = ?, updated = ?, loss = (SELECT loss FROM steps"
+                " WHERE job = ? AND step = ?) WHERE id = ?",
+                (step, self._clock(), job_id, step - 1, job_id),
+            )
+
+    def steps(self, job_id: str) -> Steps:
+        """The job's recorded steps in order."""
+        rows = self._db.execute("SELECT * FROM steps WHERE job = ? ORDER BY step", (job_id,))
+        return [
+            StepRow(r["job"], r["step"], _loss(r["loss"]), r["samples"], r["seconds"], r["time"])
+            for r in rows
+        ]
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _require(self, job_id: str) -> JobRecord:
+        job = self.get(job_id)
+        if job is None:
+            raise NotFound(f"unknown job {job_id!r}")
+        return job
+
+    @staticmethod
+    def _record(row: sqlite3.Row) -> JobRecord:
+        d = dict(row)
+        d["loss"], d["state"] = _loss(d["loss"]), cast(JobState, d["state"])
+        return JobRecord(**d)
+
+
+def _allowed(old: JobState, new: JobState) -> bool:
+    if old in TERMINAL:
+        return False
+    return new == old or new in ("failed", "cancelled") or new in _NEXT[old]

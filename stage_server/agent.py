@@ -1,0 +1,207 @@
+"""A stage server under a scheduler: it announces itself on the bus, measures its samples/s on the
+stages of each job offered, takes the stage the scheduler assigns, builds it and serves it.
+
+Bus traffic in, bus traffic out; compute (measuring, building a stage) runs on the replica's worker
+thread so the event loop keeps answering health checks and the bus keepalive meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from pathlib import Path
+
+import torch
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2
+
+from stage_server.measure import measure_job
+from stage_server.runtime import StageRuntime
+from stage_server.server import (
+    SERVICE_NAME,
+    RunningStageServer,
+    StageServerOptions,
+    check_device,
+    install_signal_handlers,
+    start_grpc,
+)
+from swarm.bus import Bus, BusLike, TopicKind, Topics
+from swarm.config import JobConfig, RuntimeConfig, parse_job
+from swarm.errors import ConfigError
+from swarm.proto import control_pb2 as cpb
+
+__all__ = ["PeerAgent", "run_peer"]
+
+log = logging.getLogger(__name__)
+_ACTIVE = (cpb.JOB_STATE_PLACING, cpb.JOB_STATE_RUNNING)
+
+
+class PeerAgent:
+    def __init__(
+        self,
+        running: RunningStageServer,
+        bus: BusLike,
+        *,
+        peer: str,
+        device: str,
+        throttle: float = 1.0,
+        metrics_address: str = "",
+    ) -> None:
+        self.running, self.bus, self.peer = running, bus, peer
+        self.device, self.throttle, self.metrics_address = device, throttle, metrics_address
+        self.job_id = ""  # the job this peer is measured for or serves
+        self.stage: int | None = None
+        self.state = cpb.PEER_STATE_JOINING
+        self.speeds: dict[int, float] = {}
+        self._jobs: dict[str, JobConfig] = {}
+        self._generation = -1
+
+    def announcement(self) -> cpb.PeerAnnouncement:
+        msg = cpb.PeerAnnouncement(
+            peer=self.peer,
+            address=self.running.address,
+            metrics_address=self.metrics_address,
+            device=self.device,
+            state=self.state,
+            job=self.job_id,
+            throttle=self.throttle,
+            samples_per_second=self.speeds,
+            time=time.time(),
+        )
+        if self.stage is not None:
+            msg.stage = self.stage
+        return msg
+
+    async def announce(self) -> None:
+        await self.bus.publish(self.bus.topics.peer(self.peer), self.announcement(), retain=True)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.announce()
+        topics = self.bus.topics
+        subscription = self.bus.subscribe(topics.job("+"))
+        assignments = self.bus.subscribe(topics.assign("+", self.peer))
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                tg.create_task(self._consume(subscription)),
+                tg.create_task(self._consume(assignments)),
+            ]
+            await stop.wait()
+            for task in tasks:
+                task.cancel()
+        self.state, self.stage = cpb.PEER_STATE_OFFLINE, None
+        await self.announce()
+
+    async def _consume(self, messages: object) -> None:
+        async for topic, message in messages:  # type: ignore[attr-defined]
+            try:
+                await self._handle(topic, message)
+            except Exception:  # a bad job or assignment must not take the peer down
+                log.exception("%s: could not handle %s", self.peer, topic)
+
+    async def _handle(self, topic: str, message: Message) -> None:
+        kind = self.bus.topics.parse(topic).kind
+        if kind is TopicKind.JOB and isinstance(message, cpb.JobAnnouncement):
+            await self._on_job(message)
+        elif kind is TopicKind.ASSIGN and isinstance(message, cpb.Assignment):
+            await self._on_assignment(message)
+
+    async def _compute(self, fn, *args):  # type: ignore[no-untyped-def]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.running.executor, fn, *args)
+
+    def _job(self, announcement: cpb.JobAnnouncement) -> JobConfig | None:
+        if announcement.job not in self._jobs:
+            try:
+                self._jobs[announcement.job] = parse_job(
+                    announcement.spec, Path("/"), name=announcement.name or "job", check_data=False
+                )
+            except ConfigError as e:
+                log.error("%s: job %s has a bad spec: %s", self.peer, announcement.job, e)
+                return None
+        return self._jobs[announcement.job]
+
+    async def _on_job(self, job: cpb.JobAnnouncement) -> None:
+        if job.state in _ACTIVE and self.job_id in ("", job.job) and not self.speeds:
+            config = self._job(job)
+            if config is None:
+                return
+            self.job_id = job.job
+            self.speeds = await self._compute(
+                measure_job, config, check_device(self.device), self.throttle
+            )
+            log.info(
+                "%s: measured for job %s: %s",
+                self.peer,
+                job.job,
+                {k: round(v, 1) for k, v in self.speeds.items()},
+            )
+            await self.announce()
+        elif job.job == self.job_id and job.state not in _ACTIVE and job.state:
+            log.info("%s: job %s ended; free for another", self.peer, job.job)
+            self.running.servicer.release()
+            self.job_id, self.stage, self.speeds = "", None, {}
+            self.state = cpb.PEER_STATE_JOINING
+            await self.announce()
+
+    async def _on_assignment(self, assignment: cpb.Assignment) -> None:
+        if assignment.generation <= self._generation:
+            return  # a stale or repeated assignment (retained messages come again on reconnect)
+        config = self._jobs.get(assignment.job)
+        if config is None:
+            log.warning("%s: assigned to unknown job %s", self.peer, assignment.job)
+            return
+        self._generation = assignment.generation
+        if (self.job_id, self.stage) == (assignment.job, assignment.stage):
+            return
+        log.info("%s: assigned stage %d of job %s", self.peer, assignment.stage, assignment.job)
+        runtime = await self._compute(
+            StageRuntime, config, assignment.stage, check_device(self.device)
+        )
+        self.running.servicer.serve(runtime, assignment.job)
+        await self.running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self.job_id, self.stage = assignment.job, assignment.stage
+        self.state = cpb.PEER_STATE_SERVING
+        await self.announce()
+
+
+async def run_peer(
+    opts: StageServerOptions,
+    broker: str,
+    *,
+    throttle: float = 1.0,
+    token: str | None = None,
+    connect_timeout_s: float = 30.0,
+) -> None:
+    """`swarm stage-server --broker URL`: join the swarm and serve what the scheduler assigns."""
+    torch.set_num_threads(max(1, opts.threads))
+    check_device(opts.device)
+    running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
+    port = running.address.rsplit(":", 1)[1]
+    peer = opts.peer or f"{socket.gethostname()}-{port}"
+    metrics = f"{opts.host}:{running.metrics_port}" if running.metrics_port is not None else ""
+    will = cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address)
+    try:
+        async with Bus(
+            broker, client_id=f"peer-{peer}", token=token, will=(Topics().peer(peer), will)
+        ) as bus:
+            await bus.wait_connected(connect_timeout_s)
+            agent = PeerAgent(
+                running,
+                bus,
+                peer=peer,
+                device=opts.device,
+                throttle=throttle,
+                metrics_address=metrics,
+            )
+            stop = asyncio.Event()
+            install_signal_handlers(stop)
+            print(
+                f"swarm stage-server ready: peer={peer} address={running.address} "
+                f"metrics={running.metrics_port} device={opts.device} throttle={throttle}",
+                flush=True,
+            )
+            await agent.run(stop)
+    finally:
+        await running.stop()

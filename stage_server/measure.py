@@ -1,0 +1,92 @@
+"""A joining peer measures its own samples/s on each stage's compute (forward + backward of one
+microbatch), so the scheduler can place it where it raises the bottleneck most. Results are cached
+per model shape, stage, microbatch size, dtype and device, since building and timing every stage of
+a large model is not free."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from stage_server.runtime import StageRuntime
+from swarm.config import JobConfig
+from swarm.model import layer_costs, partition
+
+__all__ = ["cache_path", "measure_job", "measure_stage"]
+
+log = logging.getLogger(__name__)
+_REPEATS = 3  # timed runs after one warm-up; the median is kept
+
+
+def cache_path() -> Path:
+    root = os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm"
+    return Path(root) / "throughput.json"
+
+
+def _key(job: JobConfig, stage: int, device: torch.device) -> str:
+    layers = list(partition(layer_costs(job.model), job.training.stages)[stage])
+    return json.dumps(
+        [
+            job.to_dict()["model"],
+            layers[0],
+            layers[-1],
+            job.training.microbatch_size,
+            job.training.dtype,
+            str(device),
+            torch.__version__,
+        ],
+        sort_keys=True,
+    )
+
+
+def measure_stage(job: JobConfig, stage: int, device: torch.device) -> float:
+    """Samples/s of forward + backward of one microbatch through `stage` on `device`."""
+    rt = StageRuntime(job, stage, device)
+    b, t, cfg = job.training.microbatch_size, job.model.seq_len, job.model
+    gen = torch.Generator().manual_seed(0)
+    if rt.is_first:
+        inputs = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
+    else:
+        inputs = torch.randn(b, t, cfg.d_model, generator=gen).to(rt.dtype)
+    targets = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
+    times = []
+    for i in range(_REPEATS + 1):
+        start = time.perf_counter()
+        if rt.is_last:
+            rt.forward_backward(0, i, inputs, targets, accumulate=False)
+        else:
+            out = rt.forward(0, i, inputs)
+            rt.backward(0, i, inputs, torch.ones_like(out), accumulate=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return b / max(sorted(times[1:])[len(times[1:]) // 2], 1e-9)
+
+
+def measure_job(job: JobConfig, device: torch.device, throttle: float = 1.0) -> dict[int, float]:
+    """Samples/s per stage, divided by `throttle`; cached on disk."""
+    path = cache_path()
+    try:
+        cache: dict[str, float] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    result = {}
+    for stage in range(job.training.stages):
+        key = _key(job, stage, device)
+        if key not in cache:
+            cache[key] = measure_stage(job, stage, device)
+            log.info("measured stage %d on %s: %.1f samples/s", stage, device, cache[key])
+        result[stage] = cache[key] / max(throttle, 1.0)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        tmp.replace(path)  # atomic: several peers on one machine share the cache
+    except OSError as e:
+        log.warning("cannot write the throughput cache %s: %s", path, e)
+    return result

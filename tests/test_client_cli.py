@@ -1,0 +1,129 @@
+"""The client commands against a real job API server: exit codes, messages, outputs.
+
+The commands run `asyncio.run` themselves, so they run on a worker thread while the test's event
+loop serves the API; capsys captures both threads' output."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from client.commands import add_client_commands
+from tests.jobs import write_job
+from tests.test_job_api import RunningApi, start_api
+
+
+def _parser(env: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """What `swarm.cli.build_parser` builds, reduced to the client commands."""
+    parser = argparse.ArgumentParser(prog="swarm")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, func: Any, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.set_defaults(func=func)
+        return p
+
+    add_client_commands(command, lambda flag, default: (env or {}).get(flag, default))
+    return parser
+
+
+async def swarm(*argv: str, env: dict[str, Any] | None = None) -> int:
+    args = _parser(env).parse_args(argv)
+    return int(await asyncio.to_thread(args.func, args))
+
+
+@pytest.fixture
+async def api(tmp_path: Path) -> AsyncIterator[RunningApi]:
+    running = await start_api(tmp_path)
+    yield running
+    await running.stop()
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_submit_status_jobs_cancel(
+    api: RunningApi, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    at = ("--scheduler", api.address)
+    assert await swarm("submit", str(write_job(tmp_path, "idle")), *at) == 0
+    job = capsys.readouterr().out.strip()
+    assert job.startswith("idle-")
+    assert await swarm("status", job, *at) == 0
+    out = capsys.readouterr().out
+    assert "state    queued" in out and "step     0/3" in out and "peer-a" in out
+    assert await swarm("status", job, "--json", env={"scheduler": api.address}) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["job"] == job and doc["state"] == "JOB_STATE_QUEUED"
+    assert doc["samples_per_second"] == 12.5 and doc["loss"] == "NaN"
+    assert doc["stages"][0]["replicas"][0]["peer"] == "peer-a"
+    assert await swarm("jobs", *at) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["JOB", "NAME", "STATE"] and lines[1].startswith(job)
+    assert await swarm("cancel", job, *at) == 0
+    assert f"job {job} cancelled" in capsys.readouterr().out
+    assert await swarm("cancel", job, *at) == 1  # finished: refused, but not bad input
+    assert "swarm cancel: error: job" in capsys.readouterr().err
+
+
+async def test_submit_wait(
+    api: RunningApi, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    at = ("--scheduler", api.address, "--poll", "0.01")
+    assert await swarm("submit", str(write_job(tmp_path, "run")), "--wait", *at) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("run-") and "succeeded: 3 steps, loss 2.0000" in captured.out
+    assert "3/3" in captured.err  # the progress bar's last state
+    assert await swarm("submit", str(write_job(tmp_path, "doomed")), "--wait", *at) == 1
+    err = capsys.readouterr().err
+    assert "swarm submit: error: job doomed-" in err and "stage 1 lost every replica" in err
+
+
+async def test_bad_job_file(
+    api: RunningApi, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_job(tmp_path, training={"dtype": "float16"})
+    assert await swarm("submit", str(path), "--scheduler", api.address) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("swarm submit: error: training.dtype") and api.store.list() == []
+    assert await swarm("submit", str(tmp_path / "missing.toml"), "--scheduler", api.address) == 2
+    assert "cannot be read" in capsys.readouterr().err
+
+
+async def test_unknown_job(api: RunningApi, capsys: pytest.CaptureFixture[str]) -> None:
+    for cmd in ("status", "cancel"):
+        assert await swarm(cmd, "nope", "--scheduler", api.address) == 2
+        err = capsys.readouterr().err
+        assert err == f"swarm {cmd}: error: unknown job 'nope'; `swarm jobs` lists them\n"
+
+
+async def test_no_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
+    address = _free_address()
+    assert await swarm("jobs", "--scheduler", address) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"swarm jobs: error: cannot reach the scheduler at {address}")
+    assert await swarm("jobs") == 2  # no --scheduler, no SWARM_SCHEDULER
+    assert "pass --scheduler HOST:PORT or set SWARM_SCHEDULER" in capsys.readouterr().err
+
+
+async def test_export(api: RunningApi, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = api.store.create("exp", "", "/", 3).id
+    out = tmp_path / "model.pt"
+    assert await swarm("export", job, "--out", str(out), "--scheduler", api.address) == 0
+    assert "after 7 steps" in capsys.readouterr().out
+    state = torch.load(out, weights_only=True)
+    assert all(torch.equal(state[k], v) for k, v in api.control.state.items())
+    bad_dir = tmp_path / "no" / "such" / "dir" / "model.pt"
+    assert await swarm("export", job, "--out", str(bad_dir), "--scheduler", api.address) == 1
+    assert "swarm export: error: cannot write" in capsys.readouterr().err

@@ -1,0 +1,135 @@
+"""The control plane with real processes: a scheduler, joining stage servers, the client CLI, over
+the embedded broker and over Mosquitto."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.procs import LocalSwarm, start_local_swarm, start_process
+from tests.bus_helpers import Mosquitto
+from tests.jobs import write_job
+
+pytestmark = pytest.mark.slow
+
+
+def swarm(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
+          check: bool = True) -> subprocess.CompletedProcess[str]:
+    import os
+
+    result = subprocess.run([sys.executable, "-m", "swarm.cli", *args], capture_output=True,
+                            text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    if check:
+        assert result.returncode == 0, f"{args}: {result.stdout[-2000:]}{result.stderr[-3000:]}"
+    return result
+
+
+def local_state(job: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    swarm("local", str(job), "--out", str(tmp_path / "local.pt"))
+    return torch.load(tmp_path / "local.pt")
+
+
+def assert_equal_within(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        diff = (a[name] - b[name]).abs().max().item()
+        assert diff <= tol, f"{name}: {diff}"
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
+    broker = Mosquitto(tmp_path / "mosquitto")
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.mark.parametrize("broker", ["embedded", "mosquitto"])
+def test_submit_wait_export_equals_local(tmp_path: Path, broker: str, request: pytest.FixtureRequest
+                                         ) -> None:
+    url = request.getfixturevalue("mosquitto").url if broker == "mosquitto" else None
+    job = write_job(tmp_path, training={"steps": 6, "target_batch_size": 16})
+    local_swarm, _ = start_local_swarm([1.0, 2.0, 1.0, 3.0, 1.0], log_dir=tmp_path, broker=url)
+    try:
+        submitted = swarm("submit", str(job), "--wait", "--scheduler", local_swarm.address)
+        job_id = submitted.stdout.split()[0]
+        assert "succeeded" in submitted.stdout
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"),
+              "--scheduler", local_swarm.address)
+        status = json.loads(swarm("status", job_id, "--json",
+                                  "--scheduler", local_swarm.address).stdout)
+        assert status["state"] == "JOB_STATE_SUCCEEDED" and int(status["step"]) == 6
+        metrics = urllib.request.urlopen(
+            f"http://127.0.0.1:{local_swarm.scheduler.ready['metrics']}/metrics", timeout=10
+        ).read().decode()
+        assert "swarm_scheduler_peers" in metrics
+        assert f'swarm_job_state{{job="{job_id}",state="succeeded"}} 1.0' in metrics
+    finally:
+        local_swarm.stop()
+    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+    assert all("Traceback" not in p.log() for p in [local_swarm.scheduler, *local_swarm.peers])
+
+
+def _wait_step(sw: LocalSwarm, job_id: str, at_least: int, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = swarm("status", job_id, "--json", "--scheduler", sw.address, check=False)
+        if status.returncode == 0:
+            step = int(json.loads(status.stdout).get("step", 0))
+            if step >= at_least:
+                return step
+        time.sleep(0.3)
+    raise TimeoutError(f"job {job_id} did not reach step {at_least}")
+
+
+def test_scheduler_killed_and_restarted_resumes_the_job(tmp_path: Path, mosquitto: Mosquitto
+                                                        ) -> None:
+    # Throttled peers make steps slow enough to kill the scheduler in the middle of the job.
+    job = write_job(tmp_path, training={"steps": 12, "target_batch_size": 32})
+    sw, args = start_local_swarm([30.0] * 4, log_dir=tmp_path, broker=mosquitto.url)
+    try:
+        out = swarm("submit", str(job), "--scheduler", sw.address).stdout
+        job_id = out.split()[0]
+        assert _wait_step(sw, job_id, 3) < 12
+        sw.scheduler.kill()  # SIGKILL: no goodbye, the embedded trainer dies mid-step
+        sw.restart_scheduler(args)
+        assert job_id in swarm("jobs", "--scheduler", sw.address).stdout
+        _wait_step(sw, job_id, 12, timeout=240)
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+        assert "resuming job" in sw.scheduler.log()
+    finally:
+        sw.stop()
+    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+
+
+def test_wrong_token_is_refused(tmp_path: Path) -> None:
+    token_env = {"SWARM_TOKEN": "s3cret"}
+    sw, _ = start_local_swarm([], log_dir=tmp_path, env=token_env)
+    try:
+        ok = swarm("jobs", "--scheduler", sw.address, env=token_env)
+        assert ok.returncode == 0
+        for env in ({"SWARM_TOKEN": "wrong"}, {"SWARM_TOKEN": ""}):
+            refused = swarm("jobs", "--scheduler", sw.address, env=env, check=False)
+            assert refused.returncode != 0
+            assert "UNAUTHENTICATED" in refused.stderr or "token" in refused.stderr.lower()
+        # a stage server with the wrong token cannot join through the broker
+        peer = start_process(["stage-server", "--broker", sw.broker, "--port", "0"],
+                             log_dir=tmp_path, name="intruder", env={"SWARM_TOKEN": "wrong"})
+        assert peer.proc.wait(60) != 0
+        assert "refused" in peer.log().lower() or "not authori" in peer.log().lower()
+        metrics = urllib.request.urlopen(
+            f"http://127.0.0.1:{sw.scheduler.ready['metrics']}/metrics", timeout=10
+        ).read().decode()
+        refused_lines = [line for line in metrics.splitlines()
+                         if line.startswith("swarm_auth_refused_total")]
+        assert refused_lines and float(refused_lines[0].split()[-1]) >= 2
+    finally:
+        sw.stop()

@@ -1,0 +1,166 @@
+"""The SQLite job store: round trips, the state machine, idempotent steps, durability."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scheduler.store import SCHEMA_VERSION, JobState, JobStore, StoreError
+from swarm.errors import FailedPrecondition, NotFound
+from tests.conftest import ROOT
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[JobStore]:
+    with JobStore(tmp_path / "jobs.db") as s:
+        yield s
+
+
+def test_create_get_list(store: JobStore) -> None:
+    a = store.create("tiny", "name = 'tiny'", "/data", steps=5)
+    b = store.create("tiny", "spec b", "/data", steps=7)
+    assert a.id.startswith("tiny-") and len(a.id) == len("tiny-") + 6 and a.id != b.id
+    assert (a.state, a.step, a.steps, a.error, a.message) == ("queued", 0, 5, "", "")
+    assert math.isnan(a.loss) and a.created == a.updated
+    assert store.get(a.id) == a
+    assert store.get("nope") is None
+    assert [j.id for j in store.list()] == [b.id, a.id]  # newest first
+
+
+LEGAL: list[list[JobState]] = [
+    ["placing", "running", "succeeded"],
+    ["placing", "running", "placing", "running", "succeeded"],  # a stage lost its replicas
+    ["cancelled"],
+    ["placing", "failed"],
+    ["placing", "running", "cancelled"],
+    ["placing", "placing", "running", "running"],  # staying put is allowed while unfinished
+]
+
+
+@pytest.mark.parametrize("path", LEGAL, ids=["-".join(p) for p in LEGAL])
+def test_legal_transitions(store: JobStore, path: list[JobState]) -> None:
+    job = store.create("j", "", "/", 3)
+    for state in path:
+        assert store.set_state(job.id, state).state == state
+
+
+ILLEGAL: list[tuple[list[JobState], JobState]] = [
+    ([], "running"),  # queued must be placed first
+    ([], "succeeded"),
+    (["placing"], "succeeded"),
+    (["placing"], "queued"),
+    (["placing", "running", "succeeded"], "running"),
+    (["placing", "running", "succeeded"], "failed"),
+    (["cancelled"], "cancelled"),  # terminal states are final
+    (["failed"], "placing"),
+]
+
+
+@pytest.mark.parametrize("path,bad", ILLEGAL)
+def test_illegal_transitions(store: JobStore, path: list[JobState], bad: JobState) -> None:
+    job = store.create("j", "", "/", 3)
+    for state in path:
+        store.set_state(job.id, state)
+    with pytest.raises(FailedPrecondition, match=f"cannot become {bad}"):
+        store.set_state(job.id, bad)
+    assert store.get(job.id).state == (path[-1] if path else "queued")  # type: ignore[union-attr]
+
+
+def test_error_and_message(store: JobStore) -> None:
+    job = store.create("j", "", "/", 3)
+    store.set_state(job.id, "placing", message="waiting for stage 1")
+    store.set_message(job.id, "placing 2 peers")
+    failed = store.set_state(job.id, "failed", error="stage 1 has no replica")
+    assert (failed.error, failed.message) == ("stage 1 has no replica", "placing 2 peers")
+    with pytest.raises(NotFound):
+        store.set_state("nope", "placing")
+    with pytest.raises(NotFound):
+        store.set_message("nope", "x")
+
+
+def test_record_step_is_idempotent(store: JobStore) -> None:
+    job = store.create("j", "", "/", 3)
+    assert store.record_step(job.id, 0, 2.5, 16, 0.1)
+    assert not store.record_step(job.id, 0, 9.9, 16, 0.2)  # a retried report changes nothing
+    assert store.record_step(job.id, 1, 2.0, 16, 0.1)
+    record = store.get(job.id)
+    assert record is not None and (record.step, record.loss) == (2, 2.0)
+    rows = store.steps(job.id)
+    assert [(r.step, r.loss, r.samples) for r in rows] == [(0, 2.5, 16), (1, 2.0, 16)]
+    store.rewind(job.id, 1)  # back to the checkpoint after step 0
+    record = store.get(job.id)
+    assert record is not None and (record.step, record.loss) == (1, 2.5)
+    assert [r.step for r in store.steps(job.id)] == [0]
+
+
+def test_unfinished(store: JobStore) -> None:
+    ids = [store.create(f"j{i}", "", "/", 3).id for i in range(4)]
+    store.set_state(ids[1], "placing")
+    store.set_state(ids[2], "cancelled")
+    store.set_state(ids[3], "placing")
+    store.set_state(ids[3], "running")
+    assert [j.id for j in store.unfinished()] == [ids[0], ids[1], ids[3]]
+
+
+def test_reopen(tmp_path: Path) -> None:
+    with JobStore(tmp_path / "jobs.db") as s:
+        job = s.create("j", "spec", "/d", 3)
+        s.set_state(job.id, "placing")
+        s.record_step(job.id, 0, 1.5, 4, 0.1)
+    with JobStore(tmp_path / "jobs.db") as s:
+        again = s.get(job.id)
+        assert again is not None and (again.state, again.step, again.loss) == ("placing", 1, 1.5)
+        assert [r.step for r in s.steps(job.id)] == [0]
+
+
+_CHILD = """
+import sys, time
+from scheduler.store import JobStore
+s = JobStore(sys.argv[1])
+job = s.create("killed", "spec", "/d", 9)
+s.set_state(job.id, "placing")
+s.record_step(job.id, 0, 0.75, 8, 0.5)
+print(job.id, flush=True)
+time.sleep(60)
+"""
+
+
+def test_survives_sigkill(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert child.stdout is not None
+    job_id = child.stdout.readline().strip()
+    os.kill(child.pid, signal.SIGKILL)  # no close, no checkpoint of the WAL
+    child.wait()
+    child.stdout.close()
+    with JobStore(path) as s:
+        job = s.get(job_id)
+        assert job is not None and (job.state, job.step, job.loss) == ("placing", 1, 0.75)
+
+
+def test_schema_version(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    JobStore(path).close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(StoreError, match="newer than this swarm"):
+        JobStore(path)
+    (tmp_path / "junk.db").write_bytes(b"not a database at all, certainly not sqlite" * 100)
+    with pytest.raises(StoreError, match="not a usable job store"):
+        JobStore(tmp_path / "junk.db")
