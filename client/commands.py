@@ -36,6 +36,7 @@ __all__ = [
     "cmd_jobs",
     "cmd_status",
     "cmd_submit",
+    "watch",
 ]
 
 Command = Callable[[argparse.Namespace], int]
@@ -102,31 +103,35 @@ def _outcome(name: str, status: scheduler_pb2.JobStatus) -> int:
 
 
 # -- the commands ---------------------------------------------------------------------------------
+async def watch(client: SchedulerClient, status: scheduler_pb2.JobStatus,
+                poll_s: float = 0.5) -> scheduler_pb2.JobStatus:
+    """Show a progress bar (step, loss, samples/s) until the job ends; returns its last status."""
+    with tqdm(total=status.steps, desc=status.job, unit="step", file=sys.stderr) as bar:
+
+        def show(s: scheduler_pb2.JobStatus) -> None:
+            bar.set_postfix(
+                state=state_name(s.state),
+                loss=_loss(s.loss),
+                samples_s=f"{s.samples_per_second:.1f}",
+                refresh=False,
+            )
+            bar.update(s.step - bar.n)  # refreshes too
+
+        try:
+            return await client.wait(status.job, show, poll_s=poll_s)
+        except asyncio.CancelledError:  # Ctrl-C: the job itself keeps running
+            bar.close()
+            print(f"stopped watching; `swarm cancel {status.job}` stops the job", file=sys.stderr)
+            raise
+
+
 async def _submit(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         status = await client.submit(args.job_file)
         print(status.job, flush=True)
         if not args.wait:
             return 0
-        with tqdm(total=status.steps, desc=status.job, unit="step", file=sys.stderr) as bar:
-
-            def show(s: scheduler_pb2.JobStatus) -> None:
-                bar.set_postfix(
-                    state=state_name(s.state),
-                    loss=_loss(s.loss),
-                    samples_s=f"{s.samples_per_second:.1f}",
-                    refresh=False,
-                )
-                bar.update(s.step - bar.n)  # refreshes too
-
-            try:
-                final = await client.wait(status.job, show, poll_s=args.poll)
-            except asyncio.CancelledError:  # Ctrl-C: the job itself keeps running
-                bar.close()
-                print(
-                    f"stopped watching; `swarm cancel {status.job}` stops the job", file=sys.stderr
-                )
-                raise
+        final = await watch(client, status, args.poll)
     return _outcome("submit", final)
 
 

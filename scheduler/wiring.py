@@ -28,6 +28,7 @@ import heapq
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -102,6 +103,8 @@ _Entry = tuple[float, float, int, str]
 # Rebuild the heap when it holds more than this many entries per live one (plus a small slack).
 _COMPACT_RATIO = 2
 _COMPACT_SLACK = 32
+# Most heap entries read to find the replicas tied for the smallest expected finish time.
+_TIE_SCAN = 16
 
 
 class StagePool:
@@ -129,7 +132,8 @@ class StagePool:
         self._live = 0  # live entries in self._heap == eligible replicas
         self._seq = 0
         self.heap_operations = 0
-        """Heap pushes and pops (a rebuild counts its size) since creation: the work done."""
+        """Work done since creation, in heap entries: pushes, pops, entries read to break a tie,
+        and a rebuild's size. Each push or pop is O(log n), everything else O(1)."""
 
     # -- membership -------------------------------------------------------------------------------
 
@@ -195,8 +199,9 @@ class StagePool:
     # -- the choice and its outcome ---------------------------------------------------------------
 
     def choose(self, task_samples: float) -> str:
-        """The replica with the smallest expected finish time for a task of `task_samples`.
-        Raises NoReplicaError when none is eligible."""
+        """The replica with the smallest expected finish time for a task of `task_samples`, ties
+        drawn uniformly at random. Raises NoReplicaError when none is eligible. Choosing does not
+        change the pool: call `started` once the task is sent."""
         if task_samples != self._task:
             _check_positive("task_samples", task_samples)
             self._task = float(task_samples)
@@ -207,14 +212,7 @@ class StagePool:
             raise NoReplicaError(
                 f"no eligible replica among {len(self._replicas)}: all banned, draining or gone"
             )
-        key, _, _, peer = top
-        # Redraw the winner's tie-break priority: a caller that chooses again before `started`
-        # (e.g. a retry) then lands on a random one of the tied replicas, not the same one forever.
-        replica = self._replicas[peer]
-        replica.seq = self._next_seq()
-        heapq.heapreplace(self._heap, (key, self._priority(replica), replica.seq, peer))
-        self.heap_operations += 1
-        return peer
+        return self._pick_tied(top)
 
     def started(self, peer: str, samples: float) -> None:
         """This trainer sent `samples` to `peer`. Unknown peers (removed meanwhile) are ignored."""
@@ -330,8 +328,9 @@ class StagePool:
         return key
 
     def _priority(self, replica: _Replica) -> float:
-        # Uniform in [0, 1) breaks ties at random; a new replica draws from [-1, 0) so it goes
-        # ahead of established replicas tied with it (and at random among other new ones).
+        # Orders tied entries in the heap at random, so that when more than _TIE_SCAN replicas
+        # tie, the few `_pick_tied` reads are a random few. A new replica draws from [-1, 0) so
+        # it sorts ahead of established replicas at its key.
         return self._rng.random() - (1.0 if replica.entry_key is not None else 0.0)
 
     def _is_eligible(self, replica: _Replica) -> bool:
@@ -368,6 +367,30 @@ class StagePool:
             heapq.heappop(heap)
             self.heap_operations += 1
         return None
+
+    def _pick_tied(self, top: _Entry) -> str:
+        """A peer drawn uniformly from the live entries tied with `top` (same key, and new or not
+        alike: a new replica goes ahead of older ones at its key). Entries equal to the root form
+        a subtree at the root, so a breadth-first walk that stops at larger entries finds them
+        all, touching at most _TIE_SCAN entries: exact while ties are few (two idle replicas of
+        one speed), and still random beyond that, since the entries nearest the root are the
+        ones with the smallest random priorities."""
+        heap, key, new = self._heap, top[0], top[1] < 0.0
+        tied: list[str] = []
+        frontier = deque([0])
+        touched = 0
+        while frontier and touched < _TIE_SCAN:
+            index = frontier.popleft()
+            entry = heap[index]
+            touched += 1
+            if entry[0] != key or (entry[1] < 0.0) != new:
+                continue
+            replica = self._replicas.get(entry[3])
+            if replica is not None and replica.seq == entry[2]:
+                tied.append(entry[3])
+            frontier.extend(child for child in (2 * index + 1, 2 * index + 2) if child < len(heap))
+        self.heap_operations += touched
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
     def _expire_bans(self) -> None:
         bans = self._bans

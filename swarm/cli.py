@@ -147,7 +147,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from client.demo import run_demo
 
-    return run_demo(args.job, stages_from_job=True)
+    return run_demo(args.job)
 
 
 def build_parser() -> argparse.ArgumentParser:

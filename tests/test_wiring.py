@@ -101,6 +101,8 @@ def test_draining_replicas_get_no_work() -> None:
     pool, _ = make_pool()
     pool.add("a", 100.0)
     pool.add("b", 1.0)
+    measured(pool, "a", 100.0)
+    measured(pool, "b", 1.0)
     pool.set_draining("a", True)
     assert pool.eligible() == ["b"]
     assert {pool.choose(1.0) for _ in range(20)} == {"b"}
@@ -381,10 +383,12 @@ def heap_work(replicas: int, banned_fraction: float) -> tuple[float, float]:
 
 @pytest.mark.parametrize("banned_fraction", [0.0, 0.9])
 def test_choice_costs_a_constant_number_of_heap_operations(banned_fraction: float) -> None:
-    # Each heap operation is O(log n) (heapq), so a constant number of them per call, the same at
-    # 1,000 and 10,000 replicas, is O(log n) per choice; a scan would be O(n).
+    # A push or pop is O(log n) (heapq) and the rest of the counted work O(1), so a bounded
+    # count per call, no larger at 10,000 replicas than at 1,000, is O(log n) per choice. A scan
+    # would read every replica. Here many replicas tie (seven speeds, all idle), so each choice
+    # also reads its full _TIE_SCAN of tied entries.
     small_all, small_steady = heap_work(1_000, banned_fraction)
     large_all, large_steady = heap_work(10_000, banned_fraction)
-    assert large_all < 4.0 and small_all < 4.0
-    assert large_steady < 3.0 and small_steady < 3.0
-    assert large_all < 1.5 * small_all
+    assert small_all < 10.0 and small_steady < 10.0
+    assert large_all < 10.0 and large_steady < 10.0
+    assert large_steady <= small_steady + 1.0

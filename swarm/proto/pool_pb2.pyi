@@ -1,0 +1,36 @@
+from swarm.proto import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PoolReduceRequest(_message.Message):
+    __slots__ = ("job", "stage", "round", "part", "sender", "group_size", "tensors", "chunk")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    stage: int
+    round: str
+    part: int
+    sender: int
+    group_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    chunk: _tensor_pb2.Chunk
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., round: _Optional[str] = ..., part: _Optional[int] = ..., sender: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class PoolReduceResponse(_message.Message):
+    __slots__ = ("tensors", "chunk")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    chunk: _tensor_pb2.Chunk
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
