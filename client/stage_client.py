@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from stage_server.server import grpc_options
 from swarm import auth, codec, wire
 from swarm.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
+from swarm.wire import grpc_options
 
 __all__ = ["BackwardResult", "StageClient"]
 
@@ -116,19 +116,23 @@ class StageClient:
         return BackwardResult(tensors.get("grad_inputs"), header.receipt, header.loss_sum)
 
     async def commit(
-        self, step: int, microbatches: list[int], total_samples: int
+        self, step: int, microbatches: list[int], total_samples: int, *,
+        phase: int = pb.COMMIT_PHASE_BOTH, group: list[str] | None = None, group_index: int = 0,
+        round: str = "",
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
-            job=self.job_id,
-            stage=self.stage,
-            step=step,
-            microbatches=microbatches,
-            total_samples=total_samples,
-        )
+            job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
+            total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
+            round=round)  # fmt: skip
         response: pb.StageCommitResponse = await self.stub.Commit(
             request, timeout=self.job.runtime.commit_timeout_s
         )
         return response
+
+    async def discard(self, step: int) -> int:
+        request = pb.StageDiscardRequest(job=self.job_id, stage=self.stage, step=step)
+        response: pb.StageDiscardResponse = await self.stub.Discard(request, timeout=self._timeout)
+        return response.dropped
 
     async def info(self) -> pb.StageInfoResponse:
         response: pb.StageInfoResponse = await self.stub.Info(
@@ -136,10 +140,14 @@ class StageClient:
         )
         return response
 
-    async def download_state(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """The replica's parameters (names as in the whole model) and its step."""
+    async def download_state(
+        self, include_optimizer: bool = False, prefix: str = "param/"
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """The replica's state and step: parameters (names as in the whole model, with `prefix`
+        removed) and, when asked, optimizer state (`optim/<index>/<key>`)."""
         call = self.stub.DownloadState(
-            pb.StageDownloadStateRequest(job=self.job_id, stage=self.stage),
+            pb.StageDownloadStateRequest(job=self.job_id, stage=self.stage,
+                                         include_optimizer=include_optimizer),
             timeout=self.job.runtime.commit_timeout_s,
         )
         stream, state, step = _aiter(call), {}, -1
@@ -149,10 +157,9 @@ class StageClient:
             except wire.EndOfStream:
                 break
             step = received.header.step
-            for name, tensor in wire.decode_named(
-                received, device="cpu", max_bytes=self._max
-            ).items():
-                state[name.removeprefix("param/")] = tensor.clone()
+            decoded = wire.decode_named(received, device="cpu", max_bytes=self._max)
+            for name, tensor in decoded.items():
+                state[name.removeprefix(prefix) if prefix else name] = tensor.clone()
         return step, state
 
 

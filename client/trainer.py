@@ -1,183 +1,170 @@
-"""The trainer: drives each step's microbatches through the stages and commits the step.
+"""The trainer: leases microbatches from the step coordinator and drives each through the stages,
+choosing for every hop the replica with the smallest expected finish time (stochastic wiring).
 
-Microbatch `(step, index)` goes forward through stages 0..S-2, forward-and-backward at S-1, then
-backward through S-2..0, keeping up to `runtime.max_in_flight` microbatches in flight. The trainer
-keeps, per microbatch and stage, the receipt of the replica that holds its gradient; when every
-microbatch has a receipt at every stage, the step is committed on each stage.
+A task `(step, index, stages)` goes forward through stages 0..S-2, forward-and-backward at S-1,
+then backward down to the lowest stage it must accumulate at; Backward goes to the replica that did
+the Forward at that stage (its activations are cached there). It reports, per stage, the replica
+that accumulated its gradient. A failed hop is retried at once on another replica of the stage
+(the failing one is banned with backoff); a microbatch that runs out of tries is handed back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
-import torch
+import grpc
 
+from client.coordinator import Lease, MicrobatchResult, Replica
 from client.stage_client import StageClient
+from scheduler.ledger import Task
+from scheduler.wiring import MonotonicClock, NoReplicaError, Wiring
 from swarm.config import JobConfig
 from swarm.data import DataSource, make_data
 from swarm.errors import SwarmError
 from swarm.metrics import TrainerMetrics
-from swarm.progress import StepRecord
 
-__all__ = ["PipelineTrainer", "TrainerError"]
+__all__ = ["Coordinator", "PipelineTrainer", "TrainerError"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TrainerError(SwarmError):
-    """A microbatch or commit failed and cannot be completed."""
+    """A microbatch cannot be completed: no replica of a stage could serve it."""
 
 
-@dataclass
-class _StepState:
-    receipts: list[dict[int, int]] = field(default_factory=list)  # per stage: index -> samples
-    loss_sum: float = 0.0
+class Coordinator(Protocol):
+    async def lease(self, trainer: str, count: int) -> Lease: ...
+    async def report(self, trainer: str, result: MicrobatchResult) -> None: ...
+    async def release(self, trainer: str, indices: list[int]) -> None: ...
 
 
 class PipelineTrainer:
-    """One replica per stage (pools and rerouting build on this in later layers)."""
-
     def __init__(
-        self,
-        job: JobConfig,
-        addresses: Sequence[str],
-        *,
-        data: DataSource | None = None,
-        metrics: TrainerMetrics | None = None,
-        job_id: str | None = None,
-        token: str | None = None,
+        self, job: JobConfig, coordinator: Coordinator, *, job_id: str | None = None,
+        trainer_id: str | None = None, data: DataSource | None = None,
+        metrics: TrainerMetrics | None = None, token: str | None = None,
+        hop_attempts: int = 4, poll_s: float = 0.02, seed: int | None = None,
     ) -> None:
-        if len(addresses) != job.training.stages:
-            raise TrainerError(
-                f"the job has {job.training.stages} stages; got {len(addresses)} stage servers"
-            )
-        # Standalone servers know a job by its fingerprint; a scheduler names it by its job id.
-        self.job, self.job_id = job, job_id or job.fingerprint()
-        self.clients = [StageClient(a, job, self.job_id, k, token) for k, a in enumerate(addresses)]
+        self.job, self.coordinator, self.token = job, coordinator, token
+        self.job_id = job_id or job.fingerprint()
+        self.trainer_id = trainer_id or f"trainer-{uuid.uuid4().hex[:8]}"
         self.data = data or make_data(job)
         self.metrics = metrics or TrainerMetrics(self.job_id)
+        self.hop_attempts, self.poll_s = hop_attempts, poll_s
+        self.wiring = Wiring(job.training.stages, clock=MonotonicClock(),
+                             rng=random.Random(seed), task_samples=job.training.microbatch_size)
+        self.clients: dict[str, StageClient] = {}
+        self._members: list[set[str]] = [set() for _ in range(job.training.stages)]
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients))
+        await asyncio.gather(*(c.close() for c in self.clients.values()))
 
-    async def check_servers(self) -> int:
-        """Ask each server what it serves and bring them to one step; returns that step.
+    # -- membership -----------------------------------------------------------------------------
+    def sync(self, replicas: list[list[Replica]]) -> None:
+        """Follow the coordinator's view of who serves each stage."""
+        for stage, members in enumerate(replicas):
+            now = {r.peer for r in members}
+            for gone in self._members[stage] - now:
+                self.wiring.remove(gone)
+            for r in members:
+                if r.peer not in self._members[stage]:
+                    self.wiring.add(r.peer, stage, r.throughput or 1.0)
+                    self.clients[r.peer] = StageClient(r.address, self.job, self.job_id, stage,
+                                                       self.token)
+            self._members[stage] = now
 
-        A trainer that died between committing some stages and the rest leaves the laggards one
-        step behind, each still holding every receipt of that step (a commit is only sent once all
-        receipts exist): committing those receipts finishes the step exactly. Any other mismatch is
-        an error."""
-        infos = await asyncio.gather(*(c.info() for c in self.clients))
-        for k, info in enumerate(infos):
-            if info.job != self.job_id or info.stage != k:
-                raise TrainerError(
-                    f"{self.clients[k].address} serves job {info.job!r} stage {info.stage}; "
-                    f"expected job {self.job_id!r} stage {k} (same job file on both sides?)"
-                )
-        steps = sorted({info.step for info in infos})
-        if len(steps) == 1:
-            return steps[0]
-        m, mb = self.job.training.microbatches_per_step, self.job.training.microbatch_size
-        behind = [k for k, info in enumerate(infos) if info.step == steps[0]]
-        if (
-            len(steps) > 2
-            or steps[1] != steps[0] + 1
-            or any(len(infos[k].receipts) != m for k in behind)
-        ):
-            raise TrainerError(f"stage servers disagree on the step: {[i.step for i in infos]}")
-        log.warning("finishing step %d's commit on stages %s", steps[0], behind)
-        await asyncio.gather(
-            *(self.clients[k].commit(steps[0], list(infos[k].receipts), m * mb) for k in behind)
-        )
-        return steps[1]
-
-    async def _microbatch(self, step: int, index: int, state: _StepState) -> None:
-        inputs, targets = self.data.microbatch(step, index)
-        boundary = [inputs]  # the input of each stage, kept for Backward's recompute
-        for client in self.clients[:-1]:
-            boundary.append(await client.forward(step, index, boundary[-1]))
-        last = self.clients[-1]
-        result = await last.forward_backward(
-            step, index, boundary[-1], targets, need_grad_inputs=len(self.clients) > 1
-        )
-        self._record(state, len(self.clients) - 1, result.receipt)
-        state.loss_sum += result.loss_sum
-        grad = result.grad_inputs
-        for k in range(len(self.clients) - 2, -1, -1):
-            assert grad is not None
-            result = await self.clients[k].backward(
-                step, index, boundary[k], grad, need_grad_inputs=k > 0
-            )
-            self._record(state, k, result.receipt)
-            grad = result.grad_inputs
-
-    @staticmethod
-    def _record(state: _StepState, stage: int, receipt: object) -> None:
-        state.receipts[stage][receipt.microbatch.index] = receipt.samples  # type: ignore[attr-defined]
-
-    async def run_step(self, step: int) -> StepRecord:
-        start = time.perf_counter()
-        m = self.job.training.microbatches_per_step
-        state = _StepState(receipts=[{} for _ in self.clients])
-        limit = asyncio.Semaphore(self.job.runtime.max_in_flight)
-
-        async def one(index: int) -> None:
-            async with limit:
-                self.metrics.in_flight.inc()
-                try:
-                    await self._microbatch(step, index, state)
-                finally:
-                    self.metrics.in_flight.dec()
-                self.metrics.microbatches.inc()
-
+    # -- the loop -------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Lease and train until the coordinator says the job is done."""
+        running: set[asyncio.Task[None]] = set()
         try:
-            async with asyncio.TaskGroup() as tg:
-                for index in range(m):
-                    tg.create_task(one(index))
-        except* Exception as group:
-            raise TrainerError(f"step {step}: {group.exceptions[0]}") from group.exceptions[0]
-        samples = sum(state.receipts[0].values())
-        if any(len(r) != m for r in state.receipts):
-            raise TrainerError(
-                f"step {step}: receipts incomplete: {[len(r) for r in state.receipts]}"
-            )
-        await asyncio.gather(
-            *(
-                c.commit(step, sorted(state.receipts[k]), samples)
-                for k, c in enumerate(self.clients)
-            )
-        )
-        result = StepRecord(step, state.loss_sum / samples, samples, time.perf_counter() - start)
-        self.metrics.samples.inc(samples)
-        self.metrics.step.set(step + 1)
-        self.metrics.loss.set(result.loss)
-        self.metrics.step_seconds.observe(result.seconds)
-        return result
+            while True:
+                free = self.job.runtime.max_in_flight - len(running)
+                lease = await self.coordinator.lease(self.trainer_id, free)
+                self.sync(lease.replicas)
+                if lease.done and not running:
+                    return
+                for task in lease.tasks:
+                    running.add(asyncio.create_task(self._run_task(task)))
+                if running:
+                    done, running = await asyncio.wait(
+                        running, timeout=None if free == 0 else self.poll_s,
+                        return_when=asyncio.FIRST_COMPLETED)
+                    for finished in done:
+                        finished.result()  # surface bugs; hop failures were handled inside
+                else:
+                    await asyncio.sleep(self.poll_s)
+        finally:
+            for task in running:
+                task.cancel()
 
-    async def train(
-        self, steps: int | None = None, on_step: Callable[[StepRecord], None] | None = None
-    ) -> list[StepRecord]:
-        """Train from the servers' current step up to `steps` (the job's by default)."""
-        first = await self.check_servers()
-        results = []
-        for step in range(first, steps if steps is not None else self.job.training.steps):
-            result = await self.run_step(step)
-            log.info(
-                "step %d loss %.4f %.1f samples/s", step, result.loss, result.samples_per_second
-            )
-            results.append(result)
-            if on_step:
-                on_step(result)
-        return results
+    async def _run_task(self, task: Task) -> None:
+        self.metrics.in_flight.inc()
+        try:
+            result = await self._microbatch(task)
+        except (TrainerError, grpc.aio.AioRpcError) as e:
+            log.warning("%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e)
+            await self.coordinator.release(self.trainer_id, [task.index])
+            return
+        finally:
+            self.metrics.in_flight.dec()
+        await self.coordinator.report(self.trainer_id, result)
+        self.metrics.microbatches.inc()
 
-    async def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's parameters, gathered from every stage."""
-        parts = await asyncio.gather(*(c.download_state() for c in self.clients))
-        state: dict[str, torch.Tensor] = {}
-        for _step, part in parts:
-            state.update(part)
-        return state
+    # -- one microbatch -------------------------------------------------------------------------
+    async def _hop(self, stage: int, call: Callable[[StageClient], Awaitable[T]],
+                   prefer: str | None = None) -> tuple[str, T]:
+        """Run `call` on a replica of `stage` (`prefer` first if eligible), retrying on others."""
+        pool, samples = self.wiring[stage], self.job.training.microbatch_size
+        last: BaseException | None = None
+        for _ in range(self.hop_attempts):
+            try:
+                peer = prefer if prefer in pool.eligible() else pool.choose(samples)
+            except NoReplicaError as e:
+                raise TrainerError(f"stage {stage}: {e}") from last
+            prefer = None
+            pool.started(peer, samples)
+            start = time.perf_counter()
+            try:
+                result = await call(self.clients[peer])
+            except grpc.aio.AioRpcError as e:
+                pool.failed(peer, samples)
+                log.info("stage %d: %s failed (%s); trying another replica", stage, peer, e.code())
+                last = e
+                continue
+            pool.finished(peer, samples, time.perf_counter() - start)
+            return peer, result
+        raise TrainerError(f"stage {stage}: {self.hop_attempts} attempts failed: {last}")
+
+    async def _microbatch(self, task: Task) -> MicrobatchResult:
+        step, index, stages = task.step, task.index, task.stages
+        last, lowest = self.job.training.stages - 1, min(task.stages)
+        inputs, targets = self.data.microbatch(step, index)
+        boundary, forward_peer = [inputs], {}
+        for k in range(last):
+            peer, out = await self._hop(
+                k, lambda c, k=k: c.forward(step, index, boundary[k]))  # type: ignore[misc]
+            forward_peer[k] = peer
+            boundary.append(out)
+        peer, result = await self._hop(last, lambda c: c.forward_backward(
+            step, index, boundary[last], targets, accumulate=last in stages,
+            need_grad_inputs=lowest < last))
+        holders = {last: peer} if last in stages else {}
+        loss = result.loss_sum if last in stages else None
+        grad = result.grad_inputs
+        for k in range(last - 1, lowest - 1, -1):
+            g = grad
+            peer, result = await self._hop(k, lambda c, k=k, g=g: c.backward(  # type: ignore[misc]
+                step, index, boundary[k], g, accumulate=k in stages,
+                need_grad_inputs=k > lowest), prefer=forward_peer[k])
+            if k in stages:
+                holders[k] = peer
+            grad = result.grad_inputs
+        return MicrobatchResult(step, index, holders, loss, int(inputs.shape[0]))

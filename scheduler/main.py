@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry
 from scheduler.job_api import JobApiServicer
 from scheduler.service import Scheduler, SchedulerOptions, collector
 from scheduler.store import JobStore
-from stage_server.server import grpc_options, install_signal_handlers
+from stage_server.server import install_signal_handlers
+from swarm.wire import grpc_options
 from swarm.auth import server_interceptors
 from swarm.broker import EmbeddedBroker
 from swarm.bus import Bus

@@ -17,9 +17,11 @@ So `place` is a heuristic, and what it guarantees is:
   swap of two peers across one and no exchange of two stages' replica groups raises the
   bottleneck (or, at a tie, lowers the number of stages at it);
 - the output depends only on the input (peers in id order, a fixed seed for the random kicks).
-Measured (tests/test_placement.py asserts these): on random instances of 3 to 7 peers and 3 stages
-it matched the brute-force optimum in all but a handful of thousands of cases, never worse than
-0.98 of it; at 1,000 peers and 16 stages it is within 2% of `upper_bound`.
+Measured on random instances (tests/test_placement.py asserts the figures for its own seeds):
+with 3 to 7 peers on 3 stages it found the brute-force optimum in 3,999 of 4,000 cases, the other
+at 0.987 of it (the greedy start alone: 3,370 of 4,000, worst 0.60); at 300 peers x 12 stages it
+is within 3.5% of `upper_bound`, at 1,000 x 16 within 2% (that bound may itself be above the
+optimum).
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def place(
     3. local search: moves into, swaps across and group exchanges with a bottleneck stage while
        they raise it, then up to `rounds` of iterated local search (a few random moves, descend
        again). `budget` bounds the candidate changes examined in all, so small jobs get every
-       round and large ones stop early (about a second at 3,000 peers x 32 stages here)."""
+       round and large ones stop early (about 1.5 s at 3,000 peers x 32 stages here)."""
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages}: a job has at least one stage")
     peers = sorted(p for p, row in speeds.items() if max(_check_row(p, row, num_stages)) > 0.0)

@@ -16,10 +16,12 @@ entry, which makes the old one stale without searching for it (lazy invalidation
 is discarded when it reaches the top, so each push pays for at most one later pop. Banned
 replicas have no live entry at all: they wait in a second heap ordered by ban expiry and are pushed
 back when the clock passes it, one pop and one push per ban, charged to the failure that caused it.
-A pool with 9,000 of 10,000 replicas banned therefore costs a choice no more than a pool of 1,000.
-When stale entries outnumber live ones the heap is rebuilt (O(n) after at least n pushes, so O(1)
-amortised), which bounds memory. `heap_operations` counts all of this work for the simulator's
-cost accounting and for the complexity test.
+A pool with 9,000 of 10,000 replicas banned therefore costs a choice no more than a pool of 1,000
+(but for the log factor). When stale entries outnumber live ones the heap is rebuilt (O(n) after
+at least n pushes, so O(1) amortised), which bounds memory. Ties are drawn uniformly from the
+entries equal to the top, which form a subtree at the root; reading at most _TIE_SCAN of them
+keeps that O(1). `choose` itself pushes nothing. `heap_operations` counts all of this work for
+the simulator's cost accounting and for the complexity test.
 """
 
 from __future__ import annotations

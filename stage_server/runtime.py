@@ -47,6 +47,8 @@ class StageRuntime:
         self.step = 0  # steps committed so far; the step being accumulated
         self._accum: list[torch.Tensor] | None = None
         self._receipts: dict[int, int] = {}  # index -> samples, for `self.step`
+        # (step, the pool's summed gradient, the step's samples) between prepare and apply
+        self._prepared: tuple[int, list[torch.Tensor], int] | None = None
         # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
         self._cache: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
@@ -192,10 +194,17 @@ class StageRuntime:
         return dict(self._receipts)
 
     def commit(self, step: int, microbatches: list[int], total_samples: int) -> bool:
-        """Apply step `step` from the accumulated gradients. Returns True when `step` was already
-        applied (a retried commit), which changes nothing."""
+        """Prepare and apply step `step` from this replica's gradients alone (a pool of one).
+        Returns True when `step` was already applied (a retried commit), which changes nothing."""
         if step < self.step:
             return True
+        self.prepare(step, microbatches, total_samples)
+        self.set_prepared(step, self._accum_or_zeros(), total_samples)
+        return self.apply(step)
+
+    def prepare(self, step: int, microbatches: list[int], total_samples: int) -> list[torch.Tensor]:
+        """Check that this replica holds exactly the receipts of `microbatches` for `step` and
+        return its gradient sums (zeros if it holds none): the replica's part of the average."""
         self._check_step(step)
         expected, held = set(microbatches), set(self._receipts)
         if expected != held:
@@ -206,20 +215,74 @@ class StageRuntime:
             )
         if total_samples <= 0:
             raise InvalidArgument(f"total_samples must be positive; got {total_samples}")
-        self.apply_update(self._accum, total_samples)
+        return self._accum_or_zeros()
+
+    def _accum_or_zeros(self) -> list[torch.Tensor]:
+        return self._accum if self._accum is not None else [torch.zeros_like(p) for p in self.params]
+
+    def set_prepared(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> None:
+        """Keep the pool's summed gradient for `step` until `apply`."""
+        self._check_step(step)
+        self._prepared = (step, grad_sums, total_samples)
+
+    def apply(self, step: int) -> bool:
+        """Apply the prepared step. True when `step` was already applied."""
+        if step < self.step:
+            return True
+        self._check_step(step)
+        if self._prepared is None or self._prepared[0] != step:
+            raise FailedPrecondition(f"stage {self.stage}: step {step} was not prepared")
+        _, grad_sums, total_samples = self._prepared
+        self.apply_update(grad_sums, total_samples)
         return False
 
-    def apply_update(self, grad_sums: list[torch.Tensor] | None, total_samples: int) -> None:
+    def discard(self, step: int) -> int:
+        """Void this replica's gradients of `step` (they will be replayed elsewhere); returns how
+        many microbatches were dropped."""
+        self._check_step(step)
+        dropped = len(self._receipts)
+        self._accum, self._receipts, self._prepared = None, {}, None
+        return dropped
+
+    def apply_update(self, grad_sums: list[torch.Tensor], total_samples: int) -> None:
         """One optimizer step with gradient `grad_sums / total_samples`; then the next step."""
-        for p, g in zip(
-            self.params, grad_sums or [torch.zeros_like(p) for p in self.params], strict=True
-        ):
-            p.grad = g.div_(total_samples)
+        for p, g in zip(self.params, grad_sums, strict=True):
+            p.grad = g.div(total_samples)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self._accum, self._receipts = None, {}
+        self._accum, self._receipts, self._prepared = None, {}, None
         self._cache.clear()  # activations of the old step are useless now
+
+    # -- state transfer -------------------------------------------------------------------------
+    def export_state(self, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
+        """Parameters as `param/<name>` and optimizer state as `optim/<param index>/<key>`, copied
+        to the CPU: what a joining replica needs to become identical to this one."""
+        state = {f"param/{k}": v.detach().cpu().clone() for k, v in self.state_dict().items()}
+        if include_optimizer:
+            for index, entry in self.optimizer.state_dict()["state"].items():
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor):
+                        state[f"optim/{index}/{key}"] = value.detach().cpu().clone()
+        return state
+
+    def load_state(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        """Become the replica whose `export_state` this is, at `step`."""
+        params = {k.removeprefix("param/"): v for k, v in state.items() if k.startswith("param/")}
+        own = self.module.state_dict()
+        if params.keys() != own.keys():
+            raise InvalidArgument(f"state names differ from stage {self.stage}'s parameters")
+        self.module.load_state_dict(params)
+        optim: dict[int, dict[str, torch.Tensor]] = {}
+        for name, value in state.items():
+            if name.startswith("optim/"):
+                _, index, key = name.split("/", 2)
+                optim.setdefault(int(index), {})[key] = value
+        groups = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": optim, "param_groups": groups})
+        self.step = step
+        self._accum, self._receipts, self._prepared = None, {}, None
+        self._cache.clear()
 
     # -- state ----------------------------------------------------------------------------------
     def num_parameters(self) -> int:

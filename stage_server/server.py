@@ -16,12 +16,14 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from stage_server.averaging import PoolServicer
 from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
 from swarm.auth import server_interceptors
-from swarm.config import JobConfig
+from swarm.config import JobConfig, RuntimeConfig
+from swarm.wire import grpc_options
 from swarm.metrics import StageMetrics, serve_metrics
-from swarm.proto import stage_pb2_grpc
+from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
 
 __all__ = [
     "RunningStageServer",
@@ -51,14 +53,6 @@ class StageServerOptions:
     token: str | None = None  # swarm token every call must carry (None: open)
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),  # a busy port must fail loudly, not be shared
-    ]
-
-
 @dataclass
 class RunningStageServer:
     server: grpc.aio.Server
@@ -76,6 +70,7 @@ class RunningStageServer:
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s)
+        await self.servicer.channels.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
@@ -104,8 +99,14 @@ async def start_grpc(
     peer = opts.peer or address
     metrics.values["peer"] = peer
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
-    servicer = StageServicer(peer=peer, metrics=metrics, executor=executor, throttle=throttle)
+    servicer = StageServicer(peer=peer, metrics=metrics, executor=executor, throttle=throttle,
+                             token=opts.token)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
+    defaults = RuntimeConfig()
+    pool = PoolServicer(servicer.averager, route=servicer._route, chunk_bytes=defaults.chunk_bytes,
+                        max_bytes=defaults.max_tensor_bytes,
+                        timeout_s=defaults.averaging_timeout_s, peer=peer)
+    pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     metrics_port = (

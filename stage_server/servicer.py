@@ -17,6 +17,7 @@ import grpc
 import torch
 from google.protobuf.message import Message
 
+from stage_server import averaging
 from stage_server.runtime import Receipt, StageRuntime
 from swarm import codec, wire
 from swarm.errors import (
@@ -27,6 +28,7 @@ from swarm.errors import (
     WireError,
 )
 from swarm.metrics import StageMetrics
+from swarm.wire import grpc_options
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 
@@ -60,12 +62,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         metrics: StageMetrics,
         executor: ThreadPoolExecutor,
         throttle: float = 1.0,
+        token: str | None = None,
     ) -> None:
         self.peer, self.metrics, self._executor = peer, metrics, executor
         self.throttle = throttle  # >1 stands in for a slower device: compute takes that much longer
         self.job_id = ""
         self._runtime: StageRuntime | None = None
         self._chunk, self._max_bytes, self._block = 4 << 20, 1 << 30, 2048
+        self.token = token
+        self.averager = averaging.Averager()
+        self.channels = averaging.ChannelPool(token=token, options=grpc_options(64 << 20))
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
         """Start serving `runtime` as job `job_id` (called on the event loop between calls)."""
@@ -244,20 +250,72 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         for msg in self._split(await self._run("ForwardBackward", context, body)):
             yield msg
 
-    async def Commit(
-        self, request: pb.StageCommitRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
+    async def Commit(self, request: pb.StageCommitRequest, context: grpc.aio.ServicerContext) -> Any:
         async def body() -> pb.StageCommitResponse:
             self._route(request.job, request.stage)
-            already = await self._compute(
-                self.runtime.commit, request.step, list(request.microbatches), request.total_samples
-            )
-            if not already:
-                log.info("%s: stage %d committed step %d", self.peer, request.stage, request.step)
-            self.metrics.committed(self.runtime.step, applied=not already)
-            return pb.StageCommitResponse(step=self.runtime.step, already_committed=already)
+            rt, step, already = self.runtime, request.step, False
+            if request.phase in (pb.COMMIT_PHASE_BOTH, pb.COMMIT_PHASE_PREPARE):
+                if step < rt.step:
+                    return pb.StageCommitResponse(step=rt.step, already_committed=True)
+                sums = await self._compute(rt.prepare, step, list(request.microbatches),
+                                           request.total_samples)
+                if len(request.group) > 1:
+                    sums = await self._average(request, sums)
+                await self._compute(rt.set_prepared, step, sums, request.total_samples)
+            if request.phase in (pb.COMMIT_PHASE_BOTH, pb.COMMIT_PHASE_APPLY):
+                already = await self._compute(rt.apply, step)
+                if not already:
+                    log.info("%s: stage %d committed step %d", self.peer, request.stage, step)
+                self.metrics.committed(rt.step, applied=not already)
+            return pb.StageCommitResponse(step=rt.step, already_committed=already)
 
         return await self._run("Commit", context, body)
+
+    async def _average(self, request: pb.StageCommitRequest, sums: list[torch.Tensor]
+                       ) -> list[torch.Tensor]:
+        """The pool's summed gradient: butterfly all-reduce with the round's group."""
+        rt = self.runtime
+        if not 0 <= request.group_index < len(request.group):
+            raise InvalidArgument(f"group_index {request.group_index} outside the group")
+        start = time.perf_counter()
+        total = await averaging.all_reduce(
+            averaging.flatten(sums), group=list(request.group), index=request.group_index,
+            round=request.round, job=request.job, stage=request.stage, averager=self.averager,
+            channels=self.channels, codec=codec.codec_from_name(rt.job.compression.averaging),
+            block_size=self._block, timeout_s=rt.job.runtime.averaging_timeout_s,
+            chunk_bytes=self._chunk, max_bytes=self._max_bytes, on_bytes=self.metrics.averaged)
+        self.metrics.averaging_seconds(time.perf_counter() - start)
+        return averaging.unflatten(total, sums)
+
+    async def Discard(self, request: pb.StageDiscardRequest, context: grpc.aio.ServicerContext
+                      ) -> Any:
+        async def body() -> pb.StageDiscardResponse:
+            self._route(request.job, request.stage)
+            dropped = await self._compute(self.runtime.discard, request.step)
+            log.warning("%s: voided %d microbatches of step %d", self.peer, dropped, request.step)
+            self.metrics.accumulated(0, 0)
+            return pb.StageDiscardResponse(dropped=dropped)
+
+        return await self._run("Discard", context, body)
+
+    async def Join(self, request: pb.StageJoinRequest, context: grpc.aio.ServicerContext) -> Any:
+        async def body() -> pb.StageJoinResponse:
+            self._route(request.job, request.stage)
+            from client.stage_client import StageClient  # the client half of DownloadState
+
+            rt = self.runtime
+            source = StageClient(request.source, rt.job, self.job_id, rt.stage, self.token)
+            try:
+                step, state = await source.download_state(include_optimizer=True, prefix="")
+            finally:
+                await source.close()
+            await self._compute(rt.load_state, step, state)
+            log.info("%s: joined stage %d at step %d from %s", self.peer, rt.stage, step,
+                     request.source)
+            self.metrics.committed(step, applied=False)
+            return pb.StageJoinResponse(step=step)
+
+        return await self._run("Join", context, body)
 
     async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> Any:
         rt = self._runtime
@@ -282,19 +340,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         async def body() -> list[pb.StageDownloadStateResponse]:
             self._route(request.job, request.stage)
             # Snapshot on the worker thread, between updates, so the state is of one step.
+            rt = self.runtime
             step, state = await self._compute(
-                lambda: (
-                    self.runtime.step,
-                    {
-                        f"param/{k}": v.detach().cpu().clone()
-                        for k, v in self.runtime.state_dict().items()
-                    },
-                )
-            )
-            return [
-                pb.StageDownloadStateResponse(tensors=[codec.encode(v, k)], step=step)
-                for k, v in state.items()
-            ]
+                lambda: (rt.step, rt.export_state(request.include_optimizer)))
+            return [pb.StageDownloadStateResponse(tensors=[codec.encode(v, k)], step=step)
+                    for k, v in state.items()]
 
         for msg in await self._run("DownloadState", context, body):
             for part in self._split(msg):

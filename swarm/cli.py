@@ -127,21 +127,13 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
-    from client.run import run_trainer
+    from client.run import parse_stage_servers, run_trainer
     from swarm.config import load_job
 
     job = load_job(args.job)
-    addresses = [a.strip() for a in args.stage_servers.split(",") if a.strip()]
-    return asyncio.run(
-        run_trainer(
-            job,
-            addresses,
-            out=args.out,
-            log_path=args.log,
-            threads=args.threads,
-            metrics_port=args.metrics_port,
-        )
-    )
+    return asyncio.run(run_trainer(
+        job, parse_stage_servers(args.stage_servers), out=args.out, log_path=args.log,
+        threads=args.threads, metrics_port=args.metrics_port, token=_token(args)))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -219,9 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         p,
         "stage-servers",
         None,
-        "HOST:PORT of each stage, in stage order, comma-separated",
+        "HOST:PORT of each stage in stage order, comma-separated; a stage's replicas "
+        "separated by | (a,b|c,d: two replicas of stage 1)",
         required=_env("stage-servers", None) is None,
     )
+    _secret(p)
     p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
     p.add_argument("--log", type=Path, help="write one JSON line per step here")
     _add(p, "threads", 1, "torch threads", type=int)

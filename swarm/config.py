@@ -204,6 +204,8 @@ class CompressionConfig(_Section):
     section: ClassVar[str] = "compression"
     wire: Literal["none", "fp16", "bf16", "int8_blockwise"] = "none"  #: tensor codec
     block_size: int = _f(2048, GE1)  #: values per int8 absmax block (count)
+    #: codec of gradient parts exchanged by a pool's averaging; "none" keeps the result exact
+    averaging: Literal["none", "fp16", "bf16", "int8_blockwise"] = "none"
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,8 @@ class RuntimeConfig(_Section):
     max_message_bytes: int = _f(64 * MiB, GE1)  #: gRPC max message size (bytes; > chunk_bytes)
     max_tensor_bytes: int = _f(1024 * MiB, GE1)  #: largest tensor a server accepts (bytes)
     activation_cache: int = _f(64, GE0)  #: microbatches whose activations a server keeps (count)
+    averaging_timeout_s: float = _f(60.0, GT0)  #: a pool round waits this long for a replica (s)
+    lease_timeout_s: float = _f(60.0, GT0)  #: unreported leased microbatches go elsewhere (s)
 
     def _validate(self) -> None:
         if self.max_message_bytes <= self.chunk_bytes:

@@ -49,6 +49,10 @@ class StepLog:
         )
         self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115
 
+    def advance_to(self, step: int) -> None:
+        """Resuming at `step`: count the steps done before as done."""
+        self._bar.update(max(0, step - self._bar.n))
+
     def __call__(self, record: StepRecord) -> None:
         self._bar.set_postfix(
             loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_second:.1f}", refresh=False

@@ -20,7 +20,7 @@ from swarm.codec import decode, decoded_nbytes
 from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted
 from swarm.proto import tensor_pb2
 
-__all__ = ["EndOfStream", "Received", "decode_named", "receive", "split"]
+__all__ = ["EndOfStream", "Received", "decode_named", "grpc_options", "receive", "split"]
 
 M = TypeVar("M", bound=Message)
 
@@ -194,3 +194,12 @@ def decode_named(
         t.name: decode(t, payload, device=device)
         for t, payload in zip(tensors, received.payloads, strict=True)
     }
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Options for every swarm gRPC server and channel: the message-size limits."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a busy port must fail loudly, not be shared
+    ]

@@ -67,7 +67,7 @@ def test_examples_parse() -> None:
     assert tiny.data.kind == "text"
     assert tiny.data.path == (EXAMPLES / "data" / "corpus.txt").resolve()
     assert tiny.training == TrainingConfig(
-        stages=4, microbatch_size=8, target_batch_size=32, steps=30, seed=0, dtype="float32"
+        stages=4, microbatch_size=8, target_batch_size=32, steps=150, seed=0, dtype="float32"
     )
     assert tiny.training.microbatches_per_step == 4
     assert (tiny.optimizer.kind, tiny.optimizer.lr, tiny.optimizer.weight_decay) == (

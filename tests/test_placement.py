@@ -147,25 +147,23 @@ def test_one_peer_per_stage_is_optimal() -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_brute_force_on_small_jobs(kind: str) -> None:
-    """3 to 7 peers on 3 stages, 150 instances per kind (600 in all). Measured: all optimal but
-    one `noisy` instance (seed 54) at 0.9915 of the optimum."""
-    ratios = []
+    """3 to 7 peers on 3 stages, 150 instances per kind: every one optimal. (Over 1,000 seeds per
+    kind one `noisy` instance of 4,000 fell short, at 0.987 of the optimum.)"""
     for seed in range(150):
         rng = random.Random(seed)
         speeds = instance(kind, rng, rng.randint(3, 7), 3)
         got = bottleneck(place(speeds, 3), speeds, 3)
-        ratios.append(got / optimum(speeds, 3))
-    assert min(ratios) >= 0.99
-    assert sum(r >= 1.0 - 1e-9 for r in ratios) >= 149
+        assert got == pytest.approx(optimum(speeds, 3), rel=1e-9), seed
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_large_jobs_come_close_to_the_upper_bound(kind: str) -> None:
-    """300 peers, 12 stages: brute force is out of reach, so compare with the fractional bound."""
+    """300 peers, 12 stages: brute force is out of reach, so compare with the fractional bound
+    (itself possibly above the optimum). Measured over seeds 0-5: 0.965 to 1.0 of it."""
     rng = random.Random(2)
     speeds = instance(kind, rng, 300, 12)
     assignment = place(speeds, 12)
-    assert bottleneck(assignment, speeds, 12) >= 0.97 * upper_bound(speeds, 12)
+    assert bottleneck(assignment, speeds, 12) >= 0.95 * upper_bound(speeds, 12)
 
 
 def test_output_depends_only_on_the_input() -> None:

@@ -1,11 +1,21 @@
 from swarm.proto import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class CommitPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMMIT_PHASE_BOTH: _ClassVar[CommitPhase]
+    COMMIT_PHASE_PREPARE: _ClassVar[CommitPhase]
+    COMMIT_PHASE_APPLY: _ClassVar[CommitPhase]
+COMMIT_PHASE_BOTH: CommitPhase
+COMMIT_PHASE_PREPARE: CommitPhase
+COMMIT_PHASE_APPLY: CommitPhase
 
 class MicrobatchId(_message.Message):
     __slots__ = ("step", "index")
@@ -116,18 +126,26 @@ class StageForwardBackwardResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., loss_sum: _Optional[float] = ...) -> None: ...
 
 class StageCommitRequest(_message.Message):
-    __slots__ = ("job", "stage", "step", "microbatches", "total_samples")
+    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     step: int
     microbatches: _containers.RepeatedScalarFieldContainer[int]
     total_samples: int
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ...) -> None: ...
+    phase: CommitPhase
+    group: _containers.RepeatedScalarFieldContainer[str]
+    group_index: int
+    round: str
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ...) -> None: ...
 
 class StageCommitResponse(_message.Message):
     __slots__ = ("step", "already_committed")
@@ -136,6 +154,38 @@ class StageCommitResponse(_message.Message):
     step: int
     already_committed: bool
     def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ...) -> None: ...
+
+class StageDiscardRequest(_message.Message):
+    __slots__ = ("job", "stage", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    stage: int
+    step: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class StageDiscardResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
+
+class StageJoinRequest(_message.Message):
+    __slots__ = ("job", "stage", "source")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    stage: int
+    source: str
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
+class StageJoinResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class StageInfoRequest(_message.Message):
     __slots__ = ()

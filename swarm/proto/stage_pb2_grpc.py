@@ -54,6 +54,16 @@ class StageServiceStub:
                 request_serializer=swarm_dot_proto_dot_stage__pb2.StageCommitRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_stage__pb2.StageCommitResponse.FromString,
                 _registered_method=True)
+        self.Discard = channel.unary_unary(
+                '/swarm.proto.StageService/Discard',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.StageDiscardRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.StageDiscardResponse.FromString,
+                _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/swarm.proto.StageService/Join',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.StageJoinRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.StageJoinResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/swarm.proto.StageService/Info',
                 request_serializer=swarm_dot_proto_dot_stage__pb2.StageInfoRequest.SerializeToString,
@@ -93,6 +103,18 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Discard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -127,6 +149,16 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=swarm_dot_proto_dot_stage__pb2.StageCommitRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_stage__pb2.StageCommitResponse.SerializeToString,
+            ),
+            'Discard': grpc.unary_unary_rpc_method_handler(
+                    servicer.Discard,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.StageDiscardRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.StageDiscardResponse.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.StageJoinRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.StageJoinResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -247,6 +279,60 @@ class StageService:
             '/swarm.proto.StageService/Commit',
             swarm_dot_proto_dot_stage__pb2.StageCommitRequest.SerializeToString,
             swarm_dot_proto_dot_stage__pb2.StageCommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Discard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.proto.StageService/Discard',
+            swarm_dot_proto_dot_stage__pb2.StageDiscardRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.StageDiscardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.proto.StageService/Join',
+            swarm_dot_proto_dot_stage__pb2.StageJoinRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.StageJoinResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,239 @@
+"""The step coordinator: leases each step's microbatches to trainers, collects where their
+gradients live, and commits the step on every replica of every stage in two phases.
+
+`LocalCoordinator` runs in the process that owns the job's step: the scheduler (for its embedded
+trainer and, over gRPC, remote trainers) or a standalone `swarm trainer --stage-servers`. Commit:
+  1. replicas that left (or hold a gradient they must not count) are *lost*: the ledger re-needs
+     their microbatches at their stage, and trainers replay them;
+  2. PREPARE on every replica of every stage at once: each checks its receipts and averages with
+     its pool (butterfly all-reduce); a replica that fails is lost, and the step waits for replays;
+  3. APPLY everywhere: one optimizer step. No stage leaves step t before every pool has averaged,
+     so a replay can still run through the whole pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from client.stage_client import StageClient
+from scheduler.ledger import StepLedger, Task
+from swarm.config import JobConfig
+from swarm.errors import SwarmError
+from swarm.progress import StepRecord
+from swarm.proto import stage_pb2 as pb
+
+__all__ = ["Lease", "LocalCoordinator", "MicrobatchResult", "Replica"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Replica:
+    peer: str
+    address: str
+    throughput: float = 0.0  # measured samples/s on its stage; 0 when unknown
+
+
+@dataclass(frozen=True)
+class Lease:
+    step: int
+    tasks: list[Task]
+    replicas: list[list[Replica]]  # per stage, the replicas serving it now
+    done: bool = False             # the job has no more steps
+
+
+@dataclass(frozen=True)
+class MicrobatchResult:
+    step: int
+    index: int
+    holders: dict[int, str]        # stage -> peer that accumulated the gradient there
+    loss_sum: float | None         # None when the last stage was not accumulated (a replay)
+    samples: int
+
+
+@dataclass
+class _Commit:
+    attempt: int = 0
+    task: asyncio.Task[bool] | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class LocalCoordinator:
+    def __init__(
+        self, job: JobConfig, job_id: str, members: Callable[[], list[list[Replica]]], *,
+        token: str | None = None, steps: int | None = None,
+        on_step: Callable[[StepRecord], Awaitable[None] | None] | None = None,
+    ) -> None:
+        self.job, self.job_id, self.members, self.token = job, job_id, members, token
+        self.steps = steps if steps is not None else job.training.steps
+        self.on_step = on_step
+        self.ledger: StepLedger | None = None
+        self._clients: dict[str, StageClient] = {}
+        self._commit = _Commit()
+        self._step_started = time.perf_counter()
+        self.finished = asyncio.Event()
+        self.error: BaseException | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> int:
+        """Bring every replica to one step (finishing a half-applied commit) and open it."""
+        step = await self._reconcile()
+        self._open(step)
+        return step
+
+    def _open(self, step: int) -> None:
+        t = self.job.training
+        if step >= self.steps:
+            self.ledger = None
+            self.finished.set()
+            return
+        self.ledger = StepLedger(step, t.microbatches_per_step, t.stages,
+                                 self.job.runtime.lease_timeout_s)
+        self._commit, self._step_started = _Commit(), time.perf_counter()
+
+    async def close(self) -> None:
+        if self._commit.task:
+            self._commit.task.cancel()
+        await asyncio.gather(*(c.close() for c in self._clients.values()))
+
+    def client(self, stage: int, replica: Replica) -> StageClient:
+        if replica.peer not in self._clients:
+            self._clients[replica.peer] = StageClient(replica.address, self.job, self.job_id,
+                                                      stage, self.token)
+        return self._clients[replica.peer]
+
+    # -- trainers -------------------------------------------------------------------------------
+    async def lease(self, trainer: str, count: int) -> Lease:
+        if self.error:
+            raise self.error
+        ledger, members = self.ledger, self.members()
+        if ledger is None:
+            return Lease(self.steps, [], members, done=True)
+        tasks = [] if self._commit.task else ledger.lease(trainer, count)
+        return Lease(ledger.step, tasks, members)
+
+    async def report(self, trainer: str, result: MicrobatchResult) -> None:
+        ledger = self.ledger
+        if ledger is None:
+            return
+        extras = ledger.report(trainer, result.step, result.index, result.holders,
+                               result.loss_sum, result.samples)
+        for extra in extras:  # another trainer's gradient was accepted first: void this one
+            await self._void(extra.stage, extra.peer)
+        if ledger.complete and self._commit.task is None:
+            self._commit.task = asyncio.create_task(self._commit_step(ledger))
+
+    async def release(self, trainer: str, indices: Sequence[int]) -> None:
+        if self.ledger:
+            self.ledger.release(trainer, indices)
+
+    # -- commit ---------------------------------------------------------------------------------
+    async def _void(self, stage: int, peer: str) -> None:
+        assert self.ledger is not None
+        lost = self.ledger.lose(peer, stage)
+        replica = next((r for r in self.members()[stage] if r.peer == peer), None)
+        log.warning("step %d: voiding %s's gradients at stage %d (replaying %s)",
+                    self.ledger.step, peer, stage, lost)
+        if replica is not None:
+            try:
+                await self.client(stage, replica).discard(self.ledger.step)
+            except grpc.aio.AioRpcError as e:
+                log.warning("discard on %s failed: %s", peer, e.details())
+
+    async def _commit_step(self, ledger: StepLedger) -> bool:
+        try:
+            ok = await self._try_commit(ledger)
+        except Exception as e:  # a bug: fail the job loudly rather than hang
+            log.exception("step %d: commit failed", ledger.step)
+            self.error = e
+            self.finished.set()
+            return False
+        self._commit.task = None
+        if not ok:
+            self._commit.attempt += 1
+            return False
+        seconds = time.perf_counter() - self._step_started
+        record = StepRecord(ledger.step, ledger.loss(), ledger.samples(), seconds)
+        attempt = self._commit.attempt
+        self._open(ledger.step + 1)
+        self._commit.attempt = 0
+        if attempt:
+            log.info("step %d committed after %d failed rounds", ledger.step, attempt)
+        if self.on_step:
+            maybe = self.on_step(record)
+            if maybe is not None:
+                await maybe
+        return True
+
+    async def _try_commit(self, ledger: StepLedger) -> bool:
+        members, step = self.members(), ledger.step
+        for stage, replicas in enumerate(members):
+            alive = {r.peer for r in replicas}
+            for peer in ledger.holdings(stage):
+                if peer not in alive:
+                    ledger.lose(peer, stage)
+        if not ledger.complete or any(not replicas for replicas in members):
+            return False  # trainers replay what was lost; report() commits again when complete
+        total, round_id = ledger.samples(), f"{step}/{self._commit.attempt}"
+        calls, where = [], []
+        for stage, replicas in enumerate(members):
+            group = [r.address for r in replicas]
+            holdings = ledger.holdings(stage)
+            for index, replica in enumerate(replicas):
+                calls.append(self.client(stage, replica).commit(
+                    step, holdings.get(replica.peer, []), total, phase=pb.COMMIT_PHASE_PREPARE,
+                    group=group, group_index=index, round=round_id))
+                where.append((stage, replica))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [(stage, r, e) for (stage, r), e in zip(where, results, strict=True)
+                  if isinstance(e, BaseException)]
+        if failed:
+            for stage, replica, error in failed:
+                detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else error
+                log.warning("step %d: round %s at stage %d failed on %s: %s", step, round_id,
+                            stage, replica.peer, detail)
+                await self._void(stage, replica.peer)
+            return False
+        applied = await asyncio.gather(*(
+            self.client(stage, replica).commit(step, [], total, phase=pb.COMMIT_PHASE_APPLY)
+            for stage, replica in where), return_exceptions=True)
+        for (stage, replica), result in zip(where, applied, strict=True):
+            if isinstance(result, BaseException):  # it died after averaging: it is gone anyway
+                log.warning("step %d: apply on %s (stage %d) failed: %s", step, replica.peer,
+                            stage, result)
+        return True
+
+    # -- start ----------------------------------------------------------------------------------
+    async def _reconcile(self) -> int:
+        """The replicas' common step. A coordinator that died between applying some replicas and
+        the rest leaves the laggards one step behind with the step prepared or its receipts
+        complete; finishing their commit is exact. Anything else is an error."""
+        members = self.members()
+        infos: list[tuple[int, Replica, pb.StageInfoResponse]] = []
+        for stage, replicas in enumerate(members):
+            for r in replicas:
+                infos.append((stage, r, await self.client(stage, r).info()))
+        for stage, r, info in infos:
+            if info.job != self.job_id or info.stage != stage:
+                raise SwarmError(f"{r.address} serves job {info.job!r} stage {info.stage}; "
+                                 f"expected job {self.job_id!r} stage {stage} "
+                                 f"(same job file on both sides?)")
+        steps = sorted({info.step for _, _, info in infos})
+        if len(steps) <= 1:
+            return steps[0] if steps else 0
+        m, mb = self.job.training.microbatches_per_step, self.job.training.microbatch_size
+        if len(steps) > 2 or steps[1] != steps[0] + 1:
+            raise SwarmError(f"replicas disagree on the step: {steps}")
+        for stage, r, info in infos:
+            if info.step == steps[0]:
+                log.warning("finishing step %d's commit on %s (stage %d)", steps[0], r.peer, stage)
+                if len(info.receipts) != m:
+                    raise SwarmError(f"{r.peer} is a step behind without the step's receipts")
+                await self.client(stage, r).commit(steps[0], list(info.receipts), m * mb)
+        return steps[1]

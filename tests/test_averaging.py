@@ -1,0 +1,372 @@
+"""Pool averaging: the Averager alone, then real gRPC replicas (one server, Averager and
+PoolServicer each, on 127.0.0.1 port 0) that must end bitwise identical, or all abort."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from stage_server.averaging import (
+    Averager,
+    AveragingAborted,
+    ChannelPool,
+    PoolServicer,
+    all_reduce,
+    flatten,
+    split_parts,
+    unflatten,
+)
+from swarm.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
+from swarm.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from swarm.proto import pool_pb2, pool_pb2_grpc, tensor_pb2
+
+MiB = 1 << 20
+JOB = "job-a"
+OPTIONS = [
+    ("grpc.max_send_message_length", 64 * MiB),
+    ("grpc.max_receive_message_length", 64 * MiB),
+]
+
+
+# --- pure helpers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("numel", "n"), [(0, 1), (1, 5), (4, 5), (10, 3), (1000003, 4)])
+def test_split_parts_are_contiguous_and_near_equal(numel: int, n: int) -> None:
+    parts = split_parts(numel, n)
+    assert len(parts) == n and parts[0].start == 0 and parts[-1].stop == numel
+    assert all(a.stop == b.start for a, b in itertools.pairwise(parts))
+    sizes = [p.stop - p.start for p in parts]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_flatten_unflatten_round_trip() -> None:
+    like = [torch.randn(3, 4), torch.randn(5), torch.randn(())]
+    flat = flatten(like)
+    assert flat.shape == (18,) and flat.is_contiguous()
+    back = unflatten(flat, like)
+    assert all(torch.equal(a, b) for a, b in zip(like, back, strict=True))
+    with pytest.raises(InvalidArgument):
+        flatten([torch.zeros(2), torch.zeros(2, dtype=torch.float64)])
+    with pytest.raises(InvalidArgument):
+        unflatten(flat[:-1], like)
+
+
+# --- the Averager alone ----------------------------------------------------------------------
+
+R = (JOB, 0, "r0")
+
+
+def ordered_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = values[0].clone()
+    for v in values[1:]:
+        total = total + v
+    return total
+
+
+async def test_sum_is_in_sender_order_whatever_the_arrival_order() -> None:
+    av = Averager()
+    values = [torch.randn(1001, dtype=torch.float32) * 10**i for i in range(4)]
+    order = [2, 0, 3, 1]
+    results = await asyncio.gather(
+        *(av.contribute(R, 0, s, 4, values[s], timeout_s=5) for s in order)
+    )
+    expected = ordered_sum(values)
+    assert all(torch.equal(r, expected) for r in results)
+    assert results[0] is results[1]  # computed once, shared
+    assert av.open_rounds() == set() and av.outcome(R) == "completed"
+
+
+async def test_bad_contributions_are_refused() -> None:
+    av = Averager()
+    x = torch.ones(4)
+    with pytest.raises(InvalidArgument, match="out of"):
+        await av.contribute(R, 0, 3, 3, x, timeout_s=1)
+    first = asyncio.ensure_future(av.contribute(R, 0, 0, 3, x, timeout_s=5))
+    await asyncio.sleep(0)
+    with pytest.raises(InvalidArgument, match="group size"):
+        await av.contribute(R, 0, 1, 2, x, timeout_s=1)
+    with pytest.raises(InvalidArgument):
+        await av.contribute(R, 0, 1, 3, torch.ones(5), timeout_s=1)
+    with pytest.raises(InvalidArgument):
+        await av.contribute(R, 0, 1, 3, torch.ones(4, dtype=torch.float64), timeout_s=1)
+    with pytest.raises(InvalidArgument):
+        await av.contribute(R, 0, 1, 3, x, timeout_s=1, codec=CODEC_FP16)
+    with pytest.raises(InvalidArgument, match="other values"):
+        await av.contribute(R, 0, 0, 3, x * 2, timeout_s=1)
+    # A bit-identical retry joins and gets the same sum.
+    retry = asyncio.ensure_future(av.contribute(R, 0, 0, 3, x.clone(), timeout_s=5))
+    await asyncio.gather(*(av.contribute(R, 0, s, 3, x, timeout_s=5) for s in (1, 2)))
+    assert torch.equal(await first, torch.full((4,), 3.0)) and torch.equal(await retry, await first)
+    with pytest.raises(FailedPrecondition, match="completed already"):
+        await av.contribute(R, 0, 1, 3, x, timeout_s=1)
+
+
+async def test_timeout_aborts_every_waiter_and_forgets_the_round() -> None:
+    av = Averager()
+    start = time.monotonic()
+    waiters = [
+        asyncio.ensure_future(av.contribute(R, 1, s, 3, torch.ones(3), timeout_s=0.3))
+        for s in (0, 2)
+    ]
+    for w in waiters:
+        with pytest.raises(AveragingAborted, match=r"senders \[1\]"):
+            await w
+    assert time.monotonic() - start < 1.0
+    assert av.open_rounds() == set() and (av.outcome(R) or "").startswith("aborted")
+    with pytest.raises(AveragingAborted):  # a late contribution gets the reason at once
+        await av.contribute(R, 1, 1, 3, torch.ones(3), timeout_s=5)
+
+
+async def test_limits_and_history_are_bounded() -> None:
+    av = Averager(max_open_rounds=2, history=3)
+    pending = [
+        asyncio.ensure_future(av.contribute((JOB, 0, f"r{i}"), 0, 0, 2, torch.ones(1), timeout_s=5))
+        for i in range(2)
+    ]
+    await asyncio.sleep(0)
+    with pytest.raises(ResourceExhausted):
+        await av.contribute((JOB, 0, "r9"), 0, 0, 2, torch.ones(1), timeout_s=5)
+    av.close()
+    for p in pending:
+        with pytest.raises(AveragingAborted, match="closed"):
+            await p
+    for i in range(5):
+        await av.contribute((JOB, 1, f"s{i}"), 0, 0, 1, torch.ones(1), timeout_s=5)
+    assert av.outcome((JOB, 1, "s4")) == "completed" and av.outcome((JOB, 1, "s1")) is None
+
+
+# --- real replicas ---------------------------------------------------------------------------
+
+
+@dataclass
+class Replica:
+    address: str
+    averager: Averager
+    channels: ChannelPool
+    server: grpc.aio.Server
+
+
+def _route(job: str, stage: int) -> None:
+    if job != JOB or stage not in (0, 1):
+        raise NotFound(f"job {job!r} stage {stage} is not served here")
+
+
+@contextlib.asynccontextmanager
+async def replicas(n: int) -> AsyncIterator[list[Replica]]:
+    made: list[Replica] = []
+    try:
+        for _ in range(n):
+            server = grpc.aio.server(options=OPTIONS)
+            averager = Averager()
+            servicer = PoolServicer(
+                averager, route=_route, chunk_bytes=4 * MiB, max_bytes=64 * MiB, timeout_s=30
+            )
+            pool_pb2_grpc.add_PoolServiceServicer_to_server(servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            channels = ChannelPool(options=OPTIONS)
+            made.append(Replica(f"127.0.0.1:{port}", averager, channels, server))
+        yield made
+    finally:
+        for r in made:
+            await r.channels.close()
+            await r.server.stop(None)
+
+
+async def reduce_all(
+    pool: Sequence[Replica], flats: Sequence[torch.Tensor], **kwargs: Any
+) -> list[Any]:
+    """Every replica's all_reduce, concurrently; results or exceptions in group order."""
+    opts: dict[str, Any] = {
+        "round": "r0", "job": JOB, "stage": 0, "timeout_s": 20.0,
+        "chunk_bytes": 4 * MiB, "max_bytes": 64 * MiB,
+    } | kwargs  # fmt: skip
+    group = opts.pop("group", [r.address for r in pool])
+    calls = [
+        all_reduce(f, group=group, index=i, averager=r.averager, channels=r.channels, **opts)
+        for i, (r, f) in enumerate(zip(pool, flats, strict=True))
+    ]
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def assert_identical(results: Sequence[Any]) -> torch.Tensor:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    return results[0]  # type: ignore[no-any-return]
+
+
+def reference(flats: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([f.double() for f in flats]).sum(0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+async def test_all_replicas_end_bitwise_identical(n: int) -> None:
+    async with replicas(n) as pool:
+        for numel in sorted({1, max(n - 1, 0), 1000003}):
+            flats = [torch.randn(numel, dtype=torch.float64) for _ in range(n)]
+            results = await reduce_all(pool, flats, round=f"r{numel}")
+            total = assert_identical(results)
+            if n == 1:
+                assert results[0] is flats[0]
+            assert torch.equal(total, ordered_sum(flats))  # the owner's sender order, exactly
+            assert torch.allclose(total, reference(flats), rtol=1e-12, atol=1e-12)
+        assert all(r.averager.open_rounds() == set() for r in pool)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+async def test_float32_and_bfloat16(dtype: torch.dtype, tol: float) -> None:
+    async with replicas(3) as pool:
+        flats = [torch.randn(100003).to(dtype) for _ in range(3)]
+        total = assert_identical(await reduce_all(pool, flats))
+        assert total.dtype == dtype and torch.equal(total, ordered_sum(flats))
+        assert torch.allclose(total.double(), reference(flats), rtol=tol, atol=tol)
+
+
+def _trip(x: torch.Tensor, codec: int, block: int) -> torch.Tensor:
+    return decode(encode(x, "t", codec, block))
+
+
+@pytest.mark.parametrize("codec", [CODEC_FP16, CODEC_INT8_BLOCKWISE])
+async def test_compressed_parts_stay_identical(codec: int) -> None:
+    n, numel, block = 4, 50001, 1000
+    async with replicas(n) as pool:
+        flats = [torch.randn(numel) for _ in range(n)]
+        total = assert_identical(
+            await reduce_all(pool, flats, codec=codec, block_size=block, chunk_bytes=16 * 1024)
+        )
+        # Exactly the documented rule: every contribution and each part's sum make one round trip.
+        expected = torch.cat(
+            [
+                _trip(ordered_sum([_trip(f[p], codec, block) for f in flats]), codec, block)
+                for p in split_parts(numel, n)
+            ]
+        )
+        assert torch.equal(total, expected)
+        ref, big = reference(flats), max(float(f.abs().max()) for f in flats)
+        # Per value: n contributions and the sum rounded; fp16 keeps 11 bits, int8 half a step.
+        step = 2.0**-11 if codec == CODEC_FP16 else 1 / 254
+        bound = (n * big + float(ref.abs().max())) * step * 1.01
+        assert float((total.double() - ref).abs().max()) <= bound
+
+
+async def test_large_tensors_travel_in_chunks() -> None:
+    n, numel = 4, 2 * MiB  # 8 MiB of float32 per replica
+    counted: list[tuple[int, int]] = []
+    async with replicas(n) as pool:
+        flats = [torch.randn(numel) for _ in range(n)]
+        start = time.perf_counter()
+        results = await reduce_all(
+            pool, flats, chunk_bytes=64 * 1024, on_bytes=lambda s, r: counted.append((s, r))
+        )
+        elapsed = time.perf_counter() - start
+        assert torch.equal(assert_identical(results), ordered_sum(flats))
+    part_bytes = numel // n * 4
+    assert counted == [(3 * part_bytes, 3 * part_bytes)] * n
+    print(f"all-reduce of 8 MiB float32 over {n} local replicas: {elapsed * 1000:.0f} ms")
+
+
+async def _assert_all_abort(results: Sequence[Any], pool: Sequence[Replica], limit: float) -> None:
+    assert all(isinstance(r, AveragingAborted) for r in results), results
+    deadline = time.monotonic() + limit
+    while any(r.averager.open_rounds() for r in pool):  # the round is forgotten everywhere
+        assert time.monotonic() < deadline, [r.averager.open_rounds() for r in pool]
+        await asyncio.sleep(0.05)
+
+
+async def test_a_closed_port_aborts_every_live_replica() -> None:
+    async with replicas(4) as pool:
+        dead, live = pool[1], [pool[0], *pool[2:]]
+        await dead.server.stop(None)
+        group = [r.address for r in pool]
+        flats = [torch.randn(1000) for _ in live]
+        start = time.monotonic()
+        calls = [
+            all_reduce(
+                f, group=group, index=group.index(r.address), round="r0", job=JOB, stage=0,
+                averager=r.averager, channels=r.channels, timeout_s=2.0,
+                chunk_bytes=MiB, max_bytes=64 * MiB,
+            )
+            for r, f in zip(live, flats, strict=True)
+        ]  # fmt: skip
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert time.monotonic() - start < 2.5
+        assert any(dead.address in str(r) for r in results)
+        await _assert_all_abort(results, live, 1.0)
+
+
+async def test_a_silent_replica_aborts_every_live_replica_within_the_timeout() -> None:
+    async with replicas(4) as pool:
+        silent, timeout = 2, 1.0
+        group = [r.address for r in pool]
+        start = time.monotonic()
+        calls = [
+            all_reduce(
+                torch.randn(777), group=group, index=i, round="r0", job=JOB, stage=0,
+                averager=r.averager, channels=r.channels, timeout_s=timeout,
+                chunk_bytes=MiB, max_bytes=64 * MiB,
+            )
+            for i, r in enumerate(pool)
+            if i != silent
+        ]  # fmt: skip
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert time.monotonic() - start < timeout + 0.5
+        assert any(pool[silent].address in str(r) for r in results)
+        await _assert_all_abort(results, pool, timeout + 0.5)  # the silent one's too
+
+
+async def test_concurrent_rounds_of_stages_and_ids_do_not_mix() -> None:
+    async with replicas(3) as pool:
+        cases = [(0, "r"), (1, "r"), (0, "r2")]
+        data = {c: [torch.randn(5003, dtype=torch.float64) for _ in pool] for c in cases}
+        outs = await asyncio.gather(
+            *(reduce_all(pool, data[c], stage=c[0], round=c[1]) for c in cases)
+        )
+        for c, results in zip(cases, outs, strict=True):
+            assert torch.equal(assert_identical(results), ordered_sum(data[c]))
+
+
+async def test_route_refusal_surfaces_as_aborted() -> None:
+    async with replicas(2) as pool:
+        results = await reduce_all(pool, [torch.ones(10)] * 2, job="other-job", timeout_s=5.0)
+        assert all(isinstance(r, AveragingAborted) for r in results), results
+        assert all("NOT_FOUND" in str(r) or "aborted" in str(r) for r in results)
+        assert any("NOT_FOUND" in str(r) for r in results)
+        assert all(r.averager.open_rounds() == set() for r in pool)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "code"),
+    [
+        (encode(torch.ones(3), "x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            tensor_pb2.Tensor(name="part", dtype="float32", shape=[1 << 30], nbytes=4 << 30),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+    ],
+)
+async def test_servicer_maps_bad_requests_to_status_codes(
+    tensor: tensor_pb2.Tensor, code: grpc.StatusCode
+) -> None:
+    async with replicas(1) as (r,):
+        request = pool_pb2.PoolReduceRequest(
+            job=JOB, round="r0", part=0, sender=0, group_size=1, tensors=[tensor]
+        )
+        call: Any = r.channels.stub(r.address).Reduce(timeout=5)
+        await call.write(request)
+        await call.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == code

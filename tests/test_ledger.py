@@ -1,0 +1,79 @@
+"""The step ledger's bookkeeping: leases, receipts, replays, races."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.ledger import Holding, StepLedger, Task
+
+
+@dataclass
+class FakeClock:
+    t: float = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+def _ledger(m: int = 4, stages: int = 3) -> tuple[StepLedger, FakeClock]:
+    clock = FakeClock()
+    return StepLedger(step=7, microbatches=m, stages=stages, lease_timeout_s=10, clock=clock), clock
+
+
+def _all(ledger: StepLedger, trainer: str, index: int, peers: list[str]) -> list[Holding]:
+    return ledger.report(trainer, 7, index, dict(enumerate(peers)), loss_sum=2.0, samples=4)
+
+
+def test_leases_are_exclusive_until_they_expire() -> None:
+    ledger, clock = _ledger()
+    a = ledger.lease("a", 3)
+    assert [t.index for t in a] == [0, 1, 2] and a[0] == Task(7, 0, frozenset({0, 1, 2}))
+    assert [t.index for t in ledger.lease("b", 3)] == [3]
+    assert ledger.lease("b", 3) == []
+    clock.t = 11  # every lease expired: a silent trainer's work goes to another
+    assert [t.index for t in ledger.lease("b", 5)] == [0, 1, 2, 3]
+
+
+def test_complete_after_every_stage_of_every_microbatch() -> None:
+    ledger, _ = _ledger(m=2)
+    for task in ledger.lease("a", 2):
+        assert not ledger.complete
+        _all(ledger, "a", task.index, ["p0", "p1", "p2"])
+    assert ledger.complete and ledger.samples() == 8 and ledger.loss() == 0.5
+    assert ledger.holdings(1) == {"p1": [0, 1]}
+    assert ledger.lease("a", 5) == []
+
+
+def test_lost_replica_needs_replay_at_its_stage_only() -> None:
+    ledger, _ = _ledger(m=3)
+    ledger.lease("a", 3)
+    for index, peers in enumerate([["p0", "p1", "p2"], ["p0", "q1", "p2"], ["p0", "p1", "p2"]]):
+        _all(ledger, "a", index, peers)
+    assert ledger.lose("p1") == [0, 2]
+    assert not ledger.complete and ledger.remaining == 2
+    replays = ledger.lease("b", 5)
+    assert replays == [Task(7, 0, frozenset({1})), Task(7, 2, frozenset({1}))]
+    for task in replays:
+        ledger.report("b", 7, task.index, {1: "q1"}, loss_sum=None, samples=4)
+    assert ledger.complete and ledger.holdings(1) == {"q1": [0, 1, 2]}
+    assert ledger.loss() == 6.0 / 12  # losses kept from the first run, not counted again
+
+
+def test_race_between_two_trainers_marks_the_extra_holder() -> None:
+    ledger, clock = _ledger(m=1)
+    ledger.lease("slow", 1)
+    clock.t = 11
+    ledger.lease("fast", 1)
+    assert _all(ledger, "fast", 0, ["p0", "p1", "p2"]) == []
+    extras = _all(ledger, "slow", 0, ["p0", "x1", "p2"])  # same replicas are idempotent there
+    assert extras == [Holding(1, "x1")]
+    assert ledger.complete and ledger.holdings(1) == {"p1": [0]}
+
+
+def test_stale_reports_and_release() -> None:
+    ledger, _ = _ledger(m=2)
+    ledger.lease("a", 2)
+    assert ledger.report("a", 6, 0, {0: "p0"}, None, 4) == []  # another step: ignored
+    assert ledger.remaining == 2
+    ledger.release("a", [1])
+    assert [t.index for t in ledger.lease("b", 2)] == [1]
