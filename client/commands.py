@@ -103,8 +103,9 @@ def _outcome(name: str, status: scheduler_pb2.JobStatus) -> int:
 
 
 # -- the commands ---------------------------------------------------------------------------------
-async def watch(client: SchedulerClient, status: scheduler_pb2.JobStatus,
-                poll_s: float = 0.5) -> scheduler_pb2.JobStatus:
+async def watch(
+    client: SchedulerClient, status: scheduler_pb2.JobStatus, poll_s: float = 0.5
+) -> scheduler_pb2.JobStatus:
     """Show a progress bar (step, loss, samples/s) until the job ends; returns its last status."""
     with tqdm(total=status.steps, desc=status.job, unit="step", file=sys.stderr) as bar:
 

@@ -26,9 +26,19 @@ from scheduler.ledger import StepLedger, Task
 from swarm.config import JobConfig
 from swarm.errors import SwarmError
 from swarm.progress import StepRecord
+from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import stage_pb2 as pb
 
-__all__ = ["Lease", "LocalCoordinator", "MicrobatchResult", "Replica"]
+__all__ = [
+    "Lease",
+    "LocalCoordinator",
+    "MicrobatchResult",
+    "Replica",
+    "lease_from_proto",
+    "lease_to_proto",
+    "result_from_proto",
+    "result_to_proto",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +55,15 @@ class Lease:
     step: int
     tasks: list[Task]
     replicas: list[list[Replica]]  # per stage, the replicas serving it now
-    done: bool = False             # the job has no more steps
+    done: bool = False  # the job has no more steps
 
 
 @dataclass(frozen=True)
 class MicrobatchResult:
     step: int
     index: int
-    holders: dict[int, str]        # stage -> peer that accumulated the gradient there
-    loss_sum: float | None         # None when the last stage was not accumulated (a replay)
+    holders: dict[int, str]  # stage -> peer that accumulated the gradient there
+    loss_sum: float | None  # None when the last stage was not accumulated (a replay)
     samples: int
 
 
@@ -66,8 +76,13 @@ class _Commit:
 
 class LocalCoordinator:
     def __init__(
-        self, job: JobConfig, job_id: str, members: Callable[[], list[list[Replica]]], *,
-        token: str | None = None, steps: int | None = None,
+        self,
+        job: JobConfig,
+        job_id: str,
+        members: Callable[[], list[list[Replica]]],
+        *,
+        token: str | None = None,
+        steps: int | None = None,
         on_step: Callable[[StepRecord], Awaitable[None] | None] | None = None,
     ) -> None:
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
@@ -77,6 +92,7 @@ class LocalCoordinator:
         self._clients: dict[str, StageClient] = {}
         self._commit = _Commit()
         self._step_started = time.perf_counter()
+        self._synced: set[str] = set()
         self.finished = asyncio.Event()
         self.error: BaseException | None = None
 
@@ -93,8 +109,9 @@ class LocalCoordinator:
             self.ledger = None
             self.finished.set()
             return
-        self.ledger = StepLedger(step, t.microbatches_per_step, t.stages,
-                                 self.job.runtime.lease_timeout_s)
+        self.ledger = StepLedger(
+            step, t.microbatches_per_step, t.stages, self.job.runtime.lease_timeout_s
+        )
         self._commit, self._step_started = _Commit(), time.perf_counter()
 
     async def close(self) -> None:
@@ -104,15 +121,16 @@ class LocalCoordinator:
 
     def client(self, stage: int, replica: Replica) -> StageClient:
         if replica.peer not in self._clients:
-            self._clients[replica.peer] = StageClient(replica.address, self.job, self.job_id,
-                                                      stage, self.token)
+            self._clients[replica.peer] = StageClient(
+                replica.address, self.job, self.job_id, stage, self.token
+            )
         return self._clients[replica.peer]
 
     # -- trainers -------------------------------------------------------------------------------
     async def lease(self, trainer: str, count: int) -> Lease:
         if self.error:
             raise self.error
-        ledger, members = self.ledger, self.members()
+        ledger, members = self.ledger, self.replicas()
         if ledger is None:
             return Lease(self.steps, [], members, done=True)
         tasks = [] if self._commit.task else ledger.lease(trainer, count)
@@ -122,8 +140,9 @@ class LocalCoordinator:
         ledger = self.ledger
         if ledger is None:
             return
-        extras = ledger.report(trainer, result.step, result.index, result.holders,
-                               result.loss_sum, result.samples)
+        extras = ledger.report(
+            trainer, result.step, result.index, result.holders, result.loss_sum, result.samples
+        )
         for extra in extras:  # another trainer's gradient was accepted first: void this one
             await self._void(extra.stage, extra.peer)
         if ledger.complete and self._commit.task is None:
@@ -137,9 +156,14 @@ class LocalCoordinator:
     async def _void(self, stage: int, peer: str) -> None:
         assert self.ledger is not None
         lost = self.ledger.lose(peer, stage)
-        replica = next((r for r in self.members()[stage] if r.peer == peer), None)
-        log.warning("step %d: voiding %s's gradients at stage %d (replaying %s)",
-                    self.ledger.step, peer, stage, lost)
+        replica = next((r for r in self.replicas()[stage] if r.peer == peer), None)
+        log.warning(
+            "step %d: voiding %s's gradients at stage %d (replaying %s)",
+            self.ledger.step,
+            peer,
+            stage,
+            lost,
+        )
         if replica is not None:
             try:
                 await self.client(stage, replica).discard(self.ledger.step)
@@ -161,6 +185,7 @@ class LocalCoordinator:
         seconds = time.perf_counter() - self._step_started
         record = StepRecord(ledger.step, ledger.loss(), ledger.samples(), seconds)
         attempt = self._commit.attempt
+        await self._sync(ledger.step + 1)
         self._open(ledger.step + 1)
         self._commit.attempt = 0
         if attempt:
@@ -172,7 +197,7 @@ class LocalCoordinator:
         return True
 
     async def _try_commit(self, ledger: StepLedger) -> bool:
-        members, step = self.members(), ledger.step
+        members, step = self.replicas(), ledger.step
         for stage, replicas in enumerate(members):
             alive = {r.peer for r in replicas}
             for peer in ledger.holdings(stage):
@@ -186,54 +211,160 @@ class LocalCoordinator:
             group = [r.address for r in replicas]
             holdings = ledger.holdings(stage)
             for index, replica in enumerate(replicas):
-                calls.append(self.client(stage, replica).commit(
-                    step, holdings.get(replica.peer, []), total, phase=pb.COMMIT_PHASE_PREPARE,
-                    group=group, group_index=index, round=round_id))
+                calls.append(
+                    self.client(stage, replica).commit(
+                        step,
+                        holdings.get(replica.peer, []),
+                        total,
+                        phase=pb.COMMIT_PHASE_PREPARE,
+                        group=group,
+                        group_index=index,
+                        round=round_id,
+                    )
+                )
                 where.append((stage, replica))
         results = await asyncio.gather(*calls, return_exceptions=True)
-        failed = [(stage, r, e) for (stage, r), e in zip(where, results, strict=True)
-                  if isinstance(e, BaseException)]
+        failed = [
+            (stage, r, e)
+            for (stage, r), e in zip(where, results, strict=True)
+            if isinstance(e, BaseException)
+        ]
         if failed:
             for stage, replica, error in failed:
                 detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else error
-                log.warning("step %d: round %s at stage %d failed on %s: %s", step, round_id,
-                            stage, replica.peer, detail)
+                log.warning(
+                    "step %d: round %s at stage %d failed on %s: %s",
+                    step,
+                    round_id,
+                    stage,
+                    replica.peer,
+                    detail,
+                )
                 await self._void(stage, replica.peer)
             return False
-        applied = await asyncio.gather(*(
-            self.client(stage, replica).commit(step, [], total, phase=pb.COMMIT_PHASE_APPLY)
-            for stage, replica in where), return_exceptions=True)
+        applied = await asyncio.gather(
+            *(
+                self.client(stage, replica).commit(step, [], total, phase=pb.COMMIT_PHASE_APPLY)
+                for stage, replica in where
+            ),
+            return_exceptions=True,
+        )
         for (stage, replica), result in zip(where, applied, strict=True):
             if isinstance(result, BaseException):  # it died after averaging: it is gone anyway
-                log.warning("step %d: apply on %s (stage %d) failed: %s", step, replica.peer,
-                            stage, result)
+                log.warning(
+                    "step %d: apply on %s (stage %d) failed: %s", step, replica.peer, stage, result
+                )
         return True
 
-    # -- start ----------------------------------------------------------------------------------
+    # -- membership ---------------------------------------------------------------------------
+    def replicas(self) -> list[list[Replica]]:
+        """Per stage, the members at the coordinator's step: trainers see and use only these."""
+        return [[r for r in stage if r.peer in self._synced] for stage in self.members()]
+
+    async def _sync(self, step: int) -> None:
+        """At a step boundary: replicas not yet known to be at `step` copy a synced replica of
+        their stage (parameters, optimizer state, step) and become members."""
+        members = self.members()
+        current = {r.peer for stage in members for r in stage}
+        self._synced &= current  # those that left are forgotten
+        for stage, replicas in enumerate(members):
+            sources = [r for r in replicas if r.peer in self._synced]
+            for r in replicas:
+                if r.peer in self._synced:
+                    continue
+                if not sources:
+                    log.warning(
+                        "stage %d: no replica at step %d to copy to %s", stage, step, r.peer
+                    )
+                    continue
+                try:
+                    joined = await self.client(stage, r).join(sources[0].address)
+                except grpc.aio.AioRpcError as e:
+                    log.warning("stage %d: %s could not join: %s", stage, r.peer, e.details())
+                    continue
+                if joined == step:
+                    log.info("stage %d: %s joined at step %d", stage, r.peer, step)
+                    self._synced.add(r.peer)
+
     async def _reconcile(self) -> int:
-        """The replicas' common step. A coordinator that died between applying some replicas and
-        the rest leaves the laggards one step behind with the step prepared or its receipts
-        complete; finishing their commit is exact. Anything else is an error."""
+        """Bring every replica to the newest step. A coordinator that died while applying a step
+        leaves some replicas a step behind with the step prepared: applying it is exact. Other
+        laggards (new replicas, restarted ones) copy a replica of their stage at that step."""
         members = self.members()
         infos: list[tuple[int, Replica, pb.StageInfoResponse]] = []
         for stage, replicas in enumerate(members):
             for r in replicas:
-                infos.append((stage, r, await self.client(stage, r).info()))
+                info = await self.client(stage, r).info()
+                if info.job != self.job_id or info.stage != stage:
+                    raise SwarmError(
+                        f"{r.address} serves job {info.job!r} stage {info.stage}; "
+                        f"expected job {self.job_id!r} stage {stage} "
+                        f"(same job file on both sides?)"
+                    )
+                infos.append((stage, r, info))
+        target = max((info.step for _, _, info in infos), default=0)
         for stage, r, info in infos:
-            if info.job != self.job_id or info.stage != stage:
-                raise SwarmError(f"{r.address} serves job {info.job!r} stage {info.stage}; "
-                                 f"expected job {self.job_id!r} stage {stage} "
-                                 f"(same job file on both sides?)")
-        steps = sorted({info.step for _, _, info in infos})
-        if len(steps) <= 1:
-            return steps[0] if steps else 0
-        m, mb = self.job.training.microbatches_per_step, self.job.training.microbatch_size
-        if len(steps) > 2 or steps[1] != steps[0] + 1:
-            raise SwarmError(f"replicas disagree on the step: {steps}")
-        for stage, r, info in infos:
-            if info.step == steps[0]:
-                log.warning("finishing step %d's commit on %s (stage %d)", steps[0], r.peer, stage)
-                if len(info.receipts) != m:
-                    raise SwarmError(f"{r.peer} is a step behind without the step's receipts")
-                await self.client(stage, r).commit(steps[0], list(info.receipts), m * mb)
-        return steps[1]
+            if info.step == target - 1:
+                try:
+                    await self.client(stage, r).commit(
+                        info.step, [], 0, phase=pb.COMMIT_PHASE_APPLY
+                    )
+                    log.warning(
+                        "finished applying step %d on %s (stage %d)", info.step, r.peer, stage
+                    )
+                    info.step = target
+                except grpc.aio.AioRpcError as e:
+                    log.warning("%s (stage %d) is a step behind: %s", r.peer, stage, e.details())
+        self._synced = {r.peer for _, r, info in infos if info.step == target}
+        await self._sync(target)
+        missing = [k for k, replicas in enumerate(self.replicas()) if not replicas]
+        if missing:
+            raise SwarmError(f"no replica of stages {missing} is at step {target}")
+        return target
+
+
+# -- the wire form of leases, shared by the scheduler's job API and `RemoteCoordinator` ---------
+def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
+    return spb.SchedulerLeaseMicrobatchesResponse(
+        step=lease.step,
+        done=lease.done,
+        tasks=[
+            spb.LeaseTask(step=t.step, index=t.index, stages=sorted(t.stages)) for t in lease.tasks
+        ],
+        replicas=[
+            spb.StageStatus(
+                stage=k,
+                replicas=[
+                    spb.Replica(peer=r.peer, address=r.address, samples_per_second=r.throughput)
+                    for r in stage
+                ],
+            )
+            for k, stage in enumerate(lease.replicas)
+        ],
+    )
+
+
+def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
+    return Lease(
+        step=msg.step,
+        done=msg.done,
+        tasks=[Task(t.step, t.index, frozenset(t.stages)) for t in msg.tasks],
+        replicas=[
+            [Replica(r.peer, r.address, r.samples_per_second) for r in s.replicas]
+            for s in msg.replicas
+        ],
+    )
+
+
+def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
+    msg = spb.MicrobatchReport(
+        step=result.step, index=result.index, holders=result.holders, samples=result.samples
+    )
+    if result.loss_sum is not None:
+        msg.loss_sum = result.loss_sum
+    return msg
+
+
+def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
+    loss = msg.loss_sum if msg.HasField("loss_sum") else None
+    return MicrobatchResult(msg.step, msg.index, dict(msg.holders), loss, msg.samples)

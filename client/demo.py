@@ -24,25 +24,33 @@ DEFAULT_THROTTLES = (1.0, 1.5, 2.0, 3.0)
 
 def _show_endpoints(sw: LocalSwarm) -> None:
     s = sw.scheduler.ready
-    print(f"  scheduler   {s['address']}  broker {s['broker']}  "
-          f"metrics http://127.0.0.1:{s['metrics']}/metrics")
+    print(
+        f"  scheduler   {s['address']}  broker {s['broker']}  "
+        f"metrics http://127.0.0.1:{s['metrics']}/metrics"
+    )
     for p in sw.peers:
         r = p.ready
-        print(f"  {r['peer']:<10}  {r['address']}  throttle {float(r['throttle']):.1f}x  "
-              f"metrics http://127.0.0.1:{r['metrics']}/metrics")
+        print(
+            f"  {r['peer']:<10}  {r['address']}  throttle {float(r['throttle']):.1f}x  "
+            f"metrics http://127.0.0.1:{r['metrics']}/metrics"
+        )
 
 
 async def _train(sw: LocalSwarm, job_path: Path) -> int:
     async with SchedulerClient(sw.address) as client:
         status = await client.submit(job_path)
-        print(f"submitted {job_path.name} as job {status.job}; `swarm status {status.job} "
-              f"--scheduler {sw.address}` shows it from another terminal", flush=True)
+        print(
+            f"submitted {job_path.name} as job {status.job}; `swarm status {status.job} "
+            f"--scheduler {sw.address}` shows it from another terminal",
+            flush=True,
+        )
         final = await watch(client, status)
         steps = await asyncio.to_thread(_losses, sw, status.job)
     if final.state != status.state and state_name(final.state) == "succeeded":
         first = steps[0] if steps else math.nan
-        print(f"job {final.job} succeeded: {final.step} steps, loss {first:.3f} -> "
-              f"{final.loss:.3f}")
+        print(
+            f"job {final.job} succeeded: {final.step} steps, loss {first:.3f} -> {final.loss:.3f}"
+        )
         return 0
     print(f"job {final.job} {state_name(final.state)}: {final.error or final.message}")
     return 1
@@ -59,8 +67,11 @@ def run_demo(job_path: Path, throttles: tuple[float, ...] = DEFAULT_THROTTLES) -
     job = load_job(job_path)  # a bad job file fails here, before anything starts
     log_dir = Path(tempfile.mkdtemp(prefix="swarm-demo-"))
     threads = max(1, (os.cpu_count() or 1) // len(throttles))
-    print(f"starting a scheduler (with an embedded MQTT broker) and {len(throttles)} stage "
-          f"servers for a {job.training.stages}-stage model; logs in {log_dir}", flush=True)
+    print(
+        f"starting a scheduler (with an embedded MQTT broker) and {len(throttles)} stage "
+        f"servers for a {job.training.stages}-stage model; logs in {log_dir}",
+        flush=True,
+    )
     sw, _ = start_local_swarm(list(throttles), log_dir=log_dir, threads=threads)
     try:
         _show_endpoints(sw)

@@ -116,8 +116,14 @@ class StageClient:
         return BackwardResult(tensors.get("grad_inputs"), header.receipt, header.loss_sum)
 
     async def commit(
-        self, step: int, microbatches: list[int], total_samples: int, *,
-        phase: int = pb.COMMIT_PHASE_BOTH, group: list[str] | None = None, group_index: int = 0,
+        self,
+        step: int,
+        microbatches: list[int],
+        total_samples: int,
+        *,
+        phase: Any = pb.COMMIT_PHASE_BOTH,
+        group: list[str] | None = None,
+        group_index: int = 0,
         round: str = "",
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
@@ -134,6 +140,14 @@ class StageClient:
         response: pb.StageDiscardResponse = await self.stub.Discard(request, timeout=self._timeout)
         return response.dropped
 
+    async def join(self, source: str) -> int:
+        """Make this replica a copy of the replica at `source`; returns its step."""
+        request = pb.StageJoinRequest(job=self.job_id, stage=self.stage, source=source)
+        response: pb.StageJoinResponse = await self.stub.Join(
+            request, timeout=self.job.runtime.commit_timeout_s
+        )
+        return response.step
+
     async def info(self) -> pb.StageInfoResponse:
         response: pb.StageInfoResponse = await self.stub.Info(
             pb.StageInfoRequest(), timeout=self._timeout
@@ -146,8 +160,9 @@ class StageClient:
         """The replica's state and step: parameters (names as in the whole model, with `prefix`
         removed) and, when asked, optimizer state (`optim/<index>/<key>`)."""
         call = self.stub.DownloadState(
-            pb.StageDownloadStateRequest(job=self.job_id, stage=self.stage,
-                                         include_optimizer=include_optimizer),
+            pb.StageDownloadStateRequest(
+                job=self.job_id, stage=self.stage, include_optimizer=include_optimizer
+            ),
             timeout=self.job.runtime.commit_timeout_s,
         )
         stream, state, step = _aiter(call), {}, -1

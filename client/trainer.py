@@ -47,10 +47,18 @@ class Coordinator(Protocol):
 
 class PipelineTrainer:
     def __init__(
-        self, job: JobConfig, coordinator: Coordinator, *, job_id: str | None = None,
-        trainer_id: str | None = None, data: DataSource | None = None,
-        metrics: TrainerMetrics | None = None, token: str | None = None,
-        hop_attempts: int = 4, poll_s: float = 0.02, seed: int | None = None,
+        self,
+        job: JobConfig,
+        coordinator: Coordinator,
+        *,
+        job_id: str | None = None,
+        trainer_id: str | None = None,
+        data: DataSource | None = None,
+        metrics: TrainerMetrics | None = None,
+        token: str | None = None,
+        hop_attempts: int = 4,
+        poll_s: float = 0.02,
+        seed: int | None = None,
     ) -> None:
         self.job, self.coordinator, self.token = job, coordinator, token
         self.job_id = job_id or job.fingerprint()
@@ -58,8 +66,12 @@ class PipelineTrainer:
         self.data = data or make_data(job)
         self.metrics = metrics or TrainerMetrics(self.job_id)
         self.hop_attempts, self.poll_s = hop_attempts, poll_s
-        self.wiring = Wiring(job.training.stages, clock=MonotonicClock(),
-                             rng=random.Random(seed), task_samples=job.training.microbatch_size)
+        self.wiring = Wiring(
+            job.training.stages,
+            clock=MonotonicClock(),
+            rng=random.Random(seed),
+            task_samples=job.training.microbatch_size,
+        )
         self.clients: dict[str, StageClient] = {}
         self._members: list[set[str]] = [set() for _ in range(job.training.stages)]
 
@@ -76,8 +88,9 @@ class PipelineTrainer:
             for r in members:
                 if r.peer not in self._members[stage]:
                     self.wiring.add(r.peer, stage, r.throughput or 1.0)
-                    self.clients[r.peer] = StageClient(r.address, self.job, self.job_id, stage,
-                                                       self.token)
+                    self.clients[r.peer] = StageClient(
+                        r.address, self.job, self.job_id, stage, self.token
+                    )
             self._members[stage] = now
 
     # -- the loop -------------------------------------------------------------------------------
@@ -95,22 +108,26 @@ class PipelineTrainer:
                     running.add(asyncio.create_task(self._run_task(task)))
                 if running:
                     done, running = await asyncio.wait(
-                        running, timeout=None if free == 0 else self.poll_s,
-                        return_when=asyncio.FIRST_COMPLETED)
+                        running,
+                        timeout=None if free == 0 else self.poll_s,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
                     for finished in done:
                         finished.result()  # surface bugs; hop failures were handled inside
                 else:
                     await asyncio.sleep(self.poll_s)
         finally:
-            for task in running:
-                task.cancel()
+            for pending in running:
+                pending.cancel()
 
     async def _run_task(self, task: Task) -> None:
         self.metrics.in_flight.inc()
         try:
             result = await self._microbatch(task)
         except (TrainerError, grpc.aio.AioRpcError) as e:
-            log.warning("%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e)
+            log.warning(
+                "%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e
+            )
             await self.coordinator.release(self.trainer_id, [task.index])
             return
         finally:
@@ -119,8 +136,9 @@ class PipelineTrainer:
         self.metrics.microbatches.inc()
 
     # -- one microbatch -------------------------------------------------------------------------
-    async def _hop(self, stage: int, call: Callable[[StageClient], Awaitable[T]],
-                   prefer: str | None = None) -> tuple[str, T]:
+    async def _hop(
+        self, stage: int, call: Callable[[StageClient], Awaitable[T]], prefer: str | None = None
+    ) -> tuple[str, T]:
         """Run `call` on a replica of `stage` (`prefer` first if eligible), retrying on others."""
         pool, samples = self.wiring[stage], self.job.training.microbatch_size
         last: BaseException | None = None
@@ -149,21 +167,32 @@ class PipelineTrainer:
         inputs, targets = self.data.microbatch(step, index)
         boundary, forward_peer = [inputs], {}
         for k in range(last):
-            peer, out = await self._hop(
-                k, lambda c, k=k: c.forward(step, index, boundary[k]))  # type: ignore[misc]
+            peer, out = await self._hop(k, lambda c, k=k: c.forward(step, index, boundary[k]))  # type: ignore[misc]
             forward_peer[k] = peer
             boundary.append(out)
-        peer, result = await self._hop(last, lambda c: c.forward_backward(
-            step, index, boundary[last], targets, accumulate=last in stages,
-            need_grad_inputs=lowest < last))
+        peer, result = await self._hop(
+            last,
+            lambda c: c.forward_backward(
+                step,
+                index,
+                boundary[last],
+                targets,
+                accumulate=last in stages,
+                need_grad_inputs=lowest < last,
+            ),
+        )
         holders = {last: peer} if last in stages else {}
         loss = result.loss_sum if last in stages else None
         grad = result.grad_inputs
         for k in range(last - 1, lowest - 1, -1):
             g = grad
-            peer, result = await self._hop(k, lambda c, k=k, g=g: c.backward(  # type: ignore[misc]
-                step, index, boundary[k], g, accumulate=k in stages,
-                need_grad_inputs=k > lowest), prefer=forward_peer[k])
+            peer, result = await self._hop(
+                k,
+                lambda c, k=k, g=g: c.backward(  # type: ignore[misc]
+                    step, index, boundary[k], g, accumulate=k in stages, need_grad_inputs=k > lowest
+                ),
+                prefer=forward_peer[k],
+            )
             if k in stages:
                 holders[k] = peer
             grad = result.grad_inputs

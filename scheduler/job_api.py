@@ -17,6 +17,7 @@ from typing import Any, NoReturn, Protocol, TypeVar, get_args
 import grpc
 import torch
 
+from client.coordinator import Lease, MicrobatchResult, lease_to_proto, result_from_proto
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm import codec, wire
 from swarm.config import parse_job
@@ -25,24 +26,15 @@ from swarm.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
-    SwarmError,
 )
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
+from swarm.status import status_code
 
 __all__ = ["JobApiServicer", "JobControl", "job_status"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MiB = 1 << 20
-
-_STATUS: tuple[tuple[type[SwarmError], grpc.StatusCode], ...] = (
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-)
 
 
 _STATES: dict[str, Any] = {
@@ -68,6 +60,12 @@ class JobControl(Protocol):
     def samples_per_second(self, job_id: str) -> float:
         """Recent training throughput (asked for unfinished jobs only)."""
         ...
+
+    async def lease(self, job_id: str, trainer: str, count: int) -> Lease: ...
+
+    async def report(
+        self, job_id: str, trainer: str, results: list[MicrobatchResult], released: list[int]
+    ) -> None: ...
 
     async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
         """(step, the whole model's state_dict) of one committed step. Raise FailedPrecondition
@@ -96,6 +94,8 @@ def job_status(record: JobRecord, control: JobControl) -> scheduler_pb2.JobStatu
         samples_per_second=control.samples_per_second(record.id) if live else 0.0,
         created=record.created,
         updated=record.updated,
+        spec=record.spec,
+        base_dir=record.base_dir,
     )
 
 
@@ -107,7 +107,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _abort(self, method: str, context: Any, e: Exception) -> NoReturn:
-        code = next((c for t, c in _STATUS if isinstance(e, t)), None)
+        code = status_code(e)
         if code is None:  # a bug, not bad input: report it, keep serving
             log.error("scheduler %s failed", method, exc_info=e)
             code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
@@ -180,6 +180,27 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return scheduler_pb2.SchedulerCancelJobResponse(job=self._status(record))
 
         return await self._run("CancelJob", context, body)
+
+    async def LeaseMicrobatches(
+        self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest, context: Any
+    ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
+        try:
+            self._job(request.job)
+            lease = await self.control.lease(request.job, request.trainer, request.count)
+            return lease_to_proto(lease)
+        except Exception as e:
+            await self._abort("LeaseMicrobatches", context, e)
+
+    async def ReportMicrobatches(
+        self, request: scheduler_pb2.SchedulerReportMicrobatchesRequest, context: Any
+    ) -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
+        try:
+            self._job(request.job)
+            results = [result_from_proto(r) for r in request.results]
+            await self.control.report(request.job, request.trainer, results, list(request.released))
+            return scheduler_pb2.SchedulerReportMicrobatchesResponse()
+        except Exception as e:
+            await self._abort("ReportMicrobatches", context, e)
 
     async def ExportModel(
         self, request: scheduler_pb2.SchedulerExportModelRequest, context: Any

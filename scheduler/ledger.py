@@ -1,10 +1,10 @@
 """The step ledger: for the step being trained, which microbatches still need their gradient added
 at which stage, who is computing them (leases), and which replica holds each accepted gradient.
 
-Pure bookkeeping with an injected clock: the scheduler keeps one per job, a standalone trainer keeps
-its own. One mechanism covers every way a gradient goes missing: a replica that dies, a round that is
-aborted, or a replica that accumulated a microbatch twice over (two trainers raced for one lease)
-is *lost*, and each microbatch it held becomes needed again at that stage only (a replay).
+Pure bookkeeping with an injected clock: the scheduler keeps one per job, a standalone trainer
+keeps its own. One mechanism covers every way a gradient goes missing: a replica that dies, a
+round that is aborted, or a replica that accumulated a microbatch twice over (two trainers raced
+for one lease) is *lost*, and each microbatch it held becomes needed again at that stage only (a replay).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class StepLedger:
     def lease(self, trainer: str, count: int) -> list[Task]:
         """Up to `count` tasks for `trainer`: microbatches that still need a stage and are not
         leased to anyone else (or whose lease expired)."""
-        now, tasks = self.clock.now(), []
+        now, tasks = self.clock.now(), list[Task]()
         for index in sorted(self._needed):
             if len(tasks) >= count:
                 break
@@ -74,8 +74,13 @@ class StepLedger:
         return tasks
 
     def report(
-        self, trainer: str, step: int, index: int, holders: Mapping[int, str],
-        loss_sum: float | None, samples: int,
+        self,
+        trainer: str,
+        step: int,
+        index: int,
+        holders: Mapping[int, str],
+        loss_sum: float | None,
+        samples: int,
     ) -> list[Holding]:
         """Record that `holders[stage]` accumulated microbatch `index` at `stage`. Returns the
         replicas that now hold a gradient that must not count (someone else's was accepted first).

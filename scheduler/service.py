@@ -18,18 +18,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
-from client.trainer import PipelineTrainer, TrainerError
-from scheduler.placement import place
+from client.coordinator import Lease, LocalCoordinator, MicrobatchResult, Replica
+from client.run import gather_state
+from client.trainer import PipelineTrainer
+from scheduler.placement import best_stage, place
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm.bus import BusLike
 from swarm.config import JobConfig, parse_job
 from swarm.errors import FailedPrecondition, SwarmError
 from swarm.metrics import TrainerMetrics
 from swarm.model import layer_costs, partition
+from swarm.progress import StepRecord
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 
@@ -54,6 +58,7 @@ class SchedulerOptions:
     serve_timeout_s: float = 300.0  # assigned peers must be serving within this, else re-place
     retry_pause_s: float = 1.0  # after a failed training attempt, before the next one
     max_failed_attempts: int = 20  # consecutive attempts without progress before the job fails
+    embedded_trainer: bool = True  # run a trainer inside the scheduler for each job
     token: str | None = None  # swarm token for calls to stage servers
 
 
@@ -73,6 +78,7 @@ class Scheduler:
         self._peers_changed = asyncio.Event()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._speed: dict[str, float] = {}
+        self._coordinators: dict[str, LocalCoordinator] = {}
         self._group: asyncio.TaskGroup | None = None
         self._user_cancelled: set[str] = set()
         # The latest record of each job, refreshed on the event loop whenever a job is announced:
@@ -135,28 +141,13 @@ class Scheduler:
         if final.exists():
             saved = torch.load(final, weights_only=True)
             return int(saved["step"]), saved["state"]
-        record = self.store.get(job_id)
-        if record is None:
-            raise FailedPrecondition(f"unknown job {job_id!r}")
-        serving = self._serving(job_id, record.step)
-        job = self._config(record.spec, record.base_dir, record.name, check_data=False)
-        if len(serving) < job.training.stages:
+        coordinator = self._coordinators.get(job_id)
+        if coordinator is None or any(not stage for stage in coordinator.replicas()):
             raise FailedPrecondition(
-                f"job {job_id} has no live replica of stages "
-                f"{sorted(set(range(job.training.stages)) - set(serving))}"
+                f"job {job_id} has no live replica of every stage and no saved model yet"
             )
-        trainer = PipelineTrainer(
-            job,
-            [serving[k] for k in range(job.training.stages)],
-            job_id=job_id,
-            data=_NoData(),
-            metrics=self._trainer_metrics(job_id),
-            token=self.opts.token,
-        )
-        try:
-            return await trainer.check_servers(), await trainer.state_dict()
-        finally:
-            await trainer.close()
+        step = coordinator.ledger.step if coordinator.ledger else coordinator.steps
+        return step, await gather_state(coordinator)
 
     # -- peers ----------------------------------------------------------------------------------
     async def _watch_peers(self) -> None:
@@ -222,6 +213,38 @@ class Scheduler:
             self.store.set_message(job_id, message)
         await self._announce(job_id)
 
+    def members(self, job_id: str, stages: int) -> list[list[Replica]]:
+        """Per stage, the peers serving it for this job, in a stable order."""
+        result: list[list[Replica]] = [[] for _ in range(stages)]
+        for p in sorted(self.peers.values(), key=lambda p: p.peer):
+            if (
+                p.job == job_id
+                and p.state == cpb.PEER_STATE_SERVING
+                and p.HasField("stage")
+                and p.stage < stages
+            ):
+                result[p.stage].append(
+                    Replica(p.peer, p.address, p.samples_per_second.get(p.stage, 0.0))
+                )
+        return result
+
+    async def lease(self, job_id: str, trainer: str, count: int) -> Lease:
+        coordinator = self._coordinators.get(job_id)
+        if coordinator is None:
+            return Lease(0, [], [])  # not started (or between attempts): ask again soon
+        return await coordinator.lease(trainer, count)
+
+    async def report(
+        self, job_id: str, trainer: str, results: list[MicrobatchResult], released: list[int]
+    ) -> None:
+        coordinator = self._coordinators.get(job_id)
+        if coordinator is None:
+            return  # the step these belong to is gone; the ledger ignores stale reports anyway
+        if released:
+            await coordinator.release(trainer, released)
+        for result in results:
+            await coordinator.report(trainer, result)
+
     async def _run_job(self, job_id: str) -> None:
         record = self.store.get(job_id)
         assert record is not None
@@ -235,14 +258,14 @@ class Scheduler:
                 await self._announce(job_id)
             failures = 0
             while True:
-                addresses = await self._place(job_id, job, assigned)
-                await self._set(job_id, "running", "training")
+                await self._place(job_id, job, assigned)
                 before = self.store.get(job_id).step  # type: ignore[union-attr]
                 try:
-                    await self._train(job_id, job, addresses)
+                    await self._train(job_id, job, assigned)
                     break
-                except (TrainerError, SwarmError, OSError) as e:
-                    failures = 0 if self.store.get(job_id).step > before else failures + 1  # type: ignore[union-attr]
+                except (SwarmError, OSError, grpc.aio.AioRpcError) as e:
+                    step = self.store.get(job_id).step  # type: ignore[union-attr]
+                    failures = 0 if step > before else failures + 1
                     if failures >= self.opts.max_failed_attempts:
                         raise
                     log.warning("job %s: training interrupted (%s); resuming", job_id, e)
@@ -259,19 +282,20 @@ class Scheduler:
             await self._announce(job_id)
         finally:
             self._tasks.pop(job_id, None)
+            self._coordinators.pop(job_id, None)
             if ended:  # withdraw the assignments; the job's announcement frees the peers
                 holders = {p.peer for p in self.peers.values() if p.job == job_id}
                 for peer in sorted(holders | set(assigned)):
                     await self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
 
-    async def _place(self, job_id: str, job: JobConfig, assigned: list[str]) -> list[str]:
-        """Wait until every stage has a serving replica; assign peers where none is."""
+    async def _place(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
+        """Wait until every stage has a serving replica, assigning measured peers."""
         stages = job.training.stages
         while True:
             serving = self._serving(job_id)
             missing = [k for k in range(stages) if k not in serving]
             if not missing:
-                return [serving[k] for k in range(stages)]
+                return
             record = self.store.get(job_id)
             assert record is not None
             if record.step > 0:
@@ -295,27 +319,26 @@ class Scheduler:
                 await self._peers_change(5.0)
                 continue
             await asyncio.sleep(self.opts.placement_grace_s)  # let late peers finish measuring
-            await self._assign(job_id, self._available(job_id, stages), missing, assigned)
+            await self._assign(job_id, self._available(job_id, stages), assigned)
             await self._wait_serving(job_id, missing)
 
     async def _assign(
-        self,
-        job_id: str,
-        available: dict[str, list[float]],
-        missing: list[int],
-        assigned: list[str],
+        self, job_id: str, available: dict[str, list[float]], assigned: list[str]
     ) -> None:
+        """Every available peer gets a stage: placement for a fresh job, the stage that raises
+        the bottleneck most for peers joining a running one."""
         stages = len(next(iter(available.values())))
-        placement = place(available, stages)
-        # One replica per stage for now: the fastest placed on each missing stage.
-        chosen: dict[int, str] = {}
-        for peer, stage in sorted(placement.items()):
-            if stage in missing and (
-                stage not in chosen or available[peer][stage] > available[chosen[stage]][stage]
-            ):
-                chosen[stage] = peer
+        serving = self.members(job_id, stages)
+        if any(serving):
+            totals = [sum(r.throughput for r in stage) for stage in serving]
+            placement = {}
+            for peer, speeds in sorted(available.items()):
+                placement[peer] = best_stage(speeds, totals)
+                totals[placement[peer]] += speeds[placement[peer]]
+        else:
+            placement = place(available, stages)
         generation = time.time_ns() // 1000  # grows across scheduler restarts
-        for stage, peer in sorted(chosen.items()):
+        for peer, stage in sorted(placement.items()):
             log.info(
                 "job %s: stage %d -> %s (%.1f samples/s)",
                 job_id,
@@ -326,7 +349,7 @@ class Scheduler:
             message = cpb.Assignment(job=job_id, peer=peer, stage=stage, generation=generation)
             await self.bus.publish(self.bus.topics.assign(job_id, peer), message, retain=True)
             assigned.append(peer)
-        await self._set(job_id, None, f"starting stage servers for stages {sorted(chosen)}")
+        await self._set(job_id, None, f"starting {len(placement)} stage server(s)")
 
     async def _wait_serving(self, job_id: str, stages: list[int]) -> None:
         deadline = time.monotonic() + self.opts.serve_timeout_s
@@ -341,40 +364,73 @@ class Scheduler:
             self.opts.serve_timeout_s,
         )
 
+    async def _grow(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
+        """While the job trains, peers that join become extra replicas (they copy a live
+        replica's state at the next step boundary)."""
+        while True:
+            await self._peers_change(5.0)
+            available = self._available(job_id, job.training.stages)
+            if available:
+                await asyncio.sleep(self.opts.placement_grace_s)
+                available = self._available(job_id, job.training.stages)
+                if available:
+                    await self._assign(job_id, available, assigned)
+
     def _trainer_metrics(self, job_id: str) -> TrainerMetrics:
         return TrainerMetrics(job_id, registry=CollectorRegistry())
 
-    async def _train(self, job_id: str, job: JobConfig, addresses: list[str]) -> None:
+    async def _train(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
+        async def committed(record: StepRecord) -> None:
+            self.store.record_step(job_id, record.step, record.loss, record.samples, record.seconds)
+            self._speed[job_id] = record.samples_per_second
+            log.info("job %s step %d loss %.4f", job_id, record.step, record.loss)
+            await self.bus.publish(
+                self.bus.topics.steps(job_id),
+                cpb.StepCommitted(
+                    job=job_id,
+                    step=record.step,
+                    loss=record.loss,
+                    samples=record.samples,
+                    time=time.time(),
+                ),
+                retain=True,
+            )
+            await self._announce(job_id)
+
+        stages = job.training.stages
+        coordinator = LocalCoordinator(
+            job,
+            job_id,
+            lambda: self.members(job_id, stages),
+            token=self.opts.token,
+            on_step=committed,
+        )
         trainer = PipelineTrainer(
             job,
-            addresses,
+            coordinator,
             job_id=job_id,
             token=self.opts.token,
+            trainer_id=f"{job_id}-embedded",
             metrics=self._trainer_metrics(job_id),
         )
         try:
-            first = await trainer.check_servers()
-            for step in range(first, job.training.steps):
-                result = await trainer.run_step(step)
-                self.store.record_step(job_id, step, result.loss, result.samples, result.seconds)
-                self._speed[job_id] = result.samples_per_second
-                log.info("job %s step %d loss %.4f", job_id, step, result.loss)
-                await self.bus.publish(
-                    self.bus.topics.steps(job_id),
-                    cpb.StepCommitted(
-                        job=job_id,
-                        step=step,
-                        loss=result.loss,
-                        samples=result.samples,
-                        time=time.time(),
-                    ),
-                    retain=True,
-                )
-                await self._announce(job_id)
-            state = await trainer.state_dict()
+            await coordinator.start()
+            self._coordinators[job_id] = coordinator
+            await self._set(job_id, "running", "training")
+            async with asyncio.TaskGroup() as group:
+                grow = group.create_task(self._grow(job_id, job, assigned))
+                if self.opts.embedded_trainer:
+                    group.create_task(trainer.run())
+                await coordinator.finished.wait()
+                grow.cancel()
+            if coordinator.error:
+                raise coordinator.error
+            state = await gather_state(coordinator)
             self._save_final(job_id, job.training.steps, state)
         finally:
+            self._coordinators.pop(job_id, None)
             await trainer.close()
+            await coordinator.close()
 
     def _final_path(self, job_id: str) -> Path:
         return self.opts.checkpoint_dir / job_id / "final.pt"
@@ -385,13 +441,6 @@ class Scheduler:
         tmp = path.with_suffix(".tmp")
         torch.save({"step": step, "state": state}, tmp)
         tmp.replace(path)  # atomic: an export never sees half a file
-
-
-class _NoData:
-    """Export reads parameters only; it never asks for data."""
-
-    def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise RuntimeError("export does not train")
 
 
 def collector(scheduler: Scheduler) -> Collector:

@@ -29,10 +29,10 @@ from typing import Any
 import grpc
 import torch
 
-from stage_server.servicer import STATUS
 from swarm import auth, wire
 from swarm.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE, decode, encode
 from swarm.errors import (
+    Aborted,
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
@@ -40,6 +40,7 @@ from swarm.errors import (
     WireError,
 )
 from swarm.proto import pool_pb2, pool_pb2_grpc, tensor_pb2
+from swarm.status import status_code
 
 __all__ = [
     "Averager",
@@ -63,7 +64,7 @@ _COMPLETED = "completed"
 _REPLY_MARGIN_S = 0.25
 
 
-class AveragingAborted(FailedPrecondition):
+class AveragingAborted(Aborted):
     """An averaging round cannot complete here: a peer is missing, unreachable or refused, or the
     round timed out or was aborted. Answered as ABORTED; retry the round under a new id.
     `missing`: the senders (group indices) a timed-out part still waited for."""
@@ -329,12 +330,7 @@ def _name(round: RoundKey) -> str:
 
 
 def _status(e: WireError) -> grpc.StatusCode:
-    if isinstance(e, AveragingAborted):
-        return grpc.StatusCode.ABORTED
-    # By ancestry: STATUS is keyed by the exact classes of swarm.errors.
-    return next(
-        (STATUS[c] for c in type(e).__mro__ if c in STATUS), grpc.StatusCode.INVALID_ARGUMENT
-    )
+    return status_code(e) or grpc.StatusCode.INVALID_ARGUMENT
 
 
 class PoolServicer(pool_pb2_grpc.PoolServiceServicer):

@@ -218,7 +218,9 @@ class StageRuntime:
         return self._accum_or_zeros()
 
     def _accum_or_zeros(self) -> list[torch.Tensor]:
-        return self._accum if self._accum is not None else [torch.zeros_like(p) for p in self.params]
+        return (
+            self._accum if self._accum is not None else [torch.zeros_like(p) for p in self.params]
+        )
 
     def set_prepared(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> None:
         """Keep the pool's summed gradient for `step` until `apply`."""

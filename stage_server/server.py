@@ -21,9 +21,9 @@ from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
 from swarm.auth import server_interceptors
 from swarm.config import JobConfig, RuntimeConfig
-from swarm.wire import grpc_options
 from swarm.metrics import StageMetrics, serve_metrics
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
+from swarm.wire import grpc_options
 
 __all__ = [
     "RunningStageServer",
@@ -99,13 +99,19 @@ async def start_grpc(
     peer = opts.peer or address
     metrics.values["peer"] = peer
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
-    servicer = StageServicer(peer=peer, metrics=metrics, executor=executor, throttle=throttle,
-                             token=opts.token)
+    servicer = StageServicer(
+        peer=peer, metrics=metrics, executor=executor, throttle=throttle, token=opts.token
+    )
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
     defaults = RuntimeConfig()
-    pool = PoolServicer(servicer.averager, route=servicer._route, chunk_bytes=defaults.chunk_bytes,
-                        max_bytes=defaults.max_tensor_bytes,
-                        timeout_s=defaults.averaging_timeout_s, peer=peer)
+    pool = PoolServicer(
+        servicer.averager,
+        route=servicer._route,
+        chunk_bytes=defaults.chunk_bytes,
+        max_bytes=defaults.max_tensor_bytes,
+        timeout_s=defaults.averaging_timeout_s,
+        peer=peer,
+    )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

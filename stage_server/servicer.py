@@ -21,29 +21,21 @@ from stage_server import averaging
 from stage_server.runtime import Receipt, StageRuntime
 from swarm import codec, wire
 from swarm.errors import (
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     WireError,
 )
 from swarm.metrics import StageMetrics
-from swarm.wire import grpc_options
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
+from swarm.status import status_code
+from swarm.wire import grpc_options
 
-__all__ = ["STATUS", "StageServicer"]
+__all__ = ["StageServicer"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
-
-STATUS: dict[type[WireError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
 
 
 class _Aborted(Exception):
@@ -119,7 +111,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         try:
             yield
         except WireError as e:
-            code = STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT)
+            code = status_code(e) or grpc.StatusCode.INVALID_ARGUMENT
             log.info("%s %s refused: %s: %s", self.peer, method, code.name, e)
             raise _Aborted(code, str(e)) from e
         except Exception as e:  # a bug, not bad input: report it, keep serving
@@ -250,15 +242,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         for msg in self._split(await self._run("ForwardBackward", context, body)):
             yield msg
 
-    async def Commit(self, request: pb.StageCommitRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def Commit(
+        self, request: pb.StageCommitRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
         async def body() -> pb.StageCommitResponse:
             self._route(request.job, request.stage)
             rt, step, already = self.runtime, request.step, False
             if request.phase in (pb.COMMIT_PHASE_BOTH, pb.COMMIT_PHASE_PREPARE):
                 if step < rt.step:
                     return pb.StageCommitResponse(step=rt.step, already_committed=True)
-                sums = await self._compute(rt.prepare, step, list(request.microbatches),
-                                           request.total_samples)
+                sums = await self._compute(
+                    rt.prepare, step, list(request.microbatches), request.total_samples
+                )
                 if len(request.group) > 1:
                     sums = await self._average(request, sums)
                 await self._compute(rt.set_prepared, step, sums, request.total_samples)
@@ -271,24 +266,36 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         return await self._run("Commit", context, body)
 
-    async def _average(self, request: pb.StageCommitRequest, sums: list[torch.Tensor]
-                       ) -> list[torch.Tensor]:
+    async def _average(
+        self, request: pb.StageCommitRequest, sums: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         """The pool's summed gradient: butterfly all-reduce with the round's group."""
         rt = self.runtime
         if not 0 <= request.group_index < len(request.group):
             raise InvalidArgument(f"group_index {request.group_index} outside the group")
         start = time.perf_counter()
         total = await averaging.all_reduce(
-            averaging.flatten(sums), group=list(request.group), index=request.group_index,
-            round=request.round, job=request.job, stage=request.stage, averager=self.averager,
-            channels=self.channels, codec=codec.codec_from_name(rt.job.compression.averaging),
-            block_size=self._block, timeout_s=rt.job.runtime.averaging_timeout_s,
-            chunk_bytes=self._chunk, max_bytes=self._max_bytes, on_bytes=self.metrics.averaged)
+            averaging.flatten(sums),
+            group=list(request.group),
+            index=request.group_index,
+            round=request.round,
+            job=request.job,
+            stage=request.stage,
+            averager=self.averager,
+            channels=self.channels,
+            codec=codec.codec_from_name(rt.job.compression.averaging),
+            block_size=self._block,
+            timeout_s=rt.job.runtime.averaging_timeout_s,
+            chunk_bytes=self._chunk,
+            max_bytes=self._max_bytes,
+            on_bytes=self.metrics.averaged,
+        )
         self.metrics.averaging_seconds(time.perf_counter() - start)
         return averaging.unflatten(total, sums)
 
-    async def Discard(self, request: pb.StageDiscardRequest, context: grpc.aio.ServicerContext
-                      ) -> Any:
+    async def Discard(
+        self, request: pb.StageDiscardRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
         async def body() -> pb.StageDiscardResponse:
             self._route(request.job, request.stage)
             dropped = await self._compute(self.runtime.discard, request.step)
@@ -310,8 +317,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             finally:
                 await source.close()
             await self._compute(rt.load_state, step, state)
-            log.info("%s: joined stage %d at step %d from %s", self.peer, rt.stage, step,
-                     request.source)
+            log.info(
+                "%s: joined stage %d at step %d from %s", self.peer, rt.stage, step, request.source
+            )
             self.metrics.committed(step, applied=False)
             return pb.StageJoinResponse(step=step)
 
@@ -342,9 +350,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # Snapshot on the worker thread, between updates, so the state is of one step.
             rt = self.runtime
             step, state = await self._compute(
-                lambda: (rt.step, rt.export_state(request.include_optimizer)))
-            return [pb.StageDownloadStateResponse(tensors=[codec.encode(v, k)], step=step)
-                    for k, v in state.items()]
+                lambda: (rt.step, rt.export_state(request.include_optimizer))
+            )
+            return [
+                pb.StageDownloadStateResponse(tensors=[codec.encode(v, k)], step=step)
+                for k, v in state.items()
+            ]
 
         for msg in await self._run("DownloadState", context, body):
             for part in self._split(msg):

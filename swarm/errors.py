@@ -4,6 +4,7 @@ them to gRPC status codes in one place (`stage_server.servicer`)."""
 from __future__ import annotations
 
 __all__ = [
+    "Aborted",
     "ConfigError",
     "FailedPrecondition",
     "InvalidArgument",
@@ -36,6 +37,10 @@ class NotFound(WireError):
 
 class FailedPrecondition(WireError):
     """Valid, but not now: a stale step, or a commit without the receipts it names."""
+
+
+class Aborted(FailedPrecondition):
+    """A coordinated round could not complete (a peer missing or gone); retry under a new one."""
 
 
 class ResourceExhausted(WireError):

@@ -71,13 +71,21 @@ class StageMetrics:
             "swarm_stage_pending_receipts", "Microbatches accumulated for the current step"
         )
         self._step = gauge("swarm_stage_step", "Steps committed on this replica")
-        self._avg_seconds = Histogram("swarm_stage_averaging_seconds",
-                                      "Time of a pool's averaging round", _LABELS,
-                                      buckets=LATENCY_BUCKETS, registry=reg)
-        self._avg_sent = counter("swarm_stage_averaging_bytes_sent_total",
-                                 "Gradient bytes sent to the pool while averaging")
-        self._avg_received = counter("swarm_stage_averaging_bytes_received_total",
-                                     "Gradient bytes received from the pool while averaging")
+        self._avg_seconds = Histogram(
+            "swarm_stage_averaging_seconds",
+            "Time of a pool's averaging round",
+            _LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self._avg_sent = counter(
+            "swarm_stage_averaging_bytes_sent_total",
+            "Gradient bytes sent to the pool while averaging",
+        )
+        self._avg_received = counter(
+            "swarm_stage_averaging_bytes_received_total",
+            "Gradient bytes received from the pool while averaging",
+        )
 
     def bind(self, job: str, stage: int) -> None:
         self.values = {**self.values, "job": job, "stage": str(stage)}

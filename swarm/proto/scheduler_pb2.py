@@ -26,39 +26,55 @@ from swarm.proto import control_pb2 as swarm_dot_proto_dot_control__pb2
 from swarm.proto import tensor_pb2 as swarm_dot_proto_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bswarm/proto/scheduler.proto\x12\x0bswarm.proto\x1a\x19swarm/proto/control.proto\x1a\x18swarm/proto/tensor.proto\"\x94\x01\n\x07Replica\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12%\n\x05state\x18\x05 \x01(\x0e\x32\x16.swarm.proto.PeerState\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\"T\n\x0bStageStatus\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12&\n\x08replicas\x18\x03 \x03(\x0b\x32\x14.swarm.proto.Replica\"\xff\x01\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.swarm.proto.JobState\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12(\n\x06stages\x18\t \x03(\x0b\x32\x18.swarm.proto.StageStatus\x12\x1a\n\x12samples_per_second\x18\n \x01(\x01\x12\x0f\n\x07\x63reated\x18\x0b \x01(\x01\x12\x0f\n\x07updated\x18\x0c \x01(\x01\";\n\x19SchedulerSubmitJobRequest\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_dir\x18\x02 \x01(\t\"A\n\x1aSchedulerSubmitJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"%\n\x16SchedulerGetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\">\n\x17SchedulerGetJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"\x1a\n\x18SchedulerListJobsRequest\"A\n\x19SchedulerListJobsResponse\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.swarm.proto.JobStatus\"(\n\x19SchedulerCancelJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"A\n\x1aSchedulerCancelJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"*\n\x1bSchedulerExportModelRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"u\n\x1cSchedulerExportModelResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\x0c\n\x04step\x18\x03 \x01(\x03\x32\xe4\x03\n\x10SchedulerService\x12\\\n\tSubmitJob\x12&.swarm.proto.SchedulerSubmitJobRequest\x1a\'.swarm.proto.SchedulerSubmitJobResponse\x12S\n\x06GetJob\x12#.swarm.proto.SchedulerGetJobRequest\x1a$.swarm.proto.SchedulerGetJobResponse\x12Y\n\x08ListJobs\x12%.swarm.proto.SchedulerListJobsRequest\x1a&.swarm.proto.SchedulerListJobsResponse\x12\\\n\tCancelJob\x12&.swarm.proto.SchedulerCancelJobRequest\x1a\'.swarm.proto.SchedulerCancelJobResponse\x12\x64\n\x0b\x45xportModel\x12(.swarm.proto.SchedulerExportModelRequest\x1a).swarm.proto.SchedulerExportModelResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bswarm/proto/scheduler.proto\x12\x0bswarm.proto\x1a\x19swarm/proto/control.proto\x1a\x18swarm/proto/tensor.proto\"\x94\x01\n\x07Replica\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12%\n\x05state\x18\x05 \x01(\x0e\x32\x16.swarm.proto.PeerState\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\"T\n\x0bStageStatus\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12&\n\x08replicas\x18\x03 \x03(\x0b\x32\x14.swarm.proto.Replica\"\x9f\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.swarm.proto.JobState\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12(\n\x06stages\x18\t \x03(\x0b\x32\x18.swarm.proto.StageStatus\x12\x1a\n\x12samples_per_second\x18\n \x01(\x01\x12\x0f\n\x07\x63reated\x18\x0b \x01(\x01\x12\x0f\n\x07updated\x18\x0c \x01(\x01\x12\x0c\n\x04spec\x18\r \x01(\t\x12\x10\n\x08\x62\x61se_dir\x18\x0e \x01(\t\";\n\x19SchedulerSubmitJobRequest\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_dir\x18\x02 \x01(\t\"A\n\x1aSchedulerSubmitJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"%\n\x16SchedulerGetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\">\n\x17SchedulerGetJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"\x1a\n\x18SchedulerListJobsRequest\"A\n\x19SchedulerListJobsResponse\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.swarm.proto.JobStatus\"(\n\x19SchedulerCancelJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"A\n\x1aSchedulerCancelJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"*\n\x1bSchedulerExportModelRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"u\n\x1cSchedulerExportModelResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\x0c\n\x04step\x18\x03 \x01(\x03\"8\n\tLeaseTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x0e\n\x06stages\x18\x03 \x03(\r\"P\n!SchedulerLeaseMicrobatchesRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07trainer\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x93\x01\n\"SchedulerLeaseMicrobatchesResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12%\n\x05tasks\x18\x02 \x03(\x0b\x32\x16.swarm.proto.LeaseTask\x12*\n\x08replicas\x18\x03 \x03(\x0b\x32\x18.swarm.proto.StageStatus\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\"\xd1\x01\n\x10MicrobatchReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\x12;\n\x07holders\x18\x03 \x03(\x0b\x32*.swarm.proto.MicrobatchReport.HoldersEntry\x12\x15\n\x08loss_sum\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x1a.\n\x0cHoldersEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0b\n\t_loss_sum\"\x84\x01\n\"SchedulerReportMicrobatchesRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07trainer\x18\x02 \x01(\t\x12.\n\x07results\x18\x03 \x03(\x0b\x32\x1d.swarm.proto.MicrobatchReport\x12\x10\n\x08released\x18\x04 \x03(\x03\"%\n#SchedulerReportMicrobatchesResponse2\xd3\x05\n\x10SchedulerService\x12\\\n\tSubmitJob\x12&.swarm.proto.SchedulerSubmitJobRequest\x1a\'.swarm.proto.SchedulerSubmitJobResponse\x12S\n\x06GetJob\x12#.swarm.proto.SchedulerGetJobRequest\x1a$.swarm.proto.SchedulerGetJobResponse\x12Y\n\x08ListJobs\x12%.swarm.proto.SchedulerListJobsRequest\x1a&.swarm.proto.SchedulerListJobsResponse\x12\\\n\tCancelJob\x12&.swarm.proto.SchedulerCancelJobRequest\x1a\'.swarm.proto.SchedulerCancelJobResponse\x12\x64\n\x0b\x45xportModel\x12(.swarm.proto.SchedulerExportModelRequest\x1a).swarm.proto.SchedulerExportModelResponse0\x01\x12t\n\x11LeaseMicrobatches\x12..swarm.proto.SchedulerLeaseMicrobatchesRequest\x1a/.swarm.proto.SchedulerLeaseMicrobatchesResponse\x12w\n\x12ReportMicrobatches\x12/.swarm.proto.SchedulerReportMicrobatchesRequest\x1a\x30.swarm.proto.SchedulerReportMicrobatchesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarm.proto.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MICROBATCHREPORT_HOLDERSENTRY']._loaded_options = None
+  _globals['_MICROBATCHREPORT_HOLDERSENTRY']._serialized_options = b'8\001'
   _globals['_REPLICA']._serialized_start=98
   _globals['_REPLICA']._serialized_end=246
   _globals['_STAGESTATUS']._serialized_start=248
   _globals['_STAGESTATUS']._serialized_end=332
   _globals['_JOBSTATUS']._serialized_start=335
-  _globals['_JOBSTATUS']._serialized_end=590
-  _globals['_SCHEDULERSUBMITJOBREQUEST']._serialized_start=592
-  _globals['_SCHEDULERSUBMITJOBREQUEST']._serialized_end=651
-  _globals['_SCHEDULERSUBMITJOBRESPONSE']._serialized_start=653
-  _globals['_SCHEDULERSUBMITJOBRESPONSE']._serialized_end=718
-  _globals['_SCHEDULERGETJOBREQUEST']._serialized_start=720
-  _globals['_SCHEDULERGETJOBREQUEST']._serialized_end=757
-  _globals['_SCHEDULERGETJOBRESPONSE']._serialized_start=759
-  _globals['_SCHEDULERGETJOBRESPONSE']._serialized_end=821
-  _globals['_SCHEDULERLISTJOBSREQUEST']._serialized_start=823
-  _globals['_SCHEDULERLISTJOBSREQUEST']._serialized_end=849
-  _globals['_SCHEDULERLISTJOBSRESPONSE']._serialized_start=851
-  _globals['_SCHEDULERLISTJOBSRESPONSE']._serialized_end=916
-  _globals['_SCHEDULERCANCELJOBREQUEST']._serialized_start=918
-  _globals['_SCHEDULERCANCELJOBREQUEST']._serialized_end=958
-  _globals['_SCHEDULERCANCELJOBRESPONSE']._serialized_start=960
-  _globals['_SCHEDULERCANCELJOBRESPONSE']._serialized_end=1025
-  _globals['_SCHEDULEREXPORTMODELREQUEST']._serialized_start=1027
-  _globals['_SCHEDULEREXPORTMODELREQUEST']._serialized_end=1069
-  _globals['_SCHEDULEREXPORTMODELRESPONSE']._serialized_start=1071
-  _globals['_SCHEDULEREXPORTMODELRESPONSE']._serialized_end=1188
-  _globals['_SCHEDULERSERVICE']._serialized_start=1191
-  _globals['_SCHEDULERSERVICE']._serialized_end=1675
+  _globals['_JOBSTATUS']._serialized_end=622
+  _globals['_SCHEDULERSUBMITJOBREQUEST']._serialized_start=624
+  _globals['_SCHEDULERSUBMITJOBREQUEST']._serialized_end=683
+  _globals['_SCHEDULERSUBMITJOBRESPONSE']._serialized_start=685
+  _globals['_SCHEDULERSUBMITJOBRESPONSE']._serialized_end=750
+  _globals['_SCHEDULERGETJOBREQUEST']._serialized_start=752
+  _globals['_SCHEDULERGETJOBREQUEST']._serialized_end=789
+  _globals['_SCHEDULERGETJOBRESPONSE']._serialized_start=791
+  _globals['_SCHEDULERGETJOBRESPONSE']._serialized_end=853
+  _globals['_SCHEDULERLISTJOBSREQUEST']._serialized_start=855
+  _globals['_SCHEDULERLISTJOBSREQUEST']._serialized_end=881
+  _globals['_SCHEDULERLISTJOBSRESPONSE']._serialized_start=883
+  _globals['_SCHEDULERLISTJOBSRESPONSE']._serialized_end=948
+  _globals['_SCHEDULERCANCELJOBREQUEST']._serialized_start=950
+  _globals['_SCHEDULERCANCELJOBREQUEST']._serialized_end=990
+  _globals['_SCHEDULERCANCELJOBRESPONSE']._serialized_start=992
+  _globals['_SCHEDULERCANCELJOBRESPONSE']._serialized_end=1057
+  _globals['_SCHEDULEREXPORTMODELREQUEST']._serialized_start=1059
+  _globals['_SCHEDULEREXPORTMODELREQUEST']._serialized_end=1101
+  _globals['_SCHEDULEREXPORTMODELRESPONSE']._serialized_start=1103
+  _globals['_SCHEDULEREXPORTMODELRESPONSE']._serialized_end=1220
+  _globals['_LEASETASK']._serialized_start=1222
+  _globals['_LEASETASK']._serialized_end=1278
+  _globals['_SCHEDULERLEASEMICROBATCHESREQUEST']._serialized_start=1280
+  _globals['_SCHEDULERLEASEMICROBATCHESREQUEST']._serialized_end=1360
+  _globals['_SCHEDULERLEASEMICROBATCHESRESPONSE']._serialized_start=1363
+  _globals['_SCHEDULERLEASEMICROBATCHESRESPONSE']._serialized_end=1510
+  _globals['_MICROBATCHREPORT']._serialized_start=1513
+  _globals['_MICROBATCHREPORT']._serialized_end=1722
+  _globals['_MICROBATCHREPORT_HOLDERSENTRY']._serialized_start=1663
+  _globals['_MICROBATCHREPORT_HOLDERSENTRY']._serialized_end=1709
+  _globals['_SCHEDULERREPORTMICROBATCHESREQUEST']._serialized_start=1725
+  _globals['_SCHEDULERREPORTMICROBATCHESREQUEST']._serialized_end=1857
+  _globals['_SCHEDULERREPORTMICROBATCHESRESPONSE']._serialized_start=1859
+  _globals['_SCHEDULERREPORTMICROBATCHESRESPONSE']._serialized_end=1896
+  _globals['_SCHEDULERSERVICE']._serialized_start=1899
+  _globals['_SCHEDULERSERVICE']._serialized_end=2622
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,7 @@ class StageStatus(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated")
+    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class JobStatus(_message.Message):
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     UPDATED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIR_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     state: _control_pb2.JobState
@@ -60,7 +62,9 @@ class JobStatus(_message.Message):
     samples_per_second: float
     created: float
     updated: float
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ...) -> None: ...
+    spec: str
+    base_dir: str
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ...) -> None: ...
 
 class SchedulerSubmitJobRequest(_message.Message):
     __slots__ = ("spec", "base_dir")
@@ -125,3 +129,72 @@ class SchedulerExportModelResponse(_message.Message):
     chunk: _tensor_pb2.Chunk
     step: int
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class LeaseTask(_message.Message):
+    __slots__ = ("step", "index", "stages")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    index: int
+    stages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SchedulerLeaseMicrobatchesRequest(_message.Message):
+    __slots__ = ("job", "trainer", "count")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    trainer: str
+    count: int
+    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class SchedulerLeaseMicrobatchesResponse(_message.Message):
+    __slots__ = ("step", "tasks", "replicas", "done")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    tasks: _containers.RepeatedCompositeFieldContainer[LeaseTask]
+    replicas: _containers.RepeatedCompositeFieldContainer[StageStatus]
+    done: bool
+    def __init__(self, step: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[LeaseTask, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class MicrobatchReport(_message.Message):
+    __slots__ = ("step", "index", "holders", "loss_sum", "samples")
+    class HoldersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    index: int
+    holders: _containers.ScalarMap[int, str]
+    loss_sum: float
+    samples: int
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class SchedulerReportMicrobatchesRequest(_message.Message):
+    __slots__ = ("job", "trainer", "results", "released")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    trainer: str
+    results: _containers.RepeatedCompositeFieldContainer[MicrobatchReport]
+    released: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., results: _Optional[_Iterable[_Union[MicrobatchReport, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SchedulerReportMicrobatchesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

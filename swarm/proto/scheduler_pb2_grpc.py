@@ -59,6 +59,16 @@ class SchedulerServiceStub:
                 request_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelResponse.FromString,
                 _registered_method=True)
+        self.LeaseMicrobatches = channel.unary_unary(
+                '/swarm.proto.SchedulerService/LeaseMicrobatches',
+                request_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerLeaseMicrobatchesRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerLeaseMicrobatchesResponse.FromString,
+                _registered_method=True)
+        self.ReportMicrobatches = channel.unary_unary(
+                '/swarm.proto.SchedulerService/ReportMicrobatches',
+                request_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerReportMicrobatchesRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerReportMicrobatchesResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -94,6 +104,18 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaseMicrobatches(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportMicrobatches(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +143,16 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.ExportModel,
                     request_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelResponse.SerializeToString,
+            ),
+            'LeaseMicrobatches': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseMicrobatches,
+                    request_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerLeaseMicrobatchesRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerLeaseMicrobatchesResponse.SerializeToString,
+            ),
+            'ReportMicrobatches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportMicrobatches,
+                    request_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerReportMicrobatchesRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerReportMicrobatchesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +290,60 @@ class SchedulerService:
             '/swarm.proto.SchedulerService/ExportModel',
             swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelRequest.SerializeToString,
             swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseMicrobatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.proto.SchedulerService/LeaseMicrobatches',
+            swarm_dot_proto_dot_scheduler__pb2.SchedulerLeaseMicrobatchesRequest.SerializeToString,
+            swarm_dot_proto_dot_scheduler__pb2.SchedulerLeaseMicrobatchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportMicrobatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.proto.SchedulerService/ReportMicrobatches',
+            swarm_dot_proto_dot_scheduler__pb2.SchedulerReportMicrobatchesRequest.SerializeToString,
+            swarm_dot_proto_dot_scheduler__pb2.SchedulerReportMicrobatchesResponse.FromString,
             options,
             channel_credentials,
             insecure,
