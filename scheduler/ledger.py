@@ -4,7 +4,8 @@ at which stage, who is computing them (leases), and which replica holds each acc
 Pure bookkeeping with an injected clock: the scheduler keeps one per job, a standalone trainer
 keeps its own. One mechanism covers every way a gradient goes missing: a replica that dies, a
 round that is aborted, or a replica that accumulated a microbatch twice over (two trainers raced
-for one lease) is *lost*, and each microbatch it held becomes needed again at that stage only (a replay).
+for one lease) is *lost*, and each microbatch it held becomes needed again at that stage only
+(a replay).
 """
 
 from __future__ import annotations
