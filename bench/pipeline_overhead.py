@@ -39,8 +39,8 @@ JOBS = {
         n_heads=8,
         seq_len=128,
         microbatch_size=8,
-        target_batch_size=64,
-        max_in_flight=8,
+        target_batch_size=128,
+        max_in_flight=16,
     ),
 }
 

@@ -205,6 +205,25 @@ class LocalCoordinator:
                     ledger.lose(peer, stage)
         if not ledger.complete or any(not replicas for replicas in members):
             return False  # trainers replay what was lost; report() commits again when complete
+        # Receipts a replica holds beyond what the ledger accepted (a straggling trainer's, or a
+        # failed microbatch's) would poison its pool's round: void that replica first.
+        infos = await asyncio.gather(
+            *(
+                self.client(stage, r).info()
+                for stage, replicas in enumerate(members)
+                for r in replicas
+            ),
+            return_exceptions=True,
+        )
+        checked = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
+        mismatched = False
+        for (stage, r), info in zip(checked, infos, strict=True):
+            expected = ledger.holdings(stage).get(r.peer, [])
+            if isinstance(info, BaseException) or list(info.receipts) != expected:
+                await self._void(stage, r.peer)
+                mismatched = True
+        if mismatched:
+            return False
         total, round_id = ledger.samples(), f"{step}/{self._commit.attempt}"
         calls, where = [], []
         for stage, replicas in enumerate(members):

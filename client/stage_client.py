@@ -11,17 +11,27 @@ import torch
 from swarm import auth, codec, wire
 from swarm.config import JobConfig
 from swarm.proto import stage_pb2 as pb
-from swarm.proto import stage_pb2_grpc
+from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.wire import grpc_options
 
-__all__ = ["BackwardResult", "StageClient"]
+__all__ = ["BackwardResult", "StageClient", "TensorLike", "as_tensor"]
+
+
+# A tensor on the trainer's side: a torch tensor to encode, or a message received from another
+# stage and passed on as it is (the trainer never decodes activations or gradients).
+TensorLike = torch.Tensor | tensor_pb2.Tensor
 
 
 @dataclass(frozen=True)
 class BackwardResult:
-    grad_inputs: torch.Tensor | None
+    grad_inputs: tensor_pb2.Tensor | None
     receipt: pb.Receipt
     loss_sum: float = 0.0
+
+
+def as_tensor(value: TensorLike) -> torch.Tensor:
+    """Decode a received tensor message (tests and tools; the trainer has no need)."""
+    return value if isinstance(value, torch.Tensor) else codec.decode(value)
 
 
 class StageClient:
@@ -46,21 +56,30 @@ class StageClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    def _tensor(self, t: torch.Tensor, name: str) -> Any:
+    def _tensor(self, t: TensorLike, name: str) -> tensor_pb2.Tensor:
+        if isinstance(t, tensor_pb2.Tensor):
+            t.name = name  # a received message is ours to relabel; its bytes go on untouched
+            return t
         return codec.encode(t, name, self._codec, self._block)
 
-    async def _call(self, method: Any, request: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    async def _call(self, method: Any, request: Any) -> tuple[Any, dict[str, tensor_pb2.Tensor]]:
         call = method(timeout=self._timeout)
         for msg in wire.split(request, self._chunk):
             await call.write(msg)
         await call.done_writing()
         received = await wire.receive(_aiter(call), max_bytes=self._max)
-        return received.header, wire.decode_named(received, device="cpu", max_bytes=self._max)
+        tensors = {}
+        for t, payload in zip(received.header.tensors, received.payloads, strict=True):
+            codec.decoded_nbytes(t)  # validate the header before passing it on
+            if len(t.data) != t.nbytes:  # it came in chunks: put the bytes back in one message
+                t.data = bytes(payload)
+            tensors[t.name] = t
+        return received.header, tensors
 
     def _id(self, step: int, index: int) -> pb.MicrobatchId:
         return pb.MicrobatchId(step=step, index=index)
 
-    async def forward(self, step: int, index: int, inputs: torch.Tensor) -> torch.Tensor:
+    async def forward(self, step: int, index: int, inputs: TensorLike) -> tensor_pb2.Tensor:
         request = pb.StageForwardRequest(
             job=self.job_id,
             stage=self.stage,
@@ -75,30 +94,35 @@ class StageClient:
         self,
         step: int,
         index: int,
-        inputs: torch.Tensor,
-        grad_outputs: torch.Tensor,
+        inputs: TensorLike | None,
+        grad_outputs: TensorLike,
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
     ) -> BackwardResult:
+        """`inputs=None`: this replica did the forward and should still cache its activations
+        (if not, the call fails with ActivationsNotCached's message and must be resent)."""
+        tensors = [self._tensor(grad_outputs, "grad_outputs")]
+        if inputs is not None:
+            tensors.insert(0, self._tensor(inputs, "inputs"))
         request = pb.StageBackwardRequest(
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=[self._tensor(inputs, "inputs"), self._tensor(grad_outputs, "grad_outputs")],
+            tensors=tensors,
             reply_codec=self._codec,
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
         )
-        header, tensors = await self._call(self.stub.Backward, request)
-        return BackwardResult(tensors.get("grad_inputs"), header.receipt)
+        header, received = await self._call(self.stub.Backward, request)
+        return BackwardResult(received.get("grad_inputs"), header.receipt)
 
     async def forward_backward(
         self,
         step: int,
         index: int,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
+        inputs: TensorLike,
+        targets: TensorLike,
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
@@ -112,8 +136,8 @@ class StageClient:
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
         )
-        header, tensors = await self._call(self.stub.ForwardBackward, request)
-        return BackwardResult(tensors.get("grad_inputs"), header.receipt, header.loss_sum)
+        header, received = await self._call(self.stub.ForwardBackward, request)
+        return BackwardResult(received.get("grad_inputs"), header.receipt, header.loss_sum)
 
     async def commit(
         self,

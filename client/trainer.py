@@ -21,12 +21,13 @@ from typing import Protocol, TypeVar
 import grpc
 
 from client.coordinator import Lease, MicrobatchResult, Replica
-from client.stage_client import StageClient
+from client.stage_client import BackwardResult, StageClient, TensorLike
 from scheduler.ledger import Task
 from scheduler.wiring import MonotonicClock, NoReplicaError, Wiring
+from swarm import codec
 from swarm.config import JobConfig
 from swarm.data import DataSource, make_data
-from swarm.errors import SwarmError
+from swarm.errors import ActivationsNotCached, SwarmError
 from swarm.metrics import TrainerMetrics
 
 __all__ = ["Coordinator", "PipelineTrainer", "TrainerError"]
@@ -154,18 +155,44 @@ class PipelineTrainer:
                 result = await call(self.clients[peer])
             except grpc.aio.AioRpcError as e:
                 pool.failed(peer, samples)
+                self.metrics.failed(stage, peer)
                 log.info("stage %d: %s failed (%s); trying another replica", stage, peer, e.code())
                 last = e
                 continue
             pool.finished(peer, samples, time.perf_counter() - start)
+            self.metrics.routed(stage, peer, pool.throughput(peer))
             return peer, result
         raise TrainerError(f"stage {stage}: {self.hop_attempts} attempts failed: {last}")
+
+    async def _backward(
+        self,
+        client: StageClient,
+        task: Task,
+        stage: int,
+        inputs: TensorLike,
+        grad: TensorLike,
+        cached_on: StageClient,
+    ) -> BackwardResult:
+        """Backward at `stage`; without re-sending the inputs when `client` did the forward
+        (its activations are cached), with them if it no longer has them."""
+        lowest = min(task.stages)
+        kwargs = {"accumulate": stage in task.stages, "need_grad_inputs": stage > lowest}
+        if client is cached_on:
+            try:
+                return await client.backward(task.step, task.index, None, grad, **kwargs)
+            except grpc.aio.AioRpcError as e:
+                if ActivationsNotCached.PREFIX not in (e.details() or ""):
+                    raise
+        return await client.backward(task.step, task.index, inputs, grad, **kwargs)
 
     async def _microbatch(self, task: Task) -> MicrobatchResult:
         step, index, stages = task.step, task.index, task.stages
         last, lowest = self.job.training.stages - 1, min(task.stages)
-        inputs, targets = self.data.microbatch(step, index)
-        boundary, forward_peer = [inputs], {}
+        ids, labels = self.data.microbatch(step, index)
+        # Encoded once; every later hop passes on the messages the stages sent back.
+        boundary: list[TensorLike] = [codec.encode(ids, "inputs")]
+        targets = codec.encode(labels, "targets")
+        forward_peer: dict[int, str] = {}
         for k in range(last):
             peer, out = await self._hop(k, lambda c, k=k: c.forward(step, index, boundary[k]))  # type: ignore[misc]
             forward_peer[k] = peer
@@ -185,15 +212,16 @@ class PipelineTrainer:
         loss = result.loss_sum if last in stages else None
         grad = result.grad_inputs
         for k in range(last - 1, lowest - 1, -1):
-            g = grad
+            assert grad is not None
+            g, forward_client = grad, self.clients[forward_peer[k]]
             peer, result = await self._hop(
                 k,
-                lambda c, k=k, g=g: c.backward(  # type: ignore[misc]
-                    step, index, boundary[k], g, accumulate=k in stages, need_grad_inputs=k > lowest
+                lambda c, k=k, g=g, f=forward_client: self._backward(  # type: ignore[misc]
+                    c, task, k, boundary[k], g, f
                 ),
                 prefer=forward_peer[k],
             )
             if k in stages:
                 holders[k] = peer
             grad = result.grad_inputs
-        return MicrobatchResult(step, index, holders, loss, int(inputs.shape[0]))
+        return MicrobatchResult(step, index, holders, loss, int(ids.shape[0]))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.config import JobConfig
-from swarm.errors import FailedPrecondition, InvalidArgument
+from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
 from swarm.model import DTYPES, build_stage, layer_costs, loss_sum, num_layers, partition
 from swarm.optim import build_optimizer
 
@@ -121,15 +121,23 @@ class StageRuntime:
         self,
         step: int,
         index: int,
-        inputs: torch.Tensor,
+        inputs: torch.Tensor | None,
         grad_outputs: torch.Tensor,
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
     ) -> tuple[torch.Tensor | None, Receipt]:
+        """Backward of microbatch `(step, index)`. `inputs` may be None when this replica did the
+        forward: then its cached activations must still be here."""
         self._check_step(step)
         cached = self._cache.pop((step, index), None)
+        if cached is None and inputs is None:
+            raise ActivationsNotCached(
+                f"{ActivationsNotCached.PREFIX} for microbatch ({step}, {index}) at stage "
+                f"{self.stage}; send its inputs"
+            )
         if cached is None:  # another replica did the forward, or the cache evicted it
+            assert inputs is not None
             x = self._leaf(self._check_inputs(inputs))
             with torch.enable_grad():
                 out = self.module(x)

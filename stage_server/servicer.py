@@ -199,7 +199,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def Backward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body() -> pb.StageBackwardResponse:
             h, tensors = await self._receive(request_iterator)
-            inputs, grad_outputs = self._need(tensors, "inputs", "grad_outputs")
+            (grad_outputs,) = self._need(tensors, "grad_outputs")
+            inputs = tensors.get("inputs")  # absent: use the activations cached by Forward
             reply = self._reply_codec(h.reply_codec)
             grad, receipt = await self._compute(
                 self.runtime.backward,
@@ -251,9 +252,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             if request.phase in (pb.COMMIT_PHASE_BOTH, pb.COMMIT_PHASE_PREPARE):
                 if step < rt.step:
                     return pb.StageCommitResponse(step=rt.step, already_committed=True)
-                sums = await self._compute(
-                    rt.prepare, step, list(request.microbatches), request.total_samples
-                )
+                try:
+                    sums = await self._compute(
+                        rt.prepare, step, list(request.microbatches), request.total_samples
+                    )
+                except WireError as e:  # tell the pool now, not when its round times out
+                    self.averager.abort((request.job, request.stage, request.round), str(e))
+                    raise
                 if len(request.group) > 1:
                     sums = await self._average(request, sums)
                 await self._compute(rt.set_prepared, step, sums, request.total_samples)

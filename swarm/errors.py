@@ -5,6 +5,7 @@ from __future__ import annotations
 
 __all__ = [
     "Aborted",
+    "ActivationsNotCached",
     "ConfigError",
     "FailedPrecondition",
     "InvalidArgument",
@@ -41,6 +42,13 @@ class FailedPrecondition(WireError):
 
 class Aborted(FailedPrecondition):
     """A coordinated round could not complete (a peer missing or gone); retry under a new one."""
+
+
+class ActivationsNotCached(FailedPrecondition):
+    """A Backward without inputs reached a replica that no longer caches the forward's
+    activations: send it again with the inputs (the replica then recomputes)."""
+
+    PREFIX = "activations not cached"
 
 
 class ResourceExhausted(WireError):

@@ -126,31 +126,25 @@ class StageMetrics:
 class TrainerMetrics:
     def __init__(self, job: str, registry: CollectorRegistry | None = None) -> None:
         reg = self.registry = registry or CollectorRegistry()
-        self.microbatches = Counter(
-            "swarm_trainer_microbatches_total",
-            "Microbatches completed",
-            labelnames=["job"],
-            registry=reg,
-        ).labels(job=job)
-        self.samples = Counter(
-            "swarm_trainer_samples_total", "Samples trained", labelnames=["job"], registry=reg
-        ).labels(job=job)
-        self.in_flight = Gauge(
-            "swarm_trainer_microbatches_in_flight",
-            "Microbatches in flight",
-            labelnames=["job"],
-            registry=reg,
-        ).labels(job=job)
-        self.step = Gauge(
-            "swarm_job_step", "Steps committed", labelnames=["job"], registry=reg
-        ).labels(job=job)
-        self.loss = Gauge(
-            "swarm_job_loss", "Loss of the last committed step", labelnames=["job"], registry=reg
-        ).labels(job=job)
-        self.step_seconds = Histogram(
-            "swarm_trainer_step_seconds",
-            "Wall time per step",
-            buckets=LATENCY_BUCKETS,
-            labelnames=["job"],
-            registry=reg,
-        ).labels(job=job)
+        self.job = job
+        one = {"labelnames": ["job"], "registry": reg}
+        per_replica = {"labelnames": list(_LABELS), "registry": reg}
+        self.microbatches = Counter("swarm_trainer_microbatches_total", "Microbatches completed",
+                                    **one).labels(job=job)  # type: ignore[arg-type]
+        self.in_flight = Gauge("swarm_trainer_microbatches_in_flight", "Microbatches in flight",
+                               **one).labels(job=job)  # type: ignore[arg-type]
+        self._routed = Counter("swarm_trainer_routed_total", "Hops routed to a replica",
+                               **per_replica)  # type: ignore[arg-type]
+        self._throughput = Gauge("swarm_trainer_replica_samples_per_second",
+                                 "The trainer's throughput estimate of a replica (EMA)",
+                                 **per_replica)  # type: ignore[arg-type]
+        self._failures = Counter("swarm_trainer_hop_failures_total",
+                                 "Hops that failed on a replica (retried on another)",
+                                 **per_replica)  # type: ignore[arg-type]
+
+    def routed(self, stage: int, peer: str, throughput: float) -> None:
+        self._routed.labels(job=self.job, stage=str(stage), peer=peer).inc()
+        self._throughput.labels(job=self.job, stage=str(stage), peer=peer).set(throughput)
+
+    def failed(self, stage: int, peer: str) -> None:
+        self._failures.labels(job=self.job, stage=str(stage), peer=peer).inc()

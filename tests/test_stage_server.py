@@ -13,10 +13,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.stage_client import StageClient
+from client.stage_client import StageClient, as_tensor
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm import codec
 from swarm.config import JobConfig
+from swarm.errors import ActivationsNotCached
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from tests.jobs import make_job
@@ -205,9 +206,9 @@ async def test_chunked_activations_pass_and_health_says_serving(
     client = StageClient(server.address, job, job.fingerprint(), 1)
     try:
         x = _hidden()
-        out = await client.forward(0, 0, x)
-        grad = await client.backward(0, 0, x, torch.ones_like(out))
-        assert grad.grad_inputs is not None and grad.grad_inputs.shape == x.shape
+        out = as_tensor(await client.forward(0, 0, x))
+        grad = await client.backward(0, 0, None, torch.ones_like(out))  # uses the cached forward
+        assert grad.grad_inputs is not None and as_tensor(grad.grad_inputs).shape == x.shape
         assert grad.receipt.samples == 4 and not grad.receipt.duplicate
         info = await client.info()
         assert (info.stage, info.num_stages, info.pending_microbatches) == (1, 3, 1)
@@ -219,5 +220,25 @@ async def test_chunked_activations_pass_and_health_says_serving(
         health = health_pb2_grpc.HealthStub(client.channel)
         status = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert status.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await client.close()
+
+
+async def test_backward_without_inputs_needs_the_cached_forward(
+    job: JobConfig, server: RunningStageServer
+) -> None:
+    client = StageClient(server.address, job, job.fingerprint(), 1)
+    try:
+        x = _hidden()
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # no forward here: nothing cached
+            await client.backward(0, 3, None, torch.ones_like(x))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert ActivationsNotCached.PREFIX in (info.value.details() or "")
+        # with the inputs, the replica recomputes; the same gradient as from the cache
+        recomputed = await client.backward(0, 3, x, torch.ones_like(x), accumulate=False)
+        await client.forward(0, 4, x)
+        cached = await client.backward(0, 4, None, torch.ones_like(x), accumulate=False)
+        assert recomputed.grad_inputs is not None and cached.grad_inputs is not None
+        assert torch.equal(as_tensor(recomputed.grad_inputs), as_tensor(cached.grad_inputs))
     finally:
         await client.close()
