@@ -107,7 +107,8 @@ async def run_remote_trainer(
                 await trainer.run()
             finally:
                 await trainer.close()
-        log.info("job %s has no more steps; trainer done", job_id)
+        print(f"{trainer.trainer_id}: trained {trainer.completed} microbatches of job {job_id}; "
+              f"the job has no more steps", flush=True)
     finally:
         await remote.close()
     return 0

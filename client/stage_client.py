@@ -27,6 +27,7 @@ class BackwardResult:
     grad_inputs: tensor_pb2.Tensor | None
     receipt: pb.Receipt
     loss_sum: float = 0.0
+    queued_seconds: float = 0.0  # how long the call waited behind others at the replica
 
 
 def as_tensor(value: TensorLike) -> torch.Tensor:
@@ -52,6 +53,7 @@ class StageClient:
             address, token=token, options=grpc_options(rt.max_message_bytes)
         )
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
+        self.last_queued_s = 0.0
 
     async def close(self) -> None:
         await self.channel.close()
@@ -80,6 +82,7 @@ class StageClient:
         return pb.MicrobatchId(step=step, index=index)
 
     async def forward(self, step: int, index: int, inputs: TensorLike) -> tensor_pb2.Tensor:
+        """The stage's outputs; the time the call waited at the replica is in `last_queued_s`."""
         request = pb.StageForwardRequest(
             job=self.job_id,
             stage=self.stage,
@@ -87,7 +90,8 @@ class StageClient:
             tensors=[self._tensor(inputs, "inputs")],
             reply_codec=self._codec,
         )
-        _, tensors = await self._call(self.stub.Forward, request)
+        header, tensors = await self._call(self.stub.Forward, request)
+        self.last_queued_s = header.queued_seconds
         return tensors["outputs"]
 
     async def backward(
@@ -115,7 +119,8 @@ class StageClient:
             need_grad_inputs=need_grad_inputs,
         )
         header, received = await self._call(self.stub.Backward, request)
-        return BackwardResult(received.get("grad_inputs"), header.receipt)
+        return BackwardResult(received.get("grad_inputs"), header.receipt,
+                              queued_seconds=header.queued_seconds)
 
     async def forward_backward(
         self,
@@ -137,7 +142,8 @@ class StageClient:
             need_grad_inputs=need_grad_inputs,
         )
         header, received = await self._call(self.stub.ForwardBackward, request)
-        return BackwardResult(received.get("grad_inputs"), header.receipt, header.loss_sum)
+        return BackwardResult(received.get("grad_inputs"), header.receipt, header.loss_sum,
+                              header.queued_seconds)
 
     async def commit(
         self,

@@ -25,12 +25,14 @@ from client.stage_client import BackwardResult, StageClient, TensorLike
 from scheduler.ledger import Task
 from scheduler.wiring import MonotonicClock, NoReplicaError, Wiring
 from swarm import codec
+from swarm.bus import BusLike
 from swarm.config import JobConfig
 from swarm.data import DataSource, make_data
 from swarm.errors import ActivationsNotCached, SwarmError
 from swarm.metrics import TrainerMetrics
+from swarm.proto import control_pb2 as cpb
 
-__all__ = ["Coordinator", "PipelineTrainer", "TrainerError"]
+__all__ = ["Coordinator", "PipelineTrainer", "TrainerError", "follow_load"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,6 +77,7 @@ class PipelineTrainer:
         )
         self.clients: dict[str, StageClient] = {}
         self._members: list[set[str]] = [set() for _ in range(job.training.stages)]
+        self.completed = 0  # microbatches this trainer computed and reported
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients.values()))
@@ -135,6 +138,7 @@ class PipelineTrainer:
             self.metrics.in_flight.dec()
         await self.coordinator.report(self.trainer_id, result)
         self.metrics.microbatches.inc()
+        self.completed += 1
 
     # -- one microbatch -------------------------------------------------------------------------
     async def _hop(
@@ -159,7 +163,12 @@ class PipelineTrainer:
                 log.info("stage %d: %s failed (%s); trying another replica", stage, peer, e.code())
                 last = e
                 continue
-            pool.finished(peer, samples, time.perf_counter() - start)
+            # Service time, network included, queue at the replica excluded: the wiring adds
+            # queued work itself, so counting the queue here would count it twice.
+            queued = getattr(result, "queued_seconds", None)
+            if queued is None:
+                queued = self.clients[peer].last_queued_s
+            pool.finished(peer, samples, max(1e-6, time.perf_counter() - start - queued))
             self.metrics.routed(stage, peer, pool.throughput(peer))
             return peer, result
         raise TrainerError(f"stage {stage}: {self.hop_attempts} attempts failed: {last}")
@@ -225,3 +234,15 @@ class PipelineTrainer:
                 holders[k] = peer
             grad = result.grad_inputs
         return MicrobatchResult(step, index, holders, loss, int(ids.shape[0]))
+
+
+async def follow_load(bus: BusLike, job_id: str, wiring: Wiring, microbatch_size: int) -> None:
+    """Merge the load reports replicas publish on MQTT into `wiring` (until cancelled)."""
+    async for _topic, message in bus.subscribe(bus.topics.load(job_id, "+")):
+        if isinstance(message, cpb.LoadReport):
+            seconds = message.ema_seconds_per_sample
+            wiring.report_load(
+                message.peer,
+                message.queue_depth * microbatch_size,
+                seconds if seconds > 0 else None,
+            )

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from client.coordinator import Lease, LocalCoordinator, MicrobatchResult, Replica
 from client.run import gather_state
-from client.trainer import PipelineTrainer
+from client.trainer import PipelineTrainer, follow_load
 from scheduler.placement import best_stage, place
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm.bus import BusLike
@@ -419,10 +419,14 @@ class Scheduler:
             await self._set(job_id, "running", "training")
             async with asyncio.TaskGroup() as group:
                 grow = group.create_task(self._grow(job_id, job, assigned))
+                load = group.create_task(
+                    follow_load(self.bus, job_id, trainer.wiring, job.training.microbatch_size)
+                )
                 if self.opts.embedded_trainer:
                     group.create_task(trainer.run())
                 await coordinator.finished.wait()
                 grow.cancel()
+                load.cancel()
             if coordinator.error:
                 raise coordinator.error
             state = await gather_state(coordinator)

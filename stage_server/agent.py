@@ -57,6 +57,7 @@ class PeerAgent:
         self.speeds: dict[int, float] = {}
         self._jobs: dict[str, JobConfig] = {}
         self._generation = -1
+        self.load_period_s = 1.0  # how often a serving peer publishes its load
 
     def announcement(self) -> cpb.PeerAnnouncement:
         msg = cpb.PeerAnnouncement(
@@ -86,12 +87,36 @@ class PeerAgent:
             tasks = [
                 tg.create_task(self._consume(subscription)),
                 tg.create_task(self._consume(assignments)),
+                tg.create_task(self._report_load()),
             ]
             await stop.wait()
             for task in tasks:
                 task.cancel()
         self.state, self.stage = cpb.PEER_STATE_OFFLINE, None
         await self.announce()
+
+    async def _report_load(self) -> None:
+        """While serving, publish queue depth and seconds/sample for the trainers' wiring."""
+        servicer = self.running.servicer
+        while True:
+            await asyncio.sleep(self.load_period_s)
+            if self.state != cpb.PEER_STATE_SERVING or self.stage is None:
+                continue
+            mb = servicer.runtime.job.training.microbatch_size
+            ema = servicer.ema_seconds
+            report = cpb.LoadReport(
+                peer=self.peer,
+                job=self.job_id,
+                stage=self.stage,
+                queue_depth=servicer.waiting,
+                in_flight=min(1, servicer.waiting),
+                ema_seconds_per_sample=ema / mb if ema else 0.0,
+                time=time.time(),
+            )
+            try:
+                await self.bus.publish(self.bus.topics.load(self.job_id, self.peer), report)
+            except Exception as e:  # a broker hiccup must not stop the reports for good
+                log.debug("%s: load report not sent: %s", self.peer, e)
 
     async def _consume(self, messages: object) -> None:
         async for topic, message in messages:  # type: ignore[attr-defined]

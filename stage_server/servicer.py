@@ -44,6 +44,9 @@ class _Aborted(Exception):
         self.code, self.message = code, message
 
 
+_LOAD_EMA = 0.2  # weight of the newest call in the reported moving average
+
+
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
     """Serves whichever stage `serve` last installed; until then every call is NOT_FOUND."""
 
@@ -62,6 +65,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._runtime: StageRuntime | None = None
         self._chunk, self._max_bytes, self._block = 4 << 20, 1 << 30, 2048
         self.token = token
+        self.waiting = 0  # compute calls queued or running: the load this peer reports
+        self.ema_seconds: float | None = None  # moving average of one compute call (seconds)
         self.averager = averaging.Averager()
         self.channels = averaging.ChannelPool(token=token, options=grpc_options(64 << 20))
 
@@ -87,13 +92,30 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def _compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run on the replica's single worker thread: torch work is serial per replica, and the
         event loop stays free to move bytes for the calls queued behind it."""
+        result, _ = await self._compute_queued(fn, *args, **kwargs)
+        return result
+
+    async def _compute_queued(
+        self, fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> tuple[T, float]:
+        """`_compute`, also returning how long the call waited for the worker: trainers subtract
+        it, so their throughput estimate of this replica is its service time, not its queue."""
         self.metrics.queue(1)
+        self.waiting += 1
+        submitted = time.perf_counter()
+        started: list[float] = []
+
+        def timed() -> T:
+            started.append(time.perf_counter())
+            return self._throttled(functools.partial(fn, *args, **kwargs))
+
         try:
             loop = asyncio.get_running_loop()
-            call = functools.partial(fn, *args, **kwargs)
-            return await loop.run_in_executor(self._executor, self._throttled, call)
+            result = await loop.run_in_executor(self._executor, timed)
+            return result, started[0] - submitted
         finally:
             self.metrics.queue(-1)
+            self.waiting -= 1
 
     def _throttled(self, call: Callable[[], T]) -> T:
         start = time.perf_counter()
@@ -102,6 +124,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         finally:
             if self.throttle > 1:  # hold the worker, as a slower device would be held
                 time.sleep((self.throttle - 1) * (time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            self.ema_seconds = (
+                seconds
+                if self.ema_seconds is None
+                else (_LOAD_EMA * seconds + (1 - _LOAD_EMA) * self.ema_seconds)
+            )
 
     @contextlib.asynccontextmanager
     async def _handling(
@@ -188,10 +216,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             h, tensors = await self._receive(request_iterator)
             (inputs,) = self._need(tensors, "inputs")
             reply = self._reply_codec(h.reply_codec)
-            out = await self._compute(
+            out, queued = await self._compute_queued(
                 self.runtime.forward, h.microbatch.step, h.microbatch.index, inputs
             )
-            return pb.StageForwardResponse(tensors=self._encode(out, "outputs", reply))
+            return pb.StageForwardResponse(
+                tensors=self._encode(out, "outputs", reply), queued_seconds=queued
+            )
 
         for msg in self._split(await self._run("Forward", context, body)):
             yield msg
@@ -202,7 +232,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             (grad_outputs,) = self._need(tensors, "grad_outputs")
             inputs = tensors.get("inputs")  # absent: use the activations cached by Forward
             reply = self._reply_codec(h.reply_codec)
-            grad, receipt = await self._compute(
+            (grad, receipt), queued = await self._compute_queued(
                 self.runtime.backward,
                 h.microbatch.step,
                 h.microbatch.index,
@@ -212,7 +242,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 need_grad_inputs=h.need_grad_inputs,
             )
             return pb.StageBackwardResponse(
-                tensors=self._encode(grad, "grad_inputs", reply), receipt=self._receipt(receipt)
+                tensors=self._encode(grad, "grad_inputs", reply),
+                receipt=self._receipt(receipt),
+                queued_seconds=queued,
             )
 
         for msg in self._split(await self._run("Backward", context, body)):
@@ -225,7 +257,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             h, tensors = await self._receive(request_iterator)
             inputs, targets = self._need(tensors, "inputs", "targets")
             reply = self._reply_codec(h.reply_codec)
-            loss, grad, receipt = await self._compute(
+            (loss, grad, receipt), queued = await self._compute_queued(
                 self.runtime.forward_backward,
                 h.microbatch.step,
                 h.microbatch.index,
@@ -238,6 +270,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 tensors=self._encode(grad, "grad_inputs", reply),
                 loss_sum=loss,
                 receipt=self._receipt(receipt),
+                queued_seconds=queued,
             )
 
         for msg in self._split(await self._run("ForwardBackward", context, body)):

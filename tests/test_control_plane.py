@@ -4,10 +4,12 @@ the embedded broker and over Mosquitto."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,3 +135,25 @@ def test_wrong_token_is_refused(tmp_path: Path) -> None:
         assert refused_lines and float(refused_lines[0].split()[-1]) >= 2
     finally:
         sw.stop()
+
+
+def test_pools_and_a_remote_trainer_equal_local(tmp_path: Path) -> None:
+    job = write_job(tmp_path, training={"steps": 8, "target_batch_size": 32})
+    sw, _ = start_local_swarm([1.0, 1.0, 2.0, 2.0, 1.0, 3.0, 1.0, 2.0], log_dir=tmp_path)
+    try:
+        job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        remote = start_process(["trainer", "--scheduler", sw.address, "--job", job_id],
+                               log_dir=tmp_path, name="remote-trainer", env=sw.env)
+        _wait_step(sw, job_id, 8)
+        assert remote.proc.wait(60) == 0, remote.log()[-2000:]
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+        # every peer became a replica: all stages covered, and pools of several replicas
+        # (placement sizes them by measured speed, so the slowest stage gets the most)
+        placed = Counter(re.findall(r"stage (\d) -> peer\d", sw.scheduler.log()))
+        assert sum(placed.values()) == 8 and set(placed) == {"0", "1", "2", "3"}, placed
+        assert max(placed.values()) >= 2, placed
+        trained = re.search(r"trained (\d+) microbatches", remote.log())
+        assert trained and int(trained.group(1)) > 0, remote.log()[-2000:]
+    finally:
+        sw.stop()
+    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from swarm.proto import tensor_pb2 as swarm_dot_proto_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17swarm/proto/stage.proto\x12\x0bswarm.proto\x1a\x18swarm/proto/tensor.proto\"+\n\x0cMicrobatchId\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\"y\n\x07Receipt\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12-\n\nmicrobatch\x18\x03 \x01(\x0b\x32\x19.swarm.proto.MicrobatchId\x12\x0f\n\x07samples\x18\x04 \x01(\x03\x12\x11\n\tduplicate\x18\x05 \x01(\x08\"\xd2\x01\n\x13StageForwardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12-\n\nmicrobatch\x18\x03 \x01(\x0b\x32\x19.swarm.proto.MicrobatchId\x12$\n\x07tensors\x18\x04 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\'\n\x0breply_codec\x18\x06 \x01(\x0e\x32\x12.swarm.proto.Codec\"_\n\x14StageForwardResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\"\x81\x02\n\x14StageBackwardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12-\n\nmicrobatch\x18\x03 \x01(\x0b\x32\x19.swarm.proto.MicrobatchId\x12$\n\x07tensors\x18\x04 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\'\n\x0breply_codec\x18\x06 \x01(\x0e\x32\x12.swarm.proto.Codec\x12\x12\n\naccumulate\x18\x07 \x01(\x08\x12\x18\n\x10need_grad_inputs\x18\x08 \x01(\x08\"\x87\x01\n\x15StageBackwardResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12%\n\x07receipt\x18\x03 \x01(\x0b\x32\x14.swarm.proto.Receipt\"\x88\x02\n\x1bStageForwardBackwardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12-\n\nmicrobatch\x18\x03 \x01(\x0b\x32\x19.swarm.proto.MicrobatchId\x12$\n\x07tensors\x18\x04 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\'\n\x0breply_codec\x18\x06 \x01(\x0e\x32\x12.swarm.proto.Codec\x12\x12\n\naccumulate\x18\x07 \x01(\x08\x12\x18\n\x10need_grad_inputs\x18\x08 \x01(\x08\"\xa0\x01\n\x1cStageForwardBackwardResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12%\n\x07receipt\x18\x03 \x01(\x0b\x32\x14.swarm.proto.Receipt\x12\x10\n\x08loss_sum\x18\x04 \x01(\x01\"\xc7\x01\n\x12StageCommitRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x14\n\x0cmicrobatches\x18\x04 \x03(\x03\x12\x15\n\rtotal_samples\x18\x05 \x01(\x03\x12\'\n\x05phase\x18\x06 \x01(\x0e\x32\x18.swarm.proto.CommitPhase\x12\r\n\x05group\x18\x07 \x03(\t\x12\x13\n\x0bgroup_index\x18\x08 \x01(\r\x12\r\n\x05round\x18\t \x01(\t\">\n\x13StageCommitResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x19\n\x11\x61lready_committed\x18\x02 \x01(\x08\"?\n\x13StageDiscardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x03\"\'\n\x14StageDiscardResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\">\n\x10StageJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0e\n\x06source\x18\x03 \x01(\t\"!\n\x11StageJoinResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x12\n\x10StageInfoRequest\"\xc7\x01\n\x11StageInfoResponse\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nnum_stages\x18\x04 \x01(\r\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x03\x12\x0e\n\x06layers\x18\x08 \x03(\r\x12\x1c\n\x14pending_microbatches\x18\t \x01(\x03\x12\x10\n\x08receipts\x18\n \x03(\x03\"R\n\x19StageDownloadStateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x19\n\x11include_optimizer\x18\x03 \x01(\x08\"s\n\x1aStageDownloadStateResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\x0c\n\x04step\x18\x03 \x01(\x03*V\n\x0b\x43ommitPhase\x12\x15\n\x11\x43OMMIT_PHASE_BOTH\x10\x00\x12\x18\n\x14\x43OMMIT_PHASE_PREPARE\x10\x01\x12\x16\n\x12\x43OMMIT_PHASE_APPLY\x10\x02\x32\xb4\x05\n\x0cStageService\x12R\n\x07\x46orward\x12 .swarm.proto.StageForwardRequest\x1a!.swarm.proto.StageForwardResponse(\x01\x30\x01\x12U\n\x08\x42\x61\x63kward\x12!.swarm.proto.StageBackwardRequest\x1a\".swarm.proto.StageBackwardResponse(\x01\x30\x01\x12j\n\x0f\x46orwardBackward\x12(.swarm.proto.StageForwardBackwardRequest\x1a).swarm.proto.StageForwardBackwardResponse(\x01\x30\x01\x12K\n\x06\x43ommit\x12\x1f.swarm.proto.StageCommitRequest\x1a .swarm.proto.StageCommitResponse\x12N\n\x07\x44iscard\x12 .swarm.proto.StageDiscardRequest\x1a!.swarm.proto.StageDiscardResponse\x12\x45\n\x04Join\x12\x1d.swarm.proto.StageJoinRequest\x1a\x1e.swarm.proto.StageJoinResponse\x12\x45\n\x04Info\x12\x1d.swarm.proto.StageInfoRequest\x1a\x1e.swarm.proto.StageInfoResponse\x12\x62\n\rDownloadState\x12&.swarm.proto.StageDownloadStateRequest\x1a\'.swarm.proto.StageDownloadStateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17swarm/proto/stage.proto\x12\x0bswarm.proto\x1a\x18swarm/proto/tensor.proto\"+\n\x0cMicrobatchId\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\"y\n\x07Receipt\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12-\n\nmicrobatch\x18\x03 \x01(\x0b\x32\x19.swarm.proto.MicrobatchId\x12\x0f\n\x07samples\x18\x04 \x01(\x03\x12\x11\n\tduplicate\x18\x05 \x01(\x08\"\xd2\x01\n\x13StageForwardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12-\n\nmicrobatch\x18\x03 \x01(\x0b\x32\x19.swarm.proto.MicrobatchId\x12$\n\x07tensors\x18\x04 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\'\n\x0breply_codec\x18\x06 \x01(\x0e\x32\x12.swarm.proto.Codec\"w\n\x14StageForwardResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\x16\n\x0equeued_seconds\x18\x03 \x01(\x01\"\x81\x02\n\x14StageBackwardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12-\n\nmicrobatch\x18\x03 \x01(\x0b\x32\x19.swarm.proto.MicrobatchId\x12$\n\x07tensors\x18\x04 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\'\n\x0breply_codec\x18\x06 \x01(\x0e\x32\x12.swarm.proto.Codec\x12\x12\n\naccumulate\x18\x07 \x01(\x08\x12\x18\n\x10need_grad_inputs\x18\x08 \x01(\x08\"\x9f\x01\n\x15StageBackwardResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12%\n\x07receipt\x18\x03 \x01(\x0b\x32\x14.swarm.proto.Receipt\x12\x16\n\x0equeued_seconds\x18\x04 \x01(\x01\"\x88\x02\n\x1bStageForwardBackwardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12-\n\nmicrobatch\x18\x03 \x01(\x0b\x32\x19.swarm.proto.MicrobatchId\x12$\n\x07tensors\x18\x04 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\'\n\x0breply_codec\x18\x06 \x01(\x0e\x32\x12.swarm.proto.Codec\x12\x12\n\naccumulate\x18\x07 \x01(\x08\x12\x18\n\x10need_grad_inputs\x18\x08 \x01(\x08\"\xb8\x01\n\x1cStageForwardBackwardResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12%\n\x07receipt\x18\x03 \x01(\x0b\x32\x14.swarm.proto.Receipt\x12\x10\n\x08loss_sum\x18\x04 \x01(\x01\x12\x16\n\x0equeued_seconds\x18\x05 \x01(\x01\"\xc7\x01\n\x12StageCommitRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x14\n\x0cmicrobatches\x18\x04 \x03(\x03\x12\x15\n\rtotal_samples\x18\x05 \x01(\x03\x12\'\n\x05phase\x18\x06 \x01(\x0e\x32\x18.swarm.proto.CommitPhase\x12\r\n\x05group\x18\x07 \x03(\t\x12\x13\n\x0bgroup_index\x18\x08 \x01(\r\x12\r\n\x05round\x18\t \x01(\t\">\n\x13StageCommitResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x19\n\x11\x61lready_committed\x18\x02 \x01(\x08\"?\n\x13StageDiscardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x03\"\'\n\x14StageDiscardResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\">\n\x10StageJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0e\n\x06source\x18\x03 \x01(\t\"!\n\x11StageJoinResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x12\n\x10StageInfoRequest\"\xc7\x01\n\x11StageInfoResponse\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nnum_stages\x18\x04 \x01(\r\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x03\x12\x0e\n\x06layers\x18\x08 \x03(\r\x12\x1c\n\x14pending_microbatches\x18\t \x01(\x03\x12\x10\n\x08receipts\x18\n \x03(\x03\"R\n\x19StageDownloadStateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x19\n\x11include_optimizer\x18\x03 \x01(\x08\"s\n\x1aStageDownloadStateResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\x0c\n\x04step\x18\x03 \x01(\x03*V\n\x0b\x43ommitPhase\x12\x15\n\x11\x43OMMIT_PHASE_BOTH\x10\x00\x12\x18\n\x14\x43OMMIT_PHASE_PREPARE\x10\x01\x12\x16\n\x12\x43OMMIT_PHASE_APPLY\x10\x02\x32\xb4\x05\n\x0cStageService\x12R\n\x07\x46orward\x12 .swarm.proto.StageForwardRequest\x1a!.swarm.proto.StageForwardResponse(\x01\x30\x01\x12U\n\x08\x42\x61\x63kward\x12!.swarm.proto.StageBackwardRequest\x1a\".swarm.proto.StageBackwardResponse(\x01\x30\x01\x12j\n\x0f\x46orwardBackward\x12(.swarm.proto.StageForwardBackwardRequest\x1a).swarm.proto.StageForwardBackwardResponse(\x01\x30\x01\x12K\n\x06\x43ommit\x12\x1f.swarm.proto.StageCommitRequest\x1a .swarm.proto.StageCommitResponse\x12N\n\x07\x44iscard\x12 .swarm.proto.StageDiscardRequest\x1a!.swarm.proto.StageDiscardResponse\x12\x45\n\x04Join\x12\x1d.swarm.proto.StageJoinRequest\x1a\x1e.swarm.proto.StageJoinResponse\x12\x45\n\x04Info\x12\x1d.swarm.proto.StageInfoRequest\x1a\x1e.swarm.proto.StageInfoResponse\x12\x62\n\rDownloadState\x12&.swarm.proto.StageDownloadStateRequest\x1a\'.swarm.proto.StageDownloadStateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarm.proto.stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMMITPHASE']._serialized_start=2266
-  _globals['_COMMITPHASE']._serialized_end=2352
+  _globals['_COMMITPHASE']._serialized_start=2338
+  _globals['_COMMITPHASE']._serialized_end=2424
   _globals['_MICROBATCHID']._serialized_start=66
   _globals['_MICROBATCHID']._serialized_end=109
   _globals['_RECEIPT']._serialized_start=111
@@ -41,35 +41,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGEFORWARDREQUEST']._serialized_start=235
   _globals['_STAGEFORWARDREQUEST']._serialized_end=445
   _globals['_STAGEFORWARDRESPONSE']._serialized_start=447
-  _globals['_STAGEFORWARDRESPONSE']._serialized_end=542
-  _globals['_STAGEBACKWARDREQUEST']._serialized_start=545
-  _globals['_STAGEBACKWARDREQUEST']._serialized_end=802
-  _globals['_STAGEBACKWARDRESPONSE']._serialized_start=805
-  _globals['_STAGEBACKWARDRESPONSE']._serialized_end=940
-  _globals['_STAGEFORWARDBACKWARDREQUEST']._serialized_start=943
-  _globals['_STAGEFORWARDBACKWARDREQUEST']._serialized_end=1207
-  _globals['_STAGEFORWARDBACKWARDRESPONSE']._serialized_start=1210
-  _globals['_STAGEFORWARDBACKWARDRESPONSE']._serialized_end=1370
-  _globals['_STAGECOMMITREQUEST']._serialized_start=1373
-  _globals['_STAGECOMMITREQUEST']._serialized_end=1572
-  _globals['_STAGECOMMITRESPONSE']._serialized_start=1574
-  _globals['_STAGECOMMITRESPONSE']._serialized_end=1636
-  _globals['_STAGEDISCARDREQUEST']._serialized_start=1638
-  _globals['_STAGEDISCARDREQUEST']._serialized_end=1701
-  _globals['_STAGEDISCARDRESPONSE']._serialized_start=1703
-  _globals['_STAGEDISCARDRESPONSE']._serialized_end=1742
-  _globals['_STAGEJOINREQUEST']._serialized_start=1744
-  _globals['_STAGEJOINREQUEST']._serialized_end=1806
-  _globals['_STAGEJOINRESPONSE']._serialized_start=1808
-  _globals['_STAGEJOINRESPONSE']._serialized_end=1841
-  _globals['_STAGEINFOREQUEST']._serialized_start=1843
-  _globals['_STAGEINFOREQUEST']._serialized_end=1861
-  _globals['_STAGEINFORESPONSE']._serialized_start=1864
-  _globals['_STAGEINFORESPONSE']._serialized_end=2063
-  _globals['_STAGEDOWNLOADSTATEREQUEST']._serialized_start=2065
-  _globals['_STAGEDOWNLOADSTATEREQUEST']._serialized_end=2147
-  _globals['_STAGEDOWNLOADSTATERESPONSE']._serialized_start=2149
-  _globals['_STAGEDOWNLOADSTATERESPONSE']._serialized_end=2264
-  _globals['_STAGESERVICE']._serialized_start=2355
-  _globals['_STAGESERVICE']._serialized_end=3047
+  _globals['_STAGEFORWARDRESPONSE']._serialized_end=566
+  _globals['_STAGEBACKWARDREQUEST']._serialized_start=569
+  _globals['_STAGEBACKWARDREQUEST']._serialized_end=826
+  _globals['_STAGEBACKWARDRESPONSE']._serialized_start=829
+  _globals['_STAGEBACKWARDRESPONSE']._serialized_end=988
+  _globals['_STAGEFORWARDBACKWARDREQUEST']._serialized_start=991
+  _globals['_STAGEFORWARDBACKWARDREQUEST']._serialized_end=1255
+  _globals['_STAGEFORWARDBACKWARDRESPONSE']._serialized_start=1258
+  _globals['_STAGEFORWARDBACKWARDRESPONSE']._serialized_end=1442
+  _globals['_STAGECOMMITREQUEST']._serialized_start=1445
+  _globals['_STAGECOMMITREQUEST']._serialized_end=1644
+  _globals['_STAGECOMMITRESPONSE']._serialized_start=1646
+  _globals['_STAGECOMMITRESPONSE']._serialized_end=1708
+  _globals['_STAGEDISCARDREQUEST']._serialized_start=1710
+  _globals['_STAGEDISCARDREQUEST']._serialized_end=1773
+  _globals['_STAGEDISCARDRESPONSE']._serialized_start=1775
+  _globals['_STAGEDISCARDRESPONSE']._serialized_end=1814
+  _globals['_STAGEJOINREQUEST']._serialized_start=1816
+  _globals['_STAGEJOINREQUEST']._serialized_end=1878
+  _globals['_STAGEJOINRESPONSE']._serialized_start=1880
+  _globals['_STAGEJOINRESPONSE']._serialized_end=1913
+  _globals['_STAGEINFOREQUEST']._serialized_start=1915
+  _globals['_STAGEINFOREQUEST']._serialized_end=1933
+  _globals['_STAGEINFORESPONSE']._serialized_start=1936
+  _globals['_STAGEINFORESPONSE']._serialized_end=2135
+  _globals['_STAGEDOWNLOADSTATEREQUEST']._serialized_start=2137
+  _globals['_STAGEDOWNLOADSTATEREQUEST']._serialized_end=2219
+  _globals['_STAGEDOWNLOADSTATERESPONSE']._serialized_start=2221
+  _globals['_STAGEDOWNLOADSTATERESPONSE']._serialized_end=2336
+  _globals['_STAGESERVICE']._serialized_start=2427
+  _globals['_STAGESERVICE']._serialized_end=3119
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,137 @@
+"""Stochastic wiring against the pool's capacity: one stage served by four replicas whose compute
+is throttled 1 : 1 : 2 : 4 (so their speeds are 1 : 1 : 1/2 : 1/4), each a separate process.
+
+    .venv/bin/python bench/wiring.py [--steps N] [--base-throttle F]
+
+The capacity is the sum of each replica's samples/s measured alone, in this run. Then the same
+pool is driven with our wiring, with uniform-random routing and with round-robin routing, and
+each one's samples/s is printed with its ratio to the capacity. The throttles are multiplied by
+`--base-throttle` so that the replicas mostly wait (as a slower device does) rather than compete
+for this machine's two cores, which would make the capacity a fiction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from client.coordinator import LocalCoordinator, Replica  # noqa: E402
+from client.trainer import PipelineTrainer  # noqa: E402
+from swarm.config import load_job  # noqa: E402
+from swarm.procs import SwarmProcess, start_process, stop_all  # noqa: E402
+from swarm.progress import StepRecord  # noqa: E402
+
+RELATIVE_THROTTLES = (1.0, 1.0, 2.0, 4.0)
+JOB = """name = "wiring-bench"
+[model]
+d_model = 64
+n_layers = 2
+n_heads = 4
+seq_len = 64
+[data]
+kind = "synthetic"
+[training]
+stages = 1
+microbatch_size = 8
+target_batch_size = {batch}
+steps = {steps}
+[optimizer]
+kind = "adamw"
+lr = 1e-3
+[runtime]
+max_in_flight = 16
+"""
+
+
+def route_randomly(trainer: PipelineTrainer, how: str) -> None:
+    """Replace the wiring's choice for the stage with a baseline router."""
+    pool, rng = trainer.wiring[0], random.Random(0)
+    if how == "random":
+        pool.choose = lambda samples: rng.choice(sorted(pool.eligible()))  # type: ignore[method-assign]
+    elif how == "round-robin":
+        order = itertools.cycle(sorted(pool.eligible()))
+        pool.choose = lambda samples: next(order)  # type: ignore[method-assign]
+
+
+async def throughput(job_path: Path, replicas: list[SwarmProcess], router: str) -> float:
+    """Samples/s over the job's steps after the first (warm-up)."""
+    job = load_job(job_path)
+    records: list[StepRecord] = []
+    members = [[Replica(r.address, r.address, 1.0) for r in replicas]]
+    coordinator = LocalCoordinator(job, job.fingerprint(), lambda: members,
+                                   on_step=records.append)
+    trainer = PipelineTrainer(job, coordinator, seed=0)
+    try:
+        await coordinator.start()
+        trainer.sync(coordinator.replicas())
+        route_randomly(trainer, router)
+        await asyncio.gather(trainer.run(), coordinator.finished.wait())
+    finally:
+        await trainer.close()
+        await coordinator.close()
+    counted = records[1:]
+    return sum(r.samples for r in counted) / sum(r.seconds for r in counted)
+
+
+async def run(steps: int, base: float, work: Path, microbatches: int) -> None:
+    servers: list[SwarmProcess] = []
+    try:
+        for i, relative in enumerate(RELATIVE_THROTTLES):
+            job_path = work / f"job{i}.toml"  # one job file per run: each run starts at step 0
+            # alone, a replica's rate is its service rate whatever the step size: small steps
+            job_path.write_text(JOB.format(batch=8 * 32, steps=3))
+            servers.append(start_process(
+                ["stage-server", "--job", str(job_path), "--stage", "0", "--port", "0",
+                 "--throttle", str(base * relative)], log_dir=work, name=f"replica{i}"))
+        for s in servers:
+            s.wait_ready(120)
+        alone = []
+        for i, server in enumerate(servers):
+            alone.append(await throughput(work / f"job{i}.toml", [server], "wiring"))
+        capacity = sum(alone)
+        print("replica throttles      " + "  ".join(f"{base * r:>6.1f}" for r in
+                                                     RELATIVE_THROTTLES))
+        print("alone (samples/s)      " + "  ".join(f"{a:>6.1f}" for a in alone))
+        print(f"capacity (sum)         {capacity:.1f} samples/s")
+        print(f"{'routing':<14} {'samples/s':>10} {'of capacity':>12}")
+        for router in ("wiring", "random", "round-robin"):
+            # The replicas advanced a step per run above; a fresh pool per router keeps runs equal.
+            stop_all(servers)
+            servers = []
+            job_path = work / f"pool-{router}.toml"
+            job_path.write_text(JOB.format(batch=8 * microbatches, steps=steps))
+            for i, relative in enumerate(RELATIVE_THROTTLES):
+                servers.append(start_process(
+                    ["stage-server", "--job", str(job_path), "--stage", "0", "--port", "0",
+                     "--throttle", str(base * relative)], log_dir=work, name=f"{router}{i}"))
+            for s in servers:
+                s.wait_ready(120)
+            value = await throughput(job_path, servers, router)
+            print(f"{router:<14} {value:>10.1f} {value / capacity:>12.3f}", flush=True)
+    finally:
+        stop_all(servers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="steps per run (first is warm-up)")
+    parser.add_argument("--microbatches", type=int, default=256,
+                        help="microbatches (of 8 samples) per step of the pool runs: large steps "
+                        "amortise each step's commit and the drain before it")
+    parser.add_argument("--base-throttle", type=float, default=8.0,
+                        help="multiplies the 1:1:2:4 throttles")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="swarm-wiring-") as tmp:
+        asyncio.run(run(args.steps, args.base_throttle, Path(tmp), args.microbatches))
+
+
+if __name__ == "__main__":
+    main()

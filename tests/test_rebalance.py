@@ -1,0 +1,242 @@
+"""Rebalancing policy: safety (never empty a stage, dwell, no flip-flop), hysteresis, the cost
+check, the choice of move against brute force, determinism, and its cost at 1,000 peers."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from scheduler.placement import bottleneck, place, stage_totals
+from scheduler.rebalance import Move, RebalanceConfig, plan_move
+from swarm.errors import ConfigError
+
+# Every check but the one under test switched off.
+EAGER = RebalanceConfig(hysteresis=1.0, min_dwell_s=0.0, move_cost_s=0.0)
+
+
+def uniform(**peers: float) -> dict[str, list[float]]:
+    """Peers as fast on every stage (two stages), by name."""
+    return {name: [speed, speed] for name, speed in peers.items()}
+
+
+def decide(
+    assignment: Mapping[str, int],
+    speeds: Mapping[str, Sequence[float]],
+    stages: int = 2,
+    config: RebalanceConfig = EAGER,
+    now: float = 0.0,
+    last_moved: Mapping[str, float] | None = None,
+) -> Move | None:
+    return plan_move(
+        assignment, speeds, stages, now=now, last_moved=last_moved or {}, config=config
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("period_s", 0.0), ("hysteresis", 0.99), ("min_dwell_s", -1.0), ("move_cost_s", -1.0),
+     ("horizon_s", 60.0), ("hysteresis", float("nan"))],
+)
+def test_config_rejects_bad_values(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=field):
+        RebalanceConfig(**{field: value})
+
+
+def test_moves_a_peer_into_the_bottleneck_and_reports_the_gain() -> None:
+    speeds = uniform(x=10.0, a=8.0, b=4.0, c=12.0)  # stage 0: 10, stage 1: 24
+    move = decide({"x": 0, "a": 1, "b": 1, "c": 1}, speeds)
+    # a -> 16 on stage 1 and 18 on stage 0; b leaves 14 on stage 0, c 12: a lifts it most.
+    assert move == Move(peer="a", src=1, dst=0, before=10.0, after=16.0)
+
+
+def test_never_empties_a_stage() -> None:
+    # Stage 1 is the most over-served but has one peer; stage 2 can give.
+    speeds = {"x": [1.0, 1.0, 1.0], "big": [9.0, 9.0, 9.0], "y": [2.0, 2.0, 2.0],
+              "z": [2.0, 2.0, 2.0]}
+    move = decide({"x": 0, "big": 1, "y": 2, "z": 2}, speeds, stages=3)
+    assert move is not None and move.peer != "big" and move.src == 2
+    assert decide({"x": 0, "big": 1}, uniform(x=1.0, big=9.0)) is None
+
+
+def test_falls_back_to_a_less_over_served_stage_when_the_most_cannot_help() -> None:
+    # Stage 1 (the most over-served) only has peers that cannot serve stage 0 at all.
+    speeds = {"x": [1.0, 1.0, 1.0], "p": [0.0, 5.0, 5.0], "q": [0.0, 5.0, 5.0],
+              "r": [2.0, 2.0, 2.0], "s": [2.0, 2.0, 2.0]}
+    move = decide({"x": 0, "p": 1, "q": 1, "r": 2, "s": 2}, speeds, stages=3)
+    assert move is not None and move.src == 2 and move.dst == 0
+
+
+@pytest.mark.parametrize("hysteresis, moves", [(1.49, True), (1.5, False), (1.6, False)])
+def test_hysteresis_holds(hysteresis: float, moves: bool) -> None:
+    speeds = uniform(x=10.0, a=5.0, b=15.0)  # moving a: 10 -> 15, a factor of exactly 1.5
+    config = RebalanceConfig(hysteresis=hysteresis, min_dwell_s=0.0, move_cost_s=0.0)
+    move = decide({"x": 0, "a": 1, "b": 1}, speeds, config=config)
+    assert (move is not None) is moves
+    if move is not None:
+        assert move.after > move.before * hysteresis
+
+
+def test_no_move_when_two_stages_share_the_bottleneck() -> None:
+    speeds = {"x": [4.0] * 3, "y": [4.0] * 3, "a": [3.0] * 3, "b": [3.0] * 3}
+    assert decide({"x": 0, "y": 1, "a": 2, "b": 2}, speeds, stages=3) is None
+
+
+def test_dwell_blocks_the_moved_peer_and_the_stage_it_joined() -> None:
+    speeds = {name: [speed] * 3 for name, speed in
+              {"x": 10.0, "a": 8.0, "b": 12.0, "c": 8.0, "d": 13.0}.items()}
+    assignment = {"x": 0, "a": 1, "b": 1, "c": 2, "d": 2}  # totals 10, 20, 21
+    config = RebalanceConfig(hysteresis=1.0, min_dwell_s=300.0, move_cost_s=0.0)
+
+    def at(now: float, last_moved: dict[str, float]) -> Move | None:
+        return decide(assignment, speeds, 3, config=config, now=now, last_moved=last_moved)
+
+    assert at(1000.0, {}) == Move("c", 2, 0, 10.0, 13.0)  # from the most over-served stage
+    # d joined stage 2 100 s ago: stage 2 gives nobody away (nor may d move): stage 1 gives.
+    assert at(1000.0, {"d": 900.0}) == Move("a", 1, 0, 10.0, 12.0)
+    assert at(1000.0, {"c": 900.0}) == Move("a", 1, 0, 10.0, 12.0)
+    assert at(1200.0, {"d": 900.0}) == Move("c", 2, 0, 10.0, 13.0)  # the dwell is over
+    assert at(1000.0, {"c": 900.0, "a": 900.0}) is None
+
+
+@pytest.mark.parametrize("cost_s, moves", [(599.0, True), (601.0, False)])
+def test_cost_check_weighs_the_download(cost_s: float, moves: bool) -> None:
+    # Moving a (rate 5 at its source) lifts the bottleneck by 5: it pays if
+    # 5 * (horizon - cost) > 5 * cost, i.e. cost < horizon / 2 = 600 s.
+    speeds = uniform(x=10.0, a=5.0, b=15.0)
+    config = RebalanceConfig(hysteresis=1.0, min_dwell_s=0.0, move_cost_s=cost_s, horizon_s=1200.0)
+    assert (decide({"x": 0, "a": 1, "b": 1}, speeds, config=config) is not None) is moves
+
+
+def test_cost_check_prefers_a_cheaper_peer_when_the_best_does_not_pay() -> None:
+    # a lifts the bottleneck most (10 -> 16) but gives up 20 at its source: 6 * 300 <= 20 * 100.
+    # b lifts it less (10 -> 14) and gives up 4: 4 * 300 > 4 * 100. c cannot serve stage 0.
+    speeds = {"x": [10.0, 10.0], "a": [6.0, 20.0], "b": [4.0, 4.0], "c": [0.0, 30.0]}
+    assignment = {"x": 0, "a": 1, "b": 1, "c": 1}
+    config = RebalanceConfig(hysteresis=1.0, min_dwell_s=0.0, move_cost_s=100.0, horizon_s=400.0)
+    assert decide(assignment, speeds, config=config) == Move("b", 1, 0, 10.0, 14.0)
+    assert decide(assignment, speeds) == Move("a", 1, 0, 10.0, 16.0)
+
+
+def test_ties_are_deterministic() -> None:
+    speeds = {"x": [1.0] * 3, "p2": [2.0] * 3, "p1": [2.0] * 3, "q1": [2.0] * 3, "q2": [2.0] * 3}
+    assignment = {"x": 0, "p2": 1, "p1": 1, "q1": 2, "q2": 2}
+    move = decide(assignment, speeds, stages=3)
+    # Stages 1 and 2 tie as most over-served: the lower index; then p1 and p2 tie: the lower id.
+    assert move is not None and (move.peer, move.src) == ("p1", 1)
+    reordered = dict(reversed(list(assignment.items())))
+    assert decide(reordered, speeds, stages=3) == move
+
+
+def random_instance(rng: random.Random, peers: int, stages: int) -> tuple[dict, dict]:
+    speeds = {f"p{i:02d}": [rng.uniform(0.5, 6.0) for _ in range(stages)] for i in range(peers)}
+    assignment = {p: rng.randrange(stages) for p in speeds}
+    return assignment, speeds
+
+
+def test_picks_the_best_single_move_from_the_first_stage_that_can_help() -> None:
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(300):
+        stages = rng.randint(2, 4)
+        assignment, speeds = random_instance(rng, rng.randint(stages, 10), stages)
+        totals = stage_totals(assignment, speeds, stages)
+        before = min(totals)
+        move = decide(assignment, speeds, stages)
+        dst = totals.index(before)
+        sources = sorted((k for k in range(stages) if k != dst), key=lambda k: (-totals[k], k))
+        expected = None
+        for src in sources:  # brute force: every peer of src, in order of over-service
+            peers = [p for p, k in assignment.items() if k == src]
+            if len(peers) < 2:
+                continue
+            afters = {p: bottleneck({**assignment, p: dst}, speeds, stages) for p in peers}
+            best = max(afters.values())
+            if best > before * (1 + 1e-9):
+                expected = (src, best)
+                break
+        if expected is None:
+            assert move is None
+            continue
+        checked += 1
+        assert move is not None and (move.src, move.dst) == (expected[0], dst)
+        assert move.after == pytest.approx(expected[1], rel=1e-12)
+        applied = bottleneck({**assignment, move.peer: dst}, speeds, stages)
+        assert applied == pytest.approx(move.after, rel=1e-12)
+    assert checked > 100
+
+
+def test_no_oscillation_under_changing_speeds() -> None:
+    """Decisions every period while every peer's speeds drift: no peer moves again within
+    min_dwell_s (so never back to the stage it left), and no stage gives a peer away within
+    min_dwell_s of receiving one."""
+    rng = random.Random(3)
+    config = RebalanceConfig(hysteresis=1.02, min_dwell_s=300.0, move_cost_s=0.0)
+    assignment, speeds = random_instance(rng, 24, 4)
+    last_moved: dict[str, float] = {}
+    received: dict[int, float] = {}
+    moves = 0
+    for step in range(600):
+        now = step * config.period_s
+        for row in speeds.values():
+            for k in range(len(row)):
+                row[k] *= rng.lognormvariate(0.0, 0.05)
+        move = plan_move(assignment, speeds, 4, now=now, last_moved=last_moved, config=config)
+        if move is None:
+            continue
+        moves += 1
+        assert now - last_moved.get(move.peer, -1e9) >= config.min_dwell_s
+        assert now - received.get(move.src, -1e9) >= config.min_dwell_s
+        assert sum(1 for k in assignment.values() if k == move.src) >= 2
+        assignment[move.peer] = move.dst
+        last_moved[move.peer] = now
+        received[move.dst] = now
+    assert moves > 10  # the drift does call for moves
+
+
+def test_stable_speeds_reach_a_fixed_point() -> None:
+    rng = random.Random(11)
+    config = RebalanceConfig(hysteresis=1.0, min_dwell_s=300.0, move_cost_s=30.0)
+    for _ in range(20):
+        assignment, speeds = random_instance(rng, 30, 5)
+        last_moved: dict[str, float] = {}
+        now, quiet, bottlenecks = 0.0, 0, []
+        while quiet < 20:  # twenty quiet periods in a row: longer than any dwell
+            move = plan_move(assignment, speeds, 5, now=now, last_moved=last_moved, config=config)
+            if move is None:
+                quiet += 1
+            else:
+                quiet = 0
+                assignment[move.peer] = move.dst
+                last_moved[move.peer] = now
+                bottlenecks.append(bottleneck(assignment, speeds, 5))
+            now += config.period_s
+            assert now < 1e6, "no fixed point"
+        assert bottlenecks == sorted(bottlenecks)  # every move lifted the bottleneck
+        later = plan_move(assignment, speeds, 5, now=now + 1e5, last_moved={}, config=config)
+        assert later is None
+
+
+def test_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        decide({"a": 2}, uniform(a=1.0))
+    with pytest.raises(ValueError, match="speeds"):
+        decide({"a": 0}, {"a": [1.0]})
+    assert decide({"a": 0}, {"a": [1.0]}, stages=1) is None
+
+
+def test_one_decision_at_1000_peers_is_cheap() -> None:
+    rng = random.Random(5)
+    stages = 8
+    speeds = {f"p{i:04d}": [rng.choice([1.0, 2.5, 6.0]) * rng.uniform(0.9, 1.1)] * stages
+              for i in range(1000)}
+    assignment = place(speeds, stages, rounds=0, budget=20_000)
+    # Hysteresis 1: every stage's candidates are examined (the most expensive decision).
+    config = RebalanceConfig(hysteresis=1.0, min_dwell_s=0.0)
+    calls = 20
+    start = time.perf_counter()
+    for _ in range(calls):
+        plan_move(assignment, speeds, stages, now=0.0, last_moved={}, config=config)
+    assert (time.perf_counter() - start) / calls < 0.010

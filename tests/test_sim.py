@@ -1,0 +1,152 @@
+"""The simulator: reproducible, fast on small runs, bounded by its optimum, plausible churn, and
+rebalancing paying off where a stage starts under-served; and `swarm simulate`'s command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from swarm.errors import ConfigError
+from swarm.sim import SimConfig, Summary, simulate
+from swarm.sim.cli import add_simulate_command
+from swarm.sim.model import hop_stage, hop_work
+
+SMALL = SimConfig(peers=30, stages=4, hours=1.0, lifetime_h=1.0, window_s=900.0, seed=1)
+SLACK = 1e-9
+
+
+def run(**changes: Any) -> Summary:
+    return simulate(dataclasses.replace(SMALL, **changes))
+
+
+def test_hops_go_forward_then_back_with_the_last_stage_fused() -> None:
+    assert [hop_stage(h, 3) for h in range(5)] == [0, 1, 2, 1, 0]
+    assert [hop_work(h, 3, 0.25) for h in range(5)] == [0.25, 0.25, 1.0, 0.75, 0.75]
+    assert hop_stage(0, 1) == 0 and hop_work(0, 1, 0.25) == 1.0
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("peers", 0), ("stages", 0), ("hours", 0.0), ("skew", 1.0), ("forward_share", 1.0),
+     ("stage_costs", (1.0, 2.0)), ("lifetime_h", -1.0), ("policy", "random")],
+)
+def test_config_rejects_bad_values(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=field):
+        SimConfig(**{field: value})
+
+
+def test_a_seed_reproduces_the_summary_and_another_does_not() -> None:
+    first, again = run(), run()
+    assert first == again  # every number, window by window (wall time aside)
+    assert first.to_dict() | {"wall_s": 0} == again.to_dict() | {"wall_s": 0}
+    assert run(seed=2) != first
+
+
+def test_small_runs_are_fast() -> None:
+    for changes in ({}, {"policy": "none"}, {"trainers": 2}, {"peers": 60, "stages": 8}):
+        start = time.perf_counter()
+        run(**changes)
+        assert time.perf_counter() - start < 5.0, changes
+
+
+def test_throughput_never_exceeds_the_optimum() -> None:
+    for summary in (run(), run(skew=0.5, policy="none"), run(lifetime_h=0.3, trainers=2)):
+        assert summary.windows
+        for w in summary.windows:
+            assert 0.0 < w.samples_per_s <= w.current * (1 + SLACK), w
+            assert w.current <= w.optimum * (1 + SLACK), w
+        assert 0.5 < summary.mean_ratio <= 1 + SLACK
+        assert summary.mean_ratio <= summary.mean_ratio_current + SLACK
+
+
+def test_without_churn_the_pipeline_runs_near_its_optimum() -> None:
+    summary = run(lifetime_h=0.0, hours=2.0)
+    assert (summary.joins, summary.departures, summary.failed_hops) == (0, 0, 0)
+    assert summary.windows[-1].peers == SMALL.peers
+    assert summary.mean_ratio > 0.95
+
+
+def test_joins_and_departures_are_plausible() -> None:
+    # 30 peers living an hour on average, 30 joins an hour, two hours: about 60 of each.
+    summary = run(hours=2.0)
+    sd = math.sqrt(60)
+    assert abs(summary.joins - 60) < 4 * sd
+    assert abs(summary.departures - 60) < 4 * sd
+    assert summary.windows[-1].peers == SMALL.peers + summary.joins - summary.departures
+    assert sum(w.joins for w in summary.windows) == summary.joins
+    assert summary.failed_hops > 0  # crashes hit replicas at work
+    assert run(join_rate_h=0.0, hours=2.0).joins == 0
+
+
+def test_rebalancing_beats_none_where_a_stage_starts_under_served() -> None:
+    scenario = {"peers": 24, "lifetime_h": 0.0, "skew": 0.6, "hours": 2.0}
+    none, swarm = run(policy="none", **scenario), run(policy="swarm", **scenario)
+    assert none.moves == 0 and swarm.moves > 0
+    assert swarm.mean_ratio > none.mean_ratio + 0.15
+    assert swarm.windows[-1].ratio > 0.95
+    assert none.windows[-1].ratio < 0.8
+
+
+def test_policy_none_never_moves_under_churn() -> None:
+    assert run(policy="none", lifetime_h=0.5).moves == 0
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    """A parser built as `swarm.cli.build_parser` builds its subcommands."""
+    root = argparse.ArgumentParser(prog="swarm")
+    sub = root.add_subparsers(dest="command", required=True)
+
+    def command(name: str, func: Callable[[argparse.Namespace], int], help: str) -> Any:
+        p = sub.add_parser(name, help=help)
+        p.set_defaults(func=func)
+        return p
+
+    add_simulate_command(command, lambda flag, default: default)
+    return root
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    args = parser().parse_args(["simulate", *argv])
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+SMALL_ARGS = ("--peers", "20", "--stages", "3", "--hours", "0.5", "--window", "0.25")
+
+
+def test_cli_prints_a_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, *SMALL_ARGS, "--seed", "3")
+    assert code == 0 and "mean throughput / optimum" in out and len(out.splitlines()) == 4
+    code, out, _ = cli(capsys, *SMALL_ARGS, "--seed", "3", "--json", "--policy", "none")
+    summary = json.loads(out)
+    assert code == 0 and summary["policy"] == "none" and len(summary["windows"]) == 2
+    for key in ("mean_ratio", "moves", "joins", "departures", "wall_s"):
+        assert key in summary
+
+
+def test_cli_rejects_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(capsys, "--peers", "0")
+    assert code == 2 and "peers" in err
+    code, _, err = cli(capsys, *SMALL_ARGS, "--hysteresis", "0.5")
+    assert code == 2 and "hysteresis" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="has matplotlib")
+def test_cli_plot_without_matplotlib_says_how_to_get_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    code, _, err = cli(capsys, *SMALL_ARGS, "--plot", str(tmp_path / "t.png"))
+    assert code == 2 and "pip install matplotlib" in err
+    assert not (tmp_path / "t.png").exists()
