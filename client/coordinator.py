@@ -18,13 +18,18 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
+import torch
+from prometheus_client import CollectorRegistry
 
 from client.stage_client import StageClient
 from scheduler.ledger import StepLedger, Task
+from swarm import checkpoint
 from swarm.config import JobConfig
 from swarm.errors import SwarmError
+from swarm.metrics import CoordinatorMetrics
 from swarm.progress import StepRecord
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import stage_pb2 as pb
@@ -41,6 +46,15 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+# Codes that mean the replica is gone (dead, partitioned, or another process now): not a refusal.
+_GONE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.NOT_FOUND,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,9 @@ class _Commit:
 
 
 class LocalCoordinator:
+    _RETRY_MAX_S = 2.0  # longest pause between commit attempts that wait on no replay
+    _CHECK_EVERY_S = 1.0  # members are checked at most this often when trainers give work back
+
     def __init__(
         self,
         job: JobConfig,
@@ -84,6 +101,9 @@ class LocalCoordinator:
         token: str | None = None,
         steps: int | None = None,
         on_step: Callable[[StepRecord], Awaitable[None] | None] | None = None,
+        metrics: CoordinatorMetrics | None = None,
+        checkpoint_dir: Path | None = None,
+        on_rollback: Callable[[int], Awaitable[None] | None] | None = None,
     ) -> None:
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
@@ -93,6 +113,11 @@ class LocalCoordinator:
         self._commit = _Commit()
         self._step_started = time.perf_counter()
         self._synced: set[str] = set()
+        self.checkpoint_dir, self.on_rollback = checkpoint_dir, on_rollback
+        self._rollback: asyncio.Task[None] | None = None
+        self._checked = 0.0
+        self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
+        self.metrics.last_commit.set(time.time())
         self.finished = asyncio.Event()
         self.error: BaseException | None = None
 
@@ -133,6 +158,9 @@ class LocalCoordinator:
         ledger, members = self.ledger, self.replicas()
         if ledger is None:
             return Lease(self.steps, [], members, done=True)
+        if any(not stage for stage in members):
+            self._maybe_roll_back()
+            return Lease(ledger.step, [], members)  # no work while a stage has no replica
         tasks = [] if self._commit.task else ledger.lease(trainer, count)
         return Lease(ledger.step, tasks, members)
 
@@ -149,14 +177,33 @@ class LocalCoordinator:
             self._commit.task = asyncio.create_task(self._commit_step(ledger))
 
     async def release(self, trainer: str, indices: Sequence[int]) -> None:
+        """A trainer gave these microbatches back (a hop failed on every replica it tried):
+        look at the members, since one may be dead or restarted empty."""
         if self.ledger:
             self.ledger.release(trainer, indices)
+            now = time.monotonic()
+            if now - self._checked >= self._CHECK_EVERY_S:
+                self._checked = now
+                await self._check_members(self.ledger.step)
+
+    async def _check_members(self, step: int) -> None:
+        """Drop members that are gone or not at `step` (restarted empty at the same address)."""
+        pairs = [(k, r) for k, stage in enumerate(self.replicas()) for r in stage]
+        infos = await asyncio.gather(
+            *(self.client(k, r).info() for k, r in pairs), return_exceptions=True
+        )
+        for (_, r), info in zip(pairs, infos, strict=True):
+            if isinstance(info, BaseException) or info.step != step:
+                self._drop(r.peer)
 
     # -- commit ---------------------------------------------------------------------------------
     async def _void(self, stage: int, peer: str) -> None:
+        """`peer`'s gradients at `stage` must not count: replay them elsewhere, and tell it to
+        drop them. A replica that cannot be reached is dropped from the members: if it comes
+        back (restarted, empty), it copies a live replica at a step boundary."""
         assert self.ledger is not None
         lost = self.ledger.lose(peer, stage)
-        replica = next((r for r in self.replicas()[stage] if r.peer == peer), None)
+        self.metrics.replays.inc(len(lost))
         log.warning(
             "step %d: voiding %s's gradients at stage %d (replaying %s)",
             self.ledger.step,
@@ -164,11 +211,23 @@ class LocalCoordinator:
             stage,
             lost,
         )
+        replica = next((r for r in self.replicas()[stage] if r.peer == peer), None)
         if replica is not None:
             try:
                 await self.client(stage, replica).discard(self.ledger.step)
             except grpc.aio.AioRpcError as e:
                 log.warning("discard on %s failed: %s", peer, e.details())
+                if e.code() in _GONE:
+                    self._drop(peer)
+
+    def _drop(self, peer: str) -> None:
+        """A replica that stopped answering: no more work or rounds until it rejoins."""
+        if peer in self._synced:
+            log.warning("replica %s is unreachable: leaving it out until it rejoins", peer)
+            self._synced.discard(peer)
+            self.metrics.dropped.inc()
+            if self.ledger is not None:
+                self.metrics.replays.inc(len(self.ledger.lose(peer)))
 
     async def _commit_step(self, ledger: StepLedger) -> bool:
         try:
@@ -181,11 +240,19 @@ class LocalCoordinator:
         self._commit.task = None
         if not ok:
             self._commit.attempt += 1
+            if ledger.complete and self.ledger is ledger:
+                # Nothing was lost (a member without gradients left, or no stage has a replica
+                # yet): no replay will report back, so try again by itself, backing off.
+                self._commit.task = asyncio.create_task(self._retry(ledger))
             return False
         seconds = time.perf_counter() - self._step_started
+        self.metrics.last_commit.set(time.time())
         record = StepRecord(ledger.step, ledger.loss(), ledger.samples(), seconds)
         attempt = self._commit.attempt
         await self._sync(ledger.step + 1)
+        every = self.job.training.checkpoint_every
+        if self.checkpoint_dir and every and (ledger.step + 1) % every == 0:
+            await self._checkpoint(ledger.step + 1)
         self._open(ledger.step + 1)
         self._commit.attempt = 0
         if attempt:
@@ -195,6 +262,10 @@ class LocalCoordinator:
             if maybe is not None:
                 await maybe
         return True
+
+    async def _retry(self, ledger: StepLedger) -> bool:
+        await asyncio.sleep(min(self._RETRY_MAX_S, 0.05 * 2**self._commit.attempt))
+        return await self._commit_step(ledger)
 
     async def _try_commit(self, ledger: StepLedger) -> bool:
         members, step = self.replicas(), ledger.step
@@ -218,8 +289,14 @@ class LocalCoordinator:
         checked = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
         mismatched = False
         for (stage, r), info in zip(checked, infos, strict=True):
-            expected = ledger.holdings(stage).get(r.peer, [])
-            if isinstance(info, BaseException) or list(info.receipts) != expected:
+            if (isinstance(info, grpc.aio.AioRpcError) and info.code() in _GONE) or (
+                not isinstance(info, BaseException) and info.step != step
+            ):  # gone, or restarted empty at the same address: it rejoins at a boundary
+                self._drop(r.peer)
+                mismatched = True
+            elif isinstance(info, BaseException) or list(info.receipts) != ledger.holdings(
+                stage
+            ).get(r.peer, []):
                 await self._void(stage, r.peer)
                 mismatched = True
         if mismatched:
@@ -249,7 +326,9 @@ class LocalCoordinator:
             if isinstance(e, BaseException)
         ]
         if failed:
+            self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
             for stage, replica, error in failed:
+                code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
                 detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else error
                 log.warning(
                     "step %d: round %s at stage %d failed on %s: %s",
@@ -259,7 +338,11 @@ class LocalCoordinator:
                     replica.peer,
                     detail,
                 )
-                await self._void(stage, replica.peer)
+                if code in _GONE:
+                    self._drop(replica.peer)  # dead: its gradients are replayed
+                elif code != grpc.StatusCode.ABORTED:
+                    await self._void(stage, replica.peer)  # it holds what it must not
+                # ABORTED: another member failed; this one's gradients are intact
             return False
         applied = await asyncio.gather(
             *(
@@ -274,6 +357,75 @@ class LocalCoordinator:
                     "step %d: apply on %s (stage %d) failed: %s", step, replica.peer, stage, result
                 )
         return True
+
+    # -- checkpoints and rollback ---------------------------------------------------------------
+    async def _checkpoint(self, step: int) -> None:
+        """Save every stage's state at `step` (from one member each), then seal it."""
+        assert self.checkpoint_dir is not None
+        for stage, replicas in enumerate(self.replicas()):
+            for r in replicas:  # the first member that answers
+                try:
+                    got, state = await self.client(stage, r).download_state(True, prefix="")
+                except grpc.aio.AioRpcError as e:
+                    log.warning("checkpoint %d: %s did not answer: %s", step, r.peer, e.code())
+                    continue
+                if got == step:
+                    await asyncio.to_thread(
+                        checkpoint.save_stage, self.checkpoint_dir, step, stage, state
+                    )
+                    break
+            else:
+                log.warning("checkpoint %d skipped: no replica of stage %d answered", step, stage)
+                return
+        await asyncio.to_thread(
+            checkpoint.seal, self.checkpoint_dir, step, self.job.training.stages
+        )
+        log.info("checkpoint of step %d written to %s", step, self.checkpoint_dir)
+
+    def _maybe_roll_back(self) -> None:
+        """A stage has lost every replica. Once a replica of it is back, roll every stage back to
+        the last complete checkpoint (no work can be exact without that stage's state)."""
+        members = self.members()
+        if self._rollback is None and all(members):
+            self._rollback = asyncio.create_task(self._roll_back())
+
+    async def _roll_back(self) -> None:
+        try:
+            step = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir else None
+            step = step or 0
+            if self._commit.task:
+                self._commit.task.cancel()
+                self._commit.task = None
+            loaded: set[str] = set()
+            for stage, replicas in enumerate(self.members()):
+                state = await asyncio.to_thread(self._stage_state, step, stage)
+                for r in replicas:
+                    try:
+                        await self.client(stage, r).load_state(step, state)
+                        loaded.add(r.peer)
+                    except grpc.aio.AioRpcError as e:
+                        log.warning(
+                            "rollback: %s could not load step %d: %s", r.peer, step, e.details()
+                        )
+            self._synced = loaded
+            if any(not stage for stage in self.replicas()):
+                return  # not every stage could load it: the next lease tries again
+            self.metrics.rollbacks.inc()
+            log.warning("rolled every stage back to step %d", step)
+            self._open(step)
+            if self.on_rollback:
+                maybe = self.on_rollback(step)
+                if maybe is not None:
+                    await maybe
+        finally:
+            self._rollback = None
+
+    def _stage_state(self, step: int, stage: int) -> dict[str, torch.Tensor]:
+        if step and self.checkpoint_dir:
+            return checkpoint.load_stage(self.checkpoint_dir, step, stage)
+        from stage_server.runtime import StageRuntime  # step 0: the seeded initial state
+
+        return StageRuntime(self.job, stage, "cpu").export_state()
 
     # -- membership ---------------------------------------------------------------------------
     def replicas(self) -> list[list[Replica]]:

@@ -107,8 +107,11 @@ async def run_remote_trainer(
                 await trainer.run()
             finally:
                 await trainer.close()
-        print(f"{trainer.trainer_id}: trained {trainer.completed} microbatches of job {job_id}; "
-              f"the job has no more steps", flush=True)
+        print(
+            f"{trainer.trainer_id}: trained {trainer.completed} microbatches of job {job_id}; "
+            f"the job has no more steps",
+            flush=True,
+        )
     finally:
         await remote.close()
     return 0

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from client.coordinator import LocalCoordinator, Replica
 from client.trainer import PipelineTrainer
 from swarm.config import JobConfig
-from swarm.metrics import TrainerMetrics, serve_metrics
-from swarm.progress import StepLog
+from swarm.metrics import CoordinatorMetrics, TrainerMetrics, serve_metrics
+from swarm.progress import StepLog, StepRecord
 
-__all__ = ["gather_state", "parse_stage_servers", "run_trainer"]
+__all__ = ["gather_state", "parse_stage_servers", "run_trainer", "train_standalone"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,46 @@ async def gather_state(coordinator: LocalCoordinator) -> dict[str, torch.Tensor]
     return state
 
 
+async def train_standalone(
+    job: JobConfig,
+    replicas: list[list[Replica]] | Callable[[], list[list[Replica]]],
+    *,
+    registry: CollectorRegistry | None = None,
+    on_step: Callable[[StepRecord], object] | None = None,
+    token: str | None = None,
+    trainers: int = 1,
+    checkpoint_dir: Path | None = None,
+) -> dict[str, torch.Tensor]:
+    """Coordinate and train `job` on the given stage servers in this process; returns the
+    trained model. `registry` receives the trainer's and coordinator's metrics."""
+    registry = registry or CollectorRegistry()
+    members = replicas if callable(replicas) else (lambda: replicas)  # type: ignore[misc]
+    coordinator = LocalCoordinator(
+        job,
+        job.fingerprint(),
+        members,
+        token=token,
+        on_step=on_step,  # type: ignore[arg-type]
+        metrics=CoordinatorMetrics(job.fingerprint(), registry),
+        checkpoint_dir=checkpoint_dir,
+    )
+    metrics = TrainerMetrics(job.fingerprint(), registry)
+    runs = [
+        PipelineTrainer(job, coordinator, metrics=metrics, token=token, seed=i)
+        for i in range(trainers)
+    ]
+    try:
+        await coordinator.start()
+        await asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait())
+        if coordinator.error:
+            raise coordinator.error
+        return await gather_state(coordinator)
+    finally:
+        for t in runs:
+            await t.close()
+        await coordinator.close()
+
+
 async def run_trainer(
     job: JobConfig,
     replicas: list[list[Replica]],
@@ -48,31 +90,28 @@ async def run_trainer(
     metrics_port: int | None = None,
     show_progress: bool = True,
     token: str | None = None,
+    checkpoint_dir: Path | None = None,
 ) -> int:
     if len(replicas) != job.training.stages:
         raise SystemExit(
             f"the job has {job.training.stages} stages; --stage-servers names {len(replicas)}"
         )
     torch.set_num_threads(max(1, threads))
-    metrics = TrainerMetrics(job.fingerprint())
+    registry = CollectorRegistry()
     if metrics_port is not None:
-        serve_metrics(metrics.registry, "127.0.0.1", metrics_port)
-    steps = StepLog(job.training.steps, path=log_path, desc=f"swarm {job.name}", show=show_progress)
-    coordinator = LocalCoordinator(
-        job, job.fingerprint(), lambda: replicas, token=token, on_step=steps
-    )
-    trainer = PipelineTrainer(job, coordinator, metrics=metrics, token=token)
-    try:
-        with steps:
-            first = await coordinator.start()
-            steps.advance_to(first)
-            await asyncio.gather(trainer.run(), coordinator.finished.wait())
-        if coordinator.error:
-            raise coordinator.error
-        if out:
-            torch.save(await gather_state(coordinator), out)
-            print(f"wrote {out}")
-    finally:
-        await trainer.close()
-        await coordinator.close()
+        serve_metrics(registry, "127.0.0.1", metrics_port)
+    with StepLog(
+        job.training.steps, path=log_path, desc=f"swarm {job.name}", show=show_progress
+    ) as steps:
+        state = await train_standalone(
+            job,
+            replicas,
+            registry=registry,
+            on_step=steps,
+            token=token,
+            checkpoint_dir=checkpoint_dir,
+        )
+    if out:
+        torch.save(state, out)
+        print(f"wrote {out}")
     return 0

@@ -119,8 +119,9 @@ class StageClient:
             need_grad_inputs=need_grad_inputs,
         )
         header, received = await self._call(self.stub.Backward, request)
-        return BackwardResult(received.get("grad_inputs"), header.receipt,
-                              queued_seconds=header.queued_seconds)
+        return BackwardResult(
+            received.get("grad_inputs"), header.receipt, queued_seconds=header.queued_seconds
+        )
 
     async def forward_backward(
         self,
@@ -142,8 +143,9 @@ class StageClient:
             need_grad_inputs=need_grad_inputs,
         )
         header, received = await self._call(self.stub.ForwardBackward, request)
-        return BackwardResult(received.get("grad_inputs"), header.receipt, header.loss_sum,
-                              header.queued_seconds)
+        return BackwardResult(
+            received.get("grad_inputs"), header.receipt, header.loss_sum, header.queued_seconds
+        )
 
     async def commit(
         self,
@@ -176,6 +178,19 @@ class StageClient:
         response: pb.StageJoinResponse = await self.stub.Join(
             request, timeout=self.job.runtime.commit_timeout_s
         )
+        return response.step
+
+    async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
+        """Make this replica the one `state` describes (names as `export_state` gives them)."""
+        call = self.stub.LoadState(timeout=self.job.runtime.commit_timeout_s)
+        for name, tensor in state.items():
+            message = pb.StageLoadStateRequest(
+                job=self.job_id, stage=self.stage, step=step, tensors=[codec.encode(tensor, name)]
+            )
+            for part in wire.split(message, self._chunk):
+                await call.write(part)
+        await call.done_writing()
+        response: pb.StageLoadStateResponse = await call
         return response.step
 
     async def info(self) -> pb.StageInfoResponse:

@@ -21,10 +21,12 @@ from stage_server import averaging
 from stage_server.runtime import Receipt, StageRuntime
 from swarm import codec, wire
 from swarm.errors import (
+    Aborted,
     InvalidArgument,
     NotFound,
     WireError,
 )
+from swarm.faults import Point, maybe_die
 from swarm.metrics import StageMetrics
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
@@ -216,6 +218,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             h, tensors = await self._receive(request_iterator)
             (inputs,) = self._need(tensors, "inputs")
             reply = self._reply_codec(h.reply_codec)
+            maybe_die(Point.FORWARD, h.microbatch.step)
             out, queued = await self._compute_queued(
                 self.runtime.forward, h.microbatch.step, h.microbatch.index, inputs
             )
@@ -241,6 +244,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 accumulate=h.accumulate,
                 need_grad_inputs=h.need_grad_inputs,
             )
+            maybe_die(Point.BACKWARD, h.microbatch.step)  # accumulated, not yet answered
             return pb.StageBackwardResponse(
                 tensors=self._encode(grad, "grad_inputs", reply),
                 receipt=self._receipt(receipt),
@@ -257,6 +261,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             h, tensors = await self._receive(request_iterator)
             inputs, targets = self._need(tensors, "inputs", "targets")
             reply = self._reply_codec(h.reply_codec)
+            maybe_die(Point.FORWARD, h.microbatch.step)
             (loss, grad, receipt), queued = await self._compute_queued(
                 self.runtime.forward_backward,
                 h.microbatch.step,
@@ -266,6 +271,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 accumulate=h.accumulate,
                 need_grad_inputs=h.need_grad_inputs,
             )
+            maybe_die(Point.BACKWARD, h.microbatch.step)
             return pb.StageForwardBackwardResponse(
                 tensors=self._encode(grad, "grad_inputs", reply),
                 loss_sum=loss,
@@ -312,6 +318,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if not 0 <= request.group_index < len(request.group):
             raise InvalidArgument(f"group_index {request.group_index} outside the group")
         start = time.perf_counter()
+        maybe_die(Point.AVERAGING, request.step)
         total = await averaging.all_reduce(
             averaging.flatten(sums),
             group=list(request.group),
@@ -352,6 +359,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             source = StageClient(request.source, rt.job, self.job_id, rt.stage, self.token)
             try:
                 step, state = await source.download_state(include_optimizer=True, prefix="")
+            except grpc.aio.AioRpcError as e:  # the source died or refused: try another later
+                raise Aborted(f"copying {request.source} failed: {e.code().name}: "
+                              f"{e.details()}") from None
             finally:
                 await source.close()
             await self._compute(rt.load_state, step, state)
@@ -362,6 +372,28 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return pb.StageJoinResponse(step=step)
 
         return await self._run("Join", context, body)
+
+    async def LoadState(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def body() -> pb.StageLoadStateResponse:
+            stream, state, step = request_iterator.__aiter__(), {}, -1
+            while True:
+                try:
+                    received = await wire.receive(stream, max_bytes=self._max_bytes)
+                except wire.EndOfStream:
+                    break
+                self._route(received.header.job, received.header.stage)
+                step = received.header.step
+                for name, tensor in wire.decode_named(received, max_bytes=self._max_bytes).items():
+                    state[name] = tensor.clone()  # the wire buffer is read-only
+            if step < 0:
+                raise InvalidArgument("LoadState carried no state")
+            await self._compute(self.runtime.load_state, step, state)
+            log.warning("%s: loaded stage %d's state of step %d (a rollback)", self.peer,
+                        self.runtime.stage, step)
+            self.metrics.committed(step, applied=False)
+            return pb.StageLoadStateResponse(step=step)
+
+        return await self._run("LoadState", context, body)
 
     async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> Any:
         rt = self._runtime
@@ -390,6 +422,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             step, state = await self._compute(
                 lambda: (rt.step, rt.export_state(request.include_optimizer))
             )
+            maybe_die(Point.STATE_DOWNLOAD, step)
             return [
                 pb.StageDownloadStateResponse(tensors=[codec.encode(v, k)], step=step)
                 for k, v in state.items()

@@ -14,6 +14,7 @@ from typing import Any
 
 from client.commands import add_client_commands
 from swarm.errors import SwarmError
+from swarm.sim.cli import add_simulate_command
 
 __all__ = ["build_parser", "main"]
 
@@ -130,18 +131,32 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     if args.scheduler:
         from client.remote import run_remote_trainer
 
-        return asyncio.run(run_remote_trainer(args.scheduler, args.job, token=_token(args),
-                                              threads=args.threads,
-                                              metrics_port=args.metrics_port))
+        return asyncio.run(
+            run_remote_trainer(
+                args.scheduler,
+                args.job,
+                token=_token(args),
+                threads=args.threads,
+                metrics_port=args.metrics_port,
+            )
+        )
     from client.run import parse_stage_servers, run_trainer
     from swarm.config import load_job
 
     if not args.stage_servers:
         raise SwarmError("give --scheduler ADDR --job JOB_ID, or --job FILE --stage-servers ...")
     job = load_job(args.job)
-    return asyncio.run(run_trainer(
-        job, parse_stage_servers(args.stage_servers), out=args.out, log_path=args.log,
-        threads=args.threads, metrics_port=args.metrics_port, token=_token(args)))
+    return asyncio.run(
+        run_trainer(
+            job,
+            parse_stage_servers(args.stage_servers),
+            out=args.out,
+            log_path=args.log,
+            threads=args.threads,
+            metrics_port=args.metrics_port,
+            token=_token(args),
+        )
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -212,18 +227,32 @@ def build_parser() -> argparse.ArgumentParser:
     _secret(p)
 
     add_client_commands(command, _env)
+    add_simulate_command(command, _env)
 
-    p = command("trainer", cmd_trainer,
-                "train a job: lease its microbatches from a scheduler (--scheduler, --job ID), "
-                "or drive given stage servers yourself (--job FILE, --stage-servers)")
+    p = command(
+        "trainer",
+        cmd_trainer,
+        "train a job: lease its microbatches from a scheduler (--scheduler, --job ID), "
+        "or drive given stage servers yourself (--job FILE, --stage-servers)",
+    )
     p.add_argument("--job", required=True, help="job id (with --scheduler) or job file (TOML)")
     _add(p, "scheduler", None, "the scheduler's job API, HOST:PORT")
-    _add(p, "stage-servers", None,
-         "HOST:PORT of each stage in stage order, comma-separated; a stage's replicas "
-         "separated by | (a,b|c,d: two replicas of stage 1)")
+    _add(
+        p,
+        "stage-servers",
+        None,
+        "HOST:PORT of each stage in stage order, comma-separated; a stage's replicas "
+        "separated by | (a,b|c,d: two replicas of stage 1)",
+    )
     _secret(p)
     p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
     p.add_argument("--log", type=Path, help="write one JSON line per step here")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="with --stage-servers: write checkpoints here every "
+        "training.checkpoint_every steps, and roll back to them",
+    )
     _add(p, "threads", 1, "torch threads", type=int)
     _add(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
 

@@ -318,9 +318,7 @@ _CLASSES = (ModelConfig, DataConfig, TrainingConfig, OptimizerConfig, Compressio
 SECTIONS: dict[str, type[_Section]] = {c.section: c for c in (*_CLASSES, RuntimeConfig)}
 
 
-def _parse(
-    text: str, base_dir: Path, name: str, source: str, check_data: bool = True
-) -> JobConfig:
+def _parse(text: str, base_dir: Path, name: str, source: str, check_data: bool = True) -> JobConfig:
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -11,7 +11,13 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-__all__ = ["LATENCY_BUCKETS", "StageMetrics", "TrainerMetrics", "serve_metrics"]
+__all__ = [
+    "LATENCY_BUCKETS",
+    "CoordinatorMetrics",
+    "StageMetrics",
+    "TrainerMetrics",
+    "serve_metrics",
+]
 
 log = logging.getLogger(__name__)
 
@@ -126,21 +132,28 @@ class StageMetrics:
 class TrainerMetrics:
     def __init__(self, job: str, registry: CollectorRegistry | None = None) -> None:
         reg = self.registry = registry or CollectorRegistry()
-        self.job = job
-        one = {"labelnames": ["job"], "registry": reg}
-        per_replica = {"labelnames": list(_LABELS), "registry": reg}
-        self.microbatches = Counter("swarm_trainer_microbatches_total", "Microbatches completed",
-                                    **one).labels(job=job)  # type: ignore[arg-type]
-        self.in_flight = Gauge("swarm_trainer_microbatches_in_flight", "Microbatches in flight",
-                               **one).labels(job=job)  # type: ignore[arg-type]
-        self._routed = Counter("swarm_trainer_routed_total", "Hops routed to a replica",
-                               **per_replica)  # type: ignore[arg-type]
-        self._throughput = Gauge("swarm_trainer_replica_samples_per_second",
-                                 "The trainer's throughput estimate of a replica (EMA)",
-                                 **per_replica)  # type: ignore[arg-type]
-        self._failures = Counter("swarm_trainer_hop_failures_total",
-                                 "Hops that failed on a replica (retried on another)",
-                                 **per_replica)  # type: ignore[arg-type]
+        self.job, labels = job, list(_LABELS)
+        self.microbatches = Counter(
+            "swarm_trainer_microbatches_total", "Microbatches completed", ["job"], registry=reg
+        ).labels(job=job)
+        self.in_flight = Gauge(
+            "swarm_trainer_microbatches_in_flight", "Microbatches in flight", ["job"], registry=reg
+        ).labels(job=job)
+        self._routed = Counter(
+            "swarm_trainer_routed_total", "Hops routed to a replica", labels, registry=reg
+        )
+        self._throughput = Gauge(
+            "swarm_trainer_replica_samples_per_second",
+            "The trainer's throughput estimate of a replica (EMA)",
+            labels,
+            registry=reg,
+        )
+        self._failures = Counter(
+            "swarm_trainer_hop_failures_total",
+            "Hops that failed on a replica (retried on another)",
+            labels,
+            registry=reg,
+        )
 
     def routed(self, stage: int, peer: str, throughput: float) -> None:
         self._routed.labels(job=self.job, stage=str(stage), peer=peer).inc()
@@ -148,3 +161,33 @@ class TrainerMetrics:
 
     def failed(self, stage: int, peer: str) -> None:
         self._failures.labels(job=self.job, stage=str(stage), peer=peer).inc()
+
+
+class CoordinatorMetrics:
+    """What the step coordinator saw go wrong, and how long since it last committed."""
+
+    def __init__(self, job: str, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["job"], registry=registry).labels(job=job)
+
+        self.replays = counter(
+            "swarm_coordinator_replays_total",
+            "Microbatch gradients lost at a stage and replayed there",
+        )
+        self.aborted_rounds = counter(
+            "swarm_coordinator_aborted_rounds_total",
+            "Averaging rounds of a stage that failed and repeated",
+        )
+        self.dropped = counter(
+            "swarm_coordinator_dropped_replicas_total",
+            "Replicas left out after they stopped answering",
+        )
+        self.rollbacks = counter(
+            "swarm_coordinator_rollbacks_total", "Rollbacks of the whole job to its last checkpoint"
+        )
+        self.last_commit = Gauge(
+            "swarm_coordinator_last_commit_timestamp_seconds",
+            "Unix time of the last committed step (now - this = time since)",
+            ["job"],
+            registry=registry,
+        ).labels(job=job)

@@ -168,21 +168,43 @@ class LocalSwarm:
     def broker(self) -> str:
         return self.scheduler.ready["broker"]
 
-    def add_peer(self, throttle: float = 1.0, threads: int = 1, timeout: float = 120.0,
-                 extra: list[str] | None = None) -> SwarmProcess:
+    def add_peer(
+        self,
+        throttle: float = 1.0,
+        threads: int = 1,
+        timeout: float = 120.0,
+        extra: list[str] | None = None,
+    ) -> SwarmProcess:
         n = len(self.peers)
         peer = start_process(
-            ["stage-server", "--broker", self.broker, "--port", "0", "--metrics-port", "0",
-             "--throttle", str(throttle), "--threads", str(threads), "--peer", f"peer{n}",
-             *(extra or [])],
-            log_dir=self.log_dir, name=f"peer{n}", env=self.env)
+            [
+                "stage-server",
+                "--broker",
+                self.broker,
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--throttle",
+                str(throttle),
+                "--threads",
+                str(threads),
+                "--peer",
+                f"peer{n}",
+                *(extra or []),
+            ],
+            log_dir=self.log_dir,
+            name=f"peer{n}",
+            env=self.env,
+        )
         self.peers.append(peer)
         peer.wait_ready(timeout)
         return peer
 
     def restart_scheduler(self, args: list[str], timeout: float = 60.0) -> SwarmProcess:
-        self.scheduler = start_process(args, log_dir=self.log_dir, name="scheduler-restarted",
-                                       env=self.env)
+        self.scheduler = start_process(
+            args, log_dir=self.log_dir, name="scheduler-restarted", env=self.env
+        )
         self.scheduler.wait_ready(timeout)
         return self.scheduler
 
@@ -192,16 +214,33 @@ class LocalSwarm:
 
 
 def start_local_swarm(
-    throttles: list[float], *, log_dir: Path, broker: str | None = None,
-    extra_scheduler: list[str] | None = None, env: dict[str, str] | None = None,
-    threads: int = 1, timeout: float = 120.0,
+    throttles: list[float],
+    *,
+    log_dir: Path,
+    broker: str | None = None,
+    extra_scheduler: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    threads: int = 1,
+    timeout: float = 120.0,
 ) -> tuple[LocalSwarm, list[str]]:
     """Start a scheduler (with an embedded broker unless `broker` is given) and one stage server
     per throttle. Returns the swarm and the scheduler's command line (to restart it)."""
     env = {"SWARM_CACHE_DIR": str(log_dir / "cache"), **(env or {})}
-    args = ["--log-level", "INFO", "scheduler", "--port", "0", "--metrics-port", "0",
-            "--store", str(log_dir / "jobs.sqlite"), "--checkpoint-dir", str(log_dir / "ckpt"),
-            *(["--broker", broker] if broker else []), *(extra_scheduler or [])]
+    args = [
+        "--log-level",
+        "INFO",
+        "scheduler",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--store",
+        str(log_dir / "jobs.sqlite"),
+        "--checkpoint-dir",
+        str(log_dir / "ckpt"),
+        *(["--broker", broker] if broker else []),
+        *(extra_scheduler or []),
+    ]
     scheduler = start_process(args, log_dir=log_dir, name="scheduler", env=env)
     swarm = LocalSwarm(scheduler, [], log_dir, env)
     try:

@@ -193,6 +193,26 @@ class StageJoinResponse(_message.Message):
     step: int
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
+class StageLoadStateRequest(_message.Message):
+    __slots__ = ("job", "stage", "step", "tensors", "chunk")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    stage: int
+    step: int
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    chunk: _tensor_pb2.Chunk
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class StageLoadStateResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
 class StageInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

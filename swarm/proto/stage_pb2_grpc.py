@@ -64,6 +64,11 @@ class StageServiceStub:
                 request_serializer=swarm_dot_proto_dot_stage__pb2.StageJoinRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_stage__pb2.StageJoinResponse.FromString,
                 _registered_method=True)
+        self.LoadState = channel.stream_unary(
+                '/swarm.proto.StageService/LoadState',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.StageLoadStateRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.StageLoadStateResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/swarm.proto.StageService/Info',
                 request_serializer=swarm_dot_proto_dot_stage__pb2.StageInfoRequest.SerializeToString,
@@ -115,6 +120,12 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadState(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -159,6 +170,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Join,
                     request_deserializer=swarm_dot_proto_dot_stage__pb2.StageJoinRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_stage__pb2.StageJoinResponse.SerializeToString,
+            ),
+            'LoadState': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadState,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.StageLoadStateRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.StageLoadStateResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -333,6 +349,33 @@ class StageService:
             '/swarm.proto.StageService/Join',
             swarm_dot_proto_dot_stage__pb2.StageJoinRequest.SerializeToString,
             swarm_dot_proto_dot_stage__pb2.StageJoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/swarm.proto.StageService/LoadState',
+            swarm_dot_proto_dot_stage__pb2.StageLoadStateRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.StageLoadStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,15 +55,28 @@ def add_simulate_command(command: CommandFactory, env: EnvDefault) -> None:
         default=env("policy", "swarm"),
         help="swarm: rebalance every period; none: never",
     )
-    p.add_argument("--hysteresis", type=float, default=env("hysteresis", 1.1),
-                   help="a move must raise the bottleneck by more than this factor (>= 1)")
-    p.add_argument("--skew", type=float, default=env("skew", 0.0),
-                   help="share of stage 0's initial peers placed elsewhere instead")
-    p.add_argument("--window", type=float, default=env("window", 1.0),
-                   help="reporting window, hours")
+    p.add_argument(
+        "--hysteresis",
+        type=float,
+        default=env("hysteresis", 1.1),
+        help="a move must raise the bottleneck by more than this factor (>= 1)",
+    )
+    p.add_argument(
+        "--skew",
+        type=float,
+        default=env("skew", 0.0),
+        help="share of stage 0's initial peers placed elsewhere instead",
+    )
+    p.add_argument(
+        "--window", type=float, default=env("window", 1.0), help="reporting window, hours"
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of a table")
-    p.add_argument("--plot", type=Path, metavar="FILE.png",
-                   help="also draw throughput and optimum over time (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="also draw throughput and optimum over time (needs matplotlib)",
+    )
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -71,14 +84,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from swarm.sim.model import SimConfig
 
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        print("swarm simulate: error: --plot needs matplotlib: pip install matplotlib",
-              file=sys.stderr)
+        print(
+            "swarm simulate: error: --plot needs matplotlib: pip install matplotlib",
+            file=sys.stderr,
+        )
         return 2
     try:
         config = SimConfig(
-            peers=args.peers, stages=args.stages, hours=args.hours, seed=args.seed,
-            policy=args.policy, lifetime_h=args.churn, join_rate_h=args.join_rate,
-            skew=args.skew, window_s=args.window * 3600.0,
+            peers=args.peers,
+            stages=args.stages,
+            hours=args.hours,
+            seed=args.seed,
+            policy=args.policy,
+            lifetime_h=args.churn,
+            join_rate_h=args.join_rate,
+            skew=args.skew,
+            window_s=args.window * 3600.0,
         )
         rebalance = dataclasses.replace(config.rebalance_config, hysteresis=args.hysteresis)
         config = dataclasses.replace(config, rebalance=rebalance)
@@ -89,16 +110,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))
     else:
-        print(f"{'hour':>6} {'samples/s':>10} {'optimum':>10} {'current':>10} {'ratio':>6} "
-              f"{'peers':>6} {'joins':>6} {'left':>6} {'moves':>6}")
+        print(
+            f"{'hour':>6} {'samples/s':>10} {'optimum':>10} {'current':>10} {'ratio':>6} "
+            f"{'peers':>6} {'joins':>6} {'left':>6} {'moves':>6}"
+        )
         for w in summary.windows:
-            print(f"{w.end_s / 3600:6.1f} {w.samples_per_s:10.1f} {w.optimum:10.1f} "
-                  f"{w.current:10.1f} {w.ratio:6.3f} {w.peers:6d} {w.joins:6d} "
-                  f"{w.departures:6d} {w.moves:6d}")
-        print(f"mean throughput / optimum {summary.mean_ratio:.4f} (policy {summary.policy}; "
-              f"/ current placement {summary.mean_ratio_current:.4f}); {summary.moves} moves, "
-              f"{summary.joins} joins, {summary.departures} departures; "
-              f"{summary.wall_s:.1f} s wall")
+            print(
+                f"{w.end_s / 3600:6.1f} {w.samples_per_s:10.1f} {w.optimum:10.1f} "
+                f"{w.current:10.1f} {w.ratio:6.3f} {w.peers:6d} {w.joins:6d} "
+                f"{w.departures:6d} {w.moves:6d}"
+            )
+        print(
+            f"mean throughput / optimum {summary.mean_ratio:.4f} (policy {summary.policy}; "
+            f"/ current placement {summary.mean_ratio_current:.4f}); {summary.moves} moves, "
+            f"{summary.joins} joins, {summary.departures} departures; "
+            f"{summary.wall_s:.1f} s wall"
+        )
     if args.plot is not None:
         _plot(summary.to_dict(), args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
@@ -114,8 +141,11 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     windows = summary["windows"]
     hours = [w["end_s"] / 3600.0 for w in windows]
     fig, ax = plt.subplots(figsize=(8, 4))
-    for key, label in (("samples_per_s", "throughput"), ("optimum", "optimum (place)"),
-                       ("current", "current placement")):
+    for key, label in (
+        ("samples_per_s", "throughput"),
+        ("optimum", "optimum (place)"),
+        ("current", "current placement"),
+    ):
         ax.plot(hours, [w[key] for w in windows], label=label)
     ax.set_xlabel("hours")
     ax.set_ylabel("samples/s")

@@ -55,8 +55,13 @@ class Simulation:
         self._hop_stage = [hop_stage(h, stages) for h in hops]
         self._hop_work = [hop_work(h, stages, config.forward_share) for h in hops]
         self._trainers = [
-            Wiring(stages, clock=self.clock, rng=random.Random(f"swarm.sim/{seed}/wiring/{i}"),
-                   config=config.wiring, task_samples=config.task_samples)
+            Wiring(
+                stages,
+                clock=self.clock,
+                rng=random.Random(f"swarm.sim/{seed}/wiring/{i}"),
+                config=config.wiring,
+                task_samples=config.task_samples,
+            )
             for i in range(config.trainers)
         ]
         self._events: list[tuple[float, int, int, Any, int]] = []  # (time, seq, kind, what, epoch)
@@ -86,10 +91,17 @@ class Simulation:
         events = self._loop(end)
         totals = self.meter.totals
         return Summary(
-            policy=config.policy, peers=config.peers, stages=config.stages, hours=config.hours,
-            seed=config.seed, windows=self.meter.windows, joins=totals["joins"],
-            departures=totals["departures"], moves=totals["moves"],
-            failed_hops=totals["failed_hops"], events=events,
+            policy=config.policy,
+            peers=config.peers,
+            stages=config.stages,
+            hours=config.hours,
+            seed=config.seed,
+            windows=self.meter.windows,
+            joins=totals["joins"],
+            departures=totals["departures"],
+            moves=totals["moves"],
+            failed_hops=totals["failed_hops"],
+            events=events,
             wall_s=time.perf_counter() - started,
         )
 

@@ -73,12 +73,20 @@ class Meter:
         slowest = min(range(self.stages), key=capacity.__getitem__)
         current = capacity[slowest]
         counts = self.counts
-        self.windows.append(Window(
-            start_s=start, end_s=t, samples_per_s=self.processed[slowest] / length,
-            completed_per_s=self.completed / length,
-            optimum=max(self.optimum.take(t) / length, current), current=current, peers=present,
-            joins=counts["joins"], departures=counts["departures"], moves=counts["moves"],
-        ))
+        self.windows.append(
+            Window(
+                start_s=start,
+                end_s=t,
+                samples_per_s=self.processed[slowest] / length,
+                completed_per_s=self.completed / length,
+                optimum=max(self.optimum.take(t) / length, current),
+                current=current,
+                peers=present,
+                joins=counts["joins"],
+                departures=counts["departures"],
+                moves=counts["moves"],
+            )
+        )
         self.window_start, self.completed = t, 0.0
         self.processed = [0.0] * self.stages
         self.counts = dict.fromkeys(counts, 0)

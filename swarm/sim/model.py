@@ -112,8 +112,15 @@ class SimConfig:
         _check(self.stages >= 1, "stages", self.stages, "at least one stage")
         _check(self.trainers >= 1, "trainers", self.trainers, "at least one trainer")
         _check(self.policy in ("none", "swarm"), "policy", self.policy, "none or swarm")
-        for name in ("hours", "hop_s", "task_samples", "window_s", "retry_s", "load_report_s",
-                     "inflight_per_peer"):
+        for name in (
+            "hours",
+            "hop_s",
+            "task_samples",
+            "window_s",
+            "retry_s",
+            "load_report_s",
+            "inflight_per_peer",
+        ):
             value = getattr(self, name)
             _check(math.isfinite(value) and value > 0.0, name, value, "a positive number")
         for name in ("peer_jitter", "class_stage_jitter", "latency_s", "lifetime_h", "download_s"):
@@ -129,7 +136,9 @@ class SimConfig:
             _check(ok, "optimum_every_s", self.optimum_every_s, "positive seconds")
         _check(
             bool(self.speed_classes) and all(s > 0 and w > 0 for _, s, w in self.speed_classes),
-            "speed_classes", self.speed_classes, "(name, speed > 0, share > 0) entries",
+            "speed_classes",
+            self.speed_classes,
+            "(name, speed > 0, share > 0) entries",
         )
         for name in ("stage_costs", "stage_sizes"):
             value = getattr(self, name)

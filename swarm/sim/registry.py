@@ -62,8 +62,14 @@ class Registry:
         return best_stage(speeds, self._totals)
 
     def plan(self, now: float, config: RebalanceConfig) -> Move | None:
-        move = plan_move(self.assignment, self.speeds, self.stages, now=now,
-                         last_moved=self.last_moved, config=config)
+        move = plan_move(
+            self.assignment,
+            self.speeds,
+            self.stages,
+            now=now,
+            last_moved=self.last_moved,
+            config=config,
+        )
         if move is not None:
             self.last_moved[move.peer] = now
             self.assign(move.peer, move.dst)

@@ -95,4 +95,3 @@ class Summary:
         out["mean_ratio"] = self.mean_ratio
         out["mean_ratio_current"] = self.mean_ratio_current
         return out
-

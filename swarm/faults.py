@@ -1,0 +1,91 @@
+"""Fault injection as data: `(target, point, step)` triples that kill real processes with SIGKILL.
+
+A stage server started with `SWARM_FAULTS="backward@3,averaging@5"` kills itself the first time
+it reaches that point while serving that step: mid-request, so the caller sees a dead peer exactly
+where the fault says. `idle` faults (between calls) and the roles `scheduler`, `trainer` and
+`broker` are killed from outside by `FaultPlan.due`'s caller (the test harness, `swarm demo
+--chaos`) when the job reaches the step.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from swarm.errors import ConfigError
+
+__all__ = ["ENV", "Fault", "FaultPlan", "Point", "maybe_die", "parse_faults"]
+
+log = logging.getLogger(__name__)
+ENV = "SWARM_FAULTS"
+ROLES = ("scheduler", "trainer", "broker")
+
+
+class Point(enum.StrEnum):
+    FORWARD = "forward"  # receiving a Forward (or the forward of ForwardBackward)
+    BACKWARD = "backward"  # after computing a Backward, before answering it
+    AVERAGING = "averaging"  # inside a pool's averaging round
+    STATE_DOWNLOAD = "state-download"  # while streaming its state to a joining replica
+    IDLE = "idle"  # between calls: killed from outside
+
+
+@dataclass(frozen=True)
+class Fault:
+    target: str  # a peer id / replica name, or a role: scheduler, trainer, broker
+    point: Point
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.target}:{self.point}@{self.step}"
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """`target:point@step,...` (target optional inside a process's own SWARM_FAULTS)."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        target, _, rest = item.rpartition(":")
+        point, _, step = rest.partition("@")
+        try:
+            faults.append(Fault(target, Point(point), int(step)))
+        except ValueError:
+            allowed = ", ".join(p.value for p in Point)
+            raise ConfigError(
+                f"fault {item!r}: use [target:]point@step, point one of {allowed}"
+            ) from None
+    return faults
+
+
+_armed: list[Fault] | None = None
+
+
+def maybe_die(point: Point, step: int) -> None:
+    """Called at each fault point of a stage server: SIGKILL this process if a fault says so."""
+    global _armed
+    if _armed is None:
+        _armed = parse_faults(os.environ.get(ENV, ""))
+    if any(f.point == point and f.step == step for f in _armed):
+        log.warning("fault injected: %s@%d; killing this process", point, step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FaultPlan:
+    """The faults to trigger from outside, each once, as the job's step advances."""
+
+    def __init__(self, faults: Iterable[Fault]) -> None:
+        self.pending = [f for f in faults if f.point == Point.IDLE or f.target in ROLES]
+
+    def due(self, step: int) -> list[Fault]:
+        ready = [f for f in self.pending if f.step <= step]
+        self.pending = [f for f in self.pending if f.step > step]
+        return ready
+
+    @staticmethod
+    def for_process(faults: Iterable[Fault], target: str) -> str:
+        """The SWARM_FAULTS value for the process named `target` (its in-process faults)."""
+        return ",".join(
+            f"{f.point}@{f.step}" for f in faults if f.target == target and f.point != Point.IDLE
+        )
