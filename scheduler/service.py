@@ -28,10 +28,11 @@ from client.run import gather_state
 from client.trainer import PipelineTrainer, follow_load
 from scheduler.placement import best_stage, place
 from scheduler.store import JobRecord, JobState, JobStore
+from swarm import checkpoint
 from swarm.bus import BusLike
 from swarm.config import JobConfig, parse_job
 from swarm.errors import FailedPrecondition, SwarmError
-from swarm.metrics import TrainerMetrics
+from swarm.metrics import CoordinatorFamilies, CoordinatorMetrics, TrainerMetrics
 from swarm.model import layer_costs, partition
 from swarm.progress import StepRecord
 from swarm.proto import control_pb2 as cpb
@@ -79,6 +80,7 @@ class Scheduler:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._speed: dict[str, float] = {}
         self._coordinators: dict[str, LocalCoordinator] = {}
+        self._coordinator_metrics = CoordinatorFamilies(self.registry)
         self._group: asyncio.TaskGroup | None = None
         self._user_cancelled: set[str] = set()
         # The latest record of each job, refreshed on the event loop whenever a job is announced:
@@ -143,6 +145,11 @@ class Scheduler:
             return int(saved["step"]), saved["state"]
         coordinator = self._coordinators.get(job_id)
         if coordinator is None or any(not stage for stage in coordinator.replicas()):
+            saved = checkpoint.latest(self.opts.checkpoint_dir / job_id)
+            if saved is not None:  # no live replica of every stage: the last checkpoint
+                return saved, await asyncio.to_thread(
+                    checkpoint.load_model, self.opts.checkpoint_dir / job_id, saved
+                )
             raise FailedPrecondition(
                 f"job {job_id} has no live replica of every stage and no saved model yet"
             )
@@ -398,12 +405,25 @@ class Scheduler:
             await self._announce(job_id)
 
         stages = job.training.stages
+
+        async def rolled_back(step: int) -> None:
+            self.store.rewind(job_id, step)
+            await self._set(
+                job_id,
+                None,
+                f"rolled back to step {step}: a stage lost every "
+                f"replica; training from the last checkpoint",
+            )
+
         coordinator = LocalCoordinator(
             job,
             job_id,
             lambda: self.members(job_id, stages),
             token=self.opts.token,
             on_step=committed,
+            checkpoint_dir=self.opts.checkpoint_dir / job_id,
+            on_rollback=rolled_back,
+            metrics=CoordinatorMetrics(job_id, families=self._coordinator_metrics),
         )
         trainer = PipelineTrainer(
             job,

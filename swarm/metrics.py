@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 __all__ = [
     "LATENCY_BUCKETS",
+    "CoordinatorFamilies",
     "CoordinatorMetrics",
     "StageMetrics",
     "TrainerMetrics",
@@ -163,12 +164,12 @@ class TrainerMetrics:
         self._failures.labels(job=self.job, stage=str(stage), peer=peer).inc()
 
 
-class CoordinatorMetrics:
-    """What the step coordinator saw go wrong, and how long since it last committed."""
+class CoordinatorFamilies:
+    """The coordinator's series, created once per registry; `CoordinatorMetrics` binds a job."""
 
-    def __init__(self, job: str, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["job"], registry=registry).labels(job=job)
+            return Counter(name, doc, ["job"], registry=registry)
 
         self.replays = counter(
             "swarm_coordinator_replays_total",
@@ -190,4 +191,22 @@ class CoordinatorMetrics:
             "Unix time of the last committed step (now - this = time since)",
             ["job"],
             registry=registry,
-        ).labels(job=job)
+        )
+
+
+class CoordinatorMetrics:
+    """What the step coordinator saw go wrong, and when it last committed."""
+
+    def __init__(
+        self,
+        job: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        families: CoordinatorFamilies | None = None,
+    ) -> None:
+        f = families or CoordinatorFamilies(registry or CollectorRegistry())
+        self.replays = f.replays.labels(job=job)
+        self.aborted_rounds = f.aborted_rounds.labels(job=job)
+        self.dropped = f.dropped.labels(job=job)
+        self.rollbacks = f.rollbacks.labels(job=job)
+        self.last_commit = f.last_commit.labels(job=job)
