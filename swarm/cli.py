@@ -162,7 +162,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from client.demo import run_demo
 
-    return run_demo(args.job)
+    return run_demo(args.job, chaos=args.chaos)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path(__file__).resolve().parent.parent / "examples" / "tiny.toml",
         help="job file (TOML)",
     )
+    p.add_argument("--chaos", action="store_true",
+                   help="keep killing random replicas (SIGKILL) and starting fresh peers")
     return parser
 
 

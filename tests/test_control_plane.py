@@ -157,3 +157,37 @@ def test_pools_and_a_remote_trainer_equal_local(tmp_path: Path) -> None:
     finally:
         sw.stop()
     assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+
+
+def test_trainer_killed_and_broker_restarted_mid_job(tmp_path: Path, mosquitto: Mosquitto
+                                                     ) -> None:
+    """A remote trainer is SIGKILLed holding leases (they are re-issued), and the broker is
+    restarted mid-job (every process reconnects and re-publishes its retained state)."""
+    job = write_job(tmp_path, training={"steps": 12, "target_batch_size": 32},
+                    runtime={"lease_timeout_s": 2.0})
+    sw, _ = start_local_swarm([20.0] * 4, log_dir=tmp_path, broker=mosquitto.url)
+    try:
+        job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        remote = start_process(["trainer", "--scheduler", sw.address, "--job", job_id],
+                               log_dir=tmp_path, name="doomed-trainer", env=sw.env)
+        assert _wait_step(sw, job_id, 2) < 12
+        remote.kill()  # SIGKILL: its leased microbatches are never reported
+        mosquitto.stop()
+        time.sleep(1.0)
+        mosquitto.start()  # same port: the bus reconnects by itself
+        _wait_step(sw, job_id, 12, timeout=240)
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+        # it connected twice: at start, and again by itself after the broker came back
+        assert sw.scheduler.log().count("bus scheduler: connected to") >= 2
+    finally:
+        sw.stop()
+    assert remote.proc.returncode == -9
+    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+
+
+def test_demo_trains_through_a_killed_replica_and_cleans_up(tmp_path: Path) -> None:
+    job = write_job(tmp_path, training={"steps": 16, "target_batch_size": 16})
+    result = swarm("demo", "--job", str(job), timeout=300)
+    assert "killed peer" in result.stdout + result.stderr
+    assert "succeeded: 16 steps" in result.stdout
+    assert "all processes stopped" in result.stdout
