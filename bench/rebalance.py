@@ -80,7 +80,7 @@ def plan_cost(peers: int, stages: int) -> tuple[float, float, float, int]:
     default = per_call_us(lambda: decide(balanced), 200)
     found = per_call_us(lambda: decide(skewed, eager), 200)
     moves = 0
-    while (move := plan_move(skewed, speeds, stages, now=0.0, last_moved={}, config=eager)):
+    while move := plan_move(skewed, speeds, stages, now=0.0, last_moved={}, config=eager):
         skewed[move.peer] = move.dst
         moves += 1
     fixed = per_call_us(lambda: decide(skewed, eager), 200)
@@ -94,33 +94,51 @@ def main() -> int:
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--churn", type=float, default=1.0, help="mean lifetime, hours")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hysteresis", type=float, default=RebalanceConfig().hysteresis,
-                        help="the rebalancing run's hysteresis (default: the policy's)")
+    parser.add_argument(
+        "--hysteresis",
+        type=float,
+        default=RebalanceConfig().hysteresis,
+        help="the rebalancing run's hysteresis (default: the policy's)",
+    )
     args = parser.parse_args()
     started = time.perf_counter()
-    print(f"{args.peers} peers, {args.stages} stages, {args.hours:g} h, mean lifetime "
-          f"{args.churn:g} h, joins {args.peers / args.churn:g}/h, seed {args.seed}, "
-          f"hysteresis {args.hysteresis:g}")
+    print(
+        f"{args.peers} peers, {args.stages} stages, {args.hours:g} h, mean lifetime "
+        f"{args.churn:g} h, joins {args.peers / args.churn:g}/h, seed {args.seed}, "
+        f"hysteresis {args.hysteresis:g}"
+    )
     for policy in ("none", "swarm"):
-        config = SimConfig(peers=args.peers, stages=args.stages, hours=args.hours,
-                           lifetime_h=args.churn, seed=args.seed, policy=policy)
+        config = SimConfig(
+            peers=args.peers,
+            stages=args.stages,
+            hours=args.hours,
+            lifetime_h=args.churn,
+            seed=args.seed,
+            policy=policy,
+        )
         rebalance = dataclasses.replace(config.rebalance_config, hysteresis=args.hysteresis)
         s = simulate(dataclasses.replace(config, rebalance=rebalance))
         worst = min(w.ratio for w in s.windows)
         done = sum(w.completed_per_s * (w.end_s - w.start_s) for w in s.windows)
-        print(f"  rebalancing {'on ' if policy == 'swarm' else 'off'}: throughput/optimum "
-              f"{s.mean_ratio:.4f} (worst window {worst:.4f}; /current placement "
-              f"{s.mean_ratio_current:.4f}; finished {done / (args.hours * 3600):.1f} samples/s)"
-              f"  moves {s.moves}, joins {s.joins}, departures {s.departures}, "
-              f"failed hops {s.failed_hops}, {s.events} events, {s.wall_s:.1f} s")
+        print(
+            f"  rebalancing {'on ' if policy == 'swarm' else 'off'}: throughput/optimum "
+            f"{s.mean_ratio:.4f} (worst window {worst:.4f}; /current placement "
+            f"{s.mean_ratio_current:.4f}; finished {done / (args.hours * 3600):.1f} samples/s)"
+            f"  moves {s.moves}, joins {s.joins}, departures {s.departures}, "
+            f"failed hops {s.failed_hops}, {s.events} events, {s.wall_s:.1f} s"
+        )
     choose, hop = wiring_cost(1000)
-    print(f"  wiring, 1,000 replicas: StagePool.choose {choose:.2f} µs/call; "
-          f"choose+started+finished {hop:.2f} µs/hop")
+    print(
+        f"  wiring, 1,000 replicas: StagePool.choose {choose:.2f} µs/call; "
+        f"choose+started+finished {hop:.2f} µs/hop"
+    )
     default, found, fixed, moves = plan_cost(args.peers, args.stages)
-    print(f"  plan_move, {args.peers} peers x {args.stages} stages: {default:.0f} µs/call "
-          f"(placed by `place`, default config: no move), {found:.0f} µs/call (a third of "
-          f"stage 0 moved away, hysteresis 1: a move), {fixed:.0f} µs/call (the fixed point "
-          f"{moves} such moves reach: every candidate examined)")
+    print(
+        f"  plan_move, {args.peers} peers x {args.stages} stages: {default:.0f} µs/call "
+        f"(placed by `place`, default config: no move), {found:.0f} µs/call (a third of "
+        f"stage 0 moved away, hysteresis 1: a move), {fixed:.0f} µs/call (the fixed point "
+        f"{moves} such moves reach: every candidate examined)"
+    )
     print(f"  wall {time.perf_counter() - started:.1f} s")
     return 0
 

@@ -66,8 +66,7 @@ async def throughput(job_path: Path, replicas: list[SwarmProcess], router: str) 
     job = load_job(job_path)
     records: list[StepRecord] = []
     members = [[Replica(r.address, r.address, 1.0) for r in replicas]]
-    coordinator = LocalCoordinator(job, job.fingerprint(), lambda: members,
-                                   on_step=records.append)
+    coordinator = LocalCoordinator(job, job.fingerprint(), lambda: members, on_step=records.append)
     trainer = PipelineTrainer(job, coordinator, seed=0)
     try:
         await coordinator.start()
@@ -88,17 +87,32 @@ async def run(steps: int, base: float, work: Path, microbatches: int) -> None:
             job_path = work / f"job{i}.toml"  # one job file per run: each run starts at step 0
             # alone, a replica's rate is its service rate whatever the step size: small steps
             job_path.write_text(JOB.format(batch=8 * 32, steps=3))
-            servers.append(start_process(
-                ["stage-server", "--job", str(job_path), "--stage", "0", "--port", "0",
-                 "--throttle", str(base * relative)], log_dir=work, name=f"replica{i}"))
+            servers.append(
+                start_process(
+                    [
+                        "stage-server",
+                        "--job",
+                        str(job_path),
+                        "--stage",
+                        "0",
+                        "--port",
+                        "0",
+                        "--throttle",
+                        str(base * relative),
+                    ],
+                    log_dir=work,
+                    name=f"replica{i}",
+                )
+            )
         for s in servers:
             s.wait_ready(120)
         alone = []
         for i, server in enumerate(servers):
             alone.append(await throughput(work / f"job{i}.toml", [server], "wiring"))
         capacity = sum(alone)
-        print("replica throttles      " + "  ".join(f"{base * r:>6.1f}" for r in
-                                                     RELATIVE_THROTTLES))
+        print(
+            "replica throttles      " + "  ".join(f"{base * r:>6.1f}" for r in RELATIVE_THROTTLES)
+        )
         print("alone (samples/s)      " + "  ".join(f"{a:>6.1f}" for a in alone))
         print(f"capacity (sum)         {capacity:.1f} samples/s")
         print(f"{'routing':<14} {'samples/s':>10} {'of capacity':>12}")
@@ -109,9 +123,23 @@ async def run(steps: int, base: float, work: Path, microbatches: int) -> None:
             job_path = work / f"pool-{router}.toml"
             job_path.write_text(JOB.format(batch=8 * microbatches, steps=steps))
             for i, relative in enumerate(RELATIVE_THROTTLES):
-                servers.append(start_process(
-                    ["stage-server", "--job", str(job_path), "--stage", "0", "--port", "0",
-                     "--throttle", str(base * relative)], log_dir=work, name=f"{router}{i}"))
+                servers.append(
+                    start_process(
+                        [
+                            "stage-server",
+                            "--job",
+                            str(job_path),
+                            "--stage",
+                            "0",
+                            "--port",
+                            "0",
+                            "--throttle",
+                            str(base * relative),
+                        ],
+                        log_dir=work,
+                        name=f"{router}{i}",
+                    )
+                )
             for s in servers:
                 s.wait_ready(120)
             value = await throughput(job_path, servers, router)
@@ -123,11 +151,16 @@ async def run(steps: int, base: float, work: Path, microbatches: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="steps per run (first is warm-up)")
-    parser.add_argument("--microbatches", type=int, default=256,
-                        help="microbatches (of 8 samples) per step of the pool runs: large steps "
-                        "amortise each step's commit and the drain before it")
-    parser.add_argument("--base-throttle", type=float, default=8.0,
-                        help="multiplies the 1:1:2:4 throttles")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=256,
+        help="microbatches (of 8 samples) per step of the pool runs: large steps "
+        "amortise each step's commit and the drain before it",
+    )
+    parser.add_argument(
+        "--base-throttle", type=float, default=8.0, help="multiplies the 1:1:2:4 throttles"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="swarm-wiring-") as tmp:
         asyncio.run(run(args.steps, args.base_throttle, Path(tmp), args.microbatches))

@@ -116,6 +116,7 @@ class LocalCoordinator:
         self.checkpoint_dir, self.on_rollback = checkpoint_dir, on_rollback
         self._rollback: asyncio.Task[None] | None = None
         self._checked = 0.0
+        self._join_backoff: dict[str, tuple[float, float]] = {}  # peer -> (retry at, delay)
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         self.metrics.last_commit.set(time.time())
         self.finished = asyncio.Event()
@@ -448,11 +449,23 @@ class LocalCoordinator:
                         "stage %d: no replica at step %d to copy to %s", stage, step, r.peer
                     )
                     continue
+                retry_at, delay = self._join_backoff.get(r.peer, (0.0, 0.0))
+                if time.monotonic() < retry_at:
+                    continue
                 try:
                     joined = await self.client(stage, r).join(sources[0].address)
                 except grpc.aio.AioRpcError as e:
-                    log.warning("stage %d: %s could not join: %s", stage, r.peer, e.details())
+                    delay = min(30.0, max(0.5, 2 * delay))  # an absent peer: try less often
+                    self._join_backoff[r.peer] = (time.monotonic() + delay, delay)
+                    log.log(
+                        logging.WARNING if delay <= 0.5 else logging.INFO,
+                        "stage %d: %s could not join: %s",
+                        stage,
+                        r.peer,
+                        e.details(),
+                    )
                     continue
+                self._join_backoff.pop(r.peer, None)
                 if joined == step:
                     log.info("stage %d: %s joined at step %d", stage, r.peer, step)
                     self._synced.add(r.peer)
