@@ -109,7 +109,8 @@ class LocalCoordinator:
         self.steps = steps if steps is not None else job.training.steps
         self.on_step = on_step
         self.ledger: StepLedger | None = None
-        self._clients: dict[str, StageClient] = {}
+        self._clients: dict[tuple[str, int], StageClient] = {}
+        self._stage_of: dict[str, int] = {}  # where each member served when last seen
         self._commit = _Commit()
         self._step_started = time.perf_counter()
         self._synced: set[str] = set()
@@ -146,11 +147,12 @@ class LocalCoordinator:
         await asyncio.gather(*(c.close() for c in self._clients.values()))
 
     def client(self, stage: int, replica: Replica) -> StageClient:
-        if replica.peer not in self._clients:
-            self._clients[replica.peer] = StageClient(
+        key = (replica.peer, stage)  # a peer moved by rebalancing serves another stage
+        if key not in self._clients:
+            self._clients[key] = StageClient(
                 replica.address, self.job, self.job_id, stage, self.token
             )
-        return self._clients[replica.peer]
+        return self._clients[key]
 
     # -- trainers -------------------------------------------------------------------------------
     async def lease(self, trainer: str, count: int) -> Lease:
@@ -431,11 +433,22 @@ class LocalCoordinator:
     # -- membership ---------------------------------------------------------------------------
     def replicas(self) -> list[list[Replica]]:
         """Per stage, the members at the coordinator's step: trainers see and use only these."""
-        return [[r for r in stage if r.peer in self._synced] for stage in self.members()]
+        members = self.members()
+        for stage, replicas in enumerate(members):
+            for r in replicas:
+                before = self._stage_of.get(r.peer, stage)
+                if before != stage:  # moved by rebalancing: a new replica of its new stage
+                    log.info("%s moved from stage %d to %d", r.peer, before, stage)
+                    self._synced.discard(r.peer)
+                    if self.ledger is not None:  # what it held there is replayed
+                        self.metrics.replays.inc(len(self.ledger.lose(r.peer, before)))
+                self._stage_of[r.peer] = stage
+        return [[r for r in stage if r.peer in self._synced] for stage in members]
 
     async def _sync(self, step: int) -> None:
         """At a step boundary: replicas not yet known to be at `step` copy a synced replica of
         their stage (parameters, optimizer state, step) and become members."""
+        self.replicas()  # notices peers that moved stage: they join their new stage below
         members = self.members()
         current = {r.peer for stage in members for r in stage}
         self._synced &= current  # those that left are forgotten
@@ -455,8 +468,9 @@ class LocalCoordinator:
                 try:
                     joined = await self.client(stage, r).join(sources[0].address)
                 except grpc.aio.AioRpcError as e:
-                    delay = min(30.0, max(0.5, 2 * delay))  # an absent peer: try less often
-                    self._join_backoff[r.peer] = (time.monotonic() + delay, delay)
+                    if e.code() in _GONE:  # the joiner itself is absent: try it less often
+                        delay = min(30.0, max(0.5, 2 * delay))
+                        self._join_backoff[r.peer] = (time.monotonic() + delay, delay)
                     log.log(
                         logging.WARNING if delay <= 0.5 else logging.INFO,
                         "stage %d: %s could not join: %s",

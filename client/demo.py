@@ -30,12 +30,16 @@ DEFAULT_THROTTLES = (1.0, 1.5, 2.0, 3.0, 1.0)
 
 def _show_endpoints(sw: LocalSwarm) -> None:
     s = sw.scheduler.ready
-    print(f"  scheduler   {s['address']}  broker {s['broker']}  "
-          f"metrics http://127.0.0.1:{s['metrics']}/metrics")
+    print(
+        f"  scheduler   {s['address']}  broker {s['broker']}  "
+        f"metrics http://127.0.0.1:{s['metrics']}/metrics"
+    )
     for p in sw.peers:
         r = p.ready
-        print(f"  {r['peer']:<10}  {r['address']}  throttle {float(r['throttle']):.1f}x  "
-              f"metrics http://127.0.0.1:{r['metrics']}/metrics")
+        print(
+            f"  {r['peer']:<10}  {r['address']}  throttle {float(r['throttle']):.1f}x  "
+            f"metrics http://127.0.0.1:{r['metrics']}/metrics"
+        )
 
 
 def _victim(status: scheduler_pb2.JobStatus, rng: random.Random) -> str | None:
@@ -62,19 +66,26 @@ async def _kill(sw: LocalSwarm, client: SchedulerClient, job: str, chaos: bool) 
             continue
         next(p for p in sw.peers if p.ready.get("peer") == victim).kill()
         killed_at = status.step
-        tqdm.write(f"** step {status.step}: killed {victim} with SIGKILL; its stage keeps a "
-                   f"replica, its gradients are replayed there, and training carries on **")
+        tqdm.write(
+            f"** step {status.step}: killed {victim} with SIGKILL; its stage keeps a "
+            f"replica, its gradients are replayed there, and training carries on **"
+        )
         if chaos:
             peer = await asyncio.to_thread(sw.add_peer, rng.choice([1.0, 1.5, 2.0]))
-            tqdm.write(f"** a fresh peer {peer.ready['peer']} joins; it copies its stage's "
-                       f"state at a step boundary **")
+            tqdm.write(
+                f"** a fresh peer {peer.ready['peer']} joins; it copies its stage's "
+                f"state at a step boundary **"
+            )
 
 
 async def _train(sw: LocalSwarm, job_path: Path, chaos: bool) -> int:
     async with SchedulerClient(sw.address) as client:
         status = await client.submit(job_path)
-        print(f"submitted {job_path.name} as job {status.job}; `swarm status {status.job} "
-              f"--scheduler {sw.address}` shows it from another terminal", flush=True)
+        print(
+            f"submitted {job_path.name} as job {status.job}; `swarm status {status.job} "
+            f"--scheduler {sw.address}` shows it from another terminal",
+            flush=True,
+        )
         killer = asyncio.create_task(_kill(sw, client, status.job, chaos))
         try:
             final = await watch(client, status)
@@ -83,8 +94,9 @@ async def _train(sw: LocalSwarm, job_path: Path, chaos: bool) -> int:
         steps = await asyncio.to_thread(_losses, sw, status.job)
     if state_name(final.state) == "succeeded":
         first = steps[0] if steps else math.nan
-        print(f"job {final.job} succeeded: {final.step} steps, loss {first:.3f} -> "
-              f"{final.loss:.3f}")
+        print(
+            f"job {final.job} succeeded: {final.step} steps, loss {first:.3f} -> {final.loss:.3f}"
+        )
         return 0
     print(f"job {final.job} {state_name(final.state)}: {final.error or final.message}")
     return 1
@@ -97,13 +109,17 @@ def _losses(sw: LocalSwarm, job_id: str) -> list[float]:
         return [row.loss for row in store.steps(job_id)]
 
 
-def run_demo(job_path: Path, throttles: tuple[float, ...] = DEFAULT_THROTTLES,
-             chaos: bool = False) -> int:
+def run_demo(
+    job_path: Path, throttles: tuple[float, ...] = DEFAULT_THROTTLES, chaos: bool = False
+) -> int:
     job = load_job(job_path)  # a bad job file fails here, before anything starts
     log_dir = Path(tempfile.mkdtemp(prefix="swarm-demo-"))
     threads = max(1, (os.cpu_count() or 1) // len(throttles))
-    print(f"starting a scheduler (with an embedded MQTT broker) and {len(throttles)} stage "
-          f"servers for a {job.training.stages}-stage model; logs in {log_dir}", flush=True)
+    print(
+        f"starting a scheduler (with an embedded MQTT broker) and {len(throttles)} stage "
+        f"servers for a {job.training.stages}-stage model; logs in {log_dir}",
+        flush=True,
+    )
     sw, _ = start_local_swarm(list(throttles), log_dir=log_dir, threads=threads)
     try:
         _show_endpoints(sw)

@@ -158,7 +158,8 @@ class PipelineTrainer:
             try:
                 result = await call(self.clients[peer])
             except grpc.aio.AioRpcError as e:
-                pool.failed(peer, samples)
+                if peer in pool:  # it may have left (or moved stage) while the call ran
+                    pool.failed(peer, samples)
                 self.metrics.failed(stage, peer)
                 log.info("stage %d: %s failed (%s); trying another replica", stage, peer, e.code())
                 last = e
@@ -168,8 +169,9 @@ class PipelineTrainer:
             queued = getattr(result, "queued_seconds", None)
             if queued is None:
                 queued = self.clients[peer].last_queued_s
-            pool.finished(peer, samples, max(1e-6, time.perf_counter() - start - queued))
-            self.metrics.routed(stage, peer, pool.throughput(peer))
+            if peer in pool:  # it may have left (or moved stage) while the call ran
+                pool.finished(peer, samples, max(1e-6, time.perf_counter() - start - queued))
+                self.metrics.routed(stage, peer, pool.throughput(peer))
             return peer, result
         raise TrainerError(f"stage {stage}: {self.hop_attempts} attempts failed: {last}")
 

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import grpc
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.registry import Collector
 
 from client.coordinator import Lease, LocalCoordinator, MicrobatchResult, Replica
 from client.run import gather_state
 from client.trainer import PipelineTrainer, follow_load
 from scheduler.placement import best_stage, place
+from scheduler.rebalance import RebalanceConfig, plan_move
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm import checkpoint
 from swarm.bus import BusLike
@@ -81,6 +82,13 @@ class Scheduler:
         self._speed: dict[str, float] = {}
         self._coordinators: dict[str, LocalCoordinator] = {}
         self._coordinator_metrics = CoordinatorFamilies(self.registry)
+        self._live: dict[tuple[str, str], tuple[int, float]] = {}  # (job, peer) -> stage, speed
+        self._moves = Counter(
+            "swarm_scheduler_rebalancing_moves_total",
+            "Peers moved between stages by rebalancing",
+            ["job"],
+            registry=self.registry,
+        )
         self._group: asyncio.TaskGroup | None = None
         self._user_cancelled: set[str] = set()
         # The latest record of each job, refreshed on the event loop whenever a job is announced:
@@ -92,12 +100,13 @@ class Scheduler:
         async with asyncio.TaskGroup() as group:
             self._group = group
             watcher = group.create_task(self._watch_peers())
+            load = group.create_task(self._watch_load())
             self.snapshot = {r.id: r for r in self.store.list()[:100]}
             for record in self.store.unfinished():
                 log.info("resuming job %s (%s, step %d)", record.id, record.state, record.step)
                 self._start(record.id)
             await stop.wait()
-            for task in [watcher, *self._tasks.values()]:
+            for task in [watcher, load, *self._tasks.values()]:
                 task.cancel()
 
     def _start(self, job_id: str) -> None:
@@ -157,6 +166,66 @@ class Scheduler:
         return step, await gather_state(coordinator)
 
     # -- peers ----------------------------------------------------------------------------------
+    async def _watch_load(self) -> None:
+        """Live samples/s of each serving peer on its stage, from its load reports."""
+        async for _topic, message in self.bus.subscribe(self.bus.topics.load("+", "+")):
+            if isinstance(message, cpb.LoadReport) and message.ema_seconds_per_sample > 0:
+                self._live[(message.job, message.peer)] = (
+                    message.stage,
+                    1.0 / message.ema_seconds_per_sample,
+                )
+
+    async def _rebalance(self, job_id: str, job: JobConfig) -> None:
+        """Every period, move one peer from an over-served stage to the bottleneck when the
+        policy says it pays (`scheduler.rebalance.plan_move`). The moved peer drains; what it held
+        at its old stage is replayed; it copies its new stage's state at a step boundary."""
+        r = job.rebalance
+        config = RebalanceConfig(
+            period_s=r.period_s,
+            hysteresis=r.hysteresis,
+            min_dwell_s=r.min_dwell_s,
+            move_cost_s=r.move_cost_s,
+            horizon_s=r.horizon_s,
+        )
+        stages, last_moved = job.training.stages, dict[str, float]()
+        while True:
+            await asyncio.sleep(config.period_s)
+            members = self.members(job_id, stages)
+            assignment = {rep.peer: k for k, reps in enumerate(members) for rep in reps}
+            speeds: dict[str, list[float]] = {}
+            for peer, k in assignment.items():
+                announced = self.peers[peer].samples_per_second  # members come from self.peers
+                speeds[peer] = [announced.get(j, 0.0) for j in range(stages)]
+                live = self._live.get((job_id, peer))
+                if live and live[0] == k:  # what it really does where it is now
+                    speeds[peer][k] = live[1]
+            move = plan_move(
+                assignment,
+                speeds,
+                stages,
+                now=time.monotonic(),
+                last_moved=last_moved,
+                config=config,
+            )
+            if move is None:
+                continue
+            last_moved[move.peer] = time.monotonic()
+            self._moves.labels(job=job_id).inc()
+            log.warning(
+                "job %s: rebalancing: moving %s from stage %d to stage %d (bottleneck "
+                "%.1f -> %.1f samples/s)",
+                job_id,
+                move.peer,
+                move.src,
+                move.dst,
+                move.before,
+                move.after,
+            )
+            message = cpb.Assignment(
+                job=job_id, peer=move.peer, stage=move.dst, generation=time.time_ns() // 1000
+            )
+            await self.bus.publish(self.bus.topics.assign(job_id, move.peer), message, retain=True)
+
     async def _watch_peers(self) -> None:
         async for _topic, message in self.bus.subscribe(self.bus.topics.peer("+")):
             if isinstance(message, cpb.PeerAnnouncement) and message.peer:
@@ -439,6 +508,11 @@ class Scheduler:
             await self._set(job_id, "running", "training")
             async with asyncio.TaskGroup() as group:
                 grow = group.create_task(self._grow(job_id, job, assigned))
+                rebalance = (
+                    group.create_task(self._rebalance(job_id, job))
+                    if (job.rebalance.enabled)
+                    else None
+                )
                 load = group.create_task(
                     follow_load(self.bus, job_id, trainer.wiring, job.training.microbatch_size)
                 )
@@ -447,6 +521,8 @@ class Scheduler:
                 await coordinator.finished.wait()
                 grow.cancel()
                 load.cancel()
+                if rebalance:
+                    rebalance.cancel()
             if coordinator.error:
                 raise coordinator.error
             state = await gather_state(coordinator)

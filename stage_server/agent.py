@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from pathlib import Path
@@ -35,6 +36,19 @@ from swarm.proto import control_pb2 as cpb
 __all__ = ["PeerAgent", "run_peer"]
 
 log = logging.getLogger(__name__)
+# A test and demo hook: "K:F,..." makes this peer F times slower while it serves stage K only,
+# a slowdown its join-time measurement cannot see (so only live measurements reveal it).
+STAGE_THROTTLE_ENV = "SWARM_STAGE_THROTTLE"
+
+
+def stage_slowdown(stage: int) -> float:
+    for item in filter(None, os.environ.get(STAGE_THROTTLE_ENV, "").split(",")):
+        k, _, factor = item.partition(":")
+        if int(k) == stage:
+            return max(1.0, float(factor))
+    return 1.0
+
+
 _ACTIVE = (cpb.JOB_STATE_PLACING, cpb.JOB_STATE_RUNNING)
 
 
@@ -102,8 +116,12 @@ class PeerAgent:
             await asyncio.sleep(self.load_period_s)
             if self.state != cpb.PEER_STATE_SERVING or self.stage is None:
                 continue
-            mb = servicer.runtime.job.training.microbatch_size
-            ema = servicer.ema_seconds
+            runtime = servicer.runtime
+            mb = runtime.job.training.microbatch_size
+            # A microbatch's work here is a Forward and a Backward (one ForwardBackward at the
+            # last stage): per-sample seconds of that, comparable to the join-time measurement.
+            calls = 1 if runtime.is_last else 2
+            ema = servicer.ema_seconds * calls if servicer.ema_seconds else None
             report = cpb.LoadReport(
                 peer=self.peer,
                 job=self.job_id,
@@ -181,9 +199,13 @@ class PeerAgent:
         if (self.job_id, self.stage) == (assignment.job, assignment.stage):
             return
         log.info("%s: assigned stage %d of job %s", self.peer, assignment.stage, assignment.job)
+        if self.state == cpb.PEER_STATE_SERVING:  # a move: stop taking work for the old stage
+            self.state = cpb.PEER_STATE_DRAINING
+            await self.announce()
         runtime = await self._compute(
             StageRuntime, config, assignment.stage, check_device(self.device)
         )
+        self.running.servicer.throttle = self.throttle * stage_slowdown(assignment.stage)
         self.running.servicer.serve(runtime, assignment.job)
         await self.running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self.job_id, self.stage = assignment.job, assignment.stage

@@ -26,6 +26,7 @@ __all__ = [
     "JobConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "RebalanceConfig",
     "RuntimeConfig",
     "TrainingConfig",
     "load_job",
@@ -209,6 +210,21 @@ class CompressionConfig(_Section):
 
 
 @dataclass(frozen=True)
+class RebalanceConfig(_Section):
+    """`[rebalance]`: moving peers from over-served stages to the bottleneck (see
+    `scheduler.rebalance`); none of these change the maths."""
+
+    section: ClassVar[str] = "rebalance"
+    enabled: bool = True  #: let the scheduler move peers between stages
+    period_s: float = _f(60.0, GT0)  #: seconds between two decisions
+    #: a move must raise the bottleneck by more than this factor (1: any gain)
+    hysteresis: float = _f(1.05, GE1)
+    min_dwell_s: float = _f(300.0, GE0)  #: a moved peer stays put at least this long (s)
+    move_cost_s: float = _f(60.0, GE0)  #: seconds a moved peer serves nobody (drain, download)
+    horizon_s: float = _f(3600.0, GT0)  #: seconds a move's gain lasts, weighed against its cost
+
+
+@dataclass(frozen=True)
 class RuntimeConfig(_Section):
     """`[runtime]`: networking and concurrency; none of these change the maths."""
 
@@ -240,6 +256,7 @@ class JobConfig:
     optimizer: OptimizerConfig
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.fullmatch(self.name):
@@ -315,7 +332,9 @@ def _build(cls: type[S], table: Any) -> S:
 
 
 _CLASSES = (ModelConfig, DataConfig, TrainingConfig, OptimizerConfig, CompressionConfig)
-SECTIONS: dict[str, type[_Section]] = {c.section: c for c in (*_CLASSES, RuntimeConfig)}
+SECTIONS: dict[str, type[_Section]] = {
+    c.section: c for c in (*_CLASSES, RuntimeConfig, RebalanceConfig)
+}
 
 
 def _parse(text: str, base_dir: Path, name: str, source: str, check_data: bool = True) -> JobConfig:

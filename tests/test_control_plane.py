@@ -23,12 +23,18 @@ from tests.jobs import write_job
 pytestmark = pytest.mark.slow
 
 
-def swarm(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
-          check: bool = True) -> subprocess.CompletedProcess[str]:
+def swarm(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     import os
 
-    result = subprocess.run([sys.executable, "-m", "swarm.cli", *args], capture_output=True,
-                            text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    result = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     if check:
         assert result.returncode == 0, f"{args}: {result.stdout[-2000:]}{result.stderr[-3000:]}"
     return result
@@ -55,8 +61,9 @@ def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
 
 
 @pytest.mark.parametrize("broker", ["embedded", "mosquitto"])
-def test_submit_wait_export_equals_local(tmp_path: Path, broker: str, request: pytest.FixtureRequest
-                                         ) -> None:
+def test_submit_wait_export_equals_local(
+    tmp_path: Path, broker: str, request: pytest.FixtureRequest
+) -> None:
     url = request.getfixturevalue("mosquitto").url if broker == "mosquitto" else None
     job = write_job(tmp_path, training={"steps": 6, "target_batch_size": 16})
     local_swarm, _ = start_local_swarm([1.0, 2.0, 1.0, 3.0, 1.0], log_dir=tmp_path, broker=url)
@@ -64,14 +71,25 @@ def test_submit_wait_export_equals_local(tmp_path: Path, broker: str, request: p
         submitted = swarm("submit", str(job), "--wait", "--scheduler", local_swarm.address)
         job_id = submitted.stdout.split()[0]
         assert "succeeded" in submitted.stdout
-        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"),
-              "--scheduler", local_swarm.address)
-        status = json.loads(swarm("status", job_id, "--json",
-                                  "--scheduler", local_swarm.address).stdout)
+        swarm(
+            "export",
+            job_id,
+            "--out",
+            str(tmp_path / "swarm.pt"),
+            "--scheduler",
+            local_swarm.address,
+        )
+        status = json.loads(
+            swarm("status", job_id, "--json", "--scheduler", local_swarm.address).stdout
+        )
         assert status["state"] == "JOB_STATE_SUCCEEDED" and int(status["step"]) == 6
-        metrics = urllib.request.urlopen(
-            f"http://127.0.0.1:{local_swarm.scheduler.ready['metrics']}/metrics", timeout=10
-        ).read().decode()
+        metrics = (
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{local_swarm.scheduler.ready['metrics']}/metrics", timeout=10
+            )
+            .read()
+            .decode()
+        )
         assert "swarm_scheduler_peers" in metrics
         assert f'swarm_job_state{{job="{job_id}",state="succeeded"}} 1.0' in metrics
     finally:
@@ -92,8 +110,9 @@ def _wait_step(sw: LocalSwarm, job_id: str, at_least: int, timeout: float = 120)
     raise TimeoutError(f"job {job_id} did not reach step {at_least}")
 
 
-def test_scheduler_killed_and_restarted_resumes_the_job(tmp_path: Path, mosquitto: Mosquitto
-                                                        ) -> None:
+def test_scheduler_killed_and_restarted_resumes_the_job(
+    tmp_path: Path, mosquitto: Mosquitto
+) -> None:
     # Throttled peers make steps slow enough to kill the scheduler in the middle of the job.
     job = write_job(tmp_path, training={"steps": 12, "target_batch_size": 32})
     sw, args = start_local_swarm([30.0] * 4, log_dir=tmp_path, broker=mosquitto.url)
@@ -123,15 +142,24 @@ def test_wrong_token_is_refused(tmp_path: Path) -> None:
             assert refused.returncode != 0
             assert "UNAUTHENTICATED" in refused.stderr or "token" in refused.stderr.lower()
         # a stage server with the wrong token cannot join through the broker
-        peer = start_process(["stage-server", "--broker", sw.broker, "--port", "0"],
-                             log_dir=tmp_path, name="intruder", env={"SWARM_TOKEN": "wrong"})
+        peer = start_process(
+            ["stage-server", "--broker", sw.broker, "--port", "0"],
+            log_dir=tmp_path,
+            name="intruder",
+            env={"SWARM_TOKEN": "wrong"},
+        )
         assert peer.proc.wait(60) != 0
         assert "refused" in peer.log().lower() or "not authori" in peer.log().lower()
-        metrics = urllib.request.urlopen(
-            f"http://127.0.0.1:{sw.scheduler.ready['metrics']}/metrics", timeout=10
-        ).read().decode()
-        refused_lines = [line for line in metrics.splitlines()
-                         if line.startswith("swarm_auth_refused_total")]
+        metrics = (
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{sw.scheduler.ready['metrics']}/metrics", timeout=10
+            )
+            .read()
+            .decode()
+        )
+        refused_lines = [
+            line for line in metrics.splitlines() if line.startswith("swarm_auth_refused_total")
+        ]
         assert refused_lines and float(refused_lines[0].split()[-1]) >= 2
     finally:
         sw.stop()
@@ -142,8 +170,12 @@ def test_pools_and_a_remote_trainer_equal_local(tmp_path: Path) -> None:
     sw, _ = start_local_swarm([1.0, 1.0, 2.0, 2.0, 1.0, 3.0, 1.0, 2.0], log_dir=tmp_path)
     try:
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
-        remote = start_process(["trainer", "--scheduler", sw.address, "--job", job_id],
-                               log_dir=tmp_path, name="remote-trainer", env=sw.env)
+        remote = start_process(
+            ["trainer", "--scheduler", sw.address, "--job", job_id],
+            log_dir=tmp_path,
+            name="remote-trainer",
+            env=sw.env,
+        )
         _wait_step(sw, job_id, 8)
         assert remote.proc.wait(60) == 0, remote.log()[-2000:]
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
@@ -159,17 +191,21 @@ def test_pools_and_a_remote_trainer_equal_local(tmp_path: Path) -> None:
     assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
 
 
-def test_trainer_killed_and_broker_restarted_mid_job(tmp_path: Path, mosquitto: Mosquitto
-                                                     ) -> None:
+def test_trainer_killed_and_broker_restarted_mid_job(tmp_path: Path, mosquitto: Mosquitto) -> None:
     """A remote trainer is SIGKILLed holding leases (they are re-issued), and the broker is
     restarted mid-job (every process reconnects and re-publishes its retained state)."""
-    job = write_job(tmp_path, training={"steps": 12, "target_batch_size": 32},
-                    runtime={"lease_timeout_s": 2.0})
+    job = write_job(
+        tmp_path, training={"steps": 12, "target_batch_size": 32}, runtime={"lease_timeout_s": 2.0}
+    )
     sw, _ = start_local_swarm([20.0] * 4, log_dir=tmp_path, broker=mosquitto.url)
     try:
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
-        remote = start_process(["trainer", "--scheduler", sw.address, "--job", job_id],
-                               log_dir=tmp_path, name="doomed-trainer", env=sw.env)
+        remote = start_process(
+            ["trainer", "--scheduler", sw.address, "--job", job_id],
+            log_dir=tmp_path,
+            name="doomed-trainer",
+            env=sw.env,
+        )
         assert _wait_step(sw, job_id, 2) < 12
         remote.kill()  # SIGKILL: its leased microbatches are never reported
         mosquitto.stop()
@@ -191,3 +227,33 @@ def test_demo_trains_through_a_killed_replica_and_cleans_up(tmp_path: Path) -> N
     assert "killed peer" in result.stdout + result.stderr
     assert "succeeded: 16 steps" in result.stdout
     assert "all processes stopped" in result.stdout
+
+
+def test_rebalancing_moves_a_peer_to_the_bottleneck_and_stays_exact(tmp_path: Path) -> None:
+    # Every peer is 6x slower while it serves stage 1, which its join-time measurement cannot
+    # see: placement spreads the peers evenly, and only live measurements reveal stage 1 as the
+    # bottleneck. Rebalancing moves a peer there; the float64 result is still exact.
+    job = write_job(
+        tmp_path,
+        model={"n_layers": 4},
+        training={"stages": 3, "steps": 40, "target_batch_size": 32},
+        rebalance={"period_s": 1.0, "hysteresis": 1.05, "min_dwell_s": 1000.0, "move_cost_s": 0.0},
+    )
+    sw, _ = start_local_swarm([1.0] * 6, log_dir=tmp_path, env={"SWARM_STAGE_THROTTLE": "1:6"})
+    try:
+        job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        _wait_step(sw, job_id, 40, timeout=300)
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+        moves = re.findall(r"moving (peer\d) from stage (\d) to stage (\d)", sw.scheduler.log())
+        metrics = (
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{sw.scheduler.ready['metrics']}/metrics", timeout=10
+            )
+            .read()
+            .decode()
+        )
+    finally:
+        sw.stop()
+    assert any(dst == "1" for _, _, dst in moves), moves  # a peer moved to the bottleneck
+    assert f'swarm_scheduler_rebalancing_moves_total{{job="{job_id}"}}' in metrics
+    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
