@@ -53,7 +53,7 @@ async def _kill(sw: LocalSwarm, client: SchedulerClient, job: str, chaos: bool) 
     start a fresh peer in its place each time (it joins the running job)."""
     rng, killed_at = random.Random(0), -1
     while True:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.2)
         status = await client.get(job)
         if state_name(status.state) not in ("placing", "running"):
             return
