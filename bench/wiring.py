@@ -80,35 +80,44 @@ async def throughput(job_path: Path, replicas: list[SwarmProcess], router: str) 
     return sum(r.samples for r in counted) / sum(r.seconds for r in counted)
 
 
+def start_pool(jobs: list[Path], base: float, work: Path, name: str) -> list[SwarmProcess]:
+    """One replica per relative throttle, replica i serving `jobs[i]`; returns once all serve."""
+    servers = [
+        start_process(
+            [
+                "stage-server",
+                "--job",
+                str(job),
+                "--stage",
+                "0",
+                "--port",
+                "0",
+                "--throttle",
+                str(base * relative),
+            ],
+            log_dir=work,
+            name=f"{name}{i}",
+        )
+        for i, (job, relative) in enumerate(zip(jobs, RELATIVE_THROTTLES, strict=True))
+    ]
+    for s in servers:
+        s.wait_ready(120)
+    return servers
+
+
 async def run(steps: int, base: float, work: Path, microbatches: int) -> None:
     servers: list[SwarmProcess] = []
     try:
-        for i, relative in enumerate(RELATIVE_THROTTLES):
-            job_path = work / f"job{i}.toml"  # one job file per run: each run starts at step 0
-            # alone, a replica's rate is its service rate whatever the step size: small steps
-            job_path.write_text(JOB.format(batch=8 * 32, steps=3))
-            servers.append(
-                start_process(
-                    [
-                        "stage-server",
-                        "--job",
-                        str(job_path),
-                        "--stage",
-                        "0",
-                        "--port",
-                        "0",
-                        "--throttle",
-                        str(base * relative),
-                    ],
-                    log_dir=work,
-                    name=f"replica{i}",
-                )
-            )
-        for s in servers:
-            s.wait_ready(120)
-        alone = []
-        for i, server in enumerate(servers):
-            alone.append(await throughput(work / f"job{i}.toml", [server], "wiring"))
+        # Alone, a replica's rate is its service rate whatever the step size: small steps, and
+        # one job file each so that every run starts at step 0.
+        alone_jobs = [work / f"job{i}.toml" for i in range(len(RELATIVE_THROTTLES))]
+        for job in alone_jobs:
+            job.write_text(JOB.format(batch=8 * 32, steps=3))
+        servers = start_pool(alone_jobs, base, work, "replica")
+        alone = [
+            await throughput(job, [server], "wiring")
+            for job, server in zip(alone_jobs, servers, strict=True)
+        ]
         capacity = sum(alone)
         print(
             "replica throttles      " + "  ".join(f"{base * r:>6.1f}" for r in RELATIVE_THROTTLES)
@@ -117,31 +126,11 @@ async def run(steps: int, base: float, work: Path, microbatches: int) -> None:
         print(f"capacity (sum)         {capacity:.1f} samples/s")
         print(f"{'routing':<14} {'samples/s':>10} {'of capacity':>12}")
         for router in ("wiring", "random", "round-robin"):
-            # The replicas advanced a step per run above; a fresh pool per router keeps runs equal.
+            # A fresh pool per router (at step 0) keeps the runs equal.
             stop_all(servers)
-            servers = []
             job_path = work / f"pool-{router}.toml"
             job_path.write_text(JOB.format(batch=8 * microbatches, steps=steps))
-            for i, relative in enumerate(RELATIVE_THROTTLES):
-                servers.append(
-                    start_process(
-                        [
-                            "stage-server",
-                            "--job",
-                            str(job_path),
-                            "--stage",
-                            "0",
-                            "--port",
-                            "0",
-                            "--throttle",
-                            str(base * relative),
-                        ],
-                        log_dir=work,
-                        name=f"{router}{i}",
-                    )
-                )
-            for s in servers:
-                s.wait_ready(120)
+            servers = start_pool([job_path] * len(RELATIVE_THROTTLES), base, work, router)
             value = await throughput(job_path, servers, router)
             print(f"{router:<14} {value:>10.1f} {value / capacity:>12.3f}", flush=True)
     finally:
