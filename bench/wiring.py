@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument(
         "--microbatches",
         type=int,
-        default=256,
+        default=512,
         help="microbatches (of 8 samples) per step of the pool runs: large steps "
         "amortise each step's commit and the drain before it",
     )
