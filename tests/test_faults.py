@@ -136,27 +136,29 @@ def test_replica_killed_at_each_point(tmp_path: Path, point: Point, where: str) 
         assert aborted >= 1 and replays >= 1
 
 
-def test_source_killed_while_a_replica_downloads_its_state(tmp_path: Path) -> None:
-    # s1r0 is killed after step 0 and restarted empty: at the next step boundary it copies a
-    # live replica of stage 1. The first source, s1r1, dies while streaming its state; the join
-    # is retried from s1r2 at the following boundary.
+@pytest.mark.parametrize("where", sorted(WHERE))
+def test_source_killed_while_a_replica_downloads_its_state(tmp_path: Path, where: str) -> None:
+    # A replica of the stage is killed after step 0 and restarted empty: at the next step
+    # boundary it copies a live replica of its stage. The first source dies while streaming its
+    # state; the join is retried from the third replica at the following boundary.
+    stage = WHERE[where]
     job = write_job(tmp_path, training={"steps": 5, "target_batch_size": 16})
-    fault = Fault("s1r1", Point.STATE_DOWNLOAD, 2)
-    servers = Servers(job, [1, 3, 1, 1], [fault], tmp_path)
-    killed = threading.Event()
+    fault = Fault(f"s{stage}r1", Point.STATE_DOWNLOAD, 2)
+    servers = Servers(job, [3 if k == stage else 1 for k in range(4)], [fault], tmp_path)
+    joiner, killed = f"s{stage}r0", threading.Event()
 
     def chaos(record: StepRecord) -> None:
         if record.step == 0 and not killed.is_set():
-            servers.procs["s1r0"].kill()
+            servers.procs[joiner].kill()
             killed.set()
-            servers.restart("s1r0")
+            servers.restart(joiner)
 
     try:
         state, _ = _train(servers, chaos)
     finally:
         servers.stop()
-    assert servers.procs["s1r1"].proc.returncode == -signal.SIGKILL
-    assert "joined stage 1 at step" in servers.procs["s1r0"].log()
+    assert servers.procs[fault.target].proc.returncode == -signal.SIGKILL
+    assert f"joined stage {stage} at step" in servers.procs[joiner].log()
     _equal_to_local(job, state)
 
 
