@@ -15,6 +15,7 @@ import logging
 import random
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
@@ -31,6 +32,7 @@ from swarm.data import DataSource, make_data
 from swarm.errors import ActivationsNotCached, SwarmError
 from swarm.metrics import TrainerMetrics
 from swarm.proto import control_pb2 as cpb
+from swarm.proto import tensor_pb2
 
 __all__ = ["Coordinator", "PipelineTrainer", "TrainerError", "follow_load"]
 
@@ -78,6 +80,12 @@ class PipelineTrainer:
         self.clients: dict[str, StageClient] = {}
         self._members: list[set[str]] = [set() for _ in range(job.training.stages)]
         self.completed = 0  # microbatches this trainer computed and reported
+        # (step, index) -> stage -> (its inputs, its output gradient or the targets), the bytes
+        # this trainer sent: a lost gradient at one stage is replayed with one call from these.
+        self._boundary: OrderedDict[tuple[int, int], dict[int, tuple[TensorLike, TensorLike]]] = (
+            OrderedDict()
+        )
+        self._boundary_bytes = 0
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients.values()))
@@ -196,7 +204,54 @@ class PipelineTrainer:
                     raise
         return await client.backward(task.step, task.index, inputs, grad, **kwargs)
 
+    def _remember(
+        self, step: int, index: int, stage: int, inputs: TensorLike, grad: TensorLike
+    ) -> None:
+        for old in [key for key in self._boundary if key[0] < step]:  # an old step's are useless
+            self._forget(old)
+        self._boundary.setdefault((step, index), {})[stage] = (inputs, grad)
+        self._boundary_bytes += _nbytes(inputs) + _nbytes(grad)
+        while self._boundary_bytes > self.job.runtime.boundary_cache_bytes and self._boundary:
+            self._forget(next(iter(self._boundary)))  # the oldest first
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        for inputs, grad in self._boundary.pop(key, {}).values():
+            self._boundary_bytes -= _nbytes(inputs) + _nbytes(grad)
+
+    async def _replay_from_cache(self, task: Task) -> MicrobatchResult | None:
+        """A replay whose stages' boundary tensors this trainer still has: one call per stage,
+        on any replica (it recomputes from the same bytes, so the gradient is the same)."""
+        cached = self._boundary.get((task.step, task.index))
+        if cached is None or not task.stages <= cached.keys():
+            return None
+        last, holders = self.job.training.stages - 1, {}
+        for k in sorted(task.stages):
+            inputs, grad = cached[k]
+            if k == last:
+                peer, _ = await self._hop(
+                    k,
+                    lambda c, i=inputs, g=grad: c.forward_backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, need_grad_inputs=False
+                    ),
+                )
+            else:
+                peer, _ = await self._hop(
+                    k,
+                    lambda c, i=inputs, g=grad: c.backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, need_grad_inputs=False
+                    ),
+                )
+            holders[k] = peer
+        self.metrics.cached_replays.inc()
+        return MicrobatchResult(
+            task.step, task.index, holders, None, self.job.training.microbatch_size
+        )
+
     async def _microbatch(self, task: Task) -> MicrobatchResult:
+        if len(task.stages) < self.job.training.stages:  # a replay
+            replayed = await self._replay_from_cache(task)
+            if replayed is not None:
+                return replayed
         step, index, stages = task.step, task.index, task.stages
         last, lowest = self.job.training.stages - 1, min(task.stages)
         ids, labels = self.data.microbatch(step, index)
@@ -220,11 +275,13 @@ class PipelineTrainer:
             ),
         )
         holders = {last: peer} if last in stages else {}
+        self._remember(step, index, last, boundary[last], targets)
         loss = result.loss_sum if last in stages else None
         grad = result.grad_inputs
         for k in range(last - 1, lowest - 1, -1):
             assert grad is not None
             g, forward_client = grad, self.clients[forward_peer[k]]
+            self._remember(step, index, k, boundary[k], g)
             peer, result = await self._hop(
                 k,
                 lambda c, k=k, g=g, f=forward_client: self._backward(  # type: ignore[misc]
@@ -248,3 +305,9 @@ async def follow_load(bus: BusLike, job_id: str, wiring: Wiring, microbatch_size
                 message.queue_depth * microbatch_size,
                 seconds if seconds > 0 else None,
             )
+
+
+def _nbytes(value: TensorLike) -> int:
+    if isinstance(value, tensor_pb2.Tensor):
+        return len(value.data)
+    return value.numel() * value.element_size()

@@ -238,6 +238,8 @@ class RuntimeConfig(_Section):
     activation_cache: int = _f(64, GE0)  #: microbatches whose activations a server keeps (count)
     averaging_timeout_s: float = _f(60.0, GT0)  #: a pool round waits this long for a replica (s)
     lease_timeout_s: float = _f(60.0, GT0)  #: unreported leased microbatches go elsewhere (s)
+    #: bytes of boundary tensors a trainer keeps to replay lost gradients without the pipeline
+    boundary_cache_bytes: int = _f(256 * MiB, GE0)
 
     def _validate(self) -> None:
         if self.max_message_bytes <= self.chunk_bytes:

@@ -149,6 +149,12 @@ class TrainerMetrics:
             labels,
             registry=reg,
         )
+        self.cached_replays = Counter(
+            "swarm_trainer_cached_replays_total",
+            "Replays served from the trainer's cached boundary tensors (one hop, no pipeline)",
+            ["job"],
+            registry=reg,
+        ).labels(job=job)
         self._failures = Counter(
             "swarm_trainer_hop_failures_total",
             "Hops that failed on a replica (retried on another)",

@@ -132,8 +132,10 @@ def test_replica_killed_at_each_point(tmp_path: Path, point: Point, where: str) 
         assert retries >= 1
     if point == Point.AVERAGING:
         # It died in the round holding step 2's accepted gradients: the round aborted, and
-        # those microbatches were replayed on the survivor.
+        # those microbatches were replayed on the survivor, from the trainer's cached boundary
+        # tensors (one call each, no pipeline).
         assert aborted >= 1 and replays >= 1
+        assert _count(registry, "swarm_trainer_cached_replays_total") >= 1
 
 
 @pytest.mark.parametrize("where", sorted(WHERE))
@@ -224,4 +226,21 @@ def test_stage_wiped_out_rolls_back_to_the_last_checkpoint(tmp_path: Path) -> No
         servers.stop()
     assert _count(registry, "swarm_coordinator_rollbacks_total") == 1
     assert "a rollback" in servers.procs["s1r0"].log()  # the others rolled back too
+    _equal_to_local(job, state)
+
+
+def test_without_the_boundary_cache_replays_rerun_the_pipeline(tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path,
+        training={"steps": 4, "target_batch_size": 16},
+        runtime={"boundary_cache_bytes": 0},
+    )
+    fault = Fault("s1r0", Point.AVERAGING, 2)
+    servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path)
+    try:
+        state, registry = _train(servers)
+    finally:
+        servers.stop()
+    assert _count(registry, "swarm_coordinator_replays_total") >= 1
+    assert _count(registry, "swarm_trainer_cached_replays_total") == 0  # no cache: full pipeline
     _equal_to_local(job, state)
