@@ -40,6 +40,7 @@ class SchedulerProcessOptions:
     token: str | None = None  # swarm token: required on every call and as MQTT password
     connect_timeout_s: float = 30.0  # how long to wait for the broker at start
     shutdown_grace_s: float = 5.0  # in-flight job API calls may finish within this
+    load_silence_s: float = 10.0  # a serving peer silent this long on the load topic is out
 
 
 async def run_scheduler(opts: SchedulerProcessOptions) -> None:
@@ -55,7 +56,9 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
     try:
         async with Bus(broker, client_id="scheduler", token=opts.token, registry=registry) as bus:
             await bus.wait_connected(opts.connect_timeout_s)
-            options = SchedulerOptions(opts.checkpoint_dir, token=opts.token)
+            options = SchedulerOptions(
+                opts.checkpoint_dir, token=opts.token, load_silence_s=opts.load_silence_s
+            )
             scheduler = Scheduler(store, bus, options, registry)
             registry.register(collector(scheduler))
             server = grpc.aio.server(

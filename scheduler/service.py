@@ -61,6 +61,7 @@ class SchedulerOptions:
     retry_pause_s: float = 1.0  # after a failed training attempt, before the next one
     max_failed_attempts: int = 20  # consecutive attempts without progress before the job fails
     embedded_trainer: bool = True  # run a trainer inside the scheduler for each job
+    load_silence_s: float = 10.0  # a serving peer whose load reports stop this long is left out
     token: str | None = None  # swarm token for calls to stage servers
 
 
@@ -83,6 +84,8 @@ class Scheduler:
         self._coordinators: dict[str, LocalCoordinator] = {}
         self._coordinator_metrics = CoordinatorFamilies(self.registry)
         self._live: dict[tuple[str, str], tuple[int, float]] = {}  # (job, peer) -> stage, speed
+        self._reported: dict[tuple[str, str], float] = {}  # (job, peer) -> last load report
+        self._silent: set[tuple[str, str]] = set()
         self._moves = Counter(
             "swarm_scheduler_rebalancing_moves_total",
             "Peers moved between stages by rebalancing",
@@ -169,6 +172,9 @@ class Scheduler:
     async def _watch_load(self) -> None:
         """Live samples/s of each serving peer on its stage, from its load reports."""
         async for _topic, message in self.bus.subscribe(self.bus.topics.load("+", "+")):
+            if isinstance(message, cpb.LoadReport):
+                self._reported[(message.job, message.peer)] = time.monotonic()
+                self._silent.discard((message.job, message.peer))
             if isinstance(message, cpb.LoadReport) and message.ema_seconds_per_sample > 0:
                 self._live[(message.job, message.peer)] = (
                     message.stage,
@@ -192,6 +198,11 @@ class Scheduler:
             await asyncio.sleep(config.period_s)
             members = self.members(job_id, stages)
             assignment = {rep.peer: k for k, reps in enumerate(members) for rep in reps}
+            if not all(
+                (self._live.get((job_id, peer)) or (None,))[0] == k
+                for peer, k in assignment.items()
+            ):
+                continue  # decide on measured throughput only: wait for every member's report
             speeds: dict[str, list[float]] = {}
             for peer, k in assignment.items():
                 announced = self.peers[peer].samples_per_second  # members come from self.peers
@@ -292,7 +303,19 @@ class Scheduler:
     def members(self, job_id: str, stages: int) -> list[list[Replica]]:
         """Per stage, the peers serving it for this job, in a stable order."""
         result: list[list[Replica]] = [[] for _ in range(stages)]
+        now = time.monotonic()
         for p in sorted(self.peers.values(), key=lambda p: p.peer):
+            reported = self._reported.get((job_id, p.peer))
+            if reported is not None and now - reported > self.opts.load_silence_s:
+                if (job_id, p.peer) not in self._silent:  # hung, or cut off: not a member
+                    self._silent.add((job_id, p.peer))
+                    log.warning(
+                        "job %s: %s's load reports stopped %.0fs ago; leaving it out",
+                        job_id,
+                        p.peer,
+                        now - reported,
+                    )
+                continue
             if (
                 p.job == job_id
                 and p.state == cpb.PEER_STATE_SERVING

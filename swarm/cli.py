@@ -108,6 +108,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         token=_token(args),
+        load_silence_s=args.load_silence_s,
     )
     asyncio.run(run_scheduler(opts))
     return 0
@@ -219,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
     _add(p, "store", Path("swarm-jobs.sqlite"), "SQLite job store", type=Path)
     _add(p, "checkpoint-dir", Path("swarm-checkpoints"), "where trained models are kept", type=Path)
+    _add(
+        p,
+        "load-silence-s",
+        10.0,
+        "leave out serving peers whose load reports stop this long",
+        type=float,
+    )
     _secret(p)
 
     p = command("broker", cmd_broker, "run the embedded MQTT broker (amqtt)")
@@ -263,8 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path(__file__).resolve().parent.parent / "examples" / "tiny.toml",
         help="job file (TOML)",
     )
-    p.add_argument("--chaos", action="store_true",
-                   help="keep killing random replicas (SIGKILL) and starting fresh peers")
+    p.add_argument(
+        "--chaos",
+        action="store_true",
+        help="keep killing random replicas (SIGKILL) and starting fresh peers",
+    )
     return parser
 
 

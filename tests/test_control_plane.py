@@ -4,7 +4,9 @@ the embedded broker and over Mosquitto."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -257,4 +259,32 @@ def test_rebalancing_moves_a_peer_to_the_bottleneck_and_stays_exact(tmp_path: Pa
         sw.stop()
     assert any(dst == "1" for _, _, dst in moves), moves  # a peer moved to the bottleneck
     assert f'swarm_scheduler_rebalancing_moves_total{{job="{job_id}"}}' in metrics
+    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+
+
+def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -> None:
+    # SIGSTOP: the process hangs with its connections open, so neither a closed socket nor the
+    # (embedded) broker's last-will says it is gone; its silence on the load topic does.
+    job = write_job(
+        tmp_path, training={"steps": 80, "target_batch_size": 16}, runtime={"rpc_timeout_s": 3.0}
+    )
+    sw, _ = start_local_swarm(
+        [3.0] * 5, log_dir=tmp_path, extra_scheduler=["--load-silence-s", "2"]
+    )
+    stopped = None
+    try:
+        job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        _wait_step(sw, job_id, 3)
+        status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        pooled = next(s for s in status["stages"] if len(s.get("replicas", [])) >= 2)
+        victim = pooled["replicas"][0]["peer"]
+        stopped = next(p for p in sw.peers if p.ready["peer"] == victim)
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        _wait_step(sw, job_id, 80, timeout=240)
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+        assert f"{victim}'s load reports stopped" in sw.scheduler.log()
+    finally:
+        if stopped is not None:
+            stopped.kill()  # SIGKILL works on a stopped process
+        sw.stop()
     assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
