@@ -6,9 +6,16 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.*
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast check protos bench clean
+.PHONY: install mosquitto demo test test-fast check protos bench clean
 
 install: $(STAMP)
+
+# The integration tests start their own Mosquitto brokers: install the Debian package if missing.
+mosquitto:
+	@command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || { \
+	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq mosquitto >/dev/null; }
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,10 +27,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(BIN)/swarm demo
 
-test: install
+test: install mosquitto
 	$(BIN)/python -m pytest -q
 
-test-fast: install
+test-fast: install mosquitto
 	$(BIN)/python -m pytest -q -m "not slow"
 
 check: install
