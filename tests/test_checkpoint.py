@@ -1,0 +1,53 @@
+"""Checkpoints: the format, and export from one when no replica is alive."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from scheduler.service import Scheduler, SchedulerOptions
+from scheduler.store import JobStore
+from stage_server.runtime import StageRuntime
+from swarm import checkpoint
+from swarm.bus import Topics
+from tests.jobs import BASE, make_job, render
+
+
+class _NoBus:
+    """Export never touches the bus; anything else would fail loudly here."""
+
+    topics = Topics()
+
+
+def _save(root: Path, job, step: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    model = {}
+    for stage in range(job.training.stages):
+        state = StageRuntime(job, stage).export_state()
+        checkpoint.save_stage(root, step, stage, state)
+        model.update(
+            {k.removeprefix("param/"): v for k, v in state.items() if k.startswith("param/")}
+        )
+    return model
+
+
+def test_only_sealed_checkpoints_count(tmp_path: Path) -> None:
+    job = make_job(tmp_path)
+    assert checkpoint.latest(tmp_path / "ckpt") is None
+    _save(tmp_path / "ckpt", job, 4)
+    assert checkpoint.latest(tmp_path / "ckpt") is None  # stage files without a manifest
+    checkpoint.seal(tmp_path / "ckpt", 4, job.training.stages)
+    _save(tmp_path / "ckpt", job, 6)  # a newer one, torn: never sealed
+    assert checkpoint.latest(tmp_path / "ckpt") == 4
+
+
+async def test_export_falls_back_to_the_last_checkpoint(tmp_path: Path) -> None:
+    job = make_job(tmp_path)
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        record = store.create("test", render(BASE), str(tmp_path), job.training.steps)
+        scheduler = Scheduler(store, _NoBus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        model = _save(tmp_path / "ckpt" / record.id, job, 2)
+        checkpoint.seal(tmp_path / "ckpt" / record.id, 2, job.training.stages)
+        step, state = await scheduler.export(record.id)  # no coordinator, no replica alive
+    assert step == 2 and state.keys() == model.keys()
+    assert all(torch.equal(state[k], model[k]) for k in model)
