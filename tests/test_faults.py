@@ -31,8 +31,15 @@ WHERE = {"first": 0, "middle": 1, "last": 3}
 class Servers:
     """Stage servers `s{stage}r{replica}`, each its own process, restartable on its port."""
 
-    def __init__(self, job: Path, layout: list[int], faults: list[Fault], log_dir: Path) -> None:
-        self.job, self.faults, self.log_dir = job, faults, log_dir
+    def __init__(
+        self,
+        job: Path,
+        layout: list[int],
+        faults: list[Fault],
+        log_dir: Path,
+        slow: frozenset[str] = frozenset(),
+    ) -> None:
+        self.job, self.faults, self.log_dir, self.slow = job, faults, log_dir, slow
         self.procs: dict[str, SwarmProcess] = {}
         self.ports: dict[str, str] = {}
         self.layout = layout
@@ -56,6 +63,8 @@ class Servers:
                 str(stage),
                 "--port",
                 port,
+                "--throttle",
+                "3" if name in self.slow else "1",
             ],
             log_dir=self.log_dir,
             name=f"{name}-{len(self.procs)}-{time.monotonic_ns()}",
@@ -107,7 +116,15 @@ def test_replica_killed_at_each_point(tmp_path: Path, point: Point, where: str) 
     stage = WHERE[where]
     job = write_job(tmp_path, training={"steps": 5, "target_batch_size": 16})
     fault = Fault(f"s{stage}r0", point, 2)
-    servers = Servers(job, [2 if k == stage else 1 for k in range(4)], [fault], tmp_path)
+    # The survivor is 3x slower, so the wiring gives the victim most of the work: when it dies
+    # it holds accepted gradients, and their replay is what the counters must show.
+    servers = Servers(
+        job,
+        [2 if k == stage else 1 for k in range(4)],
+        [fault],
+        tmp_path,
+        slow=frozenset({f"s{stage}r1"}),
+    )
     victim = servers.procs[fault.target]
 
     def kill_when_idle(record: StepRecord) -> None:
@@ -236,7 +253,7 @@ def test_without_the_boundary_cache_replays_rerun_the_pipeline(tmp_path: Path) -
         runtime={"boundary_cache_bytes": 0},
     )
     fault = Fault("s1r0", Point.AVERAGING, 2)
-    servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path)
+    servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path, slow=frozenset({"s1r1"}))
     try:
         state, registry = _train(servers)
     finally:
