@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -85,7 +85,6 @@ class MicrobatchResult:
 class _Commit:
     attempt: int = 0
     task: asyncio.Task[bool] | None = None
-    started: float = field(default_factory=time.perf_counter)
 
 
 class LocalCoordinator:
