@@ -288,3 +288,47 @@ def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -
             stopped.kill()  # SIGKILL works on a stopped process
         sw.stop()
     assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+
+
+def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -> None:
+    # One replica per stage; the one of stage 2 is SIGKILLed, a fresh peer joins and takes the
+    # empty stage, every stage rolls back to the last checkpoint, `swarm status` says so, and
+    # the job still ends with `swarm local`'s parameters.
+    job = write_job(
+        tmp_path, training={"steps": 40, "target_batch_size": 16, "checkpoint_every": 4}
+    )
+    sw, _ = start_local_swarm([20.0] * 4, log_dir=tmp_path)
+    try:
+        job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        assert _wait_step(sw, job_id, 6) < 16
+        status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        victim = status["stages"][2]["replicas"][0]["peer"]
+        next(p for p in sw.peers if p.ready["peer"] == victim).kill()
+        # With stage 2 gone no step can commit: this is as far as the job got.
+        stalled = int(
+            json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)["step"]
+        )
+        sw.add_peer(20.0)
+        deadline, said = time.monotonic() + 120, ""
+        while time.monotonic() < deadline and "rolled back" not in said:
+            said = json.loads(
+                swarm("status", job_id, "--json", "--scheduler", sw.address).stdout
+            ).get("message", "")
+            time.sleep(0.3)
+        rolled_to = re.search(r"rolled back to step (\d+)", said)
+        assert rolled_to is not None, said
+        # To a sealed checkpoint, not past where the job was when its stage died.
+        assert int(rolled_to[1]) % 4 == 0 and 0 < int(rolled_to[1]) <= stalled, (said, stalled)
+        _wait_step(sw, job_id, 40, timeout=240)
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+        metrics = (
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{sw.scheduler.ready['metrics']}/metrics", timeout=10
+            )
+            .read()
+            .decode()
+        )
+        assert f'swarm_coordinator_rollbacks_total{{job="{job_id}"}} 1.0' in metrics
+    finally:
+        sw.stop()
+    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
