@@ -28,10 +28,11 @@ from stage_server.server import (
     install_signal_handlers,
     start_grpc,
 )
-from swarm.bus import Bus, BusLike, TopicKind, Topics
+from swarm.bus import Bus, BusLike
 from swarm.config import JobConfig, RuntimeConfig, parse_job
 from swarm.errors import ConfigError
 from swarm.proto import control_pb2 as cpb
+from swarm.topics import TopicKind, Topics
 
 __all__ = ["PeerAgent", "run_peer"]
 

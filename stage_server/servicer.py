@@ -360,8 +360,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             try:
                 step, state = await source.download_state(include_optimizer=True, prefix="")
             except grpc.aio.AioRpcError as e:  # the source died or refused: try another later
-                raise Aborted(f"copying {request.source} failed: {e.code().name}: "
-                              f"{e.details()}") from None
+                raise Aborted(
+                    f"copying {request.source} failed: {e.code().name}: {e.details()}"
+                ) from None
             finally:
                 await source.close()
             await self._compute(rt.load_state, step, state)
@@ -388,8 +389,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             if step < 0:
                 raise InvalidArgument("LoadState carried no state")
             await self._compute(self.runtime.load_state, step, state)
-            log.warning("%s: loaded stage %d's state of step %d (a rollback)", self.peer,
-                        self.runtime.stage, step)
+            log.warning(
+                "%s: loaded stage %d's state of step %d (a rollback)",
+                self.peer,
+                self.runtime.stage,
+                step,
+            )
             self.metrics.committed(step, applied=False)
             return pb.StageLoadStateResponse(step=step)
 

@@ -20,7 +20,7 @@ from amqtt.contexts import BrokerConfig, ListenerConfig, ListenerType
 from amqtt.plugins.base import BaseAuthPlugin
 from amqtt.session import Session
 
-from swarm.bus import BusError
+from swarm.topics import BusError
 
 __all__ = ["DISCONNECT_GRACE_S", "EmbeddedBroker", "run_broker"]
 

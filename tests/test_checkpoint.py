@@ -10,7 +10,7 @@ from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
 from stage_server.runtime import StageRuntime
 from swarm import checkpoint
-from swarm.bus import Topics
+from swarm.topics import Topics
 from tests.jobs import BASE, make_job, render
 
 

@@ -37,8 +37,14 @@ def decide(
 
 @pytest.mark.parametrize(
     "field, value",
-    [("period_s", 0.0), ("hysteresis", 0.99), ("min_dwell_s", -1.0), ("move_cost_s", -1.0),
-     ("horizon_s", 60.0), ("hysteresis", float("nan"))],
+    [
+        ("period_s", 0.0),
+        ("hysteresis", 0.99),
+        ("min_dwell_s", -1.0),
+        ("move_cost_s", -1.0),
+        ("horizon_s", 60.0),
+        ("hysteresis", float("nan")),
+    ],
 )
 def test_config_rejects_bad_values(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -54,8 +60,12 @@ def test_moves_a_peer_into_the_bottleneck_and_reports_the_gain() -> None:
 
 def test_never_empties_a_stage() -> None:
     # Stage 1 is the most over-served but has one peer; stage 2 can give.
-    speeds = {"x": [1.0, 1.0, 1.0], "big": [9.0, 9.0, 9.0], "y": [2.0, 2.0, 2.0],
-              "z": [2.0, 2.0, 2.0]}
+    speeds = {
+        "x": [1.0, 1.0, 1.0],
+        "big": [9.0, 9.0, 9.0],
+        "y": [2.0, 2.0, 2.0],
+        "z": [2.0, 2.0, 2.0],
+    }
     move = decide({"x": 0, "big": 1, "y": 2, "z": 2}, speeds, stages=3)
     assert move is not None and move.peer != "big" and move.src == 2
     assert decide({"x": 0, "big": 1}, uniform(x=1.0, big=9.0)) is None
@@ -63,8 +73,13 @@ def test_never_empties_a_stage() -> None:
 
 def test_falls_back_to_a_less_over_served_stage_when_the_most_cannot_help() -> None:
     # Stage 1 (the most over-served) only has peers that cannot serve stage 0 at all.
-    speeds = {"x": [1.0, 1.0, 1.0], "p": [0.0, 5.0, 5.0], "q": [0.0, 5.0, 5.0],
-              "r": [2.0, 2.0, 2.0], "s": [2.0, 2.0, 2.0]}
+    speeds = {
+        "x": [1.0, 1.0, 1.0],
+        "p": [0.0, 5.0, 5.0],
+        "q": [0.0, 5.0, 5.0],
+        "r": [2.0, 2.0, 2.0],
+        "s": [2.0, 2.0, 2.0],
+    }
     move = decide({"x": 0, "p": 1, "q": 1, "r": 2, "s": 2}, speeds, stages=3)
     assert move is not None and move.src == 2 and move.dst == 0
 
@@ -85,8 +100,10 @@ def test_no_move_when_two_stages_share_the_bottleneck() -> None:
 
 
 def test_dwell_blocks_the_moved_peer_and_the_stage_it_joined() -> None:
-    speeds = {name: [speed] * 3 for name, speed in
-              {"x": 10.0, "a": 8.0, "b": 12.0, "c": 8.0, "d": 13.0}.items()}
+    speeds = {
+        name: [speed] * 3
+        for name, speed in {"x": 10.0, "a": 8.0, "b": 12.0, "c": 8.0, "d": 13.0}.items()
+    }
     assignment = {"x": 0, "a": 1, "b": 1, "c": 2, "d": 2}  # totals 10, 20, 21
     config = RebalanceConfig(hysteresis=1.0, min_dwell_s=300.0, move_cost_s=0.0)
 
@@ -230,8 +247,10 @@ def test_rejects_bad_input() -> None:
 def test_one_decision_at_1000_peers_is_cheap() -> None:
     rng = random.Random(5)
     stages = 8
-    speeds = {f"p{i:04d}": [rng.choice([1.0, 2.5, 6.0]) * rng.uniform(0.9, 1.1)] * stages
-              for i in range(1000)}
+    speeds = {
+        f"p{i:04d}": [rng.choice([1.0, 2.5, 6.0]) * rng.uniform(0.9, 1.1)] * stages
+        for i in range(1000)
+    }
     assignment = place(speeds, stages, rounds=0, budget=20_000)
     # Hysteresis 1: every stage's candidates are examined (the most expensive decision).
     config = RebalanceConfig(hysteresis=1.0, min_dwell_s=0.0)

@@ -34,8 +34,16 @@ def test_hops_go_forward_then_back_with_the_last_stage_fused() -> None:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("peers", 0), ("stages", 0), ("hours", 0.0), ("skew", 1.0), ("forward_share", 1.0),
-     ("stage_costs", (1.0, 2.0)), ("lifetime_h", -1.0), ("policy", "random")],
+    [
+        ("peers", 0),
+        ("stages", 0),
+        ("hours", 0.0),
+        ("skew", 1.0),
+        ("forward_share", 1.0),
+        ("stage_costs", (1.0, 2.0)),
+        ("lifetime_h", -1.0),
+        ("policy", "random"),
+    ],
 )
 def test_config_rejects_bad_values(field: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=field):

@@ -1,0 +1,80 @@
+"""Broker URLs and topic names: pure functions, no broker."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.errors import ConfigError
+from swarm.topics import (
+    ANY,
+    BrokerUrlError,
+    TopicError,
+    TopicInfo,
+    TopicKind,
+    Topics,
+    check_pattern,
+    check_topic,
+    parse_broker_url,
+    topic_matches,
+)
+
+
+def test_parse_broker_url() -> None:
+    addr = parse_broker_url("mqtt://alice:s%40cret@broker.example:1884")
+    assert (addr.host, addr.port, addr.username, addr.password, addr.tls) == (
+        "broker.example",
+        1884,
+        "alice",
+        "s@cret",
+        False,
+    )
+    assert "s@cret" not in repr(addr)
+    assert parse_broker_url("mqtts://[::1]").port == 8883
+    assert parse_broker_url("mqtt://h").port == 1883
+    for bad in [
+        "http://h:1",
+        "mqtt://:1883",
+        "mqtt://h:99999",
+        "mqtt://h:0",
+        "mqtt://h/x",
+        "h:1883",
+        "mqtt://u:tok@h:x",
+    ]:
+        with pytest.raises(BrokerUrlError) as info:
+            parse_broker_url(bad)
+        assert "tok" not in str(info.value)
+    assert issubclass(BrokerUrlError, ConfigError)
+
+
+def test_topics_build_and_parse() -> None:
+    t = Topics("s/v1")
+    assert t.prefix == "s/v1/"
+    assert t.peer("p1") == "s/v1/peers/p1"
+    assert t.assign("j", "p") == "s/v1/jobs/j/assign/p"
+    assert t.load("j", ANY) == "s/v1/jobs/j/load/+"
+    assert t.parse(t.peer("p1")) == TopicInfo(TopicKind.PEER, None, "p1")
+    assert t.parse(t.job("j")) == TopicInfo(TopicKind.JOB, "j", None)
+    assert t.parse(t.assign("j", "p")) == TopicInfo(TopicKind.ASSIGN, "j", "p")
+    assert t.parse(t.load("j", "p")) == TopicInfo(TopicKind.LOAD, "j", "p")
+    assert t.parse(t.steps("j")) == TopicInfo(TopicKind.STEPS, "j", None)
+    for bad_id in ["", "a/b", "#", "a+"]:
+        with pytest.raises(TopicError):
+            t.peer(bad_id)
+    for bad_topic in ["x/v1/peers/p", "s/v1/peers/p/q", "s/v1/jobs/j/other/p", "s/v1/peers/+"]:
+        with pytest.raises(TopicError):
+            t.parse(bad_topic)
+    assert topic_matches("s/v1/jobs/j/load/p", t.load(ANY, ANY))
+    assert topic_matches("s/v1/jobs/j", t.everything())
+    assert not topic_matches("s/v1/jobs/j/steps", t.job(ANY))
+
+
+def test_publish_topics_and_subscription_patterns_are_checked() -> None:
+    check_topic("s/v1/peers/p")
+    check_pattern("s/v1/+/p")
+    check_pattern("s/v1/#")
+    for bad in ["", "s/+/p", "s/#", "a\x00b"]:
+        with pytest.raises(TopicError):
+            check_topic(bad)
+    for bad in ["", "s/a+/p", "s/#/p", "s/x#", "a\x00b"]:
+        with pytest.raises(TopicError):
+            check_pattern(bad)
