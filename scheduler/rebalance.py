@@ -12,7 +12,10 @@ the most over-served one cannot). Among the peers of the first stage that has a 
 takes the one that makes the new bottleneck `after` largest. A candidate is valid when:
 - the move leaves its stage with a replica (never empty a stage) and can serve `b` (speed > 0);
 - hysteresis: `after > before * hysteresis`. A move that only reshuffles float error or measurement
-  noise is not worth a peer's downtime, and the reverse move is never attractive right after;
+  noise is not worth a peer's downtime, and the reverse move is never attractive right after.
+  Except when the swarm is out of balance, `before * hysteresis < mean`, the mean being that of the
+  stage totals: then any gain (`after > before`) will do. That holds when one peer is a small
+  share of a stage (see "Scale");
 - dwell: the peer has not moved within `min_dwell_s`, nor has its stage *received* a peer within
   `min_dwell_s`. The second part stops the A->B, B->A flip-flop done by two different peers, and
   covers the first (a peer that just moved sits on the stage it joined), so a peer never moves
@@ -26,14 +29,15 @@ Ties between candidates: the higher `after`, then the smaller rate given up at t
 higher rate gained at `b`, then the peer id; stages tie to the lower index. So the output is a
 function of the input.
 
-Scale. The hysteresis compares one peer's effect with a whole stage's: with P/S peers per stage one
-move lifts the bottleneck by about S/P of it, so at the default 1.1 rebalancing acts in swarms of
-up to ~10 peers per stage (or after a stage lost most of its peers) and never in larger ones.
-Measured in the simulator (1,000 peers, 8 stages, 3 h): with a mean lifetime of one hour, joins
-placed by `best_stage` keep the stages balanced and hysteresis 1.1 orders no move (ratio to the
-optimum 0.975, as without rebalancing) while 1.0 orders a move nearly every period for nothing
-(0.973); but with stage 0 started 30% short and no churn, 1.1 stays at 0.69 for good while 1.0
-reaches 0.996 within an hour (23 moves). A large swarm without churn wants a factor near 1.
+Scale. Applied to one move, the hysteresis compares one peer's effect with a whole stage's: with
+P/S peers per stage one move lifts the bottleneck by about S/P of it, so a factor of 1.1 alone would
+act only in swarms of up to ~10 peers per stage. Measured in the simulator (1,000 peers, 8 stages,
+no churn, stage 0 started 30% short) that rule stayed at 0.69 of the optimum for good. Hence the
+second test, on the imbalance: the bottleneck against the mean of the stage totals. Each move then
+has to lift the bottleneck at all, and pay for its download (the cost check, which compares the
+gain with the moved peer's own rate). That rule stops once the stages are within the factor of
+their mean. Fixed speeds cannot make it cycle: each move strictly raises the bottleneck. Drifting
+speeds are handled by the dwell. In small swarms one move is a large step and both rules agree.
 
 Cost: O(P) per decision (one pass to sum and group, one over the candidate stages' peers).
 """
@@ -58,8 +62,9 @@ class RebalanceConfig:
 
     period_s: float = 60.0
     """Seconds between two decisions."""
-    hysteresis: float = 1.1
-    """A move must raise the bottleneck by more than this factor (>= 1)."""
+    hysteresis: float = 1.05
+    """A move must raise the bottleneck by more than this factor (>= 1), unless the bottleneck is
+    more than this factor below the mean stage total: then any gain will do."""
     min_dwell_s: float = 300.0
     """Seconds after a move during which that peer does not move again and its new stage gives no
     peer away (>= 0)."""
@@ -122,12 +127,16 @@ def plan_move(
         members[stage].append(peer)
     dst = min(range(num_stages), key=lambda k: (totals[k], k))
     before = totals[dst]
+    out_of_balance = before * config.hysteresis < sum(totals) / num_stages
+    floor = before * (1.0 if out_of_balance else config.hysteresis) * (1.0 + _REL_TOL)
     dwell = config.min_dwell_s
     received = {assignment[p] for p, t in last_moved.items() if p in assignment and now - t < dwell}
     for src in sorted(range(num_stages), key=lambda k: (-totals[k], k)):
         if src == dst or len(members[src]) < 2 or src in received:
             continue
-        move = _best_from(src, dst, members[src], totals, speeds, before, now, last_moved, config)
+        move = _best_from(
+            src, dst, members[src], totals, speeds, before, floor, now, last_moved, config
+        )
         if move is not None:
             return move
     return None
@@ -140,14 +149,15 @@ def _best_from(
     totals: list[float],
     speeds: Mapping[str, Sequence[float]],
     before: float,
+    floor: float,
     now: float,
     last_moved: Mapping[str, float],
     config: RebalanceConfig,
 ) -> Move | None:
-    """The best valid move of one of `peers` (all on `src`) to `dst`, or None."""
+    """The best valid move of one of `peers` (all on `src`) to `dst` that lifts the bottleneck
+    above `floor`, or None."""
     # Stages other than src and dst keep their totals: the smallest of them caps `after`.
     others = min((t for k, t in enumerate(totals) if k not in (src, dst)), default=math.inf)
-    floor = before * config.hysteresis * (1.0 + _REL_TOL)
     if others <= floor:
         return None  # another stage sits at (about) the bottleneck: no single move lifts it
     payback = config.horizon_s - config.move_cost_s

@@ -21,15 +21,20 @@ __all__ = ["build_parser", "main"]
 log = logging.getLogger("swarm")
 
 
+def _env_name(flag: str) -> str:
+    return "SWARM_" + flag.upper().replace("-", "_")
+
+
 def _env(flag: str, default: Any) -> Any:
     """The default of `--flag`: `SWARM_FLAG` if set (converted to the default's type)."""
-    raw = os.environ.get("SWARM_" + flag.upper().replace("-", "_"))
+    raw = os.environ.get(_env_name(flag))
     if raw is None:
         return default
     return type(default)(raw) if default is not None else raw
 
 
 def _add(p: argparse.ArgumentParser, flag: str, default: Any, help: str, **kw: Any) -> None:
+    help = f"{help} [env {_env_name(flag)}]"
     p.add_argument(f"--{flag}", default=_env(flag, default), help=help, **kw)
 
 
@@ -129,7 +134,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
-    if args.scheduler:
+    if args.scheduler and not args.stage_servers:
         from client.remote import run_remote_trainer
 
         return asyncio.run(
@@ -156,6 +161,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
             threads=args.threads,
             metrics_port=args.metrics_port,
             token=_token(args),
+            checkpoint_dir=args.checkpoint_dir,
         )
     )
 
@@ -244,13 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
         "or drive given stage servers yourself (--job FILE, --stage-servers)",
     )
     p.add_argument("--job", required=True, help="job id (with --scheduler) or job file (TOML)")
-    _add(p, "scheduler", None, "the scheduler's job API, HOST:PORT")
+    _add(p, "scheduler", None, "the scheduler's job API, HOST:PORT (ignored with --stage-servers)")
     _add(
         p,
         "stage-servers",
         None,
         "HOST:PORT of each stage in stage order, comma-separated; a stage's replicas "
-        "separated by | (a,b|c,d: two replicas of stage 1)",
+        "separated by | (a,b|c,d: two replicas of stage 1); the trainer then drives them itself",
     )
     _secret(p)
     p.add_argument("--out", type=Path, help="write the trained model's state_dict here")

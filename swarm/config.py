@@ -217,11 +217,17 @@ class RebalanceConfig(_Section):
     section: ClassVar[str] = "rebalance"
     enabled: bool = True  #: let the scheduler move peers between stages
     period_s: float = _f(60.0, GT0)  #: seconds between two decisions
-    #: a move must raise the bottleneck by more than this factor (1: any gain)
+    #: a move must raise the bottleneck by more than this factor, unless the bottleneck is more
+    #: than this factor below the mean stage total (then any gain will do); 1: any gain
     hysteresis: float = _f(1.05, GE1)
     min_dwell_s: float = _f(300.0, GE0)  #: a moved peer stays put at least this long (s)
     move_cost_s: float = _f(60.0, GE0)  #: seconds a moved peer serves nobody (drain, download)
     horizon_s: float = _f(3600.0, GT0)  #: seconds a move's gain lasts, weighed against its cost
+
+    def _validate(self) -> None:
+        if self.horizon_s <= self.move_cost_s:
+            allowed = f"a number > rebalance.move_cost_s = {self.move_cost_s}"
+            raise _fail("rebalance.horizon_s", self.horizon_s, allowed)
 
 
 @dataclass(frozen=True)

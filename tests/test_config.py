@@ -188,6 +188,11 @@ BAD: list[tuple[Sections, bytes | None, list[str]]] = [
     ),
     ({"runtime": {"max_tensor_bytes": "0"}}, None, ["runtime.max_tensor_bytes = 0", ">= 1"]),
     ({"runtime": {"activation_cache": "-1"}}, None, ["runtime.activation_cache = -1", ">= 0"]),
+    (
+        {"rebalance": {"horizon_s": "60.0"}},
+        None,
+        ["rebalance.horizon_s = 60.0", "> rebalance.move_cost_s = 60.0"],
+    ),
     ({"trainig": {}}, None, ["unknown section trainig", "did you mean training?"]),
     ({"": {"colour": '"red"'}}, None, ["unknown section colour", "allowed: name, model"]),
     ({"training": {"stepz": "3"}}, None, ["training.stepz", "did you mean training.steps?"]),

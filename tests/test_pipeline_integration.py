@@ -4,6 +4,7 @@ train a job and end with `swarm local`'s parameters."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm import checkpoint
 from swarm.procs import start_stage_servers, stop_all
 from tests.jobs import write_job
 
 pytestmark = pytest.mark.slow
 
 
-def _swarm(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def _swarm(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "swarm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -39,6 +47,7 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str) -> None:
             "dtype": dtype,
             "target_batch_size": 24,
             "microbatch_size": 4,
+            "checkpoint_every": 5,
         },
         runtime={"max_in_flight": 4},
     )
@@ -55,10 +64,15 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str) -> None:
             str(tmp_path / "swarm.pt"),
             "--log",
             str(tmp_path / "swarm.jsonl"),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            # A scheduler exported for other commands: --stage-servers still means standalone.
+            env={"SWARM_SCHEDULER": "127.0.0.1:1"},
         )
     finally:
         codes = [s.stop() for s in servers]
     assert codes == [0, 0, 0, 0], "stage servers must shut down cleanly on SIGTERM"
+    assert checkpoint.latest(tmp_path / "ckpt") == 10
     assert all("Traceback" not in s.log() for s in servers), servers[0].log()[-2000:]
     _swarm(
         "local",

@@ -94,6 +94,45 @@ def test_hysteresis_holds(hysteresis: float, moves: bool) -> None:
         assert move.after > move.before * hysteresis
 
 
+def crowd(counts: Sequence[int], speed: float = 1.0) -> tuple[dict[str, int], dict]:
+    """`counts[k]` equal peers on stage k (as fast on every stage)."""
+    assignment = {f"s{k}p{i:03d}": k for k, n in enumerate(counts) for i in range(n)}
+    return assignment, {p: [speed] * len(counts) for p in assignment}
+
+
+def test_a_large_swarm_out_of_balance_moves_on_small_gains() -> None:
+    # 400 peers: one move lifts stage 0 from 70 to 71 (1.4%), below the hysteresis, but the stage
+    # sits 30% under the mean of 100: the imbalance, not the single move, is what the factor tests.
+    config = RebalanceConfig(hysteresis=1.1, min_dwell_s=0.0, move_cost_s=60.0)
+    assignment, speeds = crowd([70, 110, 110, 110])
+    move = decide(assignment, speeds, 4, config=config)
+    assert move is not None and (move.dst, move.before, move.after) == (0, 70.0, 71.0)
+    # Within the factor of the mean (95 * 1.1 > 100), a 1% move is not worth it.
+    assignment, speeds = crowd([95, 102, 102, 101])
+    assert decide(assignment, speeds, 4, config=config) is None
+
+
+@pytest.mark.parametrize("hysteresis", [1.02, 1.05, 1.1])
+def test_out_of_balance_moves_stop_within_the_factor_of_the_mean(hysteresis: float) -> None:
+    config = RebalanceConfig(hysteresis=hysteresis, min_dwell_s=0.0, move_cost_s=60.0)
+    assignment, speeds = crowd([70, 110, 110, 110])
+    lifted = [70.0]
+    for now in range(200):
+        move = decide(assignment, speeds, 4, config=config, now=float(now))
+        if move is None:
+            break
+        assert move.before == lifted[-1] and move.after > move.before
+        assignment[move.peer] = move.dst
+        lifted.append(bottleneck(assignment, speeds, 4))
+        assert lifted[-1] == move.after
+    else:
+        pytest.fail("no fixed point within 200 decisions")
+    assert lifted[-1] * hysteresis >= 100.0  # within the factor of the mean (400 / 4)
+    # Every move was made while out of balance, so it stopped there: no moves for nothing.
+    assert all(b * hysteresis < 100.0 for b in lifted[:-1])
+    assert len(lifted) - 1 <= 30  # one move per peer short of the mean, at most
+
+
 def test_no_move_when_two_stages_share_the_bottleneck() -> None:
     speeds = {"x": [4.0] * 3, "y": [4.0] * 3, "a": [3.0] * 3, "b": [3.0] * 3}
     assert decide({"x": 0, "y": 1, "a": 2, "b": 2}, speeds, stages=3) is None

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from scheduler.rebalance import RebalanceConfig
 from swarm.errors import ConfigError
 
 __all__ = ["add_simulate_command", "cmd_simulate"]
@@ -58,8 +59,9 @@ def add_simulate_command(command: CommandFactory, env: EnvDefault) -> None:
     p.add_argument(
         "--hysteresis",
         type=float,
-        default=env("hysteresis", 1.1),
-        help="a move must raise the bottleneck by more than this factor (>= 1)",
+        default=env("hysteresis", RebalanceConfig().hysteresis),
+        help="a move must raise the bottleneck by more than this factor, or the bottleneck be this "
+        "factor below the mean stage total (>= 1)",
     )
     p.add_argument(
         "--skew",
