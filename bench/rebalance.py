@@ -1,8 +1,10 @@
 """Rebalancing at scale: throughput / optimum with rebalancing off and on, in the same run, on the
 simulator (1,000 heterogeneous peers, 8 stages, mean lifetime one hour, joins keeping the pool about
-constant, 24 simulated hours), and the per-call cost of the policies on the data and control path.
+constant, 24 simulated hours; then 3 hours without churn from a start with stage 0 30% short, where
+only the policy can restore the balance), and the per-call cost of the policies on the data and
+control path.
 
-    .venv/bin/python bench/rebalance.py [--peers N] [--hours H] [--seed K]
+    .venv/bin/python bench/rebalance.py [--peers N] [--hours H] [--seed K] [--skew S]
 
 Both runs see the same peers come and go (the simulator draws churn from its own stream), so the
 difference between them is the policy's. "Optimum" is `place`'s bottleneck for the peers present
@@ -25,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from scheduler.placement import place  # noqa: E402
 from scheduler.rebalance import RebalanceConfig, plan_move  # noqa: E402
 from scheduler.wiring import StagePool  # noqa: E402
-from swarm.sim import SimClock, SimConfig, simulate  # noqa: E402
+from swarm.sim import SimClock, SimConfig, Summary, simulate  # noqa: E402
 from swarm.sim.model import class_affinity, new_peer  # noqa: E402
 
 
@@ -87,6 +89,19 @@ def plan_cost(peers: int, stages: int) -> tuple[float, float, float, int]:
     return default, found, fixed, moves
 
 
+def report(policy: str, s: Summary) -> None:
+    worst = min(w.ratio for w in s.windows)
+    seconds = sum(w.end_s - w.start_s for w in s.windows)
+    done = sum(w.completed_per_s * (w.end_s - w.start_s) for w in s.windows)
+    print(
+        f"  rebalancing {'on ' if policy == 'swarm' else 'off'}: throughput/optimum "
+        f"{s.mean_ratio:.4f} (worst window {worst:.4f}, last {s.windows[-1].ratio:.4f}; "
+        f"/current placement {s.mean_ratio_current:.4f}; finished {done / seconds:.1f} "
+        f"samples/s)  moves {s.moves}, joins {s.joins}, departures {s.departures}, "
+        f"failed hops {s.failed_hops}, {s.events} events, {s.wall_s:.1f} s"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, default=1000)
@@ -94,6 +109,9 @@ def main() -> int:
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--churn", type=float, default=1.0, help="mean lifetime, hours")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--skew", type=float, default=0.3, help="share of stage 0's peers placed elsewhere"
+    )
     parser.add_argument(
         "--hysteresis",
         type=float,
@@ -103,30 +121,28 @@ def main() -> int:
     args = parser.parse_args()
     started = time.perf_counter()
     print(
-        f"{args.peers} peers, {args.stages} stages, {args.hours:g} h, mean lifetime "
-        f"{args.churn:g} h, joins {args.peers / args.churn:g}/h, seed {args.seed}, "
-        f"hysteresis {args.hysteresis:g}"
+        f"{args.peers} peers, {args.stages} stages, mean lifetime {args.churn:g} h (joins "
+        f"{args.peers / args.churn:g}/h), seed {args.seed}, hysteresis {args.hysteresis:g}"
     )
-    for policy in ("none", "swarm"):
-        config = SimConfig(
-            peers=args.peers,
-            stages=args.stages,
-            hours=args.hours,
-            lifetime_h=args.churn,
-            seed=args.seed,
-            policy=policy,
-        )
-        rebalance = dataclasses.replace(config.rebalance_config, hysteresis=args.hysteresis)
-        s = simulate(dataclasses.replace(config, rebalance=rebalance))
-        worst = min(w.ratio for w in s.windows)
-        done = sum(w.completed_per_s * (w.end_s - w.start_s) for w in s.windows)
-        print(
-            f"  rebalancing {'on ' if policy == 'swarm' else 'off'}: throughput/optimum "
-            f"{s.mean_ratio:.4f} (worst window {worst:.4f}; /current placement "
-            f"{s.mean_ratio_current:.4f}; finished {done / (args.hours * 3600):.1f} samples/s)"
-            f"  moves {s.moves}, joins {s.joins}, departures {s.departures}, "
-            f"failed hops {s.failed_hops}, {s.events} events, {s.wall_s:.1f} s"
-        )
+    scenarios = [  # (name, hours, mean lifetime in hours (0: no churn), stage 0's shortfall)
+        ("under churn", args.hours, args.churn, 0.0),
+        # Without churn nothing but the policy rebalances the swarm.
+        (f"no churn, stage 0 started {args.skew:.0%} short", 3.0, 0.0, args.skew),
+    ]
+    for name, hours, lifetime_h, skew in scenarios:
+        print(f" {name}, {hours:g} h:")
+        for policy in ("none", "swarm"):
+            config = SimConfig(
+                peers=args.peers,
+                stages=args.stages,
+                hours=hours,
+                lifetime_h=lifetime_h,
+                skew=skew,
+                seed=args.seed,
+                policy=policy,
+            )
+            rebalance = dataclasses.replace(config.rebalance_config, hysteresis=args.hysteresis)
+            report(policy, simulate(dataclasses.replace(config, rebalance=rebalance)))
     choose, hop = wiring_cost(1000)
     print(
         f"  wiring, 1,000 replicas: StagePool.choose {choose:.2f} µs/call; "

@@ -138,6 +138,20 @@ def test_no_move_when_two_stages_share_the_bottleneck() -> None:
     assert decide({"x": 0, "y": 1, "a": 2, "b": 2}, speeds, stages=3) is None
 
 
+def test_out_of_balance_lifts_tied_bottleneck_stages_one_by_one() -> None:
+    # Stages 0 and 1 tie at 10 under a mean of 20: no single move lifts the bottleneck, two do.
+    config = RebalanceConfig(hysteresis=1.05, min_dwell_s=0.0, move_cost_s=60.0)
+    speeds = {name: [10.0] * 3 for name in ["x", "y", "a", "b", "c", "d"]}
+    assignment = {"x": 0, "y": 1, "a": 2, "b": 2, "c": 2, "d": 2}
+    first = decide(assignment, speeds, 3, config=config)
+    assert first == Move("a", 2, 0, before=10.0, after=10.0)  # the tie is gone, not yet the floor
+    assignment["a"] = 0
+    second = decide(assignment, speeds, 3, config=config, now=1.0)
+    assert second == Move("b", 2, 1, before=10.0, after=20.0)
+    assignment["b"] = 1
+    assert decide(assignment, speeds, 3, config=config, now=2.0) is None  # 20, 20, 20
+
+
 def test_dwell_blocks_the_moved_peer_and_the_stage_it_joined() -> None:
     speeds = {
         name: [speed] * 3
@@ -194,7 +208,7 @@ def random_instance(rng: random.Random, peers: int, stages: int) -> tuple[dict, 
 
 def test_picks_the_best_single_move_from_the_first_stage_that_can_help() -> None:
     rng = random.Random(7)
-    checked = 0
+    checked = tied = 0
     for _ in range(300):
         stages = rng.randint(2, 4)
         assignment, speeds = random_instance(rng, rng.randint(stages, 10), stages)
@@ -203,25 +217,32 @@ def test_picks_the_best_single_move_from_the_first_stage_that_can_help() -> None
         move = decide(assignment, speeds, stages)
         dst = totals.index(before)
         sources = sorted((k for k in range(stages) if k != dst), key=lambda k: (-totals[k], k))
+        out_of_balance = before < sum(totals) / stages  # EAGER: hysteresis 1
         expected = None
         for src in sources:  # brute force: every peer of src, in order of over-service
             peers = [p for p, k in assignment.items() if k == src]
             if len(peers) < 2:
                 continue
-            afters = {p: bottleneck({**assignment, p: dst}, speeds, stages) for p in peers}
-            best = max(afters.values())
-            if best > before * (1 + 1e-9):
-                expected = (src, best)
+            found = []  # (new bottleneck, new minimum of src and dst) of each valid move
+            for p in peers:
+                new = stage_totals({**assignment, p: dst}, speeds, stages)
+                after, lifted = min(new), min(new[src], new[dst])
+                if lifted > before * (1 + 1e-9) and (out_of_balance or after > before):
+                    found.append((after, lifted))
+            if found:
+                expected = (src, *max(found))
                 break
         if expected is None:
             assert move is None
             continue
         checked += 1
+        tied += expected[1] == before  # a stage tied with dst: the bottleneck waits a move
         assert move is not None and (move.src, move.dst) == (expected[0], dst)
         assert move.after == pytest.approx(expected[1], rel=1e-12)
-        applied = bottleneck({**assignment, move.peer: dst}, speeds, stages)
-        assert applied == pytest.approx(move.after, rel=1e-12)
-    assert checked > 100
+        new = stage_totals({**assignment, move.peer: dst}, speeds, stages)
+        assert min(new) == pytest.approx(move.after, rel=1e-12)
+        assert min(new[move.src], new[dst]) == pytest.approx(expected[2], rel=1e-12)
+    assert checked > 100 and tied > 5
 
 
 def test_no_oscillation_under_changing_speeds() -> None:
