@@ -17,7 +17,7 @@ import grpc
 import torch
 from google.protobuf.message import Message
 
-from stage_server import averaging
+from stage_server import averager, averaging
 from stage_server.runtime import Receipt, StageRuntime
 from swarm import codec, wire
 from swarm.errors import (
@@ -69,7 +69,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.token = token
         self.waiting = 0  # compute calls queued or running: the load this peer reports
         self.ema_seconds: float | None = None  # moving average of one compute call (seconds)
-        self.averager = averaging.Averager()
+        self.averager = averager.Averager()
         self.channels = averaging.ChannelPool(token=token, options=grpc_options(64 << 20))
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
@@ -320,7 +320,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         start = time.perf_counter()
         maybe_die(Point.AVERAGING, request.step)
         total = await averaging.all_reduce(
-            averaging.flatten(sums),
+            averager.flatten(sums),
             group=list(request.group),
             index=request.group_index,
             round=request.round,
@@ -336,7 +336,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             on_bytes=self.metrics.averaged,
         )
         self.metrics.averaging_seconds(time.perf_counter() - start)
-        return averaging.unflatten(total, sums)
+        return averager.unflatten(total, sums)
 
     async def Discard(
         self, request: pb.StageDiscardRequest, context: grpc.aio.ServicerContext

@@ -15,16 +15,8 @@ import grpc
 import pytest
 import torch
 
-from stage_server.averaging import (
-    Averager,
-    AveragingAborted,
-    ChannelPool,
-    PoolServicer,
-    all_reduce,
-    flatten,
-    split_parts,
-    unflatten,
-)
+from stage_server.averager import Averager, AveragingAborted, flatten, split_parts, unflatten
+from stage_server.averaging import ChannelPool, PoolServicer, all_reduce
 from swarm.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from swarm.proto import pool_pb2, pool_pb2_grpc, tensor_pb2
