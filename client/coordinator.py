@@ -84,7 +84,8 @@ class MicrobatchResult:
 @dataclass
 class _Commit:
     attempt: int = 0
-    task: asyncio.Task[bool] | None = None
+    task: asyncio.Task[bool] | None = None  # set from the first attempt until the next step opens
+    applied: bool = False  # the step is committed: late reports and releases for it are moot
 
 
 class LocalCoordinator:
@@ -130,6 +131,9 @@ class LocalCoordinator:
         return step
 
     def _open(self, step: int) -> None:
+        old = self._commit.task
+        if old is not None and old is not asyncio.current_task():
+            old.cancel()  # a retry of a ledger that is history now would void live replicas
         t = self.job.training
         if step >= self.steps:
             self.ledger = None
@@ -141,8 +145,9 @@ class LocalCoordinator:
         self._commit, self._step_started = _Commit(), time.perf_counter()
 
     async def close(self) -> None:
-        if self._commit.task:
-            self._commit.task.cancel()
+        for task in (self._commit.task, self._rollback):
+            if task is not None:
+                task.cancel()
         await asyncio.gather(*(c.close() for c in self._clients.values()))
 
     def client(self, stage: int, replica: Replica) -> StageClient:
@@ -168,20 +173,22 @@ class LocalCoordinator:
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         ledger = self.ledger
-        if ledger is None:
+        if ledger is None or self._commit.applied:
             return
         extras = ledger.report(
             trainer, result.step, result.index, result.holders, result.loss_sum, result.samples
         )
-        for extra in extras:  # another trainer's gradient was accepted first: void this one
-            await self._void(extra.stage, extra.peer)
         if ledger.complete and self._commit.task is None:
+            # Before the voids below await: a caller whose deadline cancels this call must not
+            # leave a complete ledger with no commit.
             self._commit.task = asyncio.create_task(self._commit_step(ledger))
+        for extra in extras:  # another trainer's gradient was accepted first: void this one
+            await self._void(ledger, extra.stage, extra.peer)
 
     async def release(self, trainer: str, indices: Sequence[int]) -> None:
         """A trainer gave these microbatches back (a hop failed on every replica it tried):
         look at the members, since one may be dead or restarted empty."""
-        if self.ledger:
+        if self.ledger and not self._commit.applied:
             self.ledger.release(trainer, indices)
             now = time.monotonic()
             if now - self._checked >= self._CHECK_EVERY_S:
@@ -199,16 +206,15 @@ class LocalCoordinator:
                 self._drop(r.peer)
 
     # -- commit ---------------------------------------------------------------------------------
-    async def _void(self, stage: int, peer: str) -> None:
+    async def _void(self, ledger: StepLedger, stage: int, peer: str) -> None:
         """`peer`'s gradients at `stage` must not count: replay them elsewhere, and tell it to
         drop them. A replica that cannot be reached is dropped from the members: if it comes
         back (restarted, empty), it copies a live replica at a step boundary."""
-        assert self.ledger is not None
-        lost = self.ledger.lose(peer, stage)
+        lost = ledger.lose(peer, stage)
         self.metrics.replays.inc(len(lost))
         log.warning(
             "step %d: voiding %s's gradients at stage %d (replaying %s)",
-            self.ledger.step,
+            ledger.step,
             peer,
             stage,
             lost,
@@ -216,7 +222,7 @@ class LocalCoordinator:
         replica = next((r for r in self.replicas()[stage] if r.peer == peer), None)
         if replica is not None:
             try:
-                await self.client(stage, replica).discard(self.ledger.step)
+                await self.client(stage, replica).discard(ledger.step)
             except grpc.aio.AioRpcError as e:
                 log.warning("discard on %s failed: %s", peer, e.details())
                 if e.code() in _GONE:
@@ -232,38 +238,50 @@ class LocalCoordinator:
                 self.metrics.replays.inc(len(self.ledger.lose(peer)))
 
     async def _commit_step(self, ledger: StepLedger) -> bool:
+        commit = self._commit
+        if self.ledger is not ledger:
+            return False  # a rollback or an earlier commit moved on: this ledger is history
         try:
             ok = await self._try_commit(ledger)
+            if ok:
+                commit.applied = True
+                await self._next_step(ledger, commit.attempt)
+                return True
+        except asyncio.CancelledError:
+            raise
         except Exception as e:  # a bug: fail the job loudly rather than hang
             log.exception("step %d: commit failed", ledger.step)
             self.error = e
             self.finished.set()
             return False
-        self._commit.task = None
-        if not ok:
-            self._commit.attempt += 1
+        if self._commit is commit:
+            commit.task = None
+            commit.attempt += 1
             if ledger.complete and self.ledger is ledger:
                 # Nothing was lost (a member without gradients left, or no stage has a replica
                 # yet): no replay will report back, so try again by itself, backing off.
-                self._commit.task = asyncio.create_task(self._retry(ledger))
-            return False
+                commit.task = asyncio.create_task(self._retry(ledger))
+        return False
+
+    async def _next_step(self, ledger: StepLedger, attempt: int) -> None:
+        """After `ledger`'s step is applied: bring new replicas in, checkpoint, open the next."""
         seconds = time.perf_counter() - self._step_started
         self.metrics.last_commit.set(time.time())
         record = StepRecord(ledger.step, ledger.loss(), ledger.samples(), seconds)
-        attempt = self._commit.attempt
         await self._sync(ledger.step + 1)
         every = self.job.training.checkpoint_every
         if self.checkpoint_dir and every and (ledger.step + 1) % every == 0:
-            await self._checkpoint(ledger.step + 1)
+            try:
+                await self._checkpoint(ledger.step + 1)
+            except OSError as e:  # a full or broken disk: training goes on without this one
+                log.error("checkpoint of step %d not written: %s", ledger.step + 1, e)
         self._open(ledger.step + 1)
-        self._commit.attempt = 0
         if attempt:
             log.info("step %d committed after %d failed rounds", ledger.step, attempt)
         if self.on_step:
             maybe = self.on_step(record)
             if maybe is not None:
                 await maybe
-        return True
 
     async def _retry(self, ledger: StepLedger) -> bool:
         await asyncio.sleep(min(self._RETRY_MAX_S, 0.05 * 2**self._commit.attempt))
@@ -299,7 +317,7 @@ class LocalCoordinator:
             elif isinstance(info, BaseException) or list(info.receipts) != ledger.holdings(
                 stage
             ).get(r.peer, []):
-                await self._void(stage, r.peer)
+                await self._void(ledger, stage, r.peer)
                 mismatched = True
         if mismatched:
             return False
@@ -343,7 +361,7 @@ class LocalCoordinator:
                 if code in _GONE:
                     self._drop(replica.peer)  # dead: its gradients are replayed
                 elif code != grpc.StatusCode.ABORTED:
-                    await self._void(stage, replica.peer)  # it holds what it must not
+                    await self._void(ledger, stage, replica.peer)  # it holds what it must not
                 # ABORTED: another member failed; this one's gradients are intact
             return False
         applied = await asyncio.gather(
@@ -419,6 +437,12 @@ class LocalCoordinator:
                 maybe = self.on_rollback(step)
                 if maybe is not None:
                     await maybe
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a damaged checkpoint, say: fail the job rather than retry forever
+            log.exception("rollback failed")
+            self.error = e
+            self.finished.set()
         finally:
             self._rollback = None
 

@@ -4,9 +4,14 @@ several may train one job together, and a trainer that disappears has its leases
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
+import grpc
 import torch
 from tqdm import tqdm
 
@@ -23,23 +28,50 @@ __all__ = ["RemoteCoordinator", "run_remote_trainer"]
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
+# A scheduler restarting, or too busy to answer in time: worth asking again. Anything else (an
+# unknown job, a refused token, a bad request) is final.
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
 
 class RemoteCoordinator:
     """The scheduler's step coordinator, over gRPC."""
 
     def __init__(
-        self, address: str, job_id: str, *, token: str | None = None, timeout_s: float = 30.0
+        self,
+        address: str,
+        job_id: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        retry_for_s: float = 120.0,
     ) -> None:
-        self.job_id, self.timeout_s = job_id, timeout_s
+        self.job_id, self.timeout_s, self.retry_for_s = job_id, timeout_s, retry_for_s
         self.channel = auth.channel(address, token=token, options=grpc_options(64 << 20))
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
 
     async def close(self) -> None:
         await self.channel.close()
 
+    async def _call(self, what: str, rpc: Callable[[], Awaitable[R]]) -> R:
+        """`rpc()`, asked again with backoff while the scheduler is unreachable (for at most
+        `retry_for_s`). Repeating is safe: a report or release twice is the same as once, and
+        a lease whose reply was lost expires and goes to a trainer again."""
+        delay, give_up = 0.2, time.monotonic() + self.retry_for_s
+        while True:
+            try:
+                return await rpc()
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in _TRANSIENT or time.monotonic() + delay > give_up:
+                    raise
+                log.warning("scheduler: %s failed (%s); asking again", what, e.code().name)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
     async def job(self) -> spb.JobStatus:
-        response = await self.stub.GetJob(
-            spb.SchedulerGetJobRequest(job=self.job_id), timeout=self.timeout_s
+        request = spb.SchedulerGetJobRequest(job=self.job_id)
+        response = await self._call(
+            "GetJob", lambda: self.stub.GetJob(request, timeout=self.timeout_s)
         )
         return response.job
 
@@ -47,19 +79,27 @@ class RemoteCoordinator:
         request = spb.SchedulerLeaseMicrobatchesRequest(
             job=self.job_id, trainer=trainer, count=count
         )
-        return lease_from_proto(await self.stub.LeaseMicrobatches(request, timeout=self.timeout_s))
+        response = await self._call(
+            "lease", lambda: self.stub.LeaseMicrobatches(request, timeout=self.timeout_s)
+        )
+        return lease_from_proto(response)
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         request = spb.SchedulerReportMicrobatchesRequest(
             job=self.job_id, trainer=trainer, results=[result_to_proto(result)]
         )
-        await self.stub.ReportMicrobatches(request, timeout=self.timeout_s)
+        await self._report(request)
 
     async def release(self, trainer: str, indices: list[int]) -> None:
         request = spb.SchedulerReportMicrobatchesRequest(
             job=self.job_id, trainer=trainer, released=indices
         )
-        await self.stub.ReportMicrobatches(request, timeout=self.timeout_s)
+        await self._report(request)
+
+    async def _report(self, request: spb.SchedulerReportMicrobatchesRequest) -> None:
+        await self._call(
+            "report", lambda: self.stub.ReportMicrobatches(request, timeout=self.timeout_s)
+        )
 
 
 class _Progress:

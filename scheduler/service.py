@@ -14,7 +14,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.registry import Collector
 
 from client.coordinator import Lease, LocalCoordinator, MicrobatchResult, Replica
-from client.run import gather_state
+from client.run import gather_model, gather_state
 from client.trainer import PipelineTrainer, follow_load
 from scheduler.placement import best_stage, place
 from scheduler.rebalance import RebalanceConfig, plan_move
@@ -81,6 +81,10 @@ class Scheduler:
         self._peers_changed = asyncio.Event()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._speed: dict[str, float] = {}
+        self._unplaceable: set[str] = set()  # peers already warned about
+        # peer -> (job, when) of its last assignment, until it serves or leaves: a peer building
+        # its stage still says JOINING, and must not be assigned again (perhaps elsewhere).
+        self._assigned_at: dict[str, tuple[str, float]] = {}
         self._coordinators: dict[str, LocalCoordinator] = {}
         self._coordinator_metrics = CoordinatorFamilies(self.registry)
         self._live: dict[tuple[str, str], tuple[int, float]] = {}  # (job, peer) -> stage, speed
@@ -153,7 +157,7 @@ class Scheduler:
     async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
         final = self._final_path(job_id)
         if final.exists():
-            saved = torch.load(final, weights_only=True)
+            saved = await asyncio.to_thread(torch.load, final, weights_only=True)
             return int(saved["step"]), saved["state"]
         coordinator = self._coordinators.get(job_id)
         if coordinator is None or any(not stage for stage in coordinator.replicas()):
@@ -165,8 +169,7 @@ class Scheduler:
             raise FailedPrecondition(
                 f"job {job_id} has no live replica of every stage and no saved model yet"
             )
-        step = coordinator.ledger.step if coordinator.ledger else coordinator.steps
-        return step, await gather_state(coordinator)
+        return await gather_model(coordinator)
 
     # -- peers ----------------------------------------------------------------------------------
     async def _watch_load(self) -> None:
@@ -241,6 +244,8 @@ class Scheduler:
         async for _topic, message in self.bus.subscribe(self.bus.topics.peer("+")):
             if isinstance(message, cpb.PeerAnnouncement) and message.peer:
                 self.peers[message.peer] = message
+                if message.state != cpb.PEER_STATE_JOINING:  # serving, moving, or gone
+                    self._assigned_at.pop(message.peer, None)
                 self._peers_changed.set()
 
     async def _peers_change(self, timeout: float) -> None:
@@ -259,14 +264,27 @@ class Scheduler:
         return {k: address for k, (_, address) in best.items()}
 
     def _available(self, job_id: str, stages: int) -> dict[str, list[float]]:
-        """Joining peers measured for this job: their samples/s per stage."""
-        return {
-            p.peer: [p.samples_per_second[k] for k in range(stages)]
-            for p in self.peers.values()
-            if p.state == cpb.PEER_STATE_JOINING
-            and p.job == job_id
-            and all(k in p.samples_per_second for k in range(stages))
-        }
+        """Joining peers measured for this job: their samples/s per stage. A peer whose figures
+        cannot be placed (not finite, negative, none positive) is left out, with a log line."""
+        available = {}
+        now = time.monotonic()
+        for p in self.peers.values():
+            if not (
+                p.state == cpb.PEER_STATE_JOINING
+                and p.job == job_id
+                and all(k in p.samples_per_second for k in range(stages))
+            ):
+                continue
+            job, assigned_at = self._assigned_at.get(p.peer, ("", 0.0))
+            if job == job_id and now - assigned_at < self.opts.serve_timeout_s:
+                continue  # building the stage it was given
+            speeds = [p.samples_per_second[k] for k in range(stages)]
+            if all(math.isfinite(v) and v >= 0.0 for v in speeds) and max(speeds) > 0.0:
+                available[p.peer] = speeds
+            elif p.peer not in self._unplaceable:
+                self._unplaceable.add(p.peer)
+                log.warning("peer %s announced unusable speeds %s: not placed", p.peer, speeds)
+        return available
 
     # -- one job --------------------------------------------------------------------------------
     def _config(self, spec: str, base_dir: str, name: str, check_data: bool = True) -> JobConfig:
@@ -330,6 +348,11 @@ class Scheduler:
     async def lease(self, job_id: str, trainer: str, count: int) -> Lease:
         coordinator = self._coordinators.get(job_id)
         if coordinator is None:
+            record = self.store.get(job_id)
+            if record is not None and record.state == "succeeded":
+                return Lease(record.step, [], [], done=True)
+            if record is not None and record.finished:
+                raise FailedPrecondition(f"job {job_id} is {record.state}: nothing to train")
             return Lease(0, [], [])  # not started (or between attempts): ask again soon
         return await coordinator.lease(trainer, count)
 
@@ -377,15 +400,21 @@ class Scheduler:
             raise
         except Exception as e:
             log.exception("job %s failed", job_id)
-            self.store.set_state(job_id, "failed", error=str(e), message="failed")
-            await self._announce(job_id)
+            # One job's end must not take the scheduler (and every other job) down with it.
+            with _logged(f"job {job_id}: could not record its failure"):
+                record = self.store.get(job_id)
+                if record is not None and not record.finished:
+                    self.store.set_state(job_id, "failed", error=str(e), message="failed")
+                await self._announce(job_id)
         finally:
             self._tasks.pop(job_id, None)
             self._coordinators.pop(job_id, None)
             if ended:  # withdraw the assignments; the job's announcement frees the peers
                 holders = {p.peer for p in self.peers.values() if p.job == job_id}
-                for peer in sorted(holders | set(assigned)):
-                    await self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
+                with _logged(f"job {job_id}: assignments not withdrawn"):
+                    for peer in sorted(holders | set(assigned)):
+                        topic = self.bus.topics.assign(job_id, peer)
+                        await self.bus.publish(topic, b"", retain=True)
 
     async def _place(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
         """Wait until every stage has a serving replica, assigning measured peers."""
@@ -418,7 +447,10 @@ class Scheduler:
                 await self._peers_change(5.0)
                 continue
             await asyncio.sleep(self.opts.placement_grace_s)  # let late peers finish measuring
-            await self._assign(job_id, self._available(job_id, stages), assigned)
+            available = self._available(job_id, stages)
+            if len(available) < len(missing):
+                continue  # some left during the grace period
+            await self._assign(job_id, available, assigned)
             await self._wait_serving(job_id, missing)
 
     async def _assign(
@@ -447,6 +479,7 @@ class Scheduler:
             )
             message = cpb.Assignment(job=job_id, peer=peer, stage=stage, generation=generation)
             await self.bus.publish(self.bus.topics.assign(job_id, peer), message, retain=True)
+            self._assigned_at[peer] = (job_id, time.monotonic())
             assigned.append(peer)
         await self._set(job_id, None, f"starting {len(placement)} stage server(s)")
 
@@ -529,23 +562,28 @@ class Scheduler:
             await coordinator.start()
             self._coordinators[job_id] = coordinator
             await self._set(job_id, "running", "training")
-            async with asyncio.TaskGroup() as group:
-                grow = group.create_task(self._grow(job_id, job, assigned))
-                rebalance = (
-                    group.create_task(self._rebalance(job_id, job))
-                    if (job.rebalance.enabled)
-                    else None
-                )
-                load = group.create_task(
-                    follow_load(self.bus, job_id, trainer.wiring, job.training.microbatch_size)
-                )
-                if self.opts.embedded_trainer:
-                    group.create_task(trainer.run())
-                await coordinator.finished.wait()
-                grow.cancel()
-                load.cancel()
-                if rebalance:
-                    rebalance.cancel()
+            try:
+                async with asyncio.TaskGroup() as group:
+                    grow = group.create_task(self._grow(job_id, job, assigned))
+                    rebalance = (
+                        group.create_task(self._rebalance(job_id, job))
+                        if (job.rebalance.enabled)
+                        else None
+                    )
+                    load = group.create_task(
+                        follow_load(self.bus, job_id, trainer.wiring, job.training.microbatch_size)
+                    )
+                    if self.opts.embedded_trainer:
+                        group.create_task(trainer.run())
+                    await coordinator.finished.wait()
+                    grow.cancel()
+                    load.cancel()
+                    if rebalance:
+                        rebalance.cancel()
+            except ExceptionGroup as failed:
+                # One child's error, unwrapped, so `_run_job` tells one worth retrying (a peer
+                # gone, a broker hiccup) from a bug.
+                raise failed.exceptions[0] from failed
             if coordinator.error:
                 raise coordinator.error
             state = await gather_state(coordinator)
@@ -612,3 +650,12 @@ def collector(scheduler: Scheduler) -> Collector:
             yield from (peers, speed, job_state, step, loss)
 
     return _Collector()
+
+
+@contextlib.contextmanager
+def _logged(what: str) -> Iterator[None]:
+    """Log an exception (with `what` it stopped) instead of raising it."""
+    try:
+        yield
+    except Exception:
+        log.exception("%s", what)

@@ -51,6 +51,7 @@ def stage_slowdown(stage: int) -> float:
 
 
 _ACTIVE = (cpb.JOB_STATE_PLACING, cpb.JOB_STATE_RUNNING)
+_ENDED = (cpb.JOB_STATE_SUCCEEDED, cpb.JOB_STATE_FAILED, cpb.JOB_STATE_CANCELLED)
 
 
 class PeerAgent:
@@ -71,6 +72,7 @@ class PeerAgent:
         self.state = cpb.PEER_STATE_JOINING
         self.speeds: dict[int, float] = {}
         self._jobs: dict[str, JobConfig] = {}
+        self._ended: set[str] = set()  # jobs announced finished: assignments to them are moot
         self._generation = -1
         self.load_period_s = 1.0  # how often a serving peer publishes its load
 
@@ -167,6 +169,8 @@ class PeerAgent:
         return self._jobs[announcement.job]
 
     async def _on_job(self, job: cpb.JobAnnouncement) -> None:
+        if job.state in _ENDED:
+            self._ended.add(job.job)
         if job.state in _ACTIVE and self.job_id in ("", job.job) and not self.speeds:
             config = self._job(job)
             if config is None:
@@ -193,6 +197,8 @@ class PeerAgent:
         if assignment.generation <= self._generation:
             return  # a stale or repeated assignment (retained messages come again on reconnect)
         config = self._jobs.get(assignment.job)
+        if assignment.job in self._ended:
+            return
         if config is None:
             log.warning("%s: assigned to unknown job %s", self.peer, assignment.job)
             return
@@ -206,6 +212,9 @@ class PeerAgent:
         runtime = await self._compute(
             StageRuntime, config, assignment.stage, check_device(self.device)
         )
+        if assignment.job in self._ended:  # it ended while the stage was being built
+            log.info("%s: job %s ended; not serving its stage", self.peer, assignment.job)
+            return
         self.running.servicer.throttle = self.throttle * stage_slowdown(assignment.stage)
         self.running.servicer.serve(runtime, assignment.job)
         await self.running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

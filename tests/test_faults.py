@@ -246,6 +246,32 @@ def test_stage_wiped_out_rolls_back_to_the_last_checkpoint(tmp_path: Path) -> No
     _equal_to_local(job, state)
 
 
+def test_a_checkpoint_that_cannot_be_written_does_not_stop_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The checkpoint directory lies under a regular file: every save fails with an OSError.
+    job = write_job(tmp_path, training={"steps": 4, "target_batch_size": 16, "checkpoint_every": 2})
+    (tmp_path / "a-file").write_text("not a directory")
+    servers = Servers(job, [1, 1, 1, 1], [], tmp_path)
+    try:
+        state = asyncio.run(
+            asyncio.wait_for(
+                train_standalone(
+                    load_job(job),
+                    servers.replicas(),
+                    registry=CollectorRegistry(),
+                    checkpoint_dir=tmp_path / "a-file" / "ckpt",
+                ),
+                300,
+            )
+        )
+    finally:
+        servers.stop()
+    assert "checkpoint of step 2 not written" in caplog.text
+    assert "checkpoint of step 4 not written" in caplog.text
+    _equal_to_local(job, state)
+
+
 def test_without_the_boundary_cache_replays_rerun_the_pipeline(tmp_path: Path) -> None:
     job = write_job(
         tmp_path,

@@ -17,6 +17,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from client.remote import RemoteCoordinator
 from client.sdk import ClientError, SchedulerClient
 from scheduler.job_api import JobApiServicer
 from scheduler.store import JobStore
@@ -109,6 +110,7 @@ async def start_api(
     *,
     token: str | None = None,
     more: Callable[[grpc.aio.Server], None] | None = None,
+    address: str = "127.0.0.1:0",
 ) -> RunningApi:
     """The job API (and health) on a free port; `more` adds services before the start."""
     store = JobStore(tmp_path / "jobs.db")
@@ -121,7 +123,7 @@ async def start_api(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if more is not None:
         more(server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(address)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return RunningApi(server, f"127.0.0.1:{port}", store, control, registry)
@@ -247,3 +249,28 @@ async def test_internal_error_keeps_serving(
     assert e.value.code == "INTERNAL"
     api.control.broken = False
     assert (await client.get(job)).job == job
+
+
+async def test_a_remote_trainer_rides_out_a_scheduler_that_is_not_up_yet(
+    tmp_path: Path, free_address: str
+) -> None:
+    with JobStore(tmp_path / "jobs.db") as store:
+        job_id = store.create("test", render(BASE), str(tmp_path), 3).id
+    remote = RemoteCoordinator(free_address, job_id, timeout_s=2.0, retry_for_s=30.0)
+    try:
+        asked = asyncio.create_task(remote.job())
+        await asyncio.sleep(1.0)  # UNAVAILABLE meanwhile: it keeps asking
+        assert not asked.done()
+        running = await start_api(tmp_path, address=free_address)
+        try:
+            assert (await asyncio.wait_for(asked, 20)).job == job_id
+            # A final answer is not asked again.
+            unknown = RemoteCoordinator(free_address, "nope", retry_for_s=30.0)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await unknown.job()
+            await unknown.close()
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        finally:
+            await running.stop()
+    finally:
+        await remote.close()

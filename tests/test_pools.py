@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from client.coordinator import LocalCoordinator, Replica
-from client.run import gather_state
+from client.run import gather_model, gather_state
 from client.trainer import PipelineTrainer
+from stage_server.runtime import StageRuntime
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.config import JobConfig
+from swarm.errors import FailedPrecondition
 from swarm.progress import StepRecord
 from swarm.reference import train_local
 from tests.jobs import make_job
@@ -156,4 +158,27 @@ async def test_racing_trainers_never_count_a_microbatch_twice(
     await _train(swarm, coordinator, trainers=2)
     swarm.assert_replicas_identical()
     _equal_to_local(job, await gather_state(coordinator))
+    await coordinator.close()
+
+
+async def test_the_model_is_taken_at_one_step(tmp_path: Path, make_swarm: list[Swarm]) -> None:
+    # After training, one replica of stage 1 is put back to step 0 (a replica that missed the
+    # last APPLY, say): the model comes from its peer, at the job's last step, or not at all.
+    job = make_job(tmp_path, training={"steps": 2, "target_batch_size": 16})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    for stage in range(4):
+        for _ in range(2 if stage == 1 else 1):
+            await swarm.add(stage)
+    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members)
+    await _train(swarm, coordinator, trainers=1)
+    initial = StageRuntime(job, 1, "cpu").export_state()
+    behind, ahead = coordinator.replicas()[1]
+    await coordinator.client(1, behind).load_state(0, initial)
+    step, state = await gather_model(coordinator)
+    assert step == 2
+    _equal_to_local(job, state)
+    await coordinator.client(1, ahead).load_state(0, initial)
+    with pytest.raises(FailedPrecondition, match="is at step 0, not 2"):
+        await gather_model(coordinator)
     await coordinator.close()
