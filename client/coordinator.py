@@ -539,6 +539,15 @@ class LocalCoordinator:
         self._synced = {r.peer for _, r, info in infos if info.step == target}
         await self._sync(target)
         missing = [k for k, replicas in enumerate(self.replicas()) if not replicas]
+        if missing and all(members):
+            # Every stage has members but some none with the trained state (a stage was lost
+            # while no coordinator ran): every stage goes back to the last checkpoint.
+            log.warning("no replica of stages %s is at step %d: rolling back", missing, target)
+            await self._roll_back()
+            if self.error is not None:
+                raise self.error
+            if self.ledger is not None and all(self.replicas()):
+                return self.ledger.step
         if missing:
             raise SwarmError(f"no replica of stages {missing} is at step {target}")
         return target

@@ -41,6 +41,7 @@ class SchedulerProcessOptions:
     connect_timeout_s: float = 30.0  # how long to wait for the broker at start
     shutdown_grace_s: float = 5.0  # in-flight job API calls may finish within this
     load_silence_s: float = 10.0  # a serving peer silent this long on the load topic is out
+    lost_stage_grace_s: float = 30.0  # an unserved stage of a trained job: wait, then roll back
 
 
 async def run_scheduler(opts: SchedulerProcessOptions) -> None:
@@ -57,7 +58,10 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
         async with Bus(broker, client_id="scheduler", token=opts.token, registry=registry) as bus:
             await bus.wait_connected(opts.connect_timeout_s)
             options = SchedulerOptions(
-                opts.checkpoint_dir, token=opts.token, load_silence_s=opts.load_silence_s
+                opts.checkpoint_dir,
+                token=opts.token,
+                load_silence_s=opts.load_silence_s,
+                lost_stage_grace_s=opts.lost_stage_grace_s,
             )
             scheduler = Scheduler(store, bus, options, registry)
             registry.register(collector(scheduler))

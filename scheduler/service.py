@@ -62,6 +62,9 @@ class SchedulerOptions:
     max_failed_attempts: int = 20  # consecutive attempts without progress before the job fails
     embedded_trainer: bool = True  # run a trainer inside the scheduler for each job
     load_silence_s: float = 10.0  # a serving peer whose load reports stop this long is left out
+    # A trained job with a stage nobody serves (after a scheduler restart) waits this long for a
+    # replica with the trained state, then gives the stage to fresh peers and rolls back.
+    lost_stage_grace_s: float = 30.0
     token: str | None = None  # swarm token for calls to stage servers
 
 
@@ -419,6 +422,7 @@ class Scheduler:
     async def _place(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
         """Wait until every stage has a serving replica, assigning measured peers."""
         stages = job.training.stages
+        lost_since: float | None = None
         while True:
             serving = self._serving(job_id)
             missing = [k for k in range(stages) if k not in serving]
@@ -426,8 +430,10 @@ class Scheduler:
                 return
             record = self.store.get(job_id)
             assert record is not None
-            if record.step > 0:
-                # Fresh parameters would be wrong here: the stage's trained state is gone.
+            lost_since = lost_since or time.monotonic()
+            if record.step > 0 and time.monotonic() - lost_since < self.opts.lost_stage_grace_s:
+                # A replica with the trained state may still come back; after the grace period
+                # fresh peers take the stage and the coordinator rolls back to a checkpoint.
                 await self._set(
                     job_id,
                     None,
@@ -531,14 +537,15 @@ class Scheduler:
 
         stages = job.training.stages
 
+        said: list[str] = []  # what a rollback told `swarm status`, kept past the start
+
         async def rolled_back(step: int) -> None:
             self.store.rewind(job_id, step)
-            await self._set(
-                job_id,
-                None,
+            said.append(
                 f"rolled back to step {step}: a stage lost every "
-                f"replica; training from the last checkpoint",
+                f"replica; training from the last checkpoint"
             )
+            await self._set(job_id, None, said[-1])
 
         coordinator = LocalCoordinator(
             job,
@@ -561,7 +568,7 @@ class Scheduler:
         try:
             await coordinator.start()
             self._coordinators[job_id] = coordinator
-            await self._set(job_id, "running", "training")
+            await self._set(job_id, "running", said[-1] if said else "training")
             try:
                 async with asyncio.TaskGroup() as group:
                     grow = group.create_task(self._grow(job_id, job, assigned))

@@ -114,6 +114,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         token=_token(args),
         load_silence_s=args.load_silence_s,
+        lost_stage_grace_s=args.lost_stage_grace_s,
     )
     asyncio.run(run_scheduler(opts))
     return 0
@@ -231,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
         "load-silence-s",
         10.0,
         "leave out serving peers whose load reports stop this long",
+        type=float,
+    )
+    _add(
+        p,
+        "lost-stage-grace-s",
+        30.0,
+        "a trained job whose stage nobody serves waits this long for its replica, then gives "
+        "the stage to fresh peers and rolls back to the last checkpoint",
         type=float,
     )
     _secret(p)

@@ -332,3 +332,42 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
     finally:
         sw.stop()
     assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+
+
+def test_a_stage_lost_while_the_scheduler_was_down_rolls_back(
+    tmp_path: Path, mosquitto: Mosquitto
+) -> None:
+    # The scheduler and stage 2's only replica are SIGKILLed together. The restarted scheduler
+    # finds no replica with stage 2's trained state; after the grace period a fresh peer takes
+    # the stage, every stage rolls back to the last checkpoint, and the result is still exact.
+    job = write_job(
+        tmp_path, training={"steps": 40, "target_batch_size": 16, "checkpoint_every": 4}
+    )
+    sw, args = start_local_swarm(
+        [20.0] * 4,
+        log_dir=tmp_path,
+        broker=mosquitto.url,  # outlives the scheduler, as a real deployment's does
+        extra_scheduler=["--lost-stage-grace-s", "2"],
+    )
+    try:
+        job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        assert _wait_step(sw, job_id, 6) < 16
+        status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        victim = status["stages"][2]["replicas"][0]["peer"]
+        sw.scheduler.kill()
+        next(p for p in sw.peers if p.ready["peer"] == victim).kill()
+        sw.restart_scheduler(args)
+        sw.add_peer(20.0)
+        deadline, said = time.monotonic() + 120, ""
+        while time.monotonic() < deadline and "rolled back" not in said:
+            said = json.loads(
+                swarm("status", job_id, "--json", "--scheduler", sw.address).stdout
+            ).get("message", "")
+            time.sleep(0.3)
+        rolled_to = re.search(r"rolled back to step (\d+)", said)
+        assert rolled_to is not None and int(rolled_to[1]) % 4 == 0, said
+        _wait_step(sw, job_id, 40, timeout=240)
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+    finally:
+        sw.stop()
+    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)

@@ -87,16 +87,18 @@ class Servers:
 
 
 def _train(
-    servers: Servers, on_step: object = None
+    servers: Servers, on_step: object = None, checkpoint_dir: Path | None = None
 ) -> tuple[dict[str, torch.Tensor], CollectorRegistry]:
     registry = CollectorRegistry()
     job = load_job(servers.job)
-    state = asyncio.run(
-        asyncio.wait_for(
-            train_standalone(job, servers.replicas(), registry=registry, on_step=on_step), 300
-        )
-    )  # type: ignore[arg-type]
-    return state, registry
+    training = train_standalone(
+        job,
+        servers.replicas(),
+        registry=registry,
+        on_step=on_step,  # type: ignore[arg-type]
+        checkpoint_dir=checkpoint_dir,
+    )
+    return asyncio.run(asyncio.wait_for(training, 300)), registry
 
 
 def _equal_to_local(job_path: Path, state: dict[str, torch.Tensor]) -> None:
@@ -225,20 +227,8 @@ def test_stage_wiped_out_rolls_back_to_the_last_checkpoint(tmp_path: Path) -> No
             servers.procs["s2r0"].kill()
             servers.restart("s2r0")
 
-    registry = CollectorRegistry()
     try:
-        state = asyncio.run(
-            asyncio.wait_for(
-                train_standalone(
-                    load_job(job),
-                    servers.replicas(),
-                    registry=registry,
-                    on_step=wipe_out,
-                    checkpoint_dir=tmp_path / "ckpt",
-                ),
-                300,
-            )
-        )
+        state, registry = _train(servers, wipe_out, tmp_path / "ckpt")
     finally:
         servers.stop()
     assert _count(registry, "swarm_coordinator_rollbacks_total") == 1
@@ -254,17 +244,7 @@ def test_a_checkpoint_that_cannot_be_written_does_not_stop_training(
     (tmp_path / "a-file").write_text("not a directory")
     servers = Servers(job, [1, 1, 1, 1], [], tmp_path)
     try:
-        state = asyncio.run(
-            asyncio.wait_for(
-                train_standalone(
-                    load_job(job),
-                    servers.replicas(),
-                    registry=CollectorRegistry(),
-                    checkpoint_dir=tmp_path / "a-file" / "ckpt",
-                ),
-                300,
-            )
-        )
+        state, _ = _train(servers, checkpoint_dir=tmp_path / "a-file" / "ckpt")
     finally:
         servers.stop()
     assert "checkpoint of step 2 not written" in caplog.text
