@@ -290,6 +290,16 @@ def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -
     assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
 
 
+def _wait_rollback(sw: LocalSwarm, job_id: str, timeout: float = 120) -> str:
+    """`swarm status`'s message once it says the job rolled back (or the last one seen)."""
+    deadline, said = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline and "rolled back" not in said:
+        status = swarm("status", job_id, "--json", "--scheduler", sw.address).stdout
+        said = json.loads(status).get("message", "")
+        time.sleep(0.3)
+    return said
+
+
 def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -> None:
     # One replica per stage; the one of stage 2 is SIGKILLed, a fresh peer joins and takes the
     # empty stage, every stage rolls back to the last checkpoint, `swarm status` says so, and
@@ -309,12 +319,7 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
             json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)["step"]
         )
         sw.add_peer(20.0)
-        deadline, said = time.monotonic() + 120, ""
-        while time.monotonic() < deadline and "rolled back" not in said:
-            said = json.loads(
-                swarm("status", job_id, "--json", "--scheduler", sw.address).stdout
-            ).get("message", "")
-            time.sleep(0.3)
+        said = _wait_rollback(sw, job_id)
         rolled_to = re.search(r"rolled back to step (\d+)", said)
         assert rolled_to is not None, said
         # To a sealed checkpoint, not past where the job was when its stage died.
@@ -358,12 +363,7 @@ def test_a_stage_lost_while_the_scheduler_was_down_rolls_back(
         next(p for p in sw.peers if p.ready["peer"] == victim).kill()
         sw.restart_scheduler(args)
         sw.add_peer(20.0)
-        deadline, said = time.monotonic() + 120, ""
-        while time.monotonic() < deadline and "rolled back" not in said:
-            said = json.loads(
-                swarm("status", job_id, "--json", "--scheduler", sw.address).stdout
-            ).get("message", "")
-            time.sleep(0.3)
+        said = _wait_rollback(sw, job_id)
         rolled_to = re.search(r"rolled back to step (\d+)", said)
         assert rolled_to is not None and int(rolled_to[1]) % 4 == 0, said
         _wait_step(sw, job_id, 40, timeout=240)
