@@ -223,12 +223,16 @@ class StageRuntime:
             )
         if total_samples <= 0:
             raise InvalidArgument(f"total_samples must be positive; got {total_samples}")
-        return self._accum_or_zeros()
+        # A copy, taken on the compute thread: a late Backward (a straggler's duplicate, which
+        # the ledger counts elsewhere) adds to `_accum` in place, and must not reach the sums
+        # this replica averages and applies.
+        return [t.clone() for t in self._accum] if self._accum is not None else self._zeros()
+
+    def _zeros(self) -> list[torch.Tensor]:
+        return [torch.zeros_like(p) for p in self.params]
 
     def _accum_or_zeros(self) -> list[torch.Tensor]:
-        return (
-            self._accum if self._accum is not None else [torch.zeros_like(p) for p in self.params]
-        )
+        return self._accum if self._accum is not None else self._zeros()
 
     def set_prepared(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> None:
         """Keep the pool's summed gradient for `step` until `apply`."""

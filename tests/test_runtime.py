@@ -90,6 +90,23 @@ def test_commit_needs_exactly_the_named_receipts(tmp_path: Path) -> None:
         rt.commit(5, [], 4)
 
 
+def test_a_late_backward_after_prepare_does_not_reach_the_update(tmp_path: Path) -> None:
+    # Microbatch 1 arrives after PREPARE checked the receipts (a straggler's duplicate the ledger
+    # counted elsewhere): the applied update is microbatch 0's alone.
+    job = make_job(tmp_path, training={"stages": 1})
+    data = make_data(job)
+    late, clean = StageRuntime(job, 0), StageRuntime(job, 0)
+    for rt in (late, clean):
+        rt.forward_backward(0, 0, *data.microbatch(0, 0))
+    sums = late.prepare(0, [0], 4)
+    late.forward_backward(0, 1, *data.microbatch(0, 1))
+    late.set_prepared(0, sums, 4)
+    assert late.apply(0) is False
+    assert clean.commit(0, [0], 4) is False
+    for name, value in clean.state_dict().items():
+        assert torch.equal(late.state_dict()[name], value), name
+
+
 def test_accumulate_false_returns_gradients_without_a_receipt(tmp_path: Path) -> None:
     job = make_job(tmp_path, training={"stages": 2})
     rt = StageRuntime(job, 1)
