@@ -109,7 +109,7 @@ class LocalCoordinator:
         self.steps = steps if steps is not None else job.training.steps
         self.on_step = on_step
         self.ledger: StepLedger | None = None
-        self._clients: dict[tuple[str, int], StageClient] = {}
+        self._clients: dict[tuple[str, int, str], StageClient] = {}
         self._stage_of: dict[str, int] = {}  # where each member served when last seen
         self._commit = _Commit()
         self._step_started = time.perf_counter()
@@ -151,7 +151,10 @@ class LocalCoordinator:
         await asyncio.gather(*(c.close() for c in self._clients.values()))
 
     def client(self, stage: int, replica: Replica) -> StageClient:
-        key = (replica.peer, stage)  # a peer moved by rebalancing serves another stage
+        # Per stage (a peer moved by rebalancing serves another) and address (a peer restarted
+        # under its name listens elsewhere). Few peers restart often enough for the old
+        # clients to matter; `close` closes them all.
+        key = (replica.peer, stage, replica.address)
         if key not in self._clients:
             self._clients[key] = StageClient(
                 replica.address, self.job, self.job_id, stage, self.token

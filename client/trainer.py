@@ -79,6 +79,7 @@ class PipelineTrainer:
         )
         self.clients: dict[str, StageClient] = {}
         self._members: list[set[str]] = [set() for _ in range(job.training.stages)]
+        self._closing: set[asyncio.Task[None]] = set()  # replaced clients, closed after a while
         self.completed = 0  # microbatches this trainer computed and reported
         # (step, index) -> stage -> (its inputs, its output gradient or the targets), the bytes
         # this trainer sent: a lost gradient at one stage is replayed with one call from these.
@@ -88,22 +89,39 @@ class PipelineTrainer:
         self._boundary_bytes = 0
 
     async def close(self) -> None:
+        for task in self._closing:
+            task.cancel()
         await asyncio.gather(*(c.close() for c in self.clients.values()))
 
     # -- membership -----------------------------------------------------------------------------
     def sync(self, replicas: list[list[Replica]]) -> None:
-        """Follow the coordinator's view of who serves each stage."""
-        for stage, members in enumerate(replicas):
-            now = {r.peer for r in members}
-            for gone in self._members[stage] - now:
+        """Follow the coordinator's view of who serves each stage: a peer may have left, moved
+        to another stage (rebalancing) or come back at another address (restarted)."""
+        now = {r.peer: (stage, r) for stage, members in enumerate(replicas) for r in members}
+        for members in self._members:
+            for gone in members - now.keys():
                 self.wiring.remove(gone)
-            for r in members:
-                if r.peer not in self._members[stage]:
-                    self.wiring.add(r.peer, stage, r.throughput or 1.0)
-                    self.clients[r.peer] = StageClient(
-                        r.address, self.job, self.job_id, stage, self.token
-                    )
-            self._members[stage] = now
+        for peer, (stage, r) in now.items():
+            if peer not in self._members[stage]:
+                self.wiring.add(peer, stage, r.throughput or 1.0)  # leaves its old stage
+            client = self.clients.get(peer)
+            if client is None or (client.address, client.stage) != (r.address, stage):
+                if client is not None:
+                    self._close_later(client)
+                client = StageClient(r.address, self.job, self.job_id, stage, self.token)
+                self.clients[peer] = client
+        self._members = [{r.peer for r in members} for members in replicas]
+
+    def _close_later(self, client: StageClient) -> None:
+        """Close a replaced client once the calls it may still carry have had their deadline."""
+
+        async def close() -> None:
+            await asyncio.sleep(self.job.runtime.rpc_timeout_s)
+            await client.close()
+
+        task = asyncio.get_running_loop().create_task(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     # -- the loop -------------------------------------------------------------------------------
     async def run(self) -> None:

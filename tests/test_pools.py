@@ -182,3 +182,20 @@ async def test_the_model_is_taken_at_one_step(tmp_path: Path, make_swarm: list[S
     with pytest.raises(FailedPrecondition, match="is at step 0, not 2"):
         await gather_model(coordinator)
     await coordinator.close()
+
+
+async def test_the_trainer_follows_moves_and_new_addresses(tmp_path: Path) -> None:
+    # c moves from stage 2 to stage 1, a comes back at another address, d leaves.
+    trainer = PipelineTrainer(make_job(tmp_path), coordinator=None)  # type: ignore[arg-type]
+    try:
+        trainer.sync([[Replica("a", "h:1")], [Replica("b", "h:2")], [Replica("c", "h:3")], [
+            Replica("d", "h:4")]])  # fmt: skip
+        first_a = trainer.clients["a"]
+        trainer.sync([[Replica("a", "h:9")], [Replica("b", "h:2"), Replica("c", "h:3")], [], []])
+        assert [trainer.wiring.stage_of(p) for p in "abcd"] == [0, 1, 1, None]
+        assert trainer.wiring.choose(1, 1.0) in ("b", "c")
+        assert trainer.clients["a"].address == "h:9" and trainer.clients["a"] is not first_a
+        assert (trainer.clients["c"].address, trainer.clients["c"].stage) == ("h:3", 1)
+        assert len(trainer._closing) == 2  # the replaced clients of a and c, closed later
+    finally:
+        await trainer.close()
