@@ -80,6 +80,7 @@ class PipelineTrainer:
         self.clients: dict[str, StageClient] = {}
         self._members: list[set[str]] = [set() for _ in range(job.training.stages)]
         self._closing: set[asyncio.Task[None]] = set()  # replaced clients, closed after a while
+        self._leased_step = -1  # the step of the last lease
         self.completed = 0  # microbatches this trainer computed and reported
         # (step, index) -> stage -> (its inputs, its output gradient or the targets), the bytes
         # this trainer sent: a lost gradient at one stage is replayed with one call from these.
@@ -131,6 +132,7 @@ class PipelineTrainer:
             while True:
                 free = self.job.runtime.max_in_flight - len(running)
                 lease = await self.coordinator.lease(self.trainer_id, free)
+                self._leased_step = lease.step
                 self.sync(lease.replicas)
                 if lease.done and not running:
                     return
@@ -158,7 +160,10 @@ class PipelineTrainer:
             log.warning(
                 "%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e
             )
-            await self.coordinator.release(self.trainer_id, [task.index])
+            # A release names indices only: one of an older step (a straggler) would give away
+            # this trainer's lease on the same index of the step it works on now.
+            if task.step == self._leased_step:
+                await self.coordinator.release(self.trainer_id, [task.index])
             return
         finally:
             self.metrics.in_flight.dec()

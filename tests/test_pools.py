@@ -13,6 +13,7 @@ import torch
 from client.coordinator import LocalCoordinator, Replica
 from client.run import gather_model, gather_state
 from client.trainer import PipelineTrainer
+from scheduler.ledger import Task
 from stage_server.runtime import StageRuntime
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.config import JobConfig
@@ -197,5 +198,30 @@ async def test_the_trainer_follows_moves_and_new_addresses(tmp_path: Path) -> No
         assert trainer.clients["a"].address == "h:9" and trainer.clients["a"] is not first_a
         assert (trainer.clients["c"].address, trainer.clients["c"].stage) == ("h:3", 1)
         assert len(trainer._closing) == 2  # the replaced clients of a and c, closed later
+    finally:
+        await trainer.close()
+
+
+class _Releases:
+    """A `Coordinator` that only records releases (the trainer under test leases nothing)."""
+
+    def __init__(self) -> None:
+        self.released: list[list[int]] = []
+
+    async def release(self, trainer: str, indices: list[int]) -> None:
+        self.released.append(list(indices))
+
+
+async def test_a_failed_microbatch_of_an_older_step_gives_nothing_back(tmp_path: Path) -> None:
+    # No replica anywhere: every microbatch fails. The one of the step the trainer leases now is
+    # given back; a straggler of an older step must not give away the same index of this one.
+    coordinator = _Releases()
+    trainer = PipelineTrainer(make_job(tmp_path), coordinator)  # type: ignore[arg-type]
+    trainer._leased_step = 5
+    try:
+        await trainer._run_task(Task(step=4, index=1, stages=frozenset(range(4))))
+        assert coordinator.released == []
+        await trainer._run_task(Task(step=5, index=1, stages=frozenset(range(4))))
+        assert coordinator.released == [[1]]
     finally:
         await trainer.close()
