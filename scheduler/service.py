@@ -116,11 +116,13 @@ class Scheduler:
                 log.info("resuming job %s (%s, step %d)", record.id, record.state, record.step)
                 self._start(record.id)
             await stop.wait()
+            self._group = None  # jobs submitted from now on wait in the store for the next run
             for task in [watcher, load, *self._tasks.values()]:
                 task.cancel()
 
     def _start(self, job_id: str) -> None:
-        assert self._group is not None, "Scheduler.run must be running"
+        if self._group is None:
+            return  # not running (yet, or any more): `run` resumes unfinished jobs from the store
         self._tasks[job_id] = self._group.create_task(self._run_job(job_id))
 
     # -- JobControl -----------------------------------------------------------------------------

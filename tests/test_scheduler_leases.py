@@ -58,3 +58,12 @@ def test_peers_with_unusable_speeds_are_not_placed(tmp_path: Path) -> None:
                 samples_per_second=dict(enumerate(speeds)),
             )
         assert scheduler._available("j", 2) == {"good": [1.0, 2.0], "half": [0.0, 3.0]}
+
+
+def test_a_job_submitted_before_the_scheduler_runs_waits_in_the_store(tmp_path: Path) -> None:
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job_id = store.create("test", render(BASE), str(tmp_path), 3).id
+        scheduler = _scheduler(store, tmp_path)
+        scheduler.submitted(job_id)  # the job API may answer before `run` starts
+        assert scheduler._tasks == {}
+        assert [r.id for r in store.unfinished()] == [job_id]  # `run` starts it from here
