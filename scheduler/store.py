@@ -147,10 +147,13 @@ class JobStore:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield
+            self._db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            # A failed COMMIT (disk full) leaves the transaction open: end it, or every later
+            # write fails with "cannot start a transaction within a transaction".
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
             raise
-        self._db.execute("COMMIT")
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> int:
         """Run one statement as its own committed transaction; returns the rows it changed."""
