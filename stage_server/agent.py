@@ -73,6 +73,7 @@ class PeerAgent:
         self.speeds: dict[int, float] = {}
         self._jobs: dict[str, JobConfig] = {}
         self._ended: set[str] = set()  # jobs announced finished: assignments to them are moot
+        self._active: dict[str, cpb.JobAnnouncement] = {}  # jobs to join once free
         self._generation = -1
         self.load_period_s = 1.0  # how often a serving peer publishes its load
 
@@ -171,6 +172,9 @@ class PeerAgent:
     async def _on_job(self, job: cpb.JobAnnouncement) -> None:
         if job.state in _ENDED:
             self._ended.add(job.job)
+            self._active.pop(job.job, None)
+        elif job.state in _ACTIVE:
+            self._active[job.job] = job
         if job.state in _ACTIVE and self.job_id in ("", job.job) and not self.speeds:
             config = self._job(job)
             if config is None:
@@ -192,6 +196,10 @@ class PeerAgent:
             self.job_id, self.stage, self.speeds = "", None, {}
             self.state = cpb.PEER_STATE_JOINING
             await self.announce()
+            for waiting in list(self._active.values()):  # announced while this peer was busy
+                await self._on_job(waiting)
+                if self.job_id:
+                    break
 
     async def _on_assignment(self, assignment: cpb.Assignment) -> None:
         if assignment.generation <= self._generation:

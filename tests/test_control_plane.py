@@ -371,3 +371,19 @@ def test_a_stage_lost_while_the_scheduler_was_down_rolls_back(
     finally:
         sw.stop()
     assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+
+
+def test_peers_freed_by_one_job_join_the_next(tmp_path: Path) -> None:
+    # The second job is announced while every peer trains the first: once that one ends, the
+    # freed peers join the second (the agent remembers it; the scheduler also re-announces it).
+    job = write_job(tmp_path, training={"steps": 24, "target_batch_size": 16})
+    sw, _ = start_local_swarm([5.0] * 4, log_dir=tmp_path)
+    try:
+        first = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        assert _wait_step(sw, first, 1) < 24
+        second = swarm("submit", str(job), "--wait", "--scheduler", sw.address, timeout=240)
+        assert "succeeded" in second.stdout
+        status = json.loads(swarm("status", first, "--json", "--scheduler", sw.address).stdout)
+        assert status["state"] == "JOB_STATE_SUCCEEDED"
+    finally:
+        sw.stop()
