@@ -97,7 +97,10 @@ class PipelineTrainer:
     # -- membership -----------------------------------------------------------------------------
     def sync(self, replicas: list[list[Replica]]) -> None:
         """Follow the coordinator's view of who serves each stage: a peer may have left, moved
-        to another stage (rebalancing) or come back at another address (restarted)."""
+        to another stage (rebalancing) or come back at another address (restarted). A lease
+        without a view of the stages (the job not started yet) changes nothing."""
+        if len(replicas) != len(self._members):
+            return
         now = {r.peer: (stage, r) for stage, members in enumerate(replicas) for r in members}
         for members in self._members:
             for gone in members - now.keys():

@@ -198,6 +198,8 @@ async def test_the_trainer_follows_moves_and_new_addresses(tmp_path: Path) -> No
         assert trainer.clients["a"].address == "h:9" and trainer.clients["a"] is not first_a
         assert (trainer.clients["c"].address, trainer.clients["c"].stage) == ("h:3", 1)
         assert len(trainer._closing) == 2  # the replaced clients of a and c, closed later
+        trainer.sync([])  # a lease before the job started: no view of the stages
+        assert [trainer.wiring.stage_of(p) for p in "abcd"] == [0, 1, 1, None]
     finally:
         await trainer.close()
 
