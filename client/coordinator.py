@@ -375,7 +375,9 @@ class LocalCoordinator:
             return_exceptions=True,
         )
         for (stage, replica), result in zip(where, applied, strict=True):
-            if isinstance(result, BaseException):  # it died after averaging: it is gone anyway
+            # Dead or hung after averaging: the next commit's check finds it a step behind and
+            # leaves it out; it rejoins by copying a replica that applied.
+            if isinstance(result, BaseException):
                 log.warning(
                     "step %d: apply on %s (stage %d) failed: %s", step, replica.peer, stage, result
                 )

@@ -162,9 +162,11 @@ class StageClient:
             job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
             total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
             round=round)  # fmt: skip
-        response: pb.StageCommitResponse = await self.stub.Commit(
-            request, timeout=self.job.runtime.commit_timeout_s
-        )
+        # APPLY is one local optimizer step: a replica that cannot do it within a hop's deadline
+        # is hung, and must not hold the whole job for a commit's (it rejoins later).
+        apply = phase == pb.COMMIT_PHASE_APPLY
+        timeout = self._timeout if apply else self.job.runtime.commit_timeout_s
+        response: pb.StageCommitResponse = await self.stub.Commit(request, timeout=timeout)
         return response
 
     async def discard(self, step: int) -> int:
