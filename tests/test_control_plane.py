@@ -7,8 +7,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -20,26 +18,10 @@ import torch
 
 from swarm.procs import LocalSwarm, start_local_swarm, start_process
 from tests.bus_helpers import Mosquitto
+from tests.cli import swarm
 from tests.jobs import write_job
 
 pytestmark = pytest.mark.slow
-
-
-def swarm(
-    *args: str, timeout: float = 300, env: dict[str, str] | None = None, check: bool = True
-) -> subprocess.CompletedProcess[str]:
-    import os
-
-    result = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-    if check:
-        assert result.returncode == 0, f"{args}: {result.stdout[-2000:]}{result.stderr[-3000:]}"
-    return result
 
 
 def local_state(job: Path, tmp_path: Path) -> dict[str, torch.Tensor]:

@@ -4,7 +4,6 @@ train a job and end with `swarm local`'s parameters."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,23 +13,10 @@ import torch
 
 from swarm import checkpoint
 from swarm.procs import start_stage_servers, stop_all
+from tests.cli import swarm
 from tests.jobs import write_job
 
 pytestmark = pytest.mark.slow
-
-
-def _swarm(
-    *args: str, timeout: float = 600, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def _losses(path: Path) -> list[float]:
@@ -54,7 +40,7 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str) -> None:
     servers = start_stage_servers(job, 4, log_dir=tmp_path)
     try:
         addresses = ",".join(s.address for s in servers)
-        _swarm(
+        swarm(
             "trainer",
             "--job",
             str(job),
@@ -68,19 +54,21 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str) -> None:
             str(tmp_path / "ckpt"),
             # A scheduler exported for other commands: --stage-servers still means standalone.
             env={"SWARM_SCHEDULER": "127.0.0.1:1"},
+            timeout=600,
         )
     finally:
         codes = [s.stop() for s in servers]
     assert codes == [0, 0, 0, 0], "stage servers must shut down cleanly on SIGTERM"
     assert checkpoint.latest(tmp_path / "ckpt") == 10
     assert all("Traceback" not in s.log() for s in servers), servers[0].log()[-2000:]
-    _swarm(
+    swarm(
         "local",
         str(job),
         "--out",
         str(tmp_path / "local.pt"),
         "--log",
         str(tmp_path / "local.jsonl"),
+        timeout=600,
     )
 
     swarm_losses, local_losses = (
