@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from client.coordinator import Replica  # noqa: E402
-from client.run import train_standalone  # noqa: E402
+from client.standalone import train_standalone  # noqa: E402
 from swarm.config import load_job  # noqa: E402
+from swarm.lease import Replica  # noqa: E402
 from swarm.procs import SwarmProcess, start_process, stop_all  # noqa: E402
 from swarm.progress import StepRecord  # noqa: E402
 

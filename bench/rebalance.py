@@ -8,7 +8,7 @@ control path.
 
 Both runs see the same peers come and go (the simulator draws churn from its own stream), so the
 difference between them is the policy's. "Optimum" is `place`'s bottleneck for the peers present
-(see swarm/sim/report.py).
+(see scheduler/sim/report.py).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 from scheduler.placement import place  # noqa: E402
 from scheduler.rebalance import RebalanceConfig, plan_move  # noqa: E402
+from scheduler.sim import SimClock, SimConfig, Summary, simulate  # noqa: E402
+from scheduler.sim.model import class_affinity, new_peer  # noqa: E402
 from scheduler.wiring import StagePool  # noqa: E402
-from swarm.sim import SimClock, SimConfig, Summary, simulate  # noqa: E402
-from swarm.sim.model import class_affinity, new_peer  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:

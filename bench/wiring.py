@@ -23,9 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from client.coordinator import LocalCoordinator, Replica  # noqa: E402
 from client.trainer import PipelineTrainer  # noqa: E402
+from scheduler.coordinator import LocalCoordinator  # noqa: E402
 from swarm.config import load_job  # noqa: E402
+from swarm.lease import Replica  # noqa: E402
 from swarm.procs import SwarmProcess, start_process, stop_all  # noqa: E402
 from swarm.progress import StepRecord  # noqa: E402
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -15,10 +15,10 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from client.coordinator import Lease, MicrobatchResult, lease_from_proto, result_to_proto
 from client.trainer import PipelineTrainer
 from swarm import auth
 from swarm.config import parse_job
+from swarm.lease import Lease, MicrobatchResult, lease_from_proto, result_to_proto
 from swarm.metrics import TrainerMetrics, serve_metrics
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
@@ -90,7 +90,7 @@ class RemoteCoordinator:
         )
         await self._report(request)
 
-    async def release(self, trainer: str, indices: list[int]) -> None:
+    async def release(self, trainer: str, indices: Sequence[int]) -> None:
         request = spb.SchedulerReportMicrobatchesRequest(
             job=self.job_id, trainer=trainer, released=indices
         )
@@ -116,7 +116,7 @@ class _Progress:
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         await self.inner.report(trainer, result)
 
-    async def release(self, trainer: str, indices: list[int]) -> None:
+    async def release(self, trainer: str, indices: Sequence[int]) -> None:
         await self.inner.release(trainer, indices)
 
 

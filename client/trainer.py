@@ -17,24 +17,24 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import grpc
 
-from client.coordinator import Lease, MicrobatchResult, Replica
-from client.stage_client import BackwardResult, StageClient, TensorLike
-from scheduler.ledger import Task
-from scheduler.wiring import MonotonicClock, NoReplicaError, Wiring
+from scheduler.wiring import NoReplicaError, Wiring
 from swarm import codec
 from swarm.bus import BusLike
+from swarm.clock import MonotonicClock
 from swarm.config import JobConfig
 from swarm.data import DataSource, make_data
 from swarm.errors import ActivationsNotCached, SwarmError
+from swarm.lease import LeaseSource, MicrobatchResult, Replica, Task
 from swarm.metrics import TrainerMetrics
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import tensor_pb2
+from swarm.stage_client import BackwardResult, StageClient, TensorLike
 
-__all__ = ["Coordinator", "PipelineTrainer", "TrainerError", "follow_load"]
+__all__ = ["PipelineTrainer", "TrainerError", "follow_load"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,17 +44,11 @@ class TrainerError(SwarmError):
     """A microbatch cannot be completed: no replica of a stage could serve it."""
 
 
-class Coordinator(Protocol):
-    async def lease(self, trainer: str, count: int) -> Lease: ...
-    async def report(self, trainer: str, result: MicrobatchResult) -> None: ...
-    async def release(self, trainer: str, indices: list[int]) -> None: ...
-
-
 class PipelineTrainer:
     def __init__(
         self,
         job: JobConfig,
-        coordinator: Coordinator,
+        coordinator: LeaseSource,
         *,
         job_id: str | None = None,
         trainer_id: str | None = None,

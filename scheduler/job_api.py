@@ -17,7 +17,6 @@ from typing import Any, NoReturn, Protocol, TypeVar, get_args
 import grpc
 import torch
 
-from client.coordinator import Lease, MicrobatchResult, lease_to_proto, result_from_proto
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm import codec, wire
 from swarm.config import parse_job
@@ -27,6 +26,7 @@ from swarm.errors import (
     InvalidArgument,
     NotFound,
 )
+from swarm.lease import Lease, MicrobatchResult, lease_to_proto, result_from_proto
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
 from swarm.status import status_code
 

@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 from scheduler.job_api import JobApiServicer
 from scheduler.service import Scheduler, SchedulerOptions, collector
 from scheduler.store import JobStore
-from stage_server.server import install_signal_handlers
 from swarm.auth import server_interceptors
 from swarm.broker import EmbeddedBroker
 from swarm.bus import Bus
+from swarm.lifecycle import install_signal_handlers
 from swarm.metrics import serve_metrics
 from swarm.proto import scheduler_pb2_grpc
 from swarm.wire import grpc_options

@@ -23,9 +23,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.registry import Collector
 
-from client.coordinator import Lease, LocalCoordinator, MicrobatchResult, Replica
-from client.run import gather_model, gather_state
 from client.trainer import PipelineTrainer, follow_load
+from scheduler.coordinator import LocalCoordinator, gather_model, gather_state
 from scheduler.placement import best_stage, place
 from scheduler.rebalance import RebalanceConfig, plan_move
 from scheduler.store import JobRecord, JobState, JobStore
@@ -33,6 +32,7 @@ from swarm import checkpoint
 from swarm.bus import BusLike
 from swarm.config import JobConfig, parse_job
 from swarm.errors import FailedPrecondition, SwarmError
+from swarm.lease import Lease, MicrobatchResult, Replica
 from swarm.metrics import CoordinatorFamilies, CoordinatorMetrics, TrainerMetrics
 from swarm.model import layer_costs, partition
 from swarm.progress import StepRecord

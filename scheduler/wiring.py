@@ -29,28 +29,14 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
+from swarm.clock import Clock
 from swarm.errors import ConfigError, SwarmError
 
-__all__ = ["Clock", "MonotonicClock", "NoReplicaError", "StagePool", "Wiring", "WiringConfig"]
-
-
-class Clock(Protocol):
-    """Seconds on a monotonic scale; only differences matter."""
-
-    def now(self) -> float: ...
-
-
-class MonotonicClock:
-    """The real clock, for the trainer's shell; tests and the simulator inject their own."""
-
-    def now(self) -> float:
-        return time.monotonic()
+__all__ = ["NoReplicaError", "StagePool", "Wiring", "WiringConfig"]
 
 
 class NoReplicaError(SwarmError):

@@ -25,12 +25,12 @@ from stage_server.server import (
     RunningStageServer,
     StageServerOptions,
     check_device,
-    install_signal_handlers,
     start_grpc,
 )
 from swarm.bus import Bus, BusLike
 from swarm.config import JobConfig, RuntimeConfig, parse_job
 from swarm.errors import ConfigError
+from swarm.lifecycle import install_signal_handlers
 from swarm.proto import control_pb2 as cpb
 from swarm.topics import TopicKind, Topics
 

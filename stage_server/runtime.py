@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm import stage_state
 from swarm.config import JobConfig
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
 from swarm.model import DTYPES, build_stage, layer_costs, loss_sum, num_layers, partition
@@ -270,30 +271,15 @@ class StageRuntime:
 
     # -- state transfer -------------------------------------------------------------------------
     def export_state(self, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
-        """Parameters as `param/<name>` and optimizer state as `optim/<param index>/<key>`, copied
-        to the CPU: what a joining replica needs to become identical to this one."""
-        state = {f"param/{k}": v.detach().cpu().clone() for k, v in self.state_dict().items()}
-        if include_optimizer:
-            for index, entry in self.optimizer.state_dict()["state"].items():
-                for key, value in entry.items():
-                    if isinstance(value, torch.Tensor):
-                        state[f"optim/{index}/{key}"] = value.detach().cpu().clone()
-        return state
+        """This replica's state in the stage-state format (`swarm.stage_state`)."""
+        return stage_state.export_state(self.module, self.optimizer, include_optimizer)
 
     def load_state(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """Become the replica whose `export_state` this is, at `step`."""
-        params = {k.removeprefix("param/"): v for k, v in state.items() if k.startswith("param/")}
-        own = self.module.state_dict()
-        if params.keys() != own.keys():
-            raise InvalidArgument(f"state names differ from stage {self.stage}'s parameters")
-        self.module.load_state_dict(params)
-        optim: dict[int, dict[str, torch.Tensor]] = {}
-        for name, value in state.items():
-            if name.startswith("optim/"):
-                _, index, key = name.split("/", 2)
-                optim.setdefault(int(index), {})[key] = value
-        groups = self.optimizer.state_dict()["param_groups"]
-        self.optimizer.load_state_dict({"state": optim, "param_groups": groups})
+        try:
+            stage_state.load_state(self.module, self.optimizer, state)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"stage {self.stage}: {e}") from e
         self.step = step
         self._accum, self._receipts, self._prepared = None, {}, None
         self._cache.clear()

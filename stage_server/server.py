@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +19,7 @@ from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
 from swarm.auth import server_interceptors
 from swarm.config import JobConfig, RuntimeConfig
+from swarm.lifecycle import install_signal_handlers
 from swarm.metrics import StageMetrics, serve_metrics
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
 from swarm.wire import grpc_options
@@ -30,7 +29,6 @@ __all__ = [
     "StageServerOptions",
     "check_device",
     "grpc_options",
-    "install_signal_handlers",
     "run_stage_server",
     "start_grpc",
     "start_stage_server",
@@ -136,20 +134,6 @@ async def start_stage_server(
     running.servicer.serve(runtime, job.fingerprint())
     await running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     return running
-
-
-def install_signal_handlers(stop: asyncio.Event) -> None:
-    """SIGTERM/SIGINT set `stop`; a second one exits at once."""
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        if stop.is_set():
-            log.warning("second signal: exiting now")
-            os._exit(1)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
 
 
 async def run_stage_server(job: JobConfig, opts: StageServerOptions, throttle: float = 1.0) -> None:

@@ -353,7 +353,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def Join(self, request: pb.StageJoinRequest, context: grpc.aio.ServicerContext) -> Any:
         async def body() -> pb.StageJoinResponse:
             self._route(request.job, request.stage)
-            from client.stage_client import StageClient  # the client half of DownloadState
+            from swarm.stage_client import StageClient  # the client half of DownloadState
 
             rt = self.runtime
             source = StageClient(request.source, rt.job, self.job_id, rt.stage, self.token)

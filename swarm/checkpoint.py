@@ -1,7 +1,7 @@
-"""The checkpoint format: `<dir>/step-<N>/stage-<k>.pt` holds stage k's state at step N as
-`StageRuntime.export_state` gives it (parameters `param/<name>`, optimizer state
-`optim/<index>/<key>`); `manifest.json`, written last and atomically, marks the checkpoint
-complete and records the data position (the step: data is a function of `(seed, step, index)`)."""
+"""The checkpoint format: `<dir>/step-<N>/stage-<k>.pt` holds stage k's state at step N in the
+stage-state format (`swarm.stage_state`); `manifest.json`, written last and atomically, marks the
+checkpoint complete and records the data position (the step: data is a function of
+`(seed, step, index)`)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from client.commands import add_client_commands
+from scheduler.sim.cli import add_simulate_command
 from swarm.errors import SwarmError
-from swarm.sim.cli import add_simulate_command
 
 __all__ = ["build_parser", "main"]
 
@@ -124,7 +124,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from swarm.broker import run_broker
 
     async def serve() -> None:
-        from stage_server.server import install_signal_handlers
+        from swarm.lifecycle import install_signal_handlers
 
         stop = asyncio.Event()
         install_signal_handlers(stop)
@@ -147,7 +147,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
                 metrics_port=args.metrics_port,
             )
         )
-    from client.run import parse_stage_servers, run_trainer
+    from client.standalone import parse_stage_servers, run_trainer
     from swarm.config import load_job
 
     if not args.stage_servers:

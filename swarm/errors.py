@@ -1,5 +1,6 @@
-"""The exception hierarchy. Third-party errors are converted to these at the boundary; servicers map
-them to gRPC status codes in one place (`stage_server.servicer`)."""
+"""The exception hierarchy. Third-party errors are converted to these at the boundary: servicers map
+them to gRPC status codes, and clients map a call's status back to them, in one place
+(`swarm.status`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ __all__ = [
     "FailedPrecondition",
     "InvalidArgument",
     "NotFound",
+    "PeerUnavailable",
+    "RemoteError",
     "ResourceExhausted",
     "SwarmError",
     "WireError",
@@ -53,3 +56,17 @@ class ActivationsNotCached(FailedPrecondition):
 
 class ResourceExhausted(WireError):
     """Larger than the configured limits."""
+
+
+class PeerUnavailable(SwarmError):
+    """The peer did not answer: unreachable, past the call's deadline, or the call was cancelled.
+    The caller may retry elsewhere; nothing says the peer refused."""
+
+
+class RemoteError(SwarmError):
+    """The peer answered with an error that is none of the above (a bug there, an unauthenticated
+    call): `code` is the gRPC status name."""
+
+    def __init__(self, message: str, code: str = "UNKNOWN") -> None:
+        super().__init__(message)
+        self.code = code

@@ -4,7 +4,6 @@ use these, so every one of them waits on the same ready line and cleans up the s
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -12,6 +11,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from swarm.lifecycle import parse_ready
 
 __all__ = [
     "LocalSwarm",
@@ -21,8 +22,6 @@ __all__ = [
     "start_stage_servers",
     "stop_all",
 ]
-
-_READY = re.compile(r"swarm [\w-]+ ready: (.*)$")
 
 
 @dataclass
@@ -45,11 +44,9 @@ class SwarmProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for line in self.log().splitlines():
-                match = _READY.search(line)
-                if match:
-                    self.ready = dict(
-                        kv.split("=", 1) for kv in match.group(1).split() if "=" in kv
-                    )
+                fields = parse_ready(line)
+                if fields is not None:
+                    self.ready = fields
                     return self.ready
             if self.proc.poll() is not None:
                 raise RuntimeError(

@@ -15,10 +15,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from client.coordinator import Replica
-from client.run import train_standalone
+from client.standalone import train_standalone
 from swarm.config import load_job
 from swarm.faults import ENV, Fault, FaultPlan, Point
+from swarm.lease import Replica
 from swarm.procs import SwarmProcess, start_process, stop_all
 from swarm.progress import StepRecord
 from swarm.reference import train_local

@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from scheduler.ledger import Holding, StepLedger, Task
-
-
-@dataclass
-class FakeClock:
-    t: float = 0.0
-
-    def now(self) -> float:
-        return self.t
+from scheduler.coordinator.ledger import Holding, StepLedger
+from swarm.clock import FakeClock
+from swarm.lease import Task
 
 
 def _ledger(m: int = 4, stages: int = 3) -> tuple[StepLedger, FakeClock]:

@@ -4,20 +4,19 @@ inspected after each step): several trainers, averaging, joining mid-job, lease 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
-from client.coordinator import LocalCoordinator, Replica
-from client.run import gather_model, gather_state
 from client.trainer import PipelineTrainer
-from scheduler.ledger import Task
+from scheduler.coordinator import LocalCoordinator, gather_model, gather_state
 from stage_server.runtime import StageRuntime
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.config import JobConfig
 from swarm.errors import FailedPrecondition
+from swarm.lease import Replica, Task
 from swarm.progress import StepRecord
 from swarm.reference import train_local
 from tests.jobs import make_job
@@ -210,7 +209,7 @@ class _Releases:
     def __init__(self) -> None:
         self.released: list[list[int]] = []
 
-    async def release(self, trainer: str, indices: list[int]) -> None:
+    async def release(self, trainer: str, indices: Sequence[int]) -> None:
         self.released.append(list(indices))
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from scheduler.sim import SimConfig, Summary, simulate
+from scheduler.sim.cli import add_simulate_command
+from scheduler.sim.model import hop_stage, hop_work
 from swarm.errors import ConfigError
-from swarm.sim import SimConfig, Summary, simulate
-from swarm.sim.cli import add_simulate_command
-from swarm.sim.model import hop_stage, hop_work
 
 SMALL = SimConfig(peers=30, stages=4, hours=1.0, lifetime_h=1.0, window_s=900.0, seed=1)
 SLACK = 1e-9

@@ -13,13 +13,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.stage_client import StageClient, as_tensor
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm import codec
 from swarm.config import JobConfig
 from swarm.errors import ActivationsNotCached
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
+from swarm.stage_client import StageClient, as_tensor
 from tests.jobs import make_job
 
 MiB = 1 << 20

@@ -11,15 +11,8 @@ import random
 import pytest
 
 from scheduler.wiring import NoReplicaError, StagePool, Wiring, WiringConfig
+from swarm.clock import FakeClock
 from swarm.errors import ConfigError, SwarmError
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
 
 
 def make_pool(

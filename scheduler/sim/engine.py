@@ -18,9 +18,8 @@ import random
 import time
 from typing import Any
 
-from scheduler.wiring import NoReplicaError, Wiring
-from swarm.sim.meter import Meter
-from swarm.sim.model import (
+from scheduler.sim.meter import Meter
+from scheduler.sim.model import (
     PeerState,
     SimClock,
     SimConfig,
@@ -31,8 +30,9 @@ from swarm.sim.model import (
     hop_work,
     new_peer,
 )
-from swarm.sim.registry import Registry
-from swarm.sim.report import Summary
+from scheduler.sim.registry import Registry
+from scheduler.sim.report import Summary
+from scheduler.wiring import NoReplicaError, Wiring
 
 __all__ = ["Simulation", "simulate"]
 
@@ -48,7 +48,7 @@ class Simulation:
         self.config = config
         self.clock = SimClock()
         seed, stages = config.seed, config.stages
-        self._churn = random.Random(f"swarm.sim/{seed}/churn")
+        self._churn = random.Random(f"scheduler.sim/{seed}/churn")
         self._affinity = class_affinity(config)
         self._samples = config.task_samples
         hops = range(2 * stages - 1)
@@ -58,7 +58,7 @@ class Simulation:
             Wiring(
                 stages,
                 clock=self.clock,
-                rng=random.Random(f"swarm.sim/{seed}/wiring/{i}"),
+                rng=random.Random(f"scheduler.sim/{seed}/wiring/{i}"),
                 config=config.wiring,
                 task_samples=config.task_samples,
             )

@@ -82,8 +82,8 @@ def add_simulate_command(command: CommandFactory, env: EnvDefault) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from swarm.sim.engine import simulate
-    from swarm.sim.model import SimConfig
+    from scheduler.sim.engine import simulate
+    from scheduler.sim.model import SimConfig
 
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         print(

@@ -231,7 +231,7 @@ def hop_work(hop: int, stages: int, forward_share: float) -> float:
 
 def class_affinity(config: SimConfig) -> list[list[float]]:
     """Each class's speed factor on each stage, a function of the seed."""
-    rng = random.Random(f"swarm.sim/{config.seed}/classes")
+    rng = random.Random(f"scheduler.sim/{config.seed}/classes")
     sigma = config.class_stage_jitter
     return [[rng.lognormvariate(0.0, sigma) for _ in config.costs] for _ in config.speed_classes]
 

@@ -24,26 +24,17 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from client.stage_client import StageClient
-from scheduler.ledger import StepLedger, Task
-from swarm import checkpoint
+from scheduler.coordinator.ledger import StepLedger
+from swarm import checkpoint, stage_state
 from swarm.config import JobConfig
 from swarm.errors import SwarmError
+from swarm.lease import Lease, MicrobatchResult, Replica
 from swarm.metrics import CoordinatorMetrics
 from swarm.progress import StepRecord
-from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import stage_pb2 as pb
+from swarm.stage_client import StageClient
 
-__all__ = [
-    "Lease",
-    "LocalCoordinator",
-    "MicrobatchResult",
-    "Replica",
-    "lease_from_proto",
-    "lease_to_proto",
-    "result_from_proto",
-    "result_to_proto",
-]
+__all__ = ["LocalCoordinator"]
 
 log = logging.getLogger(__name__)
 # Codes that mean the replica is gone (dead, partitioned, or another process now): not a refusal.
@@ -55,30 +46,6 @@ _GONE = frozenset(
         grpc.StatusCode.NOT_FOUND,
     }
 )
-
-
-@dataclass(frozen=True)
-class Replica:
-    peer: str
-    address: str
-    throughput: float = 0.0  # measured samples/s on its stage; 0 when unknown
-
-
-@dataclass(frozen=True)
-class Lease:
-    step: int
-    tasks: list[Task]
-    replicas: list[list[Replica]]  # per stage, the replicas serving it now
-    done: bool = False  # the job has no more steps
-
-
-@dataclass(frozen=True)
-class MicrobatchResult:
-    step: int
-    index: int
-    holders: dict[int, str]  # stage -> peer that accumulated the gradient there
-    loss_sum: float | None  # None when the last stage was not accumulated (a replay)
-    samples: int
 
 
 @dataclass
@@ -454,9 +421,7 @@ class LocalCoordinator:
     def _stage_state(self, step: int, stage: int) -> dict[str, torch.Tensor]:
         if step and self.checkpoint_dir:
             return checkpoint.load_stage(self.checkpoint_dir, step, stage)
-        from stage_server.runtime import StageRuntime  # step 0: the seeded initial state
-
-        return StageRuntime(self.job, stage, "cpu").export_state()
+        return stage_state.initial_state(self.job, stage)
 
     # -- membership ---------------------------------------------------------------------------
     def replicas(self) -> list[list[Replica]]:
@@ -556,50 +521,3 @@ class LocalCoordinator:
         if missing:
             raise SwarmError(f"no replica of stages {missing} is at step {target}")
         return target
-
-
-# -- the wire form of leases, shared by the scheduler's job API and `RemoteCoordinator` ---------
-def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
-    return spb.SchedulerLeaseMicrobatchesResponse(
-        step=lease.step,
-        done=lease.done,
-        tasks=[
-            spb.LeaseTask(step=t.step, index=t.index, stages=sorted(t.stages)) for t in lease.tasks
-        ],
-        replicas=[
-            spb.StageStatus(
-                stage=k,
-                replicas=[
-                    spb.Replica(peer=r.peer, address=r.address, samples_per_second=r.throughput)
-                    for r in stage
-                ],
-            )
-            for k, stage in enumerate(lease.replicas)
-        ],
-    )
-
-
-def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
-    return Lease(
-        step=msg.step,
-        done=msg.done,
-        tasks=[Task(t.step, t.index, frozenset(t.stages)) for t in msg.tasks],
-        replicas=[
-            [Replica(r.peer, r.address, r.samples_per_second) for r in s.replicas]
-            for s in msg.replicas
-        ],
-    )
-
-
-def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
-    msg = spb.MicrobatchReport(
-        step=result.step, index=result.index, holders=result.holders, samples=result.samples
-    )
-    if result.loss_sum is not None:
-        msg.loss_sum = result.loss_sum
-    return msg
-
-
-def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
-    loss = msg.loss_sum if msg.HasField("loss_sum") else None
-    return MicrobatchResult(msg.step, msg.index, dict(msg.holders), loss, msg.samples)

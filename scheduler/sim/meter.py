@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from swarm.sim.model import SimPeer
-from swarm.sim.report import Window
+from scheduler.sim.model import SimPeer
+from scheduler.sim.report import Window
 
 __all__ = ["Integral", "Meter"]
 

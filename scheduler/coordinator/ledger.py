@@ -13,19 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from scheduler.wiring import Clock, MonotonicClock
+from swarm.clock import Clock, MonotonicClock
+from swarm.lease import Task
 
-__all__ = ["Holding", "StepLedger", "Task"]
-
-
-@dataclass(frozen=True)
-class Task:
-    """Run microbatch `(step, index)` and add its gradient at `stages` (all of them, unless this
-    is a replay)."""
-
-    step: int
-    index: int
-    stages: frozenset[int]
+__all__ = ["Holding", "StepLedger"]
 
 
 @dataclass(frozen=True)

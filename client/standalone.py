@@ -8,20 +8,17 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from client.coordinator import LocalCoordinator, Replica
 from client.trainer import PipelineTrainer
+from scheduler.coordinator import LocalCoordinator, gather_state
 from swarm.config import JobConfig
-from swarm.errors import FailedPrecondition
+from swarm.lease import Replica
 from swarm.metrics import CoordinatorMetrics, TrainerMetrics, serve_metrics
 from swarm.progress import StepLog, StepRecord
 
 __all__ = [
-    "gather_model",
-    "gather_state",
     "parse_stage_servers",
     "run_trainer",
     "train_standalone",
@@ -37,47 +34,6 @@ def parse_stage_servers(text: str) -> list[list[Replica]]:
         for stage in text.split(",")
         if stage.strip()
     ]
-
-
-async def gather_model(
-    coordinator: LocalCoordinator, attempts: int = 5
-) -> tuple[int, dict[str, torch.Tensor]]:
-    """The whole model at one step, and that step: each stage from the first of its replicas
-    that answers. Every stage must be at the same step (at the job's last one once training
-    is over); a commit landing between two downloads means downloading again."""
-    want = coordinator.steps if coordinator.ledger is None else None
-    steps: set[int] = set()
-    for attempt in range(attempts):
-        steps, state = set(), {}
-        for stage, replicas in enumerate(coordinator.replicas()):
-            step, part = await _download(coordinator, stage, replicas, want)
-            steps.add(step)
-            state.update(part)
-        if len(steps) == 1:
-            return steps.pop(), state
-        await asyncio.sleep(0.1 * 2**attempt)
-    raise FailedPrecondition(f"the stages are at steps {sorted(steps)}: no whole model to take")
-
-
-async def _download(
-    coordinator: LocalCoordinator, stage: int, replicas: list[Replica], want: int | None
-) -> tuple[int, dict[str, torch.Tensor]]:
-    problems = []
-    for replica in replicas:
-        try:
-            step, part = await coordinator.client(stage, replica).download_state()
-        except grpc.aio.AioRpcError as e:
-            problems.append(f"{replica.peer}: {e.code().name}")
-            continue
-        if want is None or step == want:
-            return step, part
-        problems.append(f"{replica.peer} is at step {step}, not {want}")
-    raise FailedPrecondition(f"no replica of stage {stage} gave its state: {problems}")
-
-
-async def gather_state(coordinator: LocalCoordinator) -> dict[str, torch.Tensor]:
-    """`gather_model`'s model alone."""
-    return (await gather_model(coordinator))[1]
 
 
 async def train_standalone(

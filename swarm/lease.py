@@ -1,0 +1,113 @@
+"""The lease contract between the step coordinator and trainers: the work a trainer leases
+(`Task`, in a `Lease` with the replicas serving each stage), what it reports back
+(`MicrobatchResult`), their wire form, and the `LeaseSource` a trainer leases from (the coordinator
+in-process, or the scheduler over gRPC)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from swarm.proto import scheduler_pb2 as spb
+
+__all__ = [
+    "Lease",
+    "LeaseSource",
+    "MicrobatchResult",
+    "Replica",
+    "Task",
+    "lease_from_proto",
+    "lease_to_proto",
+    "result_from_proto",
+    "result_to_proto",
+]
+
+
+@dataclass(frozen=True)
+class Task:
+    """Run microbatch `(step, index)` and add its gradient at `stages` (all of them, unless this
+    is a replay)."""
+
+    step: int
+    index: int
+    stages: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Replica:
+    peer: str
+    address: str
+    throughput: float = 0.0  # measured samples/s on its stage; 0 when unknown
+
+
+@dataclass(frozen=True)
+class Lease:
+    step: int
+    tasks: list[Task]
+    replicas: list[list[Replica]]  # per stage, the replicas serving it now
+    done: bool = False  # the job has no more steps
+
+
+@dataclass(frozen=True)
+class MicrobatchResult:
+    step: int
+    index: int
+    holders: dict[int, str]  # stage -> peer that accumulated the gradient there
+    loss_sum: float | None  # None when the last stage was not accumulated (a replay)
+    samples: int
+
+
+class LeaseSource(Protocol):
+    """Where a trainer gets its work: the step coordinator, in-process or over the wire."""
+
+    async def lease(self, trainer: str, count: int) -> Lease: ...
+    async def report(self, trainer: str, result: MicrobatchResult) -> None: ...
+    async def release(self, trainer: str, indices: Sequence[int]) -> None: ...
+
+
+# -- the wire form, shared by the scheduler's job API and the remote trainer --------------------
+def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
+    return spb.SchedulerLeaseMicrobatchesResponse(
+        step=lease.step,
+        done=lease.done,
+        tasks=[
+            spb.LeaseTask(step=t.step, index=t.index, stages=sorted(t.stages)) for t in lease.tasks
+        ],
+        replicas=[
+            spb.StageStatus(
+                stage=k,
+                replicas=[
+                    spb.Replica(peer=r.peer, address=r.address, samples_per_second=r.throughput)
+                    for r in stage
+                ],
+            )
+            for k, stage in enumerate(lease.replicas)
+        ],
+    )
+
+
+def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
+    return Lease(
+        step=msg.step,
+        done=msg.done,
+        tasks=[Task(t.step, t.index, frozenset(t.stages)) for t in msg.tasks],
+        replicas=[
+            [Replica(r.peer, r.address, r.samples_per_second) for r in s.replicas]
+            for s in msg.replicas
+        ],
+    )
+
+
+def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
+    msg = spb.MicrobatchReport(
+        step=result.step, index=result.index, holders=result.holders, samples=result.samples
+    )
+    if result.loss_sum is not None:
+        msg.loss_sum = result.loss_sum
+    return msg
+
+
+def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
+    loss = msg.loss_sum if msg.HasField("loss_sum") else None
+    return MicrobatchResult(msg.step, msg.index, dict(msg.holders), loss, msg.samples)
