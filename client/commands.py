@@ -3,7 +3,7 @@
 Each command takes its parsed namespace and returns the exit code: 0 done, 1 failed (the job
 failed or was cancelled, the scheduler is unreachable or refused), 2 bad input (a bad job file, an
 unknown job, no scheduler address). Errors print `swarm <cmd>: error: <message>` to stderr.
-`add_client_commands` registers them with `swarm.cli`'s subcommand factory.
+`client.cli` declares their flags.
 """
 
 from __future__ import annotations
@@ -16,21 +16,19 @@ import math
 import sys
 import time
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 from tqdm import tqdm
 
-from client.sdk import ClientError, SchedulerClient, state_name
+from client.sdk import ClientError, SchedulerClient
 from swarm.auth import token_from_env
 from swarm.errors import ConfigError, SwarmError
-from swarm.proto import control_pb2, scheduler_pb2
+from swarm.proto import scheduler_pb2
+from swarm.states import job_state_name as state_name
+from swarm.states import peer_state_name
 
 __all__ = [
-    "CommandFactory",
-    "EnvDefault",
-    "add_client_commands",
     "cmd_cancel",
     "cmd_export",
     "cmd_jobs",
@@ -40,10 +38,6 @@ __all__ = [
 ]
 
 Command = Callable[[argparse.Namespace], int]
-#: `command(name, func, help)` -> the subcommand's parser (as in `swarm.cli.build_parser`)
-CommandFactory = Callable[[str, Command, str], argparse.ArgumentParser]
-#: `env(flag, default)` -> the flag's default, from `SWARM_<FLAG>` when set
-EnvDefault = Callable[[str, Any], Any]
 
 _BAD_INPUT = frozenset({"NOT_FOUND", "INVALID_ARGUMENT"})
 
@@ -95,7 +89,7 @@ def _table(rows: list[list[str]]) -> str:
 
 def _outcome(name: str, status: scheduler_pb2.JobStatus) -> int:
     state = state_name(status.state)
-    if status.state == control_pb2.JOB_STATE_SUCCEEDED:
+    if state == "succeeded":
         print(f"job {status.job} succeeded: {status.step} steps, loss {_loss(status.loss)}")
         return 0
     why = f": {status.error}" if status.error else ""
@@ -159,16 +153,12 @@ async def _status(args: argparse.Namespace) -> int:
         lines.append(f"stage {st.stage} ({layers}): {len(st.replicas)} replica(s)")
         rows = [["  PEER", "DEVICE", "SAMPLES/S", "STATE"]]
         rows += [
-            [f"  {r.peer}", r.device, f"{r.samples_per_second:.1f}", _peer_state(r.state)]
+            [f"  {r.peer}", r.device, f"{r.samples_per_second:.1f}", peer_state_name(r.state)]
             for r in st.replicas
         ]
         lines += _table(rows).splitlines() if st.replicas else []
     print("\n".join(lines))
     return 0
-
-
-def _peer_state(state: int) -> str:
-    return control_pb2.PeerState.Name(state).removeprefix("PEER_STATE_").lower()  # type: ignore[arg-type]
 
 
 async def _jobs(args: argparse.Namespace) -> int:
@@ -217,45 +207,3 @@ cmd_status = _guarded("status", _status)
 cmd_jobs = _guarded("jobs", _jobs)
 cmd_cancel = _guarded("cancel", _cancel)
 cmd_export = _guarded("export", _export)
-
-
-def _common(p: argparse.ArgumentParser, env: EnvDefault) -> None:
-    p.add_argument(
-        "--scheduler", default=env("scheduler", None), help="the scheduler's job API, HOST:PORT"
-    )
-    # No default shown: help output must not print the secret from SWARM_TOKEN.
-    p.add_argument(
-        "--token",
-        default=None,
-        help="swarm token (None: SWARM_TOKEN from the environment; prefer that, flags show in ps)",
-    )
-    p.add_argument(
-        "--timeout", type=float, default=env("timeout", 30.0), help="deadline per call (seconds)"
-    )
-
-
-def add_client_commands(command: CommandFactory, env: EnvDefault) -> None:
-    """Register submit, status, jobs, cancel and export: `add_client_commands(command, _env)`
-    inside `swarm.cli.build_parser`."""
-    p = command("submit", cmd_submit, "submit a job file to the scheduler; prints the job id")
-    p.add_argument("job_file", type=Path, help="job file (TOML)")
-    p.add_argument("--wait", action="store_true", help="show progress until the job ends")
-    p.add_argument("--poll", type=float, default=0.5, help="seconds between progress polls")
-    _common(p, env)
-
-    p = command("status", cmd_status, "show a job's state, progress and replicas per stage")
-    p.add_argument("job", help="job id (from `swarm submit` or `swarm jobs`)")
-    p.add_argument("--json", action="store_true", help="print the JobStatus as JSON")
-    _common(p, env)
-
-    p = command("jobs", cmd_jobs, "list the scheduler's jobs, newest first")
-    _common(p, env)
-
-    p = command("cancel", cmd_cancel, "cancel a queued or running job")
-    p.add_argument("job", help="job id")
-    _common(p, env)
-
-    p = command("export", cmd_export, "download a job's whole model as a torch state_dict")
-    p.add_argument("job", help="job id")
-    p.add_argument("--out", type=Path, required=True, help="file to write (torch.save)")
-    _common(p, env)

@@ -16,16 +16,20 @@ from pathlib import Path
 from tqdm import tqdm
 
 from client.commands import watch
-from client.sdk import SchedulerClient, state_name
+from client.sdk import SchedulerClient
 from swarm.config import load_job
+from swarm.faults import ANY_REPLICA, Fault, FaultPlan, Point
 from swarm.procs import LocalSwarm, start_local_swarm
 from swarm.proto import scheduler_pb2
+from swarm.states import TERMINAL
+from swarm.states import job_state_name as state_name
 
-__all__ = ["DEFAULT_THROTTLES", "run_demo"]
+__all__ = ["DEFAULT_THROTTLES", "Chaos", "run_demo"]
 
 # Five peers of different speeds, as on a volunteer swarm: 1x to 3x slower than this machine's
 # cores. One more peer than stages, so at least one stage has a pool of two replicas.
 DEFAULT_THROTTLES = (1.0, 1.5, 2.0, 3.0, 1.0)
+POLL_S = 0.2  # how often the demo looks at the job, to kill on time
 
 
 def _show_endpoints(sw: LocalSwarm) -> None:
@@ -48,34 +52,63 @@ def _victim(status: scheduler_pb2.JobStatus, rng: random.Random) -> str | None:
     return rng.choice(rng.choice(pools).replicas).peer if pools else None
 
 
-async def _kill(sw: LocalSwarm, client: SchedulerClient, job: str, chaos: bool) -> None:
-    """Halfway through, SIGKILL one replica; with `chaos`, keep doing it every few steps and
-    start a fresh peer in its place each time (it joins the running job)."""
-    rng, killed_at = random.Random(0), -1
+class Chaos:
+    """The demo's faults as a `FaultPlan`: halfway through the job, SIGKILL one replica whose
+    stage keeps another; with `chaos`, another one 5 steps after each kill. None in the last 3
+    steps. One fault is planned at a time."""
+
+    def __init__(self, steps: int, chaos: bool, rng: random.Random) -> None:
+        self.plan = FaultPlan([Fault(ANY_REPLICA, Point.IDLE, steps // 2)])
+        self.chaos, self.rng = chaos, rng
+
+    def victim(self, status: scheduler_pb2.JobStatus) -> str | None:
+        """The peer to kill now, if a fault is due and a stage can spare a replica."""
+        for fault in self.plan.due(status.step):
+            near_end = status.step >= status.steps - 3
+            victim = None if near_end else _victim(status, self.rng)
+            if victim is None:
+                self.plan.add(fault)  # no spare replica (yet): due again at the next look
+                continue
+            if self.chaos:
+                self.plan.add(Fault(ANY_REPLICA, Point.IDLE, status.step + 5))
+            return victim
+        return None
+
+
+async def _kill(
+    sw: LocalSwarm, client: SchedulerClient, job: scheduler_pb2.JobStatus, chaos: bool
+) -> None:
+    """Carry out the demo's `Chaos` while the job runs; with `chaos`, start a fresh peer in
+    place of each killed one (it joins the running job)."""
+    plan = Chaos(job.steps, chaos, random.Random(0))
     while True:
-        await asyncio.sleep(0.2)
-        status = await client.get(job)
+        await asyncio.sleep(POLL_S)
+        status = await client.get(job.job)
         if state_name(status.state) not in ("placing", "running"):
             return
-        if killed_at < 0:
-            due = status.step >= status.steps // 2
-        else:
-            due = chaos and status.step >= killed_at + 5
-        victim = _victim(status, rng) if due and status.step < status.steps - 3 else None
+        victim = plan.victim(status)
         if victim is None:
             continue
         next(p for p in sw.peers if p.ready.get("peer") == victim).kill()
-        killed_at = status.step
         tqdm.write(
             f"** step {status.step}: killed {victim} with SIGKILL; its stage keeps a "
             f"replica, its gradients are replayed there, and training carries on **"
         )
         if chaos:
-            peer = await asyncio.to_thread(sw.add_peer, rng.choice([1.0, 1.5, 2.0]))
+            peer = await asyncio.to_thread(sw.add_peer, plan.rng.choice([1.0, 1.5, 2.0]))
             tqdm.write(
                 f"** a fresh peer {peer.ready['peer']} joins; it copies its stage's "
                 f"state at a step boundary **"
             )
+
+
+async def _first_loss(client: SchedulerClient, job: str) -> float:
+    """The loss of the first committed step the demo sees (the job API keeps only the last)."""
+    while True:
+        status = await client.get(job)
+        if status.step >= 1 or state_name(status.state) in TERMINAL:
+            return status.loss if status.step >= 1 else math.nan
+        await asyncio.sleep(POLL_S)
 
 
 async def _train(sw: LocalSwarm, job_path: Path, chaos: bool) -> int:
@@ -86,27 +119,22 @@ async def _train(sw: LocalSwarm, job_path: Path, chaos: bool) -> int:
             f"--scheduler {sw.address}` shows it from another terminal",
             flush=True,
         )
-        killer = asyncio.create_task(_kill(sw, client, status.job, chaos))
+        first = asyncio.create_task(_first_loss(client, status.job))
+        killer = asyncio.create_task(_kill(sw, client, status, chaos))
         try:
             final = await watch(client, status)
+            first_loss = await first
         finally:
             killer.cancel()
-        steps = await asyncio.to_thread(_losses, sw, status.job)
+            first.cancel()
     if state_name(final.state) == "succeeded":
-        first = steps[0] if steps else math.nan
         print(
-            f"job {final.job} succeeded: {final.step} steps, loss {first:.3f} -> {final.loss:.3f}"
+            f"job {final.job} succeeded: {final.step} steps, "
+            f"loss {first_loss:.3f} -> {final.loss:.3f}"
         )
         return 0
     print(f"job {final.job} {state_name(final.state)}: {final.error or final.message}")
     return 1
-
-
-def _losses(sw: LocalSwarm, job_id: str) -> list[float]:
-    from scheduler.store import JobStore
-
-    with JobStore(sw.log_dir / "jobs.sqlite") as store:
-        return [row.loss for row in store.steps(job_id)]
 
 
 def run_demo(

@@ -15,13 +15,16 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from client.trainer import PipelineTrainer
+from client.trainer import PipelineTrainer, load_followed
 from swarm import auth
+from swarm.backoff import Backoff
 from swarm.config import parse_job
+from swarm.errors import PeerUnavailable
 from swarm.lease import Lease, MicrobatchResult, lease_from_proto, result_to_proto
 from swarm.metrics import TrainerMetrics, serve_metrics
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
+from swarm.status import from_rpc_error
 from swarm.wire import grpc_options
 
 __all__ = ["RemoteCoordinator", "run_remote_trainer"]
@@ -29,9 +32,6 @@ __all__ = ["RemoteCoordinator", "run_remote_trainer"]
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
-# A scheduler restarting, or too busy to answer in time: worth asking again. Anything else (an
-# unknown job, a refused token, a bad request) is final.
-_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class RemoteCoordinator:
@@ -55,18 +55,21 @@ class RemoteCoordinator:
 
     async def _call(self, what: str, rpc: Callable[[], Awaitable[R]]) -> R:
         """`rpc()`, asked again with backoff while the scheduler is unreachable (for at most
-        `retry_for_s`). Repeating is safe: a report or release twice is the same as once, and
-        a lease whose reply was lost expires and goes to a trainer again."""
-        delay, give_up = 0.2, time.monotonic() + self.retry_for_s
+        `retry_for_s`); its errors are `swarm.errors` (`from_rpc_error`). Repeating is safe: a
+        report or release twice is the same as once, and a lease whose reply was lost expires and
+        goes to a trainer again."""
+        backoff, give_up = Backoff(first_s=0.2, cap_s=5.0), time.monotonic() + self.retry_for_s
         while True:
             try:
                 return await rpc()
-            except grpc.aio.AioRpcError as e:
-                if e.code() not in _TRANSIENT or time.monotonic() + delay > give_up:
-                    raise
-                log.warning("scheduler: %s failed (%s); asking again", what, e.code().name)
+            except grpc.RpcError as e:
+                error, delay = from_rpc_error(e), backoff.next()
+                # A scheduler restarting, or too busy to answer in time, is worth asking again.
+                # Anything else (an unknown job, a refused token, a bad request) is final.
+                if not isinstance(error, PeerUnavailable) or time.monotonic() + delay > give_up:
+                    raise error from e
+            log.warning("scheduler: %s failed (%s); asking again", what, error)
             await asyncio.sleep(delay)
-            delay = min(2 * delay, 5.0)
 
     async def job(self) -> spb.JobStatus:
         request = spb.SchedulerGetJobRequest(job=self.job_id)
@@ -127,7 +130,10 @@ async def run_remote_trainer(
     token: str | None = None,
     threads: int = 1,
     metrics_port: int | None = None,
+    broker: str | None = None,
 ) -> int:
+    """Train job `job_id` of the scheduler at `address` until it has no more steps. With
+    `broker` (the swarm's MQTT broker URL), the wiring follows the replicas' load reports."""
     torch.set_num_threads(max(1, threads))
     remote = RemoteCoordinator(address, job_id, token=token)
     try:
@@ -144,7 +150,10 @@ async def run_remote_trainer(
                 job, _Progress(remote, bar), job_id=job_id, token=token, metrics=metrics
             )
             try:
-                await trainer.run()
+                async with load_followed(
+                    broker, job_id, [trainer], token=token, registry=metrics.registry
+                ):
+                    await trainer.run()
             finally:
                 await trainer.close()
         print(

@@ -1,7 +1,8 @@
 """A Python client of the scheduler's job API: submit, watch, cancel and export jobs.
 
 gRPC errors are converted here, at the boundary, into `ClientError`s whose message says what went
-wrong in the user's words (e.g. "cannot reach the scheduler at HOST:PORT").
+wrong in the user's words (e.g. "cannot reach the scheduler at HOST:PORT"); the `swarm.errors`
+error the call's status means (`from_rpc_error`) is their `error`.
 """
 
 from __future__ import annotations
@@ -20,34 +21,28 @@ import torch
 
 from swarm import auth, wire
 from swarm.config import load_job
-from swarm.errors import SwarmError, WireError
-from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
+from swarm.errors import PeerUnavailable, RemoteError, SwarmError, WireError
+from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
+from swarm.states import TERMINAL_PROTO as TERMINAL_STATES
+from swarm.states import job_state_name as state_name
+from swarm.status import from_rpc_error
 
 __all__ = ["TERMINAL_STATES", "ClientError", "SchedulerClient", "state_name"]
 
 MiB = 1 << 20
 JobStatus = scheduler_pb2.JobStatus
 _Statuses = list[JobStatus]  # inside SchedulerClient, `list` names its method
-TERMINAL_STATES = frozenset(
-    {
-        control_pb2.JOB_STATE_SUCCEEDED,
-        control_pb2.JOB_STATE_FAILED,
-        control_pb2.JOB_STATE_CANCELLED,
-    }
-)
-
-
-def state_name(state: int) -> str:
-    """The lower-case name of a JobState: "running" for JOB_STATE_RUNNING."""
-    return control_pb2.JobState.Name(state).removeprefix("JOB_STATE_").lower()  # type: ignore[arg-type]
 
 
 class ClientError(SwarmError):
-    """A call to the scheduler failed; `code` is the gRPC status code's name (e.g. NOT_FOUND)."""
+    """A call to the scheduler failed; `code` is the gRPC status code's name (e.g. NOT_FOUND),
+    `error` the `swarm.errors` error it means (None for a reply the client itself rejected)."""
 
-    def __init__(self, code: str, details: str, message: str) -> None:
+    def __init__(
+        self, code: str, details: str, message: str, error: SwarmError | None = None
+    ) -> None:
         super().__init__(message)
-        self.code, self.details = code, details
+        self.code, self.details, self.error = code, details, error
 
 
 class SchedulerClient:
@@ -84,7 +79,7 @@ class SchedulerClient:
     def _converting(self) -> Iterator[None]:
         try:
             yield
-        except grpc.aio.AioRpcError as e:
+        except grpc.RpcError as e:
             raise _client_error(self.address, e) from None
 
     async def _unary(self, method: Any, request: Any) -> Any:
@@ -170,14 +165,16 @@ class SchedulerClient:
         return state, steps.pop()
 
 
-def _client_error(address: str, e: grpc.aio.AioRpcError) -> ClientError:
-    code, details = e.code(), e.details() or ""
-    if code == grpc.StatusCode.UNAVAILABLE:
-        message = f"cannot reach the scheduler at {address} ({details})"
-    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+def _client_error(address: str, e: grpc.RpcError) -> ClientError:
+    error = from_rpc_error(e)
+    code: str = e.code().name  # type: ignore[attr-defined]
+    details: str = e.details() or ""  # type: ignore[attr-defined]
+    if isinstance(error, PeerUnavailable) and code == "DEADLINE_EXCEEDED":
         message = f"the scheduler at {address} did not answer in time"
-    elif code == grpc.StatusCode.UNAUTHENTICATED:
+    elif isinstance(error, PeerUnavailable):
+        message = f"cannot reach the scheduler at {address} ({details})"
+    elif isinstance(error, RemoteError) and error.code == "UNAUTHENTICATED":
         message = f"the scheduler at {address} refused the call: {details} (--token, SWARM_TOKEN)"
     else:
-        message = details or code.name
-    return ClientError(code.name, details, message)
+        message = details or code
+    return ClientError(code, details, message, error)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from client.trainer import PipelineTrainer
+from client.trainer import PipelineTrainer, load_followed
 from scheduler.coordinator import LocalCoordinator, gather_state
 from swarm.config import JobConfig
 from swarm.lease import Replica
@@ -45,9 +45,12 @@ async def train_standalone(
     token: str | None = None,
     trainers: int = 1,
     checkpoint_dir: Path | None = None,
+    broker: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Coordinate and train `job` on the given stage servers in this process; returns the
-    trained model. `registry` receives the trainer's and coordinator's metrics."""
+    trained model. `registry` receives the trainer's and coordinator's metrics. With `broker`,
+    the trainers' wiring follows the load reports published there for this job (its id is
+    `job.fingerprint()`) by replicas named as in `replicas`."""
     registry = registry or CollectorRegistry()
     members = replicas if callable(replicas) else (lambda: replicas)  # type: ignore[misc]
     coordinator = LocalCoordinator(
@@ -66,7 +69,9 @@ async def train_standalone(
     ]
     try:
         await coordinator.start()
-        await asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait())
+        job_id = job.fingerprint()
+        async with load_followed(broker, job_id, runs, token=token, registry=registry):
+            await asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait())
         if coordinator.error:
             raise coordinator.error
         return await gather_state(coordinator)
@@ -87,6 +92,7 @@ async def run_trainer(
     show_progress: bool = True,
     token: str | None = None,
     checkpoint_dir: Path | None = None,
+    broker: str | None = None,
 ) -> int:
     if len(replicas) != job.training.stages:
         raise SystemExit(
@@ -106,6 +112,7 @@ async def run_trainer(
             on_step=steps,
             token=token,
             checkpoint_dir=checkpoint_dir,
+            broker=broker,
         )
     if out:
         torch.save(state, out)

@@ -11,19 +11,20 @@ that accumulated its gradient. A failed hop is retried at once on another replic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
-import grpc
+from prometheus_client import CollectorRegistry
 
 from scheduler.wiring import NoReplicaError, Wiring
 from swarm import codec
-from swarm.bus import BusLike
+from swarm.bus import Bus, BusLike
 from swarm.clock import MonotonicClock
 from swarm.config import JobConfig
 from swarm.data import DataSource, make_data
@@ -34,7 +35,7 @@ from swarm.proto import control_pb2 as cpb
 from swarm.proto import tensor_pb2
 from swarm.stage_client import BackwardResult, StageClient, TensorLike
 
-__all__ = ["PipelineTrainer", "TrainerError", "follow_load"]
+__all__ = ["PipelineTrainer", "TrainerError", "follow_load", "load_followed"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -153,7 +154,7 @@ class PipelineTrainer:
         self.metrics.in_flight.inc()
         try:
             result = await self._microbatch(task)
-        except (TrainerError, grpc.aio.AioRpcError) as e:
+        except TrainerError as e:  # `_hop` handles every failed stage call itself
             log.warning(
                 "%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e
             )
@@ -185,11 +186,11 @@ class PipelineTrainer:
             start = time.perf_counter()
             try:
                 result = await call(self.clients[peer])
-            except grpc.aio.AioRpcError as e:
+            except SwarmError as e:  # the stage client raises nothing else for a failed call
                 if peer in pool:  # it may have left (or moved stage) while the call ran
                     pool.failed(peer, samples)
                 self.metrics.failed(stage, peer)
-                log.info("stage %d: %s failed (%s); trying another replica", stage, peer, e.code())
+                log.info("stage %d: %s failed (%r); trying another replica", stage, peer, e)
                 last = e
                 continue
             # Service time, network included, queue at the replica excluded: the wiring adds
@@ -219,9 +220,8 @@ class PipelineTrainer:
         if client is cached_on:
             try:
                 return await client.backward(task.step, task.index, None, grad, **kwargs)
-            except grpc.aio.AioRpcError as e:
-                if ActivationsNotCached.PREFIX not in (e.details() or ""):
-                    raise
+            except ActivationsNotCached:
+                pass  # evicted there: resend with the inputs, and the replica recomputes
         return await client.backward(task.step, task.index, inputs, grad, **kwargs)
 
     def _remember(
@@ -325,6 +325,40 @@ async def follow_load(bus: BusLike, job_id: str, wiring: Wiring, microbatch_size
                 message.queue_depth * microbatch_size,
                 seconds if seconds > 0 else None,
             )
+
+
+@contextlib.asynccontextmanager
+async def load_followed(
+    broker: str | None,
+    job_id: str,
+    trainers: Sequence[PipelineTrainer],
+    *,
+    token: str | None = None,
+    registry: CollectorRegistry | None = None,
+) -> AsyncIterator[None]:
+    """While inside, each trainer's wiring follows the job's load reports from `broker` (the
+    trainers outside the scheduler; nothing without a broker). The bus connects and reconnects in
+    the background: a broker that is down or refuses us costs the wiring its reports (it still
+    measures what it sends itself), never the training."""
+    if broker is None or not trainers:
+        yield
+        return
+
+    async def follow(trainer: PipelineTrainer) -> None:
+        try:
+            await follow_load(bus, job_id, trainer.wiring, trainer.job.training.microbatch_size)
+        except SwarmError as e:
+            log.warning("%s: no load reports from %s: %s", trainer.trainer_id, broker, e)
+
+    client_id = f"{trainers[0].trainer_id}-load"
+    async with Bus(broker, client_id, token=token, registry=registry or CollectorRegistry()) as bus:
+        tasks = [asyncio.create_task(follow(t)) for t in trainers]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _nbytes(value: TensorLike) -> int:

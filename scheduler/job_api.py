@@ -1,9 +1,8 @@
 """`SchedulerService`'s job API over a `JobStore` and the orchestration (`JobControl`).
 
 The servicer is thin: validate, store, tell the orchestration, answer. Store reads and writes are
-synchronous and happen between awaits, so a call never sees a half-made change. Domain errors
-become status codes here (as in `stage_server.servicer`); anything else is logged and answered
-INTERNAL, and the server keeps serving.
+synchronous and happen between awaits, so a call never sees a half-made change. Errors become
+status codes in `swarm.servicing`, as in every servicer.
 """
 
 from __future__ import annotations
@@ -12,12 +11,11 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, NoReturn, Protocol, TypeVar, get_args
+from typing import Any, Protocol, TypeVar
 
-import grpc
 import torch
 
-from scheduler.store import JobRecord, JobState, JobStore
+from scheduler.store import JobRecord, JobStore
 from swarm import codec, wire
 from swarm.config import parse_job
 from swarm.errors import (
@@ -27,19 +25,15 @@ from swarm.errors import (
     NotFound,
 )
 from swarm.lease import Lease, MicrobatchResult, lease_to_proto, result_from_proto
-from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
-from swarm.status import status_code
+from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
+from swarm.servicing import Servicing
+from swarm.states import job_state_proto
 
 __all__ = ["JobApiServicer", "JobControl", "job_status"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MiB = 1 << 20
-
-
-_STATES: dict[str, Any] = {
-    s: control_pb2.JobState.Value(f"JOB_STATE_{s.upper()}") for s in get_args(JobState)
-}
 
 
 class JobControl(Protocol):
@@ -84,7 +78,7 @@ def job_status(record: JobRecord, control: JobControl) -> scheduler_pb2.JobStatu
     return scheduler_pb2.JobStatus(
         job=record.id,
         name=record.name,
-        state=_STATES[record.state],
+        state=job_state_proto(record.state),
         step=record.step,
         steps=record.steps,
         loss=record.loss,  # NaN before the first step
@@ -104,24 +98,17 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.store, self.control, self.chunk_bytes = store, control, chunk_bytes
+        self._serving = Servicing("scheduler")
 
     # -- plumbing -------------------------------------------------------------------------------
-    async def _abort(self, method: str, context: Any, e: Exception) -> NoReturn:
-        code = status_code(e)
-        if code is None:  # a bug, not bad input: report it, keep serving
-            log.error("scheduler %s failed", method, exc_info=e)
-            code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
-        else:
-            log.info("scheduler %s refused: %s: %s", method, code.name, e)
-            message = str(e)
-        await context.abort(code, message)
-        raise AssertionError("context.abort returned")  # it raises; this satisfies NoReturn
-
     async def _run(self, method: str, context: Any, body: Callable[[], T]) -> T:
-        try:
+        """`body()` (synchronous: store reads and writes happen between awaits) under the error
+        mapping every servicer shares."""
+
+        async def call() -> T:
             return body()
-        except Exception as e:
-            await self._abort(method, context, e)
+
+        return await self._serving.run(method, context, call)
 
     def _job(self, job_id: str) -> JobRecord:
         record = self.store.get(job_id)
@@ -184,28 +171,28 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def LeaseMicrobatches(
         self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest, context: Any
     ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
-        try:
+        async def body() -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
             self._job(request.job)
             lease = await self.control.lease(request.job, request.trainer, request.count)
             return lease_to_proto(lease)
-        except Exception as e:
-            await self._abort("LeaseMicrobatches", context, e)
+
+        return await self._serving.run("LeaseMicrobatches", context, body)
 
     async def ReportMicrobatches(
         self, request: scheduler_pb2.SchedulerReportMicrobatchesRequest, context: Any
     ) -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
-        try:
+        async def body() -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
             self._job(request.job)
             results = [result_from_proto(r) for r in request.results]
             await self.control.report(request.job, request.trainer, results, list(request.released))
             return scheduler_pb2.SchedulerReportMicrobatchesResponse()
-        except Exception as e:
-            await self._abort("ReportMicrobatches", context, e)
+
+        return await self._serving.run("ReportMicrobatches", context, body)
 
     async def ExportModel(
         self, request: scheduler_pb2.SchedulerExportModelRequest, context: Any
     ) -> AsyncIterator[scheduler_pb2.SchedulerExportModelResponse]:
-        try:
+        async def body() -> AsyncIterator[scheduler_pb2.SchedulerExportModelResponse]:
             self._job(request.job)
             step, state = await self.control.export(request.job)
             if not state:
@@ -215,8 +202,9 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 msg = await asyncio.to_thread(_message, name, tensor, step)
                 for part in wire.split(msg, self.chunk_bytes):
                     yield part
-        except Exception as e:
-            await self._abort("ExportModel", context, e)
+
+        async for part in self._serving.stream("ExportModel", context, body()):
+            yield part
 
 
 def _message(

@@ -18,7 +18,7 @@ from scheduler.store import JobStore
 from swarm.auth import server_interceptors
 from swarm.broker import EmbeddedBroker
 from swarm.bus import Bus
-from swarm.lifecycle import install_signal_handlers
+from swarm.lifecycle import install_signal_handlers, print_ready
 from swarm.metrics import serve_metrics
 from swarm.proto import scheduler_pb2_grpc
 from swarm.wire import grpc_options
@@ -86,10 +86,12 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
             )
             stop = asyncio.Event()
             install_signal_handlers(stop)
-            print(
-                f"swarm scheduler ready: address={opts.host}:{port} broker={broker} "
-                f"metrics={metrics_port} store={opts.store}",
-                flush=True,
+            print_ready(
+                "scheduler",
+                address=f"{opts.host}:{port}",
+                broker=broker,
+                metrics=metrics_port,
+                store=opts.store,
             )
             try:
                 await scheduler.run(stop)

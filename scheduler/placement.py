@@ -3,7 +3,8 @@
 Pure policy over plain data (DESIGN.md, "Policies"); the scheduler's registry feeds it and the
 simulator reuses it. Every sample passes every stage, so the job runs at its *bottleneck*: the
 smallest, over stages, of the summed throughput of the stage's replicas. Placement maximises it.
-A peer joining a running job goes to `best_stage`; `place` (re)plans a whole set of peers.
+Peers joining a running job go to their `best_stage`, `place` plans a whole set of peers, and
+`place_new` picks between the two: the scheduler and the simulator both call it.
 
 The exact problem is NP-hard: with two stages and peers equally fast on both, deciding whether the
 bottleneck can reach half the total speed is PARTITION. In general (peers of different speeds on
@@ -27,24 +28,20 @@ optimum).
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
+
+from scheduler.placement_search import Search, better, close, improve, score
 
 __all__ = [
     "best_stage",
     "bottleneck",
     "place",
+    "place_new",
     "stage_totals",
     "stages_without_replicas",
     "upper_bound",
 ]
 
-# Totals are sums of floats taken in different orders; two bottlenecks this close are equal, so a
-# "move" that only reorders float error is not an improvement (and the search cannot cycle on it).
-_REL_TOL = 1e-9
-# Iterated local search: peers moved by one kick, and the fixed seed that keeps place() a function.
-_KICK_MOVES = 3
-_SEED = 0
 # Market prices (see `_prices`): update steps and the first step's size, as a fraction of a
 # stage's gap to the mean total. Measured on 1,000 peers x 16 stages: more steps barely help.
 _PRICE_STEPS = 100
@@ -103,7 +100,7 @@ def best_stage(peer_speeds: Sequence[float], stage_totals: Sequence[float]) -> i
     }
     top = max(after.values())
     return min(
-        (k for k in usable if _close(after[k], top)),
+        (k for k in usable if close(after[k], top)),
         key=lambda k: (stage_totals[k], -peer_speeds[k], k),
     )
 
@@ -139,24 +136,45 @@ def place(
         raise ValueError(f"num_stages={num_stages}: a job has at least one stage")
     peers = sorted(p for p, row in speeds.items() if max(_check_row(p, row, num_stages)) > 0.0)
     assignment = _cover(peers, speeds, num_stages)
+    covered = stage_totals(assignment, speeds, num_stages)
     if len(assignment) < num_stages:  # some stage stays empty: the bottleneck is 0 regardless
-        _fill(peers, assignment, speeds, num_stages)
+        _fill(peers, assignment, speeds, covered)
         return dict(sorted(assignment.items()))
     if len(peers) == num_stages:  # one peer per stage: the matching is the optimum
         return dict(sorted(assignment.items()))
     starts = [dict(assignment)]
-    _fill(peers, starts[0], speeds, num_stages)
+    _fill(peers, starts[0], speeds, list(covered))
     prices = _prices([speeds[p] for p in peers], num_stages)[0]
     for slack in _PRICE_SLACKS:
         starts.append(dict(assignment))
-        _fill(peers, starts[-1], speeds, num_stages, prices=prices, slack=slack)
+        _fill(peers, starts[-1], speeds, list(covered), prices=prices, slack=slack)
     start = starts[0]
     for other in starts[1:]:
-        if _better(_score_of(other, speeds, num_stages), _score_of(start, speeds, num_stages)):
+        if better(_score_of(other, speeds, num_stages), _score_of(start, speeds, num_stages)):
             start = other
-    search = _Search([speeds[p] for p in peers], [start[p] for p in peers], num_stages)
-    _improve(search, rounds, budget)
+    search = Search([speeds[p] for p in peers], [start[p] for p in peers], num_stages)
+    improve(search, rounds, budget)
     return dict(zip(peers, search.stage_of, strict=True))
+
+
+def place_new(
+    speeds: Mapping[str, Sequence[float]],
+    num_stages: int,
+    totals: Sequence[float] | None = None,
+) -> dict[str, int]:
+    """Stages for peers not placed yet: the one placement decision of the scheduler and the
+    simulator. `totals=None` (nothing serves the job yet) is `place`. Otherwise `totals` are the
+    stages' summed samples/s now (a running job), and each new peer, fastest first, joins its
+    `best_stage` as the totals grow: peers already serving stay put (moving them is rebalancing's
+    call, which weighs what a move costs). Peers with no positive speed are left out."""
+    if totals is None:
+        return place(speeds, num_stages)
+    if len(totals) != num_stages:
+        raise ValueError(f"{len(totals)} stage totals for {num_stages} stages: give one per stage")
+    peers = sorted(p for p, row in speeds.items() if max(_check_row(p, row, num_stages)) > 0.0)
+    assignment: dict[str, int] = {}
+    _fill(peers, assignment, speeds, list(totals))
+    return dict(sorted(assignment.items()))
 
 
 def _check_row(peer: str, row: Sequence[float], num_stages: int) -> Sequence[float]:
@@ -177,15 +195,14 @@ def _fill(
     peers: list[str],
     assignment: dict[str, int],
     speeds: Mapping[str, Sequence[float]],
-    num_stages: int,
+    totals: list[float],
     *,
     prices: Sequence[float] | None = None,
     slack: float = 0.0,
 ) -> None:
     """Each unplaced peer, fastest first (as in LPT scheduling: a large peer placed last would
-    overshoot its stage), joins its `best_stage`. With `prices`, only among the stages where its
-    speed is worth at least (1 - slack) of its best at those prices."""
-    totals = stage_totals(assignment, speeds, num_stages)
+    overshoot its stage), joins its `best_stage` on `totals` (updated as it goes). With `prices`,
+    only among the stages where its speed is worth at least (1 - slack) of its best at them."""
     for peer in sorted((p for p in peers if p not in assignment), key=lambda p: -max(speeds[p])):
         row = speeds[peer]
         if prices is not None:
@@ -236,11 +253,7 @@ def _prices(rows: list[Sequence[float]], num_stages: int) -> tuple[list[float], 
 def _score_of(
     assignment: Mapping[str, int], speeds: Mapping[str, Sequence[float]], num_stages: int
 ) -> tuple[float, int]:
-    return _score(stage_totals(assignment, speeds, num_stages))
-
-
-def _close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=_REL_TOL)
+    return score(stage_totals(assignment, speeds, num_stages))
 
 
 def _cover(
@@ -288,187 +301,3 @@ def _matching(
     for stage in sorted(candidates):
         augment(stage, set())
     return owner
-
-
-def _score(totals: Sequence[float]) -> tuple[float, int]:
-    """What the search raises: the bottleneck, then (at a tie) fewer stages sitting at it. The
-    second part lets it climb off a plateau where two stages share the bottleneck and no single
-    change raises both."""
-    low = min(totals)
-    return low, -sum(1 for t in totals if _close(t, low))
-
-
-def _better(a: tuple[float, int], b: tuple[float, int]) -> bool:
-    if _close(a[0], b[0]):
-        return a[1] > b[1]
-    return a[0] > b[0]
-
-
-class _Search:
-    """Local search state over peer indices (peers in id order), with the evaluation budget."""
-
-    def __init__(self, rows: list[Sequence[float]], stage_of: list[int], num_stages: int) -> None:
-        self.rows = rows
-        self.stage_of = stage_of
-        self.num_stages = num_stages
-        self.totals = [0.0] * num_stages
-        self.sizes = [0] * num_stages
-        for i, stage in enumerate(stage_of):
-            self.totals[stage] += rows[i][stage]
-            self.sizes[stage] += 1
-        self.order = sorted(range(num_stages), key=self.totals.__getitem__)
-        self.budget = 0
-
-    def score(self) -> tuple[float, int]:
-        return _score(self.totals)
-
-    def snapshot(self) -> tuple[list[int], list[float], list[int]]:
-        return self.stage_of.copy(), self.totals.copy(), self.sizes.copy()
-
-    def restore(self, state: tuple[list[int], list[float], list[int]]) -> None:
-        self.stage_of, self.totals, self.sizes = state[0].copy(), state[1].copy(), state[2].copy()
-        self.order = sorted(range(self.num_stages), key=self.totals.__getitem__)
-
-    def move(self, changes: Sequence[tuple[int, int]]) -> None:
-        rows, totals, sizes = self.rows, self.totals, self.sizes
-        for i, stage in changes:
-            old = self.stage_of[i]
-            totals[old] -= rows[i][old]
-            sizes[old] -= 1
-            totals[stage] += rows[i][stage]
-            sizes[stage] += 1
-            self.stage_of[i] = stage
-        self.order = sorted(range(self.num_stages), key=totals.__getitem__)
-
-    def descend(self) -> None:
-        """Apply the best improving move, else swap, else group swap, until none is left or the
-        budget is spent. Only changes that touch a bottleneck stage are tried: any other leaves
-        every bottleneck total alone, so it can neither raise the minimum nor thin the stages at
-        it."""
-        while self.budget > 0:
-            score = self.score()
-            lows = [k for k in range(self.num_stages) if _close(self.totals[k], score[0])]
-            change = (
-                self._best_move(lows, score)
-                or self._best_swap(lows, score)
-                or self._best_group_swap(lows, score)
-            )
-            if not change:
-                return
-            self.move(change)
-
-    def _pair_score(self, j: int, a: float, k: int, b: float) -> tuple[float, int]:
-        """`_score` after stages j and k change their totals to a and b: O(1) plus ties, using
-        the stages sorted by total."""
-        totals = self.totals
-        low, count = math.inf, 0
-        for stage in self.order:
-            if stage in (j, k):
-                continue
-            if count == 0:
-                low, count = totals[stage], 1
-            elif _close(totals[stage], low):
-                count += 1
-            else:
-                break
-        new = min(a, b, low)
-        ties = (count if _close(low, new) else 0) + _close(a, new) + _close(b, new)
-        return new, -ties
-
-    def _best_move(self, lows: list[int], score: tuple[float, int]) -> list[tuple[int, int]]:
-        rows, totals, sizes, stage_of = self.rows, self.totals, self.sizes, self.stage_of
-        best, change = score, []
-        for k in lows:
-            self.budget -= len(rows)
-            for i, row in enumerate(rows):
-                j = stage_of[i]
-                if j == k or row[k] <= 0.0 or sizes[j] == 1:  # never empty a stage
-                    continue
-                a = totals[j] - row[j]
-                if a < score[0]:  # stage j would fall below the bottleneck
-                    continue
-                new = self._pair_score(j, a, k, totals[k] + row[k])
-                if _better(new, best):
-                    best, change = new, [(i, k)]
-        return change
-
-    def _best_swap(self, lows: list[int], score: tuple[float, int]) -> list[tuple[int, int]]:
-        rows, totals, stage_of = self.rows, self.totals, self.stage_of
-        best, change = score, []
-        for k in lows:
-            inside = [q for q, stage in enumerate(stage_of) if stage == k]
-            self.budget -= len(inside) * len(rows)
-            for i, row in enumerate(rows):
-                j = stage_of[i]
-                if j == k or row[k] <= 0.0:
-                    continue
-                for q in inside:
-                    other = rows[q]
-                    gain = row[k] - other[k]
-                    if gain <= 0.0 or other[j] <= 0.0:  # stage k must rise; q must fit in j
-                        continue
-                    a = totals[j] - row[j] + other[j]
-                    if a < score[0]:
-                        continue
-                    new = self._pair_score(j, a, k, totals[k] + gain)
-                    if _better(new, best):
-                        best, change = new, [(i, k), (q, j)]
-        return change
-
-    def _best_group_swap(self, lows: list[int], score: tuple[float, int]) -> list[tuple[int, int]]:
-        """Exchange all replicas of a bottleneck stage with all of another stage: with stages of
-        unequal cost a group that suits a cheap stage can be stuck on a costly one, and no single
-        move or swap frees it without first lowering the bottleneck."""
-        count = self.num_stages
-        would = [[0.0] * count for _ in range(count)]  # would[j][k]: stage j's peers on stage k
-        usable = [[True] * count for _ in range(count)]
-        for i, row in enumerate(self.rows):
-            j = self.stage_of[i]
-            for k in range(count):
-                would[j][k] += row[k]
-                usable[j][k] = usable[j][k] and row[k] > 0.0
-        self.budget -= len(self.rows)
-        best, pair = score, (0, 0)
-        for k in lows:
-            for j in range(count):
-                if j != k and usable[j][k] and usable[k][j]:
-                    new = self._pair_score(j, would[k][j], k, would[j][k])
-                    if _better(new, best):
-                        best, pair = new, (j, k)
-        j, k = pair
-        if j == k:
-            return []
-        return [(i, j if s == k else k) for i, s in enumerate(self.stage_of) if s in pair]
-
-    def kick(self, rng: random.Random, moves: int) -> None:
-        """Move a few random peers to random stages (never emptying one), off a local optimum."""
-        for _ in range(moves):
-            i = rng.randrange(len(self.rows))
-            j = self.stage_of[i]
-            targets = [k for k in range(self.num_stages) if k != j and self.rows[i][k] > 0.0]
-            if self.sizes[j] > 1 and targets:
-                self.move([(i, rng.choice(targets))])
-
-
-def _improve(search: _Search, rounds: int, budget: int) -> None:
-    """Iterated local search: descend, then `rounds` times kick the current placement and descend
-    again, keeping the result unless it is worse (sideways steps let it wander a plateau), and
-    finally restore the best placement seen. Seeded, so the output depends only on the input."""
-    rng = random.Random(_SEED)
-    search.budget = budget
-    search.descend()
-    best_score, best = search.score(), search.snapshot()
-    current_score, current = best_score, best
-    for _ in range(rounds):
-        if search.budget <= 0:
-            break
-        search.kick(rng, _KICK_MOVES)
-        search.descend()
-        score = search.score()
-        if _better(current_score, score):
-            search.restore(current)
-            continue
-        current_score, current = score, search.snapshot()
-        if _better(score, best_score):
-            best_score, best = score, current
-    search.restore(best)

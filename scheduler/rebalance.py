@@ -1,9 +1,11 @@
 """Rebalancing: which one peer, if any, the scheduler moves to the bottleneck stage now.
 
 Pure policy over plain data (DESIGN.md, "Policies"), run every `period_s` by the scheduler and by
-the simulator. The job runs at its bottleneck `min_k total_k`, the smallest summed samples/s of a
-stage's replicas; `speeds[peer][k]` is already in samples/s of stage k, so totals of stages of
-different cost compare directly (every sample passes every stage: each stage needs the same rate).
+the simulator, both through `Rebalancer` (the decision and the memory of past moves it needs). Its
+tuning is the job file's `[rebalance]` section, `swarm.config.RebalanceConfig`. The job runs at its
+bottleneck `min_k total_k`, the smallest summed samples/s of a stage's replicas; `speeds[peer][k]`
+is already in samples/s of stage k, so totals of stages of different cost compare directly (every
+sample passes every stage: each stage needs the same rate).
 
 A decision looks at moving one peer into the bottleneck stage `b`, from the most over-served stage
 (highest total) first; only when no peer there passes every check are the other stages tried, in
@@ -55,44 +57,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from swarm.errors import ConfigError
+from swarm.config import RebalanceConfig
 
-__all__ = ["Move", "RebalanceConfig", "plan_move"]
+# RebalanceConfig's home is the job file's config (`swarm.config`); it is named here too because
+# the policy takes it.
+__all__ = ["Move", "RebalanceConfig", "Rebalancer", "plan_move"]
 
 # Totals are float sums taken in different orders: a gain within this is no gain.
 _REL_TOL = 1e-9
-
-
-@dataclass(frozen=True, slots=True)
-class RebalanceConfig:
-    """Tuning of the rebalancing policy; every field is validated by `__post_init__`."""
-
-    period_s: float = 60.0
-    """Seconds between two decisions."""
-    hysteresis: float = 1.05
-    """A move must raise the bottleneck by more than this factor (>= 1), unless the bottleneck is
-    more than this factor below the mean stage total: then any gain will do."""
-    min_dwell_s: float = 300.0
-    """Seconds after a move during which that peer does not move again and its new stage gives no
-    peer away (>= 0)."""
-    move_cost_s: float = 60.0
-    """Seconds a moved peer serves nobody (drain and state download); 0 disables the cost check."""
-    horizon_s: float = 3600.0
-    """Seconds a move's gain is expected to last, to weigh it against its cost (> move_cost_s)."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.period_s) and self.period_s > 0.0):
-            raise ConfigError(f"period_s={self.period_s}: use a positive number of seconds")
-        if not (math.isfinite(self.hysteresis) and self.hysteresis >= 1.0):
-            raise ConfigError(f"hysteresis={self.hysteresis}: use a factor >= 1 (1: any gain)")
-        for name in ("min_dwell_s", "move_cost_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0.0):
-                raise ConfigError(f"{name}={value}: use a number of seconds >= 0")
-        if not (math.isfinite(self.horizon_s) and self.horizon_s > self.move_cost_s):
-            raise ConfigError(
-                f"horizon_s={self.horizon_s}: use seconds > move_cost_s={self.move_cost_s}"
-            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,3 +175,39 @@ def _best_from(
     if best is None:
         return None
     return Move(peer=best[4], src=src, dst=dst, before=before, after=-best[0])
+
+
+class Rebalancer:
+    """`plan_move` with the memory it needs across decisions: when each peer last moved. Entries
+    older than `min_dwell_s` weigh nothing in a decision and are dropped, so the memory stays as
+    small as the recent moves."""
+
+    def __init__(self, config: RebalanceConfig | None = None) -> None:
+        self.config = config or RebalanceConfig()
+        self.last_moved: dict[str, float] = {}
+
+    def decide(
+        self,
+        assignment: Mapping[str, int],
+        speeds: Mapping[str, Sequence[float]],
+        num_stages: int,
+        now: float,
+    ) -> Move | None:
+        """The move to order now (remembered as made), or None; arguments as for `plan_move`."""
+        dwell = self.config.min_dwell_s
+        self.last_moved = {p: t for p, t in self.last_moved.items() if now - t < dwell}
+        move = plan_move(
+            assignment,
+            speeds,
+            num_stages,
+            now=now,
+            last_moved=self.last_moved,
+            config=self.config,
+        )
+        if move is not None:
+            self.last_moved[move.peer] = now
+        return move
+
+    def forget(self, peer: str) -> None:
+        """`peer` left."""
+        self.last_moved.pop(peer, None)

@@ -1,5 +1,5 @@
-"""The scheduler's orchestration: the peer registry (from MQTT), placement of peers on a job's
-stages, the embedded trainer, and the job lifecycle kept in the `JobStore`.
+"""The scheduler's orchestration: feeds the peer registry from MQTT, runs each job's placement,
+rebalancing and embedded trainer, and keeps the job lifecycle in the `JobStore`.
 
 One asyncio task per unfinished job walks it through placing → running → succeeded. Training
 survives a lost stage server by going back to placing and resuming from the servers' step; a
@@ -24,33 +24,27 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.registry import Collector
 
 from client.trainer import PipelineTrainer, follow_load
+from scheduler.assignments import Assignments
 from scheduler.coordinator import LocalCoordinator, gather_model, gather_state
-from scheduler.placement import best_stage, place
-from scheduler.rebalance import RebalanceConfig, plan_move
+from scheduler.rebalancing import rebalance
+from scheduler.registry import PeerRegistry
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm import checkpoint
 from swarm.bus import BusLike
+from swarm.clock import MonotonicClock
 from swarm.config import JobConfig, parse_job
 from swarm.errors import FailedPrecondition, SwarmError
-from swarm.lease import Lease, MicrobatchResult, Replica
+from swarm.lease import Lease, MicrobatchResult
 from swarm.metrics import CoordinatorFamilies, CoordinatorMetrics, TrainerMetrics
 from swarm.model import layer_costs, partition
 from swarm.progress import StepRecord
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
+from swarm.states import JOB_STATES, job_state_proto, peer_state_name
 
 __all__ = ["Scheduler", "SchedulerOptions"]
 
 log = logging.getLogger(__name__)
-
-_JOB_STATES = {
-    "queued": cpb.JOB_STATE_QUEUED,
-    "placing": cpb.JOB_STATE_PLACING,
-    "running": cpb.JOB_STATE_RUNNING,
-    "succeeded": cpb.JOB_STATE_SUCCEEDED,
-    "failed": cpb.JOB_STATE_FAILED,
-    "cancelled": cpb.JOB_STATE_CANCELLED,
-}
 
 
 @dataclass(frozen=True)
@@ -80,19 +74,23 @@ class Scheduler:
     ) -> None:
         self.store, self.bus, self.opts = store, bus, opts
         self.registry = registry or CollectorRegistry()
-        self.peers: dict[str, cpb.PeerAnnouncement] = {}
-        self._peers_changed = asyncio.Event()
+        self.peer_registry = PeerRegistry(
+            MonotonicClock(),
+            load_silence_s=opts.load_silence_s,
+            serve_timeout_s=opts.serve_timeout_s,
+        )
+        self.assignments = Assignments(
+            self.peer_registry,
+            bus,
+            lambda job_id, message: self._set(job_id, None, message),
+            grace_s=opts.placement_grace_s,
+            serve_timeout_s=opts.serve_timeout_s,
+            lost_stage_grace_s=opts.lost_stage_grace_s,
+        )
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._speed: dict[str, float] = {}
-        self._unplaceable: set[str] = set()  # peers already warned about
-        # peer -> (job, when) of its last assignment, until it serves or leaves: a peer building
-        # its stage still says JOINING, and must not be assigned again (perhaps elsewhere).
-        self._assigned_at: dict[str, tuple[str, float]] = {}
         self._coordinators: dict[str, LocalCoordinator] = {}
         self._coordinator_metrics = CoordinatorFamilies(self.registry)
-        self._live: dict[tuple[str, str], tuple[int, float]] = {}  # (job, peer) -> stage, speed
-        self._reported: dict[tuple[str, str], float] = {}  # (job, peer) -> last load report
-        self._silent: set[tuple[str, str]] = set()
         self._moves = Counter(
             "swarm_scheduler_rebalancing_moves_total",
             "Peers moved between stages by rebalancing",
@@ -142,7 +140,7 @@ class Scheduler:
         job = self._config(record.spec, record.base_dir, record.name, check_data=False)
         ranges = partition(layer_costs(job.model), job.training.stages)
         result = [spb.StageStatus(stage=k, layers=list(r)) for k, r in enumerate(ranges)]
-        for p in self.peers.values():
+        for p in self.peer_registry.peers.values():
             if p.job == job_id and p.HasField("stage") and p.stage < len(result):
                 result[p.stage].replicas.append(
                     spb.Replica(
@@ -177,119 +175,16 @@ class Scheduler:
         return await gather_model(coordinator)
 
     # -- peers ----------------------------------------------------------------------------------
-    async def _watch_load(self) -> None:
-        """Live samples/s of each serving peer on its stage, from its load reports."""
-        async for _topic, message in self.bus.subscribe(self.bus.topics.load("+", "+")):
-            if isinstance(message, cpb.LoadReport):
-                self._reported[(message.job, message.peer)] = time.monotonic()
-                self._silent.discard((message.job, message.peer))
-            if isinstance(message, cpb.LoadReport) and message.ema_seconds_per_sample > 0:
-                self._live[(message.job, message.peer)] = (
-                    message.stage,
-                    1.0 / message.ema_seconds_per_sample,
-                )
-
-    async def _rebalance(self, job_id: str, job: JobConfig) -> None:
-        """Every period, move one peer from an over-served stage to the bottleneck when the
-        policy says it pays (`scheduler.rebalance.plan_move`). The moved peer drains; what it held
-        at its old stage is replayed; it copies its new stage's state at a step boundary."""
-        r = job.rebalance
-        config = RebalanceConfig(
-            period_s=r.period_s,
-            hysteresis=r.hysteresis,
-            min_dwell_s=r.min_dwell_s,
-            move_cost_s=r.move_cost_s,
-            horizon_s=r.horizon_s,
-        )
-        stages, last_moved = job.training.stages, dict[str, float]()
-        while True:
-            await asyncio.sleep(config.period_s)
-            members = self.members(job_id, stages)
-            assignment = {rep.peer: k for k, reps in enumerate(members) for rep in reps}
-            if not all(
-                (self._live.get((job_id, peer)) or (None,))[0] == k
-                for peer, k in assignment.items()
-            ):
-                continue  # decide on measured throughput only: wait for every member's report
-            speeds: dict[str, list[float]] = {}
-            for peer, k in assignment.items():
-                announced = self.peers[peer].samples_per_second  # members come from self.peers
-                speeds[peer] = [announced.get(j, 0.0) for j in range(stages)]
-                live = self._live.get((job_id, peer))
-                if live and live[0] == k:  # what it really does where it is now
-                    speeds[peer][k] = live[1]
-            move = plan_move(
-                assignment,
-                speeds,
-                stages,
-                now=time.monotonic(),
-                last_moved=last_moved,
-                config=config,
-            )
-            if move is None:
-                continue
-            last_moved[move.peer] = time.monotonic()
-            self._moves.labels(job=job_id).inc()
-            log.warning(
-                "job %s: rebalancing: moving %s from stage %d to stage %d (bottleneck "
-                "%.1f -> %.1f samples/s)",
-                job_id,
-                move.peer,
-                move.src,
-                move.dst,
-                move.before,
-                move.after,
-            )
-            message = cpb.Assignment(
-                job=job_id, peer=move.peer, stage=move.dst, generation=time.time_ns() // 1000
-            )
-            await self.bus.publish(self.bus.topics.assign(job_id, move.peer), message, retain=True)
-
     async def _watch_peers(self) -> None:
         async for _topic, message in self.bus.subscribe(self.bus.topics.peer("+")):
-            if isinstance(message, cpb.PeerAnnouncement) and message.peer:
-                self.peers[message.peer] = message
-                if message.state != cpb.PEER_STATE_JOINING:  # serving, moving, or gone
-                    self._assigned_at.pop(message.peer, None)
-                self._peers_changed.set()
+            if isinstance(message, cpb.PeerAnnouncement):
+                self.peer_registry.announce(message)
+                self.assignments.changed.set()
 
-    async def _peers_change(self, timeout: float) -> None:
-        self._peers_changed.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._peers_changed.wait(), timeout)
-
-    def _serving(self, job_id: str, step: int | None = None) -> dict[int, str]:
-        """Per stage, the address of the fastest replica serving it."""
-        best: dict[int, tuple[float, str]] = {}
-        for p in self.peers.values():
-            if p.job == job_id and p.state == cpb.PEER_STATE_SERVING and p.HasField("stage"):
-                speed = p.samples_per_second.get(p.stage, 0.0)
-                if p.stage not in best or speed > best[p.stage][0]:
-                    best[p.stage] = (speed, p.address)
-        return {k: address for k, (_, address) in best.items()}
-
-    def _available(self, job_id: str, stages: int) -> dict[str, list[float]]:
-        """Joining peers measured for this job: their samples/s per stage. A peer whose figures
-        cannot be placed (not finite, negative, none positive) is left out, with a log line."""
-        available = {}
-        now = time.monotonic()
-        for p in self.peers.values():
-            if not (
-                p.state == cpb.PEER_STATE_JOINING
-                and p.job == job_id
-                and all(k in p.samples_per_second for k in range(stages))
-            ):
-                continue
-            job, assigned_at = self._assigned_at.get(p.peer, ("", 0.0))
-            if job == job_id and now - assigned_at < self.opts.serve_timeout_s:
-                continue  # building the stage it was given
-            speeds = [p.samples_per_second[k] for k in range(stages)]
-            if all(math.isfinite(v) and v >= 0.0 for v in speeds) and max(speeds) > 0.0:
-                available[p.peer] = speeds
-            elif p.peer not in self._unplaceable:
-                self._unplaceable.add(p.peer)
-                log.warning("peer %s announced unusable speeds %s: not placed", p.peer, speeds)
-        return available
+    async def _watch_load(self) -> None:
+        async for _topic, message in self.bus.subscribe(self.bus.topics.load("+", "+")):
+            if isinstance(message, cpb.LoadReport):
+                self.peer_registry.report_load(message)
 
     # -- one job --------------------------------------------------------------------------------
     def _config(self, spec: str, base_dir: str, name: str, check_data: bool = True) -> JobConfig:
@@ -303,7 +198,7 @@ class Scheduler:
         message = cpb.JobAnnouncement(
             job=r.id,
             name=r.name,
-            state=_JOB_STATES[r.state],
+            state=job_state_proto(r.state),
             step=r.step,
             steps=r.steps,
             loss=r.loss,
@@ -322,33 +217,6 @@ class Scheduler:
         elif message != (record.message or ""):
             self.store.set_message(job_id, message)
         await self._announce(job_id)
-
-    def members(self, job_id: str, stages: int) -> list[list[Replica]]:
-        """Per stage, the peers serving it for this job, in a stable order."""
-        result: list[list[Replica]] = [[] for _ in range(stages)]
-        now = time.monotonic()
-        for p in sorted(self.peers.values(), key=lambda p: p.peer):
-            reported = self._reported.get((job_id, p.peer))
-            if reported is not None and now - reported > self.opts.load_silence_s:
-                if (job_id, p.peer) not in self._silent:  # hung, or cut off: not a member
-                    self._silent.add((job_id, p.peer))
-                    log.warning(
-                        "job %s: %s's load reports stopped %.0fs ago; leaving it out",
-                        job_id,
-                        p.peer,
-                        now - reported,
-                    )
-                continue
-            if (
-                p.job == job_id
-                and p.state == cpb.PEER_STATE_SERVING
-                and p.HasField("stage")
-                and p.stage < stages
-            ):
-                result[p.stage].append(
-                    Replica(p.peer, p.address, p.samples_per_second.get(p.stage, 0.0))
-                )
-        return result
 
     async def lease(self, job_id: str, trainer: str, count: int) -> Lease:
         coordinator = self._coordinators.get(job_id)
@@ -385,7 +253,12 @@ class Scheduler:
                 await self._announce(job_id)
             failures = 0
             while True:
-                await self._place(job_id, job, assigned)
+                await self.assignments.place(
+                    job_id,
+                    job.training.stages,
+                    lambda: self.store.get(job_id).step,  # type: ignore[union-attr]
+                    assigned,
+                )
                 before = self.store.get(job_id).step  # type: ignore[union-attr]
                 try:
                     await self._train(job_id, job, assigned)
@@ -415,106 +288,9 @@ class Scheduler:
             self._tasks.pop(job_id, None)
             self._coordinators.pop(job_id, None)
             if ended:  # withdraw the assignments; the job's announcement frees the peers
-                holders = {p.peer for p in self.peers.values() if p.job == job_id}
+                holders = {p.peer for p in self.peer_registry.peers.values() if p.job == job_id}
                 with _logged(f"job {job_id}: assignments not withdrawn"):
-                    for peer in sorted(holders | set(assigned)):
-                        topic = self.bus.topics.assign(job_id, peer)
-                        await self.bus.publish(topic, b"", retain=True)
-
-    async def _place(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
-        """Wait until every stage has a serving replica, assigning measured peers."""
-        stages = job.training.stages
-        lost_since: float | None = None
-        while True:
-            serving = self._serving(job_id)
-            missing = [k for k in range(stages) if k not in serving]
-            if not missing:
-                return
-            record = self.store.get(job_id)
-            assert record is not None
-            lost_since = lost_since or time.monotonic()
-            if record.step > 0 and time.monotonic() - lost_since < self.opts.lost_stage_grace_s:
-                # A replica with the trained state may still come back; after the grace period
-                # fresh peers take the stage and the coordinator rolls back to a checkpoint.
-                await self._set(
-                    job_id,
-                    None,
-                    f"waiting for a replica of stages {missing} "
-                    f"(trained state lives on its servers)",
-                )
-                await self._peers_change(5.0)
-                continue
-            available = self._available(job_id, stages)
-            if len(available) < len(missing):
-                await self._set(
-                    job_id,
-                    None,
-                    f"waiting for peers: stages {missing} have no "
-                    f"replica, {len(available)} peer(s) measured",
-                )
-                await self._peers_change(5.0)
-                continue
-            await asyncio.sleep(self.opts.placement_grace_s)  # let late peers finish measuring
-            available = self._available(job_id, stages)
-            if len(available) < len(missing):
-                continue  # some left during the grace period
-            await self._assign(job_id, available, assigned)
-            await self._wait_serving(job_id, missing)
-
-    async def _assign(
-        self, job_id: str, available: dict[str, list[float]], assigned: list[str]
-    ) -> None:
-        """Every available peer gets a stage: placement for a fresh job, the stage that raises
-        the bottleneck most for peers joining a running one."""
-        stages = len(next(iter(available.values())))
-        serving = self.members(job_id, stages)
-        if any(serving):
-            totals = [sum(r.throughput for r in stage) for stage in serving]
-            placement = {}
-            for peer, speeds in sorted(available.items()):
-                placement[peer] = best_stage(speeds, totals)
-                totals[placement[peer]] += speeds[placement[peer]]
-        else:
-            placement = place(available, stages)
-        generation = time.time_ns() // 1000  # grows across scheduler restarts
-        for peer, stage in sorted(placement.items()):
-            log.info(
-                "job %s: stage %d -> %s (%.1f samples/s)",
-                job_id,
-                stage,
-                peer,
-                available[peer][stage],
-            )
-            message = cpb.Assignment(job=job_id, peer=peer, stage=stage, generation=generation)
-            await self.bus.publish(self.bus.topics.assign(job_id, peer), message, retain=True)
-            self._assigned_at[peer] = (job_id, time.monotonic())
-            assigned.append(peer)
-        await self._set(job_id, None, f"starting {len(placement)} stage server(s)")
-
-    async def _wait_serving(self, job_id: str, stages: list[int]) -> None:
-        deadline = time.monotonic() + self.opts.serve_timeout_s
-        while time.monotonic() < deadline:
-            if all(k in self._serving(job_id) for k in stages):
-                return
-            await self._peers_change(1.0)
-        log.warning(
-            "job %s: stages %s not serving after %.0fs; placing again",
-            job_id,
-            stages,
-            self.opts.serve_timeout_s,
-        )
-
-    async def _grow(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
-        """While the job trains, peers that join become extra replicas (they copy a live
-        replica's state at the next step boundary)."""
-        while True:
-            await self._peers_change(5.0)
-            available = self._available(job_id, job.training.stages)
-            if available:
-                await asyncio.sleep(self.opts.placement_grace_s)
-                available = self._available(job_id, job.training.stages)
-                if available:
-                    await self._assign(job_id, available, assigned)
+                    await self.assignments.withdraw(job_id, holders | set(assigned))
 
     def _trainer_metrics(self, job_id: str) -> TrainerMetrics:
         return TrainerMetrics(job_id, registry=CollectorRegistry())
@@ -537,7 +313,7 @@ class Scheduler:
             )
             await self._announce(job_id)
 
-        stages = job.training.stages
+        stages, mb = job.training.stages, job.training.microbatch_size
 
         said: list[str] = []  # what a rollback told `swarm status`, kept past the start
 
@@ -552,7 +328,7 @@ class Scheduler:
         coordinator = LocalCoordinator(
             job,
             job_id,
-            lambda: self.members(job_id, stages),
+            lambda: self.peer_registry.members(job_id, stages),
             token=self.opts.token,
             on_step=committed,
             checkpoint_dir=self.opts.checkpoint_dir / job_id,
@@ -573,22 +349,20 @@ class Scheduler:
             await self._set(job_id, "running", said[-1] if said else "training")
             try:
                 async with asyncio.TaskGroup() as group:
-                    grow = group.create_task(self._grow(job_id, job, assigned))
-                    rebalance = (
-                        group.create_task(self._rebalance(job_id, job))
-                        if (job.rebalance.enabled)
-                        else None
-                    )
-                    load = group.create_task(
-                        follow_load(self.bus, job_id, trainer.wiring, job.training.microbatch_size)
-                    )
+                    helpers = [  # stopped when the job ends
+                        group.create_task(self.assignments.grow(job_id, stages, assigned)),
+                        group.create_task(follow_load(self.bus, job_id, trainer.wiring, mb)),
+                    ]
+                    if job.rebalance.enabled:
+                        moving = rebalance(
+                            job_id, stages, job.rebalance, self.assignments, self._moves
+                        )
+                        helpers.append(group.create_task(moving))
                     if self.opts.embedded_trainer:
                         group.create_task(trainer.run())
                     await coordinator.finished.wait()
-                    grow.cancel()
-                    load.cancel()
-                    if rebalance:
-                        rebalance.cancel()
+                    for helper in helpers:
+                        helper.cancel()
             except ExceptionGroup as failed:
                 # One child's error, unwrapped, so `_run_job` tells one worth retrying (a peer
                 # gone, a broker hiccup) from a bug.
@@ -632,9 +406,9 @@ def collector(scheduler: Scheduler) -> Collector:
             )
             counts: dict[tuple[str, str, str], int] = {}
             totals: dict[tuple[str, str], float] = {}
-            for p in list(scheduler.peers.values()):
+            for p in list(scheduler.peer_registry.peers.values()):
                 stage = str(p.stage) if p.HasField("stage") else ""
-                state = cpb.PeerState.Name(p.state).removeprefix("PEER_STATE_").lower()
+                state = peer_state_name(p.state)
                 counts[(p.job, stage, state)] = counts.get((p.job, stage, state), 0) + 1
                 if p.state == cpb.PEER_STATE_SERVING and stage:
                     key = (p.job, stage)
@@ -651,7 +425,7 @@ def collector(scheduler: Scheduler) -> Collector:
                 "swarm_job_loss", "Loss of the last committed step", labels=["job"]
             )
             for job_id, record in list(scheduler.snapshot.items()):
-                for name in _JOB_STATES:
+                for name in JOB_STATES:
                     job_state.add_metric([job_id, name], 1.0 if name == record.state else 0.0)
                 step.add_metric([job_id], record.step)
                 if not math.isnan(record.loss):

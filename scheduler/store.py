@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self, cast, get_args
+from typing import Any, Self, cast
 
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound, SwarmError
+from swarm.states import JOB_STATES, TERMINAL, UNFINISHED, JobState  # re-exported
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -31,10 +32,6 @@ __all__ = [
     "StepRow",
     "StoreError",
 ]
-
-JobState = Literal["queued", "placing", "running", "succeeded", "failed", "cancelled"]
-TERMINAL: frozenset[JobState] = frozenset({"succeeded", "failed", "cancelled"})
-UNFINISHED: tuple[JobState, ...] = ("queued", "placing", "running")
 
 # Allowed moves besides "failed"/"cancelled" (reachable from any unfinished state) and staying put.
 # running -> placing: a stage lost every replica and the job waits to be placed again.
@@ -210,8 +207,8 @@ class JobStore:
 
         Raises FailedPrecondition for a move the state machine forbids (a finished job is final).
         """
-        if state not in get_args(JobState):
-            raise InvalidArgument(f"unknown job state {state!r}; allowed: {get_args(JobState)}")
+        if state not in JOB_STATES:
+            raise InvalidArgument(f"unknown job state {state!r}; allowed: {JOB_STATES}")
         old = self._require(job_id)
         if not _allowed(old.state, state):
             raise FailedPrecondition(f"job {job_id!r} is {old.state}; it cannot become {state}")

@@ -30,8 +30,9 @@ from stage_server.server import (
 from swarm.bus import Bus, BusLike
 from swarm.config import JobConfig, RuntimeConfig, parse_job
 from swarm.errors import ConfigError
-from swarm.lifecycle import install_signal_handlers
+from swarm.lifecycle import install_signal_handlers, print_ready
 from swarm.proto import control_pb2 as cpb
+from swarm.states import TERMINAL_PROTO
 from swarm.topics import TopicKind, Topics
 
 __all__ = ["PeerAgent", "run_peer"]
@@ -51,7 +52,7 @@ def stage_slowdown(stage: int) -> float:
 
 
 _ACTIVE = (cpb.JOB_STATE_PLACING, cpb.JOB_STATE_RUNNING)
-_ENDED = (cpb.JOB_STATE_SUCCEEDED, cpb.JOB_STATE_FAILED, cpb.JOB_STATE_CANCELLED)
+_ENDED = TERMINAL_PROTO
 
 
 class PeerAgent:
@@ -262,10 +263,13 @@ async def run_peer(
             )
             stop = asyncio.Event()
             install_signal_handlers(stop)
-            print(
-                f"swarm stage-server ready: peer={peer} address={running.address} "
-                f"metrics={running.metrics_port} device={opts.device} throttle={throttle}",
-                flush=True,
+            print_ready(
+                "stage-server",
+                peer=peer,
+                address=running.address,
+                metrics=running.metrics_port,
+                device=opts.device,
+                throttle=throttle,
             )
             await agent.run(stop)
     finally:

@@ -36,9 +36,9 @@ from stage_server.averager import (
 )
 from swarm import auth, wire
 from swarm.codec import CODEC_NONE, decode, encode
-from swarm.errors import ConfigError, InvalidArgument, WireError
+from swarm.errors import ConfigError, InvalidArgument
 from swarm.proto import pool_pb2, pool_pb2_grpc
-from swarm.status import status_code
+from swarm.servicing import Servicing
 
 __all__ = ["ChannelPool", "PoolServicer", "all_reduce"]
 
@@ -47,10 +47,6 @@ log = logging.getLogger(__name__)
 # The server answers this much before the caller's deadline, so the caller reads why (ABORTED with
 # the missing senders) rather than a bare DEADLINE_EXCEEDED (seconds).
 _REPLY_MARGIN_S = 0.25
-
-
-def _status(e: WireError) -> grpc.StatusCode:
-    return status_code(e) or grpc.StatusCode.INVALID_ARGUMENT
 
 
 class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
@@ -74,22 +70,14 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     ) -> None:
         self.averager, self._route, self.peer, self._on_bytes = averager, route, peer, on_bytes
         self._chunk, self._max_bytes, self._timeout_s = chunk_bytes, max_bytes, timeout_s
+        self._serving = Servicing(peer)
 
     async def Reduce(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pool_pb2.PoolReduceResponse]:
-        code, message = grpc.StatusCode.OK, ""
-        try:
-            replies = await self._reduce(request_iterator, context)
-        except WireError as e:
-            code, message = _status(e), str(e)
-            log.info("%s Reduce refused: %s: %s", self.peer, code.name, e)
-        except Exception as e:  # a bug, not bad input: report it, keep serving
-            code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
-            log.exception("%s Reduce failed", self.peer)
-        if code != grpc.StatusCode.OK:
-            await context.abort(code, message)
-            return
+        replies = await self._serving.run(
+            "Reduce", context, lambda: self._reduce(request_iterator, context)
+        )
         for msg in replies:
             yield msg
 

@@ -19,7 +19,7 @@ from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
 from swarm.auth import server_interceptors
 from swarm.config import JobConfig, RuntimeConfig
-from swarm.lifecycle import install_signal_handlers
+from swarm.lifecycle import install_signal_handlers, print_ready
 from swarm.metrics import StageMetrics, serve_metrics
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
 from swarm.wire import grpc_options
@@ -143,11 +143,15 @@ async def run_stage_server(job: JobConfig, opts: StageServerOptions, throttle: f
     stop = asyncio.Event()
     install_signal_handlers(stop)
     rt = running.runtime
-    print(
-        f"swarm stage-server ready: stage={opts.stage} address={running.address} "
-        f"metrics={running.metrics_port} layers={rt.layers[0]}..{rt.layers[-1]} "
-        f"params={rt.num_parameters()} device={rt.device} host={socket.gethostname()}",
-        flush=True,
+    print_ready(
+        "stage-server",
+        stage=opts.stage,
+        address=running.address,
+        metrics=running.metrics_port,
+        layers=f"{rt.layers[0]}..{rt.layers[-1]}",
+        params=rt.num_parameters(),
+        device=rt.device,
+        host=socket.gethostname(),
     )
     await stop.wait()
     log.info("stage %d: shutting down (grace %.0fs)", opts.stage, opts.shutdown_grace_s)

@@ -1,11 +1,10 @@
 """`StageService` over a `StageRuntime`: decode, check the route, run the compute on the replica's
-worker thread, encode. Domain errors become status codes here and nowhere else; a bad request never
-takes the server down."""
+worker thread, encode. Errors become status codes in `swarm.servicing`, as in every servicer; a bad
+request never takes the server down."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -20,17 +19,13 @@ from google.protobuf.message import Message
 from stage_server import averager, averaging
 from stage_server.runtime import Receipt, StageRuntime
 from swarm import codec, wire
-from swarm.errors import (
-    Aborted,
-    InvalidArgument,
-    NotFound,
-    WireError,
-)
+from swarm.errors import Aborted, InvalidArgument, NotFound, SwarmError, WireError
 from swarm.faults import Point, maybe_die
 from swarm.metrics import StageMetrics
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
-from swarm.status import status_code
+from swarm.servicing import Servicing
+from swarm.status import from_rpc_error
 from swarm.wire import grpc_options
 
 __all__ = ["StageServicer"]
@@ -38,14 +33,6 @@ __all__ = ["StageServicer"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
-
-
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 _LOAD_EMA = 0.2  # weight of the newest call in the reported moving average
 
 
@@ -71,6 +58,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.ema_seconds: float | None = None  # moving average of one compute call (seconds)
         self.averager = averager.Averager()
         self.channels = averaging.ChannelPool(token=token, options=grpc_options(64 << 20))
+        self._serving = Servicing(peer, metrics.observe)
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
         """Start serving `runtime` as job `job_id` (called on the event loop between calls)."""
@@ -132,33 +120,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 if self.ema_seconds is None
                 else (_LOAD_EMA * seconds + (1 - _LOAD_EMA) * self.ema_seconds)
             )
-
-    @contextlib.asynccontextmanager
-    async def _handling(
-        self, method: str, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[None]:
-        start, code = time.perf_counter(), grpc.StatusCode.OK
-        try:
-            yield
-        except WireError as e:
-            code = status_code(e) or grpc.StatusCode.INVALID_ARGUMENT
-            log.info("%s %s refused: %s: %s", self.peer, method, code.name, e)
-            raise _Aborted(code, str(e)) from e
-        except Exception as e:  # a bug, not bad input: report it, keep serving
-            code = grpc.StatusCode.INTERNAL
-            log.exception("%s %s failed", self.peer, method)
-            raise _Aborted(code, f"{type(e).__name__}: {e}") from e
-        finally:
-            self.metrics.observe(method, code.name, time.perf_counter() - start)
-
-    async def _run(
-        self, method: str, context: grpc.aio.ServicerContext, body: Callable[[], Any]
-    ) -> Any:
-        try:
-            async with self._handling(method, context):
-                return await body()
-        except _Aborted as e:
-            await context.abort(e.code, e.message)
 
     def _route(self, job: str, stage: int) -> None:
         if self._runtime is None or job != self.job_id:
@@ -226,7 +187,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 tensors=self._encode(out, "outputs", reply), queued_seconds=queued
             )
 
-        for msg in self._split(await self._run("Forward", context, body)):
+        for msg in self._split(await self._serving.run("Forward", context, body)):
             yield msg
 
     async def Backward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -251,7 +212,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 queued_seconds=queued,
             )
 
-        for msg in self._split(await self._run("Backward", context, body)):
+        for msg in self._split(await self._serving.run("Backward", context, body)):
             yield msg
 
     async def ForwardBackward(
@@ -279,7 +240,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 queued_seconds=queued,
             )
 
-        for msg in self._split(await self._run("ForwardBackward", context, body)):
+        for msg in self._split(await self._serving.run("ForwardBackward", context, body)):
             yield msg
 
     async def Commit(
@@ -308,7 +269,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 self.metrics.committed(rt.step, applied=not already)
             return pb.StageCommitResponse(step=rt.step, already_committed=already)
 
-        return await self._run("Commit", context, body)
+        return await self._serving.run("Commit", context, body)
 
     async def _average(
         self, request: pb.StageCommitRequest, sums: list[torch.Tensor]
@@ -348,7 +309,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self.metrics.accumulated(0, 0)
             return pb.StageDiscardResponse(dropped=dropped)
 
-        return await self._run("Discard", context, body)
+        return await self._serving.run("Discard", context, body)
 
     async def Join(self, request: pb.StageJoinRequest, context: grpc.aio.ServicerContext) -> Any:
         async def body() -> pb.StageJoinResponse:
@@ -359,9 +320,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             source = StageClient(request.source, rt.job, self.job_id, rt.stage, self.token)
             try:
                 step, state = await source.download_state(include_optimizer=True, prefix="")
-            except grpc.aio.AioRpcError as e:  # the source died or refused: try another later
+            except (grpc.RpcError, SwarmError) as e:  # the source died or refused: try another
+                error = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
                 raise Aborted(
-                    f"copying {request.source} failed: {e.code().name}: {e.details()}"
+                    f"copying {request.source} failed: {type(error).__name__}: {error}"
                 ) from None
             finally:
                 await source.close()
@@ -372,7 +334,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self.metrics.committed(step, applied=False)
             return pb.StageJoinResponse(step=step)
 
-        return await self._run("Join", context, body)
+        return await self._serving.run("Join", context, body)
 
     async def LoadState(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body() -> pb.StageLoadStateResponse:
@@ -398,7 +360,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self.metrics.committed(step, applied=False)
             return pb.StageLoadStateResponse(step=step)
 
-        return await self._run("LoadState", context, body)
+        return await self._serving.run("LoadState", context, body)
 
     async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> Any:
         rt = self._runtime
@@ -433,6 +395,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 for k, v in state.items()
             ]
 
-        for msg in await self._run("DownloadState", context, body):
+        for msg in await self._serving.run("DownloadState", context, body):
             for part in self._split(msg):
                 yield part

@@ -1,240 +1,41 @@
 """The MQTT control plane's connection: a self-healing `Bus` over aiomqtt.
 
-Topic names and payload types are `swarm.topics`. A `Bus` owns one MQTT connection in a
-background task. When the connection drops it reconnects with exponential backoff, subscribes
-again, and re-publishes every retained message it published, so a broker that restarted empty (no
-persistence) is refilled by its clients.
+Topic names and payload types are `swarm.topics`. A `Bus` owns one MQTT connection (a
+`swarm.bus_link.Link`) in a background task. When the connection drops it reconnects with capped,
+jittered exponential backoff, subscribes again, and re-publishes every retained message it
+published, so a broker that restarted empty (no persistence) is refilled by its clients. Its
+subscriptions and their dispatch are `swarm.bus_subscriptions`; the protocol, settings and errors
+are `swarm.bus_api`, all importable from here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import random
-import ssl
-import weakref
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
 import aiomqtt
-from aiomqtt.exceptions import MqttConnectError
-from google.protobuf.message import DecodeError, Message
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from google.protobuf.message import Message
+from prometheus_client import REGISTRY, CollectorRegistry
 
+from swarm.backoff import Backoff
+from swarm.bus_api import BusAuthError, BusLike, BusNotConnected, BusSettings
+from swarm.bus_link import Dialer, Link
+from swarm.bus_subscriptions import Subscription, Subscriptions
 from swarm.errors import ConfigError
 from swarm.topics import (
     DEFAULT_PREFIX,
-    MESSAGE_TYPES,
     BusError,
-    TopicError,
     Topics,
     check_pattern,
     check_topic,
     parse_broker_url,
-    topic_matches,
 )
 
-__all__ = [
-    "Bus",
-    "BusAuthError",
-    "BusLike",
-    "BusNotConnected",
-    "BusSettings",
-    "Subscription",
-]
+__all__ = ["Bus", "BusAuthError", "BusLike", "BusNotConnected", "BusSettings", "Subscription"]
 
 log = logging.getLogger(__name__)
-
-# CONNACK refusals that retrying cannot fix (MQTT 3.1.1 codes and paho's MQTT 5 equivalents).
-_AUTH_REFUSALS = {4, 5, 134, 135}
-
-
-class BusNotConnected(BusError):
-    """No connection to the broker within the timeout, or the bus is closed."""
-
-
-class BusAuthError(BusError):
-    """The broker refused the credentials (token); reconnecting will not help."""
-
-
-# -------------------------------------------------------------------------------------- settings
-
-
-@dataclasses.dataclass(frozen=True)
-class BusSettings:
-    """Timing of a `Bus`; every duration in seconds."""
-
-    keepalive_s: int = 5
-    """MQTT keepalive: a broker that hears nothing for 1.5x this declares the client dead and sends
-    its last-will (a killed process is noticed at once: its socket closes)."""
-    reconnect_initial_s: float = 0.2
-    """First delay before reconnecting; doubles after every failed attempt."""
-    reconnect_max_s: float = 5.0
-    """Ceiling of the reconnect delay, so a restarted broker is found within about this long."""
-    operation_timeout_s: float = 5.0
-    """How long to wait for the broker's CONNACK, SUBACK or PUBACK before dropping the link."""
-    publish_timeout_s: float = 10.0
-    """How long `publish` waits for a connection (during a reconnect) before giving up."""
-    close_timeout_s: float = 6.0
-    """How long closing may take (publish the will, disconnect) before the task is cancelled."""
-    queue_size: int = 10_000
-    """Messages buffered per subscription; beyond it the oldest are dropped, with a log line."""
-
-    def __post_init__(self) -> None:
-        if self.keepalive_s < 1:
-            raise ConfigError(f"keepalive_s={self.keepalive_s}: must be an integer >= 1 second")
-        if not 0 < self.reconnect_initial_s <= self.reconnect_max_s:
-            raise ConfigError("need 0 < reconnect_initial_s <= reconnect_max_s")
-        for name in ("operation_timeout_s", "publish_timeout_s", "close_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0 seconds")
-        if self.queue_size < 1:
-            raise ConfigError("queue_size must be >= 1")
-
-
-_MALFORMED: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
-
-
-def _malformed_counter(registry: CollectorRegistry) -> Counter:
-    # One counter per registry, shared by every Bus that reports into it.
-    counter = _MALFORMED.get(registry)
-    if counter is None:
-        counter = Counter(
-            "swarm_bus_malformed_messages_total",
-            "MQTT messages dropped because their topic or payload could not be parsed",
-            registry=registry,
-        )
-        _MALFORMED[registry] = counter
-    return counter
-
-
-# ---------------------------------------------------------------------------------- subscriptions
-
-
-class Subscription:
-    """The (topic, message) pairs arriving on one pattern, as an async iterator.
-
-    Close it (`aclose`, `async with`, or `contextlib.aclosing`) when done; one that is merely
-    dropped is forgotten by its bus when garbage-collected. Iteration ends when the bus closes.
-    """
-
-    def __init__(self, bus: Bus, pattern: str) -> None:
-        self.pattern = pattern
-        self._bus = bus
-        self._queue: asyncio.Queue[tuple[str, Message] | None] = asyncio.Queue(
-            bus.settings.queue_size
-        )
-        self._subscribed = asyncio.Event()
-        self._ended = False
-        self._error: BusError | None = None
-        self._dropped = 0
-
-    def _put(self, item: tuple[str, Message] | None) -> None:
-        if self._queue.full():
-            self._queue.get_nowait()  # the newest state matters more than the oldest
-            self._dropped += 1
-            if self._dropped in (1, 10, 100) or self._dropped % 1000 == 0:
-                log.warning(
-                    "bus %s: subscription %s is not read fast enough; %d messages dropped",
-                    self._bus.client_id,
-                    self.pattern,
-                    self._dropped,
-                )
-        self._queue.put_nowait(item)
-
-    def _end(self, error: BusError | None = None) -> None:
-        if not self._ended:
-            self._ended, self._error = True, error
-            self._put(None)
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> tuple[str, Message]:
-        if self._ended and self._queue.empty():
-            raise self._error or StopAsyncIteration
-        item = await self._queue.get()
-        if item is None:
-            raise self._error or StopAsyncIteration
-        return item
-
-    async def wait_subscribed(self, timeout: float) -> None:
-        """Wait until the broker acknowledged this subscription on the current connection."""
-        try:
-            await asyncio.wait_for(self._subscribed.wait(), timeout)
-        except TimeoutError:
-            raise BusNotConnected(
-                f"bus {self._bus.client_id}: {self.pattern} not subscribed within {timeout:.1f} s"
-            ) from None
-
-    def close(self) -> None:
-        self._bus._forget(self)
-        self._end()
-
-    async def aclose(self) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class BusLike(Protocol):
-    """What pure logic needs from the bus; tests and the simulator substitute a fake."""
-
-    @property
-    def topics(self) -> Topics: ...
-
-    async def publish(self, topic: str, message: Message | bytes, retain: bool = False) -> None: ...
-
-    def subscribe(self, pattern: str) -> AsyncIterator[tuple[str, Message]]: ...
-
-
-# ------------------------------------------------------------------------------------------ bus
-
-
-class _Connection:
-    """One live MQTT connection and the tasks (SUBSCRIBE calls, the reader) that die with it."""
-
-    def __init__(self, client: aiomqtt.Client) -> None:
-        self.client = client
-        self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
-        self.closed = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.failed.done():
-            self.failed.set_result(exc)
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(self._guard(coro))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def drain(self, keep: asyncio.Task[None], timeout: float) -> None:
-        """Wait (bounded) for the calls in flight, all but `keep`."""
-        pending = [t for t in self._tasks if t is not keep]
-        if pending:
-            await asyncio.wait(pending, timeout=timeout)
-
-    async def _guard(self, coro: Coroutine[Any, Any, None]) -> None:
-        try:
-            await coro
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # any failure on this link is healed by reconnecting
-            self.fail(exc)
-
-    async def aclose(self) -> None:
-        self.closed.set()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 class Bus:
@@ -263,18 +64,10 @@ class Bus:
         self.client_id = client_id
         self.settings = settings or BusSettings()
         self._topics = Topics(prefix)
-        self._username, self._password = self.address.username, self.address.password
-        if token is not None:
-            self._username, self._password = self.address.username or "swarm", token
-        self._will: aiomqtt.Will | None = None
-        if will is not None:
-            check_topic(will[0])
-            self._will = aiomqtt.Will(will[0], will[1].SerializeToString(), qos=1, retain=True)
-        self._tls = ssl.create_default_context() if self.address.tls else None
-        self._malformed = _malformed_counter(registry or REGISTRY)
+        self._dialer = Dialer.create(self.address, client_id, self.settings, will=will, token=token)
         self._retained: dict[str, bytes] = {}  # last retained payload per topic; b"" = clear it
-        self._subs: weakref.WeakSet[Subscription] = weakref.WeakSet()
-        self._conn: _Connection | None = None
+        self._subs = Subscriptions(client_id, self._topics, registry or REGISTRY)
+        self._conn: Link | None = None
         self._ready = asyncio.Event()
         self._done = asyncio.Event()
         self._stop = asyncio.Event()
@@ -326,8 +119,7 @@ class Bus:
                     log.error(
                         "bus %s: background task failed", self.client_id, exc_info=task.exception()
                     )
-        for sub in list(self._subs):
-            sub._end(self._fatal)
+        self._subs.end_all(self._fatal)
 
     async def wait_connected(self, timeout: float) -> None:
         """Return once connected; else `BusAuthError` (credentials refused) or `BusNotConnected`."""
@@ -417,7 +209,12 @@ class Bus:
         if self._closed:
             raise BusNotConnected(f"bus {self.client_id}: closed")
         check_pattern(pattern)
-        sub = Subscription(self, pattern)
+        sub = Subscription(
+            pattern,
+            owner=self.client_id,
+            queue_size=self.settings.queue_size,
+            forget=self._forget,
+        )
         self._subs.add(sub)
         conn = self._conn
         if conn is not None:
@@ -429,7 +226,7 @@ class Bus:
     def _forget(self, sub: Subscription) -> None:
         self._subs.discard(sub)
         conn = self._conn
-        if conn is not None and all(s.pattern != sub.pattern for s in list(self._subs)):
+        if conn is not None and all(s.pattern != sub.pattern for s in self._subs):
             conn.spawn(conn.client.unsubscribe(sub.pattern))
 
     async def _wait_ready(self, timeout: float) -> bool:
@@ -446,45 +243,24 @@ class Bus:
             await asyncio.gather(*waiters, return_exceptions=True)
         return self._ready.is_set()
 
-    def _new_client(self) -> aiomqtt.Client:
-        return aiomqtt.Client(
-            self.address.host,
-            self.address.port,
-            username=self._username,
-            password=self._password,
-            identifier=self.client_id,
-            will=self._will,
-            clean_session=True,  # subscriptions are restored by the bus itself
-            keepalive=self.settings.keepalive_s,
-            timeout=self.settings.operation_timeout_s,
-            tls_context=self._tls,
-        )
-
     async def _run(self) -> None:
-        delay = self.settings.reconnect_initial_s
+        # Jitter keeps a swarm of peers from reconnecting to a restarted broker in lockstep.
+        backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
         try:
             while not self._stop.is_set():
-                client = self._new_client()
                 try:
-                    await client.__aenter__()
+                    client = await self._dialer.connect()
+                except BusAuthError as exc:
+                    self._fatal = exc
+                    log.error("%s", exc)
+                    return
                 except Exception as exc:
                     self._last_error = str(exc) or type(exc).__name__
-                    rc = getattr(exc, "rc", None)
-                    if isinstance(exc, MqttConnectError) and (
-                        getattr(rc, "value", rc) in _AUTH_REFUSALS
-                    ):
-                        self._fatal = BusAuthError(
-                            f"bus {self.client_id}: {self.address.url} refused the credentials "
-                            f"({exc}); check the token"
-                        )
-                        log.error("%s", self._fatal)
-                        return
-                    _abandon(client)
                     log.debug(
                         "bus %s: cannot connect to %s: %s", self.client_id, self.address.url, exc
                     )
                 else:
-                    delay = self.settings.reconnect_initial_s
+                    backoff.reset()
                     try:
                         await self._serve(client)
                     except Exception as exc:
@@ -500,20 +276,17 @@ class Bus:
                             await client.__aexit__(None, None, None)
                 if self._stop.is_set():
                     break
-                # Jitter keeps a swarm of peers from reconnecting to a restarted broker in lockstep.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), delay * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, self.settings.reconnect_max_s)
+                    await asyncio.wait_for(self._stop.wait(), backoff.next())
         finally:
             self._ready.clear()
             self._done.set()
             if self._fatal is not None:
-                for sub in list(self._subs):
-                    sub._end(self._fatal)
+                self._subs.end_all(self._fatal)
 
     async def _serve(self, client: aiomqtt.Client) -> None:
         """Restore state on a fresh connection and dispatch messages until it fails or we stop."""
-        conn = _Connection(client)
+        conn = Link(client)
         # Snapshot and publish `_conn` together: subscriptions made later subscribe by themselves.
         subs = list(self._subs)
         self._conn = conn
@@ -528,19 +301,20 @@ class Bus:
             # Let SUBSCRIBE/UNSUBSCRIBE calls finish first: amqtt leaks the connection's socket
             # when an UNSUBSCRIBE and the DISCONNECT arrive together.
             await conn.drain(reader, self.settings.operation_timeout_s)
-            if self._will is not None:
+            will = self._dialer.will
+            if will is not None:
                 # A clean DISCONNECT makes the broker discard the will: say it ourselves.
                 with contextlib.suppress(Exception):
-                    await client.publish(self._will.topic, self._will.payload, qos=1, retain=True)
+                    await client.publish(will.topic, will.payload, qos=1, retain=True)
         finally:
             self._ready.clear()
             self._conn = None
             stop.cancel()
             await conn.aclose()
-            for sub in list(self._subs):
-                sub._subscribed.clear()
+            for sub in self._subs:
+                sub.subscribed.clear()
 
-    async def _restore(self, conn: _Connection, subs: list[Subscription]) -> None:
+    async def _restore(self, conn: Link, subs: list[Subscription]) -> None:
         by_pattern: dict[str, list[Subscription]] = {}
         for sub in subs:
             by_pattern.setdefault(sub.pattern, []).append(sub)
@@ -563,53 +337,12 @@ class Bus:
             len(sent),
         )
 
-    async def _subscribe(self, conn: _Connection, pattern: str, subs: list[Subscription]) -> None:
-        granted = await conn.client.subscribe(pattern, qos=1)
-        if any(getattr(g, "is_failure", False) or g == 0x80 for g in granted):
-            error = BusError(f"bus {self.client_id}: the broker refused subscription {pattern}")
-            log.error("%s", error)
+    async def _subscribe(self, conn: Link, pattern: str, subs: list[Subscription]) -> None:
+        if await self._subs.subscribe(conn.client, pattern, subs) and self._conn is conn:
             for sub in subs:
-                self._subs.discard(sub)
-                sub._end(error)
-            return
-        if self._conn is conn:
-            for sub in subs:
-                sub._subscribed.set()
+                sub.subscribed.set()
 
     async def _read(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:
-            self._dispatch(message)
+            self._subs.dispatch(message.topic.value, message.payload)
         raise aiomqtt.MqttError("message stream ended")
-
-    def _dispatch(self, message: aiomqtt.Message) -> None:
-        topic, payload = message.topic.value, message.payload
-        if payload is None or payload == b"":
-            return  # a cleared retained topic
-        try:
-            if not isinstance(payload, bytes | bytearray):
-                raise DecodeError(f"payload of type {type(payload).__name__}")
-            parsed = MESSAGE_TYPES[self._topics.parse(topic).kind].FromString(bytes(payload))
-        except (TopicError, DecodeError) as exc:
-            self._malformed.inc()
-            log.warning(
-                "bus %s: dropped a malformed message on %s (%r...): %s",
-                self.client_id,
-                topic,
-                payload[:16] if isinstance(payload, bytes | bytearray) else payload,
-                exc,
-            )
-            return
-        targets = [sub for sub in list(self._subs) if topic_matches(topic, sub.pattern)]
-        for i, sub in enumerate(targets):
-            copy = parsed
-            if i > 0:  # each subscriber gets its own message, free to mutate
-                copy = type(parsed)()
-                copy.CopyFrom(parsed)
-            sub._put((topic, copy))
-
-
-def _abandon(client: aiomqtt.Client) -> None:
-    # aiomqtt leaves the socket open when the CONNACK never came; close it so the late CONNACK
-    # cannot revive a zombie session under our client id.
-    with contextlib.suppress(Exception):
-        client._client.disconnect()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import re
 import tomllib
 import types
@@ -211,8 +212,9 @@ class CompressionConfig(_Section):
 
 @dataclass(frozen=True)
 class RebalanceConfig(_Section):
-    """`[rebalance]`: moving peers from over-served stages to the bottleneck (see
-    `scheduler.rebalance`); none of these change the maths."""
+    """`[rebalance]`: moving peers from over-served stages to the bottleneck; the tuning that
+    `scheduler.rebalance.plan_move` takes (its docstring explains each check). None of these
+    change the maths."""
 
     section: ClassVar[str] = "rebalance"
     enabled: bool = True  #: let the scheduler move peers between stages
@@ -225,6 +227,10 @@ class RebalanceConfig(_Section):
     horizon_s: float = _f(3600.0, GT0)  #: seconds a move's gain lasts, weighed against its cost
 
     def _validate(self) -> None:
+        for name in ("period_s", "hysteresis", "min_dwell_s", "move_cost_s", "horizon_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value):  # inf passes the range checks but breaks the arithmetic
+                raise _fail(f"rebalance.{name}", value, "a finite number")
         if self.horizon_s <= self.move_cost_s:
             allowed = f"a number > rebalance.move_cost_s = {self.move_cost_s}"
             raise _fail("rebalance.horizon_s", self.horizon_s, allowed)

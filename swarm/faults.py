@@ -3,8 +3,8 @@
 A stage server started with `SWARM_FAULTS="backward@3,averaging@5"` kills itself the first time
 it reaches that point while serving that step: mid-request, so the caller sees a dead peer exactly
 where the fault says. `idle` faults (between calls) and the roles `scheduler`, `trainer` and
-`broker` are killed from outside by `FaultPlan.due`'s caller (the test harness, `swarm demo
---chaos`) when the job reaches the step.
+`broker` are killed from outside by `FaultPlan.due`'s caller (the test harness, `swarm demo`)
+when the job reaches the step; the target `*` (`ANY_REPLICA`) leaves the choice of replica to it.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 from swarm.errors import ConfigError
 
-__all__ = ["ENV", "Fault", "FaultPlan", "Point", "maybe_die", "parse_faults"]
+__all__ = ["ANY_REPLICA", "ENV", "Fault", "FaultPlan", "Point", "maybe_die", "parse_faults"]
 
 log = logging.getLogger(__name__)
 ENV = "SWARM_FAULTS"
 ROLES = ("scheduler", "trainer", "broker")
+ANY_REPLICA = "*"  # a target the caller picks when the fault is due (the demo: a spare replica)
 
 
 class Point(enum.StrEnum):
@@ -75,10 +76,19 @@ def maybe_die(point: Point, step: int) -> None:
 class FaultPlan:
     """The faults to trigger from outside, each once, as the job's step advances."""
 
-    def __init__(self, faults: Iterable[Fault]) -> None:
-        self.pending = [f for f in faults if f.point == Point.IDLE or f.target in ROLES]
+    def __init__(self, faults: Iterable[Fault] = ()) -> None:
+        self.pending: list[Fault] = []
+        for fault in faults:
+            self.add(fault)
+
+    def add(self, fault: Fault) -> None:
+        """Plan one more (a process's own faults are left to `maybe_die`). A fault taken from
+        `due` that could not be carried out yet goes back in this way, due again at once."""
+        if fault.point == Point.IDLE or fault.target in ROLES:
+            self.pending.append(fault)
 
     def due(self, step: int) -> list[Fault]:
+        """The faults whose step the job has reached, each returned once."""
         ready = [f for f in self.pending if f.step <= step]
         self.pending = [f for f in self.pending if f.step > step]
         return ready

@@ -1,20 +1,42 @@
-"""A trainer's connection to one stage server: chunked bidi calls with a deadline on each."""
+"""A connection to one stage server: chunked bidi calls with a deadline on each. Every public call
+raises `swarm.errors` (via `swarm.status.from_rpc_error`), never a gRPC error: callers catch
+`PeerUnavailable`, `NotFound`, `Aborted`, `ActivationsNotCached`, ... and read no status details."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
+import grpc
 import torch
 
 from swarm import auth, codec, wire
 from swarm.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
+from swarm.status import from_rpc_error
 from swarm.wire import grpc_options
 
 __all__ = ["BackwardResult", "StageClient", "TensorLike", "as_tensor"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _swarm_errors(call: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """The boundary: a failed call (unary or streaming, at any point of the stream) raises the
+    swarm error its status means, chained to the gRPC error for the logs."""
+
+    @functools.wraps(call)
+    async def converted(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await call(*args, **kwargs)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+
+    return converted
 
 
 # A tensor on the trainer's side: a torch tensor to encode, or a message received from another
@@ -81,6 +103,7 @@ class StageClient:
     def _id(self, step: int, index: int) -> pb.MicrobatchId:
         return pb.MicrobatchId(step=step, index=index)
 
+    @_swarm_errors
     async def forward(self, step: int, index: int, inputs: TensorLike) -> tensor_pb2.Tensor:
         """The stage's outputs; the time the call waited at the replica is in `last_queued_s`."""
         request = pb.StageForwardRequest(
@@ -94,6 +117,7 @@ class StageClient:
         self.last_queued_s = header.queued_seconds
         return tensors["outputs"]
 
+    @_swarm_errors
     async def backward(
         self,
         step: int,
@@ -105,7 +129,7 @@ class StageClient:
         need_grad_inputs: bool = True,
     ) -> BackwardResult:
         """`inputs=None`: this replica did the forward and should still cache its activations
-        (if not, the call fails with ActivationsNotCached's message and must be resent)."""
+        (if not, it raises `ActivationsNotCached`: send it again with the inputs)."""
         tensors = [self._tensor(grad_outputs, "grad_outputs")]
         if inputs is not None:
             tensors.insert(0, self._tensor(inputs, "inputs"))
@@ -123,6 +147,7 @@ class StageClient:
             received.get("grad_inputs"), header.receipt, queued_seconds=header.queued_seconds
         )
 
+    @_swarm_errors
     async def forward_backward(
         self,
         step: int,
@@ -147,6 +172,7 @@ class StageClient:
             received.get("grad_inputs"), header.receipt, header.loss_sum, header.queued_seconds
         )
 
+    @_swarm_errors
     async def commit(
         self,
         step: int,
@@ -169,11 +195,13 @@ class StageClient:
         response: pb.StageCommitResponse = await self.stub.Commit(request, timeout=timeout)
         return response
 
+    @_swarm_errors
     async def discard(self, step: int) -> int:
         request = pb.StageDiscardRequest(job=self.job_id, stage=self.stage, step=step)
         response: pb.StageDiscardResponse = await self.stub.Discard(request, timeout=self._timeout)
         return response.dropped
 
+    @_swarm_errors
     async def join(self, source: str) -> int:
         """Make this replica a copy of the replica at `source`; returns its step."""
         request = pb.StageJoinRequest(job=self.job_id, stage=self.stage, source=source)
@@ -182,6 +210,7 @@ class StageClient:
         )
         return response.step
 
+    @_swarm_errors
     async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
         """Make this replica the one `state` describes (names as `export_state` gives them)."""
         call = self.stub.LoadState(timeout=self.job.runtime.commit_timeout_s)
@@ -195,12 +224,14 @@ class StageClient:
         response: pb.StageLoadStateResponse = await call
         return response.step
 
+    @_swarm_errors
     async def info(self) -> pb.StageInfoResponse:
         response: pb.StageInfoResponse = await self.stub.Info(
             pb.StageInfoRequest(), timeout=self._timeout
         )
         return response
 
+    @_swarm_errors
     async def download_state(
         self, include_optimizer: bool = False, prefix: str = "param/"
     ) -> tuple[int, dict[str, torch.Tensor]]:

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def _children(pid: int) -> set[int]:
     """Every live descendant of `pid` (from /proc: no extra dependency)."""

@@ -14,21 +14,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.sdk import ClientError, SchedulerClient
 from swarm import auth
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
-from tests.jobs import write_job
-from tests.test_job_api import RunningApi, start_api
+from tests.support.api import RunningApi, start_api
+from tests.support.fakes import EchoStage
+from tests.support.jobs import write_job
 
 TOKEN = "s3cret-token"
-
-
-class EchoStage(stage_pb2_grpc.StageServiceServicer):
-    """Forward echoes each request's tensors: a bidi stream like the data plane's."""
-
-    calls = 0
-
-    async def Forward(self, request_iterator: Any, context: Any) -> Any:
-        EchoStage.calls += 1
-        async for request in request_iterator:
-            yield stage_pb2.StageForwardResponse(tensors=request.tensors)
 
 
 async def _uu(request: bytes, context: Any) -> bytes:
@@ -65,6 +55,7 @@ def _more(server: grpc.aio.Server) -> None:
 
 @pytest.fixture
 async def api(tmp_path: Path) -> AsyncIterator[RunningApi]:
+    EchoStage.calls = 0  # shared by every EchoStage: count this test's calls only
     running = await start_api(tmp_path, token=TOKEN, more=_more)
     yield running
     await running.stop()

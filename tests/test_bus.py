@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bus_helpers import Mosquitto
 from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry
 
@@ -20,10 +19,11 @@ from swarm.bus import Bus, BusAuthError, BusNotConnected, BusSettings, Subscript
 from swarm.errors import ConfigError
 from swarm.proto import control_pb2 as pb
 from swarm.topics import ANY, TopicInfo, TopicKind
+from tests.support.brokers import Mosquitto
+from tests.support.cli import ROOT
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 10.0  # bound on any single expected event
 FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
 

@@ -10,14 +10,8 @@ from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
 from stage_server.runtime import StageRuntime
 from swarm import checkpoint
-from swarm.topics import Topics
-from tests.jobs import BASE, make_job, render
-
-
-class _NoBus:
-    """Export never touches the bus; anything else would fail loudly here."""
-
-    topics = Topics()
+from tests.support.fakes import NoBus  # export never touches the bus
+from tests.support.jobs import BASE, make_job, render
 
 
 def _save(root: Path, job, step: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -45,7 +39,7 @@ async def test_export_falls_back_to_the_last_checkpoint(tmp_path: Path) -> None:
     job = make_job(tmp_path)
     with JobStore(tmp_path / "jobs.sqlite") as store:
         record = store.create("test", render(BASE), str(tmp_path), job.training.steps)
-        scheduler = Scheduler(store, _NoBus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        scheduler = Scheduler(store, NoBus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
         model = _save(tmp_path / "ckpt" / record.id, job, 2)
         checkpoint.seal(tmp_path / "ckpt" / record.id, 2, job.training.stages)
         step, state = await scheduler.export(record.id)  # no coordinator, no replica alive

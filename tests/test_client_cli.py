@@ -5,39 +5,31 @@ loop serves the API; capsys captures both threads' output."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import socket
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
-from client.commands import add_client_commands
-from tests.jobs import write_job
-from tests.test_job_api import RunningApi, start_api
+from swarm.cli import load, parse
+from swarm.flags import env_name
+from tests.support.api import RunningApi, start_api
+from tests.support.jobs import write_job
+from tests.support.ports import free_address
 
 
-def _parser(env: dict[str, Any] | None = None) -> argparse.ArgumentParser:
-    """What `swarm.cli.build_parser` builds, reduced to the client commands."""
-    parser = argparse.ArgumentParser(prog="swarm")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def command(name: str, func: Any, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
-        p.set_defaults(func=func)
-        return p
-
-    add_client_commands(command, lambda flag, default: (env or {}).get(flag, default))
-    return parser
-
-
-async def swarm(*argv: str, env: dict[str, Any] | None = None) -> int:
-    args = _parser(env).parse_args(argv)
-    return int(await asyncio.to_thread(args.func, args))
+async def swarm(*argv: str, env: dict[str, str] | None = None) -> int:
+    """`swarm ARGV` as `swarm.cli` parses and runs it; of the `SWARM_<FLAG>` variables, only
+    `env`'s are set while it parses (`{"scheduler": ADDR}` sets SWARM_SCHEDULER)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    environ |= {env_name(flag): value for flag, value in (env or {}).items()}
+    with mock.patch.dict(os.environ, environ, clear=True):
+        args = parse(list(argv))
+    return int(await asyncio.to_thread(load(args.command).run, args.command, args))
 
 
 @pytest.fixture
@@ -45,12 +37,6 @@ async def api(tmp_path: Path) -> AsyncIterator[RunningApi]:
     running = await start_api(tmp_path)
     yield running
     await running.stop()
-
-
-def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 async def test_submit_status_jobs_cancel(
@@ -109,7 +95,7 @@ async def test_unknown_job(api: RunningApi, capsys: pytest.CaptureFixture[str]) 
 
 
 async def test_no_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
-    address = _free_address()
+    address = free_address()
     assert await swarm("jobs", "--scheduler", address) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"swarm jobs: error: cannot reach the scheduler at {address}")

@@ -17,23 +17,12 @@ import pytest
 import torch
 
 from swarm.procs import LocalSwarm, start_local_swarm, start_process
-from tests.bus_helpers import Mosquitto
-from tests.cli import swarm
-from tests.jobs import write_job
+from tests.support.brokers import Mosquitto
+from tests.support.cli import swarm
+from tests.support.equality import assert_equal_to_local
+from tests.support.jobs import write_job
 
 pytestmark = pytest.mark.slow
-
-
-def local_state(job: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
-    swarm("local", str(job), "--out", str(tmp_path / "local.pt"))
-    return torch.load(tmp_path / "local.pt")
-
-
-def assert_equal_within(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        diff = (a[name] - b[name]).abs().max().item()
-        assert diff <= tol, f"{name}: {diff}"
 
 
 @pytest.fixture
@@ -78,7 +67,7 @@ def test_submit_wait_export_equals_local(
         assert f'swarm_job_state{{job="{job_id}",state="succeeded"}} 1.0' in metrics
     finally:
         local_swarm.stop()
-    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
     assert all("Traceback" not in p.log() for p in [local_swarm.scheduler, *local_swarm.peers])
 
 
@@ -112,7 +101,7 @@ def test_scheduler_killed_and_restarted_resumes_the_job(
         assert "resuming job" in sw.scheduler.log()
     finally:
         sw.stop()
-    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
 
 
 def test_wrong_token_is_refused(tmp_path: Path) -> None:
@@ -172,7 +161,7 @@ def test_pools_and_a_remote_trainer_equal_local(tmp_path: Path) -> None:
         assert trained and int(trained.group(1)) > 0, remote.log()[-2000:]
     finally:
         sw.stop()
-    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
 
 
 def test_trainer_killed_and_broker_restarted_mid_job(tmp_path: Path, mosquitto: Mosquitto) -> None:
@@ -202,7 +191,7 @@ def test_trainer_killed_and_broker_restarted_mid_job(tmp_path: Path, mosquitto: 
     finally:
         sw.stop()
     assert remote.proc.returncode == -9
-    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
 
 
 def test_demo_trains_through_a_killed_replica_and_cleans_up(tmp_path: Path) -> None:
@@ -241,7 +230,7 @@ def test_rebalancing_moves_a_peer_to_the_bottleneck_and_stays_exact(tmp_path: Pa
         sw.stop()
     assert any(dst == "1" for _, _, dst in moves), moves  # a peer moved to the bottleneck
     assert f'swarm_scheduler_rebalancing_moves_total{{job="{job_id}"}}' in metrics
-    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
 
 
 def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -> None:
@@ -269,7 +258,7 @@ def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -
         if stopped is not None:
             stopped.kill()  # SIGKILL works on a stopped process
         sw.stop()
-    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
 
 
 def _wait_rollback(sw: LocalSwarm, job_id: str, timeout: float = 120) -> str:
@@ -318,7 +307,7 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
         assert f'swarm_coordinator_rollbacks_total{{job="{job_id}"}} 1.0' in metrics
     finally:
         sw.stop()
-    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
 
 
 def test_a_stage_lost_while_the_scheduler_was_down_rolls_back(
@@ -352,7 +341,7 @@ def test_a_stage_lost_while_the_scheduler_was_down_rolls_back(
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
     finally:
         sw.stop()
-    assert_equal_within(torch.load(tmp_path / "swarm.pt"), local_state(job, tmp_path), 1e-9)
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
 
 
 def test_peers_freed_by_one_job_join_the_next(tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ from swarm.faults import ENV, Fault, FaultPlan, Point
 from swarm.lease import Replica
 from swarm.procs import SwarmProcess, start_process, stop_all
 from swarm.progress import StepRecord
-from swarm.reference import train_local
-from tests.jobs import write_job
+from tests.support.equality import assert_equal_to_local
+from tests.support.jobs import write_job
 
 pytestmark = pytest.mark.slow
 WHERE = {"first": 0, "middle": 1, "last": 3}
@@ -101,13 +101,6 @@ def _train(
     return asyncio.run(asyncio.wait_for(training, 300)), registry
 
 
-def _equal_to_local(job_path: Path, state: dict[str, torch.Tensor]) -> None:
-    reference = train_local(load_job(job_path)).state_dict()
-    assert state.keys() == reference.keys()
-    for name, expected in reference.items():
-        assert (state[name] - expected).abs().max().item() <= 1e-9, name
-
-
 def _count(registry: CollectorRegistry, name: str) -> float:
     return sum(s.value for m in registry.collect() for s in m.samples if s.name == name)
 
@@ -138,7 +131,7 @@ def test_replica_killed_at_each_point(tmp_path: Path, point: Point, where: str) 
     finally:
         servers.stop()
     assert victim.proc.returncode == -signal.SIGKILL, "the fault must have killed the replica"
-    _equal_to_local(job, state)
+    assert_equal_to_local(job, state, tol=1e-9)
     retries = _count(registry, "swarm_trainer_hop_failures_total")
     replays = _count(registry, "swarm_coordinator_replays_total")
     aborted = _count(registry, "swarm_coordinator_aborted_rounds_total")
@@ -180,7 +173,7 @@ def test_source_killed_while_a_replica_downloads_its_state(tmp_path: Path, where
         servers.stop()
     assert servers.procs[fault.target].proc.returncode == -signal.SIGKILL
     assert f"joined stage {stage} at step" in servers.procs[joiner].log()
-    _equal_to_local(job, state)
+    assert_equal_to_local(job, state, tol=1e-9)
 
 
 def test_chaos_random_replicas_killed_and_restarted(tmp_path: Path) -> None:
@@ -210,7 +203,7 @@ def test_chaos_random_replicas_killed_and_restarted(tmp_path: Path) -> None:
         servers.stop()
     assert len(kills) >= 4, kills
     assert _count(registry, "swarm_coordinator_dropped_replicas_total") >= 1
-    _equal_to_local(job, state)
+    assert_equal_to_local(job, state, tol=1e-9)
 
 
 def test_stage_wiped_out_rolls_back_to_the_last_checkpoint(tmp_path: Path) -> None:
@@ -233,7 +226,7 @@ def test_stage_wiped_out_rolls_back_to_the_last_checkpoint(tmp_path: Path) -> No
         servers.stop()
     assert _count(registry, "swarm_coordinator_rollbacks_total") == 1
     assert "a rollback" in servers.procs["s1r0"].log()  # the others rolled back too
-    _equal_to_local(job, state)
+    assert_equal_to_local(job, state, tol=1e-9)
 
 
 def test_a_checkpoint_that_cannot_be_written_does_not_stop_training(
@@ -249,7 +242,7 @@ def test_a_checkpoint_that_cannot_be_written_does_not_stop_training(
         servers.stop()
     assert "checkpoint of step 2 not written" in caplog.text
     assert "checkpoint of step 4 not written" in caplog.text
-    _equal_to_local(job, state)
+    assert_equal_to_local(job, state, tol=1e-9)
 
 
 def test_without_the_boundary_cache_replays_rerun_the_pipeline(tmp_path: Path) -> None:
@@ -266,4 +259,4 @@ def test_without_the_boundary_cache_replays_rerun_the_pipeline(tmp_path: Path) -
         servers.stop()
     assert _count(registry, "swarm_coordinator_replays_total") >= 1
     assert _count(registry, "swarm_trainer_cached_replays_total") == 0  # no cache: full pipeline
-    _equal_to_local(job, state)
+    assert_equal_to_local(job, state, tol=1e-9)

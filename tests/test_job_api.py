@@ -1,140 +1,32 @@
 """The job API on a real gRPC server (port 0) over a real SQLite store, through `SchedulerClient`.
-The orchestration is not under test: `FakeControl` stands in for it (and is reused by the auth
-and CLI tests)."""
+The orchestration is not under test: `tests.support.api.FakeControl` stands in for it."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import socket
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry
 
 from client.remote import RemoteCoordinator
 from client.sdk import ClientError, SchedulerClient
-from scheduler.job_api import JobApiServicer
 from scheduler.store import JobStore
-from swarm.auth import server_interceptors
-from swarm.errors import ConfigError, FailedPrecondition
+from swarm.errors import ConfigError, NotFound, RemoteError
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.jobs import BASE, render, write_job
-
-CHUNK = 1024  # bytes: small, so exports are chunked
-
-
-@dataclass
-class FakeControl:
-    """A `JobControl` that trains nothing: jobs named "run*" step to the end, "doomed*" fail."""
-
-    store: JobStore
-    submitted_ids: list[str] = field(default_factory=list)
-    cancelled_ids: list[str] = field(default_factory=list)
-    broken: bool = False  # stages() raises: an orchestration bug
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    state: dict[str, torch.Tensor] = field(
-        default_factory=lambda: {
-            "layers.0.weight": torch.randn(64, 32, dtype=torch.float64),  # 16 KiB: chunked
-            "layers.0.bias": torch.arange(8, dtype=torch.float32),
-            "layers.1.scale": torch.tensor(3.0, dtype=torch.bfloat16),
-        }
-    )
-
-    def submitted(self, job_id: str) -> None:
-        self.submitted_ids.append(job_id)
-        if job_id.startswith(("run", "doomed")):
-            task = asyncio.get_running_loop().create_task(self._train(job_id))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-    async def _train(self, job_id: str) -> None:
-        self.store.set_state(job_id, "placing", message="placing")
-        self.store.set_state(job_id, "running", message="training")
-        record = self.store.get(job_id)
-        assert record is not None
-        for step in range(record.steps):
-            await asyncio.sleep(0.02)
-            if job_id.startswith("doomed"):
-                self.store.set_state(job_id, "failed", error="stage 1 lost every replica")
-                return
-            self.store.record_step(job_id, step, 4.0 - step, 16, 0.02)
-        self.store.set_state(job_id, "succeeded", message="done")
-
-    def cancelled(self, job_id: str) -> None:
-        self.cancelled_ids.append(job_id)
-
-    def stages(self, job_id: str) -> list[scheduler_pb2.StageStatus]:
-        if self.broken:
-            raise RuntimeError("orchestration bug")
-        replica = scheduler_pb2.Replica(
-            peer="peer-a",
-            address="127.0.0.1:7000",
-            device="cpu",
-            state=control_pb2.PEER_STATE_SERVING,
-            samples_per_second=99.5,
-        )
-        return [scheduler_pb2.StageStatus(stage=0, layers=[0, 1], replicas=[replica])]
-
-    def samples_per_second(self, job_id: str) -> float:
-        return 12.5
-
-    async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
-        if job_id.startswith("empty"):
-            raise FailedPrecondition("stage 2 has no replica and the job has no checkpoint")
-        return 7, self.state
-
-
-@dataclass
-class RunningApi:
-    server: grpc.aio.Server
-    address: str
-    store: JobStore
-    control: FakeControl
-    registry: CollectorRegistry
-
-    async def stop(self) -> None:
-        await self.server.stop(None)
-        for task in list(self.control.tasks):
-            task.cancel()
-        self.store.close()
-
-
-async def start_api(
-    tmp_path: Path,
-    *,
-    token: str | None = None,
-    more: Callable[[grpc.aio.Server], None] | None = None,
-    address: str = "127.0.0.1:0",
-) -> RunningApi:
-    """The job API (and health) on a free port; `more` adds services before the start."""
-    store = JobStore(tmp_path / "jobs.db")
-    control = FakeControl(store)
-    registry = CollectorRegistry()
-    server = grpc.aio.server(interceptors=server_interceptors(token, registry))
-    servicer = JobApiServicer(store, control, chunk_bytes=CHUNK)
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if more is not None:
-        more(server)
-    port = server.add_insecure_port(address)
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return RunningApi(server, f"127.0.0.1:{port}", store, control, registry)
+from swarm.status import status_code
+from tests.support.api import RunningApi, start_api
+from tests.support.jobs import BASE, render, write_job
+from tests.support.ports import free_address as _free_address
 
 
 @pytest.fixture
 def free_address() -> str:
     """An address nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return _free_address()
 
 
 @pytest.fixture
@@ -198,6 +90,7 @@ async def test_unknown_job(client: SchedulerClient) -> None:
         with pytest.raises(ClientError, match="unknown job 'nope'; `swarm jobs` lists them") as e:
             await call("nope")
         assert e.value.code == "NOT_FOUND"
+        assert isinstance(e.value.error, NotFound)  # the swarm error the status means
 
 
 async def test_cancel(api: RunningApi, client: SchedulerClient, tmp_path: Path) -> None:
@@ -247,6 +140,7 @@ async def test_internal_error_keeps_serving(
     with pytest.raises(ClientError, match="RuntimeError: orchestration bug") as e:
         await client.get(job)
     assert e.value.code == "INTERNAL"
+    assert isinstance(e.value.error, RemoteError) and e.value.error.code == "INTERNAL"
     api.control.broken = False
     assert (await client.get(job)).job == job
 
@@ -266,10 +160,10 @@ async def test_a_remote_trainer_rides_out_a_scheduler_that_is_not_up_yet(
             assert (await asyncio.wait_for(asked, 20)).job == job_id
             # A final answer is not asked again.
             unknown = RemoteCoordinator(free_address, "nope", retry_for_s=30.0)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
+            with pytest.raises(NotFound) as info:  # converted at the client's boundary
                 await unknown.job()
             await unknown.close()
-            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            assert status_code(info.value) == grpc.StatusCode.NOT_FOUND
         finally:
             await running.stop()
     finally:

@@ -10,7 +10,7 @@ import torch
 from swarm.data import make_data
 from swarm.errors import ConfigError
 from swarm.model import build_model, build_stage, layer_costs, loss_sum, num_layers, partition
-from tests.jobs import make_job
+from tests.support.jobs import make_job
 
 
 def test_partition_is_contiguous_nonempty_and_optimal() -> None:

@@ -13,8 +13,9 @@ import torch
 
 from swarm import checkpoint
 from swarm.procs import start_stage_servers, stop_all
-from tests.cli import swarm
-from tests.jobs import write_job
+from tests.support.cli import swarm
+from tests.support.equality import assert_states_within
+from tests.support.jobs import write_job
 
 pytestmark = pytest.mark.slow
 
@@ -83,9 +84,7 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str) -> None:
     local_state = torch.load(tmp_path / "local.pt")
     assert swarm_state.keys() == local_state.keys()
     if dtype == "float64":
-        for name, expected in local_state.items():
-            diff = (swarm_state[name] - expected).abs().max().item()
-            assert diff <= 1e-9, f"{name}: {diff}"
+        assert_states_within(swarm_state, local_state, tol=1e-9)
 
 
 def test_trainer_refuses_servers_of_another_job(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from scheduler.placement import (
     best_stage,
     bottleneck,
     place,
+    place_new,
     stage_totals,
     stages_without_replicas,
     upper_bound,
@@ -106,6 +107,23 @@ def test_best_stage_is_the_best_single_placement() -> None:
         ]
         chosen = best_stage(peer, totals)
         assert after[chosen] == pytest.approx(max(after), rel=1e-9)
+
+
+def test_peers_joining_a_running_job_go_fastest_first() -> None:
+    # Stages at 5 and 3. In name order slow "a" would take stage 1 (4), then fast "b" too: 5 and
+    # 8, a bottleneck of 5. Fastest first, "b" lifts stage 1 to 7 and "a" joins stage 0: 6.
+    speeds = {"a": [1.0, 1.0], "b": [4.0, 4.0]}
+    assert place_new(speeds, 2, [5.0, 3.0]) == {"a": 0, "b": 1}
+    # One joining peer: its `best_stage`. Peers that can serve nothing are left out.
+    assert place_new({"c": [1.0, 2.0, 0.5]}, 3, [5.0, 3.0, 8.0]) == {"c": 1}
+    assert place_new({"idle": [0.0, 0.0]}, 2, [1.0, 1.0]) == {}
+    with pytest.raises(ValueError, match="one per stage"):
+        place_new({"a": [1.0, 1.0]}, 2, [1.0])
+
+
+def test_a_job_nobody_serves_is_placed_whole() -> None:
+    speeds = instance("noisy", random.Random(4), 12, 3)
+    assert place_new(speeds, 3) == place(speeds, 3)
 
 
 # -- planning a set of peers -----------------------------------------------------------------------

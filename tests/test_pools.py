@@ -18,8 +18,8 @@ from swarm.config import JobConfig
 from swarm.errors import FailedPrecondition
 from swarm.lease import Replica, Task
 from swarm.progress import StepRecord
-from swarm.reference import train_local
-from tests.jobs import make_job
+from tests.support.equality import assert_equal_to_local
+from tests.support.jobs import make_job
 
 
 class Swarm:
@@ -61,13 +61,6 @@ async def make_swarm() -> AsyncIterator[list[Swarm]]:
         await swarm.close()
 
 
-def _equal_to_local(job: JobConfig, state: dict[str, torch.Tensor], tol: float = 1e-9) -> None:
-    reference = train_local(job).state_dict()
-    assert state.keys() == reference.keys()
-    for name, expected in reference.items():
-        assert (state[name] - expected).abs().max().item() <= tol, name
-
-
 async def _train(swarm: Swarm, coordinator: LocalCoordinator, trainers: int) -> None:
     """Run `trainers` trainers over `coordinator` until the job's last step is committed."""
     runs = [PipelineTrainer(swarm.job, coordinator, seed=i) for i in range(trainers)]
@@ -107,7 +100,7 @@ async def test_two_replicas_per_stage_and_two_trainers_equal_local(
                 "swarm_stage_optimizer_steps_total", dict(server.servicer.metrics.values)
             )
             assert text == 4
-    _equal_to_local(job, await gather_state(coordinator))
+    assert_equal_to_local(job, await gather_state(coordinator))
     await coordinator.close()
 
 
@@ -134,7 +127,7 @@ async def test_replica_joining_mid_job_ends_identical(
         "swarm_stage_samples_total", dict(joined[0].servicer.metrics.values)
     )
     assert samples and samples > 0
-    _equal_to_local(job, await gather_state(coordinator))
+    assert_equal_to_local(job, await gather_state(coordinator))
     await coordinator.close()
 
 
@@ -157,7 +150,7 @@ async def test_racing_trainers_never_count_a_microbatch_twice(
     coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members)
     await _train(swarm, coordinator, trainers=2)
     swarm.assert_replicas_identical()
-    _equal_to_local(job, await gather_state(coordinator))
+    assert_equal_to_local(job, await gather_state(coordinator))
     await coordinator.close()
 
 
@@ -177,7 +170,7 @@ async def test_the_model_is_taken_at_one_step(tmp_path: Path, make_swarm: list[S
     await coordinator.client(1, behind).load_state(0, initial)
     step, state = await gather_model(coordinator)
     assert step == 2
-    _equal_to_local(job, state)
+    assert_equal_to_local(job, state)
     await coordinator.client(1, ahead).load_state(0, initial)
     with pytest.raises(FailedPrecondition, match="is at step 0, not 2"):
         await gather_model(coordinator)

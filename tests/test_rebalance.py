@@ -6,11 +6,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pytest
 
 from scheduler.placement import bottleneck, place, stage_totals
-from scheduler.rebalance import Move, RebalanceConfig, plan_move
+from scheduler.rebalance import Move, Rebalancer, plan_move
+from swarm.config import RebalanceConfig
 from swarm.errors import ConfigError
 
 # Every check but the one under test switched off.
@@ -44,11 +46,14 @@ def decide(
         ("move_cost_s", -1.0),
         ("horizon_s", 60.0),
         ("hysteresis", float("nan")),
+        ("period_s", float("inf")),
+        ("min_dwell_s", float("inf")),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: float) -> None:
+    kwargs: dict[str, Any] = {field: value}  # the job file's section has a bool field too
     with pytest.raises(ConfigError, match=field):
-        RebalanceConfig(**{field: value})
+        RebalanceConfig(**kwargs)
 
 
 def test_moves_a_peer_into_the_bottleneck_and_reports_the_gain() -> None:
@@ -319,3 +324,26 @@ def test_one_decision_at_1000_peers_is_cheap() -> None:
     for _ in range(calls):
         plan_move(assignment, speeds, stages, now=0.0, last_moved={}, config=config)
     assert (time.perf_counter() - start) / calls < 0.010
+
+
+def test_the_rebalancer_remembers_moves_for_the_dwell_only() -> None:
+    """`Rebalancer` (what the scheduler and the simulator call) decides as `plan_move` with the
+    history of its own moves, and forgets a move once the dwell has passed."""
+    config = RebalanceConfig(hysteresis=1.0, min_dwell_s=300.0, move_cost_s=0.0)
+    rebalancer = Rebalancer(config)
+    speeds = uniform(x=10.0, a=8.0, b=4.0, c=12.0)
+    assignment = {"x": 0, "a": 1, "b": 1, "c": 1}
+    move = rebalancer.decide(assignment, speeds, 2, now=0.0)
+    assert move == decide(assignment, speeds, config=config) and move is not None
+    assert rebalancer.last_moved == {"a": 0.0}
+    assignment[move.peer] = move.dst  # stage 0: 18, stage 1: 16; only the way back would help
+    history = dict(rebalancer.last_moved)
+    for now in (1.0, 299.0):
+        expected = decide(assignment, speeds, config=config, now=now, last_moved=history)
+        assert rebalancer.decide(assignment, speeds, 2, now=now) == expected
+    assert rebalancer.last_moved == {"a": 0.0}
+    rebalancer.decide({"x": 0, "a": 0, "b": 1}, uniform(x=1.0, a=1.0, b=1.0), 2, now=300.0)
+    assert rebalancer.last_moved == {}  # past the dwell: forgotten
+    rebalancer.last_moved["gone"] = 299.0
+    rebalancer.forget("gone")
+    assert rebalancer.last_moved == {}

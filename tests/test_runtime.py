@@ -11,8 +11,8 @@ from stage_server.runtime import StageRuntime
 from swarm.config import JobConfig
 from swarm.data import make_data
 from swarm.errors import FailedPrecondition, InvalidArgument
-from swarm.reference import train_local
-from tests.jobs import make_job
+from tests.support.equality import assert_states_within, local_state
+from tests.support.jobs import make_job
 
 
 def _run_step(
@@ -49,13 +49,11 @@ def test_stages_equal_local_training(tmp_path: Path, recompute: bool) -> None:
     for step in range(job.training.steps):
         # reversed order: accumulation order must not matter beyond float reordering
         _run_step(runtimes, job, step, list(reversed(range(m))), recompute)
-    reference = train_local(job).state_dict()
+    reference = local_state(job)
     swarm: dict[str, torch.Tensor] = {}
     for rt in runtimes:
         swarm.update(rt.state_dict())
-    assert swarm.keys() == reference.keys()
-    for name in reference:
-        assert torch.allclose(swarm[name], reference[name], rtol=0, atol=1e-12), name
+    assert_states_within(swarm, reference, tol=1e-12)
     assert not torch.equal(
         reference["layers.0.tok.weight"], StageRuntime(job, 0).state_dict()["layers.0.tok.weight"]
     )

@@ -1,9 +1,8 @@
-"""The scheduler's answers without a running job: leases of finished jobs, unplaceable peers.
-A real store; no bus (these paths never publish)."""
+"""The scheduler's answers without a running job: leases of finished jobs, a job submitted before
+it runs. A real store; no bus (these paths never publish). Unplaceable peers: test_registry."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -11,17 +10,12 @@ import pytest
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobState, JobStore
 from swarm.errors import FailedPrecondition
-from swarm.proto import control_pb2 as cpb
-from swarm.topics import Topics
-from tests.jobs import BASE, render
-
-
-class _NoBus:
-    topics = Topics()
+from tests.support.fakes import NoBus
+from tests.support.jobs import BASE, render
 
 
 def _scheduler(store: JobStore, tmp_path: Path) -> Scheduler:
-    return Scheduler(store, _NoBus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
+    return Scheduler(store, NoBus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("state", ["succeeded", "failed", "cancelled", "queued"])
@@ -38,26 +32,6 @@ async def test_a_lease_on_a_job_without_a_coordinator(tmp_path: Path, state: Job
         lease = await scheduler.lease(job_id, "t", 4)
     # A finished job tells trainers to stop; one not started yet, to ask again.
     assert lease.done is (state == "succeeded") and lease.tasks == []
-
-
-def test_peers_with_unusable_speeds_are_not_placed(tmp_path: Path) -> None:
-    with JobStore(tmp_path / "jobs.sqlite") as store:
-        scheduler = _scheduler(store, tmp_path)
-        for peer, speeds in {
-            "good": [1.0, 2.0],
-            "nan": [math.nan, 1.0],
-            "negative": [-1.0, 1.0],
-            "idle": [0.0, 0.0],
-            "inf": [math.inf, 1.0],
-            "half": [0.0, 3.0],
-        }.items():
-            scheduler.peers[peer] = cpb.PeerAnnouncement(
-                peer=peer,
-                state=cpb.PEER_STATE_JOINING,
-                job="j",
-                samples_per_second=dict(enumerate(speeds)),
-            )
-        assert scheduler._available("j", 2) == {"good": [1.0, 2.0], "half": [0.0, 3.0]}
 
 
 def test_a_job_submitted_before_the_scheduler_runs_waits_in_the_store(tmp_path: Path) -> None:

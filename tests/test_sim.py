@@ -3,19 +3,18 @@ rebalancing paying off where a stage starts under-served; and `swarm simulate`'s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from scheduler.sim import SimConfig, Summary, simulate
-from scheduler.sim.cli import add_simulate_command
+from scheduler.sim.cli import cmd_simulate
 from scheduler.sim.model import hop_stage, hop_work
+from swarm.cli import parse
 from swarm.errors import ConfigError
 
 SMALL = SimConfig(peers=30, stages=4, hours=1.0, lifetime_h=1.0, window_s=900.0, seed=1)
@@ -109,23 +108,9 @@ def test_policy_none_never_moves_under_churn() -> None:
 # -- the command line ------------------------------------------------------------------------
 
 
-def parser() -> argparse.ArgumentParser:
-    """A parser built as `swarm.cli.build_parser` builds its subcommands."""
-    root = argparse.ArgumentParser(prog="swarm")
-    sub = root.add_subparsers(dest="command", required=True)
-
-    def command(name: str, func: Callable[[argparse.Namespace], int], help: str) -> Any:
-        p = sub.add_parser(name, help=help)
-        p.set_defaults(func=func)
-        return p
-
-    add_simulate_command(command, lambda flag, default: default)
-    return root
-
-
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    args = parser().parse_args(["simulate", *argv])
-    code = args.func(args)
+    args = parse(["simulate", *argv])
+    code = cmd_simulate(args)
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -15,7 +15,7 @@ import pytest
 
 from scheduler.store import SCHEMA_VERSION, JobState, JobStore, StoreError
 from swarm.errors import FailedPrecondition, NotFound
-from tests.conftest import ROOT
+from tests.support.cli import ROOT
 
 
 @pytest.fixture

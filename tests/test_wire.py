@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from swarm.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
-from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted, WireError
+from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted
 from swarm.proto import stage_pb2, stage_pb2_grpc, tensor_pb2
 from swarm.wire import Received, decode_named, receive, split
+from tests.support.fakes import EchoStage
 
 MiB = 1 << 20
 
@@ -282,37 +283,11 @@ OPTIONS = [
 ]
 
 
-class EchoStage(stage_pb2_grpc.StageServiceServicer):
-    """Forward replies with the request's tensors; wire errors become status codes."""
-
-    async def Forward(  # type: ignore[override]
-        self,
-        request_iterator: AsyncIterator[stage_pb2.StageForwardRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[stage_pb2.StageForwardResponse]:
-        try:
-            got = await receive(request_iterator, max_bytes=LIMIT)
-        except WireError as e:
-            code = (
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-                if isinstance(e, ResourceExhausted)
-                else grpc.StatusCode.INVALID_ARGUMENT
-            )
-            await context.abort(code, str(e))
-        reply = stage_pb2.StageForwardResponse()
-        for t, payload in zip(got.header.tensors, got.payloads, strict=True):
-            out = reply.tensors.add()
-            out.CopyFrom(t)
-            out.data = bytes(payload)
-        del got
-        for m in split(reply, CHUNK_BYTES):
-            yield m
-
-
 @pytest.fixture
 async def stub() -> AsyncIterator[stage_pb2_grpc.StageServiceStub]:
     server = grpc.aio.server(options=OPTIONS)
-    stage_pb2_grpc.add_StageServiceServicer_to_server(EchoStage(), server)
+    echo_stage = EchoStage(max_bytes=LIMIT, chunk_bytes=CHUNK_BYTES)
+    stage_pb2_grpc.add_StageServiceServicer_to_server(echo_stage, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

@@ -3,13 +3,11 @@ standalone trainer take."""
 
 from __future__ import annotations
 
-import asyncio
-
-import grpc
 import torch
 
 from scheduler.coordinator.coordinator import LocalCoordinator
-from swarm.errors import FailedPrecondition
+from swarm.backoff import Backoff
+from swarm.errors import FailedPrecondition, SwarmError
 from swarm.lease import Replica
 
 __all__ = ["gather_model", "gather_state"]
@@ -23,7 +21,8 @@ async def gather_model(
     is over); a commit landing between two downloads means downloading again."""
     want = coordinator.steps if coordinator.ledger is None else None
     steps: set[int] = set()
-    for attempt in range(attempts):
+    backoff = Backoff(first_s=0.1, cap_s=2.0)
+    for _ in range(attempts):
         steps, state = set(), {}
         for stage, replicas in enumerate(coordinator.replicas()):
             step, part = await _download(coordinator, stage, replicas, want)
@@ -31,7 +30,7 @@ async def gather_model(
             state.update(part)
         if len(steps) == 1:
             return steps.pop(), state
-        await asyncio.sleep(0.1 * 2**attempt)
+        await backoff.sleep()
     raise FailedPrecondition(f"the stages are at steps {sorted(steps)}: no whole model to take")
 
 
@@ -42,8 +41,8 @@ async def _download(
     for replica in replicas:
         try:
             step, part = await coordinator.client(stage, replica).download_state()
-        except grpc.aio.AioRpcError as e:
-            problems.append(f"{replica.peer}: {e.code().name}")
+        except SwarmError as e:
+            problems.append(f"{replica.peer}: {type(e).__name__}")
             continue
         if want is None or step == want:
             return step, part

@@ -1,7 +1,8 @@
 """`swarm simulate`: run the discrete-event simulator and print throughput against the optimum.
 
 Exit codes: 0 done, 2 bad input (a setting out of range, `--plot` without matplotlib).
-`add_simulate_command` registers it with `swarm.cli`'s subcommand factory.
+`swarm.cli` loads this module when the command runs: `add_arguments` declares its flags, `run`
+runs it.
 """
 
 from __future__ import annotations
@@ -15,24 +16,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from scheduler.rebalance import RebalanceConfig
+from swarm.config import RebalanceConfig
 from swarm.errors import ConfigError
+from swarm.flags import env_default
 
-__all__ = ["add_simulate_command", "cmd_simulate"]
+__all__ = ["add_arguments", "cmd_simulate", "run"]
 
 Command = Callable[[argparse.Namespace], int]
 CommandFactory = Callable[[str, Command, str], argparse.ArgumentParser]
 EnvDefault = Callable[[str, Any], Any]
 
 
-def add_simulate_command(command: CommandFactory, env: EnvDefault) -> None:
-    """Register `simulate`: `add_simulate_command(command, _env)` in `swarm.cli.build_parser`."""
-    p = command(
-        "simulate",
-        cmd_simulate,
-        "simulate a swarm of heterogeneous, unreliable peers driven by the real wiring, placement "
-        "and rebalancing policies; prints throughput against the optimum",
-    )
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    _add_flags(p, env_default)
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    return cmd_simulate(args)
+
+
+def _add_flags(p: argparse.ArgumentParser, env: EnvDefault) -> None:
     p.add_argument("--peers", type=int, default=env("peers", 1000), help="peers at the start")
     p.add_argument("--stages", type=int, default=env("stages", 8), help="pipeline stages")
     p.add_argument("--hours", type=float, default=env("hours", 24.0), help="simulated hours")

@@ -1,8 +1,8 @@
 """The discrete-event engine: one heap of timed events, the real policies, simulated peers.
 
 Drives `scheduler.wiring.Wiring` (one per trainer, on the simulated clock), and through `registry`
-`scheduler.placement` (`place` for the initial peers and the optimum, `best_stage` for each
-joining peer) and `scheduler.rebalance.plan_move` (every period, with `policy="swarm"`).
+the scheduler's own calls: `scheduler.placement.place_new` (the initial peers, each joining peer)
+and `scheduler.rebalance.Rebalancer` (every period, with `policy="swarm"`).
 Randomness comes from `random.Random` streams seeded from `config.seed` only, so a config gives
 the same numbers every time. Two shortcuts keep it one event per hop: the trainer acts on a reply
 when the replica finishes (the reply's latency is added to the next hop's), and a task joins its
@@ -68,7 +68,7 @@ class Simulation:
         self._seq = 0
         self._peers: dict[str, SimPeer] = {}  # present peers
         self._named = 0
-        self.registry = Registry(stages)
+        self.registry = Registry(stages, config.rebalance_config)
         self.meter = Meter(stages)
 
     def run(self) -> Summary:
@@ -210,7 +210,7 @@ class Simulation:
     def _join(self, t: float) -> None:
         self._push(t + self._churn.expovariate(self.config.joins_per_hour / 3600.0), _JOIN, None)
         peer = self._new_peer()
-        peer.stage = self.registry.join_stage(peer.speeds)
+        peer.stage = self.registry.join_stage(peer.name)
         self.registry.assign(peer.name, peer.stage)
         self._fetch(peer, t)
         self.meter.count("joins")
@@ -265,7 +265,7 @@ class Simulation:
     def _rebalance(self, t: float) -> None:
         config = self.config.rebalance_config
         self._push(t + config.period_s, _REBALANCE, None)
-        move = self.registry.plan(t, config)
+        move = self.registry.plan(t)
         if move is None:
             return
         self.meter.count("moves")

@@ -26,8 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scheduler.rebalance import RebalanceConfig
 from scheduler.wiring import WiringConfig
+from swarm.config import RebalanceConfig
 from swarm.errors import ConfigError
 
 __all__ = [

@@ -1,10 +1,12 @@
-"""The scheduler's side of the simulation: which stage each peer is assigned, and the policies that
-decide it (`best_stage` for a joining peer, `plan_move` every period, `place` for the optimum)."""
+"""The scheduler's side of the simulation: which stage each peer is assigned, decided by the calls
+the scheduler makes (`place_new` for the initial and each joining peer, `Rebalancer.decide` every
+period), and the optimum to judge them by (`place`)."""
 
 from __future__ import annotations
 
-from scheduler.placement import best_stage, bottleneck, place
-from scheduler.rebalance import Move, RebalanceConfig, plan_move
+from scheduler.placement import bottleneck, place, place_new
+from scheduler.rebalance import Move, Rebalancer
+from swarm.config import RebalanceConfig
 
 __all__ = ["Registry"]
 
@@ -16,11 +18,11 @@ _OPTIMUM_BUDGET = 200_000
 
 
 class Registry:
-    def __init__(self, stages: int) -> None:
+    def __init__(self, stages: int, rebalance: RebalanceConfig) -> None:
         self.stages = stages
         self.assignment: dict[str, int] = {}  # present peers -> the stage they are assigned
         self.speeds: dict[str, list[float]] = {}  # present peers -> samples/s on each stage
-        self.last_moved: dict[str, float] = {}
+        self.rebalancer = Rebalancer(rebalance)
         self._totals = [0.0] * stages  # assigned samples/s per stage, kept up to date
         self.counted: set[str] = set()  # peers the optimum is for: present, done joining
         self.strength = 0.0  # sum of `_strength` over them
@@ -50,28 +52,20 @@ class Registry:
         if stage is not None:
             self._totals[stage] -= self.speeds[peer][stage]
         self.speeds.pop(peer, None)
-        self.last_moved.pop(peer, None)
+        self.rebalancer.forget(peer)
 
     def place_all(self) -> dict[str, int]:
-        """`place` for every peer known: the initial placement."""
-        return place(self.speeds, self.stages)
+        """Every peer known, nothing serving yet: the initial placement."""
+        return place_new(self.speeds, self.stages)
 
-    def join_stage(self, speeds: list[float]) -> int:
-        """The stage for a joining peer: `best_stage` on the assigned totals (peers still
-        downloading included, so a burst of joins does not all go to one stage)."""
-        return best_stage(speeds, self._totals)
+    def join_stage(self, peer: str) -> int:
+        """The stage for a joining peer, on the assigned totals (peers still downloading
+        included, so a burst of joins does not all go to one stage)."""
+        return place_new({peer: self.speeds[peer]}, self.stages, self._totals)[peer]
 
-    def plan(self, now: float, config: RebalanceConfig) -> Move | None:
-        move = plan_move(
-            self.assignment,
-            self.speeds,
-            self.stages,
-            now=now,
-            last_moved=self.last_moved,
-            config=config,
-        )
+    def plan(self, now: float) -> Move | None:
+        move = self.rebalancer.decide(self.assignment, self.speeds, self.stages, now)
         if move is not None:
-            self.last_moved[move.peer] = now
             self.assign(move.peer, move.dst)
         return move
 

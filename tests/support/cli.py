@@ -1,10 +1,16 @@
-"""Run `swarm ...` as its own process, as a user would."""
+"""Run `swarm ...` as its own process, as a user would; `ROOT` is the repository root (the cwd
+and PYTHONPATH a child process needs to import the project)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+__all__ = ["ROOT", "swarm"]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def swarm(

@@ -15,12 +15,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.support.ports import free_port
+
 __all__ = [
     "MOSQUITTO",
     "START_TIMEOUT_S",
     "STOP_TIMEOUT_S",
     "Mosquitto",
-    "free_port",
     "mosquitto",
     "wait_for_port",
 ]
@@ -30,13 +31,6 @@ START_TIMEOUT_S = 10.0
 """How long a broker may take to accept connections."""
 STOP_TIMEOUT_S = 5.0
 """How long a broker may take to exit after SIGTERM before it is killed."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it; a race is possible but rare)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for_port(

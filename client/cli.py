@@ -1,0 +1,143 @@
+"""The client's commands on the command line: `swarm submit|status|jobs|cancel|export` (their
+bodies in `client.commands`), `swarm trainer` and `swarm demo`: their flags, and which body runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from swarm.errors import SwarmError
+from swarm.flags import add_flag, add_token, env_default, token
+
+__all__ = ["JOB_COMMANDS", "add_arguments", "run"]
+
+JOB_COMMANDS = ("submit", "status", "jobs", "cancel", "export")  # talk to the job API
+_TOKEN_HELP = "swarm token (None: SWARM_TOKEN from the environment; prefer that, flags show in ps)"
+_DEMO_JOB = Path(__file__).resolve().parent.parent / "examples" / "tiny.toml"
+
+
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    if command in JOB_COMMANDS:
+        _job_command(command, p)
+    elif command == "trainer":
+        _trainer(p)
+    elif command == "demo":
+        p.add_argument("--job", type=Path, default=_DEMO_JOB, help="job file (TOML)")
+        p.add_argument(
+            "--chaos",
+            action="store_true",
+            help="keep killing random replicas (SIGKILL) and starting fresh peers",
+        )
+
+
+def _job_command(command: str, p: argparse.ArgumentParser) -> None:
+    if command == "submit":
+        p.add_argument("job_file", type=Path, help="job file (TOML)")
+        p.add_argument("--wait", action="store_true", help="show progress until the job ends")
+        p.add_argument("--poll", type=float, default=0.5, help="seconds between progress polls")
+    elif command == "status":
+        p.add_argument("job", help="job id (from `swarm submit` or `swarm jobs`)")
+        p.add_argument("--json", action="store_true", help="print the JobStatus as JSON")
+    elif command in ("cancel", "export"):
+        p.add_argument("job", help="job id")
+    if command == "export":
+        p.add_argument("--out", type=Path, required=True, help="file to write (torch.save)")
+    p.add_argument(
+        "--scheduler",
+        default=env_default("scheduler", None),
+        help="the scheduler's job API, HOST:PORT",
+    )
+    add_token(p, _TOKEN_HELP)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=env_default("timeout", 30.0),
+        help="deadline per call (seconds)",
+    )
+
+
+def _trainer(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--job", required=True, help="job id (with --scheduler) or job file (TOML)")
+    add_flag(
+        p, "scheduler", None, "the scheduler's job API, HOST:PORT (ignored with --stage-servers)"
+    )
+    add_flag(
+        p,
+        "stage-servers",
+        None,
+        "HOST:PORT of each stage in stage order, comma-separated; a stage's replicas "
+        "separated by | (a,b|c,d: two replicas of stage 1); the trainer then drives them itself",
+    )
+    add_flag(
+        p,
+        "broker",
+        None,
+        "the swarm's MQTT broker (mqtt://HOST:PORT): the wiring follows the replicas' load reports",
+    )
+    add_token(p)
+    p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
+    p.add_argument("--log", type=Path, help="write one JSON line per step here")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="with --stage-servers: write checkpoints here every "
+        "training.checkpoint_every steps, and roll back to them",
+    )
+    add_flag(p, "threads", 1, "torch threads", type=int)
+    add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    # Each body is imported when it runs: `swarm <command> --help` needs only the flags.
+    if command in JOB_COMMANDS:
+        from client.commands import cmd_cancel, cmd_export, cmd_jobs, cmd_status, cmd_submit
+
+        body = {
+            "submit": cmd_submit,
+            "status": cmd_status,
+            "jobs": cmd_jobs,
+            "cancel": cmd_cancel,
+            "export": cmd_export,
+        }[command]
+        return body(args)
+    if command == "trainer":
+        return _run_trainer(args)
+    from client.demo import run_demo
+
+    return run_demo(args.job, chaos=args.chaos)
+
+
+def _run_trainer(args: argparse.Namespace) -> int:
+    if args.scheduler and not args.stage_servers:
+        from client.remote import run_remote_trainer
+
+        return asyncio.run(
+            run_remote_trainer(
+                args.scheduler,
+                args.job,
+                token=token(args),
+                threads=args.threads,
+                metrics_port=args.metrics_port,
+                broker=args.broker,
+            )
+        )
+    from client.standalone import parse_stage_servers, run_trainer
+    from swarm.config import load_job
+
+    if not args.stage_servers:
+        raise SwarmError("give --scheduler ADDR --job JOB_ID, or --job FILE --stage-servers ...")
+    job = load_job(args.job)
+    return asyncio.run(
+        run_trainer(
+            job,
+            parse_stage_servers(args.stage_servers),
+            out=args.out,
+            log_path=args.log,
+            threads=args.threads,
+            metrics_port=args.metrics_port,
+            token=token(args),
+            checkpoint_dir=args.checkpoint_dir,
+            broker=args.broker,
+        )
+    )

@@ -1,0 +1,156 @@
+"""Giving peers their stages: the scheduler's placement loops and the assignments it publishes.
+
+`place` waits until every stage of a job has a serving replica, assigning measured peers; `grow`
+gives peers that join a running job a stage; `assign` publishes one assignment (rebalancing moves
+go through it too). Who goes where is `scheduler.placement.place_new`'s decision; who is there is
+the `PeerRegistry`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from scheduler.placement import place_new
+from scheduler.registry import PeerRegistry
+from swarm.bus import BusLike
+from swarm.proto import control_pb2 as cpb
+
+__all__ = ["Assignments"]
+
+log = logging.getLogger(__name__)
+
+#: `say(job_id, message)`: tell `swarm status` what the job waits for.
+Say = Callable[[str, str], Awaitable[None]]
+
+
+class Assignments:
+    def __init__(
+        self,
+        registry: PeerRegistry,
+        bus: BusLike,
+        say: Say,
+        *,
+        grace_s: float,
+        serve_timeout_s: float,
+        lost_stage_grace_s: float,
+    ) -> None:
+        """`grace_s`: once enough peers are measured, wait this long for more; `serve_timeout_s`:
+        assigned peers must serve within this, else the stages are placed again;
+        `lost_stage_grace_s`: a trained job's unserved stage waits this long for a replica with
+        the trained state before fresh peers take it (and the job rolls back)."""
+        self.registry, self.bus, self.say = registry, bus, say
+        self.grace_s = grace_s
+        self.serve_timeout_s = serve_timeout_s
+        self.lost_stage_grace_s = lost_stage_grace_s
+        self.changed = asyncio.Event()  # set by whoever feeds the registry announcements
+
+    async def place(
+        self, job_id: str, stages: int, step: Callable[[], int], assigned: list[str]
+    ) -> None:
+        """Wait until every stage has a serving replica, assigning measured peers. `step()`: the
+        job's committed step (its trained state lives on its servers once above 0); `assigned`
+        collects every peer given a stage."""
+        lost_since: float | None = None
+        while True:
+            serving = self.registry.serving(job_id)
+            missing = [k for k in range(stages) if k not in serving]
+            if not missing:
+                return
+            lost_since = lost_since or time.monotonic()
+            if step() > 0 and time.monotonic() - lost_since < self.lost_stage_grace_s:
+                # A replica with the trained state may still come back; after the grace period
+                # fresh peers take the stage and the coordinator rolls back to a checkpoint.
+                await self.say(
+                    job_id,
+                    f"waiting for a replica of stages {missing} "
+                    f"(trained state lives on its servers)",
+                )
+                await self._change(5.0)
+                continue
+            available = self.registry.available(job_id, stages)
+            if len(available) < len(missing):
+                await self.say(
+                    job_id,
+                    f"waiting for peers: stages {missing} have no "
+                    f"replica, {len(available)} peer(s) measured",
+                )
+                await self._change(5.0)
+                continue
+            await asyncio.sleep(self.grace_s)  # let late peers finish measuring
+            available = self.registry.available(job_id, stages)
+            if len(available) < len(missing):
+                continue  # some left during the grace period
+            await self._assign_available(job_id, available, assigned)
+            await self._wait_serving(job_id, missing)
+
+    async def grow(self, job_id: str, stages: int, assigned: list[str]) -> None:
+        """While the job trains, peers that join become extra replicas (they copy a live
+        replica's state at the next step boundary). Runs until cancelled."""
+        while True:
+            await self._change(5.0)
+            if self.registry.available(job_id, stages):
+                await asyncio.sleep(self.grace_s)
+                available = self.registry.available(job_id, stages)
+                if available:
+                    await self._assign_available(job_id, available, assigned)
+
+    async def assign(
+        self, job_id: str, peer: str, stage: int, generation: int | None = None
+    ) -> None:
+        """Publish `peer`'s stage; `generation` orders assignments (default: now, in µs, which
+        grows across scheduler restarts)."""
+        if generation is None:
+            generation = time.time_ns() // 1000
+        message = cpb.Assignment(job=job_id, peer=peer, stage=stage, generation=generation)
+        await self.bus.publish(self.bus.topics.assign(job_id, peer), message, retain=True)
+        self.registry.assigned(peer, job_id)
+
+    async def withdraw(self, job_id: str, peers: set[str]) -> None:
+        """Clear the assignments of an ended job (its announcement frees the peers)."""
+        for peer in sorted(peers):
+            await self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
+
+    async def _assign_available(
+        self, job_id: str, available: dict[str, list[float]], assigned: list[str]
+    ) -> None:
+        """Every available peer gets a stage: `place` for a job nobody serves, the stages that
+        raise the bottleneck most (fastest peer first) for peers joining a running one."""
+        stages = len(next(iter(available.values())))
+        members = self.registry.members(job_id, stages)
+        totals = [sum(r.throughput for r in stage) for stage in members] if any(members) else None
+        placement = place_new(available, stages, totals)
+        generation = time.time_ns() // 1000  # one for the whole placement
+        for peer, stage in sorted(placement.items()):
+            log.info(
+                "job %s: stage %d -> %s (%.1f samples/s)",
+                job_id,
+                stage,
+                peer,
+                available[peer][stage],
+            )
+            await self.assign(job_id, peer, stage, generation)
+            assigned.append(peer)
+        await self.say(job_id, f"starting {len(placement)} stage server(s)")
+
+    async def _wait_serving(self, job_id: str, stages: list[int]) -> None:
+        deadline = time.monotonic() + self.serve_timeout_s
+        while time.monotonic() < deadline:
+            if all(k in self.registry.serving(job_id) for k in stages):
+                return
+            await self._change(1.0)
+        log.warning(
+            "job %s: stages %s not serving after %.0fs; placing again",
+            job_id,
+            stages,
+            self.serve_timeout_s,
+        )
+
+    async def _change(self, timeout: float) -> None:
+        """Wait for the next announcement, at most `timeout` seconds."""
+        self.changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout)

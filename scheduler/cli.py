@@ -1,0 +1,59 @@
+"""`swarm scheduler`: its flags, and the scheduler process (`scheduler.main`) they configure."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from swarm.flags import add_flag, add_token, token
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    add_flag(p, "broker", None, "MQTT broker URL (default: run an embedded broker)")
+    add_flag(p, "broker-port", 0, "embedded broker's port (0: any free port)", type=int)
+    add_flag(p, "host", "127.0.0.1", "address to listen on")
+    add_flag(p, "port", 7700, "job API gRPC port (0: any free port)", type=int)
+    add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    add_flag(p, "store", Path("swarm-jobs.sqlite"), "SQLite job store", type=Path)
+    add_flag(
+        p, "checkpoint-dir", Path("swarm-checkpoints"), "where trained models are kept", type=Path
+    )
+    add_flag(
+        p,
+        "load-silence-s",
+        10.0,
+        "leave out serving peers whose load reports stop this long",
+        type=float,
+    )
+    add_flag(
+        p,
+        "lost-stage-grace-s",
+        30.0,
+        "a trained job whose stage nobody serves waits this long for its replica, then gives "
+        "the stage to fresh peers and rolls back to the last checkpoint",
+        type=float,
+    )
+    add_token(p)
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    # Imported here: `swarm scheduler --help` needs only the flags, not torch and gRPC.
+    from scheduler.main import SchedulerProcessOptions, run_scheduler
+
+    opts = SchedulerProcessOptions(
+        store=args.store,
+        checkpoint_dir=args.checkpoint_dir,
+        broker=args.broker,
+        broker_port=args.broker_port,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        token=token(args),
+        load_silence_s=args.load_silence_s,
+        lost_stage_grace_s=args.lost_stage_grace_s,
+    )
+    asyncio.run(run_scheduler(opts))
+    return 0

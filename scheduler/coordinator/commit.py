@@ -1,0 +1,154 @@
+"""One attempt at committing a step on every replica of every stage, and voids.
+
+1. replicas that left (or hold a gradient they must not count) are *lost*: the ledger re-needs
+   their microbatches at their stage, and trainers replay them;
+2. PREPARE on every replica of every stage at once: each checks its receipts and averages with
+   its pool (butterfly all-reduce); a replica that fails is lost, and the step waits for replays;
+3. APPLY everywhere: one optimizer step. No stage leaves step t before every pool has averaged,
+   so a replay can still run through the whole pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.membership import Membership
+from scheduler.coordinator.replicas import GONE, ReplicaClients
+from swarm.errors import Aborted, SwarmError
+from swarm.lease import Replica
+from swarm.metrics import CoordinatorMetrics
+
+__all__ = ["TwoPhaseCommit"]
+
+log = logging.getLogger(__name__)
+
+
+class TwoPhaseCommit:
+    def __init__(
+        self, clients: ReplicaClients, membership: Membership, metrics: CoordinatorMetrics
+    ) -> None:
+        self.clients, self.membership, self.metrics = clients, membership, metrics
+
+    async def void(self, ledger: StepLedger, stage: int, peer: str) -> None:
+        """`peer`'s gradients at `stage` must not count: replay them elsewhere, and tell it to
+        drop them. A replica that cannot be reached is dropped from the members: if it comes
+        back (restarted, empty), it copies a live replica at a step boundary."""
+        lost = ledger.lose(peer, stage)
+        self.metrics.replays.inc(len(lost))
+        log.warning(
+            "step %d: voiding %s's gradients at stage %d (replaying %s)",
+            ledger.step,
+            peer,
+            stage,
+            lost,
+        )
+        replica = next((r for r in self.membership.replicas()[stage] if r.peer == peer), None)
+        if replica is not None:
+            try:
+                await self.clients.get(stage, replica).discard(ledger.step)
+            except GONE as e:
+                log.warning("discard on %s failed: %s", peer, e)
+                self.membership.drop(peer)
+            except SwarmError as e:  # it refused: the next commit's receipt check voids it again
+                log.warning("discard on %s failed: %s", peer, e)
+
+    async def attempt(self, ledger: StepLedger, round_id: str) -> bool:
+        """Commit `ledger`'s step under `round_id`; False when it must wait (for replays, or a
+        retry): whatever went wrong has been lost, voided or dropped by then."""
+        members = self.membership.replicas()
+        for stage, replicas in enumerate(members):
+            alive = {r.peer for r in replicas}
+            for peer in ledger.holdings(stage):
+                if peer not in alive:
+                    ledger.lose(peer, stage)
+        if not ledger.complete or any(not replicas for replicas in members):
+            return False  # trainers replay what was lost; their reports commit again
+        if not await self._receipts_match(ledger, members):
+            return False
+        where = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
+        if not await self._prepare(ledger, members, where, round_id):
+            return False
+        applied = await asyncio.gather(
+            *(self.clients.get(stage, r).apply(ledger.step) for stage, r in where),
+            return_exceptions=True,
+        )
+        for (stage, r), result in zip(where, applied, strict=True):
+            # Dead or hung after averaging: the next commit's check finds it a step behind and
+            # leaves it out; it rejoins by copying a replica that applied.
+            if isinstance(result, BaseException):
+                log.warning(
+                    "step %d: apply on %s (stage %d) failed: %s", ledger.step, r.peer, stage, result
+                )
+        return True
+
+    async def _receipts_match(self, ledger: StepLedger, members: list[list[Replica]]) -> bool:
+        """Receipts a replica holds beyond what the ledger accepted (a straggling trainer's, or a
+        failed microbatch's) would poison its pool's round: void that replica first."""
+        stages = range(len(members))
+        before = [ledger.holdings(stage) for stage in stages]
+        checked = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
+        infos = await asyncio.gather(
+            *(self.clients.get(stage, r).info() for stage, r in checked), return_exceptions=True
+        )
+        # Compared with the holdings as they are now: a void may have landed meanwhile.
+        holdings = [ledger.holdings(stage) for stage in stages]
+        matched = True
+        for (stage, r), info in zip(checked, infos, strict=True):
+            if isinstance(info, GONE) or (
+                not isinstance(info, BaseException) and info.step != ledger.step
+            ):  # gone, or restarted empty at the same address: it rejoins at a boundary
+                self.membership.drop(r.peer)
+                matched = False
+            elif isinstance(info, BaseException) or list(info.receipts) != holdings[stage].get(
+                r.peer, []
+            ):
+                await self.void(ledger, stage, r.peer)
+                matched = False
+        # A void that landed while the receipts were gathered (a straggler's report) emptied a
+        # replica's holdings and its receipts alike: everything matches, but the ledger no
+        # longer has every microbatch. PREPARE now would commit the step without one.
+        return matched and holdings == before and ledger.complete
+
+    async def _prepare(
+        self,
+        ledger: StepLedger,
+        members: list[list[Replica]],
+        where: list[tuple[int, Replica]],
+        round_id: str,
+    ) -> bool:
+        total, calls = ledger.samples(), []
+        for stage, replicas in enumerate(members):
+            group = [r.address for r in replicas]
+            holdings = ledger.holdings(stage)
+            for index, r in enumerate(replicas):
+                calls.append(
+                    self.clients.get(stage, r).prepare(
+                        ledger.step, holdings.get(r.peer, []), total, group, index, round_id
+                    )
+                )
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [
+            (stage, r, e)
+            for (stage, r), e in zip(where, results, strict=True)
+            if isinstance(e, BaseException)
+        ]
+        if not failed:
+            return True
+        self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
+        for stage, r, error in failed:
+            log.warning(
+                "step %d: round %s at stage %d failed on %s: %r",
+                ledger.step,
+                round_id,
+                stage,
+                r.peer,
+                error,
+            )
+            if isinstance(error, GONE):
+                self.membership.drop(r.peer)  # dead: its gradients are replayed
+            elif not isinstance(error, Aborted):
+                await self.void(ledger, stage, r.peer)  # it holds what it must not
+            # Aborted: another member failed; this one's gradients are intact
+        return False

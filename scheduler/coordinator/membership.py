@@ -1,0 +1,153 @@
+"""Which replicas are members: those known to be at the coordinator's step. Trainers see and use
+only members; a replica that is new, restarted or moved copies a member of its stage at a step
+boundary (`sync`) before it becomes one, and one that stops answering is dropped until then."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Hashable
+
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.replicas import GONE, ReplicaClients
+from swarm.backoff import Backoffs
+from swarm.clock import Clock
+from swarm.errors import SwarmError
+from swarm.lease import Replica
+from swarm.metrics import CoordinatorMetrics
+from swarm.proto import stage_pb2 as pb
+
+__all__ = ["Membership"]
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    _JOIN_FIRST_S, _JOIN_CAP_S = 0.5, 30.0  # pause before retrying a joiner that is absent
+
+    def __init__(
+        self,
+        job_id: str,
+        members: Callable[[], list[list[Replica]]],
+        clients: ReplicaClients,
+        ledger: Callable[[], StepLedger | None],
+        metrics: CoordinatorMetrics,
+        clock: Clock,
+    ) -> None:
+        self.job_id, self.members, self.clients = job_id, members, clients
+        self.ledger, self.metrics = ledger, metrics  # `ledger`: the open step's, if any
+        self.synced: set[str] = set()
+        self._stage_of: dict[str, int] = {}  # where each peer served when last seen
+        self._joins = Backoffs(self._JOIN_FIRST_S, self._JOIN_CAP_S, clock)
+
+    def replicas(self) -> list[list[Replica]]:
+        """Per stage, the members at the coordinator's step."""
+        members = self.members()
+        for stage, replicas in enumerate(members):
+            for r in replicas:
+                before = self._stage_of.get(r.peer, stage)
+                if before != stage:  # moved by rebalancing: a new replica of its new stage
+                    log.info("%s moved from stage %d to %d", r.peer, before, stage)
+                    self.synced.discard(r.peer)
+                    ledger = self.ledger()
+                    if ledger is not None:  # what it held there is replayed
+                        self.metrics.replays.inc(len(ledger.lose(r.peer, before)))
+                self._stage_of[r.peer] = stage
+        return [[r for r in stage if r.peer in self.synced] for stage in members]
+
+    def drop(self, peer: str) -> None:
+        """A member that stopped answering: no more work or rounds until it rejoins."""
+        if peer in self.synced:
+            log.warning("replica %s is unreachable: leaving it out until it rejoins", peer)
+            self.synced.discard(peer)
+            self.metrics.dropped.inc()
+            ledger = self.ledger()
+            if ledger is not None:
+                self.metrics.replays.inc(len(ledger.lose(peer)))
+
+    async def check(self, step: int) -> None:
+        """Drop members that are gone or not at `step` (restarted empty at the same address)."""
+        pairs = [(k, r) for k, stage in enumerate(self.replicas()) for r in stage]
+        infos = await asyncio.gather(
+            *(self.clients.get(k, r).info() for k, r in pairs), return_exceptions=True
+        )
+        for (_, r), info in zip(pairs, infos, strict=True):
+            if isinstance(info, BaseException) or info.step != step:
+                self.drop(r.peer)
+
+    async def sync(self, step: int) -> None:
+        """At a step boundary: replicas not yet known to be at `step` copy a member of their
+        stage (parameters, optimizer state, step) and become members."""
+        self.replicas()  # notices peers that moved stage: they join their new stage below
+        members = self.members()
+        current = {r.peer for stage in members for r in stage}
+        self.synced &= current  # those that left are forgotten, with their pauses and clients
+        self._joins.forget(set[Hashable](current))
+        await self.clients.keep(members)
+        for stage, replicas in enumerate(members):
+            sources = [r for r in replicas if r.peer in self.synced]
+            for r in replicas:
+                if r.peer in self.synced or not self._joins.ready(r.peer):
+                    continue
+                if not sources:
+                    log.warning(
+                        "stage %d: no replica at step %d to copy to %s", stage, step, r.peer
+                    )
+                    continue
+                await self._join(stage, r, sources[0], step)
+
+    async def _join(self, stage: int, joiner: Replica, source: Replica, step: int) -> None:
+        try:
+            joined = await self.clients.get(stage, joiner).join(source.address)
+        except GONE as e:  # the joiner itself is absent: try it less often
+            delay = self._joins.failed(joiner.peer)
+            first = delay <= self._JOIN_FIRST_S * (1 + self._joins.jitter)  # then quieter
+            log.log(
+                logging.WARNING if first else logging.INFO,
+                "stage %d: %s could not join (retry in %.1fs): %s",
+                stage,
+                joiner.peer,
+                delay,
+                e,
+            )
+            return
+        except SwarmError as e:  # the source failed it, say: any member may serve next time
+            log.warning("stage %d: %s could not join: %s", stage, joiner.peer, e)
+            return
+        self._joins.succeeded(joiner.peer)
+        if joined == step:
+            log.info("stage %d: %s joined at step %d", stage, joiner.peer, step)
+            self.synced.add(joiner.peer)
+
+    async def reconcile(self) -> int:
+        """Bring every replica to the newest step, and return it. A coordinator that died while
+        applying a step leaves some replicas a step behind with the step prepared: applying it
+        is exact. Other laggards (new replicas, restarted ones) copy a member at that step.
+        Stages left with no member are the caller's to recover."""
+        infos: list[tuple[int, Replica, pb.StageInfoResponse]] = []
+        for stage, replicas in enumerate(self.members()):
+            for r in replicas:
+                info = await self.clients.get(stage, r).info()
+                if info.job != self.job_id or info.stage != stage:
+                    raise SwarmError(
+                        f"{r.address} serves job {info.job!r} stage {info.stage}; "
+                        f"expected job {self.job_id!r} stage {stage} "
+                        f"(same job file on both sides?)"
+                    )
+                infos.append((stage, r, info))
+        target = max((info.step for _, _, info in infos), default=0)
+        at_target = set()
+        for stage, r, info in infos:
+            if info.step == target - 1:
+                try:
+                    await self.clients.get(stage, r).apply(info.step)
+                except SwarmError as e:
+                    log.warning("%s (stage %d) is a step behind: %s", r.peer, stage, e)
+                    continue
+                log.warning("finished applying step %d on %s (stage %d)", info.step, r.peer, stage)
+                at_target.add(r.peer)
+            elif info.step == target:
+                at_target.add(r.peer)
+        self.synced = at_target
+        await self.sync(target)
+        return target

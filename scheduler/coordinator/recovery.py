@@ -1,0 +1,75 @@
+"""Checkpoints and rollback: every `checkpoint_every` steps each stage's state is saved from one
+member and the checkpoint sealed; when a stage has lost every replica, every stage goes back to
+the last sealed checkpoint (or to step 0's initial state when there is none)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import torch
+
+from scheduler.coordinator.replicas import ReplicaClients
+from swarm import checkpoint, stage_state
+from swarm.config import JobConfig
+from swarm.errors import SwarmError
+from swarm.lease import Replica
+
+__all__ = ["Recovery"]
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    def __init__(self, job: JobConfig, clients: ReplicaClients, directory: Path | None) -> None:
+        self.job, self.clients, self.directory = job, clients, directory
+
+    def due(self, step: int) -> bool:
+        """Whether the state at `step` (just reached) is to be checkpointed."""
+        every = self.job.training.checkpoint_every
+        return bool(self.directory and every and step % every == 0)
+
+    async def save(self, step: int, members: list[list[Replica]]) -> None:
+        """Save every stage's state at `step` (from one member each), then seal it."""
+        assert self.directory is not None
+        for stage, replicas in enumerate(members):
+            for r in replicas:  # the first member that answers
+                try:
+                    got, state = await self.clients.get(stage, r).download_state(True, prefix="")
+                except SwarmError as e:
+                    log.warning("checkpoint %d: %s did not answer: %r", step, r.peer, e)
+                    continue
+                if got == step:
+                    await asyncio.to_thread(
+                        checkpoint.save_stage, self.directory, step, stage, state
+                    )
+                    break
+            else:
+                log.warning("checkpoint %d skipped: no replica of stage %d answered", step, stage)
+                return
+        await asyncio.to_thread(checkpoint.seal, self.directory, step, self.job.training.stages)
+        log.info("checkpoint of step %d written to %s", step, self.directory)
+
+    def latest(self) -> int:
+        """The step to roll back to: the last sealed checkpoint's, else 0."""
+        return (checkpoint.latest(self.directory) if self.directory else None) or 0
+
+    async def restore(self, step: int, members: list[list[Replica]]) -> set[str]:
+        """Load the state at `step` on every replica of every stage; returns the peers that
+        loaded it (the members from now on)."""
+        loaded: set[str] = set()
+        for stage, replicas in enumerate(members):
+            state = await asyncio.to_thread(self.stage_state, step, stage)
+            for r in replicas:
+                try:
+                    await self.clients.get(stage, r).load_state(step, state)
+                    loaded.add(r.peer)
+                except SwarmError as e:
+                    log.warning("rollback: %s could not load step %d: %s", r.peer, step, e)
+        return loaded
+
+    def stage_state(self, step: int, stage: int) -> dict[str, torch.Tensor]:
+        if step and self.directory:
+            return checkpoint.load_stage(self.directory, step, stage)
+        return stage_state.initial_state(self.job, stage)

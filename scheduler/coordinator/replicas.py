@@ -1,0 +1,161 @@
+"""What the step coordinator asks of one replica of one stage (`StageReplica`), its gRPC form over
+`StageClient`, and the cache of those connections (`ReplicaClients`).
+
+The coordinator sees only `swarm.errors`: a replica that does not answer, or answers as another
+job's or stage's, is `GONE`; `Aborted` is a round another member spoiled."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import torch
+
+from swarm.config import JobConfig
+from swarm.errors import NotFound, PeerUnavailable
+from swarm.lease import Replica
+from swarm.proto import stage_pb2 as pb
+from swarm.stage_client import StageClient
+
+__all__ = [
+    "GONE",
+    "GrpcReplica",
+    "ReplicaClients",
+    "ReplicaFactory",
+    "StageReplica",
+    "grpc_replicas",
+]
+
+# The replica is gone (dead, partitioned, or another process at its address now): not a refusal.
+GONE = (PeerUnavailable, NotFound)
+
+
+class StageReplica(Protocol):
+    """One replica of one stage, as the coordinator drives it; every call raises `swarm.errors`."""
+
+    async def info(self) -> pb.StageInfoResponse:
+        """Its job, stage, step and the microbatches it holds receipts for."""
+        ...
+
+    async def prepare(
+        self,
+        step: int,
+        microbatches: list[int],
+        total_samples: int,
+        group: list[str],
+        group_index: int,
+        round: str,
+    ) -> None:
+        """Phase one: check it holds exactly `microbatches`, and average with `group` (its
+        stage's replicas, itself at `group_index`) over `total_samples`."""
+        ...
+
+    async def apply(self, step: int) -> None:
+        """Phase two: the optimizer step with the prepared gradient."""
+        ...
+
+    async def discard(self, step: int) -> int:
+        """Drop its gradients of `step` (they are replayed elsewhere); returns how many."""
+        ...
+
+    async def join(self, source: str) -> int:
+        """Become a copy of the replica at `source`; returns its step after."""
+        ...
+
+    async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int: ...
+
+    async def download_state(
+        self, include_optimizer: bool = False, prefix: str = "param/"
+    ) -> tuple[int, dict[str, torch.Tensor]]: ...
+
+    async def close(self) -> None: ...
+
+
+# (stage, replica) -> a connection to that replica at that stage
+ReplicaFactory = Callable[[int, Replica], StageReplica]
+
+
+class GrpcReplica:
+    """`StageReplica` over a `StageClient` (which already converts gRPC errors)."""
+
+    def __init__(self, client: StageClient) -> None:
+        self.client = client
+
+    async def info(self) -> pb.StageInfoResponse:
+        return await self.client.info()
+
+    async def prepare(
+        self,
+        step: int,
+        microbatches: list[int],
+        total_samples: int,
+        group: list[str],
+        group_index: int,
+        round: str,
+    ) -> None:
+        await self.client.commit(
+            step,
+            microbatches,
+            total_samples,
+            phase=pb.COMMIT_PHASE_PREPARE,
+            group=group,
+            group_index=group_index,
+            round=round,
+        )
+
+    async def apply(self, step: int) -> None:
+        await self.client.commit(step, [], 0, phase=pb.COMMIT_PHASE_APPLY)
+
+    async def discard(self, step: int) -> int:
+        return await self.client.discard(step)
+
+    async def join(self, source: str) -> int:
+        return await self.client.join(source)
+
+    async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
+        return await self.client.load_state(step, state)
+
+    async def download_state(
+        self, include_optimizer: bool = False, prefix: str = "param/"
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        return await self.client.download_state(include_optimizer, prefix)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def grpc_replicas(job: JobConfig, job_id: str, token: str | None = None) -> ReplicaFactory:
+    def connect(stage: int, replica: Replica) -> StageReplica:
+        return GrpcReplica(StageClient(replica.address, job, job_id, stage, token))
+
+    return connect
+
+
+class ReplicaClients:
+    """One connection per (peer, stage, address): a peer moved by rebalancing serves another
+    stage, and a peer restarted under its name may listen elsewhere."""
+
+    def __init__(self, factory: ReplicaFactory) -> None:
+        self.factory = factory
+        self._open: dict[tuple[str, int, str], StageReplica] = {}
+
+    def get(self, stage: int, replica: Replica) -> StageReplica:
+        key = (replica.peer, stage, replica.address)
+        if key not in self._open:
+            self._open[key] = self.factory(stage, replica)
+        return self._open[key]
+
+    async def keep(self, members: Iterable[Iterable[Replica]]) -> None:
+        """Close the connections to replicas that are no longer members as they were (left,
+        moved, or restarted elsewhere), so the cache holds the current members only."""
+        current = {(r.peer, k, r.address) for k, stage in enumerate(members) for r in stage}
+        stale = [self._open.pop(key) for key in list(self._open) if key not in current]
+        await asyncio.gather(*(c.close() for c in stale), return_exceptions=True)
+
+    async def close(self) -> None:
+        clients, self._open = list(self._open.values()), {}
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+    def __len__(self) -> int:
+        return len(self._open)

@@ -1,0 +1,172 @@
+"""The peer registry: what the scheduler knows of each peer from its announcements and load reports.
+
+Pure state, no I/O: `Scheduler` feeds it what arrives on the bus (`announce`, `report_load`) and the
+assignments it publishes (`assigned`); time comes from an injected `Clock`. It answers who serves
+each stage of a job (`members`, `serving`), who waits to be placed (`available`) and what each
+member measurably does (`measured`, for rebalancing).
+
+A serving peer whose load reports stop for `load_silence_s` is left out of `members` (hung, or cut
+off from the broker while its last-will has not fired yet); one that reports again is back. A peer
+that announces itself offline is forgotten entirely, so the registry holds only present peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from swarm.clock import Clock
+from swarm.lease import Replica
+from swarm.proto import control_pb2 as cpb
+
+__all__ = ["PeerRegistry"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Load:
+    """A peer's last load report: one peer serves one job, so one per peer."""
+
+    job: str
+    stage: int
+    at: float  # clock time it arrived
+    speed: float | None  # samples/s it measured on `stage`; None: not measured yet
+    silent: bool = False  # already logged as silent
+
+
+class PeerRegistry:
+    def __init__(self, clock: Clock, *, load_silence_s: float, serve_timeout_s: float) -> None:
+        """`serve_timeout_s`: a peer assigned a stage that still says JOINING after this long is
+        available to be placed again."""
+        self.clock = clock
+        self.load_silence_s = load_silence_s
+        self.serve_timeout_s = serve_timeout_s
+        self.peers: dict[str, cpb.PeerAnnouncement] = {}  # present peers' last announcement
+        self._loads: dict[str, _Load] = {}
+        # peer -> (job, when) of its last assignment, until it serves or leaves: a peer building
+        # its stage still says JOINING, and must not be assigned again (perhaps elsewhere).
+        self._assigned_at: dict[str, tuple[str, float]] = {}
+        self._unplaceable: set[str] = set()  # peers already warned about
+
+    # -- what arrives -----------------------------------------------------------------------------
+    def announce(self, message: cpb.PeerAnnouncement) -> None:
+        peer = message.peer
+        if not peer:
+            return
+        if message.state == cpb.PEER_STATE_OFFLINE:
+            self.forget(peer)
+            return
+        self.peers[peer] = message
+        if message.state != cpb.PEER_STATE_JOINING:  # serving, moving, or gone
+            self._assigned_at.pop(peer, None)
+
+    def report_load(self, message: cpb.LoadReport) -> None:
+        """A load report; from a peer not (or no longer) present it is ignored."""
+        if message.peer not in self.peers:
+            return
+        seconds = message.ema_seconds_per_sample
+        old = self._loads.get(message.peer)
+        speed = 1.0 / seconds if seconds > 0 else None
+        same = old is not None and (old.job, old.stage) == (message.job, message.stage)
+        if speed is None and old is not None and same:
+            speed = old.speed  # a report without a figure keeps the last one
+        self._loads[message.peer] = _Load(message.job, message.stage, self.clock.now(), speed)
+
+    def assigned(self, peer: str, job_id: str) -> None:
+        """The scheduler gave `peer` a stage of `job_id` just now."""
+        self._assigned_at[peer] = (job_id, self.clock.now())
+
+    def forget(self, peer: str) -> None:
+        """`peer` left: drop everything kept about it."""
+        self.peers.pop(peer, None)
+        self._loads.pop(peer, None)
+        self._assigned_at.pop(peer, None)
+        self._unplaceable.discard(peer)
+
+    # -- what it answers --------------------------------------------------------------------------
+    def members(self, job_id: str, stages: int) -> list[list[Replica]]:
+        """Per stage, the peers serving it for this job, in a stable order (peer id)."""
+        result: list[list[Replica]] = [[] for _ in range(stages)]
+        for p in sorted(self.peers.values(), key=lambda p: p.peer):
+            if (
+                p.job == job_id
+                and p.state == cpb.PEER_STATE_SERVING
+                and p.HasField("stage")
+                and p.stage < stages
+                and not self._silent(job_id, p.peer)
+            ):
+                result[p.stage].append(
+                    Replica(p.peer, p.address, p.samples_per_second.get(p.stage, 0.0))
+                )
+        return result
+
+    def serving(self, job_id: str) -> dict[int, str]:
+        """Per stage, the address of the fastest replica serving it."""
+        best: dict[int, tuple[float, str]] = {}
+        for p in self.peers.values():
+            if p.job == job_id and p.state == cpb.PEER_STATE_SERVING and p.HasField("stage"):
+                speed = p.samples_per_second.get(p.stage, 0.0)
+                if p.stage not in best or speed > best[p.stage][0]:
+                    best[p.stage] = (speed, p.address)
+        return {k: address for k, (_, address) in best.items()}
+
+    def available(self, job_id: str, stages: int) -> dict[str, list[float]]:
+        """Joining peers measured for this job and not building a stage they were given: their
+        samples/s per stage. A peer whose figures cannot be placed (not finite, negative, none
+        positive) is left out, with a log line."""
+        available = {}
+        now = self.clock.now()
+        for p in self.peers.values():
+            if not (
+                p.state == cpb.PEER_STATE_JOINING
+                and p.job == job_id
+                and all(k in p.samples_per_second for k in range(stages))
+            ):
+                continue
+            job, assigned_at = self._assigned_at.get(p.peer, ("", 0.0))
+            if job == job_id and now - assigned_at < self.serve_timeout_s:
+                continue  # building the stage it was given
+            speeds = [p.samples_per_second[k] for k in range(stages)]
+            if all(math.isfinite(v) and v >= 0.0 for v in speeds) and max(speeds) > 0.0:
+                available[p.peer] = speeds
+            elif p.peer not in self._unplaceable:
+                self._unplaceable.add(p.peer)
+                log.warning("peer %s announced unusable speeds %s: not placed", p.peer, speeds)
+        return available
+
+    def measured(
+        self, job_id: str, stages: int
+    ) -> tuple[dict[str, int], dict[str, list[float]]] | None:
+        """The job's members as rebalancing sees them: each one's stage, and its samples/s on
+        every stage (measured where it serves, announced elsewhere). None until every member has
+        reported a measurement on its stage: decide on measured throughput only."""
+        members = self.members(job_id, stages)
+        assignment = {rep.peer: k for k, reps in enumerate(members) for rep in reps}
+        speeds: dict[str, list[float]] = {}
+        for peer, k in assignment.items():
+            load = self._loads.get(peer)
+            if load is None or load.speed is None or (load.job, load.stage) != (job_id, k):
+                return None
+            announced = self.peers[peer].samples_per_second
+            speeds[peer] = [announced.get(j, 0.0) for j in range(stages)]
+            speeds[peer][k] = load.speed  # what it really does where it is now
+        return assignment, speeds
+
+    def _silent(self, job_id: str, peer: str) -> bool:
+        """Whether `peer` reported load for this job once and has been quiet since for longer
+        than `load_silence_s` (a peer that never reported is not silent: it may be new)."""
+        load = self._loads.get(peer)
+        if load is None or load.job != job_id:
+            return False
+        quiet = self.clock.now() - load.at
+        if quiet <= self.load_silence_s:
+            load.silent = False
+            return False
+        if not load.silent:  # hung, or cut off: not a member
+            load.silent = True
+            log.warning(
+                "job %s: %s's load reports stopped %.0fs ago; leaving it out", job_id, peer, quiet
+            )
+        return True

@@ -1,0 +1,63 @@
+"""`swarm stage-server`: its flags, and the choice between joining a swarm (`--broker`: the
+scheduler assigns the stage) and serving one given stage of a job alone (`--job`, `--stage`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from swarm.errors import SwarmError
+from swarm.flags import add_flag, add_token, token
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    add_flag(p, "broker", None, "MQTT broker URL, mqtt://[user:pass@]host:port or mqtts://...")
+    p.add_argument("--job", type=Path, required=False, help="job file (TOML)")
+    p.add_argument("--stage", type=int, help="stage index, 0..stages-1 (with --job)")
+    add_flag(
+        p,
+        "throttle",
+        1.0,
+        "make compute this many times slower (stands in for a slow device)",
+        type=float,
+    )
+    add_flag(p, "peer", "", "peer id (default: hostname-port)")
+    add_token(p)
+    add_flag(p, "host", "127.0.0.1", "address to listen on")
+    add_flag(p, "port", 0, "gRPC port (0: any free port)", type=int)
+    add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
+    add_flag(p, "threads", 1, "torch threads: this process's share of the cores", type=int)
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    # Imported here: `swarm stage-server --help` needs only the flags, not torch and gRPC.
+    from stage_server.agent import run_peer
+    from stage_server.server import StageServerOptions, run_stage_server
+    from swarm.config import load_job
+
+    opts = StageServerOptions(
+        stage=args.stage if args.stage is not None else -1,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        device=args.device,
+        threads=args.threads,
+        peer=args.peer,
+        token=token(args),
+    )
+    if args.job:
+        if args.stage is None:
+            raise SwarmError("--job needs --stage (or leave out both to join a scheduler's swarm)")
+        asyncio.run(run_stage_server(load_job(args.job), opts, throttle=args.throttle))
+    elif args.broker:
+        asyncio.run(run_peer(opts, args.broker, throttle=args.throttle, token=opts.token))
+    else:
+        raise SwarmError(
+            "give --broker URL (or SWARM_BROKER) to join a swarm, "
+            "or --job FILE --stage K to serve one stage on its own"
+        )
+    return 0

@@ -1,0 +1,60 @@
+"""The commands that belong to no role: `swarm local` (the single-process reference) and
+`swarm broker` (the embedded MQTT broker). `swarm.cli` loads this module as it loads a role's."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+from swarm.flags import add_flag, add_token, token
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    if command == "local":
+        p.add_argument("job_file", type=Path, help="job file (TOML)")
+        p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
+        add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
+        add_flag(p, "threads", 0, "torch threads (0: one per core)", type=int)
+        p.add_argument("--log", type=Path, help="write one JSON line per step here")
+    elif command == "broker":
+        add_flag(p, "host", "127.0.0.1", "address to listen on")
+        add_flag(p, "port", 1883, "port", type=int)
+        add_token(p)
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    return _local(args) if command == "local" else _broker(args)
+
+
+def _local(args: argparse.Namespace) -> int:
+    import torch
+
+    from swarm.config import load_job
+    from swarm.progress import StepLog
+    from swarm.reference import train_local
+
+    job = load_job(args.job_file)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    with StepLog(job.training.steps, path=args.log, desc=f"local {job.name}") as steps:
+        model = train_local(job, args.device, on_step=steps)
+    if args.out:
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from swarm.broker import run_broker
+    from swarm.lifecycle import install_signal_handlers
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        install_signal_handlers(stop)
+        await run_broker(args.host, args.port, token(args), stop)
+
+    asyncio.run(serve())
+    return 0

@@ -1,0 +1,184 @@
+"""In-memory replicas for the step coordinator's tests: `FakeReplica` implements
+`scheduler.coordinator.replicas.StageReplica`, and a test controls the interleaving exactly by
+holding a method at a `Gate` (the call waits there until the test lets it go) or queueing errors
+for it to raise."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.errors import FailedPrecondition
+from swarm.lease import Replica
+from swarm.proto import stage_pb2 as pb
+
+__all__ = ["FakeReplica", "FakeSwarm", "Gate", "Prepared"]
+
+
+@dataclass
+class Gate:
+    """Holds every call of one method: `entered` is set when one arrives; `open()` lets them
+    through (the call then answers from the replica's state at that moment)."""
+
+    entered: asyncio.Event = field(default_factory=asyncio.Event)
+    opened: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+@dataclass
+class Prepared:
+    step: int
+    microbatches: list[int]
+    total_samples: int
+    group: list[str]
+    group_index: int
+    round: str
+
+
+class FakeReplica:
+    """One replica of one stage. Its state is a single tensor `w` holding its step, so a copy, a
+    rollback or a checkpoint is visible in one number. `calls` names every call, in order."""
+
+    def __init__(self, swarm: FakeSwarm, peer: str, stage: int, step: int = 0) -> None:
+        self.swarm, self.peer, self.stage, self.step = swarm, peer, stage, step
+        self.address = f"fake:{peer}"
+        self.receipts: set[int] = set()
+        self.state: dict[str, torch.Tensor] = {"w": torch.tensor([float(step)])}
+        self.prepared: Prepared | None = None
+        self.calls: list[tuple[str, Any]] = []
+        self.gates: dict[str, Gate] = {}
+        self.failures: dict[str, list[BaseException]] = {}
+        self.closed = 0
+
+    @property
+    def replica(self) -> Replica:
+        return Replica(self.peer, self.address)
+
+    # -- test controls --------------------------------------------------------------------------
+    def hold(self, method: str) -> Gate:
+        self.gates[method] = gate = Gate()
+        return gate
+
+    def fail(self, method: str, *errors: BaseException) -> None:
+        """The next calls of `method` raise these, one each."""
+        self.failures.setdefault(method, []).extend(errors)
+
+    def accumulate(self, index: int) -> None:
+        """A trainer's Backward added microbatch `index`'s gradient here."""
+        self.receipts.add(index)
+
+    def called(self, method: str) -> list[Any]:
+        return [args for name, args in self.calls if name == method]
+
+    async def _enter(self, method: str, args: Any = None) -> None:
+        self.calls.append((method, args))
+        self.swarm.log.append((self.peer, method))
+        gate = self.gates.get(method)
+        if gate is not None:
+            gate.entered.set()
+            await gate.opened.wait()
+        if self.failures.get(method):
+            raise self.failures[method].pop(0)
+
+    # -- StageReplica ---------------------------------------------------------------------------
+    async def info(self) -> pb.StageInfoResponse:
+        await self._enter("info")
+        return pb.StageInfoResponse(
+            peer=self.peer,
+            job=self.swarm.job_id,
+            stage=self.stage,
+            num_stages=len(self.swarm.stages),
+            step=self.step,
+            pending_microbatches=len(self.receipts),
+            receipts=sorted(self.receipts),
+        )
+
+    async def prepare(
+        self,
+        step: int,
+        microbatches: list[int],
+        total_samples: int,
+        group: list[str],
+        group_index: int,
+        round: str,
+    ) -> None:
+        args = Prepared(step, list(microbatches), total_samples, list(group), group_index, round)
+        await self._enter("prepare", args)
+        if step != self.step or sorted(self.receipts) != sorted(microbatches):
+            raise FailedPrecondition(f"{self.peer} holds {sorted(self.receipts)} at {self.step}")
+        self.prepared = args
+
+    async def apply(self, step: int) -> None:
+        await self._enter("apply", step)
+        if self.prepared is None or self.prepared.step != step:
+            raise FailedPrecondition(f"{self.peer}: step {step} is not prepared")
+        self.step, self.prepared = step + 1, None
+        self.state = {"w": torch.tensor([float(self.step)])}
+        self.receipts.clear()
+
+    async def discard(self, step: int) -> int:
+        await self._enter("discard", step)
+        dropped = len(self.receipts) if step == self.step else 0
+        if step == self.step:
+            self.receipts.clear()
+        return dropped
+
+    async def join(self, source: str) -> int:
+        await self._enter("join", source)
+        other = self.swarm.by_address[source]
+        self.step, self.state = other.step, {k: v.clone() for k, v in other.state.items()}
+        self.receipts.clear()
+        return self.step
+
+    async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
+        await self._enter("load_state", step)
+        self.step, self.state = step, {k: v.clone() for k, v in state.items()}
+        self.receipts.clear()
+        return step
+
+    async def download_state(
+        self, include_optimizer: bool = False, prefix: str = "param/"
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        await self._enter("download_state")
+        return self.step, {k: v.clone() for k, v in self.state.items()}
+
+    async def close(self) -> None:
+        self.closed += 1
+
+
+class FakeSwarm:
+    """The replicas of every stage; `members` is what the peer registry would say now, and
+    `connect` is the coordinator's replica factory."""
+
+    def __init__(self, job_id: str, stages: int) -> None:
+        self.job_id = job_id
+        self.stages: list[list[FakeReplica]] = [[] for _ in range(stages)]
+        self.by_address: dict[str, FakeReplica] = {}
+        self.log: list[tuple[str, str]] = []  # (peer, method) of every call, in order
+
+    def add(self, stage: int, peer: str, step: int = 0) -> FakeReplica:
+        replica = FakeReplica(self, peer, stage, step)
+        self.stages[stage].append(replica)
+        self.by_address[replica.address] = replica
+        return replica
+
+    def remove(self, peer: str) -> None:
+        """The peer left: the registry no longer lists it (it answers no more)."""
+        for stage in self.stages:
+            stage[:] = [r for r in stage if r.peer != peer]
+
+    def members(self) -> list[list[Replica]]:
+        return [[r.replica for r in stage] for stage in self.stages]
+
+    def connect(self, stage: int, replica: Replica) -> FakeReplica:
+        found = self.by_address[replica.address]
+        assert found.stage == stage, f"{found.peer} serves stage {found.stage}, not {stage}"
+        return found
+
+    def __getitem__(self, peer: str) -> FakeReplica:
+        return next(r for stage in self.stages for r in stage if r.peer == peer)

@@ -1,0 +1,211 @@
+"""The peer registry alone, on a `FakeClock`: members from announcements, silence, peers that leave,
+who is available to place, and the measured view rebalancing decides on; and the assignments it
+leads to for peers joining a running job."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from scheduler.assignments import Assignments
+from scheduler.registry import PeerRegistry
+from swarm.clock import FakeClock
+from swarm.lease import Replica
+from swarm.proto import control_pb2 as cpb
+from swarm.topics import Topics
+
+SILENCE_S = 10.0
+SERVE_TIMEOUT_S = 300.0
+
+
+def registry(clock: FakeClock) -> PeerRegistry:
+    return PeerRegistry(clock, load_silence_s=SILENCE_S, serve_timeout_s=SERVE_TIMEOUT_S)
+
+
+def serving(
+    peer: str, stage: int, job: str = "j", speeds: tuple[float, ...] = (2.0, 3.0)
+) -> cpb.PeerAnnouncement:
+    return cpb.PeerAnnouncement(
+        peer=peer,
+        address=f"{peer}:1",
+        job=job,
+        stage=stage,
+        state=cpb.PEER_STATE_SERVING,
+        samples_per_second=dict(enumerate(speeds)),
+    )
+
+
+def joining(
+    peer: str, job: str = "j", speeds: tuple[float, ...] = (2.0, 3.0)
+) -> cpb.PeerAnnouncement:
+    return cpb.PeerAnnouncement(
+        peer=peer, job=job, state=cpb.PEER_STATE_JOINING, samples_per_second=dict(enumerate(speeds))
+    )
+
+
+def load(peer: str, stage: int, job: str = "j", seconds: float = 0.0) -> cpb.LoadReport:
+    return cpb.LoadReport(peer=peer, job=job, stage=stage, ema_seconds_per_sample=seconds)
+
+
+def names(members: list[list[Replica]]) -> list[list[str]]:
+    return [[r.peer for r in stage] for stage in members]
+
+
+def test_members_per_stage_in_peer_order() -> None:
+    reg = registry(FakeClock())
+    fast = serving("a", 0, speeds=(9.0, 9.0))
+    for message in (serving("b", 0), fast, serving("c", 1), serving("x", 0, job="k")):
+        reg.announce(message)
+    reg.announce(joining("d"))
+    assert names(reg.members("j", 2)) == [["a", "b"], ["c"]]
+    assert reg.members("j", 2)[1] == [Replica("c", "c:1", 3.0)]  # announced speed on its stage
+    assert reg.serving("j") == {0: "a:1", 1: "c:1"}  # the fastest replica of each stage
+    assert names(reg.members("k", 2)) == [["x"], []]
+
+
+def test_a_silent_peer_is_left_out_until_it_reports_again() -> None:
+    clock = FakeClock()
+    reg = registry(clock)
+    reg.announce(serving("a", 0))
+    reg.announce(serving("b", 1))
+    clock.advance(3 * SILENCE_S)
+    # Never reported: perhaps new, so still a member.
+    assert names(reg.members("j", 2)) == [["a"], ["b"]]
+    reg.report_load(load("a", 0))
+    reg.report_load(load("b", 1))
+    clock.advance(SILENCE_S / 2)
+    reg.report_load(load("b", 1))
+    clock.advance(SILENCE_S / 2 + 1.0)  # a: quiet for longer than the silence, b: not
+    assert names(reg.members("j", 2)) == [[], ["b"]]
+    assert names(reg.members("j", 2)) == [[], ["b"]]  # stays out (logged once)
+    reg.report_load(load("a", 0))
+    assert names(reg.members("j", 2)) == [["a"], ["b"]]
+
+
+def test_reports_for_another_job_do_not_count() -> None:
+    clock = FakeClock()
+    reg = registry(clock)
+    reg.announce(serving("a", 0))
+    reg.report_load(load("a", 0, job="old"))
+    clock.advance(2 * SILENCE_S)
+    assert names(reg.members("j", 1)) == [["a"]]
+
+
+def test_a_peer_that_leaves_is_forgotten() -> None:
+    clock = FakeClock()
+    reg = registry(clock)
+    reg.announce(serving("a", 0))
+    reg.report_load(load("a", 0, seconds=0.5))
+    reg.announce(joining("n", speeds=(math.nan, 1.0)))
+    assert reg.available("j", 2) == {}  # warned about once
+    reg.assigned("a", "j")
+    for peer in ("a", "n"):
+        reg.announce(cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE))
+    assert reg.peers == {} and names(reg.members("j", 2)) == [[], []]
+    # Nothing is kept about a peer that is gone, nor about reports from peers never announced.
+    reg.report_load(load("a", 0))
+    reg.report_load(load("ghost", 0))
+    assert reg._loads == {} and reg._assigned_at == {} and reg._unplaceable == set()
+
+
+def test_peers_with_unusable_speeds_are_not_placed() -> None:
+    reg = registry(FakeClock())
+    for peer, speeds in {
+        "good": [1.0, 2.0],
+        "nan": [math.nan, 1.0],
+        "negative": [-1.0, 1.0],
+        "idle": [0.0, 0.0],
+        "inf": [math.inf, 1.0],
+        "half": [0.0, 3.0],
+    }.items():
+        reg.announce(
+            cpb.PeerAnnouncement(
+                peer=peer,
+                state=cpb.PEER_STATE_JOINING,
+                job="j",
+                samples_per_second=dict(enumerate(speeds)),
+            )
+        )
+    assert reg.available("j", 2) == {"good": [1.0, 2.0], "half": [0.0, 3.0]}
+
+
+def test_an_assigned_peer_is_not_available_while_it_builds_its_stage() -> None:
+    clock = FakeClock()
+    reg = registry(clock)
+    reg.announce(joining("a"))
+    reg.announce(joining("b", speeds=(1.0,)))  # not measured on every stage
+    reg.announce(joining("c", job="k"))
+    assert reg.available("j", 2) == {"a": [2.0, 3.0]}
+    reg.assigned("a", "j")
+    assert reg.available("j", 2) == {}
+    clock.advance(SERVE_TIMEOUT_S)  # it never came up: place it again
+    assert reg.available("j", 2) == {"a": [2.0, 3.0]}
+    reg.assigned("a", "j")
+    reg.announce(serving("a", 1))
+    reg.announce(joining("a"))  # serving cleared the assignment: joining again, it is available
+    assert reg.available("j", 2) == {"a": [2.0, 3.0]}
+
+
+def test_measured_waits_for_every_member_and_uses_the_live_speed() -> None:
+    reg = registry(FakeClock())
+    reg.announce(serving("a", 0, speeds=(2.0, 3.0)))
+    reg.announce(serving("b", 1, speeds=(4.0, 5.0)))
+    assert reg.measured("j", 2) is None
+    reg.report_load(load("a", 0, seconds=0.25))
+    assert reg.measured("j", 2) is None  # b has not measured yet
+    reg.report_load(load("b", 1, seconds=0.0))  # a report without a figure
+    assert reg.measured("j", 2) is None
+    reg.report_load(load("b", 1, seconds=0.1))
+    reg.report_load(load("b", 1, seconds=0.0))  # keeps the last figure
+    assignment, speeds = reg.measured("j", 2) or ({}, {})
+    assert assignment == {"a": 0, "b": 1}
+    assert speeds == {"a": [4.0, 3.0], "b": [4.0, 10.0]}
+    reg.announce(serving("b", 0, speeds=(4.0, 5.0)))  # moved: its figure is for the old stage
+    assert reg.measured("j", 2) is None
+
+
+class _RecordingBus:
+    """Collects what is published (the assignments), for `Assignments` without a broker."""
+
+    def __init__(self) -> None:
+        self.topics = Topics()
+        self.published: dict[str, cpb.Assignment] = {}
+
+    async def publish(self, topic: str, message: object, retain: bool = False) -> None:
+        assert isinstance(message, cpb.Assignment) and retain
+        self.published[message.peer] = message
+
+
+async def test_peers_joining_a_running_job_are_placed_fastest_first() -> None:
+    """The registry's available peers go where `placement.place_new` says, and are not
+    available again while they build their stage."""
+    reg = registry(FakeClock())
+    reg.announce(serving("s0", 0, speeds=(5.0, 5.0)))
+    reg.announce(serving("s1", 1, speeds=(3.0, 3.0)))
+    reg.announce(joining("a", speeds=(1.0, 1.0)))
+    reg.announce(joining("b", speeds=(4.0, 4.0)))
+    bus = _RecordingBus()
+    said: list[str] = []
+
+    async def say(job_id: str, message: str) -> None:
+        said.append(message)
+
+    assignments = Assignments(
+        reg,
+        bus,  # type: ignore[arg-type]
+        say,
+        grace_s=0.0,
+        serve_timeout_s=SERVE_TIMEOUT_S,
+        lost_stage_grace_s=0.0,
+    )
+    assigned: list[str] = []
+    grow = asyncio.create_task(assignments.grow("j", 2, assigned))
+    await asyncio.sleep(0)  # it waits for a change now
+    assignments.changed.set()
+    async with asyncio.timeout(10.0):
+        while len(bus.published) < 2:
+            await asyncio.sleep(0.01)
+    grow.cancel()
+    assert {p: m.stage for p, m in bus.published.items()} == {"a": 0, "b": 1}
+    assert sorted(assigned) == ["a", "b"] and said == ["starting 2 stage server(s)"]
+    assert reg.available("j", 2) == {}

@@ -1,0 +1,82 @@
+"""Trainers outside the scheduler follow the replicas' load reports: a remote trainer given the
+broker merges what a peer publishes there into its wiring (the embedded amqtt broker, for real)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+import client.remote as remote
+from client.trainer import PipelineTrainer, load_followed
+from swarm.broker import EmbeddedBroker
+from swarm.bus import Bus
+from swarm.lease import Replica
+from swarm.proto import control_pb2 as cpb
+from swarm.proto import scheduler_pb2 as spb
+from tests.support.jobs import BASE, render
+
+pytestmark = pytest.mark.timeout(60)
+
+JOB = "j1"
+QUEUE_DEPTH = 3  # microbatches queued at the replica, as it reports them
+SECONDS_PER_SAMPLE = 0.5
+
+
+class _Scheduler:
+    """The job API as the remote trainer sees it: only the job's status is asked for here."""
+
+    def __init__(self, address: str, job_id: str, **_: Any) -> None:
+        self.job_id = job_id
+
+    async def job(self) -> spb.JobStatus:
+        return spb.JobStatus(job=self.job_id, name="test", steps=3, spec=render(BASE))
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_remote_trainer_follows_the_load_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    broker = EmbeddedBroker(port=0)
+    await broker.start()
+    seen: list[float] = []
+
+    class Watching(PipelineTrainer):
+        """Instead of training: a replica of stage 0 appears, and it publishes its load on the
+        broker until this trainer's wiring has it."""
+
+        async def run(self) -> None:
+            stages = self.job.training.stages
+            self.sync([[Replica("p0", "127.0.0.1:1", 1.0)]] + [[] for _ in range(stages - 1)])
+            pool = self.wiring[0]
+            report = cpb.LoadReport(
+                peer="p0",
+                job=JOB,
+                stage=0,
+                queue_depth=QUEUE_DEPTH,
+                ema_seconds_per_sample=SECONDS_PER_SAMPLE,
+            )
+            async with Bus(broker.url, "peer-p0", registry=CollectorRegistry()) as peer:
+                await peer.wait_connected(10.0)
+                async with asyncio.timeout(20.0):
+                    while pool.queued("p0") == 0.0:  # the trainer may not be subscribed yet
+                        await peer.publish(peer.topics.load(JOB, "p0"), report)
+                        await asyncio.sleep(0.05)
+            seen.extend([pool.queued("p0"), pool.throughput("p0")])
+
+    monkeypatch.setattr(remote, "RemoteCoordinator", _Scheduler)
+    monkeypatch.setattr(remote, "PipelineTrainer", Watching)
+    try:
+        assert await remote.run_remote_trainer("127.0.0.1:1", JOB, broker=broker.url) == 0
+    finally:
+        await broker.stop()
+    microbatch = BASE["training"]["microbatch_size"]
+    assert seen == [QUEUE_DEPTH * microbatch, 1.0 / SECONDS_PER_SAMPLE]
+
+
+async def test_without_a_broker_nothing_is_followed() -> None:
+    """No broker (a standalone trainer's default): no bus, the block just runs."""
+    async with load_followed(None, JOB, []):
+        pass
