@@ -18,7 +18,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import torch
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.registry import Collector
@@ -263,7 +262,7 @@ class Scheduler:
                 try:
                     await self._train(job_id, job, assigned)
                     break
-                except (SwarmError, OSError, grpc.aio.AioRpcError) as e:
+                except (SwarmError, OSError) as e:
                     step = self.store.get(job_id).step  # type: ignore[union-attr]
                     failures = 0 if step > before else failures + 1
                     if failures >= self.opts.max_failed_attempts:

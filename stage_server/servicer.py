@@ -25,7 +25,6 @@ from swarm.metrics import StageMetrics
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.servicing import Servicing
-from swarm.status import from_rpc_error
 from swarm.wire import grpc_options
 
 __all__ = ["StageServicer"]
@@ -320,11 +319,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             source = StageClient(request.source, rt.job, self.job_id, rt.stage, self.token)
             try:
                 step, state = await source.download_state(include_optimizer=True, prefix="")
-            except (grpc.RpcError, SwarmError) as e:  # the source died or refused: try another
-                error = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
-                raise Aborted(
-                    f"copying {request.source} failed: {type(error).__name__}: {error}"
-                ) from None
+            except SwarmError as e:  # the source died or refused: try another
+                raise Aborted(f"copying {request.source} failed: {type(e).__name__}: {e}") from None
             finally:
                 await source.close()
             await self._compute(rt.load_state, step, state)
