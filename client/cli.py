@@ -86,6 +86,14 @@ def _trainer(p: argparse.ArgumentParser) -> None:
     )
     add_flag(p, "threads", 1, "torch threads", type=int)
     add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    add_flag(
+        p,
+        "scheduler-retry-s",
+        600.0,
+        "with --scheduler: how long to keep asking a scheduler that does not answer (restarting, "
+        "or a network outage) before giving up (seconds)",
+        type=float,
+    )
 
 
 def run(command: str, args: argparse.Namespace) -> int:
@@ -120,6 +128,7 @@ def _run_trainer(args: argparse.Namespace) -> int:
                 threads=args.threads,
                 metrics_port=args.metrics_port,
                 broker=args.broker,
+                retry_for_s=args.scheduler_retry_s,
             )
         )
     from client.standalone import parse_stage_servers, run_trainer

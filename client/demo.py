@@ -148,7 +148,11 @@ def run_demo(
         f"servers for a {job.training.stages}-stage model; logs in {log_dir}",
         flush=True,
     )
-    sw, _ = start_local_swarm(list(throttles), log_dir=log_dir, threads=threads)
+    # The scheduler reads job data only under its data root: the demo's is where its data lies.
+    data_root = [] if job.data.path is None else ["--data-root", str(job.data.path.parent)]
+    sw, _ = start_local_swarm(
+        list(throttles), log_dir=log_dir, threads=threads, extra_scheduler=data_root
+    )
     try:
         _show_endpoints(sw)
         return asyncio.run(_train(sw, job_path, chaos))

@@ -20,7 +20,14 @@ from swarm import auth
 from swarm.backoff import Backoff
 from swarm.config import parse_job
 from swarm.errors import PeerUnavailable
-from swarm.lease import Lease, MicrobatchResult, lease_from_proto, result_to_proto
+from swarm.lease import (
+    Lease,
+    MicrobatchResult,
+    Working,
+    lease_from_proto,
+    lease_request,
+    result_to_proto,
+)
 from swarm.metrics import TrainerMetrics, serve_metrics
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
@@ -44,8 +51,12 @@ class RemoteCoordinator:
         *,
         token: str | None = None,
         timeout_s: float = 30.0,
-        retry_for_s: float = 120.0,
+        retry_for_s: float = 600.0,
     ) -> None:
+        """`retry_for_s`: how long a call keeps asking a scheduler that does not answer (one
+        restarting, upgraded, or on the far side of a network outage) before the trainer gives
+        up; the trainer's leases outlive a short outage only if the scheduler's lease timeout
+        does too, but its work is replayed exactly either way."""
         self.job_id, self.timeout_s, self.retry_for_s = job_id, timeout_s, retry_for_s
         self.channel = auth.channel(address, token=token, options=grpc_options(64 << 20))
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
@@ -78,12 +89,14 @@ class RemoteCoordinator:
         )
         return response.job
 
-    async def lease(self, trainer: str, count: int) -> Lease:
-        request = spb.SchedulerLeaseMicrobatchesRequest(
-            job=self.job_id, trainer=trainer, count=count
-        )
+    async def lease(
+        self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
+    ) -> Lease:
+        request = lease_request(self.job_id, trainer, count, wait_s, working)
+        # A long poll: the deadline covers the wait as well as the answer.
+        deadline = self.timeout_s + wait_s
         response = await self._call(
-            "lease", lambda: self.stub.LeaseMicrobatches(request, timeout=self.timeout_s)
+            "lease", lambda: self.stub.LeaseMicrobatches(request, timeout=deadline)
         )
         return lease_from_proto(response)
 
@@ -111,8 +124,10 @@ class _Progress:
     def __init__(self, inner: RemoteCoordinator, bar: tqdm) -> None:  # type: ignore[type-arg]
         self.inner, self.bar = inner, bar
 
-    async def lease(self, trainer: str, count: int) -> Lease:
-        lease = await self.inner.lease(trainer, count)
+    async def lease(
+        self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
+    ) -> Lease:
+        lease = await self.inner.lease(trainer, count, wait_s=wait_s, working=working)
         self.bar.update(max(0, lease.step - self.bar.n))
         return lease
 
@@ -131,14 +146,18 @@ async def run_remote_trainer(
     threads: int = 1,
     metrics_port: int | None = None,
     broker: str | None = None,
+    retry_for_s: float = 600.0,
 ) -> int:
     """Train job `job_id` of the scheduler at `address` until it has no more steps. With
-    `broker` (the swarm's MQTT broker URL), the wiring follows the replicas' load reports."""
+    `broker` (the swarm's MQTT broker URL), the wiring follows the replicas' load reports.
+    A scheduler that does not answer is asked again, backing off, for `retry_for_s`."""
     torch.set_num_threads(max(1, threads))
-    remote = RemoteCoordinator(address, job_id, token=token)
+    remote = RemoteCoordinator(address, job_id, token=token, retry_for_s=retry_for_s)
     try:
         status = await remote.job()
-        # The data file must be at the same path here as where the job was submitted.
+        # The data file must be at the same path here as where the job was submitted, with the
+        # contents the scheduler pinned then (the spec's data.sha256): else a ConfigError names
+        # the file and both hashes, before any work is leased.
         job = parse_job(status.spec, Path(status.base_dir), name=status.name)
         metrics = TrainerMetrics(job_id)
         if metrics_port is not None:

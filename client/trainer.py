@@ -17,19 +17,20 @@ import random
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry
 
 from scheduler.wiring import NoReplicaError, Wiring
 from swarm import codec
+from swarm.backoff import Backoff
 from swarm.bus import Bus, BusLike
-from swarm.clock import MonotonicClock
+from swarm.clock import Clock, MonotonicClock
 from swarm.config import JobConfig
 from swarm.data import DataSource, make_data
 from swarm.errors import ActivationsNotCached, SwarmError
-from swarm.lease import LeaseSource, MicrobatchResult, Replica, Task
+from swarm.lease import Lease, LeaseSource, MicrobatchResult, Replica, Task
 from swarm.metrics import TrainerMetrics
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import tensor_pb2
@@ -38,6 +39,8 @@ from swarm.stage_client import BackwardResult, StageClient, TensorLike
 __all__ = ["PipelineTrainer", "TrainerError", "follow_load", "load_followed"]
 
 log = logging.getLogger(__name__)
+# How long a departed peer's metric series stay: several scrape intervals.
+SERIES_GRACE_S = 300.0
 T = TypeVar("T")
 
 
@@ -57,24 +60,31 @@ class PipelineTrainer:
         metrics: TrainerMetrics | None = None,
         token: str | None = None,
         hop_attempts: int = 4,
-        poll_s: float = 0.02,
+        lease_wait_s: float = 10.0,
         seed: int | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.job, self.coordinator, self.token = job, coordinator, token
         self.job_id = job_id or job.fingerprint()
         self.trainer_id = trainer_id or f"trainer-{uuid.uuid4().hex[:8]}"
         self.data = data or make_data(job)
         self.metrics = metrics or TrainerMetrics(self.job_id)
-        self.hop_attempts, self.poll_s = hop_attempts, poll_s
+        # A lease with no work waits at the coordinator up to this long (a long poll), and at
+        # most a third of the lease timeout: each lease renews the leases of the work in flight.
+        self.hop_attempts = hop_attempts
+        self.lease_wait_s = min(lease_wait_s, job.runtime.lease_timeout_s / 3)
+        self.leases = 0  # lease calls made (each one a round trip to the coordinator)
+        self.clock = clock or MonotonicClock()
         self.wiring = Wiring(
             job.training.stages,
-            clock=MonotonicClock(),
+            clock=self.clock,
             rng=random.Random(seed),
             task_samples=job.training.microbatch_size,
         )
         self.clients: dict[str, StageClient] = {}
         self._members: list[set[str]] = [set() for _ in range(job.training.stages)]
         self._closing: set[asyncio.Task[None]] = set()  # replaced clients, closed after a while
+        self._departed: dict[str, float] = {}  # peer -> when it left, until its series go
         self._leased_step = -1  # the step of the last lease
         self.completed = 0  # microbatches this trainer computed and reported
         # (step, index) -> stage -> (its inputs, its output gradient or the targets), the bytes
@@ -92,14 +102,20 @@ class PipelineTrainer:
     # -- membership -----------------------------------------------------------------------------
     def sync(self, replicas: list[list[Replica]]) -> None:
         """Follow the coordinator's view of who serves each stage: a peer may have left, moved
-        to another stage (rebalancing) or come back at another address (restarted). A lease
-        without a view of the stages (the job not started yet) changes nothing."""
+        to another stage (rebalancing) or come back at another address (restarted). A departed
+        peer's client is closed (after its calls' deadline) and its metric series removed, so
+        churn over days grows nothing. A lease without a view of the stages (the job not started
+        yet) changes nothing."""
         if len(replicas) != len(self._members):
             return
         now = {r.peer: (stage, r) for stage, members in enumerate(replicas) for r in members}
         for members in self._members:
             for gone in members - now.keys():
                 self.wiring.remove(gone)
+        for gone in self.clients.keys() - now.keys():  # departed: nothing of it may stay
+            self._close_later(self.clients.pop(gone))
+            self._departed[gone] = self.clock.now()
+        self._forget_departed(now.keys())
         for peer, (stage, r) in now.items():
             if peer not in self._members[stage]:
                 self.wiring.add(peer, stage, r.throughput or 1.0)  # leaves its old stage
@@ -110,6 +126,17 @@ class PipelineTrainer:
                 client = StageClient(r.address, self.job, self.job_id, stage, self.token)
                 self.clients[peer] = client
         self._members = [{r.peer for r in members} for members in replicas]
+
+    def _forget_departed(self, present: Iterable[str]) -> None:
+        """Remove the metric series of peers gone for `SERIES_GRACE_S`: not at once, so that
+        scrapes see a departed peer's final counts (a counter removed between two scrapes loses
+        its last increments), yet over days of churn the series stay bounded."""
+        for peer in present:
+            self._departed.pop(peer, None)  # back again: its series go on
+        expired = self.clock.now() - SERIES_GRACE_S
+        for peer in [p for p, when in self._departed.items() if when <= expired]:
+            del self._departed[peer]
+            self.metrics.forget(peer)
 
     def _close_later(self, client: StageClient) -> None:
         """Close a replaced client once the calls it may still carry have had their deadline."""
@@ -124,31 +151,58 @@ class PipelineTrainer:
 
     # -- the loop -------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Lease and train until the coordinator says the job is done."""
-        running: set[asyncio.Task[None]] = set()
+        """Lease and train until the coordinator says the job is done.
+
+        With a free slot, the trainer asks for work in a long poll (the coordinator answers when
+        there is some); with every slot busy, it waits for one to finish. Either way the leases
+        of its work in flight are renewed at least every `lease_wait_s`, so a slow pipeline
+        keeps them. An empty answer that came back early (a job not started yet, the members
+        changed) is asked again after a pause that backs off."""
+        running: dict[asyncio.Task[None], Task] = {}
+        idle = Backoff(first_s=0.05, cap_s=1.0)
+        loop = asyncio.get_running_loop()
         try:
             while True:
+                for finished in [t for t in running if t.done()]:
+                    del running[finished]
+                    finished.result()  # surface bugs; hop failures were handled inside
                 free = self.job.runtime.max_in_flight - len(running)
-                lease = await self.coordinator.lease(self.trainer_id, free)
-                self._leased_step = lease.step
-                self.sync(lease.replicas)
-                if lease.done and not running:
+                if free == 0:
+                    done, _ = await asyncio.wait(
+                        running, timeout=self.lease_wait_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if not done:  # every slot still busy: renew what they work on
+                        await self._lease(0, 0.0, running)
+                    continue
+                started = loop.time()
+                lease = await self._lease(free, self.lease_wait_s, running)
+                if lease.done:
+                    if running:
+                        await asyncio.wait(running)  # their reports are moot, their ends not
+                        for finished in running:
+                            finished.result()
                     return
                 for task in lease.tasks:
-                    running.add(asyncio.create_task(self._run_task(task)))
-                if running:
-                    done, running = await asyncio.wait(
-                        running,
-                        timeout=None if free == 0 else self.poll_s,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    for finished in done:
-                        finished.result()  # surface bugs; hop failures were handled inside
-                else:
-                    await asyncio.sleep(self.poll_s)
+                    running[asyncio.create_task(self._run_task(task))] = task
+                if lease.tasks:
+                    idle.reset()
+                    continue
+                pause = idle.next() - (loop.time() - started)
+                if pause > 0:
+                    await asyncio.sleep(pause)
         finally:
             for pending in running:
                 pending.cancel()
+
+    async def _lease(
+        self, count: int, wait_s: float, running: dict[asyncio.Task[None], Task]
+    ) -> Lease:
+        working = [(t.step, t.index) for job, t in running.items() if not job.done()]
+        self.leases += 1
+        lease = await self.coordinator.lease(self.trainer_id, count, wait_s=wait_s, working=working)
+        self._leased_step = lease.step
+        self.sync(lease.replicas)
+        return lease
 
     async def _run_task(self, task: Task) -> None:
         self.metrics.in_flight.inc()
@@ -185,11 +239,12 @@ class PipelineTrainer:
             pool.started(peer, samples)
             start = time.perf_counter()
             try:
-                result = await call(self.clients[peer])
+                client = self.clients[peer]  # it may depart (sync) while the call runs
+                result = await call(client)
             except SwarmError as e:  # the stage client raises nothing else for a failed call
                 if peer in pool:  # it may have left (or moved stage) while the call ran
                     pool.failed(peer, samples)
-                self.metrics.failed(stage, peer)
+                    self.metrics.failed(stage, peer)  # not for a departed peer: no new series
                 log.info("stage %d: %s failed (%r); trying another replica", stage, peer, e)
                 last = e
                 continue
@@ -197,7 +252,7 @@ class PipelineTrainer:
             # queued work itself, so counting the queue here would count it twice.
             queued = getattr(result, "queued_seconds", None)
             if queued is None:
-                queued = self.clients[peer].last_queued_s
+                queued = client.last_queued_s
             if peer in pool:  # it may have left (or moved stage) while the call ran
                 pool.finished(peer, samples, max(1e-6, time.perf_counter() - start - queued))
                 self.metrics.routed(stage, peer, pool.throughput(peer))
@@ -211,7 +266,7 @@ class PipelineTrainer:
         stage: int,
         inputs: TensorLike,
         grad: TensorLike,
-        cached_on: StageClient,
+        cached_on: StageClient | None,
     ) -> BackwardResult:
         """Backward at `stage`; without re-sending the inputs when `client` did the forward
         (its activations are cached), with them if it no longer has them."""
@@ -300,7 +355,7 @@ class PipelineTrainer:
         grad = result.grad_inputs
         for k in range(last - 1, lowest - 1, -1):
             assert grad is not None
-            g, forward_client = grad, self.clients[forward_peer[k]]
+            g, forward_client = grad, self.clients.get(forward_peer[k])  # None: it departed
             self._remember(step, index, k, boundary[k], g)
             peer, result = await self._hop(
                 k,

@@ -36,6 +36,14 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "the stage to fresh peers and rolls back to the last checkpoint",
         type=float,
     )
+    add_flag(
+        p,
+        "data-root",
+        Path("."),
+        "the only directory whose files (and its subdirectories') a submitted job may name as "
+        "its data; default: the directory the scheduler starts in",
+        type=Path,
+    )
     add_token(p)
 
 
@@ -54,6 +62,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         token=token(args),
         load_silence_s=args.load_silence_s,
         lost_stage_grace_s=args.lost_stage_grace_s,
+        data_root=args.data_root,
     )
     asyncio.run(run_scheduler(opts))
     return 0

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+import math
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -17,14 +20,21 @@ import torch
 
 from scheduler.store import JobRecord, JobStore
 from swarm import codec, wire
-from swarm.config import parse_job
+from swarm.config import JobConfig, parse_job, pin_data, verify_data
 from swarm.errors import (
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
 )
-from swarm.lease import Lease, MicrobatchResult, lease_to_proto, result_from_proto
+from swarm.lease import (
+    Lease,
+    MicrobatchResult,
+    Working,
+    lease_to_proto,
+    result_from_proto,
+    working_from_proto,
+)
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
 from swarm.servicing import Servicing
 from swarm.states import job_state_proto
@@ -55,7 +65,17 @@ class JobControl(Protocol):
         """Recent training throughput (asked for unfinished jobs only)."""
         ...
 
-    async def lease(self, job_id: str, trainer: str, count: int) -> Lease: ...
+    async def lease(
+        self,
+        job_id: str,
+        trainer: str,
+        count: int,
+        *,
+        wait_s: float = 0.0,
+        working: Sequence[Working] = (),
+    ) -> Lease:
+        """The step coordinator's `lease` (a long poll of at most `wait_s`; renews `working`)."""
+        ...
 
     async def report(
         self, job_id: str, trainer: str, results: list[MicrobatchResult], released: list[int]
@@ -94,10 +114,20 @@ def job_status(record: JobRecord, control: JobControl) -> scheduler_pb2.JobStatu
 
 
 class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, store: JobStore, control: JobControl, *, chunk_bytes: int = 4 * MiB) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        control: JobControl,
+        *,
+        chunk_bytes: int = 4 * MiB,
+        data_root: str | Path | None = None,
+    ) -> None:
+        """`data_root`: the only directory (with its subdirectories) whose files SubmitJob reads
+        as job data; default the current directory."""
         if chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.store, self.control, self.chunk_bytes = store, control, chunk_bytes
+        self.data_root = Path(os.path.realpath(Path.cwd() if data_root is None else data_root))
         self._serving = Servicing("scheduler")
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -123,19 +153,43 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def SubmitJob(
         self, request: scheduler_pb2.SchedulerSubmitJobRequest, context: Any
     ) -> scheduler_pb2.SchedulerSubmitJobResponse:
-        def body() -> scheduler_pb2.SchedulerSubmitJobResponse:
+        async def body() -> scheduler_pb2.SchedulerSubmitJobResponse:
             base_dir = Path(request.base_dir)
             if not base_dir.is_absolute():
                 raise InvalidArgument(
                     f"base_dir must be an absolute directory, got {request.base_dir!r}"
                 )
-            job = parse_job(request.spec, base_dir, name="job")
-            record = self.store.create(job.name, request.spec, str(base_dir), job.training.steps)
+            job = parse_job(request.spec, base_dir, name="job", check_data=False)
+            spec = request.spec
+            if job.data.kind == "text":
+                real = self._under_data_root(job)
+                # Off the event loop: hashing a large file would stall every other call.
+                checked = await asyncio.to_thread(
+                    verify_data, replace(job, data=replace(job.data, path=real))
+                )
+                assert checked.data.sha256 is not None
+                # Pinned into the stored spec: a remote trainer, or this scheduler after a
+                # restart, refuses a file whose contents changed since.
+                spec = pin_data(spec, checked.data.sha256)
+            record = self.store.create(job.name, spec, str(base_dir), job.training.steps)
             log.info("scheduler: job %s submitted (%d steps)", record.id, record.steps)
             self.control.submitted(record.id)
             return scheduler_pb2.SchedulerSubmitJobResponse(job=self._status(record))
 
-        return await self._run("SubmitJob", context, body)
+        return await self._serving.run("SubmitJob", context, body)
+
+    def _under_data_root(self, job: JobConfig) -> Path:
+        """The data file's real path (symlinks and `..` resolved), which must lie under the data
+        root: a job may make the scheduler read only what it was told to serve."""
+        assert job.data.path is not None  # required for text data
+        real = Path(os.path.realpath(job.data.path))
+        if not real.is_relative_to(self.data_root):
+            raise InvalidArgument(
+                f"data.path = {str(job.data.path)!r} lies outside the scheduler's data root "
+                f"{str(self.data_root)!r}; put the data under it, or start the scheduler with "
+                "--data-root naming a directory that holds it"
+            )
+        return real
 
     async def GetJob(
         self, request: scheduler_pb2.SchedulerGetJobRequest, context: Any
@@ -173,7 +227,15 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
         async def body() -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
             self._job(request.job)
-            lease = await self.control.lease(request.job, request.trainer, request.count)
+            if not math.isfinite(request.wait_s) or request.wait_s < 0:
+                raise InvalidArgument(f"wait_s must be a number >= 0, got {request.wait_s}")
+            lease = await self.control.lease(
+                request.job,
+                request.trainer,
+                request.count,
+                wait_s=request.wait_s,
+                working=working_from_proto(request),
+            )
             return lease_to_proto(lease)
 
         return await self._serving.run("LeaseMicrobatches", context, body)

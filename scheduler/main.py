@@ -21,6 +21,7 @@ from swarm.bus import Bus
 from swarm.lifecycle import install_signal_handlers, print_ready
 from swarm.metrics import serve_metrics
 from swarm.proto import scheduler_pb2_grpc
+from swarm.topics import SCHEDULER_USER
 from swarm.wire import grpc_options
 
 __all__ = ["SchedulerProcessOptions", "run_scheduler"]
@@ -42,6 +43,7 @@ class SchedulerProcessOptions:
     shutdown_grace_s: float = 5.0  # in-flight job API calls may finish within this
     load_silence_s: float = 10.0  # a serving peer silent this long on the load topic is out
     lost_stage_grace_s: float = 30.0  # an unserved stage of a trained job: wait, then roll back
+    data_root: Path | None = None  # SubmitJob reads job data only under it (None: the cwd)
 
 
 async def run_scheduler(opts: SchedulerProcessOptions) -> None:
@@ -55,7 +57,9 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
     store = JobStore(opts.store)
     registry = CollectorRegistry()
     try:
-        async with Bus(broker, client_id="scheduler", token=opts.token, registry=registry) as bus:
+        async with Bus(
+            broker, "scheduler", token=opts.token, username=SCHEDULER_USER, registry=registry
+        ) as bus:
             await bus.wait_connected(opts.connect_timeout_s)
             options = SchedulerOptions(
                 opts.checkpoint_dir,
@@ -70,7 +74,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 options=grpc_options(64 << 20),
             )
             scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
-                JobApiServicer(store, scheduler), server
+                JobApiServicer(store, scheduler, data_root=opts.data_root), server
             )
             health_servicer = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +27,13 @@ from scheduler.assignments import Assignments
 from scheduler.coordinator import LocalCoordinator, gather_model, gather_state
 from scheduler.rebalancing import rebalance
 from scheduler.registry import PeerRegistry
-from scheduler.store import JobRecord, JobState, JobStore
+from scheduler.store import JobRecord, JobState, JobStore, StoreError
 from swarm import checkpoint
 from swarm.bus import BusLike
 from swarm.clock import MonotonicClock
 from swarm.config import JobConfig, parse_job
 from swarm.errors import FailedPrecondition, SwarmError
-from swarm.lease import Lease, MicrobatchResult
+from swarm.lease import Lease, MicrobatchResult, Working
 from swarm.metrics import CoordinatorFamilies, CoordinatorMetrics, TrainerMetrics
 from swarm.model import layer_costs, partition
 from swarm.progress import StepRecord
@@ -44,6 +44,9 @@ from swarm.states import JOB_STATES, job_state_proto, peer_state_name
 __all__ = ["Scheduler", "SchedulerOptions"]
 
 log = logging.getLogger(__name__)
+
+_SWEEP_QUIET_S = 0.5  # retained messages arrive at once: this long without one, none is left
+_SWEEP_TIMEOUT_S = 10.0  # the longest a sweep of an ended job's retained topics takes
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,10 @@ class SchedulerOptions:
     # replica with the trained state, then gives the stage to fresh peers and rolls back.
     lost_stage_grace_s: float = 30.0
     token: str | None = None  # swarm token for calls to stage servers
+    # An ended job's retained announcement and steps stay on the broker this long (peers that
+    # were briefly away learn the end, and free themselves), then are cleared; its record stays
+    # in the store, which is what `swarm status` reads. Its assignments are cleared at once.
+    finished_retain_s: float = 300.0
 
 
 class Scheduler:
@@ -98,6 +105,7 @@ class Scheduler:
         )
         self._group: asyncio.TaskGroup | None = None
         self._user_cancelled: set[str] = set()
+        self._expiring: dict[str, asyncio.Task[None]] = {}  # ended jobs, until cleared
         # The latest record of each job, refreshed on the event loop whenever a job is announced:
         # the metrics thread reads this, never the store (its connection belongs to this thread).
         self.snapshot: dict[str, JobRecord] = {}
@@ -112,9 +120,12 @@ class Scheduler:
             for record in self.store.unfinished():
                 log.info("resuming job %s (%s, step %d)", record.id, record.state, record.step)
                 self._start(record.id)
+            for record in list(self.snapshot.values()):
+                if record.finished:  # perhaps not cleared before a restart
+                    self._expire(record.id)
             await stop.wait()
             self._group = None  # jobs submitted from now on wait in the store for the next run
-            for task in [watcher, load, *self._tasks.values()]:
+            for task in [watcher, load, *self._tasks.values(), *self._expiring.values()]:
                 task.cancel()
 
     def _start(self, job_id: str) -> None:
@@ -217,7 +228,15 @@ class Scheduler:
             self.store.set_message(job_id, message)
         await self._announce(job_id)
 
-    async def lease(self, job_id: str, trainer: str, count: int) -> Lease:
+    async def lease(
+        self,
+        job_id: str,
+        trainer: str,
+        count: int,
+        *,
+        wait_s: float = 0.0,
+        working: Sequence[Working] = (),
+    ) -> Lease:
         coordinator = self._coordinators.get(job_id)
         if coordinator is None:
             record = self.store.get(job_id)
@@ -226,7 +245,7 @@ class Scheduler:
             if record is not None and record.finished:
                 raise FailedPrecondition(f"job {job_id} is {record.state}: nothing to train")
             return Lease(0, [], [])  # not started (or between attempts): ask again soon
-        return await coordinator.lease(trainer, count)
+        return await coordinator.lease(trainer, count, wait_s=wait_s, working=working)
 
     async def report(
         self, job_id: str, trainer: str, results: list[MicrobatchResult], released: list[int]
@@ -245,7 +264,9 @@ class Scheduler:
         assigned: list[str] = []
         ended = True  # False only when the scheduler itself stops: the job resumes on restart
         try:
-            job = self._config(record.spec, record.base_dir, record.name)
+            # Off the event loop: this hashes the data file, checked against the sha256 pinned
+            # at submit (a file changed since fails the job, naming both hashes).
+            job = await asyncio.to_thread(self._config, record.spec, record.base_dir, record.name)
             if record.state == "queued":
                 await self._set(job_id, "placing", "waiting for peers")
             else:
@@ -290,13 +311,76 @@ class Scheduler:
                 holders = {p.peer for p in self.peer_registry.peers.values() if p.job == job_id}
                 with _logged(f"job {job_id}: assignments not withdrawn"):
                     await self.assignments.withdraw(job_id, holders | set(assigned))
+                self._ended(job_id)
+
+    # -- an ended job ---------------------------------------------------------------------------
+    def _ended(self, job_id: str) -> None:
+        """Let go of what the scheduler kept for `job_id`, now ended: per-job state at once; its
+        retained topics and metric series after `finished_retain_s` (`_expire`). Days of jobs grow
+        nothing here."""
+        self._user_cancelled.discard(job_id)
+        self._speed.pop(job_id, None)
+        self._expire(job_id)
+
+    def _expire(self, job_id: str) -> None:
+        if self._group is not None and job_id not in self._expiring:
+            task = self._group.create_task(self._clear_retained(job_id))
+            self._expiring[job_id] = task
+            task.add_done_callback(lambda _: self._expiring.pop(job_id, None))
+
+    async def _clear_retained(self, job_id: str) -> None:
+        """Clear an ended job's retained topics (an empty retained payload): its assignments at
+        once, every one the broker holds (an earlier run's too, to peers long gone); its
+        announcement and steps after `finished_retain_s`, when it also leaves the metrics.
+        `swarm status` reads the store, so nothing is lost to it."""
+        topics = self.bus.topics
+        with _logged(f"job {job_id}: retained assignments not cleared"):
+            for topic in await self._retained_on(topics.assign(job_id, "+")):
+                await self.bus.publish(topic, b"", retain=True)
+        await asyncio.sleep(self.opts.finished_retain_s)
+        with _logged(f"job {job_id}: retained announcement not cleared"):
+            await self.bus.publish(topics.steps(job_id), b"", retain=True)
+            await self.bus.publish(topics.job(job_id), b"", retain=True)
+        self.snapshot.pop(job_id, None)
+        # The series go with it, not at once: a scrape must see a job's final counts.
+        self._coordinator_metrics.remove(job_id)
+        self._moves.remove(job_id)
+
+    async def _retained_on(self, pattern: str) -> list[str]:
+        """The topics the broker holds a retained message on, matching `pattern`: what arrives
+        on a fresh subscription until it falls quiet (bounded)."""
+        found: list[str] = []
+        sub = self.bus.subscribe(pattern)
+        try:
+            subscribed = getattr(sub, "wait_subscribed", None)
+            if subscribed is not None:
+                await subscribed(_SWEEP_TIMEOUT_S)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + _SWEEP_TIMEOUT_S
+            while loop.time() < deadline:
+                try:
+                    async with asyncio.timeout(_SWEEP_QUIET_S):
+                        topic, _ = await anext(sub)
+                except TimeoutError:
+                    break
+                found.append(topic)
+        finally:
+            close = getattr(sub, "aclose", None)
+            if close is not None:
+                await close()
+        return found
 
     def _trainer_metrics(self, job_id: str) -> TrainerMetrics:
         return TrainerMetrics(job_id, registry=CollectorRegistry())
 
     async def _train(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
         async def committed(record: StepRecord) -> None:
-            self.store.record_step(job_id, record.step, record.loss, record.samples, record.seconds)
+            try:
+                self.store.record_step(
+                    job_id, record.step, record.loss, record.samples, record.seconds
+                )
+            except StoreError as e:  # a full disk: the store writes it with the next step
+                log.error("job %s: %s", job_id, e)
             self._speed[job_id] = record.samples_per_second
             log.info("job %s step %d loss %.4f", job_id, record.step, record.loss)
             await self.bus.publish(
@@ -319,8 +403,11 @@ class Scheduler:
         async def rolled_back(step: int) -> None:
             self.store.rewind(job_id, step)
             said.append(
-                f"rolled back to step {step}: a stage lost every "
-                f"replica; training from the last checkpoint"
+                f"rolled back to step {step}: a stage lost every replica; training from the last"
+                " checkpoint"
+                if step
+                else "rolled back to step 0 (no checkpoint): a stage lost every replica;"
+                " training again from the start"
             )
             await self._set(job_id, None, said[-1])
 
@@ -332,6 +419,7 @@ class Scheduler:
             on_step=committed,
             checkpoint_dir=self.opts.checkpoint_dir / job_id,
             on_rollback=rolled_back,
+            on_status=lambda text: self._set(job_id, None, text),
             metrics=CoordinatorMetrics(job_id, families=self._coordinator_metrics),
         )
         trainer = PipelineTrainer(
@@ -343,7 +431,7 @@ class Scheduler:
             metrics=self._trainer_metrics(job_id),
         )
         try:
-            await coordinator.start()
+            self.store.resume(job_id, await coordinator.start())  # a re-run replaces old rows
             self._coordinators[job_id] = coordinator
             await self._set(job_id, "running", said[-1] if said else "training")
             try:

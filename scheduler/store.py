@@ -1,8 +1,12 @@
 """The scheduler's durable job store: SQLite, one connection, used from one thread.
 
 Every write is its own committed transaction (WAL, synchronous=FULL), so what a call reported as
-stored survives a killed process. Methods are synchronous and fast (one small transaction); call
-them from the event loop's thread, between awaits, so a read-then-write is never interleaved.
+stored survives a killed process. A step record that cannot be written (a full disk) raises
+`StoreError` and is kept in memory: the job's next step record writes it first, so a passing
+write problem loses no committed step (a scheduler that dies meanwhile loses the kept rows;
+the replicas still hold the steps' state). Methods are synchronous and fast (one small
+transaction); call them from the event loop's thread, between awaits, so a read-then-write is
+never interleaved.
 The job state machine lives here, so no caller can move a finished job again.
 """
 
@@ -107,6 +111,8 @@ def _loss(value: float | None) -> float:
 class JobStore:
     def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
         self.path, self._clock = Path(path), clock
+        # job -> step -> (loss, samples, seconds, time): step records whose write failed
+        self._kept: dict[str, dict[int, tuple[float, int, float, float]]] = {}
         # isolation_level=None: autocommit; writes open their own transactions (see _write).
         try:
             # isolation_level=None: autocommit; multi-statement writes use _tx.
@@ -239,24 +245,43 @@ class JobStore:
         job = self._require(job_id)
         if not 0 <= step < job.steps:
             raise InvalidArgument(f"step {step} of job {job_id!r} is outside 0..{job.steps - 1}")
-        now = self._clock()
-        with self._tx():  # both rows or neither
-            inserted = self._db.execute(
-                "INSERT OR IGNORE INTO steps VALUES (?, ?, ?, ?, ?, ?)",
-                (job_id, step, loss, samples, seconds, now),
-            ).rowcount
-            if inserted:
-                # Right-hand sides see the old row: the loss follows the newest step only.
-                self._db.execute(
-                    "UPDATE jobs SET loss = CASE WHEN ? >= step THEN ? ELSE loss END,"
-                    " step = MAX(step, ?), updated = ? WHERE id = ?",
-                    (step + 1, loss, step + 1, now, job_id),
-                )
+        kept = self._kept.setdefault(job_id, {})
+        row = (loss, samples, seconds, self._clock())
+        rows = [*sorted(kept.items()), (step, row)]  # earlier failed records first, in order
+        try:
+            with self._tx():  # every row and the job's step, or nothing
+                inserted = [self._insert_step(job_id, s, *r) for s, r in rows]
+        except sqlite3.Error as e:
+            kept.setdefault(step, row)  # a retried report keeps the first, as the table does
+            raise StoreError(
+                f"step {step} of job {job_id!r} not recorded in {str(self.path)!r} ({e}); "
+                f"kept, and written with the next step ({len(kept)} waiting)"
+            ) from e
+        self._kept.pop(job_id, None)
+        return inserted[-1]
+
+    def _insert_step(
+        self, job_id: str, step: int, loss: float, samples: int, seconds: float, now: float
+    ) -> bool:
+        inserted = self._db.execute(
+            "INSERT OR IGNORE INTO steps VALUES (?, ?, ?, ?, ?, ?)",
+            (job_id, step, loss, samples, seconds, now),
+        ).rowcount
+        if inserted:
+            # Right-hand sides see the old row: the loss follows the newest step only.
+            self._db.execute(
+                "UPDATE jobs SET loss = CASE WHEN ? >= step THEN ? ELSE loss END,"
+                " step = MAX(step, ?), updated = ? WHERE id = ?",
+                (step + 1, loss, step + 1, now, job_id),
+            )
         return bool(inserted)
 
     def rewind(self, job_id: str, step: int) -> None:
         """Forget steps `step..` (a rollback to the checkpoint after step `step - 1`)."""
         self._require(job_id)
+        kept = self._kept.get(job_id, {})
+        for later in [s for s in kept if s >= step]:  # those steps are trained again
+            del kept[later]
         with self._tx():
             self._db.execute("DELETE FROM steps WHERE job = ? AND step >= ?", (job_id, step))
             self._db.execute(
@@ -264,6 +289,15 @@ class JobStore:
                 " WHERE job = ? AND step = ?) WHERE id = ?",
                 (step, self._clock(), job_id, step - 1, job_id),
             )
+
+    def resume(self, job_id: str, step: int) -> None:
+        """The job's coordinator (re)starts at `step`. Steps recorded from `step` on belong to a
+        run that was lost (every replica restarted empty, say) and are trained again: forget
+        them, so the store shows the re-run and not the old rows (`record_step` keeps the first
+        record of a step). A store behind `step` (killed between a commit and its record) is
+        left as it is."""
+        if step < self._require(job_id).step:
+            self.rewind(job_id, step)
 
     def steps(self, job_id: str) -> Steps:
         """The job's recorded steps in order."""

@@ -8,17 +8,23 @@ thread so the event loop keeps answering health checks and the bus keepalive mea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import fcntl
 import logging
 import os
+import re
+import secrets
 import socket
 import time
+from collections import OrderedDict
 from pathlib import Path
+from typing import IO
 
 import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
-from stage_server.measure import measure_job
+from stage_server.measure import cache_path, measure_job
 from stage_server.runtime import StageRuntime
 from stage_server.server import (
     SERVICE_NAME,
@@ -33,9 +39,9 @@ from swarm.errors import ConfigError
 from swarm.lifecycle import install_signal_handlers, print_ready
 from swarm.proto import control_pb2 as cpb
 from swarm.states import TERMINAL_PROTO
-from swarm.topics import TopicKind, Topics
+from swarm.topics import TopicKind, Topics, parse_broker_url
 
-__all__ = ["PeerAgent", "run_peer"]
+__all__ = ["PeerAgent", "PeerIdentity", "persistent_peer_id", "run_peer"]
 
 log = logging.getLogger(__name__)
 # A test and demo hook: "K:F,..." makes this peer F times slower while it serves stage K only,
@@ -51,6 +57,8 @@ def stage_slowdown(stage: int) -> float:
     return 1.0
 
 
+ENDED_REMEMBERED = 256
+"""How many finished jobs a peer remembers (to ignore their assignments quietly)."""
 _ACTIVE = (cpb.JOB_STATE_PLACING, cpb.JOB_STATE_RUNNING)
 _ENDED = TERMINAL_PROTO
 
@@ -73,7 +81,10 @@ class PeerAgent:
         self.state = cpb.PEER_STATE_JOINING
         self.speeds: dict[int, float] = {}
         self._jobs: dict[str, JobConfig] = {}
-        self._ended: set[str] = set()  # jobs announced finished: assignments to them are moot
+        # The latest jobs announced finished (assignments to them are moot); a bounded memory:
+        # the scheduler clears an ended job's retained assignments, and one to a job this peer
+        # no longer knows is ignored anyway.
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._active: dict[str, cpb.JobAnnouncement] = {}  # jobs to join once free
         self._generation = -1
         self.load_period_s = 1.0  # how often a serving peer publishes its load
@@ -172,8 +183,13 @@ class PeerAgent:
 
     async def _on_job(self, job: cpb.JobAnnouncement) -> None:
         if job.state in _ENDED:
-            self._ended.add(job.job)
+            self._ended[job.job] = None
+            self._ended.move_to_end(job.job)
+            while len(self._ended) > ENDED_REMEMBERED:
+                self._ended.popitem(last=False)
             self._active.pop(job.job, None)
+            if job.job != self.job_id:
+                self._jobs.pop(job.job, None)  # its config is needed no more
         elif job.state in _ACTIVE:
             self._active[job.job] = job
         if job.state in _ACTIVE and self.job_id in ("", job.job) and not self.speeds:
@@ -194,6 +210,7 @@ class PeerAgent:
         elif job.job == self.job_id and job.state not in _ACTIVE and job.state:
             log.info("%s: job %s ended; free for another", self.peer, job.job)
             self.running.servicer.release()
+            self._jobs.pop(job.job, None)
             self.job_id, self.stage, self.speeds = "", None, {}
             self.state = cpb.PEER_STATE_JOINING
             await self.announce()
@@ -232,6 +249,58 @@ class PeerAgent:
         await self.announce()
 
 
+PEER_ID_FILE = "peer-id"
+_MAX_SLOTS = 64  # stage servers sharing one cache directory (one per device, say)
+_ID_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class PeerIdentity:
+    """A peer id, and the lock on the file it was read from while this process runs (a second
+    stage server sharing the cache directory takes the next file, so it gets an id of its own)."""
+
+    def __init__(self, peer: str, held: IO[str] | None = None) -> None:
+        self.id, self._held = peer, held
+
+    def release(self) -> None:
+        if self._held is not None:
+            self._held.close()  # closing the file drops its lock
+            self._held = None
+
+
+def persistent_peer_id(cache_dir: Path, given: str = "") -> PeerIdentity:
+    """This stage server's id: `given` (`--peer`) if set, else the one persisted under
+    `cache_dir` (`peer-id`, created once as `<hostname>-<random>`), the same after every restart.
+    Stage servers running at once from one cache directory lock a file each (`peer-id`,
+    `peer-id.1`, ...), so each has its own id, and each keeps it across restarts. The id is also
+    the peer's MQTT username (the broker's ACL lets it publish only its own topics)."""
+    if given:
+        return PeerIdentity(given)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for slot in range(_MAX_SLOTS):
+        path = cache_dir / (PEER_ID_FILE if slot == 0 else f"{PEER_ID_FILE}.{slot}")
+        f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open: the lock lives with it)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()  # another stage server runs with this one
+            continue
+        f.seek(0)
+        peer = f.read().strip()
+        if not peer or _ID_CHARS.search(peer):
+            host = _ID_CHARS.sub("-", socket.gethostname()) or "peer"
+            peer = f"{host}-{secrets.token_hex(4)}"
+            f.seek(0)
+            f.truncate()
+            f.write(peer + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            log.info("new peer id %s (kept in %s)", peer, path)
+        return PeerIdentity(peer, f)
+    raise ConfigError(
+        f"{_MAX_SLOTS} stage servers already run from {cache_dir}; give each a --peer id"
+    )
+
+
 async def run_peer(
     opts: StageServerOptions,
     broker: str,
@@ -243,14 +312,27 @@ async def run_peer(
     """`swarm stage-server --broker URL`: join the swarm and serve what the scheduler assigns."""
     torch.set_num_threads(max(1, opts.threads))
     check_device(opts.device)
+    identity = persistent_peer_id(cache_path().parent, opts.peer)
+    peer = identity.id
+    opts = dataclasses.replace(opts, peer=peer)  # the metrics' peer label too
+    login = parse_broker_url(broker).username
+    if login and login != peer:
+        log.warning(
+            "%s: the broker URL logs in as %r: the broker's ACL will refuse this peer's "
+            "topics unless the peer id (--peer) is that user",
+            peer,
+            login,
+        )
     running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
-    port = running.address.rsplit(":", 1)[1]
-    peer = opts.peer or f"{socket.gethostname()}-{port}"
     metrics = f"{opts.host}:{running.metrics_port}" if running.metrics_port is not None else ""
     will = cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address)
     try:
         async with Bus(
-            broker, client_id=f"peer-{peer}", token=token, will=(Topics().peer(peer), will)
+            broker,
+            client_id=f"peer-{peer}",
+            username=peer,
+            token=token,
+            will=(Topics().peer(peer), will),
         ) as bus:
             await bus.wait_connected(connect_timeout_s)
             agent = PeerAgent(
@@ -274,3 +356,4 @@ async def run_peer(
             await agent.run(stop)
     finally:
         await running.stop()
+        identity.release()

@@ -47,11 +47,9 @@ _COMPLETED = "completed"
 class AveragingAborted(Aborted):
     """An averaging round cannot complete here: a peer is missing, unreachable or refused, or the
     round timed out or was aborted. Answered as ABORTED; retry the round under a new id.
-    `missing`: the senders (group indices) a timed-out part still waited for."""
-
-    def __init__(self, message: str, missing: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.missing = tuple(missing)
+    `missing` (from `Aborted`, and sent with the answer): the group indices of the members it
+    failed on: the senders a timed-out part still waited for, or whom the replica that aborted
+    the round named."""
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -140,7 +138,8 @@ class Averager:
     def __init__(self, *, max_open_rounds: int = 64, history: int = 256) -> None:
         self._max_open, self._history = max_open_rounds, history
         self._open: dict[RoundKey, dict[int, _Slot]] = {}
-        self._closed: OrderedDict[RoundKey, str] = OrderedDict()
+        # round -> (outcome, the members an aborted one failed on)
+        self._closed: OrderedDict[RoundKey, tuple[str, tuple[int, ...]]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def open_rounds(self) -> set[RoundKey]:
@@ -148,7 +147,8 @@ class Averager:
 
     def outcome(self, round: RoundKey) -> str | None:
         """The outcome ("completed" or "aborted: <why>"); None while open or once forgotten."""
-        return self._closed.get(round)
+        closed = self._closed.get(round)
+        return closed[0] if closed is not None else None
 
     async def contribute(
         self,
@@ -203,14 +203,14 @@ class Averager:
                 slot.done.set_exception(error)
         if slots:
             log.info("%s aborted: %s", round_name(round), reason)
-        self._remember(round, f"aborted: {reason}")
+        self._remember(round, f"aborted: {reason}", missing)
 
     def close(self) -> None:
         for round in list(self._open):
             self.abort(round, "the averager closed")
 
-    def _remember(self, round: RoundKey, outcome: str) -> None:
-        self._closed[round] = outcome
+    def _remember(self, round: RoundKey, outcome: str, missing: Sequence[int] = ()) -> None:
+        self._closed[round] = (outcome, tuple(missing))
         self._closed.move_to_end(round)
         while len(self._closed) > self._history:
             self._closed.popitem(last=False)
@@ -229,11 +229,11 @@ class Averager:
         name = f"{round_name(round)} part {part}"
         if group_size < 1 or not (0 <= part < group_size and 0 <= sender < group_size):
             raise InvalidArgument(f"{name}: sender {sender} or part out of 0..{group_size - 1}")
-        outcome = self._closed.get(round)
+        outcome, missing = self._closed.get(round, (None, ()))
         if outcome == _COMPLETED:
             raise FailedPrecondition(f"{name}: completed already; sender {sender} came too late")
         if outcome is not None:
-            raise AveragingAborted(f"{name}: {outcome}")
+            raise AveragingAborted(f"{name}: {outcome}", missing)
         if not values.is_floating_point():
             codec = CODEC_NONE  # as `encode` sends it
         signature = (

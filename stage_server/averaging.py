@@ -12,9 +12,11 @@ owner's own contribution also makes the encode/decode round trip the others' con
 the wire, so every contribution is quantized alike, whoever owns the part.
 
 A round that cannot complete (a peer missing, unreachable or refusing, a timeout) raises
-`AveragingAborted` on every replica that takes part; the caller discards the round and retries it
-under a new round id. Caution: one replica can still finish while another aborts (a reply lost
-after the owner answered), so a commit must not treat one replica's success as the pool's.
+`AveragingAborted` on every replica that takes part, naming in `missing` the members it failed on
+(group indices; they travel with the ABORTED answer, see `swarm.status`); the caller discards the
+round and retries it under a new round id, and the coordinator can leave the culprit out.
+Caution: one replica can still finish while another aborts (a reply lost after the owner
+answered), so a commit must not treat one replica's success as the pool's.
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ from stage_server.averager import (
     split_parts,
 )
 from swarm import auth, wire
+from swarm.clock import Clock, MonotonicClock
 from swarm.codec import CODEC_NONE, decode, encode
-from swarm.errors import ConfigError, InvalidArgument
+from swarm.config import RuntimeConfig
+from swarm.errors import Aborted, ConfigError, InvalidArgument
 from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.servicing import Servicing
+from swarm.status import from_rpc_error
 
 __all__ = ["ChannelPool", "PoolServicer", "all_reduce"]
 
@@ -54,7 +59,10 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
     `route(job, stage)` raises NotFound when this replica does not serve that job and stage;
     `timeout_s` bounds a wait when the caller set no deadline; `on_bytes(sent, received)` counts
-    wire bytes.
+    wire bytes. `served()`, read at every call, is the `[runtime]` of the job the replica serves
+    now (None while it serves none): its `chunk_bytes`, `max_tensor_bytes` and
+    `averaging_timeout_s` then replace `chunk_bytes`, `max_bytes` and `timeout_s`, so the owner
+    side of a round follows the job however its stage was installed.
     """
 
     def __init__(
@@ -65,12 +73,21 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         chunk_bytes: int,
         max_bytes: int,
         timeout_s: float,
+        served: Callable[[], RuntimeConfig | None] | None = None,
         peer: str = "",
         on_bytes: Callable[[int, int], None] | None = None,
     ) -> None:
         self.averager, self._route, self.peer, self._on_bytes = averager, route, peer, on_bytes
         self._chunk, self._max_bytes, self._timeout_s = chunk_bytes, max_bytes, timeout_s
+        self._served = served
         self._serving = Servicing(peer)
+
+    def settings(self) -> tuple[int, int, float]:
+        """`(chunk_bytes, max_bytes, timeout_s)` a call is served with now."""
+        runtime = self._served() if self._served is not None else None
+        if runtime is None:
+            return self._chunk, self._max_bytes, self._timeout_s
+        return runtime.chunk_bytes, runtime.max_tensor_bytes, runtime.averaging_timeout_s
 
     async def Reduce(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
@@ -84,14 +101,14 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     async def _reduce(
         self, requests: Any, context: grpc.aio.ServicerContext
     ) -> list[pool_pb2.PoolReduceResponse]:
-        received = await wire.receive(requests, max_bytes=self._max_bytes)
+        chunk_bytes, max_bytes, timeout = self.settings()
+        received = await wire.receive(requests, max_bytes=max_bytes)
         h: pool_pb2.PoolReduceRequest = received.header
         self._route(h.job, h.stage)
-        tensors = wire.decode_named(received, device="cpu", max_bytes=self._max_bytes)
+        tensors = wire.decode_named(received, device="cpu", max_bytes=max_bytes)
         if set(tensors) != {"part"}:
             raise InvalidArgument(f"Reduce carries one tensor named 'part', got {sorted(tensors)}")
         (meta,) = h.tensors
-        timeout = self._timeout_s
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, remaining - min(_REPLY_MARGIN_S, remaining / 10))
@@ -99,7 +116,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             (h.job, h.stage, h.round), h.part, h.sender, h.group_size, tensors["part"],
             timeout_s=timeout, codec=meta.codec, block_size=meta.block_size,
         )  # fmt: skip
-        replies = reduced.replies(self._chunk)
+        replies = reduced.replies(chunk_bytes)
         if self._on_bytes is not None:
             self._on_bytes(reduced.wire_bytes, meta.nbytes)
         return replies
@@ -107,15 +124,35 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
 class ChannelPool:
     """One `grpc.aio` channel per peer address, reused across rounds (a channel reconnects by
-    itself); `discard` drops a peer that left, `close` all of them."""
+    itself); `discard` drops a peer that left, `close` all of them.
+
+    A channel not asked for in `idle_s` (a peer no longer in any of this replica's groups: it left,
+    or moved to another stage) is closed the next time any channel is asked for, so the pool over
+    days of churn holds about the peers of the recent groups only. `idle_s` must outlast any call
+    (the averaging and download deadlines): a call is made right after its channel is asked for.
+    """
 
     def __init__(
-        self, *, token: str | None = None, options: Sequence[tuple[str, Any]] | None = None
+        self,
+        *,
+        token: str | None = None,
+        options: Sequence[tuple[str, Any]] | None = None,
+        idle_s: float = 600.0,
+        clock: Clock | None = None,
     ) -> None:
         self._token, self._options = token, options
+        self._idle_s, self._clock = idle_s, clock or MonotonicClock()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._used: dict[str, float] = {}  # address -> when its channel was last asked for
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._channels)
 
     def channel(self, address: str) -> grpc.aio.Channel:
+        now = self._clock.now()
+        self._used[address] = now
+        self._expire(now)
         if address not in self._channels:
             self._channels[address] = auth.channel(
                 address, token=self._token, options=self._options
@@ -125,15 +162,27 @@ class ChannelPool:
     def stub(self, address: str) -> pool_pb2_grpc.PoolServiceStub:
         return pool_pb2_grpc.PoolServiceStub(self.channel(address))
 
+    def _expire(self, now: float) -> None:
+        for address in [a for a, t in self._used.items() if now - t > self._idle_s]:
+            del self._used[address]
+            channel = self._channels.pop(address, None)
+            if channel is not None:
+                log.debug("pool: closing the idle channel to %s", address)
+                task = asyncio.get_running_loop().create_task(channel.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+
     async def discard(self, address: str) -> None:
+        self._used.pop(address, None)
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels, self._used = list(self._channels.values()), {}, {}
         for channel in channels:
             await channel.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 async def all_reduce(
@@ -202,19 +251,29 @@ async def all_reduce(
             key, index, index, n, values, timeout_s=timeout_s, codec=codec, block_size=block_size
         )
 
+    def others(missing: Sequence[int]) -> list[int]:
+        return [i for i in missing if 0 <= i < n and i != index]
+
     async def guarded(k: int) -> torch.Tensor:
+        """Part k's sum, or AveragingAborted naming the members the part failed on: the owner
+        of a part that could not be had (unreachable, refusing, a bad reply), or those the owner
+        says it waited for; for this replica's own part, the senders that never came."""
         where = f"peer {group[k]} (part {k})" if k != index else f"own part {index}"
+        culprits: list[int] = [k] if k != index else []
         try:
             return await (own() if k == index else remote(k))
         except grpc.aio.AioRpcError as e:
             reason = f"{where}: {e.code().name}: {e.details()}"
+            refusal = from_rpc_error(e)
+            if isinstance(refusal, Aborted):  # the owner aborted: whom it names, else itself
+                culprits = others(refusal.missing) or culprits
         except AveragingAborted as e:  # own part: timed out or aborted
-            reason = f"{where}: {e}"
-            if e.missing:
-                reason += f"; missing {[group[i] for i in e.missing if i < n]}"
+            reason, culprits = f"{where}: {e}", others(e.missing)
         except Exception as e:  # a bad reply, a refused contribution: all abort
             reason = f"{where}: {type(e).__name__}: {e}"
-        raise AveragingAborted(reason)
+        if culprits:
+            reason += f"; failed on {[group[i] for i in culprits]}"
+        raise AveragingAborted(reason, culprits)
 
     tasks = [asyncio.ensure_future(guarded(k)) for k in range(n)]
     try:
@@ -224,12 +283,16 @@ async def all_reduce(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         reason = str(e) if isinstance(e, AveragingAborted) else f"{type(e).__name__} {e}"
-        # Peers still waiting on this replica's part learn it now, not at their timeout.
-        averager.abort(key, f"{group[index]} gave up: {reason}")
+        missing = e.missing if isinstance(e, AveragingAborted) else ()
+        # Peers still waiting on this replica's part learn it now, not at their timeout, and
+        # whom it failed on.
+        averager.abort(key, f"{group[index]} gave up: {reason}", missing)
         if not isinstance(e, AveragingAborted):
             raise  # cancelled: the caller's own doing
         log.warning("%s: %s aborted: %s", group[index], round_name(key), reason)
-        raise AveragingAborted(f"{group[index]}: {round_name(key)} aborted: {reason}") from None
+        raise AveragingAborted(
+            f"{group[index]}: {round_name(key)} aborted: {reason}", missing
+        ) from None
     finally:
         if on_bytes is not None:
             on_bytes(sent, received)

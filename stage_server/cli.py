@@ -24,7 +24,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "make compute this many times slower (stands in for a slow device)",
         type=float,
     )
-    add_flag(p, "peer", "", "peer id (default: hostname-port)")
+    add_flag(p, "peer", "", "peer id, also its MQTT username (default: persisted in the cache dir)")
     add_token(p)
     add_flag(p, "host", "127.0.0.1", "address to listen on")
     add_flag(p, "port", 0, "gRPC port (0: any free port)", type=int)

@@ -7,6 +7,7 @@ is shared between threads.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -80,6 +81,11 @@ class StageRuntime:
         if not 1 <= inputs.shape[1] <= cfg.seq_len or inputs.shape[0] < 1:
             raise InvalidArgument(
                 f"batch must be >= 1 and seq in 1..{cfg.seq_len}; got {list(inputs.shape)}"
+            )
+        if inputs.shape[0] > self.job.training.microbatch_size:  # activations grow with it
+            raise InvalidArgument(
+                f"batch of {inputs.shape[0]} samples; a microbatch has at most "
+                f"training.microbatch_size = {self.job.training.microbatch_size}"
             )
         return inputs.to(self.device)
 
@@ -270,6 +276,51 @@ class StageRuntime:
         self._cache.clear()  # activations of the old step are useless now
 
     # -- state transfer -------------------------------------------------------------------------
+    def max_request_bytes(self) -> int:
+        """The most tensor bytes a Forward, Backward or ForwardBackward of one microbatch can
+        carry (two tensors of at most [microbatch_size, seq_len, d_model] 8-byte values): larger
+        declared sizes are refused before anything is allocated."""
+        m, t = self.job.model, self.job.training
+        return 2 * t.microbatch_size * m.seq_len * max(m.d_model, 1) * 8
+
+    def max_state_bytes(self) -> int:
+        """The most bytes a state for this stage can take (parameters and an optimizer's state
+        of at most three tensors per parameter, at 8 bytes a value, and a little for scalars):
+        LoadState refuses more."""
+        return 4 * 8 * sum(t.numel() for t in self._state_shapes.values()) + (1 << 20)
+
+    @functools.cached_property
+    def _state_shapes(self) -> dict[str, torch.Size]:
+        return {f"param/{k}": v.shape for k, v in self.module.state_dict().items()}
+
+    def check_state_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """One tensor of a state to load must be one of this stage's (`swarm.stage_state` names):
+        `param/<name>` with its parameter's shape, or `optim/<index>/<key>` of a parameter with
+        that parameter's size or one value."""
+        if name.startswith("param/"):
+            shape = self._state_shapes.get(name)
+            if shape is None:
+                raise InvalidArgument(f"stage {self.stage} has no parameter {name!r}")
+            if tensor.shape != shape:
+                raise InvalidArgument(
+                    f"{name} must have shape {list(shape)}; got {list(tensor.shape)}"
+                )
+            return
+        parts = name.split("/", 2)
+        if len(parts) == 3 and parts[0] == "optim" and parts[1].isdecimal():
+            index = int(parts[1])
+            if index < len(self.params):
+                if tensor.numel() in (1, self.params[index].numel()):
+                    return
+                raise InvalidArgument(
+                    f"{name} has {tensor.numel()} values; parameter {index} has "
+                    f"{self.params[index].numel()}"
+                )
+        raise InvalidArgument(
+            f"{name!r} is not part of stage {self.stage}'s state (param/<name>, or "
+            f"optim/<parameter index below {len(self.params)}>/<key>)"
+        )
+
     def export_state(self, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
         """This replica's state in the stage-state format (`swarm.stage_state`)."""
         return stage_state.export_state(self.module, self.optimizer, include_optimizer)

@@ -19,6 +19,7 @@ from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
 from swarm.auth import server_interceptors
 from swarm.config import JobConfig, RuntimeConfig
+from swarm.errors import NotFound
 from swarm.lifecycle import install_signal_handlers, print_ready
 from swarm.metrics import StageMetrics, serve_metrics
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
@@ -81,6 +82,15 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
+def _served_runtime(servicer: StageServicer) -> RuntimeConfig | None:
+    """The `[runtime]` of the job `servicer` serves now (`serve` installed its stage: from the
+    command line, or an assignment under a scheduler); None while it serves none."""
+    try:
+        return servicer.runtime.job.runtime
+    except NotFound:
+        return None
+
+
 async def start_grpc(
     opts: StageServerOptions, max_message_bytes: int, throttle: float = 1.0
 ) -> RunningStageServer:
@@ -101,13 +111,14 @@ async def start_grpc(
         peer=peer, metrics=metrics, executor=executor, throttle=throttle, token=opts.token
     )
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
-    defaults = RuntimeConfig()
+    defaults = RuntimeConfig()  # until a stage is installed; then the served job's settings
     pool = PoolServicer(
         servicer.averager,
         route=servicer._route,
         chunk_bytes=defaults.chunk_bytes,
         max_bytes=defaults.max_tensor_bytes,
         timeout_s=defaults.averaging_timeout_s,
+        served=lambda: _served_runtime(servicer),
         peer=peer,
     )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)

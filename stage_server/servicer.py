@@ -19,7 +19,14 @@ from google.protobuf.message import Message
 from stage_server import averager, averaging
 from stage_server.runtime import Receipt, StageRuntime
 from swarm import codec, wire
-from swarm.errors import Aborted, InvalidArgument, NotFound, SwarmError, WireError
+from swarm.errors import (
+    Aborted,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SwarmError,
+    WireError,
+)
 from swarm.faults import Point, maybe_die
 from swarm.metrics import StageMetrics
 from swarm.proto import stage_pb2 as pb
@@ -129,9 +136,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             )
 
     async def _receive(self, requests: AsyncIterator[Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-        received = await wire.receive(requests, max_bytes=self._max_bytes)
+        # One microbatch's tensors at most: a header declaring more (a batch far above
+        # microbatch_size) is refused before its bytes are allocated.
+        limit = min(self._max_bytes, self.runtime.max_request_bytes())
+        received = await wire.receive(requests, max_bytes=limit)
         self._route(received.header.job, received.header.stage)
-        tensors = wire.decode_named(received, device="cpu", max_bytes=self._max_bytes)
+        tensors = wire.decode_named(received, device="cpu", max_bytes=limit)
         self.metrics.received(
             sum(t.nbytes for t in received.header.tensors),
             sum(t.numel() * t.element_size() for t in tensors.values()),
@@ -335,14 +345,27 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def LoadState(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body() -> pb.StageLoadStateResponse:
             stream, state, step = request_iterator.__aiter__(), {}, -1
+            # The whole state is at most what this stage's can take, and every tensor must be
+            # one of the stage's: bytes beyond either are refused, not held until memory runs out.
+            rt = self.runtime
+            budget = rt.max_state_bytes()
             while True:
+                limit = min(self._max_bytes, budget)
                 try:
-                    received = await wire.receive(stream, max_bytes=self._max_bytes)
+                    received = await wire.receive(stream, max_bytes=limit)
                 except wire.EndOfStream:
                     break
+                except ResourceExhausted as e:
+                    raise ResourceExhausted(
+                        f"{e}: stage {rt.stage}'s state takes at most {rt.max_state_bytes()} "
+                        f"bytes, of which {rt.max_state_bytes() - budget} were sent already"
+                    ) from None
                 self._route(received.header.job, received.header.stage)
                 step = received.header.step
-                for name, tensor in wire.decode_named(received, max_bytes=self._max_bytes).items():
+                tensors = wire.decode_named(received, max_bytes=limit)
+                budget -= sum(t.nbytes for t in tensors.values())
+                for name, tensor in tensors.items():
+                    rt.check_state_tensor(name, tensor)
                     state[name] = tensor.clone()  # the wire buffer is read-only
             if step < 0:
                 raise InvalidArgument("LoadState carried no state")

@@ -16,11 +16,11 @@ import logging
 from typing import Self
 
 from amqtt.broker import Broker
-from amqtt.contexts import BrokerConfig, ListenerConfig, ListenerType
+from amqtt.contexts import Action, BrokerConfig, ListenerConfig, ListenerType
 from amqtt.plugins.base import BaseAuthPlugin
 from amqtt.session import Session
 
-from swarm.topics import BusError
+from swarm.topics import DEFAULT_PREFIX, BusError, Topics
 
 __all__ = ["DISCONNECT_GRACE_S", "EmbeddedBroker", "run_broker"]
 
@@ -31,21 +31,71 @@ DISCONNECT_GRACE_S = 2
 past the keepalive, so without grace an idle client would be cut off."""
 
 
-class _TokenAuthPlugin(BaseAuthPlugin):
-    """Accepts a client whose password equals the token; the username is not checked."""
+def _text(value: str | bytes | None) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value or ""
+
+
+class _AuthPlugin(BaseAuthPlugin):
+    """Accepts a client whose password equals the token (with a token; without one, anyone),
+    and whose last-will, if any, is on a topic the ACL lets its user publish: a peer cannot make
+    another peer look offline when it disconnects."""
 
     @dataclasses.dataclass
     class Config:
         token: str = ""
+        prefix: str = DEFAULT_PREFIX
 
     async def authenticate(self, *, session: Session) -> bool | None:
         token: str = getattr(self.context.config, "token", "")
-        password = session.password or ""
-        if isinstance(password, bytes):
-            password = password.decode("utf-8", "replace")
-        if token and hmac.compare_digest(password.encode(), token.encode()):
+        if token and not hmac.compare_digest(_text(session.password).encode(), token.encode()):
+            log.warning("broker: refused client %r: wrong or missing token", session.client_id)
+            return False
+        if session.will_flag and not _may_publish(
+            getattr(self.context.config, "prefix", DEFAULT_PREFIX),
+            bool(token),
+            session.username,
+            _text(session.will_topic),
+        ):
+            log.warning(
+                "broker: refused client %r (user %r): its last-will is on %r, not its own topic",
+                session.client_id,
+                session.username,
+                session.will_topic,
+            )
+            return False
+        return True
+
+
+def _may_publish(prefix: str, token: bool, user: str | None, topic: str) -> bool:
+    """The ACL (`Topics.may_publish`); a client without a username on a broker without a token
+    is trusted with everything (an open broker: there is no identity to check)."""
+    if not user and not token:
+        return True
+    return Topics(prefix).may_publish(user, topic)
+
+
+class _AclBroker(Broker):
+    """amqtt's broker with the swarm's ACL (`Topics.may_publish`) on PUBLISH: a refused message
+    is dropped (MQTT 3.1.1 has no way to say no) and logged; subscribing and receiving are open.
+
+    Not a topic plugin: amqtt awaits a plugin for every recipient of every message while it
+    iterates over its subscriptions, so a SUBSCRIBE landing meanwhile breaks that broadcast
+    ("dictionary changed size during iteration"), and each check costs a task. This check is
+    synchronous; amqtt's filtering hook is private API (pinned amqtt version, tested)."""
+
+    def __init__(self, config: BrokerConfig, *, prefix: str, token: bool) -> None:
+        super().__init__(config)
+        self._acl_prefix, self._acl_token = prefix, token
+
+    async def _topic_filtering(self, session: Session, topic: str, action: Action) -> bool:
+        if action != Action.PUBLISH:
             return True
-        log.warning("broker: refused client %r: wrong or missing token", session.client_id)
+        user = session.username if session is not None else None
+        if _may_publish(self._acl_prefix, self._acl_token, user, topic or ""):
+            return True
+        log.warning("broker: dropped a message from user %r on %r: not its topic", user, topic)
         return False
 
 
@@ -61,14 +111,27 @@ class EmbeddedBroker:
     """An amqtt broker on `host:port` (port 0: a free one), for `async with`.
 
     Without `token` anyone may connect; with it, a client must send the token as its password.
+    Either way a client that logs in with a username is held to the ACL of the swarm's topics
+    under `prefix` (`Topics.may_publish`): the scheduler (`SCHEDULER_USER`) publishes anything,
+    a peer (username = its peer id) only `peers/{peer}` and `jobs/+/load/{peer}`, its last-will
+    included. With a token every client has a username ("swarm" by default); without one, a
+    client without a username is trusted with everything (an open broker has no identities).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
         if not 0 <= port <= 65535:
             raise BusError(f"broker port {port} is outside 0..65535")
         self.host = host
         self._port = port
         self.token = token
+        self.prefix = Topics(prefix).prefix
         self._broker: Broker | None = None
 
     @property
@@ -85,21 +148,17 @@ class EmbeddedBroker:
         if self._broker is not None:
             raise BusError("broker already started")
         _quiet_amqtt()
-        auth = (
-            {f"{__name__}._TokenAuthPlugin": {"token": self.token}}
-            if self.token
-            else {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}
-        )
+        plugins = {f"{__name__}._AuthPlugin": {"token": self.token or "", "prefix": self.prefix}}
         bind_host = f"[{self.host}]" if ":" in self.host else self.host
         config = BrokerConfig(
             listeners={
                 "default": ListenerConfig(type=ListenerType.TCP, bind=f"{bind_host}:{self._port}")
             },
             timeout_disconnect_delay=DISCONNECT_GRACE_S,
-            # Only auth: amqtt's default $SYS and packet-logging plugins cost time and log noise.
-            plugins=auth,
+            # Auth only: amqtt's default $SYS and packet-logging plugins cost time and log noise.
+            plugins=plugins,
         )
-        broker = Broker(config)
+        broker = _AclBroker(config, prefix=self.prefix, token=bool(self.token))
         try:
             await broker.start()
         except Exception as exc:

@@ -42,9 +42,11 @@ class Bus:
     """A reconnecting MQTT client for the control plane; use as `async with Bus(...) as bus:`.
 
     `will` (topic, message) is registered as a retained last-will on every connect and, because a
-    clean disconnect discards it, published by the bus itself when it closes. With `token`, the
-    bus logs in as user "swarm" (or the URL's user) with the token as password. `registry` takes
-    the `swarm_bus_malformed_messages_total` counter (default: the global registry).
+    clean disconnect discards it, published by the bus itself when it closes. The MQTT username
+    is the URL's user, else `username` (a peer's id, or "scheduler": the broker's ACL allows each
+    user its own topics only), else "swarm" when there is a `token`; the token is the password.
+    `registry` takes the `swarm_bus_malformed_messages_total` counter (default: the global
+    registry).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class Bus:
         prefix: str = DEFAULT_PREFIX,
         will: tuple[str, Message] | None = None,
         token: str | None = None,
+        username: str | None = None,
         registry: CollectorRegistry | None = None,
         settings: BusSettings | None = None,
     ) -> None:
@@ -64,7 +67,9 @@ class Bus:
         self.client_id = client_id
         self.settings = settings or BusSettings()
         self._topics = Topics(prefix)
-        self._dialer = Dialer.create(self.address, client_id, self.settings, will=will, token=token)
+        self._dialer = Dialer.create(
+            self.address, client_id, self.settings, will=will, token=token, username=username
+        )
         self._retained: dict[str, bytes] = {}  # last retained payload per topic; b"" = clear it
         self._subs = Subscriptions(client_id, self._topics, registry or REGISTRY)
         self._conn: Link | None = None

@@ -45,18 +45,22 @@ class Dialer:
         *,
         will: tuple[str, Message] | None = None,
         token: str | None = None,
+        username: str | None = None,
     ) -> Dialer:
-        """With `token`, log in as the URL's user (default "swarm") with the token as password;
-        `will` (topic, message) becomes a retained last-will."""
-        username, password = address.username, address.password
+        """Log in as the URL's user, else as `username` (a peer: its peer id; the scheduler:
+        "scheduler"), else with `token` as "swarm"; the token is the password (else the URL's).
+        The broker's ACL lets a user publish only its own topics. `will` (topic, message)
+        becomes a retained last-will."""
+        login = address.username or username
+        password = address.password
         if token is not None:
-            username, password = address.username or "swarm", token
+            login, password = login or "swarm", token
         last_will = None
         if will is not None:
             check_topic(will[0])
             last_will = aiomqtt.Will(will[0], will[1].SerializeToString(), qos=1, retain=True)
         tls = ssl.create_default_context() if address.tls else None
-        return cls(address, client_id, settings, username, password, last_will, tls)
+        return cls(address, client_id, settings, login, password, last_will, tls)
 
     async def connect(self) -> aiomqtt.Client:
         """A connected client; `BusAuthError` when the broker refused the credentials (final),

@@ -2,7 +2,9 @@
 
 Each `Subscription` is an async iterator over (topic, message) with a bounded queue. `Subscriptions`
 holds a bus's live ones and parses an incoming MQTT message once (topic kind -> payload type),
-drops and counts a malformed one, and gives every matching subscription its own copy.
+names its peer and job from the topic (never the payload's say), drops and counts a malformed one
+(a payload naming another peer or job than its topic included), and gives every matching
+subscription its own copy.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from google.protobuf.message import DecodeError, Message
 from prometheus_client import CollectorRegistry, Counter
 
 from swarm.bus_api import BusNotConnected
-from swarm.topics import MESSAGE_TYPES, BusError, TopicError, Topics, topic_matches
+from swarm.topics import (
+    MESSAGE_TYPES,
+    BusError,
+    TopicError,
+    TopicInfo,
+    Topics,
+    topic_matches,
+)
 
 __all__ = ["Subscription", "Subscriptions"]
 
@@ -111,11 +120,26 @@ def _malformed_counter(registry: CollectorRegistry) -> Counter:
     if counter is None:
         counter = Counter(
             "swarm_bus_malformed_messages_total",
-            "MQTT messages dropped because their topic or payload could not be parsed",
+            "MQTT messages dropped: topic or payload unparsable, or a payload naming another "
+            "peer or job than its topic",
             registry=registry,
         )
         _MALFORMED[registry] = counter
     return counter
+
+
+def _name_from_topic(message: Message, info: TopicInfo) -> None:
+    """Give `message` the peer and job its topic names: the topic is who sent it (the broker's
+    ACL lets a peer publish only on its own), the payload only claims. A payload that names
+    another peer or job than its topic is refused (`DecodeError`), so no one updates another."""
+    fields = message.DESCRIPTOR.fields_by_name
+    for name, value in (("peer", info.peer), ("job", info.job)):
+        if value is None or name not in fields:
+            continue
+        claimed = getattr(message, name)
+        if claimed and claimed != value:
+            raise DecodeError(f"its payload names {name} {claimed!r}, its topic {value!r}")
+        setattr(message, name, value)
 
 
 class Subscriptions:
@@ -159,13 +183,16 @@ class Subscriptions:
         return True
 
     def dispatch(self, topic: str, payload: object) -> None:
-        """Parse one MQTT message and deliver it to every subscription whose pattern matches."""
+        """Parse one MQTT message and deliver it to every subscription whose pattern matches.
+        Its peer and job are the topic's (`_name_from_topic`)."""
         if payload is None or payload == b"":
             return  # a cleared retained topic
         try:
             if not isinstance(payload, bytes | bytearray):
                 raise DecodeError(f"payload of type {type(payload).__name__}")
-            parsed = MESSAGE_TYPES[self._topics.parse(topic).kind].FromString(bytes(payload))
+            info = self._topics.parse(topic)
+            parsed = MESSAGE_TYPES[info.kind].FromString(bytes(payload))
+            _name_from_topic(parsed, info)
         except (TopicError, DecodeError) as exc:
             self._malformed.inc()
             log.warning(

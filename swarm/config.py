@@ -7,6 +7,7 @@ is allowed, so a user can fix a job file from the message alone. The dataclasses
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import hashlib
 import json
@@ -32,6 +33,8 @@ __all__ = [
     "TrainingConfig",
     "load_job",
     "parse_job",
+    "pin_data",
+    "verify_data",
 ]
 
 MiB = 1 << 20
@@ -173,7 +176,8 @@ class TrainingConfig(_Section):
     steps: int = _f(check=GE1)  #: optimizer steps to run (count)
     seed: int = _f(0, GE0)  #: seeds parameters and the (seed, step, index) -> data mapping
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"  #: parameter and compute type
-    checkpoint_every: int = _f(0, GE0)  #: steps between checkpoints (0 = never)
+    # Not 0 by default: without a checkpoint a lost stage sends the whole job back to step 0.
+    checkpoint_every: int = _f(100, GE0)  #: steps between checkpoints (0 = never)
 
     @property
     def microbatches_per_step(self) -> int:
@@ -249,6 +253,8 @@ class RuntimeConfig(_Section):
     max_tensor_bytes: int = _f(1024 * MiB, GE1)  #: largest tensor a server accepts (bytes)
     activation_cache: int = _f(64, GE0)  #: microbatches whose activations a server keeps (count)
     averaging_timeout_s: float = _f(60.0, GT0)  #: a pool round waits this long for a replica (s)
+    #: averaging rounds one step may fail (no commit between) before the job fails (count)
+    max_commit_rounds: int = _f(10, GE1)
     lease_timeout_s: float = _f(60.0, GT0)  #: unreported leased microbatches go elsewhere (s)
     #: bytes of boundary tensors a trainer keeps to replay lost gradients without the pipeline
     boundary_cache_bytes: int = _f(256 * MiB, GE0)
@@ -302,22 +308,118 @@ class JobConfig:
 
 
 def _data_sha256(job: JobConfig) -> str:
-    """Hex sha256 of the text file, checked: exists, UTF-8, longer than one sample."""
+    """Hex sha256 of the text file, checked: exists, UTF-8, longer than one sample. Read in
+    chunks, so a large file costs time (call it off an event loop) but not its size in memory."""
     path, need = job.data.path, job.model.seq_len + 1
     allowed = f"a UTF-8 text file longer than model.seq_len + 1 = {need} bytes"
-    problem, raw = "", b""
+    problem, size, digest = "", 0, hashlib.sha256()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
     try:
-        raw = Path(str(path)).read_bytes()
-        raw.decode("utf-8")
+        with open(str(path), "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                size += len(chunk)
+                digest.update(chunk)
+                utf8.decode(chunk)
+            utf8.decode(b"", final=True)
     except OSError as e:
         problem = f"cannot be read ({e.strerror})"
     except UnicodeDecodeError as e:
         problem = f"is not UTF-8 ({e.reason})"
-    if not problem and len(raw) <= need:
-        problem = f"has {len(raw)} bytes"
+    if not problem and size <= need:
+        problem = f"has {size} bytes"
     if problem:
         raise ConfigError(f"data.path = {_show(path)} {problem}; use {allowed}")
-    return hashlib.sha256(raw).hexdigest()
+    return digest.hexdigest()
+
+
+def verify_data(job: JobConfig) -> JobConfig:
+    """Read a text job's data file (`job.data.path`, absolute) and return the job with
+    `data.sha256` set to its hash. A job that pins another hash (a job file's `data.sha256`, or
+    the one the scheduler wrote into the spec at submit) is refused with both hashes named: the
+    file changed since. Reads the whole file: off the event loop in a server."""
+    if job.data.kind != "text":
+        return job
+    digest = _data_sha256(job)
+    if job.data.sha256 not in (None, digest):
+        raise ConfigError(
+            f"data.sha256 = {_show(job.data.sha256)} is not the file's sha256 {_show(digest)} "
+            f"(data.path = {_show(job.data.path)}): the data changed since the job was pinned "
+            "to it (a scheduler pins it at submit); restore the file, or give the new hash "
+            "(submit the job again)"
+        )
+    return replace(job, data=replace(job.data, sha256=digest))
+
+
+def pin_data(text: str, sha256: str) -> str:
+    """Job TOML `text` with `data.sha256 = sha256` set, so whoever reads the spec later (a remote
+    trainer, a restarted scheduler) refuses a data file whose contents changed. The text is kept
+    as written (comments too) with one line added where TOML allows it; else it is written anew
+    (e.g. `data` as an inline table). Raises ConfigError if `text` pins another hash."""
+    doc = tomllib.loads(text)
+    data = doc.get("data", {})
+    if not isinstance(data, dict):
+        raise _fail("data", data, "a [data] table")
+    if data.get("sha256") == sha256:
+        return text
+    if "sha256" in data:
+        raise _fail("data.sha256", data["sha256"], f'the file\'s sha256 "{sha256}"')
+    want = {**doc, "data": {**data, "sha256": sha256}}
+    line = f'sha256 = "{sha256}"\n'
+    lines = text.splitlines(keepends=True)
+    candidates = []
+    for i, row in enumerate(lines):  # after the [data] header
+        if _DATA_HEADER.fullmatch(row.rstrip("\r\n")):
+            head = "".join(lines[: i + 1])
+            head += "" if head.endswith("\n") else "\n"
+            candidates.append(head + line + "".join(lines[i + 1 :]))
+    candidates.append(f"data.{line}{text}")  # `data.kind = ...` dotted keys, or no [data] yet
+    candidates.append(_dump_toml(want))
+    for candidate in candidates:
+        try:
+            if tomllib.loads(candidate) == want:
+                return candidate
+        except tomllib.TOMLDecodeError:
+            continue
+    raise ConfigError("cannot write data.sha256 into this job file; add it to [data] by hand")
+
+
+_HASH_CHUNK = 1 << 20
+_DATA_HEADER = re.compile(r"\s*\[\s*data\s*\]\s*(#.*)?")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml_value(key)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, str):  # JSON's escapes are TOML's, but TOML also escapes DEL
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"cannot write {value!r} as TOML")
+
+
+def _dump_toml(doc: dict[str, Any]) -> str:
+    """A job document as TOML: top-level keys, then one table per section."""
+    lines = [
+        f"{_toml_key(k)} = {_toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)
+    ]
+    for section, table in doc.items():
+        if isinstance(table, dict):
+            lines.append(f"\n[{_toml_key(section)}]")
+            lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
 
 
 S = TypeVar("S", bound=_Section)
@@ -369,13 +471,9 @@ def _parse(text: str, base_dir: Path, name: str, source: str, check_data: bool =
     path = job.data.path
     if path is not None and not path.is_absolute():
         job = replace(job, data=replace(job.data, path=(base_dir / path).resolve()))
-    if job.data.kind != "text" or not check_data:
+    if not check_data:
         return job
-    digest = _data_sha256(job)  # fail at load time, not when the first trainer starts
-    if job.data.sha256 not in (None, digest):
-        allowed = f'the file\'s sha256 "{digest}", or no data.sha256'
-        raise _fail("data.sha256", job.data.sha256, allowed)
-    return replace(job, data=replace(job.data, sha256=digest))
+    return verify_data(job)  # fail at load time, not when the first trainer starts
 
 
 def parse_job(

@@ -9,6 +9,7 @@ step.
 from __future__ import annotations
 
 import hashlib
+import mmap
 from pathlib import Path
 from typing import Protocol
 
@@ -31,21 +32,28 @@ def microbatch_seed(seed: int, step: int, index: int) -> int:
 
 
 class TextData:
-    """Byte-level tokens of a UTF-8 file; each sample is a window at a random offset."""
+    """Byte-level tokens of a UTF-8 file; each sample is a window at a random offset.
+
+    The file is memory-mapped and its tokens stay bytes (uint8): a corpus costs its size in page
+    cache, shared by every trainer on the machine, not eight times that as int64. Only a
+    microbatch's windows are widened to int64."""
 
     def __init__(self, path: Path, seq_len: int, microbatch_size: int, seed: int) -> None:
-        raw = Path(path).read_bytes()
-        self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+        size = Path(path).stat().st_size
+        if size < seq_len + 2:
+            raise ValueError(f"{path} has {size} bytes; a sample needs {seq_len + 2}")
+        with open(path, "rb") as f:
+            # Copy-on-write: torch wants a writable buffer; nothing is ever written to it.
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.tokens = torch.frombuffer(self._map, dtype=torch.uint8)
         self.seq_len, self.microbatch_size, self.seed = seq_len, microbatch_size, seed
-        if len(self.tokens) < seq_len + 2:
-            raise ValueError(f"{path} has {len(raw)} bytes; a sample needs {seq_len + 2}")
 
     def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(microbatch_seed(self.seed, step, index))
         high = len(self.tokens) - self.seq_len - 1
         starts = torch.randint(0, high, (self.microbatch_size,), generator=gen)
         window = torch.arange(self.seq_len + 1)
-        rows = self.tokens[starts[:, None] + window[None, :]]
+        rows = self.tokens[starts[:, None] + window[None, :]].to(torch.int64)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 

@@ -4,6 +4,8 @@ them to gRPC status codes, and clients map a call's status back to them, in one 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "Aborted",
     "ActivationsNotCached",
@@ -44,7 +46,14 @@ class FailedPrecondition(WireError):
 
 
 class Aborted(FailedPrecondition):
-    """A coordinated round could not complete (a peer missing or gone); retry under a new one."""
+    """A coordinated round could not complete (a peer missing or gone); retry under a new one.
+    `missing`: the round's members it failed on, as indices into its group (a part that never
+    came, a member that could not be reached); empty when it cannot tell. It crosses the wire in
+    the trailing metadata (`swarm.status`), so the coordinator can leave the culprit out."""
+
+    def __init__(self, message: str = "", missing: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
 
 
 class ActivationsNotCached(FailedPrecondition):

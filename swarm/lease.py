@@ -17,10 +17,13 @@ __all__ = [
     "MicrobatchResult",
     "Replica",
     "Task",
+    "Working",
     "lease_from_proto",
+    "lease_request",
     "lease_to_proto",
     "result_from_proto",
     "result_to_proto",
+    "working_from_proto",
 ]
 
 
@@ -58,15 +61,43 @@ class MicrobatchResult:
     samples: int
 
 
-class LeaseSource(Protocol):
-    """Where a trainer gets its work: the step coordinator, in-process or over the wire."""
+# (step, index): a microbatch a trainer is still working on, named in a lease to renew it
+Working = tuple[int, int]
 
-    async def lease(self, trainer: str, count: int) -> Lease: ...
+
+class LeaseSource(Protocol):
+    """Where a trainer gets its work: the step coordinator, in-process or over the wire.
+
+    `lease` is a long poll: with no work to give it answers once there is some, the job is done
+    or the members changed, or after `wait_s` (0: at once). It renews the leases of `working`
+    (the trainer's microbatches still in progress), so a lease outlasts its work however slow
+    the pipeline; renewing is idempotent, and a lease another trainer took over is not renewed.
+    """
+
+    async def lease(
+        self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
+    ) -> Lease: ...
     async def report(self, trainer: str, result: MicrobatchResult) -> None: ...
     async def release(self, trainer: str, indices: Sequence[int]) -> None: ...
 
 
 # -- the wire form, shared by the scheduler's job API and the remote trainer --------------------
+def lease_request(
+    job: str, trainer: str, count: int, wait_s: float, working: Sequence[Working]
+) -> spb.SchedulerLeaseMicrobatchesRequest:
+    return spb.SchedulerLeaseMicrobatchesRequest(
+        job=job,
+        trainer=trainer,
+        count=count,
+        wait_s=wait_s,
+        working=[spb.MicrobatchRef(step=s, index=i) for s, i in working],
+    )
+
+
+def working_from_proto(msg: spb.SchedulerLeaseMicrobatchesRequest) -> list[Working]:
+    return [(w.step, w.index) for w in msg.working]
+
+
 def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
     return spb.SchedulerLeaseMicrobatchesResponse(
         step=lease.step,

@@ -162,12 +162,22 @@ class TrainerMetrics:
             registry=reg,
         )
 
+        self._stages: dict[str, set[str]] = {}  # peer -> the stage labels of its series
+
     def routed(self, stage: int, peer: str, throughput: float) -> None:
+        self._stages.setdefault(peer, set()).add(str(stage))
         self._routed.labels(job=self.job, stage=str(stage), peer=peer).inc()
         self._throughput.labels(job=self.job, stage=str(stage), peer=peer).set(throughput)
 
     def failed(self, stage: int, peer: str) -> None:
+        self._stages.setdefault(peer, set()).add(str(stage))
         self._failures.labels(job=self.job, stage=str(stage), peer=peer).inc()
+
+    def forget(self, peer: str) -> None:
+        """`peer` left the job: remove its series (a swarm's churn must not grow the registry)."""
+        for stage in self._stages.pop(peer, ()):
+            for family in (self._routed, self._throughput, self._failures):
+                family.remove(self.job, stage, peer)  # absent: nothing to do
 
 
 class CoordinatorFamilies:
@@ -198,6 +208,17 @@ class CoordinatorFamilies:
             ["job"],
             registry=registry,
         )
+
+    def remove(self, job: str) -> None:
+        """`job` ended: remove its series."""
+        for family in (
+            self.replays,
+            self.aborted_rounds,
+            self.dropped,
+            self.rollbacks,
+            self.last_commit,
+        ):
+            family.remove(job)  # absent: nothing to do
 
 
 class CoordinatorMetrics:

@@ -4,6 +4,7 @@ raises `swarm.errors` (via `swarm.status.from_rpc_error`), never a gRPC error: c
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch
 
 from swarm import auth, codec, wire
 from swarm.config import JobConfig
+from swarm.errors import PeerUnavailable
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.status import from_rpc_error
@@ -35,8 +37,30 @@ def _swarm_errors(call: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any,
             return await call(*args, **kwargs)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our caller was cancelled
+            # The channel was closed under the call (a client replaced or closed): to the
+            # caller that is a peer that did not answer, not a cancellation of its own task.
+            raise PeerUnavailable("the connection was closed during the call") from None
 
     return converted
+
+
+async def _write(call: Any, message: Any) -> None:
+    """`call.write`, where a stream the server already ended (it refused the request, or it
+    died) raises the status the server ended it with."""
+    try:
+        await call.write(message)
+    except asyncio.InvalidStateError:
+        code = await call.code()
+        raise grpc.aio.AioRpcError(
+            code,
+            await call.initial_metadata(),
+            await call.trailing_metadata(),
+            await call.details(),
+        ) from None
 
 
 # A tensor on the trainer's side: a torch tensor to encode, or a message received from another
@@ -89,7 +113,7 @@ class StageClient:
     async def _call(self, method: Any, request: Any) -> tuple[Any, dict[str, tensor_pb2.Tensor]]:
         call = method(timeout=self._timeout)
         for msg in wire.split(request, self._chunk):
-            await call.write(msg)
+            await _write(call, msg)
         await call.done_writing()
         received = await wire.receive(_aiter(call), max_bytes=self._max)
         tensors = {}
@@ -219,7 +243,7 @@ class StageClient:
                 job=self.job_id, stage=self.stage, step=step, tensors=[codec.encode(tensor, name)]
             )
             for part in wire.split(message, self._chunk):
-                await call.write(part)
+                await _write(call, part)
         await call.done_writing()
         response: pb.StageLoadStateResponse = await call
         return response.step

@@ -1,11 +1,14 @@
 """The one mapping between swarm's errors and gRPC status codes, both ways.
 
 Servers: `status_code` by ancestry (a subclass gets its parent's code unless it has its own), and
-`error_metadata` names the exact class in the trailing metadata. Clients: `from_rpc_error` turns
-a failed call back into that class (or the class its status code means), so callers catch
-`swarm.errors` and never read a status's details."""
+`error_metadata` names the exact class in the trailing metadata, and an aborted round's `missing`
+members. Clients: `from_rpc_error` turns a failed call back into that class (or the class its
+status code means) with those members, so callers catch `swarm.errors` and never read a status's
+details."""
 
 from __future__ import annotations
+
+import re
 
 import grpc
 
@@ -22,7 +25,14 @@ from swarm.errors import (
     SwarmError,
 )
 
-__all__ = ["ERROR_KEY", "STATUS", "error_metadata", "from_rpc_error", "status_code"]
+__all__ = [
+    "ERROR_KEY",
+    "MISSING_KEY",
+    "STATUS",
+    "error_metadata",
+    "from_rpc_error",
+    "status_code",
+]
 
 STATUS: dict[type[Exception], grpc.StatusCode] = {
     Aborted: grpc.StatusCode.ABORTED,
@@ -34,6 +44,9 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
 }
 # Trailing-metadata key naming the exact error class, for errors that share a status code.
 ERROR_KEY = "swarm-error"
+# Trailing-metadata key of an `Aborted` round's `missing` members: group indices, "1,3".
+MISSING_KEY = "swarm-missing"
+_MISSING_RE = re.compile(r"\d{1,6}(,\d{1,6}){0,4095}", re.ASCII)  # anything else: not believed
 # Classes a client may rebuild from `ERROR_KEY` (a peer cannot make us raise anything else).
 _BY_NAME: dict[str, type[SwarmError]] = {
     c.__name__: c
@@ -65,9 +78,21 @@ def status_code(error: BaseException) -> grpc.StatusCode | None:
 
 
 def error_metadata(error: BaseException) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata that names `error`'s class, for `from_rpc_error` on the other side."""
+    """Trailing metadata that names `error`'s class (and an aborted round's missing members),
+    for `from_rpc_error` on the other side."""
     name = type(error).__name__
-    return ((ERROR_KEY, name),) if name in _BY_NAME else ()
+    metadata = [(ERROR_KEY, name)] if _BY_NAME.get(name) is type(error) else []
+    if isinstance(error, Aborted) and error.missing:
+        metadata.append((MISSING_KEY, ",".join(str(i) for i in error.missing)))
+    return tuple(metadata)
+
+
+def _missing(value: str | bytes | None) -> tuple[int, ...]:
+    """`MISSING_KEY`'s indices; nothing when a peer sent something else."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value or ""
+    if not _MISSING_RE.fullmatch(text):
+        return ()
+    return tuple(dict.fromkeys(int(i) for i in text.split(",")))
 
 
 def from_rpc_error(error: grpc.RpcError) -> SwarmError:
@@ -81,4 +106,6 @@ def from_rpc_error(error: grpc.RpcError) -> SwarmError:
         return RemoteError(f"{code.name}: {details}", code.name)
     if cls is PeerUnavailable:
         return PeerUnavailable(f"{code.name}: {details}")
+    if issubclass(cls, Aborted):
+        return cls(details, _missing(next((v for k, v in trailing if k == MISSING_KEY), None)))
     return cls(details)

@@ -22,6 +22,7 @@ __all__ = [
     "ANY",
     "DEFAULT_PREFIX",
     "MESSAGE_TYPES",
+    "SCHEDULER_USER",
     "BrokerAddress",
     "BrokerUrlError",
     "BusError",
@@ -36,6 +37,10 @@ __all__ = [
 ]
 
 DEFAULT_PREFIX = "swarm/v1/"
+SCHEDULER_USER = "scheduler"
+"""The scheduler's MQTT username: the one user the brokers' ACLs let publish every topic (jobs,
+assignments, steps); any other user is a peer, and publishes only `peers/{user}` and
+`jobs/+/load/{user}` (`Topics.may_publish`)."""
 ANY = "+"
 """Pass as an id to a `Topics` builder to get a single-level wildcard pattern."""
 
@@ -183,6 +188,21 @@ class Topics:
 
     def steps(self, job: str) -> str:
         return f"{self.job(job)}/steps"
+
+    def may_publish(self, user: str | None, topic: str) -> bool:
+        """The brokers' ACL: whether MQTT user `user` may publish on `topic`. The scheduler may
+        publish anything; a peer (its username is its id) only its announcement and its load
+        reports; a client without a username nothing under the prefix (an open broker lets it in
+        only when it has no token at all: see `swarm.broker`)."""
+        if user == SCHEDULER_USER:
+            return True
+        if not user or not topic.startswith(self.prefix):
+            return False
+        try:
+            info = self.parse(topic)
+        except TopicError:
+            return False
+        return info.kind in (TopicKind.PEER, TopicKind.LOAD) and info.peer == user
 
     def everything(self) -> str:
         """The pattern matching every topic of this swarm."""

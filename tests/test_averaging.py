@@ -4,11 +4,9 @@ PoolServicer each, on 127.0.0.1 port 0) that must end bitwise identical, or all 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -16,18 +14,11 @@ import pytest
 import torch
 
 from stage_server.averager import Averager, AveragingAborted, flatten, split_parts, unflatten
-from stage_server.averaging import ChannelPool, PoolServicer, all_reduce
+from stage_server.averaging import all_reduce
 from swarm.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
-from swarm.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from swarm.proto import pool_pb2, pool_pb2_grpc, tensor_pb2
-
-MiB = 1 << 20
-JOB = "job-a"
-OPTIONS = [
-    ("grpc.max_send_message_length", 64 * MiB),
-    ("grpc.max_receive_message_length", 64 * MiB),
-]
-
+from swarm.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from swarm.proto import pool_pb2, tensor_pb2
+from tests.support.pools import JOB, MiB, Replica, replicas
 
 # --- pure helpers ----------------------------------------------------------------------------
 
@@ -138,41 +129,6 @@ async def test_limits_and_history_are_bounded() -> None:
 
 
 # --- real replicas ---------------------------------------------------------------------------
-
-
-@dataclass
-class Replica:
-    address: str
-    averager: Averager
-    channels: ChannelPool
-    server: grpc.aio.Server
-
-
-def _route(job: str, stage: int) -> None:
-    if job != JOB or stage not in (0, 1):
-        raise NotFound(f"job {job!r} stage {stage} is not served here")
-
-
-@contextlib.asynccontextmanager
-async def replicas(n: int) -> AsyncIterator[list[Replica]]:
-    made: list[Replica] = []
-    try:
-        for _ in range(n):
-            server = grpc.aio.server(options=OPTIONS)
-            averager = Averager()
-            servicer = PoolServicer(
-                averager, route=_route, chunk_bytes=4 * MiB, max_bytes=64 * MiB, timeout_s=30
-            )
-            pool_pb2_grpc.add_PoolServiceServicer_to_server(servicer, server)
-            port = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            channels = ChannelPool(options=OPTIONS)
-            made.append(Replica(f"127.0.0.1:{port}", averager, channels, server))
-        yield made
-    finally:
-        for r in made:
-            await r.channels.close()
-            await r.server.stop(None)
 
 
 async def reduce_all(

@@ -18,7 +18,7 @@ from swarm.broker import EmbeddedBroker
 from swarm.bus import Bus, BusAuthError, BusNotConnected, BusSettings, Subscription
 from swarm.errors import ConfigError
 from swarm.proto import control_pb2 as pb
-from swarm.topics import ANY, TopicInfo, TopicKind
+from swarm.topics import ANY, SCHEDULER_USER, TopicInfo, TopicKind
 from tests.support.brokers import Mosquitto
 from tests.support.cli import ROOT
 
@@ -287,7 +287,8 @@ async def test_malformed_payload_is_dropped_and_counted(broker: BrokerUnderTest)
 
 async def test_token_guards_the_embedded_broker() -> None:
     async with EmbeddedBroker(token="s3cret") as broker:
-        async with bus(broker.url, "good", token="s3cret") as good:
+        # the scheduler's login: the broker's ACL lets only it publish a job
+        async with bus(broker.url, "good", token="s3cret", username=SCHEDULER_USER) as good:
             await good.wait_connected(WAIT_S)
             sub = good.subscribe(good.topics.job(ANY))
             await sub.wait_subscribed(WAIT_S)

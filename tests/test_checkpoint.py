@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
 from stage_server.runtime import StageRuntime
 from swarm import checkpoint
+from tests.support.disks import fill, tiny_disk
 from tests.support.fakes import NoBus  # export never touches the bus
 from tests.support.jobs import BASE, make_job, render
 
@@ -45,3 +47,32 @@ async def test_export_falls_back_to_the_last_checkpoint(tmp_path: Path) -> None:
         step, state = await scheduler.export(record.id)  # no coordinator, no replica alive
     assert step == 2 and state.keys() == model.keys()
     assert all(torch.equal(state[k], model[k]) for k in model)
+
+
+def test_a_full_disk_fails_a_checkpoint_write_as_oserror_and_leaves_no_partial_file(
+    tmp_path: Path,
+) -> None:
+    job = make_job(tmp_path)
+    state = StageRuntime(job, 0).export_state()
+    with tiny_disk(tmp_path / "disk", "1m") as disk:
+        root = disk / "ckpt"
+        checkpoint.save_stage(root, 2, 0, state)  # room enough: a file, no leftovers
+        filler = fill(disk)
+        with pytest.raises(OSError) as e:  # torch.save itself raises RuntimeError on ENOSPC
+            checkpoint.save_stage(root, 4, 0, state)
+        assert isinstance(e.value, checkpoint.CheckpointError) and "step 4" in str(e.value)
+        with pytest.raises(checkpoint.CheckpointError):
+            checkpoint.seal(root, 2, 1)
+        assert not [p for p in disk.rglob("*") if ".tmp" in p.name]  # partial files removed
+        assert checkpoint.latest(root) is None
+        filler.unlink()
+        checkpoint.save_stage(root, 4, 0, state)  # room again: it works
+        checkpoint.seal(root, 4, 1)
+        assert checkpoint.latest(root) == 4
+        loaded = checkpoint.load_stage(root, 4, 0)
+        assert all(torch.equal(loaded[k], v) for k, v in state.items())
+        assert sorted(p.name for p in disk.rglob("*") if p.is_file()) == [
+            "manifest.json",
+            "stage-0.pt",
+            "stage-0.pt",
+        ]

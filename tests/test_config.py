@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from swarm.config import (
     TrainingConfig,
     load_job,
     parse_job,
+    pin_data,
 )
 from swarm.errors import ConfigError
 
@@ -101,7 +103,7 @@ def test_defaults_and_types(tmp_path: Path) -> None:
     assert j.runtime.max_tensor_bytes == 2**30
     assert (j.runtime.max_in_flight, j.runtime.activation_cache) == (8, 64)
     assert (j.runtime.rpc_timeout_s, j.runtime.commit_timeout_s) == (60.0, 120.0)
-    assert (j.training.seed, j.training.dtype, j.training.checkpoint_every) == (0, "float32", 0)
+    assert (j.training.seed, j.training.dtype, j.training.checkpoint_every) == (0, "float32", 100)
     with pytest.raises(dataclasses.FrozenInstanceError):
         j.model.d_model = 8  # type: ignore[misc]
     assert json.loads(json.dumps(j.to_dict()))["data"]["path"] == str(tmp_path / "corpus.txt")
@@ -285,3 +287,53 @@ def test_data_sha256_is_recorded_and_pins_the_file(tmp_path: Path) -> None:
     assert loaded.fingerprint()  # recorded at load: the file is no longer needed
     with pytest.raises(ConfigError, match="cannot be read"):
         in_code.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        render(),  # a [data] table: one line added under its header
+        render().replace("[data]", "[data]   # the corpus").rstrip("\n"),  # comment, no newline
+        render({"data": None}).replace(
+            "[model]", 'data = { kind = "text", path = "c.txt" }\n[model]'
+        ),
+        'data.kind = "text"\ndata.path = "c.txt"\n' + render({"data": None}),  # dotted keys
+        render({"data": {"note": '"""\n[data]\n"""'}}),  # a header look-alike in a string
+    ],
+)
+def test_pin_data_sets_data_sha256_and_changes_nothing_else(text: str) -> None:
+    digest = hashlib.sha256(TEXT).hexdigest()
+    pinned = pin_data(text, digest)
+    doc, before = tomllib.loads(pinned), tomllib.loads(text)
+    assert doc["data"].pop("sha256") == digest and doc == before
+    assert pin_data(pinned, digest) == pinned  # pinned already: unchanged
+    if "#" in text:
+        assert "# the corpus" in pinned  # written in place, comments kept
+    with pytest.raises(ConfigError, match=r"data\.sha256"):
+        pin_data(pinned, "0" * 64)
+
+
+def test_a_pinned_job_names_the_file_and_both_hashes_when_the_data_changed(
+    tmp_path: Path,
+) -> None:
+    digest = hashlib.sha256(TEXT).hexdigest()
+    pinned = pin_data(render(), digest)
+    assert parse_job(pinned, tmp_path / "x", check_data=False).data.sha256 == digest
+    (tmp_path / "corpus.txt").write_bytes(TEXT)
+    assert parse_job(pinned, tmp_path).data.sha256 == digest
+    changed = TEXT.replace(b"wise", b"rash")
+    (tmp_path / "corpus.txt").write_bytes(changed)
+    with pytest.raises(ConfigError) as info:
+        parse_job(pinned, tmp_path)
+    message = str(info.value)
+    assert str(tmp_path / "corpus.txt") in message and digest in message
+    assert hashlib.sha256(changed).hexdigest() in message and "changed" in message
+
+
+def test_a_large_data_file_is_hashed_in_pieces(tmp_path: Path) -> None:
+    big = TEXT * 30_000  # 6 MB: several reads; a multi-byte character split between two of them
+    big = big[: (1 << 20) - 1] + "é".encode() + big[(1 << 20) - 1 :]
+    loaded = job(tmp_path, data=big)
+    assert loaded.data.sha256 == hashlib.sha256(big).hexdigest()
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        job(tmp_path, data=big + b"\xff")

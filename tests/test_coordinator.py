@@ -5,91 +5,23 @@ calls, a `FakeClock` for leases and backoff)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from scheduler.coordinator import LocalCoordinator
-from swarm.clock import FakeClock
+from swarm import checkpoint
 from swarm.config import JobConfig
 from swarm.errors import Aborted, PeerUnavailable
-from swarm.lease import MicrobatchResult, Task
-from swarm.progress import StepRecord
+from swarm.lease import Task
 from swarm.stage_state import initial_state
-from tests.support.jobs import make_job
+from tests.support.coordinator import LEASE_S, Harness, job_of, until
+from tests.support.disks import fill, tiny_disk
 from tests.support.replicas import FakeSwarm, Prepared
 
 pytestmark = pytest.mark.timeout(60)
-
-LEASE_S = 10.0  # the jobs' lease timeout, on the fake clock
-
-
-def _job(tmp_path: Path, **training: Any) -> JobConfig:
-    # Two stages, two microbatches of 4 samples per step.
-    settings = {"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": 3}
-    return make_job(tmp_path, training=settings | training, runtime={"lease_timeout_s": LEASE_S})
-
-
-class Harness:
-    """A coordinator over a `FakeSwarm`, with the step records and rollbacks it announced."""
-
-    def __init__(self, job: JobConfig, swarm: FakeSwarm, **kwargs: Any) -> None:
-        self.job, self.swarm, self.clock = job, swarm, FakeClock()
-        self.steps: asyncio.Queue[StepRecord] = asyncio.Queue()
-        self.rollbacks: asyncio.Queue[int] = asyncio.Queue()
-        self.coordinator = LocalCoordinator(
-            job,
-            swarm.job_id,
-            swarm.members,
-            on_step=self.steps.put_nowait,
-            on_rollback=self.rollbacks.put_nowait,
-            connect=swarm.connect,
-            clock=self.clock,
-            **kwargs,
-        )
-
-    async def lease(self, trainer: str = "t", count: int = 8) -> list[Task]:
-        """The next tasks `trainer` gets, once a commit in flight has ended."""
-        for _ in range(2000):
-            lease = await self.coordinator.lease(trainer, count)
-            if lease.tasks or lease.done:
-                return lease.tasks
-            await asyncio.sleep(0.001)
-        raise AssertionError("no work was leased")
-
-    async def run(
-        self, task: Task, at: dict[int, str] | None = None, trainer: str = "t", report: bool = True
-    ) -> MicrobatchResult:
-        """Run `task` as a trainer would: its gradient lands at each of its stages on the peer
-        `at` names (else the stage's first member), then the trainer reports it."""
-        holders = {}
-        for stage in sorted(task.stages):
-            peer = (at or {}).get(stage) or self.coordinator.replicas()[stage][0].peer
-            self.swarm[peer].accumulate(task.index)
-            holders[stage] = peer
-        last = self.job.training.stages - 1
-        loss = 1.0 if last in task.stages else None
-        result = MicrobatchResult(task.step, task.index, holders, loss, 4)
-        if report:
-            await self.coordinator.report(trainer, result)
-        return result
-
-    async def step(self, at: dict[int, str] | None = None) -> StepRecord:
-        """Train one whole step; returns its record once committed."""
-        for task in await self.lease():
-            await self.run(task, at)
-        return await asyncio.wait_for(self.steps.get(), 10)
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    for _ in range(5000):
-        if condition():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("timed out waiting")
 
 
 @pytest.fixture
@@ -108,7 +40,7 @@ def _harness(made: list[Harness], job: JobConfig, swarm: FakeSwarm, **kwargs: An
 async def test_commit_prepares_every_replica_then_applies_and_opens_the_next_step(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
-    job = _job(tmp_path)
+    job = job_of(tmp_path)
     swarm = FakeSwarm(job.fingerprint(), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
@@ -134,7 +66,7 @@ async def test_commit_prepares_every_replica_then_applies_and_opens_the_next_ste
 async def test_receipts_beyond_the_ledger_void_the_replica_before_prepare(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
-    job = _job(tmp_path)
+    job = job_of(tmp_path)
     swarm = FakeSwarm(job.fingerprint(), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
@@ -158,7 +90,7 @@ async def test_receipts_beyond_the_ledger_void_the_replica_before_prepare(
 async def test_a_replica_gone_during_prepare_is_dropped_and_the_step_commits_after_replay(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
-    job = _job(tmp_path)
+    job = job_of(tmp_path)
     swarm = FakeSwarm(job.fingerprint(), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     a.fail("prepare", PeerUnavailable("UNAVAILABLE: connection refused"))
@@ -180,7 +112,7 @@ async def test_a_replica_gone_during_prepare_is_dropped_and_the_step_commits_aft
 async def test_an_aborted_round_is_retried_under_a_new_round_id(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
-    job = _job(tmp_path)
+    job = job_of(tmp_path)
     swarm = FakeSwarm(job.fingerprint(), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     b.fail("prepare", Aborted("round 0/0: a member did not send its part"))
@@ -198,7 +130,7 @@ async def test_an_aborted_round_is_retried_under_a_new_round_id(
 async def test_a_joiner_copies_a_member_at_the_boundary_and_one_that_fails_backs_off(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
-    job = _job(tmp_path, steps=5)
+    job = job_of(tmp_path, steps=5)
     swarm = FakeSwarm(job.fingerprint(), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
@@ -220,14 +152,16 @@ async def test_a_joiner_copies_a_member_at_the_boundary_and_one_that_fails_backs
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a", "n"], ["c", "m"]]
     # a peer that left: forgotten at the next boundary, its connection closed
     swarm.remove("n")
+    h.coordinator.clients.grace_s = 0.0  # closed once its calls in flight had their time: now
     await h.step()
+    await asyncio.sleep(0.01)
     assert n.closed == 1 and len(h.coordinator.clients) == 3
 
 
 async def test_a_lost_stage_rolls_every_stage_back_to_the_last_checkpoint(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
-    job = _job(tmp_path, steps=5, checkpoint_every=2)
+    job = job_of(tmp_path, steps=5, checkpoint_every=2)
     swarm = FakeSwarm(job.fingerprint(), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm, checkpoint_dir=tmp_path / "checkpoints")
@@ -250,9 +184,9 @@ async def test_a_lost_stage_rolls_every_stage_back_to_the_last_checkpoint(
 
 
 async def test_without_a_checkpoint_a_rollback_goes_to_step_0s_initial_state(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, harnesses: list[Harness], caplog: pytest.LogCaptureFixture
 ) -> None:
-    job = _job(tmp_path)
+    job = job_of(tmp_path)
     swarm = FakeSwarm(job.fingerprint(), 2)
     a, _ = swarm.add(0, "a"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
@@ -267,12 +201,14 @@ async def test_without_a_checkpoint_a_rollback_goes_to_step_0s_initial_state(
         assert replica.step == 0 and replica.state.keys() == expected.keys()
         assert all(torch.equal(replica.state[k], v) for k, v in expected.items())
     assert h.coordinator.ledger is not None and h.coordinator.ledger.step == 0
+    loud = [r for r in caplog.records if r.levelname == "WARNING" and "step 0" in r.message]
+    assert any("no checkpoint" in r.message for r in loud)  # all training lost: said loudly
 
 
 async def test_a_void_landing_while_the_commit_gathers_receipts_stops_the_prepare(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
-    job = _job(tmp_path)
+    job = job_of(tmp_path)
     swarm = FakeSwarm(job.fingerprint(), 2)
     p, q, c = swarm.add(0, "p"), swarm.add(0, "q"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
@@ -297,3 +233,145 @@ async def test_a_void_landing_while_the_commit_gathers_receipts_stops_the_prepar
     assert (await asyncio.wait_for(h.steps.get(), 10)).step == 0
     assert q.called("prepare") == [Prepared(0, [0, 1], 8, ["fake:p", "fake:q"], 1, "0/1")]
     assert p.called("prepare")[-1].microbatches == []
+
+
+# -- field hardening: a missed deadline is not a lost stage ----------------------------------------
+
+
+@pytest.mark.parametrize("method", ["info", "prepare"])
+async def test_a_missed_deadline_on_a_one_replica_stage_readmits_the_replica_without_rollback(
+    tmp_path: Path, harnesses: list[Harness], method: str
+) -> None:
+    job = job_of(tmp_path, steps=5)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, c = swarm.add(0, "a"), swarm.add(1, "c")
+    h = _harness(harnesses, job, swarm)
+    await h.coordinator.start()
+    await h.step()
+    # Step 1: c (stage 1's only replica) misses one deadline in the commit and is dropped.
+    c.fail(method, PeerUnavailable("DEADLINE_EXCEEDED: deadline exceeded"))
+    for task in await h.lease():
+        await h.run(task)
+    # c still answers at step 1 with the stage's state: it is re-admitted, its gradients of
+    # the step discarded and replayed there; nothing rolls back.
+    replay = await h.lease()
+    assert replay == [Task(1, 0, frozenset({1})), Task(1, 1, frozenset({1}))]
+    assert h.rollbacks.empty()
+    assert not a.called("load_state") and not c.called("load_state")
+    assert c.called("discard") == [1]
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
+    for task in replay:
+        await h.run(task)
+    assert (await asyncio.wait_for(h.steps.get(), 10)).step == 1
+    assert (a.step, c.step) == (2, 2) and h.rollbacks.empty()
+
+
+async def test_a_release_while_apply_is_in_flight_does_not_drop_replicas_that_applied(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    job = job_of(tmp_path, steps=5)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, c = swarm.add(0, "a"), swarm.add(1, "c")
+    h = _harness(harnesses, job, swarm)
+    await h.coordinator.start()
+    applying = c.hold("apply")
+    for task in await h.lease():
+        await h.run(task)
+    await asyncio.wait_for(applying.entered.wait(), 10)
+    await until(lambda: a.step == 1)  # a has applied step 0; c's APPLY is still in flight
+    await h.coordinator.release("t", [0])  # a trainer gives a (late) microbatch back
+    assert "a" in h.coordinator.membership.synced  # at step 1 because it applied: not lost
+    applying.open()
+    assert (await asyncio.wait_for(h.steps.get(), 10)).step == 0
+    assert {t.step for t in await h.lease()} == {1}
+    assert h.rollbacks.empty() and not a.called("load_state")
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
+
+
+# -- field hardening: restarts -----------------------------------------------------------------
+
+
+async def test_every_replica_restarted_fresh_resumes_from_the_last_sealed_checkpoint(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    job = job_of(tmp_path, steps=6, checkpoint_every=2)
+    checkpoints = tmp_path / "checkpoints"
+    first = FakeSwarm(job.fingerprint(), 2)
+    first.add(0, "a"), first.add(1, "c")
+    h = _harness(harnesses, job, first, checkpoint_dir=checkpoints)
+    await h.coordinator.start()
+    for _ in range(3):
+        await h.step()
+    await h.coordinator.close()  # the scheduler stops; every replica restarts empty
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, c = swarm.add(0, "a"), swarm.add(1, "c")
+    again = _harness(harnesses, job, swarm, checkpoint_dir=checkpoints)
+    assert await again.coordinator.start() == 2  # not step 0: the checkpoint of step 2
+    assert a.called("load_state") == [2] and c.called("load_state") == [2]
+    assert a.state["w"].item() == 2.0 and c.state["w"].item() == 2.0
+    assert await asyncio.wait_for(again.rollbacks.get(), 10) == 2  # the store rewinds to it
+    tasks = await again.lease()
+    assert {t.step for t in tasks} == {2}  # data position included
+    for task in tasks:
+        await again.run(task)
+    assert (await asyncio.wait_for(again.steps.get(), 10)).step == 2
+
+
+async def test_startup_reconcile_leaves_out_an_unreachable_replica_and_it_rejoins_later(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    job = job_of(tmp_path, steps=6)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm.add(0, "a", step=3), swarm.add(1, "c", step=3)
+    b = swarm.add(0, "b", step=3)
+    b.fail("info", PeerUnavailable("DEADLINE_EXCEEDED: deadline exceeded"))
+    b.fail("join", PeerUnavailable("UNAVAILABLE: connection refused"))
+    h = _harness(harnesses, job, swarm)
+    assert await h.coordinator.start() == 3
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
+    h.clock.advance(60)  # past b's join backoff
+    await h.step()
+    assert b.called("join") == ["fake:a", "fake:a"] and b.step == 4
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a", "b"], ["c"]]
+
+
+async def test_a_checkpoint_on_a_full_disk_is_skipped_and_training_goes_on(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    job = job_of(tmp_path, steps=4, checkpoint_every=1)
+    with tiny_disk(tmp_path / "disk") as disk:
+        swarm = FakeSwarm(job.fingerprint(), 2)
+        swarm.add(0, "a"), swarm.add(1, "c")
+        h = _harness(harnesses, job, swarm, checkpoint_dir=disk / "checkpoints")
+        await h.coordinator.start()
+        await h.step()  # the checkpoint of step 1, with room
+        filler = fill(disk)
+        assert (await h.step()).step == 1  # step 2's checkpoint fails: logged, skipped
+        assert (await h.step()).step == 2  # and training goes on
+        assert h.coordinator.error is None
+        assert not [p for p in disk.rglob("*") if ".tmp" in p.name]  # no partial files
+        assert not (disk / "checkpoints" / "step-00000002").exists()  # nor a torn checkpoint
+        assert checkpoint.latest(disk / "checkpoints") == 1
+        filler.unlink()
+        assert (await h.step()).step == 3  # room again: step 4's checkpoint is written
+        assert checkpoint.latest(disk / "checkpoints") == 4
+        await h.coordinator.close()
+
+
+async def test_trainers_heard_from_share_a_step_and_one_gone_stops_counting(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    # A trainer that asks first (the scheduler's embedded one, in-process) must not take the
+    # whole step while another waits; a trainer silent for a lease timeout stops counting.
+    job = job_of(tmp_path, target_batch_size=16)  # 4 microbatches a step
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm.add(0, "a")
+    swarm.add(1, "b")
+    h = _harness(harnesses, job, swarm)
+    await h.coordinator.start()
+    assert (await h.coordinator.lease("remote", 0)).tasks == []  # heard from, no free slot
+    first = await h.coordinator.lease("embedded", 8)
+    assert len(first.tasks) == 2  # half of the 4
+    assert len((await h.coordinator.lease("remote", 8)).tasks) == 2
+    h.clock.advance(LEASE_S + 1)  # both silent for a lease timeout; the leases expired too
+    assert len((await h.coordinator.lease("embedded", 8)).tasks) == 4

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler.coordinator.ledger import Holding, StepLedger
 from swarm.clock import FakeClock
+from swarm.errors import InvalidArgument
 from swarm.lease import Task
 
 
@@ -69,3 +72,16 @@ def test_stale_reports_and_release() -> None:
     assert ledger.remaining == 2
     ledger.release("a", [1])
     assert [t.index for t in ledger.lease("b", 2)] == [1]
+
+
+def test_a_report_whose_sample_count_is_not_the_microbatch_size_is_refused() -> None:
+    # Every microbatch holds exactly microbatch_size samples (swarm.data has no partial ones), and
+    # the step's gradient is divided by the samples reported: a wrong count would skew it.
+    ledger = StepLedger(step=7, microbatches=2, stages=2, microbatch_size=4)
+    ledger.lease("a", 2)
+    for samples in (0, 3, 5, -4, 4_000_000):
+        with pytest.raises(InvalidArgument, match="microbatch_size = 4"):
+            ledger.report("a", 7, 0, {0: "p0", 1: "p1"}, loss_sum=2.0, samples=samples)
+    assert ledger.remaining == 2 and ledger.samples() == 0 and ledger.holders() == set()
+    ledger.report("a", 7, 0, {0: "p0", 1: "p1"}, loss_sum=2.0, samples=4)
+    assert ledger.remaining == 1 and ledger.samples() == 4

@@ -189,7 +189,9 @@ async def test_the_trainer_follows_moves_and_new_addresses(tmp_path: Path) -> No
         assert trainer.wiring.choose(1, 1.0) in ("b", "c")
         assert trainer.clients["a"].address == "h:9" and trainer.clients["a"] is not first_a
         assert (trainer.clients["c"].address, trainer.clients["c"].stage) == ("h:3", 1)
-        assert len(trainer._closing) == 2  # the replaced clients of a and c, closed later
+        # the replaced clients of a and c, and departed d's (nothing kept of a peer that left),
+        # closed later
+        assert len(trainer._closing) == 3 and "d" not in trainer.clients
         trainer.sync([])  # a lease before the job started: no view of the stages
         assert [trainer.wiring.stage_of(p) for p in "abcd"] == [0, 1, 1, None]
     finally:

@@ -124,6 +124,8 @@ def test_accumulate_false_returns_gradients_without_a_receipt(tmp_path: Path) ->
         (1, torch.zeros(4, 16, 31, dtype=torch.float64), "float64 \\[batch, seq, 32\\]"),
         (1, torch.zeros(4, 16, 32, dtype=torch.float32), "got torch.float32"),
         (1, torch.zeros(0, 16, 32, dtype=torch.float64), "batch must be >= 1"),
+        (0, torch.zeros(5, 16, dtype=torch.int64), r"training.microbatch_size = 4"),
+        (1, torch.zeros(5, 16, 32, dtype=torch.float64), r"training.microbatch_size = 4"),
     ],
 )
 def test_bad_inputs_are_refused(

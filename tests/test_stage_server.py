@@ -14,7 +14,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm import codec
+from swarm import codec, wire
 from swarm.config import JobConfig
 from swarm.errors import ActivationsNotCached
 from swarm.proto import stage_pb2 as pb
@@ -244,3 +244,97 @@ async def test_backward_without_inputs_needs_the_cached_forward(
         assert torch.equal(as_tensor(recomputed.grad_inputs), as_tensor(cached.grad_inputs))
     finally:
         await client.close()
+
+
+async def test_a_batch_above_microbatch_size_is_refused_before_the_compute(
+    job: JobConfig, server: RunningStageServer, stub: stage_pb2_grpc.StageServiceStub
+) -> None:
+    # One sample more than the job's microbatch_size (4): small bytes, but a batch this size (or
+    # a thousand times it) would take activations in proportion.
+    big = codec.encode(_hidden(batch=job.training.microbatch_size + 1), "inputs")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _call(stub.Forward, _forward(job, big))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "microbatch_size" in (info.value.details() or "")
+    backward = pb.StageBackwardRequest(
+        job=job.fingerprint(),
+        stage=1,
+        tensors=[big, codec.encode(_hidden(batch=5), "grad_outputs")],
+    )
+    assert await _status(stub.Backward, backward) in (
+        grpc.StatusCode.INVALID_ARGUMENT,  # the batch
+        grpc.StatusCode.RESOURCE_EXHAUSTED,  # or the bytes of two tensors of that batch
+    )
+    # Declared (not sent) bytes that only an oversized batch needs, though under
+    # max_tensor_bytes: refused from the header, before a buffer is allocated for them.
+    declared = tensor_pb2.Tensor(
+        name="inputs", dtype="float64", shape=[128, 16, 32], nbytes=128 * 16 * 32 * 8
+    )
+    assert declared.nbytes < job.runtime.max_tensor_bytes
+    assert await _status(stub.Forward, _forward(job, declared)) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+    (reply,) = await _call(stub.Forward, _forward(job, codec.encode(_hidden(), "inputs")))
+    assert codec.decode(reply.tensors[0]).shape == (4, 16, 32)  # still serving
+
+
+async def _load_call(stub: stage_pb2_grpc.StageServiceStub, messages: list[Any]) -> Any:
+    call = stub.LoadState(timeout=30)
+    for message in messages:
+        await call.write(message)
+    await call.done_writing()
+    return await call
+
+
+async def _load_status(stub: stage_pb2_grpc.StageServiceStub, messages: list[Any]) -> Any:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _load_call(stub, messages)
+    return info.value.code()
+
+
+def _load(job: JobConfig, tensors: dict[str, torch.Tensor], step: int = 0) -> list[Any]:
+    """LoadState's messages, as `StageClient.load_state` streams them: one tensor each, chunked."""
+    return [
+        part
+        for k, v in tensors.items()
+        for part in wire.split(
+            pb.StageLoadStateRequest(
+                job=job.fingerprint(), stage=1, step=step, tensors=[codec.encode(v, k)]
+            ),
+            job.runtime.chunk_bytes,
+        )
+    ]
+
+
+async def test_load_state_accepts_only_the_stages_state(
+    job: JobConfig, server: RunningStageServer, stub: stage_pb2_grpc.StageServiceStub
+) -> None:
+    # A refusal ends the call; a client still writing then sees its own INTERNAL error rather
+    # than the server's status, so each refused message here is the call's last.
+    own = server.runtime.export_state()
+    params = [k for k in own if k.startswith("param/")]
+    # Small messages (unchunked), each fine alone, but together above what the stage's state can
+    # take: refused once the total passes it, not accepted until memory runs out.
+    sizes = [p.numel() for p in server.runtime.params]
+    index, piece = max(enumerate(sizes), key=lambda item: item[1])  # 4096 values: 32 KiB
+    room = server.runtime.max_state_bytes() - sum(t.nbytes for t in own.values())
+    count = room // (piece * 8) + 1
+    junk = {f"optim/{index}/junk{i}": torch.zeros(piece, dtype=torch.float64) for i in range(count)}
+    assert count * piece * 8 > 10 * sum(t.nbytes for t in own.values())
+    assert await _load_status(stub, _load(job, {**own, **junk})) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+    # Names and shapes must be the stage's own.
+    first = own[params[0]]
+    for name, bad in (
+        ("param/layers.9.weight", torch.zeros(3)),
+        (params[0], torch.zeros(*first.shape, 2, dtype=first.dtype)),
+        ("optim/999/exp_avg", torch.zeros(3)),
+        ("optim/0/exp_avg", torch.zeros(first.numel() + 1)),
+        ("other/thing", torch.zeros(3)),
+    ):
+        rest = {k: v for k, v in own.items() if k != name}
+        status = await _load_status(stub, _load(job, {**rest, name: bad}))
+        assert status == grpc.StatusCode.INVALID_ARGUMENT, name
+    # The stage's own state still loads.
+    assert (await _load_call(stub, _load(job, own, step=0))).step == 0

@@ -16,6 +16,7 @@ import pytest
 from scheduler.store import SCHEMA_VERSION, JobState, JobStore, StoreError
 from swarm.errors import FailedPrecondition, NotFound
 from tests.support.cli import ROOT
+from tests.support.disks import fill, tiny_disk
 
 
 @pytest.fixture
@@ -164,3 +165,42 @@ def test_schema_version(tmp_path: Path) -> None:
     (tmp_path / "junk.db").write_bytes(b"not a database at all, certainly not sqlite" * 100)
     with pytest.raises(StoreError, match="not a usable job store"):
         JobStore(tmp_path / "junk.db")
+
+
+def test_resume_below_the_recorded_steps_forgets_the_lost_run(store: JobStore) -> None:
+    job = store.create("j", "", "/", 9)
+    for step in range(4):
+        store.record_step(job.id, step, 4.0 - step, 16, 0.1)
+    store.resume(job.id, 4)  # the coordinator starts where the store is: nothing to forget
+    store.resume(job.id, 6)  # ahead (killed between a commit and its record): kept as is
+    record = store.get(job.id)
+    assert record is not None and (record.step, record.loss) == (4, 1.0)
+    assert [r.step for r in store.steps(job.id)] == [0, 1, 2, 3]
+    # Every replica restarted empty and no checkpoint: the coordinator starts at step 0 again.
+    store.resume(job.id, 0)
+    record = store.get(job.id)
+    assert record is not None and record.step == 0 and math.isnan(record.loss)
+    assert store.steps(job.id) == []
+    assert store.record_step(job.id, 0, 3.5, 16, 0.2)  # the re-run's row, not the old one
+    assert [(r.step, r.loss) for r in store.steps(job.id)] == [(0, 3.5)]
+    assert store.get(job.id).step == 1  # type: ignore[union-attr]
+
+
+def test_a_full_disk_fails_a_step_record_clearly_and_the_next_step_records_both(
+    tmp_path: Path,
+) -> None:
+    with tiny_disk(tmp_path / "disk") as disk:
+        with JobStore(disk / "jobs.db") as store:
+            job = store.create("j", "", "/", 9)
+            store.record_step(job.id, 0, 3.0, 16, 0.1)
+            filler = fill(disk)
+            with pytest.raises(StoreError, match=r"step 1 of job .* not recorded .*full"):
+                store.record_step(job.id, 1, 2.0, 16, 0.1)
+            assert [r.step for r in store.steps(job.id)] == [0]  # nothing half-written
+            filler.unlink()  # room again: the next step's record writes the kept one first
+            assert store.record_step(job.id, 2, 1.0, 16, 0.1)
+        with JobStore(disk / "jobs.db") as store:  # and they are durable
+            rows = [(r.step, r.loss) for r in store.steps(job.id)]
+            assert rows == [(0, 3.0), (1, 2.0), (2, 1.0)]
+            record = store.get(job.id)
+            assert record is not None and (record.step, record.loss) == (3, 1.0)

@@ -7,6 +7,7 @@ import pytest
 from swarm.errors import ConfigError
 from swarm.topics import (
     ANY,
+    SCHEDULER_USER,
     BrokerUrlError,
     TopicError,
     TopicInfo,
@@ -78,3 +79,14 @@ def test_publish_topics_and_subscription_patterns_are_checked() -> None:
     for bad in ["", "s/a+/p", "s/#/p", "s/x#", "a\x00b"]:
         with pytest.raises(TopicError):
             check_pattern(bad)
+
+
+def test_the_acl_lets_a_peer_publish_only_its_own_topics() -> None:
+    t = Topics()
+    assert t.may_publish("a", t.peer("a")) and t.may_publish("a", t.load("j", "a"))
+    for topic in (t.peer("b"), t.load("j", "b"), t.assign("j", "a"), t.job("j"), t.steps("j")):
+        assert not t.may_publish("a", topic)
+    assert not t.may_publish("a", "elsewhere/peers/a") and not t.may_publish(None, t.peer("a"))
+    assert all(
+        t.may_publish(SCHEDULER_USER, x) for x in (t.job("j"), t.assign("j", "a"), "any/thing")
+    )

@@ -3,7 +3,10 @@
 1. replicas that left (or hold a gradient they must not count) are *lost*: the ledger re-needs
    their microbatches at their stage, and trainers replay them;
 2. PREPARE on every replica of every stage at once: each checks its receipts and averages with
-   its pool (butterfly all-reduce); a replica that fails is lost, and the step waits for replays;
+   its pool (butterfly all-reduce); a replica that fails is lost, and the step waits for replays.
+   An aborted round names the members it failed on (`Aborted.missing`): the member the others
+   name most is left out until it rejoins at a step boundary (of two that name each other, one
+   is kept), so a replica its pool cannot reach does not abort every round of the step;
 3. APPLY everywhere: one optimizer step. No stage leaves step t before every pool has averaged,
    so a replay can still run through the whole pipeline.
 """
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
+from dataclasses import dataclass, field
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
@@ -20,9 +25,54 @@ from swarm.errors import Aborted, SwarmError
 from swarm.lease import Replica
 from swarm.metrics import CoordinatorMetrics
 
-__all__ = ["TwoPhaseCommit"]
+__all__ = ["CommitStalled", "RoundFailure", "TwoPhaseCommit", "culprits"]
 
 log = logging.getLogger(__name__)
+_REASON_CHARS = 600  # of a failed round's reason, in logs, status and the job's error
+
+
+class CommitStalled(SwarmError):
+    """A step's averaging rounds failed `runtime.max_commit_rounds` times without a commit."""
+
+
+@dataclass
+class RoundFailure:
+    """A PREPARE round that failed: why (each failed replica's error), and the replicas left out
+    of their stage for it, as `(stage, peer, the peers that named it)`."""
+
+    reason: str
+    left_out: list[tuple[int, str, list[str]]] = field(default_factory=list)
+
+    def status(self, step: int) -> str:
+        """One line for `swarm status` about those left out ("" when none was)."""
+        return "; ".join(
+            f"step {step}: stage {stage}: {peer} left out until it rejoins: its pool could not "
+            f"average with it (named by {', '.join(named_by)}); its microbatches are replayed"
+            for stage, peer, named_by in self.left_out
+        )
+
+
+def culprits(
+    group: list[Replica], accusations: dict[int, set[int]], holdings: dict[str, list[int]]
+) -> list[int]:
+    """Which members (indices into `group`) to leave out of a stage whose round aborted, given
+    whom each member named (`accusations`: accuser index -> named indices): those named by the
+    most others. When that is every member (two that cannot reach each other name each other),
+    one is kept: the one holding the most microbatches (the fewest replays), else the first."""
+    votes = Counter(
+        i
+        for accuser, named in accusations.items()
+        for i in named
+        if 0 <= i < len(group) and i != accuser
+    )
+    if not votes:
+        return []
+    most = max(votes.values())
+    worst = sorted(i for i, v in votes.items() if v == most)
+    if len(worst) == len(group):
+        keep = max(worst, key=lambda i: (len(holdings.get(group[i].peer, [])), -i))
+        worst.remove(keep)
+    return worst
 
 
 class TwoPhaseCommit:
@@ -30,6 +80,7 @@ class TwoPhaseCommit:
         self, clients: ReplicaClients, membership: Membership, metrics: CoordinatorMetrics
     ) -> None:
         self.clients, self.membership, self.metrics = clients, membership, metrics
+        self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
 
     async def void(self, ledger: StepLedger, stage: int, peer: str) -> None:
         """`peer`'s gradients at `stage` must not count: replay them elsewhere, and tell it to
@@ -56,7 +107,9 @@ class TwoPhaseCommit:
 
     async def attempt(self, ledger: StepLedger, round_id: str) -> bool:
         """Commit `ledger`'s step under `round_id`; False when it must wait (for replays, or a
-        retry): whatever went wrong has been lost, voided or dropped by then."""
+        retry): whatever went wrong has been lost, voided or dropped by then, and `failure` says
+        so when it was the PREPARE round."""
+        self.failure = None
         members = self.membership.replicas()
         for stage, replicas in enumerate(members):
             alive = {r.peer for r in replicas}
@@ -137,6 +190,10 @@ class TwoPhaseCommit:
         if not failed:
             return True
         self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
+        reason = "; ".join(f"stage {k} {r.peer}: {type(e).__name__}: {e}" for k, r, e in failed)
+        self.failure = failure = RoundFailure(_shorten(reason))
+        explained: set[int] = set()  # stages where a member failed by itself
+        accusations: dict[int, dict[int, set[int]]] = {}  # stage -> accuser -> whom it names
         for stage, r, error in failed:
             log.warning(
                 "step %d: round %s at stage %d failed on %s: %r",
@@ -148,7 +205,38 @@ class TwoPhaseCommit:
             )
             if isinstance(error, GONE):
                 self.membership.drop(r.peer)  # dead: its gradients are replayed
+                explained.add(stage)
             elif not isinstance(error, Aborted):
                 await self.void(ledger, stage, r.peer)  # it holds what it must not
+                explained.add(stage)
+            elif error.missing:  # another member failed, and it says which
+                accusations.setdefault(stage, {})[members[stage].index(r)] = set(error.missing)
             # Aborted: another member failed; this one's gradients are intact
+        for stage, named in accusations.items():
+            if stage in explained:
+                continue  # the member that failed by itself is gone or voided already
+            replicas = members[stage]
+            for i in culprits(replicas, named, ledger.holdings(stage)):
+                by = sorted(replicas[a].peer for a, names in named.items() if i in names)
+                await self._leave_out(ledger, stage, replicas[i], by)
+                failure.left_out.append((stage, replicas[i].peer, by))
         return False
+
+    async def _leave_out(
+        self, ledger: StepLedger, stage: int, culprit: Replica, named_by: list[str]
+    ) -> None:
+        """`culprit`'s pool cannot average with it: its gradients are replayed on the others, and
+        it takes part in no round until it rejoins (copying a member at a step boundary)."""
+        log.warning(
+            "step %d: stage %d: leaving %s out: %s could not average with it",
+            ledger.step,
+            stage,
+            culprit.peer,
+            ", ".join(named_by),
+        )
+        await self.void(ledger, stage, culprit.peer)
+        self.membership.drop(culprit.peer)
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.commit import TwoPhaseCommit
+from scheduler.coordinator.commit import CommitStalled, TwoPhaseCommit
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.recovery import Recovery
@@ -33,7 +35,7 @@ from swarm.backoff import Backoff
 from swarm.clock import Clock, MonotonicClock
 from swarm.config import JobConfig
 from swarm.errors import SwarmError
-from swarm.lease import Lease, MicrobatchResult, Replica
+from swarm.lease import Lease, MicrobatchResult, Replica, Working
 from swarm.metrics import CoordinatorMetrics
 from swarm.progress import StepRecord
 
@@ -53,6 +55,7 @@ class _Commit:
     attempt: int = 0  # names the round: a retry never reuses a failed round's id
     task: asyncio.Task[bool] | None = None  # set from the first attempt until the next step opens
     applied: bool = False  # the step is committed: late reports and releases for it are moot
+    failed_rounds: int = 0  # PREPARE rounds of this step that failed: `max_commit_rounds` ends it
     backoff: Backoff = field(default_factory=_retry_backoff)
 
 
@@ -63,6 +66,8 @@ async def _maybe_await(result: Awaitable[None] | None) -> None:
 
 class LocalCoordinator:
     _CHECK_EVERY_S = 1.0  # members are checked at most this often when trainers give work back
+    MAX_WAIT_S = 60.0  # the longest a lease waits for work (a trainer's wait_s is capped here)
+    _RECHECK_S = 0.5  # a waiting lease looks again this often (members, expired leases)
 
     def __init__(
         self,
@@ -76,20 +81,25 @@ class LocalCoordinator:
         metrics: CoordinatorMetrics | None = None,
         checkpoint_dir: Path | None = None,
         on_rollback: Callable[[int], Awaitable[None] | None] | None = None,
+        on_status: Callable[[str], Awaitable[None] | None] | None = None,
         connect: ReplicaFactory | None = None,
         clock: Clock | None = None,
     ) -> None:
         """`members()`: per stage, the replicas serving it now (from the peer registry).
+        `on_status(text)`: something `swarm status` should say (a replica left out of its pool).
         `connect` and `clock` are for tests: replicas other than gRPC ones, time that is told."""
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
-        self.on_step, self.on_rollback = on_step, on_rollback
+        self.on_step, self.on_rollback, self.on_status = on_step, on_rollback, on_status
         self.checkpoint_dir = checkpoint_dir
         self.clock = clock or MonotonicClock()
+        self._heard: dict[str, float] = {}  # trainer -> its last lease call, for fair shares
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         self.metrics.last_commit.set(time.time())
         self.ledger: StepLedger | None = None
-        self.clients = ReplicaClients(connect or grpc_replicas(job, job_id, token))
+        self.clients = ReplicaClients(
+            connect or grpc_replicas(job, job_id, token), grace_s=job.runtime.commit_timeout_s
+        )
         self.membership = Membership(
             job_id, members, self.clients, lambda: self.ledger, self.metrics, self.clock
         )
@@ -98,7 +108,14 @@ class LocalCoordinator:
         self._commit = _Commit()
         self._step_started = time.perf_counter()
         self._rollback: asyncio.Task[None] | None = None
+        # A rollback that could not finish (a stage's replica failed to load) is tried again
+        # from leases, no sooner than this backoff allows.
+        self._rollback_backoff = Backoff(first_s=0.5, cap_s=30.0)
+        self._rollback_after = -math.inf
         self._checked = -self._CHECK_EVERY_S
+        self._changed = asyncio.Event()  # set (and replaced) when waiting leases should look
+        self._receipts: asyncio.Task[None] | None = None  # the late-receipt check in flight
+        self._closed = False
         self.finished = asyncio.Event()
         self.error: BaseException | None = None
 
@@ -117,14 +134,25 @@ class LocalCoordinator:
         if step >= self.steps:
             self.ledger = None
             self.finished.set()
+            self._wake()
             return
         self.ledger = StepLedger(
-            step, t.microbatches_per_step, t.stages, self.job.runtime.lease_timeout_s, self.clock
+            step,
+            t.microbatches_per_step,
+            t.stages,
+            self.job.runtime.lease_timeout_s,
+            self.clock,
+            microbatch_size=t.microbatch_size,
         )
         self._commit, self._step_started = _Commit(), time.perf_counter()
+        self._rollback_backoff.reset()
+        self._rollback_after = -math.inf
+        self._wake()
 
     async def close(self) -> None:
-        for task in (self._commit.task, self._rollback):
+        self._closed = True
+        self._wake()
+        for task in (self._commit.task, self._rollback, self._receipts):
             if task is not None:
                 task.cancel()
         await self.clients.close()
@@ -138,7 +166,35 @@ class LocalCoordinator:
         return self.membership.replicas()
 
     # -- trainers -------------------------------------------------------------------------------
-    async def lease(self, trainer: str, count: int) -> Lease:
+    async def lease(
+        self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
+    ) -> Lease:
+        """Up to `count` tasks for `trainer`, renewing its leases of `working` first. A long poll:
+        with nothing to give, it waits (at most `wait_s`, capped at `MAX_WAIT_S`) until there is
+        work, the job is done or failed, or the members changed, so that idle trainers ask rarely
+        and still start at once."""
+        self._heard[trainer] = self.clock.now()
+        ledger = self.ledger
+        if ledger is not None:
+            ledger.renew(trainer, [index for step, index in working if step == ledger.step])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(wait_s, 0.0), self.MAX_WAIT_S)
+        seen: list[list[Replica]] | None = None
+        while True:
+            changed = self._changed  # before looking: a change after the look wakes this wait
+            lease = self._lease_now(trainer, count)
+            if lease.tasks or lease.done or self._closed:
+                return lease
+            if seen is None:
+                seen = lease.replicas
+            elif lease.replicas != seen:
+                return lease  # the trainer must re-route (a replica left, moved or joined)
+            left = deadline - loop.time()
+            if left <= 0:
+                return lease
+            await self._until_changed(changed, min(left, self._RECHECK_S))
+
+    def _lease_now(self, trainer: str, count: int) -> Lease:
         if self.error:
             raise self.error
         ledger, members = self.ledger, self.replicas()
@@ -147,8 +203,74 @@ class LocalCoordinator:
         if any(not stage for stage in members):
             self._maybe_roll_back()
             return Lease(ledger.step, [], members)  # no work while a stage has no replica
-        tasks = [] if self._commit.task else ledger.lease(trainer, count)
-        return Lease(ledger.step, tasks, members)
+        if self._commit.task:
+            return Lease(ledger.step, [], members)
+        returned = ledger.returned()
+        if returned and self._receipts is None:
+            self._receipts = asyncio.create_task(self._check_receipts(ledger, returned))
+        exclude = set(returned)
+        count = min(count, self._fair_share(ledger, trainer, ledger.leasable(exclude)))
+        return Lease(ledger.step, ledger.lease(trainer, count, exclude=exclude), members)
+
+    def _fair_share(self, ledger: StepLedger, trainer: str, available: int) -> int:
+        """Of `available` tasks, the most `trainer` gets now: an equal share with the other
+        trainers heard from within a lease timeout that hold no work, so that the trainer that
+        asks first (the scheduler's embedded one, in-process) does not take a whole step while
+        others wait. A trainer silent for `lease_timeout_s` stops counting."""
+        horizon = self.clock.now() - self.job.runtime.lease_timeout_s
+        for gone in [t for t, when in self._heard.items() if when < horizon]:
+            del self._heard[gone]
+        waiting = sum(1 for t in self._heard if t != trainer and not ledger.leased_to(t))
+        return max(1, -(-available // (1 + waiting)))
+
+    def _wake(self) -> None:
+        """Waiting leases look again (work may be there, or the job done)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _until_changed(self, changed: asyncio.Event, timeout: float) -> None:
+        waiter = asyncio.ensure_future(changed.wait())
+        waits: set[asyncio.Future[Any]] = {waiter, asyncio.ensure_future(self.finished.wait())}
+        if self._commit.task is not None:
+            waits.add(self._commit.task)  # its end may leave replays to lease (never cancelled)
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                if w is not self._commit.task and not w.done():
+                    w.cancel()
+
+    async def _check_receipts(self, ledger: StepLedger, returned: list[int]) -> None:
+        """Before microbatches given back are leased again: a Backward that timed out at its
+        trainer may still have landed on a replica. A receipt for a microbatch the ledger still
+        needs at that stage is adopted (that replica holds it, exactly as a replay would make
+        it), so the late receipt is neither replayed elsewhere nor voids its replica."""
+        try:
+            pairs = [(k, r) for k, stage in enumerate(self.replicas()) for r in stage]
+            infos = await asyncio.gather(
+                *(self.clients.get(k, r).info() for k, r in pairs), return_exceptions=True
+            )
+            if self.ledger is not ledger:
+                return
+            size = self.job.training.microbatch_size
+            for (stage, r), info in zip(pairs, infos, strict=True):
+                if isinstance(info, BaseException) or info.step != ledger.step:
+                    continue  # gone or elsewhere: the commit's own checks deal with it
+                adopted = ledger.adopt(stage, r.peer, info.receipts, set(returned), size)
+                if adopted:
+                    log.info(
+                        "step %d: %s's late receipts %s at stage %d adopted",
+                        ledger.step,
+                        r.peer,
+                        adopted,
+                        stage,
+                    )
+            ledger.checked(returned)
+        finally:
+            self._receipts = None
+            self._wake()
+        if ledger.complete and self._commit.task is None and self.ledger is ledger:
+            self._commit.task = asyncio.create_task(self._commit_step(ledger))
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         ledger = self.ledger
@@ -157,6 +279,7 @@ class LocalCoordinator:
         extras = ledger.report(
             trainer, result.step, result.index, result.holders, result.loss_sum, result.samples
         )
+        self._wake()  # a report may leave a stage to replay, or complete the step
         if ledger.complete and self._commit.task is None:
             # Before the voids below await: a caller whose deadline cancels this call must not
             # leave a complete ledger with no commit.
@@ -169,6 +292,11 @@ class LocalCoordinator:
         look at the members, since one may be dead or restarted empty."""
         if self.ledger and not self._commit.applied:
             self.ledger.release(trainer, indices)
+            self._wake()
+            if self._commit.task is not None:
+                # A commit checks the members itself; during its APPLY those that applied are
+                # at the next step already, and would be dropped as if restarted.
+                return
             now = self.clock.now()
             if now - self._checked >= self._CHECK_EVERY_S:
                 self._checked = now
@@ -184,8 +312,25 @@ class LocalCoordinator:
                 commit.applied = True
                 await self._next_step(ledger, commit.attempt)
                 return True
+            failure = self.two_phase.failure
+            if failure is not None:
+                commit.failed_rounds += 1
+                if self.on_status and failure.left_out:
+                    await _maybe_await(self.on_status(failure.status(ledger.step)))
+                bound = self.job.runtime.max_commit_rounds
+                if commit.failed_rounds >= bound:
+                    raise CommitStalled(
+                        f"step {ledger.step}: {commit.failed_rounds} averaging rounds failed "
+                        f"without a commit (runtime.max_commit_rounds = {bound}); the last: "
+                        f"{failure.reason}"
+                    )
         except asyncio.CancelledError:
             raise
+        except CommitStalled as e:  # every retry is bounded: say why, rather than spin
+            log.error("%s", e)
+            self.error = e
+            self.finished.set()
+            return False
         except Exception as e:  # a bug: fail the job loudly rather than hang
             log.exception("step %d: commit failed", ledger.step)
             self.error = e
@@ -227,10 +372,18 @@ class LocalCoordinator:
         """A stage has lost every replica. Once a replica of it is back, roll every stage back to
         the last complete checkpoint (no work can be exact without that stage's state)."""
         if self._rollback is None and all(self.members()):
+            now = self.clock.now()
+            if now < self._rollback_after:
+                return  # the last attempt failed: back off
+            self._rollback_after = now + self._rollback_backoff.next()
             self._rollback = asyncio.create_task(self._roll_back())
 
     async def _roll_back(self) -> None:
         try:
+            ledger = self.ledger
+            if ledger is not None and await self.membership.readmit(ledger.step):
+                self._wake()  # a replica dropped for a missed deadline still held the state
+                return
             step = self.recovery.latest()
             if self._commit.task:
                 self._commit.task.cancel()
@@ -239,7 +392,10 @@ class LocalCoordinator:
             if any(not stage for stage in self.replicas()):
                 return  # not every stage could load it: the next lease tries again
             self.metrics.rollbacks.inc()
-            log.warning("rolled every stage back to step %d", step)
+            if step == 0:  # all training so far is lost: say so loudly
+                log.warning("rolled every stage back to step 0 (no checkpoint): retraining")
+            else:
+                log.warning("rolled every stage back to step %d (checkpoint)", step)
             self._open(step)
             if self.on_rollback:
                 await _maybe_await(self.on_rollback(step))
@@ -255,15 +411,27 @@ class LocalCoordinator:
     async def _reconcile(self) -> int:
         target = await self.membership.reconcile()
         missing = [k for k, replicas in enumerate(self.replicas()) if not replicas]
-        if missing and all(self.members()):
-            # Every stage has members but some none with the trained state (a stage was lost
-            # while no coordinator ran): every stage goes back to the last checkpoint.
-            log.warning("no replica of stages %s is at step %d: rolling back", missing, target)
+        saved = self.recovery.latest()
+        if (missing or saved > target) and all(self.members()):
+            if saved > target:
+                # Every replica is behind the last sealed checkpoint (all restarted empty, say):
+                # training again from `target` would throw the checkpointed steps away.
+                log.warning(
+                    "every replica is at step %d or before: resuming from the checkpoint of "
+                    "step %d",
+                    target,
+                    saved,
+                )
+            else:
+                # Every stage has members but some none with the trained state (a stage was
+                # lost while no coordinator ran): every stage goes back to the last checkpoint.
+                log.warning("no replica of stages %s is at step %d: rolling back", missing, target)
             await self._roll_back()
             if self.error is not None:
                 raise self.error
             if self.ledger is not None and all(self.replicas()):
                 return self.ledger.step
+            missing = [k for k, replicas in enumerate(self.replicas()) if not replicas]
         if missing:
             raise SwarmError(f"no replica of stages {missing} is at step {target}")
         return target

@@ -6,14 +6,22 @@ keeps its own. One mechanism covers every way a gradient goes missing: a replica
 round that is aborted, or a replica that accumulated a microbatch twice over (two trainers raced
 for one lease) is *lost*, and each microbatch it held becomes needed again at that stage only
 (a replay).
+
+Late receipts: a microbatch given back (released, or reported without some of its stages) may
+still have landed at a stage, on a replica whose answer came too late for its trainer. Such a
+microbatch is *returned*; before it is leased again the coordinator asks the members for their
+receipts and the ledger `adopt`s a receipt for a microbatch it still needs at that stage (that
+replica becomes its holder), instead of replaying it elsewhere and voiding the replica for
+holding one gradient too many.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from swarm.clock import Clock, MonotonicClock
+from swarm.errors import InvalidArgument
 from swarm.lease import Task
 
 __all__ = ["Holding", "StepLedger"]
@@ -40,30 +48,106 @@ class StepLedger:
     stages: int
     lease_timeout_s: float = 60.0  # a lease not reported within this is given to another trainer
     clock: Clock = field(default_factory=MonotonicClock)
+    # Samples in every microbatch (swarm.data has no partial ones); a report of another count is
+    # refused, since the step's gradient is divided by the samples reported. None: unchecked.
+    microbatch_size: int | None = None
 
     def __post_init__(self) -> None:
         every = frozenset(range(self.stages))
         self._needed: dict[int, set[int]] = {i: set(every) for i in range(self.microbatches)}
         self._holders: dict[tuple[int, int], str] = {}  # (index, stage) -> peer
         self._leases: dict[int, _Lease] = {}
+        self._returned: set[int] = set()  # given back since their receipts were last checked
         self._loss: dict[int, float] = {}
         self._samples: dict[int, int] = {}
 
     # -- trainers -------------------------------------------------------------------------------
-    def lease(self, trainer: str, count: int) -> list[Task]:
+    def lease(self, trainer: str, count: int, exclude: Collection[int] = ()) -> list[Task]:
         """Up to `count` tasks for `trainer`: microbatches that still need a stage and are not
-        leased to anyone else (or whose lease expired)."""
+        leased to anyone else (or whose lease expired), nor in `exclude`."""
         now, tasks = self.clock.now(), list[Task]()
         for index in sorted(self._needed):
             if len(tasks) >= count:
                 break
             stages = self._needed[index]
             held = self._leases.get(index)
-            if not stages or (held and held.expires > now):  # a trainer's own included
-                continue
+            if not stages or (held and held.expires > now) or index in exclude:
+                continue  # a trainer's own lease included
             self._leases[index] = _Lease(trainer, now + self.lease_timeout_s)
+            self._returned.discard(index)
             tasks.append(Task(self.step, index, frozenset(stages)))
         return tasks
+
+    def leasable(self, exclude: Collection[int] = ()) -> int:
+        """How many tasks `lease` could give now."""
+        now = self.clock.now()
+        return sum(
+            1
+            for index, stages in self._needed.items()
+            if stages
+            and index not in exclude
+            and not ((held := self._leases.get(index)) and held.expires > now)
+        )
+
+    def leased_to(self, trainer: str) -> int:
+        """How many unexpired leases `trainer` holds on microbatches still needed."""
+        now = self.clock.now()
+        return sum(
+            1
+            for index, held in self._leases.items()
+            if held.trainer == trainer and held.expires > now and self._needed.get(index)
+        )
+
+    def renew(self, trainer: str, indices: Iterable[int]) -> list[int]:
+        """`trainer` is still working on these: their leases run `lease_timeout_s` from now.
+        A lease that another trainer holds now is not taken back; one that expired but went to
+        nobody is `trainer`'s again. Returns the indices renewed."""
+        now, renewed = self.clock.now(), []
+        for index in indices:
+            held = self._leases.get(index)
+            if held is None or held.trainer != trainer or not self._needed.get(index):
+                continue  # released, reported, or leased to another: no longer this trainer's
+            held.expires = now + self.lease_timeout_s
+            renewed.append(index)
+        return renewed
+
+    def returned(self) -> list[int]:
+        """Microbatches given back (released, reported without some of their stages) whose
+        receipts have not been checked since: a Backward that timed out at its trainer may have
+        landed on a replica all the same. (An expired lease's microbatch goes out at once: with
+        renewals, its trainer is gone, and a straggler's receipt there voids its replica.)"""
+        now = self.clock.now()
+        return sorted(
+            index
+            for index in self._returned
+            if self._needed[index]
+            and not ((held := self._leases.get(index)) and held.expires > now)
+        )
+
+    def checked(self, indices: Iterable[int]) -> None:
+        """The members' receipts of these were looked at: they may be leased again."""
+        self._returned.difference_update(indices)
+
+    def adopt(
+        self, stage: int, peer: str, receipts: Iterable[int], among: Collection[int], samples: int
+    ) -> list[int]:
+        """`peer` holds receipts at `stage` for `receipts`: each one of `among` that the ledger
+        still needs there, with no live lease, becomes `peer`'s holding (its gradient is the one
+        a replay would add there, so accepting it is exact). Returns the indices adopted."""
+        now, adopted = self.clock.now(), []
+        for index in receipts:
+            held = self._leases.get(index)
+            if (
+                index not in among
+                or stage not in self._needed.get(index, ())
+                or (held is not None and held.expires > now)
+            ):
+                continue
+            self._holders[(index, stage)] = peer
+            self._needed[index].discard(stage)
+            self._samples.setdefault(index, samples)
+            adopted.append(index)
+        return adopted
 
     def report(
         self,
@@ -76,7 +160,13 @@ class StepLedger:
     ) -> list[Holding]:
         """Record that `holders[stage]` accumulated microbatch `index` at `stage`. Returns the
         replicas that now hold a gradient that must not count (someone else's was accepted first).
-        Reports of another step are ignored."""
+        Reports of another step are ignored. A sample count other than `microbatch_size` is
+        refused (InvalidArgument) before anything is recorded."""
+        if self.microbatch_size is not None and samples != self.microbatch_size:
+            raise InvalidArgument(
+                f"microbatch ({step}, {index}) reported {samples} samples; every microbatch has "
+                f"training.microbatch_size = {self.microbatch_size}"
+            )
         if step != self.step or index not in self._needed:
             return []
         extras = []
@@ -93,6 +183,8 @@ class StepLedger:
         lease = self._leases.get(index)
         if lease and lease.trainer == trainer:
             del self._leases[index]
+            if self._needed[index]:  # stages left out (unsure where they landed): given back
+                self._returned.add(index)
         return extras
 
     def release(self, trainer: str, indices: Iterable[int] | None = None) -> None:
@@ -100,6 +192,7 @@ class StepLedger:
         for index, lease in list(self._leases.items()):
             if lease.trainer == trainer and (indices is None or index in set(indices)):
                 del self._leases[index]
+                self._returned.add(index)
 
     # -- replicas -------------------------------------------------------------------------------
     def lose(self, peer: str, stage: int | None = None) -> list[int]:
@@ -111,6 +204,9 @@ class StepLedger:
                 del self._holders[(index, s)]
                 self._needed[index].add(s)
                 lost.append(index)
+        # Replays of a lost gradient go out at once: no late receipt of theirs is worth waiting
+        # for, and the lost replica's own receipts (a void not yet landed) must not be adopted.
+        self._returned.difference_update(lost)
         return sorted(set(lost))
 
     def holdings(self, stage: int) -> dict[str, list[int]]:
@@ -138,6 +234,7 @@ class StepLedger:
         return sum(self._samples.values())
 
     def loss(self) -> float:
-        """Mean over the step's samples of each sample's mean token loss."""
-        total = self.samples()
+        """Mean over the step's samples of each sample's mean token loss (over the microbatches
+        whose loss is known: one whose last stage was adopted from a late receipt has none)."""
+        total = sum(self._samples.get(index, 0) for index in self._loss)
         return sum(self._loss.values()) / total if total else float("nan")

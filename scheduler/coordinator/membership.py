@@ -75,6 +75,36 @@ class Membership:
             if isinstance(info, BaseException) or info.step != step:
                 self.drop(r.peer)
 
+    async def readmit(self, step: int) -> bool:
+        """Before a stage is declared lost: a replica left out for a missed deadline that answers
+        at `step` (the coordinator's; after an APPLY the step just applied moved it there) still
+        holds its stage's state, so it becomes a member again. Its gradients of `step` no longer
+        count in the ledger: they are discarded (and replayed) first. Only stages with no member
+        are looked at: elsewhere a laggard copies a member at the boundary. Returns whether every
+        stage has a member now."""
+        members, current = self.members(), self.replicas()
+        candidates = [(k, r) for k, stage in enumerate(members) if not current[k] for r in stage]
+        infos = await asyncio.gather(
+            *(self.clients.get(k, r).info() for k, r in candidates), return_exceptions=True
+        )
+        for (stage, r), info in zip(candidates, infos, strict=True):
+            if isinstance(info, BaseException):
+                log.info("stage %d: %s does not answer: %r", stage, r.peer, info)
+                continue
+            if (info.job, info.stage, info.step) != (self.job_id, stage, step):
+                continue  # restarted empty, or serving something else: it does not hold it
+            ledger = self.ledger()
+            if ledger is not None and ledger.step == step:
+                self.metrics.replays.inc(len(ledger.lose(r.peer, stage)))
+            try:
+                await self.clients.get(stage, r).discard(step)
+            except SwarmError as e:
+                log.warning("stage %d: %s not re-admitted (discard failed): %s", stage, r.peer, e)
+                continue
+            log.warning("stage %d: %s answers at step %d: re-admitted", stage, r.peer, step)
+            self.synced.add(r.peer)
+        return all(self.replicas())
+
     async def sync(self, step: int) -> None:
         """At a step boundary: replicas not yet known to be at `step` copy a member of their
         stage (parameters, optimizer state, step) and become members."""
@@ -122,19 +152,27 @@ class Membership:
     async def reconcile(self) -> int:
         """Bring every replica to the newest step, and return it. A coordinator that died while
         applying a step leaves some replicas a step behind with the step prepared: applying it
-        is exact. Other laggards (new replicas, restarted ones) copy a member at that step.
-        Stages left with no member are the caller's to recover."""
+        is exact. Other laggards (new replicas, restarted ones) copy a member at that step. One
+        that does not answer is left out (it rejoins at a boundary), not a reason to fail the
+        start. Stages left with no member are the caller's to recover."""
+        pairs = [(k, r) for k, stage in enumerate(self.members()) for r in stage]
+        answers = await asyncio.gather(
+            *(self.clients.get(k, r).info() for k, r in pairs), return_exceptions=True
+        )
         infos: list[tuple[int, Replica, pb.StageInfoResponse]] = []
-        for stage, replicas in enumerate(self.members()):
-            for r in replicas:
-                info = await self.clients.get(stage, r).info()
-                if info.job != self.job_id or info.stage != stage:
-                    raise SwarmError(
-                        f"{r.address} serves job {info.job!r} stage {info.stage}; "
-                        f"expected job {self.job_id!r} stage {stage} "
-                        f"(same job file on both sides?)"
-                    )
-                infos.append((stage, r, info))
+        for (stage, r), info in zip(pairs, answers, strict=True):
+            if isinstance(info, SwarmError):
+                log.warning("stage %d: %s does not answer: left out (%s)", stage, r.peer, info)
+                continue
+            if isinstance(info, BaseException):
+                raise info  # a bug, not a replica's state
+            if info.job != self.job_id or info.stage != stage:
+                raise SwarmError(
+                    f"{r.address} serves job {info.job!r} stage {info.stage}; "
+                    f"expected job {self.job_id!r} stage {stage} "
+                    f"(same job file on both sides?)"
+                )
+            infos.append((stage, r, info))
         target = max((info.step for _, _, info in infos), default=0)
         at_target = set()
         for stage, r, info in infos:

@@ -31,8 +31,17 @@ class Recovery:
         return bool(self.directory and every and step % every == 0)
 
     async def save(self, step: int, members: list[list[Replica]]) -> None:
-        """Save every stage's state at `step` (from one member each), then seal it."""
+        """Save every stage's state at `step` (from one member each), then seal it. A write
+        that fails raises `OSError` (`checkpoint.CheckpointError`) with the unsealed files
+        removed: the caller skips this checkpoint, and a rollback uses the last sealed one."""
         assert self.directory is not None
+        try:
+            await self._save(self.directory, step, members)
+        except OSError:
+            await asyncio.to_thread(checkpoint.discard, self.directory, step)
+            raise
+
+    async def _save(self, directory: Path, step: int, members: list[list[Replica]]) -> None:
         for stage, replicas in enumerate(members):
             for r in replicas:  # the first member that answers
                 try:
@@ -41,15 +50,14 @@ class Recovery:
                     log.warning("checkpoint %d: %s did not answer: %r", step, r.peer, e)
                     continue
                 if got == step:
-                    await asyncio.to_thread(
-                        checkpoint.save_stage, self.directory, step, stage, state
-                    )
+                    await asyncio.to_thread(checkpoint.save_stage, directory, step, stage, state)
                     break
             else:
                 log.warning("checkpoint %d skipped: no replica of stage %d answered", step, stage)
+                await asyncio.to_thread(checkpoint.discard, directory, step)  # never sealed
                 return
-        await asyncio.to_thread(checkpoint.seal, self.directory, step, self.job.training.stages)
-        log.info("checkpoint of step %d written to %s", step, self.directory)
+        await asyncio.to_thread(checkpoint.seal, directory, step, self.job.training.stages)
+        log.info("checkpoint of step %d written to %s", step, directory)
 
     def latest(self) -> int:
         """The step to roll back to: the last sealed checkpoint's, else 0."""

@@ -136,9 +136,10 @@ class ReplicaClients:
     """One connection per (peer, stage, address): a peer moved by rebalancing serves another
     stage, and a peer restarted under its name may listen elsewhere."""
 
-    def __init__(self, factory: ReplicaFactory) -> None:
-        self.factory = factory
+    def __init__(self, factory: ReplicaFactory, grace_s: float = 0.0) -> None:
+        self.factory, self.grace_s = factory, grace_s
         self._open: dict[tuple[str, int, str], StageReplica] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def get(self, stage: int, replica: Replica) -> StageReplica:
         key = (replica.peer, stage, replica.address)
@@ -151,9 +152,21 @@ class ReplicaClients:
         moved, or restarted elsewhere), so the cache holds the current members only."""
         current = {(r.peer, k, r.address) for k, stage in enumerate(members) for r in stage}
         stale = [self._open.pop(key) for key in list(self._open) if key not in current]
-        await asyncio.gather(*(c.close() for c in stale), return_exceptions=True)
+        if stale:
+            # Closing a channel cancels its calls in flight (a void's Discard, an export's
+            # download): let them run to their deadlines first.
+            task = asyncio.create_task(self._close_after(stale, self.grace_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_after(clients: list[StageReplica], delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
 
     async def close(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
         clients, self._open = list(self._open.values()), {}
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
 

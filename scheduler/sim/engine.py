@@ -20,6 +20,7 @@ from typing import Any
 
 from scheduler.sim.meter import Meter
 from scheduler.sim.model import (
+    SEED_PREFIX,
     PeerState,
     SimClock,
     SimConfig,
@@ -48,7 +49,7 @@ class Simulation:
         self.config = config
         self.clock = SimClock()
         seed, stages = config.seed, config.stages
-        self._churn = random.Random(f"scheduler.sim/{seed}/churn")
+        self._churn = random.Random(f"{SEED_PREFIX}/{seed}/churn")
         self._affinity = class_affinity(config)
         self._samples = config.task_samples
         hops = range(2 * stages - 1)
@@ -58,7 +59,7 @@ class Simulation:
             Wiring(
                 stages,
                 clock=self.clock,
-                rng=random.Random(f"scheduler.sim/{seed}/wiring/{i}"),
+                rng=random.Random(f"{SEED_PREFIX}/{seed}/wiring/{i}"),
                 config=config.wiring,
                 task_samples=config.task_samples,
             )

@@ -31,6 +31,7 @@ from swarm.config import RebalanceConfig
 from swarm.errors import ConfigError
 
 __all__ = [
+    "SEED_PREFIX",
     "PeerState",
     "SimClock",
     "SimConfig",
@@ -42,6 +43,9 @@ __all__ = [
     "new_peer",
 ]
 
+# The random streams are named from this, as they were when the simulator lived in `swarm.sim`:
+# a moved module must not change what `swarm simulate --seed N` gives (docs quote its figures).
+SEED_PREFIX = "swarm.sim"
 Policy = Literal["none", "swarm"]
 #: (name, speed relative to the slowest class, share of peers)
 SpeedClass = tuple[str, float, float]
@@ -231,7 +235,7 @@ def hop_work(hop: int, stages: int, forward_share: float) -> float:
 
 def class_affinity(config: SimConfig) -> list[list[float]]:
     """Each class's speed factor on each stage, a function of the seed."""
-    rng = random.Random(f"scheduler.sim/{config.seed}/classes")
+    rng = random.Random(f"{SEED_PREFIX}/{config.seed}/classes")
     sigma = config.class_stage_jitter
     return [[rng.lognormvariate(0.0, sigma) for _ in config.costs] for _ in config.speed_classes]
 

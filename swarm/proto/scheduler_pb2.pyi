@@ -140,15 +140,27 @@ class LeaseTask(_message.Message):
     stages: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class MicrobatchRef(_message.Message):
+    __slots__ = ("step", "index")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    index: int
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
 class SchedulerLeaseMicrobatchesRequest(_message.Message):
-    __slots__ = ("job", "trainer", "count")
+    __slots__ = ("job", "trainer", "count", "wait_s", "working")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    WORKING_FIELD_NUMBER: _ClassVar[int]
     job: str
     trainer: str
     count: int
-    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+    wait_s: float
+    working: _containers.RepeatedCompositeFieldContainer[MicrobatchRef]
+    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., count: _Optional[int] = ..., wait_s: _Optional[float] = ..., working: _Optional[_Iterable[_Union[MicrobatchRef, _Mapping]]] = ...) -> None: ...
 
 class SchedulerLeaseMicrobatchesResponse(_message.Message):
     __slots__ = ("step", "tasks", "replicas", "done")

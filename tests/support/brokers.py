@@ -18,6 +18,7 @@ from pathlib import Path
 from tests.support.ports import free_port
 
 __all__ = [
+    "BUNDLED_ACL",
     "MOSQUITTO",
     "START_TIMEOUT_S",
     "STOP_TIMEOUT_S",
@@ -27,6 +28,9 @@ __all__ = [
 ]
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+BUNDLED_ACL = Path(__file__).resolve().parents[2] / "examples" / "mosquitto" / "acl"
+"""The ACL the project ships for Mosquitto; tests run it as is."""
 START_TIMEOUT_S = 10.0
 """How long a broker may take to accept connections."""
 STOP_TIMEOUT_S = 5.0
@@ -54,13 +58,23 @@ class Mosquitto:
     """A Mosquitto broker on 127.0.0.1:`port` with a generated config under `workdir`.
 
     Anonymous access, no persistence; `stop()` then `start()` restarts it on the same port.
+    With `users` (username -> password) only they may connect; with `acl` the bundled ACL
+    (`examples/mosquitto/acl`: each peer publishes only its own topics) applies.
     """
 
     host = "127.0.0.1"
 
-    def __init__(self, workdir: Path, port: int = 0) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int = 0,
+        *,
+        acl: bool = False,
+        users: dict[str, str] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.port = port or free_port(self.host)
+        self.acl, self.users = acl, dict(users or {})
         self._proc: subprocess.Popen[bytes] | None = None
         self._starts = 0
 
@@ -75,10 +89,21 @@ class Mosquitto:
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "mosquitto.conf"
         log_path = self.workdir / f"mosquitto-{self._starts}.log"
+        access = "allow_anonymous true\n"
+        if self.users:
+            passwords = self.workdir / "passwd"
+            passwords.write_text("")
+            for user, password in self.users.items():
+                subprocess.run(
+                    [MOSQUITTO_PASSWD, "-b", str(passwords), user, password],
+                    check=True,
+                    capture_output=True,
+                )
+            access = f"allow_anonymous false\npassword_file {passwords}\n"
+        if self.acl:
+            access += f"acl_file {BUNDLED_ACL}\n"
         config.write_text(
-            f"listener {self.port} {self.host}\n"
-            "allow_anonymous true\n"
-            "persistence false\n"
+            f"listener {self.port} {self.host}\n" + access + "persistence false\n"
             "log_dest stderr\n"
             # Started as root, mosquitto would switch to user "mosquitto"; stay who we are.
             f"user {pwd.getpwuid(os.getuid()).pw_name}\n"

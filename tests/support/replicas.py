@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from swarm.errors import FailedPrecondition
+from swarm.errors import Aborted, FailedPrecondition
 from swarm.lease import Replica
 from swarm.proto import stage_pb2 as pb
 
@@ -53,6 +53,7 @@ class FakeReplica:
         self.calls: list[tuple[str, Any]] = []
         self.gates: dict[str, Gate] = {}
         self.failures: dict[str, list[BaseException]] = {}
+        self.unreachable: set[str] = set()  # addresses whose PoolService this one cannot reach
         self.closed = 0
 
     @property
@@ -67,6 +68,11 @@ class FakeReplica:
     def fail(self, method: str, *errors: BaseException) -> None:
         """The next calls of `method` raise these, one each."""
         self.failures.setdefault(method, []).extend(errors)
+
+    def cannot_reach(self, *others: FakeReplica) -> None:
+        """From now on, every round whose group holds one of `others` aborts here, naming them
+        (as a real replica's averaging names the members it could not reach)."""
+        self.unreachable.update(o.address for o in others)
 
     def accumulate(self, index: int) -> None:
         """A trainer's Backward added microbatch `index`'s gradient here."""
@@ -111,6 +117,9 @@ class FakeReplica:
         await self._enter("prepare", args)
         if step != self.step or sorted(self.receipts) != sorted(microbatches):
             raise FailedPrecondition(f"{self.peer} holds {sorted(self.receipts)} at {self.step}")
+        missing = [i for i, address in enumerate(group) if address in self.unreachable]
+        if missing:
+            raise Aborted(f"{self.peer}: round {round} aborted: cannot reach {missing}", missing)
         self.prepared = args
 
     async def apply(self, step: int) -> None:

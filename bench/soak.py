@@ -1,0 +1,914 @@
+"""Soak: a whole swarm trained for a set time under a seeded chaos schedule, its processes'
+resources sampled throughout, and the result checked against `swarm local`.
+
+    .venv/bin/python bench/soak.py [--minutes 30] [--seed 0] [--peers 7] [--kill-stage] [--json]
+
+It starts, on loopback only and each in its own process group, a Mosquitto broker, a scheduler
+using it (fixed ports, so a restart is found at the same address), `--peers` stage servers and a
+remote trainer besides the scheduler's embedded one, then submits a float64 tiny job with more
+steps than the run can do (`checkpoint_every` set, so a rollback has checkpoints). One chaos event
+at a time, every `--chaos-every` seconds on average, once the previous one has settled (the job
+committed `settle` steps after it, every peer serving again); events come in rounds of two kills,
+two stops, one broker and one scheduler restart, each round in a seeded random order:
+
+* SIGKILL a peer, restart it (same peer id) a few seconds later;
+* SIGSTOP a peer for longer than every deadline of the job and the scheduler's load silence,
+  then SIGCONT;
+* restart the broker (SIGTERM, then again on the same port);
+* SIGKILL the scheduler and restart it on the same store, ports and checkpoints (only in the
+  first 60% of the run, so the last scheduler lives long enough for its growth to be judged).
+
+A peer is only chosen from a stage with at least two serving replicas, so no stage ever loses all
+of them; `--kill-stage` adds one deliberate whole-stage SIGKILL halfway (one rollback expected).
+
+Every `--sample-every` seconds each process's RSS, open descriptors (`/proc/PID/fd`) and threads
+are sampled. Growth is judged per process instance that lived long enough: after its warm-up
+(`--warmup` of the run, counted from the run's and the instance's start), the mean of its last
+window (`--window` of the run) over the mean of its first; the worst instance of each role is
+printed. At the end the job is exported (the parameters at one step) and compared with
+`swarm.reference.train_local` (what `swarm local` runs) for that many steps; a job that ends is
+checked the same way and a new one submitted. Targets, each a PASS/FAIL line: memory and
+descriptors (and threads) within 10% after warm-up, the result within 1e-9, no rollback beyond
+the deliberate stage kills, and progress (no job failed, no stall over `--max-stall-s`).
+
+Everything started is stopped on exit, on Ctrl-C or SIGTERM as well; logs stay in the work
+directory (printed) when a target fails or with `--keep`, with every sample in samples.json.
+The reference is trained after the swarm is stopped (about 0.1 CPU-second per step here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import pwd
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from client.sdk import SchedulerClient  # noqa: E402
+from swarm.config import load_job  # noqa: E402
+from swarm.lifecycle import parse_ready  # noqa: E402
+from swarm.procs import SwarmProcess  # noqa: E402
+from swarm.reference import train_local  # noqa: E402
+from swarm.states import job_state_name  # noqa: E402
+
+HOST = "127.0.0.1"
+MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+TOL = 1e-9  # float64: only the order of additions differs
+GROWTH_LIMIT = 1.10
+# Deadlines of the job and the scheduler: a SIGSTOPped peer is held past all of them.
+RUNTIME = {
+    "rpc_timeout_s": 10.0,
+    "averaging_timeout_s": 10.0,
+    "commit_timeout_s": 15.0,
+    "lease_timeout_s": 10.0,
+}
+LOAD_SILENCE_S = 4.0
+LOST_STAGE_GRACE_S = 10.0
+HOLD_S = max(*RUNTIME.values(), LOAD_SILENCE_S) + 5.0
+JOB = """name = "{name}"
+[model]
+kind = "gpt"
+vocab_size = 64
+d_model = 32
+n_layers = 2
+n_heads = 2
+seq_len = 16
+[data]
+kind = "synthetic"
+[training]
+stages = {stages}
+microbatch_size = 4
+target_batch_size = 16
+steps = {steps}
+seed = {seed}
+dtype = "float64"
+checkpoint_every = {checkpoint_every}
+[optimizer]
+kind = "adamw"
+lr = 1e-2
+weight_decay = 0.01
+[compression]
+wire = "none"
+[runtime]
+{runtime}
+"""
+# Each round of the chaos schedule: these events in a seeded random order.
+ROUND = ("kill", "kill", "stop", "stop", "broker", "scheduler")
+
+
+def say(msg: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+# -- processes ------------------------------------------------------------------------------------
+@dataclass
+class Instance:
+    """One process the soak started: its role, name, and what was sampled from it."""
+
+    role: str
+    name: str
+    proc: SwarmProcess
+    started: float
+    samples: list[tuple[float, float, int, int]] = field(
+        default_factory=list
+    )  # t, rss MiB, fds, thr
+    stopped: bool = False  # SIGSTOPped now
+
+    @property
+    def pid(self) -> int:
+        return self.proc.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)  # its own session: pgid == pid
+
+    def kill(self) -> None:
+        self.signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.proc.wait(10)
+
+    def sample(self, t: float) -> None:
+        try:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+            fds = len(os.listdir(f"/proc/{self.pid}/fd"))
+        except OSError:
+            return
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        rss = int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
+        self.samples.append((t, rss, fds, int(fields.get("Threads", "0"))))
+
+
+class Procs:
+    """Every process of the run, started in its own session so its whole group can be signalled."""
+
+    def __init__(self, work: Path, env: dict[str, str]) -> None:
+        self.work, self.env, self.all, self.count = work, env, list[Instance](), 0
+
+    def start(self, role: str, name: str, argv: list[str], swarm: bool = True) -> Instance:
+        self.count += 1
+        log_path = self.work / f"{self.count:03d}-{name}.log"
+        cmd = [sys.executable, "-m", "swarm.cli", *argv] if swarm else argv
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        inst = Instance(role, name, SwarmProcess(argv, proc, log_path), time.monotonic())
+        self.all.append(inst)
+        return inst
+
+    def live(self) -> list[Instance]:
+        return [i for i in self.all if i.alive()]
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        for i in self.live():
+            i.signal_group(signal.SIGCONT)
+            i.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for i in self.all:
+            try:
+                i.proc.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                i.kill()
+
+
+def ready_line(inst: Instance) -> dict[str, str] | None:
+    """Its ready line's fields once it printed one (non-blocking); raises if it exited first."""
+    if not inst.proc.ready:
+        for line in inst.proc.log().splitlines():
+            fields = parse_ready(line)
+            if fields is not None:
+                inst.proc.ready = fields
+                break
+        else:
+            if not inst.alive():
+                raise RuntimeError(f"{inst.name} exited:\n{inst.proc.log()[-2000:]}")
+            return None
+    return inst.proc.ready
+
+
+def wait_ready(inst: Instance, timeout: float) -> dict[str, str]:
+    return inst.proc.wait_ready(timeout)
+
+
+def start_mosquitto(procs: Procs, port: int) -> Instance:
+    conf = procs.work / "mosquitto.conf"
+    conf.write_text(
+        f"listener {port} {HOST}\nallow_anonymous true\npersistence false\nlog_dest stderr\n"
+        f"user {pwd.getpwuid(os.getuid()).pw_name}\n"  # as root it would switch to "mosquitto"
+    )
+    inst = procs.start("broker", "mosquitto", [MOSQUITTO, "-c", str(conf)], swarm=False)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5):
+                return inst
+        except OSError:
+            if not inst.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"mosquitto did not start:\n{inst.proc.log()[-2000:]}") from None
+            time.sleep(0.05)
+
+
+# -- the scheduler's view -------------------------------------------------------------------------
+def job_status(address: str, job: str) -> Any | None:
+    async def get() -> Any:
+        async with SchedulerClient(address, timeout_s=5.0) as client:
+            return await client.get(job)
+
+    try:
+        return asyncio.run(get())
+    except Exception:  # a scheduler restarting: no view this time
+        return None
+
+
+def submit(address: str, path: Path) -> str:
+    async def go() -> str:
+        async with SchedulerClient(address, timeout_s=30.0) as client:
+            return str((await client.submit(path)).job)
+
+    return asyncio.run(go())
+
+
+def export(address: str, job: str, out: Path) -> int:
+    async def go() -> int:
+        async with SchedulerClient(address, timeout_s=30.0, export_timeout_s=180.0) as client:
+            return await client.export(job, out)
+
+    return asyncio.run(go())
+
+
+def rollbacks_metric(metrics_port: int, job: str) -> float | None:
+    try:
+        url = f"http://{HOST}:{metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return None
+    m = re.search(rf'swarm_coordinator_rollbacks_total\{{job="{job}"\}} (\S+)', text)
+    return float(m[1]) if m else 0.0
+
+
+def serving(status: Any) -> dict[int, set[str]]:
+    """Peers serving each stage, as the scheduler sees them."""
+    return {
+        s.stage: {r.peer for r in s.replicas if r.state == 2}  # PEER_STATE_SERVING
+        for s in status.stages
+    }
+
+
+# -- the soak -------------------------------------------------------------------------------------
+class Soak:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args, self.work = args, work
+        self.rng = random.Random(args.seed)
+        self.duration = args.minutes * 60.0
+        self.procs = Procs(work, {"SWARM_CACHE_DIR": str(work / "cache")})
+        self.broker_port, self.port, self.metrics_port = free_port(), free_port(), free_port()
+        self.broker_url = f"mqtt://{HOST}:{self.broker_port}"
+        self.address = f"{HOST}:{self.port}"
+        self.broker: Instance | None = None
+        self.scheduler: Instance | None = None
+        self.trainer: Instance | None = None
+        self.peers: dict[str, Instance] = {}
+        self.events: list[dict[str, Any]] = []
+        self.checks: list[dict[str, Any]] = []
+        self.problems: list[str] = []
+        self.jobs: list[tuple[str, Path]] = []
+        self.rollback_metric: dict[tuple[int, str], float] = {}  # (scheduler pid, job) -> count
+        self.stage_kills = 0
+        self.commits, self.last_commit_at = 0, 0.0
+        self.last_step: int | None = None  # the job's step at the last poll
+        self.longest_stall, self.trainer_exits = 0.0, 0
+        self.t0 = 0.0
+        self.commits_at_warmup: tuple[float, int] | None = None
+        self.end_t: float | None = None
+        self.first_step_s: float | None = None
+        self.harness_error: str | None = None
+        self.bag: list[str] = []
+
+    # -- starting -------------------------------------------------------------------------------
+    def scheduler_argv(self) -> list[str]:
+        return [
+            "--log-level",
+            "INFO",
+            "scheduler",
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--broker",
+            self.broker_url,
+            "--store",
+            str(self.work / "jobs.sqlite"),
+            "--checkpoint-dir",
+            str(self.work / "ckpt"),
+            "--load-silence-s",
+            str(LOAD_SILENCE_S),
+            "--lost-stage-grace-s",
+            str(LOST_STAGE_GRACE_S),
+        ]
+
+    def start_peer(self, name: str) -> Instance:
+        argv = ["stage-server", "--broker", self.broker_url, "--host", HOST, "--port", "0"]
+        argv += ["--metrics-port", "0", "--throttle", str(self.args.throttle), "--peer", name]
+        self.peers[name] = self.procs.start("peer", name, argv)
+        return self.peers[name]
+
+    def start_trainer(self, job: str) -> None:
+        argv = ["trainer", "--scheduler", self.address, "--job", job, "--broker", self.broker_url]
+        self.trainer = self.procs.start("trainer", f"trainer-{job}", argv)
+
+    def new_job(self) -> None:
+        n = len(self.jobs) + 1
+        path = self.work / f"soak-{n}.toml"
+        runtime = "\n".join(f"{k} = {v}" for k, v in RUNTIME.items())
+        path.write_text(
+            JOB.format(
+                name=f"soak-{n}",
+                stages=self.args.stages,
+                steps=self.args.steps,
+                seed=self.args.seed,
+                checkpoint_every=self.args.checkpoint_every,
+                runtime=runtime,
+            )
+        )
+        job = submit(self.address, path)
+        self.jobs.append((job, path))
+        self.last_step = None
+        self.start_trainer(job)
+        say(f"submitted job {job} ({self.args.steps} steps); remote trainer started")
+
+    def start(self) -> None:
+        self.broker = start_mosquitto(self.procs, self.broker_port)
+        self.scheduler = self.procs.start("scheduler", "scheduler", self.scheduler_argv())
+        wait_ready(self.scheduler, 120)
+        for k in range(self.args.peers):
+            self.start_peer(f"peer{k}")
+        for p in self.peers.values():
+            wait_ready(p, 300)
+        say(f"broker {self.broker_url}, scheduler {self.address}, {len(self.peers)} peers ready")
+
+    # -- observing ------------------------------------------------------------------------------
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def observe(self) -> Any | None:
+        t = time.monotonic()
+        for inst in self.procs.live():
+            inst.sample(t)
+        job, _ = self.jobs[-1]
+        assert self.scheduler is not None
+        value = rollbacks_metric(self.metrics_port, job)
+        if value is not None:
+            self.rollback_metric[self.scheduler.pid, job] = value
+        status = job_status(self.address, job)
+        if status is not None:
+            step = int(status.step)
+            if self.last_step is not None and step > self.last_step:
+                if self.first_step_s is None:
+                    self.first_step_s = t - self.t0
+                self.commits += step - self.last_step
+                self.last_commit_at = t
+            self.last_step = step  # lower after a rollback: counting goes on from there
+        if self.first_step_s is not None:  # placing the first job is not a stall
+            self.longest_stall = max(self.longest_stall, t - self.last_commit_at)
+        if self.commits_at_warmup is None and self.now() >= self.args.warmup * self.duration:
+            self.commits_at_warmup = (t, self.commits)
+        if self.trainer is not None and not self.trainer.alive():
+            rc = self.trainer.proc.proc.returncode
+            if status is None or status.state not in (4, 5, 6):  # not over: train again
+                self.trainer_exits += 1
+                tail = self.trainer.proc.log()[-600:].strip().splitlines()[-3:]
+                self.problems.append(f"remote trainer exited rc={rc} mid-job: {tail}")
+                say(f"remote trainer exited rc={rc} mid-job; starting another")
+                self.start_trainer(job)
+            else:
+                self.trainer = None
+        return status
+
+    # -- chaos ----------------------------------------------------------------------------------
+    def pick_kind(self) -> str:
+        """The next event of the round (a new round, shuffled, once one is done); no scheduler
+        restart after 60% of the run, so the last scheduler is long-lived enough to judge."""
+        while True:
+            if not self.bag:
+                self.bag = list(ROUND)
+                self.rng.shuffle(self.bag)
+            kind = self.bag.pop()
+            if kind != "scheduler" or self.now() <= 0.6 * self.duration:
+                return kind
+
+    def pick_victim(self, status: Any | None) -> str | None:
+        """A peer whose stage keeps at least one other serving replica that is up."""
+        if status is None:
+            return None
+        up = {n for n, p in self.peers.items() if p.alive() and not p.stopped}
+        choices = []
+        for peers in serving(status).values():
+            live = sorted(peers & up)
+            if len(live) >= 2:
+                choices += live
+        return self.rng.choice(choices) if choices else None
+
+    def settled(self, event: dict[str, Any], status: Any | None) -> bool:
+        if status is None or self.commits < event["commits"] + self.args.settle:
+            return False
+        if status.state not in (3,):  # RUNNING
+            return False
+        everyone = set().union(*serving(status).values())
+        return all(n in everyone for n, p in self.peers.items() if p.alive())
+
+    def chaos(self, event: dict[str, Any] | None, status: Any | None) -> dict[str, Any] | None:
+        """Advance the chaos schedule by one tick; returns the event in progress (or None)."""
+        now = self.now()
+        if event is None:
+            return None
+        phase = event["phase"]
+        if phase == "wait":
+            if now < event["at"]:
+                return event
+            kind = event.get("kind") or self.pick_kind()
+            if kind in ("kill", "stop"):
+                victim = self.pick_victim(status)
+                if victim is None:  # no stage has two replicas up now
+                    kind = "broker"
+                else:
+                    event["peer"] = victim
+            event.update(kind=kind, t=round(now, 1))
+            self.begin(event)
+            return event
+        if phase == "down" and now >= event["until"]:
+            for name in event["peers"]:
+                self.start_peer(name)
+            event["phase"], event["until"] = "starting", now + 300
+        elif phase == "held" and now >= event["until"]:
+            peer = self.peers[event["peer"]]
+            peer.signal_group(signal.SIGCONT)
+            peer.stopped = False
+            say(f"SIGCONT {event['peer']}")
+            event["phase"], event["commits"], event["until"] = "settle", self.commits, now + 180
+        elif phase == "starting":
+            pending = [self.peers[n] for n in event.get("peers", [])]
+            pending += [self.scheduler] if event["kind"] == "scheduler" and self.scheduler else []
+            try:
+                ready = all(ready_line(p) is not None for p in pending)
+            except RuntimeError as e:
+                self.problems.append(f"{event['kind']} restart failed: {str(e)[-800:]}")
+                say(f"restart failed: {str(e)[-400:]}")
+                ready = False
+                event["until"] = now  # give up on it
+            if ready:
+                event["phase"], event["commits"], event["until"] = "settle", self.commits, now + 180
+            elif now >= event["until"]:
+                self.problems.append(f"{event['kind']} at t={event['t']}s: not ready in time")
+                return self.next_event()
+        elif phase == "settle":
+            if self.settled(event, status):
+                event["settled_s"] = round(now - event["t"], 1)
+                say(f"settled after {event['settled_s']}s")
+                return self.next_event()
+            if now >= event["until"]:
+                event["settled_s"] = None
+                self.problems.append(f"{event['kind']} at t={event['t']}s did not settle in 180s")
+                say("did not settle in 180s; going on")
+                return self.next_event()
+        return event
+
+    def next_event(self, kind: str | None = None) -> dict[str, Any]:
+        gap = self.rng.uniform(0.5, 1.5) * self.args.chaos_every
+        return {"phase": "wait", "at": self.now() + gap, "kind": kind}
+
+    def begin(self, event: dict[str, Any]) -> None:
+        kind, now = event["kind"], self.now()
+        self.events.append(event)
+        if kind == "kill":
+            self.peers[event["peer"]].kill()
+            say(f"t={now:.0f}s SIGKILL {event['peer']}")
+            event.update(phase="down", until=now + self.args.down_s, peers=[event["peer"]])
+        elif kind == "stop":
+            peer = self.peers[event["peer"]]
+            peer.signal_group(signal.SIGSTOP)
+            peer.stopped = True
+            say(f"t={now:.0f}s SIGSTOP {event['peer']} for {HOLD_S:.0f}s")
+            event.update(phase="held", until=now + HOLD_S)
+        elif kind == "broker":
+            assert self.broker is not None
+            say(f"t={now:.0f}s restarting the broker")
+            self.broker.signal_group(signal.SIGTERM)
+            try:
+                self.broker.proc.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.broker.kill()
+            time.sleep(1.0)
+            self.broker = start_mosquitto(self.procs, self.broker_port)
+            event.update(phase="settle", commits=self.commits, until=now + 180)
+        elif kind == "scheduler":
+            assert self.scheduler is not None
+            say(f"t={now:.0f}s SIGKILL the scheduler, restarting it")
+            self.scheduler.kill()
+            self.scheduler = self.procs.start("scheduler", "scheduler", self.scheduler_argv())
+            event.update(phase="starting", until=now + 120)
+        elif kind == "stage":
+            status = job_status(self.address, self.jobs[-1][0])
+            stages = serving(status) if status is not None else {}
+            stage = max(stages, key=lambda s: len(stages[s])) if stages else 0
+            names = sorted(stages.get(stage, set()) & set(self.peers))
+            for name in names:
+                self.peers[name].kill()
+            self.stage_kills += 1
+            say(f"t={now:.0f}s SIGKILL every replica of stage {stage}: {names}")
+            event.update(phase="down", until=now + self.args.down_s, peers=names, stage=stage)
+
+    # -- checking -------------------------------------------------------------------------------
+    def export(self, job: str) -> tuple[Path, int] | None:
+        """The job's model at one step, downloaded through the scheduler (`swarm export`)."""
+        out = self.work / f"{job}.pt"
+        try:
+            return out, export(self.address, job, out)
+        except Exception as e:
+            self.problems.append(f"export of {job} failed: {e}")
+            say(f"export of {job} failed: {e}")
+            self.checks.append({"job": job, "step": None, "max_abs_diff": None})
+            return None
+
+    def check(self, job: str, path: Path, exported: tuple[Path, int] | None) -> None:
+        """The exported model against `swarm local`'s for as many steps."""
+        if exported is None:
+            return
+        out, step = exported
+        state = torch.load(out)
+        started = time.monotonic()
+        expected = train_local(load_job(path), steps=step).state_dict()
+        diff = 0.0
+        if state.keys() != expected.keys():
+            diff = float("inf")
+            self.problems.append(f"{job}: exported names differ from swarm local's")
+        else:
+            for name, want in expected.items():
+                assert state[name].dtype == torch.float64, (name, state[name].dtype)
+                diff = max(diff, float((state[name] - want).abs().max()))
+        took = time.monotonic() - started
+        self.checks.append(
+            {"job": job, "step": step, "max_abs_diff": diff, "reference_s": round(took, 1)}
+        )
+        say(f"{job} at step {step}: max |swarm - local| = {diff:.3g} (reference {took:.0f}s)")
+
+    # -- the run --------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.start()
+        self.t0 = time.monotonic()
+        self.last_commit_at = self.t0
+        self.new_job()
+        event: dict[str, Any] | None = self.next_event()
+        stage_kill_at = 0.5 * self.duration if self.args.kill_stage else None
+        while self.now() < self.duration:
+            tick = time.monotonic()
+            status = self.observe()
+            if status is not None and status.state in (4, 5, 6):  # succeeded, failed, cancelled
+                job, path = self.jobs[-1]
+                state = job_state_name(status.state)
+                if status.state == 4:
+                    self.check(job, path, self.export(job))
+                else:
+                    self.problems.append(f"job {job} {state} at step {status.step}: {status.error}")
+                    say(f"job {job} {state}: {status.error}")
+                self.new_job()
+            if (
+                stage_kill_at is not None
+                and self.now() >= stage_kill_at
+                and event is not None
+                and event["phase"] == "wait"
+            ):
+                event, stage_kill_at = {"phase": "wait", "at": 0, "kind": "stage"}, None
+            event = self.chaos(event, status)
+            time.sleep(max(0.0, self.args.sample_every - (time.monotonic() - tick)))
+        self.wind_down()
+
+    def wind_down(self) -> None:
+        """Chaos off (stopped peers continued), the last job exported, every process stopped,
+        and only then the reference trained: the swarm's processes would slow it down."""
+        for p in self.peers.values():
+            if p.stopped:
+                p.signal_group(signal.SIGCONT)
+                p.stopped = False
+        self.end_t = self.now()
+        self.observe()
+        job, path = self.jobs[-1]
+        exported = self.export(job)
+        say("stopping every process")
+        self.procs.stop_all()
+        self.check(job, path, exported)
+
+    # -- the report -----------------------------------------------------------------------------
+    def growth(self) -> dict[str, dict[str, Any]]:
+        warm, window = self.args.warmup * self.duration, self.args.window * self.duration
+        start = self.t0 + warm
+        roles: dict[str, dict[str, Any]] = {}
+        for inst in self.procs.all:
+            roles.setdefault(inst.role, {"instances": 0, "judged": 0})
+            roles[inst.role]["instances"] += 1
+            begin = max(start, inst.started + warm)
+            after = [s for s in inst.samples if s[0] >= begin]
+            if len(after) < 4 or after[-1][0] - after[0][0] < 2 * window:
+                continue
+            first = [s for s in after if s[0] < after[0][0] + window]
+            last = [s for s in after if s[0] > after[-1][0] - window]
+            r = roles[inst.role]
+            r["judged"] += 1
+            for k, key in ((1, "rss"), (2, "fds"), (3, "threads")):
+                a = sum(s[k] for s in first) / len(first)
+                b = sum(s[k] for s in last) / len(last)
+                ratio = b / a if a else 1.0
+                if ratio >= r.get(key, (0.0,))[0]:
+                    r[key] = (ratio, inst.name, round(a, 1), round(b, 1))
+        return roles
+
+    def scheduler_notes(self, pattern: str, limit: int = 30) -> list[str]:
+        """Lines of every scheduler's log matching `pattern` (the last `limit`)."""
+        lines = [
+            line[:300]
+            for i in self.procs.all
+            if i.role == "scheduler"
+            for line in i.proc.log().splitlines()
+            if re.search(pattern, line)
+        ]
+        return lines[-limit:]
+
+    def dump_samples(self) -> None:
+        """Every sample of every process, for a closer look (samples.json in the work dir)."""
+        doc = [
+            {
+                "role": i.role,
+                "name": i.name,
+                "pid": i.pid,
+                "log": i.proc.log_path.name,
+                "samples": [  # seconds into the run, RSS MiB, descriptors, threads
+                    [round(t - self.t0, 1), round(rss, 1), fds, thr]
+                    for t, rss, fds, thr in i.samples
+                ],
+            }
+            for i in self.procs.all
+        ]
+        (self.work / "samples.json").write_text(json.dumps(doc))
+
+    def rollbacks(self) -> tuple[int, float]:
+        logged = sum(
+            i.proc.log().count("rolled every stage back")
+            for i in self.procs.all
+            if i.role == "scheduler"
+        )
+        return logged, sum(self.rollback_metric.values())
+
+    def report(self) -> dict[str, Any]:
+        self.dump_samples()
+        growth = self.growth()
+        logged, metric = self.rollbacks()
+        elapsed = self.end_t if self.end_t is not None else self.now()
+        rate = self.commits / elapsed if elapsed else 0.0
+        after = None
+        if self.commits_at_warmup is not None:
+            t, c = self.commits_at_warmup
+            span = self.t0 + elapsed - t
+            after = (self.commits - c) / span if span > 0 else None
+        judged = [(role, g) for role, g in growth.items() if g["judged"]]
+        worst = {
+            key: max((g[key][0] for _, g in judged), default=None)
+            for key in ("rss", "fds", "threads")
+        }
+        diffs = [c["max_abs_diff"] for c in self.checks]
+        failed_jobs = [p for p in self.problems if p.startswith("job ")]
+        targets = {
+            "memory": (
+                worst["rss"] is not None and worst["rss"] <= GROWTH_LIMIT,
+                f"worst RSS growth {fmt(worst['rss'])} (limit {GROWTH_LIMIT})",
+            ),
+            "descriptors": (
+                all(w is not None and w <= GROWTH_LIMIT for w in (worst["fds"], worst["threads"])),
+                f"worst fd growth {fmt(worst['fds'])}, threads {fmt(worst['threads'])} "
+                f"(limit {GROWTH_LIMIT})",
+            ),
+            "result": (
+                bool(diffs) and all(d is not None and d <= TOL for d in diffs),
+                "max |swarm - local| "
+                + ", ".join(
+                    f"{fmt(c['max_abs_diff'], '.3g')} at step {c['step']}" for c in self.checks
+                )
+                + f" (limit {TOL:g})",
+            ),
+            "rollbacks": (
+                logged <= self.stage_kills and metric <= self.stage_kills,
+                f"{logged} logged, {metric:g} counted; {self.stage_kills} whole-stage kills",
+            ),
+            "progress": (
+                not failed_jobs
+                and self.longest_stall <= self.args.max_stall_s
+                and self.commits > 0,
+                f"{self.commits} steps, longest stall {self.longest_stall:.0f}s "
+                f"(limit {self.args.max_stall_s:.0f}s), {len(failed_jobs)} failed jobs",
+            ),
+            "harness": (self.harness_error is None, self.harness_error or "ran to the end"),
+        }
+        return {
+            "minutes": self.args.minutes,
+            "seed": self.args.seed,
+            "peers": self.args.peers,
+            "stages": self.args.stages,
+            "work_dir": str(self.work),
+            "events": [
+                {
+                    k: v
+                    for k, v in e.items()
+                    if k in ("kind", "t", "peer", "peers", "stage", "settled_s")
+                }
+                for e in self.events
+            ],
+            "steps": self.commits,
+            "steps_per_s": rate,
+            "steps_per_s_after_warmup": after,
+            "longest_stall_s": self.longest_stall,
+            "first_step_s": self.first_step_s,
+            "growth": {
+                role: {
+                    "instances": g["instances"],
+                    "judged": g["judged"],
+                    **{
+                        k: {"ratio": g[k][0], "process": g[k][1], "first": g[k][2], "last": g[k][3]}
+                        for k in ("rss", "fds", "threads")
+                        if k in g
+                    },
+                }
+                for role, g in growth.items()
+            },
+            "checks": self.checks,
+            "rollbacks": {"logged": logged, "metric": metric, "stage_kills": self.stage_kills},
+            "remote_trainer_exits": self.trainer_exits,
+            "rebalancing_moves": len(self.scheduler_notes("rebalancing: moving", 10**6)),
+            # what the scheduler said about losing replicas, to tell why a rollback happened
+            "scheduler_notes": self.scheduler_notes(
+                "rolled every stage back|unreachable|lost every|rebalancing: moving|rollback"
+            )
+            if logged or metric
+            else [],
+            "problems": self.problems,
+            "targets": {k: {"pass": ok, "detail": d} for k, (ok, d) in targets.items()},
+            "pass": all(ok for ok, _ in targets.values()),
+        }
+
+
+def fmt(x: float | None, spec: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def print_report(r: dict[str, Any]) -> None:
+    print(
+        f"soak: {r['minutes']:g} min, seed {r['seed']}, {r['peers']} peers, {r['stages']} stages; "
+        f"logs in {r['work_dir']}"
+    )
+    kinds: dict[str, int] = {}
+    for e in r["events"]:
+        kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+    print(f"chaos: {len(r['events'])} events " + ", ".join(f"{k} x{n}" for k, n in kinds.items()))
+    for e in r["events"]:
+        who = e.get("peer") or ",".join(e.get("peers", []))
+        settled = e.get("settled_s")
+        took = "not settled" if settled is None else f"settled after {settled}s"
+        print(f"  t={e['t']:>7.1f}s {e['kind']:<9} {who:<17} {took}")
+    after = r["steps_per_s_after_warmup"]
+    print(
+        f"progress: {r['steps']} steps, {r['steps_per_s']:.3f} steps/s "
+        f"({fmt(after)} after warm-up), longest stall {r['longest_stall_s']:.0f}s, "
+        f"first step after {fmt(r['first_step_s'], '.0f')}s"
+    )
+    print("growth after warm-up, last-window mean / first-window mean (worst instance per role):")
+    print(f"  {'role':<10} {'judged':>6}  {'rss':>22}  {'fds':>18}  {'threads':>18}")
+    for role, g in r["growth"].items():
+        cells = []
+        for k, width in (("rss", 22), ("fds", 18), ("threads", 18)):
+            c = g.get(k)
+            text = f"{c['ratio']:.3f} ({c['first']:g}->{c['last']:g})" if c else "n/a"
+            cells.append(f"{text:>{width}}")
+        print(f"  {role:<10} {g['judged']:>3}/{g['instances']:<2}  " + "  ".join(cells))
+    for c in r["checks"]:
+        print(
+            f"result: job {c['job']} at step {c['step']}: max |swarm - local| = {c['max_abs_diff']}"
+        )
+    rb = r["rollbacks"]
+    print(
+        f"rollbacks: {rb['logged']} logged, {rb['metric']:g} counted, "
+        f"{rb['stage_kills']} whole-stage kills"
+    )
+    print(f"rebalancing moves: {r['rebalancing_moves']}")
+    for line in r["scheduler_notes"]:
+        print(f"  scheduler: {line}")
+    for p in r["problems"]:
+        print(f"problem: {p}")
+    for name, t in r["targets"].items():
+        print(f"{'PASS' if t['pass'] else 'FAIL'} {name:<12} {t['detail']}")
+    print("PASS" if r["pass"] else "FAIL")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="how long to train under chaos")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the chaos schedule and the job")
+    parser.add_argument("--peers", type=int, default=7, help="stage servers (6-8 sensible)")
+    parser.add_argument("--stages", type=int, default=3, help="pipeline stages (at most 4)")
+    parser.add_argument("--steps", type=int, default=1_000_000, help="steps per job")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=10, help="steps between checkpoints"
+    )
+    parser.add_argument("--throttle", type=float, default=20.0, help="each peer's compute slowdown")
+    parser.add_argument(
+        "--chaos-every", type=float, default=30.0, help="mean seconds between events"
+    )
+    parser.add_argument(
+        "--down-s", type=float, default=5.0, help="seconds a killed peer stays down"
+    )
+    parser.add_argument("--settle", type=int, default=3, help="steps committed after an event")
+    parser.add_argument("--sample-every", type=float, default=3.0, help="seconds between samples")
+    parser.add_argument("--warmup", type=float, default=0.2, help="fraction of the run not judged")
+    parser.add_argument("--window", type=float, default=0.1, help="fraction of the run per window")
+    parser.add_argument(
+        "--max-stall-s", type=float, default=120.0, help="longest time without a step"
+    )
+    parser.add_argument(
+        "--kill-stage", action="store_true", help="also kill every replica of one stage, halfway"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the work directory on PASS")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args()
+    if not Path(MOSQUITTO).exists():
+        print(f"mosquitto not found at {MOSQUITTO}; install the Debian package", file=sys.stderr)
+        return 2
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    torch.set_num_threads(1)  # the reference is tiny; this machine's cores are the swarm's
+    work = Path(tempfile.mkdtemp(prefix="swarm-soak-"))
+    soak = Soak(args, work)
+    report: dict[str, Any] | None = None
+    try:
+        try:
+            soak.run()
+        except Exception as e:  # reported with what was measured until then
+            say(traceback.format_exc())
+            soak.harness_error = f"{type(e).__name__}: {e}"[:500]
+        if soak.jobs:
+            report = soak.report()
+    except KeyboardInterrupt:
+        say("interrupted")
+    finally:
+        say("stopping every process")
+        soak.procs.stop_all()
+    if report is None:
+        print(f"no report; logs in {work}", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    if report["pass"] and not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if report["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""A step coordinator over in-memory replicas (`tests.support.replicas`), with the step records
+and rollbacks it announced: the harness of the coordinator's unit tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from scheduler.coordinator import LocalCoordinator
+from swarm.clock import FakeClock
+from swarm.config import JobConfig
+from swarm.lease import MicrobatchResult, Task
+from swarm.progress import StepRecord
+from tests.support.jobs import make_job
+from tests.support.replicas import FakeSwarm
+
+__all__ = ["LEASE_S", "Harness", "job_of", "until"]
+
+LEASE_S = 10.0  # the jobs' lease timeout, on the fake clock
+
+
+def job_of(tmp_path: Path, **training: Any) -> JobConfig:
+    # Two stages, two microbatches of 4 samples per step.
+    settings = {"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": 3}
+    return make_job(tmp_path, training=settings | training, runtime={"lease_timeout_s": LEASE_S})
+
+
+class Harness:
+    """A coordinator over a `FakeSwarm`, with the step records and rollbacks it announced."""
+
+    def __init__(self, job: JobConfig, swarm: FakeSwarm, **kwargs: Any) -> None:
+        self.job, self.swarm, self.clock = job, swarm, FakeClock()
+        self.steps: asyncio.Queue[StepRecord] = asyncio.Queue()
+        self.rollbacks: asyncio.Queue[int] = asyncio.Queue()
+        self.coordinator = LocalCoordinator(
+            job,
+            swarm.job_id,
+            swarm.members,
+            on_step=self.steps.put_nowait,
+            on_rollback=self.rollbacks.put_nowait,
+            connect=swarm.connect,
+            clock=self.clock,
+            **kwargs,
+        )
+
+    async def lease(self, trainer: str = "t", count: int = 8) -> list[Task]:
+        """The next tasks `trainer` gets, once a commit in flight has ended."""
+        for _ in range(2000):
+            lease = await self.coordinator.lease(trainer, count)
+            if lease.tasks or lease.done:
+                return lease.tasks
+            await asyncio.sleep(0.001)
+        raise AssertionError("no work was leased")
+
+    async def run(
+        self, task: Task, at: dict[int, str] | None = None, trainer: str = "t", report: bool = True
+    ) -> MicrobatchResult:
+        """Run `task` as a trainer would: its gradient lands at each of its stages on the peer
+        `at` names (else the stage's first member), then the trainer reports it."""
+        holders = {}
+        for stage in sorted(task.stages):
+            peer = (at or {}).get(stage) or self.coordinator.replicas()[stage][0].peer
+            self.swarm[peer].accumulate(task.index)
+            holders[stage] = peer
+        last = self.job.training.stages - 1
+        loss = 1.0 if last in task.stages else None
+        result = MicrobatchResult(task.step, task.index, holders, loss, 4)
+        if report:
+            await self.coordinator.report(trainer, result)
+        return result
+
+    async def step(self, at: dict[int, str] | None = None) -> StepRecord:
+        """Train one whole step; returns its record once committed."""
+        for task in await self.lease():
+            await self.run(task, at)
+        return await asyncio.wait_for(self.steps.get(), 10)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    for _ in range(5000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("timed out waiting")

@@ -1,0 +1,275 @@
+"""Leases in the field: a long poll instead of 20 ms polling, leases renewed while their work
+runs, late receipts adopted instead of voiding their replica, and a remote trainer that rides out
+a scheduler outage. The coordinator runs over in-memory replicas (`tests.support.replicas`) on a
+`FakeClock`; the outage uses a real gRPC job API stopped and restarted on one port."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client.cli import add_arguments
+from client.remote import RemoteCoordinator
+from client.trainer import PipelineTrainer
+from scheduler.coordinator import LocalCoordinator
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.store import JobStore
+from swarm.clock import FakeClock
+from swarm.config import JobConfig
+from swarm.errors import PeerUnavailable
+from swarm.lease import Lease, MicrobatchResult, Task
+from tests.support.api import start_api
+from tests.support.jobs import BASE, make_job, render
+from tests.support.ports import free_address
+from tests.support.replicas import FakeSwarm
+
+pytestmark = pytest.mark.timeout(60)
+
+LEASE_S = 10.0  # the jobs' lease timeout, on the fake clock
+
+
+def _job(tmp_path: Path) -> JobConfig:
+    # Two stages, two microbatches of 4 samples per step.
+    training = {"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": 3}
+    return make_job(tmp_path, training=training, runtime={"lease_timeout_s": LEASE_S})
+
+
+@pytest.fixture
+async def made() -> AsyncIterator[list[LocalCoordinator]]:
+    coordinators: list[LocalCoordinator] = []
+    yield coordinators
+    for c in coordinators:
+        await c.close()
+
+
+def _coordinator(
+    made: list[LocalCoordinator], job: JobConfig, swarm: FakeSwarm, clock: FakeClock
+) -> LocalCoordinator:
+    made.append(
+        LocalCoordinator(job, swarm.job_id, swarm.members, connect=swarm.connect, clock=clock)
+    )
+    return made[-1]
+
+
+async def _report(
+    c: LocalCoordinator, swarm: FakeSwarm, index: int, holders: dict[int, str], trainer: str = "t"
+) -> None:
+    """A trainer's Backwards landed at `holders` (stage -> peer) and it reports them."""
+    for peer in holders.values():
+        swarm[peer].accumulate(index)
+    loss = 1.0 if 1 in holders else None
+    await c.report(trainer, MicrobatchResult(0, index, holders, loss, 4))
+
+
+async def _leased(c: LocalCoordinator, trainer: str = "t", count: int = 8) -> list[Task]:
+    lease = await c.lease(trainer, count, wait_s=5.0)
+    return lease.tasks
+
+
+# -- renewals -----------------------------------------------------------------------------------
+def test_a_renewed_lease_is_not_leased_again_however_long_its_work_takes() -> None:
+    clock = FakeClock()
+    ledger = StepLedger(step=0, microbatches=2, stages=2, lease_timeout_s=10, clock=clock)
+    assert [t.index for t in ledger.lease("slow", 2)] == [0, 1]
+    taken = []
+    for _ in range(5):  # 40 s of work on microbatch 0, four times the lease timeout
+        clock.advance(8)
+        assert ledger.renew("slow", [0]) == [0]  # idempotent: renewing twice is renewing once
+        assert ledger.renew("slow", [0]) == [0]
+        taken += [t.index for t in ledger.lease("fast", 2)]
+        ledger.renew("fast", taken)
+    # Microbatch 1 was not renewed: it expired and went to "fast"; "slow" cannot take it back.
+    assert taken == [1]
+    assert ledger.renew("slow", [1]) == []
+    clock.advance(11)  # "slow" stops renewing (it died): its microbatch goes to another
+    assert [t.index for t in ledger.lease("other", 1)] == [0]
+
+
+async def test_a_lease_renews_the_trainers_work_in_flight(
+    tmp_path: Path, made: list[LocalCoordinator]
+) -> None:
+    job, clock = _job(tmp_path), FakeClock()
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm.add(0, "a"), swarm.add(1, "c")
+    c = _coordinator(made, job, swarm, clock)
+    await c.start()
+    assert [t.index for t in (await c.lease("A", 1)).tasks] == [0]
+    for _ in range(4):  # A works on microbatch 0 for 4 lease timeouts, renewing it
+        clock.advance(LEASE_S * 0.9)
+        await c.lease("A", 0, working=[(0, 0)])
+        assert [t.index for t in (await c.lease("B", 8)).tasks] in ([1], [])
+    assert 0 not in [t.index for t in (await c.lease("B", 8)).tasks]
+    await _report(c, swarm, 0, {0: "a", 1: "c"}, trainer="A")  # A's work counts: no void
+    assert not swarm["a"].called("discard")
+
+
+# -- the long poll ------------------------------------------------------------------------------
+class _Counting:
+    """A `LeaseSource` that counts the lease calls made through it."""
+
+    def __init__(self, inner: LocalCoordinator) -> None:
+        self.inner, self.calls = inner, 0
+
+    async def lease(self, trainer: str, count: int, **kwargs: Any) -> Lease:
+        self.calls += 1
+        return await self.inner.lease(trainer, count, **kwargs)
+
+    async def report(self, trainer: str, result: MicrobatchResult) -> None:
+        await self.inner.report(trainer, result)
+
+    async def release(self, trainer: str, indices: Sequence[int]) -> None:
+        await self.inner.release(trainer, indices)
+
+
+async def test_an_idle_trainer_asks_a_handful_of_times_not_every_20ms(
+    tmp_path: Path, made: list[LocalCoordinator]
+) -> None:
+    job, clock = _job(tmp_path), FakeClock()
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, _ = swarm.add(0, "a"), swarm.add(1, "c")
+    gate = a.hold("prepare")  # the step's commit is in flight, held here: no work for anyone
+    c = _coordinator(made, job, swarm, clock)
+    await c.start()
+    for task in (await c.lease("t", 8)).tasks:
+        await _report(c, swarm, task.index, {0: "a", 1: "c"})
+    await asyncio.wait_for(gate.entered.wait(), 5)
+    source = _Counting(c)
+    trainer = PipelineTrainer(job, source)  # type: ignore[arg-type]
+    run = asyncio.create_task(trainer.run())
+    try:
+        await asyncio.sleep(1.5)
+        assert source.calls <= 3, f"{source.calls} lease calls in 1.5 s with no work"
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        await trainer.close()
+
+
+async def test_a_waiting_lease_answers_as_soon_as_work_appears(
+    tmp_path: Path, made: list[LocalCoordinator]
+) -> None:
+    job, clock = _job(tmp_path), FakeClock()
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, _ = swarm.add(0, "a"), swarm.add(1, "c")
+    gate = a.hold("prepare")
+    c = _coordinator(made, job, swarm, clock)
+    await c.start()
+    for task in (await c.lease("t", 8)).tasks:
+        await _report(c, swarm, task.index, {0: "a", 1: "c"})
+    await asyncio.wait_for(gate.entered.wait(), 5)
+    waiting = asyncio.create_task(c.lease("t", 8, wait_s=30.0))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # nothing to give while the commit is in flight: it waits
+    started = time.monotonic()
+    gate.open()  # the step commits, the next one opens
+    lease = await asyncio.wait_for(waiting, 5)
+    assert time.monotonic() - started < 1.0
+    assert [(t.step, t.index) for t in lease.tasks] == [(1, 0), (1, 1)]
+    # A released microbatch wakes a waiting lease too, and the last step's end says done.
+    waiting = asyncio.create_task(c.lease("u", 8, wait_s=30.0))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    await c.release("t", [1])
+    assert [(t.step, t.index) for t in (await asyncio.wait_for(waiting, 5)).tasks] == [(1, 1)]
+
+
+# -- late receipts ------------------------------------------------------------------------------
+async def test_a_late_receipt_for_a_microbatch_still_needed_is_adopted(
+    tmp_path: Path, made: list[LocalCoordinator]
+) -> None:
+    job, clock = _job(tmp_path), FakeClock()
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, b, c_ = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    c = _coordinator(made, job, swarm, clock)
+    await c.start()
+    assert [t.index for t in await _leased(c)] == [0, 1]
+    await _report(c, swarm, 0, {0: "a", 1: "c"})
+    # Microbatch 1: its Backward at stage 0 on b timed out at the trainer, which reported stage
+    # 1 only; the Backward completed on b all the same.
+    await _report(c, swarm, 1, {1: "c"})
+    b.accumulate(1)
+    # The ledger still needs (1, stage 0) and b holds it: adopted, not replayed; the step
+    # commits and the next lease is the next step's work.
+    assert {t.step for t in await _leased(c, "u")} == {1}
+    assert b.called("discard") == [] and a.called("discard") == []
+    assert b.called("prepare")[-1].microbatches == [1]
+    assert a.called("prepare")[-1].microbatches == [0]
+    assert c_.called("prepare")[-1].microbatches == [0, 1]
+    assert (a.step, b.step, c_.step) == (1, 1, 1)
+
+
+async def test_a_released_microbatchs_late_receipts_are_adopted_and_the_rest_replayed(
+    tmp_path: Path, made: list[LocalCoordinator]
+) -> None:
+    job, clock = _job(tmp_path), FakeClock()
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, b, c_ = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    c = _coordinator(made, job, swarm, clock)
+    await c.start()
+    await _leased(c)
+    await _report(c, swarm, 0, {0: "a", 1: "c"})
+    # Microbatch 1 failed at stage 0 on every try and was given back; its ForwardBackward at
+    # stage 1 had landed on c.
+    c_.accumulate(1)
+    await c.release("t", [1])
+    replay = await _leased(c, "u")
+    assert replay == [Task(0, 1, frozenset({0}))]  # stage 1 adopted: stage 0 alone is replayed
+    await _report(c, swarm, 1, {0: "b"}, trainer="u")
+    for _ in range(500):
+        if a.step == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert (a.step, b.step, c_.step) == (1, 1, 1)
+    assert not any(r.called("discard") for r in (a, b, c_))  # no replica voided
+    assert c_.called("prepare")[-1].microbatches == [0, 1]
+
+
+# -- a scheduler outage -------------------------------------------------------------------------
+async def test_the_trainer_waits_for_a_scheduler_for_a_configurable_time() -> None:
+    p = argparse.ArgumentParser()
+    add_arguments("trainer", p)
+    assert p.parse_args(["--job", "j"]).scheduler_retry_s >= 600  # a restart, an upgrade
+    assert p.parse_args(["--job", "j", "--scheduler-retry-s", "5"]).scheduler_retry_s == 5.0
+    remote = RemoteCoordinator("127.0.0.1:1", "j")
+    assert remote.retry_for_s >= 600
+    await remote.close()
+
+
+async def test_a_remote_trainer_rides_out_a_scheduler_outage(tmp_path: Path) -> None:
+    with JobStore(tmp_path / "jobs.db") as store:
+        job_id = store.create("test", render(BASE), str(tmp_path), 3).id
+    address = free_address()
+    leases: list[tuple[str, int, float]] = []
+
+    async def lease(job: str, trainer: str, count: int, **kw: Any) -> Lease:
+        leases.append((trainer, count, kw.get("wait_s", 0.0)))
+        return Lease(0, [Task(0, 0, frozenset({0}))], [])
+
+    running = await start_api(tmp_path, address=address)
+    running.control.lease = lease  # type: ignore[attr-defined]
+    remote = RemoteCoordinator(address, job_id, timeout_s=1.0, retry_for_s=20.0)
+    try:
+        assert (await remote.lease("t", 2, wait_s=0.5)).tasks
+        await running.stop()  # the scheduler goes down ...
+        asked = asyncio.create_task(remote.lease("t", 2, wait_s=0.5))
+        await asyncio.sleep(3.0)
+        assert not asked.done()  # ... and the trainer keeps asking, backing off
+        running = await start_api(tmp_path, address=address)  # ... and comes back
+        running.control.lease = lease  # type: ignore[attr-defined]
+        assert (await asyncio.wait_for(asked, 15)).tasks == [Task(0, 0, frozenset({0}))]
+        assert leases[-1] == ("t", 2, 0.5)
+        await running.stop()
+        short = RemoteCoordinator(address, job_id, timeout_s=1.0, retry_for_s=1.0)
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailable):  # past its patience, it gives up
+            await short.lease("t", 2)
+        assert time.monotonic() - started < 8
+        await short.close()
+    finally:
+        await remote.close()

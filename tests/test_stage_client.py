@@ -1,0 +1,75 @@
+"""The stage client's boundary and the coordinator's cache of connections: a call whose channel
+is closed under it is a peer that did not answer (never a cancellation of the caller), and
+connections of replicas that left are closed only once their calls in flight had their time."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from scheduler.coordinator.replicas import ReplicaClients
+from swarm.errors import PeerUnavailable
+from swarm.lease import Replica
+from swarm.proto import stage_pb2, stage_pb2_grpc
+from swarm.stage_client import StageClient
+from tests.support.jobs import make_job
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Hung(stage_pb2_grpc.StageServiceServicer):
+    """Info never answers (a frozen replica)."""
+
+    async def Info(  # type: ignore[override]
+        self, request: stage_pb2.StageInfoRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.StageInfoResponse:
+        await asyncio.sleep(3600)
+        return stage_pb2.StageInfoResponse()
+
+
+async def test_a_call_on_a_closed_channel_is_a_peer_unavailable(tmp_path: Path) -> None:
+    server = grpc.aio.server()
+    stage_pb2_grpc.add_StageServiceServicer_to_server(_Hung(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = StageClient(f"127.0.0.1:{port}", make_job(tmp_path), "job", 0)
+    try:
+        call = asyncio.create_task(client.info())
+        await asyncio.sleep(0.3)  # in flight
+        await client.close()
+        with pytest.raises(PeerUnavailable):
+            await call
+        assert not call.cancelled()  # the caller's task was not the one cancelled
+    finally:
+        await server.stop(None)
+
+
+class _Recorded:
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_connections_of_replicas_that_left_close_after_a_grace() -> None:
+    opened: dict[str, _Recorded] = {}
+
+    def connect(stage: int, replica: Replica) -> _Recorded:
+        return opened.setdefault(replica.peer, _Recorded())
+
+    clients = ReplicaClients(connect, grace_s=0.3)  # type: ignore[arg-type]
+    a, b = Replica("a", "h:1"), Replica("b", "h:2")
+    clients.get(0, a)
+    clients.get(0, b)
+    await clients.keep([[a]])  # b left
+    assert len(clients) == 1
+    await asyncio.sleep(0.05)
+    assert not opened["b"].closed  # a call to b in flight still has its time
+    await asyncio.sleep(0.5)
+    assert opened["b"].closed and not opened["a"].closed
+    await clients.close()
+    assert opened["a"].closed
