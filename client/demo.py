@@ -7,7 +7,6 @@ fresh peers that join the running job."""
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import random
 import tempfile
@@ -21,7 +20,6 @@ from swarm.config import load_job
 from swarm.faults import ANY_REPLICA, Fault, FaultPlan, Point
 from swarm.procs import LocalSwarm, start_local_swarm
 from swarm.proto import scheduler_pb2
-from swarm.states import TERMINAL
 from swarm.states import job_state_name as state_name
 
 __all__ = ["DEFAULT_THROTTLES", "Chaos", "run_demo"]
@@ -102,15 +100,6 @@ async def _kill(
             )
 
 
-async def _first_loss(client: SchedulerClient, job: str) -> float:
-    """The loss of the first committed step the demo sees (the job API keeps only the last)."""
-    while True:
-        status = await client.get(job)
-        if status.step >= 1 or state_name(status.state) in TERMINAL:
-            return status.loss if status.step >= 1 else math.nan
-        await asyncio.sleep(POLL_S)
-
-
 async def _train(sw: LocalSwarm, job_path: Path, chaos: bool) -> int:
     async with SchedulerClient(sw.address) as client:
         status = await client.submit(job_path)
@@ -119,18 +108,15 @@ async def _train(sw: LocalSwarm, job_path: Path, chaos: bool) -> int:
             f"--scheduler {sw.address}` shows it from another terminal",
             flush=True,
         )
-        first = asyncio.create_task(_first_loss(client, status.job))
         killer = asyncio.create_task(_kill(sw, client, status, chaos))
         try:
             final = await watch(client, status)
-            first_loss = await first
         finally:
             killer.cancel()
-            first.cancel()
     if state_name(final.state) == "succeeded":
         print(
             f"job {final.job} succeeded: {final.step} steps, "
-            f"loss {first_loss:.3f} -> {final.loss:.3f}"
+            f"loss {final.first_loss:.3f} -> {final.loss:.3f}"
         )
         return 0
     print(f"job {final.job} {state_name(final.state)}: {final.error or final.message}")

@@ -5,7 +5,9 @@ A task `(step, index, stages)` goes forward through stages 0..S-2, forward-and-b
 then backward down to the lowest stage it must accumulate at; Backward goes to the replica that did
 the Forward at that stage (its activations are cached there). It reports, per stage, the replica
 that accumulated its gradient. A failed hop is retried at once on another replica of the stage
-(the failing one is banned with backoff); a microbatch that runs out of tries is handed back.
+(the failing one is banned with backoff); a microbatch that runs out of tries is handed back. An
+accumulating call that failed without a refusal may have accumulated all the same: it is not
+accumulated elsewhere, and its stage is left out of the report for the coordinator to settle.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -29,14 +31,14 @@ from swarm.bus import Bus, BusLike
 from swarm.clock import Clock, MonotonicClock
 from swarm.config import JobConfig
 from swarm.data import DataSource, make_data
-from swarm.errors import ActivationsNotCached, SwarmError
+from swarm.errors import ActivationsNotCached, PeerUnavailable, RemoteError, SwarmError
 from swarm.lease import Lease, LeaseSource, MicrobatchResult, Replica, Task
 from swarm.metrics import TrainerMetrics
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import tensor_pb2
 from swarm.stage_client import BackwardResult, StageClient, TensorLike
 
-__all__ = ["PipelineTrainer", "TrainerError", "follow_load", "load_followed"]
+__all__ = ["ClientFactory", "PipelineTrainer", "TrainerError", "follow_load", "load_followed"]
 
 log = logging.getLogger(__name__)
 # How long a departed peer's metric series stay: several scrape intervals.
@@ -46,6 +48,14 @@ T = TypeVar("T")
 
 class TrainerError(SwarmError):
     """A microbatch cannot be completed: no replica of a stage could serve it."""
+
+
+class ClientFactory(Protocol):
+    """Makes the client of one replica: `StageClient` itself (tests give fakes)."""
+
+    def __call__(
+        self, address: str, job: JobConfig, job_id: str, stage: int, token: str | None, /
+    ) -> StageClient: ...
 
 
 class PipelineTrainer:
@@ -63,8 +73,10 @@ class PipelineTrainer:
         lease_wait_s: float = 10.0,
         seed: int | None = None,
         clock: Clock | None = None,
+        client_factory: ClientFactory = StageClient,
     ) -> None:
         self.job, self.coordinator, self.token = job, coordinator, token
+        self._client_factory = client_factory
         self.job_id = job_id or job.fingerprint()
         self.trainer_id = trainer_id or f"trainer-{uuid.uuid4().hex[:8]}"
         self.data = data or make_data(job)
@@ -123,7 +135,7 @@ class PipelineTrainer:
             if client is None or (client.address, client.stage) != (r.address, stage):
                 if client is not None:
                     self._close_later(client)
-                client = StageClient(r.address, self.job, self.job_id, stage, self.token)
+                client = self._client_factory(r.address, self.job, self.job_id, stage, self.token)
                 self.clients[peer] = client
         self._members = [{r.peer for r in members} for members in replicas]
 
@@ -227,7 +239,51 @@ class PipelineTrainer:
     async def _hop(
         self, stage: int, call: Callable[[StageClient], Awaitable[T]], prefer: str | None = None
     ) -> tuple[str, T]:
-        """Run `call` on a replica of `stage` (`prefer` first if eligible), retrying on others."""
+        """Run `call` (it accumulates nothing) on a replica of `stage` (`prefer` first if
+        eligible), retrying on others."""
+        done = await self._attempts(stage, lambda c, _accumulate: call(c), prefer)
+        assert done is not None  # only an accumulating hop gives up without an answer
+        peer, result, _ = done
+        return peer, result
+
+    async def _accumulating_hop(
+        self,
+        stage: int,
+        call: Callable[[StageClient, bool], Awaitable[T]],
+        prefer: str | None = None,
+        *,
+        accumulate: bool,
+        need_result: bool,
+    ) -> tuple[str | None, T | None]:
+        """Run `call(client, accumulate)` on a replica of `stage`, retrying on others. Returns
+        the replica that accumulated the microbatch there (None when it did not, or when a call
+        may have accumulated it but did not say so: see `_attempts`) and the answer (None when
+        none was needed after such a call)."""
+        done = await self._attempts(
+            stage, call, prefer, accumulate=accumulate, need_result=need_result
+        )
+        if done is None:
+            return None, None
+        peer, result, accumulated = done
+        return (peer if accumulated else None), result
+
+    async def _attempts(
+        self,
+        stage: int,
+        call: Callable[[StageClient, bool], Awaitable[T]],
+        prefer: str | None,
+        *,
+        accumulate: bool = False,
+        need_result: bool = True,
+    ) -> tuple[str, T, bool] | None:
+        """Up to `hop_attempts` tries of `call(client, accumulate)` on replicas of `stage`: the
+        replica that answered, its answer, and whether that call accumulated.
+
+        A failed accumulating call that may have accumulated all the same (`_may_have_landed`)
+        is never accumulated elsewhere: a second receipt at the stage would void the first
+        replica's step there. The tries left go on without accumulating (for the answer the
+        next hop needs; None at once when it needs none), and the trainer reports the
+        microbatch without this stage: the coordinator adopts the late receipt, or replays."""
         pool, samples = self.wiring[stage], self.job.training.microbatch_size
         last: BaseException | None = None
         for _ in range(self.hop_attempts):
@@ -240,13 +296,25 @@ class PipelineTrainer:
             start = time.perf_counter()
             try:
                 client = self.clients[peer]  # it may depart (sync) while the call runs
-                result = await call(client)
+                result = await call(client, accumulate)
             except SwarmError as e:  # the stage client raises nothing else for a failed call
                 if peer in pool:  # it may have left (or moved stage) while the call ran
                     pool.failed(peer, samples)
                     self.metrics.failed(stage, peer)  # not for a departed peer: no new series
-                log.info("stage %d: %s failed (%r); trying another replica", stage, peer, e)
                 last = e
+                if accumulate and _may_have_landed(e):
+                    accumulate = False
+                    log.info(
+                        "stage %d: %s failed (%r) and may have accumulated all the same; "
+                        "reported without this stage",
+                        stage,
+                        peer,
+                        e,
+                    )
+                    if not need_result:
+                        return None
+                    continue
+                log.info("stage %d: %s failed (%r); trying another replica", stage, peer, e)
                 continue
             # Service time, network included, queue at the replica excluded: the wiring adds
             # queued work itself, so counting the queue here would count it twice.
@@ -256,7 +324,7 @@ class PipelineTrainer:
             if peer in pool:  # it may have left (or moved stage) while the call ran
                 pool.finished(peer, samples, max(1e-6, time.perf_counter() - start - queued))
                 self.metrics.routed(stage, peer, pool.throughput(peer))
-            return peer, result
+            return peer, result, accumulate
         raise TrainerError(f"stage {stage}: {self.hop_attempts} attempts failed: {last}")
 
     async def _backward(
@@ -267,11 +335,12 @@ class PipelineTrainer:
         inputs: TensorLike,
         grad: TensorLike,
         cached_on: StageClient | None,
+        accumulate: bool,
     ) -> BackwardResult:
         """Backward at `stage`; without re-sending the inputs when `client` did the forward
         (its activations are cached), with them if it no longer has them."""
         lowest = min(task.stages)
-        kwargs = {"accumulate": stage in task.stages, "need_grad_inputs": stage > lowest}
+        kwargs = {"accumulate": accumulate, "need_grad_inputs": stage > lowest}
         if client is cached_on:
             try:
                 return await client.backward(task.step, task.index, None, grad, **kwargs)
@@ -295,7 +364,8 @@ class PipelineTrainer:
 
     async def _replay_from_cache(self, task: Task) -> MicrobatchResult | None:
         """A replay whose stages' boundary tensors this trainer still has: one call per stage,
-        on any replica (it recomputes from the same bytes, so the gradient is the same)."""
+        on any replica (it recomputes from the same bytes, so the gradient is the same). A stage
+        whose call may have accumulated without saying so is left out of the report."""
         cached = self._boundary.get((task.step, task.index))
         if cached is None or not task.stages <= cached.keys():
             return None
@@ -303,20 +373,25 @@ class PipelineTrainer:
         for k in sorted(task.stages):
             inputs, grad = cached[k]
             if k == last:
-                peer, _ = await self._hop(
+                peer, _ = await self._accumulating_hop(
                     k,
-                    lambda c, i=inputs, g=grad: c.forward_backward(  # type: ignore[misc]
-                        task.step, task.index, i, g, need_grad_inputs=False
+                    lambda c, a, i=inputs, g=grad: c.forward_backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False
                     ),
+                    accumulate=True,
+                    need_result=False,
                 )
             else:
-                peer, _ = await self._hop(
+                peer, _ = await self._accumulating_hop(
                     k,
-                    lambda c, i=inputs, g=grad: c.backward(  # type: ignore[misc]
-                        task.step, task.index, i, g, need_grad_inputs=False
+                    lambda c, a, i=inputs, g=grad: c.backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False
                     ),
+                    accumulate=True,
+                    need_result=False,
                 )
-            holders[k] = peer
+            if peer is not None:
+                holders[k] = peer
         self.metrics.cached_replays.inc()
         return MicrobatchResult(
             task.step, task.index, holders, None, self.job.training.microbatch_size
@@ -338,36 +413,48 @@ class PipelineTrainer:
             peer, out = await self._hop(k, lambda c, k=k: c.forward(step, index, boundary[k]))  # type: ignore[misc]
             forward_peer[k] = peer
             boundary.append(out)
-        peer, result = await self._hop(
+        # Each accumulating hop reports its stage only where it surely accumulated there; after
+        # a call that may have, it goes on without accumulating (see `_attempts`).
+        holders: dict[int, str] = {}
+        holder, result = await self._accumulating_hop(
             last,
-            lambda c: c.forward_backward(
-                step,
-                index,
-                boundary[last],
-                targets,
-                accumulate=last in stages,
-                need_grad_inputs=lowest < last,
+            lambda c, a: c.forward_backward(
+                step, index, boundary[last], targets, accumulate=a, need_grad_inputs=lowest < last
             ),
+            accumulate=last in stages,
+            need_result=lowest < last,
         )
-        holders = {last: peer} if last in stages else {}
+        if holder is not None:
+            holders[last] = holder
         self._remember(step, index, last, boundary[last], targets)
-        loss = result.loss_sum if last in stages else None
-        grad = result.grad_inputs
+        # The loss is the same whichever replica computed it, accumulating or not.
+        loss = result.loss_sum if last in stages and result is not None else None
+        grad = result.grad_inputs if result is not None else None
         for k in range(last - 1, lowest - 1, -1):
             assert grad is not None
             g, forward_client = grad, self.clients.get(forward_peer[k])  # None: it departed
             self._remember(step, index, k, boundary[k], g)
-            peer, result = await self._hop(
+            holder, result = await self._accumulating_hop(
                 k,
-                lambda c, k=k, g=g, f=forward_client: self._backward(  # type: ignore[misc]
-                    c, task, k, boundary[k], g, f
+                lambda c, a, k=k, g=g, f=forward_client: self._backward(  # type: ignore[misc]
+                    c, task, k, boundary[k], g, f, a
                 ),
                 prefer=forward_peer[k],
+                accumulate=k in stages,
+                need_result=k > lowest,
             )
-            if k in stages:
-                holders[k] = peer
-            grad = result.grad_inputs
+            if holder is not None:
+                holders[k] = holder
+            grad = result.grad_inputs if result is not None else None
         return MicrobatchResult(step, index, holders, loss, int(ids.shape[0]))
+
+
+def _may_have_landed(error: SwarmError) -> bool:
+    """Whether a failed accumulating call may have accumulated all the same: the replica did not
+    answer (a deadline, a dropped connection: `PeerUnavailable`) or answered with an error of its
+    own (`RemoteError`: a bug there, perhaps after accumulating). A refusal (`WireError`: a stale
+    step, a bad request, activations not cached) says it took nothing."""
+    return isinstance(error, PeerUnavailable | RemoteError)
 
 
 async def follow_load(bus: BusLike, job_id: str, wiring: Wiring, microbatch_size: int) -> None:

@@ -20,7 +20,8 @@ import torch
 
 from scheduler.store import JobRecord, JobStore
 from swarm import codec, wire
-from swarm.config import JobConfig, parse_job, pin_data, verify_data
+from swarm.config import JobConfig, parse_job, verify_data
+from swarm.data_pin import pin_data
 from swarm.errors import (
     ConfigError,
     FailedPrecondition,
@@ -102,6 +103,7 @@ def job_status(record: JobRecord, control: JobControl) -> scheduler_pb2.JobStatu
         step=record.step,
         steps=record.steps,
         loss=record.loss,  # NaN before the first step
+        first_loss=record.first_loss,
         error=record.error,
         message=record.message,
         stages=control.stages(record.id) if live else [],

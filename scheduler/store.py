@@ -63,6 +63,8 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
+# A job record's columns: the row, and the loss of its step 0 (what `swarm demo` starts from).
+_COLUMNS = "*, (SELECT loss FROM steps WHERE steps.job = jobs.id AND steps.step = 0) AS first_loss"
 
 
 class StoreError(SwarmError):
@@ -83,6 +85,7 @@ class JobRecord:
     message: str  #: what it is doing or waiting for, for people
     created: float  #: unix seconds
     updated: float  #: unix seconds
+    first_loss: float = math.nan  #: loss of step 0; NaN before it
 
     @property
     def finished(self) -> bool:
@@ -190,19 +193,20 @@ class JobStore:
         raise StoreError(f"could not find a free job id for {name!r}")
 
     def get(self, job_id: str) -> JobRecord | None:
-        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return None if row is None else self._record(row)
 
     def list(self) -> Records:
         """Every job, newest first."""
-        rows = self._db.execute("SELECT * FROM jobs ORDER BY created DESC, rowid DESC")
+        rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY created DESC, rowid DESC")
         return [self._record(r) for r in rows]
 
     def unfinished(self) -> Records:
         """Queued, placing and running jobs, oldest first: what a restarted scheduler resumes."""
         marks = ", ".join("?" * len(UNFINISHED))
         rows = self._db.execute(
-            f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created, rowid", UNFINISHED
+            f"SELECT {_COLUMNS} FROM jobs WHERE state IN ({marks}) ORDER BY created, rowid",
+            UNFINISHED,
         )
         return [self._record(r) for r in rows]
 
@@ -318,6 +322,7 @@ class JobStore:
     def _record(row: sqlite3.Row) -> JobRecord:
         d = dict(row)
         d["loss"], d["state"] = _loss(d["loss"]), cast(JobState, d["state"])
+        d["first_loss"] = _loss(d["first_loss"])
         return JobRecord(**d)
 
 

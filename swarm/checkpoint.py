@@ -27,6 +27,7 @@ __all__ = [
     "load_stage",
     "save_stage",
     "seal",
+    "sealed",
 ]
 
 
@@ -82,15 +83,20 @@ def discard(root: Path, step: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def latest(root: Path) -> int | None:
-    """The newest complete checkpoint's step, if any."""
+def sealed(root: Path) -> list[int]:
+    """The steps of the complete checkpoints under `root`, oldest first."""
     steps = []
     for manifest in root.glob("step-*/manifest.json"):
         try:
             steps.append(int(json.loads(manifest.read_text())["step"]))
         except (OSError, ValueError, KeyError):
             continue  # a torn or foreign file is not a checkpoint
-    return max(steps, default=None)
+    return sorted(steps)
+
+
+def latest(root: Path) -> int | None:
+    """The newest complete checkpoint's step, if any."""
+    return max(sealed(root), default=None)
 
 
 def load_stage(root: Path, step: int, stage: int) -> dict[str, torch.Tensor]:

@@ -17,8 +17,8 @@ from swarm.config import (
     TrainingConfig,
     load_job,
     parse_job,
-    pin_data,
 )
+from swarm.data_pin import pin_data
 from swarm.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

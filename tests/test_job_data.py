@@ -124,13 +124,13 @@ async def test_the_data_file_is_hashed_off_the_event_loop(
     api: _Api, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loop_thread, threads = threading.get_ident(), list[int]()
-    real: Callable[..., str] = swarm.config._data_sha256
+    real: Callable[..., str] = swarm.config.data_sha256
 
     def spy(*args: Any, **kwargs: Any) -> str:
         threads.append(threading.get_ident())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(swarm.config, "_data_sha256", spy)
+    monkeypatch.setattr(swarm.config, "data_sha256", spy)
     await api.submit(_spec("data/corpus.txt"), root)
     assert threads and loop_thread not in threads
 
@@ -139,14 +139,14 @@ async def test_the_event_loop_answers_while_a_large_file_hashes(
     api: _Api, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started, release = threading.Event(), threading.Event()
-    real: Callable[..., str] = swarm.config._data_sha256
+    real: Callable[..., str] = swarm.config.data_sha256
 
     def slow(*args: Any, **kwargs: Any) -> str:  # stands in for hashing many GiB
         started.set()
         release.wait(10)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(swarm.config, "_data_sha256", slow)
+    monkeypatch.setattr(swarm.config, "data_sha256", slow)
     submit = asyncio.create_task(api.submit(_spec("data/corpus.txt"), root))
     try:
         assert await asyncio.to_thread(started.wait, 10)

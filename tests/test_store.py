@@ -204,3 +204,14 @@ def test_a_full_disk_fails_a_step_record_clearly_and_the_next_step_records_both(
             assert rows == [(0, 3.0), (1, 2.0), (2, 1.0)]
             record = store.get(job.id)
             assert record is not None and (record.step, record.loss) == (3, 1.0)
+
+
+def test_a_record_carries_the_loss_of_step_0(store: JobStore) -> None:
+    job = store.create("a", "spec", "/d", 5)
+    assert math.isnan(job.first_loss)  # before step 0 is committed
+    store.record_step(job.id, 0, 2.5, 8, 0.1)
+    store.record_step(job.id, 1, 2.0, 8, 0.1)
+    assert store.get(job.id).first_loss == 2.5  # type: ignore[union-attr]
+    assert [r.first_loss for r in store.list()] == [2.5]
+    store.rewind(job.id, 0)  # rolled back to step 0: the run's step 0 is to be trained again
+    assert math.isnan(store.get(job.id).first_loss)  # type: ignore[union-attr]

@@ -35,7 +35,7 @@ class StageStatus(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir")
+    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir", "first_loss")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class JobStatus(_message.Message):
     UPDATED_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     BASE_DIR_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOSS_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     state: _control_pb2.JobState
@@ -64,7 +65,8 @@ class JobStatus(_message.Message):
     updated: float
     spec: str
     base_dir: str
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ...) -> None: ...
+    first_loss: float
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ..., first_loss: _Optional[float] = ...) -> None: ...
 
 class SchedulerSubmitJobRequest(_message.Message):
     __slots__ = ("spec", "base_dir")

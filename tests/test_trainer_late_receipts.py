@@ -1,0 +1,284 @@
+"""The trainer's side of "late receipts are harmless": an accumulating call (Backward, or
+ForwardBackward at the last stage) that failed in a way where the replica may have accumulated all
+the same (it did not answer, or answered with an error of its own) is not accumulated again at that
+stage on another replica: a second receipt there would void the first replica's whole step at that
+stage. The trainer goes on without accumulating (a non-accumulating call elsewhere for the input
+gradient it still needs) and reports the microbatch without that stage, which the coordinator then
+settles exactly (it adopts the late receipt, or replays the stage). A refusal (the replica says it
+did not take the call) is retried elsewhere with accumulation, as before.
+
+Fakes only: stage clients behind the trainer's client factory, and a lease source that records."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.trainer import PipelineTrainer
+from swarm import codec
+from swarm.config import JobConfig
+from swarm.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PeerUnavailable,
+    RemoteError,
+)
+from swarm.lease import Lease, MicrobatchResult, Replica, Task
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import tensor_pb2
+from swarm.stage_client import BackwardResult, TensorLike
+from tests.support.jobs import make_job
+
+pytestmark = pytest.mark.timeout(30)
+
+LAST = 2  # three stages: 0, 1, 2 (2 computes the loss)
+ALL = frozenset(range(LAST + 1))
+LOSS = 7.5
+
+
+@dataclass(frozen=True)
+class Call:
+    peer: str
+    stage: int
+    method: str  # "forward", "backward" or "forward_backward"
+    accumulate: bool = False
+    need_grad_inputs: bool = False
+
+
+@dataclass
+class Swarm:
+    """What the fake replicas saw: every call, what each one accumulated, and the faults to
+    raise on the next accumulating calls at a stage (`after`: once the replica accumulated)."""
+
+    calls: list[Call] = field(default_factory=list)
+    accumulated: dict[int, list[str]] = field(default_factory=dict)  # stage -> replicas
+    faults: dict[int, list[tuple[Exception, bool]]] = field(default_factory=dict)
+
+    def fail(self, stage: int, error: Exception, *, after: bool) -> None:
+        self.faults.setdefault(stage, []).append((error, after))
+
+    def at(self, stage: int, method: str) -> list[Call]:
+        return [c for c in self.calls if c.stage == stage and c.method == method]
+
+    def accumulating(self, stage: int) -> list[Call]:
+        return [c for c in self.calls if c.stage == stage and c.accumulate]
+
+
+def _tensor(name: str) -> tensor_pb2.Tensor:
+    return codec.encode(torch.zeros(2, dtype=torch.float64), name)
+
+
+class FakeStage:
+    """A replica of one stage: answers at once, accumulates what it is asked to."""
+
+    def __init__(self, swarm: Swarm, peer: str, stage: int) -> None:
+        self.swarm, self.peer, self.address, self.stage = swarm, peer, peer, stage
+        self.last_queued_s = 0.0
+
+    async def close(self) -> None:
+        pass
+
+    async def forward(self, step: int, index: int, inputs: TensorLike) -> tensor_pb2.Tensor:
+        self.swarm.calls.append(Call(self.peer, self.stage, "forward"))
+        return _tensor("outputs")
+
+    def _backprop(
+        self, method: str, step: int, index: int, accumulate: bool, need_grad_inputs: bool
+    ) -> BackwardResult:
+        self.swarm.calls.append(Call(self.peer, self.stage, method, accumulate, need_grad_inputs))
+        faults = self.swarm.faults.get(self.stage) if accumulate else None
+        error, after = faults.pop(0) if faults else (None, False)
+        if error is not None and not after:
+            raise error  # refused: nothing accumulated
+        if accumulate:
+            self.swarm.accumulated.setdefault(self.stage, []).append(self.peer)
+        if error is not None:
+            raise error  # accumulated, and then the answer never came
+        grad = _tensor("grad_inputs") if need_grad_inputs else None
+        loss = LOSS if method == "forward_backward" else 0.0
+        return BackwardResult(grad, pb.Receipt(), loss, 0.0)
+
+    async def backward(
+        self,
+        step: int,
+        index: int,
+        inputs: TensorLike | None,
+        grad_outputs: TensorLike,
+        *,
+        accumulate: bool = True,
+        need_grad_inputs: bool = True,
+    ) -> BackwardResult:
+        return self._backprop("backward", step, index, accumulate, need_grad_inputs)
+
+    async def forward_backward(
+        self,
+        step: int,
+        index: int,
+        inputs: TensorLike,
+        targets: TensorLike,
+        *,
+        accumulate: bool = True,
+        need_grad_inputs: bool = True,
+    ) -> BackwardResult:
+        return self._backprop("forward_backward", step, index, accumulate, need_grad_inputs)
+
+
+class Recorder:
+    """A `LeaseSource` that records reports and releases (the tests lease nothing)."""
+
+    def __init__(self) -> None:
+        self.reports: list[MicrobatchResult] = []
+        self.released: list[list[int]] = []
+
+    async def lease(
+        self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[object] = ()
+    ) -> Lease:
+        raise AssertionError("not leased from in these tests")
+
+    async def report(self, trainer: str, result: MicrobatchResult) -> None:
+        self.reports.append(result)
+
+    async def release(self, trainer: str, indices: Sequence[int]) -> None:
+        self.released.append(list(indices))
+
+
+def _job(tmp_path: Path) -> JobConfig:
+    return make_job(tmp_path, training={"stages": LAST + 1})
+
+
+def _trainer(
+    tmp_path: Path, swarm: Swarm, pools: list[list[str]]
+) -> tuple[PipelineTrainer, Recorder]:
+    source = Recorder()
+
+    def client(
+        address: str, job: JobConfig, job_id: str, stage: int, token: str | None
+    ) -> FakeStage:
+        return FakeStage(swarm, address, stage)
+
+    trainer = PipelineTrainer(
+        _job(tmp_path),
+        source,
+        seed=0,
+        client_factory=client,  # type: ignore[arg-type]
+    )
+    trainer._leased_step = 0
+    trainer.sync([[Replica(p, p) for p in pool] for pool in pools])
+    return trainer, source
+
+
+UNCERTAIN = [
+    PeerUnavailable("DEADLINE_EXCEEDED: Deadline Exceeded"),
+    PeerUnavailable("the connection was closed during the call"),
+    RemoteError("INTERNAL: a bug after accumulating", "INTERNAL"),
+]
+
+
+@pytest.mark.parametrize("error", UNCERTAIN, ids=lambda e: type(e).__name__)
+async def test_an_uncertain_backward_is_not_accumulated_again_elsewhere(
+    tmp_path: Path, error: Exception
+) -> None:
+    swarm = Swarm()
+    swarm.fail(1, error, after=True)
+    trainer, source = _trainer(tmp_path, swarm, [["a"], ["b1", "b2"], ["c"]])
+    try:
+        await trainer._run_task(Task(0, 0, ALL))
+    finally:
+        await trainer.close()
+    # One accumulating Backward at stage 1 (it landed; its answer did not), then the input
+    # gradient stage 0 needs from the other replica, without accumulating there.
+    (first,) = swarm.accumulating(1)
+    other = ({"b1", "b2"} - {first.peer}).pop()
+    assert swarm.at(1, "backward") == [
+        first,
+        Call(other, 1, "backward", accumulate=False, need_grad_inputs=True),
+    ]
+    assert swarm.accumulated[1] == [first.peer]
+    # Reported without stage 1: the coordinator adopts first's receipt (or replays stage 1).
+    (report,) = source.reports
+    assert report.holders == {0: "a", 2: "c"}
+    assert report.loss_sum == LOSS and source.released == []
+
+
+@pytest.mark.parametrize("error", UNCERTAIN, ids=lambda e: type(e).__name__)
+async def test_an_uncertain_forward_backward_at_the_last_stage_is_not_accumulated_again(
+    tmp_path: Path, error: Exception
+) -> None:
+    swarm = Swarm()
+    swarm.fail(LAST, error, after=True)
+    trainer, source = _trainer(tmp_path, swarm, [["a"], ["b"], ["c1", "c2"]])
+    try:
+        await trainer._run_task(Task(0, 0, ALL))
+    finally:
+        await trainer.close()
+    (first,) = swarm.accumulating(LAST)
+    other = ({"c1", "c2"} - {first.peer}).pop()
+    # ForwardBackward without accumulating gives the loss and the input gradient all the same.
+    assert swarm.at(LAST, "forward_backward") == [
+        first,
+        Call(other, LAST, "forward_backward", accumulate=False, need_grad_inputs=True),
+    ]
+    (report,) = source.reports
+    assert report.holders == {0: "a", 1: "b"}
+    assert report.loss_sum == LOSS
+
+
+async def test_an_uncertain_backward_at_the_lowest_stage_needs_no_other_call(
+    tmp_path: Path,
+) -> None:
+    swarm = Swarm()
+    swarm.fail(0, PeerUnavailable("DEADLINE_EXCEEDED: Deadline Exceeded"), after=True)
+    trainer, source = _trainer(tmp_path, swarm, [["a1", "a2"], ["b"], ["c"]])
+    try:
+        await trainer._run_task(Task(0, 0, ALL))
+    finally:
+        await trainer.close()
+    # Nothing below stage 0 needs its input gradient: no second call at all.
+    assert len(swarm.at(0, "backward")) == 1
+    (report,) = source.reports
+    assert report.holders == {1: "b", 2: "c"}
+
+
+async def test_an_uncertain_cached_replay_is_not_accumulated_again(tmp_path: Path) -> None:
+    swarm = Swarm()
+    trainer, source = _trainer(tmp_path, swarm, [["a"], ["b1", "b2"], ["c"]])
+    try:
+        await trainer._run_task(Task(0, 0, ALL))  # caches the boundary tensors
+        swarm.calls.clear()
+        swarm.accumulated.clear()
+        swarm.fail(1, PeerUnavailable("UNAVAILABLE: connection reset"), after=True)
+        await trainer._run_task(Task(0, 0, frozenset({1})))  # stage 1 lost: a replay
+    finally:
+        await trainer.close()
+    assert len(swarm.accumulating(1)) == 1 and len(swarm.calls) == 1
+    assert source.reports[-1].holders == {}
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        FailedPrecondition("stage 1 is at step 1, not 0"),
+        InvalidArgument("bad shape"),
+        NotFound("unknown job"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+async def test_a_failure_that_did_not_accumulate_is_retried_elsewhere_with_accumulation(
+    tmp_path: Path, error: Exception
+) -> None:
+    swarm = Swarm()
+    swarm.fail(1, error, after=False)
+    trainer, source = _trainer(tmp_path, swarm, [["a"], ["b1", "b2"], ["c"]])
+    try:
+        await trainer._run_task(Task(0, 0, ALL))
+    finally:
+        await trainer.close()
+    first, second = swarm.accumulating(1)
+    assert first.peer != second.peer and swarm.accumulated[1] == [second.peer]
+    (report,) = source.reports
+    assert report.holders == {0: "a", 1: second.peer, 2: "c"}
