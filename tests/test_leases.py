@@ -179,6 +179,29 @@ async def test_a_waiting_lease_answers_as_soon_as_work_appears(
     assert [(t.step, t.index) for t in (await asyncio.wait_for(waiting, 5)).tasks] == [(1, 1)]
 
 
+# -- fair shares --------------------------------------------------------------------------------
+async def test_a_trainer_asking_again_and_again_leaves_a_waiting_trainer_its_share(
+    tmp_path: Path, made: list[LocalCoordinator]
+) -> None:
+    """The scheduler's embedded trainer is in-process: with free slots it leases again at once,
+    before a remote trainer's long poll can wake. A share is of the trainer's total holding, not
+    of one call, so a trainer waiting for work still gets its half of the step."""
+    training = {"stages": 2, "microbatch_size": 4, "target_batch_size": 16, "steps": 3}
+    job = make_job(tmp_path, training=training, runtime={"lease_timeout_s": LEASE_S})
+    clock = FakeClock()
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm.add(0, "a"), swarm.add(1, "c")
+    c = _coordinator(made, job, swarm, clock)
+    await c.start()
+    assert (await c.lease("remote", 0)).tasks == []  # heard, holding no work
+    embedded = [t.index for _ in range(4) for t in (await c.lease("embedded", 1)).tasks]
+    assert len(embedded) == 2, embedded
+    remote = [t.index for t in (await c.lease("remote", 8)).tasks]
+    assert sorted(embedded + remote) == [0, 1, 2, 3]
+    clock.advance(LEASE_S + 1)  # both went silent: every lease expired, no one is waiting
+    assert len((await c.lease("embedded", 8)).tasks) == 4  # so one trainer takes the whole step
+
+
 # -- late receipts ------------------------------------------------------------------------------
 async def test_a_late_receipt_for_a_microbatch_still_needed_is_adopted(
     tmp_path: Path, made: list[LocalCoordinator]

@@ -213,15 +213,19 @@ class LocalCoordinator:
         return Lease(ledger.step, ledger.lease(trainer, count, exclude=exclude), members)
 
     def _fair_share(self, ledger: StepLedger, trainer: str, available: int) -> int:
-        """Of `available` tasks, the most `trainer` gets now: an equal share with the other
-        trainers heard from within a lease timeout that hold no work, so that the trainer that
-        asks first (the scheduler's embedded one, in-process) does not take a whole step while
-        others wait. A trainer silent for `lease_timeout_s` stops counting."""
+        """Of `available` tasks, the most `trainer` gets now: it may hold an equal share (what it
+        holds already included) with the other trainers heard from within a lease timeout that
+        hold no work, so that the trainer that asks first and again at once (the scheduler's
+        embedded one, in-process, before a remote long poll can wake) does not take a whole step
+        while others wait. A trainer silent for `lease_timeout_s` stops counting."""
         horizon = self.clock.now() - self.job.runtime.lease_timeout_s
         for gone in [t for t, when in self._heard.items() if when < horizon]:
             del self._heard[gone]
         waiting = sum(1 for t in self._heard if t != trainer and not ledger.leased_to(t))
-        return max(1, -(-available // (1 + waiting)))
+        if not waiting:
+            return available
+        held = ledger.leased_to(trainer)
+        return max(0 if held else 1, -(-(available + held) // (1 + waiting)) - held)
 
     def _wake(self) -> None:
         """Waiting leases look again (work may be there, or the job done)."""
