@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stage_server.update_log import UpdateLog
 from swarm import stage_state
 from swarm.config import JobConfig
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
@@ -53,6 +54,10 @@ class StageRuntime:
         self._prepared: tuple[int, list[torch.Tensor], int] | None = None
         # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
         self._cache: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.updates = UpdateLog(job.runtime.update_log_bytes)  # for replicas copying this one
+        # A copy of another replica that still applies that replica's updates (`apply_followed`)
+        # until it is a member: the first PREPARE or Discard it gets ends that.
+        self.following = False
 
     # -- validation -----------------------------------------------------------------------------
     def _check_step(self, step: int) -> None:
@@ -221,6 +226,7 @@ class StageRuntime:
         """Check that this replica holds exactly the receipts of `microbatches` for `step` and
         return its gradient sums (zeros if it holds none): the replica's part of the average."""
         self._check_step(step)
+        self.following = False  # a member now: its updates come from its own pool
         expected, held = set(microbatches), set(self._receipts)
         if expected != held:
             missing, extra = sorted(expected - held), sorted(held - expected)
@@ -261,6 +267,7 @@ class StageRuntime:
         """Void this replica's gradients of `step` (they will be replayed elsewhere); returns how
         many microbatches were dropped."""
         self._check_step(step)
+        self.following = False
         dropped = len(self._receipts)
         self._accum, self._receipts, self._prepared = None, {}, None
         return dropped
@@ -271,6 +278,7 @@ class StageRuntime:
             p.grad = g.div(total_samples)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.updates.record(self.step, grad_sums, total_samples)
         self.step += 1
         self._accum, self._receipts, self._prepared = None, {}, None
         self._cache.clear()  # activations of the old step are useless now
@@ -334,6 +342,27 @@ class StageRuntime:
         self.step = step
         self._accum, self._receipts, self._prepared = None, {}, None
         self._cache.clear()
+        self.updates.clear()  # its followers copied another state: they start again
+        self.following = False
+
+    def load_copy(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        """Become a copy of the replica whose state at `step` this is, and follow its updates."""
+        self.load_state(step, state)
+        self.following = True
+
+    def apply_followed(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> bool:
+        """Apply the update the copied replica applied at `step`, as it did (same sums, same
+        samples, same optimizer code: bitwise the same result). False once this replica stopped
+        following (it is a member, or holds work of its own): nothing is applied then."""
+        if not self.following or self._receipts or self._prepared is not None:
+            self.following = False
+            return False
+        if step < self.step:
+            return True  # applied already
+        if step > self.step:
+            raise FailedPrecondition(f"stage {self.stage}: update of step {step} at {self.step}")
+        self.apply_update([g.to(self.device) for g in grad_sums], total_samples)
+        return True
 
     # -- state ----------------------------------------------------------------------------------
     def num_parameters(self) -> int:

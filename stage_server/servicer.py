@@ -17,14 +17,13 @@ import torch
 from google.protobuf.message import Message
 
 from stage_server import averager, averaging
+from stage_server.copying import Copy
 from stage_server.runtime import Receipt, StageRuntime
 from swarm import codec, wire
 from swarm.errors import (
-    Aborted,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    SwarmError,
     WireError,
 )
 from swarm.faults import Point, maybe_die
@@ -32,6 +31,7 @@ from swarm.metrics import StageMetrics
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.servicing import Servicing
+from swarm.stage_client import StageClient
 from swarm.wire import grpc_options
 
 __all__ = ["StageServicer"]
@@ -65,6 +65,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.averager = averager.Averager()
         self.channels = averaging.ChannelPool(token=token, options=grpc_options(64 << 20))
         self._serving = Servicing(peer, metrics.observe)
+        self._copy: Copy | None = None  # a joining replica's background copy of a member
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
         """Start serving `runtime` as job `job_id` (called on the event loop between calls)."""
@@ -77,6 +78,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def release(self) -> None:
         """Stop serving: later calls are NOT_FOUND until the next `serve`."""
         self._runtime, self.job_id = None, ""
+        self._stop_copy()
+
+    def _stop_copy(self) -> None:
+        if self._copy is not None:
+            self._copy.task.cancel()
+            self._copy = None
 
     @property
     def runtime(self) -> StageRuntime:
@@ -323,24 +330,53 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def Join(self, request: pb.StageJoinRequest, context: grpc.aio.ServicerContext) -> Any:
         async def body() -> pb.StageJoinResponse:
             self._route(request.job, request.stage)
-            from swarm.stage_client import StageClient  # the client half of DownloadState
-
-            rt = self.runtime
+            rt, copy = self.runtime, self._copy
+            if copy is not None and copy.address == request.source and copy.running:
+                if copy.loaded and rt.following and rt.step < request.step:
+                    # The update it lacks was just applied at the source: fetch it now.
+                    await copy.reach(request.step, rt.job.runtime.rpc_timeout_s / 4)
+                if copy.loaded and rt.following and rt.step == request.step:
+                    log.info(
+                        "%s: joined stage %d at step %d from %s",
+                        self.peer,
+                        rt.stage,
+                        rt.step,
+                        request.source,
+                    )
+                    self.metrics.committed(rt.step, applied=False)
+                at = rt.step if copy.loaded and rt.following else -1  # -1: nothing copied yet
+                return pb.StageJoinResponse(step=at, copying=True)
+            if copy is not None and copy.error is not None and copy.address == request.source:
+                log.info("%s: copying %s again after: %s", self.peer, request.source, copy.error)
+            # Not copying `source` (a first ask, another source, a copy that failed or ended):
+            # start one; the answer is where this replica is now, which the coordinator does
+            # not take for a member's step.
+            self._stop_copy()
             source = StageClient(request.source, rt.job, self.job_id, rt.stage, self.token)
-            try:
-                step, state = await source.download_state(include_optimizer=True, prefix="")
-            except SwarmError as e:  # the source died or refused: try another
-                raise Aborted(f"copying {request.source} failed: {type(e).__name__}: {e}") from None
-            finally:
-                await source.close()
-            await self._compute(rt.load_state, step, state)
-            log.info(
-                "%s: joined stage %d at step %d from %s", self.peer, rt.stage, step, request.source
-            )
-            self.metrics.committed(step, applied=False)
-            return pb.StageJoinResponse(step=step)
+            self._copy = Copy(source, rt, self._compute, self.peer)
+            return pb.StageJoinResponse(step=-1, copying=True)
 
         return await self._serving.run("Join", context, body)
+
+    async def Updates(
+        self, request: pb.StageUpdatesRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        async def body() -> list[pb.StageUpdatesResponse]:
+            self._route(request.job, request.stage)
+            rt = self.runtime
+            # On the worker thread, between updates: the log and the step move together there.
+            updates = await self._compute(rt.updates.since, request.follower, request.from_step)
+            return [
+                pb.StageUpdatesResponse(
+                    tensors=[codec.encode(g, str(i))], step=u.step, total_samples=u.total_samples
+                )
+                for u in updates
+                for i, g in enumerate(u.grad_sums)
+            ]
+
+        for msg in await self._serving.run("Updates", context, body):
+            for part in self._split(msg):
+                yield part
 
     async def LoadState(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body() -> pb.StageLoadStateResponse:
@@ -369,6 +405,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     state[name] = tensor.clone()  # the wire buffer is read-only
             if step < 0:
                 raise InvalidArgument("LoadState carried no state")
+            self._stop_copy()  # a rollback: a copy of the state before it is moot
             await self._compute(self.runtime.load_state, step, state)
             log.warning(
                 "%s: loaded stage %d's state of step %d (a rollback)",
@@ -405,9 +442,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self._route(request.job, request.stage)
             # Snapshot on the worker thread, between updates, so the state is of one step.
             rt = self.runtime
-            step, state = await self._compute(
-                lambda: (rt.step, rt.export_state(request.include_optimizer))
-            )
+
+            def snapshot() -> tuple[int, dict[str, torch.Tensor]]:
+                if request.follower:  # a joining peer: keep the updates it will lack
+                    rt.updates.follow(request.follower, rt.step)
+                return rt.step, rt.export_state(request.include_optimizer)
+
+            step, state = await self._compute(snapshot)
             maybe_die(Point.STATE_DOWNLOAD, step)
             return [
                 pb.StageDownloadStateResponse(tensors=[codec.encode(v, k)], step=step)

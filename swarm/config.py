@@ -258,6 +258,9 @@ class RuntimeConfig(_Section):
     lease_timeout_s: float = _f(60.0, GT0)  #: unreported leased microbatches go elsewhere (s)
     #: bytes of boundary tensors a trainer keeps to replay lost gradients without the pipeline
     boundary_cache_bytes: int = _f(256 * MiB, GE0)
+    #: bytes of applied updates a replica keeps for peers copying it (a copy slower than this
+    #: covers starts again)
+    update_log_bytes: int = _f(4096 * MiB, GE1)
 
     def _validate(self) -> None:
         if self.max_message_bytes <= self.chunk_bytes:

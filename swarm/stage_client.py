@@ -226,12 +226,11 @@ class StageClient:
         return response.dropped
 
     @_swarm_errors
-    async def join(self, source: str) -> int:
-        """Make this replica a copy of the replica at `source`; returns its step."""
-        request = pb.StageJoinRequest(job=self.job_id, stage=self.stage, source=source)
-        response: pb.StageJoinResponse = await self.stub.Join(
-            request, timeout=self.job.runtime.commit_timeout_s
-        )
+    async def join(self, source: str, step: int) -> int:
+        """Have this replica copy the replica at `source` in the background, until it is at
+        `step`; returns the step it is at now (`step` once it is a copy to admit)."""
+        request = pb.StageJoinRequest(job=self.job_id, stage=self.stage, source=source, step=step)
+        response: pb.StageJoinResponse = await self.stub.Join(request, timeout=self._timeout)
         return response.step
 
     @_swarm_errors
@@ -257,17 +256,22 @@ class StageClient:
 
     @_swarm_errors
     async def download_state(
-        self, include_optimizer: bool = False, prefix: str = "param/"
+        self, include_optimizer: bool = False, prefix: str = "param/", follower: str = ""
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """The replica's state and step: parameters (names as in the whole model, with `prefix`
-        removed) and, when asked, optimizer state (`optim/<index>/<key>`)."""
+        removed) and, when asked, optimizer state (`optim/<index>/<key>`). A `follower` (a
+        joining peer) has the replica keep its updates from that step on (`updates`). However
+        large the state, the call lasts while bytes keep coming: it fails only when none came
+        for `rpc_timeout_s`."""
         call = self.stub.DownloadState(
             pb.StageDownloadStateRequest(
-                job=self.job_id, stage=self.stage, include_optimizer=include_optimizer
-            ),
-            timeout=self.job.runtime.commit_timeout_s,
+                job=self.job_id,
+                stage=self.stage,
+                include_optimizer=include_optimizer,
+                follower=follower,
+            )
         )
-        stream, state, step = _aiter(call), {}, -1
+        stream, state, step = _progressing(call, self._timeout), {}, -1
         while True:
             try:
                 received = await wire.receive(stream, max_bytes=self._max)
@@ -279,6 +283,46 @@ class StageClient:
                 state[name.removeprefix(prefix) if prefix else name] = tensor.clone()
         return step, state
 
+    @_swarm_errors
+    async def updates(
+        self, follower: str, from_step: int
+    ) -> list[tuple[int, list[torch.Tensor], int]]:
+        """The updates the replica applied from `from_step` on, as (step, gradient sums in
+        parameter order, total samples); `follower` has those before. A negative `from_step`
+        says the follower is done. Lasts while bytes keep coming, as `download_state`."""
+        call = self.stub.Updates(
+            pb.StageUpdatesRequest(
+                job=self.job_id, stage=self.stage, follower=follower, from_step=from_step
+            )
+        )
+        stream = _progressing(call, self._timeout)
+        updates: list[tuple[int, list[torch.Tensor], int]] = []
+        while True:
+            try:
+                received = await wire.receive(stream, max_bytes=self._max)
+            except wire.EndOfStream:
+                return updates
+            header = received.header
+            if not updates or updates[-1][0] != header.step:
+                updates.append((header.step, [], header.total_samples))
+            decoded = wire.decode_named(received, device="cpu", max_bytes=self._max)
+            updates[-1][1].extend(t.clone() for t in decoded.values())
+
 
 def _aiter(call: Any) -> AsyncIterator[Any]:
     return call.__aiter__()  # type: ignore[no-any-return]
+
+
+async def _progressing(call: Any, idle_s: float) -> AsyncIterator[Any]:
+    """The messages of a server stream with a deadline that follows progress: each must come
+    within `idle_s` of the one before, however long the whole stream takes."""
+    stream = _aiter(call)
+    while True:
+        try:
+            message = await asyncio.wait_for(anext(stream), idle_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            call.cancel()
+            raise PeerUnavailable(f"no bytes for {idle_s:g}s: the transfer stalled") from None
+        yield message

@@ -139,7 +139,8 @@ async def test_a_joiner_copies_a_member_at_the_boundary_and_one_that_fails_backs
     m.fail("join", PeerUnavailable("UNAVAILABLE: m is not listening yet"))
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
     await h.step()
-    # at the boundary: n copied a (step 1) and is a member; m failed and is not
+    # from the boundary on, in the background: n copied a (step 1) and is a member; m failed
+    await until(lambda: len(h.coordinator.replicas()[0]) == 2)
     assert n.called("join") == ["fake:a"] and n.step == 1
     assert m.called("join") == ["fake:c"]
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a", "n"], ["c"]]
@@ -148,6 +149,7 @@ async def test_a_joiner_copies_a_member_at_the_boundary_and_one_that_fails_backs
     assert len(m.called("join")) == 1  # still backing off: no try at this boundary
     h.clock.advance(60)
     await h.step()
+    await until(lambda: len(h.coordinator.replicas()[1]) == 2)
     assert len(m.called("join")) == 2 and m.step == 3
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a", "n"], ["c", "m"]]
     # a peer that left: forgotten at the next boundary, its connection closed
@@ -288,6 +290,39 @@ async def test_a_release_while_apply_is_in_flight_does_not_drop_replicas_that_ap
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
 
 
+# -- field hardening: nothing stops the world ----------------------------------------------------
+async def test_a_join_and_a_checkpoint_in_flight_hold_up_no_step(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    """A joiner's copy (a large stage over a slow link) and a checkpoint's download take as
+    long as they take: the next steps train meanwhile, and the joiner becomes a member once it is
+    a copy at the open step."""
+    job = job_of(tmp_path, steps=6, checkpoint_every=1)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, c = swarm.add(0, "a"), swarm.add(1, "c")
+    h = _harness(harnesses, job, swarm, checkpoint_dir=tmp_path / "checkpoints")
+    await h.coordinator.start()
+    n = swarm.add(0, "n")
+    copying = n.hold("join")  # its copy is under way until the test lets it go
+    saving = c.hold("download_state")  # and so is the checkpoint's download of stage 1
+    for task in await h.lease():
+        await h.run(task)
+    assert (await asyncio.wait_for(h.steps.get(), 5)).step == 0
+    await asyncio.wait_for(copying.entered.wait(), 5)
+    await asyncio.wait_for(saving.entered.wait(), 5)
+    tasks = await h.lease()  # step 1 is open and leased while both are held
+    assert tasks and {t.step for t in tasks} == {1}
+    for task in tasks:
+        await h.run(task)
+    assert (await asyncio.wait_for(h.steps.get(), 5)).step == 1
+    assert [r.peer for r in h.coordinator.replicas()[0]] == ["a"]  # not a member while copying
+    copying.open(), saving.open()
+    await until(lambda: [r.peer for r in h.coordinator.replicas()[0]] == ["a", "n"])
+    assert n.step == a.step == 2 and h.coordinator.error is None
+    await h.step(at={0: "n"})  # a member like any other: its gradients count
+    assert n.called("prepare")[-1].microbatches == [0, 1] and n.step == 3
+
+
 # -- field hardening: restarts -----------------------------------------------------------------
 
 
@@ -329,8 +364,10 @@ async def test_startup_reconcile_leaves_out_an_unreachable_replica_and_it_rejoin
     h = _harness(harnesses, job, swarm)
     assert await h.coordinator.start() == 3
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
+    await until(lambda: len(b.called("join")) == 1)  # its first try, in the background, failed
     h.clock.advance(60)  # past b's join backoff
     await h.step()
+    await until(lambda: len(h.coordinator.replicas()[0]) == 2)  # a copy made in the background
     assert b.called("join") == ["fake:a", "fake:a"] and b.step == 4
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a", "b"], ["c"]]
 

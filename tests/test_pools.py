@@ -107,7 +107,9 @@ async def test_two_replicas_per_stage_and_two_trainers_equal_local(
 async def test_replica_joining_mid_job_ends_identical(
     tmp_path: Path, make_swarm: list[Swarm]
 ) -> None:
-    job = make_job(tmp_path, training={"steps": 5, "target_batch_size": 32})
+    # The joiner copies a member in the background from the next boundary on, and is admitted
+    # once caught up (a step or two later): 8 steps leave it steps to work in.
+    job = make_job(tmp_path, training={"steps": 8, "target_batch_size": 32})
     swarm = Swarm(job)
     make_swarm.append(swarm)
     for stage in range(4):
@@ -120,7 +122,7 @@ async def test_replica_joining_mid_job_ends_identical(
 
     coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
     await _train(swarm, coordinator, trainers=1)
-    assert joined and joined[0].runtime.step == 5
+    assert joined and joined[0].runtime.step == 8
     swarm.assert_replicas_identical()
     # it did real work after joining: it accumulated samples
     samples = joined[0].servicer.metrics.registry.get_sample_value(

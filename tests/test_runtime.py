@@ -156,3 +156,34 @@ def test_activation_cache_is_bounded(tmp_path: Path) -> None:
     for index in range(5):
         rt.forward(0, index, torch.randn(4, 16, 32, dtype=torch.float64))
     assert sorted(rt._cache) == [(0, 3), (0, 4)]
+
+
+def test_a_copy_following_the_updates_of_its_source_is_bitwise_identical(tmp_path: Path) -> None:
+    job = make_job(tmp_path, training={"stages": 1, "steps": 5})
+    m = job.training.microbatches_per_step
+    source = StageRuntime(job, 0)
+    _run_step([source], job, 0, list(range(m)))
+    # The copy downloads the state at step 1 while the pool trains on.
+    source.updates.follow("copy", source.step)
+    copy = StageRuntime(job, 0)
+    copy.load_copy(source.step, source.export_state(include_optimizer=True))
+    for step in (1, 2, 3):
+        _run_step([source], job, step, list(range(m)))
+    for u in source.updates.since("copy", copy.step):
+        assert copy.apply_followed(u.step, u.grad_sums, u.total_samples)
+    assert copy.step == source.step == 4
+    for name, tensor in source.export_state(include_optimizer=True).items():
+        assert torch.equal(tensor, copy.export_state(include_optimizer=True)[name]), name
+    # A member now (its first PREPARE): it applies its own pool's updates, never its source's.
+    _run_step([source, copy][1:], job, 4, list(range(m)))
+    assert not copy.following
+    assert copy.apply_followed(5, [torch.zeros(1)], 1) is False and copy.step == 5
+
+
+def test_a_follower_refuses_an_update_it_skipped(tmp_path: Path) -> None:
+    job = make_job(tmp_path, training={"stages": 1})
+    source = StageRuntime(job, 0)
+    copy = StageRuntime(job, 0)
+    copy.load_copy(0, source.export_state(include_optimizer=True))
+    with pytest.raises(FailedPrecondition, match="update of step 2 at 0"):
+        copy.apply_followed(2, [torch.zeros(1)], 16)

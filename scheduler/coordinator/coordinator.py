@@ -101,7 +101,14 @@ class LocalCoordinator:
             connect or grpc_replicas(job, job_id, token), grace_s=job.runtime.commit_timeout_s
         )
         self.membership = Membership(
-            job_id, members, self.clients, lambda: self.ledger, self.metrics, self.clock
+            job_id,
+            members,
+            self.clients,
+            lambda: self.ledger,
+            self.metrics,
+            self.clock,
+            can_admit=self._can_admit,
+            on_admit=self._wake,
         )
         self.two_phase = TwoPhaseCommit(self.clients, self.membership, self.metrics)
         self.recovery = Recovery(job, self.clients, checkpoint_dir)
@@ -115,6 +122,7 @@ class LocalCoordinator:
         self._checked = -self._CHECK_EVERY_S
         self._changed = asyncio.Event()  # set (and replaced) when waiting leases should look
         self._receipts: asyncio.Task[None] | None = None  # the late-receipt check in flight
+        self._checkpoint: asyncio.Task[None] | None = None  # the checkpoint being written
         self._closed = False
         self.finished = asyncio.Event()
         self.error: BaseException | None = None
@@ -149,12 +157,27 @@ class LocalCoordinator:
         self._rollback_after = -math.inf
         self._wake()
 
+    def _can_admit(self, step: int) -> bool:
+        """A replica caught up with `step` becomes a member only while `step` is open and no
+        commit (whose PREPARE group is fixed) or rollback is under way."""
+        return (
+            self.ledger is not None
+            and self.ledger.step == step
+            and self._commit.task is None
+            and (self._rollback is None or self._rollback.done())
+            and not self._closed
+        )
+
     async def close(self) -> None:
         self._closed = True
         self._wake()
-        for task in (self._commit.task, self._rollback, self._receipts):
+        saving = self._checkpoint
+        if saving is not None and self.finished.is_set():  # the job's last one: let it end
+            await asyncio.wait([saving], timeout=self.job.runtime.commit_timeout_s)
+        for task in (self._commit.task, self._rollback, self._receipts, saving):
             if task is not None:
                 task.cancel()
+        await self.membership.close()
         await self.clients.close()
 
     def client(self, stage: int, replica: Replica) -> StageReplica:
@@ -361,10 +384,10 @@ class LocalCoordinator:
         step = ledger.step + 1
         await self.membership.sync(step)
         if self.recovery.due(step):
-            try:
-                await self.recovery.save(step, self.replicas())
-            except OSError as e:  # a full or broken disk: training goes on without this one
-                log.error("checkpoint of step %d not written: %s", step, e)
+            if self._checkpoint is not None and not self._checkpoint.done():
+                log.warning("checkpoint of step %d skipped: the one before is still written", step)
+            else:
+                self._checkpoint = asyncio.create_task(self._save(step, self.replicas()))
         self._open(step)
         if attempt:
             log.info("step %d committed after %d failed rounds", ledger.step, attempt)
@@ -372,6 +395,19 @@ class LocalCoordinator:
             await _maybe_await(self.on_step(record))
 
     # -- rollback -------------------------------------------------------------------------------
+    async def flush(self) -> None:
+        """Wait until the checkpoint being written, if any, is sealed or skipped."""
+        if self._checkpoint is not None:
+            await asyncio.wait([self._checkpoint])
+
+    async def _save(self, step: int, members: list[list[Replica]]) -> None:
+        """The checkpoint of `step`, written while the next step trains (each replica snapshots
+        its state when asked, at `step`)."""
+        try:
+            await self.recovery.save(step, members)
+        except OSError as e:  # a full or broken disk: training goes on without this one
+            log.error("checkpoint of step %d not written: %s", step, e)
+
     def _maybe_roll_back(self) -> None:
         """A stage has lost every replica. Once a replica of it is back, roll every stage back to
         the last complete checkpoint (no work can be exact without that stage's state)."""
@@ -388,6 +424,8 @@ class LocalCoordinator:
             if ledger is not None and await self.membership.readmit(ledger.step):
                 self._wake()  # a replica dropped for a missed deadline still held the state
                 return
+            if self._checkpoint is not None:  # one still being written may be the newest
+                await asyncio.wait([self._checkpoint], timeout=self.job.runtime.commit_timeout_s)
             step = self.recovery.latest()
             if self._commit.task:
                 self._commit.task.cancel()

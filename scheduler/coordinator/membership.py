@@ -1,6 +1,7 @@
 """Which replicas are members: those known to be at the coordinator's step. Trainers see and use
-only members; a replica that is new, restarted or moved copies a member of its stage at a step
-boundary (`sync`) before it becomes one, and one that stops answering is dropped until then."""
+only members; a replica that is new, restarted or moved copies a member of its stage in the
+background (`sync` starts it at a step boundary, training goes on) and becomes one when it is a
+copy at the open step; one that stops answering is dropped until then."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable, Hashable
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.replicas import GONE, ReplicaClients
-from swarm.backoff import Backoffs
+from swarm.backoff import Backoff, Backoffs
 from swarm.clock import Clock
 from swarm.errors import SwarmError
 from swarm.lease import Replica
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 class Membership:
     _JOIN_FIRST_S, _JOIN_CAP_S = 0.5, 30.0  # pause before retrying a joiner that is absent
+    _ASK_FIRST_S, _ASK_CAP_S = 0.02, 2.0  # pauses between asks of a joiner still copying
 
     def __init__(
         self,
@@ -33,8 +35,14 @@ class Membership:
         ledger: Callable[[], StepLedger | None],
         metrics: CoordinatorMetrics,
         clock: Clock,
+        can_admit: Callable[[int], bool] = lambda step: True,
+        on_admit: Callable[[], None] = lambda: None,
     ) -> None:
+        """`can_admit(step)`: whether a replica at `step` may become a member now (the step is
+        open and no commit or rollback is under way); `on_admit()`: one did."""
         self.job_id, self.members, self.clients = job_id, members, clients
+        self.can_admit, self.on_admit = can_admit, on_admit
+        self._joining: dict[str, asyncio.Task[None]] = {}  # peer -> its join in the background
         self.ledger, self.metrics = ledger, metrics  # `ledger`: the open step's, if any
         self.synced: set[str] = set()
         self._stage_of: dict[str, int] = {}  # where each peer served when last seen
@@ -106,48 +114,80 @@ class Membership:
         return all(self.replicas())
 
     async def sync(self, step: int) -> None:
-        """At a step boundary: replicas not yet known to be at `step` copy a member of their
-        stage (parameters, optimizer state, step) and become members."""
+        """At a step boundary: every replica not yet a member starts copying a member of its
+        stage in the background (`_join`), and becomes a member once it is a copy at the open
+        step. Nobody waits for the copy: training goes on meanwhile."""
         self.replicas()  # notices peers that moved stage: they join their new stage below
         members = self.members()
         current = {r.peer for stage in members for r in stage}
         self.synced &= current  # those that left are forgotten, with their pauses and clients
         self._joins.forget(set[Hashable](current))
+        for peer in [p for p in self._joining if p not in current]:
+            self._joining.pop(peer).cancel()
         await self.clients.keep(members)
         for stage, replicas in enumerate(members):
-            sources = [r for r in replicas if r.peer in self.synced]
             for r in replicas:
-                if r.peer in self.synced or not self._joins.ready(r.peer):
+                if r.peer in self.synced or r.peer in self._joining:
                     continue
-                if not sources:
+                if not self._joins.ready(r.peer):
+                    continue
+                if not any(m.peer in self.synced for m in replicas):
                     log.warning(
                         "stage %d: no replica at step %d to copy to %s", stage, step, r.peer
                     )
                     continue
-                await self._join(stage, r, sources[0], step)
+                joining = self._join(stage, r, step)
+                self._joining[r.peer] = asyncio.get_running_loop().create_task(joining)
 
-    async def _join(self, stage: int, joiner: Replica, source: Replica, step: int) -> None:
+    async def _join(self, stage: int, joiner: Replica, first_step: int) -> None:
+        """Have `joiner` copy a member of `stage` until it is at the open step, then admit it
+        (between commits: it holds no gradients, so the step's ledger is unchanged by it). The
+        first ask waits for `first_step` (the boundary's) to open."""
+        ask = Backoff(self._ASK_FIRST_S, self._ASK_CAP_S)
         try:
-            joined = await self.clients.get(stage, joiner).join(source.address)
-        except GONE as e:  # the joiner itself is absent: try it less often
-            delay = self._joins.failed(joiner.peer)
-            first = delay <= self._JOIN_FIRST_S * (1 + self._joins.jitter)  # then quieter
-            log.log(
-                logging.WARNING if first else logging.INFO,
-                "stage %d: %s could not join (retry in %.1fs): %s",
-                stage,
-                joiner.peer,
-                delay,
-                e,
-            )
-            return
-        except SwarmError as e:  # the source failed it, say: any member may serve next time
-            log.warning("stage %d: %s could not join: %s", stage, joiner.peer, e)
-            return
-        self._joins.succeeded(joiner.peer)
-        if joined == step:
-            log.info("stage %d: %s joined at step %d", stage, joiner.peer, step)
-            self.synced.add(joiner.peer)
+            while joiner.peer not in self.synced:
+                listed = self.members()[stage] if stage < len(self.members()) else []
+                if not any((r.peer, r.address) == (joiner.peer, joiner.address) for r in listed):
+                    return  # it left, moved or restarted elsewhere: the next boundary sees to it
+                sources = [r for r in listed if r.peer in self.synced]
+                ledger = self.ledger()
+                if not sources or ledger is None or ledger.step < first_step:
+                    await ask.sleep()
+                    continue
+                step, first_step = ledger.step, -1
+                try:
+                    at = await self.clients.get(stage, joiner).join(sources[0].address, step)
+                except GONE as e:  # the joiner itself is absent: try it less often
+                    delay = self._joins.failed(joiner.peer)
+                    first = delay <= self._JOIN_FIRST_S * (1 + self._joins.jitter)  # then quieter
+                    log.log(
+                        logging.WARNING if first else logging.INFO,
+                        "stage %d: %s could not join (retry in %.1fs): %s",
+                        stage,
+                        joiner.peer,
+                        delay,
+                        e,
+                    )
+                    return
+                except SwarmError as e:  # it refused: the next boundary tries again
+                    log.warning("stage %d: %s could not join: %s", stage, joiner.peer, e)
+                    return
+                if at == step and self.can_admit(step):
+                    self._joins.succeeded(joiner.peer)
+                    self.synced.add(joiner.peer)
+                    log.info("stage %d: %s joined at step %d", stage, joiner.peer, step)
+                    self.on_admit()
+                    return
+                await ask.sleep()
+        finally:
+            if self._joining.get(joiner.peer) is asyncio.current_task():
+                del self._joining[joiner.peer]
+
+    async def close(self) -> None:
+        tasks = list(self._joining.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def reconcile(self) -> int:
         """Bring every replica to the newest step, and return it. A coordinator that died while

@@ -42,22 +42,31 @@ class Recovery:
             raise
 
     async def _save(self, directory: Path, step: int, members: list[list[Replica]]) -> None:
-        for stage, replicas in enumerate(members):
-            for r in replicas:  # the first member that answers
-                try:
-                    got, state = await self.clients.get(stage, r).download_state(True, prefix="")
-                except SwarmError as e:
-                    log.warning("checkpoint %d: %s did not answer: %r", step, r.peer, e)
-                    continue
-                if got == step:
-                    await asyncio.to_thread(checkpoint.save_stage, directory, step, stage, state)
-                    break
-            else:
-                log.warning("checkpoint %d skipped: no replica of stage %d answered", step, stage)
-                await asyncio.to_thread(checkpoint.discard, directory, step)  # never sealed
-                return
+        # Every stage at once: each replica snapshots its state when the download reaches it,
+        # so all do so at `step`, before the next commit, however long the transfers take.
+        saved = await asyncio.gather(
+            *(self._save_stage(directory, step, k, replicas) for k, replicas in enumerate(members))
+        )
+        if not all(saved):
+            await asyncio.to_thread(checkpoint.discard, directory, step)  # never sealed
+            return
         await asyncio.to_thread(checkpoint.seal, directory, step, self.job.training.stages)
         log.info("checkpoint of step %d written to %s", step, directory)
+
+    async def _save_stage(
+        self, directory: Path, step: int, stage: int, replicas: list[Replica]
+    ) -> bool:
+        for r in replicas:  # the first member that answers at `step`
+            try:
+                got, state = await self.clients.get(stage, r).download_state(True, prefix="")
+            except SwarmError as e:
+                log.warning("checkpoint %d: %s did not answer: %r", step, r.peer, e)
+                continue
+            if got == step:
+                await asyncio.to_thread(checkpoint.save_stage, directory, step, stage, state)
+                return True
+        log.warning("checkpoint %d skipped: no replica of stage %d answered at it", step, stage)
+        return False
 
     def latest(self) -> int:
         """The step to roll back to: the last sealed checkpoint's, else 0."""

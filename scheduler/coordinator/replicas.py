@@ -59,8 +59,9 @@ class StageReplica(Protocol):
         """Drop its gradients of `step` (they are replayed elsewhere); returns how many."""
         ...
 
-    async def join(self, source: str) -> int:
-        """Become a copy of the replica at `source`; returns its step after."""
+    async def join(self, source: str, step: int) -> int:
+        """Copy the replica at `source` in the background until at `step` (the open step);
+        returns the step it is at now: `step` once it is a copy to admit, else keep asking."""
         ...
 
     async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int: ...
@@ -110,8 +111,8 @@ class GrpcReplica:
     async def discard(self, step: int) -> int:
         return await self.client.discard(step)
 
-    async def join(self, source: str) -> int:
-        return await self.client.join(source)
+    async def join(self, source: str, step: int) -> int:
+        return await self.client.join(source, step)
 
     async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
         return await self.client.load_state(step, state)

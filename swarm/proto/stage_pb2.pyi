@@ -178,20 +178,24 @@ class StageDiscardResponse(_message.Message):
     def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class StageJoinRequest(_message.Message):
-    __slots__ = ("job", "stage", "source")
+    __slots__ = ("job", "stage", "source", "step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     source: str
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+    step: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., source: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class StageJoinResponse(_message.Message):
-    __slots__ = ("step",)
+    __slots__ = ("step", "copying")
     STEP_FIELD_NUMBER: _ClassVar[int]
+    COPYING_FIELD_NUMBER: _ClassVar[int]
     step: int
-    def __init__(self, step: _Optional[int] = ...) -> None: ...
+    copying: bool
+    def __init__(self, step: _Optional[int] = ..., copying: _Optional[bool] = ...) -> None: ...
 
 class StageLoadStateRequest(_message.Message):
     __slots__ = ("job", "stage", "step", "tensors", "chunk")
@@ -242,14 +246,40 @@ class StageInfoResponse(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageDownloadStateRequest(_message.Message):
-    __slots__ = ("job", "stage", "include_optimizer")
+    __slots__ = ("job", "stage", "include_optimizer", "follower")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWER_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     include_optimizer: bool
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., include_optimizer: _Optional[bool] = ...) -> None: ...
+    follower: str
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., include_optimizer: _Optional[bool] = ..., follower: _Optional[str] = ...) -> None: ...
+
+class StageUpdatesRequest(_message.Message):
+    __slots__ = ("job", "stage", "follower", "from_step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWER_FIELD_NUMBER: _ClassVar[int]
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    stage: int
+    follower: str
+    from_step: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., follower: _Optional[str] = ..., from_step: _Optional[int] = ...) -> None: ...
+
+class StageUpdatesResponse(_message.Message):
+    __slots__ = ("tensors", "chunk", "step", "total_samples")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    chunk: _tensor_pb2.Chunk
+    step: int
+    total_samples: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ..., total_samples: _Optional[int] = ...) -> None: ...
 
 class StageDownloadStateResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "step")

@@ -79,6 +79,11 @@ class StageServiceStub:
                 request_serializer=swarm_dot_proto_dot_stage__pb2.StageDownloadStateRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_stage__pb2.StageDownloadStateResponse.FromString,
                 _registered_method=True)
+        self.Updates = channel.unary_stream(
+                '/swarm.proto.StageService/Updates',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.StageUpdatesRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.StageUpdatesResponse.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -138,6 +143,12 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Updates(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.DownloadState,
                     request_deserializer=swarm_dot_proto_dot_stage__pb2.StageDownloadStateRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_stage__pb2.StageDownloadStateResponse.SerializeToString,
+            ),
+            'Updates': grpc.unary_stream_rpc_method_handler(
+                    servicer.Updates,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.StageUpdatesRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.StageUpdatesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class StageService:
             '/swarm.proto.StageService/DownloadState',
             swarm_dot_proto_dot_stage__pb2.StageDownloadStateRequest.SerializeToString,
             swarm_dot_proto_dot_stage__pb2.StageDownloadStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Updates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarm.proto.StageService/Updates',
+            swarm_dot_proto_dot_stage__pb2.StageUpdatesRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.StageUpdatesResponse.FromString,
             options,
             channel_credentials,
             insecure,

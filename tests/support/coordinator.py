@@ -72,10 +72,13 @@ class Harness:
         return result
 
     async def step(self, at: dict[int, str] | None = None) -> StepRecord:
-        """Train one whole step; returns its record once committed."""
+        """Train one whole step; returns its record once committed and its checkpoint (written
+        in the background) sealed or skipped."""
         for task in await self.lease():
             await self.run(task, at)
-        return await asyncio.wait_for(self.steps.get(), 10)
+        record = await asyncio.wait_for(self.steps.get(), 10)
+        await asyncio.wait_for(self.coordinator.flush(), 10)
+        return record
 
 
 async def until(condition: Callable[[], bool]) -> None:

@@ -137,7 +137,9 @@ class FakeReplica:
             self.receipts.clear()
         return dropped
 
-    async def join(self, source: str) -> int:
+    async def join(self, source: str, step: int) -> int:
+        """A copy that completes at once: it answers `step` when `source` is at it (a real
+        replica gets there by following the source's updates)."""
         await self._enter("join", source)
         other = self.swarm.by_address[source]
         self.step, self.state = other.step, {k: v.clone() for k, v in other.state.items()}

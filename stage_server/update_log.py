@@ -1,0 +1,105 @@
+"""The updates a replica applied, kept for the peers copying it (its followers).
+
+A joining replica downloads this replica's state at some step s while training goes on; by the
+time the download ends the pool has applied more steps. The follower then applies the same
+updates (the pool's summed gradient of each step and the step's samples, in order) through the
+same optimizer code, so it becomes bitwise identical without stopping anyone (see
+docs/architecture.md, "Joining, leaving, moving").
+
+Nothing is kept while nobody follows. The log is bounded in bytes: when it would grow past its
+bound the oldest updates go, and a follower that still needed them must start its copy again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from swarm.errors import FailedPrecondition
+
+__all__ = ["Update", "UpdateLog"]
+
+
+@dataclass(frozen=True)
+class Update:
+    step: int  # the step this update was applied at (it moved the replica to step + 1)
+    grad_sums: list[torch.Tensor]  # the pool's summed gradient, in parameter order, on the CPU
+    total_samples: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.grad_sums)
+
+
+class UpdateLog:
+    FOLLOWER_TTL_S = 3600.0  # a follower not heard from this long is gone (it died mid-copy)
+
+    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_bytes, self._clock = max_bytes, clock
+        self._updates: list[Update] = []
+        self._first = 0  # the first step the log still has (or will have) an update of
+        self._followers: dict[str, tuple[int, float]] = {}  # peer -> (next step it needs, heard)
+
+    def __len__(self) -> int:
+        return len(self._updates)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(u.nbytes for u in self._updates)
+
+    def follow(self, follower: str, step: int) -> None:
+        """`follower` took this replica's state at `step`: keep every update from `step` on."""
+        if not self._followers:
+            self._updates, self._first = [], step
+        self._first = min(self._first, step)
+        self._followers[follower] = (step, self._clock())
+
+    def record(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> None:
+        """This replica applied `grad_sums / total_samples` at `step`."""
+        self._forget_silent()
+        if not self._followers:
+            return
+        cpu = [g.detach().to("cpu", copy=True) for g in grad_sums]
+        self._updates.append(Update(step, cpu, total_samples))
+        while len(self._updates) > 1 and self.nbytes > self.max_bytes:
+            self._first = self._updates.pop(0).step + 1
+
+    def since(self, follower: str, step: int) -> list[Update]:
+        """The updates from `step` on, for `follower`, who has every one before `step` (those
+        may be forgotten once no follower needs them). A negative `step`: the follower is done."""
+        if step < 0:
+            self._followers.pop(follower, None)
+            self._trim()
+            return []
+        if follower not in self._followers:
+            raise FailedPrecondition(f"{follower} does not follow this replica: copy it again")
+        if step < self._first:
+            del self._followers[follower]
+            self._trim()  # what it alone held on to goes too
+            raise FailedPrecondition(
+                f"updates from step {step} are no longer kept (the log starts at {self._first}; "
+                f"it holds at most {self.max_bytes} bytes): copy the state again"
+            )
+        self._followers[follower] = (step, self._clock())
+        self._trim()
+        return [u for u in self._updates if u.step >= step]
+
+    def clear(self) -> None:
+        """This replica's state was replaced (a rollback, a copy): its followers start again."""
+        self._updates, self._followers = [], {}
+
+    def _trim(self) -> None:
+        if not self._followers:
+            self._updates = []
+            return
+        needed = min(step for step, _ in self._followers.values())
+        self._updates = [u for u in self._updates if u.step >= needed]
+        self._first = max(self._first, needed)
+
+    def _forget_silent(self) -> None:
+        horizon = self._clock() - self.FOLLOWER_TTL_S
+        for peer in [p for p, (_, heard) in self._followers.items() if heard < horizon]:
+            del self._followers[peer]
