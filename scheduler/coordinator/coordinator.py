@@ -31,6 +31,7 @@ from scheduler.coordinator.replicas import (
     StageReplica,
     grpc_replicas,
 )
+from scheduler.coordinator.shares import Shares
 from swarm.backoff import Backoff
 from swarm.clock import Clock, MonotonicClock
 from swarm.config import JobConfig
@@ -93,7 +94,7 @@ class LocalCoordinator:
         self.on_step, self.on_rollback, self.on_status = on_step, on_rollback, on_status
         self.checkpoint_dir = checkpoint_dir
         self.clock = clock or MonotonicClock()
-        self._heard: dict[str, float] = {}  # trainer -> its last lease call, for fair shares
+        self._shares = Shares(self.clock, job.runtime.lease_timeout_s)
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         self.metrics.last_commit.set(time.time())
         self.ledger: StepLedger | None = None
@@ -122,7 +123,6 @@ class LocalCoordinator:
         self._checked = -self._CHECK_EVERY_S
         self._changed = asyncio.Event()  # set (and replaced) when waiting leases should look
         self._receipts: asyncio.Task[None] | None = None  # the late-receipt check in flight
-        self._checkpoint: asyncio.Task[None] | None = None  # the checkpoint being written
         self._closed = False
         self.finished = asyncio.Event()
         self.error: BaseException | None = None
@@ -171,12 +171,10 @@ class LocalCoordinator:
     async def close(self) -> None:
         self._closed = True
         self._wake()
-        saving = self._checkpoint
-        if saving is not None and self.finished.is_set():  # the job's last one: let it end
-            await asyncio.wait([saving], timeout=self.job.runtime.commit_timeout_s)
-        for task in (self._commit.task, self._rollback, self._receipts, saving):
+        for task in (self._commit.task, self._rollback, self._receipts):
             if task is not None:
                 task.cancel()
+        await self.recovery.close(finished=self.finished.is_set())
         await self.membership.close()
         await self.clients.close()
 
@@ -196,7 +194,7 @@ class LocalCoordinator:
         with nothing to give, it waits (at most `wait_s`, capped at `MAX_WAIT_S`) until there is
         work, the job is done or failed, or the members changed, so that idle trainers ask rarely
         and still start at once."""
-        self._heard[trainer] = self.clock.now()
+        self._shares.heard(trainer)
         ledger = self.ledger
         if ledger is not None:
             ledger.renew(trainer, [index for step, index in working if step == ledger.step])
@@ -232,23 +230,8 @@ class LocalCoordinator:
         if returned and self._receipts is None:
             self._receipts = asyncio.create_task(self._check_receipts(ledger, returned))
         exclude = set(returned)
-        count = min(count, self._fair_share(ledger, trainer, ledger.leasable(exclude)))
+        count = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
         return Lease(ledger.step, ledger.lease(trainer, count, exclude=exclude), members)
-
-    def _fair_share(self, ledger: StepLedger, trainer: str, available: int) -> int:
-        """Of `available` tasks, the most `trainer` gets now: it may hold an equal share (what it
-        holds already included) with the other trainers heard from within a lease timeout that
-        hold no work, so that the trainer that asks first and again at once (the scheduler's
-        embedded one, in-process, before a remote long poll can wake) does not take a whole step
-        while others wait. A trainer silent for `lease_timeout_s` stops counting."""
-        horizon = self.clock.now() - self.job.runtime.lease_timeout_s
-        for gone in [t for t, when in self._heard.items() if when < horizon]:
-            del self._heard[gone]
-        waiting = sum(1 for t in self._heard if t != trainer and not ledger.leased_to(t))
-        if not waiting:
-            return available
-        held = ledger.leased_to(trainer)
-        return max(0 if held else 1, -(-(available + held) // (1 + waiting)) - held)
 
     def _wake(self) -> None:
         """Waiting leases look again (work may be there, or the job done)."""
@@ -384,10 +367,7 @@ class LocalCoordinator:
         step = ledger.step + 1
         await self.membership.sync(step)
         if self.recovery.due(step):
-            if self._checkpoint is not None and not self._checkpoint.done():
-                log.warning("checkpoint of step %d skipped: the one before is still written", step)
-            else:
-                self._checkpoint = asyncio.create_task(self._save(step, self.replicas()))
+            self.recovery.checkpoint(step, self.replicas())
         self._open(step)
         if attempt:
             log.info("step %d committed after %d failed rounds", ledger.step, attempt)
@@ -397,16 +377,7 @@ class LocalCoordinator:
     # -- rollback -------------------------------------------------------------------------------
     async def flush(self) -> None:
         """Wait until the checkpoint being written, if any, is sealed or skipped."""
-        if self._checkpoint is not None:
-            await asyncio.wait([self._checkpoint])
-
-    async def _save(self, step: int, members: list[list[Replica]]) -> None:
-        """The checkpoint of `step`, written while the next step trains (each replica snapshots
-        its state when asked, at `step`)."""
-        try:
-            await self.recovery.save(step, members)
-        except OSError as e:  # a full or broken disk: training goes on without this one
-            log.error("checkpoint of step %d not written: %s", step, e)
+        await self.recovery.flush()
 
     def _maybe_roll_back(self) -> None:
         """A stage has lost every replica. Once a replica of it is back, roll every stage back to
@@ -424,8 +395,8 @@ class LocalCoordinator:
             if ledger is not None and await self.membership.readmit(ledger.step):
                 self._wake()  # a replica dropped for a missed deadline still held the state
                 return
-            if self._checkpoint is not None:  # one still being written may be the newest
-                await asyncio.wait([self._checkpoint], timeout=self.job.runtime.commit_timeout_s)
+            # A checkpoint still being written may be the newest.
+            await self.recovery.flush(self.job.runtime.commit_timeout_s)
             step = self.recovery.latest()
             if self._commit.task:
                 self._commit.task.cancel()

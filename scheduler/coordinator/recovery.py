@@ -24,6 +24,35 @@ log = logging.getLogger(__name__)
 class Recovery:
     def __init__(self, job: JobConfig, clients: ReplicaClients, directory: Path | None) -> None:
         self.job, self.clients, self.directory = job, clients, directory
+        self._saving: asyncio.Task[None] | None = None  # the checkpoint being written
+
+    def checkpoint(self, step: int, members: list[list[Replica]]) -> None:
+        """Write the checkpoint of `step` in the background while the next steps train; skipped
+        (with a warning) while the one before is still being written, so training never waits."""
+        if self._saving is not None and not self._saving.done():
+            log.warning("checkpoint of step %d skipped: the one before is still written", step)
+            return
+        self._saving = asyncio.create_task(self._checkpoint(step, members))
+
+    async def _checkpoint(self, step: int, members: list[list[Replica]]) -> None:
+        try:
+            await self.save(step, members)
+        except OSError as e:  # a full or broken disk: training goes on without this one
+            log.error("checkpoint of step %d not written: %s", step, e)
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Wait (at most `timeout_s`) until the checkpoint being written is sealed or skipped."""
+        if self._saving is not None:
+            await asyncio.wait([self._saving], timeout=timeout_s)
+
+    async def close(self, finished: bool) -> None:
+        """Let the job's last checkpoint end when the job `finished`; cancel it otherwise."""
+        if self._saving is None:
+            return
+        if finished:
+            await self.flush(self.job.runtime.commit_timeout_s)
+        self._saving.cancel()
+        await asyncio.gather(self._saving, return_exceptions=True)
 
     def due(self, step: int) -> bool:
         """Whether the state at `step` (just reached) is to be checkpointed."""
