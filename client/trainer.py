@@ -31,12 +31,13 @@ from swarm.bus import Bus, BusLike
 from swarm.clock import Clock, MonotonicClock
 from swarm.config import JobConfig
 from swarm.data import DataSource, make_data
-from swarm.errors import ActivationsNotCached, PeerUnavailable, RemoteError, SwarmError
+from swarm.errors import ActivationsNotCached, Busy, PeerUnavailable, RemoteError, SwarmError
 from swarm.lease import Lease, LeaseSource, MicrobatchResult, Replica, Task
 from swarm.metrics import TrainerMetrics
 from swarm.proto import control_pb2 as cpb
+from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
-from swarm.stage_client import BackwardResult, StageClient, TensorLike
+from swarm.stage_client import BackwardResult, StageClient, TensorLike, named
 
 __all__ = ["ClientFactory", "PipelineTrainer", "TrainerError", "follow_load", "load_followed"]
 
@@ -95,6 +96,7 @@ class PipelineTrainer:
         )
         self.clients: dict[str, StageClient] = {}
         self._members: list[set[str]] = [set() for _ in range(job.training.stages)]
+        self._routes: list[pb.Route] = []  # per stage after the first: the push plane's route
         self._closing: set[asyncio.Task[None]] = set()  # replaced clients, closed after a while
         self._departed: dict[str, float] = {}  # peer -> when it left, until its series go
         self._leased_step = -1  # the step of the last lease
@@ -138,6 +140,14 @@ class PipelineTrainer:
                 client = self._client_factory(r.address, self.job, self.job_id, stage, self.token)
                 self.clients[peer] = client
         self._members = [{r.peer for r in members} for members in replicas]
+        self._routes = [
+            pb.Route(
+                peers=[r.peer for r in members],
+                addresses=[r.address for r in members],
+                throughput=[r.throughput or 0.0 for r in members],
+            )
+            for members in replicas[1:]
+        ]
 
     def _forget_departed(self, present: Iterable[str]) -> None:
         """Remove the metric series of peers gone for `SERIES_GRACE_S`: not at once, so that
@@ -297,6 +307,12 @@ class PipelineTrainer:
             try:
                 client = self.clients[peer]  # it may depart (sync) while the call runs
                 result = await call(client, accumulate)
+            except Busy as e:  # its queue is full (push): not its fault, try another
+                if peer in pool:
+                    pool.report_load(peer, pool.queued(peer) + samples, None)
+                    pool.finished(peer, samples, 0.0)
+                last = e
+                continue
             except SwarmError as e:  # the stage client raises nothing else for a failed call
                 if peer in pool:  # it may have left (or moved stage) while the call ran
                     pool.failed(peer, samples)
@@ -304,6 +320,7 @@ class PipelineTrainer:
                 last = e
                 if accumulate and _may_have_landed(e):
                     accumulate = False
+                    self.metrics.unreported.inc()
                     log.info(
                         "stage %d: %s failed (%r) and may have accumulated all the same; "
                         "reported without this stage",
@@ -397,7 +414,46 @@ class PipelineTrainer:
             task.step, task.index, holders, None, self.job.training.microbatch_size
         )
 
+    async def _push(self, task: Task) -> MicrobatchResult:
+        """The push data plane: one call to a replica of the first stage carries the microbatch
+        through every stage and back (`stage_server.pushing`); this trainer's link carries its
+        tokens, targets and receipts only. Stages the answer names uncertain, or all of them when
+        the call failed after it may have accumulated, are left out of the report: the
+        coordinator adopts their late receipts or replays them."""
+        step, index, stages = task.step, task.index, task.stages
+        ids, labels = self.data.microbatch(step, index)
+        inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
+        route, last = self._routes, self.job.training.stages - 1
+        timeout = self.job.runtime.rpc_timeout_s * self.job.training.stages  # the whole path
+        peer, result = await self._accumulating_hop(
+            0,
+            lambda c, a: c.push(
+                step,
+                index,
+                inputs,
+                targets,
+                sorted(stages) if a else [],
+                route,
+                need_grad_inputs=False,
+                timeout=timeout,
+            ),
+            accumulate=True,
+            need_result=False,
+        )
+        if result is None:  # counted in `_attempts`, once for the whole path
+            return MicrobatchResult(step, index, {}, None, int(ids.shape[0]))
+        holders = {
+            r.stage: r.peer
+            for r in named(result.receipts, 0, peer or "")
+            if r.stage in stages and r.stage not in result.uncertain
+        }
+        self.metrics.unreported.inc(len(stages) - len(holders))
+        loss = result.loss_sum if last in holders else None
+        return MicrobatchResult(step, index, holders, loss, int(ids.shape[0]))
+
     async def _microbatch(self, task: Task) -> MicrobatchResult:
+        if self.job.runtime.data_plane == "push":
+            return await self._push(task)
         if len(task.stages) < self.job.training.stages:  # a replay
             replayed = await self._replay_from_cache(task)
             if replayed is not None:

@@ -18,9 +18,11 @@ from google.protobuf.message import Message
 
 from stage_server import averager, averaging
 from stage_server.copying import Copy
+from stage_server.pushing import Downstream
 from stage_server.runtime import Receipt, StageRuntime
 from swarm import codec, wire
 from swarm.errors import (
+    Busy,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -66,6 +68,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.channels = averaging.ChannelPool(token=token, options=grpc_options(64 << 20))
         self._serving = Servicing(peer, metrics.observe)
         self._copy: Copy | None = None  # a joining replica's background copy of a member
+        self._downstream: Downstream | None = None  # the push plane's next stage, as seen here
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
         """Start serving `runtime` as job `job_id` (called on the event loop between calls)."""
@@ -74,11 +77,19 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._chunk, self._max_bytes = rt.chunk_bytes, rt.max_tensor_bytes
         self._block = runtime.job.compression.block_size
         self.metrics.bind(job_id, runtime.stage)
+        self._close_downstream()
+        self._downstream = Downstream(runtime.job, job_id, runtime.stage, self.token)
 
     def release(self) -> None:
         """Stop serving: later calls are NOT_FOUND until the next `serve`."""
         self._runtime, self.job_id = None, ""
         self._stop_copy()
+        self._close_downstream()
+
+    def _close_downstream(self) -> None:
+        downstream, self._downstream = self._downstream, None
+        if downstream is not None:  # its calls in flight end with their own deadlines
+            asyncio.get_running_loop().create_task(downstream.close())
 
     def _stop_copy(self) -> None:
         if self._copy is not None:
@@ -257,6 +268,78 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             )
 
         for msg in self._split(await self._serving.run("ForwardBackward", context, body)):
+            yield msg
+
+    async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def body() -> pb.StagePushResponse:
+            h, tensors = await self._receive(request_iterator)
+            inputs, targets = self._need(tensors, "inputs", "targets")
+            rt, downstream = self.runtime, self._downstream
+            if self.waiting >= rt.job.runtime.max_queue:
+                raise Busy(f"{self.peer}: {self.waiting} microbatches queued; try another replica")
+            step, index = h.microbatch.step, h.microbatch.index
+            here, backward = rt.stage in h.accumulate, rt.job.compression.backward
+            reply = codec.codec_from_name(backward)
+            maybe_die(Point.FORWARD, step)
+            if rt.is_last:
+                (loss, grad, receipt), queued = await self._compute_queued(
+                    rt.forward_backward,
+                    step,
+                    index,
+                    inputs,
+                    targets,
+                    accumulate=here,
+                    need_grad_inputs=h.need_grad_inputs,
+                )
+                maybe_die(Point.BACKWARD, step)
+                return pb.StagePushResponse(
+                    tensors=self._encode(grad, "grad_inputs", reply),
+                    receipts=[self._receipt(receipt)] if here else [],
+                    loss_sum=loss,
+                    queued_seconds=queued,
+                )
+            assert downstream is not None
+            outputs, queued = await self._compute_queued(rt.forward, step, index, inputs)
+            need_grad = here or h.need_grad_inputs  # a backward here needs its outputs' gradient
+            left = context.time_remaining()
+            pushed = await downstream.push(
+                step,
+                index,
+                outputs,
+                targets,
+                [k for k in h.accumulate if k > rt.stage],
+                list(h.route),
+                need_grad=need_grad,
+                # Leave this stage's backward and the answer a share of the caller's deadline.
+                deadline=time.monotonic() + (left or rt.job.runtime.rpc_timeout_s) * 0.9,
+            )
+            receipts, grad = pushed.receipts, None
+            if need_grad:
+                assert pushed.grad is not None
+                grad_outputs = pushed.grad
+                if not isinstance(grad_outputs, torch.Tensor):
+                    grad_outputs = codec.decode(grad_outputs, max_bytes=self._max_bytes)
+                grad, receipt = await self._compute(
+                    rt.backward,
+                    step,
+                    index,
+                    inputs,
+                    grad_outputs,
+                    accumulate=here,
+                    need_grad_inputs=h.need_grad_inputs,
+                )
+                maybe_die(Point.BACKWARD, step)
+                if here:
+                    receipts.append(self._receipt(receipt))
+            return pb.StagePushResponse(
+                tensors=self._encode(grad, "grad_inputs", reply),
+                receipts=receipts,
+                uncertain=sorted(pushed.uncertain),
+                loss_sum=pushed.loss_sum,
+                queued_seconds=queued,
+            )
+
+        for msg in self._split(await self._serving.run("Push", context, body)):
             yield msg
 
     async def Commit(

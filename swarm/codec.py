@@ -14,6 +14,7 @@ from typing import cast
 
 import torch
 
+from swarm import hadamard
 from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted
 from swarm.proto import tensor_pb2
 
@@ -21,6 +22,7 @@ __all__ = [
     "CODECS",
     "CODEC_BF16",
     "CODEC_FP16",
+    "CODEC_HADAMARD3",
     "CODEC_INT8_BLOCKWISE",
     "CODEC_NONE",
     "DTYPES",
@@ -35,12 +37,14 @@ CODEC_NONE: int = tensor_pb2.CODEC_NONE
 CODEC_FP16: int = tensor_pb2.CODEC_FP16
 CODEC_BF16: int = tensor_pb2.CODEC_BF16
 CODEC_INT8_BLOCKWISE: int = tensor_pb2.CODEC_INT8_BLOCKWISE
+CODEC_HADAMARD3: int = tensor_pb2.CODEC_HADAMARD3
 
 CODECS: dict[str, int] = {
     "none": CODEC_NONE,
     "fp16": CODEC_FP16,
     "bf16": CODEC_BF16,
     "int8_blockwise": CODEC_INT8_BLOCKWISE,
+    "hadamard3": CODEC_HADAMARD3,
 }
 _CODEC_NAMES: dict[int, str] = {v: k for k, v in CODECS.items()}
 
@@ -90,7 +94,8 @@ def encode(
 
     Lossy codecs apply to floating tensors only; others always go as CODEC_NONE. The cast or
     quantization runs on `t`'s device before the copy to the CPU, so fewer bytes cross the bus.
-    int8_blockwise does not preserve NaN or infinity.
+    int8_blockwise and hadamard3 do not preserve NaN or infinity; hadamard3 uses its own
+    block (`swarm.hadamard.BLOCK`), not `block_size`.
     """
     name_of_dtype = dtype_name(t.dtype)
     if codec not in _CODEC_NAMES:
@@ -106,6 +111,9 @@ def encode(
             raise ConfigError(f"block_size must be in 1..{_MAX_BLOCK_SIZE}, got {block_size}")
         wire = _quantize(t, block_size)
         msg.block_size = block_size
+    elif codec == CODEC_HADAMARD3:
+        wire = hadamard.encode(t, hadamard.BLOCK)
+        msg.block_size = hadamard.BLOCK
     else:
         wire = t.to(_CAST_CODECS[codec]) if codec in _CAST_CODECS else t
     # reshape(-1) first: a 0-dim tensor cannot be viewed as a dtype of another element size.
@@ -186,6 +194,9 @@ def _expected_payload(msg: tensor_pb2.Tensor, dtype: torch.dtype, numel: int) ->
                 f"tensor {msg.name!r}: int8_blockwise needs block_size > 0, got {msg.block_size}"
             )
         return 4 * -(-numel // msg.block_size) + numel
+    if codec == CODEC_HADAMARD3:
+        hadamard.validate_block(msg.block_size, msg.name)
+        return hadamard.payload_bytes(numel, msg.block_size)
     return numel * dtype.itemsize
 
 
@@ -240,6 +251,9 @@ def decode(
         # Move the compact wire form first, then widen on the target device.
         wire = _frombuffer(buf, _CAST_CODECS[codec], numel).to(device)
         return wire.to(dtype).view(shape)
+    if codec == CODEC_HADAMARD3:
+        payload = _frombuffer(buf, torch.uint8, len(buf)).to(device)
+        return hadamard.decode(payload, numel, msg.block_size).view(shape).to(dtype)
     return _dequantize(buf, numel, msg.block_size, device).view(shape).to(dtype)
 
 

@@ -203,15 +203,25 @@ class OptimizerConfig(_Section):
     momentum: float = _f(0.0, UNIT)  #: sgd momentum (fraction)
 
 
+Codec = Literal["none", "fp16", "bf16", "int8_blockwise", "hadamard3"]
+
+
 @dataclass(frozen=True)
 class CompressionConfig(_Section):
     """`[compression]`: how activations and gradients are encoded on the wire."""
 
     section: ClassVar[str] = "compression"
-    wire: Literal["none", "fp16", "bf16", "int8_blockwise"] = "none"  #: tensor codec
+    wire: Codec = "none"  #: codec of both directions between stages, unless set apart below
+    forward: Literal["", Codec] = ""  #: codec of activations (stage outputs); "": `wire`
+    backward: Literal["", Codec] = ""  #: codec of their gradients; "": `wire`
     block_size: int = _f(2048, GE1)  #: values per int8 absmax block (count)
     #: codec of gradient parts exchanged by a pool's averaging; "none" keeps the result exact
-    averaging: Literal["none", "fp16", "bf16", "int8_blockwise"] = "none"
+    averaging: Codec = "none"
+
+    def _validate(self) -> None:
+        for direction in ("forward", "backward"):  # resolved once: readers see a codec
+            if not getattr(self, direction):
+                object.__setattr__(self, direction, self.wire)
 
 
 @dataclass(frozen=True)
@@ -246,6 +256,10 @@ class RuntimeConfig(_Section):
 
     section: ClassVar[str] = "runtime"
     max_in_flight: int = _f(8, GE1)  #: microbatches a trainer keeps in flight (count)
+    #: "push": stages send activations and gradients straight to each other; "relay": the
+    #: trainer carries every one (the first data plane; its link carries 3x a server's)
+    data_plane: Literal["push", "relay"] = "relay"
+    max_queue: int = _f(64, GE1)  #: pushed microbatches a replica queues before it says busy
     rpc_timeout_s: float = _f(60.0, GT0)  #: deadline of each Forward/Backward call (seconds)
     commit_timeout_s: float = _f(120.0, GT0)  #: deadline of a step's commit/averaging (seconds)
     chunk_bytes: int = _f(4 * MiB, GE1)  #: messages larger than this are streamed in chunks (bytes)

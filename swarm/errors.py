@@ -9,6 +9,7 @@ from collections.abc import Sequence
 __all__ = [
     "Aborted",
     "ActivationsNotCached",
+    "Busy",
     "ConfigError",
     "FailedPrecondition",
     "InvalidArgument",
@@ -65,6 +66,11 @@ class ActivationsNotCached(FailedPrecondition):
 
 class ResourceExhausted(WireError):
     """Larger than the configured limits."""
+
+
+class Busy(ResourceExhausted):
+    """The replica's queue is full (push data plane): send the work to another replica; this one
+    is not at fault and is not banned."""
 
 
 class PeerUnavailable(SwarmError):

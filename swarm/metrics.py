@@ -155,6 +155,13 @@ class TrainerMetrics:
             ["job"],
             registry=reg,
         ).labels(job=job)
+        self.unreported = Counter(
+            "swarm_trainer_unreported_stages_total",
+            "Stages a microbatch was reported without: the call there failed after it may have "
+            "accumulated (the coordinator adopts the late receipt, or replays the stage)",
+            ["job"],
+            registry=reg,
+        ).labels(job=job)
         self._failures = Counter(
             "swarm_trainer_hop_failures_total",
             "Hops that failed on a replica (retried on another)",

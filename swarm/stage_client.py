@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from swarm import auth, codec, wire
+from swarm.codec import CODEC_NONE
 from swarm.config import JobConfig
 from swarm.errors import PeerUnavailable
 from swarm.proto import stage_pb2 as pb
@@ -21,7 +22,7 @@ from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.status import from_rpc_error
 from swarm.wire import grpc_options
 
-__all__ = ["BackwardResult", "StageClient", "TensorLike", "as_tensor"]
+__all__ = ["BackwardResult", "PushResult", "StageClient", "TensorLike", "as_tensor", "named"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -76,6 +77,15 @@ class BackwardResult:
     queued_seconds: float = 0.0  # how long the call waited behind others at the replica
 
 
+@dataclass(frozen=True)
+class PushResult:
+    grad_inputs: tensor_pb2.Tensor | None
+    receipts: list[pb.Receipt]  # of every stage that accumulated the microbatch
+    uncertain: set[int]  # stages that may have accumulated it without a receipt here
+    loss_sum: float
+    queued_seconds: float
+
+
 def as_tensor(value: TensorLike) -> torch.Tensor:
     """Decode a received tensor message (tests and tools; the trainer has no need)."""
     return value if isinstance(value, torch.Tensor) else codec.decode(value)
@@ -93,7 +103,10 @@ class StageClient:
             rt.max_tensor_bytes,
         )
         # Any: the generated stubs type enum fields as their enum class, not int.
-        self._codec: Any = codec.codec_from_name(job.compression.wire)
+        # Activations (inputs, outputs) go with the forward codec, their gradients with the
+        # backward one: a stage's replies are encoded as asked (`reply_codec`).
+        self._forward: Any = codec.codec_from_name(job.compression.forward)
+        self._backward: Any = codec.codec_from_name(job.compression.backward)
         self._block = job.compression.block_size
         self.channel = auth.channel(
             address, token=token, options=grpc_options(rt.max_message_bytes)
@@ -104,14 +117,16 @@ class StageClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    def _tensor(self, t: TensorLike, name: str) -> tensor_pb2.Tensor:
+    def _tensor(self, t: TensorLike, name: str, with_codec: int) -> tensor_pb2.Tensor:
         if isinstance(t, tensor_pb2.Tensor):
             t.name = name  # a received message is ours to relabel; its bytes go on untouched
             return t
-        return codec.encode(t, name, self._codec, self._block)
+        return codec.encode(t, name, with_codec, self._block)
 
-    async def _call(self, method: Any, request: Any) -> tuple[Any, dict[str, tensor_pb2.Tensor]]:
-        call = method(timeout=self._timeout)
+    async def _call(
+        self, method: Any, request: Any, timeout: float | None = None
+    ) -> tuple[Any, dict[str, tensor_pb2.Tensor]]:
+        call = method(timeout=self._timeout if timeout is None else timeout)
         for msg in wire.split(request, self._chunk):
             await _write(call, msg)
         await call.done_writing()
@@ -134,8 +149,8 @@ class StageClient:
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=[self._tensor(inputs, "inputs")],
-            reply_codec=self._codec,
+            tensors=[self._tensor(inputs, "inputs", self._forward)],
+            reply_codec=self._forward,
         )
         header, tensors = await self._call(self.stub.Forward, request)
         self.last_queued_s = header.queued_seconds
@@ -154,15 +169,15 @@ class StageClient:
     ) -> BackwardResult:
         """`inputs=None`: this replica did the forward and should still cache its activations
         (if not, it raises `ActivationsNotCached`: send it again with the inputs)."""
-        tensors = [self._tensor(grad_outputs, "grad_outputs")]
+        tensors = [self._tensor(grad_outputs, "grad_outputs", self._backward)]
         if inputs is not None:
-            tensors.insert(0, self._tensor(inputs, "inputs"))
+            tensors.insert(0, self._tensor(inputs, "inputs", self._forward))
         request = pb.StageBackwardRequest(
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
             tensors=tensors,
-            reply_codec=self._codec,
+            reply_codec=self._backward,
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
         )
@@ -186,14 +201,54 @@ class StageClient:
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=[self._tensor(inputs, "inputs"), self._tensor(targets, "targets")],
-            reply_codec=self._codec,
+            tensors=[
+                self._tensor(inputs, "inputs", self._forward),
+                self._tensor(targets, "targets", CODEC_NONE),
+            ],
+            reply_codec=self._backward,
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
         )
         header, received = await self._call(self.stub.ForwardBackward, request)
         return BackwardResult(
             received.get("grad_inputs"), header.receipt, header.loss_sum, header.queued_seconds
+        )
+
+    @_swarm_errors
+    async def push(
+        self,
+        step: int,
+        index: int,
+        inputs: TensorLike,
+        targets: TensorLike,
+        accumulate: Sequence[int],
+        route: Sequence[pb.Route],
+        *,
+        need_grad_inputs: bool,
+        timeout: float,
+    ) -> PushResult:
+        """The push data plane: this replica computes its stage and pushes the microbatch on
+        through the stages `route` names (see `stage_server.pushing`), accumulating at the
+        stages in `accumulate`. `timeout` covers the whole path."""
+        request = pb.StagePushRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors=[
+                self._tensor(inputs, "inputs", self._forward),
+                self._tensor(targets, "targets", CODEC_NONE),
+            ],
+            accumulate=sorted(accumulate),
+            route=list(route),
+            need_grad_inputs=need_grad_inputs,
+        )
+        header, received = await self._call(self.stub.Push, request, timeout)
+        return PushResult(
+            received.get("grad_inputs"),
+            list(header.receipts),
+            set(header.uncertain),
+            header.loss_sum,
+            header.queued_seconds,
         )
 
     @_swarm_errors
@@ -326,3 +381,13 @@ async def _progressing(call: Any, idle_s: float) -> AsyncIterator[Any]:
             call.cancel()
             raise PeerUnavailable(f"no bytes for {idle_s:g}s: the transfer stalled") from None
         yield message
+
+
+def named(receipts: Iterable[pb.Receipt], stage: int, peer: str) -> list[pb.Receipt]:
+    """`receipts` with `stage`'s named `peer`: the name its caller chose it by (the route's, the
+    coordinator's), which need not be the name the replica calls itself."""
+    out = list(receipts)
+    for r in out:
+        if r.stage == stage:
+            r.peer = peer
+    return out

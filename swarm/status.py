@@ -15,6 +15,7 @@ import grpc
 from swarm.errors import (
     Aborted,
     ActivationsNotCached,
+    Busy,
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
@@ -41,6 +42,8 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # A push whose next stage did not answer: this replica answers as that peer did not.
+    PeerUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
 # Trailing-metadata key naming the exact error class, for errors that share a status code.
 ERROR_KEY = "swarm-error"
@@ -53,6 +56,7 @@ _BY_NAME: dict[str, type[SwarmError]] = {
     for c in (
         ActivationsNotCached,
         Aborted,
+        Busy,
         ConfigError,
         FailedPrecondition,
         InvalidArgument,

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from swarm.config import (
+    CompressionConfig,
     JobConfig,
     ModelConfig,
     OptimizerConfig,
@@ -337,3 +338,13 @@ def test_a_large_data_file_is_hashed_in_pieces(tmp_path: Path) -> None:
     assert loaded.data.sha256 == hashlib.sha256(big).hexdigest()
     with pytest.raises(ConfigError, match="not UTF-8"):
         job(tmp_path, data=big + b"\xff")
+
+
+def test_each_direction_has_its_codec_and_wire_is_shorthand_for_both() -> None:
+    assert CompressionConfig(wire="fp16") == CompressionConfig(
+        wire="fp16", forward="fp16", backward="fp16"
+    )
+    split = CompressionConfig(wire="bf16", backward="hadamard3")
+    assert (split.forward, split.backward) == ("bf16", "hadamard3")
+    with pytest.raises(ConfigError, match=r'compression.forward = "int4".*"hadamard3"'):
+        CompressionConfig(forward="int4")

@@ -150,6 +150,46 @@ def test_replica_killed_at_each_point(tmp_path: Path, point: Point, where: str) 
         assert _count(registry, "swarm_trainer_cached_replays_total") >= 1
 
 
+@pytest.mark.parametrize(
+    ("point", "where"),
+    [(Point.FORWARD, "middle"), (Point.BACKWARD, "last"), (Point.AVERAGING, "first")],
+)
+def test_push_plane_replica_killed_with_microbatches_in_its_hands(
+    tmp_path: Path, point: Point, where: str
+) -> None:
+    """The push plane: the replica dies with pushed microbatches in flight through it. The
+    stage before it tries the survivor; the stages the dead call may have reached are reported
+    uncertain and replayed; the result is exact."""
+    stage = WHERE[where]
+    job = write_job(
+        tmp_path,
+        training={"steps": 5, "target_batch_size": 16},
+        runtime={"data_plane": "push"},
+    )
+    fault = Fault(f"s{stage}r0", point, 2)
+    servers = Servers(
+        job,
+        [2 if k == stage else 1 for k in range(4)],
+        [fault],
+        tmp_path,
+        slow=frozenset({f"s{stage}r1"}),
+    )
+    victim = servers.procs[fault.target]
+    try:
+        state, registry = _train(servers)
+    finally:
+        servers.stop()
+    assert victim.proc.returncode == -signal.SIGKILL, "the fault must have killed the replica"
+    assert_equal_to_local(job, state, tol=1e-9)
+    replays = _count(registry, "swarm_coordinator_replays_total")
+    unreported = _count(registry, "swarm_trainer_unreported_stages_total")
+    if point == Point.AVERAGING:  # it died holding accepted gradients: they were replayed
+        assert replays >= 1, (replays, unreported)
+    else:  # the stage before it saw the push fail: the stages it may have reached went unreported
+        assert unreported >= 1, (replays, unreported)
+    assert _count(registry, "swarm_trainer_cached_replays_total") == 0  # push keeps no boundary
+
+
 @pytest.mark.parametrize("where", sorted(WHERE))
 def test_source_killed_while_a_replica_downloads_its_state(tmp_path: Path, where: str) -> None:
     # A replica of the stage is killed after step 0 and restarted empty: at the next step

@@ -4,8 +4,10 @@ train a job and end with `swarm local`'s parameters."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,12 +22,28 @@ from tests.support.jobs import write_job
 pytestmark = pytest.mark.slow
 
 
+def _calls(metrics_port: str) -> dict[str, float]:
+    """Per method, the calls a stage server answered OK (its Prometheus counter)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    pattern = r'^swarm_stage_requests_total\{[^}]*method="(\w+)"[^}]*\} (\S+)$'
+    calls: dict[str, float] = {}
+    for line in text.splitlines():
+        found = re.match(pattern, line)
+        if found and 'code="OK"' in line:
+            calls[found[1]] = calls.get(found[1], 0.0) + float(found[2])
+    return calls
+
+
 def _losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "plane"), [("float64", "relay"), ("float32", "relay"), ("float64", "push")]
+)
+def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str, plane: str) -> None:
     job = write_job(
         tmp_path,
         training={
@@ -36,7 +54,7 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str) -> None:
             "microbatch_size": 4,
             "checkpoint_every": 5,
         },
-        runtime={"max_in_flight": 4},
+        runtime={"max_in_flight": 4, "data_plane": plane},
     )
     servers = start_stage_servers(job, 4, log_dir=tmp_path)
     try:
@@ -57,6 +75,10 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str) -> None:
             env={"SWARM_SCHEDULER": "127.0.0.1:1"},
             timeout=600,
         )
+        # The plane asked for is the one used: a middle stage got pushes, or relayed calls.
+        calls = _calls(servers[1].ready["metrics"])
+        used = {m for m in ("Push", "Forward", "Backward") if calls.get(m)}
+        assert used == ({"Push"} if plane == "push" else {"Forward", "Backward"}), calls
     finally:
         codes = [s.stop() for s in servers]
     assert codes == [0, 0, 0, 0], "stage servers must shut down cleanly on SIGTERM"

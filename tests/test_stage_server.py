@@ -338,3 +338,26 @@ async def test_load_state_accepts_only_the_stages_state(
         assert status == grpc.StatusCode.INVALID_ARGUMENT, name
     # The stage's own state still loads.
     assert (await _load_call(stub, _load(job, own, step=0))).step == 0
+
+
+async def test_each_direction_travels_with_its_own_codec(
+    job: JobConfig, server: RunningStageServer, tmp_path: Path
+) -> None:
+    # The server serves `job`; the client's job differs in the codecs only (set per direction).
+    directed = make_job(
+        tmp_path,
+        name="directed",
+        training={"stages": 3},
+        compression={"wire": "none", "forward": "hadamard3", "backward": "fp16"},
+    )
+    client = StageClient(server.address, directed, job.fingerprint(), 1)
+    try:
+        x = _hidden()
+        out = await client.forward(0, 0, x)
+        assert isinstance(out, tensor_pb2.Tensor) and out.codec == codec.CODEC_HADAMARD3
+        result = await client.backward(0, 0, x, torch.ones_like(as_tensor(out)))
+        grad = result.grad_inputs
+        assert isinstance(grad, tensor_pb2.Tensor) and grad.codec == codec.CODEC_FP16
+        assert as_tensor(grad).shape == x.shape
+    finally:
+        await client.close()

@@ -49,6 +49,11 @@ class StageServiceStub:
                 request_serializer=swarm_dot_proto_dot_stage__pb2.StageForwardBackwardRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_stage__pb2.StageForwardBackwardResponse.FromString,
                 _registered_method=True)
+        self.Push = channel.stream_stream(
+                '/swarm.proto.StageService/Push',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.StagePushRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.StagePushResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/swarm.proto.StageService/Commit',
                 request_serializer=swarm_dot_proto_dot_stage__pb2.StageCommitRequest.SerializeToString,
@@ -102,6 +107,12 @@ class StageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ForwardBackward(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Push(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,6 +177,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.ForwardBackward,
                     request_deserializer=swarm_dot_proto_dot_stage__pb2.StageForwardBackwardRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_stage__pb2.StageForwardBackwardResponse.SerializeToString,
+            ),
+            'Push': grpc.stream_stream_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.StagePushRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.StagePushResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -284,6 +300,33 @@ class StageService:
             '/swarm.proto.StageService/ForwardBackward',
             swarm_dot_proto_dot_stage__pb2.StageForwardBackwardRequest.SerializeToString,
             swarm_dot_proto_dot_stage__pb2.StageForwardBackwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swarm.proto.StageService/Push',
+            swarm_dot_proto_dot_stage__pb2.StagePushRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.StagePushResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarm/proto/tensor.proto\x12\x0bswarm.proto\"\x89\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12!\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x12.swarm.proto.Codec\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\x05\"%\n\x05\x43hunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*Q\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x0e\n\nCODEC_FP16\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x18\n\x14\x43ODEC_INT8_BLOCKWISE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarm/proto/tensor.proto\x12\x0bswarm.proto\"\x89\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12!\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x12.swarm.proto.Codec\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\x05\"%\n\x05\x43hunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*f\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x0e\n\nCODEC_FP16\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x18\n\x14\x43ODEC_INT8_BLOCKWISE\x10\x03\x12\x13\n\x0f\x43ODEC_HADAMARD3\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarm.proto.tensor_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CODEC']._serialized_start=220
-  _globals['_CODEC']._serialized_end=301
+  _globals['_CODEC']._serialized_end=322
   _globals['_TENSOR']._serialized_start=42
   _globals['_TENSOR']._serialized_end=179
   _globals['_CHUNK']._serialized_start=181

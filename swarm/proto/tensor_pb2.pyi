@@ -13,10 +13,12 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_FP16: _ClassVar[Codec]
     CODEC_BF16: _ClassVar[Codec]
     CODEC_INT8_BLOCKWISE: _ClassVar[Codec]
+    CODEC_HADAMARD3: _ClassVar[Codec]
 CODEC_NONE: Codec
 CODEC_FP16: Codec
 CODEC_BF16: Codec
 CODEC_INT8_BLOCKWISE: Codec
+CODEC_HADAMARD3: Codec
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "codec", "data", "nbytes", "block_size")

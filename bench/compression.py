@@ -1,0 +1,112 @@
+"""The price of each codec between stages: bytes per microbatch and the loss it costs.
+
+    .venv/bin/python bench/compression.py [--steps 300] [--codecs none,fp16,...] [--json]
+
+For every codec, the tiny text job (examples/tiny.toml: a 4-block byte-level GPT on the bundled
+corpus, 4 stages, float32) trains `--steps` steps on 4 stage servers (one process each, on
+localhost) with `[compression] wire = codec`, so activations and their gradients both travel
+compressed. Printed per codec: the tensor bytes sent per microbatch between the trainer and the
+stages (read from the stage servers' `swarm_stage_wire_bytes_*` counters: every byte crosses one
+of them), that figure against `none` (float32), and the final loss (the mean of the last 20
+steps' training losses) against `none`'s, all measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from client.standalone import train_standalone  # noqa: E402
+from swarm.config import load_job  # noqa: E402
+from swarm.lease import Replica  # noqa: E402
+from swarm.procs import start_stage_servers, stop_all  # noqa: E402
+from swarm.progress import StepRecord  # noqa: E402
+
+CODECS = ("none", "fp16", "bf16", "int8_blockwise", "hadamard3")
+LAST = 20  # the final loss is the mean over this many last steps (one step's loss is noisy)
+_COUNTER = re.compile(r"^swarm_stage_wire_bytes_(sent|received)_total\{[^}]*\} (\S+)$", re.M)
+
+
+def job_text(codec: str, steps: int) -> str:
+    tiny = (ROOT / "examples" / "tiny.toml").read_text()
+    tiny = tiny.replace('path = "data/corpus.txt"', f'path = "{ROOT / "examples/data/corpus.txt"}"')
+    tiny = re.sub(r"^steps = \d+$", f"steps = {steps}", tiny, flags=re.M)
+    return re.sub(r'^wire = "none"$', f'wire = "{codec}"', tiny, flags=re.M)
+
+
+def wire_bytes(metrics_port: str) -> float:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(value) for _, value in _COUNTER.findall(text))
+
+
+def run_codec(codec: str, steps: int, work: Path) -> dict[str, float]:
+    job_path = work / f"{codec}.toml"
+    job_path.write_text(job_text(codec, steps))
+    job = load_job(job_path)
+    servers = start_stage_servers(job_path, job.training.stages, log_dir=work)
+    records: list[StepRecord] = []
+    try:
+        replicas = [[Replica(s.address, s.address)] for s in servers]
+        started = time.perf_counter()
+        asyncio.run(train_standalone(job, replicas, on_step=records.append))
+        seconds = time.perf_counter() - started
+        sent = sum(wire_bytes(s.ready["metrics"]) for s in servers)
+    finally:
+        stop_all(servers)
+    microbatches = steps * job.training.microbatches_per_step
+    losses = [r.loss for r in records[-LAST:] if r.loss is not None]
+    return {
+        "bytes_per_microbatch": sent / microbatches,
+        "final_loss": sum(losses) / len(losses),
+        "first_loss": float(records[0].loss or 0.0),
+        "seconds": seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--codecs", default=",".join(CODECS), help="comma-separated; none first")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    codecs = [c for c in args.codecs.split(",") if c]
+    if codecs[0] != "none":
+        codecs.insert(0, "none")  # the baseline every ratio is against, in this run
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="swarm-compression-") as tmp:
+        for codec in codecs:
+            results[codec] = run_codec(codec, args.steps, Path(tmp))
+            if not args.json:
+                print(f"{codec}: {results[codec]}", file=sys.stderr, flush=True)
+    base = results["none"]
+    for r in results.values():
+        r["bytes_vs_none"] = r["bytes_per_microbatch"] / base["bytes_per_microbatch"]
+        r["loss_vs_none"] = r["final_loss"] / base["final_loss"]
+    if args.json:
+        print(json.dumps({"steps": args.steps, "codecs": results}, indent=2))
+        return
+    print(f"tiny text job, {args.steps} steps; final loss: mean of the last {LAST} steps")
+    print("| codec | bytes/microbatch | x fewer than none | final loss | vs none |")
+    print("|---|---|---|---|---|")
+    for codec, r in results.items():
+        print(
+            f"| {codec} | {r['bytes_per_microbatch'] / 1e3:.1f} kB | "
+            f"{1 / r['bytes_vs_none']:.1f} | {r['final_loss']:.4f} | "
+            f"{100 * (r['loss_vs_none'] - 1):+.2f}% |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,757 @@
+"""WAN: samples/s of a swarm (4 stage servers, one standalone trainer) whose hosts are spread over
+Linux network namespaces, each host's link shaped to a rate and a one-way delay, against the same
+swarm unshaped, measured in the same run.
+
+    sudo .venv/bin/python bench/wan.py [--rate 100mbit|20mbit|none] [--delay-ms 0]
+        [--codec none|fp16|bf16|int8_blockwise] [--data-plane relay] [--steps 10]
+        [--workload d256|tiny | --small] [--json]
+
+Hosts. The trainer and each stage server run in a namespace of their own (`swb-<pid>-<host>`),
+with one address on 10.77.0.0/24 on their `eth0`: one end of a veth pair whose other end is a
+port of one bridge in a namespace of the benchmark's (`swb-<pid>-net`). Nothing is added to the
+root namespace; leftovers of an earlier run that died (namespaces `swb-*` whose benchmark is gone,
+with any process still in them) are removed first, and everything is removed on exit, on Ctrl-C
+and SIGTERM as well.
+
+Shaping. `tc qdisc tbf` at `--rate` on the egress of both ends of each host's veth pair: the
+host's end limits what the host sends, the bridge's end what it receives. netem is not built into
+every kernel (not into this one), so the one-way delay is a relay: in each stage server's
+namespace the server listens on the namespace's loopback and a small asyncio TCP relay (this file,
+run as its own process) listens on the host's address, forwards to the server, and holds every
+chunk it reads for `--delay-ms` before writing it on, in order, in both directions. A message
+between the trainer and a stage server thus arrives `--delay-ms` late each way (the trainer has
+no relay of its own; the stage servers do not talk to each other with one replica per stage).
+The relay reads eagerly, so TCP's window does not see the delay; HTTP/2's flow control windows,
+end to end over it, do.
+
+Runs. The unshaped run (no tbf, no relay; a plain `pfifo` counts the bytes) and then the shaped
+one, each on freshly started stage servers (`--threads 1` each; the trainer too) and the same job
+of `--steps` + 2 steps. The first step is warm-up; samples/s is the wall time from the end of the
+warm-up step to the end of the last timed one, as seen (polled) in the trainer's `--log`. The step
+after them is not counted: it keeps the pipeline as busy while the last counters are read as it
+was while the first were, so the two reads' lag behind a step's end cancels, and the trainer is
+killed during it (its end-of-job download of the model never crosses the links).
+
+Bytes. Each host's bytes sent and received over the same window, read from the qdisc counters at
+both ends of its link (what tbf charges: every TCP segment with its headers, about 4% more than
+the payload), per microbatch of the window. The bound of the busiest link is the link's rate in
+bytes/s over the largest of those figures (a host, in its busier direction) times the samples per
+microbatch: no schedule can run faster through that link. It is printed with the shaped run's
+ratio to it.
+
+Needs root, `ip` and `tc` (iproute2), and a kernel with namespaces, veth, bridge and tbf; says so
+and exits 2 without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import IO, Any, get_args, get_origin, get_type_hints
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from swarm.config import CompressionConfig, RuntimeConfig, parse_job  # noqa: E402
+from swarm.errors import ConfigError  # noqa: E402
+from swarm.lifecycle import parse_ready  # noqa: E402
+
+PREFIX = "swb-"
+SUBNET = "10.77.0"
+TRAINER = "trainer"
+STAGES = 4
+HOSTS = [TRAINER, *(f"stage{k}" for k in range(STAGES))]
+ADDRESSES = {TRAINER: f"{SUBNET}.10", **{f"stage{k}": f"{SUBNET}.{11 + k}" for k in range(STAGES)}}
+PORT = 7000  # every stage server's (namespaces are separate, so the same port everywhere)
+READY_TIMEOUT_S = 300.0  # four servers importing torch at once on two cores
+CMD_TIMEOUT_S = 30.0  # one `ip` or `tc` call
+
+WORKLOADS: dict[str, dict[str, int]] = {
+    # a byte-level GPT that keeps each stage busy for a while per microbatch
+    "d256": dict(
+        d_model=256, n_layers=8, n_heads=4, seq_len=128, microbatch_size=8, microbatches=8
+    ),
+    # a smoke run: seconds per step
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4, seq_len=64, microbatch_size=8, microbatches=4),
+}
+
+RUNTIME_KEYS = {f.name for f in fields(RuntimeConfig)}
+HAS_DATA_PLANE = "data_plane" in RUNTIME_KEYS
+
+
+def data_planes() -> list[str] | None:
+    """The data planes the job file accepts: ["relay"] while RuntimeConfig has no `data_plane`,
+    None when it has one that is not a fixed set of names."""
+    if not HAS_DATA_PLANE:
+        return ["relay"]
+    hint = get_type_hints(RuntimeConfig)["data_plane"]
+    return [str(a) for a in get_args(hint)] if get_origin(hint) is not None else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The delaying relay (`wan.py --relay LISTEN UPSTREAM DELAY_MS`, run inside a namespace)
+
+RELAY_CHUNK = 1 << 16
+RELAY_QUEUE_BYTES = 64 << 20  # a direction's delay line stops reading beyond this
+
+
+async def _delay_line(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float
+) -> None:
+    """Copy `reader` to `writer`, each chunk written `delay_s` after it was read, in order."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+    room = asyncio.Event()
+    room.set()
+    queued = 0
+
+    async def send() -> None:
+        nonlocal queued
+        while True:
+            due, data = await queue.get()
+            wait = due - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not data:
+                break
+            writer.write(data)
+            queued -= len(data)
+            if queued < RELAY_QUEUE_BYTES:
+                room.set()
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+
+    sender = asyncio.create_task(send())
+    try:
+        while data := await reader.read(RELAY_CHUNK):
+            queue.put_nowait((loop.time() + delay_s, data))
+            queued += len(data)
+            if queued >= RELAY_QUEUE_BYTES:
+                room.clear()
+                roomy = asyncio.ensure_future(room.wait())
+                await asyncio.wait([roomy, sender], return_when=asyncio.FIRST_COMPLETED)
+                roomy.cancel()
+                if sender.done():
+                    break
+    except BaseException:
+        sender.cancel()
+        raise
+    queue.put_nowait((loop.time() + delay_s, b""))
+    await sender
+
+
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def _relay(listen: str, upstream: str, delay_ms: float) -> None:
+    host, port = listen.rsplit(":", 1)
+    up_host, up_port = upstream.rsplit(":", 1)
+    delay_s = delay_ms / 1000.0
+
+    async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(up_host, int(up_port))
+        except OSError:
+            client_w.close()
+            return
+        _nodelay(client_w)
+        _nodelay(up_w)
+        try:
+            await asyncio.gather(
+                _delay_line(client_r, up_w, delay_s), _delay_line(up_r, client_w, delay_s)
+            )
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            client_w.close()
+            up_w.close()
+
+    server = await asyncio.start_server(handle, host, int(port))
+    print(f"swarm wan-relay ready: address={listen} upstream={upstream} delay_ms={delay_ms}")
+    sys.stdout.flush()
+    async with server:
+        await server.serve_forever()
+
+
+# ---------------------------------------------------------------------------------------------
+# Namespaces, links, shaping
+
+
+def sh(*cmd: str, check: bool = True) -> str:
+    """Run one command (bounded); its stdout. A failure raises with its stderr."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def parse_rate(text: str) -> float | None:
+    """tc's rate units in bits/s (SI: 1mbit = 10^6 bit/s); None for "none"."""
+    if text.lower() in ("none", "0", "off"):
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: use e.g. 100mbit, 20mbit, 500kbit or none")
+    unit = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}[match.group(2)]
+    return float(match.group(1)) * unit
+
+
+def _bench_alive(pid: int) -> bool:
+    try:
+        return b"wan.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def remove_leftovers() -> list[str]:
+    """Delete namespaces `swb-*` left by a run of this benchmark that is gone (SIGKILL first any
+    process still in them). A namespace of a benchmark still running is left alone."""
+    removed = []
+    for line in sh("ip", "netns", "list").splitlines():
+        name = line.split()[0] if line.split() else ""
+        if not name.startswith(PREFIX):
+            continue
+        match = re.match(rf"{PREFIX}(\d+)-", name)
+        if match and int(match.group(1)) != os.getpid() and _bench_alive(int(match.group(1))):
+            continue
+        pids = [int(p) for p in sh("ip", "netns", "pids", name, check=False).split()]
+        _kill_pids(pids)
+        time.sleep(0.2 if pids else 0)
+        sh("ip", "netns", "del", name, check=False)
+        removed.append(name)
+    return removed
+
+
+class Network:
+    """One namespace per host, each host's `eth0` a veth pair's end whose peer (`v-<host>`) is a
+    port of bridge `br0` in the benchmark's own namespace."""
+
+    def __init__(self) -> None:
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self.net = f"{self.tag}-net"
+        self.ns = {h: f"{self.tag}-{h}" for h in HOSTS}
+        self.made: list[str] = []
+
+    def create(self) -> None:
+        """Every name has no spaces, so each command is written as one line and split."""
+        sh(*f"ip netns add {self.net}".split())
+        self.made.append(self.net)
+        sh(*f"ip -n {self.net} link add br0 type bridge".split())
+        sh(*f"ip -n {self.net} link set br0 up".split())
+        for host, ns in self.ns.items():
+            sh(*f"ip netns add {ns}".split())
+            self.made.append(ns)
+            port = f"v-{host}"
+            sh(*f"ip -n {self.net} link add {port} type veth peer name eth0 netns {ns}".split())
+            sh(*f"ip -n {self.net} link set {port} master br0".split())
+            sh(*f"ip -n {self.net} link set {port} up".split())
+            sh(*f"ip -n {ns} link set lo up".split())
+            sh(*f"ip -n {ns} addr add {ADDRESSES[host]}/24 dev eth0".split())
+            sh(*f"ip -n {ns} link set eth0 up".split())
+
+    def _ends(self, host: str) -> list[tuple[str, str]]:
+        """(namespace, device) of the egress each way: the host's upload, then its download."""
+        return [(self.ns[host], "eth0"), (self.net, f"v-{host}")]
+
+    def shape(self, rate_bits: float | None) -> None:
+        """tbf at `rate_bits` on both ends of every host's link; None: a plain pfifo (counts)."""
+        for host in HOSTS:
+            for ns, dev in self._ends(host):
+                if rate_bits is None:
+                    qdisc = ["pfifo", "limit", "10000"]
+                else:
+                    rate_bytes = rate_bits / 8
+                    # The bucket holds a whole 64 KiB GSO packet (tbf would split it otherwise) or
+                    # a hundredth of a second's worth, the larger: the rate holds over any window
+                    # much longer than that. Up to 100 ms of packets queue behind it.
+                    burst = max(128 << 10, int(rate_bytes / 100))
+                    qdisc = f"tbf rate {int(rate_bits)}bit burst {burst} latency 100ms".split()
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *qdisc)
+
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """host -> (bytes sent, bytes received) through its link's root qdiscs, all read at once."""
+        calls = [
+            (
+                host,
+                subprocess.Popen(
+                    ["ip", "netns", "exec", ns, "tc", "-s", "-j", "qdisc", "show", "dev", dev],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                ),
+            )
+            for host in HOSTS
+            for ns, dev in self._ends(host)
+        ]
+        ways: dict[str, list[int]] = {h: [] for h in HOSTS}
+        for host, proc in calls:
+            out, _ = proc.communicate(timeout=CMD_TIMEOUT_S)
+            roots = [q for q in json.loads(out or b"[]") if q.get("root")]
+            ways[host].append(int(roots[0]["bytes"]) if roots else 0)
+        return {h: (v[0], v[1]) for h, v in ways.items()}
+
+    def destroy(self) -> None:
+        for ns in reversed(self.made):
+            _kill_pids([int(p) for p in sh("ip", "netns", "pids", ns, check=False).split()])
+        for ns in reversed(self.made):
+            sh("ip", "netns", "del", ns, check=False)
+        self.made.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+@dataclass
+class Proc:
+    """A child in its own session (process group) inside a namespace; output in `log_path`."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, deadline: float) -> dict[str, str]:
+        while time.monotonic() < deadline:
+            for line in self.log().splitlines():
+                fields_ = parse_ready(line)
+                if fields_ is not None:
+                    return fields_
+            if self.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.popen.returncode}:\n{self.log()[-3000:]}"
+                )
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready in time:\n{self.log()[-3000:]}")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)  # its own session: pgid == pid
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+
+
+def child_env(work: Path) -> dict[str, str]:
+    """This environment without SWARM_* settings or proxies (gRPC would use one), plus ours."""
+    proxies = {"http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SWARM_") and k.lower() not in proxies
+    }
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), SWARM_CACHE_DIR=str(work / "cache"))
+    return env
+
+
+def swarm_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "swarm.cli", *args]
+
+
+def start(ns: str, name: str, argv: list[str], work: Path) -> Proc:
+    log_path = work / f"{name}.log"
+    with open(log_path, "wb") as out:
+        popen = subprocess.Popen(
+            ["ip", "netns", "exec", ns, *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env(work),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    return Proc(name, popen, log_path)
+
+
+def job_toml(workload: str, steps: int, codec: str, data_plane: str) -> str:
+    p = WORKLOADS[workload]
+    plane = f'data_plane = "{data_plane}"\n' if HAS_DATA_PLANE else ""
+    return f"""name = "wan-{workload}"
+[model]
+kind = "gpt"
+vocab_size = 256
+d_model = {p["d_model"]}
+n_layers = {p["n_layers"]}
+n_heads = {p["n_heads"]}
+seq_len = {p["seq_len"]}
+[data]
+kind = "synthetic"
+[training]
+stages = {STAGES}
+microbatch_size = {p["microbatch_size"]}
+target_batch_size = {p["microbatch_size"] * p["microbatches"]}
+steps = {steps}
+dtype = "float32"
+checkpoint_every = 0
+[optimizer]
+kind = "adamw"
+lr = 1e-3
+[compression]
+wire = "{codec}"
+[runtime]
+max_in_flight = 8
+{plane}"""
+
+
+def count_lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+@dataclass
+class Measured:
+    samples_per_s: float
+    seconds: float
+    steps: int
+    microbatches: int
+    trainer_samples_per_s: float  # what the trainer's log says for the same steps
+    bytes_per_microbatch: dict[str, dict[str, float]]  # host -> sent/received
+
+
+def run_once(
+    net: Network,
+    job: Path,
+    work: Path,
+    label: str,
+    args: argparse.Namespace,
+    shaped: bool,
+    procs: list[Proc],
+) -> Measured:
+    """Fresh stage servers (and relays), one trainer; measured between the warm-up step's end and
+    the last step's end. Every process is killed before this returns."""
+    p = WORKLOADS[args.workload]
+    relayed = shaped and args.delay_ms > 0
+    net.shape(args.rate_bits if shaped else None)
+    start_at = len(procs)
+    try:
+        for k in range(STAGES):
+            host = f"stage{k}"
+            listen = "127.0.0.1" if relayed else ADDRESSES[host]
+            flags = f"--stage {k} --host {listen} --port {PORT} --device cpu --threads 1"
+            argv = swarm_cmd("stage-server", "--job", str(job), *flags.split())
+            procs.append(start(net.ns[host], f"{label}-{host}", argv, work))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for proc in procs[start_at:]:
+            proc.wait_ready(deadline)
+        if relayed:
+            for k in range(STAGES):
+                host = f"stage{k}"
+                relay = [sys.executable, str(Path(__file__).resolve()), "--relay"]
+                relay += [f"{ADDRESSES[host]}:{PORT}", f"127.0.0.1:{PORT}", str(args.delay_ms)]
+                procs.append(start(net.ns[host], f"{label}-relay{k}", relay, work))
+            deadline = time.monotonic() + 60
+            for proc in procs[start_at + STAGES :]:
+                proc.wait_ready(deadline)
+        log = work / f"{label}-steps.jsonl"
+        stage_servers = ",".join(f"{ADDRESSES[f'stage{k}']}:{PORT}" for k in range(STAGES))
+        argv = swarm_cmd("trainer", "--job", str(job), "--threads", "1", "--log", str(log))
+        trainer = start(
+            net.ns[TRAINER], f"{label}-trainer", [*argv, "--stage-servers", stage_servers], work
+        )
+        procs.append(trainer)
+        total = args.steps + 1  # the job has one step more: see the module's docstring
+        deadline = time.monotonic() + args.timeout
+        first: tuple[float, int, dict[str, tuple[int, int]]] | None = None
+        while True:
+            done = count_lines(log)
+            if first is None and done >= 1:
+                first = (time.monotonic(), done, net.counters())
+            if done >= total:
+                end, done_end, end_counters = time.monotonic(), done, net.counters()
+                break
+            for proc in procs[start_at:]:
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(
+                        f"{proc.name} exited with {proc.popen.returncode} during the {label} "
+                        f"run:\n{proc.log()[-3000:]}"
+                    )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the {label} run did not finish {total} steps in {args.timeout:.0f}s "
+                    f"({done} done); trainer log:\n{trainer.log()[-3000:]}"
+                )
+            time.sleep(0.01)
+    finally:
+        for proc in procs[start_at:]:
+            proc.kill()
+        del procs[start_at:]
+    assert first is not None
+    t0, done0, c0 = first
+    records = [json.loads(line) for line in log.read_text().splitlines()][done0:done_end]
+    steps = done_end - done0
+    microbatches = steps * p["microbatches"]
+    seconds = end - t0
+    samples = steps * p["microbatch_size"] * p["microbatches"]
+    per_mb = {
+        h: {
+            "sent": (end_counters[h][0] - c0[h][0]) / microbatches,
+            "received": (end_counters[h][1] - c0[h][1]) / microbatches,
+        }
+        for h in HOSTS
+    }
+    return Measured(
+        samples_per_s=samples / seconds,
+        seconds=seconds,
+        steps=steps,
+        microbatches=microbatches,
+        trainer_samples_per_s=sum(r["samples"] for r in records)
+        / sum(r["seconds"] for r in records),
+        bytes_per_microbatch=per_mb,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def report(args: argparse.Namespace, unshaped: Measured, shaped: Measured) -> dict[str, Any]:
+    p = WORKLOADS[args.workload]
+    out: dict[str, Any] = {
+        "workload": {"name": args.workload, **p, "stages": STAGES, "dtype": "float32"},
+        "rate": args.rate,
+        "rate_bits_per_s": args.rate_bits,
+        "delay_ms": args.delay_ms,
+        "codec": args.codec,
+        "data_plane": args.data_plane,
+        "timed_steps": args.steps,
+        "addresses": ADDRESSES,
+        "unshaped": vars(unshaped),
+        "shaped": vars(shaped),
+        "shaped_over_unshaped": shaped.samples_per_s / unshaped.samples_per_s,
+        "bound": None,
+        "shaped_over_bound": None,
+    }
+    if args.rate_bits is not None:
+        host, direction = max(
+            ((h, d) for h in HOSTS for d in ("sent", "received")),
+            key=lambda hd: shaped.bytes_per_microbatch[hd[0]][hd[1]],
+        )
+        busiest = shaped.bytes_per_microbatch[host][direction]
+        bound = args.rate_bits / 8 / busiest * p["microbatch_size"]
+        out["bound"] = {
+            "host": host,
+            "direction": direction,
+            "bytes_per_microbatch": busiest,
+            "link_bytes_per_s": args.rate_bits / 8,
+            "samples_per_s": bound,
+        }
+        out["shaped_over_bound"] = shaped.samples_per_s / bound
+    return out
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.3f} MB"
+
+
+def print_report(r: dict[str, Any], out: IO[str]) -> None:
+    w = r["workload"]
+    print(
+        f"workload {w['name']}: gpt d_model {w['d_model']}, {w['n_layers']} blocks, "
+        f"{w['n_heads']} heads, seq {w['seq_len']}, {w['stages']} stages; "
+        f"{w['microbatch_size']} samples x {w['microbatches']} microbatches per step, "
+        f"{w['dtype']}; wire {r['codec']}, data plane {r['data_plane']}",
+        file=out,
+    )
+    print(
+        f"link: {r['rate']} each way per host, one-way delay {r['delay_ms']:g} ms; "
+        f"{r['timed_steps']} timed steps after 1 warm-up",
+        file=out,
+    )
+    print(f"{'run':<10} {'samples/s':>10} {'s/step':>8} {'trainer log samples/s':>22}", file=out)
+    for name in ("unshaped", "shaped"):
+        m = r[name]
+        print(
+            f"{name:<10} {m['samples_per_s']:>10.2f} {m['seconds'] / m['steps']:>8.2f} "
+            f"{m['trainer_samples_per_s']:>22.2f}",
+            file=out,
+        )
+    print(f"shaped/unshaped {r['shaped_over_unshaped']:.3f}", file=out)
+    print(
+        "bytes per microbatch on each host's link (as tbf counts them, segment headers included)",
+        file=out,
+    )
+    print(
+        f"{'host':<8} {'address':<11} {'sent':>12} {'received':>12}   "
+        f"{'unshaped sent':>13} {'received':>12}",
+        file=out,
+    )
+    for h in HOSTS:
+        s, u = r["shaped"]["bytes_per_microbatch"][h], r["unshaped"]["bytes_per_microbatch"][h]
+        print(
+            f"{h:<8} {r['addresses'][h]:<11} {mb(s['sent']):>12} {mb(s['received']):>12}   "
+            f"{mb(u['sent']):>13} {mb(u['received']):>12}",
+            file=out,
+        )
+    b = r["bound"]
+    if b is None:
+        print("bound: none (the links are not rate-limited)", file=out)
+        return
+    print(
+        f"busiest link: {b['host']} {b['direction']} {mb(b['bytes_per_microbatch'])} per "
+        f"microbatch; bound {b['link_bytes_per_s'] / 1e6:.3f} MB/s / "
+        f"{mb(b['bytes_per_microbatch'])} x {w['microbatch_size']} samples = "
+        f"{b['samples_per_s']:.2f} samples/s",
+        file=out,
+    )
+    print(f"shaped/bound {r['shaped_over_bound']:.3f}", file=out)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--rate", default="100mbit", help="each host's link rate, each way: 100mbit, 20mbit, none"
+    )
+    parser.add_argument(
+        "--delay-ms", type=float, default=0.0, help="one-way delay to each stage server (ms)"
+    )
+    parser.add_argument(
+        "--codec",
+        default="none",
+        choices=[str(a) for a in get_args(get_type_hints(CompressionConfig)["wire"])],
+        help="[compression] wire: the tensor codec on the wire",
+    )
+    planes = data_planes()
+    parser.add_argument(
+        "--data-plane",
+        default="relay",
+        help="runtime.data_plane of the job"
+        + (f": {', '.join(planes)}" if planes else "")
+        + ("" if HAS_DATA_PLANE else " (the only one built yet)"),
+    )
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (plus 1 warm-up)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="d256")
+    parser.add_argument("--small", action="store_true", help="the same as --workload tiny")
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds each run may take at most"
+    )
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep the work directory (printed)"
+    )
+    parser.add_argument("--relay", nargs=3, help=argparse.SUPPRESS)  # LISTEN UPSTREAM DELAY_MS
+    args = parser.parse_args()
+    if args.small:
+        args.workload = "tiny"
+    return args
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """Why this cannot run, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth, bridge, tc)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"needs {' and '.join(missing)} (iproute2) on PATH"
+    try:
+        args.rate_bits = parse_rate(args.rate)
+    except argparse.ArgumentTypeError as e:
+        return f"--rate {e}"
+    if args.steps < 1:
+        return "--steps must be at least 1"
+    if args.delay_ms < 0:
+        return "--delay-ms must be >= 0"
+    if not HAS_DATA_PLANE and args.data_plane != "relay":
+        return (
+            f"--data-plane {args.data_plane}: the push data plane is not built yet "
+            "(swarm.config.RuntimeConfig has no data_plane); only --data-plane relay runs"
+        )
+    try:
+        parse_job(job_toml(args.workload, 2, args.codec, args.data_plane), ROOT, "wan")
+    except ConfigError as e:
+        return f"the job would not load: {e}"
+    return None
+
+
+def main() -> int:
+    args = parse_args()
+    if args.relay:
+        listen, upstream, delay = args.relay
+        asyncio.run(_relay(listen, upstream, float(delay)))
+        return 0
+    problem = check(args)
+    if problem:
+        print(f"bench/wan.py: {problem}", file=sys.stderr)
+        return 2
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    work = Path(tempfile.mkdtemp(prefix="swarm-wan-"))
+    net = Network()
+    procs: list[Proc] = []
+    result: dict[str, Any] | None = None
+    status = 1
+    try:
+        removed = remove_leftovers()
+        if removed:
+            print(f"removed leftover namespaces: {', '.join(removed)}", file=sys.stderr)
+        try:
+            net.create()
+            net.shape(args.rate_bits)  # fail here, not after a run, if tbf is missing
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"bench/wan.py: cannot build the network: {e}", file=sys.stderr)
+            status = 2
+            return status
+        job = work / "job.toml"
+        job.write_text(job_toml(args.workload, args.steps + 2, args.codec, args.data_plane))
+        print(f"unshaped run (1 + {args.steps} + 1 steps) ...", file=sys.stderr, flush=True)
+        unshaped = run_once(net, job, work, "unshaped", args, False, procs)
+        print(f"shaped run ({args.rate}, {args.delay_ms:g} ms) ...", file=sys.stderr, flush=True)
+        shaped = run_once(net, job, work, "shaped", args, True, procs)
+        result = report(args, unshaped, shaped)
+        status = 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        status = 130
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
+        print(f"bench/wan.py: {e}", file=sys.stderr)
+        status = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for proc in procs:
+            proc.kill()
+        net.destroy()
+        if status in (0, 2) and not args.keep_logs:  # 2: nothing ran
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"logs in {work}", file=sys.stderr)
+    if result is not None:
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print_report(result, sys.stdout)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
