@@ -3,8 +3,8 @@ Linux network namespaces, each host's link shaped to a rate and a one-way delay,
 swarm unshaped, measured in the same run.
 
     sudo .venv/bin/python bench/wan.py [--rate 100mbit|20mbit|none] [--delay-ms 0]
-        [--codec none|fp16|bf16|int8_blockwise] [--data-plane relay] [--steps 10]
-        [--workload d256|tiny | --small] [--json]
+        [--codec none|fp16|bf16|int8_blockwise] [--data-plane push|relay] [--steps 10]
+        [--max-in-flight 8] [--workload d256|tiny | --small] [--json]
 
 Hosts. The trainer and each stage server run in a namespace of their own (`swb-<pid>-<host>`),
 with one address on 10.77.0.0/24 on their `eth0`: one end of a veth pair whose other end is a
@@ -19,8 +19,8 @@ every kernel (not into this one), so the one-way delay is a relay: in each stage
 namespace the server listens on the namespace's loopback and a small asyncio TCP relay (this file,
 run as its own process) listens on the host's address, forwards to the server, and holds every
 chunk it reads for `--delay-ms` before writing it on, in order, in both directions. A message
-between the trainer and a stage server thus arrives `--delay-ms` late each way (the trainer has
-no relay of its own; the stage servers do not talk to each other with one replica per stage).
+to a stage server, from the trainer or (push) from the stage before it, thus arrives `--delay-ms`
+late, and its answer too (the trainer has no relay of its own: it only calls).
 The relay reads eagerly, so TCP's window does not see the delay; HTTP/2's flow control windows,
 end to end over it, do.
 
@@ -58,9 +58,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, get_args, get_origin, get_type_hints
+from typing import IO, Any, get_args, get_type_hints
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -88,17 +88,7 @@ WORKLOADS: dict[str, dict[str, int]] = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, seq_len=64, microbatch_size=8, microbatches=4),
 }
 
-RUNTIME_KEYS = {f.name for f in fields(RuntimeConfig)}
-HAS_DATA_PLANE = "data_plane" in RUNTIME_KEYS
-
-
-def data_planes() -> list[str] | None:
-    """The data planes the job file accepts: ["relay"] while RuntimeConfig has no `data_plane`,
-    None when it has one that is not a fixed set of names."""
-    if not HAS_DATA_PLANE:
-        return ["relay"]
-    hint = get_type_hints(RuntimeConfig)["data_plane"]
-    return [str(a) for a in get_args(hint)] if get_origin(hint) is not None else None
+DATA_PLANES = [str(a) for a in get_args(get_type_hints(RuntimeConfig)["data_plane"])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,9 +376,9 @@ def start(ns: str, name: str, argv: list[str], work: Path) -> Proc:
     return Proc(name, popen, log_path)
 
 
-def job_toml(workload: str, steps: int, codec: str, data_plane: str) -> str:
+def job_toml(workload: str, steps: int, codec: str, data_plane: str, in_flight: int = 8) -> str:
     p = WORKLOADS[workload]
-    plane = f'data_plane = "{data_plane}"\n' if HAS_DATA_PLANE else ""
+    plane = f'data_plane = "{data_plane}"\n'
     return f"""name = "wan-{workload}"
 [model]
 kind = "gpt"
@@ -412,7 +402,7 @@ lr = 1e-3
 [compression]
 wire = "{codec}"
 [runtime]
-max_in_flight = 8
+max_in_flight = {in_flight}
 {plane}"""
 
 
@@ -638,13 +628,11 @@ def parse_args() -> argparse.Namespace:
         choices=[str(a) for a in get_args(get_type_hints(CompressionConfig)["wire"])],
         help="[compression] wire: the tensor codec on the wire",
     )
-    planes = data_planes()
     parser.add_argument(
-        "--data-plane",
-        default="relay",
-        help="runtime.data_plane of the job"
-        + (f": {', '.join(planes)}" if planes else "")
-        + ("" if HAS_DATA_PLANE else " (the only one built yet)"),
+        "--data-plane", default="push", choices=DATA_PLANES, help="runtime.data_plane of the job"
+    )
+    parser.add_argument(
+        "--max-in-flight", type=int, default=8, help="runtime.max_in_flight: the trainer's window"
     )
     parser.add_argument("--steps", type=int, default=10, help="timed steps (plus 1 warm-up)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="d256")
@@ -678,13 +666,10 @@ def check(args: argparse.Namespace) -> str | None:
         return "--steps must be at least 1"
     if args.delay_ms < 0:
         return "--delay-ms must be >= 0"
-    if not HAS_DATA_PLANE and args.data_plane != "relay":
-        return (
-            f"--data-plane {args.data_plane}: the push data plane is not built yet "
-            "(swarm.config.RuntimeConfig has no data_plane); only --data-plane relay runs"
-        )
     try:
-        parse_job(job_toml(args.workload, 2, args.codec, args.data_plane), ROOT, "wan")
+        parse_job(
+            job_toml(args.workload, 2, args.codec, args.data_plane, args.max_in_flight), ROOT, "wan"
+        )
     except ConfigError as e:
         return f"the job would not load: {e}"
     return None
@@ -722,7 +707,9 @@ def main() -> int:
             status = 2
             return status
         job = work / "job.toml"
-        job.write_text(job_toml(args.workload, args.steps + 2, args.codec, args.data_plane))
+        job.write_text(
+            job_toml(args.workload, args.steps + 2, args.codec, args.data_plane, args.max_in_flight)
+        )
         print(f"unshaped run (1 + {args.steps} + 1 steps) ...", file=sys.stderr, flush=True)
         unshaped = run_once(net, job, work, "unshaped", args, False, procs)
         print(f"shaped run ({args.rate}, {args.delay_ms:g} ms) ...", file=sys.stderr, flush=True)

@@ -1,13 +1,18 @@
 """Stochastic wiring against the pool's capacity: one stage served by four replicas whose compute
 is throttled 1 : 1 : 2 : 4 (so their speeds are 1 : 1 : 1/2 : 1/4), each a separate process.
 
-    .venv/bin/python bench/wiring.py [--steps N] [--base-throttle F]
+    .venv/bin/python bench/wiring.py [--steps N] [--base-throttle F] [--data-plane push]
 
 The capacity is the sum of each replica's samples/s measured alone, in this run. Then the same
 pool is driven with our wiring, with uniform-random routing and with round-robin routing, and
 each one's samples/s is printed with its ratio to the capacity. The throttles are multiplied by
 `--base-throttle` so that the replicas mostly wait (as a slower device does) rather than compete
 for this machine's two cores, which would make the capacity a fiction.
+
+With `--data-plane push` the pool is stage 1 of a two-stage job whose stage 0 is one unthrottled
+replica: every hop into the pool is chosen by that replica (`stage_server.pushing`), not by the
+trainer, so this measures the stage servers' own wiring (the baselines replace the trainer's
+choice only, so they are not run).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ seq_len = 64
 [data]
 kind = "synthetic"
 [training]
-stages = 1
+stages = {stages}
 microbatch_size = 8
 target_batch_size = {batch}
 steps = {steps}
@@ -49,6 +54,7 @@ kind = "adamw"
 lr = 1e-3
 [runtime]
 max_in_flight = 16
+data_plane = "{plane}"
 """
 
 
@@ -62,11 +68,16 @@ def route_randomly(trainer: PipelineTrainer, how: str) -> None:
         pool.choose = lambda samples: next(order)  # type: ignore[method-assign]
 
 
-async def throughput(job_path: Path, replicas: list[SwarmProcess], router: str) -> float:
-    """Samples/s over the job's steps after the first (warm-up)."""
+async def throughput(
+    job_path: Path, replicas: list[SwarmProcess], router: str, front: SwarmProcess | None
+) -> float:
+    """Samples/s over the job's steps after the first (warm-up); `front` is the stage-0 replica
+    in front of the pool (push)."""
     job = load_job(job_path)
     records: list[StepRecord] = []
     members = [[Replica(r.address, r.address, 1.0) for r in replicas]]
+    if front is not None:
+        members.insert(0, [Replica(front.address, front.address, 1.0)])
     coordinator = LocalCoordinator(job, job.fingerprint(), lambda: members, on_step=records.append)
     trainer = PipelineTrainer(job, coordinator, seed=0)
     try:
@@ -81,24 +92,31 @@ async def throughput(job_path: Path, replicas: list[SwarmProcess], router: str) 
     return sum(r.samples for r in counted) / sum(r.seconds for r in counted)
 
 
-def start_pool(jobs: list[Path], base: float, work: Path, name: str) -> list[SwarmProcess]:
-    """One replica per relative throttle, replica i serving `jobs[i]`; returns once all serve."""
+def start_server(job: Path, stage: int, throttle: float, work: Path, name: str) -> SwarmProcess:
+    return start_process(
+        [
+            "stage-server",
+            "--job",
+            str(job),
+            "--stage",
+            str(stage),
+            "--port",
+            "0",
+            "--throttle",
+            str(throttle),
+        ],
+        log_dir=work,
+        name=name,
+    )
+
+
+def start_pool(
+    jobs: list[Path], base: float, work: Path, name: str, stage: int
+) -> list[SwarmProcess]:
+    """One replica of `stage` per relative throttle, replica i serving `jobs[i]`; returns once
+    all serve."""
     servers = [
-        start_process(
-            [
-                "stage-server",
-                "--job",
-                str(job),
-                "--stage",
-                "0",
-                "--port",
-                "0",
-                "--throttle",
-                str(base * relative),
-            ],
-            log_dir=work,
-            name=f"{name}{i}",
-        )
+        start_server(job, stage, base * relative, work, f"{name}{i}")
         for i, (job, relative) in enumerate(zip(jobs, RELATIVE_THROTTLES, strict=True))
     ]
     for s in servers:
@@ -106,36 +124,53 @@ def start_pool(jobs: list[Path], base: float, work: Path, name: str) -> list[Swa
     return servers
 
 
-async def run(steps: int, base: float, work: Path, microbatches: int) -> None:
+def start_front(job: Path, work: Path, name: str) -> SwarmProcess:
+    front = start_server(job, 0, 1.0, work, name)
+    front.wait_ready(120)
+    return front
+
+
+async def run(steps: int, base: float, work: Path, microbatches: int, plane: str) -> None:
+    push = plane == "push"
+    stages, pool_stage = (2, 1) if push else (1, 0)
     servers: list[SwarmProcess] = []
+    fronts: list[SwarmProcess] = []
     try:
         # Alone, a replica's rate is its service rate whatever the step size: small steps, and
         # one job file each so that every run starts at step 0.
         alone_jobs = [work / f"job{i}.toml" for i in range(len(RELATIVE_THROTTLES))]
         for job in alone_jobs:
-            job.write_text(JOB.format(batch=8 * 32, steps=3))
-        servers = start_pool(alone_jobs, base, work, "replica")
+            job.write_text(JOB.format(batch=8 * 32, steps=3, stages=stages, plane=plane))
+        servers = start_pool(alone_jobs, base, work, "replica", pool_stage)
+        if push:
+            fronts = [start_front(job, work, f"front{i}") for i, job in enumerate(alone_jobs)]
         alone = [
-            await throughput(job, [server], "wiring")
-            for job, server in zip(alone_jobs, servers, strict=True)
+            await throughput(job, [server], "wiring", fronts[i] if push else None)
+            for i, (job, server) in enumerate(zip(alone_jobs, servers, strict=True))
         ]
         capacity = sum(alone)
+        if push:
+            print("data plane push: the pool is stage 1, fed by one stage-0 replica")
         print(
             "replica throttles      " + "  ".join(f"{base * r:>6.1f}" for r in RELATIVE_THROTTLES)
         )
         print("alone (samples/s)      " + "  ".join(f"{a:>6.1f}" for a in alone))
         print(f"capacity (sum)         {capacity:.1f} samples/s")
         print(f"{'routing':<14} {'samples/s':>10} {'of capacity':>12}")
-        for router in ("wiring", "random", "round-robin"):
+        for router in ("wiring",) if push else ("wiring", "random", "round-robin"):
             # A fresh pool per router (at step 0) keeps the runs equal.
-            stop_all(servers)
+            stop_all(servers + fronts)
             job_path = work / f"pool-{router}.toml"
-            job_path.write_text(JOB.format(batch=8 * microbatches, steps=steps))
-            servers = start_pool([job_path] * len(RELATIVE_THROTTLES), base, work, router)
-            value = await throughput(job_path, servers, router)
+            job_path.write_text(
+                JOB.format(batch=8 * microbatches, steps=steps, stages=stages, plane=plane)
+            )
+            jobs = [job_path] * len(RELATIVE_THROTTLES)
+            servers = start_pool(jobs, base, work, router, pool_stage)
+            fronts = [start_front(job_path, work, f"front-{router}")] if push else []
+            value = await throughput(job_path, servers, router, fronts[0] if push else None)
             print(f"{router:<14} {value:>10.1f} {value / capacity:>12.3f}", flush=True)
     finally:
-        stop_all(servers)
+        stop_all(servers + fronts)
 
 
 def main() -> None:
@@ -151,9 +186,11 @@ def main() -> None:
     parser.add_argument(
         "--base-throttle", type=float, default=8.0, help="multiplies the 1:1:2:4 throttles"
     )
+    parser.add_argument("--data-plane", choices=("relay", "push"), default="relay")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="swarm-wiring-") as tmp:
-        asyncio.run(run(args.steps, args.base_throttle, Path(tmp), args.microbatches))
+        run_ = run(args.steps, args.base_throttle, Path(tmp), args.microbatches, args.data_plane)
+        asyncio.run(run_)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from swarm.metrics import TrainerMetrics
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
-from swarm.stage_client import BackwardResult, StageClient, TensorLike, named
+from swarm.stage_client import BackwardResult, Retiring, StageClient, TensorLike, named
 
 __all__ = ["ClientFactory", "PipelineTrainer", "TrainerError", "follow_load", "load_followed"]
 
@@ -97,7 +97,7 @@ class PipelineTrainer:
         self.clients: dict[str, StageClient] = {}
         self._members: list[set[str]] = [set() for _ in range(job.training.stages)]
         self._routes: list[pb.Route] = []  # per stage after the first: the push plane's route
-        self._closing: set[asyncio.Task[None]] = set()  # replaced clients, closed after a while
+        self._retiring = Retiring(job.runtime.rpc_timeout_s)
         self._departed: dict[str, float] = {}  # peer -> when it left, until its series go
         self._leased_step = -1  # the step of the last lease
         self.completed = 0  # microbatches this trainer computed and reported
@@ -109,8 +109,7 @@ class PipelineTrainer:
         self._boundary_bytes = 0
 
     async def close(self) -> None:
-        for task in self._closing:
-            task.cancel()
+        await self._retiring.close()
         await asyncio.gather(*(c.close() for c in self.clients.values()))
 
     # -- membership -----------------------------------------------------------------------------
@@ -127,7 +126,7 @@ class PipelineTrainer:
             for gone in members - now.keys():
                 self.wiring.remove(gone)
         for gone in self.clients.keys() - now.keys():  # departed: nothing of it may stay
-            self._close_later(self.clients.pop(gone))
+            self._retiring.retire(self.clients.pop(gone))
             self._departed[gone] = self.clock.now()
         self._forget_departed(now.keys())
         for peer, (stage, r) in now.items():
@@ -136,7 +135,7 @@ class PipelineTrainer:
             client = self.clients.get(peer)
             if client is None or (client.address, client.stage) != (r.address, stage):
                 if client is not None:
-                    self._close_later(client)
+                    self._retiring.retire(client)
                 client = self._client_factory(r.address, self.job, self.job_id, stage, self.token)
                 self.clients[peer] = client
         self._members = [{r.peer for r in members} for members in replicas]
@@ -159,17 +158,6 @@ class PipelineTrainer:
         for peer in [p for p, when in self._departed.items() if when <= expired]:
             del self._departed[peer]
             self.metrics.forget(peer)
-
-    def _close_later(self, client: StageClient) -> None:
-        """Close a replaced client once the calls it may still carry have had their deadline."""
-
-        async def close() -> None:
-            await asyncio.sleep(self.job.runtime.rpc_timeout_s)
-            await client.close()
-
-        task = asyncio.get_running_loop().create_task(close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
 
     # -- the loop -------------------------------------------------------------------------------
     async def run(self) -> None:

@@ -29,7 +29,7 @@ from swarm.clock import MonotonicClock
 from swarm.config import JobConfig
 from swarm.errors import Busy, PeerUnavailable, SwarmError
 from swarm.proto import stage_pb2 as pb
-from swarm.stage_client import StageClient, TensorLike, named
+from swarm.stage_client import Retiring, StageClient, TensorLike, named
 
 __all__ = ["Downstream", "Pushed"]
 
@@ -62,19 +62,19 @@ class Downstream:
             task_samples=job.training.microbatch_size,
         )
         self._clients: dict[str, StageClient] = {}  # peer -> the client of its address
-        self._closing: set[asyncio.Task[None]] = set()
+        self._retiring = Retiring(job.runtime.rpc_timeout_s)
 
     def follow(self, stage: int, route: pb.Route) -> None:
         """Make `stage`'s pool the replicas `route` names (a request's view of the members)."""
         pool = self.wiring[stage]
-        named = dict(zip(route.peers, route.addresses, strict=False))
-        for gone in [p for p in pool if p not in named]:
+        addresses = dict(zip(route.peers, route.addresses, strict=False))
+        for gone in [p for p in pool if p not in addresses]:
             self.wiring.remove(gone)
-            self._close_later(self._clients.pop(gone, None))
-        for i, (peer, address) in enumerate(named.items()):
+            self._retiring.retire(self._clients.pop(gone, None))
+        for i, (peer, address) in enumerate(addresses.items()):
             client = self._clients.get(peer)
             if client is not None and (client.address, client.stage) != (address, stage):
-                self._close_later(self._clients.pop(peer))
+                self._retiring.retire(self._clients.pop(peer))
                 client = None
             if client is None:
                 self._clients[peer] = StageClient(address, self.job, self.job_id, stage, self.token)
@@ -156,20 +156,7 @@ class Downstream:
             )
         raise PeerUnavailable(f"stage {stage}: no replica took the microbatch: {last}")
 
-    def _close_later(self, client: StageClient | None) -> None:
-        if client is None:
-            return
-
-        async def close() -> None:
-            await asyncio.sleep(self.job.runtime.rpc_timeout_s)
-            await client.close()
-
-        task = asyncio.get_running_loop().create_task(close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
     async def close(self) -> None:
-        for task in self._closing:
-            task.cancel()
+        await self._retiring.close()
         await asyncio.gather(*(c.close() for c in self._clients.values()))
         self._clients.clear()

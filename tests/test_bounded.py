@@ -120,7 +120,7 @@ async def test_trainer_forgets_clients_and_series_of_departed_peers(tmp_path: Pa
     trainer.sync([[keep], []])
     assert peers_with_series() <= {"keep"}
     await asyncio.sleep(0.1)
-    assert not trainer._closing  # the departed peers' channels were closed
+    assert not len(trainer._retiring)  # the departed peers' channels were closed
     await trainer.close()
 
 

@@ -19,7 +19,7 @@ from swarm.lease import Task
 from swarm.stage_state import initial_state
 from tests.support.coordinator import LEASE_S, Harness, job_of, until
 from tests.support.disks import fill, tiny_disk
-from tests.support.replicas import FakeSwarm, Prepared
+from tests.support.replicas import FakeReplica, FakeSwarm, Prepared
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -207,18 +207,26 @@ async def test_without_a_checkpoint_a_rollback_goes_to_step_0s_initial_state(
     assert any("no checkpoint" in r.message for r in loud)  # all training lost: said loudly
 
 
-async def test_a_void_landing_while_the_commit_gathers_receipts_stops_the_prepare(
+async def _a_straggler_and_b(
     tmp_path: Path, harnesses: list[Harness]
-) -> None:
+) -> tuple[Harness, FakeReplica, FakeReplica, FakeReplica, Task, Task]:
+    """p and q at stage 0, c at stage 1. Trainer A leases microbatch 0 and is slow: its lease
+    expires and B leases both microbatches (returned)."""
     job = job_of(tmp_path)
     swarm = FakeSwarm(job.fingerprint(), 2)
     p, q, c = swarm.add(0, "p"), swarm.add(0, "q"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
     await h.coordinator.start()
-    # Trainer A leases microbatch 0 and is slow: its lease expires and B takes both.
     assert await h.lease("A", 1) == [Task(0, 0, frozenset({0, 1}))]
     h.clock.advance(LEASE_S + 1)
     first, second = await h.lease("B", 2)
+    return h, p, q, c, first, second
+
+
+async def test_a_void_landing_while_the_commit_gathers_receipts_stops_the_prepare(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    h, p, q, c, first, second = await _a_straggler_and_b(tmp_path, harnesses)
     straggler = await h.run(first, {0: "p"}, trainer="A", report=False)
     gathering = p.hold("info")
     await h.run(first, {0: "q"}, trainer="B")
@@ -235,6 +243,26 @@ async def test_a_void_landing_while_the_commit_gathers_receipts_stops_the_prepar
     assert (await asyncio.wait_for(h.steps.get(), 10)).step == 0
     assert q.called("prepare") == [Prepared(0, [0, 1], 8, ["fake:p", "fake:q"], 1, "0/1")]
     assert p.called("prepare")[-1].microbatches == []
+
+
+async def test_a_duplicate_reported_while_apply_runs_leaves_the_replica_in_the_commit(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    h, p, q, c, first, second = await _a_straggler_and_b(tmp_path, harnesses)
+    applying = p.hold("apply")
+    await h.run(first, {0: "q"}, trainer="B")
+    await h.run(second, {0: "p"}, trainer="B")  # complete: p and q prepare, then apply
+    await asyncio.wait_for(applying.entered.wait(), 10)
+    # Only now does A's microbatch 0 land on p, after p prepared (its sums are a copy taken
+    # then), and A reports it. Voiding p now would wipe what it prepared: its APPLY would fail
+    # and p would be dropped from a step that commits whole all the same.
+    await h.run(first, {0: "p"}, trainer="A")
+    assert not p.called("discard")
+    applying.open()
+    assert (await asyncio.wait_for(h.steps.get(), 10)).step == 0
+    assert (p.step, q.step, c.step) == (1, 1, 1)
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["p", "q"], ["c"]]
+    assert {(t.step, t.index) for t in await h.lease("B", 2)} == {(1, 0), (1, 1)}
 
 
 # -- field hardening: a missed deadline is not a lost stage ----------------------------------------

@@ -109,7 +109,10 @@ def _count(registry: CollectorRegistry, name: str) -> float:
 @pytest.mark.parametrize("point", [Point.FORWARD, Point.BACKWARD, Point.AVERAGING, Point.IDLE])
 def test_replica_killed_at_each_point(tmp_path: Path, point: Point, where: str) -> None:
     stage = WHERE[where]
-    job = write_job(tmp_path, training={"steps": 5, "target_batch_size": 16})
+    # The relay plane: the trainer makes every hop, and its counters show each one.
+    job = write_job(
+        tmp_path, training={"steps": 5, "target_batch_size": 16}, runtime={"data_plane": "relay"}
+    )
     fault = Fault(f"s{stage}r0", point, 2)
     # The survivor is 3x slower, so the wiring gives the victim most of the work: when it dies
     # it holds accepted gradients, and their replay is what the counters must show.
@@ -194,9 +197,10 @@ def test_push_plane_replica_killed_with_microbatches_in_its_hands(
 def test_source_killed_while_a_replica_downloads_its_state(tmp_path: Path, where: str) -> None:
     # A replica of the stage is killed after step 0 and restarted empty: at the next step
     # boundary it copies a live replica of its stage. The first source dies while streaming its
-    # state; the join is retried from the third replica at the following boundary.
+    # state; the join is retried from the third replica at the following boundary. Steps enough
+    # that the retried copy, which runs beside training, is admitted before the job ends.
     stage = WHERE[where]
-    job = write_job(tmp_path, training={"steps": 5, "target_batch_size": 16})
+    job = write_job(tmp_path, training={"steps": 10, "target_batch_size": 16})
     fault = Fault(f"s{stage}r1", Point.STATE_DOWNLOAD, 2)
     servers = Servers(job, [3 if k == stage else 1 for k in range(4)], [fault], tmp_path)
     joiner, killed = f"s{stage}r0", threading.Event()
@@ -289,7 +293,7 @@ def test_without_the_boundary_cache_replays_rerun_the_pipeline(tmp_path: Path) -
     job = write_job(
         tmp_path,
         training={"steps": 4, "target_batch_size": 16},
-        runtime={"boundary_cache_bytes": 0},
+        runtime={"boundary_cache_bytes": 0, "data_plane": "relay"},  # the cache is the relay's
     )
     fault = Fault("s1r0", Point.AVERAGING, 2)
     servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path, slow=frozenset({"s1r1"}))

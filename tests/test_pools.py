@@ -193,7 +193,7 @@ async def test_the_trainer_follows_moves_and_new_addresses(tmp_path: Path) -> No
         assert (trainer.clients["c"].address, trainer.clients["c"].stage) == ("h:3", 1)
         # the replaced clients of a and c, and departed d's (nothing kept of a peer that left),
         # closed later
-        assert len(trainer._closing) == 3 and "d" not in trainer.clients
+        assert len(trainer._retiring) == 3 and "d" not in trainer.clients
         trainer.sync([])  # a lease before the job started: no view of the stages
         assert [trainer.wiring.stage_of(p) for p in "abcd"] == [0, 1, 1, None]
     finally:

@@ -148,7 +148,8 @@ class Recorder:
 
 
 def _job(tmp_path: Path) -> JobConfig:
-    return make_job(tmp_path, training={"stages": LAST + 1})
+    # The relay plane: the trainer's own hops are what these tests drive.
+    return make_job(tmp_path, training={"stages": LAST + 1}, runtime={"data_plane": "relay"})
 
 
 def _trainer(

@@ -81,6 +81,8 @@ class TwoPhaseCommit:
     ) -> None:
         self.clients, self.membership, self.metrics = clients, membership, metrics
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
+        self._deciding: StepLedger | None = None  # whose PREPARE or APPLY is running
+        self._held: list[tuple[int, str]] = []  # voids of stragglers' duplicates that wait for it
 
     async def void(self, ledger: StepLedger, stage: int, peer: str) -> None:
         """`peer`'s gradients at `stage` must not count: replay them elsewhere, and tell it to
@@ -105,10 +107,41 @@ class TwoPhaseCommit:
             except SwarmError as e:  # it refused: the next commit's receipt check voids it again
                 log.warning("discard on %s failed: %s", peer, e)
 
+    async def void_duplicate(self, ledger: StepLedger, stage: int, peer: str) -> None:
+        """`peer` accumulated a gradient at `stage` that another replica's counts for (a
+        straggling trainer's). Voided at once (while the commit gathers receipts too: it sees
+        the ledger change and waits), unless this step's PREPARE or APPLY is running:
+        then a Discard would wipe what `peer` prepared, fail its APPLY and drop it from a step
+        that commits whole all the same (a replica averages a copy of its sums taken when it
+        prepares, so the duplicate never reaches them; one that landed before is refused by
+        PREPARE's receipt check). Held until the attempt ends; voided then if it failed."""
+        if self._deciding is ledger:
+            self._held.append((stage, peer))
+            return
+        await self.void(ledger, stage, peer)
+
     async def attempt(self, ledger: StepLedger, round_id: str) -> bool:
         """Commit `ledger`'s step under `round_id`; False when it must wait (for replays, or a
         retry): whatever went wrong has been lost, voided or dropped by then, and `failure` says
         so when it was the PREPARE round."""
+        try:
+            applied = await self._attempt(ledger, round_id)
+        finally:
+            self._deciding = None
+            held, self._held = self._held, []
+        for stage, peer in held:
+            if applied:
+                log.info(
+                    "step %d: %s's duplicate gradient at stage %d was left out of the commit",
+                    ledger.step,
+                    peer,
+                    stage,
+                )
+            else:
+                await self.void(ledger, stage, peer)
+        return applied
+
+    async def _attempt(self, ledger: StepLedger, round_id: str) -> bool:
         self.failure = None
         members = self.membership.replicas()
         for stage, replicas in enumerate(members):
@@ -120,6 +153,7 @@ class TwoPhaseCommit:
             return False  # trainers replay what was lost; their reports commit again
         if not await self._receipts_match(ledger, members):
             return False
+        self._deciding = ledger  # from here on a straggler's duplicate is voided afterwards
         where = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
         if not await self._prepare(ledger, members, where, round_id):
             return False

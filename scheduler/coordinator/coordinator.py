@@ -295,7 +295,7 @@ class LocalCoordinator:
             # leave a complete ledger with no commit.
             self._commit.task = asyncio.create_task(self._commit_step(ledger))
         for extra in extras:  # another trainer's gradient was accepted first: void this one
-            await self.two_phase.void(ledger, extra.stage, extra.peer)
+            await self.two_phase.void_duplicate(ledger, extra.stage, extra.peer)
 
     async def release(self, trainer: str, indices: Sequence[int]) -> None:
         """A trainer gave these microbatches back (a hop failed on every replica it tried):

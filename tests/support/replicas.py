@@ -133,8 +133,9 @@ class FakeReplica:
     async def discard(self, step: int) -> int:
         await self._enter("discard", step)
         dropped = len(self.receipts) if step == self.step else 0
-        if step == self.step:
+        if step == self.step:  # as a real replica: its gradients and what it prepared
             self.receipts.clear()
+            self.prepared = None
         return dropped
 
     async def join(self, source: str, step: int) -> int:
