@@ -14,18 +14,20 @@ import tomllib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import grpc
-import torch
 
-from swarm import auth, wire
+from swarm import auth
 from swarm.config import load_job
 from swarm.errors import PeerUnavailable, RemoteError, SwarmError, WireError
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
 from swarm.states import TERMINAL_PROTO as TERMINAL_STATES
 from swarm.states import job_state_name as state_name
 from swarm.status import from_rpc_error
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TERMINAL_STATES", "ClientError", "SchedulerClient", "state_name"]
 
@@ -131,6 +133,8 @@ class SchedulerClient:
         try:
             with open(tmp, "wb") as f:  # fails now, not after a long download
                 state, step = await self._download(job)
+                import torch  # here: `swarm status` and friends start in a blink without it
+
                 await asyncio.to_thread(torch.save, state, f)
             os.replace(tmp, out)
         finally:
@@ -138,6 +142,8 @@ class SchedulerClient:
         return step
 
     async def _download(self, job: str) -> tuple[dict[str, torch.Tensor], int]:
+        from swarm import wire  # tensors: torch, imported by the one command that needs it
+
         request = scheduler_pb2.SchedulerExportModelRequest(job=job)
         state: dict[str, torch.Tensor] = {}
         steps: set[int] = set()

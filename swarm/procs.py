@@ -11,12 +11,16 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
 from swarm.lifecycle import parse_ready
 
 __all__ = [
+    "Child",
+    "Launcher",
     "LocalSwarm",
     "SwarmProcess",
+    "spawn",
     "start_local_swarm",
     "start_process",
     "start_stage_servers",
@@ -24,12 +28,47 @@ __all__ = [
 ]
 
 
+class Child(Protocol):
+    """A started process, as `subprocess.Popen` is one."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def kill(self) -> None: ...
+    def send_signal(self, sig: int) -> None: ...
+
+
+class Launcher(Protocol):
+    """Runs `swarm <args>` as a process of its own, its stdout and stderr into `out`."""
+
+    def __call__(self, args: list[str], out: BinaryIO, env: dict[str, str]) -> Child: ...
+
+
+def spawn(args: list[str], out: BinaryIO, env: dict[str, str]) -> Child:
+    """A fresh interpreter: `python -m swarm.cli ARGS`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "swarm.cli", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+
+
+launcher: Launcher = spawn
+"""How `start_process` starts processes. The test suite, which starts hundreds, forks them from
+a server that imported torch once (`tests.support.forked`)."""
+
+
 @dataclass
 class SwarmProcess:
     """A child process started with `swarm <args>`; its output goes to `log_path`."""
 
     args: list[str]
-    proc: subprocess.Popen[bytes]
+    proc: Child
     log_path: Path
     ready: dict[str, str] = field(default_factory=dict)  # key=value pairs of its ready line
 
@@ -69,10 +108,10 @@ class SwarmProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(grace)
+                return self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 self.kill()
-        return self.proc.returncode
+        return self.proc.wait()
 
 
 def start_process(
@@ -86,13 +125,7 @@ def start_process(
     log_path = log_dir / f"{name}.log"
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "swarm.cli", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=child_env,
-        )
+        proc = launcher(args, out, child_env)
     return SwarmProcess(args, proc, log_path)
 
 

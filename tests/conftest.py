@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import forked
+
 
 def _children(pid: int) -> set[int]:
     """Every live descendant of `pid` (from /proc: no extra dependency)."""
@@ -35,6 +37,17 @@ def _children(pid: int) -> set[int]:
 def _kill_leftover_children() -> Iterator[None]:
     before = _children(os.getpid())
     yield
-    for pid in _children(os.getpid()) - before:
+    servers = forked.server_pids()  # serve every test; their children are covered here
+    for pid in _children(os.getpid()) - before - servers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_swarm_processes() -> Iterator[None]:
+    """Start the suite's swarm processes from a fork server that imported torch once."""
+    from swarm import procs
+
+    procs.launcher = forked.launch
+    yield
+    procs.launcher = procs.spawn

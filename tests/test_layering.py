@@ -5,6 +5,8 @@ between roles that remain are listed in `ALLOWED`, and each of them must still e
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,3 +207,13 @@ def test_the_checker_itself() -> None:
         "client.trainer"
     )
     assert stale([]) == [f"{a} -> {b}" for a, b in ALLOWED]
+
+
+def test_the_job_commands_start_without_torch() -> None:
+    # `swarm submit/status/list/cancel` are what a user types again and again (and what the
+    # integration tests poll): importing torch would cost each of them seconds of CPU.
+    code = "import sys, client.commands; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert result.stdout.strip() == "False", result.stderr

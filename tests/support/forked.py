@@ -1,0 +1,108 @@
+"""Swarm processes for the tests, forked from a server that imported torch once.
+
+A fresh interpreter spends about 6 s of CPU importing torch and `torch._dynamo` (which any
+`torch.optim` optimizer imports) before it serves; the suite starts hundreds of stage servers,
+schedulers and trainers on 2 cores, so that import was most of its time. A `multiprocessing`
+fork server imports both once; each process forks from it and runs `swarm <args>` as
+`python -m swarm.cli` would: its own pid, environment, log file and exit status (a SIGKILL reads
+-9), killed and stopped as any process is. grpc is not imported before the fork (its core does not
+survive one); every role starts its own.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+from multiprocessing.context import ForkServerContext
+from typing import BinaryIO
+
+PRELOAD = ["torch", "torch._dynamo"]
+_context: ForkServerContext | None = None
+
+
+def _forkserver() -> ForkServerContext:
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def server_pids() -> set[int]:
+    """The fork server's pid and its resource tracker's, once started (they outlive each test)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {
+        forkserver._forkserver._forkserver_pid,  # type: ignore[attr-defined]
+        resource_tracker._resource_tracker._pid,  # type: ignore[attr-defined]
+    }
+    return {pid for pid in pids if pid is not None}
+
+
+def _run(args: list[str], log_path: str, env: dict[str, str]) -> None:
+    """In the forked child: become `python -m swarm.cli ARGS`, writing to `log_path`."""
+    out_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    os.close(out_fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["swarm", *args]
+    from swarm.cli import main
+
+    code: object
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
+class Forked:
+    """A forked process with `subprocess.Popen`'s face (`swarm.procs.Child`)."""
+
+    def __init__(self, args: list[str], out: BinaryIO, env: dict[str, str]) -> None:
+        self.args = args
+        self._process = _forkserver().Process(target=_run, args=(args, out.name, env), daemon=True)
+        self._process.start()
+
+    @property
+    def pid(self) -> int:
+        assert self._process.pid is not None
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(["swarm", *self.args], timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+
+def launch(args: list[str], out: BinaryIO, env: dict[str, str]) -> Forked:
+    """A `swarm.procs.Launcher`."""
+    return Forked(args, out, env)
