@@ -296,9 +296,7 @@ class PipelineTrainer:
                 client = self.clients[peer]  # it may depart (sync) while the call runs
                 result = await call(client, accumulate)
             except Busy as e:  # its queue is full (push): not its fault, try another
-                if peer in pool:
-                    pool.report_load(peer, pool.queued(peer) + samples, None)
-                    pool.finished(peer, samples, 0.0)
+                pool.busy(peer, samples)
                 last = e
                 continue
             except SwarmError as e:  # the stage client raises nothing else for a failed call

@@ -227,6 +227,15 @@ class StagePool:
                 replica.measured = True
         self._refresh(replica, peer)
 
+    def busy(self, peer: str, samples: float) -> None:
+        """`peer` answered that its queue is full (the push plane's busy answer): not a failure,
+        so no ban; its `samples` leave this pool's own count, and it is believed that much more
+        loaded until its next load report says otherwise."""
+        if peer not in self._replicas:
+            return
+        self.report_load(peer, self.queued(peer) + samples, None)
+        self.finished(peer, samples, 0.0)
+
     def failed(self, peer: str, samples: float = 0.0) -> float:
         """A call to `peer` failed; its `samples` leave the queue and the replica is banned for
         ban_base_s * ban_factor**(failures - 1), at most ban_max_s. Returns the new ban's length in

@@ -126,8 +126,7 @@ class Downstream:
                     timeout=left,
                 )
             except Busy as e:  # its queue is full: not its fault, try another
-                pool.report_load(peer, pool.queued(peer) + samples, None)
-                pool.finished(peer, samples, 0.0)
+                pool.busy(peer, samples)
                 last = e
                 continue
             except SwarmError as e:

@@ -147,6 +147,16 @@ class StageClient:
             tensors[t.name] = t
         return received.header, tensors
 
+    def _inputs_and_targets(
+        self, inputs: TensorLike, targets: TensorLike
+    ) -> list[tensor_pb2.Tensor]:
+        """The last stage's (or a push's) tensors: activations in the forward codec, targets as
+        they are."""
+        return [
+            self._tensor(inputs, "inputs", self._forward),
+            self._tensor(targets, "targets", CODEC_NONE),
+        ]
+
     def _id(self, step: int, index: int) -> pb.MicrobatchId:
         return pb.MicrobatchId(step=step, index=index)
 
@@ -209,10 +219,7 @@ class StageClient:
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=[
-                self._tensor(inputs, "inputs", self._forward),
-                self._tensor(targets, "targets", CODEC_NONE),
-            ],
+            tensors=self._inputs_and_targets(inputs, targets),
             reply_codec=self._backward,
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
@@ -242,10 +249,7 @@ class StageClient:
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=[
-                self._tensor(inputs, "inputs", self._forward),
-                self._tensor(targets, "targets", CODEC_NONE),
-            ],
+            tensors=self._inputs_and_targets(inputs, targets),
             accumulate=sorted(accumulate),
             route=list(route),
             need_grad_inputs=need_grad_inputs,

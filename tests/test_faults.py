@@ -105,24 +105,29 @@ def _count(registry: CollectorRegistry, name: str) -> float:
     return sum(s.value for m in registry.collect() for s in m.samples if s.name == name)
 
 
+def _a_victim_and_a_slow_survivor(
+    tmp_path: Path, point: Point, where: str, data_plane: str
+) -> tuple[Path, Fault, Servers]:
+    """A 5-step job; one replica per stage, two at `where`'s stage: `s{stage}r0` dies at `point`
+    of step 2, and the survivor is 3x slower, so the wiring gives the victim most of the work:
+    when it dies it holds accepted gradients, and their replay is what the counters must show."""
+    stage = WHERE[where]
+    job = write_job(
+        tmp_path,
+        training={"steps": 5, "target_batch_size": 16},
+        runtime={"data_plane": data_plane},
+    )
+    fault = Fault(f"s{stage}r0", point, 2)
+    layout = [2 if k == stage else 1 for k in range(4)]
+    servers = Servers(job, layout, [fault], tmp_path, slow=frozenset({f"s{stage}r1"}))
+    return job, fault, servers
+
+
 @pytest.mark.parametrize("where", sorted(WHERE))
 @pytest.mark.parametrize("point", [Point.FORWARD, Point.BACKWARD, Point.AVERAGING, Point.IDLE])
 def test_replica_killed_at_each_point(tmp_path: Path, point: Point, where: str) -> None:
-    stage = WHERE[where]
     # The relay plane: the trainer makes every hop, and its counters show each one.
-    job = write_job(
-        tmp_path, training={"steps": 5, "target_batch_size": 16}, runtime={"data_plane": "relay"}
-    )
-    fault = Fault(f"s{stage}r0", point, 2)
-    # The survivor is 3x slower, so the wiring gives the victim most of the work: when it dies
-    # it holds accepted gradients, and their replay is what the counters must show.
-    servers = Servers(
-        job,
-        [2 if k == stage else 1 for k in range(4)],
-        [fault],
-        tmp_path,
-        slow=frozenset({f"s{stage}r1"}),
-    )
+    job, fault, servers = _a_victim_and_a_slow_survivor(tmp_path, point, where, "relay")
     victim = servers.procs[fault.target]
 
     def kill_when_idle(record: StepRecord) -> None:
@@ -163,20 +168,7 @@ def test_push_plane_replica_killed_with_microbatches_in_its_hands(
     """The push plane: the replica dies with pushed microbatches in flight through it. The
     stage before it tries the survivor; the stages the dead call may have reached are reported
     uncertain and replayed; the result is exact."""
-    stage = WHERE[where]
-    job = write_job(
-        tmp_path,
-        training={"steps": 5, "target_batch_size": 16},
-        runtime={"data_plane": "push"},
-    )
-    fault = Fault(f"s{stage}r0", point, 2)
-    servers = Servers(
-        job,
-        [2 if k == stage else 1 for k in range(4)],
-        [fault],
-        tmp_path,
-        slow=frozenset({f"s{stage}r1"}),
-    )
+    job, fault, servers = _a_victim_and_a_slow_survivor(tmp_path, point, where, "push")
     victim = servers.procs[fault.target]
     try:
         state, registry = _train(servers)
