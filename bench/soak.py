@@ -22,7 +22,14 @@ A peer is only chosen from a stage with at least two serving replicas, so no sta
 of them; `--kill-stage` adds one deliberate whole-stage SIGKILL halfway (one rollback expected).
 
 Every `--sample-every` seconds each process's RSS, open descriptors (`/proc/PID/fd`) and threads
-are sampled. Growth is judged per process instance that lived long enough: after its warm-up
+are sampled. The descriptors judged are those not explained by the swarm's membership: every open
+descriptor except one TCP connection per live counterpart (a connection whose other end is held by
+a live process of this run, at most one per counterpart, service port and direction). A stage
+server's connections follow who is alive (pool partners, the next stage's replicas: 2 of about 23
+descriptors swing as peers die and return), which is not a leak; a connection to a dead or
+restarted process, a second connection to the same live one, and every file, pipe and listening
+socket still count. The raw count is printed beside it. Growth is judged per process instance
+that lived long enough: after its warm-up
 (`--warmup` of the run, counted from the run's and the instance's start), the mean of its last
 window (`--window` of the run) over the mean of its first; the worst instance of each role is
 printed. At the end the job is exported (the parameters at one step) and compared with
@@ -41,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import json
 import os
@@ -71,7 +79,7 @@ from swarm.config import JobConfig, load_job  # noqa: E402
 from swarm.data import make_data  # noqa: E402
 from swarm.lifecycle import parse_ready  # noqa: E402
 from swarm.model import build_stage, loss_sum  # noqa: E402
-from swarm.optim import build_optimizer  # noqa: E402
+from swarm.optim import build_optimizer, clip_scale, grad_sq_norm, update  # noqa: E402
 from swarm.procs import SwarmProcess  # noqa: E402
 from swarm.reference import train_local  # noqa: E402
 from swarm.states import job_state_name  # noqa: E402
@@ -116,9 +124,10 @@ def interval_errors(
                 for p in mod.parameters():
                     assert p.grad is not None
                     p.grad.div_(samples)
+            sq_norms = [grad_sq_norm(p.grad for p in mod.parameters()) for mod in mods]
+            scale = clip_scale(sq_norms, job.training.grad_clip)
             for opt in opts:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                update(opt, job, step, scale)
         for k, mod in enumerate(mods):
             target = (
                 {n.removeprefix("param/"): v for n, v in checkpoint.load_stage(root, b, k).items()}
@@ -190,9 +199,9 @@ class Instance:
     name: str
     proc: SwarmProcess
     started: float
-    samples: list[tuple[float, float, int, int]] = field(
+    samples: list[tuple[float, float, int, int, int]] = field(
         default_factory=list
-    )  # t, rss MiB, fds, thr
+    )  # t, rss MiB, all descriptors, threads, descriptors judged (see `held_descriptors`)
     stopped: bool = False  # SIGSTOPped now
 
     @property
@@ -212,15 +221,82 @@ class Instance:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.proc.wait(10)
 
-    def sample(self, t: float) -> None:
+    def sockets(self) -> tuple[int, set[int]] | None:
+        """(open descriptors, the inodes of its sockets), or None once it is gone."""
+        try:
+            fd_dir = f"/proc/{self.pid}/fd"
+            names = os.listdir(fd_dir)
+        except OSError:
+            return None
+        inodes = set()
+        for name in names:
+            with contextlib.suppress(OSError):  # closed between listing and reading
+                link = os.readlink(f"{fd_dir}/{name}")
+                if link.startswith("socket:["):
+                    inodes.add(int(link[8:-1]))
+        return len(names), inodes
+
+    def sample(self, t: float, fds: int, held: int) -> None:
         try:
             status = Path(f"/proc/{self.pid}/status").read_text()
-            fds = len(os.listdir(f"/proc/{self.pid}/fd"))
         except OSError:
             return
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         rss = int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
-        self.samples.append((t, rss, fds, int(fields.get("Threads", "0"))))
+        self.samples.append((t, rss, fds, int(fields.get("Threads", "0")), held))
+
+
+Endpoint = tuple[str, int]
+
+
+def tcp_table() -> dict[int, tuple[Endpoint, Endpoint, str]]:
+    """Every TCP socket of this network namespace: inode -> (local, remote, state), addresses
+    normalised (an IPv4-mapped IPv6 address reads as IPv4, as its other end sees it)."""
+
+    def endpoint(text: str) -> Endpoint:
+        addr, port = text.split(":")
+        raw = bytes.fromhex(addr)
+        # /proc writes each 32-bit word in host (little-endian) order
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+        ip = ipaddress.ip_address(raw)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return str(ip), int(port, 16)
+
+    table = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(name).read_text().splitlines()[1:]:
+                f = line.split()
+                table[int(f[9])] = (endpoint(f[1]), endpoint(f[2]), f[3])
+    return table
+
+
+ESTABLISHED, LISTEN = "01", "0A"
+
+
+def held_descriptors(
+    live: dict[int, tuple[int, set[int]]], table: dict[int, tuple[Endpoint, Endpoint, str]]
+) -> dict[int, int]:
+    """pid -> its descriptors less one established connection per live counterpart (per other
+    process, service port and direction); `live` maps each live pid to `Instance.sockets()`."""
+    owner = {table[i][0]: pid for pid, (_, inodes) in live.items() for i in inodes if i in table}
+    listening = {local[1] for local, _, state in table.values() if state == LISTEN}
+    held = {}
+    for pid, (fds, inodes) in live.items():
+        counterparts = set()
+        for inode in inodes:
+            if inode not in table:
+                continue
+            local, remote, state = table[inode]
+            other = owner.get(remote)
+            if state != ESTABLISHED or other is None:
+                continue
+            # the service is the listening side's port: ours (inbound) or theirs (outbound)
+            inbound = local[1] in listening and remote[1] not in listening
+            counterparts.add((other, local[1] if inbound else remote[1], inbound))
+        held[pid] = fds - len(counterparts)
+    return held
 
 
 class Procs:
@@ -445,8 +521,10 @@ class Soak:
 
     def observe(self) -> Any | None:
         t = time.monotonic()
-        for inst in self.procs.live():
-            inst.sample(t)
+        insts = {i.pid: i for i in self.procs.live()}
+        live = {pid: found for pid, i in insts.items() if (found := i.sockets()) is not None}
+        for pid, held in held_descriptors(live, tcp_table()).items():
+            insts[pid].sample(t, live[pid][0], held)
         job, _ = self.jobs[-1]
         assert self.scheduler is not None
         value = rollbacks_metric(self.metrics_port, job)
@@ -721,7 +799,7 @@ class Soak:
             last = [s for s in after if s[0] > after[-1][0] - window]
             r = roles[inst.role]
             r["judged"] += 1
-            for k, key in ((1, "rss"), (2, "fds"), (3, "threads")):
+            for k, key in ((1, "rss"), (2, "fds"), (3, "threads"), (4, "held")):
                 a = sum(s[k] for s in first) / len(first)
                 b = sum(s[k] for s in last) / len(last)
                 ratio = b / a if a else 1.0
@@ -748,9 +826,10 @@ class Soak:
                 "name": i.name,
                 "pid": i.pid,
                 "log": i.proc.log_path.name,
-                "samples": [  # seconds into the run, RSS MiB, descriptors, threads
-                    [round(t - self.t0, 1), round(rss, 1), fds, thr]
-                    for t, rss, fds, thr in i.samples
+                # seconds into the run, RSS MiB, all descriptors, threads, descriptors judged
+                "samples": [
+                    [round(t - self.t0, 1), round(rss, 1), fds, thr, held]
+                    for t, rss, fds, thr, held in i.samples
                 ],
             }
             for i in self.procs.all
@@ -779,7 +858,7 @@ class Soak:
         judged = [(role, g) for role, g in growth.items() if g["judged"]]
         worst = {
             key: max((g[key][0] for _, g in judged), default=None)
-            for key in ("rss", "fds", "threads")
+            for key in ("rss", "fds", "threads", "held")
         }
         diffs = [c.get("interval_max_diff") for c in self.checks]
         failed_jobs = [p for p in self.problems if p.startswith("job ")]
@@ -789,9 +868,10 @@ class Soak:
                 f"worst RSS growth {fmt(worst['rss'])} (limit {GROWTH_LIMIT})",
             ),
             "descriptors": (
-                all(w is not None and w <= GROWTH_LIMIT for w in (worst["fds"], worst["threads"])),
-                f"worst fd growth {fmt(worst['fds'])}, threads {fmt(worst['threads'])} "
-                f"(limit {GROWTH_LIMIT})",
+                all(w is not None and w <= GROWTH_LIMIT for w in (worst["held"], worst["threads"])),
+                f"worst growth of descriptors less live connections {fmt(worst['held'])}, "
+                f"threads {fmt(worst['threads'])} (limit {GROWTH_LIMIT}); all descriptors "
+                f"{fmt(worst['fds'])}",
             ),
             "result": (
                 bool(diffs) and all(d is not None and d <= TOL for d in diffs),
@@ -841,7 +921,7 @@ class Soak:
                     "judged": g["judged"],
                     **{
                         k: {"ratio": g[k][0], "process": g[k][1], "first": g[k][2], "last": g[k][3]}
-                        for k in ("rss", "fds", "threads")
+                        for k in ("rss", "fds", "held", "threads")
                         if k in g
                     },
                 }
@@ -888,10 +968,12 @@ def print_report(r: dict[str, Any]) -> None:
         f"first step after {fmt(r['first_step_s'], '.0f')}s"
     )
     print("growth after warm-up, last-window mean / first-window mean (worst instance per role):")
-    print(f"  {'role':<10} {'judged':>6}  {'rss':>22}  {'fds':>18}  {'threads':>18}")
+    columns = (("rss", 22), ("held", 18), ("fds", 18), ("threads", 18))
+    heads = {"rss": "rss", "held": "fds judged", "fds": "fds (all)", "threads": "threads"}
+    print(f"  {'role':<10} {'judged':>6}  " + "  ".join(f"{heads[k]:>{w}}" for k, w in columns))
     for role, g in r["growth"].items():
         cells = []
-        for k, width in (("rss", 22), ("fds", 18), ("threads", 18)):
+        for k, width in columns:
             c = g.get(k)
             text = f"{c['ratio']:.3f} ({c['first']:g}->{c['last']:g})" if c else "n/a"
             cells.append(f"{text:>{width}}")

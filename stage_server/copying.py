@@ -89,8 +89,8 @@ class Copy:
         rt, pause = self.runtime, Backoff(self._POLL_FIRST_S, self._POLL_CAP_S)
         while rt.following:
             updates = await self.source.updates(self.peer, rt.step)
-            for step, grad_sums, total_samples in updates:
-                if not await self.compute(rt.apply_followed, step, grad_sums, total_samples):
+            for step, grad_sums, total_samples, scale in updates:
+                if not await self.compute(rt.apply_followed, step, grad_sums, total_samples, scale):
                     break
             self._moved.set()
             self._moved = asyncio.Event()

@@ -19,7 +19,7 @@ from swarm import stage_state
 from swarm.config import JobConfig
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
 from swarm.model import DTYPES, build_stage, layer_costs, loss_sum, num_layers, partition
-from swarm.optim import build_optimizer
+from swarm.optim import build_optimizer, grad_sq_norm, update
 
 __all__ = ["Receipt", "StageRuntime"]
 
@@ -55,6 +55,9 @@ class StageRuntime:
         # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
         self._cache: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.updates = UpdateLog(job.runtime.update_log_bytes)  # for replicas copying this one
+        # (step, clipping coefficient) of the last update applied here (step -1: none since the
+        # start or the last state loaded), for a coordinator finishing a half-applied commit
+        self.applied: tuple[int, float] = (-1, 1.0)
         # A copy of another replica that still applies that replica's updates (`apply_followed`)
         # until it is a member: the first PREPARE or Discard it gets ends that.
         self.following = False
@@ -252,15 +255,25 @@ class StageRuntime:
         self._check_step(step)
         self._prepared = (step, grad_sums, total_samples)
 
-    def apply(self, step: int) -> bool:
-        """Apply the prepared step. True when `step` was already applied."""
+    def prepared_sq_norm(self, step: int) -> float:
+        """The squared L2 norm of the pool's averaged gradient prepared for `step`: this stage's
+        part of the whole model's norm, which the coordinator clips by."""
+        self._check_step(step)
+        if self._prepared is None or self._prepared[0] != step:
+            raise FailedPrecondition(f"stage {self.stage}: step {step} was not prepared")
+        _, grad_sums, total_samples = self._prepared
+        return grad_sq_norm(g.div(total_samples) for g in grad_sums)
+
+    def apply(self, step: int, scale: float = 1.0) -> bool:
+        """Apply the prepared step, its gradient clipped by `scale`. True when `step` was
+        already applied."""
         if step < self.step:
             return True
         self._check_step(step)
         if self._prepared is None or self._prepared[0] != step:
             raise FailedPrecondition(f"stage {self.stage}: step {step} was not prepared")
         _, grad_sums, total_samples = self._prepared
-        self.apply_update(grad_sums, total_samples)
+        self.apply_update(grad_sums, total_samples, scale)
         return False
 
     def discard(self, step: int) -> int:
@@ -272,13 +285,16 @@ class StageRuntime:
         self._accum, self._receipts, self._prepared = None, {}, None
         return dropped
 
-    def apply_update(self, grad_sums: list[torch.Tensor], total_samples: int) -> None:
-        """One optimizer step with gradient `grad_sums / total_samples`; then the next step."""
+    def apply_update(
+        self, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0
+    ) -> None:
+        """One optimizer step with gradient `scale * grad_sums / total_samples` at the step's
+        learning rate (`swarm.optim.update`, as the reference); then the next step."""
         for p, g in zip(self.params, grad_sums, strict=True):
             p.grad = g.div(total_samples)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.updates.record(self.step, grad_sums, total_samples)
+        update(self.optimizer, self.job, self.step, scale)
+        self.updates.record(self.step, grad_sums, total_samples, scale)
+        self.applied = (self.step, scale)
         self.step += 1
         self._accum, self._receipts, self._prepared = None, {}, None
         self._cache.clear()  # activations of the old step are useless now
@@ -344,13 +360,16 @@ class StageRuntime:
         self._cache.clear()
         self.updates.clear()  # its followers copied another state: they start again
         self.following = False
+        self.applied = (-1, 1.0)
 
     def load_copy(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """Become a copy of the replica whose state at `step` this is, and follow its updates."""
         self.load_state(step, state)
         self.following = True
 
-    def apply_followed(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> bool:
+    def apply_followed(
+        self, step: int, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0
+    ) -> bool:
         """Apply the update the copied replica applied at `step`, as it did (same sums, same
         samples, same optimizer code: bitwise the same result). False once this replica stopped
         following (it is a member, or holds work of its own): nothing is applied then."""
@@ -361,7 +380,7 @@ class StageRuntime:
             return True  # applied already
         if step > self.step:
             raise FailedPrecondition(f"stage {self.stage}: update of step {step} at {self.step}")
-        self.apply_update([g.to(self.device) for g in grad_sums], total_samples)
+        self.apply_update([g.to(self.device) for g in grad_sums], total_samples, scale)
         return True
 
     # -- state ----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from stage_server.runtime import Receipt, StageRuntime
 from swarm import codec, wire
 from swarm.errors import (
     Busy,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -347,7 +348,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     ) -> Any:
         async def body() -> pb.StageCommitResponse:
             self._route(request.job, request.stage)
-            rt, step, already = self.runtime, request.step, False
+            rt, step, already, sq_norm = self.runtime, request.step, False, 0.0
+            if request.phase == pb.COMMIT_PHASE_BOTH and rt.job.training.grad_clip > 0:
+                raise FailedPrecondition(
+                    "training.grad_clip needs the whole model's gradient norm: the coordinator "
+                    "commits such a job in two phases (PREPARE, then APPLY)"
+                )
             if request.phase in (pb.COMMIT_PHASE_BOTH, pb.COMMIT_PHASE_PREPARE):
                 if step < rt.step:
                     return pb.StageCommitResponse(step=rt.step, already_committed=True)
@@ -361,12 +367,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 if len(request.group) > 1:
                     sums = await self._average(request, sums)
                 await self._compute(rt.set_prepared, step, sums, request.total_samples)
+                sq_norm = await self._compute(rt.prepared_sq_norm, step)
             if request.phase in (pb.COMMIT_PHASE_BOTH, pb.COMMIT_PHASE_APPLY):
-                already = await self._compute(rt.apply, step)
+                scale = request.grad_scale if request.HasField("grad_scale") else 1.0
+                if not 0.0 < scale <= 1.0:
+                    raise InvalidArgument(f"grad_scale must be in (0, 1]; got {scale}")
+                already = await self._compute(rt.apply, step, scale)
                 if not already:
                     log.info("%s: stage %d committed step %d", self.peer, request.stage, step)
                 self.metrics.committed(rt.step, applied=not already)
-            return pb.StageCommitResponse(step=rt.step, already_committed=already)
+            return pb.StageCommitResponse(
+                step=rt.step, already_committed=already, grad_sq_norm=sq_norm
+            )
 
         return await self._serving.run("Commit", context, body)
 
@@ -451,7 +463,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             updates = await self._compute(rt.updates.since, request.follower, request.from_step)
             return [
                 pb.StageUpdatesResponse(
-                    tensors=[codec.encode(g, str(i))], step=u.step, total_samples=u.total_samples
+                    tensors=[codec.encode(g, str(i))],
+                    step=u.step,
+                    total_samples=u.total_samples,
+                    grad_scale=u.scale,
                 )
                 for u in updates
                 for i, g in enumerate(u.grad_sums)
@@ -516,6 +531,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             layers=rt.layers,
             pending_microbatches=len(rt.receipts()),
             receipts=sorted(rt.receipts()),
+            applied_step=rt.applied[0],
+            applied_scale=rt.applied[1],
         )
 
     async def DownloadState(

@@ -28,6 +28,7 @@ class Update:
     step: int  # the step this update was applied at (it moved the replica to step + 1)
     grad_sums: list[torch.Tensor]  # the pool's summed gradient, in parameter order, on the CPU
     total_samples: int
+    scale: float = 1.0  # the clipping coefficient it was applied with
 
     @property
     def nbytes(self) -> int:
@@ -57,13 +58,15 @@ class UpdateLog:
         self._first = min(self._first, step)
         self._followers[follower] = (step, self._clock())
 
-    def record(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> None:
-        """This replica applied `grad_sums / total_samples` at `step`."""
+    def record(
+        self, step: int, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0
+    ) -> None:
+        """This replica applied `scale * grad_sums / total_samples` at `step`."""
         self._forget_silent()
         if not self._followers:
             return
         cpu = [g.detach().to("cpu", copy=True) for g in grad_sums]
-        self._updates.append(Update(step, cpu, total_samples))
+        self._updates.append(Update(step, cpu, total_samples, scale))
         while len(self._updates) > 1 and self.nbytes > self.max_bytes:
             self._first = self._updates.pop(0).step + 1
 

@@ -178,6 +178,9 @@ class TrainingConfig(_Section):
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"  #: parameter and compute type
     # Not 0 by default: without a checkpoint a lost stage sends the whole job back to step 0.
     checkpoint_every: int = _f(100, GE0)  #: steps between checkpoints (0 = never)
+    #: largest L2 norm of the whole model's averaged gradient (all stages); larger ones are
+    #: scaled down to it before the optimizer step (0 = no clipping)
+    grad_clip: float = _f(0.0, GE0)
 
     @property
     def microbatches_per_step(self) -> int:
@@ -201,6 +204,14 @@ class OptimizerConfig(_Section):
     betas: tuple[float, float] = _f((0.9, 0.999), UNIT)  #: adamw moment decay rates (fractions)
     eps: float = _f(1e-8, GT0)  #: adamw denominator floor (gradient units)
     momentum: float = _f(0.0, UNIT)  #: sgd momentum (fraction)
+    #: learning rate after warm-up, over `training.steps`: held, or decayed to `min_lr`
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = _f(0, GE0)  #: steps whose rate rises linearly to `lr` (count)
+    min_lr: float = _f(0.0, GE0)  #: where `cosine` and `linear` end (parameter units)
+
+    def _validate(self) -> None:
+        if self.min_lr > self.lr:
+            raise _fail("optimizer.min_lr", self.min_lr, f"at most optimizer.lr = {self.lr}")
 
 
 Codec = Literal["none", "fp16", "bf16", "int8_blockwise", "hadamard3"]
@@ -319,9 +330,28 @@ class JobConfig:
         if self.data.kind == "text":
             data["sha256"] = self.data.sha256 or data_sha256(self)
         d["training"].pop("checkpoint_every")
+        # Keys added since the first release count only when used: a job without them keeps
+        # its fingerprint, and a peer too old to apply them is refused for a job with them.
+        for section, key in _LATER_KEYS:
+            if d[section][key] == _DEFAULTS[section, key]:
+                del d[section][key]
         keep = {k: d[k] for k in ("model", "training", "optimizer", "compression")}
         canon = json.dumps({**keep, "data": data}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+_LATER_KEYS = (
+    ("training", "grad_clip"),
+    ("optimizer", "schedule"),
+    ("optimizer", "warmup_steps"),
+    ("optimizer", "min_lr"),
+)
+_DEFAULTS = {
+    (section, key): getattr(cls, key)  # a dataclass field's default is its class attribute
+    for section, key in _LATER_KEYS
+    for cls in (TrainingConfig, OptimizerConfig)
+    if cls.section == section
+}
 
 
 def data_sha256(job: JobConfig) -> str:

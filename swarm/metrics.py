@@ -215,6 +215,13 @@ class CoordinatorFamilies:
             ["job"],
             registry=registry,
         )
+        self.grad_norm = Gauge(
+            "swarm_coordinator_grad_norm",
+            "L2 norm of the whole model's averaged gradient at the last committed step, "
+            "before clipping",
+            ["job"],
+            registry=registry,
+        )
 
     def remove(self, job: str) -> None:
         """`job` ended: remove its series."""
@@ -224,6 +231,7 @@ class CoordinatorFamilies:
             self.dropped,
             self.rollbacks,
             self.last_commit,
+            self.grad_norm,
         ):
             family.remove(job)  # absent: nothing to do
 
@@ -244,3 +252,4 @@ class CoordinatorMetrics:
         self.dropped = f.dropped.labels(job=job)
         self.rollbacks = f.rollbacks.labels(job=job)
         self.last_commit = f.last_commit.labels(job=job)
+        self.grad_norm = f.grad_norm.labels(job=job)

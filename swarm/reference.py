@@ -10,8 +10,8 @@ import torch
 
 from swarm.config import JobConfig
 from swarm.data import make_data
-from swarm.model import StageModule, build_model, loss_sum
-from swarm.optim import build_optimizer
+from swarm.model import StageModule, build_model, layer_costs, loss_sum, partition
+from swarm.optim import build_optimizer, clip_scale, grad_sq_norm, update
 from swarm.progress import StepRecord
 
 __all__ = ["train_local"]
@@ -27,6 +27,12 @@ def train_local(
     optimizer = build_optimizer(model.parameters(), job.optimizer)
     data = make_data(job)
     m = job.training.microbatches_per_step
+    # Each stage's parameters, as its replicas hold them: clipping sums the stages' squared
+    # norms in stage order, as the coordinator does.
+    stages = [
+        [p for i in layers for p in model.layers[str(i)].parameters()]
+        for layers in partition(layer_costs(job.model), job.training.stages)
+    ]
     for step in range(steps if steps is not None else job.training.steps):
         start, total_loss, samples = time.perf_counter(), 0.0, 0
         for index in range(m):
@@ -38,8 +44,8 @@ def train_local(
         for p in model.parameters():
             assert p.grad is not None
             p.grad.div_(samples)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        sq_norms = [grad_sq_norm(p.grad for p in stage if p.grad is not None) for stage in stages]
+        update(optimizer, job, step, clip_scale(sq_norms, job.training.grad_clip))
         if on_step:
             on_step(StepRecord(step, total_loss / samples, samples, time.perf_counter() - start))
     return model

@@ -274,11 +274,12 @@ class StageClient:
         group: list[str] | None = None,
         group_index: int = 0,
         round: str = "",
+        grad_scale: float | None = None,
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
             total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
-            round=round)  # fmt: skip
+            round=round, grad_scale=grad_scale)  # fmt: skip
         # APPLY is one local optimizer step: a replica that cannot do it within a hop's deadline
         # is hung, and must not hold the whole job for a commit's (it rejoins later).
         apply = phase == pb.COMMIT_PHASE_APPLY
@@ -353,17 +354,18 @@ class StageClient:
     @_swarm_errors
     async def updates(
         self, follower: str, from_step: int
-    ) -> list[tuple[int, list[torch.Tensor], int]]:
+    ) -> list[tuple[int, list[torch.Tensor], int, float]]:
         """The updates the replica applied from `from_step` on, as (step, gradient sums in
-        parameter order, total samples); `follower` has those before. A negative `from_step`
-        says the follower is done. Lasts while bytes keep coming, as `download_state`."""
+        parameter order, total samples, clipping coefficient); `follower` has those before. A
+        negative `from_step` says the follower is done. Lasts while bytes keep coming, as
+        `download_state`."""
         call = self.stub.Updates(
             pb.StageUpdatesRequest(
                 job=self.job_id, stage=self.stage, follower=follower, from_step=from_step
             )
         )
         stream = _progressing(call, self._timeout)
-        updates: list[tuple[int, list[torch.Tensor], int]] = []
+        updates: list[tuple[int, list[torch.Tensor], int, float]] = []
         while True:
             try:
                 received = await wire.receive(stream, max_bytes=self._max)
@@ -371,7 +373,8 @@ class StageClient:
                 return updates
             header = received.header
             if not updates or updates[-1][0] != header.step:
-                updates.append((header.step, [], header.total_samples))
+                scale = header.grad_scale if header.HasField("grad_scale") else 1.0
+                updates.append((header.step, [], header.total_samples, scale))
             decoded = wire.decode_named(received, device="cpu", max_bytes=self._max)
             updates[-1][1].extend(t.clone() for t in decoded.values())
 

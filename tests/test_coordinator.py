@@ -440,3 +440,61 @@ async def test_trainers_heard_from_share_a_step_and_one_gone_stops_counting(
     assert len((await h.coordinator.lease("remote", 8)).tasks) == 2
     h.clock.advance(LEASE_S + 1)  # both silent for a lease timeout; the leases expired too
     assert len((await h.coordinator.lease("embedded", 8)).tasks) == 4
+
+
+# -- global-norm clipping -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("grad_clip", "scale"), [(0.0, 1.0), (10.0, 1.0), (1.0, 1 / (5 + 1e-6))])
+async def test_every_apply_carries_one_coefficient_from_the_whole_models_norm(
+    tmp_path: Path, harnesses: list[Harness], grad_clip: float, scale: float
+) -> None:
+    job = job_of(tmp_path, grad_clip=grad_clip)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    a.sq_norm = b.sq_norm = 9.0  # a pool averages to the same sums: one norm per stage
+    c.sq_norm = 16.0  # the whole model's norm: sqrt(9 + 16) = 5
+    h = _harness(harnesses, job, swarm)
+    await h.coordinator.start()
+    await h.step()
+    assert a.scales == b.scales == c.scales == [scale]
+    assert h.coordinator.two_phase.grad_norm == 5.0
+
+
+async def test_a_half_applied_clipped_step_is_finished_with_the_coefficient_it_was_applied_with(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    job = job_of(tmp_path, steps=5, grad_clip=1.0)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, c = swarm.add(0, "a"), swarm.add(1, "c")
+    first = _harness(harnesses, job, swarm)
+    await first.coordinator.start()
+    await first.step()
+    # Step 1: the coordinator dies after c applied it (clipped) and before a did.
+    a.sq_norm, c.sq_norm = 0.0, 4.0
+    a.hold("apply")
+    for task in await first.lease():
+        await first.run(task)
+    await until(lambda: c.step == 2)
+    await first.coordinator.close()
+    assert (a.step, a.prepared is not None, c.applied) == (1, True, (1, 1 / (2 + 1e-6)))
+    a.gates.clear()
+    again = _harness(harnesses, job, swarm)
+    assert await again.coordinator.start() == 2
+    assert a.step == 2 and a.scales[-1] == c.scales[-1] == 1 / (2 + 1e-6)
+    assert not a.called("join")
+
+
+async def test_a_half_applied_clipped_step_whose_coefficient_is_unknown_is_copied(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    job = job_of(tmp_path, steps=5, grad_clip=1.0)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a = swarm.add(0, "a")
+    swarm.add(0, "b", step=1), swarm.add(1, "c", step=1)
+    a.step, a.prepared = 0, Prepared(0, [], 8, ["fake:a"], 0, "0/0")  # applied by no one here
+    h = _harness(harnesses, job, swarm)
+    assert await h.coordinator.start() == 1
+    assert not a.called("apply")  # with a guessed coefficient it could differ from b's
+    await until(lambda: len(h.coordinator.replicas()[0]) == 2)
+    assert a.called("join") == ["fake:b"] and a.step == 1

@@ -21,7 +21,7 @@ from swarm.faults import ENV, Fault, FaultPlan, Point
 from swarm.lease import Replica
 from swarm.procs import SwarmProcess, start_process, stop_all
 from swarm.progress import StepRecord
-from tests.support.equality import assert_equal_to_local
+from tests.support.equality import assert_equal_to_local, local_state
 from tests.support.jobs import write_job
 
 pytestmark = pytest.mark.slow
@@ -296,3 +296,44 @@ def test_without_the_boundary_cache_replays_rerun_the_pipeline(tmp_path: Path) -
     assert _count(registry, "swarm_coordinator_replays_total") >= 1
     assert _count(registry, "swarm_trainer_cached_replays_total") == 0  # no cache: full pipeline
     assert_equal_to_local(job, state, tol=1e-9)
+
+
+def test_a_recipe_job_stays_exact_through_a_kill_a_rejoin_and_a_rollback(tmp_path: Path) -> None:
+    """A warm-up then cosine learning rate and global-norm clipping that bites: the schedule
+    is a function of the step and the coefficient travels with each update, so a replay (s1r0
+    dies averaging step 2), a copy that follows its source's updates (s1r0 restarted after step
+    2, admitted a few steps later) and a rollback (stage 2's only replica wiped out once s1r0 is
+    back) all stay exact."""
+    recipe = {"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3}
+    training = {"steps": 14, "target_batch_size": 16, "checkpoint_every": 2}
+    job = write_job(tmp_path, training=training | {"grad_clip": 0.3}, optimizer=recipe)
+    fault = Fault("s1r0", Point.AVERAGING, 2)
+    servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path, slow=frozenset({"s1r1"}))
+    victim, done = servers.procs["s1r0"], set[str]()
+
+    def chaos(record: StepRecord) -> None:
+        if record.step == 2 and "restart" not in done:
+            done.add("restart")
+            servers.restart("s1r0")
+        elif done == {"restart"} and "joined stage 1 at step" in servers.procs["s1r0"].log():
+            done.add("wipe")
+            servers.procs["s2r0"].kill()
+            servers.restart("s2r0")
+
+    try:
+        state, registry = _train(servers, chaos, tmp_path / "ckpt")
+    finally:
+        servers.stop()
+    assert victim.proc.returncode == -signal.SIGKILL
+    assert done == {"restart", "wipe"}, "s1r0 must have joined before the job ended"
+    assert _count(registry, "swarm_coordinator_replays_total") >= 1
+    assert _count(registry, "swarm_coordinator_rollbacks_total") == 1
+    assert _count(registry, "swarm_coordinator_grad_norm") > 0
+    assert_equal_to_local(job, state, tol=1e-9)
+    # Neither the clipping nor the schedule is idle here: without either the result differs.
+    for other in (
+        write_job(tmp_path, "unclipped", training=training, optimizer=recipe),
+        write_job(tmp_path, "constant", training=training | {"grad_clip": 0.3}),
+    ):
+        far = max((state[k] - v).abs().max().item() for k, v in local_state(other).items())
+        assert far > 1e-4, far

@@ -11,6 +11,7 @@ from stage_server.runtime import StageRuntime
 from swarm.config import JobConfig
 from swarm.data import make_data
 from swarm.errors import FailedPrecondition, InvalidArgument
+from swarm.optim import clip_scale
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import make_job
 
@@ -21,6 +22,7 @@ def _run_step(
     step: int,
     order: list[int],
     recompute: bool = False,
+    clipped: float = 0.0,
 ) -> float:
     data = make_data(job)
     loss_total, samples = 0.0, 0
@@ -36,6 +38,13 @@ def _run_step(
         samples += inputs.shape[0]
         for k in range(len(runtimes) - 2, -1, -1):
             grad, _ = runtimes[k].backward(step, index, boundary[k], grad, need_grad_inputs=k > 0)
+    if clipped:  # two phases, as the coordinator commits: one coefficient for every stage
+        for rt in runtimes:
+            rt.set_prepared(step, rt.prepare(step, order, samples), samples)
+        scale = clip_scale([rt.prepared_sq_norm(step) for rt in runtimes], clipped)
+        for rt in runtimes:
+            assert rt.apply(step, scale) is False
+        return loss_total / samples
     for rt in runtimes:
         assert rt.commit(step, order, samples) is False
     return loss_total / samples
@@ -57,6 +66,33 @@ def test_stages_equal_local_training(tmp_path: Path, recompute: bool) -> None:
     assert not torch.equal(
         reference["layers.0.tok.weight"], StageRuntime(job, 0).state_dict()["layers.0.tok.weight"]
     )
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_a_schedule_and_global_norm_clipping_equal_local_training(
+    tmp_path: Path, schedule: str
+) -> None:
+    recipe = {"schedule": schedule, "warmup_steps": 2, "min_lr": 1e-3}
+    job = make_job(
+        tmp_path,
+        training={"steps": 6, "grad_clip": 0.3},
+        optimizer={"kind": "adamw", "lr": 1e-2, **recipe},
+    )
+    runtimes = [StageRuntime(job, k) for k in range(job.training.stages)]
+    m = job.training.microbatches_per_step
+    for step in range(job.training.steps):
+        _run_step(runtimes, job, step, list(range(m)), clipped=job.training.grad_clip)
+    swarm: dict[str, torch.Tensor] = {}
+    for rt in runtimes:
+        swarm.update(rt.state_dict())
+    reference = local_state(job)
+    assert_states_within(swarm, reference, tol=1e-12)
+    # The clipping and the schedule both changed the result (each could fail to be applied).
+    unclipped = make_job(tmp_path, "unclipped", training={"steps": 6}, optimizer=recipe)
+    constant = make_job(tmp_path, "constant", training={"steps": 6, "grad_clip": 0.3})
+    for other in (unclipped, constant):
+        far = max((reference[k] - v).abs().max().item() for k, v in local_state(other).items())
+        assert far > 1e-4, far
 
 
 def test_duplicate_backward_is_not_counted_twice(tmp_path: Path) -> None:
@@ -158,24 +194,29 @@ def test_activation_cache_is_bounded(tmp_path: Path) -> None:
     assert sorted(rt._cache) == [(0, 3), (0, 4)]
 
 
-def test_a_copy_following_the_updates_of_its_source_is_bitwise_identical(tmp_path: Path) -> None:
-    job = make_job(tmp_path, training={"stages": 1, "steps": 5})
+@pytest.mark.parametrize("grad_clip", [0.0, 0.05])
+def test_a_copy_following_the_updates_of_its_source_is_bitwise_identical(
+    tmp_path: Path, grad_clip: float
+) -> None:
+    job = make_job(tmp_path, training={"stages": 1, "steps": 5, "grad_clip": grad_clip})
     m = job.training.microbatches_per_step
     source = StageRuntime(job, 0)
-    _run_step([source], job, 0, list(range(m)))
+    _run_step([source], job, 0, list(range(m)), clipped=grad_clip)
     # The copy downloads the state at step 1 while the pool trains on.
     source.updates.follow("copy", source.step)
     copy = StageRuntime(job, 0)
     copy.load_copy(source.step, source.export_state(include_optimizer=True))
     for step in (1, 2, 3):
-        _run_step([source], job, step, list(range(m)))
-    for u in source.updates.since("copy", copy.step):
-        assert copy.apply_followed(u.step, u.grad_sums, u.total_samples)
+        _run_step([source], job, step, list(range(m)), clipped=grad_clip)
+    updates = source.updates.since("copy", copy.step)
+    assert all((u.scale < 1.0) == (grad_clip > 0) for u in updates)  # the clipping bit
+    for u in updates:
+        assert copy.apply_followed(u.step, u.grad_sums, u.total_samples, u.scale)
     assert copy.step == source.step == 4
     for name, tensor in source.export_state(include_optimizer=True).items():
         assert torch.equal(tensor, copy.export_state(include_optimizer=True)[name]), name
     # A member now (its first PREPARE): it applies its own pool's updates, never its source's.
-    _run_step([source, copy][1:], job, 4, list(range(m)))
+    _run_step([source, copy][1:], job, 4, list(range(m)), clipped=grad_clip)
     assert not copy.following
     assert copy.apply_followed(5, [torch.zeros(1)], 1) is False and copy.step == 5
 

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm import codec, wire
 from swarm.config import JobConfig
-from swarm.errors import ActivationsNotCached
+from swarm.errors import ActivationsNotCached, InvalidArgument
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.stage_client import StageClient, as_tensor
@@ -220,6 +220,27 @@ async def test_chunked_activations_pass_and_health_says_serving(
         health = health_pb2_grpc.HealthStub(client.channel)
         status = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert status.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await client.close()
+
+
+async def test_prepare_answers_its_norm_and_the_clipping_coefficient_reaches_its_followers(
+    job: JobConfig, server: RunningStageServer
+) -> None:
+    client = StageClient(server.address, job, job.fingerprint(), 1)
+    try:
+        out = as_tensor(await client.forward(0, 0, _hidden()))
+        await client.backward(0, 0, None, torch.ones_like(out))
+        server.runtime.updates.follow("f", 0)  # a copy of step 0 follows this replica
+        prepared = await client.commit(0, [0], 4, phase=pb.COMMIT_PHASE_PREPARE)
+        assert prepared.grad_sq_norm == server.runtime.prepared_sq_norm(0) > 0
+        with pytest.raises(InvalidArgument, match="grad_scale"):
+            await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=1.5)
+        await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=0.25)
+        info = await client.info()
+        assert (info.step, info.applied_step, info.applied_scale) == (1, 0, 0.25)
+        ((step, sums, samples, scale),) = await client.updates("f", 0)
+        assert (step, samples, scale) == (0, 4, 0.25) and len(sums) == len(server.runtime.params)
     finally:
         await client.close()
 

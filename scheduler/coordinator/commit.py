@@ -8,13 +8,16 @@
    name most is left out until it rejoins at a step boundary (of two that name each other, one
    is kept), so a replica its pool cannot reach does not abort every round of the step;
 3. APPLY everywhere: one optimizer step. No stage leaves step t before every pool has averaged,
-   so a replay can still run through the whole pipeline.
+   so a replay can still run through the whole pipeline. Each PREPARE answers with the squared
+   norm of its pool's averaged gradient; with `training.grad_clip` the coordinator sums them in
+   stage order into the whole model's norm, and every APPLY carries the one clipping coefficient.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -24,6 +27,7 @@ from scheduler.coordinator.replicas import GONE, ReplicaClients
 from swarm.errors import Aborted, SwarmError
 from swarm.lease import Replica
 from swarm.metrics import CoordinatorMetrics
+from swarm.optim import clip_scale
 
 __all__ = ["CommitStalled", "RoundFailure", "TwoPhaseCommit", "culprits"]
 
@@ -77,9 +81,15 @@ def culprits(
 
 class TwoPhaseCommit:
     def __init__(
-        self, clients: ReplicaClients, membership: Membership, metrics: CoordinatorMetrics
+        self,
+        clients: ReplicaClients,
+        membership: Membership,
+        metrics: CoordinatorMetrics,
+        grad_clip: float = 0.0,
     ) -> None:
         self.clients, self.membership, self.metrics = clients, membership, metrics
+        self.grad_clip = grad_clip  # `training.grad_clip`: 0, no clipping
+        self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
         self._deciding: StepLedger | None = None  # whose PREPARE or APPLY is running
         self._held: list[tuple[int, str]] = []  # voids of stragglers' duplicates that wait for it
@@ -155,10 +165,14 @@ class TwoPhaseCommit:
             return False
         self._deciding = ledger  # from here on a straggler's duplicate is voided afterwards
         where = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
-        if not await self._prepare(ledger, members, where, round_id):
+        sq_norms = await self._prepare(ledger, members, where, round_id)
+        if sq_norms is None:
             return False
+        scale = clip_scale(sq_norms, self.grad_clip)
+        self.grad_norm = math.sqrt(math.fsum(sq_norms))
+        self.metrics.grad_norm.set(self.grad_norm)
         applied = await asyncio.gather(
-            *(self.clients.get(stage, r).apply(ledger.step) for stage, r in where),
+            *(self.clients.get(stage, r).apply(ledger.step, scale) for stage, r in where),
             return_exceptions=True,
         )
         for (stage, r), result in zip(where, applied, strict=True):
@@ -204,7 +218,9 @@ class TwoPhaseCommit:
         members: list[list[Replica]],
         where: list[tuple[int, Replica]],
         round_id: str,
-    ) -> bool:
+    ) -> list[float] | None:
+        """PREPARE everywhere: each stage's squared gradient norm (its first member's answer;
+        a pool averages to the same sums), or None when the round failed."""
         total, calls = ledger.samples(), []
         for stage, replicas in enumerate(members):
             group = [r.address for r in replicas]
@@ -222,7 +238,13 @@ class TwoPhaseCommit:
             if isinstance(e, BaseException)
         ]
         if not failed:
-            return True
+            sq_norms: list[float | None] = [None] * len(members)
+            for (stage, _), result in zip(where, results, strict=True):
+                if sq_norms[stage] is None and isinstance(result, float):
+                    sq_norms[stage] = result
+            # None: every member had applied the step already (a retried commit): nothing of
+            # that stage is applied again, and the others' norms are what is left to clip by.
+            return [n for n in sq_norms if n is not None]
         self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
         reason = "; ".join(f"stage {k} {r.peer}: {type(e).__name__}: {e}" for k, r, e in failed)
         self.failure = failure = RoundFailure(_shorten(reason))
@@ -254,7 +276,7 @@ class TwoPhaseCommit:
                 by = sorted(replicas[a].peer for a, names in named.items() if i in names)
                 await self._leave_out(ledger, stage, replicas[i], by)
                 failure.left_out.append((stage, replicas[i].peer, by))
-        return False
+        return None
 
     async def _leave_out(
         self, ledger: StepLedger, stage: int, culprit: Replica, named_by: list[str]

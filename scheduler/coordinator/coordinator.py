@@ -110,8 +110,11 @@ class LocalCoordinator:
             self.clock,
             can_admit=self._can_admit,
             on_admit=self._wake,
+            grad_clip=job.training.grad_clip,
         )
-        self.two_phase = TwoPhaseCommit(self.clients, self.membership, self.metrics)
+        self.two_phase = TwoPhaseCommit(
+            self.clients, self.membership, self.metrics, job.training.grad_clip
+        )
         self.recovery = Recovery(job, self.clients, checkpoint_dir)
         self._commit = _Commit()
         self._step_started = time.perf_counter()

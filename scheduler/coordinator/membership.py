@@ -37,10 +37,13 @@ class Membership:
         clock: Clock,
         can_admit: Callable[[int], bool] = lambda step: True,
         on_admit: Callable[[], None] = lambda: None,
+        grad_clip: float = 0.0,
     ) -> None:
         """`can_admit(step)`: whether a replica at `step` may become a member now (the step is
-        open and no commit or rollback is under way); `on_admit()`: one did."""
+        open and no commit or rollback is under way); `on_admit()`: one did. `grad_clip`: the
+        job's (a half-applied step is finished with the coefficient it was applied with)."""
         self.job_id, self.members, self.clients = job_id, members, clients
+        self.grad_clip = grad_clip
         self.can_admit, self.on_admit = can_admit, on_admit
         self._joining: dict[str, asyncio.Task[None]] = {}  # peer -> its join in the background
         self.ledger, self.metrics = ledger, metrics  # `ledger`: the open step's, if any
@@ -214,11 +217,14 @@ class Membership:
                 )
             infos.append((stage, r, info))
         target = max((info.step for _, _, info in infos), default=0)
+        # The clipping coefficient of the step being finished, from a replica that applied it.
+        scales = {i.applied_scale for _, _, i in infos if i.applied_step == target - 1}
+        scale = scales.pop() if len(scales) == 1 else None if self.grad_clip > 0 else 1.0
         at_target = set()
         for stage, r, info in infos:
-            if info.step == target - 1:
+            if info.step == target - 1 and scale is not None:  # else: it copies a member
                 try:
-                    await self.clients.get(stage, r).apply(info.step)
+                    await self.clients.get(stage, r).apply(info.step, scale)
                 except SwarmError as e:
                     log.warning("%s (stage %d) is a step behind: %s", r.peer, stage, e)
                     continue

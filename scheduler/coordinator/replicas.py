@@ -46,13 +46,14 @@ class StageReplica(Protocol):
         group: list[str],
         group_index: int,
         round: str,
-    ) -> None:
+    ) -> float | None:
         """Phase one: check it holds exactly `microbatches`, and average with `group` (its
-        stage's replicas, itself at `group_index`) over `total_samples`."""
+        stage's replicas, itself at `group_index`) over `total_samples`. Returns the squared
+        norm of the averaged gradient (None: it applied `step` already)."""
         ...
 
-    async def apply(self, step: int) -> None:
-        """Phase two: the optimizer step with the prepared gradient."""
+    async def apply(self, step: int, scale: float = 1.0) -> None:
+        """Phase two: the optimizer step with the prepared gradient times `scale` (clipping)."""
         ...
 
     async def discard(self, step: int) -> int:
@@ -94,8 +95,8 @@ class GrpcReplica:
         group: list[str],
         group_index: int,
         round: str,
-    ) -> None:
-        await self.client.commit(
+    ) -> float | None:
+        response = await self.client.commit(
             step,
             microbatches,
             total_samples,
@@ -104,9 +105,10 @@ class GrpcReplica:
             group_index=group_index,
             round=round,
         )
+        return None if response.already_committed else response.grad_sq_norm
 
-    async def apply(self, step: int) -> None:
-        await self.client.commit(step, [], 0, phase=pb.COMMIT_PHASE_APPLY)
+    async def apply(self, step: int, scale: float = 1.0) -> None:
+        await self.client.commit(step, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=scale)
 
     async def discard(self, step: int) -> int:
         return await self.client.discard(step)

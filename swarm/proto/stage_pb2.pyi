@@ -178,7 +178,7 @@ class StagePushResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., uncertain: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., queued_seconds: _Optional[float] = ...) -> None: ...
 
 class StageCommitRequest(_message.Message):
-    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round")
+    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class StageCommitRequest(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     step: int
@@ -197,15 +198,18 @@ class StageCommitRequest(_message.Message):
     group: _containers.RepeatedScalarFieldContainer[str]
     group_index: int
     round: str
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ...) -> None: ...
+    grad_scale: float
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ...) -> None: ...
 
 class StageCommitResponse(_message.Message):
-    __slots__ = ("step", "already_committed")
+    __slots__ = ("step", "already_committed", "grad_sq_norm")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ALREADY_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     step: int
     already_committed: bool
-    def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ...) -> None: ...
+    grad_sq_norm: float
+    def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ..., grad_sq_norm: _Optional[float] = ...) -> None: ...
 
 class StageDiscardRequest(_message.Message):
     __slots__ = ("job", "stage", "step")
@@ -268,7 +272,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfoResponse(_message.Message):
-    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches", "receipts")
+    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches", "receipts", "applied_step", "applied_scale")
     PEER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +283,8 @@ class StageInfoResponse(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PENDING_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SCALE_FIELD_NUMBER: _ClassVar[int]
     peer: str
     job: str
     stage: int
@@ -289,7 +295,9 @@ class StageInfoResponse(_message.Message):
     layers: _containers.RepeatedScalarFieldContainer[int]
     pending_microbatches: int
     receipts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ...) -> None: ...
+    applied_step: int
+    applied_scale: float
+    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ..., applied_step: _Optional[int] = ..., applied_scale: _Optional[float] = ...) -> None: ...
 
 class StageDownloadStateRequest(_message.Message):
     __slots__ = ("job", "stage", "include_optimizer", "follower")
@@ -316,16 +324,18 @@ class StageUpdatesRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., follower: _Optional[str] = ..., from_step: _Optional[int] = ...) -> None: ...
 
 class StageUpdatesResponse(_message.Message):
-    __slots__ = ("tensors", "chunk", "step", "total_samples")
+    __slots__ = ("tensors", "chunk", "step", "total_samples", "grad_scale")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     step: int
     total_samples: int
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ..., total_samples: _Optional[int] = ...) -> None: ...
+    grad_scale: float
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ..., total_samples: _Optional[int] = ..., grad_scale: _Optional[float] = ...) -> None: ...
 
 class StageDownloadStateResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "step")

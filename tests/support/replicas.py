@@ -54,6 +54,9 @@ class FakeReplica:
         self.gates: dict[str, Gate] = {}
         self.failures: dict[str, list[BaseException]] = {}
         self.unreachable: set[str] = set()  # addresses whose PoolService this one cannot reach
+        self.sq_norm = 0.0  # what PREPARE answers: the squared norm of its averaged gradient
+        self.applied: tuple[int, float] = (-1, 1.0)  # (step, clipping coefficient) applied last
+        self.scales: list[float] = []  # the clipping coefficient of every APPLY, in order
         self.closed = 0
 
     @property
@@ -102,6 +105,8 @@ class FakeReplica:
             step=self.step,
             pending_microbatches=len(self.receipts),
             receipts=sorted(self.receipts),
+            applied_step=self.applied[0],
+            applied_scale=self.applied[1],
         )
 
     async def prepare(
@@ -112,7 +117,7 @@ class FakeReplica:
         group: list[str],
         group_index: int,
         round: str,
-    ) -> None:
+    ) -> float | None:
         args = Prepared(step, list(microbatches), total_samples, list(group), group_index, round)
         await self._enter("prepare", args)
         if step != self.step or sorted(self.receipts) != sorted(microbatches):
@@ -121,11 +126,14 @@ class FakeReplica:
         if missing:
             raise Aborted(f"{self.peer}: round {round} aborted: cannot reach {missing}", missing)
         self.prepared = args
+        return self.sq_norm
 
-    async def apply(self, step: int) -> None:
+    async def apply(self, step: int, scale: float = 1.0) -> None:
         await self._enter("apply", step)
+        self.scales.append(scale)
         if self.prepared is None or self.prepared.step != step:
             raise FailedPrecondition(f"{self.peer}: step {step} is not prepared")
+        self.applied = (step, scale)
         self.step, self.prepared = step + 1, None
         self.state = {"w": torch.tensor([float(self.step)])}
         self.receipts.clear()
@@ -145,12 +153,14 @@ class FakeReplica:
         other = self.swarm.by_address[source]
         self.step, self.state = other.step, {k: v.clone() for k, v in other.state.items()}
         self.receipts.clear()
+        self.applied = (-1, 1.0)
         return self.step
 
     async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
         await self._enter("load_state", step)
         self.step, self.state = step, {k: v.clone() for k, v in state.items()}
         self.receipts.clear()
+        self.applied = (-1, 1.0)
         return step
 
     async def download_state(

@@ -1,0 +1,67 @@
+"""The update rule every replica and the reference share: the learning rate of each step and the
+global-norm clipping coefficient are pure functions, so they agree everywhere."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swarm.config import OptimizerConfig
+from swarm.optim import clip_scale, grad_sq_norm, lr_at
+
+
+def _opt(**kw: object) -> OptimizerConfig:
+    return OptimizerConfig(**{"kind": "adamw", "lr": 1.0, **kw})  # type: ignore[arg-type]
+
+
+def test_warmup_rises_linearly_from_the_first_step() -> None:
+    cfg = _opt(warmup_steps=4, schedule="cosine", min_lr=0.1)
+    assert [lr_at(cfg, s, 10) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(cfg, 4, 10) == 1.0  # the decay starts at lr
+
+
+@pytest.mark.parametrize(
+    ("schedule", "middle"), [("constant", 1.0), ("linear", 0.55), ("cosine", 0.55)]
+)
+def test_schedules_end_at_min_lr_on_the_last_step(schedule: str, middle: float) -> None:
+    cfg = _opt(schedule=schedule, min_lr=0.1)
+    steps = 11  # steps 0..10: the middle is step 5
+    assert lr_at(cfg, 0, steps) == 1.0
+    assert lr_at(cfg, 5, steps) == pytest.approx(middle)
+    assert lr_at(cfg, 10, steps) == pytest.approx(1.0 if schedule == "constant" else 0.1)
+    assert lr_at(cfg, 50, steps) == lr_at(cfg, 10, steps)  # past the end: held, not negative
+    rates = [lr_at(cfg, s, steps) for s in range(steps)]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_cosine_is_half_way_down_at_half_time() -> None:
+    cfg = _opt(schedule="cosine", warmup_steps=2, min_lr=0.0)
+    # after warm-up, steps 2..12 decay: step 7 is half way
+    assert lr_at(cfg, 7, 13) == pytest.approx(0.5)
+    assert lr_at(cfg, 3, 13) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.1)))
+
+
+def test_the_clipping_coefficient_scales_the_whole_norm_down_to_the_limit() -> None:
+    assert clip_scale([9.0, 16.0], 0.0) == 1.0  # off
+    assert clip_scale([9.0, 16.0], 5.0) == pytest.approx(1.0, abs=1e-6)
+    assert clip_scale([9.0, 16.0], 6.0) == 1.0  # smaller than the limit: untouched
+    assert clip_scale([9.0, 16.0], 1.0) == 1 / (5 + 1e-6)
+    assert clip_scale([0.0, 0.0], 1.0) == 1.0  # a zero gradient stays zero, not NaN
+
+
+def test_a_stages_squared_norm_is_taken_in_float64() -> None:
+    grads = [torch.full((3,), 1e20, dtype=torch.float32), torch.tensor([3.0, 4.0])]
+    assert grad_sq_norm(grads) == pytest.approx(3e40, rel=1e-6)  # float32 would overflow: inf
+    assert grad_sq_norm([torch.tensor([3.0, 4.0])]) == 25.0
+    assert grad_sq_norm([]) == 0.0
+
+
+def test_min_lr_above_lr_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"optimizer\.min_lr"):
+        _opt(min_lr=2.0)
+    with pytest.raises(ValueError, match=r"optimizer\.schedule"):
+        _opt(schedule="step")
+    with pytest.raises(ValueError, match=r"optimizer\.warmup_steps"):
+        _opt(warmup_steps=-1)
