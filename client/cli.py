@@ -42,7 +42,24 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
     elif command in ("cancel", "export"):
         p.add_argument("job", help="job id")
     if command == "export":
-        p.add_argument("--out", type=Path, required=True, help="file to write (torch.save)")
+        p.add_argument(
+            "--out",
+            type=Path,
+            required=True,
+            help="file to write (torch.save), or with --format hf a new directory",
+        )
+        p.add_argument(
+            "--format",
+            choices=("torch", "hf"),
+            default="torch",
+            help="torch: the state_dict; hf: model.safetensors and config.json that transformers "
+            "loads (LlamaForCausalLM, GPT2LMHeadModel)",
+        )
+        p.add_argument(
+            "--dtype",
+            choices=("float32", "bfloat16", "float16"),
+            help="hf: store the weights in this type (default: as trained)",
+        )
     p.add_argument(
         "--scheduler",
         default=env_default("scheduler", None),

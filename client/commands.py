@@ -195,7 +195,10 @@ async def _cancel(args: argparse.Namespace) -> int:
 async def _export(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         try:
-            step = await client.export(args.job, args.out)
+            if args.format == "hf":
+                step = await client.export_hf(args.job, args.out, args.dtype)
+            else:
+                step = await client.export(args.job, args.out)
         except OSError as e:
             raise OSError(f"cannot write {args.out} ({e.strerror or e})") from None
     print(f"wrote {args.out} (job {args.job}, after {step} steps)")

@@ -141,6 +141,25 @@ class SchedulerClient:
             tmp.unlink(missing_ok=True)
         return step
 
+    async def export_hf(self, job: str, out: str | Path, dtype: str | None = None) -> int:
+        """Download the job's whole model and write it as a Hugging Face checkpoint directory
+        `out` (`model.safetensors`, `config.json`; weights in `dtype` if given, e.g.
+        "bfloat16"), built aside and renamed into place. Returns its step."""
+        import torch
+
+        from swarm.config import parse_job
+        from swarm.hf import write_hf
+
+        status = await self.get(job)
+        # The model's shape only: the data need not be where this client runs.
+        config = parse_job(status.spec, Path(status.base_dir or "."), check_data=False)
+        if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+            raise FileExistsError(f"{out} exists and is not an empty directory")
+        state, step = await self._download(job)
+        stored = getattr(torch, dtype) if dtype else None
+        await asyncio.to_thread(write_hf, out, state, config.model, stored)
+        return step
+
     async def _download(self, job: str) -> tuple[dict[str, torch.Tensor], int]:
         from swarm import wire  # tensors: torch, imported by the one command that needs it
 

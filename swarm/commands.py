@@ -17,6 +17,12 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     if command == "local":
         p.add_argument("job_file", type=Path, help="job file (TOML)")
         p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
+        p.add_argument(
+            "--format",
+            choices=("torch", "hf"),
+            default="torch",
+            help="--out as a torch state_dict, or a Hugging Face checkpoint directory",
+        )
         add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
         add_flag(p, "threads", 0, "torch threads (0: one per core)", type=int)
         p.add_argument("--log", type=Path, help="write one JSON line per step here")
@@ -42,7 +48,13 @@ def _local(args: argparse.Namespace) -> int:
     with StepLog(job.training.steps, path=args.log, desc=f"local {job.name}") as steps:
         model = train_local(job, args.device, on_step=steps)
     if args.out:
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out)
+        state = {k: v.cpu() for k, v in model.state_dict().items()}
+        if args.format == "hf":
+            from swarm.hf import write_hf
+
+            write_hf(args.out, state, job.model, None)
+        else:
+            torch.save(state, args.out)
         print(f"wrote {args.out}")
     return 0
 

@@ -133,18 +133,43 @@ class ModelConfig(_Section):
     """`[model]`: the network's shape. Layers are embedding, `n_layers` blocks, head."""
 
     section: ClassVar[str] = "model"
-    kind: Literal["gpt"] = "gpt"  #: model family; a decoder-only transformer
+    #: model family, both decoder-only transformers: "gpt" (learned positions, LayerNorm, GELU
+    #: MLP) or "llama" (rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention)
+    kind: Literal["gpt", "llama"] = "gpt"
     vocab_size: int = _f(256, GE1)  #: tokens in the vocabulary (count; bytes for text data)
     d_model: int = _f(64, GE1)  #: width of the residual stream (features per token)
     n_layers: int = _f(4, GE1)  #: transformer blocks (count)
     n_heads: int = _f(4, GE1)  #: attention heads per block (count; must divide d_model)
     seq_len: int = _f(64, GE1)  #: context length (tokens per sample)
-    mlp_ratio: int = _f(4, GE1)  #: MLP hidden width as a multiple of d_model
+    mlp_ratio: int = _f(4, GE1)  #: gpt: MLP hidden width as a multiple of d_model
+    n_kv_heads: int = _f(0, GE0)  #: llama: key/value heads (count; divides n_heads); 0: n_heads
+    mlp_hidden: int = _f(0, GE0)  #: llama: SwiGLU hidden width (features); 0: about 8/3 d_model
+    rope_theta: float = _f(10000.0, GT0)  #: llama: rotary base (positions per radian scale)
+    norm_eps: float = _f(1e-5, GT0)  #: llama: RMSNorm's floor on the mean square
 
     def _validate(self) -> None:
         if self.d_model % self.n_heads:
             allowed = f"a multiple of model.n_heads = {self.n_heads}"
             raise _fail("model.d_model", self.d_model, allowed)
+        if self.kind != "llama":
+            return
+        if self.n_heads % self.kv_heads:
+            allowed = f"a divisor of model.n_heads = {self.n_heads}"
+            raise _fail("model.n_kv_heads", self.n_kv_heads, allowed)
+        if (self.d_model // self.n_heads) % 2:
+            allowed = "d_model / n_heads even (rotary embeddings turn pairs of features)"
+            raise _fail("model.d_model", self.d_model, allowed)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads of a llama block (`n_kv_heads`, or `n_heads` when 0)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def swiglu_hidden(self) -> int:
+        """A llama block's MLP width: `mlp_hidden`, or 8/3 d_model rounded up to a multiple of
+        8 (Llama's rule: as many parameters as a 4x GELU MLP)."""
+        return self.mlp_hidden or (8 * self.d_model // 3 + 7) // 8 * 8
 
 
 @dataclass(frozen=True)
@@ -341,6 +366,10 @@ class JobConfig:
 
 
 _LATER_KEYS = (
+    ("model", "n_kv_heads"),
+    ("model", "mlp_hidden"),
+    ("model", "rope_theta"),
+    ("model", "norm_eps"),
     ("training", "grad_clip"),
     ("optimizer", "schedule"),
     ("optimizer", "warmup_steps"),
@@ -349,7 +378,7 @@ _LATER_KEYS = (
 _DEFAULTS = {
     (section, key): getattr(cls, key)  # a dataclass field's default is its class attribute
     for section, key in _LATER_KEYS
-    for cls in (TrainingConfig, OptimizerConfig)
+    for cls in (ModelConfig, TrainingConfig, OptimizerConfig)
     if cls.section == section
 }
 

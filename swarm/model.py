@@ -1,7 +1,10 @@
-"""A causal pre-norm GPT, cut into layers so that any stage can be built alone.
+"""Causal pre-norm transformers (`gpt`, `llama`), cut into layers so that any stage can be built
+alone.
 
 Layer indices are global: 0 is the embedding, 1..n_layers are transformer blocks, n_layers + 1 is
-the head (final norm and LM head). A stage holds a contiguous range of them in a `StageModule`
+the head (final norm and LM head). `gpt`: learned positions, LayerNorm, GELU MLP, biases. `llama`:
+rotary positions (rotate-half convention, as Hugging Face's `LlamaForCausalLM`), RMSNorm, SwiGLU
+MLP, grouped-query attention, no biases. A stage holds a contiguous range of them in a `StageModule`
 whose parameter names (`layers.<i>.…`) are the same as in the whole model, so the union of every
 stage's state_dict is the whole model's state_dict. Each layer is initialised from its own seed,
 so building stage k alone gives bitwise the parameters the whole model has for those layers.
@@ -81,6 +84,86 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class LlamaEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids)  # positions enter as rotations of queries and keys
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.d_model, cfg.d_model // cfg.n_heads
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, hd
+        self.theta = cfg.rope_theta
+        self.attn_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.q = nn.Linear(d, cfg.n_heads * hd, bias=False)
+        self.k = nn.Linear(d, cfg.kv_heads * hd, bias=False)
+        self.v = nn.Linear(d, cfg.kv_heads * hd, bias=False)
+        self.o = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.mlp_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.gate = nn.Linear(d, cfg.swiglu_hidden, bias=False)
+        self.up = nn.Linear(d, cfg.swiglu_hidden, bias=False)
+        self.down = nn.Linear(cfg.swiglu_hidden, d, bias=False)
+
+    def _rope(self, t: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each position's angles, [t, head_dim], computed in float64 (a pure
+        function of the shape: every replica and the reference get the same bits)."""
+        hd = self.head_dim
+        inv_freq = 1.0 / self.theta ** (
+            torch.arange(0, hd, 2, dtype=torch.float64, device=like.device) / hd
+        )
+        angles = torch.outer(torch.arange(t, dtype=torch.float64, device=like.device), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = self._rope(t, q)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.n_kv != self.n_heads:  # query head i reads key/value head i // group
+            group = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(att.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class LlamaHead(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+
+# Per family: its (embedding, block, head) classes, the parameter-name prefixes of its norms
+# (initialised to 1) and of the projections into the residual stream (scaled down at init).
+_FAMILIES: dict[str, tuple[tuple[type[nn.Module], ...], tuple[str, ...], tuple[str, ...]]] = {
+    "gpt": ((Embedding, Block, Head), ("ln",), ("proj", "out")),
+    "llama": (
+        (LlamaEmbedding, LlamaBlock, LlamaHead),
+        ("attn_norm.", "mlp_norm.", "norm."),
+        ("o.", "down."),
+    ),
+}
+
+
 class StageModule(nn.Module):
     """Layers `first..last` of the model, applied in order."""
 
@@ -105,7 +188,12 @@ def layer_costs(cfg: ModelConfig) -> list[float]:
     d, t, v = cfg.d_model, cfg.seq_len, cfg.vocab_size
     # The embedding is a lookup and an add: memory-bound, costed as a few passes over [t, d].
     embedding = 4.0 * t * d
-    block = 2.0 * t * (4 * d * d + 2 * cfg.mlp_ratio * d * d) + 4.0 * t * t * d
+    if cfg.kind == "llama":
+        kv = cfg.kv_heads * (d // cfg.n_heads)
+        projections = 2 * d * d + 2 * d * kv + 3 * d * cfg.swiglu_hidden
+    else:
+        projections = 4 * d * d + 2 * cfg.mlp_ratio * d * d
+    block = 2.0 * t * projections + 4.0 * t * t * d
     head = 2.0 * t * d * v + 10.0 * t * d
     return [embedding] + [block] * cfg.n_layers + [head]
 
@@ -146,13 +234,10 @@ def _layer_seed(seed: int, index: int) -> int:
 def _build_layer(cfg: ModelConfig, index: int, seed: int) -> nn.Module:
     """Construct layer `index` without touching the global RNG, then initialise it from its own
     generator in float64 on the CPU, so every process and device gets the same bits."""
+    (embedding, block, head), norms, residual = _FAMILIES[cfg.kind]
+    kind = embedding if index == 0 else block if index <= cfg.n_layers else head
     with torch.device("meta"):
-        if index == 0:
-            layer: nn.Module = Embedding(cfg)
-        elif index <= cfg.n_layers:
-            layer = Block(cfg)
-        else:
-            layer = Head(cfg)
+        layer = kind(cfg)
     layer = layer.to_empty(device="cpu").to(torch.float64)
     gen = torch.Generator().manual_seed(_layer_seed(seed, index))
     residual_std = _INIT_STD / math.sqrt(2 * cfg.n_layers)  # GPT-2: scale residual outputs
@@ -160,10 +245,10 @@ def _build_layer(cfg: ModelConfig, index: int, seed: int) -> nn.Module:
         for name, p in layer.named_parameters():
             if name.endswith("bias"):
                 p.zero_()
-            elif name.startswith(("ln", "ln_f")):
+            elif name.startswith(norms):
                 p.fill_(1.0)
             else:
-                std = residual_std if name.startswith(("proj", "out")) else _INIT_STD
+                std = residual_std if name.startswith(residual) else _INIT_STD
                 p.normal_(0.0, std, generator=gen)
     return layer
 

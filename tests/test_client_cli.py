@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from swarm.cli import load, parse
+from swarm.config import load_job
 from swarm.flags import env_name
+from swarm.model import build_model
 from tests.support.api import RunningApi, start_api
 from tests.support.jobs import write_job
 from tests.support.ports import free_address
@@ -113,3 +115,24 @@ async def test_export(api: RunningApi, tmp_path: Path, capsys: pytest.CaptureFix
     bad_dir = tmp_path / "no" / "such" / "dir" / "model.pt"
     assert await swarm("export", job, "--out", str(bad_dir), "--scheduler", api.address) == 1
     assert "swarm export: error: cannot write" in capsys.readouterr().err
+
+
+async def test_export_as_a_hugging_face_checkpoint(
+    api: RunningApi, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = write_job(tmp_path, "llama", model={"kind": "llama", "n_heads": 4, "n_kv_heads": 1})
+    job = load_job(path)
+    model = build_model(job)
+    api.control.state = model.state_dict()
+    job_id = api.store.create("llama", path.read_text(), str(tmp_path), 3).id
+    out, at = tmp_path / "hf", ("--scheduler", api.address)
+    argv = ("export", job_id, "--out", str(out), "--format", "hf", "--dtype", "float32", *at)
+    assert await swarm(*argv) == 0
+    assert "after 7 steps" in capsys.readouterr().out
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).float(), rtol=0, atol=1e-5)
+    assert await swarm(*argv) == 1  # it is there now: not overwritten, nor mixed with
+    assert "exists and is not an empty directory" in capsys.readouterr().err

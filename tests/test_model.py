@@ -44,8 +44,12 @@ def test_first_stage_has_embedding_last_has_head(tmp_path: Path) -> None:
     assert len(layer_costs(job.model)) == num_layers(job.model)
 
 
-def test_stage_built_alone_equals_whole_model_bitwise(tmp_path: Path) -> None:
-    job = make_job(tmp_path)
+LLAMA = {"kind": "llama", "n_heads": 4, "n_kv_heads": 2}
+
+
+@pytest.mark.parametrize("model", [{}, LLAMA], ids=["gpt", "llama"])
+def test_stage_built_alone_equals_whole_model_bitwise(tmp_path: Path, model: dict) -> None:
+    job = make_job(tmp_path, model=model)
     torch.manual_seed(123)  # the global RNG must not matter
     whole = build_model(job).state_dict()
     union: dict[str, torch.Tensor] = {}
@@ -64,13 +68,46 @@ def test_different_seeds_give_different_models(tmp_path: Path) -> None:
     assert not torch.equal(a["layers.1.qkv.weight"], b["layers.1.qkv.weight"])
 
 
-def test_stages_chained_equal_whole_model(tmp_path: Path) -> None:
-    job = make_job(tmp_path)
+@pytest.mark.parametrize("model", [{}, LLAMA], ids=["gpt", "llama"])
+def test_stages_chained_equal_whole_model(tmp_path: Path, model: dict) -> None:
+    job = make_job(tmp_path, model=model)
     inputs, _ = make_data(job).microbatch(0, 0)
     x = inputs
     for k in range(job.training.stages):
         x = build_stage(job, k)(x)
     assert torch.equal(x, build_model(job)(inputs))
+
+
+def test_a_llama_is_causal(tmp_path: Path) -> None:
+    model = build_model(make_job(tmp_path, model=LLAMA))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    changed = ids.clone()
+    changed[:, 9:] = (changed[:, 9:] + 1) % 64
+    a, b = model(ids), model(changed)
+    assert torch.equal(a[:, :9], b[:, :9]) and not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_grouped_query_attention_is_full_attention_with_shared_key_value_heads(
+    tmp_path: Path,
+) -> None:
+    grouped = build_model(make_job(tmp_path, "g", model=LLAMA))
+    full = build_model(make_job(tmp_path, "f", model=LLAMA | {"n_kv_heads": 4}))
+    state = grouped.state_dict()
+    for i in range(1, 3):  # each key/value head serves two query heads, in order
+        for name in ("k", "v"):
+            w = state[f"layers.{i}.{name}.weight"].view(2, 8, 32)  # [kv heads, head dim, d]
+            state[f"layers.{i}.{name}.weight"] = w.repeat_interleave(2, dim=0).reshape(32, 32)
+    full.load_state_dict(state)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(full(ids), grouped(ids), rtol=0, atol=1e-12)
+
+
+def test_llama_keys_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"model\.n_kv_heads"):
+        make_job(tmp_path, model=LLAMA | {"n_kv_heads": 3})
+    with pytest.raises(ConfigError, match=r"model\.d_model"):  # head dim 6/2 = 3: odd
+        make_job(tmp_path, model=LLAMA | {"d_model": 6, "n_heads": 2})
+    assert make_job(tmp_path, model=LLAMA).model.swiglu_hidden == 88  # 8/3 * 32, up to 8s
 
 
 def test_loss_sum_sums_samples_of_mean_token_loss() -> None:

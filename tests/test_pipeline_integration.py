@@ -41,11 +41,18 @@ def _losses(path: Path) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "plane"), [("float64", "relay"), ("float32", "relay"), ("float64", "push")]
+    ("dtype", "plane", "model"),
+    [
+        ("float64", "relay", "gpt"),
+        ("float32", "relay", "gpt"),
+        ("float64", "push", "gpt"),
+        ("float64", "push", "llama"),
+    ],
 )
-def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str, plane: str) -> None:
+def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str, plane: str, model: str) -> None:
     job = write_job(
         tmp_path,
+        model={"kind": "llama", "n_heads": 4, "n_kv_heads": 2} if model == "llama" else {},
         training={
             "stages": 4,
             "steps": 10,

@@ -50,9 +50,12 @@ def _run_step(
     return loss_total / samples
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_stages_equal_local_training(tmp_path: Path, recompute: bool) -> None:
-    job = make_job(tmp_path)
+@pytest.mark.parametrize(
+    ("recompute", "model"),
+    [(False, "gpt"), (True, "gpt"), (True, "llama")],
+)
+def test_stages_equal_local_training(tmp_path: Path, recompute: bool, model: str) -> None:
+    job = make_job(tmp_path, model={"kind": model, "n_kv_heads": 1})
     runtimes = [StageRuntime(job, k) for k in range(job.training.stages)]
     m = job.training.microbatches_per_step
     for step in range(job.training.steps):
