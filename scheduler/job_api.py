@@ -20,7 +20,7 @@ import torch
 
 from scheduler.store import JobRecord, JobStore
 from swarm import codec, wire
-from swarm.config import JobConfig, parse_job, verify_data
+from swarm.config import FILE_DATA, JobConfig, parse_job, verify_data
 from swarm.data_pin import pin_data
 from swarm.errors import (
     ConfigError,
@@ -163,7 +163,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 )
             job = parse_job(request.spec, base_dir, name="job", check_data=False)
             spec = request.spec
-            if job.data.kind == "text":
+            if job.data.kind in FILE_DATA:
                 real = self._under_data_root(job)
                 # Off the event loop: hashing a large file would stall every other call.
                 checked = await asyncio.to_thread(

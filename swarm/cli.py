@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "scheduler": ("scheduler.cli", "run the scheduler: job API, placement, trainers"),
     "broker": ("swarm.commands", "run the embedded MQTT broker (amqtt)"),
+    "prepare-data": (
+        "swarm.commands",
+        'tokenize text files into a token file, the data of a [data] kind = "tokens" job',
+    ),
     "submit": ("client.cli", "submit a job file to the scheduler; prints the job id"),
     "status": ("client.cli", "show a job's state, progress and replicas per stage"),
     "jobs": ("client.cli", "list the scheduler's jobs, newest first"),

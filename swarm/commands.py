@@ -1,5 +1,6 @@
-"""The commands that belong to no role: `swarm local` (the single-process reference) and
-`swarm broker` (the embedded MQTT broker). `swarm.cli` loads this module as it loads a role's."""
+"""The commands that belong to no role: `swarm local` (the single-process reference), `swarm
+broker` (the embedded MQTT broker) and `swarm prepare-data` (text files into a token file).
+`swarm.cli` loads this module as it loads a role's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import os
 from pathlib import Path
 
+from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_token, token
 
 __all__ = ["add_arguments", "run"]
@@ -26,6 +28,15 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
         add_flag(p, "threads", 0, "torch threads (0: one per core)", type=int)
         p.add_argument("--log", type=Path, help="write one JSON line per step here")
+    elif command == "prepare-data":
+        p.add_argument("files", type=Path, nargs="+", help="UTF-8 text files, in order")
+        p.add_argument("--out", type=Path, required=True, help="the token file to write")
+        p.add_argument(
+            "--tokenizer",
+            type=Path,
+            help="a Hugging Face tokenizers file (tokenizer.json); without it the bytes are "
+            "the tokens (vocabulary 256)",
+        )
     elif command == "broker":
         add_flag(p, "host", "127.0.0.1", "address to listen on")
         add_flag(p, "port", 1883, "port", type=int)
@@ -33,7 +44,30 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
 
 
 def run(command: str, args: argparse.Namespace) -> int:
+    if command == "prepare-data":
+        return _prepare_data(args)
     return _local(args) if command == "local" else _broker(args)
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from swarm.prepare import prepare_data
+
+    total = sum(f.stat().st_size for f in args.files if f.is_file())
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="prepare-data") as bar:
+            done = prepare_data(args.files, args.out, args.tokenizer, on_bytes=bar.update)
+    except OSError as e:  # a full disk, say: nothing partial is left behind
+        raise SwarmError(f"cannot write {args.out}: {e.strerror or e}") from None
+    bits = 8 * done.width
+    print(
+        f"wrote {done.path}: {done.tokens} tokens as uint{bits} (vocabulary {done.vocab_size}), "
+        f"sha256 {done.sha256}\n"
+        f'use it with [data] kind = "tokens", path = "{done.path}" and [model] vocab_size >= '
+        f"{done.vocab_size}" + (" (and <= 65536: the ids are 16-bit)" if done.width == 2 else "")
+    )
+    return 0
 
 
 def _local(args: argparse.Namespace) -> int:

@@ -172,20 +172,32 @@ class ModelConfig(_Section):
         return self.mlp_hidden or (8 * self.d_model // 3 + 7) // 8 * 8
 
 
+FILE_DATA = ("text", "tokens")  # data kinds read from a file, pinned by its sha256
+
+
+def token_width(vocab_size: int) -> int:
+    """Bytes per token id in a token file: 2 (uint16) when the vocabulary fits, else 4."""
+    return 2 if vocab_size <= 1 << 16 else 4
+
+
 @dataclass(frozen=True)
 class DataConfig(_Section):
     """`[data]`: where samples come from; each sample is `seq_len + 1` tokens."""
 
     section: ClassVar[str] = "data"
-    kind: Literal["text", "synthetic"] = "synthetic"  #: UTF-8 file as bytes, or seeded tokens
-    path: Path | None = None  #: text file (required for text; relative to the job file's directory)
-    # Hex sha256 of the text file's bytes. Filled in at load so the fingerprint names the data that
-    # was checked then (and travels without the file); set it in a job file to pin the data.
+    #: "text": a UTF-8 file read as bytes; "tokens": a flat file of token ids (`swarm
+    #: prepare-data`; uint16 when model.vocab_size <= 65536, else uint32); "synthetic": seeded
+    kind: Literal["text", "tokens", "synthetic"] = "synthetic"
+    path: Path | None = None  #: the data file (text, tokens; relative to the job file's directory)
+    # Hex sha256 of the data file's bytes. Filled in at load so the fingerprint names the data
+    # that was checked then (and travels without the file); set it in a job file to pin the data.
     sha256: str | None = None
 
     def _validate(self) -> None:
-        if self.kind == "text" and self.path is None:
-            raise ConfigError('data.path is required when data.kind = "text"; use a path string')
+        if self.kind in FILE_DATA and self.path is None:
+            raise ConfigError(
+                f'data.path is required when data.kind = "{self.kind}"; use a path string'
+            )
         if self.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
             raise _fail("data.sha256", self.sha256, "64 lowercase hex digits")
 
@@ -352,7 +364,7 @@ class JobConfig:
         out too: when checkpoints are written does not change the parameters."""
         d = self.to_dict()
         data: dict[str, Any] = {"kind": self.data.kind}
-        if self.data.kind == "text":
+        if self.data.kind in FILE_DATA:
             data["sha256"] = self.data.sha256 or data_sha256(self)
         d["training"].pop("checkpoint_every")
         # Keys added since the first release count only when used: a job without them keeps
@@ -384,10 +396,17 @@ _DEFAULTS = {
 
 
 def data_sha256(job: JobConfig) -> str:
-    """Hex sha256 of the text file, checked: exists, UTF-8, longer than one sample. Read in
-    chunks, so a large file costs time (call it off an event loop) but not its size in memory."""
-    path, need = job.data.path, job.model.seq_len + 1
-    allowed = f"a UTF-8 text file longer than model.seq_len + 1 = {need} bytes"
+    """Hex sha256 of the data file, checked: exists, longer than one sample, and UTF-8 (text) or
+    whole token ids (tokens). Read in chunks, so a large file costs time (call it off an event
+    loop) but not its size in memory."""
+    path, need, text = job.data.path, job.model.seq_len + 1, job.data.kind == "text"
+    width = 1 if text else token_width(job.model.vocab_size)
+    allowed = (
+        f"a UTF-8 text file longer than model.seq_len + 1 = {need} bytes"
+        if text
+        else f"a token file (`swarm prepare-data`) of more than model.seq_len + 1 = {need} "
+        f"{8 * width}-bit ids (model.vocab_size = {job.model.vocab_size})"
+    )
     problem, size, digest = "", 0, hashlib.sha256()
     utf8 = codecs.getincrementaldecoder("utf-8")()
     try:
@@ -395,13 +414,16 @@ def data_sha256(job: JobConfig) -> str:
             while chunk := f.read(_HASH_CHUNK):
                 size += len(chunk)
                 digest.update(chunk)
-                utf8.decode(chunk)
+                if text:
+                    utf8.decode(chunk)
             utf8.decode(b"", final=True)
     except OSError as e:
         problem = f"cannot be read ({e.strerror})"
     except UnicodeDecodeError as e:
         problem = f"is not UTF-8 ({e.reason})"
-    if not problem and size <= need:
+    if not problem and size % width:
+        problem = f"has {size} bytes, not a whole number of {width}-byte ids"
+    elif not problem and size // width <= need:
         problem = f"has {size} bytes"
     if problem:
         raise ConfigError(f"data.path = {_show(path)} {problem}; use {allowed}")
@@ -416,7 +438,7 @@ def verify_data(job: JobConfig) -> JobConfig:
     `data.sha256` set to its hash. A job that pins another hash (a job file's `data.sha256`, or
     the one the scheduler wrote into the spec at submit) is refused with both hashes named: the
     file changed since. Reads the whole file: off the event loop in a server."""
-    if job.data.kind != "text":
+    if job.data.kind not in FILE_DATA:
         return job
     digest = data_sha256(job)
     if job.data.sha256 not in (None, digest):

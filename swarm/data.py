@@ -13,11 +13,12 @@ import mmap
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from swarm.config import JobConfig
+from swarm.config import JobConfig, token_width
 
-__all__ = ["DataSource", "SyntheticData", "TextData", "make_data", "microbatch_seed"]
+__all__ = ["DataSource", "SyntheticData", "TextData", "TokenData", "make_data", "microbatch_seed"]
 
 
 class DataSource(Protocol):
@@ -57,6 +58,36 @@ class TextData:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
+class TokenData:
+    """Token ids in a flat file (`swarm prepare-data`: uint16, or uint32 for vocabularies over
+    65,536); each sample is a window at a random offset. Memory-mapped, never loaded whole:
+    only a microbatch's windows are read and widened to int64."""
+
+    def __init__(
+        self, path: Path, vocab_size: int, seq_len: int, microbatch_size: int, seed: int
+    ) -> None:
+        dtype = np.uint16 if token_width(vocab_size) == 2 else np.uint32
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        if len(self.tokens) < seq_len + 2:
+            raise ValueError(f"{path} has {len(self.tokens)} tokens; a sample needs {seq_len + 2}")
+        self.path, self.vocab_size = path, vocab_size
+        self.seq_len, self.microbatch_size, self.seed = seq_len, microbatch_size, seed
+
+    def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(microbatch_seed(self.seed, step, index))
+        high = len(self.tokens) - self.seq_len - 1
+        starts = torch.randint(0, high, (self.microbatch_size,), generator=gen).tolist()
+        rows = torch.from_numpy(
+            np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        )
+        if int(rows.max()) >= self.vocab_size:  # a file made with a larger vocabulary
+            raise ValueError(
+                f"{self.path} holds token id {int(rows.max())}, outside model.vocab_size = "
+                f"{self.vocab_size}: use the vocabulary size of the tokenizer that made it"
+            )
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
 class SyntheticData:
     """Learnable sequences with no file: each sample counts up from a random start by a random
     stride modulo the vocabulary, so the next token follows from the previous two."""
@@ -79,4 +110,8 @@ def make_data(job: JobConfig) -> DataSource:
     if job.data.kind == "text":
         assert job.data.path is not None  # validated by the config
         return TextData(Path(job.data.path), job.model.seq_len, t.microbatch_size, t.seed)
+    if job.data.kind == "tokens":
+        assert job.data.path is not None
+        m = job.model
+        return TokenData(Path(job.data.path), m.vocab_size, m.seq_len, t.microbatch_size, t.seed)
     return SyntheticData(job.model.vocab_size, job.model.seq_len, t.microbatch_size, t.seed)

@@ -137,7 +137,11 @@ BAD: list[tuple[Sections, bytes | None, list[str]]] = [
     ({"model": {"seq_len": "true"}}, None, ["model.seq_len = true", "an integer >= 1"]),
     ({"model": {"mlp_ratio": "1.5"}}, None, ["model.mlp_ratio = 1.5", "an integer >= 1"]),
     ({"model": {"vocab_size": "128"}}, None, ["model.vocab_size = 128", ">= 256", '"text"']),
-    ({"data": {"kind": '"images"'}}, None, ['data.kind = "images"', '"text", "synthetic"']),
+    (
+        {"data": {"kind": '"images"'}},
+        None,
+        ['data.kind = "images"', '"text", "tokens", "synthetic"'],
+    ),
     ({"data": {"path": None}}, None, ["data.path is required", '"text"']),
     ({"data": {"path": "3"}}, None, ["data.path = 3", "a path string"]),
     ({"data": {"sha256": '"abc"'}}, None, ['data.sha256 = "abc"', "64 lowercase hex digits"]),

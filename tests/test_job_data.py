@@ -173,6 +173,17 @@ async def test_submit_pins_the_data_sha256_into_the_stored_spec(api: _Api, root:
     assert status.spec == stored.spec  # what remote trainers get
 
 
+async def test_submit_pins_a_token_file_as_it_pins_text(api: _Api, root: Path) -> None:
+    ids = bytes(range(256)) * 2  # 256 uint16 ids
+    (root / "data" / "tokens.bin").write_bytes(ids)
+    spec = _spec("data/tokens.bin").replace('kind = "text"', 'kind = "tokens"')
+    stored = api.store.get((await api.submit(spec, root)).job)
+    assert stored is not None
+    assert tomllib.loads(stored.spec)["data"]["sha256"] == hashlib.sha256(ids).hexdigest()
+    outside = spec.replace("data/tokens.bin", str(root.parent / "outside.txt"))
+    assert "data root" in (await api.refused(outside, root)).details()
+
+
 def _changed(root: Path) -> str:
     new = TEXT.replace(b"fox", b"cat")
     (root / "data" / "corpus.txt").write_bytes(new)
