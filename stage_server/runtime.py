@@ -18,7 +18,15 @@ from stage_server.update_log import UpdateLog
 from swarm import stage_state
 from swarm.config import JobConfig
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
-from swarm.model import DTYPES, build_stage, layer_costs, loss_sum, num_layers, partition
+from swarm.model import (
+    DTYPES,
+    build_stage,
+    layer_costs,
+    loss_sum,
+    num_layers,
+    partition,
+    precision,
+)
 from swarm.optim import build_optimizer, grad_sq_norm, update
 
 __all__ = ["Receipt", "StageRuntime"]
@@ -124,7 +132,7 @@ class StageRuntime:
     def forward(self, step: int, index: int, inputs: torch.Tensor) -> torch.Tensor:
         self._check_step(step)
         x = self._leaf(self._check_inputs(inputs))
-        with torch.enable_grad():
+        with torch.enable_grad(), precision(self.job, self.device):
             out = self.module(x)
         self._cache[(step, index)] = (x, out)
         self._cache.move_to_end((step, index))
@@ -154,7 +162,7 @@ class StageRuntime:
         if cached is None:  # another replica did the forward, or the cache evicted it
             assert inputs is not None
             x = self._leaf(self._check_inputs(inputs))
-            with torch.enable_grad():
+            with torch.enable_grad(), precision(self.job, self.device):
                 out = self.module(x)
         else:
             x, out = cached
@@ -178,7 +186,7 @@ class StageRuntime:
         self._check_step(step)
         x = self._leaf(self._check_inputs(inputs))
         y = self._check_targets(targets, x)
-        with torch.enable_grad():
+        with torch.enable_grad(), precision(self.job, self.device):
             loss = loss_sum(self.module(x), y)
         grad_x, receipt = self._backprop(step, index, x, loss, None, accumulate, need_grad_inputs)
         return float(loss.detach()), grad_x, receipt

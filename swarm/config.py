@@ -213,6 +213,9 @@ class TrainingConfig(_Section):
     steps: int = _f(check=GE1)  #: optimizer steps to run (count)
     seed: int = _f(0, GE0)  #: seeds parameters and the (seed, step, index) -> data mapping
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"  #: parameter and compute type
+    #: "fp32": compute in `dtype`; "bf16-mixed": float32 parameters, optimizer state and
+    #: gradient sums, bfloat16 autocast compute, bf16 on the wire unless [compression] says
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
     # Not 0 by default: without a checkpoint a lost stage sends the whole job back to step 0.
     checkpoint_every: int = _f(100, GE0)  #: steps between checkpoints (0 = never)
     #: largest L2 norm of the whole model's averaged gradient (all stages); larger ones are
@@ -228,6 +231,9 @@ class TrainingConfig(_Section):
         if self.target_batch_size % self.microbatch_size:
             allowed = f"a multiple of training.microbatch_size = {self.microbatch_size}"
             raise _fail("training.target_batch_size", self.target_batch_size, allowed)
+        if self.precision == "bf16-mixed" and self.dtype != "float32":
+            allowed = '"float32" when training.precision = "bf16-mixed" (the master weights)'
+            raise _fail("training.dtype", self.dtype, allowed)
 
 
 @dataclass(frozen=True)
@@ -383,6 +389,7 @@ _LATER_KEYS = (
     ("model", "rope_theta"),
     ("model", "norm_eps"),
     ("training", "grad_clip"),
+    ("training", "precision"),
     ("optimizer", "schedule"),
     ("optimizer", "warmup_steps"),
     ("optimizer", "min_lr"),
@@ -495,6 +502,15 @@ def _parse(text: str, base_dir: Path, name: str, source: str, check_data: bool =
             f"name is not set and the default {name!r} is not a valid job name; set "
             'name = "..." to 1-64 letters, digits, ".", "_" or "-"'
         )
+    table = doc.get("compression", {})
+    training = doc.get("training", {})
+    if (
+        isinstance(training, dict)
+        and training.get("precision") == "bf16-mixed"
+        and isinstance(table, dict)
+        and not {"wire", "forward", "backward"} & table.keys()
+    ):  # bf16 compute: bf16 on the wire too, unless the job says otherwise
+        doc["compression"] = {**table, "wire": "bf16"}
     built = {s: _build(c, doc.get(s, {})) for s, c in SECTIONS.items()}
     job = JobConfig(name=doc.get("name", name), **built)  # type: ignore[arg-type]
     path = job.data.path

@@ -12,9 +12,11 @@ so building stage k alone gives bitwise the parameters the whole model has for t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,7 @@ __all__ = [
     "loss_sum",
     "num_layers",
     "partition",
+    "precision",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -268,6 +271,14 @@ def build_model(job: JobConfig, device: torch.device | str = "cpu") -> StageModu
         i: _build_layer(job.model, i, job.training.seed) for i in range(num_layers(job.model))
     }
     return StageModule(layers).to(device=device, dtype=DTYPES[job.training.dtype])
+
+
+def precision(job: JobConfig, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
+    """Where a stage computes (forward, and a Backward's recompute): bfloat16 autocast for
+    `training.precision = "bf16-mixed"` (parameters and gradients stay float32), else as is."""
+    if job.training.precision == "bf16-mixed":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

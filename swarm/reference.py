@@ -10,7 +10,7 @@ import torch
 
 from swarm.config import JobConfig
 from swarm.data import make_data
-from swarm.model import StageModule, build_model, layer_costs, loss_sum, partition
+from swarm.model import StageModule, build_model, layer_costs, loss_sum, partition, precision
 from swarm.optim import build_optimizer, clip_scale, grad_sq_norm, update
 from swarm.progress import StepRecord
 
@@ -37,7 +37,8 @@ def train_local(
         start, total_loss, samples = time.perf_counter(), 0.0, 0
         for index in range(m):
             inputs, targets = (t.to(device) for t in data.microbatch(step, index))
-            loss = loss_sum(model(inputs), targets)
+            with precision(job, device):
+                loss = loss_sum(model(inputs), targets)
             loss.backward()  # .grad accumulates the sum over microbatches
             total_loss += float(loss.detach())
             samples += int(inputs.shape[0])

@@ -352,3 +352,14 @@ def test_each_direction_has_its_codec_and_wire_is_shorthand_for_both() -> None:
     assert (split.forward, split.backward) == ("bf16", "hadamard3")
     with pytest.raises(ConfigError, match=r'compression.forward = "int4".*"hadamard3"'):
         CompressionConfig(forward="int4")
+
+
+def test_bf16_mixed_puts_bf16_on_the_wire_unless_the_job_says_otherwise(tmp_path: Path) -> None:
+    mixed: Sections = {"training": {"precision": '"bf16-mixed"'}}
+    c = job(tmp_path, mixed).compression
+    assert (c.wire, c.forward, c.backward) == ("bf16", "bf16", "bf16")
+    c = job(tmp_path, {**mixed, "compression": {"backward": '"none"'}}).compression
+    assert (c.wire, c.forward, c.backward) == ("none", "none", "none")  # as written
+    assert job(tmp_path).compression.wire == "none"  # fp32: as before
+    with pytest.raises(ConfigError, match=r"training\.dtype"):
+        job(tmp_path, {"training": {"precision": '"bf16-mixed"', "dtype": '"float64"'}})

@@ -231,3 +231,19 @@ def test_a_follower_refuses_an_update_it_skipped(tmp_path: Path) -> None:
     copy.load_copy(0, source.export_state(include_optimizer=True))
     with pytest.raises(FailedPrecondition, match="update of step 2 at 0"):
         copy.apply_followed(2, [torch.zeros(1)], 16)
+
+
+def test_bf16_mixed_computes_in_bf16_and_keeps_float32_weights_and_sums(tmp_path: Path) -> None:
+    training = {"dtype": "float32", "stages": 1}
+    bf16 = training | {"precision": "bf16-mixed"}
+    mixed = StageRuntime(make_job(tmp_path, "m", training=bf16), 0)
+    full = StageRuntime(make_job(tmp_path, "f", training=training), 0)
+    inputs, targets = make_data(mixed.job).microbatch(0, 0)
+    loss, _, _ = mixed.forward_backward(0, 0, inputs, targets)
+    loss32, _, _ = full.forward_backward(0, 0, inputs, targets)
+    assert loss != loss32 and abs(loss - loss32) < 1e-2 * loss32  # bf16 matmuls: close, not equal
+    assert mixed._accum is not None and full._accum is not None
+    assert {t.dtype for t in [*mixed.params, *mixed._accum]} == {torch.float32}
+    assert mixed.commit(0, [0], 4) is False  # the update in float32, optimizer state too
+    state = mixed.optimizer.state[mixed.params[0]]
+    assert state["exp_avg"].dtype == torch.float32
