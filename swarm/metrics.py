@@ -215,6 +215,9 @@ class CoordinatorFamilies:
             ["job"],
             registry=registry,
         )
+        self.tokens = counter(
+            "swarm_coordinator_tokens_total", "Tokens trained on in committed steps"
+        )
         self.grad_norm = Gauge(
             "swarm_coordinator_grad_norm",
             "L2 norm of the whole model's averaged gradient at the last committed step, "
@@ -231,6 +234,7 @@ class CoordinatorFamilies:
             self.dropped,
             self.rollbacks,
             self.last_commit,
+            self.tokens,
             self.grad_norm,
         ):
             family.remove(job)  # absent: nothing to do
@@ -253,3 +257,4 @@ class CoordinatorMetrics:
         self.rollbacks = f.rollbacks.labels(job=job)
         self.last_commit = f.last_commit.labels(job=job)
         self.grad_norm = f.grad_norm.labels(job=job)
+        self.tokens = f.tokens.labels(job=job)

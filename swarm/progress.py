@@ -20,10 +20,16 @@ class StepRecord:
     loss: float  # mean over the step's samples of each sample's mean token loss
     samples: int
     seconds: float
+    tokens: int = 0  # the step's tokens trained on (samples x seq_len)
+    grad_norm: float | None = None  # the whole model's averaged gradient, before clipping
 
     @property
     def samples_per_second(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class StepLog:
@@ -54,9 +60,12 @@ class StepLog:
         self._bar.update(max(0, step - self._bar.n))
 
     def __call__(self, record: StepRecord) -> None:
-        self._bar.set_postfix(
-            loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_second:.1f}", refresh=False
-        )
+        shown = {"loss": f"{record.loss:.4f}", "samples_s": f"{record.samples_per_second:.1f}"}
+        if record.tokens:
+            shown["tokens_s"] = f"{record.tokens_per_second:.0f}"
+        if record.grad_norm is not None:
+            shown["grad_norm"] = f"{record.grad_norm:.3g}"
+        self._bar.set_postfix(shown, refresh=False)
         self._bar.update(1)
         if self._file:
             self._file.write(json.dumps(asdict(record)) + "\n")

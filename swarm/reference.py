@@ -3,6 +3,7 @@ microbatches. It is the correctness reference for the swarm and its performance 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -48,5 +49,7 @@ def train_local(
         sq_norms = [grad_sq_norm(p.grad for p in stage if p.grad is not None) for stage in stages]
         update(optimizer, job, step, clip_scale(sq_norms, job.training.grad_clip))
         if on_step:
-            on_step(StepRecord(step, total_loss / samples, samples, time.perf_counter() - start))
+            seconds, tokens = time.perf_counter() - start, samples * job.model.seq_len
+            norm = math.sqrt(math.fsum(sq_norms))
+            on_step(StepRecord(step, total_loss / samples, samples, seconds, tokens, norm))
     return model

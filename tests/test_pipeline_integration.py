@@ -36,8 +36,8 @@ def _calls(metrics_port: str) -> dict[str, float]:
     return calls
 
 
-def _losses(path: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+def _records(path: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize(
@@ -105,10 +105,11 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str, plane: str, 
         timeout=600,
     )
 
-    swarm_losses, local_losses = (
-        _losses(tmp_path / "swarm.jsonl"),
-        _losses(tmp_path / "local.jsonl"),
+    swarm_records, local_records = (
+        _records(tmp_path / "swarm.jsonl"),
+        _records(tmp_path / "local.jsonl"),
     )
+    swarm_losses, local_losses = ([r["loss"] for r in rs] for rs in (swarm_records, local_records))
     assert len(swarm_losses) == len(local_losses) == 10
     assert swarm_losses[-1] < swarm_losses[0], "the loss should fall"
     # bf16-mixed: the swarm rounds each stage's output and its gradient to bf16 on the wire,
@@ -116,6 +117,12 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str, plane: str, 
     rel = 1e-2 if mixed else 1e-4
     for a, b in zip(swarm_losses, local_losses, strict=True):
         assert abs(a - b) <= rel * abs(b)
+    # Each step's tokens and gradient norm (the coordinator's, from the stages' PREPAREs) as
+    # `swarm local` logs them.
+    for a, b in zip(swarm_records, local_records, strict=True):
+        assert a["tokens"] == b["tokens"] == 24 * 16
+        tol = 1e-9 if dtype == "float64" else 10 * rel
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= tol * b["grad_norm"], (a, b)
     swarm_state = torch.load(tmp_path / "swarm.pt")
     local_state = torch.load(tmp_path / "local.pt")
     assert swarm_state.keys() == local_state.keys()

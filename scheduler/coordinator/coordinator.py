@@ -366,7 +366,10 @@ class LocalCoordinator:
         """After `ledger`'s step is applied: bring new replicas in, checkpoint, open the next."""
         seconds = time.perf_counter() - self._step_started
         self.metrics.last_commit.set(time.time())
-        record = StepRecord(ledger.step, ledger.loss(), ledger.samples(), seconds)
+        tokens = ledger.samples() * self.job.model.seq_len
+        self.metrics.tokens.inc(tokens)
+        norm = self.two_phase.grad_norm
+        record = StepRecord(ledger.step, ledger.loss(), ledger.samples(), seconds, tokens, norm)
         step = ledger.step + 1
         await self.membership.sync(step)
         if self.recovery.due(step):
