@@ -14,7 +14,14 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_flag(p, "broker", None, "MQTT broker URL (default: run an embedded broker)")
     add_flag(p, "broker-port", 0, "embedded broker's port (0: any free port)", type=int)
-    add_flag(p, "host", "127.0.0.1", "address to listen on")
+    add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
+    add_flag(
+        p,
+        "announce-host",
+        "",
+        "address other machines dial to reach the job API and the embedded broker (default: "
+        "--host; required with --host 0.0.0.0)",
+    )
     add_flag(p, "port", 7700, "job API gRPC port (0: any free port)", type=int)
     add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
     add_flag(p, "store", Path("swarm-jobs.sqlite"), "SQLite job store", type=Path)
@@ -58,6 +65,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         broker_port=args.broker_port,
         host=args.host,
         port=args.port,
+        announce_host=args.announce_host,
         metrics_port=args.metrics_port,
         token=token(args),
         load_silence_s=args.load_silence_s,

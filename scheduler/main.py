@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from scheduler.job_api import JobApiServicer
 from scheduler.service import Scheduler, SchedulerOptions, collector
 from scheduler.store import JobStore
+from swarm.addresses import announced_host, host_port
 from swarm.auth import server_interceptors
 from swarm.broker import EmbeddedBroker
 from swarm.bus import Bus
@@ -35,8 +36,9 @@ class SchedulerProcessOptions:
     checkpoint_dir: Path  # final models (and, later, checkpoints) per job
     broker: str | None = None  # None: run an embedded broker on `broker_port`
     broker_port: int = 0  # embedded broker's port (0: any free port)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the interface to listen on (0.0.0.0 or :: for all)
     port: int = 0  # job API port (0: any free port)
+    announce_host: str = ""  # what others dial (its job API, embedded broker); "": `host`
     metrics_port: int | None = None  # /metrics (0: any free port)
     token: str | None = None  # swarm token: required on every call and as MQTT password
     connect_timeout_s: float = 30.0  # how long to wait for the broker at start
@@ -49,10 +51,13 @@ class SchedulerProcessOptions:
 async def run_scheduler(opts: SchedulerProcessOptions) -> None:
     embedded: EmbeddedBroker | None = None
     broker = opts.broker
+    announce = announced_host(opts.host, opts.announce_host, "the scheduler")
     if not broker:
-        embedded = EmbeddedBroker(host=opts.host, port=opts.broker_port, token=opts.token)
+        embedded = EmbeddedBroker(
+            host=opts.host, port=opts.broker_port, token=opts.token, announce_host=announce
+        )
         await embedded.start()
-        broker = embedded.url
+        broker = embedded.local_url
     opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     store = JobStore(opts.store)
     registry = CollectorRegistry()
@@ -78,9 +83,9 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
             )
             health_servicer = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-            port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+            port = server.add_insecure_port(host_port(opts.host, opts.port))
             if port == 0:
-                raise SystemExit(f"cannot listen on {opts.host}:{opts.port}")
+                raise SystemExit(f"cannot listen on {host_port(opts.host, opts.port)}")
             await server.start()
             await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             metrics_port = (
@@ -92,8 +97,8 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
             install_signal_handlers(stop)
             print_ready(
                 "scheduler",
-                address=f"{opts.host}:{port}",
-                broker=broker,
+                address=host_port(announce, port),
+                broker=embedded.url if embedded else broker,
                 metrics=metrics_port,
                 store=opts.store,
             )

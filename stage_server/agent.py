@@ -324,7 +324,7 @@ async def run_peer(
             login,
         )
     running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
-    metrics = f"{opts.host}:{running.metrics_port}" if running.metrics_port is not None else ""
+    metrics = running.metrics_address
     will = cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address)
     try:
         async with Bus(

@@ -26,7 +26,14 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_flag(p, "peer", "", "peer id, also its MQTT username (default: persisted in the cache dir)")
     add_token(p)
-    add_flag(p, "host", "127.0.0.1", "address to listen on")
+    add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
+    add_flag(
+        p,
+        "announce-host",
+        "",
+        "address other machines dial to reach this server (default: --host; required with "
+        "--host 0.0.0.0, e.g. behind NAT or in a container)",
+    )
     add_flag(p, "port", 0, "gRPC port (0: any free port)", type=int)
     add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
     add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
@@ -43,6 +50,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         stage=args.stage if args.stage is not None else -1,
         host=args.host,
         port=args.port,
+        announce_host=args.announce_host,
         metrics_port=args.metrics_port,
         device=args.device,
         threads=args.threads,

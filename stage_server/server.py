@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stage_server.averaging import PoolServicer
 from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
+from swarm.addresses import announced_host, host_port
 from swarm.auth import server_interceptors
 from swarm.config import JobConfig, RuntimeConfig
 from swarm.errors import NotFound
@@ -42,8 +43,9 @@ SERVICE_NAME = "swarm.proto.StageService"
 @dataclass(frozen=True)
 class StageServerOptions:
     stage: int
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the interface to listen on (0.0.0.0 or :: for all)
     port: int = 0  # 0: any free port (printed in the ready line)
+    announce_host: str = ""  # what others dial (its address and metrics); "": `host`
     metrics_port: int | None = None  # None: no /metrics; 0: any free port
     device: str = "cpu"
     threads: int = 1  # torch intra-op threads; size to this process's share of cores
@@ -61,6 +63,14 @@ class RunningStageServer:
     address: str
     metrics_port: int | None
     grace_s: float
+    announce_host: str = ""  # the host part of `address`
+
+    @property
+    def metrics_address(self) -> str:
+        """Where others scrape its /metrics ("" when it serves none)."""
+        if self.metrics_port is None:
+            return ""
+        return host_port(self.announce_host or self.address.rsplit(":", 1)[0], self.metrics_port)
 
     @property
     def runtime(self) -> StageRuntime:
@@ -100,10 +110,11 @@ async def start_grpc(
         interceptors=server_interceptors(opts.token, metrics.registry),
         options=grpc_options(max_message_bytes),
     )
-    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    announce = announced_host(opts.host, opts.announce_host, "a stage server")
+    port = server.add_insecure_port(host_port(opts.host, opts.port))
     if port == 0:
-        raise SystemExit(f"cannot listen on {opts.host}:{opts.port}")
-    address = f"{opts.host}:{port}"
+        raise SystemExit(f"cannot listen on {host_port(opts.host, opts.port)}")
+    address = host_port(announce, port)
     peer = opts.peer or address
     metrics.values["peer"] = peer
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
@@ -132,7 +143,14 @@ async def start_grpc(
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return RunningStageServer(
-        server, health_servicer, servicer, executor, address, metrics_port, opts.shutdown_grace_s
+        server,
+        health_servicer,
+        servicer,
+        executor,
+        address,
+        metrics_port,
+        opts.shutdown_grace_s,
+        announce,
     )
 
 

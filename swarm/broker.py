@@ -20,6 +20,7 @@ from amqtt.contexts import Action, BrokerConfig, ListenerConfig, ListenerType
 from amqtt.plugins.base import BaseAuthPlugin
 from amqtt.session import Session
 
+from swarm.addresses import host_port, is_unspecified
 from swarm.topics import DEFAULT_PREFIX, BusError, Topics
 
 __all__ = ["DISCONNECT_GRACE_S", "EmbeddedBroker", "run_broker"]
@@ -125,10 +126,12 @@ class EmbeddedBroker:
         token: str | None = None,
         *,
         prefix: str = DEFAULT_PREFIX,
+        announce_host: str = "",
     ) -> None:
         if not 0 <= port <= 65535:
             raise BusError(f"broker port {port} is outside 0..65535")
         self.host = host
+        self.announce_host = announce_host  # the host in `url` (others dial it); "": `host`
         self._port = port
         self.token = token
         self.prefix = Topics(prefix).prefix
@@ -141,18 +144,28 @@ class EmbeddedBroker:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"mqtt://{host}:{self._port}"
+        """Where clients connect: the announced host (`announce_host`, else the bound one)."""
+        return f"mqtt://{host_port(self.announce_host or self.host, self._port)}"
+
+    @property
+    def local_url(self) -> str:
+        """Where a client on this machine connects (the bound host; loopback when it listens on
+        every interface): the announced address may not route back here, behind NAT."""
+        host = self.host
+        if is_unspecified(host):
+            host = "::1" if ":" in host else "127.0.0.1"
+        return f"mqtt://{host_port(host, self._port)}"
 
     async def start(self) -> None:
         if self._broker is not None:
             raise BusError("broker already started")
         _quiet_amqtt()
         plugins = {f"{__name__}._AuthPlugin": {"token": self.token or "", "prefix": self.prefix}}
-        bind_host = f"[{self.host}]" if ":" in self.host else self.host
         config = BrokerConfig(
             listeners={
-                "default": ListenerConfig(type=ListenerType.TCP, bind=f"{bind_host}:{self._port}")
+                "default": ListenerConfig(
+                    type=ListenerType.TCP, bind=host_port(self.host, self._port)
+                )
             },
             timeout_disconnect_delay=DISCONNECT_GRACE_S,
             # Auth only: amqtt's default $SYS and packet-logging plugins cost time and log noise.

@@ -1,0 +1,50 @@
+"""Network addresses: what a process binds and what it announces.
+
+A process listens on `--host` (`0.0.0.0` or `::` to take every interface, as in a container or
+behind NAT) and tells others to dial `--announce-host` (default: `--host`). An unspecified
+address can be bound but never dialled, so announcing one is refused. IPv6 hosts are written in
+brackets wherever a port follows (`[::1]:7700`), as gRPC targets and URLs want them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from swarm.errors import ConfigError
+
+__all__ = ["announced_host", "host_port", "is_unspecified"]
+
+
+def _bare(host: str) -> str:
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, an IPv6 host in brackets."""
+    host = _bare(host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_unspecified(host: str) -> bool:
+    """`host` means "every interface" (0.0.0.0, ::, or nothing): bindable, not dialable."""
+    host = _bare(host.strip())
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False  # a host name
+
+
+def announced_host(host: str, announce_host: str = "", what: str = "this process") -> str:
+    """The host others dial to reach `what`, listening on `host`: `announce_host`, else `host`.
+    Raises ConfigError when that is an unspecified address."""
+    chosen = announce_host or host
+    if is_unspecified(chosen):
+        flag = "--announce-host" if announce_host else "--host"
+        raise ConfigError(
+            f"{flag} {chosen or '(empty)'}: {what} would announce an address nobody can dial; "
+            "give --announce-host (or SWARM_ANNOUNCE_HOST) with an address other machines reach "
+            "it at, and keep --host 0.0.0.0 (or ::) to listen on every interface"
+        )
+    return _bare(chosen)

@@ -1,0 +1,96 @@
+"""Bind one address, announce another: real stage servers and a real scheduler listening on every
+interface announce the address given (`--announce-host`), refuse to announce one nobody can dial,
+and work over IPv6."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from client.sdk import SchedulerClient
+from swarm.addresses import announced_host, host_port, is_unspecified
+from swarm.config import load_job
+from swarm.errors import ConfigError
+from swarm.procs import SwarmProcess, start_process, stop_all
+from swarm.stage_client import StageClient
+from tests.support.jobs import write_job
+
+
+def test_addresses_are_written_and_judged_as_dialable_or_not() -> None:
+    assert host_port("10.0.0.7", 7700) == "10.0.0.7:7700"
+    assert host_port("::1", 7700) == host_port("[::1]", 7700) == "[::1]:7700"
+    assert [is_unspecified(h) for h in ("0.0.0.0", "::", "[::]", "", "127.0.0.1", "node-3")] == [
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert announced_host("0.0.0.0", "203.0.113.9") == "203.0.113.9"
+    assert announced_host("::1") == "::1"
+    with pytest.raises(ConfigError, match=r"--host 0\.0\.0\.0: a stage server would announce"):
+        announced_host("0.0.0.0", "", "a stage server")
+    with pytest.raises(ConfigError, match="--announce-host ::"):
+        announced_host("0.0.0.0", "::")
+
+
+def _server(tmp_path: Path, *flags: str) -> SwarmProcess:
+    job = write_job(tmp_path)
+    args = ["stage-server", "--job", str(job), "--stage", "1", "--port", "0", *flags]
+    return start_process(args, log_dir=tmp_path, name="-".join(["s", *flags]).replace(":", "_"))
+
+
+async def _info_at(address: str, tmp_path: Path) -> int:
+    job = load_job(write_job(tmp_path))
+    client = StageClient(address, job, job.fingerprint(), 1)
+    try:
+        return (await client.info()).stage
+    finally:
+        await client.close()
+
+
+@pytest.mark.slow
+def test_a_stage_server_on_every_interface_announces_the_address_given(tmp_path: Path) -> None:
+    refused = _server(tmp_path, "--host", "0.0.0.0")
+    assert refused.proc.wait(60) == 2
+    assert "would announce an address nobody can dial" in refused.log()
+    servers = [
+        _server(tmp_path, "--host", "0.0.0.0", "--announce-host", "127.0.0.1"),
+        _server(tmp_path, "--host", "::", "--announce-host", "::1"),
+        _server(tmp_path, "--host", "::1"),
+    ]
+    try:
+        for s in servers:
+            s.wait_ready(120)
+        v4, v6, loop6 = (s.address for s in servers)
+        assert v4.startswith("127.0.0.1:")
+        assert v6.startswith("[::1]:") and loop6.startswith("[::1]:")
+        for address in (v4, v6, loop6):  # each answers where it says it is
+            assert asyncio.run(_info_at(address, tmp_path)) == 1
+    finally:
+        stop_all(servers)
+
+
+async def _jobs_at(address: str) -> list[str]:
+    async with SchedulerClient(address) as client:
+        return [status.job for status in await client.list()]
+
+
+@pytest.mark.slow
+def test_a_scheduler_on_every_interface_announces_its_api_and_broker(tmp_path: Path) -> None:
+    common = ["scheduler", "--port", "0", "--store", str(tmp_path / "jobs.sqlite")]
+    common += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--host", "0.0.0.0"]
+    refused = start_process(common, log_dir=tmp_path, name="refused")
+    assert refused.proc.wait(60) == 2
+    assert "the scheduler would announce an address nobody can dial" in refused.log()
+    scheduler = start_process([*common, "--announce-host", "127.0.0.1"], log_dir=tmp_path)
+    try:
+        ready = scheduler.wait_ready(120)
+        assert ready["address"].startswith("127.0.0.1:")
+        assert ready["broker"].startswith("mqtt://127.0.0.1:")
+        assert asyncio.run(_jobs_at(ready["address"])) == []  # its job API answers there
+    finally:
+        stop_all([scheduler])
