@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.*
 STAMP  := $(VENV)/.installed
 
-.PHONY: install mosquitto demo test test-fast check protos bench clean
+.PHONY: install mosquitto prometheus demo test test-fast check protos bench clean
 
 install: $(STAMP)
 
@@ -16,6 +16,10 @@ mosquitto:
 	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq mosquitto >/dev/null; }
+
+# A test has the real Prometheus server discover a swarm, and promtool lint every /metrics.
+prometheus:
+	@{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || { 	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq 	    --no-install-recommends prometheus >/dev/null; }
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,10 +31,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(BIN)/swarm demo
 
-test: install mosquitto
+test: install mosquitto prometheus
 	$(BIN)/python -m pytest -q
 
-test-fast: install mosquitto
+test-fast: install mosquitto prometheus
 	$(BIN)/python -m pytest -q -m "not slow"
 
 check: install

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from scheduler.discovery import sd_document
 from scheduler.job_api import JobApiServicer
 from scheduler.service import Scheduler, SchedulerOptions, collector
 from scheduler.store import JobStore
@@ -88,11 +89,18 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 raise SystemExit(f"cannot listen on {host_port(opts.host, opts.port)}")
             await server.start()
             await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            own: list[str] = [""]  # its metrics address, once bound
+
+            def sd() -> tuple[str, bytes]:  # on the metrics thread: a copy of the registry's
+                return sd_document(own[0], list(dict(scheduler.peer_registry.peers).values()))
+
             metrics_port = (
-                serve_metrics(registry, opts.host, opts.metrics_port)
+                serve_metrics(registry, opts.host, opts.metrics_port, routes={"/sd": sd})
                 if opts.metrics_port is not None
                 else None
             )
+            if metrics_port is not None:
+                own[0] = host_port(announce, metrics_port)
             stop = asyncio.Event()
             install_signal_handlers(stop)
             print_ready(

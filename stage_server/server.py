@@ -116,7 +116,7 @@ async def start_grpc(
         raise SystemExit(f"cannot listen on {host_port(opts.host, opts.port)}")
     address = host_port(announce, port)
     peer = opts.peer or address
-    metrics.values["peer"] = peer
+    metrics.identify(peer)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
     servicer = StageServicer(
         peer=peer, metrics=metrics, executor=executor, throttle=throttle, token=opts.token

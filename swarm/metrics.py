@@ -8,8 +8,21 @@ names and status codes, which is how Prometheus expects per-method latency to be
 from __future__ import annotations
 
 import logging
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    make_wsgi_app,
+    start_http_server,
+)
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -28,10 +41,43 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 _LABELS = ("job", "stage", "peer")
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
-    """Serve `/metrics` on a daemon thread; returns the bound port (useful when `port` is 0)."""
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    bound = int(server.server_address[1])
+# path -> what it answers: (content type, body), computed per request on the server's thread
+Route = Callable[[], tuple[str, bytes]]
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
+        pass
+
+
+def serve_metrics(
+    registry: CollectorRegistry, host: str, port: int, routes: dict[str, Route] | None = None
+) -> int:
+    """Serve `/metrics` (and `routes`, e.g. the scheduler's `/sd`) on daemon threads; returns the
+    bound port (useful when `port` is 0)."""
+    if not routes:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+        bound = int(server.server_address[1])
+    else:
+        metrics = make_wsgi_app(registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            route = routes.get(environ.get("PATH_INFO", ""))
+            if route is None:
+                return metrics(environ, start_response)  # type: ignore[no-any-return]
+            content_type, body = route()
+            start_response("200 OK", [("Content-Type", content_type)])
+            return [body]
+
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+
+        class Server(ThreadingMixIn, WSGIServer):
+            daemon_threads = True
+            address_family = family
+
+        httpd = make_server(host, port, app, Server, handler_class=_Quiet)
+        threading.Thread(target=httpd.serve_forever, daemon=True, name="metrics").start()
+        bound = int(httpd.server_address[1])
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound
 
@@ -93,6 +139,16 @@ class StageMetrics:
             "swarm_stage_averaging_bytes_received_total",
             "Gradient bytes received from the pool while averaging",
         )
+        # 1 from the start, labelled with the peer id: an idle peer (no job yet, so no other
+        # series) is still seen by whoever scrapes it.
+        self._info = Gauge("swarm_peer_info", "This stage server (1)", ["peer"], registry=reg)
+        self.identify(peer)
+
+    def identify(self, peer: str) -> None:
+        """The peer id is `peer` (known once the server listens: it may default to its address)."""
+        self._info.clear()
+        self._info.labels(peer=peer).set(1)
+        self.values = {**self.values, "peer": peer}
 
     def bind(self, job: str, stage: int) -> None:
         self.values = {**self.values, "job": job, "stage": str(stage)}

@@ -1,0 +1,44 @@
+"""Prometheus service discovery: what the scheduler answers at `/sd` on its metrics port, in the
+`http_sd_configs` format (a JSON list of target groups), so one Prometheus job finds the
+scheduler and every live peer as they come and go (docs/prometheus.yml uses it).
+
+Each peer is a target of its own, labelled with its peer id, state, and the job and stage it
+serves (empty while it serves none); a peer without a metrics port is not listed. The labels are
+prefixed `swarm_`: a target label `job` would stand in for Prometheus's own (the scrape job's
+name); the series themselves carry `job`, `stage` and `peer` (kept with `honor_labels: true`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from swarm.proto import control_pb2 as cpb
+
+__all__ = ["CONTENT_TYPE", "sd_document", "sd_targets"]
+
+CONTENT_TYPE = "application/json"
+
+
+def sd_targets(scheduler: str, peers: list[cpb.PeerAnnouncement]) -> list[dict[str, object]]:
+    """Target groups: the scheduler's metrics address (`scheduler`, "" when it serves none) and
+    each announced peer's."""
+    groups: list[dict[str, object]] = []
+    if scheduler:
+        groups.append({"targets": [scheduler], "labels": {"swarm_role": "scheduler"}})
+    for p in sorted(peers, key=lambda p: p.peer):
+        if not p.metrics_address:
+            continue
+        labels = {
+            "swarm_role": "peer",
+            "swarm_peer": p.peer,
+            "swarm_state": cpb.PeerState.Name(p.state).removeprefix("PEER_STATE_").lower(),
+            "swarm_job": p.job,
+            "swarm_stage": str(p.stage) if p.HasField("stage") else "",
+        }
+        groups.append({"targets": [p.metrics_address], "labels": labels})
+    return groups
+
+
+def sd_document(scheduler: str, peers: list[cpb.PeerAnnouncement]) -> tuple[str, bytes]:
+    """The `/sd` answer: (content type, body)."""
+    return CONTENT_TYPE, json.dumps(sd_targets(scheduler, peers)).encode()

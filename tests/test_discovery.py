@@ -1,0 +1,133 @@
+"""Prometheus finds the swarm by itself: the scheduler's `/sd` (the `http_sd_configs` format) lists
+itself and every live peer; the real Prometheus server, given only that URL, scrapes a series from
+every process; `promtool check metrics` passes on every `/metrics`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scheduler.discovery import sd_targets
+from swarm.procs import start_local_swarm
+from swarm.proto import control_pb2 as cpb
+from tests.support.ports import free_address
+
+PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return bytes(response.read())
+
+
+def test_sd_lists_the_scheduler_and_each_peer_with_a_metrics_port() -> None:
+    serving = cpb.PeerAnnouncement(
+        peer="p1", metrics_address="10.0.0.2:9101", state=cpb.PEER_STATE_SERVING, job="j-1", stage=2
+    )
+    idle = cpb.PeerAnnouncement(peer="p0", metrics_address="[fd00::3]:9101")
+    blind = cpb.PeerAnnouncement(peer="p2", address="10.0.0.4:7000")  # no /metrics: not listed
+    groups = sd_targets("10.0.0.1:9100", [serving, idle, blind])
+    assert groups == [
+        {"targets": ["10.0.0.1:9100"], "labels": {"swarm_role": "scheduler"}},
+        {
+            "targets": ["[fd00::3]:9101"],
+            "labels": {
+                "swarm_role": "peer",
+                "swarm_peer": "p0",
+                "swarm_state": "unspecified",
+                "swarm_job": "",
+                "swarm_stage": "",
+            },
+        },
+        {
+            "targets": ["10.0.0.2:9101"],
+            "labels": {
+                "swarm_role": "peer",
+                "swarm_peer": "p1",
+                "swarm_state": "serving",
+                "swarm_job": "j-1",
+                "swarm_stage": "2",
+            },
+        },
+    ]
+
+
+def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
+    url = f"http://{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    doc = json.loads(_get(url))
+    assert doc["status"] == "success", doc
+    return list(doc["data"]["result"])
+
+
+@pytest.mark.slow
+def test_prometheus_discovers_a_live_swarm_through_the_scheduler(tmp_path: Path) -> None:
+    assert PROMETHEUS and PROMTOOL, "install the Debian package prometheus (make test does)"
+    swarm, _ = start_local_swarm([1.0, 1.0], log_dir=tmp_path)
+    prometheus = None
+    try:
+        scheduler = f"127.0.0.1:{swarm.scheduler.ready['metrics']}"
+        peers = {f"127.0.0.1:{p.ready['metrics']}" for p in swarm.peers}
+        deadline = time.monotonic() + 60
+        while True:  # the peers announce themselves over MQTT: /sd follows
+            groups = json.loads(_get(f"http://{scheduler}/sd"))
+            listed = {t for g in groups for t in g["targets"]}
+            if listed == peers | {scheduler} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert listed == peers | {scheduler}, groups
+        for target in listed:  # the linter Prometheus ships agrees with every exposition
+            lint = subprocess.run(
+                [PROMTOOL, "check", "metrics"],
+                input=_get(f"http://{target}/metrics"),
+                capture_output=True,
+                timeout=30,
+            )
+            assert lint.returncode == 0, (target, lint.stdout, lint.stderr)
+        web = free_address()
+        config = tmp_path / "prometheus.yml"
+        doc = (Path(__file__).resolve().parent.parent / "docs" / "prometheus.yml").read_text()
+        config.write_text(
+            doc.replace("SCHEDULER:9100", scheduler)
+            .replace("scrape_interval: 15s", "scrape_interval: 1s")
+            .replace("refresh_interval: 30s", "refresh_interval: 1s")
+        )
+        with (tmp_path / "prometheus.log").open("wb") as out:
+            prometheus = subprocess.Popen(
+                [
+                    PROMETHEUS,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    f"--web.listen-address={web}",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        deadline, instances = time.monotonic() + 90, set[str]()
+        while time.monotonic() < deadline:  # a series of its own from every process
+            try:
+                found = _query(web, 'count by (instance) ({__name__=~"swarm_.+"})')
+            except OSError:  # not listening yet
+                found = []
+            instances = {r["metric"]["instance"] for r in found}
+            if instances == peers | {scheduler}:
+                break
+            time.sleep(0.5)
+        log = (tmp_path / "prometheus.log").read_text()[-2000:]
+        assert instances == peers | {scheduler}, log
+        up = _query(web, "up")
+        assert {r["metric"]["instance"] for r in up if r["value"][1] == "1"} >= peers
+        roles = {r["metric"].get("swarm_role") for r in up}
+        assert roles == {"scheduler", "peer"}  # the discovery labels came along
+    finally:
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(30)
+        swarm.stop()
