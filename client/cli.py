@@ -38,7 +38,15 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--poll", type=float, default=0.5, help="seconds between progress polls")
     elif command == "status":
         p.add_argument("job", help="job id (from `swarm submit` or `swarm jobs`)")
-        p.add_argument("--json", action="store_true", help="print the JobStatus as JSON")
+        shown = p.add_mutually_exclusive_group()
+        shown.add_argument("--json", action="store_true", help="print the JobStatus as JSON")
+        shown.add_argument(
+            "--watch",
+            action="store_true",
+            help="keep the view up to date (replicas, throughput, recent events) until the job "
+            "ends; exits as `submit --wait` does",
+        )
+        p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     elif command in ("cancel", "export"):
         p.add_argument("job", help="job id")
     if command == "export":

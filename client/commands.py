@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import functools
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -21,12 +20,12 @@ from typing import Any
 from google.protobuf import json_format
 from tqdm import tqdm
 
-from client.sdk import ClientError, SchedulerClient
+from client.live import loss_text, status_lines, table, watch_status
+from client.sdk import TERMINAL_STATES, ClientError, SchedulerClient
 from swarm.auth import token_from_env
 from swarm.errors import ConfigError, SwarmError
 from swarm.proto import scheduler_pb2
 from swarm.states import job_state_name as state_name
-from swarm.states import peer_state_name
 
 __all__ = [
     "cmd_cancel",
@@ -76,21 +75,10 @@ def _client(args: argparse.Namespace) -> SchedulerClient:
     )
 
 
-def _loss(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.4f}"
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
-
-
 def _outcome(name: str, status: scheduler_pb2.JobStatus) -> int:
     state = state_name(status.state)
     if state == "succeeded":
-        print(f"job {status.job} succeeded: {status.step} steps, loss {_loss(status.loss)}")
+        print(f"job {status.job} succeeded: {status.step} steps, loss {loss_text(status.loss)}")
         return 0
     why = f": {status.error}" if status.error else ""
     return _fail(name, f"job {status.job} {state} at step {status.step}{why}", 1)
@@ -106,7 +94,7 @@ async def watch(
         def show(s: scheduler_pb2.JobStatus) -> None:
             bar.set_postfix(
                 state=state_name(s.state),
-                loss=_loss(s.loss),
+                loss=loss_text(s.loss),
                 samples_s=f"{s.samples_per_second:.1f}",
                 refresh=False,
             )
@@ -132,6 +120,15 @@ async def _submit(args: argparse.Namespace) -> int:
 
 async def _status(args: argparse.Namespace) -> int:
     async with _client(args) as client:
+        if args.watch:
+            final = await watch_status(
+                lambda: client.get(args.job),
+                sys.stdout,
+                interval_s=args.interval,
+                tty=sys.stdout.isatty(),
+                done=lambda s: s.state in TERMINAL_STATES,
+            )
+            return _outcome("status", final)
         s = await client.get(args.job)
     if args.json:
         doc = json_format.MessageToDict(
@@ -139,25 +136,7 @@ async def _status(args: argparse.Namespace) -> int:
         )
         print(json.dumps(doc, indent=2))
         return 0
-    lines = [
-        f"job      {s.job} ({s.name})",
-        f"state    {state_name(s.state)}",
-        f"step     {s.step}/{s.steps}",
-        f"loss     {_loss(s.loss)}",
-        f"speed    {s.samples_per_second:.1f} samples/s",
-    ]
-    lines += [f"message  {s.message}"] if s.message else []
-    lines += [f"error    {s.error}"] if s.error else []
-    for st in s.stages:
-        layers = f"layers {st.layers[0]}-{st.layers[-1]}" if st.layers else "no layers"
-        lines.append(f"stage {st.stage} ({layers}): {len(st.replicas)} replica(s)")
-        rows = [["  PEER", "DEVICE", "SAMPLES/S", "STATE"]]
-        rows += [
-            [f"  {r.peer}", r.device, f"{r.samples_per_second:.1f}", peer_state_name(r.state)]
-            for r in st.replicas
-        ]
-        lines += _table(rows).splitlines() if st.replicas else []
-    print("\n".join(lines))
+    print("\n".join(status_lines(s)))
     return 0
 
 
@@ -176,12 +155,12 @@ async def _jobs(args: argparse.Namespace) -> int:
                 j.name,
                 state_name(j.state),
                 f"{j.step}/{j.steps}",
-                _loss(j.loss),
+                loss_text(j.loss),
                 f"{j.samples_per_second:.1f}",
                 created,
             ]
         )
-    print(_table(rows))
+    print(table(rows))
     return 0
 
 

@@ -136,3 +136,20 @@ async def test_export_as_a_hugging_face_checkpoint(
         torch.testing.assert_close(hf(ids).logits, model(ids).float(), rtol=0, atol=1e-5)
     assert await swarm(*argv) == 1  # it is there now: not overwritten, nor mixed with
     assert "exists and is not an empty directory" in capsys.readouterr().err
+
+
+async def test_status_watch_follows_a_job_to_its_end(
+    api: RunningApi, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    at = ("--scheduler", api.address)
+    job_file = write_job(tmp_path, "run-watch", training={"steps": 20})
+    assert await swarm("submit", str(job_file), *at) == 0
+    job = capsys.readouterr().out.strip()
+    assert await swarm("status", job, "--watch", "--interval", "0.05", *at) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[" not in out  # not a terminal: plain frames, one per change
+    assert "step     20/20" in out and "job running -> succeeded" in out
+    assert f"job {job} succeeded: 20 steps" in out
+    with pytest.raises(SystemExit) as refused:  # one view or the other
+        await swarm("status", job, "--watch", "--json", *at)
+    assert refused.value.code == 2

@@ -1,0 +1,74 @@
+"""`swarm status JOB --watch`: the live view redraws in place and tells what changed between two
+looks (replicas that joined, left or moved, rollbacks, state changes), until the job ends."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+from client.live import (
+    CLEAR_BELOW,
+    CLEAR_LINE,
+    HIDE_CURSOR,
+    HOME,
+    SHOW_CURSOR,
+    LiveView,
+    events,
+    watch_status,
+)
+from swarm.proto import control_pb2 as cpb
+from swarm.proto import scheduler_pb2 as spb
+
+
+def _status(step: int, where: dict[str, int], state: int = cpb.JOB_STATE_RUNNING) -> spb.JobStatus:
+    stages = [spb.StageStatus(stage=k, layers=[k]) for k in range(3)]
+    for peer, stage in where.items():
+        stages[stage].replicas.append(
+            spb.Replica(peer=peer, device="cpu", state=cpb.PEER_STATE_SERVING)
+        )
+    return spb.JobStatus(job="j-1", name="j", state=state, step=step, steps=50, stages=stages)
+
+
+def test_events_name_joins_leaves_moves_rollbacks_and_state_changes() -> None:
+    before = _status(12, {"p0": 0, "p1": 1, "p2": 2, "p3": 2})
+    after = _status(10, {"p0": 0, "p1": 1, "p3": 1, "p4": 2})
+    after.message = "stage 2: rolled back to the checkpoint of step 10"
+    assert events(before, after) == [
+        "rolled back from step 12 to step 10",
+        "p2 left stage 2 (killed, stopped or moving)",
+        "p3 moved from stage 2 to stage 1",
+        "p4 joined stage 2",
+        "stage 2: rolled back to the checkpoint of step 10",
+    ]
+    done = _status(50, {}, cpb.JOB_STATE_SUCCEEDED)
+    assert events(after, done)[0] == "job running -> succeeded"
+    assert events(done, done) == []
+
+
+def test_a_frame_keeps_the_recent_events_and_redraws_in_place() -> None:
+    view = LiveView(keep=2, clock=lambda: 0.0)
+    view.frame(_status(1, {"p0": 0}))
+    view.frame(_status(2, {"p0": 1}))
+    view.frame(_status(3, {"p0": 1, "p1": 0}))
+    text = view.frame(_status(4, {"p1": 0}))
+    assert "step     4/50" in text and "stage 0 (layers 0-0): 1 replica(s)" in text
+    tail = text.split("recent events:\n")[1].splitlines()  # the two newest, oldest first
+    assert [line.split(" ", 3)[-1] for line in tail] == [
+        "p1 joined stage 0",
+        "p0 left stage 1 (killed, stopped or moving)",
+    ]
+    out = io.StringIO()
+    looks = iter([_status(1, {"p0": 0}), _status(2, {"p0": 0}), _status(50, {}, 4)])
+
+    async def get() -> spb.JobStatus:
+        return next(looks)
+
+    final = asyncio.run(watch_status(get, out, interval_s=0, tty=True, done=lambda s: s.state == 4))
+    assert final.step == 50
+    written = out.getvalue()
+    assert written.startswith(HIDE_CURSOR) and written.endswith(SHOW_CURSOR)
+    frames = written.removesuffix(SHOW_CURSOR).split(HOME)[2:]  # one frame per look
+    assert len(frames) == 3
+    for frame in frames:  # every line cleared to its end, the rest cleared below: no flicker
+        assert frame.endswith(CLEAR_BELOW)
+        assert all(line.endswith(CLEAR_LINE) for line in frame[: -len(CLEAR_BELOW)].splitlines())
