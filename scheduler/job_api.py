@@ -20,8 +20,8 @@ import torch
 
 from scheduler.store import JobRecord, JobStore
 from swarm import codec, wire
-from swarm.config import FILE_DATA, JobConfig, parse_job, verify_data
-from swarm.data_pin import pin_data
+from swarm.config import FILE_DATA, parse_job, verify_data, verify_init
+from swarm.data_pin import pin, pin_data
 from swarm.errors import (
     ConfigError,
     FailedPrecondition,
@@ -164,7 +164,8 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             job = parse_job(request.spec, base_dir, name="job", check_data=False)
             spec = request.spec
             if job.data.kind in FILE_DATA:
-                real = self._under_data_root(job)
+                assert job.data.path is not None  # required for file data
+                real = self._under_data_root(job.data.path, "data.path")
                 # Off the event loop: hashing a large file would stall every other call.
                 checked = await asyncio.to_thread(
                     verify_data, replace(job, data=replace(job.data, path=real))
@@ -173,6 +174,12 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 # Pinned into the stored spec: a remote trainer, or this scheduler after a
                 # restart, refuses a file whose contents changed since.
                 spec = pin_data(spec, checked.data.sha256)
+            if job.model.init_from is not None:  # the initial checkpoint: read and pinned alike
+                real = self._under_data_root(job.model.init_from, "model.init_from")
+                model = replace(job.model, init_from=real)
+                pinned = await asyncio.to_thread(verify_init, replace(job, model=model))
+                assert pinned.model.init_sha256 is not None
+                spec = pin(spec, "model", "init_sha256", pinned.model.init_sha256)
             record = self.store.create(job.name, spec, str(base_dir), job.training.steps)
             log.info("scheduler: job %s submitted (%d steps)", record.id, record.steps)
             self.control.submitted(record.id)
@@ -180,14 +187,13 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
         return await self._serving.run("SubmitJob", context, body)
 
-    def _under_data_root(self, job: JobConfig) -> Path:
-        """The data file's real path (symlinks and `..` resolved), which must lie under the data
-        root: a job may make the scheduler read only what it was told to serve."""
-        assert job.data.path is not None  # required for text data
-        real = Path(os.path.realpath(job.data.path))
+    def _under_data_root(self, path: Path, key: str) -> Path:
+        """`path`'s real path (symlinks and `..` resolved), which must lie under the data root: a
+        job may make the scheduler read only what it was told to serve."""
+        real = Path(os.path.realpath(path))
         if not real.is_relative_to(self.data_root):
             raise InvalidArgument(
-                f"data.path = {str(job.data.path)!r} lies outside the scheduler's data root "
+                f"{key} = {str(path)!r} lies outside the scheduler's data root "
                 f"{str(self.data_root)!r}; put the data under it, or start the scheduler with "
                 "--data-root naming a directory that holds it"
             )

@@ -146,11 +146,19 @@ class ModelConfig(_Section):
     mlp_hidden: int = _f(0, GE0)  #: llama: SwiGLU hidden width (features); 0: about 8/3 d_model
     rope_theta: float = _f(10000.0, GT0)  #: llama: rotary base (positions per radian scale)
     norm_eps: float = _f(1e-5, GT0)  #: llama: RMSNorm's floor on the mean square
+    #: a Hugging Face checkpoint directory (model.safetensors, config.json; relative to the job
+    #: file) to start from instead of the seeded initialisation: each stage reads its own tensors
+    init_from: Path | None = None
+    # Hex sha256 of init_from's model.safetensors: pinned at load (or by the scheduler at submit)
+    # so the fingerprint names the weights, and a changed file is refused.
+    init_sha256: str | None = None
 
     def _validate(self) -> None:
         if self.d_model % self.n_heads:
             allowed = f"a multiple of model.n_heads = {self.n_heads}"
             raise _fail("model.d_model", self.d_model, allowed)
+        if self.init_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.init_sha256):
+            raise _fail("model.init_sha256", self.init_sha256, "64 lowercase hex digits")
         if self.kind != "llama":
             return
         if self.n_heads % self.kv_heads:
@@ -373,6 +381,9 @@ class JobConfig:
         if self.data.kind in FILE_DATA:
             data["sha256"] = self.data.sha256 or data_sha256(self)
         d["training"].pop("checkpoint_every")
+        if self.model.init_from is not None:  # the weights count, not where they lie
+            d["model"]["init_from"] = None
+            d["model"]["init_sha256"] = self.model.init_sha256 or init_sha256(self.model)
         # Keys added since the first release count only when used: a job without them keeps
         # its fingerprint, and a peer too old to apply them is refused for a job with them.
         for section, key in _LATER_KEYS:
@@ -384,6 +395,8 @@ class JobConfig:
 
 
 _LATER_KEYS = (
+    ("model", "init_from"),
+    ("model", "init_sha256"),
     ("model", "n_kv_heads"),
     ("model", "mlp_hidden"),
     ("model", "rope_theta"),
@@ -438,6 +451,46 @@ def data_sha256(job: JobConfig) -> str:
 
 
 _HASH_CHUNK = 1 << 20
+
+
+_INIT_HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256, per process
+
+
+def init_sha256(model: ModelConfig) -> str:
+    """Hex sha256 of `model.init_from`'s model.safetensors (remembered per file version: every
+    stage built in a process asks, and a checkpoint can be gigabytes)."""
+    assert model.init_from is not None
+    path = Path(model.init_from) / "model.safetensors"
+    try:
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in _INIT_HASHES:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(_HASH_CHUNK):
+                    digest.update(chunk)
+            _INIT_HASHES[key] = digest.hexdigest()
+        return _INIT_HASHES[key]
+    except OSError as e:
+        raise ConfigError(
+            f"model.init_from = {_show(model.init_from)}: cannot read {path.name} ({e.strerror}); "
+            "use a Hugging Face checkpoint directory (`swarm export --format hf` writes one)"
+        ) from None
+
+
+def verify_init(job: JobConfig) -> JobConfig:
+    """The job with `model.init_sha256` set to its checkpoint's hash; a job that pins another
+    (the file changed since it was pinned) is refused with both named."""
+    if job.model.init_from is None:
+        return job
+    digest = init_sha256(job.model)
+    if job.model.init_sha256 not in (None, digest):
+        raise ConfigError(
+            f"model.init_sha256 = {_show(job.model.init_sha256)} is not the sha256 "
+            f"{_show(digest)} of {_show(job.model.init_from)}/model.safetensors: the checkpoint "
+            "changed since the job was pinned to it; restore it, or submit the job again"
+        )
+    return replace(job, model=replace(job.model, init_sha256=digest))
 
 
 def verify_data(job: JobConfig) -> JobConfig:
@@ -516,9 +569,12 @@ def _parse(text: str, base_dir: Path, name: str, source: str, check_data: bool =
     path = job.data.path
     if path is not None and not path.is_absolute():
         job = replace(job, data=replace(job.data, path=(base_dir / path).resolve()))
+    init = job.model.init_from
+    if init is not None and not init.is_absolute():
+        job = replace(job, model=replace(job.model, init_from=(base_dir / init).resolve()))
     if not check_data:
         return job
-    return verify_data(job)  # fail at load time, not when the first trainer starts
+    return verify_init(verify_data(job))  # fail at load time, not when the first trainer starts
 
 
 def parse_job(

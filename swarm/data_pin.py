@@ -14,32 +14,39 @@ from typing import Any
 from swarm.config import _fail
 from swarm.errors import ConfigError
 
-__all__ = ["pin_data"]
+__all__ = ["pin", "pin_data"]
 
 
 def pin_data(text: str, sha256: str) -> str:
     """Job TOML `text` with `data.sha256 = sha256` set, so whoever reads the spec later (a remote
-    trainer, a restarted scheduler) refuses a data file whose contents changed. The text is kept
-    as written (comments too) with one line added where TOML allows it; else it is written anew
-    (e.g. `data` as an inline table). Raises ConfigError if `text` pins another hash."""
+    trainer, a restarted scheduler) refuses a data file whose contents changed."""
+    return pin(text, "data", "sha256", sha256)
+
+
+def pin(text: str, section: str, key: str, sha256: str) -> str:
+    """Job TOML `text` with `section.key = sha256` set (a file's hash: the data's, or the initial
+    checkpoint's `model.init_sha256`). The text is kept as written (comments too) with one line
+    added where TOML allows it; else it is written anew (e.g. the section as an inline table).
+    Raises ConfigError if `text` pins another hash."""
     doc = tomllib.loads(text)
-    data = doc.get("data", {})
-    if not isinstance(data, dict):
-        raise _fail("data", data, "a [data] table")
-    if data.get("sha256") == sha256:
+    table = doc.get(section, {})
+    if not isinstance(table, dict):
+        raise _fail(section, table, f"a [{section}] table")
+    if table.get(key) == sha256:
         return text
-    if "sha256" in data:
-        raise _fail("data.sha256", data["sha256"], f'the file\'s sha256 "{sha256}"')
-    want = {**doc, "data": {**data, "sha256": sha256}}
-    line = f'sha256 = "{sha256}"\n'
+    if key in table:
+        raise _fail(f"{section}.{key}", table[key], f'the file\'s sha256 "{sha256}"')
+    want = {**doc, section: {**table, key: sha256}}
+    line = f'{key} = "{sha256}"\n'
     lines = text.splitlines(keepends=True)
+    header = re.compile(rf"\s*\[\s*{section}\s*\]\s*(#.*)?")
     candidates = []
-    for i, row in enumerate(lines):  # after the [data] header
-        if _DATA_HEADER.fullmatch(row.rstrip("\r\n")):
+    for i, row in enumerate(lines):  # after the section's header
+        if header.fullmatch(row.rstrip("\r\n")):
             head = "".join(lines[: i + 1])
             head += "" if head.endswith("\n") else "\n"
             candidates.append(head + line + "".join(lines[i + 1 :]))
-    candidates.append(f"data.{line}{text}")  # `data.kind = ...` dotted keys, or no [data] yet
+    candidates.append(f"{section}.{line}{text}")  # dotted keys, or no such section yet
     candidates.append(_dump_toml(want))
     for candidate in candidates:
         try:
@@ -47,10 +54,11 @@ def pin_data(text: str, sha256: str) -> str:
                 return candidate
         except tomllib.TOMLDecodeError:
             continue
-    raise ConfigError("cannot write data.sha256 into this job file; add it to [data] by hand")
+    raise ConfigError(
+        f"cannot write {section}.{key} into this job file; add it to [{section}] by hand"
+    )
 
 
-_DATA_HEADER = re.compile(r"\s*\[\s*data\s*\]\s*(#.*)?")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 

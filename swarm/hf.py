@@ -22,7 +22,7 @@ import torch
 from swarm.config import ModelConfig
 from swarm.errors import ConfigError
 
-__all__ = ["WEIGHTS", "hf_config", "read_hf", "to_hf", "write_hf"]
+__all__ = ["WEIGHTS", "check_hf_config", "hf_config", "read_hf", "to_hf", "write_hf"]
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -165,6 +165,29 @@ def write_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_hf_config(directory: str | Path, cfg: ModelConfig) -> None:
+    """Refuse a checkpoint whose `config.json` describes another architecture than `cfg` (a
+    deeper model would otherwise load its first layers silently)."""
+    path = Path(directory) / CONFIG
+    try:
+        theirs = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    ours = hf_config(cfg)
+    # Not the architecture: names, types, token ids; and a llama's context may be shorter than
+    # the one it was trained with (rotary positions have no table).
+    free = {"architectures", "torch_dtype", "bos_token_id", "eos_token_id"}
+    free |= {"max_position_embeddings"} if cfg.kind == "llama" else set()
+    keys = [k for k in ours if k not in free and k in theirs]
+    differ = [f"{k} = {theirs[k]!r} (the job's: {ours[k]!r})" for k in keys if theirs[k] != ours[k]]
+    if theirs.get("model_type") != ours["model_type"]:
+        differ.insert(0, f"model_type = {theirs.get('model_type')!r} (the job's: model.kind)")
+    if theirs.get("rope_scaling"):
+        differ.append(f"rope_scaling = {theirs['rope_scaling']!r} (not supported)")
+    if differ:
+        raise ConfigError(f"{path} describes another model: " + "; ".join(differ))
 
 
 def read_hf(

@@ -256,21 +256,49 @@ def _build_layer(cfg: ModelConfig, index: int, seed: int) -> nn.Module:
     return layer
 
 
+def _from_checkpoint(job: JobConfig, module: StageModule) -> None:
+    """`module`'s parameters from `model.init_from` (only its layers' tensors are read), in
+    float64 before the cast to the job's dtype, as a seeded initialisation would be."""
+    from swarm.config import init_sha256
+    from swarm.hf import check_hf_config, read_hf
+
+    cfg = job.model
+    assert cfg.init_from is not None
+    if cfg.init_sha256 is not None and init_sha256(cfg) != cfg.init_sha256:
+        raise ConfigError(
+            f"model.init_from = {str(cfg.init_from)!r} changed since the job was pinned to it "
+            f"(model.init_sha256 = {cfg.init_sha256!r}); restore it, or submit the job again"
+        )
+    check_hf_config(cfg.init_from, cfg)
+    state = read_hf(cfg.init_from, cfg, module.indices)
+    own = module.state_dict()
+    for name, tensor in state.items():
+        if tensor.shape != own[name].shape:
+            raise ConfigError(
+                f"{cfg.init_from}: {name} is {list(tensor.shape)}, the job's model wants "
+                f"{list(own[name].shape)}"
+            )
+    module.load_state_dict({k: v.to(torch.float64) for k, v in state.items()}, strict=True)
+
+
+def _built(job: JobConfig, indices: Sequence[int], device: torch.device | str) -> StageModule:
+    module = StageModule({i: _build_layer(job.model, i, job.training.seed) for i in indices})
+    if job.model.init_from is not None:
+        _from_checkpoint(job, module)
+    return module.to(device=device, dtype=DTYPES[job.training.dtype])
+
+
 def build_stage(job: JobConfig, stage: int, device: torch.device | str = "cpu") -> StageModule:
     """Stage `stage` of `job`'s model on `device`, in the job's dtype."""
     ranges = partition(layer_costs(job.model), job.training.stages)
     if not 0 <= stage < len(ranges):
         raise ConfigError(f"stage {stage} does not exist; the job has stages 0..{len(ranges) - 1}")
-    layers = {i: _build_layer(job.model, i, job.training.seed) for i in ranges[stage]}
-    return StageModule(layers).to(device=device, dtype=DTYPES[job.training.dtype])
+    return _built(job, ranges[stage], device)
 
 
 def build_model(job: JobConfig, device: torch.device | str = "cpu") -> StageModule:
     """The whole model as one stage: the reference `swarm local` trains this."""
-    layers = {
-        i: _build_layer(job.model, i, job.training.seed) for i in range(num_layers(job.model))
-    }
-    return StageModule(layers).to(device=device, dtype=DTYPES[job.training.dtype])
+    return _built(job, range(num_layers(job.model)), device)
 
 
 def precision(job: JobConfig, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:

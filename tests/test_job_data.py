@@ -20,12 +20,15 @@ from client.remote import run_remote_trainer
 from scheduler.job_api import JobApiServicer
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
+from swarm.config import load_job
 from swarm.errors import ConfigError
+from swarm.hf import write_hf
 from swarm.lease import Lease
+from swarm.model import build_model
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
 from swarm.topics import Topics
 from tests.support.api import FakeControl
-from tests.support.jobs import BASE, render
+from tests.support.jobs import BASE, render, write_job
 
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 20).encode()
 
@@ -182,6 +185,21 @@ async def test_submit_pins_a_token_file_as_it_pins_text(api: _Api, root: Path) -
     assert tomllib.loads(stored.spec)["data"]["sha256"] == hashlib.sha256(ids).hexdigest()
     outside = spec.replace("data/tokens.bin", str(root.parent / "outside.txt"))
     assert "data root" in (await api.refused(outside, root)).details()
+
+
+async def test_submit_pins_the_initial_checkpoint_under_the_data_root(
+    api: _Api, root: Path, tmp_path: Path
+) -> None:
+    model = {**BASE["model"], "kind": "llama", "n_heads": 4}
+    job = load_job(write_job(tmp_path, "base", model=model))
+    write_hf(root / "ckpt", build_model(job).state_dict(), job.model, None)
+    spec = render({**BASE, "model": {**model, "init_from": "ckpt"}}, "finetune")
+    stored = api.store.get((await api.submit(spec, root)).job)
+    assert stored is not None
+    digest = hashlib.sha256((root / "ckpt" / "model.safetensors").read_bytes()).hexdigest()
+    assert tomllib.loads(stored.spec)["model"]["init_sha256"] == digest
+    outside = spec.replace('"ckpt"', f'"{tmp_path}"')
+    assert "model.init_from" in (await api.refused(outside, root)).details()
 
 
 def _changed(root: Path) -> str:

@@ -1,0 +1,100 @@
+"""Fine-tuning from a Hugging Face checkpoint: `[model] init_from = DIR` starts a job from the
+weights `swarm export --format hf` (or anyone) wrote; each stage reads only its own tensors; the
+checkpoint is pinned by its sha256 like data, and one of another architecture is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.config import load_job
+from swarm.errors import ConfigError
+from swarm.hf import write_hf
+from swarm.model import build_model, build_stage
+from swarm.procs import start_stage_servers, stop_all
+from tests.support.cli import swarm
+from tests.support.equality import assert_states_within, local_state
+from tests.support.jobs import write_job
+
+LLAMA = {"kind": "llama", "n_heads": 4, "n_kv_heads": 2}
+
+
+def _pretrained(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A llama trained 4 steps by `swarm local`, exported as a Hugging Face checkpoint."""
+    base = load_job(write_job(tmp_path, "base", model=LLAMA, training={"steps": 4}))
+    state = local_state(base)
+    write_hf(tmp_path / "pretrained", state, base.model, None)
+    return tmp_path / "pretrained", state
+
+
+def _finetune(tmp_path: Path, **training: object) -> Path:
+    model = LLAMA | {"init_from": "pretrained"}  # relative to the job file
+    settings = {"steps": 3, "seed": 5, "stages": 3, **training}
+    return write_job(tmp_path, "finetune", model=model, training=settings)
+
+
+def test_a_job_starts_from_the_checkpoint_and_each_stage_reads_its_own_layers(
+    tmp_path: Path,
+) -> None:
+    _, pretrained = _pretrained(tmp_path)
+    job = load_job(_finetune(tmp_path))
+    assert job.model.init_sha256 is not None  # pinned at load
+    whole = build_model(job).state_dict()
+    assert whole.keys() == pretrained.keys()
+    for name, tensor in pretrained.items():  # float64 end to end: bitwise
+        assert torch.equal(whole[name], tensor), name
+    union: dict[str, torch.Tensor] = {}
+    for k in range(job.training.stages):
+        union.update(build_stage(job, k).state_dict())
+    assert all(torch.equal(union[k], v) for k, v in whole.items())
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    shutil.copytree(tmp_path / "pretrained", moved / "pretrained")
+    shutil.copy(tmp_path / "finetune.toml", moved / "finetune.toml")
+    assert load_job(moved / "finetune.toml").fingerprint() == job.fingerprint()  # contents count
+
+
+@pytest.mark.slow
+def test_fine_tuning_over_stage_servers_equals_swarm_local(tmp_path: Path) -> None:
+    _pretrained(tmp_path)
+    job = _finetune(tmp_path)
+    servers = start_stage_servers(job, 3, log_dir=tmp_path)
+    try:
+        addresses = ",".join(s.address for s in servers)
+        out = tmp_path / "swarm.pt"
+        swarm("trainer", "--job", str(job), "--stage-servers", addresses, "--out", str(out))
+    finally:
+        stop_all(servers)
+    state = torch.load(out)
+    assert_states_within(state, local_state(job), tol=1e-9)
+    start = build_model(load_job(job)).state_dict()
+    assert max((state[k] - v).abs().max().item() for k, v in start.items()) > 1e-4  # it trained
+
+
+def test_a_changed_or_foreign_checkpoint_is_refused(tmp_path: Path) -> None:
+    checkpoint, _ = _pretrained(tmp_path)
+    job = load_job(_finetune(tmp_path))
+    text = (tmp_path / "finetune.toml").read_text()
+    pinned = text.replace(
+        'init_from = "pretrained"',
+        f'init_from = "pretrained"\ninit_sha256 = "{job.model.init_sha256}"',
+    )
+    (tmp_path / "pinned.toml").write_text(pinned)
+    assert load_job(tmp_path / "pinned.toml").fingerprint() == job.fingerprint()
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b" ")  # its last byte changed
+    with pytest.raises(ConfigError, match="the checkpoint changed since the job was pinned"):
+        load_job(tmp_path / "pinned.toml")
+    with pytest.raises(ConfigError, match="changed since the job was pinned"):
+        build_stage(job, 0)  # a stage server handed the pinned spec checks the file too
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 4}))
+    deeper = load_job(_finetune(tmp_path))
+    with pytest.raises(ConfigError, match="num_hidden_layers = 4 \\(the job's: 2\\)"):
+        build_stage(deeper, 1)
+    with pytest.raises(ConfigError, match=r"cannot read model\.safetensors"):
+        load_job(write_job(tmp_path, "nowhere", model=LLAMA | {"init_from": "missing"}))
