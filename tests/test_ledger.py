@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from scheduler.coordinator.ledger import Holding, StepLedger
@@ -85,3 +87,20 @@ def test_a_report_whose_sample_count_is_not_the_microbatch_size_is_refused() -> 
     assert ledger.remaining == 2 and ledger.samples() == 0 and ledger.holders() == set()
     ledger.report("a", 7, 0, {0: "p0", 1: "p1"}, loss_sum=2.0, samples=4)
     assert ledger.remaining == 1 and ledger.samples() == 4
+
+
+def test_the_count_of_open_microbatches_follows_every_report_loss_and_adoption() -> None:
+    rng = random.Random(3)
+    ledger = StepLedger(0, 12, 3)
+    peers = ["a", "b", "c"]
+    for _ in range(2000):
+        index, stage, peer = rng.randrange(12), rng.randrange(3), rng.choice(peers)
+        op = rng.random()
+        if op < 0.5:
+            ledger.report("t", 0, index, {stage: peer}, None, 4)
+        elif op < 0.8:
+            ledger.lose(peer, stage if rng.random() < 0.5 else None)
+        else:
+            ledger.adopt(stage, peer, [index], {index}, 4)
+        recount = sum(1 for stages in ledger._needed.values() if stages)
+        assert ledger.remaining == recount and ledger.complete == (recount == 0)

@@ -17,6 +17,7 @@ holding one gradient too many.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -55,6 +56,9 @@ class StepLedger:
     def __post_init__(self) -> None:
         every = frozenset(range(self.stages))
         self._needed: dict[int, set[int]] = {i: set(every) for i in range(self.microbatches)}
+        # How many of `_needed` still need a stage, kept by `_got` and `_lost` (every change of
+        # `_needed` goes through them): `complete` is asked on every report.
+        self._open = self.microbatches if self.stages else 0
         self._holders: dict[tuple[int, int], str] = {}  # (index, stage) -> peer
         self._leases: dict[int, _Lease] = {}
         self._returned: set[int] = set()  # given back since their receipts were last checked
@@ -91,11 +95,16 @@ class StepLedger:
 
     def leased_to(self, trainer: str) -> int:
         """How many unexpired leases `trainer` holds on microbatches still needed."""
+        return self.leased()[trainer]
+
+    def leased(self) -> Counter[str]:
+        """Per trainer, its unexpired leases on microbatches still needed (one pass: a lease
+        call asks this of every trainer heard from)."""
         now = self.clock.now()
-        return sum(
-            1
+        return Counter(
+            held.trainer
             for index, held in self._leases.items()
-            if held.trainer == trainer and held.expires > now and self._needed.get(index)
+            if held.expires > now and self._needed.get(index)
         )
 
     def renew(self, trainer: str, indices: Iterable[int]) -> list[int]:
@@ -144,7 +153,7 @@ class StepLedger:
             ):
                 continue
             self._holders[(index, stage)] = peer
-            self._needed[index].discard(stage)
+            self._got(index, stage)
             self._samples.setdefault(index, samples)
             adopted.append(index)
         return adopted
@@ -174,7 +183,7 @@ class StepLedger:
             current = self._holders.get((index, stage))
             if stage in self._needed[index]:
                 self._holders[(index, stage)] = peer
-                self._needed[index].discard(stage)
+                self._got(index, stage)
             elif current is not None and current != peer:
                 extras.append(Holding(stage, peer))
         if loss_sum is not None:
@@ -202,7 +211,7 @@ class StepLedger:
         for (index, s), holder in list(self._holders.items()):
             if holder == peer and (stage is None or s == stage):
                 del self._holders[(index, s)]
-                self._needed[index].add(s)
+                self._lost(index, s)
                 lost.append(index)
         # Replays of a lost gradient go out at once: no late receipt of theirs is worth waiting
         # for, and the lost replica's own receipts (a void not yet landed) must not be adopted.
@@ -220,15 +229,27 @@ class StepLedger:
     def holders(self) -> set[str]:
         return set(self._holders.values())
 
+    def _got(self, index: int, stage: int) -> None:
+        stages = self._needed[index]
+        if stage in stages:
+            stages.discard(stage)
+            self._open -= not stages
+
+    def _lost(self, index: int, stage: int) -> None:
+        stages = self._needed[index]
+        if stage not in stages:
+            self._open += not stages
+            stages.add(stage)
+
     # -- the step -------------------------------------------------------------------------------
     @property
     def complete(self) -> bool:
-        return all(not stages for stages in self._needed.values())
+        return self._open == 0
 
     @property
     def remaining(self) -> int:
         """Microbatches that still need a gradient somewhere."""
-        return sum(1 for stages in self._needed.values() if stages)
+        return self._open
 
     def samples(self) -> int:
         return sum(self._samples.values())

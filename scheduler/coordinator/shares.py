@@ -26,8 +26,9 @@ class Shares:
         horizon = self.clock.now() - self.horizon_s
         for gone in [t for t, when in self._heard.items() if when < horizon]:
             del self._heard[gone]
-        waiting = sum(1 for t in self._heard if t != trainer and not ledger.leased_to(t))
+        leased = ledger.leased()
+        waiting = sum(1 for t in self._heard if t != trainer and not leased[t])
         if not waiting:
             return available
-        held = ledger.leased_to(trainer)
+        held = leased[trainer]
         return max(0 if held else 1, -(-(available + held) // (1 + waiting)) - held)
