@@ -89,18 +89,42 @@ def test_a_report_whose_sample_count_is_not_the_microbatch_size_is_refused() -> 
     assert ledger.remaining == 1 and ledger.samples() == 4
 
 
-def test_the_count_of_open_microbatches_follows_every_report_loss_and_adoption() -> None:
+def test_what_is_open_and_leasable_follows_every_lease_report_loss_and_expiry() -> None:
+    """The ledger keeps its open count and free set as it goes; at every point they equal what
+    a scan of the step finds, through leases, renewals, releases, reports, losses, adoptions and
+    expiries, in a seeded random order."""
     rng = random.Random(3)
-    ledger = StepLedger(0, 12, 3)
-    peers = ["a", "b", "c"]
-    for _ in range(2000):
-        index, stage, peer = rng.randrange(12), rng.randrange(3), rng.choice(peers)
+    clock = FakeClock()
+    ledger = StepLedger(0, 12, 3, lease_timeout_s=5.0, clock=clock)
+    peers, trainers = ["a", "b", "c"], ["t1", "t2"]
+    for _ in range(3000):
+        index, stage = rng.randrange(12), rng.randrange(3)
+        peer, trainer = rng.choice(peers), rng.choice(trainers)
         op = rng.random()
-        if op < 0.5:
-            ledger.report("t", 0, index, {stage: peer}, None, 4)
-        elif op < 0.8:
+        if op < 0.25:
+            exclude = set(rng.sample(range(12), 2))
+            want = ledger.leasable(exclude)
+            got = ledger.lease(trainer, rng.randrange(4), exclude=exclude)
+            assert not {t.index for t in got} & exclude and len(got) <= want
+        elif op < 0.45:
+            ledger.report(trainer, 0, index, {stage: peer}, None, 4)
+        elif op < 0.55:
+            ledger.renew(trainer, [index])
+        elif op < 0.62:
+            ledger.release(trainer, [index] if rng.random() < 0.7 else None)
+        elif op < 0.75:
             ledger.lose(peer, stage if rng.random() < 0.5 else None)
-        else:
+        elif op < 0.85:
             ledger.adopt(stage, peer, [index], {index}, 4)
+        else:
+            clock.advance(rng.choice([0.5, 2.0, 6.0]))
+        now = clock.now()
+        free = {
+            i
+            for i, stages in ledger._needed.items()
+            if stages and not ((held := ledger._leases.get(i)) and held.expires > now)
+        }
+        assert ledger.leasable() == len(free)
         recount = sum(1 for stages in ledger._needed.values() if stages)
         assert ledger.remaining == recount and ledger.complete == (recount == 0)
+        assert ledger._free == free

@@ -17,6 +17,7 @@ holding one gradient too many.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -61,6 +62,12 @@ class StepLedger:
         self._open = self.microbatches if self.stages else 0
         self._holders: dict[tuple[int, int], str] = {}  # (index, stage) -> peer
         self._leases: dict[int, _Lease] = {}
+        # The microbatches `lease` may give: needed somewhere, and not under a live lease. Kept
+        # as leases are taken, given back, reported and expire (`_expiring`: (expiry, index) of
+        # every lease taken or renewed, stale entries skipped), so that a lease call costs the
+        # tasks it gives, not a scan of the step.
+        self._free: set[int] = set(range(self.microbatches)) if self.stages else set()
+        self._expiring: list[tuple[float, int]] = []
         self._returned: set[int] = set()  # given back since their receipts were last checked
         self._loss: dict[int, float] = {}
         self._samples: dict[int, int] = {}
@@ -69,29 +76,43 @@ class StepLedger:
     def lease(self, trainer: str, count: int, exclude: Collection[int] = ()) -> list[Task]:
         """Up to `count` tasks for `trainer`: microbatches that still need a stage and are not
         leased to anyone else (or whose lease expired), nor in `exclude`."""
-        now, tasks = self.clock.now(), list[Task]()
-        for index in sorted(self._needed):
+        now, tasks = self._expire(), list[Task]()
+        if count <= 0:
+            return tasks
+        for index in heapq.nsmallest(count + len(exclude), self._free):
             if len(tasks) >= count:
                 break
-            stages = self._needed[index]
-            held = self._leases.get(index)
-            if not stages or (held and held.expires > now) or index in exclude:
-                continue  # a trainer's own lease included
-            self._leases[index] = _Lease(trainer, now + self.lease_timeout_s)
+            if index in exclude:
+                continue
+            self._hold(index, _Lease(trainer, now + self.lease_timeout_s))
             self._returned.discard(index)
-            tasks.append(Task(self.step, index, frozenset(stages)))
+            tasks.append(Task(self.step, index, frozenset(self._needed[index])))
         return tasks
 
     def leasable(self, exclude: Collection[int] = ()) -> int:
         """How many tasks `lease` could give now."""
+        self._expire()
+        return len(self._free) - sum(1 for index in set(exclude) if index in self._free)
+
+    def _expire(self) -> float:
+        """Return to `_free` what a lease that ran out held; returns now."""
         now = self.clock.now()
-        return sum(
-            1
-            for index, stages in self._needed.items()
-            if stages
-            and index not in exclude
-            and not ((held := self._leases.get(index)) and held.expires > now)
-        )
+        while self._expiring and self._expiring[0][0] <= now:
+            expires, index = heapq.heappop(self._expiring)
+            held = self._leases.get(index)
+            if held is not None and held.expires == expires and self._needed[index]:
+                self._free.add(index)
+        return now
+
+    def _hold(self, index: int, lease: _Lease) -> None:
+        self._leases[index] = lease
+        self._free.discard(index)
+        heapq.heappush(self._expiring, (lease.expires, index))
+
+    def _unhold(self, index: int) -> None:
+        del self._leases[index]
+        if self._needed[index]:
+            self._free.add(index)
 
     def leased_to(self, trainer: str) -> int:
         """How many unexpired leases `trainer` holds on microbatches still needed."""
@@ -116,7 +137,7 @@ class StepLedger:
             held = self._leases.get(index)
             if held is None or held.trainer != trainer or not self._needed.get(index):
                 continue  # released, reported, or leased to another: no longer this trainer's
-            held.expires = now + self.lease_timeout_s
+            self._hold(index, _Lease(trainer, now + self.lease_timeout_s))
             renewed.append(index)
         return renewed
 
@@ -191,16 +212,17 @@ class StepLedger:
         self._samples.setdefault(index, samples)
         lease = self._leases.get(index)
         if lease and lease.trainer == trainer:
-            del self._leases[index]
+            self._unhold(index)
             if self._needed[index]:  # stages left out (unsure where they landed): given back
                 self._returned.add(index)
         return extras
 
     def release(self, trainer: str, indices: Iterable[int] | None = None) -> None:
         """`trainer` gives up these leases (all of them by default): they can go to others."""
+        chosen = None if indices is None else set(indices)
         for index, lease in list(self._leases.items()):
-            if lease.trainer == trainer and (indices is None or index in set(indices)):
-                del self._leases[index]
+            if lease.trainer == trainer and (chosen is None or index in chosen):
+                self._unhold(index)
                 self._returned.add(index)
 
     # -- replicas -------------------------------------------------------------------------------
@@ -233,12 +255,18 @@ class StepLedger:
         stages = self._needed[index]
         if stage in stages:
             stages.discard(stage)
-            self._open -= not stages
+            if not stages:
+                self._open -= 1
+                self._free.discard(index)
 
     def _lost(self, index: int, stage: int) -> None:
         stages = self._needed[index]
         if stage not in stages:
-            self._open += not stages
+            if not stages:
+                self._open += 1
+                held = self._leases.get(index)
+                if held is None or held.expires <= self.clock.now():
+                    self._free.add(index)
             stages.add(stage)
 
     # -- the step -------------------------------------------------------------------------------
