@@ -16,6 +16,7 @@ from swarm import checkpoint
 from swarm.config import JobConfig
 from swarm.errors import Aborted, PeerUnavailable
 from swarm.lease import Task
+from swarm.progress import StepRecord
 from swarm.stage_state import initial_state
 from tests.support.coordinator import LEASE_S, Harness, job_of, until
 from tests.support.disks import fill, tiny_disk
@@ -498,3 +499,32 @@ async def test_a_half_applied_clipped_step_whose_coefficient_is_unknown_is_copie
     assert not a.called("apply")  # with a guessed coefficient it could differ from b's
     await until(lambda: len(h.coordinator.replicas()[0]) == 2)
     assert a.called("join") == ["fake:b"] and a.step == 1
+
+
+async def test_a_long_poll_never_cancels_the_commit_it_waited_on(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    """The scheduler's `on_step` publishes the step (a broker round trip) after the next step
+    has opened. A trainer long-polling meanwhile waits on that commit's task too; when its wait
+    ends, the commit must not be cancelled with the waiter's other futures: its `on_step` would
+    never finish (the scheduler's step announcements and metrics stayed at step 0)."""
+    job = job_of(tmp_path, steps=3)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm.add(0, "a"), swarm.add(1, "c")
+    release, finished = asyncio.Event(), list[int]()
+
+    async def publish(record: StepRecord) -> None:  # as the scheduler's: awaits the broker
+        await release.wait()
+        finished.append(record.step)
+
+    h = _harness(harnesses, job, swarm)
+    h.coordinator.on_step = publish
+    await h.coordinator.start()
+    tasks = await h.lease("A", 2)
+    poll = asyncio.create_task(h.coordinator.lease("B", 1, wait_s=5.0))  # nothing left: waits
+    await asyncio.sleep(0.01)
+    for task in tasks:
+        await h.run(task, trainer="A")  # the step commits; its on_step waits on the broker
+    assert [t.step for t in (await asyncio.wait_for(poll, 5)).tasks] == [1]  # step 1 opened
+    release.set()
+    await until(lambda: finished == [0])

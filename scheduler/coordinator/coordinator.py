@@ -244,13 +244,16 @@ class LocalCoordinator:
     async def _until_changed(self, changed: asyncio.Event, timeout: float) -> None:
         waiter = asyncio.ensure_future(changed.wait())
         waits: set[asyncio.Future[Any]] = {waiter, asyncio.ensure_future(self.finished.wait())}
-        if self._commit.task is not None:
-            waits.add(self._commit.task)  # its end may leave replays to lease (never cancelled)
+        commit = self._commit.task  # its end may leave replays to lease
+        if commit is not None:
+            waits.add(commit)
         try:
             await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
-                if w is not self._commit.task and not w.done():
+                # Never the commit, even once the step it committed is history: it may still
+                # be telling the world (`on_step`) after opening the next step.
+                if w is not commit and not w.done():
                     w.cancel()
 
     async def _check_receipts(self, ledger: StepLedger, returned: list[int]) -> None:
