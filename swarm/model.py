@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.config import JobConfig, ModelConfig
+from swarm.config import JobConfig, ModelConfig, verify_init
 from swarm.errors import ConfigError
+from swarm.hf import check_hf_config, read_hf
 
 __all__ = [
     "DTYPES",
@@ -259,16 +260,8 @@ def _build_layer(cfg: ModelConfig, index: int, seed: int) -> nn.Module:
 def _from_checkpoint(job: JobConfig, module: StageModule) -> None:
     """`module`'s parameters from `model.init_from` (only its layers' tensors are read), in
     float64 before the cast to the job's dtype, as a seeded initialisation would be."""
-    from swarm.config import init_sha256
-    from swarm.hf import check_hf_config, read_hf
-
-    cfg = job.model
+    cfg = verify_init(job).model  # a checkpoint changed since the job was pinned is refused
     assert cfg.init_from is not None
-    if cfg.init_sha256 is not None and init_sha256(cfg) != cfg.init_sha256:
-        raise ConfigError(
-            f"model.init_from = {str(cfg.init_from)!r} changed since the job was pinned to it "
-            f"(model.init_sha256 = {cfg.init_sha256!r}); restore it, or submit the job again"
-        )
     check_hf_config(cfg.init_from, cfg)
     state = read_hf(cfg.init_from, cfg, module.indices)
     own = module.state_dict()

@@ -114,10 +114,6 @@ class StepLedger:
         if self._needed[index]:
             self._free.add(index)
 
-    def leased_to(self, trainer: str) -> int:
-        """How many unexpired leases `trainer` holds on microbatches still needed."""
-        return self.leased()[trainer]
-
     def leased(self) -> Counter[str]:
         """Per trainer, its unexpired leases on microbatches still needed (one pass: a lease
         call asks this of every trainer heard from)."""
