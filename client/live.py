@@ -53,6 +53,8 @@ def status_lines(s: scheduler_pb2.JobStatus) -> list[str]:
         f"loss     {loss_text(s.loss)}",
         f"speed    {s.samples_per_second:.1f} samples/s",
     ]
+    if s.HasField("val_loss"):
+        lines.insert(4, f"val loss {loss_text(s.val_loss)} (after {s.val_step} steps)")
     lines += [f"message  {s.message}"] if s.message else []
     lines += [f"error    {s.error}"] if s.error else []
     for st in s.stages:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -30,7 +31,7 @@ from swarm.backoff import Backoff
 from swarm.bus import Bus, BusLike
 from swarm.clock import Clock, MonotonicClock
 from swarm.config import JobConfig
-from swarm.data import DataSource, make_data
+from swarm.data import VAL_STEP, DataSource, make_data, make_val_data
 from swarm.errors import ActivationsNotCached, Busy, PeerUnavailable, RemoteError, SwarmError
 from swarm.lease import Lease, LeaseSource, MicrobatchResult, Replica, Task
 from swarm.metrics import TrainerMetrics
@@ -81,6 +82,9 @@ class PipelineTrainer:
         self.job_id = job_id or job.fingerprint()
         self.trainer_id = trainer_id or f"trainer-{uuid.uuid4().hex[:8]}"
         self.data = data or make_data(job)
+        # Only a trainer given validation work reads the validation data (a job's file, or
+        # the tail of the data file), and it keeps it open from then on.
+        self._val_data: DataSource | None = None
         self.metrics = metrics or TrainerMetrics(self.job_id)
         # A lease with no work waits at the coordinator up to this long (a long poll), and at
         # most a third of the lease timeout: each lease renews the leases of the work in flight.
@@ -107,6 +111,12 @@ class PipelineTrainer:
             OrderedDict()
         )
         self._boundary_bytes = 0
+
+    @property
+    def val_data(self) -> DataSource:
+        if self._val_data is None:
+            self._val_data = make_val_data(self.job)
+        return self._val_data
 
     async def close(self) -> None:
         await self._retiring.close()
@@ -437,7 +447,42 @@ class PipelineTrainer:
         loss = result.loss_sum if last in holders else None
         return MicrobatchResult(step, index, holders, loss, int(ids.shape[0]))
 
+    async def _evaluate(self, task: Task) -> MicrobatchResult:
+        """A validation microbatch: forward only through every stage (on either data plane), its
+        loss reported; nothing accumulates, so any failed hop is simply tried elsewhere."""
+        step, index = task.step, task.index
+        ids, labels = self.val_data.microbatch(
+            VAL_STEP, index - self.job.training.microbatches_per_step
+        )
+        inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
+        last = self.job.training.stages - 1
+        if self.job.runtime.data_plane == "push":
+            route, timeout = self._routes, self.job.runtime.rpc_timeout_s * (last + 1)
+            _, pushed = await self._hop(
+                0,
+                lambda c: c.push(
+                    step,
+                    index,
+                    inputs,
+                    targets,
+                    [],
+                    route,
+                    need_grad_inputs=False,
+                    timeout=timeout,
+                    evaluate=True,
+                ),
+            )
+            loss = pushed.loss_sum
+        else:
+            x: TensorLike = inputs
+            for k in range(last):
+                _, x = await self._hop(k, functools.partial(_forward_only, step, index, x))
+            _, loss = await self._hop(last, lambda c: c.evaluate(step, index, x, targets))
+        return MicrobatchResult(step, index, {}, loss, int(ids.shape[0]))
+
     async def _microbatch(self, task: Task) -> MicrobatchResult:
+        if task.evaluate:
+            return await self._evaluate(task)
         if self.job.runtime.data_plane == "push":
             return await self._push(task)
         if len(task.stages) < self.job.training.stages:  # a replay
@@ -489,6 +534,12 @@ class PipelineTrainer:
                 holders[k] = holder
             grad = result.grad_inputs if result is not None else None
         return MicrobatchResult(step, index, holders, loss, int(ids.shape[0]))
+
+
+async def _forward_only(
+    step: int, index: int, inputs: TensorLike, client: StageClient
+) -> tensor_pb2.Tensor:
+    return await client.forward(step, index, inputs, evaluate=True)
 
 
 def _may_have_landed(error: SwarmError) -> bool:

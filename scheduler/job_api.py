@@ -104,6 +104,8 @@ def job_status(record: JobRecord, control: JobControl) -> scheduler_pb2.JobStatu
         steps=record.steps,
         loss=record.loss,  # NaN before the first step
         first_loss=record.first_loss,
+        val_loss=record.val_loss if record.val_step >= 0 else None,
+        val_step=max(record.val_step, 0),
         error=record.error,
         message=record.message,
         stages=control.stages(record.id) if live else [],
@@ -166,14 +168,19 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if job.data.kind in FILE_DATA:
                 assert job.data.path is not None  # required for file data
                 real = self._under_data_root(job.data.path, "data.path")
+                val = job.data.val_path
+                if val is not None:
+                    val = self._under_data_root(val, "data.val_path")
                 # Off the event loop: hashing a large file would stall every other call.
                 checked = await asyncio.to_thread(
-                    verify_data, replace(job, data=replace(job.data, path=real))
+                    verify_data, replace(job, data=replace(job.data, path=real, val_path=val))
                 )
                 assert checked.data.sha256 is not None
                 # Pinned into the stored spec: a remote trainer, or this scheduler after a
                 # restart, refuses a file whose contents changed since.
                 spec = pin_data(spec, checked.data.sha256)
+                if checked.data.val_sha256 is not None:
+                    spec = pin(spec, "data", "val_sha256", checked.data.val_sha256)
             if job.model.init_from is not None:  # the initial checkpoint: read and pinned alike
                 real = self._under_data_root(job.model.init_from, "model.init_from")
                 model = replace(job.model, init_from=real)

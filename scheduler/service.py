@@ -375,6 +375,20 @@ class Scheduler:
 
     async def _train(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
         async def committed(record: StepRecord) -> None:
+            if record.val_loss is not None:
+                log.info(
+                    "job %s validation loss %.4f after %d steps",
+                    job_id,
+                    record.val_loss,
+                    record.step,
+                )
+                try:
+                    self.store.record_eval(job_id, record.step, record.val_loss)
+                except StoreError as e:  # a full disk: the next evaluation says it anew
+                    log.error("job %s: %s", job_id, e)
+            if record.final_evaluation:
+                await self._announce(job_id)
+                return
             try:
                 self.store.record_step(
                     job_id, record.step, record.loss, record.samples, record.seconds
@@ -391,6 +405,7 @@ class Scheduler:
                     loss=record.loss,
                     samples=record.samples,
                     time=time.time(),
+                    val_loss=record.val_loss,
                 ),
                 retain=True,
             )

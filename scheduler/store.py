@@ -61,10 +61,21 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (job, step)
         )""",
     ),
+    (  # evaluations: the validation loss of the parameters after `step` updates
+        """CREATE TABLE evals (
+            job TEXT NOT NULL REFERENCES jobs (id), step INTEGER NOT NULL, val_loss REAL,
+            time REAL NOT NULL, PRIMARY KEY (job, step)
+        )""",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
-# A job record's columns: the row, and the loss of its step 0 (what `swarm demo` starts from).
-_COLUMNS = "*, (SELECT loss FROM steps WHERE steps.job = jobs.id AND steps.step = 0) AS first_loss"
+# A job record's columns: the row, the loss of its step 0 (what `swarm demo` starts from), and
+# its newest evaluation.
+_LAST_EVAL = "FROM evals WHERE evals.job = jobs.id ORDER BY evals.step DESC LIMIT 1"
+_COLUMNS = (
+    "*, (SELECT loss FROM steps WHERE steps.job = jobs.id AND steps.step = 0) AS first_loss, "
+    f"(SELECT val_loss {_LAST_EVAL}) AS val_loss, (SELECT step {_LAST_EVAL}) AS val_step"
+)
 
 
 class StoreError(SwarmError):
@@ -86,6 +97,8 @@ class JobRecord:
     created: float  #: unix seconds
     updated: float  #: unix seconds
     first_loss: float = math.nan  #: loss of step 0; NaN before it
+    val_loss: float = math.nan  #: validation loss at the newest evaluation; NaN before one
+    val_step: int = -1  #: the updates the evaluated parameters had; -1 before an evaluation
 
     @property
     def finished(self) -> bool:
@@ -105,6 +118,7 @@ class StepRow:
 # Aliases: inside JobStore, `list` names its method, not the builtin.
 Records = list[JobRecord]
 Steps = list[StepRow]
+Evals = list[tuple[int, float]]
 
 
 def _loss(value: float | None) -> float:
@@ -280,6 +294,33 @@ class JobStore:
             )
         return bool(inserted)
 
+    def record_eval(self, job_id: str, step: int, val_loss: float) -> None:
+        """Record the validation loss of the parameters after `step` updates (idempotent, as
+        `record_step`: a retried record keeps the first)."""
+        job = self._require(job_id)
+        if not 0 <= step <= job.steps:
+            raise InvalidArgument(
+                f"evaluation at step {step} of job {job_id!r}: outside 0..{job.steps}"
+            )
+        try:
+            with self._tx():
+                self._db.execute(
+                    "INSERT OR IGNORE INTO evals VALUES (?, ?, ?, ?)",
+                    (job_id, step, val_loss, self._clock()),
+                )
+        except sqlite3.Error as e:
+            raise StoreError(
+                f"evaluation at step {step} of job {job_id!r} not recorded in "
+                f"{str(self.path)!r} ({e})"
+            ) from e
+
+    def evals(self, job_id: str) -> Evals:
+        """The job's evaluations in order: (step, validation loss)."""
+        rows = self._db.execute(
+            "SELECT step, val_loss FROM evals WHERE job = ? ORDER BY step", (job_id,)
+        )
+        return [(r["step"], _loss(r["val_loss"])) for r in rows]
+
     def rewind(self, job_id: str, step: int) -> None:
         """Forget steps `step..` (a rollback to the checkpoint after step `step - 1`)."""
         self._require(job_id)
@@ -288,6 +329,8 @@ class JobStore:
             del kept[later]
         with self._tx():
             self._db.execute("DELETE FROM steps WHERE job = ? AND step >= ?", (job_id, step))
+            # The parameters after `step` updates are the checkpoint's: their evaluation holds.
+            self._db.execute("DELETE FROM evals WHERE job = ? AND step > ?", (job_id, step))
             self._db.execute(
                 "UPDATE jobs SET step = ?, updated = ?, loss = (SELECT loss FROM steps"
                 " WHERE job = ? AND step = ?) WHERE id = ?",
@@ -322,7 +365,8 @@ class JobStore:
     def _record(row: sqlite3.Row) -> JobRecord:
         d = dict(row)
         d["loss"], d["state"] = _loss(d["loss"]), cast(JobState, d["state"])
-        d["first_loss"] = _loss(d["first_loss"])
+        d["first_loss"], d["val_loss"] = _loss(d["first_loss"]), _loss(d["val_loss"])
+        d["val_step"] = -1 if d["val_step"] is None else d["val_step"]
         return JobRecord(**d)
 
 

@@ -93,9 +93,11 @@ class Downstream:
         *,
         need_grad: bool,
         deadline: float,
+        evaluate: bool = False,
     ) -> Pushed:
         """Send `outputs` on to the next stage (tries on others as above); raises
-        `PeerUnavailable` when no replica of it gave what this replica needs."""
+        `PeerUnavailable` when no replica of it gave what this replica needs (`evaluate`: a
+        validation microbatch, whose loss it needs)."""
         stage = self.stage + 1
         if not route:
             raise PeerUnavailable(f"stage {stage}: the request named no replica of it")
@@ -124,6 +126,7 @@ class Downstream:
                     route[1:],
                     need_grad_inputs=need_grad,
                     timeout=left,
+                    evaluate=evaluate,
                 )
             except Busy as e:  # its queue is full: not its fault, try another
                 pool.busy(peer, samples)
@@ -142,7 +145,7 @@ class Downstream:
                     )
                     uncertain.update(accumulate)
                     accumulate = []
-                if not need_grad:
+                if not (need_grad or evaluate):
                     return Pushed(None, [], uncertain)
                 continue
             queued = result.queued_seconds

@@ -129,8 +129,15 @@ class StageRuntime:
         # Token ids are not differentiable; hidden states become leaves whose .grad we return.
         return inputs if self.is_first else inputs.detach().requires_grad_(True)
 
-    def forward(self, step: int, index: int, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, step: int, index: int, inputs: torch.Tensor, *, evaluate: bool = False
+    ) -> torch.Tensor:
+        """The stage's outputs; kept with their graph for this microbatch's Backward, unless
+        `evaluate` (a validation microbatch: no Backward follows, no graph is built)."""
         self._check_step(step)
+        if evaluate:
+            with torch.no_grad(), precision(self.job, self.device):
+                return self.module(self._check_inputs(inputs))
         x = self._leaf(self._check_inputs(inputs))
         with torch.enable_grad(), precision(self.job, self.device):
             out = self.module(x)
@@ -190,6 +197,17 @@ class StageRuntime:
             loss = loss_sum(self.module(x), y)
         grad_x, receipt = self._backprop(step, index, x, loss, None, accumulate, need_grad_inputs)
         return float(loss.detach()), grad_x, receipt
+
+    def evaluate(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The last stage's loss sum of a validation microbatch: forward only, nothing kept,
+        nothing accumulated."""
+        if not self.is_last:
+            raise InvalidArgument(f"the loss is the last stage's; this is stage {self.stage}")
+        self._check_step(step)
+        x = self._check_inputs(inputs)
+        y = self._check_targets(targets, x)
+        with torch.no_grad(), precision(self.job, self.device):
+            return float(loss_sum(self.module(x), y))
 
     def _backprop(
         self,

@@ -209,7 +209,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             reply = self._reply_codec(h.reply_codec)
             maybe_die(Point.FORWARD, h.microbatch.step)
             out, queued = await self._compute_queued(
-                self.runtime.forward, h.microbatch.step, h.microbatch.index, inputs
+                self.runtime.forward,
+                h.microbatch.step,
+                h.microbatch.index,
+                inputs,
+                evaluate=h.evaluate,
             )
             return pb.StageForwardResponse(
                 tensors=self._encode(out, "outputs", reply), queued_seconds=queued
@@ -251,6 +255,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             inputs, targets = self._need(tensors, "inputs", "targets")
             reply = self._reply_codec(h.reply_codec)
             maybe_die(Point.FORWARD, h.microbatch.step)
+            if h.evaluate:
+                loss, queued = await self._compute_queued(
+                    self.runtime.evaluate, h.microbatch.step, inputs, targets
+                )
+                return pb.StageForwardBackwardResponse(loss_sum=loss, queued_seconds=queued)
             (loss, grad, receipt), queued = await self._compute_queued(
                 self.runtime.forward_backward,
                 h.microbatch.step,
@@ -282,6 +291,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             here, backward = rt.stage in h.accumulate, rt.job.compression.backward
             reply = codec.codec_from_name(backward)
             maybe_die(Point.FORWARD, step)
+            if h.evaluate:
+                return await self._push_evaluation(h, inputs, targets, context)
             if rt.is_last:
                 (loss, grad, receipt), queued = await self._compute_queued(
                     rt.forward_backward,
@@ -342,6 +353,37 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         for msg in self._split(await self._serving.run("Push", context, body)):
             yield msg
+
+    async def _push_evaluation(
+        self,
+        h: pb.StagePushRequest,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        context: grpc.aio.ServicerContext,
+    ) -> pb.StagePushResponse:
+        """A validation microbatch on the push plane: forward here, on to the next stage, the
+        last stage's loss back; nothing kept, nothing accumulated."""
+        rt, step = self.runtime, h.microbatch.step
+        if rt.is_last:
+            loss, queued = await self._compute_queued(rt.evaluate, step, inputs, targets)
+            return pb.StagePushResponse(loss_sum=loss, queued_seconds=queued)
+        assert self._downstream is not None
+        outputs, queued = await self._compute_queued(
+            rt.forward, step, h.microbatch.index, inputs, evaluate=True
+        )
+        left = context.time_remaining()
+        pushed = await self._downstream.push(
+            step,
+            h.microbatch.index,
+            outputs,
+            targets,
+            [],
+            list(h.route),
+            need_grad=False,
+            deadline=time.monotonic() + (left or rt.job.runtime.rpc_timeout_s) * 0.9,
+            evaluate=True,
+        )
+        return pb.StagePushResponse(loss_sum=pushed.loss_sum, queued_seconds=queued)
 
     async def Commit(
         self, request: pb.StageCommitRequest, context: grpc.aio.ServicerContext

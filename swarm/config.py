@@ -200,14 +200,28 @@ class DataConfig(_Section):
     # Hex sha256 of the data file's bytes. Filled in at load so the fingerprint names the data
     # that was checked then (and travels without the file); set it in a job file to pin the data.
     sha256: str | None = None
+    #: share of the data file held out at its end for evaluation (fraction; 0: none held out)
+    val_fraction: float = _f(0.0, UNIT)
+    #: a validation file of the same kind (relative to the job file's directory); evaluation
+    #: reads it instead of the data file's tail
+    val_path: Path | None = None
+    val_sha256: str | None = None  # as `sha256`, for `val_path`
 
     def _validate(self) -> None:
         if self.kind in FILE_DATA and self.path is None:
             raise ConfigError(
                 f'data.path is required when data.kind = "{self.kind}"; use a path string'
             )
-        if self.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
-            raise _fail("data.sha256", self.sha256, "64 lowercase hex digits")
+        for key in ("sha256", "val_sha256"):
+            value = getattr(self, key)
+            if value is not None and not re.fullmatch(r"[0-9a-f]{64}", value):
+                raise _fail(f"data.{key}", value, "64 lowercase hex digits")
+        if self.kind not in FILE_DATA and (self.val_fraction or self.val_path is not None):
+            key = "val_fraction" if self.val_fraction else "val_path"
+            allowed = 'unset: a validation split needs data.kind = "text" or "tokens"'
+            raise _fail(f"data.{key}", getattr(self, key), allowed)
+        if self.val_fraction and self.val_path is not None:
+            raise _fail("data.val_fraction", self.val_fraction, "unset when data.val_path is set")
 
 
 @dataclass(frozen=True)
@@ -229,6 +243,10 @@ class TrainingConfig(_Section):
     #: largest L2 norm of the whole model's averaged gradient (all stages); larger ones are
     #: scaled down to it before the optimizer step (0 = no clipping)
     grad_clip: float = _f(0.0, GE0)
+    #: steps between evaluations of the validation loss (0 = never); the parameters after
+    #: every multiple of it, and the final ones, are evaluated
+    eval_every: int = _f(0, GE0)
+    eval_microbatches: int = _f(4, GE1)  #: fixed validation microbatches per evaluation (count)
 
     @property
     def microbatches_per_step(self) -> int:
@@ -380,7 +398,10 @@ class JobConfig:
         data: dict[str, Any] = {"kind": self.data.kind}
         if self.data.kind in FILE_DATA:
             data["sha256"] = self.data.sha256 or data_sha256(self)
-        d["training"].pop("checkpoint_every")
+        for key in ("checkpoint_every", "eval_every", "eval_microbatches"):
+            d["training"].pop(key)  # when and how much is evaluated changes no parameter
+        if self.data.val_fraction:  # the held-out tail is not trained on
+            data["val_fraction"] = self.data.val_fraction
         if self.model.init_from is not None:  # the weights count, not where they lie
             d["model"]["init_from"] = None
             d["model"]["init_sha256"] = self.model.init_sha256 or init_sha256(self.model)
@@ -415,11 +436,11 @@ _DEFAULTS = {
 }
 
 
-def data_sha256(job: JobConfig) -> str:
-    """Hex sha256 of the data file, checked: exists, longer than one sample, and UTF-8 (text) or
-    whole token ids (tokens). Read in chunks, so a large file costs time (call it off an event
-    loop) but not its size in memory."""
-    path, need, text = job.data.path, job.model.seq_len + 1, job.data.kind == "text"
+def data_sha256(job: JobConfig, key: str = "path") -> str:
+    """Hex sha256 of the data file (`data.<key>`: the training file, or `val_path`), checked:
+    exists, longer than one sample, and UTF-8 (text) or whole token ids (tokens). Read in chunks,
+    so a large file costs time (call it off an event loop) but not its size in memory."""
+    path, need, text = getattr(job.data, key), job.model.seq_len + 1, job.data.kind == "text"
     width = 1 if text else token_width(job.model.vocab_size)
     allowed = (
         f"a UTF-8 text file longer than model.seq_len + 1 = {need} bytes"
@@ -446,7 +467,7 @@ def data_sha256(job: JobConfig) -> str:
     elif not problem and size // width <= need:
         problem = f"has {size} bytes"
     if problem:
-        raise ConfigError(f"data.path = {_show(path)} {problem}; use {allowed}")
+        raise ConfigError(f"data.{key} = {_show(path)} {problem}; use {allowed}")
     return digest.hexdigest()
 
 
@@ -500,15 +521,20 @@ def verify_data(job: JobConfig) -> JobConfig:
     file changed since. Reads the whole file: off the event loop in a server."""
     if job.data.kind not in FILE_DATA:
         return job
-    digest = data_sha256(job)
-    if job.data.sha256 not in (None, digest):
-        raise ConfigError(
-            f"data.sha256 = {_show(job.data.sha256)} is not the file's sha256 {_show(digest)} "
-            f"(data.path = {_show(job.data.path)}): the data changed since the job was pinned "
-            "to it (a scheduler pins it at submit); restore the file, or give the new hash "
-            "(submit the job again)"
-        )
-    return replace(job, data=replace(job.data, sha256=digest))
+    pinned: dict[str, Any] = {}
+    for path, key in (("path", "sha256"), ("val_path", "val_sha256")):
+        if getattr(job.data, path) is None:
+            continue
+        digest, want = data_sha256(job, path), getattr(job.data, key)
+        if want not in (None, digest):
+            raise ConfigError(
+                f"data.{key} = {_show(want)} is not the file's sha256 {_show(digest)} "
+                f"(data.{path} = {_show(getattr(job.data, path))}): the data changed since the "
+                "job was pinned to it (a scheduler pins it at submit); restore the file, or give "
+                "the new hash (submit the job again)"
+            )
+        pinned[key] = digest
+    return replace(job, data=replace(job.data, **pinned))
 
 
 S = TypeVar("S", bound=_Section)
@@ -566,9 +592,10 @@ def _parse(text: str, base_dir: Path, name: str, source: str, check_data: bool =
         doc["compression"] = {**table, "wire": "bf16"}
     built = {s: _build(c, doc.get(s, {})) for s, c in SECTIONS.items()}
     job = JobConfig(name=doc.get("name", name), **built)  # type: ignore[arg-type]
-    path = job.data.path
-    if path is not None and not path.is_absolute():
-        job = replace(job, data=replace(job.data, path=(base_dir / path).resolve()))
+    for key in ("path", "val_path"):
+        path = getattr(job.data, key)
+        if path is not None and not path.is_absolute():
+            job = replace(job, data=replace(job.data, **{key: (base_dir / path).resolve()}))
     init = job.model.init_from
     if init is not None and not init.is_absolute():
         job = replace(job, model=replace(job.model, init_from=(base_dir / init).resolve()))

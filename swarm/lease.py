@@ -30,11 +30,13 @@ __all__ = [
 @dataclass(frozen=True)
 class Task:
     """Run microbatch `(step, index)` and add its gradient at `stages` (all of them, unless this
-    is a replay)."""
+    is a replay); or, `evaluate`, run validation microbatch `index` forward only and report its
+    loss (the parameters of `step` are evaluated; nothing is accumulated)."""
 
     step: int
     index: int
     stages: frozenset[int]
+    evaluate: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class MicrobatchResult:
     holders: dict[int, str]  # stage -> peer that accumulated the gradient there
     loss_sum: float | None  # None when the last stage was not accumulated (a replay)
     samples: int
+    # A validation microbatch (`Task.evaluate`) reports its loss and no holders; the ledger
+    # knows it by its index, past the step's training microbatches.
 
 
 # (step, index): a microbatch a trainer is still working on, named in a lease to renew it
@@ -103,7 +107,8 @@ def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
         step=lease.step,
         done=lease.done,
         tasks=[
-            spb.LeaseTask(step=t.step, index=t.index, stages=sorted(t.stages)) for t in lease.tasks
+            spb.LeaseTask(step=t.step, index=t.index, stages=sorted(t.stages), evaluate=t.evaluate)
+            for t in lease.tasks
         ],
         replicas=[
             spb.StageStatus(
@@ -122,7 +127,7 @@ def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
     return Lease(
         step=msg.step,
         done=msg.done,
-        tasks=[Task(t.step, t.index, frozenset(t.stages)) for t in msg.tasks],
+        tasks=[Task(t.step, t.index, frozenset(t.stages), t.evaluate) for t in msg.tasks],
         replicas=[
             [Replica(r.peer, r.address, r.samples_per_second) for r in s.replicas]
             for s in msg.replicas

@@ -8,6 +8,7 @@ names and status codes, which is how Prometheus expects per-method latency to be
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -281,6 +282,12 @@ class CoordinatorFamilies:
             ["job"],
             registry=registry,
         )
+        self.val_loss = Gauge(
+            "swarm_coordinator_val_loss",
+            "Validation loss at the last evaluation (training.eval_every); NaN before the first",
+            ["job"],
+            registry=registry,
+        )
 
     def remove(self, job: str) -> None:
         """`job` ended: remove its series."""
@@ -292,6 +299,7 @@ class CoordinatorFamilies:
             self.last_commit,
             self.tokens,
             self.grad_norm,
+            self.val_loss,
         ):
             family.remove(job)  # absent: nothing to do
 
@@ -314,3 +322,5 @@ class CoordinatorMetrics:
         self.last_commit = f.last_commit.labels(job=job)
         self.grad_norm = f.grad_norm.labels(job=job)
         self.tokens = f.tokens.labels(job=job)
+        self.val_loss = f.val_loss.labels(job=job)
+        self.val_loss.set(math.nan)

@@ -22,6 +22,14 @@ class StepRecord:
     seconds: float
     tokens: int = 0  # the step's tokens trained on (samples x seq_len)
     grad_norm: float | None = None  # the whole model's averaged gradient, before clipping
+    # The validation loss of the parameters this step trained from (after `step` updates), on
+    # the steps `training.eval_every` names. The final evaluation, of the trained parameters,
+    # is a record of its own: step = training.steps, no samples, no loss.
+    val_loss: float | None = None
+
+    @property
+    def final_evaluation(self) -> bool:
+        return self.samples == 0 and self.val_loss is not None
 
     @property
     def samples_per_second(self) -> float:
@@ -54,19 +62,29 @@ class StepLog:
             dynamic_ncols=True,
         )
         self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115
+        self._shown: dict[str, str] = {}  # the last step's figures
+        self._val_loss: float | None = None  # the last evaluation's, shown until the next
 
     def advance_to(self, step: int) -> None:
         """Resuming at `step`: count the steps done before as done."""
         self._bar.update(max(0, step - self._bar.n))
 
     def __call__(self, record: StepRecord) -> None:
-        shown = {"loss": f"{record.loss:.4f}", "samples_s": f"{record.samples_per_second:.1f}"}
-        if record.tokens:
-            shown["tokens_s"] = f"{record.tokens_per_second:.0f}"
-        if record.grad_norm is not None:
-            shown["grad_norm"] = f"{record.grad_norm:.3g}"
-        self._bar.set_postfix(shown, refresh=False)
-        self._bar.update(1)
+        if record.val_loss is not None:
+            self._val_loss = record.val_loss
+        if record.final_evaluation:  # not a step: the bar shows it and stays where it is
+            self._bar.set_postfix({**self._shown, "val_loss": f"{self._val_loss:.4f}"})
+        else:
+            shown = {"loss": f"{record.loss:.4f}", "samples_s": f"{record.samples_per_second:.1f}"}
+            if record.tokens:
+                shown["tokens_s"] = f"{record.tokens_per_second:.0f}"
+            if record.grad_norm is not None:
+                shown["grad_norm"] = f"{record.grad_norm:.3g}"
+            self._shown = shown
+            if self._val_loss is not None:
+                shown = {**shown, "val_loss": f"{self._val_loss:.4f}"}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(1)
         if self._file:
             self._file.write(json.dumps(asdict(record)) + "\n")
             self._file.flush()

@@ -161,14 +161,18 @@ class StageClient:
         return pb.MicrobatchId(step=step, index=index)
 
     @_swarm_errors
-    async def forward(self, step: int, index: int, inputs: TensorLike) -> tensor_pb2.Tensor:
-        """The stage's outputs; the time the call waited at the replica is in `last_queued_s`."""
+    async def forward(
+        self, step: int, index: int, inputs: TensorLike, *, evaluate: bool = False
+    ) -> tensor_pb2.Tensor:
+        """The stage's outputs; the time the call waited at the replica is in `last_queued_s`.
+        `evaluate`: a validation microbatch, whose activations the replica need not keep."""
         request = pb.StageForwardRequest(
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
             tensors=[self._tensor(inputs, "inputs", self._forward)],
             reply_codec=self._forward,
+            evaluate=evaluate,
         )
         header, tensors = await self._call(self.stub.Forward, request)
         self.last_queued_s = header.queued_seconds
@@ -230,6 +234,22 @@ class StageClient:
         )
 
     @_swarm_errors
+    async def evaluate(
+        self, step: int, index: int, inputs: TensorLike, targets: TensorLike
+    ) -> float:
+        """The last stage's loss sum of validation microbatch `index` at `step`'s parameters."""
+        request = pb.StageForwardBackwardRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors=self._inputs_and_targets(inputs, targets),
+            evaluate=True,
+        )
+        header, _ = await self._call(self.stub.ForwardBackward, request)
+        self.last_queued_s = header.queued_seconds
+        return float(header.loss_sum)
+
+    @_swarm_errors
     async def push(
         self,
         step: int,
@@ -241,6 +261,7 @@ class StageClient:
         *,
         need_grad_inputs: bool,
         timeout: float,
+        evaluate: bool = False,
     ) -> PushResult:
         """The push data plane: this replica computes its stage and pushes the microbatch on
         through the stages `route` names (see `stage_server.pushing`), accumulating at the
@@ -253,6 +274,7 @@ class StageClient:
             accumulate=sorted(accumulate),
             route=list(route),
             need_grad_inputs=need_grad_inputs,
+            evaluate=evaluate,
         )
         header, received = await self._call(self.stub.Push, request, timeout)
         return PushResult(

@@ -21,6 +21,7 @@ from client.sdk import SchedulerClient
 from scheduler.discovery import sd_targets
 from swarm.procs import start_local_swarm
 from swarm.proto import control_pb2 as cpb
+from swarm.proto import scheduler_pb2
 from tests.support.jobs import write_job
 from tests.support.ports import free_address
 
@@ -68,6 +69,11 @@ def test_sd_lists_the_scheduler_and_each_peer_with_a_metrics_port() -> None:
 async def _submit(scheduler: str, job: Path) -> str:
     async with SchedulerClient(scheduler, timeout_s=30) as client:
         return str((await client.submit(job)).job)
+
+
+async def _status(scheduler: str, job: str) -> scheduler_pb2.JobStatus:
+    async with SchedulerClient(scheduler, timeout_s=30) as client:
+        return await client.get(job)
 
 
 async def _cancel(scheduler: str, job: str) -> None:
@@ -153,7 +159,13 @@ def test_prometheus_discovers_a_live_swarm_through_the_scheduler(tmp_path: Path)
         # Counted only when a hop fails, which none does here: the one series never scraped.
         expected = names - {"swarm_trainer_hop_failures_total"}
         job = asyncio.run(
-            _submit(swarm.address, write_job(tmp_path, training={"stages": 2, "steps": 10**6}))
+            _submit(
+                swarm.address,
+                write_job(
+                    tmp_path,
+                    training={"stages": 2, "steps": 10**6, "eval_every": 2, "eval_microbatches": 1},
+                ),
+            )
         )
         deadline, seen = time.monotonic() + 120, set[str]()
         while time.monotonic() < deadline and seen != expected:
@@ -163,8 +175,12 @@ def test_prometheus_discovers_a_live_swarm_through_the_scheduler(tmp_path: Path)
                 if _query(web, f'count(count_over_time({{__name__=~"{name}(_bucket)?"}}[10m]))')
             }
             time.sleep(1)
+        status = asyncio.run(_status(swarm.address, job))
         asyncio.run(_cancel(swarm.address, job))
         assert seen == expected, expected - seen
+        # The evaluations reached the job's record: `swarm status` shows the newest.
+        assert status.HasField("val_loss") and status.val_step % 2 == 0, status
+        assert 0 < status.val_loss < 10
         documented = set()  # the names docs/metrics.md lists, `a_{x,y}_b` spelt out
         text = (ROOT / "docs" / "metrics.md").read_text()  # braces inside a name, not labels:
         for name in re.findall(r"swarm_(?:[a-z_]|\{[a-z,]+\}(?=[a-z_]))+", text):

@@ -21,6 +21,7 @@ from swarm.faults import ENV, Fault, FaultPlan, Point
 from swarm.lease import Replica
 from swarm.procs import SwarmProcess, start_process, stop_all
 from swarm.progress import StepRecord
+from swarm.reference import train_local
 from tests.support.equality import assert_equal_to_local, local_state
 from tests.support.jobs import write_job
 
@@ -337,3 +338,42 @@ def test_a_recipe_job_stays_exact_through_a_kill_a_rejoin_and_a_rollback(tmp_pat
     ):
         far = max((state[k] - v).abs().max().item() for k, v in local_state(other).items())
         assert far > 1e-4, far
+
+
+@pytest.mark.parametrize("data_plane", ["push", "relay"])
+def test_a_llama_recipe_with_evaluations_stays_exact_through_a_kill(
+    tmp_path: Path, data_plane: str
+) -> None:
+    """The recipe of a real model (Llama blocks, warm-up then cosine, clipping that bites) on 4
+    stages of 2 replicas, evaluated every 3 steps: a replica of stage 2 dies at the first
+    forward of step 3, the step whose validation microbatches run beside its training ones. The
+    parameters and every validation loss equal `swarm local`'s."""
+    job = write_job(
+        tmp_path,
+        model={"kind": "llama", "n_heads": 2, "n_kv_heads": 1},
+        training={
+            "steps": 8,
+            "target_batch_size": 16,
+            "grad_clip": 0.3,
+            "eval_every": 3,
+            "eval_microbatches": 3,
+        },
+        optimizer={"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3},
+        runtime={"data_plane": data_plane},
+    )
+    servers = Servers(job, [2, 2, 2, 2], [Fault("s2r0", Point.FORWARD, 3)], tmp_path)
+    victim, records = servers.procs["s2r0"], list[StepRecord]()
+    try:
+        state, registry = _train(servers, records.append)
+    finally:
+        servers.stop()
+    assert victim.proc.returncode == -signal.SIGKILL
+    assert_equal_to_local(job, state, tol=1e-9)
+    reference = list[StepRecord]()
+    train_local(load_job(job), on_step=reference.append)
+    evals = [(r.step, r.val_loss) for r in records if r.val_loss is not None]
+    expected = [(r.step, r.val_loss) for r in reference if r.val_loss is not None]
+    assert [s for s, _ in evals] == [s for s, _ in expected] == [0, 3, 6, 8]
+    for (_, a), (_, b) in zip(evals, expected, strict=True):
+        assert a is not None and b is not None and abs(a - b) <= 1e-9 * b
+    assert _count(registry, "swarm_coordinator_val_loss") == evals[-1][1]

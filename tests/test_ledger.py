@@ -128,3 +128,43 @@ def test_what_is_open_and_leasable_follows_every_lease_report_loss_and_expiry() 
         recount = sum(1 for stages in ledger._needed.values() if stages)
         assert ledger.remaining == recount and ledger.complete == (recount == 0)
         assert ledger._free == free
+
+
+def test_validation_microbatches_are_leased_after_training_and_complete_the_step() -> None:
+    clock = FakeClock()
+    ledger = StepLedger(7, 2, 3, 10, clock, microbatch_size=4, evaluations=range(2, 4))
+    tasks = ledger.lease("a", 3)
+    assert tasks == [
+        Task(7, 0, frozenset({0, 1, 2})),
+        Task(7, 1, frozenset({0, 1, 2})),
+        Task(7, 2, frozenset(), evaluate=True),
+    ]
+    for index in (0, 1):
+        _all(ledger, "a", index, ["p0", "p1", "p2"])
+    assert not ledger.complete and ledger.remaining == 2
+    assert ledger.report("a", 7, 2, {}, loss_sum=None, samples=4) == []  # failed: given back
+    assert [t.index for t in ledger.lease("b", 5)] == [2, 3]
+    ledger.report("b", 7, 3, {}, loss_sum=6.0, samples=4)
+    assert not ledger.complete and ledger.val_loss() != ledger.val_loss()  # NaN: one missing
+    ledger.report("b", 7, 2, {}, loss_sum=2.0, samples=4)
+    ledger.report("a", 7, 2, {}, loss_sum=9.0, samples=4)  # a late second answer: ignored
+    assert ledger.complete and ledger.val_loss() == 8.0 / 8
+    # Nothing of theirs is a gradient: the step's samples, loss and holdings are training's.
+    assert ledger.samples() == 8 and ledger.loss() == 0.5 and ledger.holdings(0) == {"p0": [0, 1]}
+    assert ledger.lose("p1") == [0, 1] and ledger.remaining == 2
+
+
+def test_a_final_evaluation_is_a_ledger_of_validation_microbatches_only() -> None:
+    ledger = StepLedger(9, 0, 3, 10, FakeClock(), evaluations=range(4, 6))
+    assert not ledger.complete and ledger.val_loss() != ledger.val_loss()
+    assert [t.evaluate for t in ledger.lease("a", 5)] == [True, True]
+    for index in (4, 5):
+        ledger.report("a", 9, index, {}, loss_sum=1.0, samples=2)
+    assert ledger.complete and ledger.val_loss() == 0.5 and ledger.samples() == 0
+    with pytest.raises(ValueError, match="overlap"):
+        StepLedger(9, 4, 3, 10, FakeClock(), evaluations=range(3, 5))
+
+
+def test_a_step_without_evaluations_has_no_validation_loss() -> None:
+    ledger, _ = _ledger()
+    assert ledger.val_loss() is None

@@ -63,6 +63,8 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str, plane: str, 
             "target_batch_size": 24,
             "microbatch_size": 4,
             "checkpoint_every": 5,
+            "eval_every": 4,
+            "eval_microbatches": 2,
         },
         runtime={"max_in_flight": 4, "data_plane": plane},
         compression={"wire": "bf16" if mixed else "none"},
@@ -105,9 +107,19 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str, plane: str, 
         timeout=600,
     )
 
+    # Validation losses at steps 0, 4 and 8 (of the parameters each step trained from) and of
+    # the trained parameters (a record of its own, after step 9), as `swarm local` computes them.
+    swarm_evals, local_evals = (
+        [(r["step"], r["val_loss"]) for r in _records(tmp_path / log) if r["val_loss"] is not None]
+        for log in ("swarm.jsonl", "local.jsonl")
+    )
+    assert [s for s, _ in swarm_evals] == [s for s, _ in local_evals] == [0, 4, 8, 10]
+    assert swarm_evals[-1][1] < swarm_evals[0][1], "the validation loss should fall"
+    for (_, a), (_, b) in zip(swarm_evals, local_evals, strict=True):
+        assert abs(a - b) <= (1e-9 if dtype == "float64" else 1e-2 if mixed else 1e-4) * b
     swarm_records, local_records = (
-        _records(tmp_path / "swarm.jsonl"),
-        _records(tmp_path / "local.jsonl"),
+        [r for r in _records(tmp_path / log) if r["samples"]]
+        for log in ("swarm.jsonl", "local.jsonl")
     )
     swarm_losses, local_losses = ([r["loss"] for r in rs] for rs in (swarm_records, local_records))
     assert len(swarm_losses) == len(local_losses) == 10

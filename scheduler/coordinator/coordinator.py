@@ -142,18 +142,21 @@ class LocalCoordinator:
         if old is not None and old is not asyncio.current_task():
             old.cancel()  # a retry of a ledger that is history now would void live replicas
         t = self.job.training
-        if step >= self.steps:
+        evaluates = t.eval_every > 0 and (step % t.eval_every == 0 or step >= self.steps)
+        if step >= self.steps and not (evaluates and step == self.steps):
             self.ledger = None
             self.finished.set()
             self._wake()
             return
+        m = t.microbatches_per_step
         self.ledger = StepLedger(
             step,
-            t.microbatches_per_step,
+            m if step < self.steps else 0,  # after the last step: the final evaluation only
             t.stages,
             self.job.runtime.lease_timeout_s,
             self.clock,
             microbatch_size=t.microbatch_size,
+            evaluations=range(m, m + t.eval_microbatches) if evaluates else range(0),
         )
         self._commit, self._step_started = _Commit(), time.perf_counter()
         self._rollback_backoff.reset()
@@ -323,6 +326,10 @@ class LocalCoordinator:
         commit = self._commit
         if self.ledger is not ledger:
             return False  # a rollback or an earlier commit moved on: this ledger is history
+        if ledger.step >= self.steps:  # the final evaluation: nothing to commit
+            commit.applied = True
+            await self._next_step(ledger, 0)
+            return True
         try:
             if await self.two_phase.attempt(ledger, f"{ledger.step}/{commit.attempt}"):
                 commit.applied = True
@@ -371,9 +378,19 @@ class LocalCoordinator:
         self.metrics.last_commit.set(time.time())
         tokens = ledger.samples() * self.job.model.seq_len
         self.metrics.tokens.inc(tokens)
-        norm = self.two_phase.grad_norm
-        record = StepRecord(ledger.step, ledger.loss(), ledger.samples(), seconds, tokens, norm)
+        norm = self.two_phase.grad_norm if ledger.microbatches else None
+        val_loss = ledger.val_loss()
+        if val_loss is not None:
+            self.metrics.val_loss.set(val_loss)
+        record = StepRecord(
+            ledger.step, ledger.loss(), ledger.samples(), seconds, tokens, norm, val_loss
+        )
         step = ledger.step + 1
+        if not ledger.microbatches:  # the final evaluation: the job is done
+            self._open(step)
+            if self.on_step:
+                await _maybe_await(self.on_step(record))
+            return
         await self.membership.sync(step)
         if self.recovery.due(step):
             self.recovery.checkpoint(step, self.replicas())

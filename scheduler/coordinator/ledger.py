@@ -18,6 +18,7 @@ holding one gradient too many.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from swarm.clock import Clock, MonotonicClock
 from swarm.errors import InvalidArgument
 from swarm.lease import Task
 
-__all__ = ["Holding", "StepLedger"]
+__all__ = ["EVALUATED", "Holding", "StepLedger"]
+
+EVALUATED = -1  # what a validation microbatch needs in `_needed`: its loss, not a stage
 
 
 @dataclass(frozen=True)
@@ -53,24 +56,31 @@ class StepLedger:
     # Samples in every microbatch (swarm.data has no partial ones); a report of another count is
     # refused, since the step's gradient is divided by the samples reported. None: unchecked.
     microbatch_size: int | None = None
+    # Validation microbatches to evaluate at this step (the parameters the step trains from),
+    # by their task index: past the training ones, `microbatches_per_step + i` for the i-th.
+    evaluations: range = range(0)
 
     def __post_init__(self) -> None:
         every = frozenset(range(self.stages))
         self._needed: dict[int, set[int]] = {i: set(every) for i in range(self.microbatches)}
-        # How many of `_needed` still need a stage, kept by `_got` and `_lost` (every change of
-        # `_needed` goes through them): `complete` is asked on every report.
-        self._open = self.microbatches if self.stages else 0
+        if self.evaluations and self.evaluations.start < self.microbatches:
+            raise ValueError(f"evaluations {self.evaluations} overlap the training microbatches")
+        self._needed.update({i: {EVALUATED} for i in self.evaluations})
+        # How many of `_needed` still need something, kept by `_got` and `_lost` (every change
+        # of `_needed` goes through them): `complete` is asked on every report.
+        self._open = len(self._needed) if self.stages else 0
         self._holders: dict[tuple[int, int], str] = {}  # (index, stage) -> peer
         self._leases: dict[int, _Lease] = {}
         # The microbatches `lease` may give: needed somewhere, and not under a live lease. Kept
         # as leases are taken, given back, reported and expire (`_expiring`: (expiry, index) of
         # every lease taken or renewed, stale entries skipped), so that a lease call costs the
         # tasks it gives, not a scan of the step.
-        self._free: set[int] = set(range(self.microbatches)) if self.stages else set()
+        self._free: set[int] = set(self._needed) if self.stages else set()
         self._expiring: list[tuple[float, int]] = []
         self._returned: set[int] = set()  # given back since their receipts were last checked
         self._loss: dict[int, float] = {}
         self._samples: dict[int, int] = {}
+        self._val_loss: dict[int, tuple[float, int]] = {}  # index -> (loss sum, samples)
 
     # -- trainers -------------------------------------------------------------------------------
     def lease(self, trainer: str, count: int, exclude: Collection[int] = ()) -> list[Task]:
@@ -86,7 +96,10 @@ class StepLedger:
                 continue
             self._hold(index, _Lease(trainer, now + self.lease_timeout_s))
             self._returned.discard(index)
-            tasks.append(Task(self.step, index, frozenset(self._needed[index])))
+            if index in self.evaluations:
+                tasks.append(Task(self.step, index, frozenset(), evaluate=True))
+            else:
+                tasks.append(Task(self.step, index, frozenset(self._needed[index])))
         return tasks
 
     def leasable(self, exclude: Collection[int] = ()) -> int:
@@ -195,6 +208,14 @@ class StepLedger:
             )
         if step != self.step or index not in self._needed:
             return []
+        if index in self.evaluations:
+            if loss_sum is not None and index not in self._val_loss:
+                self._val_loss[index] = (loss_sum, samples)
+                self._got(index, EVALUATED)
+            lease = self._leases.get(index)
+            if lease and lease.trainer == trainer:
+                self._unhold(index)
+            return []
         extras = []
         for stage, peer in holders.items():
             current = self._holders.get((index, stage))
@@ -277,6 +298,16 @@ class StepLedger:
 
     def samples(self) -> int:
         return sum(self._samples.values())
+
+    def val_loss(self) -> float | None:
+        """The validation loss, as `loss`, summed in index order (as `swarm local` sums it); None
+        when this step evaluates nothing, NaN until every validation microbatch reported."""
+        if not self.evaluations:
+            return None
+        if len(self._val_loss) < len(self.evaluations):
+            return math.nan
+        losses = [self._val_loss[i] for i in self.evaluations]
+        return sum(loss for loss, _ in losses) / sum(n for _, n in losses)
 
     def loss(self) -> float:
         """Mean over the step's samples of each sample's mean token loss (over the microbatches

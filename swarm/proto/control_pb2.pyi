@@ -121,15 +121,17 @@ class JobAnnouncement(_message.Message):
     def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., spec: _Optional[str] = ..., error: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
 class StepCommitted(_message.Message):
-    __slots__ = ("job", "step", "loss", "samples", "time")
+    __slots__ = ("job", "step", "loss", "samples", "time", "val_loss")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     loss: float
     samples: int
     time: float
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
+    val_loss: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., time: _Optional[float] = ..., val_loss: _Optional[float] = ...) -> None: ...

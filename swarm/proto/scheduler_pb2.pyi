@@ -35,7 +35,7 @@ class StageStatus(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir", "first_loss")
+    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir", "first_loss", "val_loss", "val_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class JobStatus(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     BASE_DIR_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     state: _control_pb2.JobState
@@ -66,7 +68,9 @@ class JobStatus(_message.Message):
     spec: str
     base_dir: str
     first_loss: float
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ..., first_loss: _Optional[float] = ...) -> None: ...
+    val_loss: float
+    val_step: int
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ..., first_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., val_step: _Optional[int] = ...) -> None: ...
 
 class SchedulerSubmitJobRequest(_message.Message):
     __slots__ = ("spec", "base_dir")
@@ -133,14 +137,16 @@ class SchedulerExportModelResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class LeaseTask(_message.Message):
-    __slots__ = ("step", "index", "stages")
+    __slots__ = ("step", "index", "stages", "evaluate")
     STEP_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
     stages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ...) -> None: ...
+    evaluate: bool
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class MicrobatchRef(_message.Message):
     __slots__ = ("step", "index")

@@ -40,20 +40,22 @@ class Receipt(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., samples: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class StageForwardRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "evaluate")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     reply_codec: _tensor_pb2.Codec
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ...) -> None: ...
+    evaluate: bool
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class StageForwardResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "queued_seconds")
@@ -98,7 +100,7 @@ class StageBackwardResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., queued_seconds: _Optional[float] = ...) -> None: ...
 
 class StageForwardBackwardRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs", "evaluate")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class StageForwardBackwardRequest(_message.Message):
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
     ACCUMULATE_FIELD_NUMBER: _ClassVar[int]
     NEED_GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
@@ -115,7 +118,8 @@ class StageForwardBackwardRequest(_message.Message):
     reply_codec: _tensor_pb2.Codec
     accumulate: bool
     need_grad_inputs: bool
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ...) -> None: ...
+    evaluate: bool
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class StageForwardBackwardResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "receipt", "loss_sum", "queued_seconds")
@@ -142,7 +146,7 @@ class Route(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., throughput: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StagePushRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "accumulate", "route", "need_grad_inputs")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "accumulate", "route", "need_grad_inputs", "evaluate")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +155,7 @@ class StagePushRequest(_message.Message):
     ACCUMULATE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     NEED_GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
@@ -159,7 +164,8 @@ class StagePushRequest(_message.Message):
     accumulate: _containers.RepeatedScalarFieldContainer[int]
     route: _containers.RepeatedCompositeFieldContainer[Route]
     need_grad_inputs: bool
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., accumulate: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., need_grad_inputs: _Optional[bool] = ...) -> None: ...
+    evaluate: bool
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., accumulate: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class StagePushResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "receipts", "uncertain", "loss_sum", "queued_seconds")
