@@ -9,6 +9,7 @@ from pathlib import Path
 
 from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_token, env_default, token
+from swarm.tls import add_tls_flags
 
 __all__ = ["JOB_COMMANDS", "add_arguments", "run"]
 
@@ -74,6 +75,7 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
         help="the scheduler's job API, HOST:PORT",
     )
     add_token(p, _TOKEN_HELP)
+    add_tls_flags(p)
     p.add_argument(
         "--timeout",
         type=float,
@@ -101,6 +103,7 @@ def _trainer(p: argparse.ArgumentParser) -> None:
         "the swarm's MQTT broker (mqtt://HOST:PORT): the wiring follows the replicas' load reports",
     )
     add_token(p)
+    add_tls_flags(p)
     p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
     p.add_argument("--log", type=Path, help="write one JSON line per step here")
     p.add_argument(

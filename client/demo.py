@@ -118,9 +118,33 @@ async def _train(sw: LocalSwarm, job_path: Path, chaos: bool) -> int:
             f"job {final.job} succeeded: {final.step} steps, "
             f"loss {final.first_loss:.3f} -> {final.loss:.3f}"
         )
+        await _sample(sw, final.job, job_path)
         return 0
     print(f"job {final.job} {state_name(final.state)}: {final.error or final.message}")
     return 1
+
+
+async def _sample(sw: LocalSwarm, job_id: str, job_path: Path, prompt: str = "The Fox") -> None:
+    """What the trained model says: the job's model downloaded from its replicas, then text
+    sampled after `prompt` in this process (as `swarm generate` does with an export)."""
+    import torch
+
+    from swarm.generate import generate, text_codec
+    from swarm.model import build_model
+
+    job = load_job(job_path)
+    if job.data.kind != "text":
+        return  # token ids need the tokenizer they were made with: `swarm generate --tokenizer`
+    with tempfile.TemporaryDirectory() as tmp:
+        async with SchedulerClient(sw.address) as client:
+            await client.export(job_id, Path(tmp) / "model.pt")
+        state = torch.load(Path(tmp) / "model.pt")
+    model = build_model(job)
+    model.load_state_dict(state)
+    codec = text_codec()
+    ids = generate(model.eval(), codec.encode(prompt), seq_len=job.model.seq_len, tokens=120)
+    text = " ".join((prompt + codec.decode(ids)).split())  # on one line
+    print(f"a sample of what it learned (swarm generate does this with an export):\n  {text}")
 
 
 def run_demo(

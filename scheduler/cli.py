@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from swarm.flags import add_flag, add_token, token
+from swarm.tls import add_tls_flags
 
 __all__ = ["add_arguments", "run"]
 
@@ -52,6 +53,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         type=Path,
     )
     add_token(p)
+    add_tls_flags(p)
 
 
 def run(command: str, args: argparse.Namespace) -> int:

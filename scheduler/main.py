@@ -17,7 +17,7 @@ from scheduler.job_api import JobApiServicer
 from scheduler.service import Scheduler, SchedulerOptions, collector
 from scheduler.store import JobStore
 from swarm.addresses import announced_host, host_port
-from swarm.auth import server_interceptors
+from swarm.auth import add_port, server_interceptors
 from swarm.broker import EmbeddedBroker
 from swarm.bus import Bus
 from swarm.lifecycle import install_signal_handlers, print_ready
@@ -84,7 +84,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
             )
             health_servicer = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-            port = server.add_insecure_port(host_port(opts.host, opts.port))
+            port = add_port(server, host_port(opts.host, opts.port), "the scheduler")
             if port == 0:
                 raise SystemExit(f"cannot listen on {host_port(opts.host, opts.port)}")
             await server.start()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_token, token
+from swarm.tls import add_tls_flags
 
 __all__ = ["add_arguments", "run"]
 
@@ -26,6 +27,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_flag(p, "peer", "", "peer id, also its MQTT username (default: persisted in the cache dir)")
     add_token(p)
+    add_tls_flags(p)
     add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
     add_flag(
         p,

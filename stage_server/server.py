@@ -18,7 +18,7 @@ from stage_server.averaging import PoolServicer
 from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
 from swarm.addresses import announced_host, host_port
-from swarm.auth import server_interceptors
+from swarm.auth import add_port, server_interceptors
 from swarm.config import JobConfig, RuntimeConfig
 from swarm.errors import NotFound
 from swarm.lifecycle import install_signal_handlers, print_ready
@@ -111,7 +111,7 @@ async def start_grpc(
         options=grpc_options(max_message_bytes),
     )
     announce = announced_host(opts.host, opts.announce_host, "a stage server")
-    port = server.add_insecure_port(host_port(opts.host, opts.port))
+    port = add_port(server, host_port(opts.host, opts.port), "a stage server")
     if port == 0:
         raise SystemExit(f"cannot listen on {host_port(opts.host, opts.port)}")
     address = host_port(announce, port)

@@ -9,7 +9,8 @@ liveness probes and readiness waits need no secret; it reveals only SERVING/NOT_
 Client side, `channel(address, token=...)` attaches the token to every call of every kind (a
 client interceptor: call credentials would need a secure channel). The token travels in clear text
 on an insecure channel: it keeps strangers' processes out of a swarm on a trusted network, not an
-eavesdropper; use a VPN or TLS between sites.
+eavesdropper; with TLS (`swarm.tls`: `--tls-ca` ...) channels and ports are secure and the token
+travels encrypted beside the certificates.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from swarm import tls
+
 __all__ = [
     "HEALTH_PREFIX",
     "TOKEN_ENV",
     "TokenAuthInterceptor",
+    "add_port",
     "channel",
     "server_interceptors",
     "token_from_env",
@@ -187,8 +191,23 @@ class _StreamStream(_Token, grpc.aio.StreamStreamClientInterceptor):
 def channel(
     address: str, *, token: str | None, options: Sequence[tuple[str, Any]] | None = None
 ) -> grpc.aio.Channel:
-    """An insecure `grpc.aio` channel that sends `token` with every call (none when None)."""
+    """A `grpc.aio` channel that sends `token` with every call (none when None): over TLS with
+    the process's identity (`swarm.tls`), else in clear text."""
     interceptors = None
     if token:
         interceptors = [k(token) for k in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    identity = tls.current()
+    if identity is not None:
+        return grpc.aio.secure_channel(
+            address, identity.channel_credentials(), options=options, interceptors=interceptors
+        )
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+def add_port(server: grpc.aio.Server, address: str, what: str) -> int:
+    """Listen on `address` (TLS with the process's identity, if any); the bound port, 0 when it
+    could not bind."""
+    identity = tls.current()
+    if identity is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, identity.server_credentials(what))

@@ -13,13 +13,15 @@ import asyncio
 import dataclasses
 import hmac
 import logging
-from typing import Self
+import ssl
+from typing import Any, Self
 
 from amqtt.broker import Broker
 from amqtt.contexts import Action, BrokerConfig, ListenerConfig, ListenerType
 from amqtt.plugins.base import BaseAuthPlugin
 from amqtt.session import Session
 
+from swarm import tls
 from swarm.addresses import host_port, is_unspecified
 from swarm.topics import DEFAULT_PREFIX, BusError, Topics
 
@@ -86,9 +88,15 @@ class _AclBroker(Broker):
     ("dictionary changed size during iteration"), and each check costs a task. This check is
     synchronous; amqtt's filtering hook is private API (pinned amqtt version, tested)."""
 
-    def __init__(self, config: BrokerConfig, *, prefix: str, token: bool) -> None:
+    def __init__(self, config: BrokerConfig, *, prefix: str, token: bool, mutual: bool) -> None:
         super().__init__(config)
-        self._acl_prefix, self._acl_token = prefix, token
+        self._acl_prefix, self._acl_token, self._mutual = prefix, token, mutual
+
+    def _create_ssl_context(self, listener: ListenerConfig) -> ssl.SSLContext:  # type: ignore[override]
+        context = Broker._create_ssl_context(listener)
+        if self._mutual:  # amqtt asks for a client certificate but lets one without it in
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     async def _topic_filtering(self, session: Session, topic: str, action: Action) -> bool:
         if action != Action.PUBLISH:
@@ -143,9 +151,14 @@ class EmbeddedBroker:
         return self._port
 
     @property
+    def scheme(self) -> str:
+        """mqtts when the process has a TLS identity: the broker then serves TLS only."""
+        return "mqtts" if tls.current() is not None else "mqtt"
+
+    @property
     def url(self) -> str:
         """Where clients connect: the announced host (`announce_host`, else the bound one)."""
-        return f"mqtt://{host_port(self.announce_host or self.host, self._port)}"
+        return f"{self.scheme}://{host_port(self.announce_host or self.host, self._port)}"
 
     @property
     def local_url(self) -> str:
@@ -154,24 +167,35 @@ class EmbeddedBroker:
         host = self.host
         if is_unspecified(host):
             host = "::1" if ":" in host else "127.0.0.1"
-        return f"mqtt://{host_port(host, self._port)}"
+        return f"{self.scheme}://{host_port(host, self._port)}"
 
     async def start(self) -> None:
         if self._broker is not None:
             raise BusError("broker already started")
         _quiet_amqtt()
         plugins = {f"{__name__}._AuthPlugin": {"token": self.token or "", "prefix": self.prefix}}
+        identity = tls.current()
+        secure: dict[str, Any] = {}
+        if identity is not None:
+            identity.server_credentials("the embedded broker")  # says which flags it lacks
+            secure = {
+                "ssl": True,
+                "cafile": identity.ca_path,
+                "certfile": identity.cert_path,
+                "keyfile": identity.key_path,
+            }
         config = BrokerConfig(
             listeners={
                 "default": ListenerConfig(
-                    type=ListenerType.TCP, bind=host_port(self.host, self._port)
+                    type=ListenerType.TCP, bind=host_port(self.host, self._port), **secure
                 )
             },
             timeout_disconnect_delay=DISCONNECT_GRACE_S,
             # Auth only: amqtt's default $SYS and packet-logging plugins cost time and log noise.
             plugins=plugins,
         )
-        broker = _AclBroker(config, prefix=self.prefix, token=bool(self.token))
+        mutual = identity is not None and identity.mutual
+        broker = _AclBroker(config, prefix=self.prefix, token=bool(self.token), mutual=mutual)
         try:
             await broker.start()
         except Exception as exc:

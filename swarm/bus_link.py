@@ -15,6 +15,7 @@ import aiomqtt
 from aiomqtt.exceptions import MqttConnectError
 from google.protobuf.message import Message
 
+from swarm import tls as swarm_tls
 from swarm.bus_api import BusAuthError, BusSettings
 from swarm.topics import BrokerAddress, check_topic
 
@@ -59,7 +60,12 @@ class Dialer:
         if will is not None:
             check_topic(will[0])
             last_will = aiomqtt.Will(will[0], will[1].SerializeToString(), qos=1, retain=True)
-        tls = ssl.create_default_context() if address.tls else None
+        # mqtts://: the swarm CA (and this process's certificate) when it has a TLS identity,
+        # else the system's trusted CAs (a broker with a public certificate).
+        identity = swarm_tls.current()
+        tls = None
+        if address.tls:
+            tls = identity.client_context() if identity else ssl.create_default_context()
         return cls(address, client_id, settings, login, password, last_will, tls)
 
     async def connect(self) -> aiomqtt.Client:

@@ -37,6 +37,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "swarm.commands",
         'tokenize text files into a token file, the data of a [data] kind = "tokens" job',
     ),
+    "certs": (
+        "swarm.commands",
+        "make the swarm's CA (certs init) and a host's certificate (certs issue NAME --host H)",
+    ),
+    "generate": ("swarm.commands", "sample text from a trained model (a Hugging Face checkpoint)"),
     "submit": ("client.cli", "submit a job file to the scheduler; prints the job id"),
     "status": ("client.cli", "show a job's state, progress and replicas per stage"),
     "jobs": ("client.cli", "list the scheduler's jobs, newest first"),
@@ -94,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        from swarm import tls
+
+        tls.configure_from_args(args)  # the process's TLS identity, for every connection
         return int(load(args.command).run(args.command, args) or 0)
     except SwarmError as e:
         print(f"swarm {args.command}: error: {e}", file=sys.stderr)

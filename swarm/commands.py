@@ -1,5 +1,6 @@
 """The commands that belong to no role: `swarm local` (the single-process reference), `swarm
-broker` (the embedded MQTT broker) and `swarm prepare-data` (text files into a token file).
+broker` (the embedded MQTT broker), `swarm prepare-data` (text files into a token file) and `swarm
+generate` (text sampled from a trained model).
 `swarm.cli` loads this module as it loads a role's."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_token, token
+from swarm.tls import add_tls_flags
 
 __all__ = ["add_arguments", "run"]
 
@@ -37,15 +39,50 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
             help="a Hugging Face tokenizers file (tokenizer.json); without it the bytes are "
             "the tokens (vocabulary 256)",
         )
+    elif command == "certs":
+        p.add_argument("action", choices=("init", "issue"), help="init: a new CA; issue: a cert")
+        p.add_argument(
+            "name", nargs="?", help="issue: the certificate's name (files NAME.pem/.key)"
+        )
+        p.add_argument(
+            "--host",
+            action="append",
+            default=[],
+            help="issue: a DNS name or IP address peers dial it by (repeat for more)",
+        )
+        p.add_argument("--dir", type=Path, default=Path("certs"), help="where the CA lives")
+        p.add_argument("--days", type=int, help="validity (default: CA 3650, host 365)")
+    elif command == "generate":
+        p.add_argument(
+            "model",
+            type=Path,
+            help="a Hugging Face checkpoint directory (swarm export --format hf)",
+        )
+        p.add_argument("--prompt", required=True, help="the text to continue")
+        p.add_argument("--tokens", type=int, default=200, help="tokens to sample")
+        p.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest")
+        p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+        p.add_argument("--seed", type=int, default=0, help="sampling seed")
+        p.add_argument(
+            "--tokenizer",
+            type=Path,
+            help="the tokenizers file the data was prepared with; without it, bytes",
+        )
+        add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
     elif command == "broker":
         add_flag(p, "host", "127.0.0.1", "address to listen on")
         add_flag(p, "port", 1883, "port", type=int)
         add_token(p)
+        add_tls_flags(p)
 
 
 def run(command: str, args: argparse.Namespace) -> int:
     if command == "prepare-data":
         return _prepare_data(args)
+    if command == "generate":
+        return _generate(args)
+    if command == "certs":
+        return _certs(args)
     return _local(args) if command == "local" else _broker(args)
 
 
@@ -67,6 +104,53 @@ def _prepare_data(args: argparse.Namespace) -> int:
         f'use it with [data] kind = "tokens", path = "{done.path}" and [model] vocab_size >= '
         f"{done.vocab_size}" + (" (and <= 65536: the ids are 16-bit)" if done.width == 2 else "")
     )
+    return 0
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from swarm.certs import init_ca, issue
+
+    if args.days is not None and args.days < 1:
+        raise SwarmError(f"--days must be >= 1, got {args.days}")
+    if args.action == "init":
+        done = init_ca(args.dir, args.days or 3650)
+        print(
+            f"wrote {done.cert} (give it to every process: --tls-ca) and {done.key} (keep it "
+            f"private), valid until {done.not_after:%Y-%m-%d}"
+        )
+        return 0
+    if not args.name:
+        raise SwarmError("certs issue needs a NAME (its files are NAME.pem and NAME.key)")
+    done = issue(args.dir, args.name, args.host, args.days or 365)
+    print(
+        f"wrote {done.cert} and {done.key} for {', '.join(args.host)}, valid until "
+        f"{done.not_after:%Y-%m-%d}: --tls-cert {done.cert} --tls-key {done.key}"
+    )
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from swarm.generate import from_hf, generate, load_hf, text_codec
+
+    if args.tokens < 0:
+        raise SwarmError(f"--tokens must be >= 0, got {args.tokens}")
+    cfg, codec = from_hf(args.model), text_codec(args.tokenizer)
+    if codec.vocab_size > cfg.vocab_size:
+        raise SwarmError(
+            f"the model knows {cfg.vocab_size} tokens, the tokenizer makes {codec.vocab_size}: "
+            "give the --tokenizer its data was prepared with (none for bytes)"
+        )
+    model = load_hf(args.model, args.device)
+    ids = generate(
+        model,
+        codec.encode(args.prompt),
+        seq_len=cfg.seq_len,
+        tokens=args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(args.prompt + codec.decode(ids))
     return 0
 
 

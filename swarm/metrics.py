@@ -7,6 +7,7 @@ names and status codes, which is how Prometheus expects per-method latency to be
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import socket
@@ -24,6 +25,8 @@ from prometheus_client import (
     make_wsgi_app,
     start_http_server,
 )
+
+from swarm import tls
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -55,7 +58,9 @@ def serve_metrics(
     registry: CollectorRegistry, host: str, port: int, routes: dict[str, Route] | None = None
 ) -> int:
     """Serve `/metrics` (and `routes`, e.g. the scheduler's `/sd`) on daemon threads; returns the
-    bound port (useful when `port` is 0)."""
+    bound port (useful when `port` is 0). The process-wide TLS refusal count comes along."""
+    with contextlib.suppress(ValueError):  # served by an earlier call already
+        registry.register(tls.REFUSED)
     if not routes:
         server, _thread = start_http_server(port, addr=host, registry=registry)
         bound = int(server.server_address[1])

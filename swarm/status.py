@@ -12,6 +12,7 @@ import re
 
 import grpc
 
+from swarm import tls
 from swarm.errors import (
     Aborted,
     ActivationsNotCached,
@@ -109,6 +110,8 @@ def from_rpc_error(error: grpc.RpcError) -> SwarmError:
     if cls is None:
         return RemoteError(f"{code.name}: {details}", code.name)
     if cls is PeerUnavailable:
+        if code == grpc.StatusCode.UNAVAILABLE and tls.count_refusal(details):
+            return PeerUnavailable(f"{code.name}: TLS refused: {details}")
         return PeerUnavailable(f"{code.name}: {details}")
     if issubclass(cls, Aborted):
         return cls(details, _missing(next((v for k, v in trailing if k == MISSING_KEY), None)))

@@ -62,6 +62,19 @@ def job(tmp_path: Path, overrides: Sections | None = None, data: bytes = TEXT) -
     return parse_job(render(overrides), tmp_path)
 
 
+def test_the_llama_example_is_the_recipe_it_says() -> None:
+    job = load_job(EXAMPLES / "llama-small.toml")
+    assert (job.model.kind, job.model.kv_heads, job.data.val_fraction) == ("llama", 2, 0.05)
+    t, o = job.training, job.optimizer
+    assert (t.precision, t.grad_clip, t.eval_every, job.compression.wire) == (
+        "bf16-mixed",
+        1.0,
+        50,
+        "bf16",
+    )
+    assert (o.schedule, o.warmup_steps, o.min_lr) == ("cosine", 30, 2e-4)
+
+
 def test_examples_parse() -> None:
     tiny = load_job(EXAMPLES / "tiny.toml")
     assert tiny.name == "tiny"

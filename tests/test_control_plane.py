@@ -196,10 +196,19 @@ def test_trainer_killed_and_broker_restarted_mid_job(tmp_path: Path, mosquitto: 
 
 def test_demo_trains_through_a_killed_replica_and_cleans_up(tmp_path: Path) -> None:
     # 40 steps: the replica is killed between step 20 and step 37, whatever the machine's load
-    job = write_job(tmp_path, training={"steps": 40, "target_batch_size": 16})
+    corpus = Path(__file__).resolve().parent.parent / "examples" / "data" / "corpus.txt"
+    job = write_job(
+        tmp_path,
+        model={"vocab_size": 256},
+        data={"kind": "text", "path": str(corpus)},
+        training={"steps": 40, "target_batch_size": 16},
+    )
     result = swarm("demo", "--job", str(job), timeout=300)
     assert "killed peer" in result.stdout + result.stderr
     assert "succeeded: 40 steps" in result.stdout
+    # It ends with what the model learned: text sampled after the prompt, on one line.
+    said = result.stdout.split("a sample of what it learned", 1)[1].splitlines()[1]
+    assert said.startswith("  The Fox") and len(said) > len("  The Fox") + 40, said
     assert "all processes stopped" in result.stdout
 
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from swarm.tls import Tls
 from tests.support.ports import free_port
 
 __all__ = [
@@ -71,16 +72,17 @@ class Mosquitto:
         *,
         acl: bool = False,
         users: dict[str, str] | None = None,
+        tls: Tls | None = None,
     ) -> None:
         self.workdir = workdir
         self.port = port or free_port(self.host)
-        self.acl, self.users = acl, dict(users or {})
+        self.acl, self.users, self.tls = acl, dict(users or {}), tls
         self._proc: subprocess.Popen[bytes] | None = None
         self._starts = 0
 
     @property
     def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
 
     def start(self) -> None:
         if self._proc is not None:
@@ -102,6 +104,10 @@ class Mosquitto:
             access = f"allow_anonymous false\npassword_file {passwords}\n"
         if self.acl:
             access += f"acl_file {BUNDLED_ACL}\n"
+        if self.tls:  # as docs/deployment.md configures it: the swarm CA, mutual if asked
+            t = self.tls
+            access += f"cafile {t.ca_path}\ncertfile {t.cert_path}\nkeyfile {t.key_path}\n"
+            access += f"require_certificate {'true' if t.mutual else 'false'}\n"
         config.write_text(
             f"listener {self.port} {self.host}\n" + access + "persistence false\n"
             "log_dest stderr\n"
