@@ -10,9 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from cryptography import x509
 from prometheus_client import CollectorRegistry
 
+from client.sdk import SchedulerClient
 from swarm import tls
 from swarm.broker import EmbeddedBroker
 from swarm.bus import Bus, BusSettings
@@ -20,9 +22,11 @@ from swarm.certs import init_ca, issue
 from swarm.cli import main
 from swarm.config import load_job
 from swarm.errors import ConfigError, PeerUnavailable, RemoteError
-from swarm.procs import SwarmProcess, start_stage_servers, stop_all
+from swarm.procs import SwarmProcess, start_local_swarm, start_stage_servers, stop_all
+from swarm.proto import scheduler_pb2
 from swarm.stage_client import StageClient
 from tests.support.brokers import Mosquitto
+from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
 
 HOSTS = ["127.0.0.1", "localhost"]
@@ -223,3 +227,38 @@ async def test_mosquitto_serves_mqtts_to_the_swarm_ca_only(tmp_path: Path, pki: 
         assert not await _connects(mosquitto.url, 3.0)
         tls.configure(_identity(pki, "theirs", "their-client"))
         assert not await _connects(mosquitto.url, 3.0)
+
+
+@pytest.mark.slow
+def test_a_whole_swarm_trains_over_mutual_tls_with_the_token(tmp_path: Path, pki: Path) -> None:
+    """Scheduler, embedded broker (mqtts), stage servers and the job API, every connection
+    TLS with client certificates and the token: a job trains to its end and exports exactly
+    what `swarm local` trains."""
+    ours = pki / "ours"
+    env = {
+        "SWARM_TLS_CA": str(ours / "ca.pem"),
+        "SWARM_TLS_CERT": str(ours / "server.pem"),
+        "SWARM_TLS_KEY": str(ours / "server.key"),
+        "SWARM_TLS_MUTUAL": "1",
+        "SWARM_TOKEN": "s3cret",
+    }
+    job = write_job(tmp_path, training={"stages": 2, "steps": 6})
+    sw, _ = start_local_swarm([1.0, 1.0, 1.0], log_dir=tmp_path, env=env)
+    try:
+        assert sw.broker.startswith("mqtts://")
+        tls.configure(_identity(pki, "ours", "client"))
+
+        async def train() -> scheduler_pb2.JobStatus:
+            async with SchedulerClient(sw.address, token="s3cret") as client:
+                submitted = await client.submit(job)
+                done = await asyncio.wait_for(client.wait(submitted.job, lambda _: None), 240)
+                await client.export(done.job, tmp_path / "swarm.pt")
+                return done
+
+        done = asyncio.run(train())
+        assert done.step == 6, (done.error, done.message)
+        logs = sw.scheduler.log() + "".join(p.log() for p in sw.peers)
+        assert "Traceback" not in logs, logs[-3000:]
+    finally:
+        sw.stop()
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
