@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -67,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 from swarm.config import CompressionConfig, RuntimeConfig, parse_job  # noqa: E402
 from swarm.errors import ConfigError  # noqa: E402
-from swarm.lifecycle import parse_ready  # noqa: E402
+from swarm.netns import Network, Proc, remove_leftovers  # noqa: E402
 
 PREFIX = "swb-"
 SUBNET = "10.77.0"
@@ -77,7 +76,6 @@ HOSTS = [TRAINER, *(f"stage{k}" for k in range(STAGES))]
 ADDRESSES = {TRAINER: f"{SUBNET}.10", **{f"stage{k}": f"{SUBNET}.{11 + k}" for k in range(STAGES)}}
 PORT = 7000  # every stage server's (namespaces are separate, so the same port everywhere)
 READY_TIMEOUT_S = 300.0  # four servers importing torch at once on two cores
-CMD_TIMEOUT_S = 30.0  # one `ip` or `tc` call
 
 WORKLOADS: dict[str, dict[str, int]] = {
     # a byte-level GPT that keeps each stage busy for a while per microbatch
@@ -181,15 +179,7 @@ async def _relay(listen: str, upstream: str, delay_ms: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Namespaces, links, shaping
-
-
-def sh(*cmd: str, check: bool = True) -> str:
-    """Run one command (bounded); its stdout. A failure raises with its stderr."""
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()}")
-    return done.stdout
+# Namespaces and processes (`swarm.netns`)
 
 
 def parse_rate(text: str) -> float | None:
@@ -210,141 +200,6 @@ def _bench_alive(pid: int) -> bool:
         return False
 
 
-def _kill_pids(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def remove_leftovers() -> list[str]:
-    """Delete namespaces `swb-*` left by a run of this benchmark that is gone (SIGKILL first any
-    process still in them). A namespace of a benchmark still running is left alone."""
-    removed = []
-    for line in sh("ip", "netns", "list").splitlines():
-        name = line.split()[0] if line.split() else ""
-        if not name.startswith(PREFIX):
-            continue
-        match = re.match(rf"{PREFIX}(\d+)-", name)
-        if match and int(match.group(1)) != os.getpid() and _bench_alive(int(match.group(1))):
-            continue
-        pids = [int(p) for p in sh("ip", "netns", "pids", name, check=False).split()]
-        _kill_pids(pids)
-        time.sleep(0.2 if pids else 0)
-        sh("ip", "netns", "del", name, check=False)
-        removed.append(name)
-    return removed
-
-
-class Network:
-    """One namespace per host, each host's `eth0` a veth pair's end whose peer (`v-<host>`) is a
-    port of bridge `br0` in the benchmark's own namespace."""
-
-    def __init__(self) -> None:
-        self.tag = f"{PREFIX}{os.getpid()}"
-        self.net = f"{self.tag}-net"
-        self.ns = {h: f"{self.tag}-{h}" for h in HOSTS}
-        self.made: list[str] = []
-
-    def create(self) -> None:
-        """Every name has no spaces, so each command is written as one line and split."""
-        sh(*f"ip netns add {self.net}".split())
-        self.made.append(self.net)
-        sh(*f"ip -n {self.net} link add br0 type bridge".split())
-        sh(*f"ip -n {self.net} link set br0 up".split())
-        for host, ns in self.ns.items():
-            sh(*f"ip netns add {ns}".split())
-            self.made.append(ns)
-            port = f"v-{host}"
-            sh(*f"ip -n {self.net} link add {port} type veth peer name eth0 netns {ns}".split())
-            sh(*f"ip -n {self.net} link set {port} master br0".split())
-            sh(*f"ip -n {self.net} link set {port} up".split())
-            sh(*f"ip -n {ns} link set lo up".split())
-            sh(*f"ip -n {ns} addr add {ADDRESSES[host]}/24 dev eth0".split())
-            sh(*f"ip -n {ns} link set eth0 up".split())
-
-    def _ends(self, host: str) -> list[tuple[str, str]]:
-        """(namespace, device) of the egress each way: the host's upload, then its download."""
-        return [(self.ns[host], "eth0"), (self.net, f"v-{host}")]
-
-    def shape(self, rate_bits: float | None) -> None:
-        """tbf at `rate_bits` on both ends of every host's link; None: a plain pfifo (counts)."""
-        for host in HOSTS:
-            for ns, dev in self._ends(host):
-                if rate_bits is None:
-                    qdisc = ["pfifo", "limit", "10000"]
-                else:
-                    rate_bytes = rate_bits / 8
-                    # The bucket holds a whole 64 KiB GSO packet (tbf would split it otherwise) or
-                    # a hundredth of a second's worth, the larger: the rate holds over any window
-                    # much longer than that. Up to 100 ms of packets queue behind it.
-                    burst = max(128 << 10, int(rate_bytes / 100))
-                    qdisc = f"tbf rate {int(rate_bits)}bit burst {burst} latency 100ms".split()
-                sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *qdisc)
-
-    def counters(self) -> dict[str, tuple[int, int]]:
-        """host -> (bytes sent, bytes received) through its link's root qdiscs, all read at once."""
-        calls = [
-            (
-                host,
-                subprocess.Popen(
-                    ["ip", "netns", "exec", ns, "tc", "-s", "-j", "qdisc", "show", "dev", dev],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                ),
-            )
-            for host in HOSTS
-            for ns, dev in self._ends(host)
-        ]
-        ways: dict[str, list[int]] = {h: [] for h in HOSTS}
-        for host, proc in calls:
-            out, _ = proc.communicate(timeout=CMD_TIMEOUT_S)
-            roots = [q for q in json.loads(out or b"[]") if q.get("root")]
-            ways[host].append(int(roots[0]["bytes"]) if roots else 0)
-        return {h: (v[0], v[1]) for h, v in ways.items()}
-
-    def destroy(self) -> None:
-        for ns in reversed(self.made):
-            _kill_pids([int(p) for p in sh("ip", "netns", "pids", ns, check=False).split()])
-        for ns in reversed(self.made):
-            sh("ip", "netns", "del", ns, check=False)
-        self.made.clear()
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes
-
-
-@dataclass
-class Proc:
-    """A child in its own session (process group) inside a namespace; output in `log_path`."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, deadline: float) -> dict[str, str]:
-        while time.monotonic() < deadline:
-            for line in self.log().splitlines():
-                fields_ = parse_ready(line)
-                if fields_ is not None:
-                    return fields_
-            if self.popen.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.popen.returncode}:\n{self.log()[-3000:]}"
-                )
-            time.sleep(0.05)
-        raise TimeoutError(f"{self.name} not ready in time:\n{self.log()[-3000:]}")
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)  # its own session: pgid == pid
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(10)
-
-
 def child_env(work: Path) -> dict[str, str]:
     """This environment without SWARM_* settings or proxies (gRPC would use one), plus ours."""
     proxies = {"http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy"}
@@ -361,19 +216,8 @@ def swarm_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "swarm.cli", *args]
 
 
-def start(ns: str, name: str, argv: list[str], work: Path) -> Proc:
-    log_path = work / f"{name}.log"
-    with open(log_path, "wb") as out:
-        popen = subprocess.Popen(
-            ["ip", "netns", "exec", ns, *argv],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=child_env(work),
-            cwd=ROOT,
-            start_new_session=True,
-        )
-    return Proc(name, popen, log_path)
+def start(net: Network, host: str, name: str, argv: list[str], work: Path) -> Proc:
+    return net.start(host, name, argv, work, child_env(work), ROOT)
 
 
 def job_toml(workload: str, steps: int, codec: str, data_plane: str, in_flight: int = 8) -> str:
@@ -444,7 +288,7 @@ def run_once(
             listen = "127.0.0.1" if relayed else ADDRESSES[host]
             flags = f"--stage {k} --host {listen} --port {PORT} --device cpu --threads 1"
             argv = swarm_cmd("stage-server", "--job", str(job), *flags.split())
-            procs.append(start(net.ns[host], f"{label}-{host}", argv, work))
+            procs.append(start(net, host, f"{label}-{host}", argv, work))
         deadline = time.monotonic() + READY_TIMEOUT_S
         for proc in procs[start_at:]:
             proc.wait_ready(deadline)
@@ -453,7 +297,7 @@ def run_once(
                 host = f"stage{k}"
                 relay = [sys.executable, str(Path(__file__).resolve()), "--relay"]
                 relay += [f"{ADDRESSES[host]}:{PORT}", f"127.0.0.1:{PORT}", str(args.delay_ms)]
-                procs.append(start(net.ns[host], f"{label}-relay{k}", relay, work))
+                procs.append(start(net, host, f"{label}-relay{k}", relay, work))
             deadline = time.monotonic() + 60
             for proc in procs[start_at + STAGES :]:
                 proc.wait_ready(deadline)
@@ -461,7 +305,7 @@ def run_once(
         stage_servers = ",".join(f"{ADDRESSES[f'stage{k}']}:{PORT}" for k in range(STAGES))
         argv = swarm_cmd("trainer", "--job", str(job), "--threads", "1", "--log", str(log))
         trainer = start(
-            net.ns[TRAINER], f"{label}-trainer", [*argv, "--stage-servers", stage_servers], work
+            net, TRAINER, f"{label}-trainer", [*argv, "--stage-servers", stage_servers], work
         )
         procs.append(trainer)
         total = args.steps + 1  # the job has one step more: see the module's docstring
@@ -691,12 +535,12 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     work = Path(tempfile.mkdtemp(prefix="swarm-wan-"))
-    net = Network()
+    net = Network(PREFIX, ADDRESSES)
     procs: list[Proc] = []
     result: dict[str, Any] | None = None
     status = 1
     try:
-        removed = remove_leftovers()
+        removed = remove_leftovers(PREFIX, _bench_alive)
         if removed:
             print(f"removed leftover namespaces: {', '.join(removed)}", file=sys.stderr)
         try:
