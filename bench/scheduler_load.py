@@ -4,16 +4,19 @@ stage compute: the replicas are the coordinator's in-memory fakes (`tests.suppor
 which accumulate a receipt when a trainer reports a microbatch they hold and commit at once.
 
     .venv/bin/python bench/scheduler_load.py [--trainers 10,100,200,1000] [--seconds 10]
-        [--stages 4] [--microbatches 1024] [--take 4] [--json]
+        [--stages 4] [--microbatches 4096] [--take 8] [--separate] [--json]
 
 The scheduler runs in a process of its own; the trainers run as asyncio tasks in this one, each
-with its own gRPC channel (as separate trainer processes would have), in a loop: lease up to
-`--take` microbatches (a long poll), report them all at once (holders: one replica per stage,
-spread over two per stage), repeat. After a warm-up second, for `--seconds`, it counts leases,
-reports (microbatches) and report calls, their latencies (p50, p99), the steps committed, and the
-scheduler process's CPU time, and prints one row per trainer count with the CPU cost per
-thousand reports relative to the first row: how the cost grows with the number of trainers.
-Both processes share this machine's cores: the trainers' own CPU time is part of the picture.
+with its own gRPC channel (as separate trainer processes would have), in a loop as
+`client.trainer` runs with `--take` slots and no compute: lease up to `--take` microbatches (a
+long poll), then report what is done and ask for as many next ones in the same call (`next`);
+`--separate` reports and leases in two calls, as trainers did before. After a warm-up second,
+for `--seconds`, it counts leases, reports (microbatches) and report calls, their latencies (p50,
+p99), the steps committed, and the scheduler process's CPU time, and prints one row per trainer
+count with the CPU cost per thousand reports relative to the first row: how the cost grows with
+the number of trainers. Both processes share this machine's cores: the trainers' own CPU time is
+part of the picture. Trainers that ask as fast as they can are a closed loop: each call's latency
+is the number of trainers over the calls per second the scheduler answers (Little's law).
 Target (issue 15, 2 cores): >= 5,000 reports/s with p99 < 50 ms at 200 trainers.
 """
 
@@ -120,6 +123,8 @@ async def _serving(stages: int, microbatches: int, ready: Any) -> None:
         async def report(
             self, job_id: str, trainer: str, results: list[MicrobatchResult], released: list[int]
         ) -> None:
+            if released:
+                await coordinator.release(trainer, released)
             for result in results:
                 for peer in result.holders.values():
                     swarm[peer].accumulate(result.index)
@@ -141,24 +146,36 @@ async def _serving(stages: int, microbatches: int, ready: Any) -> None:
 
 # -- the trainers ---------------------------------------------------------------------------------
 async def _trainer(
-    address: str, job: str, name: str, take: int, stages: int, until: float, out: dict[str, Any]
+    address: str,
+    job: str,
+    name: str,
+    take: int,
+    stages: int,
+    until: float,
+    out: dict[str, Any],
+    separate: bool = False,
 ) -> None:
+    """As `client.trainer` does with `take` slots and no compute: lease up to `take` (a long
+    poll), then report what is done and ask for as many next ones in one call (`next`; with
+    no compute, all of them are done at once); `separate`: a report call, then a lease call."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         replica = hash(name) % REPLICAS
+        queue: list[Any] = []
         while time.monotonic() < until:
-            start = time.monotonic()
-            lease = await stub.LeaseMicrobatches(
-                scheduler_pb2.SchedulerLeaseMicrobatchesRequest(
-                    job=job, trainer=name, count=take, wait_s=1.0
-                ),
-                timeout=30,
-            )
-            leased = time.monotonic()
-            if not lease.tasks:
+            if not queue:
+                start = time.monotonic()
+                lease = await stub.LeaseMicrobatches(
+                    scheduler_pb2.SchedulerLeaseMicrobatchesRequest(
+                        job=job, trainer=name, count=take, wait_s=1.0
+                    ),
+                    timeout=30,
+                )
+                if lease.tasks:
+                    out["lease_ms"].append((time.monotonic() - start) * 1000)
+                    out["leases"] += 1
+                queue = list(lease.tasks)
                 continue
-            out["lease_ms"].append((leased - start) * 1000)
-            out["leases"] += 1
             results = [
                 scheduler_pb2.MicrobatchReport(
                     step=t.step,
@@ -167,17 +184,35 @@ async def _trainer(
                     loss_sum=1.0 if stages - 1 in t.stages else None,
                     samples=1,
                 )
-                for t in lease.tasks
+                for t in queue
             ]
+            ask = scheduler_pb2.SchedulerLeaseMicrobatchesRequest(
+                job=job, trainer=name, count=len(queue)
+            )
+            start = time.monotonic()
+            request = scheduler_pb2.SchedulerReportMicrobatchesRequest(
+                job=job, trainer=name, results=results, next=None if separate else ask
+            )
+            answer = await stub.ReportMicrobatches(request, timeout=30)
+            out["report_ms"].append((time.monotonic() - start) * 1000)
+            out["reports"] += len(results)
+            out["report_calls"] += 1
+            if separate:
+                start = time.monotonic()
+                more = await stub.LeaseMicrobatches(ask, timeout=30)
+                out["lease_ms"].append((time.monotonic() - start) * 1000)
+            else:
+                more = answer.lease
+            if more.tasks:
+                out["leases"] += 1
+            queue = list(more.tasks)
+        if queue:  # time is up: give back what is left, for the next round's trainers
             await stub.ReportMicrobatches(
                 scheduler_pb2.SchedulerReportMicrobatchesRequest(
-                    job=job, trainer=name, results=results
+                    job=job, trainer=name, released=[t.index for t in queue]
                 ),
                 timeout=30,
             )
-            out["report_ms"].append((time.monotonic() - leased) * 1000)
-            out["reports"] += len(results)
-            out["report_calls"] += 1
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -192,12 +227,23 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _round(
-    address: str, job: str, n: int, seconds: float, take: int, stages: int, pid: int, pipe: Any
+    address: str,
+    job: str,
+    n: int,
+    seconds: float,
+    take: int,
+    stages: int,
+    pid: int,
+    pipe: Any,
+    separate: bool,
 ) -> dict[str, Any]:
     warm = {"lease_ms": [], "report_ms": [], "leases": 0, "reports": 0, "report_calls": 0}
     start = time.monotonic()
     await asyncio.gather(  # a warm-up second: channels connected, the coordinator busy
-        *(_trainer(address, job, f"w{i}", take, stages, start + 1.0, warm) for i in range(n))
+        *(
+            _trainer(address, job, f"w{i}", take, stages, start + 1.0, warm, separate)
+            for i in range(n)
+        )
     )
     out: dict[str, Any] = {k: (v if isinstance(v, list) else 0) for k, v in warm.items()}
     out["lease_ms"], out["report_ms"] = [], []
@@ -205,7 +251,7 @@ async def _round(
     steps0, cpu0, t0 = pipe.recv(), _cpu_seconds(pid), time.monotonic()
     until = t0 + seconds
     await asyncio.gather(
-        *(_trainer(address, job, f"t{n}-{i}", take, stages, until, out) for i in range(n))
+        *(_trainer(address, job, f"t{n}-{i}", take, stages, until, out, separate) for i in range(n))
     )
     elapsed = time.monotonic() - t0
     pipe.send("steps")
@@ -231,8 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainers", default="10,100,200,1000", help="trainer counts, one run each")
     p.add_argument("--seconds", type=float, default=10.0, help="timed seconds per run")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages (2 replicas each)")
-    p.add_argument("--microbatches", type=int, default=1024, help="microbatches per step")
-    p.add_argument("--take", type=int, default=4, help="microbatches a trainer leases at once")
+    p.add_argument("--microbatches", type=int, default=4096, help="microbatches per step")
+    p.add_argument(
+        "--take", type=int, default=8, help="a trainer's slots (runtime.max_in_flight's default)"
+    )
+    p.add_argument(
+        "--separate",
+        action="store_true",
+        help="report, then lease, in two calls (the trainer before `next` existed)",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args(argv)
     counts = [int(c) for c in args.trainers.split(",")]
@@ -249,7 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for n in counts:
             row = asyncio.run(
-                _round(address, job, n, args.seconds, args.take, args.stages, server.pid, here)
+                _round(
+                    address,
+                    job,
+                    n,
+                    args.seconds,
+                    args.take,
+                    args.stages,
+                    server.pid,
+                    here,
+                    args.separate,
+                )
             )
             rows.append(row)
             print(f"[load] {n} trainers: {row['reports_per_s']:.0f} reports/s", file=sys.stderr)

@@ -106,14 +106,32 @@ class RemoteCoordinator:
         )
         await self._report(request)
 
+    async def report_and_lease(
+        self,
+        trainer: str,
+        results: Sequence[MicrobatchResult],
+        count: int,
+        *,
+        working: Sequence[Working],
+    ) -> Lease:
+        request = spb.SchedulerReportMicrobatchesRequest(
+            job=self.job_id,
+            trainer=trainer,
+            results=[result_to_proto(r) for r in results],
+            next=lease_request(self.job_id, trainer, count, 0.0, working),
+        )
+        return lease_from_proto((await self._report(request)).lease)
+
     async def release(self, trainer: str, indices: Sequence[int]) -> None:
         request = spb.SchedulerReportMicrobatchesRequest(
             job=self.job_id, trainer=trainer, released=indices
         )
         await self._report(request)
 
-    async def _report(self, request: spb.SchedulerReportMicrobatchesRequest) -> None:
-        await self._call(
+    async def _report(
+        self, request: spb.SchedulerReportMicrobatchesRequest
+    ) -> spb.SchedulerReportMicrobatchesResponse:
+        return await self._call(
             "report", lambda: self.stub.ReportMicrobatches(request, timeout=self.timeout_s)
         )
 
@@ -133,6 +151,18 @@ class _Progress:
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         await self.inner.report(trainer, result)
+
+    async def report_and_lease(
+        self,
+        trainer: str,
+        results: Sequence[MicrobatchResult],
+        count: int,
+        *,
+        working: Sequence[Working],
+    ) -> Lease:
+        lease = await self.inner.report_and_lease(trainer, results, count, working=working)
+        self.bar.update(max(0, lease.step - self.bar.n))
+        return lease
 
     async def release(self, trainer: str, indices: Sequence[int]) -> None:
         await self.inner.release(trainer, indices)

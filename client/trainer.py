@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -111,6 +111,12 @@ class PipelineTrainer:
             OrderedDict()
         )
         self._boundary_bytes = 0
+        # Results not reported yet, each with its slot waiting for its next task; the one
+        # report call in flight (`_report`)
+        self._unreported: list[
+            tuple[MicrobatchResult, asyncio.Future[Task | None], asyncio.Task[Any] | None]
+        ] = []
+        self._reporter: asyncio.Task[None] | None = None
 
     @property
     def val_data(self) -> DataSource:
@@ -203,7 +209,7 @@ class PipelineTrainer:
                             finished.result()
                     return
                 for task in lease.tasks:
-                    running[asyncio.create_task(self._run_task(task))] = task
+                    running[asyncio.create_task(self._run_tasks(task, running))] = task
                 if lease.tasks:
                     idle.reset()
                     continue
@@ -213,6 +219,8 @@ class PipelineTrainer:
         finally:
             for pending in running:
                 pending.cancel()
+            if self._reporter is not None:
+                self._reporter.cancel()
 
     async def _lease(
         self, count: int, wait_s: float, running: dict[asyncio.Task[None], Task]
@@ -224,7 +232,22 @@ class PipelineTrainer:
         self.sync(lease.replicas)
         return lease
 
-    async def _run_task(self, task: Task) -> None:
+    async def _run_tasks(self, first: Task, running: dict[asyncio.Task[None], Task]) -> None:
+        """Run `first`, then each next task the coordinator gives back with a report: a slot
+        that keeps busy costs one round trip per microbatch, not a report and a lease."""
+        me = asyncio.current_task()
+        assert me is not None
+        task: Task | None = first
+        while task is not None:
+            running[me] = task  # what this slot works on, for the renewals of `_lease`
+            task = await self._run_task(task, running)
+
+    async def _run_task(
+        self, task: Task, running: dict[asyncio.Task[None], Task] | None = None
+    ) -> Task | None:
+        """Run `task` and report it, asking for the next one in the same call (renewing the
+        leases of the other slots' work, `running`); returns it."""
+        running = running or {}
         self.metrics.in_flight.inc()
         try:
             result = await self._microbatch(task)
@@ -236,12 +259,50 @@ class PipelineTrainer:
             # this trainer's lease on the same index of the step it works on now.
             if task.step == self._leased_step:
                 await self.coordinator.release(self.trainer_id, [task.index])
-            return
+            return None
         finally:
             self.metrics.in_flight.dec()
-        await self.coordinator.report(self.trainer_id, result)
-        self.metrics.microbatches.inc()
-        self.completed += 1
+        waiter: asyncio.Future[Task | None] = asyncio.get_running_loop().create_future()
+        self._unreported.append((result, waiter, asyncio.current_task()))
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.create_task(self._report(running))
+        return await waiter
+
+    async def _report(self, running: dict[asyncio.Task[None], Task]) -> None:
+        """Report what finished, asking for as many next tasks, one call in flight at a time:
+        results that finish meanwhile go together in the next call. A scheduler that keeps up
+        sees one call per microbatch; a busy one, fewer and larger calls (its cost is per call)."""
+        while self._unreported:
+            batch, self._unreported = self._unreported, []
+            slots = {slot for _, _, slot in batch}
+            working = [
+                (t.step, t.index)
+                for job, t in running.items()
+                if job not in slots and not job.done()
+            ]
+            self.leases += 1
+            try:
+                lease = await self.coordinator.report_and_lease(
+                    self.trainer_id, [r for r, _, _ in batch], len(batch), working=working
+                )
+            except asyncio.CancelledError:
+                for _, waiter, _ in batch:
+                    waiter.cancel()
+                raise
+            except Exception as e:  # each slot's runner raises it (the trainer stops with it)
+                for _, waiter, _ in batch + self._unreported:
+                    if not waiter.done():
+                        waiter.set_exception(e)
+                self._unreported = []
+                return
+            self.metrics.microbatches.inc(len(batch))
+            self.completed += len(batch)
+            self._leased_step = lease.step
+            self.sync(lease.replicas)
+            tasks = [] if lease.done else list(lease.tasks)
+            for i, (_, waiter, _) in enumerate(batch):
+                if not waiter.done():
+                    waiter.set_result(tasks[i] if i < len(tasks) else None)
 
     # -- one microbatch -------------------------------------------------------------------------
     async def _hop(

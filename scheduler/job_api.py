@@ -133,6 +133,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.store, self.control, self.chunk_bytes = store, control, chunk_bytes
         self.data_root = Path(os.path.realpath(Path.cwd() if data_root is None else data_root))
         self._serving = Servicing("scheduler")
+        self._jobs_seen: set[str] = set()  # ids the store has (it never deletes one)
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _run(self, method: str, context: Any, body: Callable[[], T]) -> T:
@@ -143,6 +144,13 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return body()
 
         return await self._serving.run(method, context, call)
+
+    def _known(self, job_id: str) -> None:
+        """Refuse an unknown job. Leases and reports, the calls every trainer makes many times
+        a second, ask the store once per job: a job is never deleted from it."""
+        if job_id not in self._jobs_seen:
+            self._job(job_id)
+            self._jobs_seen.add(job_id)
 
     def _job(self, job_id: str) -> JobRecord:
         record = self.store.get(job_id)
@@ -241,28 +249,37 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest, context: Any
     ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
         async def body() -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
-            self._job(request.job)
-            if not math.isfinite(request.wait_s) or request.wait_s < 0:
-                raise InvalidArgument(f"wait_s must be a number >= 0, got {request.wait_s}")
-            lease = await self.control.lease(
-                request.job,
-                request.trainer,
-                request.count,
-                wait_s=request.wait_s,
-                working=working_from_proto(request),
-            )
-            return lease_to_proto(lease)
+            self._known(request.job)
+            return await self._lease(request)
 
         return await self._serving.run("LeaseMicrobatches", context, body)
+
+    async def _lease(
+        self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest
+    ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
+        if not math.isfinite(request.wait_s) or request.wait_s < 0:
+            raise InvalidArgument(f"wait_s must be a number >= 0, got {request.wait_s}")
+        lease = await self.control.lease(
+            request.job,
+            request.trainer,
+            request.count,
+            wait_s=request.wait_s,
+            working=working_from_proto(request),
+        )
+        return lease_to_proto(lease)
 
     async def ReportMicrobatches(
         self, request: scheduler_pb2.SchedulerReportMicrobatchesRequest, context: Any
     ) -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
         async def body() -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
-            self._job(request.job)
+            self._known(request.job)
             results = [result_from_proto(r) for r in request.results]
             await self.control.report(request.job, request.trainer, results, list(request.released))
-            return scheduler_pb2.SchedulerReportMicrobatchesResponse()
+            if not request.HasField("next"):
+                return scheduler_pb2.SchedulerReportMicrobatchesResponse()
+            return scheduler_pb2.SchedulerReportMicrobatchesResponse(
+                lease=await self._lease(request.next)
+            )
 
         return await self._serving.run("ReportMicrobatches", context, body)
 

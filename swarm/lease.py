@@ -82,6 +82,17 @@ class LeaseSource(Protocol):
         self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
     ) -> Lease: ...
     async def report(self, trainer: str, result: MicrobatchResult) -> None: ...
+    async def report_and_lease(
+        self,
+        trainer: str,
+        results: Sequence[MicrobatchResult],
+        count: int,
+        *,
+        working: Sequence[Working],
+    ) -> Lease:
+        """`report` each result, then `lease(count)` at once (no wait), in one round trip."""
+        ...
+
     async def release(self, trainer: str, indices: Sequence[int]) -> None: ...
 
 

@@ -23,7 +23,7 @@ from scheduler.store import JobStore
 from swarm.clock import FakeClock
 from swarm.config import JobConfig
 from swarm.errors import PeerUnavailable
-from swarm.lease import Lease, MicrobatchResult, Task
+from swarm.lease import Lease, MicrobatchResult, Task, Working
 from tests.support.api import start_api
 from tests.support.jobs import BASE, make_job, render
 from tests.support.ports import free_address
@@ -122,6 +122,17 @@ class _Counting:
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         await self.inner.report(trainer, result)
+
+    async def report_and_lease(
+        self,
+        trainer: str,
+        results: Sequence[MicrobatchResult],
+        count: int,
+        *,
+        working: Sequence[Working],
+    ) -> Lease:
+        self.calls += 1
+        return await self.inner.report_and_lease(trainer, results, count, working=working)
 
     async def release(self, trainer: str, indices: Sequence[int]) -> None:
         await self.inner.release(trainer, indices)

@@ -90,24 +90,27 @@ def test_a_report_whose_sample_count_is_not_the_microbatch_size_is_refused() -> 
 
 
 def test_what_is_open_and_leasable_follows_every_lease_report_loss_and_expiry() -> None:
-    """The ledger keeps its open count and free set as it goes; at every point they equal what
-    a scan of the step finds, through leases, renewals, releases, reports, losses, adoptions and
-    expiries, in a seeded random order."""
+    """The ledger keeps its open count, free set and who holds how many leases as it goes; at
+    every point they equal what a scan of the step finds, through leases, renewals, releases,
+    reports (validation ones too), losses, adoptions and expiries, in a seeded random order."""
     rng = random.Random(3)
     clock = FakeClock()
-    ledger = StepLedger(0, 12, 3, lease_timeout_s=5.0, clock=clock)
-    peers, trainers = ["a", "b", "c"], ["t1", "t2"]
-    for _ in range(3000):
-        index, stage = rng.randrange(12), rng.randrange(3)
+    ledger = StepLedger(0, 12, 3, lease_timeout_s=5.0, clock=clock, evaluations=range(12, 14))
+    peers, trainers = ["a", "b", "c"], ["t1", "t2", "t3"]
+    for _ in range(4000):
+        index, stage = rng.randrange(14), rng.randrange(3)
         peer, trainer = rng.choice(peers), rng.choice(trainers)
         op = rng.random()
         if op < 0.25:
             exclude = set(rng.sample(range(12), 2))
             want = ledger.leasable(exclude)
-            got = ledger.lease(trainer, rng.randrange(4), exclude=exclude)
-            assert not {t.index for t in got} & exclude and len(got) <= want
+            lowest = sorted(ledger._free - exclude)  # after `leasable` expired what ran out
+            count = rng.randrange(4)
+            got = ledger.lease(trainer, count, exclude=exclude)
+            assert [t.index for t in got] == lowest[:count] and len(got) <= want
         elif op < 0.45:
-            ledger.report(trainer, 0, index, {stage: peer}, None, 4)
+            loss = 1.0 if index >= 12 and rng.random() < 0.5 else None
+            ledger.report(trainer, 0, index, {stage: peer}, loss, 4)
         elif op < 0.55:
             ledger.renew(trainer, [index])
         elif op < 0.62:
@@ -128,6 +131,9 @@ def test_what_is_open_and_leasable_follows_every_lease_report_loss_and_expiry() 
         recount = sum(1 for stages in ledger._needed.values() if stages)
         assert ledger.remaining == recount and ledger.complete == (recount == 0)
         assert ledger._free == free
+        rescan = ledger.leased()  # after `leasable`, which expired what ran out
+        assert {t: ledger.held_by(t) for t in trainers} == {t: rescan[t] for t in trainers}
+        assert ledger.holding() == len(+rescan)
 
 
 def test_validation_microbatches_are_leased_after_training_and_complete_the_step() -> None:

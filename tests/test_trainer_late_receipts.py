@@ -143,6 +143,17 @@ class Recorder:
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         self.reports.append(result)
 
+    async def report_and_lease(
+        self,
+        trainer: str,
+        results: Sequence[MicrobatchResult],
+        count: int,
+        *,
+        working: Sequence[object],
+    ) -> Lease:
+        self.reports.extend(results)
+        return Lease(0, [], [])  # nothing more: the tests give each task themselves
+
     async def release(self, trainer: str, indices: Sequence[int]) -> None:
         self.released.append(list(indices))
 

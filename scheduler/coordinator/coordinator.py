@@ -295,16 +295,33 @@ class LocalCoordinator:
         ledger = self.ledger
         if ledger is None or self._commit.applied:
             return
+        free = ledger.leasable()
         extras = ledger.report(
             trainer, result.step, result.index, result.holders, result.loss_sum, result.samples
         )
-        self._wake()  # a report may leave a stage to replay, or complete the step
+        # Waiting leases look again only when there is something new for them: work given back
+        # (a stage left out, to adopt or replay) or a complete step. Waking every long poll on
+        # every report would cost each report a lease computation per waiting trainer.
+        if ledger.complete or ledger.leasable() > free:
+            self._wake()
         if ledger.complete and self._commit.task is None:
             # Before the voids below await: a caller whose deadline cancels this call must not
             # leave a complete ledger with no commit.
             self._commit.task = asyncio.create_task(self._commit_step(ledger))
         for extra in extras:  # another trainer's gradient was accepted first: void this one
             await self.two_phase.void_duplicate(ledger, extra.stage, extra.peer)
+
+    async def report_and_lease(
+        self,
+        trainer: str,
+        results: Sequence[MicrobatchResult],
+        count: int,
+        *,
+        working: Sequence[Working],
+    ) -> Lease:
+        for result in results:
+            await self.report(trainer, result)
+        return await self.lease(trainer, count, working=working)
 
     async def release(self, trainer: str, indices: Sequence[int]) -> None:
         """A trainer gave these microbatches back (a hop failed on every replica it tried):

@@ -44,6 +44,7 @@ class Holding:
 class _Lease:
     trainer: str
     expires: float
+    counted: bool = False  # in `_held`: unexpired, on a microbatch still needed
 
 
 @dataclass
@@ -70,13 +71,22 @@ class StepLedger:
         # of `_needed` goes through them): `complete` is asked on every report.
         self._open = len(self._needed) if self.stages else 0
         self._holders: dict[tuple[int, int], str] = {}  # (index, stage) -> peer
+        # the same, per stage and peer: a commit asks each stage's holdings several times
+        self._held_at: list[dict[str, set[int]]] = [{} for _ in range(self.stages)]
         self._leases: dict[int, _Lease] = {}
         # The microbatches `lease` may give: needed somewhere, and not under a live lease. Kept
         # as leases are taken, given back, reported and expire (`_expiring`: (expiry, index) of
         # every lease taken or renewed, stale entries skipped), so that a lease call costs the
         # tasks it gives, not a scan of the step.
         self._free: set[int] = set(self._needed) if self.stages else set()
+        # `_free` as a min-heap, for `lease` to give the lowest indices without a scan: an
+        # index leaves the set at once and the heap when it comes up (stale entries skipped)
+        self._free_heap: list[int] = sorted(self._free)
         self._expiring: list[tuple[float, int]] = []
+        # Per trainer, its counted leases (`_Lease.counted`), and how many trainers hold one:
+        # kept with every change, so a lease call's fair share costs no scan of the step.
+        self._held: Counter[str] = Counter()
+        self._holding = 0
         self._returned: set[int] = set()  # given back since their receipts were last checked
         self._loss: dict[int, float] = {}
         self._samples: dict[int, int] = {}
@@ -89,11 +99,7 @@ class StepLedger:
         now, tasks = self._expire(), list[Task]()
         if count <= 0:
             return tasks
-        for index in heapq.nsmallest(count + len(exclude), self._free):
-            if len(tasks) >= count:
-                break
-            if index in exclude:
-                continue
+        for index in self._lowest_free(count, exclude):
             self._hold(index, _Lease(trainer, now + self.lease_timeout_s))
             self._returned.discard(index)
             if index in self.evaluations:
@@ -101,6 +107,26 @@ class StepLedger:
             else:
                 tasks.append(Task(self.step, index, frozenset(self._needed[index])))
         return tasks
+
+    def _lowest_free(self, count: int, exclude: Collection[int]) -> list[int]:
+        """Up to `count` of the lowest free indices not in `exclude` (they stay free)."""
+        heap, taken, skipped, seen = self._free_heap, list[int](), list[int](), set[int]()
+        while heap and len(taken) < count:
+            index = heapq.heappop(heap)
+            if index not in self._free or index in seen:
+                continue  # stale, or a duplicate entry
+            seen.add(index)
+            (skipped if index in exclude else taken).append(index)
+        for index in taken + skipped:  # still free until the caller holds them
+            heapq.heappush(heap, index)
+        if len(heap) > 2 * len(self._free) + 64:  # mostly stale: rebuild
+            self._free_heap = sorted(self._free)
+        return taken
+
+    def _make_free(self, index: int) -> None:
+        if index not in self._free:
+            self._free.add(index)
+            heapq.heappush(self._free_heap, index)
 
     def leasable(self, exclude: Collection[int] = ()) -> int:
         """How many tasks `lease` could give now."""
@@ -113,23 +139,49 @@ class StepLedger:
         while self._expiring and self._expiring[0][0] <= now:
             expires, index = heapq.heappop(self._expiring)
             held = self._leases.get(index)
-            if held is not None and held.expires == expires and self._needed[index]:
-                self._free.add(index)
+            if held is not None and held.expires == expires:
+                self._count(held, False)
+                if self._needed[index]:
+                    self._make_free(index)
         return now
 
+    def _count(self, lease: _Lease, counted: bool) -> None:
+        if lease.counted == counted:
+            return
+        lease.counted = counted
+        self._held[lease.trainer] += 1 if counted else -1
+        n = self._held[lease.trainer]
+        if n == (1 if counted else 0):  # its first counted lease, or its last gone
+            self._holding += 1 if counted else -1
+        if not n:
+            del self._held[lease.trainer]
+
     def _hold(self, index: int, lease: _Lease) -> None:
+        old = self._leases.get(index)
+        if old is not None:
+            self._count(old, False)
         self._leases[index] = lease
+        self._count(lease, bool(self._needed[index]))
         self._free.discard(index)
         heapq.heappush(self._expiring, (lease.expires, index))
 
     def _unhold(self, index: int) -> None:
-        del self._leases[index]
+        self._count(self._leases.pop(index), False)
         if self._needed[index]:
-            self._free.add(index)
+            self._make_free(index)
+
+    def held_by(self, trainer: str) -> int:
+        """`trainer`'s unexpired leases on microbatches still needed (as of the last lease or
+        `leasable` call, which expire what ran out)."""
+        return self._held[trainer]
+
+    def holding(self) -> int:
+        """How many trainers hold such a lease."""
+        return self._holding
 
     def leased(self) -> Counter[str]:
-        """Per trainer, its unexpired leases on microbatches still needed (one pass: a lease
-        call asks this of every trainer heard from)."""
+        """Per trainer, its unexpired leases on microbatches still needed: a rescan, for checks
+        of `held_by` and `holding`."""
         now = self.clock.now()
         return Counter(
             held.trainer
@@ -182,7 +234,7 @@ class StepLedger:
                 or (held is not None and held.expires > now)
             ):
                 continue
-            self._holders[(index, stage)] = peer
+            self._set_holder(index, stage, peer)
             self._got(index, stage)
             self._samples.setdefault(index, samples)
             adopted.append(index)
@@ -220,7 +272,7 @@ class StepLedger:
         for stage, peer in holders.items():
             current = self._holders.get((index, stage))
             if stage in self._needed[index]:
-                self._holders[(index, stage)] = peer
+                self._set_holder(index, stage, peer)
                 self._got(index, stage)
             elif current is not None and current != peer:
                 extras.append(Holding(stage, peer))
@@ -247,8 +299,8 @@ class StepLedger:
         """`peer`'s gradients (at `stage`, or every stage) are gone: each microbatch it held is
         needed again there. Returns those microbatch indices."""
         lost = []
-        for (index, s), holder in list(self._holders.items()):
-            if holder == peer and (stage is None or s == stage):
+        for s in range(self.stages) if stage is None else [stage]:
+            for index in sorted(self._held_at[s].pop(peer, ())):
                 del self._holders[(index, s)]
                 self._lost(index, s)
                 lost.append(index)
@@ -258,12 +310,16 @@ class StepLedger:
         return sorted(set(lost))
 
     def holdings(self, stage: int) -> dict[str, list[int]]:
-        """Per replica of `stage`, the microbatches whose gradient it holds."""
-        result: dict[str, list[int]] = {}
-        for (index, s), peer in sorted(self._holders.items()):
-            if s == stage:
-                result.setdefault(peer, []).append(index)
-        return result
+        """Per replica of `stage` (in name order), the microbatches whose gradient it holds."""
+        held = self._held_at[stage]
+        return {peer: sorted(held[peer]) for peer in sorted(held) if held[peer]}
+
+    def _set_holder(self, index: int, stage: int, peer: str) -> None:
+        old = self._holders.get((index, stage))
+        if old is not None:
+            self._held_at[stage][old].discard(index)
+        self._holders[(index, stage)] = peer
+        self._held_at[stage].setdefault(peer, set()).add(index)
 
     def holders(self) -> set[str]:
         return set(self._holders.values())
@@ -275,6 +331,9 @@ class StepLedger:
             if not stages:
                 self._open -= 1
                 self._free.discard(index)
+                held = self._leases.get(index)
+                if held is not None:
+                    self._count(held, False)
 
     def _lost(self, index: int, stage: int) -> None:
         stages = self._needed[index]
@@ -283,7 +342,9 @@ class StepLedger:
                 self._open += 1
                 held = self._leases.get(index)
                 if held is None or held.expires <= self.clock.now():
-                    self._free.add(index)
+                    self._make_free(index)
+                else:
+                    self._count(held, True)
             stages.add(stage)
 
     # -- the step -------------------------------------------------------------------------------

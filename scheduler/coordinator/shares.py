@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from scheduler.coordinator.ledger import StepLedger
 from swarm.clock import Clock
 
@@ -17,18 +19,23 @@ class Shares:
 
     def __init__(self, clock: Clock, horizon_s: float) -> None:
         self.clock, self.horizon_s = clock, horizon_s
-        self._heard: dict[str, float] = {}  # trainer -> its last lease call
+        # trainer -> its last lease call, oldest first: the silent ones leave from the front
+        self._heard: OrderedDict[str, float] = OrderedDict()
 
     def heard(self, trainer: str) -> None:
         self._heard[trainer] = self.clock.now()
+        self._heard.move_to_end(trainer)
 
     def share(self, ledger: StepLedger, trainer: str, available: int) -> int:
+        """Costs no scan of the trainers or the step: the ledger keeps who holds leases. Every
+        trainer holding one was heard within `horizon_s` (its lease runs out no later), so the
+        waiting ones are those heard less those holding."""
         horizon = self.clock.now() - self.horizon_s
-        for gone in [t for t, when in self._heard.items() if when < horizon]:
-            del self._heard[gone]
-        leased = ledger.leased()
-        waiting = sum(1 for t in self._heard if t != trainer and not leased[t])
+        while self._heard and next(iter(self._heard.values())) < horizon:
+            self._heard.popitem(last=False)
+        held = ledger.held_by(trainer)
+        others = len(self._heard) - (trainer in self._heard)
+        waiting = max(0, others - (ledger.holding() - (1 if held else 0)))
         if not waiting:
             return available
-        held = leased[trainer]
         return max(0 if held else 1, -(-(available + held) // (1 + waiting)) - held)

@@ -204,17 +204,21 @@ class MicrobatchReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class SchedulerReportMicrobatchesRequest(_message.Message):
-    __slots__ = ("job", "trainer", "results", "released")
+    __slots__ = ("job", "trainer", "results", "released", "next")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
     job: str
     trainer: str
     results: _containers.RepeatedCompositeFieldContainer[MicrobatchReport]
     released: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., results: _Optional[_Iterable[_Union[MicrobatchReport, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ...) -> None: ...
+    next: SchedulerLeaseMicrobatchesRequest
+    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., results: _Optional[_Iterable[_Union[MicrobatchReport, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., next: _Optional[_Union[SchedulerLeaseMicrobatchesRequest, _Mapping]] = ...) -> None: ...
 
 class SchedulerReportMicrobatchesResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: SchedulerLeaseMicrobatchesResponse
+    def __init__(self, lease: _Optional[_Union[SchedulerLeaseMicrobatchesResponse, _Mapping]] = ...) -> None: ...
