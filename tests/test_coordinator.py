@@ -72,20 +72,54 @@ async def test_receipts_beyond_the_ledger_void_the_replica_before_prepare(
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
     await h.coordinator.start()
-    first, second = await h.lease()
+    first, _ = await h.lease()
     await h.run(first, {0: "a"})
-    a.accumulate(1)  # a straggler's gradient of microbatch 1 that was never reported
-    await h.run(second, {0: "b"})
+    a.accumulate(1)  # the trainer ran microbatch 1 on a, then went silent without reporting
+    h.clock.advance(LEASE_S + 1)  # its lease ran out: the step is suspect
+    (again,) = await h.lease("u")
+    assert again == Task(0, 1, frozenset({0, 1}))
+    await h.run(again, {0: "b"}, trainer="u")
     # Info shows a holding [0, 1] where the ledger accepted [0]: a is voided, nobody prepares,
     # and microbatch 0 is needed again at stage 0 only.
-    assert await h.lease() == [Task(0, 0, frozenset({0}))]
+    assert await h.lease("u") == [Task(0, 0, frozenset({0}))]
     assert a.called("discard") == [0] and not a.receipts
     assert not any(r.called("prepare") for r in (a, b, c))
-    await h.run(Task(0, 0, frozenset({0})), {0: "b"})
+    await h.run(Task(0, 0, frozenset({0})), {0: "b"}, trainer="u")
     assert (await asyncio.wait_for(h.steps.get(), 10)).step == 0
     assert a.called("prepare")[-1].microbatches == []
     assert b.called("prepare")[-1].microbatches == [0, 1]
     assert c.called("prepare")[-1].microbatches == [0, 1]
+
+
+async def test_a_clean_step_goes_straight_to_prepare_which_refuses_an_unknown_receipt(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    """Nothing suspect happened in the step (no lease ran out, nothing given back or left out):
+    its commit asks no replica for its receipts first, one round trip less. A receipt the
+    ledger does not know of all the same is refused by PREPARE's own check: that replica is
+    voided, its microbatches replayed, and the step commits with exactly the ledger's."""
+    job = job_of(tmp_path)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    h = _harness(harnesses, job, swarm)
+    await h.coordinator.start()  # (which asks every replica where it stands)
+    looked = [len(r.called("info")) for r in (a, b, c)]
+    await h.step({0: "a"})
+    assert [len(r.called("info")) for r in (a, b, c)] == looked  # clean: no look first
+    first, second = await h.lease()
+    await h.run(first, {0: "a"})
+    a.accumulate(1)  # a receipt no ledger event explains
+    await h.run(second, {0: "b"})
+    assert await h.lease() == [Task(1, 0, frozenset({0}))]
+    assert a.called("prepare")[-1].microbatches == [0]  # it refused: it holds [0, 1]
+    assert not any(r.called("apply")[1:] for r in (a, b, c))  # nothing applied
+    assert a.called("discard") == [1] and not a.receipts
+    await h.run(Task(1, 0, frozenset({0})), {0: "b"})
+    assert (await asyncio.wait_for(h.steps.get(), 10)).step == 1
+    assert b.called("prepare")[-1].microbatches == [0, 1]
+    assert a.called("prepare")[-1].microbatches == []
+    assert len(a.called("info")) > looked[0]  # the retry looked first
+    assert (a.step, b.step, c.step) == (2, 2, 2)
 
 
 async def test_a_replica_gone_during_prepare_is_dropped_and_the_step_commits_after_replay(
@@ -283,6 +317,9 @@ async def test_a_missed_deadline_on_a_one_replica_stage_readmits_the_replica_wit
     c.fail(method, PeerUnavailable("DEADLINE_EXCEEDED: deadline exceeded"))
     for task in await h.lease():
         await h.run(task)
+        if method == "info":  # a step whose commit looks at every replica's receipts first
+            assert h.coordinator.ledger is not None
+            h.coordinator.ledger.suspect = True
     # c still answers at step 1 with the stage's state: it is re-admitted, its gradients of
     # the step discarded and replayed there; nothing rolls back.
     replay = await h.lease()

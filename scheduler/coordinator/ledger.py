@@ -91,6 +91,11 @@ class StepLedger:
         self._loss: dict[int, float] = {}
         self._samples: dict[int, int] = {}
         self._val_loss: dict[int, tuple[float, int]] = {}  # index -> (loss sum, samples)
+        # Something happened this step that may leave a replica holding a receipt the ledger
+        # does not know of: a lease that ran out, work given back or reported without a stage,
+        # a duplicate, a loss or an adoption. A step without any is clean: its commit needs no
+        # look at every replica's receipts before PREPARE (which checks them itself).
+        self.suspect = False
 
     # -- trainers -------------------------------------------------------------------------------
     def lease(self, trainer: str, count: int, exclude: Collection[int] = ()) -> list[Task]:
@@ -140,6 +145,7 @@ class StepLedger:
             expires, index = heapq.heappop(self._expiring)
             held = self._leases.get(index)
             if held is not None and held.expires == expires:
+                self.suspect = self.suspect or held.counted  # its trainer went silent mid-work
                 self._count(held, False)
                 if self._needed[index]:
                     self._make_free(index)
@@ -238,6 +244,7 @@ class StepLedger:
             self._got(index, stage)
             self._samples.setdefault(index, samples)
             adopted.append(index)
+        self.suspect = self.suspect or bool(adopted)
         return adopted
 
     def report(
@@ -284,6 +291,10 @@ class StepLedger:
             self._unhold(index)
             if self._needed[index]:  # stages left out (unsure where they landed): given back
                 self._returned.add(index)
+                self.suspect = True
+        else:
+            self.suspect = True  # a straggler: another trainer may have run it too
+        self.suspect = self.suspect or bool(extras)
         return extras
 
     def release(self, trainer: str, indices: Iterable[int] | None = None) -> None:
@@ -293,6 +304,7 @@ class StepLedger:
             if lease.trainer == trainer and (chosen is None or index in chosen):
                 self._unhold(index)
                 self._returned.add(index)
+                self.suspect = True
 
     # -- replicas -------------------------------------------------------------------------------
     def lose(self, peer: str, stage: int | None = None) -> list[int]:
@@ -307,6 +319,7 @@ class StepLedger:
         # Replays of a lost gradient go out at once: no late receipt of theirs is worth waiting
         # for, and the lost replica's own receipts (a void not yet landed) must not be adopted.
         self._returned.difference_update(lost)
+        self.suspect = self.suspect or bool(lost)
         return sorted(set(lost))
 
     def holdings(self, stage: int) -> dict[str, list[int]]:
