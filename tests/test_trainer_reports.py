@@ -1,0 +1,104 @@
+"""How a trainer reports: each finished microbatch is reported with a request for the slot's next
+task in the same call, and one report call is in flight at a time, so what finishes while a slow
+scheduler answers goes together in the next call. Behind the `LeaseSource` seam: a fake source,
+and microbatches that compute nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+from client.trainer import PipelineTrainer
+from swarm.config import load_job
+from swarm.lease import Lease, MicrobatchResult, Task, Working
+from tests.support.jobs import write_job
+
+STEPS, MICROBATCHES = 3, 16
+
+
+class _Source:
+    """Gives each step's microbatches (one step at a time, as a coordinator does), answering
+    every report call after `delay_s`; records the size of each call."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s, self.step, self.given = delay_s, 0, 0
+        self.reported: dict[int, list[int]] = {}
+        self.batches: list[int] = []
+        self.leases = 0
+
+    def _take(self, count: int) -> Lease:
+        if self.step >= STEPS:
+            return Lease(self.step, [], [], done=True)
+        n = min(count, MICROBATCHES - self.given)
+        tasks = [Task(self.step, self.given + i, frozenset({0, 1})) for i in range(n)]
+        self.given += n
+        return Lease(self.step, tasks, [])
+
+    async def lease(
+        self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
+    ) -> Lease:
+        self.leases += 1
+        lease = self._take(count)
+        if not lease.tasks and not lease.done:
+            await asyncio.sleep(min(wait_s, 0.01))
+        return lease
+
+    async def report(self, trainer: str, result: MicrobatchResult) -> None:
+        raise AssertionError("a trainer reports with report_and_lease")
+
+    async def report_and_lease(
+        self,
+        trainer: str,
+        results: Sequence[MicrobatchResult],
+        count: int,
+        *,
+        working: Sequence[Working],
+    ) -> Lease:
+        await asyncio.sleep(self.delay_s)
+        self.batches.append(len(results))
+        for r in results:
+            self.reported.setdefault(r.step, []).append(r.index)
+        if len(self.reported.get(self.step, [])) == MICROBATCHES:  # the step commits
+            self.step, self.given = self.step + 1, 0
+        return self._take(count)
+
+    async def release(self, trainer: str, indices: Sequence[int]) -> None:
+        raise AssertionError("nothing fails here")
+
+
+class _Instant(PipelineTrainer):
+    async def _microbatch(self, task: Task) -> MicrobatchResult:
+        await asyncio.sleep(0.001)
+        return MicrobatchResult(task.step, task.index, {0: "a", 1: "b"}, 1.0, 4)
+
+
+async def _train(tmp_path: Path, delay_s: float) -> _Source:
+    job = load_job(write_job(tmp_path, training={"stages": 2}, runtime={"max_in_flight": 8}))
+    source = _Source(delay_s)
+    trainer = _Instant(job, source)
+    try:
+        await asyncio.wait_for(trainer.run(), 30)
+    finally:
+        await trainer.close()
+    assert {s: sorted(i) for s, i in source.reported.items()} == {
+        s: list(range(MICROBATCHES)) for s in range(STEPS)
+    }, "every microbatch is reported exactly once"
+    return source
+
+
+async def test_a_prompt_scheduler_gets_one_call_per_microbatch_that_also_leases(
+    tmp_path: Path,
+) -> None:
+    source = await _train(tmp_path, 0.0)
+    assert sum(source.batches) == STEPS * MICROBATCHES
+    # Each call brought the next task: lease calls only at each step's start (and its end).
+    assert source.leases <= 3 * STEPS, source.leases
+
+
+async def test_a_slow_scheduler_gets_fewer_larger_calls(tmp_path: Path) -> None:
+    source = await _train(tmp_path, 0.05)
+    assert sum(source.batches) == STEPS * MICROBATCHES
+    assert max(source.batches) > 1 and len(source.batches) < STEPS * MICROBATCHES / 2, (
+        source.batches
+    )
