@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import secrets
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from swarm.errors import ConfigError
-from swarm.tls import private_file
 
 __all__ = ["Issued", "init_ca", "issue"]
 
@@ -81,7 +82,7 @@ def init_ca(directory: Path, days: int = 3650, name: str | None = None) -> Issue
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    private_file(key_path, _key_pem(key))
+    _private_file(key_path, _key_pem(key))
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return Issued(cert_path, key_path, cert.not_valid_after_utc)
 
@@ -138,9 +139,22 @@ def issue(
         .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
     )
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
-    private_file(key_path, _key_pem(key))
+    _private_file(key_path, _key_pem(key))
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return Issued(cert_path, key_path, cert.not_valid_after_utc)
+
+
+def _private_file(path: Path, data: bytes) -> None:
+    """Write `data` to `path` complete or not at all, readable by its owner only from the first
+    byte (`mkstemp` creates the file 0600)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:

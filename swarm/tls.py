@@ -17,7 +17,6 @@ import argparse
 import datetime
 import os
 import ssl
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,43 +142,45 @@ def current() -> Tls | None:
     """The process's identity: as configured, else from `SWARM_TLS_*` (loaded once)."""
     global _configured
     if _configured is _UNSET:
-        ca = os.environ.get(env_name("tls-ca"))
-        cert, key = os.environ.get(env_name("tls-cert")), os.environ.get(env_name("tls-key"))
-        mutual = os.environ.get(env_name("tls-mutual"), "").lower() in ("1", "true", "yes")
+        ca, cert, key = _env("tls-ca"), _env("tls-cert"), _env("tls-key")
         _configured = (
             None
-            if not ca
+            if ca is None
             else Tls.load(
-                Path(ca), Path(cert) if cert else None, Path(key) if key else None, mutual
+                Path(ca),
+                Path(cert) if cert else None,
+                Path(key) if key else None,
+                _env_true("tls-mutual"),
             )
         )
     return _configured  # type: ignore[return-value]
 
 
+def _env(flag: str) -> str | None:
+    """`SWARM_<FLAG>`, or None when unset or blank."""
+    return os.environ.get(env_name(flag), "").strip() or None
+
+
+def _env_true(flag: str) -> bool:
+    return (_env(flag) or "").lower() in ("1", "true", "yes")
+
+
 def add_tls_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--tls-ca",
-        type=Path,
-        default=os.environ.get(env_name("tls-ca")) or None,
-        help="the swarm CA (PEM; `swarm certs init`): TLS on every connection, trusting only "
-        f"it [env {env_name('tls-ca')}]",
-    )
-    p.add_argument(
-        "--tls-cert",
-        type=Path,
-        default=os.environ.get(env_name("tls-cert")) or None,
-        help=f"this process's certificate (`swarm certs issue`) [env {env_name('tls-cert')}]",
-    )
-    p.add_argument(
-        "--tls-key",
-        type=Path,
-        default=os.environ.get(env_name("tls-key")) or None,
-        help=f"its private key [env {env_name('tls-key')}]",
-    )
+    for flag, help in (
+        (
+            "tls-ca",
+            "the swarm CA (PEM; `swarm certs init`): TLS on every connection, trusting only it",
+        ),
+        ("tls-cert", "this process's certificate (`swarm certs issue`)"),
+        ("tls-key", "its private key"),
+    ):
+        p.add_argument(
+            f"--{flag}", type=Path, default=_env(flag), help=f"{help} [env {env_name(flag)}]"
+        )
     p.add_argument(
         "--tls-mutual",
         action="store_true",
-        default=os.environ.get(env_name("tls-mutual"), "").lower() in ("1", "true", "yes"),
+        default=_env_true("tls-mutual"),
         help=f"servers require a client certificate from the CA [env {env_name('tls-mutual')}]",
     )
 
@@ -205,16 +206,3 @@ def count_refusal(details: str | None) -> bool:
         REFUSED.inc()
         return True
     return False
-
-
-def private_file(path: Path, data: bytes) -> None:
-    """Write `data` to `path` readable by its owner only, complete or not at all."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

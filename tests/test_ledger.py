@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -131,7 +132,11 @@ def test_what_is_open_and_leasable_follows_every_lease_report_loss_and_expiry() 
         recount = sum(1 for stages in ledger._needed.values() if stages)
         assert ledger.remaining == recount and ledger.complete == (recount == 0)
         assert ledger._free == free
-        rescan = ledger.leased()  # after `leasable`, which expired what ran out
+        rescan = Counter(  # after `leasable`, which expired what ran out
+            held.trainer
+            for i, held in ledger._leases.items()
+            if held.expires > now and ledger._needed.get(i)
+        )
         assert {t: ledger.held_by(t) for t in trainers} == {t: rescan[t] for t in trainers}
         assert ledger.holding() == len(+rescan)
 

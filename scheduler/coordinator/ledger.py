@@ -83,10 +83,9 @@ class StepLedger:
         # index leaves the set at once and the heap when it comes up (stale entries skipped)
         self._free_heap: list[int] = sorted(self._free)
         self._expiring: list[tuple[float, int]] = []
-        # Per trainer, its counted leases (`_Lease.counted`), and how many trainers hold one:
-        # kept with every change, so a lease call's fair share costs no scan of the step.
+        # Per trainer holding any, its counted leases (`_Lease.counted`): kept with every
+        # change, so a lease call's fair share costs no scan of the step.
         self._held: Counter[str] = Counter()
-        self._holding = 0
         self._returned: set[int] = set()  # given back since their receipts were last checked
         self._loss: dict[int, float] = {}
         self._samples: dict[int, int] = {}
@@ -156,10 +155,7 @@ class StepLedger:
             return
         lease.counted = counted
         self._held[lease.trainer] += 1 if counted else -1
-        n = self._held[lease.trainer]
-        if n == (1 if counted else 0):  # its first counted lease, or its last gone
-            self._holding += 1 if counted else -1
-        if not n:
+        if not self._held[lease.trainer]:
             del self._held[lease.trainer]
 
     def _hold(self, index: int, lease: _Lease) -> None:
@@ -183,17 +179,7 @@ class StepLedger:
 
     def holding(self) -> int:
         """How many trainers hold such a lease."""
-        return self._holding
-
-    def leased(self) -> Counter[str]:
-        """Per trainer, its unexpired leases on microbatches still needed: a rescan, for checks
-        of `held_by` and `holding`."""
-        now = self.clock.now()
-        return Counter(
-            held.trainer
-            for index, held in self._leases.items()
-            if held.expires > now and self._needed.get(index)
-        )
+        return len(self._held)
 
     def renew(self, trainer: str, indices: Iterable[int]) -> list[int]:
         """`trainer` is still working on these: their leases run `lease_timeout_s` from now.
