@@ -256,8 +256,10 @@ class PipelineTrainer:
                 "%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e
             )
             # A release names indices only: one of an older step (a straggler) would give away
-            # this trainer's lease on the same index of the step it works on now.
-            if task.step == self._leased_step:
+            # this trainer's lease on the same index of the step it works on now. (With
+            # delayed_update the step before the leased one is live too.)
+            live = self._leased_step - (1 if self.job.training.delayed_update else 0)
+            if task.step >= live:
                 await self.coordinator.release(self.trainer_id, [task.index])
             return None
         finally:
@@ -425,7 +427,10 @@ class PipelineTrainer:
     def _remember(
         self, step: int, index: int, stage: int, inputs: TensorLike, grad: TensorLike
     ) -> None:
-        for old in [key for key in self._boundary if key[0] < step]:  # an old step's are useless
+        # An old step's are useless (with delayed_update the step before is still live: a failed
+        # round of its commit replays from them).
+        live = step - 1 if self.job.training.delayed_update else step
+        for old in [key for key in self._boundary if key[0] < live]:
             self._forget(old)
         self._boundary.setdefault((step, index), {})[stage] = (inputs, grad)
         self._boundary_bytes += _nbytes(inputs) + _nbytes(grad)

@@ -1,16 +1,23 @@
 """One replica's compute: forward, backward (from cached activations or by recomputing),
 per-step gradient accumulation with receipts, and the optimizer update at commit.
 
+With `training.delayed_update` a replica at step m (m updates applied) computes two steps at
+once: step m, whose commit may still be averaging or replaying, on the parameters before
+update m-1, and step m+1 on those after it (`swarm.optim.computes_on`). The optimizer's own
+parameters move on at each APPLY, so each step computes on a copy of the module at the version
+it needs (`_versions`), which no update touches while graphs of its microbatches are cached.
+
 Pure torch, no networking: the servicer calls these methods from one worker thread, so nothing here
 is shared between threads.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +34,7 @@ from swarm.model import (
     partition,
     precision,
 )
-from swarm.optim import build_optimizer, grad_sq_norm, update
+from swarm.optim import build_optimizer, computes_on, grad_sq_norm, update
 
 __all__ = ["Receipt", "StageRuntime"]
 
@@ -45,6 +52,14 @@ class Receipt:
     duplicate: bool
 
 
+@dataclass
+class _Sums:
+    """One step's gradient sums on this replica, and the receipts of what they hold."""
+
+    accum: list[torch.Tensor] | None = None
+    receipts: dict[int, int] = field(default_factory=dict)  # index -> samples
+
+
 class StageRuntime:
     def __init__(self, job: JobConfig, stage: int, device: torch.device | str = "cpu") -> None:
         self.job, self.stage, self.device = job, stage, torch.device(device)
@@ -56,8 +71,11 @@ class StageRuntime:
         self.params = list(self.module.parameters())
         self.optimizer = build_optimizer(self.params, job.optimizer)
         self.step = 0  # steps committed so far; the step being accumulated
-        self._accum: list[torch.Tensor] | None = None
-        self._receipts: dict[int, int] = {}  # index -> samples, for `self.step`
+        self.delayed = job.training.delayed_update
+        self._sums: dict[int, _Sums] = {}  # step -> its sums: `step`, and `step + 1` if delayed
+        # delayed_update: updates applied -> a copy of the module then, for `step - 1` (what
+        # step `step` computes on) and `step` (what step `step + 1` computes on)
+        self._versions: dict[int, torch.nn.Module] = {0: self._copy()} if self.delayed else {}
         # (step, the pool's summed gradient, the step's samples) between prepare and apply
         self._prepared: tuple[int, list[torch.Tensor], int] | None = None
         # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
@@ -71,13 +89,45 @@ class StageRuntime:
         self.following = False
 
     # -- validation -----------------------------------------------------------------------------
-    def _check_step(self, step: int) -> None:
-        if step != self.step:
+    def _check_step(self, step: int, next_ok: bool = False) -> None:
+        """`step` must be this replica's; with `next_ok` under delayed_update, or the next."""
+        if step != self.step and not (next_ok and self.delayed and step == self.step + 1):
             raise FailedPrecondition(
                 f"stage {self.stage} is at step {self.step}; microbatch of step {step} is stale"
                 if step < self.step
                 else f"stage {self.stage} is at step {self.step}; step {step} has not started here"
             )
+
+    # -- the parameters each step computes on ---------------------------------------------------
+    def _copy(self, into: torch.nn.Module | None = None) -> torch.nn.Module:
+        """A copy of the module with the optimizer's parameters now (`into`, an unused copy, is
+        overwritten rather than a new one made)."""
+        if into is None:
+            return copy.deepcopy(self.module)
+        with torch.no_grad():
+            for q, p in zip(into.parameters(), self.params, strict=True):
+                q.copy_(p)
+        return into
+
+    def _module_at(self, step: int) -> torch.nn.Module:
+        """The module step `step` computes with (whose parameters it takes gradients of)."""
+        if not self.delayed:
+            return self.module
+        module = self._versions.get(computes_on(self.job, step))
+        if module is None:
+            raise FailedPrecondition(
+                f"stage {self.stage} at step {self.step} no longer holds the parameters step "
+                f"{step} computes on"
+            )
+        return module
+
+    def _params_at(self, step: int) -> list[torch.Tensor]:
+        if not self.delayed:
+            return list(self.params)
+        return list(self._module_at(step).parameters())
+
+    def _run(self, step: int, x: torch.Tensor) -> torch.Tensor:
+        return self._module_at(step)(x)  # type: ignore[no-any-return]
 
     def _check_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
         cfg = self.job.model
@@ -134,13 +184,13 @@ class StageRuntime:
     ) -> torch.Tensor:
         """The stage's outputs; kept with their graph for this microbatch's Backward, unless
         `evaluate` (a validation microbatch: no Backward follows, no graph is built)."""
-        self._check_step(step)
+        self._check_step(step, next_ok=True)
         if evaluate:
             with torch.no_grad(), precision(self.job, self.device):
-                return self.module(self._check_inputs(inputs))
+                return self._run(step, self._check_inputs(inputs))
         x = self._leaf(self._check_inputs(inputs))
         with torch.enable_grad(), precision(self.job, self.device):
-            out = self.module(x)
+            out = self._run(step, x)
         self._cache[(step, index)] = (x, out)
         self._cache.move_to_end((step, index))
         while len(self._cache) > self.job.runtime.activation_cache:
@@ -159,7 +209,7 @@ class StageRuntime:
     ) -> tuple[torch.Tensor | None, Receipt]:
         """Backward of microbatch `(step, index)`. `inputs` may be None when this replica did the
         forward: then its cached activations must still be here."""
-        self._check_step(step)
+        self._check_step(step, next_ok=True)
         cached = self._cache.pop((step, index), None)
         if cached is None and inputs is None:
             raise ActivationsNotCached(
@@ -170,7 +220,7 @@ class StageRuntime:
             assert inputs is not None
             x = self._leaf(self._check_inputs(inputs))
             with torch.enable_grad(), precision(self.job, self.device):
-                out = self.module(x)
+                out = self._run(step, x)
         else:
             x, out = cached
         grad = self._check_grad(grad_outputs, out)
@@ -190,11 +240,11 @@ class StageRuntime:
             raise InvalidArgument(
                 f"ForwardBackward is for the last stage; this is stage {self.stage}"
             )
-        self._check_step(step)
+        self._check_step(step, next_ok=True)
         x = self._leaf(self._check_inputs(inputs))
         y = self._check_targets(targets, x)
         with torch.enable_grad(), precision(self.job, self.device):
-            loss = loss_sum(self.module(x), y)
+            loss = loss_sum(self._run(step, x), y)
         grad_x, receipt = self._backprop(step, index, x, loss, None, accumulate, need_grad_inputs)
         return float(loss.detach()), grad_x, receipt
 
@@ -203,11 +253,11 @@ class StageRuntime:
         nothing accumulated."""
         if not self.is_last:
             raise InvalidArgument(f"the loss is the last stage's; this is stage {self.stage}")
-        self._check_step(step)
+        self._check_step(step, next_ok=True)
         x = self._check_inputs(inputs)
         y = self._check_targets(targets, x)
         with torch.no_grad(), precision(self.job, self.device):
-            return float(loss_sum(self.module(x), y))
+            return float(loss_sum(self._run(step, x), y))
 
     def _backprop(
         self,
@@ -220,27 +270,31 @@ class StageRuntime:
         need_grad_inputs: bool,
     ) -> tuple[torch.Tensor | None, Receipt]:
         want_x = need_grad_inputs and not self.is_first
-        targets = [*self.params, x] if want_x else list(self.params)
+        params = self._params_at(step)
+        targets = [*params, x] if want_x else list(params)
         grads = torch.autograd.grad(out, targets, grad, allow_unused=True)
         samples = int(x.shape[0])
-        duplicate = index in self._receipts
+        sums = self._sums.setdefault(step, _Sums())
+        duplicate = index in sums.receipts
         if accumulate and not duplicate:
             param_grads = [
                 g if g is not None else torch.zeros_like(p)
                 for p, g in zip(self.params, grads[: len(self.params)], strict=True)
             ]
-            if self._accum is None:
-                self._accum = [g.clone() for g in param_grads]
+            if sums.accum is None:
+                sums.accum = [g.clone() for g in param_grads]
             else:
-                for acc, g in zip(self._accum, param_grads, strict=True):
+                for acc, g in zip(sums.accum, param_grads, strict=True):
                     acc.add_(g)
-            self._receipts[index] = samples
+            sums.receipts[index] = samples
         receipt = Receipt(self.stage, step, index, samples, duplicate and accumulate)
         return (grads[-1] if want_x else None), receipt
 
     # -- commit ---------------------------------------------------------------------------------
-    def receipts(self) -> dict[int, int]:
-        return dict(self._receipts)
+    def receipts(self, step: int | None = None) -> dict[int, int]:
+        """What this replica accumulated for `step` (its own step by default): index -> samples."""
+        sums = self._sums.get(self.step if step is None else step)
+        return dict(sums.receipts) if sums is not None else {}
 
     def commit(self, step: int, microbatches: list[int], total_samples: int) -> bool:
         """Prepare and apply step `step` from this replica's gradients alone (a pool of one).
@@ -256,7 +310,8 @@ class StageRuntime:
         return its gradient sums (zeros if it holds none): the replica's part of the average."""
         self._check_step(step)
         self.following = False  # a member now: its updates come from its own pool
-        expected, held = set(microbatches), set(self._receipts)
+        sums = self._sums.get(step, _Sums())
+        expected, held = set(microbatches), set(sums.receipts)
         if expected != held:
             missing, extra = sorted(expected - held), sorted(held - expected)
             raise FailedPrecondition(
@@ -268,13 +323,14 @@ class StageRuntime:
         # A copy, taken on the compute thread: a late Backward (a straggler's duplicate, which
         # the ledger counts elsewhere) adds to `_accum` in place, and must not reach the sums
         # this replica averages and applies.
-        return [t.clone() for t in self._accum] if self._accum is not None else self._zeros()
+        return [t.clone() for t in sums.accum] if sums.accum is not None else self._zeros()
 
     def _zeros(self) -> list[torch.Tensor]:
         return [torch.zeros_like(p) for p in self.params]
 
     def _accum_or_zeros(self) -> list[torch.Tensor]:
-        return self._accum if self._accum is not None else self._zeros()
+        sums = self._sums.get(self.step)
+        return sums.accum if sums is not None and sums.accum is not None else self._zeros()
 
     def set_prepared(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> None:
         """Keep the pool's summed gradient for `step` until `apply`."""
@@ -306,10 +362,11 @@ class StageRuntime:
     def discard(self, step: int) -> int:
         """Void this replica's gradients of `step` (they will be replayed elsewhere); returns how
         many microbatches were dropped."""
-        self._check_step(step)
+        self._check_step(step, next_ok=True)
         self.following = False
-        dropped = len(self._receipts)
-        self._accum, self._receipts, self._prepared = None, {}, None
+        dropped = len(self._sums.pop(step, _Sums()).receipts)
+        if step == self.step:
+            self._prepared = None
         return dropped
 
     def apply_update(
@@ -322,9 +379,19 @@ class StageRuntime:
         update(self.optimizer, self.job, self.step, scale)
         self.updates.record(self.step, grad_sums, total_samples, scale)
         self.applied = (self.step, scale)
+        self._sums.pop(self.step, None)
         self.step += 1
-        self._accum, self._receipts, self._prepared = None, {}, None
-        self._cache.clear()  # activations of the old step are useless now
+        self._prepared = None
+        # Activations of the old step are useless now; with delayed_update the next step's
+        # (already under way, on a copy of the parameters) are kept.
+        for key in [k for k in self._cache if k[0] < self.step]:
+            del self._cache[key]
+        if self.delayed:  # step + 1 computes on these; step - 1's copy is free for them
+            unused = [v for v in self._versions if v < self.step - 1]
+            spare = self._versions.pop(unused[0]) if unused else None
+            for version in unused[1:]:
+                del self._versions[version]
+            self._versions[self.step] = self._copy(spare)
 
     # -- state transfer -------------------------------------------------------------------------
     def max_request_bytes(self) -> int:
@@ -346,10 +413,11 @@ class StageRuntime:
 
     def check_state_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """One tensor of a state to load must be one of this stage's (`swarm.stage_state` names):
-        `param/<name>` with its parameter's shape, or `optim/<index>/<key>` of a parameter with
-        that parameter's size or one value."""
-        if name.startswith("param/"):
-            shape = self._state_shapes.get(name)
+        `param/<name>` (or, with delayed_update, `prev/<name>`: the parameters before the last
+        update) with its parameter's shape, or `optim/<index>/<key>` of a parameter with that
+        parameter's size or one value."""
+        if name.startswith("param/") or (self.delayed and name.startswith("prev/")):
+            shape = self._state_shapes.get("param/" + name.split("/", 1)[1])
             if shape is None:
                 raise InvalidArgument(f"stage {self.stage} has no parameter {name!r}")
             if tensor.shape != shape:
@@ -373,8 +441,14 @@ class StageRuntime:
         )
 
     def export_state(self, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
-        """This replica's state in the stage-state format (`swarm.stage_state`)."""
-        return stage_state.export_state(self.module, self.optimizer, include_optimizer)
+        """This replica's state in the stage-state format (`swarm.stage_state`). A whole state
+        (`include_optimizer`) of a delayed_update job also holds the parameters step `step`
+        computes on, as `prev/<name>`: a copy must compute as this replica does."""
+        state = stage_state.export_state(self.module, self.optimizer, include_optimizer)
+        if self.delayed and include_optimizer:
+            for name, p in self._module_at(self.step).named_parameters():
+                state[f"prev/{name}"] = p.detach().cpu().clone()
+        return state
 
     def load_state(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """Become the replica whose `export_state` this is, at `step`."""
@@ -382,12 +456,33 @@ class StageRuntime:
             stage_state.load_state(self.module, self.optimizer, state)
         except InvalidArgument as e:
             raise InvalidArgument(f"stage {self.stage}: {e}") from e
+        if self.delayed:
+            self._load_prev(step, state)
         self.step = step
-        self._accum, self._receipts, self._prepared = None, {}, None
+        self._sums, self._prepared = {}, None
         self._cache.clear()
         self.updates.clear()  # its followers copied another state: they start again
         self.following = False
         self.applied = (-1, 1.0)
+
+    def _load_prev(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        """The copies of the parameters steps `step` and `step + 1` compute on, from `state`
+        (its `prev/` tensors; at step 0 they are the parameters themselves)."""
+        current = self._copy()
+        older = copy.deepcopy(self.module)
+        with torch.no_grad():
+            for name, p in older.named_parameters():
+                prev = state.get(f"prev/{name}")
+                if prev is None:
+                    if computes_on(self.job, step) != step:
+                        raise InvalidArgument(
+                            f"stage {self.stage}: a delayed_update state of step {step} must "
+                            "hold the parameters before its last update (prev/<name>)"
+                        )
+                    self._versions = {step: current}
+                    return
+                p.copy_(prev)
+        self._versions = {computes_on(self.job, step): older, step: current}
 
     def load_copy(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """Become a copy of the replica whose state at `step` this is, and follow its updates."""
@@ -400,7 +495,7 @@ class StageRuntime:
         """Apply the update the copied replica applied at `step`, as it did (same sums, same
         samples, same optimizer code: bitwise the same result). False once this replica stopped
         following (it is a member, or holds work of its own): nothing is applied then."""
-        if not self.following or self._receipts or self._prepared is not None:
+        if not self.following or any(s.receipts for s in self._sums.values()) or self._prepared:
             self.following = False
             return False
         if step < self.step:

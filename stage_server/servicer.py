@@ -573,6 +573,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             layers=rt.layers,
             pending_microbatches=len(rt.receipts()),
             receipts=sorted(rt.receipts()),
+            next_receipts=sorted(rt.receipts(rt.step + 1)),
             applied_step=rt.applied[0],
             applied_scale=rt.applied[1],
         )

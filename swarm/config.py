@@ -247,6 +247,9 @@ class TrainingConfig(_Section):
     #: every multiple of it, and the final ones, are evaluated
     eval_every: int = _f(0, GE0)
     eval_microbatches: int = _f(4, GE1)  #: fixed validation microbatches per evaluation (count)
+    #: one step of staleness: step t computes on the parameters before step t-1's update, so
+    #: each step's averaging and update overlap the next step's microbatches (docs/jobs.md)
+    delayed_update: bool = False
 
     @property
     def microbatches_per_step(self) -> int:
@@ -424,6 +427,7 @@ _LATER_KEYS = (
     ("model", "norm_eps"),
     ("training", "grad_clip"),
     ("training", "precision"),
+    ("training", "delayed_update"),
     ("optimizer", "schedule"),
     ("optimizer", "warmup_steps"),
     ("optimizer", "min_lr"),

@@ -280,6 +280,10 @@ class CoordinatorFamilies:
         self.tokens = counter(
             "swarm_coordinator_tokens_total", "Tokens trained on in committed steps"
         )
+        self.blocked = counter(
+            "swarm_coordinator_blocked_seconds_total",
+            "Seconds no microbatch could be leased because a step's commit was under way",
+        )
         self.grad_norm = Gauge(
             "swarm_coordinator_grad_norm",
             "L2 norm of the whole model's averaged gradient at the last committed step, "
@@ -303,6 +307,7 @@ class CoordinatorFamilies:
             self.rollbacks,
             self.last_commit,
             self.tokens,
+            self.blocked,
             self.grad_norm,
             self.val_loss,
         ):
@@ -327,5 +332,6 @@ class CoordinatorMetrics:
         self.last_commit = f.last_commit.labels(job=job)
         self.grad_norm = f.grad_norm.labels(job=job)
         self.tokens = f.tokens.labels(job=job)
+        self.blocked = f.blocked.labels(job=job)
         self.val_loss = f.val_loss.labels(job=job)
         self.val_loss.set(math.nan)

@@ -11,7 +11,7 @@ import torch
 
 from swarm.config import JobConfig, OptimizerConfig
 
-__all__ = ["build_optimizer", "clip_scale", "grad_sq_norm", "lr_at", "update"]
+__all__ = ["build_optimizer", "clip_scale", "computes_on", "grad_sq_norm", "lr_at", "update"]
 
 # As `torch.nn.utils.clip_grad_norm_`: keeps the coefficient finite for a zero gradient.
 _CLIP_EPS = 1e-6
@@ -48,6 +48,17 @@ def lr_at(cfg: OptimizerConfig, step: int, steps: int) -> float:
     if cfg.schedule == "linear":
         return cfg.lr - (cfg.lr - cfg.min_lr) * done
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * done))
+
+
+def computes_on(job: JobConfig, step: int) -> int:
+    """How many updates the parameters step `step` computes on have had. Synchronous: all of
+    steps 0..step-1. With `training.delayed_update`: all but the last (step t's gradient is
+    taken at the parameters before step t-1's update, so that update and its averaging overlap
+    step t's microbatches); steps 0 and 1 both compute on the initial parameters. The final
+    evaluation, after the last step, is of the trained parameters either way."""
+    if not job.training.delayed_update or step >= job.training.steps:
+        return step
+    return max(step - 1, 0)
 
 
 def grad_sq_norm(grads: Iterable[torch.Tensor]) -> float:

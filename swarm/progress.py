@@ -26,6 +26,10 @@ class StepRecord:
     # the steps `training.eval_every` names. The final evaluation, of the trained parameters,
     # is a record of its own: step = training.steps, no samples, no loss.
     val_loss: float | None = None
+    # Of `seconds`, those no microbatch could be leased in because a commit was under way: the
+    # whole commit (averaging included) when synchronous, the wait for the one before it with
+    # `training.delayed_update`.
+    blocked_seconds: float = 0.0
 
     @property
     def final_evaluation(self) -> bool:

@@ -13,7 +13,7 @@ import torch
 from swarm.config import JobConfig
 from swarm.data import VAL_STEP, DataSource, make_data, make_val_data
 from swarm.model import StageModule, build_model, layer_costs, loss_sum, partition, precision
-from swarm.optim import build_optimizer, clip_scale, grad_sq_norm, update
+from swarm.optim import build_optimizer, clip_scale, computes_on, grad_sq_norm, update
 from swarm.progress import StepRecord
 
 __all__ = ["evaluate", "train_local"]
@@ -37,19 +37,29 @@ def train_local(
     ]
     total = steps if steps is not None else job.training.steps
     every, val = job.training.eval_every, make_val_data(job) if job.training.eval_every else None
+    # `training.delayed_update`: the parameters before the last update, which the step computes
+    # on (`computes_on`); the update itself is applied to the newest parameters.
+    stale: dict[str, torch.Tensor] | None = None
     for step in range(total):
         start, total_loss, samples = time.perf_counter(), 0.0, 0
-        val_loss = evaluate(job, model, val, device) if val and step % every == 0 else None
+        weights = stale if computes_on(job, step) < step else None
+        val_loss = evaluate(job, model, val, device, weights) if val and step % every == 0 else None
         for index in range(m):
             inputs, targets = (t.to(device) for t in data.microbatch(step, index))
             with precision(job, device):
-                loss = loss_sum(model(inputs), targets)
+                loss = loss_sum(_run(model, weights, inputs), targets)
             loss.backward()  # .grad accumulates the sum over microbatches
             total_loss += float(loss.detach())
             samples += int(inputs.shape[0])
-        for p in model.parameters():
+        for name, p in model.named_parameters():
+            if weights is not None:  # the gradient was taken at the stale copy
+                p.grad = weights[name].grad
+                weights[name].grad = None
             assert p.grad is not None
             p.grad.div_(samples)
+        if job.training.delayed_update:
+            named = model.named_parameters()
+            stale = {n: p.detach().clone().requires_grad_(True) for n, p in named}
         sq_norms = [grad_sq_norm(p.grad for p in stage if p.grad is not None) for stage in stages]
         update(optimizer, job, step, clip_scale(sq_norms, job.training.grad_clip))
         if on_step:
@@ -65,15 +75,30 @@ def train_local(
     return model
 
 
+def _run(
+    model: StageModule, weights: dict[str, torch.Tensor] | None, inputs: torch.Tensor
+) -> torch.Tensor:
+    """`model` on `inputs`, with `weights` in place of its parameters when given."""
+    if weights is None:
+        return model(inputs)  # type: ignore[no-any-return]
+    return torch.func.functional_call(model, weights, (inputs,))  # type: ignore[no-any-return]
+
+
 def evaluate(
-    job: JobConfig, model: StageModule, val: DataSource, device: torch.device | str
+    job: JobConfig,
+    model: StageModule,
+    val: DataSource,
+    device: torch.device | str,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> float:
-    """The validation loss of `model`: forward only over the fixed validation microbatches,
-    summed in their order and divided by their samples, as the step ledger does."""
+    """The validation loss of `model` (with `weights` in place of its parameters, if given):
+    forward only over the fixed validation microbatches, summed in their order and divided by
+    their samples, as the step ledger does."""
     losses = []
     with torch.no_grad():
         for i in range(job.training.eval_microbatches):
             inputs, targets = (t.to(device) for t in val.microbatch(VAL_STEP, i))
             with precision(job, device):
-                losses.append((float(loss_sum(model(inputs), targets)), int(inputs.shape[0])))
+                loss = loss_sum(_run(model, weights, inputs), targets)
+                losses.append((float(loss), int(inputs.shape[0])))
     return sum(loss for loss, _ in losses) / sum(n for _, n in losses)

@@ -1,16 +1,18 @@
-"""Shared fixtures: leftover child processes are killed after every test."""
+"""Shared fixtures: leftover child processes are killed after every test; `make_swarm` makes
+in-process swarms (`tests.support.inprocess`) and closes them after the test."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import forked
+from tests.support.inprocess import Swarm
 
 
 def _children(pid: int) -> set[int]:
@@ -51,3 +53,11 @@ def _fork_swarm_processes() -> Iterator[None]:
     procs.launcher = forked.launch
     yield
     procs.launcher = procs.spawn
+
+
+@pytest.fixture
+async def make_swarm() -> AsyncIterator[list[Swarm]]:
+    made: list[Swarm] = []
+    yield made
+    for swarm in made:
+        await swarm.close()

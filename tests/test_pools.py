@@ -4,61 +4,21 @@ inspected after each step): several trainers, averaging, joining mid-job, lease 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-import torch
 
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_model, gather_state
 from stage_server.runtime import StageRuntime
-from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm.config import JobConfig
+from stage_server.server import RunningStageServer
 from swarm.errors import FailedPrecondition
 from swarm.lease import Replica, Task
 from swarm.progress import StepRecord
 from tests.support.equality import assert_equal_to_local
+from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
-
-
-class Swarm:
-    """Stage servers in this process, grouped per stage, and a coordinator over them."""
-
-    def __init__(self, job: JobConfig) -> None:
-        self.job = job
-        self.servers: list[list[RunningStageServer]] = [[] for _ in range(job.training.stages)]
-
-    async def add(self, stage: int) -> RunningStageServer:
-        server = await start_stage_server(self.job, StageServerOptions(stage=stage))
-        self.servers[stage].append(server)
-        return server
-
-    def members(self) -> list[list[Replica]]:
-        return [[Replica(s.address, s.address, 1.0) for s in stage] for stage in self.servers]
-
-    def assert_replicas_identical(self) -> None:
-        for stage in self.servers:
-            first = stage[0].runtime
-            for other in stage[1:]:
-                assert other.runtime.step == first.step
-                for (name, a), b in zip(
-                    first.export_state().items(), other.runtime.export_state().values(), strict=True
-                ):
-                    assert torch.equal(a, b), f"stage {first.stage} differs at {name}"
-
-    async def close(self) -> None:
-        for stage in self.servers:
-            for s in stage:
-                await s.stop()
-
-
-@pytest.fixture
-async def make_swarm() -> AsyncIterator[list[Swarm]]:
-    made: list[Swarm] = []
-    yield made
-    for swarm in made:
-        await swarm.close()
 
 
 async def _train(swarm: Swarm, coordinator: LocalCoordinator, trainers: int) -> None:

@@ -103,10 +103,10 @@ def test_duplicate_backward_is_not_counted_twice(tmp_path: Path) -> None:
     rt = StageRuntime(job, 0)
     x, y = make_data(job).microbatch(0, 0)
     _, _, first = rt.forward_backward(0, 0, x, y)
-    accum = [a.clone() for a in rt._accum or []]
+    accum = [a.clone() for a in rt._sums[0].accum or []]
     _, _, again = rt.forward_backward(0, 0, x, y)
     assert not first.duplicate and again.duplicate
-    assert all(torch.equal(a, b) for a, b in zip(accum, rt._accum or [], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(accum, rt._sums[0].accum or [], strict=True))
     assert rt.receipts() == {0: 4}
 
 
@@ -242,8 +242,8 @@ def test_bf16_mixed_computes_in_bf16_and_keeps_float32_weights_and_sums(tmp_path
     loss, _, _ = mixed.forward_backward(0, 0, inputs, targets)
     loss32, _, _ = full.forward_backward(0, 0, inputs, targets)
     assert loss != loss32 and abs(loss - loss32) < 1e-2 * loss32  # bf16 matmuls: close, not equal
-    assert mixed._accum is not None and full._accum is not None
-    assert {t.dtype for t in [*mixed.params, *mixed._accum]} == {torch.float32}
+    assert mixed._sums[0].accum is not None and full._sums[0].accum is not None
+    assert {t.dtype for t in [*mixed.params, *mixed._sums[0].accum]} == {torch.float32}
     assert mixed.commit(0, [0], 4) is False  # the update in float32, optimizer state too
     state = mixed.optimizer.state[mixed.params[0]]
     assert state["exp_avg"].dtype == torch.float32

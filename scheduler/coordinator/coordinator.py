@@ -6,6 +6,13 @@ trainer and, over gRPC, remote trainers) or a standalone `swarm trainer --stage-
 the step's lifecycle (open, commit, retry, next step, rollback) and composes the rest: the ledger
 (`ledger`), the two-phase commit and voids (`commit`), the members (`membership`), checkpoints and
 rollback states (`recovery`), and the connections to replicas (`replicas`).
+
+Its steps are *live* from their opening until their commit is applied. Synchronous, one is:
+step t+1 opens once step t is applied everywhere. With `training.delayed_update` step t+1
+opens as soon as step t's commit starts (its microbatches compute on the parameters before
+step t's update, which the replicas keep), so two are live at once: step t's commit, with the
+replays a failed round needs (leased first), and step t+1. Step t+1's commit waits for step
+t's APPLY, so the updates are applied in order, each once.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +67,15 @@ class _Commit:
     backoff: Backoff = field(default_factory=_retry_backoff)
 
 
+@dataclass
+class _Live:
+    """A step from its opening until its commit is applied: its ledger and its commit."""
+
+    ledger: StepLedger
+    commit: _Commit = field(default_factory=_Commit)
+    started: float = field(default_factory=time.perf_counter)
+
+
 async def _maybe_await(result: Awaitable[None] | None) -> None:
     if result is not None:
         await result
@@ -97,7 +113,13 @@ class LocalCoordinator:
         self._shares = Shares(self.clock, job.runtime.lease_timeout_s)
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         self.metrics.last_commit.set(time.time())
-        self.ledger: StepLedger | None = None
+        self._live: list[_Live] = []  # oldest first: at most two, with delayed_update
+        self._applied_at = -math.inf  # perf_counter() of the last step's end
+        # since when no step has been open to lease because of a commit; the seconds of that
+        # since the last step's record
+        self._blocked_since: float | None = None
+        self._blocked = 0.0
+        self.delayed = job.training.delayed_update
         self.clients = ReplicaClients(
             connect or grpc_replicas(job, job_id, token), grace_s=job.runtime.commit_timeout_s
         )
@@ -105,7 +127,7 @@ class LocalCoordinator:
             job_id,
             members,
             self.clients,
-            lambda: self.ledger,
+            self._ledgers,
             self.metrics,
             self.clock,
             can_admit=self._can_admit,
@@ -116,8 +138,6 @@ class LocalCoordinator:
             self.clients, self.membership, self.metrics, job.training.grad_clip
         )
         self.recovery = Recovery(job, self.clients, checkpoint_dir)
-        self._commit = _Commit()
-        self._step_started = time.perf_counter()
         self._rollback: asyncio.Task[None] | None = None
         # A rollback that could not finish (a stage's replica failed to load) is tried again
         # from leases, no sooner than this backoff allows.
@@ -137,19 +157,40 @@ class LocalCoordinator:
         self._open(step)
         return step
 
-    def _open(self, step: int) -> None:
-        old = self._commit.task
-        if old is not None and old is not asyncio.current_task():
-            old.cancel()  # a retry of a ledger that is history now would void live replicas
+    @property
+    def ledger(self) -> StepLedger | None:
+        """The newest live step's ledger (None once the job is done)."""
+        return self._live[-1].ledger if self._live else None
+
+    def _ledgers(self) -> list[StepLedger]:
+        """The ledgers of the live steps not yet applied, oldest first: the oldest one's step
+        is the one members are at."""
+        return [live.ledger for live in self._live if not live.commit.applied]
+
+    def _live_at(self, step: int) -> _Live | None:
+        return next((live for live in self._live if live.ledger.step == step), None)
+
+    def _open(self, step: int, beside: bool = False) -> None:
+        """Open `step`: the only live step, or (`beside`, delayed_update) the next one beside
+        the step whose commit is starting."""
+        if not beside:
+            for live in self._live:
+                old = live.commit.task
+                if old is not None and old is not asyncio.current_task():
+                    old.cancel()  # a retry of a ledger that is history now would void replicas
+            self._live = []
+        if self._blocked_since is not None:
+            blocked = time.perf_counter() - self._blocked_since
+            self._blocked, self._blocked_since = self._blocked + blocked, None
+            self.metrics.blocked.inc(blocked)
         t = self.job.training
         evaluates = t.eval_every > 0 and (step % t.eval_every == 0 or step >= self.steps)
         if step >= self.steps and not (evaluates and step == self.steps):
-            self.ledger = None
             self.finished.set()
             self._wake()
             return
         m = t.microbatches_per_step
-        self.ledger = StepLedger(
+        ledger = StepLedger(
             step,
             m if step < self.steps else 0,  # after the last step: the final evaluation only
             t.stages,
@@ -158,26 +199,32 @@ class LocalCoordinator:
             microbatch_size=t.microbatch_size,
             evaluations=range(m, m + t.eval_microbatches) if evaluates else range(0),
         )
-        self._commit, self._step_started = _Commit(), time.perf_counter()
+        self._live.append(_Live(ledger))
         self._rollback_backoff.reset()
         self._rollback_after = -math.inf
         self._wake()
 
     def _can_admit(self, step: int) -> bool:
-        """A replica caught up with `step` becomes a member only while `step` is open and no
-        commit (whose PREPARE group is fixed) or rollback is under way."""
+        """A replica caught up with `step` becomes a member only while `step` is the members'
+        and no commit (whose PREPARE group is fixed) or rollback is under way."""
+        ledgers = self._ledgers()
         return (
-            self.ledger is not None
-            and self.ledger.step == step
-            and self._commit.task is None
+            bool(ledgers)
+            and ledgers[0].step == step
+            and not self._committing()
             and (self._rollback is None or self._rollback.done())
             and not self._closed
         )
 
+    def _committing(self) -> bool:
+        """A commit is deciding (an applied one only tells the world now)."""
+        return any(live.commit.task is not None and not live.commit.applied for live in self._live)
+
     async def close(self) -> None:
         self._closed = True
         self._wake()
-        for task in (self._commit.task, self._rollback, self._receipts):
+        tasks = [live.commit.task for live in self._live] + [self._rollback, self._receipts]
+        for task in tasks:
             if task is not None:
                 task.cancel()
         await self.recovery.close(finished=self.finished.is_set())
@@ -201,8 +248,7 @@ class LocalCoordinator:
         work, the job is done or failed, or the members changed, so that idle trainers ask rarely
         and still start at once."""
         self._shares.heard(trainer)
-        ledger = self.ledger
-        if ledger is not None:
+        for ledger in self._ledgers():
             ledger.renew(trainer, [index for step, index in working if step == ledger.step])
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait_s, 0.0), self.MAX_WAIT_S)
@@ -224,20 +270,26 @@ class LocalCoordinator:
     def _lease_now(self, trainer: str, count: int) -> Lease:
         if self.error:
             raise self.error
-        ledger, members = self.ledger, self.replicas()
-        if ledger is None:
+        members = self.replicas()
+        if not self._live:
             return Lease(self.steps, [], members, done=True)
+        newest = self._live[-1].ledger.step
         if any(not stage for stage in members):
             self._maybe_roll_back()
-            return Lease(ledger.step, [], members)  # no work while a stage has no replica
-        if self._commit.task:
-            return Lease(ledger.step, [], members)
-        returned = ledger.returned()
-        if returned and self._receipts is None:
-            self._receipts = asyncio.create_task(self._check_receipts(ledger, returned))
-        exclude = set(returned)
-        count = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
-        return Lease(ledger.step, ledger.lease(trainer, count, exclude=exclude), members)
+            return Lease(newest, [], members)  # no work while a stage has no replica
+        for live in self._live:  # the oldest first: a commit's replays hold up the next one
+            if live.commit.task:
+                continue
+            ledger = live.ledger
+            returned = ledger.returned()
+            if returned and self._receipts is None:
+                self._receipts = asyncio.create_task(self._check_receipts(ledger, returned))
+            exclude = set(returned)
+            share = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
+            tasks = ledger.lease(trainer, share, exclude=exclude)
+            if tasks:
+                return Lease(ledger.step, tasks, members)
+        return Lease(newest, [], members)
 
     def _wake(self) -> None:
         """Waiting leases look again (work may be there, or the job done)."""
@@ -247,16 +299,17 @@ class LocalCoordinator:
     async def _until_changed(self, changed: asyncio.Event, timeout: float) -> None:
         waiter = asyncio.ensure_future(changed.wait())
         waits: set[asyncio.Future[Any]] = {waiter, asyncio.ensure_future(self.finished.wait())}
-        commit = self._commit.task  # its end may leave replays to lease
-        if commit is not None:
-            waits.add(commit)
+        # A commit's end may leave replays to lease.
+        commits = {live.commit.task for live in self._live if live.commit.task is not None}
         try:
-            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                waits | commits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             for w in waits:
-                # Never the commit, even once the step it committed is history: it may still
+                # Never a commit, even once the step it committed is history: it may still
                 # be telling the world (`on_step`) after opening the next step.
-                if w is not commit and not w.done():
+                if not w.done():
                     w.cancel()
 
     async def _check_receipts(self, ledger: StepLedger, returned: list[int]) -> None:
@@ -269,13 +322,19 @@ class LocalCoordinator:
             infos = await asyncio.gather(
                 *(self.clients.get(k, r).info() for k, r in pairs), return_exceptions=True
             )
-            if self.ledger is not ledger:
+            if ledger not in self._ledgers():
                 return
             size = self.job.training.microbatch_size
             for (stage, r), info in zip(pairs, infos, strict=True):
-                if isinstance(info, BaseException) or info.step != ledger.step:
-                    continue  # gone or elsewhere: the commit's own checks deal with it
-                adopted = ledger.adopt(stage, r.peer, info.receipts, set(returned), size)
+                if isinstance(info, BaseException):
+                    continue  # gone: the commit's own checks deal with it
+                if info.step == ledger.step:
+                    receipts = info.receipts
+                elif self.delayed and info.step + 1 == ledger.step:
+                    receipts = info.next_receipts  # the step beside a commit
+                else:
+                    continue  # elsewhere: the commit's own checks deal with it
+                adopted = ledger.adopt(stage, r.peer, receipts, set(returned), size)
                 if adopted:
                     log.info(
                         "step %d: %s's late receipts %s at stage %d adopted",
@@ -288,13 +347,31 @@ class LocalCoordinator:
         finally:
             self._receipts = None
             self._wake()
-        if ledger.complete and self._commit.task is None and self.ledger is ledger:
-            self._commit.task = asyncio.create_task(self._commit_step(ledger))
+        self._maybe_commit(ledger)
+
+    def _maybe_commit(self, ledger: StepLedger) -> None:
+        """Start committing `ledger`'s step once it is complete, unless a commit of it runs
+        already or (delayed_update) the step before it is not applied yet: its commit starts
+        when that one's ends. With delayed_update the next step opens beside it now."""
+        live = self._live_at(ledger.step)
+        if live is None or live.ledger is not ledger or live.commit.applied:
+            return
+        if ledger.complete and live is self._live[-1] and self._blocked_since is None:
+            self._blocked_since = time.perf_counter()  # until the next step opens
+        if not ledger.complete or live.commit.task is not None or self._live[0] is not live:
+            return
+        live.commit.task = asyncio.create_task(self._commit_step(live))
+        # The final evaluation (after the last step) opens once that step is applied: it is
+        # of the trained parameters.
+        beside = ledger.step + 1
+        if self.delayed and ledger.microbatches and beside < self.steps and len(self._live) == 1:
+            self._open(beside, beside=True)
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
-        ledger = self.ledger
-        if ledger is None or self._commit.applied:
+        live = self._live_at(result.step)
+        if live is None or live.commit.applied:
             return
+        ledger = live.ledger
         free = ledger.leasable()
         extras = ledger.report(
             trainer, result.step, result.index, result.holders, result.loss_sum, result.samples
@@ -304,10 +381,9 @@ class LocalCoordinator:
         # every report would cost each report a lease computation per waiting trainer.
         if ledger.complete or ledger.leasable() > free:
             self._wake()
-        if ledger.complete and self._commit.task is None:
-            # Before the voids below await: a caller whose deadline cancels this call must not
-            # leave a complete ledger with no commit.
-            self._commit.task = asyncio.create_task(self._commit_step(ledger))
+        # Before the voids below await: a caller whose deadline cancels this call must not
+        # leave a complete ledger with no commit.
+        self._maybe_commit(ledger)
         for extra in extras:  # another trainer's gradient was accepted first: void this one
             await self.two_phase.void_duplicate(ledger, extra.stage, extra.peer)
 
@@ -325,32 +401,35 @@ class LocalCoordinator:
 
     async def release(self, trainer: str, indices: Sequence[int]) -> None:
         """A trainer gave these microbatches back (a hop failed on every replica it tried):
-        look at the members, since one may be dead or restarted empty."""
-        if self.ledger and not self._commit.applied:
-            self.ledger.release(trainer, indices)
+        look at the members, since one may be dead or restarted empty. (Indices only: with
+        delayed_update, the live step that leased them to `trainer`.)"""
+        ledgers = [live.ledger for live in self._live if not live.commit.task]
+        if ledgers:
+            for ledger in ledgers:
+                ledger.release(trainer, indices)
             self._wake()
-            if self._commit.task is not None:
+            if self._committing():
                 # A commit checks the members itself; during its APPLY those that applied are
                 # at the next step already, and would be dropped as if restarted.
                 return
             now = self.clock.now()
             if now - self._checked >= self._CHECK_EVERY_S:
                 self._checked = now
-                await self.membership.check(self.ledger.step)
+                await self.membership.check(ledgers[0].step)
 
     # -- the step -------------------------------------------------------------------------------
-    async def _commit_step(self, ledger: StepLedger) -> bool:
-        commit = self._commit
-        if self.ledger is not ledger:
+    async def _commit_step(self, live: _Live) -> bool:
+        commit, ledger = live.commit, live.ledger
+        if live not in self._live:
             return False  # a rollback or an earlier commit moved on: this ledger is history
         if ledger.step >= self.steps:  # the final evaluation: nothing to commit
             commit.applied = True
-            await self._next_step(ledger, 0)
+            await self._next_step(live, 0)
             return True
         try:
             if await self.two_phase.attempt(ledger, f"{ledger.step}/{commit.attempt}"):
                 commit.applied = True
-                await self._next_step(ledger, commit.attempt)
+                await self._next_step(live, commit.attempt)
                 return True
             failure = self.two_phase.failure
             if failure is not None:
@@ -376,22 +455,27 @@ class LocalCoordinator:
             self.error = e
             self.finished.set()
             return False
-        if self._commit is commit:
+        if live in self._live:
             commit.task = None
             commit.attempt += 1
-            if ledger.complete and self.ledger is ledger:
+            if ledger.complete:
                 # Nothing was lost (a member without gradients left, or no stage has a replica
                 # yet): no replay will report back, so try again by itself, backing off.
-                commit.task = asyncio.create_task(self._retry(ledger, commit.backoff))
+                commit.task = asyncio.create_task(self._retry(live, commit.backoff))
         return False
 
-    async def _retry(self, ledger: StepLedger, backoff: Backoff) -> bool:
+    async def _retry(self, live: _Live, backoff: Backoff) -> bool:
         await backoff.sleep()
-        return await self._commit_step(ledger)
+        return await self._commit_step(live)
 
-    async def _next_step(self, ledger: StepLedger, attempt: int) -> None:
-        """After `ledger`'s step is applied: bring new replicas in, checkpoint, open the next."""
-        seconds = time.perf_counter() - self._step_started
+    async def _next_step(self, live: _Live, attempt: int) -> None:
+        """After `live`'s step is applied: bring new replicas in, checkpoint, open the next
+        (with delayed_update it is open already: its commit may start now)."""
+        ledger = live.ledger
+        # With delayed_update the step began before the one before it ended: its seconds are
+        # counted from that end, so that the records' seconds add up to the job's.
+        now = time.perf_counter()
+        seconds, self._applied_at = now - max(live.started, self._applied_at), now
         self.metrics.last_commit.set(time.time())
         tokens = ledger.samples() * self.job.model.seq_len
         self.metrics.tokens.inc(tokens)
@@ -406,16 +490,30 @@ class LocalCoordinator:
         if not ledger.microbatches:  # the final evaluation: the job is done
             self._open(step)
             if self.on_step:
-                await _maybe_await(self.on_step(record))
+                await _maybe_await(self.on_step(self._blocked_in(record)))
             return
         await self.membership.sync(step)
         if self.recovery.due(step):
             self.recovery.checkpoint(step, self.replicas())
-        self._open(step)
+        if live in self._live and len(self._live) > 1:
+            # delayed_update: the next step's commit waits for this one; before it starts (it
+            # may right away), replicas that copied a member join it.
+            await self.membership.admit_copies(step)
+        if live in self._live:  # not rolled back meanwhile
+            self._live.remove(live)
+            if self._live:  # delayed_update: the next step, which waited for this APPLY
+                self._maybe_commit(self._live[0].ledger)
+            else:
+                self._open(step)
         if attempt:
             log.info("step %d committed after %d failed rounds", ledger.step, attempt)
         if self.on_step:
-            await _maybe_await(self.on_step(record))
+            await _maybe_await(self.on_step(self._blocked_in(record)))
+
+    def _blocked_in(self, record: StepRecord) -> StepRecord:
+        """`record` with the seconds blocked on commits since the last record."""
+        blocked, self._blocked = self._blocked, 0.0
+        return replace(record, blocked_seconds=blocked)
 
     # -- rollback -------------------------------------------------------------------------------
     async def flush(self) -> None:
@@ -434,16 +532,17 @@ class LocalCoordinator:
 
     async def _roll_back(self) -> None:
         try:
-            ledger = self.ledger
-            if ledger is not None and await self.membership.readmit(ledger.step):
+            ledgers = self._ledgers()
+            if ledgers and await self.membership.readmit(ledgers[0].step):
                 self._wake()  # a replica dropped for a missed deadline still held the state
                 return
             # A checkpoint still being written may be the newest.
             await self.recovery.flush(self.job.runtime.commit_timeout_s)
             step = self.recovery.latest()
-            if self._commit.task:
-                self._commit.task.cancel()
-                self._commit.task = None
+            for live in self._live:
+                if live.commit.task:
+                    live.commit.task.cancel()
+                    live.commit.task = None
             self.membership.synced = await self.recovery.restore(step, self.members())
             if any(not stage for stage in self.replicas()):
                 return  # not every stage could load it: the next lease tries again

@@ -32,7 +32,7 @@ class Membership:
         job_id: str,
         members: Callable[[], list[list[Replica]]],
         clients: ReplicaClients,
-        ledger: Callable[[], StepLedger | None],
+        ledgers: Callable[[], list[StepLedger]],
         metrics: CoordinatorMetrics,
         clock: Clock,
         can_admit: Callable[[int], bool] = lambda step: True,
@@ -41,12 +41,16 @@ class Membership:
     ) -> None:
         """`can_admit(step)`: whether a replica at `step` may become a member now (the step is
         open and no commit or rollback is under way); `on_admit()`: one did. `grad_clip`: the
-        job's (a half-applied step is finished with the coefficient it was applied with)."""
+        job's (a half-applied step is finished with the coefficient it was applied with).
+        `ledgers()`: those of the steps not yet applied, oldest first (two with
+        delayed_update); members are at the oldest one's step."""
         self.job_id, self.members, self.clients = job_id, members, clients
         self.grad_clip = grad_clip
         self.can_admit, self.on_admit = can_admit, on_admit
         self._joining: dict[str, asyncio.Task[None]] = {}  # peer -> its join in the background
-        self.ledger, self.metrics = ledger, metrics  # `ledger`: the open step's, if any
+        # peer -> (stage, the joiner, the member it copies), once asked to copy it
+        self._copying: dict[str, tuple[int, Replica, str]] = {}
+        self.ledgers, self.metrics = ledgers, metrics
         self.synced: set[str] = set()
         self._stage_of: dict[str, int] = {}  # where each peer served when last seen
         self._joins = Backoffs(self._JOIN_FIRST_S, self._JOIN_CAP_S, clock)
@@ -60,8 +64,7 @@ class Membership:
                 if before != stage:  # moved by rebalancing: a new replica of its new stage
                     log.info("%s moved from stage %d to %d", r.peer, before, stage)
                     self.synced.discard(r.peer)
-                    ledger = self.ledger()
-                    if ledger is not None:  # what it held there is replayed
+                    for ledger in self.ledgers():  # what it held there is replayed
                         self.metrics.replays.inc(len(ledger.lose(r.peer, before)))
                 self._stage_of[r.peer] = stage
         return [[r for r in stage if r.peer in self.synced] for stage in members]
@@ -72,8 +75,7 @@ class Membership:
             log.warning("replica %s is unreachable: leaving it out until it rejoins", peer)
             self.synced.discard(peer)
             self.metrics.dropped.inc()
-            ledger = self.ledger()
-            if ledger is not None:
+            for ledger in self.ledgers():
                 self.metrics.replays.inc(len(ledger.lose(peer)))
 
     async def check(self, step: int) -> None:
@@ -104,11 +106,12 @@ class Membership:
                 continue
             if (info.job, info.stage, info.step) != (self.job_id, stage, step):
                 continue  # restarted empty, or serving something else: it does not hold it
-            ledger = self.ledger()
-            if ledger is not None and ledger.step == step:
+            ledgers = [ledger for ledger in self.ledgers() if ledger.step >= step]
+            for ledger in ledgers:
                 self.metrics.replays.inc(len(ledger.lose(r.peer, stage)))
             try:
-                await self.clients.get(stage, r).discard(step)
+                for discarded in sorted({step, *(ledger.step for ledger in ledgers)}):
+                    await self.clients.get(stage, r).discard(discarded)
             except SwarmError as e:
                 log.warning("stage %d: %s not re-admitted (discard failed): %s", stage, r.peer, e)
                 continue
@@ -153,7 +156,8 @@ class Membership:
                 if not any((r.peer, r.address) == (joiner.peer, joiner.address) for r in listed):
                     return  # it left, moved or restarted elsewhere: the next boundary sees to it
                 sources = [r for r in listed if r.peer in self.synced]
-                ledger = self.ledger()
+                ledgers = self.ledgers()
+                ledger = ledgers[0] if ledgers else None
                 if not sources or ledger is None or ledger.step < first_step:
                     await ask.sleep()
                     continue
@@ -175,16 +179,37 @@ class Membership:
                 except SwarmError as e:  # it refused: the next boundary tries again
                     log.warning("stage %d: %s could not join: %s", stage, joiner.peer, e)
                     return
-                if at == step and self.can_admit(step):
-                    self._joins.succeeded(joiner.peer)
-                    self.synced.add(joiner.peer)
-                    log.info("stage %d: %s joined at step %d", stage, joiner.peer, step)
-                    self.on_admit()
+                self._copying[joiner.peer] = (stage, joiner, sources[0].address)
+                if self._admit(stage, joiner, step, at):
                     return
                 await ask.sleep()
         finally:
             if self._joining.get(joiner.peer) is asyncio.current_task():
                 del self._joining[joiner.peer]
+                self._copying.pop(joiner.peer, None)
+
+    def _admit(self, stage: int, joiner: Replica, step: int, at: int) -> bool:
+        """Make `joiner` a member if it is a copy at `step` and may become one now."""
+        if at != step or not self.can_admit(step) or joiner.peer in self.synced:
+            return joiner.peer in self.synced
+        self._joins.succeeded(joiner.peer)
+        self.synced.add(joiner.peer)
+        log.info("stage %d: %s joined at step %d", stage, joiner.peer, step)
+        self.on_admit()
+        return True
+
+    async def admit_copies(self, step: int) -> None:
+        """Between two commits, ask every replica copying a member whether it is at `step`,
+        and admit those that are. With delayed_update a commit starts as soon as the one before
+        it is applied, so a joiner's own asks may never find a moment between commits."""
+        copying = list(self._copying.items())
+        answers = await asyncio.gather(
+            *(self.clients.get(k, joiner).join(source, step) for _, (k, joiner, source) in copying),
+            return_exceptions=True,
+        )
+        for (_, (stage, joiner, _)), at in zip(copying, answers, strict=True):
+            if isinstance(at, int):
+                self._admit(stage, joiner, step, at)
 
     async def close(self) -> None:
         tasks = list(self._joining.values())

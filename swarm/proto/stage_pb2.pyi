@@ -278,7 +278,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfoResponse(_message.Message):
-    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches", "receipts", "applied_step", "applied_scale")
+    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches", "receipts", "applied_step", "applied_scale", "next_receipts")
     PEER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class StageInfoResponse(_message.Message):
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SCALE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     peer: str
     job: str
     stage: int
@@ -303,7 +304,8 @@ class StageInfoResponse(_message.Message):
     receipts: _containers.RepeatedScalarFieldContainer[int]
     applied_step: int
     applied_scale: float
-    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ..., applied_step: _Optional[int] = ..., applied_scale: _Optional[float] = ...) -> None: ...
+    next_receipts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ..., applied_step: _Optional[int] = ..., applied_scale: _Optional[float] = ..., next_receipts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageDownloadStateRequest(_message.Message):
     __slots__ = ("job", "stage", "include_optimizer", "follower")

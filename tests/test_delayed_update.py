@@ -1,0 +1,349 @@
+"""`training.delayed_update`: step t computes on the parameters before step t-1's update, so each
+step's averaging and update overlap the next step's microbatches. The reference implements the
+same rule; the swarm must equal it (float64, 1e-9) with the overlap really happening, through
+replays, joins, kills during the overlapped averaging, and rollback."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.trainer import PipelineTrainer
+from scheduler.coordinator import LocalCoordinator, gather_state
+from stage_server.runtime import StageRuntime
+from swarm.config import JobConfig, load_job
+from swarm.data import make_data
+from swarm.errors import FailedPrecondition, InvalidArgument
+from swarm.faults import Fault, Point
+from swarm.lease import Lease, Working
+from swarm.model import build_model, loss_sum
+from swarm.optim import computes_on
+from swarm.progress import StepRecord
+from swarm.reference import train_local
+from tests.support.equality import assert_equal_to_local, assert_states_within, local_state
+from tests.support.inprocess import Swarm
+from tests.support.jobs import make_job, write_job
+from tests.test_faults import Servers, _count, _train
+
+DELAYED = {"delayed_update": True}
+
+
+def _sgd_job(tmp_path: Path, name: str, **training: object) -> JobConfig:
+    return make_job(
+        tmp_path,
+        name,
+        training={"stages": 1, "steps": 2, **training},
+        optimizer={"kind": "sgd", "lr": 0.5, "weight_decay": 0.0},
+    )
+
+
+def test_the_rule_steps_0_and_1_on_the_initial_parameters_then_one_step_behind(
+    tmp_path: Path,
+) -> None:
+    job = make_job(tmp_path, training={"steps": 5, **DELAYED})
+    assert [computes_on(job, s) for s in range(6)] == [0, 0, 1, 2, 3, 5]  # 5: final evaluation
+    sync = make_job(tmp_path, "sync", training={"steps": 5})
+    assert [computes_on(sync, s) for s in range(6)] == [0, 1, 2, 3, 4, 5]
+    assert job.fingerprint() != sync.fingerprint()  # it changes the maths
+
+
+def test_the_reference_is_sgd_with_a_gradient_one_step_stale(tmp_path: Path) -> None:
+    # Worked by hand with plain SGD: w1 = w0 - lr g0(w0), w2 = w1 - lr g1(w0).
+    job = _sgd_job(tmp_path, "delayed", **DELAYED)
+    model, data, lr = build_model(job, "cpu"), make_data(job), 0.5
+
+    def grad(step: int) -> list[torch.Tensor]:
+        model.zero_grad()
+        samples = 0
+        for index in range(job.training.microbatches_per_step):
+            inputs, targets = data.microbatch(step, index)
+            loss_sum(model(inputs), targets).backward()
+            samples += int(inputs.shape[0])
+        return [p.grad.detach() / samples for p in model.parameters()]  # type: ignore[union-attr]
+
+    g0, g1 = grad(0), grad(1)  # both at w0
+    with torch.no_grad():
+        for p, a, b in zip(model.parameters(), g0, g1, strict=True):
+            p.sub_(lr * a).sub_(lr * b)
+    expected = {k: v.detach() for k, v in model.state_dict().items()}
+    assert_states_within(train_local(job).state_dict(), expected, 1e-12)
+    sync = train_local(_sgd_job(tmp_path, "sync")).state_dict()
+    far = max((sync[k] - v).abs().max().item() for k, v in expected.items())
+    assert far > 1e-6, far  # the staleness is not idle
+
+
+def _microbatch(rt: StageRuntime, step: int, index: int) -> None:
+    inputs, targets = make_data(rt.job).microbatch(step, index)
+    rt.forward_backward(step, index, inputs, targets)
+
+
+def _all(rt: StageRuntime, step: int) -> list[int]:
+    indices = list(range(rt.job.training.microbatches_per_step))
+    for index in indices:
+        _microbatch(rt, step, index)
+    return indices
+
+
+def _samples(rt: StageRuntime) -> int:
+    return rt.job.training.target_batch_size
+
+
+def test_a_replica_computes_the_next_step_while_its_own_is_committed(tmp_path: Path) -> None:
+    # One stage, the swarm's order of events: step t+1's microbatches run before step t's
+    # commit, a replay of step t after them, a discarded microbatch of step t+1 run again.
+    job = make_job(tmp_path, training={"stages": 1, "steps": 4, **DELAYED})
+    rt = StageRuntime(job, 0)
+    indices = _all(rt, 0)
+    with pytest.raises(FailedPrecondition, match="has not started here"):
+        _microbatch(rt, 2, 0)  # two steps ahead: not open anywhere
+    for step in range(job.training.steps):
+        if step + 1 < job.training.steps:
+            _microbatch(rt, step + 1, 0)  # the next step starts before this one commits
+            assert rt.discard(step + 1) == 1  # ... its work is voided, and done again
+            _all(rt, step + 1)
+        rt.discard(step)  # a failed round: step t replayed, on the parameters it used before
+        _all(rt, step)
+        assert rt.commit(step, indices, _samples(rt)) is False
+        assert rt.step == step + 1
+    with pytest.raises(FailedPrecondition, match="stale"):
+        _microbatch(rt, 2, 0)
+    assert_equal_to_local(job, rt.state_dict(), 1e-12)
+
+
+def test_a_copy_of_a_replica_computes_as_it_does(tmp_path: Path) -> None:
+    # A state of a delayed job carries the parameters its open step computes on (`prev/`):
+    # a replica loaded from it (a joiner, a rollback) computes step t's gradient identically.
+    job = make_job(tmp_path, training={"stages": 1, "steps": 4, **DELAYED})
+    source = StageRuntime(job, 0)
+    for step in range(2):
+        source.commit(step, _all(source, step), _samples(source))
+    state = source.export_state()
+    assert any(k.startswith("prev/") for k in state)
+    assert not any(k.startswith("prev/") for k in source.export_state(include_optimizer=False))
+    copy = StageRuntime(job, 0)
+    copy.load_state(2, state)
+    for rt in (source, copy):
+        rt.commit(2, _all(rt, 2), _samples(rt))
+        _all(rt, 3)  # on the parameters after step 2's update: w^(3)
+        rt.commit(3, list(range(job.training.microbatches_per_step)), _samples(rt))
+    for k, v in source.state_dict().items():
+        assert torch.equal(v, copy.state_dict()[k]), k
+    missing = {k: v for k, v in state.items() if not k.startswith("prev/")}
+    with pytest.raises(InvalidArgument, match="prev/"):
+        StageRuntime(job, 0).load_state(2, missing)
+    StageRuntime(job, 0).load_state(0, missing)  # at step 0 the parameters are their own prev
+
+
+async def _train_in_process(
+    swarm: Swarm, coordinator: LocalCoordinator, trainers: int
+) -> list[tuple[str, int]]:
+    """Run the job; the order of events: ("leased", step) for each task a trainer got, and
+    ("applied", step) when a step's commit was applied."""
+    events: list[tuple[str, int]] = []
+    lease = coordinator.lease
+
+    async def recorded(
+        trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
+    ) -> Lease:
+        got = await lease(trainer, count, wait_s=wait_s, working=working)
+        events.extend(("leased", task.step) for task in got.tasks)
+        return got
+
+    coordinator.lease = recorded  # type: ignore[method-assign]
+    on_step = coordinator.on_step
+
+    def applied(record: StepRecord) -> Awaitable[None] | None:
+        events.append(("applied", record.step))
+        return on_step(record) if on_step is not None else None
+
+    coordinator.on_step = applied
+    runs = [PipelineTrainer(swarm.job, coordinator, seed=i) for i in range(trainers)]
+    try:
+        await coordinator.start()
+        await asyncio.wait_for(
+            asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait()), 120
+        )
+        assert coordinator.error is None
+    finally:
+        for t in runs:
+            await t.close()
+    return events
+
+
+def _overlapped(events: list[tuple[str, int]]) -> set[int]:
+    """The steps of which a task was leased before the step before it was applied."""
+    applied: set[int] = set()
+    steps = set()
+    for kind, step in events:
+        if kind == "applied":
+            applied.add(step)
+        elif step > 0 and step - 1 not in applied:
+            steps.add(step)
+    return steps
+
+
+async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
+    tmp_path: Path, make_swarm: list[Swarm]
+) -> None:
+    job = make_job(tmp_path, training={"steps": 5, "target_batch_size": 32, **DELAYED})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    for stage in range(4):
+        for _ in range(2):
+            await swarm.add(stage)
+    records: list[StepRecord] = []
+
+    def after_step(record: StepRecord) -> None:
+        swarm.assert_replicas_identical()  # bitwise, after every step
+        records.append(record)
+
+    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    events = await _train_in_process(swarm, coordinator, trainers=2)
+    assert [r.step for r in records] == [0, 1, 2, 3, 4]
+    # Every step after the first started while the one before it was committed.
+    assert _overlapped(events) == {1, 2, 3, 4}, events
+    assert_equal_to_local(job, await gather_state(coordinator))
+    await coordinator.close()
+    # The synchronous coordinator never overlaps: the same measure says 0.
+    sync = make_job(tmp_path, "sync", training={"steps": 3, "target_batch_size": 32})
+    swarm = Swarm(sync)
+    make_swarm.append(swarm)
+    for stage in range(4):
+        await swarm.add(stage)
+    coordinator = LocalCoordinator(sync, sync.fingerprint(), swarm.members)
+    assert _overlapped(await _train_in_process(swarm, coordinator, trainers=2)) == set()
+    await coordinator.close()
+
+
+async def test_a_replica_joining_mid_job_computes_as_the_others(
+    tmp_path: Path, make_swarm: list[Swarm]
+) -> None:
+    job = make_job(tmp_path, training={"steps": 8, "target_batch_size": 32, **DELAYED})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    for stage in range(4):
+        await swarm.add(stage)
+    joined = []
+
+    async def after_step(record: StepRecord) -> None:
+        if record.step == 1:
+            joined.append(await swarm.add(2))
+
+    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    await _train_in_process(swarm, coordinator, trainers=1)
+    assert joined and joined[0].runtime.step == 8
+    swarm.assert_replicas_identical()
+    samples = joined[0].servicer.metrics.registry.get_sample_value(
+        "swarm_stage_samples_total", dict(joined[0].servicer.metrics.values)
+    )
+    assert samples and samples > 0  # it did work after joining, on the parameters it copied
+    assert_equal_to_local(job, await gather_state(coordinator))
+    await coordinator.close()
+
+
+# -- real processes, SIGKILL ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("data_plane", "stage", "point"),
+    [("relay", 1, Point.AVERAGING), ("push", 0, Point.AVERAGING), ("push", 3, Point.BACKWARD)],
+)
+def test_a_replica_killed_during_the_overlapped_averaging_stays_exact(
+    tmp_path: Path, data_plane: str, stage: int, point: Point
+) -> None:
+    """`s{stage}r0` dies in step 2's averaging, which runs while step 3's microbatches do (or
+    at a backward of step 2): it held gradients of both steps. Step 2's are replayed on the
+    parameters before step 1's update, step 3's on those after it, and the result is exact."""
+    job = write_job(
+        tmp_path,
+        training={"steps": 6, "target_batch_size": 16, **DELAYED},
+        runtime={"data_plane": data_plane},
+    )
+    layout = [2 if k == stage else 1 for k in range(4)]
+    fault = Fault(f"s{stage}r0", point, 2)
+    servers = Servers(job, layout, [fault], tmp_path, slow=frozenset({f"s{stage}r1"}))
+    victim = servers.procs[fault.target]
+    records: list[StepRecord] = []
+    try:
+        state, registry = _train(servers, records.append)
+    finally:
+        servers.stop()
+    assert victim.proc.returncode == -signal.SIGKILL, "the fault must have killed the replica"
+    assert_equal_to_local(job, state, tol=1e-9)
+    assert [r.step for r in records] == list(range(6))
+    if point == Point.AVERAGING:
+        assert _count(registry, "swarm_coordinator_aborted_rounds_total") >= 1
+        assert _count(registry, "swarm_coordinator_replays_total") >= 1
+
+
+@pytest.mark.slow
+def test_a_recipe_job_with_delayed_update_stays_exact_through_a_kill_a_rejoin_and_a_rollback(
+    tmp_path: Path,
+) -> None:
+    """Clipping that bites and a warm-up + cosine schedule: s1r0 dies averaging step 2, comes
+    back and copies a member (with the parameters the open step computes on), then stage 2's
+    only replica is wiped out and every stage rolls back to a checkpoint that holds them."""
+    recipe = {"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3}
+    training = {"steps": 14, "target_batch_size": 16, "checkpoint_every": 2, "grad_clip": 0.3}
+    job = write_job(tmp_path, training=training | DELAYED, optimizer=recipe)
+    fault = Fault("s1r0", Point.AVERAGING, 2)
+    servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path, slow=frozenset({"s1r1"}))
+    victim, done = servers.procs["s1r0"], set[str]()
+
+    def chaos(record: StepRecord) -> None:
+        if record.step == 2 and "restart" not in done:
+            done.add("restart")
+            servers.restart("s1r0")
+        elif done == {"restart"} and "joined stage 1 at step" in servers.procs["s1r0"].log():
+            done.add("wipe")
+            servers.procs["s2r0"].kill()
+            servers.restart("s2r0")
+
+    try:
+        state, registry = _train(servers, chaos, tmp_path / "ckpt")
+    finally:
+        servers.stop()
+    assert victim.proc.returncode == -signal.SIGKILL
+    assert done == {"restart", "wipe"}, "s1r0 must have joined before the job ended"
+    assert _count(registry, "swarm_coordinator_replays_total") >= 1
+    assert _count(registry, "swarm_coordinator_rollbacks_total") == 1
+    assert_equal_to_local(job, state, tol=1e-9)
+    synchronous = write_job(tmp_path, "sync", training=training, optimizer=recipe)
+    far = max((state[k] - v).abs().max().item() for k, v in local_state(synchronous).items())
+    assert far > 1e-4, far  # the staleness is not idle
+
+
+@pytest.mark.slow
+def test_evaluations_with_delayed_update_are_of_the_parameters_each_step_computes_on(
+    tmp_path: Path,
+) -> None:
+    """Llama on 4 stages of 2 replicas, evaluated every 3 steps, a replica killed at the first
+    forward of step 3: every validation loss equals the reference's (step t's of the parameters
+    step t computes on, the final one of the trained parameters)."""
+    job = write_job(
+        tmp_path,
+        model={"kind": "llama", "n_heads": 2, "n_kv_heads": 1},
+        training={"steps": 8, "target_batch_size": 16, "eval_every": 3, **DELAYED},
+        runtime={"data_plane": "push"},
+    )
+    servers = Servers(job, [2, 2, 2, 2], [Fault("s2r0", Point.FORWARD, 3)], tmp_path)
+    records: list[StepRecord] = []
+    try:
+        state, _ = _train(servers, records.append)
+    finally:
+        servers.stop()
+    assert servers.procs["s2r0"].proc.returncode == -signal.SIGKILL
+    assert_equal_to_local(job, state, tol=1e-9)
+    reference: list[StepRecord] = []
+    train_local(load_job(job), on_step=reference.append)
+    evals = [(r.step, r.val_loss) for r in records if r.val_loss is not None]
+    expected = [(r.step, r.val_loss) for r in reference if r.val_loss is not None]
+    assert [s for s, _ in evals] == [s for s, _ in expected] == [0, 3, 6, 8]
+    for (_, a), (_, b) in zip(evals, expected, strict=True):
+        assert a is not None and b is not None and abs(a - b) <= 1e-9 * b
