@@ -4,7 +4,14 @@ swarm unshaped, measured in the same run.
 
     sudo .venv/bin/python bench/wan.py [--rate 100mbit|20mbit|none] [--delay-ms 0]
         [--codec none|fp16|bf16|int8_blockwise] [--data-plane push|relay] [--steps 10]
-        [--max-in-flight 8] [--workload d256|tiny | --small] [--json]
+        [--max-in-flight 8] [--workload d256|tiny | --small] [--replicas 1]
+        [--delayed-update] [--json]
+
+Pools. `--replicas R` serves each stage with R replicas, each a host of its own (`s<k>r<j>`), so
+every step ends with each pool averaging its gradients over the shaped links; the seconds per
+step no microbatch could be leased because a commit was under way (the coordinator's
+`blocked_seconds`) are printed for both runs. `--delayed-update` runs the job with
+`training.delayed_update`, which overlaps each step's averaging with the next step.
 
 Hosts. The trainer and each stage server run in a namespace of their own (`swb-<pid>-<host>`),
 with one address on 10.77.0.0/24 on their `eth0`: one end of a veth pair whose other end is a
@@ -72,8 +79,21 @@ PREFIX = "swb-"
 SUBNET = "10.77.0"
 TRAINER = "trainer"
 STAGES = 4
-HOSTS = [TRAINER, *(f"stage{k}" for k in range(STAGES))]
-ADDRESSES = {TRAINER: f"{SUBNET}.10", **{f"stage{k}": f"{SUBNET}.{11 + k}" for k in range(STAGES)}}
+
+
+def stage_hosts(replicas: int) -> list[list[str]]:
+    """Per stage, its replicas' host names: `stage<k>` with one replica each, else `s<k>r<j>`."""
+    if replicas == 1:
+        return [[f"stage{k}"] for k in range(STAGES)]
+    return [[f"s{k}r{j}" for j in range(replicas)] for k in range(STAGES)]
+
+
+def addresses(replicas: int) -> dict[str, str]:
+    """Every host's address: the trainer's, then the stage servers' in stage order."""
+    servers = [h for stage in stage_hosts(replicas) for h in stage]
+    return {TRAINER: f"{SUBNET}.10", **{h: f"{SUBNET}.{11 + i}" for i, h in enumerate(servers)}}
+
+
 PORT = 7000  # every stage server's (namespaces are separate, so the same port everywhere)
 READY_TIMEOUT_S = 300.0  # four servers importing torch at once on two cores
 
@@ -220,7 +240,14 @@ def start(net: Network, host: str, name: str, argv: list[str], work: Path) -> Pr
     return net.start(host, name, argv, work, child_env(work), ROOT)
 
 
-def job_toml(workload: str, steps: int, codec: str, data_plane: str, in_flight: int = 8) -> str:
+def job_toml(
+    workload: str,
+    steps: int,
+    codec: str,
+    data_plane: str,
+    in_flight: int = 8,
+    delayed_update: bool = False,
+) -> str:
     p = WORKLOADS[workload]
     plane = f'data_plane = "{data_plane}"\n'
     return f"""name = "wan-{workload}"
@@ -240,6 +267,7 @@ target_batch_size = {p["microbatch_size"] * p["microbatches"]}
 steps = {steps}
 dtype = "float32"
 checkpoint_every = 0
+delayed_update = {"true" if delayed_update else "false"}
 [optimizer]
 kind = "adamw"
 lr = 1e-3
@@ -264,6 +292,7 @@ class Measured:
     steps: int
     microbatches: int
     trainer_samples_per_s: float  # what the trainer's log says for the same steps
+    blocked_seconds_per_step: float  # the coordinator's, waiting on commits (the trainer's log)
     bytes_per_microbatch: dict[str, dict[str, float]]  # host -> sent/received
 
 
@@ -282,10 +311,11 @@ def run_once(
     relayed = shaped and args.delay_ms > 0
     net.shape(args.rate_bits if shaped else None)
     start_at = len(procs)
+    hosts, address = stage_hosts(args.replicas), net.addresses
+    servers = [(k, host) for k, stage in enumerate(hosts) for host in stage]
     try:
-        for k in range(STAGES):
-            host = f"stage{k}"
-            listen = "127.0.0.1" if relayed else ADDRESSES[host]
+        for k, host in servers:
+            listen = "127.0.0.1" if relayed else address[host]
             flags = f"--stage {k} --host {listen} --port {PORT} --device cpu --threads 1"
             argv = swarm_cmd("stage-server", "--job", str(job), *flags.split())
             procs.append(start(net, host, f"{label}-{host}", argv, work))
@@ -293,16 +323,17 @@ def run_once(
         for proc in procs[start_at:]:
             proc.wait_ready(deadline)
         if relayed:
-            for k in range(STAGES):
-                host = f"stage{k}"
+            for _, host in servers:
                 relay = [sys.executable, str(Path(__file__).resolve()), "--relay"]
-                relay += [f"{ADDRESSES[host]}:{PORT}", f"127.0.0.1:{PORT}", str(args.delay_ms)]
-                procs.append(start(net, host, f"{label}-relay{k}", relay, work))
+                relay += [f"{address[host]}:{PORT}", f"127.0.0.1:{PORT}", str(args.delay_ms)]
+                procs.append(start(net, host, f"{label}-relay-{host}", relay, work))
             deadline = time.monotonic() + 60
-            for proc in procs[start_at + STAGES :]:
+            for proc in procs[start_at + len(servers) :]:
                 proc.wait_ready(deadline)
         log = work / f"{label}-steps.jsonl"
-        stage_servers = ",".join(f"{ADDRESSES[f'stage{k}']}:{PORT}" for k in range(STAGES))
+        stage_servers = ",".join(
+            "|".join(f"{address[host]}:{PORT}" for host in stage) for stage in hosts
+        )
         argv = swarm_cmd("trainer", "--job", str(job), "--threads", "1", "--log", str(log))
         trainer = start(
             net, TRAINER, f"{label}-trainer", [*argv, "--stage-servers", stage_servers], work
@@ -346,7 +377,7 @@ def run_once(
             "sent": (end_counters[h][0] - c0[h][0]) / microbatches,
             "received": (end_counters[h][1] - c0[h][1]) / microbatches,
         }
-        for h in HOSTS
+        for h in net.addresses
     }
     return Measured(
         samples_per_s=samples / seconds,
@@ -355,6 +386,7 @@ def run_once(
         microbatches=microbatches,
         trainer_samples_per_s=sum(r["samples"] for r in records)
         / sum(r["seconds"] for r in records),
+        blocked_seconds_per_step=sum(r.get("blocked_seconds", 0.0) for r in records) / len(records),
         bytes_per_microbatch=per_mb,
     )
 
@@ -372,8 +404,10 @@ def report(args: argparse.Namespace, unshaped: Measured, shaped: Measured) -> di
         "delay_ms": args.delay_ms,
         "codec": args.codec,
         "data_plane": args.data_plane,
+        "replicas": args.replicas,
+        "delayed_update": args.delayed_update,
         "timed_steps": args.steps,
-        "addresses": ADDRESSES,
+        "addresses": addresses(args.replicas),
         "unshaped": vars(unshaped),
         "shaped": vars(shaped),
         "shaped_over_unshaped": shaped.samples_per_s / unshaped.samples_per_s,
@@ -382,7 +416,7 @@ def report(args: argparse.Namespace, unshaped: Measured, shaped: Measured) -> di
     }
     if args.rate_bits is not None:
         host, direction = max(
-            ((h, d) for h in HOSTS for d in ("sent", "received")),
+            ((h, d) for h in out["addresses"] for d in ("sent", "received")),
             key=lambda hd: shaped.bytes_per_microbatch[hd[0]][hd[1]],
         )
         busiest = shaped.bytes_per_microbatch[host][direction]
@@ -408,7 +442,9 @@ def print_report(r: dict[str, Any], out: IO[str]) -> None:
         f"workload {w['name']}: gpt d_model {w['d_model']}, {w['n_layers']} blocks, "
         f"{w['n_heads']} heads, seq {w['seq_len']}, {w['stages']} stages; "
         f"{w['microbatch_size']} samples x {w['microbatches']} microbatches per step, "
-        f"{w['dtype']}; wire {r['codec']}, data plane {r['data_plane']}",
+        f"{w['dtype']}; wire {r['codec']}, data plane {r['data_plane']}; "
+        f"{r['replicas']} replica(s) per stage"
+        f"{', delayed_update' if r['delayed_update'] else ''}",
         file=out,
     )
     print(
@@ -416,12 +452,16 @@ def print_report(r: dict[str, Any], out: IO[str]) -> None:
         f"{r['timed_steps']} timed steps after 1 warm-up",
         file=out,
     )
-    print(f"{'run':<10} {'samples/s':>10} {'s/step':>8} {'trainer log samples/s':>22}", file=out)
+    print(
+        f"{'run':<10} {'samples/s':>10} {'s/step':>8} {'blocked s/step':>15} "
+        f"{'trainer log samples/s':>22}",
+        file=out,
+    )
     for name in ("unshaped", "shaped"):
         m = r[name]
         print(
             f"{name:<10} {m['samples_per_s']:>10.2f} {m['seconds'] / m['steps']:>8.2f} "
-            f"{m['trainer_samples_per_s']:>22.2f}",
+            f"{m['blocked_seconds_per_step']:>15.3f} {m['trainer_samples_per_s']:>22.2f}",
             file=out,
         )
     print(f"shaped/unshaped {r['shaped_over_unshaped']:.3f}", file=out)
@@ -434,7 +474,7 @@ def print_report(r: dict[str, Any], out: IO[str]) -> None:
         f"{'unshaped sent':>13} {'received':>12}",
         file=out,
     )
-    for h in HOSTS:
+    for h in r["addresses"]:
         s, u = r["shaped"]["bytes_per_microbatch"][h], r["unshaped"]["bytes_per_microbatch"][h]
         print(
             f"{h:<8} {r['addresses'][h]:<11} {mb(s['sent']):>12} {mb(s['received']):>12}   "
@@ -481,6 +521,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (plus 1 warm-up)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="d256")
     parser.add_argument("--small", action="store_true", help="the same as --workload tiny")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas per stage (pools)")
+    parser.add_argument(
+        "--delayed-update",
+        action="store_true",
+        help="training.delayed_update: each step's averaging overlaps the next step",
+    )
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds each run may take at most"
     )
@@ -508,11 +554,15 @@ def check(args: argparse.Namespace) -> str | None:
         return f"--rate {e}"
     if args.steps < 1:
         return "--steps must be at least 1"
+    if not 1 <= args.replicas <= 8:
+        return "--replicas must be in 1..8"
     if args.delay_ms < 0:
         return "--delay-ms must be >= 0"
     try:
         parse_job(
-            job_toml(args.workload, 2, args.codec, args.data_plane, args.max_in_flight), ROOT, "wan"
+            job_toml(args.workload, 2, args.codec, args.data_plane, args.max_in_flight),
+            ROOT,
+            "wan",
         )
     except ConfigError as e:
         return f"the job would not load: {e}"
@@ -535,7 +585,7 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     work = Path(tempfile.mkdtemp(prefix="swarm-wan-"))
-    net = Network(PREFIX, ADDRESSES)
+    net = Network(PREFIX, addresses(args.replicas))
     procs: list[Proc] = []
     result: dict[str, Any] | None = None
     status = 1
@@ -551,9 +601,15 @@ def main() -> int:
             status = 2
             return status
         job = work / "job.toml"
-        job.write_text(
-            job_toml(args.workload, args.steps + 2, args.codec, args.data_plane, args.max_in_flight)
+        toml = job_toml(
+            args.workload,
+            args.steps + 2,
+            args.codec,
+            args.data_plane,
+            args.max_in_flight,
+            args.delayed_update,
         )
+        job.write_text(toml)
         print(f"unshaped run (1 + {args.steps} + 1 steps) ...", file=sys.stderr, flush=True)
         unshaped = run_once(net, job, work, "unshaped", args, False, procs)
         print(f"shaped run ({args.rate}, {args.delay_ms:g} ms) ...", file=sys.stderr, flush=True)

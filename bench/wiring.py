@@ -2,6 +2,7 @@
 is throttled 1 : 1 : 2 : 4 (so their speeds are 1 : 1 : 1/2 : 1/4), each a separate process.
 
     .venv/bin/python bench/wiring.py [--steps N] [--base-throttle F] [--data-plane push]
+        [--delayed-update]
 
 The capacity is the sum of each replica's samples/s measured alone, in this run. Then the same
 pool is driven with our wiring, with uniform-random routing and with round-robin routing, and
@@ -13,6 +14,11 @@ With `--data-plane push` the pool is stage 1 of a two-stage job whose stage 0 is
 replica: every hop into the pool is chosen by that replica (`stage_server.pushing`), not by the
 trainer, so this measures the stage servers' own wiring (the baselines replace the trainer's
 choice only, so they are not run).
+
+With `--delayed-update` the wiring also runs a job with `training.delayed_update` (a fresh pool,
+the same steps), whose commits overlap the next step's microbatches: the step barrier's cost is
+what separates the two rows. Samples/s is the wall time from the end of the first (warm-up)
+step to the end of the last, so overlapping steps are not counted twice.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import itertools
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +56,7 @@ stages = {stages}
 microbatch_size = 8
 target_batch_size = {batch}
 steps = {steps}
+delayed_update = {delayed}
 [optimizer]
 kind = "adamw"
 lr = 1e-3
@@ -62,10 +70,10 @@ def route_randomly(trainer: PipelineTrainer, how: str) -> None:
     """Replace the wiring's choice for the stage with a baseline router."""
     pool, rng = trainer.wiring[0], random.Random(0)
     if how == "random":
-        pool.choose = lambda samples: rng.choice(sorted(pool.eligible()))  # type: ignore[method-assign]
+        pool.choose = lambda task_samples: rng.choice(sorted(pool.eligible()))  # type: ignore[method-assign]
     elif how == "round-robin":
         order = itertools.cycle(sorted(pool.eligible()))
-        pool.choose = lambda samples: next(order)  # type: ignore[method-assign]
+        pool.choose = lambda task_samples: next(order)  # type: ignore[method-assign]
 
 
 async def throughput(
@@ -74,11 +82,15 @@ async def throughput(
     """Samples/s over the job's steps after the first (warm-up); `front` is the stage-0 replica
     in front of the pool (push)."""
     job = load_job(job_path)
-    records: list[StepRecord] = []
+    records: list[tuple[float, StepRecord]] = []  # (when, record)
     members = [[Replica(r.address, r.address, 1.0) for r in replicas]]
     if front is not None:
         members.insert(0, [Replica(front.address, front.address, 1.0)])
-    coordinator = LocalCoordinator(job, job.fingerprint(), lambda: members, on_step=records.append)
+
+    def on_step(record: StepRecord) -> None:
+        records.append((time.perf_counter(), record))
+
+    coordinator = LocalCoordinator(job, job.fingerprint(), lambda: members, on_step=on_step)
     trainer = PipelineTrainer(job, coordinator, seed=0)
     try:
         await coordinator.start()
@@ -88,8 +100,8 @@ async def throughput(
     finally:
         await trainer.close()
         await coordinator.close()
-    counted = records[1:]
-    return sum(r.samples for r in counted) / sum(r.seconds for r in counted)
+    samples = sum(r.samples for _, r in records[1:])
+    return samples / (records[-1][0] - records[0][0])
 
 
 def start_server(job: Path, stage: int, throttle: float, work: Path, name: str) -> SwarmProcess:
@@ -130,7 +142,9 @@ def start_front(job: Path, work: Path, name: str) -> SwarmProcess:
     return front
 
 
-async def run(steps: int, base: float, work: Path, microbatches: int, plane: str) -> None:
+async def run(
+    steps: int, base: float, work: Path, microbatches: int, plane: str, delayed: bool
+) -> None:
     push = plane == "push"
     stages, pool_stage = (2, 1) if push else (1, 0)
     servers: list[SwarmProcess] = []
@@ -140,7 +154,9 @@ async def run(steps: int, base: float, work: Path, microbatches: int, plane: str
         # one job file each so that every run starts at step 0.
         alone_jobs = [work / f"job{i}.toml" for i in range(len(RELATIVE_THROTTLES))]
         for job in alone_jobs:
-            job.write_text(JOB.format(batch=8 * 32, steps=3, stages=stages, plane=plane))
+            job.write_text(
+                JOB.format(batch=8 * 32, steps=3, stages=stages, plane=plane, delayed="false")
+            )
         servers = start_pool(alone_jobs, base, work, "replica", pool_stage)
         if push:
             fronts = [start_front(job, work, f"front{i}") for i, job in enumerate(alone_jobs)]
@@ -157,18 +173,25 @@ async def run(steps: int, base: float, work: Path, microbatches: int, plane: str
         print("alone (samples/s)      " + "  ".join(f"{a:>6.1f}" for a in alone))
         print(f"capacity (sum)         {capacity:.1f} samples/s")
         print(f"{'routing':<14} {'samples/s':>10} {'of capacity':>12}")
-        for router in ("wiring",) if push else ("wiring", "random", "round-robin"):
+        routers = ["wiring"] if push else ["wiring", "random", "round-robin"]
+        if delayed:
+            routers.insert(1, "wiring+delayed")
+        for name in routers:
             # A fresh pool per router (at step 0) keeps the runs equal.
+            router = name.split("+")[0]
             stop_all(servers + fronts)
-            job_path = work / f"pool-{router}.toml"
+            job_path = work / f"pool-{name}.toml"
+            flag = "true" if name.endswith("+delayed") else "false"
             job_path.write_text(
-                JOB.format(batch=8 * microbatches, steps=steps, stages=stages, plane=plane)
+                JOB.format(
+                    batch=8 * microbatches, steps=steps, stages=stages, plane=plane, delayed=flag
+                )
             )
             jobs = [job_path] * len(RELATIVE_THROTTLES)
             servers = start_pool(jobs, base, work, router, pool_stage)
             fronts = [start_front(job_path, work, f"front-{router}")] if push else []
             value = await throughput(job_path, servers, router, fronts[0] if push else None)
-            print(f"{router:<14} {value:>10.1f} {value / capacity:>12.3f}", flush=True)
+            print(f"{name:<14} {value:>10.1f} {value / capacity:>12.3f}", flush=True)
     finally:
         stop_all(servers + fronts)
 
@@ -187,9 +210,21 @@ def main() -> None:
         "--base-throttle", type=float, default=8.0, help="multiplies the 1:1:2:4 throttles"
     )
     parser.add_argument("--data-plane", choices=("relay", "push"), default="relay")
+    parser.add_argument(
+        "--delayed-update",
+        action="store_true",
+        help="also run the wiring with training.delayed_update (commits overlap the next step)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="swarm-wiring-") as tmp:
-        run_ = run(args.steps, args.base_throttle, Path(tmp), args.microbatches, args.data_plane)
+        run_ = run(
+            args.steps,
+            args.base_throttle,
+            Path(tmp),
+            args.microbatches,
+            args.data_plane,
+            args.delayed_update,
+        )
         asyncio.run(run_)
 
 

@@ -20,7 +20,7 @@ from swarm.config import JobConfig, load_job
 from swarm.data import make_data
 from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.faults import Fault, Point
-from swarm.lease import Lease, Working
+from swarm.lease import Lease, MicrobatchResult, Working
 from swarm.model import build_model, loss_sum
 from swarm.optim import computes_on
 from swarm.progress import StepRecord
@@ -142,10 +142,15 @@ def test_a_copy_of_a_replica_computes_as_it_does(tmp_path: Path) -> None:
 async def _train_in_process(
     swarm: Swarm, coordinator: LocalCoordinator, trainers: int
 ) -> list[tuple[str, int]]:
-    """Run the job; the order of events: ("leased", step) for each task a trainer got, and
-    ("applied", step) when a step's commit was applied."""
+    """Run the job; the order of events: ("leased", step) for each task a trainer got,
+    ("reported", step) for each result, and ("applied", step) when a step's commit was
+    applied."""
     events: list[tuple[str, int]] = []
-    lease = coordinator.lease
+    lease, report = coordinator.lease, coordinator.report
+
+    async def reported(trainer: str, result: MicrobatchResult) -> None:
+        events.append(("reported", result.step))
+        await report(trainer, result)
 
     async def recorded(
         trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
@@ -155,6 +160,7 @@ async def _train_in_process(
         return got
 
     coordinator.lease = recorded  # type: ignore[method-assign]
+    coordinator.report = reported  # type: ignore[method-assign]
     on_step = coordinator.on_step
 
     def applied(record: StepRecord) -> Awaitable[None] | None:
@@ -182,9 +188,19 @@ def _overlapped(events: list[tuple[str, int]]) -> set[int]:
     for kind, step in events:
         if kind == "applied":
             applied.add(step)
-        elif step > 0 and step - 1 not in applied:
+        elif kind == "leased" and step > 0 and step - 1 not in applied:
             steps.add(step)
     return steps
+
+
+def _undrained(events: list[tuple[str, int]]) -> set[int]:
+    """The steps of which a task was leased before the last result of the step before it."""
+    last = {step: i for i, (kind, step) in enumerate(events) if kind == "reported"}
+    return {
+        step
+        for i, (kind, step) in enumerate(events)
+        if kind == "leased" and step > 0 and i < last[step - 1]
+    }
 
 
 async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
@@ -207,6 +223,8 @@ async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
     assert [r.step for r in records] == [0, 1, 2, 3, 4]
     # Every step after the first started while the one before it was committed.
     assert _overlapped(events) == {1, 2, 3, 4}, events
+    # ... and some before the step before it had drained: its last microbatches in flight.
+    assert _undrained(events), events
     assert_equal_to_local(job, await gather_state(coordinator))
     await coordinator.close()
     # The synchronous coordinator never overlaps: the same measure says 0.
@@ -216,7 +234,8 @@ async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
     for stage in range(4):
         await swarm.add(stage)
     coordinator = LocalCoordinator(sync, sync.fingerprint(), swarm.members)
-    assert _overlapped(await _train_in_process(swarm, coordinator, trainers=2)) == set()
+    events = await _train_in_process(swarm, coordinator, trainers=2)
+    assert _overlapped(events) == _undrained(events) == set()
     await coordinator.close()
 
 

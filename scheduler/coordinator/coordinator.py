@@ -9,10 +9,11 @@ rollback states (`recovery`), and the connections to replicas (`replicas`).
 
 Its steps are *live* from their opening until their commit is applied. Synchronous, one is:
 step t+1 opens once step t is applied everywhere. With `training.delayed_update` step t+1
-opens as soon as step t's commit starts (its microbatches compute on the parameters before
-step t's update, which the replicas keep), so two are live at once: step t's commit, with the
-replays a failed round needs (leased first), and step t+1. Step t+1's commit waits for step
-t's APPLY, so the updates are applied in order, each once.
+opens as soon as step t has nothing left to lease, once step t-1 is applied (its microbatches
+compute on the parameters before step t's update, which the replicas keep), so two are live at
+once: step t, draining and then committing, with the replays a failed round needs (leased
+first), and step t+1. Neither the pipeline's drain nor the averaging leaves it idle. Step t+1's
+commit waits for step t's APPLY, so the updates are applied in order, each once.
 """
 
 from __future__ import annotations
@@ -288,8 +289,22 @@ class LocalCoordinator:
             share = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
             tasks = ledger.lease(trainer, share, exclude=exclude)
             if tasks:
+                self._open_next_early()
                 return Lease(ledger.step, tasks, members)
         return Lease(newest, [], members)
+
+    def _open_next_early(self) -> None:
+        """delayed_update: step t+1 computes on parameters no later step changes, so it opens
+        once step t has no task left to lease (its last ones still in flight) and step t-1 is
+        applied, rather than when step t completes: the pipeline never drains between steps."""
+        if not self.delayed or len(self._live) != 1:
+            return
+        live = self._live[0]
+        ledger = live.ledger
+        if live.commit.applied or not ledger.microbatches or ledger.step + 1 >= self.steps:
+            return  # the final evaluation opens after the last APPLY: it is of the trained model
+        if ledger.leasable() == 0:
+            self._open(ledger.step + 1, beside=True)
 
     def _wake(self) -> None:
         """Waiting leases look again (work may be there, or the job done)."""
@@ -503,6 +518,7 @@ class LocalCoordinator:
             self._live.remove(live)
             if self._live:  # delayed_update: the next step, which waited for this APPLY
                 self._maybe_commit(self._live[0].ledger)
+                self._open_next_early()
             else:
                 self._open(step)
         if attempt:
