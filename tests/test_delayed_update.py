@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
@@ -21,6 +22,7 @@ from swarm.data import make_data
 from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.faults import Fault, Point
 from swarm.lease import Lease, MicrobatchResult, Working
+from swarm.metrics import CoordinatorMetrics
 from swarm.model import build_model, loss_sum
 from swarm.optim import computes_on
 from swarm.progress import StepRecord
@@ -233,9 +235,20 @@ async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
     make_swarm.append(swarm)
     for stage in range(4):
         await swarm.add(stage)
-    coordinator = LocalCoordinator(sync, sync.fingerprint(), swarm.members)
+    synced: list[StepRecord] = []
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(sync.fingerprint(), registry)
+    coordinator = LocalCoordinator(
+        sync, sync.fingerprint(), swarm.members, on_step=synced.append, metrics=metrics
+    )
     events = await _train_in_process(swarm, coordinator, trainers=2)
     assert _overlapped(events) == _undrained(events) == set()
+    # There, every commit blocks the leases: each step's record and the counter say how long.
+    assert all(r.blocked_seconds > 0 for r in synced), synced
+    counted = registry.get_sample_value(
+        "swarm_coordinator_blocked_seconds_total", {"job": sync.fingerprint()}
+    )
+    assert counted == pytest.approx(sum(r.blocked_seconds for r in synced))
     await coordinator.close()
 
 
