@@ -14,8 +14,9 @@ steps' training losses) against `none`'s, all measured in this run.
 With `--averaging` every stage has two replicas (8 processes) and the codec is `[compression]
 averaging` (the wire stays float32): printed per codec, the gradient bytes each replica sends its
 pool per step (`swarm_stage_averaging_bytes_sent_total`) and the final loss, against the
-synchronous float32 run; one more row trains with `training.delayed_update` (float32 averaging),
-whose loss is the price of one step of staleness.
+synchronous float32 run. The lossy codecs run with `[compression] error_feedback` (the default)
+and again without it (`<codec>+no_feedback`), and one more row trains with
+`training.delayed_update` (float32 averaging), whose loss is the price of one step of staleness.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ LAST = 20  # the final loss is the mean over this many last steps (one step's lo
 _WIRE = re.compile(r"^swarm_stage_wire_bytes_(sent|received)_total\{[^}]*\} (\S+)$", re.M)
 _AVERAGING = re.compile(r"^swarm_stage_averaging_bytes_(sent)_total\{[^}]*\} (\S+)$", re.M)
 DELAYED = "none+delayed_update"  # the --averaging row that trains with one step of staleness
+NO_FEEDBACK = "+no_feedback"  # an --averaging row of a lossy codec without error feedback
 
 
 def job_text(codec: str, steps: int, averaging: bool = False) -> str:
@@ -59,8 +61,10 @@ def job_text(codec: str, steps: int, averaging: bool = False) -> str:
         tiny,
         flags=re.M,
     )
-    averaged = "none" if delayed else codec
-    return re.sub(r'^wire = "none"$', f'wire = "none"\naveraging = "{averaged}"', tiny, flags=re.M)
+    averaged = "none" if delayed else codec.removesuffix(NO_FEEDBACK)
+    feedback = str(not codec.endswith(NO_FEEDBACK)).lower()
+    averaged = f'averaging = "{averaged}"\nerror_feedback = {feedback}'
+    return re.sub(r'^wire = "none"$', f'wire = "none"\n{averaged}', tiny, flags=re.M)
 
 
 def counted(metrics_port: str, counter: re.Pattern[str]) -> float:
@@ -118,8 +122,10 @@ def main() -> None:
     codecs = [c for c in args.codecs.split(",") if c]
     if codecs[0] != "none":
         codecs.insert(0, "none")  # the baseline every ratio is against, in this run
-    if args.averaging and DELAYED not in codecs:
-        codecs.append(DELAYED)
+    if args.averaging:
+        lossy = ("int8_blockwise", "hadamard3")
+        codecs += [c + NO_FEEDBACK for c in codecs if c in lossy and c + NO_FEEDBACK not in codecs]
+        codecs += [DELAYED] if DELAYED not in codecs else []
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="swarm-compression-") as tmp:
         for codec in codecs:

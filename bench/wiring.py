@@ -4,7 +4,10 @@ is throttled 1 : 1 : 2 : 4 (so their speeds are 1 : 1 : 1/2 : 1/4), each a separ
     .venv/bin/python bench/wiring.py [--steps N] [--base-throttle F] [--data-plane push]
         [--delayed-update]
 
-The capacity is the sum of each replica's samples/s measured alone, in this run. Then the same
+The capacity is the sum of each replica's samples/s measured alone, in this run (with
+`training.delayed_update`, so no step barrier is counted against a replica: its service rate,
+not its rate behind a barrier; an earlier version ran them synchronous and so understated the
+capacity by each alone step's drain and commit). Then the same
 pool is driven with our wiring, with uniform-random routing and with round-robin routing, and
 each one's samples/s is printed with its ratio to the capacity. The throttles are multiplied by
 `--base-throttle` so that the replicas mostly wait (as a slower device does) rather than compete
@@ -17,8 +20,12 @@ choice only, so they are not run).
 
 With `--delayed-update` the wiring also runs a job with `training.delayed_update` (a fresh pool,
 the same steps), whose commits overlap the next step's microbatches: the step barrier's cost is
-what separates the two rows. Samples/s is the wall time from the end of the first (warm-up)
-step to the end of the last, so overlapping steps are not counted twice.
+what separates the two rows.
+
+Samples/s: the samples of every step after the first (warm-up), over the time from the first
+lease of the second step to the end of the last. Synchronous, that lease follows the first
+step's end; with `delayed_update` it comes earlier, while the first step drains, whose work the
+window then holds without counting it (a bias against delayed updates, never for them).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from client.trainer import PipelineTrainer  # noqa: E402
 from scheduler.coordinator import LocalCoordinator  # noqa: E402
 from swarm.config import load_job  # noqa: E402
-from swarm.lease import Replica  # noqa: E402
+from swarm.lease import Lease, Replica  # noqa: E402
 from swarm.procs import SwarmProcess, start_process, stop_all  # noqa: E402
 from swarm.progress import StepRecord  # noqa: E402
 
@@ -91,6 +99,16 @@ async def throughput(
         records.append((time.perf_counter(), record))
 
     coordinator = LocalCoordinator(job, job.fingerprint(), lambda: members, on_step=on_step)
+    lease = coordinator.lease
+    started: list[float] = []  # when the second step's first task was leased
+
+    async def leased(trainer: str, count: int, **kwargs: Any) -> Lease:
+        got = await lease(trainer, count, **kwargs)
+        if not started and any(task.step >= 1 for task in got.tasks):
+            started.append(time.perf_counter())
+        return got
+
+    coordinator.lease = leased  # type: ignore[method-assign]
     trainer = PipelineTrainer(job, coordinator, seed=0)
     try:
         await coordinator.start()
@@ -101,7 +119,7 @@ async def throughput(
         await trainer.close()
         await coordinator.close()
     samples = sum(r.samples for _, r in records[1:])
-    return samples / (records[-1][0] - records[0][0])
+    return samples / (records[-1][0] - started[0])
 
 
 def start_server(job: Path, stage: int, throttle: float, work: Path, name: str) -> SwarmProcess:
@@ -150,12 +168,12 @@ async def run(
     servers: list[SwarmProcess] = []
     fronts: list[SwarmProcess] = []
     try:
-        # Alone, a replica's rate is its service rate whatever the step size: small steps, and
-        # one job file each so that every run starts at step 0.
+        # Alone, a replica's rate is its service rate whatever the step size (no barrier: its
+        # commits overlap): small steps, and one job file each so that every run starts at 0.
         alone_jobs = [work / f"job{i}.toml" for i in range(len(RELATIVE_THROTTLES))]
         for job in alone_jobs:
             job.write_text(
-                JOB.format(batch=8 * 32, steps=3, stages=stages, plane=plane, delayed="false")
+                JOB.format(batch=8 * 32, steps=3, stages=stages, plane=plane, delayed="true")
             )
         servers = start_pool(alone_jobs, base, work, "replica", pool_stage)
         if push:

@@ -81,8 +81,11 @@ class Reduced:
     """One part summed over its group, shared by every waiter: `tensor` (not to be modified in
     place) and the reply all senders receive, encoded and split once."""
 
-    def __init__(self, tensor: torch.Tensor, message: tensor_pb2.Tensor | None) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, message: tensor_pb2.Tensor | None, exact: torch.Tensor
+    ) -> None:
         self.tensor, self._message = tensor, message
+        self.exact = exact  # the sum before a lossy codec encoded it (`tensor` if none did)
         self.wire_bytes = 0  # encoded bytes of the sum, once `replies` ran
         self._replies: dict[int, list[pool_pb2.PoolReduceResponse]] = {}
 
@@ -103,9 +106,9 @@ def _reduce(values: list[torch.Tensor], codec: int, block_size: int) -> Reduced:
         for v in values[2:]:
             total.add_(v)  # elementwise, so the same bits as ((c0 + c1) + c2) + ...
     if codec == CODEC_NONE:
-        return Reduced(total, None)
+        return Reduced(total, None, total)
     msg = encode(total, "sum", codec, block_size)
-    return Reduced(decode(msg), msg)  # the owner keeps exactly what the senders will decode
+    return Reduced(decode(msg), msg, total)  # the owner keeps exactly what the senders decode
 
 
 @dataclass

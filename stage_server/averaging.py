@@ -9,7 +9,10 @@ by one process in one order, so every replica ends with bitwise the same total.
 Lossy codecs (fp16, bf16, int8_blockwise): the owner encodes the sum once and every replica, the
 owner included, uses the decoding of those same bytes; that keeps the replicas identical. The
 owner's own contribution also makes the encode/decode round trip the others' contributions make on
-the wire, so every contribution is quantized alike, whoever owns the part.
+the wire, so every contribution is quantized alike, whoever owns the part. With `residuals`
+(`stage_server.error_feedback`) what the last step's encodings dropped is added back first: to
+every contribution this replica sends, and by the owner to its part's sum (through its own
+contribution, which the sum includes as it is).
 
 A round that cannot complete (a peer missing, unreachable or refusing, a timeout) raises
 `AveragingAborted` on every replica that takes part, naming in `missing` the members it failed on
@@ -36,12 +39,13 @@ from stage_server.averager import (
     round_name,
     split_parts,
 )
+from stage_server.error_feedback import Residuals
 from swarm import auth, wire
 from swarm.clock import Clock, MonotonicClock
 from swarm.codec import CODEC_NONE, decode, encode
 from swarm.config import RuntimeConfig
 from swarm.errors import Aborted, ConfigError, InvalidArgument
-from swarm.proto import pool_pb2, pool_pb2_grpc
+from swarm.proto import pool_pb2, pool_pb2_grpc, tensor_pb2
 from swarm.servicing import Servicing
 from swarm.status import from_rpc_error
 
@@ -201,6 +205,7 @@ async def all_reduce(
     chunk_bytes: int,
     max_bytes: int,
     on_bytes: Callable[[int, int], None] | None = None,
+    residuals: Residuals | None = None,
 ) -> torch.Tensor:
     """The sum of `flat` over the replicas of `group` (PoolService addresses; this replica is
     `group[index]`), bitwise the same on every replica; `flat` itself when the group is alone.
@@ -209,6 +214,7 @@ async def all_reduce(
     goes to its `averager` directly. The result is a new tensor on `flat`'s device. Any failure
     aborts the round in `averager` too (so peers waiting on this replica learn it at once) and
     raises AveragingAborted naming the peer. `on_bytes(sent, received)` counts wire bytes.
+    `residuals` (a lossy codec's error feedback) are read, and replaced once the round completed.
     """
     n = len(group)
     if not 0 <= index < n or len(set(group)) != n:
@@ -221,10 +227,34 @@ async def all_reduce(
     parts = split_parts(flat.numel(), n)
     src = flat.detach()
     sent = received = 0
+    lossy = codec != CODEC_NONE and flat.is_floating_point()
+    feedback = residuals if lossy else None
+    if feedback is not None:
+        if feedback.sent.shape != flat.shape or feedback.summed.shape != flat.shape:
+            shape = list(feedback.sent.shape)
+            raise InvalidArgument(f"residuals of {shape} for a tensor of {list(flat.shape)}")
+        dropped_sent = torch.zeros_like(feedback.sent)
+        dropped_sum = torch.zeros_like(feedback.summed)
+
+    def fed(k: int) -> torch.Tensor:
+        """Part k of this replica's values, with what its last encoding of them dropped."""
+        if feedback is None:
+            return src[parts[k]]
+        return src[parts[k]].cpu() + feedback.sent[parts[k]]
+
+    def dropped(k: int, values: torch.Tensor, msg: tensor_pb2.Tensor) -> torch.Tensor:
+        """Part k as it travels; what it dropped is kept for the next step's round."""
+        decoded = decode(msg)
+        if feedback is not None:
+            dropped_sent[parts[k]] = values - decoded
+        return decoded
 
     async def remote(k: int) -> torch.Tensor:
         nonlocal sent, received
-        msg = encode(src[parts[k]], "part", codec, block_size)
+        values = fed(k)
+        msg = encode(values, "part", codec, block_size)
+        if feedback is not None:
+            dropped(k, values, msg)
         request = pool_pb2.PoolReduceRequest(
             job=job, stage=stage, round=round, part=k, sender=index, group_size=n, tensors=[msg]
         )
@@ -244,12 +274,17 @@ async def all_reduce(
         return total
 
     async def own() -> torch.Tensor:
-        values = src[parts[index]].cpu()
-        if codec != CODEC_NONE and values.is_floating_point():
-            values = decode(encode(values, "part", codec, block_size))  # as it would travel
-        return await averager.contribute(
+        values = fed(index).cpu()
+        if lossy:  # as it would travel
+            values = dropped(index, values, encode(values, "part", codec, block_size))
+        if feedback is not None:  # the sum's own error, through the one contribution it owns
+            values = values + feedback.summed[parts[index]]
+        reduced = await averager.reduce(
             key, index, index, n, values, timeout_s=timeout_s, codec=codec, block_size=block_size
         )
+        if feedback is not None:
+            dropped_sum[parts[index]] = reduced.exact - reduced.tensor
+        return reduced.tensor
 
     def others(missing: Sequence[int]) -> list[int]:
         return [i for i in missing if 0 <= i < n and i != index]
@@ -296,4 +331,6 @@ async def all_reduce(
     finally:
         if on_bytes is not None:
             on_bytes(sent, received)
+    if feedback is not None:
+        feedback.sent, feedback.summed = dropped_sent, dropped_sum
     return torch.cat(sums).to(flat.device)

@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 
 from stage_server import averager, averaging
 from stage_server.copying import Copy
+from stage_server.error_feedback import ErrorFeedback
 from stage_server.pushing import Downstream
 from stage_server.runtime import Receipt, StageRuntime
 from swarm import codec, wire
@@ -70,10 +71,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._serving = Servicing(peer, metrics.observe)
         self._copy: Copy | None = None  # a joining replica's background copy of a member
         self._downstream: Downstream | None = None  # the push plane's next stage, as seen here
+        self._feedback = ErrorFeedback()  # what lossy averaging dropped, for the next round
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
         """Start serving `runtime` as job `job_id` (called on the event loop between calls)."""
         self._runtime, self.job_id = runtime, job_id
+        self._feedback = ErrorFeedback()  # a state installed anew starts from no residuals
         rt = runtime.job.runtime
         self._chunk, self._max_bytes = rt.chunk_bytes, rt.max_tensor_bytes
         self._block = runtime.job.compression.block_size
@@ -415,6 +418,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 if not 0.0 < scale <= 1.0:
                     raise InvalidArgument(f"grad_scale must be in (0, 1]; got {scale}")
                 already = await self._compute(rt.apply, step, scale)
+                self._feedback.applied(request.job, request.stage, step)
                 if not already:
                     log.info("%s: stage %d committed step %d", self.peer, request.stage, step)
                 self.metrics.committed(rt.step, applied=not already)
@@ -433,8 +437,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             raise InvalidArgument(f"group_index {request.group_index} outside the group")
         start = time.perf_counter()
         maybe_die(Point.AVERAGING, request.step)
+        flat = averager.flatten(sums)
+        residuals = None
+        if rt.job.compression.error_feedback:
+            residuals = self._feedback.start(request.job, request.stage, request.step, flat)
         total = await averaging.all_reduce(
-            averager.flatten(sums),
+            flat,
             group=list(request.group),
             index=request.group_index,
             round=request.round,
@@ -443,6 +451,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             averager=self.averager,
             channels=self.channels,
             codec=codec.codec_from_name(rt.job.compression.averaging),
+            residuals=residuals,
             block_size=self._block,
             timeout_s=rt.job.runtime.averaging_timeout_s,
             chunk_bytes=self._chunk,
@@ -450,6 +459,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             on_bytes=self.metrics.averaged,
         )
         self.metrics.averaging_seconds(time.perf_counter() - start)
+        if residuals is not None:
+            self._feedback.prepared(request.job, request.stage, request.step, residuals)
         return averager.unflatten(total, sums)
 
     async def Discard(

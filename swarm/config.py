@@ -300,6 +300,8 @@ class CompressionConfig(_Section):
     block_size: int = _f(2048, GE1)  #: values per int8 absmax block (count)
     #: codec of gradient parts exchanged by a pool's averaging; "none" keeps the result exact
     averaging: Codec = "none"
+    #: a lossy `averaging` codec carries what it dropped into the next step's round
+    error_feedback: bool = True
 
     def _validate(self) -> None:
         for direction in ("forward", "backward"):  # resolved once: readers see a codec
@@ -431,11 +433,12 @@ _LATER_KEYS = (
     ("optimizer", "schedule"),
     ("optimizer", "warmup_steps"),
     ("optimizer", "min_lr"),
+    ("compression", "error_feedback"),
 )
 _DEFAULTS = {
     (section, key): getattr(cls, key)  # a dataclass field's default is its class attribute
     for section, key in _LATER_KEYS
-    for cls in (ModelConfig, TrainingConfig, OptimizerConfig)
+    for cls in (ModelConfig, TrainingConfig, OptimizerConfig, CompressionConfig)
     if cls.section == section
 }
 

@@ -274,6 +274,7 @@ def test_fingerprint(tmp_path: Path) -> None:
         {"optimizer": {"lr": "1e-3"}},
         {"optimizer": {"kind": '"sgd"'}},
         {"compression": {"wire": '"fp16"'}},
+        {"compression": {"error_feedback": "false"}},
         {"data": {"kind": '"synthetic"', "path": None}},
     ]
     for overrides in maths:
@@ -284,6 +285,7 @@ def test_fingerprint(tmp_path: Path) -> None:
         {"runtime": {"max_in_flight": "2", "rpc_timeout_s": "5"}},
         {"runtime": {"chunk_bytes": "1024", "activation_cache": "0"}},
         {"training": {"checkpoint_every": "10"}},
+        {"compression": {"error_feedback": "true"}},  # the default: older jobs keep theirs
         {"": {"name": '"other"'}},
     ]
     for overrides in same:

@@ -1,0 +1,176 @@
+"""Error feedback for lossy averaging: rounds on real gRPC replicas that carry what every encoding
+dropped into the next round (so nothing is lost over many), and a replica's bookkeeping of its
+residuals across aborted rounds, retries, steps and jobs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client.trainer import PipelineTrainer
+from scheduler.coordinator import LocalCoordinator
+from stage_server.averager import split_parts
+from stage_server.averaging import all_reduce
+from stage_server.error_feedback import ErrorFeedback, Residuals
+from swarm.codec import CODEC_INT8_BLOCKWISE
+from swarm.progress import StepRecord
+from tests.support.inprocess import Swarm
+from tests.support.jobs import make_job
+from tests.support.pools import JOB, MiB, Replica, replicas
+from tests.test_averaging import assert_identical
+
+N, NUMEL, BLOCK, ROUNDS = 2, 4000, 1000, 40
+HALF_STEP = 1 / 254  # int8 absmax: half a quantization step, per unit of the block's largest value
+
+
+def gradients() -> list[torch.Tensor]:
+    """Every block holds one value of 1 and many under half a step: int8 absmax rounds those to
+    zero, so without feedback they never arrive."""
+    torch.manual_seed(0)
+    flats = []
+    for _ in range(N):
+        g = torch.rand(NUMEL) * 2e-3 + 5e-4
+        g[::BLOCK] = 1.0
+        flats.append(g)
+    return flats
+
+
+async def one_round(
+    pool: Sequence[Replica],
+    flats: Sequence[torch.Tensor],
+    residuals: Sequence[Residuals | None],
+    round: str,
+    group: Sequence[str] | None = None,
+) -> list[Any]:
+    group = list(group or [r.address for r in pool])
+    calls = [
+        all_reduce(
+            f, group=group, index=group.index(r.address), round=round, job=JOB, stage=0,
+            averager=r.averager, channels=r.channels, timeout_s=2.0, chunk_bytes=4 * MiB,
+            max_bytes=64 * MiB, codec=CODEC_INT8_BLOCKWISE, block_size=BLOCK, residuals=e,
+        )
+        for r, f, e in zip(pool, flats, residuals, strict=True)
+    ]  # fmt: skip
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+async def many_rounds(feedback: bool) -> tuple[torch.Tensor, list[Residuals]]:
+    """ROUNDS rounds of the same gradients, as ROUNDS steps would make: their decoded sums added
+    up, and each replica's residuals at the end (carried from round to round, as APPLY does)."""
+    flats = gradients()
+    residuals = [Residuals(torch.zeros(NUMEL), torch.zeros(NUMEL)) for _ in range(N)]
+    total = torch.zeros(NUMEL, dtype=torch.float64)
+    async with replicas(N) as pool:
+        for k in range(ROUNDS):
+            given = residuals if feedback else [None] * N
+            total += assert_identical(await one_round(pool, flats, given, f"r{k}")).double()
+    return total, residuals
+
+
+async def test_what_the_codec_drops_comes_back_in_later_rounds() -> None:
+    exact = ROUNDS * torch.stack(gradients()).double().sum(0)
+    small = torch.ones(NUMEL, dtype=torch.bool)
+    small[::BLOCK] = False
+
+    plain, _ = await many_rounds(feedback=False)
+    assert torch.equal(plain[small], torch.zeros_like(plain[small]))  # lost, every round
+
+    fed, residuals = await many_rounds(feedback=True)
+    # Nothing is lost: what the rounds delivered plus what the replicas still hold is the exact
+    # total (float32 residuals and sums: rounding only).
+    held = sum(r.sent.double() + r.summed.double() for r in residuals)
+    assert torch.allclose(fed + held, exact, rtol=1e-5, atol=1e-4)
+    # And what is held stays within half a step per encoding (each contribution and the sum),
+    # however many rounds ran: the small values arrive, late by at most that.
+    bound = (N * 1.0 + N * 1.0) * HALF_STEP * 1.05  # contributions of absmax ~1, sums of ~N
+    assert float((fed - exact).abs().max()) <= bound
+    assert float((plain - exact).abs().max()) > 10 * bound  # the test can tell them apart
+    assert all(float(r.summed.abs().sum()) > 0 for r in residuals)  # each owner kept its part's
+
+
+async def test_an_aborted_round_leaves_the_residuals_as_they_were() -> None:
+    flats = gradients()
+    async with replicas(N + 1) as pool:
+        live, dead = list(pool[:N]), pool[N]
+        group = [r.address for r in pool]
+        await dead.server.stop(None)
+        residuals = []
+        for part in split_parts(NUMEL, N):  # a sum's residual lies over the part its owner owned
+            summed = torch.zeros(NUMEL)
+            summed[part] = 2e-3
+            residuals.append(Residuals(torch.full((NUMEL,), 1e-3), summed))
+        before = [(r.sent.clone(), r.summed.clone()) for r in residuals]
+        results = await one_round(live, flats, residuals, "r0", group=group)
+        assert all(isinstance(r, Exception) for r in results), results
+        for r, (sent, summed) in zip(residuals, before, strict=True):
+            assert torch.equal(r.sent, sent) and torch.equal(r.summed, summed)
+        # The retry without the dead replica completes, and replaces them.
+        total = assert_identical(await one_round(live, flats, residuals, "r1"))
+        exact = torch.stack(flats).double().sum(0) + sum(s.double() + m.double() for s, m in before)
+        held = sum(r.sent.double() + r.summed.double() for r in residuals)
+        assert torch.allclose(total.double() + held, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_uses_the_residuals_of_the_step_it_follows_once_that_one_applied() -> None:
+    feedback, flat = ErrorFeedback(), torch.zeros(8)
+
+    def held(step: int, job: str = "j", stage: int = 1, like: torch.Tensor = flat) -> float:
+        r = feedback.start(job, stage, step, like)
+        return float(r.sent.sum() + r.summed.sum())
+
+    assert held(0) == 0.0
+    feedback.prepared("j", 1, 4, Residuals(torch.ones(8), torch.ones(8)))
+    assert held(5) == 0.0  # prepared, not applied: a retried round of step 4 starts from zeros
+    feedback.prepared("j", 1, 4, Residuals(torch.full((8,), 2.0), torch.ones(8)))  # the retry
+    feedback.applied("j", 1, 3)  # another step's APPLY commits nothing
+    assert held(5) == 0.0
+    feedback.applied("j", 1, 4)
+    assert held(5) == 24.0  # the retry's, not the aborted round's
+    start = feedback.start("j", 1, 5, flat)
+    start.sent.zero_()  # the round's copy: what is held stays until a round of 5 applies
+    assert held(5) == 24.0
+    # Only the step right after, on the same job, stage and gradient: a rollback, a move, a
+    # restart or another model start from none.
+    assert held(6) == held(4) == 0.0
+    assert held(5, job="k") == held(5, stage=2) == 0.0
+    assert held(5, like=torch.zeros(9)) == held(5, like=torch.zeros(8, dtype=torch.float64)) == 0.0
+
+
+async def test_pools_with_feedback_stay_identical_and_carry_each_applied_step(
+    tmp_path: Path, make_swarm: list[Swarm]
+) -> None:
+    job = make_job(
+        tmp_path,
+        training={"steps": 4, "target_batch_size": 16},
+        compression={"averaging": "int8_blockwise", "block_size": 64},
+    )
+    assert job.compression.error_feedback
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    for stage in range(job.training.stages):
+        for _ in range(2):
+            await swarm.add(stage)
+    records: list[StepRecord] = []
+
+    def after_step(record: StepRecord) -> None:
+        swarm.assert_replicas_identical()  # bitwise, whatever each replica holds back
+        feedbacks = [s.servicer._feedback for stage in swarm.servers for s in stage]
+        applied = [f._applied for f in feedbacks]
+        assert all(a is not None and a.step == record.step for a in applied), applied
+        assert all(float(a.residuals.sent.abs().sum()) > 0 for a in applied if a is not None)
+        records.append(record)
+
+    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    trainer = PipelineTrainer(job, coordinator)
+    try:
+        await coordinator.start()
+        await asyncio.wait_for(asyncio.gather(trainer.run(), coordinator.finished.wait()), 120)
+        assert coordinator.error is None
+    finally:
+        await trainer.close()
+        await coordinator.close()
+    assert [r.step for r in records] == [0, 1, 2, 3]
