@@ -5,9 +5,11 @@ is throttled 1 : 1 : 2 : 4 (so their speeds are 1 : 1 : 1/2 : 1/4), each a separ
         [--delayed-update]
 
 The capacity is the sum of each replica's samples/s measured alone, in this run (with
-`training.delayed_update`, so no step barrier is counted against a replica: its service rate,
-not its rate behind a barrier; an earlier version ran them synchronous and so understated the
-capacity by each alone step's drain and commit). Then the same
+`training.delayed_update`, so no step barrier is counted against a replica alone; an earlier
+version ran them synchronous and counted each small step's drain and commit against them).
+Caution: on a 2-core machine the pool can still beat that sum (2026-11-24: 1.14 of it, its
+rates half of another day's), since a throttled replica's hold scales with its compute time,
+which sharing the cores changes: compare rows of one run, not a row with 1. Then the same
 pool is driven with our wiring, with uniform-random routing and with round-robin routing, and
 each one's samples/s is printed with its ratio to the capacity. The throttles are multiplied by
 `--base-throttle` so that the replicas mostly wait (as a slower device does) rather than compete
