@@ -49,8 +49,10 @@ class ErrorFeedback:
         self._prepared: _Held | None = None
 
     def start(self, job: str, stage: int, step: int, flat: torch.Tensor) -> Residuals:
-        """The residuals a round of `step` over `flat` starts from (copies: the round may abort):
-        the applied step's if it is `step - 1` of the same job, stage and gradient, else zeros."""
+        """The residuals a round of `step` over `flat` starts from: the applied step's if it is
+        `step - 1` of the same job, stage and gradient, else zeros. A new `Residuals` over the
+        held tensors, not copies: `all_reduce` only reads them and replaces the fields, so an
+        aborted round leaves what is held as it was."""
         held = self._applied
         if (
             held is not None
@@ -58,7 +60,7 @@ class ErrorFeedback:
             and held.residuals.sent.shape == flat.shape
             and held.residuals.sent.dtype == flat.dtype
         ):
-            return Residuals(held.residuals.sent.clone(), held.residuals.summed.clone())
+            return Residuals(held.residuals.sent, held.residuals.summed)
         zeros = torch.zeros(flat.shape, dtype=flat.dtype)  # on the CPU, where parts are encoded
         return Residuals(zeros, zeros.clone())
 

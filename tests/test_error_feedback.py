@@ -131,7 +131,7 @@ def test_a_step_uses_the_residuals_of_the_step_it_follows_once_that_one_applied(
     feedback.applied("j", 1, 4)
     assert held(5) == 24.0  # the retry's, not the aborted round's
     start = feedback.start("j", 1, 5, flat)
-    start.sent.zero_()  # the round's copy: what is held stays until a round of 5 applies
+    start.sent = torch.zeros(8)  # as a round that completed replaces it: what is held stays
     assert held(5) == 24.0
     # Only the step right after, on the same job, stage and gradient: a rollback, a move, a
     # restart or another model start from none.
