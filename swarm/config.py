@@ -68,7 +68,13 @@ def _fail(key: str, value: Any, allowed: str) -> ConfigError:
 def _describe(hint: Any, check: Check | None) -> str:
     if get_origin(hint) is Literal:
         return "one of " + ", ".join(_show(a) for a in get_args(hint))
-    words = {int: "an integer", float: "a number", str: "a string", Path: "a path string"}
+    words = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        Path: "a path string",
+        bool: "true or false",
+    }
     if get_origin(hint) is tuple:
         text = f"a list of {len(get_args(hint))} numbers"
     elif get_origin(hint) is types.UnionType:  # `X | None`: None means "not set"

@@ -197,6 +197,12 @@ BAD: list[tuple[Sections, bytes | None, list[str]]] = [
         ['compression.wire = "fp8"', '"none", "fp16", "bf16", "int8_blockwise"'],
     ),
     ({"compression": {"block_size": "0"}}, None, ["compression.block_size = 0", ">= 1"]),
+    (
+        {"compression": {"error_feedback": '"yes"'}},
+        None,
+        ['compression.error_feedback = "yes"', "true or false"],
+    ),
+    ({"training": {"delayed_update": "1"}}, None, ["training.delayed_update = 1", "true or false"]),
     ({"runtime": {"max_in_flight": "0"}}, None, ["runtime.max_in_flight = 0", ">= 1"]),
     ({"runtime": {"rpc_timeout_s": "0"}}, None, ["runtime.rpc_timeout_s = 0", "a number > 0"]),
     ({"runtime": {"commit_timeout_s": "-1"}}, None, ["runtime.commit_timeout_s = -1", "> 0"]),
