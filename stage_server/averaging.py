@@ -45,7 +45,7 @@ from swarm.clock import Clock, MonotonicClock
 from swarm.codec import CODEC_NONE, decode, encode
 from swarm.config import RuntimeConfig
 from swarm.errors import Aborted, ConfigError, InvalidArgument
-from swarm.proto import pool_pb2, pool_pb2_grpc, tensor_pb2
+from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.servicing import Servicing
 from swarm.status import from_rpc_error
 
@@ -242,19 +242,12 @@ async def all_reduce(
             return src[parts[k]]
         return src[parts[k]].cpu() + feedback.sent[parts[k]]
 
-    def dropped(k: int, values: torch.Tensor, msg: tensor_pb2.Tensor) -> torch.Tensor:
-        """Part k as it travels; what it dropped is kept for the next step's round."""
-        decoded = decode(msg)
-        if feedback is not None:
-            dropped_sent[parts[k]] = values - decoded
-        return decoded
-
     async def remote(k: int) -> torch.Tensor:
         nonlocal sent, received
         values = fed(k)
         msg = encode(values, "part", codec, block_size)
-        if feedback is not None:
-            dropped(k, values, msg)
+        if feedback is not None:  # what the encoding dropped waits for the next step's round
+            dropped_sent[parts[k]] = values - decode(msg)
         request = pool_pb2.PoolReduceRequest(
             job=job, stage=stage, round=round, part=k, sender=index, group_size=n, tensors=[msg]
         )
@@ -276,9 +269,12 @@ async def all_reduce(
     async def own() -> torch.Tensor:
         values = fed(index).cpu()
         if lossy:  # as it would travel
-            values = dropped(index, values, encode(values, "part", codec, block_size))
-        if feedback is not None:  # the sum's own error, through the one contribution it owns
-            values = values + feedback.summed[parts[index]]
+            travelled = decode(encode(values, "part", codec, block_size))
+            if feedback is not None:
+                dropped_sent[parts[index]] = values - travelled  # as in `remote`
+                # The sum's own error goes in through the one contribution its owner makes.
+                travelled = travelled + feedback.summed[parts[index]]
+            values = travelled
         reduced = await averager.reduce(
             key, index, index, n, values, timeout_s=timeout_s, codec=codec, block_size=block_size
         )
