@@ -56,6 +56,8 @@ def final_loss(path: str, steps: int, lr: str, seed: int, delayed: bool) -> floa
 
     torch.set_num_threads(1)  # one core per run: `--workers` runs share the machine evenly
     job = parse_job(job_text(Path(path), steps, lr, seed, delayed), Path(path).parent)
+    if job.training.delayed_update != delayed:  # a `[training]` header the text edit missed
+        raise SystemExit(f"{path}: could not set training.delayed_update = {delayed}")
     losses: list[float] = []
 
     def record(r: StepRecord) -> None:

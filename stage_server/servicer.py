@@ -438,8 +438,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         start = time.perf_counter()
         maybe_die(Point.AVERAGING, request.step)
         flat = averager.flatten(sums)
-        compression, residuals = rt.job.compression, None
-        if compression.error_feedback and compression.averaging != "none":  # only a lossy one
+        averaged, residuals = codec.codec_from_name(rt.job.compression.averaging), None
+        if rt.job.compression.error_feedback and averaged != codec.CODEC_NONE:  # a lossy one only
             residuals = self._feedback.start(request.job, request.stage, request.step, flat)
         total = await averaging.all_reduce(
             flat,
@@ -450,7 +450,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             stage=request.stage,
             averager=self.averager,
             channels=self.channels,
-            codec=codec.codec_from_name(compression.averaging),
+            codec=averaged,
             residuals=residuals,
             block_size=self._block,
             timeout_s=rt.job.runtime.averaging_timeout_s,
