@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from client.standalone import train_standalone  # noqa: E402
-from swarm.config import load_job  # noqa: E402
-from swarm.lease import Replica  # noqa: E402
-from swarm.procs import start_stage_servers, stop_all  # noqa: E402
-from swarm.progress import StepRecord  # noqa: E402
+from swarm.job.config import load_job  # noqa: E402
+from swarm.local.procs import start_stage_servers, stop_all  # noqa: E402
+from swarm.ops.progress import StepRecord  # noqa: E402
+from swarm.rpc.lease import Replica  # noqa: E402
 
 CODECS = ("none", "fp16", "bf16", "int8_blockwise", "hadamard3")
 LAST = 20  # the final loss is the mean over this many last steps (one step's loss is noisy)

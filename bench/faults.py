@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT))
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from client.standalone import train_standalone  # noqa: E402
-from swarm.config import load_job  # noqa: E402
-from swarm.lease import Replica  # noqa: E402
-from swarm.procs import SwarmProcess, start_process, stop_all  # noqa: E402
-from swarm.progress import StepRecord  # noqa: E402
+from swarm.job.config import load_job  # noqa: E402
+from swarm.local.procs import SwarmProcess, start_process, stop_all  # noqa: E402
+from swarm.ops.progress import StepRecord  # noqa: E402
+from swarm.rpc.lease import Replica  # noqa: E402
 
 JOB = """name = "faults-bench"
 [model]

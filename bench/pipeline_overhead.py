@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swarm.procs import start_stage_servers, stop_all  # noqa: E402
+from swarm.local.procs import start_stage_servers, stop_all  # noqa: E402
 
 JOBS = {
     # examples/tiny.toml's model on synthetic data

@@ -24,12 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.placement import place  # noqa: E402
-from scheduler.rebalance import plan_move  # noqa: E402
 from scheduler.sim import SimClock, SimConfig, Summary, simulate  # noqa: E402
 from scheduler.sim.model import class_affinity, new_peer  # noqa: E402
-from scheduler.wiring import StagePool  # noqa: E402
-from swarm.config import RebalanceConfig  # noqa: E402
+from swarm.job.config import RebalanceConfig  # noqa: E402
+from swarm.policy.placement import place  # noqa: E402
+from swarm.policy.rebalance import plan_move  # noqa: E402
+from swarm.policy.wiring import StagePool  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:

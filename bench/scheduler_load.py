@@ -76,9 +76,9 @@ async def _serving(stages: int, microbatches: int, ready: Any) -> None:
     from scheduler.coordinator import LocalCoordinator
     from scheduler.job_api import JobApiServicer
     from scheduler.store import JobStore
-    from swarm.config import parse_job
-    from swarm.lease import Lease, MicrobatchResult, Working
-    from swarm.metrics import CoordinatorMetrics
+    from swarm.job.config import parse_job
+    from swarm.ops.metrics import CoordinatorMetrics
+    from swarm.rpc.lease import Lease, MicrobatchResult, Working
     from tests.support.api import FakeControl
     from tests.support.replicas import FakeSwarm
 

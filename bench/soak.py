@@ -33,8 +33,8 @@ that lived long enough: after its warm-up
 (`--warmup` of the run, counted from the run's and the instance's start), the mean of its last
 window (`--window` of the run) over the mean of its first; the worst instance of each role is
 printed. At the end the job is exported (the parameters at one step) and compared with
-`swarm.reference.train_local` (what `swarm local` runs) for that many steps; a job that ends is
-checked the same way and a new one submitted. Targets, each a PASS/FAIL line: memory and
+`swarm.model.reference.train_local` (what `swarm local` runs) for that many steps; a job that ends
+is checked the same way and a new one submitted. Targets, each a PASS/FAIL line: memory and
 descriptors (and threads) within 10% after warm-up, the result within 1e-9, no rollback beyond
 the deliberate stage kills, and progress (no job failed, no stall over `--max-stall-s`).
 
@@ -74,15 +74,15 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from client.sdk import SchedulerClient  # noqa: E402
-from swarm import checkpoint, stage_state  # noqa: E402
-from swarm.config import JobConfig, load_job  # noqa: E402
-from swarm.data import make_data  # noqa: E402
-from swarm.lifecycle import parse_ready  # noqa: E402
-from swarm.model import build_stage, loss_sum  # noqa: E402
-from swarm.optim import build_optimizer, clip_scale, grad_sq_norm, update  # noqa: E402
-from swarm.procs import SwarmProcess  # noqa: E402
-from swarm.reference import train_local  # noqa: E402
-from swarm.states import job_state_name  # noqa: E402
+from swarm.model import checkpoint, stage_state  # noqa: E402
+from swarm.job.config import JobConfig, load_job  # noqa: E402
+from swarm.job.states import job_state_name  # noqa: E402
+from swarm.local.procs import SwarmProcess  # noqa: E402
+from swarm.model.data import make_data  # noqa: E402
+from swarm.model.optim import build_optimizer, clip_scale, grad_sq_norm, update  # noqa: E402
+from swarm.model.reference import train_local  # noqa: E402
+from swarm.model.transformer import build_stage, loss_sum  # noqa: E402
+from swarm.ops.lifecycle import parse_ready  # noqa: E402
 
 HOST = "127.0.0.1"
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"

@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swarm.config import parse_job  # noqa: E402
-from swarm.progress import StepRecord  # noqa: E402
-from swarm.reference import train_local  # noqa: E402
+from swarm.job.config import parse_job  # noqa: E402
+from swarm.model.reference import train_local  # noqa: E402
+from swarm.ops.progress import StepRecord  # noqa: E402
 
 LAST = 20  # the final loss is the mean over this many last steps (one step's loss is noisy)
 

@@ -71,9 +71,9 @@ from typing import IO, Any, get_args, get_type_hints
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swarm.config import CompressionConfig, RuntimeConfig, parse_job  # noqa: E402
 from swarm.errors import ConfigError  # noqa: E402
-from swarm.netns import Network, Proc, remove_leftovers  # noqa: E402
+from swarm.job.config import CompressionConfig, RuntimeConfig, parse_job  # noqa: E402
+from swarm.local.netns import Network, Proc, remove_leftovers  # noqa: E402
 
 PREFIX = "swb-"
 SUBNET = "10.77.0"
@@ -199,7 +199,7 @@ async def _relay(listen: str, upstream: str, delay_ms: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Namespaces and processes (`swarm.netns`)
+# Namespaces and processes (`swarm.local.netns`)
 
 
 def parse_rate(text: str) -> float | None:

@@ -47,10 +47,10 @@ sys.path.insert(0, str(ROOT))
 
 from client.trainer import PipelineTrainer  # noqa: E402
 from scheduler.coordinator import LocalCoordinator  # noqa: E402
-from swarm.config import load_job  # noqa: E402
-from swarm.lease import Lease, Replica  # noqa: E402
-from swarm.procs import SwarmProcess, start_process, stop_all  # noqa: E402
-from swarm.progress import StepRecord  # noqa: E402
+from swarm.job.config import load_job  # noqa: E402
+from swarm.local.procs import SwarmProcess, start_process, stop_all  # noqa: E402
+from swarm.ops.progress import StepRecord  # noqa: E402
+from swarm.rpc.lease import Lease, Replica  # noqa: E402
 
 RELATIVE_THROTTLES = (1.0, 1.0, 2.0, 4.0)
 JOB = """name = "wiring-bench"

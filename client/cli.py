@@ -9,7 +9,7 @@ from pathlib import Path
 
 from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_token, env_default, token
-from swarm.tls import add_tls_flags
+from swarm.net.tls import add_tls_flags
 
 __all__ = ["JOB_COMMANDS", "add_arguments", "run"]
 
@@ -160,7 +160,7 @@ def _run_trainer(args: argparse.Namespace) -> int:
             )
         )
     from client.standalone import parse_stage_servers, run_trainer
-    from swarm.config import load_job
+    from swarm.job.config import load_job
 
     if not args.stage_servers:
         raise SwarmError("give --scheduler ADDR --job JOB_ID, or --job FILE --stage-servers ...")

@@ -22,10 +22,10 @@ from tqdm import tqdm
 
 from client.live import loss_text, status_lines, table, watch_status
 from client.sdk import TERMINAL_STATES, ClientError, SchedulerClient
-from swarm.auth import token_from_env
 from swarm.errors import ConfigError, SwarmError
+from swarm.job.states import job_state_name as state_name
+from swarm.net.tokens import token_from_env
 from swarm.proto import scheduler_pb2
-from swarm.states import job_state_name as state_name
 
 __all__ = [
     "cmd_cancel",

@@ -16,11 +16,11 @@ from tqdm import tqdm
 
 from client.commands import watch
 from client.sdk import SchedulerClient
-from swarm.config import load_job
-from swarm.faults import ANY_REPLICA, Fault, FaultPlan, Point
-from swarm.procs import LocalSwarm, start_local_swarm
+from swarm.job.config import load_job
+from swarm.job.states import job_state_name as state_name
+from swarm.local.procs import LocalSwarm, start_local_swarm
+from swarm.ops.faults import ANY_REPLICA, Fault, FaultPlan, Point
 from swarm.proto import scheduler_pb2
-from swarm.states import job_state_name as state_name
 
 __all__ = ["DEFAULT_THROTTLES", "Chaos", "run_demo"]
 
@@ -129,8 +129,8 @@ async def _sample(sw: LocalSwarm, job_id: str, job_path: Path, prompt: str = "Th
     sampled after `prompt` in this process (as `swarm generate` does with an export)."""
     import torch
 
-    from swarm.generate import generate, text_codec
-    from swarm.model import build_model
+    from swarm.model.generate import generate, text_codec
+    from swarm.model.transformer import build_model
 
     job = load_job(job_path)
     if job.data.kind != "text":

@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TextIO
 
+from swarm.job.states import job_state_name as state_name
+from swarm.job.states import peer_state_name
 from swarm.proto import scheduler_pb2
-from swarm.states import job_state_name as state_name
-from swarm.states import peer_state_name
 
 __all__ = [
     "LiveView",

@@ -16,11 +16,14 @@ import torch
 from tqdm import tqdm
 
 from client.trainer import PipelineTrainer, load_followed
-from swarm import auth
-from swarm.backoff import Backoff
-from swarm.config import parse_job
 from swarm.errors import PeerUnavailable
-from swarm.lease import (
+from swarm.job.config import parse_job
+from swarm.net import tokens as auth
+from swarm.ops.metrics import TrainerMetrics, serve_metrics
+from swarm.policy.backoff import Backoff
+from swarm.proto import scheduler_pb2 as spb
+from swarm.proto import scheduler_pb2_grpc
+from swarm.rpc.lease import (
     Lease,
     MicrobatchResult,
     Working,
@@ -28,11 +31,8 @@ from swarm.lease import (
     lease_request,
     result_to_proto,
 )
-from swarm.metrics import TrainerMetrics, serve_metrics
-from swarm.proto import scheduler_pb2 as spb
-from swarm.proto import scheduler_pb2_grpc
-from swarm.status import from_rpc_error
-from swarm.wire import grpc_options
+from swarm.rpc.status import from_rpc_error
+from swarm.wire.chunking import grpc_options
 
 __all__ = ["RemoteCoordinator", "run_remote_trainer"]
 

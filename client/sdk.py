@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, Self
 
 import grpc
 
-from swarm import auth
-from swarm.config import load_job
 from swarm.errors import PeerUnavailable, RemoteError, SwarmError, WireError
+from swarm.job.config import load_job
+from swarm.job.states import TERMINAL_PROTO as TERMINAL_STATES
+from swarm.job.states import job_state_name as state_name
+from swarm.net import tokens as auth
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
-from swarm.states import TERMINAL_PROTO as TERMINAL_STATES
-from swarm.states import job_state_name as state_name
-from swarm.status import from_rpc_error
+from swarm.rpc.status import from_rpc_error
 
 if TYPE_CHECKING:
     import torch
@@ -147,8 +147,8 @@ class SchedulerClient:
         "bfloat16"), built aside and renamed into place. Returns its step."""
         import torch
 
-        from swarm.config import parse_job
-        from swarm.hf import write_hf
+        from swarm.job.config import parse_job
+        from swarm.model.hf import write_hf
 
         status = await self.get(job)
         # The model's shape only: the data need not be where this client runs.
@@ -161,7 +161,7 @@ class SchedulerClient:
         return step
 
     async def _download(self, job: str) -> tuple[dict[str, torch.Tensor], int]:
-        from swarm import wire  # tensors: torch, imported by the one command that needs it
+        from swarm.wire import chunking  # tensors: torch, imported by the one command that needs it
 
         request = scheduler_pb2.SchedulerExportModelRequest(job=job)
         state: dict[str, torch.Tensor] = {}
@@ -171,9 +171,9 @@ class SchedulerClient:
             stream: AsyncIterator[Any] = call.__aiter__()  # one iterator across messages
             while True:
                 try:
-                    received = await wire.receive(stream, max_bytes=self._max_tensor)
-                    tensors = wire.decode_named(received)
-                except wire.EndOfStream:
+                    received = await chunking.receive(stream, max_bytes=self._max_tensor)
+                    tensors = chunking.decode_named(received)
+                except chunking.EndOfStream:
                     break
                 except WireError as e:  # the scheduler's bug, not the user's input
                     raise ClientError(

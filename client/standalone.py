@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from client.trainer import PipelineTrainer, load_followed
 from scheduler.coordinator import LocalCoordinator, gather_state
-from swarm.config import JobConfig
-from swarm.lease import Replica
-from swarm.metrics import CoordinatorMetrics, TrainerMetrics, serve_metrics
-from swarm.progress import StepLog, StepRecord
+from swarm.job.config import JobConfig
+from swarm.ops.metrics import CoordinatorMetrics, TrainerMetrics, serve_metrics
+from swarm.ops.progress import StepLog, StepRecord
+from swarm.rpc.lease import Replica
 
 __all__ = [
     "parse_stage_servers",

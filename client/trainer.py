@@ -25,20 +25,20 @@ from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry
 
-from scheduler.wiring import NoReplicaError, Wiring
-from swarm import codec
-from swarm.backoff import Backoff
-from swarm.bus import Bus, BusLike
+from swarm.bus.connection import Bus, BusLike
 from swarm.clock import Clock, MonotonicClock
-from swarm.config import JobConfig
-from swarm.data import VAL_STEP, DataSource, make_data, make_val_data
 from swarm.errors import ActivationsNotCached, Busy, PeerUnavailable, RemoteError, SwarmError
-from swarm.lease import Lease, LeaseSource, MicrobatchResult, Replica, Task
-from swarm.metrics import TrainerMetrics
+from swarm.job.config import JobConfig
+from swarm.model.data import VAL_STEP, DataSource, make_data, make_val_data
+from swarm.ops.metrics import TrainerMetrics
+from swarm.policy.backoff import Backoff
+from swarm.policy.wiring import NoReplicaError, Wiring
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
-from swarm.stage_client import BackwardResult, Retiring, StageClient, TensorLike, named
+from swarm.rpc.lease import Lease, LeaseSource, MicrobatchResult, Replica, Task
+from swarm.rpc.stage_client import BackwardResult, Retiring, StageClient, TensorLike, named
+from swarm.wire import codec
 
 __all__ = ["ClientFactory", "PipelineTrainer", "TrainerError", "follow_load", "load_followed"]
 

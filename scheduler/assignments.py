@@ -2,7 +2,7 @@
 
 `place` waits until every stage of a job has a serving replica, assigning measured peers; `grow`
 gives peers that join a running job a stage; `assign` publishes one assignment (rebalancing moves
-go through it too). Who goes where is `scheduler.placement.place_new`'s decision; who is there is
+go through it too). Who goes where is `swarm.policy.placement.place_new`'s decision; who is there is
 the `PeerRegistry`'s.
 """
 
@@ -14,9 +14,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from scheduler.placement import place_new
 from scheduler.registry import PeerRegistry
-from swarm.bus import BusLike
+from swarm.bus.connection import BusLike
+from swarm.policy.placement import place_new
 from swarm.proto import control_pb2 as cpb
 
 __all__ = ["Assignments"]

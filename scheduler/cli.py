@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 from swarm.flags import add_flag, add_token, token
-from swarm.tls import add_tls_flags
+from swarm.net.tls import add_tls_flags
 
 __all__ = ["add_arguments", "run"]
 

@@ -2,7 +2,7 @@
 
 The servicer is thin: validate, store, tell the orchestration, answer. Store reads and writes are
 synchronous and happen between awaits, so a call never sees a half-made change. Errors become
-status codes in `swarm.servicing`, as in every servicer.
+status codes in `swarm.rpc.servicing`, as in every servicer.
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from scheduler.store import JobRecord, JobStore
-from swarm import codec, wire
-from swarm.config import FILE_DATA, parse_job, verify_data, verify_init
-from swarm.data_pin import pin, pin_data
 from swarm.errors import (
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
 )
-from swarm.lease import (
+from swarm.job.config import FILE_DATA, parse_job, verify_data, verify_init
+from swarm.job.pinning import pin, pin_data
+from swarm.job.states import job_state_proto
+from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
+from swarm.rpc.lease import (
     Lease,
     MicrobatchResult,
     Working,
@@ -36,9 +37,9 @@ from swarm.lease import (
     result_from_proto,
     working_from_proto,
 )
-from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
-from swarm.servicing import Servicing
-from swarm.states import job_state_proto
+from swarm.rpc.servicing import Servicing
+from swarm.wire import chunking as wire
+from swarm.wire import codec
 
 __all__ = ["JobApiServicer", "JobControl", "job_status"]
 

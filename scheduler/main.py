@@ -16,15 +16,15 @@ from scheduler.discovery import sd_document
 from scheduler.job_api import JobApiServicer
 from scheduler.service import Scheduler, SchedulerOptions, collector
 from scheduler.store import JobStore
-from swarm.addresses import announced_host, host_port
-from swarm.auth import add_port, server_interceptors
-from swarm.broker import EmbeddedBroker
-from swarm.bus import Bus
-from swarm.lifecycle import install_signal_handlers, print_ready
-from swarm.metrics import serve_metrics
+from swarm.bus.broker import EmbeddedBroker
+from swarm.bus.connection import Bus
+from swarm.bus.topics import SCHEDULER_USER
+from swarm.net.addresses import announced_host, host_port
+from swarm.net.tokens import add_port, server_interceptors
+from swarm.ops.lifecycle import install_signal_handlers, print_ready
+from swarm.ops.metrics import serve_metrics
 from swarm.proto import scheduler_pb2_grpc
-from swarm.topics import SCHEDULER_USER
-from swarm.wire import grpc_options
+from swarm.wire.chunking import grpc_options
 
 __all__ = ["SchedulerProcessOptions", "run_scheduler"]
 

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass
 
 from swarm.clock import Clock
-from swarm.lease import Replica
 from swarm.proto import control_pb2 as cpb
+from swarm.rpc.lease import Replica
 
 __all__ = ["PeerRegistry"]
 

@@ -25,21 +25,21 @@ from prometheus_client.registry import Collector
 from client.trainer import PipelineTrainer, follow_load
 from scheduler.assignments import Assignments
 from scheduler.coordinator import LocalCoordinator, gather_model, gather_state
-from scheduler.rebalancing import rebalance
+from scheduler.rebalance_loop import rebalance
 from scheduler.registry import PeerRegistry
 from scheduler.store import JobRecord, JobState, JobStore, StoreError
-from swarm import checkpoint
-from swarm.bus import BusLike
+from swarm.bus.connection import BusLike
 from swarm.clock import MonotonicClock
-from swarm.config import JobConfig, parse_job
 from swarm.errors import FailedPrecondition, SwarmError
-from swarm.lease import Lease, MicrobatchResult, Working
-from swarm.metrics import CoordinatorFamilies, CoordinatorMetrics, TrainerMetrics
-from swarm.model import layer_costs, partition
-from swarm.progress import StepRecord
+from swarm.job.config import JobConfig, parse_job
+from swarm.job.states import JOB_STATES, job_state_proto, peer_state_name
+from swarm.model import checkpoint
+from swarm.model.transformer import layer_costs, partition
+from swarm.ops.metrics import CoordinatorFamilies, CoordinatorMetrics, TrainerMetrics
+from swarm.ops.progress import StepRecord
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
-from swarm.states import JOB_STATES, job_state_proto, peer_state_name
+from swarm.rpc.lease import Lease, MicrobatchResult, Working
 
 __all__ = ["Scheduler", "SchedulerOptions"]
 

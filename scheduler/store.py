@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any, Self, cast
 
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound, SwarmError
-from swarm.states import JOB_STATES, TERMINAL, UNFINISHED, JobState  # re-exported
+from swarm.job.states import JOB_STATES, TERMINAL, UNFINISHED, JobState  # re-exported
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -33,13 +33,13 @@ from stage_server.server import (
     check_device,
     start_grpc,
 )
-from swarm.bus import Bus, BusLike
-from swarm.config import JobConfig, RuntimeConfig, parse_job
+from swarm.bus.connection import Bus, BusLike
+from swarm.bus.topics import TopicKind, Topics, parse_broker_url
 from swarm.errors import ConfigError
-from swarm.lifecycle import install_signal_handlers, print_ready
+from swarm.job.config import JobConfig, RuntimeConfig, parse_job
+from swarm.job.states import TERMINAL_PROTO
+from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.proto import control_pb2 as cpb
-from swarm.states import TERMINAL_PROTO
-from swarm.topics import TopicKind, Topics, parse_broker_url
 
 __all__ = ["PeerAgent", "PeerIdentity", "persistent_peer_id", "run_peer"]
 

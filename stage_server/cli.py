@@ -9,7 +9,7 @@ from pathlib import Path
 
 from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_token, token
-from swarm.tls import add_tls_flags
+from swarm.net.tls import add_tls_flags
 
 __all__ = ["add_arguments", "run"]
 
@@ -46,7 +46,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     # Imported here: `swarm stage-server --help` needs only the flags, not torch and gRPC.
     from stage_server.agent import run_peer
     from stage_server.server import StageServerOptions, run_stage_server
-    from swarm.config import load_job
+    from swarm.job.config import load_job
 
     opts = StageServerOptions(
         stage=args.stage if args.stage is not None else -1,

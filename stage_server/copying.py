@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from stage_server.runtime import StageRuntime
-from swarm.backoff import Backoff
 from swarm.errors import SwarmError
-from swarm.stage_client import StageClient
+from swarm.policy.backoff import Backoff
+from swarm.rpc.stage_client import StageClient
 
 __all__ = ["Copy"]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from stage_server.runtime import StageRuntime
-from swarm.config import JobConfig
-from swarm.model import layer_costs, partition
+from swarm.job.config import JobConfig
+from swarm.model.transformer import layer_costs, partition
 
 __all__ = ["cache_path", "measure_job", "measure_stage"]
 

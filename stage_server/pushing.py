@@ -3,7 +3,7 @@ stage (`Push`), chosen as a trainer chooses, and collects what comes back along 
 (the gradient of its outputs, every later stage's receipt, the loss).
 
 Who to send to: the least-loaded healthy replica among those the request's route names, by the
-smallest expected finish time (`scheduler.wiring`, fed by this replica's own in-flight calls
+smallest expected finish time (`swarm.policy.wiring`, fed by this replica's own in-flight calls
 and measured service times). A replica that answers busy gets the next try elsewhere and is not
 banned; one that fails is banned with backoff and the hop is tried on another.
 
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.wiring import NoReplicaError, Wiring
 from swarm.clock import MonotonicClock
-from swarm.config import JobConfig
 from swarm.errors import Busy, PeerUnavailable, SwarmError
+from swarm.job.config import JobConfig
+from swarm.policy.wiring import NoReplicaError, Wiring
 from swarm.proto import stage_pb2 as pb
-from swarm.stage_client import Retiring, StageClient, TensorLike, named
+from swarm.rpc.stage_client import Retiring, StageClient, TensorLike, named
 
 __all__ = ["Downstream", "Pushed"]
 

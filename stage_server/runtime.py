@@ -3,7 +3,7 @@ per-step gradient accumulation with receipts, and the optimizer update at commit
 
 With `training.delayed_update` a replica at step m (m updates applied) computes two steps at
 once: step m, whose commit may still be averaging or replaying, on the parameters before
-update m-1, and step m+1 on those after it (`swarm.optim.computes_on`). The optimizer's own
+update m-1, and step m+1 on those after it (`swarm.model.optim.computes_on`). The optimizer's own
 parameters move on at each APPLY, so each step computes on a copy of the module at the version
 it needs (`_versions`), which no update touches while graphs of its microbatches are cached.
 
@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from stage_server.update_log import UpdateLog
-from swarm import stage_state
-from swarm.config import JobConfig
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
-from swarm.model import (
+from swarm.job.config import JobConfig
+from swarm.model import stage_state
+from swarm.model.optim import build_optimizer, computes_on, grad_sq_norm, update
+from swarm.model.transformer import (
     DTYPES,
     build_stage,
     layer_costs,
@@ -34,7 +35,6 @@ from swarm.model import (
     partition,
     precision,
 )
-from swarm.optim import build_optimizer, computes_on, grad_sq_norm, update
 
 __all__ = ["Receipt", "StageRuntime"]
 
@@ -373,7 +373,7 @@ class StageRuntime:
         self, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0
     ) -> None:
         """One optimizer step with gradient `scale * grad_sums / total_samples` at the step's
-        learning rate (`swarm.optim.update`, as the reference); then the next step."""
+        learning rate (`swarm.model.optim.update`, as the reference); then the next step."""
         for p, g in zip(self.params, grad_sums, strict=True):
             p.grad = g.div(total_samples)
         update(self.optimizer, self.job, self.step, scale)
@@ -412,7 +412,8 @@ class StageRuntime:
         return {f"param/{k}": v.shape for k, v in self.module.state_dict().items()}
 
     def check_state_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """One tensor of a state to load must be one of this stage's (`swarm.stage_state` names):
+        """One tensor of a state to load must be one of this stage's (`swarm.model.stage_state`
+        names):
         `param/<name>` (or, with delayed_update, `prev/<name>`: the parameters before the last
         update) with its parameter's shape, or `optim/<index>/<key>` of a parameter with that
         parameter's size or one value."""
@@ -441,7 +442,7 @@ class StageRuntime:
         )
 
     def export_state(self, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
-        """This replica's state in the stage-state format (`swarm.stage_state`). A whole state
+        """This replica's state in the stage-state format (`swarm.model.stage_state`). A whole state
         (`include_optimizer`) of a delayed_update job also holds the parameters step `step`
         computes on, as `prev/<name>`: a copy must compute as this replica does."""
         state = stage_state.export_state(self.module, self.optimizer, include_optimizer)

@@ -1,6 +1,6 @@
 """`StageService` over a `StageRuntime`: decode, check the route, run the compute on the replica's
-worker thread, encode. Errors become status codes in `swarm.servicing`, as in every servicer; a bad
-request never takes the server down."""
+worker thread, encode. Errors become status codes in `swarm.rpc.servicing`, as in every servicer; a
+bad request never takes the server down."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import grpc
 import torch
 from google.protobuf.message import Message
 
-from stage_server import averager, averaging
+from stage_server.averaging import butterfly as averaging
+from stage_server.averaging import owner as averager
+from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.copying import Copy
-from stage_server.error_feedback import ErrorFeedback
 from stage_server.pushing import Downstream
 from stage_server.runtime import Receipt, StageRuntime
-from swarm import codec, wire
 from swarm.errors import (
     Busy,
     FailedPrecondition,
@@ -30,13 +30,15 @@ from swarm.errors import (
     ResourceExhausted,
     WireError,
 )
-from swarm.faults import Point, maybe_die
-from swarm.metrics import StageMetrics
+from swarm.ops.faults import Point, maybe_die
+from swarm.ops.metrics import StageMetrics
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
-from swarm.servicing import Servicing
-from swarm.stage_client import StageClient
-from swarm.wire import grpc_options
+from swarm.rpc.servicing import Servicing
+from swarm.rpc.stage_client import StageClient
+from swarm.wire import chunking as wire
+from swarm.wire import codec
+from swarm.wire.chunking import grpc_options
 
 __all__ = ["StageServicer"]
 

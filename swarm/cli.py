@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        from swarm import tls
+        from swarm.net import tls
 
         tls.configure_from_args(args)  # the process's TLS identity, for every connection
         return int(load(args.command).run(args.command, args) or 0)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_token, token
-from swarm.tls import add_tls_flags
+from swarm.net.tls import add_tls_flags
 
 __all__ = ["add_arguments", "run"]
 
@@ -89,7 +89,7 @@ def run(command: str, args: argparse.Namespace) -> int:
 def _prepare_data(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from swarm.prepare import prepare_data
+    from swarm.model.prepare import prepare_data
 
     total = sum(f.stat().st_size for f in args.files if f.is_file())
     try:
@@ -108,7 +108,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from swarm.certs import init_ca, issue
+    from swarm.net.certs import init_ca, issue
 
     if args.days is not None and args.days < 1:
         raise SwarmError(f"--days must be >= 1, got {args.days}")
@@ -130,7 +130,7 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from swarm.generate import from_hf, generate, load_hf, text_codec
+    from swarm.model.generate import from_hf, generate, load_hf, text_codec
 
     if args.tokens < 0:
         raise SwarmError(f"--tokens must be >= 0, got {args.tokens}")
@@ -157,9 +157,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _local(args: argparse.Namespace) -> int:
     import torch
 
-    from swarm.config import load_job
-    from swarm.progress import StepLog
-    from swarm.reference import train_local
+    from swarm.job.config import load_job
+    from swarm.model.reference import train_local
+    from swarm.ops.progress import StepLog
 
     job = load_job(args.job_file)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -168,7 +168,7 @@ def _local(args: argparse.Namespace) -> int:
     if args.out:
         state = {k: v.cpu() for k, v in model.state_dict().items()}
         if args.format == "hf":
-            from swarm.hf import write_hf
+            from swarm.model.hf import write_hf
 
             write_hf(args.out, state, job.model, None)
         else:
@@ -178,8 +178,8 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _broker(args: argparse.Namespace) -> int:
-    from swarm.broker import run_broker
-    from swarm.lifecycle import install_signal_handlers
+    from swarm.bus.broker import run_broker
+    from swarm.ops.lifecycle import install_signal_handlers
 
     async def serve() -> None:
         stop = asyncio.Event()

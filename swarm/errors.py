@@ -1,6 +1,6 @@
 """The exception hierarchy. Third-party errors are converted to these at the boundary: servicers map
 them to gRPC status codes, and clients map a call's status back to them, in one place
-(`swarm.status`)."""
+(`swarm.rpc.status`)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class Aborted(FailedPrecondition):
     """A coordinated round could not complete (a peer missing or gone); retry under a new one.
     `missing`: the round's members it failed on, as indices into its group (a part that never
     came, a member that could not be reached); empty when it cannot tell. It crosses the wire in
-    the trailing metadata (`swarm.status`), so the coordinator can leave the culprit out."""
+    the trailing metadata (`swarm.rpc.status`), so the coordinator can leave the culprit out."""
 
     def __init__(self, message: str = "", missing: Sequence[int] = ()) -> None:
         super().__init__(message)

@@ -48,7 +48,7 @@ def _kill_leftover_children() -> Iterator[None]:
 @pytest.fixture(scope="session", autouse=True)
 def _fork_swarm_processes() -> Iterator[None]:
     """Start the suite's swarm processes from a fork server that imported torch once."""
-    from swarm import procs
+    from swarm.local import procs
 
     procs.launcher = forked.launch
     yield

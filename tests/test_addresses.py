@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from client.sdk import SchedulerClient
-from swarm.addresses import announced_host, host_port, is_unspecified
-from swarm.config import load_job
 from swarm.errors import ConfigError
-from swarm.procs import SwarmProcess, start_process, stop_all
-from swarm.stage_client import StageClient
+from swarm.job.config import load_job
+from swarm.local.procs import SwarmProcess, start_process, stop_all
+from swarm.net.addresses import announced_host, host_port, is_unspecified
+from swarm.rpc.stage_client import StageClient
 from tests.support.jobs import write_job
 
 

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.sdk import ClientError, SchedulerClient
-from swarm import auth
+from swarm.net import tokens as auth
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.support.api import RunningApi, start_api
 from tests.support.fakes import EchoStage

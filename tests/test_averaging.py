@@ -13,11 +13,11 @@ import grpc
 import pytest
 import torch
 
-from stage_server.averager import Averager, AveragingAborted, flatten, split_parts, unflatten
-from stage_server.averaging import all_reduce
-from swarm.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
+from stage_server.averaging.butterfly import all_reduce
+from stage_server.averaging.owner import Averager, AveragingAborted, flatten, split_parts, unflatten
 from swarm.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from swarm.proto import pool_pb2, tensor_pb2
+from swarm.wire.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
 from tests.support.pools import JOB, MiB, Replica, replicas
 
 # --- pure helpers ----------------------------------------------------------------------------

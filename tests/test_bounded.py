@@ -18,13 +18,13 @@ from client.trainer import SERIES_GRACE_S, PipelineTrainer
 from scheduler.registry import PeerRegistry
 from stage_server import agent as agent_module
 from stage_server.agent import PeerAgent
-from stage_server.averaging import ChannelPool
+from stage_server.averaging.butterfly import ChannelPool
+from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
-from swarm.data import TextData, microbatch_seed
-from swarm.lease import Lease, Replica
-from swarm.metrics import CoordinatorFamilies, CoordinatorMetrics, TrainerMetrics
+from swarm.model.data import TextData, microbatch_seed
+from swarm.ops.metrics import CoordinatorFamilies, CoordinatorMetrics, TrainerMetrics
 from swarm.proto import control_pb2 as cpb
-from swarm.topics import Topics
+from swarm.rpc.lease import Lease, Replica
 from tests.support.jobs import BASE, make_job, render
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,11 +14,11 @@ import pytest
 from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry
 
-from swarm.broker import EmbeddedBroker
-from swarm.bus import Bus, BusAuthError, BusNotConnected, BusSettings, Subscription
+from swarm.bus.broker import EmbeddedBroker
+from swarm.bus.connection import Bus, BusAuthError, BusNotConnected, BusSettings, Subscription
+from swarm.bus.topics import ANY, SCHEDULER_USER, TopicInfo, TopicKind
 from swarm.errors import ConfigError
 from swarm.proto import control_pb2 as pb
-from swarm.topics import ANY, SCHEDULER_USER, TopicInfo, TopicKind
 from tests.support.brokers import Mosquitto
 from tests.support.cli import ROOT
 
@@ -196,7 +196,7 @@ async def test_prefix_isolates_swarms(broker: BrokerUnderTest) -> None:
 
 _CHILD = textwrap.dedent("""
     import asyncio, sys
-    from swarm.bus import Bus, BusSettings
+    from swarm.bus.connection import Bus, BusSettings
     from swarm.proto import control_pb2 as pb
 
     async def main() -> None:

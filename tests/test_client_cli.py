@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from swarm.cli import load, parse
-from swarm.config import load_job
 from swarm.flags import env_name
-from swarm.model import build_model
+from swarm.job.config import load_job
+from swarm.model.transformer import build_model
 from tests.support.api import RunningApi, start_api
 from tests.support.jobs import write_job
 from tests.support.ports import free_address

@@ -1,4 +1,4 @@
-"""swarm.codec: round trips for every dtype and codec, and every validation error."""
+"""swarm.wire.codec: round trips for every dtype and codec, and every validation error."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import struct
 import pytest
 import torch
 
-from swarm import hadamard
-from swarm.codec import (
+from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted
+from swarm.proto import tensor_pb2
+from swarm.wire import hadamard
+from swarm.wire.codec import (
     CODEC_BF16,
     CODEC_FP16,
     CODEC_HADAMARD3,
@@ -24,8 +26,6 @@ from swarm.codec import (
     dtype_name,
     encode,
 )
-from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted
-from swarm.proto import tensor_pb2
 
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 ALL_CODECS = [CODEC_NONE, CODEC_FP16, CODEC_BF16, CODEC_INT8_BLOCKWISE, CODEC_HADAMARD3]

@@ -16,8 +16,8 @@ import grpc
 import pytest
 import torch
 
-from stage_server.averager import AveragingAborted
-from stage_server.averaging import all_reduce
+from stage_server.averaging.butterfly import all_reduce
+from stage_server.averaging.owner import AveragingAborted
 from stage_server.runtime import StageRuntime
 from stage_server.server import (
     RunningStageServer,
@@ -25,15 +25,15 @@ from stage_server.server import (
     start_grpc,
     start_stage_server,
 )
-from swarm import wire
-from swarm.codec import encode
-from swarm.config import JobConfig
 from swarm.errors import Aborted, SwarmError
-from swarm.lease import Task
+from swarm.job.config import JobConfig
 from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.proto import stage_pb2 as pb
-from swarm.stage_client import StageClient
-from swarm.status import ERROR_KEY, MISSING_KEY, error_metadata, from_rpc_error
+from swarm.rpc.lease import Task
+from swarm.rpc.stage_client import StageClient
+from swarm.rpc.status import ERROR_KEY, MISSING_KEY, error_metadata, from_rpc_error
+from swarm.wire import chunking as wire
+from swarm.wire.codec import encode
 from tests.support.coordinator import Harness, job_of
 from tests.support.jobs import make_job
 from tests.support.pools import JOB, replicas

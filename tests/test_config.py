@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.config import (
+from swarm.errors import ConfigError
+from swarm.job.config import (
     CompressionConfig,
     JobConfig,
     ModelConfig,
@@ -19,8 +20,7 @@ from swarm.config import (
     load_job,
     parse_job,
 )
-from swarm.data_pin import pin_data
-from swarm.errors import ConfigError
+from swarm.job.pinning import pin_data
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TEXT = b"It is wise to turn circumstances to good account. " * 4  # 200 bytes > seq_len + 1

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.procs import LocalSwarm, start_local_swarm, start_process
+from swarm.local.procs import LocalSwarm, start_local_swarm, start_process
 from tests.support.brokers import Mosquitto
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from swarm import checkpoint
-from swarm.config import JobConfig
 from swarm.errors import Aborted, PeerUnavailable
-from swarm.lease import Task
-from swarm.progress import StepRecord
-from swarm.stage_state import initial_state
+from swarm.job.config import JobConfig
+from swarm.model import checkpoint
+from swarm.model.stage_state import initial_state
+from swarm.ops.progress import StepRecord
+from swarm.rpc.lease import Task
 from tests.support.coordinator import LEASE_S, Harness, job_of, until
 from tests.support.disks import fill, tiny_disk
 from tests.support.replicas import FakeReplica, FakeSwarm, Prepared

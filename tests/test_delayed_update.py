@@ -17,16 +17,16 @@ from prometheus_client import CollectorRegistry
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
 from stage_server.runtime import StageRuntime
-from swarm.config import JobConfig, load_job
-from swarm.data import make_data
 from swarm.errors import FailedPrecondition, InvalidArgument
-from swarm.faults import Fault, Point
-from swarm.lease import Lease, MicrobatchResult, Working
-from swarm.metrics import CoordinatorMetrics
-from swarm.model import build_model, loss_sum
-from swarm.optim import computes_on
-from swarm.progress import StepRecord
-from swarm.reference import train_local
+from swarm.job.config import JobConfig, load_job
+from swarm.model.data import make_data
+from swarm.model.optim import computes_on
+from swarm.model.reference import train_local
+from swarm.model.transformer import build_model, loss_sum
+from swarm.ops.faults import Fault, Point
+from swarm.ops.metrics import CoordinatorMetrics
+from swarm.ops.progress import StepRecord
+from swarm.rpc.lease import Lease, MicrobatchResult, Working
 from tests.support.equality import assert_equal_to_local, assert_states_within, local_state
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job, write_job

@@ -19,7 +19,7 @@ import pytest
 
 from client.sdk import SchedulerClient
 from scheduler.discovery import sd_targets
-from swarm.procs import start_local_swarm
+from swarm.local.procs import start_local_swarm
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2
 from tests.support.jobs import write_job

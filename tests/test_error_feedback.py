@@ -14,11 +14,11 @@ import torch
 
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator
-from stage_server.averager import split_parts
-from stage_server.averaging import all_reduce
-from stage_server.error_feedback import ErrorFeedback, Residuals
-from swarm.codec import CODEC_INT8_BLOCKWISE
-from swarm.progress import StepRecord
+from stage_server.averaging.butterfly import all_reduce
+from stage_server.averaging.error_feedback import ErrorFeedback, Residuals
+from stage_server.averaging.owner import split_parts
+from swarm.ops.progress import StepRecord
+from swarm.wire.codec import CODEC_INT8_BLOCKWISE
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
 from tests.support.pools import JOB, MiB, Replica, replicas

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from scheduler.store import JobStore
-from swarm.config import load_job
-from swarm.data import VAL_STEP, make_data, make_val_data
 from swarm.errors import ConfigError, InvalidArgument
-from swarm.progress import StepLog, StepRecord
-from swarm.reference import train_local
+from swarm.job.config import load_job
+from swarm.model.data import VAL_STEP, make_data, make_val_data
+from swarm.model.reference import train_local
+from swarm.ops.progress import StepLog, StepRecord
 from tests.support.jobs import BASE, render, write_job
 
 SEQ = BASE["model"]["seq_len"]

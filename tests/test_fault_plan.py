@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from client.demo import Chaos
-from swarm.faults import ANY_REPLICA, Fault, FaultPlan, Point, parse_faults
+from swarm.ops.faults import ANY_REPLICA, Fault, FaultPlan, Point, parse_faults
 from swarm.proto import scheduler_pb2
 
 

@@ -16,12 +16,12 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from client.standalone import train_standalone
-from swarm.config import load_job
-from swarm.faults import ENV, Fault, FaultPlan, Point
-from swarm.lease import Replica
-from swarm.procs import SwarmProcess, start_process, stop_all
-from swarm.progress import StepRecord
-from swarm.reference import train_local
+from swarm.job.config import load_job
+from swarm.local.procs import SwarmProcess, start_process, stop_all
+from swarm.model.reference import train_local
+from swarm.ops.faults import ENV, Fault, FaultPlan, Point
+from swarm.ops.progress import StepRecord
+from swarm.rpc.lease import Replica
 from tests.support.equality import assert_equal_to_local, local_state
 from tests.support.jobs import write_job
 

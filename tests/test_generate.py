@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from swarm.cli import main
-from swarm.config import ModelConfig
 from swarm.errors import ConfigError
-from swarm.generate import from_hf, generate, load_hf, text_codec
-from swarm.hf import hf_config
+from swarm.job.config import ModelConfig
+from swarm.model.generate import from_hf, generate, load_hf, text_codec
+from swarm.model.hf import hf_config
 from tests.support.jobs import write_job
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.config import JobConfig
 from swarm.errors import ConfigError
-from swarm.hf import read_hf, write_hf
-from swarm.model import build_model, build_stage, layer_costs, partition
+from swarm.job.config import JobConfig
+from swarm.model.hf import read_hf, write_hf
+from swarm.model.transformer import build_model, build_stage, layer_costs, partition
 from tests.support.jobs import make_job
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: installed by make install

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.config import load_job
 from swarm.errors import ConfigError
-from swarm.hf import write_hf
-from swarm.model import build_model, build_stage
-from swarm.procs import start_stage_servers, stop_all
+from swarm.job.config import load_job
+from swarm.local.procs import start_stage_servers, stop_all
+from swarm.model.hf import write_hf
+from swarm.model.transformer import build_model, build_stage
 from tests.support.cli import swarm
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import write_job

@@ -17,7 +17,7 @@ from client.sdk import ClientError, SchedulerClient
 from scheduler.store import JobStore
 from swarm.errors import ConfigError, NotFound, RemoteError
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
-from swarm.status import status_code
+from swarm.rpc.status import status_code
 from tests.support.api import RunningApi, start_api
 from tests.support.jobs import BASE, render, write_job
 from tests.support.ports import free_address as _free_address

@@ -15,18 +15,18 @@ from typing import Any
 import grpc
 import pytest
 
-import swarm.config
+import swarm.job.config
 from client.remote import run_remote_trainer
 from scheduler.job_api import JobApiServicer
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
-from swarm.config import load_job
+from swarm.bus.topics import Topics
 from swarm.errors import ConfigError
-from swarm.hf import write_hf
-from swarm.lease import Lease
-from swarm.model import build_model
+from swarm.job.config import load_job
+from swarm.model.hf import write_hf
+from swarm.model.transformer import build_model
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
-from swarm.topics import Topics
+from swarm.rpc.lease import Lease
 from tests.support.api import FakeControl
 from tests.support.jobs import BASE, render, write_job
 
@@ -127,13 +127,13 @@ async def test_the_data_file_is_hashed_off_the_event_loop(
     api: _Api, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loop_thread, threads = threading.get_ident(), list[int]()
-    real: Callable[..., str] = swarm.config.data_sha256
+    real: Callable[..., str] = swarm.job.config.data_sha256
 
     def spy(*args: Any, **kwargs: Any) -> str:
         threads.append(threading.get_ident())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(swarm.config, "data_sha256", spy)
+    monkeypatch.setattr(swarm.job.config, "data_sha256", spy)
     await api.submit(_spec("data/corpus.txt"), root)
     assert threads and loop_thread not in threads
 
@@ -142,14 +142,14 @@ async def test_the_event_loop_answers_while_a_large_file_hashes(
     api: _Api, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started, release = threading.Event(), threading.Event()
-    real: Callable[..., str] = swarm.config.data_sha256
+    real: Callable[..., str] = swarm.job.config.data_sha256
 
     def slow(*args: Any, **kwargs: Any) -> str:  # stands in for hashing many GiB
         started.set()
         release.wait(10)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(swarm.config, "data_sha256", slow)
+    monkeypatch.setattr(swarm.job.config, "data_sha256", slow)
     submit = asyncio.create_task(api.submit(_spec("data/corpus.txt"), root))
     try:
         assert await asyncio.to_thread(started.wait, 10)

@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry
 
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
-from swarm.broker import EmbeddedBroker
-from swarm.bus import Bus, BusSettings
+from swarm.bus.broker import EmbeddedBroker
+from swarm.bus.connection import Bus, BusSettings
+from swarm.bus.topics import SCHEDULER_USER, Topics
 from swarm.proto import control_pb2 as pb
-from swarm.topics import SCHEDULER_USER, Topics
 from tests.support.jobs import BASE, render
 
 pytestmark = pytest.mark.timeout(60)

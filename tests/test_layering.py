@@ -21,11 +21,11 @@ SKIP = ("swarm.proto",)  # generated code
 
 POLICIES = frozenset(
     {
-        "scheduler.wiring",
-        "scheduler.placement",
-        "scheduler.placement_search",
-        "scheduler.rebalance",
-        "scheduler.stage_pool",
+        "swarm.policy.wiring",
+        "swarm.policy.placement",
+        "swarm.policy.placement_search",
+        "swarm.policy.rebalance",
+        "swarm.policy.stage_pool",
     }
 )
 """The pure policies (no I/O): any role may import them; they import `swarm`, each other, stdlib
@@ -184,7 +184,7 @@ def test_the_checker_itself() -> None:
     found = _edges_of("stage_server.fake", source)
     assert [e.imported for e in found] == [
         "os",
-        "scheduler.wiring",
+        "swarm.policy.wiring",
         "client.trainer",
         "scheduler.store",
         "stage_server.runtime",
@@ -194,9 +194,9 @@ def test_the_checker_itself() -> None:
         "stage_server.fake -> scheduler.store (x.py:5)",
     ]
     # `swarm` imports no role, not even a pure policy; a policy imports no other role module.
-    assert forbidden(_edges_of("swarm.fake", "from scheduler.wiring import Wiring\n"))
-    assert forbidden(_edges_of("scheduler.wiring", "from scheduler.store import JobStore\n"))
-    assert not forbidden(_edges_of("scheduler.wiring", "from swarm.lease import Replica\n"))
+    assert forbidden(_edges_of("swarm.fake", "from swarm.policy.wiring import Wiring\n"))
+    assert forbidden(_edges_of("swarm.policy.wiring", "from scheduler.store import JobStore\n"))
+    assert not forbidden(_edges_of("swarm.policy.wiring", "from swarm.rpc.lease import Replica\n"))
     # The simulator: policies and itself, not the service shell.
     assert not forbidden(_edges_of("scheduler.sim.x", "from scheduler.sim.model import A\n"))
     assert forbidden(_edges_of("scheduler.sim.x", "from scheduler.store import JobStore\n"))

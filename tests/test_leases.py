@@ -21,9 +21,9 @@ from scheduler.coordinator import LocalCoordinator
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.store import JobStore
 from swarm.clock import FakeClock
-from swarm.config import JobConfig
 from swarm.errors import PeerUnavailable
-from swarm.lease import Lease, MicrobatchResult, Task, Working
+from swarm.job.config import JobConfig
+from swarm.rpc.lease import Lease, MicrobatchResult, Task, Working
 from tests.support.api import start_api
 from tests.support.jobs import BASE, make_job, render
 from tests.support.ports import free_address

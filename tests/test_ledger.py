@@ -10,7 +10,7 @@ import pytest
 from scheduler.coordinator.ledger import Holding, StepLedger
 from swarm.clock import FakeClock
 from swarm.errors import InvalidArgument
-from swarm.lease import Task
+from swarm.rpc.lease import Task
 
 
 def _ledger(m: int = 4, stages: int = 3) -> tuple[StepLedger, FakeClock]:
@@ -78,7 +78,8 @@ def test_stale_reports_and_release() -> None:
 
 
 def test_a_report_whose_sample_count_is_not_the_microbatch_size_is_refused() -> None:
-    # Every microbatch holds exactly microbatch_size samples (swarm.data has no partial ones), and
+    # Every microbatch holds exactly microbatch_size samples (swarm.model.data has no partial
+    # ones), and
     # the step's gradient is divided by the samples reported: a wrong count would skew it.
     ledger = StepLedger(step=7, microbatches=2, stages=2, microbatch_size=4)
     ledger.lease("a", 2)

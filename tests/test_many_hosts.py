@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm import netns
-from swarm.certs import init_ca, issue
+from swarm.local import netns
+from swarm.net.certs import init_ca, issue
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
 

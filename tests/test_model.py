@@ -7,9 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.data import make_data
 from swarm.errors import ConfigError
-from swarm.model import build_model, build_stage, layer_costs, loss_sum, num_layers, partition
+from swarm.model.data import make_data
+from swarm.model.transformer import (
+    build_model,
+    build_stage,
+    layer_costs,
+    loss_sum,
+    num_layers,
+    partition,
+)
 from tests.support.jobs import make_job
 
 

@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry
 from scheduler.registry import PeerRegistry
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
-from swarm.broker import EmbeddedBroker
-from swarm.bus import Bus, BusAuthError, BusSettings
+from swarm.bus.broker import EmbeddedBroker
+from swarm.bus.connection import Bus, BusAuthError, BusSettings
+from swarm.bus.topics import ANY, SCHEDULER_USER, Topics
 from swarm.proto import control_pb2 as pb
-from swarm.topics import ANY, SCHEDULER_USER, Topics
 from tests.support.brokers import Mosquitto
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from swarm.config import OptimizerConfig
-from swarm.optim import clip_scale, grad_sq_norm, lr_at
+from swarm.job.config import OptimizerConfig
+from swarm.model.optim import clip_scale, grad_sq_norm, lr_at
 
 
 def _opt(**kw: object) -> OptimizerConfig:

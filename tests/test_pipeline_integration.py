@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm import checkpoint
-from swarm.procs import start_stage_servers, stop_all
+from swarm.local.procs import start_stage_servers, stop_all
+from swarm.model import checkpoint
 from tests.support.cli import swarm
 from tests.support.equality import assert_states_within
 from tests.support.jobs import write_job

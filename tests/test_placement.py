@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from scheduler.placement import (
+from swarm.policy.placement import (
     best_stage,
     bottleneck,
     place,

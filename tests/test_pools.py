@@ -14,8 +14,8 @@ from scheduler.coordinator import LocalCoordinator, gather_model, gather_state
 from stage_server.runtime import StageRuntime
 from stage_server.server import RunningStageServer
 from swarm.errors import FailedPrecondition
-from swarm.lease import Replica, Task
-from swarm.progress import StepRecord
+from swarm.ops.progress import StepRecord
+from swarm.rpc.lease import Replica, Task
 from tests.support.equality import assert_equal_to_local
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job

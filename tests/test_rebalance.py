@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from scheduler.placement import bottleneck, place, stage_totals
-from scheduler.rebalance import Move, Rebalancer, plan_move
-from swarm.config import RebalanceConfig
 from swarm.errors import ConfigError
+from swarm.job.config import RebalanceConfig
+from swarm.policy.placement import bottleneck, place, stage_totals
+from swarm.policy.rebalance import Move, Rebalancer, plan_move
 
 # Every check but the one under test switched off.
 EAGER = RebalanceConfig(hysteresis=1.0, min_dwell_s=0.0, move_cost_s=0.0)

@@ -9,10 +9,10 @@ import math
 
 from scheduler.assignments import Assignments
 from scheduler.registry import PeerRegistry
+from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
-from swarm.lease import Replica
 from swarm.proto import control_pb2 as cpb
-from swarm.topics import Topics
+from swarm.rpc.lease import Replica
 
 SILENCE_S = 10.0
 SERVE_TIMEOUT_S = 300.0

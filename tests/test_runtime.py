@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from stage_server.runtime import StageRuntime
-from swarm.config import JobConfig
-from swarm.data import make_data
 from swarm.errors import FailedPrecondition, InvalidArgument
-from swarm.optim import clip_scale
+from swarm.job.config import JobConfig
+from swarm.model.data import make_data
+from swarm.model.optim import clip_scale
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import make_job
 

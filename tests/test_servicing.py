@@ -1,4 +1,5 @@
-"""The one error mapping every servicer shares (`swarm.servicing`): a swarm error is refused with
+"""The one error mapping every servicer shares (`swarm.rpc.servicing`): a swarm error is refused
+with
 its status and the metadata naming its class, a bug is INTERNAL, every call is observed; and over a
 real stage server, a client rebuilds `ActivationsNotCached` exactly from the trailing metadata."""
 
@@ -14,12 +15,12 @@ import pytest
 import torch
 
 from stage_server.server import StageServerOptions, start_stage_server
-from swarm import codec
 from swarm.errors import ActivationsNotCached, InvalidArgument, NotFound, WireError
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
-from swarm.servicing import Servicing
-from swarm.status import ERROR_KEY, from_rpc_error
+from swarm.rpc.servicing import Servicing
+from swarm.rpc.status import ERROR_KEY, from_rpc_error
+from swarm.wire import codec
 from tests.support.jobs import make_job
 
 
@@ -81,7 +82,7 @@ async def test_a_bug_is_internal_and_logged_with_its_traceback(
     async def body() -> None:
         raise RuntimeError("boom")
 
-    with caplog.at_level(logging.ERROR, "swarm.servicing"), pytest.raises(Aborted):
+    with caplog.at_level(logging.ERROR, "swarm.rpc.servicing"), pytest.raises(Aborted):
         await serving.run("Commit", context, body)  # type: ignore[arg-type]
     assert context.aborted == (grpc.StatusCode.INTERNAL, "RuntimeError: boom", ())
     assert seen == [("Commit", "INTERNAL")]

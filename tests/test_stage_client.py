@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from scheduler.coordinator.replicas import ReplicaClients
-from swarm import codec
 from swarm.errors import PeerUnavailable
-from swarm.lease import Replica
 from swarm.proto import stage_pb2, stage_pb2_grpc
-from swarm.stage_client import StageClient
+from swarm.rpc.lease import Replica
+from swarm.rpc.stage_client import StageClient
+from swarm.wire import codec
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,12 +14,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm import codec, wire
-from swarm.config import JobConfig
 from swarm.errors import ActivationsNotCached, InvalidArgument
+from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
-from swarm.stage_client import StageClient, as_tensor
+from swarm.rpc.stage_client import StageClient, as_tensor
+from swarm.wire import chunking as wire
+from swarm.wire import codec
 from tests.support.jobs import make_job
 
 MiB = 1 << 20

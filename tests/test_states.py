@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from swarm.proto import control_pb2 as cpb
-from swarm.states import (
+from swarm.job.states import (
     JOB_STATES,
     TERMINAL,
     TERMINAL_PROTO,
@@ -12,6 +11,7 @@ from swarm.states import (
     job_state_proto,
     peer_state_name,
 )
+from swarm.proto import control_pb2 as cpb
 
 
 def test_every_job_state_round_trips() -> None:

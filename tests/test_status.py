@@ -1,9 +1,9 @@
-"""`swarm.status`'s trailing metadata names a swarm error's class, and only a swarm error's."""
+"""`swarm.rpc.status`'s trailing metadata names a swarm error's class, and only a swarm error's."""
 
 from __future__ import annotations
 
 from swarm.errors import ActivationsNotCached
-from swarm.status import ERROR_KEY, error_metadata
+from swarm.rpc.status import ERROR_KEY, error_metadata
 
 
 class NotFound(Exception):  # a third-party error that happens to share a swarm error's name

@@ -15,16 +15,16 @@ from cryptography import x509
 from prometheus_client import CollectorRegistry
 
 from client.sdk import SchedulerClient
-from swarm import tls
-from swarm.broker import EmbeddedBroker
-from swarm.bus import Bus, BusSettings
-from swarm.certs import init_ca, issue
+from swarm.bus.broker import EmbeddedBroker
+from swarm.bus.connection import Bus, BusSettings
 from swarm.cli import main
-from swarm.config import load_job
 from swarm.errors import ConfigError, PeerUnavailable, RemoteError
-from swarm.procs import SwarmProcess, start_local_swarm, start_stage_servers, stop_all
+from swarm.job.config import load_job
+from swarm.local.procs import SwarmProcess, start_local_swarm, start_stage_servers, stop_all
+from swarm.net import tls
+from swarm.net.certs import init_ca, issue
 from swarm.proto import scheduler_pb2
-from swarm.stage_client import StageClient
+from swarm.rpc.stage_client import StageClient
 from tests.support.brokers import Mosquitto
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job

@@ -12,11 +12,11 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from swarm.cli import main
-from swarm.config import load_job
-from swarm.data import TokenData, make_data
 from swarm.errors import ConfigError
-from swarm.prepare import prepare_data
-from swarm.reference import train_local
+from swarm.job.config import load_job
+from swarm.model.data import TokenData, make_data
+from swarm.model.prepare import prepare_data
+from swarm.model.reference import train_local
 from tests.support.jobs import write_job
 
 CORPUS = Path(__file__).resolve().parent.parent / "examples" / "data" / "corpus.txt"

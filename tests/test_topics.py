@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.errors import ConfigError
-from swarm.topics import (
+from swarm.bus.topics import (
     ANY,
     SCHEDULER_USER,
     BrokerUrlError,
@@ -18,6 +17,7 @@ from swarm.topics import (
     parse_broker_url,
     topic_matches,
 )
+from swarm.errors import ConfigError
 
 
 def test_parse_broker_url() -> None:

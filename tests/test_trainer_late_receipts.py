@@ -19,8 +19,6 @@ import pytest
 import torch
 
 from client.trainer import PipelineTrainer
-from swarm import codec
-from swarm.config import JobConfig
 from swarm.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -28,10 +26,12 @@ from swarm.errors import (
     PeerUnavailable,
     RemoteError,
 )
-from swarm.lease import Lease, MicrobatchResult, Replica, Task
+from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
-from swarm.stage_client import BackwardResult, TensorLike
+from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Task
+from swarm.rpc.stage_client import BackwardResult, TensorLike
+from swarm.wire import codec
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry
 
 import client.remote as remote
 from client.trainer import PipelineTrainer, load_followed
-from swarm.broker import EmbeddedBroker
-from swarm.bus import Bus
-from swarm.lease import Replica
+from swarm.bus.broker import EmbeddedBroker
+from swarm.bus.connection import Bus
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
+from swarm.rpc.lease import Replica
 from tests.support.jobs import BASE, render
 
 pytestmark = pytest.mark.timeout(60)

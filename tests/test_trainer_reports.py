@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from client.trainer import PipelineTrainer
-from swarm.config import load_job
-from swarm.lease import Lease, MicrobatchResult, Task, Working
+from swarm.job.config import load_job
+from swarm.rpc.lease import Lease, MicrobatchResult, Task, Working
 from tests.support.jobs import write_job
 
 STEPS, MICROBATCHES = 3, 16

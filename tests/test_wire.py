@@ -1,4 +1,4 @@
-"""swarm.wire: split/receive round trips, every receive error, and a real gRPC echo."""
+"""swarm.wire.chunking: split/receive round trips, every receive error, and a real gRPC echo."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import grpc
 import pytest
 import torch
 
-from swarm.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
 from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted
 from swarm.proto import stage_pb2, stage_pb2_grpc, tensor_pb2
-from swarm.wire import Received, decode_named, receive, split
+from swarm.wire.chunking import Received, decode_named, receive, split
+from swarm.wire.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
 from tests.support.fakes import EchoStage
 
 MiB = 1 << 20

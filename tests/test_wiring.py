@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from scheduler.wiring import NoReplicaError, StagePool, Wiring, WiringConfig
 from swarm.clock import FakeClock
 from swarm.errors import ConfigError, SwarmError
+from swarm.policy.wiring import NoReplicaError, StagePool, Wiring, WiringConfig
 
 
 def make_pool(

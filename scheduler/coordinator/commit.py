@@ -25,9 +25,9 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.replicas import GONE, ReplicaClients
 from swarm.errors import Aborted, SwarmError
-from swarm.lease import Replica
-from swarm.metrics import CoordinatorMetrics
-from swarm.optim import clip_scale
+from swarm.model.optim import clip_scale
+from swarm.ops.metrics import CoordinatorMetrics
+from swarm.rpc.lease import Replica
 
 __all__ = ["CommitStalled", "RoundFailure", "TwoPhaseCommit", "culprits"]
 

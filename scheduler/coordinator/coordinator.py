@@ -40,13 +40,13 @@ from scheduler.coordinator.replicas import (
     grpc_replicas,
 )
 from scheduler.coordinator.shares import Shares
-from swarm.backoff import Backoff
 from swarm.clock import Clock, MonotonicClock
-from swarm.config import JobConfig
 from swarm.errors import SwarmError
-from swarm.lease import Lease, MicrobatchResult, Replica, Working
-from swarm.metrics import CoordinatorMetrics
-from swarm.progress import StepRecord
+from swarm.job.config import JobConfig
+from swarm.ops.metrics import CoordinatorMetrics
+from swarm.ops.progress import StepRecord
+from swarm.policy.backoff import Backoff
+from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Working
 
 __all__ = ["LocalCoordinator"]
 

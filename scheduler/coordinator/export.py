@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from scheduler.coordinator.coordinator import LocalCoordinator
-from swarm.backoff import Backoff
 from swarm.errors import FailedPrecondition, SwarmError
-from swarm.lease import Replica
+from swarm.policy.backoff import Backoff
+from swarm.rpc.lease import Replica
 
 __all__ = ["gather_model", "gather_state"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import InvalidArgument
-from swarm.lease import Task
+from swarm.rpc.lease import Task
 
 __all__ = ["EVALUATED", "Holding", "StepLedger"]
 
@@ -54,8 +54,8 @@ class StepLedger:
     stages: int
     lease_timeout_s: float = 60.0  # a lease not reported within this is given to another trainer
     clock: Clock = field(default_factory=MonotonicClock)
-    # Samples in every microbatch (swarm.data has no partial ones); a report of another count is
-    # refused, since the step's gradient is divided by the samples reported. None: unchecked.
+    # Samples in every microbatch (swarm.model.data has no partial ones); a report of another count
+    # is refused, since the step's gradient is divided by the samples reported. None: unchecked.
     microbatch_size: int | None = None
     # Validation microbatches to evaluate at this step (the parameters the step trains from),
     # by their task index: past the training ones, `microbatches_per_step + i` for the i-th.

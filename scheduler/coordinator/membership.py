@@ -11,12 +11,12 @@ from collections.abc import Callable, Hashable
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.replicas import GONE, ReplicaClients
-from swarm.backoff import Backoff, Backoffs
 from swarm.clock import Clock
 from swarm.errors import SwarmError
-from swarm.lease import Replica
-from swarm.metrics import CoordinatorMetrics
+from swarm.ops.metrics import CoordinatorMetrics
+from swarm.policy.backoff import Backoff, Backoffs
 from swarm.proto import stage_pb2 as pb
+from swarm.rpc.lease import Replica
 
 __all__ = ["Membership"]
 

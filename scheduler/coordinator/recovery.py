@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from scheduler.coordinator.replicas import ReplicaClients
-from swarm import checkpoint, stage_state
-from swarm.config import JobConfig
 from swarm.errors import SwarmError
-from swarm.lease import Replica
+from swarm.job.config import JobConfig
+from swarm.model import checkpoint, stage_state
+from swarm.rpc.lease import Replica
 
 __all__ = ["Recovery"]
 

@@ -12,11 +12,11 @@ from typing import Protocol
 
 import torch
 
-from swarm.config import JobConfig
 from swarm.errors import NotFound, PeerUnavailable
-from swarm.lease import Replica
+from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
-from swarm.stage_client import StageClient
+from swarm.rpc.lease import Replica
+from swarm.rpc.stage_client import StageClient
 
 __all__ = [
     "GONE",

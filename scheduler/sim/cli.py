@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from swarm.config import RebalanceConfig
 from swarm.errors import ConfigError
 from swarm.flags import env_default
+from swarm.job.config import RebalanceConfig
 
 __all__ = ["add_arguments", "cmd_simulate", "run"]
 

@@ -1,8 +1,9 @@
 """The discrete-event engine: one heap of timed events, the real policies, simulated peers.
 
-Drives `scheduler.wiring.Wiring` (one per trainer, on the simulated clock), and through `registry`
-the scheduler's own calls: `scheduler.placement.place_new` (the initial peers, each joining peer)
-and `scheduler.rebalance.Rebalancer` (every period, with `policy="swarm"`).
+Drives `swarm.policy.wiring.Wiring` (one per trainer, on the simulated clock), and through
+`registry`
+the scheduler's own calls: `swarm.policy.placement.place_new` (the initial peers, each joining peer)
+and `swarm.policy.rebalance.Rebalancer` (every period, with `policy="swarm"`).
 Randomness comes from `random.Random` streams seeded from `config.seed` only, so a config gives
 the same numbers every time. Two shortcuts keep it one event per hop: the trainer acts on a reply
 when the replica finishes (the reply's latency is added to the next hop's), and a task joins its
@@ -33,7 +34,7 @@ from scheduler.sim.model import (
 )
 from scheduler.sim.registry import Registry
 from scheduler.sim.report import Summary
-from scheduler.wiring import NoReplicaError, Wiring
+from swarm.policy.wiring import NoReplicaError, Wiring
 
 __all__ = ["Simulation", "simulate"]
 

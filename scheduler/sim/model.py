@@ -26,9 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scheduler.wiring import WiringConfig
-from swarm.config import RebalanceConfig
 from swarm.errors import ConfigError
+from swarm.job.config import RebalanceConfig
+from swarm.policy.wiring import WiringConfig
 
 __all__ = [
     "SEED_PREFIX",
@@ -183,7 +183,7 @@ def _check(ok: bool, name: str, value: object, want: str) -> None:
 
 
 class SimClock:
-    """The `scheduler.wiring.Clock` of the simulation: the time of the event being handled."""
+    """The `swarm.policy.wiring.Clock` of the simulation: the time of the event being handled."""
 
     def __init__(self) -> None:
         self.t = 0.0

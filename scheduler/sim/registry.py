@@ -4,9 +4,9 @@ period), and the optimum to judge them by (`place`)."""
 
 from __future__ import annotations
 
-from scheduler.placement import bottleneck, place, place_new
-from scheduler.rebalance import Move, Rebalancer
-from swarm.config import RebalanceConfig
+from swarm.job.config import RebalanceConfig
+from swarm.policy.placement import bottleneck, place, place_new
+from swarm.policy.rebalance import Move, Rebalancer
 
 __all__ = ["Registry"]
 

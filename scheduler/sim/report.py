@@ -11,7 +11,7 @@ pipeline keeps it fed, is what the swarm's throughput is. Work lost in a crash i
 (unless a window closed while it ran).
 
 - `optimum`: the bottleneck of the best placement known for the peers present at that moment
-  (those that finished their first download): `scheduler.placement.place` on them, or the current
+  (those that finished their first download): `swarm.policy.placement.place` on them, or the current
   placement if that is better (`place` is a heuristic). `place` costs ~0.2 s at 1,000 peers, so it
   runs every `optimum_every_s`; in between, each join and departure scales the last value by the
   peers' combined strength, sum_p 1 / sum_k 1/speed_pk (exact for a fluid placement of peers whose

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from scheduler.job_api import JobApiServicer
 from scheduler.store import JobStore
-from swarm.auth import server_interceptors
 from swarm.errors import FailedPrecondition
+from swarm.net.tokens import server_interceptors
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["CHUNK", "FakeControl", "RunningApi", "start_api"]

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from swarm.tls import Tls
+from swarm.net.tls import Tls
 from tests.support.ports import free_port
 
 __all__ = [

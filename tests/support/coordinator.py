@@ -10,9 +10,9 @@ from typing import Any
 
 from scheduler.coordinator import LocalCoordinator
 from swarm.clock import FakeClock
-from swarm.config import JobConfig
-from swarm.lease import MicrobatchResult, Task
-from swarm.progress import StepRecord
+from swarm.job.config import JobConfig
+from swarm.ops.progress import StepRecord
+from swarm.rpc.lease import MicrobatchResult, Task
 from tests.support.jobs import make_job
 from tests.support.replicas import FakeSwarm
 

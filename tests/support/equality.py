@@ -1,5 +1,5 @@
 """Equal to `swarm local`: the parameters a job ends with, compared with the reference training
-(`swarm.reference.train_local`, what `swarm local` runs) within a per-test tolerance."""
+(`swarm.model.reference.train_local`, what `swarm local` runs) within a per-test tolerance."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from swarm.config import JobConfig, load_job
-from swarm.reference import train_local
+from swarm.job.config import JobConfig, load_job
+from swarm.model.reference import train_local
 
 __all__ = ["assert_equal_to_local", "assert_states_within", "local_state"]
 

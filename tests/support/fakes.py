@@ -7,10 +7,10 @@ from typing import ClassVar
 
 import grpc
 
+from swarm.bus.topics import Topics
 from swarm.errors import ResourceExhausted, WireError
 from swarm.proto import stage_pb2, stage_pb2_grpc
-from swarm.topics import Topics
-from swarm.wire import receive, split
+from swarm.wire.chunking import receive, split
 
 __all__ = ["EchoStage", "NoBus"]
 

@@ -70,7 +70,7 @@ def _run(args: list[str], log_path: str, env: dict[str, str]) -> None:
 
 
 class Forked:
-    """A forked process with `subprocess.Popen`'s face (`swarm.procs.Child`)."""
+    """A forked process with `subprocess.Popen`'s face (`swarm.local.procs.Child`)."""
 
     def __init__(self, args: list[str], out: BinaryIO, env: dict[str, str]) -> None:
         self.args = args
@@ -104,5 +104,5 @@ class Forked:
 
 
 def launch(args: list[str], out: BinaryIO, env: dict[str, str]) -> Forked:
-    """A `swarm.procs.Launcher`."""
+    """A `swarm.local.procs.Launcher`."""
     return Forked(args, out, env)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm.config import JobConfig
-from swarm.lease import Replica
+from swarm.job.config import JobConfig
+from swarm.rpc.lease import Replica
 
 __all__ = ["Swarm"]
 

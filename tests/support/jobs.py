@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from swarm.config import JobConfig, load_job
+from swarm.job.config import JobConfig, load_job
 
 BASE: dict[str, dict[str, Any]] = {
     "model": {

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from stage_server.averager import Averager
-from stage_server.averaging import ChannelPool, PoolServicer
+from stage_server.averaging.butterfly import ChannelPool, PoolServicer
+from stage_server.averaging.owner import Averager
 from swarm.errors import NotFound
 from swarm.proto import pool_pb2_grpc
 

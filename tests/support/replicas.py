@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from swarm.errors import Aborted, FailedPrecondition
-from swarm.lease import Replica
 from swarm.proto import stage_pb2 as pb
+from swarm.rpc.lease import Replica
 
 __all__ = ["FakeReplica", "FakeSwarm", "Gate", "Prepared"]
 

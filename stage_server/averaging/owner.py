@@ -1,0 +1,313 @@
+"""The owner's side of pool averaging: the parts of a round this replica sums, and their outcome.
+
+In a round each replica owns one contiguous part of the flat gradient (`split_parts`); the others
+send it their values of that part, and `Averager` sums the contributions in sender order once and
+gives every waiter that one result (see `stage_server.averaging.butterfly` for the round as a
+whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.errors import (
+    Aborted,
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from swarm.proto import pool_pb2, tensor_pb2
+from swarm.wire import chunking as wire
+from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE, decode, encode
+
+__all__ = [
+    "Averager",
+    "AveragingAborted",
+    "Reduced",
+    "RoundKey",
+    "flatten",
+    "round_name",
+    "split_parts",
+    "unflatten",
+]
+
+log = logging.getLogger(__name__)
+
+RoundKey = tuple[str, int, str]  # (job, stage, round id): rounds of two stages never mix
+_COMPLETED = "completed"
+
+
+class AveragingAborted(Aborted):
+    """An averaging round cannot complete here: a peer is missing, unreachable or refused, or the
+    round timed out or was aborted. Answered as ABORTED; retry the round under a new id.
+    `missing` (from `Aborted`, and sent with the answer): the group indices of the members it
+    failed on: the senders a timed-out part still waited for, or whom the replica that aborted
+    the round named."""
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-D copy of `tensors` (which must share one dtype and device)."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise InvalidArgument(f"flatten needs tensors of one dtype, got {sorted(map(str, dtypes))}")
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped like `like` (no copy: writing to one writes to `flat`)."""
+    sizes = [t.numel() for t in like]
+    if flat.dim() != 1 or flat.numel() != sum(sizes):
+        raise InvalidArgument(f"flat {list(flat.shape)} does not hold {sum(sizes)} elements")
+    return [p.view(t.shape) for p, t in zip(torch.split(flat, sizes), like, strict=True)]
+
+
+def split_parts(numel: int, n: int) -> list[slice]:
+    """`n` contiguous parts of `range(numel)`, the first `numel % n` one element longer."""
+    if n < 1 or numel < 0:
+        raise ConfigError(f"cannot split {numel} elements into {n} parts; need n >= 1")
+    q, r = divmod(numel, n)
+    bounds = [k * q + min(k, r) for k in range(n + 1)]
+    return [slice(bounds[k], bounds[k + 1]) for k in range(n)]
+
+
+class Reduced:
+    """One part summed over its group, shared by every waiter: `tensor` (not to be modified in
+    place) and the reply all senders receive, encoded and split once."""
+
+    def __init__(
+        self, tensor: torch.Tensor, message: tensor_pb2.Tensor | None, exact: torch.Tensor
+    ) -> None:
+        self.tensor, self._message = tensor, message
+        self.exact = exact  # the sum before a lossy codec encoded it (`tensor` if none did)
+        self.wire_bytes = 0  # encoded bytes of the sum, once `replies` ran
+        self._replies: dict[int, list[pool_pb2.PoolReduceResponse]] = {}
+
+    def replies(self, chunk_bytes: int) -> list[pool_pb2.PoolReduceResponse]:
+        if chunk_bytes not in self._replies:
+            if self._message is None:
+                self._message = encode(self.tensor, "sum")
+            self.wire_bytes = self._message.nbytes
+            response = pool_pb2.PoolReduceResponse(tensors=[self._message])
+            self._replies[chunk_bytes] = list(wire.split(response, chunk_bytes))
+        return self._replies[chunk_bytes]
+
+
+def _reduce(values: list[torch.Tensor], codec: int, block_size: int) -> Reduced:
+    total = values[0]
+    if len(values) > 1:
+        total = values[0] + values[1]  # a new tensor: the inputs may be read-only wire buffers
+        for v in values[2:]:
+            total.add_(v)  # elementwise, so the same bits as ((c0 + c1) + c2) + ...
+    if codec == CODEC_NONE:
+        return Reduced(total, None, total)
+    msg = encode(total, "sum", codec, block_size)
+    return Reduced(decode(msg), msg, total)  # the owner keeps exactly what the senders decode
+
+
+@dataclass
+class _Slot:
+    group_size: int
+    signature: tuple[Any, ...]  # shape, dtype, codec, block size: all contributions agree
+    done: asyncio.Future[Reduced]
+    timer: asyncio.TimerHandle
+    values: list[torch.Tensor | None] = field(default_factory=list)
+
+    def missing(self) -> list[int]:
+        return [i for i, v in enumerate(self.values) if v is None]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bytes, not values: NaN != NaN would refuse an honest retry.
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+class Averager:
+    """The owner's side of the rounds this replica takes part in (one per replica process).
+
+    A round's part completes when all `group_size` senders contributed; a timeout or `abort` fails
+    every open part of the round. Finished rounds are forgotten but for their outcome, of which the
+    last `history` are kept, so a late contribution gets a clear error instead of waiting.
+    """
+
+    def __init__(self, *, max_open_rounds: int = 64, history: int = 256) -> None:
+        self._max_open, self._history = max_open_rounds, history
+        self._open: dict[RoundKey, dict[int, _Slot]] = {}
+        # round -> (outcome, the members an aborted one failed on)
+        self._closed: OrderedDict[RoundKey, tuple[str, tuple[int, ...]]] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def open_rounds(self) -> set[RoundKey]:
+        return set(self._open)
+
+    def outcome(self, round: RoundKey) -> str | None:
+        """The outcome ("completed" or "aborted: <why>"); None while open or once forgotten."""
+        closed = self._closed.get(round)
+        return closed[0] if closed is not None else None
+
+    async def contribute(
+        self,
+        round: RoundKey,
+        part: int,
+        sender: int,
+        group_size: int,
+        values: torch.Tensor,
+        *,
+        timeout_s: float,
+        codec: int = CODEC_NONE,
+        block_size: int = 2048,
+    ) -> torch.Tensor:
+        """Add `values` as `sender`'s contribution to `part` of `round`; the part's sum once all
+        `group_size` arrived. `codec` is how the contributions travelled; the sum is given back
+        through the same codec. A sender may repeat bit-identical values (a retry): it joins."""
+        return (await self.reduce(round, part, sender, group_size, values, timeout_s=timeout_s,
+                                  codec=codec, block_size=block_size)).tensor  # fmt: skip
+
+    async def reduce(
+        self,
+        round: RoundKey,
+        part: int,
+        sender: int,
+        group_size: int,
+        values: torch.Tensor,
+        *,
+        timeout_s: float,
+        codec: int = CODEC_NONE,
+        block_size: int = 2048,
+    ) -> Reduced:
+        """`contribute`, returning the shared `Reduced` (the servicer replies its bytes)."""
+        slot = self._admit(round, part, sender, group_size, values, timeout_s, codec, block_size)
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot.done), max(timeout_s, 0.0))
+        except TimeoutError:
+            missing = slot.missing()
+            self.abort(round, f"part {part} timed out after {timeout_s:.3g} s", missing)
+            raise AveragingAborted(f"{round_name(round)}: part {part} timed out", missing) from None
+        except AveragingAborted as e:
+            raise AveragingAborted(str(e), e.missing) from None  # a fresh one per waiter
+
+    def abort(self, round: RoundKey, reason: str, missing: Sequence[int] = ()) -> None:
+        """Fail every open part of `round` (waiters raise AveragingAborted) and refuse it later."""
+        if missing:
+            reason += f" waiting for senders {list(missing)}"
+        slots = self._open.pop(round, {})
+        for part, slot in slots.items():
+            slot.timer.cancel()
+            if not slot.done.done():
+                error = AveragingAborted(f"{round_name(round)} part {part}: {reason}", missing)
+                slot.done.set_exception(error)
+        if slots:
+            log.info("%s aborted: %s", round_name(round), reason)
+        self._remember(round, f"aborted: {reason}", missing)
+
+    def close(self) -> None:
+        for round in list(self._open):
+            self.abort(round, "the averager closed")
+
+    def _remember(self, round: RoundKey, outcome: str, missing: Sequence[int] = ()) -> None:
+        self._closed[round] = (outcome, tuple(missing))
+        self._closed.move_to_end(round)
+        while len(self._closed) > self._history:
+            self._closed.popitem(last=False)
+
+    def _admit(
+        self,
+        round: RoundKey,
+        part: int,
+        sender: int,
+        group_size: int,
+        values: torch.Tensor,
+        timeout_s: float,
+        codec: int,
+        block_size: int,
+    ) -> _Slot:
+        name = f"{round_name(round)} part {part}"
+        if group_size < 1 or not (0 <= part < group_size and 0 <= sender < group_size):
+            raise InvalidArgument(f"{name}: sender {sender} or part out of 0..{group_size - 1}")
+        outcome, missing = self._closed.get(round, (None, ()))
+        if outcome == _COMPLETED:
+            raise FailedPrecondition(f"{name}: completed already; sender {sender} came too late")
+        if outcome is not None:
+            raise AveragingAborted(f"{name}: {outcome}", missing)
+        if not values.is_floating_point():
+            codec = CODEC_NONE  # as `encode` sends it
+        signature = (
+            tuple(values.shape),
+            values.dtype,
+            codec,
+            block_size if codec == CODEC_INT8_BLOCKWISE else 0,
+        )
+        slots = self._open.get(round)
+        if slots is None:
+            if len(self._open) >= self._max_open:
+                raise ResourceExhausted(f"{name}: {self._max_open} rounds are open already")
+            slots = self._open[round] = {}
+        slot = slots.get(part)
+        loop = asyncio.get_running_loop()
+        if slot is None:
+            done: asyncio.Future[Reduced] = loop.create_future()
+            done.add_done_callback(_retrieve)
+            # The round's deadline even when every waiter has gone (cancelled calls).
+            timer = loop.call_later(max(timeout_s, 0.0), self._expire, round, part, timeout_s)
+            slot = slots[part] = _Slot(group_size, signature, done, timer, [None] * group_size)
+        elif slot.group_size != group_size:
+            raise InvalidArgument(f"{name}: group size {group_size}, others said {slot.group_size}")
+        elif slot.signature != signature:
+            raise InvalidArgument(
+                f"{name}: sender {sender} sent {signature}, others {slot.signature}"
+            )
+        old = slot.values[sender]
+        if old is not None:
+            if not _same_bits(old, values):
+                raise InvalidArgument(f"{name}: sender {sender} contributed other values already")
+            return slot  # a retry: it waits for the same sum
+        slot.values[sender] = values
+        if not slot.missing():
+            slot.timer.cancel()
+            del slots[part]
+            if not slots:
+                del self._open[round]
+                self._remember(round, _COMPLETED)
+            task = loop.create_task(self._finish(round, part, slot, codec, block_size))
+            self._tasks.add(task)  # a reference, so the task is not collected mid-way
+            task.add_done_callback(self._tasks.discard)
+        return slot
+
+    async def _finish(
+        self, round: RoundKey, part: int, slot: _Slot, codec: int, block_size: int
+    ) -> None:
+        values = [v for v in slot.values if v is not None]
+        slot.values = []
+        try:
+            # Off the event loop: a large part's sum would hold up every other call.
+            reduced = await asyncio.to_thread(_reduce, values, codec, block_size)
+        except Exception as e:
+            log.exception("%s part %d: the sum failed", round_name(round), part)
+            if not slot.done.done():
+                slot.done.set_exception(AveragingAborted(f"{round_name(round)} part {part}: {e}"))
+        else:
+            if not slot.done.done():
+                slot.done.set_result(reduced)
+
+    def _expire(self, round: RoundKey, part: int, timeout_s: float) -> None:
+        slot = self._open.get(round, {}).get(part)
+        if slot is not None:
+            self.abort(round, f"part {part} timed out after {timeout_s:.3g} s", slot.missing())
+
+
+def _retrieve(fut: asyncio.Future[Reduced]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # marks it retrieved: a round nobody waits for any more logs nothing
+
+
+def round_name(round: RoundKey) -> str:
+    return f"round {round[2]!r} of job {round[0]} stage {round[1]}"

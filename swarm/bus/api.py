@@ -1,0 +1,68 @@
+"""What a user of the MQTT bus sees besides `swarm.bus.connection.Bus` itself: the `BusLike`
+protocol pure
+logic codes against (tests and the simulator substitute a fake), the bus's settings, and its
+errors. Import them from `swarm.bus.connection`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from google.protobuf.message import Message
+
+from swarm.bus.topics import BusError, Topics
+from swarm.errors import ConfigError
+
+__all__ = ["BusAuthError", "BusLike", "BusNotConnected", "BusSettings"]
+
+
+class BusNotConnected(BusError):
+    """No connection to the broker within the timeout, or the bus is closed."""
+
+
+class BusAuthError(BusError):
+    """The broker refused the credentials (token); reconnecting will not help."""
+
+
+class BusLike(Protocol):
+    """What pure logic needs from the bus; tests and the simulator substitute a fake."""
+
+    @property
+    def topics(self) -> Topics: ...
+
+    async def publish(self, topic: str, message: Message | bytes, retain: bool = False) -> None: ...
+
+    def subscribe(self, pattern: str) -> AsyncIterator[tuple[str, Message]]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class BusSettings:
+    """Timing of a `Bus`; every duration in seconds."""
+
+    keepalive_s: int = 5
+    """MQTT keepalive: a broker that hears nothing for 1.5x this declares the client dead and sends
+    its last-will (a killed process is noticed at once: its socket closes)."""
+    reconnect_initial_s: float = 0.2
+    """First delay before reconnecting; doubles after every failed attempt."""
+    reconnect_max_s: float = 5.0
+    """Ceiling of the reconnect delay, so a restarted broker is found within about this long."""
+    operation_timeout_s: float = 5.0
+    """How long to wait for the broker's CONNACK, SUBACK or PUBACK before dropping the link."""
+    publish_timeout_s: float = 10.0
+    """How long `publish` waits for a connection (during a reconnect) before giving up."""
+    close_timeout_s: float = 6.0
+    """How long closing may take (publish the will, disconnect) before the task is cancelled."""
+    queue_size: int = 10_000
+    """Messages buffered per subscription; beyond it the oldest are dropped, with a log line."""
+
+    def __post_init__(self) -> None:
+        if self.keepalive_s < 1:
+            raise ConfigError(f"keepalive_s={self.keepalive_s}: must be an integer >= 1 second")
+        if not 0 < self.reconnect_initial_s <= self.reconnect_max_s:
+            raise ConfigError("need 0 < reconnect_initial_s <= reconnect_max_s")
+        for name in ("operation_timeout_s", "publish_timeout_s", "close_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 seconds")
+        if self.queue_size < 1:
+            raise ConfigError("queue_size must be >= 1")

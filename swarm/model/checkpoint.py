@@ -1,0 +1,117 @@
+"""The checkpoint format: `<dir>/step-<N>/stage-<k>.pt` holds stage k's state at step N in the
+stage-state format (`swarm.model.stage_state`); `manifest.json`, written last and atomically, marks
+the checkpoint complete and records the data position (the step: data is a function of
+`(seed, step, index)`).
+
+Every file is written to a temporary name, fsynced, renamed, and its directory fsynced, so a
+crash leaves a whole file or none. A write that fails (a full disk: `torch.save` raises
+`RuntimeError` there, not `OSError`) removes its partial file and raises `CheckpointError`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "discard",
+    "latest",
+    "load_model",
+    "load_stage",
+    "save_stage",
+    "seal",
+    "sealed",
+]
+
+
+class CheckpointError(OSError):
+    """A checkpoint file could not be written (a full or broken disk). An `OSError`, so that
+    callers which skip a checkpoint on a disk error catch it whatever the writer raised."""
+
+
+def _dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic(path: Path, write: Callable[[BinaryIO], object], what: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        tmp.replace(path)
+        _fsync_dir(path.parent)  # and the rename too
+    except Exception as e:  # torch.save turns ENOSPC into RuntimeError
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{what}: cannot write {path} ({e})") from e
+
+
+def save_stage(root: Path, step: int, stage: int, state: dict[str, torch.Tensor]) -> None:
+    path = _dir(root, step) / f"stage-{stage}.pt"
+    _atomic(path, lambda f: torch.save(state, f), f"checkpoint of step {step}, stage {stage}")
+
+
+def seal(root: Path, step: int, stages: int) -> None:
+    """Mark step `step`'s checkpoint complete: every stage's file is written."""
+    manifest = json.dumps({"step": step, "stages": stages, "data_position": step}).encode()
+    _atomic(_dir(root, step) / "manifest.json", lambda f: f.write(manifest), f"seal of step {step}")
+
+
+def discard(root: Path, step: int) -> None:
+    """Remove step `step`'s checkpoint, which could not be completed (never one that is sealed):
+    its stage files only take room a later checkpoint needs."""
+    directory = _dir(root, step)
+    if not (directory / "manifest.json").exists():
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def sealed(root: Path) -> list[int]:
+    """The steps of the complete checkpoints under `root`, oldest first."""
+    steps = []
+    for manifest in root.glob("step-*/manifest.json"):
+        try:
+            steps.append(int(json.loads(manifest.read_text())["step"]))
+        except (OSError, ValueError, KeyError):
+            continue  # a torn or foreign file is not a checkpoint
+    return sorted(steps)
+
+
+def latest(root: Path) -> int | None:
+    """The newest complete checkpoint's step, if any."""
+    return max(sealed(root), default=None)
+
+
+def load_stage(root: Path, step: int, stage: int) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = torch.load(
+        _dir(root, step) / f"stage-{stage}.pt", weights_only=True
+    )
+    return state
+
+
+def load_model(root: Path, step: int) -> dict[str, torch.Tensor]:
+    """The whole model's parameters from a complete checkpoint (for export)."""
+    stages = json.loads((_dir(root, step) / "manifest.json").read_text())["stages"]
+    model: dict[str, torch.Tensor] = {}
+    for k in range(stages):
+        for name, value in load_stage(root, step, k).items():
+            if name.startswith("param/"):
+                model[name.removeprefix("param/")] = value
+    return model

@@ -1,0 +1,94 @@
+"""The update of a job, built and applied the same way by the reference and by every stage replica,
+so that the same gradients give bitwise the same update everywhere: the optimizer, the learning
+rate of each step (a pure function of the step) and the global-norm clipping coefficient."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from swarm.job.config import JobConfig, OptimizerConfig
+
+__all__ = ["build_optimizer", "clip_scale", "computes_on", "grad_sq_norm", "lr_at", "update"]
+
+# As `torch.nn.utils.clip_grad_norm_`: keeps the coefficient finite for a zero gradient.
+_CLIP_EPS = 1e-6
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
+) -> torch.optim.Optimizer:
+    # foreach=False: the multi-tensor kernels group parameters differently from the per-tensor
+    # path; one code path everywhere keeps replicas and the reference in agreement.
+    if cfg.kind == "adamw":
+        return torch.optim.AdamW(
+            params,
+            lr=cfg.lr,
+            betas=(cfg.betas[0], cfg.betas[1]),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            foreach=False,
+        )
+    return torch.optim.SGD(
+        params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False
+    )
+
+
+def lr_at(cfg: OptimizerConfig, step: int, steps: int) -> float:
+    """The learning rate of optimizer step `step` (0-based) of a job of `steps` steps: a linear
+    rise over `warmup_steps` (step 0 already moves, at lr / warmup_steps), then `schedule` from
+    `lr` down to `min_lr` at the last step. A rollback or a join recomputes it from the step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    done = min(1.0, (step - cfg.warmup_steps) / max(1, steps - 1 - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return cfg.lr - (cfg.lr - cfg.min_lr) * done
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * done))
+
+
+def computes_on(job: JobConfig, step: int) -> int:
+    """How many updates the parameters step `step` computes on have had. Synchronous: all of
+    steps 0..step-1. With `training.delayed_update`: all but the last (step t's gradient is
+    taken at the parameters before step t-1's update, so that update and its averaging overlap
+    step t's microbatches); steps 0 and 1 both compute on the initial parameters. The final
+    evaluation, after the last step, is of the trained parameters either way."""
+    if not job.training.delayed_update or step >= job.training.steps:
+        return step
+    return max(step - 1, 0)
+
+
+def grad_sq_norm(grads: Iterable[torch.Tensor]) -> float:
+    """The squared L2 norm of a stage's gradient, summed tensor by tensor in parameter order (in
+    float64, whatever the training dtype), as every replica and the reference compute it."""
+    total = 0.0
+    for g in grads:
+        total += float(g.detach().double().square().sum())
+    return total
+
+
+def clip_scale(stage_sq_norms: Sequence[float], max_norm: float) -> float:
+    """What every stage multiplies its averaged gradient by so that the whole model's gradient
+    norm is at most `max_norm` (1.0 without clipping, or when it is small enough). The stages'
+    squared norms are summed in stage order."""
+    if max_norm <= 0:
+        return 1.0
+    norm = math.sqrt(math.fsum(stage_sq_norms))
+    return min(1.0, max_norm / (norm + _CLIP_EPS))
+
+
+def update(optimizer: torch.optim.Optimizer, job: JobConfig, step: int, scale: float = 1.0) -> None:
+    """Optimizer step `step` on gradients already in `.grad` (the step's mean): clipped by
+    `scale`, at the step's learning rate; then the gradients are dropped."""
+    lr = lr_at(job.optimizer, step, job.training.steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        if scale != 1.0:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,311 @@
+"""Causal pre-norm transformers (`gpt`, `llama`), cut into layers so that any stage can be built
+alone.
+
+Layer indices are global: 0 is the embedding, 1..n_layers are transformer blocks, n_layers + 1 is
+the head (final norm and LM head). `gpt`: learned positions, LayerNorm, GELU MLP, biases. `llama`:
+rotary positions (rotate-half convention, as Hugging Face's `LlamaForCausalLM`), RMSNorm, SwiGLU
+MLP, grouped-query attention, no biases. A stage holds a contiguous range of them in a `StageModule`
+whose parameter names (`layers.<i>.…`) are the same as in the whole model, so the union of every
+stage's state_dict is the whole model's state_dict. Each layer is initialised from its own seed,
+so building stage k alone gives bitwise the parameters the whole model has for those layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarm.errors import ConfigError
+from swarm.job.config import JobConfig, ModelConfig, verify_init
+from swarm.model.hf import check_hf_config, read_hf
+
+__all__ = [
+    "DTYPES",
+    "StageModule",
+    "build_model",
+    "build_stage",
+    "layer_costs",
+    "loss_sum",
+    "num_layers",
+    "partition",
+    "precision",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+}
+_INIT_STD = 0.02
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.tok(ids) + self.pos(positions)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, cfg.mlp_ratio * d)
+        self.out = nn.Linear(cfg.mlp_ratio * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class LlamaEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids)  # positions enter as rotations of queries and keys
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.d_model, cfg.d_model // cfg.n_heads
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, hd
+        self.theta = cfg.rope_theta
+        self.attn_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.q = nn.Linear(d, cfg.n_heads * hd, bias=False)
+        self.k = nn.Linear(d, cfg.kv_heads * hd, bias=False)
+        self.v = nn.Linear(d, cfg.kv_heads * hd, bias=False)
+        self.o = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.mlp_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.gate = nn.Linear(d, cfg.swiglu_hidden, bias=False)
+        self.up = nn.Linear(d, cfg.swiglu_hidden, bias=False)
+        self.down = nn.Linear(cfg.swiglu_hidden, d, bias=False)
+
+    def _rope(self, t: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each position's angles, [t, head_dim], computed in float64 (a pure
+        function of the shape: every replica and the reference get the same bits)."""
+        hd = self.head_dim
+        inv_freq = 1.0 / self.theta ** (
+            torch.arange(0, hd, 2, dtype=torch.float64, device=like.device) / hd
+        )
+        angles = torch.outer(torch.arange(t, dtype=torch.float64, device=like.device), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = self._rope(t, q)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.n_kv != self.n_heads:  # query head i reads key/value head i // group
+            group = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(att.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class LlamaHead(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+
+# Per family: its (embedding, block, head) classes, the parameter-name prefixes of its norms
+# (initialised to 1) and of the projections into the residual stream (scaled down at init).
+_FAMILIES: dict[str, tuple[tuple[type[nn.Module], ...], tuple[str, ...], tuple[str, ...]]] = {
+    "gpt": ((Embedding, Block, Head), ("ln",), ("proj", "out")),
+    "llama": (
+        (LlamaEmbedding, LlamaBlock, LlamaHead),
+        ("attn_norm.", "mlp_norm.", "norm."),
+        ("o.", "down."),
+    ),
+}
+
+
+class StageModule(nn.Module):
+    """Layers `first..last` of the model, applied in order."""
+
+    def __init__(self, layers: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.indices = sorted(layers)
+        self.layers = nn.ModuleDict({str(i): layers[i] for i in self.indices})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+def num_layers(cfg: ModelConfig) -> int:
+    return cfg.n_layers + 2
+
+
+def layer_costs(cfg: ModelConfig) -> list[float]:
+    """Forward FLOPs per sequence of each layer; backward costs about twice as much everywhere,
+    so the ratio between layers (all that partitioning needs) is the same."""
+    d, t, v = cfg.d_model, cfg.seq_len, cfg.vocab_size
+    # The embedding is a lookup and an add: memory-bound, costed as a few passes over [t, d].
+    embedding = 4.0 * t * d
+    if cfg.kind == "llama":
+        kv = cfg.kv_heads * (d // cfg.n_heads)
+        projections = 2 * d * d + 2 * d * kv + 3 * d * cfg.swiglu_hidden
+    else:
+        projections = 4 * d * d + 2 * cfg.mlp_ratio * d * d
+    block = 2.0 * t * projections + 4.0 * t * t * d
+    head = 2.0 * t * d * v + 10.0 * t * d
+    return [embedding] + [block] * cfg.n_layers + [head]
+
+
+def partition(costs: Sequence[float], stages: int) -> list[range]:
+    """Split layers into `stages` contiguous, non-empty ranges minimising the largest stage cost
+    (the pipeline's bottleneck). Exact dynamic programme; ties go to the earliest split so the
+    result is deterministic."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ConfigError(f"training.stages = {stages} is not allowed; use 1..{n} for {n} layers")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = math.inf
+    # best[s][i]: the smallest bottleneck splitting the first i layers into s stages.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i] - 1e-9 * value:  # relative tolerance: float sums differ
+                    best[s][i], cut[s][i] = value, j
+    bounds = [n]
+    for s in range(stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.reverse()
+    return [range(bounds[k], bounds[k + 1]) for k in range(stages)]
+
+
+def _layer_seed(seed: int, index: int) -> int:
+    digest = hashlib.blake2b(f"swarm-layer/{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _build_layer(cfg: ModelConfig, index: int, seed: int) -> nn.Module:
+    """Construct layer `index` without touching the global RNG, then initialise it from its own
+    generator in float64 on the CPU, so every process and device gets the same bits."""
+    (embedding, block, head), norms, residual = _FAMILIES[cfg.kind]
+    kind = embedding if index == 0 else block if index <= cfg.n_layers else head
+    with torch.device("meta"):
+        layer = kind(cfg)
+    layer = layer.to_empty(device="cpu").to(torch.float64)
+    gen = torch.Generator().manual_seed(_layer_seed(seed, index))
+    residual_std = _INIT_STD / math.sqrt(2 * cfg.n_layers)  # GPT-2: scale residual outputs
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif name.startswith(norms):
+                p.fill_(1.0)
+            else:
+                std = residual_std if name.startswith(residual) else _INIT_STD
+                p.normal_(0.0, std, generator=gen)
+    return layer
+
+
+def _from_checkpoint(job: JobConfig, module: StageModule) -> None:
+    """`module`'s parameters from `model.init_from` (only its layers' tensors are read), in
+    float64 before the cast to the job's dtype, as a seeded initialisation would be."""
+    cfg = verify_init(job).model  # a checkpoint changed since the job was pinned is refused
+    assert cfg.init_from is not None
+    check_hf_config(cfg.init_from, cfg)
+    state = read_hf(cfg.init_from, cfg, module.indices)
+    own = module.state_dict()
+    for name, tensor in state.items():
+        if tensor.shape != own[name].shape:
+            raise ConfigError(
+                f"{cfg.init_from}: {name} is {list(tensor.shape)}, the job's model wants "
+                f"{list(own[name].shape)}"
+            )
+    module.load_state_dict({k: v.to(torch.float64) for k, v in state.items()}, strict=True)
+
+
+def _built(job: JobConfig, indices: Sequence[int], device: torch.device | str) -> StageModule:
+    module = StageModule({i: _build_layer(job.model, i, job.training.seed) for i in indices})
+    if job.model.init_from is not None:
+        _from_checkpoint(job, module)
+    return module.to(device=device, dtype=DTYPES[job.training.dtype])
+
+
+def build_stage(job: JobConfig, stage: int, device: torch.device | str = "cpu") -> StageModule:
+    """Stage `stage` of `job`'s model on `device`, in the job's dtype."""
+    ranges = partition(layer_costs(job.model), job.training.stages)
+    if not 0 <= stage < len(ranges):
+        raise ConfigError(f"stage {stage} does not exist; the job has stages 0..{len(ranges) - 1}")
+    return _built(job, ranges[stage], device)
+
+
+def build_model(job: JobConfig, device: torch.device | str = "cpu") -> StageModule:
+    """The whole model as one stage: the reference `swarm local` trains this."""
+    return _built(job, range(num_layers(job.model)), device)
+
+
+def precision(job: JobConfig, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
+    """Where a stage computes (forward, and a Backward's recompute): bfloat16 autocast for
+    `training.precision = "bf16-mixed"` (parameters and gradients stay float32), else as is."""
+    if job.training.precision == "bf16-mixed":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum over samples of each sample's mean token cross-entropy. Summing (not averaging) over
+    samples makes a step's gradient the plain sum of its microbatches' gradients, divided once by
+    the step's sample count at commit, wherever the microbatches were computed."""
+    b, t, v = logits.shape
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(wide.reshape(b * t, v), targets.reshape(b * t), reduction="sum") / t

@@ -1,0 +1,213 @@
+"""Swarm tokens: one shared secret that every gRPC call must carry as `authorization: Bearer <t>`.
+
+Server side, `server_interceptors(token, registry)` gives the `interceptors=` of a
+`grpc.aio.server`: with a token, every call (unary or streaming) that lacks it or carries another
+is refused with UNAUTHENTICATED before any handler runs; without one, nothing is installed and no
+call pays for a check. The gRPC health service (`/grpc.health.v1.Health/`) stays open, so
+liveness probes and readiness waits need no secret; it reveals only SERVING/NOT_SERVING.
+
+Client side, `channel(address, token=...)` attaches the token to every call of every kind (a
+client interceptor: call credentials would need a secure channel). The token travels in clear text
+on an insecure channel: it keeps strangers' processes out of a swarm on a trusted network, not an
+eavesdropper; with TLS (`swarm.net.tls`: `--tls-ca` ...) channels and ports are secure and the token
+travels encrypted beside the certificates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter
+
+from swarm.net import tls
+
+__all__ = [
+    "HEALTH_PREFIX",
+    "TOKEN_ENV",
+    "TokenAuthInterceptor",
+    "add_port",
+    "channel",
+    "server_interceptors",
+    "token_from_env",
+]
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "SWARM_TOKEN"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_KEY = "authorization"
+_SCHEME = "bearer "  # RFC 6750: the scheme is case-insensitive
+_DRAIN_S = 1.0  # longest a refused streaming call is read before the answer (seconds)
+_DRAIN_IDLE_S = 0.1  # a pause this long ends the read early (seconds)
+
+Handler = Any  # grpc.RpcMethodHandler; its stubs lack the attributes read here
+
+
+def token_from_env() -> str | None:
+    """`SWARM_TOKEN`, or None when unset or blank."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    return token or None
+
+
+def _problem(metadata: Sequence[tuple[str, str | bytes]] | None, expected: bytes) -> str | None:
+    """What is wrong with the call's credentials, or None when right; `expected` is the token's
+    sha256 digest."""
+    values = [v for k, v in metadata or () if k == _KEY]
+    if not values:
+        return "no authorization metadata"
+    if len(values) > 1:
+        return "more than one authorization value"
+    value = values[0] if isinstance(values[0], str) else values[0].decode("latin-1")
+    if value[: len(_SCHEME)].lower() != _SCHEME:
+        return "authorization is not a Bearer token"
+    given = hashlib.sha256(value[len(_SCHEME) :].encode()).digest()
+    if not hmac.compare_digest(given, expected):  # digests: equal lengths, so no length leak
+        return "wrong token"
+    return None
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without the swarm token (UNAUTHENTICATED); health checks pass.
+
+    Counts refusals in `swarm_auth_refused_total` on `registry` (one interceptor per registry).
+    """
+
+    def __init__(
+        self, token: str, registry: CollectorRegistry, *, open_prefixes: Sequence[str] = ()
+    ) -> None:
+        if not token:
+            raise ValueError("an empty token would let every call in; pass None to disable auth")
+        self._expected = hashlib.sha256(token.encode()).digest()
+        self._open = (HEALTH_PREFIX, *open_prefixes)
+        self.refused = Counter(
+            "swarm_auth_refused_total",
+            "gRPC calls refused for a missing or wrong swarm token",
+            registry=registry,
+        )
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler:
+        details: Any = handler_call_details
+        method: str = details.method
+        handler = await continuation(handler_call_details)
+        if handler is None or method.startswith(self._open):
+            return handler  # unknown methods answer UNIMPLEMENTED either way
+        problem = _problem(details.invocation_metadata, self._expected)
+        if problem is None:
+            return handler
+        self.refused.inc()
+        return _refusal(handler, method, problem)
+
+
+def _refusal(handler: Handler, method: str, problem: str) -> Handler:
+    """A handler of the same kind as `handler` that only aborts; it logs the caller, which the
+    interceptor itself cannot see (the context is handed to handlers only)."""
+    streaming = bool(handler.request_streaming)
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        log.warning("refused %s from %s: %s", method, context.peer(), problem)
+        if streaming:
+            await _drain(request)
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED, f"{problem}; this swarm needs its token"
+        )
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make: Any = kinds[(streaming, bool(handler.response_streaming))]
+    # No request deserializer: a refused caller's bytes are never parsed.
+    return make(refuse, response_serializer=handler.response_serializer)
+
+
+async def _drain(requests: AsyncIterable[Any]) -> None:
+    """Read what a refused client is still sending, briefly, before answering. grpc-aio clients
+    report a write that loses the race with the server's early close as INTERNAL ("Internal
+    error from Core"), hiding UNAUTHENTICATED; a client that writes all, then reads (the data
+    plane) thus gets the real reason. Bounded in time, so a caller cannot hold the server."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _DRAIN_S
+    it = requests.__aiter__()
+    while (left := deadline - loop.time()) > 0:
+        try:
+            # A client waiting for a reply mid-stream gets its answer after the idle time.
+            await asyncio.wait_for(it.__anext__(), min(_DRAIN_IDLE_S, left))
+        except (StopAsyncIteration, TimeoutError):
+            return
+
+
+def server_interceptors(
+    token: str | None, registry: CollectorRegistry
+) -> list[grpc.aio.ServerInterceptor]:
+    """The `interceptors=` for `grpc.aio.server`: a token check, or nothing without a token."""
+    return [TokenAuthInterceptor(token, registry)] if token else []
+
+
+class _Token:
+    """Adds `authorization: Bearer <token>` to a call's metadata."""
+
+    def __init__(self, token: str) -> None:
+        self._pair = (_KEY, f"Bearer {token}")
+
+    def _with_token(self, details: Any) -> Any:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
+        return details._replace(metadata=metadata)
+
+
+# One class per call kind: a channel files each interceptor under the first kind it matches.
+class _UnaryUnary(_Token, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_token(details), request)
+
+
+class _UnaryStream(_Token, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_token(details), request)
+
+
+class _StreamUnary(_Token, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._with_token(details), requests)
+
+
+class _StreamStream(_Token, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._with_token(details), requests)
+
+
+def channel(
+    address: str, *, token: str | None, options: Sequence[tuple[str, Any]] | None = None
+) -> grpc.aio.Channel:
+    """A `grpc.aio` channel that sends `token` with every call (none when None): over TLS with
+    the process's identity (`swarm.net.tls`), else in clear text."""
+    interceptors = None
+    if token:
+        interceptors = [k(token) for k in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    identity = tls.current()
+    if identity is not None:
+        return grpc.aio.secure_channel(
+            address, identity.channel_credentials(), options=options, interceptors=interceptors
+        )
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+def add_port(server: grpc.aio.Server, address: str, what: str) -> int:
+    """Listen on `address` (TLS with the process's identity, if any); the bound port, 0 when it
+    could not bind."""
+    identity = tls.current()
+    if identity is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, identity.server_credentials(what))

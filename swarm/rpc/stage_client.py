@@ -1,0 +1,464 @@
+"""A connection to one stage server: chunked bidi calls with a deadline on each. Every public call
+raises `swarm.errors` (via `swarm.rpc.status.from_rpc_error`), never a gRPC error: callers catch
+`PeerUnavailable`, `NotFound`, `Aborted`, `ActivationsNotCached`, ... and read no status details."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+import grpc
+import torch
+
+from swarm.errors import PeerUnavailable
+from swarm.job.config import JobConfig
+from swarm.net import tokens as auth
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import stage_pb2_grpc, tensor_pb2
+from swarm.rpc.status import from_rpc_error
+from swarm.wire import chunking as wire
+from swarm.wire import codec
+from swarm.wire.chunking import grpc_options
+from swarm.wire.codec import CODEC_NONE
+
+__all__ = [
+    "BackwardResult",
+    "PushResult",
+    "Retiring",
+    "StageClient",
+    "TensorLike",
+    "as_tensor",
+    "named",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _swarm_errors(call: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """The boundary: a failed call (unary or streaming, at any point of the stream) raises the
+    swarm error its status means, chained to the gRPC error for the logs."""
+
+    @functools.wraps(call)
+    async def converted(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await call(*args, **kwargs)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our caller was cancelled
+            # The channel was closed under the call (a client replaced or closed): to the
+            # caller that is a peer that did not answer, not a cancellation of its own task.
+            raise PeerUnavailable("the connection was closed during the call") from None
+
+    return converted
+
+
+async def _write(call: Any, message: Any) -> None:
+    """`call.write`, where a stream the server already ended (it refused the request, or it
+    died) raises the status the server ended it with."""
+    try:
+        await call.write(message)
+    except asyncio.InvalidStateError:
+        code = await call.code()
+        raise grpc.aio.AioRpcError(
+            code,
+            await call.initial_metadata(),
+            await call.trailing_metadata(),
+            await call.details(),
+        ) from None
+
+
+# A tensor on the trainer's side: a torch tensor to encode, or a message received from another
+# stage and passed on as it is (the trainer never decodes activations or gradients).
+TensorLike = torch.Tensor | tensor_pb2.Tensor
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    grad_inputs: tensor_pb2.Tensor | None
+    receipt: pb.Receipt
+    loss_sum: float = 0.0
+    queued_seconds: float = 0.0  # how long the call waited behind others at the replica
+
+
+@dataclass(frozen=True)
+class PushResult:
+    grad_inputs: tensor_pb2.Tensor | None
+    receipts: list[pb.Receipt]  # of every stage that accumulated the microbatch
+    uncertain: set[int]  # stages that may have accumulated it without a receipt here
+    loss_sum: float
+    queued_seconds: float
+
+
+def as_tensor(value: TensorLike) -> torch.Tensor:
+    """Decode a received tensor message (tests and tools; the trainer has no need)."""
+    return value if isinstance(value, torch.Tensor) else codec.decode(value)
+
+
+class StageClient:
+    def __init__(
+        self, address: str, job: JobConfig, job_id: str, stage: int, token: str | None = None
+    ) -> None:
+        self.address, self.job, self.job_id, self.stage = address, job, job_id, stage
+        rt = job.runtime
+        self._timeout, self._chunk, self._max = (
+            rt.rpc_timeout_s,
+            rt.chunk_bytes,
+            rt.max_tensor_bytes,
+        )
+        # Any: the generated stubs type enum fields as their enum class, not int.
+        # Activations (inputs, outputs) go with the forward codec, their gradients with the
+        # backward one: a stage's replies are encoded as asked (`reply_codec`).
+        self._forward: Any = codec.codec_from_name(job.compression.forward)
+        self._backward: Any = codec.codec_from_name(job.compression.backward)
+        self._block = job.compression.block_size
+        self.channel = auth.channel(
+            address, token=token, options=grpc_options(rt.max_message_bytes)
+        )
+        self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
+        self.last_queued_s = 0.0
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _tensor(self, t: TensorLike, name: str, with_codec: int) -> tensor_pb2.Tensor:
+        if isinstance(t, tensor_pb2.Tensor):
+            t.name = name  # a received message is ours to relabel; its bytes go on untouched
+            return t
+        return codec.encode(t, name, with_codec, self._block)
+
+    async def _call(
+        self, method: Any, request: Any, timeout: float | None = None
+    ) -> tuple[Any, dict[str, tensor_pb2.Tensor]]:
+        call = method(timeout=self._timeout if timeout is None else timeout)
+        for msg in wire.split(request, self._chunk):
+            await _write(call, msg)
+        await call.done_writing()
+        received = await wire.receive(_aiter(call), max_bytes=self._max)
+        tensors = {}
+        for t, payload in zip(received.header.tensors, received.payloads, strict=True):
+            codec.decoded_nbytes(t)  # validate the header before passing it on
+            if len(t.data) != t.nbytes:  # it came in chunks: put the bytes back in one message
+                t.data = bytes(payload)
+            tensors[t.name] = t
+        return received.header, tensors
+
+    def _inputs_and_targets(
+        self, inputs: TensorLike, targets: TensorLike
+    ) -> list[tensor_pb2.Tensor]:
+        """The last stage's (or a push's) tensors: activations in the forward codec, targets as
+        they are."""
+        return [
+            self._tensor(inputs, "inputs", self._forward),
+            self._tensor(targets, "targets", CODEC_NONE),
+        ]
+
+    def _id(self, step: int, index: int) -> pb.MicrobatchId:
+        return pb.MicrobatchId(step=step, index=index)
+
+    @_swarm_errors
+    async def forward(
+        self, step: int, index: int, inputs: TensorLike, *, evaluate: bool = False
+    ) -> tensor_pb2.Tensor:
+        """The stage's outputs; the time the call waited at the replica is in `last_queued_s`.
+        `evaluate`: a validation microbatch, whose activations the replica need not keep."""
+        request = pb.StageForwardRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors=[self._tensor(inputs, "inputs", self._forward)],
+            reply_codec=self._forward,
+            evaluate=evaluate,
+        )
+        header, tensors = await self._call(self.stub.Forward, request)
+        self.last_queued_s = header.queued_seconds
+        return tensors["outputs"]
+
+    @_swarm_errors
+    async def backward(
+        self,
+        step: int,
+        index: int,
+        inputs: TensorLike | None,
+        grad_outputs: TensorLike,
+        *,
+        accumulate: bool = True,
+        need_grad_inputs: bool = True,
+    ) -> BackwardResult:
+        """`inputs=None`: this replica did the forward and should still cache its activations
+        (if not, it raises `ActivationsNotCached`: send it again with the inputs)."""
+        tensors = [self._tensor(grad_outputs, "grad_outputs", self._backward)]
+        if inputs is not None:
+            tensors.insert(0, self._tensor(inputs, "inputs", self._forward))
+        request = pb.StageBackwardRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors=tensors,
+            reply_codec=self._backward,
+            accumulate=accumulate,
+            need_grad_inputs=need_grad_inputs,
+        )
+        header, received = await self._call(self.stub.Backward, request)
+        return BackwardResult(
+            received.get("grad_inputs"), header.receipt, queued_seconds=header.queued_seconds
+        )
+
+    @_swarm_errors
+    async def forward_backward(
+        self,
+        step: int,
+        index: int,
+        inputs: TensorLike,
+        targets: TensorLike,
+        *,
+        accumulate: bool = True,
+        need_grad_inputs: bool = True,
+    ) -> BackwardResult:
+        request = pb.StageForwardBackwardRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors=self._inputs_and_targets(inputs, targets),
+            reply_codec=self._backward,
+            accumulate=accumulate,
+            need_grad_inputs=need_grad_inputs,
+        )
+        header, received = await self._call(self.stub.ForwardBackward, request)
+        return BackwardResult(
+            received.get("grad_inputs"), header.receipt, header.loss_sum, header.queued_seconds
+        )
+
+    @_swarm_errors
+    async def evaluate(
+        self, step: int, index: int, inputs: TensorLike, targets: TensorLike
+    ) -> float:
+        """The last stage's loss sum of validation microbatch `index` at `step`'s parameters."""
+        request = pb.StageForwardBackwardRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors=self._inputs_and_targets(inputs, targets),
+            evaluate=True,
+        )
+        header, _ = await self._call(self.stub.ForwardBackward, request)
+        self.last_queued_s = header.queued_seconds
+        return float(header.loss_sum)
+
+    @_swarm_errors
+    async def push(
+        self,
+        step: int,
+        index: int,
+        inputs: TensorLike,
+        targets: TensorLike,
+        accumulate: Sequence[int],
+        route: Sequence[pb.Route],
+        *,
+        need_grad_inputs: bool,
+        timeout: float,
+        evaluate: bool = False,
+    ) -> PushResult:
+        """The push data plane: this replica computes its stage and pushes the microbatch on
+        through the stages `route` names (see `stage_server.pushing`), accumulating at the
+        stages in `accumulate`. `timeout` covers the whole path."""
+        request = pb.StagePushRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors=self._inputs_and_targets(inputs, targets),
+            accumulate=sorted(accumulate),
+            route=list(route),
+            need_grad_inputs=need_grad_inputs,
+            evaluate=evaluate,
+        )
+        header, received = await self._call(self.stub.Push, request, timeout)
+        return PushResult(
+            received.get("grad_inputs"),
+            list(header.receipts),
+            set(header.uncertain),
+            header.loss_sum,
+            header.queued_seconds,
+        )
+
+    @_swarm_errors
+    async def commit(
+        self,
+        step: int,
+        microbatches: list[int],
+        total_samples: int,
+        *,
+        phase: Any = pb.COMMIT_PHASE_BOTH,
+        group: list[str] | None = None,
+        group_index: int = 0,
+        round: str = "",
+        grad_scale: float | None = None,
+    ) -> pb.StageCommitResponse:
+        request = pb.StageCommitRequest(
+            job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
+            total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
+            round=round, grad_scale=grad_scale)  # fmt: skip
+        # APPLY is one local optimizer step: a replica that cannot do it within a hop's deadline
+        # is hung, and must not hold the whole job for a commit's (it rejoins later).
+        apply = phase == pb.COMMIT_PHASE_APPLY
+        timeout = self._timeout if apply else self.job.runtime.commit_timeout_s
+        response: pb.StageCommitResponse = await self.stub.Commit(request, timeout=timeout)
+        return response
+
+    @_swarm_errors
+    async def discard(self, step: int) -> int:
+        request = pb.StageDiscardRequest(job=self.job_id, stage=self.stage, step=step)
+        response: pb.StageDiscardResponse = await self.stub.Discard(request, timeout=self._timeout)
+        return response.dropped
+
+    @_swarm_errors
+    async def join(self, source: str, step: int) -> int:
+        """Have this replica copy the replica at `source` in the background, until it is at
+        `step`; returns the step it is at now (`step` once it is a copy to admit)."""
+        request = pb.StageJoinRequest(job=self.job_id, stage=self.stage, source=source, step=step)
+        response: pb.StageJoinResponse = await self.stub.Join(request, timeout=self._timeout)
+        return response.step
+
+    @_swarm_errors
+    async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
+        """Make this replica the one `state` describes (names as `export_state` gives them)."""
+        call = self.stub.LoadState(timeout=self.job.runtime.commit_timeout_s)
+        for name, tensor in state.items():
+            message = pb.StageLoadStateRequest(
+                job=self.job_id, stage=self.stage, step=step, tensors=[codec.encode(tensor, name)]
+            )
+            for part in wire.split(message, self._chunk):
+                await _write(call, part)
+        await call.done_writing()
+        response: pb.StageLoadStateResponse = await call
+        return response.step
+
+    @_swarm_errors
+    async def info(self) -> pb.StageInfoResponse:
+        response: pb.StageInfoResponse = await self.stub.Info(
+            pb.StageInfoRequest(), timeout=self._timeout
+        )
+        return response
+
+    @_swarm_errors
+    async def download_state(
+        self, include_optimizer: bool = False, prefix: str = "param/", follower: str = ""
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """The replica's state and step: parameters (names as in the whole model, with `prefix`
+        removed) and, when asked, optimizer state (`optim/<index>/<key>`). A `follower` (a
+        joining peer) has the replica keep its updates from that step on (`updates`). However
+        large the state, the call lasts while bytes keep coming: it fails only when none came
+        for `rpc_timeout_s`."""
+        call = self.stub.DownloadState(
+            pb.StageDownloadStateRequest(
+                job=self.job_id,
+                stage=self.stage,
+                include_optimizer=include_optimizer,
+                follower=follower,
+            )
+        )
+        stream, state, step = _progressing(call, self._timeout), {}, -1
+        while True:
+            try:
+                received = await wire.receive(stream, max_bytes=self._max)
+            except wire.EndOfStream:
+                break
+            step = received.header.step
+            decoded = wire.decode_named(received, device="cpu", max_bytes=self._max)
+            for name, tensor in decoded.items():
+                state[name.removeprefix(prefix) if prefix else name] = tensor.clone()
+        return step, state
+
+    @_swarm_errors
+    async def updates(
+        self, follower: str, from_step: int
+    ) -> list[tuple[int, list[torch.Tensor], int, float]]:
+        """The updates the replica applied from `from_step` on, as (step, gradient sums in
+        parameter order, total samples, clipping coefficient); `follower` has those before. A
+        negative `from_step` says the follower is done. Lasts while bytes keep coming, as
+        `download_state`."""
+        call = self.stub.Updates(
+            pb.StageUpdatesRequest(
+                job=self.job_id, stage=self.stage, follower=follower, from_step=from_step
+            )
+        )
+        stream = _progressing(call, self._timeout)
+        updates: list[tuple[int, list[torch.Tensor], int, float]] = []
+        while True:
+            try:
+                received = await wire.receive(stream, max_bytes=self._max)
+            except wire.EndOfStream:
+                return updates
+            header = received.header
+            if not updates or updates[-1][0] != header.step:
+                scale = header.grad_scale if header.HasField("grad_scale") else 1.0
+                updates.append((header.step, [], header.total_samples, scale))
+            decoded = wire.decode_named(received, device="cpu", max_bytes=self._max)
+            updates[-1][1].extend(t.clone() for t in decoded.values())
+
+
+def _aiter(call: Any) -> AsyncIterator[Any]:
+    return call.__aiter__()  # type: ignore[no-any-return]
+
+
+async def _progressing(call: Any, idle_s: float) -> AsyncIterator[Any]:
+    """The messages of a server stream with a deadline that follows progress: each must come
+    within `idle_s` of the one before, however long the whole stream takes."""
+    stream = _aiter(call)
+    while True:
+        try:
+            message = await asyncio.wait_for(anext(stream), idle_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            call.cancel()
+            raise PeerUnavailable(f"no bytes for {idle_s:g}s: the transfer stalled") from None
+        yield message
+
+
+def named(receipts: Iterable[pb.Receipt], stage: int, peer: str) -> list[pb.Receipt]:
+    """`receipts` with `stage`'s named `peer`: the name its caller chose it by (the route's, the
+    coordinator's), which need not be the name the replica calls itself."""
+    out = list(receipts)
+    for r in out:
+        if r.stage == stage:
+            r.peer = peer
+    return out
+
+
+class Retiring:
+    """Stage clients that were replaced (their peer left, moved or came back at another address):
+    each is closed once the calls it may still carry have had their deadline, `grace_s`."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._closing: dict[asyncio.Task[None], StageClient] = {}
+
+    def retire(self, client: StageClient | None) -> None:
+        if client is None:
+            return
+
+        async def close() -> None:
+            await asyncio.sleep(self.grace_s)
+            await client.close()
+
+        task = asyncio.get_running_loop().create_task(close())
+        self._closing[task] = client
+        task.add_done_callback(lambda t: self._closing.pop(t, None))
+
+    def __len__(self) -> int:
+        """How many are still waiting to be closed."""
+        return len(self._closing)
+
+    async def close(self) -> None:
+        """Close every retiring client now (their owner is closing)."""
+        closing, self._closing = self._closing, {}
+        for task in closing:
+            task.cancel()
+        await asyncio.gather(*(c.close() for c in closing.values()))

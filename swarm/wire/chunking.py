@@ -1,0 +1,205 @@
+"""Chunked streaming of messages that carry tensors.
+
+Every streamed message type has `tensors` (repeated Tensor) and `chunk` (Chunk) fields. A message
+whose tensor bytes fit in `chunk_bytes` travels as is; a larger one becomes a header (all fields,
+with the data of large tensors left empty and `nbytes` set) followed by chunk-only messages that
+carry those bytes in order. `receive` reads exactly the messages it needs and never waits for the
+end of the stream, since a bidi peer keeps its side open to read the reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+from google.protobuf.message import Message
+
+from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted
+from swarm.proto import tensor_pb2
+from swarm.wire.codec import decode, decoded_nbytes
+
+__all__ = ["EndOfStream", "Received", "decode_named", "grpc_options", "receive", "split"]
+
+M = TypeVar("M", bound=Message)
+
+_SKIP_MSG = frozenset({"tensors", "chunk"})
+_SKIP_TENSOR = frozenset({"data"})
+
+
+class EndOfStream(InvalidArgument):
+    """The stream ended before a header: an error for a request, the normal end of a
+    server-streamed response that carries several messages (e.g. DownloadState)."""
+
+
+@dataclass
+class Received(Generic[M]):
+    """A reassembled message: the header as received and one payload per `header.tensors`."""
+
+    header: M
+    payloads: list[bytes | bytearray]
+
+
+def _copy_fields(src: Message, dst: Message, skip: frozenset[str]) -> None:
+    # Field by field rather than CopyFrom: a CopyFrom would duplicate the large tensor bytes.
+    for field, value in src.ListFields():
+        if field.name in skip:
+            continue
+        if field.is_repeated or field.message_type is not None:
+            getattr(dst, field.name).MergeFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
+def split(msg: M, chunk_bytes: int) -> Iterator[M]:
+    """Yield `msg` itself if its tensor bytes fit in `chunk_bytes`, else a header and chunks.
+
+    Small tensors stay inline in the header while their total fits in `chunk_bytes`; the others
+    follow as `Chunk`s of at most `chunk_bytes` bytes, tensor by tensor, in order.
+    """
+    if chunk_bytes <= 0:
+        raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    m: Any = msg
+    # Each access to a protobuf bytes field copies it: read every tensor's data exactly once.
+    datas: list[bytes] = [t.data for t in m.tensors]
+    if sum(len(d) for d in datas) <= chunk_bytes:
+        yield msg
+        return
+    header: Any = type(msg)()
+    _copy_fields(msg, header, _SKIP_MSG)
+    budget = chunk_bytes
+    chunked: list[int] = []
+    for i, (t, data) in enumerate(zip(m.tensors, datas, strict=True)):
+        ht = header.tensors.add()
+        _copy_fields(t, ht, _SKIP_TENSOR)
+        ht.nbytes = len(data)
+        if len(data) <= budget:
+            ht.data = data
+            budget -= len(data)
+        else:
+            chunked.append(i)
+    yield header
+    cls: Any = type(msg)
+    for i in chunked:
+        view = memoryview(datas[i])
+        for start in range(0, len(view), chunk_bytes):
+            part = cls()
+            # Set in place: cls(chunk=Chunk(...)) would copy the piece once more. bytes() of
+            # the slice is needed because protobuf does not accept a memoryview.
+            part.chunk.tensor = i
+            part.chunk.data = bytes(view[start : start + chunk_bytes])
+            yield part
+
+
+async def receive(stream: AsyncIterable[M], *, max_bytes: int) -> Received[M]:
+    """Read one (possibly chunked) message from `stream` and reassemble its tensor payloads.
+
+    Reads the header, then exactly the chunks needed to complete every tensor. Raises
+    ResourceExhausted when the declared bytes exceed `max_bytes` (before allocating), and
+    InvalidArgument for an empty or truncated stream or a chunk that does not fit the header.
+    """
+    it = stream.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        raise EndOfStream("empty stream: expected a header message") from None
+    header: Any = first
+    if header.HasField("chunk"):
+        raise InvalidArgument("the first message of a stream must be a header, got a chunk")
+    inline: list[bytes | None] = []
+    sizes: list[int] = []
+    for i, t in enumerate(header.tensors):
+        data: bytes = t.data
+        if data:
+            if t.nbytes not in (0, len(data)):
+                raise InvalidArgument(
+                    f"tensor {i} ({t.name!r}): nbytes {t.nbytes} but {len(data)} inline bytes"
+                )
+            inline.append(data)
+            sizes.append(len(data))
+        else:
+            if t.nbytes < 0:
+                raise InvalidArgument(f"tensor {i} ({t.name!r}): negative nbytes {t.nbytes}")
+            inline.append(None)
+            sizes.append(t.nbytes)
+    total = sum(sizes)
+    if total > max_bytes:
+        raise ResourceExhausted(
+            f"message declares {total} tensor bytes, above the limit of {max_bytes}"
+        )
+    payloads: list[bytes | bytearray] = [
+        data if data is not None else bytearray(size)
+        for data, size in zip(inline, sizes, strict=True)
+    ]
+    filled = [size if data is not None else 0 for data, size in zip(inline, sizes, strict=True)]
+    chunked_total = sum(size for data, size in zip(inline, sizes, strict=True) if data is None)
+    received = 0
+    while received < chunked_total:
+        try:
+            nxt: Any = await it.__anext__()
+        except StopAsyncIteration:
+            raise InvalidArgument(
+                f"stream ended after {received} of {chunked_total} bytes"
+            ) from None
+        if len(nxt.tensors) or not nxt.HasField("chunk"):
+            raise InvalidArgument("expected a chunk message after the header")
+        index: int = nxt.chunk.tensor
+        piece: bytes = nxt.chunk.data
+        if index >= len(sizes):
+            raise InvalidArgument(
+                f"chunk for tensor {index}, but the header has {len(sizes)} tensors"
+            )
+        if inline[index] is not None:
+            raise InvalidArgument(f"chunk for tensor {index}, whose data was inline")
+        if filled[index] == sizes[index]:
+            raise InvalidArgument(f"chunk for tensor {index}, which is already complete")
+        if not piece:
+            raise InvalidArgument(f"empty chunk for tensor {index}")
+        end = filled[index] + len(piece)
+        if end > sizes[index]:
+            raise InvalidArgument(
+                f"chunk overflows tensor {index}: {end} bytes of {sizes[index]} declared"
+            )
+        # Write in place into the preallocated buffer: no per-chunk concatenation.
+        memoryview(payloads[index])[filled[index] : end] = piece
+        filled[index] = end
+        received += len(piece)
+    return Received(header=first, payloads=payloads)
+
+
+def decode_named(
+    received: Received[Any],
+    *,
+    device: torch.device | str = "cpu",
+    max_bytes: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Decode every tensor of `received` by name; `max_bytes` caps their decoded total.
+
+    The total is checked before any tensor is decoded. See `swarm.wire.codec.decode` for the
+    zero-copy caveat: results must not be modified in place.
+    """
+    tensors: list[tensor_pb2.Tensor] = list(received.header.tensors)
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        dups = sorted({n for n in names if names.count(n) > 1})
+        raise InvalidArgument(f"duplicate tensor names: {dups}")
+    if max_bytes is not None:
+        total = sum(decoded_nbytes(t) for t in tensors)
+        if total > max_bytes:
+            raise ResourceExhausted(
+                f"tensors decode to {total} bytes, above the limit of {max_bytes}"
+            )
+    return {
+        t.name: decode(t, payload, device=device)
+        for t, payload in zip(tensors, received.payloads, strict=True)
+    }
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Options for every swarm gRPC server and channel: the message-size limits."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a busy port must fail loudly, not be shared
+    ]
