@@ -74,10 +74,10 @@ async def _serving(stages: int, microbatches: int, ready: Any) -> None:
     from prometheus_client import CollectorRegistry
 
     from scheduler.coordinator import LocalCoordinator
+    from scheduler.coordinator.metrics import CoordinatorMetrics
     from scheduler.job_api import JobApiServicer
     from scheduler.store import JobStore
     from swarm.job.config import parse_job
-    from swarm.ops.metrics import CoordinatorMetrics
     from swarm.rpc.lease import Lease, MicrobatchResult, Working
     from tests.support.api import FakeControl
     from tests.support.replicas import FakeSwarm

@@ -74,10 +74,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from client.sdk import SchedulerClient  # noqa: E402
-from swarm.model import checkpoint, stage_state  # noqa: E402
 from swarm.job.config import JobConfig, load_job  # noqa: E402
 from swarm.job.states import job_state_name  # noqa: E402
 from swarm.local.procs import SwarmProcess  # noqa: E402
+from swarm.model import checkpoint, stage_state  # noqa: E402
 from swarm.model.data import make_data  # noqa: E402
 from swarm.model.optim import build_optimizer, clip_scale, grad_sq_norm, update  # noqa: E402
 from swarm.model.reference import train_local  # noqa: E402

@@ -16,7 +16,7 @@ each one's samples/s is printed with its ratio to the capacity. The throttles ar
 for this machine's two cores, which would make the capacity a fiction.
 
 With `--data-plane push` the pool is stage 1 of a two-stage job whose stage 0 is one unthrottled
-replica: every hop into the pool is chosen by that replica (`stage_server.pushing`), not by the
+replica: every hop into the pool is chosen by that replica (`stage_server.next_hop`), not by the
 trainer, so this measures the stage servers' own wiring (the baselines replace the trainer's
 choice only, so they are not run).
 

@@ -15,11 +15,12 @@ import grpc
 import torch
 from tqdm import tqdm
 
+from client.metrics import TrainerMetrics
 from client.trainer import PipelineTrainer, load_followed
 from swarm.errors import PeerUnavailable
 from swarm.job.config import parse_job
 from swarm.net import tokens as auth
-from swarm.ops.metrics import TrainerMetrics, serve_metrics
+from swarm.ops.metrics import serve_metrics
 from swarm.policy.backoff import Backoff
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc

@@ -11,10 +11,12 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from client.metrics import TrainerMetrics
 from client.trainer import PipelineTrainer, load_followed
 from scheduler.coordinator import LocalCoordinator, gather_state
+from scheduler.coordinator.metrics import CoordinatorMetrics
 from swarm.job.config import JobConfig
-from swarm.ops.metrics import CoordinatorMetrics, TrainerMetrics, serve_metrics
+from swarm.ops.metrics import serve_metrics
 from swarm.ops.progress import StepLog, StepRecord
 from swarm.rpc.lease import Replica
 

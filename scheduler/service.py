@@ -4,7 +4,11 @@ rebalancing and embedded trainer, and keeps the job lifecycle in the `JobStore`.
 One asyncio task per unfinished job walks it through placing → running → succeeded. Training
 survives a lost stage server by going back to placing and resuming from the servers' step; a
 restarted scheduler resumes its jobs the same way (receipts are idempotent, so a half-done step is
-simply run again, and a half-applied commit is finished by `PipelineTrainer.check_servers`).
+simply run again, and a half-applied commit is finished by `LocalCoordinator.start`).
+
+One job's training (one attempt's coordinator, embedded trainer and helpers, and the final save)
+is `scheduler.training`'s; sweeping an ended job's retained topics is `scheduler.retained`'s; the
+gauges computed at scrape time are `scheduler.collector`'s.
 """
 
 from __future__ import annotations
@@ -12,41 +16,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.registry import Collector
 
-from client.trainer import PipelineTrainer, follow_load
 from scheduler.assignments import Assignments
-from scheduler.coordinator import LocalCoordinator, gather_model, gather_state
-from scheduler.rebalance_loop import rebalance
+from scheduler.collector import collector
+from scheduler.coordinator import LocalCoordinator, gather_model
+from scheduler.coordinator.metrics import CoordinatorFamilies
 from scheduler.registry import PeerRegistry
-from scheduler.store import JobRecord, JobState, JobStore, StoreError
+from scheduler.retained import clear_retained
+from scheduler.store import JobRecord, JobState, JobStore
+from scheduler.training import JobTraining, final_path
 from swarm.bus.connection import BusLike
 from swarm.clock import MonotonicClock
 from swarm.errors import FailedPrecondition, SwarmError
 from swarm.job.config import JobConfig, parse_job
-from swarm.job.states import JOB_STATES, job_state_proto, peer_state_name
+from swarm.job.states import job_state_proto
 from swarm.model import checkpoint
 from swarm.model.transformer import layer_costs, partition
-from swarm.ops.metrics import CoordinatorFamilies, CoordinatorMetrics, TrainerMetrics
-from swarm.ops.progress import StepRecord
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Lease, MicrobatchResult, Working
 
-__all__ = ["Scheduler", "SchedulerOptions"]
+# `collector` lives in scheduler.collector; named here too for the scheduler's entry point.
+__all__ = ["Scheduler", "SchedulerOptions", "collector"]
 
 log = logging.getLogger(__name__)
-
-_SWEEP_QUIET_S = 0.5  # retained messages arrive at once: this long without one, none is left
-_SWEEP_TIMEOUT_S = 10.0  # the longest a sweep of an ended job's retained topics takes
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,7 @@ class Scheduler:
             lost_stage_grace_s=opts.lost_stage_grace_s,
         )
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Both filled by `self._training`: each job's last step's samples/s, its open coordinator.
         self._speed: dict[str, float] = {}
         self._coordinators: dict[str, LocalCoordinator] = {}
         self._coordinator_metrics = CoordinatorFamilies(self.registry)
@@ -102,6 +103,21 @@ class Scheduler:
             "Peers moved between stages by rebalancing",
             ["job"],
             registry=self.registry,
+        )
+        self._training = JobTraining(
+            store,
+            bus,
+            self.peer_registry,
+            self.assignments,
+            checkpoint_dir=opts.checkpoint_dir,
+            token=opts.token,
+            embedded_trainer=opts.embedded_trainer,
+            announce=self._announce,
+            set_status=self._set,
+            coordinator_metrics=self._coordinator_metrics,
+            moves=self._moves,
+            coordinators=self._coordinators,
+            speed=self._speed,
         )
         self._group: asyncio.TaskGroup | None = None
         self._user_cancelled: set[str] = set()
@@ -168,7 +184,7 @@ class Scheduler:
         return self._speed.get(job_id, 0.0)
 
     async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
-        final = self._final_path(job_id)
+        final = final_path(self.opts.checkpoint_dir, job_id)
         if final.exists():
             saved = await asyncio.to_thread(torch.load, final, weights_only=True)
             return int(saved["step"]), saved["state"]
@@ -281,7 +297,7 @@ class Scheduler:
                 )
                 before = self.store.get(job_id).step  # type: ignore[union-attr]
                 try:
-                    await self._train(job_id, job, assigned)
+                    await self._training.run(job_id, job, assigned)
                     break
                 except (SwarmError, OSError) as e:
                     step = self.store.get(job_id).step  # type: ignore[union-attr]
@@ -324,217 +340,17 @@ class Scheduler:
 
     def _expire(self, job_id: str) -> None:
         if self._group is not None and job_id not in self._expiring:
-            task = self._group.create_task(self._clear_retained(job_id))
+            sweep = clear_retained(self.bus, job_id, self.opts.finished_retain_s, self._forget)
+            task = self._group.create_task(sweep)
             self._expiring[job_id] = task
             task.add_done_callback(lambda _: self._expiring.pop(job_id, None))
 
-    async def _clear_retained(self, job_id: str) -> None:
-        """Clear an ended job's retained topics (an empty retained payload): its assignments at
-        once, every one the broker holds (an earlier run's too, to peers long gone); its
-        announcement and steps after `finished_retain_s`, when it also leaves the metrics.
-        `swarm status` reads the store, so nothing is lost to it."""
-        topics = self.bus.topics
-        with _logged(f"job {job_id}: retained assignments not cleared"):
-            for topic in await self._retained_on(topics.assign(job_id, "+")):
-                await self.bus.publish(topic, b"", retain=True)
-        await asyncio.sleep(self.opts.finished_retain_s)
-        with _logged(f"job {job_id}: retained announcement not cleared"):
-            await self.bus.publish(topics.steps(job_id), b"", retain=True)
-            await self.bus.publish(topics.job(job_id), b"", retain=True)
+    def _forget(self, job_id: str) -> None:
+        """Let go of an ended job's last traces here (its snapshot record and metric series) once
+        its retained topics are cleared: not at once, as a scrape must see a job's final counts."""
         self.snapshot.pop(job_id, None)
-        # The series go with it, not at once: a scrape must see a job's final counts.
         self._coordinator_metrics.remove(job_id)
         self._moves.remove(job_id)
-
-    async def _retained_on(self, pattern: str) -> list[str]:
-        """The topics the broker holds a retained message on, matching `pattern`: what arrives
-        on a fresh subscription until it falls quiet (bounded)."""
-        found: list[str] = []
-        sub = self.bus.subscribe(pattern)
-        try:
-            subscribed = getattr(sub, "wait_subscribed", None)
-            if subscribed is not None:
-                await subscribed(_SWEEP_TIMEOUT_S)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + _SWEEP_TIMEOUT_S
-            while loop.time() < deadline:
-                try:
-                    async with asyncio.timeout(_SWEEP_QUIET_S):
-                        topic, _ = await anext(sub)
-                except TimeoutError:
-                    break
-                found.append(topic)
-        finally:
-            close = getattr(sub, "aclose", None)
-            if close is not None:
-                await close()
-        return found
-
-    def _trainer_metrics(self, job_id: str) -> TrainerMetrics:
-        return TrainerMetrics(job_id, registry=CollectorRegistry())
-
-    async def _train(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
-        async def committed(record: StepRecord) -> None:
-            if record.val_loss is not None:
-                log.info(
-                    "job %s validation loss %.4f after %d steps",
-                    job_id,
-                    record.val_loss,
-                    record.step,
-                )
-                try:
-                    self.store.record_eval(job_id, record.step, record.val_loss)
-                except StoreError as e:  # a full disk: the next evaluation says it anew
-                    log.error("job %s: %s", job_id, e)
-            if record.final_evaluation:
-                await self._announce(job_id)
-                return
-            try:
-                self.store.record_step(
-                    job_id, record.step, record.loss, record.samples, record.seconds
-                )
-            except StoreError as e:  # a full disk: the store writes it with the next step
-                log.error("job %s: %s", job_id, e)
-            self._speed[job_id] = record.samples_per_second
-            log.info("job %s step %d loss %.4f", job_id, record.step, record.loss)
-            await self.bus.publish(
-                self.bus.topics.steps(job_id),
-                cpb.StepCommitted(
-                    job=job_id,
-                    step=record.step,
-                    loss=record.loss,
-                    samples=record.samples,
-                    time=time.time(),
-                    val_loss=record.val_loss,
-                ),
-                retain=True,
-            )
-            await self._announce(job_id)
-
-        stages, mb = job.training.stages, job.training.microbatch_size
-
-        said: list[str] = []  # what a rollback told `swarm status`, kept past the start
-
-        async def rolled_back(step: int) -> None:
-            self.store.rewind(job_id, step)
-            said.append(
-                f"rolled back to step {step}: a stage lost every replica; training from the last"
-                " checkpoint"
-                if step
-                else "rolled back to step 0 (no checkpoint): a stage lost every replica;"
-                " training again from the start"
-            )
-            await self._set(job_id, None, said[-1])
-
-        coordinator = LocalCoordinator(
-            job,
-            job_id,
-            lambda: self.peer_registry.members(job_id, stages),
-            token=self.opts.token,
-            on_step=committed,
-            checkpoint_dir=self.opts.checkpoint_dir / job_id,
-            on_rollback=rolled_back,
-            on_status=lambda text: self._set(job_id, None, text),
-            metrics=CoordinatorMetrics(job_id, families=self._coordinator_metrics),
-        )
-        trainer = PipelineTrainer(
-            job,
-            coordinator,
-            job_id=job_id,
-            token=self.opts.token,
-            trainer_id=f"{job_id}-embedded",
-            metrics=self._trainer_metrics(job_id),
-        )
-        try:
-            self.store.resume(job_id, await coordinator.start())  # a re-run replaces old rows
-            self._coordinators[job_id] = coordinator
-            await self._set(job_id, "running", said[-1] if said else "training")
-            try:
-                async with asyncio.TaskGroup() as group:
-                    helpers = [  # stopped when the job ends
-                        group.create_task(self.assignments.grow(job_id, stages, assigned)),
-                        group.create_task(follow_load(self.bus, job_id, trainer.wiring, mb)),
-                    ]
-                    if job.rebalance.enabled:
-                        moving = rebalance(
-                            job_id, stages, job.rebalance, self.assignments, self._moves
-                        )
-                        helpers.append(group.create_task(moving))
-                    if self.opts.embedded_trainer:
-                        group.create_task(trainer.run())
-                    await coordinator.finished.wait()
-                    for helper in helpers:
-                        helper.cancel()
-            except ExceptionGroup as failed:
-                # One child's error, unwrapped, so `_run_job` tells one worth retrying (a peer
-                # gone, a broker hiccup) from a bug.
-                raise failed.exceptions[0] from failed
-            if coordinator.error:
-                raise coordinator.error
-            state = await gather_state(coordinator)
-            self._save_final(job_id, job.training.steps, state)
-        finally:
-            self._coordinators.pop(job_id, None)
-            await trainer.close()
-            await coordinator.close()
-
-    def _final_path(self, job_id: str) -> Path:
-        return self.opts.checkpoint_dir / job_id / "final.pt"
-
-    def _save_final(self, job_id: str, step: int, state: dict[str, torch.Tensor]) -> None:
-        path = self._final_path(job_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"step": step, "state": state}, tmp)
-        tmp.replace(path)  # atomic: an export never sees half a file
-
-
-def collector(scheduler: Scheduler) -> Collector:
-    """A Prometheus collector computing peers per stage and state, per-stage throughput, and job
-    state, step and loss at scrape time from the scheduler's live state (nothing to sync)."""
-    from prometheus_client.core import GaugeMetricFamily, Metric
-
-    class _Collector(Collector):
-        def collect(self) -> Iterable[Metric]:
-            peers = GaugeMetricFamily(
-                "swarm_scheduler_peers",
-                "Peers by job, stage and state",
-                labels=["job", "stage", "state"],
-            )
-            speed = GaugeMetricFamily(
-                "swarm_scheduler_stage_samples_per_second",
-                "Summed measured samples/s of a stage's serving replicas",
-                labels=["job", "stage"],
-            )
-            counts: dict[tuple[str, str, str], int] = {}
-            totals: dict[tuple[str, str], float] = {}
-            for p in list(scheduler.peer_registry.peers.values()):
-                stage = str(p.stage) if p.HasField("stage") else ""
-                state = peer_state_name(p.state)
-                counts[(p.job, stage, state)] = counts.get((p.job, stage, state), 0) + 1
-                if p.state == cpb.PEER_STATE_SERVING and stage:
-                    key = (p.job, stage)
-                    totals[key] = totals.get(key, 0.0) + p.samples_per_second.get(p.stage, 0.0)
-            for labels, n in counts.items():
-                peers.add_metric(list(labels), n)
-            for labels2, value in totals.items():
-                speed.add_metric(list(labels2), value)
-            job_state = GaugeMetricFamily(
-                "swarm_job_state", "1 for the job's current state", labels=["job", "state"]
-            )
-            step = GaugeMetricFamily("swarm_job_step", "Steps committed", labels=["job"])
-            loss = GaugeMetricFamily(
-                "swarm_job_loss", "Loss of the last committed step", labels=["job"]
-            )
-            for job_id, record in list(scheduler.snapshot.items()):
-                for name in JOB_STATES:
-                    job_state.add_metric([job_id, name], 1.0 if name == record.state else 0.0)
-                step.add_metric([job_id], record.step)
-                if not math.isnan(record.loss):
-                    loss.add_metric([job_id], record.loss)
-            yield from (peers, speed, job_state, step, loss)
-
-    return _Collector()
 
 
 @contextlib.contextmanager

@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import fcntl
 import logging
 import os
-import re
-import secrets
-import socket
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import IO
 
 import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
+from stage_server.identity import PeerIdentity, persistent_peer_id
 from stage_server.measure import cache_path, measure_job
 from stage_server.runtime import StageRuntime
 from stage_server.server import (
@@ -41,6 +37,7 @@ from swarm.job.states import TERMINAL_PROTO
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.proto import control_pb2 as cpb
 
+# PeerIdentity and persistent_peer_id live in stage_server.identity; named here for importers.
 __all__ = ["PeerAgent", "PeerIdentity", "persistent_peer_id", "run_peer"]
 
 log = logging.getLogger(__name__)
@@ -247,58 +244,6 @@ class PeerAgent:
         self.job_id, self.stage = assignment.job, assignment.stage
         self.state = cpb.PEER_STATE_SERVING
         await self.announce()
-
-
-PEER_ID_FILE = "peer-id"
-_MAX_SLOTS = 64  # stage servers sharing one cache directory (one per device, say)
-_ID_CHARS = re.compile(r"[^A-Za-z0-9._-]")
-
-
-class PeerIdentity:
-    """A peer id, and the lock on the file it was read from while this process runs (a second
-    stage server sharing the cache directory takes the next file, so it gets an id of its own)."""
-
-    def __init__(self, peer: str, held: IO[str] | None = None) -> None:
-        self.id, self._held = peer, held
-
-    def release(self) -> None:
-        if self._held is not None:
-            self._held.close()  # closing the file drops its lock
-            self._held = None
-
-
-def persistent_peer_id(cache_dir: Path, given: str = "") -> PeerIdentity:
-    """This stage server's id: `given` (`--peer`) if set, else the one persisted under
-    `cache_dir` (`peer-id`, created once as `<hostname>-<random>`), the same after every restart.
-    Stage servers running at once from one cache directory lock a file each (`peer-id`,
-    `peer-id.1`, ...), so each has its own id, and each keeps it across restarts. The id is also
-    the peer's MQTT username (the broker's ACL lets it publish only its own topics)."""
-    if given:
-        return PeerIdentity(given)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    for slot in range(_MAX_SLOTS):
-        path = cache_dir / (PEER_ID_FILE if slot == 0 else f"{PEER_ID_FILE}.{slot}")
-        f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open: the lock lives with it)
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()  # another stage server runs with this one
-            continue
-        f.seek(0)
-        peer = f.read().strip()
-        if not peer or _ID_CHARS.search(peer):
-            host = _ID_CHARS.sub("-", socket.gethostname()) or "peer"
-            peer = f"{host}-{secrets.token_hex(4)}"
-            f.seek(0)
-            f.truncate()
-            f.write(peer + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            log.info("new peer id %s (kept in %s)", peer, path)
-        return PeerIdentity(peer, f)
-    raise ConfigError(
-        f"{_MAX_SLOTS} stage servers already run from {cache_dir}; give each a --peer id"
-    )
 
 
 async def run_peer(

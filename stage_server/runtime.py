@@ -14,13 +14,14 @@ is shared between threads.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from stage_server.tensor_checks import TensorChecks
 from stage_server.update_log import UpdateLog
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
@@ -36,7 +37,7 @@ from swarm.model.transformer import (
     precision,
 )
 
-__all__ = ["Receipt", "StageRuntime"]
+__all__ = ["Receipt", "Served", "StageRuntime"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class StageRuntime:
         self.is_first = stage == 0
         self.is_last = stage == job.training.stages - 1
         self.module = build_stage(job, stage, self.device)
+        self.checks = TensorChecks(job, stage, self.module, self.device)  # what it accepts
         self.params = list(self.module.parameters())
         self.optimizer = build_optimizer(self.params, job.optimizer)
         self.step = 0  # steps committed so far; the step being accumulated
@@ -129,51 +131,6 @@ class StageRuntime:
     def _run(self, step: int, x: torch.Tensor) -> torch.Tensor:
         return self._module_at(step)(x)  # type: ignore[no-any-return]
 
-    def _check_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
-        cfg = self.job.model
-        if self.is_first:
-            if inputs.dtype != torch.int64 or inputs.dim() != 2:
-                raise InvalidArgument(
-                    f"stage 0 takes int64 token ids [batch, seq]; got {inputs.dtype} "
-                    f"{list(inputs.shape)}"
-                )
-            if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= cfg.vocab_size):
-                raise InvalidArgument(f"token ids must lie in [0, {cfg.vocab_size})")
-        elif inputs.dtype != self.dtype or inputs.dim() != 3 or inputs.shape[2] != cfg.d_model:
-            raise InvalidArgument(
-                f"stage {self.stage} takes {self.job.training.dtype} [batch, seq, {cfg.d_model}]; "
-                f"got {inputs.dtype} {list(inputs.shape)}"
-            )
-        if not 1 <= inputs.shape[1] <= cfg.seq_len or inputs.shape[0] < 1:
-            raise InvalidArgument(
-                f"batch must be >= 1 and seq in 1..{cfg.seq_len}; got {list(inputs.shape)}"
-            )
-        if inputs.shape[0] > self.job.training.microbatch_size:  # activations grow with it
-            raise InvalidArgument(
-                f"batch of {inputs.shape[0]} samples; a microbatch has at most "
-                f"training.microbatch_size = {self.job.training.microbatch_size}"
-            )
-        return inputs.to(self.device)
-
-    def _check_grad(self, grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        if grad.shape != like.shape or grad.dtype != like.dtype:
-            raise InvalidArgument(
-                f"grad_outputs must be {like.dtype} {list(like.shape)}; "
-                f"got {grad.dtype} {list(grad.shape)}"
-            )
-        return grad.to(self.device)
-
-    def _check_targets(self, targets: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        vocab = self.job.model.vocab_size
-        if targets.dtype != torch.int64 or tuple(targets.shape) != tuple(inputs.shape[:2]):
-            raise InvalidArgument(
-                f"targets must be int64 {list(inputs.shape[:2])}; "
-                f"got {targets.dtype} {list(targets.shape)}"
-            )
-        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-            raise InvalidArgument(f"targets must lie in [0, {vocab})")
-        return targets.to(self.device)
-
     # -- compute --------------------------------------------------------------------------------
     def _leaf(self, inputs: torch.Tensor) -> torch.Tensor:
         # Token ids are not differentiable; hidden states become leaves whose .grad we return.
@@ -187,8 +144,8 @@ class StageRuntime:
         self._check_step(step, next_ok=True)
         if evaluate:
             with torch.no_grad(), precision(self.job, self.device):
-                return self._run(step, self._check_inputs(inputs))
-        x = self._leaf(self._check_inputs(inputs))
+                return self._run(step, self.checks.inputs(inputs))
+        x = self._leaf(self.checks.inputs(inputs))
         with torch.enable_grad(), precision(self.job, self.device):
             out = self._run(step, x)
         self._cache[(step, index)] = (x, out)
@@ -218,12 +175,12 @@ class StageRuntime:
             )
         if cached is None:  # another replica did the forward, or the cache evicted it
             assert inputs is not None
-            x = self._leaf(self._check_inputs(inputs))
+            x = self._leaf(self.checks.inputs(inputs))
             with torch.enable_grad(), precision(self.job, self.device):
                 out = self._run(step, x)
         else:
             x, out = cached
-        grad = self._check_grad(grad_outputs, out)
+        grad = self.checks.grad(grad_outputs, out)
         return self._backprop(step, index, x, out, grad, accumulate, need_grad_inputs)
 
     def forward_backward(
@@ -241,8 +198,8 @@ class StageRuntime:
                 f"ForwardBackward is for the last stage; this is stage {self.stage}"
             )
         self._check_step(step, next_ok=True)
-        x = self._leaf(self._check_inputs(inputs))
-        y = self._check_targets(targets, x)
+        x = self._leaf(self.checks.inputs(inputs))
+        y = self.checks.targets(targets, x)
         with torch.enable_grad(), precision(self.job, self.device):
             loss = loss_sum(self._run(step, x), y)
         grad_x, receipt = self._backprop(step, index, x, loss, None, accumulate, need_grad_inputs)
@@ -254,8 +211,8 @@ class StageRuntime:
         if not self.is_last:
             raise InvalidArgument(f"the loss is the last stage's; this is stage {self.stage}")
         self._check_step(step, next_ok=True)
-        x = self._check_inputs(inputs)
-        y = self._check_targets(targets, x)
+        x = self.checks.inputs(inputs)
+        y = self.checks.targets(targets, x)
         with torch.no_grad(), precision(self.job, self.device):
             return float(loss_sum(self._run(step, x), y))
 
@@ -394,52 +351,15 @@ class StageRuntime:
             self._versions[self.step] = self._copy(spare)
 
     # -- state transfer -------------------------------------------------------------------------
+    # What a request or a state to load may hold (`stage_server.tensor_checks`).
     def max_request_bytes(self) -> int:
-        """The most tensor bytes a Forward, Backward or ForwardBackward of one microbatch can
-        carry (two tensors of at most [microbatch_size, seq_len, d_model] 8-byte values): larger
-        declared sizes are refused before anything is allocated."""
-        m, t = self.job.model, self.job.training
-        return 2 * t.microbatch_size * m.seq_len * max(m.d_model, 1) * 8
+        return self.checks.max_request_bytes()
 
     def max_state_bytes(self) -> int:
-        """The most bytes a state for this stage can take (parameters and an optimizer's state
-        of at most three tensors per parameter, at 8 bytes a value, and a little for scalars):
-        LoadState refuses more."""
-        return 4 * 8 * sum(t.numel() for t in self._state_shapes.values()) + (1 << 20)
-
-    @functools.cached_property
-    def _state_shapes(self) -> dict[str, torch.Size]:
-        return {f"param/{k}": v.shape for k, v in self.module.state_dict().items()}
+        return self.checks.max_state_bytes()
 
     def check_state_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """One tensor of a state to load must be one of this stage's (`swarm.model.stage_state`
-        names):
-        `param/<name>` (or, with delayed_update, `prev/<name>`: the parameters before the last
-        update) with its parameter's shape, or `optim/<index>/<key>` of a parameter with that
-        parameter's size or one value."""
-        if name.startswith("param/") or (self.delayed and name.startswith("prev/")):
-            shape = self._state_shapes.get("param/" + name.split("/", 1)[1])
-            if shape is None:
-                raise InvalidArgument(f"stage {self.stage} has no parameter {name!r}")
-            if tensor.shape != shape:
-                raise InvalidArgument(
-                    f"{name} must have shape {list(shape)}; got {list(tensor.shape)}"
-                )
-            return
-        parts = name.split("/", 2)
-        if len(parts) == 3 and parts[0] == "optim" and parts[1].isdecimal():
-            index = int(parts[1])
-            if index < len(self.params):
-                if tensor.numel() in (1, self.params[index].numel()):
-                    return
-                raise InvalidArgument(
-                    f"{name} has {tensor.numel()} values; parameter {index} has "
-                    f"{self.params[index].numel()}"
-                )
-        raise InvalidArgument(
-            f"{name!r} is not part of stage {self.stage}'s state (param/<name>, or "
-            f"optim/<parameter index below {len(self.params)}>/<key>)"
-        )
+        self.checks.state_tensor(name, tensor)
 
     def export_state(self, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
         """This replica's state in the stage-state format (`swarm.model.stage_state`). A whole state
@@ -516,3 +436,9 @@ class StageRuntime:
     @property
     def total_layers(self) -> int:
         return num_layers(self.job.model)
+
+
+Served = Callable[[], StageRuntime]
+"""The stage a replica serves now (its servicer's `runtime`); raises NotFound while it serves none.
+The servicer's parts take this, not a runtime, because they read it at the moments the servicer
+did: a stage released or replaced during a call is seen there, as before."""

@@ -15,6 +15,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stage_server.averaging.butterfly import PoolServicer
+from stage_server.metrics import StageMetrics
 from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
 from swarm.errors import NotFound
@@ -22,7 +23,7 @@ from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.net.addresses import announced_host, host_port
 from swarm.net.tokens import add_port, server_interceptors
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
-from swarm.ops.metrics import StageMetrics, serve_metrics
+from swarm.ops.metrics import serve_metrics
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
 from swarm.wire.chunking import grpc_options
 

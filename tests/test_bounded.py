@@ -14,7 +14,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from client.metrics import TrainerMetrics
 from client.trainer import SERIES_GRACE_S, PipelineTrainer
+from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.registry import PeerRegistry
 from stage_server import agent as agent_module
 from stage_server.agent import PeerAgent
@@ -22,7 +24,6 @@ from stage_server.averaging.butterfly import ChannelPool
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
 from swarm.model.data import TextData, microbatch_seed
-from swarm.ops.metrics import CoordinatorFamilies, CoordinatorMetrics, TrainerMetrics
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Lease, Replica
 from tests.support.jobs import BASE, make_job, render

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
+from scheduler.coordinator.metrics import CoordinatorMetrics
 from stage_server.runtime import StageRuntime
 from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig, load_job
@@ -24,7 +25,6 @@ from swarm.model.optim import computes_on
 from swarm.model.reference import train_local
 from swarm.model.transformer import build_model, loss_sum
 from swarm.ops.faults import Fault, Point
-from swarm.ops.metrics import CoordinatorMetrics
 from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import Lease, MicrobatchResult, Working
 from tests.support.equality import assert_equal_to_local, assert_states_within, local_state

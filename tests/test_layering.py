@@ -1,14 +1,25 @@
-"""The layering of DESIGN.md, read from the source with `ast` (imports inside functions too):
-`swarm/` imports no role; a role imports `swarm/`, the pure policies and itself; the few edges
-between roles that remain are listed in `ALLOWED`, and each of them must still exist."""
+"""The layering of DESIGN.md (Layout), read from the source with `ast` (imports inside functions
+too). Each rule is a plain function over import edges or over one module's source, so that a
+seeded violation can prove it bites:
+
+- `swarm/` imports no role; roles meet only over the `ALLOWED` edges, each still used;
+- floors: a `swarm` module imports only its own package and lower `FLOORS`;
+- purity: the policies and the simulator reach no I/O or heavy library, not even indirectly;
+- confinement: the MQTT libraries only in `swarm.bus`; gRPC only where the wire is;
+- one hop loop: only `swarm.rpc.hop` keeps the wiring's books;
+- only the CLI dispatcher loads modules by name;
+- the concept map (docs/architecture.md) and README's layout name real paths."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -17,30 +28,94 @@ from tests.support.cli import ROOT
 
 SHARED = "swarm"
 ROLES = ("stage_server", "scheduler", "client")
-SKIP = ("swarm.proto",)  # generated code
-
-POLICIES = frozenset(
-    {
-        "swarm.policy.wiring",
-        "swarm.policy.placement",
-        "swarm.policy.placement_search",
-        "swarm.policy.rebalance",
-        "swarm.policy.stage_pool",
-    }
-)
-"""The pure policies (no I/O): any role may import them; they import `swarm`, each other, stdlib
-and third-party packages only. A policy split into more modules lists each of them here."""
-
+POLICY = "swarm.policy"
+"""The pure policies (wiring, placement, rebalancing, backoff): every role uses them."""
 SIM = "scheduler.sim"
-"""The simulator: `swarm`, the pure policies and itself."""
+"""The simulator: it drives the real policies, so it must stay as pure as they are."""
+HOP = "swarm.rpc.hop"
+"""The one hop loop: choose a replica, call it, keep the wiring's books."""
+DISPATCHER = "swarm.cli"
+"""The `swarm` command: it names role modules by string so that `swarm/` imports no role."""
 
 ALLOWED: dict[tuple[str, str], str] = {
     # (importer, imported): why this edge between roles exists. Each must still exist.
     ("client.standalone", "scheduler.coordinator"): (
         "the standalone trainer runs the step coordinator in-process"
     ),
-    ("scheduler.service", "client.trainer"): "the scheduler's embedded trainer",
+    ("scheduler.training", "client.trainer"): "one job's training runs the embedded trainer",
+    ("scheduler.training", "client.metrics"): "and serves the embedded trainer's series",
 }
+
+FLOORS: tuple[tuple[str, ...], ...] = (
+    # 0: leaves: errors, time, flags, the generated messages and their generator.
+    ("swarm.errors", "swarm.clock", "swarm.flags", "swarm.proto", "swarm.protogen"),
+    # 1: values and their encodings: addresses, token and TLS; job files; the wire's codecs.
+    ("swarm.net", "swarm.job", "swarm.wire"),
+    # 2: what decides and what watches: the pure policies; metrics, lifecycle, faults.
+    ("swarm.policy", "swarm.ops"),
+    # 3: the machinery: the model, MQTT, RPC, processes on one machine.
+    ("swarm.model", "swarm.bus", "swarm.rpc", "swarm.local"),
+    # 4: the entry points.
+    ("swarm.cli", "swarm.commands"),
+)
+"""`swarm`'s packages, low to high. Each imports only itself and lower floors, never a package on
+its own floor, so each can be read and tested with only what lies below it. The roles sit above
+floor 4; the package `swarm` itself (its version) sits below floor 0."""
+
+IMPURE = ("torch", "numpy", "grpc", "grpc_health", "aiomqtt", "amqtt", "paho", "prometheus_client")
+"""What the policies and the simulator never load: I/O, the wire, metrics, tensors. The simulator
+runs thousands of peers' hours in seconds, and every role imports the policies."""
+PURE_MAY_IMPORT = (*FLOORS[0], *FLOORS[1], POLICY)
+"""Besides the standard library and themselves; what these reach is checked too (`IMPURE`)."""
+PURE_EXTRAS: dict[tuple[str, str], str] = {
+    # (importer, imported): why a pure module imports this. Each must still exist.
+    ("scheduler.sim.cli", "matplotlib"): "the optional `--plot`, imported where it draws",
+}
+STDLIB = frozenset(sys.stdlib_module_names) | {"__future__"}
+
+MQTT = ("aiomqtt", "amqtt", "paho")
+MQTT_HOME = "swarm.bus"
+GRPC = ("grpc", "grpc_health", "grpc_tools")
+"""gRPC's libraries; the generated `swarm.proto.*_pb2_grpc` stubs count as gRPC too."""
+GRPC_SHARED: dict[str, str] = {
+    "swarm.proto": "the generated stubs",
+    "swarm.protogen": "regenerates them (grpc_tools, a dev dependency)",
+    "swarm.rpc": "status mapping, the servicer wrapper, the stage client, the hop loop",
+    "swarm.net": "secure channels and ports, the token's interceptors",
+    "swarm.wire": "the wire's encodings and chunked streams",
+}
+GRPC_ROLES: dict[str, str] = {
+    # Role modules that serve or dial. Each must still import gRPC.
+    "stage_server.server": "serves StageService, PoolService and health",
+    "stage_server.servicer": "the StageService servicer",
+    "stage_server.agent": "sets the health status its server serves",
+    "stage_server.averaging.butterfly": "serves and dials PoolService.Reduce (the all-reduce)",
+    "scheduler.main": "serves the job API and health",
+    "scheduler.job_api": "the job API's servicer",
+    "client.sdk": "dials the job API",
+    "client.remote": "dials the job API for leases",
+}
+
+BOOKKEEPING = frozenset({"started", "busy", "failed", "finished"})
+"""The wiring's books on a replica's calls; kept in one loop, they cannot drift between copies."""
+BOOK_KEEPERS: dict[str, str] = {
+    HOP: "the one hop loop",
+    POLICY: "the wiring defines them",
+    SIM: "the simulator drives the policy directly",
+}
+WIRING = re.compile(r"pool|wiring", re.IGNORECASE)
+"""A receiver named so is a wiring pool (`pool`, `self._pools[s]`, `wiring.pool(s)`): methods of
+the same names elsewhere (`self.metrics.failed`, a backoff's `failed`) are other books."""
+
+LOADERS = re.compile(r"import_module|__import__|module_from_spec|spec_from_\w+")
+"""What loads a module named by a string (`find_spec` and `importlib.resources` load nothing)."""
+
+DOC_TABLES = (
+    ("docs/architecture.md", "Where each concept lives", True),  # required: the concept map
+    ("README.md", "Layout", False),
+)
+PATHLIKE = re.compile(r"[\w.-]+(?:/[\w.-]+)*/?")
+FILELIKE = re.compile(r".*\.(?:py|pyi|proto|md|toml|ya?ml|json|txt|sh|cfg)")
 
 
 @dataclass(frozen=True)
@@ -49,39 +124,18 @@ class Edge:
     imported: str
     where: str  # path:line
 
-    def __str__(self) -> str:
-        return f"{self.importer} -> {self.imported} ({self.where})"
-
 
 def within(name: str, prefixes: Iterable[str]) -> bool:
     """`name` is one of `prefixes` or inside one of them (a submodule)."""
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def _pure() -> frozenset[str]:
-    """The policies and the packages above them (importing a policy runs their `__init__`)."""
-    parents = {p.rsplit(".", i)[0] for p in POLICIES for i in range(1, p.count(".") + 1)}
-    return POLICIES | parents
-
-
 def _top(name: str) -> str:
     return name.split(".", 1)[0]
 
 
-def allowed(importer: str, imported: str) -> bool:
-    """Whether module `importer` may import module `imported` (both dotted names)."""
-    pure = _pure()
-    if not within(imported, ROLES):
-        return True  # `swarm`, stdlib, third-party
-    if within(importer, (SHARED,)):
-        return False
-    if importer in pure:
-        return imported in pure
-    if within(importer, (SIM,)):
-        return imported in pure or within(imported, (SIM,))
-    if imported in pure or _top(importer) == _top(imported):
-        return True
-    return any(within(importer, (a,)) and within(imported, (b,)) for a, b in ALLOWED)
+def _project(name: str) -> bool:
+    return _top(name) in (SHARED, *ROLES)
 
 
 def imports_of(
@@ -107,20 +161,21 @@ def imports_of(
                 yield Edge(module, sub if sub in known else target, f"{path}:{node.lineno}")
 
 
+@cache
 def project_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of `swarm/` (generated code included: it imports too) and of the roles."""
     modules: dict[str, Path] = {}
     for top in (SHARED, *ROLES):
         for path in sorted((root / top).rglob("*.py")):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            name = ".".join(parts)
-            if not within(name, SKIP):
-                modules[name] = path
+            modules[".".join(parts)] = path
     return modules
 
 
-def edges(root: Path = ROOT) -> list[Edge]:
+@cache
+def edges(root: Path = ROOT) -> tuple[Edge, ...]:
     modules = project_modules(root)
     known = set(modules)
     found: list[Edge] = []
@@ -132,21 +187,301 @@ def edges(root: Path = ROOT) -> list[Edge]:
             known=known,
             path=str(path.relative_to(root)),
         )
-    return found
+    return tuple(found)
+
+
+def sources(root: Path = ROOT) -> Iterator[tuple[str, str, str]]:
+    """(module, source, path) of every project module."""
+    for name, path in project_modules(root).items():
+        yield name, path.read_text(), str(path.relative_to(root))
+
+
+# Roles: `swarm` imports none; roles meet only over `ALLOWED`.
+
+
+def allowed(importer: str, imported: str) -> bool:
+    """Whether module `importer` may import module `imported` (both dotted names)."""
+    if not within(imported, ROLES):
+        return True  # `swarm`, stdlib, third-party
+    if within(importer, (SHARED,)):
+        return False
+    if within(importer, (SIM,)):
+        return within(imported, (SIM,))
+    if _top(importer) == _top(imported):
+        return True
+    return any(within(importer, (a,)) and within(imported, (b,)) for a, b in ALLOWED)
 
 
 def forbidden(found: Iterable[Edge]) -> list[str]:
-    return sorted({str(e) for e in found if not allowed(e.importer, e.imported)})
+    return sorted(
+        f"{e.where}: {e.importer} imports {e.imported}: "
+        + (
+            "swarm imports no role"
+            if within(e.importer, (SHARED,))
+            else "roles meet only over ALLOWED"
+        )
+        for e in set(found)
+        if not allowed(e.importer, e.imported)
+    )
 
 
 def stale(found: Iterable[Edge]) -> list[str]:
-    """Allowed edges no module uses any more: the table must not allow more than is needed."""
-    used = [(e.importer, e.imported) for e in found]
+    """Table entries no module needs any more: a table must not allow more than is needed."""
+    used = {(e.importer, e.imported) for e in found}
+
+    def uses(importer: str, imported: str | Callable[[str], bool]) -> bool:
+        def wanted(m: str) -> bool:
+            return imported(m) if callable(imported) else within(m, (imported,))
+
+        return any(within(i, (importer,)) and wanted(m) for i, m in used)
+
     return [
-        f"{a} -> {b}"
-        for a, b in ALLOWED
-        if not any(within(i, (a,)) and within(m, (b,)) for i, m in used)
+        *(f"ALLOWED {a} -> {b}" for a, b in ALLOWED if not uses(a, b)),
+        *(f"GRPC_ROLES {a}" for a in GRPC_ROLES if not uses(a, _is_grpc)),
+        *(f"PURE_EXTRAS {a} -> {b}" for a, b in PURE_EXTRAS if not uses(a, b)),
     ]
+
+
+# Floors.
+
+
+def floor_of(name: str) -> tuple[str, int] | None:
+    """The unit of `FLOORS` (package or leaf module) that holds `name`, and its floor."""
+    if name == SHARED:
+        return SHARED, -1
+    for floor, units in enumerate(FLOORS):
+        for unit in units:
+            if within(name, (unit,)):
+                return unit, floor
+    return None
+
+
+def unfloored(modules: Iterable[tuple[str, str]]) -> list[str]:
+    """`swarm` modules (name, path) on no floor: a new package must say where it sits."""
+    return [
+        f"{path}:1: {name} is on no floor; name its floor in FLOORS"
+        for name, path in modules
+        if within(name, (SHARED,)) and floor_of(name) is None
+    ]
+
+
+def floor_violations(found: Iterable[Edge]) -> list[str]:
+    bad = set()
+    for e in found:
+        if not within(e.importer, (SHARED,)) or not within(e.imported, (SHARED,)):
+            continue
+        here, there = floor_of(e.importer), floor_of(e.imported)
+        if here is None:
+            continue  # `unfloored` reports it
+        if there is None:
+            bad.add(f"{e.where}: {e.importer} imports {e.imported}, which is on no floor")
+        elif there[0] != here[0] and there[1] >= here[1]:
+            bad.add(
+                f"{e.where}: {e.importer} (floor {here[1]}) imports {e.imported} (floor "
+                f"{there[1]}): a swarm module imports only its own package and lower floors"
+            )
+    return sorted(bad)
+
+
+# Purity.
+
+
+def _graph(found: Iterable[Edge]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Project module -> the project modules importing it runs (parent packages included), and
+    -> the third-party libraries it imports."""
+    found = list(found)
+    nodes = {e.importer for e in found}
+    graph: dict[str, set[str]] = {n: set(_parents(n)) & nodes for n in nodes}
+    libs: dict[str, set[str]] = {n: set() for n in nodes}
+    for e in found:
+        if not _project(e.imported):
+            libs[e.importer].add(_top(e.imported))
+        elif (target := _resolve(e.imported, nodes)) is not None:
+            graph[e.importer] |= {target, *(set(_parents(target)) & nodes)}
+    return graph, libs
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _resolve(name: str, nodes: set[str]) -> str | None:
+    """The module `name` loads: `from X import f` names `X` and `X.f` is an attribute."""
+    while name and name not in nodes:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _impure_chain(start: str, graph: Mapping[str, set[str]], libs: Mapping[str, set[str]]) -> str:
+    """The shortest import chain from `start` to an `IMPURE` library, or ""."""
+    chains = {start: start}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        if hit := sorted(libs.get(node, set()) & set(IMPURE)):
+            return f"{chains[node]} -> {hit[0]}"
+        for after in sorted(graph.get(node, set()) - chains.keys()):
+            chains[after] = f"{chains[node]} -> {after}"
+            queue.append(after)
+    return ""
+
+
+def impure(found: Iterable[Edge]) -> list[str]:
+    found = list(found)
+    graph, libs = _graph(found)
+    nodes = set(graph)
+    bad = set()
+    for e in found:
+        pure = next((p for p in (POLICY, SIM) if within(e.importer, (p,))), None)
+        if pure is None or within(e.imported, (POLICY, pure)) or _top(e.imported) in STDLIB:
+            continue
+        extra = any(within(e.importer, (a,)) and within(e.imported, (b,)) for a, b in PURE_EXTRAS)
+        if not extra and not within(e.imported, PURE_MAY_IMPORT):
+            bad.add(
+                f"{e.where}: {e.importer} imports {e.imported}: {pure} imports only the standard "
+                f"library, swarm floors 0-1 and {POLICY} (purity)"
+            )
+            continue
+        target = _resolve(e.imported, nodes) if _project(e.imported) else None
+        if target and (chain := _impure_chain(target, graph, libs)):
+            bad.add(f"{e.where}: {e.importer} imports {chain}: {pure} must stay pure (purity)")
+    for e in found:  # importing `scheduler.sim` runs `scheduler/__init__.py` first
+        pure = next((p for p in (POLICY, SIM) if within(e.importer, (p,))), None)
+        for parent in _parents(pure or ""):
+            if chain := _impure_chain(parent, graph, libs):
+                bad.add(f"{e.where}: {e.importer} runs {chain}: {pure} must stay pure (purity)")
+    return sorted(bad)
+
+
+# Third-party confinement.
+
+
+def _is_grpc(name: str) -> bool:
+    return _top(name) in GRPC or re.fullmatch(r"swarm\.proto\.\w+_pb2_grpc", name) is not None
+
+
+def unconfined(found: Iterable[Edge]) -> list[str]:
+    bad = set()
+    for e in found:
+        if _top(e.imported) in MQTT and not within(e.importer, (MQTT_HOME,)):
+            bad.add(f"{e.where}: {e.importer} imports {e.imported}: MQTT only in {MQTT_HOME}")
+        if _is_grpc(e.imported) and not within(e.importer, (*GRPC_SHARED, *GRPC_ROLES)):
+            bad.add(
+                f"{e.where}: {e.importer} imports {e.imported}: gRPC only where the wire is "
+                "(GRPC_SHARED, or a role module that serves or dials: GRPC_ROLES)"
+            )
+    return sorted(bad)
+
+
+# One hop loop.
+
+
+def _receiver(node: ast.expr) -> str:
+    """The name a call's receiver goes by: `pool`; `self._pools[s]` -> `_pools`;
+    `wiring.pool(s)` -> `pool`."""
+    while True:
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Attribute):
+            return node.attr
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        else:
+            return ""
+
+
+def books_kept(module: str, source: str, path: str) -> list[str]:
+    """The wiring's bookkeeping calls in `module` outside `BOOK_KEEPERS`."""
+    if within(module, BOOK_KEEPERS):
+        return []
+    calls = [
+        n
+        for n in ast.walk(ast.parse(source, path))
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr in BOOKKEEPING
+        and WIRING.search(_receiver(n.func.value))
+    ]
+    return [
+        f"{path}:{n.lineno}: {module} calls {ast.unparse(n.func)}(): only {HOP} (the one hop "
+        "loop) keeps the wiring's books"
+        for n in sorted(calls, key=lambda n: (n.lineno, n.col_offset))
+        if isinstance(n.func, ast.Attribute)
+    ]
+
+
+# Loading modules by name.
+
+
+def loads_by_name(module: str, source: str, path: str) -> list[str]:
+    """Uses of `importlib.import_module`, `__import__`, `spec_from_*`, `module_from_spec`."""
+    if module == DISPATCHER:
+        return []
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.ImportFrom):
+            found += [(node.lineno, a.name) for a in node.names if LOADERS.fullmatch(a.name)]
+        elif isinstance(node, ast.Name | ast.Attribute):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if LOADERS.fullmatch(name):
+                found.append((node.lineno, name))
+    return [
+        f"{path}:{line}: {module} uses {name}: only the CLI dispatcher ({DISPATCHER}) loads "
+        "modules by name"
+        for line, name in sorted(found)
+    ]
+
+
+# The docs' maps.
+
+
+def table(markdown: str, heading: str) -> list[tuple[int, str]]:
+    """The rows (line number, text) of the first table under `heading`, header excluded; [] when
+    that section has none."""
+    lines = markdown.splitlines()
+    start = next(
+        (i for i, t in enumerate(lines) if t.startswith("#") and t.lstrip("#").strip() == heading),
+        None,
+    )
+    if start is None:
+        return []
+    rows: list[tuple[int, str]] = []
+    for i in range(start + 1, len(lines)):
+        if lines[i].startswith("#") or (rows and not lines[i].startswith("|")):
+            break
+        if lines[i].startswith("|"):
+            rows.append((i + 1, lines[i]))
+    return rows[2:]  # the header and its rule
+
+
+def missing_paths(
+    doc: str, rows: Iterable[tuple[int, str]], exists: Callable[[str], bool]
+) -> list[str]:
+    """Paths in backticks in `rows` that do not exist. A path whose first part is no top-level
+    entry (`sim/`, `wiring.py`) is read in the row's last top-level path (`scheduler/`)."""
+    bad: list[str] = []
+    for line, text in rows:
+        base = ""
+        for token in re.findall(r"`([^`]+)`", text):
+            if not PATHLIKE.fullmatch(token) or (
+                "/" not in token and not FILELIKE.fullmatch(token)
+            ):
+                continue
+            rooted = not base or exists(token.split("/")[0])
+            path = token if rooted else base + token
+            if not exists(path.rstrip("/")):
+                read = "" if rooted else f" (read as {path})"
+                bad.append(f"{doc}:{line}: `{token}`{read} does not exist (the map is stale)")
+            if rooted:
+                base = path if path.endswith("/") else path.rpartition("/")[0] + "/"
+                base = "" if base == "/" else base
+    return bad
+
+
+# The tree.
 
 
 def test_no_forbidden_imports() -> None:
@@ -155,24 +490,97 @@ def test_no_forbidden_imports() -> None:
         pytest.fail("imports that break the layering (DESIGN.md, Layout):\n" + "\n".join(bad))
 
 
-def test_allowed_edges_are_still_needed() -> None:
+def test_tables_are_still_needed() -> None:
     unused = stale(edges())
     if unused:
-        pytest.fail("ALLOWED edges no module uses any more; remove them:\n" + "\n".join(unused))
+        pytest.fail("table entries no module needs any more; remove them:\n" + "\n".join(unused))
 
 
-def test_every_policy_and_the_simulator_exist() -> None:
+def test_the_tables_name_real_modules() -> None:
     modules = project_modules()
-    missing = [m for m in (*POLICIES, SIM) if m not in modules]
-    assert not missing, f"POLICIES/SIM name modules that do not exist: {missing}"
+    named = [
+        *(u for units in FLOORS for u in units),
+        POLICY,
+        SIM,
+        HOP,
+        DISPATCHER,
+        *(m for pair in ALLOWED for m in pair),
+        *GRPC_SHARED,
+        *GRPC_ROLES,
+        *(a for a, _ in PURE_EXTRAS),
+    ]
+    missing = sorted({m for m in named if not any(within(n, (m,)) for n in modules)})
+    assert not missing, f"the tables name modules that do not exist: {missing}"
+
+
+def test_floors() -> None:
+    modules = ((n, str(p.relative_to(ROOT))) for n, p in project_modules().items())
+    bad = unfloored(modules) + floor_violations(edges())
+    if bad:
+        pytest.fail("swarm's floors (FLOORS) are broken:\n" + "\n".join(bad))
+
+
+def test_the_policies_and_the_simulator_are_pure() -> None:
+    bad = impure(edges())
+    if bad:
+        pytest.fail("impure imports in the policies or the simulator:\n" + "\n".join(bad))
+
+
+def test_third_party_libraries_are_confined() -> None:
+    bad = unconfined(edges())
+    if bad:
+        pytest.fail("MQTT or gRPC outside its place:\n" + "\n".join(bad))
+
+
+def test_one_hop_loop() -> None:
+    bad = [m for args in sources() for m in books_kept(*args)]
+    if bad:
+        pytest.fail(f"the wiring's books kept outside {HOP}:\n" + "\n".join(bad))
+
+
+def test_only_the_dispatcher_loads_modules_by_name() -> None:
+    bad = [m for args in sources() for m in loads_by_name(*args)]
+    if bad:
+        pytest.fail("modules loaded by name outside the CLI dispatcher:\n" + "\n".join(bad))
+
+
+def test_the_concept_map_is_true() -> None:
+    bad: list[str] = []
+    for doc, heading, required in DOC_TABLES:
+        rows = table((ROOT / doc).read_text(), heading)
+        assert rows or not required, f"{doc}: no table under '{heading}' (the concept map)"
+        bad += missing_paths(doc, rows, lambda p: (ROOT / p).exists())
+    if bad:
+        pytest.fail("paths in the docs' maps that do not exist:\n" + "\n".join(bad))
+
+
+def test_the_job_commands_start_without_torch() -> None:
+    # `swarm submit/status/list/cancel` are what a user types again and again (and what the
+    # integration tests poll): importing torch would cost each of them seconds of CPU.
+    code = "import sys, client.commands; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert result.stdout.strip() == "False", result.stderr
+
+
+# Seeded violations: each checker reports a planted violation and passes an allowed case.
+
+KNOWN = {
+    "scheduler.wiring",
+    "scheduler.store",
+    "client.trainer",
+    "stage_server.runtime",
+    "swarm.net.tls",
+    "swarm.proto.stage_pb2_grpc",
+}
 
 
 def _edges_of(module: str, source: str, package: bool = False) -> list[Edge]:
-    known = {"scheduler.wiring", "scheduler.store", "client.trainer", "stage_server.runtime"}
-    return list(imports_of(module, source, package=package, known=known, path="x.py"))
+    return list(imports_of(module, source, package=package, known=KNOWN, path="x.py"))
 
 
-def test_the_checker_itself() -> None:
+def test_the_role_checker() -> None:
     source = (
         "import os\n"
         "from scheduler import wiring\n"
@@ -184,36 +592,176 @@ def test_the_checker_itself() -> None:
     found = _edges_of("stage_server.fake", source)
     assert [e.imported for e in found] == [
         "os",
-        "swarm.policy.wiring",
+        "scheduler.wiring",
         "client.trainer",
         "scheduler.store",
         "stage_server.runtime",
     ]
     assert forbidden(found) == [
-        "stage_server.fake -> client.trainer (x.py:4)",
-        "stage_server.fake -> scheduler.store (x.py:5)",
+        "x.py:2: stage_server.fake imports scheduler.wiring: roles meet only over ALLOWED",
+        "x.py:4: stage_server.fake imports client.trainer: roles meet only over ALLOWED",
+        "x.py:5: stage_server.fake imports scheduler.store: roles meet only over ALLOWED",
     ]
-    # `swarm` imports no role, not even a pure policy; a policy imports no other role module.
-    assert forbidden(_edges_of("swarm.fake", "from swarm.policy.wiring import Wiring\n"))
-    assert forbidden(_edges_of("swarm.policy.wiring", "from scheduler.store import JobStore\n"))
-    assert not forbidden(_edges_of("swarm.policy.wiring", "from swarm.rpc.lease import Replica\n"))
-    # The simulator: policies and itself, not the service shell.
+    # `swarm` imports no role; the simulator imports itself, not the service shell.
+    assert forbidden(_edges_of("swarm.fake", "from scheduler.sim import simulate\n")) == [
+        "x.py:1: swarm.fake imports scheduler.sim: swarm imports no role"
+    ]
     assert not forbidden(_edges_of("scheduler.sim.x", "from scheduler.sim.model import A\n"))
     assert forbidden(_edges_of("scheduler.sim.x", "from scheduler.store import JobStore\n"))
     # Allowed edges hold only from their own importer; relative imports in a package resolve.
-    assert not forbidden(_edges_of("scheduler.service", "from client.trainer import T\n"))
+    assert not forbidden(_edges_of("scheduler.training", "from client.trainer import T\n"))
     assert forbidden(_edges_of("scheduler.job_api", "from client.trainer import T\n"))
     assert _edges_of("client", "from .trainer import T\n", package=True)[0].imported == (
         "client.trainer"
     )
-    assert stale([]) == [f"{a} -> {b}" for a, b in ALLOWED]
+    assert stale([]) == [
+        *(f"ALLOWED {a} -> {b}" for a, b in ALLOWED),
+        *(f"GRPC_ROLES {a}" for a in GRPC_ROLES),
+        *(f"PURE_EXTRAS {a} -> {b}" for a, b in PURE_EXTRAS),
+    ]
 
 
-def test_the_job_commands_start_without_torch() -> None:
-    # `swarm submit/status/list/cancel` are what a user types again and again (and what the
-    # integration tests poll): importing torch would cost each of them seconds of CPU.
-    code = "import sys, client.commands; print('torch' in sys.modules)"
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+def test_the_floor_checker() -> None:
+    up = _edges_of("swarm.net.fake", "from swarm.rpc.status import to_status\n")
+    assert floor_violations(up) == [
+        "x.py:1: swarm.net.fake (floor 1) imports swarm.rpc.status (floor 3): a swarm module "
+        "imports only its own package and lower floors"
+    ]
+    assert floor_violations(_edges_of("swarm.bus.fake", "from swarm.rpc import lease\n"))
+    assert floor_violations(_edges_of("swarm.bus.fake", "import swarm.nowhere\n")) == [
+        "x.py:1: swarm.bus.fake imports swarm.nowhere, which is on no floor"
+    ]
+    assert unfloored([("swarm.nowhere.x", "swarm/nowhere/x.py")]) == [
+        "swarm/nowhere/x.py:1: swarm.nowhere.x is on no floor; name its floor in FLOORS"
+    ]
+    source = "from swarm.errors import E\nfrom swarm.policy import backoff\nfrom . import topics\n"
+    assert not floor_violations(_edges_of("swarm.bus.fake", source))
+    assert not floor_violations(_edges_of("client.fake", "from swarm.commands import main\n"))
+    assert not unfloored([("swarm.rpc.hop", "swarm/rpc/hop.py"), ("swarm", "swarm/__init__.py")])
+
+
+def test_the_purity_checker() -> None:
+    direct = _edges_of("swarm.policy.fake", "import torch\nimport swarm.bus.api\n")
+    assert impure(direct) == [
+        "x.py:1: swarm.policy.fake imports torch: swarm.policy imports only the standard library, "
+        "swarm floors 0-1 and swarm.policy (purity)",
+        "x.py:2: swarm.policy.fake imports swarm.bus.api: swarm.policy imports only the standard "
+        "library, swarm floors 0-1 and swarm.policy (purity)",
+    ]
+    # Through a floor-1 module that is itself impure: the chain is named.
+    found = [
+        *_edges_of("scheduler.sim.fake", "def f():\n    from swarm.net.tls import t\n"),
+        *_edges_of("swarm.net.tls", "import grpc\n"),
+        *_edges_of("swarm.net", "", package=True),
+    ]
+    assert impure(found) == [
+        "x.py:2: scheduler.sim.fake imports swarm.net.tls -> grpc: scheduler.sim must stay pure "
+        "(purity)"
+    ]
+    found = [
+        *_edges_of("scheduler.sim.fake", "import math\n"),
+        *_edges_of("scheduler", "import prometheus_client\n", package=True),
+    ]
+    assert impure(found) == [
+        "x.py:1: scheduler.sim.fake runs scheduler -> prometheus_client: scheduler.sim must stay "
+        "pure (purity)"
+    ]
+    source = "import math\nfrom swarm.errors import E\nfrom swarm.policy import wiring\n"
+    assert not impure(_edges_of("scheduler.sim.fake", source))
+    assert not impure(_edges_of("scheduler.sim.cli", "def plot():\n    import matplotlib\n"))
+    assert not impure(_edges_of("scheduler.fake", "import torch\n"))  # not a pure module
+
+
+def test_the_confinement_checker() -> None:
+    found = _edges_of("swarm.ops.fake", "import aiomqtt\nfrom swarm.proto import stage_pb2_grpc\n")
+    assert unconfined(found) == [
+        "x.py:1: swarm.ops.fake imports aiomqtt: MQTT only in swarm.bus",
+        "x.py:2: swarm.ops.fake imports swarm.proto.stage_pb2_grpc: gRPC only where the wire is "
+        "(GRPC_SHARED, or a role module that serves or dials: GRPC_ROLES)",
+    ]
+    assert unconfined(_edges_of("client.trainer", "import grpc\n"))
+    assert not unconfined(_edges_of("swarm.bus.link", "import aiomqtt\n"))
+    assert not unconfined(_edges_of("swarm.rpc.fake", "import grpc\n"))
+    assert not unconfined(_edges_of("stage_server.server", "from grpc_health.v1 import health\n"))
+
+
+def test_the_hop_checker() -> None:
+    source = (
+        "async def hop(pool, wiring, self):\n"
+        "    pool.started(peer, 1)\n"
+        "    self._pools[stage].failed(peer)\n"
+        "    wiring.pool(stage).finished(peer, 1, 0.1)\n"
+        "    self.metrics.failed(stage, peer)\n"  # not the wiring's books
+        "    self._joins.failed(peer)\n"
+        "    task.done()\n"
     )
-    assert result.stdout.strip() == "False", result.stderr
+    assert books_kept("client.fake", source, "x.py") == [
+        "x.py:2: client.fake calls pool.started(): only swarm.rpc.hop (the one hop loop) keeps "
+        "the wiring's books",
+        "x.py:3: client.fake calls self._pools[stage].failed(): only swarm.rpc.hop (the one hop "
+        "loop) keeps the wiring's books",
+        "x.py:4: client.fake calls wiring.pool(stage).finished(): only swarm.rpc.hop (the one "
+        "hop loop) keeps the wiring's books",
+    ]
+    for keeper in ("swarm.rpc.hop", "swarm.policy.stage_pool", "scheduler.sim.engine"):
+        assert not books_kept(keeper, source, "x.py")
+
+
+def test_the_loader_checker() -> None:
+    source = (
+        "import importlib\n"
+        "from importlib import import_module\n"
+        "m = importlib.import_module('client.cli')\n"
+        "n = __import__('scheduler.cli')\n"
+        "s = importlib.util.spec_from_file_location('x', 'x.py')\n"
+        "o = importlib.util.module_from_spec(s)\n"
+    )
+    assert [
+        m.split(" uses ")[1].split(":")[0] for m in loads_by_name("client.x", source, "x.py")
+    ] == [
+        "import_module",
+        "import_module",
+        "__import__",
+        "spec_from_file_location",
+        "module_from_spec",
+    ]
+    assert loads_by_name("client.x", source, "x.py")[0] == (
+        "x.py:2: client.x uses import_module: only the CLI dispatcher (swarm.cli) loads modules "
+        "by name"
+    )
+    assert not loads_by_name("swarm.cli", source, "x.py")
+    harmless = (
+        "import importlib.resources\n"
+        "import importlib.util\n"
+        "ok = importlib.util.find_spec('matplotlib') is not None\n"
+        "files = importlib.resources.files('grpc_tools')\n"
+    )
+    assert not loads_by_name("scheduler.sim.cli", harmless, "x.py")
+
+
+def test_the_concept_map_checker() -> None:
+    doc = (
+        "# Title\n"
+        "## Where each concept lives\n"
+        "Prose with `swarm/gone.py`, not in the table.\n"
+        "\n"
+        "| concept | where |\n"
+        "|---|---|\n"
+        "| hop loop (`Hop`) | `swarm/rpc/hop.py` (+ `routes.py`, `gone.py`) |\n"
+        "| the simulator | `scheduler/` (`sim/`, `swarm.model.partition`, `swarm status`) |\n"
+        "| gone | `swarm/bus_api.py`, `nowhere/` |\n"
+        "\n"
+        "| another | table |\n"
+        "|---|---|\n"
+        "| ignored | `swarm/gone.py` |\n"
+    )
+    tree = {"swarm", "swarm/rpc", "swarm/rpc/hop.py", "swarm/rpc/routes.py", "scheduler"}
+    tree |= {"scheduler/sim"}
+    rows = table(doc, "Where each concept lives")
+    assert [line for line, _ in rows] == [7, 8, 9]
+    assert missing_paths("d.md", rows, tree.__contains__) == [
+        "d.md:7: `gone.py` (read as swarm/rpc/gone.py) does not exist (the map is stale)",
+        "d.md:9: `swarm/bus_api.py` does not exist (the map is stale)",
+        "d.md:9: `nowhere/` (read as swarm/nowhere/) does not exist (the map is stale)",
+    ]
+    assert table(doc, "Layout") == []

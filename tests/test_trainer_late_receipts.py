@@ -7,16 +7,15 @@ gradient it still needs) and reports the microbatch without that stage, which th
 settles exactly (it adopts the late receipt, or replays the stage). A refusal (the replica says it
 did not take the call) is retried elsewhere with accumulation, as before.
 
-Fakes only: stage clients behind the trainer's client factory, and a lease source that records."""
+Fakes only: the shared fake stage (`tests.support.stages`) behind the trainer's client factory,
+and a lease source that records."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 
 from client.trainer import PipelineTrainer
 from swarm.errors import (
@@ -27,105 +26,14 @@ from swarm.errors import (
     RemoteError,
 )
 from swarm.job.config import JobConfig
-from swarm.proto import stage_pb2 as pb
-from swarm.proto import tensor_pb2
 from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Task
-from swarm.rpc.stage_client import BackwardResult, TensorLike
-from swarm.wire import codec
 from tests.support.jobs import make_job
+from tests.support.stages import LOSS, Call, FakeCalls
 
 pytestmark = pytest.mark.timeout(30)
 
 LAST = 2  # three stages: 0, 1, 2 (2 computes the loss)
 ALL = frozenset(range(LAST + 1))
-LOSS = 7.5
-
-
-@dataclass(frozen=True)
-class Call:
-    peer: str
-    stage: int
-    method: str  # "forward", "backward" or "forward_backward"
-    accumulate: bool = False
-    need_grad_inputs: bool = False
-
-
-@dataclass
-class Swarm:
-    """What the fake replicas saw: every call, what each one accumulated, and the faults to
-    raise on the next accumulating calls at a stage (`after`: once the replica accumulated)."""
-
-    calls: list[Call] = field(default_factory=list)
-    accumulated: dict[int, list[str]] = field(default_factory=dict)  # stage -> replicas
-    faults: dict[int, list[tuple[Exception, bool]]] = field(default_factory=dict)
-
-    def fail(self, stage: int, error: Exception, *, after: bool) -> None:
-        self.faults.setdefault(stage, []).append((error, after))
-
-    def at(self, stage: int, method: str) -> list[Call]:
-        return [c for c in self.calls if c.stage == stage and c.method == method]
-
-    def accumulating(self, stage: int) -> list[Call]:
-        return [c for c in self.calls if c.stage == stage and c.accumulate]
-
-
-def _tensor(name: str) -> tensor_pb2.Tensor:
-    return codec.encode(torch.zeros(2, dtype=torch.float64), name)
-
-
-class FakeStage:
-    """A replica of one stage: answers at once, accumulates what it is asked to."""
-
-    def __init__(self, swarm: Swarm, peer: str, stage: int) -> None:
-        self.swarm, self.peer, self.address, self.stage = swarm, peer, peer, stage
-        self.last_queued_s = 0.0
-
-    async def close(self) -> None:
-        pass
-
-    async def forward(self, step: int, index: int, inputs: TensorLike) -> tensor_pb2.Tensor:
-        self.swarm.calls.append(Call(self.peer, self.stage, "forward"))
-        return _tensor("outputs")
-
-    def _backprop(
-        self, method: str, step: int, index: int, accumulate: bool, need_grad_inputs: bool
-    ) -> BackwardResult:
-        self.swarm.calls.append(Call(self.peer, self.stage, method, accumulate, need_grad_inputs))
-        faults = self.swarm.faults.get(self.stage) if accumulate else None
-        error, after = faults.pop(0) if faults else (None, False)
-        if error is not None and not after:
-            raise error  # refused: nothing accumulated
-        if accumulate:
-            self.swarm.accumulated.setdefault(self.stage, []).append(self.peer)
-        if error is not None:
-            raise error  # accumulated, and then the answer never came
-        grad = _tensor("grad_inputs") if need_grad_inputs else None
-        loss = LOSS if method == "forward_backward" else 0.0
-        return BackwardResult(grad, pb.Receipt(), loss, 0.0)
-
-    async def backward(
-        self,
-        step: int,
-        index: int,
-        inputs: TensorLike | None,
-        grad_outputs: TensorLike,
-        *,
-        accumulate: bool = True,
-        need_grad_inputs: bool = True,
-    ) -> BackwardResult:
-        return self._backprop("backward", step, index, accumulate, need_grad_inputs)
-
-    async def forward_backward(
-        self,
-        step: int,
-        index: int,
-        inputs: TensorLike,
-        targets: TensorLike,
-        *,
-        accumulate: bool = True,
-        need_grad_inputs: bool = True,
-    ) -> BackwardResult:
-        return self._backprop("forward_backward", step, index, accumulate, need_grad_inputs)
 
 
 class Recorder:
@@ -164,20 +72,14 @@ def _job(tmp_path: Path) -> JobConfig:
 
 
 def _trainer(
-    tmp_path: Path, swarm: Swarm, pools: list[list[str]]
+    tmp_path: Path, swarm: FakeCalls, pools: list[list[str]]
 ) -> tuple[PipelineTrainer, Recorder]:
     source = Recorder()
-
-    def client(
-        address: str, job: JobConfig, job_id: str, stage: int, token: str | None
-    ) -> FakeStage:
-        return FakeStage(swarm, address, stage)
-
     trainer = PipelineTrainer(
         _job(tmp_path),
         source,
         seed=0,
-        client_factory=client,  # type: ignore[arg-type]
+        client_factory=swarm.factory(),  # type: ignore[arg-type]
     )
     trainer._leased_step = 0
     trainer.sync([[Replica(p, p) for p in pool] for pool in pools])
@@ -195,7 +97,7 @@ UNCERTAIN = [
 async def test_an_uncertain_backward_is_not_accumulated_again_elsewhere(
     tmp_path: Path, error: Exception
 ) -> None:
-    swarm = Swarm()
+    swarm = FakeCalls()
     swarm.fail(1, error, after=True)
     trainer, source = _trainer(tmp_path, swarm, [["a"], ["b1", "b2"], ["c"]])
     try:
@@ -221,7 +123,7 @@ async def test_an_uncertain_backward_is_not_accumulated_again_elsewhere(
 async def test_an_uncertain_forward_backward_at_the_last_stage_is_not_accumulated_again(
     tmp_path: Path, error: Exception
 ) -> None:
-    swarm = Swarm()
+    swarm = FakeCalls()
     swarm.fail(LAST, error, after=True)
     trainer, source = _trainer(tmp_path, swarm, [["a"], ["b"], ["c1", "c2"]])
     try:
@@ -243,7 +145,7 @@ async def test_an_uncertain_forward_backward_at_the_last_stage_is_not_accumulate
 async def test_an_uncertain_backward_at_the_lowest_stage_needs_no_other_call(
     tmp_path: Path,
 ) -> None:
-    swarm = Swarm()
+    swarm = FakeCalls()
     swarm.fail(0, PeerUnavailable("DEADLINE_EXCEEDED: Deadline Exceeded"), after=True)
     trainer, source = _trainer(tmp_path, swarm, [["a1", "a2"], ["b"], ["c"]])
     try:
@@ -257,7 +159,7 @@ async def test_an_uncertain_backward_at_the_lowest_stage_needs_no_other_call(
 
 
 async def test_an_uncertain_cached_replay_is_not_accumulated_again(tmp_path: Path) -> None:
-    swarm = Swarm()
+    swarm = FakeCalls()
     trainer, source = _trainer(tmp_path, swarm, [["a"], ["b1", "b2"], ["c"]])
     try:
         await trainer._run_task(Task(0, 0, ALL))  # caches the boundary tensors
@@ -283,7 +185,7 @@ async def test_an_uncertain_cached_replay_is_not_accumulated_again(tmp_path: Pat
 async def test_a_failure_that_did_not_accumulate_is_retried_elsewhere_with_accumulation(
     tmp_path: Path, error: Exception
 ) -> None:
-    swarm = Swarm()
+    swarm = FakeCalls()
     swarm.fail(1, error, after=False)
     trainer, source = _trainer(tmp_path, swarm, [["a"], ["b1", "b2"], ["c"]])
     try:

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
+from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import GONE, ReplicaClients
 from swarm.errors import Aborted, SwarmError
 from swarm.model.optim import clip_scale
-from swarm.ops.metrics import CoordinatorMetrics
 from swarm.rpc.lease import Replica
 
 __all__ = ["CommitStalled", "RoundFailure", "TwoPhaseCommit", "culprits"]

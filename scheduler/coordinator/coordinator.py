@@ -5,7 +5,8 @@ gradients live, and commits the step on every replica of every stage in two phas
 trainer and, over gRPC, remote trainers) or a standalone `swarm trainer --stage-servers`. It owns
 the step's lifecycle (open, commit, retry, next step, rollback) and composes the rest: the ledger
 (`ledger`), the two-phase commit and voids (`commit`), the members (`membership`), checkpoints and
-rollback states (`recovery`), and the connections to replicas (`replicas`).
+rollback states (`recovery`), the connections to replicas (`replicas`), and each committed step's
+record and timing (`step_records`).
 
 Its steps are *live* from their opening until their commit is applied. Synchronous, one is:
 step t+1 opens once step t is applied everywhere. With `training.delayed_update` step t+1
@@ -23,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from prometheus_client import CollectorRegistry
 from scheduler.coordinator.commit import CommitStalled, TwoPhaseCommit
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
+from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.recovery import Recovery
 from scheduler.coordinator.replicas import (
     ReplicaClients,
@@ -40,10 +42,10 @@ from scheduler.coordinator.replicas import (
     grpc_replicas,
 )
 from scheduler.coordinator.shares import Shares
+from scheduler.coordinator.step_records import StepRecords
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
-from swarm.ops.metrics import CoordinatorMetrics
 from swarm.ops.progress import StepRecord
 from swarm.policy.backoff import Backoff
 from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Working
@@ -113,13 +115,8 @@ class LocalCoordinator:
         self.clock = clock or MonotonicClock()
         self._shares = Shares(self.clock, job.runtime.lease_timeout_s)
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
-        self.metrics.last_commit.set(time.time())
+        self._records = StepRecords(self.metrics, job.model.seq_len)
         self._live: list[_Live] = []  # oldest first: at most two, with delayed_update
-        self._applied_at = -math.inf  # perf_counter() of the last step's end
-        # since when no step has been open to lease because of a commit; the seconds of that
-        # since the last step's record
-        self._blocked_since: float | None = None
-        self._blocked = 0.0
         self.delayed = job.training.delayed_update
         self.clients = ReplicaClients(
             connect or grpc_replicas(job, job_id, token), grace_s=job.runtime.commit_timeout_s
@@ -180,10 +177,7 @@ class LocalCoordinator:
                 if old is not None and old is not asyncio.current_task():
                     old.cancel()  # a retry of a ledger that is history now would void replicas
             self._live = []
-        if self._blocked_since is not None:
-            blocked = time.perf_counter() - self._blocked_since
-            self._blocked, self._blocked_since = self._blocked + blocked, None
-            self.metrics.blocked.inc(blocked)
+        self._records.opened()
         t = self.job.training
         evaluates = t.eval_every > 0 and (step % t.eval_every == 0 or step >= self.steps)
         if step >= self.steps and not (evaluates and step == self.steps):
@@ -371,8 +365,8 @@ class LocalCoordinator:
         live = self._live_at(ledger.step)
         if live is None or live.ledger is not ledger or live.commit.applied:
             return
-        if ledger.complete and live is self._live[-1] and self._blocked_since is None:
-            self._blocked_since = time.perf_counter()  # until the next step opens
+        if ledger.complete and live is self._live[-1]:
+            self._records.blocked()  # until the next step opens
         if not ledger.complete or live.commit.task is not None or self._live[0] is not live:
             return
         live.commit.task = asyncio.create_task(self._commit_step(live))
@@ -487,25 +481,12 @@ class LocalCoordinator:
         """After `live`'s step is applied: bring new replicas in, checkpoint, open the next
         (with delayed_update it is open already: its commit may start now)."""
         ledger = live.ledger
-        # With delayed_update the step began before the one before it ended: its seconds are
-        # counted from that end, so that the records' seconds add up to the job's.
-        now = time.perf_counter()
-        seconds, self._applied_at = now - max(live.started, self._applied_at), now
-        self.metrics.last_commit.set(time.time())
-        tokens = ledger.samples() * self.job.model.seq_len
-        self.metrics.tokens.inc(tokens)
-        norm = self.two_phase.grad_norm if ledger.microbatches else None
-        val_loss = ledger.val_loss()
-        if val_loss is not None:
-            self.metrics.val_loss.set(val_loss)
-        record = StepRecord(
-            ledger.step, ledger.loss(), ledger.samples(), seconds, tokens, norm, val_loss
-        )
+        record = self._records.applied(ledger, live.started, self.two_phase.grad_norm)
         step = ledger.step + 1
         if not ledger.microbatches:  # the final evaluation: the job is done
             self._open(step)
             if self.on_step:
-                await _maybe_await(self.on_step(self._blocked_in(record)))
+                await _maybe_await(self.on_step(self._records.with_blocked(record)))
             return
         await self.membership.sync(step)
         if self.recovery.due(step):
@@ -524,12 +505,7 @@ class LocalCoordinator:
         if attempt:
             log.info("step %d committed after %d failed rounds", ledger.step, attempt)
         if self.on_step:
-            await _maybe_await(self.on_step(self._blocked_in(record)))
-
-    def _blocked_in(self, record: StepRecord) -> StepRecord:
-        """`record` with the seconds blocked on commits since the last record."""
-        blocked, self._blocked = self._blocked, 0.0
-        return replace(record, blocked_seconds=blocked)
+            await _maybe_await(self.on_step(self._records.with_blocked(record)))
 
     # -- rollback -------------------------------------------------------------------------------
     async def flush(self) -> None:

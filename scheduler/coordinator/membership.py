@@ -10,10 +10,10 @@ import logging
 from collections.abc import Callable, Hashable
 
 from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import GONE, ReplicaClients
 from swarm.clock import Clock
 from swarm.errors import SwarmError
-from swarm.ops.metrics import CoordinatorMetrics
 from swarm.policy.backoff import Backoff, Backoffs
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica

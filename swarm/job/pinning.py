@@ -12,7 +12,7 @@ import tomllib
 from typing import Any
 
 from swarm.errors import ConfigError
-from swarm.job.config import _fail
+from swarm.job.coerce import not_allowed
 
 __all__ = ["pin", "pin_data"]
 
@@ -31,11 +31,11 @@ def pin(text: str, section: str, key: str, sha256: str) -> str:
     doc = tomllib.loads(text)
     table = doc.get(section, {})
     if not isinstance(table, dict):
-        raise _fail(section, table, f"a [{section}] table")
+        raise not_allowed(section, table, f"a [{section}] table")
     if table.get(key) == sha256:
         return text
     if key in table:
-        raise _fail(f"{section}.{key}", table[key], f'the file\'s sha256 "{sha256}"')
+        raise not_allowed(f"{section}.{key}", table[key], f'the file\'s sha256 "{sha256}"')
     want = {**doc, section: {**table, key: sha256}}
     line = f'{key} = "{sha256}"\n'
     lines = text.splitlines(keepends=True)

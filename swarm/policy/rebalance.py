@@ -2,7 +2,7 @@
 
 Pure policy over plain data (DESIGN.md, "Policies"), run every `period_s` by the scheduler and by
 the simulator, both through `Rebalancer` (the decision and the memory of past moves it needs). Its
-tuning is the job file's `[rebalance]` section, `swarm.job.config.RebalanceConfig`. The job runs at
+tuning is the job file's `[rebalance]` section, `swarm.job.schema.RebalanceConfig`. The job runs at
 its
 bottleneck `min_k total_k`, the smallest summed samples/s of a stage's replicas; `speeds[peer][k]`
 is already in samples/s of stage k, so totals of stages of different cost compare directly (every

@@ -27,7 +27,6 @@ from swarm.wire.codec import CODEC_NONE
 __all__ = [
     "BackwardResult",
     "PushResult",
-    "Retiring",
     "StageClient",
     "TensorLike",
     "as_tensor",
@@ -266,7 +265,7 @@ class StageClient:
         evaluate: bool = False,
     ) -> PushResult:
         """The push data plane: this replica computes its stage and pushes the microbatch on
-        through the stages `route` names (see `stage_server.pushing`), accumulating at the
+        through the stages `route` names (see `stage_server.next_hop`), accumulating at the
         stages in `accumulate`. `timeout` covers the whole path."""
         request = pb.StagePushRequest(
             job=self.job_id,
@@ -430,35 +429,3 @@ def named(receipts: Iterable[pb.Receipt], stage: int, peer: str) -> list[pb.Rece
         if r.stage == stage:
             r.peer = peer
     return out
-
-
-class Retiring:
-    """Stage clients that were replaced (their peer left, moved or came back at another address):
-    each is closed once the calls it may still carry have had their deadline, `grace_s`."""
-
-    def __init__(self, grace_s: float) -> None:
-        self.grace_s = grace_s
-        self._closing: dict[asyncio.Task[None], StageClient] = {}
-
-    def retire(self, client: StageClient | None) -> None:
-        if client is None:
-            return
-
-        async def close() -> None:
-            await asyncio.sleep(self.grace_s)
-            await client.close()
-
-        task = asyncio.get_running_loop().create_task(close())
-        self._closing[task] = client
-        task.add_done_callback(lambda t: self._closing.pop(t, None))
-
-    def __len__(self) -> int:
-        """How many are still waiting to be closed."""
-        return len(self._closing)
-
-    async def close(self) -> None:
-        """Close every retiring client now (their owner is closing)."""
-        closing, self._closing = self._closing, {}
-        for task in closing:
-            task.cancel()
-        await asyncio.gather(*(c.close() for c in closing.values()))

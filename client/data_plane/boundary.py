@@ -1,0 +1,53 @@
+"""The relay plane's boundary cache: per microbatch and stage, the bytes the trainer sent there
+(the stage's inputs, and its output gradient or the targets). A gradient lost at one stage (its
+replica died before the commit) is replayed from these with one call, on any replica: it
+recomputes from the same bytes, so the gradient is the same. Bounded by `limit_bytes`, the
+oldest microbatch forgotten first; a replay that finds nothing re-runs the pipeline instead."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from swarm.proto import tensor_pb2
+from swarm.rpc.stage_client import TensorLike
+
+__all__ = ["BoundaryCache"]
+
+Key = tuple[int, int]  # (step, index)
+
+
+class BoundaryCache:
+    def __init__(self, limit_bytes: int, *, delayed_update: bool) -> None:
+        self.limit_bytes, self.delayed_update = limit_bytes, delayed_update
+        self._entries: OrderedDict[Key, dict[int, tuple[TensorLike, TensorLike]]] = OrderedDict()
+        self.nbytes = 0
+
+    def remember(
+        self, step: int, index: int, stage: int, inputs: TensorLike, grad: TensorLike
+    ) -> None:
+        # An old step's are useless (with delayed_update the step before is still live: a failed
+        # round of its commit replays from them).
+        live = step - 1 if self.delayed_update else step
+        for old in [key for key in self._entries if key[0] < live]:
+            self._forget(old)
+        self._entries.setdefault((step, index), {})[stage] = (inputs, grad)
+        self.nbytes += _nbytes(inputs) + _nbytes(grad)
+        while self.nbytes > self.limit_bytes and self._entries:
+            self._forget(next(iter(self._entries)))  # the oldest first
+
+    def get(self, step: int, index: int) -> dict[int, tuple[TensorLike, TensorLike]] | None:
+        """Stage -> (inputs, output gradient or targets) of microbatch `(step, index)`."""
+        return self._entries.get((step, index))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _forget(self, key: Key) -> None:
+        for inputs, grad in self._entries.pop(key, {}).values():
+            self.nbytes -= _nbytes(inputs) + _nbytes(grad)
+
+
+def _nbytes(value: TensorLike) -> int:
+    if isinstance(value, tensor_pb2.Tensor):
+        return len(value.data)
+    return value.numel() * value.element_size()

@@ -1,0 +1,86 @@
+"""The trainer's hops: the one hop loop (`swarm.rpc.hop`) over the trainer's routes, feeding
+its metrics, with a hop that found no replica raised as a `TrainerError` (the microbatch is
+handed back to the coordinator)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from client.metrics import TrainerMetrics
+from swarm.errors import SwarmError
+from swarm.rpc.hop import HopFailed, hop
+from swarm.rpc.routes import Routes
+from swarm.rpc.stage_client import StageClient
+
+__all__ = ["StageHops", "TrainerError"]
+
+T = TypeVar("T")
+
+
+class TrainerError(SwarmError):
+    """A microbatch cannot be completed: no replica of a stage could serve it."""
+
+
+class StageHops:
+    """Hops to the replicas of `routes`, `attempts` tries each; also the hop loop's observer."""
+
+    def __init__(self, routes: Routes, attempts: int, metrics: TrainerMetrics) -> None:
+        self.routes, self.attempts, self.metrics = routes, attempts, metrics
+
+    async def any(
+        self, stage: int, call: Callable[[StageClient], Awaitable[T]], prefer: str | None = None
+    ) -> tuple[str, T]:
+        """Run `call` (it accumulates nothing) on a replica of `stage` (`prefer` first while it
+        is eligible), retrying on others: the replica that answered and its answer."""
+        try:
+            done = await hop(
+                self.routes,
+                stage,
+                lambda c, _accumulate: call(c),
+                attempts=self.attempts,
+                prefer=prefer,
+                observer=self,
+            )
+        except HopFailed as e:
+            raise TrainerError(str(e)) from e
+        assert done.peer is not None and done.result is not None
+        return done.peer, done.result
+
+    async def accumulating(
+        self,
+        stage: int,
+        call: Callable[[StageClient, bool], Awaitable[T]],
+        prefer: str | None = None,
+        *,
+        accumulate: bool,
+        need_result: bool,
+    ) -> tuple[str | None, T | None]:
+        """Run `call(client, accumulate)` on a replica of `stage`, retrying on others. Returns
+        the replica that accumulated the microbatch there (None when it did not, or when a call
+        may have accumulated it but did not say so: see `swarm.rpc.hop`) and the answer (None
+        when none was needed after such a call)."""
+        try:
+            done = await hop(
+                self.routes,
+                stage,
+                call,
+                attempts=self.attempts,
+                prefer=prefer,
+                accumulate=accumulate,
+                need_result=need_result,
+                observer=self,
+            )
+        except HopFailed as e:
+            raise TrainerError(str(e)) from e
+        return (done.peer if done.accumulated else None), done.result
+
+    # -- the hop loop's observer ----------------------------------------------------------------
+    def failed(self, stage: int, peer: str) -> None:
+        self.metrics.failed(stage, peer)
+
+    def routed(self, stage: int, peer: str, throughput: float) -> None:
+        self.metrics.routed(stage, peer, throughput)
+
+    def unreported(self, stage: int, peer: str) -> None:
+        self.metrics.unreported.inc()

@@ -1,0 +1,51 @@
+"""The seam between the trainer and how a microbatch travels (`DataPlane`), and the choice of
+plane a job names (`runtime.data_plane`). The trainer leases, reports and follows membership;
+a plane runs one task and says, per stage, which replica surely accumulated it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from client.data_plane.boundary import BoundaryCache
+from client.data_plane.hops import StageHops
+from client.metrics import TrainerMetrics
+from swarm.job.config import JobConfig
+from swarm.model.data import DataSource
+from swarm.rpc.lease import MicrobatchResult, Replica, Task
+
+__all__ = ["DataPlane", "make_plane"]
+
+
+class DataPlane(Protocol):
+    def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
+        """The coordinator's view of every stage's members changed (`Routes` already follows
+        it; a plane keeps what else it derives from it)."""
+
+    async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
+        """Run training task `task` (microbatch `(step, index)` of `data`); the result holds
+        the replicas that surely accumulated it at each of `task.stages` (a stage left out is
+        settled by the coordinator: it adopts a late receipt or replays)."""
+        ...
+
+    async def evaluate(
+        self, task: Task, ids: torch.Tensor, labels: torch.Tensor
+    ) -> MicrobatchResult:
+        """Run validation task `task` on `ids` forward only, its loss reported; nothing
+        accumulates, so any failed hop is simply tried elsewhere."""
+        ...
+
+
+def make_plane(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> DataPlane:
+    """The plane `job` names."""
+    from client.data_plane.push import PushPlane
+    from client.data_plane.relay import RelayPlane
+
+    if job.runtime.data_plane == "push":
+        return PushPlane(job, hops, metrics)
+    cache = BoundaryCache(
+        job.runtime.boundary_cache_bytes, delayed_update=job.training.delayed_update
+    )
+    return RelayPlane(job, hops, metrics, cache)

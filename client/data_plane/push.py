@@ -1,0 +1,96 @@
+"""The push data plane, the trainer's side: one call to a replica of the first stage carries
+the microbatch through every stage and back (`stage_server.next_hop`); this trainer's link carries
+its tokens, targets and receipts only. Stages the answer names uncertain, or all of them when the
+call failed after it may have accumulated, are left out of the report: the coordinator adopts
+their late receipts or replays them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from client.data_plane.hops import StageHops
+from client.metrics import TrainerMetrics
+from swarm.job.config import JobConfig
+from swarm.model.data import DataSource
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.lease import MicrobatchResult, Replica, Task
+from swarm.rpc.stage_client import named
+from swarm.wire import codec
+
+__all__ = ["PushPlane"]
+
+
+class PushPlane:
+    def __init__(self, job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> None:
+        self.job, self.hops, self.metrics = job, hops, metrics
+        self._routes: list[pb.Route] = []  # per stage after the first: who serves it
+
+    def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
+        if len(replicas) != self.job.training.stages:
+            return  # no view of the stages yet
+        self._routes = [
+            pb.Route(
+                peers=[r.peer for r in members],
+                addresses=[r.address for r in members],
+                throughput=[r.throughput or 0.0 for r in members],
+            )
+            for members in replicas[1:]
+        ]
+
+    def _timeout(self) -> float:
+        return self.job.runtime.rpc_timeout_s * self.job.training.stages  # the whole path
+
+    async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
+        step, index, stages = task.step, task.index, task.stages
+        ids, labels = data.microbatch(step, index)
+        inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
+        route, last, timeout = self._routes, self.job.training.stages - 1, self._timeout()
+        peer, result = await self.hops.accumulating(
+            0,
+            lambda c, a: c.push(
+                step,
+                index,
+                inputs,
+                targets,
+                sorted(stages) if a else [],
+                route,
+                need_grad_inputs=False,
+                timeout=timeout,
+            ),
+            accumulate=True,
+            need_result=False,
+        )
+        if result is None:  # counted by the hop, once for the whole path
+            return MicrobatchResult(step, index, {}, None, int(ids.shape[0]))
+        holders = {
+            r.stage: r.peer
+            for r in named(result.receipts, 0, peer or "")
+            if r.stage in stages and r.stage not in result.uncertain
+        }
+        self.metrics.unreported.inc(len(stages) - len(holders))
+        loss = result.loss_sum if last in holders else None
+        return MicrobatchResult(step, index, holders, loss, int(ids.shape[0]))
+
+    async def evaluate(
+        self, task: Task, ids: torch.Tensor, labels: torch.Tensor
+    ) -> MicrobatchResult:
+        step, index = task.step, task.index
+        inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
+        route, timeout = self._routes, self._timeout()
+        _, pushed = await self.hops.any(
+            0,
+            lambda c: c.push(
+                step,
+                index,
+                inputs,
+                targets,
+                [],
+                route,
+                need_grad_inputs=False,
+                timeout=timeout,
+                evaluate=True,
+            ),
+        )
+        return MicrobatchResult(step, index, {}, pushed.loss_sum, int(ids.shape[0]))

@@ -1,0 +1,161 @@
+"""The relay data plane: the trainer makes every hop itself. A task `(step, index, stages)` goes
+forward through stages 0..S-2, forward-and-backward at S-1, then backward down to the lowest
+stage it must accumulate at; Backward goes to the replica that did the Forward at that stage
+(its activations are cached there). Each accumulating hop reports its stage only where it surely
+accumulated there (see `swarm.rpc.hop`). A replay whose boundary tensors are still cached costs
+one call per stage to replay."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from client.data_plane.boundary import BoundaryCache
+from client.data_plane.hops import StageHops
+from client.metrics import TrainerMetrics
+from swarm.errors import ActivationsNotCached
+from swarm.job.config import JobConfig
+from swarm.model.data import DataSource
+from swarm.proto import tensor_pb2
+from swarm.rpc.lease import MicrobatchResult, Replica, Task
+from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
+from swarm.wire import codec
+
+__all__ = ["RelayPlane"]
+
+
+class RelayPlane:
+    def __init__(
+        self, job: JobConfig, hops: StageHops, metrics: TrainerMetrics, cache: BoundaryCache
+    ) -> None:
+        self.job, self.hops, self.metrics, self.cache = job, hops, metrics, cache
+
+    def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
+        pass  # every hop reads the routes as they are when it is made
+
+    async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
+        if len(task.stages) < self.job.training.stages:  # a replay
+            replayed = await self._replay_from_cache(task)
+            if replayed is not None:
+                return replayed
+        step, index, stages = task.step, task.index, task.stages
+        last, lowest = self.job.training.stages - 1, min(task.stages)
+        ids, labels = data.microbatch(step, index)
+        # Encoded once; every later hop passes on the messages the stages sent back.
+        boundary: list[TensorLike] = [codec.encode(ids, "inputs")]
+        targets = codec.encode(labels, "targets")
+        forward_peer: dict[int, str] = {}
+        for k in range(last):
+            peer, out = await self.hops.any(
+                k,
+                lambda c, k=k: c.forward(step, index, boundary[k]),  # type: ignore[misc]
+            )
+            forward_peer[k] = peer
+            boundary.append(out)
+        holders: dict[int, str] = {}
+        holder, result = await self.hops.accumulating(
+            last,
+            lambda c, a: c.forward_backward(
+                step, index, boundary[last], targets, accumulate=a, need_grad_inputs=lowest < last
+            ),
+            accumulate=last in stages,
+            need_result=lowest < last,
+        )
+        if holder is not None:
+            holders[last] = holder
+        self.cache.remember(step, index, last, boundary[last], targets)
+        # The loss is the same whichever replica computed it, accumulating or not.
+        loss = result.loss_sum if last in stages and result is not None else None
+        grad = result.grad_inputs if result is not None else None
+        for k in range(last - 1, lowest - 1, -1):
+            assert grad is not None
+            g = grad
+            forward_client = self.hops.routes.clients.get(forward_peer[k])  # None: departed
+            self.cache.remember(step, index, k, boundary[k], g)
+            holder, result = await self.hops.accumulating(
+                k,
+                lambda c, a, k=k, g=g, f=forward_client: _backward(  # type: ignore[misc]
+                    c, task, k, boundary[k], g, f, a
+                ),
+                prefer=forward_peer[k],
+                accumulate=k in stages,
+                need_result=k > lowest,
+            )
+            if holder is not None:
+                holders[k] = holder
+            grad = result.grad_inputs if result is not None else None
+        return MicrobatchResult(step, index, holders, loss, int(ids.shape[0]))
+
+    async def evaluate(
+        self, task: Task, ids: torch.Tensor, labels: torch.Tensor
+    ) -> MicrobatchResult:
+        step, index = task.step, task.index
+        inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
+        last = self.job.training.stages - 1
+        x: TensorLike = inputs
+        for k in range(last):
+            _, x = await self.hops.any(k, functools.partial(_forward_only, step, index, x))
+        _, loss = await self.hops.any(last, lambda c: c.evaluate(step, index, x, targets))
+        return MicrobatchResult(step, index, {}, loss, int(ids.shape[0]))
+
+    async def _replay_from_cache(self, task: Task) -> MicrobatchResult | None:
+        """A replay whose stages' boundary tensors are still cached: one call per stage, on any
+        replica. A stage whose call may have accumulated without saying so is left out."""
+        cached = self.cache.get(task.step, task.index)
+        if cached is None or not task.stages <= cached.keys():
+            return None
+        last, holders = self.job.training.stages - 1, {}
+        for k in sorted(task.stages):
+            inputs, grad = cached[k]
+            if k == last:
+                peer, _ = await self.hops.accumulating(
+                    k,
+                    lambda c, a, i=inputs, g=grad: c.forward_backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False
+                    ),
+                    accumulate=True,
+                    need_result=False,
+                )
+            else:
+                peer, _ = await self.hops.accumulating(
+                    k,
+                    lambda c, a, i=inputs, g=grad: c.backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False
+                    ),
+                    accumulate=True,
+                    need_result=False,
+                )
+            if peer is not None:
+                holders[k] = peer
+        self.metrics.cached_replays.inc()
+        return MicrobatchResult(
+            task.step, task.index, holders, None, self.job.training.microbatch_size
+        )
+
+
+async def _backward(
+    client: StageClient,
+    task: Task,
+    stage: int,
+    inputs: TensorLike,
+    grad: TensorLike,
+    cached_on: StageClient | None,
+    accumulate: bool,
+) -> BackwardResult:
+    """Backward at `stage`; without re-sending the inputs when `client` did the forward (its
+    activations are cached), with them if it no longer has them."""
+    kwargs = {"accumulate": accumulate, "need_grad_inputs": stage > min(task.stages)}
+    if client is cached_on:
+        try:
+            return await client.backward(task.step, task.index, None, grad, **kwargs)
+        except ActivationsNotCached:
+            pass  # evicted there: resend with the inputs, and the replica recomputes
+    return await client.backward(task.step, task.index, inputs, grad, **kwargs)
+
+
+async def _forward_only(
+    step: int, index: int, inputs: TensorLike, client: StageClient
+) -> tensor_pb2.Tensor:
+    return await client.forward(step, index, inputs, evaluate=True)

@@ -1,0 +1,79 @@
+"""The scheduler's Prometheus gauges of live state: peers per job, stage and state, each stage's
+measured throughput, and each job's state, step and loss.
+
+Why a collector and not gauges kept up to date: these are computed at scrape time from what the
+scheduler already holds, so there is nothing to keep in sync, and a job's series go when it
+leaves the scheduler's snapshot. The scrape runs on the metrics server's thread, so it reads only
+what is safe there: a copy of the peer registry's announcements and the scheduler's `snapshot` of
+job records (never the store, whose connection belongs to the event loop's thread).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Protocol
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scheduler.registry import PeerRegistry
+from scheduler.store import JobRecord
+from swarm.job.states import JOB_STATES, peer_state_name
+from swarm.proto import control_pb2 as cpb
+
+__all__ = ["SchedulerView", "collector"]
+
+
+class SchedulerView(Protocol):
+    """What the collector reads of the scheduler."""
+
+    peer_registry: PeerRegistry
+    snapshot: dict[str, JobRecord]  # the latest record of each job, refreshed on the event loop
+
+
+def collector(scheduler: SchedulerView) -> Collector:
+    """A Prometheus collector computing peers per stage and state, per-stage throughput, and job
+    state, step and loss at scrape time from the scheduler's live state (nothing to sync)."""
+
+    class _Collector(Collector):
+        def collect(self) -> Iterable[Metric]:
+            peers = GaugeMetricFamily(
+                "swarm_scheduler_peers",
+                "Peers by job, stage and state",
+                labels=["job", "stage", "state"],
+            )
+            speed = GaugeMetricFamily(
+                "swarm_scheduler_stage_samples_per_second",
+                "Summed measured samples/s of a stage's serving replicas",
+                labels=["job", "stage"],
+            )
+            counts: dict[tuple[str, str, str], int] = {}
+            totals: dict[tuple[str, str], float] = {}
+            for p in list(scheduler.peer_registry.peers.values()):
+                stage = str(p.stage) if p.HasField("stage") else ""
+                state = peer_state_name(p.state)
+                counts[(p.job, stage, state)] = counts.get((p.job, stage, state), 0) + 1
+                if p.state == cpb.PEER_STATE_SERVING and stage:
+                    key = (p.job, stage)
+                    totals[key] = totals.get(key, 0.0) + p.samples_per_second.get(p.stage, 0.0)
+            for labels, n in counts.items():
+                peers.add_metric(list(labels), n)
+            for labels2, value in totals.items():
+                speed.add_metric(list(labels2), value)
+            job_state = GaugeMetricFamily(
+                "swarm_job_state", "1 for the job's current state", labels=["job", "state"]
+            )
+            step = GaugeMetricFamily("swarm_job_step", "Steps committed", labels=["job"])
+            loss = GaugeMetricFamily(
+                "swarm_job_loss", "Loss of the last committed step", labels=["job"]
+            )
+            for job_id, record in list(scheduler.snapshot.items()):
+                for name in JOB_STATES:
+                    job_state.add_metric([job_id, name], 1.0 if name == record.state else 0.0)
+                step.add_metric([job_id], record.step)
+                if not math.isnan(record.loss):
+                    loss.add_metric([job_id], record.loss)
+            yield from (peers, speed, job_state, step, loss)
+
+    return _Collector()

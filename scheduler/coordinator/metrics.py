@@ -1,0 +1,98 @@
+"""The step coordinator's Prometheus series: the families one scheduler registers once, and
+each job's view of them."""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+__all__ = ["CoordinatorFamilies", "CoordinatorMetrics"]
+
+
+class CoordinatorFamilies:
+    """The coordinator's series, created once per registry; `CoordinatorMetrics` binds a job."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["job"], registry=registry)
+
+        self.replays = counter(
+            "swarm_coordinator_replays_total",
+            "Microbatch gradients lost at a stage and replayed there",
+        )
+        self.aborted_rounds = counter(
+            "swarm_coordinator_aborted_rounds_total",
+            "Averaging rounds of a stage that failed and repeated",
+        )
+        self.dropped = counter(
+            "swarm_coordinator_dropped_replicas_total",
+            "Replicas left out after they stopped answering",
+        )
+        self.rollbacks = counter(
+            "swarm_coordinator_rollbacks_total", "Rollbacks of the whole job to its last checkpoint"
+        )
+        self.last_commit = Gauge(
+            "swarm_coordinator_last_commit_timestamp_seconds",
+            "Unix time of the last committed step (now - this = time since)",
+            ["job"],
+            registry=registry,
+        )
+        self.tokens = counter(
+            "swarm_coordinator_tokens_total", "Tokens trained on in committed steps"
+        )
+        self.blocked = counter(
+            "swarm_coordinator_blocked_seconds_total",
+            "Seconds no microbatch could be leased because a step's commit was under way",
+        )
+        self.grad_norm = Gauge(
+            "swarm_coordinator_grad_norm",
+            "L2 norm of the whole model's averaged gradient at the last committed step, "
+            "before clipping",
+            ["job"],
+            registry=registry,
+        )
+        self.val_loss = Gauge(
+            "swarm_coordinator_val_loss",
+            "Validation loss at the last evaluation (training.eval_every); NaN before the first",
+            ["job"],
+            registry=registry,
+        )
+
+    def remove(self, job: str) -> None:
+        """`job` ended: remove its series."""
+        for family in (
+            self.replays,
+            self.aborted_rounds,
+            self.dropped,
+            self.rollbacks,
+            self.last_commit,
+            self.tokens,
+            self.blocked,
+            self.grad_norm,
+            self.val_loss,
+        ):
+            family.remove(job)  # absent: nothing to do
+
+
+class CoordinatorMetrics:
+    """What the step coordinator saw go wrong, and when it last committed."""
+
+    def __init__(
+        self,
+        job: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        families: CoordinatorFamilies | None = None,
+    ) -> None:
+        f = families or CoordinatorFamilies(registry or CollectorRegistry())
+        self.replays = f.replays.labels(job=job)
+        self.aborted_rounds = f.aborted_rounds.labels(job=job)
+        self.dropped = f.dropped.labels(job=job)
+        self.rollbacks = f.rollbacks.labels(job=job)
+        self.last_commit = f.last_commit.labels(job=job)
+        self.grad_norm = f.grad_norm.labels(job=job)
+        self.tokens = f.tokens.labels(job=job)
+        self.blocked = f.blocked.labels(job=job)
+        self.val_loss = f.val_loss.labels(job=job)
+        self.val_loss.set(math.nan)

@@ -1,0 +1,73 @@
+"""Sweeping an ended job's retained topics off the broker.
+
+Why: a retained message lives on the broker until someone clears it (an empty retained payload),
+so without a sweep every job ever run would leave its announcement, its last step and an
+assignment per peer it ever had, and days of jobs would grow the broker and every fresh
+subscriber's backlog. Assignments go at once (an ended job needs no server), every one the
+broker holds, an earlier run's to peers long gone too; the announcement and steps stay
+`retain_s` longer, so a peer that was briefly away still learns the end and frees itself. The
+store keeps the job's record, which is what `swarm status` reads, so nothing is lost to it. A
+sweep is bounded: finding what the broker holds waits for the burst of retained messages on a
+fresh subscription to fall quiet, and no longer than a fixed timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from swarm.bus.connection import BusLike
+
+__all__ = ["clear_retained", "retained_on"]
+
+log = logging.getLogger(__name__)
+
+_SWEEP_QUIET_S = 0.5  # retained messages arrive at once: this long without one, none is left
+_SWEEP_TIMEOUT_S = 10.0  # the longest a sweep of an ended job's retained topics takes
+
+
+async def clear_retained(
+    bus: BusLike, job_id: str, retain_s: float, forget: Callable[[str], None]
+) -> None:
+    """Clear ended job `job_id`'s retained topics: its assignments at once, its announcement and
+    steps after `retain_s`; then `forget(job_id)` (what the scheduler still shows of the job).
+    A broker that refuses is logged, not raised: the sweep goes on."""
+    topics = bus.topics
+    try:
+        for topic in await retained_on(bus, topics.assign(job_id, "+")):
+            await bus.publish(topic, b"", retain=True)
+    except Exception:
+        log.exception("job %s: retained assignments not cleared", job_id)
+    await asyncio.sleep(retain_s)
+    try:
+        await bus.publish(topics.steps(job_id), b"", retain=True)
+        await bus.publish(topics.job(job_id), b"", retain=True)
+    except Exception:
+        log.exception("job %s: retained announcement not cleared", job_id)
+    forget(job_id)
+
+
+async def retained_on(bus: BusLike, pattern: str) -> list[str]:
+    """The topics the broker holds a retained message on, matching `pattern`: what arrives
+    on a fresh subscription until it falls quiet (bounded)."""
+    found: list[str] = []
+    sub = bus.subscribe(pattern)
+    try:
+        subscribed = getattr(sub, "wait_subscribed", None)
+        if subscribed is not None:
+            await subscribed(_SWEEP_TIMEOUT_S)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _SWEEP_TIMEOUT_S
+        while loop.time() < deadline:
+            try:
+                async with asyncio.timeout(_SWEEP_QUIET_S):
+                    topic, _ = await anext(sub)
+            except TimeoutError:
+                break
+            found.append(topic)
+    finally:
+        close = getattr(sub, "aclose", None)
+        if close is not None:
+            await close()
+    return found

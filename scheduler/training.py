@@ -1,0 +1,188 @@
+"""One job's training inside the scheduler: for each attempt, the step coordinator, the embedded
+trainer and the helpers around them (growing the placement, following load reports, rebalancing),
+run until the last step commits; then the trained model is saved as the job's final file.
+
+Why an attempt: a lost stage server ends one (`Scheduler` re-places the job and starts another),
+so everything built here lives exactly as long as one attempt and is closed on the way out,
+whatever ended it. The coordinator is registered with the scheduler (`coordinators`) from its
+start until just before its close, so leases and exports never reach a closed one. Committed
+steps reach the store before they are announced: `swarm status` and a restarted scheduler read
+the store. The final file is written whole or not at all (a temporary file, then an atomic
+rename), so an export never reads half a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry, Counter
+
+from client.metrics import TrainerMetrics
+from client.trainer import PipelineTrainer, follow_load
+from scheduler.assignments import Assignments
+from scheduler.coordinator import LocalCoordinator, gather_state
+from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
+from scheduler.rebalance_loop import rebalance
+from scheduler.registry import PeerRegistry
+from scheduler.store import JobState, JobStore, StoreError
+from swarm.bus.connection import BusLike
+from swarm.job.config import JobConfig
+from swarm.ops.progress import StepRecord
+from swarm.proto import control_pb2 as cpb
+
+__all__ = ["JobTraining", "final_path", "save_final"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobTraining:
+    """What training a job needs of the scheduler (shared by all its jobs), and `run`, one
+    attempt at training one job."""
+
+    store: JobStore
+    bus: BusLike
+    peer_registry: PeerRegistry
+    assignments: Assignments
+    checkpoint_dir: Path  # each job's checkpoints and final file go in a directory of its own
+    token: str | None  # swarm token for calls to stage servers
+    embedded_trainer: bool  # run a trainer inside the scheduler for each job
+    announce: Callable[[str], Awaitable[None]]  # publish the job's stored record
+    set_status: Callable[[str, JobState | None, str], Awaitable[None]]  # store it, then announce
+    coordinator_metrics: CoordinatorFamilies
+    moves: Counter  # rebalancing moves, by job
+    coordinators: dict[str, LocalCoordinator]  # the open ones, by job: leases and exports
+    speed: dict[str, float]  # samples/s of each job's last committed step
+
+    async def run(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
+        """Train `job_id` from the step its servers hold to the end and save the final model.
+        Raises what ended the attempt early (a `SwarmError` or `OSError` is worth another)."""
+
+        async def committed(record: StepRecord) -> None:
+            if record.val_loss is not None:
+                log.info(
+                    "job %s validation loss %.4f after %d steps",
+                    job_id,
+                    record.val_loss,
+                    record.step,
+                )
+                try:
+                    self.store.record_eval(job_id, record.step, record.val_loss)
+                except StoreError as e:  # a full disk: the next evaluation says it anew
+                    log.error("job %s: %s", job_id, e)
+            if record.final_evaluation:
+                await self.announce(job_id)
+                return
+            try:
+                self.store.record_step(
+                    job_id, record.step, record.loss, record.samples, record.seconds
+                )
+            except StoreError as e:  # a full disk: the store writes it with the next step
+                log.error("job %s: %s", job_id, e)
+            self.speed[job_id] = record.samples_per_second
+            log.info("job %s step %d loss %.4f", job_id, record.step, record.loss)
+            await self.bus.publish(
+                self.bus.topics.steps(job_id),
+                cpb.StepCommitted(
+                    job=job_id,
+                    step=record.step,
+                    loss=record.loss,
+                    samples=record.samples,
+                    time=time.time(),
+                    val_loss=record.val_loss,
+                ),
+                retain=True,
+            )
+            await self.announce(job_id)
+
+        stages, mb = job.training.stages, job.training.microbatch_size
+
+        said: list[str] = []  # what a rollback told `swarm status`, kept past the start
+
+        async def rolled_back(step: int) -> None:
+            self.store.rewind(job_id, step)
+            said.append(
+                f"rolled back to step {step}: a stage lost every replica; training from the last"
+                " checkpoint"
+                if step
+                else "rolled back to step 0 (no checkpoint): a stage lost every replica;"
+                " training again from the start"
+            )
+            await self.set_status(job_id, None, said[-1])
+
+        coordinator = LocalCoordinator(
+            job,
+            job_id,
+            lambda: self.peer_registry.members(job_id, stages),
+            token=self.token,
+            on_step=committed,
+            checkpoint_dir=self.checkpoint_dir / job_id,
+            on_rollback=rolled_back,
+            on_status=lambda text: self.set_status(job_id, None, text),
+            metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
+        )
+        trainer = PipelineTrainer(
+            job,
+            coordinator,
+            job_id=job_id,
+            token=self.token,
+            trainer_id=f"{job_id}-embedded",
+            metrics=_trainer_metrics(job_id),
+        )
+        try:
+            self.store.resume(job_id, await coordinator.start())  # a re-run replaces old rows
+            self.coordinators[job_id] = coordinator
+            await self.set_status(job_id, "running", said[-1] if said else "training")
+            try:
+                async with asyncio.TaskGroup() as group:
+                    helpers = [  # stopped when the job ends
+                        group.create_task(self.assignments.grow(job_id, stages, assigned)),
+                        group.create_task(follow_load(self.bus, job_id, trainer.wiring, mb)),
+                    ]
+                    if job.rebalance.enabled:
+                        moving = rebalance(
+                            job_id, stages, job.rebalance, self.assignments, self.moves
+                        )
+                        helpers.append(group.create_task(moving))
+                    if self.embedded_trainer:
+                        group.create_task(trainer.run())
+                    await coordinator.finished.wait()
+                    for helper in helpers:
+                        helper.cancel()
+            except ExceptionGroup as failed:
+                # One child's error, unwrapped, so the scheduler tells one worth retrying (a
+                # peer gone, a broker hiccup) from a bug.
+                raise failed.exceptions[0] from failed
+            if coordinator.error:
+                raise coordinator.error
+            state = await gather_state(coordinator)
+            save_final(final_path(self.checkpoint_dir, job_id), job.training.steps, state)
+        finally:
+            self.coordinators.pop(job_id, None)
+            await trainer.close()
+            await coordinator.close()
+
+
+def _trainer_metrics(job_id: str) -> TrainerMetrics:
+    # A registry of its own, not the scheduler's: each trainer creates its metric families, and a
+    # second job's (or attempt's) in one registry would be a duplicate; so these go unscraped.
+    return TrainerMetrics(job_id, registry=CollectorRegistry())
+
+
+def final_path(checkpoint_dir: Path, job_id: str) -> Path:
+    """Where a trained job's final model lies (`{"step": ..., "state": ...}`, torch.save)."""
+    return checkpoint_dir / job_id / "final.pt"
+
+
+def save_final(path: Path, step: int, state: dict[str, torch.Tensor]) -> None:
+    """Write the final model to `path` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "state": state}, tmp)
+    tmp.replace(path)  # atomic: an export never sees half a file

@@ -1,0 +1,182 @@
+"""A replica's part of committing a step (DESIGN.md, the step protocol, 3): PREPARE checks that it
+holds exactly the step's receipts, sums its gradients and averages them with the round's group
+(butterfly all-reduce, `stage_server.averaging`); APPLY takes one optimizer step with the pool's
+average; Discard voids the step's gradients here, to be replayed elsewhere.
+
+Why the pieces sit as they do:
+- Every touch of the runtime runs on the replica's worker (`stage_server.worker`), between its
+  Forwards and Backwards: a late Backward must not reach the sums being averaged.
+- A PREPARE that fails before averaging (a stale or short ledger) aborts its round in the averager
+  at once, so the group learns it now rather than when the round times out.
+- Every replica of a pool applies the same sums with the same scale, so replicas stay bitwise
+  identical; a retried commit of an applied step changes nothing (`already`).
+- Error feedback (`stage_server.averaging.error_feedback`): a lossy averaging codec's dropped
+  precision is carried to the next step's round. A round's residuals count only once its step
+  applies here, and a stage installed anew (`serve`) starts from none.
+- Clipping needs the whole model's norm, so a clipped job commits in two phases: PREPARE reports
+  this stage's squared norm, APPLY brings the coordinator's coefficient.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from stage_server.averaging.butterfly import ChannelPool, all_reduce
+from stage_server.averaging.error_feedback import ErrorFeedback
+from stage_server.averaging.owner import Averager, flatten, unflatten
+from stage_server.messages import Limits
+from stage_server.metrics import StageMetrics
+from stage_server.runtime import Served
+from stage_server.worker import Worker
+from swarm.errors import FailedPrecondition, InvalidArgument, WireError
+from swarm.ops.faults import Point, maybe_die
+from swarm.proto import stage_pb2 as pb
+from swarm.wire import codec
+
+__all__ = ["Commit", "Committed", "Committer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One Commit call, decoded."""
+
+    job: str
+    stage: int
+    step: int
+    prepare: bool  # check the receipts, sum (and average) the gradients, keep them for apply
+    apply: bool  # apply the prepared average: one optimizer step
+    microbatches: list[int]  # the step's microbatches this replica must hold receipts of
+    total_samples: int  # the step's samples over the whole pool (the average's divisor)
+    group: list[str]  # the replicas averaging this round (addresses); one: no averaging
+    group_index: int  # this replica's place in `group`
+    round: str  # the round's id: a retried prepare of a step is another round
+    grad_scale: float = 1.0  # the clipping coefficient APPLY multiplies the gradient by
+
+    @classmethod
+    def of(cls, request: pb.StageCommitRequest) -> Commit:
+        """`request` decoded (its route is the caller's to check)."""
+        return cls(
+            job=request.job,
+            stage=request.stage,
+            step=request.step,
+            prepare=request.phase in (pb.COMMIT_PHASE_BOTH, pb.COMMIT_PHASE_PREPARE),
+            apply=request.phase in (pb.COMMIT_PHASE_BOTH, pb.COMMIT_PHASE_APPLY),
+            microbatches=list(request.microbatches),
+            total_samples=request.total_samples,
+            group=list(request.group),
+            group_index=request.group_index,
+            round=request.round,
+            grad_scale=request.grad_scale if request.HasField("grad_scale") else 1.0,
+        )
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The replica after a Commit: its step, whether the step was applied before (a retry), and
+    the squared norm of the prepared average (0.0 when nothing was prepared)."""
+
+    step: int
+    already: bool = False
+    grad_sq_norm: float = 0.0
+
+
+class Committer:
+    """Commits and discards of one replica, on the stage `runtime()` serves (read anew at each
+    call and before averaging: a stage released meanwhile is NOT_FOUND, not averaged). `averager`
+    and `channels` are its pool's averaging (served to the group by `PoolServicer`, dialled by
+    `all_reduce`), `limits` the served job's chunking and codec blocks."""
+
+    def __init__(
+        self,
+        *,
+        peer: str,
+        worker: Worker,
+        metrics: StageMetrics,
+        averager: Averager,
+        channels: ChannelPool,
+        limits: Limits,
+        runtime: Served,
+    ) -> None:
+        self.peer, self._worker, self.metrics, self._runtime = peer, worker, metrics, runtime
+        self.averager, self.channels, self.limits = averager, channels, limits
+        self.feedback = ErrorFeedback()  # what lossy averaging dropped, for the next round
+
+    def serve(self) -> None:
+        """A stage installed anew starts from no residuals."""
+        self.feedback = ErrorFeedback()
+
+    async def commit(self, c: Commit) -> Committed:
+        """Prepare and/or apply step `c.step`."""
+        rt, step, already, sq_norm = self._runtime(), c.step, False, 0.0
+        if c.prepare and c.apply and rt.job.training.grad_clip > 0:
+            raise FailedPrecondition(
+                "training.grad_clip needs the whole model's gradient norm: the coordinator "
+                "commits such a job in two phases (PREPARE, then APPLY)"
+            )
+        if c.prepare:
+            if step < rt.step:
+                return Committed(rt.step, already=True)
+            try:
+                sums = await self._worker.run(rt.prepare, step, c.microbatches, c.total_samples)
+            except WireError as e:  # tell the pool now, not when its round times out
+                self.averager.abort((c.job, c.stage, c.round), str(e))
+                raise
+            if len(c.group) > 1:
+                sums = await self._average(c, sums)
+            await self._worker.run(rt.set_prepared, step, sums, c.total_samples)
+            sq_norm = await self._worker.run(rt.prepared_sq_norm, step)
+        if c.apply:
+            if not 0.0 < c.grad_scale <= 1.0:
+                raise InvalidArgument(f"grad_scale must be in (0, 1]; got {c.grad_scale}")
+            already = await self._worker.run(rt.apply, step, c.grad_scale)
+            self.feedback.applied(c.job, c.stage, step)
+            if not already:
+                log.info("%s: stage %d committed step %d", self.peer, c.stage, step)
+            self.metrics.committed(rt.step, applied=not already)
+        return Committed(rt.step, already, sq_norm)
+
+    async def _average(self, c: Commit, sums: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The pool's summed gradient: butterfly all-reduce with the round's group."""
+        rt = self._runtime()
+        if not 0 <= c.group_index < len(c.group):
+            raise InvalidArgument(f"group_index {c.group_index} outside the group")
+        start = time.perf_counter()
+        maybe_die(Point.AVERAGING, c.step)
+        flat = flatten(sums)
+        averaged, residuals = codec.codec_from_name(rt.job.compression.averaging), None
+        if rt.job.compression.error_feedback and averaged != codec.CODEC_NONE:  # a lossy one only
+            residuals = self.feedback.start(c.job, c.stage, c.step, flat)
+        total = await all_reduce(
+            flat,
+            group=list(c.group),
+            index=c.group_index,
+            round=c.round,
+            job=c.job,
+            stage=c.stage,
+            averager=self.averager,
+            channels=self.channels,
+            codec=averaged,
+            residuals=residuals,
+            block_size=self.limits.block_size,
+            timeout_s=rt.job.runtime.averaging_timeout_s,
+            chunk_bytes=self.limits.chunk_bytes,
+            max_bytes=self.limits.max_bytes,
+            on_bytes=self.metrics.averaged,
+        )
+        self.metrics.averaging_seconds(time.perf_counter() - start)
+        if residuals is not None:
+            self.feedback.prepared(c.job, c.stage, c.step, residuals)
+        return unflatten(total, sums)
+
+    async def discard(self, step: int) -> int:
+        """Void this replica's gradients of `step`; how many microbatches were dropped."""
+        dropped = await self._worker.run(self._runtime().discard, step)
+        log.warning("%s: voided %d microbatches of step %d", self.peer, dropped, step)
+        self.metrics.accumulated(0, 0)
+        return dropped

@@ -1,0 +1,113 @@
+"""A stage server's Prometheus series (served by `swarm.ops.metrics.serve_metrics`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from swarm.ops.metrics import LABELS, LATENCY_BUCKETS
+
+__all__ = ["StageMetrics"]
+
+
+class StageMetrics:
+    """A stage server's series. The job and stage labels change when the peer is assigned a
+    stage (`bind`); the series of earlier assignments stay, as counters should."""
+
+    def __init__(self, peer: str, registry: CollectorRegistry | None = None) -> None:
+        reg = self.registry = registry or CollectorRegistry()
+        self.values = {"job": "", "stage": "", "peer": peer}
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(name, doc, [*LABELS, *extra], registry=reg)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, LABELS, registry=reg)
+
+        self._requests = counter("swarm_stage_requests_total", "RPCs handled", "method", "code")
+        self._latency = Histogram(
+            "swarm_stage_request_seconds",
+            "RPC handling time by method",
+            [*LABELS, "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self._samples = counter("swarm_stage_samples_total", "Samples accumulated by Backward")
+        self._wire_in = counter(
+            "swarm_stage_wire_bytes_received_total", "Tensor bytes received, as encoded on the wire"
+        )
+        self._raw_in = counter(
+            "swarm_stage_raw_bytes_received_total",
+            "Tensor bytes received, decoded (before compression)",
+        )
+        self._wire_out = counter(
+            "swarm_stage_wire_bytes_sent_total", "Tensor bytes sent, as encoded on the wire"
+        )
+        self._raw_out = counter(
+            "swarm_stage_raw_bytes_sent_total", "Tensor bytes sent, before compression"
+        )
+        self._steps = counter("swarm_stage_optimizer_steps_total", "Optimizer steps applied")
+        self._queue = gauge("swarm_stage_queue_depth", "Compute requests waiting or running")
+        self._pending = gauge(
+            "swarm_stage_pending_receipts", "Microbatches accumulated for the current step"
+        )
+        self._step = gauge("swarm_stage_step", "Steps committed on this replica")
+        self._avg_seconds = Histogram(
+            "swarm_stage_averaging_seconds",
+            "Time of a pool's averaging round",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self._avg_sent = counter(
+            "swarm_stage_averaging_bytes_sent_total",
+            "Gradient bytes sent to the pool while averaging",
+        )
+        self._avg_received = counter(
+            "swarm_stage_averaging_bytes_received_total",
+            "Gradient bytes received from the pool while averaging",
+        )
+        # 1 from the start, labelled with the peer id: an idle peer (no job yet, so no other
+        # series) is still seen by whoever scrapes it.
+        self._info = Gauge("swarm_peer_info", "This stage server (1)", ["peer"], registry=reg)
+        self.identify(peer)
+
+    def identify(self, peer: str) -> None:
+        """The peer id is `peer` (known once the server listens: it may default to its address)."""
+        self._info.clear()
+        self._info.labels(peer=peer).set(1)
+        self.values = {**self.values, "peer": peer}
+
+    def bind(self, job: str, stage: int) -> None:
+        self.values = {**self.values, "job": job, "stage": str(stage)}
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        self._requests.labels(**self.values, method=method, code=code).inc()
+        self._latency.labels(**self.values, method=method).observe(seconds)
+
+    def received(self, wire_bytes: int, raw_bytes: int) -> None:
+        self._wire_in.labels(**self.values).inc(wire_bytes)
+        self._raw_in.labels(**self.values).inc(raw_bytes)
+
+    def sent(self, wire_bytes: int, raw_bytes: int) -> None:
+        self._wire_out.labels(**self.values).inc(wire_bytes)
+        self._raw_out.labels(**self.values).inc(raw_bytes)
+
+    def accumulated(self, samples: int, pending: int) -> None:
+        self._samples.labels(**self.values).inc(samples)
+        self._pending.labels(**self.values).set(pending)
+
+    def committed(self, step: int, applied: bool) -> None:
+        if applied:
+            self._steps.labels(**self.values).inc()
+        self._step.labels(**self.values).set(step)
+        self._pending.labels(**self.values).set(0)
+
+    def averaged(self, sent: int, received: int) -> None:
+        self._avg_sent.labels(**self.values).inc(sent)
+        self._avg_received.labels(**self.values).inc(received)
+
+    def averaging_seconds(self, seconds: float) -> None:
+        self._avg_seconds.labels(**self.values).observe(seconds)
+
+    def queue(self, delta: int) -> None:
+        self._queue.labels(**self.values).inc(delta)

@@ -1,0 +1,131 @@
+"""The push data plane's next hop: a replica sends its outputs straight to a replica of the next
+stage (`Push`), chosen as a trainer chooses, and collects what comes back along the same call
+(the gradient of its outputs, every later stage's receipt, the loss).
+
+Who to send to: the least-loaded healthy replica among those the request's route names, by the
+smallest expected finish time (`swarm.policy.wiring`, fed by this replica's own in-flight calls
+and measured service times). A replica that answers busy gets the next try elsewhere and is not
+banned; one that fails is banned with backoff and the hop is tried on another.
+
+Exactness: a failed call may have accumulated downstream all the same (it died after the
+backward, say). Its stages are never asked to accumulate again from here: the later tries only
+fetch the gradient this replica needs, and those stages go back to the trainer as `uncertain`:
+the coordinator adopts the receipts a replica holds, or replays the stage (as it does for an
+uncertain call of the relay plane).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.clock import MonotonicClock
+from swarm.errors import PeerUnavailable
+from swarm.job.config import JobConfig
+from swarm.policy.wiring import Wiring
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.hop import HopFailed, any_error, hop
+from swarm.rpc.routes import ClientFactory, Routes, members_of
+from swarm.rpc.stage_client import PushResult, StageClient, TensorLike, named
+
+__all__ = ["NextHop", "Pushed"]
+
+
+@dataclass
+class Pushed:
+    """What came back from the stages after this one."""
+
+    grad: TensorLike | None  # the gradient of this stage's outputs (when asked for)
+    receipts: list[pb.Receipt] = field(default_factory=list)
+    uncertain: set[int] = field(default_factory=set)
+    loss_sum: float = 0.0
+
+
+class NextHop:
+    """The stage after this replica's as it sees it: a pool and a client per replica, following
+    the routes requests carry (`swarm.rpc.routes`), and the one hop loop (`swarm.rpc.hop`)."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        job_id: str,
+        stage: int,
+        token: str | None,
+        attempts: int = 4,
+        client_factory: ClientFactory = StageClient,
+    ) -> None:
+        self.job, self.stage, self.attempts = job, stage, attempts
+        wiring = Wiring(
+            job.training.stages,
+            clock=MonotonicClock(),
+            rng=random.Random(),
+            task_samples=job.training.microbatch_size,
+        )
+        self.routes = Routes(job, job_id, token, wiring, client_factory)
+
+    async def send(
+        self,
+        step: int,
+        index: int,
+        outputs: torch.Tensor,
+        targets: torch.Tensor,
+        accumulate: list[int],
+        route: list[pb.Route],
+        *,
+        need_grad: bool,
+        deadline: float,
+        evaluate: bool = False,
+    ) -> Pushed:
+        """Send `outputs` on to the next stage (tries on others as above); raises
+        `PeerUnavailable` when no replica of it gave what this replica needs (`evaluate`: a
+        validation microbatch, whose loss it needs)."""
+        stage = self.stage + 1
+        if not route:
+            raise PeerUnavailable(f"stage {stage}: the request named no replica of it")
+        self.routes.follow(stage, members_of(route[0]))
+
+        def call(client: StageClient, accumulating: bool) -> Awaitable[PushResult]:
+            return client.push(
+                step,
+                index,
+                outputs,
+                targets,
+                accumulate if accumulating else [],
+                route[1:],
+                need_grad_inputs=need_grad,
+                timeout=deadline - time.monotonic(),
+                evaluate=evaluate,
+            )
+
+        try:
+            done = await hop(
+                self.routes,
+                stage,
+                call,
+                attempts=self.attempts,
+                accumulate=bool(accumulate),
+                need_result=need_grad or evaluate,
+                deadline=deadline,
+                landed=any_error,  # what it passed on before failing may have accumulated
+            )
+        except HopFailed as e:
+            raise PeerUnavailable(f"no replica took the microbatch: {e}") from e
+        # Stages this hop asked to accumulate at and may have, but cannot say: uncertain.
+        uncertain = set(accumulate) if accumulate and not done.accumulated else set()
+        if done.result is None:
+            return Pushed(None, [], uncertain)
+        result, peer = done.result, done.peer
+        assert peer is not None
+        return Pushed(
+            result.grad_inputs,
+            named(result.receipts, stage, peer),
+            uncertain | set(result.uncertain),
+            result.loss_sum,
+        )
+
+    async def close(self) -> None:
+        await self.routes.close()

@@ -1,0 +1,154 @@
+"""How a stage's state moves into and out of a replica, as the pool and the coordinator ask: a
+member serves a snapshot of its state (DownloadState) and the updates it applied since
+(Updates) to a replica copying it; a joining replica answers the coordinator's Join with how far
+its copy of a member has come (the copy itself runs in `stage_server.copying`); LoadState
+installs a state the coordinator sends (a rollback to a checkpoint).
+
+Invariants, and why:
+- A snapshot and the update log are read on the replica's worker, between updates: the state is
+  of one step, and a follower registered there misses no update after it.
+- A joining replica becomes a member only at a step its copy has reached: Join answers -1 until
+  the copy is loaded and following, and the coordinator never takes -1 for a member's step.
+- One copy at a time, of the source the coordinator names: another source, a new assignment or a
+  rollback cancels the running one; a failed one is started again by the next Join.
+- A state to load is bounded before it is held: at most what the stage's state can take, every
+  tensor one of the stage's, so a sender cannot size this process's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from stage_server.copying import Copy
+from stage_server.messages import Limits, Route
+from stage_server.metrics import StageMetrics
+from stage_server.runtime import Served
+from stage_server.update_log import Update
+from stage_server.worker import Worker
+from swarm.errors import InvalidArgument, ResourceExhausted
+from swarm.ops.faults import Point, maybe_die
+from swarm.rpc.stage_client import StageClient
+from swarm.wire import chunking as wire
+
+__all__ = ["StateTransfer"]
+
+log = logging.getLogger(__name__)
+
+
+class StateTransfer:
+    """The state transfers of one replica, of the stage `runtime()` serves (read where each
+    transfer starts, and again before a received state is loaded), and the background copy it may
+    be running."""
+
+    def __init__(
+        self,
+        *,
+        peer: str,
+        token: str | None,
+        worker: Worker,
+        metrics: StageMetrics,
+        runtime: Served,
+    ) -> None:
+        self.peer, self.token, self._worker, self.metrics = peer, token, worker, metrics
+        self._runtime = runtime
+        self.copy: Copy | None = None  # a joining replica's background copy of a member
+
+    def stop_copy(self) -> None:
+        if self.copy is not None:
+            self.copy.task.cancel()
+            self.copy = None
+
+    async def join(self, job_id: str, source: str, step: int) -> int:
+        """The coordinator asks this replica to join at `step` from the member at `source`: the
+        step this replica is at as a copy of `source` (-1: nothing copied yet). Starts a copy
+        when none of `source` is running."""
+        rt, copy = self._runtime(), self.copy
+        if copy is not None and copy.address == source and copy.running:
+            if copy.loaded and rt.following and rt.step < step:
+                # The update it lacks was just applied at the source: fetch it now.
+                await copy.reach(step, rt.job.runtime.rpc_timeout_s / 4)
+            if copy.loaded and rt.following and rt.step == step:
+                log.info(
+                    "%s: joined stage %d at step %d from %s", self.peer, rt.stage, rt.step, source
+                )
+                self.metrics.committed(rt.step, applied=False)
+            return rt.step if copy.loaded and rt.following else -1
+        if copy is not None and copy.error is not None and copy.address == source:
+            log.info("%s: copying %s again after: %s", self.peer, source, copy.error)
+        # Not copying `source` (a first ask, another source, a copy that failed or ended): start
+        # one; the answer is where this replica is now, which the coordinator does not take for
+        # a member's step.
+        self.stop_copy()
+        client = StageClient(source, rt.job, job_id, rt.stage, self.token)
+        self.copy = Copy(client, rt, self._worker.run, self.peer)
+        return -1
+
+    async def updates(self, follower: str, from_step: int) -> list[Update]:
+        """The updates `follower` lacks from `from_step` on (read between updates, on the worker:
+        the log and the step move together there)."""
+        return await self._worker.run(self._runtime().updates.since, follower, from_step)
+
+    async def snapshot(
+        self, follower: str, include_optimizer: bool
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """This replica's state and its step, taken between updates so it is of one step. A
+        `follower` (a joining peer) has the updates after it kept for it."""
+        rt = self._runtime()
+
+        def take() -> tuple[int, dict[str, torch.Tensor]]:
+            if follower:
+                rt.updates.follow(follower, rt.step)
+            return rt.step, rt.export_state(include_optimizer)
+
+        step, state = await self._worker.run(take)
+        maybe_die(Point.STATE_DOWNLOAD, step)
+        return step, state
+
+    async def load(self, requests: AsyncIterator[Any], route: Route, limits: Limits) -> int:
+        """Receive a LoadState stream (each message within `limits`, each routed by `route`) and
+        become the replica whose state it holds (a rollback); the state's step."""
+        step, state = await self._receive(requests, route, limits)
+        self.stop_copy()  # a copy of the state before it is moot
+        await self._worker.run(self._runtime().load_state, step, state)
+        log.warning(
+            "%s: loaded stage %d's state of step %d (a rollback)",
+            self.peer,
+            self._runtime().stage,
+            step,
+        )
+        self.metrics.committed(step, applied=False)
+        return step
+
+    async def _receive(
+        self, requests: AsyncIterator[Any], route: Route, limits: Limits
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """The whole state is at most what this stage's can take, and every tensor must be one
+        of the stage's: bytes beyond either are refused, not held until memory runs out."""
+        stream, state, step = requests.__aiter__(), {}, -1
+        rt = self._runtime()
+        budget = rt.max_state_bytes()
+        while True:
+            limit = min(limits.max_bytes, budget)
+            try:
+                received = await wire.receive(stream, max_bytes=limit)
+            except wire.EndOfStream:
+                break
+            except ResourceExhausted as e:
+                raise ResourceExhausted(
+                    f"{e}: stage {rt.stage}'s state takes at most {rt.max_state_bytes()} "
+                    f"bytes, of which {rt.max_state_bytes() - budget} were sent already"
+                ) from None
+            route(received.header.job, received.header.stage)
+            step = received.header.step
+            tensors = wire.decode_named(received, max_bytes=limit)
+            budget -= sum(t.nbytes for t in tensors.values())
+            for name, tensor in tensors.items():
+                rt.check_state_tensor(name, tensor)
+                state[name] = tensor.clone()  # the wire buffer is read-only
+        if step < 0:
+            raise InvalidArgument("LoadState carried no state")
+        return step, state

@@ -1,0 +1,126 @@
+"""What one stage accepts from a peer: the tensors of a Forward, Backward or ForwardBackward
+(inputs, targets, output gradients) and of a state to load, each checked against the stage's own
+shapes, dtypes and bounds before any compute or allocation.
+
+Why here and not at each use: a bad tensor must be refused with INVALID_ARGUMENT, never reach
+torch (where it would be an internal error, or silently broadcast), and a size a peer declares
+must be refused before its bytes are held (`max_request_bytes`, `max_state_bytes`). The checks
+depend only on the job and the stage's structure, never on its parameters' values, so they hold
+for every replica of the stage alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.errors import InvalidArgument
+from swarm.job.config import JobConfig
+from swarm.model.transformer import DTYPES
+
+__all__ = ["TensorChecks"]
+
+
+class TensorChecks:
+    """Checks for stage `stage` of `job`, whose module is `module`; accepted tensors are moved to
+    `device`."""
+
+    def __init__(
+        self, job: JobConfig, stage: int, module: torch.nn.Module, device: torch.device
+    ) -> None:
+        self.job, self.stage, self.device = job, stage, device
+        self.dtype = DTYPES[job.training.dtype]
+        self.is_first = stage == 0
+        self.delayed = job.training.delayed_update
+        self._sizes = [p.numel() for p in module.parameters()]  # by optimizer index
+        self._shapes = {f"param/{k}": v.shape for k, v in module.state_dict().items()}
+
+    def inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Stage 0: int64 token ids [batch, seq] within the vocabulary; any other stage: hidden
+        states [batch, seq, d_model] in the job's dtype. At most a microbatch of samples."""
+        cfg = self.job.model
+        if self.is_first:
+            if inputs.dtype != torch.int64 or inputs.dim() != 2:
+                raise InvalidArgument(
+                    f"stage 0 takes int64 token ids [batch, seq]; got {inputs.dtype} "
+                    f"{list(inputs.shape)}"
+                )
+            if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= cfg.vocab_size):
+                raise InvalidArgument(f"token ids must lie in [0, {cfg.vocab_size})")
+        elif inputs.dtype != self.dtype or inputs.dim() != 3 or inputs.shape[2] != cfg.d_model:
+            raise InvalidArgument(
+                f"stage {self.stage} takes {self.job.training.dtype} [batch, seq, {cfg.d_model}]; "
+                f"got {inputs.dtype} {list(inputs.shape)}"
+            )
+        if not 1 <= inputs.shape[1] <= cfg.seq_len or inputs.shape[0] < 1:
+            raise InvalidArgument(
+                f"batch must be >= 1 and seq in 1..{cfg.seq_len}; got {list(inputs.shape)}"
+            )
+        if inputs.shape[0] > self.job.training.microbatch_size:  # activations grow with it
+            raise InvalidArgument(
+                f"batch of {inputs.shape[0]} samples; a microbatch has at most "
+                f"training.microbatch_size = {self.job.training.microbatch_size}"
+            )
+        return inputs.to(self.device)
+
+    def grad(self, grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The gradient of `like` (the stage's outputs): its shape and dtype."""
+        if grad.shape != like.shape or grad.dtype != like.dtype:
+            raise InvalidArgument(
+                f"grad_outputs must be {like.dtype} {list(like.shape)}; "
+                f"got {grad.dtype} {list(grad.shape)}"
+            )
+        return grad.to(self.device)
+
+    def targets(self, targets: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The last stage's targets: int64 token ids [batch, seq] of `inputs`, in the vocabulary."""
+        vocab = self.job.model.vocab_size
+        if targets.dtype != torch.int64 or tuple(targets.shape) != tuple(inputs.shape[:2]):
+            raise InvalidArgument(
+                f"targets must be int64 {list(inputs.shape[:2])}; "
+                f"got {targets.dtype} {list(targets.shape)}"
+            )
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+            raise InvalidArgument(f"targets must lie in [0, {vocab})")
+        return targets.to(self.device)
+
+    def max_request_bytes(self) -> int:
+        """The most tensor bytes a Forward, Backward or ForwardBackward of one microbatch can
+        carry (two tensors of at most [microbatch_size, seq_len, d_model] 8-byte values): larger
+        declared sizes are refused before anything is allocated."""
+        m, t = self.job.model, self.job.training
+        return 2 * t.microbatch_size * m.seq_len * max(m.d_model, 1) * 8
+
+    def max_state_bytes(self) -> int:
+        """The most bytes a state for this stage can take (parameters and an optimizer's state
+        of at most three tensors per parameter, at 8 bytes a value, and a little for scalars):
+        LoadState refuses more."""
+        return 4 * 8 * sum(t.numel() for t in self._shapes.values()) + (1 << 20)
+
+    def state_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """One tensor of a state to load must be one of this stage's (`swarm.model.stage_state`
+        names): `param/<name>` (or, with delayed_update, `prev/<name>`: the parameters before
+        the last update) with its parameter's shape, or `optim/<index>/<key>` of a parameter
+        with that parameter's size or one value."""
+        if name.startswith("param/") or (self.delayed and name.startswith("prev/")):
+            shape = self._shapes.get("param/" + name.split("/", 1)[1])
+            if shape is None:
+                raise InvalidArgument(f"stage {self.stage} has no parameter {name!r}")
+            if tensor.shape != shape:
+                raise InvalidArgument(
+                    f"{name} must have shape {list(shape)}; got {list(tensor.shape)}"
+                )
+            return
+        parts = name.split("/", 2)
+        if len(parts) == 3 and parts[0] == "optim" and parts[1].isdecimal():
+            index = int(parts[1])
+            if index < len(self._sizes):
+                if tensor.numel() in (1, self._sizes[index]):
+                    return
+                raise InvalidArgument(
+                    f"{name} has {tensor.numel()} values; parameter {index} has "
+                    f"{self._sizes[index]}"
+                )
+        raise InvalidArgument(
+            f"{name!r} is not part of stage {self.stage}'s state (param/<name>, or "
+            f"optim/<parameter index below {len(self._sizes)}>/<key>)"
+        )

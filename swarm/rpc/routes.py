@@ -1,0 +1,126 @@
+"""The replicas a sender routes to: the wiring's pool for each stage it sends to and one client
+per replica, following the members it is told of. A trainer follows the coordinator's view of
+every stage (each lease carries it); a replica on the push plane follows the route each request
+carries for the stage after its own. Both go through `Routes.follow`, so a peer that left, moved
+to another stage (rebalancing) or came back at another address is treated the same everywhere.
+
+A replaced client is not closed at once: calls may still be in flight on it, so it is retired
+and closed once their deadline has passed (`Retiring`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from swarm.job.config import JobConfig
+from swarm.policy.wiring import Wiring
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.lease import Replica
+from swarm.rpc.stage_client import StageClient
+
+__all__ = ["ClientFactory", "Retiring", "Routes", "members_of"]
+
+
+class ClientFactory(Protocol):
+    """Makes the client of one replica: `StageClient` itself (unit tests give fakes)."""
+
+    def __call__(
+        self, address: str, job: JobConfig, job_id: str, stage: int, token: str | None, /
+    ) -> StageClient: ...
+
+
+class Retiring:
+    """Stage clients that were replaced (their peer left, moved or came back at another address):
+    each is closed once the calls it may still carry have had their deadline, `grace_s`."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._closing: dict[asyncio.Task[None], StageClient] = {}
+
+    def retire(self, client: StageClient | None) -> None:
+        if client is None:
+            return
+
+        async def close() -> None:
+            await asyncio.sleep(self.grace_s)
+            await client.close()
+
+        task = asyncio.get_running_loop().create_task(close())
+        self._closing[task] = client
+        task.add_done_callback(lambda t: self._closing.pop(t, None))
+
+    def __len__(self) -> int:
+        """How many are still waiting to be closed."""
+        return len(self._closing)
+
+    async def close(self) -> None:
+        """Close every retiring client now (their owner is closing)."""
+        closing, self._closing = self._closing, {}
+        for task in closing:
+            task.cancel()
+        await asyncio.gather(*(c.close() for c in closing.values()))
+
+
+def members_of(route: pb.Route) -> list[Replica]:
+    """The replicas a push request's route names for one stage (a missing throughput: unknown)."""
+    speeds = list(route.throughput)
+    return [
+        Replica(peer, address, speeds[i] if i < len(speeds) else 0.0)
+        for i, (peer, address) in enumerate(zip(route.peers, route.addresses, strict=False))
+    ]
+
+
+class Routes:
+    """A pool per stage (`wiring`) and a client per replica (`clients`), kept to the members."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        job_id: str,
+        token: str | None,
+        wiring: Wiring,
+        client_factory: ClientFactory = StageClient,
+    ) -> None:
+        self.job, self.job_id, self.token, self.wiring = job, job_id, token, wiring
+        self.clients: dict[str, StageClient] = {}
+        self.retiring = Retiring(job.runtime.rpc_timeout_s)
+        self._client_factory = client_factory
+
+    def follow(self, stage: int, members: Iterable[Replica]) -> None:
+        """Make `stage`'s pool exactly `members`: one that left the stage leaves the pool and
+        its client is retired; a new one enters at its announced throughput (unknown: 1.0, so
+        it is tried soon); one whose address changed gets a new client."""
+        present = {r.peer: r for r in members}
+        pool = self.wiring[stage]
+        for gone in [p for p in pool if p not in present]:
+            self.wiring.remove(gone)
+            self.retiring.retire(self.clients.pop(gone, None))
+        for peer, r in present.items():
+            client = self.clients.get(peer)
+            if client is not None and (client.address, client.stage) != (r.address, stage):
+                self.retiring.retire(self.clients.pop(peer))
+                client = None
+            if client is None:
+                self.clients[peer] = self._client_factory(
+                    r.address, self.job, self.job_id, stage, self.token
+                )
+            if peer not in pool:
+                self.wiring.add(peer, stage, r.throughput if r.throughput > 0 else 1.0)
+
+    def follow_all(self, replicas: Sequence[Sequence[Replica]]) -> set[str]:
+        """Follow every stage's members at once (a coordinator's view); returns the peers that
+        left every stage. A view of another number of stages (the job not started yet, whose
+        lease names none) changes nothing."""
+        if len(replicas) != self.wiring.num_stages:
+            return set()
+        present = {r.peer for members in replicas for r in members}
+        departed = self.clients.keys() - present
+        for stage, members in enumerate(replicas):
+            self.follow(stage, members)
+        return departed
+
+    async def close(self) -> None:
+        await self.retiring.close()
+        await asyncio.gather(*(c.close() for c in self.clients.values()))
+        self.clients.clear()
