@@ -1,6 +1,6 @@
 """Hosts of their own on one machine: a network namespace per host, each with its own address on
 one bridge, optionally with a tbf-shaped link (root only; `netem` is not needed). The WAN
-benchmark (`bench/wan.py`) and the many-hosts test (`tests/test_many_hosts.py`) build their
+benchmark (`bench/wan.py`) and the many-hosts test (`tests/system/test_many_hosts.py`) build their
 swarms on it; everything is created and removed by the run that made it.
 """
 

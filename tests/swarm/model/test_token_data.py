@@ -19,7 +19,7 @@ from swarm.model.prepare import prepare_data
 from swarm.model.reference import train_local
 from tests.support.jobs import write_job
 
-CORPUS = Path(__file__).resolve().parent.parent / "examples" / "data" / "corpus.txt"
+CORPUS = Path(__file__).resolve().parents[3] / "examples" / "data" / "corpus.txt"
 
 
 def _bpe(tmp_path: Path, vocab_size: int = 300) -> Path:

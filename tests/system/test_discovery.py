@@ -1,6 +1,5 @@
-"""Prometheus finds the swarm by itself: the scheduler's `/sd` (the `http_sd_configs` format) lists
-itself and every live peer; the real Prometheus server, given only that URL, scrapes a series from
-every process; `promtool check metrics` passes on every `/metrics`."""
+"""Prometheus finds a live swarm by itself: the real Prometheus server, given only the scheduler's
+`/sd` URL, scrapes every process. The `/sd` answer itself: tests/scheduler/test_discovery.py."""
 
 from __future__ import annotations
 
@@ -18,52 +17,20 @@ from typing import Any
 import pytest
 
 from client.sdk import SchedulerClient
-from scheduler.discovery import sd_targets
 from swarm.local.procs import start_local_swarm
-from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2
 from tests.support.jobs import write_job
 from tests.support.ports import free_address
 
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
-ROOT = Path(__file__).resolve().parent.parent
+
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=10) as response:
         return bytes(response.read())
-
-
-def test_sd_lists_the_scheduler_and_each_peer_with_a_metrics_port() -> None:
-    serving = cpb.PeerAnnouncement(
-        peer="p1", metrics_address="10.0.0.2:9101", state=cpb.PEER_STATE_SERVING, job="j-1", stage=2
-    )
-    idle = cpb.PeerAnnouncement(peer="p0", metrics_address="[fd00::3]:9101")
-    blind = cpb.PeerAnnouncement(peer="p2", address="10.0.0.4:7000")  # no /metrics: not listed
-    groups = sd_targets("10.0.0.1:9100", [serving, idle, blind])
-    assert groups == [
-        {"targets": ["10.0.0.1:9100"], "labels": {"swarm_role": "scheduler"}},
-        {
-            "targets": ["[fd00::3]:9101"],
-            "labels": {
-                "swarm_role": "peer",
-                "swarm_peer": "p0",
-                "swarm_state": "unspecified",
-                "swarm_job": "",
-                "swarm_stage": "",
-            },
-        },
-        {
-            "targets": ["10.0.0.2:9101"],
-            "labels": {
-                "swarm_role": "peer",
-                "swarm_peer": "p1",
-                "swarm_state": "serving",
-                "swarm_job": "j-1",
-                "swarm_stage": "2",
-            },
-        },
-    ]
 
 
 async def _submit(scheduler: str, job: Path) -> str:

@@ -19,10 +19,10 @@ from stage_server.averaging.error_feedback import ErrorFeedback, Residuals
 from stage_server.averaging.owner import split_parts
 from swarm.ops.progress import StepRecord
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE
+from tests.stage_server.averaging.test_butterfly import assert_identical
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
 from tests.support.pools import JOB, MiB, Replica, replicas
-from tests.test_averaging import assert_identical
 
 N, NUMEL, BLOCK, ROUNDS = 2, 4000, 1000, 40
 HALF_STEP = 1 / 254  # int8 absmax: half a quantization step, per unit of the block's largest value

@@ -24,7 +24,7 @@ from tests.support.jobs import write_job
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "swt-"
 SUBNET = "10.78.0"
 PEERS = [f"peer{i}" for i in range(4)]

@@ -13,11 +13,9 @@ import torch
 
 from swarm.errors import ConfigError
 from swarm.job.config import load_job
-from swarm.local.procs import start_stage_servers, stop_all
 from swarm.model.hf import write_hf
 from swarm.model.transformer import build_model, build_stage
-from tests.support.cli import swarm
-from tests.support.equality import assert_states_within, local_state
+from tests.support.equality import local_state
 from tests.support.jobs import write_job
 
 LLAMA = {"kind": "llama", "n_heads": 4, "n_kv_heads": 2}
@@ -56,23 +54,6 @@ def test_a_job_starts_from_the_checkpoint_and_each_stage_reads_its_own_layers(
     shutil.copytree(tmp_path / "pretrained", moved / "pretrained")
     shutil.copy(tmp_path / "finetune.toml", moved / "finetune.toml")
     assert load_job(moved / "finetune.toml").fingerprint() == job.fingerprint()  # contents count
-
-
-@pytest.mark.slow
-def test_fine_tuning_over_stage_servers_equals_swarm_local(tmp_path: Path) -> None:
-    _pretrained(tmp_path)
-    job = _finetune(tmp_path)
-    servers = start_stage_servers(job, 3, log_dir=tmp_path)
-    try:
-        addresses = ",".join(s.address for s in servers)
-        out = tmp_path / "swarm.pt"
-        swarm("trainer", "--job", str(job), "--stage-servers", addresses, "--out", str(out))
-    finally:
-        stop_all(servers)
-    state = torch.load(out)
-    assert_states_within(state, local_state(job), tol=1e-9)
-    start = build_model(load_job(job)).state_dict()
-    assert max((state[k] - v).abs().max().item() for k, v in start.items()) > 1e-4  # it trained
 
 
 def test_a_changed_or_foreign_checkpoint_is_refused(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """Evaluation: `[training] eval_every` runs fixed validation microbatches forward only, and the
 validation data is held out (`data.val_fraction`: the data file's tail; `data.val_path`: a file
 of its own, pinned by hash like the data). The pipeline's figures against `swarm local` are in
-tests/test_pipeline_integration.py; here the data split, the reference's rule, the record kept
-by the scheduler's store and what the progress bar shows."""
+tests/system/test_pipeline_integration.py; here the data split, the reference's rule, the record
+kept by the scheduler's store and what the progress bar shows."""
 
 from __future__ import annotations
 

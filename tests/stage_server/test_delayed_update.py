@@ -6,7 +6,6 @@ replays, joins, kills during the overlapped averaging, and rollback."""
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 
@@ -19,18 +18,16 @@ from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from stage_server.runtime import StageRuntime
 from swarm.errors import FailedPrecondition, InvalidArgument
-from swarm.job.config import JobConfig, load_job
+from swarm.job.config import JobConfig
 from swarm.model.data import make_data
 from swarm.model.optim import computes_on
 from swarm.model.reference import train_local
 from swarm.model.transformer import build_model, loss_sum
-from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import Lease, MicrobatchResult, Working
-from tests.support.equality import assert_equal_to_local, assert_states_within, local_state
+from tests.support.equality import assert_equal_to_local, assert_states_within
 from tests.support.inprocess import Swarm
-from tests.support.jobs import make_job, write_job
-from tests.test_faults import Servers, _count, _train
+from tests.support.jobs import make_job
 
 DELAYED = {"delayed_update": True}
 
@@ -279,103 +276,3 @@ async def test_a_replica_joining_mid_job_computes_as_the_others(
 
 
 # -- real processes, SIGKILL ---------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("data_plane", "stage", "point"),
-    [("relay", 1, Point.AVERAGING), ("push", 0, Point.AVERAGING), ("push", 3, Point.BACKWARD)],
-)
-def test_a_replica_killed_during_the_overlapped_averaging_stays_exact(
-    tmp_path: Path, data_plane: str, stage: int, point: Point
-) -> None:
-    """`s{stage}r0` dies in step 2's averaging, which runs while step 3's microbatches do (or
-    at a backward of step 2): it held gradients of both steps. Step 2's are replayed on the
-    parameters before step 1's update, step 3's on those after it, and the result is exact."""
-    job = write_job(
-        tmp_path,
-        training={"steps": 6, "target_batch_size": 16, **DELAYED},
-        runtime={"data_plane": data_plane},
-    )
-    layout = [2 if k == stage else 1 for k in range(4)]
-    fault = Fault(f"s{stage}r0", point, 2)
-    servers = Servers(job, layout, [fault], tmp_path, slow=frozenset({f"s{stage}r1"}))
-    victim = servers.procs[fault.target]
-    records: list[StepRecord] = []
-    try:
-        state, registry = _train(servers, records.append)
-    finally:
-        servers.stop()
-    assert victim.proc.returncode == -signal.SIGKILL, "the fault must have killed the replica"
-    assert_equal_to_local(job, state, tol=1e-9)
-    assert [r.step for r in records] == list(range(6))
-    if point == Point.AVERAGING:
-        assert _count(registry, "swarm_coordinator_aborted_rounds_total") >= 1
-        assert _count(registry, "swarm_coordinator_replays_total") >= 1
-
-
-@pytest.mark.slow
-def test_a_recipe_job_with_delayed_update_stays_exact_through_a_kill_a_rejoin_and_a_rollback(
-    tmp_path: Path,
-) -> None:
-    """Clipping that bites and a warm-up + cosine schedule: s1r0 dies averaging step 2, comes
-    back and copies a member (with the parameters the open step computes on), then stage 2's
-    only replica is wiped out and every stage rolls back to a checkpoint that holds them."""
-    recipe = {"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3}
-    training = {"steps": 14, "target_batch_size": 16, "checkpoint_every": 2, "grad_clip": 0.3}
-    job = write_job(tmp_path, training=training | DELAYED, optimizer=recipe)
-    fault = Fault("s1r0", Point.AVERAGING, 2)
-    servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path, slow=frozenset({"s1r1"}))
-    victim, done = servers.procs["s1r0"], set[str]()
-
-    def chaos(record: StepRecord) -> None:
-        if record.step == 2 and "restart" not in done:
-            done.add("restart")
-            servers.restart("s1r0")
-        elif done == {"restart"} and "joined stage 1 at step" in servers.procs["s1r0"].log():
-            done.add("wipe")
-            servers.procs["s2r0"].kill()
-            servers.restart("s2r0")
-
-    try:
-        state, registry = _train(servers, chaos, tmp_path / "ckpt")
-    finally:
-        servers.stop()
-    assert victim.proc.returncode == -signal.SIGKILL
-    assert done == {"restart", "wipe"}, "s1r0 must have joined before the job ended"
-    assert _count(registry, "swarm_coordinator_replays_total") >= 1
-    assert _count(registry, "swarm_coordinator_rollbacks_total") == 1
-    assert_equal_to_local(job, state, tol=1e-9)
-    synchronous = write_job(tmp_path, "sync", training=training, optimizer=recipe)
-    far = max((state[k] - v).abs().max().item() for k, v in local_state(synchronous).items())
-    assert far > 1e-4, far  # the staleness is not idle
-
-
-@pytest.mark.slow
-def test_evaluations_with_delayed_update_are_of_the_parameters_each_step_computes_on(
-    tmp_path: Path,
-) -> None:
-    """Llama on 4 stages of 2 replicas, evaluated every 3 steps, a replica killed at the first
-    forward of step 3: every validation loss equals the reference's (step t's of the parameters
-    step t computes on, the final one of the trained parameters)."""
-    job = write_job(
-        tmp_path,
-        model={"kind": "llama", "n_heads": 2, "n_kv_heads": 1},
-        training={"steps": 8, "target_batch_size": 16, "eval_every": 3, **DELAYED},
-        runtime={"data_plane": "push"},
-    )
-    servers = Servers(job, [2, 2, 2, 2], [Fault("s2r0", Point.FORWARD, 3)], tmp_path)
-    records: list[StepRecord] = []
-    try:
-        state, _ = _train(servers, records.append)
-    finally:
-        servers.stop()
-    assert servers.procs["s2r0"].proc.returncode == -signal.SIGKILL
-    assert_equal_to_local(job, state, tol=1e-9)
-    reference: list[StepRecord] = []
-    train_local(load_job(job), on_step=reference.append)
-    evals = [(r.step, r.val_loss) for r in records if r.val_loss is not None]
-    expected = [(r.step, r.val_loss) for r in reference if r.val_loss is not None]
-    assert [s for s, _ in evals] == [s for s, _ in expected] == [0, 3, 6, 8]
-    for (_, a), (_, b) in zip(evals, expected, strict=True):
-        assert a is not None and b is not None and abs(a - b) <= 1e-9 * b

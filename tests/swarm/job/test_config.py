@@ -22,7 +22,7 @@ from swarm.job.config import (
 )
 from swarm.job.pinning import pin_data
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 TEXT = b"It is wise to turn circumstances to good account. " * 4  # 200 bytes > seq_len + 1
 
 # Sections as {key: TOML literal}; "" holds top-level keys. None in an override deletes a key,

@@ -196,7 +196,7 @@ def test_trainer_killed_and_broker_restarted_mid_job(tmp_path: Path, mosquitto: 
 
 def test_demo_trains_through_a_killed_replica_and_cleans_up(tmp_path: Path) -> None:
     # 40 steps: the replica is killed between step 20 and step 37, whatever the machine's load
-    corpus = Path(__file__).resolve().parent.parent / "examples" / "data" / "corpus.txt"
+    corpus = Path(__file__).resolve().parents[2] / "examples" / "data" / "corpus.txt"
     job = write_job(
         tmp_path,
         model={"vocab_size": 256},

@@ -1,0 +1,18 @@
+"""The multi-process tests: every test here is marked slow (`make test-fast` leaves them out, CI
+runs them), and the fixtures they share with the unit tests of the same code."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.swarm.bus.test_connection import broker  # noqa: F401
+from tests.swarm.net.test_tls import pki  # noqa: F401
+from tests.swarm.wire.test_chunking import stub  # noqa: F401
+
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.slow)

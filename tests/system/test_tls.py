@@ -1,0 +1,136 @@
+"""TLS with the swarm's own CA across real processes: stage servers, the embedded broker and
+Mosquitto, a whole swarm over mutual TLS with the token. The checks in one process:
+tests/swarm/net/test_tls.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.sdk import SchedulerClient
+from swarm.errors import PeerUnavailable, RemoteError
+from swarm.job.config import load_job
+from swarm.local.procs import SwarmProcess, start_local_swarm, start_stage_servers, stop_all
+from swarm.net import tls
+from swarm.proto import scheduler_pb2
+from swarm.rpc.stage_client import StageClient
+from tests.support.equality import assert_equal_to_local
+from tests.support.jobs import write_job
+from tests.swarm.net.test_tls import HOSTS, _identity  # noqa: F401
+
+
+def _unchecked(identity: tls.Tls, pki: Path, name: str) -> tls.Tls:
+    """`identity` showing `pki/ours/NAME` (which `Tls.load` would refuse: expired)."""
+    cert, key = pki / "ours" / f"{name}.pem", pki / "ours" / f"{name}.key"
+    return tls.Tls(
+        identity.ca, cert.read_bytes(), key.read_bytes(), False, identity.ca_path, cert, key
+    )
+
+
+def _server(
+    tmp_path: Path, pki: Path, *, mutual: bool, token: str | None
+) -> tuple[Path, SwarmProcess]:
+    job = write_job(tmp_path, training={"stages": 1})
+    flags = ["--tls-ca", str(pki / "ours" / "ca.pem")]
+    flags += [
+        "--tls-cert",
+        str(pki / "ours" / "server.pem"),
+        "--tls-key",
+        str(pki / "ours" / "server.key"),
+    ]
+    flags += ["--tls-mutual"] if mutual else []
+    flags += ["--token", token] if token else []
+    (server,) = start_stage_servers(job, 1, log_dir=tmp_path, metrics=False, extra=flags)
+    return job, server
+
+
+async def _info(job: Path, address: str, token: str | None) -> int:
+    client = StageClient(address, load_job(job), load_job(job).fingerprint(), 0, token)
+    try:
+        return (await client.info()).stage
+    finally:
+        await client.close()
+
+
+@pytest.mark.slow
+def test_a_tls_stage_server_serves_its_ca_and_refuses_strangers(tmp_path: Path, pki: Path) -> None:
+    job, server = _server(tmp_path, pki, mutual=False, token="s3cret")
+    try:
+        tls.configure(_identity(pki, "ours", None))  # trusts our CA, shows no certificate
+        assert asyncio.run(_info(job, server.address, "s3cret")) == 0
+        with pytest.raises(RemoteError, match="UNAUTHENTICATED"):  # TLS is no pass: token too
+            asyncio.run(_info(job, server.address, "wrong"))
+        before = tls.REFUSED._value.get()
+        tls.configure(_identity(pki, "theirs", None))  # trusts another CA: the server is a stranger
+        with pytest.raises(PeerUnavailable, match="TLS refused"):
+            asyncio.run(_info(job, server.address, "s3cret"))
+        assert tls.REFUSED._value.get() == before + 1
+        tls.configure(None)  # clear text to a TLS port: no answer
+        with pytest.raises(PeerUnavailable):
+            asyncio.run(_info(job, server.address, "s3cret"))
+    finally:
+        stop_all([server])
+
+
+@pytest.mark.slow
+def test_mutual_tls_refuses_a_client_without_a_certificate_of_the_ca(
+    tmp_path: Path, pki: Path
+) -> None:
+    job, server = _server(tmp_path, pki, mutual=True, token=None)
+    try:
+        tls.configure(_identity(pki, "ours", "client"))
+        assert asyncio.run(_info(job, server.address, None)) == 0
+        refused = tls.REFUSED._value.get()
+        for identity in (
+            _identity(pki, "ours", None),  # no certificate
+            tls.Tls(  # a certificate of another CA (trusting ours: it reaches the server)
+                _identity(pki, "ours", None).ca,
+                (pki / "theirs" / "client.pem").read_bytes(),
+                (pki / "theirs" / "client.key").read_bytes(),
+            ),
+            _unchecked(_identity(pki, "ours", None), pki, "expired"),  # ours, but expired
+        ):
+            tls.configure(identity)
+            with pytest.raises(PeerUnavailable, match="TLS refused"):
+                asyncio.run(_info(job, server.address, None))
+        assert tls.REFUSED._value.get() == refused + 3
+    finally:
+        stop_all([server])
+
+
+@pytest.mark.slow
+def test_a_whole_swarm_trains_over_mutual_tls_with_the_token(tmp_path: Path, pki: Path) -> None:
+    """Scheduler, embedded broker (mqtts), stage servers and the job API, every connection
+    TLS with client certificates and the token: a job trains to its end and exports exactly
+    what `swarm local` trains."""
+    ours = pki / "ours"
+    env = {
+        "SWARM_TLS_CA": str(ours / "ca.pem"),
+        "SWARM_TLS_CERT": str(ours / "server.pem"),
+        "SWARM_TLS_KEY": str(ours / "server.key"),
+        "SWARM_TLS_MUTUAL": "1",
+        "SWARM_TOKEN": "s3cret",
+    }
+    job = write_job(tmp_path, training={"stages": 2, "steps": 6})
+    sw, _ = start_local_swarm([1.0, 1.0, 1.0], log_dir=tmp_path, env=env)
+    try:
+        assert sw.broker.startswith("mqtts://")
+        tls.configure(_identity(pki, "ours", "client"))
+
+        async def train() -> scheduler_pb2.JobStatus:
+            async with SchedulerClient(sw.address, token="s3cret") as client:
+                submitted = await client.submit(job)
+                done = await asyncio.wait_for(client.wait(submitted.job, lambda _: None), 240)
+                await client.export(done.job, tmp_path / "swarm.pt")
+                return done
+
+        done = asyncio.run(train())
+        assert done.step == 6, (done.error, done.message)
+        logs = sw.scheduler.log() + "".join(p.log() for p in sw.peers)
+        assert "Traceback" not in logs, logs[-3000:]
+    finally:
+        sw.stop()
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
