@@ -19,10 +19,11 @@ So `place` is a heuristic, and what it guarantees is:
   bottleneck (or, at a tie, lowers the number of stages at it);
 - the output depends only on the input (peers in id order, a fixed seed for the random kicks).
 Measured on random instances (tests/swarm/policy/test_placement.py asserts the figures for its own
-seeds): with 3 to 7 peers on 3 stages it found the brute-force optimum in 3,999 of 4,000
-cases, the other at 0.987 of it (the greedy start alone: 3,370 of 4,000, worst 0.60); at 300 peers x 12 stages it
-is within 3.5% of `upper_bound`, at 1,000 x 16 within 2% (that bound may itself be above the
-optimum).
+seeds): with 3 to 7 peers on 3 stages it found the brute-force optimum in 3,999 of 4,000 cases,
+the other at 0.987 of it (the greedy start alone: 3,370 of 4,000, worst 0.60); at 300 peers x 12
+stages it is within 3.5% of `upper_bound`, at 1,000 x 16 within 2% (that bound may itself be
+above the optimum).
+
 """
 
 from __future__ import annotations
