@@ -212,7 +212,7 @@ class PipelineTrainer:
         self.metrics.in_flight.inc()
         try:
             result = await self._microbatch(task)
-        except TrainerError as e:  # `_hop` handles every failed stage call itself
+        except TrainerError as e:  # the hop loop handled every failed stage call itself
             log.warning(
                 "%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e
             )

@@ -7,8 +7,8 @@ restarted scheduler resumes its jobs the same way (receipts are idempotent, so a
 simply run again, and a half-applied commit is finished by `LocalCoordinator.start`).
 
 One job's training (one attempt's coordinator, embedded trainer and helpers, and the final save)
-is `scheduler.training`'s; sweeping an ended job's retained topics is `scheduler.retained`'s; the
-gauges computed at scrape time are `scheduler.collector`'s.
+is `scheduler.job_training`'s; sweeping an ended job's retained topics is `scheduler.retained`'s;
+the gauges computed at scrape time are `scheduler.collector`'s.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from scheduler.assignments import Assignments
 from scheduler.collector import collector
 from scheduler.coordinator import LocalCoordinator, gather_model
 from scheduler.coordinator.metrics import CoordinatorFamilies
+from scheduler.job_training import JobTraining, final_path
 from scheduler.registry import PeerRegistry
 from scheduler.retained import clear_retained
 from scheduler.store import JobRecord, JobState, JobStore
-from scheduler.training import JobTraining, final_path
 from swarm.bus.connection import BusLike
 from swarm.clock import MonotonicClock
 from swarm.errors import FailedPrecondition, SwarmError

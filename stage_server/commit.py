@@ -1,4 +1,4 @@
-"""A replica's part of committing a step (DESIGN.md, the step protocol, 3): PREPARE checks that it
+"""A replica's part of committing a step (docs/architecture.md, "Commit"): PREPARE checks that it
 holds exactly the step's receipts, sums its gradients and averages them with the round's group
 (butterfly all-reduce, `stage_server.averaging`); APPLY takes one optimizer step with the pool's
 average; Discard voids the step's gradients here, to be replayed elsewhere.

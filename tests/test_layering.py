@@ -1,6 +1,6 @@
-"""The layering of DESIGN.md (Layout), read from the source with `ast` (imports inside functions
-too). Each rule is a plain function over import edges or over one module's source, so that a
-seeded violation can prove it bites:
+"""The layering of docs/architecture.md ("Where each concept lives"), read from the source with
+`ast` (imports inside functions too). Each rule is a plain function over import edges or over one
+module's source, so that a seeded violation can prove it bites:
 
 - `swarm/` imports no role; roles meet only over the `ALLOWED` edges, each still used;
 - floors: a `swarm` module imports only its own package and lower `FLOORS`;
@@ -42,8 +42,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("client.standalone", "scheduler.coordinator"): (
         "the standalone trainer runs the step coordinator in-process"
     ),
-    ("scheduler.training", "client.trainer"): "one job's training runs the embedded trainer",
-    ("scheduler.training", "client.metrics"): "and serves the embedded trainer's series",
+    ("scheduler.job_training", "client.trainer"): "one job's training runs the embedded trainer",
+    ("scheduler.job_training", "client.metrics"): "and serves the embedded trainer's series",
 }
 
 FLOORS: tuple[tuple[str, ...], ...] = (
@@ -487,7 +487,7 @@ def missing_paths(
 def test_no_forbidden_imports() -> None:
     bad = forbidden(edges())
     if bad:
-        pytest.fail("imports that break the layering (DESIGN.md, Layout):\n" + "\n".join(bad))
+        pytest.fail("imports that break the layering (docs/architecture.md):\n" + "\n".join(bad))
 
 
 def test_tables_are_still_needed() -> None:
@@ -609,7 +609,7 @@ def test_the_role_checker() -> None:
     assert not forbidden(_edges_of("scheduler.sim.x", "from scheduler.sim.model import A\n"))
     assert forbidden(_edges_of("scheduler.sim.x", "from scheduler.store import JobStore\n"))
     # Allowed edges hold only from their own importer; relative imports in a package resolve.
-    assert not forbidden(_edges_of("scheduler.training", "from client.trainer import T\n"))
+    assert not forbidden(_edges_of("scheduler.job_training", "from client.trainer import T\n"))
     assert forbidden(_edges_of("scheduler.job_api", "from client.trainer import T\n"))
     assert _edges_of("client", "from .trainer import T\n", package=True)[0].imported == (
         "client.trainer"

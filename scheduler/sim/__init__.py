@@ -1,6 +1,6 @@
 """A discrete-event simulator of a swarm that drives the real wiring, placement and rebalancing
-policies (DESIGN.md, "Simulator"): `simulate(SimConfig(...))` returns a `Summary` of throughput
-against the optimum, window by window. `swarm simulate` is its command line
+policies (docs/architecture.md, "Policies"): `simulate(SimConfig(...))` returns a `Summary` of
+throughput against the optimum, window by window. `swarm simulate` is its command line
 (`scheduler.sim.cli`)."""
 
 from __future__ import annotations

@@ -19,13 +19,12 @@ pipeline keeps it fed, is what the swarm's throughput is. Work lost in a crash i
   one-hour mean lifetime: within 0.1% at 1,000 peers, 1% at 100). When the current placement did
   better over the window (below), that is the optimum instead. A bad placement is penalised
   against it: **`ratio` uses this one.**
-- `current`: the bottleneck stage's total capacity (DESIGN.md) where the replicas are: the smallest
-  over stages of the time-mean samples/s of the replicas computing there (exact integrals). Queues
-  carry work across a short dip of one stage, hence the mean before the minimum; a stage cannot
-  compute more than it has, so throughput never exceeds this. It falls short of it through the
-  pipeline itself: queues, crashes losing the hop in service, network. A move's drain and download
-  count against it as soon as the peer stops computing.
-"""
+- `current`: the bottleneck stage's total capacity (docs/architecture.md, "Policies") where the
+  replicas are: the smallest over stages of the time-mean samples/s of the replicas computing there
+  (exact integrals). Queues carry work across a short dip of one stage, hence the mean before the
+  minimum; a stage cannot compute more than it has, so throughput never exceeds this. It falls short
+  of it through the pipeline itself: queues, crashes losing the hop in service, network. A move's
+  drain and download count against it as soon as the peer stops computing."""
 
 from __future__ import annotations
 

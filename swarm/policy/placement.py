@@ -1,8 +1,8 @@
 """Placement: which stage each peer serves, from the samples/s it measured on each stage's compute.
 
-Pure policy over plain data (DESIGN.md, "Policies"); the scheduler's registry feeds it and the
-simulator reuses it. Every sample passes every stage, so the job runs at its *bottleneck*: the
-smallest, over stages, of the summed throughput of the stage's replicas. Placement maximises it.
+Pure policy over plain data (docs/architecture.md, "Policies"); the scheduler's registry feeds it
+and the simulator reuses it. Every sample passes every stage, so the job runs at its *bottleneck*:
+the smallest, over stages, of the summed throughput of the stage's replicas. Placement maximises it.
 Peers joining a running job go to their `best_stage`, `place` plans a whole set of peers, and
 `place_new` picks between the two: the scheduler and the simulator both call it.
 

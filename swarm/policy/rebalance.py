@@ -1,12 +1,11 @@
 """Rebalancing: which one peer, if any, the scheduler moves to the bottleneck stage now.
 
-Pure policy over plain data (DESIGN.md, "Policies"), run every `period_s` by the scheduler and by
-the simulator, both through `Rebalancer` (the decision and the memory of past moves it needs). Its
-tuning is the job file's `[rebalance]` section, `swarm.job.schema.RebalanceConfig`. The job runs at
-its
-bottleneck `min_k total_k`, the smallest summed samples/s of a stage's replicas; `speeds[peer][k]`
-is already in samples/s of stage k, so totals of stages of different cost compare directly (every
-sample passes every stage: each stage needs the same rate).
+Pure policy over plain data (docs/architecture.md, "Policies"), run every `period_s` by the
+scheduler and by the simulator, both through `Rebalancer` (the decision and the memory of past moves
+it needs). Its tuning is the job file's `[rebalance]` section, `swarm.job.schema.RebalanceConfig`.
+The job runs at its bottleneck `min_k total_k`, the smallest summed samples/s of a stage's replicas;
+`speeds[peer][k]` is already in samples/s of stage k, so totals of stages of different cost compare
+directly (every sample passes every stage: each stage needs the same rate).
 
 A decision looks at moving one peer into the bottleneck stage `b`, from the most over-served stage
 (highest total) first; only when no peer there passes every check are the other stages tried, in

@@ -1,16 +1,15 @@
 """Stochastic wiring: which replica of a stage a trainer sends its next task to.
 
-Pure policy, no I/O: the trainer's shell feeds it membership (`add`/`remove`/`set_draining`), the
-load peers publish on MQTT (`report_load`) and the outcome of every call it makes
-(`started`/`finished`/`failed`); the discrete-event simulator drives the same code with simulated
-peers. Time comes from an injected `Clock`, randomness from an injected `random.Random`, so tests
-and the simulator are reproducible.
+Pure policy, no I/O: its owner's routes feed it membership (`add`/`remove`/`set_draining`) and
+the load peers publish on MQTT (`report_load`), and the one hop loop (`swarm.rpc.hop`) the
+outcome of every call (`started`/`busy`/`finished`/`failed`); the discrete-event simulator drives
+the same code with simulated peers. Time comes from an injected `Clock`, randomness from an
+injected `random.Random`, so tests and the simulator are reproducible.
 
-The rule (DESIGN.md, "Policies"): send the task to the replica with the smallest expected finish
-time `(queued + task) / throughput`, ties broken at random, banned and draining replicas excluded.
-Each stage's replicas and the choice among them are a `StagePool` (`swarm.policy.stage_pool`, with
-the cost of a choice); `Wiring` holds one per stage of a job.
-"""
+The rule (docs/architecture.md, "Policies"): send the task to the replica with the smallest expected
+finish time `(queued + task) / throughput`, ties broken at random, banned and draining replicas
+excluded. Each stage's replicas and the choice among them are a `StagePool`
+(`swarm.policy.stage_pool`, with the cost of a choice); `Wiring` holds one per stage of a job."""
 
 from __future__ import annotations
 
