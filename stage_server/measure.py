@@ -1,14 +1,23 @@
 """A joining peer measures its own samples/s on each stage's compute (forward + backward of one
 microbatch), so the scheduler can place it where it raises the bottleneck most. Results are cached
 per model shape, stage, microbatch size, dtype and device, since building and timing every stage of
-a large model is not free."""
+a large model is not free.
+
+Peers on one machine measure one at a time (a lock beside the cache, one per device): several
+peers that start together would otherwise time their stages while the others time theirs, and
+on a small machine that made one stage look 4x slower than the rest to all of them (placement
+then put four of six peers there). The first to take the lock measures; the others then find
+its figures in the cache, so co-located peers of one device agree exactly."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -74,25 +83,48 @@ def measure_stage(job: JobConfig, stage: int, device: torch.device) -> float:
     return b / max(min(times[1:]), 1e-9)
 
 
-def measure_job(job: JobConfig, device: torch.device, throttle: float = 1.0) -> dict[int, float]:
-    """Samples/s per stage, divided by `throttle`; cached on disk."""
-    path = cache_path()
+@contextlib.contextmanager
+def _measuring_alone(path: Path, device: torch.device) -> Iterator[None]:
+    """Hold the machine's measuring lock for `device` (blocking while another peer measures);
+    without a writable cache directory, measure without it."""
+    lock = path.with_name(f"{path.stem}.{device.type}{device.index or 0}.lock")
     try:
-        cache: dict[str, float] = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    result = {}
-    for stage in range(job.training.stages):
-        key = _key(job, stage, device)
-        if key not in cache:
-            cache[key] = measure_stage(job, stage, device)
-            log.info("measured stage %d on %s: %.1f samples/s", stage, device, cache[key])
-        result[stage] = cache[key] / max(throttle, 1.0)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache))
-        tmp.replace(path)  # atomic: several peers on one machine share the cache
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        log.warning("cannot write the throughput cache %s: %s", path, e)
+        log.warning("cannot take the measuring lock %s: %s; measuring anyway", lock, e)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released with the descriptor, even if this process dies
+        yield
+    finally:
+        os.close(fd)
+
+
+def measure_job(job: JobConfig, device: torch.device, throttle: float = 1.0) -> dict[int, float]:
+    """Samples/s per stage, divided by `throttle`; cached on disk, measured by one peer of a
+    machine at a time."""
+    path = cache_path()
+    with _measuring_alone(path, device):
+        try:
+            cache: dict[str, float] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        result, measured = {}, False
+        for stage in range(job.training.stages):
+            key = _key(job, stage, device)
+            if key not in cache:
+                cache[key] = measure_stage(job, stage, device)
+                measured = True
+                log.info("measured stage %d on %s: %.1f samples/s", stage, device, cache[key])
+            result[stage] = cache[key] / max(throttle, 1.0)
+        if measured:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(cache))
+                tmp.replace(path)  # atomic: readers without the lock see the old or the new
+            except OSError as e:
+                log.warning("cannot write the throughput cache %s: %s", path, e)
     return result
