@@ -58,7 +58,6 @@ class PipelineTrainer:
         client_factory: ClientFactory = StageClient,
     ) -> None:
         self.job, self.coordinator, self.token = job, coordinator, token
-        self._client_factory = client_factory
         self.job_id = job_id or job.fingerprint()
         self.trainer_id = trainer_id or f"trainer-{uuid.uuid4().hex[:8]}"
         self.data = data or make_data(job)
