@@ -9,6 +9,7 @@ end of the stream, since a bidi peer keeps its side open to read the reply.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -180,10 +181,12 @@ def decode_named(
     zero-copy caveat: results must not be modified in place.
     """
     tensors: list[tensor_pb2.Tensor] = list(received.header.tensors)
-    names = [t.name for t in tensors]
-    if len(set(names)) != len(names):
-        dups = sorted({n for n in names if names.count(n) > 1})
-        raise InvalidArgument(f"duplicate tensor names: {dups}")
+    counts = Counter(t.name for t in tensors)  # linear: a header may name 10^5 tensors
+    if len(counts) != len(tensors):
+        dups = sorted(n for n, k in counts.items() if k > 1)
+        shown = repr(dups) if len(dups) <= 10 else f"{repr(dups[:10])[:-1]}, ...]"
+        many = f"{len(dups)} " if len(dups) > 10 else ""
+        raise InvalidArgument(f"{many}duplicate tensor names: {shown}")
     if max_bytes is not None:
         total = sum(decoded_nbytes(t) for t in tensors)
         if total > max_bytes:

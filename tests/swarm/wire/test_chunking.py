@@ -253,6 +253,20 @@ async def test_inconsistent_header_tensors() -> None:
         await receive_list([header(tensor_pb2.Tensor(name="a", nbytes=-1))])
 
 
+@pytest.mark.timeout(20)
+async def test_a_header_of_many_equally_named_tensors_is_refused_at_once() -> None:
+    # A hostile header of 200,000 empty tensors all named "x" (about 1 MB): the duplicate check
+    # counted each name over the whole list, 4e10 steps that froze an event loop for hours on
+    # every server (and on the scheduler, through a member's DownloadState reply).
+    empty = tensor_pb2.Tensor(name="x", dtype="float32", nbytes=0)
+    got = await receive_list([header(*([empty] * 200_000))])
+    with pytest.raises(InvalidArgument, match="duplicate tensor names: \\['x'\\]"):
+        decode_named(got)
+    many = [tensor_pb2.Tensor(name=f"t{i % 5000}", dtype="float32") for i in range(10_000)]
+    with pytest.raises(InvalidArgument, match=r"5000 duplicate tensor names: \['t0', .*\.\.\.\]"):
+        decode_named(await receive_list([header(*many)]))
+
+
 async def test_interleaved_chunks_are_accepted() -> None:
     msgs = [header(declared(4, "a"), declared(2, "b"))]
     msgs += [chunk(0, b"12"), chunk(1, b"x"), chunk(0, b"34"), chunk(1, b"y")]
