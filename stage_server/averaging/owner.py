@@ -29,6 +29,7 @@ from swarm.wire import chunking as wire
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE, decode, encode
 
 __all__ = [
+    "MAX_GROUP_SIZE",
     "Averager",
     "AveragingAborted",
     "Reduced",
@@ -131,6 +132,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+# The most replicas one round of a pool may have. A round's group size arrives in every
+# contribution (a uint32): the owner keeps a slot per sender, so it is bounded before anything
+# is allocated. Far above any pool (each round also sends a part to every member).
+MAX_GROUP_SIZE = 1024
+
+
 class Averager:
     """The owner's side of the rounds this replica takes part in (one per replica process).
 
@@ -231,6 +238,8 @@ class Averager:
         block_size: int,
     ) -> _Slot:
         name = f"{round_name(round)} part {part}"
+        if group_size > MAX_GROUP_SIZE:
+            raise InvalidArgument(f"{name}: group size {group_size} above {MAX_GROUP_SIZE}")
         if group_size < 1 or not (0 <= part < group_size and 0 <= sender < group_size):
             raise InvalidArgument(f"{name}: sender {sender} or part out of 0..{group_size - 1}")
         outcome, missing = self._closed.get(round, (None, ()))

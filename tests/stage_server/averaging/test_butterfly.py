@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from stage_server.averaging.butterfly import all_reduce
-from stage_server.averaging.owner import Averager, AveragingAborted, flatten, split_parts, unflatten
+from stage_server.averaging.owner import (
+    MAX_GROUP_SIZE,
+    Averager,
+    AveragingAborted,
+    flatten,
+    split_parts,
+    unflatten,
+)
 from swarm.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from swarm.proto import pool_pb2, tensor_pb2
 from swarm.wire.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
@@ -67,6 +74,17 @@ async def test_sum_is_in_sender_order_whatever_the_arrival_order() -> None:
     assert all(torch.equal(r, expected) for r in results)
     assert results[0] is results[1]  # computed once, shared
     assert av.open_rounds() == set() and av.outcome(R) == "completed"
+
+
+async def test_a_group_size_no_pool_has_is_refused_before_anything_is_allocated() -> None:
+    # `PoolService.Reduce` carries the group size as a uint32: a hostile peer's 10^7 made the
+    # owner allocate a slot per sender (6.4 s and +0.9 GiB on the event loop), 2^32 - 1 would
+    # ask for 32 GiB per part. A round larger than any pool is refused at once.
+    av = Averager()
+    for size in (MAX_GROUP_SIZE + 1, 10**7, 2**32 - 1):
+        with pytest.raises(InvalidArgument, match=f"group size {size} above {MAX_GROUP_SIZE}"):
+            await asyncio.wait_for(av.contribute(R, 0, 0, size, torch.ones(4), timeout_s=30), 5)
+    assert not av._open, "nothing of a refused round is kept"
 
 
 async def test_bad_contributions_are_refused() -> None:
