@@ -101,6 +101,12 @@ def issue(
         raise ConfigError("give at least one --host: the name or address peers dial this one by")
     if not name or "/" in name or name.startswith("."):
         raise ConfigError(f"certificate name {name!r}: use a plain file name, e.g. the host's")
+    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
+    for path in (cert_path, key_path):
+        # Never over an issued certificate or the CA itself (`issue ca` would void every
+        # certificate it signed and lose its key): remove the old files first to re-issue.
+        if path.exists():
+            raise ConfigError(f"{path} already exists: choose another name, or remove it first")
     try:
         ca_cert = x509.load_pem_x509_certificate((directory / CA_CERT).read_bytes())
         ca_key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), None)
@@ -138,7 +144,6 @@ def issue(
         )
         .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
     )
-    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
     _private_file(key_path, _key_pem(key))
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return Issued(cert_path, key_path, cert.not_valid_after_utc)

@@ -86,6 +86,24 @@ def test_certs_init_and_issue_make_a_ca_and_host_certificates(
     assert "at least one --host" in capsys.readouterr().err
 
 
+def test_issuing_never_overwrites_the_ca_or_an_issued_certificate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `swarm certs issue ca` wrote ca.pem and ca.key over the CA's own: every certificate it had
+    # issued stopped verifying, and its key was gone.
+    d = tmp_path / "certs"
+    assert main(["certs", "init", "--dir", str(d)]) == 0
+    ca = (d / "ca.pem").read_bytes(), (d / "ca.key").read_bytes()
+    assert main(["certs", "issue", "ca", "--host", "h", "--dir", str(d)]) == 2
+    assert "ca.pem" in capsys.readouterr().err
+    assert ((d / "ca.pem").read_bytes(), (d / "ca.key").read_bytes()) == ca
+    assert main(["certs", "issue", "peer1", "--host", "h", "--dir", str(d)]) == 0
+    issued = (d / "peer1.pem").read_bytes(), (d / "peer1.key").read_bytes()
+    assert main(["certs", "issue", "peer1", "--host", "other", "--dir", str(d)]) == 2
+    assert "peer1.pem already exists" in capsys.readouterr().err
+    assert ((d / "peer1.pem").read_bytes(), (d / "peer1.key").read_bytes()) == issued
+
+
 def test_identities_are_checked_when_loaded(pki: Path) -> None:
     ours, theirs = pki / "ours", pki / "theirs"
     with pytest.raises(ConfigError, match="not issued by the CA"):
