@@ -34,6 +34,16 @@ HOME, CLEAR_LINE, CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 
 
+def shown(text: str) -> str:
+    """`text` as a terminal may print it: what peers name themselves and what messages quote
+    reaches the operator's screen, so a control character (an escape sequence that clears the
+    screen or retitles the terminal, a newline that draws a line of its own) is written out as
+    its escape instead."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def loss_text(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.4f}"
 
@@ -47,7 +57,7 @@ def table(rows: list[list[str]]) -> str:
 
 def status_lines(s: scheduler_pb2.JobStatus) -> list[str]:
     lines = [
-        f"job      {s.job} ({s.name})",
+        f"job      {shown(s.job)} ({shown(s.name)})",
         f"state    {state_name(s.state)}",
         f"step     {s.step}/{s.steps}",
         f"loss     {loss_text(s.loss)}",
@@ -55,14 +65,19 @@ def status_lines(s: scheduler_pb2.JobStatus) -> list[str]:
     ]
     if s.HasField("val_loss"):
         lines.insert(4, f"val loss {loss_text(s.val_loss)} (after {s.val_step} steps)")
-    lines += [f"message  {s.message}"] if s.message else []
-    lines += [f"error    {s.error}"] if s.error else []
+    lines += [f"message  {shown(s.message)}"] if s.message else []
+    lines += [f"error    {shown(s.error)}"] if s.error else []
     for st in s.stages:
         layers = f"layers {st.layers[0]}-{st.layers[-1]}" if st.layers else "no layers"
         lines.append(f"stage {st.stage} ({layers}): {len(st.replicas)} replica(s)")
         rows = [["  PEER", "DEVICE", "SAMPLES/S", "STATE"]]
         rows += [
-            [f"  {r.peer}", r.device, f"{r.samples_per_second:.1f}", peer_state_name(r.state)]
+            [
+                f"  {shown(r.peer)}",
+                shown(r.device),
+                f"{r.samples_per_second:.1f}",
+                peer_state_name(r.state),
+            ]
             for r in st.replicas
         ]
         lines += table(rows).splitlines() if st.replicas else []
@@ -70,7 +85,7 @@ def status_lines(s: scheduler_pb2.JobStatus) -> list[str]:
 
 
 def _where(s: scheduler_pb2.JobStatus) -> dict[str, int]:
-    return {r.peer: st.stage for st in s.stages for r in st.replicas}
+    return {shown(r.peer): st.stage for st in s.stages for r in st.replicas}
 
 
 def events(before: scheduler_pb2.JobStatus, after: scheduler_pb2.JobStatus) -> list[str]:
@@ -89,9 +104,9 @@ def events(before: scheduler_pb2.JobStatus, after: scheduler_pb2.JobStatus) -> l
         elif was[peer] != now[peer]:
             said.append(f"{peer} moved from stage {was[peer]} to stage {now[peer]}")
     if after.message and after.message != before.message:
-        said.append(after.message)
+        said.append(shown(after.message))
     if after.error and after.error != before.error:
-        said.append(f"error: {after.error}")
+        said.append(f"error: {shown(after.error)}")
     return said
 
 

@@ -72,3 +72,22 @@ def test_a_frame_keeps_the_recent_events_and_redraws_in_place() -> None:
     for frame in frames:  # every line cleared to its end, the rest cleared below: no flicker
         assert frame.endswith(CLEAR_BELOW)
         assert all(line.endswith(CLEAR_LINE) for line in frame[: -len(CLEAR_BELOW)].splitlines())
+
+
+def test_what_peers_and_the_scheduler_say_reaches_the_terminal_escaped() -> None:
+    # A peer names itself and its device; a message or error may quote what a peer sent. Raw,
+    # an escape sequence clears the operator's screen or retitles the terminal, and a newline
+    # draws a line of its own (a fake "state succeeded").
+    hostile = "p\x1b[2J\x1b]0;owned\x07"
+    before = _status(3, {"p0": 0})
+    after = _status(4, {"p0": 0, hostile: 1})
+    after.stages[1].replicas[0].device = "cpu\rstate    succeeded"
+    after.message = "stage 1: peer said \x1b[31mhi\nstate    succeeded"
+    after.error = "x\x00y"
+    view = LiveView(clock=lambda: 0.0)
+    view.frame(before)
+    text = view.frame(after)
+    assert not any(c in text for c in "\x1b\x07\x00\r"), repr(text)
+    assert "state    succeeded" not in text.splitlines()
+    assert text.count("\nstate    ") == 1 and text.startswith("job ")  # the real one only
+    assert "p\\x1b[2J\\x1b]0;owned\\x07" in text and "\\nstate    succeeded" in text
