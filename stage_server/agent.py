@@ -55,6 +55,10 @@ def stage_slowdown(stage: int) -> float:
 
 
 ENDED_REMEMBERED = 256
+# Assignments are ordered by a generation, the scheduler's clock in microseconds. One from
+# further ahead of this peer's clock than any honest skew is refused: a forged generation of
+# 2^64 - 1 would otherwise make every later real assignment look stale, until a restart.
+MAX_CLOCK_SKEW_S = 300.0
 """How many finished jobs a peer remembers (to ignore their assignments quietly)."""
 _ACTIVE = (cpb.JOB_STATE_PLACING, cpb.JOB_STATE_RUNNING)
 _ENDED = TERMINAL_PROTO
@@ -189,6 +193,7 @@ class PeerAgent:
                 self._jobs.pop(job.job, None)  # its config is needed no more
         elif job.state in _ACTIVE:
             self._active[job.job] = job
+            self._ended.pop(job.job, None)  # the scheduler says it runs: an earlier end is void
         if job.state in _ACTIVE and self.job_id in ("", job.job) and not self.speeds:
             config = self._job(job)
             if config is None:
@@ -219,6 +224,16 @@ class PeerAgent:
     async def _on_assignment(self, assignment: cpb.Assignment) -> None:
         if assignment.generation <= self._generation:
             return  # a stale or repeated assignment (retained messages come again on reconnect)
+        ahead_s = (assignment.generation - time.time_ns() // 1000) / 1e6
+        if ahead_s > MAX_CLOCK_SKEW_S:
+            log.warning(
+                "%s: refused an assignment %.0f s ahead of this clock (more than %.0f s): "
+                "forged, or the scheduler's clock is wrong",
+                self.peer,
+                ahead_s,
+                MAX_CLOCK_SKEW_S,
+            )
+            return
         config = self._jobs.get(assignment.job)
         if assignment.job in self._ended:
             return
