@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from client.metrics import TrainerMetrics
 from swarm.errors import SwarmError
-from swarm.rpc.hop import HopFailed, hop
+from swarm.rpc.hop import HopFailed, Hopped, hop
 from swarm.rpc.routes import Routes
 from swarm.rpc.stage_client import StageClient
 
@@ -33,17 +33,7 @@ class StageHops:
     ) -> tuple[str, T]:
         """Run `call` (it accumulates nothing) on a replica of `stage` (`prefer` first while it
         is eligible), retrying on others: the replica that answered and its answer."""
-        try:
-            done = await hop(
-                self.routes,
-                stage,
-                lambda c, _accumulate: call(c),
-                attempts=self.attempts,
-                prefer=prefer,
-                observer=self,
-            )
-        except HopFailed as e:
-            raise TrainerError(str(e)) from e
+        done = await self._hop(stage, lambda c, _accumulate: call(c), prefer)
         assert done.peer is not None and done.result is not None
         return done.peer, done.result
 
@@ -60,8 +50,19 @@ class StageHops:
         the replica that accumulated the microbatch there (None when it did not, or when a call
         may have accumulated it but did not say so: see `swarm.rpc.hop`) and the answer (None
         when none was needed after such a call)."""
+        done = await self._hop(stage, call, prefer, accumulate, need_result)
+        return (done.peer if done.accumulated else None), done.result
+
+    async def _hop(
+        self,
+        stage: int,
+        call: Callable[[StageClient, bool], Awaitable[T]],
+        prefer: str | None,
+        accumulate: bool = False,
+        need_result: bool = True,
+    ) -> Hopped[T]:
         try:
-            done = await hop(
+            return await hop(
                 self.routes,
                 stage,
                 call,
@@ -73,7 +74,6 @@ class StageHops:
             )
         except HopFailed as e:
             raise TrainerError(str(e)) from e
-        return (done.peer if done.accumulated else None), done.result
 
     # -- the hop loop's observer ----------------------------------------------------------------
     def failed(self, stage: int, peer: str) -> None:

@@ -11,6 +11,8 @@ import torch
 
 from client.data_plane.boundary import BoundaryCache
 from client.data_plane.hops import StageHops
+from client.data_plane.push import PushPlane
+from client.data_plane.relay import RelayPlane
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
 from swarm.model.data import DataSource
@@ -40,9 +42,6 @@ class DataPlane(Protocol):
 
 def make_plane(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> DataPlane:
     """The plane `job` names."""
-    from client.data_plane.push import PushPlane
-    from client.data_plane.relay import RelayPlane
-
     if job.runtime.data_plane == "push":
         return PushPlane(job, hops, metrics)
     cache = BoundaryCache(

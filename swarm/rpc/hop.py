@@ -29,7 +29,7 @@ from swarm.policy.wiring import NoReplicaError
 from swarm.rpc.routes import Routes
 from swarm.rpc.stage_client import StageClient
 
-__all__ = ["HopFailed", "HopObserver", "Hopped", "hop", "may_have_landed"]
+__all__ = ["HopFailed", "HopObserver", "Hopped", "any_error", "hop", "may_have_landed"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,7 +96,9 @@ async def hop(
         if deadline is not None and deadline <= time.monotonic():
             break
         try:
-            peer = prefer if prefer in pool.eligible() else pool.choose(samples)
+            # `eligible` sorts the pool: asked only when there is a preferred replica.
+            preferred = prefer is not None and prefer in pool.eligible()
+            peer = prefer if preferred else pool.choose(samples)
         except NoReplicaError as e:
             raise HopFailed(f"stage {stage}: {e}") from last
         assert peer is not None
