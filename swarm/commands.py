@@ -10,6 +10,7 @@ import asyncio
 import os
 from pathlib import Path
 
+from swarm.bus.flags import add_login_flags, scheduler_token
 from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_token, token
 from swarm.net.tls import add_tls_flags
@@ -73,6 +74,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         add_flag(p, "host", "127.0.0.1", "address to listen on")
         add_flag(p, "port", 1883, "port", type=int)
         add_token(p)
+        add_login_flags(p)
         add_tls_flags(p)
 
 
@@ -184,7 +186,14 @@ def _broker(args: argparse.Namespace) -> int:
     async def serve() -> None:
         stop = asyncio.Event()
         install_signal_handlers(stop)
-        await run_broker(args.host, args.port, token(args), stop)
+        await run_broker(
+            args.host,
+            args.port,
+            token(args),
+            stop,
+            scheduler_token=scheduler_token(args),
+            use_identity_as_username=args.use_identity_as_username,
+        )
 
     asyncio.run(serve())
     return 0

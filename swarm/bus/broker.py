@@ -2,27 +2,36 @@
 
 Production swarms point at Mosquitto or any MQTT 3.1.1 broker instead. amqtt keeps no state on
 disk here: after a restart the retained topics are refilled by the clients
-(`swarm.bus.connection.Bus`
-re-publishes its retained messages on every reconnect). Two amqtt quirks to know: it speaks MQTT
-3.1.1 only, and it does not enforce keepalive, so a peer whose host vanishes without closing its
-TCP connection keeps its last-will pending until the operating system drops that connection.
+(`swarm.bus.connection.Bus` re-publishes its retained messages on every reconnect). Two amqtt
+quirks to know: it speaks MQTT 3.1.1 only, and it does not enforce keepalive, so a peer whose host
+vanishes without closing its TCP connection keeps its last-will pending until the operating system
+drops that connection. Who logs in, and the ACL, are `swarm.bus.gate`; what a connection may take
+(time, count, packet size) is `swarm.bus.limits`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hmac
+import contextlib
+import functools
 import logging
+import secrets
 import ssl
 from typing import Any, Self
 
+from amqtt.adapters import ReaderAdapter, StreamReaderAdapter, StreamWriterAdapter, WriterAdapter
 from amqtt.broker import Broker
 from amqtt.contexts import Action, BrokerConfig, ListenerConfig, ListenerType
-from amqtt.plugins.base import BaseAuthPlugin
+from amqtt.errors import AMQTTError, MQTTError, NoDataError
+from amqtt.mqtt.connack import ConnackPacket
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.session import Session
+from amqtt.utils import gen_client_id
 
-from swarm.bus.topics import DEFAULT_PREFIX, BusError, Topics
+from swarm.bus.gate import Gate
+from swarm.bus.limits import BrokerLimits, PacketCap, PacketTooLarge, RefusalLog
+from swarm.bus.topics import DEFAULT_PREFIX, SCHEDULER_USER, BusError, Topics
+from swarm.errors import ConfigError
 from swarm.net import tls
 from swarm.net.addresses import host_port, is_unspecified
 
@@ -31,67 +40,62 @@ __all__ = ["DISCONNECT_GRACE_S", "EmbeddedBroker", "run_broker"]
 log = logging.getLogger(__name__)
 
 DISCONNECT_GRACE_S = 2
-"""Seconds amqtt adds to a client's keepalive before giving up on it; paho pings only once a second
-past the keepalive, so without grace an idle client would be cut off."""
+"""Seconds the broker adds to a client's keepalive before giving up on it; paho pings only once a
+second past the keepalive, so without grace an idle client would be cut off."""
 
 
-def _text(value: str | bytes | None) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return value or ""
-
-
-class _AuthPlugin(BaseAuthPlugin):
-    """Accepts a client whose password equals the token (with a token; without one, anyone),
-    and whose last-will, if any, is on a topic the ACL lets its user publish: a peer cannot make
-    another peer look offline when it disconnects."""
-
-    @dataclasses.dataclass
-    class Config:
-        token: str = ""
-        prefix: str = DEFAULT_PREFIX
-
-    async def authenticate(self, *, session: Session) -> bool | None:
-        token: str = getattr(self.context.config, "token", "")
-        if token and not hmac.compare_digest(_text(session.password).encode(), token.encode()):
-            log.warning("broker: refused client %r: wrong or missing token", session.client_id)
-            return False
-        if session.will_flag and not _may_publish(
-            getattr(self.context.config, "prefix", DEFAULT_PREFIX),
-            bool(token),
-            session.username,
-            _text(session.will_topic),
-        ):
-            log.warning(
-                "broker: refused client %r (user %r): its last-will is on %r, not its own topic",
-                session.client_id,
-                session.username,
-                session.will_topic,
-            )
-            return False
-        return True
-
-
-def _may_publish(prefix: str, token: bool, user: str | None, topic: str) -> bool:
-    """The ACL (`Topics.may_publish`); a client without a username on a broker without a token
-    is trusted with everything (an open broker: there is no identity to check)."""
-    if not user and not token:
-        return True
-    return Topics(prefix).may_publish(user, topic)
+async def _close(writer: WriterAdapter) -> None:
+    with contextlib.suppress(Exception):
+        await writer.close()
 
 
 class _AclBroker(Broker):
-    """amqtt's broker with the swarm's ACL (`Topics.may_publish`) on PUBLISH: a refused message
-    is dropped (MQTT 3.1.1 has no way to say no) and logged; subscribing and receiving are open.
+    """amqtt's broker behind the swarm's `Gate`: every CONNECT is checked before amqtt touches a
+    session, a last-will passes the ACL again when it is sent, and a PUBLISH the ACL refuses is
+    dropped (MQTT 3.1.1 has no way to say no) and logged; subscribing and receiving are open.
 
-    Not a topic plugin: amqtt awaits a plugin for every recipient of every message while it
-    iterates over its subscriptions, so a SUBSCRIBE landing meanwhile breaks that broadcast
-    ("dictionary changed size during iteration"), and each check costs a task. This check is
-    synchronous; amqtt's filtering hook is private API (pinned amqtt version, tested)."""
+    The hooks are amqtt's private methods (pinned amqtt version; tests/swarm/bus/ drive each
+    through a real broker, so a version that moved one fails them). Not a topic plugin: amqtt
+    awaits a plugin for every recipient of every message while it iterates over its
+    subscriptions, so a SUBSCRIBE landing meanwhile breaks that broadcast ("dictionary changed
+    size during iteration"), and each check costs a task. This check is synchronous."""
 
-    def __init__(self, config: BrokerConfig, *, prefix: str, token: bool, mutual: bool) -> None:
+    def __init__(
+        self, config: BrokerConfig, *, gate: Gate, limits: BrokerLimits, mutual: bool
+    ) -> None:
         super().__init__(config)
-        self._acl_prefix, self._acl_token, self._mutual = prefix, token, mutual
+        self._gate, self._limits, self._mutual = gate, limits, mutual
+        self._open = 0  # connections held, logged in or not
+        self._refusals, self._login_refusals = RefusalLog(), RefusalLog()  # full; wrong login
+
+    async def _create_server_instance(
+        self,
+        listener_name: str,
+        listener_type: ListenerType,
+        address: str | None,
+        port: int,
+        ssl_context: ssl.SSLContext | None,
+    ) -> Any:
+        # amqtt's, with a bound on the TLS handshake: a stranger's silent connection is closed
+        # before the broker ever sees it (asyncio's default would hold it a minute).
+        if listener_type != ListenerType.TCP:
+            return await super()._create_server_instance(
+                listener_name, listener_type, address, port, ssl_context
+            )
+        return await asyncio.start_server(
+            functools.partial(self.stream_connected, listener_name=listener_name),
+            address,
+            port,
+            reuse_address=True,
+            ssl=ssl_context,
+            ssl_handshake_timeout=self._limits.connect_timeout_s if ssl_context else None,
+        )
+
+    async def stream_connected(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener_name: str
+    ) -> None:
+        capped = PacketCap(StreamReaderAdapter(reader), self._limits.max_packet_bytes)
+        await self._client_connected(listener_name, capped, StreamWriterAdapter(writer))
 
     def _create_ssl_context(self, listener: ListenerConfig) -> ssl.SSLContext:  # type: ignore[override]
         context = Broker._create_ssl_context(listener)
@@ -99,11 +103,96 @@ class _AclBroker(Broker):
             context.verify_mode = ssl.CERT_REQUIRED
         return context
 
+    async def _client_connected(
+        self, listener_name: str, reader: ReaderAdapter, writer: WriterAdapter
+    ) -> None:
+        if self._open >= self._limits.max_connections:
+            self._refusals.refused(
+                f"closed a new connection: {self._open} held already, "
+                f"the limit (limits.max_connections={self._limits.max_connections})"
+            )
+            await _close(writer)
+            return
+        self._open += 1
+        try:
+            await super()._client_connected(listener_name, reader, writer)
+        finally:
+            self._open -= 1
+            self._gate.release(asyncio.current_task())
+
+    async def _initialize_client_session(
+        self, reader: ReaderAdapter, writer: WriterAdapter, remote_address: str, remote_port: int
+    ) -> tuple[BrokerProtocolHandler, Session]:
+        # amqtt's own deletes or takes over the CONNECT's client id before authenticating; this
+        # one reads the CONNECT, asks the gate, and only then touches the sessions.
+        timeout_s = self._limits.connect_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                handler, session = await BrokerProtocolHandler.init_from_connect(
+                    reader, writer, self.plugins_manager
+                )
+        except TimeoutError:
+            log.info(
+                "broker: closed %s: no CONNECT within %.1f s (limits.connect_timeout_s)",
+                host_port(remote_address, remote_port),
+                timeout_s,
+            )
+            await _close(writer)
+            raise AMQTTError(f"no CONNECT within {timeout_s} s") from None
+        except PacketTooLarge as exc:  # in the CONNECT: made an error amqtt's caller handles
+            await _close(writer)
+            raise MQTTError(str(exc)) from exc
+        except (AMQTTError, MQTTError, NoDataError):
+            await _close(writer)
+            raise
+        refusal = self._gate.admit(session)
+        if refusal is not None:
+            self._login_refusals.refused(
+                f"refused client {session.client_id!r} (user {session.username!r}) from "
+                f"{host_port(remote_address, remote_port)}: {refusal.reason}"
+            )
+            with contextlib.suppress(Exception):
+                await ConnackPacket.build(0, refusal.code).to_stream(writer)
+            await _close(writer)
+            raise MQTTError(f"refused: {refusal.reason}")
+        if not session.client_id:
+            session.client_id = gen_client_id()
+        self._gate.claim(session, asyncio.current_task())  # released when this connection ends
+        held = self._sessions.get(session.client_id)
+        if held is not None and held[0].transitions.is_connected():
+            # The same user again (the gate refused any other): drop the old connection, as MQTT
+            # says, rather than leave it connected without its subscriptions.
+            log.info("broker: client %r again; closing its old connection", session.client_id)
+            await held[1].handle_connection_closed()
+            await held[1].stop()
+        await self._delete_session(session.client_id)
+        session.parent = 0
+        if session.keep_alive > 0:
+            session.keep_alive += DISCONNECT_GRACE_S
+        return handler, session
+
+    async def _authenticate(self, session: Session, _: ListenerConfig) -> bool:
+        return self._gate.admit(session) is None  # checked again, had amqtt moved the hook
+
+    async def _handle_disconnect(
+        self, client_session: Session, handler: BrokerProtocolHandler, disconnect_waiter: Any
+    ) -> None:
+        if client_session.will_flag and not self._gate.may_publish(
+            client_session.username, client_session.will_topic or ""
+        ):
+            log.warning(
+                "broker: dropped the last-will of user %r on %r: not its topic",
+                client_session.username,
+                client_session.will_topic,
+            )
+            client_session.will_flag = False
+        await super()._handle_disconnect(client_session, handler, disconnect_waiter)
+
     async def _topic_filtering(self, session: Session, topic: str, action: Action) -> bool:
         if action != Action.PUBLISH:
             return True
         user = session.username if session is not None else None
-        if _may_publish(self._acl_prefix, self._acl_token, user, topic or ""):
+        if self._gate.may_publish(user, topic or ""):
             return True
         log.warning("broker: dropped a message from user %r on %r: not its topic", user, topic)
         return False
@@ -120,12 +209,17 @@ def _quiet_amqtt() -> None:
 class EmbeddedBroker:
     """An amqtt broker on `host:port` (port 0: a free one), for `async with`.
 
-    Without `token` anyone may connect; with it, a client must send the token as its password.
+    Without `token` anyone may connect; with it, a client must send the token as its password,
+    and the scheduler (`SCHEDULER_USER`) its own, `scheduler_token` (made at random when not
+    given, for a scheduler in this process to read here). With `use_identity_as_username`
+    (mutual TLS only) a client's user is the name of its certificate (`swarm.bus.gate.Gate`).
     Either way a client that logs in with a username is held to the ACL of the swarm's topics
-    under `prefix` (`Topics.may_publish`): the scheduler (`SCHEDULER_USER`) publishes anything,
-    a peer (username = its peer id) only `peers/{peer}` and `jobs/+/load/{peer}`, its last-will
-    included. With a token every client has a username ("swarm" by default); without one, a
-    client without a username is trusted with everything (an open broker has no identities).
+    under `prefix` (`Topics.may_publish`): the scheduler publishes anything, a peer (username =
+    its peer id) only `peers/{peer}` and `jobs/+/load/{peer}`, its last-will included. With a
+    token every client has a username ("swarm" by default); without one, a client without a
+    username is trusted with everything (an open broker has no identities). `limits` bound
+    what strangers can take: the time to send a CONNECT, the connections held, the size of a
+    packet (`BrokerLimits`).
     """
 
     def __init__(
@@ -136,6 +230,9 @@ class EmbeddedBroker:
         *,
         prefix: str = DEFAULT_PREFIX,
         announce_host: str = "",
+        limits: BrokerLimits | None = None,
+        scheduler_token: str | None = None,
+        use_identity_as_username: bool = False,
     ) -> None:
         if not 0 <= port <= 65535:
             raise BusError(f"broker port {port} is outside 0..65535")
@@ -143,7 +240,11 @@ class EmbeddedBroker:
         self.announce_host = announce_host  # the host in `url` (others dial it); "": `host`
         self._port = port
         self.token = token
+        # With a token the scheduler needs its own; none given, one for a scheduler in-process.
+        self.scheduler_token = scheduler_token or (secrets.token_urlsafe(24) if token else None)
+        self.use_identity_as_username = use_identity_as_username
         self.prefix = Topics(prefix).prefix
+        self.limits = limits or BrokerLimits()
         self._broker: Broker | None = None
 
     @property
@@ -174,7 +275,6 @@ class EmbeddedBroker:
         if self._broker is not None:
             raise BusError("broker already started")
         _quiet_amqtt()
-        plugins = {f"{__name__}._AuthPlugin": {"token": self.token or "", "prefix": self.prefix}}
         identity = tls.current()
         secure: dict[str, Any] = {}
         if identity is not None:
@@ -191,12 +291,23 @@ class EmbeddedBroker:
                     type=ListenerType.TCP, bind=host_port(self.host, self._port), **secure
                 )
             },
-            timeout_disconnect_delay=DISCONNECT_GRACE_S,
-            # Auth only: amqtt's default $SYS and packet-logging plugins cost time and log noise.
-            plugins=plugins,
+            # None: amqtt's default $SYS and packet-logging plugins cost time and log noise; the
+            # logins and the ACL are `_AclBroker`'s (keepalive grace included).
+            plugins={},
         )
         mutual = identity is not None and identity.mutual
-        broker = _AclBroker(config, prefix=self.prefix, token=bool(self.token), mutual=mutual)
+        if self.use_identity_as_username and not mutual:
+            raise ConfigError(
+                "--use-identity-as-username takes the MQTT user from the client's certificate: "
+                "it needs --tls-mutual (with --tls-ca, --tls-cert, --tls-key)"
+            )
+        gate = Gate(
+            Topics(self.prefix),
+            self.token,
+            self.scheduler_token,
+            use_identity_as_username=self.use_identity_as_username,
+        )
+        broker = _AclBroker(config, gate=gate, limits=self.limits, mutual=mutual)
         try:
             await broker.start()
         except Exception as exc:
@@ -221,8 +332,28 @@ class EmbeddedBroker:
         await self.stop()
 
 
-async def run_broker(host: str, port: int, token: str | None, stop: asyncio.Event) -> None:
+async def run_broker(
+    host: str,
+    port: int,
+    token: str | None,
+    stop: asyncio.Event,
+    *,
+    scheduler_token: str | None = None,
+    use_identity_as_username: bool = False,
+) -> None:
     """Serve an embedded broker until `stop` is set (`swarm broker --port P`)."""
-    async with EmbeddedBroker(host, port, token) as broker:
+    async with EmbeddedBroker(
+        host,
+        port,
+        token,
+        scheduler_token=scheduler_token,
+        use_identity_as_username=use_identity_as_username,
+    ) as broker:
+        if token and not scheduler_token:
+            log.warning(
+                "broker: no --scheduler-token (SWARM_SCHEDULER_TOKEN): no scheduler can log in "
+                "but one whose certificate is named %r (--use-identity-as-username)",
+                SCHEDULER_USER,
+            )
         log.info("broker: serving on %s until stopped", broker.url)
         await stop.wait()

@@ -50,13 +50,14 @@ class Dialer:
         username: str | None = None,
     ) -> Dialer:
         """Log in as the URL's user, else as `username` (a peer: its peer id; the scheduler:
-        "scheduler"), else with `token` as "swarm"; the token is the password (else the URL's).
-        The broker's ACL lets a user publish only its own topics. `will` (topic, message)
-        becomes a retained last-will."""
+        "scheduler"), else as "swarm"; with the URL's password, else `token` (a password of a
+        peer's own, set in its URL, wins over the swarm token it needs for gRPC anyway). The
+        broker's ACL lets a user publish only its own topics. `will` (topic, message) becomes a
+        retained last-will."""
         login = address.username or username
-        password = address.password
-        if token is not None:
-            login, password = login or "swarm", token
+        password = address.password if address.password is not None else token
+        if password is not None:
+            login = login or "swarm"
         last_will = None
         if will is not None:
             check_topic(will[0])
@@ -80,7 +81,7 @@ class Dialer:
             if isinstance(exc, MqttConnectError) and getattr(rc, "value", rc) in _AUTH_REFUSALS:
                 raise BusAuthError(
                     f"bus {self.client_id}: {self.address.url} refused the credentials "
-                    f"({exc}); check the token"
+                    f"({exc}); check the token, or the password in the broker URL"
                 ) from exc
             # aiomqtt leaves the socket open when the CONNACK never came; close it so the late
             # CONNACK cannot revive a zombie session under our client id.

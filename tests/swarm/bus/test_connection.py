@@ -240,9 +240,9 @@ async def test_malformed_payload_is_dropped_and_counted(broker: BrokerUnderTest)
 
 
 async def test_token_guards_the_embedded_broker() -> None:
-    async with EmbeddedBroker(token="s3cret") as broker:
-        # the scheduler's login: the broker's ACL lets only it publish a job
-        async with bus(broker.url, "good", token="s3cret", username=SCHEDULER_USER) as good:
+    async with EmbeddedBroker(token="s3cret", scheduler_token="sched-only") as broker:
+        # the scheduler's login (its own token): the broker's ACL lets only it publish a job
+        async with bus(broker.url, "good", token="sched-only", username=SCHEDULER_USER) as good:
             await good.wait_connected(WAIT_S)
             sub = good.subscribe(good.topics.job(ANY))
             await sub.wait_subscribed(WAIT_S)

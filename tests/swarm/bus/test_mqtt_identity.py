@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0
 QUIET_S = 0.5  # how long "nothing arrives" is watched
 FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
-TOKEN = "s3cret"
+TOKEN = "s3cret"  # the swarm's: every peer holds it
+SCHEDULER_TOKEN = "sched-only"  # the scheduler's own
 
 
 def _bus(url: str, client_id: str, **kwargs: object) -> Bus:
@@ -42,10 +43,12 @@ def _serving(peer: str) -> pb.PeerAnnouncement:
 async def _broker(kind: str, tmp_path: Path) -> AsyncIterator[str]:
     """A broker requiring the token, with the swarm's ACL; yields its URL."""
     if kind == "amqtt":
-        async with EmbeddedBroker(token=TOKEN) as embedded:
+        async with EmbeddedBroker(token=TOKEN, scheduler_token=SCHEDULER_TOKEN) as embedded:
             yield embedded.url
     else:
-        mosquitto = Mosquitto(tmp_path, acl=True, users={SCHEDULER_USER: TOKEN, "a": TOKEN})
+        mosquitto = Mosquitto(
+            tmp_path, acl=True, users={SCHEDULER_USER: SCHEDULER_TOKEN, "a": TOKEN}
+        )
         await asyncio.to_thread(mosquitto.start)
         try:
             yield mosquitto.url
@@ -133,7 +136,7 @@ async def test_a_peer_publishes_only_its_own_topics(kind: str, tmp_path: Path) -
     topics = Topics()
     async with _broker(kind, tmp_path) as url:
         async with (
-            _bus(url, "scheduler", token=TOKEN, username=SCHEDULER_USER) as watcher,
+            _bus(url, "scheduler", token=SCHEDULER_TOKEN, username=SCHEDULER_USER) as watcher,
             _bus(url, "peer-a", token=TOKEN, username="a") as a,
         ):
             await watcher.wait_connected(WAIT_S)
@@ -157,7 +160,7 @@ async def test_a_peer_publishes_only_its_own_topics(kind: str, tmp_path: Path) -
             async with asyncio.timeout(WAIT_S):
                 assert (await anext(everything))[0] == topics.job("j")
         # nothing of B was retained either
-        async with _bus(url, "late", token=TOKEN, username=SCHEDULER_USER) as late:
+        async with _bus(url, "late", token=SCHEDULER_TOKEN, username=SCHEDULER_USER) as late:
             await late.wait_connected(WAIT_S)
             sub = late.subscribe(topics.peer(ANY))
             async with asyncio.timeout(WAIT_S):
@@ -174,7 +177,7 @@ async def test_a_last_will_on_another_peers_topic_is_refused(kind: str, tmp_path
     offline = pb.PeerAnnouncement(peer="b", state=pb.PEER_STATE_OFFLINE)
     async with (
         _broker(kind, tmp_path) as url,
-        _bus(url, "scheduler", token=TOKEN, username=SCHEDULER_USER) as watcher,
+        _bus(url, "scheduler", token=SCHEDULER_TOKEN, username=SCHEDULER_USER) as watcher,
     ):
         await watcher.wait_connected(WAIT_S)
         peers = watcher.subscribe(topics.peer(ANY))

@@ -1,0 +1,38 @@
+"""The flags of the broker's logins, shared by `swarm scheduler` (its embedded broker, and its own
+login to any broker) and `swarm broker`. Light on purpose: `--help` imports no MQTT library."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from swarm.flags import env_name
+
+__all__ = ["add_login_flags", "scheduler_token"]
+
+
+def add_login_flags(p: argparse.ArgumentParser) -> None:
+    # No default from the environment for the secret: help output must not print it.
+    p.add_argument(
+        "--scheduler-token",
+        default=None,
+        help="the scheduler's own MQTT password: only it publishes jobs and assignments, so "
+        "the swarm token (every peer's) must not be it. Unset: an embedded broker makes one up "
+        "for a scheduler in its process, and a scheduler dialling --broker sends the swarm "
+        "token [env SWARM_SCHEDULER_TOKEN]",
+    )
+    flag = "use-identity-as-username"
+    p.add_argument(
+        f"--{flag}",
+        action="store_true",
+        default=os.environ.get(env_name(flag), "").strip().lower() in ("1", "true", "yes"),
+        help="embedded broker, with --tls-mutual: a client's MQTT user is the name of its "
+        "certificate (`swarm certs issue NAME`), as Mosquitto's option of that name; the "
+        "scheduler's certificate is then named scheduler, each peer's its --peer "
+        f"[env {env_name(flag)}]",
+    )
+
+
+def scheduler_token(args: argparse.Namespace) -> str | None:
+    """`--scheduler-token`, else `SWARM_SCHEDULER_TOKEN`, else None."""
+    return args.scheduler_token or os.environ.get(env_name("scheduler-token")) or None

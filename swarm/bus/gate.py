@@ -1,0 +1,144 @@
+"""Who the embedded broker lets in, and what they may publish: the check of a CONNECT, made before
+the broker touches any session, and the ACL (`Topics.may_publish`) on messages and last-wills.
+
+Why before any session: amqtt 0.12.1 deletes (clean session) or takes over (persistent session)
+the session of a CONNECT's client id before it asks whether the password is right, so a refused
+login could strip the scheduler of its subscriptions or send a forged last-will. The broker
+(`swarm.bus.broker`) calls `Gate.admit` on the CONNECT it has just read, and again where amqtt
+authenticates, so a later amqtt that moved either hook still refuses the same clients.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import ssl
+from typing import NamedTuple
+
+from amqtt.mqtt.connack import BAD_USERNAME_PASSWORD, IDENTIFIER_REJECTED, NOT_AUTHORIZED
+from amqtt.session import Session
+
+from swarm.bus.topics import SCHEDULER_USER, Topics
+
+__all__ = ["Gate", "Refusal", "certificate_name"]
+
+log = logging.getLogger(__name__)
+
+
+class Refusal(NamedTuple):
+    """Why a CONNECT is refused: the CONNACK return code, and a line for the log."""
+
+    code: int
+    reason: str
+
+
+def _text(value: str | bytes | None) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value or ""
+
+
+def _equal(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def certificate_name(ssl_object: ssl.SSLObject | None) -> str | None:
+    """The common name (CN) of the verified client certificate on `ssl_object`, if any: the name
+    `swarm certs issue NAME` gave it."""
+    cert = ssl_object.getpeercert() if ssl_object is not None else None
+    subject: tuple[tuple[tuple[str, str], ...], ...] = (cert or {}).get("subject", ())  # type: ignore[assignment]
+    names = [value for rdn in subject for key, value in rdn if key == "commonName" and value]
+    return names[-1] if names else None
+
+
+class Gate:
+    """The embedded broker's logins and ACL. Without `token` anyone may connect; with it, a
+    client must send the token as its password, except the scheduler (`SCHEDULER_USER`), whose
+    password is `scheduler_token` alone: the swarm token, which every peer holds, does not make
+    a scheduler. With `use_identity_as_username` (mutual TLS) a client's user is the name (CN)
+    of its certificate, whatever username it sends, as Mosquitto's option of that name does; a
+    certificate named "scheduler" is then the scheduler's credential.
+
+    A client id belongs to the user connected under it (`claim`): another user's CONNECT with
+    that id is refused (a peer cannot unseat the scheduler), the same user's replaces the old
+    connection. Persistent sessions (clean_session=0) are refused: the swarm's clients never
+    ask for one, and they are how a CONNECT reached a live session."""
+
+    def __init__(
+        self,
+        topics: Topics,
+        token: str | None,
+        scheduler_token: str | None = None,
+        *,
+        use_identity_as_username: bool = False,
+    ) -> None:
+        self.topics, self._token, self._scheduler_token = topics, token or "", scheduler_token or ""
+        self._from_certificate = use_identity_as_username
+        self._owners: dict[str, tuple[str | None, object]] = {}  # client id -> (user, holder)
+        self._held: dict[object, str] = {}  # holder (a connection's task) -> its client id
+
+    @property
+    def closed(self) -> bool:
+        """Whether logins are checked (else an open broker: a client without a user is trusted)."""
+        return bool(self._token or self._scheduler_token)
+
+    def admit(self, session: Session) -> Refusal | None:
+        """None when `session` (a CONNECT just read) may connect, else why not. With
+        `use_identity_as_username` this sets its username to its certificate's name first."""
+        if not session.clean_session:
+            return Refusal(
+                NOT_AUTHORIZED, "a persistent session (clean_session=0): swarm clients start clean"
+            )
+        certified = False
+        if self._from_certificate:
+            name = certificate_name(session.ssl_object)
+            if name is None:
+                return Refusal(NOT_AUTHORIZED, "its client certificate names nobody (no CN)")
+            session.username, certified = name, True
+        if not self._password_fits(session.username, _text(session.password), certified):
+            return Refusal(BAD_USERNAME_PASSWORD, "wrong or missing password for its user")
+        if session.will_flag and not self.may_publish(session.username, _text(session.will_topic)):
+            return Refusal(
+                NOT_AUTHORIZED, f"its last-will is on {session.will_topic!r}, not its own topic"
+            )
+        owner = self._owners.get(session.client_id or "")
+        if owner is not None and owner[0] != session.username:
+            return Refusal(
+                IDENTIFIER_REJECTED,
+                f"client id {session.client_id!r} is connected as user {owner[0]!r}",
+            )
+        return None
+
+    def _password_fits(self, user: str | None, password: str, certified: bool) -> bool:
+        """The scheduler's password is its own token, everyone else's the swarm token. A
+        scheduler named by its certificate has its own credential there, and may send either."""
+        if user != SCHEDULER_USER:
+            return not self._token or _equal(password, self._token)
+        if certified:
+            own = [t for t in (self._token, self._scheduler_token) if t]
+            return not self._token or any(_equal(password, t) for t in own)
+        if not self.closed:
+            return True
+        return bool(self._scheduler_token) and _equal(password, self._scheduler_token)
+
+    def claim(self, session: Session, holder: object) -> None:
+        """`session`'s client id is `holder`'s (its connection's) until `release(holder)`: claimed
+        at once when admitted, so that two CONNECTs racing for one id cannot both get in."""
+        client_id = session.client_id or ""
+        previous = self._owners.get(client_id)
+        if previous is not None:
+            self._held.pop(previous[1], None)
+        self._owners[client_id] = (session.username, holder)
+        self._held[holder] = client_id
+
+    def release(self, holder: object) -> None:
+        client_id = self._held.pop(holder, None)
+        if client_id is not None and self._owners.get(client_id, (None, None))[1] is holder:
+            del self._owners[client_id]
+
+    def may_publish(self, user: str | None, topic: str) -> bool:
+        """The ACL (`Topics.may_publish`); a client without a username on a broker without a token
+        is trusted with everything (an open broker: there is no identity to check)."""
+        if not user and not self.closed:
+            return True
+        return self.topics.may_publish(user, topic)
