@@ -7,7 +7,15 @@ import argparse
 import os
 from typing import Any
 
-__all__ = ["add_flag", "add_token", "env_default", "env_name", "token"]
+__all__ = [
+    "add_flag",
+    "add_metrics_token",
+    "add_token",
+    "env_default",
+    "env_name",
+    "metrics_token",
+    "token",
+]
 
 _TOKEN_HELP = "swarm token (default: SWARM_TOKEN; prefer it, flags show in `ps`)"
 
@@ -39,3 +47,19 @@ def add_token(p: argparse.ArgumentParser, help: str = _TOKEN_HELP) -> None:
 def token(args: argparse.Namespace) -> str | None:
     """`--token`, else `SWARM_TOKEN`, else None (no authentication)."""
     return args.token or os.environ.get(env_name("token")) or None
+
+
+def add_metrics_token(p: argparse.ArgumentParser) -> None:
+    # No default from the environment either: help output must not print the secret.
+    p.add_argument(
+        "--metrics-token",
+        default=None,
+        help="bearer token /metrics (and the scheduler's /sd) require, so that Prometheus need "
+        "not hold the swarm token (default: SWARM_METRICS_TOKEN, else the swarm token; none "
+        "without either)",
+    )
+
+
+def metrics_token(args: argparse.Namespace) -> str | None:
+    """`--metrics-token`, else `SWARM_METRICS_TOKEN`, else None (the swarm token, if any)."""
+    return args.metrics_token or os.environ.get(env_name("metrics-token")) or None

@@ -5,26 +5,25 @@ role's series live with the role (`stage_server/metrics.py`, `client/metrics.py`
 
 Labels are job, stage and peer, plus `method` and `code` on per-RPC series: bounded sets of RPC
 names and status codes, which is how Prometheus expects per-method latency to be split.
+
+They list every peer id, address and job, so they let in only what the swarm does
+(`swarm.ops.endpoint`): with the process's TLS identity HTTPS only, with a token a bearer token.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import logging
-import socket
-import threading
-from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+import ssl
+from collections.abc import Callable, Mapping
 
-from prometheus_client import (
-    CollectorRegistry,
-    make_wsgi_app,
-    start_http_server,
-)
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
+from swarm.errors import ConfigError
 from swarm.net import tls
+from swarm.ops.endpoint import Answer, Endpoint, Limits
 
 __all__ = [
     "LABELS",
@@ -44,40 +43,61 @@ LABELS = ("job", "stage", "peer")  # every series of a role is labelled by these
 Route = Callable[[], tuple[str, bytes]]
 
 
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
-        pass
-
-
 def serve_metrics(
-    registry: CollectorRegistry, host: str, port: int, routes: dict[str, Route] | None = None
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    routes: dict[str, Route] | None = None,
+    *,
+    token: str | None = None,
+    limits: Limits | None = None,
 ) -> int:
-    """Serve `/metrics` (and `routes`, e.g. the scheduler's `/sd`) on daemon threads; returns the
-    bound port (useful when `port` is 0). The process-wide TLS refusal count comes along."""
+    """Serve `/metrics` (and `routes`, e.g. the scheduler's `/sd`) on a thread of its own;
+    returns the bound port (useful when `port` is 0). With `token`, every request must carry it
+    as a bearer token; with the process's TLS identity (`swarm.net.tls`), HTTPS only, with its
+    certificate (and a client certificate from the CA required under --tls-mutual). The
+    process-wide TLS refusal count comes along. `limits`: the
+    endpoint's bounds (`swarm.ops.endpoint.Limits`)."""
     with contextlib.suppress(ValueError):  # served by an earlier call already
         registry.register(tls.REFUSED)
-    if not routes:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
-        bound = int(server.server_address[1])
-    else:
-        metrics = make_wsgi_app(registry)
+    own = dict(routes or {})
 
-        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-            route = routes.get(environ.get("PATH_INFO", ""))
-            if route is None:
-                return metrics(environ, start_response)  # type: ignore[no-any-return]
+    def answer(path: str, headers: Mapping[str, str]) -> Answer:
+        route = own.get(path)
+        if route is not None:
             content_type, body = route()
-            start_response("200 OK", [("Content-Type", content_type)])
-            return [body]
+            return Answer(200, body, (("Content-Type", content_type),))
+        if path != "/metrics":
+            return Answer(404, b"not found\n", (("Content-Type", "text/plain"),))
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        body = encoder(registry)
+        if not gzip_accepted(headers.get("accept-encoding", "")):
+            return Answer(200, body, (("Content-Type", content_type),))
+        return Answer(
+            200, gzip.compress(body), (("Content-Type", content_type), ("Content-Encoding", "gzip"))
+        )
 
-        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
-
-        class Server(ThreadingMixIn, WSGIServer):
-            daemon_threads = True
-            address_family = family
-
-        httpd = make_server(host, port, app, Server, handler_class=_Quiet)
-        threading.Thread(target=httpd.serve_forever, daemon=True, name="metrics").start()
-        bound = int(httpd.server_address[1])
-    log.info("metrics on http://%s:%d/metrics", host, bound)
+    identity = tls.current()
+    context = None if identity is None else _server_context(identity)
+    bound = Endpoint(answer, token=token, context=context, limits=limits or Limits()).start(
+        host, port
+    )
+    scheme = "http" if context is None else "https"
+    log.info("metrics on %s://%s:%d/metrics%s", scheme, host, bound, " (token)" if token else "")
     return bound
+
+
+def _server_context(identity: tls.Tls) -> ssl.SSLContext:
+    """HTTPS with the process's certificate; a client certificate from its CA when mutual."""
+    if identity.cert_path is None or identity.key_path is None:
+        raise ConfigError(
+            "with --tls-ca, /metrics is served over TLS only: give this process --tls-cert and "
+            "--tls-key (`swarm certs issue`), or no --metrics-port"
+        )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(identity.cert_path, identity.key_path)
+    if identity.mutual:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=identity.ca.decode())
+    return context

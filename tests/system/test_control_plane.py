@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -123,13 +124,12 @@ def test_wrong_token_is_refused(tmp_path: Path) -> None:
         )
         assert peer.proc.wait(60) != 0
         assert "refused" in peer.log().lower() or "not authori" in peer.log().lower()
-        metrics = (
-            urllib.request.urlopen(
-                f"http://127.0.0.1:{sw.scheduler.ready['metrics']}/metrics", timeout=10
-            )
-            .read()
-            .decode()
-        )
+        url = f"http://127.0.0.1:{sw.scheduler.ready['metrics']}/metrics"
+        # with a token, /metrics wants it too (the metrics token defaults to the swarm's)
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(url, timeout=10)
+        scrape = urllib.request.Request(url, headers={"Authorization": "Bearer s3cret"})
+        metrics = urllib.request.urlopen(scrape, timeout=10).read().decode()
         refused_lines = [
             line for line in metrics.splitlines() if line.startswith("swarm_auth_refused_total")
         ]

@@ -1,14 +1,18 @@
 """Prometheus finds a live swarm by itself: the real Prometheus server, given only the scheduler's
-`/sd` URL, scrapes every process. The `/sd` answer itself: tests/scheduler/test_discovery.py."""
+`/sd` URL, scrapes every process, with TLS and the metrics token too. The `/sd` answer itself:
+tests/scheduler/test_discovery.py; the endpoint's checks: tests/swarm/ops/test_metrics.py."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import re
 import shutil
+import ssl
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -55,6 +59,47 @@ def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
     return list(doc["data"]["result"])
 
 
+def _prometheus_finds(
+    tmp_path: Path, config: str, targets: set[str], wait_s: float
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start the real Prometheus on `config` (scrapes and discovery every second) and wait until
+    it holds a series of its own from every target; its process and its web address."""
+    path = tmp_path / "prometheus.yml"
+    path.write_text(
+        config.replace("scrape_interval: 15s", "scrape_interval: 1s").replace(
+            "refresh_interval: 30s", "refresh_interval: 1s"
+        )
+    )
+    web = free_address()
+    with (tmp_path / "prometheus.log").open("wb") as out:
+        prometheus = subprocess.Popen(
+            [
+                PROMETHEUS or "prometheus",
+                f"--config.file={path}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address={web}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline, instances = time.monotonic() + wait_s, set[str]()
+    while time.monotonic() < deadline:  # a series of its own from every process
+        try:
+            found = _query(web, 'count by (instance) ({__name__=~"swarm_.+"})')
+        except OSError:  # not listening yet
+            found = []
+        instances = {r["metric"]["instance"] for r in found}
+        if instances == targets:
+            break
+        time.sleep(0.5)
+    if instances != targets:
+        prometheus.terminate()
+        prometheus.wait(30)
+        log = (tmp_path / "prometheus.log").read_text()[-2000:]
+        raise AssertionError(f"Prometheus found {instances}, not {targets}: {log}")
+    return prometheus, web
+
+
 @pytest.mark.slow
 def test_prometheus_discovers_a_live_swarm_through_the_scheduler(tmp_path: Path) -> None:
     assert PROMETHEUS and PROMTOOL, "install the Debian package prometheus (make test does)"
@@ -79,37 +124,8 @@ def test_prometheus_discovers_a_live_swarm_through_the_scheduler(tmp_path: Path)
                 timeout=30,
             )
             assert lint.returncode == 0, (target, lint.stdout, lint.stderr)
-        web = free_address()
-        config = tmp_path / "prometheus.yml"
-        doc = (ROOT / "docs" / "prometheus.yml").read_text()
-        config.write_text(
-            doc.replace("SCHEDULER:9100", scheduler)
-            .replace("scrape_interval: 15s", "scrape_interval: 1s")
-            .replace("refresh_interval: 30s", "refresh_interval: 1s")
-        )
-        with (tmp_path / "prometheus.log").open("wb") as out:
-            prometheus = subprocess.Popen(
-                [
-                    PROMETHEUS,
-                    f"--config.file={config}",
-                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                    f"--web.listen-address={web}",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        deadline, instances = time.monotonic() + 90, set[str]()
-        while time.monotonic() < deadline:  # a series of its own from every process
-            try:
-                found = _query(web, 'count by (instance) ({__name__=~"swarm_.+"})')
-            except OSError:  # not listening yet
-                found = []
-            instances = {r["metric"]["instance"] for r in found}
-            if instances == peers | {scheduler}:
-                break
-            time.sleep(0.5)
-        log = (tmp_path / "prometheus.log").read_text()[-2000:]
-        assert instances == peers | {scheduler}, log
+        doc = (ROOT / "docs" / "prometheus.yml").read_text().replace("SCHEDULER:9100", scheduler)
+        prometheus, web = _prometheus_finds(tmp_path, doc, peers | {scheduler}, 90)
         up = _query(web, "up")
         assert {r["metric"]["instance"] for r in up if r["value"][1] == "1"} >= peers
         roles = {r["metric"].get("swarm_role") for r in up}
@@ -155,6 +171,77 @@ def test_prometheus_discovers_a_live_swarm_through_the_scheduler(tmp_path: Path)
             alternatives = parts[2].split(",") if parts else [""]
             documented |= {f"{parts[1]}{a}{parts[3]}" for a in alternatives} if parts else {name}
         assert names <= documented, names - documented  # no name nobody exports
+    finally:
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(30)
+        swarm.stop()
+
+
+def _fetch(
+    url: str, context: ssl.SSLContext | None = None, token: str | None = None
+) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            return int(response.status), bytes(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_a_swarm_over_mutual_tls_with_the_metrics_token(
+    tmp_path: Path, pki: Path
+) -> None:
+    """With TLS and a token, /sd and every /metrics are HTTPS only (a client certificate
+    required under --tls-mutual) and need the metrics token, not the swarm's: Prometheus,
+    configured as docs/prometheus-tls.yml says, still finds and scrapes every process."""
+    assert PROMETHEUS, "install the Debian package prometheus (make test does)"
+    ours = pki / "ours"
+    env = {
+        "SWARM_TLS_CA": str(ours / "ca.pem"),
+        "SWARM_TLS_CERT": str(ours / "server.pem"),
+        "SWARM_TLS_KEY": str(ours / "server.key"),
+        "SWARM_TLS_MUTUAL": "1",
+        "SWARM_TOKEN": "s3cret",
+        "SWARM_METRICS_TOKEN": "watch-only",
+    }
+    swarm, _ = start_local_swarm([1.0], log_dir=tmp_path, env=env)
+    prometheus = None
+    try:
+        scheduler = f"127.0.0.1:{swarm.scheduler.ready['metrics']}"
+        peers = {f"127.0.0.1:{p.ready['metrics']}" for p in swarm.peers}
+        client = ssl.create_default_context(cafile=str(ours / "ca.pem"))
+        client.load_cert_chain(str(ours / "client.pem"), str(ours / "client.key"))
+        with pytest.raises((OSError, http.client.HTTPException)):  # clear text: no answer
+            _fetch(f"http://{scheduler}/sd", token="watch-only")
+        for target in (scheduler, *peers):  # a certificate is no pass, nor the swarm token
+            for path in ("/metrics", "/sd"):
+                for token in (None, "s3cret"):
+                    assert _fetch(f"https://{target}{path}", client, token)[0] == 401
+        deadline = time.monotonic() + 60
+        while True:  # the peer announces itself over MQTT: /sd follows
+            status, body = _fetch(f"https://{scheduler}/sd", client, "watch-only")
+            assert status == 200, body
+            listed = {t for g in json.loads(body) for t in g["targets"]}
+            if listed == peers | {scheduler} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert listed == peers | {scheduler}
+        files = tmp_path / "prometheus"
+        files.mkdir()
+        (files / "metrics-token").write_text("watch-only\n")
+        config = (
+            (ROOT / "docs" / "prometheus-tls.yml")
+            .read_text()
+            .replace("SCHEDULER:9100", scheduler)
+            .replace("/etc/prometheus/swarm/ca.pem", str(ours / "ca.pem"))
+            .replace("/etc/prometheus/swarm/prometheus.pem", str(ours / "client.pem"))
+            .replace("/etc/prometheus/swarm/prometheus.key", str(ours / "client.key"))
+            .replace("/etc/prometheus/swarm/metrics-token", str(files / "metrics-token"))
+        )
+        prometheus, _ = _prometheus_finds(tmp_path, config, peers | {scheduler}, 60)
     finally:
         if prometheus is not None:
             prometheus.terminate()

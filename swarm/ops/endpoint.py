@@ -1,0 +1,183 @@
+"""The HTTP endpoint a process serves its `/metrics` (and the scheduler its `/sd`) on: an asyncio
+server on a thread of its own, so a scrape never waits on the process's busy event loop.
+
+It answers what it must and no more, to anyone who can reach the port:
+
+- with a token, a request without `Authorization: Bearer <token>` gets 401 (the token compared
+  as a digest, in constant time), whatever its path;
+- with a TLS context, it speaks HTTPS only (the context says whether a client certificate is
+  required);
+- its cost is bounded whatever clients do: one thread; at most `Limits.connections` open at
+  once, a new one dropping the oldest (a flood of idle connections can neither use up the
+  process's file descriptors nor lock a scrape out); each has `request_s` to finish its TLS
+  handshake and send its request, and `answer_s` to take the answer.
+
+HTTP/1.1 GET, one request per connection (`Connection: close`): what Prometheus needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import http
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["Answer", "Endpoint", "Handler", "Limits"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+# (path, request headers with lower-case names) -> the answer; runs on the endpoint's thread
+Handler = Callable[[str, Mapping[str, str]], Answer]
+
+
+@dataclass(frozen=True)
+class Limits:
+    connections: int = 64  # open at once; a new one drops the oldest
+    request_s: float = 10.0  # to finish the TLS handshake and send the request (seconds)
+    answer_s: float = 10.0  # to take the answer (seconds)
+    head_bytes: int = 16 * 1024  # the request line and headers
+
+    def __post_init__(self) -> None:
+        if self.connections < 1 or self.head_bytes < 1024:
+            raise ValueError(f"{self}: needs connections >= 1 and head_bytes >= 1024")
+        if not (self.request_s > 0 and self.answer_s > 0):
+            raise ValueError(f"{self}: the timeouts must be positive")
+
+
+class Endpoint:
+    """Serves `handler` on a port once `start`ed; daemon: it lives as long as the process."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        token: str | None = None,
+        context: ssl.SSLContext | None = None,
+        limits: Limits = Limits(),
+    ) -> None:
+        if token is not None and not token:
+            raise ValueError("an empty token would let every scrape in; pass None for none")
+        self._handler = handler
+        self._expected = hashlib.sha256(token.encode()).digest() if token else None
+        self._context = context
+        self._limits = limits
+        self._open: dict[asyncio.StreamWriter, None] = {}  # oldest first
+
+    def start(self, host: str, port: int) -> int:
+        """Listen on `host`:`port` (bind errors raise here); the bound port."""
+        family, _, _, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            raise
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True, name="metrics").start()
+        serving = asyncio.start_server(
+            self._serve, sock=sock, limit=self._limits.head_bytes, backlog=128
+        )
+        self._server = asyncio.run_coroutine_threadsafe(serving, loop).result()
+        return int(sock.getsockname()[1])
+
+    def _admit(self, writer: asyncio.StreamWriter) -> None:
+        while len(self._open) >= self._limits.connections:
+            oldest = next(iter(self._open))
+            del self._open[oldest]
+            oldest.transport.abort()
+        self._open[writer] = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Admitted, and TLS started, before the first await: the client's first bytes reach
+        # the TLS layer, not the reader.
+        self._admit(writer)
+        try:
+            try:
+                async with asyncio.timeout(self._limits.request_s):
+                    if self._context is not None:
+                        await writer.start_tls(self._context)
+                    head = await reader.readuntil(b"\r\n\r\n")
+            except (TimeoutError, OSError, EOFError, asyncio.LimitOverrunError):
+                return  # no request: a failed handshake, a stranger, a slow or idle client
+            writer.write(_encode(self._answer(head)))
+            async with asyncio.timeout(self._limits.answer_s):
+                writer.close()
+                await writer.wait_closed()
+        except (TimeoutError, OSError):
+            pass  # a client that does not take its answer
+        finally:
+            self._open.pop(writer, None)
+            writer.transport.abort()
+
+    def _answer(self, head: bytes) -> Answer:
+        request = _parse(head)
+        if request is None:
+            return Answer(400, b"not an HTTP request\n")
+        method, path, headers = request
+        if self._expected is not None and not _authorized(headers, self._expected):
+            return Answer(
+                401,
+                b"this endpoint needs the swarm's metrics token: Authorization: Bearer <token>\n",
+                (("WWW-Authenticate", 'Bearer realm="swarm"'),),
+            )
+        if method != "GET":
+            return Answer(405, b"GET only\n", (("Allow", "GET"),))
+        first = {name: values[0] for name, values in headers.items()}
+        try:
+            return self._handler(path, first)
+        except Exception:
+            log.exception("answering %s failed", path)
+            return Answer(500, b"internal error\n")
+
+
+def _parse(head: bytes) -> tuple[str, str, dict[str, list[str]]] | None:
+    """(method, path without the query, headers) of a request head, or None if it is none."""
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        return None
+    headers: dict[str, list[str]] = {}
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, colon, value = line.partition(":")
+        if not colon:
+            return None
+        headers.setdefault(name.strip().lower(), []).append(value.strip())
+    return parts[0], parts[1].partition("?")[0], headers
+
+
+def _authorized(headers: Mapping[str, list[str]], expected: bytes) -> bool:
+    values = headers.get("authorization", [])
+    if len(values) != 1:  # none, or two to choose from
+        return False
+    scheme, _, credentials = values[0].partition(" ")
+    if scheme.lower() != "bearer":  # RFC 6750: the scheme is case-insensitive
+        return False
+    given = hashlib.sha256(credentials.strip().encode()).digest()
+    return hmac.compare_digest(given, expected)  # digests: equal lengths, no length leak
+
+
+def _encode(answer: Answer) -> bytes:
+    phrase = http.HTTPStatus(answer.status).phrase
+    lines = [f"HTTP/1.1 {answer.status} {phrase}"]
+    lines += [f"{name}: {value}" for name, value in answer.headers]
+    lines += [f"Content-Length: {len(answer.body)}", "Connection: close", "", ""]
+    return "\r\n".join(lines).encode("latin-1") + answer.body
