@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import fields
 from pathlib import Path
 
+from stage_server.limits import PeerLimits, flag_name
 from swarm.errors import SwarmError
-from swarm.flags import add_flag, add_token, token
+from swarm.flags import add_flag, add_metrics_token, add_token, metrics_token, token
 from swarm.net.tls import add_tls_flags
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "peer_limits", "run"]
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
-    add_flag(p, "broker", None, "MQTT broker URL, mqtt://[user:pass@]host:port or mqtts://...")
+    add_flag(
+        p,
+        "broker",
+        None,
+        "MQTT broker URL, mqtt://[user:pass@]host:port or mqtts://...; a password there is this "
+        "peer's own, sent instead of --token",
+    )
     p.add_argument("--job", type=Path, required=False, help="job file (TOML)")
     p.add_argument("--stage", type=int, help="stage index, 0..stages-1 (with --job)")
     add_flag(
@@ -38,8 +46,22 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_flag(p, "port", 0, "gRPC port (0: any free port)", type=int)
     add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    add_metrics_token(p)
     add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
     add_flag(p, "threads", 1, "torch threads: this process's share of the cores", type=int)
+    _add_limits(p)
+
+
+def _add_limits(p: argparse.ArgumentParser) -> None:
+    """This peer's own limits (`PeerLimits`): a job's `[runtime]` is clamped by them."""
+    for f in fields(PeerLimits):
+        flag = flag_name(f.name).removeprefix("--")
+        add_flag(p, flag, f.default, f.metadata["help"], type=type(f.default))
+
+
+def peer_limits(args: argparse.Namespace) -> PeerLimits:
+    """The `PeerLimits` the flags say."""
+    return PeerLimits(**{f.name: getattr(args, f.name) for f in fields(PeerLimits)})
 
 
 def run(command: str, args: argparse.Namespace) -> int:
@@ -54,10 +76,12 @@ def run(command: str, args: argparse.Namespace) -> int:
         port=args.port,
         announce_host=args.announce_host,
         metrics_port=args.metrics_port,
+        metrics_token=metrics_token(args),
         device=args.device,
         threads=args.threads,
         peer=args.peer,
         token=token(args),
+        limits=peer_limits(args),
     )
     if args.job:
         if args.stage is None:

@@ -15,11 +15,15 @@ Why the pieces sit as they do:
   applies here, and a stage installed anew (`serve`) starts from none.
 - Clipping needs the whole model's norm, so a clipped job commits in two phases: PREPARE reports
   this stage's squared norm, APPLY brings the coordinator's coefficient.
+- A NaN or infinite average is never applied, clipping or not (`NonFiniteGradient`): PREPARE
+  reports its norm as it is, for the coordinator to fail the job on, and APPLY refuses it. The
+  check reuses the norm PREPARE took, so a clean step costs no extra pass over the gradient.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -30,9 +34,9 @@ from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager, flatten, unflatten
 from stage_server.messages import Limits
 from stage_server.metrics import StageMetrics
-from stage_server.runtime import Served
+from stage_server.runtime import Served, StageRuntime
 from stage_server.worker import Worker
-from swarm.errors import FailedPrecondition, InvalidArgument, WireError
+from swarm.errors import FailedPrecondition, InvalidArgument, NonFiniteGradient, WireError
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
 from swarm.wire import codec
@@ -106,10 +110,13 @@ class Committer:
         self.peer, self._worker, self.metrics, self._runtime = peer, worker, metrics, runtime
         self.averager, self.channels, self.limits = averager, channels, limits
         self.feedback = ErrorFeedback()  # what lossy averaging dropped, for the next round
+        # (job, stage, step, squared norm) of the average this replica prepared last
+        self._prepared: tuple[str, int, int, float] | None = None
 
     def serve(self) -> None:
         """A stage installed anew starts from no residuals."""
         self.feedback = ErrorFeedback()
+        self._prepared = None
 
     async def commit(self, c: Commit) -> Committed:
         """Prepare and/or apply step `c.step`."""
@@ -122,6 +129,7 @@ class Committer:
         if c.prepare:
             if step < rt.step:
                 return Committed(rt.step, already=True)
+            self._prepared = None
             try:
                 sums = await self._worker.run(rt.prepare, step, c.microbatches, c.total_samples)
             except WireError as e:  # tell the pool now, not when its round times out
@@ -131,15 +139,43 @@ class Committer:
                 sums = await self._average(c, sums)
             await self._worker.run(rt.set_prepared, step, sums, c.total_samples)
             sq_norm = await self._worker.run(rt.prepared_sq_norm, step)
+            self._prepared = (c.job, c.stage, step, sq_norm)
+            if not math.isfinite(sq_norm):
+                self.metrics.nonfinite()
+                log.warning(
+                    "%s: stage %d step %d: the pool's averaged gradient is not finite (squared "
+                    "norm %s): it will not be applied",
+                    self.peer,
+                    c.stage,
+                    step,
+                    sq_norm,
+                )
         if c.apply:
             if not 0.0 < c.grad_scale <= 1.0:
                 raise InvalidArgument(f"grad_scale must be in (0, 1]; got {c.grad_scale}")
-            already = await self._worker.run(rt.apply, step, c.grad_scale)
+            known = self._prepared
+            norm = known[3] if known is not None and known[:3] == (c.job, c.stage, step) else None
+            already = await self._worker.run(self._apply, rt, c, norm)
             self.feedback.applied(c.job, c.stage, step)
             if not already:
                 log.info("%s: stage %d committed step %d", self.peer, c.stage, step)
             self.metrics.committed(rt.step, applied=not already)
         return Committed(rt.step, already, sq_norm)
+
+    def _apply(self, rt: StageRuntime, c: Commit, sq_norm: float | None) -> bool:
+        """On the worker: apply the prepared step unless its gradient is NaN or infinite
+        (`sq_norm`: its squared norm as PREPARE took it here, None when unknown)."""
+        if c.step >= rt.step:  # not a retry of a step applied already
+            if sq_norm is None:  # not prepared by a Commit seen here (or not at all)
+                sq_norm = rt.prepared_sq_norm(c.step)  # not prepared: FailedPrecondition
+                if not math.isfinite(sq_norm):
+                    self.metrics.nonfinite()
+            if not math.isfinite(sq_norm):
+                raise NonFiniteGradient(
+                    f"stage {c.stage} step {c.step}: the prepared gradient is NaN or infinite "
+                    f"(squared norm {sq_norm}): not applied, whatever grad_scale says"
+                )
+        return rt.apply(c.step, c.grad_scale)
 
     async def _average(self, c: Commit, sums: list[torch.Tensor]) -> list[torch.Tensor]:
         """The pool's summed gradient: butterfly all-reduce with the round's group."""
@@ -177,6 +213,8 @@ class Committer:
     async def discard(self, step: int) -> int:
         """Void this replica's gradients of `step`; how many microbatches were dropped."""
         dropped = await self._worker.run(self._runtime().discard, step)
+        if self._prepared is not None and self._prepared[2] == step:
+            self._prepared = None  # what it prepared is gone with its gradients
         log.warning("%s: voided %d microbatches of step %d", self.peer, dropped, step)
         self.metrics.accumulated(0, 0)
         return dropped

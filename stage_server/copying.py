@@ -70,8 +70,10 @@ class Copy:
     async def _run(self) -> None:
         rt = self.runtime
         try:
+            # Checked as it comes (names, shapes, dtypes, a total): a source that sends what
+            # this stage's state cannot hold is refused before it sizes this process's memory.
             step, state = await self.source.download_state(
-                include_optimizer=True, prefix="", follower=self.peer
+                include_optimizer=True, prefix="", follower=self.peer, expect=rt.checks.state
             )
             await self.compute(rt.load_copy, step, state)
             self.loaded = True
@@ -88,7 +90,7 @@ class Copy:
     async def _follow(self) -> None:
         rt, pause = self.runtime, Backoff(self._POLL_FIRST_S, self._POLL_CAP_S)
         while rt.following:
-            updates = await self.source.updates(self.peer, rt.step)
+            updates = await self.source.updates(self.peer, rt.step, expect=rt.checks.state)
             for step, grad_sums, total_samples, scale in updates:
                 if not await self.compute(rt.apply_followed, step, grad_sums, total_samples, scale):
                     break
@@ -104,4 +106,4 @@ class Copy:
             self._ask.clear()
         # A member now: the source may forget this follower's updates (or later, by itself).
         with contextlib.suppress(SwarmError):
-            await self.source.updates(self.peer, -1)
+            await self.source.updates(self.peer, -1, expect=rt.checks.state)

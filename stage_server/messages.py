@@ -6,17 +6,25 @@ microbatch's tensors at most), and its route (job, stage) is checked before its 
 decoded; no single message may size this process's memory. The limits are the served job's
 (`Limits`, updated in place when a stage is installed), so everything holding them (the servicer,
 the commit's averaging, a LoadState) reads those of the job served at that moment.
+
+A job's `[runtime]` is written by whoever submitted it, and a peer defends itself with it: so
+each of its limits is clamped by the peer's own (`PeerLimits`, the stage server's flags), whatever
+the job says: the smaller of the two for a maximum, chunks kept within the peer's floor and
+ceiling (a job's 1-byte chunks would make a million messages of a megabyte).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from google.protobuf.message import Message
 
+from stage_server.limits import PeerLimits
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Receipt, StageRuntime
 from stage_server.update_log import Update
@@ -26,8 +34,18 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import chunking as wire
 from swarm.wire import codec
+from swarm.wire.budget import Held
 
-__all__ = ["Limits", "Messages", "Route", "info_reply", "state_reply", "updates_reply"]
+__all__ = [
+    "Limits",
+    "Messages",
+    "Route",
+    "info_reply",
+    "state_reply",
+    "updates_reply",
+]
+
+log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 Route = Callable[[str, int], None]  # raises NotFound unless (job, stage) is served here
@@ -35,16 +53,73 @@ Route = Callable[[str, int], None]  # raises NotFound unless (job, stage) is ser
 
 @dataclass
 class Limits:
-    """The served job's wire settings; the defaults hold until a stage is installed."""
+    """The served job's wire settings within `peer`'s; the defaults hold until a stage is
+    installed."""
 
+    # The setting behind `max_bytes`, as refusals name it.
+    max_bytes_name: ClassVar[str] = (
+        "the job's runtime.max_tensor_bytes, at most this peer's --max-tensor-bytes"
+    )
+
+    peer: PeerLimits = field(default_factory=PeerLimits)
     chunk_bytes: int = 4 << 20  # `[runtime] chunk_bytes`: the most bytes of one message's chunk
     max_bytes: int = 1 << 30  # `[runtime] max_tensor_bytes`: the most bytes of one tensor
     block_size: int = 2048  # `[compression] block_size`: values per block of a blockwise codec
+    update_log_bytes: int = 4 << 30  # `[runtime] update_log_bytes`: updates kept for copies
+    _logged: set[tuple[Any, ...]] = field(default_factory=set, repr=False)  # clamps said once
+
+    def __post_init__(self) -> None:
+        self._clamp(self.chunk_bytes, self.max_bytes, self.update_log_bytes)
 
     def serve(self, job: JobConfig) -> None:
-        """Take `job`'s settings (in place: every holder of this `Limits` sees them)."""
-        self.chunk_bytes, self.max_bytes = job.runtime.chunk_bytes, job.runtime.max_tensor_bytes
+        """Take `job`'s settings within this peer's (in place: every holder of this `Limits`
+        sees them); a job's clamped values are logged once."""
+        rt = job.runtime
+        clamped = self._clamp(rt.chunk_bytes, rt.max_tensor_bytes, rt.update_log_bytes)
         self.block_size = job.compression.block_size
+        said = (job.name, *clamped)
+        if clamped and said not in self._logged:
+            self._logged.add(said)
+            log.warning(
+                "job %s: its [runtime] is clamped by this peer's limits: %s",
+                job.name,
+                ", ".join(f"{k} {asked} -> {used}" for k, asked, used in clamped),
+            )
+
+    def clamp(self, job: JobConfig) -> JobConfig:
+        """`job` with the [runtime] limits this peer serves it with (`serve` took it): for the
+        clients a replica makes (its push plane's next hop, the member it copies), whose
+        answers are bounded as its own requests are."""
+        rt = job.runtime
+        runtime = dataclasses.replace(
+            rt,
+            chunk_bytes=self.chunk_bytes,
+            max_tensor_bytes=self.max_bytes,
+            update_log_bytes=self.update_log_bytes,
+            # Room for a chunk raised to the peer's floor, and its header.
+            max_message_bytes=max(rt.max_message_bytes, self.chunk_bytes + (1 << 20)),
+        )
+        return dataclasses.replace(job, runtime=runtime)
+
+    def _clamp(
+        self, chunk_bytes: int, max_bytes: int, update_log_bytes: int
+    ) -> list[tuple[str, int, int]]:
+        """Take the job's values within the peer's: `(name, asked, used)` of each changed."""
+        peer = self.peer
+        asked = {
+            "chunk_bytes": chunk_bytes,
+            "max_tensor_bytes": max_bytes,
+            "update_log_bytes": update_log_bytes,
+        }
+        self.chunk_bytes = min(max(chunk_bytes, peer.min_chunk_bytes), peer.max_chunk_bytes)
+        self.max_bytes = min(max_bytes, peer.max_tensor_bytes)
+        self.update_log_bytes = min(update_log_bytes, peer.max_update_log_bytes)
+        used = {
+            "chunk_bytes": self.chunk_bytes,
+            "max_tensor_bytes": self.max_bytes,
+            "update_log_bytes": self.update_log_bytes,
+        }
+        return [(k, asked[k], used[k]) for k in asked if asked[k] != used[k]]
 
 
 class Messages:
@@ -54,15 +129,33 @@ class Messages:
         self.limits, self.metrics = limits, metrics
 
     async def receive(
-        self, requests: AsyncIterator[Any], max_request_bytes: int, route: Route
+        self,
+        requests: AsyncIterator[Any],
+        max_request_bytes: int,
+        route: Route,
+        held: Held,
+        admit: Callable[[], None] | None = None,
     ) -> tuple[Any, dict[str, torch.Tensor]]:
-        """A data-plane request's header and tensors: at most `max_request_bytes` (one
-        microbatch's tensors: a header declaring more is refused before its bytes are allocated),
-        routed by `route` before they are decoded."""
+        """A data-plane request's header and tensors. From the header, before a byte of the body
+        is allocated: routed by `route`, then `admit()` (a full replica raises Busy), its size at
+        most `max_request_bytes` (one microbatch's tensors) and the tensor limit, and its bytes
+        reserved in `held` (the process's budget: the call holds them until it ends)."""
         limit = min(self.limits.max_bytes, max_request_bytes)
-        received = await wire.receive(requests, max_bytes=limit)
-        route(received.header.job, received.header.stage)
-        tensors = wire.decode_named(received, device="cpu", max_bytes=limit)
+        name = (
+            self.limits.max_bytes_name
+            if limit == self.limits.max_bytes
+            else "the most one microbatch's tensors take"
+        )
+
+        def check(header: Any) -> None:
+            route(header.job, header.stage)
+            if admit is not None:
+                admit()
+
+        received = await wire.receive(
+            requests, max_bytes=limit, admit=check, reserve=held.reserve, limit_name=name
+        )
+        tensors = wire.decode_named(received, device="cpu", max_bytes=limit, reserve=held.reserve)
         self.metrics.received(
             sum(t.nbytes for t in received.header.tensors),
             sum(t.numel() * t.element_size() for t in tensors.values()),
@@ -131,23 +224,23 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
     )
 
 
-def updates_reply(updates: list[Update]) -> list[pb.StageUpdatesResponse]:
-    """The Updates answer: one message per gradient sum of each update."""
-    return [
-        pb.StageUpdatesResponse(
-            tensors=[codec.encode(g, str(i))],
-            step=u.step,
-            total_samples=u.total_samples,
-            grad_scale=u.scale,
-        )
-        for u in updates
-        for i, g in enumerate(u.grad_sums)
-    ]
+def updates_reply(updates: list[Update], chunk_bytes: int) -> Iterator[pb.StageUpdatesResponse]:
+    """The Updates answer, built as it is sent: one message per gradient sum of each update, in
+    chunks of at most `chunk_bytes` cut from the log's own tensors (nothing encoded ahead)."""
+    for u in updates:
+        for i, g in enumerate(u.grad_sums):
+            header = pb.StageUpdatesResponse(
+                step=u.step, total_samples=u.total_samples, grad_scale=u.scale
+            )
+            yield from wire.split_tensor(header, str(i), g, chunk_bytes)
 
 
-def state_reply(step: int, state: dict[str, torch.Tensor]) -> list[pb.StageDownloadStateResponse]:
-    """The DownloadState answer: one message per tensor of the state."""
-    return [
-        pb.StageDownloadStateResponse(tensors=[codec.encode(v, k)], step=step)
-        for k, v in state.items()
-    ]
+def state_reply(
+    step: int, state: dict[str, torch.Tensor], chunk_bytes: int
+) -> Iterator[pb.StageDownloadStateResponse]:
+    """The DownloadState answer, built as it is sent: one message per tensor of the state, in
+    chunks of at most `chunk_bytes` cut from the tensor; each tensor is taken out of `state` as
+    it goes, so the snapshot shrinks while it streams."""
+    for name in list(state):
+        header = pb.StageDownloadStateResponse(step=step)
+        yield from wire.split_tensor(header, name, state.pop(name), chunk_bytes)

@@ -51,6 +51,10 @@ class StageMetrics:
             "swarm_stage_pending_receipts", "Microbatches accumulated for the current step"
         )
         self._step = gauge("swarm_stage_step", "Steps committed on this replica")
+        self._nonfinite = counter(
+            "swarm_stage_nonfinite_gradients_total",
+            "Prepared averages found NaN or infinite: reported to the coordinator, never applied",
+        )
         self._avg_seconds = Histogram(
             "swarm_stage_averaging_seconds",
             "Time of a pool's averaging round",
@@ -101,6 +105,9 @@ class StageMetrics:
             self._steps.labels(**self.values).inc()
         self._step.labels(**self.values).set(step)
         self._pending.labels(**self.values).set(0)
+
+    def nonfinite(self) -> None:
+        self._nonfinite.labels(**self.values).inc()
 
     def averaged(self, sent: int, received: int) -> None:
         self._avg_sent.labels(**self.values).inc(sent)

@@ -8,13 +8,14 @@ import logging
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stage_server.averaging.butterfly import PoolServicer
+from stage_server.limits import PeerLimits
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
@@ -48,11 +49,13 @@ class StageServerOptions:
     port: int = 0  # 0: any free port (printed in the ready line)
     announce_host: str = ""  # what others dial (its address and metrics); "": `host`
     metrics_port: int | None = None  # None: no /metrics; 0: any free port
+    metrics_token: str | None = None  # /metrics requires it (None: `token`)
     device: str = "cpu"
     threads: int = 1  # torch intra-op threads; size to this process's share of cores
     peer: str = ""  # defaults to host:port
     shutdown_grace_s: float = 10.0  # how long in-flight calls may finish after SIGTERM
     token: str | None = None  # swarm token every call must carry (None: open)
+    limits: PeerLimits = field(default_factory=PeerLimits)  # what no job can raise
 
 
 @dataclass
@@ -93,13 +96,15 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def _served_runtime(servicer: StageServicer) -> RuntimeConfig | None:
-    """The `[runtime]` of the job `servicer` serves now (`serve` installed its stage: from the
-    command line, or an assignment under a scheduler); None while it serves none."""
+def _served_pool(servicer: StageServicer) -> tuple[int, int, float] | None:
+    """`(chunk_bytes, max_bytes, averaging_timeout_s)` of the job `servicer` serves now (`serve`
+    installed its stage: from the command line, or an assignment under a scheduler), within the
+    peer's limits; None while it serves none."""
     try:
-        return servicer.runtime.job.runtime
+        timeout_s = servicer.runtime.job.runtime.averaging_timeout_s
     except NotFound:
         return None
+    return servicer.limits.chunk_bytes, servicer.limits.max_bytes, timeout_s
 
 
 async def start_grpc(
@@ -110,6 +115,9 @@ async def start_grpc(
     server = grpc.aio.server(
         interceptors=server_interceptors(opts.token, metrics.registry),
         options=grpc_options(max_message_bytes),
+        # Past it a call is refused (RESOURCE_EXHAUSTED) before it is read: with the receive
+        # budget, no number of calls sizes this process's memory.
+        maximum_concurrent_rpcs=opts.limits.max_concurrent_rpcs,
     )
     announce = announced_host(opts.host, opts.announce_host, "a stage server")
     port = add_port(server, host_port(opts.host, opts.port), "a stage server")
@@ -120,24 +128,36 @@ async def start_grpc(
     metrics.identify(peer)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
     servicer = StageServicer(
-        peer=peer, metrics=metrics, executor=executor, throttle=throttle, token=opts.token
+        peer=peer,
+        metrics=metrics,
+        executor=executor,
+        throttle=throttle,
+        token=opts.token,
+        limits=opts.limits,
     )
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
-    defaults = RuntimeConfig()  # until a stage is installed; then the served job's settings
+    limits = servicer.limits  # the defaults within the peer's until a stage is installed
     pool = PoolServicer(
         servicer.averager,
         route=servicer._route,
-        chunk_bytes=defaults.chunk_bytes,
-        max_bytes=defaults.max_tensor_bytes,
-        timeout_s=defaults.averaging_timeout_s,
-        served=lambda: _served_runtime(servicer),
+        chunk_bytes=limits.chunk_bytes,
+        max_bytes=limits.max_bytes,
+        timeout_s=RuntimeConfig().averaging_timeout_s,
+        served=lambda: _served_pool(servicer),
         peer=peer,
+        budget=servicer.budget,
+        limit_name=limits.max_bytes_name,
     )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     metrics_port = (
-        serve_metrics(metrics.registry, opts.host, opts.metrics_port)
+        serve_metrics(
+            metrics.registry,
+            opts.host,
+            opts.metrics_port,
+            token=opts.metrics_token or opts.token,
+        )
         if opts.metrics_port is not None
         else None
     )

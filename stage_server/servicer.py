@@ -6,16 +6,21 @@ takes the server down.
 
 Every call that accumulates here (Backward, ForwardBackward, Push) ends the same way
 (`_backward_here`): compute on the worker, then the BACKWARD fault point (accumulated, not yet
-answered: the case a replay must cover), then the input gradient and the receipt."""
+answered: the case a replay must cover), then the input gradient and the receipt.
+
+A data-plane call is routed, and a full replica says Busy, from the request's header, before a
+byte of its body is allocated; the body's bytes come from the process's receive budget
+(`swarm.wire.budget`, shared with the pool's averaging and LoadState) and are held until the call
+ends: past the budget the call is Busy too, and goes to another replica."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -24,7 +29,8 @@ from stage_server.averaging.butterfly import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager
 from stage_server.commit import Commit, Committer
-from stage_server.messages import Limits, Messages, info_reply, state_reply, updates_reply
+from stage_server.limits import PeerLimits
+from stage_server.messages import Limits, Messages, info_reply
 from stage_server.metrics import StageMetrics
 from stage_server.next_hop import NextHop, Pushed
 from stage_server.runtime import Receipt, StageRuntime
@@ -36,9 +42,12 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.rpc.servicing import Servicing
 from swarm.wire import codec
+from swarm.wire.budget import Held, ReceiveBudget
 from swarm.wire.chunking import grpc_options
 
 __all__ = ["StageServicer"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,12 +71,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         executor: ThreadPoolExecutor,
         throttle: float = 1.0,
         token: str | None = None,
+        limits: PeerLimits | None = None,
     ) -> None:
         self.peer, self.metrics = peer, metrics
         self.job_id = ""
         self._runtime: StageRuntime | None = None
         self.token = token
-        self.limits = Limits()  # the served job's wire settings
+        self.limits = Limits(limits or PeerLimits())  # the served job's, within this peer's
+        # The bodies of the requests this process holds at once (the pool's averaging too).
+        self.budget = ReceiveBudget(self.limits.peer.receive_budget_bytes)
         self._messages = Messages(self.limits, metrics)
         self.worker = Worker(executor, metrics.queue, throttle)
         self.averager = Averager()
@@ -88,6 +100,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             worker=self.worker,
             metrics=metrics,
             runtime=lambda: self.runtime,
+            budget=self.budget,
+            limits=self.limits,
         )
         self._next_hop: NextHop | None = None  # the push plane's next stage, as seen here
 
@@ -117,9 +131,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._runtime, self.job_id = runtime, job_id
         self._commits.serve()  # a state installed anew starts from no residuals
         self.limits.serve(runtime.job)
+        peer = self.limits.peer
+        runtime.updates.bound(self.limits.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
         self.metrics.bind(job_id, runtime.stage)
         self._close_next_hop()
-        self._next_hop = NextHop(runtime.job, job_id, runtime.stage, self.token)
+        # Its answers are bounded as this replica's requests are: the job within this peer's.
+        self._next_hop = NextHop(self.limits.clamp(runtime.job), job_id, runtime.stage, self.token)
 
     def release(self) -> None:
         """Stop serving: later calls are NOT_FOUND until the next `serve`."""
@@ -147,8 +164,32 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 f"stage {stage} is not served here; this server serves stage {self.runtime.stage}"
             )
 
-    async def _receive(self, requests: AsyncIterator[Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-        return await self._messages.receive(requests, self.runtime.max_request_bytes(), self._route)
+    async def _receive(
+        self, requests: AsyncIterator[Any], held: Held, admit: Callable[[], None] | None = None
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        return await self._messages.receive(
+            requests, self.runtime.max_request_bytes(), self._route, held, admit
+        )
+
+    async def _run_held(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        body: Callable[[Held], Awaitable[T]],
+    ) -> T:
+        """`body` run as `Servicing.run` does, holding the bytes it receives (Busy past the
+        process's budget) until it is done."""
+
+        async def held_body() -> T:
+            with self.budget.hold(Busy) as held:
+                return await body(held)
+
+        return await self._serving.run(method, context, held_body)
+
+    def _room(self) -> None:
+        """Busy when `max_queue` pushed microbatches wait here already."""
+        if self.waiting >= self.runtime.job.runtime.max_queue:
+            raise Busy(f"{self.peer}: {self.waiting} microbatches queued; try another replica")
 
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self._messages.receipt(r, self.peer, len(self.runtime.receipts()))
@@ -185,8 +226,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     # -- the data plane -------------------------------------------------------------------------
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def body() -> pb.StageForwardResponse:
-            h, tensors = await self._receive(request_iterator)
+        async def body(held: Held) -> pb.StageForwardResponse:
+            h, tensors = await self._receive(request_iterator, held)
             (inputs,) = self._messages.need(tensors, "inputs")
             reply = self._messages.reply_codec(h.reply_codec)
             step, index = h.microbatch.step, h.microbatch.index
@@ -198,12 +239,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 tensors=self._messages.encode(out, "outputs", reply), queued_seconds=queued
             )
 
-        for msg in self._messages.split(await self._serving.run("Forward", context, body)):
+        for msg in self._messages.split(await self._run_held("Forward", context, body)):
             yield msg
 
     async def Backward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def body() -> pb.StageBackwardResponse:
-            h, tensors = await self._receive(request_iterator)
+        async def body(held: Held) -> pb.StageBackwardResponse:
+            h, tensors = await self._receive(request_iterator, held)
             (grad_outputs,) = self._messages.need(tensors, "grad_outputs")
             inputs = tensors.get("inputs")  # absent: use the activations cached by Forward
             reply = self._messages.reply_codec(h.reply_codec)
@@ -214,14 +255,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 tensors=done.grad, receipt=done.receipt, queued_seconds=done.queued
             )
 
-        for msg in self._messages.split(await self._serving.run("Backward", context, body)):
+        for msg in self._messages.split(await self._run_held("Backward", context, body)):
             yield msg
 
     async def ForwardBackward(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
-        async def body() -> pb.StageForwardBackwardResponse:
-            h, tensors = await self._receive(request_iterator)
+        async def body(held: Held) -> pb.StageForwardBackwardResponse:
+            h, tensors = await self._receive(request_iterator, held)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
             rt, reply = self.runtime, self._messages.reply_codec(h.reply_codec)
             maybe_die(Point.FORWARD, h.microbatch.step)
@@ -240,16 +281,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 queued_seconds=done.queued,
             )
 
-        for msg in self._messages.split(await self._serving.run("ForwardBackward", context, body)):
+        for msg in self._messages.split(await self._run_held("ForwardBackward", context, body)):
             yield msg
 
     async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def body() -> pb.StagePushResponse:
-            h, tensors = await self._receive(request_iterator)
+        async def body(held: Held) -> pb.StagePushResponse:
+            h, tensors = await self._receive(request_iterator, held, self._room)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
             rt = self.runtime
-            if self.waiting >= rt.job.runtime.max_queue:
-                raise Busy(f"{self.peer}: {self.waiting} microbatches queued; try another replica")
             step = h.microbatch.step
             here = rt.stage in h.accumulate  # this stage accumulates (and answers a receipt)
             reply = codec.codec_from_name(rt.job.compression.backward)
@@ -295,7 +334,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 queued_seconds=queued,
             )
 
-        for msg in self._messages.split(await self._serving.run("Push", context, body)):
+        for msg in self._messages.split(await self._run_held("Push", context, body)):
             yield msg
 
     async def _push_evaluation(
@@ -382,14 +421,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def Updates(
         self, request: pb.StageUpdatesRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        async def body() -> list[pb.StageUpdatesResponse]:
+        async def body() -> AsyncIterator[pb.StageUpdatesResponse]:
             self._route(request.job, request.stage)
-            updates = await self._transfer.updates(request.follower, request.from_step)
-            return updates_reply(updates)
-
-        for msg in await self._serving.run("Updates", context, body):
-            for part in self._messages.split(msg):
+            chunk = self.limits.chunk_bytes
+            async for part in self._transfer.updates(request.follower, request.from_step, chunk):
                 yield part
+
+        async for part in self._serving.stream("Updates", context, body()):
+            yield part
 
     async def LoadState(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body() -> pb.StageLoadStateResponse:
@@ -401,14 +440,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def DownloadState(
         self, request: pb.StageDownloadStateRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        async def body() -> list[pb.StageDownloadStateResponse]:
+        async def body() -> AsyncIterator[pb.StageDownloadStateResponse]:
             self._route(request.job, request.stage)
-            step, state = await self._transfer.snapshot(request.follower, request.include_optimizer)
-            return state_reply(step, state)
-
-        for msg in await self._serving.run("DownloadState", context, body):
-            for part in self._messages.split(msg):
+            chunk, optim = self.limits.chunk_bytes, request.include_optimizer
+            async for part in self._transfer.download(request.follower, optim, chunk):
                 yield part
+
+        async for part in self._serving.stream("DownloadState", context, body()):
+            yield part
 
     async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> Any:
         return info_reply(self.peer, self.job_id, self._runtime)

@@ -12,7 +12,11 @@ Invariants, and why:
 - One copy at a time, of the source the coordinator names: another source, a new assignment or a
   rollback cancels the running one; a failed one is started again by the next Join.
 - A state to load is bounded before it is held: at most what the stage's state can take, every
-  tensor one of the stage's, so a sender cannot size this process's memory.
+  tensor one of the stage's, each message routed from its header and its body within the
+  process's receive budget, so a sender cannot size this process's memory.
+- A state to serve is a snapshot (a copy of one step) streamed as it is sent, at most
+  `--max-state-downloads` at once: a request of a few bytes costs a copy of the state, so their
+  number is bounded, and nothing more is built ahead of the reader.
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ from typing import Any
 import torch
 
 from stage_server.copying import Copy
-from stage_server.messages import Limits, Route
+from stage_server.messages import Limits, Route, state_reply, updates_reply
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Served
-from stage_server.update_log import Update
 from stage_server.worker import Worker
 from swarm.errors import InvalidArgument, ResourceExhausted
 from swarm.ops.faults import Point, maybe_die
+from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient
 from swarm.wire import chunking as wire
+from swarm.wire.budget import ReceiveBudget
 
 __all__ = ["StateTransfer"]
 
@@ -52,10 +57,13 @@ class StateTransfer:
         worker: Worker,
         metrics: StageMetrics,
         runtime: Served,
+        budget: ReceiveBudget,
+        limits: Limits,
     ) -> None:
         self.peer, self.token, self._worker, self.metrics = peer, token, worker, metrics
-        self._runtime = runtime
+        self._runtime, self._budget, self._limits = runtime, budget, limits
         self.copy: Copy | None = None  # a joining replica's background copy of a member
+        self._downloads = 0  # snapshots being served now
 
     def stop_copy(self) -> None:
         if self.copy is not None:
@@ -83,14 +91,42 @@ class StateTransfer:
         # one; the answer is where this replica is now, which the coordinator does not take for
         # a member's step.
         self.stop_copy()
-        client = StageClient(source, rt.job, job_id, rt.stage, self.token)
+        # The member's answers are bounded by the job within this peer's limits.
+        client = StageClient(source, self._limits.clamp(rt.job), job_id, rt.stage, self.token)
         self.copy = Copy(client, rt, self._worker.run, self.peer)
         return -1
 
-    async def updates(self, follower: str, from_step: int) -> list[Update]:
-        """The updates `follower` lacks from `from_step` on (read between updates, on the worker:
-        the log and the step move together there)."""
-        return await self._worker.run(self._runtime().updates.since, follower, from_step)
+    async def updates(
+        self, follower: str, from_step: int, chunk_bytes: int
+    ) -> AsyncIterator[pb.StageUpdatesResponse]:
+        """The Updates answer: the updates `follower` lacks from `from_step` on (read between
+        updates, on the worker: the log and the step move together there), streamed as sent."""
+        log_ = self._runtime().updates
+        updates = await self._worker.run(log_.since, follower, from_step)
+        for part in updates_reply(updates, chunk_bytes):
+            yield part
+            log_.touch(follower)  # still reading: not silent
+
+    async def download(
+        self, follower: str, include_optimizer: bool, chunk_bytes: int
+    ) -> AsyncIterator[pb.StageDownloadStateResponse]:
+        """The DownloadState answer: a `snapshot`, streamed chunk by chunk as it is sent.
+        ResourceExhausted when `--max-state-downloads` are being served already."""
+        if self._downloads >= self._limits.peer.max_state_downloads:
+            raise ResourceExhausted(
+                f"{self._downloads} state downloads are being served already, the most this "
+                f"peer serves at once (--max-state-downloads): try again later"
+            )
+        self._downloads += 1
+        try:
+            log_ = self._runtime().updates
+            step, state = await self.snapshot(follower, include_optimizer)
+            for part in state_reply(step, state, chunk_bytes):
+                yield part
+                if follower:
+                    log_.touch(follower)  # its download goes on: not silent
+        finally:
+            self._downloads -= 1
 
     async def snapshot(
         self, follower: str, include_optimizer: bool
@@ -131,24 +167,37 @@ class StateTransfer:
         stream, state, step = requests.__aiter__(), {}, -1
         rt = self._runtime()
         budget = rt.max_state_bytes()
+
+        def check(header: Any) -> None:
+            route(header.job, header.stage)
+
         while True:
             limit = min(limits.max_bytes, budget)
-            try:
-                received = await wire.receive(stream, max_bytes=limit)
-            except wire.EndOfStream:
-                break
-            except ResourceExhausted as e:
-                raise ResourceExhausted(
-                    f"{e}: stage {rt.stage}'s state takes at most {rt.max_state_bytes()} "
-                    f"bytes, of which {rt.max_state_bytes() - budget} were sent already"
-                ) from None
-            route(received.header.job, received.header.stage)
-            step = received.header.step
-            tensors = wire.decode_named(received, max_bytes=limit)
-            budget -= sum(t.nbytes for t in tensors.values())
-            for name, tensor in tensors.items():
-                rt.check_state_tensor(name, tensor)
-                state[name] = tensor.clone()  # the wire buffer is read-only
+            # One message's body at a time from the process's budget: the state it builds is
+            # bounded by the stage's own size (`budget`), not by the receive budget.
+            bound_by = (
+                limits.max_bytes_name
+                if limit == limits.max_bytes
+                else f"stage {rt.stage}'s state takes at most {rt.max_state_bytes()} bytes, of "
+                f"which {rt.max_state_bytes() - budget} were sent already"
+            )
+            with self._budget.hold() as held:
+                try:
+                    received = await wire.receive(
+                        stream,
+                        max_bytes=limit,
+                        admit=check,
+                        reserve=held.reserve,
+                        limit_name=bound_by,
+                    )
+                except wire.EndOfStream:
+                    break
+                step = received.header.step
+                tensors = wire.decode_named(received, max_bytes=limit, reserve=held.reserve)
+                budget -= sum(t.nbytes for t in tensors.values())
+                for name, tensor in tensors.items():
+                    rt.check_state_tensor(name, tensor)
+                    state[name] = tensor.clone()  # the wire buffer is read-only
         if step < 0:
             raise InvalidArgument("LoadState carried no state")
         return step, state

@@ -1,6 +1,7 @@
 """What one stage accepts from a peer: the tensors of a Forward, Backward or ForwardBackward
-(inputs, targets, output gradients) and of a state to load, each checked against the stage's own
-shapes, dtypes and bounds before any compute or allocation.
+(inputs, targets, output gradients) and of a state to load (`swarm.model.state_checks`, shared
+with every other receiver of a state), each checked against the stage's own shapes, dtypes and
+bounds before any compute or allocation.
 
 Why here and not at each use: a bad tensor must be refused with INVALID_ARGUMENT, never reach
 torch (where it would be an internal error, or silently broadcast), and a size a peer declares
@@ -15,6 +16,7 @@ import torch
 
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig
+from swarm.model.state_checks import StateChecks
 from swarm.model.transformer import DTYPES
 
 __all__ = ["TensorChecks"]
@@ -30,9 +32,8 @@ class TensorChecks:
         self.job, self.stage, self.device = job, stage, device
         self.dtype = DTYPES[job.training.dtype]
         self.is_first = stage == 0
-        self.delayed = job.training.delayed_update
-        self._sizes = [p.numel() for p in module.parameters()]  # by optimizer index
-        self._shapes = {f"param/{k}": v.shape for k, v in module.state_dict().items()}
+        # A state of the stage: the same checks wherever one arrives (a copy, the scheduler).
+        self.state = StateChecks(job, stage, module)
 
     def inputs(self, inputs: torch.Tensor) -> torch.Tensor:
         """Stage 0: int64 token ids [batch, seq] within the vocabulary; any other stage: hidden
@@ -91,36 +92,9 @@ class TensorChecks:
         return 2 * t.microbatch_size * m.seq_len * max(m.d_model, 1) * 8
 
     def max_state_bytes(self) -> int:
-        """The most bytes a state for this stage can take (parameters and an optimizer's state
-        of at most three tensors per parameter, at 8 bytes a value, and a little for scalars):
-        LoadState refuses more."""
-        return 4 * 8 * sum(t.numel() for t in self._shapes.values()) + (1 << 20)
+        """The most bytes a state for this stage can take: LoadState refuses more."""
+        return self.state.max_state_bytes()
 
     def state_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """One tensor of a state to load must be one of this stage's (`swarm.model.stage_state`
-        names): `param/<name>` (or, with delayed_update, `prev/<name>`: the parameters before
-        the last update) with its parameter's shape, or `optim/<index>/<key>` of a parameter
-        with that parameter's size or one value."""
-        if name.startswith("param/") or (self.delayed and name.startswith("prev/")):
-            shape = self._shapes.get("param/" + name.split("/", 1)[1])
-            if shape is None:
-                raise InvalidArgument(f"stage {self.stage} has no parameter {name!r}")
-            if tensor.shape != shape:
-                raise InvalidArgument(
-                    f"{name} must have shape {list(shape)}; got {list(tensor.shape)}"
-                )
-            return
-        parts = name.split("/", 2)
-        if len(parts) == 3 and parts[0] == "optim" and parts[1].isdecimal():
-            index = int(parts[1])
-            if index < len(self._sizes):
-                if tensor.numel() in (1, self._sizes[index]):
-                    return
-                raise InvalidArgument(
-                    f"{name} has {tensor.numel()} values; parameter {index} has "
-                    f"{self._sizes[index]}"
-                )
-        raise InvalidArgument(
-            f"{name!r} is not part of stage {self.stage}'s state (param/<name>, or "
-            f"optim/<parameter index below {len(self._sizes)}>/<key>)"
-        )
+        """One tensor of a state to load must be one of this stage's (`StateChecks`)."""
+        self.state.state_tensor(name, tensor)

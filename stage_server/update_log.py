@@ -8,17 +8,24 @@ docs/architecture.md, "Joining, leaving, moving").
 
 Nothing is kept while nobody follows. The log is bounded in bytes: when it would grow past its
 bound the oldest updates go, and a follower that still needed them must start its copy again.
+What one caller can make a replica keep is bounded too, since any token holder may name itself a
+follower: at most `max_followers` at once (another is refused until one is done or gone), each
+forgotten after `ttl_s` unheard (its download and its asks for updates are heard, `touch`).
+
+The log is read and written on the replica's worker thread, and touched from the event loop while
+a download streams: a lock keeps the two apart.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from swarm.errors import FailedPrecondition
+from swarm.errors import FailedPrecondition, ResourceExhausted
 
 __all__ = ["Update", "UpdateLog"]
 
@@ -37,12 +44,22 @@ class Update:
 
 class UpdateLog:
     FOLLOWER_TTL_S = 3600.0  # a follower not heard from this long is gone (it died mid-copy)
+    MAX_FOLLOWERS = 4  # peers copying this replica at once
 
-    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_followers: int = MAX_FOLLOWERS,
+        ttl_s: float = FOLLOWER_TTL_S,
+    ) -> None:
         self.max_bytes, self._clock = max_bytes, clock
+        self.max_followers, self.ttl_s = max_followers, ttl_s
         self._updates: list[Update] = []
         self._first = 0  # the first step the log still has (or will have) an update of
         self._followers: dict[str, tuple[int, float]] = {}  # peer -> (next step it needs, heard)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._updates)
@@ -51,48 +68,81 @@ class UpdateLog:
     def nbytes(self) -> int:
         return sum(u.nbytes for u in self._updates)
 
+    def bound(self, max_bytes: int, max_followers: int, ttl_s: float) -> None:
+        """This peer's bounds (`stage_server.messages.Limits`): the most bytes kept, followers
+        at once, and seconds a silent follower is kept for."""
+        with self._lock:
+            self.max_bytes, self.max_followers, self.ttl_s = max_bytes, max_followers, ttl_s
+            self._forget_silent()
+            self._drop_oldest()
+
     def follow(self, follower: str, step: int) -> None:
-        """`follower` took this replica's state at `step`: keep every update from `step` on."""
-        if not self._followers:
-            self._updates, self._first = [], step
-        self._first = min(self._first, step)
-        self._followers[follower] = (step, self._clock())
+        """`follower` took this replica's state at `step`: keep every update from `step` on.
+        ResourceExhausted when `max_followers` others follow already."""
+        with self._lock:
+            self._forget_silent()
+            if follower not in self._followers and len(self._followers) >= self.max_followers:
+                raise ResourceExhausted(
+                    f"{len(self._followers)} peers are copying this replica already, the most "
+                    f"it keeps updates for (--max-followers {self.max_followers}): copy another "
+                    "replica, or this one later"
+                )
+            if not self._followers:
+                self._updates, self._first = [], step
+            self._first = min(self._first, step)
+            self._followers[follower] = (step, self._clock())
+
+    def touch(self, follower: str) -> None:
+        """`follower` was heard from (its download goes on): it is not silent."""
+        with self._lock:
+            if follower in self._followers:
+                self._followers[follower] = (self._followers[follower][0], self._clock())
 
     def record(
         self, step: int, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0
     ) -> None:
         """This replica applied `scale * grad_sums / total_samples` at `step`."""
-        self._forget_silent()
-        if not self._followers:
-            return
-        cpu = [g.detach().to("cpu", copy=True) for g in grad_sums]
-        self._updates.append(Update(step, cpu, total_samples, scale))
-        while len(self._updates) > 1 and self.nbytes > self.max_bytes:
-            self._first = self._updates.pop(0).step + 1
+        with self._lock:
+            self._forget_silent()
+            if not self._followers:
+                return
+        cpu = [g.detach().to("cpu", copy=True) for g in grad_sums]  # outside the lock: a copy
+        with self._lock:
+            if not self._followers:
+                return
+            self._updates.append(Update(step, cpu, total_samples, scale))
+            self._drop_oldest()
 
     def since(self, follower: str, step: int) -> list[Update]:
         """The updates from `step` on, for `follower`, who has every one before `step` (those
         may be forgotten once no follower needs them). A negative `step`: the follower is done."""
-        if step < 0:
-            self._followers.pop(follower, None)
+        with self._lock:
+            if step < 0:
+                self._followers.pop(follower, None)
+                self._trim()
+                return []
+            self._forget_silent()
+            if follower not in self._followers:
+                raise FailedPrecondition(f"{follower} does not follow this replica: copy it again")
+            if step < self._first:
+                del self._followers[follower]
+                self._trim()  # what it alone held on to goes too
+                raise FailedPrecondition(
+                    f"updates from step {step} are no longer kept (the log starts at "
+                    f"{self._first}; it holds at most {self.max_bytes} bytes): copy the state again"
+                )
+            self._followers[follower] = (step, self._clock())
             self._trim()
-            return []
-        if follower not in self._followers:
-            raise FailedPrecondition(f"{follower} does not follow this replica: copy it again")
-        if step < self._first:
-            del self._followers[follower]
-            self._trim()  # what it alone held on to goes too
-            raise FailedPrecondition(
-                f"updates from step {step} are no longer kept (the log starts at {self._first}; "
-                f"it holds at most {self.max_bytes} bytes): copy the state again"
-            )
-        self._followers[follower] = (step, self._clock())
-        self._trim()
-        return [u for u in self._updates if u.step >= step]
+            return [u for u in self._updates if u.step >= step]
 
     def clear(self) -> None:
         """This replica's state was replaced (a rollback, a copy): its followers start again."""
-        self._updates, self._followers = [], {}
+        with self._lock:
+            self._updates, self._followers = [], {}
+
+    def _drop_oldest(self) -> None:
+        while len(self._updates) > 1 and self.nbytes > self.max_bytes:
+            self._first = self._updates.pop(0).step + 1
 
     def _trim(self) -> None:
         if not self._followers:
@@ -103,6 +153,9 @@ class UpdateLog:
         self._first = max(self._first, needed)
 
     def _forget_silent(self) -> None:
-        horizon = self._clock() - self.FOLLOWER_TTL_S
-        for peer in [p for p, (_, heard) in self._followers.items() if heard < horizon]:
+        horizon = self._clock() - self.ttl_s
+        silent = [p for p, (_, heard) in self._followers.items() if heard < horizon]
+        for peer in silent:
             del self._followers[peer]
+        if silent:
+            self._trim()  # what they alone held on to goes too

@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "FailedPrecondition",
     "InvalidArgument",
+    "NonFiniteGradient",
     "NotFound",
     "PeerUnavailable",
     "RemoteError",
@@ -62,6 +63,12 @@ class ActivationsNotCached(FailedPrecondition):
     activations: send it again with the inputs (the replica then recomputes)."""
 
     PREFIX = "activations not cached"
+
+
+class NonFiniteGradient(FailedPrecondition):
+    """A gradient, or its norm, is NaN or infinite: no update is made from it (clipping cannot
+    make it finite, and every replica would apply the same poison). A replica refuses to APPLY
+    one; the coordinator sends no APPLY for a step whose PREPARE reported one."""
 
 
 class ResourceExhausted(WireError):

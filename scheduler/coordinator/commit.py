@@ -11,6 +11,9 @@
    so a replay can still run through the whole pipeline. Each PREPARE answers with the squared
    norm of its pool's averaged gradient; with `training.grad_clip` the coordinator sums them in
    stage order into the whole model's norm, and every APPLY carries the one clipping coefficient.
+   A NaN or infinite norm from any member (clipping or not) sends no APPLY at all: the job fails
+   (`NonFiniteStep`), every replica stays at the step, and checkpoints stay finite. So does a
+   replica that refuses its APPLY as non-finite (`NonFiniteGradient`).
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import GONE, ReplicaClients
-from swarm.errors import Aborted, SwarmError
+from swarm.errors import Aborted, NonFiniteGradient, SwarmError
 from swarm.model.optim import clip_scale
 from swarm.rpc.lease import Replica
 
-__all__ = ["CommitStalled", "RoundFailure", "TwoPhaseCommit", "culprits"]
+__all__ = ["CommitStalled", "NonFiniteStep", "RoundFailure", "TwoPhaseCommit", "culprits"]
 
 log = logging.getLogger(__name__)
 _REASON_CHARS = 600  # of a failed round's reason, in logs, status and the job's error
@@ -37,6 +40,12 @@ _REASON_CHARS = 600  # of a failed round's reason, in logs, status and the job's
 
 class CommitStalled(SwarmError):
     """A step's averaging rounds failed `runtime.max_commit_rounds` times without a commit."""
+
+
+class NonFiniteStep(Exception):
+    """A step's averaged gradient is NaN or infinite at some stage: none of it was applied, and
+    the job fails. Not a `SwarmError`, which the scheduler retries: the step's microbatches on
+    the same parameters give the same gradient again."""
 
 
 @dataclass
@@ -170,9 +179,14 @@ class TwoPhaseCommit:
             return False
         self._deciding = ledger  # from here on a straggler's duplicate is voided afterwards
         where = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
-        sq_norms = await self._prepare(ledger, members, where, round_id)
-        if sq_norms is None:
+        reported = await self._prepare(ledger, members, where, round_id)
+        if reported is None:
             return False
+        self._refuse_nonfinite(ledger.step, reported)
+        firsts: dict[int, float] = {}  # each stage's first member's: a pool averages to one sum
+        for stage, _, sq_norm in reported:
+            firsts.setdefault(stage, sq_norm)
+        sq_norms = list(firsts.values())  # in stage order, as `where`
         scale = clip_scale(sq_norms, self.grad_clip)
         self.grad_norm = math.sqrt(math.fsum(sq_norms))
         self.metrics.grad_norm.set(self.grad_norm)
@@ -180,6 +194,19 @@ class TwoPhaseCommit:
             *(self.clients.get(stage, r).apply(ledger.step, scale) for stage, r in where),
             return_exceptions=True,
         )
+        refused = [
+            (stage, r.peer, result)
+            for (stage, r), result in zip(where, applied, strict=True)
+            if isinstance(result, NonFiniteGradient)
+        ]
+        if refused:  # its sums are not what its norm said: the stage cannot move on exactly
+            for stage in sorted({stage for stage, _, _ in refused}):
+                self.metrics.nonfinite(stage)
+            raise NonFiniteStep(
+                f"step {ledger.step}: APPLY refused as NaN or infinite by "
+                + "; ".join(f"stage {k} {peer}: {e}" for k, peer, e in refused)
+                + "; the replicas that applied it are a step ahead of these"
+            )
         for (stage, r), result in zip(where, applied, strict=True):
             # Dead or hung after averaging: the next commit's check finds it a step behind and
             # leaves it out; it rejoins by copying a replica that applied.
@@ -188,6 +215,29 @@ class TwoPhaseCommit:
                     "step %d: apply on %s (stage %d) failed: %s", ledger.step, r.peer, stage, result
                 )
         return True
+
+    def _refuse_nonfinite(self, step: int, reported: list[tuple[int, str, float]]) -> None:
+        """Raise `NonFiniteStep`, with nothing applied, when any member's norm is NaN or
+        infinite. Every member's counts, not only the first's: a hostile member can send its
+        pool's members different parts, so that their averages differ."""
+        bad: dict[int, list[str]] = {}
+        for stage, peer, sq_norm in reported:
+            if not math.isfinite(sq_norm):
+                bad.setdefault(stage, []).append(f"{peer}: {sq_norm}")
+        if not bad:
+            return
+        for stage in bad:
+            self.metrics.nonfinite(stage)
+        raise NonFiniteStep(
+            f"step {step}: the averaged gradient of "
+            + "; ".join(
+                f"stage {stage} is NaN or infinite (squared norm from {', '.join(peers)})"
+                for stage, peers in bad.items()
+            )
+            + ". Nothing of the step was applied, and the job fails: its microbatches on the same "
+            "parameters give the same gradient again (a lower optimizer.lr, or the data, may "
+            "be at fault)"
+        )
 
     async def _receipts_match(self, ledger: StepLedger, members: list[list[Replica]]) -> bool:
         """Receipts a replica holds beyond what the ledger accepted (a straggling trainer's, or a
@@ -223,9 +273,9 @@ class TwoPhaseCommit:
         members: list[list[Replica]],
         where: list[tuple[int, Replica]],
         round_id: str,
-    ) -> list[float] | None:
-        """PREPARE everywhere: each stage's squared gradient norm (its first member's answer;
-        a pool averages to the same sums), or None when the round failed."""
+    ) -> list[tuple[int, str, float]] | None:
+        """PREPARE everywhere: each member's squared gradient norm, as (stage, peer, norm) in
+        stage order, or None when the round failed."""
         total, calls = ledger.samples(), []
         for stage, replicas in enumerate(members):
             group = [r.address for r in replicas]
@@ -243,13 +293,13 @@ class TwoPhaseCommit:
             if isinstance(e, BaseException)
         ]
         if not failed:
-            sq_norms: list[float | None] = [None] * len(members)
-            for (stage, _), result in zip(where, results, strict=True):
-                if sq_norms[stage] is None and isinstance(result, float):
-                    sq_norms[stage] = result
-            # None: every member had applied the step already (a retried commit): nothing of
-            # that stage is applied again, and the others' norms are what is left to clip by.
-            return [n for n in sq_norms if n is not None]
+            # None: the member had applied the step already (a retried commit): nothing of that
+            # stage is applied again, and the others' norms are what is left to clip by.
+            return [
+                (stage, r.peer, result)
+                for (stage, r), result in zip(where, results, strict=True)
+                if isinstance(result, float)
+            ]
         self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
         reason = "; ".join(f"stage {k} {r.peer}: {type(e).__name__}: {e}" for k, r, e in failed)
         self.failure = failure = RoundFailure(_shorten(reason))

@@ -30,7 +30,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.commit import CommitStalled, TwoPhaseCommit
+from scheduler.coordinator.commit import CommitStalled, NonFiniteStep, TwoPhaseCommit
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -457,6 +457,13 @@ class LocalCoordinator:
         except CommitStalled as e:  # every retry is bounded: say why, rather than spin
             log.error("%s", e)
             self.error = e
+            self.finished.set()
+            return False
+        except NonFiniteStep as e:  # a retry would meet the same gradient: fail, loudly
+            saved = self.recovery.latest()
+            last = f"the last is the checkpoint of step {saved}" if saved else "none was written"
+            self.error = NonFiniteStep(f"{e}. No checkpoint holds it ({last})")
+            log.error("job %s: %s", self.job_id, self.error)
             self.finished.set()
             return False
         except Exception as e:  # a bug: fail the job loudly rather than hang

@@ -58,6 +58,17 @@ class CoordinatorFamilies:
             ["job"],
             registry=registry,
         )
+        self.nonfinite = Counter(
+            "swarm_coordinator_nonfinite_gradients_total",
+            "Steps a stage's averaged gradient was NaN or infinite in: nothing applied, job failed",
+            ["job", "stage"],
+            registry=registry,
+        )
+        self._nonfinite_stages: dict[str, set[str]] = {}  # job -> the stage labels it counted
+
+    def count_nonfinite(self, job: str, stage: int) -> None:
+        self._nonfinite_stages.setdefault(job, set()).add(str(stage))
+        self.nonfinite.labels(job=job, stage=str(stage)).inc()
 
     def remove(self, job: str) -> None:
         """`job` ended: remove its series."""
@@ -73,6 +84,8 @@ class CoordinatorFamilies:
             self.val_loss,
         ):
             family.remove(job)  # absent: nothing to do
+        for stage in self._nonfinite_stages.pop(job, ()):
+            self.nonfinite.remove(job, stage)
 
 
 class CoordinatorMetrics:
@@ -85,7 +98,8 @@ class CoordinatorMetrics:
         *,
         families: CoordinatorFamilies | None = None,
     ) -> None:
-        f = families or CoordinatorFamilies(registry or CollectorRegistry())
+        f = self._families = families or CoordinatorFamilies(registry or CollectorRegistry())
+        self._job = job
         self.replays = f.replays.labels(job=job)
         self.aborted_rounds = f.aborted_rounds.labels(job=job)
         self.dropped = f.dropped.labels(job=job)
@@ -96,3 +110,7 @@ class CoordinatorMetrics:
         self.blocked = f.blocked.labels(job=job)
         self.val_loss = f.val_loss.labels(job=job)
         self.val_loss.set(math.nan)
+
+    def nonfinite(self, stage: int) -> None:
+        """Stage `stage`'s averaged gradient was NaN or infinite at a step."""
+        self._families.count_nonfinite(self._job, stage)

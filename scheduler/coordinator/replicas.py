@@ -7,6 +7,7 @@ job's or stage's, is `GONE`; `Aborted` is a round another member spoiled."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -14,6 +15,7 @@ import torch
 
 from swarm.errors import NotFound, PeerUnavailable
 from swarm.job.config import JobConfig
+from swarm.model.state_checks import StateChecks
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
 from swarm.rpc.stage_client import StageClient
@@ -122,7 +124,13 @@ class GrpcReplica:
     async def download_state(
         self, include_optimizer: bool = False, prefix: str = "param/"
     ) -> tuple[int, dict[str, torch.Tensor]]:
-        return await self.client.download_state(include_optimizer, prefix)
+        # Checked against the stage's layout as it comes: a member that sends more than the
+        # stage's state, or a tensor no replica would load, is refused (no checkpoint from it).
+        return await self.client.download_state(include_optimizer, prefix, expect=self._expected)
+
+    @functools.cached_property
+    def _expected(self) -> StateChecks:
+        return StateChecks(self.client.job, self.client.stage)
 
     async def close(self) -> None:
         await self.client.close()

@@ -42,12 +42,12 @@ from stage_server.averaging.owner import (
 )
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import Aborted, ConfigError, InvalidArgument
-from swarm.job.config import RuntimeConfig
 from swarm.net import tokens as auth
 from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.rpc.servicing import Servicing
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
+from swarm.wire.budget import Held, ReceiveBudget
 from swarm.wire.codec import CODEC_NONE, decode, encode
 
 __all__ = ["ChannelPool", "PoolServicer", "all_reduce"]
@@ -64,10 +64,14 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
     `route(job, stage)` raises NotFound when this replica does not serve that job and stage;
     `timeout_s` bounds a wait when the caller set no deadline; `on_bytes(sent, received)` counts
-    wire bytes. `served()`, read at every call, is the `[runtime]` of the job the replica serves
-    now (None while it serves none): its `chunk_bytes`, `max_tensor_bytes` and
-    `averaging_timeout_s` then replace `chunk_bytes`, `max_bytes` and `timeout_s`, so the owner
-    side of a round follows the job however its stage was installed.
+    wire bytes. `served()`, read at every call, is `(chunk_bytes, max_bytes, timeout_s)` of the
+    job the replica serves now (its `[runtime]` within the peer's own limits; None while it
+    serves none), so the owner side of a round follows the job however its stage was installed.
+
+    A contribution is routed from its header, before a byte of its part is allocated, and the
+    part's bytes come from `budget` (the process's, shared with the stage's calls) until its sum
+    is answered: past it the call is refused with RESOURCE_EXHAUSTED. `limit_name` names the
+    setting behind `max_bytes` in refusals.
     """
 
     def __init__(
@@ -78,21 +82,23 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         chunk_bytes: int,
         max_bytes: int,
         timeout_s: float,
-        served: Callable[[], RuntimeConfig | None] | None = None,
+        served: Callable[[], tuple[int, int, float] | None] | None = None,
         peer: str = "",
         on_bytes: Callable[[int, int], None] | None = None,
+        budget: ReceiveBudget | None = None,
+        limit_name: str = "",
     ) -> None:
         self.averager, self._route, self.peer, self._on_bytes = averager, route, peer, on_bytes
         self._chunk, self._max_bytes, self._timeout_s = chunk_bytes, max_bytes, timeout_s
         self._served = served
+        # No budget given (a pool on its own, in tests): bounded by max_bytes per call only.
+        self._budget, self._limit_name = budget or ReceiveBudget(1 << 62), limit_name
         self._serving = Servicing(peer)
 
     def settings(self) -> tuple[int, int, float]:
         """`(chunk_bytes, max_bytes, timeout_s)` a call is served with now."""
-        runtime = self._served() if self._served is not None else None
-        if runtime is None:
-            return self._chunk, self._max_bytes, self._timeout_s
-        return runtime.chunk_bytes, runtime.max_tensor_bytes, runtime.averaging_timeout_s
+        served = self._served() if self._served is not None else None
+        return served if served is not None else (self._chunk, self._max_bytes, self._timeout_s)
 
     async def Reduce(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
@@ -106,11 +112,24 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     async def _reduce(
         self, requests: Any, context: grpc.aio.ServicerContext
     ) -> list[pool_pb2.PoolReduceResponse]:
+        with self._budget.hold() as held:
+            return await self._reduce_held(requests, context, held)
+
+    async def _reduce_held(
+        self, requests: Any, context: grpc.aio.ServicerContext, held: Held
+    ) -> list[pool_pb2.PoolReduceResponse]:
         chunk_bytes, max_bytes, timeout = self.settings()
-        received = await wire.receive(requests, max_bytes=max_bytes)
+        received = await wire.receive(
+            requests,
+            max_bytes=max_bytes,
+            admit=lambda first: self._route(first.job, first.stage),
+            reserve=held.reserve,
+            limit_name=self._limit_name,
+        )
         h: pool_pb2.PoolReduceRequest = received.header
-        self._route(h.job, h.stage)
-        tensors = wire.decode_named(received, device="cpu", max_bytes=max_bytes)
+        tensors = wire.decode_named(
+            received, device="cpu", max_bytes=max_bytes, reserve=held.reserve
+        )
         if set(tensors) != {"part"}:
             raise InvalidArgument(f"Reduce carries one tensor named 'part', got {sorted(tensors)}")
         (meta,) = h.tensors

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from swarm.errors import NonFiniteGradient
 from swarm.job.config import JobConfig, OptimizerConfig
 
 __all__ = ["build_optimizer", "clip_scale", "computes_on", "grad_sq_norm", "lr_at", "update"]
@@ -73,7 +74,14 @@ def grad_sq_norm(grads: Iterable[torch.Tensor]) -> float:
 def clip_scale(stage_sq_norms: Sequence[float], max_norm: float) -> float:
     """What every stage multiplies its averaged gradient by so that the whole model's gradient
     norm is at most `max_norm` (1.0 without clipping, or when it is small enough). The stages'
-    squared norms are summed in stage order."""
+    squared norms are summed in stage order. A NaN or infinite one raises `NonFiniteGradient`,
+    clipping or not: no coefficient makes that gradient finite (NaN gave 1.0, inf 0.0)."""
+    bad = [k for k, sq in enumerate(stage_sq_norms) if not math.isfinite(sq)]
+    if bad:
+        raise NonFiniteGradient(
+            "; ".join(f"stage {k} gradient's squared norm is {stage_sq_norms[k]}" for k in bad)
+            + ": not finite, so no update is made from it"
+        )
     if max_norm <= 0:
         return 1.0
     norm = math.sqrt(math.fsum(stage_sq_norms))

@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Iterable,
+    Sequence,
+)
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import grpc
 import torch
 
-from swarm.errors import PeerUnavailable
+from swarm.errors import InvalidArgument, PeerUnavailable, ResourceExhausted
 from swarm.job.config import JobConfig
 from swarm.net import tokens as auth
 from swarm.proto import stage_pb2 as pb
@@ -26,6 +34,7 @@ from swarm.wire.codec import CODEC_NONE
 
 __all__ = [
     "BackwardResult",
+    "ExpectedState",
     "PushResult",
     "StageClient",
     "TensorLike",
@@ -347,13 +356,20 @@ class StageClient:
 
     @_swarm_errors
     async def download_state(
-        self, include_optimizer: bool = False, prefix: str = "param/", follower: str = ""
+        self,
+        include_optimizer: bool = False,
+        prefix: str = "param/",
+        follower: str = "",
+        *,
+        expect: ExpectedState,
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """The replica's state and step: parameters (names as in the whole model, with `prefix`
         removed) and, when asked, optimizer state (`optim/<index>/<key>`). A `follower` (a
         joining peer) has the replica keep its updates from that step on (`updates`). However
         large the state, the call lasts while bytes keep coming: it fails only when none came
-        for `rpc_timeout_s`."""
+        for `rpc_timeout_s`. Each tensor is checked as it comes (`expect`: its name, shape and
+        dtype; at most `expect.max_state_bytes()` in all, `runtime.max_tensor_bytes` each): the
+        first refused ends the call, before more is read or held."""
         call = self.stub.DownloadState(
             pb.StageDownloadStateRequest(
                 job=self.job_id,
@@ -362,44 +378,159 @@ class StageClient:
                 follower=follower,
             )
         )
-        stream, state, step = _progressing(call, self._timeout), {}, -1
-        while True:
-            try:
-                received = await wire.receive(stream, max_bytes=self._max)
-            except wire.EndOfStream:
-                break
-            step = received.header.step
-            decoded = wire.decode_named(received, device="cpu", max_bytes=self._max)
-            for name, tensor in decoded.items():
-                state[name.removeprefix(prefix) if prefix else name] = tensor.clone()
+        try:
+            step, state = await self._receive_state(call, expect)
+        finally:
+            call.cancel()  # refused or failed: the sender stops (nothing once the call ended)
+        return step, {name.removeprefix(prefix) if prefix else name: t for name, t in state.items()}
+
+    async def _receive_state(
+        self, call: Any, expect: ExpectedState
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        why = "the stage's parameters and an optimizer's state at 8 bytes a value"
+        received = self._bounded(call, expect.max_state_bytes(), why)
+        state: dict[str, torch.Tensor] = {}
+        step = -1
+        while (message := await received.next()) is not None:
+            header, tensors = message
+            if step >= 0 and header.step != step:
+                raise self._refused(f"a state of step {step}, then of step {header.step}")
+            step = header.step
+            for name, tensor in tensors.items():
+                if name in state:
+                    raise self._refused(f"{name!r} twice")
+                self._check(expect.state_tensor, name, tensor)
+                state[name] = tensor.clone()  # the wire buffer is read-only
+        self._check(expect.complete, state.keys())  # a replica always has parameters
         return step, state
 
     @_swarm_errors
     async def updates(
-        self, follower: str, from_step: int
+        self, follower: str, from_step: int, *, expect: ExpectedState
     ) -> list[tuple[int, list[torch.Tensor], int, float]]:
         """The updates the replica applied from `from_step` on, as (step, gradient sums in
         parameter order, total samples, clipping coefficient); `follower` has those before. A
         negative `from_step` says the follower is done. Lasts while bytes keep coming, as
-        `download_state`."""
+        `download_state`, and is checked as it comes as that is (`expect`: each update's
+        gradient sums of the parameters' shapes and dtypes, the steps in order; in all at most
+        what an update log keeps, `runtime.update_log_bytes`, or one update when larger)."""
         call = self.stub.Updates(
             pb.StageUpdatesRequest(
                 job=self.job_id, stage=self.stage, follower=follower, from_step=from_step
             )
         )
-        stream = _progressing(call, self._timeout)
+        try:
+            return await self._receive_updates(call, from_step, expect)
+        finally:
+            call.cancel()
+
+    async def _receive_updates(
+        self, call: Any, from_step: int, expect: ExpectedState
+    ) -> list[tuple[int, list[torch.Tensor], int, float]]:
+        # An update log keeps at most update_log_bytes, or its last update whatever its size.
+        limit = max(self.job.runtime.update_log_bytes, expect.max_update_bytes())
+        why = (
+            "runtime.update_log_bytes (within a stage server's --max-update-log-bytes), or one "
+            "update when larger"
+        )
+        received = self._bounded(call, limit, why)
+        size = expect.num_parameters
         updates: list[tuple[int, list[torch.Tensor], int, float]] = []
-        while True:
-            try:
-                received = await wire.receive(stream, max_bytes=self._max)
-            except wire.EndOfStream:
-                return updates
-            header = received.header
-            if not updates or updates[-1][0] != header.step:
-                scale = header.grad_scale if header.HasField("grad_scale") else 1.0
+        while (message := await received.next()) is not None:
+            header, tensors = message
+            scale = header.grad_scale if header.HasField("grad_scale") else 1.0
+            if not updates or len(updates[-1][1]) == size:  # the one before is whole
+                first = from_step if not updates else updates[-1][0] + 1
+                if header.step < first or (updates and header.step != first):
+                    raise self._refused(f"an update of step {header.step} after step {first - 1}")
+                if header.total_samples < 1 or not 0.0 < scale <= 1.0:
+                    raise self._refused(
+                        f"an update of {header.total_samples} samples with coefficient {scale}"
+                    )
                 updates.append((header.step, [], header.total_samples, scale))
-            decoded = wire.decode_named(received, device="cpu", max_bytes=self._max)
-            updates[-1][1].extend(t.clone() for t in decoded.values())
+            step, sums, samples, applied = updates[-1]
+            if (header.step, header.total_samples, scale) != (step, samples, applied):
+                raise self._refused(f"the update of step {step} with {len(sums)} of {size} sums")
+            for name, tensor in tensors.items():
+                if name != str(len(sums)):
+                    raise self._refused(f"gradient sum {name!r} where {len(sums)} was due")
+                self._check(expect.update_tensor, len(sums), tensor)
+                sums.append(tensor.clone())
+        if updates and len(updates[-1][1]) != size:
+            raise self._refused(
+                f"the update of step {updates[-1][0]} has {len(updates[-1][1])} of {size} sums"
+            )
+        return updates
+
+    @property
+    def _sender(self) -> str:
+        return f"stage {self.stage}'s replica at {self.address}"
+
+    def _bounded(self, call: Any, limit: int, why: str) -> _Bounded:
+        stream = _progressing(call, self._timeout)
+        return _Bounded(stream, self._sender, limit, why, self._max)
+
+    def _refused(self, what: str) -> InvalidArgument:
+        return InvalidArgument(f"{self._sender} sent {what}")
+
+    def _check(self, check: Callable[..., None], *args: Any) -> None:
+        """`check(*args)`, whose refusal names this replica."""
+        try:
+            check(*args)
+        except InvalidArgument as e:
+            raise self._refused(f"what stage {self.stage} would not load: {e}") from None
+
+
+class ExpectedState(Protocol):
+    """What a stage's state and its updates may hold (`swarm.model.state_checks.StateChecks`,
+    from the job's layout of the stage): checked as each tensor arrives."""
+
+    @property
+    def num_parameters(self) -> int: ...
+
+    def max_state_bytes(self) -> int: ...
+
+    def max_update_bytes(self) -> int: ...
+
+    def state_tensor(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    def complete(self, names: Collection[str]) -> None: ...
+
+    def update_tensor(self, index: int, tensor: torch.Tensor) -> None: ...
+
+
+class _Bounded:
+    """The messages of a server stream from `sender`, at most `limit` tensor bytes in all (`why`
+    says where that bound comes from) and `max_tensor` a message: a message declaring more than
+    is left is refused from its header, before its bytes are read or allocated, and nothing
+    after it is read."""
+
+    def __init__(
+        self, stream: AsyncIterator[Any], sender: str, limit: int, why: str, max_tensor: int
+    ) -> None:
+        self.stream, self.sender, self.limit, self.why = stream, sender, limit, why
+        self.max_tensor = max_tensor
+        self.left = limit
+
+    async def next(self) -> tuple[Any, dict[str, torch.Tensor]] | None:
+        """The next message's header and tensors (decoded, read-only), or None at the end."""
+        bound = min(self.max_tensor, self.left)
+        try:
+            received = await wire.receive(self.stream, max_bytes=bound)
+            tensors = wire.decode_named(received, device="cpu", max_bytes=bound)
+        except wire.EndOfStream:
+            return None
+        except ResourceExhausted as e:
+            raise ResourceExhausted(
+                f"{self.sender} sent more than it may: {e} ({self.limit - self.left} bytes came "
+                f"before it, of at most {self.limit} in all: {self.why}; at most "
+                f"runtime.max_tensor_bytes = {self.max_tensor} a tensor)"
+            ) from None
+        if not tensors:  # a replica sends at least one tensor a message
+            raise InvalidArgument(f"{self.sender} sent a message without tensors")
+        held = sum(len(p) for p in received.payloads)
+        self.left -= max(held, sum(t.nbytes for t in tensors.values()))
+        return received.header, tensors
 
 
 def _aiter(call: Any) -> AsyncIterator[Any]:

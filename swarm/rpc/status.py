@@ -19,6 +19,7 @@ from swarm.errors import (
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
+    NonFiniteGradient,
     NotFound,
     PeerUnavailable,
     RemoteError,
@@ -61,6 +62,7 @@ _BY_NAME: dict[str, type[SwarmError]] = {
         ConfigError,
         FailedPrecondition,
         InvalidArgument,
+        NonFiniteGradient,
         NotFound,
         ResourceExhausted,
     )

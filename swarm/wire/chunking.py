@@ -10,7 +10,7 @@ end of the stream, since a bidi peer keeps its side open to read the reply.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterable, Iterator
+from collections.abc import AsyncIterable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -19,9 +19,17 @@ from google.protobuf.message import Message
 
 from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted
 from swarm.proto import tensor_pb2
-from swarm.wire.codec import decode, decoded_nbytes
+from swarm.wire.codec import CODEC_NONE, decode, decoded_nbytes, dtype_name
 
-__all__ = ["EndOfStream", "Received", "decode_named", "grpc_options", "receive", "split"]
+__all__ = [
+    "EndOfStream",
+    "Received",
+    "decode_named",
+    "grpc_options",
+    "receive",
+    "split",
+    "split_tensor",
+]
 
 M = TypeVar("M", bound=Message)
 
@@ -93,12 +101,49 @@ def split(msg: M, chunk_bytes: int) -> Iterator[M]:
             yield part
 
 
-async def receive(stream: AsyncIterable[M], *, max_bytes: int) -> Received[M]:
+def split_tensor(header: M, name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[M]:
+    """`split` of `header` carrying `tensor` as `name` (CODEC_NONE), each chunk cut from the
+    tensor's own memory: a large tensor is never encoded whole (one chunk's copy at a time), so a
+    reply of many such tensors is built as it is sent, not before. `header` (a message without
+    tensors) gets the tensor's metadata; the messages are those `split` makes of `header` with
+    `encode(tensor, name)`, so a receiver tells no difference."""
+    if chunk_bytes <= 0:
+        raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    # reshape(-1) first: a 0-dim tensor cannot be viewed as a dtype of another element size.
+    wire = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    m: Any = header
+    meta = m.tensors.add()
+    meta.name, meta.dtype, meta.nbytes = name, dtype_name(tensor.dtype), wire.numel()
+    meta.shape.extend(tensor.shape)
+    if wire.numel() <= chunk_bytes:
+        meta.data = wire.numpy().tobytes()
+        yield header
+        return
+    yield header
+    cls = type(header)
+    for start in range(0, wire.numel(), chunk_bytes):
+        part: Any = cls()
+        part.chunk.tensor = 0
+        part.chunk.data = wire[start : start + chunk_bytes].numpy().tobytes()
+        yield part
+
+
+async def receive(
+    stream: AsyncIterable[M],
+    *,
+    max_bytes: int,
+    admit: Callable[[M], None] | None = None,
+    reserve: Callable[[int], None] | None = None,
+    limit_name: str = "",
+) -> Received[M]:
     """Read one (possibly chunked) message from `stream` and reassemble its tensor payloads.
 
-    Reads the header, then exactly the chunks needed to complete every tensor. Raises
-    ResourceExhausted when the declared bytes exceed `max_bytes` (before allocating), and
-    InvalidArgument for an empty or truncated stream or a chunk that does not fit the header.
+    Reads the header, then exactly the chunks needed to complete every tensor. Before a byte of
+    the body is allocated or read: `admit(header)` may refuse the message by raising (its route,
+    a full replica), the declared bytes are checked against `max_bytes` (ResourceExhausted; the
+    refusal says `limit_name`, the setting behind it), and `reserve(declared bytes)` may refuse
+    them too (a process's `swarm.wire.budget`). Raises InvalidArgument for an empty or
+    truncated stream or a chunk that does not fit the header.
     """
     it = stream.__aiter__()
     try:
@@ -108,6 +153,8 @@ async def receive(stream: AsyncIterable[M], *, max_bytes: int) -> Received[M]:
     header: Any = first
     if header.HasField("chunk"):
         raise InvalidArgument("the first message of a stream must be a header, got a chunk")
+    if admit is not None:
+        admit(first)
     inline: list[bytes | None] = []
     sizes: list[int] = []
     for i, t in enumerate(header.tensors):
@@ -126,9 +173,12 @@ async def receive(stream: AsyncIterable[M], *, max_bytes: int) -> Received[M]:
             sizes.append(t.nbytes)
     total = sum(sizes)
     if total > max_bytes:
+        named = f" ({limit_name})" if limit_name else ""
         raise ResourceExhausted(
-            f"message declares {total} tensor bytes, above the limit of {max_bytes}"
+            f"message declares {total} tensor bytes, above the limit of {max_bytes}{named}"
         )
+    if reserve is not None:
+        reserve(total)
     payloads: list[bytes | bytearray] = [
         data if data is not None else bytearray(size)
         for data, size in zip(inline, sizes, strict=True)
@@ -174,10 +224,13 @@ def decode_named(
     *,
     device: torch.device | str = "cpu",
     max_bytes: int | None = None,
+    reserve: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Decode every tensor of `received` by name; `max_bytes` caps their decoded total.
+    """Decode every tensor of `received` by name; `max_bytes` caps their decoded total, and
+    `reserve` is asked for the bytes that decoding allocates (a lossy codec's widened values;
+    CODEC_NONE shares the payload's memory on the CPU).
 
-    The total is checked before any tensor is decoded. See `swarm.wire.codec.decode` for the
+    Both are checked before any tensor is decoded. See `swarm.wire.codec.decode` for the
     zero-copy caveat: results must not be modified in place.
     """
     tensors: list[tensor_pb2.Tensor] = list(received.header.tensors)
@@ -193,6 +246,8 @@ def decode_named(
             raise ResourceExhausted(
                 f"tensors decode to {total} bytes, above the limit of {max_bytes}"
             )
+    if reserve is not None:
+        reserve(sum(decoded_nbytes(t) for t in tensors if t.codec != CODEC_NONE))
     return {
         t.name: decode(t, payload, device=device)
         for t, payload in zip(tensors, received.payloads, strict=True)

@@ -216,7 +216,7 @@ async def test_chunked_activations_pass_and_health_says_serving(
         response = await client.commit(0, [0], 4)
         assert response.step == 1 and not response.already_committed
         assert (await client.commit(0, [0], 4)).already_committed
-        step, state = await client.download_state()
+        step, state = await client.download_state(expect=server.runtime.checks.state)
         assert step == 1 and set(state) == set(server.runtime.state_dict())
         health = health_pb2_grpc.HealthStub(client.channel)
         status = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
@@ -240,7 +240,9 @@ async def test_prepare_answers_its_norm_and_the_clipping_coefficient_reaches_its
         await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=0.25)
         info = await client.info()
         assert (info.step, info.applied_step, info.applied_scale) == (1, 0, 0.25)
-        ((step, sums, samples, scale),) = await client.updates("f", 0)
+        ((step, sums, samples, scale),) = await client.updates(
+            "f", 0, expect=server.runtime.checks.state
+        )
         assert (step, samples, scale) == (0, 4, 0.25) and len(sums) == len(server.runtime.params)
     finally:
         await client.close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stage_server.update_log import UpdateLog
-from swarm.errors import FailedPrecondition
+from swarm.errors import FailedPrecondition, ResourceExhausted
 
 
 def _sums(value: float, n: int = 4) -> list[torch.Tensor]:
@@ -76,3 +76,32 @@ def test_a_silent_follower_is_forgotten_and_a_cleared_log_lets_followers_go() ->
     log.clear()  # the replica loaded another state
     with pytest.raises(FailedPrecondition, match="does not follow"):
         log.since("c", 2)
+
+
+def test_followers_are_bounded_in_number_and_a_silent_one_is_let_go() -> None:
+    now = [0.0]
+    log = UpdateLog(max_bytes=1 << 20, clock=lambda: now[0], max_followers=2, ttl_s=60.0)
+    log.follow("b", 0)
+    log.follow("c", 0)
+    with pytest.raises(ResourceExhausted, match=r"2 peers are copying .*--max-followers 2"):
+        log.follow("d", 0)
+    log.follow("b", 1)  # one already following takes its state again: no new place
+    log.record(0, _sums(0.0), 16)
+    now[0] = 50.0
+    log.touch("b")  # its download goes on: heard
+    now[0] = 100.0  # c silent for 100 s, b for 50 s
+    log.follow("d", 1)  # c's place, let go
+    with pytest.raises(FailedPrecondition, match="does not follow"):
+        log.since("c", 0)
+    assert [u.step for u in log.since("b", 1)] == []
+    # The peer's bounds, applied to a log that exists: fewer bytes, followers, seconds.
+    log.record(1, _sums(1.0), 16)
+    log.record(2, _sums(2.0), 16)
+    log.bound(max_bytes=32, max_followers=1, ttl_s=10.0)
+    assert len(log) == 1 and log.nbytes <= 32
+    now[0] = 111.0  # both silent for more than 10 s: gone, and what they held with them
+    log.record(3, _sums(3.0), 16)
+    assert len(log) == 0
+    log.follow("e", 4)
+    with pytest.raises(ResourceExhausted, match="--max-followers 1"):
+        log.follow("f", 4)

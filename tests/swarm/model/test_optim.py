@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from swarm.errors import NonFiniteGradient
 from swarm.job.config import OptimizerConfig
 from swarm.model.optim import clip_scale, grad_sq_norm, lr_at
 
@@ -65,3 +66,13 @@ def test_min_lr_above_lr_is_refused() -> None:
         _opt(schedule="step")
     with pytest.raises(ValueError, match=r"optimizer\.warmup_steps"):
         _opt(warmup_steps=-1)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_a_non_finite_norm_has_no_clipping_coefficient(bad: float, max_norm: float) -> None:
+    # Before: NaN gave 1.0 (the NaN gradient applied as it was) and inf gave 0.0 (refused by
+    # every replica's APPLY: the step stalled). No coefficient makes either finite, clipping
+    # on or off: the reference fails as the swarm's coordinator does.
+    with pytest.raises(NonFiniteGradient, match=r"stage 1 .*not finite"):
+        clip_scale([4.0, bad], max_norm)

@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 
-from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted
+from swarm.errors import ConfigError, InvalidArgument, NotFound, ResourceExhausted
 from swarm.proto import stage_pb2, stage_pb2_grpc, tensor_pb2
-from swarm.wire.chunking import Received, decode_named, receive, split
+from swarm.wire.chunking import Received, decode_named, receive, split, split_tensor
 from swarm.wire.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
 from tests.support.fakes import EchoStage
 
@@ -200,6 +200,72 @@ async def test_declared_bytes_above_max_bytes_before_allocating() -> None:
         await receive_list([header(inline, declared(50, "b"))], max_bytes=100)
     got = await receive_list([header(inline, declared(40, "b")), chunk(1, b"z" * 40)], 100)
     assert got.payloads[1] == b"z" * 40
+
+
+async def test_a_header_is_admitted_and_its_bytes_reserved_before_anything_is_allocated() -> None:
+    # 1 PB declared, within max_bytes: `admit` and `reserve` refuse it from the header, before a
+    # buffer (which would be a MemoryError) is allocated or a chunk read.
+    seen: list[Any] = []
+
+    def refuse_route(h: Any) -> None:
+        seen.append(h.job)
+        raise NotFound(f"job {h.job!r} is not served here")
+
+    reserved: list[int] = []
+
+    def refuse_bytes(nbytes: int) -> None:
+        reserved.append(nbytes)
+        raise ResourceExhausted("over budget")
+
+    msgs = stream_of([header(declared(10**15))], hang=True)  # its chunks never come
+    with pytest.raises(NotFound, match="'j' is not served"):
+        await asyncio.wait_for(receive(msgs, max_bytes=10**16, admit=refuse_route), 5)
+    msgs = stream_of([header(declared(10**15))], hang=True)
+    with pytest.raises(ResourceExhausted, match="over budget"):
+        await asyncio.wait_for(
+            receive(msgs, max_bytes=10**16, admit=seen.append, reserve=refuse_bytes), 5
+        )
+    assert reserved == [10**15] and len(seen) == 2
+    # Past max_bytes it is refused before `reserve` is asked, naming the setting.
+    with pytest.raises(ResourceExhausted, match=r"limit of 100 \(--max-tensor-bytes\)"):
+        await receive(
+            stream_of([header(declared(101))]), max_bytes=100, reserve=refuse_bytes,
+            limit_name="--max-tensor-bytes",
+        )  # fmt: skip
+    assert reserved == [10**15]
+    # Admitted and reserved: received as before; decoding reserves what a lossy codec widens.
+    small = forward_request(a=torch.ones(8, dtype=torch.uint8))
+    taken: list[int] = []
+    got = await receive(stream_of([small]), max_bytes=100, admit=seen.append, reserve=taken.append)
+    assert taken == [8]
+    half = header(encode(torch.ones(10), "h", CODEC_FP16), encode(torch.ones(3), "n"))
+    got = await receive_list([half])
+    assert set(decode_named(got, reserve=taken.append)) == {"h", "n"} and taken == [8, 40]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 4096])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(300, dtype=torch.float32).reshape(3, 100),
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.zeros(0, 4),
+        torch.tensor([True, False, True]),
+        torch.randn(5, 7).to(torch.bfloat16),
+        torch.randn(8, 6).t(),  # not contiguous
+    ],
+)
+def test_split_tensor_sends_what_split_sends_of_the_encoded_tensor(
+    tensor: torch.Tensor, chunk_bytes: int
+) -> None:
+    def reply() -> stage_pb2.StageForwardResponse:
+        return stage_pb2.StageForwardResponse(queued_seconds=0.5)
+
+    encoded = reply()
+    encoded.tensors.append(encode(tensor, "t"))
+    assert list(split_tensor(reply(), "t", tensor, chunk_bytes)) == list(
+        split(encoded, chunk_bytes)
+    )
 
 
 async def test_chunk_for_unknown_tensor() -> None:

@@ -1,0 +1,108 @@
+"""What a state of one stage (`swarm.model.stage_state`'s format) and the updates a replica
+applied may hold, checked tensor by tensor as they arrive, by everyone who receives one: a
+replica loading a state (LoadState), a joining replica copying a member (its state, then its
+updates), the scheduler checkpointing or exporting a stage.
+
+Why one place: a peer sends these, so a receiver must know what to expect before it holds what
+came: a total it may not pass (a sender must not size the receiver's memory), the names, shapes
+and dtypes of the stage's parameters (a wrong one must be refused where it arrives, not become a
+checkpoint no replica will load). The checks depend only on the job and the stage's structure,
+never on parameter values, so every receiver builds the same ones (the scheduler from the
+stage's layout on the meta device, a replica from its own module)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from swarm.errors import InvalidArgument
+from swarm.job.config import JobConfig
+from swarm.model.transformer import stage_layout
+
+__all__ = ["StateChecks"]
+
+_SCALARS_BYTES = 1 << 20  # an optimizer's scalars (steps) and the names: a margin on the total
+
+
+class StateChecks:
+    """Checks for a state of stage `stage` of `job`, whose module is `module` (by default the
+    stage's layout: shapes and dtypes, no values)."""
+
+    def __init__(self, job: JobConfig, stage: int, module: torch.nn.Module | None = None) -> None:
+        module = stage_layout(job, stage) if module is None else module
+        self.stage = stage
+        self.delayed = job.training.delayed_update
+        params = list(module.parameters())  # by optimizer index: an update's order too
+        self._params = [(p.shape, p.dtype) for p in params]
+        self._state = {f"param/{k}": (v.shape, v.dtype) for k, v in module.state_dict().items()}
+        self._values = sum(shape.numel() for shape, _ in self._state.values())
+
+    @property
+    def num_parameters(self) -> int:
+        """How many gradient sums one update holds (one per parameter, in optimizer order)."""
+        return len(self._params)
+
+    def max_state_bytes(self) -> int:
+        """The most bytes a state for this stage can take (parameters and an optimizer's state
+        of at most three tensors per parameter, at 8 bytes a value, and a little for scalars):
+        more is refused, whoever sends it."""
+        return 4 * 8 * self._values + _SCALARS_BYTES
+
+    def max_update_bytes(self) -> int:
+        """The most bytes one update can take: a gradient sum per parameter, at 8 bytes a
+        value (a replica's update log keeps its last update whatever its bound)."""
+        return 8 * sum(shape.numel() for shape, _ in self._params)
+
+    def state_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """One tensor of a state must be one of this stage's (`swarm.model.stage_state` names):
+        `param/<name>` (or, with delayed_update, `prev/<name>`: the parameters before the last
+        update) with its parameter's shape and dtype, or `optim/<index>/<key>` of a parameter
+        with that parameter's size or one value."""
+        if name.startswith("param/") or (self.delayed and name.startswith("prev/")):
+            expected = self._state.get("param/" + name.split("/", 1)[1])
+            if expected is None:
+                raise InvalidArgument(f"stage {self.stage} has no parameter {name!r}")
+            shape, dtype = expected
+            if tensor.shape != shape or tensor.dtype != dtype:
+                raise InvalidArgument(
+                    f"{name} must be {dtype} {list(shape)}; got {tensor.dtype} {list(tensor.shape)}"
+                )
+            return
+        parts = name.split("/", 2)
+        if len(parts) == 3 and parts[0] == "optim" and parts[1].isdecimal():
+            index = int(parts[1])
+            if index < len(self._params):
+                size = self._params[index][0].numel()
+                if tensor.numel() in (1, size):
+                    return
+                raise InvalidArgument(
+                    f"{name} has {tensor.numel()} values; parameter {index} has {size}"
+                )
+        raise InvalidArgument(
+            f"{name!r} is not part of stage {self.stage}'s state (param/<name>, or "
+            f"optim/<parameter index below {len(self._params)}>/<key>)"
+        )
+
+    def complete(self, names: Collection[str]) -> None:
+        """A whole state (every tensor of which passed `state_tensor`) has every parameter."""
+        missing = [n for n in self._state if n not in names]
+        if missing:
+            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise InvalidArgument(
+                f"stage {self.stage}'s state lacks {len(missing)} parameters: {shown}"
+            )
+
+    def update_tensor(self, index: int, tensor: torch.Tensor) -> None:
+        """Gradient sum `index` of an update: parameter `index`'s shape and dtype."""
+        if not 0 <= index < len(self._params):
+            raise InvalidArgument(
+                f"an update of stage {self.stage} has {len(self._params)} gradient sums; got "
+                f"number {index}"
+            )
+        shape, dtype = self._params[index]
+        if tensor.shape != shape or tensor.dtype != dtype:
+            raise InvalidArgument(
+                f"gradient sum {index} must be {dtype} {list(shape)}; got {tensor.dtype} "
+                f"{list(tensor.shape)}"
+            )

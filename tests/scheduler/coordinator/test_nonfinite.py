@@ -1,0 +1,108 @@
+"""A step whose averaged gradient is NaN or infinite at some stage is never applied: the
+coordinator sends no APPLY, the job fails naming the step and the stage, the metric counts it,
+and the last checkpoint (finite) stays the one to roll back to."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from scheduler.coordinator.commit import NonFiniteStep
+from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
+from swarm.errors import NonFiniteGradient, SwarmError
+from swarm.model import checkpoint
+from tests.support.coordinator import Harness, job_of, until
+from tests.support.replicas import FakeSwarm
+
+pytestmark = pytest.mark.timeout(60)
+
+_COUNTER = "swarm_coordinator_nonfinite_gradients_total"
+
+
+@pytest.fixture
+async def made() -> AsyncIterator[list[Harness]]:
+    harnesses: list[Harness] = []
+    yield harnesses
+    for h in harnesses:
+        await h.coordinator.close()
+
+
+@pytest.mark.parametrize(
+    ("peer", "stage", "norm", "grad_clip"),
+    [
+        ("c", 1, math.nan, 1.0),  # before: APPLY went out everywhere with scale 1.0
+        ("c", 1, math.inf, 1.0),  # before: APPLY with scale 0.0 (refused: the step stalled)
+        ("b", 0, math.nan, 0.0),  # a pool's second member; no clipping: the norm still counts
+    ],
+)
+async def test_a_non_finite_norm_applies_nothing_and_fails_the_job(
+    tmp_path: Path,
+    made: list[Harness],
+    peer: str,
+    stage: int,
+    norm: float,
+    grad_clip: float,
+) -> None:
+    job = job_of(tmp_path, grad_clip=grad_clip, checkpoint_every=1)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(swarm.job_id, families=CoordinatorFamilies(registry))
+    ckpt = tmp_path / "ckpt"
+    h = Harness(job, swarm, metrics=metrics, checkpoint_dir=ckpt)
+    made.append(h)
+    await h.coordinator.start()
+    await h.step()  # step 0 commits; the checkpoint of step 1 is sealed
+    assert checkpoint.latest(ckpt) == 1
+
+    swarm[peer].sq_norm = norm
+    tasks = await h.lease()
+    await h.run(tasks[0], {0: "a"})
+    await h.run(tasks[1], {0: "b"})
+    await until(lambda: h.coordinator.finished.is_set() or not h.steps.empty())
+
+    applied = [(r.peer, r.called("apply")) for r in (a, b, c)]
+    assert applied == [("a", [0]), ("b", [0]), ("c", [0])]  # step 0's only: no APPLY of step 1
+    assert h.steps.empty() and (a.step, b.step, c.step) == (1, 1, 1)
+    error = h.coordinator.error
+    assert isinstance(error, NonFiniteStep), error
+    # Not a SwarmError: the scheduler retries those, and the same microbatches on the same
+    # parameters give the same gradient again.
+    assert not isinstance(error, SwarmError)
+    assert f"step 1: the averaged gradient of stage {stage} is NaN or infinite" in str(error)
+    assert f"{peer}: {norm}" in str(error) and "checkpoint of step 1" in str(error)
+    with pytest.raises(NonFiniteStep):
+        await h.coordinator.lease("t", 1)
+    value = registry.get_sample_value(_COUNTER, {"job": swarm.job_id, "stage": str(stage)})
+    assert value == 1.0
+    await h.coordinator.flush()
+    assert checkpoint.latest(ckpt) == 1
+
+
+async def test_a_replica_that_refuses_to_apply_a_non_finite_gradient_fails_the_job(
+    tmp_path: Path, made: list[Harness]
+) -> None:
+    """Every norm PREPARE answered was finite, yet a replica refuses its APPLY (its prepared sums
+    are not): the coordinator fails the job rather than go on without that stage's update."""
+    job = job_of(tmp_path)
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm.add(0, "a"), swarm.add(1, "c")
+    swarm["c"].fail("apply", NonFiniteGradient("stage 1 step 0: the prepared gradient is NaN"))
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(swarm.job_id, families=CoordinatorFamilies(registry))
+    h = Harness(job, swarm, metrics=metrics)
+    made.append(h)
+    await h.coordinator.start()
+    for task in await h.lease():
+        await h.run(task)
+    await asyncio.wait_for(h.coordinator.finished.wait(), 10)
+    error = h.coordinator.error
+    assert isinstance(error, NonFiniteStep), error
+    assert "step 0" in str(error) and "stage 1" in str(error) and "c:" in str(error)
+    assert h.steps.empty()
+    assert registry.get_sample_value(_COUNTER, {"job": swarm.job_id, "stage": "1"}) == 1.0

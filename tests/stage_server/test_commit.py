@@ -1,0 +1,99 @@
+"""A live stage server (real gRPC on a free port) never applies a non-finite gradient: PREPARE
+reports its norm as it is (the coordinator fails the job on it), and APPLY refuses it, clipping
+or not, with the parameters left as they were and the refusal counted."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
+from swarm.errors import NonFiniteGradient
+from swarm.job.config import JobConfig
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.stage_client import StageClient, as_tensor
+from tests.support.jobs import make_job
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> JobConfig:
+    return make_job(tmp_path, training={"stages": 3})
+
+
+@pytest.fixture
+async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
+    running = await start_stage_server(job, StageServerOptions(stage=1))
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+async def client(job: JobConfig, server: RunningStageServer) -> AsyncIterator[StageClient]:
+    client = StageClient(server.address, job, job.fingerprint(), 1)
+    yield client
+    await client.close()
+
+
+async def _poisoned_backward(client: StageClient, bad: float) -> None:
+    """Microbatch 0 of step 0, whose output gradient (a trainer's, or a later stage's) holds
+    one `bad` value: the stage's parameter gradients are NaN or infinite."""
+    out = as_tensor(await client.forward(0, 0, torch.randn(4, 16, 32, dtype=torch.float64)))
+    grad = torch.ones_like(out)
+    grad[0, 0, 0] = bad
+    await client.backward(0, 0, None, grad)
+
+
+def _refused(server: RunningStageServer) -> float | None:
+    return server.servicer.metrics.registry.get_sample_value(
+        "swarm_stage_nonfinite_gradients_total",
+        {"job": server.servicer.job_id, "stage": "1", "peer": server.servicer.peer},
+    )
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+async def test_apply_without_clipping_refuses_a_non_finite_gradient(
+    server: RunningStageServer, client: StageClient, bad: float
+) -> None:
+    before = {k: v.clone() for k, v in server.runtime.state_dict().items()}
+    await _poisoned_backward(client, bad)
+    # Before: the commit answered step 1 and every parameter the gradient reached was NaN.
+    with pytest.raises(NonFiniteGradient, match=r"stage 1 step 0: .*NaN or infinite"):
+        await client.commit(0, [0], 4)  # prepare and apply at once: a job without grad_clip
+    after = server.runtime.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing was applied
+    assert server.runtime.step == 0 and (await client.info()).step == 0
+    assert _refused(server) == 1.0
+
+
+async def test_prepare_reports_the_non_finite_norm_and_apply_refuses_it(
+    server: RunningStageServer, client: StageClient
+) -> None:
+    before = {k: v.clone() for k, v in server.runtime.state_dict().items()}
+    await _poisoned_backward(client, math.nan)
+    prepared = await client.commit(0, [0], 4, phase=pb.COMMIT_PHASE_PREPARE)
+    assert math.isnan(prepared.grad_sq_norm)  # for the coordinator to see, and fail the job on
+    with pytest.raises(NonFiniteGradient):  # a coordinator that sent APPLY all the same
+        await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=1.0)
+    after = server.runtime.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert server.runtime.step == 0 and _refused(server) == 1.0  # counted once, at PREPARE
+
+
+async def test_apply_refuses_a_non_finite_gradient_it_did_not_see_prepared(
+    server: RunningStageServer, client: StageClient
+) -> None:
+    """Sums prepared by no Commit this replica answered (its runtime's own path): APPLY takes
+    their norm itself rather than trust none."""
+    rt = server.runtime
+    sums = [torch.zeros_like(p) for p in rt.params]
+    sums[-1].view(-1)[0] = math.inf
+    rt.set_prepared(0, sums, 4)
+    with pytest.raises(NonFiniteGradient, match="stage 1 step 0"):
+        await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=0.5)
+    assert rt.step == 0 and _refused(server) == 1.0
