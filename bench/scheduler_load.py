@@ -84,7 +84,8 @@ async def _serving(stages: int, microbatches: int, ready: Any) -> None:
 
     text = JOB.format(blocks=max(1, stages - 2), stages=stages, microbatches=microbatches)
     job = parse_job(text, ROOT)
-    store = JobStore(Path(tempfile.mkdtemp(prefix="swarm-load-")) / "jobs.sqlite")
+    work = Path(tempfile.mkdtemp(prefix="swarm-load-"))
+    store = JobStore(work / "jobs.sqlite")
     job_id = store.create(job.name, text, str(ROOT), job.training.steps).id
     swarm = FakeSwarm(job_id, stages)
     for k in range(stages):
@@ -132,7 +133,7 @@ async def _serving(stages: int, microbatches: int, ready: Any) -> None:
 
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
-        JobApiServicer(store, Control(store)), server
+        JobApiServicer(store, Control(store), data_root=work / "data"), server
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -452,6 +452,11 @@ class Soak:
         self.bag: list[str] = []
 
     # -- starting -------------------------------------------------------------------------------
+    def data_root(self) -> Path:
+        """The scheduler's data root: the soak's job is synthetic, so an empty directory."""
+        (self.work / "data").mkdir(exist_ok=True)
+        return self.work / "data"
+
     def scheduler_argv(self) -> list[str]:
         return [
             "--log-level",
@@ -469,6 +474,8 @@ class Soak:
             str(self.work / "jobs.sqlite"),
             "--checkpoint-dir",
             str(self.work / "ckpt"),
+            "--data-root",
+            str(self.data_root()),
             "--load-silence-s",
             str(LOAD_SILENCE_S),
             "--lost-stage-grace-s",

@@ -1,4 +1,4 @@
-"""The client's commands on the command line: `swarm submit|status|jobs|cancel|export` (their
+"""The client's commands on the command line: `swarm submit|status|jobs|cancel|delete|export` (their
 bodies in `client.commands`), `swarm trainer` and `swarm demo`: their flags, and which body runs."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import asyncio
 from pathlib import Path
 
 from swarm.errors import SwarmError
-from swarm.flags import add_flag, add_token, env_default, token
+from swarm.flags import add_flag, add_metrics_token, add_token, env_default, metrics_token, token
 from swarm.net.tls import add_tls_flags
 
 __all__ = ["JOB_COMMANDS", "add_arguments", "run"]
 
-JOB_COMMANDS = ("submit", "status", "jobs", "cancel", "export")  # talk to the job API
+JOB_COMMANDS = ("submit", "status", "jobs", "cancel", "delete", "export")  # talk to the job API
 _TOKEN_HELP = "swarm token (None: SWARM_TOKEN from the environment; prefer that, flags show in ps)"
 _DEMO_JOB = Path(__file__).resolve().parent.parent / "examples" / "tiny.toml"
 
@@ -48,7 +48,7 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
             "ends; exits as `submit --wait` does",
         )
         p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    elif command in ("cancel", "export"):
+    elif command in ("cancel", "delete", "export"):
         p.add_argument("job", help="job id")
     if command == "export":
         p.add_argument(
@@ -114,6 +114,7 @@ def _trainer(p: argparse.ArgumentParser) -> None:
     )
     add_flag(p, "threads", 1, "torch threads", type=int)
     add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    add_metrics_token(p)
     add_flag(
         p,
         "scheduler-retry-s",
@@ -127,13 +128,21 @@ def _trainer(p: argparse.ArgumentParser) -> None:
 def run(command: str, args: argparse.Namespace) -> int:
     # Each body is imported when it runs: `swarm <command> --help` needs only the flags.
     if command in JOB_COMMANDS:
-        from client.commands import cmd_cancel, cmd_export, cmd_jobs, cmd_status, cmd_submit
+        from client.commands import (
+            cmd_cancel,
+            cmd_delete,
+            cmd_export,
+            cmd_jobs,
+            cmd_status,
+            cmd_submit,
+        )
 
         body = {
             "submit": cmd_submit,
             "status": cmd_status,
             "jobs": cmd_jobs,
             "cancel": cmd_cancel,
+            "delete": cmd_delete,
             "export": cmd_export,
         }[command]
         return body(args)
@@ -155,6 +164,7 @@ def _run_trainer(args: argparse.Namespace) -> int:
                 token=token(args),
                 threads=args.threads,
                 metrics_port=args.metrics_port,
+                metrics_token=metrics_token(args),
                 broker=args.broker,
                 retry_for_s=args.scheduler_retry_s,
             )
@@ -173,6 +183,7 @@ def _run_trainer(args: argparse.Namespace) -> int:
             log_path=args.log,
             threads=args.threads,
             metrics_port=args.metrics_port,
+            metrics_token=metrics_token(args),
             token=token(args),
             checkpoint_dir=args.checkpoint_dir,
             broker=args.broker,

@@ -1,4 +1,4 @@
-"""The CLI's client commands: `swarm submit|status|jobs|cancel|export`.
+"""The CLI's client commands: `swarm submit|status|jobs|cancel|delete|export`.
 
 Each command takes its parsed namespace and returns the exit code: 0 done, 1 failed (the job
 failed or was cancelled, the scheduler is unreachable or refused), 2 bad input (a bad job file, an
@@ -29,6 +29,7 @@ from swarm.proto import scheduler_pb2
 
 __all__ = [
     "cmd_cancel",
+    "cmd_delete",
     "cmd_export",
     "cmd_jobs",
     "cmd_status",
@@ -171,6 +172,13 @@ async def _cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _delete(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        await client.delete(args.job)
+    print(f"job {args.job} deleted, with its checkpoints and final model")
+    return 0
+
+
 async def _export(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         try:
@@ -188,4 +196,5 @@ cmd_submit = _guarded("submit", _submit)
 cmd_status = _guarded("status", _status)
 cmd_jobs = _guarded("jobs", _jobs)
 cmd_cancel = _guarded("cancel", _cancel)
+cmd_delete = _guarded("delete", _delete)
 cmd_export = _guarded("export", _export)

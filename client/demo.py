@@ -159,9 +159,9 @@ def run_demo(
         flush=True,
     )
     # The scheduler reads job data only under its data root: the demo's is where its data lies.
-    data_root = [] if job.data.path is None else ["--data-root", str(job.data.path.parent)]
+    data_root = None if job.data.path is None else job.data.path.parent
     sw, _ = start_local_swarm(
-        list(throttles), log_dir=log_dir, threads=threads, extra_scheduler=data_root
+        list(throttles), log_dir=log_dir, threads=threads, data_root=data_root
     )
     try:
         _show_endpoints(sw)

@@ -176,6 +176,7 @@ async def run_remote_trainer(
     token: str | None = None,
     threads: int = 1,
     metrics_port: int | None = None,
+    metrics_token: str | None = None,  # /metrics requires it (None: `token`)
     broker: str | None = None,
     retry_for_s: float = 600.0,
 ) -> int:
@@ -192,7 +193,7 @@ async def run_remote_trainer(
         job = parse_job(status.spec, Path(status.base_dir), name=status.name)
         metrics = TrainerMetrics(job_id)
         if metrics_port is not None:
-            serve_metrics(metrics.registry, "127.0.0.1", metrics_port)
+            serve_metrics(metrics.registry, "127.0.0.1", metrics_port, token=metrics_token or token)
         with tqdm(
             total=status.steps, initial=status.step, desc=f"trainer {job_id}", unit="step"
         ) as bar:

@@ -1,4 +1,4 @@
-"""A Python client of the scheduler's job API: submit, watch, cancel and export jobs.
+"""A Python client of the scheduler's job API: submit, list, watch, cancel, delete and export jobs.
 
 gRPC errors are converted here, at the boundary, into `ClientError`s whose message says what went
 wrong in the user's words (e.g. "cannot reach the scheduler at HOST:PORT"); the `swarm.errors`
@@ -106,13 +106,30 @@ class SchedulerClient:
         request = scheduler_pb2.SchedulerGetJobRequest(job=job)
         return (await self._unary(self._stub.GetJob, request)).job  # type: ignore[no-any-return]
 
-    async def list(self) -> _Statuses:
-        request = scheduler_pb2.SchedulerListJobsRequest()
-        return list((await self._unary(self._stub.ListJobs, request)).jobs)
+    async def list(self, page_size: int = 0) -> _Statuses:
+        """Every job, newest first, without its spec (`get` has one's), asked for a page of
+        `page_size` at a time (0: the scheduler's default)."""
+        jobs: _Statuses = []
+        token, seen = "", set()
+        while True:
+            request = scheduler_pb2.SchedulerListJobsRequest(page_size=page_size, page_token=token)
+            page = await self._unary(self._stub.ListJobs, request)
+            jobs.extend(page.jobs)
+            token = page.next_page_token
+            if not token:
+                return jobs
+            if token in seen:  # a scheduler's bug must not loop this forever
+                raise ClientError("DATA_LOSS", token, "the scheduler's pages of jobs repeat")
+            seen.add(token)
 
     async def cancel(self, job: str) -> JobStatus:
         request = scheduler_pb2.SchedulerCancelJobRequest(job=job)
         return (await self._unary(self._stub.CancelJob, request)).job  # type: ignore[no-any-return]
+
+    async def delete(self, job: str) -> None:
+        """Delete a finished job: its record, checkpoints and final model (a queued or running
+        one is refused: cancel it first)."""
+        await self._unary(self._stub.DeleteJob, scheduler_pb2.SchedulerDeleteJobRequest(job=job))
 
     async def wait(
         self, job: str, on_update: Callable[[JobStatus], None], poll_s: float = 0.5

@@ -91,6 +91,7 @@ async def run_trainer(
     log_path: Path | None = None,
     threads: int = 1,
     metrics_port: int | None = None,
+    metrics_token: str | None = None,  # /metrics requires it (None: `token`)
     show_progress: bool = True,
     token: str | None = None,
     checkpoint_dir: Path | None = None,
@@ -103,7 +104,7 @@ async def run_trainer(
     torch.set_num_threads(max(1, threads))
     registry = CollectorRegistry()
     if metrics_port is not None:
-        serve_metrics(registry, "127.0.0.1", metrics_port)
+        serve_metrics(registry, "127.0.0.1", metrics_port, token=metrics_token or token)
     with StepLog(
         job.training.steps, path=log_path, desc=f"swarm {job.name}", show=show_progress
     ) as steps:

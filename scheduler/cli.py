@@ -6,7 +6,9 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from swarm.flags import add_flag, add_token, token
+from scheduler.data_root import check_data_root
+from swarm.bus.flags import add_login_flags, scheduler_token
+from swarm.flags import add_flag, add_metrics_token, add_token, metrics_token, token
 from swarm.net.tls import add_tls_flags
 
 __all__ = ["add_arguments", "run"]
@@ -25,6 +27,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_flag(p, "port", 7700, "job API gRPC port (0: any free port)", type=int)
     add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    add_metrics_token(p)
     add_flag(p, "store", Path("swarm-jobs.sqlite"), "SQLite job store", type=Path)
     add_flag(
         p, "checkpoint-dir", Path("swarm-checkpoints"), "where trained models are kept", type=Path
@@ -47,12 +50,21 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_flag(
         p,
         "data-root",
-        Path("."),
+        None,
         "the only directory whose files (and its subdirectories') a submitted job may name as "
-        "its data; default: the directory the scheduler starts in",
+        "its data; required, and refused if it holds the store, the checkpoints or TLS files",
         type=Path,
     )
+    add_flag(
+        p,
+        "keep-finished-jobs",
+        None,
+        "keep this many finished jobs (the most recently ended); older ones are deleted with "
+        "their checkpoints and final models, at start and as jobs end (default: keep every one)",
+        type=int,
+    )
     add_token(p)
+    add_login_flags(p)
     add_tls_flags(p)
 
 
@@ -60,6 +72,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     # Imported here: `swarm scheduler --help` needs only the flags, not torch and gRPC.
     from scheduler.main import SchedulerProcessOptions, run_scheduler
 
+    check_data_root(args.data_root, {})  # given, and a directory; what it holds: at start
     opts = SchedulerProcessOptions(
         store=args.store,
         checkpoint_dir=args.checkpoint_dir,
@@ -69,10 +82,14 @@ def run(command: str, args: argparse.Namespace) -> int:
         port=args.port,
         announce_host=args.announce_host,
         metrics_port=args.metrics_port,
+        metrics_token=metrics_token(args),
         token=token(args),
+        scheduler_token=scheduler_token(args),
+        use_identity_as_username=args.use_identity_as_username,
         load_silence_s=args.load_silence_s,
         lost_stage_grace_s=args.lost_stage_grace_s,
         data_root=args.data_root,
+        keep_finished_jobs=args.keep_finished_jobs,
     )
     asyncio.run(run_scheduler(opts))
     return 0

@@ -25,7 +25,7 @@ from swarm.errors import (
     InvalidArgument,
     NotFound,
 )
-from swarm.job.config import FILE_DATA, parse_job, verify_data, verify_init
+from swarm.job.config import FILE_DATA, check_spec_size, parse_job, verify_data, verify_init
 from swarm.job.pinning import pin, pin_data
 from swarm.job.states import job_state_proto
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
@@ -41,11 +41,13 @@ from swarm.rpc.servicing import Servicing
 from swarm.wire import chunking as wire
 from swarm.wire import codec
 
-__all__ = ["JobApiServicer", "JobControl", "job_status"]
+__all__ = ["LIST_PAGE_MAX", "LIST_PAGE_SIZE", "JobApiServicer", "JobControl", "job_status"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MiB = 1 << 20
+LIST_PAGE_SIZE = 100  # jobs per ListJobs page when the request sets none
+LIST_PAGE_MAX = 1000  # and at most (a request for more gets this many)
 
 
 class JobControl(Protocol):
@@ -58,6 +60,11 @@ class JobControl(Protocol):
 
     def cancelled(self, job_id: str) -> None:
         """The job is now cancelled in the store: stop training it, release its peers."""
+
+    async def delete(self, job_id: str) -> None:
+        """Remove what the orchestration keeps of a finished job (its checkpoints and final model,
+        off the event loop); the job API then deletes its record. FailedPrecondition for an
+        unfinished job."""
 
     def stages(self, job_id: str) -> list[scheduler_pb2.StageStatus]:
         """Replicas per stage now (asked for unfinished jobs only)."""
@@ -125,16 +132,16 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         control: JobControl,
         *,
         chunk_bytes: int = 4 * MiB,
-        data_root: str | Path | None = None,
+        data_root: str | Path,
     ) -> None:
         """`data_root`: the only directory (with its subdirectories) whose files SubmitJob reads
-        as job data; default the current directory."""
+        as job data; no default (`scheduler.data_root` says why)."""
         if chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.store, self.control, self.chunk_bytes = store, control, chunk_bytes
-        self.data_root = Path(os.path.realpath(Path.cwd() if data_root is None else data_root))
+        self.data_root = Path(os.path.realpath(data_root))
         self._serving = Servicing("scheduler")
-        self._jobs_seen: set[str] = set()  # ids the store has (it never deletes one)
+        self._jobs_seen: set[str] = set()  # ids the store has (DeleteJob forgets its own)
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _run(self, method: str, context: Any, body: Callable[[], T]) -> T:
@@ -148,7 +155,8 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def _known(self, job_id: str) -> None:
         """Refuse an unknown job. Leases and reports, the calls every trainer makes many times
-        a second, ask the store once per job: a job is never deleted from it."""
+        a second, ask the store once per job (a job deleted since is the orchestration's to
+        refuse: it has no record to lease from)."""
         if job_id not in self._jobs_seen:
             self._job(job_id)
             self._jobs_seen.add(job_id)
@@ -172,7 +180,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 raise InvalidArgument(
                     f"base_dir must be an absolute directory, got {request.base_dir!r}"
                 )
-            job = parse_job(request.spec, base_dir, name="job", check_data=False)
+            job = parse_job(request.spec, base_dir, name="job", check_data=False)  # bounds, size
             spec = request.spec
             if job.data.kind in FILE_DATA:
                 assert job.data.path is not None  # required for file data
@@ -196,6 +204,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 pinned = await asyncio.to_thread(verify_init, replace(job, model=model))
                 assert pinned.model.init_sha256 is not None
                 spec = pin(spec, "model", "init_sha256", pinned.model.init_sha256)
+            check_spec_size(spec, "the job file with the hashes pinned")  # as trainers parse it
             record = self.store.create(job.name, spec, str(base_dir), job.training.steps)
             log.info("scheduler: job %s submitted (%d steps)", record.id, record.steps)
             self.control.submitted(record.id)
@@ -227,8 +236,11 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerListJobsRequest, context: Any
     ) -> scheduler_pb2.SchedulerListJobsResponse:
         def body() -> scheduler_pb2.SchedulerListJobsResponse:
-            jobs = [self._status(r) for r in self.store.list()]
-            return scheduler_pb2.SchedulerListJobsResponse(jobs=jobs)
+            # Pages, and no specs: every job at once, specs and all, outgrew any message.
+            size = min(request.page_size or LIST_PAGE_SIZE, LIST_PAGE_MAX)
+            records, cursor = self.store.page(size, request.page_token)
+            jobs = [self._status(r) for r in records]
+            return scheduler_pb2.SchedulerListJobsResponse(jobs=jobs, next_page_token=cursor)
 
         return await self._run("ListJobs", context, body)
 
@@ -245,6 +257,21 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return scheduler_pb2.SchedulerCancelJobResponse(job=self._status(record))
 
         return await self._run("CancelJob", context, body)
+
+    async def DeleteJob(
+        self, request: scheduler_pb2.SchedulerDeleteJobRequest, context: Any
+    ) -> scheduler_pb2.SchedulerDeleteJobResponse:
+        async def body() -> scheduler_pb2.SchedulerDeleteJobResponse:
+            record = self._job(request.job)
+            if not record.finished:
+                raise FailedPrecondition(f"job {record.id!r} is {record.state}; cancel it first")
+            await self.control.delete(record.id)  # its files first: a failure keeps the record
+            self.store.delete(record.id)
+            self._jobs_seen.discard(record.id)
+            log.info("scheduler: job %s deleted", record.id)
+            return scheduler_pb2.SchedulerDeleteJobResponse()
+
+        return await self._serving.run("DeleteJob", context, body)
 
     async def LeaseMicrobatches(
         self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest, context: Any

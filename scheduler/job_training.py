@@ -7,13 +7,16 @@ so everything built here lives exactly as long as one attempt and is closed on t
 whatever ended it. The coordinator is registered with the scheduler (`coordinators`) from its
 start until just before its close, so leases and exports never reach a closed one. Committed
 steps reach the store before they are announced: `swarm status` and a restarted scheduler read
-the store. The final file is written whole or not at all (a temporary file, then an atomic
-rename), so an export never reads half a model.
+the store. The final file is written as every checkpoint file is (fsynced, whole or not at all),
+off the event loop, so an export never reads half a model; a save that fails (a full disk) ends
+nothing: the job stays running with its peers holding the trained state, its status line says
+so, and the save is tried again after a growing pause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -33,7 +36,9 @@ from scheduler.registry import PeerRegistry
 from scheduler.store import JobState, JobStore, StoreError
 from swarm.bus.connection import BusLike
 from swarm.job.config import JobConfig
+from swarm.model import checkpoint
 from swarm.ops.progress import StepRecord
+from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
 
 __all__ = ["JobTraining", "final_path", "save_final"]
@@ -59,6 +64,8 @@ class JobTraining:
     moves: Counter  # rebalancing moves, by job
     coordinators: dict[str, LocalCoordinator]  # the open ones, by job: leases and exports
     speed: dict[str, float]  # samples/s of each job's last committed step
+    # the first and the longest pause between attempts at saving a job's final model (seconds)
+    final_save_retry_s: tuple[float, float] = (1.0, 60.0)
 
     async def run(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
         """Train `job_id` from the step its servers hold to the end and save the final model.
@@ -162,11 +169,49 @@ class JobTraining:
             if coordinator.error:
                 raise coordinator.error
             state = await gather_state(coordinator)
-            save_final(final_path(self.checkpoint_dir, job_id), job.training.steps, state)
+            await self._save_final(job_id, job.training.steps, state)
         finally:
             self.coordinators.pop(job_id, None)
             await trainer.close()
             await coordinator.close()
+
+    async def _save_final(self, job_id: str, step: int, state: dict[str, torch.Tensor]) -> None:
+        """Save the final model until it is written. Until then the job is neither done nor
+        failed: its coordinator and peers (the only other copy of the trained state) stay."""
+        path = final_path(self.checkpoint_dir, job_id)
+        backoff = Backoff(*self.final_save_retry_s)
+        while True:
+            try:
+                await asyncio.to_thread(save_final, path, step, state)
+                return
+            except OSError as e:  # CheckpointError: nothing is left under the final name
+                pause = backoff.next()
+                log.error(
+                    "job %s: saving the final model to %s failed (errno %s): %s; retrying in "
+                    "%.1f s",
+                    job_id,
+                    path,
+                    _errno(e),
+                    e,
+                    pause,
+                )
+                try:
+                    text = f"saving the final model failed: {e}; retrying in {pause:.0f} s"
+                    await self.set_status(job_id, None, text)
+                except StoreError as full:  # the store's disk may be the full one
+                    log.error("job %s: %s", job_id, full)
+                await asyncio.sleep(pause)
+
+
+def _errno(error: BaseException) -> str:
+    """The name of the errno behind `error` (a CheckpointError wraps what the write raised);
+    "none" where the writer raised no OSError (torch.save's RuntimeError on a full disk)."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno:
+            return errno.errorcode.get(cause.errno, str(cause.errno))
+        cause = cause.__cause__ or cause.__context__
+    return "none"
 
 
 def _trainer_metrics(job_id: str) -> TrainerMetrics:
@@ -181,8 +226,7 @@ def final_path(checkpoint_dir: Path, job_id: str) -> Path:
 
 
 def save_final(path: Path, step: int, state: dict[str, torch.Tensor]) -> None:
-    """Write the final model to `path` atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"step": step, "state": state}, tmp)
-    tmp.replace(path)  # atomic: an export never sees half a file
+    """Write the final model to `path`: fsynced and renamed into place, so a torn file is never
+    left under the final name (an export would read it, not the last checkpoint). A failed
+    write raises `checkpoint.CheckpointError` (an OSError) with its partial file removed."""
+    checkpoint.save_file(path, {"step": step, "state": state}, f"the final model (step {step})")

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from scheduler.data_root import check_data_root
 from scheduler.discovery import sd_document
 from scheduler.job_api import JobApiServicer
 from scheduler.service import Scheduler, SchedulerOptions, collector
@@ -19,6 +20,7 @@ from scheduler.store import JobStore
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus
 from swarm.bus.topics import SCHEDULER_USER
+from swarm.net import tls
 from swarm.net.addresses import announced_host, host_port
 from swarm.net.tokens import add_port, server_interceptors
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
@@ -35,36 +37,57 @@ log = logging.getLogger(__name__)
 class SchedulerProcessOptions:
     store: Path  # SQLite job store; a restarted scheduler resumes from it
     checkpoint_dir: Path  # final models (and, later, checkpoints) per job
+    data_root: Path | None  # SubmitJob reads job data only under it; required (None: refused)
     broker: str | None = None  # None: run an embedded broker on `broker_port`
     broker_port: int = 0  # embedded broker's port (0: any free port)
     host: str = "127.0.0.1"  # the interface to listen on (0.0.0.0 or :: for all)
     port: int = 0  # job API port (0: any free port)
     announce_host: str = ""  # what others dial (its job API, embedded broker); "": `host`
     metrics_port: int | None = None  # /metrics (0: any free port)
+    metrics_token: str | None = None  # /metrics and /sd require it (None: `token`)
     token: str | None = None  # swarm token: required on every call and as MQTT password
+    scheduler_token: str | None = None  # its own MQTT password (None: made up for an embedded
+    # broker, else the swarm token); with `use_identity_as_username` the embedded broker takes
+    # each client's MQTT user from its certificate's name
+    use_identity_as_username: bool = False
     connect_timeout_s: float = 30.0  # how long to wait for the broker at start
     shutdown_grace_s: float = 5.0  # in-flight job API calls may finish within this
     load_silence_s: float = 10.0  # a serving peer silent this long on the load topic is out
     lost_stage_grace_s: float = 30.0  # an unserved stage of a trained job: wait, then roll back
-    data_root: Path | None = None  # SubmitJob reads job data only under it (None: the cwd)
+    keep_finished_jobs: int | None = None  # finished jobs kept (None: all); older ones deleted
 
 
 async def run_scheduler(opts: SchedulerProcessOptions) -> None:
+    # What the scheduler keeps stays out of the data root: checked before anything starts.
+    kept: dict[str, Path | None] = {"--store": opts.store, "--checkpoint-dir": opts.checkpoint_dir}
+    identity = tls.current()
+    if identity is not None:
+        kept["--tls-ca"], kept["--tls-cert"] = identity.ca_path, identity.cert_path
+        kept["--tls-key"] = identity.key_path
+    data_root = check_data_root(opts.data_root, kept)
     embedded: EmbeddedBroker | None = None
     broker = opts.broker
     announce = announced_host(opts.host, opts.announce_host, "the scheduler")
     if not broker:
         embedded = EmbeddedBroker(
-            host=opts.host, port=opts.broker_port, token=opts.token, announce_host=announce
+            host=opts.host,
+            port=opts.broker_port,
+            token=opts.token,
+            announce_host=announce,
+            scheduler_token=opts.scheduler_token,
+            use_identity_as_username=opts.use_identity_as_username,
         )
         await embedded.start()
         broker = embedded.local_url
+    elif opts.token and not opts.scheduler_token:
+        log.warning("scheduler: MQTT login with the swarm token; give it --scheduler-token")
+    password = embedded.scheduler_token if embedded else opts.scheduler_token or opts.token
     opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     store = JobStore(opts.store)
     registry = CollectorRegistry()
     try:
         async with Bus(
-            broker, "scheduler", token=opts.token, username=SCHEDULER_USER, registry=registry
+            broker, "scheduler", token=password, username=SCHEDULER_USER, registry=registry
         ) as bus:
             await bus.wait_connected(opts.connect_timeout_s)
             options = SchedulerOptions(
@@ -72,6 +95,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 token=opts.token,
                 load_silence_s=opts.load_silence_s,
                 lost_stage_grace_s=opts.lost_stage_grace_s,
+                keep_finished_jobs=opts.keep_finished_jobs,
             )
             scheduler = Scheduler(store, bus, options, registry)
             registry.register(collector(scheduler))
@@ -80,7 +104,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 options=grpc_options(64 << 20),
             )
             scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
-                JobApiServicer(store, scheduler, data_root=opts.data_root), server
+                JobApiServicer(store, scheduler, data_root=data_root), server
             )
             health_servicer = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -95,7 +119,13 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 return sd_document(own[0], list(dict(scheduler.peer_registry.peers).values()))
 
             metrics_port = (
-                serve_metrics(registry, opts.host, opts.metrics_port, routes={"/sd": sd})
+                serve_metrics(
+                    registry,
+                    opts.host,
+                    opts.metrics_port,
+                    routes={"/sd": sd},
+                    token=opts.metrics_token or opts.token,
+                )
                 if opts.metrics_port is not None
                 else None
             )

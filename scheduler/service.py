@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from scheduler.retained import clear_retained
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm.bus.connection import BusLike
 from swarm.clock import MonotonicClock
-from swarm.errors import FailedPrecondition, SwarmError
+from swarm.errors import ConfigError, FailedPrecondition, NotFound, SwarmError
 from swarm.job.config import JobConfig, parse_job
 from swarm.job.states import job_state_proto
 from swarm.model import checkpoint
@@ -66,6 +67,16 @@ class SchedulerOptions:
     # were briefly away learn the end, and free themselves), then are cleared; its record stays
     # in the store, which is what `swarm status` reads. Its assignments are cleared at once.
     finished_retain_s: float = 300.0
+    # Finished jobs kept (record, checkpoints, final model): those beyond the most recently ended
+    # `keep_finished_jobs` are deleted at start and whenever a job ends. None: every one is kept.
+    keep_finished_jobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_finished_jobs is not None and self.keep_finished_jobs < 1:
+            raise ConfigError(
+                f"--keep-finished-jobs {self.keep_finished_jobs} is not allowed; use an integer "
+                ">= 1, or leave it out to keep every finished job"
+            )
 
 
 class Scheduler:
@@ -122,6 +133,10 @@ class Scheduler:
         self._group: asyncio.TaskGroup | None = None
         self._user_cancelled: set[str] = set()
         self._expiring: dict[str, asyncio.Task[None]] = {}  # ended jobs, until cleared
+        # Each started job's layers per stage, partitioned once off the event loop: GetJob and
+        # ListJobs ask for them on it, again and again.
+        self._layers: dict[str, list[range]] = {}
+        self._retaining = asyncio.Lock()  # one retention sweep at a time
         # The latest record of each job, refreshed on the event loop whenever a job is announced:
         # the metrics thread reads this, never the store (its connection belongs to this thread).
         self.snapshot: dict[str, JobRecord] = {}
@@ -132,13 +147,14 @@ class Scheduler:
             self._group = group
             watcher = group.create_task(self._watch_peers())
             load = group.create_task(self._watch_load())
-            self.snapshot = {r.id: r for r in self.store.list()[:100]}
+            self.snapshot = {r.id: r for r in self.store.page(100)[0]}
             for record in self.store.unfinished():
                 log.info("resuming job %s (%s, step %d)", record.id, record.state, record.step)
                 self._start(record.id)
             for record in list(self.snapshot.values()):
                 if record.finished:  # perhaps not cleared before a restart
                     self._expire(record.id)
+            group.create_task(self._retain())
             await stop.wait()
             self._group = None  # jobs submitted from now on wait in the store for the next run
             for task in [watcher, load, *self._tasks.values(), *self._expiring.values()]:
@@ -160,11 +176,9 @@ class Scheduler:
             task.cancel()
 
     def stages(self, job_id: str) -> list[spb.StageStatus]:
-        record = self.store.get(job_id)
-        if record is None:
-            return []
-        job = self._config(record.spec, record.base_dir, record.name, check_data=False)
-        ranges = partition(layer_costs(job.model), job.training.stages)
+        ranges = self._layers.get(job_id)
+        if ranges is None:
+            return []  # not started yet: its run partitions it first, off the event loop
         result = [spb.StageStatus(stage=k, layers=list(r)) for k, r in enumerate(ranges)]
         for p in self.peer_registry.peers.values():
             if p.job == job_id and p.HasField("stage") and p.stage < len(result):
@@ -182,6 +196,14 @@ class Scheduler:
 
     def samples_per_second(self, job_id: str) -> float:
         return self._speed.get(job_id, 0.0)
+
+    async def delete(self, job_id: str) -> None:
+        record = self.store.get(job_id)
+        if record is not None and not record.finished:
+            raise FailedPrecondition(f"job {job_id!r} is {record.state}; cancel it first")
+        self._layers.pop(job_id, None)
+        # Off the event loop: a job's checkpoints may be many large files.
+        await asyncio.to_thread(_remove, self.opts.checkpoint_dir / job_id)
 
     async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
         final = final_path(self.opts.checkpoint_dir, job_id)
@@ -215,6 +237,10 @@ class Scheduler:
     # -- one job --------------------------------------------------------------------------------
     def _config(self, spec: str, base_dir: str, name: str, check_data: bool = True) -> JobConfig:
         return parse_job(spec, Path(base_dir), name=name, check_data=check_data)
+
+    def _partitioned(self, record: JobRecord) -> list[range]:
+        job = self._config(record.spec, record.base_dir, record.name, check_data=False)
+        return partition(layer_costs(job.model), job.training.stages)
 
     async def _announce(self, job_id: str) -> None:
         r = self.store.get(job_id)
@@ -256,9 +282,11 @@ class Scheduler:
         coordinator = self._coordinators.get(job_id)
         if coordinator is None:
             record = self.store.get(job_id)
-            if record is not None and record.state == "succeeded":
+            if record is None:  # deleted since the job API first saw it
+                raise NotFound(f"unknown job {job_id!r}; `swarm jobs` lists them")
+            if record.state == "succeeded":
                 return Lease(record.step, [], [], done=True)
-            if record is not None and record.finished:
+            if record.finished:
                 raise FailedPrecondition(f"job {job_id} is {record.state}: nothing to train")
             return Lease(0, [], [])  # not started (or between attempts): ask again soon
         return await coordinator.lease(trainer, count, wait_s=wait_s, working=working)
@@ -280,8 +308,11 @@ class Scheduler:
         assigned: list[str] = []
         ended = True  # False only when the scheduler itself stops: the job resumes on restart
         try:
-            # Off the event loop: this hashes the data file, checked against the sha256 pinned
-            # at submit (a file changed since fails the job, naming both hashes).
+            # Off the event loop, as is all that follows from the spec: its layers per stage
+            # (what GetJob shows), then the data file's hash, checked against the sha256 pinned
+            # at submit (a file changed since fails the job, naming both hashes). A stored job
+            # over the bounds of this version fails here, naming the bound.
+            self._layers[job_id] = await asyncio.to_thread(self._partitioned, record)
             job = await asyncio.to_thread(self._config, record.spec, record.base_dir, record.name)
             if record.state == "queued":
                 await self._set(job_id, "placing", "waiting for peers")
@@ -336,7 +367,27 @@ class Scheduler:
         nothing here."""
         self._user_cancelled.discard(job_id)
         self._speed.pop(job_id, None)
+        self._layers.pop(job_id, None)
         self._expire(job_id)
+        if self._group is not None and self.opts.keep_finished_jobs is not None:
+            self._group.create_task(self._retain())
+
+    async def _retain(self) -> None:
+        """Delete the finished jobs beyond `keep_finished_jobs` (the most recently ended are kept):
+        their files, then their records."""
+        keep = self.opts.keep_finished_jobs
+        if keep is None:
+            return
+        # A failed deletion is logged and left for the next sweep: it must not stop the scheduler.
+        async with self._retaining:
+            beyond: list[str] = []
+            with _logged("retention: finished jobs not listed"):
+                beyond = self.store.finished_beyond(keep)
+            for job_id in beyond:
+                with _logged(f"job {job_id}: not deleted (retention)"):
+                    await self.delete(job_id)
+                    self.store.delete(job_id)
+                    log.info("job %s deleted: beyond --keep-finished-jobs %d", job_id, keep)
 
     def _expire(self, job_id: str) -> None:
         if self._group is not None and job_id not in self._expiring:
@@ -351,6 +402,12 @@ class Scheduler:
         self.snapshot.pop(job_id, None)
         self._coordinator_metrics.remove(job_id)
         self._moves.remove(job_id)
+
+
+def _remove(directory: Path) -> None:
+    """Remove `directory` and all it holds, if it exists (a job without a checkpoint has none)."""
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(directory)
 
 
 @contextlib.contextmanager

@@ -76,6 +76,13 @@ _COLUMNS = (
     "*, (SELECT loss FROM steps WHERE steps.job = jobs.id AND steps.step = 0) AS first_loss, "
     f"(SELECT val_loss {_LAST_EVAL}) AS val_loss, (SELECT step {_LAST_EVAL}) AS val_step"
 )
+# A listing's columns: the record without its spec (up to MAX_SPEC_BYTES each, more if stored by
+# an older scheduler), and the row's position for the next page's cursor.
+_LISTED = _COLUMNS.replace(
+    "*",
+    "id, name, '' AS spec, base_dir, state, step, steps, loss, error, message, created, updated",
+    1,
+)
 
 
 class StoreError(SwarmError):
@@ -117,6 +124,7 @@ class StepRow:
 
 # Aliases: inside JobStore, `list` names its method, not the builtin.
 Records = list[JobRecord]
+Ids = list[str]
 Steps = list[StepRow]
 Evals = list[tuple[int, float]]
 
@@ -215,6 +223,23 @@ class JobStore:
         rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY created DESC, rowid DESC")
         return [self._record(r) for r in rows]
 
+    def page(self, limit: int, cursor: str = "") -> tuple[Records, str]:
+        """Up to `limit` jobs newest first, without their specs, after `cursor` ("": from the
+        newest); and the cursor of the next page ("" when none is left). A cursor names a position
+        (created, rowid), not an offset: jobs created or deleted meanwhile shift nothing."""
+        limit = max(limit, 1)
+        created, row = _position(cursor) if cursor else (math.inf, 0)
+        rows = self._db.execute(
+            f"SELECT {_LISTED}, rowid AS position FROM jobs WHERE created < ? OR"
+            " (created = ? AND rowid < ?) ORDER BY created DESC, rowid DESC LIMIT ?",
+            (created, created, row, limit + 1),  # one more: is there a next page?
+        ).fetchall()
+        if len(rows) <= limit:
+            return [self._record(r) for r in rows], ""
+        last = rows[limit - 1]
+        cursor = f"{last['created'].hex()}/{last['position']}"
+        return [self._record(r) for r in rows[:limit]], cursor
+
     def unfinished(self) -> Records:
         """Queued, placing and running jobs, oldest first: what a restarted scheduler resumes."""
         marks = ", ".join("?" * len(UNFINISHED))
@@ -242,6 +267,28 @@ class JobStore:
             (state, error, message, self._clock(), job_id),
         )
         return self._require(job_id)
+
+    def delete(self, job_id: str) -> None:
+        """Forget a finished job: its record, steps and evaluations. An unfinished one is refused
+        (FailedPrecondition): it is still being trained."""
+        job = self._require(job_id)
+        if not job.finished:
+            raise FailedPrecondition(f"job {job_id!r} is {job.state}; cancel it first")
+        with self._tx():
+            for table, key in (("evals", "job"), ("steps", "job"), ("jobs", "id")):
+                self._db.execute(f"DELETE FROM {table} WHERE {key} = ?", (job_id,))
+        self._kept.pop(job_id, None)
+
+    def finished_beyond(self, keep: int) -> Ids:
+        """Finished jobs but the `keep` that ended most recently (by their last update), most
+        recent first: what a retention of `keep` finished jobs deletes."""
+        marks = ", ".join("?" * len(TERMINAL))
+        rows = self._db.execute(
+            f"SELECT id FROM jobs WHERE state IN ({marks}) ORDER BY updated DESC, rowid DESC"
+            " LIMIT -1 OFFSET ?",
+            (*TERMINAL, keep),
+        )
+        return [r["id"] for r in rows]
 
     def set_message(self, job_id: str, message: str) -> None:
         changed = self._write(
@@ -364,10 +411,25 @@ class JobStore:
     @staticmethod
     def _record(row: sqlite3.Row) -> JobRecord:
         d = dict(row)
+        d.pop("position", None)  # a listing's cursor, not the record's
         d["loss"], d["state"] = _loss(d["loss"]), cast(JobState, d["state"])
         d["first_loss"], d["val_loss"] = _loss(d["first_loss"]), _loss(d["val_loss"])
         d["val_step"] = -1 if d["val_step"] is None else d["val_step"]
         return JobRecord(**d)
+
+
+def _position(cursor: str) -> tuple[float, int]:
+    """A page cursor's (created, rowid); InvalidArgument for one this store did not give."""
+    created, _, row = cursor.partition("/")
+    try:
+        position = float.fromhex(created), int(row)
+    except ValueError:
+        position = (math.nan, 0)
+    if not math.isfinite(position[0]):
+        raise InvalidArgument(
+            f"page_token {cursor!r} is not one this scheduler gave; list again without one"
+        )
+    return position
 
 
 def _allowed(old: JobState, new: JobState) -> bool:

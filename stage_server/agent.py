@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import os
 import time
@@ -31,6 +32,7 @@ from stage_server.server import (
 )
 from swarm.bus.connection import Bus, BusLike
 from swarm.bus.topics import TopicKind, Topics, parse_broker_url
+from swarm.clock import Clock, MonotonicClock
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, RuntimeConfig, parse_job
 from swarm.job.states import TERMINAL_PROTO
@@ -55,6 +57,9 @@ def stage_slowdown(stage: int) -> float:
 
 
 ENDED_REMEMBERED = 256
+# A job this peer failed to measure (too big for its memory, say) is refused: it is measured
+# again only when its spec changes or after this long, not on each of its announcements.
+REFUSED_RETRY_S = 600.0
 # Assignments are ordered by a generation, the scheduler's clock in microseconds. One from
 # further ahead of this peer's clock than any honest skew is refused: a forged generation of
 # 2^64 - 1 would otherwise make every later real assignment look stale, until a restart.
@@ -74,8 +79,10 @@ class PeerAgent:
         device: str,
         throttle: float = 1.0,
         metrics_address: str = "",
+        clock: Clock | None = None,
     ) -> None:
         self.running, self.bus, self.peer = running, bus, peer
+        self.clock = clock or MonotonicClock()
         self.device, self.throttle, self.metrics_address = device, throttle, metrics_address
         self.job_id = ""  # the job this peer is measured for or serves
         self.stage: int | None = None
@@ -87,6 +94,8 @@ class PeerAgent:
         # no longer knows is ignored anyway.
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._active: dict[str, cpb.JobAnnouncement] = {}  # jobs to join once free
+        # Jobs this peer could not measure: their spec's hash and when; bounded like `_ended`.
+        self._refused: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._generation = -1
         self.load_period_s = 1.0  # how often a serving peer publishes its load
 
@@ -189,19 +198,26 @@ class PeerAgent:
             while len(self._ended) > ENDED_REMEMBERED:
                 self._ended.popitem(last=False)
             self._active.pop(job.job, None)
+            self._refused.pop(job.job, None)
             if job.job != self.job_id:
                 self._jobs.pop(job.job, None)  # its config is needed no more
         elif job.state in _ACTIVE:
             self._active[job.job] = job
             self._ended.pop(job.job, None)  # the scheduler says it runs: an earlier end is void
         if job.state in _ACTIVE and self.job_id in ("", job.job) and not self.speeds:
+            if self._still_refused(job):
+                return
             config = self._job(job)
             if config is None:
                 return
             self.job_id = job.job
-            self.speeds = await self._compute(
-                measure_job, config, check_device(self.device), self.throttle
-            )
+            try:
+                self.speeds = await self._compute(
+                    measure_job, config, check_device(self.device), self.throttle
+                )
+            except Exception as e:  # too big for this peer, say: free for the other jobs
+                await self._refuse(job, e)
+                return
             log.info(
                 "%s: measured for job %s: %s",
                 self.peer,
@@ -220,6 +236,35 @@ class PeerAgent:
                 await self._on_job(waiting)
                 if self.job_id:
                     break
+
+    def _still_refused(self, job: cpb.JobAnnouncement) -> bool:
+        """Whether `job` was refused, with this spec, less than REFUSED_RETRY_S ago."""
+        refused = self._refused.get(job.job)
+        if refused is None:
+            return False
+        spec, at = refused
+        return spec == _spec_hash(job) and self.clock.now() - at < REFUSED_RETRY_S
+
+    async def _refuse(self, job: cpb.JobAnnouncement, error: Exception) -> None:
+        """Give up `job`, which this peer could not measure, and say so: announced free again
+        (no job, no speeds), the scheduler places it in another job."""
+        log.warning(
+            "%s: refused job %s: measuring its stages failed (%s: %s); free for another job, "
+            "and not measuring it again for %.0f s unless its spec changes",
+            self.peer,
+            job.job,
+            type(error).__name__,
+            error,
+            REFUSED_RETRY_S,
+        )
+        self._refused[job.job] = (_spec_hash(job), self.clock.now())
+        self._refused.move_to_end(job.job)
+        while len(self._refused) > ENDED_REMEMBERED:
+            self._refused.popitem(last=False)
+        self._jobs.pop(job.job, None)  # parsed anew next time: its spec may have changed
+        self.job_id, self.stage, self.speeds = "", None, {}
+        self.state = cpb.PEER_STATE_JOINING
+        await self.announce()
 
     async def _on_assignment(self, assignment: cpb.Assignment) -> None:
         if assignment.generation <= self._generation:
@@ -259,6 +304,10 @@ class PeerAgent:
         self.job_id, self.stage = assignment.job, assignment.stage
         self.state = cpb.PEER_STATE_SERVING
         await self.announce()
+
+
+def _spec_hash(job: cpb.JobAnnouncement) -> str:
+    return hashlib.sha256(job.spec.encode()).hexdigest()
 
 
 async def run_peer(

@@ -46,6 +46,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("client.cli", "show a job's state, progress and replicas per stage"),
     "jobs": ("client.cli", "list the scheduler's jobs, newest first"),
     "cancel": ("client.cli", "cancel a queued or running job"),
+    "delete": (
+        "client.cli",
+        "delete a finished job: its record, checkpoints and final model (cancel it first)",
+    ),
     "export": ("client.cli", "download a job's whole model as a torch state_dict"),
     "simulate": (
         "scheduler.sim.cli",

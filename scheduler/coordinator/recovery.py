@@ -1,6 +1,7 @@
 """Checkpoints and rollback: every `checkpoint_every` steps each stage's state is saved from one
-member and the checkpoint sealed; when a stage has lost every replica, every stage goes back to
-the last sealed checkpoint (or to step 0's initial state when there is none)."""
+member and the checkpoint sealed, and the sealed ones but the newest `keep_checkpoints` deleted;
+when a stage has lost every replica, every stage goes back to the last sealed checkpoint (or to
+step 0's initial state when there is none)."""
 
 from __future__ import annotations
 
@@ -73,14 +74,28 @@ class Recovery:
     async def _save(self, directory: Path, step: int, members: list[list[Replica]]) -> None:
         # Every stage at once: each replica snapshots its state when the download reaches it,
         # so all do so at `step`, before the next commit, however long the transfers take.
+        # Every stage's write ends before a failure is raised: the caller's discard must not
+        # run while another stage's thread still writes (its directory would outlive it).
         saved = await asyncio.gather(
-            *(self._save_stage(directory, step, k, replicas) for k, replicas in enumerate(members))
+            *(self._save_stage(directory, step, k, replicas) for k, replicas in enumerate(members)),
+            return_exceptions=True,
         )
+        for failed in saved:
+            if isinstance(failed, BaseException):
+                raise failed
         if not all(saved):
             await asyncio.to_thread(checkpoint.discard, directory, step)  # never sealed
             return
         await asyncio.to_thread(checkpoint.seal, directory, step, self.job.training.stages)
         log.info("checkpoint of step %d written to %s", step, directory)
+        keep = self.job.training.keep_checkpoints
+        try:  # after the seal: the newest sealed one is never the one deleted
+            pruned = await asyncio.to_thread(checkpoint.prune, directory, keep)
+        except OSError as e:  # the checkpoint is sealed; the old ones go next time
+            log.warning("checkpoints before step %d not deleted: %s", step, e)
+        else:
+            if pruned:
+                log.info("checkpoints of steps %s deleted: the %d newest are kept", pruned, keep)
 
     async def _save_stage(
         self, directory: Path, step: int, stage: int, replicas: list[Replica]

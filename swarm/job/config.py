@@ -25,6 +25,7 @@ from swarm.job.coerce import build_section, show, unknown_name
 from swarm.job.fingerprint import data_sha256, init_sha256
 from swarm.job.schema import (
     FILE_DATA,
+    MAX_SPEC_BYTES,
     NAME_RE,
     SECTIONS,
     CompressionConfig,
@@ -48,6 +49,7 @@ __all__ = [
     "RebalanceConfig",
     "RuntimeConfig",
     "TrainingConfig",
+    "check_spec_size",
     "data_sha256",
     "init_sha256",
     "load_job",
@@ -96,7 +98,19 @@ def verify_data(job: JobConfig) -> JobConfig:
     return replace(job, data=replace(job.data, **pinned))
 
 
+def check_spec_size(text: str, source: str = "the job file") -> None:
+    """Refuse a job file over MAX_SPEC_BYTES: the scheduler stores it, announces it to every
+    peer and hands it to every trainer, so its size is everyone's."""
+    size = len(text.encode())
+    if size > MAX_SPEC_BYTES:
+        raise ConfigError(
+            f"{source} is {size} bytes, over the {MAX_SPEC_BYTES} bytes (1 MiB, swarm's "
+            "MAX_SPEC_BYTES) a job file may have; keep data in a file named by data.path"
+        )
+
+
 def _parse(text: str, base_dir: Path, name: str, source: str, check_data: bool = True) -> JobConfig:
+    check_spec_size(text, source)
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

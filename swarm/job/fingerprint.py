@@ -41,7 +41,7 @@ def fingerprint(job: JobConfig) -> str:
     data: dict[str, Any] = {"kind": job.data.kind}
     if job.data.kind in FILE_DATA:
         data["sha256"] = job.data.sha256 or data_sha256(job)
-    for key in ("checkpoint_every", "eval_every", "eval_microbatches"):
+    for key in ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_microbatches"):
         d["training"].pop(key)  # when and how much is evaluated changes no parameter
     if job.data.val_fraction:  # the held-out tail is not trained on
         data["val_fraction"] = job.data.val_fraction

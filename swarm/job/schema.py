@@ -22,6 +22,9 @@ from swarm.job.coerce import checked_field as _f  # short: nearly every field us
 
 __all__ = [
     "FILE_DATA",
+    "MAX_LAYERS",
+    "MAX_SPEC_BYTES",
+    "MAX_STAGES",
     "NAME_RE",
     "SECTIONS",
     "Codec",
@@ -42,6 +45,14 @@ MiB = 1 << 20
 # Job names appear in MQTT topics and file names, so keep them to a safe alphabet.
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
+# Bounds on a job's size, so that no job can stall the roles that read it: the scheduler and every
+# idle peer partition a job's layers into its stages (`swarm.model.transformer.partition`, about
+# stages x layers steps) and announce its spec on the bus. Generous: the largest open models have
+# ~130 blocks (32x fewer), and a pipeline of 512 stages already waits 1022 hops per microbatch.
+MAX_LAYERS = 4096  #: model.n_layers at most (transformer blocks)
+MAX_STAGES = 512  #: training.stages at most
+MAX_SPEC_BYTES = MiB  #: a job file's size at most (bytes of UTF-8): data belongs in data.path
+
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
@@ -53,7 +64,7 @@ class ModelConfig(Section):
     kind: Literal["gpt", "llama"] = "gpt"
     vocab_size: int = _f(256, GE1)  #: tokens in the vocabulary (count; bytes for text data)
     d_model: int = _f(64, GE1)  #: width of the residual stream (features per token)
-    n_layers: int = _f(4, GE1)  #: transformer blocks (count)
+    n_layers: int = _f(4, GE1)  #: transformer blocks (count; at most MAX_LAYERS)
     n_heads: int = _f(4, GE1)  #: attention heads per block (count; must divide d_model)
     seq_len: int = _f(64, GE1)  #: context length (tokens per sample)
     mlp_ratio: int = _f(4, GE1)  #: gpt: MLP hidden width as a multiple of d_model
@@ -69,6 +80,9 @@ class ModelConfig(Section):
     init_sha256: str | None = None
 
     def _validate(self) -> None:
+        if self.n_layers > MAX_LAYERS:
+            allowed = f"an integer in 1..{MAX_LAYERS} (swarm's MAX_LAYERS)"
+            raise not_allowed("model.n_layers", self.n_layers, allowed)
         if self.d_model % self.n_heads:
             allowed = f"a multiple of model.n_heads = {self.n_heads}"
             raise not_allowed("model.d_model", self.d_model, allowed)
@@ -146,7 +160,7 @@ class TrainingConfig(Section):
     """`[training]`: the step protocol's sizes, the seed and the numeric type."""
 
     section: ClassVar[str] = "training"
-    stages: int = _f(check=GE1)  #: pipeline stages (count; at most model.n_layers + 2)
+    stages: int = _f(check=GE1)  #: pipeline stages (count; <= model.n_layers + 2, MAX_STAGES)
     microbatch_size: int = _f(check=GE1)  #: samples per microbatch (the unit of routing)
     target_batch_size: int = _f(check=GE1)  #: samples per optimizer step
     steps: int = _f(check=GE1)  #: optimizer steps to run (count)
@@ -157,6 +171,7 @@ class TrainingConfig(Section):
     precision: Literal["fp32", "bf16-mixed"] = "fp32"
     # Not 0 by default: without a checkpoint a lost stage sends the whole job back to step 0.
     checkpoint_every: int = _f(100, GE0)  #: steps between checkpoints (0 = never)
+    keep_checkpoints: int = _f(3, GE1)  #: sealed checkpoints kept, the newest (older: deleted)
     #: largest L2 norm of the whole model's averaged gradient (all stages); larger ones are
     #: scaled down to it before the optimizer step (0 = no clipping)
     grad_clip: float = _f(0.0, GE0)
@@ -174,6 +189,9 @@ class TrainingConfig(Section):
         return self.target_batch_size // self.microbatch_size
 
     def _validate(self) -> None:
+        if self.stages > MAX_STAGES:
+            allowed = f"an integer in 1..{MAX_STAGES} (swarm's MAX_STAGES)"
+            raise not_allowed("training.stages", self.stages, allowed)
         if self.target_batch_size % self.microbatch_size:
             allowed = f"a multiple of training.microbatch_size = {self.microbatch_size}"
             raise not_allowed("training.target_batch_size", self.target_batch_size, allowed)

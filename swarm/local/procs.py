@@ -252,10 +252,15 @@ def start_local_swarm(
     env: dict[str, str] | None = None,
     threads: int = 1,
     timeout: float = 120.0,
+    data_root: Path | None = None,
 ) -> tuple[LocalSwarm, list[str]]:
     """Start a scheduler (with an embedded broker unless `broker` is given) and one stage server
-    per throttle. Returns the swarm and the scheduler's command line (to restart it)."""
+    per throttle. Returns the swarm and the scheduler's command line (to restart it). Jobs may
+    name data files under `data_root` only (None: an empty directory of the swarm's own)."""
     env = {"SWARM_CACHE_DIR": str(log_dir / "cache"), **(env or {})}
+    if data_root is None:
+        data_root = log_dir / "data"
+        data_root.mkdir(parents=True, exist_ok=True)
     args = [
         "--log-level",
         "INFO",
@@ -268,6 +273,8 @@ def start_local_swarm(
         str(log_dir / "jobs.sqlite"),
         "--checkpoint-dir",
         str(log_dir / "ckpt"),
+        "--data-root",
+        str(data_root),
         *(["--broker", broker] if broker else []),
         *(extra_scheduler or []),
     ]

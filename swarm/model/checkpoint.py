@@ -25,6 +25,8 @@ __all__ = [
     "latest",
     "load_model",
     "load_stage",
+    "prune",
+    "save_file",
     "save_stage",
     "seal",
     "sealed",
@@ -65,7 +67,16 @@ def _atomic(path: Path, write: Callable[[BinaryIO], object], what: str) -> None:
 
 
 def save_stage(root: Path, step: int, stage: int, state: dict[str, torch.Tensor]) -> None:
+    """Write stage `stage`'s state at `step`; a state holding a NaN or infinite value is refused
+    (`CheckpointError`) before a byte is written: the last sealed checkpoint stays the one a
+    rollback uses, rather than one that would poison every replica that loads it."""
     path = _dir(root, step) / f"stage-{stage}.pt"
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(
+                f"checkpoint of step {step}, stage {stage}: {name} holds NaN or infinite values;"
+                f" not written"
+            )
     _atomic(path, lambda f: torch.save(state, f), f"checkpoint of step {step}, stage {stage}")
 
 
@@ -75,12 +86,32 @@ def seal(root: Path, step: int, stages: int) -> None:
     _atomic(_dir(root, step) / "manifest.json", lambda f: f.write(manifest), f"seal of step {step}")
 
 
+def save_file(path: Path, obj: object, what: str) -> None:
+    """`torch.save(obj)` to `path` as every checkpoint file is written (fsynced, whole or not at
+    all; `CheckpointError` on failure): the scheduler's final model of a job, for one."""
+    _atomic(path, lambda f: torch.save(obj, f), what)
+
+
 def discard(root: Path, step: int) -> None:
     """Remove step `step`'s checkpoint, which could not be completed (never one that is sealed):
     its stage files only take room a later checkpoint needs."""
     directory = _dir(root, step)
     if not (directory / "manifest.json").exists():
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def prune(root: Path, keep: int) -> list[int]:
+    """Delete the sealed checkpoints under `root` but the newest `keep` (at least 1: the newest
+    is what a rollback and an export fall back to); returns their steps, oldest first. One not
+    sealed (being written) is left alone. The manifest goes first: a directory half deleted is
+    never taken for a checkpoint."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (the newest sealed checkpoint), got {keep}")
+    old = sealed(root)[:-keep]
+    for step in old:
+        (_dir(root, step) / "manifest.json").unlink(missing_ok=True)
+        shutil.rmtree(_dir(root, step), ignore_errors=True)
+    return old
 
 
 def sealed(root: Path) -> list[int]:

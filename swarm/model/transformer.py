@@ -25,6 +25,7 @@ from torch import nn
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, ModelConfig, verify_init
 from swarm.model.hf import check_hf_config, read_hf
+from swarm.model.partition import partition  # re-exported: every role asks it here
 
 __all__ = [
     "DTYPES",
@@ -36,6 +37,7 @@ __all__ = [
     "num_layers",
     "partition",
     "precision",
+    "stage_layout",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -202,34 +204,6 @@ def layer_costs(cfg: ModelConfig) -> list[float]:
     return [embedding] + [block] * cfg.n_layers + [head]
 
 
-def partition(costs: Sequence[float], stages: int) -> list[range]:
-    """Split layers into `stages` contiguous, non-empty ranges minimising the largest stage cost
-    (the pipeline's bottleneck). Exact dynamic programme; ties go to the earliest split so the
-    result is deterministic."""
-    n = len(costs)
-    if not 1 <= stages <= n:
-        raise ConfigError(f"training.stages = {stages} is not allowed; use 1..{n} for {n} layers")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = math.inf
-    # best[s][i]: the smallest bottleneck splitting the first i layers into s stages.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
-                if value < best[s][i] - 1e-9 * value:  # relative tolerance: float sums differ
-                    best[s][i], cut[s][i] = value, j
-    bounds = [n]
-    for s in range(stages, 0, -1):
-        bounds.append(cut[s][bounds[-1]])
-    bounds.reverse()
-    return [range(bounds[k], bounds[k + 1]) for k in range(stages)]
-
-
 def _layer_seed(seed: int, index: int) -> int:
     digest = hashlib.blake2b(f"swarm-layer/{seed}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
@@ -281,12 +255,29 @@ def _built(job: JobConfig, indices: Sequence[int], device: torch.device | str) -
     return module.to(device=device, dtype=DTYPES[job.training.dtype])
 
 
-def build_stage(job: JobConfig, stage: int, device: torch.device | str = "cpu") -> StageModule:
-    """Stage `stage` of `job`'s model on `device`, in the job's dtype."""
+def _stage_layers(job: JobConfig, stage: int) -> range:
     ranges = partition(layer_costs(job.model), job.training.stages)
     if not 0 <= stage < len(ranges):
         raise ConfigError(f"stage {stage} does not exist; the job has stages 0..{len(ranges) - 1}")
-    return _built(job, ranges[stage], device)
+    return ranges[stage]
+
+
+def build_stage(job: JobConfig, stage: int, device: torch.device | str = "cpu") -> StageModule:
+    """Stage `stage` of `job`'s model on `device`, in the job's dtype."""
+    return _built(job, _stage_layers(job, stage), device)
+
+
+def stage_layout(job: JobConfig, stage: int) -> StageModule:
+    """Stage `stage` of `job`'s model on the meta device, in the job's dtype: its parameters'
+    names, shapes and dtypes without their values (what a state of the stage must look like),
+    at no cost in memory or time however large the model."""
+    (embedding, block, head), _, _ = _FAMILIES[job.model.kind]
+    layers: dict[int, nn.Module] = {}
+    with torch.device("meta"):
+        for i in _stage_layers(job, stage):
+            kind = embedding if i == 0 else block if i <= job.model.n_layers else head
+            layers[i] = kind(job.model)
+    return StageModule(layers).to(dtype=DTYPES[job.training.dtype])
 
 
 def build_model(job: JobConfig, device: torch.device | str = "cpu") -> StageModule:

@@ -26,7 +26,7 @@ from swarm.proto import control_pb2 as swarm_dot_proto_dot_control__pb2
 from swarm.proto import tensor_pb2 as swarm_dot_proto_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bswarm/proto/scheduler.proto\x12\x0bswarm.proto\x1a\x19swarm/proto/control.proto\x1a\x18swarm/proto/tensor.proto\"\x94\x01\n\x07Replica\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12%\n\x05state\x18\x05 \x01(\x0e\x32\x16.swarm.proto.PeerState\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\"T\n\x0bStageStatus\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12&\n\x08replicas\x18\x03 \x03(\x0b\x32\x14.swarm.proto.Replica\"\xe9\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.swarm.proto.JobState\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12(\n\x06stages\x18\t \x03(\x0b\x32\x18.swarm.proto.StageStatus\x12\x1a\n\x12samples_per_second\x18\n \x01(\x01\x12\x0f\n\x07\x63reated\x18\x0b \x01(\x01\x12\x0f\n\x07updated\x18\x0c \x01(\x01\x12\x0c\n\x04spec\x18\r \x01(\t\x12\x10\n\x08\x62\x61se_dir\x18\x0e \x01(\t\x12\x12\n\nfirst_loss\x18\x0f \x01(\x01\x12\x15\n\x08val_loss\x18\x10 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08val_step\x18\x11 \x01(\x03\x42\x0b\n\t_val_loss\";\n\x19SchedulerSubmitJobRequest\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_dir\x18\x02 \x01(\t\"A\n\x1aSchedulerSubmitJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"%\n\x16SchedulerGetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\">\n\x17SchedulerGetJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"\x1a\n\x18SchedulerListJobsRequest\"A\n\x19SchedulerListJobsResponse\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.swarm.proto.JobStatus\"(\n\x19SchedulerCancelJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"A\n\x1aSchedulerCancelJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"*\n\x1bSchedulerExportModelRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"u\n\x1cSchedulerExportModelResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\x0c\n\x04step\x18\x03 \x01(\x03\"J\n\tLeaseTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x0e\n\x06stages\x18\x03 \x03(\r\x12\x10\n\x08\x65valuate\x18\x04 \x01(\x08\",\n\rMicrobatchRef\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\"\x8d\x01\n!SchedulerLeaseMicrobatchesRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07trainer\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12+\n\x07working\x18\x05 \x03(\x0b\x32\x1a.swarm.proto.MicrobatchRef\"\x93\x01\n\"SchedulerLeaseMicrobatchesResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12%\n\x05tasks\x18\x02 \x03(\x0b\x32\x16.swarm.proto.LeaseTask\x12*\n\x08replicas\x18\x03 \x03(\x0b\x32\x18.swarm.proto.StageStatus\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\"\xd1\x01\n\x10MicrobatchReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\x12;\n\x07holders\x18\x03 \x03(\x0b\x32*.swarm.proto.MicrobatchReport.HoldersEntry\x12\x15\n\x08loss_sum\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x1a.\n\x0cHoldersEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0b\n\t_loss_sum\"\xc2\x01\n\"SchedulerReportMicrobatchesRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07trainer\x18\x02 \x01(\t\x12.\n\x07results\x18\x03 \x03(\x0b\x32\x1d.swarm.proto.MicrobatchReport\x12\x10\n\x08released\x18\x04 \x03(\x03\x12<\n\x04next\x18\x05 \x01(\x0b\x32..swarm.proto.SchedulerLeaseMicrobatchesRequest\"e\n#SchedulerReportMicrobatchesResponse\x12>\n\x05lease\x18\x01 \x01(\x0b\x32/.swarm.proto.SchedulerLeaseMicrobatchesResponse2\xd3\x05\n\x10SchedulerService\x12\\\n\tSubmitJob\x12&.swarm.proto.SchedulerSubmitJobRequest\x1a\'.swarm.proto.SchedulerSubmitJobResponse\x12S\n\x06GetJob\x12#.swarm.proto.SchedulerGetJobRequest\x1a$.swarm.proto.SchedulerGetJobResponse\x12Y\n\x08ListJobs\x12%.swarm.proto.SchedulerListJobsRequest\x1a&.swarm.proto.SchedulerListJobsResponse\x12\\\n\tCancelJob\x12&.swarm.proto.SchedulerCancelJobRequest\x1a\'.swarm.proto.SchedulerCancelJobResponse\x12\x64\n\x0b\x45xportModel\x12(.swarm.proto.SchedulerExportModelRequest\x1a).swarm.proto.SchedulerExportModelResponse0\x01\x12t\n\x11LeaseMicrobatches\x12..swarm.proto.SchedulerLeaseMicrobatchesRequest\x1a/.swarm.proto.SchedulerLeaseMicrobatchesResponse\x12w\n\x12ReportMicrobatches\x12/.swarm.proto.SchedulerReportMicrobatchesRequest\x1a\x30.swarm.proto.SchedulerReportMicrobatchesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bswarm/proto/scheduler.proto\x12\x0bswarm.proto\x1a\x19swarm/proto/control.proto\x1a\x18swarm/proto/tensor.proto\"\x94\x01\n\x07Replica\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12%\n\x05state\x18\x05 \x01(\x0e\x32\x16.swarm.proto.PeerState\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\"T\n\x0bStageStatus\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12&\n\x08replicas\x18\x03 \x03(\x0b\x32\x14.swarm.proto.Replica\"\xe9\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.swarm.proto.JobState\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12(\n\x06stages\x18\t \x03(\x0b\x32\x18.swarm.proto.StageStatus\x12\x1a\n\x12samples_per_second\x18\n \x01(\x01\x12\x0f\n\x07\x63reated\x18\x0b \x01(\x01\x12\x0f\n\x07updated\x18\x0c \x01(\x01\x12\x0c\n\x04spec\x18\r \x01(\t\x12\x10\n\x08\x62\x61se_dir\x18\x0e \x01(\t\x12\x12\n\nfirst_loss\x18\x0f \x01(\x01\x12\x15\n\x08val_loss\x18\x10 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08val_step\x18\x11 \x01(\x03\x42\x0b\n\t_val_loss\";\n\x19SchedulerSubmitJobRequest\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_dir\x18\x02 \x01(\t\"A\n\x1aSchedulerSubmitJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"%\n\x16SchedulerGetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\">\n\x17SchedulerGetJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"A\n\x18SchedulerListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"Z\n\x19SchedulerListJobsResponse\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.swarm.proto.JobStatus\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"(\n\x19SchedulerCancelJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"A\n\x1aSchedulerCancelJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.swarm.proto.JobStatus\"(\n\x19SchedulerDeleteJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x1c\n\x1aSchedulerDeleteJobResponse\"*\n\x1bSchedulerExportModelRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"u\n\x1cSchedulerExportModelResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\x0c\n\x04step\x18\x03 \x01(\x03\"J\n\tLeaseTask\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x0e\n\x06stages\x18\x03 \x03(\r\x12\x10\n\x08\x65valuate\x18\x04 \x01(\x08\",\n\rMicrobatchRef\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\"\x8d\x01\n!SchedulerLeaseMicrobatchesRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07trainer\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12+\n\x07working\x18\x05 \x03(\x0b\x32\x1a.swarm.proto.MicrobatchRef\"\x93\x01\n\"SchedulerLeaseMicrobatchesResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12%\n\x05tasks\x18\x02 \x03(\x0b\x32\x16.swarm.proto.LeaseTask\x12*\n\x08replicas\x18\x03 \x03(\x0b\x32\x18.swarm.proto.StageStatus\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\"\xd1\x01\n\x10MicrobatchReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x03\x12;\n\x07holders\x18\x03 \x03(\x0b\x32*.swarm.proto.MicrobatchReport.HoldersEntry\x12\x15\n\x08loss_sum\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x1a.\n\x0cHoldersEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0b\n\t_loss_sum\"\xc2\x01\n\"SchedulerReportMicrobatchesRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07trainer\x18\x02 \x01(\t\x12.\n\x07results\x18\x03 \x03(\x0b\x32\x1d.swarm.proto.MicrobatchReport\x12\x10\n\x08released\x18\x04 \x03(\x03\x12<\n\x04next\x18\x05 \x01(\x0b\x32..swarm.proto.SchedulerLeaseMicrobatchesRequest\"e\n#SchedulerReportMicrobatchesResponse\x12>\n\x05lease\x18\x01 \x01(\x0b\x32/.swarm.proto.SchedulerLeaseMicrobatchesResponse2\xb1\x06\n\x10SchedulerService\x12\\\n\tSubmitJob\x12&.swarm.proto.SchedulerSubmitJobRequest\x1a\'.swarm.proto.SchedulerSubmitJobResponse\x12S\n\x06GetJob\x12#.swarm.proto.SchedulerGetJobRequest\x1a$.swarm.proto.SchedulerGetJobResponse\x12Y\n\x08ListJobs\x12%.swarm.proto.SchedulerListJobsRequest\x1a&.swarm.proto.SchedulerListJobsResponse\x12\\\n\tCancelJob\x12&.swarm.proto.SchedulerCancelJobRequest\x1a\'.swarm.proto.SchedulerCancelJobResponse\x12\\\n\tDeleteJob\x12&.swarm.proto.SchedulerDeleteJobRequest\x1a\'.swarm.proto.SchedulerDeleteJobResponse\x12\x64\n\x0b\x45xportModel\x12(.swarm.proto.SchedulerExportModelRequest\x1a).swarm.proto.SchedulerExportModelResponse0\x01\x12t\n\x11LeaseMicrobatches\x12..swarm.proto.SchedulerLeaseMicrobatchesRequest\x1a/.swarm.proto.SchedulerLeaseMicrobatchesResponse\x12w\n\x12ReportMicrobatches\x12/.swarm.proto.SchedulerReportMicrobatchesRequest\x1a\x30.swarm.proto.SchedulerReportMicrobatchesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,33 +50,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULERGETJOBRESPONSE']._serialized_start=865
   _globals['_SCHEDULERGETJOBRESPONSE']._serialized_end=927
   _globals['_SCHEDULERLISTJOBSREQUEST']._serialized_start=929
-  _globals['_SCHEDULERLISTJOBSREQUEST']._serialized_end=955
-  _globals['_SCHEDULERLISTJOBSRESPONSE']._serialized_start=957
-  _globals['_SCHEDULERLISTJOBSRESPONSE']._serialized_end=1022
-  _globals['_SCHEDULERCANCELJOBREQUEST']._serialized_start=1024
-  _globals['_SCHEDULERCANCELJOBREQUEST']._serialized_end=1064
-  _globals['_SCHEDULERCANCELJOBRESPONSE']._serialized_start=1066
-  _globals['_SCHEDULERCANCELJOBRESPONSE']._serialized_end=1131
-  _globals['_SCHEDULEREXPORTMODELREQUEST']._serialized_start=1133
-  _globals['_SCHEDULEREXPORTMODELREQUEST']._serialized_end=1175
-  _globals['_SCHEDULEREXPORTMODELRESPONSE']._serialized_start=1177
-  _globals['_SCHEDULEREXPORTMODELRESPONSE']._serialized_end=1294
-  _globals['_LEASETASK']._serialized_start=1296
-  _globals['_LEASETASK']._serialized_end=1370
-  _globals['_MICROBATCHREF']._serialized_start=1372
-  _globals['_MICROBATCHREF']._serialized_end=1416
-  _globals['_SCHEDULERLEASEMICROBATCHESREQUEST']._serialized_start=1419
-  _globals['_SCHEDULERLEASEMICROBATCHESREQUEST']._serialized_end=1560
-  _globals['_SCHEDULERLEASEMICROBATCHESRESPONSE']._serialized_start=1563
-  _globals['_SCHEDULERLEASEMICROBATCHESRESPONSE']._serialized_end=1710
-  _globals['_MICROBATCHREPORT']._serialized_start=1713
-  _globals['_MICROBATCHREPORT']._serialized_end=1922
-  _globals['_MICROBATCHREPORT_HOLDERSENTRY']._serialized_start=1863
-  _globals['_MICROBATCHREPORT_HOLDERSENTRY']._serialized_end=1909
-  _globals['_SCHEDULERREPORTMICROBATCHESREQUEST']._serialized_start=1925
-  _globals['_SCHEDULERREPORTMICROBATCHESREQUEST']._serialized_end=2119
-  _globals['_SCHEDULERREPORTMICROBATCHESRESPONSE']._serialized_start=2121
-  _globals['_SCHEDULERREPORTMICROBATCHESRESPONSE']._serialized_end=2222
-  _globals['_SCHEDULERSERVICE']._serialized_start=2225
-  _globals['_SCHEDULERSERVICE']._serialized_end=2948
+  _globals['_SCHEDULERLISTJOBSREQUEST']._serialized_end=994
+  _globals['_SCHEDULERLISTJOBSRESPONSE']._serialized_start=996
+  _globals['_SCHEDULERLISTJOBSRESPONSE']._serialized_end=1086
+  _globals['_SCHEDULERCANCELJOBREQUEST']._serialized_start=1088
+  _globals['_SCHEDULERCANCELJOBREQUEST']._serialized_end=1128
+  _globals['_SCHEDULERCANCELJOBRESPONSE']._serialized_start=1130
+  _globals['_SCHEDULERCANCELJOBRESPONSE']._serialized_end=1195
+  _globals['_SCHEDULERDELETEJOBREQUEST']._serialized_start=1197
+  _globals['_SCHEDULERDELETEJOBREQUEST']._serialized_end=1237
+  _globals['_SCHEDULERDELETEJOBRESPONSE']._serialized_start=1239
+  _globals['_SCHEDULERDELETEJOBRESPONSE']._serialized_end=1267
+  _globals['_SCHEDULEREXPORTMODELREQUEST']._serialized_start=1269
+  _globals['_SCHEDULEREXPORTMODELREQUEST']._serialized_end=1311
+  _globals['_SCHEDULEREXPORTMODELRESPONSE']._serialized_start=1313
+  _globals['_SCHEDULEREXPORTMODELRESPONSE']._serialized_end=1430
+  _globals['_LEASETASK']._serialized_start=1432
+  _globals['_LEASETASK']._serialized_end=1506
+  _globals['_MICROBATCHREF']._serialized_start=1508
+  _globals['_MICROBATCHREF']._serialized_end=1552
+  _globals['_SCHEDULERLEASEMICROBATCHESREQUEST']._serialized_start=1555
+  _globals['_SCHEDULERLEASEMICROBATCHESREQUEST']._serialized_end=1696
+  _globals['_SCHEDULERLEASEMICROBATCHESRESPONSE']._serialized_start=1699
+  _globals['_SCHEDULERLEASEMICROBATCHESRESPONSE']._serialized_end=1846
+  _globals['_MICROBATCHREPORT']._serialized_start=1849
+  _globals['_MICROBATCHREPORT']._serialized_end=2058
+  _globals['_MICROBATCHREPORT_HOLDERSENTRY']._serialized_start=1999
+  _globals['_MICROBATCHREPORT_HOLDERSENTRY']._serialized_end=2045
+  _globals['_SCHEDULERREPORTMICROBATCHESREQUEST']._serialized_start=2061
+  _globals['_SCHEDULERREPORTMICROBATCHESREQUEST']._serialized_end=2255
+  _globals['_SCHEDULERREPORTMICROBATCHESRESPONSE']._serialized_start=2257
+  _globals['_SCHEDULERREPORTMICROBATCHESRESPONSE']._serialized_end=2358
+  _globals['_SCHEDULERSERVICE']._serialized_start=2361
+  _globals['_SCHEDULERSERVICE']._serialized_end=3178
 # @@protoc_insertion_point(module_scope)

@@ -99,14 +99,20 @@ class SchedulerGetJobResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[JobStatus, _Mapping]] = ...) -> None: ...
 
 class SchedulerListJobsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class SchedulerListJobsResponse(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "next_page_token")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class SchedulerCancelJobRequest(_message.Message):
     __slots__ = ("job",)
@@ -119,6 +125,16 @@ class SchedulerCancelJobResponse(_message.Message):
     JOB_FIELD_NUMBER: _ClassVar[int]
     job: JobStatus
     def __init__(self, job: _Optional[_Union[JobStatus, _Mapping]] = ...) -> None: ...
+
+class SchedulerDeleteJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class SchedulerDeleteJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class SchedulerExportModelRequest(_message.Message):
     __slots__ = ("job",)

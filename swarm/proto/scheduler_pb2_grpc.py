@@ -54,6 +54,11 @@ class SchedulerServiceStub:
                 request_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerCancelJobRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerCancelJobResponse.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/swarm.proto.SchedulerService/DeleteJob',
+                request_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerDeleteJobRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerDeleteJobResponse.FromString,
+                _registered_method=True)
         self.ExportModel = channel.unary_stream(
                 '/swarm.proto.SchedulerService/ExportModel',
                 request_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelRequest.SerializeToString,
@@ -93,6 +98,12 @@ class SchedulerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CancelJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,6 +149,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerCancelJobRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerCancelJobResponse.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerDeleteJobRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerDeleteJobResponse.SerializeToString,
             ),
             'ExportModel': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportModel,
@@ -263,6 +279,33 @@ class SchedulerService:
             '/swarm.proto.SchedulerService/CancelJob',
             swarm_dot_proto_dot_scheduler__pb2.SchedulerCancelJobRequest.SerializeToString,
             swarm_dot_proto_dot_scheduler__pb2.SchedulerCancelJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.proto.SchedulerService/DeleteJob',
+            swarm_dot_proto_dot_scheduler__pb2.SchedulerDeleteJobRequest.SerializeToString,
+            swarm_dot_proto_dot_scheduler__pb2.SchedulerDeleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

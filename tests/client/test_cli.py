@@ -15,6 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
+from scheduler.job_api import LIST_PAGE_SIZE
 from swarm.cli import load, parse
 from swarm.flags import env_name
 from swarm.job.config import load_job
@@ -153,3 +154,21 @@ async def test_status_watch_follows_a_job_to_its_end(
     with pytest.raises(SystemExit) as refused:  # one view or the other
         await swarm("status", job, "--watch", "--json", *at)
     assert refused.value.code == 2
+
+
+async def test_jobs_follows_the_pages_and_delete(
+    api: RunningApi, capsys: pytest.CaptureFixture[str]
+) -> None:
+    at = ("--scheduler", api.address)
+    ids = [api.store.create("many", "", "/", 3).id for _ in range(LIST_PAGE_SIZE + 3)]
+    assert await swarm("jobs", *at) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[0] for row in rows] == ids[::-1]  # every page, newest first
+    job = ids[0]
+    assert await swarm("delete", job, *at) == 1  # queued: refused, but not bad input
+    assert f"swarm delete: error: job '{job}' is queued; cancel it first" in capsys.readouterr().err
+    assert await swarm("cancel", job, *at) == 0
+    assert await swarm("delete", job, *at) == 0
+    assert f"job {job} deleted" in capsys.readouterr().out and api.store.get(job) is None
+    assert await swarm("delete", job, *at) == 2
+    assert "unknown job" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from client.remote import RemoteCoordinator
 from client.sdk import ClientError, SchedulerClient
 from scheduler.store import JobStore
 from swarm.errors import ConfigError, NotFound, RemoteError
+from swarm.job.schema import MAX_SPEC_BYTES
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
 from swarm.rpc.status import status_code
 from tests.support.api import RunningApi, start_api
@@ -168,3 +169,118 @@ async def test_a_remote_trainer_rides_out_a_scheduler_that_is_not_up_yet(
             await running.stop()
     finally:
         await remote.close()
+
+
+# -- issue 27, items 12 and 14: bounds, sizes, pages, deletion ------------------------------------
+async def _refused(api: RunningApi, spec: str) -> grpc.aio.AioRpcError:
+    async with grpc.aio.insecure_channel(api.address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            request = scheduler_pb2.SchedulerSubmitJobRequest(spec=spec, base_dir="/")
+            await stub.SubmitJob(request, timeout=10)
+    return e.value
+
+
+async def test_a_job_over_the_bounds_is_refused_at_submit(api: RunningApi) -> None:
+    layers = render({**BASE, "model": {**BASE["model"], "n_layers": 20000}})
+    refused = await _refused(api, layers)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model.n_layers = 20000 is not allowed" in (refused.details() or "")
+    assert "1..4096 (swarm's MAX_LAYERS)" in (refused.details() or "")
+    model = {**BASE["model"], "n_layers": 4096}
+    stages = render({**BASE, "model": model, "training": {**BASE["training"], "stages": 2000}})
+    refused = await _refused(api, stages)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "training.stages = 2000 is not allowed" in (refused.details() or "")
+    assert "1..512 (swarm's MAX_STAGES)" in (refused.details() or "")
+    assert api.store.list() == [] and api.control.submitted_ids == []
+
+
+async def test_a_spec_over_the_size_limit_is_refused_at_submit(
+    api: RunningApi, client: SchedulerClient, tmp_path: Path
+) -> None:
+    padded = render(BASE) + "#" * MAX_SPEC_BYTES + "\n"  # a valid job file, just too large
+    refused = await _refused(api, padded)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "1048576 bytes" in (refused.details() or "") and "data.path" in (refused.details() or "")
+    path = tmp_path / "large.toml"
+    path.write_text(padded)
+    with pytest.raises(ConfigError, match="1048576 bytes"):  # refused before the network too
+        await client.submit(path)
+    assert api.store.list() == []
+    # A spec at the limit is taken.
+    at_limit = render(BASE)
+    at_limit += "#" * (MAX_SPEC_BYTES - len(at_limit.encode()) - 1) + "\n"
+    async with grpc.aio.insecure_channel(api.address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        request = scheduler_pb2.SchedulerSubmitJobRequest(spec=at_limit, base_dir="/")
+        assert (await stub.SubmitJob(request, timeout=10)).job.spec == at_limit
+
+
+async def test_list_jobs_comes_in_pages_without_specs(
+    api: RunningApi, client: SchedulerClient
+) -> None:
+    ids = [api.store.create("j", render(BASE), "/", 3).id for _ in range(5)]
+    newest_first = ids[::-1]
+    async with grpc.aio.insecure_channel(api.address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        seen: list[str] = []
+        token = ""
+        for want in (2, 2, 1):
+            request = scheduler_pb2.SchedulerListJobsRequest(page_size=2, page_token=token)
+            page = await stub.ListJobs(request, timeout=5)
+            assert len(page.jobs) == want and all(j.spec == "" for j in page.jobs)
+            seen += [j.job for j in page.jobs]
+            token = page.next_page_token
+            api.store.create("late", render(BASE), "/", 3)  # newer: not on the pages after
+        assert token == "" and seen == newest_first
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            request = scheduler_pb2.SchedulerListJobsRequest(page_token="nonsense")
+            await stub.ListJobs(request, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "page_token" in (e.value.details() or "")
+    listed = await client.list(page_size=2)  # the SDK follows the pages
+    assert [j.job for j in listed][3:] == newest_first
+    assert [j.name for j in listed][:3] == ["late"] * 3
+    assert (await client.get(ids[0])).spec == render(BASE)  # GetJob still has it
+
+
+async def test_two_large_specs_do_not_break_the_listing(
+    api: RunningApi, client: SchedulerClient
+) -> None:
+    """Specs stored by an older scheduler (no size limit then): 2 x 33 MB were one 66 MB answer,
+    over the 64 MiB message limit, and `swarm jobs` failed for good."""
+    large = render(BASE) + "#" * (33 << 20) + "\n"
+    ids = [api.store.create("large", large, "/", 3).id for _ in range(2)]
+    assert [j.job for j in await client.list()] == ids[::-1]
+
+
+async def test_delete(api: RunningApi, client: SchedulerClient, tmp_path: Path) -> None:
+    job = (await client.submit(write_job(tmp_path, "idle"))).job
+    with pytest.raises(ClientError, match=f"job '{job}' is queued; cancel it first") as e:
+        await client.delete(job)
+    assert e.value.code == "FAILED_PRECONDITION" and api.store.get(job) is not None
+    await client.cancel(job)
+    await client.delete(job)
+    assert api.control.deleted_ids == [job] and api.store.get(job) is None
+    for call in (client.get, client.delete):
+        with pytest.raises(ClientError, match="unknown job") as e:
+            await call(job)
+        assert e.value.code == "NOT_FOUND"
+    assert await client.list() == []
+
+
+async def test_delete_needs_the_token(tmp_path: Path) -> None:
+    running = await start_api(tmp_path, token="s3cret")
+    try:
+        job = running.store.create("done", render(BASE), "/", 3).id
+        running.store.set_state(job, "cancelled")
+        async with SchedulerClient(running.address) as anonymous:
+            with pytest.raises(ClientError, match="refused the call") as e:
+                await anonymous.delete(job)
+            assert e.value.code == "UNAUTHENTICATED" and running.store.get(job) is not None
+        async with SchedulerClient(running.address, token="s3cret") as authed:
+            await authed.delete(job)
+        assert running.store.get(job) is None
+    finally:
+        await running.stop()

@@ -9,12 +9,13 @@ import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from scheduler.store import SCHEMA_VERSION, JobState, JobStore, StoreError
-from swarm.errors import FailedPrecondition, NotFound
+from swarm.errors import FailedPrecondition, InvalidArgument, NotFound
 from tests.support.cli import ROOT
 from tests.support.disks import fill, tiny_disk
 
@@ -215,3 +216,50 @@ def test_a_record_carries_the_loss_of_step_0(store: JobStore) -> None:
     assert [r.first_loss for r in store.list()] == [2.5]
     store.rewind(job.id, 0)  # rolled back to step 0: the run's step 0 is to be trained again
     assert math.isnan(store.get(job.id).first_loss)  # type: ignore[union-attr]
+
+
+def test_pages_newest_first_without_specs(store: JobStore) -> None:
+    ids = [store.create("j", f"spec {k}", "/data", 3).id for k in range(5)]
+    seen, cursor = [], ""
+    while True:
+        page, cursor = store.page(2, cursor)
+        assert len(page) <= 2 and {r.spec for r in page} <= {""}
+        assert all(r == replace(store.get(r.id), spec="") for r in page)  # type: ignore[arg-type]
+        seen += [r.id for r in page]
+        if not cursor:
+            break
+    assert seen == ids[::-1]
+    assert store.page(5) == (store.page(10)[0], "")  # a page that holds the rest has no cursor
+    for bad in ("nonsense", "0x1p+0:x", "nan:1"):
+        with pytest.raises(InvalidArgument, match="page_token"):
+            store.page(2, bad)
+
+
+def test_delete_only_a_finished_job_and_all_its_rows(store: JobStore) -> None:
+    job = store.create("j", "spec", "/data", 3).id
+    other = store.create("k", "spec", "/data", 3).id
+    for s in (job, other):
+        store.record_step(s, 0, 2.5, 16, 0.1)
+        store.record_eval(s, 1, 2.0)
+    with pytest.raises(FailedPrecondition, match="is queued; cancel it first"):
+        store.delete(job)
+    store.set_state(job, "cancelled")
+    store.delete(job)
+    assert store.get(job) is None and store.steps(job) == [] and store.evals(job) == []
+    assert [r.id for r in store.list()] == [other] and len(store.steps(other)) == 1
+    with pytest.raises(NotFound):
+        store.delete(job)
+
+
+def test_finished_beyond_keeps_the_most_recently_ended(tmp_path: Path) -> None:
+    now = [1000.0]
+    with JobStore(tmp_path / "jobs.db", clock=lambda: now[0]) as store:
+        ids = [store.create("j", "spec", "/", 3).id for _ in range(5)]
+        # ended in the order 2, 0, 3; 1 and 4 still queued
+        for k, state in ((2, "failed"), (0, "cancelled"), (3, "cancelled")):
+            now[0] += 1
+            store.set_state(ids[k], state)  # type: ignore[arg-type]
+        assert store.finished_beyond(3) == []
+        assert store.finished_beyond(2) == [ids[2]]
+        assert store.finished_beyond(1) == [ids[0], ids[2]]
+        assert store.finished_beyond(0) == [ids[3], ids[0], ids[2]]

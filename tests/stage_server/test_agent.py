@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from stage_server.agent import PeerAgent
+from stage_server.agent import REFUSED_RETRY_S, PeerAgent
 from swarm.bus.topics import Topics
+from swarm.clock import FakeClock
 from swarm.proto import control_pb2 as cpb
 from tests.support.jobs import BASE, render
 
@@ -84,5 +85,102 @@ async def test_an_active_announcement_undoes_a_forged_end(
         assert agent.job_id == "j", "the peer takes the job the scheduler announces running"
         await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=1, generation=_now_us()))
         assert servicer.served == [("j", 1)]
+    finally:
+        executor.shutdown()
+
+
+# -- item 15: a job the peer fails to measure ---------------------------------------------------
+class _Messages:
+    """What the bus delivers, in order, then nothing more."""
+
+    def __init__(self, *messages: cpb.JobAnnouncement) -> None:
+        self.items = [(Topics().job(m.job), m) for m in messages]
+
+    def __aiter__(self) -> _Messages:
+        return self
+
+    async def __anext__(self) -> tuple[str, cpb.JobAnnouncement]:
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+
+def _placing(job: str, spec: str = SPEC) -> cpb.JobAnnouncement:
+    return cpb.JobAnnouncement(job=job, spec=spec, state=cpb.JOB_STATE_PLACING)
+
+
+async def test_a_job_the_peer_cannot_measure_does_not_capture_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent, _, executor = _agent(monkeypatch)
+    published: list[cpb.PeerAnnouncement] = []
+
+    async def publish(topic: str, message: Any, retain: bool = False) -> None:
+        published.append(message)
+
+    measured: list[int] = []  # the jobs' stage counts, one per measurement
+
+    def measure(job: Any, *_: Any) -> dict[int, float]:
+        measured.append(job.training.stages)
+        if job.training.stages == 2:  # "big": more than this peer's memory
+            raise RuntimeError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return {k: 1.0 for k in range(job.training.stages)}
+
+    monkeypatch.setattr("stage_server.agent.measure_job", measure)
+    monkeypatch.setattr(agent.bus, "publish", publish)
+    small = render({**BASE, "training": {**BASE["training"], "stages": 3}})
+    try:
+        await agent._consume(_Messages(_placing("big")))
+        assert agent.job_id == "" and agent.speeds == {}, "the refused job does not keep it"
+        said = published[-1]
+        assert (said.job, said.state, dict(said.samples_per_second)) == (
+            "",
+            cpb.PEER_STATE_JOINING,
+            {},
+        ), "it announces itself free again, so the scheduler can place it elsewhere"
+        await agent._consume(_Messages(_placing("big"), _placing("small", small)))
+        assert measured == [2, 3], "the refused job is not measured again in a loop"
+        assert agent.job_id == "small" and published[-1].job == "small"
+    finally:
+        executor.shutdown()
+
+
+def _spec(name: str, **training: int) -> str:
+    return render({**BASE, "training": {**BASE["training"], "stages": 2, **training}}, name)
+
+
+async def test_a_refused_job_is_tried_again_after_a_while_or_with_a_new_spec_and_others_go_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent, _, executor = _agent(monkeypatch)
+    agent.clock = clock = FakeClock()
+    measured: list[str] = []
+
+    def measure(job: Any, *_: Any) -> dict[int, float]:
+        measured.append(job.name)
+        if job.name == "big":
+            raise MemoryError("cannot allocate the stage")
+        return {0: 1.0, 1: 1.0}
+
+    monkeypatch.setattr("stage_server.agent.measure_job", measure)
+    big = _placing("big", _spec("big"))
+    try:
+        await agent._consume(_Messages(big, big))
+        assert measured == ["big"]
+        clock.advance(REFUSED_RETRY_S + 1)  # a while later: perhaps memory was freed since
+        await agent._consume(_Messages(big))
+        assert measured == ["big", "big"]
+        changed = _placing("big", _spec("big", steps=9))  # a new spec: tried at once
+        await agent._consume(_Messages(changed))
+        assert measured == ["big", "big", "big"] and agent.job_id == ""
+        # Busy with job "a" while "big" and then "small" are announced: when "a" ends, the peer
+        # refuses "big" and goes on to "small".
+        await agent._consume(_Messages(_placing("a", _spec("a"))))
+        clock.advance(REFUSED_RETRY_S + 1)
+        await agent._consume(_Messages(big, _placing("small", _spec("small"))))
+        assert agent.job_id == "a" and measured[3:] == ["a"]
+        ended = cpb.JobAnnouncement(job="a", spec=_spec("a"), state=cpb.JOB_STATE_SUCCEEDED)
+        await agent._consume(_Messages(ended))
+        assert measured[4:] == ["big", "small"] and agent.job_id == "small"
     finally:
         executor.shutdown()

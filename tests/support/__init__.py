@@ -7,6 +7,7 @@
 - `equality`: "equal to `swarm local`" within a tolerance.
 - `fakes`: stand-ins shared by several files (a bus nobody publishes on, an echoing stage).
 - `api`: the job API on a real gRPC server over a real store, with a fake orchestration.
+- `hostile`: a hostile member of a stage (DownloadState, Updates) on a real gRPC server.
 
 Test files import from here, never from one another or from `conftest.py`.
 """

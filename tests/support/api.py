@@ -31,6 +31,7 @@ class FakeControl:
     store: JobStore
     submitted_ids: list[str] = field(default_factory=list)
     cancelled_ids: list[str] = field(default_factory=list)
+    deleted_ids: list[str] = field(default_factory=list)
     broken: bool = False  # stages() raises: an orchestration bug
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     state: dict[str, torch.Tensor] = field(
@@ -63,6 +64,9 @@ class FakeControl:
 
     def cancelled(self, job_id: str) -> None:
         self.cancelled_ids.append(job_id)
+
+    async def delete(self, job_id: str) -> None:
+        self.deleted_ids.append(job_id)
 
     def stages(self, job_id: str) -> list[scheduler_pb2.StageStatus]:
         if self.broken:
@@ -112,7 +116,7 @@ async def start_api(
     control = FakeControl(store)
     registry = CollectorRegistry()
     server = grpc.aio.server(interceptors=server_interceptors(token, registry))
-    servicer = JobApiServicer(store, control, chunk_bytes=CHUNK)
+    servicer = JobApiServicer(store, control, chunk_bytes=CHUNK, data_root=tmp_path / "data")
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -62,6 +62,8 @@ async def _jobs_at(address: str) -> list[str]:
 def test_a_scheduler_on_every_interface_announces_its_api_and_broker(tmp_path: Path) -> None:
     common = ["scheduler", "--port", "0", "--store", str(tmp_path / "jobs.sqlite")]
     common += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--host", "0.0.0.0"]
+    (tmp_path / "data").mkdir()
+    common += ["--data-root", str(tmp_path / "data")]
     refused = start_process(common, log_dir=tmp_path, name="refused")
     assert refused.proc.wait(60) == 2
     assert "the scheduler would announce an address nobody can dial" in refused.log()

@@ -83,6 +83,8 @@ def test_a_swarm_of_hosts_with_tls_trains_exactly_through_a_kill(
     for host in HOSTS:
         issue(certs, host, [ADDRESSES[host]])
     job = write_job(tmp_path, training={"stages": 2, "steps": STEPS, "checkpoint_every": 10})
+    data_root = tmp_path / "data"  # not tmp_path: it holds the store, checkpoints and keys
+    data_root.mkdir()
     procs: list[netns.Proc] = []
 
     def start(host: str, *args: str) -> netns.Proc:
@@ -102,13 +104,19 @@ def test_a_swarm_of_hosts_with_tls_trains_exactly_through_a_kill(
     broker_url = f"mqtts://{ADDRESSES['broker']}:1883"
     scheduler = f"{ADDRESSES['scheduler']}:7700"
     try:
-        start("broker", "broker", "--host", "0.0.0.0", "--port", "1883")
+        # each client's MQTT user is its certificate's name: "scheduler", and each peer's id
+        start(
+            "broker",
+            "broker",
+            *("--host", "0.0.0.0", "--port", "1883"),
+            "--use-identity-as-username",
+        )
         start(
             "scheduler",
             "scheduler",
             *("--host", "0.0.0.0", "--announce-host", ADDRESSES["scheduler"], "--port", "7700"),
             *("--broker", broker_url, "--store", str(tmp_path / "jobs.sqlite")),
-            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(tmp_path)),
+            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(data_root)),
         )
         for peer in PEERS:
             start(

@@ -462,6 +462,30 @@ async def test_a_checkpoint_on_a_full_disk_is_skipped_and_training_goes_on(
         await h.coordinator.close()
 
 
+async def test_only_the_newest_sealed_checkpoints_are_kept(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    """Issue 27, item 17: every sealed checkpoint stayed, so a long job filled the disk."""
+    job = job_of(tmp_path, steps=6, checkpoint_every=1)
+    checkpoints = tmp_path / "checkpoints"
+    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm.add(0, "a"), swarm.add(1, "c")
+    h = _harness(harnesses, job, swarm, checkpoint_dir=checkpoints)
+    await h.coordinator.start()
+    for _ in range(6):
+        await h.step()  # and its checkpoint sealed
+    assert checkpoint.sealed(checkpoints) == [4, 5, 6]  # training.keep_checkpoints = 3
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-0000000{s}" for s in (4, 5, 6)]
+    fewer = job_of(tmp_path, steps=6, checkpoint_every=1, keep_checkpoints=1)
+    swarm = FakeSwarm(fewer.fingerprint(), 2)
+    swarm.add(0, "a", step=6), swarm.add(1, "c", step=6)
+    h = _harness(harnesses, fewer, swarm, checkpoint_dir=checkpoints)
+    assert fewer.fingerprint() == job.fingerprint()  # how many are kept changes no parameter
+    await h.coordinator.start()
+    await h.coordinator.recovery.save(6, h.coordinator.replicas())
+    assert checkpoint.sealed(checkpoints) == [6]
+
+
 async def test_trainers_heard_from_share_a_step_and_one_gone_stops_counting(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:

@@ -75,7 +75,7 @@ class _Api:
 
 @pytest.fixture
 def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The data root: the scheduler's current directory (the default), with a corpus in it."""
+    """The data root (also the scheduler's current directory), with a corpus in it."""
     root = tmp_path / "root"
     (root / "data").mkdir(parents=True)
     (root / "data" / "corpus.txt").write_bytes(TEXT)
@@ -87,7 +87,7 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 async def api(tmp_path: Path, root: Path) -> AsyncIterator[_Api]:
     store = JobStore(tmp_path / "jobs.sqlite")
-    running = _Api(store, JobApiServicer(store, _DoneControl(store)))  # default root: the cwd
+    running = _Api(store, JobApiServicer(store, _DoneControl(store), data_root=root))
     await running.server.start()
     yield running
     await running.server.stop(None)
@@ -289,6 +289,4 @@ def test_the_data_root_flag_reaches_the_job_api(
     parser = argparse.ArgumentParser()
     cli.add_arguments("scheduler", parser)
     assert cli.run("scheduler", parser.parse_args(["--data-root", str(tmp_path)])) == 0
-    monkeypatch.chdir(tmp_path)
-    assert cli.run("scheduler", parser.parse_args([])) == 0
-    assert [o.data_root for o in got] == [tmp_path, Path(".")]
+    assert [o.data_root for o in got] == [tmp_path]  # no default: tests/scheduler/test_data_root

@@ -76,3 +76,29 @@ def test_a_full_disk_fails_a_checkpoint_write_as_oserror_and_leaves_no_partial_f
             "stage-0.pt",
             "stage-0.pt",
         ]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_state_with_non_finite_values_is_never_written(tmp_path: Path, bad: float) -> None:
+    job = make_job(tmp_path)
+    state = StageRuntime(job, 0).export_state()
+    name = next(k for k, v in state.items() if k.startswith("param/") and v.is_floating_point())
+    state[name].view(-1)[3] = bad
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{name}.*NaN or infinite"):
+        checkpoint.save_stage(tmp_path / "ckpt", 2, 0, state)
+    assert not list((tmp_path / "ckpt").rglob("*.pt*"))  # no file, not even a partial one
+
+
+def test_pruning_keeps_the_newest_sealed_checkpoints_and_one_being_written(tmp_path: Path) -> None:
+    job = make_job(tmp_path)
+    root = tmp_path / "ckpt"
+    for step in (2, 4, 6, 8):
+        _save(root, job, step)
+        checkpoint.seal(root, step, job.training.stages)
+    _save(root, job, 10)  # being written: no manifest yet
+    assert checkpoint.prune(root, keep=2) == [2, 4]
+    assert checkpoint.sealed(root) == [6, 8] and (root / "step-00000010").exists()
+    assert checkpoint.prune(root, keep=1) == [6] and checkpoint.sealed(root) == [8]
+    with pytest.raises(ValueError, match="keep"):  # the newest sealed one is never deleted
+        checkpoint.prune(root, keep=0)
+    assert checkpoint.sealed(root) == [8]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from swarm.errors import ConfigError
+from swarm.job.schema import MAX_LAYERS, MAX_STAGES
 from swarm.model.data import make_data
 from swarm.model.transformer import (
     build_model,
@@ -40,6 +43,97 @@ def test_partition_is_contiguous_nonempty_and_optimal() -> None:
 def test_partition_rejects_more_stages_than_layers() -> None:
     with pytest.raises(ConfigError, match=r"training\.stages"):
         partition([1.0, 1.0], 3)
+
+
+def _reference_partition(costs: list[float], stages: int) -> list[range]:
+    """The partition as swarm computed it before issue 27 (O(stages x layers^2)): the new one
+    must give exactly its ranges, or servers of two versions would build different stages."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i] - 1e-9 * value:
+                    best[s][i], cut[s][i] = value, j
+    bounds = [n]
+    for s in range(stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.reverse()
+    return [range(bounds[k], bounds[k + 1]) for k in range(stages)]
+
+
+def _random_costs(rng: random.Random, n: int) -> list[float]:
+    """Cost vectors of every shape that makes ties: floats, small integers (exact ties), zeros,
+    a model's shape (embedding, equal blocks, head), and near-ties within the programme's 1e-9."""
+    shape = rng.randrange(6)
+    if shape == 0:
+        return [rng.uniform(0.0, 10.0) for _ in range(n)]
+    if shape == 1:
+        return [float(rng.randint(0, 3)) for _ in range(n)]
+    if shape == 2:
+        return [rng.choice([0.0, 1.0, 1e6]) for _ in range(n)]
+    if shape == 3:
+        block = rng.uniform(1.0, 1e12)
+        return ([rng.uniform(0, block)] + [block] * (n - 2) + [rng.uniform(0, 30 * block)])[:n]
+    if shape == 4:
+        return [1.0 + rng.choice([0.0, 1e-10, 3e-10, 1e-9, 2e-9, 1e-8]) for _ in range(n)]
+    return [rng.choice([1e-12, 1e-3, 1.0, 1e3, 1e12]) * rng.random() for _ in range(n)]
+
+
+def test_partition_gives_exactly_the_ranges_of_the_exact_programme() -> None:
+    rng = random.Random(27)
+    for _ in range(150):
+        n = rng.randint(1, 24)
+        costs = _random_costs(rng, n)
+        for stages in sorted({1, n, rng.randint(1, n), rng.randint(1, n)}):
+            assert partition(costs, stages) == _reference_partition(costs, stages), (costs, stages)
+    for n, stages in ((100, 4), (100, 20), (90, 89)):  # longer rows: the windows move far
+        for shape in range(6):
+            costs = _random_costs(random.Random(shape), n)
+            assert partition(costs, stages) == _reference_partition(costs, stages)
+
+
+def test_partition_of_the_largest_job_the_schema_allows(tmp_path: Path) -> None:
+    """At the bounds (MAX_LAYERS blocks over MAX_STAGES stages) the partition is one of the
+    smallest bottleneck: the old programme took about 20 minutes here, this one well under a
+    second (figures in the issue, not asserted)."""
+    job = make_job(
+        tmp_path,
+        model={"n_layers": MAX_LAYERS, "d_model": 64, "n_heads": 4},
+        training={"stages": MAX_STAGES},
+    )
+    costs = layer_costs(job.model)
+    ranges = partition(costs, MAX_STAGES)
+    assert [i for r in ranges for i in r] == list(range(MAX_LAYERS + 2))
+    assert all(len(r) > 0 for r in ranges)
+    bottleneck = max(sum(costs[i] for i in r) for r in ranges)
+    # No split has a smaller bottleneck: greedily packing stages under anything smaller needs
+    # more than MAX_STAGES of them.
+    assert _stages_needed(costs, bottleneck * (1 - 1e-6)) > MAX_STAGES
+
+
+def _stages_needed(costs: list[float], limit: float) -> float:
+    stages, load = 1, 0.0
+    for c in costs:
+        if c > limit:
+            return math.inf
+        if load + c > limit:
+            stages, load = stages + 1, 0.0
+        load += c
+    return stages
+
+
+def test_partition_refuses_costs_that_are_no_costs() -> None:
+    for costs in ([1.0, -1.0], [1.0, math.nan], [math.inf, 1.0], [1e308, 1e308]):
+        with pytest.raises(ConfigError, match="layer costs"):
+            partition(costs, 1)
 
 
 def test_first_stage_has_embedding_last_has_head(tmp_path: Path) -> None:

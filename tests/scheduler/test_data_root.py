@@ -1,0 +1,95 @@
+"""The scheduler's data root (issue 27, item 13): a submitted job may name any file under it as
+its data, and that file's bytes travel to the job's peers. So the root is never a default (the
+working directory held the store, every job's checkpoints and the TLS key), and one that holds
+what the scheduler keeps is refused at start, naming the conflict."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import scheduler.main
+from scheduler import cli
+from scheduler.main import SchedulerProcessOptions, run_scheduler
+from swarm.errors import ConfigError
+from swarm.net import tls
+from swarm.net.certs import init_ca, issue
+
+
+@pytest.fixture(autouse=True)
+def no_identity() -> Iterator[None]:
+    tls.configure(None)
+    yield
+    tls.configure(None)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments("scheduler", parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_scheduler_needs_an_explicit_data_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[Any] = []
+
+    async def fake_run(opts: Any) -> None:
+        started.append(opts)
+
+    monkeypatch.setattr(scheduler.main, "run_scheduler", fake_run)
+    monkeypatch.delenv("SWARM_DATA_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        cli.run("scheduler", _parse())
+    assert "--data-root" in str(refused.value), refused.value
+    assert started == [], "no scheduler starts without a data root"
+    monkeypatch.setenv("SWARM_DATA_ROOT", str(tmp_path))  # named by the environment: enough
+    assert cli.run("scheduler", _parse()) == 0
+    assert [o.data_root for o in started] == [tmp_path]
+
+
+async def _refused(opts: SchedulerProcessOptions) -> str:
+    """What the scheduler says when it refuses to start with `opts` (it must, before it starts
+    anything: a bounded wait, so that a scheduler that does start fails the test)."""
+    with pytest.raises(ConfigError) as refused:
+        await asyncio.wait_for(run_scheduler(opts), timeout=10)
+    return str(refused.value)
+
+
+async def test_a_data_root_holding_the_store_or_the_checkpoints_is_refused_at_start(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    store, checkpoints = tmp_path / "jobs.sqlite", tmp_path / "ckpt"
+    said = await _refused(SchedulerProcessOptions(store, checkpoints, data_root=tmp_path))
+    assert "--data-root" in said and "--store" in said and str(store) in said, said
+    inside = SchedulerProcessOptions(data / "jobs.sqlite", checkpoints, data_root=data)
+    said = await _refused(inside)
+    assert "--store" in said and str(data / "jobs.sqlite") in said, said
+    under_data = SchedulerProcessOptions(store, data / "ckpt", data_root=data)
+    said = await _refused(under_data)
+    assert "--checkpoint-dir" in said and str(data / "ckpt") in said, said
+    # a root inside the checkpoints would serve every job's trained state just as well
+    checkpoints.mkdir()
+    said = await _refused(SchedulerProcessOptions(store, checkpoints, data_root=checkpoints))
+    assert "--checkpoint-dir" in said, said
+    missing = await _refused(SchedulerProcessOptions(store, checkpoints, data_root=tmp_path / "x"))
+    assert "--data-root" in missing and "not a directory" in missing, missing
+    assert not store.exists(), "refused before anything starts: no store was created"
+
+
+async def test_a_data_root_holding_the_tls_files_is_refused_at_start(tmp_path: Path) -> None:
+    certs, data = tmp_path / "data" / "certs", tmp_path / "data"
+    init_ca(certs)
+    issue(certs, "scheduler", ["127.0.0.1"])
+    tls.configure(tls.Tls.load(certs / "ca.pem", certs / "scheduler.pem", certs / "scheduler.key"))
+    opts = SchedulerProcessOptions(tmp_path / "jobs.sqlite", tmp_path / "ckpt", data_root=data)
+    said = await _refused(opts)
+    assert "--tls-" in said and str(certs) in said, said

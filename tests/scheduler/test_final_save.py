@@ -1,0 +1,127 @@
+"""The trained model's final save (issue 27, item 16): written as every checkpoint file is (fsynced,
+whole or not at all); a save that fails keeps the job and its peers, says so in the job's status
+line and tries again, so a full disk never throws a trained job away."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, Counter
+
+from scheduler.coordinator.metrics import CoordinatorFamilies
+from scheduler.job_training import JobTraining, final_path, save_final
+from scheduler.store import JobStore
+from swarm.bus.topics import Topics
+from swarm.model import checkpoint
+from swarm.rpc.lease import Replica
+from tests.support.disks import fill, tiny_disk
+from tests.support.inprocess import Swarm
+from tests.support.jobs import make_job
+
+STATE = {"w": torch.arange(64 * 1024, dtype=torch.float64)}  # 512 KiB: more than the disk has
+
+
+def test_a_final_save_on_a_full_disk_fails_as_oserror_and_leaves_no_partial_file(
+    tmp_path: Path,
+) -> None:
+    with tiny_disk(tmp_path / "disk", "256k") as disk:
+        path = disk / "job" / "final.pt"
+        fill(disk)
+        with pytest.raises(OSError) as e:  # torch.save itself raises RuntimeError on ENOSPC
+            save_final(path, 5, STATE)
+        assert isinstance(e.value, checkpoint.CheckpointError) and str(path) in str(e.value)
+        assert sorted(p.name for p in disk.rglob("*") if p.is_file()) == ["filler"]
+
+
+class _Bus:
+    """Takes publications; its subscriptions deliver nothing (no load reports)."""
+
+    topics = Topics()
+
+    async def publish(self, topic: str, message: Any, retain: bool = False) -> None:
+        pass
+
+    async def subscribe(self, pattern: str) -> AsyncIterator[tuple[str, Any]]:
+        await asyncio.Event().wait()
+        yield "", None  # never reached: makes this an async generator
+
+
+class _Peers:
+    """The peer registry's one answer JobTraining asks for: the stage servers, per stage."""
+
+    def __init__(self, swarm: Swarm) -> None:
+        self.swarm = swarm
+
+    def members(self, job_id: str, stages: int) -> list[list[Replica]]:
+        return self.swarm.members()
+
+
+class _Assignments:
+    async def grow(self, job_id: str, stages: int, assigned: list[str]) -> None:
+        await asyncio.Event().wait()  # every stage is served already
+
+
+async def test_a_failed_final_save_keeps_the_job_and_its_peers_and_is_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    training = {"stages": 2, "steps": 2, "target_batch_size": 4}  # one microbatch a step
+    job = make_job(tmp_path, training=training, rebalance={"enabled": False})
+    swarm = Swarm(job)
+    said: list[str] = []
+
+    async def set_status(job_id: str, state: Any, text: str) -> None:
+        assert state in (None, "running"), f"the job was set {state}: {text}"
+        said.append(text)
+
+    async def announce(job_id: str) -> None:
+        pass
+
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job_id = store.create(job.name, "", str(tmp_path), job.training.steps).id
+        final = final_path(tmp_path / "ckpt", job_id)
+        final.mkdir(parents=True)  # the final name is taken: every save fails (EISDIR)
+        training = JobTraining(
+            store,
+            _Bus(),
+            _Peers(swarm),  # type: ignore[arg-type]
+            _Assignments(),  # type: ignore[arg-type]
+            tmp_path / "ckpt",
+            None,
+            True,
+            announce,
+            set_status,
+            CoordinatorFamilies(CollectorRegistry()),
+            Counter("moves", "moves", ["job"], registry=CollectorRegistry()),
+            {},
+            {},
+        )
+        training.final_save_retry_s = (0.01, 0.05)
+        try:
+            for stage in range(job.training.stages):
+                server = await swarm.add(stage)
+                server.servicer.serve(server.runtime, job_id)  # as the scheduler assigned it
+            run = asyncio.create_task(training.run(job_id, job, []))
+            async with asyncio.timeout(30):  # two failed attempts, or the run's end
+                while sum("saving the final model failed" in s for s in said) < 2:
+                    assert not run.done(), f"the run ended: {run.exception()!r}"
+                    await asyncio.sleep(0.01)
+            assert "retrying" in said[-1] and str(final) in said[-1], said[-1]
+            assert job_id in training.coordinators, "the coordinator and its peers are kept"
+            logged = [r.getMessage() for r in caplog.records if "final model" in r.getMessage()]
+            assert logged and "errno EISDIR" in logged[0] and str(final) in logged[0], logged
+            assert [p.name for p in final.parent.iterdir()] == ["final.pt"], "no partial file"
+            final.rmdir()  # room for it now
+            await asyncio.wait_for(run, 10)
+            saved = torch.load(final, weights_only=True)
+            stage0 = swarm.servers[0][0].runtime.export_state()
+            assert saved["step"] == 2
+            for name, value in stage0.items():
+                if name.startswith("param/"):
+                    assert torch.equal(saved["state"][name.removeprefix("param/")], value)
+        finally:
+            await swarm.close()

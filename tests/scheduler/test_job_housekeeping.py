@@ -1,0 +1,156 @@
+"""The scheduler's care of stored jobs (issue 27, items 12 and 14): a job's stages are partitioned
+once, off the event loop, and a stored job over the bounds fails instead of freezing it; finished
+jobs beyond the retention setting are deleted with their files, at start and as jobs end. A real
+store and a real `Scheduler`; the bus takes publications and delivers nothing (no peers)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import scheduler.service
+from scheduler.job_api import job_status
+from scheduler.service import Scheduler, SchedulerOptions
+from scheduler.store import JobState, JobStore
+from swarm.bus.topics import Topics
+from swarm.errors import FailedPrecondition
+from swarm.job.config import load_job
+from swarm.model.transformer import layer_costs, partition
+from tests.support.jobs import BASE, render, write_job
+
+WAIT_S = 10.0
+
+
+class _Bus:
+    """Takes publications; its subscriptions deliver nothing (no peers, no load reports)."""
+
+    topics = Topics()
+
+    async def publish(self, topic: str, message: Any, retain: bool = False) -> None:
+        pass
+
+    async def subscribe(self, pattern: str) -> AsyncIterator[tuple[str, Any]]:
+        await asyncio.Event().wait()
+        yield "", None  # never reached: makes this an async generator
+
+
+async def _until(what: Callable[[], bool]) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while not what():
+            await asyncio.sleep(0.01)
+
+
+def _state(store: JobStore, job_id: str) -> JobState | None:
+    record = store.get(job_id)
+    return None if record is None else record.state
+
+
+async def test_a_stored_job_over_the_bounds_fails_at_restart_and_freezes_nothing(
+    tmp_path: Path,
+) -> None:
+    """20,000 layers over 2,000 stages, stored by a scheduler without bounds: partitioning it on
+    the event loop (each GetJob, ListJobs) took about two days."""
+    model, training = {**BASE["model"], "n_layers": 20000}, {**BASE["training"], "stages": 2000}
+    spec = render({**BASE, "model": model, "training": training})
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job_id = store.create("huge", spec, str(tmp_path), 3).id
+        scheduler = Scheduler(store, _Bus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        running = asyncio.create_task(scheduler.run(stop))
+        try:
+            record = store.get(job_id)
+            assert record is not None and job_status(record, scheduler).stages == []  # GetJob
+            await _until(lambda: _state(store, job_id) == "failed")
+            record = store.get(job_id)
+            assert record is not None
+            assert "model.n_layers = 20000 is not allowed" in record.error, record.error
+            assert "MAX_LAYERS" in record.error and job_status(record, scheduler).stages == []
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, WAIT_S)
+
+
+async def test_a_jobs_stages_are_partitioned_once_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[threading.Thread] = []
+
+    def watched(costs: list[float], stages: int) -> list[range]:
+        threads.append(threading.current_thread())
+        return partition(costs, stages)
+
+    monkeypatch.setattr(scheduler.service, "partition", watched)  # a spy: the real partition runs
+    path = write_job(tmp_path, model={"n_layers": 6})
+    job = load_job(path)
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job_id = store.create(job.name, path.read_text(), str(tmp_path), 3).id
+        sched = Scheduler(store, _Bus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        running = asyncio.create_task(sched.run(stop))
+        try:
+            await _until(lambda: bool(sched.stages(job_id)))
+            for _ in range(3):  # as GetJob and ListJobs ask, again and again
+                stages = sched.stages(job_id)
+            want = partition(layer_costs(job.model), job.training.stages)
+            assert [list(s.layers) for s in stages] == [list(r) for r in want]
+            assert len(threads) == 1 and threads[0] is not threading.main_thread()
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, WAIT_S)
+
+
+def _ended(store: JobStore, ckpt: Path, state: JobState) -> str:
+    job_id = store.create("done", render(BASE), "/", 3).id
+    for now in ("placing", "running", state) if state == "succeeded" else (state,):
+        store.set_state(job_id, now)  # type: ignore[arg-type]
+    (ckpt / job_id).mkdir(parents=True)
+    (ckpt / job_id / "final.pt").write_bytes(b"model")
+    return job_id
+
+
+async def test_finished_jobs_beyond_the_retention_are_deleted_with_their_files(
+    tmp_path: Path,
+) -> None:
+    ckpt, now = tmp_path / "ckpt", [1000.0]
+    with JobStore(tmp_path / "jobs.sqlite", clock=lambda: now[0]) as store:
+        ended = []
+        for state in ("succeeded", "failed", "cancelled"):
+            now[0] += 1
+            ended.append(_ended(store, ckpt, state))  # type: ignore[arg-type]
+        live = store.create("live", render(BASE), str(tmp_path), 3).id
+        opts = SchedulerOptions(ckpt, keep_finished_jobs=2)
+        sched = Scheduler(store, _Bus(), opts)  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        running = asyncio.create_task(sched.run(stop))
+        try:
+            await _until(lambda: store.get(ended[0]) is None)  # at start: the oldest one
+            assert not (ckpt / ended[0]).exists()
+            assert all(store.get(j) and (ckpt / j / "final.pt").exists() for j in ended[1:])
+            await _until(lambda: _state(store, live) == "placing")
+            now[0] += 1
+            store.set_state(live, "cancelled")  # as the job API cancels
+            sched.cancelled(live)
+            await _until(lambda: store.get(ended[1]) is None)  # as a job ends
+            assert not (ckpt / ended[1]).exists()
+            assert [r.id for r in store.list()] == [live, ended[2]]
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, WAIT_S)
+
+
+async def test_delete_removes_the_files_of_a_finished_job_only(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        gone, kept = _ended(store, ckpt, "succeeded"), _ended(store, ckpt, "failed")
+        live = store.create("live", render(BASE), "/", 3).id
+        sched = Scheduler(store, _Bus(), SchedulerOptions(ckpt))  # type: ignore[arg-type]
+        await sched.delete(gone)
+        assert not (ckpt / gone).exists() and (ckpt / kept / "final.pt").exists()
+        await sched.delete(gone)  # nothing left to remove: fine
+        with pytest.raises(FailedPrecondition, match="cancel it first"):
+            await sched.delete(live)
