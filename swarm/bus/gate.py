@@ -61,7 +61,8 @@ class Gate:
 
     A client id belongs to the user connected under it (`claim`): another user's CONNECT with
     that id is refused (a peer cannot unseat the scheduler), the same user's replaces the old
-    connection. Persistent sessions (clean_session=0) are refused: the swarm's clients never
+    connection; the scheduler's client id is refused to every other user even while the
+    scheduler is away. Persistent sessions (clean_session=0) are refused: the swarm's clients never
     ask for one, and they are how a CONNECT reached a live session."""
 
     def __init__(
@@ -101,6 +102,9 @@ class Gate:
             return Refusal(
                 NOT_AUTHORIZED, f"its last-will is on {session.will_topic!r}, not its own topic"
             )
+        if self.closed and session.client_id == SCHEDULER_USER != session.username:
+            # reserved even while the scheduler is away: a peer holding it would lock it out
+            return Refusal(IDENTIFIER_REJECTED, "the client id 'scheduler' is the scheduler's")
         owner = self._owners.get(session.client_id or "")
         if owner is not None and owner[0] != session.username:
             return Refusal(

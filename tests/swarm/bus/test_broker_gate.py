@@ -166,6 +166,20 @@ async def test_a_peer_cannot_take_the_schedulers_client_id(tmp_path: Path) -> No
         assert await _hears_peer(peers, broker) == TOPICS.peer("a")
 
 
+async def test_no_peer_holds_the_schedulers_client_id_before_it_connects(tmp_path: Path) -> None:
+    """The scheduler's client id is the scheduler's alone: a peer with the right login that
+    takes it first (the scheduler restarting, say) is refused, and the scheduler gets in (it
+    was locked out: amqtt refused its CONNECT with code 2 while the squatter stayed)."""
+    async with (
+        _broker("amqtt", tmp_path) as broker,
+        await RawClient.open(*broker.host_port) as squatter,
+    ):
+        await squatter.send(connect_packet("scheduler", username="a", password=TOKEN))
+        assert await squatter.connack(WAIT_S) not in (0, None)
+        async with _scheduler(broker) as scheduler:
+            await scheduler.wait_connected(WAIT_S)
+
+
 async def test_a_last_will_is_checked_again_when_it_is_sent(tmp_path: Path) -> None:
     """The will passes the ACL when the connection ends, not only at CONNECT: here its topic is
     changed inside the broker after the CONNECT was let in (what a takeover once did), then the
