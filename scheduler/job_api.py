@@ -41,13 +41,27 @@ from swarm.rpc.servicing import Servicing
 from swarm.wire import chunking as wire
 from swarm.wire import codec
 
-__all__ = ["LIST_PAGE_MAX", "LIST_PAGE_SIZE", "JobApiServicer", "JobControl", "job_status"]
+__all__ = [
+    "LIST_PAGE_BYTES",
+    "LIST_PAGE_MAX",
+    "LIST_PAGE_SIZE",
+    "MAX_BASE_DIR_BYTES",
+    "JobApiServicer",
+    "JobControl",
+    "job_status",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MiB = 1 << 20
 LIST_PAGE_SIZE = 100  # jobs per ListJobs page when the request sets none
 LIST_PAGE_MAX = 1000  # and at most (a request for more gets this many)
+# A ListJobs page ends once its jobs pass this many bytes (the next page goes on from there):
+# records stored before their fields were bounded must not make a page no client can receive.
+LIST_PAGE_BYTES = 1 * MiB
+# The longest base_dir SubmitJob takes (bytes, UTF-8): PATH_MAX. It is stored and sent with the
+# job in every GetJob and ListJobs answer.
+MAX_BASE_DIR_BYTES = 4096
 
 
 class JobControl(Protocol):
@@ -175,6 +189,15 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerSubmitJobRequest, context: Any
     ) -> scheduler_pb2.SchedulerSubmitJobResponse:
         async def body() -> scheduler_pb2.SchedulerSubmitJobResponse:
+            # The request's free-form strings are stored and sent back with the job: each has a
+            # bound (the spec's, MAX_SPEC_BYTES, is parse_job's), or one large job would make
+            # every listing too large to receive.
+            size = len(request.base_dir.encode())
+            if size > MAX_BASE_DIR_BYTES:
+                raise InvalidArgument(
+                    f"base_dir is {size} bytes, over the {MAX_BASE_DIR_BYTES} bytes (PATH_MAX, "
+                    "swarm's MAX_BASE_DIR_BYTES) a job's directory may have"
+                )
             base_dir = Path(request.base_dir)
             if not base_dir.is_absolute():
                 raise InvalidArgument(
@@ -236,9 +259,10 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerListJobsRequest, context: Any
     ) -> scheduler_pb2.SchedulerListJobsResponse:
         def body() -> scheduler_pb2.SchedulerListJobsResponse:
-            # Pages, and no specs: every job at once, specs and all, outgrew any message.
+            # Pages, and no specs: every job at once, specs and all, outgrew any message. A page
+            # also ends once past LIST_PAGE_BYTES (records stored before base_dir was bounded).
             size = min(request.page_size or LIST_PAGE_SIZE, LIST_PAGE_MAX)
-            records, cursor = self.store.page(size, request.page_token)
+            records, cursor = self.store.page(size, request.page_token, budget=LIST_PAGE_BYTES)
             jobs = [self._status(r) for r in records]
             return scheduler_pb2.SchedulerListJobsResponse(jobs=jobs, next_page_token=cursor)
 

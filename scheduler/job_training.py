@@ -31,6 +31,7 @@ from client.trainer import PipelineTrainer, follow_load
 from scheduler.assignments import Assignments
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
+from scheduler.coordinator.recovery import to_thread_to_the_end
 from scheduler.rebalance_loop import rebalance
 from scheduler.registry import PeerRegistry
 from scheduler.store import JobState, JobStore, StoreError
@@ -182,7 +183,8 @@ class JobTraining:
         backoff = Backoff(*self.final_save_retry_s)
         while True:
             try:
-                await asyncio.to_thread(save_final, path, step, state)
+                # To its end even when the job is cancelled meanwhile: DeleteJob waits for it.
+                await to_thread_to_the_end(save_final, path, step, state)
                 return
             except OSError as e:  # CheckpointError: nothing is left under the final name
                 pause = backoff.next()

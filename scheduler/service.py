@@ -70,6 +70,10 @@ class SchedulerOptions:
     # Finished jobs kept (record, checkpoints, final model): those beyond the most recently ended
     # `keep_finished_jobs` are deleted at start and whenever a job ends. None: every one is kept.
     keep_finished_jobs: int | None = None
+    # A cancelled job's task may still be shutting down (its last checkpoint or final model being
+    # written, in a thread a cancellation does not stop): DeleteJob waits this long for it to
+    # end, then refuses (try again), rather than delete files the write would make again.
+    shutdown_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.keep_finished_jobs is not None and self.keep_finished_jobs < 1:
@@ -163,15 +167,19 @@ class Scheduler:
     def _start(self, job_id: str) -> None:
         if self._group is None:
             return  # not running (yet, or any more): `run` resumes unfinished jobs from the store
-        self._tasks[job_id] = self._group.create_task(self._run_job(job_id))
+        task = self._group.create_task(self._run_job(job_id))
+        self._tasks[job_id] = task  # until it has ended, its `finally` and writes too
+        task.add_done_callback(
+            lambda t: self._tasks.pop(job_id) if self._tasks.get(job_id) is t else None
+        )
 
     # -- JobControl -----------------------------------------------------------------------------
     def submitted(self, job_id: str) -> None:
         self._start(job_id)
 
     def cancelled(self, job_id: str) -> None:
-        task = self._tasks.pop(job_id, None)
-        if task:
+        task = self._tasks.get(job_id)  # kept until it has ended: `delete` waits for that
+        if task and not task.done():
             self._user_cancelled.add(job_id)
             task.cancel()
 
@@ -201,6 +209,14 @@ class Scheduler:
         record = self.store.get(job_id)
         if record is not None and not record.finished:
             raise FailedPrecondition(f"job {job_id!r} is {record.state}; cancel it first")
+        task = self._tasks.get(job_id)
+        if task is not None and not task.done():  # cancelled, still shutting down
+            await asyncio.wait([task], timeout=self.opts.shutdown_wait_s)
+            if not task.done():
+                raise FailedPrecondition(
+                    f"job {job_id!r} is {record.state if record else 'ended'} but still shutting "
+                    "down (writing its last checkpoint or final model); try again in a moment"
+                )
         self._layers.pop(job_id, None)
         # Off the event loop: a job's checkpoints may be many large files.
         await asyncio.to_thread(_remove, self.opts.checkpoint_dir / job_id)
@@ -351,8 +367,7 @@ class Scheduler:
                 if record is not None and not record.finished:
                     self.store.set_state(job_id, "failed", error=str(e), message="failed")
                 await self._announce(job_id)
-        finally:
-            self._tasks.pop(job_id, None)
+        finally:  # this task stays in `_tasks` until it has ended (`_start`)
             self._coordinators.pop(job_id, None)
             if ended:  # withdraw the assignments; the job's announcement frees the peers
                 holders = {p.peer for p in self.peer_registry.peers.values() if p.job == job_id}
@@ -384,6 +399,11 @@ class Scheduler:
             with _logged("retention: finished jobs not listed"):
                 beyond = self.store.finished_beyond(keep)
             for job_id in beyond:
+                task = self._tasks.get(job_id)
+                if task is not None and not task.done():
+                    # Still shutting down (a write in flight): its end sweeps again.
+                    log.info("job %s: deleted once it has shut down (retention)", job_id)
+                    continue
                 with _logged(f"job {job_id}: not deleted (retention)"):
                     await self.delete(job_id)
                     self.store.delete(job_id)

@@ -84,6 +84,9 @@ _LISTED = _COLUMNS.replace(
     1,
 )
 
+# A listed job's bytes besides its text columns (numbers, field tags), for `page`'s budget.
+_LISTED_OVERHEAD = 128
+
 
 class StoreError(SwarmError):
     """The store file cannot be used (written by a newer swarm, or not a swarm store)."""
@@ -223,22 +226,36 @@ class JobStore:
         rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY created DESC, rowid DESC")
         return [self._record(r) for r in rows]
 
-    def page(self, limit: int, cursor: str = "") -> tuple[Records, str]:
+    def page(
+        self, limit: int, cursor: str = "", *, budget: int | None = None
+    ) -> tuple[Records, str]:
         """Up to `limit` jobs newest first, without their specs, after `cursor` ("": from the
         newest); and the cursor of the next page ("" when none is left). A cursor names a position
-        (created, rowid), not an offset: jobs created or deleted meanwhile shift nothing."""
+        (created, rowid), not an offset: jobs created or deleted meanwhile shift nothing. With a
+        `budget`, the page also ends after the job that takes its text (id, name, base_dir, error,
+        message) to `budget` bytes or more: it holds one job at least, and rows past the end are
+        never read."""
         limit = max(limit, 1)
         created, row = _position(cursor) if cursor else (math.inf, 0)
         rows = self._db.execute(
             f"SELECT {_LISTED}, rowid AS position FROM jobs WHERE created < ? OR"
             " (created = ? AND rowid < ?) ORDER BY created DESC, rowid DESC LIMIT ?",
             (created, created, row, limit + 1),  # one more: is there a next page?
-        ).fetchall()
-        if len(rows) <= limit:
-            return [self._record(r) for r in rows], ""
-        last = rows[limit - 1]
-        cursor = f"{last['created'].hex()}/{last['position']}"
-        return [self._record(r) for r in rows[:limit]], cursor
+        )
+        records: Records = []
+        used, last = 0, None
+        try:
+            for r in rows:  # read one at a time: a page over its budget reads no more
+                if last is not None and (len(records) == limit or (budget and used >= budget)):
+                    return records, f"{last['created'].hex()}/{last['position']}"
+                records.append(self._record(r))
+                used += _LISTED_OVERHEAD + sum(
+                    len(r[k].encode()) for k in ("id", "name", "base_dir", "error", "message")
+                )
+                last = r
+        finally:
+            rows.close()  # the read ends here, not when the cursor is collected
+        return records, ""
 
     def unfinished(self) -> Records:
         """Queued, placing and running jobs, oldest first: what a restarted scheduler resumes."""

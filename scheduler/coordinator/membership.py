@@ -194,6 +194,9 @@ class Membership:
             return joiner.peer in self.synced
         self._joins.succeeded(joiner.peer)
         self.synced.add(joiner.peer)
+        # A member is never asked to Join again: its copy ended at its first PREPARE, so a Join
+        # would start another, whose older state would overwrite what it applied since.
+        self._copying.pop(joiner.peer, None)
         log.info("stage %d: %s joined at step %d", stage, joiner.peer, step)
         self.on_admit()
         return True
@@ -202,7 +205,8 @@ class Membership:
         """Between two commits, ask every replica copying a member whether it is at `step`,
         and admit those that are. With delayed_update a commit starts as soon as the one before
         it is applied, so a joiner's own asks may never find a moment between commits."""
-        copying = list(self._copying.items())
+        # Not those admitted meanwhile (by their own asks, or an earlier call of this one).
+        copying = [(p, c) for p, c in self._copying.items() if p not in self.synced]
         answers = await asyncio.gather(
             *(self.clients.get(k, joiner).join(source, step) for _, (k, joiner, source) in copying),
             return_exceptions=True,

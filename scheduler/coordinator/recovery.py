@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -17,9 +19,38 @@ from swarm.job.config import JobConfig
 from swarm.model import checkpoint, stage_state
 from swarm.rpc.lease import Replica
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "settled", "to_thread_to_the_end"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def settled(future: asyncio.Future[Any]) -> None:
+    """Wait until `future` is done, even when cancelled meanwhile (the cancellation is raised
+    after); its result or exception is left to its owner."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
+    """`asyncio.to_thread(fn, *args)` for a thread that writes files: a caller cancelled meanwhile
+    still waits for it to end, then is cancelled. Cancelling a task does not stop its thread, and
+    a write that outlived its job's task could make a deleted job's directory again, files no
+    record names (DeleteJob and retention wait for the job's task, so for its writes)."""
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        await settled(future)
+    except asyncio.CancelledError:
+        if not future.cancelled():
+            future.exception()  # retrieved: the cancellation is what the caller gets
+        raise
+    return future.result()
 
 
 class Recovery:
@@ -53,7 +84,11 @@ class Recovery:
         if finished:
             await self.flush(self.job.runtime.commit_timeout_s)
         self._saving.cancel()
-        await asyncio.gather(self._saving, return_exceptions=True)
+        # It ends once its write threads have (`to_thread_to_the_end`); wait for that even when
+        # this close is cancelled: the job is not shut down while a thread still writes.
+        await settled(self._saving)
+        if not self._saving.cancelled():
+            self._saving.exception()  # retrieved (the task logs what it must)
 
     def due(self, step: int) -> bool:
         """Whether the state at `step` (just reached) is to be checkpointed."""
@@ -68,7 +103,7 @@ class Recovery:
         try:
             await self._save(self.directory, step, members)
         except OSError:
-            await asyncio.to_thread(checkpoint.discard, self.directory, step)
+            await to_thread_to_the_end(checkpoint.discard, self.directory, step)
             raise
 
     async def _save(self, directory: Path, step: int, members: list[list[Replica]]) -> None:
@@ -84,13 +119,13 @@ class Recovery:
             if isinstance(failed, BaseException):
                 raise failed
         if not all(saved):
-            await asyncio.to_thread(checkpoint.discard, directory, step)  # never sealed
+            await to_thread_to_the_end(checkpoint.discard, directory, step)  # never sealed
             return
-        await asyncio.to_thread(checkpoint.seal, directory, step, self.job.training.stages)
+        await to_thread_to_the_end(checkpoint.seal, directory, step, self.job.training.stages)
         log.info("checkpoint of step %d written to %s", step, directory)
         keep = self.job.training.keep_checkpoints
         try:  # after the seal: the newest sealed one is never the one deleted
-            pruned = await asyncio.to_thread(checkpoint.prune, directory, keep)
+            pruned = await to_thread_to_the_end(checkpoint.prune, directory, keep)
         except OSError as e:  # the checkpoint is sealed; the old ones go next time
             log.warning("checkpoints before step %d not deleted: %s", step, e)
         else:
@@ -107,7 +142,7 @@ class Recovery:
                 log.warning("checkpoint %d: %s did not answer: %r", step, r.peer, e)
                 continue
             if got == step:
-                await asyncio.to_thread(checkpoint.save_stage, directory, step, stage, state)
+                await to_thread_to_the_end(checkpoint.save_stage, directory, step, stage, state)
                 return True
         log.warning("checkpoint %d skipped: no replica of stage %d answered at it", step, stage)
         return False

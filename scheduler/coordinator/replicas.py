@@ -7,7 +7,6 @@ job's or stage's, is `GONE`; `Aborted` is a round another member spoiled."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -22,6 +21,7 @@ from swarm.rpc.stage_client import StageClient
 
 __all__ = [
     "GONE",
+    "ExpectedStates",
     "GrpcReplica",
     "ReplicaClients",
     "ReplicaFactory",
@@ -80,11 +80,36 @@ class StageReplica(Protocol):
 ReplicaFactory = Callable[[int, Replica], StageReplica]
 
 
+class ExpectedStates:
+    """What a state downloaded from a replica of each stage of `job` is checked against
+    (`StateChecks`), built once per stage and shared by the stage's replicas. Built in a worker
+    thread: it builds the stage's modules (on the meta device), seconds for a large model, and
+    the event loop (the job API, the embedded broker) must not wait on that."""
+
+    def __init__(self, job: JobConfig) -> None:
+        self.job = job
+        self._built: dict[int, asyncio.Task[StateChecks]] = {}
+
+    async def get(self, stage: int) -> StateChecks:
+        task = self._built.get(stage)
+        if task is None:  # the first caller builds; callers meanwhile wait for the same
+            task = asyncio.ensure_future(asyncio.to_thread(StateChecks, self.job, stage))
+            self._built[stage] = task
+        try:
+            return await asyncio.shield(task)  # a caller cancelled leaves the build to the rest
+        except Exception:
+            if self._built.get(stage) is task:
+                del self._built[stage]  # failed: the next caller tries again
+            raise
+
+
 class GrpcReplica:
     """`StageReplica` over a `StageClient` (which already converts gRPC errors)."""
 
-    def __init__(self, client: StageClient) -> None:
+    def __init__(self, client: StageClient, expected: ExpectedStates | None = None) -> None:
+        """`expected`: the job's, shared by its replicas (by default, this replica's own)."""
         self.client = client
+        self.expected = expected or ExpectedStates(client.job)
 
     async def info(self) -> pb.StageInfoResponse:
         return await self.client.info()
@@ -126,19 +151,18 @@ class GrpcReplica:
     ) -> tuple[int, dict[str, torch.Tensor]]:
         # Checked against the stage's layout as it comes: a member that sends more than the
         # stage's state, or a tensor no replica would load, is refused (no checkpoint from it).
-        return await self.client.download_state(include_optimizer, prefix, expect=self._expected)
-
-    @functools.cached_property
-    def _expected(self) -> StateChecks:
-        return StateChecks(self.client.job, self.client.stage)
+        expect = await self.expected.get(self.client.stage)
+        return await self.client.download_state(include_optimizer, prefix, expect=expect)
 
     async def close(self) -> None:
         await self.client.close()
 
 
 def grpc_replicas(job: JobConfig, job_id: str, token: str | None = None) -> ReplicaFactory:
+    expected = ExpectedStates(job)  # one per stage of the job, whichever replica asks first
+
     def connect(stage: int, replica: Replica) -> StageReplica:
-        return GrpcReplica(StageClient(replica.address, job, job_id, stage, token))
+        return GrpcReplica(StageClient(replica.address, job, job_id, stage, token), expected)
 
     return connect
 

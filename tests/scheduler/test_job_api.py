@@ -14,6 +14,7 @@ import torch
 
 from client.remote import RemoteCoordinator
 from client.sdk import ClientError, SchedulerClient
+from scheduler.job_api import LIST_PAGE_BYTES, MAX_BASE_DIR_BYTES
 from scheduler.store import JobStore
 from swarm.errors import ConfigError, NotFound, RemoteError
 from swarm.job.schema import MAX_SPEC_BYTES
@@ -284,3 +285,46 @@ async def test_delete_needs_the_token(tmp_path: Path) -> None:
         assert running.store.get(job) is None
     finally:
         await running.stop()
+
+
+async def test_a_base_dir_over_path_max_is_refused_at_submit(api: RunningApi) -> None:
+    """base_dir is stored and returned by every GetJob and ListJobs page: unbounded, 25 jobs with
+    a 3.5 MB one made a 90 MB listing no client could receive."""
+    over = "/" + "d" * MAX_BASE_DIR_BYTES  # one byte over
+    async with grpc.aio.insecure_channel(api.address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            request = scheduler_pb2.SchedulerSubmitJobRequest(spec=render(BASE), base_dir=over)
+            await stub.SubmitJob(request, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = e.value.details() or ""
+        assert "base_dir is 4097 bytes" in details and "4096" in details, details
+        assert api.store.list() == [] and api.control.submitted_ids == []
+        at_limit = "/" + "d" * (MAX_BASE_DIR_BYTES - 1)
+        request = scheduler_pb2.SchedulerSubmitJobRequest(spec=render(BASE), base_dir=at_limit)
+        assert (await stub.SubmitJob(request, timeout=10)).job.base_dir == at_limit
+
+
+async def test_list_jobs_pages_end_at_a_byte_budget(
+    api: RunningApi, client: SchedulerClient
+) -> None:
+    """Records stored before base_dir was bounded: 10 jobs with a 600 kB one were one 6 MB page,
+    over a gRPC client's default 4 MiB receive limit. A page ends once past LIST_PAGE_BYTES."""
+    large = "/" + "d" * 600_000
+    ids = [api.store.create("wide", render(BASE), large, 3).id for _ in range(10)]
+    async with grpc.aio.insecure_channel(api.address) as channel:  # the default 4 MiB limit
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        seen: list[str] = []
+        sizes: list[int] = []
+        token = ""
+        while True:
+            request = scheduler_pb2.SchedulerListJobsRequest(page_token=token)
+            page = await stub.ListJobs(request, timeout=10)
+            sizes.append(len(page.jobs))
+            assert page.ByteSize() < LIST_PAGE_BYTES + 700_000  # the budget and one job at most
+            seen += [j.job for j in page.jobs]
+            token = page.next_page_token
+            if not token:
+                break
+    assert seen == ids[::-1] and sizes == [2] * 5
+    assert [j.job for j in await client.list()] == ids[::-1]  # the SDK follows the pages

@@ -12,18 +12,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import scheduler.service
+from scheduler.coordinator import LocalCoordinator
 from scheduler.job_api import job_status
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobState, JobStore
 from swarm.bus.topics import Topics
 from swarm.errors import FailedPrecondition
-from swarm.job.config import load_job
+from swarm.job.config import JobConfig, load_job
+from swarm.model import checkpoint
 from swarm.model.transformer import layer_costs, partition
+from swarm.rpc.lease import Replica
 from tests.support.jobs import BASE, render, write_job
 
 WAIT_S = 10.0
+_save_stage = checkpoint.save_stage  # the real one, under a held one's spy
 
 
 class _Bus:
@@ -154,3 +159,160 @@ async def test_delete_removes_the_files_of_a_finished_job_only(tmp_path: Path) -
         await sched.delete(gone)  # nothing left to remove: fine
         with pytest.raises(FailedPrecondition, match="cancel it first"):
             await sched.delete(live)
+
+
+# -- a job still shutting down: DeleteJob and retention wait for its writes ------------------------
+class _HeldSave:
+    """`checkpoint.save_stage` held in its thread until `release`: a checkpoint write in flight
+    (a large stage on a slow disk), which cancelling the task that awaits it does not stop."""
+
+    def __init__(self) -> None:
+        self.started, self.release, self.wrote = (
+            threading.Event(),
+            threading.Event(),
+            threading.Event(),
+        )
+
+    def __call__(self, root: Path, step: int, stage: int, state: dict[str, torch.Tensor]) -> None:
+        self.started.set()
+        self.release.wait(WAIT_S)
+        _save_stage(root, step, stage, state)
+        self.wrote.set()
+
+
+class _Replica:
+    """Enough of a `StageReplica` for a checkpoint: its state at step 2."""
+
+    async def download_state(
+        self, include_optimizer: bool = False, prefix: str = "param/"
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        return 2, {"param/w": torch.zeros(2)}
+
+    async def close(self) -> None:
+        pass
+
+
+def _checkpointing(sched: Scheduler, monkeypatch: pytest.MonkeyPatch, ckpt: Path) -> _HeldSave:
+    """Each job's training: a real coordinator (no peers: its replicas are `_Replica`s) that
+    starts writing the checkpoint of step 2, then trains until cancelled, and closes."""
+    held = _HeldSave()
+    monkeypatch.setattr(checkpoint, "save_stage", held)
+
+    async def place(*args: Any) -> None:
+        pass  # placed at once: there are no peers
+
+    async def training(job_id: str, job: JobConfig, assigned: list[str]) -> None:
+        members = [[Replica("p", "127.0.0.1:1")] for _ in range(job.training.stages)]
+        coordinator = LocalCoordinator(
+            job,
+            job_id,
+            lambda: members,
+            checkpoint_dir=ckpt / job_id,
+            connect=lambda stage, replica: _Replica(),  # type: ignore[arg-type, return-value]
+        )
+        try:
+            coordinator.recovery.checkpoint(2, members)
+            await asyncio.Event().wait()  # training, until cancelled
+        finally:
+            await coordinator.close()
+
+    monkeypatch.setattr(sched.assignments, "place", place)
+    monkeypatch.setattr(sched._training, "run", training)
+    return held
+
+
+async def _cancelled_while_saving(
+    store: JobStore, sched: Scheduler, held: _HeldSave, job_id: str
+) -> None:
+    assert await asyncio.to_thread(held.started.wait, WAIT_S), "no checkpoint write started"
+    store.set_state(job_id, "cancelled", message="cancelled on request")  # as CancelJob does
+    sched.cancelled(job_id)
+
+
+async def test_a_cancelled_job_is_deleted_only_once_its_checkpoint_write_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CancelJob stores "cancelled" and cancels the job's task at once; a checkpoint write in
+    flight goes on in its thread. DeleteJob used to remove the job's directory meanwhile, and the
+    write then made it again: files no record names, that retention never finds."""
+    ckpt = tmp_path / "ckpt"
+    path = write_job(tmp_path)
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job_id = store.create("held", path.read_text(), str(tmp_path), 3).id
+        sched = Scheduler(store, _Bus(), SchedulerOptions(ckpt))  # type: ignore[arg-type]
+        held = _checkpointing(sched, monkeypatch, ckpt)
+        stop = asyncio.Event()
+        running = asyncio.create_task(sched.run(stop))
+        try:
+            await _cancelled_while_saving(store, sched, held, job_id)
+            deleting = asyncio.create_task(sched.delete(job_id))  # as DeleteJob does
+            await asyncio.sleep(0.05)
+            early = deleting.done()  # deleted while the write went on
+            held.release.set()
+            await asyncio.wait_for(deleting, WAIT_S)
+            store.delete(job_id)
+            assert await asyncio.to_thread(held.wrote.wait, WAIT_S)
+            left = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+            assert left == [], f"orphaned after DeleteJob (done before the write ended: {early})"
+            assert not early
+        finally:
+            held.release.set()
+            stop.set()
+            await asyncio.wait_for(running, WAIT_S)
+
+
+async def test_deleting_a_job_still_shutting_down_is_refused_after_a_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    path = write_job(tmp_path)
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job_id = store.create("held", path.read_text(), str(tmp_path), 3).id
+        opts = SchedulerOptions(ckpt, shutdown_wait_s=0.05)
+        sched = Scheduler(store, _Bus(), opts)  # type: ignore[arg-type]
+        held = _checkpointing(sched, monkeypatch, ckpt)
+        stop = asyncio.Event()
+        running = asyncio.create_task(sched.run(stop))
+        try:
+            await _cancelled_while_saving(store, sched, held, job_id)
+            with pytest.raises(FailedPrecondition, match=r"still shutting down.*try again"):
+                await sched.delete(job_id)
+            assert store.get(job_id) is not None and not held.wrote.is_set()
+            held.release.set()
+            await asyncio.to_thread(held.wrote.wait, WAIT_S)
+            await _until(lambda: job_id not in sched._tasks)
+            await sched.delete(job_id)  # shut down now
+            assert not (ckpt / job_id).exists()
+        finally:
+            held.release.set()
+            stop.set()
+            await asyncio.wait_for(running, WAIT_S)
+
+
+async def test_retention_deletes_a_job_only_once_its_checkpoint_write_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt, now = tmp_path / "ckpt", [1000.0]
+    path = write_job(tmp_path)
+    with JobStore(tmp_path / "jobs.sqlite", clock=lambda: now[0]) as store:
+        job_id = store.create("held", path.read_text(), str(tmp_path), 3).id
+        opts = SchedulerOptions(ckpt, keep_finished_jobs=1)
+        sched = Scheduler(store, _Bus(), opts)  # type: ignore[arg-type]
+        held = _checkpointing(sched, monkeypatch, ckpt)
+        stop = asyncio.Event()
+        running = asyncio.create_task(sched.run(stop))
+        try:
+            await _cancelled_while_saving(store, sched, held, job_id)
+            now[0] += 1
+            newer = _ended(store, ckpt, "succeeded")  # ended since: the one job kept
+            await sched._retain()  # a sweep (another job ended) while the write goes on
+            held.release.set()
+            assert await asyncio.to_thread(held.wrote.wait, WAIT_S)
+            await _until(lambda: store.get(job_id) is None)  # at the job's own end
+            await _until(lambda: job_id not in sched._tasks)
+            assert not (ckpt / job_id).exists(), "orphaned after the retention sweep"
+            assert (ckpt / newer / "final.pt").exists()
+        finally:
+            held.release.set()
+            stop.set()
+            await asyncio.wait_for(running, WAIT_S)
