@@ -10,7 +10,8 @@ the commit's averaging, a LoadState) reads those of the job served at that momen
 A job's `[runtime]` is written by whoever submitted it, and a peer defends itself with it: so
 each of its limits is clamped by the peer's own (`PeerLimits`, the stage server's flags), whatever
 the job says: the smaller of the two for a maximum, chunks kept within the peer's floor and
-ceiling (a job's 1-byte chunks would make a million messages of a megabyte).
+ceiling (a job's 1-byte chunks would make a million messages of a megabyte), a message room for
+a chunk and its header within the peer's ceiling (gRPC holds a whole message before any check).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from google.protobuf.message import Message
 
-from stage_server.limits import PeerLimits
+from stage_server.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Receipt, StageRuntime
 from stage_server.update_log import Update
 from swarm.errors import InvalidArgument
-from swarm.job.config import JobConfig
+from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import chunking as wire
@@ -66,16 +67,28 @@ class Limits:
     max_bytes: int = 1 << 30  # `[runtime] max_tensor_bytes`: the most bytes of one tensor
     block_size: int = 2048  # `[compression] block_size`: values per block of a blockwise codec
     update_log_bytes: int = 4 << 30  # `[runtime] update_log_bytes`: updates kept for copies
+    max_message_bytes: int = 64 << 20  # `[runtime] max_message_bytes`: one gRPC message
+    activation_cache: int = 64  # `[runtime] activation_cache`: microbatches' activations kept
+    max_queue: int = 64  # `[runtime] max_queue`: pushed microbatches queued before Busy
     _logged: set[tuple[Any, ...]] = field(default_factory=set, repr=False)  # clamps said once
 
     def __post_init__(self) -> None:
-        self._clamp(self.chunk_bytes, self.max_bytes, self.update_log_bytes)
+        self._clamp(
+            dataclasses.replace(
+                RuntimeConfig(),
+                chunk_bytes=self.chunk_bytes,
+                max_tensor_bytes=self.max_bytes,
+                update_log_bytes=self.update_log_bytes,
+                max_message_bytes=self.max_message_bytes,
+                activation_cache=self.activation_cache,
+                max_queue=self.max_queue,
+            )
+        )
 
     def serve(self, job: JobConfig) -> None:
         """Take `job`'s settings within this peer's (in place: every holder of this `Limits`
         sees them); a job's clamped values are logged once."""
-        rt = job.runtime
-        clamped = self._clamp(rt.chunk_bytes, rt.max_tensor_bytes, rt.update_log_bytes)
+        clamped = self._clamp(job.runtime)
         self.block_size = job.compression.block_size
         said = (job.name, *clamped)
         if clamped and said not in self._logged:
@@ -90,36 +103,35 @@ class Limits:
         """`job` with the [runtime] limits this peer serves it with (`serve` took it): for the
         clients a replica makes (its push plane's next hop, the member it copies), whose
         answers are bounded as its own requests are."""
-        rt = job.runtime
-        runtime = dataclasses.replace(
-            rt,
-            chunk_bytes=self.chunk_bytes,
-            max_tensor_bytes=self.max_bytes,
-            update_log_bytes=self.update_log_bytes,
-            # Room for a chunk raised to the peer's floor, and its header.
-            max_message_bytes=max(rt.max_message_bytes, self.chunk_bytes + (1 << 20)),
-        )
+        runtime = dataclasses.replace(job.runtime, **self._used())
         return dataclasses.replace(job, runtime=runtime)
 
-    def _clamp(
-        self, chunk_bytes: int, max_bytes: int, update_log_bytes: int
-    ) -> list[tuple[str, int, int]]:
-        """Take the job's values within the peer's: `(name, asked, used)` of each changed."""
-        peer = self.peer
-        asked = {
-            "chunk_bytes": chunk_bytes,
-            "max_tensor_bytes": max_bytes,
-            "update_log_bytes": update_log_bytes,
-        }
-        self.chunk_bytes = min(max(chunk_bytes, peer.min_chunk_bytes), peer.max_chunk_bytes)
-        self.max_bytes = min(max_bytes, peer.max_tensor_bytes)
-        self.update_log_bytes = min(update_log_bytes, peer.max_update_log_bytes)
-        used = {
+    def _used(self) -> dict[str, Any]:
+        """The `[runtime]` values this peer serves the job with, by their job keys."""
+        return {
             "chunk_bytes": self.chunk_bytes,
             "max_tensor_bytes": self.max_bytes,
             "update_log_bytes": self.update_log_bytes,
+            "max_message_bytes": self.max_message_bytes,
+            "activation_cache": self.activation_cache,
+            "max_queue": self.max_queue,
         }
-        return [(k, asked[k], used[k]) for k in asked if asked[k] != used[k]]
+
+    def _clamp(self, rt: RuntimeConfig) -> list[tuple[str, int, int]]:
+        """Take `rt`'s limits within the peer's: `(name, asked, used)` of each changed."""
+        peer = self.peer
+        self.chunk_bytes = min(max(rt.chunk_bytes, peer.min_chunk_bytes), peer.max_chunk_bytes)
+        self.max_bytes = min(rt.max_tensor_bytes, peer.max_tensor_bytes)
+        self.update_log_bytes = min(rt.update_log_bytes, peer.max_update_log_bytes)
+        # Room for a chunk (raised to the peer's floor, perhaps) and its header; within the
+        # peer's ceiling, which `PeerLimits` keeps above its largest chunk and a header.
+        self.max_message_bytes = max(
+            min(rt.max_message_bytes, peer.max_message_bytes), self.chunk_bytes + MESSAGE_HEADROOM
+        )
+        self.activation_cache = min(rt.activation_cache, peer.max_activation_cache)
+        self.max_queue = min(rt.max_queue, peer.max_queue)
+        used = self._used()
+        return [(k, asked, used[k]) for k in used if (asked := getattr(rt, k)) != used[k]]
 
 
 class Messages:

@@ -82,6 +82,9 @@ class StageRuntime:
         self._prepared: tuple[int, list[torch.Tensor], int] | None = None
         # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
         self._cache: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        # How many it keeps: the job's `activation_cache`, within the serving peer's own limit
+        # (the servicer sets it: `Limits.activation_cache`).
+        self.activation_cache = job.runtime.activation_cache
         self.updates = UpdateLog(job.runtime.update_log_bytes)  # for replicas copying this one
         # (step, clipping coefficient) of the last update applied here (step -1: none since the
         # start or the last state loaded), for a coordinator finishing a half-applied commit
@@ -150,7 +153,7 @@ class StageRuntime:
             out = self._run(step, x)
         self._cache[(step, index)] = (x, out)
         self._cache.move_to_end((step, index))
-        while len(self._cache) > self.job.runtime.activation_cache:
+        while len(self._cache) > self.activation_cache:
             self._cache.popitem(last=False)  # the oldest; its Backward will recompute
         return out.detach()
 
@@ -405,8 +408,18 @@ class StageRuntime:
                 p.copy_(prev)
         self._versions = {computes_on(self.job, step): older, step: current}
 
-    def load_copy(self, step: int, state: dict[str, torch.Tensor]) -> None:
-        """Become a copy of the replica whose state at `step` this is, and follow its updates."""
+    def load_copy(
+        self, step: int, state: dict[str, torch.Tensor], began: int | None = None
+    ) -> None:
+        """Become a copy of the replica whose state at `step` this is, and follow its updates.
+        `began`: this replica's step when the copy started. One that moved since (it applied a
+        commit as a member meanwhile) is not overwritten by the copy, which may be older than
+        what it holds: FailedPrecondition, and it stays as it is."""
+        if began is not None and self.step != began:
+            raise FailedPrecondition(
+                f"stage {self.stage}: this replica moved from step {began} to {self.step} while "
+                f"copying a state of step {step}: the copy is stale, not loaded"
+            )
         self.load_state(step, state)
         self.following = True
 

@@ -114,7 +114,9 @@ async def start_grpc(
     metrics = StageMetrics(opts.peer or "")
     server = grpc.aio.server(
         interceptors=server_interceptors(opts.token, metrics.registry),
-        options=grpc_options(max_message_bytes),
+        # gRPC holds a whole message before any check: at most the peer's ceiling, whatever the
+        # job's max_message_bytes.
+        options=grpc_options(min(max_message_bytes, opts.limits.max_message_bytes)),
         # Past it a call is refused (RESOURCE_EXHAUSTED) before it is read: with the receive
         # budget, no number of calls sizes this process's memory.
         maximum_concurrent_rpcs=opts.limits.max_concurrent_rpcs,

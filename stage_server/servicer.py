@@ -43,7 +43,7 @@ from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.rpc.servicing import Servicing
 from swarm.wire import codec
 from swarm.wire.budget import Held, ReceiveBudget
-from swarm.wire.chunking import grpc_options
+from swarm.wire.chunking import TENSOR_OVERHEAD_BYTES, grpc_options, within_deadline
 
 __all__ = ["StageServicer"]
 
@@ -83,7 +83,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._messages = Messages(self.limits, metrics)
         self.worker = Worker(executor, metrics.queue, throttle)
         self.averager = Averager()
-        self.channels = ChannelPool(token=token, options=grpc_options(64 << 20))
+        self.channels = ChannelPool(
+            token=token, options=grpc_options(self.limits.peer.max_message_bytes)
+        )
         self._serving = Servicing(peer, metrics.observe)
         self._commits = Committer(
             peer=peer,
@@ -133,6 +135,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.limits.serve(runtime.job)
         peer = self.limits.peer
         runtime.updates.bound(self.limits.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
+        runtime.activation_cache = self.limits.activation_cache
         self.metrics.bind(job_id, runtime.stage)
         self._close_next_hop()
         # Its answers are bounded as this replica's requests are: the job within this peer's.
@@ -167,9 +170,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def _receive(
         self, requests: AsyncIterator[Any], held: Held, admit: Callable[[], None] | None = None
     ) -> tuple[Any, dict[str, torch.Tensor]]:
-        return await self._messages.receive(
-            requests, self.runtime.max_request_bytes(), self._route, held, admit
-        )
+        # A caller with no deadline must not hold its body's share of the budget forever.
+        timeout = self.runtime.job.runtime.rpc_timeout_s
+        body = within_deadline(requests, timeout, "the job's runtime.rpc_timeout_s")
+        # The most one microbatch's two tensors take, with what each is charged beyond its bytes.
+        most = self.runtime.max_request_bytes() + 2 * TENSOR_OVERHEAD_BYTES
+        return await self._messages.receive(body, most, self._route, held, admit)
 
     async def _run_held(
         self,
@@ -188,7 +194,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     def _room(self) -> None:
         """Busy when `max_queue` pushed microbatches wait here already."""
-        if self.waiting >= self.runtime.job.runtime.max_queue:
+        if self.waiting >= self.limits.max_queue:
             raise Busy(f"{self.peer}: {self.waiting} microbatches queued; try another replica")
 
     def _receipt(self, r: Receipt) -> pb.Receipt:

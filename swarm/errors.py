@@ -11,6 +11,7 @@ __all__ = [
     "ActivationsNotCached",
     "Busy",
     "ConfigError",
+    "DeadlineExceeded",
     "FailedPrecondition",
     "InvalidArgument",
     "NonFiniteGradient",
@@ -83,6 +84,11 @@ class Busy(ResourceExhausted):
 class PeerUnavailable(SwarmError):
     """The peer did not answer: unreachable, past the call's deadline, or the call was cancelled.
     The caller may retry elsewhere; nothing says the peer refused."""
+
+
+class DeadlineExceeded(PeerUnavailable):
+    """A server ended a call whose caller did not send its body in time (DEADLINE_EXCEEDED):
+    to that caller, as any call past its deadline, a peer that did not answer."""
 
 
 class RemoteError(SwarmError):

@@ -119,8 +119,10 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         self, requests: Any, context: grpc.aio.ServicerContext, held: Held
     ) -> list[pool_pb2.PoolReduceResponse]:
         chunk_bytes, max_bytes, timeout = self.settings()
+        # A caller with no deadline must not hold its part's share of the budget forever.
+        body = wire.within_deadline(requests, timeout, "the job's runtime.averaging_timeout_s")
         received = await wire.receive(
-            requests,
+            body,
             max_bytes=max_bytes,
             admit=lambda first: self._route(first.job, first.stage),
             reserve=held.reserve,

@@ -12,17 +12,33 @@ stage's layout on the meta device, a replica from its own module)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 
 import torch
 
 from swarm.errors import InvalidArgument
-from swarm.job.config import JobConfig
+from swarm.job.config import JobConfig, OptimizerConfig
+from swarm.model.optim import build_optimizer
 from swarm.model.transformer import stage_layout
+from swarm.wire.chunking import TENSOR_OVERHEAD_BYTES
 
 __all__ = ["StateChecks"]
 
 _SCALARS_BYTES = 1 << 20  # an optimizer's scalars (steps) and the names: a margin on the total
+
+
+@functools.lru_cache(maxsize=16)
+def optimizer_keys(cfg: OptimizerConfig) -> dict[str, bool]:
+    """The tensors the job's optimizer keeps a parameter (`optim/<index>/<key>`), each True when
+    it holds one value a parameter's value (a moment), False when it is one value (a step
+    counter): read off the optimizer itself after a step of a two-value parameter."""
+    probe = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    optimizer = build_optimizer([probe], cfg)
+    probe.grad = torch.ones_like(probe)
+    optimizer.step()
+    entry = optimizer.state_dict()["state"].get(0, {})
+    return {k: v.numel() != 1 for k, v in entry.items() if isinstance(v, torch.Tensor)}
 
 
 class StateChecks:
@@ -37,6 +53,7 @@ class StateChecks:
         self._params = [(p.shape, p.dtype) for p in params]
         self._state = {f"param/{k}": (v.shape, v.dtype) for k, v in module.state_dict().items()}
         self._values = sum(shape.numel() for shape, _ in self._state.values())
+        self._keys = optimizer_keys(job.optimizer)
 
     @property
     def num_parameters(self) -> int:
@@ -47,7 +64,17 @@ class StateChecks:
         """The most bytes a state for this stage can take (parameters and an optimizer's state
         of at most three tensors per parameter, at 8 bytes a value, and a little for scalars):
         more is refused, whoever sends it."""
-        return 4 * 8 * self._values + _SCALARS_BYTES
+        return (
+            4 * 8 * self._values
+            + _SCALARS_BYTES
+            + TENSOR_OVERHEAD_BYTES * self.max_state_tensors()  # as a receiver charges each
+        )
+
+    def max_state_tensors(self) -> int:
+        """The most tensors a state for this stage can hold: its parameters (twice with
+        delayed_update) and the optimizer's keys for each (at most three: adamw's step and
+        moments): more is refused, however few bytes each."""
+        return len(self._state) * (2 if self.delayed else 1) + len(self._params) * len(self._keys)
 
     def max_update_bytes(self) -> int:
         """The most bytes one update can take: a gradient sum per parameter, at 8 bytes a
@@ -58,7 +85,7 @@ class StateChecks:
         """One tensor of a state must be one of this stage's (`swarm.model.stage_state` names):
         `param/<name>` (or, with delayed_update, `prev/<name>`: the parameters before the last
         update) with its parameter's shape and dtype, or `optim/<index>/<key>` of a parameter
-        with that parameter's size or one value."""
+        with that parameter's size or one value, under a key the job's optimizer keeps."""
         if name.startswith("param/") or (self.delayed and name.startswith("prev/")):
             expected = self._state.get("param/" + name.split("/", 1)[1])
             if expected is None:
@@ -73,11 +100,18 @@ class StateChecks:
         if len(parts) == 3 and parts[0] == "optim" and parts[1].isdecimal():
             index = int(parts[1])
             if index < len(self._params):
-                size = self._params[index][0].numel()
-                if tensor.numel() in (1, size):
+                per_value = self._keys.get(parts[2])
+                if per_value is None:
+                    raise InvalidArgument(
+                        f"{name!r} is not part of stage {self.stage}'s state: the job's optimizer "
+                        f"has no key {parts[2]!r} (only {sorted(self._keys)})"
+                    )
+                size = self._params[index][0].numel() if per_value else 1
+                if tensor.numel() == size:
                     return
                 raise InvalidArgument(
-                    f"{name} has {tensor.numel()} values; parameter {index} has {size}"
+                    f"{name} has {tensor.numel()} values; parameter {index} has "
+                    f"{self._params[index][0].numel()}" + ("" if per_value else ", this key 1")
                 )
         raise InvalidArgument(
             f"{name!r} is not part of stage {self.stage}'s state (param/<name>, or "

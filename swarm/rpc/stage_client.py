@@ -387,8 +387,12 @@ class StageClient:
     async def _receive_state(
         self, call: Any, expect: ExpectedState
     ) -> tuple[int, dict[str, torch.Tensor]]:
-        why = "the stage's parameters and an optimizer's state at 8 bytes a value"
-        received = self._bounded(call, expect.max_state_bytes(), why)
+        why = (
+            "the stage's parameters and an optimizer's state at 8 bytes a value, and "
+            f"{wire.TENSOR_OVERHEAD_BYTES} bytes a tensor"
+        )
+        received = self._bounded(call, expect.max_state_bytes(), why, wire.TENSOR_OVERHEAD_BYTES)
+        most = expect.max_state_tensors()
         state: dict[str, torch.Tensor] = {}
         step = -1
         while (message := await received.next()) is not None:
@@ -399,6 +403,8 @@ class StageClient:
             for name, tensor in tensors.items():
                 if name in state:
                     raise self._refused(f"{name!r} twice")
+                if len(state) == most:
+                    raise self._refused(f"more than the {most} tensors stage {self.stage} has")
                 self._check(expect.state_tensor, name, tensor)
                 state[name] = tensor.clone()  # the wire buffer is read-only
         self._check(expect.complete, state.keys())  # a replica always has parameters
@@ -433,7 +439,9 @@ class StageClient:
             "runtime.update_log_bytes (within a stage server's --max-update-log-bytes), or one "
             "update when larger"
         )
-        received = self._bounded(call, limit, why)
+        # No overhead charged: each tensor has its parameter's shape, so the sender cannot make
+        # them many and tiny (and the bound stays what the log keeps).
+        received = self._bounded(call, limit, why, 0)
         size = expect.num_parameters
         updates: list[tuple[int, list[torch.Tensor], int, float]] = []
         while (message := await received.next()) is not None:
@@ -466,9 +474,9 @@ class StageClient:
     def _sender(self) -> str:
         return f"stage {self.stage}'s replica at {self.address}"
 
-    def _bounded(self, call: Any, limit: int, why: str) -> _Bounded:
+    def _bounded(self, call: Any, limit: int, why: str, overhead: int) -> _Bounded:
         stream = _progressing(call, self._timeout)
-        return _Bounded(stream, self._sender, limit, why, self._max)
+        return _Bounded(stream, self._sender, limit, why, self._max, overhead)
 
     def _refused(self, what: str) -> InvalidArgument:
         return InvalidArgument(f"{self._sender} sent {what}")
@@ -490,6 +498,8 @@ class ExpectedState(Protocol):
 
     def max_state_bytes(self) -> int: ...
 
+    def max_state_tensors(self) -> int: ...
+
     def max_update_bytes(self) -> int: ...
 
     def state_tensor(self, name: str, tensor: torch.Tensor) -> None: ...
@@ -501,25 +511,36 @@ class ExpectedState(Protocol):
 
 class _Bounded:
     """The messages of a server stream from `sender`, at most `limit` tensor bytes in all (`why`
-    says where that bound comes from) and `max_tensor` a message: a message declaring more than
-    is left is refused from its header, before its bytes are read or allocated, and nothing
-    after it is read."""
+    says where that bound comes from) and `max_tensor` a message, each tensor charged `overhead`
+    bytes more than its payload (`wire.TENSOR_OVERHEAD_BYTES`: what it costs held, however
+    small): a message declaring more than is left is refused from its header, before its bytes
+    are read or allocated, and nothing after it is read."""
 
     def __init__(
-        self, stream: AsyncIterator[Any], sender: str, limit: int, why: str, max_tensor: int
+        self,
+        stream: AsyncIterator[Any],
+        sender: str,
+        limit: int,
+        why: str,
+        max_tensor: int,
+        overhead: int,
     ) -> None:
         self.stream, self.sender, self.limit, self.why = stream, sender, limit, why
-        self.max_tensor = max_tensor
+        self.max_tensor, self.overhead = max_tensor, overhead
         self.left = limit
 
     async def next(self) -> tuple[Any, dict[str, torch.Tensor]] | None:
         """The next message's header and tensors (decoded, read-only), or None at the end."""
         bound = min(self.max_tensor, self.left)
         try:
-            received = await wire.receive(self.stream, max_bytes=bound)
+            received = await wire.receive(
+                self.stream, max_bytes=bound, tensor_overhead=self.overhead
+            )
             tensors = wire.decode_named(received, device="cpu", max_bytes=bound)
         except wire.EndOfStream:
             return None
+        except InvalidArgument as e:  # a header of too many tensors, or bytes that do not fit
+            raise InvalidArgument(f"{self.sender} sent {e}") from None
         except ResourceExhausted as e:
             raise ResourceExhausted(
                 f"{self.sender} sent more than it may: {e} ({self.limit - self.left} bytes came "
@@ -529,7 +550,8 @@ class _Bounded:
         if not tensors:  # a replica sends at least one tensor a message
             raise InvalidArgument(f"{self.sender} sent a message without tensors")
         held = sum(len(p) for p in received.payloads)
-        self.left -= max(held, sum(t.nbytes for t in tensors.values()))
+        charged = self.overhead * len(tensors)
+        self.left -= max(held, sum(t.nbytes for t in tensors.values())) + charged
         return received.header, tensors
 
 

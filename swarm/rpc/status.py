@@ -17,6 +17,7 @@ from swarm.errors import (
     ActivationsNotCached,
     Busy,
     ConfigError,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NonFiniteGradient,
@@ -46,6 +47,8 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     # A push whose next stage did not answer: this replica answers as that peer did not.
     PeerUnavailable: grpc.StatusCode.UNAVAILABLE,
+    # A caller that did not send its request's body within the server's limit.
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 # Trailing-metadata key naming the exact error class, for errors that share a status code.
 ERROR_KEY = "swarm-error"

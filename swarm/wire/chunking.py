@@ -9,19 +9,22 @@ end of the stream, since a bidi peer keeps its side open to read the reply.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
-from collections.abc import AsyncIterable, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
 from google.protobuf.message import Message
 
-from swarm.errors import ConfigError, InvalidArgument, ResourceExhausted
+from swarm.errors import ConfigError, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from swarm.proto import tensor_pb2
 from swarm.wire.codec import CODEC_NONE, decode, decoded_nbytes, dtype_name
 
 __all__ = [
+    "MAX_TENSORS_PER_MESSAGE",
+    "TENSOR_OVERHEAD_BYTES",
     "EndOfStream",
     "Received",
     "decode_named",
@@ -29,9 +32,19 @@ __all__ = [
     "receive",
     "split",
     "split_tensor",
+    "within_deadline",
 ]
 
 M = TypeVar("M", bound=Message)
+
+# Every sender puts one to three tensors in a message (a request's inputs, targets or gradient; a
+# reply's one tensor; a state's or an update's one tensor a message): more is refused from the
+# header, before a tensor of it is decoded (a 64 MiB message could name two million tensors).
+MAX_TENSORS_PER_MESSAGE = 64
+# What a received tensor costs beyond its payload (its header, the torch tensor and the name it
+# is kept under): charged to a message's size and to what it reserves, so that many tiny tensors
+# do not pass a byte limit meant for their memory.
+TENSOR_OVERHEAD_BYTES = 512
 
 _SKIP_MSG = frozenset({"tensors", "chunk"})
 _SKIP_TENSOR = frozenset({"data"})
@@ -128,6 +141,15 @@ def split_tensor(header: M, name: str, tensor: torch.Tensor, chunk_bytes: int) -
         yield part
 
 
+def _check_count(header: Any) -> None:
+    count = len(header.tensors)
+    if count > MAX_TENSORS_PER_MESSAGE:
+        raise InvalidArgument(
+            f"a message of {count} tensors, more than {MAX_TENSORS_PER_MESSAGE} a message "
+            "(MAX_TENSORS_PER_MESSAGE)"
+        )
+
+
 async def receive(
     stream: AsyncIterable[M],
     *,
@@ -135,15 +157,18 @@ async def receive(
     admit: Callable[[M], None] | None = None,
     reserve: Callable[[int], None] | None = None,
     limit_name: str = "",
+    tensor_overhead: int = TENSOR_OVERHEAD_BYTES,
 ) -> Received[M]:
     """Read one (possibly chunked) message from `stream` and reassemble its tensor payloads.
 
     Reads the header, then exactly the chunks needed to complete every tensor. Before a byte of
-    the body is allocated or read: `admit(header)` may refuse the message by raising (its route,
-    a full replica), the declared bytes are checked against `max_bytes` (ResourceExhausted; the
-    refusal says `limit_name`, the setting behind it), and `reserve(declared bytes)` may refuse
-    them too (a process's `swarm.wire.budget`). Raises InvalidArgument for an empty or
-    truncated stream or a chunk that does not fit the header.
+    the body is allocated or read: a header of more than MAX_TENSORS_PER_MESSAGE tensors is
+    refused (InvalidArgument), `admit(header)` may refuse the message by raising (its route, a
+    full replica), the declared bytes, with `tensor_overhead` more a tensor, are checked
+    against `max_bytes` (ResourceExhausted; the refusal says `limit_name`, the setting behind
+    it), and `reserve(those bytes)` may refuse them too (a process's `swarm.wire.budget`).
+    A server reads its requests `within_deadline`. Raises InvalidArgument for an empty or truncated
+    stream or a chunk that does not fit the header.
     """
     it = stream.__aiter__()
     try:
@@ -153,6 +178,7 @@ async def receive(
     header: Any = first
     if header.HasField("chunk"):
         raise InvalidArgument("the first message of a stream must be a header, got a chunk")
+    _check_count(header)
     if admit is not None:
         admit(first)
     inline: list[bytes | None] = []
@@ -172,13 +198,15 @@ async def receive(
             inline.append(None)
             sizes.append(t.nbytes)
     total = sum(sizes)
-    if total > max_bytes:
+    charged = total + tensor_overhead * len(sizes)
+    if charged > max_bytes:
         named = f" ({limit_name})" if limit_name else ""
         raise ResourceExhausted(
-            f"message declares {total} tensor bytes, above the limit of {max_bytes}{named}"
+            f"message declares {total} tensor bytes in {len(sizes)} tensors ({charged} with "
+            f"{tensor_overhead} bytes a tensor), above the limit of {max_bytes}{named}"
         )
     if reserve is not None:
-        reserve(total)
+        reserve(charged)
     payloads: list[bytes | bytearray] = [
         data if data is not None else bytearray(size)
         for data, size in zip(inline, sizes, strict=True)
@@ -219,6 +247,34 @@ async def receive(
     return Received(header=first, payloads=payloads)
 
 
+async def within_deadline(
+    stream: AsyncIterable[M], timeout_s: float, limit_name: str
+) -> AsyncIterator[M]:
+    """`stream`'s messages, every one after the first (a request's header, from which `receive`
+    reserves its body's bytes) within `timeout_s` of that first: else DeadlineExceeded naming
+    `limit_name`. A server's defence against a caller that declares a body, so holds its share
+    of the receive budget, and never sends it (with no deadline of its own)."""
+    it = stream.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        return
+    yield first
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            message = await asyncio.wait_for(it.__anext__(), max(deadline - loop.time(), 0.0))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the request's body did not come within {timeout_s:g} s of its header "
+                f"({limit_name}): the call is ended and the bytes it declared given back"
+            ) from None
+        yield message
+
+
 def decode_named(
     received: Received[Any],
     *,
@@ -233,8 +289,9 @@ def decode_named(
     Both are checked before any tensor is decoded. See `swarm.wire.codec.decode` for the
     zero-copy caveat: results must not be modified in place.
     """
+    _check_count(received.header)
     tensors: list[tensor_pb2.Tensor] = list(received.header.tensors)
-    counts = Counter(t.name for t in tensors)  # linear: a header may name 10^5 tensors
+    counts = Counter(t.name for t in tensors)
     if len(counts) != len(tensors):
         dups = sorted(n for n, k in counts.items() if k > 1)
         shown = repr(dups) if len(dups) <= 10 else f"{repr(dups[:10])[:-1]}, ...]"

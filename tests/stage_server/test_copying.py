@@ -14,7 +14,7 @@ import torch
 
 from stage_server.copying import Copy
 from stage_server.runtime import StageRuntime
-from swarm.errors import InvalidArgument
+from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.model.stage_state import initial_state
 from swarm.rpc.stage_client import StageClient
 from tests.support.hostile import HostileStage, serving
@@ -69,3 +69,22 @@ async def test_a_copy_refuses_an_update_of_a_wrong_shape(tmp_path: Path) -> None
     assert address in str(copy.error) and "gradient sum 3" in str(copy.error)
     assert copy.loaded and runtime.step == 3  # the state it took, and no update of it
     assert all(torch.equal(whole[f"param/{k}"], v) for k, v in runtime.state_dict().items())
+
+
+async def test_a_copy_never_overwrites_a_replica_that_moved_while_it_downloaded(
+    tmp_path: Path,
+) -> None:
+    # A Join that reached a member (a stale ask) started a copy; the member applied a commit
+    # while the state downloaded: the copy, older than what the member holds, is not loaded.
+    job = make_job(tmp_path)
+    whole = initial_state(job, STAGE)
+    runtime = StageRuntime(job, STAGE)
+
+    def state() -> Iterator[tuple[str, torch.Tensor]]:
+        runtime.commit(0, [], 16)  # the member's APPLY, as the download starts
+        return iter(whole.items())
+
+    copy, _ = await _copied(HostileStage(state, step=0), runtime)
+    assert isinstance(copy.error, FailedPrecondition) and "stale" in str(copy.error), copy.error
+    assert not copy.loaded and not runtime.following and runtime.step == 1
+    assert not all(torch.equal(whole[f"param/{k}"], v) for k, v in runtime.state_dict().items())

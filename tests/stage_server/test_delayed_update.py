@@ -15,8 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
+from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from stage_server.runtime import StageRuntime
+from swarm.clock import MonotonicClock
 from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
 from swarm.model.data import make_data
@@ -24,9 +26,9 @@ from swarm.model.optim import computes_on
 from swarm.model.reference import train_local
 from swarm.model.transformer import build_model, loss_sum
 from swarm.ops.progress import StepRecord
-from swarm.rpc.lease import Lease, MicrobatchResult, Working
+from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Working
 from tests.support.equality import assert_equal_to_local, assert_states_within
-from tests.support.inprocess import Swarm
+from tests.support.inprocess import Swarm, lease_after_joined
 from tests.support.jobs import make_job
 
 DELAYED = {"delayed_update": True}
@@ -264,6 +266,8 @@ async def test_a_replica_joining_mid_job_computes_as_the_others(
             joined.append(await swarm.add(2))
 
     coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    # Steps 5 to 7 wait for it to be a member (a bounded wait): it has steps to work in.
+    lease_after_joined(coordinator, joined, 5)
     await _train_in_process(swarm, coordinator, trainers=1)
     assert joined and joined[0].runtime.step == 8
     swarm.assert_replicas_identical()
@@ -273,6 +277,39 @@ async def test_a_replica_joining_mid_job_computes_as_the_others(
     assert samples and samples > 0  # it did work after joining, on the parameters it copied
     assert_equal_to_local(job, await gather_state(coordinator))
     await coordinator.close()
+
+
+async def test_a_joiner_admitted_between_commits_is_never_asked_to_join_again() -> None:
+    # admit_copies admits a joiner while its own asks pause; the next boundary's must not ask
+    # it (a member now) to Join: its copy ended at its first PREPARE, so the Join would start
+    # another, whose older state would overwrite the steps it applied as a member.
+    source, joiner = Replica("member", "member:1"), Replica("joiner", "joiner:1")
+    asked: list[int] = []
+
+    class Client:
+        async def join(self, address: str, step: int) -> int:
+            asked.append(step)
+            return step  # a copy at the open step
+
+    class Clients:
+        def get(self, stage: int, replica: Replica) -> Client:
+            return Client()
+
+    registry = CollectorRegistry()
+    membership = Membership(
+        "job",
+        lambda: [[source, joiner]],
+        Clients(),  # type: ignore[arg-type]
+        list,
+        CoordinatorMetrics("job", registry),
+        MonotonicClock(),
+    )
+    membership.synced = {source.peer}
+    membership._copying[joiner.peer] = (0, joiner, source.address)  # its Join started a copy
+    await membership.admit_copies(3)
+    assert joiner.peer in membership.synced and asked == [3]
+    await membership.admit_copies(4)  # the next boundary, its own ask still pausing
+    assert asked == [3]
 
 
 # -- real processes, SIGKILL ---------------------------------------------------------------------

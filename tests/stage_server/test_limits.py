@@ -28,6 +28,7 @@ from swarm.proto import pool_pb2, pool_pb2_grpc, stage_pb2_grpc, tensor_pb2
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import codec
+from swarm.wire.chunking import TENSOR_OVERHEAD_BYTES
 from tests.support.jobs import make_job
 
 MiB = 1 << 20
@@ -249,7 +250,8 @@ async def test_bodies_past_the_receive_budget_are_refused_not_queued(job: JobCon
             pool = pool_pb2_grpc.PoolServiceStub(channel)
             stage = stage_pb2_grpc.StageServiceStub(channel)
             holding = pool.Reduce(timeout=20)
-            await holding.write(_reduce_header(job.fingerprint(), MiB))
+            # (Each tensor is charged TENSOR_OVERHEAD_BYTES beyond its payload.)
+            await holding.write(_reduce_header(job.fingerprint(), MiB - TENSOR_OVERHEAD_BYTES))
             while running.servicer.budget.in_use < MiB:  # until the server holds it
                 await asyncio.sleep(0.01)
             # Past the budget: the pool's call is refused, the data plane's is Busy.
@@ -362,3 +364,150 @@ def test_the_stage_servers_flags_set_its_limits(monkeypatch: pytest.MonkeyPatch)
     assert peer_limits(parser.parse_args([])) == PeerLimits(max_followers=2)
     with pytest.raises(ConfigError, match="--max-chunk-bytes"):
         peer_limits(parser.parse_args(["--max-chunk-bytes", "1024"]))  # below the floor
+
+
+def test_every_limit_a_job_names_is_clamped_by_the_peers(tmp_path: Path) -> None:
+    # The review's job: a 2 GiB gRPC message from its next hop or copy source, a cache of a
+    # billion microbatches' activations, a billion queued pushes. A peer's defaults take none.
+    greedy = make_job(
+        tmp_path,
+        name="greedy",
+        training={"stages": 3},
+        runtime={"max_message_bytes": 2**31 - 1, "activation_cache": 10**9, "max_queue": 10**9},
+    )
+    limits = Limits(PeerLimits())
+    limits.serve(greedy)
+    runtime = limits.clamp(greedy).runtime
+    shown = (runtime.max_message_bytes, runtime.activation_cache, runtime.max_queue)
+    assert shown == (64 * MiB, 1024, 1024), shown
+    assert (limits.max_message_bytes, limits.activation_cache, limits.max_queue) == shown
+    # A peer's own: the message ceiling stays above its largest chunk and the chunk's header.
+    peer = PeerLimits(
+        max_chunk_bytes=MiB, max_message_bytes=2 * MiB, max_activation_cache=8, max_queue=16
+    )
+    limits = Limits(peer)
+    limits.serve(greedy)
+    runtime = limits.clamp(greedy).runtime
+    assert (runtime.max_message_bytes, runtime.activation_cache, runtime.max_queue) == (
+        2 * MiB,
+        8,
+        16,
+    )
+    assert runtime.chunk_bytes == MiB < runtime.max_message_bytes
+    with pytest.raises(ConfigError, match=r"--max-message-bytes .* --max-chunk-bytes"):
+        PeerLimits(max_chunk_bytes=16 * MiB, max_message_bytes=16 * MiB)
+    # The job's defaults and smaller values are its own: nothing clamped, nothing logged.
+    job = make_job(tmp_path, name="plain", runtime={"activation_cache": 2, "max_queue": 3})
+    limits = Limits(PeerLimits())
+    limits.serve(job)
+    runtime = limits.clamp(job).runtime
+    assert (runtime.max_message_bytes, runtime.activation_cache, runtime.max_queue) == (
+        job.runtime.max_message_bytes,
+        2,
+        3,
+    )
+    parser = argparse.ArgumentParser()
+    add_arguments("stage-server", parser)
+    flags = ["--max-activation-cache", "5", "--max-queue", "6", "--max-message-bytes", "33554432"]
+    assert peer_limits(parser.parse_args(flags)) == PeerLimits(
+        max_activation_cache=5, max_queue=6, max_message_bytes=32 * MiB
+    )
+
+
+async def test_a_jobs_activation_cache_is_clamped_on_a_live_replica(tmp_path: Path) -> None:
+    # A job asking a billion cached microbatches, a trainer sending Forwards of distinct
+    # microbatches and never their Backwards: the replica keeps at most the peer's cap, with
+    # their graphs; the others' Backwards recompute from their inputs.
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"activation_cache": 10**9})
+    opts = StageServerOptions(stage=1, limits=PeerLimits(max_activation_cache=4))
+    running = await start_stage_server(job, opts)
+    try:
+        x = codec.encode(torch.randn(1, 16, 32, dtype=torch.float64), "inputs")
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            for index in range(12):
+                request = pb.StageForwardRequest(
+                    job=job.fingerprint(), stage=1, microbatch=pb.MicrobatchId(step=0, index=index),
+                    tensors=[x],
+                )  # fmt: skip
+                (reply,) = await _call(stub.Forward, request)
+                assert codec.decode(reply.tensors[0]).shape == (1, 16, 32)
+        cached = len(running.runtime._cache)
+        assert cached == 4, f"{cached} microbatches cached for 12 Forwards"
+    finally:
+        await running.stop()
+
+
+async def test_the_servers_grpc_messages_stay_within_the_peers_ceiling(tmp_path: Path) -> None:
+    # A job allowing 2 GiB messages: a single 3 MiB message is refused by gRPC itself, before
+    # the servicer sees it, when the peer's ceiling is 2 MiB.
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"max_message_bytes": 2**31 - 1})
+    peer = PeerLimits(max_chunk_bytes=MiB, max_message_bytes=2 * MiB)
+    running = await start_stage_server(job, StageServerOptions(stage=1, limits=peer))
+    try:
+        big = codec.encode(torch.randn(3 * MiB // 8, dtype=torch.float64), "inputs")
+        request = pb.StageForwardRequest(
+            job=job.fingerprint(), stage=1, microbatch=pb.MicrobatchId(step=0, index=0),
+            tensors=[big],
+        )  # fmt: skip
+        options = [("grpc.max_send_message_length", 64 * MiB)]
+        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _call(stage_pb2_grpc.StageServiceStub(channel).Forward, request)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+        assert "larger than max" in (info.value.details() or ""), info.value.details()
+    finally:
+        await running.stop()
+
+
+@pytest.mark.parametrize("method", ["Reduce", "Forward"])
+async def test_a_body_that_never_comes_gives_its_reservation_back(
+    tmp_path: Path, method: str
+) -> None:
+    # The review's repro (issue 27): a caller with no deadline of its own declares a body and
+    # never sends it. The server ends the call once the job's timeout (rpc_timeout_s for the
+    # data plane, averaging_timeout_s for Reduce) passes from the header: DEADLINE_EXCEEDED
+    # naming it, and the bytes the header reserved given back.
+    job = make_job(
+        tmp_path,
+        training={"stages": 3},
+        runtime={"rpc_timeout_s": 0.5, "averaging_timeout_s": 0.5},
+    )
+    running = await start_stage_server(job, StageServerOptions(stage=1))
+    budget = running.servicer.budget
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            if method == "Reduce":
+                call = pool_pb2_grpc.PoolServiceStub(channel).Reduce()  # no deadline
+                await call.write(_reduce_header(job.fingerprint(), MiB))
+                setting = "averaging_timeout_s"
+            else:
+                inputs = tensor_pb2.Tensor(
+                    name="inputs", dtype="float64", shape=[4, 16, 32], nbytes=16384
+                )
+                call = stage_pb2_grpc.StageServiceStub(channel).Forward()
+                await call.write(
+                    pb.StageForwardRequest(
+                        job=job.fingerprint(),
+                        stage=1,
+                        microbatch=pb.MicrobatchId(step=0, index=0),
+                        tensors=[inputs],
+                    )
+                )
+                setting = "rpc_timeout_s"
+            for _ in range(200):  # until the server holds the header's bytes
+                if budget.in_use > 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert budget.in_use > 0
+            for _ in range(250):  # 2.5 s at most, five times the deadline
+                if call.done() and budget.in_use == 0:
+                    break
+                await asyncio.sleep(0.01)
+            held, done = budget.in_use, call.done()
+            call.cancel()  # (before the fix: the call still waits, holding its bytes)
+        assert held == 0, f"{held} bytes still reserved 2.5 s after a 0.5 s body deadline"
+        assert done and await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert f"runtime.{setting}" in (await call.details() or ""), await call.details()
+    finally:
+        await running.stop()

@@ -17,7 +17,7 @@ from swarm.errors import FailedPrecondition
 from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import Replica, Task
 from tests.support.equality import assert_equal_to_local
-from tests.support.inprocess import Swarm
+from tests.support.inprocess import Swarm, lease_after_joined
 from tests.support.jobs import make_job
 
 
@@ -81,6 +81,8 @@ async def test_replica_joining_mid_job_ends_identical(
             joined.append(await swarm.add(2))
 
     coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    # Steps 5 to 7 wait for it to be a member (a bounded wait): it has steps to work in.
+    lease_after_joined(coordinator, joined, 5)
     await _train(swarm, coordinator, trainers=1)
     assert joined and joined[0].runtime.step == 8
     swarm.assert_replicas_identical()

@@ -1,8 +1,8 @@
 """A hostile member of a stage as a real gRPC server: it answers DownloadState and Updates with
 whatever its test gives it (an endless or oversized state, a tensor of the wrong shape, a stream
-of updates that never ends), one tensor a message, chunked, as a real replica sends them, and
-counts the tensor bytes it wrote, so a test can tell how far a receiver read before it cancelled
-the call."""
+of updates that never ends), one tensor a message (or `per_message` state tensors), chunked, as
+a real replica sends them, and counts the tensor bytes it wrote, so a test can tell how far a
+receiver read before it cancelled the call."""
 
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ class HostileStage(stage_pb2_grpc.StageServiceServicer):
         step: int = 0,
         updates: UpdatesReply = _none,
         chunk_bytes: int = 64 << 10,
+        per_message: int = 1,
     ) -> None:
         self.state, self.step, self.updates, self.chunk_bytes = state, step, updates, chunk_bytes
+        self.per_message = per_message  # state tensors a DownloadState message carries
         self.sent = 0
         self.ended = asyncio.Event()
         self.cut = False
@@ -63,11 +65,19 @@ class HostileStage(stage_pb2_grpc.StageServiceServicer):
     ) -> AsyncIterator[pb.StageDownloadStateResponse]:
         done = False  # a cancel closes this generator (or cancels it) at a yield
         try:
+            batch: list[Any] = []
             for name, tensor in self.state():
-                reply = pb.StageDownloadStateResponse(
-                    tensors=[codec.encode(tensor, name)], step=self.step
-                )
+                batch.append(codec.encode(tensor, name))
+                if len(batch) < self.per_message:
+                    continue
+                reply = pb.StageDownloadStateResponse(tensors=batch, step=self.step)
+                batch = []
                 for part in self._parts(reply):
+                    yield part
+            if batch:
+                for part in self._parts(
+                    pb.StageDownloadStateResponse(tensors=batch, step=self.step)
+                ):
                     yield part
             done = True
         finally:

@@ -3,13 +3,45 @@ every replica's state can be looked at after each step."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+
 import torch
 
+from scheduler.coordinator import LocalCoordinator
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.job.config import JobConfig
-from swarm.rpc.lease import Replica
+from swarm.rpc.lease import Lease, Replica, Working
 
-__all__ = ["Swarm"]
+__all__ = ["Swarm", "lease_after_joined"]
+
+
+def lease_after_joined(
+    coordinator: LocalCoordinator,
+    joined: Sequence[RunningStageServer],
+    step: int,
+    timeout_s: float = 60.0,
+) -> None:
+    """Hold `coordinator`'s leases of step `step` on until the replica in `joined` (added
+    mid-job) is a member, at most `timeout_s`. Its copy runs while training goes on and
+    nothing bounds how many steps it takes (under load, more than a short job has): a test
+    that wants the joiner to work waits for its admission instead of racing the job's end."""
+    lease = coordinator.lease
+
+    def member() -> bool:
+        return bool(joined) and joined[0].address in coordinator.membership.synced
+
+    async def held(
+        trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
+    ) -> Lease:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (ledger := coordinator.ledger) is not None and ledger.step >= step and not member():
+            assert loop.time() < deadline, f"no member {timeout_s}s after step {step} opened"
+            await asyncio.sleep(0.02)
+        return await lease(trainer, count, wait_s=wait_s, working=working)
+
+    coordinator.lease = held  # type: ignore[method-assign]
 
 
 class Swarm:

@@ -71,3 +71,29 @@ def test_what_the_stage_would_not_load_is_refused(tmp_path: Path) -> None:
         checks.update_tensor(0, torch.zeros(31, dtype=torch.float64))
     with pytest.raises(InvalidArgument, match="has 12 gradient sums"):
         checks.update_tensor(12, torch.zeros(1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("kind", "keys"), [("adamw", 3), ("sgd", 1), ("sgd0", 0)])
+def test_an_optimizer_key_the_jobs_optimizer_lacks_is_refused(
+    tmp_path: Path, kind: str, keys: int
+) -> None:
+    # The keys of the job's optimizer are known (adamw: step, exp_avg, exp_avg_sq; sgd with
+    # momentum: momentum_buffer; without: none), so a state holds at most that many a parameter.
+    optimizer = {"kind": kind[:3] if kind != "adamw" else kind, "lr": 0.1}
+    if kind == "sgd":
+        optimizer["momentum"] = 0.9
+    job = make_job(tmp_path, optimizer=optimizer, training={"delayed_update": True})
+    checks = StateChecks(job, 1)
+    module = build_stage(job, 1)
+    weight = next(iter(module.parameters()))
+    with pytest.raises(InvalidArgument, match=r"'optim/0/k0' .* no key 'k0'"):
+        checks.state_tensor("optim/0/k0", torch.zeros((), dtype=torch.uint8))
+    params, names = len(list(module.parameters())), len(module.state_dict())
+    assert checks.max_state_tensors() == 2 * names + keys * params
+    state = export_state(module, build_optimizer(list(module.parameters()), job.optimizer))
+    assert not any(k.startswith("optim/") for k in state)  # no step yet: no optimizer state
+    if keys:
+        key = "exp_avg" if kind == "adamw" else "momentum_buffer"
+        checks.state_tensor(f"optim/0/{key}", torch.zeros_like(weight))
+        with pytest.raises(InvalidArgument, match=f"optim/0/{key} has 1 values"):
+            checks.state_tensor(f"optim/0/{key}", torch.zeros(1, dtype=weight.dtype))

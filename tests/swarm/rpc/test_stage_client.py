@@ -181,10 +181,16 @@ async def test_a_state_download_stops_at_the_stages_bound_and_cancels_the_sender
     expect = StateChecks(job, STAGE)
     bound = expect.max_state_bytes()  # about 1.4 MiB here
     fake = HostileStage(offer(job), step=3)
+    # Ever new optimizer keys are refused at the first, which the job's optimizer lacks.
+    error, refusal = (
+        (InvalidArgument, r"no key 'k0'")
+        if offer is _endless_optimizer_state
+        else (ResourceExhausted, rf"at most {bound} in all")
+    )
     async with serving(fake) as address:
         client = StageClient(address, job, "job", STAGE)
         try:
-            with pytest.raises(ResourceExhausted, match=rf"at {address} .* at most {bound} in all"):
+            with pytest.raises(error, match=rf"at {address} .*{refusal}"):
                 await client.download_state(True, prefix="", expect=expect)
             await _ended(fake)
         finally:
@@ -279,5 +285,34 @@ async def test_updates_refuse_a_gradient_sum_of_the_wrong_shape(tmp_path: Path) 
                 InvalidArgument, match=rf"at {address} sent .*: gradient sum 2 must be .* \[7\]"
             ):
                 await client.updates("me", 5, expect=StateChecks(job, STAGE))
+        finally:
+            await client.close()
+
+
+def _tiny_optimizer_keys(job: JobConfig, count: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stage's real state, then `count` one-byte scalars under ever new optimizer keys: each
+    alone the size of a step counter (the review's repro, issue 27: 300,000 in one message)."""
+    yield from initial_state(job, STAGE).items()
+    for i in range(count):
+        yield f"optim/0/k{i}", torch.zeros((), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("per_message", [5_000, 1])
+async def test_a_state_of_many_tiny_tensors_is_refused(tmp_path: Path, per_message: int) -> None:
+    # 5,000 one-byte tensors: 5 KB of payload, far below the stage's bound, but each one a
+    # torch tensor (hundreds of bytes) on the receiver. In one message: refused from its header
+    # (too many tensors a message); one a message: refused at the first key no optimizer has.
+    job = make_job(tmp_path)
+    fake = HostileStage(lambda: _tiny_optimizer_keys(job, 5_000), step=3, per_message=per_message)
+    refusal = (
+        r"5000 tensors, more than 64 a message"
+        if per_message > 1
+        else r"'optim/0/k0' .* no key 'k0'"
+    )
+    async with serving(fake) as address:
+        client = StageClient(address, job, "job", STAGE)
+        try:
+            with pytest.raises(InvalidArgument, match=rf"at {address} .*{refusal}"):
+                await client.download_state(True, prefix="", expect=StateChecks(job, STAGE))
         finally:
             await client.close()

@@ -12,7 +12,15 @@ import torch
 
 from swarm.errors import ConfigError, InvalidArgument, NotFound, ResourceExhausted
 from swarm.proto import stage_pb2, stage_pb2_grpc, tensor_pb2
-from swarm.wire.chunking import Received, decode_named, receive, split, split_tensor
+from swarm.wire.chunking import (
+    MAX_TENSORS_PER_MESSAGE,
+    TENSOR_OVERHEAD_BYTES,
+    Received,
+    decode_named,
+    receive,
+    split,
+    split_tensor,
+)
 from swarm.wire.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
 from tests.support.fakes import EchoStage
 
@@ -168,7 +176,8 @@ async def test_receive_does_not_wait_for_end_of_stream() -> None:
     assert await anext(it) == extra
     # A small message, too, returns without end-of-stream.
     small = forward_request(x=torch.ones(2))
-    got = await asyncio.wait_for(receive(stream_of([small], hang=True), max_bytes=100), 5)
+    it = stream_of([small], hang=True)
+    got = await asyncio.wait_for(receive(it, max_bytes=100 + TENSOR_OVERHEAD_BYTES), 5)
     assert got.header is small
 
 
@@ -192,13 +201,15 @@ async def test_first_message_is_a_chunk() -> None:
 
 async def test_declared_bytes_above_max_bytes_before_allocating() -> None:
     # 1 PB declared: must fail on the limit, not with MemoryError.
-    with pytest.raises(ResourceExhausted, match=f"{10**15} tensor bytes, above the limit of 100"):
+    with pytest.raises(ResourceExhausted, match=f"{10**15} tensor bytes in 1 tensors .* of 100$"):
         await receive_list([header(declared(10**15))], max_bytes=100)
     # Inline and chunked bytes both count.
     inline = encode(torch.zeros(60, dtype=torch.uint8), "a")
     with pytest.raises(ResourceExhausted, match="110 tensor bytes"):
         await receive_list([header(inline, declared(50, "b"))], max_bytes=100)
-    got = await receive_list([header(inline, declared(40, "b")), chunk(1, b"z" * 40)], 100)
+    # Each tensor is charged TENSOR_OVERHEAD_BYTES more than its payload.
+    limit = 100 + 2 * TENSOR_OVERHEAD_BYTES
+    got = await receive_list([header(inline, declared(40, "b")), chunk(1, b"z" * 40)], limit)
     assert got.payloads[1] == b"z" * 40
 
 
@@ -225,22 +236,26 @@ async def test_a_header_is_admitted_and_its_bytes_reserved_before_anything_is_al
         await asyncio.wait_for(
             receive(msgs, max_bytes=10**16, admit=seen.append, reserve=refuse_bytes), 5
         )
-    assert reserved == [10**15] and len(seen) == 2
+    assert reserved == [10**15 + TENSOR_OVERHEAD_BYTES] and len(seen) == 2
     # Past max_bytes it is refused before `reserve` is asked, naming the setting.
     with pytest.raises(ResourceExhausted, match=r"limit of 100 \(--max-tensor-bytes\)"):
         await receive(
             stream_of([header(declared(101))]), max_bytes=100, reserve=refuse_bytes,
             limit_name="--max-tensor-bytes",
         )  # fmt: skip
-    assert reserved == [10**15]
+    assert reserved == [10**15 + TENSOR_OVERHEAD_BYTES]
     # Admitted and reserved: received as before; decoding reserves what a lossy codec widens.
     small = forward_request(a=torch.ones(8, dtype=torch.uint8))
     taken: list[int] = []
-    got = await receive(stream_of([small]), max_bytes=100, admit=seen.append, reserve=taken.append)
-    assert taken == [8]
+    got = await receive(
+        stream_of([small]), max_bytes=100 + TENSOR_OVERHEAD_BYTES, admit=seen.append,
+        reserve=taken.append,
+    )  # fmt: skip
+    assert taken == [8 + TENSOR_OVERHEAD_BYTES]
     half = header(encode(torch.ones(10), "h", CODEC_FP16), encode(torch.ones(3), "n"))
     got = await receive_list([half])
-    assert set(decode_named(got, reserve=taken.append)) == {"h", "n"} and taken == [8, 40]
+    assert set(decode_named(got, reserve=taken.append)) == {"h", "n"}
+    assert taken == [8 + TENSOR_OVERHEAD_BYTES, 40]
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 4096])
@@ -323,13 +338,18 @@ async def test_inconsistent_header_tensors() -> None:
 async def test_a_header_of_many_equally_named_tensors_is_refused_at_once() -> None:
     # A hostile header of 200,000 empty tensors all named "x" (about 1 MB): the duplicate check
     # counted each name over the whole list, 4e10 steps that froze an event loop for hours on
-    # every server (and on the scheduler, through a member's DownloadState reply).
+    # every server (and on the scheduler, through a member's DownloadState reply). Now refused
+    # from its count, before any name is looked at.
     empty = tensor_pb2.Tensor(name="x", dtype="float32", nbytes=0)
-    got = await receive_list([header(*([empty] * 200_000))])
+    with pytest.raises(InvalidArgument, match="200000 tensors, more than 64 a message"):
+        await receive_list([header(*([empty] * 200_000))])
+    with pytest.raises(InvalidArgument, match="200000 tensors, more than 64 a message"):
+        decode_named(Received(header(*([empty] * 200_000)), [b""] * 200_000))
+    got = await receive_list([header(*([empty] * MAX_TENSORS_PER_MESSAGE))])
     with pytest.raises(InvalidArgument, match="duplicate tensor names: \\['x'\\]"):
         decode_named(got)
-    many = [tensor_pb2.Tensor(name=f"t{i % 5000}", dtype="float32") for i in range(10_000)]
-    with pytest.raises(InvalidArgument, match=r"5000 duplicate tensor names: \['t0', .*\.\.\.\]"):
+    many = [tensor_pb2.Tensor(name=f"t{i % 32}", dtype="float32") for i in range(64)]
+    with pytest.raises(InvalidArgument, match=r"32 duplicate tensor names: \['t0', .*\.\.\.\]"):
         decode_named(await receive_list([header(*many)]))
 
 
@@ -424,3 +444,25 @@ async def test_grpc_oversized_declaration_is_resource_exhausted(
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await receive(call, max_bytes=LIMIT)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_a_header_of_many_tiny_tensors_is_refused_before_any_is_decoded() -> None:
+    # The review's repro (issue 27): a message of a great many one-byte tensors carries little
+    # payload, but each is a torch tensor (hundreds of bytes) once decoded. Past
+    # MAX_TENSORS_PER_MESSAGE it is refused from its header, before admit, reserve or decoding.
+    tiny = [encode(torch.zeros((), dtype=torch.uint8), f"k{i}") for i in range(10_000)]
+    seen: list[Any] = []
+    with pytest.raises(InvalidArgument, match=r"10000 tensors, more than 64 a message"):
+        await receive(stream_of([header(*tiny)]), max_bytes=1 << 30, admit=seen.append)
+    assert not seen
+    with pytest.raises(InvalidArgument, match=r"10000 tensors, more than 64 a message"):
+        decode_named(Received(header(*tiny), [b"\0"] * len(tiny)))
+    # Within the count, each tensor is charged TENSOR_OVERHEAD_BYTES on top of its payload,
+    # against max_bytes and in what is reserved.
+    few = tiny[:MAX_TENSORS_PER_MESSAGE]
+    taken: list[int] = []
+    charged = MAX_TENSORS_PER_MESSAGE * (1 + TENSOR_OVERHEAD_BYTES)
+    with pytest.raises(ResourceExhausted, match=rf"64 tensor bytes in 64 tensors \({charged} "):
+        await receive(stream_of([header(*few)]), max_bytes=charged - 1, reserve=taken.append)
+    got = await receive(stream_of([header(*few)]), max_bytes=charged, reserve=taken.append)
+    assert taken == [charged] and len(decode_named(got)) == MAX_TENSORS_PER_MESSAGE
