@@ -36,6 +36,7 @@ from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.recovery import Recovery
 from scheduler.coordinator.replicas import (
+    GrpcReplicas,
     ReplicaClients,
     ReplicaFactory,
     StageReplica,
@@ -151,6 +152,8 @@ class LocalCoordinator:
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> int:
         """Bring every replica to one step (finishing a half-applied commit) and open it."""
+        if isinstance(self.clients.factory, GrpcReplicas):
+            await self.clients.factory.prepare()
         step = await self._reconcile()
         self._open(step)
         return step

@@ -23,6 +23,7 @@ __all__ = [
     "GONE",
     "ExpectedStates",
     "GrpcReplica",
+    "GrpcReplicas",
     "ReplicaClients",
     "ReplicaFactory",
     "StageReplica",
@@ -158,13 +159,25 @@ class GrpcReplica:
         await self.client.close()
 
 
-def grpc_replicas(job: JobConfig, job_id: str, token: str | None = None) -> ReplicaFactory:
-    expected = ExpectedStates(job)  # one per stage of the job, whichever replica asks first
+class GrpcReplicas:
+    """The `ReplicaFactory` of a job's real replicas, sharing one `ExpectedStates`."""
 
-    def connect(stage: int, replica: Replica) -> StageReplica:
-        return GrpcReplica(StageClient(replica.address, job, job_id, stage, token), expected)
+    def __init__(self, job: JobConfig, job_id: str, token: str | None = None) -> None:
+        self.job, self.job_id, self.token = job, job_id, token
+        self.expected = ExpectedStates(job)  # one per stage, whichever replica asks first
 
-    return connect
+    def __call__(self, stage: int, replica: Replica) -> StageReplica:
+        client = StageClient(replica.address, self.job, self.job_id, stage, self.token)
+        return GrpcReplica(client, self.expected)
+
+    async def prepare(self) -> None:
+        """Build every stage's checks before the first step: a checkpoint that waited for them
+        (seconds, in a thread) would find its replicas steps past the one it was for."""
+        await asyncio.gather(*(self.expected.get(s) for s in range(self.job.training.stages)))
+
+
+def grpc_replicas(job: JobConfig, job_id: str, token: str | None = None) -> GrpcReplicas:
+    return GrpcReplicas(job, job_id, token)
 
 
 class ReplicaClients:
