@@ -5,7 +5,6 @@ line and tries again, so a full disk never throws a trained job away."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,10 @@ from prometheus_client import CollectorRegistry, Counter
 from scheduler.coordinator.metrics import CoordinatorFamilies
 from scheduler.job_training import JobTraining, final_path, save_final
 from scheduler.store import JobStore
-from swarm.bus.topics import Topics
 from swarm.model import checkpoint
 from swarm.rpc.lease import Replica
 from tests.support.disks import fill, tiny_disk
+from tests.support.fakes import SilentBus
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
 
@@ -36,19 +35,6 @@ def test_a_final_save_on_a_full_disk_fails_as_oserror_and_leaves_no_partial_file
             save_final(path, 5, STATE)
         assert isinstance(e.value, checkpoint.CheckpointError) and str(path) in str(e.value)
         assert sorted(p.name for p in disk.rglob("*") if p.is_file()) == ["filler"]
-
-
-class _Bus:
-    """Takes publications; its subscriptions deliver nothing (no load reports)."""
-
-    topics = Topics()
-
-    async def publish(self, topic: str, message: Any, retain: bool = False) -> None:
-        pass
-
-    async def subscribe(self, pattern: str) -> AsyncIterator[tuple[str, Any]]:
-        await asyncio.Event().wait()
-        yield "", None  # never reached: makes this an async generator
 
 
 class _Peers:
@@ -87,7 +73,7 @@ async def test_a_failed_final_save_keeps_the_job_and_its_peers_and_is_retried(
         final.mkdir(parents=True)  # the final name is taken: every save fails (EISDIR)
         training = JobTraining(
             store,
-            _Bus(),
+            SilentBus(),
             _Peers(swarm),  # type: ignore[arg-type]
             _Assignments(),  # type: ignore[arg-type]
             tmp_path / "ckpt",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,29 +19,16 @@ from scheduler.coordinator import LocalCoordinator
 from scheduler.job_api import job_status
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobState, JobStore
-from swarm.bus.topics import Topics
 from swarm.errors import FailedPrecondition
 from swarm.job.config import JobConfig, load_job
 from swarm.model import checkpoint
 from swarm.model.transformer import layer_costs, partition
 from swarm.rpc.lease import Replica
+from tests.support.fakes import SilentBus
 from tests.support.jobs import BASE, render, write_job
 
 WAIT_S = 10.0
 _save_stage = checkpoint.save_stage  # the real one, under a held one's spy
-
-
-class _Bus:
-    """Takes publications; its subscriptions deliver nothing (no peers, no load reports)."""
-
-    topics = Topics()
-
-    async def publish(self, topic: str, message: Any, retain: bool = False) -> None:
-        pass
-
-    async def subscribe(self, pattern: str) -> AsyncIterator[tuple[str, Any]]:
-        await asyncio.Event().wait()
-        yield "", None  # never reached: makes this an async generator
 
 
 async def _until(what: Callable[[], bool]) -> None:
@@ -64,7 +51,7 @@ async def test_a_stored_job_over_the_bounds_fails_at_restart_and_freezes_nothing
     spec = render({**BASE, "model": model, "training": training})
     with JobStore(tmp_path / "jobs.sqlite") as store:
         job_id = store.create("huge", spec, str(tmp_path), 3).id
-        scheduler = Scheduler(store, _Bus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        scheduler = Scheduler(store, SilentBus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
         stop = asyncio.Event()
         running = asyncio.create_task(scheduler.run(stop))
         try:
@@ -94,7 +81,7 @@ async def test_a_jobs_stages_are_partitioned_once_off_the_event_loop(
     job = load_job(path)
     with JobStore(tmp_path / "jobs.sqlite") as store:
         job_id = store.create(job.name, path.read_text(), str(tmp_path), 3).id
-        sched = Scheduler(store, _Bus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        sched = Scheduler(store, SilentBus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
         stop = asyncio.Event()
         running = asyncio.create_task(sched.run(stop))
         try:
@@ -129,7 +116,7 @@ async def test_finished_jobs_beyond_the_retention_are_deleted_with_their_files(
             ended.append(_ended(store, ckpt, state))  # type: ignore[arg-type]
         live = store.create("live", render(BASE), str(tmp_path), 3).id
         opts = SchedulerOptions(ckpt, keep_finished_jobs=2)
-        sched = Scheduler(store, _Bus(), opts)  # type: ignore[arg-type]
+        sched = Scheduler(store, SilentBus(), opts)  # type: ignore[arg-type]
         stop = asyncio.Event()
         running = asyncio.create_task(sched.run(stop))
         try:
@@ -153,7 +140,7 @@ async def test_delete_removes_the_files_of_a_finished_job_only(tmp_path: Path) -
     with JobStore(tmp_path / "jobs.sqlite") as store:
         gone, kept = _ended(store, ckpt, "succeeded"), _ended(store, ckpt, "failed")
         live = store.create("live", render(BASE), "/", 3).id
-        sched = Scheduler(store, _Bus(), SchedulerOptions(ckpt))  # type: ignore[arg-type]
+        sched = Scheduler(store, SilentBus(), SchedulerOptions(ckpt))  # type: ignore[arg-type]
         await sched.delete(gone)
         assert not (ckpt / gone).exists() and (ckpt / kept / "final.pt").exists()
         await sched.delete(gone)  # nothing left to remove: fine
@@ -239,7 +226,7 @@ async def test_a_cancelled_job_is_deleted_only_once_its_checkpoint_write_ended(
     path = write_job(tmp_path)
     with JobStore(tmp_path / "jobs.sqlite") as store:
         job_id = store.create("held", path.read_text(), str(tmp_path), 3).id
-        sched = Scheduler(store, _Bus(), SchedulerOptions(ckpt))  # type: ignore[arg-type]
+        sched = Scheduler(store, SilentBus(), SchedulerOptions(ckpt))  # type: ignore[arg-type]
         held = _checkpointing(sched, monkeypatch, ckpt)
         stop = asyncio.Event()
         running = asyncio.create_task(sched.run(stop))
@@ -269,7 +256,7 @@ async def test_deleting_a_job_still_shutting_down_is_refused_after_a_wait(
     with JobStore(tmp_path / "jobs.sqlite") as store:
         job_id = store.create("held", path.read_text(), str(tmp_path), 3).id
         opts = SchedulerOptions(ckpt, shutdown_wait_s=0.05)
-        sched = Scheduler(store, _Bus(), opts)  # type: ignore[arg-type]
+        sched = Scheduler(store, SilentBus(), opts)  # type: ignore[arg-type]
         held = _checkpointing(sched, monkeypatch, ckpt)
         stop = asyncio.Event()
         running = asyncio.create_task(sched.run(stop))
@@ -297,7 +284,7 @@ async def test_retention_deletes_a_job_only_once_its_checkpoint_write_ended(
     with JobStore(tmp_path / "jobs.sqlite", clock=lambda: now[0]) as store:
         job_id = store.create("held", path.read_text(), str(tmp_path), 3).id
         opts = SchedulerOptions(ckpt, keep_finished_jobs=1)
-        sched = Scheduler(store, _Bus(), opts)  # type: ignore[arg-type]
+        sched = Scheduler(store, SilentBus(), opts)  # type: ignore[arg-type]
         held = _checkpointing(sched, monkeypatch, ckpt)
         stop = asyncio.Event()
         running = asyncio.create_task(sched.run(stop))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import grpc
 
@@ -12,13 +13,27 @@ from swarm.errors import ResourceExhausted, WireError
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.wire.chunking import receive, split
 
-__all__ = ["EchoStage", "NoBus"]
+__all__ = ["EchoStage", "NoBus", "SilentBus"]
 
 
 class NoBus:
     """A bus for code paths that never publish: only `topics` exists, anything else fails loudly."""
 
     topics = Topics()
+
+
+class SilentBus:
+    """A bus that takes publications and whose subscriptions deliver nothing (no peers, no
+    load reports): for a scheduler's job run with its replicas given otherwise."""
+
+    topics = Topics()
+
+    async def publish(self, topic: str, message: Any, retain: bool = False) -> None:
+        pass
+
+    async def subscribe(self, pattern: str) -> AsyncIterator[tuple[str, Any]]:
+        await asyncio.Event().wait()
+        yield "", None  # never reached: makes this an async generator
 
 
 class EchoStage(stage_pb2_grpc.StageServiceServicer):
