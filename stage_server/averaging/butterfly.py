@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -48,11 +49,16 @@ from swarm.rpc.servicing import Servicing
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
 from swarm.wire.budget import Held, ReceiveBudget
-from swarm.wire.codec import CODEC_NONE, decode, encode
+from swarm.wire.codec import CODEC_NONE, decode, dtype_name, encode
 
-__all__ = ["ChannelPool", "PoolServicer", "all_reduce"]
+__all__ = ["SLICE_BYTES", "WINDOW", "ChannelPool", "PoolServicer", "all_reduce"]
 
 log = logging.getLogger(__name__)
+
+# A part travels in slices of this many bytes, this many at once to each owner: enough to keep
+# the link busy while a slice is summed and answered, few enough that an owner holds little.
+SLICE_BYTES = 16 << 20
+WINDOW = 2
 
 # The server answers this much before the caller's deadline, so the caller reads why (ABORTED with
 # the missing senders) rather than a bare DEADLINE_EXCEEDED (seconds).
@@ -111,13 +117,13 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
     async def _reduce(
         self, requests: Any, context: grpc.aio.ServicerContext
-    ) -> list[pool_pb2.PoolReduceResponse]:
+    ) -> Iterator[pool_pb2.PoolReduceResponse]:
         with self._budget.hold() as held:
             return await self._reduce_held(requests, context, held)
 
     async def _reduce_held(
         self, requests: Any, context: grpc.aio.ServicerContext, held: Held
-    ) -> list[pool_pb2.PoolReduceResponse]:
+    ) -> Iterator[pool_pb2.PoolReduceResponse]:
         chunk_bytes, max_bytes, timeout = self.settings()
         # A caller with no deadline must not hold its part's share of the budget forever.
         body = wire.within_deadline(requests, timeout, "the job's runtime.averaging_timeout_s")
@@ -141,6 +147,8 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         reduced = await self.averager.reduce(
             (h.job, h.stage, h.round), h.part, h.sender, h.group_size, tensors["part"],
             timeout_s=timeout, codec=meta.codec, block_size=meta.block_size,
+            owned=not meta.data,  # chunked: received into a buffer of its own, summed into
+            slice=h.slice,
         )  # fmt: skip
         replies = reduced.replies(chunk_bytes)
         if self._on_bytes is not None:
@@ -228,6 +236,8 @@ async def all_reduce(
     max_bytes: int,
     on_bytes: Callable[[int, int], None] | None = None,
     residuals: Residuals | None = None,
+    slice_bytes: int = SLICE_BYTES,
+    window: int = WINDOW,
 ) -> torch.Tensor:
     """The sum of `flat` over the replicas of `group` (PoolService addresses; this replica is
     `group[index]`), bitwise the same on every replica; `flat` itself when the group is alone.
@@ -237,6 +247,9 @@ async def all_reduce(
     aborts the round in `averager` too (so peers waiting on this replica learn it at once) and
     raises AveragingAborted naming the peer. `on_bytes(sent, received)` counts wire bytes.
     `residuals` (a lossy codec's error feedback) are read, and replaced once the round completed.
+    Uncompressed, a part travels in slices of `slice_bytes`, `window` of them under way to each
+    owner at once: while one slice is summed and answered the next is sent, and an owner holds
+    `window` slices of each sender, not its whole part.
     """
     n = len(group)
     if not 0 <= index < n or len(set(group)) != n:
@@ -248,6 +261,8 @@ async def all_reduce(
     key: RoundKey = (job, stage, round)
     parts = split_parts(flat.numel(), n)
     src = flat.detach()
+    # Every part's sum lands in its place here, as its bytes arrive: no part is held twice.
+    total = torch.empty(flat.shape, dtype=flat.dtype)
     sent = received = 0
     lossy = codec != CODEC_NONE and flat.is_floating_point()
     feedback = residuals if lossy else None
@@ -258,63 +273,125 @@ async def all_reduce(
         dropped_sent = torch.zeros_like(feedback.sent)
         dropped_sum = torch.zeros_like(feedback.summed)
 
-    def fed(k: int) -> torch.Tensor:
-        """Part k of this replica's values, with what its last encoding of them dropped."""
+    def fed(k: int, where: slice | None = None) -> torch.Tensor:
+        """Part k (or its slice `where`) of this replica's values, with what its last encoding
+        of them dropped."""
+        where = parts[k] if where is None else where
         if feedback is None:
-            return src[parts[k]]
-        return src[parts[k]].cpu() + feedback.sent[parts[k]]
+            return src[where]
+        return src[where].cpu() + feedback.sent[where]
 
-    async def remote(k: int) -> torch.Tensor:
+    def slices(k: int) -> list[slice]:
+        """Part k as it travels: consecutive slices of at most `slice_bytes` (each summed and
+        answered on its own, up to `window` at once), or whole for a lossy codec (whose blocks
+        are the part's)."""
+        part = parts[k]
+        if lossy:
+            return [part]
+        step = max(1, slice_bytes // flat.element_size())
+        starts = range(part.start, part.stop, step)
+        return [slice(a, min(a + step, part.stop)) for a in starts] or [part]
+
+    def into(where: slice) -> wire.Into:
+        """Where a slice's sum goes as it arrives: its place in `total`, when it comes as the
+        round's own dtype uncompressed (else decoded first, then copied there)."""
+        place = total[where]
+
+        def locate(i: int, meta: Any) -> memoryview | None:
+            plain = meta.codec == CODEC_NONE and meta.dtype == dtype_name(flat.dtype)
+            if i != 0 or not plain or meta.nbytes != place.nbytes:
+                return None
+            return wire.tensor_bytes(place)
+
+        return locate
+
+    async def remote_slice(k: int, j: int, where: slice) -> None:
         nonlocal sent, received
-        values = fed(k)
-        msg = encode(values, "part", codec, block_size)
-        if feedback is not None:  # what the encoding dropped waits for the next step's round
-            dropped_sent[parts[k]] = values - decode(msg)
-        request = pool_pb2.PoolReduceRequest(
-            job=job, stage=stage, round=round, part=k, sender=index, group_size=n, tensors=[msg]
+        values = fed(k, where)
+        header = pool_pb2.PoolReduceRequest(
+            job=job, stage=stage, round=round, part=k, sender=index, group_size=n, slice=j
         )
+        if lossy:
+            msg = encode(values, "part", codec, block_size)
+            if feedback is not None:  # what the encoding dropped waits for the next step's round
+                dropped_sent[where] = values - decode(msg)
+            header.tensors.append(msg)
+            messages, nbytes = wire.split(header, chunk_bytes), msg.nbytes
+        else:  # cut from the gradient's memory as it is sent: no copy of the part
+            messages = wire.split_tensor(header, "part", values, chunk_bytes)
+            nbytes = values.numel() * values.element_size()
         call: Any = channels.stub(group[k]).Reduce(timeout=timeout_s)
-        for m in wire.split(request, chunk_bytes):
+        for m in messages:
             await call.write(m)
         await call.done_writing()
-        sent += msg.nbytes
-        reply = await wire.receive(call.__aiter__(), max_bytes=max_bytes)
+        sent += nbytes
+        reply = await wire.receive(call.__aiter__(), max_bytes=max_bytes, into=into(where))
         tensors = wire.decode_named(reply, device="cpu", max_bytes=max_bytes)
-        total = tensors.get("sum")
-        length = parts[k].stop - parts[k].start
-        if total is None or total.dtype != flat.dtype or tuple(total.shape) != (length,):
-            got = {name: (t.dtype, list(t.shape)) for name, t in tensors.items()}
-            raise InvalidArgument(f"expected a 'sum' of {flat.dtype}[{length}], got {got}")
+        got = tensors.get("sum")
+        length = where.stop - where.start
+        if got is None or got.dtype != flat.dtype or tuple(got.shape) != (length,):
+            shapes = {name: (t.dtype, list(t.shape)) for name, t in tensors.items()}
+            raise InvalidArgument(f"expected a 'sum' of {flat.dtype}[{length}], got {shapes}")
+        place = total[where]
+        if got.data_ptr() != place.data_ptr():  # not received in place: decoded elsewhere
+            place.copy_(got)
         received += sum(t.nbytes for t in reply.header.tensors)
-        return total
 
-    async def own() -> torch.Tensor:
-        values = fed(index).cpu()
-        if lossy:  # as it would travel
+    async def remote(k: int) -> None:
+        """Part k's slices to its owner, `window` calls at a time, in order."""
+        pending: deque[asyncio.Future[None]] = deque()
+        try:
+            for j, where in enumerate(slices(k)):
+                if len(pending) >= window:
+                    await pending.popleft()
+                pending.append(asyncio.ensure_future(remote_slice(k, j, where)))
+            while pending:
+                await pending.popleft()
+        finally:  # failed or cancelled: the slices still under way end with it
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def own_slice(j: int, where: slice) -> None:
+        values = fed(index, where).cpu()
+        if lossy:  # as it would travel (whole: a lossy part is one slice)
             travelled = decode(encode(values, "part", codec, block_size))
             if feedback is not None:
-                dropped_sent[parts[index]] = values - travelled  # as in `remote`
+                dropped_sent[where] = values - travelled  # as in `remote`
                 # The sum's own error goes in through the one contribution its owner makes.
-                travelled = travelled + feedback.summed[parts[index]]
+                travelled = travelled + feedback.summed[where]
             values = travelled
         reduced = await averager.reduce(
-            key, index, index, n, values, timeout_s=timeout_s, codec=codec, block_size=block_size
-        )
+            key, index, index, n, values, timeout_s=timeout_s, codec=codec,
+            block_size=block_size, slice=j,
+        )  # fmt: skip
         if feedback is not None:
-            dropped_sum[parts[index]] = reduced.exact - reduced.tensor
-        return reduced.tensor
+            dropped_sum[where] = reduced.exact - reduced.tensor
+        total[where].copy_(reduced.tensor)
+
+    async def own() -> None:
+        """This replica's own part: every slice contributed at once (views of the gradient,
+        nothing sent), each summed as the others' slices arrive."""
+        tasks = [asyncio.ensure_future(own_slice(j, w)) for j, w in enumerate(slices(index))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def others(missing: Sequence[int]) -> list[int]:
         return [i for i in missing if 0 <= i < n and i != index]
 
-    async def guarded(k: int) -> torch.Tensor:
+    async def guarded(k: int) -> None:
         """Part k's sum, or AveragingAborted naming the members the part failed on: the owner
         of a part that could not be had (unreachable, refusing, a bad reply), or those the owner
         says it waited for; for this replica's own part, the senders that never came."""
         where = f"peer {group[k]} (part {k})" if k != index else f"own part {index}"
         culprits: list[int] = [k] if k != index else []
         try:
-            return await (own() if k == index else remote(k))
+            await (own() if k == index else remote(k))
+            return
         except grpc.aio.AioRpcError as e:
             reason = f"{where}: {e.code().name}: {e.details()}"
             refusal = from_rpc_error(e)
@@ -330,7 +407,7 @@ async def all_reduce(
 
     tasks = [asyncio.ensure_future(guarded(k)) for k in range(n)]
     try:
-        sums = await asyncio.gather(*tasks)
+        await asyncio.gather(*tasks)
     except BaseException as e:
         for t in tasks:
             t.cancel()
@@ -351,4 +428,4 @@ async def all_reduce(
             on_bytes(sent, received)
     if feedback is not None:
         feedback.sent, feedback.summed = dropped_sent, dropped_sum
-    return torch.cat(sums).to(flat.device)
+    return total.to(flat.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,30 +81,33 @@ def split_parts(numel: int, n: int) -> list[slice]:
 
 class Reduced:
     """One part summed over its group, shared by every waiter: `tensor` (not to be modified in
-    place) and the reply all senders receive, encoded and split once."""
+    place) and the reply every sender receives. Uncompressed, each reply is cut from `tensor`'s
+    memory as it is sent (a chunk's copy at a time, however many senders); a lossy codec's
+    encoding is made once, when the sum is."""
 
     def __init__(
         self, tensor: torch.Tensor, message: tensor_pb2.Tensor | None, exact: torch.Tensor
     ) -> None:
         self.tensor, self._message = tensor, message
         self.exact = exact  # the sum before a lossy codec encoded it (`tensor` if none did)
-        self.wire_bytes = 0  # encoded bytes of the sum, once `replies` ran
-        self._replies: dict[int, list[pool_pb2.PoolReduceResponse]] = {}
+        # encoded bytes of the sum, as each reply carries them
+        self.wire_bytes = message.nbytes if message is not None else tensor.nbytes
 
-    def replies(self, chunk_bytes: int) -> list[pool_pb2.PoolReduceResponse]:
-        if chunk_bytes not in self._replies:
-            if self._message is None:
-                self._message = encode(self.tensor, "sum")
-            self.wire_bytes = self._message.nbytes
-            response = pool_pb2.PoolReduceResponse(tensors=[self._message])
-            self._replies[chunk_bytes] = list(wire.split(response, chunk_bytes))
-        return self._replies[chunk_bytes]
+    def replies(self, chunk_bytes: int) -> Iterator[pool_pb2.PoolReduceResponse]:
+        if self._message is None:
+            return wire.split_tensor(pool_pb2.PoolReduceResponse(), "sum", self.tensor, chunk_bytes)
+        return wire.split(pool_pb2.PoolReduceResponse(tensors=[self._message]), chunk_bytes)
 
 
-def _reduce(values: list[torch.Tensor], codec: int, block_size: int) -> Reduced:
+def _reduce(values: list[torch.Tensor], owned: bool, codec: int, block_size: int) -> Reduced:
+    """The sum `((c0 + c1) + c2) + ...` of `values` in sender order; into `values[0]` itself
+    when it is `owned` (a received buffer no one else reads), else into a new tensor."""
     total = values[0]
     if len(values) > 1:
-        total = values[0] + values[1]  # a new tensor: the inputs may be read-only wire buffers
+        if owned:
+            total.add_(values[1])  # the same bits as c0 + c1 into a new tensor
+        else:
+            total = values[0] + values[1]  # values[0] may be a sender's own gradient
         for v in values[2:]:
             total.add_(v)  # elementwise, so the same bits as ((c0 + c1) + c2) + ...
     if codec == CODEC_NONE:
@@ -120,6 +123,7 @@ class _Slot:
     done: asyncio.Future[Reduced]
     timer: asyncio.TimerHandle
     values: list[torch.Tensor | None] = field(default_factory=list)
+    owned: list[bool] = field(default_factory=list)  # the averager may write into values[i]
 
     def missing(self) -> list[int]:
         return [i for i, v in enumerate(self.values) if v is None]
@@ -146,20 +150,33 @@ class Averager:
     last `history` are kept, so a late contribution gets a clear error instead of waiting.
     """
 
-    def __init__(self, *, max_open_rounds: int = 64, history: int = 256) -> None:
+    def __init__(
+        self, *, max_open_rounds: int = 64, history: int = 256, max_open_slices: int = 4096
+    ) -> None:
         self._max_open, self._history = max_open_rounds, history
-        self._open: dict[RoundKey, dict[int, _Slot]] = {}
+        # Slices of one round summed at once: each holds a timer and its contributions (whose
+        # bytes the receive budget bounds); a sender sends a few per part at a time.
+        self._max_open_slices = max_open_slices
+        # round -> (part, slice) -> its contributions so far
+        self._open: dict[RoundKey, dict[tuple[int, int], _Slot]] = {}
         # round -> (outcome, the members an aborted one failed on)
         self._closed: OrderedDict[RoundKey, tuple[str, tuple[int, ...]]] = OrderedDict()
+        # round -> its (part, slice)s summed already: a round's slices come and complete one by
+        # one, so a round with none open may still have more to come; a late sender of one
+        # summed is refused
+        self._summed: OrderedDict[RoundKey, set[tuple[int, int]]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def open_rounds(self) -> set[RoundKey]:
         return set(self._open)
 
     def outcome(self, round: RoundKey) -> str | None:
-        """The outcome ("completed" or "aborted: <why>"); None while open or once forgotten."""
+        """The outcome ("aborted: <why>", or "completed" while nothing of it is open and some
+        was summed); None while open or once forgotten."""
         closed = self._closed.get(round)
-        return closed[0] if closed is not None else None
+        if closed is not None:
+            return closed[0]
+        return _COMPLETED if round in self._summed and round not in self._open else None
 
     async def contribute(
         self,
@@ -190,15 +207,23 @@ class Averager:
         timeout_s: float,
         codec: int = CODEC_NONE,
         block_size: int = 2048,
+        owned: bool = False,
+        slice: int = 0,
     ) -> Reduced:
-        """`contribute`, returning the shared `Reduced` (the servicer replies its bytes)."""
-        slot = self._admit(round, part, sender, group_size, values, timeout_s, codec, block_size)
+        """`contribute`, returning the shared `Reduced` (the servicer replies its bytes).
+        `owned`: `values` is a buffer the averager may sum into (a contribution received for
+        it), not a sender's own gradient. `slice`: which slice of the part `values` are (a
+        part sent in slices is summed slice by slice, each on its own)."""
+        slot = self._admit(
+            round, (part, slice), sender, group_size, values, timeout_s, codec, block_size, owned
+        )
         try:
             return await asyncio.wait_for(asyncio.shield(slot.done), max(timeout_s, 0.0))
         except TimeoutError:
             missing = slot.missing()
-            self.abort(round, f"part {part} timed out after {timeout_s:.3g} s", missing)
-            raise AveragingAborted(f"{round_name(round)}: part {part} timed out", missing) from None
+            where = _where(part, slice)
+            self.abort(round, f"{where} timed out after {timeout_s:.3g} s", missing)
+            raise AveragingAborted(f"{round_name(round)}: {where} timed out", missing) from None
         except AveragingAborted as e:
             raise AveragingAborted(str(e), e.missing) from None  # a fresh one per waiter
 
@@ -207,10 +232,11 @@ class Averager:
         if missing:
             reason += f" waiting for senders {list(missing)}"
         slots = self._open.pop(round, {})
-        for part, slot in slots.items():
+        for (part, slice), slot in slots.items():
             slot.timer.cancel()
             if not slot.done.done():
-                error = AveragingAborted(f"{round_name(round)} part {part}: {reason}", missing)
+                where = f"{round_name(round)} {_where(part, slice)}"
+                error = AveragingAborted(f"{where}: {reason}", missing)
                 slot.done.set_exception(error)
         if slots:
             log.info("%s aborted: %s", round_name(round), reason)
@@ -229,24 +255,26 @@ class Averager:
     def _admit(
         self,
         round: RoundKey,
-        part: int,
+        key: tuple[int, int],
         sender: int,
         group_size: int,
         values: torch.Tensor,
         timeout_s: float,
         codec: int,
         block_size: int,
+        owned: bool,
     ) -> _Slot:
-        name = f"{round_name(round)} part {part}"
+        part, slice = key
+        name = f"{round_name(round)} {_where(part, slice)}"
         if group_size > MAX_GROUP_SIZE:
             raise InvalidArgument(f"{name}: group size {group_size} above {MAX_GROUP_SIZE}")
         if group_size < 1 or not (0 <= part < group_size and 0 <= sender < group_size):
             raise InvalidArgument(f"{name}: sender {sender} or part out of 0..{group_size - 1}")
         outcome, missing = self._closed.get(round, (None, ()))
-        if outcome == _COMPLETED:
-            raise FailedPrecondition(f"{name}: completed already; sender {sender} came too late")
         if outcome is not None:
             raise AveragingAborted(f"{name}: {outcome}", missing)
+        if key in self._summed.get(round, ()):
+            raise FailedPrecondition(f"{name}: completed already; sender {sender} came too late")
         if not values.is_floating_point():
             codec = CODEC_NONE  # as `encode` sends it
         signature = (
@@ -260,14 +288,18 @@ class Averager:
             if len(self._open) >= self._max_open:
                 raise ResourceExhausted(f"{name}: {self._max_open} rounds are open already")
             slots = self._open[round] = {}
-        slot = slots.get(part)
+        slot = slots.get(key)
         loop = asyncio.get_running_loop()
         if slot is None:
+            if len(slots) >= self._max_open_slices:
+                raise ResourceExhausted(f"{name}: {len(slots)} slices of the round are open")
             done: asyncio.Future[Reduced] = loop.create_future()
             done.add_done_callback(_retrieve)
             # The round's deadline even when every waiter has gone (cancelled calls).
-            timer = loop.call_later(max(timeout_s, 0.0), self._expire, round, part, timeout_s)
-            slot = slots[part] = _Slot(group_size, signature, done, timer, [None] * group_size)
+            timer = loop.call_later(max(timeout_s, 0.0), self._expire, round, key, timeout_s)
+            slot = slots[key] = _Slot(
+                group_size, signature, done, timer, [None] * group_size, [False] * group_size
+            )
         elif slot.group_size != group_size:
             raise InvalidArgument(f"{name}: group size {group_size}, others said {slot.group_size}")
         elif slot.signature != signature:
@@ -279,43 +311,52 @@ class Averager:
             if not _same_bits(old, values):
                 raise InvalidArgument(f"{name}: sender {sender} contributed other values already")
             return slot  # a retry: it waits for the same sum
-        slot.values[sender] = values
+        slot.values[sender], slot.owned[sender] = values, owned
         if not slot.missing():
             slot.timer.cancel()
-            del slots[part]
+            del slots[key]
             if not slots:
                 del self._open[round]
-                self._remember(round, _COMPLETED)
-            task = loop.create_task(self._finish(round, part, slot, codec, block_size))
+            self._summed.setdefault(round, set()).add(key)
+            self._summed.move_to_end(round)
+            while len(self._summed) > self._history:
+                self._summed.popitem(last=False)
+            task = loop.create_task(self._finish(round, name, slot, codec, block_size))
             self._tasks.add(task)  # a reference, so the task is not collected mid-way
             task.add_done_callback(self._tasks.discard)
         return slot
 
     async def _finish(
-        self, round: RoundKey, part: int, slot: _Slot, codec: int, block_size: int
+        self, round: RoundKey, name: str, slot: _Slot, codec: int, block_size: int
     ) -> None:
         values = [v for v in slot.values if v is not None]
-        slot.values = []
+        owned = slot.owned[0]
+        slot.values, slot.owned = [], []
         try:
             # Off the event loop: a large part's sum would hold up every other call.
-            reduced = await asyncio.to_thread(_reduce, values, codec, block_size)
+            reduced = await asyncio.to_thread(_reduce, values, owned, codec, block_size)
         except Exception as e:
-            log.exception("%s part %d: the sum failed", round_name(round), part)
+            log.exception("%s: the sum failed", name)
             if not slot.done.done():
-                slot.done.set_exception(AveragingAborted(f"{round_name(round)} part {part}: {e}"))
+                slot.done.set_exception(AveragingAborted(f"{name}: {e}"))
         else:
             if not slot.done.done():
                 slot.done.set_result(reduced)
 
-    def _expire(self, round: RoundKey, part: int, timeout_s: float) -> None:
-        slot = self._open.get(round, {}).get(part)
+    def _expire(self, round: RoundKey, key: tuple[int, int], timeout_s: float) -> None:
+        slot = self._open.get(round, {}).get(key)
         if slot is not None:
-            self.abort(round, f"part {part} timed out after {timeout_s:.3g} s", slot.missing())
+            where = _where(*key)
+            self.abort(round, f"{where} timed out after {timeout_s:.3g} s", slot.missing())
 
 
 def _retrieve(fut: asyncio.Future[Reduced]) -> None:
     if not fut.cancelled():
         fut.exception()  # marks it retrieved: a round nobody waits for any more logs nothing
+
+
+def _where(part: int, slice: int) -> str:
+    return f"part {part}" if slice == 0 else f"part {part} slice {slice}"
 
 
 def round_name(round: RoundKey) -> str:

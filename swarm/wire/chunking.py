@@ -27,11 +27,13 @@ __all__ = [
     "TENSOR_OVERHEAD_BYTES",
     "EndOfStream",
     "Received",
+    "buffer",
     "decode_named",
     "grpc_options",
     "receive",
     "split",
     "split_tensor",
+    "tensor_bytes",
     "within_deadline",
 ]
 
@@ -57,10 +59,29 @@ class EndOfStream(InvalidArgument):
 
 @dataclass
 class Received(Generic[M]):
-    """A reassembled message: the header as received and one payload per `header.tensors`."""
+    """A reassembled message: the header as received and one payload per `header.tensors`
+    (inline bytes as received; a chunked tensor's bytes in a writable buffer)."""
 
     header: M
-    payloads: list[bytes | bytearray]
+    payloads: list[bytes | memoryview]
+
+
+Into = Callable[[int, Any], "memoryview | None"]
+"""`into(i, meta)`: where chunked tensor `i` (its header entry `meta`) is to be written, a
+writable byte buffer of exactly `meta.nbytes`, or None for a new one."""
+
+
+def buffer(nbytes: int) -> memoryview:
+    """A writable buffer of `nbytes` bytes, not zeroed (every byte is written before it is read)
+    and backed by a torch tensor, so that a decoded tensor shares it (writable, no copy)."""
+    return tensor_bytes(torch.empty(nbytes, dtype=torch.uint8))
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of `t` (contiguous, on the CPU) as a writable buffer: what is written there is
+    written to `t`."""
+    view: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(view)
 
 
 def _copy_fields(src: Message, dst: Message, skip: frozenset[str]) -> None:
@@ -158,6 +179,7 @@ async def receive(
     reserve: Callable[[int], None] | None = None,
     limit_name: str = "",
     tensor_overhead: int = TENSOR_OVERHEAD_BYTES,
+    into: Into | None = None,
 ) -> Received[M]:
     """Read one (possibly chunked) message from `stream` and reassemble its tensor payloads.
 
@@ -168,7 +190,9 @@ async def receive(
     against `max_bytes` (ResourceExhausted; the refusal says `limit_name`, the setting behind
     it), and `reserve(those bytes)` may refuse them too (a process's `swarm.wire.budget`).
     A server reads its requests `within_deadline`. Raises InvalidArgument for an empty or truncated
-    stream or a chunk that does not fit the header.
+    stream or a chunk that does not fit the header. A chunked tensor's bytes are written where
+    `into` says (the caller's own tensor: a reply lands where it is used), else in a new
+    `buffer`; each chunk is copied once, into place.
     """
     it = stream.__aiter__()
     try:
@@ -207,10 +231,17 @@ async def receive(
         )
     if reserve is not None:
         reserve(charged)
-    payloads: list[bytes | bytearray] = [
-        data if data is not None else bytearray(size)
-        for data, size in zip(inline, sizes, strict=True)
-    ]
+    payloads: list[bytes | memoryview] = []
+    for i, (given, size) in enumerate(zip(inline, sizes, strict=True)):
+        if given is not None:
+            payloads.append(given)
+            continue
+        target = into(i, header.tensors[i]) if into is not None else None
+        if target is None:
+            target = buffer(size)
+        elif target.readonly or target.nbytes != size:
+            raise ConfigError(f"tensor {i}: a buffer of {target.nbytes} bytes for {size}")
+        payloads.append(target.cast("B"))
     filled = [size if data is not None else 0 for data, size in zip(inline, sizes, strict=True)]
     chunked_total = sum(size for data, size in zip(inline, sizes, strict=True) if data is None)
     received = 0
@@ -241,7 +272,7 @@ async def receive(
                 f"chunk overflows tensor {index}: {end} bytes of {sizes[index]} declared"
             )
         # Write in place into the preallocated buffer: no per-chunk concatenation.
-        memoryview(payloads[index])[filled[index] : end] = piece
+        payloads[index][filled[index] : end] = piece  # type: ignore[index]
         filled[index] = end
         received += len(piece)
     return Received(header=first, payloads=payloads)

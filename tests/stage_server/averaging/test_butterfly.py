@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from stage_server.averaging.butterfly import all_reduce
+from stage_server.averaging.butterfly import PoolServicer, all_reduce
 from stage_server.averaging.owner import (
     MAX_GROUP_SIZE,
     Averager,
@@ -189,6 +189,59 @@ async def test_all_replicas_end_bitwise_identical(n: int) -> None:
             assert torch.equal(total, ordered_sum(flats))  # the owner's sender order, exactly
             assert torch.allclose(total, reference(flats), rtol=1e-12, atol=1e-12)
         assert all(r.averager.open_rounds() == set() for r in pool)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_a_part_in_slices_sums_to_the_same_bits_and_the_owner_holds_a_window_of_them(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part travels in slices of `slice_bytes`, `window` at a time: the total is bitwise the
+    whole part's (each element still summed once, in sender order), and an owner never holds
+    more than `window` slices of each other sender at once."""
+    numel, slice_bytes, window = 10_007, 1000 * 8, 2  # 1000 float64 a slice, uneven ends
+    calls: dict[int, int] = {}  # owner -> Reduce calls it holds now
+    most: dict[int, int] = {}  # owner -> the most it held at once
+    serve = PoolServicer._reduce
+
+    async def counting(self: PoolServicer, requests: Any, context: Any) -> Any:
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        most[id(self)] = max(most.get(id(self), 0), calls[id(self)])
+        try:
+            return await serve(self, requests, context)
+        finally:
+            calls[id(self)] -= 1
+
+    monkeypatch.setattr(PoolServicer, "_reduce", counting)
+    async with replicas(n) as pool:
+        flats = [torch.randn(numel, dtype=torch.float64) for _ in range(n)]
+        sliced = assert_identical(
+            await reduce_all(pool, flats, round="sliced", slice_bytes=slice_bytes, window=window)
+        )
+        whole = assert_identical(await reduce_all(pool, flats, round="whole", slice_bytes=1 << 30))
+        assert torch.equal(sliced, whole) and torch.equal(sliced, ordered_sum(flats))
+        assert all(r.averager.open_rounds() == set() for r in pool)
+        for r in pool:
+            assert r.averager.outcome((JOB, 0, "sliced")) == "completed"
+    part = -(-numel // n)
+    assert -(-part // 1000) > window  # more slices than the window: the bound was exercised
+    assert 0 < max(most.values()) <= window * (n - 1)
+
+
+async def test_a_round_whose_first_slices_are_summed_still_takes_its_later_ones() -> None:
+    """Slices of a part complete one by one: a round with none open may have more to come (the
+    owner's own later slices were refused as 'completed already' when it counted the round as
+    done once nothing was open), while a late sender of a summed slice is refused."""
+    av = Averager()
+    x = torch.ones(4)
+    await asyncio.gather(*(av.reduce(R, 0, s, 2, x, timeout_s=5, slice=0) for s in (0, 1)))
+    assert av.open_rounds() == set()
+    later = await asyncio.gather(
+        *(av.reduce(R, 0, s, 2, x * 2, timeout_s=5, slice=1) for s in (0, 1))
+    )
+    assert torch.equal(later[0].tensor, x * 4) and later[0] is later[1]
+    with pytest.raises(FailedPrecondition, match="slice 1: completed already"):
+        await av.reduce(R, 0, 1, 2, x * 2, timeout_s=5, slice=1)
+    assert av.outcome(R) == "completed"
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])

@@ -117,8 +117,11 @@ async def test_large_message_round_trip() -> None:
 
     got = await receive_list(parts)
     assert got.header == head
-    assert isinstance(got.payloads[0], bytearray)
+    payload = got.payloads[0]
+    assert isinstance(payload, memoryview) and not payload.readonly  # a buffer of its own
     named = decode_named(got)
+    # decoded without a copy, and writable: the receiver may sum into it
+    assert named["inputs"].data_ptr() == torch.frombuffer(payload, dtype=torch.uint8).data_ptr()
     assert set(named) == {"inputs", "targets", "empty"}
     assert torch.equal(named["inputs"], inputs)
     assert torch.equal(named["targets"], targets)
