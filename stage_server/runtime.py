@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -282,11 +282,13 @@ class StageRuntime:
             raise InvalidArgument(f"total_samples must be positive; got {total_samples}")
         # A copy, taken on the compute thread: a late Backward (a straggler's duplicate, which
         # the ledger counts elsewhere) adds to `_accum` in place, and must not reach the sums
-        # this replica averages and applies.
-        return [t.clone() for t in sums.accum] if sums.accum is not None else self._zeros()
+        # this replica averages and applies. One flat copy, the tensors views of it: averaging
+        # reads it as it is (`stage_server.averaging.owner.flatten`) and writes the pool's sum
+        # over it, so a commit holds the gradient twice (the sums and this), not four times.
+        return _flat_copy(sums.accum) if sums.accum is not None else self._zeros()
 
     def _zeros(self) -> list[torch.Tensor]:
-        return [torch.zeros_like(p) for p in self.params]
+        return _flat_copy(self.params, zeros=True)
 
     def _accum_or_zeros(self) -> list[torch.Tensor]:
         sums = self._sums.get(self.step)
@@ -334,12 +336,15 @@ class StageRuntime:
     ) -> None:
         """One optimizer step with gradient `scale * grad_sums / total_samples` at the step's
         learning rate (`swarm.model.optim.update`, as the reference); then the next step."""
-        for p, g in zip(self.params, grad_sums, strict=True):
-            p.grad = g.div(total_samples)
-        update(self.optimizer, self.job, self.step, scale)
+        # Recorded first (a copy, only while a peer follows): the mean is taken in place below.
         self.updates.record(self.step, grad_sums, total_samples, scale)
+        self._sums.pop(self.step, None)  # this step's own sums: not needed once prepared
+        for p, g in zip(self.params, grad_sums, strict=True):
+            # In place: the prepared sums are this step's alone (a retried APPLY of an applied
+            # step changes nothing), so the mean takes no memory of its own.
+            p.grad = g.div_(total_samples)
+        update(self.optimizer, self.job, self.step, scale)
         self.applied = (self.step, scale)
-        self._sums.pop(self.step, None)
         self.step += 1
         self._prepared = None
         # Activations of the old step are useless now; with delayed_update the next step's
@@ -449,6 +454,24 @@ class StageRuntime:
     @property
     def total_layers(self) -> int:
         return num_layers(self.job.model)
+
+
+def _flat_copy(tensors: Sequence[torch.Tensor], zeros: bool = False) -> list[torch.Tensor]:
+    """Copies of `tensors` (or zeros like them) as views of one flat tensor, when they share a
+    dtype and device (else one copy each)."""
+    if len({(t.dtype, t.device) for t in tensors}) != 1:
+        return [torch.zeros_like(t) if zeros else t.detach().clone() for t in tensors]
+    first = tensors[0]
+    make = torch.zeros if zeros else torch.empty
+    flat = make(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)
+    views, start = [], 0
+    for t in tensors:
+        view = flat[start : start + t.numel()].view(t.shape)
+        if not zeros:
+            view.copy_(t.detach())
+        views.append(view)
+        start += t.numel()
+    return views
 
 
 Served = Callable[[], StageRuntime]

@@ -55,11 +55,30 @@ class AveragingAborted(Aborted):
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous 1-D copy of `tensors` (which must share one dtype and device)."""
+    """`tensors` (which must share one dtype and device) as one contiguous 1-D tensor: a view
+    when they lie one after another in one memory (as `StageRuntime.prepare` gives them), else
+    a copy."""
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise InvalidArgument(f"flatten needs tensors of one dtype, got {sorted(map(str, dtypes))}")
+    whole = _consecutive(tensors)
+    if whole is not None:
+        return whole
     return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _consecutive(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D view over `tensors` when each is contiguous and starts where the one before it
+    ends, in one storage; else None."""
+    first = tensors[0].detach()
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage:
+            return None
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,))
 
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stage_server.averaging.owner import flatten
 from stage_server.runtime import StageRuntime
 from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
@@ -142,6 +143,36 @@ def test_a_late_backward_after_prepare_does_not_reach_the_update(tmp_path: Path)
     assert clean.commit(0, [0], 4) is False
     for name, value in clean.state_dict().items():
         assert torch.equal(late.state_dict()[name], value), name
+
+
+def test_prepared_sums_are_one_flat_copy_and_the_mean_takes_no_memory_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """A commit holds the gradient twice (the step's sums and the prepared copy, over which
+    averaging writes the pool's total), not four times: the copy is one flat tensor that
+    `flatten` views without copying, and APPLY takes the mean in place, into `.grad`."""
+    job = make_job(tmp_path, training={"stages": 1})
+    rt = StageRuntime(job, 0)
+    rt.forward_backward(0, 0, *make_data(job).microbatch(0, 0))
+    accum = rt._sums[0].accum
+    assert accum is not None
+    sums = rt.prepare(0, [0], 4)
+    flat = flatten(sums)
+    assert flat.numel() == rt.num_parameters() and flat.data_ptr() == sums[0].data_ptr()
+    assert all(torch.equal(a, s) for a, s in zip(accum, sums, strict=True))
+    assert all(a.data_ptr() != s.data_ptr() for a, s in zip(accum, sums, strict=True))
+    seen: list[int] = []
+    step = rt.optimizer.step
+
+    def stepping(*args: object, **kwargs: object) -> object:
+        seen.extend(p.grad.data_ptr() for p in rt.params if p.grad is not None)
+        return step(*args, **kwargs)  # type: ignore[call-overload]
+
+    rt.optimizer.step = stepping  # type: ignore[method-assign,assignment]
+    rt.set_prepared(0, sums, 4)
+    assert rt.apply(0) is False
+    assert seen == [s.data_ptr() for s in sums]  # the optimizer read the prepared memory
+    assert 0 not in rt._sums  # and the step's own sums were let go
 
 
 def test_accumulate_false_returns_gradients_without_a_receipt(tmp_path: Path) -> None:

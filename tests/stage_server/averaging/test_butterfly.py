@@ -51,6 +51,18 @@ def test_flatten_unflatten_round_trip() -> None:
         unflatten(flat[:-1], like)
 
 
+def test_flatten_of_tensors_laid_out_one_after_another_is_a_view_not_a_copy() -> None:
+    # As `StageRuntime.prepare` gives a step's sums: views of one flat copy, in order.
+    whole = torch.randn(18)
+    like = [whole[:12].view(3, 4), whole[12:17], whole[17:].view(())]
+    assert flatten(like).data_ptr() == whole.data_ptr() and torch.equal(flatten(like), whole)
+    # Out of order, with a gap, or not contiguous: a copy, with the same values.
+    for tensors in ([like[1], like[0]], [whole[:5], whole[6:]], [whole.view(3, 6).t()]):
+        flat = flatten(tensors)
+        assert flat.data_ptr() != whole.data_ptr()
+        assert torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors]))
+
+
 # --- the Averager alone ----------------------------------------------------------------------
 
 R = (JOB, 0, "r0")
@@ -225,6 +237,26 @@ async def test_a_part_in_slices_sums_to_the_same_bits_and_the_owner_holds_a_wind
     part = -(-numel // n)
     assert -(-part // 1000) > window  # more slices than the window: the bound was exercised
     assert 0 < max(most.values()) <= window * (n - 1)
+
+
+async def test_the_total_may_be_written_over_the_values_sent() -> None:
+    """`out=flat`: each slice's sum arrives once this replica's values of it were sent and
+    summed, so writing the total over them gives the same bits as a new tensor."""
+    async with replicas(3) as pool:
+        flats = [torch.randn(10_007, dtype=torch.float64) for _ in range(3)]
+        expected = ordered_sum(flats)
+        mine = [f.clone() for f in flats]
+        results = [
+            all_reduce(
+                f, group=[r.address for r in pool], index=i, round="r", job=JOB, stage=0,
+                averager=r.averager, channels=r.channels, timeout_s=20.0, chunk_bytes=4096,
+                max_bytes=64 * MiB, slice_bytes=8000, out=f,
+            )
+            for i, (r, f) in enumerate(zip(pool, mine, strict=True))
+        ]  # fmt: skip
+        totals = await asyncio.gather(*results)
+        assert all(t is f for t, f in zip(totals, mine, strict=True))
+        assert all(torch.equal(t, expected) for t in totals)
 
 
 async def test_a_round_whose_first_slices_are_summed_still_takes_its_later_ones() -> None:
