@@ -193,11 +193,13 @@ class StateTransfer:
                 except wire.EndOfStream:
                     break
                 step = received.header.step
-                tensors = wire.decode_named(received, max_bytes=limit, reserve=held.reserve)
+                tensors = wire.decode_named(
+                    received, max_bytes=limit, reserve=held.reserve, owned=True
+                )
                 budget -= sum(t.nbytes for t in tensors.values())
                 for name, tensor in tensors.items():
                     rt.check_state_tensor(name, tensor)
-                    state[name] = tensor.clone()  # the wire buffer is read-only
+                    state[name] = tensor  # its own buffer: no copy
         if step < 0:
             raise InvalidArgument("LoadState carried no state")
         return step, state

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -72,12 +73,20 @@ def save_stage(root: Path, step: int, stage: int, state: dict[str, torch.Tensor]
     rollback uses, rather than one that would poison every replica that loads it."""
     path = _dir(root, step) / f"stage-{stage}.pt"
     for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not _finite(tensor):
             raise CheckpointError(
                 f"checkpoint of step {step}, stage {stage}: {name} holds NaN or infinite values;"
                 f" not written"
             )
     _atomic(path, lambda f: torch.save(state, f), f"checkpoint of step {step}, stage {stage}")
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in `tensor`: its largest magnitude is finite (NaN propagates through
+    the max), read in one pass without a mask the size of the tensor."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    return bool(torch.isfinite(torch.linalg.vector_norm(tensor.detach(), ord=math.inf)))
 
 
 def seal(root: Path, step: int, stages: int) -> None:

@@ -338,10 +338,9 @@ class StageClient:
         """Make this replica the one `state` describes (names as `export_state` gives them)."""
         call = self.stub.LoadState(timeout=self.job.runtime.commit_timeout_s)
         for name, tensor in state.items():
-            message = pb.StageLoadStateRequest(
-                job=self.job_id, stage=self.stage, step=step, tensors=[codec.encode(tensor, name)]
-            )
-            for part in wire.split(message, self._chunk):
+            header = pb.StageLoadStateRequest(job=self.job_id, stage=self.stage, step=step)
+            # Cut from the tensor's memory as sent: no encoded copy of a whole tensor.
+            for part in wire.split_tensor(header, name, tensor, self._chunk):
                 await _write(call, part)
         await call.done_writing()
         response: pb.StageLoadStateResponse = await call
@@ -406,7 +405,7 @@ class StageClient:
                 if len(state) == most:
                     raise self._refused(f"more than the {most} tensors stage {self.stage} has")
                 self._check(expect.state_tensor, name, tensor)
-                state[name] = tensor.clone()  # the wire buffer is read-only
+                state[name] = tensor  # its own buffer (`_Bounded.next`): no copy
         self._check(expect.complete, state.keys())  # a replica always has parameters
         return step, state
 
@@ -463,7 +462,7 @@ class StageClient:
                 if name != str(len(sums)):
                     raise self._refused(f"gradient sum {name!r} where {len(sums)} was due")
                 self._check(expect.update_tensor, len(sums), tensor)
-                sums.append(tensor.clone())
+                sums.append(tensor)  # its own buffer: no copy
         if updates and len(updates[-1][1]) != size:
             raise self._refused(
                 f"the update of step {updates[-1][0]} has {len(updates[-1][1])} of {size} sums"
@@ -530,13 +529,14 @@ class _Bounded:
         self.left = limit
 
     async def next(self) -> tuple[Any, dict[str, torch.Tensor]] | None:
-        """The next message's header and tensors (decoded, read-only), or None at the end."""
+        """The next message's header and tensors (decoded, the caller's own), or None at the
+        end."""
         bound = min(self.max_tensor, self.left)
         try:
             received = await wire.receive(
                 self.stream, max_bytes=bound, tensor_overhead=self.overhead
             )
-            tensors = wire.decode_named(received, device="cpu", max_bytes=bound)
+            tensors = wire.decode_named(received, device="cpu", max_bytes=bound, owned=True)
         except wire.EndOfStream:
             return None
         except InvalidArgument as e:  # a header of too many tensors, or bytes that do not fit

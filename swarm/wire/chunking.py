@@ -312,13 +312,16 @@ def decode_named(
     device: torch.device | str = "cpu",
     max_bytes: int | None = None,
     reserve: Callable[[int], None] | None = None,
+    owned: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Decode every tensor of `received` by name; `max_bytes` caps their decoded total, and
     `reserve` is asked for the bytes that decoding allocates (a lossy codec's widened values;
     CODEC_NONE shares the payload's memory on the CPU).
 
     Both are checked before any tensor is decoded. See `swarm.wire.codec.decode` for the
-    zero-copy caveat: results must not be modified in place.
+    zero-copy caveat: results must not be modified in place, unless `owned`: then each is the
+    caller's own (a chunked tensor's buffer as it is, an inline one copied out of its message),
+    to keep and write to, without a copy of what came chunked.
     """
     _check_count(received.header)
     tensors: list[tensor_pb2.Tensor] = list(received.header.tensors)
@@ -336,10 +339,14 @@ def decode_named(
             )
     if reserve is not None:
         reserve(sum(decoded_nbytes(t) for t in tensors if t.codec != CODEC_NONE))
-    return {
-        t.name: decode(t, payload, device=device)
-        for t, payload in zip(tensors, received.payloads, strict=True)
-    }
+    decoded = {}
+    for t, payload in zip(tensors, received.payloads, strict=True):
+        tensor = decode(t, payload, device=device)
+        shared = isinstance(payload, bytes) or payload.readonly
+        if owned and shared and t.codec == CODEC_NONE and tensor.device.type == "cpu":
+            tensor = tensor.clone()  # it shares a message's bytes
+        decoded[t.name] = tensor
+    return decoded
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -78,7 +78,7 @@ def test_a_full_disk_fails_a_checkpoint_write_as_oserror_and_leaves_no_partial_f
         ]
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_state_with_non_finite_values_is_never_written(tmp_path: Path, bad: float) -> None:
     job = make_job(tmp_path)
     state = StageRuntime(job, 0).export_state()

@@ -128,6 +128,23 @@ async def test_large_message_round_trip() -> None:
     assert named["empty"].shape == (0, 3)
 
 
+async def test_owned_tensors_are_the_callers_without_a_copy_of_what_came_chunked() -> None:
+    """`decode_named(owned=True)`: every tensor is the caller's to keep and write to. A chunked
+    one is its receive buffer as it is (the state paths cloned every tensor of a state they
+    received: a second copy of the whole state); an inline one is copied out of its message,
+    whose bytes are immutable."""
+    big, small = torch.randn(25_000), torch.arange(10)
+    got = await receive_list(list(split(forward_request(big=big, small=small), 16 * 1024)))
+    shared = decode_named(got)
+    owned = decode_named(got, owned=True)
+    assert owned["big"].data_ptr() == shared["big"].data_ptr()  # no copy
+    assert owned["small"].data_ptr() != shared["small"].data_ptr()  # out of the message
+    for name, t in owned.items():
+        t.add_(1)  # writable, and the caller's
+        assert torch.equal(t, {"big": big, "small": small}[name] + 1)
+    assert torch.equal(decode_named(got)["small"], small)  # the message itself is untouched
+
+
 async def test_several_large_tensors_are_chunked_in_order() -> None:
     a, b = torch.randn(3000), torch.randn(2000, dtype=torch.float64)
     msg = forward_request(a=a, b=b)
