@@ -184,7 +184,7 @@ class Committer:
             raise InvalidArgument(f"group_index {c.group_index} outside the group")
         start = time.perf_counter()
         maybe_die(Point.AVERAGING, c.step)
-        flat = flatten(sums)  # a view of this commit's own copy: the total is written over it
+        flat = flatten(sums)  # a view of the step's sums, lent: read, never written
         averaged, residuals = codec.codec_from_name(rt.job.compression.averaging), None
         if rt.job.compression.error_feedback and averaged != codec.CODEC_NONE:  # a lossy one only
             residuals = self.feedback.start(c.job, c.stage, c.step, flat)
@@ -204,7 +204,6 @@ class Committer:
             chunk_bytes=self.limits.chunk_bytes,
             max_bytes=self.limits.max_bytes,
             on_bytes=self.metrics.averaged,
-            out=flat if flat.device.type == "cpu" else None,
         )
         self.metrics.averaging_seconds(time.perf_counter() - start)
         if residuals is not None:

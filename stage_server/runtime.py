@@ -59,6 +59,7 @@ class _Sums:
 
     accum: list[torch.Tensor] | None = None
     receipts: dict[int, int] = field(default_factory=dict)  # index -> samples
+    lent: bool = False  # `accum` is a commit's now: a later Backward adds into a copy of it
 
 
 class StageRuntime:
@@ -241,8 +242,11 @@ class StageRuntime:
                 g if g is not None else torch.zeros_like(p)
                 for p, g in zip(self.params, grads[: len(self.params)], strict=True)
             ]
-            if sums.accum is None:
-                sums.accum = [g.clone() for g in param_grads]
+            if sums.accum is None:  # one flat tensor, which averaging reads as it is
+                sums.accum = _flat_copy(param_grads)
+            elif sums.lent:  # a straggler after PREPARE: the prepared sums stay as they are
+                sums.accum = [acc + g for acc, g in zip(sums.accum, param_grads, strict=True)]
+                sums.lent = False
             else:
                 for acc, g in zip(sums.accum, param_grads, strict=True):
                     acc.add_(g)
@@ -280,12 +284,14 @@ class StageRuntime:
             )
         if total_samples <= 0:
             raise InvalidArgument(f"total_samples must be positive; got {total_samples}")
-        # A copy, taken on the compute thread: a late Backward (a straggler's duplicate, which
-        # the ledger counts elsewhere) adds to `_accum` in place, and must not reach the sums
-        # this replica averages and applies. One flat copy, the tensors views of it: averaging
-        # reads it as it is (`stage_server.averaging.owner.flatten`) and writes the pool's sum
-        # over it, so a commit holds the gradient twice (the sums and this), not four times.
-        return _flat_copy(sums.accum) if sums.accum is not None else self._zeros()
+        # The sums themselves, lent to the commit (one flat tensor, which averaging reads as it
+        # is): a late Backward (a straggler's duplicate, which the ledger counts elsewhere) must
+        # not reach what this replica averages and applies, so it adds into a copy
+        # (`_backprop`): the copy is made when such a Backward comes, not at every commit.
+        if sums.accum is None:
+            return self._zeros()
+        sums.lent = True
+        return list(sums.accum)
 
     def _zeros(self) -> list[torch.Tensor]:
         return _flat_copy(self.params, zeros=True)

@@ -145,22 +145,23 @@ def test_a_late_backward_after_prepare_does_not_reach_the_update(tmp_path: Path)
         assert torch.equal(late.state_dict()[name], value), name
 
 
-def test_prepared_sums_are_one_flat_copy_and_the_mean_takes_no_memory_of_its_own(
-    tmp_path: Path,
-) -> None:
-    """A commit holds the gradient twice (the step's sums and the prepared copy, over which
-    averaging writes the pool's total), not four times: the copy is one flat tensor that
-    `flatten` views without copying, and APPLY takes the mean in place, into `.grad`."""
+def test_prepare_lends_the_sums_and_a_late_backward_adds_into_a_copy(tmp_path: Path) -> None:
+    """A commit holds no copy of the step's sums: PREPARE lends them (one flat tensor, which
+    `flatten` views without copying), a Backward after it adds into a copy so the prepared sums
+    stay as they were, and APPLY takes the mean in place, into `.grad`."""
     job = make_job(tmp_path, training={"stages": 1})
+    data = make_data(job)
     rt = StageRuntime(job, 0)
-    rt.forward_backward(0, 0, *make_data(job).microbatch(0, 0))
-    accum = rt._sums[0].accum
-    assert accum is not None
+    rt.forward_backward(0, 0, *data.microbatch(0, 0))
+    accum = list(rt._sums[0].accum or [])
     sums = rt.prepare(0, [0], 4)
+    assert [s.data_ptr() for s in sums] == [a.data_ptr() for a in accum]  # lent, not copied
     flat = flatten(sums)
     assert flat.numel() == rt.num_parameters() and flat.data_ptr() == sums[0].data_ptr()
-    assert all(torch.equal(a, s) for a, s in zip(accum, sums, strict=True))
-    assert all(a.data_ptr() != s.data_ptr() for a, s in zip(accum, sums, strict=True))
+    before = flat.clone()
+    rt.forward_backward(0, 1, *data.microbatch(0, 1))  # a straggler after PREPARE
+    assert torch.equal(flat, before)  # the prepared sums are untouched
+    assert (rt._sums[0].accum or [])[0].data_ptr() != sums[0].data_ptr()  # it went to a copy
     seen: list[int] = []
     step = rt.optimizer.step
 
@@ -172,7 +173,7 @@ def test_prepared_sums_are_one_flat_copy_and_the_mean_takes_no_memory_of_its_own
     rt.set_prepared(0, sums, 4)
     assert rt.apply(0) is False
     assert seen == [s.data_ptr() for s in sums]  # the optimizer read the prepared memory
-    assert 0 not in rt._sums  # and the step's own sums were let go
+    assert 0 not in rt._sums  # and the step's sums were let go
 
 
 def test_accumulate_false_returns_gradients_without_a_receipt(tmp_path: Path) -> None:

@@ -1,0 +1,163 @@
+"""A 1B-parameter Llama (examples/llama-1b.toml) trained by 4 stage servers, one replica a stage:
+does it fit, and what each server's peak RSS is against the state it holds.
+
+    .venv/bin/python bench/llama_1b.py [--steps 3] [--device cuda:0] [--peak-tflops 989] [--json]
+
+Starts the 4 stage servers (`swarm stage-server --job J --stage k`, the standalone path, one
+torch thread each on a CPU), trains `--steps` steps with the standalone trainer in this process,
+and prints per server its parameters, state (16 B a parameter: float32 weights, gradient sums,
+AdamW's two moments), peak RSS (VmHWM) and their ratio, and the run's tokens/s and model FLOP/s
+(6 x parameters x tokens; MFU against `--peak-tflops`, the device's dense peak, when given).
+While it runs it watches the machine's MemAvailable: below `--min-free-gib` it stops every
+server and says so (a size that does not fit ends as a report, not as the OOM killer's pick).
+"""
+
+from __future__ import annotations
+
+import _thread
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.bulk import GiB, peak_rss  # noqa: E402
+from client.standalone import train_standalone  # noqa: E402
+from swarm.job.config import load_job  # noqa: E402
+from swarm.local.procs import SwarmProcess, start_process  # noqa: E402
+from swarm.model.transformer import stage_layout  # noqa: E402
+from swarm.ops.progress import StepRecord  # noqa: E402
+from swarm.rpc.lease import Replica  # noqa: E402
+
+JOB = ROOT / "examples" / "llama-1b.toml"
+READY_TIMEOUT_S = 900.0
+
+
+def available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+class Watch:
+    """MemAvailable every 0.2 s: its lowest, and the servers stopped when it falls too low."""
+
+    def __init__(self, servers: list[SwarmProcess], floor: int) -> None:
+        self.servers, self.floor, self.lowest, self.tripped = servers, floor, available(), False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.2):
+            free = available()
+            self.lowest = min(self.lowest, free)
+            if free < self.floor and not self.tripped:
+                self.tripped = True
+                for s in self.servers:
+                    s.kill()
+                _thread.interrupt_main()  # the trainer would wait for them to come back
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="the stage servers' device, e.g. cuda:0")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (dense peak)")
+    parser.add_argument("--min-free-gib", type=float, default=1.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="swarm-llama-1b-"))
+    text = JOB.read_text().replace(
+        'path = "data/corpus.txt"', f'path = "{JOB.parent}/data/corpus.txt"'
+    )
+    text = text.replace("steps = 3\n", f"steps = {args.steps}\n")
+    job_path = work / "llama-1b.toml"
+    job_path.write_text(text)
+    job = load_job(job_path)
+    stages = job.training.stages
+    params = [sum(p.numel() for p in stage_layout(job, k).parameters()) for k in range(stages)]
+    servers: list[SwarmProcess] = []
+    records: list[StepRecord] = []
+    watch: Watch | None = None
+    started = time.perf_counter()
+    try:
+        for k in range(stages):
+            cmd = ["stage-server", "--job", str(job_path), "--stage", str(k), "--port", "0"]
+            cmd += ["--device", args.device] + (["--threads", "1"] if args.device == "cpu" else [])
+            servers.append(start_process(cmd, log_dir=work, name=f"stage-{k}"))
+        watch = Watch(servers, int(args.min_free_gib * GiB))
+        for s in servers:
+            s.wait_ready(READY_TIMEOUT_S)
+        ready = time.perf_counter()
+        pool = [[Replica(s.address, s.address)] for s in servers]
+        asyncio.run(train_standalone(job, pool, on_step=records.append))
+        trained = time.perf_counter()
+        peaks = [peak_rss(s.proc.pid) for s in servers]
+    except BaseException:
+        if watch is not None and watch.tripped:
+            print(f"stopped: MemAvailable fell below {args.min_free_gib} GiB", file=sys.stderr)
+        print(f"logs in {work}", file=sys.stderr)
+        raise
+    finally:
+        if watch is not None:
+            watch.stop()
+        for s in servers:
+            s.stop()
+    tokens = sum(r.tokens for r in records[1:])  # the first step warms up
+    seconds = sum(r.seconds for r in records[1:])
+    flops = 6 * sum(params) * tokens / seconds if seconds > 0 else 0.0
+    out: dict[str, Any] = {
+        "params": params,
+        "peak_rss": peaks,
+        "lowest_available": watch.lowest if watch else 0,
+        "start_seconds": ready - started,
+        "train_seconds": trained - ready,
+        "losses": [r.loss for r in records],
+        "step_seconds": [r.seconds for r in records],
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "model_tflops": flops / 1e12,
+        "mfu": flops / (args.peak_tflops * 1e12) if args.peak_tflops else None,
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(
+        f"{sum(params) / 1e9:.2f}B parameters in {stages} stages on {args.device}; "
+        f"servers ready in {out['start_seconds']:.0f} s, {len(records)} steps in "
+        f"{out['train_seconds']:.0f} s"
+    )
+    print()
+    print("| stage | parameters | state GB | peak RSS GiB | peak/state |")
+    print("|---|---:|---:|---:|---:|")
+    for k, (n, peak) in enumerate(zip(params, peaks, strict=True)):
+        print(
+            f"| {k} | {n / 1e6:.0f}M | {16 * n / 1e9:.2f} | {peak / GiB:.2f} | "
+            f"{peak / (16 * n):.2f} |"
+        )
+    print(
+        f"\nall servers: {sum(peaks) / GiB:.2f} GiB at their peaks; the machine's lowest "
+        f"MemAvailable {out['lowest_available'] / GiB:.2f} GiB"
+    )
+    print(
+        f"losses {[round(x, 3) for x in out['losses']]}; step seconds "
+        f"{[round(x, 1) for x in out['step_seconds']]}; {out['tokens_per_s']:.1f} tokens/s, "
+        f"{out['model_tflops']:.3f} model TFLOP/s"
+        + (f", MFU {out['mfu']:.3f}" if out["mfu"] else "")
+    )
+
+
+if __name__ == "__main__":
+    main()
