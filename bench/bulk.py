@@ -1,0 +1,702 @@
+"""The bulk paths of a large stage against a bare gRPC stream of the same bytes, and the memory
+each process takes against the state it serves, all measured in one run.
+
+    .venv/bin/python bench/bulk.py [--params 50e6] [--reps 3] [--dir /tmp] [--json]
+
+A stage of about `--params` parameters (a byte-level GPT, `[training] stages = 1`, float32,
+AdamW: d_model a multiple of 64, 4 blocks, n_layers fewer when that comes closer) holds
+16 bytes a parameter: its parameters, its gradient sums and AdamW's two moments ("state" below).
+Every process is a fresh one started for its measurement (torch on one thread each), so each peak
+RSS is its path's; where a process needs a set-up first (a training step, a state to send) its
+peak is reset (`/proc/<pid>/clear_refs`) before the timed part. Rows, each as MB/s (10^6 bytes
+a second, the median of `--reps` repetitions after a warm-up where one is cheap) and as a ratio
+to the bare stream's MB/s in the same run:
+
+- bare stream: the ceiling. Two processes on 127.0.0.1, one `grpc.aio` stream-stream call with
+  identity serialisation (raw bytes): the sender writes the gradient's bytes (4 B a parameter)
+  in 4 MiB chunks, the receiver adds each chunk into a preallocated float32 tensor
+  (`torch.frombuffer` + `add_`) and answers when all came. One warm-up call first.
+- bare exchange, 2 and 4 processes: a round's bytes in a round's pattern over bare streams
+  (raw bytes, as the bare stream): every process at once streams each other member that
+  member's part of its gradient, and the member adds it in and answers as many bytes. On a
+  machine whose cores all the processes share, sending and receiving at once, this and not the
+  one-way stream is the ceiling of an all-reduce; the pool rows give their ratio to it too.
+- pool averaging, 2 and 4 replicas: that many processes, each a pool replica as
+  `tests/support/pools.py` builds one (`PoolServicer` + `Averager` on a `grpc.aio` server, a
+  `ChannelPool`) holding a seeded random float32 gradient, run `butterfly.all_reduce` together
+  (chunk_bytes 4 MiB, codec none, timeout 300 s; a new round id per round; one warm-up round).
+  The benchmark starts every round by writing "go" to all of them at once. Bytes: what each
+  replica sends in a round, its contributions to the N-1 other owners and the sums it answers
+  them, 2 (N-1)/N x the gradient's bytes; seconds: the slowest replica's (a round is over when
+  it is), median over rounds. Checked: every replica's sum has the same sha256, that of
+  ((g0 + g1) + g2) + ... computed here in float32 in the same order.
+- state download: a real stage server (`swarm stage-server --job J --stage 0`: the standalone
+  path, which installs the job's one stage at start), trained one step by the client (one
+  microbatch, `ForwardBackward` + `Commit`) so that it holds AdamW's moments, then
+  `StageClient.download_state(include_optimizer=True)` from a client process, as a joining
+  replica copies a member (`stage_server/copying.py`). Bytes: the state received (parameters and
+  the two moments, 12 B a parameter).
+- LoadState: that state (downloaded first, not timed) sent into a second, fresh stage server
+  with `StageClient.load_state`.
+- checkpoint write / read: `swarm.model.checkpoint.save_stage` of that state in a temporary
+  directory under `--dir`, and `load_stage` of it, in a process of their own; the baseline rows
+  write as many bytes with one `write` + `fsync` and read them with one `read` into a buffer
+  allocated and touched beforehand (allocating 600 MB costs about as much as reading it here),
+  in the same directory. Before every read the file's pages are dropped from the page cache
+  (`posix_fadvise(DONTNEED)` after the fsync), so both reads come from the disk. The checkpoint
+  rows' notes give their ratio to the baseline (the issue's target: >= 0.8 for writes). The
+  process writes `--reps` checkpoints, drops the state, then reads them back: its peak while
+  writing (holding the state) and while reading (holding only what it reads) are its own.
+- activation hop: a boundary of microbatch 8 x seq 1024 x d_model 1024 float32 (32 MiB) through
+  stage servers' `Forward` (`StageClient.forward`, `evaluate`: no graph kept). The wire is
+  isolated from compute by stages that compute next to nothing: a job of one block in three
+  stages with a vocabulary of one token, served by the embedding stage (tokens in, the 32 MiB
+  boundary out: a lookup and an add) and the head stage (the boundary in, logits of one value a
+  position out: a LayerNorm and a d_model x 1 product); their compute, timed in the client
+  process on one thread, is subtracted from the calls' time as well. Bytes: all tensor bytes in
+  and out of both calls (one hop's in + out, about 64 MiB).
+
+Memory: the peak RSS (VmHWM) of every process of every row, against 16 B x the parameters of the
+stage it works for ("state"), as `peak / state` and `(peak - bare) / state`, where `bare` is the
+peak of a fresh process that imported torch and grpc and stepped an AdamW over one value
+(measured in this run); and against what the process must hold to do its part ("holds": the
+gradient for the stream and the pool, the state for the stage servers and the state clients, the
+boundary for the hop's client).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import select
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from swarm.job.config import load_job  # noqa: E402
+from swarm.local.procs import SwarmProcess, start_process  # noqa: E402
+from swarm.model.transformer import stage_layout  # noqa: E402
+
+CHILD = Path(__file__).resolve().parent / "bulk_child.py"
+MiB = 1 << 20
+GiB = 1 << 30
+CHUNK_BYTES = 4 * MiB
+POOL_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 300.0
+STEP_TIMEOUT_S = 1800.0  # one child's answer to one command, at --params 1e9 on two cores
+LAYERS = (4, 2, 1)  # blocks of the state job, by preference
+# The hop: microbatch x seq x d_model float32 = 32 MiB.
+HOP = dict(microbatch=8, seq_len=1024, d_model=1024)
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def peak_rss(pid: int) -> int:
+    """VmHWM of `pid` in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def reset_peak(pid: int) -> None:
+    """VmHWM := VmRSS (Linux >= 4.0)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+class Child:
+    """A `bulk_child.py` process: JSON lines out, commands in."""
+
+    def __init__(self, role: str, args: dict[str, Any], log_dir: Path, name: str) -> None:
+        self.name, self.log_path = name, log_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(CHILD), role, json.dumps(args)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+            )
+        self._buffer = b""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def read(self, key: str, timeout: float = STEP_TIMEOUT_S) -> Any:
+        """The value of the next line that holds `key`."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\n" in self._buffer:
+                line, self._buffer = self._buffer.split(b"\n", 1)
+                if line.strip():
+                    message = json.loads(line)
+                    if key in message:
+                        return message[key]
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            data = os.read(self.proc.stdout.fileno(), 1 << 16) if ready else b""
+            if not data:
+                why = "exited" if ready or self.proc.poll() is not None else "timed out"
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.name} {why} before {key!r}:\n{tail}")
+            self._buffer += data
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("quit")
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def stage_server(job_path: Path, stage: int, log_dir: Path, name: str) -> SwarmProcess:
+    args = ["stage-server", "--job", str(job_path), "--stage", str(stage), "--port", "0"]
+    server = start_process([*args, "--threads", "1"], log_dir=log_dir, name=name)
+    try:
+        server.wait_ready(READY_TIMEOUT_S)
+    except BaseException:
+        server.kill()
+        raise
+    return server
+
+
+@dataclass
+class Procs:
+    """The processes of a measurement, closed however it ends."""
+
+    children: list[Child] = field(default_factory=list)
+    servers: list[SwarmProcess] = field(default_factory=list)
+
+    def child(self, role: str, args: dict[str, Any], log_dir: Path, name: str) -> Child:
+        self.children.append(Child(role, args, log_dir, name))
+        return self.children[-1]
+
+    def server(self, job_path: Path, stage: int, log_dir: Path, name: str) -> SwarmProcess:
+        self.servers.append(stage_server(job_path, stage, log_dir, name))
+        return self.servers[-1]
+
+    def close(self) -> None:
+        for c in self.children:
+            c.close()
+        for s in self.servers:
+            s.stop()
+
+
+# --- jobs -----------------------------------------------------------------------------------
+
+
+def state_job_text(d_model: int, n_layers: int) -> str:
+    return f"""name = "bulk-state"
+[model]
+kind = "gpt"
+vocab_size = 256
+d_model = {d_model}
+n_layers = {n_layers}
+n_heads = {d_model // 64}
+seq_len = 32
+[training]
+stages = 1
+microbatch_size = 1
+target_batch_size = 1
+steps = 1000
+checkpoint_every = 0
+[optimizer]
+kind = "adamw"
+lr = 1e-4
+[runtime]
+rpc_timeout_s = {STEP_TIMEOUT_S}
+commit_timeout_s = {STEP_TIMEOUT_S}
+"""
+
+
+def hop_job_text() -> str:
+    d = HOP["d_model"]
+    return f"""name = "bulk-hop"
+[model]
+kind = "gpt"
+vocab_size = 1
+d_model = {d}
+n_layers = 1
+n_heads = {d // 64}
+seq_len = {HOP["seq_len"]}
+[training]
+stages = 3
+microbatch_size = {HOP["microbatch"]}
+target_batch_size = {HOP["microbatch"]}
+steps = 1
+checkpoint_every = 0
+[optimizer]
+kind = "adamw"
+lr = 1e-4
+"""
+
+
+def stage_parameters(job_path: Path, stage: int) -> int:
+    module = stage_layout(load_job(job_path), stage)  # the meta device: no memory
+    return sum(p.numel() for p in module.parameters())
+
+
+def state_job(params: int, work: Path) -> tuple[Path, int]:
+    """A one-stage job of about `params` parameters, and its exact count."""
+    best: tuple[float, Path, int] | None = None
+    for layers in LAYERS:
+        d = max(64, round(math.sqrt(params / (12 * layers)) / 64) * 64)
+        for width in sorted({max(64, d - 64), d, d + 64}):
+            path = work / f"state-d{width}-l{layers}.toml"
+            path.write_text(state_job_text(width, layers))
+            count = stage_parameters(path, 0)
+            error = abs(math.log(count / params))
+            if best is None or error < best[0] - 0.01:
+                best = (error, path, count)
+    assert best is not None
+    return best[1], best[2]
+
+
+# --- measurements ---------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    path: str
+    bytes: int  # per repetition
+    seconds: list[float]
+    mem: list[tuple[str, int, int, int]]  # (process, peak RSS, state bytes, bytes it holds)
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    per_state: bool = True  # the hop's stages are tiny: its memory is against the boundary
+
+    def first_note(self) -> str:
+        """The first repetition's time, where it stands out (a cost a single transfer pays)."""
+        first, median = self.seconds[0], statistics.median(self.seconds)
+        return f"first of {len(self.seconds)}: {first:.2f} s" if first > 1.5 * median else ""
+
+    @property
+    def mbps(self) -> float:
+        return self.bytes / statistics.median(self.seconds) / 1e6
+
+
+def go_and_read(children: list[Child], command: str = "go") -> list[Any]:
+    for c in children:
+        c.send(command)
+    return [c.read("result") for c in children]
+
+
+def measure_bare(work: Path) -> int:
+    procs = Procs()
+    try:
+        c = procs.child("bare", {}, work, "bare")
+        c.read("ready")
+        return peak_rss(c.pid)
+    finally:
+        procs.close()
+
+
+def measure_stream(params: int, reps: int, state: int, work: Path) -> Row:
+    procs = Procs()
+    try:
+        sink = procs.child("sink", {"params": params}, work, "sink")
+        address = sink.read("ready")
+        args = {"params": params, "address": address, "chunk_bytes": CHUNK_BYTES}
+        source = procs.child("source", {**args, "reps": reps, "warmup": 1}, work, "source")
+        source.read("prepared")
+        for c in (sink, source):
+            reset_peak(c.pid)
+        (result,) = go_and_read([source])
+        grad = 4 * params
+        mem = [(c.name, peak_rss(c.pid), state, grad) for c in (source, sink)]
+    finally:
+        procs.close()
+    return Row("bare stream (the ceiling)", result["bytes"], result["seconds"], mem)
+
+
+def measure_exchange(n: int, params: int, reps: int, state: int, work: Path) -> Row:
+    """A round's bytes and pattern over bare streams: the ceiling of any all-reduce over gRPC
+    on this machine, where every process sends and receives at once on shared cores."""
+    procs = Procs()
+    args = {"params": params, "chunk_bytes": CHUNK_BYTES}
+    try:
+        members = [
+            procs.child("exchange", {**args, "seed": k}, work, f"exchange{n}-{k}") for k in range(n)
+        ]
+        group = [c.read("ready") for c in members]
+        for c in members:
+            c.send("group " + ",".join(group))
+        for c in members:
+            c.read("prepared")
+            reset_peak(c.pid)
+        go_and_read(members, "go warmup")
+        rounds = [go_and_read(members, f"go r{r}") for r in range(reps)]
+        mem = [(c.name, peak_rss(c.pid), state, 4 * params) for c in members]
+    finally:
+        procs.close()
+    sent = 2 * (n - 1) * 4 * params // n
+    slowest = [max(r["seconds"] for r in results) for results in rounds]
+    return Row(f"bare exchange, {n} processes", sent, slowest, mem, "a round's bytes, raw")
+
+
+def reference_sha(params: int, n: int) -> str:
+    """sha256 of ((g0 + g1) + g2) + ... in float32: the butterfly's sum, element by element."""
+    import hashlib
+
+    from bench.bulk_child import gradient
+
+    total = gradient(params, 0)
+    for k in range(1, n):
+        total.add_(gradient(params, k))
+    return hashlib.sha256(total.numpy().data.cast("B")).hexdigest()
+
+
+def measure_pool(n: int, params: int, reps: int, state: int, work: Path) -> Row:
+    expected = reference_sha(params, n)  # before the replicas start: not on their cores
+    procs = Procs()
+    args = {
+        "params": params,
+        "chunk_bytes": CHUNK_BYTES,
+        "max_bytes": 4 * params + CHUNK_BYTES,  # a part and then some
+        "timeout_s": POOL_TIMEOUT_S,
+    }
+    try:
+        pool = [
+            procs.child("replica", {**args, "seed": k}, work, f"pool{n}-replica{k}")
+            for k in range(n)
+        ]
+        group = [c.read("ready") for c in pool]
+        for c in pool:
+            c.send("group " + ",".join(group))
+        for c in pool:
+            c.read("prepared")
+            reset_peak(c.pid)
+        go_and_read(pool, "go warmup")
+        rounds = [go_and_read(pool, f"go r{r}") for r in range(reps)]
+        mem = [(c.name, peak_rss(c.pid), state, 4 * params) for c in pool]
+    finally:
+        procs.close()
+    digests = {result["sha256"] for results in rounds for result in results}
+    if digests != {expected}:
+        raise RuntimeError(f"pool of {n}: sums {sorted(digests)}, expected {expected}")
+    sent = 2 * (n - 1) * 4 * params // n
+    slowest = [max(r["seconds"] for r in results) for results in rounds]
+    fastest = [min(r["seconds"] for r in results) for results in rounds]
+    counted = rounds[0][0]["sent"]  # contributions only: the sums it answers are as many again
+    fast = sent / statistics.median(fastest) / 1e6
+    return Row(
+        f"pool averaging, {n} replicas",
+        sent,
+        slowest,
+        mem,
+        f"slowest replica; fastest {fast:.0f} MB/s; sum checked",
+        {"replica_seconds": [[r["seconds"] for r in rs] for rs in rounds], "counted": counted},
+    )
+
+
+def measure_state(job_path: Path, reps: int, state: int, work: Path, scratch: Path) -> list[Row]:
+    """Download, LoadState and the checkpoint, from one trained server."""
+    rows: list[Row] = []
+    procs = Procs()
+    job = {"job": str(job_path), "reps": reps}
+    try:
+        source = procs.server(job_path, 0, work, "download-server")
+        client = procs.child("download", {**job, "address": source.address}, work, "downloader")
+        client.read("prepared")
+        for pid in (source.proc.pid, client.pid):
+            reset_peak(pid)
+        (got,) = go_and_read([client])
+        mem = [
+            ("stage server (sending)", peak_rss(source.proc.pid), state, state),
+            ("client (receiving)", peak_rss(client.pid), state, got["bytes"]),
+        ]
+        rows.append(Row("state download", got["bytes"], got["seconds"], mem))
+        rows[-1].note = rows[-1].first_note()
+        client.close()
+
+        target = procs.server(job_path, 0, work, "load-server")
+        args = {**job, "source": source.address, "address": target.address}
+        loader = procs.child("load", args, work, "loader")
+        loader.read("prepared")
+        for pid in (target.proc.pid, loader.pid):
+            reset_peak(pid)
+        (got,) = go_and_read([loader])
+        mem = [
+            ("stage server (receiving)", peak_rss(target.proc.pid), state, state),
+            ("client (sending)", peak_rss(loader.pid), state, got["bytes"]),
+        ]
+        rows.append(Row("LoadState", got["bytes"], got["seconds"], mem))
+        rows[-1].note = rows[-1].first_note()
+        loader.close()
+        target.stop()
+
+        args = {**job, "source": source.address, "dir": str(scratch)}
+        writer = procs.child("checkpoint", args, work, "checkpointer")
+        writer.read("prepared")
+        reset_peak(writer.pid)
+        (got,) = go_and_read([writer])
+    finally:
+        procs.close()
+    n = got["bytes"]
+    base_w = n / statistics.median(got["baseline_write_seconds"]) / 1e6
+    base_r = n / statistics.median(got["baseline_read_seconds"]) / 1e6
+    # The process measures its own peaks: writing (it holds the state), then reading (not).
+    mem_w = [("checkpoint process, writing", got["write_peak_rss"], state, n)]
+    mem_r = [("checkpoint process, reading", got["read_peak_rss"], state, n)]
+    write = Row("checkpoint write (save_stage)", n, got["write_seconds"], mem_w)
+    read = Row("checkpoint read (load_stage)", n, got["read_seconds"], mem_r)
+    write.note = f"{write.mbps / base_w:.2f} of write+fsync; file {got['file_bytes'] / 1e6:.0f} MB"
+    read.note = f"{read.mbps / base_r:.2f} of one read"
+    rows += [
+        write,
+        read,
+        Row("  baseline: one write + fsync", n, got["baseline_write_seconds"], []),
+        Row("  baseline: one read", n, got["baseline_read_seconds"], []),
+    ]
+    return rows
+
+
+def measure_hop(reps: int, work: Path) -> Row:
+    job_path = work / "hop.toml"
+    job_path.write_text(hop_job_text())
+    states = [16 * stage_parameters(job_path, k) for k in (0, 2)]
+    procs = Procs()
+    try:
+        first = procs.server(job_path, 0, work, "hop-embedding-server")
+        last = procs.server(job_path, 2, work, "hop-head-server")
+        args = {"job": str(job_path), "first": first.address, "last": last.address}
+        client = procs.child("hop", {**args, "reps": reps, "warmup": 1}, work, "hop-client")
+        client.read("prepared")
+        for pid in (first.proc.pid, last.proc.pid, client.pid):
+            reset_peak(pid)
+        (got,) = go_and_read([client])
+        boundary = got["boundary_bytes"]
+        mem = [
+            ("embedding stage server", peak_rss(first.proc.pid), states[0], boundary),
+            ("head stage server", peak_rss(last.proc.pid), states[1], boundary),
+            ("client", peak_rss(client.pid), states[0], boundary),
+        ]
+    finally:
+        procs.close()
+    compute = got["first_compute_seconds"] + got["last_compute_seconds"]
+    calls = [a + b for a, b in zip(got["first_seconds"], got["last_seconds"], strict=True)]
+    nbytes = got["first_bytes"] + got["last_bytes"]
+    raw = nbytes / statistics.median(calls) / 1e6
+    note = (
+        f"{boundary / MiB:.0f} MiB boundary; {compute * 1e3:.0f} ms of compute subtracted "
+        f"({raw:.0f} MB/s with it)"
+    )
+    wire = [max(c - compute, 1e-9) for c in calls]
+    extra = {"call_seconds": calls, **got}
+    return Row("activation hop", nbytes, wire, mem, note, extra, per_state=False)
+
+
+def training_job_text(state_job: Path) -> str:
+    """The state job as a pool trains it: the issue's 4 steps of 8 samples, 128 positions."""
+    text = state_job.read_text()
+    for old, new in (
+        ("seq_len = 32", "seq_len = 128"),
+        ("microbatch_size = 1", "microbatch_size = 4"),
+        ("target_batch_size = 1", "target_batch_size = 8"),
+        ("steps = 1000", "steps = 4"),
+    ):
+        text = text.replace(old, new)
+    data = ROOT / "examples" / "data" / "corpus.txt"
+    return text.replace("[training]", f'[data]\nkind = "text"\npath = "{data}"\n[training]')
+
+
+def measure_training(state_job: Path, state: int, work: Path) -> dict[str, Any]:
+    """Two stage servers training the stage as one pool (the standalone trainer, in this
+    process): each server's peak RSS holds the parameters, AdamW's state, the step's gradient
+    sums and whatever a commit and its averaging add."""
+    import asyncio
+
+    from client.standalone import train_standalone
+    from swarm.ops.progress import StepRecord
+    from swarm.rpc.lease import Replica
+
+    path = work / "training.toml"
+    path.write_text(training_job_text(state_job))
+    job = load_job(path)
+    procs = Procs()
+    records: list[StepRecord] = []
+    try:
+        servers = [procs.server(path, 0, work, f"train-{k}") for k in range(2)]
+        pool = [[Replica(s.address, s.address) for s in servers]]
+        asyncio.run(train_standalone(job, pool, on_step=records.append))
+        peaks = [peak_rss(s.proc.pid) for s in servers]
+    finally:
+        procs.close()
+    return {
+        "replicas": 2,
+        "steps": len(records),
+        "step_seconds": [r.seconds for r in records],
+        "blocked_seconds": [r.blocked_seconds for r in records],
+        "peak_rss": peaks,
+        "state_bytes": state,
+    }
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def run(params: int, reps: int, scratch: Path, work: Path, log: Any) -> dict[str, Any]:
+    job_path, count = state_job(params, work)
+    job = load_job(job_path)
+    state = 16 * count
+    log(f"stage: {job.model.d_model} x {job.model.n_layers} blocks, {count / 1e6:.1f}M params")
+    bare = measure_bare(work)
+    log(f"bare process: {bare / GiB:.2f} GiB")
+    rows = [measure_stream(count, reps, state, work)]
+    log(f"{rows[-1].path}: {rows[-1].mbps:.0f} MB/s")
+    for n in (2, 4):
+        rows.append(measure_exchange(n, count, reps, state, work))
+        log(f"{rows[-1].path}: {rows[-1].mbps:.0f} MB/s")
+        rows.append(measure_pool(n, count, reps, state, work))
+        rows[-1].note += f"; {rows[-1].mbps / rows[-2].mbps:.2f} of the bare exchange"
+        log(f"{rows[-1].path}: {rows[-1].mbps:.0f} MB/s")
+    first = len(rows)
+    rows += measure_state(job_path, reps, state, work, scratch)
+    log("state paths: " + ", ".join(f"{r.path} {r.mbps:.0f} MB/s" for r in rows[first:]))
+    rows.append(measure_hop(reps, work))
+    log(f"{rows[-1].path}: {rows[-1].mbps:.0f} MB/s")
+    training = measure_training(job_path, state, work)
+    log(f"training a pool of 2: peaks {[round(p / GiB, 2) for p in training['peak_rss']]} GiB")
+    ceiling = rows[0].mbps
+    return {
+        "training": training,
+        "params": count,
+        "d_model": job.model.d_model,
+        "n_layers": job.model.n_layers,
+        "state_bytes": state,
+        "bare_process_bytes": bare,
+        "chunk_bytes": CHUNK_BYTES,
+        "reps": reps,
+        "rows": [
+            {
+                "path": r.path.strip(),
+                "mb_per_s": r.mbps,
+                "vs_bare_stream": r.mbps / ceiling,
+                "bytes": r.bytes,
+                "seconds": r.seconds,
+                "note": r.note,
+                "per_state": r.per_state,
+                "processes": [
+                    {"process": name, "peak_rss": peak, "state_bytes": st, "holds_bytes": holds}
+                    for name, peak, st, holds in r.mem
+                ],
+                **r.extra,
+            }
+            for r in rows
+        ],
+    }
+
+
+def print_tables(out: dict[str, Any]) -> None:
+    state, bare = out["state_bytes"], out["bare_process_bytes"]
+    print(
+        f"stage: byte GPT d_model {out['d_model']}, {out['n_layers']} blocks, "
+        f"{out['params'] / 1e6:.1f}M params; state {state / 1e9:.2f} GB (16 B a parameter); "
+        f"bare process {bare / GiB:.2f} GiB; chunks {out['chunk_bytes'] // MiB} MiB; "
+        f"median of {out['reps']}"
+    )
+    print()
+    print("| path | MB/s | vs bare stream | peak RSS GiB | peak/state | notes |")
+    print("|---|---:|---:|---:|---:|---|")
+    for r in out["rows"]:
+        procs = r["processes"]
+        top = max(procs, key=lambda p: p["peak_rss"]) if procs else None
+        peak = f"{top['peak_rss'] / GiB:.2f}" if top else ""
+        ratio = f"{top['peak_rss'] / top['state_bytes']:.2f}" if top and r["per_state"] else ""
+        print(
+            f"| {r['path']} | {r['mb_per_s']:.0f} | {r['vs_bare_stream']:.2f} | {peak} | "
+            f"{ratio} | {r['note']} |"
+        )
+    print()
+    print("state: 16 B x the parameters of the stage the process works for; bare: as above")
+    print()
+    print(
+        "| path | process | peak RSS GiB | peak/state | (peak-bare)/state | holds GB | "
+        "(peak-bare)/holds |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in out["rows"]:
+        for p in r["processes"]:
+            peak, st, holds = p["peak_rss"], p["state_bytes"], p["holds_bytes"]
+            of_state = "n/a | n/a"
+            if r["per_state"]:
+                of_state = f"{peak / st:.2f} | {(peak - bare) / st:.2f}"
+            print(
+                f"| {r['path']} | {p['process']} | {peak / GiB:.2f} | {of_state} | "
+                f"{holds / 1e9:.3f} | {(peak - bare) / holds:.2f} |"
+            )
+
+
+def print_training(out: dict[str, Any]) -> None:
+    t, bare = out["training"], out["bare_process_bytes"]
+    state = t["state_bytes"]
+    print()
+    print(
+        f"training the stage as a pool of {t['replicas']} ({t['steps']} steps of 8 samples, "
+        "standalone trainer): each replica's peak RSS against its state (the target: "
+        "(peak - bare) / state <= 1.25)"
+    )
+    print()
+    print("| replica | peak RSS GiB | peak/state | (peak-bare)/state |")
+    print("|---|---:|---:|---:|")
+    for k, peak in enumerate(t["peak_rss"]):
+        print(f"| {k} | {peak / GiB:.2f} | {peak / state:.2f} | {(peak - bare) / state:.2f} |")
+    steps = ", ".join(f"{s:.1f}" for s in t["step_seconds"])
+    blocked = ", ".join(f"{s:.1f}" for s in t["blocked_seconds"])
+    print(f"\nstep seconds: {steps}; blocked on the commit: {blocked}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=float, default=50e6, help="the stage's parameters")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions of each path")
+    parser.add_argument(
+        "--dir", type=Path, default=Path(tempfile.gettempdir()), help="where checkpoints go"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    work = Path(tempfile.mkdtemp(prefix="swarm-bulk-"))
+    try:
+        out = run(int(args.params), args.reps, args.dir, work, log)
+    except BaseException:
+        log(f"logs kept in {work}")
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print_tables(out)
+        print_training(out)
+
+
+if __name__ == "__main__":
+    main()

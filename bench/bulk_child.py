@@ -1,0 +1,518 @@
+"""The processes of `bench/bulk.py`, one role each: `python bench/bulk_child.py ROLE JSON_ARGS`.
+
+Not run by hand. A child talks to the benchmark in lines: it writes one JSON object a line on
+stdout (`{"ready": ...}`, `{"prepared": ...}`, `{"result": ...}`) and reads commands on stdin
+(`go <round>`, `group <a,b,...>`, `quit`). Between a child's "prepared" line and the "go" the
+benchmark resets the child's peak RSS (`/proc/<pid>/clear_refs`), so a peak is the measured path's
+and not its set-up's; it reads the peak from `/proc/<pid>/status` once the child has answered.
+Every role runs torch on one thread, as a stage server (`--threads 1`) does.
+
+Roles:
+- `bare`: imports torch and grpc, builds AdamW over a 1-element tensor and steps it once: the
+  peak RSS of a process with nothing in it.
+- `sink` / `source`: the bare `grpc.aio` stream: `source` writes a float32 gradient's bytes in
+  `chunk` pieces on one stream-stream call (identity serialisation: raw bytes), `sink` adds each
+  piece into a preallocated float32 tensor and answers when all came.
+- `exchange`: a round's bytes and pattern over bare `grpc.aio` streams (see `exchange`).
+- `replica`: a pool replica as `tests/support/pools.py` builds one (`PoolServicer` and `Averager`
+  on a `grpc.aio` server, a `ChannelPool`), holding a seeded random flat gradient; each `go`
+  runs `butterfly.all_reduce` over the group last given, and answers its seconds and the sha256
+  of the sum.
+- `download`: trains one step on a stage server (so it holds AdamW's moments), then downloads
+  its state with `StageClient.download_state(include_optimizer=True)`, `reps` times.
+- `load`: downloads a state from one stage server (not timed), then `StageClient.load_state`s
+  it into another, `reps` times.
+- `checkpoint`: downloads a state (not timed), then writes it with `checkpoint.save_stage` and
+  reads it with `load_stage`, against one `write` + `fsync` of as many bytes and one `read`.
+- `hop`: `StageClient.forward` of a large boundary through two stage servers (see bulk.py), and
+  the same stages' compute timed in this process, to be subtracted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import json
+import os
+import statistics
+import struct
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+MiB = 1 << 20
+STREAM_METHOD = "/bench.Bulk/Stream"
+POOL_JOB = "bench-bulk"
+# torch.frombuffer on a received (read-only) bytes object: nothing here writes to it.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def say(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+async def command() -> list[str]:
+    """The next line on stdin, split (read on a thread: the event loop keeps serving)."""
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    return line.split() or ["quit"]  # EOF: the benchmark is gone
+
+
+async def wait_for(word: str) -> list[str]:
+    while (cmd := await command())[0] != word:
+        if cmd[0] == "quit":
+            raise SystemExit(0)
+    return cmd
+
+
+def options(max_message: int = 64 * MiB) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message),
+        ("grpc.max_receive_message_length", max_message),
+    ]
+
+
+def gradient(params: int, seed: int) -> torch.Tensor:
+    return torch.randn(params, generator=torch.Generator().manual_seed(seed))
+
+
+# --- bare process ---------------------------------------------------------------------------
+
+
+async def bare(args: dict[str, Any]) -> None:
+    one = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([one])
+    one.grad = torch.ones(1)
+    optimizer.step()
+    say(ready=grpc.__version__)
+    await wait_for("quit")
+
+
+# --- bare stream ----------------------------------------------------------------------------
+
+
+async def sink(args: dict[str, Any]) -> None:
+    acc = torch.zeros(args["params"])
+
+    async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        off = 0
+        async for chunk in requests:
+            values = torch.frombuffer(chunk, dtype=torch.float32)
+            acc[off : off + values.numel()].add_(values)
+            off += values.numel()
+        yield struct.pack("<q", off)
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Bulk", {"Stream": grpc.stream_stream_rpc_method_handler(stream)}
+    )
+    server = grpc.aio.server(options=options())
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    say(ready=f"127.0.0.1:{port}")
+    await wait_for("quit")
+    await server.stop(None)
+
+
+async def source(args: dict[str, Any]) -> None:
+    grad = gradient(args["params"], 0)
+    raw = grad.numpy().data.cast("B")
+    chunk = args["chunk_bytes"]
+    async with grpc.aio.insecure_channel(args["address"], options=options()) as channel:
+        method = channel.stream_stream(STREAM_METHOD)
+        say(prepared=True)
+        await wait_for("go")
+        seconds = []
+        for rep in range(args["warmup"] + args["reps"]):
+            started = time.perf_counter()
+            call: Any = method()
+            for off in range(0, len(raw), chunk):
+                await call.write(bytes(raw[off : off + chunk]))
+            await call.done_writing()
+            (reply,) = [r async for r in call]
+            elapsed = time.perf_counter() - started
+            if struct.unpack("<q", reply)[0] != grad.numel():
+                raise RuntimeError(f"the sink summed {reply!r} values of {grad.numel()}")
+            if rep >= args["warmup"]:
+                seconds.append(elapsed)
+    say(result={"seconds": seconds, "bytes": len(raw)})
+    await wait_for("quit")
+
+
+# --- bare exchange --------------------------------------------------------------------------
+
+
+async def exchange(args: dict[str, Any]) -> None:
+    """The bytes and pattern of a round, bare: to every other member at once, a call that
+    streams the member's part of this gradient (raw bytes); the member adds it into a float32
+    tensor and answers with as many bytes of its own part, as an owner answers its part's sum."""
+    grad = gradient(args["params"], args["seed"])
+    chunk = args["chunk_bytes"]
+    acc = torch.zeros(grad.numel())
+
+    async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        off = int(dict(context.invocation_metadata())["offset"])
+        start = off
+        async for piece in requests:
+            values = torch.frombuffer(piece, dtype=torch.float32)
+            acc[off : off + values.numel()].add_(values)
+            off += values.numel()
+        answer = acc[start:off].numpy().data.cast("B")
+        for at in range(0, len(answer), chunk):
+            yield bytes(answer[at : at + chunk])
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Bulk", {"Stream": grpc.stream_stream_rpc_method_handler(stream)}
+    )
+    server = grpc.aio.server(options=options())
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    say(ready=f"127.0.0.1:{port}")
+    group = (await wait_for("group"))[1].split(",")
+    me = group.index(f"127.0.0.1:{port}")
+    n = len(group)
+    bounds = [k * grad.numel() // n for k in range(n + 1)]
+    raw = grad.numpy().data.cast("B")
+    channels = [grpc.aio.insecure_channel(a, options=options()) for a in group]
+    methods = [c.stream_stream(STREAM_METHOD) for c in channels]
+    say(prepared=True)
+
+    async def one(k: int) -> int:
+        call: Any = methods[k](metadata=(("offset", str(bounds[k])),))
+        for at in range(4 * bounds[k], 4 * bounds[k + 1], chunk):
+            await call.write(bytes(raw[at : min(at + chunk, 4 * bounds[k + 1])]))
+        await call.done_writing()
+        return sum([len(r) async for r in call])
+
+    try:
+        while (await command())[0] == "go":
+            started = time.perf_counter()
+            got = await asyncio.gather(*(one(k) for k in range(n) if k != me))
+            seconds = time.perf_counter() - started
+            say(result={"seconds": seconds, "received": sum(got)})
+    finally:
+        for c in channels:
+            await c.close()
+        await server.stop(None)
+
+
+# --- pool replica ---------------------------------------------------------------------------
+
+
+async def replica(args: dict[str, Any]) -> None:
+    from stage_server.averaging.butterfly import ChannelPool, PoolServicer, all_reduce
+    from stage_server.averaging.owner import Averager
+    from swarm.errors import NotFound
+    from swarm.proto import pool_pb2_grpc
+
+    def route(job: str, stage: int) -> None:
+        if job != POOL_JOB or stage != 0:
+            raise NotFound(f"job {job!r} stage {stage} is not served here")
+
+    flat = gradient(args["params"], args["seed"])
+    chunk, most, timeout = args["chunk_bytes"], args["max_bytes"], args["timeout_s"]
+    server = grpc.aio.server(options=options())
+    averager = Averager()
+    servicer = PoolServicer(
+        averager, route=route, chunk_bytes=chunk, max_bytes=most, timeout_s=timeout
+    )
+    pool_pb2_grpc.add_PoolServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channels = ChannelPool(options=options())
+    say(ready=f"127.0.0.1:{port}")
+    group = (await wait_for("group"))[1].split(",")
+    index = group.index(f"127.0.0.1:{port}")
+    say(prepared=True)
+    counted = [0, 0]  # this round's (sent, received), as all_reduce counts them
+
+    def on_bytes(sent: int, received: int) -> None:
+        counted[0] += sent
+        counted[1] += received
+
+    try:
+        while (cmd := await command())[0] == "go":
+            counted[:] = [0, 0]
+            started = time.perf_counter()
+            total = await all_reduce(
+                flat, group=group, index=index, round=cmd[1], job=POOL_JOB, stage=0,
+                averager=averager, channels=channels, timeout_s=timeout, chunk_bytes=chunk,
+                max_bytes=most, on_bytes=on_bytes,
+            )  # fmt: skip
+            seconds = time.perf_counter() - started
+            digest = hashlib.sha256(total.numpy().data.cast("B")).hexdigest()
+            del total
+            say(result={"seconds": seconds, "sha256": digest, "sent": counted[0]})
+    finally:
+        await channels.close()
+        await server.stop(None)
+
+
+# --- state transfer -------------------------------------------------------------------------
+
+
+def stage_client(args: dict[str, Any], address: str) -> Any:
+    from swarm.job.config import load_job
+    from swarm.rpc.stage_client import StageClient
+
+    job = load_job(Path(args["job"]))
+    return StageClient(address, job, job.fingerprint(), args.get("stage", 0))
+
+
+def expected(client: Any) -> Any:
+    from swarm.model.state_checks import StateChecks
+
+    return StateChecks(client.job, client.stage)
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+async def train_one_step(client: Any) -> None:
+    """One step of one microbatch on a single replica: it then holds AdamW's moments."""
+    job = client.job
+    shape = (job.training.microbatch_size, job.model.seq_len)
+    tokens = torch.randint(0, job.model.vocab_size, shape, generator=torch.Generator())
+    await client.forward_backward(0, 0, tokens, tokens, need_grad_inputs=False)
+    await client.commit(0, [0], job.training.microbatch_size)
+
+
+async def download(args: dict[str, Any]) -> None:
+    client = stage_client(args, args["address"])
+    await train_one_step(client)
+    say(prepared=True)
+    await wait_for("go")
+    seconds, nbytes, tensors = [], 0, 0
+    expect = expected(client)  # built once, as a replica does (its first use imports dynamo)
+    for _ in range(args["reps"]):
+        started = time.perf_counter()
+        step, state = await client.download_state(True, prefix="", expect=expect)
+        seconds.append(time.perf_counter() - started)
+        nbytes, tensors = state_bytes(state), len(state)
+        del state
+    await client.close()
+    say(result={"seconds": seconds, "bytes": nbytes, "tensors": tensors, "step": step})
+    await wait_for("quit")
+
+
+async def load(args: dict[str, Any]) -> None:
+    source = stage_client(args, args["source"])
+    step, state = await source.download_state(True, prefix="", expect=expected(source))
+    await source.close()
+    client = stage_client(args, args["address"])
+    say(prepared=True)
+    await wait_for("go")
+    seconds = []
+    for _ in range(args["reps"]):
+        started = time.perf_counter()
+        loaded = await client.load_state(step, state)
+        seconds.append(time.perf_counter() - started)
+        if loaded != step:
+            raise RuntimeError(f"LoadState of step {step} answered step {loaded}")
+    await client.close()
+    say(result={"seconds": seconds, "bytes": state_bytes(state), "tensors": len(state)})
+    await wait_for("quit")
+
+
+def _uncache(path: Path) -> None:
+    """Drop `path`'s pages from the page cache (written and fsynced: they are clean), so that
+    the read that follows comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _write_all(path: Path, data: memoryview) -> None:
+    """One `write` (Linux writes at most 2 GiB - 4 KiB a call: more takes a few) and `fsync`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_all(path: Path, into: memoryview) -> int:
+    """One `read` into `into` (again a few past 2 GiB); the bytes read."""
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < len(into) and (n := f.readinto(into[done:])):
+            done += n
+    return done
+
+
+def own_peak() -> int:
+    """This process's VmHWM in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_own_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+async def checkpoint(args: dict[str, Any]) -> None:
+    from swarm.model import checkpoint as ckpt
+
+    source = stage_client(args, args["source"])
+    step, state = await source.download_state(True, prefix="", expect=expected(source))
+    await source.close()
+    nbytes, names = state_bytes(state), sorted(state)
+    root = Path(tempfile.mkdtemp(prefix="swarm-bulk-", dir=args["dir"]))
+    try:
+        # The baseline: as many bytes as the state's tensors hold, one write and fsync, and one
+        # read into a buffer allocated and touched beforehand (allocating is not the disk's).
+        raw = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
+        into = torch.zeros(nbytes, dtype=torch.uint8)
+        baseline = root / "baseline.bin"
+        write_base, read_base = [], []
+        for _ in range(args["reps"]):
+            started = time.perf_counter()
+            _write_all(baseline, raw.numpy().data)
+            write_base.append(time.perf_counter() - started)
+            _uncache(baseline)
+            started = time.perf_counter()
+            got = _read_all(baseline, into.numpy().data)
+            read_base.append(time.perf_counter() - started)
+            if got != nbytes:
+                raise RuntimeError(f"read {got} bytes of {nbytes}")
+            baseline.unlink()
+        del raw, into
+        say(prepared=True)  # the peak from here on is the checkpoint's
+        await wait_for("go")
+        write_s, read_s, paths = [], [], []
+        for rep in range(args["reps"]):
+            started = time.perf_counter()
+            ckpt.save_stage(root, step + rep, 0, state)
+            write_s.append(time.perf_counter() - started)
+            paths.append(root / f"step-{step + rep:08d}" / "stage-0.pt")  # checkpoint's layout
+        write_peak = own_peak()
+        del state  # reading: the peak of a process that holds only what it reads
+        gc.collect()
+        reset_own_peak()
+        for rep, path in enumerate(paths):
+            _uncache(path)
+            started = time.perf_counter()
+            back = ckpt.load_stage(root, step + rep, 0)
+            read_s.append(time.perf_counter() - started)
+            if sorted(back) != names or state_bytes(back) != nbytes:
+                raise RuntimeError("load_stage gave other tensors than save_stage wrote")
+            del back
+        read_peak = own_peak()
+        file_bytes = paths[0].stat().st_size
+    finally:
+        for path in sorted(root.rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        root.rmdir()
+    say(
+        result={
+            "write_seconds": write_s,
+            "read_seconds": read_s,
+            "baseline_write_seconds": write_base,
+            "baseline_read_seconds": read_base,
+            "bytes": nbytes,
+            "file_bytes": file_bytes,
+            "write_peak_rss": write_peak,
+            "read_peak_rss": read_peak,
+        }
+    )
+    await wait_for("quit")
+
+
+# --- activation hop -------------------------------------------------------------------------
+
+
+def _compute_seconds(job: Any, stage: int, x: torch.Tensor, reps: int) -> float:
+    """The median seconds of stage `stage`'s forward on `x` here, on one thread, as the server
+    computes a Forward with `evaluate` (no graph)."""
+    from swarm.model.transformer import build_stage
+
+    module = build_stage(job, stage, "cpu")
+    times = []
+    with torch.no_grad():
+        for _ in range(reps + 1):
+            started = time.perf_counter()
+            module(x)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+async def hop(args: dict[str, Any]) -> None:
+    from swarm.rpc.stage_client import as_tensor
+
+    first = stage_client({**args, "stage": 0}, args["first"])
+    last = stage_client({**args, "stage": 2}, args["last"])
+    job = first.job
+    tokens = torch.zeros(job.training.microbatch_size, job.model.seq_len, dtype=torch.long)
+    say(prepared=True)
+    await wait_for("go")
+    out_s, in_s, out_bytes, in_bytes, back_bytes = [], [], 0, 0, 0
+    hidden = torch.empty(0)
+    for rep in range(args["warmup"] + args["reps"]):
+        started = time.perf_counter()
+        hidden = as_tensor(await first.forward(0, rep, tokens, evaluate=True))
+        middle = time.perf_counter()
+        logits = as_tensor(await last.forward(0, rep, hidden, evaluate=True))
+        ended = time.perf_counter()
+        if rep >= args["warmup"]:
+            out_s.append(middle - started)
+            in_s.append(ended - middle)
+        out_bytes, in_bytes = hidden.nbytes + tokens.nbytes, hidden.nbytes + logits.nbytes
+        back_bytes = logits.nbytes
+    await first.close()
+    await last.close()
+    compute_first = _compute_seconds(job, 0, tokens, args["reps"])
+    compute_last = _compute_seconds(job, 2, hidden.clone(), args["reps"])
+    say(
+        result={
+            "first_seconds": out_s,
+            "last_seconds": in_s,
+            "first_bytes": out_bytes,  # tokens in, the boundary out
+            "last_bytes": in_bytes,  # the boundary in, the logits out
+            "boundary_bytes": hidden.nbytes,
+            "logits_bytes": back_bytes,
+            "first_compute_seconds": compute_first,
+            "last_compute_seconds": compute_last,
+        }
+    )
+    await wait_for("quit")
+
+
+ROLES = {
+    "bare": bare,
+    "sink": sink,
+    "source": source,
+    "exchange": exchange,
+    "replica": replica,
+    "download": download,
+    "load": load,
+    "checkpoint": checkpoint,
+    "hop": hop,
+}
+
+
+def main() -> None:
+    role, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    torch.set_num_threads(1)
+    asyncio.run(ROLES[role](args))
+
+
+if __name__ == "__main__":
+    main()
