@@ -52,13 +52,24 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _atomic(path: Path, write: Callable[[BinaryIO], object], what: str) -> None:
+    def to(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            write(f)
+
+    _atomic_path(path, to, what)
+
+
+def _atomic_path(path: Path, write: Callable[[Path], object], what: str) -> None:
+    """`write(tmp)` writes the file at `tmp`; it becomes `path` once it is on disk."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the bytes are on disk before the name points at them
+        finally:
+            os.close(fd)
         tmp.replace(path)
         _fsync_dir(path.parent)  # and the rename too
     except Exception as e:  # torch.save turns ENOSPC into RuntimeError
@@ -78,7 +89,11 @@ def save_stage(root: Path, step: int, stage: int, state: dict[str, torch.Tensor]
                 f"checkpoint of step {step}, stage {stage}: {name} holds NaN or infinite values;"
                 f" not written"
             )
-    _atomic(path, lambda f: torch.save(state, f), f"checkpoint of step {step}, stage {stage}")
+    # To a path, not a file object: torch's own writer then writes each tensor's bytes from
+    # its memory (through a Python file it copies every tensor first).
+    _atomic_path(
+        path, lambda tmp: torch.save(state, str(tmp)), f"checkpoint of step {step}, stage {stage}"
+    )
 
 
 def _finite(tensor: torch.Tensor) -> bool:
