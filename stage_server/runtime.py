@@ -232,27 +232,48 @@ class StageRuntime:
     ) -> tuple[torch.Tensor | None, Receipt]:
         want_x = need_grad_inputs and not self.is_first
         params = self._params_at(step)
-        targets = [*params, x] if want_x else list(params)
-        grads = torch.autograd.grad(out, targets, grad, allow_unused=True)
         samples = int(x.shape[0])
         sums = self._sums.setdefault(step, _Sums())
         duplicate = index in sums.receipts
-        if accumulate and not duplicate:
-            param_grads = [
-                g if g is not None else torch.zeros_like(p)
-                for p, g in zip(self.params, grads[: len(self.params)], strict=True)
-            ]
-            if sums.accum is None:  # one flat tensor, which averaging reads as it is
-                sums.accum = _flat_copy(param_grads)
-            elif sums.lent:  # a straggler after PREPARE: the prepared sums stay as they are
-                sums.accum = [acc + g for acc, g in zip(sums.accum, param_grads, strict=True)]
-                sums.lent = False
-            else:
-                for acc, g in zip(sums.accum, param_grads, strict=True):
-                    acc.add_(g)
-            sums.receipts[index] = samples
         receipt = Receipt(self.stage, step, index, samples, duplicate and accumulate)
+        if accumulate and not duplicate and sums.accum is not None:
+            if sums.lent:  # a straggler after PREPARE: the prepared sums stay as they are
+                sums.accum, sums.lent = _flat_copy(sums.accum), False
+            sums.receipts[index] = samples
+            return self._backprop_into(sums.accum, params, x, out, grad, want_x), receipt
+        targets = [*params, x] if want_x else list(params)
+        grads = torch.autograd.grad(out, targets, grad, allow_unused=True)
+        if accumulate and not duplicate:  # the step's first: its gradients become the sums
+            sums.accum = _flat_copy(
+                [
+                    g if g is not None else torch.zeros_like(p)
+                    for p, g in zip(self.params, grads[: len(self.params)], strict=True)
+                ]
+            )  # one flat tensor, which averaging reads as it is
+            sums.receipts[index] = samples
         return (grads[-1] if want_x else None), receipt
+
+    @staticmethod
+    def _backprop_into(
+        accum: list[torch.Tensor],
+        params: list[torch.Tensor],
+        x: torch.Tensor,
+        out: torch.Tensor,
+        grad: torch.Tensor | None,
+        want_x: bool,
+    ) -> torch.Tensor | None:
+        """Backward of `out` adding the parameters' gradients into `accum` in place, as autograd
+        makes them (a parameter's `.grad` is its sum while it runs: the same bits as adding the
+        gradients after, without the whole gradient existing once more beside the sums); the
+        gradient of `x` when `want_x`."""
+        for p, acc in zip(params, accum, strict=True):
+            p.grad = acc
+        try:
+            torch.autograd.backward(out, grad, inputs=[*params, x] if want_x else list(params))
+            return x.grad if want_x else None
+        finally:
+            for p in params:
+                p.grad = None
 
     # -- commit ---------------------------------------------------------------------------------
     def receipts(self, step: int | None = None) -> dict[int, int]:

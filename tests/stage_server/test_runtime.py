@@ -13,6 +13,7 @@ from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
 from swarm.model.data import make_data
 from swarm.model.optim import clip_scale
+from swarm.model.transformer import loss_sum
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import make_job
 
@@ -174,6 +175,35 @@ def test_prepare_lends_the_sums_and_a_late_backward_adds_into_a_copy(tmp_path: P
     assert rt.apply(0) is False
     assert seen == [s.data_ptr() for s in sums]  # the optimizer read the prepared memory
     assert 0 not in rt._sums  # and the step's sums were let go
+
+
+def test_later_microbatches_add_into_the_sums_in_place_with_the_same_bits(tmp_path: Path) -> None:
+    """From a step's second microbatch on, autograd adds each gradient straight into the sums
+    (no whole gradient beside them): the same bits as `autograd.grad` then `add_`, for the
+    parameters and the input's gradient."""
+    job = make_job(tmp_path, training={"stages": 2})
+    data = make_data(job)
+    rt = StageRuntime(job, 1)
+    x = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=rt.dtype)
+    y = data.microbatch(0, 0)[1]
+    rt.forward_backward(0, 0, x, y)
+    accum = rt._sums[0].accum or []
+    expected = [a.clone() for a in accum]
+    where = [a.data_ptr() for a in accum]
+    check = StageRuntime(job, 1)
+    x2 = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=rt.dtype)
+    _, grad_x, _ = rt.forward_backward(0, 1, x2, y)
+    _, grad_ref, _ = check.forward_backward(0, 1, x2, y, accumulate=False)
+    reference = check._sums[0].accum  # accumulate=False kept none: compute them as before
+    assert reference is None
+    leaf = x2.detach().requires_grad_(True)
+    grads = torch.autograd.grad(loss_sum(check.module(leaf), y), check.params)
+    for e, g in zip(expected, grads, strict=True):
+        e.add_(g)
+    assert [a.data_ptr() for a in rt._sums[0].accum or []] == where  # in place
+    assert all(torch.equal(a, e) for a, e in zip(rt._sums[0].accum or [], expected, strict=True))
+    assert grad_x is not None and grad_ref is not None and torch.equal(grad_x, grad_ref)
+    assert all(p.grad is None for p in rt.params)  # nothing left on the parameters
 
 
 def test_accumulate_false_returns_gradients_without_a_receipt(tmp_path: Path) -> None:
