@@ -236,21 +236,18 @@ class StageRuntime:
         sums = self._sums.setdefault(step, _Sums())
         duplicate = index in sums.receipts
         receipt = Receipt(self.stage, step, index, samples, duplicate and accumulate)
-        if accumulate and not duplicate and sums.accum is not None:
-            if sums.lent:  # a straggler after PREPARE: the prepared sums stay as they are
+        if accumulate and not duplicate:
+            if sums.accum is None:
+                # One flat tensor (which averaging reads as it is) of -0.0, the one value x + v
+                # leaves x as it is whatever x, the sign of a zero included: the first
+                # microbatch's gradients land in it with their own bits.
+                sums.accum = _flat_copy(self.params, fill=-0.0)
+            elif sums.lent:  # a straggler after PREPARE: the prepared sums stay as they are
                 sums.accum, sums.lent = _flat_copy(sums.accum), False
             sums.receipts[index] = samples
             return self._backprop_into(sums.accum, params, x, out, grad, want_x), receipt
         targets = [*params, x] if want_x else list(params)
         grads = torch.autograd.grad(out, targets, grad, allow_unused=True)
-        if accumulate and not duplicate:  # the step's first: its gradients become the sums
-            sums.accum = _flat_copy(
-                [
-                    g if g is not None else torch.zeros_like(p)
-                    for p, g in zip(self.params, grads[: len(self.params)], strict=True)
-                ]
-            )  # one flat tensor, which averaging reads as it is
-            sums.receipts[index] = samples
         return (grads[-1] if want_x else None), receipt
 
     @staticmethod
@@ -315,7 +312,7 @@ class StageRuntime:
         return list(sums.accum)
 
     def _zeros(self) -> list[torch.Tensor]:
-        return _flat_copy(self.params, zeros=True)
+        return _flat_copy(self.params, fill=0.0)
 
     def _accum_or_zeros(self) -> list[torch.Tensor]:
         sums = self._sums.get(self.step)
@@ -483,18 +480,19 @@ class StageRuntime:
         return num_layers(self.job.model)
 
 
-def _flat_copy(tensors: Sequence[torch.Tensor], zeros: bool = False) -> list[torch.Tensor]:
-    """Copies of `tensors` (or zeros like them) as views of one flat tensor, when they share a
-    dtype and device (else one copy each)."""
+def _flat_copy(tensors: Sequence[torch.Tensor], fill: float | None = None) -> list[torch.Tensor]:
+    """Copies of `tensors` (or, with `fill`, tensors like them holding that value) as views of
+    one flat tensor, when they share a dtype and device (else one tensor each)."""
     if len({(t.dtype, t.device) for t in tensors}) != 1:
-        return [torch.zeros_like(t) if zeros else t.detach().clone() for t in tensors]
+        return [t.detach().clone() if fill is None else torch.full_like(t, fill) for t in tensors]
     first = tensors[0]
-    make = torch.zeros if zeros else torch.empty
-    flat = make(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)
+    if fill is not None:
+        flat.fill_(fill)
     views, start = [], 0
     for t in tensors:
         view = flat[start : start + t.numel()].view(t.shape)
-        if not zeros:
+        if fill is None:
             view.copy_(t.detach())
         views.append(view)
         start += t.numel()

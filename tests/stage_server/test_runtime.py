@@ -177,10 +177,11 @@ def test_prepare_lends_the_sums_and_a_late_backward_adds_into_a_copy(tmp_path: P
     assert 0 not in rt._sums  # and the step's sums were let go
 
 
-def test_later_microbatches_add_into_the_sums_in_place_with_the_same_bits(tmp_path: Path) -> None:
-    """From a step's second microbatch on, autograd adds each gradient straight into the sums
-    (no whole gradient beside them): the same bits as `autograd.grad` then `add_`, for the
-    parameters and the input's gradient."""
+def test_microbatches_add_into_the_sums_in_place_with_the_same_bits(tmp_path: Path) -> None:
+    """Autograd adds each microbatch's gradients straight into the step's sums (no whole
+    gradient beside them): the first's are their own bits (the sums start at -0.0), the
+    next the same bits as `autograd.grad` then `add_`, for the parameters and the input's
+    gradient."""
     job = make_job(tmp_path, training={"stages": 2})
     data = make_data(job)
     rt = StageRuntime(job, 1)
@@ -188,9 +189,12 @@ def test_later_microbatches_add_into_the_sums_in_place_with_the_same_bits(tmp_pa
     y = data.microbatch(0, 0)[1]
     rt.forward_backward(0, 0, x, y)
     accum = rt._sums[0].accum or []
+    check = StageRuntime(job, 1)
+    first = torch.autograd.grad(loss_sum(check.module(x), y), check.params)
+    bits = [a.view(torch.int64) for a in accum]
+    assert all(torch.equal(b, f.view(torch.int64)) for b, f in zip(bits, first, strict=True))
     expected = [a.clone() for a in accum]
     where = [a.data_ptr() for a in accum]
-    check = StageRuntime(job, 1)
     x2 = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=rt.dtype)
     _, grad_x, _ = rt.forward_backward(0, 1, x2, y)
     _, grad_ref, _ = check.forward_backward(0, 1, x2, y, accumulate=False)
