@@ -333,15 +333,14 @@ def measure_stream(params: int, reps: int, state: int, work: Path) -> Row:
     return Row("bare stream (the ceiling)", result["bytes"], result["seconds"], mem)
 
 
-def measure_exchange(n: int, params: int, reps: int, state: int, work: Path) -> Row:
-    """A round's bytes and pattern over bare streams: the ceiling of any all-reduce over gRPC
-    on this machine, where every process sends and receives at once on shared cores."""
+def run_rounds(
+    role: str, args: dict[str, Any], n: int, reps: int, name: str, state: int, work: Path
+) -> tuple[list[list[Any]], list[tuple[str, int, int, int]]]:
+    """`n` children of `role` (seeds 0..n-1) told their group, a warm-up round, then `reps`
+    rounds started together: every round's results, and each child's peak RSS after them."""
     procs = Procs()
-    args = {"params": params, "chunk_bytes": CHUNK_BYTES}
     try:
-        members = [
-            procs.child("exchange", {**args, "seed": k}, work, f"exchange{n}-{k}") for k in range(n)
-        ]
+        members = [procs.child(role, {**args, "seed": k}, work, f"{name}{k}") for k in range(n)]
         group = [c.read("ready") for c in members]
         for c in members:
             c.send("group " + ",".join(group))
@@ -350,9 +349,16 @@ def measure_exchange(n: int, params: int, reps: int, state: int, work: Path) -> 
             reset_peak(c.pid)
         go_and_read(members, "go warmup")
         rounds = [go_and_read(members, f"go r{r}") for r in range(reps)]
-        mem = [(c.name, peak_rss(c.pid), state, 4 * params) for c in members]
+        return rounds, [(c.name, peak_rss(c.pid), state, 4 * args["params"]) for c in members]
     finally:
         procs.close()
+
+
+def measure_exchange(n: int, params: int, reps: int, state: int, work: Path) -> Row:
+    """A round's bytes and pattern over bare streams: the ceiling of any all-reduce over gRPC
+    on this machine, where every process sends and receives at once on shared cores."""
+    args = {"params": params, "chunk_bytes": CHUNK_BYTES}
+    rounds, mem = run_rounds("exchange", args, n, reps, f"exchange{n}-", state, work)
     sent = 2 * (n - 1) * 4 * params // n
     slowest = [max(r["seconds"] for r in results) for results in rounds]
     return Row(f"bare exchange, {n} processes", sent, slowest, mem, "a round's bytes, raw")
@@ -372,29 +378,13 @@ def reference_sha(params: int, n: int) -> str:
 
 def measure_pool(n: int, params: int, reps: int, state: int, work: Path) -> Row:
     expected = reference_sha(params, n)  # before the replicas start: not on their cores
-    procs = Procs()
     args = {
         "params": params,
         "chunk_bytes": CHUNK_BYTES,
         "max_bytes": 4 * params + CHUNK_BYTES,  # a part and then some
         "timeout_s": POOL_TIMEOUT_S,
     }
-    try:
-        pool = [
-            procs.child("replica", {**args, "seed": k}, work, f"pool{n}-replica{k}")
-            for k in range(n)
-        ]
-        group = [c.read("ready") for c in pool]
-        for c in pool:
-            c.send("group " + ",".join(group))
-        for c in pool:
-            c.read("prepared")
-            reset_peak(c.pid)
-        go_and_read(pool, "go warmup")
-        rounds = [go_and_read(pool, f"go r{r}") for r in range(reps)]
-        mem = [(c.name, peak_rss(c.pid), state, 4 * params) for c in pool]
-    finally:
-        procs.close()
+    rounds, mem = run_rounds("replica", args, n, reps, f"pool{n}-replica", state, work)
     digests = {result["sha256"] for results in rounds for result in results}
     if digests != {expected}:
         raise RuntimeError(f"pool of {n}: sums {sorted(digests)}, expected {expected}")

@@ -100,6 +100,19 @@ async def bare(args: dict[str, Any]) -> None:
 # --- bare stream ----------------------------------------------------------------------------
 
 
+async def serve_stream(stream: Any) -> tuple[grpc.aio.Server, str]:
+    """A started server whose one method, `STREAM_METHOD`, is `stream` over raw bytes; and its
+    address."""
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Bulk", {"Stream": grpc.stream_stream_rpc_method_handler(stream)}
+    )
+    server = grpc.aio.server(options=options())
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
 async def sink(args: dict[str, Any]) -> None:
     acc = torch.zeros(args["params"])
 
@@ -111,14 +124,8 @@ async def sink(args: dict[str, Any]) -> None:
             off += values.numel()
         yield struct.pack("<q", off)
 
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Bulk", {"Stream": grpc.stream_stream_rpc_method_handler(stream)}
-    )
-    server = grpc.aio.server(options=options())
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    say(ready=f"127.0.0.1:{port}")
+    server, address = await serve_stream(stream)
+    say(ready=address)
     await wait_for("quit")
     await server.stop(None)
 
@@ -170,16 +177,10 @@ async def exchange(args: dict[str, Any]) -> None:
         for at in range(0, len(answer), chunk):
             yield bytes(answer[at : at + chunk])
 
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Bulk", {"Stream": grpc.stream_stream_rpc_method_handler(stream)}
-    )
-    server = grpc.aio.server(options=options())
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    say(ready=f"127.0.0.1:{port}")
+    server, address = await serve_stream(stream)
+    say(ready=address)
     group = (await wait_for("group"))[1].split(",")
-    me = group.index(f"127.0.0.1:{port}")
+    me = group.index(address)
     n = len(group)
     bounds = [k * grad.numel() // n for k in range(n + 1)]
     raw = grad.numpy().data.cast("B")

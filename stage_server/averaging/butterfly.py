@@ -238,7 +238,6 @@ async def all_reduce(
     residuals: Residuals | None = None,
     slice_bytes: int = SLICE_BYTES,
     window: int = WINDOW,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The sum of `flat` over the replicas of `group` (PoolService addresses; this replica is
     `group[index]`), bitwise the same on every replica; `flat` itself when the group is alone.
@@ -250,27 +249,22 @@ async def all_reduce(
     `residuals` (a lossy codec's error feedback) are read, and replaced once the round completed.
     Uncompressed, a part travels in slices of `slice_bytes`, `window` of them under way to each
     owner at once: while one slice is summed and answered the next is sent, and an owner holds
-    `window` slices of each sender, not its whole part. `out` (a CPU tensor like `flat`, which
-    may be `flat` itself: each slice's sum arrives after this replica's values of it were sent
-    and summed) is where the total is written; else a new tensor. An aborted round leaves `out`
-    partly written.
+    `window` slices of each sender, not its whole part.
     """
     n = len(group)
     if not 0 <= index < n or len(set(group)) != n:
         raise ConfigError(f"index {index} in a group of {n} distinct addresses: {list(group)}")
     if flat.dim() != 1:
         raise InvalidArgument(f"all_reduce takes a 1-D tensor, got shape {list(flat.shape)}")
+    if window < 1:
+        raise ConfigError(f"window must be at least 1, got {window}")
     if n == 1:
         return flat
     key: RoundKey = (job, stage, round)
     parts = split_parts(flat.numel(), n)
     src = flat.detach()
     # Every part's sum lands in its place here, as its bytes arrive: no part is held twice.
-    if out is not None and (
-        out.shape != flat.shape or out.dtype != flat.dtype or out.device.type != "cpu"
-    ):
-        raise ConfigError(f"out must be a CPU tensor like flat: {out.dtype}{list(out.shape)}")
-    total = out if out is not None else torch.empty(flat.shape, dtype=flat.dtype)
+    total = torch.empty(flat.shape, dtype=flat.dtype)
     sent = received = 0
     lossy = codec != CODEC_NONE and flat.is_floating_point()
     feedback = residuals if lossy else None

@@ -239,26 +239,6 @@ async def test_a_part_in_slices_sums_to_the_same_bits_and_the_owner_holds_a_wind
     assert 0 < max(most.values()) <= window * (n - 1)
 
 
-async def test_the_total_may_be_written_over_the_values_sent() -> None:
-    """`out=flat`: each slice's sum arrives once this replica's values of it were sent and
-    summed, so writing the total over them gives the same bits as a new tensor."""
-    async with replicas(3) as pool:
-        flats = [torch.randn(10_007, dtype=torch.float64) for _ in range(3)]
-        expected = ordered_sum(flats)
-        mine = [f.clone() for f in flats]
-        results = [
-            all_reduce(
-                f, group=[r.address for r in pool], index=i, round="r", job=JOB, stage=0,
-                averager=r.averager, channels=r.channels, timeout_s=20.0, chunk_bytes=4096,
-                max_bytes=64 * MiB, slice_bytes=8000, out=f,
-            )
-            for i, (r, f) in enumerate(zip(pool, mine, strict=True))
-        ]  # fmt: skip
-        totals = await asyncio.gather(*results)
-        assert all(t is f for t, f in zip(totals, mine, strict=True))
-        assert all(torch.equal(t, expected) for t in totals)
-
-
 async def test_a_round_whose_first_slices_are_summed_still_takes_its_later_ones() -> None:
     """Slices of a part complete one by one: a round with none open may have more to come (the
     owner's own later slices were refused as 'completed already' when it counted the round as
