@@ -112,6 +112,12 @@ def _trainer(p: argparse.ArgumentParser) -> None:
         help="with --stage-servers: write checkpoints here every "
         "training.checkpoint_every steps, and roll back to them",
     )
+    p.add_argument(
+        "--routes",
+        type=Path,
+        help='with --stage-servers and pool.mode = "local": write the route record here, '
+        "which `swarm local JOB --routes FILE` replays",
+    )
     add_flag(p, "threads", 1, "torch threads", type=int)
     add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
     add_metrics_token(p)
@@ -187,5 +193,6 @@ def _run_trainer(args: argparse.Namespace) -> int:
             token=token(args),
             checkpoint_dir=args.checkpoint_dir,
             broker=args.broker,
+            routes=args.routes,
         )
     )

@@ -4,6 +4,7 @@ trains, then optionally saves the model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from client.trainer import PipelineTrainer, load_followed
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from swarm.job.config import JobConfig
+from swarm.model.routes import Record, write_record
 from swarm.ops.metrics import serve_metrics
 from swarm.ops.progress import StepLog, StepRecord
 from swarm.rpc.lease import Replica
@@ -48,11 +50,33 @@ async def train_standalone(
     trainers: int = 1,
     checkpoint_dir: Path | None = None,
     broker: str | None = None,
+    routes: Path | None = None,
 ) -> dict[str, torch.Tensor]:
     """Coordinate and train `job` on the given stage servers in this process; returns the
     trained model. `registry` receives the trainer's and coordinator's metrics. With `broker`,
     the trainers' wiring follows the load reports published there for this job (its id is
-    `job.fingerprint()`) by replicas named as in `replicas`."""
+    `job.fingerprint()`) by replicas named as in `replicas`. `routes`: write pool.mode =
+    "local"'s route record there (`swarm.model.routes`), for `swarm local --routes`."""
+    with contextlib.ExitStack() as stack:
+        record = None
+        if routes is not None:
+            f = stack.enter_context(open(routes, "w", encoding="utf-8"))
+            record = lambda r: write_record(f, [r])  # noqa: E731
+        return await _train(job, replicas, registry, on_step, token, trainers, checkpoint_dir,
+                            broker, record)  # fmt: skip
+
+
+async def _train(
+    job: JobConfig,
+    replicas: list[list[Replica]] | Callable[[], list[list[Replica]]],
+    registry: CollectorRegistry | None,
+    on_step: Callable[[StepRecord], object] | None,
+    token: str | None,
+    trainers: int,
+    checkpoint_dir: Path | None,
+    broker: str | None,
+    on_route: Callable[[Record], None] | None,
+) -> dict[str, torch.Tensor]:
     registry = registry or CollectorRegistry()
     members = replicas if callable(replicas) else (lambda: replicas)  # type: ignore[misc]
     coordinator = LocalCoordinator(
@@ -63,6 +87,7 @@ async def train_standalone(
         on_step=on_step,  # type: ignore[arg-type]
         metrics=CoordinatorMetrics(job.fingerprint(), registry),
         checkpoint_dir=checkpoint_dir,
+        on_route=on_route,
     )
     metrics = TrainerMetrics(job.fingerprint(), registry)
     runs = [
@@ -96,6 +121,7 @@ async def run_trainer(
     token: str | None = None,
     checkpoint_dir: Path | None = None,
     broker: str | None = None,
+    routes: Path | None = None,
 ) -> int:
     if len(replicas) != job.training.stages:
         raise SystemExit(
@@ -116,6 +142,7 @@ async def run_trainer(
             token=token,
             checkpoint_dir=checkpoint_dir,
             broker=broker,
+            routes=routes,
         )
     if out:
         torch.save(state, out)

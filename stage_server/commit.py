@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,8 @@ class Commit:
     group_index: int  # this replica's place in `group`
     round: str  # the round's id: a retried prepare of a step is another round
     grad_scale: float = 1.0  # the clipping coefficient APPLY multiplies the gradient by
+    # pool.mode = "local": the round ending before `step`, not a step (`stage_server.local_round`)
+    round_end: bool = False
 
     @classmethod
     def of(cls, request: pb.StageCommitRequest) -> Commit:
@@ -77,6 +80,7 @@ class Commit:
             group_index=request.group_index,
             round=request.round,
             grad_scale=request.grad_scale if request.HasField("grad_scale") else 1.0,
+            round_end=request.round_end,
         )
 
 
@@ -119,7 +123,9 @@ class Committer:
         self._prepared = None
 
     async def commit(self, c: Commit) -> Committed:
-        """Prepare and/or apply step `c.step`."""
+        """Prepare and/or apply step `c.step` (or, `c.round_end`, the round ending before it)."""
+        if c.round_end:
+            return await self._round_end(c)
         rt, step, already, sq_norm = self._runtime(), c.step, False, 0.0
         if c.prepare and c.apply and rt.job.training.grad_clip > 0:
             raise FailedPrecondition(
@@ -130,13 +136,7 @@ class Committer:
             if step < rt.step:
                 return Committed(rt.step, already=True)
             self._prepared = None
-            try:
-                sums = await self._worker.run(rt.prepare, step, c.microbatches, c.total_samples)
-            except WireError as e:  # tell the pool now, not when its round times out
-                self.averager.abort((c.job, c.stage, c.round), str(e))
-                raise
-            if len(c.group) > 1:
-                sums = await self._average(c, sums)
+            sums = await self._part(c, rt.prepare, step, c.microbatches, c.total_samples)
             await self._worker.run(rt.set_prepared, step, sums, c.total_samples)
             sq_norm = await self._worker.run(rt.prepared_sq_norm, step)
             self._prepared = (c.job, c.stage, step, sq_norm)
@@ -161,6 +161,36 @@ class Committer:
                 log.info("%s: stage %d committed step %d", self.peer, c.stage, step)
             self.metrics.committed(rt.step, applied=not already)
         return Committed(rt.step, already, sq_norm)
+
+    async def _round_end(self, c: Commit) -> Committed:
+        """pool.mode = "local": PREPARE averages the pool's pseudo-gradients, weighted by each
+        replica's samples in the round; APPLY takes the outer step every replica takes."""
+        rt, boundary, already = self._runtime(), c.step, False
+        if c.prepare:
+            if await self._worker.run(rt.synced, boundary):
+                return Committed(rt.step, already=True)
+            if c.total_samples < 0:
+                raise InvalidArgument(f"total_samples must be >= 0; got {c.total_samples}")
+            sums = await self._part(c, rt.prepare_round, boundary)
+            await self._worker.run(rt.set_round, boundary, sums, c.total_samples)
+        if c.apply:
+            already = await self._worker.run(rt.apply_round, boundary)
+            self.feedback.applied(c.job, c.stage, boundary)
+            if not already:
+                log.info("%s: stage %d ended a round at step %d", self.peer, c.stage, boundary)
+        return Committed(rt.step, already)
+
+    async def _part(
+        self, c: Commit, prepare: Callable[..., list[torch.Tensor]], *args: object
+    ) -> list[torch.Tensor]:
+        """This replica's part (`prepare(*args)` on the worker), averaged with `c.group`. A
+        PREPARE that fails before averaging tells the pool now, not when its round times out."""
+        try:
+            sums = await self._worker.run(prepare, *args)
+        except WireError as e:
+            self.averager.abort((c.job, c.stage, c.round), str(e))
+            raise
+        return await self._average(c, sums) if len(c.group) > 1 else sums
 
     def _apply(self, rt: StageRuntime, c: Commit, sq_norm: float | None) -> bool:
         """On the worker: apply the prepared step unless its gradient is NaN or infinite

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stage_server.local_round import LocalRound, is_boundary
 from stage_server.tensor_checks import TensorChecks
 from stage_server.update_log import UpdateLog
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
@@ -93,6 +94,9 @@ class StageRuntime:
         # A copy of another replica that still applies that replica's updates (`apply_followed`)
         # until it is a member: the first PREPARE or Discard it gets ends that.
         self.following = False
+        # pool.mode = "local": the round's start, the outer optimizer and this replica's samples
+        # in the round (`stage_server.local_round`); None: every step is averaged
+        self.round = LocalRound(job, self.params) if job.pool.mode == "local" else None
 
     # -- validation -----------------------------------------------------------------------------
     def _check_step(self, step: int, next_ok: bool = False) -> None:
@@ -300,7 +304,8 @@ class StageRuntime:
                 f"stage {self.stage} step {step}: receipts missing for microbatches {missing[:10]}"
                 f"{' ...' if len(missing) > 10 else ''}, unexpected {extra[:10]}"
             )
-        if total_samples <= 0:
+        if total_samples < 0 or (total_samples == 0 and (self.round is None or sums.receipts)):
+            # A local step of a replica that took no sample moves nothing (and 0 says so)
             raise InvalidArgument(f"total_samples must be positive; got {total_samples}")
         # The sums themselves, lent to the commit (one flat tensor, which averaging reads as it
         # is): a late Backward (a straggler's duplicate, which the ledger counts elsewhere) must
@@ -345,6 +350,35 @@ class StageRuntime:
         self.apply_update(grad_sums, total_samples, scale)
         return False
 
+    # -- rounds (pool.mode = "local") -----------------------------------------------------------
+    def _local_round(self, boundary: int) -> LocalRound:
+        if self.round is None:
+            raise FailedPrecondition(f'stage {self.stage}: rounds are for pool.mode = "local"')
+        if boundary != self.step or not is_boundary(self.job, boundary):
+            raise FailedPrecondition(
+                f"stage {self.stage} is at step {self.step}: no round of it ends at {boundary}"
+            )
+        return self.round
+
+    def synced(self, boundary: int) -> bool:
+        """Whether the round ending at `boundary` was applied here already (a retry)."""
+        return self.round is not None and self.round.synced >= boundary
+
+    def prepare_round(self, boundary: int) -> list[torch.Tensor]:
+        """This replica's part of the round's average, which ends before step `boundary`."""
+        self.following = False  # a member now: its updates come from its own pool
+        return self._local_round(boundary).pseudo_gradient()
+
+    def set_round(self, boundary: int, sums: list[torch.Tensor], total_samples: int) -> None:
+        """Keep the pool's summed pseudo-gradient until `apply_round`."""
+        self._local_round(boundary).set_prepared(boundary, sums, total_samples)
+
+    def apply_round(self, boundary: int) -> bool:
+        """The round's outer step; True when it was applied before."""
+        if self.synced(boundary):
+            return True
+        return self._local_round(boundary).apply(boundary)
+
     def discard(self, step: int) -> int:
         """Void this replica's gradients of `step` (they will be replayed elsewhere); returns how
         many microbatches were dropped."""
@@ -363,11 +397,14 @@ class StageRuntime:
         # Recorded first (a copy, only while a peer follows): the mean is taken in place below.
         self.updates.record(self.step, grad_sums, total_samples, scale)
         self._sums.pop(self.step, None)  # this step's own sums: not needed once prepared
-        for p, g in zip(self.params, grad_sums, strict=True):
-            # In place: the prepared sums are this step's alone (a retried APPLY of an applied
-            # step changes nothing), so the mean takes no memory of its own.
-            p.grad = g.div_(total_samples)
-        update(self.optimizer, self.job, self.step, scale)
+        if total_samples > 0:  # a local step without samples (pool.mode = "local") moves nothing
+            for p, g in zip(self.params, grad_sums, strict=True):
+                # In place: the prepared sums are this step's alone (a retried APPLY of an
+                # applied step changes nothing), so the mean takes no memory of its own.
+                p.grad = g.div_(total_samples)
+            update(self.optimizer, self.job, self.step, scale)
+            if self.round is not None:
+                self.round.samples += total_samples
         self.applied = (self.step, scale)
         self.step += 1
         self._prepared = None
@@ -398,6 +435,8 @@ class StageRuntime:
         (`include_optimizer`) of a delayed_update job also holds the parameters step `step`
         computes on, as `prev/<name>`: a copy must compute as this replica does."""
         state = stage_state.export_state(self.module, self.optimizer, include_optimizer)
+        if self.round is not None and include_optimizer:
+            state.update(self.round.export(self._param_names()))
         if self.delayed and include_optimizer:
             for name, p in self._module_at(self.step).named_parameters():
                 state[f"prev/{name}"] = p.detach().cpu().clone()
@@ -411,6 +450,8 @@ class StageRuntime:
             raise InvalidArgument(f"stage {self.stage}: {e}") from e
         if self.delayed:
             self._load_prev(step, state)
+        if self.round is not None:
+            self.round.load(self._param_names(), state)
         self.step = step
         self._sums, self._prepared = {}, None
         self._cache.clear()
@@ -444,6 +485,13 @@ class StageRuntime:
         `began`: this replica's step when the copy started. One that moved since (it applied a
         commit as a member meanwhile) is not overwritten by the copy, which may be older than
         what it holds: FailedPrecondition, and it stays as it is."""
+        if self.round is not None:
+            # A copy must also follow its source through a round's end, which the update log
+            # does not carry yet (docs/jobs.md, "Pool modes"): the pool goes on without it.
+            raise FailedPrecondition(
+                f'stage {self.stage}: a replica of a pool.mode = "local" job cannot join it '
+                "while it trains (not built yet): it joins when the job starts or resumes"
+            )
         if began is not None and self.step != began:
             raise FailedPrecondition(
                 f"stage {self.stage}: this replica moved from step {began} to {self.step} while "
@@ -469,6 +517,9 @@ class StageRuntime:
         return True
 
     # -- state ----------------------------------------------------------------------------------
+    def _param_names(self) -> list[str]:
+        return [name for name, _ in self.module.named_parameters()]
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.params)
 

@@ -31,6 +31,16 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
         add_flag(p, "threads", 0, "torch threads (0: one per core)", type=int)
         p.add_argument("--log", type=Path, help="write one JSON line per step here")
+        p.add_argument(
+            "--replicas",
+            type=int,
+            help='pool.mode = "local": replicas of every stage, a synthetic wiring (default 2)',
+        )
+        p.add_argument(
+            "--routes",
+            type=Path,
+            help='pool.mode = "local": replay this route record (the swarm\'s) instead',
+        )
     elif command == "prepare-data":
         p.add_argument("files", type=Path, nargs="+", help="UTF-8 text files, in order")
         p.add_argument("--out", type=Path, required=True, help="the token file to write")
@@ -164,9 +174,23 @@ def _local(args: argparse.Namespace) -> int:
     from swarm.ops.progress import StepLog
 
     job = load_job(args.job_file)
+    local_steps = job.pool.mode == "local"
+    if not local_steps and (args.replicas is not None or args.routes is not None):
+        raise SwarmError('--replicas and --routes need a job with pool.mode = "local"')
+    if args.replicas is not None and args.routes is not None:
+        raise SwarmError("give --replicas or --routes, not both: the record names its replicas")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     with StepLog(job.training.steps, path=args.log, desc=f"local {job.name}") as steps:
-        model = train_local(job, args.device, on_step=steps)
+        if local_steps:
+            from swarm.model.local_steps import train_replicas
+            from swarm.model.routes import read_routes
+
+            routes = read_routes(args.routes) if args.routes is not None else None
+            model = train_replicas(
+                job, args.device, replicas=args.replicas, routes=routes, on_step=steps
+            )
+        else:
+            model = train_local(job, args.device, on_step=steps)
     if args.out:
         state = {k: v.cpu() for k, v in model.state_dict().items()}
         if args.format == "hf":

@@ -50,8 +50,23 @@ class StageHops:
         the replica that accumulated the microbatch there (None when it did not, or when a call
         may have accumulated it but did not say so: see `swarm.rpc.hop`) and the answer (None
         when none was needed after such a call)."""
-        done = await self._hop(stage, call, prefer, accumulate, need_result)
+        done = await self.hopped(
+            stage, call, prefer, accumulate=accumulate, need_result=need_result
+        )
         return (done.peer if done.accumulated else None), done.result
+
+    async def hopped(
+        self,
+        stage: int,
+        call: Callable[[StageClient, bool], Awaitable[T]],
+        prefer: str | None = None,
+        *,
+        accumulate: bool,
+        need_result: bool,
+    ) -> Hopped[T]:
+        """As `accumulating`, with the replica that answered whether it accumulated or not
+        (the route record of pool.mode = "local" names every replica a run went through)."""
+        return await self._hop(stage, call, prefer, accumulate, need_result)
 
     async def _hop(
         self,

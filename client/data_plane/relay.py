@@ -36,7 +36,10 @@ class RelayPlane:
         pass  # every hop reads the routes as they are when it is made
 
     async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
-        if len(task.stages) < self.job.training.stages:  # a replay
+        # pool.mode = "local": replicas differ, so a replay runs the pipeline again, and the
+        # result names every replica the run went through (the route record)
+        local = self.job.pool.mode == "local"
+        if len(task.stages) < self.job.training.stages and not local:  # a replay
             replayed = await self._replay_from_cache(task)
             if replayed is not None:
                 return replayed
@@ -55,7 +58,7 @@ class RelayPlane:
             forward_peer[k] = peer
             boundary.append(out)
         holders: dict[int, str] = {}
-        holder, result = await self.hops.accumulating(
+        done = await self.hops.hopped(
             last,
             lambda c, a: c.forward_backward(
                 step, index, boundary[last], targets, accumulate=a, need_grad_inputs=lowest < last
@@ -63,8 +66,11 @@ class RelayPlane:
             accumulate=last in stages,
             need_result=lowest < last,
         )
-        if holder is not None:
-            holders[last] = holder
+        forward_peer[last] = done.peer or ""  # "": unknown (the route record needs none then)
+        back: dict[int, str] = {}
+        result = done.result
+        if done.accumulated and done.peer is not None:
+            holders[last] = done.peer
         self.cache.remember(step, index, last, boundary[last], targets)
         # The loss is the same whichever replica computed it, accumulating or not.
         loss = result.loss_sum if last in stages and result is not None else None
@@ -74,7 +80,7 @@ class RelayPlane:
             g = grad
             forward_client = self.hops.routes.clients.get(forward_peer[k])  # None: departed
             self.cache.remember(step, index, k, boundary[k], g)
-            holder, result = await self.hops.accumulating(
+            done = await self.hops.hopped(
                 k,
                 lambda c, a, k=k, g=g, f=forward_client: _backward(  # type: ignore[misc]
                     c, task, k, boundary[k], g, f, a
@@ -83,10 +89,19 @@ class RelayPlane:
                 accumulate=k in stages,
                 need_result=k > lowest,
             )
-            if holder is not None:
-                holders[k] = holder
+            if done.accumulated and done.peer is not None:
+                holders[k] = done.peer
+            if done.peer is not None and done.peer != forward_peer[k]:
+                back[k] = done.peer
+            result = done.result
             grad = result.grad_inputs if result is not None else None
-        return MicrobatchResult(step, index, holders, loss, int(ids.shape[0]))
+        samples = int(ids.shape[0])
+        if not local:
+            return MicrobatchResult(step, index, holders, loss, samples)
+        chain = tuple(forward_peer[k] for k in range(last + 1))
+        return MicrobatchResult(
+            step, index, holders, loss, samples, chain, tuple(sorted(back.items()))
+        )
 
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor

@@ -23,6 +23,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
@@ -31,6 +32,9 @@ from scheduler.coordinator.replicas import GONE, ReplicaClients
 from swarm.errors import Aborted, NonFiniteGradient, SwarmError
 from swarm.model.optim import clip_scale
 from swarm.rpc.lease import Replica
+
+if TYPE_CHECKING:  # rounds.py builds on this module
+    from scheduler.coordinator.rounds import PoolRounds
 
 __all__ = ["CommitStalled", "NonFiniteStep", "RoundFailure", "TwoPhaseCommit", "culprits"]
 
@@ -95,8 +99,12 @@ class TwoPhaseCommit:
         membership: Membership,
         metrics: CoordinatorMetrics,
         grad_clip: float = 0.0,
+        rounds: PoolRounds | None = None,
     ) -> None:
+        """`rounds`: pool.mode = "local" (each replica applies its own gradient; pools
+        average at the end of each round), None: "step"."""
         self.clients, self.membership, self.metrics = clients, membership, metrics
+        self.rounds = rounds
         self.grad_clip = grad_clip  # `training.grad_clip`: 0, no clipping
         self._tried: StepLedger | None = None  # the ledger of the last attempt
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
@@ -214,6 +222,10 @@ class TwoPhaseCommit:
                 log.warning(
                     "step %d: apply on %s (stage %d) failed: %s", ledger.step, r.peer, stage, result
                 )
+        if self.rounds is not None:
+            self.rounds.applied(ledger)
+            if self.rounds.ends_round(ledger.step):
+                await self.rounds.end(ledger.step)
         return True
 
     def _refuse_nonfinite(self, step: int, reported: list[tuple[int, str, float]]) -> None:
@@ -281,9 +293,16 @@ class TwoPhaseCommit:
             group = [r.address for r in replicas]
             holdings = ledger.holdings(stage)
             for index, r in enumerate(replicas):
+                # A local step (pool.mode = "local"): its own gradient, over its own samples.
+                own = self.rounds is not None
                 calls.append(
                     self.clients.get(stage, r).prepare(
-                        ledger.step, holdings.get(r.peer, []), total, group, index, round_id
+                        ledger.step,
+                        holdings.get(r.peer, []),
+                        ledger.samples_held(stage, r.peer) if own else total,
+                        [r.address] if own else group,
+                        0 if own else index,
+                        round_id,
                     )
                 )
         results = await asyncio.gather(*calls, return_exceptions=True)

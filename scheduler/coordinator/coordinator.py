@@ -42,11 +42,13 @@ from scheduler.coordinator.replicas import (
     StageReplica,
     grpc_replicas,
 )
+from scheduler.coordinator.rounds import PoolRounds
 from scheduler.coordinator.shares import Shares
 from scheduler.coordinator.step_records import StepRecords
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
+from swarm.model.routes import Record
 from swarm.ops.progress import StepRecord
 from swarm.policy.backoff import Backoff
 from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Working
@@ -105,10 +107,12 @@ class LocalCoordinator:
         on_status: Callable[[str], Awaitable[None] | None] | None = None,
         connect: ReplicaFactory | None = None,
         clock: Clock | None = None,
+        on_route: Callable[[Record], None] | None = None,
     ) -> None:
         """`members()`: per stage, the replicas serving it now (from the peer registry).
         `on_status(text)`: something `swarm status` should say (a replica left out of its pool).
-        `connect` and `clock` are for tests: replicas other than gRPC ones, time that is told."""
+        `connect` and `clock` are for tests: replicas other than gRPC ones, time that is told.
+        `on_route(record)`: pool.mode = "local"'s route record (`swarm.model.routes`)."""
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
         self.on_step, self.on_rollback, self.on_status = on_step, on_rollback, on_status
@@ -133,8 +137,13 @@ class LocalCoordinator:
             on_admit=self._wake,
             grad_clip=job.training.grad_clip,
         )
+        self.rounds = (
+            PoolRounds(job, self.clients, self.membership, self.metrics, on_route)
+            if job.pool.mode == "local"
+            else None
+        )
         self.two_phase = TwoPhaseCommit(
-            self.clients, self.membership, self.metrics, job.training.grad_clip
+            self.clients, self.membership, self.metrics, job.training.grad_clip, self.rounds
         )
         self.recovery = Recovery(job, self.clients, checkpoint_dir)
         self._rollback: asyncio.Task[None] | None = None
@@ -155,6 +164,8 @@ class LocalCoordinator:
         if isinstance(self.clients.factory, GrpcReplicas):
             await self.clients.factory.prepare()
         step = await self._reconcile()
+        if self.rounds is not None:
+            self.rounds.started(step, self.replicas())
         self._open(step)
         return step
 
@@ -337,7 +348,12 @@ class LocalCoordinator:
             if ledger not in self._ledgers():
                 return
             size = self.job.training.microbatch_size
+            # pool.mode = "local": a late receipt names no run for the route record; the
+            # microbatch is replayed, and the commit voids the replica that holds it
+            local = self.job.pool.mode == "local"
             for (stage, r), info in zip(pairs, infos, strict=True):
+                if local:
+                    break
                 if isinstance(info, BaseException):
                     continue  # gone: the commit's own checks deal with it
                 if info.step == ledger.step:
@@ -386,7 +402,14 @@ class LocalCoordinator:
         ledger = live.ledger
         free = ledger.leasable()
         extras = ledger.report(
-            trainer, result.step, result.index, result.holders, result.loss_sum, result.samples
+            trainer,
+            result.step,
+            result.index,
+            result.holders,
+            result.loss_sum,
+            result.samples,
+            result.chain,
+            result.back,
         )
         # Waiting leases look again only when there is something new for them: work given back
         # (a stage left out, to adopt or replay) or a complete step. Waking every long poll on

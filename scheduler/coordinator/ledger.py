@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import InvalidArgument
+from swarm.model.routes import Run
 from swarm.rpc.lease import Task
 
 __all__ = ["EVALUATED", "Holding", "StepLedger"]
@@ -71,6 +72,9 @@ class StepLedger:
         # of `_needed` goes through them): `complete` is asked on every report.
         self._open = len(self._needed) if self.stages else 0
         self._holders: dict[tuple[int, int], str] = {}  # (index, stage) -> peer
+        # pool.mode = "local": (index, stage) -> the run whose gradient counts there, as
+        # (chain, back) (`swarm.model.routes.Run`), for the route record
+        self._runs: dict[tuple[int, int], tuple[tuple[str, ...], tuple[tuple[int, str], ...]]] = {}
         # the same, per stage and peer: a commit asks each stage's holdings several times
         self._held_at: list[dict[str, set[int]]] = [{} for _ in range(self.stages)]
         self._leases: dict[int, _Lease] = {}
@@ -241,6 +245,8 @@ class StepLedger:
         holders: Mapping[int, str],
         loss_sum: float | None,
         samples: int,
+        chain: tuple[str, ...] = (),
+        back: tuple[tuple[int, str], ...] = (),
     ) -> list[Holding]:
         """Record that `holders[stage]` accumulated microbatch `index` at `stage`. Returns the
         replicas that now hold a gradient that must not count (someone else's was accepted first).
@@ -261,16 +267,22 @@ class StepLedger:
             if lease and lease.trainer == trainer:
                 self._unhold(index)
             return []
-        extras = []
+        extras, accepted = [], set()
         for stage, peer in holders.items():
             current = self._holders.get((index, stage))
             if stage in self._needed[index]:
                 self._set_holder(index, stage, peer)
                 self._got(index, stage)
+                accepted.add(stage)
+                if chain:
+                    self._runs[(index, stage)] = (chain, back)
             elif current is not None and current != peer:
                 extras.append(Holding(stage, peer))
         if loss_sum is not None:
-            self._loss.setdefault(index, loss_sum)
+            if self.stages - 1 in accepted:  # the loss of the run whose gradient counts there
+                self._loss[index] = loss_sum
+            else:
+                self._loss.setdefault(index, loss_sum)
         self._samples.setdefault(index, samples)
         lease = self._leases.get(index)
         if lease and lease.trainer == trainer:
@@ -300,6 +312,7 @@ class StepLedger:
         for s in range(self.stages) if stage is None else [stage]:
             for index in sorted(self._held_at[s].pop(peer, ())):
                 del self._holders[(index, s)]
+                self._runs.pop((index, s), None)
                 self._lost(index, s)
                 lost.append(index)
         # Replays of a lost gradient go out at once: no late receipt of theirs is worth waiting
@@ -312,6 +325,18 @@ class StepLedger:
         """Per replica of `stage` (in name order), the microbatches whose gradient it holds."""
         held = self._held_at[stage]
         return {peer: sorted(held[peer]) for peer in sorted(held) if held[peer]}
+
+    def samples_held(self, stage: int, peer: str) -> int:
+        """The samples of the microbatches whose gradient `peer` holds at `stage`."""
+        return sum(self._samples.get(index, 0) for index in self._held_at[stage].get(peer, ()))
+
+    def runs(self) -> list[Run]:
+        """pool.mode = "local": the runs whose gradients count, by microbatch, each with the
+        stages it counts at (a gradient adopted from a late receipt names no run)."""
+        stages: dict[tuple[int, tuple[str, ...], tuple[tuple[int, str], ...]], list[int]] = {}
+        for (index, stage), (chain, back) in sorted(self._runs.items()):
+            stages.setdefault((index, chain, back), []).append(stage)
+        return [Run(i, tuple(ks), chain, back) for (i, chain, back), ks in stages.items()]
 
     def _set_holder(self, index: int, stage: int, peer: str) -> None:
         old = self._holders.get((index, stage))

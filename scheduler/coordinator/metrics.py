@@ -32,6 +32,11 @@ class CoordinatorFamilies:
         self.rollbacks = counter(
             "swarm_coordinator_rollbacks_total", "Rollbacks of the whole job to its last checkpoint"
         )
+        self.round_dropped = counter(
+            "swarm_coordinator_round_dropped_samples_total",
+            'pool.mode = "local": samples a replica trained on in a round it left before the '
+            "round's end (its local steps are not in the pool's average)",
+        )
         self.last_commit = Gauge(
             "swarm_coordinator_last_commit_timestamp_seconds",
             "Unix time of the last committed step (now - this = time since)",
@@ -77,6 +82,7 @@ class CoordinatorFamilies:
             self.aborted_rounds,
             self.dropped,
             self.rollbacks,
+            self.round_dropped,
             self.last_commit,
             self.tokens,
             self.blocked,
@@ -104,6 +110,7 @@ class CoordinatorMetrics:
         self.aborted_rounds = f.aborted_rounds.labels(job=job)
         self.dropped = f.dropped.labels(job=job)
         self.rollbacks = f.rollbacks.labels(job=job)
+        self.round_dropped = f.round_dropped.labels(job=job)
         self.last_commit = f.last_commit.labels(job=job)
         self.grad_norm = f.grad_norm.labels(job=job)
         self.tokens = f.tokens.labels(job=job)

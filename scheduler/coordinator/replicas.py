@@ -59,6 +59,18 @@ class StageReplica(Protocol):
         """Phase two: the optimizer step with the prepared gradient times `scale` (clipping)."""
         ...
 
+    async def prepare_round(
+        self, boundary: int, total_samples: int, group: list[str], group_index: int, round: str
+    ) -> bool:
+        """pool.mode = "local": phase one of the round ending before step `boundary`: average
+        its pseudo-gradient with `group` over the group's `total_samples` samples of the
+        round. True: it applied that round already."""
+        ...
+
+    async def apply_round(self, boundary: int) -> None:
+        """Phase two: the round's outer step."""
+        ...
+
     async def discard(self, step: int) -> int:
         """Drop its gradients of `step` (they are replayed elsewhere); returns how many."""
         ...
@@ -137,6 +149,24 @@ class GrpcReplica:
 
     async def apply(self, step: int, scale: float = 1.0) -> None:
         await self.client.commit(step, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=scale)
+
+    async def prepare_round(
+        self, boundary: int, total_samples: int, group: list[str], group_index: int, round: str
+    ) -> bool:
+        response = await self.client.commit(
+            boundary,
+            [],
+            total_samples,
+            phase=pb.COMMIT_PHASE_PREPARE,
+            group=group,
+            group_index=group_index,
+            round=round,
+            round_end=True,
+        )
+        return response.already_committed
+
+    async def apply_round(self, boundary: int) -> None:
+        await self.client.commit(boundary, [], 0, phase=pb.COMMIT_PHASE_APPLY, round_end=True)
 
     async def discard(self, step: int) -> int:
         return await self.client.discard(step)

@@ -34,6 +34,7 @@ __all__ = [
     "MiB",
     "ModelConfig",
     "OptimizerConfig",
+    "PoolConfig",
     "RebalanceConfig",
     "RuntimeConfig",
     "TrainingConfig",
@@ -245,6 +246,31 @@ class CompressionConfig(Section):
 
 
 @dataclass(frozen=True)
+class PoolConfig(Section):
+    """`[pool]`: how the replicas of a stage combine their work (docs/jobs.md, "Pool modes").
+    "step": every step the pool averages its gradients and applies one update. "local": each
+    replica applies the optimizer every step to the samples it took itself; every `sync_every`
+    steps the pool averages the replicas' pseudo-gradients (the round's start minus their
+    parameters, weighted by their samples) and applies an outer SGD step with Nesterov momentum
+    to the parameters every replica then continues from (DiLoCo)."""
+
+    section: ClassVar[str] = "pool"
+    mode: Literal["step", "local"] = "step"  #: per-step averaging, or local steps and rounds
+    sync_every: int = _f(16, GE1)  #: steps per round with mode = "local" (H; count)
+    outer_lr: float = _f(0.7, GT0)  #: the outer SGD step's learning rate (pseudo-gradient units)
+    outer_momentum: float = _f(0.9, UNIT)  #: its Nesterov momentum (fraction)
+    #: "eager": a round's averaging runs while the next round trains (not yet: "none" only)
+    overlap: Literal["none", "eager"] = "none"
+
+    def _validate(self) -> None:
+        if not math.isfinite(self.outer_lr):
+            raise not_allowed("pool.outer_lr", self.outer_lr, "a finite number > 0")
+        if self.overlap == "eager":
+            allowed = '"none" (the eager overlap is not built yet: docs/jobs.md, "Pool modes")'
+            raise not_allowed("pool.overlap", self.overlap, allowed)
+
+
+@dataclass(frozen=True)
 class RebalanceConfig(Section):
     """`[rebalance]`: moving peers from over-served stages to the bottleneck; the tuning that
     `swarm.policy.rebalance.plan_move` takes (its docstring explains each check). None of these
@@ -314,6 +340,7 @@ class JobConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.fullmatch(self.name):
@@ -325,6 +352,30 @@ class JobConfig:
         if self.data.kind == "text" and self.model.vocab_size < 256:  # text tokens are bytes
             allowed = 'an integer >= 256 when data.kind = "text"'
             raise not_allowed("model.vocab_size", self.model.vocab_size, allowed)
+        if self.pool.mode == "local":
+            self._check_local()
+
+    def _check_local(self) -> None:
+        """What local steps cannot do (yet), said when the job is read."""
+        training, every = self.training, self.pool.sync_every
+        if self.runtime.data_plane != "relay":
+            # The route record names every replica a run went through; a pushed microbatch's
+            # answer names only those that accumulated it (not built yet).
+            allowed = '"relay" with pool.mode = "local" (the push plane does not record routes yet)'
+            raise not_allowed("runtime.data_plane", self.runtime.data_plane, allowed)
+        if training.delayed_update:
+            allowed = 'false with pool.mode = "local" (a round already hides the averaging)'
+            raise not_allowed("training.delayed_update", True, allowed)
+        if training.grad_clip > 0:
+            allowed = '0 with pool.mode = "local" (replicas of a stage hold different gradients)'
+            raise not_allowed("training.grad_clip", training.grad_clip, allowed)
+        # Rounds end every `sync_every` steps: joins, moves and checkpoints wait for one, and an
+        # evaluation must see parameters every replica shares (those of a round's start).
+        for key in ("checkpoint_every", "eval_every"):
+            value = getattr(training, key)
+            if value % every:
+                allowed = f'a multiple of pool.sync_every = {every} with pool.mode = "local"'
+                raise not_allowed(f"training.{key}", value, allowed)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every key (paths as strings, tuples as lists)."""
@@ -342,5 +393,5 @@ class JobConfig:
 
 _CLASSES = (ModelConfig, DataConfig, TrainingConfig, OptimizerConfig, CompressionConfig)
 SECTIONS: dict[str, type[Section]] = {
-    c.section: c for c in (*_CLASSES, RuntimeConfig, RebalanceConfig)
+    c.section: c for c in (*_CLASSES, RuntimeConfig, RebalanceConfig, PoolConfig)
 }

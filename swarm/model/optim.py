@@ -12,7 +12,15 @@ import torch
 from swarm.errors import NonFiniteGradient
 from swarm.job.config import JobConfig, OptimizerConfig
 
-__all__ = ["build_optimizer", "clip_scale", "computes_on", "grad_sq_norm", "lr_at", "update"]
+__all__ = [
+    "build_optimizer",
+    "clip_scale",
+    "computes_on",
+    "grad_sq_norm",
+    "is_boundary",
+    "lr_at",
+    "update",
+]
 
 # As `torch.nn.utils.clip_grad_norm_`: keeps the coefficient finite for a zero gradient.
 _CLIP_EPS = 1e-6
@@ -60,6 +68,12 @@ def computes_on(job: JobConfig, step: int) -> int:
     if not job.training.delayed_update or step >= job.training.steps:
         return step
     return max(step - 1, 0)
+
+
+def is_boundary(job: JobConfig, step: int) -> bool:
+    """`pool.mode = "local"`: whether a round ends before step `step` (after `step` local
+    updates): every `pool.sync_every` steps, and after the job's last step."""
+    return step > 0 and (step % job.pool.sync_every == 0 or step == job.training.steps)
 
 
 def grad_sq_norm(grads: Iterable[torch.Tensor]) -> float:

@@ -49,6 +49,11 @@ class StateChecks:
         module = stage_layout(job, stage) if module is None else module
         self.stage = stage
         self.delayed = job.training.delayed_update
+        # Names a state of this job may hold beside `param/`: the parameters before the last
+        # update (delayed_update), the round's start and outer momentum (pool.mode = "local")
+        self._copies: tuple[str, ...] = ("prev/",) if self.delayed else ()
+        if job.pool.mode == "local":
+            self._copies += ("round/", "outer/")
         params = list(module.parameters())  # by optimizer index: an update's order too
         self._params = [(p.shape, p.dtype) for p in params]
         self._state = {f"param/{k}": (v.shape, v.dtype) for k, v in module.state_dict().items()}
@@ -61,11 +66,12 @@ class StateChecks:
         return len(self._params)
 
     def max_state_bytes(self) -> int:
-        """The most bytes a state for this stage can take (parameters and an optimizer's state
-        of at most three tensors per parameter, at 8 bytes a value, and a little for scalars):
+        """The most bytes a state for this stage can take (parameters, their copies, and an
+        optimizer's state of at most three tensors per parameter, at 8 bytes a value, and a
+        little for scalars):
         more is refused, whoever sends it."""
         return (
-            4 * 8 * self._values
+            (3 + len(self._copies)) * 8 * self._values  # with adamw's two moments
             + _SCALARS_BYTES
             + TENSOR_OVERHEAD_BYTES * self.max_state_tensors()  # as a receiver charges each
         )
@@ -74,7 +80,8 @@ class StateChecks:
         """The most tensors a state for this stage can hold: its parameters (twice with
         delayed_update) and the optimizer's keys for each (at most three: adamw's step and
         moments): more is refused, however few bytes each."""
-        return len(self._state) * (2 if self.delayed else 1) + len(self._params) * len(self._keys)
+        copies = 1 + len(self._copies)
+        return len(self._state) * copies + len(self._params) * len(self._keys)
 
     def max_update_bytes(self) -> int:
         """The most bytes one update can take: a gradient sum per parameter, at 8 bytes a
@@ -86,7 +93,7 @@ class StateChecks:
         `param/<name>` (or, with delayed_update, `prev/<name>`: the parameters before the last
         update) with its parameter's shape and dtype, or `optim/<index>/<key>` of a parameter
         with that parameter's size or one value, under a key the job's optimizer keeps."""
-        if name.startswith("param/") or (self.delayed and name.startswith("prev/")):
+        if name.startswith(("param/", *self._copies)):
             expected = self._state.get("param/" + name.split("/", 1)[1])
             if expected is None:
                 raise InvalidArgument(f"stage {self.stage} has no parameter {name!r}")

@@ -199,8 +199,15 @@ class SchedulerLeaseMicrobatchesResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[LeaseTask, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class MicrobatchReport(_message.Message):
-    __slots__ = ("step", "index", "holders", "loss_sum", "samples")
+    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back")
     class HoldersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class BackEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -212,12 +219,16 @@ class MicrobatchReport(_message.Message):
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    BACK_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
     holders: _containers.ScalarMap[int, str]
     loss_sum: float
     samples: int
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+    chain: _containers.RepeatedScalarFieldContainer[str]
+    back: _containers.ScalarMap[int, str]
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class SchedulerReportMicrobatchesRequest(_message.Message):
     __slots__ = ("job", "trainer", "results", "released", "next")

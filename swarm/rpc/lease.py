@@ -63,6 +63,10 @@ class MicrobatchResult:
     samples: int
     # A validation microbatch (`Task.evaluate`) reports its loss and no holders; the ledger
     # knows it by its index, past the step's training microbatches.
+    # pool.mode = "local": the replica of every stage the run went through, 0..S-1, and those
+    # whose Backward ran on another (`swarm.model.routes.Run`); empty otherwise
+    chain: tuple[str, ...] = ()
+    back: tuple[tuple[int, str], ...] = ()
 
 
 # (step, index): a microbatch a trainer is still working on, named in a lease to renew it
@@ -148,7 +152,12 @@ def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
 
 def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
     msg = spb.MicrobatchReport(
-        step=result.step, index=result.index, holders=result.holders, samples=result.samples
+        step=result.step,
+        index=result.index,
+        holders=result.holders,
+        samples=result.samples,
+        chain=result.chain,
+        back=dict(result.back),
     )
     if result.loss_sum is not None:
         msg.loss_sum = result.loss_sum
@@ -157,4 +166,7 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
 
 def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
     loss = msg.loss_sum if msg.HasField("loss_sum") else None
-    return MicrobatchResult(msg.step, msg.index, dict(msg.holders), loss, msg.samples)
+    back = tuple(sorted(msg.back.items()))
+    return MicrobatchResult(
+        msg.step, msg.index, dict(msg.holders), loss, msg.samples, tuple(msg.chain), back
+    )

@@ -307,11 +307,12 @@ class StageClient:
         group_index: int = 0,
         round: str = "",
         grad_scale: float | None = None,
+        round_end: bool = False,
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
             total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
-            round=round, grad_scale=grad_scale)  # fmt: skip
+            round=round, grad_scale=grad_scale, round_end=round_end)  # fmt: skip
         # APPLY is one local optimizer step: a replica that cannot do it within a hop's deadline
         # is hung, and must not hold the whole job for a commit's (it rejoins later).
         apply = phase == pb.COMMIT_PHASE_APPLY

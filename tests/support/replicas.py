@@ -128,6 +128,17 @@ class FakeReplica:
         self.prepared = args
         return self.sq_norm
 
+    async def prepare_round(
+        self, boundary: int, total_samples: int, group: list[str], group_index: int, round: str
+    ) -> bool:
+        await self._enter("prepare_round", (boundary, total_samples, list(group), round))
+        if boundary != self.step:
+            raise FailedPrecondition(f"{self.peer} is at {self.step}, not at {boundary}")
+        return False
+
+    async def apply_round(self, boundary: int) -> None:
+        await self._enter("apply_round", boundary)
+
     async def apply(self, step: int, scale: float = 1.0) -> None:
         await self._enter("apply", step)
         self.scales.append(scale)

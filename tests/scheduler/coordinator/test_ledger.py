@@ -180,3 +180,26 @@ def test_a_final_evaluation_is_a_ledger_of_validation_microbatches_only() -> Non
 def test_a_step_without_evaluations_has_no_validation_loss() -> None:
     ledger, _ = _ledger()
     assert ledger.val_loss() is None
+
+
+def test_the_runs_that_count_are_the_route_record_and_a_replays_loss_is_its_own() -> None:
+    """pool.mode = "local": each counted gradient names its run; a lost one is replayed by
+    another run (another chain), which then counts there, with its own loss at the last stage."""
+    ledger, _ = _ledger(m=2, stages=2)
+    ledger.lease("t", 2)
+    ledger.report("t", 7, 0, {0: "a0", 1: "a1"}, 2.0, 4, ("a0", "a1"))
+    ledger.report("t", 7, 1, {0: "b0", 1: "a1"}, 3.0, 4, ("b0", "a1"), ((0, "b0"),))
+    assert ledger.samples_held(1, "a1") == 8 and ledger.samples_held(0, "b0") == 4
+    assert ledger.lose("a1", 1) == [0, 1]
+    assert [(r.index, r.stages) for r in ledger.runs()] == [(0, (0,)), (1, (0,))]
+    ledger.lease("t", 2)
+    ledger.report("t", 7, 0, {1: "b1"}, 5.0, 4, ("a0", "b1"))
+    ledger.report("t", 7, 1, {1: "b1"}, 7.0, 4, ("b0", "b1"))
+    assert ledger.complete and ledger.loss() == (5.0 + 7.0) / 8
+    runs = {(r.index, r.stages, r.chain, r.back) for r in ledger.runs()}
+    assert runs == {
+        (0, (0,), ("a0", "a1"), ()),
+        (0, (1,), ("a0", "b1"), ()),
+        (1, (0,), ("b0", "a1"), ((0, "b0"),)),
+        (1, (1,), ("b0", "b1"), ()),
+    }

@@ -1,0 +1,126 @@
+"""`pool.mode = "local"` on a replica, without networking: local steps over its own samples, a
+round's end (pseudo-gradients summed by hand, as averaging would), its state, and what it refuses.
+Through real processes: tests/system/test_local_steps.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stage_server.runtime import StageRuntime
+from swarm.errors import ConfigError, FailedPrecondition, InvalidArgument
+from swarm.job.config import JobConfig
+from swarm.model.data import make_data
+from swarm.model.local_steps import train_replicas
+from swarm.model.routes import Join, Run, StepRuns, Sync
+from tests.support.equality import assert_states_within
+from tests.support.jobs import make_job
+
+LOCAL = {"mode": "local", "sync_every": 2}
+RELAY = {"data_plane": "relay"}
+
+
+def _job(tmp_path: Path, **training: object) -> JobConfig:
+    table = {"stages": 1, "steps": 3, "target_batch_size": 16, "checkpoint_every": 0}
+    return make_job(tmp_path, training=table | training, pool=LOCAL, runtime=RELAY)
+
+
+def _train(rt: StageRuntime, job: JobConfig, step: int, indices: list[int]) -> int:
+    data = make_data(job)
+    for index in indices:
+        inputs, targets = data.microbatch(step, index)
+        rt.forward_backward(step, index, inputs, targets)
+    samples = len(indices) * job.training.microbatch_size
+    rt.prepare(step, indices, samples)
+    rt.set_prepared(step, rt._accum_or_zeros(), samples)
+    rt.apply(step)
+    return samples
+
+
+def _end_round(pool: list[StageRuntime], boundary: int) -> None:
+    parts = [rt.prepare_round(boundary) for rt in pool]
+    total = sum(rt.round.samples for rt in pool if rt.round is not None)
+    for rt in pool:
+        summed = [sum(p[j] for p in parts[1:]) + parts[0][j] for j in range(len(parts[0]))]
+        rt.set_round(boundary, [t.clone() for t in summed], total)
+        assert not rt.apply_round(boundary)
+        assert rt.apply_round(boundary)  # a retry changes nothing
+
+
+def test_a_pool_of_two_with_local_steps_equals_the_reference_replaying_its_routes(
+    tmp_path: Path,
+) -> None:
+    """Replica a takes microbatches 0-2 of step 0 and 0 of step 1, b the rest (and none of step 2,
+    whose local step moves nothing there); rounds end after steps 1 and 2."""
+    job = _job(tmp_path)
+    a, b = StageRuntime(job, 0), StageRuntime(job, 0)
+    held = {0: ([0, 1, 2], [3]), 1: ([0], [1, 2, 3]), 2: ([0, 1, 2, 3], [])}
+    record: list[object] = [Join(0, 0, "a", None), Join(0, 0, "b", None)]
+    for step, (mine, theirs) in held.items():
+        _train(a, job, step, mine)
+        _train(b, job, step, theirs)
+        runs = [Run(i, (0,), ("a",)) for i in mine] + [Run(i, (0,), ("b",)) for i in theirs]
+        record.append(StepRuns(step, tuple(sorted(runs, key=lambda r: r.index))))
+        if step in (1, 2):
+            _end_round([a, b], step + 1)
+            record += [Sync(step, 0, ("a", "b"))]
+    assert b.step == 3 and b.round is not None and b.round.synced == 3
+    expected = train_replicas(job, routes=record).state_dict()  # type: ignore[arg-type]
+    assert_states_within(a.state_dict(), expected, tol=1e-12)
+    assert_states_within(b.state_dict(), expected, tol=1e-12)
+
+
+def test_the_round_travels_with_the_state_and_a_copy_mid_job_is_refused(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    a = StageRuntime(job, 0)
+    _train(a, job, 0, [0, 1])
+    _train(a, job, 1, [2])
+    _end_round([a], 2)
+    _train(a, job, 2, [0])
+    state = a.export_state()
+    assert any(k.startswith("round/") for k in state) and any(k.startswith("outer/") for k in state)
+    for name, tensor in state.items():
+        a.check_state_tensor(name, tensor)  # a job in local mode accepts its own state
+    b = StageRuntime(job, 0)
+    b.load_state(3, state)
+    assert b.round is not None and a.round is not None
+    for s, t in zip(b.round.start, a.round.start, strict=True):
+        assert torch.equal(s, t)
+    with pytest.raises(FailedPrecondition, match="cannot join it"):
+        StageRuntime(job, 0).load_copy(3, state)
+
+
+def test_rounds_end_where_the_job_says_and_nowhere_else(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    a = StageRuntime(job, 0)
+    _train(a, job, 0, [0])
+    with pytest.raises(FailedPrecondition, match="no round of it ends at 1"):
+        a.prepare_round(1)
+    with pytest.raises(InvalidArgument, match="total_samples must be positive"):
+        a.prepare(1, [], -1)
+    step_mode = make_job(tmp_path, "step", training={"stages": 1, "steps": 3})
+    with pytest.raises(FailedPrecondition, match='pool.mode = "local"'):
+        StageRuntime(step_mode, 0).prepare_round(2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"runtime": {"data_plane": "push"}}, "runtime.data_plane"),
+        ({"training": {"delayed_update": True}}, "training.delayed_update"),
+        ({"training": {"grad_clip": 1.0}}, "training.grad_clip"),
+        ({"training": {"checkpoint_every": 3}}, "training.checkpoint_every"),
+        ({"training": {"eval_every": 5}}, "training.eval_every"),
+        ({"pool": {"mode": "local", "overlap": "eager"}}, "pool.overlap"),
+    ],
+)
+def test_what_local_steps_cannot_do_is_said_when_the_job_is_read(
+    tmp_path: Path, overrides: dict[str, dict[str, object]], message: str
+) -> None:
+    sections = {"pool": dict(LOCAL), "runtime": dict(RELAY), "training": {"checkpoint_every": 0}}
+    for section, table in overrides.items():
+        sections.setdefault(section, {}).update(table)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        make_job(tmp_path, **sections)

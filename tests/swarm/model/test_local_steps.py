@@ -1,0 +1,181 @@
+"""`swarm local` for `pool.mode = "local"` (swarm/model/local_steps.py): R replicas of every
+stage with local steps and rounds, from a route record or a synthetic one. Where the rule must
+collapse to synchronous training it equals `train_local`; elsewhere it is a rule of its own,
+bitwise the same for a record however it reaches it (written and read back, or synthetic)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.cli import main
+from swarm.errors import ConfigError
+from swarm.job.config import JobConfig
+from swarm.model.local_steps import synthetic_routes, train_replicas
+from swarm.model.reference import train_local
+from swarm.model.routes import Join, Record, Run, StepRuns, Sync, read_routes, write_record
+from swarm.ops.progress import StepRecord
+from tests.support.equality import assert_states_within
+from tests.support.jobs import make_job, write_job
+
+RELAY = {"data_plane": "relay"}  # the plane local mode records routes on (so far)
+
+
+def _job(tmp_path: Path, name: str = "test", **overrides: dict[str, Any]) -> JobConfig:
+    pool = {"mode": "local", "sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9}
+    pool |= overrides.pop("pool", {})
+    return make_job(tmp_path, name, pool=pool, runtime=RELAY, **overrides)
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _write(path: Path, records: list[Record]) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        write_record(f, records)
+    return path
+
+
+def test_one_replica_with_a_unit_outer_step_is_synchronous_training(tmp_path: Path) -> None:
+    # One replica: the pseudo-gradient is its whole round's move, and an outer step of lr 1
+    # without momentum lands back on its parameters. 5 steps in rounds of 2: the last round
+    # (step 4 alone) is the one that always ends after the last step.
+    job = _job(
+        tmp_path,
+        pool={"sync_every": 2, "outer_lr": 1.0, "outer_momentum": 0.0},
+        training={"steps": 5, "eval_every": 2},
+    )
+    got: list[StepRecord] = []
+    want: list[StepRecord] = []
+    state = _state(train_replicas(job, replicas=1, on_step=got.append))
+    assert_states_within(state, _state(train_local(job, on_step=want.append)), 1e-12)
+    assert [(r.step, r.samples) for r in got] == [(r.step, r.samples) for r in want]
+    for g, w in zip(got, want, strict=True):
+        assert g.loss == pytest.approx(w.loss, abs=1e-12, nan_ok=True)
+        assert (g.val_loss is None) == (w.val_loss is None)
+        if w.val_loss is not None:
+            assert g.val_loss == pytest.approx(w.val_loss, abs=1e-12)
+    assert got[-1].final_evaluation and [r.step for r in got if r.val_loss] == [0, 2, 4, 5]
+
+
+def test_rounds_of_one_sgd_step_are_synchronous_training(tmp_path: Path) -> None:
+    # Every round one plain SGD step from shared parameters: the samples-weighted mean of the
+    # replicas' moves is lr times the step's whole mean gradient, whichever replica took what.
+    job = _job(
+        tmp_path,
+        pool={"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0},
+        optimizer={"kind": "sgd", "lr": 0.5, "weight_decay": 0.0},
+        training={"steps": 4},
+    )
+    want = _state(train_local(job))
+    assert_states_within(_state(train_replicas(job, replicas=2)), want, 1e-9)
+    # 3 replicas of 4 microbatches take 2, 1 and 1: only weighting by samples gets it right.
+    assert_states_within(_state(train_replicas(job, replicas=3)), want, 1e-9)
+    # A replayed gradient: microbatch 0's counts at stages 0-1 on its own chain and at 2-3
+    # through another one (through r1 at stages 0-1); each sample and loss counts once.
+    replays: list[Record] = []
+    for r in synthetic_routes(job, 2):
+        if isinstance(r, StepRuns):
+            first, *rest = r.runs
+            lost = Run(first.index, (0, 1), first.chain)
+            replay = Run(first.index, (2, 3), ("r1", "r1", *first.chain[2:]))
+            r = StepRuns(r.step, (lost, *rest, replay))
+        replays.append(r)
+    got: list[StepRecord] = []
+    losses: list[StepRecord] = []
+    train_local(job, on_step=losses.append)
+    assert_states_within(
+        _state(train_replicas(job, routes=replays, on_step=got.append)), want, 1e-9
+    )
+    assert [r.samples for r in got] == [16] * 4
+    assert [r.loss for r in got] == pytest.approx([r.loss for r in losses], abs=1e-12)
+
+
+def test_local_steps_are_their_own_rule_and_a_record_replays_bit_for_bit(tmp_path: Path) -> None:
+    job = _job(tmp_path, training={"steps": 12})
+    losses: list[float] = []
+    synthetic = _state(train_replicas(job, replicas=2, on_step=lambda r: losses.append(r.loss)))
+    assert _max_diff(synthetic, _state(train_local(job))) > 1e-6
+    assert sum(losses[-3:]) < sum(losses[:3])
+    records = list(synthetic_routes(job, 2))
+    # Chains cross replicas: some run goes through different replicas at different stages.
+    runs = [run for r in records if isinstance(r, StepRuns) for run in r.runs]
+    assert any(len(set(run.chain)) > 1 for run in runs)
+    replayed = train_replicas(job, routes=read_routes(_write(tmp_path / "routes.jsonl", records)))
+    assert all(torch.equal(v, synthetic[k]) for k, v in replayed.state_dict().items())
+    # Stage 1's first round drops r1 (its samples with it); r1 comes back as a copy of r0.
+    dropped: list[Record] = []
+    for r in records:
+        if isinstance(r, Sync) and r.step == 3 and r.stage == 1:
+            dropped += [Sync(3, 1, ("r0",)), Join(4, 1, "r1", "r0")]
+        else:
+            dropped.append(r)
+    state = _state(train_replicas(job, routes=dropped))
+    assert _max_diff(state, synthetic) > 1e-6
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_a_joining_replica_copies_parameters_and_optimizer_state(tmp_path: Path) -> None:
+    # r1 joins stage 0 mid-round as a copy of r0 and takes over r0's runs; r0 is dropped at the
+    # round's end (step 3). With
+    # an outer step of lr 1 and no momentum that round lands where r0 alone would have, which
+    # holds only if the copy carried AdamW's moments and step count along with the parameters.
+    job = _job(tmp_path, pool={"outer_lr": 1.0, "outer_momentum": 0.0}, training={"steps": 8})
+    alone = list(synthetic_routes(job, 1))
+    handed: list[Record] = []
+    for r in alone:
+        if isinstance(r, StepRuns) and r.step == 2:
+            handed.append(Join(2, 0, "r1", "r0"))
+        if isinstance(r, StepRuns) and r.step >= 2:
+            runs = tuple(Run(u.index, u.stages, ("r1", *u.chain[1:])) for u in r.runs)
+            r = StepRuns(r.step, runs)
+        if isinstance(r, Sync) and r.stage == 0:
+            r = Sync(r.step, 0, ("r1",))
+        handed.append(r)
+    want = _state(train_replicas(job, routes=alone))
+    assert_states_within(_state(train_replicas(job, routes=handed)), want, 1e-12)
+
+
+def test_swarm_local_trains_replicas_for_a_local_job(tmp_path: Path) -> None:
+    pool = {"mode": "local", "sync_every": 2}
+    job_file = write_job(tmp_path, pool=pool, runtime=RELAY, training={"steps": 4})
+    out = tmp_path / "ref.pt"
+    assert main(["local", str(job_file), "--replicas", "2", "--out", str(out)]) == 0
+    state = torch.load(out)
+    expected = train_replicas(_job(tmp_path, "again", pool=pool, training={"steps": 4}))
+    assert state.keys() == expected.state_dict().keys()
+    assert all(torch.equal(v, state[k]) for k, v in expected.state_dict().items())
+    three = list(synthetic_routes(_job(tmp_path, "r", pool=pool), 3, 4))
+    routes = _write(tmp_path / "r.jsonl", three)
+    replayed = tmp_path / "replayed.pt"
+    assert main(["local", str(job_file), "--routes", str(routes), "--out", str(replayed)]) == 0
+    assert not all(torch.equal(v, state[k]) for k, v in torch.load(replayed).items())
+    # A step-mode job has no replicas to simulate: the flags are refused, not ignored.
+    step_job = write_job(tmp_path, "step")
+    assert main(["local", str(step_job), "--replicas", "2"]) == 2
+
+
+def test_a_record_naming_a_peer_that_never_joined_is_refused(tmp_path: Path) -> None:
+    job = _job(tmp_path, training={"steps": 2})
+    records = list(synthetic_routes(job, 2))
+    step = next(i for i, r in enumerate(records) if isinstance(r, StepRuns) and r.step == 1)
+    runs = records[step]
+    assert isinstance(runs, StepRuns)
+    first = runs.runs[0]
+    stray = Run(first.index, first.stages, (*first.chain[:2], "ghost", *first.chain[3:]))
+    records[step] = StepRuns(1, (stray, *runs.runs[1:]))
+    with pytest.raises(ConfigError, match="step 1: peer 'ghost' is not a replica of stage 2"):
+        train_replicas(job, routes=records)
+    # Out of order, or ending early: named too.
+    with pytest.raises(ConfigError, match="step 1's runs where step 0's were due"):
+        train_replicas(job, routes=[r for r in records if not isinstance(r, StepRuns) or r.step])
+    with pytest.raises(ConfigError, match="holds the runs of 1 steps; the job trains 2"):
+        train_replicas(job, routes=[r for r in records if r.step == 0])

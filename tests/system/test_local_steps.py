@@ -1,0 +1,112 @@
+"""`pool.mode = "local"` through real processes: stage servers of two replicas each, a trainer that
+writes the route record, and the reference replaying it (`swarm local --routes`), float64 equal;
+with a replica SIGKILLed mid-round too. The rule itself: tests/swarm/model/test_local_steps.py."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from client.standalone import train_standalone
+from swarm.job.config import load_job
+from swarm.model.local_steps import train_replicas
+from swarm.model.routes import Join, StepRuns, Sync, read_routes
+from swarm.ops.faults import Fault, Point
+from swarm.ops.progress import StepRecord
+from tests.support.equality import assert_states_within, local_state
+from tests.support.jobs import write_job
+from tests.system.test_faults import Servers, _count
+
+LOCAL = {"mode": "local", "sync_every": 2}
+
+
+def _train_recording(
+    servers: Servers, routes: Path, on_step: object = None
+) -> tuple[dict[str, torch.Tensor], CollectorRegistry]:
+    registry = CollectorRegistry()
+    training = train_standalone(
+        load_job(servers.job),
+        servers.replicas(),
+        registry=registry,
+        on_step=on_step,  # type: ignore[arg-type]
+        routes=routes,
+    )
+    return asyncio.run(asyncio.wait_for(training, 300)), registry
+
+
+def _replayed(job: Path, routes: Path) -> dict[str, torch.Tensor]:
+    model = train_replicas(load_job(job), routes=list(read_routes(routes)))
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_local_steps_on_two_replicas_per_stage_equal_the_reference_replaying_their_routes(
+    tmp_path: Path,
+) -> None:
+    """2 stages of 2 replicas, rounds of 2 steps over 5 steps (the last round is one step):
+    the swarm's parameters equal the reference replaying the record, and differ from
+    per-step averaging (the replicas did train apart)."""
+    job = write_job(
+        tmp_path,
+        training={"steps": 5, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
+        runtime={"data_plane": "relay", "max_in_flight": 4},
+        pool=LOCAL,
+    )
+    servers = Servers(job, [2, 2], [], tmp_path)
+    routes = tmp_path / "routes.jsonl"
+    records: list[StepRecord] = []
+    try:
+        state, _ = _train_recording(servers, routes, records.append)
+    finally:
+        servers.stop()
+    record = list(read_routes(routes))
+    joins = [r for r in record if isinstance(r, Join)]
+    assert {(j.stage, j.peer) for j in joins} == {(k, f"s{k}r{r}") for k in (0, 1) for r in (0, 1)}
+    syncs = [r for r in record if isinstance(r, Sync)]
+    assert [(s.step, s.stage) for s in syncs] == [(1, 0), (1, 1), (3, 0), (3, 1), (4, 0), (4, 1)]
+    steps = [r for r in record if isinstance(r, StepRuns)]
+    assert [s.step for s in steps] == list(range(5))
+    held = {run.chain[k] for s in steps for run in s.runs for k in run.stages}
+    assert held == {"s0r0", "s0r1", "s1r0", "s1r1"}, "both replicas of each stage trained"
+    assert_states_within(state, _replayed(job, routes), tol=1e-9)
+    per_step = local_state(write_job(tmp_path, "step", training={"steps": 5, "stages": 2}))
+    far = max((state[k] - v).abs().max().item() for k, v in per_step.items())
+    assert far > 1e-6, far
+    assert [r.step for r in records] == list(range(5))
+
+
+@pytest.mark.slow
+def test_a_replica_killed_mid_round_drops_its_round_and_the_rest_stays_exact(
+    tmp_path: Path,
+) -> None:
+    """s1r0 dies at a backward of step 3, the second step of the round [2, 3]: its step-3
+    gradients are replayed on s1r1, its step-2 local update (applied, not averaged yet) is
+    dropped with its samples (counted), and the reference replaying the record agrees."""
+    job = write_job(
+        tmp_path,
+        training={"steps": 6, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
+        runtime={"data_plane": "relay", "max_in_flight": 4},
+        pool=LOCAL,
+    )
+    fault = Fault("s1r0", Point.BACKWARD, 3)
+    # The survivor is 3x slower: the wiring gives the victim most of step 2, which it loses.
+    servers = Servers(job, [2, 2], [fault], tmp_path, slow=frozenset({"s1r1"}))
+    routes = tmp_path / "routes.jsonl"
+    try:
+        state, registry = _train_recording(servers, routes)
+    finally:
+        servers.stop()
+    assert servers.procs["s1r0"].proc.returncode == -signal.SIGKILL
+    record = list(read_routes(routes))
+    step2 = next(r for r in record if isinstance(r, StepRuns) and r.step == 2)
+    lost = sum(4 for run in step2.runs if 1 in run.stages and run.chain[1] == "s1r0")
+    assert lost > 0
+    assert _count(registry, "swarm_coordinator_round_dropped_samples_total") == lost
+    after = [r for r in record if isinstance(r, Sync) and r.stage == 1 and r.step >= 3]
+    assert after and all(s.group == ("s1r1",) for s in after)
+    assert_states_within(state, _replayed(job, routes), tol=1e-9)
