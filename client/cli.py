@@ -54,8 +54,13 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--out",
             type=Path,
-            required=True,
             help="file to write (torch.save), or with --format hf a new directory",
+        )
+        p.add_argument(
+            "--routes",
+            type=Path,
+            help='write the job\'s route record here (pool.mode = "local"), which `swarm local '
+            "JOB.toml --routes FILE` replays",
         )
         p.add_argument(
             "--format",

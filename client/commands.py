@@ -180,7 +180,17 @@ async def _delete(args: argparse.Namespace) -> int:
 
 
 async def _export(args: argparse.Namespace) -> int:
+    if args.out is None and args.routes is None:
+        raise SystemExit("swarm export: give --out FILE (the model), --routes FILE, or both")
     async with _client(args) as client:
+        if args.routes is not None:
+            try:
+                size = await client.export_routes(args.job, args.routes)
+            except OSError as e:
+                raise OSError(f"cannot write {args.routes} ({e.strerror or e})") from None
+            print(f"wrote {args.routes} (job {args.job}'s route record, {size} bytes)")
+            if args.out is None:
+                return 0
         try:
             if args.format == "hf":
                 step = await client.export_hf(args.job, args.out, args.dtype)

@@ -158,6 +158,22 @@ class SchedulerClient:
             tmp.unlink(missing_ok=True)
         return step
 
+    async def export_routes(self, job: str, out: str | Path) -> int:
+        """Write the job's route record (pool.mode = "local", `swarm.model.routes`) to `out`, via
+        a temporary file; returns its bytes."""
+        out = Path(out)
+        tmp, size = out.with_name(f".{out.name}.partial"), 0
+        request = scheduler_pb2.SchedulerExportRoutesRequest(job=job)
+        try:
+            with open(tmp, "wb") as f, self._converting():
+                async for part in self._stub.ExportRoutes(request, timeout=self.export_timeout_s):
+                    await asyncio.to_thread(f.write, part.data)
+                    size += len(part.data)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return size
+
     async def export_hf(self, job: str, out: str | Path, dtype: str | None = None) -> int:
         """Download the job's whole model and write it as a Hugging Face checkpoint directory
         `out` (`model.safetensors`, `config.json`; weights in `dtype` if given, e.g.

@@ -110,6 +110,10 @@ class JobControl(Protocol):
         """
         ...
 
+    def routes(self, job_id: str) -> Path:
+        """Where the job's route record lies (pool.mode = "local"); it may not exist."""
+        ...
+
 
 def _unknown(job_id: str) -> NotFound:
     return NotFound(f"unknown job {job_id!r}; `swarm jobs` lists them")
@@ -350,6 +354,26 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     yield part
 
         async for part in self._serving.stream("ExportModel", context, body()):
+            yield part
+
+    async def ExportRoutes(
+        self, request: scheduler_pb2.SchedulerExportRoutesRequest, context: Any
+    ) -> AsyncIterator[scheduler_pb2.SchedulerExportRoutesResponse]:
+        async def body() -> AsyncIterator[scheduler_pb2.SchedulerExportRoutesResponse]:
+            self._job(request.job)
+            path = self.control.routes(request.job)
+            try:
+                f = await asyncio.to_thread(open, path, "rb")
+            except FileNotFoundError:
+                raise FailedPrecondition(
+                    f'job {request.job!r} has no route record: only jobs with pool.mode = "local" '
+                    "keep one, from their first step"
+                ) from None
+            with f:
+                while data := await asyncio.to_thread(f.read, self.chunk_bytes):
+                    yield scheduler_pb2.SchedulerExportRoutesResponse(data=data)
+
+        async for part in self._serving.stream("ExportRoutes", context, body()):
             yield part
 
 

@@ -38,6 +38,7 @@ from scheduler.store import JobState, JobStore, StoreError
 from swarm.bus.connection import BusLike
 from swarm.job.config import JobConfig
 from swarm.model import checkpoint
+from swarm.model.routes import write_record
 from swarm.ops.progress import StepRecord
 from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
@@ -124,6 +125,11 @@ class JobTraining:
             )
             await self.set_status(job_id, None, said[-1])
 
+        routes = None
+        if job.pool.mode == "local":  # appended: a resumed job's record goes on
+            path = routes_path(self.checkpoint_dir, job_id)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            routes = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed below)
         coordinator = LocalCoordinator(
             job,
             job_id,
@@ -134,6 +140,7 @@ class JobTraining:
             on_rollback=rolled_back,
             on_status=lambda text: self.set_status(job_id, None, text),
             metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
+            on_route=None if routes is None else (lambda r: write_record(routes, [r])),
         )
         trainer = PipelineTrainer(
             job,
@@ -175,6 +182,8 @@ class JobTraining:
             self.coordinators.pop(job_id, None)
             await trainer.close()
             await coordinator.close()
+            if routes is not None:
+                routes.close()
 
     async def _save_final(self, job_id: str, step: int, state: dict[str, torch.Tensor]) -> None:
         """Save the final model until it is written. Until then the job is neither done nor
@@ -220,6 +229,11 @@ def _trainer_metrics(job_id: str) -> TrainerMetrics:
     # A registry of its own, not the scheduler's: each trainer creates its metric families, and a
     # second job's (or attempt's) in one registry would be a duplicate; so these go unscraped.
     return TrainerMetrics(job_id, registry=CollectorRegistry())
+
+
+def routes_path(checkpoint_dir: Path, job_id: str) -> Path:
+    """Where a `pool.mode = "local"` job's route record lies (`swarm.model.routes`)."""
+    return checkpoint_dir / job_id / "routes.jsonl"
 
 
 def final_path(checkpoint_dir: Path, job_id: str) -> Path:

@@ -29,7 +29,7 @@ from scheduler.assignments import Assignments
 from scheduler.collector import collector
 from scheduler.coordinator import LocalCoordinator, gather_model
 from scheduler.coordinator.metrics import CoordinatorFamilies
-from scheduler.job_training import JobTraining, final_path
+from scheduler.job_training import JobTraining, final_path, routes_path
 from scheduler.registry import PeerRegistry
 from scheduler.retained import clear_retained
 from scheduler.store import JobRecord, JobState, JobStore
@@ -220,6 +220,9 @@ class Scheduler:
         self._layers.pop(job_id, None)
         # Off the event loop: a job's checkpoints may be many large files.
         await asyncio.to_thread(_remove, self.opts.checkpoint_dir / job_id)
+
+    def routes(self, job_id: str) -> Path:
+        return routes_path(self.opts.checkpoint_dir, job_id)
 
     async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
         final = final_path(self.opts.checkpoint_dir, job_id)

@@ -55,7 +55,7 @@ class Copy:
         at `step`: asked as the coordinator's step opens, the one update it lacks is there."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.running and self.runtime.following and self.runtime.step < step:
+        while self.running and self.runtime.following and self.runtime.copy_step < step:
             moved = self._moved
             self._ask.set()
             left = deadline - loop.time()
@@ -94,8 +94,9 @@ class Copy:
         rt, pause = self.runtime, Backoff(self._POLL_FIRST_S, self._POLL_CAP_S)
         while rt.following:
             updates = await self.source.updates(self.peer, rt.step, expect=rt.checks.state)
-            for step, grad_sums, total_samples, scale in updates:
-                if not await self.compute(rt.apply_followed, step, grad_sums, total_samples, scale):
+            for step, grad_sums, total_samples, scale, end in updates:
+                followed = (step, grad_sums, total_samples, scale, end)
+                if not await self.compute(rt.apply_followed, *followed):
                     break
             self._moved.set()
             self._moved = asyncio.Event()

@@ -20,9 +20,10 @@ import torch
 from swarm.errors import FailedPrecondition
 from swarm.job.config import JobConfig
 from swarm.model.local_steps import build_outer_optimizer
-from swarm.model.optim import is_boundary
 
-__all__ = ["LocalRound", "is_boundary"]
+__all__ = ["SYNCED", "LocalRound"]
+
+SYNCED = "round/synced"  # a state's one-value tensor: the last round's end it applied
 
 
 class LocalRound:
@@ -46,6 +47,12 @@ class LocalRound:
 
     def set_prepared(self, boundary: int, sums: list[torch.Tensor], total_samples: int) -> None:
         self._prepared = (boundary, sums, total_samples)
+
+    def prepared(self, boundary: int) -> tuple[list[torch.Tensor], int] | None:
+        """The pool's summed pseudo-gradient and its samples, prepared for `boundary`."""
+        if self._prepared is None or self._prepared[0] != boundary:
+            return None
+        return self._prepared[1], self._prepared[2]
 
     def apply(self, boundary: int) -> bool:
         """The outer step of the round ending at `boundary`; True when it was applied before."""
@@ -76,14 +83,18 @@ class LocalRound:
         state = {
             f"round/{n}": s.detach().cpu().clone() for n, s in zip(names, self.start, strict=True)
         }
+        # The last round's end applied here: a state taken between a round's last local step
+        # and its end is not yet the round's start.
+        state[SYNCED] = torch.tensor([self.synced], dtype=torch.int64)
         for n, s in zip(names, self.start, strict=True):
             buf = self.outer.state.get(s, {}).get("momentum_buffer")
             if buf is not None:
                 state[f"outer/{n}"] = buf.detach().cpu().clone()
         return state
 
-    def load(self, names: list[str], state: dict[str, torch.Tensor]) -> None:
-        """From a state `export` wrote (a state without `round/`: a round starts here)."""
+    def load(self, names: list[str], state: dict[str, torch.Tensor], step: int) -> None:
+        """From a state `export` wrote at `step` (a state without `round/`, a checkpoint's or
+        the initial one: a round starts here)."""
         with torch.no_grad():
             for n, s, p in zip(names, self.start, self.params, strict=True):
                 s.copy_(state.get(f"round/{n}", p.detach()))
@@ -92,4 +103,6 @@ class LocalRound:
             buf = state.get(f"outer/{n}")
             if buf is not None:
                 self.outer.state[s] = {"momentum_buffer": buf.to(s.device, s.dtype).clone()}
-        self.samples, self.synced, self._prepared = 0, -1, None
+        synced = state.get(SYNCED)
+        self.synced = int(synced.item()) if synced is not None else step
+        self.samples, self._prepared = 0, None

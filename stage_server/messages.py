@@ -242,7 +242,10 @@ def updates_reply(updates: list[Update], chunk_bytes: int) -> Iterator[pb.StageU
     for u in updates:
         for i, g in enumerate(u.grad_sums):
             header = pb.StageUpdatesResponse(
-                step=u.step, total_samples=u.total_samples, grad_scale=u.scale
+                step=u.step,
+                total_samples=u.total_samples,
+                grad_scale=u.scale,
+                round_end=u.round_end,
             )
             yield from wire.split_tensor(header, str(i), g, chunk_bytes)
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stage_server.local_round import LocalRound, is_boundary
+from stage_server.local_round import LocalRound
 from stage_server.tensor_checks import TensorChecks
 from stage_server.update_log import UpdateLog
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
 from swarm.model import stage_state
-from swarm.model.optim import build_optimizer, computes_on, grad_sq_norm, update
+from swarm.model.optim import build_optimizer, computes_on, grad_sq_norm, is_boundary, update
 from swarm.model.transformer import (
     DTYPES,
     build_stage,
@@ -335,6 +335,8 @@ class StageRuntime:
         if self._prepared is None or self._prepared[0] != step:
             raise FailedPrecondition(f"stage {self.stage}: step {step} was not prepared")
         _, grad_sums, total_samples = self._prepared
+        if total_samples == 0:  # a local step of a replica that took no sample moves nothing
+            return 0.0
         # ||sums / n||^2 = ||sums||^2 / n^2: no divided copy of every gradient on each commit
         return grad_sq_norm(grad_sums) / total_samples**2
 
@@ -377,7 +379,23 @@ class StageRuntime:
         """The round's outer step; True when it was applied before."""
         if self.synced(boundary):
             return True
-        return self._local_round(boundary).apply(boundary)
+        rnd = self._local_round(boundary)
+        prepared = rnd.prepared(boundary)
+        if prepared is not None:  # for the replicas copying this one, before it is divided
+            self.updates.record(boundary, prepared[0], prepared[1], round_end=True)
+        return rnd.apply(boundary)
+
+    @property
+    def copy_step(self) -> int:
+        """The step this replica is a whole copy at: its step, unless (pool.mode = "local") a
+        round ends there that it has not applied yet."""
+        if (
+            self.round is not None
+            and is_boundary(self.job, self.step)
+            and not self.synced(self.step)
+        ):
+            return self.step - 1
+        return self.step
 
     def discard(self, step: int) -> int:
         """Void this replica's gradients of `step` (they will be replayed elsewhere); returns how
@@ -451,7 +469,7 @@ class StageRuntime:
         if self.delayed:
             self._load_prev(step, state)
         if self.round is not None:
-            self.round.load(self._param_names(), state)
+            self.round.load(self._param_names(), state, step)
         self.step = step
         self._sums, self._prepared = {}, None
         self._cache.clear()
@@ -485,13 +503,6 @@ class StageRuntime:
         `began`: this replica's step when the copy started. One that moved since (it applied a
         commit as a member meanwhile) is not overwritten by the copy, which may be older than
         what it holds: FailedPrecondition, and it stays as it is."""
-        if self.round is not None:
-            # A copy must also follow its source through a round's end, which the update log
-            # does not carry yet (docs/jobs.md, "Pool modes"): the pool goes on without it.
-            raise FailedPrecondition(
-                f'stage {self.stage}: a replica of a pool.mode = "local" job cannot join it '
-                "while it trains (not built yet): it joins when the job starts or resumes"
-            )
         if began is not None and self.step != began:
             raise FailedPrecondition(
                 f"stage {self.stage}: this replica moved from step {began} to {self.step} while "
@@ -501,7 +512,12 @@ class StageRuntime:
         self.following = True
 
     def apply_followed(
-        self, step: int, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0
+        self,
+        step: int,
+        grad_sums: list[torch.Tensor],
+        total_samples: int,
+        scale: float = 1.0,
+        round_end: bool = False,
     ) -> bool:
         """Apply the update the copied replica applied at `step`, as it did (same sums, same
         samples, same optimizer code: bitwise the same result). False once this replica stopped
@@ -509,6 +525,12 @@ class StageRuntime:
         if not self.following or any(s.receipts for s in self._sums.values()) or self._prepared:
             self.following = False
             return False
+        if round_end:  # pool.mode = "local": the round's end before step `step`
+            if not self.synced(step):
+                sums = [g.to(self.device) for g in grad_sums]
+                self.updates.record(step, sums, total_samples, round_end=True)  # its followers
+                self._local_round(step).outer_step(step, sums, total_samples)
+            return True
         if step < self.step:
             return True  # applied already
         if step > self.step:

@@ -76,15 +76,15 @@ class StateTransfer:
         when none of `source` is running."""
         rt, copy = self._runtime(), self.copy
         if copy is not None and copy.address == source and copy.running:
-            if copy.loaded and rt.following and rt.step < step:
+            if copy.loaded and rt.following and rt.copy_step < step:
                 # The update it lacks was just applied at the source: fetch it now.
                 await copy.reach(step, rt.job.runtime.rpc_timeout_s / 4)
-            if copy.loaded and rt.following and rt.step == step:
+            if copy.loaded and rt.following and rt.copy_step == step:
                 log.info(
                     "%s: joined stage %d at step %d from %s", self.peer, rt.stage, rt.step, source
                 )
                 self.metrics.committed(rt.step, applied=False)
-            return rt.step if copy.loaded and rt.following else -1
+            return rt.copy_step if copy.loaded and rt.following else -1
         if copy is not None and copy.error is not None and copy.address == source:
             log.info("%s: copying %s again after: %s", self.peer, source, copy.error)
         # Not copying `source` (a first ask, another source, a copy that failed or ended): start

@@ -36,6 +36,9 @@ class Update:
     grad_sums: list[torch.Tensor]  # the pool's summed gradient, in parameter order, on the CPU
     total_samples: int
     scale: float = 1.0  # the clipping coefficient it was applied with
+    # pool.mode = "local": the round's end before step `step` (its own update comes after),
+    # `grad_sums` the pool's summed pseudo-gradient
+    round_end: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -99,9 +102,16 @@ class UpdateLog:
                 self._followers[follower] = (self._followers[follower][0], self._clock())
 
     def record(
-        self, step: int, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0
+        self,
+        step: int,
+        grad_sums: list[torch.Tensor],
+        total_samples: int,
+        scale: float = 1.0,
+        *,
+        round_end: bool = False,
     ) -> None:
-        """This replica applied `scale * grad_sums / total_samples` at `step`."""
+        """This replica applied `scale * grad_sums / total_samples` at `step` (or, `round_end`,
+        the round's outer step before it)."""
         with self._lock:
             self._forget_silent()
             if not self._followers:
@@ -110,7 +120,7 @@ class UpdateLog:
         with self._lock:
             if not self._followers:
                 return
-            self._updates.append(Update(step, cpu, total_samples, scale))
+            self._updates.append(Update(step, cpu, total_samples, scale, round_end))
             self._drop_oldest()
 
     def since(self, follower: str, step: int) -> list[Update]:
@@ -142,7 +152,10 @@ class UpdateLog:
 
     def _drop_oldest(self) -> None:
         while len(self._updates) > 1 and self.nbytes > self.max_bytes:
-            self._first = self._updates.pop(0).step + 1
+            dropped = self._updates.pop(0)
+            # A round's end is before its step's own update: that step is still whole then
+            # only for a follower that applied the round's end; say it is gone, to be safe.
+            self._first = dropped.step + 1
 
     def _trim(self) -> None:
         if not self._followers:

@@ -136,6 +136,7 @@ class LocalCoordinator:
             can_admit=self._can_admit,
             on_admit=self._wake,
             grad_clip=job.training.grad_clip,
+            on_joined=self._joined,
         )
         self.rounds = (
             PoolRounds(job, self.clients, self.membership, self.metrics, on_route)
@@ -220,10 +221,17 @@ class LocalCoordinator:
         return (
             bool(ledgers)
             and ledgers[0].step == step
+            # pool.mode = "local": only where a round starts, when every member's parameters
+            # are the pool's (a copy joins with its source's inner optimizer state)
+            and (self.rounds is None or self.rounds.starts_round(step))
             and not self._committing()
             and (self._rollback is None or self._rollback.done())
             and not self._closed
         )
+
+    def _joined(self, step: int, stage: int, peer: str, source: str) -> None:
+        if self.rounds is not None:
+            self.rounds.joined(step, stage, peer, source)
 
     def _committing(self) -> bool:
         """A commit is deciding (an applied one only tells the world now)."""
@@ -535,6 +543,10 @@ class LocalCoordinator:
                 self._open_next_early()
             else:
                 self._open(step)
+                if self.rounds is not None and self.rounds.starts_round(step):
+                    # pool.mode = "local": a copy may join only where a round starts; its own
+                    # asks could miss that moment for many rounds (steps are short)
+                    await self.membership.admit_copies(step)
         if attempt:
             log.info("step %d committed after %d failed rounds", ledger.step, attempt)
         if self.on_step:
@@ -558,7 +570,10 @@ class LocalCoordinator:
     async def _roll_back(self) -> None:
         try:
             ledgers = self._ledgers()
-            if ledgers and await self.membership.readmit(ledgers[0].step):
+            # pool.mode = "local": a replica left out mid-round holds a round its pool ended
+            # without it: not the stage's state, so the stage rolls back to a checkpoint.
+            local = self.rounds is not None
+            if ledgers and not local and await self.membership.readmit(ledgers[0].step):
                 self._wake()  # a replica dropped for a missed deadline still held the state
                 return
             # A checkpoint still being written may be the newest.

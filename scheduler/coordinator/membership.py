@@ -38,6 +38,7 @@ class Membership:
         can_admit: Callable[[int], bool] = lambda step: True,
         on_admit: Callable[[], None] = lambda: None,
         grad_clip: float = 0.0,
+        on_joined: Callable[[int, int, str, str], None] = lambda step, stage, peer, source: None,
     ) -> None:
         """`can_admit(step)`: whether a replica at `step` may become a member now (the step is
         open and no commit or rollback is under way); `on_admit()`: one did. `grad_clip`: the
@@ -47,6 +48,8 @@ class Membership:
         self.job_id, self.members, self.clients = job_id, members, clients
         self.grad_clip = grad_clip
         self.can_admit, self.on_admit = can_admit, on_admit
+        self.on_joined = on_joined  # (step, stage, peer, the member it copied): the route record
+        self._sources: dict[str, str] = {}  # joiner -> the peer of the member it copies
         self._joining: dict[str, asyncio.Task[None]] = {}  # peer -> its join in the background
         # peer -> (stage, the joiner, the member it copies), once asked to copy it
         self._copying: dict[str, tuple[int, Replica, str]] = {}
@@ -180,6 +183,7 @@ class Membership:
                     log.warning("stage %d: %s could not join: %s", stage, joiner.peer, e)
                     return
                 self._copying[joiner.peer] = (stage, joiner, sources[0].address)
+                self._sources[joiner.peer] = sources[0].peer
                 if self._admit(stage, joiner, step, at):
                     return
                 await ask.sleep()
@@ -198,6 +202,7 @@ class Membership:
         # would start another, whose older state would overwrite what it applied since.
         self._copying.pop(joiner.peer, None)
         log.info("stage %d: %s joined at step %d", stage, joiner.peer, step)
+        self.on_joined(step, stage, joiner.peer, self._sources.pop(joiner.peer, ""))
         self.on_admit()
         return True
 

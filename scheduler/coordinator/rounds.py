@@ -61,6 +61,14 @@ class PoolRounds:
             for r in replicas:
                 self.on_record(Join(step, stage, r.peer, None))
 
+    def joined(self, step: int, stage: int, peer: str, source: str) -> None:
+        """`peer` became a member of `stage` at `step` (a round's start), a copy of `source`."""
+        self.on_record(Join(step, stage, peer, source or None))
+
+    def starts_round(self, step: int) -> bool:
+        """Whether a round starts at step `step` (a replica may join only there)."""
+        return step == 0 or is_boundary(self.job, step)
+
     def applied(self, ledger: StepLedger) -> None:
         """`ledger`'s step was applied: its runs go on the record, its samples to the round."""
         self.on_record(StepRuns(ledger.step, tuple(ledger.runs())))

@@ -81,7 +81,8 @@ class StateChecks:
         delayed_update) and the optimizer's keys for each (at most three: adamw's step and
         moments): more is refused, however few bytes each."""
         copies = 1 + len(self._copies)
-        return len(self._state) * copies + len(self._params) * len(self._keys)
+        marker = 1 if "round/" in self._copies else 0  # `round/synced`
+        return len(self._state) * copies + len(self._params) * len(self._keys) + marker
 
     def max_update_bytes(self) -> int:
         """The most bytes one update can take: a gradient sum per parameter, at 8 bytes a
@@ -93,6 +94,12 @@ class StateChecks:
         `param/<name>` (or, with delayed_update, `prev/<name>`: the parameters before the last
         update) with its parameter's shape and dtype, or `optim/<index>/<key>` of a parameter
         with that parameter's size or one value, under a key the job's optimizer keeps."""
+        if name == "round/synced" and "round/" in self._copies:  # pool.mode = "local"
+            if tensor.dtype != torch.int64 or tensor.numel() != 1:
+                raise InvalidArgument(
+                    f"{name} must be one int64; got {tensor.dtype} {tensor.numel()}"
+                )
+            return
         if name.startswith(("param/", *self._copies)):
             expected = self._state.get("param/" + name.split("/", 1)[1])
             if expected is None:

@@ -188,6 +188,15 @@ class _StreamStream(_Token, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._with_token(details), requests)
 
 
+# A peer that restarts at the same address is reached again within seconds: gRPC's own pauses
+# between reconnects grow to two minutes, far longer than a stage server takes to come back.
+_RECONNECT = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+)
+
+
 def channel(
     address: str, *, token: str | None, options: Sequence[tuple[str, Any]] | None = None
 ) -> grpc.aio.Channel:
@@ -196,6 +205,8 @@ def channel(
     interceptors = None
     if token:
         interceptors = [k(token) for k in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    given = {name for name, _ in options or ()}
+    options = [*(options or ()), *((k, v) for k, v in _RECONNECT if k not in given)]
     identity = tls.current()
     if identity is not None:
         return grpc.aio.secure_channel(

@@ -152,6 +152,18 @@ class SchedulerExportModelResponse(_message.Message):
     step: int
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
 
+class SchedulerExportRoutesRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class SchedulerExportRoutesResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
 class LeaseTask(_message.Message):
     __slots__ = ("step", "index", "stages", "evaluate")
     STEP_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class SchedulerServiceStub:
                 request_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelResponse.FromString,
                 _registered_method=True)
+        self.ExportRoutes = channel.unary_stream(
+                '/swarm.proto.SchedulerService/ExportRoutes',
+                request_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportRoutesRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportRoutesResponse.FromString,
+                _registered_method=True)
         self.LeaseMicrobatches = channel.unary_unary(
                 '/swarm.proto.SchedulerService/LeaseMicrobatches',
                 request_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerLeaseMicrobatchesRequest.SerializeToString,
@@ -115,6 +120,12 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportRoutes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LeaseMicrobatches(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -159,6 +170,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.ExportModel,
                     request_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelResponse.SerializeToString,
+            ),
+            'ExportRoutes': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportRoutes,
+                    request_deserializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportRoutesRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_scheduler__pb2.SchedulerExportRoutesResponse.SerializeToString,
             ),
             'LeaseMicrobatches': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseMicrobatches,
@@ -333,6 +349,33 @@ class SchedulerService:
             '/swarm.proto.SchedulerService/ExportModel',
             swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelRequest.SerializeToString,
             swarm_dot_proto_dot_scheduler__pb2.SchedulerExportModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportRoutes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarm.proto.SchedulerService/ExportRoutes',
+            swarm_dot_proto_dot_scheduler__pb2.SchedulerExportRoutesRequest.SerializeToString,
+            swarm_dot_proto_dot_scheduler__pb2.SchedulerExportRoutesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -334,18 +334,20 @@ class StageUpdatesRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., follower: _Optional[str] = ..., from_step: _Optional[int] = ...) -> None: ...
 
 class StageUpdatesResponse(_message.Message):
-    __slots__ = ("tensors", "chunk", "step", "total_samples", "grad_scale")
+    __slots__ = ("tensors", "chunk", "step", "total_samples", "grad_scale", "round_end")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_END_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     step: int
     total_samples: int
     grad_scale: float
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ..., total_samples: _Optional[int] = ..., grad_scale: _Optional[float] = ...) -> None: ...
+    round_end: bool
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ..., total_samples: _Optional[int] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ...) -> None: ...
 
 class StageDownloadStateResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "step")

@@ -413,9 +413,10 @@ class StageClient:
     @_swarm_errors
     async def updates(
         self, follower: str, from_step: int, *, expect: ExpectedState
-    ) -> list[tuple[int, list[torch.Tensor], int, float]]:
+    ) -> list[Followed]:
         """The updates the replica applied from `from_step` on, as (step, gradient sums in
-        parameter order, total samples, clipping coefficient); `follower` has those before. A
+        parameter order, total samples, clipping coefficient, whether it is a round's end);
+        `follower` has those before. A
         negative `from_step` says the follower is done. Lasts while bytes keep coming, as
         `download_state`, and is checked as it comes as that is (`expect`: each update's
         gradient sums of the parameters' shapes and dtypes, the steps in order; in all at most
@@ -432,7 +433,7 @@ class StageClient:
 
     async def _receive_updates(
         self, call: Any, from_step: int, expect: ExpectedState
-    ) -> list[tuple[int, list[torch.Tensor], int, float]]:
+    ) -> list[Followed]:
         # An update log keeps at most update_log_bytes, or its last update whatever its size.
         limit = max(self.job.runtime.update_log_bytes, expect.max_update_bytes())
         why = (
@@ -443,20 +444,29 @@ class StageClient:
         # them many and tiny (and the bound stays what the log keeps).
         received = self._bounded(call, limit, why, 0)
         size = expect.num_parameters
-        updates: list[tuple[int, list[torch.Tensor], int, float]] = []
+        updates: list[Followed] = []
+        # pool.mode = "local": a local step may take no sample, and a round's end comes before
+        # its step's own update (same step)
+        least = 0 if self.job.pool.mode == "local" else 1
         while (message := await received.next()) is not None:
             header, tensors = message
             scale = header.grad_scale if header.HasField("grad_scale") else 1.0
+            end = header.round_end and least == 0
             if not updates or len(updates[-1][1]) == size:  # the one before is whole
-                first = from_step if not updates else updates[-1][0] + 1
-                if header.step < first or (updates and header.step != first):
-                    raise self._refused(f"an update of step {header.step} after step {first - 1}")
-                if header.total_samples < 1 or not 0.0 < scale <= 1.0:
+                if not updates:
+                    in_order = header.step >= from_step
+                elif updates[-1][4]:  # after a round's end: its step's own update
+                    in_order = header.step == updates[-1][0] and not end
+                else:
+                    in_order = header.step == updates[-1][0] + 1
+                if not in_order:
+                    raise self._refused(f"an update of step {header.step} out of order")
+                if header.total_samples < least or not 0.0 < scale <= 1.0:
                     raise self._refused(
                         f"an update of {header.total_samples} samples with coefficient {scale}"
                     )
-                updates.append((header.step, [], header.total_samples, scale))
-            step, sums, samples, applied = updates[-1]
+                updates.append((header.step, [], header.total_samples, scale, end))
+            step, sums, samples, applied, _ = updates[-1]
             if (header.step, header.total_samples, scale) != (step, samples, applied):
                 raise self._refused(f"the update of step {step} with {len(sums)} of {size} sums")
             for name, tensor in tensors.items():
@@ -487,6 +497,11 @@ class StageClient:
             check(*args)
         except InvalidArgument as e:
             raise self._refused(f"what stage {self.stage} would not load: {e}") from None
+
+
+Followed = tuple[int, list[torch.Tensor], int, float, bool]
+"""An update a followed replica applied: (step, gradient sums, total samples, clipping
+coefficient, whether it is a round's end of pool.mode = "local")."""
 
 
 class ExpectedState(Protocol):

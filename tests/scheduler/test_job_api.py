@@ -328,3 +328,21 @@ async def test_list_jobs_pages_end_at_a_byte_budget(
                 break
     assert seen == ids[::-1] and sizes == [2] * 5
     assert [j.job for j in await client.list()] == ids[::-1]  # the SDK follows the pages
+
+
+async def test_export_routes(api: RunningApi, client: SchedulerClient, tmp_path: Path) -> None:
+    """The record's bytes as the scheduler wrote them, streamed in chunks; a job without one
+    (pool.mode = "step") says so; an unknown job is unknown."""
+    job = (await client.submit(write_job(tmp_path, "exp"))).job
+    out = tmp_path / "routes.jsonl"
+    with pytest.raises(ClientError, match="no route record") as e:
+        await client.export_routes(job, out)
+    assert e.value.code == "FAILED_PRECONDITION" and not out.exists()
+    api.control.routes_dir = tmp_path / "kept"
+    api.control.routes_dir.mkdir()
+    data = b"".join(b'{"step":%d,"runs":[]}\n' % i for i in range(5000))  # chunked
+    api.control.routes(job).write_bytes(data)
+    assert await client.export_routes(job, out) == len(data)
+    assert out.read_bytes() == data
+    with pytest.raises(ClientError, match="unknown job"):
+        await client.export_routes("nope", out)

@@ -35,6 +35,7 @@ def _train(rt: StageRuntime, job: JobConfig, step: int, indices: list[int]) -> i
     samples = len(indices) * job.training.microbatch_size
     rt.prepare(step, indices, samples)
     rt.set_prepared(step, rt._accum_or_zeros(), samples)
+    assert rt.prepared_sq_norm(step) >= 0  # as the committer asks, whatever the samples
     rt.apply(step)
     return samples
 
@@ -72,7 +73,7 @@ def test_a_pool_of_two_with_local_steps_equals_the_reference_replaying_its_route
     assert_states_within(b.state_dict(), expected, tol=1e-12)
 
 
-def test_the_round_travels_with_the_state_and_a_copy_mid_job_is_refused(tmp_path: Path) -> None:
+def test_the_round_travels_with_the_state(tmp_path: Path) -> None:
     job = _job(tmp_path)
     a = StageRuntime(job, 0)
     _train(a, job, 0, [0, 1])
@@ -88,8 +89,46 @@ def test_the_round_travels_with_the_state_and_a_copy_mid_job_is_refused(tmp_path
     assert b.round is not None and a.round is not None
     for s, t in zip(b.round.start, a.round.start, strict=True):
         assert torch.equal(s, t)
-    with pytest.raises(FailedPrecondition, match="cannot join it"):
-        StageRuntime(job, 0).load_copy(3, state)
+    assert b.round.synced == a.round.synced == 2
+
+
+def _follow(follower: StageRuntime, source: StageRuntime) -> None:
+    for u in source.updates.since("b", follower.step):  # as `stage_server.copying` asks
+        follower.apply_followed(u.step, u.grad_sums, u.total_samples, u.scale, u.round_end)
+
+
+@pytest.mark.parametrize("taken", ["mid-round", "before-the-round-end"])
+def test_a_copy_follows_its_source_through_a_rounds_end(tmp_path: Path, taken: str) -> None:
+    """A joiner copies a member mid-round (or between the round's last local step and its end)
+    and follows its updates, the round's end among them: at the next round's start it is the
+    member bit for bit, inner optimizer state included, and only then a whole copy."""
+    job = _job(tmp_path, steps=6)
+    a, other = StageRuntime(job, 0), StageRuntime(job, 0)
+    _train(a, job, 0, [0, 1])
+    _train(other, job, 0, [2, 3])
+    if taken == "before-the-round-end":
+        _train(a, job, 1, [0])
+        _train(other, job, 1, [1, 2, 3])
+    a.updates.follow("b", a.step)
+    b = StageRuntime(job, 0)
+    b.load_copy(a.step, a.export_state(), began=0)
+    assert b.copy_step == 1  # mid-round at 1, or at 2 without the round's end
+    if taken == "mid-round":
+        _train(a, job, 1, [0])
+        _train(other, job, 1, [1, 2, 3])
+        _follow(b, a)
+        assert b.step == 2 and b.copy_step == 1  # the round's end is not in yet
+    _end_round([a, other], 2)
+    _follow(b, a)
+    assert b.step == b.copy_step == 2
+    for p, q in zip(a.params, b.params, strict=True):
+        assert torch.equal(p, q)
+    assert str(a.optimizer.state_dict()) == str(b.optimizer.state_dict())
+    # Both go on as members: the same microbatches give the same bits.
+    _train(a, job, 2, [0, 1])
+    _train(b, job, 2, [0, 1])
+    for p, q in zip(a.params, b.params, strict=True):
+        assert torch.equal(p, q)
 
 
 def test_rounds_end_where_the_job_says_and_nowhere_else(tmp_path: Path) -> None:
@@ -101,7 +140,7 @@ def test_rounds_end_where_the_job_says_and_nowhere_else(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="total_samples must be positive"):
         a.prepare(1, [], -1)
     step_mode = make_job(tmp_path, "step", training={"stages": 1, "steps": 3})
-    with pytest.raises(FailedPrecondition, match='pool.mode = "local"'):
+    with pytest.raises(FailedPrecondition, match=r'pool\.mode = "local"'):
         StageRuntime(step_mode, 0).prepare_round(2)
 
 

@@ -33,6 +33,7 @@ class FakeControl:
     cancelled_ids: list[str] = field(default_factory=list)
     deleted_ids: list[str] = field(default_factory=list)
     broken: bool = False  # stages() raises: an orchestration bug
+    routes_dir: Path = Path("/nonexistent")  # where `routes` says each job's record lies
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     state: dict[str, torch.Tensor] = field(
         default_factory=lambda: {
@@ -82,6 +83,9 @@ class FakeControl:
 
     def samples_per_second(self, job_id: str) -> float:
         return 12.5
+
+    def routes(self, job_id: str) -> Path:
+        return self.routes_dir / f"{job_id}.jsonl"
 
     async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
         if job_id.startswith("empty"):

@@ -110,3 +110,42 @@ def test_a_replica_killed_mid_round_drops_its_round_and_the_rest_stays_exact(
     after = [r for r in record if isinstance(r, Sync) and r.stage == 1 and r.step >= 3]
     assert after and all(s.group == ("s1r1",) for s in after)
     assert_states_within(state, _replayed(job, routes), tol=1e-9)
+
+
+@pytest.mark.slow
+def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact(
+    tmp_path: Path,
+) -> None:
+    """s0r0 dies at a backward of step 3 and comes back empty: it copies s0r1 while training
+    goes on, follows its updates through a round's end, and becomes a member where a round
+    starts; the record says so (a join from s0r1), and the reference replaying it agrees."""
+    job = write_job(
+        tmp_path,
+        training={"steps": 16, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
+        runtime={"data_plane": "relay", "max_in_flight": 4},
+        pool=LOCAL,
+    )
+    # Stage 1 is slow, so the steps after the restart leave the copy time to catch up.
+    slow = frozenset({"s1r0", "s1r1"})
+    servers = Servers(job, [2, 2], [Fault("s0r0", Point.BACKWARD, 3)], tmp_path, slow=slow)
+    victim, restarted = servers.procs["s0r0"], []
+
+    def chaos(record: StepRecord) -> None:
+        if record.step == 3 and not restarted:
+            restarted.append(record.step)
+            servers.restart("s0r0")
+
+    routes = tmp_path / "routes.jsonl"
+    try:
+        state, _ = _train_recording(servers, routes, chaos)
+    finally:
+        servers.stop()
+    assert victim.proc.returncode == -signal.SIGKILL and restarted
+    record = list(read_routes(routes))
+    rejoined = [r for r in record if isinstance(r, Join) and r.step > 0]
+    assert [(j.stage, j.peer, j.source) for j in rejoined] == [(0, "s0r0", "s0r1")]
+    assert rejoined[0].step % 2 == 0, "a replica joins where a round starts"
+    held = {run.chain[0] for s in record if isinstance(s, StepRuns) and s.step >= rejoined[0].step
+            for run in s.runs}  # fmt: skip
+    assert "s0r0" in held, "the copy trained after it joined"
+    assert_states_within(state, _replayed(job, routes), tol=1e-9)
