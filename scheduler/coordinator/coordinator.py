@@ -139,7 +139,7 @@ class LocalCoordinator:
             on_joined=self._joined,
         )
         self.rounds = (
-            PoolRounds(job, self.clients, self.membership, self.metrics, on_route)
+            PoolRounds(job, self.clients, self.membership, self.metrics, on_route, on_status)
             if job.pool.mode == "local"
             else None
         )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from scheduler.coordinator.commit import CommitStalled, culprits
 from scheduler.coordinator.ledger import StepLedger
@@ -49,9 +49,14 @@ class PoolRounds:
         membership: Membership,
         metrics: CoordinatorMetrics,
         on_record: Callable[[Record], None] | None = None,
+        on_status: Callable[[str], Awaitable[None] | None] | None = None,
     ) -> None:
+        """`on_record`: the route record's sink; `on_status(text)`: what `swarm status` should
+        say (a round that dropped a replica's samples)."""
         self.job, self.clients, self.membership, self.metrics = job, clients, membership, metrics
         self.on_record = on_record or (lambda record: None)
+        self.on_status = on_status
+        self.dropped = 0  # samples dropped with the replicas that left mid-round, so far
         self._samples: Counter[tuple[int, str]] = Counter()  # (stage, peer) -> in this round
 
     def started(self, step: int, members: list[list[Replica]]) -> None:
@@ -113,7 +118,11 @@ class PoolRounds:
                             step, r.peer, stage, result)  # fmt: skip
         for stage, replicas in enumerate(members):
             self.on_record(Sync(step, stage, tuple(r.peer for r in replicas)))
-        self._count_dropped(step, members)
+        said = self._count_dropped(step, members)
+        if said and self.on_status is not None:
+            shown = self.on_status(said)
+            if shown is not None:
+                await shown
 
     async def _prepare(
         self, boundary: int, members: list[list[Replica]], round_id: str
@@ -148,11 +157,16 @@ class PoolRounds:
                 self.membership.drop(members[stage][i].peer)
         return "; ".join(f"stage {k} {r.peer}: {type(e).__name__}: {e}" for k, r, e in failed)
 
-    def _count_dropped(self, step: int, members: list[list[Replica]]) -> None:
+    def _count_dropped(self, step: int, members: list[list[Replica]]) -> str:
+        """Count the samples of the replicas that left mid-round; a line for `swarm status`
+        ("" when none did)."""
         kept = {(stage, r.peer) for stage, replicas in enumerate(members) for r in replicas}
+        said = []
         for (stage, peer), samples in sorted(self._samples.items()):
             if (stage, peer) not in kept and samples:
                 self.metrics.round_dropped.inc(samples)
+                self.dropped += samples
+                said.append(f"stage {stage}: {peer} left mid-round, {samples} samples dropped")
                 log.warning(
                     "round after step %d: stage %d: %s left before the round's end: its %d "
                     "samples of the round are not in the pool's average",
@@ -162,3 +176,9 @@ class PoolRounds:
                     samples,
                 )
         self._samples.clear()
+        if not said:
+            return ""
+        return (
+            f"round after step {step}: " + "; ".join(said) + f" ({self.dropped} in all: a "
+            "replica's local steps leave with it; the pool averaged without them)"
+        )
