@@ -43,6 +43,7 @@ class Pushed:
     receipts: list[pb.Receipt] = field(default_factory=list)
     uncertain: set[int] = field(default_factory=set)
     loss_sum: float = 0.0
+    path: list[str] = field(default_factory=list)  # the replica of each later stage it went to
 
 
 class NextHop:
@@ -125,6 +126,7 @@ class NextHop:
             named(result.receipts, stage, peer),
             uncertain | set(result.uncertain),
             result.loss_sum,
+            [peer, *result.path],
         )
 
     async def close(self) -> None:

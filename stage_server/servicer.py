@@ -338,6 +338,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 uncertain=sorted(pushed.uncertain),
                 loss_sum=pushed.loss_sum,
                 queued_seconds=queued,
+                path=pushed.path,
             )
 
         for msg in self._messages.split(await self._run_held("Push", context, body)):

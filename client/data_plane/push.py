@@ -71,7 +71,14 @@ class PushPlane:
         }
         self.metrics.unreported.inc(len(stages) - len(holders))
         loss = result.loss_sum if last in holders else None
-        return MicrobatchResult(step, index, holders, loss, int(ids.shape[0]))
+        samples = int(ids.shape[0])
+        chain = (peer or "", *result.path)
+        if self.job.pool.mode != "local" or len(chain) != last + 1 or not all(chain):
+            # pool.mode = "local" needs the whole path: without it, nothing of the run counts
+            holders = {} if self.job.pool.mode == "local" else holders
+            return MicrobatchResult(step, index, holders, loss, samples)
+        # Each stage ran the microbatch's Forward and its Backward itself: `back` is empty.
+        return MicrobatchResult(step, index, holders, loss, samples, chain)
 
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor

@@ -358,11 +358,6 @@ class JobConfig:
     def _check_local(self) -> None:
         """What local steps cannot do (yet), said when the job is read."""
         training, every = self.training, self.pool.sync_every
-        if self.runtime.data_plane != "relay":
-            # The route record names every replica a run went through; a pushed microbatch's
-            # answer names only those that accumulated it (not built yet).
-            allowed = '"relay" with pool.mode = "local" (the push plane does not record routes yet)'
-            raise not_allowed("runtime.data_plane", self.runtime.data_plane, allowed)
         if training.delayed_update:
             allowed = 'false with pool.mode = "local" (a round already hides the averaging)'
             raise not_allowed("training.delayed_update", True, allowed)

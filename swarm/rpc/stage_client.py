@@ -15,7 +15,7 @@ from collections.abc import (
     Iterable,
     Sequence,
 )
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 import grpc
@@ -102,6 +102,7 @@ class PushResult:
     uncertain: set[int]  # stages that may have accumulated it without a receipt here
     loss_sum: float
     queued_seconds: float
+    path: list[str] = field(default_factory=list)  # the replicas of the later stages
 
 
 def as_tensor(value: TensorLike) -> torch.Tensor:
@@ -293,6 +294,7 @@ class StageClient:
             set(header.uncertain),
             header.loss_sum,
             header.queued_seconds,
+            list(header.path),
         )
 
     @_swarm_errors

@@ -147,7 +147,6 @@ def test_rounds_end_where_the_job_says_and_nowhere_else(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"runtime": {"data_plane": "push"}}, "runtime.data_plane"),
         ({"training": {"delayed_update": True}}, "training.delayed_update"),
         ({"training": {"grad_clip": 1.0}}, "training.grad_clip"),
         ({"training": {"checkpoint_every": 3}}, "training.checkpoint_every"),

@@ -21,7 +21,7 @@ from swarm.ops.progress import StepRecord
 from tests.support.equality import assert_states_within
 from tests.support.jobs import make_job, write_job
 
-RELAY = {"data_plane": "relay"}  # the plane local mode records routes on (so far)
+RELAY = {"data_plane": "relay"}  # either plane records routes; the reference ignores it
 
 
 def _job(tmp_path: Path, name: str = "test", **overrides: dict[str, Any]) -> JobConfig:
