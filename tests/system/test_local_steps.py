@@ -14,10 +14,12 @@ from prometheus_client import CollectorRegistry
 
 from client.standalone import train_standalone
 from swarm.job.config import load_job
+from swarm.local.procs import start_local_swarm
 from swarm.model.local_steps import train_replicas
 from swarm.model.routes import Join, StepRuns, Sync, read_routes
 from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
+from tests.support.cli import swarm
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import write_job
 from tests.system.test_faults import Servers, _count
@@ -151,3 +153,31 @@ def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact
             for run in s.runs}  # fmt: skip
     assert "s0r0" in held, "the copy trained after it joined"
     assert_states_within(state, _replayed(job, routes), tol=1e-9)
+
+
+@pytest.mark.slow
+def test_under_a_scheduler_the_record_is_exported_and_swarm_local_replays_it(
+    tmp_path: Path,
+) -> None:
+    """The scheduler's embedded trainer records the routes; `swarm export --routes` fetches them
+    and `swarm local --routes` ends with the exported model's parameters."""
+    job = write_job(
+        tmp_path,
+        training={"steps": 6, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
+        pool=LOCAL,
+    )
+    sw, _ = start_local_swarm([1.0, 1.0, 1.0, 1.0], log_dir=tmp_path)
+    try:
+        out = swarm("submit", str(job), "--wait", "--scheduler", sw.address).stdout
+        assert "succeeded" in out, out
+        job_id = out.split()[0]
+        routes, model = tmp_path / "routes.jsonl", tmp_path / "swarm.pt"
+        at = ("--scheduler", sw.address)
+        swarm("export", job_id, "--out", str(model), "--routes", str(routes), *at)
+    finally:
+        sw.stop()
+    record = list(read_routes(routes))
+    assert [r.step for r in record if isinstance(r, StepRuns)] == list(range(6))
+    swarm("local", str(job), "--routes", str(routes), "--out", str(tmp_path / "ref.pt"))
+    reference = torch.load(tmp_path / "ref.pt", weights_only=True)
+    assert_states_within(torch.load(model, weights_only=True), reference, tol=1e-9)
