@@ -47,17 +47,17 @@ def _replayed(job: Path, routes: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data_plane", ["relay", "push"])
 def test_local_steps_on_two_replicas_per_stage_equal_the_reference_replaying_their_routes(
-    tmp_path: Path, data_plane: str
+    tmp_path: Path,
 ) -> None:
-    """2 stages of 2 replicas, rounds of 2 steps over 5 steps (the last round is one step):
-    the swarm's parameters equal the reference replaying the record, and differ from
-    per-step averaging (the replicas did train apart)."""
+    """2 stages of 2 replicas, rounds of 2 steps over 5 steps (the last round is one step), on
+    the relay plane (the push plane: the tests below): the swarm's parameters equal the
+    reference replaying the record, and differ from per-step averaging (the replicas did train
+    apart)."""
     job = write_job(
         tmp_path,
         training={"steps": 5, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
-        runtime={"data_plane": data_plane, "max_in_flight": 4},
+        runtime={"data_plane": "relay", "max_in_flight": 4},
         pool=LOCAL,
     )
     servers = Servers(job, [2, 2], [], tmp_path)
@@ -84,9 +84,8 @@ def test_local_steps_on_two_replicas_per_stage_equal_the_reference_replaying_the
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data_plane", ["relay", "push"])
 def test_a_replica_killed_mid_round_drops_its_round_and_the_rest_stays_exact(
-    tmp_path: Path, data_plane: str
+    tmp_path: Path,
 ) -> None:
     """s1r0 dies at a backward of step 3, the second step of the round [2, 3]: its step-3
     gradients are replayed on s1r1, its step-2 local update (applied, not averaged yet) is
@@ -94,7 +93,7 @@ def test_a_replica_killed_mid_round_drops_its_round_and_the_rest_stays_exact(
     job = write_job(
         tmp_path,
         training={"steps": 6, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
-        runtime={"data_plane": data_plane, "max_in_flight": 4},
+        runtime={"data_plane": "push", "max_in_flight": 4},
         pool=LOCAL,
     )
     fault = Fault("s1r0", Point.BACKWARD, 3)
