@@ -962,7 +962,13 @@ def main() -> int:
                 file=sys.stderr,
             )
             return 1
-        timed, swarm = ([], {}) if args.steps_only else shaped(args, modes, links, target)
+        if args.steps_only:  # --swarm-steps rows from the cache only (they need root)
+            timed, swarm = [], {}
+            for m in (m for m in modes if m.name in args.swarm_steps):
+                if (hit := swarm_cached(args, m, target)) is not None:
+                    swarm[m.name] = hit
+        else:
+            timed, swarm = shaped(args, modes, links, target)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
