@@ -28,7 +28,7 @@ from scheduler.coordinator.commit import CommitStalled, culprits
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
-from scheduler.coordinator.replicas import GONE, ReplicaClients
+from scheduler.coordinator.replicas import ReplicaClients
 from swarm.errors import Aborted
 from swarm.job.config import JobConfig
 from swarm.model.optim import is_boundary
@@ -150,7 +150,7 @@ class PoolRounds:
             log.warning("round %s at stage %d failed on %s: %r", round_id, stage, r.peer, error)
             if isinstance(error, Aborted) and error.missing:
                 accusations.setdefault(stage, {})[members[stage].index(r)] = set(error.missing)
-            elif not isinstance(error, Aborted) or isinstance(error, GONE):
+            elif not isinstance(error, Aborted):  # it failed by itself: gone, or refused
                 self.membership.drop(r.peer)
         for stage, named in accusations.items():
             for i in culprits(members[stage], named, {}):
