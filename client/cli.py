@@ -8,13 +8,12 @@ import asyncio
 from pathlib import Path
 
 from swarm.errors import SwarmError
-from swarm.flags import add_flag, add_metrics_token, add_token, env_default, metrics_token, token
+from swarm.flags import add_flag, add_metrics_token, add_token, metrics_token, token
 from swarm.net.tls import add_tls_flags
 
 __all__ = ["JOB_COMMANDS", "add_arguments", "run"]
 
 JOB_COMMANDS = ("submit", "status", "jobs", "cancel", "delete", "export")  # talk to the job API
-_TOKEN_HELP = "swarm token (None: SWARM_TOKEN from the environment; prefer that, flags show in ps)"
 _DEMO_JOB = Path(__file__).resolve().parent.parent / "examples" / "tiny.toml"
 
 
@@ -74,19 +73,10 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
             choices=("float32", "bfloat16", "float16"),
             help="hf: store the weights in this type (default: as trained)",
         )
-    p.add_argument(
-        "--scheduler",
-        default=env_default("scheduler", None),
-        help="the scheduler's job API, HOST:PORT",
-    )
-    add_token(p, _TOKEN_HELP)
+    add_flag(p, "scheduler", None, "the scheduler's job API, HOST:PORT")
+    add_token(p)
     add_tls_flags(p)
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=env_default("timeout", 30.0),
-        help="deadline per call (seconds)",
-    )
+    add_flag(p, "timeout", 30.0, "deadline per call (seconds)", type=float)
 
 
 def _trainer(p: argparse.ArgumentParser) -> None:

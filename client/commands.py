@@ -20,7 +20,15 @@ from typing import Any
 from google.protobuf import json_format
 from tqdm import tqdm
 
-from client.live import loss_text, status_lines, table, watch_status
+from client.live import (
+    duration_text,
+    event_lines_of,
+    loss_text,
+    shown,
+    status_lines,
+    table,
+    watch_status,
+)
 from client.sdk import TERMINAL_STATES, ClientError, SchedulerClient
 from swarm.errors import ConfigError, SwarmError
 from swarm.job.states import job_state_name as state_name
@@ -89,17 +97,34 @@ def _outcome(name: str, status: scheduler_pb2.JobStatus) -> int:
 async def watch(
     client: SchedulerClient, status: scheduler_pb2.JobStatus, poll_s: float = 0.5
 ) -> scheduler_pb2.JobStatus:
-    """Show a progress bar (step, loss, samples/s) until the job ends; returns its last status."""
+    """Show a progress bar (step, loss, samples/s, how long the job has waited) until the job
+    ends, with the job's events and what it waits for printed above it as they come; returns its
+    last status. The bar is redrawn at every look, so its clock runs on while the job waits."""
+    seen_time, seen_message = status.created, ""
     with tqdm(total=status.steps, desc=status.job, unit="step", file=sys.stderr) as bar:
 
         def show(s: scheduler_pb2.JobStatus) -> None:
-            bar.set_postfix(
-                state=state_name(s.state),
-                loss=loss_text(s.loss),
-                samples_s=f"{s.samples_per_second:.1f}",
-                refresh=False,
-            )
-            bar.update(s.step - bar.n)  # refreshes too
+            nonlocal seen_time, seen_message
+            told = set()
+            for e in s.events:
+                if e.time > seen_time:
+                    bar.write(event_lines_of([e])[0], file=sys.stderr)
+                    told.add(e.text)
+                    seen_time = e.time
+            if s.message != seen_message:
+                seen_message = s.message
+                if s.message and s.message not in told:
+                    bar.write(f"{state_name(s.state)}: {shown(s.message)}", file=sys.stderr)
+            postfix = {
+                "state": state_name(s.state),
+                "loss": loss_text(s.loss),
+                "samples_s": f"{s.samples_per_second:.1f}",
+            }
+            if s.waiting_since:
+                postfix["waiting"] = duration_text(time.time() - s.waiting_since)
+            bar.set_postfix(postfix, refresh=False)
+            bar.n = s.step
+            bar.refresh()
 
         try:
             return await client.wait(status.job, show, poll_s=poll_s)

@@ -1,6 +1,9 @@
-"""`swarm status JOB` and its live form, `--watch`: the job's state, step, loss and speed, each
-stage's replicas with their throughput and state, and (watching) the recent events seen between
-two looks: replicas that joined, left or moved, rollbacks, state changes, new messages.
+"""`swarm status JOB` and its live form, `--watch`: the job's state, step, loss and speed (over a
+recent window: zero in a stall; an ended job's is its mean and it shows how long it took), what it
+waits for and for how long, its warnings, each stage's replicas with their throughput and state,
+and its recent events: the scheduler's history of the job (joins, leaves and why, restarts, moves,
+stalls, rollbacks, its end), from the start. Against a scheduler that keeps no history, watching
+shows the events seen between two looks instead.
 
 A terminal gets each frame drawn over the last in place (cursor home, every line cleared to its
 end, the rest of the screen cleared below), so nothing flickers; other outputs get one plain
@@ -13,17 +16,21 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TextIO
 
+from swarm.job.states import TERMINAL_PROTO, peer_state_name
 from swarm.job.states import job_state_name as state_name
-from swarm.job.states import peer_state_name
 from swarm.proto import scheduler_pb2
 
 __all__ = [
     "LiveView",
+    "duration_text",
+    "event_lines",
+    "event_lines_of",
     "events",
     "loss_text",
+    "shown",
     "status_lines",
     "table",
     "terminal_frame",
@@ -55,20 +62,68 @@ def table(rows: list[list[str]]) -> str:
     )
 
 
-def status_lines(s: scheduler_pb2.JobStatus) -> list[str]:
+def duration_text(seconds: float) -> str:
+    """`1h02m03s`, `2m03s`, `3s`."""
+    minutes, secs = divmod(max(round(seconds), 0), 60)
+    hours, mins = divmod(minutes, 60)
+    return (
+        f"{hours}h{mins:02d}m{secs:02d}s"
+        if hours
+        else f"{mins}m{secs:02d}s"
+        if mins
+        else f"{secs}s"
+    )
+
+
+def _clock_time(unix: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(unix))
+
+
+def _layers(layers: list[int]) -> str:
+    if not layers:
+        return "no layers"
+    return f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+
+
+def event_lines_of(events: Iterable[scheduler_pb2.JobEvent]) -> list[str]:
+    """Each event as a line, with its time."""
+    return [f"{_clock_time(e.time)} {shown(e.text)}" for e in events]
+
+
+def event_lines(s: scheduler_pb2.JobStatus, keep: int) -> list[str]:
+    """The job's newest `keep` events, oldest first, each with its time."""
+    return event_lines_of(s.events[-keep:]) if keep else []
+
+
+def status_lines(
+    s: scheduler_pb2.JobStatus, now: float | None = None, events: int = 10
+) -> list[str]:
+    """The job as `swarm status` prints it; `now` (unix seconds) counts how long it has waited;
+    `events`: how many of its newest events to list (0: none)."""
+    now = time.time() if now is None else now
+    ended = s.state in TERMINAL_PROTO
+    speed = f"{s.samples_per_second:.1f} samples/s"
     lines = [
         f"job      {shown(s.job)} ({shown(s.name)})",
-        f"state    {state_name(s.state)}",
+        f"state    {state_name(s.state)}"
+        + (f" after {duration_text(s.updated - s.created)}" if ended and s.created else ""),
         f"step     {s.step}/{s.steps}",
         f"loss     {loss_text(s.loss)}",
-        f"speed    {s.samples_per_second:.1f} samples/s",
+        f"speed    {speed}" + (" (mean over its steps)" if ended else ""),
     ]
     if s.HasField("val_loss"):
         lines.insert(4, f"val loss {loss_text(s.val_loss)} (after {s.val_step} steps)")
-    lines += [f"message  {shown(s.message)}"] if s.message else []
+    if s.message:
+        waited = (
+            f" (for {duration_text(now - s.waiting_since)}, since {_clock_time(s.waiting_since)})"
+            if s.waiting_since
+            else ""
+        )
+        lines.append(f"message  {shown(s.message)}{waited}")
     lines += [f"error    {shown(s.error)}"] if s.error else []
+    lines += [f"warning  {shown(w)}" for w in s.warnings]
     for st in s.stages:
-        layers = f"layers {st.layers[0]}-{st.layers[-1]}" if st.layers else "no layers"
+        layers = _layers(list(st.layers))
         lines.append(f"stage {st.stage} ({layers}): {len(st.replicas)} replica(s)")
         rows = [["  PEER", "DEVICE", "SAMPLES/S", "STATE"]]
         rows += [
@@ -81,6 +136,8 @@ def status_lines(s: scheduler_pb2.JobStatus) -> list[str]:
             for r in st.replicas
         ]
         lines += table(rows).splitlines() if st.replicas else []
+    if events and s.events:
+        lines += ["", "events:", *(f"  {e}" for e in event_lines(s, events))]
     return lines
 
 
@@ -119,14 +176,19 @@ class LiveView:
         self.clock = clock
 
     def frame(self, s: scheduler_pb2.JobStatus) -> str:
-        """The view of `s`, after taking in what changed since the last frame."""
-        if self.last is not None:
-            stamp = time.strftime("%H:%M:%S", time.localtime(self.clock()))
-            self.recent.extend(f"{stamp} {e}" for e in events(self.last, s))
+        """The view of `s`: with the job's own newest events, or (a scheduler that keeps no
+        history) with what changed since the last frame."""
+        lines = status_lines(s, now=self.clock(), events=0)
+        if s.events:
+            recent = event_lines(s, self.recent.maxlen or 0)
+        else:
+            if self.last is not None:
+                stamp = _clock_time(self.clock())
+                self.recent.extend(f"{stamp} {e}" for e in events(self.last, s))
+            recent = list(self.recent)
         self.last = s
-        lines = status_lines(s)
-        if self.recent:
-            lines += ["", "recent events:", *(f"  {e}" for e in self.recent)]
+        if recent:
+            lines += ["", "recent events:", *(f"  {e}" for e in recent)]
         return "\n".join(lines)
 
 

@@ -17,9 +17,10 @@ from tqdm import tqdm
 
 from client.metrics import TrainerMetrics
 from client.trainer import PipelineTrainer, load_followed
-from swarm.errors import PeerUnavailable
+from swarm.errors import ConfigError, PeerUnavailable
 from swarm.job.config import parse_job
 from swarm.net import tokens as auth
+from swarm.net.tls_mismatch import explain_grpc
 from swarm.ops.metrics import serve_metrics
 from swarm.policy.backoff import Backoff
 from swarm.proto import scheduler_pb2 as spb
@@ -58,7 +59,8 @@ class RemoteCoordinator:
         restarting, upgraded, or on the far side of a network outage) before the trainer gives
         up; the trainer's leases outlive a short outage only if the scheduler's lease timeout
         does too, but its work is replayed exactly either way."""
-        self.job_id, self.timeout_s, self.retry_for_s = job_id, timeout_s, retry_for_s
+        self.address, self.job_id = address, job_id
+        self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
         self.channel = auth.channel(address, token=token, options=grpc_options(64 << 20))
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
 
@@ -77,7 +79,12 @@ class RemoteCoordinator:
             except grpc.RpcError as e:
                 error, delay = from_rpc_error(e), backoff.next()
                 # A scheduler restarting, or too busy to answer in time, is worth asking again.
-                # Anything else (an unknown job, a refused token, a bad request) is final.
+                # Anything else (an unknown job, a refused token, a bad request) is final, and
+                # so is TLS on one side only: asking again cannot change either side's flags.
+                if isinstance(error, PeerUnavailable):
+                    hint = explain_grpc(self.address, e.details() or "", "the scheduler")
+                    if hint is not None:
+                        raise ConfigError(hint) from e
                 if not isinstance(error, PeerUnavailable) or time.monotonic() + delay > give_up:
                     raise error from e
             log.warning("scheduler: %s failed (%s); asking again", what, error)

@@ -23,6 +23,7 @@ from swarm.job.config import load_job
 from swarm.job.states import TERMINAL_PROTO as TERMINAL_STATES
 from swarm.job.states import job_state_name as state_name
 from swarm.net import tokens as auth
+from swarm.net.tls_mismatch import explain_grpc
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
 from swarm.rpc.status import from_rpc_error
 
@@ -230,7 +231,9 @@ def _client_error(address: str, e: grpc.RpcError) -> ClientError:
     if isinstance(error, PeerUnavailable) and code == "DEADLINE_EXCEEDED":
         message = f"the scheduler at {address} did not answer in time"
     elif isinstance(error, PeerUnavailable):
-        message = f"cannot reach the scheduler at {address} ({details})"
+        # TLS on one side only, or a missing client certificate, reads "Socket closed": say so.
+        hint = explain_grpc(address, details, "the scheduler")
+        message = hint or f"cannot reach the scheduler at {address} ({details})"
     elif isinstance(error, RemoteError) and error.code == "UNAUTHENTICATED":
         message = f"the scheduler at {address} refused the call: {details} (--token, SWARM_TOKEN)"
     else:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from scheduler.registry import PeerRegistry
+from scheduler.stalls import REMEDY, Health, stages_text
 from swarm.bus.connection import BusLike
 from swarm.policy.placement import place_new
 from swarm.proto import control_pb2 as cpb
@@ -37,12 +38,14 @@ class Assignments:
         grace_s: float,
         serve_timeout_s: float,
         lost_stage_grace_s: float,
+        health: Callable[[str], Health] = lambda _: Health(),
     ) -> None:
         """`grace_s`: once enough peers are measured, wait this long for more; `serve_timeout_s`:
         assigned peers must serve within this, else the stages are placed again;
         `lost_stage_grace_s`: a trained job's unserved stage waits this long for a replica with
-        the trained state before fresh peers take it (and the job rolls back)."""
-        self.registry, self.bus, self.say = registry, bus, say
+        the trained state before fresh peers take it (and the job rolls back); `health(job)`:
+        where `place` keeps since when the job waits."""
+        self.registry, self.bus, self.say, self.health = registry, bus, say, health
         self.grace_s = grace_s
         self.serve_timeout_s = serve_timeout_s
         self.lost_stage_grace_s = lost_stage_grace_s
@@ -55,37 +58,54 @@ class Assignments:
         job's committed step (its trained state lives on its servers once above 0); `assigned`
         collects every peer given a stage."""
         lost_since: float | None = None
-        while True:
-            serving = self.registry.serving(job_id)
-            missing = [k for k in range(stages) if k not in serving]
-            if not missing:
-                return
-            lost_since = lost_since or time.monotonic()
-            if step() > 0 and time.monotonic() - lost_since < self.lost_stage_grace_s:
-                # A replica with the trained state may still come back; after the grace period
-                # fresh peers take the stage and the coordinator rolls back to a checkpoint.
-                await self.say(
-                    job_id,
-                    f"waiting for a replica of stages {missing} "
-                    f"(trained state lives on its servers)",
-                )
-                await self._change(5.0)
-                continue
-            available = self.registry.available(job_id, stages)
-            if len(available) < len(missing):
-                await self.say(
-                    job_id,
-                    f"waiting for peers: stages {missing} have no "
-                    f"replica, {len(available)} peer(s) measured",
-                )
-                await self._change(5.0)
-                continue
-            await asyncio.sleep(self.grace_s)  # let late peers finish measuring
-            available = self.registry.available(job_id, stages)
-            if len(available) < len(missing):
-                continue  # some left during the grace period
-            await self._assign_available(job_id, available, assigned)
-            await self._wait_serving(job_id, missing)
+        waiting = self.health(job_id)
+        try:
+            while True:
+                serving = self.registry.serving(job_id)
+                missing = [k for k in range(stages) if k not in serving]
+                if not missing:
+                    return
+                if lost_since is None:
+                    lost_since = time.monotonic()
+                    waiting.waiting_since = time.time()
+                held = time.monotonic() - lost_since
+                if step() > 0 and held < self.lost_stage_grace_s:
+                    # A replica with the trained state may still come back; after the grace
+                    # period fresh peers take the stage and the coordinator rolls back to a
+                    # checkpoint.
+                    until = time.strftime(
+                        "%H:%M:%S", time.localtime(waiting.waiting_since + self.lost_stage_grace_s)
+                    )
+                    await self.say(
+                        job_id,
+                        f"waiting until {until} for a replica of {stages_text(missing)} with the "
+                        f"trained state (the job's servers hold it; --lost-stage-grace-s "
+                        f"{self.lost_stage_grace_s:g}); then fresh peers take "
+                        f"{'it' if len(missing) == 1 else 'them'} and every stage rolls back to "
+                        "the last checkpoint",
+                    )
+                    await self._change(min(5.0, max(self.lost_stage_grace_s - held, 0.1)))
+                    continue
+                available = self.registry.available(job_id, stages)
+                if len(available) < len(missing):
+                    more = len(missing) - len(available)
+                    await self.say(
+                        job_id,
+                        f"waiting for peers: {stages_text(missing)} without a replica; this "
+                        f"job's {stages} stage(s) need at least {stages} stage server(s), one "
+                        f"per stage ({stages - len(missing)} served, {len(available)} more "
+                        f"peer(s) measured): {REMEDY} ({more} more)",
+                    )
+                    await self._change(5.0)
+                    continue
+                await asyncio.sleep(self.grace_s)  # let late peers finish measuring
+                available = self.registry.available(job_id, stages)
+                if len(available) < len(missing):
+                    continue  # some left during the grace period
+                await self._assign_available(job_id, available, assigned)
+                await self._wait_serving(job_id, missing)
+        finally:
+            waiting.waiting_since = 0.0
 
     async def grow(self, job_id: str, stages: int, assigned: list[str]) -> None:
         """While the job trains, peers that join become extra replicas (they copy a live
@@ -134,7 +154,8 @@ class Assignments:
             )
             await self.assign(job_id, peer, stage, generation)
             assigned.append(peer)
-        await self.say(job_id, f"starting {len(placement)} stage server(s)")
+        where = ", ".join(f"{peer} on stage {stage}" for peer, stage in sorted(placement.items()))
+        await self.say(job_id, f"starting {len(placement)} stage server(s): {where}")
 
     async def _wait_serving(self, job_id: str, stages: list[int]) -> None:
         deadline = time.monotonic() + self.serve_timeout_s

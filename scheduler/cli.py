@@ -10,6 +10,7 @@ from scheduler.data_root import check_data_root
 from swarm.bus.flags import add_login_flags, scheduler_token
 from swarm.flags import add_flag, add_metrics_token, add_token, metrics_token, token
 from swarm.net.tls import add_tls_flags
+from swarm.ops.logs import show_at_default
 
 __all__ = ["add_arguments", "run"]
 
@@ -25,7 +26,9 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "address other machines dial to reach the job API and the embedded broker (default: "
         "--host; required with --host 0.0.0.0)",
     )
-    add_flag(p, "port", 7700, "job API gRPC port (0: any free port)", type=int)
+    add_flag(
+        p, "port", 7700, "job API gRPC port (0: any free port)", env="scheduler-port", type=int
+    )
     add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
     add_metrics_token(p)
     add_flag(p, "store", Path("swarm-jobs.sqlite"), "SQLite job store", type=Path)
@@ -45,6 +48,15 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         30.0,
         "a trained job whose stage nobody serves waits this long for its replica, then gives "
         "the stage to fresh peers and rolls back to the last checkpoint",
+        type=float,
+    )
+    add_flag(
+        p,
+        "checkpoint-every-s",
+        300.0,
+        "checkpoint every job at least this often (seconds; besides its checkpoint_every "
+        "steps), so that losing a stage's only replica costs minutes of training, not the job "
+        "(0: by steps only)",
         type=float,
     )
     add_flag(
@@ -72,6 +84,9 @@ def run(command: str, args: argparse.Namespace) -> int:
     # Imported here: `swarm scheduler --help` needs only the flags, not torch and gRPC.
     from scheduler.main import SchedulerProcessOptions, run_scheduler
 
+    # At the default level: each job's events (joins, leaves and why, stalls with their remedy,
+    # rollbacks, its end), where its stages go, jobs resumed at start.
+    show_at_default(("scheduler.history", "scheduler.assignments", "scheduler.service"))
     check_data_root(args.data_root, {})  # given, and a directory; what it holds: at start
     opts = SchedulerProcessOptions(
         store=args.store,
@@ -88,6 +103,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         use_identity_as_username=args.use_identity_as_username,
         load_silence_s=args.load_silence_s,
         lost_stage_grace_s=args.lost_stage_grace_s,
+        checkpoint_every_s=args.checkpoint_every_s or None,
         data_root=args.data_root,
         keep_finished_jobs=args.keep_finished_jobs,
     )

@@ -2,10 +2,12 @@
 `http_sd_configs` format (a JSON list of target groups), so one Prometheus job finds the
 scheduler and every live peer as they come and go (docs/prometheus.yml uses it).
 
-Each peer is a target of its own, labelled with its peer id, state, and the job and stage it
-serves (empty while it serves none); a peer without a metrics port is not listed. The labels are
-prefixed `swarm_`: a target label `job` would stand in for Prometheus's own (the scrape job's
-name); the series themselves carry `job`, `stage` and `peer` (kept with `honor_labels: true`).
+Each peer is a target of its own, labelled with its role and peer id only: what never changes for
+that target. A target label that changes (a state, a job, a stage) would start a new series of
+every metric the target serves at each change, and split one peer in two for `rate()` and `sum`;
+what a peer does now is in its metric `swarm_peer_info{peer,state,job,stage}` instead. A peer
+without a metrics port is not listed. The labels are prefixed `swarm_`: the series themselves
+carry `job`, `stage` and `peer` (kept with `honor_labels: true`).
 """
 
 from __future__ import annotations
@@ -28,13 +30,7 @@ def sd_targets(scheduler: str, peers: list[cpb.PeerAnnouncement]) -> list[dict[s
     for p in sorted(peers, key=lambda p: p.peer):
         if not p.metrics_address:
             continue
-        labels = {
-            "swarm_role": "peer",
-            "swarm_peer": p.peer,
-            "swarm_state": cpb.PeerState.Name(p.state).removeprefix("PEER_STATE_").lower(),
-            "swarm_job": p.job,
-            "swarm_stage": str(p.stage) if p.HasField("stage") else "",
-        }
+        labels = {"swarm_role": "peer", "swarm_peer": p.peer}
         groups.append({"targets": [p.metrics_address], "labels": labels})
     return groups
 

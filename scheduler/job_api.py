@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from scheduler.store import JobRecord, JobStore
+from scheduler.store import Events, JobRecord, JobStore
 from swarm.errors import (
     ConfigError,
     FailedPrecondition,
@@ -62,6 +62,8 @@ LIST_PAGE_BYTES = 1 * MiB
 # The longest base_dir SubmitJob takes (bytes, UTF-8): PATH_MAX. It is stored and sent with the
 # job in every GetJob and ListJobs answer.
 MAX_BASE_DIR_BYTES = 4096
+# The newest events of a job GetJob sends (`swarm status` shows them; the store keeps more).
+STATUS_EVENTS = 50
 
 
 class JobControl(Protocol):
@@ -86,6 +88,11 @@ class JobControl(Protocol):
 
     def samples_per_second(self, job_id: str) -> float:
         """Recent training throughput (asked for unfinished jobs only)."""
+        ...
+
+    def health(self, job_id: str) -> tuple[float, list[str]]:
+        """Since when the job has waited for what its message says (unix seconds, 0: it does
+        not wait), and the risks to warn of (asked for unfinished jobs only)."""
         ...
 
     async def lease(
@@ -119,9 +126,17 @@ def _unknown(job_id: str) -> NotFound:
     return NotFound(f"unknown job {job_id!r}; `swarm jobs` lists them")
 
 
-def job_status(record: JobRecord, control: JobControl) -> scheduler_pb2.JobStatus:
-    """The wire form of a job: the stored record plus, while it runs, the live stages."""
+def job_status(
+    record: JobRecord,
+    control: JobControl,
+    events: Events | None = None,
+    mean_speed: float = 0.0,
+) -> scheduler_pb2.JobStatus:
+    """The wire form of a job: the stored record plus, while it runs, the live stages, speed,
+    waiting and warnings; `events`: its newest events (GetJob's); `mean_speed`: an ended job's
+    samples/s over its steps."""
     live = not record.finished
+    waiting_since, warnings = control.health(record.id) if live else (0.0, [])
     return scheduler_pb2.JobStatus(
         job=record.id,
         name=record.name,
@@ -135,7 +150,12 @@ def job_status(record: JobRecord, control: JobControl) -> scheduler_pb2.JobStatu
         error=record.error,
         message=record.message,
         stages=control.stages(record.id) if live else [],
-        samples_per_second=control.samples_per_second(record.id) if live else 0.0,
+        samples_per_second=control.samples_per_second(record.id) if live else mean_speed,
+        waiting_since=waiting_since,
+        warnings=warnings,
+        events=[
+            scheduler_pb2.JobEvent(time=e.time, kind=e.kind, text=e.text) for e in events or []
+        ],
         created=record.created,
         updated=record.updated,
         spec=record.spec,
@@ -185,8 +205,11 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise _unknown(job_id)
         return record
 
-    def _status(self, record: JobRecord) -> scheduler_pb2.JobStatus:
-        return job_status(record, self.control)
+    def _status(self, record: JobRecord, events: int = 0) -> scheduler_pb2.JobStatus:
+        """`events`: how many of the job's newest events to include."""
+        mean = self.store.mean_speed(record.id) if record.finished else 0.0
+        shown = self.store.events(record.id, events) if events else []
+        return job_status(record, self.control, shown, mean)
 
     # -- the service ----------------------------------------------------------------------------
     async def SubmitJob(
@@ -255,7 +278,9 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerGetJobRequest, context: Any
     ) -> scheduler_pb2.SchedulerGetJobResponse:
         def body() -> scheduler_pb2.SchedulerGetJobResponse:
-            return scheduler_pb2.SchedulerGetJobResponse(job=self._status(self._job(request.job)))
+            return scheduler_pb2.SchedulerGetJobResponse(
+                job=self._status(self._job(request.job), STATUS_EVENTS)
+            )
 
         return await self._run("GetJob", context, body)
 

@@ -32,8 +32,11 @@ from scheduler.assignments import Assignments
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
+from scheduler.history import History
 from scheduler.rebalance_loop import rebalance
 from scheduler.registry import PeerRegistry
+from scheduler.speed import RecentSpeed
+from scheduler.stalls import Health, StallWatch
 from scheduler.store import JobState, JobStore, StoreError
 from swarm.bus.connection import BusLike
 from swarm.job.config import JobConfig
@@ -43,7 +46,11 @@ from swarm.ops.progress import StepRecord
 from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["JobTraining", "final_path", "save_final"]
+__all__ = ["ROLLBACK_SAID_STEPS", "JobTraining", "final_path", "save_final"]
+
+# A rollback stays the job's message for this many steps after it; then "training" again (the
+# job's events keep it).
+ROLLBACK_SAID_STEPS = 20
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +67,15 @@ class JobTraining:
     checkpoint_dir: Path  # each job's checkpoints and final file go in a directory of its own
     token: str | None  # swarm token for calls to stage servers
     embedded_trainer: bool  # run a trainer inside the scheduler for each job
+    checkpoint_every_s: float | None  # checkpoint at least this often (besides by steps)
     announce: Callable[[str], Awaitable[None]]  # publish the job's stored record
     set_status: Callable[[str, JobState | None, str], Awaitable[None]]  # store it, then announce
     coordinator_metrics: CoordinatorFamilies
     moves: Counter  # rebalancing moves, by job
     coordinators: dict[str, LocalCoordinator]  # the open ones, by job: leases and exports
-    speed: dict[str, float]  # samples/s of each job's last committed step
+    speed: dict[str, RecentSpeed]  # each job's samples/s over its recent steps
+    history: History  # each job's events
+    health: Callable[[str], Health]  # each job's waiting and warnings
     # the first and the longest pause between attempts at saving a job's final model (seconds)
     final_save_retry_s: tuple[float, float] = (1.0, 60.0)
 
@@ -94,8 +104,13 @@ class JobTraining:
                 )
             except StoreError as e:  # a full disk: the store writes it with the next step
                 log.error("job %s: %s", job_id, e)
-            self.speed[job_id] = record.samples_per_second
-            log.info("job %s step %d loss %.4f", job_id, record.step, record.loss)
+            speed.committed(record.samples)
+            log.debug("job %s step %d loss %.4f", job_id, record.step, record.loss)
+            if said and record.step >= rolled[-1] + ROLLBACK_SAID_STEPS:
+                # The rollback is history now (its event stays): the message says what is.
+                if self._message(job_id) == said[-1]:
+                    await self.set_status(job_id, None, "training")
+                said.clear()
             await self.bus.publish(
                 self.bus.topics.steps(job_id),
                 cpb.StepCommitted(
@@ -111,11 +126,15 @@ class JobTraining:
             await self.announce(job_id)
 
         stages, mb = job.training.stages, job.training.microbatch_size
+        speed = self.speed.setdefault(job_id, RecentSpeed(time.time))
 
         said: list[str] = []  # what a rollback told `swarm status`, kept past the start
+        rolled: list[int] = []  # the steps rolled back to
 
         async def rolled_back(step: int) -> None:
             self.store.rewind(job_id, step)
+            rolled.append(step)
+            speed.start()  # training starts again now: the stall is not its speed
             said.append(
                 f"rolled back to step {step}: a stage lost every replica; training from the last"
                 " checkpoint"
@@ -123,7 +142,12 @@ class JobTraining:
                 else "rolled back to step 0 (no checkpoint): a stage lost every replica;"
                 " training again from the start"
             )
+            self.history.record(job_id, "rollback", said[-1])
             await self.set_status(job_id, None, said[-1])
+
+        async def status(text: str) -> None:  # the coordinator's: a replica left out, a replay
+            self.history.record(job_id, "commit", text)
+            await self.set_status(job_id, None, text)
 
         routes = None
         if job.pool.mode == "local":  # appended: a resumed job's record goes on
@@ -138,9 +162,10 @@ class JobTraining:
             on_step=committed,
             checkpoint_dir=self.checkpoint_dir / job_id,
             on_rollback=rolled_back,
-            on_status=lambda text: self.set_status(job_id, None, text),
+            on_status=status,
             metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
+            checkpoint_every_s=self.checkpoint_every_s,
         )
         trainer = PipelineTrainer(
             job,
@@ -153,12 +178,24 @@ class JobTraining:
         try:
             self.store.resume(job_id, await coordinator.start())  # a re-run replaces old rows
             self.coordinators[job_id] = coordinator
+            speed.start()
             await self.set_status(job_id, "running", said[-1] if said else "training")
+            watch = StallWatch(
+                job_id,
+                lambda: self.peer_registry.members(job_id, stages),
+                lambda: self._step(job_id),
+                coordinator.recovery.latest,
+                lambda text: self.set_status(job_id, None, text),
+                lambda: self._message(job_id),
+                self.history,
+                self.health(job_id),
+            )
             try:
                 async with asyncio.TaskGroup() as group:
                     helpers = [  # stopped when the job ends
                         group.create_task(self.assignments.grow(job_id, stages, assigned)),
                         group.create_task(follow_load(self.bus, job_id, trainer.wiring, mb)),
+                        group.create_task(watch.run()),
                     ]
                     if job.rebalance.enabled:
                         moving = rebalance(
@@ -184,6 +221,14 @@ class JobTraining:
             await coordinator.close()
             if routes is not None:
                 routes.close()
+
+    def _step(self, job_id: str) -> int:
+        record = self.store.get(job_id)
+        return record.step if record else 0
+
+    def _message(self, job_id: str) -> str:
+        record = self.store.get(job_id)
+        return record.message if record else ""
 
     async def _save_final(self, job_id: str, step: int, state: dict[str, torch.Tensor]) -> None:
         """Save the final model until it is written. Until then the job is neither done nor

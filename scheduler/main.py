@@ -54,6 +54,7 @@ class SchedulerProcessOptions:
     shutdown_grace_s: float = 5.0  # in-flight job API calls may finish within this
     load_silence_s: float = 10.0  # a serving peer silent this long on the load topic is out
     lost_stage_grace_s: float = 30.0  # an unserved stage of a trained job: wait, then roll back
+    checkpoint_every_s: float | None = 300.0  # checkpoint at least this often (None: by steps)
     keep_finished_jobs: int | None = None  # finished jobs kept (None: all); older ones deleted
 
 
@@ -95,6 +96,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 token=opts.token,
                 load_silence_s=opts.load_silence_s,
                 lost_stage_grace_s=opts.lost_stage_grace_s,
+                checkpoint_every_s=opts.checkpoint_every_s,
                 keep_finished_jobs=opts.keep_finished_jobs,
             )
             scheduler = Scheduler(store, bus, options, registry)

@@ -29,9 +29,12 @@ from scheduler.assignments import Assignments
 from scheduler.collector import collector
 from scheduler.coordinator import LocalCoordinator, gather_model
 from scheduler.coordinator.metrics import CoordinatorFamilies
+from scheduler.history import History
 from scheduler.job_training import JobTraining, final_path, routes_path
 from scheduler.registry import PeerRegistry
 from scheduler.retained import clear_retained
+from scheduler.speed import RecentSpeed
+from scheduler.stalls import Health
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm.bus.connection import BusLike
 from swarm.clock import MonotonicClock
@@ -62,6 +65,9 @@ class SchedulerOptions:
     # A trained job with a stage nobody serves (after a scheduler restart) waits this long for a
     # replica with the trained state, then gives the stage to fresh peers and rolls back.
     lost_stage_grace_s: float = 30.0
+    # Every job is checkpointed at least this often besides its `checkpoint_every` steps: a
+    # stage whose only replica dies costs minutes of training, not the job. None: by steps.
+    checkpoint_every_s: float | None = 300.0
     token: str | None = None  # swarm token for calls to stage servers
     # An ended job's retained announcement and steps stay on the broker this long (peers that
     # were briefly away learn the end, and free themselves), then are cleared; its record stays
@@ -100,6 +106,9 @@ class Scheduler:
             load_silence_s=opts.load_silence_s,
             serve_timeout_s=opts.serve_timeout_s,
         )
+        # Each unfinished job's waiting and warnings (placement's and the running job's watch).
+        self._health: dict[str, Health] = {}
+        self.history = History(store)
         self.assignments = Assignments(
             self.peer_registry,
             bus,
@@ -107,10 +116,11 @@ class Scheduler:
             grace_s=opts.placement_grace_s,
             serve_timeout_s=opts.serve_timeout_s,
             lost_stage_grace_s=opts.lost_stage_grace_s,
+            health=self.health_of,
         )
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        # Both filled by `self._training`: each job's last step's samples/s, its open coordinator.
-        self._speed: dict[str, float] = {}
+        # Both filled by `self._training`: each job's recent speed, its open coordinator.
+        self._speed: dict[str, RecentSpeed] = {}
         self._coordinators: dict[str, LocalCoordinator] = {}
         self._coordinator_metrics = CoordinatorFamilies(self.registry)
         self._moves = Counter(
@@ -127,12 +137,15 @@ class Scheduler:
             checkpoint_dir=opts.checkpoint_dir,
             token=opts.token,
             embedded_trainer=opts.embedded_trainer,
+            checkpoint_every_s=opts.checkpoint_every_s,
             announce=self._announce,
             set_status=self._set,
             coordinator_metrics=self._coordinator_metrics,
             moves=self._moves,
             coordinators=self._coordinators,
             speed=self._speed,
+            history=self.history,
+            health=self.health_of,
         )
         self._group: asyncio.TaskGroup | None = None
         self._user_cancelled: set[str] = set()
@@ -179,6 +192,10 @@ class Scheduler:
 
     def cancelled(self, job_id: str) -> None:
         task = self._tasks.get(job_id)  # kept until it has ended: `delete` waits for that
+        record = self.store.get(job_id)
+        self.history.record(
+            job_id, "state", f"cancelled at step {record.step if record else 0} (swarm cancel)"
+        )
         if task and not task.done():
             self._user_cancelled.add(job_id)
             task.cancel()
@@ -203,7 +220,16 @@ class Scheduler:
         return result
 
     def samples_per_second(self, job_id: str) -> float:
-        return self._speed.get(job_id, 0.0)
+        speed = self._speed.get(job_id)
+        return speed.rate() if speed is not None else 0.0
+
+    def health_of(self, job_id: str) -> Health:
+        """The job's waiting and warnings (kept while it is unfinished)."""
+        return self._health.setdefault(job_id, Health())
+
+    def health(self, job_id: str) -> tuple[float, list[str]]:
+        health = self._health.get(job_id)
+        return (health.waiting_since, list(health.warnings)) if health else (0.0, [])
 
     async def delete(self, job_id: str) -> None:
         record = self.store.get(job_id)
@@ -245,7 +271,9 @@ class Scheduler:
     async def _watch_peers(self) -> None:
         async for _topic, message in self.bus.subscribe(self.bus.topics.peer("+")):
             if isinstance(message, cpb.PeerAnnouncement):
+                old = self.peer_registry.peers.get(message.peer)
                 self.peer_registry.announce(message)
+                self.history.peer(old, message)
                 self.assignments.changed.set()
 
     async def _watch_load(self) -> None:
@@ -285,8 +313,10 @@ class Scheduler:
             return
         if state and state != record.state:
             self.store.set_state(job_id, state, message=message)
+            self.history.record(job_id, "state", _state_change(record, state, message))
         elif message != (record.message or ""):
             self.store.set_message(job_id, message)
+            log.info("job %s: %s", job_id, message)
         await self._announce(job_id)
 
     async def lease(
@@ -369,6 +399,7 @@ class Scheduler:
                 record = self.store.get(job_id)
                 if record is not None and not record.finished:
                     self.store.set_state(job_id, "failed", error=str(e), message="failed")
+                    self.history.record(job_id, "state", f"failed at step {record.step}: {e}")
                 await self._announce(job_id)
         finally:  # this task stays in `_tasks` until it has ended (`_start`)
             self._coordinators.pop(job_id, None)
@@ -385,6 +416,8 @@ class Scheduler:
         nothing here."""
         self._user_cancelled.discard(job_id)
         self._speed.pop(job_id, None)
+        self._health.pop(job_id, None)
+        self.history.forget(job_id)
         self._layers.pop(job_id, None)
         self._expire(job_id)
         if self._group is not None and self.opts.keep_finished_jobs is not None:
@@ -425,6 +458,21 @@ class Scheduler:
         self.snapshot.pop(job_id, None)
         self._coordinator_metrics.remove(job_id)
         self._moves.remove(job_id)
+
+
+def _state_change(record: JobRecord, state: JobState, message: str) -> str:
+    """The event of `record`'s job becoming `state`."""
+    if state == "succeeded":
+        took = time.time() - record.created
+        loss = f"{record.loss:.4f}"
+        return f"succeeded: {record.steps} steps, loss {loss}, {_duration(took)} after submit"
+    return f"{record.state} -> {state}" + (f": {message}" if message else "")
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m{s:02d}s" if hours else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def _remove(directory: Path) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "TERMINAL",
     "UNFINISHED",
+    "EventRow",
     "JobRecord",
     "JobState",
     "JobStore",
@@ -67,6 +68,13 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             time REAL NOT NULL, PRIMARY KEY (job, step)
         )""",
     ),
+    (  # the job's history for operators: joins, leaves and why, stalls, rollbacks, its end
+        """CREATE TABLE events (
+            job TEXT NOT NULL REFERENCES jobs (id), time REAL NOT NULL, kind TEXT NOT NULL,
+            text TEXT NOT NULL
+        )""",
+        "CREATE INDEX events_job ON events (job, time)",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 # A job record's columns: the row, the loss of its step 0 (what `swarm demo` starts from), and
@@ -83,6 +91,12 @@ _LISTED = _COLUMNS.replace(
     "id, name, '' AS spec, base_dir, state, step, steps, loss, error, message, created, updated",
     1,
 )
+
+# Events kept per job: the newest; a job of days with a flapping peer must not grow the store
+# without bound (`swarm status` shows the newest few anyway).
+MAX_EVENTS = 1000
+# An event's text is cut to this (it may quote a peer's own words: an error, its id).
+MAX_EVENT_TEXT = 500
 
 # A listed job's bytes besides its text columns (numbers, field tags), for `page`'s budget.
 _LISTED_OVERHEAD = 128
@@ -116,6 +130,13 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
+class EventRow:
+    time: float  #: unix seconds
+    kind: str  #: join, leave, restart, move, replay, stall, resume, rollback, state, checkpoint
+    text: str  #: for people
+
+
+@dataclass(frozen=True)
 class StepRow:
     job: str
     step: int
@@ -130,6 +151,7 @@ Records = list[JobRecord]
 Ids = list[str]
 Steps = list[StepRow]
 Evals = list[tuple[int, float]]
+Events = list[EventRow]
 
 
 def _loss(value: float | None) -> float:
@@ -292,7 +314,12 @@ class JobStore:
         if not job.finished:
             raise FailedPrecondition(f"job {job_id!r} is {job.state}; cancel it first")
         with self._tx():
-            for table, key in (("evals", "job"), ("steps", "job"), ("jobs", "id")):
+            for table, key in (
+                ("events", "job"),
+                ("evals", "job"),
+                ("steps", "job"),
+                ("jobs", "id"),
+            ):
                 self._db.execute(f"DELETE FROM {table} WHERE {key} = ?", (job_id,))
         self._kept.pop(job_id, None)
 
@@ -377,6 +404,41 @@ class JobStore:
                 f"evaluation at step {step} of job {job_id!r} not recorded in "
                 f"{str(self.path)!r} ({e})"
             ) from e
+
+    # -- events -------------------------------------------------------------------------------
+    def record_event(self, job_id: str, kind: str, text: str) -> None:
+        """Add to the job's history (keeping its newest `MAX_EVENTS`). A write that fails (a
+        full disk) raises `StoreError`: the history is for people, training goes on."""
+        try:
+            with self._tx():
+                self._db.execute(
+                    "INSERT INTO events VALUES (?, ?, ?, ?)",
+                    (job_id, self._clock(), kind, text[:MAX_EVENT_TEXT]),
+                )
+                self._db.execute(
+                    "DELETE FROM events WHERE job = ? AND rowid <= (SELECT rowid FROM events"
+                    " WHERE job = ? ORDER BY rowid DESC LIMIT 1 OFFSET ?)",
+                    (job_id, job_id, MAX_EVENTS),
+                )
+        except sqlite3.Error as e:
+            raise StoreError(f"event of job {job_id!r} not recorded ({e}): {text}") from e
+
+    def events(self, job_id: str, newest: int = MAX_EVENTS) -> Events:
+        """The job's newest `newest` events, oldest first."""
+        rows = self._db.execute(
+            "SELECT time, kind, text FROM (SELECT rowid, * FROM events WHERE job = ?"
+            " ORDER BY rowid DESC LIMIT ?) ORDER BY rowid",
+            (job_id, newest),
+        )
+        return [EventRow(r["time"], r["kind"], r["text"]) for r in rows]
+
+    def mean_speed(self, job_id: str) -> float:
+        """The job's samples per second over its recorded steps (0 before the first)."""
+        row = self._db.execute(
+            "SELECT SUM(samples) AS samples, SUM(seconds) AS seconds FROM steps WHERE job = ?",
+            (job_id,),
+        ).fetchone()
+        return row["samples"] / row["seconds"] if row["seconds"] else 0.0
 
     def evals(self, job_id: str) -> Evals:
         """The job's evaluations in order: (step, validation loss)."""

@@ -3,6 +3,10 @@ stages of each job offered, takes the stage the scheduler assigns, builds it and
 
 Bus traffic in, bus traffic out; compute (measuring, building a stage) runs on the replica's worker
 thread so the event loop keeps answering health checks and the bus keepalive meanwhile.
+
+What the peer becomes is logged here at INFO, once per change (measured, assigned, moving, serving,
+released, stopped), and shown at the default level (stage_server/cli.py); `swarm_peer_info` says
+what it does now.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from grpc_health.v1 import health_pb2
 
 from stage_server.identity import PeerIdentity, persistent_peer_id
 from stage_server.measure import cache_path, measure_job
+from stage_server.metrics import StageMetrics
 from stage_server.runtime import StageRuntime
 from stage_server.server import (
     SERVICE_NAME,
@@ -36,6 +41,7 @@ from swarm.clock import Clock, MonotonicClock
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, RuntimeConfig, parse_job
 from swarm.job.states import TERMINAL_PROTO
+from swarm.model.transformer import layer_costs, partition
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.proto import control_pb2 as cpb
 
@@ -66,6 +72,12 @@ REFUSED_RETRY_S = 600.0
 MAX_CLOCK_SKEW_S = 300.0
 """How many finished jobs a peer remembers (to ignore their assignments quietly)."""
 _ACTIVE = (cpb.JOB_STATE_PLACING, cpb.JOB_STATE_RUNNING)
+_ENDED_WHY = {
+    cpb.JOB_STATE_SUCCEEDED: "it succeeded",
+    cpb.JOB_STATE_FAILED: "it failed",
+    cpb.JOB_STATE_CANCELLED: "it was cancelled",
+    cpb.JOB_STATE_QUEUED: "it was queued again",
+}
 _ENDED = TERMINAL_PROTO
 
 
@@ -80,7 +92,9 @@ class PeerAgent:
         throttle: float = 1.0,
         metrics_address: str = "",
         clock: Clock | None = None,
+        metrics: StageMetrics | None = None,
     ) -> None:
+        """`metrics`: whose `swarm_peer_info` follows what this peer does (None: none)."""
         self.running, self.bus, self.peer = running, bus, peer
         self.clock = clock or MonotonicClock()
         self.device, self.throttle, self.metrics_address = device, throttle, metrics_address
@@ -88,6 +102,8 @@ class PeerAgent:
         self.stage: int | None = None
         self.state = cpb.PEER_STATE_JOINING
         self.speeds: dict[int, float] = {}
+        self.metrics = metrics
+        self._building: tuple[str, int] | None = None  # the (job, stage) being built, if any
         self._jobs: dict[str, JobConfig] = {}
         # The latest jobs announced finished (assignments to them are moot); a bounded memory:
         # the scheduler clears an ended job's retained assignments, and one to a job this peer
@@ -115,7 +131,27 @@ class PeerAgent:
             msg.stage = self.stage
         return msg
 
+    def activity(self) -> tuple[str, str, int | None]:
+        """What this peer does now, for operators: (state, job, stage). Finer than the announced
+        state, whose JOINING covers idle (no job), measuring and waiting (measured, no stage
+        yet): to the scheduler these are one, to an operator they are not."""
+        if self.state == cpb.PEER_STATE_OFFLINE:
+            return "offline", "", None
+        if self._building is not None:  # the stage it will serve
+            job, stage = self._building
+            return ("moving" if self.state == cpb.PEER_STATE_DRAINING else "building"), job, stage
+        if self.state == cpb.PEER_STATE_SERVING:
+            return "serving", self.job_id, self.stage
+        if not self.job_id:
+            return "idle", "", None
+        return ("waiting" if self.speeds else "measuring"), self.job_id, None
+
+    def _show(self) -> None:
+        if self.metrics is not None:
+            self.metrics.became(*self.activity())
+
     async def announce(self) -> None:
+        self._show()
         await self.bus.publish(self.bus.topics.peer(self.peer), self.announcement(), retain=True)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -132,8 +168,15 @@ class PeerAgent:
             await stop.wait()
             for task in tasks:
                 task.cancel()
+        state, job, stage = self.activity()
+        doing = (
+            state
+            + (f" stage {stage}" if stage is not None else "")
+            + (f" of job {job}" if job else "")
+        )
         self.state, self.stage = cpb.PEER_STATE_OFFLINE, None
         await self.announce()
+        log.info("%s: stopped (SIGTERM or SIGINT) while %s; announced offline", self.peer, doing)
 
     async def _report_load(self) -> None:
         """While serving, publish queue depth and seconds/sample for the trainers' wiring."""
@@ -211,6 +254,7 @@ class PeerAgent:
             if config is None:
                 return
             self.job_id = job.job
+            self._show()  # measuring
             try:
                 self.speeds = await self._compute(
                     measure_job, config, check_device(self.device), self.throttle
@@ -219,14 +263,16 @@ class PeerAgent:
                 await self._refuse(job, e)
                 return
             log.info(
-                "%s: measured for job %s: %s",
+                "%s: measured for job %s: samples/s per stage %s; waiting for a stage",
                 self.peer,
                 job.job,
                 {k: round(v, 1) for k, v in self.speeds.items()},
             )
             await self.announce()
         elif job.job == self.job_id and job.state not in _ACTIVE and job.state:
-            log.info("%s: job %s ended; free for another", self.peer, job.job)
+            held = f"stage {self.stage} of job" if self.stage is not None else "(no stage) by job"
+            why = _ENDED_WHY.get(job.state, "it ended")
+            log.info("%s: released %s %s: %s; free for another", self.peer, held, job.job, why)
             self.running.servicer.release()
             self._jobs.pop(job.job, None)
             self.job_id, self.stage, self.speeds = "", None, {}
@@ -288,15 +334,37 @@ class PeerAgent:
         self._generation = assignment.generation
         if (self.job_id, self.stage) == (assignment.job, assignment.stage):
             return
-        log.info("%s: assigned stage %d of job %s", self.peer, assignment.stage, assignment.job)
-        if self.state == cpb.PEER_STATE_SERVING:  # a move: stop taking work for the old stage
-            self.state = cpb.PEER_STATE_DRAINING
-            await self.announce()
-        runtime = await self._compute(
-            StageRuntime, config, assignment.stage, check_device(self.device)
-        )
+        layers = _layers(config, assignment.stage)
+        self._building = (assignment.job, assignment.stage)
+        try:
+            if self.state == cpb.PEER_STATE_SERVING:  # a move: stop taking work for the old stage
+                log.info(
+                    "%s: moving from stage %s to stage %d of job %s (%s)",
+                    self.peer,
+                    self.stage,
+                    assignment.stage,
+                    assignment.job,
+                    layers,
+                )
+                self.state = cpb.PEER_STATE_DRAINING
+                await self.announce()
+            else:
+                log.info(
+                    "%s: assigned stage %d of job %s (%s); building it",
+                    self.peer,
+                    assignment.stage,
+                    assignment.job,
+                    layers,
+                )
+                self._show()  # building
+            runtime = await self._compute(
+                StageRuntime, config, assignment.stage, check_device(self.device)
+            )
+        finally:
+            self._building = None
         if assignment.job in self._ended:  # it ended while the stage was being built
             log.info("%s: job %s ended; not serving its stage", self.peer, assignment.job)
+            self._show()
             return
         self.running.servicer.throttle = self.throttle * stage_slowdown(assignment.stage)
         self.running.servicer.serve(runtime, assignment.job)
@@ -304,6 +372,17 @@ class PeerAgent:
         self.job_id, self.stage = assignment.job, assignment.stage
         self.state = cpb.PEER_STATE_SERVING
         await self.announce()
+        log.info("%s: serving stage %d of job %s", self.peer, self.stage, self.job_id)
+
+
+def _layers(config: JobConfig, stage: int) -> str:
+    """The model layers stage `stage` of `config` holds, as a log line names them."""
+    costs = layer_costs(config.model)
+    layers = partition(costs, config.training.stages)[stage]
+    if not layers:
+        return f"none of {len(costs)} layers"
+    held = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}..{layers[-1]}"
+    return f"{held} of {len(costs)}"
 
 
 def _spec_hash(job: cpb.JobAnnouncement) -> str:
@@ -351,6 +430,7 @@ async def run_peer(
                 device=opts.device,
                 throttle=throttle,
                 metrics_address=metrics,
+                metrics=running.servicer.metrics,
             )
             stop = asyncio.Event()
             install_signal_handlers(stop)

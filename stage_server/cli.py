@@ -12,8 +12,13 @@ from stage_server.limits import PeerLimits, flag_name
 from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_metrics_token, add_token, metrics_token, token
 from swarm.net.tls import add_tls_flags
+from swarm.ops.logs import show_at_default
 
-__all__ = ["add_arguments", "peer_limits", "run"]
+__all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lifecycle"]
+
+LIFECYCLE_LOGGERS = ("stage_server.agent", "stage_server.server")
+"""Whose INFO lines say what the server becomes, once each (measured, assigned stage K of job J,
+serving, moving, released and why, stopped): shown at the default level too."""
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
@@ -44,7 +49,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "address other machines dial to reach this server (default: --host; required with "
         "--host 0.0.0.0, e.g. behind NAT or in a container)",
     )
-    add_flag(p, "port", 0, "gRPC port (0: any free port)", type=int)
+    add_flag(p, "port", 0, "gRPC port (0: any free port)", env="stage-server-port", type=int)
     add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
     add_metrics_token(p)
     add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
@@ -64,12 +69,19 @@ def peer_limits(args: argparse.Namespace) -> PeerLimits:
     return PeerLimits(**{f.name: getattr(args, f.name) for f in fields(PeerLimits)})
 
 
+def show_lifecycle() -> None:
+    """At the default level an operator still sees what this server becomes: the INFO lines
+    of `LIFECYCLE_LOGGERS`. Per-step lines are DEBUG."""
+    show_at_default(LIFECYCLE_LOGGERS)
+
+
 def run(command: str, args: argparse.Namespace) -> int:
     # Imported here: `swarm stage-server --help` needs only the flags, not torch and gRPC.
     from stage_server.agent import run_peer
     from stage_server.server import StageServerOptions, run_stage_server
     from swarm.job.config import load_job
 
+    show_lifecycle()
     opts = StageServerOptions(
         stage=args.stage if args.stage is not None else -1,
         host=args.host,

@@ -158,7 +158,7 @@ class Committer:
             already = await self._worker.run(self._apply, rt, c, norm)
             self.feedback.applied(c.job, c.stage, step)
             if not already:
-                log.info("%s: stage %d committed step %d", self.peer, c.stage, step)
+                log.debug("%s: stage %d committed step %d", self.peer, c.stage, step)
             self.metrics.committed(rt.step, applied=not already)
         return Committed(rt.step, already, sq_norm)
 
@@ -177,7 +177,7 @@ class Committer:
             already = await self._worker.run(rt.apply_round, boundary)
             self.feedback.applied(c.job, c.stage, boundary)
             if not already:
-                log.info("%s: stage %d ended a round at step %d", self.peer, c.stage, boundary)
+                log.debug("%s: stage %d ended a round at step %d", self.peer, c.stage, boundary)
         return Committed(rt.step, already)
 
     async def _part(

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from swarm.ops.metrics import LABELS, LATENCY_BUCKETS
 
-__all__ = ["StageMetrics"]
+__all__ = ["PEER_FACTS", "StageMetrics"]
+
+PEER_FACTS = ("state", "job", "stage")
+"""The labels of `swarm_peer_info` besides `peer`: what the peer does now."""
 
 
 class StageMetrics:
@@ -16,6 +23,7 @@ class StageMetrics:
     def __init__(self, peer: str, registry: CollectorRegistry | None = None) -> None:
         reg = self.registry = registry or CollectorRegistry()
         self.values = {"job": "", "stage": "", "peer": peer}
+        self.facts = ("idle", "", "")  # state, job, stage: what `swarm_peer_info` says
 
         def counter(name: str, doc: str, *extra: str) -> Counter:
             return Counter(name, doc, [*LABELS, *extra], registry=reg)
@@ -70,19 +78,25 @@ class StageMetrics:
             "swarm_stage_averaging_bytes_received_total",
             "Gradient bytes received from the pool while averaging",
         )
-        # 1 from the start, labelled with the peer id: an idle peer (no job yet, so no other
-        # series) is still seen by whoever scrapes it.
-        self._info = Gauge("swarm_peer_info", "This stage server (1)", ["peer"], registry=reg)
-        self.identify(peer)
+        reg.register(_PeerInfo(self))
 
     def identify(self, peer: str) -> None:
         """The peer id is `peer` (known once the server listens: it may default to its address)."""
-        self._info.clear()
-        self._info.labels(peer=peer).set(1)
         self.values = {**self.values, "peer": peer}
 
     def bind(self, job: str, stage: int) -> None:
+        """Serving `stage` of `job` from now on: the labels of the series to come."""
         self.values = {**self.values, "job": job, "stage": str(stage)}
+        self.became("serving", job, stage)
+
+    def became(self, state: str, job: str = "", stage: int | None = None) -> None:
+        """`swarm_peer_info` says the peer is in `state` (idle, measuring, waiting, building,
+        serving, moving, offline) for `job` and `stage` ("" for none)."""
+        self.facts = (state, job, "" if stage is None else str(stage))
+
+    def info(self) -> dict[str, str]:
+        """The labels of the one `swarm_peer_info` series now."""
+        return {"peer": self.values["peer"], **dict(zip(PEER_FACTS, self.facts, strict=True))}
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         self._requests.labels(**self.values, method=method, code=code).inc()
@@ -118,3 +132,23 @@ class StageMetrics:
 
     def queue(self, delta: int) -> None:
         self._queue.labels(**self.values).inc(delta)
+
+
+class _PeerInfo(Collector):
+    """`swarm_peer_info`: 1 from the start, so an idle peer (no job yet, no other series) is seen
+    too. What the peer does now is in its labels, not in Prometheus's target labels (where each
+    change starts a new series of every metric); read whole at each scrape, it is always exactly
+    one series, so `sum by (peer)` never counts a peer twice nor misses it."""
+
+    def __init__(self, metrics: StageMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = self.metrics.info()
+        family = GaugeMetricFamily(
+            "swarm_peer_info",
+            "This stage server (1): what it does now (state), for which job and stage",
+            labels=list(labels),
+        )
+        family.add_metric(list(labels.values()), 1)
+        yield family

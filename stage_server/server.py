@@ -206,6 +206,10 @@ async def run_stage_server(job: JobConfig, opts: StageServerOptions, throttle: f
         host=socket.gethostname(),
     )
     await stop.wait()
-    log.info("stage %d: shutting down (grace %.0fs)", opts.stage, opts.shutdown_grace_s)
+    log.info(
+        "stage %d: stopped (SIGTERM or SIGINT); calls in flight may finish within %.0f s",
+        opts.stage,
+        opts.shutdown_grace_s,
+    )
     await running.stop()
     sys.stdout.flush()

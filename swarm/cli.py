@@ -10,7 +10,7 @@ import sys
 from typing import Protocol, cast
 
 from swarm.errors import SwarmError
-from swarm.flags import env_default
+from swarm.flags import HelpFormatter, env_default
 
 __all__ = ["COMMANDS", "CommandModule", "build_parser", "main", "parse"]
 
@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "scheduler": ("scheduler.cli", "run the scheduler: job API, placement, trainers"),
     "broker": ("swarm.commands", "run the embedded MQTT broker (amqtt)"),
+    "broker-config": (
+        "swarm.bus.broker_config",
+        "write Mosquitto's configuration, password file and ACL for a swarm's peers",
+    ),
     "prepare-data": (
         "swarm.commands",
         'tokenize text files into a token file, the data of a [data] kind = "tokens" job',
@@ -72,7 +76,7 @@ def load(command: str) -> CommandModule:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every command with its help; only `command`'s flags (its module is imported for them).
     With no `command`, the subparsers take no flags and no `--help` of their own."""
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter  # each flag's default, shown once
     parser = argparse.ArgumentParser(prog="swarm", description=__doc__, formatter_class=fmt)
     parser.add_argument(
         "--log-level",

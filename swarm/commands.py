@@ -82,7 +82,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
     elif command == "broker":
         add_flag(p, "host", "127.0.0.1", "address to listen on")
-        add_flag(p, "port", 1883, "port", type=int)
+        add_flag(p, "port", 1883, "port to listen on", env="broker-port", type=int)
         add_token(p)
         add_login_flags(p)
         add_tls_flags(p)

@@ -108,11 +108,14 @@ class LocalCoordinator:
         connect: ReplicaFactory | None = None,
         clock: Clock | None = None,
         on_route: Callable[[Record], None] | None = None,
+        checkpoint_every_s: float | None = None,
     ) -> None:
         """`members()`: per stage, the replicas serving it now (from the peer registry).
         `on_status(text)`: something `swarm status` should say (a replica left out of its pool).
         `connect` and `clock` are for tests: replicas other than gRPC ones, time that is told.
-        `on_route(record)`: pool.mode = "local"'s route record (`swarm.model.routes`)."""
+        `on_route(record)`: pool.mode = "local"'s route record (`swarm.model.routes`).
+        `checkpoint_every_s`: checkpoint at least this often besides every `checkpoint_every`
+        steps (with `checkpoint_dir`)."""
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
         self.on_step, self.on_rollback, self.on_status = on_step, on_rollback, on_status
@@ -146,7 +149,7 @@ class LocalCoordinator:
         self.two_phase = TwoPhaseCommit(
             self.clients, self.membership, self.metrics, job.training.grad_clip, self.rounds
         )
-        self.recovery = Recovery(job, self.clients, checkpoint_dir)
+        self.recovery = Recovery(job, self.clients, checkpoint_dir, checkpoint_every_s, self.clock)
         self._rollback: asyncio.Task[None] | None = None
         # A rollback that could not finish (a stage's replica failed to load) is tried again
         # from leases, no sooner than this backoff allows.

@@ -1,5 +1,7 @@
-"""Checkpoints and rollback: every `checkpoint_every` steps each stage's state is saved from one
-member and the checkpoint sealed, and the sealed ones but the newest `keep_checkpoints` deleted;
+"""Checkpoints and rollback: every `checkpoint_every` steps (and, given `every_s`, at the first step
+boundary after that long without one, so that a rollback costs minutes, not the job: a stage can
+lose its only replica at any time) each stage's state is saved from one member and the checkpoint
+sealed, and the sealed ones but the newest `keep_checkpoints` deleted;
 when a stage has lost every replica, every stage goes back to the last sealed checkpoint (or to
 step 0's initial state when there is none)."""
 
@@ -14,9 +16,11 @@ from typing import Any, TypeVar
 import torch
 
 from scheduler.coordinator.replicas import ReplicaClients
+from swarm.clock import Clock, MonotonicClock
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
 from swarm.model import checkpoint, stage_state
+from swarm.model.optim import is_boundary
 from swarm.rpc.lease import Replica
 
 __all__ = ["Recovery", "settled", "to_thread_to_the_end"]
@@ -54,13 +58,25 @@ async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
 
 
 class Recovery:
-    def __init__(self, job: JobConfig, clients: ReplicaClients, directory: Path | None) -> None:
+    def __init__(
+        self,
+        job: JobConfig,
+        clients: ReplicaClients,
+        directory: Path | None,
+        every_s: float | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        """`every_s`: checkpoint at least this often (seconds of `clock`) besides every
+        `checkpoint_every` steps; None: by steps only."""
         self.job, self.clients, self.directory = job, clients, directory
+        self.every_s, self.clock = every_s, clock or MonotonicClock()
+        self._last_at = self.clock.now()  # the last checkpoint started (or training did)
         self._saving: asyncio.Task[None] | None = None  # the checkpoint being written
 
     def checkpoint(self, step: int, members: list[list[Replica]]) -> None:
         """Write the checkpoint of `step` in the background while the next steps train; skipped
         (with a warning) while the one before is still being written, so training never waits."""
+        self._last_at = self.clock.now()
         if self._saving is not None and not self._saving.done():
             log.warning("checkpoint of step %d skipped: the one before is still written", step)
             return
@@ -91,9 +107,17 @@ class Recovery:
             self._saving.exception()  # retrieved (the task logs what it must)
 
     def due(self, step: int) -> bool:
-        """Whether the state at `step` (just reached) is to be checkpointed."""
+        """Whether the state at `step` (just reached) is to be checkpointed: every
+        `checkpoint_every` steps, or once `every_s` have passed since the last one (with
+        pool.mode = "local", only where a round starts: replicas share parameters only there)."""
+        if not self.directory:
+            return False
         every = self.job.training.checkpoint_every
-        return bool(self.directory and every and step % every == 0)
+        if every and step % every == 0:
+            return True
+        if self.every_s is None or self.clock.now() - self._last_at < self.every_s:
+            return False
+        return self.job.pool.mode != "local" or is_boundary(self.job, step)
 
     async def save(self, step: int, members: list[list[Replica]]) -> None:
         """Save every stage's state at `step` (from one member each), then seal it. A write

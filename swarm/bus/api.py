@@ -14,15 +14,30 @@ from google.protobuf.message import Message
 from swarm.bus.topics import BusError, Topics
 from swarm.errors import ConfigError
 
-__all__ = ["BusAuthError", "BusLike", "BusNotConnected", "BusSettings"]
+__all__ = [
+    "BusAuthError",
+    "BusLike",
+    "BusNotConnected",
+    "BusRefused",
+    "BusSettings",
+    "BusTlsMismatch",
+]
 
 
 class BusNotConnected(BusError):
     """No connection to the broker within the timeout, or the bus is closed."""
 
 
-class BusAuthError(BusError):
-    """The broker refused the credentials (token); reconnecting will not help."""
+class BusRefused(BusError):
+    """The broker will not take this client as it is set up; reconnecting will not help."""
+
+
+class BusAuthError(BusRefused):
+    """The broker refused the login: the user, or its password (the token)."""
+
+
+class BusTlsMismatch(BusRefused):
+    """TLS on one side only: the URL says mqtt:// to a TLS broker, or mqtts:// to a clear one."""
 
 
 class BusLike(Protocol):

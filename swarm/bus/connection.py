@@ -19,7 +19,14 @@ import aiomqtt
 from google.protobuf.message import Message
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from swarm.bus.api import BusAuthError, BusLike, BusNotConnected, BusSettings
+from swarm.bus.api import (
+    BusAuthError,
+    BusLike,
+    BusNotConnected,
+    BusRefused,
+    BusSettings,
+    BusTlsMismatch,
+)
 from swarm.bus.link import Dialer, Link
 from swarm.bus.subscriptions import Subscription, Subscriptions
 from swarm.bus.topics import (
@@ -33,7 +40,16 @@ from swarm.bus.topics import (
 from swarm.errors import ConfigError
 from swarm.policy.backoff import Backoff
 
-__all__ = ["Bus", "BusAuthError", "BusLike", "BusNotConnected", "BusSettings", "Subscription"]
+__all__ = [
+    "Bus",
+    "BusAuthError",
+    "BusLike",
+    "BusNotConnected",
+    "BusRefused",
+    "BusSettings",
+    "BusTlsMismatch",
+    "Subscription",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +94,9 @@ class Bus:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self._fatal: BusAuthError | None = None
+        self._fatal: BusRefused | None = None
         self._last_error = "not tried yet"
+        self._waits: list[float] = []  # when each pending `wait_connected` gives up
 
     @property
     def topics(self) -> Topics:
@@ -127,8 +144,15 @@ class Bus:
         self._subs.end_all(self._fatal)
 
     async def wait_connected(self, timeout: float) -> None:
-        """Return once connected; else `BusAuthError` (credentials refused) or `BusNotConnected`."""
-        if await self._wait_ready(timeout):
+        """Return once connected; else `BusRefused` (the login refused, TLS on one side only)
+        or `BusNotConnected`. Meanwhile every failed attempt is logged, with the next."""
+        give_up = asyncio.get_running_loop().time() + timeout
+        self._waits.append(give_up)
+        try:
+            ready = await self._wait_ready(timeout)
+        finally:
+            self._waits.remove(give_up)
+        if ready:
             return
         if self._fatal is not None:
             raise self._fatal
@@ -251,21 +275,21 @@ class Bus:
     async def _run(self) -> None:
         # Jitter keeps a swarm of peers from reconnecting to a restarted broker in lockstep.
         backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
+        attempts = 0  # failed in a row
         try:
             while not self._stop.is_set():
                 try:
                     client = await self._dialer.connect()
-                except BusAuthError as exc:
+                except BusRefused as exc:
                     self._fatal = exc
                     log.error("%s", exc)
                     return
                 except Exception as exc:
                     self._last_error = str(exc) or type(exc).__name__
-                    log.debug(
-                        "bus %s: cannot connect to %s: %s", self.client_id, self.address.url, exc
-                    )
+                    attempts += 1
                 else:
                     backoff.reset()
+                    attempts = 0
                     try:
                         await self._serve(client)
                     except Exception as exc:
@@ -281,13 +305,44 @@ class Bus:
                             await client.__aexit__(None, None, None)
                 if self._stop.is_set():
                     break
+                delay = backoff.next()
+                if attempts:
+                    self._log_attempt(attempts, delay)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), backoff.next())
+                    await asyncio.wait_for(self._stop.wait(), delay)
         finally:
             self._ready.clear()
             self._done.set()
             if self._fatal is not None:
                 self._subs.end_all(self._fatal)
+
+    def _log_attempt(self, attempts: int, delay: float) -> None:
+        """A failed attempt to connect: a warning each time while someone waits for the
+        connection (a process starting: silence would read as a hang); reconnecting in the
+        background (announced by its "connection lost" warning), at attempts 1, 2, 4, 8, ..."""
+        if not self._waits:
+            level = logging.WARNING if attempts & (attempts - 1) == 0 else logging.DEBUG
+            log.log(
+                level,
+                "bus %s: cannot connect to %s (%s): attempt %d failed, next in %.1f s",
+                self.client_id,
+                self.address.url,
+                self._last_error,
+                attempts,
+                delay,
+            )
+            return
+        left = min(self._waits) - asyncio.get_running_loop().time()
+        log.warning(
+            "bus %s: the broker at %s does not answer (%s): attempt %d failed, next in %.1f s; "
+            "giving up in %.0f s",
+            self.client_id,
+            self.address.url,
+            self._last_error,
+            attempts,
+            delay,
+            max(left, 0.0),
+        )
 
     async def _serve(self, client: aiomqtt.Client) -> None:
         """Restore state on a fresh connection and dispatch messages until it fails or we stop."""

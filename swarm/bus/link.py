@@ -16,14 +16,17 @@ import aiomqtt
 from aiomqtt.exceptions import MqttConnectError
 from google.protobuf.message import Message
 
-from swarm.bus.api import BusAuthError, BusSettings
+from swarm.bus.api import BusAuthError, BusRefused, BusSettings, BusTlsMismatch
 from swarm.bus.topics import BrokerAddress, check_topic
 from swarm.net import tls as swarm_tls
+from swarm.net.tls_mismatch import PROBE_TIMEOUT_S, Speaks, explain_verify, probe
 
 __all__ = ["Dialer", "Link"]
 
-# CONNACK refusals that retrying cannot fix (MQTT 3.1.1 codes and paho's MQTT 5 equivalents).
+# CONNACK refusals that retrying cannot fix (MQTT 3.1.1 codes and paho's MQTT 5 equivalents):
+# a bad user name or password (4, 134), or not authorised (5, 135).
 _AUTH_REFUSALS = {4, 5, 134, 135}
+_BAD_PASSWORD = {4, 134}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,24 +74,98 @@ class Dialer:
         return cls(address, client_id, settings, login, password, last_will, tls)
 
     async def connect(self) -> aiomqtt.Client:
-        """A connected client; `BusAuthError` when the broker refused the credentials (final),
-        else the error (worth retrying)."""
+        """A connected client; `BusRefused` when retrying cannot help (the broker refused the
+        login: `BusAuthError`; TLS on one side only: `BusTlsMismatch`; a certificate refused by
+        either side), else the error."""
         client = self.client()
         try:
             await client.__aenter__()
+            return client
         except Exception as exc:
             rc = getattr(exc, "rc", None)
-            if isinstance(exc, MqttConnectError) and getattr(rc, "value", rc) in _AUTH_REFUSALS:
-                raise BusAuthError(
-                    f"bus {self.client_id}: {self.address.url} refused the credentials "
-                    f"({exc}); check the token, or the password in the broker URL"
-                ) from exc
+            code = getattr(rc, "value", rc)
+            if isinstance(exc, MqttConnectError) and code in _AUTH_REFUSALS:
+                raise BusAuthError(self._refusal(code, exc)) from exc
             # aiomqtt leaves the socket open when the CONNACK never came; close it so the late
             # CONNACK cannot revive a zombie session under our client id.
             with contextlib.suppress(Exception):
                 client._client.disconnect()
-            raise
-        return client
+            failure = exc
+        # The error (kept by the bus, logged) must not hold paho's: its traceback's frames hold
+        # the TLS socket of a failed handshake, which paho never closes. So it is raised out of
+        # the handler, with paho's error dropped.
+        final = await self._final(str(failure))
+        if final is not None:
+            del failure
+            raise final
+        raise failure
+
+    def _refusal(self, code: int, exc: Exception) -> str:
+        """Why the broker refused the login, and what to check."""
+        who = f"bus {self.client_id}: {self.address.url}"
+        if self.username is None:
+            return (
+                f"{who} refused a login without user and password ({exc}): give the swarm "
+                "token (--token, SWARM_TOKEN), or a user and password in the broker URL"
+            )
+        if code in _BAD_PASSWORD:
+            return (
+                f"{who} refused user {self.username!r}: bad user name or password ({exc}); "
+                "check the token (--token, SWARM_TOKEN), or the password in the broker URL"
+            )
+        # Mosquitto answers "not authorised" both for a user its password file lacks and for
+        # a wrong password: name both.
+        return (
+            f"{who} refused user {self.username!r}: not authorised ({exc}). Either the broker "
+            f"does not know {self.username!r} (a peer logs in as its peer id, --peer; "
+            "Mosquitto's password file needs every one: `swarm broker-config --peers ID,...` "
+            "writes it), or its password there is not the token (--token, SWARM_TOKEN) or the "
+            "password in the broker URL"
+        )
+
+    async def _final(self, error: str) -> BusRefused | None:
+        """The refusal a failed connect means, when retrying cannot help: a certificate that
+        does not verify, TLS on one side only (a clear-text CONNECT to a TLS port is reset and
+        waits out the CONNACK, a TLS handshake with a clear-text port is reset: the port is asked
+        which it speaks), or a client certificate missing where the broker requires one."""
+        who = f"bus {self.client_id}"
+        host, port, identity = self.address.host, self.address.port, swarm_tls.current()
+        at = f"the broker at {self.address.url}"
+        if self.address.tls and (unverified := explain_verify(error, at, identity)):
+            return BusRefused(f"{who}: {unverified}")
+        timeout = min(PROBE_TIMEOUT_S, self.settings.operation_timeout_s)
+        speaks = await asyncio.to_thread(probe, host, port, timeout)
+        bracketed = f"[{host}]" if ":" in host else host
+        if not self.address.tls and speaks in (Speaks.TLS, Speaks.TLS_CLIENT_CERT):
+            return BusTlsMismatch(
+                f"{who}: {at} speaks TLS: use mqtts://{bracketed}:{port}, keeping any "
+                "user:password@ (and --tls-ca when its certificate is the swarm CA's"
+                + (
+                    "; --tls-cert and --tls-key: it requires a client certificate)"
+                    if speaks is Speaks.TLS_CLIENT_CERT
+                    else ")"
+                )
+            )
+        if self.address.tls and speaks is Speaks.PLAIN:
+            return BusTlsMismatch(
+                f"{who}: {at} does not speak TLS: use mqtt://{bracketed}:{port}, or give the "
+                "broker a TLS listener"
+            )
+        if not self.address.tls or speaks is not Speaks.TLS_CLIENT_CERT:
+            return None
+        # Under TLS 1.3 the broker refuses a client certificate after the handshake: paho logs
+        # the alert, and the connect just times out.
+        if identity is None or identity.cert is None:
+            return BusRefused(
+                f"{who}: TLS refused: {at} requires a client certificate: give --tls-cert and "
+                "--tls-key with one the swarm's CA issued (`swarm certs issue NAME`)"
+            )
+        if "alert" in error.lower():
+            return BusRefused(
+                f"{who}: TLS refused: {at} refused this process's certificate (--tls-cert "
+                f"{identity.cert_path}): expired, or not from the CA it trusts"
+            )
+        return None
 
     def client(self) -> aiomqtt.Client:
         return aiomqtt.Client(

@@ -18,6 +18,7 @@ import torch
 
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, ModelConfig, OptimizerConfig, TrainingConfig
+from swarm.model.hf import WEIGHTS
 from swarm.model.transformer import StageModule, build_model
 
 __all__ = ["Codec", "from_hf", "generate", "load_hf", "text_codec"]
@@ -26,7 +27,18 @@ __all__ = ["Codec", "from_hf", "generate", "load_hf", "text_codec"]
 def from_hf(directory: str | Path) -> ModelConfig:
     """The swarm architecture a checkpoint's `config.json` describes (the inverse of
     `swarm.model.hf.hf_config`); another model family is refused by name."""
-    path = Path(directory) / "config.json"
+    directory = Path(directory)
+    path = directory / "config.json"
+    if not path.is_file():
+        # A state_dict file (`swarm export` without --format hf) is the usual mistake.
+        what = "is a file" if directory.is_file() else "holds no config.json"
+        if not directory.exists():
+            what = "does not exist"
+        raise ConfigError(
+            f"{directory} {what}: give a Hugging Face checkpoint directory (config.json, "
+            f"{WEIGHTS}), as `swarm export JOB --format hf --out DIR` or `swarm local JOB.toml "
+            "--format hf --out DIR` writes"
+        )
     try:
         c = json.loads(path.read_text())
     except (OSError, ValueError) as e:

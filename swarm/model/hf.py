@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -154,10 +154,14 @@ def write_hf(
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     stored = next(iter(tensors.values())).dtype
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    # The user's files, with the user's modes (the umask's), as `torch.save` writes a file:
+    # not mkdtemp's 0700, nor the 0600 safetensors gives its file.
+    tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    tmp.mkdir()
     try:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(hf_config(cfg, stored), indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        shutil.copymode(tmp / CONFIG, tmp / WEIGHTS)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)

@@ -35,7 +35,7 @@ class StageStatus(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir", "first_loss", "val_loss", "val_step")
+    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir", "first_loss", "val_loss", "val_step", "waiting_since", "warnings", "events")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,9 @@ class JobStatus(_message.Message):
     FIRST_LOSS_FIELD_NUMBER: _ClassVar[int]
     VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     VAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SINCE_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     state: _control_pb2.JobState
@@ -70,7 +73,20 @@ class JobStatus(_message.Message):
     first_loss: float
     val_loss: float
     val_step: int
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ..., first_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., val_step: _Optional[int] = ...) -> None: ...
+    waiting_since: float
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    events: _containers.RepeatedCompositeFieldContainer[JobEvent]
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ..., first_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., val_step: _Optional[int] = ..., waiting_since: _Optional[float] = ..., warnings: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("time", "kind", "text")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    kind: str
+    text: str
+    def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class SchedulerSubmitJobRequest(_message.Message):
     __slots__ = ("spec", "base_dir")

@@ -74,6 +74,8 @@ async def test_submit_wait(
     captured = capsys.readouterr()
     assert captured.out.startswith("run-") and "succeeded: 3 steps, loss 2.0000" in captured.out
     assert "3/3" in captured.err  # the progress bar's last state
+    # The job's events and what it says it does are printed above the bar as they come.
+    assert " peer-a joined stage 0\n" in captured.err and "succeeded: done\n" in captured.err
     assert await swarm("submit", str(write_job(tmp_path, "doomed")), "--wait", *at) == 1
     err = capsys.readouterr().err
     assert "swarm submit: error: job doomed-" in err and "stage 1 lost every replica" in err
@@ -149,7 +151,9 @@ async def test_status_watch_follows_a_job_to_its_end(
     assert await swarm("status", job, "--watch", "--interval", "0.05", *at) == 0
     out = capsys.readouterr().out
     assert "\x1b[" not in out  # not a terminal: plain frames, one per change
-    assert "step     20/20" in out and "job running -> succeeded" in out
+    # The job's own history, from the start (the fake control records what the scheduler does).
+    assert "step     20/20" in out and " peer-a joined stage 0\n" in out
+    assert out.split("recent events:\n")[-1].splitlines()[1].endswith(" succeeded: 20 steps")
     assert f"job {job} succeeded: 20 steps" in out
     with pytest.raises(SystemExit) as refused:  # one view or the other
         await swarm("status", job, "--watch", "--json", *at)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 
 from client.live import (
     CLEAR_BELOW,
@@ -13,7 +14,9 @@ from client.live import (
     HOME,
     SHOW_CURSOR,
     LiveView,
+    duration_text,
     events,
+    status_lines,
     watch_status,
 )
 from swarm.proto import control_pb2 as cpb
@@ -51,7 +54,7 @@ def test_a_frame_keeps_the_recent_events_and_redraws_in_place() -> None:
     view.frame(_status(2, {"p0": 1}))
     view.frame(_status(3, {"p0": 1, "p1": 0}))
     text = view.frame(_status(4, {"p1": 0}))
-    assert "step     4/50" in text and "stage 0 (layers 0-0): 1 replica(s)" in text
+    assert "step     4/50" in text and "stage 0 (layer 0): 1 replica(s)" in text
     tail = text.split("recent events:\n")[1].splitlines()  # the two newest, oldest first
     assert [line.split(" ", 3)[-1] for line in tail] == [
         "p1 joined stage 0",
@@ -91,3 +94,35 @@ def test_what_peers_and_the_scheduler_say_reaches_the_terminal_escaped() -> None
     assert "state    succeeded" not in text.splitlines()
     assert text.count("\nstate    ") == 1 and text.startswith("job ")  # the real one only
     assert "p\\x1b[2J\\x1b]0;owned\\x07" in text and "\\nstate    succeeded" in text
+
+
+def test_status_says_what_the_job_waits_for_how_long_its_warnings_and_its_history() -> None:
+    s = _status(89, {"p0": 0, "p2": 2})
+    s.message = "stalled at step 89: stage 1 has no replica since 12:00:00; start a stage server"
+    s.waiting_since = 1000.0
+    s.warnings.append("stage 0 has a single replica (p0): if it is lost, ...")
+    s.events.extend(spb.JobEvent(time=990.0 + i, kind="join", text=f"event {i}") for i in range(12))
+    lines = status_lines(s, now=1078.0, events=10)
+    assert any(
+        line.startswith("message  stalled at step 89")
+        and line.endswith(
+            "(for 1m18s, since " + time.strftime("%H:%M:%S", time.localtime(1000.0)) + ")"
+        )
+        for line in lines
+    ), lines
+    assert "warning  stage 0 has a single replica (p0): if it is lost, ..." in lines
+    history = lines[lines.index("events:") + 1 :]
+    assert [line.split(" ", 3)[-1] for line in history] == [f"event {i}" for i in range(2, 12)]
+    # Watching shows the job's own history from the start, not what changed between looks.
+    text = LiveView(keep=3, clock=lambda: 1078.0).frame(s)
+    assert text.split("recent events:\n")[1].count("\n") == 2 and "event 11" in text
+    assert "1m18s" in text
+
+
+def test_an_ended_job_shows_how_long_it_took_and_its_mean_speed() -> None:
+    s = _status(50, {}, cpb.JOB_STATE_SUCCEEDED)
+    s.created, s.updated, s.samples_per_second = 1000.0, 1000.0 + 3723.0, 241.5
+    lines = status_lines(s, now=9999.0)
+    assert "state    succeeded after 1h02m03s" in lines
+    assert "speed    241.5 samples/s (mean over its steps)" in lines
+    assert duration_text(59.6) == "1m00s" and duration_text(3.0) == "3s"

@@ -13,7 +13,9 @@ import torch
 from prometheus_client import CollectorRegistry, Counter
 
 from scheduler.coordinator.metrics import CoordinatorFamilies
+from scheduler.history import History
 from scheduler.job_training import JobTraining, final_path, save_final
+from scheduler.stalls import Health
 from scheduler.store import JobStore
 from swarm.model import checkpoint
 from swarm.rpc.lease import Replica
@@ -79,12 +81,15 @@ async def test_a_failed_final_save_keeps_the_job_and_its_peers_and_is_retried(
             tmp_path / "ckpt",
             None,
             True,
+            None,
             announce,
             set_status,
             CoordinatorFamilies(CollectorRegistry()),
             Counter("moves", "moves", ["job"], registry=CollectorRegistry()),
             {},
             {},
+            History(store),
+            lambda _: Health(),
         )
         training.final_save_retry_s = (0.01, 0.05)
         try:

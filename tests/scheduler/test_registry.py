@@ -5,10 +5,12 @@ leads to for peers joining a running job."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 
 from scheduler.assignments import Assignments
 from scheduler.registry import PeerRegistry
+from scheduler.stalls import Health
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
 from swarm.proto import control_pb2 as cpb
@@ -207,5 +209,41 @@ async def test_peers_joining_a_running_job_are_placed_fastest_first() -> None:
             await asyncio.sleep(0.01)
     grow.cancel()
     assert {p: m.stage for p, m in bus.published.items()} == {"a": 0, "b": 1}
-    assert sorted(assigned) == ["a", "b"] and said == ["starting 2 stage server(s)"]
+    assert sorted(assigned) == ["a", "b"] and said == [
+        "starting 2 stage server(s): a on stage 0, b on stage 1"
+    ]
     assert reg.available("j", 2) == {}
+
+
+async def test_placement_says_how_many_peers_a_job_needs_and_since_when_it_waits() -> None:
+    reg = registry(FakeClock())
+    reg.announce(joining("a", speeds=(1.0, 1.0, 1.0, 1.0)))
+    said: list[str] = []
+    health = Health()
+
+    async def say(job_id: str, message: str) -> None:
+        said.append(message)
+
+    assignments = Assignments(
+        reg,
+        _RecordingBus(),  # type: ignore[arg-type]
+        say,
+        grace_s=0.0,
+        serve_timeout_s=SERVE_TIMEOUT_S,
+        lost_stage_grace_s=30.0,
+        health=lambda _: health,
+    )
+    place = asyncio.create_task(assignments.place("j", 4, lambda: 0, []))
+    async with asyncio.timeout(10.0):
+        while not said:
+            await asyncio.sleep(0.01)
+    assert said[0] == (
+        "waiting for peers: stages 0, 1, 2, 3 without a replica; this job's 4 stage(s) need at "
+        "least 4 stage server(s), one per stage (0 served, 1 more peer(s) measured): start a "
+        "stage server for this job (`swarm stage-server --broker URL`, as for the others) (3 more)"
+    )
+    assert health.waiting_since > 0  # `swarm status` counts how long
+    place.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await place
+    assert health.waiting_since == 0.0

@@ -263,3 +263,31 @@ def test_finished_beyond_keeps_the_most_recently_ended(tmp_path: Path) -> None:
         assert store.finished_beyond(2) == [ids[2]]
         assert store.finished_beyond(1) == [ids[0], ids[2]]
         assert store.finished_beyond(0) == [ids[3], ids[0], ids[2]]
+
+
+def test_events_are_kept_newest_bounded_and_deleted_with_the_job(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import scheduler.store as store_module
+
+    monkeypatch.setattr(store_module, "MAX_EVENTS", 5)
+    a = store.create("tiny", "spec", "/data", steps=5).id
+    b = store.create("tiny", "spec", "/data", steps=5).id
+    for i in range(8):
+        store.record_event(a, "join", f"p{i} joined stage 0")
+    store.record_event(b, "leave", "x" * 10_000)  # a peer's words are cut, not stored whole
+    assert [e.text for e in store.events(a)] == [f"p{i} joined stage 0" for i in range(3, 8)]
+    assert [e.text for e in store.events(a, 2)] == ["p6 joined stage 0", "p7 joined stage 0"]
+    assert all(e.kind == "join" for e in store.events(a)) and store.events(a)[0].time > 0
+    assert [len(e.text) for e in store.events(b)] == [store_module.MAX_EVENT_TEXT]
+    store.set_state(a, "cancelled")
+    store.delete(a)
+    assert store.events(a) == [] and len(store.events(b)) == 1
+
+
+def test_mean_speed_is_over_the_recorded_steps(store: JobStore) -> None:
+    job = store.create("tiny", "spec", "/data", steps=5).id
+    assert store.mean_speed(job) == 0.0
+    store.record_step(job, 0, 2.0, 16, 0.5)
+    store.record_step(job, 1, 1.9, 16, 1.5)
+    assert store.mean_speed(job) == 16.0

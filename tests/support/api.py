@@ -53,6 +53,7 @@ class FakeControl:
     async def _train(self, job_id: str) -> None:
         self.store.set_state(job_id, "placing", message="placing")
         self.store.set_state(job_id, "running", message="training")
+        self.store.record_event(job_id, "join", "peer-a joined stage 0")  # as the scheduler's
         record = self.store.get(job_id)
         assert record is not None
         for step in range(record.steps):
@@ -62,6 +63,7 @@ class FakeControl:
                 return
             self.store.record_step(job_id, step, 4.0 - step, 16, 0.02)
         self.store.set_state(job_id, "succeeded", message="done")
+        self.store.record_event(job_id, "state", f"succeeded: {record.steps} steps")
 
     def cancelled(self, job_id: str) -> None:
         self.cancelled_ids.append(job_id)
@@ -83,6 +85,9 @@ class FakeControl:
 
     def samples_per_second(self, job_id: str) -> float:
         return 12.5
+
+    def health(self, job_id: str) -> tuple[float, list[str]]:
+        return 0.0, []
 
     def routes(self, job_id: str) -> Path:
         return self.routes_dir / f"{job_id}.jsonl"

@@ -274,11 +274,13 @@ def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -
 
 
 def _wait_rollback(sw: LocalSwarm, job_id: str, timeout: float = 120) -> str:
-    """`swarm status`'s message once it says the job rolled back (or the last one seen)."""
+    """What `swarm status` said of the rollback (its message, or its rollback event once the
+    message is back to "training"), or the last message seen."""
     deadline, said = time.monotonic() + timeout, ""
     while time.monotonic() < deadline and "rolled back" not in said:
-        status = swarm("status", job_id, "--json", "--scheduler", sw.address).stdout
-        said = json.loads(status).get("message", "")
+        status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        events = [e["text"] for e in status.get("events", []) if e["kind"] == "rollback"]
+        said = events[-1] if events else status.get("message", "")
         time.sleep(0.3)
     return said
 
@@ -297,10 +299,16 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
         status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
         victim = status["stages"][2]["replicas"][0]["peer"]
         next(p for p in sw.peers if p.ready["peer"] == victim).kill()
+        # The stall is said: which stage, since when, what to do, what will follow.
+        deadline, now = time.monotonic() + 30, status
+        while time.monotonic() < deadline and not now["message"].startswith("stalled"):
+            time.sleep(0.2)
+            now = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        assert re.match(r"stalled at step \d+: stage 2 has no replica since ", now["message"]), now
+        assert "start a stage server" in now["message"] and now["waiting_since"] > 0, now
+        assert "rolls back to step" in now["message"], now
         # With stage 2 gone no step can commit: this is as far as the job got.
-        stalled = int(
-            json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)["step"]
-        )
+        stalled = int(now["step"])
         sw.add_peer(20.0)
         said = _wait_rollback(sw, job_id)
         rolled_to = re.search(r"rolled back to step (\d+)", said)
@@ -317,6 +325,27 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
             .decode()
         )
         assert f'swarm_coordinator_rollbacks_total{{job="{job_id}"}} 1.0' in metrics
+        # Plain `status` tells the story afterwards: the job's history, in order.
+        told = swarm("status", job_id, "--scheduler", sw.address).stdout
+        history = told.split("events:\n")[1]
+        order = [
+            f"{victim} left stage 2: its connection dropped",
+            "stage 2 lost its last replica",
+            "joined stage 2",
+            "rolled back to step",
+            "succeeded: 40 steps",
+        ]
+        at = [0]
+        for what in order:  # each after the one before (status lists the newest 10 events)
+            at.append(history.find(what, at[-1]))
+        assert -1 not in at, told
+        # (the stall watch looks every second: the rollback may be said before or after it)
+        assert "stage 2 is served again" in history, told
+        assert re.search(  # and the scheduler's log, as a warning, with the remedy
+            r"WARNING scheduler.history: job \S+: stage 2 lost its last replica at step \d+: "
+            r"training stalled; start a stage server",
+            sw.scheduler.log(),
+        )
     finally:
         sw.stop()
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)

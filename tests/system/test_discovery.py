@@ -1,6 +1,9 @@
 """Prometheus finds a live swarm by itself: the real Prometheus server, given only the scheduler's
-`/sd` URL, scrapes every process, with TLS and the metrics token too. The `/sd` answer itself:
-tests/scheduler/test_discovery.py; the endpoint's checks: tests/swarm/ops/test_metrics.py."""
+`/sd` URL, scrapes every process, with TLS and the metrics token too. A peer's target labels stay
+the same whatever it does (one series per peer, never split); what it does is its
+`swarm_peer_info`, and what it became is in its log, once each, at the default level. The `/sd`
+answer itself: tests/scheduler/test_discovery.py; the endpoint's checks:
+tests/swarm/ops/test_metrics.py."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from client.sdk import SchedulerClient
 from swarm.local.procs import start_local_swarm
@@ -50,6 +54,17 @@ async def _status(scheduler: str, job: str) -> scheduler_pb2.JobStatus:
 async def _cancel(scheduler: str, job: str) -> None:
     async with SchedulerClient(scheduler, timeout_s=30) as client:
         await client.cancel(job)
+
+
+def _peer_info(target: str) -> list[dict[str, str]]:
+    """The labels of every `swarm_peer_info` series a peer's /metrics shows now."""
+    text = _get(f"http://{target}/metrics").decode()
+    return [
+        dict(s.labels)
+        for family in text_string_to_metric_families(text)
+        if family.name == "swarm_peer_info"
+        for s in family.samples
+    ]
 
 
 def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
@@ -116,6 +131,9 @@ def test_prometheus_discovers_a_live_swarm_through_the_scheduler(tmp_path: Path)
                 break
             time.sleep(0.2)
         assert listed == peers | {scheduler}, groups
+        labels = {g["targets"][0]: g["labels"] for g in groups}
+        for target in peers:  # idle until a job comes: one series saying so
+            assert [i["state"] for i in _peer_info(target)] == ["idle"], _peer_info(target)
         for target in listed:  # the linter Prometheus ships agrees with every exposition
             lint = subprocess.run(
                 [PROMTOOL, "check", "metrics"],
@@ -159,8 +177,42 @@ def test_prometheus_discovers_a_live_swarm_through_the_scheduler(tmp_path: Path)
             }
             time.sleep(1)
         status = asyncio.run(_status(swarm.address, job))
+        serving = {
+            r["metric"]["peer"]: (r["metric"]["state"], r["metric"]["job"], r["metric"]["stage"])
+            for r in _query(web, "swarm_peer_info")
+        }
         asyncio.run(_cancel(swarm.address, job))
         assert seen == expected, expected - seen
+        # Each peer went idle -> measuring -> waiting -> serving: one `swarm_peer_info` series at a
+        # time, its /sd labels unchanged, so its target (`up`) was one series all along.
+        assert sorted(serving.values()) == [("serving", job, "0"), ("serving", job, "1")], serving
+        assert len(_query(web, "swarm_peer_info")) == len(peers)
+        ups = _query(web, 'count by (instance) (count_over_time(up{swarm_role="peer"}[10m]))')
+        assert {r["metric"]["instance"]: r["value"][1] for r in ups} == dict.fromkeys(peers, "1")
+        now = json.loads(_get(f"http://{scheduler}/sd"))
+        assert {g["targets"][0]: g["labels"] for g in now} == labels
+        idle = {
+            t: [{"peer": labels[t]["swarm_peer"], "state": "idle", "job": "", "stage": ""}]
+            for t in peers
+        }
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # released by the cancelled job: idle again
+            if all(_peer_info(t) == idle[t] for t in peers):
+                break
+            time.sleep(0.2)
+        assert {t: _peer_info(t) for t in peers} == idle
+        swarm.stop()  # each peer says why it stopped
+        for peer in swarm.peers:  # at the default level: what it became, once each; no steps
+            log, stage = peer.log(), serving[peer.ready["peer"]][2]
+            for line in (
+                f"measured for job {job}:",
+                f"assigned stage {stage} of job {job} (layers ",
+                f"serving stage {stage} of job {job}",
+                f"released stage {stage} of job {job}: it was cancelled",
+                "stopped (SIGTERM or SIGINT) while idle",
+            ):
+                assert log.count(line) == 1, (line, log)
+            assert "committed step" not in log, log
         # The evaluations reached the job's record: `swarm status` shows the newest.
         assert status.HasField("val_loss") and status.val_step % 2 == 0, status
         assert 0 < status.val_loss < 10

@@ -5,7 +5,9 @@ tests/swarm/net/test_tls.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -13,10 +15,17 @@ import torch
 from client.sdk import SchedulerClient
 from swarm.errors import PeerUnavailable, RemoteError
 from swarm.job.config import load_job
-from swarm.local.procs import SwarmProcess, start_local_swarm, start_stage_servers, stop_all
+from swarm.local.procs import (
+    SwarmProcess,
+    start_local_swarm,
+    start_process,
+    start_stage_servers,
+    stop_all,
+)
 from swarm.net import tls
 from swarm.proto import scheduler_pb2
 from swarm.rpc.stage_client import StageClient
+from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
 from tests.swarm.net.test_tls import HOSTS, _identity  # noqa: F401
@@ -134,3 +143,41 @@ def test_a_whole_swarm_trains_over_mutual_tls_with_the_token(tmp_path: Path, pki
     finally:
         sw.stop()
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
+
+
+@pytest.mark.slow
+def test_a_mutual_tls_scheduler_tells_clients_what_they_lack_and_logs_no_handshake_lines(
+    tmp_path: Path, pki: Path
+) -> None:
+    """`swarm jobs` in clear text, then with the CA but no certificate, against a scheduler under
+    --tls-mutual: each is told what to pass (not "Socket closed"), and the scheduler's log, at
+    the default level, holds none of gRPC's raw handshake lines for them."""
+    ours = pki / "ours"
+    (tmp_path / "data").mkdir()
+    tls_flags = ["--tls-ca", str(ours / "ca.pem")]
+    server_flags = [*tls_flags, "--tls-cert", str(ours / "server.pem")]
+    server_flags += ["--tls-key", str(ours / "server.key"), "--tls-mutual"]
+    args = ["scheduler", "--port", "0", "--store", str(tmp_path / "jobs.sqlite")]
+    args += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(tmp_path / "data")]
+    # Not inherited from this process (which set it, importing swarm.flags): each process's own.
+    environ = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    with mock.patch.dict(os.environ, environ, clear=True):
+        scheduler = start_process([*args, *server_flags], log_dir=tmp_path, name="scheduler")
+        try:
+            scheduler.wait_ready(60)
+            at = ("jobs", "--scheduler", scheduler.address)
+            clear = swarm(*at, check=False)
+            assert clear.returncode == 1
+            assert "serves TLS with client certificates (--tls-mutual)" in clear.stderr
+            assert "give --tls-ca" in clear.stderr and "--tls-cert and --tls-key" in clear.stderr
+            bare = swarm(*at, *tls_flags, check=False)
+            assert bare.returncode == 1
+            assert "TLS refused" in bare.stderr and "requires a client certificate" in bare.stderr
+            # The one error line on the client's terminal too.
+            assert [clear.stderr.count("\n"), bare.stderr.count("\n")] == [1, 1], bare.stderr
+            client = ["--tls-cert", str(ours / "client.pem"), "--tls-key", str(ours / "client.key")]
+            assert "no jobs" in swarm(*at, *tls_flags, *client).stdout
+        finally:
+            stop_all([scheduler])
+    log = scheduler.log()
+    assert "Handshake failed" not in log and "ssl_transport_security" not in log, log[-3000:]

@@ -45,3 +45,29 @@ async def test_a_checkpoint_is_never_written_from_a_state_of_the_wrong_shape(
         await clients.close()
     assert checkpoint.sealed(directory) == [2, 4]
     StageRuntime(job, 0).load_state(4, checkpoint.load_stage(directory, 4, 0))  # a replica loads it
+
+
+class _Told:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize("mode", ["step", "local"])
+def test_a_checkpoint_is_due_by_time_as_well_as_by_steps(tmp_path: Path, mode: str) -> None:
+    # checkpoint_every = 100 steps of a slow job: a stage lost at step 89 would cost every step.
+    # With every_s the first step boundary after that long is checkpointed too (with local
+    # steps, only where a round starts: replicas share parameters only there).
+    pool = {"mode": mode, "sync_every": 4} if mode == "local" else {}
+    job = make_job(tmp_path, training={"steps": 400, "checkpoint_every": 100}, pool=pool)
+    clock = _Told()
+    recovery = Recovery(job, ReplicaClients(grpc_replicas(job, "job")), tmp_path, 300.0, clock)
+    assert [s for s in range(1, 101) if recovery.due(s)] == [100]
+    clock.t = 299.0
+    assert not recovery.due(5)
+    clock.t = 300.0
+    assert recovery.due(5) == (mode == "step") and recovery.due(8)
+    assert not Recovery(job, ReplicaClients(grpc_replicas(job, "job")), tmp_path).due(8)
+    assert not Recovery(job, ReplicaClients(grpc_replicas(job, "job")), None, 1.0, clock).due(8)

@@ -156,8 +156,9 @@ def test_a_store_of_the_first_schema_gains_the_evaluations(tmp_path: Path) -> No
     with JobStore(path) as store:
         job = store.create("test", render(BASE), str(tmp_path), 3).id
         store.record_step(job, 0, 3.0, 16, 0.1)
-    db = sqlite3.connect(path)  # as a swarm of the first schema left it
+    db = sqlite3.connect(path)  # as a swarm of the first schema left it (no evals, no events)
     db.execute("DROP TABLE evals")
+    db.execute("DROP TABLE events")
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()

@@ -71,7 +71,7 @@ def test_bad_models_and_prompts_are_refused_clearly(
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
     assert "model_type 'bert' is not one swarm trains" in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "none"), "--prompt", "x"]) == 2
-    assert "cannot read" in capsys.readouterr().err
+    assert "none does not exist: give a Hugging Face checkpoint" in capsys.readouterr().err
     (tmp_path / "config.json").write_text(json.dumps(hf_config(ModelConfig(vocab_size=128))))
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
     assert "the model knows 128 tokens, the tokenizer makes 256" in capsys.readouterr().err

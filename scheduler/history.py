@@ -1,0 +1,108 @@
+"""Each job's history for operators: what happened to it and why, kept in the job store
+(`JobStore.record_event`), said once in the scheduler's log, shown by `swarm status` (its newest
+events) and by `--watch` from the start.
+
+Peers' comings and goings are read off their announcements (`peer_events`): a peer that joins a
+stage, moves, leaves (its last-will: killed, crashed or cut off; or a clean stop), and one that
+comes back under the id of a peer that left (a replacement server from the same cache directory,
+or the same one restarted) reads as a restart, not as if the dead peer had come back.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from scheduler.store import JobStore, StoreError
+from swarm.proto import control_pb2 as cpb
+
+__all__ = ["History", "peer_events"]
+
+log = logging.getLogger(__name__)
+
+#: Kinds logged as warnings: training stopped, or is at risk of losing steps.
+_ALARMING = frozenset({"stall", "warning", "rollback"})
+
+#: (job, kind, text)
+Event = tuple[str, str, str]
+
+
+def _serving(a: cpb.PeerAnnouncement | None) -> tuple[str, int] | None:
+    """(job, stage) the peer serves per `a`, or None."""
+    if a is None or a.state != cpb.PEER_STATE_SERVING or not a.job or not a.HasField("stage"):
+        return None
+    return a.job, a.stage
+
+
+def peer_events(
+    old: cpb.PeerAnnouncement | None, new: cpb.PeerAnnouncement, restarted: bool = False
+) -> list[Event]:
+    """What a peer's announcement `new` (after `old`, None for a peer not present) tells of the
+    jobs it served or serves. `restarted`: the peer left before under this id."""
+    peer = new.peer
+    was, now = _serving(old), _serving(new)
+    if new.state == cpb.PEER_STATE_OFFLINE:
+        if was is None:
+            return []
+        # A last-will is registered before the peer knows the time it will be sent: it carries
+        # none. A peer that stops cleanly announces itself with the time.
+        cause = (
+            "its connection dropped (killed, crashed or cut off from the broker)"
+            if new.time == 0
+            else "it was stopped"
+        )
+        return [(was[0], "leave", f"{peer} left stage {was[1]}: {cause}")]
+    if was == now:
+        return []
+    events: list[Event] = []
+    if was is not None and (now is None or now[0] != was[0]):
+        events.append((was[0], "leave", f"{peer} stopped serving stage {was[1]}"))
+    if now is not None:
+        if was is not None and was[0] == now[0]:
+            events.append((now[0], "move", f"{peer} moved from stage {was[1]} to stage {now[1]}"))
+        elif restarted:
+            events.append(
+                (
+                    now[0],
+                    "restart",
+                    f"{peer} is back, restarted (a new process under the id of the one that "
+                    f"left), and serves stage {now[1]}",
+                )
+            )
+        else:
+            events.append((now[0], "join", f"{peer} joined stage {now[1]}"))
+    return events
+
+
+class History:
+    """Writes jobs' events to the store and the log; remembers peers that left each job, so that
+    one coming back reads as a restart."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+        self._left: dict[str, set[str]] = {}  # job -> peers whose connection dropped
+
+    def record(self, job_id: str, kind: str, text: str) -> None:
+        level = logging.WARNING if kind in _ALARMING else logging.INFO
+        log.log(level, "job %s: %s", job_id, text)
+        try:
+            self.store.record_event(job_id, kind, text)
+        except StoreError as e:  # a full disk: the log has it; training goes on
+            log.error("%s", e)
+
+    def peer(self, old: cpb.PeerAnnouncement | None, new: cpb.PeerAnnouncement) -> None:
+        """Record what `new` (the peer's announcement after `old`) tells."""
+        job = new.job or (old.job if old is not None else "")
+        restarted = bool(job) and new.peer in self._left.get(job, set())
+        for job_id, kind, text in peer_events(old, new, restarted):
+            record = self.store.get(job_id)
+            if record is None or record.finished:
+                continue  # deleted (or another scheduler's); or ended: its peers are released
+            if kind == "leave":
+                self._left.setdefault(job_id, set()).add(new.peer)
+            elif kind in ("join", "restart"):
+                self._left.get(job_id, set()).discard(new.peer)
+            self.record(job_id, kind, text)
+
+    def forget(self, job_id: str) -> None:
+        """The job ended: nothing more to tell apart."""
+        self._left.pop(job_id, None)

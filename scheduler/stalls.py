@@ -1,0 +1,151 @@
+"""What a running job waits for, and what the operator can do about it.
+
+While a job trains, `StallWatch` looks every second at who serves each stage. A stage without a
+replica stalls the job (no microbatch can cross it): the job's message then says which stage,
+since when, what to do (start a stage server: it takes the empty stage) and what will happen
+then (every stage rolls back to the last checkpoint, so many steps are trained again), and the
+job waits "since" the moment the stage emptied, which `swarm status` counts up. A stage with a
+single replica is a warning: losing it costs the steps since the last checkpoint, where a spare
+replica would have taken over without loss. Each change is an event in the job's history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from scheduler.history import History
+from swarm.rpc.lease import Replica
+
+__all__ = [
+    "REMEDY",
+    "Health",
+    "StallWatch",
+    "lost_stage_text",
+    "single_replica_text",
+    "stages_text",
+]
+
+REMEDY = "start a stage server for this job (`swarm stage-server --broker URL`, as for the others)"
+
+
+def stages_text(stages: list[int]) -> str:
+    return ("stage " if len(stages) == 1 else "stages ") + ", ".join(map(str, stages))
+
+
+def lost_stage_text(missing: list[int], step: int, checkpoint: int, since: float) -> str:
+    """The message of a job stalled because `missing` stages have no replica."""
+    at = time.strftime("%H:%M:%S", time.localtime(since))
+    verb = "has" if len(missing) == 1 else "have"
+    if checkpoint > 0:
+        then = f"every stage rolls back to step {checkpoint}, the last checkpoint"
+        if step > checkpoint:
+            then += f" ({step - checkpoint} step(s) trained again)"
+    else:
+        then = f"training starts again from step 0 (no checkpoint yet: {step} step(s) lost)"
+    return (
+        f"stalled at step {step}: {stages_text(missing)} {verb} no replica since {at}; {REMEDY}: "
+        f"it takes the stage, and {then}"
+    )
+
+
+def single_replica_text(stages: list[int], peers: list[str], checkpoint: int) -> str:
+    """The warning for `stages`, each served by one replica (`peers`, in their order)."""
+    back = f"step {checkpoint}, the last checkpoint" if checkpoint else "step 0 (no checkpoint)"
+    if len(stages) == 1:
+        which = f"stage {stages[0]} has a single replica ({peers[0]}): if it is lost"
+    else:
+        which = (
+            f"{stages_text(stages)} have a single replica each ({', '.join(peers)}): if one is lost"
+        )
+    return (
+        f"{which}, training rolls back to {back}; a spare stage server would take over without loss"
+    )
+
+
+@dataclass
+class Health:
+    """A job's waiting and warnings, as `swarm status` shows them."""
+
+    waiting_since: float = 0.0  # unix seconds; 0: not waiting
+    warnings: list[str] = field(default_factory=list)
+
+
+class StallWatch:
+    def __init__(
+        self,
+        job_id: str,
+        members: Callable[[], list[list[Replica]]],
+        step: Callable[[], int],
+        checkpoint: Callable[[], int],
+        say: Callable[[str], Awaitable[None]],
+        said: Callable[[], str],
+        history: History,
+        health: Health,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`members()`: who serves each stage now; `step()`: the job's committed steps;
+        `checkpoint()`: the step the last sealed checkpoint holds (0: none); `say(text)`: set the
+        job's message, `said()`: what it is now; `health`: what this watch keeps current."""
+        self.job_id, self.members, self.step, self.checkpoint = job_id, members, step, checkpoint
+        self.say, self.said, self.history = say, said, history
+        self.health, self.clock = health, clock
+        self._lost: dict[int, float] = {}  # stage -> when it was last seen with no replica
+        self._single: set[int] = set()  # stages warned about
+        self._said = ""
+
+    async def look(self) -> None:
+        """Take in who serves each stage now; say what changed."""
+        members, now = self.members(), self.clock()
+        step, checkpoint = self.step(), self.checkpoint()
+        missing = [k for k, replicas in enumerate(members) if not replicas]
+        for k in missing:
+            if k not in self._lost:
+                self._lost[k] = now
+                self.history.record(
+                    self.job_id,
+                    "stall",
+                    f"stage {k} lost its last replica at step {step}: training stalled; {REMEDY}",
+                )
+        served_again = ""
+        for k in [k for k in self._lost if k not in missing]:
+            held = now - self._lost.pop(k)
+            who = ", ".join(r.peer for r in members[k])
+            served_again = f"stage {k} is served again ({who}) after {held:.0f} s without a replica"
+            self.history.record(self.job_id, "resume", served_again)
+        single = {k for k, replicas in enumerate(members) if len(replicas) == 1}
+        if single - self._single:  # said once as it starts, for the stages new to it
+            new = sorted(single - self._single)
+            text = single_replica_text(new, [members[k][0].peer for k in new], checkpoint)
+            self.history.record(self.job_id, "warning", text)
+        self._single = single
+        self.health.warnings = (
+            [
+                single_replica_text(
+                    sorted(single), [members[k][0].peer for k in sorted(single)], checkpoint
+                )
+            ]
+            if single
+            else []
+        )
+        if missing:
+            since = min(self._lost.values())
+            self.health.waiting_since = since
+            text = lost_stage_text(missing, step, checkpoint, since)
+            if text != self._said:
+                self._said = text
+                await self.say(text)
+        else:
+            self.health.waiting_since = 0.0
+            # The stall's message, unless something (a rollback) has said more since.
+            if self._said and self.said() == self._said:
+                await self.say(f"training: {served_again}" if served_again else "training")
+            self._said = ""
+
+    async def run(self, period_s: float = 1.0) -> None:
+        """Look every `period_s` until cancelled."""
+        while True:
+            await self.look()
+            await asyncio.sleep(period_s)

@@ -1,0 +1,335 @@
+"""`swarm broker-config`: Mosquitto's files for a swarm, ready to run as written: its configuration
+(absolute paths, the TLS listener), the password file (the scheduler's own password; the swarm
+token, or a password of its own, for each peer id chosen up front) and the ACL.
+
+The ACL's rules are `examples/mosquitto/acl`'s (and the embedded broker's, `Topics.may_publish`),
+with one difference of form: Mosquitto 2 warns at every start about a `pattern` line without `%u`
+or `%c`, so "everyone reads the swarm" is a `topic read` line under each user it lets in.
+
+Ownership: started as root, Mosquitto drops to the user its configuration names before it reads
+the password file, the ACL and its TLS key, so they belong to that user, mode 0600 (later
+Mosquittos also refuse such files owned by another). The broker's certificate and key are copied
+into the directory for that, so the certificate directory (it may hold the CA's key) stays closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import os
+import pwd
+import re
+import secrets
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from swarm.bus.flags import scheduler_token
+from swarm.bus.topics import DEFAULT_PREFIX, SCHEDULER_USER
+from swarm.errors import ConfigError
+from swarm.flags import add_token, env_name, token
+from swarm.net.tls import Tls
+
+__all__ = [
+    "TOOL_USER",
+    "acl_text",
+    "add_arguments",
+    "conf_text",
+    "hash_password",
+    "passwd_text",
+    "run",
+    "write",
+]
+
+TOOL_USER = "swarm"
+"""Who logs in with the token but no id of its own: trainers outside the scheduler and `swarm`
+tools (`swarm.bus.link.Dialer`); it reads the swarm and publishes nothing of anyone's."""
+CONF, PASSWD, ACL, CA = "mosquitto.conf", "passwd", "acl", "ca.pem"
+MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+_ID = re.compile(r"[A-Za-z0-9._-]+")  # the characters of a persisted peer id (stage_server)
+_ITERATIONS = 101  # mosquitto_passwd's, for PBKDF2-SHA512 (`$7$`)
+
+
+def conf_text(directory: Path, port: int, *, user: str, mutual: bool, cert: str = "broker") -> str:
+    """mosquitto.conf for the files `write` puts in `directory` (absolute)."""
+    d = directory
+    return f"""\
+# Mosquitto 2 for a swarm, written by `swarm broker-config` (run it again to change anything).
+# Start it as root (it becomes user {user}, which owns the key, {PASSWD} and {ACL}):
+#   mosquitto -c {d / CONF}
+# After adding peers, `kill -HUP` it: it reads {PASSWD} and {ACL} again.
+user {user}
+
+# What a stranger can take: packets up to 2 MiB (a job announcement carries its job file, at
+# most 1 MiB), a larger one closes its connection; the embedded broker's defaults.
+max_packet_size 2097152
+# Retained state is refilled by the clients after a restart (they re-publish it).
+persistence false
+
+# TLS with the swarm's CA only: clients dial mqtts://HOST:{port} with --tls-ca.
+listener {port}
+max_connections 1024
+cafile {d / CA}
+certfile {d / f"{cert}.pem"}
+keyfile {d / f"{cert}.key"}
+require_certificate {"true" if mutual else "false"}
+# With require_certificate true, `use_identity_as_username true` would make a client's
+# certificate name its user: issue the scheduler's as scheduler, each peer's as its id.
+
+# Who may log in: "scheduler" with a password of its own, each peer id with the swarm token or
+# its own password, "{TOOL_USER}" (trainers, tools) with the token; each publishes only its own.
+allow_anonymous false
+password_file {d / PASSWD}
+acl_file {d / ACL}
+"""
+
+
+def acl_text(peers: Iterable[str], prefix: str = DEFAULT_PREFIX) -> str:
+    """The ACL for the scheduler, `TOOL_USER` and `peers` (usernames are peer ids)."""
+    every = f"{prefix}#"
+    lines = [
+        "# The swarm's ACL, written by `swarm broker-config`: each peer publishes only its own",
+        "# topics (a denied PUBLISH, a last-will included, is dropped silently).",
+        "# A peer writes its announcement (and last-will) and its load reports ...",
+        f"pattern write {prefix}peers/%u",
+        f"pattern write {prefix}jobs/+/load/%u",
+        "",
+        "# ... the scheduler job announcements, assignments, committed steps, and anything else.",
+        f"user {SCHEDULER_USER}",
+        f"topic readwrite {every}",
+        "",
+        "# Everyone reads the whole swarm.",
+    ]
+    for user in (TOOL_USER, *peers):
+        lines += [f"user {user}", f"topic read {every}"]
+    return "\n".join(lines) + "\n"
+
+
+def hash_password(password: str, salt: bytes | None = None) -> str:
+    """`password` as mosquitto_passwd hashes it: `$7$ITERATIONS$SALT$PBKDF2-SHA512`, base64."""
+    salt = salt if salt is not None else secrets.token_bytes(12)
+    key = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, _ITERATIONS)
+    b64 = base64.b64encode
+    return f"$7${_ITERATIONS}${b64(salt).decode()}${b64(key).decode()}"
+
+
+def passwd_text(logins: Mapping[str, str], tool: str | None = MOSQUITTO_PASSWD) -> str:
+    """The password file: Mosquitto's own tool hashes it when present (`-U`, from a private
+    file: `-b` would show every password in `ps`), else `hash_password` does."""
+    plain = "".join(f"{user}:{password}\n" for user, password in logins.items())
+    if tool is None or not Path(tool).exists():
+        return "".join(f"{user}:{hash_password(pw)}\n" for user, pw in logins.items())
+    with tempfile.TemporaryDirectory() as private:  # 0700
+        path = Path(private) / PASSWD
+        path.touch(mode=0o600)
+        path.write_text(plain)
+        done = subprocess.run([tool, "-U", str(path)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ConfigError(f"{tool} -U failed: {done.stderr.strip() or done.stdout.strip()}")
+        return path.read_text()
+
+
+def write(
+    directory: Path,
+    *,
+    certs: Path,
+    cert: str,
+    port: int,
+    peers: Mapping[str, str | None],
+    token: str,
+    scheduler_password: str,
+    user: str,
+    mutual: bool = False,
+    tool: str | None = MOSQUITTO_PASSWD,
+) -> list[Path]:
+    """Write Mosquitto's files into `directory`; return them. `peers` maps each peer id to its
+    own password, or None: the swarm `token` (which `TOOL_USER` logs in with too)."""
+    if scheduler_password == token:
+        raise ConfigError("the scheduler's password must not be the swarm token: every peer has it")
+    for peer, password in {TOOL_USER: token, **peers}.items():
+        if password is None:
+            continue
+        if not password or "\n" in password:
+            raise ConfigError(f"{peer}: a password is one non-empty line")
+    for peer in peers:
+        if not _ID.fullmatch(peer) or peer in (SCHEDULER_USER, TOOL_USER):
+            raise ConfigError(
+                f"{peer!r} cannot be a peer id: use letters, digits, '.', '_' and '-', and "
+                f"neither {SCHEDULER_USER!r} nor {TOOL_USER!r}"
+            )
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port must be a TCP port, got {port}")
+    ca, pem, key = certs / CA, certs / f"{cert}.pem", certs / f"{cert}.key"
+    Tls.load(ca, pem, key, False)  # issued by the CA, unexpired, matching its key
+    owner = _owner(user)
+    directory = directory.absolute()
+    _make_dirs(directory)
+    if owner is not None:
+        _check_reachable(directory, user)
+    logins = {SCHEDULER_USER: scheduler_password, TOOL_USER: token}
+    logins |= {peer: password or token for peer, password in peers.items()}
+    files = {
+        CONF: (conf_text(directory, port, user=user, mutual=mutual, cert=cert), 0o644, None),
+        PASSWD: (passwd_text(logins, tool), 0o600, owner),
+        ACL: (acl_text(peers), 0o600, owner),
+        CA: (ca.read_text(), 0o644, None),
+        pem.name: (pem.read_text(), 0o644, None),
+        key.name: (key.read_text(), 0o600, owner),
+    }
+    for name, (text, mode, own) in files.items():
+        _write(directory / name, text, mode, own)
+    return [directory / name for name in files]
+
+
+def _owner(user: str) -> tuple[int, int] | None:
+    """The (uid, gid) the broker's secrets get: `user`'s, as root; None (ours) otherwise."""
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    if os.geteuid() != 0:
+        if user != me:
+            raise ConfigError(
+                f"only root can give the files to {user!r}: run as root, or --user {me}"
+            )
+        return None
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise ConfigError(
+            f"no user {user!r} here: install Mosquitto (its package makes the user mosquitto), "
+            "or name the user it runs as with --user"
+        ) from None
+    return entry.pw_uid, entry.pw_gid
+
+
+def _make_dirs(directory: Path) -> None:
+    """Create `directory` and its missing parents 0755, whatever the umask: the broker's user
+    must pass through them."""
+    missing = [p for p in (directory, *directory.parents) if not p.exists()]
+    for p in reversed(missing):
+        p.mkdir()
+        p.chmod(0o755)
+
+
+def _check_reachable(directory: Path, user: str) -> None:
+    """Refuse a directory that `user` cannot reach (one under /root, say): Mosquitto would start
+    and fail on its first file."""
+    entry = pwd.getpwnam(user)
+    groups = {entry.pw_gid, *os.getgrouplist(user, entry.pw_gid)}
+    for p in (directory, *directory.parents):
+        st = p.stat()
+        bit = 0o100 if st.st_uid == entry.pw_uid else 0o010 if st.st_gid in groups else 0o001
+        if not st.st_mode & bit:
+            raise ConfigError(
+                f"user {user} (Mosquitto, once started) cannot enter {p}: choose a --dir it can "
+                f"reach, e.g. /etc/swarm/broker"
+            )
+
+
+def _write(path: Path, text: str, mode: int, owner: tuple[int, int] | None) -> None:
+    """Replace `path` whole, already with its mode and owner (never readable by others first)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, mode)
+        if owner is not None:
+            os.fchown(fd, *owner)
+        f.write(text)
+        f.flush()
+        os.fsync(fd)
+    os.replace(tmp, path)
+
+
+# The command.
+
+
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", type=Path, required=True, help="where to write Mosquitto's files")
+    p.add_argument("--peers", default="", help="peer ids that may log in, comma-separated")
+    p.add_argument(
+        "--peers-file",
+        type=Path,
+        help="more peer ids, one a line: 'ID' logs in with the token, 'ID PASSWORD' with its own "
+        "(# starts a comment line)",
+    )
+    p.add_argument(
+        "--certs",
+        type=Path,
+        default=Path("certs"),
+        help="the directory of ca.pem and the broker's certificate (`swarm certs --dir`)",
+    )
+    p.add_argument("--cert", default="broker", help="the broker's certificate (NAME.pem/.key)")
+    p.add_argument("--port", type=int, default=8883, help="the TLS listener's port")
+    p.add_argument(
+        "--user", help="the user Mosquitto runs as (default: mosquitto as root, else you)"
+    )
+    add_token(p, "the swarm token, every peer's password (default: SWARM_TOKEN, else made up)")
+    p.add_argument(
+        "--scheduler-token",
+        default=None,  # none from the environment here: help must not print the secret
+        help="the scheduler's own password (default: SWARM_SCHEDULER_TOKEN, else made up)",
+    )
+    p.add_argument(
+        "--tls-mutual",
+        action="store_true",
+        default=os.environ.get(env_name("tls-mutual"), "").lower() in ("1", "true", "yes"),
+        help=f"require a client certificate of the CA [env {env_name('tls-mutual')}]",
+    )
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    made: list[str] = []
+    swarm_token = token(args)
+    if swarm_token is None:
+        swarm_token = secrets.token_hex(32)
+        made.append(f"export SWARM_TOKEN={swarm_token}  # every peer, trainer and the scheduler")
+    sched = scheduler_token(args)
+    if sched is None:
+        sched = secrets.token_hex(32)
+        made.append(f"export SWARM_SCHEDULER_TOKEN={sched}  # the scheduler alone")
+    peers = _peers(args.peers, args.peers_file)
+    user = args.user or ("mosquitto" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name)
+    files = write(
+        args.dir,
+        certs=args.certs,
+        cert=args.cert,
+        port=args.port,
+        peers=peers,
+        token=swarm_token,
+        scheduler_password=sched,
+        user=user,
+        mutual=args.tls_mutual,
+    )
+    print(
+        f"wrote {', '.join(str(f) for f in files)}: {SCHEDULER_USER}, {TOOL_USER} and "
+        f"{len(peers)} peers ({', '.join(peers)}) may log in; the secrets belong to {user}\n"
+        f"start it: mosquitto -c {files[0]}"
+        + (f" (as root: it becomes {user})" if os.geteuid() == 0 else "")
+    )
+    if made:
+        print(
+            "made up (shown this once; the password file keeps only hashes):\n  "
+            + "\n  ".join(made)
+        )
+    return 0
+
+
+def _peers(listed: str, path: Path | None) -> dict[str, str | None]:
+    """Peer id -> its own password or None (the token), from `--peers` then `--peers-file`."""
+    entries: list[tuple[str, str | None]] = [(p.strip(), None) for p in listed.split(",")]
+    entries = [e for e in entries if e[0]]
+    if path is not None:
+        for line in path.read_text().splitlines():
+            fields = line.split(None, 1)
+            if fields and not fields[0].startswith("#"):
+                entries.append((fields[0], fields[1].strip() if len(fields) > 1 else None))
+    if not entries:
+        raise ConfigError("name the peers that may log in: --peers a,b,c or --peers-file FILE")
+    peers: dict[str, str | None] = {}
+    for peer, password in entries:
+        if peer in peers:
+            raise ConfigError(f"peer {peer} is named twice")
+        peers[peer] = password
+    return peers

@@ -1,0 +1,127 @@
+"""What the `swarm` commands say about themselves and leave behind: each flag's default shown
+once in `--help`, the environment variable each flag reads (one per role for `--port`), a clear
+error for `swarm generate` given a file, and exported files with the user's usual modes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import AsyncIterator, Iterator, MutableMapping
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from swarm.cli import COMMANDS, load, main, parse
+from swarm.job.config import load_job
+from swarm.model.transformer import build_model
+from tests.support.api import RunningApi, start_api
+from tests.support.jobs import write_job
+
+
+@pytest.fixture
+def clean_env() -> Iterator[MutableMapping[str, str]]:
+    """The environment without any SWARM_ variable; the test sets its own in it."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    with mock.patch.dict(os.environ, environ, clear=True):
+        yield os.environ
+
+
+def _help(command: str, capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+    """`swarm COMMAND --help`, one entry per option: its first flag -> its help, one line."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    entries: dict[str, str] = {}
+    for block in re.split(r"\n(?=  -)", text):
+        flag = block.split()[0].rstrip(",")
+        entries[flag] = " ".join(block.split())
+    return entries
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_shows_each_default_once(
+    command: str, clean_env: MutableMapping[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    for help in _help(command, capsys).values():
+        assert help.lower().count("default") <= 1, help
+        for empty in ("(default: None)", "(default: )", "(default: False)"):
+            assert empty not in help, help
+
+
+def test_every_job_command_names_the_scheduler_variable(
+    clean_env: MutableMapping[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    for command in ("submit", "status", "jobs", "cancel", "delete", "export", "trainer"):
+        assert "[env SWARM_SCHEDULER]" in _help(command, capsys)["--scheduler"], command
+    clean_env["SWARM_SCHEDULER"] = "sched.example.org:7700"
+    assert parse(["jobs"]).scheduler == "sched.example.org:7700"
+
+
+def test_each_role_reads_a_port_variable_of_its_own(
+    clean_env: MutableMapping[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One shell may start a scheduler and a stage server: one SWARM_PORT would bind both to it.
+    ports = {"scheduler": 7701, "stage-server": 7702, "broker": 7703}
+    clean_env["SWARM_SCHEDULER_PORT"] = "7701"
+    clean_env["SWARM_STAGE_SERVER_PORT"] = "7702"
+    clean_env["SWARM_BROKER_PORT"] = "7703"
+    for command, port in ports.items():
+        assert parse([command]).port == port, command
+    assert parse(["scheduler"]).broker_port == 7703  # the broker's port, whoever runs it
+    capsys.readouterr()
+    clean_env["SWARM_PORT"] = "9999"  # read by none; each says so rather than ignore it quietly
+    assert parse(["stage-server"]).port == 7702
+    assert "SWARM_PORT is not read; this command reads SWARM_STAGE_SERVER_PORT" in (
+        capsys.readouterr().err
+    )
+
+
+def test_generate_given_a_file_names_the_directory_it_needs(
+    tmp_path: Path, clean_env: MutableMapping[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"a torch state_dict")
+    assert main(["generate", str(model), "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert f"{model} is a file: give a Hugging Face checkpoint directory" in err, err
+    assert "swarm export JOB --format hf --out DIR" in err and "Not a directory" not in err
+    assert main(["generate", str(tmp_path), "--prompt", "hello"]) == 2
+    assert f"{tmp_path} holds no config.json" in capsys.readouterr().err
+
+
+@pytest.fixture
+async def api(tmp_path: Path) -> AsyncIterator[RunningApi]:
+    running = await start_api(tmp_path)
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+def umask() -> Iterator[int]:
+    """A umask other than the usual 022, so that a mode that follows it cannot be a constant."""
+    before = os.umask(0o027)
+    yield 0o027
+    os.umask(before)
+
+
+async def test_exports_get_the_modes_the_umask_gives(
+    api: RunningApi, tmp_path: Path, clean_env: MutableMapping[str, str], umask: int
+) -> None:
+    path = write_job(tmp_path, "llama", model={"kind": "llama", "n_heads": 4, "n_kv_heads": 1})
+    api.control.state = build_model(load_job(path)).state_dict()
+    job = api.store.create("llama", path.read_text(), str(tmp_path), 3).id
+    at = ("--scheduler", api.address)
+    hf, pt = tmp_path / "hf", tmp_path / "model.pt"
+    for out in (["--out", str(hf), "--format", "hf"], ["--out", str(pt)]):
+        args = parse(["export", job, *out, *at])
+        assert await asyncio.to_thread(load("export").run, "export", args) == 0
+    file_mode, dir_mode = 0o666 & ~umask, 0o777 & ~umask
+    assert hf.stat().st_mode & 0o777 == dir_mode  # not mkdtemp's 0700
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [*hf.iterdir(), pt]}
+    assert modes == {
+        "model.safetensors": file_mode,
+        "config.json": file_mode,
+        "model.pt": file_mode,
+    }

@@ -1,0 +1,55 @@
+"""A job's history as peers come and go: joins, moves, leaves with their cause, restarts; an
+ended job's released peers are not said to have left."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scheduler.history import History, peer_events
+from scheduler.store import JobStore
+from swarm.proto import control_pb2 as cpb
+
+
+def _serving(peer: str, job: str, stage: int) -> cpb.PeerAnnouncement:
+    return cpb.PeerAnnouncement(
+        peer=peer, job=job, stage=stage, state=cpb.PEER_STATE_SERVING, time=1.0
+    )
+
+
+def _offline(peer: str, time: float) -> cpb.PeerAnnouncement:
+    return cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE, time=time)
+
+
+def test_peer_events_name_joins_moves_and_the_cause_of_a_leave() -> None:
+    joining = cpb.PeerAnnouncement(peer="p", job="j", state=cpb.PEER_STATE_JOINING)
+    assert peer_events(None, joining) == []
+    assert peer_events(joining, _serving("p", "j", 1)) == [("j", "join", "p joined stage 1")]
+    assert peer_events(_serving("p", "j", 1), _serving("p", "j", 1)) == []
+    assert peer_events(_serving("p", "j", 1), _serving("p", "j", 0)) == [
+        ("j", "move", "p moved from stage 1 to stage 0")
+    ]
+    # A last-will carries no time: the process died or was cut off. A clean stop says when.
+    [(_, kind, text)] = peer_events(_serving("p", "j", 1), _offline("p", 0.0))
+    assert kind == "leave" and "p left stage 1: its connection dropped (killed" in text
+    [(_, _, text)] = peer_events(_serving("p", "j", 1), _offline("p", 5.0))
+    assert text == "p left stage 1: it was stopped"
+    assert peer_events(joining, _offline("p", 0.0)) == []  # it served nothing
+    [(_, kind, text)] = peer_events(joining, _serving("p", "j", 1), restarted=True)
+    assert kind == "restart" and text.startswith("p is back, restarted")
+
+
+def test_a_peer_back_under_a_dead_ones_id_reads_as_a_restart(tmp_path: Path) -> None:
+    with JobStore(tmp_path / "jobs.db") as store:
+        job = store.create("tiny", "spec", "/data", steps=5).id
+        history = History(store)
+        serving = _serving("p", job, 1)
+        history.peer(None, serving)
+        history.peer(serving, _offline("p", 0.0))
+        fresh = cpb.PeerAnnouncement(peer="p", job=job, state=cpb.PEER_STATE_JOINING)
+        history.peer(None, fresh)
+        history.peer(fresh, serving)
+        history.peer(None, _serving("q", job, 0))  # another peer: a plain join
+        assert [e.kind for e in store.events(job)] == ["join", "leave", "restart", "join"]
+        store.set_state(job, "cancelled")
+        history.peer(serving, cpb.PeerAnnouncement(peer="p", state=cpb.PEER_STATE_JOINING))
+        assert len(store.events(job)) == 4  # released by the ended job: not a leave

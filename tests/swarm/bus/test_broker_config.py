@@ -1,0 +1,320 @@
+"""`swarm broker-config`: its ACL grants what the shipped one and the embedded broker grant, its
+password file (hashed here or by mosquitto_passwd) lets real Mosquitto check the logins, and it
+refuses what would make a broker that cannot start or cannot be logged in to."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from swarm.bus import broker_config
+from swarm.bus.broker_config import TOOL_USER, acl_text, conf_text, hash_password, write
+from swarm.bus.connection import Bus, BusAuthError, BusSettings
+from swarm.bus.topics import ANY, SCHEDULER_USER, Topics, topic_matches
+from swarm.cli import main
+from swarm.errors import ConfigError
+from swarm.net import tls
+from swarm.net.certs import init_ca, issue
+from swarm.proto import control_pb2 as pb
+from tests.support.brokers import (
+    BUNDLED_ACL,
+    MOSQUITTO,
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    wait_for_port,
+)
+from tests.support.cli import ROOT
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT_S = 10.0  # bound on any single expected event
+FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
+TOKEN, SCHEDULER_TOKEN = "s3cret", "sched-only"
+TOPICS = Topics()
+ME = pwd.getpwuid(os.geteuid()).pw_name
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (files given to mosquitto)")
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+def _grants(acl: str, user: str) -> list[tuple[str, str]]:
+    """(access, topic filter) that Mosquitto's ACL file `acl` gives `user`."""
+    grants, current = [], None
+    for line in acl.splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if words[0] == "user":
+            current = words[1]
+        elif words[0] == "pattern":
+            grants.append((words[1], words[2].replace("%u", user)))
+        elif words[0] == "topic" and current == user:
+            grants.append((words[1], words[2]))
+    return grants
+
+
+def _allowed(grants: list[tuple[str, str]], access: str, topic: str) -> bool:
+    return any(a in (access, "readwrite") and topic_matches(topic, f) for a, f in grants)
+
+
+def test_the_acl_grants_what_the_shipped_acl_and_the_embedded_broker_grant() -> None:
+    peers = ["a", "b"]
+    written, shipped = acl_text(peers), BUNDLED_ACL.read_text()
+    assert "pattern read" not in written  # Mosquitto 2 warns at every start about it
+    probes = [
+        *(TOPICS.peer(p) for p in (*peers, "c", TOOL_USER, SCHEDULER_USER)),
+        *(TOPICS.load("j", p) for p in (*peers, "c")),
+        TOPICS.job("j"),
+        TOPICS.assign("j", "a"),
+        TOPICS.steps("j"),
+        "elsewhere/peers/a",
+    ]
+    for user in (SCHEDULER_USER, TOOL_USER, *peers):
+        ours, theirs = _grants(written, user), _grants(shipped, user)
+        for topic in probes:
+            for access in ("read", "write"):
+                expected = _allowed(theirs, access, topic)
+                assert _allowed(ours, access, topic) == expected, (user, access, topic)
+            if topic.startswith(TOPICS.prefix):  # outside it the embedded broker lets all be
+                assert _allowed(ours, "write", topic) == TOPICS.may_publish(user, topic), topic
+
+
+def test_the_shipped_conf_is_what_broker_config_writes() -> None:
+    """examples/mosquitto/mosquitto.conf is an example of the output, kept from drifting."""
+    example = conf_text(Path("/etc/swarm/broker"), 8883, user="mosquitto", mutual=False)
+    assert (ROOT / "examples" / "mosquitto" / "mosquitto.conf").read_text() == example
+
+
+def test_hash_password_is_mosquitto_passwds_format(tmp_path: Path) -> None:
+    """The same salt gives mosquitto_passwd's line (its salt read back from its own file)."""
+    made = tmp_path / "passwd"
+    made.write_text(f"a:{TOKEN}\n")
+    subprocess.run([broker_config.MOSQUITTO_PASSWD, "-U", str(made)], check=True)
+    theirs = made.read_text().strip().split(":", 1)[1]
+    salt = base64.b64decode(theirs.split("$")[3])
+    assert hash_password(TOKEN, salt) == theirs
+    assert hash_password(TOKEN) != hash_password(TOKEN)  # a fresh salt each time
+
+
+# ----------------------------------------------------------------- against real Mosquitto
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Iterator[Path]:
+    """A swarm CA and a broker certificate for 127.0.0.1; the client trusts the CA."""
+    path = tmp_path / "certs"
+    init_ca(path)
+    issue(path, "broker", ["127.0.0.1"])
+    tls.configure(tls.Tls.load(path / "ca.pem", None, None, False))
+    yield path
+    tls.configure(None)
+
+
+@contextlib.contextmanager
+def reachable_dir() -> Iterator[Path]:
+    """A directory that user mosquitto can enter (pytest's own are root's, 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="swarm-broker-"))
+    try:
+        path.chmod(0o755)
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    with reachable_dir() as path:
+        yield path
+
+
+@contextlib.contextmanager
+def running(conf: Path, port: int) -> Iterator[Path]:
+    """`mosquitto -c conf` (as we are), listening on `port`; yields its log."""
+    log = conf.with_name("mosquitto.log")
+    with log.open("wb") as out:
+        proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_for_port("127.0.0.1", port, START_TIMEOUT_S, proc)
+        except Exception as exc:
+            raise AssertionError(f"mosquitto did not start: {exc}\n{log.read_text()}") from exc
+        yield log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(STOP_TIMEOUT_S)
+
+
+def _bus(url: str, user: str, password: str, client_id: str | None = None) -> Bus:
+    return Bus(
+        url,
+        client_id or f"test-{user}",
+        token=password,
+        username=user,
+        registry=CollectorRegistry(),
+        settings=FAST,
+    )
+
+
+async def check_logins(url: str, peer: str, token: str, scheduler_token: str) -> None:
+    """On the broker at `url`: the scheduler logs in with its own password and sees `peer`,
+    logged in with `token`, publish its announcement; `peer` cannot publish another's, and
+    neither a stranger nor the token as the scheduler gets in."""
+    async with _bus(url, SCHEDULER_USER, scheduler_token) as scheduler, _bus(url, peer, token) as p:
+        await scheduler.wait_connected(WAIT_S)
+        seen = scheduler.subscribe(TOPICS.peer(ANY))
+        await seen.wait_subscribed(WAIT_S)
+        await p.wait_connected(WAIT_S)
+        # In order on one connection: if the second arrives first, the first was dropped.
+        await p.publish(TOPICS.peer("someone-else"), pb.PeerAnnouncement(address="x:1"))
+        await p.publish(TOPICS.peer(peer), pb.PeerAnnouncement(address="a:1"), retain=True)
+        async with asyncio.timeout(WAIT_S):
+            assert (await anext(seen))[0] == TOPICS.peer(peer)
+    for user, password in (("stranger", token), (SCHEDULER_USER, token), (peer, "wrong")):
+        async with _bus(url, user, password) as refused:
+            with pytest.raises(BusAuthError):
+                await refused.wait_connected(WAIT_S)
+
+
+@contextlib.asynccontextmanager
+async def _written(tmp_path: Path, certs: Path, tool: str | None) -> AsyncIterator[str]:
+    port = free_port("127.0.0.1")
+    files = write(
+        tmp_path / "broker",
+        certs=certs,
+        cert="broker",
+        port=port,
+        peers={"a": None, "b": "b-only"},
+        token=TOKEN,
+        scheduler_password=SCHEDULER_TOKEN,
+        user=ME,  # no dropping of privileges here: the system test does that
+        tool=tool,
+    )
+    with running(files[0], port):
+        yield f"mqtts://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("tool", ["mosquitto_passwd", "ours"])
+async def test_real_mosquitto_checks_the_written_logins(
+    tmp_path: Path, certs: Path, tool: str
+) -> None:
+    hasher = broker_config.MOSQUITTO_PASSWD if tool == "mosquitto_passwd" else None
+    async with _written(tmp_path, certs, hasher) as url:
+        await check_logins(url, "a", TOKEN, SCHEDULER_TOKEN)
+        own = url.replace("mqtts://", "mqtts://b:b-only@")  # b's own password, in its URL
+        async with _bus(own, "b", TOKEN) as b:
+            await b.wait_connected(WAIT_S)
+        async with _bus(url, TOOL_USER, TOKEN) as trainer:
+            await trainer.wait_connected(WAIT_S)
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+def _write(tmp_path: Path, certs: Path, **kw: object) -> list[Path]:
+    args: dict[str, object] = dict(
+        certs=certs,
+        cert="broker",
+        port=8883,
+        peers={"a": None},
+        token=TOKEN,
+        scheduler_password=SCHEDULER_TOKEN,
+        user=ME,
+        tool=None,
+    )
+    return write(tmp_path / "broker", **{**args, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"peers": {"a/b": None}}, "cannot be a peer id"),
+        ({"peers": {SCHEDULER_USER: None}}, "cannot be a peer id"),
+        ({"peers": {TOOL_USER: None}}, "cannot be a peer id"),
+        ({"peers": {"a": "two\nlines"}}, "one non-empty line"),
+        ({"scheduler_password": TOKEN}, "must not be the swarm token"),
+        ({"cert": "missing"}, "missing"),
+        ({"port": 0}, "TCP port"),
+    ],
+)
+def test_refuses_what_would_not_work(
+    tmp_path: Path, certs: Path, change: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        _write(tmp_path, certs, **change)
+    assert not (tmp_path / "broker" / "passwd").exists()
+
+
+@as_root
+def test_gives_the_secrets_to_the_brokers_user_in_a_place_it_can_reach(
+    tmp_path: Path, certs: Path, open_dir: Path
+) -> None:
+    """tmp_path lies under a 0700 directory of root's: Mosquitto, once it is user mosquitto,
+    could not open its files there."""
+    with pytest.raises(ConfigError, match="cannot enter"):
+        _write(tmp_path, certs, user="mosquitto")
+    with pytest.raises(ConfigError, match="no user"):
+        _write(open_dir, certs, user="no-such-user-here")
+    mosquitto = pwd.getpwnam("mosquitto")
+    files = {f.name: f for f in _write(open_dir, certs, user="mosquitto")}
+    for name in ("passwd", "acl", "broker.key"):
+        st = files[name].stat()
+        assert (st.st_uid, st.st_mode & 0o777) == (mosquitto.pw_uid, 0o600), name
+    assert files["mosquitto.conf"].stat().st_mode & 0o777 == 0o644
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _verifies(passwd: Path, user: str, password: str) -> bool:
+    """Whether `passwd` (Mosquitto's password file) holds `password` for `user`."""
+    lines = dict(line.split(":", 1) for line in passwd.read_text().splitlines())
+    salt = base64.b64decode(lines[user].split("$")[3])
+    return hash_password(password, salt) == lines[user]
+
+
+def test_the_command_makes_up_the_tokens_it_is_not_given_and_shows_them_once(
+    tmp_path: Path, certs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SWARM_TOKEN", raising=False)
+    monkeypatch.delenv("SWARM_SCHEDULER_TOKEN", raising=False)
+    peers = tmp_path / "peers"
+    peers.write_text("# the lab's machines\ngpu1\ngpu2 gpu2-own-pass\n\n")
+    out = tmp_path / "broker"
+    argv = ["broker-config", "--dir", str(out), "--certs", str(certs), "--user", ME]
+    assert main([*argv, "--peers", "gpu0", "--peers-file", str(peers)]) == 0
+    printed = capsys.readouterr().out
+    made = dict(re.findall(r"export (SWARM_\w+)=(\w+)", printed))
+    assert set(made) == {"SWARM_TOKEN", "SWARM_SCHEDULER_TOKEN"}
+    passwd = out / "passwd"
+    for user in ("gpu0", "gpu1", TOOL_USER):
+        assert _verifies(passwd, user, made["SWARM_TOKEN"]), user
+    assert _verifies(passwd, "gpu2", "gpu2-own-pass")
+    assert _verifies(passwd, SCHEDULER_USER, made["SWARM_SCHEDULER_TOKEN"])
+    assert made["SWARM_TOKEN"] not in "".join(f.read_text() for f in out.iterdir())
+
+    # Given, they are not printed; a peer named twice is a mistake.
+    monkeypatch.setenv("SWARM_TOKEN", TOKEN)
+    monkeypatch.setenv("SWARM_SCHEDULER_TOKEN", SCHEDULER_TOKEN)
+    assert main([*argv, "--peers", "gpu0"]) == 0
+    assert "export" not in capsys.readouterr().out
+    assert _verifies(passwd, "gpu0", TOKEN) and "gpu1:" not in passwd.read_text()
+    assert main([*argv, "--peers", "gpu1", "--peers-file", str(peers)]) == 2
+    assert "gpu1 is named twice" in capsys.readouterr().err
