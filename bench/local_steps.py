@@ -1,7 +1,8 @@
 """The loss price of local steps (`pool.mode = "local"`, DiLoCo) at equal samples, over seeds.
 
     .venv/bin/python bench/local_steps.py [--job examples/tiny.toml] [--steps 640]
-        [--hs 4,16,32] [--outer 0.7:0.9,0.5:0.9,1.0:0.0] [--lrs 3e-3] [--seeds 0,1,2]
+        [--hs 4,16,32] [--outer 0.7:0.9,0.5:0.9,1.0:0.0] [--overlaps none,eager] [--lrs 3e-3]
+        [--seeds 0,1,2]
         [--workers 2] [--json]
 
 For each learning rate and seed, the job trains synchronously (`swarm local`, `pool.mode =
@@ -9,7 +10,9 @@ For each learning rate and seed, the job trains synchronously (`swarm local`, `p
 `pool.sync_every`) and each outer setting (`--outer`, outer_lr:outer_momentum): the synthetic
 route record of `swarm local --replicas 2` (SWARM's stochastic wiring, each step's microbatches
 spread evenly over the replicas, chains crossing them), the reference every local-mode swarm
-run equals float64-exactly. Both see the same samples at every step. Two scores per run: the
+run equals float64-exactly; with `--overlaps none,eager` each local row is run with the eager
+overlap too (`pool.overlap = "eager"`, the reference's rule: own share at once, the others' a
+round late). Both see the same samples at every step. Two scores per run: the
 final training loss (the mean of the last 20 steps' losses; in local mode each step's loss is
 the replicas' own parameters', between rounds) and the held-out loss of the final shared
 parameters, on a set that is the same for every run: the job's validation split
@@ -49,8 +52,9 @@ HELD_OUT_MICROBATCHES = 8
 HELD_OUT_SEED = 0  # the held-out set's data seed, whatever the run's: one set for every run
 SCORES = ("train", "held_out")  # the two scores of a run
 
-# A run: (lr, seed, local setting), the setting None for synchronous or (H, outer_lr, momentum).
-Setting = tuple[int, float, float] | None
+# A run: (lr, seed, local setting), the setting None for synchronous or (H, outer_lr, momentum,
+# overlap).
+Setting = tuple[int, float, float, str] | None
 Run = tuple[str, int, Setting]
 
 
@@ -78,10 +82,15 @@ def job_text(path: Path, steps: int, lr: str, seed: int, setting: Setting) -> st
     if setting is None:
         text = _set(text, "pool", "mode", '"step"')
     else:
-        h, outer_lr, momentum = setting
-        pool = (("outer_momentum", momentum), ("outer_lr", outer_lr), ("sync_every", h))
-        for key, value in pool:
-            text = _set(text, "pool", key, str(value))
+        h, outer_lr, momentum, overlap = setting
+        pool: tuple[tuple[str, object], ...] = (
+            ("overlap", f'"{overlap}"'),
+            ("outer_momentum", momentum),
+            ("outer_lr", outer_lr),
+            ("sync_every", h),
+        )
+        for name, chosen in pool:
+            text = _set(text, "pool", name, str(chosen))
         text = _set(text, "pool", "mode", '"local"')
     return text.replace('precision = "bf16-mixed"', 'precision = "fp32"')
 
@@ -92,7 +101,7 @@ def _check(path: Path, job: JobConfig, steps: int, seed: int, setting: Setting) 
     got: tuple[object, ...] = (job.training.steps, job.training.seed, pool.mode)
     want: tuple[object, ...] = (steps, seed, "step" if setting is None else "local")
     if setting is not None:
-        got += (pool.sync_every, pool.outer_lr, pool.outer_momentum)
+        got += (pool.sync_every, pool.outer_lr, pool.outer_momentum, pool.overlap)
         want += setting
     if got != want:
         raise SystemExit(f"{path}: the edited job holds {got}, not {want}")
@@ -150,8 +159,8 @@ def score(path: str, steps: int, lr: str, seed: int, setting: Setting) -> dict[s
 def _name(setting: Setting) -> str:
     if setting is None:
         return "sync"
-    h, outer_lr, momentum = setting
-    return f"local H={h} outer {outer_lr}:{momentum}"
+    h, outer_lr, momentum, overlap = setting
+    return f"local H={h} outer {outer_lr}:{momentum}" + (", eager" if overlap == "eager" else "")
 
 
 def main() -> None:
@@ -161,6 +170,9 @@ def main() -> None:
     parser.add_argument("--hs", default="4,16,32", help="comma-separated sync_every values")
     parser.add_argument(
         "--outer", default="0.7:0.9,0.5:0.9,1.0:0.0", help="comma-separated outer_lr:outer_momentum"
+    )
+    parser.add_argument(
+        "--overlaps", default="none", help='comma-separated pool.overlap values: "none", "eager"'
     )
     parser.add_argument("--lrs", default="", help="comma-separated; default: the job's own")
     parser.add_argument("--seeds", default="0,1,2")
@@ -180,7 +192,10 @@ def main() -> None:
     outers = [tuple(float(x) for x in o.split(":")) for o in args.outer.split(",") if o]
     if any(len(o) != 2 for o in outers):
         raise SystemExit(f"--outer {args.outer}: give outer_lr:outer_momentum pairs")
-    settings: list[Setting] = [None] + [(h, o[0], o[1]) for h in hs for o in outers]
+    overlaps = [x for x in args.overlaps.split(",") if x]
+    settings: list[Setting] = [None] + [
+        (h, o[0], o[1], overlap) for h in hs for o in outers for overlap in overlaps
+    ]
     runs: list[Run] = [(lr, seed, s) for lr in lrs for s in settings for seed in seeds]
     scores: dict[Run, dict[str, float]] = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
@@ -205,6 +220,7 @@ def main() -> None:
                 "sync_every": 1 if setting is None else setting[0],
                 "outer_lr": None if setting is None else setting[1],
                 "outer_momentum": None if setting is None else setting[2],
+                "overlap": None if setting is None else setting[3],
                 "traffic_vs_sync": 1.0 if setting is None else 1 / setting[0],
                 "seconds": [scores[(lr, seed, setting)]["seconds"] for seed in seeds],
             }
@@ -239,6 +255,7 @@ def main() -> None:
             "sync"
             if r["mode"] == "step"
             else f"H={r['sync_every']}, outer {r['outer_lr']}:{r['outer_momentum']}"
+            + (", eager" if r["overlap"] == "eager" else "")
         )
         cells = []
         for k in SCORES:

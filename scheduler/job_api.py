@@ -25,7 +25,14 @@ from swarm.errors import (
     InvalidArgument,
     NotFound,
 )
-from swarm.job.config import FILE_DATA, check_spec_size, parse_job, verify_data, verify_init
+from swarm.job.config import (
+    FILE_DATA,
+    check_spec_size,
+    parse_job,
+    refuse_unbuilt,
+    verify_data,
+    verify_init,
+)
 from swarm.job.pinning import pin, pin_data
 from swarm.job.states import job_state_proto
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
@@ -231,6 +238,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     f"base_dir must be an absolute directory, got {request.base_dir!r}"
                 )
             job = parse_job(request.spec, base_dir, name="job", check_data=False)  # bounds, size
+            refuse_unbuilt(job)
             spec = request.spec
             if job.data.kind in FILE_DATA:
                 assert job.data.path is not None  # required for file data

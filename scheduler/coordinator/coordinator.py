@@ -47,7 +47,7 @@ from scheduler.coordinator.shares import Shares
 from scheduler.coordinator.step_records import StepRecords
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import SwarmError
-from swarm.job.config import JobConfig
+from swarm.job.config import JobConfig, refuse_unbuilt
 from swarm.model.routes import Record
 from swarm.ops.progress import StepRecord
 from swarm.policy.backoff import Backoff
@@ -116,6 +116,7 @@ class LocalCoordinator:
         `on_route(record)`: pool.mode = "local"'s route record (`swarm.model.routes`).
         `checkpoint_every_s`: checkpoint at least this often besides every `checkpoint_every`
         steps (with `checkpoint_dir`)."""
+        refuse_unbuilt(job)
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
         self.on_step, self.on_rollback, self.on_status = on_step, on_rollback, on_status

@@ -56,6 +56,7 @@ __all__ = [
     "init_sha256",
     "load_job",
     "parse_job",
+    "refuse_unbuilt",
     "token_width",
     "verify_data",
     "verify_init",
@@ -98,6 +99,17 @@ def verify_data(job: JobConfig) -> JobConfig:
             )
         pinned[key] = digest
     return replace(job, data=replace(job.data, **pinned))
+
+
+def refuse_unbuilt(job: JobConfig) -> None:
+    """Refuse, with the reason, a job only `swarm local` runs so far: the swarm (a scheduler, a
+    trainer) calls this before it trains."""
+    if job.pool.overlap == "eager":
+        raise ConfigError(
+            'pool.overlap = "eager" runs in the reference only so far (swarm local --replicas R '
+            "or --routes FILE, to measure its loss price): the swarm does not run it yet; use "
+            '"none" (docs/jobs.md, "Pool modes")'
+        )
 
 
 def check_spec_size(text: str, source: str = "the job file") -> None:

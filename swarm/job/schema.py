@@ -259,15 +259,18 @@ class PoolConfig(Section):
     sync_every: int = _f(16, GE1)  #: steps per round with mode = "local" (H; count)
     outer_lr: float = _f(0.7, GT0)  #: the outer SGD step's learning rate (pseudo-gradient units)
     outer_momentum: float = _f(0.9, UNIT)  #: its Nesterov momentum (fraction)
-    #: "eager": a round's averaging runs while the next round trains (not yet: "none" only)
+    #: "eager": a round's averaging runs while the next round trains, each replica applying its
+    #: own fresh share at once and the others' one round late (with mode = "local"; `swarm
+    #: local` only so far: the swarm refuses it, `refuse_unbuilt`)
     overlap: Literal["none", "eager"] = "none"
 
     def _validate(self) -> None:
         if not math.isfinite(self.outer_lr):
             raise not_allowed("pool.outer_lr", self.outer_lr, "a finite number > 0")
-        if self.overlap == "eager":
-            allowed = '"none" (the eager overlap is not built yet: docs/jobs.md, "Pool modes")'
-            raise not_allowed("pool.overlap", self.overlap, allowed)
+        if self.overlap == "eager" and self.mode != "local":
+            raise not_allowed(
+                "pool.overlap", self.overlap, '"none" with pool.mode = "step" (eager needs "local")'
+            )
 
 
 @dataclass(frozen=True)

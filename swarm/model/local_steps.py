@@ -15,6 +15,13 @@ modes"), so every rule here is one the stage servers implement the same way:
 - a round of stage k averages its group's pseudo-gradients (start - own parameters) weighted by
   the samples each counted in the round (`pseudo_gradient`), takes the outer step on the start
   parameters, and every member continues from them; a replica left out of the group is gone.
+
+With `pool.overlap = "eager"` (the reference only, so far: the swarm refuses it) a round's
+average is not waited for: each member takes its outer step at once with its own fresh share and
+the others' shares one round late (`eager_gradients`: the previous round's average plus its own
+share minus its own previous share; the Eager Updates rule, arXiv 2502.12996), on a start and
+an outer optimizer of its own (the members differ by their shares); the last round is completed
+synchronously (the others' last shares are added) and the trained model is the members' mean.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -47,6 +54,7 @@ from swarm.ops.progress import StepRecord
 
 __all__ = [
     "build_outer_optimizer",
+    "eager_gradients",
     "pseudo_gradient",
     "synthetic_routes",
     "train_replicas",
@@ -84,6 +92,32 @@ def pseudo_gradient(
             assert acc is not None
             averaged.append(acc.div_(total))
     return averaged
+
+
+def eager_gradients(
+    previous: Sequence[torch.Tensor] | None,
+    shares: Sequence[Sequence[torch.Tensor]],
+    own_previous: Sequence[Sequence[torch.Tensor] | None],
+    complete: bool = False,
+) -> list[list[torch.Tensor]]:
+    """Each member's outer gradient of an eagerly overlapped round: the previous round's average
+    (`previous`, None before the first), plus the member's own fresh share (`shares[m]`: its
+    samples / the round's samples x its pseudo-gradient), minus its own share of the previous
+    round (`own_previous[m]`, None before its first): `prev_avg + (share - prev_share)`, so the
+    fresh shares of the others arrive one round late. `complete`: the last round, whose average
+    is waited for: every member adds the others' fresh shares too (the round's whole average)."""
+    average = [torch.stack([m[j] for m in shares]).sum(0) for j in range(len(shares[0]))]
+    result = []
+    with torch.no_grad():
+        for share, before in zip(shares, own_previous, strict=True):
+            grads = []
+            for j, fresh in enumerate(average if complete else share):
+                g = fresh.clone() if previous is None else previous[j] + fresh
+                if before is not None:
+                    g.sub_(before[j])
+                grads.append(g)
+            result.append(grads)
+    return result
 
 
 def synthetic_routes(job: JobConfig, replicas: int, steps: int | None = None) -> Iterator[Record]:
@@ -140,14 +174,27 @@ def _holds(replica: _Replica, params: Sequence[torch.Tensor]) -> bool:
 
 
 @dataclass
+class _Own:
+    """pool.overlap = "eager": a member's own round start, outer optimizer and last share."""
+
+    start: list[torch.Tensor]
+    outer: torch.optim.Optimizer
+    share: list[torch.Tensor] | None = None
+
+
+@dataclass
 class _Pool:
     """One stage: its replicas (in the order they joined), the round's start parameters (the
-    returned model's own) with their outer optimizer, and the job's initial parameters."""
+    returned model's own) with their outer optimizer, and the job's initial parameters; with
+    the eager overlap, each member's own start (`own`) and the last round's average."""
 
     start: list[nn.Parameter]
     outer: torch.optim.Optimizer
     initial: StageModule
     replicas: dict[str, _Replica]
+    own: dict[str, _Own] = field(default_factory=dict)
+    average: list[torch.Tensor] | None = None
+    ended: int = -1  # the step the last round ended after
 
 
 def train_replicas(
@@ -186,6 +233,14 @@ class _Replay:
         on_step: Callable[[StepRecord], None] | None,
     ) -> None:
         self.job, self.device, self.on_step = job, device, on_step
+        self.eager = job.pool.overlap == "eager"
+        if self.eager and job.training.eval_every:
+            raise ConfigError(
+                'pool.overlap = "eager" with training.eval_every: the replicas share no '
+                "parameters between rounds to evaluate; set eval_every = 0 (the final model is "
+                "evaluated)"
+            )
+        self.total = job.training.steps
         self.model = build_model(job, device)
         self.data: DataSource = make_data(job)
         every = job.training.eval_every
@@ -200,6 +255,7 @@ class _Replay:
         self.done = 0  # steps whose runs are applied
 
     def run(self, routes: Iterable[Record], total: int) -> StageModule:
+        self.total = total
         for record in routes:
             if record.step >= total:
                 break
@@ -214,7 +270,10 @@ class _Replay:
                 f"the route record holds the runs of {self.done} steps; the job trains {total}"
             )
         for k, pool in enumerate(self.pools):  # the round that always ends after the last step
-            if any(not _holds(r, pool.start) for r in pool.replicas.values()):
+            if self.eager:
+                if pool.ended != total - 1:
+                    self._sync(Sync(total - 1, k, tuple(pool.replicas)))
+            elif any(not _holds(r, pool.start) for r in pool.replicas.values()):
                 self._sync(Sync(total - 1, k, tuple(pool.replicas)))
         if self.val is not None:  # the final evaluation, of the trained parameters
             began = time.perf_counter()
@@ -259,7 +318,16 @@ class _Replay:
         if record.source is None:  # the job's initial parameters, no optimizer state yet
             module = copy.deepcopy(pool.initial)
             pool.replicas[record.peer] = _Replica(module, self._inner(module))
+            if self.eager:
+                start = [p.detach().clone() for p in module.parameters()]
+                pool.own[record.peer] = _Own(start, build_outer_optimizer(start, self.job.pool))
             return
+        if self.eager:
+            raise ConfigError(
+                f"route record, step {record.step}: {record.peer!r} joins stage {record.stage} "
+                'as a copy; with pool.overlap = "eager" the reference replays joins at step 0 '
+                "only (a copy's own start and outer state are not built yet)"
+            )
         source = self._replica(record.step, record.stage, record.source)
         module = copy.deepcopy(source.module)
         optimizer = self._inner(module)
@@ -373,6 +441,9 @@ class _Replay:
                 f"replica twice: {list(record.group)}"
             )
         members = [self._replica(record.step, record.stage, p) for p in record.group]
+        if self.eager:
+            self._eager_sync(record, pool, members)
+            return
         averaged = pseudo_gradient(pool.start, [(m.params, m.round_samples) for m in members])
         if averaged is not None:
             for p, g in zip(pool.start, averaged, strict=True):
@@ -386,3 +457,39 @@ class _Replay:
                 member.round_samples = 0
         # Replicas left out of the round are gone, and their round's samples with them.
         pool.replicas = {p: pool.replicas[p] for p in record.group}
+
+    def _eager_sync(self, record: Sync, pool: _Pool, members: list[_Replica]) -> None:
+        """A round under the eager overlap (`eager_gradients`): each member's outer step on its
+        own start; the last round completes the average, and the pool's start (the returned
+        model's parameters) becomes the members' mean."""
+        owns = [pool.own[p] for p in record.group]
+        total = sum(m.round_samples for m in members)
+        last = record.step == self.total - 1
+        if total:
+            with torch.no_grad():
+                shares = [
+                    [
+                        (s - p) * (m.round_samples / total)
+                        for s, p in zip(o.start, m.params, strict=True)
+                    ]
+                    for o, m in zip(owns, members, strict=True)
+                ]
+            grads = eager_gradients(pool.average, shares, [o.share for o in owns], complete=last)
+            for own, share, g in zip(owns, shares, grads, strict=True):
+                for s, gj in zip(own.start, g, strict=True):
+                    s.grad = gj
+                own.outer.step()
+                own.outer.zero_grad(set_to_none=True)
+                own.share = share
+            pool.average = [torch.stack(t).sum(0) for t in zip(*shares, strict=True)]
+        with torch.no_grad():
+            for own, member in zip(owns, members, strict=True):
+                for p, s in zip(member.params, own.start, strict=True):
+                    p.copy_(s)
+                member.round_samples = 0
+            if last:  # the trained model: the members' mean (they differ by their shares)
+                for j, p in enumerate(pool.start):
+                    p.copy_(torch.stack([o.start[j] for o in owns]).mean(0))
+        pool.replicas = {p: pool.replicas[p] for p in record.group}
+        pool.own = {p: pool.own[p] for p in record.group}
+        pool.ended = record.step

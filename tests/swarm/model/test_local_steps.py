@@ -14,7 +14,7 @@ import torch
 from swarm.cli import main
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig
-from swarm.model.local_steps import synthetic_routes, train_replicas
+from swarm.model.local_steps import eager_gradients, synthetic_routes, train_replicas
 from swarm.model.reference import train_local
 from swarm.model.routes import Join, Record, Run, StepRuns, Sync, read_routes, write_record
 from swarm.ops.progress import StepRecord
@@ -179,3 +179,45 @@ def test_a_record_naming_a_peer_that_never_joined_is_refused(tmp_path: Path) -> 
         train_replicas(job, routes=[r for r in records if not isinstance(r, StepRuns) or r.step])
     with pytest.raises(ConfigError, match="holds the runs of 1 steps; the job trains 2"):
         train_replicas(job, routes=[r for r in records if r.step == 0])
+
+
+def test_the_eager_rule_applies_own_shares_at_once_and_the_others_a_round_late() -> None:
+    # Two members, one parameter: round 1's shares 1 and 2, round 2's 4 and 8.
+    t = torch.tensor
+    first = eager_gradients(None, [[t(1.0)], [t(2.0)]], [None, None])
+    assert [g[0].item() for g in first] == [1.0, 2.0]  # its own share only
+    second = eager_gradients([t(3.0)], [[t(4.0)], [t(8.0)]], [[t(1.0)], [t(2.0)]])
+    assert [g[0].item() for g in second] == [3.0 + 4.0 - 1.0, 3.0 + 8.0 - 2.0]
+    last = eager_gradients([t(3.0)], [[t(4.0)], [t(8.0)]], [[t(1.0)], [t(2.0)]], complete=True)
+    assert [g[0].item() for g in last] == [3.0 + 12.0 - 1.0, 3.0 + 12.0 - 2.0]
+    # Over the three rounds each member applied every average in full: 3 + 12 = 1 + 2 + 12.
+
+
+def test_eager_with_one_replica_is_the_plain_round(tmp_path: Path) -> None:
+    # One member's fresh share is the whole average: nothing arrives late.
+    plain = _job(tmp_path, training={"steps": 9})
+    eager = _job(tmp_path, "eager", pool={"overlap": "eager"}, training={"steps": 9})
+    want = _state(train_replicas(plain, replicas=1))
+    assert_states_within(_state(train_replicas(eager, replicas=1)), want, 1e-12)
+
+
+def test_eager_with_two_replicas_trains_and_differs_from_the_plain_round(tmp_path: Path) -> None:
+    plain = _job(tmp_path, training={"steps": 9})
+    eager = _job(tmp_path, "eager", pool={"overlap": "eager"}, training={"steps": 9})
+    losses: list[float] = []
+    state = _state(train_replicas(eager, replicas=2, on_step=lambda r: losses.append(r.loss)))
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert losses[-1] < losses[0]
+    assert _max_diff(state, _state(train_replicas(plain, replicas=2))) > 1e-6
+
+
+def test_the_swarm_refuses_the_eager_overlap_until_it_runs_it(tmp_path: Path) -> None:
+    from scheduler.coordinator import LocalCoordinator
+
+    eager = _job(tmp_path, pool={"overlap": "eager"})
+    with pytest.raises(ConfigError, match="reference only so far"):
+        LocalCoordinator(eager, "job", lambda: [])
+    with pytest.raises(ConfigError, match='eager needs "local"'):
+        make_job(tmp_path, "step", pool={"overlap": "eager"})
+    with pytest.raises(ConfigError, match="eval_every"):
+        train_replicas(_job(tmp_path, "ev", pool={"overlap": "eager"}, training={"eval_every": 2}))
