@@ -189,6 +189,8 @@ class JobTraining:
                 lambda: self._message(job_id),
                 self.history,
                 self.health(job_id),
+                speed=speed,
+                progress=coordinator.progress,
             )
             try:
                 async with asyncio.TaskGroup() as group:

@@ -4,6 +4,7 @@ over the whole run once the job has ended."""
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 
@@ -19,6 +20,8 @@ class RecentSpeed:
         self.clock, self.window_s = clock, window_s
         self._commits: deque[tuple[float, int]] = deque()  # (when, samples), oldest first
         self._since: float | None = None  # when the current attempt started counting
+        self._last: float | None = None  # when the last step committed
+        self._step_s: float | None = None
 
     def start(self) -> None:
         """Training (re)starts now: the time before is not counted as stalled."""
@@ -30,6 +33,22 @@ class RecentSpeed:
             self._since = now
         self._commits.append((now, samples))
         self._trim(now)
+        self._last = now
+        times = [t for t, _ in self._commits]
+        gaps = sorted(b - a for a, b in itertools.pairwise(times))
+        if gaps:
+            self._step_s = gaps[len(gaps) // 2]
+
+    @property
+    def last_at(self) -> float | None:
+        """When the last step committed (or training started, if later), None before either."""
+        return max((t for t in (self._last, self._since) if t is not None), default=None)
+
+    @property
+    def step_s(self) -> float | None:
+        """The median time between commits in the window as of the last commit; None before two
+        commits in a window."""
+        return self._step_s
 
     def rate(self) -> float:
         now = self.clock()

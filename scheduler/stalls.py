@@ -12,11 +12,13 @@ replica would have taken over without loss. Each change is an event in the job's
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from scheduler.history import History
+from scheduler.speed import RecentSpeed
 from swarm.rpc.lease import Replica
 
 __all__ = [
@@ -27,6 +29,11 @@ __all__ = [
     "single_replica_text",
     "stages_text",
 ]
+
+# Steps that stop committing for this many usual step times (and at least this long) while every
+# stage is served are a stall too (a hung or very slow replica, trainers gone).
+SLOW_STALL_STEPS = 20
+SLOW_STALL_MIN_S = 60.0
 
 REMEDY = "start a stage server for this job (`swarm stage-server --broker URL`, as for the others)"
 
@@ -85,13 +92,20 @@ class StallWatch:
         history: History,
         health: Health,
         clock: Callable[[], float] = time.time,
+        speed: RecentSpeed | None = None,
+        progress: Callable[[], str] = lambda: "",
     ) -> None:
         """`members()`: who serves each stage now; `step()`: the job's committed steps;
         `checkpoint()`: the step the last sealed checkpoint holds (0: none); `say(text)`: set the
-        job's message, `said()`: what it is now; `health`: what this watch keeps current."""
+        job's message, `said()`: what it is now; `health`: what this watch keeps current;
+        `speed`: the job's commits (a job served everywhere whose steps stop is stalled too),
+        `progress()`: where its open step is, in words."""
         self.job_id, self.members, self.step, self.checkpoint = job_id, members, step, checkpoint
         self.say, self.said, self.history = say, said, history
         self.health, self.clock = health, clock
+        self.speed, self.progress = speed, progress
+        self._slow_since: float | None = None  # the last commit, while no step commits
+        self._served_at = -math.inf  # when a lost stage was last served again
         self._lost: dict[int, float] = {}  # stage -> when it was last seen with no replica
         self._single: set[int] = set()  # stages warned about
         self._said = ""
@@ -113,6 +127,7 @@ class StallWatch:
         for k in [k for k in self._lost if k not in missing]:
             held = now - self._lost.pop(k)
             who = ", ".join(r.peer for r in members[k])
+            self._served_at = now  # its rollback comes next: not a slow step
             served_again = f"stage {k} is served again ({who}) after {held:.0f} s without a replica"
             self.history.record(self.job_id, "resume", served_again)
         single = {k for k, replicas in enumerate(members) if len(replicas) == 1}
@@ -130,7 +145,13 @@ class StallWatch:
             if single
             else []
         )
-        if missing:
+        slow = self._slow(now, step) if not missing else None
+        if slow is not None:
+            self.health.waiting_since = self._slow_since or now
+            if slow != self._said:
+                self._said = slow
+                await self.say(slow)
+        elif missing:
             since = min(self._lost.values())
             self.health.waiting_since = since
             text = lost_stage_text(missing, step, checkpoint, since)
@@ -143,6 +164,41 @@ class StallWatch:
             if self._said and self.said() == self._said:
                 await self.say(f"training: {served_again}" if served_again else "training")
             self._said = ""
+
+    def _slow(self, now: float, step: int) -> str | None:
+        """The message of a job whose every stage is served but whose steps stopped committing
+        for `SLOW_STALL_STEPS` of its usual step times (at least `SLOW_STALL_MIN_S`), else None;
+        its start and end are events."""
+        last = self.speed.last_at if self.speed is not None else None
+        typical = self.speed.step_s if self.speed is not None else None
+        if last is None:
+            return None
+        last = max(last, self._served_at)
+        if self._slow_since is not None and last > self._slow_since:  # a step committed
+            self.history.record(
+                self.job_id,
+                "resume",
+                f"steps commit again (step {step}) after {last - self._slow_since:.0f} s",
+            )
+            self._slow_since = None
+        threshold = max(SLOW_STALL_MIN_S, SLOW_STALL_STEPS * (typical or 0.0))
+        if now - last < threshold:
+            return None
+        where = self.progress()
+        if self._slow_since is None:
+            self._slow_since = last
+            self.history.record(
+                self.job_id,
+                "stall",
+                f"no step committed for {now - last:.0f} s at step {step}: {where}",
+            )
+        at = time.strftime("%H:%M:%S", time.localtime(last))
+        usual = f" (a step took about {typical:.1f} s)" if typical else ""
+        return (
+            f"stalled at step {step}: no step committed since {at}{usual}; {where}. A hung "
+            "replica is left out once its load reports stop (--load-silence-s) and its work "
+            "replayed; a slow one is waited for: see the scheduler's log"
+        )
 
     async def run(self, period_s: float = 1.0) -> None:
         """Look every `period_s` until cancelled."""

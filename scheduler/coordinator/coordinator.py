@@ -256,6 +256,24 @@ class LocalCoordinator:
         """The connection to `replica` at `stage` (the model's export downloads through it)."""
         return self.clients.get(stage, replica)
 
+    def progress(self) -> str:
+        """Where the oldest open step is, in words (for a stall's message): its microbatches
+        still without a gradient somewhere, or its commit and how many rounds failed."""
+        if not self._live:
+            return "no step open"
+        live = self._live[0]
+        ledger, commit = live.ledger, live.commit
+        if commit.task is not None:
+            failed = (
+                f", {commit.failed_rounds} failed round(s) so far" if commit.failed_rounds else ""
+            )
+            return f"step {ledger.step} is committing (attempt {commit.attempt + 1}{failed})"
+        total = len(ledger.evaluations) + ledger.microbatches
+        return (
+            f"step {ledger.step} waits for {ledger.remaining} of its {total} microbatches "
+            f"({ledger.holding()} trainer(s) hold leases on them)"
+        )
+
     def replicas(self) -> list[list[Replica]]:
         """Per stage, the members at the coordinator's step: trainers see and use only these."""
         return self.membership.replicas()

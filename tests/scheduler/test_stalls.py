@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from scheduler.history import History
+from scheduler.speed import RecentSpeed
 from scheduler.stalls import Health, StallWatch
 from scheduler.store import JobStore
 from swarm.rpc.lease import Replica
@@ -83,3 +84,53 @@ def test_a_lost_stage_is_named_with_its_remedy_and_what_follows(tmp_path: Path) 
         asyncio.run(look())
         assert message[0].startswith("rolled back to step 80")  # not overwritten
         assert health.warnings == []
+
+
+def test_steps_that_stop_while_every_stage_is_served_are_a_stall_too(tmp_path: Path) -> None:
+    now = [0.0]
+    members = [[Replica("a", "h:1"), Replica("b", "h:2")]]
+    message = ["training"]
+    speed = RecentSpeed(lambda: now[0])
+
+    async def say(text: str) -> None:
+        message[0] = text
+
+    with JobStore(tmp_path / "jobs.db") as store:
+        job = store.create("tiny", "spec", "/data", steps=800).id
+        health = Health()
+        watch = StallWatch(
+            job,
+            lambda: members,
+            lambda: 40,
+            lambda: 0,
+            say,
+            lambda: message[0],
+            History(store),
+            health,
+            clock=lambda: now[0],
+            speed=speed,
+            progress=lambda: "step 40 waits for 2 of its 4 microbatches",
+        )
+        speed.start()
+        for _ in range(40):  # a step every 2 s
+            now[0] += 2.0
+            speed.committed(8)
+        asyncio.run(watch.look())
+        assert message == ["training"] and health.waiting_since == 0.0
+        now[0] += 59.0  # under a minute (and 20 steps): not yet
+        asyncio.run(watch.look())
+        assert message == ["training"]
+        now[0] += 2.0
+        asyncio.run(watch.look())
+        assert message[0].startswith("stalled at step 40: no step committed since ")
+        assert "(a step took about 2.0 s); step 40 waits for 2 of its 4 microbatches." in message[0]
+        assert health.waiting_since == 80.0  # since the last commit
+        now[0] += 5.0
+        speed.committed(8)  # it moves again
+        asyncio.run(watch.look())
+        assert message == ["training"] and health.waiting_since == 0.0
+        kinds = [(e.kind, e.text.split(":")[0]) for e in store.events(job)]
+        assert kinds == [
+            ("stall", "no step committed for 61 s at step 40"),
+            ("resume", "steps commit again (step 40) after 66 s"),
+        ]

@@ -151,7 +151,9 @@ def test_rounds_end_where_the_job_says_and_nowhere_else(tmp_path: Path) -> None:
         ({"training": {"grad_clip": 1.0}}, "training.grad_clip"),
         ({"training": {"checkpoint_every": 3}}, "training.checkpoint_every"),
         ({"training": {"eval_every": 5}}, "training.eval_every"),
-        ({"pool": {"mode": "local", "overlap": "eager"}}, "pool.overlap"),
+        # eager needs local mode (in local mode swarm local runs it and the swarm refuses it:
+        # tests/swarm/model/test_local_steps.py)
+        ({"pool": {"mode": "step", "overlap": "eager"}}, "pool.overlap"),
     ],
 )
 def test_what_local_steps_cannot_do_is_said_when_the_job_is_read(

@@ -48,6 +48,10 @@ async def test_commit_prepares_every_replica_then_applies_and_opens_the_next_ste
     assert await h.coordinator.start() == 0
     tasks = await h.lease()
     assert tasks == [Task(0, 0, frozenset({0, 1})), Task(0, 1, frozenset({0, 1}))]
+    # Where the step is, in words (a stall's message says it)
+    assert h.coordinator.progress() == (
+        "step 0 waits for 2 of its 2 microbatches (1 trainer(s) hold leases on them)"
+    )
     await h.run(tasks[0], {0: "a"})
     await h.run(tasks[1], {0: "b"})
     record = await asyncio.wait_for(h.steps.get(), 10)
