@@ -114,7 +114,14 @@ def _trainer(p: argparse.ArgumentParser) -> None:
         "which `swarm local JOB --routes FILE` replays",
     )
     add_flag(p, "threads", 1, "torch threads", type=int)
-    add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    add_flag(
+        p,
+        "metrics-port",
+        None,
+        "serve /metrics on this port (0: any free port)",
+        env="trainer-metrics-port",
+        type=int,
+    )
     add_metrics_token(p)
     add_flag(
         p,

@@ -29,7 +29,14 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_flag(
         p, "port", 7700, "job API gRPC port (0: any free port)", env="scheduler-port", type=int
     )
-    add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    add_flag(
+        p,
+        "metrics-port",
+        None,
+        "serve /metrics on this port (0: any free port)",
+        env="scheduler-metrics-port",
+        type=int,
+    )
     add_metrics_token(p)
     add_flag(p, "store", Path("swarm-jobs.sqlite"), "SQLite job store", type=Path)
     add_flag(

@@ -50,7 +50,14 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "--host 0.0.0.0, e.g. behind NAT or in a container)",
     )
     add_flag(p, "port", 0, "gRPC port (0: any free port)", env="stage-server-port", type=int)
-    add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)", type=int)
+    add_flag(
+        p,
+        "metrics-port",
+        None,
+        "serve /metrics on this port (0: any free port)",
+        env="stage-server-metrics-port",
+        type=int,
+    )
     add_metrics_token(p)
     add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
     add_flag(p, "threads", 1, "torch threads: this process's share of the cores", type=int)

@@ -76,6 +76,13 @@ def test_each_role_reads_a_port_variable_of_its_own(
     assert "SWARM_PORT is not read; this command reads SWARM_STAGE_SERVER_PORT" in (
         capsys.readouterr().err
     )
+    # The same for the metrics port: a scheduler and a stage server in one shell.
+    clean_env["SWARM_SCHEDULER_METRICS_PORT"] = "9101"
+    clean_env["SWARM_STAGE_SERVER_METRICS_PORT"] = "9102"
+    clean_env["SWARM_TRAINER_METRICS_PORT"] = "9103"
+    roles = (["scheduler"], ["stage-server"], ["trainer", "--job", "j.toml"])
+    got = {argv[0]: parse(argv).metrics_port for argv in roles}
+    assert got == {"scheduler": 9101, "stage-server": 9102, "trainer": 9103}
 
 
 def test_generate_given_a_file_names_the_directory_it_needs(
