@@ -325,9 +325,12 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
             .decode()
         )
         assert f'swarm_coordinator_rollbacks_total{{job="{job_id}"}} 1.0' in metrics
-        # Plain `status` tells the story afterwards: the job's history, in order.
+        # `status` tells the story afterwards: the job's history, in order (plain `status` lists
+        # its newest 10 events, `--json` 50).
         told = swarm("status", job_id, "--scheduler", sw.address).stdout
-        history = told.split("events:\n")[1]
+        assert "succeeded: 40 steps" in told.split("events:\n")[1], told
+        doc = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        history = "\n".join(e["text"] for e in doc["events"])
         order = [
             f"{victim} left stage 2: its connection dropped",
             "stage 2 lost its last replica",
@@ -336,11 +339,11 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
             "succeeded: 40 steps",
         ]
         at = [0]
-        for what in order:  # each after the one before (status lists the newest 10 events)
+        for what in order:  # each after the one before
             at.append(history.find(what, at[-1]))
-        assert -1 not in at, told
+        assert -1 not in at, history
         # (the stall watch looks every second: the rollback may be said before or after it)
-        assert "stage 2 is served again" in history, told
+        assert "stage 2 is served again" in history, history
         assert re.search(  # and the scheduler's log, as a warning, with the remedy
             r"WARNING scheduler.history: job \S+: stage 2 lost its last replica at step \d+: "
             r"training stalled; start a stage server",
