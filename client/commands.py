@@ -113,7 +113,8 @@ async def watch(
                     seen_time = e.time
             if s.message != seen_message:
                 seen_message = s.message
-                if s.message and s.message not in told:
+                # An ended job's last word is its event and the outcome line printed after.
+                if s.message and s.message not in told and s.state not in TERMINAL_STATES:
                     bar.write(f"{state_name(s.state)}: {shown(s.message)}", file=sys.stderr)
             postfix = {
                 "state": state_name(s.state),
