@@ -21,7 +21,6 @@ from google.protobuf import json_format
 from tqdm import tqdm
 
 from client.live import (
-    duration_text,
     event_lines_of,
     loss_text,
     shown,
@@ -33,6 +32,7 @@ from client.sdk import TERMINAL_STATES, ClientError, SchedulerClient
 from swarm.errors import ConfigError, SwarmError
 from swarm.job.states import job_state_name as state_name
 from swarm.net.tokens import token_from_env
+from swarm.ops.progress import duration_text
 from swarm.proto import scheduler_pb2
 
 __all__ = [

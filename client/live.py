@@ -21,11 +21,11 @@ from typing import TextIO
 
 from swarm.job.states import TERMINAL_PROTO, peer_state_name
 from swarm.job.states import job_state_name as state_name
+from swarm.ops.progress import duration_text
 from swarm.proto import scheduler_pb2
 
 __all__ = [
     "LiveView",
-    "duration_text",
     "event_lines",
     "event_lines_of",
     "events",
@@ -59,19 +59,6 @@ def table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
-
-
-def duration_text(seconds: float) -> str:
-    """`1h02m03s`, `2m03s`, `3s`."""
-    minutes, secs = divmod(max(round(seconds), 0), 60)
-    hours, mins = divmod(minutes, 60)
-    return (
-        f"{hours}h{mins:02d}m{secs:02d}s"
-        if hours
-        else f"{mins}m{secs:02d}s"
-        if mins
-        else f"{secs}s"
     )
 
 

@@ -19,6 +19,10 @@ __all__ = ["History", "peer_events"]
 
 log = logging.getLogger(__name__)
 
+# Peers remembered as gone, per job: ids are what peers call themselves, so a stream of made-up
+# ones must not grow the scheduler; the oldest are forgotten (a restart then reads as a join).
+MAX_REMEMBERED = 10_000
+
 #: Kinds logged as warnings: training stopped, or is at risk of losing steps.
 _ALARMING = frozenset({"stall", "warning", "rollback"})
 
@@ -79,7 +83,8 @@ class History:
 
     def __init__(self, store: JobStore) -> None:
         self.store = store
-        self._left: dict[str, set[str]] = {}  # job -> peers whose connection dropped
+        # job -> peers that left it, oldest first (a dict as an ordered set, bounded)
+        self._left: dict[str, dict[str, None]] = {}
 
     def record(self, job_id: str, kind: str, text: str) -> None:
         level = logging.WARNING if kind in _ALARMING else logging.INFO
@@ -92,15 +97,18 @@ class History:
     def peer(self, old: cpb.PeerAnnouncement | None, new: cpb.PeerAnnouncement) -> None:
         """Record what `new` (the peer's announcement after `old`) tells."""
         job = new.job or (old.job if old is not None else "")
-        restarted = bool(job) and new.peer in self._left.get(job, set())
+        restarted = bool(job) and new.peer in self._left.get(job, {})
         for job_id, kind, text in peer_events(old, new, restarted):
             record = self.store.get(job_id)
             if record is None or record.finished:
                 continue  # deleted (or another scheduler's); or ended: its peers are released
+            left = self._left.setdefault(job_id, {})
             if kind == "leave":
-                self._left.setdefault(job_id, set()).add(new.peer)
+                left[new.peer] = None
+                if len(left) > MAX_REMEMBERED:
+                    del left[next(iter(left))]
             elif kind in ("join", "restart"):
-                self._left.get(job_id, set()).discard(new.peer)
+                left.pop(new.peer, None)
             self.record(job_id, kind, text)
 
     def forget(self, job_id: str) -> None:

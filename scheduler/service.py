@@ -43,6 +43,7 @@ from swarm.job.config import JobConfig, parse_job
 from swarm.job.states import job_state_proto
 from swarm.model import checkpoint
 from swarm.model.transformer import layer_costs, partition
+from swarm.ops.progress import duration_text
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Lease, MicrobatchResult, Working
@@ -465,14 +466,8 @@ def _state_change(record: JobRecord, state: JobState, message: str) -> str:
     if state == "succeeded":
         took = time.time() - record.created
         loss = f"{record.loss:.4f}"
-        return f"succeeded: {record.steps} steps, loss {loss}, {_duration(took)} after submit"
+        return f"succeeded: {record.steps} steps, loss {loss}, {duration_text(took)} after submit"
     return f"{record.state} -> {state}" + (f": {message}" if message else "")
-
-
-def _duration(seconds: float) -> str:
-    minutes, s = divmod(round(seconds), 60)
-    hours, m = divmod(minutes, 60)
-    return f"{hours}h{m:02d}m{s:02d}s" if hours else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def _remove(directory: Path) -> None:

@@ -34,6 +34,8 @@ __all__ = [
 # stage is served are a stall too (a hung or very slow replica, trainers gone).
 SLOW_STALL_STEPS = 20
 SLOW_STALL_MIN_S = 60.0
+# How often the last checkpoint's step is read from disk while no step commits (messages name it).
+CHECKPOINT_LOOK_S = 10.0
 
 REMEDY = "start a stage server for this job (`swarm stage-server --broker URL`, as for the others)"
 
@@ -106,6 +108,8 @@ class StallWatch:
         self.speed, self.progress = speed, progress
         self._slow_since: float | None = None  # the last commit, while no step commits
         self._served_at = -math.inf  # when a lost stage was last served again
+        # (when read, the job's step then, the checkpoint's step read)
+        self._checkpoint_at: tuple[float, int, int] | None = None
         self._lost: dict[int, float] = {}  # stage -> when it was last seen with no replica
         self._single: set[int] = set()  # stages warned about
         self._said = ""
@@ -113,7 +117,8 @@ class StallWatch:
     async def look(self) -> None:
         """Take in who serves each stage now; say what changed."""
         members, now = self.members(), self.clock()
-        step, checkpoint = self.step(), self.checkpoint()
+        step = self.step()
+        checkpoint = self._checkpoint(now, step)
         missing = [k for k, replicas in enumerate(members) if not replicas]
         for k in missing:
             if k not in self._lost:
@@ -164,6 +169,15 @@ class StallWatch:
             if self._said and self.said() == self._said:
                 await self.say(f"training: {served_again}" if served_again else "training")
             self._said = ""
+
+    def _checkpoint(self, now: float, step: int) -> int:
+        """`checkpoint()`, read again when a step has committed since, or after
+        `CHECKPOINT_LOOK_S` (one sealed in the background): it lists the job's checkpoint
+        directory, and this looks every second."""
+        cached = self._checkpoint_at
+        if cached is None or cached[1] != step or now - cached[0] >= CHECKPOINT_LOOK_S:
+            self._checkpoint_at = cached = (now, step, self.checkpoint())
+        return cached[2]
 
     def _slow(self, now: float, step: int) -> str | None:
         """The message of a job whose every stage is served but whose steps stopped committing

@@ -11,7 +11,7 @@ from typing import IO
 
 from tqdm import tqdm
 
-__all__ = ["StepLog", "StepRecord"]
+__all__ = ["StepLog", "StepRecord", "duration_text"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,12 @@ class StepLog:
         self._bar.close()
         if self._file:
             self._file.close()
+
+
+def duration_text(seconds: float) -> str:
+    """`1h02m03s`, `2m03s`, `3s`: how long a job took or has waited, for people."""
+    minutes, secs = divmod(max(round(seconds), 0), 60)
+    hours, mins = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h{mins:02d}m{secs:02d}s"
+    return f"{mins}m{secs:02d}s" if mins else f"{secs}s"

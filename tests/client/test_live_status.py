@@ -14,11 +14,11 @@ from client.live import (
     HOME,
     SHOW_CURSOR,
     LiveView,
-    duration_text,
     events,
     status_lines,
     watch_status,
 )
+from swarm.ops.progress import duration_text
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 

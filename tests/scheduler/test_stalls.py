@@ -4,13 +4,46 @@ stage, since when, what to do and what will happen then; a single replica is a w
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from scheduler.history import History
 from scheduler.speed import RecentSpeed
-from scheduler.stalls import Health, StallWatch
+from scheduler.stalls import CHECKPOINT_LOOK_S, Health, StallWatch
 from scheduler.store import JobStore
 from swarm.rpc.lease import Replica
+
+
+def _watch(
+    store: JobStore,
+    members: list[list[Replica]],
+    step: Callable[[], int],
+    checkpoint: Callable[[], int],
+    message: list[str],
+    now: list[float],
+    **kwargs: Any,
+) -> tuple[str, Health, StallWatch]:
+    """A job in `store` and its watch: `message[0]` is what the job says, `now[0]` the time."""
+
+    async def say(text: str) -> None:
+        message[0] = text
+
+    job = store.create("tiny", "spec", "/data", steps=800).id
+    health = Health()
+    watch = StallWatch(
+        job,
+        lambda: members,
+        step,
+        checkpoint,
+        say,
+        lambda: message[0],
+        History(store),
+        health,
+        clock=lambda: now[0],
+        **kwargs,
+    )
+    return job, health, watch
 
 
 def test_a_lost_stage_is_named_with_its_remedy_and_what_follows(tmp_path: Path) -> None:
@@ -18,22 +51,9 @@ def test_a_lost_stage_is_named_with_its_remedy_and_what_follows(tmp_path: Path) 
     members = [[Replica("a", "h:1")], [Replica("b", "h:2"), Replica("c", "h:3")]]
     checkpoint, step, message = [0], [89], ["training"]
 
-    async def say(text: str) -> None:
-        message[0] = text
-
     with JobStore(tmp_path / "jobs.db") as store:
-        job = store.create("tiny", "spec", "/data", steps=800).id
-        health = Health()
-        watch = StallWatch(
-            job,
-            lambda: members,
-            lambda: step[0],
-            lambda: checkpoint[0],
-            say,
-            lambda: message[0],
-            History(store),
-            health,
-            clock=lambda: now[0],
+        job, health, watch = _watch(
+            store, members, lambda: step[0], lambda: checkpoint[0], message, now
         )
 
         async def look() -> None:
@@ -58,13 +78,14 @@ def test_a_lost_stage_is_named_with_its_remedy_and_what_follows(tmp_path: Path) 
         assert said.startswith("stalled at step 89: stage 0 has no replica since ")
         assert "start a stage server for this job" in said
         assert "training starts again from step 0 (no checkpoint yet: 89 step(s) lost)" in said
-        checkpoint[0] = 80  # with one: what a rollback costs
+        checkpoint[0] = 80  # with one: what a rollback costs (read again within 10 s)
+        now[0] += CHECKPOINT_LOOK_S
         asyncio.run(look())
         assert "every stage rolls back to step 80, the last checkpoint (9 step(s)" in message[0]
         assert health.waiting_since == 1001.0  # since the stage emptied, not since the look
 
         members[0] = [Replica("d", "h:4")]  # a fresh server takes the stage
-        now[0] += 77.0
+        now[0] += 77.0 - CHECKPOINT_LOOK_S
         asyncio.run(look())
         assert health.waiting_since == 0.0
         assert message[0] == "training: stage 0 is served again (d) after 77 s without a replica"
@@ -92,22 +113,14 @@ def test_steps_that_stop_while_every_stage_is_served_are_a_stall_too(tmp_path: P
     message = ["training"]
     speed = RecentSpeed(lambda: now[0])
 
-    async def say(text: str) -> None:
-        message[0] = text
-
     with JobStore(tmp_path / "jobs.db") as store:
-        job = store.create("tiny", "spec", "/data", steps=800).id
-        health = Health()
-        watch = StallWatch(
-            job,
-            lambda: members,
+        job, health, watch = _watch(
+            store,
+            members,
             lambda: 40,
             lambda: 0,
-            say,
-            lambda: message[0],
-            History(store),
-            health,
-            clock=lambda: now[0],
+            message,
+            now,
             speed=speed,
             progress=lambda: "step 40 waits for 2 of its 4 microbatches",
         )
