@@ -5,9 +5,11 @@ does it fit, and what each server's peak RSS is against the state it holds.
 
 Starts the 4 stage servers (`swarm stage-server --job J --stage k`, the standalone path, one
 torch thread each on a CPU), trains `--steps` steps with the standalone trainer in this process,
-and prints per server its parameters, state (16 B a parameter: float32 weights, gradient sums,
-AdamW's two moments), peak RSS (VmHWM) and their ratio, and the run's tokens/s and model FLOP/s
-(6 x parameters x tokens; MFU against `--peak-tflops`, the device's dense peak, when given).
+which writes the job's checkpoints (`checkpoint_every`, under `--dir`), and prints per server its
+parameters, state (16 B a parameter: float32 weights, gradient sums, AdamW's two moments), peak
+RSS (VmHWM) and their ratio, the trainer's largest RSS while it trained (checkpoints included),
+the checkpoints written, and the run's tokens/s and model FLOP/s (6 x parameters x tokens; MFU
+against `--peak-tflops`, the device's dense peak, when given).
 While it runs it watches the machine's MemAvailable: below `--min-free-gib` it stops every
 server and says so (a size that does not fit ends as a report, not as the OOM killer's pick).
 """
@@ -32,12 +34,20 @@ from bench.bulk import GiB, peak_rss  # noqa: E402
 from client.standalone import train_standalone  # noqa: E402
 from swarm.job.config import load_job  # noqa: E402
 from swarm.local.procs import SwarmProcess, start_process  # noqa: E402
+from swarm.model import checkpoint  # noqa: E402
 from swarm.model.transformer import stage_layout  # noqa: E402
 from swarm.ops.progress import StepRecord  # noqa: E402
 from swarm.rpc.lease import Replica  # noqa: E402
 
 JOB = ROOT / "examples" / "llama-1b.toml"
 READY_TIMEOUT_S = 900.0
+
+
+def own_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def available() -> int:
@@ -48,10 +58,13 @@ def available() -> int:
 
 
 class Watch:
-    """MemAvailable every 0.2 s: its lowest, and the servers stopped when it falls too low."""
+    """MemAvailable every 0.2 s: its lowest, and the servers stopped when it falls too low; and
+    this process's largest RSS until `training` is cleared (the trainer's, with its checkpoint
+    writes, not the trained model it downloads at the end)."""
 
     def __init__(self, servers: list[SwarmProcess], floor: int) -> None:
         self.servers, self.floor, self.lowest, self.tripped = servers, floor, available(), False
+        self.training, self.trainer_rss = True, own_rss()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -60,6 +73,8 @@ class Watch:
         while not self._done.wait(0.2):
             free = available()
             self.lowest = min(self.lowest, free)
+            if self.training:
+                self.trainer_rss = max(self.trainer_rss, own_rss())
             if free < self.floor and not self.tripped:
                 self.tripped = True
                 for s in self.servers:
@@ -77,9 +92,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="the stage servers' device, e.g. cuda:0")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (dense peak)")
     parser.add_argument("--min-free-gib", type=float, default=1.0)
+    parser.add_argument("--dir", default=None, help="where the checkpoints go (a temp directory)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="swarm-llama-1b-"))
+    work = Path(tempfile.mkdtemp(prefix="swarm-llama-1b-", dir=args.dir))
+    ckpt = work / "checkpoints"
     text = JOB.read_text().replace(
         'path = "data/corpus.txt"', f'path = "{JOB.parent}/data/corpus.txt"'
     )
@@ -103,7 +120,14 @@ def main() -> None:
             s.wait_ready(READY_TIMEOUT_S)
         ready = time.perf_counter()
         pool = [[Replica(s.address, s.address)] for s in servers]
-        asyncio.run(train_standalone(job, pool, on_step=records.append))
+        last = job.training.steps - 1
+
+        def on_step(record: StepRecord) -> None:
+            records.append(record)
+            if record.step == last and watch is not None:
+                watch.training = False  # the trained model's download comes next
+
+        asyncio.run(train_standalone(job, pool, on_step=on_step, checkpoint_dir=ckpt))
         trained = time.perf_counter()
         peaks = [peak_rss(s.proc.pid) for s in servers]
     except BaseException:
@@ -116,6 +140,8 @@ def main() -> None:
             watch.stop()
         for s in servers:
             s.stop()
+    written = checkpoint.sealed(ckpt)
+    files = sorted(ckpt.glob("step-*/stage-*"))
     tokens = sum(r.tokens for r in records[1:])  # the first step warms up
     seconds = sum(r.seconds for r in records[1:])
     flops = 6 * sum(params) * tokens / seconds if seconds > 0 else 0.0
@@ -123,6 +149,9 @@ def main() -> None:
         "params": params,
         "peak_rss": peaks,
         "lowest_available": watch.lowest if watch else 0,
+        "trainer_rss": watch.trainer_rss if watch else 0,
+        "checkpoints": written,
+        "checkpoint_bytes": sum(f.stat().st_size for f in files),
         "start_seconds": ready - started,
         "train_seconds": trained - ready,
         "losses": [r.loss for r in records],
@@ -149,7 +178,12 @@ def main() -> None:
         )
     print(
         f"\nall servers: {sum(peaks) / GiB:.2f} GiB at their peaks; the machine's lowest "
-        f"MemAvailable {out['lowest_available'] / GiB:.2f} GiB"
+        f"MemAvailable {out['lowest_available'] / GiB:.2f} GiB; the trainer (this process, "
+        f"writing the checkpoints) at most {out['trainer_rss'] / GiB:.2f} GiB while it trained"
+    )
+    print(
+        f"checkpoints sealed at steps {written} ({out['checkpoint_bytes'] / 1e9:.2f} GB in "
+        f"{len(files)} stage files)"
     )
     print(
         f"losses {[round(x, 3) for x in out['losses']]}; step seconds "

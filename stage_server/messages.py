@@ -28,6 +28,7 @@ from google.protobuf.message import Message
 from stage_server.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Receipt, StageRuntime
+from stage_server.snapshot import Snapshot
 from stage_server.update_log import Update
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig, RuntimeConfig
@@ -250,12 +251,8 @@ def updates_reply(updates: list[Update], chunk_bytes: int) -> Iterator[pb.StageU
             yield from wire.split_tensor(header, str(i), g, chunk_bytes)
 
 
-def state_reply(
-    step: int, state: dict[str, torch.Tensor], chunk_bytes: int
-) -> Iterator[pb.StageDownloadStateResponse]:
+def state_reply(snapshot: Snapshot, chunk_bytes: int) -> Iterator[pb.StageDownloadStateResponse]:
     """The DownloadState answer, built as it is sent: one message per tensor of the state, in
-    chunks of at most `chunk_bytes` cut from the tensor; each tensor is taken out of `state` as
-    it goes, so the snapshot shrinks while it streams."""
-    for name in list(state):
-        header = pb.StageDownloadStateResponse(step=step)
-        yield from wire.split_tensor(header, name, state.pop(name), chunk_bytes)
+    chunks of at most `chunk_bytes` cut from the tensor; each tensor is let go of as it goes, so
+    the snapshot shrinks while it streams."""
+    return snapshot.reply(lambda: pb.StageDownloadStateResponse(step=snapshot.step), chunk_bytes)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stage_server.local_round import LocalRound
+from stage_server.snapshot import Snapshot, Snapshots
 from stage_server.tensor_checks import TensorChecks
 from stage_server.update_log import UpdateLog
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
@@ -88,6 +89,7 @@ class StageRuntime:
         # (the servicer sets it: `Limits.activation_cache`).
         self.activation_cache = job.runtime.activation_cache
         self.updates = UpdateLog(job.runtime.update_log_bytes)  # for replicas copying this one
+        self.snapshots = Snapshots()  # states being sent, sharing this replica's tensors
         # (step, clipping coefficient) of the last update applied here (step -1: none since the
         # start or the last state loaded), for a coordinator finishing a half-applied commit
         self.applied: tuple[int, float] = (-1, 1.0)
@@ -383,6 +385,7 @@ class StageRuntime:
         prepared = rnd.prepared(boundary)
         if prepared is not None:  # for the replicas copying this one, before it is divided
             self.updates.record(boundary, prepared[0], prepared[1], round_end=True)
+        self.snapshots.detach()  # the outer step changes the state in place
         return rnd.apply(boundary)
 
     @property
@@ -414,6 +417,7 @@ class StageRuntime:
         learning rate (`swarm.model.optim.update`, as the reference); then the next step."""
         # Recorded first (a copy, only while a peer follows): the mean is taken in place below.
         self.updates.record(self.step, grad_sums, total_samples, scale)
+        self.snapshots.detach()  # the state changes in place
         self._sums.pop(self.step, None)  # this step's own sums: not needed once prepared
         if total_samples > 0:  # a local step without samples (pool.mode = "local") moves nothing
             for p, g in zip(self.params, grad_sums, strict=True):
@@ -448,11 +452,24 @@ class StageRuntime:
     def check_state_tensor(self, name: str, tensor: torch.Tensor) -> None:
         self.checks.state_tensor(name, tensor)
 
+    def snapshot(self, include_optimizer: bool = True) -> Snapshot:
+        """`export_state` as a `Snapshot` sharing the parameters and optimizer state (copied only
+        if this replica changes them before they are sent)."""
+        state, shared = stage_state.share_state(self.module, self.optimizer, include_optimizer)
+        state.update(self._extra_state(include_optimizer))
+        return self.snapshots.open(self.step, state, shared)
+
     def export_state(self, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
         """This replica's state in the stage-state format (`swarm.model.stage_state`). A whole state
         (`include_optimizer`) of a delayed_update job also holds the parameters step `step`
         computes on, as `prev/<name>`: a copy must compute as this replica does."""
         state = stage_state.export_state(self.module, self.optimizer, include_optimizer)
+        state.update(self._extra_state(include_optimizer))
+        return state
+
+    def _extra_state(self, include_optimizer: bool) -> dict[str, torch.Tensor]:
+        """Copies of what a whole state holds besides the module and its optimizer."""
+        state: dict[str, torch.Tensor] = {}
         if self.round is not None and include_optimizer:
             state.update(self.round.export(self._param_names()))
         if self.delayed and include_optimizer:
@@ -462,6 +479,7 @@ class StageRuntime:
 
     def load_state(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """Become the replica whose `export_state` this is, at `step`."""
+        self.snapshots.detach()  # the state changes in place
         try:
             stage_state.load_state(self.module, self.optimizer, state)
         except InvalidArgument as e:
@@ -529,6 +547,7 @@ class StageRuntime:
             if not self.synced(step):
                 sums = [g.to(self.device) for g in grad_sums]
                 self.updates.record(step, sums, total_samples, round_end=True)  # its followers
+                self.snapshots.detach()  # the outer step changes the state in place
                 self._local_round(step).outer_step(step, sums, total_samples)
             return True
         if step < self.step:

@@ -14,9 +14,10 @@ Invariants, and why:
 - A state to load is bounded before it is held: at most what the stage's state can take, every
   tensor one of the stage's, each message routed from its header and its body within the
   process's receive budget, so a sender cannot size this process's memory.
-- A state to serve is a snapshot (a copy of one step) streamed as it is sent, at most
-  `--max-state-downloads` at once: a request of a few bytes costs a copy of the state, so their
-  number is bounded, and nothing more is built ahead of the reader.
+- A state to serve is a snapshot of one step streamed as it is sent (`stage_server.snapshot`: the
+  replica's own tensors, copied only if an update comes before they are sent), at most
+  `--max-state-downloads` at once: a request of a few bytes may cost a copy of the state, so
+  their number is bounded, and nothing more is built ahead of the reader.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from stage_server.copying import Copy
 from stage_server.messages import Limits, Route, state_reply, updates_reply
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Served
+from stage_server.snapshot import Snapshot
 from stage_server.worker import Worker
 from swarm.errors import InvalidArgument, ResourceExhausted
 from swarm.ops.faults import Point, maybe_die
@@ -120,29 +122,28 @@ class StateTransfer:
         self._downloads += 1
         try:
             log_ = self._runtime().updates
-            step, state = await self.snapshot(follower, include_optimizer)
-            for part in state_reply(step, state, chunk_bytes):
+            snapshot = await self.snapshot(follower, include_optimizer)
+            for part in state_reply(snapshot, chunk_bytes):
                 yield part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
         finally:
             self._downloads -= 1
 
-    async def snapshot(
-        self, follower: str, include_optimizer: bool
-    ) -> tuple[int, dict[str, torch.Tensor]]:
-        """This replica's state and its step, taken between updates so it is of one step. A
-        `follower` (a joining peer) has the updates after it kept for it."""
+    async def snapshot(self, follower: str, include_optimizer: bool) -> Snapshot:
+        """This replica's state of its step, taken between updates so it is of one step (and
+        kept so: `stage_server.snapshot`). A `follower` (a joining peer) has the updates after it
+        kept for it."""
         rt = self._runtime()
 
-        def take() -> tuple[int, dict[str, torch.Tensor]]:
+        def take() -> Snapshot:
             if follower:
                 rt.updates.follow(follower, rt.step)
-            return rt.step, rt.export_state(include_optimizer)
+            return rt.snapshot(include_optimizer)
 
-        step, state = await self._worker.run(take)
-        maybe_die(Point.STATE_DOWNLOAD, step)
-        return step, state
+        snapshot = await self._worker.run(take)
+        maybe_die(Point.STATE_DOWNLOAD, snapshot.step)
+        return snapshot
 
     async def load(self, requests: AsyncIterator[Any], route: Route, limits: Limits) -> int:
         """Receive a LoadState stream (each message within `limits`, each routed by `route`) and

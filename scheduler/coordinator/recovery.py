@@ -57,6 +57,10 @@ async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
     return future.result()
 
 
+class _OtherStep(Exception):
+    """A replica's state is of another step than the checkpoint's."""
+
+
 class Recovery:
     def __init__(
         self,
@@ -161,15 +165,35 @@ class Recovery:
     ) -> bool:
         for r in replicas:  # the first member that answers at `step`
             try:
-                got, state = await self.clients.get(stage, r).download_state(True, prefix="")
+                if await self._stream_stage(directory, step, stage, r):
+                    return True
             except SwarmError as e:
                 log.warning("checkpoint %d: %s did not answer: %r", step, r.peer, e)
-                continue
-            if got == step:
-                await to_thread_to_the_end(checkpoint.save_stage, directory, step, stage, state)
-                return True
         log.warning("checkpoint %d skipped: no replica of stage %d answered at it", step, stage)
         return False
+
+    async def _stream_stage(self, directory: Path, step: int, stage: int, r: Replica) -> bool:
+        """Stream `r`'s state into stage `stage`'s file as it comes (never held whole here: a
+        stage's state may be larger than this process's memory); False when `r` is at another
+        step (nothing is written then). A failed write raises `CheckpointError`."""
+        replica = self.clients.get(stage, r)
+        most = await replica.max_state_tensors()
+        writer = checkpoint.StageWriter(directory, step, stage, most)  # its file opens in `add`
+        try:
+
+            async def write(at: int, name: str, tensor: torch.Tensor) -> None:
+                if at != step:
+                    raise _OtherStep(at)
+                await to_thread_to_the_end(writer.add, name, tensor)
+
+            try:
+                await replica.stream_state(write, include_optimizer=True)
+            except _OtherStep:
+                return False
+            await to_thread_to_the_end(writer.close)
+            return True
+        finally:
+            writer.abort()  # whatever was not closed (no write thread runs now)
 
     def latest(self) -> int:
         """The step to roll back to: the last sealed checkpoint's, else 0."""

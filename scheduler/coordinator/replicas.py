@@ -17,7 +17,7 @@ from swarm.job.config import JobConfig
 from swarm.model.state_checks import StateChecks
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
-from swarm.rpc.stage_client import StageClient
+from swarm.rpc.stage_client import StageClient, StateSink
 
 __all__ = [
     "GONE",
@@ -85,6 +85,14 @@ class StageReplica(Protocol):
     async def download_state(
         self, include_optimizer: bool = False, prefix: str = "param/"
     ) -> tuple[int, dict[str, torch.Tensor]]: ...
+
+    async def stream_state(self, sink: StateSink, include_optimizer: bool = False) -> int:
+        """`download_state` tensor by tensor into `sink` (names unchanged); the state's step."""
+        ...
+
+    async def max_state_tensors(self) -> int:
+        """The most tensors a state of this stage may hold (a file's room for their names)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -184,6 +192,13 @@ class GrpcReplica:
         # stage's state, or a tensor no replica would load, is refused (no checkpoint from it).
         expect = await self.expected.get(self.client.stage)
         return await self.client.download_state(include_optimizer, prefix, expect=expect)
+
+    async def stream_state(self, sink: StateSink, include_optimizer: bool = False) -> int:
+        expect = await self.expected.get(self.client.stage)
+        return await self.client.stream_state(sink, include_optimizer, expect=expect)
+
+    async def max_state_tensors(self) -> int:
+        return (await self.expected.get(self.client.stage)).max_state_tensors()
 
     async def close(self) -> None:
         await self.client.close()

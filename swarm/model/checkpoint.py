@@ -1,11 +1,19 @@
-"""The checkpoint format: `<dir>/step-<N>/stage-<k>.pt` holds stage k's state at step N in the
-stage-state format (`swarm.model.stage_state`); `manifest.json`, written last and atomically, marks
-the checkpoint complete and records the data position (the step: data is a function of
-`(seed, step, index)`).
+"""The checkpoint format: `<dir>/step-<N>/stage-<k>.safetensors` holds stage k's state at step N in
+the stage-state format (`swarm.model.stage_state`); `manifest.json`, written last and atomically,
+marks the checkpoint complete and records the data position (the step: data is a function of
+`(seed, step, index)`). Checkpoints written before this format (`stage-<k>.pt`, `torch.save`) are
+still read.
+
+A stage file is a safetensors file written as its tensors come (`StageWriter`): a stage's state
+is never held whole to be written (the coordinator streams a replica's download into it), each
+tensor's bytes go from its own memory to the file, and one fsync ends it. The header, which
+safetensors puts before the data, is written last into room kept for it (padded with spaces, as
+the format allows); a header larger than that room is rare (thousands of tensors) and costs one
+copy of the file, not a failure.
 
 Every file is written to a temporary name, fsynced, renamed, and its directory fsynced, so a
-crash leaves a whole file or none. A write that fails (a full disk: `torch.save` raises
-`RuntimeError` there, not `OSError`) removes its partial file and raises `CheckpointError`."""
+crash leaves a whole file or none. A write that fails (a full disk) removes its partial file and
+raises `CheckpointError`."""
 
 from __future__ import annotations
 
@@ -14,14 +22,17 @@ import json
 import math
 import os
 import shutil
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
+from safetensors.torch import load_file
 
 __all__ = [
     "CheckpointError",
+    "StageWriter",
     "discard",
     "latest",
     "load_model",
@@ -82,18 +93,154 @@ def save_stage(root: Path, step: int, stage: int, state: dict[str, torch.Tensor]
     """Write stage `stage`'s state at `step`; a state holding a NaN or infinite value is refused
     (`CheckpointError`) before a byte is written: the last sealed checkpoint stays the one a
     rollback uses, rather than one that would poison every replica that loads it."""
-    path = _dir(root, step) / f"stage-{stage}.pt"
     for name, tensor in state.items():
-        if not _finite(tensor):
-            raise CheckpointError(
-                f"checkpoint of step {step}, stage {stage}: {name} holds NaN or infinite values;"
-                f" not written"
-            )
-    # To a path, not a file object: torch's own writer then writes each tensor's bytes from
-    # its memory (through a Python file it copies every tensor first).
-    _atomic_path(
-        path, lambda tmp: torch.save(state, str(tmp)), f"checkpoint of step {step}, stage {stage}"
-    )
+        _check_finite(step, stage, name, tensor)
+    writer = StageWriter(root, step, stage, tensors=len(state))
+    try:
+        for name, tensor in state.items():
+            writer.add(name, tensor)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+# safetensors' names of the dtypes a stage's state holds
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_HEADER_ROOM = 4096  # bytes kept for the header, and this much more a tensor expected
+_HEADER_ROOM_PER_TENSOR = 256
+_HEADER_ROOM_UNKNOWN = 64 << 10  # when no count is known: the header of a few hundred tensors
+
+
+class StageWriter:
+    """Stage `stage`'s checkpoint file of `step`, written tensor by tensor (`add`) and made whole
+    by `close`, or removed by `abort`. `tensors`: how many are expected (0: not known), for the
+    header's room.
+    Not thread-safe: one writer, one caller at a time (a thread of its own is fine)."""
+
+    def __init__(self, root: Path, step: int, stage: int, tensors: int = 0) -> None:
+        self.step, self.stage = step, stage
+        self.path = _dir(root, step) / f"stage-{stage}.safetensors"
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self._what = f"checkpoint of step {step}, stage {stage}"
+        room = _HEADER_ROOM + _HEADER_ROOM_PER_TENSOR * tensors if tensors else _HEADER_ROOM_UNKNOWN
+        self._room = room + (-room % 8)  # the data starts 8-byte aligned
+        self._entries: dict[str, dict[str, object]] = {}
+        self._size = 0  # data bytes written
+        self._file: BinaryIO | None = None  # opened by the first write: no I/O here
+        self._done = False  # closed or aborted
+
+    def _opened(self) -> BinaryIO:
+        if self._done:
+            raise CheckpointError(f"{self._what}: written to after it was closed or aborted")
+        if self._file is None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed by close or abort)
+                self._file.seek(self._room)
+            except OSError as e:
+                self.abort()
+                raise CheckpointError(f"{self._what}: cannot write {self.path} ({e})") from e
+        return self._file
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Append `tensor` as `name`; one holding a NaN or infinite value is refused
+        (`CheckpointError`; `abort` the writer then)."""
+        file = self._opened()
+        if name in self._entries:
+            raise CheckpointError(f"{self._what}: {name} twice")
+        if tensor.dtype not in _DTYPES:
+            raise CheckpointError(f"{self._what}: {name} is {tensor.dtype}, not a state's dtype")
+        _check_finite(self.step, self.stage, name, tensor)
+        # Its own memory, as bytes (reshape first: a 0-dim tensor has no byte view).
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        try:
+            file.write(data.data)  # a memoryview of its bytes: no copy
+        except OSError as e:
+            raise CheckpointError(f"{self._what}: cannot write {self.path} ({e})") from e
+        end = self._size + data.nbytes
+        self._entries[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self._size, end],
+        }
+        self._size = end
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def close(self) -> None:
+        """Write the header, fsync, and give the file its name (then its directory's entry)."""
+        file = self._opened()
+        header = json.dumps(self._entries, separators=(",", ":")).encode()
+        try:
+            if 8 + len(header) <= self._room:
+                file.seek(0)
+                file.write(struct.pack("<Q", self._room - 8))
+                file.write(header.ljust(self._room - 8, b" "))
+            else:  # more or longer names than room was kept for: the data moves once
+                file.close()
+                self._file = file = self._moved(header)
+            file.flush()
+            os.fsync(file.fileno())  # the bytes are on disk before the name points at them
+            file.close()
+            self._file = None
+            self._tmp.replace(self.path)
+            self._done = True
+            _fsync_dir(self.path.parent)  # and the rename too
+        except OSError as e:
+            self.abort()
+            raise CheckpointError(f"{self._what}: cannot write {self.path} ({e})") from e
+
+    def _moved(self, header: bytes) -> BinaryIO:
+        moved = self._tmp.with_name(self._tmp.name + ".moved")
+        header = header.ljust(len(header) + (-len(header) % 8), b" ")
+        with open(self._tmp, "rb") as src:
+            dst = open(moved, "wb")  # noqa: SIM115 (the caller closes it)
+            try:
+                dst.write(struct.pack("<Q", len(header)))
+                dst.write(header)
+                src.seek(self._room)
+                shutil.copyfileobj(src, dst, 16 << 20)
+            except OSError:
+                dst.close()
+                moved.unlink(missing_ok=True)
+                raise
+        moved.replace(self._tmp)
+        return dst
+
+    def abort(self) -> None:
+        """Remove the partial file (nothing once closed)."""
+        if self._done:
+            return
+        self._done = True
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        with contextlib.suppress(OSError):
+            self._tmp.unlink(missing_ok=True)
+            self._tmp.with_name(self._tmp.name + ".moved").unlink(missing_ok=True)
+
+
+def _check_finite(step: int, stage: int, name: str, tensor: torch.Tensor) -> None:
+    if not _finite(tensor):
+        raise CheckpointError(
+            f"checkpoint of step {step}, stage {stage}: {name} holds NaN or infinite values;"
+            f" not written"
+        )
 
 
 def _finite(tensor: torch.Tensor) -> bool:
@@ -155,9 +302,11 @@ def latest(root: Path) -> int | None:
 
 
 def load_stage(root: Path, step: int, stage: int) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = torch.load(
-        _dir(root, step) / f"stage-{stage}.pt", weights_only=True
-    )
+    path = _dir(root, step) / f"stage-{stage}.safetensors"
+    if path.exists():
+        return load_file(path)
+    # a checkpoint written before the safetensors format
+    state: dict[str, torch.Tensor] = torch.load(path.with_suffix(".pt"), weights_only=True)
     return state
 
 

@@ -28,6 +28,33 @@ def export_state(
     return state
 
 
+def share_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, include_optimizer: bool = True
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """`export_state` whose parameters and optimizer tensors on the CPU are the live ones, not
+    copies (buffers are copied: a forward may change them); with the names of those shared. Who
+    holds it copies them before they change (`stage_server.snapshot`)."""
+    params = {id(p) for p in module.parameters()}
+    state: dict[str, torch.Tensor] = {}
+    shared: set[str] = set()
+
+    def put(name: str, value: torch.Tensor, live: bool) -> None:
+        if live and value.device.type == "cpu":
+            state[name] = value.detach()
+            shared.add(name)
+        else:
+            state[name] = value.detach().cpu().clone()
+
+    for k, v in module.state_dict(keep_vars=True).items():
+        put(f"param/{k}", v, id(v) in params)
+    if include_optimizer:
+        for index, entry in optimizer.state_dict()["state"].items():
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    put(f"optim/{index}/{key}", value, True)
+    return state, shared
+
+
 def load_state(
     module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]
 ) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "ExpectedState",
     "PushResult",
     "StageClient",
+    "StateSink",
     "TensorLike",
     "as_tensor",
     "named",
@@ -372,6 +373,28 @@ class StageClient:
         for `rpc_timeout_s`. Each tensor is checked as it comes (`expect`: its name, shape and
         dtype; at most `expect.max_state_bytes()` in all, `runtime.max_tensor_bytes` each): the
         first refused ends the call, before more is read or held."""
+        state: dict[str, torch.Tensor] = {}
+
+        async def keep(step: int, name: str, tensor: torch.Tensor) -> None:
+            state[name.removeprefix(prefix) if prefix else name] = tensor
+
+        step = await self.stream_state(keep, include_optimizer, follower, expect=expect)
+        return step, state
+
+    @_swarm_errors
+    async def stream_state(
+        self,
+        sink: StateSink,
+        include_optimizer: bool = False,
+        follower: str = "",
+        *,
+        expect: ExpectedState,
+    ) -> int:
+        """`download_state`, each tensor handed to `sink(step, name, tensor)` as it comes (and
+        no longer held here) rather than collected: a state larger than this process's memory
+        goes to a file this way. The next tensor is read once `sink` returned, so a slow sink
+        slows the sender (gRPC's flow control), and one that raises ends the call. Returns the
+        state's step; the names are the replica's own."""
         call = self.stub.DownloadState(
             pb.StageDownloadStateRequest(
                 job=self.job_id,
@@ -381,21 +404,18 @@ class StageClient:
             )
         )
         try:
-            step, state = await self._receive_state(call, expect)
+            return await self._receive_state(call, expect, sink)
         finally:
             call.cancel()  # refused or failed: the sender stops (nothing once the call ended)
-        return step, {name.removeprefix(prefix) if prefix else name: t for name, t in state.items()}
 
-    async def _receive_state(
-        self, call: Any, expect: ExpectedState
-    ) -> tuple[int, dict[str, torch.Tensor]]:
+    async def _receive_state(self, call: Any, expect: ExpectedState, sink: StateSink) -> int:
         why = (
             "the stage's parameters and an optimizer's state at 8 bytes a value, and "
             f"{wire.TENSOR_OVERHEAD_BYTES} bytes a tensor"
         )
         received = self._bounded(call, expect.max_state_bytes(), why, wire.TENSOR_OVERHEAD_BYTES)
         most = expect.max_state_tensors()
-        state: dict[str, torch.Tensor] = {}
+        names: set[str] = set()
         step = -1
         while (message := await received.next()) is not None:
             header, tensors = message
@@ -403,14 +423,15 @@ class StageClient:
                 raise self._refused(f"a state of step {step}, then of step {header.step}")
             step = header.step
             for name, tensor in tensors.items():
-                if name in state:
+                if name in names:
                     raise self._refused(f"{name!r} twice")
-                if len(state) == most:
+                if len(names) == most:
                     raise self._refused(f"more than the {most} tensors stage {self.stage} has")
                 self._check(expect.state_tensor, name, tensor)
-                state[name] = tensor  # its own buffer (`_Bounded.next`): no copy
-        self._check(expect.complete, state.keys())  # a replica always has parameters
-        return step, state
+                names.add(name)
+                await sink(step, name, tensor)  # its own buffer (`_Bounded.next`): no copy
+        self._check(expect.complete, names)  # a replica always has parameters
+        return step
 
     @_swarm_errors
     async def updates(
@@ -504,6 +525,10 @@ class StageClient:
 Followed = tuple[int, list[torch.Tensor], int, float, bool]
 """An update a followed replica applied: (step, gradient sums, total samples, clipping
 coefficient, whether it is a round's end of pool.mode = "local")."""
+
+
+# (step, name, tensor) of each tensor of a state as it comes (`StageClient.stream_state`)
+StateSink = Callable[[int, str, torch.Tensor], Awaitable[None]]
 
 
 class ExpectedState(Protocol):

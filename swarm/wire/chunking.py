@@ -10,8 +10,10 @@ end of the stream, since a bidi peer keeps its side open to read the reply.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -135,30 +137,54 @@ def split(msg: M, chunk_bytes: int) -> Iterator[M]:
             yield part
 
 
-def split_tensor(header: M, name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[M]:
+def split_tensor(
+    header: M,
+    name: str,
+    tensor: torch.Tensor | Callable[[], torch.Tensor],
+    chunk_bytes: int,
+    lock: AbstractContextManager[Any] | None = None,
+) -> Iterator[M]:
     """`split` of `header` carrying `tensor` as `name` (CODEC_NONE), each chunk cut from the
     tensor's own memory: a large tensor is never encoded whole (one chunk's copy at a time), so a
     reply of many such tensors is built as it is sent, not before. `header` (a message without
     tensors) gets the tensor's metadata; the messages are those `split` makes of `header` with
-    `encode(tensor, name)`, so a receiver tells no difference."""
+    `encode(tensor, name)`, so a receiver tells no difference. `tensor` may be a function giving
+    it, asked again for every chunk under `lock` (a snapshot that may swap a tensor for a copy of
+    it between chunks: `stage_server.snapshot`)."""
     if chunk_bytes <= 0:
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    # reshape(-1) first: a 0-dim tensor cannot be viewed as a dtype of another element size.
-    wire = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    if callable(tensor):
+        current = tensor
+    else:
+        host = tensor.detach().cpu().contiguous()  # once, not a copy a chunk
+
+        def current() -> torch.Tensor:
+            return host
+
+    guard = lock if lock is not None else contextlib.nullcontext()
+
+    def cut(start: int, end: int | None) -> tuple[torch.Tensor, bytes]:
+        with guard:
+            t = current()
+            # reshape(-1) first: a 0-dim tensor cannot be viewed as a dtype of another size.
+            flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            return t, flat[start:end].numpy().tobytes()
+
+    first, data = cut(0, chunk_bytes)
     m: Any = header
     meta = m.tensors.add()
-    meta.name, meta.dtype, meta.nbytes = name, dtype_name(tensor.dtype), wire.numel()
-    meta.shape.extend(tensor.shape)
-    if wire.numel() <= chunk_bytes:
-        meta.data = wire.numpy().tobytes()
+    meta.name, meta.dtype, meta.nbytes = name, dtype_name(first.dtype), first.nbytes
+    meta.shape.extend(first.shape)
+    if first.nbytes <= chunk_bytes:
+        meta.data = data
         yield header
         return
     yield header
     cls = type(header)
-    for start in range(0, wire.numel(), chunk_bytes):
+    for start in range(0, first.nbytes, chunk_bytes):
         part: Any = cls()
         part.chunk.tensor = 0
-        part.chunk.data = wire[start : start + chunk_bytes].numpy().tobytes()
+        part.chunk.data = data if start == 0 else cut(start, start + chunk_bytes)[1]
         yield part
 
 

@@ -28,7 +28,7 @@ from tests.support.fakes import SilentBus
 from tests.support.jobs import BASE, render, write_job
 
 WAIT_S = 10.0
-_save_stage = checkpoint.save_stage  # the real one, under a held one's spy
+_close = checkpoint.StageWriter.close  # the real one, under a held one's spy
 
 
 async def _until(what: Callable[[], bool]) -> None:
@@ -150,8 +150,9 @@ async def test_delete_removes_the_files_of_a_finished_job_only(tmp_path: Path) -
 
 # -- a job still shutting down: DeleteJob and retention wait for its writes ------------------------
 class _HeldSave:
-    """`checkpoint.save_stage` held in its thread until `release`: a checkpoint write in flight
-    (a large stage on a slow disk), which cancelling the task that awaits it does not stop."""
+    """`checkpoint.StageWriter.close` (a stage file's last write and fsync) held in its thread
+    until `release`: a checkpoint write in flight (a large stage on a slow disk), which
+    cancelling the task that awaits it does not stop."""
 
     def __init__(self) -> None:
         self.started, self.release, self.wrote = (
@@ -160,10 +161,10 @@ class _HeldSave:
             threading.Event(),
         )
 
-    def __call__(self, root: Path, step: int, stage: int, state: dict[str, torch.Tensor]) -> None:
+    def __call__(self, writer: checkpoint.StageWriter) -> None:
         self.started.set()
         self.release.wait(WAIT_S)
-        _save_stage(root, step, stage, state)
+        _close(writer)
         self.wrote.set()
 
 
@@ -175,6 +176,13 @@ class _Replica:
     ) -> tuple[int, dict[str, torch.Tensor]]:
         return 2, {"param/w": torch.zeros(2)}
 
+    async def stream_state(self, sink: Any, include_optimizer: bool = False) -> int:
+        await sink(2, "param/w", torch.zeros(2))
+        return 2
+
+    async def max_state_tensors(self) -> int:
+        return 1
+
     async def close(self) -> None:
         pass
 
@@ -183,7 +191,7 @@ def _checkpointing(sched: Scheduler, monkeypatch: pytest.MonkeyPatch, ckpt: Path
     """Each job's training: a real coordinator (no peers: its replicas are `_Replica`s) that
     starts writing the checkpoint of step 2, then trains until cancelled, and closes."""
     held = _HeldSave()
-    monkeypatch.setattr(checkpoint, "save_stage", held)
+    monkeypatch.setattr(checkpoint.StageWriter, "close", lambda w: held(w))
 
     async def place(*args: Any) -> None:
         pass  # placed at once: there are no peers

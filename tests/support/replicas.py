@@ -180,6 +180,16 @@ class FakeReplica:
         await self._enter("download_state")
         return self.step, {k: v.clone() for k, v in self.state.items()}
 
+    async def stream_state(self, sink: Any, include_optimizer: bool = False) -> int:
+        await self._enter("download_state")
+        step, state = self.step, {k: v.clone() for k, v in self.state.items()}
+        for name, tensor in state.items():
+            await sink(step, name, tensor)
+        return step
+
+    async def max_state_tensors(self) -> int:
+        return len(self.state)
+
     async def close(self) -> None:
         self.closed += 1
 

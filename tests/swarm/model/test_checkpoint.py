@@ -58,7 +58,7 @@ def test_a_full_disk_fails_a_checkpoint_write_as_oserror_and_leaves_no_partial_f
         root = disk / "ckpt"
         checkpoint.save_stage(root, 2, 0, state)  # room enough: a file, no leftovers
         filler = fill(disk)
-        with pytest.raises(OSError) as e:  # torch.save itself raises RuntimeError on ENOSPC
+        with pytest.raises(OSError) as e:
             checkpoint.save_stage(root, 4, 0, state)
         assert isinstance(e.value, checkpoint.CheckpointError) and "step 4" in str(e.value)
         with pytest.raises(checkpoint.CheckpointError):
@@ -73,8 +73,8 @@ def test_a_full_disk_fails_a_checkpoint_write_as_oserror_and_leaves_no_partial_f
         assert all(torch.equal(loaded[k], v) for k, v in state.items())
         assert sorted(p.name for p in disk.rglob("*") if p.is_file()) == [
             "manifest.json",
-            "stage-0.pt",
-            "stage-0.pt",
+            "stage-0.safetensors",
+            "stage-0.safetensors",
         ]
 
 
@@ -86,7 +86,7 @@ def test_a_state_with_non_finite_values_is_never_written(tmp_path: Path, bad: fl
     state[name].view(-1)[3] = bad
     with pytest.raises(checkpoint.CheckpointError, match=rf"{name}.*NaN or infinite"):
         checkpoint.save_stage(tmp_path / "ckpt", 2, 0, state)
-    assert not list((tmp_path / "ckpt").rglob("*.pt*"))  # no file, not even a partial one
+    assert not list((tmp_path / "ckpt").rglob("*stage-*"))  # no file, not even a partial one
 
 
 def test_pruning_keeps_the_newest_sealed_checkpoints_and_one_being_written(tmp_path: Path) -> None:
@@ -102,3 +102,46 @@ def test_pruning_keeps_the_newest_sealed_checkpoints_and_one_being_written(tmp_p
     with pytest.raises(ValueError, match="keep"):  # the newest sealed one is never deleted
         checkpoint.prune(root, keep=0)
     assert checkpoint.sealed(root) == [8]
+
+
+def test_a_stage_file_is_written_as_it_comes_and_read_back_bit_for_bit(tmp_path: Path) -> None:
+    """Every dtype a state holds (0-dim, bfloat16, bool, an empty tensor), in a header that
+    outgrows the room kept for it (no tensor was announced) as in one that fits."""
+    state = {
+        "param/w": torch.randn(3, 5, dtype=torch.float64),
+        "param/h": torch.randn(7).to(torch.bfloat16),
+        "optim/0/step": torch.tensor(3.0),
+        "optim/0/mask": torch.tensor([True, False, True]),
+        "optim/0/ids": torch.arange(5, dtype=torch.int64)[1::2],  # not contiguous
+        "optim/0/empty": torch.zeros(0, 4),
+    }
+    many = {f"param/{'x' * 200}{i}": torch.full((2,), float(i)) for i in range(40)}
+    for step, (tensors, expected) in enumerate([(6, state), (0, many), (len(many), many)], 1):
+        writer = checkpoint.StageWriter(tmp_path, step, 0, tensors=tensors)
+        for name, tensor in expected.items():
+            writer.add(name, tensor)
+        writer.close()
+        back = checkpoint.load_stage(tmp_path, step, 0)
+        assert back.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
+
+
+def test_a_stage_writer_refuses_a_non_finite_tensor_and_abort_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    writer = checkpoint.StageWriter(tmp_path, 2, 1, tensors=2)
+    writer.add("param/a", torch.ones(4))
+    with pytest.raises(checkpoint.CheckpointError, match="param/b holds NaN"):
+        writer.add("param/b", torch.tensor([1.0, float("nan")]))
+    writer.abort()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_a_checkpoint_of_the_torch_save_format_is_still_read(tmp_path: Path) -> None:
+    state = {"param/w": torch.randn(4, 4), "optim/0/step": torch.tensor(2.0)}
+    (tmp_path / "step-00000003").mkdir()
+    torch.save(state, tmp_path / "step-00000003" / "stage-0.pt")
+    back = checkpoint.load_stage(tmp_path, 3, 0)
+    assert all(torch.equal(back[k], v) for k, v in state.items()) and back.keys() == state.keys()

@@ -1,0 +1,91 @@
+"""A replica's state of one step, served without a copy of it (DownloadState: a joiner's copy of a
+member, a checkpoint).
+
+A snapshot holds the replica's own parameter and optimizer tensors, not copies of them: a large
+stage's state is not doubled to be sent. Before the replica changes its state in place (an update
+applied, a round's outer step, a state loaded), it has its open snapshots `detach`: each copies
+the tensors it has not sent yet (the one being sent included), so what it sends stays of its
+step. A download that ends before the next update, the usual case for a checkpoint taken between
+commits, copies nothing; one that is still running then costs what a snapshot used to cost
+(a copy of what is left), no more.
+
+Threads: `detach` runs on the replica's worker, the reply is built on the event loop; both take
+the snapshot's lock for each chunk, so a chunk is read wholly before or wholly after a detach,
+never from a tensor being changed. Only CPU tensors are shared: another device's are copied to
+the host when the snapshot is taken, as they must be to be sent.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Collection, Iterator
+from typing import TypeVar
+
+import torch
+from google.protobuf.message import Message
+
+from swarm.wire import chunking as wire
+
+__all__ = ["Snapshot", "Snapshots"]
+
+M = TypeVar("M", bound=Message)
+
+
+class Snapshot:
+    """The state of step `step` (`state`: name -> tensor, in the order they are sent), whose
+    tensors named in `shared` are the replica's own."""
+
+    def __init__(self, step: int, state: dict[str, torch.Tensor], shared: Collection[str]) -> None:
+        self.step = step
+        self._state = state  # what is left to send
+        self._shared = set(shared) & state.keys()  # of those, the replica's own
+        self._lock = threading.Lock()
+        self.copied_bytes = 0  # what `detach` copied
+
+    def detach(self) -> None:
+        """Copy the replica's own tensors not sent yet: it is about to change them."""
+        with self._lock:
+            for name in self._shared:
+                tensor = self._state[name]
+                self._state[name] = tensor.clone()
+                self.copied_bytes += tensor.nbytes
+            self._shared.clear()
+
+    def reply(self, header: Callable[[], M], chunk_bytes: int) -> Iterator[M]:
+        """The messages of the state, one tensor after another in chunks of at most
+        `chunk_bytes` (`wire.split_tensor`'s messages, each tensor under a fresh `header()`);
+        each tensor is let go once sent, so what the snapshot holds shrinks as it streams."""
+        for name in list(self._state):
+            yield from wire.split_tensor(
+                header(),
+                name,
+                functools.partial(self._state.__getitem__, name),
+                chunk_bytes,
+                self._lock,
+            )
+            with self._lock:
+                del self._state[name]
+                self._shared.discard(name)
+
+
+class Snapshots:
+    """A replica's open snapshots (weakly: a reply dropped unfinished lets its snapshot go)."""
+
+    def __init__(self) -> None:
+        self._open: weakref.WeakSet[Snapshot] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def open(self, step: int, state: dict[str, torch.Tensor], shared: Collection[str]) -> Snapshot:
+        snapshot = Snapshot(step, state, shared)
+        with self._lock:
+            self._open.add(snapshot)
+        return snapshot
+
+    def detach(self) -> None:
+        """Before the replica's state changes in place."""
+        with self._lock:
+            snapshots = list(self._open)
+        for snapshot in snapshots:
+            snapshot.detach()
