@@ -403,7 +403,7 @@ async def checkpoint(args: dict[str, Any]) -> None:
             started = time.perf_counter()
             ckpt.save_stage(root, step + rep, 0, state)
             write_s.append(time.perf_counter() - started)
-            paths.append(root / f"step-{step + rep:08d}" / "stage-0.pt")  # checkpoint's layout
+            paths.append(root / f"step-{step + rep:08d}" / "stage-0.safetensors")  # its layout
         write_peak = own_peak()
         del state  # reading: the peak of a process that holds only what it reads
         gc.collect()

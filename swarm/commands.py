@@ -170,13 +170,17 @@ def _local(args: argparse.Namespace) -> int:
     import torch
 
     from swarm.job.config import load_job
+    from swarm.model.local_steps import simulates_replicas
     from swarm.model.reference import train_local
     from swarm.ops.progress import StepLog
 
     job = load_job(args.job_file)
-    local_steps = job.pool.mode == "local"
+    local_steps = simulates_replicas(job)
     if not local_steps and (args.replicas is not None or args.routes is not None):
-        raise SwarmError('--replicas and --routes need a job with pool.mode = "local"')
+        raise SwarmError(
+            '--replicas and --routes need a job with pool.mode = "local" (or delayed_update '
+            'with pool.overlap = "eager")'
+        )
     if args.replicas is not None and args.routes is not None:
         raise SwarmError("give --replicas or --routes, not both: the record names its replicas")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)

@@ -54,7 +54,8 @@ def fingerprint(job: JobConfig) -> str:
         if d[section][key] == _DEFAULTS[section, key]:
             del d[section][key]
     keep = {k: d[k] for k in ("model", "training", "optimizer", "compression")}
-    if job.pool.mode != "step":  # the pool's rule changes the maths; the default keeps old prints
+    # the pool's rule changes the maths; the default keeps old prints
+    if job.pool.mode != "step" or job.pool.overlap != "none":
         keep["pool"] = d["pool"]
     canon = json.dumps({**keep, "data": data}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()[:16]

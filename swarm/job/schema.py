@@ -260,17 +260,14 @@ class PoolConfig(Section):
     outer_lr: float = _f(0.7, GT0)  #: the outer SGD step's learning rate (pseudo-gradient units)
     outer_momentum: float = _f(0.9, UNIT)  #: its Nesterov momentum (fraction)
     #: "eager": a round's averaging runs while the next round trains, each replica applying its
-    #: own fresh share at once and the others' one round late (with mode = "local"; `swarm
-    #: local` only so far: the swarm refuses it, `refuse_unbuilt`)
+    #: own fresh share at once and the others' one round late (with mode = "local", or with
+    #: mode = "step" and training.delayed_update: a round of one step; `swarm local` only so
+    #: far: the swarm refuses it, `refuse_unbuilt`)
     overlap: Literal["none", "eager"] = "none"
 
     def _validate(self) -> None:
         if not math.isfinite(self.outer_lr):
             raise not_allowed("pool.outer_lr", self.outer_lr, "a finite number > 0")
-        if self.overlap == "eager" and self.mode != "local":
-            raise not_allowed(
-                "pool.overlap", self.overlap, '"none" with pool.mode = "step" (eager needs "local")'
-            )
 
 
 @dataclass(frozen=True)
@@ -357,6 +354,15 @@ class JobConfig:
             raise not_allowed("model.vocab_size", self.model.vocab_size, allowed)
         if self.pool.mode == "local":
             self._check_local()
+        elif self.pool.overlap == "eager" and not self.training.delayed_update:
+            allowed = (
+                '"none" with pool.mode = "step" and training.delayed_update = false (eager needs '
+                '"local", or delayed_update: its averaging is what overlaps)'
+            )
+            raise not_allowed("pool.overlap", self.pool.overlap, allowed)
+        elif self.pool.overlap == "eager" and self.training.grad_clip > 0:
+            allowed = '0 with pool.overlap = "eager" (replicas of a stage hold different gradients)'
+            raise not_allowed("training.grad_clip", self.training.grad_clip, allowed)
 
     def _check_local(self) -> None:
         """What local steps cannot do (yet), said when the job is read."""

@@ -22,6 +22,14 @@ the others' shares one round late (`eager_gradients`: the previous round's avera
 share minus its own previous share; the Eager Updates rule, arXiv 2502.12996), on a start and
 an outer optimizer of its own (the members differ by their shares); the last round is completed
 synchronously (the others' last shares are added) and the trained model is the members' mean.
+
+The same rule is offered for `training.delayed_update` (`pool.mode = "step"`, `overlap =
+"eager"`): a round of one step with the inner optimizer for the outer one. After every step each
+replica applies its optimizer at once to the previous step's average plus its own fresh share
+(its gradient sum / the step's samples at its stage) minus its own previous share, instead of
+the whole average one step late on parameters one step old; its optimizer state is its own, so
+the replicas drift apart by their shares; the last step is completed and the model is their
+mean. No route record of the swarm holds it yet: the reference runs it on synthetic routes.
 """
 
 from __future__ import annotations
@@ -56,11 +64,18 @@ __all__ = [
     "build_outer_optimizer",
     "eager_gradients",
     "pseudo_gradient",
+    "simulates_replicas",
     "synthetic_routes",
     "train_replicas",
 ]
 
 DEFAULT_REPLICAS = 2
+
+
+def simulates_replicas(job: JobConfig) -> bool:
+    """Whether `swarm local` trains `job` as replicas of every stage (`train_replicas`): local
+    steps, or delayed_update's eager rule (the replicas differ); else as one (`train_local`)."""
+    return job.pool.mode == "local" or job.pool.overlap == "eager"
 
 
 def build_outer_optimizer(params: Iterable[torch.Tensor], cfg: PoolConfig) -> torch.optim.Optimizer:
@@ -139,7 +154,7 @@ def synthetic_routes(job: JobConfig, replicas: int, steps: int | None = None) ->
         held = [_spread(job.training.seed, t, k, m, replicas) for k in range(n_stages)]
         chains = [tuple(names[held[k][i]] for k in range(n_stages)) for i in range(m)]
         yield StepRuns(t, tuple(Run(i, everywhere, chains[i]) for i in range(m)))
-        if (t + 1) % job.pool.sync_every == 0 or t == total - 1:
+        if job.pool.mode == "local" and ((t + 1) % job.pool.sync_every == 0 or t == total - 1):
             for k in range(n_stages):
                 yield Sync(t, k, names)
 
@@ -194,6 +209,7 @@ class _Pool:
     replicas: dict[str, _Replica]
     own: dict[str, _Own] = field(default_factory=dict)
     average: list[torch.Tensor] | None = None
+    shares: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # delayed eager's last
     ended: int = -1  # the step the last round ended after
 
 
@@ -212,10 +228,11 @@ def train_replicas(
     last step; a record that lacks it (cut short by `steps`) gets one here for every stage, its
     replicas in the order they joined. A record naming a replica that is not there, or out of
     step order, is a `ConfigError` that names the step."""
-    if job.pool.mode != "local":
+    if not simulates_replicas(job):
         raise ConfigError(
             f'pool.mode = "{job.pool.mode}": replicas with local steps need pool.mode = "local" '
-            "(step mode's reference is swarm local without --replicas/--routes)"
+            "(step mode's reference is swarm local without --replicas/--routes, but for "
+            'delayed_update with pool.overlap = "eager")'
         )
     if routes is not None and replicas is not None:
         raise ConfigError("give replicas or routes, not both: a route record names its replicas")
@@ -233,8 +250,10 @@ class _Replay:
         on_step: Callable[[StepRecord], None] | None,
     ) -> None:
         self.job, self.device, self.on_step = job, device, on_step
-        self.eager = job.pool.overlap == "eager"
-        if self.eager and job.training.eval_every:
+        eager = job.pool.overlap == "eager"
+        self.eager = eager and job.pool.mode == "local"
+        self.delayed_eager = eager and job.pool.mode == "step"  # `_eager_update`
+        if eager and job.training.eval_every:
             raise ConfigError(
                 'pool.overlap = "eager" with training.eval_every: the replicas share no '
                 "parameters between rounds to evaluate; set eval_every = 0 (the final model is "
@@ -270,7 +289,11 @@ class _Replay:
                 f"the route record holds the runs of {self.done} steps; the job trains {total}"
             )
         for k, pool in enumerate(self.pools):  # the round that always ends after the last step
-            if self.eager:
+            if self.delayed_eager:  # the trained model: the replicas' mean
+                with torch.no_grad():
+                    for j, p in enumerate(pool.start):
+                        p.copy_(torch.stack([r.params[j] for r in pool.replicas.values()]).mean(0))
+            elif self.eager:
                 if pool.ended != total - 1:
                     self._sync(Sync(total - 1, k, tuple(pool.replicas)))
             elif any(not _holds(r, pool.start) for r in pool.replicas.values()):
@@ -353,7 +376,21 @@ class _Replay:
             if counted is not None:
                 loss_total += counted[0]
                 loss_samples += counted[1]
-        for replica in touched.values():
+        if self.delayed_eager:
+            self._eager_update(t)
+        else:
+            self._local_update(t, touched.values())
+        self.done = t + 1
+        if self.on_step:
+            mean = loss_total / loss_samples if loss_samples else math.nan
+            seconds, tokens = time.perf_counter() - began, loss_samples * self.job.model.seq_len
+            done = StepRecord(t, mean, loss_samples, seconds, tokens)
+            self.on_step(replace(done, val_loss=val_loss))
+
+    def _local_update(self, t: int, touched: Iterable[_Replica]) -> None:
+        """Every replica that counted samples in step `t` applies its optimizer to its own mean
+        gradient (local steps); the others apply nothing."""
+        for replica in touched:
             assert replica.sums is not None
             n = replica.step_samples
             for p, s in zip(replica.params, replica.sums, strict=True):
@@ -361,12 +398,33 @@ class _Replay:
             update(replica.optimizer, self.job, t)
             replica.sums, replica.step_samples = None, 0
             replica.round_samples += n
-        self.done = t + 1
-        if self.on_step:
-            mean = loss_total / loss_samples if loss_samples else math.nan
-            seconds, tokens = time.perf_counter() - began, loss_samples * self.job.model.seq_len
-            done = StepRecord(t, mean, loss_samples, seconds, tokens)
-            self.on_step(replace(done, val_loss=val_loss))
+
+    def _eager_update(self, t: int) -> None:
+        """delayed_update's eager rule after step `t`, stage by stage (`eager_gradients` with a
+        round of one step): every replica applies its optimizer to the last step's average plus
+        its own fresh share minus its own previous share (the last step: the whole average)."""
+        last = t == self.total - 1
+        for pool in self.pools:
+            members = list(pool.replicas.items())
+            total = sum(r.step_samples for _, r in members)
+            if total == 0:
+                continue
+            with torch.no_grad():
+                shares = [
+                    [s / total for s in r.sums]
+                    if r.sums is not None
+                    else [torch.zeros_like(p) for p in r.params]
+                    for _, r in members
+                ]
+            before = [pool.shares.get(peer) for peer, _ in members]
+            grads = eager_gradients(pool.average, shares, before, complete=last)
+            for (peer, replica), share, g in zip(members, shares, grads, strict=True):
+                for p, gj in zip(replica.params, g, strict=True):
+                    p.grad = gj
+                update(replica.optimizer, self.job, t)
+                pool.shares[peer] = share
+                replica.sums, replica.step_samples = None, 0
+            pool.average = [torch.stack(x).sum(0) for x in zip(*shares, strict=True)]
 
     def _run(self, t: int, run: Run, touched: dict[int, _Replica]) -> tuple[float, int] | None:
         """One run of step `t`: forward through its chain, back through the same replicas with
@@ -434,6 +492,11 @@ class _Replay:
 
     def _sync(self, record: Sync) -> None:
         self._expect(record, self.done - 1, f"after step {record.step}'s runs")
+        if self.delayed_eager:
+            raise ConfigError(
+                f"route record, step {record.step}: a round's end, but the job averages every "
+                'step (pool.mode = "step")'
+            )
         pool = self._pool(record.step, record.stage)
         if len(set(record.group)) != len(record.group):
             raise ConfigError(

@@ -221,3 +221,69 @@ def test_the_swarm_refuses_the_eager_overlap_until_it_runs_it(tmp_path: Path) ->
         make_job(tmp_path, "step", pool={"overlap": "eager"})
     with pytest.raises(ConfigError, match="eval_every"):
         train_replicas(_job(tmp_path, "ev", pool={"overlap": "eager"}, training={"eval_every": 2}))
+
+
+# -- delayed_update's eager rule (pool.mode = "step", overlap = "eager") -------------------------
+def _delayed(tmp_path: Path, name: str, eager: bool, steps: int = 6) -> JobConfig:
+    return make_job(
+        tmp_path,
+        name,
+        pool={"overlap": "eager" if eager else "none"},
+        training={"steps": steps, "delayed_update": True},
+        runtime=RELAY,
+    )
+
+
+def test_delayed_eager_with_one_replica_is_synchronous_training(tmp_path: Path) -> None:
+    # One replica's fresh share is the whole average: nothing is late, nothing is stale.
+    eager = _delayed(tmp_path, "eager", True)
+    sync = make_job(tmp_path, "sync", training={"steps": 6})
+    got: list[StepRecord] = []
+    state = _state(train_replicas(eager, replicas=1, on_step=got.append))
+    assert_states_within(state, _state(train_local(sync)), 1e-12)
+    assert [r.step for r in got] == list(range(6))
+    assert list(synthetic_routes(eager, 2)) and not any(
+        isinstance(r, Sync) for r in synthetic_routes(eager, 2)
+    )  # every step is averaged: no rounds
+
+
+def test_delayed_eager_with_two_replicas_trains_apart_from_both_other_rules(
+    tmp_path: Path,
+) -> None:
+    eager, naive = _delayed(tmp_path, "eager", True), _delayed(tmp_path, "naive", False)
+    sync = make_job(tmp_path, "sync", training={"steps": 6})
+    losses: list[float] = []
+    state = _state(train_replicas(eager, replicas=2, on_step=lambda r: losses.append(r.loss)))
+    assert all(torch.isfinite(v).all() for v in state.values()) and losses[-1] < losses[0]
+    assert _max_diff(state, _state(train_local(naive))) > 1e-6
+    assert _max_diff(state, _state(train_local(sync))) > 1e-6
+    assert eager.fingerprint() != naive.fingerprint()  # another rule: another job
+
+
+def test_delayed_eager_is_refused_where_it_does_not_apply(tmp_path: Path) -> None:
+    from scheduler.coordinator import LocalCoordinator
+
+    with pytest.raises(ConfigError, match="reference only so far"):
+        LocalCoordinator(_delayed(tmp_path, "eager", True), "job", lambda: [])
+    with pytest.raises(ConfigError, match="grad_clip"):
+        make_job(
+            tmp_path,
+            "clip",
+            pool={"overlap": "eager"},
+            training={"delayed_update": True, "grad_clip": 1.0},
+        )
+    with pytest.raises(ConfigError, match="a round's end, but the job averages every step"):
+        job = _delayed(tmp_path, "eager", True, steps=1)
+        train_replicas(job, routes=[*synthetic_routes(job, 1), Sync(0, 0, ("r0",))])
+
+
+def test_swarm_local_runs_delayed_eager_as_replicas(tmp_path: Path) -> None:
+    training = {"steps": 3, "delayed_update": True}
+    job_file = write_job(tmp_path, pool={"overlap": "eager"}, training=training, runtime=RELAY)
+    out = tmp_path / "ref.pt"
+    assert main(["local", str(job_file), "--replicas", "2", "--out", str(out)]) == 0
+    expected = train_replicas(_delayed(tmp_path, "again", True, steps=3), replicas=2)
+    state = torch.load(out)
+    assert all(torch.equal(v, state[k]) for k, v in expected.state_dict().items())
+    naive = write_job(tmp_path, "naive", training=training)  # one model: no replicas to simulate
+    assert main(["local", str(naive), "--replicas", "2"]) == 2
