@@ -171,7 +171,9 @@ class Assignments:
         )
 
     async def _change(self, timeout: float) -> None:
-        """Wait for the next announcement, at most `timeout` seconds."""
-        self.changed.clear()
+        """Wait for an announcement since the last wake-up, at most `timeout` seconds. Cleared
+        when it wakes, not when it starts waiting: one that came while the caller read the
+        registry or spoke is not lost (it returns at once, and the caller reads again)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.changed.wait(), timeout)
+        self.changed.clear()

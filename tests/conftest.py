@@ -28,7 +28,8 @@ def _children(pid: int) -> set[int]:
             fields = stat.rsplit(")", 1)[1].split()
             if fields[0] != "Z":
                 parents[int(entry.name)] = int(fields[1])
-    found, frontier = set(), {pid}
+    found: set[int] = set()
+    frontier = {pid}
     while frontier:
         frontier = {c for c, p in parents.items() if p in frontier} - found
         found |= frontier
@@ -53,6 +54,21 @@ def _fork_swarm_processes() -> Iterator[None]:
     procs.launcher = forked.launch
     yield
     procs.launcher = procs.spawn
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """The test process does its torch work on one thread, as stage servers do (`--threads 1`):
+    beside the swarm processes it starts (or anyone else's) on 2 cores, torch's second thread
+    only contends (the reference training of a 40-step job: 1 s on one thread, over 60 s on
+    two on a busy machine). At most the order of some float additions changes; every
+    comparison keeps its tolerance."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

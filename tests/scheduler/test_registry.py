@@ -247,3 +247,37 @@ async def test_placement_says_how_many_peers_a_job_needs_and_since_when_it_waits
     with contextlib.suppress(asyncio.CancelledError):
         await place
     assert health.waiting_since == 0.0
+
+
+async def test_a_peer_measured_while_placement_speaks_is_placed_at_once() -> None:
+    """An announcement that lands after placement read the registry but before it waits (here,
+    while it publishes what it waits for) wakes it: it used to clear the wake-up and sleep its
+    whole 5 s wait, in every job's start."""
+    reg = registry(FakeClock())
+    bus = _RecordingBus()
+    assignments: Assignments
+
+    async def say(job_id: str, message: str) -> None:
+        if message.startswith("waiting for peers"):  # the peers measure meanwhile
+            reg.announce(joining("a", speeds=(1.0, 1.0)))
+            reg.announce(joining("b", speeds=(1.0, 1.0)))
+            assignments.changed.set()  # as the bus feeder does after each announcement
+
+    assignments = Assignments(
+        reg,
+        bus,  # type: ignore[arg-type]
+        say,
+        grace_s=0.0,
+        serve_timeout_s=SERVE_TIMEOUT_S,
+        lost_stage_grace_s=0.0,
+    )
+    place = asyncio.create_task(assignments.place("j", 2, lambda: 0, []))
+    try:
+        async with asyncio.timeout(2.0):  # well under the 5 s a lost wake-up costs
+            while len(bus.published) < 2:
+                await asyncio.sleep(0.01)
+    finally:
+        place.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await place
+    assert sorted(bus.published) == ["a", "b"]

@@ -248,8 +248,12 @@ def test_rebalancing_moves_a_peer_to_the_bottleneck_and_stays_exact(tmp_path: Pa
 def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -> None:
     # SIGSTOP: the process hangs with its connections open, so neither a closed socket nor the
     # (embedded) broker's last-will says it is gone; its silence on the load topic does.
+    # 40 steps: it is left out 2 s after it stops, long before the job ends. A pool round it was
+    # already in waits `averaging_timeout_s` for it: 5 s, not the default minute.
     job = write_job(
-        tmp_path, training={"steps": 80, "target_batch_size": 16}, runtime={"rpc_timeout_s": 3.0}
+        tmp_path,
+        training={"steps": 40, "target_batch_size": 16},
+        runtime={"rpc_timeout_s": 3.0, "averaging_timeout_s": 5.0},
     )
     sw, _ = start_local_swarm(
         [3.0] * 5, log_dir=tmp_path, extra_scheduler=["--load-silence-s", "2"]
@@ -263,7 +267,7 @@ def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -
         victim = pooled["replicas"][0]["peer"]
         stopped = next(p for p in sw.peers if p.ready["peer"] == victim)
         os.kill(stopped.proc.pid, signal.SIGSTOP)
-        _wait_step(sw, job_id, 80, timeout=240)
+        _wait_step(sw, job_id, 40, timeout=240)
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
         assert f"{victim}'s load reports stopped" in sw.scheduler.log()
     finally:
@@ -288,9 +292,11 @@ def _wait_rollback(sw: LocalSwarm, job_id: str, timeout: float = 120) -> str:
 def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -> None:
     # One replica per stage; the one of stage 2 is SIGKILLed, a fresh peer joins and takes the
     # empty stage, every stage rolls back to the last checkpoint, `swarm status` says so, and
-    # the job still ends with `swarm local`'s parameters.
+    # the job still ends with `swarm local`'s parameters. 20 steps: the kill comes after step 6
+    # (the checkpoint of step 4 is sealed), the job is asserted short of step 16 then, and it
+    # trains on from the rollback (to step 4, 8 or 12) to its end.
     job = write_job(
-        tmp_path, training={"steps": 40, "target_batch_size": 16, "checkpoint_every": 4}
+        tmp_path, training={"steps": 20, "target_batch_size": 16, "checkpoint_every": 4}
     )
     sw, _ = start_local_swarm([20.0] * 4, log_dir=tmp_path)
     try:
@@ -315,7 +321,7 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
         assert rolled_to is not None, said
         # To a sealed checkpoint, not past where the job was when its stage died.
         assert int(rolled_to[1]) % 4 == 0 and 0 < int(rolled_to[1]) <= stalled, (said, stalled)
-        _wait_step(sw, job_id, 40, timeout=240)
+        _wait_step(sw, job_id, 20, timeout=240)
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
         metrics = (
             urllib.request.urlopen(
@@ -328,7 +334,7 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
         # `status` tells the story afterwards: the job's history, in order (plain `status` lists
         # its newest 10 events, `--json` 50).
         told = swarm("status", job_id, "--scheduler", sw.address).stdout
-        assert "succeeded: 40 steps" in told.split("events:\n")[1], told
+        assert "succeeded: 20 steps" in told.split("events:\n")[1], told
         doc = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
         history = "\n".join(e["text"] for e in doc["events"])
         order = [
@@ -336,7 +342,7 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
             "stage 2 lost its last replica",
             "joined stage 2",
             "rolled back to step",
-            "succeeded: 40 steps",
+            "succeeded: 20 steps",
         ]
         at = [0]
         for what in order:  # each after the one before
@@ -360,8 +366,9 @@ def test_a_stage_lost_while_the_scheduler_was_down_rolls_back(
     # The scheduler and stage 2's only replica are SIGKILLed together. The restarted scheduler
     # finds no replica with stage 2's trained state; after the grace period a fresh peer takes
     # the stage, every stage rolls back to the last checkpoint, and the result is still exact.
+    # 20 steps: the kill comes after step 6 and before step 16, as in the test above.
     job = write_job(
-        tmp_path, training={"steps": 40, "target_batch_size": 16, "checkpoint_every": 4}
+        tmp_path, training={"steps": 20, "target_batch_size": 16, "checkpoint_every": 4}
     )
     sw, args = start_local_swarm(
         [20.0] * 4,
@@ -381,7 +388,7 @@ def test_a_stage_lost_while_the_scheduler_was_down_rolls_back(
         said = _wait_rollback(sw, job_id)
         rolled_to = re.search(r"rolled back to step (\d+)", said)
         assert rolled_to is not None and int(rolled_to[1]) % 4 == 0, said
-        _wait_step(sw, job_id, 40, timeout=240)
+        _wait_step(sw, job_id, 20, timeout=240)
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
     finally:
         sw.stop()
