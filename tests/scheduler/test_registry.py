@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import math
 
-from scheduler.assignments import Assignments
+from scheduler.assignments import Assignments, Say
 from scheduler.registry import PeerRegistry
 from scheduler.stalls import Health
 from swarm.bus.topics import Topics
@@ -178,6 +178,18 @@ class _RecordingBus:
         self.published[message.peer] = message
 
 
+def _assignments(reg: PeerRegistry, bus: _RecordingBus, say: Say) -> Assignments:
+    """Placement at once (no grace periods), publishing to `bus`."""
+    return Assignments(
+        reg,
+        bus,  # type: ignore[arg-type]
+        say,
+        grace_s=0.0,
+        serve_timeout_s=SERVE_TIMEOUT_S,
+        lost_stage_grace_s=0.0,
+    )
+
+
 async def test_peers_joining_a_running_job_are_placed_fastest_first() -> None:
     """The registry's available peers go where `placement.place_new` says, and are not
     available again while they build their stage."""
@@ -192,14 +204,7 @@ async def test_peers_joining_a_running_job_are_placed_fastest_first() -> None:
     async def say(job_id: str, message: str) -> None:
         said.append(message)
 
-    assignments = Assignments(
-        reg,
-        bus,  # type: ignore[arg-type]
-        say,
-        grace_s=0.0,
-        serve_timeout_s=SERVE_TIMEOUT_S,
-        lost_stage_grace_s=0.0,
-    )
+    assignments = _assignments(reg, bus, say)
     assigned: list[str] = []
     grow = asyncio.create_task(assignments.grow("j", 2, assigned))
     await asyncio.sleep(0)  # it waits for a change now
@@ -263,14 +268,7 @@ async def test_a_peer_measured_while_placement_speaks_is_placed_at_once() -> Non
             reg.announce(joining("b", speeds=(1.0, 1.0)))
             assignments.changed.set()  # as the bus feeder does after each announcement
 
-    assignments = Assignments(
-        reg,
-        bus,  # type: ignore[arg-type]
-        say,
-        grace_s=0.0,
-        serve_timeout_s=SERVE_TIMEOUT_S,
-        lost_stage_grace_s=0.0,
-    )
+    assignments = _assignments(reg, bus, say)
     place = asyncio.create_task(assignments.place("j", 2, lambda: 0, []))
     try:
         async with asyncio.timeout(2.0):  # well under the 5 s a lost wake-up costs
