@@ -39,11 +39,13 @@ def share_state(
     shared: set[str] = set()
 
     def put(name: str, value: torch.Tensor, live: bool) -> None:
-        if live and value.device.type == "cpu":
+        if value.device.type != "cpu":
+            state[name] = value.detach().cpu()  # a copy already
+        elif live:
             state[name] = value.detach()
             shared.add(name)
         else:
-            state[name] = value.detach().cpu().clone()
+            state[name] = value.detach().clone()
 
     for k, v in module.state_dict(keep_vars=True).items():
         put(f"param/{k}", v, id(v) in params)
