@@ -41,7 +41,7 @@ def share_state(
     def put(name: str, value: torch.Tensor, live: bool) -> None:
         if value.device.type != "cpu":
             state[name] = value.detach().cpu()  # a copy already
-        elif live:
+        elif live and value.is_contiguous():  # cut into chunks in place, each read once
             state[name] = value.detach()
             shared.add(name)
         else:
