@@ -45,7 +45,7 @@ def share_state(
             state[name] = value.detach()
             shared.add(name)
         else:
-            state[name] = value.detach().clone()
+            state[name] = value.detach().clone(memory_format=torch.contiguous_format)
 
     for k, v in module.state_dict(keep_vars=True).items():
         put(f"param/{k}", v, id(v) in params)
