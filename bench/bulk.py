@@ -549,6 +549,17 @@ def measure_training(state_job: Path, state: int, work: Path) -> dict[str, Any]:
 # --- the run --------------------------------------------------------------------------------
 
 
+def run_training(params: int, work: Path, log: Any) -> dict[str, Any]:
+    """`--training-only`: the bare process and the pool of 2 training the stage."""
+    job_path, count = state_job(params, work)
+    job = load_job(job_path)
+    log(f"stage: {job.model.d_model} x {job.model.n_layers} blocks, {count / 1e6:.1f}M params")
+    bare = measure_bare(work)
+    training = measure_training(job_path, 16 * count, work)
+    log(f"training a pool of 2: peaks {[round(p / GiB, 2) for p in training['peak_rss']]} GiB")
+    return {"params": count, "bare_process_bytes": bare, "training": training}
+
+
 def run(params: int, reps: int, scratch: Path, work: Path, log: Any) -> dict[str, Any]:
     job_path, count = state_job(params, work)
     job = load_job(job_path)
@@ -667,6 +678,12 @@ def main() -> None:
     parser.add_argument(
         "--dir", type=Path, default=Path(tempfile.gettempdir()), help="where checkpoints go"
     )
+    parser.add_argument(
+        "--training-only",
+        action="store_true",
+        help="only a pool of 2 training the stage, and its replicas' peak RSS (a large --params "
+        "without the transfer rows)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -676,7 +693,10 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="swarm-bulk-"))
     try:
-        out = run(int(args.params), args.reps, args.dir, work, log)
+        if args.training_only:
+            out = run_training(int(args.params), work, log)
+        else:
+            out = run(int(args.params), args.reps, args.dir, work, log)
     except BaseException:
         log(f"logs kept in {work}")
         raise
@@ -684,7 +704,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print_tables(out)
+        if not args.training_only:
+            print_tables(out)
         print_training(out)
 
 
