@@ -122,13 +122,15 @@ def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact
     """s0r0 dies at a backward of step 3 and comes back empty: it copies s0r1 while training
     goes on, follows its updates through a round's end, and becomes a member where a round
     starts; the record says so (a join from s0r1), and the reference replaying it agrees."""
+    # 32 steps: on a busy machine the restarted process is up and copying only several steps
+    # after the kill (the coordinator's join retries back off meanwhile); with 16 the job
+    # sometimes ended first. Stage 1 is slow for the same reason.
     job = write_job(
         tmp_path,
-        training={"steps": 16, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
+        training={"steps": 32, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
         runtime={"data_plane": "relay", "max_in_flight": 4},
         pool=LOCAL,
     )
-    # Stage 1 is slow, so the steps after the restart leave the copy time to catch up.
     slow = frozenset({"s1r0", "s1r1"})
     servers = Servers(job, [2, 2], [Fault("s0r0", Point.BACKWARD, 3)], tmp_path, slow=slow)
     victim, restarted = servers.procs["s0r0"], []
