@@ -63,25 +63,20 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _tmp_name(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place (this process's own)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 def _atomic(path: Path, write: Callable[[BinaryIO], object], what: str) -> None:
-    def to(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            write(f)
-
-    _atomic_path(path, to, what)
-
-
-def _atomic_path(path: Path, write: Callable[[Path], object], what: str) -> None:
-    """`write(tmp)` writes the file at `tmp`; it becomes `path` once it is on disk."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """`write(f)` writes the file; it becomes `path` once it is on disk."""
+    tmp = _tmp_name(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the bytes are on disk before the name points at them
-        finally:
-            os.close(fd)
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         tmp.replace(path)
         _fsync_dir(path.parent)  # and the rename too
     except Exception as e:  # torch.save turns ENOSPC into RuntimeError
@@ -134,7 +129,7 @@ class StageWriter:
     def __init__(self, root: Path, step: int, stage: int, tensors: int = 0) -> None:
         self.step, self.stage = step, stage
         self.path = _dir(root, step) / f"stage-{stage}.safetensors"
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self._tmp = _tmp_name(self.path)
         self._what = f"checkpoint of step {step}, stage {stage}"
         room = _HEADER_ROOM + _HEADER_ROOM_PER_TENSOR * tensors if tensors else _HEADER_ROOM_UNKNOWN
         self._room = room + (-room % 8)  # the data starts 8-byte aligned
