@@ -8,7 +8,7 @@ from pathlib import Path
 
 from scheduler.data_root import check_data_root
 from swarm.bus.flags import add_login_flags, scheduler_token
-from swarm.flags import add_flag, add_metrics_token, add_token, metrics_token, token
+from swarm.flags import add_flag, add_metrics_token, add_switch, add_token, metrics_token, token
 from swarm.net.tls import add_tls_flags
 from swarm.ops.logs import show_at_default
 
@@ -82,6 +82,13 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "their checkpoints and final models, at start and as jobs end (default: keep every one)",
         type=int,
     )
+    add_switch(
+        p,
+        "no-embedded-trainer",
+        "train no job in the scheduler's own process: only `swarm trainer --job J` processes "
+        "(run near the data, or where the scheduler's machine is small) train, and a job waits "
+        "for one",
+    )
     add_token(p)
     add_login_flags(p)
     add_tls_flags(p)
@@ -113,6 +120,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         checkpoint_every_s=args.checkpoint_every_s or None,
         data_root=args.data_root,
         keep_finished_jobs=args.keep_finished_jobs,
+        embedded_trainer=not args.no_embedded_trainer,
     )
     asyncio.run(run_scheduler(opts))
     return 0

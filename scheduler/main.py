@@ -56,6 +56,7 @@ class SchedulerProcessOptions:
     lost_stage_grace_s: float = 30.0  # an unserved stage of a trained job: wait, then roll back
     checkpoint_every_s: float | None = 300.0  # checkpoint at least this often (None: by steps)
     keep_finished_jobs: int | None = None  # finished jobs kept (None: all); older ones deleted
+    embedded_trainer: bool = True  # train each job in this process too (False: remote only)
 
 
 async def run_scheduler(opts: SchedulerProcessOptions) -> None:
@@ -98,6 +99,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 lost_stage_grace_s=opts.lost_stage_grace_s,
                 checkpoint_every_s=opts.checkpoint_every_s,
                 keep_finished_jobs=opts.keep_finished_jobs,
+                embedded_trainer=opts.embedded_trainer,
             )
             scheduler = Scheduler(store, bus, options, registry)
             registry.register(collector(scheduler))

@@ -14,6 +14,7 @@ __all__ = [
     "HelpFormatter",
     "add_flag",
     "add_metrics_token",
+    "add_switch",
     "add_token",
     "env_default",
     "env_name",
@@ -62,6 +63,13 @@ def add_flag(
         print(f"swarm: {env_name(flag)} is not read; this command reads {name}", file=sys.stderr)
     help = f"{help} [env {name}]"
     p.add_argument(f"--{flag}", default=env_default(env or flag, default), help=help, **kw)
+
+
+def add_switch(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """`--flag`, off unless given or its variable (`SWARM_<FLAG>`) is 1, true or yes."""
+    name = env_name(flag)
+    on = os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+    p.add_argument(f"--{flag}", action="store_true", default=on, help=f"{help} [env {name}]")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

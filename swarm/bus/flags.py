@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from swarm.flags import env_name
+from swarm.flags import add_switch, env_name
 
 __all__ = ["add_login_flags", "scheduler_token"]
 
@@ -21,15 +21,12 @@ def add_login_flags(p: argparse.ArgumentParser) -> None:
         "for a scheduler in its process, and a scheduler dialling --broker sends the swarm "
         "token [env SWARM_SCHEDULER_TOKEN]",
     )
-    flag = "use-identity-as-username"
-    p.add_argument(
-        f"--{flag}",
-        action="store_true",
-        default=os.environ.get(env_name(flag), "").strip().lower() in ("1", "true", "yes"),
-        help="embedded broker, with --tls-mutual: a client's MQTT user is the name of its "
+    add_switch(
+        p,
+        "use-identity-as-username",
+        "embedded broker, with --tls-mutual: a client's MQTT user is the name of its "
         "certificate (`swarm certs issue NAME`), as Mosquitto's option of that name; the "
-        "scheduler's certificate is then named scheduler, each peer's its --peer "
-        f"[env {env_name(flag)}]",
+        "scheduler's certificate is then named scheduler, each peer's its --peer",
     )
 
 

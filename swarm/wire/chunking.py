@@ -21,7 +21,7 @@ import torch
 from google.protobuf.message import Message
 
 from swarm.errors import ConfigError, DeadlineExceeded, InvalidArgument, ResourceExhausted
-from swarm.proto import tensor_pb2
+from swarm.proto import framing, tensor_pb2
 from swarm.wire.codec import CODEC_NONE, decode, decoded_nbytes, dtype_name
 
 __all__ = [
@@ -97,7 +97,7 @@ def _copy_fields(src: Message, dst: Message, skip: frozenset[str]) -> None:
             setattr(dst, field.name, value)
 
 
-def split(msg: M, chunk_bytes: int) -> Iterator[M]:
+def split(msg: M, chunk_bytes: int) -> Iterator[M | framing.Framed]:
     """Yield `msg` itself if its tensor bytes fit in `chunk_bytes`, else a header and chunks.
 
     Small tensors stay inline in the header while their total fits in `chunk_bytes`; the others
@@ -129,12 +129,8 @@ def split(msg: M, chunk_bytes: int) -> Iterator[M]:
     for i in chunked:
         view = memoryview(datas[i])
         for start in range(0, len(view), chunk_bytes):
-            part = cls()
-            # Set in place: cls(chunk=Chunk(...)) would copy the piece once more. bytes() of
-            # the slice is needed because protobuf does not accept a memoryview.
-            part.chunk.tensor = i
-            part.chunk.data = bytes(view[start : start + chunk_bytes])
-            yield part
+            # Encoded as it will travel, copying the piece once (`swarm.proto.framing`).
+            yield framing.frame(cls, i, view[start : start + chunk_bytes])
 
 
 def split_tensor(
@@ -143,7 +139,7 @@ def split_tensor(
     tensor: torch.Tensor | Callable[[], torch.Tensor],
     chunk_bytes: int,
     lock: AbstractContextManager[Any] | None = None,
-) -> Iterator[M]:
+) -> Iterator[M | framing.Framed]:
     """`split` of `header` carrying `tensor` as `name` (CODEC_NONE), each chunk cut from the
     tensor's own memory: a large tensor is never encoded whole (one chunk's copy at a time), so a
     reply of many such tensors is built as it is sent, not before. `header` (a message without
@@ -163,29 +159,28 @@ def split_tensor(
 
     guard = lock if lock is not None else contextlib.nullcontext()
 
-    def cut(start: int, end: int | None) -> tuple[torch.Tensor, bytes]:
+    cls = type(header)
+
+    def cut(start: int, end: int) -> tuple[torch.Tensor, framing.Framed]:
+        """The tensor and its bytes [start, end) as a chunk, copied once while `lock` is held."""
         with guard:
             t = current()
             # reshape(-1) first: a 0-dim tensor cannot be viewed as a dtype of another size.
             flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            return t, flat[start:end].numpy().tobytes()
+            return t, framing.frame(cls, 0, tensor_bytes(flat[start:end]))
 
-    first, data = cut(0, chunk_bytes)
+    first, part = cut(0, chunk_bytes)
     m: Any = header
     meta = m.tensors.add()
     meta.name, meta.dtype, meta.nbytes = name, dtype_name(first.dtype), first.nbytes
     meta.shape.extend(first.shape)
     if first.nbytes <= chunk_bytes:
-        meta.data = data
+        meta.data = bytes(part.data)
         yield header
         return
     yield header
-    cls = type(header)
     for start in range(0, first.nbytes, chunk_bytes):
-        part: Any = cls()
-        part.chunk.tensor = 0
-        part.chunk.data = data if start == 0 else cut(start, start + chunk_bytes)[1]
-        yield part
+        yield part if start == 0 else cut(start, start + chunk_bytes)[1]
 
 
 def _check_count(header: Any) -> None:
@@ -280,8 +275,9 @@ async def receive(
             ) from None
         if len(nxt.tensors) or not nxt.HasField("chunk"):
             raise InvalidArgument("expected a chunk message after the header")
+        # A chunk alone comes `Framed`, its data a view of what gRPC received.
         index: int = nxt.chunk.tensor
-        piece: bytes = nxt.chunk.data
+        piece: bytes | memoryview = nxt.chunk.data
         if index >= len(sizes):
             raise InvalidArgument(
                 f"chunk for tensor {index}, but the header has {len(sizes)} tensors"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm.job.config import load_job
 from swarm.local.procs import LocalSwarm, start_local_swarm, start_process
 from tests.support.brokers import Mosquitto
 from tests.support.cli import swarm
@@ -140,7 +141,13 @@ def test_wrong_token_is_refused(tmp_path: Path) -> None:
 
 def test_pools_and_a_remote_trainer_equal_local(tmp_path: Path) -> None:
     job = write_job(tmp_path, training={"steps": 8, "target_batch_size": 32})
-    sw, _ = start_local_swarm([1.0, 1.0, 2.0, 2.0, 1.0, 3.0, 1.0, 2.0], log_dir=tmp_path)
+    # No embedded trainer: the remote one trains every microbatch, however fast the steps go
+    # (with both, a job done before the remote trainer's first lease left it nothing).
+    sw, _ = start_local_swarm(
+        [1.0, 1.0, 2.0, 2.0, 1.0, 3.0, 1.0, 2.0],
+        log_dir=tmp_path,
+        extra_scheduler=["--no-embedded-trainer"],
+    )
     try:
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         remote = start_process(
@@ -158,7 +165,9 @@ def test_pools_and_a_remote_trainer_equal_local(tmp_path: Path) -> None:
         assert sum(placed.values()) == 8 and set(placed) == {"0", "1", "2", "3"}, placed
         assert max(placed.values()) >= 2, placed
         trained = re.search(r"trained (\d+) microbatches", remote.log())
-        assert trained and int(trained.group(1)) > 0, remote.log()[-2000:]
+        config = load_job(job).training
+        every = 8 * config.target_batch_size // config.microbatch_size
+        assert trained and int(trained.group(1)) == every, remote.log()[-2000:]
     finally:
         sw.stop()
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)

@@ -109,9 +109,12 @@ async def test_large_message_round_trip() -> None:
     chunks = parts[1:]
     assert len(chunks) == -(-100_000 // chunk_bytes)
     for c in chunks:
-        assert type(c) is stage_pb2.StageForwardRequest
-        assert not c.tensors and not c.job
-        assert c.chunk.tensor == 0
+        # encoded as protobuf encodes a StageForwardRequest holding only this chunk
+        parsed = stage_pb2.StageForwardRequest.FromString(c.SerializeToString())
+        assert parsed.SerializeToString() == c.SerializeToString()
+        assert not parsed.tensors and not parsed.job
+        assert parsed.chunk.tensor == c.chunk.tensor == 0
+        assert parsed.chunk.data == c.chunk.data
         assert 0 < len(c.chunk.data) <= chunk_bytes
     assert b"".join(c.chunk.data for c in chunks) == msg.tensors[0].data
 
@@ -171,7 +174,9 @@ async def test_response_types_keep_their_other_fields() -> None:
         tensors=[encode(torch.randn(1000), "grad_inputs")], receipt=receipt, loss_sum=1.5
     )
     parts = list(split(msg, 1000))
-    assert all(type(p) is stage_pb2.StageForwardBackwardResponse for p in parts)
+    assert type(parts[0]) is stage_pb2.StageForwardBackwardResponse
+    for part in parts:  # the chunks too are that type's encodings
+        stage_pb2.StageForwardBackwardResponse.FromString(part.SerializeToString())
     got = await receive_list(parts)
     assert got.header.receipt == receipt
     assert got.header.loss_sum == 1.5

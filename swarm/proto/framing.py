@@ -1,0 +1,162 @@
+"""How the generated stubs turn streamed messages into gRPC bytes and back: a chunk's bytes are
+copied once each way, not five times.
+
+Every streamed message type carries bulk bytes in `chunk` (`Chunk { uint32 tensor = 1; bytes data
+= 2; }`, `swarm.wire.chunking`). Through protobuf a chunk of 4 MiB is copied into a Python
+`bytes`, into the message, into an encoder's growing buffer (twice its size), into the serialized
+`bytes`, and by gRPC into its own buffer; on the way in, out of gRPC, into the parsed message and
+into a `bytes` again when `.data` is read. On a stage of tens of millions of parameters those
+copies are most of what averaging and state transfer cost, and their churn is most of a
+replica's memory beyond its state (docs/bulk.md).
+
+So a chunk travels as a `Framed` chunk: its protobuf encoding written by hand in one copy (the
+same bytes protobuf would write, so any protobuf reader parses it), handed to gRPC as it is; and
+on the way in a message that is exactly one chunk is read as a `Framed` whose `data` is a view of
+the bytes gRPC gave (no copy). Anything else, or anything that does not parse cleanly, goes
+through protobuf as before, which refuses what is malformed.
+
+protogen.py makes every generated stub and servicer use `serialize` and `deserializer(cls)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Framed", "deserializer", "frame", "serialize"]
+
+_CHUNK_TENSOR_KEY = (1 << 3) | 0  # Chunk.tensor: field 1, varint
+_CHUNK_DATA_KEY = (2 << 3) | 2  # Chunk.data: field 2, length-delimited
+_MAX_UINT32 = (1 << 32) - 1
+
+
+class Framed:
+    """One chunk of a streamed message (`chunk.tensor`, `chunk.data`, no other field), as it is
+    written to or read from gRPC. It reads like the message it stands for where chunked streams
+    read one (`tensors`, `chunk`, `HasField`), so `swarm.wire.chunking` and tests treat both alike.
+    """
+
+    __slots__ = ("data", "encoded", "tensor")
+    tensors: tuple[()] = ()
+
+    def __init__(self, tensor: int, data: memoryview | bytes, encoded: bytes | None = None):
+        self.tensor, self.data, self.encoded = tensor, data, encoded
+
+    @property
+    def chunk(self) -> Framed:
+        return self
+
+    def HasField(self, name: str) -> bool:
+        return name == "chunk"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Framed):
+            return NotImplemented
+        return self.tensor == other.tensor and self.data == other.data
+
+    __hash__ = None  # type: ignore[assignment]  (mutable views, as messages are unhashable)
+
+    def SerializeToString(self) -> bytes:
+        if self.encoded is None:
+            raise ValueError("a received chunk has no encoding of its own")
+        return self.encoded
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        if not value:
+            out.append(low)
+            return bytes(out)
+        out.append(low | 0x80)
+
+
+def frame(cls: Any, tensor: int, data: memoryview | bytes) -> Framed:
+    """A message of type `cls` carrying only `chunk { tensor, data }`, encoded with one copy of
+    `data` (which may be a view of a tensor's memory: it is copied here, not when sent)."""
+    field = _chunk_field(cls)
+    if field is None:
+        raise ValueError(f"{cls.__name__} has no 'chunk' field")
+    size = memoryview(data).nbytes
+    # As protobuf writes it: proto3 leaves out a field at its default (tensor 0).
+    index = _varint(_CHUNK_TENSOR_KEY) + _varint(tensor) if tensor else b""
+    inner = index + _varint(_CHUNK_DATA_KEY) + _varint(size)
+    head = _varint((field << 3) | 2) + _varint(len(inner) + size) + inner
+    encoded = b"".join((head, data))
+    return Framed(tensor, memoryview(encoded)[len(head) :], encoded)
+
+
+def serialize(message: Any) -> bytes:
+    """A gRPC request or response serializer for every message type: a `Framed` chunk as it was
+    encoded, any other message through protobuf."""
+    if isinstance(message, Framed):
+        return message.SerializeToString()
+    data: bytes = message.SerializeToString()
+    return data
+
+
+def deserializer(cls: Any) -> Callable[[bytes], Any]:
+    """A gRPC deserializer for messages of type `cls`: a message that is one chunk alone becomes
+    a `Framed` viewing the received bytes; anything else is `cls.FromString`."""
+    field = _chunk_field(cls)
+    parse: Callable[[bytes], Any] = cls.FromString
+    if field is None:
+        return parse
+    outer_key = (field << 3) | 2
+
+    def deserialize(data: bytes) -> Any:
+        chunk = _read_chunk(data, outer_key)
+        return chunk if chunk is not None else parse(data)
+
+    return deserialize
+
+
+def _chunk_field(cls: Any) -> int | None:
+    field = cls.DESCRIPTOR.fields_by_name.get("chunk")
+    if field is None or field.message_type is None:
+        return None
+    return int(field.number) if field.message_type.full_name == "swarm.proto.Chunk" else None
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint at `pos` and the position after it; (-1, pos) if it is cut off or too long."""
+    value = shift = 0
+    for i in range(pos, min(pos + 10, len(data))):
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i + 1
+        shift += 7
+    return -1, pos
+
+
+def _read_chunk(data: bytes, outer_key: int) -> Framed | None:
+    """`data` as a `Framed` if it is exactly one `chunk` field holding a tensor index and a
+    non-empty data field, each once; else None (protobuf reads it, and judges it)."""
+    key, pos = _read_varint(data, 0)
+    if key != outer_key:
+        return None
+    length, pos = _read_varint(data, pos)
+    if length < 0 or pos + length != len(data):
+        return None
+    tensor, payload = 0, None
+    seen_tensor = False
+    while pos < len(data):
+        key, pos = _read_varint(data, pos)
+        if key == _CHUNK_TENSOR_KEY and not seen_tensor:
+            tensor, pos = _read_varint(data, pos)
+            if not 0 <= tensor <= _MAX_UINT32:
+                return None
+            seen_tensor = True
+        elif key == _CHUNK_DATA_KEY and payload is None:
+            size, pos = _read_varint(data, pos)
+            if size <= 0 or pos + size > len(data):
+                return None
+            payload = memoryview(data)[pos : pos + size]
+            pos += size
+        else:
+            return None
+    if payload is None:
+        return None
+    return Framed(tensor, payload)
