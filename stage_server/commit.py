@@ -38,6 +38,7 @@ from stage_server.metrics import StageMetrics
 from stage_server.runtime import Served, StageRuntime
 from stage_server.worker import Worker
 from swarm.errors import FailedPrecondition, InvalidArgument, NonFiniteGradient, WireError
+from swarm.ops import allocator
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
 from swarm.wire import codec
@@ -185,6 +186,9 @@ class Committer:
     ) -> list[torch.Tensor]:
         """This replica's part (`prepare(*args)` on the worker), averaged with `c.group`. A
         PREPARE that fails before averaging tells the pool now, not when its round times out."""
+        # The replica's peak comes now: what its arenas freed since the last commit goes back
+        # first (`swarm.ops.allocator`), on the worker, which is idle until this commit is done.
+        await self._worker.run(allocator.give_back)
         try:
             sums = await self._worker.run(prepare, *args)
         except WireError as e:

@@ -13,6 +13,7 @@ from swarm.errors import NonFiniteGradient
 from swarm.job.config import JobConfig, OptimizerConfig
 
 __all__ = [
+    "NORM_PIECE",
     "build_optimizer",
     "clip_scale",
     "computes_on",
@@ -76,12 +77,22 @@ def is_boundary(job: JobConfig, step: int) -> bool:
     return step > 0 and (step % job.pool.sync_every == 0 or step == job.training.steps)
 
 
+# Elements of a gradient squared at once: a tensor up to this size is one sum, as it always
+# was; a larger one is summed in pieces of this size, so the float64 squares a norm makes are
+# 16 MiB at most, not twice the largest tensor's size in float64 (at a commit's peak, beside
+# the step's sums and the pool's total: 0.6 GiB for a 41M-element matrix).
+NORM_PIECE = 1 << 20
+
+
 def grad_sq_norm(grads: Iterable[torch.Tensor]) -> float:
     """The squared L2 norm of a stage's gradient, summed tensor by tensor in parameter order (in
-    float64, whatever the training dtype), as every replica and the reference compute it."""
+    float64, whatever the training dtype; a tensor over NORM_PIECE elements piece by piece), as
+    every replica and the reference compute it."""
     total = 0.0
     for g in grads:
-        total += float(g.detach().double().square().sum())
+        flat = g.detach().reshape(-1)
+        for start in range(0, max(flat.numel(), 1), NORM_PIECE):
+            total += float(flat[start : start + NORM_PIECE].double().square().sum())
     return total
 
 

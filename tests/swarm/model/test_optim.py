@@ -10,7 +10,7 @@ import torch
 
 from swarm.errors import NonFiniteGradient
 from swarm.job.config import OptimizerConfig
-from swarm.model.optim import clip_scale, grad_sq_norm, lr_at
+from swarm.model.optim import NORM_PIECE, clip_scale, grad_sq_norm, lr_at
 
 
 def _opt(**kw: object) -> OptimizerConfig:
@@ -76,3 +76,20 @@ def test_a_non_finite_norm_has_no_clipping_coefficient(bad: float, max_norm: flo
     # on or off: the reference fails as the swarm's coordinator does.
     with pytest.raises(NonFiniteGradient, match=r"stage 1 .*not finite"):
         clip_scale([4.0, bad], max_norm)
+
+
+def test_a_tensor_up_to_a_piece_is_one_sum_and_a_larger_one_is_summed_in_pieces() -> None:
+    gen = torch.Generator().manual_seed(0)
+    small = torch.randn(NORM_PIECE, generator=gen)
+    large = torch.randn(2 * NORM_PIECE + 7, generator=gen)
+    # up to a piece: the same bits as the one sum it always was
+    assert grad_sq_norm([small]) == float(small.double().square().sum())
+    pieces = [large[i : i + NORM_PIECE] for i in range(0, large.numel(), NORM_PIECE)]
+    assert len(pieces) == 3
+    assert grad_sq_norm([large]) == sum(float(p.double().square().sum()) for p in pieces)
+    assert grad_sq_norm([large]) == pytest.approx(float(large.double().square().sum()), rel=1e-12)
+    for bad in (float("inf"), float("nan")):  # in a later piece: still seen
+        broken = large.clone()
+        broken[-1] = bad
+        assert not math.isfinite(grad_sq_norm([broken]))
+    assert grad_sq_norm([torch.tensor(2.0), torch.empty(0)]) == 4.0  # 0-dim and empty
