@@ -40,10 +40,12 @@ to the bare stream's MB/s in the same run:
   with `StageClient.load_state`.
 - checkpoint write / read: `swarm.model.checkpoint.save_stage` of that state in a temporary
   directory under `--dir`, and `load_stage` of it, in a process of their own; the baseline rows
-  write as many bytes with one `write` + `fsync` and read them with one `read` into a buffer
-  allocated and touched beforehand (allocating 600 MB costs about as much as reading it here),
-  in the same directory. Before every read the file's pages are dropped from the page cache
-  (`posix_fadvise(DONTNEED)` after the fsync), so both reads come from the disk. The checkpoint
+  write the same bytes from the tensors' own memory with one `writev` + `fsync` (each rep just
+  before the checkpoint's, so that both meet the disk in the same state) and read them with one
+  `read` into a buffer allocated and touched beforehand (allocating 600 MB costs about as much
+  as reading it here), in the same directory. Before every read the file's pages are dropped
+  from the page cache (`posix_fadvise(DONTNEED)` after the fsync), so both reads come from the
+  disk. The checkpoint
   rows' notes give their ratio to the baseline (the issue's target: >= 0.8 for writes). The
   process writes `--reps` checkpoints, drops the state, then reads them back: its peak while
   writing (holding the state) and while reading (holding only what it reads) are its own.
