@@ -456,12 +456,12 @@ def measure_state(job_path: Path, reps: int, state: int, work: Path, scratch: Pa
     mem_r = [("checkpoint process, reading", got["read_peak_rss"], state, n)]
     write = Row("checkpoint write (save_stage)", n, got["write_seconds"], mem_w)
     read = Row("checkpoint read (load_stage)", n, got["read_seconds"], mem_r)
-    write.note = f"{write.mbps / base_w:.2f} of write+fsync; file {got['file_bytes'] / 1e6:.0f} MB"
+    write.note = f"{write.mbps / base_w:.2f} of writev+fsync; file {got['file_bytes'] / 1e6:.0f} MB"
     read.note = f"{read.mbps / base_r:.2f} of one read"
     rows += [
         write,
         read,
-        Row("  baseline: one write + fsync", n, got["baseline_write_seconds"], []),
+        Row("  baseline: one writev + fsync", n, got["baseline_write_seconds"], []),
         Row("  baseline: one read", n, got["baseline_read_seconds"], []),
     ]
     return rows
