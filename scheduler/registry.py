@@ -7,6 +7,8 @@ member measurably does (`measured`, for rebalancing).
 
 A serving peer whose load reports stop for `load_silence_s` is left out of `members` (hung, or cut
 off from the broker while its last-will has not fired yet); one that reports again is back. A peer
+that has sent no report for the job yet is timed from when it was first seen serving the job: one
+that hangs before its first report (a second after it began) is left out as any other. A peer
 that announces itself offline is forgotten entirely, so the registry holds only present peers.
 """
 
@@ -33,7 +35,6 @@ class _Load:
     stage: int
     at: float  # clock time it arrived
     speed: float | None  # samples/s it measured on `stage`; None: not measured yet
-    silent: bool = False  # already logged as silent
 
 
 class PeerRegistry:
@@ -49,6 +50,10 @@ class PeerRegistry:
         # its stage still says JOINING, and must not be assigned again (perhaps elsewhere).
         self._assigned_at: dict[str, tuple[str, float]] = {}
         self._unplaceable: set[str] = set()  # peers already warned about
+        # peer -> (job, when) it was first seen serving that job: a member's silence is timed
+        # from there until its first load report for the job.
+        self._serving_since: dict[str, tuple[str, float]] = {}
+        self._silent_logged: set[str] = set()  # silent peers already logged as such
 
     # -- what arrives -----------------------------------------------------------------------------
     def announce(self, message: cpb.PeerAnnouncement) -> None:
@@ -61,6 +66,10 @@ class PeerRegistry:
         self.peers[peer] = message
         if message.state != cpb.PEER_STATE_JOINING:  # serving, moving, or gone
             self._assigned_at.pop(peer, None)
+        if message.state != cpb.PEER_STATE_SERVING:
+            self._serving_since.pop(peer, None)
+        elif self._serving_since.get(peer, ("", 0.0))[0] != message.job:
+            self._serving_since[peer] = (message.job, self.clock.now())
 
     def report_load(self, message: cpb.LoadReport) -> None:
         """A load report; from a peer not (or no longer) present it is ignored."""
@@ -84,6 +93,8 @@ class PeerRegistry:
         self._loads.pop(peer, None)
         self._assigned_at.pop(peer, None)
         self._unplaceable.discard(peer)
+        self._serving_since.pop(peer, None)
+        self._silent_logged.discard(peer)
 
     # -- what it answers --------------------------------------------------------------------------
     def members(self, job_id: str, stages: int) -> list[list[Replica]]:
@@ -155,17 +166,22 @@ class PeerRegistry:
         return assignment, speeds
 
     def _silent(self, job_id: str, peer: str) -> bool:
-        """Whether `peer` reported load for this job once and has been quiet since for longer
-        than `load_silence_s` (a peer that never reported is not silent: it may be new)."""
+        """Whether `peer` has been quiet for longer than `load_silence_s`: since its last load
+        report for this job, or, before its first, since it was first seen serving the job."""
         load = self._loads.get(peer)
-        if load is None or load.job != job_id:
-            return False
-        quiet = self.clock.now() - load.at
+        if load is not None and load.job == job_id:
+            at = load.at
+        else:
+            since = self._serving_since.get(peer)
+            if since is None or since[0] != job_id:
+                return False
+            at = since[1]  # no report for the job yet
+        quiet = self.clock.now() - at
         if quiet <= self.load_silence_s:
-            load.silent = False
+            self._silent_logged.discard(peer)
             return False
-        if not load.silent:  # hung, or cut off: not a member
-            load.silent = True
+        if peer not in self._silent_logged:  # hung, or cut off: not a member
+            self._silent_logged.add(peer)
             log.warning(
                 "job %s: %s's load reports stopped %.0fs ago; leaving it out", job_id, peer, quiet
             )

@@ -70,9 +70,6 @@ def test_a_silent_peer_is_left_out_until_it_reports_again() -> None:
     reg = registry(clock)
     reg.announce(serving("a", 0))
     reg.announce(serving("b", 1))
-    clock.advance(3 * SILENCE_S)
-    # Never reported: perhaps new, so still a member.
-    assert names(reg.members("j", 2)) == [["a"], ["b"]]
     reg.report_load(load("a", 0))
     reg.report_load(load("b", 1))
     clock.advance(SILENCE_S / 2)
@@ -84,12 +81,44 @@ def test_a_silent_peer_is_left_out_until_it_reports_again() -> None:
     assert names(reg.members("j", 2)) == [["a"], ["b"]]
 
 
+def test_a_serving_peer_that_never_reports_is_silent_from_when_it_began_serving() -> None:
+    # A peer that hangs before its first load report (SIGSTOPped a second after it began
+    # serving) must be left out as one that stops reporting is, not only when a commit's call
+    # to it times out (minutes).
+    clock = FakeClock()
+    reg = registry(clock)
+    reg.announce(serving("a", 0))
+    clock.advance(SILENCE_S / 2)
+    reg.announce(serving("a", 0))  # announced again: still serving since the first
+    reg.announce(serving("b", 1))  # new: its grace starts now
+    clock.advance(SILENCE_S / 2 + 1.0)
+    assert names(reg.members("j", 2)) == [[], ["b"]]
+    reg.report_load(load("a", 0))
+    assert names(reg.members("j", 2)) == [["a"], ["b"]]
+    clock.advance(SILENCE_S)
+    reg.report_load(load("a", 0))
+    assert names(reg.members("j", 2)) == [["a"], []]
+
+
 def test_reports_for_another_job_do_not_count() -> None:
     clock = FakeClock()
     reg = registry(clock)
     reg.announce(serving("a", 0))
     reg.report_load(load("a", 0, job="old"))
+    clock.advance(SILENCE_S / 2)
+    assert names(reg.members("j", 1)) == [["a"]]  # within its grace as a new member of j
+    clock.advance(SILENCE_S)
+    assert names(reg.members("j", 1)) == [[]]  # serving j, and no report for j: silent
+    reg.report_load(load("a", 0))
+    assert names(reg.members("j", 1)) == [["a"]]
+
+
+def test_a_peer_serving_another_job_starts_its_grace_anew() -> None:
+    clock = FakeClock()
+    reg = registry(clock)
+    reg.announce(serving("a", 0, job="old"))
     clock.advance(2 * SILENCE_S)
+    reg.announce(serving("a", 0))  # now serving j
     assert names(reg.members("j", 1)) == [["a"]]
 
 
