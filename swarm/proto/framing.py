@@ -20,6 +20,7 @@ protogen.py makes every generated stub and servicer use `serialize` and `deseria
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,7 @@ def serialize(message: Any) -> bytes:
     return data
 
 
+@functools.cache  # a stub is made per call in places (a pool's channels): built once a type
 def deserializer(cls: Any) -> Callable[[bytes], Any]:
     """A gRPC deserializer for messages of type `cls`: a message that is one chunk alone becomes
     a `Framed` viewing the received bytes; anything else is `cls.FromString`."""

@@ -161,21 +161,24 @@ def split_tensor(
 
     cls = type(header)
 
-    def cut(start: int, end: int) -> tuple[torch.Tensor, framing.Framed]:
-        """The tensor and its bytes [start, end) as a chunk, copied once while `lock` is held."""
+    def cut(start: int, end: int) -> tuple[torch.Tensor, framing.Framed | bytes]:
+        """The tensor and its bytes [start, end), copied once while `lock` is held: as a chunk,
+        or as `bytes` for the header when the whole tensor fits in one chunk."""
         with guard:
             t = current()
             # reshape(-1) first: a 0-dim tensor cannot be viewed as a dtype of another size.
-            flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            return t, framing.frame(cls, 0, tensor_bytes(flat[start:end]))
+            piece = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)[start:end]
+            if t.nbytes <= chunk_bytes:
+                return t, piece.numpy().tobytes()
+            return t, framing.frame(cls, 0, tensor_bytes(piece))
 
     first, part = cut(0, chunk_bytes)
     m: Any = header
     meta = m.tensors.add()
     meta.name, meta.dtype, meta.nbytes = name, dtype_name(first.dtype), first.nbytes
     meta.shape.extend(first.shape)
-    if first.nbytes <= chunk_bytes:
-        meta.data = bytes(part.data)
+    if isinstance(part, bytes):
+        meta.data = part
         yield header
         return
     yield header
