@@ -71,7 +71,7 @@ class _Replica:
     failures: int = 0  # consecutive failures; a success resets it
     banned_until: float = -math.inf
     ban_seq: int = 0  # identifies the live entry in the ban heap
-    entry_key: float | None = None  # while new (never started): the minimum key when it joined
+    entry_key: float | None = None  # while new (never started) behind others: 0, ahead of all
     seq: int = 0  # identifies the live entry in the choice heap
     in_heap: bool = False  # whether a live entry exists in the choice heap
 
@@ -118,9 +118,12 @@ class StagePool:
     # -- membership -------------------------------------------------------------------------------
 
     def add(self, peer: str, throughput: float) -> None:
-        """A replica joins with its announced samples/s. It enters at the current minimum expected
-        finish time, ahead of older replicas tied there, so it is tried soon even if its
-        announcement undersells it. Adding a known peer only refreshes an unmeasured throughput."""
+        """A replica joins with its announced samples/s. Until it is tried it goes ahead of every
+        replica tried already (its key is 0), so the next choice tries it even if its
+        announcement undersells it. (Entering at the minimum key of the moment is not enough:
+        once the others are idle again their keys fall below that minimum, and a replica that
+        joined while they were busy got no work for good.) Adding a known peer only refreshes
+        an unmeasured throughput."""
         _check_positive("throughput", throughput)
         known = self._replicas.get(peer)
         if known is not None:
@@ -132,7 +135,7 @@ class StagePool:
         top = self._top()
         replica = _Replica(throughput=float(throughput))
         if top is not None and top[0] < self._natural_key(replica):
-            replica.entry_key = top[0]
+            replica.entry_key = 0.0
         self._replicas[peer] = replica
         self._refresh(replica, peer)
 

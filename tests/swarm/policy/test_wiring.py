@@ -90,6 +90,23 @@ def test_new_replica_is_tried_soon() -> None:
     assert pool.expected_finish("new") == pytest.approx(2.0 / 0.01)
 
 
+def test_a_new_replica_is_tried_even_once_the_others_are_idle_again() -> None:
+    """It enters while the others are busy, and they finish before the next choice: it must
+    still be tried next. (It entered at the minimum key of that moment, which the idle others
+    then undercut for good: a restarted replica rejoined and got no work for the rest of the
+    job, tests/system/test_local_steps.py's rejoin.)"""
+    pool, _ = make_pool()
+    for peer in ("a", "b"):
+        pool.add(peer, 4.0)
+        measured(pool, peer, 4.0)
+    pool.started("a", 2.0)
+    pool.started("b", 2.0)
+    pool.add("new", 0.01)
+    pool.finished("a", 2.0, 0.5)
+    pool.finished("b", 2.0, 0.5)
+    assert pool.choose(1.0) == "new"
+
+
 def test_draining_replicas_get_no_work() -> None:
     pool, _ = make_pool()
     pool.add("a", 100.0)
