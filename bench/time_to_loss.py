@@ -12,7 +12,8 @@ with the steps measured with the links off and the step time over shaped links.
 
 Rows (`--modes`): `sync` (per-step synchronous averaging, the default pool), `delayed`
 (`training.delayed_update`: each step's averaging overlaps the next step), `local<H>`
-(`[pool] mode = "local"`, `sync_every = H`, outer lr and momentum from `--outer`), each also
+(`[pool] mode = "local"`, `sync_every = H`, outer lr and momentum from `--outer`), `local<H>e`
+(the same with `overlap = "eager"`: a round's sum runs while the next round trains), each also
 with `+int8` (`[compression] averaging = --compression`, `int8_blockwise` by default: the
 pools' averaging traffic compressed). The default rows are sync, delayed, local4, local16 and,
 unless `--compression none`, sync+int8, local4+int8, local16+int8. Every row runs the relay data
@@ -114,6 +115,7 @@ class Mode:
     rule: str  # "sync", "delayed" or "local"
     h: int  # steps per round (1 unless local)
     compressed: bool  # averaging through --compression
+    eager: bool = False  # local<H>e: pool.overlap = "eager" (a round's sum overlaps the next)
 
     @property
     def base(self) -> str:
@@ -130,14 +132,16 @@ def short_codec(codec: str) -> str:
 
 
 def parse_mode(text: str, codec: str) -> Mode:
-    match = re.fullmatch(r"(sync|delayed|local(\d+))(?:\+(\w+))?", text.strip())
+    match = re.fullmatch(r"(sync|delayed|local(\d+)(e?))(?:\+(\w+))?", text.strip())
     if match is None:
-        raise ValueError(f"mode {text!r}: use sync, delayed or local<H>, optionally +int8")
+        raise ValueError(
+            f"mode {text!r}: use sync, delayed, local<H> or local<H>e, optionally +int8"
+        )
     rule = "local" if match.group(2) else match.group(1)
     h = int(match.group(2)) if match.group(2) else 1
     if rule == "local" and h < 1:
         raise ValueError(f"mode {text!r}: H must be >= 1")
-    suffix = match.group(3)
+    suffix = match.group(4)
     if suffix is not None:
         if codec == "none":
             raise ValueError(f"mode {text!r} needs --compression (it is none)")
@@ -145,7 +149,7 @@ def parse_mode(text: str, codec: str) -> Mode:
             raise ValueError(f"mode {text!r}: --compression {codec} is +{short_codec(codec)}")
         if rule == "delayed":
             raise ValueError(f"mode {text!r}: the compressed rows are sync and local")
-    return Mode(text.strip(), rule, h, suffix is not None)
+    return Mode(text.strip(), rule, h, suffix is not None, match.group(3) == "e")
 
 
 def default_modes(codec: str) -> list[str]:
@@ -163,8 +167,14 @@ def job_text(
     outer: tuple[float, float],
     codec: str,
 ) -> str:
-    """The row's job: the workload, the relay plane, the rule and (compressed) the codec."""
+    """The row's job: the workload, the relay plane, the rule and (compressed) the codec. An
+    eager row's job evaluates nothing (the swarm refuses it: its replicas share no parameters);
+    its curve evaluates the replicas' mean every `eval_every` steps (`train_curve`), said in a
+    comment so that the cache keeps it apart."""
     p = WORKLOADS[workload]
+    cadence = eval_every
+    if mode.eager:
+        eval_every = 0
     text = f"""name = "ttl-{workload}"
 [model]
 kind = "gpt"
@@ -200,6 +210,10 @@ sync_every = {mode.h}
 outer_lr = {outer[0]}
 outer_momentum = {outer[1]}
 """
+        if mode.eager:
+            text += f"""overlap = "eager"
+# bench: the reference evaluates the replicas' mean every {cadence} steps
+"""
     if mode.compressed:
         text += f"""[compression]
 averaging = "{codec}"
@@ -211,8 +225,9 @@ averaging = "{codec}"
 # Steps to target, links off
 
 
-def train_curve(text: str, local: bool) -> dict[str, Any]:
-    """One rule's training in this process (one torch thread): its evaluations (step, loss)."""
+def train_curve(text: str, local: bool, eval_every: int) -> dict[str, Any]:
+    """One rule's training in this process (one torch thread): its evaluations (step, loss).
+    `eval_every`: the eager rows' cadence (their job evaluates nothing)."""
     import torch
 
     from swarm.model.local_steps import train_replicas
@@ -232,7 +247,9 @@ def train_curve(text: str, local: bool) -> dict[str, Any]:
 
     began = time.perf_counter()
     if local:
-        train_replicas(job, replicas=REPLICAS, on_step=on_step)
+        eager = job.pool.overlap == "eager"
+        cadence = eval_every if eager else None
+        train_replicas(job, replicas=REPLICAS, on_step=on_step, eval_every=cadence)
     else:
         train_local(job, on_step=on_step)
     return {
@@ -280,7 +297,8 @@ def curves(args: argparse.Namespace, modes: list[Mode]) -> dict[str, dict[str, A
         )
         with ProcessPoolExecutor(max_workers=args.workers) as pool:
             futures = {
-                pool.submit(train_curve, texts[n], bases[n].rule == "local"): n for n in todo
+                pool.submit(train_curve, texts[n], bases[n].rule == "local", args.eval_every): n
+                for n in todo
             }
             for fut in as_completed(futures):
                 name = futures[fut]
@@ -912,9 +930,13 @@ def validate(args: argparse.Namespace) -> tuple[list[Mode], list[Link]]:
     links = [parse_link(x) for x in args.links.split(",") if x.strip()]
     args.swarm_steps = [x.strip() for x in args.swarm_steps.split(",") if x.strip()]
     compressed = {m.name for m in modes if m.compressed}
+    eager = {m.name for m in modes if m.eager}
     for name in args.swarm_steps:
-        if name not in compressed:
-            raise ValueError(f"--swarm-steps {name}: not a compressed row of --modes")
+        if name not in compressed or name in eager:
+            raise ValueError(
+                f"--swarm-steps {name}: not a compressed row of --modes (eager rows evaluate "
+                "only in the reference)"
+            )
     if args.eval_every < 1 or args.max_steps < args.eval_every:
         raise ValueError("--eval-every must be >= 1 and at most --max-steps")
     if args.target_step % args.eval_every or not 0 < args.target_step <= args.max_steps:

@@ -33,6 +33,7 @@ import torch
 from stage_server.averaging.butterfly import ChannelPool, all_reduce
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager, flatten, unflatten
+from stage_server.local_round import Eager
 from stage_server.messages import Limits
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Served, StageRuntime
@@ -65,6 +66,7 @@ class Commit:
     grad_scale: float = 1.0  # the clipping coefficient APPLY multiplies the gradient by
     # pool.mode = "local": the round ending before `step`, not a step (`stage_server.local_round`)
     round_end: bool = False
+    eager: int = Eager.NONE  # pool.overlap = "eager": what the round's end asks (`Eager`)
 
     @classmethod
     def of(cls, request: pb.StageCommitRequest) -> Commit:
@@ -82,6 +84,7 @@ class Commit:
             round=request.round,
             grad_scale=request.grad_scale if request.HasField("grad_scale") else 1.0,
             round_end=request.round_end,
+            eager=request.eager,
         )
 
 
@@ -127,6 +130,8 @@ class Committer:
         """Prepare and/or apply step `c.step` (or, `c.round_end`, the round ending before it)."""
         if c.round_end:
             return await self._round_end(c)
+        if c.eager != Eager.NONE:
+            raise InvalidArgument("an eager operation is a round's end: round_end must be set")
         rt, step, already, sq_norm = self._runtime(), c.step, False, 0.0
         if c.prepare and c.apply and rt.job.training.grad_clip > 0:
             raise FailedPrecondition(
@@ -166,6 +171,8 @@ class Committer:
     async def _round_end(self, c: Commit) -> Committed:
         """pool.mode = "local": PREPARE averages the pool's pseudo-gradients, weighted by each
         replica's samples in the round; APPLY takes the outer step every replica takes."""
+        if c.eager != Eager.NONE:
+            return await self._eager(c)
         rt, boundary, already = self._runtime(), c.step, False
         if c.prepare:
             if await self._worker.run(rt.synced, boundary):
@@ -181,11 +188,55 @@ class Committer:
                 log.debug("%s: stage %d ended a round at step %d", self.peer, c.stage, boundary)
         return Committed(rt.step, already)
 
+    async def _eager(self, c: Commit) -> Committed:
+        """pool.overlap = "eager" (`stage_server.local_round`): the operation `c.eager` names,
+        in the phase it belongs to."""
+        rt, boundary, already = self._runtime(), c.step, False
+        if c.eager == Eager.STEP and c.apply and not c.prepare:
+            already = await self._worker.run(rt.eager_step, boundary, self._samples(c))
+        elif c.eager == Eager.AVERAGE and c.prepare and not c.apply:
+            sums = await self._part(c, rt.eager_part, boundary)
+            await self._worker.run(rt.set_average, boundary, sums)
+            self.feedback.applied(c.job, c.stage, boundary)
+        elif c.eager == Eager.LAST and c.prepare and not c.apply:
+            if await self._worker.run(rt.synced, boundary):
+                return Committed(rt.step, already=True)
+            total = self._samples(c)
+            sums = await self._part(c, rt.last_part, boundary, total)
+            await self._worker.run(rt.set_last, boundary, sums, total)
+        elif c.eager == Eager.LAST and c.apply and not c.prepare:
+            already = await self._worker.run(rt.last_step, boundary)
+            self.feedback.applied(c.job, c.stage, boundary)
+        elif c.eager == Eager.MEAN and c.prepare and not c.apply:
+            sums = await self._part(c, rt.mean_part, boundary, lossless=True)
+            await self._worker.run(rt.set_mean, sums, len(c.group))
+        else:
+            raise InvalidArgument(
+                f'pool.overlap = "eager": no operation {c.eager} in phase '
+                f"{'PREPARE' if c.prepare else ''}{'+' if c.prepare and c.apply else ''}"
+                f"{'APPLY' if c.apply else ''}"
+            )
+        if not already:
+            log.debug("%s: stage %d: %s of the round ending at step %d", self.peer, c.stage,
+                      Eager(c.eager).name, boundary)  # fmt: skip
+        return Committed(rt.step, already)
+
+    @staticmethod
+    def _samples(c: Commit) -> int:
+        if c.total_samples < 0:
+            raise InvalidArgument(f"total_samples must be >= 0; got {c.total_samples}")
+        return c.total_samples
+
     async def _part(
-        self, c: Commit, prepare: Callable[..., list[torch.Tensor]], *args: object
+        self,
+        c: Commit,
+        prepare: Callable[..., list[torch.Tensor]],
+        *args: object,
+        lossless: bool = False,
     ) -> list[torch.Tensor]:
-        """This replica's part (`prepare(*args)` on the worker), averaged with `c.group`. A
-        PREPARE that fails before averaging tells the pool now, not when its round times out."""
+        """This replica's part (`prepare(*args)` on the worker), summed with `c.group`'s (with
+        the job's averaging codec unless `lossless`). A PREPARE that fails before averaging
+        tells the pool now, not when its round times out."""
         # The replica's peak comes now: what its arenas freed since the last commit goes back
         # first (`swarm.ops.allocator`), on the worker, which is idle until this commit is done.
         await self._worker.run(allocator.give_back)
@@ -194,7 +245,7 @@ class Committer:
         except WireError as e:
             self.averager.abort((c.job, c.stage, c.round), str(e))
             raise
-        return await self._average(c, sums) if len(c.group) > 1 else sums
+        return await self._average(c, sums, lossless) if len(c.group) > 1 else sums
 
     def _apply(self, rt: StageRuntime, c: Commit, sq_norm: float | None) -> bool:
         """On the worker: apply the prepared step unless its gradient is NaN or infinite
@@ -211,7 +262,9 @@ class Committer:
                 )
         return rt.apply(c.step, c.grad_scale)
 
-    async def _average(self, c: Commit, sums: list[torch.Tensor]) -> list[torch.Tensor]:
+    async def _average(
+        self, c: Commit, sums: list[torch.Tensor], lossless: bool = False
+    ) -> list[torch.Tensor]:
         """The pool's summed gradient: butterfly all-reduce with the round's group."""
         rt = self._runtime()
         if not 0 <= c.group_index < len(c.group):
@@ -219,7 +272,8 @@ class Committer:
         start = time.perf_counter()
         maybe_die(Point.AVERAGING, c.step)
         flat = flatten(sums)  # a view of the step's sums, lent: read, never written
-        averaged, residuals = codec.codec_from_name(rt.job.compression.averaging), None
+        averaged = codec.codec_from_name("none" if lossless else rt.job.compression.averaging)
+        residuals = None
         if rt.job.compression.error_feedback and averaged != codec.CODEC_NONE:  # a lossy one only
             residuals = self.feedback.start(c.job, c.stage, c.step, flat)
         total = await all_reduce(

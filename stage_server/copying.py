@@ -94,9 +94,8 @@ class Copy:
         rt, pause = self.runtime, Backoff(self._POLL_FIRST_S, self._POLL_CAP_S)
         while rt.following:
             updates = await self.source.updates(self.peer, rt.step, expect=rt.checks.state)
-            for step, grad_sums, total_samples, scale, end in updates:
-                followed = (step, grad_sums, total_samples, scale, end)
-                if not await self.compute(rt.apply_followed, *followed):
+            for update in updates:
+                if not await self.compute(rt.apply_followed, *update):
                     break
             self._moved.set()
             self._moved = asyncio.Event()

@@ -9,21 +9,45 @@ reference; the same operations in the same order keep replicas and reference bit
 The round's start parameters and the outer momentum are the pool's (every member holds the same);
 the inner optimizer's state is each replica's own. Both travel with a replica's state
 (`round/<name>`, `outer/<name>`): checkpoints and rollbacks keep the round as it was.
+
+With `pool.overlap = "eager"` nothing waits for the average (`eager_step`): at a round's end the
+replica takes the outer step at once with the pool's average of the round before plus its own
+fresh share minus its own share of the round before (`eager_gradient`, the reference's rule),
+and the pool sums the fresh shares while the next round trains (`set_average`), for the next
+round's end. Its start, outer momentum, last share and that average are its own (the members
+differ by their shares) and travel with its state too (`share/`, `average/`, and which round
+each is of). The job's last round is waited for (`last_part`, `last_step`: the whole average
+instead of the own share) and the trained model is the members' mean (`mean_part`,
+`set_mean`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import IntEnum
 
 import torch
 
-from swarm.errors import FailedPrecondition
+from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
-from swarm.model.local_steps import build_outer_optimizer
+from swarm.model.local_steps import build_outer_optimizer, eager_gradient
 
-__all__ = ["SYNCED", "LocalRound"]
+__all__ = ["AVERAGED", "SHARED", "SYNCED", "Eager", "LocalRound"]
 
 SYNCED = "round/synced"  # a state's one-value tensor: the last round's end it applied
+SHARED = "round/shared"  # pool.overlap = "eager": the round's end of its `share/` tensors
+AVERAGED = "round/averaged"  # ... and of its `average/` tensors
+
+
+class Eager(IntEnum):
+    """What a round's end asks of a replica with pool.overlap = "eager" (the wire's `EagerOp`,
+    value for value: protos/swarm/proto/stage.proto says what each does)."""
+
+    NONE = 0
+    STEP = 1
+    AVERAGE = 2
+    LAST = 3
+    MEAN = 4
 
 
 class LocalRound:
@@ -38,6 +62,14 @@ class LocalRound:
         self.synced = -1  # the boundary whose outer step was applied last
         # (boundary, the pool's averaged pseudo-gradient, its samples) between prepare and apply
         self._prepared: tuple[int, list[torch.Tensor], int] | None = None
+        # pool.overlap = "eager": this replica's share of the round that ended at `shared`, and
+        # the pool's sum of the shares of the round that ended at `averaged` (-1, None: none yet)
+        self.eager = pool.overlap == "eager"
+        self.share: list[torch.Tensor] | None = None
+        self.shared = -1
+        self.average: list[torch.Tensor] | None = None
+        self.averaged = -1
+        self._last: tuple[int, list[torch.Tensor]] | None = None  # the last round's whole sum
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """This replica's part of the round's average: (start - parameters) x its samples."""
@@ -77,6 +109,105 @@ class LocalRound:
                 p.copy_(s)
         self.samples, self.synced, self._prepared = 0, boundary, None
 
+    # -- pool.overlap = "eager" -----------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """Whether the pool's sum of this replica's last share has not arrived yet."""
+        return self.shared > self.averaged
+
+    def fresh_share(self, total_samples: int) -> list[torch.Tensor]:
+        """This replica's share of the round's pseudo-gradient: (start - parameters) x its
+        samples / the round's `total_samples` (the reference's expression, bit for bit)."""
+        ratio = self.samples / total_samples
+        with torch.no_grad():
+            return [(s - p.detach()) * ratio for s, p in zip(self.start, self.params, strict=True)]
+
+    def eager_step(self, boundary: int, total_samples: int) -> list[torch.Tensor] | None:
+        """The outer step of the round ending at `boundary`, at once: the last average plus the
+        fresh share minus the last share. Returns the fresh share (None when the pool took no
+        sample: nothing moves then but the parameters back to the start)."""
+        if self.pending:
+            raise FailedPrecondition(
+                f"the pool's average of the round ending at step {self.shared} has not arrived "
+                f"here: the round ending at step {boundary} cannot take its outer step yet"
+            )
+        fresh = self.fresh_share(total_samples) if total_samples > 0 else None
+        self.followed_step(boundary, fresh)
+        return fresh
+
+    def followed_step(self, boundary: int, fresh: list[torch.Tensor] | None) -> None:
+        """The outer step with the fresh share `fresh` (a copy takes its source's: its own
+        samples in the round may be fewer, counted only since it copied)."""
+        if fresh is not None:
+            self._outer_step(eager_gradient(self.average, fresh, self.share))
+            self.share, self.shared = fresh, boundary
+        self._restart(boundary)
+
+    def shared_part(self, boundary: int) -> list[torch.Tensor]:
+        """The share the pool sums while the next round trains (`set_average` keeps the sum)."""
+        if self.shared != boundary or self.share is None:
+            raise FailedPrecondition(
+                f"no share of the round ending at step {boundary} here (the last is of "
+                f"{self.shared})"
+            )
+        return self.share
+
+    def set_average(self, boundary: int, sums: list[torch.Tensor]) -> None:
+        """The pool's sum of the shares of the round ending at `boundary` arrived."""
+        if self.shared != boundary:
+            raise FailedPrecondition(f"an average of the round ending at step {boundary} here, "
+                                     f"whose last share is of {self.shared}")  # fmt: skip
+        assert self.share is not None
+        owned = {id(t) for t in self.share}  # a pool of one sums nothing: keep no alias
+        self.average = [t.clone() if id(t) in owned else t for t in sums]
+        self.averaged = boundary
+
+    def last_part(self, boundary: int, total_samples: int) -> list[torch.Tensor]:
+        """The job's last round (waited for): the fresh share, for the pool to sum now."""
+        if self.pending:
+            raise FailedPrecondition(f"the average of the round ending at {self.shared} is due")
+        return self.fresh_share(total_samples)
+
+    def set_last(self, boundary: int, sums: list[torch.Tensor], total_samples: int) -> None:
+        self._last = (boundary, sums) if total_samples > 0 else None
+        self._prepared = (boundary, [], total_samples)
+
+    def last_step(self, boundary: int) -> bool:
+        """The last round's outer step with the pool's whole sum of fresh shares; True when it
+        was applied before."""
+        if self.synced >= boundary:
+            return True
+        if self._prepared is None or self._prepared[0] != boundary:
+            raise FailedPrecondition(f"the round ending at step {boundary} was not prepared")
+        if self._last is not None and self._last[0] == boundary:
+            whole, fresh = self._last[1], self.fresh_share(self._prepared[2])
+            self._outer_step(eager_gradient(self.average, whole, self.share))
+            self.share, self.shared = fresh, boundary
+            self.average, self.averaged = whole, boundary
+        self._last = None
+        self._restart(boundary)
+        return False
+
+    def set_mean(self, sums: list[torch.Tensor], members: int) -> None:
+        """The trained model: the members' round starts, summed in the group's order, over
+        their number. Only the parameters take it (a retry with fewer members starts again
+        from the starts)."""
+        with torch.no_grad():
+            for p, total in zip(self.params, sums, strict=True):
+                p.copy_(total.div_(members))
+
+    def _outer_step(self, grad: list[torch.Tensor]) -> None:
+        for s, g in zip(self.start, grad, strict=True):
+            s.grad = g
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+
+    def _restart(self, boundary: int) -> None:
+        with torch.no_grad():
+            for p, s in zip(self.params, self.start, strict=True):
+                p.copy_(s)
+        self.samples, self.synced, self._prepared = 0, boundary, None
+
     # -- state ----------------------------------------------------------------------------------
     def export(self, names: list[str]) -> dict[str, torch.Tensor]:
         """`round/<name>` (the start) and `outer/<name>` (the momentum, once there is one)."""
@@ -90,6 +221,12 @@ class LocalRound:
             buf = self.outer.state.get(s, {}).get("momentum_buffer")
             if buf is not None:
                 state[f"outer/{n}"] = buf.detach().cpu().clone()
+        if self.eager:
+            state[SHARED] = torch.tensor([self.shared], dtype=torch.int64)
+            state[AVERAGED] = torch.tensor([self.averaged], dtype=torch.int64)
+            for prefix, tensors in (("share", self.share), ("average", self.average)):
+                for n, t in zip(names, tensors or [], strict=False):
+                    state[f"{prefix}/{n}"] = t.detach().cpu().clone()
         return state
 
     def load(self, names: list[str], state: dict[str, torch.Tensor], step: int) -> None:
@@ -105,4 +242,20 @@ class LocalRound:
                 self.outer.state[s] = {"momentum_buffer": buf.to(s.device, s.dtype).clone()}
         synced = state.get(SYNCED)
         self.synced = int(synced.item()) if synced is not None else step
-        self.samples, self._prepared = 0, None
+        self.samples, self._prepared, self._last = 0, None, None
+        if self.eager:
+            self.share, self.shared = self._loaded(names, state, "share", SHARED)
+            self.average, self.averaged = self._loaded(names, state, "average", AVERAGED)
+
+    def _loaded(
+        self, names: list[str], state: dict[str, torch.Tensor], prefix: str, marker: str
+    ) -> tuple[list[torch.Tensor] | None, int]:
+        """`prefix/` tensors of `state` (every parameter's, or none) and the round they are of."""
+        at = state.get(marker)
+        found = [state.get(f"{prefix}/{n}") for n in names]
+        if at is None or any(t is None for t in found):
+            if at is not None and int(at.item()) >= 0:
+                raise InvalidArgument(f"a state of round {int(at.item())} without all {prefix}/")
+            return None, -1
+        return [t.to(s.device, s.dtype).clone() for t, s in zip(found, self.start, strict=True)
+                if t is not None], int(at.item())  # fmt: skip

@@ -247,6 +247,8 @@ def updates_reply(updates: list[Update], chunk_bytes: int) -> Iterator[pb.StageU
                 total_samples=u.total_samples,
                 grad_scale=u.scale,
                 round_end=u.round_end,
+                eager=u.eager,  # type: ignore[arg-type]  # `Eager` is the wire's EagerOp
+                boundary=u.boundary,
             )
             yield from wire.split_tensor(header, str(i), g, chunk_bytes)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stage_server.local_round import LocalRound
+from stage_server.local_round import Eager, LocalRound
 from stage_server.snapshot import Snapshot, Snapshots
 from stage_server.tensor_checks import TensorChecks
 from stage_server.update_log import UpdateLog
@@ -388,14 +388,71 @@ class StageRuntime:
         self.snapshots.detach()  # the outer step changes the state in place
         return rnd.apply(boundary)
 
+    # -- pool.overlap = "eager" (`stage_server.local_round`) --------------------------------------
+    def eager_step(self, boundary: int, total_samples: int) -> bool:
+        """The outer step of the round ending at `boundary`, without waiting for its average;
+        True when it was applied before."""
+        if self.synced(boundary):
+            return True
+        rnd = self._local_round(boundary)
+        self.following = False  # a member now: its updates come from its own pool
+        self.snapshots.detach()  # the outer step changes the state in place
+        fresh = rnd.eager_step(boundary, total_samples)
+        if fresh is not None:  # for the replicas copying this one
+            self.updates.record(boundary, fresh, total_samples, round_end=True, eager=Eager.STEP)
+        return False
+
+    def eager_part(self, boundary: int) -> list[torch.Tensor]:
+        """This replica's share of the round that ended at `boundary`, for the pool to sum."""
+        return self._eager_round().shared_part(boundary)
+
+    def set_average(self, boundary: int, sums: list[torch.Tensor]) -> None:
+        """The pool's sum of the shares of the round that ended at `boundary` arrived."""
+        self.snapshots.detach()  # a state being sent holds the last average
+        self._eager_round().set_average(boundary, sums)
+        self.updates.record(
+            self.step, sums, 0, round_end=True, eager=Eager.AVERAGE, boundary=boundary
+        )
+
+    def last_part(self, boundary: int, total_samples: int) -> list[torch.Tensor]:
+        """The job's last round: this replica's fresh share, summed by the pool at once."""
+        return self._local_round(boundary).last_part(boundary, total_samples)
+
+    def set_last(self, boundary: int, sums: list[torch.Tensor], total_samples: int) -> None:
+        self._local_round(boundary).set_last(boundary, sums, total_samples)
+
+    def last_step(self, boundary: int) -> bool:
+        """The last round's outer step with the pool's whole sum; True when applied before."""
+        if self.synced(boundary):
+            return True
+        self.snapshots.detach()
+        return self._local_round(boundary).last_step(boundary)
+
+    def mean_part(self, boundary: int) -> list[torch.Tensor]:
+        """This replica's round start after the job's last round, for the members' mean."""
+        rnd = self._eager_round()
+        if not (boundary == self.step and self.synced(boundary)):
+            raise FailedPrecondition(f"stage {self.stage}: the last round ({boundary}) is not "
+                                     f"applied here (at step {self.step})")  # fmt: skip
+        return rnd.start
+
+    def set_mean(self, sums: list[torch.Tensor], members: int) -> None:
+        """The trained model: the members' mean (`sums` of their starts over `members`)."""
+        self.snapshots.detach()
+        self._eager_round().set_mean(sums, members)
+
+    def _eager_round(self) -> LocalRound:
+        if self.round is None or not self.round.eager:
+            raise FailedPrecondition(f'stage {self.stage}: not a job with pool.overlap = "eager"')
+        return self.round
+
     @property
     def copy_step(self) -> int:
         """The step this replica is a whole copy at: its step, unless (pool.mode = "local") a
-        round ends there that it has not applied yet."""
-        if (
-            self.round is not None
-            and is_boundary(self.job, self.step)
-            and not self.synced(self.step)
+        round ends there that it has not applied yet, or (pool.overlap = "eager") the pool's
+        average of its last round has not arrived."""
+        if self.round is not None and (
+            (is_boundary(self.job, self.step) and not self.synced(self.step)) or self.round.pending
         ):
             return self.step - 1
         return self.step
@@ -536,6 +593,8 @@ class StageRuntime:
         total_samples: int,
         scale: float = 1.0,
         round_end: bool = False,
+        eager: int = Eager.NONE,
+        boundary: int = -1,
     ) -> bool:
         """Apply the update the copied replica applied at `step`, as it did (same sums, same
         samples, same optimizer code: bitwise the same result). False once this replica stopped
@@ -543,6 +602,19 @@ class StageRuntime:
         if not self.following or any(s.receipts for s in self._sums.values()) or self._prepared:
             self.following = False
             return False
+        if round_end and eager == Eager.AVERAGE:  # what the pool summed, whenever it arrived
+            rnd = self._eager_round()
+            if rnd.averaged < boundary:
+                self.set_average(boundary, [g.to(self.device) for g in grad_sums])
+            return True
+        if round_end and eager == Eager.STEP:
+            if not self.synced(step):
+                fresh = [g.to(self.device) for g in grad_sums]
+                self.updates.record(step, fresh, total_samples, round_end=True, eager=Eager.STEP)
+                self.snapshots.detach()
+                self._local_round(step)
+                self._eager_round().followed_step(step, fresh)
+            return True
         if round_end:  # pool.mode = "local": the round's end before step `step`
             if not self.synced(step):
                 sums = [g.to(self.device) for g in grad_sums]

@@ -39,6 +39,12 @@ class Update:
     # pool.mode = "local": the round's end before step `step` (its own update comes after),
     # `grad_sums` the pool's summed pseudo-gradient
     round_end: bool = False
+    # pool.overlap = "eager" (with round_end; `swarm.proto.stage_pb2.EagerOp`): EAGER_STEP, the
+    # outer gradient applied at the round's end before `step` (its fresh share of
+    # `total_samples`); EAGER_AVERAGE, the pool's sum of the shares of the round that ended
+    # before step `boundary`, which arrived while this replica was at `step`
+    eager: int = 0
+    boundary: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -109,9 +115,11 @@ class UpdateLog:
         scale: float = 1.0,
         *,
         round_end: bool = False,
+        eager: int = 0,
+        boundary: int = -1,
     ) -> None:
         """This replica applied `scale * grad_sums / total_samples` at `step` (or, `round_end`,
-        the round's outer step before it)."""
+        the round's outer step before it; `eager`, `boundary`: as `Update` says)."""
         with self._lock:
             self._forget_silent()
             if not self._followers:
@@ -120,7 +128,9 @@ class UpdateLog:
         with self._lock:
             if not self._followers:
                 return
-            self._updates.append(Update(step, cpu, total_samples, scale, round_end))
+            self._updates.append(
+                Update(step, cpu, total_samples, scale, round_end, eager, boundary)
+            )
             self._drop_oldest()
 
     def since(self, follower: str, step: int) -> list[Update]:

@@ -228,6 +228,8 @@ class LocalCoordinator:
             # pool.mode = "local": only where a round starts, when every member's parameters
             # are the pool's (a copy joins with its source's inner optimizer state)
             and (self.rounds is None or self.rounds.starts_round(step))
+            # pool.overlap = "eager": not while a round's sum is under way (a copy must hold it)
+            and not (self.rounds is not None and self.rounds.pending)
             and not self._committing()
             and (self._rollback is None or self._rollback.done())
             and not self._closed
@@ -248,6 +250,8 @@ class LocalCoordinator:
         for task in tasks:
             if task is not None:
                 task.cancel()
+        if self.rounds is not None:
+            self.rounds.cancel()
         await self.recovery.close(finished=self.finished.is_set())
         await self.membership.close()
         await self.clients.close()
@@ -552,6 +556,12 @@ class LocalCoordinator:
                 await _maybe_await(self.on_step(self._records.with_blocked(record)))
             return
         await self.membership.sync(step)
+        # pool.overlap = "eager": a checkpoint, and a copy about to join, need every member's
+        # state whole: the round's sum is waited for here (else it overlaps the next round)
+        rounds = self.rounds
+        needs_whole = self.recovery.due(step) or self.membership.copying()
+        if rounds is not None and rounds.pending and rounds.starts_round(step) and needs_whole:
+            await rounds.drain()
         if self.recovery.due(step):
             self.recovery.checkpoint(step, self.replicas())
         if live in self._live and len(self._live) > 1:
@@ -605,6 +615,8 @@ class LocalCoordinator:
                 if live.commit.task:
                     live.commit.task.cancel()
                     live.commit.task = None
+            if self.rounds is not None:
+                self.rounds.restarted()  # every member loads one state: no round is half done
             self.membership.synced = await self.recovery.restore(step, self.members())
             if any(not stage for stage in self.replicas()):
                 return  # not every stage could load it: the next lease tries again

@@ -206,6 +206,10 @@ class Membership:
         self.on_admit()
         return True
 
+    def copying(self) -> bool:
+        """Whether a replica is copying a member (or about to) to join."""
+        return bool(self._joining) or any(p not in self.synced for p in self._copying)
+
     async def admit_copies(self, step: int) -> None:
         """Between two commits, ask every replica copying a member whether it is at `step`,
         and admit those that are. With delayed_update a commit starts as soon as the one before

@@ -71,6 +71,25 @@ class StageReplica(Protocol):
         """Phase two: the round's outer step."""
         ...
 
+    async def eager(
+        self,
+        op: int,
+        boundary: int,
+        total_samples: int = 0,
+        group: list[str] | None = None,
+        group_index: int = 0,
+        round: str = "",
+    ) -> bool:
+        """pool.overlap = "eager": operation `op` of the round ending before step `boundary`
+        (the wire's `EagerOp`: `pb.EAGER_STEP` is local; `pb.EAGER_AVERAGE`, `pb.EAGER_LAST`'s
+        PREPARE and `pb.EAGER_MEAN` sum with `group`; `pb.EAGER_LAST`'s APPLY is
+        `eager_last_apply`). True: it applied that round's step before."""
+        ...
+
+    async def eager_last_apply(self, boundary: int) -> None:
+        """The job's last round's outer step with the sum `eager(pb.EAGER_LAST, ...)` prepared."""
+        ...
+
     async def discard(self, step: int) -> int:
         """Drop its gradients of `step` (they are replayed elsewhere); returns how many."""
         ...
@@ -175,6 +194,34 @@ class GrpcReplica:
 
     async def apply_round(self, boundary: int) -> None:
         await self.client.commit(boundary, [], 0, phase=pb.COMMIT_PHASE_APPLY, round_end=True)
+
+    async def eager(
+        self,
+        op: int,
+        boundary: int,
+        total_samples: int = 0,
+        group: list[str] | None = None,
+        group_index: int = 0,
+        round: str = "",
+    ) -> bool:
+        apply = op == pb.EAGER_STEP
+        response = await self.client.commit(
+            boundary,
+            [],
+            total_samples,
+            phase=pb.COMMIT_PHASE_APPLY if apply else pb.COMMIT_PHASE_PREPARE,
+            group=group,
+            group_index=group_index,
+            round=round,
+            round_end=True,
+            eager=op,
+        )
+        return response.already_committed
+
+    async def eager_last_apply(self, boundary: int) -> None:
+        await self.client.commit(
+            boundary, [], 0, phase=pb.COMMIT_PHASE_APPLY, round_end=True, eager=pb.EAGER_LAST
+        )
 
     async def discard(self, step: int) -> int:
         return await self.client.discard(step)

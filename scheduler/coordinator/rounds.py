@@ -15,6 +15,16 @@ have applied them already; docs/jobs.md, "Pool modes").
 
 The route record (`swarm.model.routes`) is written here too: the runs each step counted, each
 round's group, and the members the job started with.
+
+With `pool.overlap = "eager"` a round's end waits for no network (`_end_eager`): every member
+takes its outer step at once (EAGER_STEP: the last round's average plus its fresh share minus
+its last share), and the pools sum the fresh shares in the background (EAGER_AVERAGE) while the
+next round trains; the next round's end waits for that sum first (`drain`), as do a checkpoint
+and a copy's admission (they need every member's state whole). A member that fails the
+averaging is dropped and the others sum again without it: its share of the round is lost (its
+samples counted as dropped), and the next round's record says whose shares the average holds
+(`Sync.averaged`). The job's last round is waited for (EAGER_LAST: the whole sum, then the outer
+step) and the trained model is the members' mean (EAGER_MEAN).
 """
 
 from __future__ import annotations
@@ -28,15 +38,24 @@ from scheduler.coordinator.commit import CommitStalled, culprits
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
-from scheduler.coordinator.replicas import ReplicaClients
+from scheduler.coordinator.replicas import ReplicaClients, StageReplica
 from swarm.errors import Aborted
 from swarm.job.config import JobConfig
 from swarm.model.optim import is_boundary
 from swarm.model.routes import Join, Record, StepRuns, Sync
 from swarm.policy.backoff import Backoff
+from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
 
 __all__ = ["PoolRounds"]
+
+# A PREPARE on one member: (stage, replica, the group's samples, group, index, round id)
+_Call = Callable[[int, Replica, int, list[str], int, str], Awaitable[object]]
+
+
+def _peers(replicas: list[Replica]) -> tuple[str, ...]:
+    return tuple(r.peer for r in replicas)
+
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +77,58 @@ class PoolRounds:
         self.on_status = on_status
         self.dropped = 0  # samples dropped with the replicas that left mid-round, so far
         self._samples: Counter[tuple[int, str]] = Counter()  # (stage, peer) -> in this round
+        # pool.overlap = "eager": the last round's averaging under way (its result: per stage,
+        # the members whose shares it summed), the members that took each stage's last outer
+        # step, and whose shares made each stage's last average once it is known
+        self.eager = job.pool.overlap == "eager"
+        self._pending: asyncio.Task[dict[int, tuple[str, ...]]] | None = None
+        self._stepped: dict[int, tuple[str, ...]] = {}
+        self._averaged: dict[int, tuple[str, ...]] = {}
 
     def started(self, step: int, members: list[list[Replica]]) -> None:
-        """The job starts (or resumes) at `step` with `members`: a round starts here."""
-        self._samples.clear()
+        """The job starts (or resumes) at `step` with `members`: a round starts here. With the
+        eager overlap, a coordinator resuming mid-job does not know whether its predecessor's
+        sum of the last round's shares arrived: it is summed again (the same shares, so the
+        same sum where it had)."""
+        self.restarted()
+        every = self.job.pool.sync_every
+        last = step - step % every  # the last round's end at or before `step`
+        if self.eager and last > 0 and all(members):
+            copied = [list(replicas) for replicas in members]
+            self._pending = asyncio.get_running_loop().create_task(
+                self._sum_shares(last - 1, copied, {})
+            )
         for stage, replicas in enumerate(members):
             for r in replicas:
                 self.on_record(Join(step, stage, r.peer, None))
+
+    def restarted(self) -> None:
+        """Every member holds the same state anew (a start, a rollback): no round is half done."""
+        self._samples.clear()
+        self.cancel()
+        self._stepped, self._averaged = {}, {}
+
+    @property
+    def pending(self) -> bool:
+        """pool.overlap = "eager": whether a round's averaging is not drained yet."""
+        return self._pending is not None
+
+    async def drain(self) -> None:
+        """Wait for the last round's averaging (eager), retried without the members that fail
+        it; `CommitStalled` once it failed `runtime.max_commit_rounds` times."""
+        task = self._pending
+        if task is None:
+            return
+        try:
+            self._averaged.update(await asyncio.shield(task))
+        finally:
+            if task.done():
+                self._pending = None
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
 
     def joined(self, step: int, stage: int, peer: str, source: str) -> None:
         """`peer` became a member of `stage` at `step` (a round's start), a copy of `source`."""
@@ -89,57 +153,178 @@ class PoolRounds:
         """End the round after step `step` on every pool; retried without the members that
         fail it, at most `runtime.max_commit_rounds` times. While a stage has no member it
         waits (the coordinator rolls back once one is back, cancelling this)."""
-        boundary, failures, wait = step + 1, 0, Backoff(first_s=0.1, cap_s=2.0)
-        bound = self.job.runtime.max_commit_rounds
-        while True:
-            members = self.membership.replicas()
-            if any(not replicas for replicas in members):
-                await wait.sleep()
-                continue
-            reason = await self._prepare(boundary, members, f"{step}/round{failures}")
-            if reason is None:
-                break
-            failures += 1
-            self.metrics.aborted_rounds.inc()
-            if failures >= bound:
-                raise CommitStalled(
-                    f"the round after step {step}: {failures} averaging rounds failed "
-                    f"(runtime.max_commit_rounds = {bound}); the last: {reason}"
-                )
-            await wait.sleep()
-        where = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
-        results = await asyncio.gather(
-            *(self.clients.get(stage, r).apply_round(boundary) for stage, r in where),
-            return_exceptions=True,
-        )
-        for (stage, r), result in zip(where, results, strict=True):
-            if isinstance(result, BaseException):  # it rejoins by copying, as after a step
-                log.warning("round after step %d: apply on %s (stage %d) failed: %s",
-                            step, r.peer, stage, result)  # fmt: skip
-        for stage, replicas in enumerate(members):
-            self.on_record(Sync(step, stage, tuple(r.peer for r in replicas)))
-        said = self._count_dropped(step, members)
+        syncs = await (self._end_eager(step) if self.eager else self._end_plain(step))
+        for sync in syncs:
+            self.on_record(sync)
+        kept = {(sync.stage, peer) for sync in syncs for peer in sync.group}
+        lost = {key: n for key, n in self._samples.items() if key not in kept and n}
+        self._samples.clear()
+        await self._say(self._count_dropped(step, lost, "left mid-round"))
+
+    async def _say(self, said: str) -> None:
         if said and self.on_status is not None:
             shown = self.on_status(said)
             if shown is not None:
                 await shown
 
+    async def _end_plain(self, step: int) -> list[Sync]:
+        """overlap = "none": PREPARE everywhere (the pools average), then APPLY everywhere."""
+        boundary = step + 1
+        members = await self._until_summed(step, "round", self._prepare_call(boundary))
+        await self._apply(step, members, lambda c, k: c.apply_round(boundary), drop=False)
+        return [Sync(step, k, _peers(replicas)) for k, replicas in enumerate(members)]
+
+    async def _end_eager(self, step: int) -> list[Sync]:
+        """overlap = "eager": the last round's sum first (`drain`), then every member's outer
+        step, at once; this round's sum goes on in the background. The job's last round is
+        `_end_last`."""
+        await self.drain()
+        if step + 1 >= self.job.training.steps:
+            return await self._end_last(step)
+        boundary, wait = step + 1, Backoff(first_s=0.1, cap_s=2.0)
+        members = self.membership.replicas()
+        while any(not replicas for replicas in members):
+            await wait.sleep()  # the coordinator rolls back once the stage is back
+            members = self.membership.replicas()
+        totals = [sum(self._samples[(k, r.peer)] for r in rs) for k, rs in enumerate(members)]
+        stepped = await self._apply(
+            step,
+            members,
+            lambda c, k: c.eager(pb.EAGER_STEP, boundary, totals[k]),
+            drop=True,
+        )
+        syncs = [
+            Sync(step, k, _peers(replicas), self._averaged_of(k))
+            for k, replicas in enumerate(members)
+        ]
+        self._stepped = {k: _peers(rs) for k, rs in enumerate(members) if totals[k]}
+        # A stage whose round took no sample took no outer step: nothing to sum.
+        summing = [rs if totals[k] else [] for k, rs in enumerate(stepped)]
+        samples = {key: n for key, n in self._samples.items() if n}
+        self._pending = asyncio.create_task(self._sum_shares(step, summing, samples))
+        return syncs
+
+    async def _sum_shares(
+        self, step: int, members: list[list[Replica]], samples: dict[tuple[int, str], int]
+    ) -> dict[int, tuple[str, ...]]:
+        """The background sum of the round's shares (EAGER_AVERAGE); per stage, whose. The
+        samples of a member whose share it could not sum are dropped (`samples`: the round's)."""
+        call = self._prepare_call(step + 1, pb.EAGER_AVERAGE)
+        summed = await self._until_summed(step, "eager", call, members)
+        kept = {(k, r.peer) for k, rs in enumerate(summed) for r in rs}
+        lost = {(k, r.peer): samples.get((k, r.peer), 0) for k, rs in enumerate(members)
+                for r in rs if (k, r.peer) not in kept}  # fmt: skip
+        await self._say(self._count_dropped(step, lost, "failed the round's averaging"))
+        return {k: _peers(rs) for k, rs in enumerate(summed) if members[k]}
+
+    async def _end_last(self, step: int) -> list[Sync]:
+        """The job's last round under eager: the whole sum of the fresh shares (EAGER_LAST's
+        PREPARE), every member's outer step with it (its APPLY), then the members' mean
+        (EAGER_MEAN), the trained model."""
+        boundary = step + 1
+        members = await self._until_summed(
+            step, "last", self._prepare_call(boundary, pb.EAGER_LAST)
+        )
+        applied = await self._apply(
+            step, members, lambda c, k: c.eager_last_apply(boundary), drop=True
+        )
+        meaned = await self._until_summed(
+            step, "mean", self._prepare_call(boundary, pb.EAGER_MEAN), applied
+        )
+        syncs = []
+        for k, replicas in enumerate(members):
+            group, mean = _peers(replicas), _peers(meaned[k])
+            syncs.append(
+                Sync(step, k, group, self._averaged_of(k), None if mean == group else mean)
+            )
+        return syncs
+
+    def _averaged_of(self, stage: int) -> tuple[str, ...] | None:
+        """Whose shares made `stage`'s last average, for the record: None when they are all
+        that took the last outer step (the record's default)."""
+        averaged = self._averaged.get(stage)
+        return None if averaged is None or averaged == self._stepped.get(stage) else averaged
+
+    async def _apply(
+        self,
+        step: int,
+        members: list[list[Replica]],
+        call: Callable[[StageReplica, int], Awaitable[object]],
+        *,
+        drop: bool,
+    ) -> list[list[Replica]]:
+        """An APPLY (`call(client, stage)`) on every one of `members`; the members it
+        succeeded on. One that fails rejoins by copying, as after a step; `drop`: it is left
+        out at once (eager: its state is not the round's)."""
+        where = [(k, r) for k, replicas in enumerate(members) for r in replicas]
+        results = await asyncio.gather(
+            *(call(self.clients.get(k, r), k) for k, r in where), return_exceptions=True
+        )
+        done: list[list[Replica]] = [[] for _ in members]
+        for (k, r), result in zip(where, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("round after step %d: apply on %s (stage %d) failed: %s",
+                            step, r.peer, k, result)  # fmt: skip
+                if drop:
+                    self.membership.drop(r.peer)
+            else:
+                done[k].append(r)
+        return done
+
+    def _prepare_call(self, boundary: int, op: int = pb.EAGER_NONE) -> _Call:
+        """PREPARE of the round ending at `boundary` on one member (`op`: eager's, or none)."""
+
+        def call(
+            stage: int, r: Replica, total: int, group: list[str], index: int, rid: str
+        ) -> Awaitable[object]:
+            client = self.clients.get(stage, r)
+            if op == pb.EAGER_NONE:
+                return client.prepare_round(boundary, total, group, index, rid)
+            return client.eager(op, boundary, total, group, index, rid)
+
+        return call
+
+    async def _until_summed(
+        self, step: int, what: str, call: _Call, members: list[list[Replica]] | None = None
+    ) -> list[list[Replica]]:
+        """`call` on every one of `members` (default: the members, once every stage has one)
+        until a try succeeds on all, each retry without the members dropped since (those
+        that failed the last try among them); the members of the try that did. At most
+        `runtime.max_commit_rounds` tries."""
+        failures, wait = 0, Backoff(first_s=0.1, cap_s=2.0)
+        bound = self.job.runtime.max_commit_rounds
+        while True:
+            current = self.membership.replicas()
+            if members is not None:  # those of `members` still members
+                peers = {r.peer for replicas in current for r in replicas}
+                current = [[r for r in replicas if r.peer in peers] for replicas in members]
+            if any(not replicas for replicas in current) and members is None:
+                await wait.sleep()  # the coordinator rolls back once the stage is back
+                continue
+            reason = await self._prepare(current, f"{step}/{what}{failures}", call)
+            if reason is None:
+                return current
+            failures += 1
+            self.metrics.aborted_rounds.inc()
+            if failures >= bound:
+                raise CommitStalled(
+                    f"the round after step {step} ({what}): {failures} averaging rounds failed "
+                    f"(runtime.max_commit_rounds = {bound}); the last: {reason}"
+                )
+            await wait.sleep()
+
     async def _prepare(
-        self, boundary: int, members: list[list[Replica]], round_id: str
+        self, members: list[list[Replica]], round_id: str, call: _Call
     ) -> str | None:
-        """PREPARE the round on every member; None when every one averaged, else why not
-        (the members that failed it are dropped by then)."""
+        """`call` (a PREPARE) on every one of `members`; None when every one averaged, else
+        why not (the members that failed it are dropped by then)."""
         where, calls = [], []
         for stage, replicas in enumerate(members):
             group = [r.address for r in replicas]
             total = sum(self._samples[(stage, r.peer)] for r in replicas)
             for index, r in enumerate(replicas):
                 where.append((stage, r))
-                calls.append(
-                    self.clients.get(stage, r).prepare_round(
-                        boundary, total, group, index, round_id
-                    )
-                )
+                calls.append(call(stage, r, total, group, index, round_id))
         results = await asyncio.gather(*calls, return_exceptions=True)
         failed = [(k, r, e) for (k, r), e in zip(where, results, strict=True)
                   if isinstance(e, BaseException)]  # fmt: skip
@@ -157,25 +342,25 @@ class PoolRounds:
                 self.membership.drop(members[stage][i].peer)
         return "; ".join(f"stage {k} {r.peer}: {type(e).__name__}: {e}" for k, r, e in failed)
 
-    def _count_dropped(self, step: int, members: list[list[Replica]]) -> str:
-        """Count the samples of the replicas that left mid-round; a line for `swarm status`
-        ("" when none did)."""
-        kept = {(stage, r.peer) for stage, replicas in enumerate(members) for r in replicas}
+    def _count_dropped(self, step: int, lost: dict[tuple[int, str], int], why: str) -> str:
+        """Count the samples of `lost` ((stage, peer) -> its samples of the round: a replica's
+        local steps that no average holds); a line for `swarm status` ("" when none)."""
         said = []
-        for (stage, peer), samples in sorted(self._samples.items()):
-            if (stage, peer) not in kept and samples:
-                self.metrics.round_dropped.inc(samples)
-                self.dropped += samples
-                said.append(f"stage {stage}: {peer} left mid-round, {samples} samples dropped")
-                log.warning(
-                    "round after step %d: stage %d: %s left before the round's end: its %d "
-                    "samples of the round are not in the pool's average",
-                    step,
-                    stage,
-                    peer,
-                    samples,
-                )
-        self._samples.clear()
+        for (stage, peer), samples in sorted(lost.items()):
+            if not samples:
+                continue
+            self.metrics.round_dropped.inc(samples)
+            self.dropped += samples
+            said.append(f"stage {stage}: {peer} {why}, {samples} samples dropped")
+            log.warning(
+                "round after step %d: stage %d: %s %s: its %d samples of the round are not in "
+                "the pool's average",
+                step,
+                stage,
+                peer,
+                why,
+                samples,
+            )
         if not said:
             return ""
         return (

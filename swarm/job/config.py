@@ -104,11 +104,12 @@ def verify_data(job: JobConfig) -> JobConfig:
 def refuse_unbuilt(job: JobConfig) -> None:
     """Refuse, with the reason, a job only `swarm local` runs so far: the swarm (a scheduler, a
     trainer) calls this before it trains."""
-    if job.pool.overlap == "eager":
+    if job.pool.overlap == "eager" and job.pool.mode == "step":
         raise ConfigError(
-            'pool.overlap = "eager" runs in the reference only so far (swarm local --replicas R '
-            "or --routes FILE, to measure its loss price): the swarm does not run it yet; use "
-            '"none" (docs/jobs.md, "Pool modes")'
+            'pool.overlap = "eager" with pool.mode = "step" (delayed_update\'s eager rule) runs '
+            "in the reference only so far (swarm local --replicas R, to measure its loss price): "
+            'the swarm runs eager with pool.mode = "local"; use "none" here (docs/jobs.md, '
+            '"Pool modes")'
         )
 
 

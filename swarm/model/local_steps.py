@@ -62,7 +62,9 @@ from swarm.ops.progress import StepRecord
 
 __all__ = [
     "build_outer_optimizer",
+    "eager_gradient",
     "eager_gradients",
+    "ordered_sum",
     "pseudo_gradient",
     "simulates_replicas",
     "synthetic_routes",
@@ -109,30 +111,52 @@ def pseudo_gradient(
     return averaged
 
 
+def eager_gradient(
+    previous: Sequence[torch.Tensor] | None,
+    fresh: Sequence[torch.Tensor],
+    own_previous: Sequence[torch.Tensor] | None,
+) -> list[torch.Tensor]:
+    """One member's outer gradient of an eagerly overlapped round: the previous round's average
+    (`previous`, None before the first), plus `fresh` (the member's own fresh share: its samples
+    / the round's samples x its pseudo-gradient; the last round: the whole average), minus the
+    member's own share of the previous round (`own_previous`, None before its first):
+    `prev_avg + (share - prev_share)`, so the others' fresh shares arrive one round late. The
+    swarm's replicas (`stage_server.local_round`) take it with this very function."""
+    grads = []
+    with torch.no_grad():
+        for j, f in enumerate(fresh):
+            g = f.clone() if previous is None else previous[j] + f
+            if own_previous is not None:
+                g.sub_(own_previous[j])
+            grads.append(g)
+    return grads
+
+
+def ordered_sum(parts: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The sum of `parts` per tensor, ((p0 + p1) + p2) + ..., in their order: the bits the
+    swarm's averaging gives (`stage_server.averaging.owner` sums in the group's order)."""
+    total = [t.clone() for t in parts[0]]
+    with torch.no_grad():
+        for part in parts[1:]:
+            for acc, t in zip(total, part, strict=True):
+                acc.add_(t)
+    return total
+
+
 def eager_gradients(
     previous: Sequence[torch.Tensor] | None,
     shares: Sequence[Sequence[torch.Tensor]],
     own_previous: Sequence[Sequence[torch.Tensor] | None],
     complete: bool = False,
 ) -> list[list[torch.Tensor]]:
-    """Each member's outer gradient of an eagerly overlapped round: the previous round's average
-    (`previous`, None before the first), plus the member's own fresh share (`shares[m]`: its
-    samples / the round's samples x its pseudo-gradient), minus its own share of the previous
-    round (`own_previous[m]`, None before its first): `prev_avg + (share - prev_share)`, so the
-    fresh shares of the others arrive one round late. `complete`: the last round, whose average
-    is waited for: every member adds the others' fresh shares too (the round's whole average)."""
-    average = [torch.stack([m[j] for m in shares]).sum(0) for j in range(len(shares[0]))]
-    result = []
-    with torch.no_grad():
-        for share, before in zip(shares, own_previous, strict=True):
-            grads = []
-            for j, fresh in enumerate(average if complete else share):
-                g = fresh.clone() if previous is None else previous[j] + fresh
-                if before is not None:
-                    g.sub_(before[j])
-                grads.append(g)
-            result.append(grads)
-    return result
+    """Every member's `eager_gradient` (`shares[m]` its fresh share, `own_previous[m]` its
+    last); `complete`: the last round, whose average is waited for: every member adds the
+    others' fresh shares too (the round's whole sum, `ordered_sum` of `shares`)."""
+    whole = ordered_sum(shares) if complete else None
+    return [
+        eager_gradient(previous, share if whole is None else whole, before)
+        for share, before in zip(shares, own_previous, strict=True)
+    ]
 
 
 def synthetic_routes(job: JobConfig, replicas: int, steps: int | None = None) -> Iterator[Record]:
@@ -209,6 +233,7 @@ class _Pool:
     replicas: dict[str, _Replica]
     own: dict[str, _Own] = field(default_factory=dict)
     average: list[torch.Tensor] | None = None
+    last_shares: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # eager, by member
     shares: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # delayed eager's last
     ended: int = -1  # the step the last round ended after
 
@@ -221,13 +246,17 @@ def train_replicas(
     routes: Iterable[Record] | None = None,
     steps: int | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
+    eval_every: int | None = None,
 ) -> StageModule:
     """Train `job` (`pool.mode = "local"`) as its swarm would with the replicas and routes of
     `routes` (a route record), or of `synthetic_routes(job, replicas)` (default 2 replicas).
     Returns the whole model holding the final shared parameters: a round always ends after the
     last step; a record that lacks it (cut short by `steps`) gets one here for every stage, its
     replicas in the order they joined. A record naming a replica that is not there, or out of
-    step order, is a `ConfigError` that names the step."""
+    step order, is a `ConfigError` that names the step. `eval_every` (the reference only, for
+    benchmarks): evaluate every that many steps whatever the job says; with the eager overlap,
+    whose replicas share no parameters, the replicas' mean is evaluated (what the job would
+    end with there)."""
     if not simulates_replicas(job):
         raise ConfigError(
             f'pool.mode = "{job.pool.mode}": replicas with local steps need pool.mode = "local" '
@@ -239,7 +268,7 @@ def train_replicas(
     total = job.training.steps if steps is None else steps
     if routes is None:
         routes = synthetic_routes(job, DEFAULT_REPLICAS if replicas is None else replicas, total)
-    return _Replay(job, device, on_step).run(routes, total)
+    return _Replay(job, device, on_step, eval_every).run(routes, total)
 
 
 class _Replay:
@@ -248,6 +277,7 @@ class _Replay:
         job: JobConfig,
         device: torch.device | str,
         on_step: Callable[[StepRecord], None] | None,
+        eval_every: int | None = None,
     ) -> None:
         self.job, self.device, self.on_step = job, device, on_step
         eager = job.pool.overlap == "eager"
@@ -262,8 +292,8 @@ class _Replay:
         self.total = job.training.steps
         self.model = build_model(job, device)
         self.data: DataSource = make_data(job)
-        every = job.training.eval_every
-        self.val = make_val_data(job) if every else None
+        self.every = job.training.eval_every if eval_every is None else eval_every
+        self.val = make_val_data(job) if self.every else None
         self.pools = []
         for layers in partition(layer_costs(job.model), job.training.stages):
             # A view sharing the model's layers: the start parameters are the model's own.
@@ -345,17 +375,18 @@ class _Replay:
                 start = [p.detach().clone() for p in module.parameters()]
                 pool.own[record.peer] = _Own(start, build_outer_optimizer(start, self.job.pool))
             return
-        if self.eager:
-            raise ConfigError(
-                f"route record, step {record.step}: {record.peer!r} joins stage {record.stage} "
-                'as a copy; with pool.overlap = "eager" the reference replays joins at step 0 '
-                "only (a copy's own start and outer state are not built yet)"
-            )
         source = self._replica(record.step, record.stage, record.source)
         module = copy.deepcopy(source.module)
         optimizer = self._inner(module)
         optimizer.load_state_dict(copy.deepcopy(source.optimizer.state_dict()))
         pool.replicas[record.peer] = _Replica(module, optimizer)
+        if self.eager:  # its own start, outer momentum and last share: the source's
+            own = pool.own[record.source]
+            start = [s.detach().clone() for s in own.start]
+            outer = build_outer_optimizer(start, self.job.pool)
+            outer.load_state_dict(copy.deepcopy(own.outer.state_dict()))
+            share = None if own.share is None else [t.clone() for t in own.share]
+            pool.own[record.peer] = _Own(start, outer, share)
 
     def _inner(self, module: StageModule) -> torch.optim.Optimizer:
         return build_optimizer(module.parameters(), self.job.optimizer)
@@ -365,9 +396,10 @@ class _Replay:
         if t != self.done:
             raise ConfigError(f"route record: step {t}'s runs where step {self.done}'s were due")
         began = time.perf_counter()
-        every = self.job.training.eval_every
         val_loss = None
-        if self.val is not None and t % every == 0:  # the shared parameters (a round's start)
+        if self.val is not None and t % self.every == 0:  # the shared parameters (a round's start)
+            if self.eager or self.delayed_eager:  # none shared: the replicas' mean
+                self._mean_into_model()
             val_loss = evaluate(self.job, self.model, self.val, self.device)
         loss_total, loss_samples = 0.0, 0
         touched: dict[int, _Replica] = {}
@@ -386,6 +418,15 @@ class _Replay:
             seconds, tokens = time.perf_counter() - began, loss_samples * self.job.model.seq_len
             done = StepRecord(t, mean, loss_samples, seconds, tokens)
             self.on_step(replace(done, val_loss=val_loss))
+
+    def _mean_into_model(self) -> None:
+        """The model (every pool's start) becomes the mean of each pool's replicas."""
+        for pool in self.pools:
+            replicas = list(pool.replicas.values())
+            summed = ordered_sum([r.params for r in replicas])
+            with torch.no_grad():
+                for p, t in zip(pool.start, summed, strict=True):
+                    p.copy_(t.div_(len(replicas)))
 
     def _local_update(self, t: int, touched: Iterable[_Replica]) -> None:
         """Every replica that counted samples in step `t` applies its optimizer to its own mean
@@ -424,7 +465,7 @@ class _Replay:
                 update(replica.optimizer, self.job, t)
                 pool.shares[peer] = share
                 replica.sums, replica.step_samples = None, 0
-            pool.average = [torch.stack(x).sum(0) for x in zip(*shares, strict=True)]
+            pool.average = ordered_sum(shares)
 
     def _run(self, t: int, run: Run, touched: dict[int, _Replica]) -> tuple[float, int] | None:
         """One run of step `t`: forward through its chain, back through the same replicas with
@@ -528,6 +569,15 @@ class _Replay:
         owns = [pool.own[p] for p in record.group]
         total = sum(m.round_samples for m in members)
         last = record.step == self.total - 1
+        if record.averaged is not None:  # some member's share did not reach the last average
+            missing = [p for p in record.averaged if p not in pool.last_shares]
+            if missing:
+                raise ConfigError(
+                    f"route record, step {record.step}: stage {record.stage}'s last average is "
+                    f"of {missing}, who took no part in the round before"
+                )
+            parts = [pool.last_shares[p] for p in record.averaged]
+            pool.average = ordered_sum(parts) if parts else None
         if total:
             with torch.no_grad():
                 shares = [
@@ -544,15 +594,23 @@ class _Replay:
                 own.outer.step()
                 own.outer.zero_grad(set_to_none=True)
                 own.share = share
-            pool.average = [torch.stack(t).sum(0) for t in zip(*shares, strict=True)]
+            pool.average = ordered_sum(shares)
+            pool.last_shares = dict(zip(record.group, shares, strict=True))
         with torch.no_grad():
             for own, member in zip(owns, members, strict=True):
                 for p, s in zip(member.params, own.start, strict=True):
                     p.copy_(s)
                 member.round_samples = 0
             if last:  # the trained model: the members' mean (they differ by their shares)
-                for j, p in enumerate(pool.start):
-                    p.copy_(torch.stack([o.start[j] for o in owns]).mean(0))
+                meaned = record.group if record.mean is None else record.mean
+                if not set(meaned) <= set(record.group) or not meaned:
+                    raise ConfigError(
+                        f"route record, step {record.step}: stage {record.stage}'s mean is of "
+                        f"{list(meaned)}, not members of its round {list(record.group)}"
+                    )
+                starts = ordered_sum([pool.own[p].start for p in meaned])
+                for p, t in zip(pool.start, starts, strict=True):
+                    p.copy_(t.div_(len(meaned)))
         pool.replicas = {p: pool.replicas[p] for p in record.group}
         pool.own = {p: pool.own[p] for p in record.group}
         pool.ended = record.step

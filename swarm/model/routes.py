@@ -14,7 +14,11 @@ The file is JSON lines, one record per line, in the order things happened:
   stages than the pipeline it runs through);
 - `{"sync": t, "stage": k, "group": [peers]}`: after step t's local updates, stage k's round:
   these replicas averaged their pseudo-gradients; any other replica of the stage is gone, its
-  round's samples dropped;
+  round's samples dropped. With `pool.overlap = "eager"` two optional keys: `"averaged":
+  [peers]`, the members of the round before whose shares made the average this round's outer
+  step took (absent: all of them; a member that failed that averaging is not), and, on the
+  job's last round, `"mean": [peers]`, the members whose mean is the trained model (absent:
+  the group);
 - `{"join": t, "stage": k, "peer": p, "source": q}`: from step t on, p is a replica of stage k,
   a copy of q (`source` null: the job's initial parameters, no optimizer state yet).
 """
@@ -55,6 +59,8 @@ class Sync:
     step: int
     stage: int
     group: tuple[str, ...]
+    averaged: tuple[str, ...] | None = None  # pool.overlap = "eager": see the module's note
+    mean: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,12 @@ def to_json(record: Record) -> dict[str, object]:
         runs = [[r.index, list(r.stages), list(r.chain), dict(r.back)] for r in record.runs]
         return {"step": record.step, "runs": runs}
     if isinstance(record, Sync):
-        return {"sync": record.step, "stage": record.stage, "group": list(record.group)}
+        d: dict[str, object] = {"sync": record.step, "stage": record.stage}
+        d["group"] = list(record.group)
+        for key, value in (("averaged", record.averaged), ("mean", record.mean)):
+            if value is not None:
+                d[key] = list(value)
+        return d
     join, source = record.step, record.source
     return {"join": join, "stage": record.stage, "peer": record.peer, "source": source}
 
@@ -92,7 +103,11 @@ def from_json(d: dict[str, object]) -> Record:
         return StepRuns(int(d["step"]), runs)  # type: ignore[call-overload]
     if "sync" in d:
         group = tuple(str(p) for p in d["group"])  # type: ignore[attr-defined]
-        return Sync(int(d["sync"]), int(d["stage"]), group)  # type: ignore[call-overload]
+        averaged, mean = (
+            None if d.get(k) is None else tuple(str(p) for p in d[k])  # type: ignore[attr-defined]
+            for k in ("averaged", "mean")
+        )
+        return Sync(int(d["sync"]), int(d["stage"]), group, averaged, mean)  # type: ignore[call-overload]
     source = d.get("source")
     return Join(
         int(d["join"]),  # type: ignore[call-overload]

@@ -54,6 +54,13 @@ class StateChecks:
         self._copies: tuple[str, ...] = ("prev/",) if self.delayed else ()
         if job.pool.mode == "local":
             self._copies += ("round/", "outer/")
+            # pool.overlap = "eager": its last share and the last average it holds, each with
+            # the round it is of (`round/shared`, `round/averaged`)
+            if job.pool.overlap == "eager":
+                self._copies += ("share/", "average/")
+        self._markers = {"round/synced"} if job.pool.mode == "local" else set()
+        if "share/" in self._copies:
+            self._markers |= {"round/shared", "round/averaged"}
         params = list(module.parameters())  # by optimizer index: an update's order too
         self._params = [(p.shape, p.dtype) for p in params]
         self._state = {f"param/{k}": (v.shape, v.dtype) for k, v in module.state_dict().items()}
@@ -81,8 +88,8 @@ class StateChecks:
         delayed_update) and the optimizer's keys for each (at most three: adamw's step and
         moments): more is refused, however few bytes each."""
         copies = 1 + len(self._copies)
-        marker = 1 if "round/" in self._copies else 0  # `round/synced`
-        return len(self._state) * copies + len(self._params) * len(self._keys) + marker
+        markers = len(self._markers)  # `round/synced` and the like
+        return len(self._state) * copies + len(self._params) * len(self._keys) + markers
 
     def max_update_bytes(self) -> int:
         """The most bytes one update can take: a gradient sum per parameter, at 8 bytes a
@@ -94,7 +101,7 @@ class StateChecks:
         `param/<name>` (or, with delayed_update, `prev/<name>`: the parameters before the last
         update) with its parameter's shape and dtype, or `optim/<index>/<key>` of a parameter
         with that parameter's size or one value, under a key the job's optimizer keeps."""
-        if name == "round/synced" and "round/" in self._copies:  # pool.mode = "local"
+        if name in self._markers:  # pool.mode = "local"
             if tensor.dtype != torch.int64 or tensor.numel() != 1:
                 raise InvalidArgument(
                     f"{name} must be one int64; got {tensor.dtype} {tensor.numel()}"

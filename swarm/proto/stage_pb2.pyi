@@ -13,9 +13,22 @@ class CommitPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMIT_PHASE_BOTH: _ClassVar[CommitPhase]
     COMMIT_PHASE_PREPARE: _ClassVar[CommitPhase]
     COMMIT_PHASE_APPLY: _ClassVar[CommitPhase]
+
+class EagerOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EAGER_NONE: _ClassVar[EagerOp]
+    EAGER_STEP: _ClassVar[EagerOp]
+    EAGER_AVERAGE: _ClassVar[EagerOp]
+    EAGER_LAST: _ClassVar[EagerOp]
+    EAGER_MEAN: _ClassVar[EagerOp]
 COMMIT_PHASE_BOTH: CommitPhase
 COMMIT_PHASE_PREPARE: CommitPhase
 COMMIT_PHASE_APPLY: CommitPhase
+EAGER_NONE: EagerOp
+EAGER_STEP: EagerOp
+EAGER_AVERAGE: EagerOp
+EAGER_LAST: EagerOp
+EAGER_MEAN: EagerOp
 
 class MicrobatchId(_message.Message):
     __slots__ = ("step", "index")
@@ -186,7 +199,7 @@ class StagePushResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., uncertain: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., path: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StageCommitRequest(_message.Message):
-    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end")
+    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +211,7 @@ class StageCommitRequest(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     ROUND_END_FIELD_NUMBER: _ClassVar[int]
+    EAGER_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     step: int
@@ -209,7 +223,8 @@ class StageCommitRequest(_message.Message):
     round: str
     grad_scale: float
     round_end: bool
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ...) -> None: ...
+    eager: EagerOp
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ...) -> None: ...
 
 class StageCommitResponse(_message.Message):
     __slots__ = ("step", "already_committed", "grad_sq_norm")
@@ -336,20 +351,24 @@ class StageUpdatesRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., follower: _Optional[str] = ..., from_step: _Optional[int] = ...) -> None: ...
 
 class StageUpdatesResponse(_message.Message):
-    __slots__ = ("tensors", "chunk", "step", "total_samples", "grad_scale", "round_end")
+    __slots__ = ("tensors", "chunk", "step", "total_samples", "grad_scale", "round_end", "eager", "boundary")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     ROUND_END_FIELD_NUMBER: _ClassVar[int]
+    EAGER_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     step: int
     total_samples: int
     grad_scale: float
     round_end: bool
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ..., total_samples: _Optional[int] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ...) -> None: ...
+    eager: EagerOp
+    boundary: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., step: _Optional[int] = ..., total_samples: _Optional[int] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ..., boundary: _Optional[int] = ...) -> None: ...
 
 class StageDownloadStateResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "step")

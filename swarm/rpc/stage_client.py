@@ -16,7 +16,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar
 
 import grpc
 import torch
@@ -311,11 +311,13 @@ class StageClient:
         round: str = "",
         grad_scale: float | None = None,
         round_end: bool = False,
+        eager: int = 0,
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
             total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
-            round=round, grad_scale=grad_scale, round_end=round_end)  # fmt: skip
+            round=round, grad_scale=grad_scale, round_end=round_end,
+            eager=eager)  # type: ignore[arg-type]  # fmt: skip
         # APPLY is one local optimizer step: a replica that cannot do it within a hop's deadline
         # is hung, and must not hold the whole job for a commit's (it rejoins later).
         apply = phase == pb.COMMIT_PHASE_APPLY
@@ -469,29 +471,49 @@ class StageClient:
         size = expect.num_parameters
         updates: list[Followed] = []
         # pool.mode = "local": a local step may take no sample, and a round's end comes before
-        # its step's own update (same step)
-        least = 0 if self.job.pool.mode == "local" else 1
+        # its step's own update (same step); pool.overlap = "eager": an average may arrive at
+        # any step (it moves no step)
+        local = self.job.pool.mode == "local"
+        least = 0 if local else 1
+        at, ended = -1, False  # the step the sender is at after the last update, and whether
+        # a round ended there
         while (message := await received.next()) is not None:
             header, tensors = message
             scale = header.grad_scale if header.HasField("grad_scale") else 1.0
-            end = header.round_end and least == 0
-            if not updates or len(updates[-1][1]) == size:  # the one before is whole
+            end = header.round_end and local
+            eager = header.eager if end else 0
+            if not updates or len(updates[-1].grad_sums) == size:  # the one before is whole
+                if eager not in (0, 1, 2) or (eager == 2) != (0 < header.boundary <= header.step):
+                    raise self._refused(
+                        f"an update of step {header.step} with eager operation {header.eager} "
+                        f"of the round ending at {header.boundary}"
+                    )
                 if not updates:
                     in_order = header.step >= from_step
-                elif updates[-1][4]:  # after a round's end: its step's own update
-                    in_order = header.step == updates[-1][0] and not end
                 else:
-                    in_order = header.step == updates[-1][0] + 1
+                    in_order = header.step == at and not (end and eager != 2 and ended)
                 if not in_order:
                     raise self._refused(f"an update of step {header.step} out of order")
                 if header.total_samples < least or not 0.0 < scale <= 1.0:
                     raise self._refused(
                         f"an update of {header.total_samples} samples with coefficient {scale}"
                     )
-                updates.append((header.step, [], header.total_samples, scale, end))
-            step, sums, samples, applied, _ = updates[-1]
-            if (header.step, header.total_samples, scale) != (step, samples, applied):
-                raise self._refused(f"the update of step {step} with {len(sums)} of {size} sums")
+                if not end:
+                    at, ended = header.step + 1, False
+                elif eager != 2:
+                    at, ended = header.step, True
+                elif not updates:
+                    at = header.step
+                boundary = header.boundary if eager == 2 else -1
+                updates.append(
+                    Followed(header.step, [], header.total_samples, scale, end, eager, boundary)
+                )
+            last = updates[-1]
+            if (header.step, header.total_samples, scale) != (last[0], last[2], last[3]):
+                raise self._refused(
+                    f"the update of step {last.step} with {len(last.grad_sums)} of {size} sums"
+                )
+            sums = last.grad_sums
             for name, tensor in tensors.items():
                 if name != str(len(sums)):
                     raise self._refused(f"gradient sum {name!r} where {len(sums)} was due")
@@ -522,9 +544,16 @@ class StageClient:
             raise self._refused(f"what stage {self.stage} would not load: {e}") from None
 
 
-Followed = tuple[int, list[torch.Tensor], int, float, bool]
-"""An update a followed replica applied: (step, gradient sums, total samples, clipping
-coefficient, whether it is a round's end of pool.mode = "local")."""
+class Followed(NamedTuple):
+    """An update a followed replica applied (`StageRuntime.apply_followed`'s arguments)."""
+
+    step: int
+    grad_sums: list[torch.Tensor]
+    total_samples: int
+    scale: float  # the clipping coefficient
+    round_end: bool  # a round's end of pool.mode = "local"
+    eager: int = 0  # pool.overlap = "eager": `stage_server.local_round.Eager`'s STEP or AVERAGE
+    boundary: int = -1  # an AVERAGE's round (its end)
 
 
 # (step, name, tensor) of each tensor of a state as it comes (`StageClient.stream_state`)

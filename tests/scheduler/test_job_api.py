@@ -77,7 +77,8 @@ async def test_server_validates_the_spec(api: RunningApi) -> None:
             await stub.SubmitJob(scheduler_pb2.SchedulerSubmitJobRequest(spec=good, base_dir="x"))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "absolute" in (e.value.details() or "")
-        eager = render({**BASE, "pool": {"mode": "local", "overlap": "eager", "sync_every": 4}})
+        training = {**BASE["training"], "delayed_update": True}
+        eager = render({**BASE, "training": training, "pool": {"overlap": "eager"}})
         with pytest.raises(grpc.aio.AioRpcError) as e:  # swarm local runs it; the swarm not yet
             await stub.SubmitJob(scheduler_pb2.SchedulerSubmitJobRequest(spec=eager, base_dir="/"))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

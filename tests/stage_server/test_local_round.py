@@ -4,17 +4,20 @@ Through real processes: tests/system/test_local_steps.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from stage_server.local_round import Eager
 from stage_server.runtime import StageRuntime
 from swarm.errors import ConfigError, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
 from swarm.model.data import make_data
-from swarm.model.local_steps import train_replicas
-from swarm.model.routes import Join, Run, StepRuns, Sync
+from swarm.model.local_steps import ordered_sum, train_replicas
+from swarm.model.routes import Join, Record, Run, StepRuns, Sync
+from swarm.proto import stage_pb2 as pb
 from tests.support.equality import assert_states_within
 from tests.support.jobs import make_job
 
@@ -94,7 +97,9 @@ def test_the_round_travels_with_the_state(tmp_path: Path) -> None:
 
 def _follow(follower: StageRuntime, source: StageRuntime) -> None:
     for u in source.updates.since("b", follower.step):  # as `stage_server.copying` asks
-        follower.apply_followed(u.step, u.grad_sums, u.total_samples, u.scale, u.round_end)
+        follower.apply_followed(
+            u.step, u.grad_sums, u.total_samples, u.scale, u.round_end, u.eager, u.boundary
+        )
 
 
 @pytest.mark.parametrize("taken", ["mid-round", "before-the-round-end"])
@@ -151,7 +156,7 @@ def test_rounds_end_where_the_job_says_and_nowhere_else(tmp_path: Path) -> None:
         ({"training": {"grad_clip": 1.0}}, "training.grad_clip"),
         ({"training": {"checkpoint_every": 3}}, "training.checkpoint_every"),
         ({"training": {"eval_every": 5}}, "training.eval_every"),
-        # eager needs local mode (in local mode swarm local runs it and the swarm refuses it:
+        # eager needs local mode (or delayed_update, which the swarm refuses so far:
         # tests/swarm/model/test_local_steps.py)
         ({"pool": {"mode": "step", "overlap": "eager"}}, "pool.overlap"),
     ],
@@ -164,3 +169,139 @@ def test_what_local_steps_cannot_do_is_said_when_the_job_is_read(
         sections.setdefault(section, {}).update(table)
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         make_job(tmp_path, **sections)
+
+
+# -- pool.overlap = "eager" ---------------------------------------------------------------------
+EAGER = LOCAL | {"overlap": "eager"}
+
+
+def _eager_job(tmp_path: Path, steps: int = 5) -> JobConfig:
+    table = {"stages": 1, "steps": steps, "target_batch_size": 16, "checkpoint_every": 0}
+    return make_job(tmp_path, "eager", training=table, pool=EAGER, runtime=RELAY)
+
+
+def _total(pool: list[StageRuntime]) -> int:
+    return sum(rt.round.samples for rt in pool if rt.round is not None)
+
+
+def _sum(
+    pool: list[StageRuntime], part: Callable[[StageRuntime], list[torch.Tensor]]
+) -> list[torch.Tensor]:
+    """What the pool's averaging gives every member: the parts summed in the group's order."""
+    return ordered_sum([part(rt) for rt in pool])
+
+
+def _eager_last(pool: list[StageRuntime], boundary: int) -> None:
+    """The job's last round: the whole sum of the fresh shares, the outer steps, the mean."""
+    total = _total(pool)
+    summed = _sum(pool, lambda rt: rt.last_part(boundary, total))
+    for rt in pool:
+        rt.set_last(boundary, [t.clone() for t in summed], total)
+    for rt in pool:
+        assert rt.last_step(boundary) is False
+        assert rt.last_step(boundary) is True  # a retry changes nothing
+    starts = _sum(pool, lambda rt: rt.mean_part(boundary))
+    for rt in pool:
+        rt.set_mean([t.clone() for t in starts], len(pool))
+
+
+def test_the_eager_operations_are_the_wires() -> None:
+    assert {e.name: e.value for e in Eager} == {
+        n.removeprefix("EAGER_"): v for n, v in pb.EagerOp.items()
+    }
+
+
+def test_an_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(tmp_path: Path) -> None:
+    """Replicas a and b take their outer steps at each round's end before the pool's sum of
+    the round's shares arrives (it comes during the next round), the last round is waited for
+    and the model is their mean: the reference replaying the routes ends with the same bits.
+    A third replica copies a in the middle of round [2, 3] and follows its updates (its outer
+    step, the sum arriving later): it is a, bit for bit, its own state included."""
+    job = _eager_job(tmp_path)
+    a, b = StageRuntime(job, 0), StageRuntime(job, 0)
+    held = {0: ([0, 1, 2], [3]), 1: ([0], [1, 2, 3]), 2: ([0, 1], [2, 3]), 3: ([3], [0, 1, 2]),
+            4: ([0, 1, 2, 3], [])}  # fmt: skip
+    record: list[Record] = [Join(0, 0, "a", None), Join(0, 0, "b", None)]
+    copy = StageRuntime(job, 0)
+    for step, (mine, theirs) in held.items():
+        if step == 3:  # mid-round, with the sum of round [0, 1] already in
+            a.updates.follow("b", a.step)
+            copy.load_copy(a.step, a.export_state(), began=0)
+            assert copy.round is not None and not copy.round.pending
+        _train(a, job, step, mine)
+        _train(b, job, step, theirs)
+        if step >= 3:
+            _follow(copy, a)
+        runs = [Run(i, (0,), ("a",)) for i in mine] + [Run(i, (0,), ("b",)) for i in theirs]
+        record.append(StepRuns(step, tuple(sorted(runs, key=lambda r: r.index))))
+        if step in (1, 3):
+            total = _total([a, b])
+            for rt in (a, b):
+                rt.eager_step(step + 1, total)
+            if step == 3:
+                _follow(copy, a)
+                assert copy.copy_step == 3  # the sum of round [2, 3] is not in yet
+            summed = ordered_sum([a.eager_part(step + 1), b.eager_part(step + 1)])
+            for rt in (a, b):
+                rt.set_average(step + 1, [t.clone() for t in summed])
+            record.append(Sync(step, 0, ("a", "b")))
+            if step == 3:
+                _follow(copy, a)
+                assert copy.copy_step == 4
+                for name, t in a.export_state().items():
+                    assert torch.equal(t, copy.export_state()[name]), name
+        if step == 4:
+            _eager_last([a, b], 5)
+            record.append(Sync(step, 0, ("a", "b")))
+    expected = train_replicas(job, routes=record).state_dict()  # type: ignore[arg-type]
+    assert_states_within(a.state_dict(), expected, tol=0.0)
+    assert_states_within(b.state_dict(), expected, tol=0.0)
+    plain = make_job(tmp_path, "plain", training={"stages": 1, "steps": 5, "target_batch_size": 16,
+                     "checkpoint_every": 0}, pool=LOCAL, runtime=RELAY)  # fmt: skip
+    other = train_replicas(plain, routes=record).state_dict()  # type: ignore[arg-type]
+    assert max((a.state_dict()[k] - v).abs().max().item() for k, v in other.items()) > 1e-6
+
+
+def test_the_eager_round_travels_with_the_state_and_refuses_what_is_not_due(
+    tmp_path: Path,
+) -> None:
+    job = _eager_job(tmp_path)
+    a, b = StageRuntime(job, 0), StageRuntime(job, 0)
+    _train(a, job, 0, [0, 1])
+    _train(b, job, 0, [2, 3])
+    with pytest.raises(FailedPrecondition, match="no share of the round ending at step 2"):
+        a.eager_part(2)
+    _train(a, job, 1, [0])
+    _train(b, job, 1, [1])
+    for rt in (a, b):
+        rt.eager_step(2, _total([a, b]))
+    state = a.export_state()  # its share of round [0, 1] taken, the sum not in yet
+    assert {"round/shared", "round/averaged"} <= set(state)
+    assert any(k.startswith("share/") for k in state)
+    assert not any(k.startswith("average/") for k in state)
+    for name, tensor in state.items():
+        a.check_state_tensor(name, tensor)  # an eager job accepts its own state
+    _train(a, job, 2, [0])
+    _train(a, job, 3, [1])
+    with pytest.raises(FailedPrecondition, match="has not arrived"):
+        a.eager_step(4, 8)  # the next round's end waits for the sum of this one
+    c = StageRuntime(job, 0)
+    c.load_state(2, state)
+    assert c.round is not None and c.round.pending and c.copy_step == 1
+    summed = _sum([a, b], lambda rt: rt.eager_part(2))
+    a.set_average(2, summed)
+    with pytest.raises(InvalidArgument, match="without all average/"):
+        c.load_state(2, _without_average(a))  # a state that says it holds the sum, but not all
+    plain = StageRuntime(make_job(tmp_path, "plain", training={"stages": 1, "steps": 5,
+                         "target_batch_size": 16, "checkpoint_every": 0}, pool=LOCAL,
+                         runtime=RELAY), 0)  # fmt: skip
+    with pytest.raises(InvalidArgument):
+        plain.check_state_tensor("round/shared", torch.tensor([2]))  # not an eager job's
+    with pytest.raises(FailedPrecondition, match=r'pool\.overlap = "eager"'):
+        plain.eager_part(2)
+
+
+def _without_average(rt: StageRuntime) -> dict[str, torch.Tensor]:
+    state = rt.export_state()
+    dropped = next(k for k in state if k.startswith("average/"))
+    return {k: v for k, v in state.items() if k != dropped}

@@ -139,6 +139,25 @@ class FakeReplica:
     async def apply_round(self, boundary: int) -> None:
         await self._enter("apply_round", boundary)
 
+    async def eager(
+        self,
+        op: int,
+        boundary: int,
+        total_samples: int = 0,
+        group: list[str] | None = None,
+        group_index: int = 0,
+        round: str = "",
+    ) -> bool:
+        name = pb.EagerOp.Name(op).lower()  # "eager_step", "eager_average", ...
+        await self._enter(name, (boundary, total_samples, list(group or []), round))
+        missing = [i for i, address in enumerate(group or []) if address in self.unreachable]
+        if missing:
+            raise Aborted(f"{self.peer}: round {round} aborted: cannot reach {missing}", missing)
+        return False
+
+    async def eager_last_apply(self, boundary: int) -> None:
+        await self._enter("eager_last_apply", boundary)
+
     async def apply(self, step: int, scale: float = 1.0) -> None:
         await self._enter("apply", step)
         self.scales.append(scale)

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from safetensors.torch import load_file
 
 from client.standalone import train_standalone
 from swarm.job.config import load_job
 from swarm.local.procs import start_local_swarm
 from swarm.model.local_steps import train_replicas
-from swarm.model.routes import Join, StepRuns, Sync, read_routes
+from swarm.model.routes import Join, Record, StepRuns, Sync, read_routes
 from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
 from tests.support.cli import swarm
@@ -25,6 +27,7 @@ from tests.support.jobs import write_job
 from tests.system.test_faults import Servers, _count
 
 LOCAL = {"mode": "local", "sync_every": 2}
+RELAY = {"data_plane": "relay", "max_in_flight": 4}
 
 
 def _train_recording(
@@ -41,24 +44,39 @@ def _train_recording(
     return asyncio.run(asyncio.wait_for(training, 300)), registry
 
 
+def _train_through_a_kill(
+    servers: Servers, routes: Path, victim: str
+) -> tuple[dict[str, torch.Tensor], CollectorRegistry, list[Record]]:
+    """Train, recording; `victim` must have died by SIGKILL (its fault)."""
+    try:
+        state, registry = _train_recording(servers, routes)
+    finally:
+        servers.stop()
+    assert servers.procs[victim].proc.returncode == -signal.SIGKILL
+    return state, registry, list(read_routes(routes))
+
+
 def _replayed(job: Path, routes: Path) -> dict[str, torch.Tensor]:
-    model = train_replicas(load_job(job), routes=list(read_routes(routes)))
+    return _replayed_records(job, list(read_routes(routes)))
+
+
+def _replayed_records(job: Path, records: list[Record]) -> dict[str, torch.Tensor]:
+    model = train_replicas(load_job(job), routes=records)
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("overlap", ["none", "eager"])
 def test_local_steps_on_two_replicas_per_stage_equal_the_reference_replaying_their_routes(
-    tmp_path: Path,
+    tmp_path: Path, overlap: str
 ) -> None:
     """2 stages of 2 replicas, rounds of 2 steps over 5 steps (the last round is one step), on
     the relay plane (the push plane: the tests below): the swarm's parameters equal the
     reference replaying the record, and differ from per-step averaging (the replicas did train
-    apart)."""
+    apart). With the eager overlap each round's sum runs while the next round trains."""
+    job_training = {"steps": 5, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0}
     job = write_job(
-        tmp_path,
-        training={"steps": 5, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
-        runtime={"data_plane": "relay", "max_in_flight": 4},
-        pool=LOCAL,
+        tmp_path, training=job_training, runtime=RELAY, pool=LOCAL | {"overlap": overlap}
     )
     servers = Servers(job, [2, 2], [], tmp_path)
     routes = tmp_path / "routes.jsonl"
@@ -81,31 +99,33 @@ def test_local_steps_on_two_replicas_per_stage_equal_the_reference_replaying_the
     far = max((state[k] - v).abs().max().item() for k, v in per_step.items())
     assert far > 1e-6, far
     assert [r.step for r in records] == list(range(5))
+    if overlap == "eager":  # the other rule, on the same routes, ends elsewhere
+        other = write_job(tmp_path, "plain", training=job_training, runtime=RELAY, pool=LOCAL)
+        plain = _replayed(other, routes)
+        far = max((state[k] - v).abs().max().item() for k, v in plain.items())
+        assert far > 1e-6, far
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("overlap", ["none", "eager"])
 def test_a_replica_killed_mid_round_drops_its_round_and_the_rest_stays_exact(
-    tmp_path: Path,
+    tmp_path: Path, overlap: str
 ) -> None:
     """s1r0 dies at a backward of step 3, the second step of the round [2, 3]: its step-3
     gradients are replayed on s1r1, its step-2 local update (applied, not averaged yet) is
-    dropped with its samples (counted), and the reference replaying the record agrees."""
+    dropped with its samples (counted), and the reference replaying the record agrees. With
+    the eager overlap the sum of round [0, 1] is under way meanwhile (it holds s1r0's share)."""
     job = write_job(
         tmp_path,
         training={"steps": 6, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
         runtime={"data_plane": "push", "max_in_flight": 4},
-        pool=LOCAL,
+        pool=LOCAL | {"overlap": overlap},
     )
     fault = Fault("s1r0", Point.BACKWARD, 3)
     # The survivor is 3x slower: the wiring gives the victim most of step 2, which it loses.
     servers = Servers(job, [2, 2], [fault], tmp_path, slow=frozenset({"s1r1"}))
     routes = tmp_path / "routes.jsonl"
-    try:
-        state, registry = _train_recording(servers, routes)
-    finally:
-        servers.stop()
-    assert servers.procs["s1r0"].proc.returncode == -signal.SIGKILL
-    record = list(read_routes(routes))
+    state, registry, record = _train_through_a_kill(servers, routes, "s1r0")
     step2 = next(r for r in record if isinstance(r, StepRuns) and r.step == 2)
     lost = sum(4 for run in step2.runs if 1 in run.stages and run.chain[1] == "s1r0")
     assert lost > 0
@@ -116,12 +136,47 @@ def test_a_replica_killed_mid_round_drops_its_round_and_the_rest_stays_exact(
 
 
 @pytest.mark.slow
-def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact(
+def test_eager_a_replica_killed_in_a_rounds_background_sum_leaves_its_share_out_exactly(
     tmp_path: Path,
+) -> None:
+    """pool.overlap = "eager": s1r0 dies while stage 1 sums the shares of round [0, 1] (in the
+    background, as round [2, 3] trains): s1r1 sums again alone, so the average round [2, 3]'s
+    outer step takes holds only its own share (the record says so: `averaged`), s1r0's samples
+    of round [0, 1] are counted as dropped (its outer step was taken, its share is in no
+    average), and the reference replaying the record equals the swarm."""
+    job = write_job(
+        tmp_path,
+        training={"steps": 6, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
+        runtime=RELAY,
+        pool=LOCAL | {"overlap": "eager"},
+    )
+    servers = Servers(job, [2, 2], [Fault("s1r0", Point.AVERAGING, 2)], tmp_path)
+    routes = tmp_path / "routes.jsonl"
+    state, registry, record = _train_through_a_kill(servers, routes, "s1r0")
+    first = [r for r in record if isinstance(r, StepRuns) and r.step < 2]
+    lost = sum(4 for s in first for run in s.runs if 1 in run.stages and run.chain[1] == "s1r0")
+    assert lost > 0
+    assert _count(registry, "swarm_coordinator_round_dropped_samples_total") == lost
+    syncs = {(r.step, r.stage): r for r in record if isinstance(r, Sync)}
+    assert syncs[(1, 1)].group == ("s1r0", "s1r1") and syncs[(1, 1)].averaged is None
+    assert syncs[(3, 1)].group == ("s1r1",) and syncs[(3, 1)].averaged == ("s1r1",)
+    assert syncs[(3, 0)].averaged is None  # stage 0's sum went through
+    assert_states_within(state, _replayed(job, routes), tol=1e-9)
+    plain = [replace(r, averaged=None) if isinstance(r, Sync) else r for r in record]
+    far = max((state[k] - v).abs().max().item() for k, v in _replayed_records(job, plain).items())
+    assert far > 1e-6, far  # the record's `averaged` is what makes the two equal
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", ["none", "eager"])
+def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact(
+    tmp_path: Path, overlap: str
 ) -> None:
     """s0r0 dies at a backward of step 3 and comes back empty: it copies s0r1 while training
     goes on, follows its updates through a round's end, and becomes a member where a round
-    starts; the record says so (a join from s0r1), and the reference replaying it agrees."""
+    starts; the record says so (a join from s0r1), and the reference replaying it agrees. With
+    the eager overlap the copy takes its source's own start, outer momentum, last share and
+    the round's sum (which the coordinator waits for where a copy joins)."""
     # 32 steps: on a busy machine the restarted process is up and copying only several steps
     # after the kill (the coordinator's join retries back off meanwhile); with 16 the job
     # sometimes ended first. Stage 1 is slow for the same reason.
@@ -129,7 +184,7 @@ def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact
         tmp_path,
         training={"steps": 32, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
         runtime={"data_plane": "relay", "max_in_flight": 4},
-        pool=LOCAL,
+        pool=LOCAL | {"overlap": overlap},
     )
     slow = frozenset({"s1r0", "s1r1"})
     servers = Servers(job, [2, 2], [Fault("s0r0", Point.BACKWARD, 3)], tmp_path, slow=slow)
@@ -157,15 +212,19 @@ def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("overlap", "checkpoint_every"), [("none", 0), ("eager", 2)])
 def test_under_a_scheduler_the_record_is_exported_and_swarm_local_replays_it(
-    tmp_path: Path,
+    tmp_path: Path, overlap: str, checkpoint_every: int
 ) -> None:
     """The scheduler's embedded trainer records the routes; `swarm export --routes` fetches them
-    and `swarm local --routes` ends with the exported model's parameters."""
+    and `swarm local --routes` ends with the exported model's parameters. With the eager
+    overlap and a checkpoint at every round's start, each round's sum is waited for there (a
+    checkpoint holds every member's state whole) and the checkpoints are sealed."""
+    training = {"steps": 6, "target_batch_size": 16, "stages": 2}
     job = write_job(
         tmp_path,
-        training={"steps": 6, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
-        pool=LOCAL,
+        training=training | {"checkpoint_every": checkpoint_every},
+        pool=LOCAL | {"overlap": overlap},
     )
     sw, _ = start_local_swarm([1.0, 1.0, 1.0, 1.0], log_dir=tmp_path)
     try:
@@ -179,6 +238,12 @@ def test_under_a_scheduler_the_record_is_exported_and_swarm_local_replays_it(
         sw.stop()
     record = list(read_routes(routes))
     assert [r.step for r in record if isinstance(r, StepRuns)] == list(range(6))
+    if checkpoint_every:  # sealed, with every eager tensor of each stage's state
+        sealed = sorted(p.parent.name for p in (tmp_path / "ckpt").rglob("manifest.json"))
+        assert sealed, "no checkpoint was sealed"
+        newest = load_file(next((tmp_path / "ckpt").rglob(f"{sealed[-1]}/stage-0.safetensors")))
+        assert any(k.startswith("share/") for k in newest), sorted(newest)
+        assert any(k.startswith("average/") for k in newest), sorted(newest)
     swarm("local", str(job), "--routes", str(routes), "--out", str(tmp_path / "ref.pt"))
     reference = torch.load(tmp_path / "ref.pt", weights_only=True)
     assert_states_within(torch.load(model, weights_only=True), reference, tol=1e-9)

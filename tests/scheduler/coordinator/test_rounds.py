@@ -27,25 +27,31 @@ async def made() -> AsyncIterator[list[Harness]]:
         await h.coordinator.close()
 
 
-def _local(tmp_path: Path, steps: int = 4) -> object:
+def _local(tmp_path: Path, steps: int = 4, overlap: str = "none") -> object:
     training = {"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": steps,
                 "checkpoint_every": 0}  # fmt: skip
     runtime = {"lease_timeout_s": LEASE_S, "data_plane": "relay"}
-    return make_job(
-        tmp_path, training=training, runtime=runtime, pool={"mode": "local", "sync_every": 2}
-    )
+    pool = {"mode": "local", "sync_every": 2, "overlap": overlap}
+    return make_job(tmp_path, training=training, runtime=runtime, pool=pool)
+
+
+def _pools(job: object, made: list[Harness]) -> tuple[FakeSwarm, Harness, list[Record], list[str]]:
+    """Stage 0 of a and b, stage 1 of c; the harness records the routes and what it says."""
+    swarm = FakeSwarm(job.fingerprint(), 2)  # type: ignore[attr-defined]
+    swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    records: list[Record] = []
+    said: list[str] = []
+    h = Harness(job, swarm, on_route=records.append, on_status=said.append)  # type: ignore[arg-type]
+    made.append(h)
+    return swarm, h, records, said
 
 
 async def test_local_steps_commit_alone_and_rounds_average_the_pool(
     tmp_path: Path, made: list[Harness]
 ) -> None:
     job = _local(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)  # type: ignore[attr-defined]
-    a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
-    records: list[Record] = []
-    said: list[str] = []
-    h = Harness(job, swarm, on_route=records.append, on_status=said.append)  # type: ignore[arg-type]
-    made.append(h)
+    swarm, h, records, said = _pools(job, made)
+    a, b, c = swarm["a"], swarm["b"], swarm["c"]
     await h.coordinator.start()
     await h.step({0: "a"})  # microbatch 0 at a, 1 at a: b took none in step 0
     assert a.called("prepare") == [Prepared(0, [0, 1], 8, ["fake:a"], 0, "0/0")]
@@ -95,3 +101,102 @@ async def test_a_copy_joins_only_where_a_round_starts(tmp_path: Path, made: list
     await until(lambda: "b" in {r.peer for r in h.coordinator.replicas()[0]})
     joins = [(r.step, r.stage, r.peer, r.source) for r in records if isinstance(r, Join)]
     assert joins[-1] == (2, 0, "b", "a")
+
+
+async def test_eager_rounds_sum_while_the_next_round_trains(
+    tmp_path: Path, made: list[Harness]
+) -> None:
+    """pool.overlap = "eager": a round's end is every member's outer step (EAGER_STEP) and no
+    wait: while the pools' sum of the shares (EAGER_AVERAGE) is held, the next round's steps
+    commit; the round's end after them waits for that sum; the job's last round is waited for
+    (EAGER_LAST's two phases) and ends with the members' mean (EAGER_MEAN)."""
+    job = _local(tmp_path, steps=6, overlap="eager")
+    swarm = FakeSwarm(job.fingerprint(), 2)  # type: ignore[attr-defined]
+    a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    records: list[Record] = []
+    h = Harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
+    made.append(h)
+    held = a.hold("eager_average")
+    await h.coordinator.start()
+    await h.step({0: "a"})
+    await h.step({0: "b"})  # round [0, 1] ends: a took 8 samples, b 8
+    await asyncio.wait_for(held.entered.wait(), 10)
+    eager = [m for _, m in swarm.log if m.startswith("eager")]
+    assert eager == ["eager_step"] * 3 + ["eager_average"] * 3  # every step before any sum
+    assert a.called("eager_step") == [(2, 16, [], "")]
+    assert c.called("eager_step") == [(2, 16, [], "")]
+    # (the sum needs no count of samples: each share is weighed already)
+    assert a.called("eager_average") == [(2, 0, ["fake:a", "fake:b"], "1/eager0")]
+    await h.step()  # step 2 commits while stage 0's sum is held
+    assert a.called("apply")[-1] == 2 and not held.opened.is_set()
+    tasks = await h.lease()  # step 3: its commit ends round [2, 3], which waits for the sum
+    for task in tasks:
+        await h.run(task)
+    await until(lambda: a.called("apply") and a.called("apply")[-1] == 3)
+    await asyncio.sleep(0.2)
+    assert len(a.called("eager_step")) == 1, "the next round's end waits for the last sum"
+    held.open()
+    await asyncio.wait_for(h.steps.get(), 10)
+    assert [x[0] for x in a.called("eager_step")] == [2, 4]
+    await h.step()
+    await h.step()  # the last round: waited for, then the mean
+    for r in (a, b, c):
+        assert [x[0] for x in r.called("eager_last")] == [6]
+        assert r.called("eager_last_apply") == [6]
+        assert [x[0] for x in r.called("eager_mean")] == [6]
+    order = [m for peer, m in swarm.log if peer == "a" and m.startswith("eager")]
+    assert order[-3:] == ["eager_last", "eager_last_apply", "eager_mean"]
+    syncs = [(r.step, r.stage, r.group, r.averaged, r.mean) for r in records if isinstance(r, Sync)]
+    assert syncs == [
+        (1, 0, ("a", "b"), None, None), (1, 1, ("c",), None, None),
+        (3, 0, ("a", "b"), None, None), (3, 1, ("c",), None, None),
+        (5, 0, ("a", "b"), None, None), (5, 1, ("c",), None, None),
+    ]  # fmt: skip
+
+
+async def test_eager_a_member_that_fails_the_background_sum_is_left_out_of_it(
+    tmp_path: Path, made: list[Harness]
+) -> None:
+    """b fails stage 0's sum of round [0, 1]: it is dropped, a sums again alone, b's samples
+    of that round are counted as dropped, and the next round's record says whose shares the
+    average holds."""
+    job = _local(tmp_path, steps=4, overlap="eager")
+    swarm, h, records, said = _pools(job, made)
+    a, b, c = swarm["a"], swarm["b"], swarm["c"]
+    b.fail("eager_average", PeerUnavailable("b died"))
+    await h.coordinator.start()
+    await h.step({0: "b"})
+    await h.step({0: "a"})
+    await until(lambda: len(a.called("eager_average")) == 2)
+    assert a.called("eager_average")[-1] == (2, 0, ["fake:a"], "1/eager1")
+    assert c.called("eager_average") == [
+        (2, 0, ["fake:c"], "1/eager0"),
+        (2, 0, ["fake:c"], "1/eager1"),
+    ]
+    await until(lambda: h.coordinator.metrics.round_dropped._value.get() == 8)
+    assert any("b failed the round's averaging, 8 samples dropped" in x for x in said)
+    await h.step({0: "a"})
+    await h.step({0: "a"})
+    syncs = {(r.step, r.stage): r for r in records if isinstance(r, Sync)}
+    assert syncs[(1, 0)].group == ("a", "b") and syncs[(1, 0)].averaged is None
+    assert syncs[(3, 0)].group == ("a",) and syncs[(3, 0)].averaged == ("a",)
+    assert syncs[(3, 1)].averaged is None
+
+
+async def test_eager_a_coordinator_resuming_mid_job_sums_the_last_round_again(
+    tmp_path: Path, made: list[Harness]
+) -> None:
+    """Its predecessor may have died during the background sum of round [2, 3]'s shares: the
+    members would wait for it forever at the next round's end. The new coordinator sums it
+    again before that round's end."""
+    job = _local(tmp_path, steps=8, overlap="eager")
+    swarm = FakeSwarm(job.fingerprint(), 2)  # type: ignore[attr-defined]
+    a, b, c = swarm.add(0, "a", step=5), swarm.add(0, "b", step=5), swarm.add(1, "c", step=5)
+    h = Harness(job, swarm)
+    made.append(h)
+    await h.coordinator.start()
+    await until(lambda: len(c.called("eager_average")) == 1)
+    assert a.called("eager_average") == [(4, 0, ["fake:a", "fake:b"], "3/eager0")]
+    assert c.called("eager_average") == [(4, 0, ["fake:c"], "3/eager0")]
+    await h.step()  # step 5 ends round [4, 5]: after the sum
+    assert [x[0] for x in b.called("eager_step")] == [6]

@@ -14,8 +14,9 @@ import torch
 from swarm.cli import main
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig
+from swarm.model.data import make_val_data
 from swarm.model.local_steps import eager_gradients, synthetic_routes, train_replicas
-from swarm.model.reference import train_local
+from swarm.model.reference import evaluate, train_local
 from swarm.model.routes import Join, Record, Run, StepRuns, Sync, read_routes, write_record
 from swarm.ops.progress import StepRecord
 from tests.support.equality import assert_states_within
@@ -211,16 +212,14 @@ def test_eager_with_two_replicas_trains_and_differs_from_the_plain_round(tmp_pat
     assert _max_diff(state, _state(train_replicas(plain, replicas=2))) > 1e-6
 
 
-def test_the_swarm_refuses_the_eager_overlap_until_it_runs_it(tmp_path: Path) -> None:
+def test_the_eager_overlap_is_refused_where_it_does_not_apply(tmp_path: Path) -> None:
     from scheduler.coordinator import LocalCoordinator
 
-    eager = _job(tmp_path, pool={"overlap": "eager"})
-    with pytest.raises(ConfigError, match="reference only so far"):
-        LocalCoordinator(eager, "job", lambda: [])
+    LocalCoordinator(_job(tmp_path, pool={"overlap": "eager"}), "job", lambda: [])  # runs it
     with pytest.raises(ConfigError, match='eager needs "local"'):
         make_job(tmp_path, "step", pool={"overlap": "eager"})
-    with pytest.raises(ConfigError, match="eval_every"):
-        train_replicas(_job(tmp_path, "ev", pool={"overlap": "eager"}, training={"eval_every": 2}))
+    with pytest.raises(ConfigError, match=r"training\.eval_every.*share no parameters"):
+        _job(tmp_path, "ev", pool={"overlap": "eager"}, training={"eval_every": 4})
 
 
 # -- delayed_update's eager rule (pool.mode = "step", overlap = "eager") -------------------------
@@ -287,3 +286,21 @@ def test_swarm_local_runs_delayed_eager_as_replicas(tmp_path: Path) -> None:
     assert all(torch.equal(v, state[k]) for k, v in expected.state_dict().items())
     naive = write_job(tmp_path, "naive", training=training)  # one model: no replicas to simulate
     assert main(["local", str(naive), "--replicas", "2"]) == 2
+
+
+def test_a_benchmark_evaluates_the_eager_replicas_mean(tmp_path: Path) -> None:
+    """`eval_every` (the reference's, for bench/time_to_loss.py): with the eager overlap the
+    replicas share no parameters, so the curve is their mean's; the last evaluation is of the
+    trained model (their mean too), and training is the same with or without evaluations."""
+    eager = _job(tmp_path, "eager", pool={"overlap": "eager"}, training={"steps": 8})
+    evals: list[tuple[int, float]] = []
+
+    def on_step(record: StepRecord) -> None:
+        if record.val_loss is not None:
+            evals.append((record.step, record.val_loss))
+
+    model = train_replicas(eager, replicas=2, on_step=on_step, eval_every=4)
+    assert [step for step, _ in evals] == [0, 4, 8]
+    assert evals[0][1] > evals[-1][1]
+    assert_states_within(_state(model), _state(train_replicas(eager, replicas=2)), 0.0)
+    assert evaluate(eager, model, make_val_data(eager), "cpu") == evals[-1][1]
