@@ -200,3 +200,52 @@ async def test_pools_with_feedback_stay_identical_and_carry_each_applied_step(
         await trainer.close()
         await coordinator.close()
     assert [r.step for r in records] == [0, 1, 2, 3]
+
+
+async def test_eager_rounds_carry_what_the_codec_dropped_into_the_next_rounds_sum(
+    tmp_path: Path, make_swarm: list[Swarm]
+) -> None:
+    """pool.overlap = "eager" with int8 averaging: each round's background sum of the shares
+    goes through the codec with error feedback (its residuals held once the sum arrived, keyed
+    by the round's end), the job's last round too; the final mean is lossless, so every
+    replica of a pool ends with the same parameters."""
+    job = make_job(
+        tmp_path,
+        training={"steps": 6, "target_batch_size": 16, "checkpoint_every": 0},
+        compression={"averaging": "int8_blockwise", "block_size": 64},
+        pool={"mode": "local", "sync_every": 2, "overlap": "eager"},
+        runtime={"data_plane": "relay"},
+    )
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    for stage in range(job.training.stages):
+        for _ in range(2):
+            await swarm.add(stage)
+    held: list[tuple[int, list[int | None]]] = []  # (step, each replica's residuals' step)
+
+    def after_step(record: StepRecord) -> None:
+        feedbacks = [s.servicer._feedback for stage in swarm.servers for s in stage]
+        held.append((record.step, [None if f._applied is None else f._applied.step
+                                   for f in feedbacks]))  # fmt: skip
+
+    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    trainer = PipelineTrainer(job, coordinator)
+    try:
+        await coordinator.start()
+        await asyncio.wait_for(asyncio.gather(trainer.run(), coordinator.finished.wait()), 120)
+        assert coordinator.error is None
+    finally:
+        await trainer.close()
+        await coordinator.close()
+    assert [step for step, _ in held] == list(range(6))
+    # The sum of round [0, 1] (ending at 2) has arrived by the end of round [2, 3]; the last
+    # round's (ending at 6) was waited for.
+    assert all(s is not None and s >= 2 for s in dict(held)[3]), held
+    feedbacks = [s.servicer._feedback for stage in swarm.servers for s in stage]
+    assert all(f._applied is not None and f._applied.step == 6 for f in feedbacks)
+    assert any(float(f._applied.residuals.sent.abs().sum()) > 0 for f in feedbacks if f._applied)
+    for stage in swarm.servers:  # the parameters: each replica's inner optimizer is its own
+        first = stage[0].runtime.state_dict()
+        for other in stage[1:]:
+            for name, tensor in other.runtime.state_dict().items():
+                assert torch.equal(tensor, first[name]), name
