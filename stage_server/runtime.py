@@ -392,6 +392,7 @@ class StageRuntime:
     def eager_step(self, boundary: int, total_samples: int) -> bool:
         """The outer step of the round ending at `boundary`, without waiting for its average;
         True when it was applied before."""
+        self._eager_round()
         if self.synced(boundary):
             return True
         rnd = self._local_round(boundary)
@@ -416,6 +417,7 @@ class StageRuntime:
 
     def last_part(self, boundary: int, total_samples: int) -> list[torch.Tensor]:
         """The job's last round: this replica's fresh share, summed by the pool at once."""
+        self._eager_round()
         return self._local_round(boundary).last_part(boundary, total_samples)
 
     def set_last(self, boundary: int, sums: list[torch.Tensor], total_samples: int) -> None:
@@ -423,6 +425,7 @@ class StageRuntime:
 
     def last_step(self, boundary: int) -> bool:
         """The last round's outer step with the pool's whole sum; True when applied before."""
+        self._eager_round()
         if self.synced(boundary):
             return True
         self.snapshots.detach()

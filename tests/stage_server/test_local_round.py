@@ -297,8 +297,14 @@ def test_the_eager_round_travels_with_the_state_and_refuses_what_is_not_due(
                          runtime=RELAY), 0)  # fmt: skip
     with pytest.raises(InvalidArgument):
         plain.check_state_tensor("round/shared", torch.tensor([2]))  # not an eager job's
-    with pytest.raises(FailedPrecondition, match=r'pool\.overlap = "eager"'):
-        plain.eager_part(2)
+    for refused in (
+        lambda: plain.eager_part(2),
+        lambda: plain.eager_step(2, 8),  # a plain local job's round is not eager's
+        lambda: plain.last_part(2, 8),
+        lambda: plain.last_step(2),
+    ):
+        with pytest.raises(FailedPrecondition, match=r'pool\.overlap = "eager"'):
+            refused()
 
 
 def _without_average(rt: StageRuntime) -> dict[str, torch.Tensor]:
