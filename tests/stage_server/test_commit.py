@@ -5,6 +5,7 @@ or not, with the parameters left as they were and the refusal counted."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm.errors import NonFiniteGradient
+from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient, as_tensor
@@ -97,3 +98,28 @@ async def test_apply_refuses_a_non_finite_gradient_it_did_not_see_prepared(
     with pytest.raises(NonFiniteGradient, match="stage 1 step 0"):
         await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=0.5)
     assert rt.step == 0 and _refused(server) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("eager", "phase", "round_end", "refusal"),
+    [
+        (pb.EAGER_STEP, pb.COMMIT_PHASE_APPLY, False, "round_end must be set"),
+        (pb.EAGER_STEP, pb.COMMIT_PHASE_PREPARE, True, "no operation 1 in phase PREPARE"),
+        (pb.EAGER_MEAN, pb.COMMIT_PHASE_BOTH, True, "no operation 4 in phase PREPARE"),
+        (9, pb.COMMIT_PHASE_APPLY, True, "no operation 9"),
+        (pb.EAGER_AVERAGE, pb.COMMIT_PHASE_PREPARE, True, 'pool.overlap = "eager"'),
+    ],
+)
+async def test_an_eager_operation_out_of_place_is_refused(
+    client: StageClient,
+    server: RunningStageServer,
+    eager: int,
+    phase: int,
+    round_end: bool,
+    refusal: str,
+) -> None:
+    """A round's eager operations only as the coordinator sends them (a round's end, each in
+    its phase, on a job with pool.overlap = "eager"); this job averages every step."""
+    with pytest.raises(SwarmError, match=re.escape(refusal)):
+        await client.commit(2, [], 8, phase=phase, round_end=round_end, eager=eager)
+    assert server.runtime.step == 0
