@@ -201,6 +201,9 @@ class PoolRounds:
         # A stage whose round took no sample took no outer step: nothing to sum.
         summing = [rs if totals[k] else [] for k, rs in enumerate(stepped)]
         samples = {key: n for key, n in self._samples.items() if n}
+        failed = {(k, r.peer): samples.get((k, r.peer), 0) for k, rs in enumerate(members)
+                  for r in rs if r not in stepped[k]}  # fmt: skip
+        await self._say(self._count_dropped(step, failed, "failed the round's outer step"))
         self._pending = asyncio.create_task(self._sum_shares(step, summing, samples))
         return syncs
 

@@ -200,3 +200,21 @@ async def test_eager_a_coordinator_resuming_mid_job_sums_the_last_round_again(
     assert c.called("eager_average") == [(4, 0, ["fake:c"], "3/eager0")]
     await h.step()  # step 5 ends round [4, 5]: after the sum
     assert [x[0] for x in b.called("eager_step")] == [6]
+
+
+async def test_eager_a_member_that_fails_its_outer_step_has_its_samples_counted(
+    tmp_path: Path, made: list[Harness]
+) -> None:
+    """b dies at round [0, 1]'s end before its outer step: it is dropped, its share reaches no
+    average, and its samples of the round are counted as dropped (and said)."""
+    job = _local(tmp_path, steps=4, overlap="eager")
+    swarm, h, _records, said = _pools(job, made)
+    a, b = swarm["a"], swarm["b"]
+    b.fail("eager_step", PeerUnavailable("b died"))
+    await h.coordinator.start()
+    await h.step({0: "b"})
+    await h.step({0: "a"})
+    await until(lambda: len(a.called("eager_average")) == 1)
+    assert a.called("eager_average") == [(2, 0, ["fake:a"], "1/eager0")]
+    assert h.coordinator.metrics.round_dropped._value.get() == 8
+    assert any("b failed the round's outer step, 8 samples dropped" in x for x in said), said
