@@ -8,6 +8,8 @@ entry, which makes the old one stale without searching for it (lazy invalidation
 is discarded when it reaches the top, so each push pays for at most one later pop. Banned
 replicas have no live entry at all: they wait in a second heap ordered by ban expiry and are pushed
 back when the clock passes it, one pop and one push per ban, charged to the failure that caused it.
+A replica left idle gets one entry in a third heap, the time it is due for a probe (below), one
+push and one pop charged to the finish that left it idle.
 A pool with 9,000 of 10,000 replicas banned therefore costs a choice no more than a pool of 1,000
 (but for the log factor). When stale entries outnumber live ones the heap is rebuilt (O(n) after
 at least n pushes, so O(1) amortised), which bounds memory. Ties are drawn uniformly from the
@@ -47,6 +49,11 @@ class WiringConfig:
     """Each further consecutive failure multiplies the ban by this (>= 1)."""
     ban_max_s: float = 60.0
     """Cap on one ban, seconds (>= ban_base_s)."""
+    probe_after: float = 30.0
+    """A measured replica left idle this many times its own expected task time is tried once
+    more (> 0): its figures may be stale. One slow measurement (a busy machine, a cold start)
+    would otherwise keep it idle for good, since only its own tasks can correct it; a replica
+    that really is slow then spends at most about 1/probe_after of its time on probes."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.throughput_ema_alpha <= 1.0:
@@ -59,6 +66,8 @@ class WiringConfig:
             raise ConfigError(f"ban_factor={self.ban_factor}: use a factor >= 1")
         if not (math.isfinite(self.ban_max_s) and self.ban_max_s >= self.ban_base_s):
             raise ConfigError(f"ban_max_s={self.ban_max_s}: use seconds >= ban_base_s")
+        if not (math.isfinite(self.probe_after) and self.probe_after > 0.0):
+            raise ConfigError(f"probe_after={self.probe_after}: use a positive factor")
 
 
 @dataclass(slots=True)
@@ -71,7 +80,8 @@ class _Replica:
     failures: int = 0  # consecutive failures; a success resets it
     banned_until: float = -math.inf
     ban_seq: int = 0  # identifies the live entry in the ban heap
-    entry_key: float | None = None  # while new (never started) behind others: 0, ahead of all
+    entry_key: float | None = None  # while new (never started) or probed: 0, ahead of all
+    probe_seq: int = 0  # identifies the live entry in the probe heap
     seq: int = 0  # identifies the live entry in the choice heap
     in_heap: bool = False  # whether a live entry exists in the choice heap
 
@@ -109,6 +119,7 @@ class StagePool:
         self._replicas: dict[str, _Replica] = {}
         self._heap: list[_Entry] = []
         self._bans: list[tuple[float, int, str]] = []  # (banned_until, ban_seq, peer)
+        self._probes: list[tuple[float, int, str]] = []  # (due, probe_seq, peer): idle replicas
         self._live = 0  # live entries in self._heap == eligible replicas
         self._seq = 0
         self.heap_operations = 0
@@ -195,6 +206,10 @@ class StagePool:
             raise NoReplicaError(
                 f"no eligible replica among {len(self._replicas)}: all banned, draining or gone"
             )
+        if self._probes and self._probes[0][0] <= self._clock.now():
+            self._expire_probes()
+            top = self._top()
+            assert top is not None  # a probe only moves an eligible replica ahead
         return self._pick_tied(top)
 
     def started(self, peer: str, samples: float) -> None:
@@ -205,6 +220,7 @@ class StagePool:
             return
         replica.own += samples
         replica.entry_key = None  # tried: from now on its own figures speak for it
+        replica.probe_seq = self._next_seq()  # busy: no probe is due
         self._refresh(replica, peer)
 
     def finished(self, peer: str, samples: float, seconds: float) -> None:
@@ -228,6 +244,11 @@ class StagePool:
                 # The announced figure leaves out the network; the first measurement is better.
                 replica.throughput = rate
                 replica.measured = True
+        if replica.own == 0.0 and replica.measured:  # idle: due for a probe if left so
+            due = self._clock.now() + self._config.probe_after * self._natural_key(replica)
+            replica.probe_seq = self._next_seq()
+            heapq.heappush(self._probes, (due, replica.probe_seq, peer))
+            self.heap_operations += 1
         self._refresh(replica, peer)
 
     def busy(self, peer: str, samples: float) -> None:
@@ -395,6 +416,18 @@ class StagePool:
             replica = self._replicas.get(peer)
             if replica is not None and replica.ban_seq == ban_seq:
                 replica.banned_until = -math.inf
+                self._refresh(replica, peer)
+
+    def _expire_probes(self) -> None:
+        """Every replica left idle past its probe time goes ahead of the others (key 0) until it
+        is tried, as a new one does; one busy, banned or draining meanwhile needs none."""
+        probes, now = self._probes, self._clock.now()
+        while probes and probes[0][0] <= now:
+            _, probe_seq, peer = heapq.heappop(probes)
+            self.heap_operations += 1
+            replica = self._replicas.get(peer)
+            if replica is not None and replica.probe_seq == probe_seq and replica.own == 0.0:
+                replica.entry_key = 0.0
                 self._refresh(replica, peer)
 
     def _rebuild(self) -> None:

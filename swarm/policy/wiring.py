@@ -8,8 +8,10 @@ injected `random.Random`, so tests and the simulator are reproducible.
 
 The rule (docs/architecture.md, "Policies"): send the task to the replica with the smallest expected
 finish time `(queued + task) / throughput`, ties broken at random, banned and draining replicas
-excluded. Each stage's replicas and the choice among them are a `StagePool`
-(`swarm.policy.stage_pool`, with the cost of a choice); `Wiring` holds one per stage of a job."""
+excluded; a replica not tried yet, or left idle `probe_after` times its expected task time, is
+tried next (only its own tasks can correct its figures). Each stage's replicas and the choice
+among them are a `StagePool` (`swarm.policy.stage_pool`, with the cost of a choice); `Wiring`
+holds one per stage of a job."""
 
 from __future__ import annotations
 

@@ -361,7 +361,10 @@ def test_a_llama_recipe_with_evaluations_stays_exact_through_a_kill(
         optimizer={"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3},
         runtime={"data_plane": data_plane},
     )
-    servers = Servers(job, [2, 2, 2, 2], [Fault("s2r0", Point.FORWARD, 3)], tmp_path)
+    # s2r1 is 3x slower, so the wiring sends s2r0 the first forward of every step at stage 2
+    # (with equal speeds one slow measurement of s2r0 could leave it idle through step 3).
+    fault = [Fault("s2r0", Point.FORWARD, 3)]
+    servers = Servers(job, [2, 2, 2, 2], fault, tmp_path, slow=frozenset({"s2r1"}))
     victim, records = servers.procs["s2r0"], list[StepRecord]()
     try:
         state, registry = _train(servers, records.append)

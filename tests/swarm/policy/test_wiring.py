@@ -107,6 +107,35 @@ def test_a_new_replica_is_tried_even_once_the_others_are_idle_again() -> None:
     assert pool.choose(1.0) == "new"
 
 
+def test_a_replica_measured_slow_once_is_tried_again_once_idle_long_enough() -> None:
+    """One slow measurement (a busy 2-core machine, a cold start) must not keep a replica idle
+    for good: only its own tasks can correct it. Left idle `probe_after` times its expected
+    task time, it is tried once more; a replica that really is slow spends about 1/probe_after
+    of its time on such tries. (A stage-2 replica measured 0.05 s for one microbatch beside one
+    at 0.004 s got no work for the rest of a job: tests/system/test_faults.py's Llama kill.)"""
+    pool, clock = make_pool(probe_after=10.0)
+    for peer in ("a", "b"):
+        pool.add(peer, 1.0)
+    pool.started("a", 1.0)
+    pool.finished("a", 1.0, 1.0 / 40.0)  # expected 1 / 40 = 0.025 s a task: due at 0.25 s idle
+    pool.started("b", 1.0)
+    pool.finished("b", 1.0, 1.0 / 450.0)
+    picks = []
+    for _ in range(24):  # b finishes each task long before a would
+        peer = pool.choose(1.0)
+        picks.append(peer)
+        pool.started(peer, 1.0)
+        clock.t += 0.01
+        pool.finished(peer, 1.0, 1.0 / 450.0)
+    assert set(picks) == {"b"} and clock.t < 0.25
+    clock.t = 0.25
+    assert pool.choose(1.0) == "a"  # its probe
+    pool.started("a", 1.0)
+    pool.finished("a", 1.0, 1.0 / 450.0)  # as fast as b after all: its figures catch up
+    assert pool.throughput("a") > 40.0
+    assert pool.choose(1.0) == "b"  # tried once: back to its own (still slower) figures
+
+
 def test_draining_replicas_get_no_work() -> None:
     pool, _ = make_pool()
     pool.add("a", 100.0)
