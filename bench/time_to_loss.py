@@ -11,7 +11,9 @@ with the steps measured with the links off and the step time over shaped links.
         [--agree 0.05] [--max-windows 6] [--steps-only] [--json]
 
 Rows (`--modes`): `sync` (per-step synchronous averaging, the default pool), `delayed`
-(`training.delayed_update`: each step's averaging overlaps the next step), `local<H>`
+(`training.delayed_update`: each step's averaging overlaps the next step), `delayede` (the same
+with `[pool] overlap = "eager"`: its eager rule, each replica's own fresh gradient share applied
+at once and the others' one step late), `local<H>`
 (`[pool] mode = "local"`, `sync_every = H`, outer lr and momentum from `--outer`), `local<H>e`
 (the same with `overlap = "eager"`: a round's sum runs while the next round trains), each also
 with `+int8` (`[compression] averaging = --compression`, `int8_blockwise` by default: the
@@ -115,7 +117,12 @@ class Mode:
     rule: str  # "sync", "delayed" or "local"
     h: int  # steps per round (1 unless local)
     compressed: bool  # averaging through --compression
-    eager: bool = False  # local<H>e: pool.overlap = "eager" (a round's sum overlaps the next)
+    eager: bool = False  # local<H>e, delayede: pool.overlap = "eager" (a sum overlaps the next)
+
+    @property
+    def replicas(self) -> bool:
+        """Whether the reference trains it as replicas (`train_replicas`): they differ."""
+        return self.rule == "local" or self.eager
 
     @property
     def base(self) -> str:
@@ -132,10 +139,10 @@ def short_codec(codec: str) -> str:
 
 
 def parse_mode(text: str, codec: str) -> Mode:
-    match = re.fullmatch(r"(sync|delayed|local(\d+)(e?))(?:\+(\w+))?", text.strip())
-    if match is None:
+    match = re.fullmatch(r"(sync|delayed|local(\d+))(e?)(?:\+(\w+))?", text.strip())
+    if match is None or (match.group(1) == "sync" and match.group(3)):
         raise ValueError(
-            f"mode {text!r}: use sync, delayed, local<H> or local<H>e, optionally +int8"
+            f"mode {text!r}: use sync, delayed, delayede, local<H> or local<H>e, optionally +int8"
         )
     rule = "local" if match.group(2) else match.group(1)
     h = int(match.group(2)) if match.group(2) else 1
@@ -212,6 +219,11 @@ outer_momentum = {outer[1]}
 """
         if mode.eager:
             text += f"""overlap = "eager"
+# bench: the reference evaluates the replicas' mean every {cadence} steps
+"""
+    elif mode.eager:  # delayede: delayed_update's eager rule
+        text += f"""[pool]
+overlap = "eager"
 # bench: the reference evaluates the replicas' mean every {cadence} steps
 """
     if mode.compressed:
@@ -297,7 +309,7 @@ def curves(args: argparse.Namespace, modes: list[Mode]) -> dict[str, dict[str, A
         )
         with ProcessPoolExecutor(max_workers=args.workers) as pool:
             futures = {
-                pool.submit(train_curve, texts[n], bases[n].rule == "local", args.eval_every): n
+                pool.submit(train_curve, texts[n], bases[n].replicas, args.eval_every): n
                 for n in todo
             }
             for fut in as_completed(futures):

@@ -29,7 +29,6 @@ from swarm.job.config import (
     FILE_DATA,
     check_spec_size,
     parse_job,
-    refuse_unbuilt,
     verify_data,
     verify_init,
 )
@@ -238,7 +237,6 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     f"base_dir must be an absolute directory, got {request.base_dir!r}"
                 )
             job = parse_job(request.spec, base_dir, name="job", check_data=False)  # bounds, size
-            refuse_unbuilt(job)
             spec = request.spec
             if job.data.kind in FILE_DATA:
                 assert job.data.path is not None  # required for file data
@@ -400,7 +398,8 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             except FileNotFoundError:
                 raise FailedPrecondition(
                     f'job {request.job!r} has no route record: only jobs with pool.mode = "local" '
-                    "keep one, from their first step"
+                    '(or delayed_update with pool.overlap = "eager") keep one, from their first '
+                    "step"
                 ) from None
             with f:
                 while data := await asyncio.to_thread(f.read, self.chunk_bytes):

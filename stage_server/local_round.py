@@ -19,17 +19,23 @@ differ by their shares) and travel with its state too (`share/`, `average/`, and
 each is of). The job's last round is waited for (`last_part`, `last_step`: the whole average
 instead of the own share) and the trained model is the members' mean (`mean_part`,
 `set_mean`).
+
+delayed_update's eager rule (`pool.mode = "step"`, `overlap = "eager"`, `step_eager`) is a round
+of one step whose outer step is the job's optimizer (`inner`) on the parameters themselves: a
+step's APPLY only keeps the replica's gradient sums (`stash`); its share is those sums over the
+pool's samples of the step at this stage, and there is no start or outer optimizer of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 
 import torch
 
 from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
+from swarm.job.pool_rules import step_eager
 from swarm.model.local_steps import build_outer_optimizer, eager_gradient
 
 __all__ = ["AVERAGED", "SHARED", "SYNCED", "Eager", "LocalRound"]
@@ -50,14 +56,25 @@ class Eager(IntEnum):
     MEAN = 4
 
 
+# step_eager's outer step: the job's optimizer on `params` with this gradient, at this step
+Inner = Callable[[list[torch.Tensor], int], None]
+
+
 class LocalRound:
-    def __init__(self, job: JobConfig, params: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, job: JobConfig, params: Sequence[torch.Tensor], inner: Inner | None = None
+    ) -> None:
         self.params = list(params)
         pool = job.pool
+        # step_eager: a round of one step on the parameters themselves (`inner`), its share the
+        # step's gradient sums (`grads`, kept by `stash`) over the pool's samples
+        self.gradients = step_eager(job)
+        self.inner = inner
+        self.grads: list[torch.Tensor] | None = None
         # The round's start: leaves of their own (an optimizer needs leaves), never views of
-        # the parameters.
-        self.start = [p.detach().clone() for p in params]
-        self.outer = build_outer_optimizer(self.start, pool)  # the reference's own
+        # the parameters. step_eager has none (but the last step's, for the members' mean).
+        self.start = [] if self.gradients else [p.detach().clone() for p in params]
+        self.outer = build_outer_optimizer(self.start, pool) if self.start else None
         self.samples = 0  # this replica's samples in the round so far (its weight)
         self.synced = -1  # the boundary whose outer step was applied last
         # (boundary, the pool's averaged pseudo-gradient, its samples) between prepare and apply
@@ -69,7 +86,8 @@ class LocalRound:
         self.shared = -1
         self.average: list[torch.Tensor] | None = None
         self.averaged = -1
-        self._last: tuple[int, list[torch.Tensor]] | None = None  # the last round's whole sum
+        # the last round's (boundary, the pool's whole sum of fresh shares, its samples)
+        self._last: tuple[int, list[torch.Tensor], int] | None = None
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """This replica's part of the round's average: (start - parameters) x its samples."""
@@ -102,12 +120,8 @@ class LocalRound:
         if total_samples > 0:
             for s, g in zip(self.start, sums, strict=True):
                 s.grad = g.div_(total_samples)  # the pool's own copy: divided in place
-            self.outer.step()
-            self.outer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, s in zip(self.params, self.start, strict=True):
-                p.copy_(s)
-        self.samples, self.synced, self._prepared = 0, boundary, None
+            self._outer_step(None, boundary)
+        self._restart(boundary)
 
     # -- pool.overlap = "eager" -----------------------------------------------------------------
     @property
@@ -115,9 +129,21 @@ class LocalRound:
         """Whether the pool's sum of this replica's last share has not arrived yet."""
         return self.shared > self.averaged
 
+    def stash(self, grad_sums: list[torch.Tensor], samples: int) -> None:
+        """step_eager: a step's APPLY keeps this replica's gradient sums of the step (its
+        `samples`) for the step's end, which applies them (`eager_step`)."""
+        self.grads = grad_sums if samples > 0 else None
+        self.samples += samples
+
     def fresh_share(self, total_samples: int) -> list[torch.Tensor]:
         """This replica's share of the round's pseudo-gradient: (start - parameters) x its
-        samples / the round's `total_samples` (the reference's expression, bit for bit)."""
+        samples / the round's `total_samples` (the reference's expression, bit for bit);
+        step_eager: its gradient sums of the step / the step's `total_samples` (zeros if none)."""
+        if self.gradients:
+            with torch.no_grad():
+                if self.grads is None:
+                    return [torch.zeros_like(p) for p in self.params]
+                return [s / total_samples for s in self.grads]
         ratio = self.samples / total_samples
         with torch.no_grad():
             return [(s - p.detach()) * ratio for s, p in zip(self.start, self.params, strict=True)]
@@ -139,7 +165,7 @@ class LocalRound:
         """The outer step with the fresh share `fresh` (a copy takes its source's: its own
         samples in the round may be fewer, counted only since it copied)."""
         if fresh is not None:
-            self._outer_step(eager_gradient(self.average, fresh, self.share))
+            self._outer_step(eager_gradient(self.average, fresh, self.share), boundary)
             self.share, self.shared = fresh, boundary
         self._restart(boundary)
 
@@ -169,23 +195,25 @@ class LocalRound:
         return self.fresh_share(total_samples)
 
     def set_last(self, boundary: int, sums: list[torch.Tensor], total_samples: int) -> None:
-        self._last = (boundary, sums) if total_samples > 0 else None
-        self._prepared = (boundary, [], total_samples)
+        self._last = (boundary, sums, total_samples)
 
     def last_step(self, boundary: int) -> bool:
         """The last round's outer step with the pool's whole sum of fresh shares; True when it
         was applied before."""
         if self.synced >= boundary:
             return True
-        if self._prepared is None or self._prepared[0] != boundary:
+        if self._last is None or self._last[0] != boundary:
             raise FailedPrecondition(f"the round ending at step {boundary} was not prepared")
-        if self._last is not None and self._last[0] == boundary:
-            whole, fresh = self._last[1], self.fresh_share(self._prepared[2])
-            self._outer_step(eager_gradient(self.average, whole, self.share))
+        _, whole, total = self._last
+        if total > 0:
+            fresh = self.fresh_share(total)
+            self._outer_step(eager_gradient(self.average, whole, self.share), boundary)
             self.share, self.shared = fresh, boundary
             self.average, self.averaged = whole, boundary
         self._last = None
         self._restart(boundary)
+        if self.gradients:  # what the members' mean sums (a retry of it, too)
+            self.start = [p.detach().clone() for p in self.params]
         return False
 
     def set_mean(self, sums: list[torch.Tensor], members: int) -> None:
@@ -196,31 +224,41 @@ class LocalRound:
             for p, total in zip(self.params, sums, strict=True):
                 p.copy_(total.div_(members))
 
-    def _outer_step(self, grad: list[torch.Tensor]) -> None:
-        for s, g in zip(self.start, grad, strict=True):
-            s.grad = g
+    def _outer_step(self, grad: list[torch.Tensor] | None, boundary: int) -> None:
+        """The outer step with `grad` (None: the start's `.grad` is set already); step_eager:
+        the job's optimizer at the step the round ends after."""
+        if self.gradients:
+            assert self.inner is not None and grad is not None
+            self.inner(grad, boundary - 1)
+            return
+        assert self.outer is not None
+        if grad is not None:
+            for s, g in zip(self.start, grad, strict=True):
+                s.grad = g
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
 
     def _restart(self, boundary: int) -> None:
-        with torch.no_grad():
-            for p, s in zip(self.params, self.start, strict=True):
-                p.copy_(s)
-        self.samples, self.synced, self._prepared = 0, boundary, None
+        """Every parameter from the (new) start; the next round begins."""
+        if not self.gradients:
+            with torch.no_grad():
+                for p, s in zip(self.params, self.start, strict=True):
+                    p.copy_(s)
+        self.samples, self.synced, self._prepared, self.grads = 0, boundary, None, None
 
     # -- state ----------------------------------------------------------------------------------
     def export(self, names: list[str]) -> dict[str, torch.Tensor]:
         """`round/<name>` (the start) and `outer/<name>` (the momentum, once there is one)."""
-        state = {
-            f"round/{n}": s.detach().cpu().clone() for n, s in zip(names, self.start, strict=True)
-        }
+        state = {}
+        if self.outer is not None:  # not step_eager's
+            for n, s in zip(names, self.start, strict=True):
+                state[f"round/{n}"] = s.detach().cpu().clone()
+                buf = self.outer.state.get(s, {}).get("momentum_buffer")
+                if buf is not None:
+                    state[f"outer/{n}"] = buf.detach().cpu().clone()
         # The last round's end applied here: a state taken between a round's last local step
         # and its end is not yet the round's start.
         state[SYNCED] = torch.tensor([self.synced], dtype=torch.int64)
-        for n, s in zip(names, self.start, strict=True):
-            buf = self.outer.state.get(s, {}).get("momentum_buffer")
-            if buf is not None:
-                state[f"outer/{n}"] = buf.detach().cpu().clone()
         if self.eager:
             state[SHARED] = torch.tensor([self.shared], dtype=torch.int64)
             state[AVERAGED] = torch.tensor([self.averaged], dtype=torch.int64)
@@ -232,17 +270,20 @@ class LocalRound:
     def load(self, names: list[str], state: dict[str, torch.Tensor], step: int) -> None:
         """From a state `export` wrote at `step` (a state without `round/`, a checkpoint's or
         the initial one: a round starts here)."""
-        with torch.no_grad():
-            for n, s, p in zip(names, self.start, self.params, strict=True):
-                s.copy_(state.get(f"round/{n}", p.detach()))
-        self.outer.state.clear()
-        for n, s in zip(names, self.start, strict=True):
-            buf = state.get(f"outer/{n}")
-            if buf is not None:
-                self.outer.state[s] = {"momentum_buffer": buf.to(s.device, s.dtype).clone()}
+        if self.outer is not None:  # not step_eager's
+            with torch.no_grad():
+                for n, s, p in zip(names, self.start, self.params, strict=True):
+                    s.copy_(state.get(f"round/{n}", p.detach()))
+            self.outer.state.clear()
+            for n, s in zip(names, self.start, strict=True):
+                buf = state.get(f"outer/{n}")
+                if buf is not None:
+                    self.outer.state[s] = {"momentum_buffer": buf.to(s.device, s.dtype).clone()}
+        elif self.start:  # step_eager after the last step: a state from elsewhere now
+            self.start = []
         synced = state.get(SYNCED)
         self.synced = int(synced.item()) if synced is not None else step
-        self.samples, self._prepared, self._last = 0, None, None
+        self.samples, self._prepared, self._last, self.grads = 0, None, None, None
         if self.eager:
             self.share, self.shared = self._loaded(names, state, "share", SHARED)
             self.average, self.averaged = self._loaded(names, state, "average", AVERAGED)
@@ -257,5 +298,5 @@ class LocalRound:
             if at is not None and int(at.item()) >= 0:
                 raise InvalidArgument(f"a state of round {int(at.item())} without all {prefix}/")
             return None, -1
-        return [t.to(s.device, s.dtype).clone() for t, s in zip(found, self.start, strict=True)
+        return [t.to(p.device, p.dtype).clone() for t, p in zip(found, self.params, strict=True)
                 if t is not None], int(at.item())  # fmt: skip

@@ -27,6 +27,7 @@ from stage_server.tensor_checks import TensorChecks
 from stage_server.update_log import UpdateLog
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
+from swarm.job.pool_rules import delays, has_rounds
 from swarm.model import stage_state
 from swarm.model.optim import build_optimizer, computes_on, grad_sq_norm, is_boundary, update
 from swarm.model.transformer import (
@@ -76,7 +77,7 @@ class StageRuntime:
         self.params = list(self.module.parameters())
         self.optimizer = build_optimizer(self.params, job.optimizer)
         self.step = 0  # steps committed so far; the step being accumulated
-        self.delayed = job.training.delayed_update
+        self.delayed = delays(job)
         self._sums: dict[int, _Sums] = {}  # step -> its sums: `step`, and `step + 1` if delayed
         # delayed_update: updates applied -> a copy of the module then, for `step - 1` (what
         # step `step` computes on) and `step` (what step `step + 1` computes on)
@@ -98,7 +99,8 @@ class StageRuntime:
         self.following = False
         # pool.mode = "local": the round's start, the outer optimizer and this replica's samples
         # in the round (`stage_server.local_round`); None: every step is averaged
-        self.round = LocalRound(job, self.params) if job.pool.mode == "local" else None
+        # (or delayed_update's eager rule: rounds of one step, `swarm.job.pool_rules.step_eager`)
+        self.round = LocalRound(job, self.params, self._inner) if has_rounds(job) else None
 
     # -- validation -----------------------------------------------------------------------------
     def _check_step(self, step: int, next_ok: bool = False) -> None:
@@ -479,7 +481,9 @@ class StageRuntime:
         self.updates.record(self.step, grad_sums, total_samples, scale)
         self.snapshots.detach()  # the state changes in place
         self._sums.pop(self.step, None)  # this step's own sums: not needed once prepared
-        if total_samples > 0:  # a local step without samples (pool.mode = "local") moves nothing
+        if self.round is not None and self.round.gradients:  # step_eager: the step's end
+            self.round.stash(grad_sums, total_samples)  # applies them (`eager_step`)
+        elif total_samples > 0:  # a local step without samples (pool.mode = "local") moves nothing
             for p, g in zip(self.params, grad_sums, strict=True):
                 # In place: the prepared sums are this step's alone (a retried APPLY of an
                 # applied step changes nothing), so the mean takes no memory of its own.
@@ -500,6 +504,13 @@ class StageRuntime:
             for version in unused[1:]:
                 del self._versions[version]
             self._versions[self.step] = self._copy(spare)
+
+    def _inner(self, grad: list[torch.Tensor], step: int) -> None:
+        """delayed_update's eager rule (`step_eager`): step `step`'s update with `grad` (the
+        last step's average plus this replica's fresh share minus its last share)."""
+        for p, g in zip(self.params, grad, strict=True):
+            p.grad = g
+        update(self.optimizer, self.job, step)
 
     # -- state transfer -------------------------------------------------------------------------
     # What a request or a state to load may hold (`stage_server.tensor_checks`).
@@ -612,11 +623,12 @@ class StageRuntime:
             return True
         if round_end and eager == Eager.STEP:
             if not self.synced(step):
+                rnd = self._eager_round()
+                self._local_round(step)  # refused before anything is recorded or detached
                 fresh = [g.to(self.device) for g in grad_sums]
                 self.updates.record(step, fresh, total_samples, round_end=True, eager=Eager.STEP)
                 self.snapshots.detach()
-                self._local_round(step)
-                self._eager_round().followed_step(step, fresh)
+                rnd.followed_step(step, fresh)
             return True
         if round_end:  # pool.mode = "local": the round's end before step `step`
             if not self.synced(step):

@@ -13,6 +13,7 @@ import torch
 from client.data_plane.hops import StageHops
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
+from swarm.job.pool_rules import has_rounds
 from swarm.model.data import DataSource
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
@@ -73,9 +74,9 @@ class PushPlane:
         loss = result.loss_sum if last in holders else None
         samples = int(ids.shape[0])
         chain = (peer or "", *result.path)
-        if self.job.pool.mode != "local" or len(chain) != last + 1 or not all(chain):
+        if not has_rounds(self.job) or len(chain) != last + 1 or not all(chain):
             # pool.mode = "local" needs the whole path: without it, nothing of the run counts
-            holders = {} if self.job.pool.mode == "local" else holders
+            holders = {} if has_rounds(self.job) else holders
             return MicrobatchResult(step, index, holders, loss, samples)
         # Each stage ran the microbatch's Forward and its Backward itself: `back` is empty.
         return MicrobatchResult(step, index, holders, loss, samples, chain)

@@ -47,7 +47,8 @@ from scheduler.coordinator.shares import Shares
 from scheduler.coordinator.step_records import StepRecords
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import SwarmError
-from swarm.job.config import JobConfig, refuse_unbuilt
+from swarm.job.config import JobConfig
+from swarm.job.pool_rules import delays, has_rounds
 from swarm.model.routes import Record
 from swarm.ops.progress import StepRecord
 from swarm.policy.backoff import Backoff
@@ -116,7 +117,6 @@ class LocalCoordinator:
         `on_route(record)`: pool.mode = "local"'s route record (`swarm.model.routes`).
         `checkpoint_every_s`: checkpoint at least this often besides every `checkpoint_every`
         steps (with `checkpoint_dir`)."""
-        refuse_unbuilt(job)
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
         self.on_step, self.on_rollback, self.on_status = on_step, on_rollback, on_status
@@ -126,7 +126,7 @@ class LocalCoordinator:
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         self._records = StepRecords(self.metrics, job.model.seq_len)
         self._live: list[_Live] = []  # oldest first: at most two, with delayed_update
-        self.delayed = job.training.delayed_update
+        self.delayed = delays(job)
         self.clients = ReplicaClients(
             connect or grpc_replicas(job, job_id, token), grace_s=job.runtime.commit_timeout_s
         )
@@ -144,7 +144,7 @@ class LocalCoordinator:
         )
         self.rounds = (
             PoolRounds(job, self.clients, self.membership, self.metrics, on_route, on_status)
-            if job.pool.mode == "local"
+            if has_rounds(job)
             else None
         )
         self.two_phase = TwoPhaseCommit(
@@ -384,7 +384,7 @@ class LocalCoordinator:
             size = self.job.training.microbatch_size
             # pool.mode = "local": a late receipt names no run for the route record; the
             # microbatch is replayed, and the commit voids the replica that holds it
-            local = self.job.pool.mode == "local"
+            local = has_rounds(self.job)
             for (stage, r), info in zip(pairs, infos, strict=True):
                 if local:
                     break
@@ -558,11 +558,11 @@ class LocalCoordinator:
         await self.membership.sync(step)
         # pool.overlap = "eager": a checkpoint, and a copy about to join, need every member's
         # state whole: the round's sum is waited for here (else it overlaps the next round)
-        rounds = self.rounds
-        needs_whole = self.recovery.due(step) or self.membership.copying()
+        rounds, due = self.rounds, self.recovery.due(step)
+        needs_whole = due or self.membership.copying()
         if rounds is not None and rounds.pending and rounds.starts_round(step) and needs_whole:
             await rounds.drain()
-        if self.recovery.due(step):
+        if due:
             self.recovery.checkpoint(step, self.replicas())
         if live in self._live and len(self._live) > 1:
             # delayed_update: the next step's commit waits for this one; before it starts (it

@@ -41,6 +41,7 @@ from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import ReplicaClients, StageReplica
 from swarm.errors import Aborted
 from swarm.job.config import JobConfig
+from swarm.job.pool_rules import round_steps
 from swarm.model.optim import is_boundary
 from swarm.model.routes import Join, Record, StepRuns, Sync
 from swarm.policy.backoff import Backoff
@@ -91,7 +92,7 @@ class PoolRounds:
         sum of the last round's shares arrived: it is summed again (the same shares, so the
         same sum where it had)."""
         self.restarted()
-        every = self.job.pool.sync_every
+        every = round_steps(self.job)
         last = step - step % every  # the last round's end at or before `step`
         if self.eager and last > 0 and all(members):
             copied = [list(replicas) for replicas in members]
@@ -181,11 +182,7 @@ class PoolRounds:
         await self.drain()
         if step + 1 >= self.job.training.steps:
             return await self._end_last(step)
-        boundary, wait = step + 1, Backoff(first_s=0.1, cap_s=2.0)
-        members = self.membership.replicas()
-        while any(not replicas for replicas in members):
-            await wait.sleep()  # the coordinator rolls back once the stage is back
-            members = self.membership.replicas()
+        boundary, members = step + 1, await self._every_stage_served()
         totals = [sum(self._samples[(k, r.peer)] for r in rs) for k, rs in enumerate(members)]
         stepped = await self._apply(
             step,
@@ -297,13 +294,11 @@ class PoolRounds:
         failures, wait = 0, Backoff(first_s=0.1, cap_s=2.0)
         bound = self.job.runtime.max_commit_rounds
         while True:
-            current = self.membership.replicas()
-            if members is not None:  # those of `members` still members
-                peers = {r.peer for replicas in current for r in replicas}
+            if members is None:
+                current = await self._every_stage_served()
+            else:  # those of `members` still members
+                peers = {r.peer for replicas in self.membership.replicas() for r in replicas}
                 current = [[r for r in replicas if r.peer in peers] for replicas in members]
-            if any(not replicas for replicas in current) and members is None:
-                await wait.sleep()  # the coordinator rolls back once the stage is back
-                continue
             reason = await self._prepare(current, f"{step}/{what}{failures}", call)
             if reason is None:
                 return current
@@ -315,6 +310,16 @@ class PoolRounds:
                     f"(runtime.max_commit_rounds = {bound}); the last: {reason}"
                 )
             await wait.sleep()
+
+    async def _every_stage_served(self) -> list[list[Replica]]:
+        """The members, once every stage has one (while one has none, the coordinator rolls
+        back once it is back, cancelling this)."""
+        wait = Backoff(first_s=0.1, cap_s=2.0)
+        members = self.membership.replicas()
+        while not all(members):
+            await wait.sleep()
+            members = self.membership.replicas()
+        return members
 
     async def _prepare(
         self, members: list[list[Replica]], round_id: str, call: _Call

@@ -56,7 +56,6 @@ __all__ = [
     "init_sha256",
     "load_job",
     "parse_job",
-    "refuse_unbuilt",
     "token_width",
     "verify_data",
     "verify_init",
@@ -99,18 +98,6 @@ def verify_data(job: JobConfig) -> JobConfig:
             )
         pinned[key] = digest
     return replace(job, data=replace(job.data, **pinned))
-
-
-def refuse_unbuilt(job: JobConfig) -> None:
-    """Refuse, with the reason, a job only `swarm local` runs so far: the swarm (a scheduler, a
-    trainer) calls this before it trains."""
-    if job.pool.overlap == "eager" and job.pool.mode == "step":
-        raise ConfigError(
-            'pool.overlap = "eager" with pool.mode = "step" (delayed_update\'s eager rule) runs '
-            "in the reference only so far (swarm local --replicas R, to measure its loss price): "
-            'the swarm runs eager with pool.mode = "local"; use "none" here (docs/jobs.md, '
-            '"Pool modes")'
-        )
 
 
 def check_spec_size(text: str, source: str = "the job file") -> None:

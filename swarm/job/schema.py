@@ -261,8 +261,8 @@ class PoolConfig(Section):
     outer_momentum: float = _f(0.9, UNIT)  #: its Nesterov momentum (fraction)
     #: "eager": a round's averaging runs while the next round trains, each replica applying its
     #: own fresh share at once and the others' one round late (with mode = "local", or with
-    #: mode = "step" and training.delayed_update: a round of one step, in `swarm local` only so
-    #: far: the swarm refuses that one, `refuse_unbuilt`)
+    #: mode = "step" and training.delayed_update: a round of one step, the job's optimizer for
+    #: the outer one, `swarm.job.pool_rules.step_eager`)
     overlap: Literal["none", "eager"] = "none"
 
     def _validate(self) -> None:
@@ -363,6 +363,12 @@ class JobConfig:
         elif self.pool.overlap == "eager" and self.training.grad_clip > 0:
             allowed = '0 with pool.overlap = "eager" (replicas of a stage hold different gradients)'
             raise not_allowed("training.grad_clip", self.training.grad_clip, allowed)
+        if self.pool.overlap == "eager" and self.training.eval_every:
+            allowed = (
+                '0 with pool.overlap = "eager": the replicas share no parameters between rounds '
+                "to evaluate (the final model, their mean, is what to evaluate)"
+            )
+            raise not_allowed("training.eval_every", self.training.eval_every, allowed)
 
     def _check_local(self) -> None:
         """What local steps cannot do (yet), said when the job is read."""
@@ -380,12 +386,6 @@ class JobConfig:
             if value % every:
                 allowed = f'a multiple of pool.sync_every = {every} with pool.mode = "local"'
                 raise not_allowed(f"training.{key}", value, allowed)
-        if self.pool.overlap == "eager" and training.eval_every:
-            allowed = (
-                '0 with pool.overlap = "eager": the replicas share no parameters between rounds '
-                "to evaluate (the final model, their mean, is what to evaluate)"
-            )
-            raise not_allowed("training.eval_every", training.eval_every, allowed)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every key (paths as strings, tuples as lists)."""

@@ -16,7 +16,7 @@ modes"), so every rule here is one the stage servers implement the same way:
   the samples each counted in the round (`pseudo_gradient`), takes the outer step on the start
   parameters, and every member continues from them; a replica left out of the group is gone.
 
-With `pool.overlap = "eager"` (the reference only, so far: the swarm refuses it) a round's
+With `pool.overlap = "eager"` a round's
 average is not waited for: each member takes its outer step at once with its own fresh share and
 the others' shares one round late (`eager_gradients`: the previous round's average plus its own
 share minus its own previous share; the Eager Updates rule, arXiv 2502.12996), on a start and
@@ -29,7 +29,8 @@ replica applies its optimizer at once to the previous step's average plus its ow
 (its gradient sum / the step's samples at its stage) minus its own previous share, instead of
 the whole average one step late on parameters one step old; its optimizer state is its own, so
 the replicas drift apart by their shares; the last step is completed and the model is their
-mean. No route record of the swarm holds it yet: the reference runs it on synthetic routes.
+mean. It is the eager overlap with rounds of one step (`step_eager`: a record's Sync after every
+step), the job's optimizer for the outer one and the step's gradient for the pseudo-gradient.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from torch import nn
 
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, PoolConfig
+from swarm.job.pool_rules import has_rounds, round_steps
 from swarm.model.data import DataSource, make_data, make_val_data
 from swarm.model.optim import build_optimizer, update
 from swarm.model.reference import evaluate
@@ -178,7 +180,7 @@ def synthetic_routes(job: JobConfig, replicas: int, steps: int | None = None) ->
         held = [_spread(job.training.seed, t, k, m, replicas) for k in range(n_stages)]
         chains = [tuple(names[held[k][i]] for k in range(n_stages)) for i in range(m)]
         yield StepRuns(t, tuple(Run(i, everywhere, chains[i]) for i in range(m)))
-        if job.pool.mode == "local" and ((t + 1) % job.pool.sync_every == 0 or t == total - 1):
+        if has_rounds(job) and ((t + 1) % round_steps(job) == 0 or t == total - 1):
             for k in range(n_stages):
                 yield Sync(t, k, names)
 
@@ -214,10 +216,11 @@ def _holds(replica: _Replica, params: Sequence[torch.Tensor]) -> bool:
 
 @dataclass
 class _Own:
-    """pool.overlap = "eager": a member's own round start, outer optimizer and last share."""
+    """pool.overlap = "eager": a member's own round start, outer optimizer and last share
+    (delayed_update's eager rule: its parameters, and no outer optimizer: its inner one's)."""
 
     start: list[torch.Tensor]
-    outer: torch.optim.Optimizer
+    outer: torch.optim.Optimizer | None
     share: list[torch.Tensor] | None = None
 
 
@@ -234,7 +237,6 @@ class _Pool:
     own: dict[str, _Own] = field(default_factory=dict)
     average: list[torch.Tensor] | None = None
     last_shares: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # eager, by member
-    shares: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # delayed eager's last
     ended: int = -1  # the step the last round ended after
 
 
@@ -319,11 +321,7 @@ class _Replay:
                 f"the route record holds the runs of {self.done} steps; the job trains {total}"
             )
         for k, pool in enumerate(self.pools):  # the round that always ends after the last step
-            if self.delayed_eager:  # the trained model: the replicas' mean
-                with torch.no_grad():
-                    for j, p in enumerate(pool.start):
-                        p.copy_(torch.stack([r.params[j] for r in pool.replicas.values()]).mean(0))
-            elif self.eager:
+            if self.eager or self.delayed_eager:
                 if pool.ended != total - 1:
                     self._sync(Sync(total - 1, k, tuple(pool.replicas)))
             elif any(not _holds(r, pool.start) for r in pool.replicas.values()):
@@ -371,7 +369,9 @@ class _Replay:
         if record.source is None:  # the job's initial parameters, no optimizer state yet
             module = copy.deepcopy(pool.initial)
             pool.replicas[record.peer] = _Replica(module, self._inner(module))
-            if self.eager:
+            if self.delayed_eager:
+                pool.own[record.peer] = _Own(list(module.parameters()), None)
+            elif self.eager:
                 start = [p.detach().clone() for p in module.parameters()]
                 pool.own[record.peer] = _Own(start, build_outer_optimizer(start, self.job.pool))
             return
@@ -380,12 +380,15 @@ class _Replay:
         optimizer = self._inner(module)
         optimizer.load_state_dict(copy.deepcopy(source.optimizer.state_dict()))
         pool.replicas[record.peer] = _Replica(module, optimizer)
-        if self.eager:  # its own start, outer momentum and last share: the source's
-            own = pool.own[record.source]
+        if self.eager or self.delayed_eager:  # its own start, outer momentum and last share
+            own = pool.own[record.source]  # the source's
+            share = None if own.share is None else [t.clone() for t in own.share]
+            if own.outer is None:  # delayed_update's: its parameters and inner optimizer
+                pool.own[record.peer] = _Own(list(module.parameters()), None, share)
+                return
             start = [s.detach().clone() for s in own.start]
             outer = build_outer_optimizer(start, self.job.pool)
             outer.load_state_dict(copy.deepcopy(own.outer.state_dict()))
-            share = None if own.share is None else [t.clone() for t in own.share]
             pool.own[record.peer] = _Own(start, outer, share)
 
     def _inner(self, module: StageModule) -> torch.optim.Optimizer:
@@ -408,8 +411,10 @@ class _Replay:
             if counted is not None:
                 loss_total += counted[0]
                 loss_samples += counted[1]
-        if self.delayed_eager:
-            self._eager_update(t)
+        if self.delayed_eager:  # applied at the step's end (`_eager_sync`)
+            for replica in touched.values():
+                replica.round_samples += replica.step_samples
+                replica.step_samples = 0
         else:
             self._local_update(t, touched.values())
         self.done = t + 1
@@ -439,33 +444,6 @@ class _Replay:
             update(replica.optimizer, self.job, t)
             replica.sums, replica.step_samples = None, 0
             replica.round_samples += n
-
-    def _eager_update(self, t: int) -> None:
-        """delayed_update's eager rule after step `t`, stage by stage (`eager_gradients` with a
-        round of one step): every replica applies its optimizer to the last step's average plus
-        its own fresh share minus its own previous share (the last step: the whole average)."""
-        last = t == self.total - 1
-        for pool in self.pools:
-            members = list(pool.replicas.items())
-            total = sum(r.step_samples for _, r in members)
-            if total == 0:
-                continue
-            with torch.no_grad():
-                shares = [
-                    [s / total for s in r.sums]
-                    if r.sums is not None
-                    else [torch.zeros_like(p) for p in r.params]
-                    for _, r in members
-                ]
-            before = [pool.shares.get(peer) for peer, _ in members]
-            grads = eager_gradients(pool.average, shares, before, complete=last)
-            for (peer, replica), share, g in zip(members, shares, grads, strict=True):
-                for p, gj in zip(replica.params, g, strict=True):
-                    p.grad = gj
-                update(replica.optimizer, self.job, t)
-                pool.shares[peer] = share
-                replica.sums, replica.step_samples = None, 0
-            pool.average = ordered_sum(shares)
 
     def _run(self, t: int, run: Run, touched: dict[int, _Replica]) -> tuple[float, int] | None:
         """One run of step `t`: forward through its chain, back through the same replicas with
@@ -533,11 +511,6 @@ class _Replay:
 
     def _sync(self, record: Sync) -> None:
         self._expect(record, self.done - 1, f"after step {record.step}'s runs")
-        if self.delayed_eager:
-            raise ConfigError(
-                f"route record, step {record.step}: a round's end, but the job averages every "
-                'step (pool.mode = "step")'
-            )
         pool = self._pool(record.step, record.stage)
         if len(set(record.group)) != len(record.group):
             raise ConfigError(
@@ -545,7 +518,7 @@ class _Replay:
                 f"replica twice: {list(record.group)}"
             )
         members = [self._replica(record.step, record.stage, p) for p in record.group]
-        if self.eager:
+        if self.eager or self.delayed_eager:
             self._eager_sync(record, pool, members)
             return
         averaged = pseudo_gradient(pool.start, [(m.params, m.round_samples) for m in members])
@@ -579,28 +552,19 @@ class _Replay:
             parts = [pool.last_shares[p] for p in record.averaged]
             pool.average = ordered_sum(parts) if parts else None
         if total:
-            with torch.no_grad():
-                shares = [
-                    [
-                        (s - p) * (m.round_samples / total)
-                        for s, p in zip(o.start, m.params, strict=True)
-                    ]
-                    for o, m in zip(owns, members, strict=True)
-                ]
+            shares = [self._share(o, m, total) for o, m in zip(owns, members, strict=True)]
             grads = eager_gradients(pool.average, shares, [o.share for o in owns], complete=last)
-            for own, share, g in zip(owns, shares, grads, strict=True):
-                for s, gj in zip(own.start, g, strict=True):
-                    s.grad = gj
-                own.outer.step()
-                own.outer.zero_grad(set_to_none=True)
+            for own, member, share, g in zip(owns, members, shares, grads, strict=True):
+                self._eager_step(own, member, g, record.step)
                 own.share = share
             pool.average = ordered_sum(shares)
             pool.last_shares = dict(zip(record.group, shares, strict=True))
         with torch.no_grad():
             for own, member in zip(owns, members, strict=True):
-                for p, s in zip(member.params, own.start, strict=True):
-                    p.copy_(s)
-                member.round_samples = 0
+                if own.outer is not None:  # not delayed_update's: from its own start
+                    for p, s in zip(member.params, own.start, strict=True):
+                        p.copy_(s)
+                member.round_samples, member.sums = 0, None
             if last:  # the trained model: the members' mean (they differ by their shares)
                 meaned = record.group if record.mean is None else record.mean
                 if not set(meaned) <= set(record.group) or not meaned:
@@ -614,3 +578,28 @@ class _Replay:
         pool.replicas = {p: pool.replicas[p] for p in record.group}
         pool.own = {p: pool.own[p] for p in record.group}
         pool.ended = record.step
+
+    @staticmethod
+    def _share(own: _Own, member: _Replica, total: int) -> list[torch.Tensor]:
+        """A member's fresh share of its round: (start - parameters) x its samples / `total`;
+        delayed_update's: its gradient sums of the step / `total` (zeros when it took none)."""
+        with torch.no_grad():
+            if own.outer is None:
+                if member.sums is None:
+                    return [torch.zeros_like(p) for p in member.params]
+                return [s / total for s in member.sums]
+            ratio = member.round_samples / total
+            return [(s - p) * ratio for s, p in zip(own.start, member.params, strict=True)]
+
+    def _eager_step(self, own: _Own, member: _Replica, grad: list[torch.Tensor], t: int) -> None:
+        """A member's outer step with its eager gradient `grad` after step `t`: on its own start
+        with its outer optimizer; delayed_update's: the job's optimizer on its parameters."""
+        if own.outer is None:
+            for p, g in zip(member.params, grad, strict=True):
+                p.grad = g
+            update(member.optimizer, self.job, t)
+            return
+        for s, g in zip(own.start, grad, strict=True):
+            s.grad = g
+        own.outer.step()
+        own.outer.zero_grad(set_to_none=True)

@@ -16,6 +16,7 @@ from swarm.errors import ConfigError, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
 from swarm.model.data import make_data
 from swarm.model.local_steps import ordered_sum, train_replicas
+from swarm.model.reference import train_local
 from swarm.model.routes import Join, Record, Run, StepRuns, Sync
 from swarm.proto import stage_pb2 as pb
 from tests.support.equality import assert_states_within
@@ -259,6 +260,53 @@ def test_an_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(tmp_pat
     plain = make_job(tmp_path, "plain", training={"stages": 1, "steps": 5, "target_batch_size": 16,
                      "checkpoint_every": 0}, pool=LOCAL, runtime=RELAY)  # fmt: skip
     other = train_replicas(plain, routes=record).state_dict()  # type: ignore[arg-type]
+    assert max((a.state_dict()[k] - v).abs().max().item() for k, v in other.items()) > 1e-6
+
+
+def test_delayed_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(
+    tmp_path: Path,
+) -> None:
+    """delayed_update's eager rule (rounds of one step): each step's APPLY only keeps the
+    replica's sums; its end applies the job's optimizer to the last step's average plus the
+    replica's fresh share minus its last share, before this step's sum arrives. The reference
+    replaying the routes ends with the same bits, and differs from the naive delayed rule. A
+    copy of a taken between a step's APPLY and its end follows it to the same bits."""
+    table = {"stages": 1, "steps": 4, "target_batch_size": 16, "checkpoint_every": 0}
+    table |= {"delayed_update": True}
+    job = make_job(tmp_path, "de", training=table, pool={"overlap": "eager"}, runtime=RELAY)
+    a, b, copy = StageRuntime(job, 0), StageRuntime(job, 0), StageRuntime(job, 0)
+    assert not a.delayed and a.round is not None and a.round.gradients
+    held = {0: ([0, 1, 2], [3]), 1: ([0], [1, 2, 3]), 2: ([0, 1, 2, 3], []), 3: ([3], [0, 1, 2])}
+    record: list[Record] = [Join(0, 0, "a", None), Join(0, 0, "b", None)]
+    for step, (mine, theirs) in held.items():
+        _train(a, job, step, mine)
+        _train(b, job, step, theirs)
+        if step == 2:  # between a's APPLY (its sums kept) and the step's end
+            a.updates.follow("b", a.step)
+            copy.load_copy(a.step, a.export_state(), began=0)
+            assert copy.copy_step == 2
+        runs = [Run(i, (0,), ("a",)) for i in mine] + [Run(i, (0,), ("b",)) for i in theirs]
+        record.append(StepRuns(step, tuple(sorted(runs, key=lambda r: r.index))))
+        record.append(Sync(step, 0, ("a", "b")))
+        if step == 3:
+            _eager_last([a, b], 4)
+            continue
+        total = _total([a, b])
+        for rt in (a, b):
+            assert rt.eager_step(step + 1, total) is False
+        summed = ordered_sum([a.eager_part(step + 1), b.eager_part(step + 1)])
+        for rt in (a, b):
+            rt.set_average(step + 1, [t.clone() for t in summed])
+        if step == 2:
+            _follow(copy, a)
+            assert copy.copy_step == 3
+            for name, t in a.export_state().items():
+                assert torch.equal(t, copy.export_state()[name]), name
+    expected = train_replicas(job, routes=record).state_dict()  # type: ignore[arg-type]
+    assert_states_within(a.state_dict(), expected, tol=0.0)
+    assert_states_within(b.state_dict(), expected, tol=0.0)
+    naive = make_job(tmp_path, "naive", training=table, runtime=RELAY)
+    other = train_local(naive).state_dict()
     assert max((a.state_dict()[k] - v).abs().max().item() for k, v in other.items()) > 1e-6
 
 

@@ -28,6 +28,13 @@ from tests.system.test_faults import Servers, _count
 
 LOCAL = {"mode": "local", "sync_every": 2}
 RELAY = {"data_plane": "relay", "max_in_flight": 4}
+# The rules whose replicas differ: (the [pool] table, the [training] keys it needs). "delayed":
+# delayed_update's eager rule, rounds of one step (`swarm.job.pool_rules.step_eager`).
+RULES: dict[str, tuple[dict[str, object], dict[str, object]]] = {
+    "none": (LOCAL | {"overlap": "none"}, {}),
+    "eager": (LOCAL | {"overlap": "eager"}, {}),
+    "delayed": ({"overlap": "eager"}, {"delayed_update": True}),
+}
 
 
 def _train_recording(
@@ -66,18 +73,18 @@ def _replayed_records(job: Path, records: list[Record]) -> dict[str, torch.Tenso
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", ["none", "eager"])
+@pytest.mark.parametrize("rule", ["none", "eager", "delayed"])
 def test_local_steps_on_two_replicas_per_stage_equal_the_reference_replaying_their_routes(
-    tmp_path: Path, overlap: str
+    tmp_path: Path, rule: str
 ) -> None:
     """2 stages of 2 replicas, rounds of 2 steps over 5 steps (the last round is one step), on
     the relay plane (the push plane: the tests below): the swarm's parameters equal the
     reference replaying the record, and differ from per-step averaging (the replicas did train
-    apart). With the eager overlap each round's sum runs while the next round trains."""
+    apart). With the eager overlap each round's sum runs while the next round trains; with
+    delayed_update's eager rule a round is one step, its optimizer the job's."""
+    pool, training = RULES[rule]
     job_training = {"steps": 5, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0}
-    job = write_job(
-        tmp_path, training=job_training, runtime=RELAY, pool=LOCAL | {"overlap": overlap}
-    )
+    job = write_job(tmp_path, training=job_training | training, runtime=RELAY, pool=pool)
     servers = Servers(job, [2, 2], [], tmp_path)
     routes = tmp_path / "routes.jsonl"
     records: list[StepRecord] = []
@@ -89,7 +96,8 @@ def test_local_steps_on_two_replicas_per_stage_equal_the_reference_replaying_the
     joins = [r for r in record if isinstance(r, Join)]
     assert {(j.stage, j.peer) for j in joins} == {(k, f"s{k}r{r}") for k in (0, 1) for r in (0, 1)}
     syncs = [r for r in record if isinstance(r, Sync)]
-    assert [(s.step, s.stage) for s in syncs] == [(1, 0), (1, 1), (3, 0), (3, 1), (4, 0), (4, 1)]
+    ends = range(5) if rule == "delayed" else (1, 3, 4)
+    assert [(s.step, s.stage) for s in syncs] == [(t, k) for t in ends for k in (0, 1)]
     steps = [r for r in record if isinstance(r, StepRuns)]
     assert [s.step for s in steps] == list(range(5))
     held = {run.chain[k] for s in steps for run in s.runs for k in run.stages}
@@ -99,27 +107,35 @@ def test_local_steps_on_two_replicas_per_stage_equal_the_reference_replaying_the
     far = max((state[k] - v).abs().max().item() for k, v in per_step.items())
     assert far > 1e-6, far
     assert [r.step for r in records] == list(range(5))
-    if overlap == "eager":  # the other rule, on the same routes, ends elsewhere
+    if rule == "eager":  # the other rule, on the same routes, ends elsewhere
         other = write_job(tmp_path, "plain", training=job_training, runtime=RELAY, pool=LOCAL)
         plain = _replayed(other, routes)
         far = max((state[k] - v).abs().max().item() for k, v in plain.items())
         assert far > 1e-6, far
+    if rule == "delayed":  # and delayed_update's naive rule ends elsewhere
+        naive = local_state(write_job(tmp_path, "naive", training=job_training | training))
+        far = max((state[k] - v).abs().max().item() for k, v in naive.items())
+        assert far > 1e-6, far
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", ["none", "eager"])
+@pytest.mark.parametrize("rule", ["none", "eager", "delayed"])
 def test_a_replica_killed_mid_round_drops_its_round_and_the_rest_stays_exact(
-    tmp_path: Path, overlap: str
+    tmp_path: Path, rule: str
 ) -> None:
     """s1r0 dies at a backward of step 3, the second step of the round [2, 3]: its step-3
     gradients are replayed on s1r1, its step-2 local update (applied, not averaged yet) is
     dropped with its samples (counted), and the reference replaying the record agrees. With
-    the eager overlap the sum of round [0, 1] is under way meanwhile (it holds s1r0's share)."""
+    the eager overlap the sum of round [0, 1] is under way meanwhile (it holds s1r0's share).
+    With delayed_update's eager rule (rounds of one step) nothing of step 3 was applied: it is
+    all replayed, and only a share of step 2 that the dead replica had not summed yet is lost."""
+    pool, training = RULES[rule]
     job = write_job(
         tmp_path,
-        training={"steps": 6, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
+        training={"steps": 6, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0}
+        | training,
         runtime={"data_plane": "push", "max_in_flight": 4},
-        pool=LOCAL | {"overlap": overlap},
+        pool=pool,
     )
     fault = Fault("s1r0", Point.BACKWARD, 3)
     # The survivor is 3x slower: the wiring gives the victim most of step 2, which it loses.
@@ -129,6 +145,9 @@ def test_a_replica_killed_mid_round_drops_its_round_and_the_rest_stays_exact(
     step2 = next(r for r in record if isinstance(r, StepRuns) and r.step == 2)
     lost = sum(4 for run in step2.runs if 1 in run.stages and run.chain[1] == "s1r0")
     assert lost > 0
+    syncs = {(r.step, r.stage): r for r in record if isinstance(r, Sync)}
+    if rule == "delayed" and syncs[(3, 1)].averaged is None:
+        lost = 0  # step 2's sum was done before the kill: nothing applied is lost
     assert _count(registry, "swarm_coordinator_round_dropped_samples_total") == lost
     after = [r for r in record if isinstance(r, Sync) and r.stage == 1 and r.step >= 3]
     assert after and all(s.group == ("s1r1",) for s in after)
@@ -136,31 +155,36 @@ def test_a_replica_killed_mid_round_drops_its_round_and_the_rest_stays_exact(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rule", ["eager", "delayed"])
 def test_eager_a_replica_killed_in_a_rounds_background_sum_leaves_its_share_out_exactly(
-    tmp_path: Path,
+    tmp_path: Path, rule: str
 ) -> None:
     """pool.overlap = "eager": s1r0 dies while stage 1 sums the shares of round [0, 1] (in the
     background, as round [2, 3] trains): s1r1 sums again alone, so the average round [2, 3]'s
     outer step takes holds only its own share (the record says so: `averaged`), s1r0's samples
     of round [0, 1] are counted as dropped (its outer step was taken, its share is in no
-    average), and the reference replaying the record equals the swarm."""
+    average), and the reference replaying the record equals the swarm. delayed_update's eager
+    rule likewise with rounds of one step: the sum of step 1's shares, as step 2 trains."""
+    pool, training = RULES[rule]
     job = write_job(
         tmp_path,
-        training={"steps": 6, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
+        training={"steps": 6, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0}
+        | training,
         runtime=RELAY,
-        pool=LOCAL | {"overlap": "eager"},
+        pool=pool,
     )
     servers = Servers(job, [2, 2], [Fault("s1r0", Point.AVERAGING, 2)], tmp_path)
     routes = tmp_path / "routes.jsonl"
     state, registry, record = _train_through_a_kill(servers, routes, "s1r0")
-    first = [r for r in record if isinstance(r, StepRuns) and r.step < 2]
+    summed, after = (1, 2) if rule == "delayed" else (0, 3)  # the lost sum's round, the next end
+    first = [r for r in record if isinstance(r, StepRuns) and summed <= r.step < 2]
     lost = sum(4 for s in first for run in s.runs if 1 in run.stages and run.chain[1] == "s1r0")
     assert lost > 0
     assert _count(registry, "swarm_coordinator_round_dropped_samples_total") == lost
     syncs = {(r.step, r.stage): r for r in record if isinstance(r, Sync)}
     assert syncs[(1, 1)].group == ("s1r0", "s1r1") and syncs[(1, 1)].averaged is None
-    assert syncs[(3, 1)].group == ("s1r1",) and syncs[(3, 1)].averaged == ("s1r1",)
-    assert syncs[(3, 0)].averaged is None  # stage 0's sum went through
+    assert syncs[(after, 1)].group == ("s1r1",) and syncs[(after, 1)].averaged == ("s1r1",)
+    assert syncs[(after, 0)].averaged is None  # stage 0's sum went through
     assert_states_within(state, _replayed(job, routes), tol=1e-9)
     plain = [replace(r, averaged=None) if isinstance(r, Sync) else r for r in record]
     far = max((state[k] - v).abs().max().item() for k, v in _replayed_records(job, plain).items())
@@ -168,9 +192,9 @@ def test_eager_a_replica_killed_in_a_rounds_background_sum_leaves_its_share_out_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", ["none", "eager"])
+@pytest.mark.parametrize("rule", ["none", "eager", "delayed"])
 def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact(
-    tmp_path: Path, overlap: str
+    tmp_path: Path, rule: str
 ) -> None:
     """s0r0 dies at a backward of step 3 and comes back empty: it copies s0r1 while training
     goes on, follows its updates through a round's end, and becomes a member where a round
@@ -180,11 +204,13 @@ def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact
     # 32 steps: on a busy machine the restarted process is up and copying only several steps
     # after the kill (the coordinator's join retries back off meanwhile); with 16 the job
     # sometimes ended first. Stage 1 is slow for the same reason.
+    pool, training = RULES[rule]
     job = write_job(
         tmp_path,
-        training={"steps": 32, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0},
+        training={"steps": 32, "target_batch_size": 16, "stages": 2, "checkpoint_every": 0}
+        | training,
         runtime={"data_plane": "relay", "max_in_flight": 4},
-        pool=LOCAL | {"overlap": overlap},
+        pool=pool,
     )
     slow = frozenset({"s1r0", "s1r1"})
     servers = Servers(job, [2, 2], [Fault("s0r0", Point.BACKWARD, 3)], tmp_path, slow=slow)
@@ -204,7 +230,7 @@ def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact
     record = list(read_routes(routes))
     rejoined = [r for r in record if isinstance(r, Join) and r.step > 0]
     assert [(j.stage, j.peer, j.source) for j in rejoined] == [(0, "s0r0", "s0r1")]
-    assert rejoined[0].step % 2 == 0, "a replica joins where a round starts"
+    assert rejoined[0].step % (1 if rule == "delayed" else 2) == 0, "joins where a round starts"
     held = {run.chain[0] for s in record if isinstance(s, StepRuns) and s.step >= rejoined[0].step
             for run in s.runs}  # fmt: skip
     assert "s0r0" in held, "the copy trained after it joined"
@@ -212,19 +238,20 @@ def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("overlap", "checkpoint_every"), [("none", 0), ("eager", 2)])
+@pytest.mark.parametrize(("rule", "checkpoint_every"), [("none", 0), ("eager", 2), ("delayed", 3)])
 def test_under_a_scheduler_the_record_is_exported_and_swarm_local_replays_it(
-    tmp_path: Path, overlap: str, checkpoint_every: int
+    tmp_path: Path, rule: str, checkpoint_every: int
 ) -> None:
     """The scheduler's embedded trainer records the routes; `swarm export --routes` fetches them
     and `swarm local --routes` ends with the exported model's parameters. With the eager
     overlap and a checkpoint at every round's start, each round's sum is waited for there (a
     checkpoint holds every member's state whole) and the checkpoints are sealed."""
+    pool, extra = RULES[rule]
     training = {"steps": 6, "target_batch_size": 16, "stages": 2}
     job = write_job(
         tmp_path,
-        training=training | {"checkpoint_every": checkpoint_every},
-        pool=LOCAL | {"overlap": overlap},
+        training=training | extra | {"checkpoint_every": checkpoint_every},
+        pool=pool,
     )
     sw, _ = start_local_swarm([1.0, 1.0, 1.0, 1.0], log_dir=tmp_path)
     try:

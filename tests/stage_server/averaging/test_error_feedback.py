@@ -202,18 +202,22 @@ async def test_pools_with_feedback_stay_identical_and_carry_each_applied_step(
     assert [r.step for r in records] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("delayed", [False, True])
 async def test_eager_rounds_carry_what_the_codec_dropped_into_the_next_rounds_sum(
-    tmp_path: Path, make_swarm: list[Swarm]
+    tmp_path: Path, make_swarm: list[Swarm], delayed: bool
 ) -> None:
     """pool.overlap = "eager" with int8 averaging: each round's background sum of the shares
     goes through the codec with error feedback (its residuals held once the sum arrived, keyed
     by the round's end), the job's last round too; the final mean is lossless, so every
-    replica of a pool ends with the same parameters."""
+    replica of a pool ends with the same parameters. `delayed`: delayed_update's eager rule,
+    rounds of one step."""
+    local = {"mode": "local", "sync_every": 2}
     job = make_job(
         tmp_path,
-        training={"steps": 6, "target_batch_size": 16, "checkpoint_every": 0},
+        training={"steps": 6, "target_batch_size": 16, "checkpoint_every": 0}
+        | ({"delayed_update": True} if delayed else {}),
         compression={"averaging": "int8_blockwise", "block_size": 64},
-        pool={"mode": "local", "sync_every": 2, "overlap": "eager"},
+        pool=({} if delayed else local) | {"overlap": "eager"},
         runtime={"data_plane": "relay"},
     )
     swarm = Swarm(job)

@@ -241,9 +241,9 @@ def test_delayed_eager_with_one_replica_is_synchronous_training(tmp_path: Path) 
     state = _state(train_replicas(eager, replicas=1, on_step=got.append))
     assert_states_within(state, _state(train_local(sync)), 1e-12)
     assert [r.step for r in got] == list(range(6))
-    assert list(synthetic_routes(eager, 2)) and not any(
-        isinstance(r, Sync) for r in synthetic_routes(eager, 2)
-    )  # every step is averaged: no rounds
+    syncs = [(r.step, r.stage) for r in synthetic_routes(eager, 2) if isinstance(r, Sync)]
+    stages = eager.training.stages
+    assert syncs == [(t, k) for t in range(6) for k in range(stages)]  # a round of one step
 
 
 def test_delayed_eager_with_two_replicas_trains_apart_from_both_other_rules(
@@ -259,11 +259,19 @@ def test_delayed_eager_with_two_replicas_trains_apart_from_both_other_rules(
     assert eager.fingerprint() != naive.fingerprint()  # another rule: another job
 
 
-def test_delayed_eager_is_refused_where_it_does_not_apply(tmp_path: Path) -> None:
+def test_delayed_eager_runs_on_the_swarm_but_not_with_clipping_or_evaluations(
+    tmp_path: Path,
+) -> None:
     from scheduler.coordinator import LocalCoordinator
 
-    with pytest.raises(ConfigError, match="reference only so far"):
-        LocalCoordinator(_delayed(tmp_path, "eager", True), "job", lambda: [])
+    LocalCoordinator(_delayed(tmp_path, "eager", True), "job", lambda: [])  # runs it
+    with pytest.raises(ConfigError, match=r"training\.eval_every.*share no parameters"):
+        make_job(
+            tmp_path,
+            "ev",
+            pool={"overlap": "eager"},
+            training={"delayed_update": True, "eval_every": 2},
+        )
     with pytest.raises(ConfigError, match="grad_clip"):
         make_job(
             tmp_path,
@@ -271,9 +279,6 @@ def test_delayed_eager_is_refused_where_it_does_not_apply(tmp_path: Path) -> Non
             pool={"overlap": "eager"},
             training={"delayed_update": True, "grad_clip": 1.0},
         )
-    with pytest.raises(ConfigError, match="a round's end, but the job averages every step"):
-        job = _delayed(tmp_path, "eager", True, steps=1)
-        train_replicas(job, routes=[*synthetic_routes(job, 1), Sync(0, 0, ("r0",))])
 
 
 def test_swarm_local_runs_delayed_eager_as_replicas(tmp_path: Path) -> None:
