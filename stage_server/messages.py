@@ -234,6 +234,8 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
         next_receipts=sorted(rt.receipts(rt.step + 1)),
         applied_step=rt.applied[0],
         applied_scale=rt.applied[1],
+        round_synced=rt.round.synced if rt.round is not None else -1,
+        round_samples=rt.round.samples if rt.round is not None else 0,
     )
 
 

@@ -171,6 +171,7 @@ class LocalCoordinator:
         step = await self._reconcile()
         if self.rounds is not None:
             self.rounds.started(step, self.replicas())
+            await self.rounds.resumed(step)
         self._open(step)
         return step
 

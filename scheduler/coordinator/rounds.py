@@ -103,6 +103,35 @@ class PoolRounds:
             for r in replicas:
                 self.on_record(Join(step, stage, r.peer, None))
 
+    async def resumed(self, step: int) -> None:
+        """After `started`: the round's samples so far are the members' own counts (a
+        predecessor's died with it). A round that ends at `step` and that no member applied
+        (the predecessor died between the round's last step and its end) is ended now; one that
+        some applied, the rest apply (each holds its sum: APPLY follows every PREPARE). An
+        eager round left so is not (yet): its background sum fails and the stage rolls back."""
+        members = self.membership.replicas()
+        where = [(k, r) for k, replicas in enumerate(members) for r in replicas]
+        infos = await asyncio.gather(
+            *(self.clients.get(k, r).info() for k, r in where), return_exceptions=True
+        )
+        synced = []
+        for (k, r), info in zip(where, infos, strict=True):
+            if isinstance(info, BaseException):
+                continue  # gone or unreachable: the first commit deals with it
+            self._samples[(k, r.peer)] = info.round_samples
+            synced.append(info.round_synced)
+        if self.eager or not is_boundary(self.job, step) or min(synced, default=step) >= step:
+            return
+        if max(synced) < step:
+            log.warning("the round ending at step %d was not ended: ending it now", step)
+            await self.end(step - 1)
+            return
+        log.warning("the round ending at step %d was half applied: applying the rest", step)
+        await self._apply(step - 1, members, lambda c, k: c.apply_round(step), drop=False)
+        for k, replicas in enumerate(members):
+            self.on_record(Sync(step - 1, k, _peers(replicas)))
+        self._samples.clear()
+
     def restarted(self) -> None:
         """Every member holds the same state anew (a start, a rollback): no round is half done."""
         self._samples.clear()

@@ -297,7 +297,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfoResponse(_message.Message):
-    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches", "receipts", "applied_step", "applied_scale", "next_receipts")
+    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches", "receipts", "applied_step", "applied_scale", "next_receipts", "round_synced", "round_samples")
     PEER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +311,8 @@ class StageInfoResponse(_message.Message):
     APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SCALE_FIELD_NUMBER: _ClassVar[int]
     NEXT_RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SYNCED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     peer: str
     job: str
     stage: int
@@ -324,7 +326,9 @@ class StageInfoResponse(_message.Message):
     applied_step: int
     applied_scale: float
     next_receipts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ..., applied_step: _Optional[int] = ..., applied_scale: _Optional[float] = ..., next_receipts: _Optional[_Iterable[int]] = ...) -> None: ...
+    round_synced: int
+    round_samples: int
+    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ..., applied_step: _Optional[int] = ..., applied_scale: _Optional[float] = ..., next_receipts: _Optional[_Iterable[int]] = ..., round_synced: _Optional[int] = ..., round_samples: _Optional[int] = ...) -> None: ...
 
 class StageDownloadStateRequest(_message.Message):
     __slots__ = ("job", "stage", "include_optimizer", "follower")

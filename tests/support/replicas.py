@@ -57,6 +57,9 @@ class FakeReplica:
         self.sq_norm = 0.0  # what PREPARE answers: the squared norm of its averaged gradient
         self.applied: tuple[int, float] = (-1, 1.0)  # (step, clipping coefficient) applied last
         self.scales: list[float] = []  # the clipping coefficient of every APPLY, in order
+        # pool rounds: the last round's end applied here, and its samples since (a test sets
+        # them for a resuming coordinator; the fake does no local steps of its own)
+        self.round_synced, self.round_samples = -1, 0
         self.closed = 0
 
     @property
@@ -107,6 +110,8 @@ class FakeReplica:
             receipts=sorted(self.receipts),
             applied_step=self.applied[0],
             applied_scale=self.applied[1],
+            round_synced=self.round_synced,
+            round_samples=self.round_samples,
         )
 
     async def prepare(

@@ -218,3 +218,50 @@ async def test_eager_a_member_that_fails_its_outer_step_has_its_samples_counted(
     assert a.called("eager_average") == [(2, 0, ["fake:a"], "1/eager0")]
     assert h.coordinator.metrics.round_dropped._value.get() == 8
     assert any("b failed the round's outer step, 8 samples dropped" in x for x in said), said
+
+
+def _resuming(
+    tmp_path: Path, made: list[Harness], step: int, samples: dict[str, int]
+) -> tuple[FakeSwarm, Harness, list[Record]]:
+    """a and b of stage 0, c of stage 1, all at `step` with round [0, 1] unsynced and these
+    samples in it, for a coordinator that starts there (its predecessor died)."""
+    job = _local(tmp_path)
+    swarm = FakeSwarm(job.fingerprint(), 2)  # type: ignore[attr-defined]
+    for stage, peer in ((0, "a"), (0, "b"), (1, "c")):
+        replica = swarm.add(stage, peer, step=step)
+        replica.round_synced, replica.round_samples = 0, samples[peer]
+    records: list[Record] = []
+    h = Harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
+    made.append(h)
+    return swarm, h, records
+
+
+async def test_a_coordinator_resuming_mid_round_weighs_the_samples_taken_before_it(
+    tmp_path: Path, made: list[Harness]
+) -> None:
+    """Its predecessor committed step 0 (a took both microbatches at stage 0) and died: the
+    round's end after step 1 weighs a's 8 samples too, which only the replicas still know."""
+    swarm, h, _ = _resuming(tmp_path, made, 1, {"a": 8, "b": 0, "c": 8})
+    a, c = swarm["a"], swarm["c"]
+    assert await h.coordinator.start() == 1
+    await h.step({0: "b"})
+    assert a.called("prepare_round") == [(2, 16, ["fake:a", "fake:b"], "1/round0")]
+    assert c.called("prepare_round") == [(2, 16, ["fake:c"], "1/round0")]
+
+
+async def test_a_coordinator_resuming_where_a_round_was_not_ended_ends_it_first(
+    tmp_path: Path, made: list[Harness]
+) -> None:
+    """Its predecessor applied step 1, the round's last, and died before the round's end: the
+    replicas are at step 2 with the round [0, 1] unsynced. It is ended (with the replicas'
+    counts) before step 2 opens, and the record says so."""
+    swarm, h, records = _resuming(tmp_path, made, 2, {"a": 12, "b": 4, "c": 16})
+    a, c = swarm["a"], swarm["c"]
+    assert await h.coordinator.start() == 2
+    assert a.called("prepare_round") == [(2, 16, ["fake:a", "fake:b"], "1/round0")]
+    assert c.called("apply_round") == [2]
+    assert [(r.step, r.stage, r.group) for r in records if isinstance(r, Sync)] == [
+        (1, 0, ("a", "b")),
+        (1, 1, ("c",)),
+    ]
+    await h.step()  # and the job goes on
