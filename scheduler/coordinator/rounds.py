@@ -115,9 +115,15 @@ class PoolRounds:
             *(self.clients.get(k, r).info() for k, r in where), return_exceptions=True
         )
         synced = []
+        most = round_steps(self.job) * self.job.training.target_batch_size  # a round's samples
         for (k, r), info in zip(where, infos, strict=True):
             if isinstance(info, BaseException):
                 continue  # gone or unreachable: the first commit deals with it
+            if not 0 <= info.round_samples <= most:  # a peer's word: not past what can be
+                said = info.round_samples
+                log.warning("stage %d: %s says it took %d samples in the round (0..%d can be): "
+                            "counted as none", k, r.peer, said, most)  # fmt: skip
+                continue
             self._samples[(k, r.peer)] = info.round_samples
             synced.append(info.round_synced)
         if self.eager or not is_boundary(self.job, step) or min(synced, default=step) >= step:

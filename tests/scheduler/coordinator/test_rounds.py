@@ -265,3 +265,15 @@ async def test_a_coordinator_resuming_where_a_round_was_not_ended_ends_it_first(
         (1, 1, ("c",)),
     ]
     await h.step()  # and the job goes on
+
+
+@pytest.mark.parametrize("claimed", [-5, 10**12])
+async def test_a_resuming_coordinator_counts_no_samples_a_replica_could_not_have_taken(
+    tmp_path: Path, made: list[Harness], claimed: int
+) -> None:
+    """A replica's count is a peer's word: one outside what a round can hold (negative, or over
+    its steps x the batch) is not believed; the replica counts nothing and the others stand."""
+    swarm, h, _ = _resuming(tmp_path, made, 1, {"a": claimed, "b": 8, "c": 8})
+    assert await h.coordinator.start() == 1
+    await h.step({0: "b"})
+    assert swarm["b"].called("prepare_round") == [(2, 16, ["fake:a", "fake:b"], "1/round0")]
