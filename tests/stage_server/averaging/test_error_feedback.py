@@ -5,7 +5,7 @@ residuals across aborted rounds, retries, steps and jobs."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from stage_server.averaging.butterfly import all_reduce
 from stage_server.averaging.error_feedback import ErrorFeedback, Residuals
 from stage_server.averaging.owner import split_parts
 from stage_server.server import RunningStageServer
+from swarm.job.config import JobConfig
 from swarm.ops.progress import StepRecord
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE
 from tests.stage_server.averaging.test_butterfly import assert_identical
@@ -190,6 +191,12 @@ async def test_pools_with_feedback_stay_identical_and_carry_each_applied_step(
             carried[s.address] = sent
         records.append(record)
 
+    await _train(job, swarm, after_step)
+    assert [r.step for r in records] == [0, 1, 2, 3]
+
+
+async def _train(job: JobConfig, swarm: Swarm, after_step: Callable[[StepRecord], None]) -> None:
+    """The job on `swarm`'s replicas, a trainer and a coordinator in this process, to its end."""
     coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
     trainer = PipelineTrainer(job, coordinator)
     try:
@@ -199,7 +206,6 @@ async def test_pools_with_feedback_stay_identical_and_carry_each_applied_step(
     finally:
         await trainer.close()
         await coordinator.close()
-    assert [r.step for r in records] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("delayed", [False, True])
@@ -232,15 +238,7 @@ async def test_eager_rounds_carry_what_the_codec_dropped_into_the_next_rounds_su
         held.append((record.step, [None if f._applied is None else f._applied.step
                                    for f in feedbacks]))  # fmt: skip
 
-    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
-    trainer = PipelineTrainer(job, coordinator)
-    try:
-        await coordinator.start()
-        await asyncio.wait_for(asyncio.gather(trainer.run(), coordinator.finished.wait()), 120)
-        assert coordinator.error is None
-    finally:
-        await trainer.close()
-        await coordinator.close()
+    await _train(job, swarm, after_step)
     assert [step for step, _ in held] == list(range(6))
     # The sum of round [0, 1] (ending at 2) has arrived by the end of round [2, 3]; the last
     # round's (ending at 6) was waited for.

@@ -74,13 +74,18 @@ def test_ties_are_broken_at_random() -> None:
     assert firsts == {"a", "b"}
 
 
-def test_new_replica_is_tried_soon() -> None:
+def _two_busy() -> StagePool:
+    """a and b, measured at 4 samples/s, each with 2 samples in flight."""
     pool, _ = make_pool()
     for peer in ("a", "b"):
         pool.add(peer, 4.0)
         measured(pool, peer, 4.0)
-    pool.started("a", 2.0)
-    pool.started("b", 2.0)
+        pool.started(peer, 2.0)
+    return pool
+
+
+def test_new_replica_is_tried_soon() -> None:
+    pool = _two_busy()
     # It announces a speed that would put it far behind everyone, yet enters at the current
     # minimum, ahead of the older replicas there.
     pool.add("new", 0.01)
@@ -95,12 +100,7 @@ def test_a_new_replica_is_tried_even_once_the_others_are_idle_again() -> None:
     still be tried next. (It entered at the minimum key of that moment, which the idle others
     then undercut for good: a restarted replica rejoined and got no work for the rest of the
     job, tests/system/test_local_steps.py's rejoin.)"""
-    pool, _ = make_pool()
-    for peer in ("a", "b"):
-        pool.add(peer, 4.0)
-        measured(pool, peer, 4.0)
-    pool.started("a", 2.0)
-    pool.started("b", 2.0)
+    pool = _two_busy()
     pool.add("new", 0.01)
     pool.finished("a", 2.0, 0.5)
     pool.finished("b", 2.0, 0.5)
