@@ -170,8 +170,7 @@ class LocalCoordinator:
             await self.clients.factory.prepare()
         step = await self._reconcile()
         if self.rounds is not None:
-            self.rounds.started(step, self.replicas())
-            await self.rounds.resumed(step)
+            await self.rounds.started(step, self.replicas())
         self._open(step)
         return step
 

@@ -86,12 +86,17 @@ class PoolRounds:
         self._stepped: dict[int, tuple[str, ...]] = {}
         self._averaged: dict[int, tuple[str, ...]] = {}
 
-    def started(self, step: int, members: list[list[Replica]]) -> None:
-        """The job starts (or resumes) at `step` with `members`: a round starts here. With the
-        eager overlap, a coordinator resuming mid-job does not know whether its predecessor's
-        sum of the last round's shares arrived: it is summed again (the same shares, so the
-        same sum where it had)."""
+    async def started(self, step: int, members: list[list[Replica]]) -> None:
+        """The job starts (or resumes) at `step` with `members`. The round's samples so far are
+        the members' own counts (a predecessor's died with it). With the eager overlap, a
+        coordinator resuming mid-job does not know whether its predecessor's sum of the last
+        round's shares arrived: it is summed again (the same shares, so the same sum where it
+        had). Without it, a round that ends at `step` and that no member applied (the
+        predecessor died between the round's last step and its end) is ended now; one that some
+        applied, the rest apply (each holds its sum: APPLY follows every PREPARE). (An eager
+        round left so is not, yet: its background sum fails and the stage rolls back.)"""
         self.restarted()
+        synced = await self._counted(members)
         every = round_steps(self.job)
         last = step - step % every  # the last round's end at or before `step`
         if self.eager and last > 0 and all(members):
@@ -102,14 +107,21 @@ class PoolRounds:
         for stage, replicas in enumerate(members):
             for r in replicas:
                 self.on_record(Join(step, stage, r.peer, None))
+        if self.eager or not is_boundary(self.job, step) or min(synced, default=step) >= step:
+            return
+        if max(synced) < step:
+            log.warning("the round ending at step %d was not ended: ending it now", step)
+            await self.end(step - 1)
+            return
+        log.warning("the round ending at step %d was half applied: applying the rest", step)
+        await self._apply(step - 1, members, lambda c, k: c.apply_round(step), drop=False)
+        for k, replicas in enumerate(members):
+            self.on_record(Sync(step - 1, k, _peers(replicas)))
+        self._samples.clear()
 
-    async def resumed(self, step: int) -> None:
-        """After `started`: the round's samples so far are the members' own counts (a
-        predecessor's died with it). A round that ends at `step` and that no member applied
-        (the predecessor died between the round's last step and its end) is ended now; one that
-        some applied, the rest apply (each holds its sum: APPLY follows every PREPARE). An
-        eager round left so is not (yet): its background sum fails and the stage rolls back."""
-        members = self.membership.replicas()
+    async def _counted(self, members: list[list[Replica]]) -> list[int]:
+        """Each member's samples of the round so far into the round's counts, from its own
+        word (believed only within what a round can hold); the last round's end each applied."""
         where = [(k, r) for k, replicas in enumerate(members) for r in replicas]
         infos = await asyncio.gather(
             *(self.clients.get(k, r).info() for k, r in where), return_exceptions=True
@@ -126,17 +138,7 @@ class PoolRounds:
                 continue
             self._samples[(k, r.peer)] = info.round_samples
             synced.append(info.round_synced)
-        if self.eager or not is_boundary(self.job, step) or min(synced, default=step) >= step:
-            return
-        if max(synced) < step:
-            log.warning("the round ending at step %d was not ended: ending it now", step)
-            await self.end(step - 1)
-            return
-        log.warning("the round ending at step %d was half applied: applying the rest", step)
-        await self._apply(step - 1, members, lambda c, k: c.apply_round(step), drop=False)
-        for k, replicas in enumerate(members):
-            self.on_record(Sync(step - 1, k, _peers(replicas)))
-        self._samples.clear()
+        return synced
 
     def restarted(self) -> None:
         """Every member holds the same state anew (a start, a rollback): no round is half done."""
