@@ -385,6 +385,7 @@ def measure_pool(n: int, params: int, reps: int, state: int, work: Path) -> Row:
         "chunk_bytes": CHUNK_BYTES,
         "max_bytes": 4 * params + CHUNK_BYTES,  # a part and then some
         "timeout_s": POOL_TIMEOUT_S,
+        "spill_dir": str(work),  # on the disk the benchmark works on, as a stage server's
     }
     rounds, mem = run_rounds("replica", args, n, reps, f"pool{n}-replica", state, work)
     digests = {result["sha256"] for results in rounds for result in results}

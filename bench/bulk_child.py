@@ -16,8 +16,9 @@ Roles:
 - `exchange`: a round's bytes and pattern over bare `grpc.aio` streams (see `exchange`).
 - `replica`: a pool replica as `tests/support/pools.py` builds one (`PoolServicer` and `Averager`
   on a `grpc.aio` server, a `ChannelPool`), holding a seeded random flat gradient; each `go`
-  runs `butterfly.all_reduce` over the group last given, and answers its seconds and the sha256
-  of the sum.
+  runs `butterfly.all_reduce` over the group last given, in place as a commit averages (each
+  slice kept in a `Spill` in the work directory first; the gradient restored from it after the
+  round, untimed), and answers its seconds and the sha256 of the sum.
 - `download`: trains one step on a stage server (so it holds AdamW's moments), then downloads
   its state with `StageClient.download_state(include_optimizer=True)`, `reps` times.
 - `load`: downloads a state from one stage server (not timed), then `StageClient.load_state`s
@@ -213,6 +214,7 @@ async def exchange(args: dict[str, Any]) -> None:
 async def replica(args: dict[str, Any]) -> None:
     from stage_server.averaging.butterfly import ChannelPool, PoolServicer, all_reduce
     from stage_server.averaging.owner import Averager
+    from stage_server.averaging.spill import Spill
     from swarm.errors import NotFound
     from swarm.proto import pool_pb2_grpc
 
@@ -241,6 +243,14 @@ async def replica(args: dict[str, Any]) -> None:
         counted[0] += sent
         counted[1] += received
 
+    # As a commit averages a step's sums: in place, each slice kept in an unlinked file in the
+    # spill directory before its sum lands over it; the gradient is restored from the spill
+    # after each round (not timed) for the next.
+    spill = Spill(flat, Path(args["spill_dir"]))
+
+    async def keep(where: slice) -> None:
+        await asyncio.to_thread(spill.keep, where)
+
     try:
         while (cmd := await command())[0] == "go":
             counted[:] = [0, 0]
@@ -248,11 +258,12 @@ async def replica(args: dict[str, Any]) -> None:
             total = await all_reduce(
                 flat, group=group, index=index, round=cmd[1], job=POOL_JOB, stage=0,
                 averager=averager, channels=channels, timeout_s=timeout, chunk_bytes=chunk,
-                max_bytes=most, on_bytes=on_bytes,
+                max_bytes=most, on_bytes=on_bytes, in_place=True, keep=keep,
             )  # fmt: skip
             seconds = time.perf_counter() - started
             digest = hashlib.sha256(total.numpy().data.cast("B")).hexdigest()
             del total
+            spill.restore()
             say(result={"seconds": seconds, "sha256": digest, "sent": counted[0]})
     finally:
         await channels.close()

@@ -61,6 +61,14 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_metrics_token(p)
     add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
     add_flag(p, "threads", 1, "torch threads: this process's share of the cores", type=int)
+    add_flag(
+        p,
+        "spill-dir",
+        "",
+        "where a pool's commit keeps this replica's gradient sums while it averages over them in "
+        "place, on a disk (default: the system's temp directory; 'off': in memory, a copy of "
+        "the gradient more at each commit)",
+    )
     _add_limits(p)
 
 
@@ -101,6 +109,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         peer=args.peer,
         token=token(args),
         limits=peer_limits(args),
+        spill_dir=args.spill_dir,
     )
     if args.job:
         if args.stage is None:

@@ -22,17 +22,20 @@ Why the pieces sit as they do:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from stage_server.averaging.butterfly import ChannelPool, all_reduce
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager, flatten, unflatten
+from stage_server.averaging.spill import Spill
 from stage_server.local_round import Eager
 from stage_server.messages import Limits
 from stage_server.metrics import StageMetrics
@@ -114,9 +117,11 @@ class Committer:
         channels: ChannelPool,
         limits: Limits,
         runtime: Served,
+        spill_dir: Path | None = None,
     ) -> None:
         self.peer, self._worker, self.metrics, self._runtime = peer, worker, metrics, runtime
         self.averager, self.channels, self.limits = averager, channels, limits
+        self.spill_dir = spill_dir  # where a PREPARE keeps the sums it overwrites (None: memory)
         self.feedback = ErrorFeedback()  # what lossy averaging dropped, for the next round
         # (job, stage, step, squared norm) of the average this replica prepared last
         self._prepared: tuple[str, int, int, float] | None = None
@@ -142,7 +147,9 @@ class Committer:
             if step < rt.step:
                 return Committed(rt.step, already=True)
             self._prepared = None
-            sums = await self._part(c, rt.prepare, step, c.microbatches, c.total_samples)
+            sums = await self._part(
+                c, rt.prepare, step, c.microbatches, c.total_samples, spilled=step
+            )
             await self._worker.run(rt.set_prepared, step, sums, c.total_samples)
             sq_norm = await self._worker.run(rt.prepared_sq_norm, step)
             self._prepared = (c.job, c.stage, step, sq_norm)
@@ -179,7 +186,7 @@ class Committer:
                 return Committed(rt.step, already=True)
             if c.total_samples < 0:
                 raise InvalidArgument(f"total_samples must be >= 0; got {c.total_samples}")
-            sums = await self._part(c, rt.prepare_round, boundary)
+            sums = await self._part(c, rt.prepare_round, boundary, fresh=True)
             await self._worker.run(rt.set_round, boundary, sums, c.total_samples)
         if c.apply:
             already = await self._worker.run(rt.apply_round, boundary)
@@ -202,7 +209,7 @@ class Committer:
             if await self._worker.run(rt.synced, boundary):
                 return Committed(rt.step, already=True)
             total = self._samples(c)
-            sums = await self._part(c, rt.last_part, boundary, total)
+            sums = await self._part(c, rt.last_part, boundary, total, fresh=True)
             await self._worker.run(rt.set_last, boundary, sums, total)
         elif c.eager == Eager.LAST and c.apply and not c.prepare:
             already = await self._worker.run(rt.last_step, boundary)
@@ -233,10 +240,16 @@ class Committer:
         prepare: Callable[..., list[torch.Tensor]],
         *args: object,
         lossless: bool = False,
+        fresh: bool = False,
+        spilled: int | None = None,
     ) -> list[torch.Tensor]:
         """This replica's part (`prepare(*args)` on the worker), summed with `c.group`'s (with
         the job's averaging codec unless `lossless`). A PREPARE that fails before averaging
-        tells the pool now, not when its round times out."""
+        tells the pool now, not when its round times out.
+
+        The sum lands over the part itself, in place, where nothing else reads the part: when
+        `prepare` made it `fresh` for this call, or when it is the lent sums of step `spilled`
+        (the runtime's `Spill` keeps what is overwritten, for a retry or a straggler)."""
         # The replica's peak comes now: what its arenas freed since the last commit goes back
         # first (`swarm.ops.allocator`), on the worker, which is idle until this commit is done.
         await self._worker.run(allocator.give_back)
@@ -245,12 +258,20 @@ class Committer:
         except WireError as e:
             self.averager.abort((c.job, c.stage, c.round), str(e))
             raise
-        return await self._average(c, sums, lossless) if len(c.group) > 1 else sums
+        if len(c.group) <= 1:  # alone: nothing to average
+            return sums
+        spill = None
+        if spilled is not None:
+            spill = await self._worker.run(self._runtime().spill, spilled, self.spill_dir)
+        return await self._average(c, sums, lossless, fresh or spilled is not None, spill)
 
     def _apply(self, rt: StageRuntime, c: Commit, sq_norm: float | None) -> bool:
         """On the worker: apply the prepared step unless its gradient is NaN or infinite
         (`sq_norm`: its squared norm as PREPARE took it here, None when unknown)."""
         if c.step >= rt.step:  # not a retry of a step applied already
+            # What the averaging's buffers freed goes back before the optimizer's own pass
+            # (and the next step's compute) peaks on top of it.
+            allocator.give_back()
             if sq_norm is None:  # not prepared by a Commit seen here (or not at all)
                 sq_norm = rt.prepared_sq_norm(c.step)  # not prepared: FailedPrecondition
                 if not math.isfinite(sq_norm):
@@ -263,15 +284,27 @@ class Committer:
         return rt.apply(c.step, c.grad_scale)
 
     async def _average(
-        self, c: Commit, sums: list[torch.Tensor], lossless: bool = False
+        self,
+        c: Commit,
+        sums: list[torch.Tensor],
+        lossless: bool,
+        in_place: bool,
+        spill: Spill | None,
     ) -> list[torch.Tensor]:
-        """The pool's summed gradient: butterfly all-reduce with the round's group."""
+        """The pool's summed gradient: butterfly all-reduce with the round's group, over `sums`
+        themselves when `in_place` (`spill`, if any, keeps what it overwrites of them)."""
         rt = self._runtime()
         if not 0 <= c.group_index < len(c.group):
             raise InvalidArgument(f"group_index {c.group_index} outside the group")
         start = time.perf_counter()
         maybe_die(Point.AVERAGING, c.step)
-        flat = flatten(sums)  # a view of the step's sums, lent: read, never written
+        flat = flatten(sums)  # a view of the part (or, of tensors apart, a copy of it)
+        keep = None
+        if spill is not None:
+
+            async def keep(where: slice) -> None:  # a slice's write, off the event loop
+                await asyncio.to_thread(spill.keep, where)
+
         averaged = codec.codec_from_name("none" if lossless else rt.job.compression.averaging)
         residuals = None
         if rt.job.compression.error_feedback and averaged != codec.CODEC_NONE:  # a lossy one only
@@ -292,6 +325,8 @@ class Committer:
             chunk_bytes=self.limits.chunk_bytes,
             max_bytes=self.limits.max_bytes,
             on_bytes=self.metrics.averaged,
+            in_place=in_place,
+            keep=keep,
         )
         self.metrics.averaging_seconds(time.perf_counter() - start)
         if residuals is not None:

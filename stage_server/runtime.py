@@ -18,9 +18,12 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from stage_server.averaging.owner import flat_view
+from stage_server.averaging.spill import Spill
 from stage_server.local_round import Eager, LocalRound
 from stage_server.snapshot import Snapshot, Snapshots
 from stage_server.tensor_checks import TensorChecks
@@ -63,6 +66,13 @@ class _Sums:
     accum: list[torch.Tensor] | None = None
     receipts: dict[int, int] = field(default_factory=dict)  # index -> samples
     lent: bool = False  # `accum` is a commit's now: a later Backward adds into a copy of it
+    # what averaging `accum` in place overwrote, kept for a retry or a straggler (`Spill`)
+    spill: Spill | None = None
+
+    def drop(self) -> None:
+        """The sums are done with (applied or discarded): so is what their spill kept."""
+        if self.spill is not None:
+            self.spill.close()
 
 
 class StageRuntime:
@@ -251,7 +261,12 @@ class StageRuntime:
                 # microbatch's gradients land in it with their own bits.
                 sums.accum = _flat_copy(self.params, fill=-0.0)
             elif sums.lent:  # a straggler after PREPARE: the prepared sums stay as they are
-                sums.accum, sums.lent = _flat_copy(sums.accum), False
+                copy = _flat_copy(sums.accum)
+                if sums.spill is not None:  # averaged in place: the sums as they were
+                    whole = flat_view(copy)
+                    assert whole is not None  # a copy of one flat tensor is one
+                    sums.spill.restore(into=whole)
+                sums.accum, sums.lent, sums.spill = copy, False, None
             sums.receipts[index] = samples
             return self._backprop_into(sums.accum, params, x, out, grad, want_x), receipt
         targets = [*params, x] if want_x else list(params)
@@ -317,8 +332,26 @@ class StageRuntime:
         # (`_backprop`): the copy is made when such a Backward comes, not at every commit.
         if sums.accum is None:
             return self._zeros()
+        if sums.spill is not None:  # a retry: the last round overwrote some, in place
+            sums.spill.restore()
+        if self._prepared is not None and self._prepared[0] == step:
+            self._prepared = None  # that was the sums, averaged in place: prepared anew now
         sums.lent = True
         return list(sums.accum)
+
+    def spill(self, step: int, directory: Path | None) -> Spill | None:
+        """Where the averaging of `step`'s lent sums keeps what it overwrites in place (in
+        `directory`, None: in memory); None when they are not one flat tensor on the CPU (the
+        part averaged is then a copy, or a device's: nothing to keep)."""
+        sums = self._sums.get(step)
+        if sums is None or sums.accum is None or not sums.lent:
+            return None
+        if sums.spill is None:
+            flat = flat_view(sums.accum)
+            if flat is None or flat.device.type != "cpu":
+                return None
+            sums.spill = Spill(flat, directory)
+        return sums.spill
 
     def _zeros(self) -> list[torch.Tensor]:
         return _flat_copy(self.params, fill=0.0)
@@ -467,7 +500,9 @@ class StageRuntime:
         many microbatches were dropped."""
         self._check_step(step, next_ok=True)
         self.following = False
-        dropped = len(self._sums.pop(step, _Sums()).receipts)
+        sums = self._sums.pop(step, _Sums())
+        sums.drop()
+        dropped = len(sums.receipts)
         if step == self.step:
             self._prepared = None
         return dropped
@@ -480,7 +515,9 @@ class StageRuntime:
         # Recorded first (a copy, only while a peer follows): the mean is taken in place below.
         self.updates.record(self.step, grad_sums, total_samples, scale)
         self.snapshots.detach()  # the state changes in place
-        self._sums.pop(self.step, None)  # this step's own sums: not needed once prepared
+        # This step's own sums: not needed once prepared (averaged in place, they are
+        # `grad_sums` now; a replica alone prepares them as they are).
+        self._sums.pop(self.step, _Sums()).drop()
         if self.round is not None and self.round.gradients:  # step_eager: the step's end
             self.round.stash(grad_sums, total_samples)  # applies them (`eager_step`)
         elif total_samples > 0:  # a local step without samples (pool.mode = "local") moves nothing

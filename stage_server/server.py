@@ -15,6 +15,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stage_server.averaging.butterfly import PoolServicer
+from stage_server.averaging.spill import spill_directory
 from stage_server.limits import PeerLimits
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import StageRuntime
@@ -56,6 +57,9 @@ class StageServerOptions:
     shutdown_grace_s: float = 10.0  # how long in-flight calls may finish after SIGTERM
     token: str | None = None  # swarm token every call must carry (None: open)
     limits: PeerLimits = field(default_factory=PeerLimits)  # what no job can raise
+    # where a commit keeps the gradient sums it averages over in place (`stage_server.averaging.
+    # spill`): "" the system's temp directory, "off" in memory
+    spill_dir: str = ""
 
 
 @dataclass
@@ -136,6 +140,7 @@ async def start_grpc(
         throttle=throttle,
         token=opts.token,
         limits=opts.limits,
+        spill_dir=spill_directory(opts.spill_dir),
     )
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
     limits = servicer.limits  # the defaults within the peer's until a stage is installed

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -72,6 +73,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         throttle: float = 1.0,
         token: str | None = None,
         limits: PeerLimits | None = None,
+        spill_dir: Path | None = None,
     ) -> None:
         self.peer, self.metrics = peer, metrics
         self.job_id = ""
@@ -95,6 +97,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             channels=self.channels,
             limits=self.limits,
             runtime=lambda: self.runtime,
+            spill_dir=spill_dir,
         )
         self._transfer = StateTransfer(
             peer=peer,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -238,6 +238,8 @@ async def all_reduce(
     residuals: Residuals | None = None,
     slice_bytes: int = SLICE_BYTES,
     window: int = WINDOW,
+    in_place: bool = False,
+    keep: Callable[[slice], Awaitable[None]] | None = None,
 ) -> torch.Tensor:
     """The sum of `flat` over the replicas of `group` (PoolService addresses; this replica is
     `group[index]`), bitwise the same on every replica; `flat` itself when the group is alone.
@@ -250,6 +252,12 @@ async def all_reduce(
     Uncompressed, a part travels in slices of `slice_bytes`, `window` of them under way to each
     owner at once: while one slice is summed and answered the next is sent, and an owner holds
     `window` slices of each sender, not its whole part.
+
+    `in_place` (a CPU `flat`): each slice's sum lands over the slice of `flat` it was made from,
+    once that slice is sent (or, this replica's own part, summed), and `flat` is the result: no
+    second tensor of its size. `await keep(where)` comes first, before `flat[where]` is
+    overwritten (`stage_server.averaging.spill`: what a retry reads back). A round that fails
+    leaves `flat` partly summed: only what `keep` kept restores it.
     """
     n = len(group)
     if not 0 <= index < n or len(set(group)) != n:
@@ -264,7 +272,14 @@ async def all_reduce(
     parts = split_parts(flat.numel(), n)
     src = flat.detach()
     # Every part's sum lands in its place here, as its bytes arrive: no part is held twice.
-    total = torch.empty(flat.shape, dtype=flat.dtype)
+    in_place = in_place and flat.device.type == "cpu" and flat.is_contiguous()
+    total = src if in_place else torch.empty(flat.shape, dtype=flat.dtype)
+
+    async def overwriting(where: slice) -> None:
+        """`total[where]` is about to be written: in place, what `keep` keeps of it first."""
+        if in_place and keep is not None:
+            await keep(where)
+
     sent = received = 0
     lossy = codec != CODEC_NONE and flat.is_floating_point()
     feedback = residuals if lossy else None
@@ -327,6 +342,7 @@ async def all_reduce(
             await call.write(m)
         await call.done_writing()
         sent += nbytes
+        await overwriting(where)  # the reply lands there: this slice's values are sent
         reply = await wire.receive(call.__aiter__(), max_bytes=max_bytes, into=into(where))
         tensors = wire.decode_named(reply, device="cpu", max_bytes=max_bytes)
         got = tensors.get("sum")
@@ -369,6 +385,7 @@ async def all_reduce(
         )  # fmt: skip
         if feedback is not None:
             dropped_sum[where] = reduced.exact - reduced.tensor
+        await overwriting(where)
         total[where].copy_(reduced.tensor)
 
     async def own() -> None:

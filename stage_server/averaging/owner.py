@@ -34,6 +34,7 @@ __all__ = [
     "AveragingAborted",
     "Reduced",
     "RoundKey",
+    "flat_view",
     "flatten",
     "round_name",
     "split_parts",
@@ -61,13 +62,13 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise InvalidArgument(f"flatten needs tensors of one dtype, got {sorted(map(str, dtypes))}")
-    whole = _consecutive(tensors)
+    whole = flat_view(tensors)
     if whole is not None:
         return whole
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def _consecutive(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The 1-D view over `tensors` when each is contiguous and starts where the one before it
     ends, in one storage; else None."""
     first = tensors[0].detach()

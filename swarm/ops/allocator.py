@@ -3,11 +3,12 @@
 A stage server's buffers come and go by the thousand each step (activations, averaging slices,
 chunks in flight), from several threads' malloc arenas; glibc keeps what they free for reuse,
 and an arena's freed pages are not reused by another thread's, so a replica's RSS climbs a
-quarter GiB or more above its live memory by each commit (docs/bulk.md). A commit is a replica's
-peak (its state, the step's sums and the pool's total at once), so a replica gives its freed
-memory back just before one: at a 248M-parameter stage of a pool of 2 that lowered the peak
-RSS by 0.3 GiB, with no change in step time (the next step's first touch of returned pages is a
-page fault each, spread over a compute-bound step).
+quarter GiB or more above its live memory by each commit (docs/bulk.md). A replica peaks in
+a commit (its state and the averaging's buffers), in the optimizer's pass after it, and in the
+next step's compute, so it gives its freed memory back before the commit's averaging and again
+before the optimizer step: at a 248M-parameter stage of a pool of 2 the first lowered the peak
+RSS by 0.3 GiB, the second by 0.2-0.4 GiB more, with no change in step time (the next step's
+first touch of returned pages is a page fault each, spread over a compute-bound step).
 """
 
 from __future__ import annotations

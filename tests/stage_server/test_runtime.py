@@ -177,6 +177,62 @@ def test_prepare_lends_the_sums_and_a_late_backward_adds_into_a_copy(tmp_path: P
     assert 0 not in rt._sums  # and the step's sums were let go
 
 
+def _averaged_in_place_half_way(rt: StageRuntime, sums: list[torch.Tensor], tmp_path: Path) -> None:
+    """What a round averaging the lent sums in place leaves when it fails half way: the first
+    half kept by the step's spill, then overwritten with (here) nonsense."""
+    spill = rt.spill(0, tmp_path / "spill")
+    flat = flatten(sums)
+    assert spill is not None and spill.flat.data_ptr() == flat.data_ptr()
+    half = slice(0, flat.numel() // 2)
+    spill.keep(half)
+    flat[half] = 7.0
+
+
+def _assert_same_states(a: StageRuntime, b: StageRuntime) -> None:
+    for name, value in a.state_dict().items():
+        assert torch.equal(b.state_dict()[name], value), name
+
+
+def test_a_retried_prepare_gets_back_the_sums_a_round_overwrote_in_place(tmp_path: Path) -> None:
+    """A PREPARE's round sums the pool's gradient over the lent sums in place: a retry of it
+    (a member died mid-round) gets the sums as they were, and an earlier round's preparation
+    of the step no longer counts (its sum was over the same memory)."""
+    job = make_job(tmp_path, training={"stages": 1})
+    data = make_data(job)
+    rt, clean = StageRuntime(job, 0), StageRuntime(job, 0)
+    for r in (rt, clean):
+        for index in (0, 1):
+            r.forward_backward(0, index, *data.microbatch(0, index))
+    sums = rt.prepare(0, [0, 1], 8)
+    before = flatten(sums).clone()
+    _averaged_in_place_half_way(rt, sums, tmp_path)
+    again = rt.prepare(0, [0, 1], 8)  # the retry, among the survivors
+    assert torch.equal(flatten(again), before)
+    rt.set_prepared(0, again, 8)  # that round completed (a pool of one sums nothing) ...
+    _averaged_in_place_half_way(rt, rt.prepare(0, [0, 1], 8), tmp_path)  # ... then one more
+    with pytest.raises(FailedPrecondition, match="step 0 was not prepared"):
+        rt.apply(0)  # not the sums of a round that went nowhere
+    rt.set_prepared(0, rt.prepare(0, [0, 1], 8), 8)
+    assert rt.apply(0) is False and clean.commit(0, [0, 1], 8) is False
+    _assert_same_states(rt, clean)
+
+
+def test_a_straggler_after_an_in_place_round_adds_into_the_sums_as_they_were(
+    tmp_path: Path,
+) -> None:
+    job = make_job(tmp_path, training={"stages": 1})
+    data = make_data(job)
+    rt, clean = StageRuntime(job, 0), StageRuntime(job, 0)
+    for r in (rt, clean):
+        r.forward_backward(0, 0, *data.microbatch(0, 0))
+    _averaged_in_place_half_way(rt, rt.prepare(0, [0], 4), tmp_path)
+    for r in (rt, clean):  # microbatch 1 reaches rt mid-round: into a copy of its sums
+        r.forward_backward(0, 1, *data.microbatch(0, 1))
+    rt.set_prepared(0, rt.prepare(0, [0, 1], 8), 8)  # the step is prepared anew, with both
+    assert rt.apply(0) is False and clean.commit(0, [0, 1], 8) is False
+    _assert_same_states(rt, clean)
+
+
 def test_microbatches_add_into_the_sums_in_place_with_the_same_bits(tmp_path: Path) -> None:
     """Autograd adds each microbatch's gradients straight into the step's sums (no whole
     gradient beside them): the first's are their own bits (the sums start at -0.0), the

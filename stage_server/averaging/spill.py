@@ -1,0 +1,177 @@
+"""Where a replica keeps its gradient sums while the pool's sum overwrites them (docs/bulk.md,
+"Memory").
+
+A step's PREPARE averages the replica's gradient sums in place: each slice of the pool's sum
+lands over the slice of the sums it was made from, so a commit holds the gradient once, not the
+sums and the pool's total beside them (4 B a parameter less at a replica's peak). A retried
+PREPARE (a member died mid-round: the survivors sum again without it) and a straggler's Backward
+after PREPARE (it adds into a copy of the sums) still need the sums as they were. So before a
+slice is overwritten, its values are written to a `Spill`: an unlinked file in the spill
+directory (none is left behind, whatever kills the process), read back only when something needs
+them. A file's pages are the kernel's: they sit in the page cache, which the kernel writes to
+disk and reclaims when memory runs short, and they are dropped unwritten when the step applies
+and the file closes (a commit takes seconds; the kernel writes dirty pages back after 30). With
+no directory (`--spill-dir off`), or when a write fails (a full disk), a slice's values are held
+in memory instead: nothing is lost, the replica's peak is as before.
+
+Thread-safety: `keep` runs in the event loop's threads as slices arrive while the replica's
+worker may `restore` (a straggler); a slice is recorded kept only once its values are written,
+and is overwritten only after, so a restore sees every overwritten slice among those kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from swarm.wire.chunking import tensor_bytes
+
+__all__ = ["OFF", "Spill", "in_memory_fs", "spill_directory"]
+
+log = logging.getLogger(__name__)
+
+OFF = "off"  # the spill directory that keeps the sums in memory
+
+
+class Spill:
+    """The original values of the ranges of `flat` (1-D, contiguous, on the CPU) that averaging
+    overwrites, in a file in `directory` (None: in memory)."""
+
+    def __init__(self, flat: torch.Tensor, directory: Path | None) -> None:
+        if flat.dim() != 1 or not flat.is_contiguous() or flat.device.type != "cpu":
+            raise ValueError("a spill keeps a 1-D contiguous CPU tensor")
+        self.flat, self._directory = flat, directory
+        self._lock = threading.Lock()
+        self._file: int | None = None  # the unlinked file's descriptor, made at the first keep
+        self._disk = directory is not None  # False once a write failed: the rest in memory
+        self._kept: list[slice] = []  # ranges of `flat` whose originals are in the file
+        self._held: list[tuple[slice, torch.Tensor]] = []  # ... or in memory
+        self.closed = False
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            spans = [*self._kept, *(where for where, _ in self._held)]
+            return sum(w.stop - w.start for w in spans) * self.flat.element_size()
+
+    def keep(self, where: slice) -> None:
+        """Keep `flat[where]` as it is now, before it is overwritten (blocking: call it off the
+        event loop). A spill closed meanwhile keeps nothing: no one needs those values."""
+        with self._lock:
+            if self.closed:
+                return
+            values = self.flat[where]
+            if self._disk and self._write(values, where.start * self.flat.element_size()):
+                self._kept.append(where)
+            else:
+                self._held.append((where, values.clone()))
+
+    def restore(self, into: torch.Tensor | None = None) -> None:
+        """Write the kept originals back into `flat` (then nothing is kept: the sums are whole
+        again), or into `into`, a copy of `flat` made before this call (then the spill closes:
+        the copy is the sums from now on)."""
+        with self._lock:
+            target = self.flat if into is None else into
+            for where in self._kept:
+                self._read(target[where], where.start * self.flat.element_size())
+            for where, values in self._held:
+                target[where].copy_(values)
+            self._kept, self._held = [], []
+            if into is not None:
+                self._close()
+
+    def close(self) -> None:
+        """Drop what is kept (the step applied, or its sums were discarded)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        self.closed, self._kept, self._held = True, [], []
+        if self._file is not None:
+            os.close(self._file)
+            self._file = None
+
+    def _write(self, values: torch.Tensor, offset: int) -> bool:
+        """`values` into the file at `offset`; False (the disk given up on) when it fails."""
+        try:
+            if self._file is None:
+                assert self._directory is not None
+                self._file = _unlinked_file(self._directory)
+            view, done = tensor_bytes(values), 0
+            while done < len(view):
+                done += os.pwrite(self._file, view[done:], offset + done)
+            return True
+        except OSError as e:
+            self._disk = False
+            log.warning(
+                "could not write a step's gradient sums to the spill directory %s (%s): this "
+                "step keeps them in memory, at the cost of a copy of the gradient",
+                self._directory,
+                e,
+            )
+            return False
+
+    def _read(self, into: torch.Tensor, offset: int) -> None:
+        assert self._file is not None
+        view, done = tensor_bytes(into), 0
+        while done < len(view):
+            got = os.preadv(self._file, [view[done:]], offset + done)
+            if got == 0:
+                raise OSError(f"the spill file ended at {offset + done} bytes")
+            done += got
+
+    def __del__(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            os.close(self._file)  # type: ignore[arg-type]
+
+
+def _unlinked_file(directory: Path) -> int:
+    """A new file in `directory` that has no name: it goes when its descriptor closes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except (AttributeError, OSError):  # no O_TMPFILE here (or this filesystem lacks it)
+        fd, name = tempfile.mkstemp(prefix="swarm-spill-", dir=directory)
+        os.unlink(name)
+        return fd
+
+
+def spill_directory(setting: str) -> Path | None:
+    """The spill directory `--spill-dir` names: "" the system's temp directory, `OFF` none (in
+    memory). One in memory (tmpfs) saves no memory: said at start, where an operator looks."""
+    if setting == OFF:
+        return None
+    directory = Path(setting or tempfile.gettempdir())
+    kind = in_memory_fs(directory)
+    if kind is not None:
+        log.warning(
+            "the spill directory %s is on %s, in memory: a commit's spilled gradient sums take "
+            "memory there; give --spill-dir a directory on a disk",
+            directory,
+            kind,
+        )
+    return directory
+
+
+def in_memory_fs(directory: Path) -> str | None:
+    """The filesystem type when `directory` lies on one in memory (tmpfs, ramfs), else None:
+    spilling there saves no memory."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    path, best, kind = str(directory.resolve()), -1, ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), fields[2]
+    return kind if kind in ("tmpfs", "ramfs") else None

@@ -1,0 +1,182 @@
+"""Averaging in place: the pool's sum lands over the replica's own values, which a `Spill` keeps
+first (in an unlinked file, or in memory) so that a retried round or a straggler gets them back,
+bit for bit; a real full disk falls back to memory and loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stage_server.averaging.butterfly import all_reduce
+from stage_server.averaging.owner import AveragingAborted, split_parts
+from stage_server.averaging.spill import Spill, in_memory_fs, spill_directory
+from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
+from tests.stage_server.averaging.test_butterfly import assert_identical, ordered_sum, reduce_all
+from tests.support.disks import fill, tiny_disk
+from tests.support.pools import JOB, MiB, replicas
+
+# --- the spill alone -------------------------------------------------------------------------
+
+
+def _overwritten(spill: Spill, pieces: list[slice]) -> None:
+    """As averaging does: each piece kept, then written over."""
+    for where in pieces:
+        spill.keep(where)
+        spill.flat[where] = torch.nan
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_what_is_kept_before_it_is_overwritten_comes_back_bit_for_bit(
+    tmp_path: Path, where: str
+) -> None:
+    original = torch.randn(10_000, dtype=torch.float64)
+    original[7] = -0.0  # a sign of zero is a bit too
+    flat = original.clone()
+    spill = Spill(flat, tmp_path if where == "disk" else None)
+    _overwritten(spill, [slice(0, 3000), slice(6000, 10_000)])
+    assert spill.kept_bytes == 7000 * 8
+    assert os.listdir(tmp_path) == []  # the file has no name: nothing is left behind
+    spill.restore()
+    assert torch.equal(flat.view(torch.int64), original.view(torch.int64))
+    assert spill.kept_bytes == 0  # the values are whole again; a new round keeps anew
+    _overwritten(spill, [slice(3000, 6000)])
+    spill.restore()
+    assert torch.equal(flat.view(torch.int64), original.view(torch.int64))
+    spill.close()
+    spill.keep(slice(0, 10))  # closed: nothing to keep, and no error
+    assert spill.kept_bytes == 0
+
+
+def test_a_copy_restored_takes_the_originals_and_the_spill_is_done(tmp_path: Path) -> None:
+    original = torch.randn(4096)
+    flat = original.clone()
+    spill = Spill(flat, tmp_path)
+    spill.keep(slice(0, 1024))
+    flat[:1024] = 1.0  # overwritten ...
+    spill.keep(slice(1024, 2048))  # ... and one kept but not yet overwritten
+    copy = flat.clone()  # a straggler's copy, made while the round runs
+    spill.restore(into=copy)
+    assert torch.equal(copy, original)
+    assert spill.closed and spill.kept_bytes == 0
+    flat[1024:2048] = 2.0
+    spill.keep(slice(2048, 4096))  # the round goes on over the old tensor: nothing kept
+    assert spill.kept_bytes == 0 and torch.equal(copy, original)
+
+
+def test_a_full_disk_keeps_the_values_in_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    original = torch.randn(64 * 1024)  # 256 KiB: more than the disk has
+    with tiny_disk(tmp_path / "disk", "128k") as disk:
+        spill = Spill(original.clone(), disk)
+        spill.keep(slice(0, 1024))  # 4 KiB: fits
+        filler = fill(disk)
+        with caplog.at_level(logging.WARNING):
+            _overwritten(spill, [slice(1024, 40_000), slice(40_000, 64 * 1024)])
+        assert "keeps them in memory" in caplog.text
+        spill.flat[:1024] = torch.nan
+        spill.restore()
+        assert torch.equal(spill.flat, original)
+        filler.unlink()
+        spill.close()
+        assert os.listdir(disk) == []
+
+
+def test_a_spill_directory_in_memory_is_named_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert spill_directory("off") is None
+    assert spill_directory(str(tmp_path / "spill")) == tmp_path / "spill"
+    with tiny_disk(tmp_path / "ram") as ram:
+        assert in_memory_fs(ram) == "tmpfs" and in_memory_fs(ram / "below") == "tmpfs"
+        with caplog.at_level(logging.WARNING):
+            assert spill_directory(str(ram)) == ram
+        assert "is on tmpfs, in memory" in caplog.text
+
+
+# --- all_reduce in place ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "codec"), [(2, CODEC_NONE), (3, CODEC_NONE), (3, CODEC_INT8_BLOCKWISE)]
+)
+async def test_in_place_the_sum_lands_over_the_values_with_the_same_bits(
+    n: int, codec: int
+) -> None:
+    """The sum is `flat` itself, bit for bit what a separate total holds; every element is
+    kept exactly once, before its sum lands (what was kept is what was there)."""
+    numel, slice_bytes = 10_007, 1000 * 8
+    async with replicas(n) as pool:
+        flats = [torch.randn(numel, dtype=torch.float64) for _ in range(n)]
+        apart = assert_identical(
+            await reduce_all(pool, flats, round="apart", codec=codec, slice_bytes=slice_bytes)
+        )
+        if codec == CODEC_NONE:
+            assert torch.equal(apart, ordered_sum(flats))
+        originals = [f.clone() for f in flats]
+        kept: list[list[tuple[slice, torch.Tensor]]] = [[] for _ in range(n)]
+
+        def keeper(i: int) -> Any:
+            async def keep(where: slice) -> None:
+                kept[i].append((where, flats[i][where].clone()))
+
+            return keep
+
+        results = await asyncio.gather(
+            *(
+                all_reduce(
+                    flats[i], group=[r.address for r in pool], index=i, round="in place",
+                    job=JOB, stage=0, averager=r.averager, channels=r.channels, timeout_s=20,
+                    chunk_bytes=4 * MiB, max_bytes=64 * MiB, codec=codec,
+                    slice_bytes=slice_bytes, in_place=True, keep=keeper(i),
+                )
+                for i, r in enumerate(pool)
+            )
+        )  # fmt: skip
+    for i, result in enumerate(results):
+        assert result.data_ptr() == flats[i].data_ptr()  # the values' own memory
+        assert torch.equal(result, apart)
+        covered = torch.zeros(numel, dtype=torch.int64)
+        for where, values in kept[i]:
+            covered[where] += 1
+            assert torch.equal(values, originals[i][where])  # kept before it was written
+        assert torch.equal(covered, torch.ones(numel, dtype=torch.int64))
+
+
+async def test_a_round_that_fails_half_way_is_undone_by_its_spill(tmp_path: Path) -> None:
+    """Replica 0's own part is summed (its sum lands over its values) before the round aborts on
+    part 1, whose owner never contributes its own: what was overwritten comes back."""
+    async with replicas(2) as pool:
+        original = torch.randn(5000, dtype=torch.float64)
+        flat, other = original.clone(), torch.randn(5000, dtype=torch.float64)
+        own = split_parts(5000, 2)[0]
+        spill = Spill(flat, tmp_path)
+
+        async def keep(where: slice) -> None:
+            await asyncio.to_thread(spill.keep, where)
+
+        async def member_one_sends_part_zero_only() -> None:
+            key = (JOB, 0, "half")
+            await pool[0].averager.reduce(key, 0, 1, 2, other[own], timeout_s=5)
+
+        reduced, _ = await asyncio.gather(
+            all_reduce(
+                flat, group=[r.address for r in pool], index=0, round="half", job=JOB,
+                stage=0, averager=pool[0].averager, channels=pool[0].channels, timeout_s=1.0,
+                chunk_bytes=MiB, max_bytes=64 * MiB, in_place=True, keep=keep,
+            ),
+            member_one_sends_part_zero_only(),
+            return_exceptions=True,
+        )  # fmt: skip
+        assert isinstance(reduced, AveragingAborted), reduced
+        assert torch.equal(flat[own], original[own] + other[own])  # part 0 landed in place
+        assert torch.equal(flat[own.stop :], original[own.stop :])  # part 1's never came
+        assert spill.kept_bytes == 5000 * 8  # both: part 1 was kept before its reply was read
+        spill.restore()
+        assert torch.equal(flat, original)
