@@ -44,7 +44,12 @@ from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.rpc.servicing import Servicing
 from swarm.wire import codec
 from swarm.wire.budget import Held, ReceiveBudget
-from swarm.wire.chunking import TENSOR_OVERHEAD_BYTES, grpc_options, within_deadline
+from swarm.wire.chunking import (
+    TENSOR_OVERHEAD_BYTES,
+    grpc_options,
+    read_to_end,
+    within_deadline,
+)
 
 __all__ = ["StageServicer"]
 
@@ -178,7 +183,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         body = within_deadline(requests, timeout, "the job's runtime.rpc_timeout_s")
         # The most one microbatch's two tensors take, with what each is charged beyond its bytes.
         most = self.runtime.max_request_bytes() + 2 * TENSOR_OVERHEAD_BYTES
-        return await self._messages.receive(body, most, self._route, held, admit)
+        received = await self._messages.receive(body, most, self._route, held, admit)
+        # A caller closes its side before it waits for the answer: its end is here already,
+        # and read, gRPC lets go of the request's last chunk now (`read_to_end`).
+        await read_to_end(body, "the request's")
+        return received
 
     async def _run_held(
         self,

@@ -150,6 +150,8 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             owned=not meta.data,  # chunked: received into a buffer of its own, summed into
             slice=h.slice,
         )  # fmt: skip
+        # The sender closed its side before it waits for this sum: its end is here already.
+        await wire.read_to_end(body, "the contribution's")
         replies = reduced.replies(chunk_bytes)
         if self._on_bytes is not None:
             self._on_bytes(reduced.wire_bytes, meta.nbytes)
@@ -343,7 +345,9 @@ async def all_reduce(
         await call.done_writing()
         sent += nbytes
         await overwriting(where)  # the reply lands there: this slice's values are sent
-        reply = await wire.receive(call.__aiter__(), max_bytes=max_bytes, into=into(where))
+        reply: wire.Received[Any] = await wire.receive_reply(
+            call, max_bytes=max_bytes, into=into(where)
+        )
         tensors = wire.decode_named(reply, device="cpu", max_bytes=max_bytes)
         got = tensors.get("sum")
         length = where.stop - where.start

@@ -151,7 +151,7 @@ class StageClient:
         for msg in wire.split(request, self._chunk):
             await _write(call, msg)
         await call.done_writing()
-        received = await wire.receive(_aiter(call), max_bytes=self._max)
+        received: wire.Received[Any] = await wire.receive_reply(call, max_bytes=self._max)
         tensors = {}
         for t, payload in zip(received.header.tensors, received.payloads, strict=True):
             codec.decoded_nbytes(t)  # validate the header before passing it on

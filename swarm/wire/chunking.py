@@ -32,7 +32,9 @@ __all__ = [
     "buffer",
     "decode_named",
     "grpc_options",
+    "read_to_end",
     "receive",
+    "receive_reply",
     "split",
     "split_tensor",
     "tensor_bytes",
@@ -195,6 +197,23 @@ def _check_count(header: Any) -> None:
         )
 
 
+async def receive_reply(call: Any, **kwargs: Any) -> Received[M]:
+    """`receive` of a call's one reply, then the end of its stream (`read_to_end`)."""
+    stream = call.__aiter__()  # the call's one iterator
+    received: Received[M] = await receive(stream, **kwargs)
+    await read_to_end(stream, "the reply's")
+    return received
+
+
+async def read_to_end(stream: AsyncIterator[Any], what: str) -> None:
+    """The end of a stream whose one message `receive` read (`what`: whose, for the refusal of
+    a message after it). gRPC holds the last message it read (a whole chunk) while its stream is
+    suspended on it, which a call read only up to its last chunk is until the garbage collector
+    finds the call: read to the end, the chunk goes as the call does."""
+    async for _ in stream:
+        raise InvalidArgument(f"a message after {what} last chunk")
+
+
 async def receive(
     stream: AsyncIterable[M],
     *,
@@ -329,6 +348,9 @@ async def within_deadline(
                 f"({limit_name}): the call is ended and the bytes it declared given back"
             ) from None
         yield message
+        # Not held here while the next is awaited: the stream's end leaves this frame in its
+        # StopAsyncIteration's traceback, which lives until the garbage collector finds it.
+        del message
 
 
 def decode_named(

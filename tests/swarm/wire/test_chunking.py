@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import types
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -18,6 +20,7 @@ from swarm.wire.chunking import (
     Received,
     decode_named,
     receive,
+    receive_reply,
     split,
     split_tensor,
 )
@@ -491,3 +494,45 @@ async def test_a_header_of_many_tiny_tensors_is_refused_before_any_is_decoded() 
         await receive(stream_of([header(*few)]), max_bytes=charged - 1, reserve=taken.append)
     got = await receive(stream_of([header(*few)]), max_bytes=charged, reserve=taken.append)
     assert taken == [charged] and len(decode_named(got)) == MAX_TENSORS_PER_MESSAGE
+
+
+def _suspended_on_a_message() -> int:
+    """gRPC response streams (`_fetch_stream_responses`) suspended with a message in hand."""
+    return sum(
+        1
+        for o in gc.get_objects()
+        if type(o) is types.AsyncGeneratorType
+        and o.ag_frame is not None
+        and o.ag_code.co_name == "_fetch_stream_responses"
+        and o.ag_frame.f_locals.get("message") is not None
+    )
+
+
+async def test_a_reply_read_to_its_end_holds_no_chunk(
+    stub: stage_pb2_grpc.StageServiceStub,
+) -> None:
+    """`receive_reply` reads a reply and then its stream's end, so gRPC lets go of the last
+    chunk as the call returns; `receive` alone leaves the stream suspended on it (a chunk of up
+    to `chunk_bytes`) until the garbage collector finds the call, which can be long (off here,
+    so that a reference cycle shows)."""
+    big = torch.randn(3 * MiB)  # 12 MiB: three chunks of 4 MiB back
+
+    async def left_holding(read: Any) -> int:
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                call = stub.Forward(timeout=60)
+                for m in split(forward_request(inputs=big), CHUNK_BYTES):
+                    await call.write(m)
+                await call.done_writing()
+                got = await read(call)
+                assert torch.equal(decode_named(got)["inputs"], big)
+                del got, call
+            await asyncio.sleep(0.1)
+            return _suspended_on_a_message()
+        finally:
+            gc.enable()
+
+    assert await left_holding(lambda call: receive(call.__aiter__(), max_bytes=LIMIT)) == 3
+    assert await left_holding(lambda call: receive_reply(call, max_bytes=LIMIT)) == 0
