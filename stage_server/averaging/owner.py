@@ -119,15 +119,18 @@ class Reduced:
         return wire.split(pool_pb2.PoolReduceResponse(tensors=[self._message]), chunk_bytes)
 
 
-def _reduce(values: list[torch.Tensor], owned: bool, codec: int, block_size: int) -> Reduced:
-    """The sum `((c0 + c1) + c2) + ...` of `values` in sender order; into `values[0]` itself
-    when it is `owned` (a received buffer no one else reads), else into a new tensor."""
+def _reduce(values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int) -> Reduced:
+    """The sum `((c0 + c1) + c2) + ...` of `values` in sender order; into `values[0]` or
+    `values[1]` itself when it is `owned` (a received buffer no one else reads), else into a
+    new tensor."""
     total = values[0]
     if len(values) > 1:
-        if owned:
+        if owned[0]:
             total.add_(values[1])  # the same bits as c0 + c1 into a new tensor
+        elif owned[1]:  # c0 is the owner's own gradient: c1 + c0, the same bits (IEEE 754
+            total = values[1].add_(values[0])  # addition commutes), and no tensor more
         else:
-            total = values[0] + values[1]  # values[0] may be a sender's own gradient
+            total = values[0] + values[1]
         for v in values[2:]:
             total.add_(v)  # elementwise, so the same bits as ((c0 + c1) + c2) + ...
     if codec == CODEC_NONE:
@@ -350,7 +353,7 @@ class Averager:
         self, round: RoundKey, name: str, slot: _Slot, codec: int, block_size: int
     ) -> None:
         values = [v for v in slot.values if v is not None]
-        owned = slot.owned[0]
+        owned = slot.owned
         slot.values, slot.owned = [], []
         try:
             # Off the event loop: a large part's sum would hold up every other call.

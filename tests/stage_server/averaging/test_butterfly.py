@@ -88,6 +88,23 @@ async def test_sum_is_in_sender_order_whatever_the_arrival_order() -> None:
     assert av.open_rounds() == set() and av.outcome(R) == "completed"
 
 
+@pytest.mark.parametrize("n", [2, 3])
+async def test_the_owners_own_first_contribution_is_summed_into_a_received_buffer(n: int) -> None:
+    """Sender 0's values are the owner's own gradient (not to be written): the sum goes into
+    sender 1's received buffer as c1 + c0, the same bits as c0 + c1, with no tensor more."""
+    av = Averager()
+    values = [torch.randn(1001, dtype=torch.float32) * 10**i for i in range(n)]
+    own, received = values[0].clone(), [v.clone() for v in values[1:]]
+    expected = ordered_sum(values)
+    results = await asyncio.gather(
+        av.reduce(R, 0, 0, n, own, timeout_s=5),
+        *(av.reduce(R, 0, s, n, received[s - 1], timeout_s=5, owned=True) for s in range(1, n)),
+    )
+    assert all(torch.equal(r.tensor, expected) for r in results)
+    assert results[0].tensor.data_ptr() == received[0].data_ptr()  # summed in place there
+    assert torch.equal(own, values[0])  # the owner's gradient untouched
+
+
 async def test_a_group_size_no_pool_has_is_refused_before_anything_is_allocated() -> None:
     # `PoolService.Reduce` carries the group size as a uint32: a hostile peer's 10^7 made the
     # owner allocate a slot per sender (6.4 s and +0.9 GiB on the event loop), 2^32 - 1 would
