@@ -25,7 +25,7 @@ from swarm.bus.connection import Bus, BusLike
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import delays
+from swarm.job.rule import rule_of
 from swarm.model.data import VAL_STEP, DataSource, make_data, make_val_data
 from swarm.policy.backoff import Backoff
 from swarm.policy.wiring import Wiring
@@ -219,7 +219,7 @@ class PipelineTrainer:
             # A release names indices only: one of an older step (a straggler) would give away
             # this trainer's lease on the same index of the step it works on now. (With
             # delayed_update the step before the leased one is live too.)
-            live = self._leased_step - (1 if delays(self.job) else 0)
+            live = self._leased_step - (1 if rule_of(self.job).delays else 0)
             if task.step >= live:
                 await self.coordinator.release(self.trainer_id, [task.index])
             return None

@@ -40,7 +40,7 @@ from scheduler.stalls import Health, StallWatch
 from scheduler.store import JobState, JobStore, StoreError
 from swarm.bus.connection import BusLike
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import has_rounds
+from swarm.job.rule import rule_of
 from swarm.model import checkpoint
 from swarm.model.routes import write_record
 from swarm.ops.progress import StepRecord
@@ -151,7 +151,7 @@ class JobTraining:
             await self.set_status(job_id, None, text)
 
         routes = None
-        if has_rounds(job):  # appended: a resumed job's record goes on
+        if rule_of(job).rounds:  # appended: a resumed job's record goes on
             path = routes_path(self.checkpoint_dir, job_id)
             path.parent.mkdir(parents=True, exist_ok=True)
             routes = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed below)

@@ -35,8 +35,8 @@ import torch
 
 from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import step_eager
-from swarm.model.local_steps import build_outer_optimizer, eager_gradient
+from swarm.job.rule import rule_of
+from swarm.model.outer_rules import build_outer_optimizer, eager_gradient
 
 __all__ = ["AVERAGED", "SHARED", "SYNCED", "Eager", "LocalRound"]
 
@@ -65,10 +65,10 @@ class LocalRound:
         self, job: JobConfig, params: Sequence[torch.Tensor], inner: Inner | None = None
     ) -> None:
         self.params = list(params)
-        pool = job.pool
+        pool = job.pool  # the outer optimizer's settings
         # step_eager: a round of one step on the parameters themselves (`inner`), its share the
         # step's gradient sums (`grads`, kept by `stash`) over the pool's samples
-        self.gradients = step_eager(job)
+        self.gradients = rule_of(job).step_eager
         self.inner = inner
         self.grads: list[torch.Tensor] | None = None
         # The round's start: leaves of their own (an optimizer needs leaves), never views of
@@ -81,7 +81,7 @@ class LocalRound:
         self._prepared: tuple[int, list[torch.Tensor], int] | None = None
         # pool.overlap = "eager": this replica's share of the round that ended at `shared`, and
         # the pool's sum of the shares of the round that ended at `averaged` (-1, None: none yet)
-        self.eager = pool.overlap == "eager"
+        self.eager = rule_of(job).eager
         self.share: list[torch.Tensor] | None = None
         self.shared = -1
         self.average: list[torch.Tensor] | None = None

@@ -30,7 +30,7 @@ from stage_server.tensor_checks import TensorChecks
 from stage_server.update_log import UpdateLog
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import delays, has_rounds
+from swarm.job.rule import rule_of
 from swarm.model import stage_state
 from swarm.model.optim import build_optimizer, computes_on, grad_sq_norm, is_boundary, update
 from swarm.model.transformer import (
@@ -87,7 +87,7 @@ class StageRuntime:
         self.params = list(self.module.parameters())
         self.optimizer = build_optimizer(self.params, job.optimizer)
         self.step = 0  # steps committed so far; the step being accumulated
-        self.delayed = delays(job)
+        self.delayed = rule_of(job).delays
         self._sums: dict[int, _Sums] = {}  # step -> its sums: `step`, and `step + 1` if delayed
         # delayed_update: updates applied -> a copy of the module then, for `step - 1` (what
         # step `step` computes on) and `step` (what step `step + 1` computes on)
@@ -109,8 +109,8 @@ class StageRuntime:
         self.following = False
         # pool.mode = "local": the round's start, the outer optimizer and this replica's samples
         # in the round (`stage_server.local_round`); None: every step is averaged
-        # (or delayed_update's eager rule: rounds of one step, `swarm.job.pool_rules.step_eager`)
-        self.round = LocalRound(job, self.params, self._inner) if has_rounds(job) else None
+        # (or delayed_update's eager rule: rounds of one step, `swarm.job.rule`)
+        self.round = LocalRound(job, self.params, self._inner) if rule_of(job).rounds else None
 
     # -- validation -----------------------------------------------------------------------------
     def _check_step(self, step: int, next_ok: bool = False) -> None:

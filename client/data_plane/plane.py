@@ -15,7 +15,7 @@ from client.data_plane.push import PushPlane
 from client.data_plane.relay import RelayPlane
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import delays
+from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
 
@@ -45,5 +45,5 @@ def make_plane(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> Data
     """The plane `job` names."""
     if job.runtime.data_plane == "push":
         return PushPlane(job, hops, metrics)
-    cache = BoundaryCache(job.runtime.boundary_cache_bytes, delayed_update=delays(job))
+    cache = BoundaryCache(job.runtime.boundary_cache_bytes, delayed_update=rule_of(job).delays)
     return RelayPlane(job, hops, metrics, cache)

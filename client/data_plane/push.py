@@ -13,7 +13,7 @@ import torch
 from client.data_plane.hops import StageHops
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import has_rounds
+from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
@@ -74,9 +74,9 @@ class PushPlane:
         loss = result.loss_sum if last in holders else None
         samples = int(ids.shape[0])
         chain = (peer or "", *result.path)
-        if not has_rounds(self.job) or len(chain) != last + 1 or not all(chain):
+        if not rule_of(self.job).rounds or len(chain) != last + 1 or not all(chain):
             # pool.mode = "local" needs the whole path: without it, nothing of the run counts
-            holders = {} if has_rounds(self.job) else holders
+            holders = {} if rule_of(self.job).rounds else holders
             return MicrobatchResult(step, index, holders, loss, samples)
         # Each stage ran the microbatch's Forward and its Backward itself: `back` is empty.
         return MicrobatchResult(step, index, holders, loss, samples, chain)

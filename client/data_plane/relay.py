@@ -17,7 +17,7 @@ from client.data_plane.hops import StageHops
 from client.metrics import TrainerMetrics
 from swarm.errors import ActivationsNotCached
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import has_rounds
+from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
 from swarm.proto import tensor_pb2
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
@@ -39,7 +39,7 @@ class RelayPlane:
     async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
         # pool.mode = "local": replicas differ, so a replay runs the pipeline again, and the
         # result names every replica the run went through (the route record)
-        local = has_rounds(self.job)
+        local = rule_of(self.job).rounds
         if len(task.stages) < self.job.training.stages and not local:  # a replay
             replayed = await self._replay_from_cache(task)
             if replayed is not None:

@@ -48,7 +48,7 @@ from scheduler.coordinator.step_records import StepRecords
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import delays, has_rounds
+from swarm.job.rule import rule_of
 from swarm.model.routes import Record
 from swarm.ops.progress import StepRecord
 from swarm.policy.backoff import Backoff
@@ -126,7 +126,7 @@ class LocalCoordinator:
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         self._records = StepRecords(self.metrics, job.model.seq_len)
         self._live: list[_Live] = []  # oldest first: at most two, with delayed_update
-        self.delayed = delays(job)
+        self.delayed = rule_of(job).delays
         self.clients = ReplicaClients(
             connect or grpc_replicas(job, job_id, token), grace_s=job.runtime.commit_timeout_s
         )
@@ -144,7 +144,7 @@ class LocalCoordinator:
         )
         self.rounds = (
             PoolRounds(job, self.clients, self.membership, self.metrics, on_route, on_status)
-            if has_rounds(job)
+            if rule_of(job).rounds
             else None
         )
         self.two_phase = TwoPhaseCommit(
@@ -384,7 +384,7 @@ class LocalCoordinator:
             size = self.job.training.microbatch_size
             # pool.mode = "local": a late receipt names no run for the route record; the
             # microbatch is replayed, and the commit voids the replica that holds it
-            local = has_rounds(self.job)
+            local = rule_of(self.job).rounds
             for (stage, r), info in zip(pairs, infos, strict=True):
                 if local:
                     break

@@ -19,7 +19,7 @@ from scheduler.coordinator.replicas import ReplicaClients
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import has_rounds
+from swarm.job.rule import rule_of
 from swarm.model import checkpoint, stage_state
 from swarm.model.optim import is_boundary
 from swarm.rpc.lease import Replica
@@ -122,7 +122,7 @@ class Recovery:
             return True
         if self.every_s is None or self.clock.now() - self._last_at < self.every_s:
             return False
-        return not has_rounds(self.job) or is_boundary(self.job, step)
+        return not rule_of(self.job).rounds or is_boundary(self.job, step)
 
     async def save(self, step: int, members: list[list[Replica]]) -> None:
         """Save every stage's state at `step` (from one member each), then seal it. A write

@@ -41,7 +41,7 @@ from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import ReplicaClients, StageReplica
 from swarm.errors import Aborted
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import round_steps
+from swarm.job.rule import rule_of
 from swarm.model.optim import is_boundary
 from swarm.model.routes import Join, Record, StepRuns, Sync
 from swarm.policy.backoff import Backoff
@@ -81,7 +81,7 @@ class PoolRounds:
         # pool.overlap = "eager": the last round's averaging under way (its result: per stage,
         # the members whose shares it summed), the members that took each stage's last outer
         # step, and whose shares made each stage's last average once it is known
-        self.eager = job.pool.overlap == "eager"
+        self.eager = rule_of(job).eager
         self._pending: asyncio.Task[dict[int, tuple[str, ...]]] | None = None
         self._stepped: dict[int, tuple[str, ...]] = {}
         self._averaged: dict[int, tuple[str, ...]] = {}
@@ -97,7 +97,7 @@ class PoolRounds:
         round left so is not, yet: its background sum fails and the stage rolls back.)"""
         self.restarted()
         synced = await self._counted(members)
-        every = round_steps(self.job)
+        every = rule_of(self.job).round_steps
         last = step - step % every  # the last round's end at or before `step`
         if self.eager and last > 0 and all(members):
             copied = [list(replicas) for replicas in members]
@@ -127,7 +127,8 @@ class PoolRounds:
             *(self.clients.get(k, r).info() for k, r in where), return_exceptions=True
         )
         synced = []
-        most = round_steps(self.job) * self.job.training.target_batch_size  # a round's samples
+        # a round's samples
+        most = rule_of(self.job).round_steps * self.job.training.target_batch_size
         for (k, r), info in zip(where, infos, strict=True):
             if isinstance(info, BaseException):
                 continue  # gone or unreachable: the first commit deals with it

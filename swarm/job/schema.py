@@ -262,7 +262,7 @@ class PoolConfig(Section):
     #: "eager": a round's averaging runs while the next round trains, each replica applying its
     #: own fresh share at once and the others' one round late (with mode = "local", or with
     #: mode = "step" and training.delayed_update: a round of one step, the job's optimizer for
-    #: the outer one, `swarm.job.pool_rules.step_eager`)
+    #: the outer one, `swarm.job.rule`)
     overlap: Literal["none", "eager"] = "none"
 
     def _validate(self) -> None:

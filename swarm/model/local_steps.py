@@ -46,10 +46,16 @@ import torch
 from torch import nn
 
 from swarm.errors import ConfigError
-from swarm.job.config import JobConfig, PoolConfig
-from swarm.job.pool_rules import has_rounds, round_steps
+from swarm.job.config import JobConfig
+from swarm.job.rule import rule_of
 from swarm.model.data import DataSource, make_data, make_val_data
 from swarm.model.optim import build_optimizer, update
+from swarm.model.outer_rules import (
+    build_outer_optimizer,
+    eager_gradients,
+    ordered_sum,
+    pseudo_gradient,
+)
 from swarm.model.reference import evaluate
 from swarm.model.routes import Join, Record, Run, StepRuns, Sync
 from swarm.model.transformer import (
@@ -63,11 +69,6 @@ from swarm.model.transformer import (
 from swarm.ops.progress import StepRecord
 
 __all__ = [
-    "build_outer_optimizer",
-    "eager_gradient",
-    "eager_gradients",
-    "ordered_sum",
-    "pseudo_gradient",
     "simulates_replicas",
     "synthetic_routes",
     "train_replicas",
@@ -79,86 +80,7 @@ DEFAULT_REPLICAS = 2
 def simulates_replicas(job: JobConfig) -> bool:
     """Whether `swarm local` trains `job` as replicas of every stage (`train_replicas`): local
     steps, or delayed_update's eager rule (the replicas differ); else as one (`train_local`)."""
-    return job.pool.mode == "local" or job.pool.overlap == "eager"
-
-
-def build_outer_optimizer(params: Iterable[torch.Tensor], cfg: PoolConfig) -> torch.optim.Optimizer:
-    """The pool's outer SGD on a round's start parameters: Nesterov momentum, or plain SGD with
-    momentum 0 (torch refuses Nesterov without momentum). foreach=False, as `build_optimizer`."""
-    momentum = cfg.outer_momentum
-    return torch.optim.SGD(
-        params, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0, foreach=False
-    )
-
-
-def pseudo_gradient(
-    start: Sequence[torch.Tensor], members: Sequence[tuple[Sequence[torch.Tensor], int]]
-) -> list[torch.Tensor] | None:
-    """A round's averaged pseudo-gradient, per parameter: sum over `members` (parameters, round
-    samples), in their order, of (start - parameters) * samples, then divided by the total
-    samples; None when no member counted a sample (no outer step then). The order of the sum
-    is the group's, so every replica and the reference get the same bits."""
-    total = sum(n for _, n in members)
-    if total == 0:
-        return None
-    averaged = []
-    with torch.no_grad():
-        for j, s in enumerate(start):
-            acc: torch.Tensor | None = None
-            for params, n in members:
-                term = (s - params[j]) * n
-                acc = term if acc is None else acc.add_(term)
-            assert acc is not None
-            averaged.append(acc.div_(total))
-    return averaged
-
-
-def eager_gradient(
-    previous: Sequence[torch.Tensor] | None,
-    fresh: Sequence[torch.Tensor],
-    own_previous: Sequence[torch.Tensor] | None,
-) -> list[torch.Tensor]:
-    """One member's outer gradient of an eagerly overlapped round: the previous round's average
-    (`previous`, None before the first), plus `fresh` (the member's own fresh share: its samples
-    / the round's samples x its pseudo-gradient; the last round: the whole average), minus the
-    member's own share of the previous round (`own_previous`, None before its first):
-    `prev_avg + (share - prev_share)`, so the others' fresh shares arrive one round late. The
-    swarm's replicas (`stage_server.local_round`) take it with this very function."""
-    grads = []
-    with torch.no_grad():
-        for j, f in enumerate(fresh):
-            g = f.clone() if previous is None else previous[j] + f
-            if own_previous is not None:
-                g.sub_(own_previous[j])
-            grads.append(g)
-    return grads
-
-
-def ordered_sum(parts: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """The sum of `parts` per tensor, ((p0 + p1) + p2) + ..., in their order: the bits the
-    swarm's averaging gives (`stage_server.averaging.owner` sums in the group's order)."""
-    total = [t.clone() for t in parts[0]]
-    with torch.no_grad():
-        for part in parts[1:]:
-            for acc, t in zip(total, part, strict=True):
-                acc.add_(t)
-    return total
-
-
-def eager_gradients(
-    previous: Sequence[torch.Tensor] | None,
-    shares: Sequence[Sequence[torch.Tensor]],
-    own_previous: Sequence[Sequence[torch.Tensor] | None],
-    complete: bool = False,
-) -> list[list[torch.Tensor]]:
-    """Every member's `eager_gradient` (`shares[m]` its fresh share, `own_previous[m]` its
-    last); `complete`: the last round, whose average is waited for: every member adds the
-    others' fresh shares too (the round's whole sum, `ordered_sum` of `shares`)."""
-    whole = ordered_sum(shares) if complete else None
-    return [
-        eager_gradient(previous, share if whole is None else whole, before)
-        for share, before in zip(shares, own_previous, strict=True)
-    ]
+    return rule_of(job).rounds
 
 
 def synthetic_routes(job: JobConfig, replicas: int, steps: int | None = None) -> Iterator[Record]:
@@ -180,7 +102,7 @@ def synthetic_routes(job: JobConfig, replicas: int, steps: int | None = None) ->
         held = [_spread(job.training.seed, t, k, m, replicas) for k in range(n_stages)]
         chains = [tuple(names[held[k][i]] for k in range(n_stages)) for i in range(m)]
         yield StepRuns(t, tuple(Run(i, everywhere, chains[i]) for i in range(m)))
-        if has_rounds(job) and ((t + 1) % round_steps(job) == 0 or t == total - 1):
+        if rule_of(job).rounds and ((t + 1) % rule_of(job).round_steps == 0 or t == total - 1):
             for k in range(n_stages):
                 yield Sync(t, k, names)
 
@@ -282,10 +204,10 @@ class _Replay:
         eval_every: int | None = None,
     ) -> None:
         self.job, self.device, self.on_step = job, device, on_step
-        eager = job.pool.overlap == "eager"
-        self.eager = eager and job.pool.mode == "local"
-        self.delayed_eager = eager and job.pool.mode == "step"  # `_eager_update`
-        if eager and job.training.eval_every:
+        rule = rule_of(job)
+        self.eager = rule.eager and rule.local
+        self.delayed_eager = rule.step_eager  # `_eager_update`
+        if rule.eager and job.training.eval_every:
             raise ConfigError(
                 'pool.overlap = "eager" with training.eval_every: the replicas share no '
                 "parameters between rounds to evaluate; set eval_every = 0 (the final model is "

@@ -11,7 +11,7 @@ import torch
 
 from swarm.errors import NonFiniteGradient
 from swarm.job.config import JobConfig, OptimizerConfig
-from swarm.job.pool_rules import delays, round_steps
+from swarm.job.rule import rule_of
 
 __all__ = [
     "NORM_PIECE",
@@ -67,15 +67,13 @@ def computes_on(job: JobConfig, step: int) -> int:
     taken at the parameters before step t-1's update, so that update and its averaging overlap
     step t's microbatches); steps 0 and 1 both compute on the initial parameters. The final
     evaluation, after the last step, is of the trained parameters either way."""
-    if not delays(job) or step >= job.training.steps:
-        return step
-    return max(step - 1, 0)
+    return rule_of(job).computes_on(step, job.training.steps)
 
 
 def is_boundary(job: JobConfig, step: int) -> bool:
     """Where `has_rounds`: whether a round ends before step `step` (after `step` local
     updates): every `round_steps` steps, and after the job's last step."""
-    return step > 0 and (step % round_steps(job) == 0 or step == job.training.steps)
+    return rule_of(job).is_boundary(step, job.training.steps)
 
 
 # Elements of a gradient squared at once: a tensor up to this size is one sum, as it always

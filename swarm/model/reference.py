@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 
 from swarm.job.config import JobConfig
+from swarm.job.rule import rule_of
 from swarm.model.data import VAL_STEP, DataSource, make_data, make_val_data
 from swarm.model.optim import build_optimizer, clip_scale, computes_on, grad_sq_norm, update
 from swarm.model.transformer import (
@@ -64,7 +65,7 @@ def train_local(
                 weights[name].grad = None
             assert p.grad is not None
             p.grad.div_(samples)
-        if job.training.delayed_update:
+        if rule_of(job).delays:
             named = model.named_parameters()
             stale = {n: p.detach().clone().requires_grad_(True) for n, p in named}
         sq_norms = [grad_sq_norm(p.grad for p in stage if p.grad is not None) for stage in stages]

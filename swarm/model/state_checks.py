@@ -19,7 +19,7 @@ import torch
 
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig, OptimizerConfig
-from swarm.job.pool_rules import delays, has_rounds
+from swarm.job.rule import rule_of
 from swarm.model.optim import build_optimizer
 from swarm.model.transformer import stage_layout
 from swarm.wire.chunking import TENSOR_OVERHEAD_BYTES
@@ -49,19 +49,14 @@ class StateChecks:
     def __init__(self, job: JobConfig, stage: int, module: torch.nn.Module | None = None) -> None:
         module = stage_layout(job, stage) if module is None else module
         self.stage = stage
-        self.delayed = delays(job)
+        self.delayed = rule_of(job).delays
         # Names a state of this job may hold beside `param/`: the parameters before the last
-        # update (delayed_update), the round's start and outer momentum (pool.mode = "local")
-        self._copies: tuple[str, ...] = ("prev/",) if self.delayed else ()
-        if job.pool.mode == "local":
-            self._copies += ("round/", "outer/")
-        if has_rounds(job) and job.pool.overlap == "eager":
-            # pool.overlap = "eager": its last share and the last average it holds, each with
-            # the round it is of (`round/shared`, `round/averaged`)
-            self._copies += ("share/", "average/")
-        self._markers = {"round/synced"} if has_rounds(job) else set()
-        if "share/" in self._copies:
-            self._markers |= {"round/shared", "round/averaged"}
+        # update (delayed_update), the round's start and outer momentum (pool.mode = "local"),
+        # and under an eager rule its last share and the last average it holds, each with the
+        # round it is of (`round/shared`, `round/averaged`): the rule says which
+        rule = rule_of(job)
+        self._copies: tuple[str, ...] = rule.state_copies
+        self._markers = set(rule.state_markers)
         params = list(module.parameters())  # by optimizer index: an update's order too
         self._params = [(p.shape, p.dtype) for p in params]
         self._state = {f"param/{k}": (v.shape, v.dtype) for k, v in module.state_dict().items()}

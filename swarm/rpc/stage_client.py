@@ -23,7 +23,7 @@ import torch
 
 from swarm.errors import InvalidArgument, PeerUnavailable, ResourceExhausted
 from swarm.job.config import JobConfig
-from swarm.job.pool_rules import has_rounds
+from swarm.job.rule import rule_of
 from swarm.net import tokens as auth
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
@@ -474,7 +474,7 @@ class StageClient:
         # pool.mode = "local": a local step may take no sample, and a round's end comes before
         # its step's own update (same step); pool.overlap = "eager": an average may arrive at
         # any step (it moves no step)
-        local = has_rounds(self.job)
+        local = rule_of(self.job).rounds
         least = 0 if local else 1
         at, ended = -1, False  # the step the sender is at after the last update, and whether
         # a round ended there

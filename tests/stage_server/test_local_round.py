@@ -15,7 +15,8 @@ from stage_server.runtime import StageRuntime
 from swarm.errors import ConfigError, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
 from swarm.model.data import make_data
-from swarm.model.local_steps import ordered_sum, train_replicas
+from swarm.model.local_steps import train_replicas
+from swarm.model.outer_rules import ordered_sum
 from swarm.model.reference import train_local
 from swarm.model.routes import Join, Record, Run, StepRuns, Sync
 from swarm.proto import stage_pb2 as pb

@@ -29,7 +29,7 @@ from tests.system.test_faults import Servers, _count
 LOCAL = {"mode": "local", "sync_every": 2}
 RELAY = {"data_plane": "relay", "max_in_flight": 4}
 # The rules whose replicas differ: (the [pool] table, the [training] keys it needs). "delayed":
-# delayed_update's eager rule, rounds of one step (`swarm.job.pool_rules.step_eager`).
+# delayed_update's eager rule, rounds of one step (`swarm.job.rule`).
 RULES: dict[str, tuple[dict[str, object], dict[str, object]]] = {
     "none": (LOCAL | {"overlap": "none"}, {}),
     "eager": (LOCAL | {"overlap": "eager"}, {}),

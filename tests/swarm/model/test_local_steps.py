@@ -15,7 +15,8 @@ from swarm.cli import main
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig
 from swarm.model.data import make_val_data
-from swarm.model.local_steps import eager_gradients, synthetic_routes, train_replicas
+from swarm.model.local_steps import synthetic_routes, train_replicas
+from swarm.model.outer_rules import eager_gradients
 from swarm.model.reference import evaluate, train_local
 from swarm.model.routes import Join, Record, Run, StepRuns, Sync, read_routes, write_record
 from swarm.ops.progress import StepRecord
