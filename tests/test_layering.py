@@ -9,7 +9,9 @@ module's source, so that a seeded violation can prove it bites:
 - one hop loop: only `swarm.rpc.hop` keeps the wiring's books;
 - only the CLI dispatcher loads modules by name;
 - no import circle between project modules (`KNOWN_CIRCLES` aside, each still a circle);
-- the concept map (docs/architecture.md) and README's layout name real paths."""
+- a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it);
+- the concept map (docs/architecture.md) and README's layout name real paths, and the map names
+  every module over `MAPPED` lines."""
 
 from __future__ import annotations
 
@@ -123,6 +125,32 @@ KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
 """Import circles between project modules (imports inside functions and under `TYPE_CHECKING`
 count: they are the same knot, only loaded later). A circle is a strongly connected part of the
 import graph; its modules load only in one order, and neither can be read or tested alone."""
+
+BUDGET = 450
+"""The lines a module may have: one concept, one file (the generated messages are not counted)."""
+GENERATED = re.compile(r"swarm\.proto\.\w+_pb2(?:_grpc)?")
+OVERSIZE: dict[str, str] = {
+    # module: why it may pass BUDGET. Each must still pass it (a stale entry fails).
+    "scheduler.store": (
+        "a single large concept: the durable job store, its tables, the job state machine and the "
+        "step rows kept through a write problem, behind one connection"
+    ),
+    "swarm.policy.stage_pool": (
+        "a single large concept: one stage's pool, whose three lazily invalidated heaps (choice, "
+        "bans, probes) keep their invariants only together"
+    ),
+    # issue 40: being split; the lead prunes these after merging.
+    "stage_server.runtime": "delayed copies, following a copy, the step's sums and spill leave",
+    "scheduler.coordinator.coordinator": "the live-step window and late-receipt checks leave",
+    "swarm.rpc.stage_client": "the bounded state and update streams leave",
+    "swarm.model.local_steps": "the reference's rule becomes one strategy",
+    "scheduler.service": "retention leaves the orchestrator",
+    "stage_server.servicer": "the push path leaves for a file beside next_hop.py",
+    "stage_server.averaging.butterfly": "its service, its channels and a round object part",
+}
+MAPPED = 150
+"""A module longer than this is a concept of its own: the concept map names it (its file, not
+only its folder)."""
 
 DOC_TABLES = (
     ("docs/architecture.md", "Where each concept lives", True),  # required: the concept map
@@ -546,12 +574,12 @@ def table(markdown: str, heading: str) -> list[tuple[int, str]]:
     return rows[2:]  # the header and its rule
 
 
-def missing_paths(
-    doc: str, rows: Iterable[tuple[int, str]], exists: Callable[[str], bool]
-) -> list[str]:
-    """Paths in backticks in `rows` that do not exist. A path whose first part is no top-level
-    entry (`sim/`, `wiring.py`) is read in the row's last top-level path (`scheduler/`)."""
-    bad: list[str] = []
+def map_paths(
+    rows: Iterable[tuple[int, str]], exists: Callable[[str], bool]
+) -> Iterator[tuple[int, str, str, bool]]:
+    """(line, token, path, rooted) of each path in backticks in `rows`. A path whose first part is
+    no top-level entry (`sim/`, `wiring.py`) is read in the row's last top-level path
+    (`scheduler/`): it is not `rooted`."""
     for line, text in rows:
         base = ""
         for token in re.findall(r"`([^`]+)`", text):
@@ -561,13 +589,66 @@ def missing_paths(
                 continue
             rooted = not base or exists(token.split("/")[0])
             path = token if rooted else base + token
-            if not exists(path.rstrip("/")):
-                read = "" if rooted else f" (read as {path})"
-                bad.append(f"{doc}:{line}: `{token}`{read} does not exist (the map is stale)")
+            yield line, token, path, rooted
             if rooted:
                 base = path if path.endswith("/") else path.rpartition("/")[0] + "/"
                 base = "" if base == "/" else base
-    return bad
+
+
+def missing_paths(
+    doc: str, rows: Iterable[tuple[int, str]], exists: Callable[[str], bool]
+) -> list[str]:
+    """Paths in backticks in `rows` that do not exist."""
+    return [
+        f"{doc}:{line}: `{token}`{'' if rooted else f' (read as {path})'} does not exist (the "
+        "map is stale)"
+        for line, token, path, rooted in map_paths(rows, exists)
+        if not exists(path.rstrip("/"))
+    ]
+
+
+# Module sizes.
+
+
+def sizes(root: Path = ROOT) -> dict[str, tuple[str, int]]:
+    """Every project module written by hand -> (its path, its lines)."""
+    return {
+        name: (str(path.relative_to(root)), len(path.read_text().splitlines()))
+        for name, path in project_modules(root).items()
+        if not GENERATED.fullmatch(name)
+    }
+
+
+def oversize(
+    found: Mapping[str, tuple[str, int]], allowed: Mapping[str, str] = OVERSIZE
+) -> list[str]:
+    """Modules over `BUDGET` lines not in `allowed`, and entries of `allowed` within it."""
+    return [
+        *(
+            f"{path}:1: {name} has {lines} lines, over the {BUDGET}-line budget: split it by "
+            "concept (or name it in OVERSIZE with the reason it is one)"
+            for name, (path, lines) in sorted(found.items())
+            if lines > BUDGET and name not in allowed
+        ),
+        *(
+            f"OVERSIZE {name}: {found[name][1]} lines, within the budget; remove it"
+            if name in found
+            else f"OVERSIZE {name}: no such module; remove it"
+            for name in allowed
+            if found.get(name, ("", 0))[1] <= BUDGET
+        ),
+    ]
+
+
+def unmapped(found: Mapping[str, tuple[str, int]], named: Iterable[str]) -> list[str]:
+    """Modules over `MAPPED` lines whose file the concept map does not name."""
+    named = set(named)
+    return [
+        f"{path}:1: {name} has {lines} lines and is its own concept: name it in "
+        f"{DOC_TABLES[0][0]}'s map ('{DOC_TABLES[0][1]}')"
+        for name, (path, lines) in sorted(found.items())
+        if lines > MAPPED and path not in named
+    ]
 
 
 # The tree.
@@ -637,6 +718,21 @@ def test_no_import_circles() -> None:
     bad = circle_violations(edges())
     if bad:
         pytest.fail("import circles between project modules:\n" + "\n".join(bad))
+
+
+def test_modules_keep_to_the_budget() -> None:
+    bad = oversize(sizes())
+    if bad:
+        pytest.fail(f"modules over {BUDGET} lines (one concept, one file):\n" + "\n".join(bad))
+
+
+def test_the_concept_map_names_every_large_module() -> None:
+    doc, heading, _ = DOC_TABLES[0]
+    rows = table((ROOT / doc).read_text(), heading)
+    named = (path for _, _, path, _ in map_paths(rows, lambda p: (ROOT / p).exists()))
+    bad = unmapped(sizes(), named)
+    if bad:
+        pytest.fail(f"modules over {MAPPED} lines missing from the concept map:\n" + "\n".join(bad))
 
 
 def test_the_concept_map_is_true() -> None:
@@ -897,3 +993,49 @@ def test_the_circle_checker() -> None:
     ]
     assert circles(fine) == {}
     assert circle_violations(fine, {}) == []
+
+
+def test_the_budget_checker() -> None:
+    found = {
+        "client.big": ("client/big.py", BUDGET + 1),
+        "client.fine": ("client/fine.py", BUDGET),
+        "client.allowed": ("client/allowed.py", BUDGET + 200),
+        "client.split": ("client/split.py", 120),
+    }
+    allowed = {"client.allowed": "one concept", "client.split": "stale", "client.gone": "stale"}
+    assert oversize(found, allowed) == [
+        f"client/big.py:1: client.big has {BUDGET + 1} lines, over the {BUDGET}-line budget: "
+        "split it by concept (or name it in OVERSIZE with the reason it is one)",
+        "OVERSIZE client.split: 120 lines, within the budget; remove it",
+        "OVERSIZE client.gone: no such module; remove it",
+    ]
+    fine = {n: found[n] for n in ("client.fine", "client.allowed")}
+    assert not oversize(fine, {"client.allowed": "one concept"})
+    assert GENERATED.fullmatch("swarm.proto.stage_pb2_grpc")
+    assert not GENERATED.fullmatch("swarm.proto.framing")
+
+
+def test_the_unmapped_checker() -> None:
+    doc = (
+        "## Where each concept lives\n"
+        "| concept | where |\n"
+        "|---|---|\n"
+        "| hop loop | `swarm/rpc/hop.py` (+ `routes.py`) |\n"
+        "| the simulator | `scheduler/sim/` |\n"
+    )
+    tree = {"swarm", "swarm/rpc/hop.py", "swarm/rpc/routes.py", "scheduler", "scheduler/sim"}
+    named = [
+        path
+        for _, _, path, _ in map_paths(table(doc, "Where each concept lives"), tree.__contains__)
+    ]
+    found = {
+        "swarm.rpc.hop": ("swarm/rpc/hop.py", 400),
+        "swarm.rpc.routes": ("swarm/rpc/routes.py", 300),  # named as `routes.py` in hop's row
+        "swarm.rpc.small": ("swarm/rpc/small.py", MAPPED),
+        "scheduler.sim.engine": ("scheduler/sim/engine.py", MAPPED + 1),  # its folder is not it
+    }
+    assert unmapped(found, named) == [
+        f"scheduler/sim/engine.py:1: scheduler.sim.engine has {MAPPED + 1} lines and is its own "
+        "concept: name it in docs/architecture.md's map ('Where each concept lives')"
+    ]
+    assert not unmapped({n: found[n] for n in ("swarm.rpc.hop", "swarm.rpc.routes")}, named)
