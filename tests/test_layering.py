@@ -9,6 +9,7 @@ module's source, so that a seeded violation can prove it bites:
 - one hop loop: only `swarm.rpc.hop` keeps the wiring's books;
 - only the CLI dispatcher loads modules by name;
 - no import circle between project modules (`KNOWN_CIRCLES` aside, each still a circle);
+- tests take shared helpers only from `tests/support/` (`HELPER_SOURCES` aside, each still used);
 - a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it);
 - the concept map (docs/architecture.md) and README's layout name real paths, and the map names
   every module over `MAPPED` lines."""
@@ -126,6 +127,25 @@ KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
 count: they are the same knot, only loaded later). A circle is a strongly connected part of the
 import graph; its modules load only in one order, and neither can be read or tested alone."""
 
+TESTS = "tests"
+SUPPORT = "tests.support"
+"""Where tests take shared helpers (fakes, harnesses, fixtures) from: a test file imports no other
+test file, so each reads alone and a helper has one home. conftest files may be imported too."""
+HELPER_SOURCES: dict[str, str] = {
+    # A module under tests/, not tests/support/, that others import: why. Each must still be.
+    # issue 40: their helpers move to tests/support/; the lead prunes these after merging.
+    "tests.stage_server.averaging.test_butterfly": "all-reduce helpers",
+    "tests.stage_server.test_delayed_update": "the delayed job",
+    "tests.swarm.bus.raw_mqtt": "a raw MQTT client",
+    "tests.swarm.bus.test_broker_config": "Mosquitto's logins",
+    "tests.swarm.bus.test_connection": "the broker fixture",
+    "tests.swarm.model.test_init_from": "a pretrained model",
+    "tests.swarm.net.test_tls": "the TLS material",
+    "tests.swarm.wire.test_chunking": "the chunking stub",
+    "tests.system.test_faults": "the fault tests' servers",
+    "tests.system.test_tls": "an unchecked TLS identity",
+}
+
 BUDGET = 450
 """The lines a module may have: one concept, one file (the generated messages are not counted)."""
 GENERATED = re.compile(r"swarm\.proto\.\w+_pb2(?:_grpc)?")
@@ -222,6 +242,27 @@ def edges(root: Path = ROOT) -> tuple[Edge, ...]:
     known = set(modules)
     found: list[Edge] = []
     for name, path in modules.items():
+        found += imports_of(
+            name,
+            path.read_text(),
+            package=path.name == "__init__.py",
+            known=known,
+            path=str(path.relative_to(root)),
+        )
+    return tuple(found)
+
+
+@cache
+def suite_edges(root: Path = ROOT) -> tuple[Edge, ...]:
+    """Every import of every module under tests/."""
+    paths = sorted((root / TESTS).rglob("*.py"))
+    names = {
+        path: ".".join(p for p in path.relative_to(root).with_suffix("").parts if p != "__init__")
+        for path in paths
+    }
+    known = set(names.values()) | set(project_modules(root))
+    found: list[Edge] = []
+    for path, name in names.items():
         found += imports_of(
             name,
             path.read_text(),
@@ -477,6 +518,32 @@ def loads_by_name(module: str, source: str, path: str) -> list[str]:
     ]
 
 
+# Tests' helpers.
+
+
+def helper_imports(found: Iterable[Edge], known: Mapping[str, str] = HELPER_SOURCES) -> list[str]:
+    """Imports of a module under tests/ but `SUPPORT` and conftest files, but those of `known`;
+    and entries of `known` that nothing imports any more."""
+    bad: set[str] = set()
+    used: set[str] = set()
+    for e in found:
+        if not within(e.imported, (TESTS,)) or within(e.imported, (SUPPORT,)):
+            continue
+        if e.imported.rpartition(".")[2] == "conftest":
+            continue
+        if e.imported in known:
+            used.add(e.imported)
+            continue
+        bad.add(
+            f"{e.where}: {e.importer} imports {e.imported}: tests take shared helpers only from "
+            "tests/support/"
+        )
+    return [
+        *sorted(bad),
+        *(f"HELPER_SOURCES {m}: nothing imports it; remove it" for m in known if m not in used),
+    ]
+
+
 # Import circles.
 
 
@@ -718,6 +785,12 @@ def test_no_import_circles() -> None:
     bad = circle_violations(edges())
     if bad:
         pytest.fail("import circles between project modules:\n" + "\n".join(bad))
+
+
+def test_tests_take_helpers_only_from_support() -> None:
+    bad = helper_imports(suite_edges())
+    if bad:
+        pytest.fail("tests importing helpers from other test files:\n" + "\n".join(bad))
 
 
 def test_modules_keep_to_the_budget() -> None:
@@ -1039,3 +1112,27 @@ def test_the_unmapped_checker() -> None:
         "concept: name it in docs/architecture.md's map ('Where each concept lives')"
     ]
     assert not unmapped({n: found[n] for n in ("swarm.rpc.hop", "swarm.rpc.routes")}, named)
+
+
+def test_the_helper_checker() -> None:
+    source = (
+        "from tests.support.jobs import job\n"
+        "from tests.swarm.net.test_tls import pki\n"
+        "import tests.system.test_faults\n"
+        "from tests.swarm.bus import raw_mqtt\n"
+        "def late():\n"
+        "    from tests.conftest import anything\n"
+        "    import swarm.errors\n"
+    )
+    found = _edges_of("tests.client.conftest", source)
+    known = {"tests.system.test_faults": "moving", "tests.scheduler.test_gone": "stale"}
+    assert helper_imports(found, known) == [
+        "x.py:2: tests.client.conftest imports tests.swarm.net.test_tls: tests take shared "
+        "helpers only from tests/support/",
+        "x.py:4: tests.client.conftest imports tests.swarm.bus: tests take shared helpers only "
+        "from tests/support/",
+        "HELPER_SOURCES tests.scheduler.test_gone: nothing imports it; remove it",
+    ]
+    fine = "from tests.support import api\nimport tests.support.ports\nfrom swarm import clock\n"
+    assert not helper_imports(_edges_of("tests.support.fakes", fine), {})
+    assert not helper_imports(_edges_of("tests.client.test_x", fine), {})
