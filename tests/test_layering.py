@@ -8,6 +8,7 @@ module's source, so that a seeded violation can prove it bites:
 - confinement: the MQTT libraries only in `swarm.bus`; gRPC only where the wire is;
 - one hop loop: only `swarm.rpc.hop` keeps the wiring's books;
 - only the CLI dispatcher loads modules by name;
+- only `swarm.job` reads the keys that choose the training rule (`KNOWN_RULE_READS` aside);
 - no import circle between project modules (`KNOWN_CIRCLES` aside, each still a circle);
 - tests take shared helpers only from `tests/support/` (`HELPER_SOURCES` aside, each still used);
 - a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it);
@@ -114,6 +115,23 @@ the same names elsewhere (`self.metrics.failed`, a backoff's `failed`) are other
 
 LOADERS = re.compile(r"import_module|__import__|module_from_spec|spec_from_\w+")
 """What loads a module named by a string (`find_spec` and `importlib.resources` load nothing)."""
+
+RULE_HOME = "swarm.job"
+RULE_KEYS: dict[str, frozenset[str]] = {
+    "pool": frozenset({"mode", "overlap"}),
+    "training": frozenset({"delayed_update"}),
+}
+"""The job's keys that choose the training rule, by section: only `RULE_HOME` reads them (into
+`rule_of`'s `Rule`), every other module asks the rule. A read is one of these keys taken from
+something named as its section: an attribute (`job.pool.mode`, `self.pool.overlap`, `pool.mode`,
+`job.training.delayed_update`), a subscript with the key as a constant (`raw["pool"]["mode"]`),
+`getattr(pool, "mode")` or `training.get("delayed_update")`. Comments and strings are no code;
+a section under another name (`p = job.pool; p.mode`) escapes, which review catches."""
+KNOWN_RULE_READS: dict[str, str] = {
+    # module: why it still reads a rule key. Each must still read one (a stale entry fails).
+    # issue 40: being removed; the lead prunes these after merging.
+    "swarm.model.local_steps": "its refusal of a job names the job's pool.mode",
+}
 
 KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
     # A circle's modules, sorted: why it is left for now. Each must still be exactly a circle.
@@ -544,6 +562,77 @@ def helper_imports(found: Iterable[Edge], known: Mapping[str, str] = HELPER_SOUR
     ]
 
 
+# The training rule's keys.
+
+
+def _section(node: ast.expr) -> str:
+    """The name `node` goes by as a job section: `pool`, `job.pool` -> `pool`; `raw["pool"]` ->
+    `pool`; else ""."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript):
+        return _constant(node.slice)
+    return ""
+
+
+def _constant(node: ast.expr) -> str:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else ""
+
+
+def _key_read(node: ast.expr) -> tuple[ast.expr, str] | None:
+    """(section, key) when `node` takes a key from something: `s.key`, `s["key"]`,
+    `getattr(s, "key")`, `s.get("key")`."""
+    if isinstance(node, ast.Attribute):
+        return node.value, node.attr
+    if isinstance(node, ast.Subscript) and (key := _constant(node.slice)):
+        return node.value, key
+    if isinstance(node, ast.Call) and node.args:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "getattr" and len(node.args) > 1:
+            return node.args[0], _constant(node.args[1])
+        if isinstance(func, ast.Attribute) and func.attr == "get":
+            return func.value, _constant(node.args[0])
+    return None
+
+
+def rule_reads(module: str, source: str, path: str) -> list[str]:
+    """Reads of `RULE_KEYS` in `module` outside `RULE_HOME`."""
+    if within(module, (RULE_HOME,)):
+        return []
+    reads = [
+        (n, read)
+        for n in ast.walk(ast.parse(source, path))
+        if isinstance(n, ast.expr)
+        and (read := _key_read(n))
+        and read[1] in RULE_KEYS.get(_section(read[0]), ())
+    ]
+    return [
+        f"{path}:{n.lineno}: {module} reads {_section(section)}.{key} ({ast.unparse(n)}): only "
+        f"{RULE_HOME} reads the keys that choose the training rule; ask its Rule (rule_of)"
+        for n, (section, key) in sorted(reads, key=lambda r: (r[0].lineno, r[0].col_offset))
+    ]
+
+
+def rule_key_violations(
+    found: Iterable[tuple[str, str, str]], known: Mapping[str, str] = KNOWN_RULE_READS
+) -> list[str]:
+    """`rule_reads` of each (module, source, path) not in `known`, and entries of `known` that
+    read no rule key any more."""
+    bad: list[str] = []
+    used: set[str] = set()
+    for module, source, path in found:
+        reads = rule_reads(module, source, path)
+        if reads and module in known:
+            used.add(module)
+        else:
+            bad += reads
+    return bad + [
+        f"KNOWN_RULE_READS {m}: reads no rule key; remove it" for m in known if m not in used
+    ]
+
+
 # Import circles.
 
 
@@ -779,6 +868,12 @@ def test_only_the_dispatcher_loads_modules_by_name() -> None:
     bad = [m for args in sources() for m in loads_by_name(*args)]
     if bad:
         pytest.fail("modules loaded by name outside the CLI dispatcher:\n" + "\n".join(bad))
+
+
+def test_only_the_job_reads_the_rule_keys() -> None:
+    bad = rule_key_violations(sources())
+    if bad:
+        pytest.fail(f"the training rule's keys read outside {RULE_HOME}:\n" + "\n".join(bad))
 
 
 def test_no_import_circles() -> None:
@@ -1136,3 +1231,45 @@ def test_the_helper_checker() -> None:
     fine = "from tests.support import api\nimport tests.support.ports\nfrom swarm import clock\n"
     assert not helper_imports(_edges_of("tests.support.fakes", fine), {})
     assert not helper_imports(_edges_of("tests.client.test_x", fine), {})
+
+
+def test_the_rule_key_checker() -> None:
+    source = (
+        "# pool.mode in a comment, and in a string: 'job.pool.mode'\n"
+        "def f(job, pool, training, raw, self):\n"
+        "    a = job.pool.mode == 'local' and self.job.pool.overlap\n"
+        "    b = pool.overlap, training.delayed_update, job.training.delayed_update\n"
+        "    c = raw['pool']['mode'], getattr(pool, 'mode')\n"
+        "    d = raw['training'].get('delayed_update'), f'{job.pool.mode}'\n"
+    )
+    reads = rule_reads("client.fake", source, "x.py")
+    assert [r.split(" (")[0] for r in reads] == [
+        "x.py:3: client.fake reads pool.mode",
+        "x.py:3: client.fake reads pool.overlap",
+        "x.py:4: client.fake reads pool.overlap",
+        "x.py:4: client.fake reads training.delayed_update",
+        "x.py:4: client.fake reads training.delayed_update",
+        "x.py:5: client.fake reads pool.mode",
+        "x.py:5: client.fake reads pool.mode",
+        "x.py:6: client.fake reads training.delayed_update",
+        "x.py:6: client.fake reads pool.mode",
+    ]
+    assert reads[0] == (
+        "x.py:3: client.fake reads pool.mode (job.pool.mode): only swarm.job reads the keys that "
+        "choose the training rule; ask its Rule (rule_of)"
+    )
+    assert not rule_reads("swarm.job.rule", source, "x.py")
+    # Allowed: the rule's own answers, other sections' and other things' keys of those names.
+    fine = (
+        "rule = rule_of(job)\n"
+        "x = rule.local, rule.eager, rule.delays, job.pool.min_replicas, job.training.steps\n"
+        "y = self.delayed_update, wiring.mode, stat.st_mode, job.overlap, cfg['mode']\n"
+        "z = job.pool.mode_note, replace(job.pool, mode='local')\n"
+    )
+    assert not rule_reads("stage_server.fake", fine, "x.py")
+    found = [("client.a", source, "a.py"), ("client.b", fine, "b.py")]
+    known = {"client.a": "being removed", "client.b": "stale"}
+    assert rule_key_violations(found, known) == [
+        "KNOWN_RULE_READS client.b: reads no rule key; remove it"
+    ]
+    assert rule_key_violations(found, {}) == rule_reads("client.a", source, "a.py")
