@@ -143,7 +143,7 @@ KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
 }
 """Import circles between project modules (imports inside functions and under `TYPE_CHECKING`
 count: they are the same knot, only loaded later). A circle is a strongly connected part of the
-import graph; its modules load only in one order, and neither can be read or tested alone."""
+import graph; its modules load only in one order, and none can be read or tested alone."""
 
 TESTS = "tests"
 SUPPORT = "tests.support"
@@ -540,8 +540,8 @@ def loads_by_name(module: str, source: str, path: str) -> list[str]:
 
 
 def helper_imports(found: Iterable[Edge], known: Mapping[str, str] = HELPER_SOURCES) -> list[str]:
-    """Imports of a module under tests/ but `SUPPORT` and conftest files, but those of `known`;
-    and entries of `known` that nothing imports any more."""
+    """Imports of a module under tests/ other than `SUPPORT`'s and conftest files, unless `known`
+    names it; and entries of `known` that nothing imports any more."""
     bad: set[str] = set()
     used: set[str] = set()
     for e in found:
