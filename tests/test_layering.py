@@ -8,7 +8,12 @@ module's source, so that a seeded violation can prove it bites:
 - confinement: the MQTT libraries only in `swarm.bus`; gRPC only where the wire is;
 - one hop loop: only `swarm.rpc.hop` keeps the wiring's books;
 - only the CLI dispatcher loads modules by name;
-- the concept map (docs/architecture.md) and README's layout name real paths."""
+- only `swarm.job` reads the keys that choose the training rule (`KNOWN_RULE_READS` aside);
+- no import circle between project modules (`KNOWN_CIRCLES` aside, each still a circle);
+- tests take shared helpers only from `tests/support/` (`HELPER_SOURCES` aside, each still used);
+- a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it);
+- the concept map (docs/architecture.md) and README's layout name real paths, and the map names
+  every module over `MAPPED` lines."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -110,6 +116,80 @@ the same names elsewhere (`self.metrics.failed`, a backoff's `failed`) are other
 LOADERS = re.compile(r"import_module|__import__|module_from_spec|spec_from_\w+")
 """What loads a module named by a string (`find_spec` and `importlib.resources` load nothing)."""
 
+RULE_HOME = "swarm.job"
+RULE_KEYS: dict[str, frozenset[str]] = {
+    "pool": frozenset({"mode", "overlap"}),
+    "training": frozenset({"delayed_update"}),
+}
+"""The job's keys that choose the training rule, by section: only `RULE_HOME` reads them (into
+`rule_of`'s `Rule`), every other module asks the rule. A read is one of these keys taken from
+something named as its section: an attribute (`job.pool.mode`, `self.pool.overlap`, `pool.mode`,
+`job.training.delayed_update`), a subscript with the key as a constant (`raw["pool"]["mode"]`),
+`getattr(pool, "mode")` or `training.get("delayed_update")`. Comments and strings are no code;
+a section under another name (`p = job.pool; p.mode`) escapes, which review catches."""
+KNOWN_RULE_READS: dict[str, str] = {
+    # module: why it still reads a rule key. Each must still read one (a stale entry fails).
+    # issue 40: being removed; the lead prunes these after merging.
+    "swarm.model.local_steps": "its refusal of a job names the job's pool.mode",
+}
+
+KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
+    # A circle's modules, sorted: why it is left for now. Each must still be exactly a circle.
+    # issue 40: being removed; the lead prunes these after merging.
+    ("scheduler.coordinator.commit", "scheduler.coordinator.rounds"): (
+        "commit ends a round after APPLY; rounds borrows culprits and CommitStalled"
+    ),
+    ("swarm.job.fingerprint", "swarm.job.schema"): "a convenience method imports inside itself",
+}
+"""Import circles between project modules (imports inside functions and under `TYPE_CHECKING`
+count: they are the same knot, only loaded later). A circle is a strongly connected part of the
+import graph; its modules load only in one order, and none can be read or tested alone."""
+
+TESTS = "tests"
+SUPPORT = "tests.support"
+"""Where tests take shared helpers (fakes, harnesses, fixtures) from: a test file imports no other
+test file, so each reads alone and a helper has one home. conftest files may be imported too."""
+HELPER_SOURCES: dict[str, str] = {
+    # A module under tests/, not tests/support/, that others import: why. Each must still be.
+    # issue 40: their helpers move to tests/support/; the lead prunes these after merging.
+    "tests.stage_server.averaging.test_butterfly": "all-reduce helpers",
+    "tests.stage_server.test_delayed_update": "the delayed job",
+    "tests.swarm.bus.raw_mqtt": "a raw MQTT client",
+    "tests.swarm.bus.test_broker_config": "Mosquitto's logins",
+    "tests.swarm.bus.test_connection": "the broker fixture",
+    "tests.swarm.model.test_init_from": "a pretrained model",
+    "tests.swarm.net.test_tls": "the TLS material",
+    "tests.swarm.wire.test_chunking": "the chunking stub",
+    "tests.system.test_faults": "the fault tests' servers",
+    "tests.system.test_tls": "an unchecked TLS identity",
+}
+
+BUDGET = 450
+"""The lines a module may have: one concept, one file (the generated messages are not counted)."""
+GENERATED = re.compile(r"swarm\.proto\.\w+_pb2(?:_grpc)?")
+OVERSIZE: dict[str, str] = {
+    # module: why it may pass BUDGET. Each must still pass it (a stale entry fails).
+    "scheduler.store": (
+        "a single large concept: the durable job store, its tables, the job state machine and the "
+        "step rows kept through a write problem, behind one connection"
+    ),
+    "swarm.policy.stage_pool": (
+        "a single large concept: one stage's pool, whose three lazily invalidated heaps (choice, "
+        "bans, probes) keep their invariants only together"
+    ),
+    # issue 40: being split; the lead prunes these after merging.
+    "stage_server.runtime": "delayed copies, following a copy, the step's sums and spill leave",
+    "scheduler.coordinator.coordinator": "the live-step window and late-receipt checks leave",
+    "swarm.rpc.stage_client": "the bounded state and update streams leave",
+    "swarm.model.local_steps": "the reference's rule becomes one strategy",
+    "scheduler.service": "retention leaves the orchestrator",
+    "stage_server.servicer": "the push path leaves for a file beside next_hop.py",
+    "stage_server.averaging.butterfly": "its service, its channels and a round object part",
+}
+MAPPED = 150
+"""A module longer than this is a concept of its own: the concept map names it (its file, not
+only its folder)."""
+
 DOC_TABLES = (
     ("docs/architecture.md", "Where each concept lives", True),  # required: the concept map
     ("README.md", "Layout", False),
@@ -180,6 +260,27 @@ def edges(root: Path = ROOT) -> tuple[Edge, ...]:
     known = set(modules)
     found: list[Edge] = []
     for name, path in modules.items():
+        found += imports_of(
+            name,
+            path.read_text(),
+            package=path.name == "__init__.py",
+            known=known,
+            path=str(path.relative_to(root)),
+        )
+    return tuple(found)
+
+
+@cache
+def suite_edges(root: Path = ROOT) -> tuple[Edge, ...]:
+    """Every import of every module under tests/."""
+    paths = sorted((root / TESTS).rglob("*.py"))
+    names = {
+        path: ".".join(p for p in path.relative_to(root).with_suffix("").parts if p != "__init__")
+        for path in paths
+    }
+    known = set(names.values()) | set(project_modules(root))
+    found: list[Edge] = []
+    for path, name in names.items():
         found += imports_of(
             name,
             path.read_text(),
@@ -435,6 +536,178 @@ def loads_by_name(module: str, source: str, path: str) -> list[str]:
     ]
 
 
+# Tests' helpers.
+
+
+def helper_imports(found: Iterable[Edge], known: Mapping[str, str] = HELPER_SOURCES) -> list[str]:
+    """Imports of a module under tests/ other than `SUPPORT`'s and conftest files, unless `known`
+    names it; and entries of `known` that nothing imports any more."""
+    bad: set[str] = set()
+    used: set[str] = set()
+    for e in found:
+        if not within(e.imported, (TESTS,)) or within(e.imported, (SUPPORT,)):
+            continue
+        if e.imported.rpartition(".")[2] == "conftest":
+            continue
+        if e.imported in known:
+            used.add(e.imported)
+            continue
+        bad.add(
+            f"{e.where}: {e.importer} imports {e.imported}: tests take shared helpers only from "
+            "tests/support/"
+        )
+    return [
+        *sorted(bad),
+        *(f"HELPER_SOURCES {m}: nothing imports it; remove it" for m in known if m not in used),
+    ]
+
+
+# The training rule's keys.
+
+
+def _section(node: ast.expr) -> str:
+    """The name `node` goes by as a job section: `pool`, `job.pool` -> `pool`; `raw["pool"]` ->
+    `pool`; else ""."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript):
+        return _constant(node.slice)
+    return ""
+
+
+def _constant(node: ast.expr) -> str:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else ""
+
+
+def _key_read(node: ast.expr) -> tuple[ast.expr, str] | None:
+    """(section, key) when `node` takes a key from something: `s.key`, `s["key"]`,
+    `getattr(s, "key")`, `s.get("key")`."""
+    if isinstance(node, ast.Attribute):
+        return node.value, node.attr
+    if isinstance(node, ast.Subscript) and (key := _constant(node.slice)):
+        return node.value, key
+    if isinstance(node, ast.Call) and node.args:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "getattr" and len(node.args) > 1:
+            return node.args[0], _constant(node.args[1])
+        if isinstance(func, ast.Attribute) and func.attr == "get":
+            return func.value, _constant(node.args[0])
+    return None
+
+
+def rule_reads(module: str, source: str, path: str) -> list[str]:
+    """Reads of `RULE_KEYS` in `module` outside `RULE_HOME`."""
+    if within(module, (RULE_HOME,)):
+        return []
+    reads = [
+        (n, read)
+        for n in ast.walk(ast.parse(source, path))
+        if isinstance(n, ast.expr)
+        and (read := _key_read(n))
+        and read[1] in RULE_KEYS.get(_section(read[0]), ())
+    ]
+    return [
+        f"{path}:{n.lineno}: {module} reads {_section(section)}.{key} ({ast.unparse(n)}): only "
+        f"{RULE_HOME} reads the keys that choose the training rule; ask its Rule (rule_of)"
+        for n, (section, key) in sorted(reads, key=lambda r: (r[0].lineno, r[0].col_offset))
+    ]
+
+
+def rule_key_violations(
+    found: Iterable[tuple[str, str, str]], known: Mapping[str, str] = KNOWN_RULE_READS
+) -> list[str]:
+    """`rule_reads` of each (module, source, path) not in `known`, and entries of `known` that
+    read no rule key any more."""
+    bad: list[str] = []
+    used: set[str] = set()
+    for module, source, path in found:
+        reads = rule_reads(module, source, path)
+        if reads and module in known:
+            used.add(module)
+        else:
+            bad += reads
+    return bad + [
+        f"KNOWN_RULE_READS {m}: reads no rule key; remove it" for m in known if m not in used
+    ]
+
+
+# Import circles.
+
+
+def import_graph(found: Iterable[Edge]) -> dict[str, dict[str, str]]:
+    """Project module -> each project module it imports -> where (its first such import). An edge
+    goes to the module named (a package's `__init__` when a package is named), not to the parents
+    that importing it runs first: a module may import its own package's siblings."""
+    graph: dict[str, dict[str, str]] = {}
+    for e in found:
+        if _project(e.importer) and _project(e.imported) and e.imported != e.importer:
+            graph.setdefault(e.importer, {}).setdefault(e.imported, e.where)
+    return graph
+
+
+def _reachable(start: str, graph: Mapping[str, Mapping[str, str]]) -> set[str]:
+    seen: set[str] = set()
+    queue = deque([start])
+    while queue:
+        for after in graph.get(queue.popleft(), {}):
+            if after not in seen:
+                seen.add(after)
+                queue.append(after)
+    return seen
+
+
+def _shortest_circle(
+    start: str, graph: Mapping[str, Mapping[str, str]], members: set[str]
+) -> list[str]:
+    """The shortest path from `start` back to itself through `members` (one exists)."""
+    paths = {start: [start]}
+    queue = deque([start])
+    while queue:
+        here = queue.popleft()
+        for after in sorted(set(graph[here]) & members):
+            if after == start:
+                return [*paths[here], start]
+            if after not in paths:
+                paths[after] = [*paths[here], after]
+                queue.append(after)
+    raise AssertionError(f"{start} is in no circle")
+
+
+def circles(found: Iterable[Edge]) -> dict[tuple[str, ...], str]:
+    """Each import circle (the modules that reach each other), its modules sorted -> the shortest
+    circle through its first module, `a -> b -> a (where a imports b, where b imports a)`."""
+    graph = import_graph(found)
+    reach = {n: _reachable(n, graph) for n in graph}
+    found_circles: dict[tuple[str, ...], str] = {}
+    for node in sorted(graph):
+        members = tuple(sorted(m for m in reach[node] if node in reach.get(m, ())))
+        if not members or members in found_circles:
+            continue
+        cycle = _shortest_circle(members[0], graph, set(members))
+        where = ", ".join(graph[a][b] for a, b in pairwise(cycle))
+        others = sorted(set(members) - set(cycle))
+        also = f"; also in this circle: {', '.join(others)}" if others else ""
+        found_circles[members] = f"{' -> '.join(cycle)} ({where}){also}"
+    return found_circles
+
+
+def circle_violations(
+    found: Iterable[Edge], known: Mapping[tuple[str, ...], str] = KNOWN_CIRCLES
+) -> list[str]:
+    """Circles not in `known`, and entries of `known` that are no longer exactly a circle."""
+    found_circles = circles(found)
+    return [
+        *(f"import circle: {text}" for m, text in sorted(found_circles.items()) if m not in known),
+        *(
+            f"KNOWN_CIRCLES {', '.join(m)}: no longer exactly a circle; remove or correct it"
+            for m in known
+            if m not in found_circles
+        ),
+    ]
+
+
 # The docs' maps.
 
 
@@ -457,12 +730,12 @@ def table(markdown: str, heading: str) -> list[tuple[int, str]]:
     return rows[2:]  # the header and its rule
 
 
-def missing_paths(
-    doc: str, rows: Iterable[tuple[int, str]], exists: Callable[[str], bool]
-) -> list[str]:
-    """Paths in backticks in `rows` that do not exist. A path whose first part is no top-level
-    entry (`sim/`, `wiring.py`) is read in the row's last top-level path (`scheduler/`)."""
-    bad: list[str] = []
+def map_paths(
+    rows: Iterable[tuple[int, str]], exists: Callable[[str], bool]
+) -> Iterator[tuple[int, str, str, bool]]:
+    """(line, token, path, rooted) of each path in backticks in `rows`. A path whose first part is
+    no top-level entry (`sim/`, `wiring.py`) is read in the row's last top-level path
+    (`scheduler/`): it is not `rooted`."""
     for line, text in rows:
         base = ""
         for token in re.findall(r"`([^`]+)`", text):
@@ -472,13 +745,66 @@ def missing_paths(
                 continue
             rooted = not base or exists(token.split("/")[0])
             path = token if rooted else base + token
-            if not exists(path.rstrip("/")):
-                read = "" if rooted else f" (read as {path})"
-                bad.append(f"{doc}:{line}: `{token}`{read} does not exist (the map is stale)")
+            yield line, token, path, rooted
             if rooted:
                 base = path if path.endswith("/") else path.rpartition("/")[0] + "/"
                 base = "" if base == "/" else base
-    return bad
+
+
+def missing_paths(
+    doc: str, rows: Iterable[tuple[int, str]], exists: Callable[[str], bool]
+) -> list[str]:
+    """Paths in backticks in `rows` that do not exist."""
+    return [
+        f"{doc}:{line}: `{token}`{'' if rooted else f' (read as {path})'} does not exist (the "
+        "map is stale)"
+        for line, token, path, rooted in map_paths(rows, exists)
+        if not exists(path.rstrip("/"))
+    ]
+
+
+# Module sizes.
+
+
+def sizes(root: Path = ROOT) -> dict[str, tuple[str, int]]:
+    """Every project module written by hand -> (its path, its lines)."""
+    return {
+        name: (str(path.relative_to(root)), len(path.read_text().splitlines()))
+        for name, path in project_modules(root).items()
+        if not GENERATED.fullmatch(name)
+    }
+
+
+def oversize(
+    found: Mapping[str, tuple[str, int]], allowed: Mapping[str, str] = OVERSIZE
+) -> list[str]:
+    """Modules over `BUDGET` lines not in `allowed`, and entries of `allowed` within it."""
+    return [
+        *(
+            f"{path}:1: {name} has {lines} lines, over the {BUDGET}-line budget: split it by "
+            "concept (or name it in OVERSIZE with the reason it is one)"
+            for name, (path, lines) in sorted(found.items())
+            if lines > BUDGET and name not in allowed
+        ),
+        *(
+            f"OVERSIZE {name}: {found[name][1]} lines, within the budget; remove it"
+            if name in found
+            else f"OVERSIZE {name}: no such module; remove it"
+            for name in allowed
+            if found.get(name, ("", 0))[1] <= BUDGET
+        ),
+    ]
+
+
+def unmapped(found: Mapping[str, tuple[str, int]], named: Iterable[str]) -> list[str]:
+    """Modules over `MAPPED` lines whose file the concept map does not name."""
+    named = set(named)
+    return [
+        f"{path}:1: {name} has {lines} lines and is its own concept: name it in "
+        f"{DOC_TABLES[0][0]}'s map ('{DOC_TABLES[0][1]}')"
+        for name, (path, lines) in sorted(found.items())
+        if lines > MAPPED and path not in named
+    ]
 
 
 # The tree.
@@ -542,6 +868,39 @@ def test_only_the_dispatcher_loads_modules_by_name() -> None:
     bad = [m for args in sources() for m in loads_by_name(*args)]
     if bad:
         pytest.fail("modules loaded by name outside the CLI dispatcher:\n" + "\n".join(bad))
+
+
+def test_only_the_job_reads_the_rule_keys() -> None:
+    bad = rule_key_violations(sources())
+    if bad:
+        pytest.fail(f"the training rule's keys read outside {RULE_HOME}:\n" + "\n".join(bad))
+
+
+def test_no_import_circles() -> None:
+    bad = circle_violations(edges())
+    if bad:
+        pytest.fail("import circles between project modules:\n" + "\n".join(bad))
+
+
+def test_tests_take_helpers_only_from_support() -> None:
+    bad = helper_imports(suite_edges())
+    if bad:
+        pytest.fail("tests importing helpers from other test files:\n" + "\n".join(bad))
+
+
+def test_modules_keep_to_the_budget() -> None:
+    bad = oversize(sizes())
+    if bad:
+        pytest.fail(f"modules over {BUDGET} lines (one concept, one file):\n" + "\n".join(bad))
+
+
+def test_the_concept_map_names_every_large_module() -> None:
+    doc, heading, _ = DOC_TABLES[0]
+    rows = table((ROOT / doc).read_text(), heading)
+    named = (path for _, _, path, _ in map_paths(rows, lambda p: (ROOT / p).exists()))
+    bad = unmapped(sizes(), named)
+    if bad:
+        pytest.fail(f"modules over {MAPPED} lines missing from the concept map:\n" + "\n".join(bad))
 
 
 def test_the_concept_map_is_true() -> None:
@@ -765,3 +1124,152 @@ def test_the_concept_map_checker() -> None:
         "d.md:9: `nowhere/` (read as swarm/nowhere/) does not exist (the map is stale)",
     ]
     assert table(doc, "Layout") == []
+
+
+def test_the_circle_checker() -> None:
+    found = [
+        *_edges_of("scheduler.x", "from scheduler.y import f\n"),
+        *_edges_of(
+            "scheduler.y",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from scheduler.z import Z\n",
+        ),
+        *_edges_of("scheduler.z", "import os\ndef late():\n    import scheduler.x\n"),
+        *_edges_of("swarm.a", "from swarm.b import f\nimport swarm.c\n"),
+        *_edges_of("swarm.b", "from swarm.a import g\n"),
+        *_edges_of("swarm.c", "import swarm.b\n"),
+    ]
+    assert circles(found) == {
+        ("scheduler.x", "scheduler.y", "scheduler.z"): (
+            "scheduler.x -> scheduler.y -> scheduler.z -> scheduler.x (x.py:1, x.py:3, x.py:3)"
+        ),
+        ("swarm.a", "swarm.b", "swarm.c"): (
+            "swarm.a -> swarm.b -> swarm.a (x.py:1, x.py:1); also in this circle: swarm.c"
+        ),
+    }
+    known = {("swarm.a", "swarm.b", "swarm.c"): "being removed", ("swarm.a", "swarm.b"): "stale"}
+    assert circle_violations(found, known) == [
+        "import circle: scheduler.x -> scheduler.y -> scheduler.z -> scheduler.x (x.py:1, x.py:3, "
+        "x.py:3)",
+        "KNOWN_CIRCLES swarm.a, swarm.b: no longer exactly a circle; remove or correct it",
+    ]
+    # Allowed: a chain; a package importing its modules, which import their siblings; itself.
+    fine = [
+        *_edges_of("client", "from .trainer import T\n", package=True),
+        *_edges_of("client.trainer", "from client.metrics import M\nimport client.trainer\n"),
+        *_edges_of("client.metrics", "import torch\nfrom swarm.errors import E\n"),
+        *_edges_of("swarm.errors", "import os\n"),
+    ]
+    assert circles(fine) == {}
+    assert circle_violations(fine, {}) == []
+
+
+def test_the_budget_checker() -> None:
+    found = {
+        "client.big": ("client/big.py", BUDGET + 1),
+        "client.fine": ("client/fine.py", BUDGET),
+        "client.allowed": ("client/allowed.py", BUDGET + 200),
+        "client.split": ("client/split.py", 120),
+    }
+    allowed = {"client.allowed": "one concept", "client.split": "stale", "client.gone": "stale"}
+    assert oversize(found, allowed) == [
+        f"client/big.py:1: client.big has {BUDGET + 1} lines, over the {BUDGET}-line budget: "
+        "split it by concept (or name it in OVERSIZE with the reason it is one)",
+        "OVERSIZE client.split: 120 lines, within the budget; remove it",
+        "OVERSIZE client.gone: no such module; remove it",
+    ]
+    fine = {n: found[n] for n in ("client.fine", "client.allowed")}
+    assert not oversize(fine, {"client.allowed": "one concept"})
+    assert GENERATED.fullmatch("swarm.proto.stage_pb2_grpc")
+    assert not GENERATED.fullmatch("swarm.proto.framing")
+
+
+def test_the_unmapped_checker() -> None:
+    doc = (
+        "## Where each concept lives\n"
+        "| concept | where |\n"
+        "|---|---|\n"
+        "| hop loop | `swarm/rpc/hop.py` (+ `routes.py`) |\n"
+        "| the simulator | `scheduler/sim/` |\n"
+    )
+    tree = {"swarm", "swarm/rpc/hop.py", "swarm/rpc/routes.py", "scheduler", "scheduler/sim"}
+    named = [
+        path
+        for _, _, path, _ in map_paths(table(doc, "Where each concept lives"), tree.__contains__)
+    ]
+    found = {
+        "swarm.rpc.hop": ("swarm/rpc/hop.py", 400),
+        "swarm.rpc.routes": ("swarm/rpc/routes.py", 300),  # named as `routes.py` in hop's row
+        "swarm.rpc.small": ("swarm/rpc/small.py", MAPPED),
+        "scheduler.sim.engine": ("scheduler/sim/engine.py", MAPPED + 1),  # its folder is not it
+    }
+    assert unmapped(found, named) == [
+        f"scheduler/sim/engine.py:1: scheduler.sim.engine has {MAPPED + 1} lines and is its own "
+        "concept: name it in docs/architecture.md's map ('Where each concept lives')"
+    ]
+    assert not unmapped({n: found[n] for n in ("swarm.rpc.hop", "swarm.rpc.routes")}, named)
+
+
+def test_the_helper_checker() -> None:
+    source = (
+        "from tests.support.jobs import job\n"
+        "from tests.swarm.net.test_tls import pki\n"
+        "import tests.system.test_faults\n"
+        "from tests.swarm.bus import raw_mqtt\n"
+        "def late():\n"
+        "    from tests.conftest import anything\n"
+        "    import swarm.errors\n"
+    )
+    found = _edges_of("tests.client.conftest", source)
+    known = {"tests.system.test_faults": "moving", "tests.scheduler.test_gone": "stale"}
+    assert helper_imports(found, known) == [
+        "x.py:2: tests.client.conftest imports tests.swarm.net.test_tls: tests take shared "
+        "helpers only from tests/support/",
+        "x.py:4: tests.client.conftest imports tests.swarm.bus: tests take shared helpers only "
+        "from tests/support/",
+        "HELPER_SOURCES tests.scheduler.test_gone: nothing imports it; remove it",
+    ]
+    fine = "from tests.support import api\nimport tests.support.ports\nfrom swarm import clock\n"
+    assert not helper_imports(_edges_of("tests.support.fakes", fine), {})
+    assert not helper_imports(_edges_of("tests.client.test_x", fine), {})
+
+
+def test_the_rule_key_checker() -> None:
+    source = (
+        "# pool.mode in a comment, and in a string: 'job.pool.mode'\n"
+        "def f(job, pool, training, raw, self):\n"
+        "    a = job.pool.mode == 'local' and self.job.pool.overlap\n"
+        "    b = pool.overlap, training.delayed_update, job.training.delayed_update\n"
+        "    c = raw['pool']['mode'], getattr(pool, 'mode')\n"
+        "    d = raw['training'].get('delayed_update'), f'{job.pool.mode}'\n"
+    )
+    reads = rule_reads("client.fake", source, "x.py")
+    assert [r.split(" (")[0] for r in reads] == [
+        "x.py:3: client.fake reads pool.mode",
+        "x.py:3: client.fake reads pool.overlap",
+        "x.py:4: client.fake reads pool.overlap",
+        "x.py:4: client.fake reads training.delayed_update",
+        "x.py:4: client.fake reads training.delayed_update",
+        "x.py:5: client.fake reads pool.mode",
+        "x.py:5: client.fake reads pool.mode",
+        "x.py:6: client.fake reads training.delayed_update",
+        "x.py:6: client.fake reads pool.mode",
+    ]
+    assert reads[0] == (
+        "x.py:3: client.fake reads pool.mode (job.pool.mode): only swarm.job reads the keys that "
+        "choose the training rule; ask its Rule (rule_of)"
+    )
+    assert not rule_reads("swarm.job.rule", source, "x.py")
+    # Allowed: the rule's own answers, other sections' and other things' keys of those names.
+    fine = (
+        "rule = rule_of(job)\n"
+        "x = rule.local, rule.eager, rule.delays, job.pool.min_replicas, job.training.steps\n"
+        "y = self.delayed_update, wiring.mode, stat.st_mode, job.overlap, cfg['mode']\n"
+        "z = job.pool.mode_note, replace(job.pool, mode='local')\n"
+    )
+    assert not rule_reads("stage_server.fake", fine, "x.py")
+    found = [("client.a", source, "a.py"), ("client.b", fine, "b.py")]
+    known = {"client.a": "being removed", "client.b": "stale"}
+    assert rule_key_violations(found, known) == [
+        "KNOWN_RULE_READS client.b: reads no rule key; remove it"
+    ]
+    assert rule_key_violations(found, {}) == rule_reads("client.a", source, "a.py")
