@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from stage_server.averaging.butterfly import ChannelPool
+from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager
 from stage_server.commit import Commit, Committer
