@@ -212,8 +212,10 @@ async def exchange(args: dict[str, Any]) -> None:
 
 
 async def replica(args: dict[str, Any]) -> None:
-    from stage_server.averaging.butterfly import ChannelPool, PoolServicer, all_reduce
+    from stage_server.averaging.butterfly import RoundSettings, all_reduce
+    from stage_server.averaging.channels import ChannelPool
     from stage_server.averaging.owner import Averager
+    from stage_server.averaging.service import PoolServicer
     from stage_server.averaging.spill import Spill
     from swarm.errors import NotFound
     from swarm.proto import pool_pb2_grpc
@@ -255,11 +257,13 @@ async def replica(args: dict[str, Any]) -> None:
         while (cmd := await command())[0] == "go":
             counted[:] = [0, 0]
             started = time.perf_counter()
-            total = await all_reduce(
-                flat, group=group, index=index, round=cmd[1], job=POOL_JOB, stage=0,
-                averager=averager, channels=channels, timeout_s=timeout, chunk_bytes=chunk,
-                max_bytes=most, on_bytes=on_bytes, in_place=True, keep=keep,
+            settings = RoundSettings(
+                group=group, index=index, round=cmd[1], job=POOL_JOB, stage=0, timeout_s=timeout,
+                chunk_bytes=chunk, max_bytes=most, in_place=True,
             )  # fmt: skip
+            total = await all_reduce(
+                flat, settings, averager=averager, channels=channels, on_bytes=on_bytes, keep=keep
+            )
             seconds = time.perf_counter() - started
             digest = hashlib.sha256(total.numpy().data.cast("B")).hexdigest()
             del total

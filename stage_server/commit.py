@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from stage_server.averaging.butterfly import ChannelPool, all_reduce
+from stage_server.averaging.butterfly import RoundSettings, all_reduce
+from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager, flatten, unflatten
 from stage_server.averaging.spill import Spill
@@ -309,23 +310,26 @@ class Committer:
         residuals = None
         if rt.job.compression.error_feedback and averaged != codec.CODEC_NONE:  # a lossy one only
             residuals = self.feedback.start(c.job, c.stage, c.step, flat)
-        total = await all_reduce(
-            flat,
+        settings = RoundSettings(
             group=list(c.group),
             index=c.group_index,
             round=c.round,
             job=c.job,
             stage=c.stage,
-            averager=self.averager,
-            channels=self.channels,
             codec=averaged,
-            residuals=residuals,
             block_size=self.limits.block_size,
             timeout_s=rt.job.runtime.averaging_timeout_s,
             chunk_bytes=self.limits.chunk_bytes,
             max_bytes=self.limits.max_bytes,
-            on_bytes=self.metrics.averaged,
             in_place=in_place,
+        )
+        total = await all_reduce(
+            flat,
+            settings,
+            averager=self.averager,
+            channels=self.channels,
+            residuals=residuals,
+            on_bytes=self.metrics.averaged,
             keep=keep,
         )
         self.metrics.averaging_seconds(time.perf_counter() - start)

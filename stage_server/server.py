@@ -14,7 +14,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from stage_server.averaging.butterfly import PoolServicer
+from stage_server.averaging.service import PoolServicer
 from stage_server.averaging.spill import spill_directory
 from stage_server.limits import PeerLimits
 from stage_server.metrics import StageMetrics

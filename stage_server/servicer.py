@@ -1,6 +1,7 @@
 """`StageService` over a `StageRuntime`: decode and encode (`stage_server.messages`), check the
-route, run the compute on the replica's worker (`stage_server.worker`). Commit and Discard go to
-`stage_server.commit`; Join, Updates, LoadState and DownloadState to `stage_server.state_transfer`.
+route, run the compute on the replica's worker (`stage_server.worker`). Push goes to
+`stage_server.push`; Commit and Discard to `stage_server.commit`; Join, Updates, LoadState and
+DownloadState to `stage_server.state_transfer`.
 Errors become status codes in `swarm.rpc.servicing`, as in every servicer; a bad request never
 takes the server down.
 
@@ -15,34 +16,30 @@ ends: past the budget the call is Busy too, and goes to another replica."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import torch
 
-from stage_server.averaging.butterfly import ChannelPool
+from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager
 from stage_server.commit import Commit, Committer
 from stage_server.limits import PeerLimits
 from stage_server.messages import Limits, Messages, info_reply
 from stage_server.metrics import StageMetrics
-from stage_server.next_hop import NextHop, Pushed
+from stage_server.push import Answered, PushPlane
 from stage_server.runtime import Receipt, StageRuntime
 from stage_server.state_transfer import StateTransfer
 from stage_server.worker import Worker
 from swarm.errors import Busy, NotFound
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
-from swarm.proto import stage_pb2_grpc, tensor_pb2
+from swarm.proto import stage_pb2_grpc
 from swarm.rpc.servicing import Servicing
-from swarm.wire import codec
 from swarm.wire.budget import Held, ReceiveBudget
 from swarm.wire.chunking import (
     TENSOR_OVERHEAD_BYTES,
@@ -54,16 +51,6 @@ from swarm.wire.chunking import (
 __all__ = ["StageServicer"]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class _Answered:
-    """A backward done here, ready for the answer."""
-
-    grad: list[tensor_pb2.Tensor]  # the encoded input gradient ([] when none was asked for)
-    receipt: pb.Receipt | None  # None when the caller keeps no receipt
-    loss: float  # the loss sum of a forward_backward (0.0 for a backward)
-    queued: float  # seconds the call waited for the worker
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -113,7 +100,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             budget=self.budget,
             limits=self.limits,
         )
-        self._next_hop: NextHop | None = None  # the push plane's next stage, as seen here
+        self._push = PushPlane(
+            peer=peer,
+            token=token,
+            worker=self.worker,
+            limits=self.limits,
+            runtime=lambda: self.runtime,
+            backward_here=self._backward_here,
+        )
 
     # The worker's figures and the feedback, where the agent and tests read them.
     @property
@@ -145,20 +139,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         runtime.updates.bound(self.limits.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
         runtime.activation_cache = self.limits.activation_cache
         self.metrics.bind(job_id, runtime.stage)
-        self._close_next_hop()
-        # Its answers are bounded as this replica's requests are: the job within this peer's.
-        self._next_hop = NextHop(self.limits.clamp(runtime.job), job_id, runtime.stage, self.token)
+        self._push.serve(runtime, job_id)
 
     def release(self) -> None:
         """Stop serving: later calls are NOT_FOUND until the next `serve`."""
         self._runtime, self.job_id = None, ""
         self._transfer.stop_copy()
-        self._close_next_hop()
-
-    def _close_next_hop(self) -> None:
-        next_hop, self._next_hop = self._next_hop, None
-        if next_hop is not None:  # its calls in flight end with their own deadlines
-            asyncio.get_running_loop().create_task(next_hop.close())
+        self._push.release()
 
     @property
     def runtime(self) -> StageRuntime:
@@ -204,11 +191,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         return await self._serving.run(method, context, held_body)
 
-    def _room(self) -> None:
-        """Busy when `max_queue` pushed microbatches wait here already."""
-        if self.waiting >= self.limits.max_queue:
-            raise Busy(f"{self.peer}: {self.waiting} microbatches queued; try another replica")
-
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self._messages.receipt(r, self.peer, len(self.runtime.receipts()))
 
@@ -220,7 +202,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         *tensors: torch.Tensor | None,
         accumulate: bool,
         receipt: bool = True,
-    ) -> _Answered:
+    ) -> Answered:
         """The one way a call accumulates here: `fn` (`backward`, or the last stage's
         `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
         input gradient in codec `reply` and (unless `receipt` is False) the receipt."""
@@ -229,18 +211,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             fn, step, index, *tensors, accumulate=accumulate, need_grad_inputs=h.need_grad_inputs
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
-        return _Answered(
+        return Answered(
             grad=self._messages.encode(grad, "grad_inputs", reply),
             receipt=self._receipt(done) if receipt else None,
             loss=loss[0] if loss else 0.0,
             queued=queued,
         )
-
-    @staticmethod
-    def _deadline(context: grpc.aio.ServicerContext, rt: StageRuntime) -> float:
-        """Leave this stage's backward and the answer a share of the caller's deadline."""
-        left = context.time_remaining()
-        return time.monotonic() + (left or rt.job.runtime.rpc_timeout_s) * 0.9
 
     # -- the data plane -------------------------------------------------------------------------
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -304,106 +280,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body(held: Held) -> pb.StagePushResponse:
-            h, tensors = await self._receive(request_iterator, held, self._room)
+            h, tensors = await self._receive(request_iterator, held, self._push.room)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
-            rt = self.runtime
-            step = h.microbatch.step
-            here = rt.stage in h.accumulate  # this stage accumulates (and answers a receipt)
-            reply = codec.codec_from_name(rt.job.compression.backward)
-            maybe_die(Point.FORWARD, step)
-            if h.evaluate:
-                return await self._push_evaluation(h, inputs, targets, context)
-            if rt.is_last:
-                done = await self._backward_here(
-                    rt.forward_backward, h, reply, inputs, targets, accumulate=here, receipt=here
-                )
-                return pb.StagePushResponse(
-                    tensors=done.grad,
-                    receipts=[done.receipt] if done.receipt is not None else [],
-                    loss_sum=done.loss,
-                    queued_seconds=done.queued,
-                )
-            need_grad = here or h.need_grad_inputs  # a backward here needs its outputs' gradient
-            pushed, queued = await self._forward_on(
-                h,
-                inputs,
-                targets,
-                context,
-                accumulate=[k for k in h.accumulate if k > rt.stage],
-                need_grad=need_grad,
-            )
-            receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
-            if need_grad:
-                assert pushed.grad is not None
-                grad_outputs = pushed.grad
-                if not isinstance(grad_outputs, torch.Tensor):
-                    grad_outputs = codec.decode(grad_outputs, max_bytes=self.limits.max_bytes)
-                done = await self._backward_here(
-                    rt.backward, h, reply, inputs, grad_outputs, accumulate=here, receipt=here
-                )
-                grad = done.grad
-                if done.receipt is not None:
-                    receipts.append(done.receipt)
-            return pb.StagePushResponse(
-                tensors=grad,
-                receipts=receipts,
-                uncertain=sorted(pushed.uncertain),
-                loss_sum=pushed.loss_sum,
-                queued_seconds=queued,
-                path=pushed.path,
-            )
+            return await self._push.push(h, inputs, targets, context.time_remaining)
 
         for msg in self._messages.split(await self._run_held("Push", context, body)):
             yield msg
-
-    async def _push_evaluation(
-        self,
-        h: pb.StagePushRequest,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        context: grpc.aio.ServicerContext,
-    ) -> pb.StagePushResponse:
-        """A validation microbatch on the push plane: forward here, on to the next stage, the
-        last stage's loss back; nothing kept, nothing accumulated."""
-        rt, step = self.runtime, h.microbatch.step
-        if rt.is_last:
-            loss, queued = await self.worker.run_queued(rt.evaluate, step, inputs, targets)
-            return pb.StagePushResponse(loss_sum=loss, queued_seconds=queued)
-        pushed, queued = await self._forward_on(
-            h, inputs, targets, context, accumulate=[], need_grad=False, evaluate=True
-        )
-        return pb.StagePushResponse(loss_sum=pushed.loss_sum, queued_seconds=queued)
-
-    async def _forward_on(
-        self,
-        h: pb.StagePushRequest,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        context: grpc.aio.ServicerContext,
-        *,
-        accumulate: list[int],
-        need_grad: bool,
-        evaluate: bool = False,
-    ) -> tuple[Pushed, float]:
-        """Forward here, then on to the next stage (`NextHop`): what came back, and how long the
-        forward waited for the worker."""
-        rt, step, index = self.runtime, h.microbatch.step, h.microbatch.index
-        assert self._next_hop is not None
-        outputs, queued = await self.worker.run_queued(
-            rt.forward, step, index, inputs, evaluate=evaluate
-        )
-        pushed = await self._next_hop.send(
-            step,
-            index,
-            outputs,
-            targets,
-            accumulate,
-            list(h.route),
-            need_grad=need_grad,
-            deadline=self._deadline(context, rt),
-            evaluate=evaluate,
-        )
-        return pushed, queued
 
     # -- commit ---------------------------------------------------------------------------------
     async def Commit(

@@ -20,7 +20,7 @@ from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetric
 from scheduler.registry import PeerRegistry
 from stage_server import agent as agent_module
 from stage_server.agent import PeerAgent
-from stage_server.averaging.butterfly import ChannelPool
+from stage_server.averaging.channels import ChannelPool
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
 from swarm.model.data import TextData, microbatch_seed

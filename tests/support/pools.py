@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from stage_server.averaging.butterfly import ChannelPool, PoolServicer
+from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.owner import Averager
+from stage_server.averaging.service import PoolServicer
 from swarm.errors import NotFound
 from swarm.proto import pool_pb2_grpc
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from stage_server.averaging.butterfly import all_reduce
+from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.owner import AveragingAborted
 from stage_server.runtime import StageRuntime
 from stage_server.server import (
@@ -176,9 +176,11 @@ async def test_every_live_replica_names_the_one_that_failed_the_round(fault: str
         group = [r.address for r in pool]
         calls = [
             all_reduce(
-                torch.randn(999), group=group, index=i, round="r0", job=JOB, stage=0,
-                averager=r.averager, channels=r.channels, timeout_s=1.0,
-                chunk_bytes=1 << 20, max_bytes=1 << 26,
+                torch.randn(999), RoundSettings(
+                    group=group, index=i, round="r0", job=JOB, stage=0, timeout_s=1.0,
+                    chunk_bytes=1 << 20, max_bytes=1 << 26,
+                ),
+                averager=r.averager, channels=r.channels,
             )
             for i, r in enumerate(pool)
             if i != culprit  # silent: its PoolService answers, but it sends no part

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from stage_server.averaging.butterfly import PoolServicer, all_reduce
+from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.owner import (
     MAX_GROUP_SIZE,
     Averager,
@@ -22,6 +22,7 @@ from stage_server.averaging.owner import (
     split_parts,
     unflatten,
 )
+from stage_server.averaging.service import PoolServicer
 from swarm.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from swarm.proto import pool_pb2, tensor_pb2
 from swarm.wire.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
@@ -187,10 +188,14 @@ async def reduce_all(
         "chunk_bytes": 4 * MiB, "max_bytes": 64 * MiB,
     } | kwargs  # fmt: skip
     group = opts.pop("group", [r.address for r in pool])
+    on_bytes = opts.pop("on_bytes", None)
     calls = [
-        all_reduce(f, group=group, index=i, averager=r.averager, channels=r.channels, **opts)
+        all_reduce(
+            f, RoundSettings(group=group, index=i, **opts),
+            averager=r.averager, channels=r.channels, on_bytes=on_bytes,
+        )
         for i, (r, f) in enumerate(zip(pool, flats, strict=True))
-    ]
+    ]  # fmt: skip
     return await asyncio.gather(*calls, return_exceptions=True)
 
 
@@ -342,9 +347,11 @@ async def test_a_closed_port_aborts_every_live_replica() -> None:
         start = time.monotonic()
         calls = [
             all_reduce(
-                f, group=group, index=group.index(r.address), round="r0", job=JOB, stage=0,
-                averager=r.averager, channels=r.channels, timeout_s=2.0,
-                chunk_bytes=MiB, max_bytes=64 * MiB,
+                f, RoundSettings(
+                    group=group, index=group.index(r.address), round="r0", job=JOB, stage=0,
+                    timeout_s=2.0, chunk_bytes=MiB, max_bytes=64 * MiB,
+                ),
+                averager=r.averager, channels=r.channels,
             )
             for r, f in zip(live, flats, strict=True)
         ]  # fmt: skip
@@ -361,9 +368,11 @@ async def test_a_silent_replica_aborts_every_live_replica_within_the_timeout() -
         start = time.monotonic()
         calls = [
             all_reduce(
-                torch.randn(777), group=group, index=i, round="r0", job=JOB, stage=0,
-                averager=r.averager, channels=r.channels, timeout_s=timeout,
-                chunk_bytes=MiB, max_bytes=64 * MiB,
+                torch.randn(777), RoundSettings(
+                    group=group, index=i, round="r0", job=JOB, stage=0, timeout_s=timeout,
+                    chunk_bytes=MiB, max_bytes=64 * MiB,
+                ),
+                averager=r.averager, channels=r.channels,
             )
             for i, r in enumerate(pool)
             if i != silent

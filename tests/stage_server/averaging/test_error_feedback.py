@@ -14,7 +14,7 @@ import torch
 
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator
-from stage_server.averaging.butterfly import all_reduce
+from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.error_feedback import ErrorFeedback, Residuals
 from stage_server.averaging.owner import split_parts
 from stage_server.server import RunningStageServer
@@ -52,9 +52,12 @@ async def one_round(
     group = list(group or [r.address for r in pool])
     calls = [
         all_reduce(
-            f, group=group, index=group.index(r.address), round=round, job=JOB, stage=0,
-            averager=r.averager, channels=r.channels, timeout_s=2.0, chunk_bytes=4 * MiB,
-            max_bytes=64 * MiB, codec=CODEC_INT8_BLOCKWISE, block_size=BLOCK, residuals=e,
+            f, RoundSettings(
+                group=group, index=group.index(r.address), round=round, job=JOB, stage=0,
+                timeout_s=2.0, chunk_bytes=4 * MiB, max_bytes=64 * MiB,
+                codec=CODEC_INT8_BLOCKWISE, block_size=BLOCK,
+            ),
+            averager=r.averager, channels=r.channels, residuals=e,
         )
         for r, f, e in zip(pool, flats, residuals, strict=True)
     ]  # fmt: skip

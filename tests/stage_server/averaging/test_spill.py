@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from stage_server.averaging.butterfly import all_reduce
+from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.owner import AveragingAborted, split_parts
 from stage_server.averaging.spill import Spill, in_memory_fs, spill_directory
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
@@ -133,10 +133,12 @@ async def test_in_place_the_sum_lands_over_the_values_with_the_same_bits(
         results = await asyncio.gather(
             *(
                 all_reduce(
-                    flats[i], group=[r.address for r in pool], index=i, round="in place",
-                    job=JOB, stage=0, averager=r.averager, channels=r.channels, timeout_s=20,
-                    chunk_bytes=4 * MiB, max_bytes=64 * MiB, codec=codec,
-                    slice_bytes=slice_bytes, in_place=True, keep=keeper(i),
+                    flats[i], RoundSettings(
+                        group=[r.address for r in pool], index=i, round="in place", job=JOB,
+                        stage=0, timeout_s=20, chunk_bytes=4 * MiB, max_bytes=64 * MiB,
+                        codec=codec, slice_bytes=slice_bytes, in_place=True,
+                    ),
+                    averager=r.averager, channels=r.channels, keep=keeper(i),
                 )
                 for i, r in enumerate(pool)
             )
@@ -169,9 +171,11 @@ async def test_a_round_that_fails_half_way_is_undone_by_its_spill(tmp_path: Path
 
         reduced, _ = await asyncio.gather(
             all_reduce(
-                flat, group=[r.address for r in pool], index=0, round="half", job=JOB,
-                stage=0, averager=pool[0].averager, channels=pool[0].channels, timeout_s=1.0,
-                chunk_bytes=MiB, max_bytes=64 * MiB, in_place=True, keep=keep,
+                flat, RoundSettings(
+                    group=[r.address for r in pool], index=0, round="half", job=JOB, stage=0,
+                    timeout_s=1.0, chunk_bytes=MiB, max_bytes=64 * MiB, in_place=True,
+                ),
+                averager=pool[0].averager, channels=pool[0].channels, keep=keep,
             ),
             member_one_sends_part_zero_only(),
             return_exceptions=True,

@@ -1,0 +1,117 @@
+"""`PoolService.Reduce` served: the owner's side of a round over the wire. A contribution to a part
+this replica owns is received (routed from its header, its bytes from the process's receive
+budget), summed by the `Averager` (`stage_server.averaging.owner`) with the other senders', and the
+sum answered; a round that fails answers ABORTED naming the senders it waited for."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+
+from stage_server.averaging.owner import Averager
+from swarm.errors import InvalidArgument
+from swarm.proto import pool_pb2, pool_pb2_grpc
+from swarm.rpc.servicing import Servicing
+from swarm.wire import chunking as wire
+from swarm.wire.budget import Held, ReceiveBudget
+
+__all__ = ["PoolServicer"]
+
+# The server answers this much before the caller's deadline, so the caller reads why (ABORTED with
+# the missing senders) rather than a bare DEADLINE_EXCEEDED (seconds).
+_REPLY_MARGIN_S = 0.25
+
+
+class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
+    """`PoolService.Reduce` over an `Averager`: receive a part, wait for its sum, reply it.
+
+    `route(job, stage)` raises NotFound when this replica does not serve that job and stage;
+    `timeout_s` bounds a wait when the caller set no deadline; `on_bytes(sent, received)` counts
+    wire bytes. `served()`, read at every call, is `(chunk_bytes, max_bytes, timeout_s)` of the
+    job the replica serves now (its `[runtime]` within the peer's own limits; None while it
+    serves none), so the owner side of a round follows the job however its stage was installed.
+
+    A contribution is routed from its header, before a byte of its part is allocated, and the
+    part's bytes come from `budget` (the process's, shared with the stage's calls) until its sum
+    is answered: past it the call is refused with RESOURCE_EXHAUSTED. `limit_name` names the
+    setting behind `max_bytes` in refusals.
+    """
+
+    def __init__(
+        self,
+        averager: Averager,
+        *,
+        route: Callable[[str, int], None],
+        chunk_bytes: int,
+        max_bytes: int,
+        timeout_s: float,
+        served: Callable[[], tuple[int, int, float] | None] | None = None,
+        peer: str = "",
+        on_bytes: Callable[[int, int], None] | None = None,
+        budget: ReceiveBudget | None = None,
+        limit_name: str = "",
+    ) -> None:
+        self.averager, self._route, self.peer, self._on_bytes = averager, route, peer, on_bytes
+        self._chunk, self._max_bytes, self._timeout_s = chunk_bytes, max_bytes, timeout_s
+        self._served = served
+        # No budget given (a pool on its own, in tests): bounded by max_bytes per call only.
+        self._budget, self._limit_name = budget or ReceiveBudget(1 << 62), limit_name
+        self._serving = Servicing(peer)
+
+    def settings(self) -> tuple[int, int, float]:
+        """`(chunk_bytes, max_bytes, timeout_s)` a call is served with now."""
+        served = self._served() if self._served is not None else None
+        return served if served is not None else (self._chunk, self._max_bytes, self._timeout_s)
+
+    async def Reduce(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pool_pb2.PoolReduceResponse]:
+        replies = await self._serving.run(
+            "Reduce", context, lambda: self._reduce(request_iterator, context)
+        )
+        for msg in replies:
+            yield msg
+
+    async def _reduce(
+        self, requests: Any, context: grpc.aio.ServicerContext
+    ) -> Iterator[pool_pb2.PoolReduceResponse]:
+        with self._budget.hold() as held:
+            return await self._reduce_held(requests, context, held)
+
+    async def _reduce_held(
+        self, requests: Any, context: grpc.aio.ServicerContext, held: Held
+    ) -> Iterator[pool_pb2.PoolReduceResponse]:
+        chunk_bytes, max_bytes, timeout = self.settings()
+        # A caller with no deadline must not hold its part's share of the budget forever.
+        body = wire.within_deadline(requests, timeout, "the job's runtime.averaging_timeout_s")
+        received = await wire.receive(
+            body,
+            max_bytes=max_bytes,
+            admit=lambda first: self._route(first.job, first.stage),
+            reserve=held.reserve,
+            limit_name=self._limit_name,
+        )
+        h: pool_pb2.PoolReduceRequest = received.header
+        tensors = wire.decode_named(
+            received, device="cpu", max_bytes=max_bytes, reserve=held.reserve
+        )
+        if set(tensors) != {"part"}:
+            raise InvalidArgument(f"Reduce carries one tensor named 'part', got {sorted(tensors)}")
+        (meta,) = h.tensors
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = min(timeout, remaining - min(_REPLY_MARGIN_S, remaining / 10))
+        reduced = await self.averager.reduce(
+            (h.job, h.stage, h.round), h.part, h.sender, h.group_size, tensors["part"],
+            timeout_s=timeout, codec=meta.codec, block_size=meta.block_size,
+            owned=not meta.data,  # chunked: received into a buffer of its own, summed into
+            slice=h.slice,
+        )  # fmt: skip
+        # The sender closed its side before it waits for this sum: its end is here already.
+        await wire.read_to_end(body, "the contribution's")
+        replies = reduced.replies(chunk_bytes)
+        if self._on_bytes is not None:
+            self._on_bytes(reduced.wire_bytes, meta.nbytes)
+        return replies
