@@ -99,8 +99,10 @@ def run(command: str, args: argparse.Namespace) -> int:
     from scheduler.main import SchedulerProcessOptions, run_scheduler
 
     # At the default level: each job's events (joins, leaves and why, stalls with their remedy,
-    # rollbacks, its end), where its stages go, jobs resumed at start.
-    show_at_default(("scheduler.history", "scheduler.assignments", "scheduler.service"))
+    # rollbacks, its end), where its stages go, jobs resumed at start, finished jobs deleted.
+    show_at_default(
+        ("scheduler.history", "scheduler.assignments", "scheduler.service", "scheduler.retention")
+    )
     check_data_root(args.data_root, {})  # given, and a directory; what it holds: at start
     opts = SchedulerProcessOptions(
         store=args.store,

@@ -8,7 +8,8 @@ simply run again, and a half-applied commit is finished by `LocalCoordinator.sta
 
 One job's training (one attempt's coordinator, embedded trainer and helpers, and the final save)
 is `scheduler.job_training`'s; sweeping an ended job's retained topics is `scheduler.retained`'s;
-the gauges computed at scrape time are `scheduler.collector`'s.
+deleting the finished jobs beyond `--keep-finished-jobs` is `scheduler.retention`'s; the gauges
+computed at scrape time are `scheduler.collector`'s.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -31,14 +31,17 @@ from scheduler.coordinator import LocalCoordinator, gather_model
 from scheduler.coordinator.metrics import CoordinatorFamilies
 from scheduler.history import History
 from scheduler.job_training import JobTraining, final_path, routes_path
+from scheduler.logged import logged
+from scheduler.options import SchedulerOptions
 from scheduler.registry import PeerRegistry
 from scheduler.retained import clear_retained
+from scheduler.retention import Retention
 from scheduler.speed import RecentSpeed
 from scheduler.stalls import Health
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm.bus.connection import BusLike
 from swarm.clock import MonotonicClock
-from swarm.errors import ConfigError, FailedPrecondition, NotFound, SwarmError
+from swarm.errors import FailedPrecondition, NotFound, SwarmError
 from swarm.job.config import JobConfig, parse_job
 from swarm.job.states import job_state_proto
 from swarm.model import checkpoint
@@ -48,46 +51,11 @@ from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Lease, MicrobatchResult, Working
 
-# `collector` lives in scheduler.collector; named here too for the scheduler's entry point.
+# `collector` and `SchedulerOptions` live in scheduler.collector and scheduler.options; named here
+# too for the scheduler's entry point.
 __all__ = ["Scheduler", "SchedulerOptions", "collector"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerOptions:
-    checkpoint_dir: Path
-    placement_grace_s: float = 2.0  # once enough peers are measured, wait this long for more
-    serve_timeout_s: float = 300.0  # assigned peers must be serving within this, else re-place
-    retry_pause_s: float = 1.0  # after a failed training attempt, before the next one
-    max_failed_attempts: int = 20  # consecutive attempts without progress before the job fails
-    embedded_trainer: bool = True  # run a trainer inside the scheduler for each job
-    load_silence_s: float = 10.0  # a serving peer whose load reports stop this long is left out
-    # A trained job with a stage nobody serves (after a scheduler restart) waits this long for a
-    # replica with the trained state, then gives the stage to fresh peers and rolls back.
-    lost_stage_grace_s: float = 30.0
-    # Every job is checkpointed at least this often besides its `checkpoint_every` steps: a
-    # stage whose only replica dies costs minutes of training, not the job. None: by steps.
-    checkpoint_every_s: float | None = 300.0
-    token: str | None = None  # swarm token for calls to stage servers
-    # An ended job's retained announcement and steps stay on the broker this long (peers that
-    # were briefly away learn the end, and free themselves), then are cleared; its record stays
-    # in the store, which is what `swarm status` reads. Its assignments are cleared at once.
-    finished_retain_s: float = 300.0
-    # Finished jobs kept (record, checkpoints, final model): those beyond the most recently ended
-    # `keep_finished_jobs` are deleted at start and whenever a job ends. None: every one is kept.
-    keep_finished_jobs: int | None = None
-    # A cancelled job's task may still be shutting down (its last checkpoint or final model being
-    # written, in a thread a cancellation does not stop): DeleteJob waits this long for it to
-    # end, then refuses (try again), rather than delete files the write would make again.
-    shutdown_wait_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.keep_finished_jobs is not None and self.keep_finished_jobs < 1:
-            raise ConfigError(
-                f"--keep-finished-jobs {self.keep_finished_jobs} is not allowed; use an integer "
-                ">= 1, or leave it out to keep every finished job"
-            )
 
 
 class Scheduler:
@@ -154,7 +122,9 @@ class Scheduler:
         # Each started job's layers per stage, partitioned once off the event loop: GetJob and
         # ListJobs ask for them on it, again and again.
         self._layers: dict[str, list[range]] = {}
-        self._retaining = asyncio.Lock()  # one retention sweep at a time
+        self._retention = Retention(
+            store, opts.keep_finished_jobs, shutting_down=self._shutting_down, delete=self.delete
+        )
         # The latest record of each job, refreshed on the event loop whenever a job is announced:
         # the metrics thread reads this, never the store (its connection belongs to this thread).
         self.snapshot: dict[str, JobRecord] = {}
@@ -172,7 +142,7 @@ class Scheduler:
             for record in list(self.snapshot.values()):
                 if record.finished:  # perhaps not cleared before a restart
                     self._expire(record.id)
-            group.create_task(self._retain())
+            group.create_task(self._retention.sweep())
             await stop.wait()
             self._group = None  # jobs submitted from now on wait in the store for the next run
             for task in [watcher, load, *self._tasks.values(), *self._expiring.values()]:
@@ -236,10 +206,9 @@ class Scheduler:
         record = self.store.get(job_id)
         if record is not None and not record.finished:
             raise FailedPrecondition(f"job {job_id!r} is {record.state}; cancel it first")
-        task = self._tasks.get(job_id)
-        if task is not None and not task.done():  # cancelled, still shutting down
-            await asyncio.wait([task], timeout=self.opts.shutdown_wait_s)
-            if not task.done():
+        if self._shutting_down(job_id):  # cancelled, still shutting down
+            await asyncio.wait([self._tasks[job_id]], timeout=self.opts.shutdown_wait_s)
+            if self._shutting_down(job_id):
                 raise FailedPrecondition(
                     f"job {job_id!r} is {record.state if record else 'ended'} but still shutting "
                     "down (writing its last checkpoint or final model); try again in a moment"
@@ -247,6 +216,11 @@ class Scheduler:
         self._layers.pop(job_id, None)
         # Off the event loop: a job's checkpoints may be many large files.
         await asyncio.to_thread(_remove, self.opts.checkpoint_dir / job_id)
+
+    def _shutting_down(self, job_id: str) -> bool:
+        """Whether `job_id`'s task has not ended yet (a cancelled one may still be writing)."""
+        task = self._tasks.get(job_id)
+        return task is not None and not task.done()
 
     def routes(self, job_id: str) -> Path:
         return routes_path(self.opts.checkpoint_dir, job_id)
@@ -396,7 +370,7 @@ class Scheduler:
         except Exception as e:
             log.exception("job %s failed", job_id)
             # One job's end must not take the scheduler (and every other job) down with it.
-            with _logged(f"job {job_id}: could not record its failure"):
+            with logged(log, f"job {job_id}: could not record its failure"):
                 record = self.store.get(job_id)
                 if record is not None and not record.finished:
                     self.store.set_state(job_id, "failed", error=str(e), message="failed")
@@ -406,7 +380,7 @@ class Scheduler:
             self._coordinators.pop(job_id, None)
             if ended:  # withdraw the assignments; the job's announcement frees the peers
                 holders = {p.peer for p in self.peer_registry.peers.values() if p.job == job_id}
-                with _logged(f"job {job_id}: assignments not withdrawn"):
+                with logged(log, f"job {job_id}: assignments not withdrawn"):
                     await self.assignments.withdraw(job_id, holders | set(assigned))
                 self._ended(job_id)
 
@@ -421,30 +395,8 @@ class Scheduler:
         self.history.forget(job_id)
         self._layers.pop(job_id, None)
         self._expire(job_id)
-        if self._group is not None and self.opts.keep_finished_jobs is not None:
-            self._group.create_task(self._retain())
-
-    async def _retain(self) -> None:
-        """Delete the finished jobs beyond `keep_finished_jobs` (the most recently ended are kept):
-        their files, then their records."""
-        keep = self.opts.keep_finished_jobs
-        if keep is None:
-            return
-        # A failed deletion is logged and left for the next sweep: it must not stop the scheduler.
-        async with self._retaining:
-            beyond: list[str] = []
-            with _logged("retention: finished jobs not listed"):
-                beyond = self.store.finished_beyond(keep)
-            for job_id in beyond:
-                task = self._tasks.get(job_id)
-                if task is not None and not task.done():
-                    # Still shutting down (a write in flight): its end sweeps again.
-                    log.info("job %s: deleted once it has shut down (retention)", job_id)
-                    continue
-                with _logged(f"job {job_id}: not deleted (retention)"):
-                    await self.delete(job_id)
-                    self.store.delete(job_id)
-                    log.info("job %s deleted: beyond --keep-finished-jobs %d", job_id, keep)
+        if self._group is not None and self._retention.keep is not None:
+            self._group.create_task(self._retention.sweep())
 
     def _expire(self, job_id: str) -> None:
         if self._group is not None and job_id not in self._expiring:
@@ -474,12 +426,3 @@ def _remove(directory: Path) -> None:
     """Remove `directory` and all it holds, if it exists (a job without a checkpoint has none)."""
     with contextlib.suppress(FileNotFoundError):
         shutil.rmtree(directory)
-
-
-@contextlib.contextmanager
-def _logged(what: str) -> Iterator[None]:
-    """Log an exception (with `what` it stopped) instead of raising it."""
-    try:
-        yield
-    except Exception:
-        log.exception("%s", what)

@@ -1,4 +1,6 @@
-"""The scheduler's durable job store: SQLite, one connection, used from one thread.
+"""The scheduler's durable job store: SQLite, one connection, used from one thread; the queries
+of jobs, their steps, evaluations and events (the file, its schema and transactions:
+`scheduler.store_file`).
 
 Every write is its own committed transaction (WAL, synchronous=FULL), so what a call reported as
 stored survives a killed process. A step record that cannot be written (a full disk) raises
@@ -12,18 +14,18 @@ The job state machine lives here, so no caller can move a finished job again.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, cast
 
-from swarm.errors import FailedPrecondition, InvalidArgument, NotFound, SwarmError
+from scheduler.store_file import SCHEMA_VERSION, StoreError, open_store, transaction  # re-exported
+from swarm.errors import FailedPrecondition, InvalidArgument, NotFound
 from swarm.job.states import JOB_STATES, TERMINAL, UNFINISHED, JobState  # re-exported
 
 __all__ = [
@@ -46,37 +48,6 @@ _NEXT: dict[JobState, frozenset[JobState]] = {
     "running": frozenset({"placing", "succeeded"}),
 }
 
-# Migration i (0-based) takes the schema from version i to i + 1; PRAGMA user_version records
-# how many have run. Append, never edit: a deployed store has run the old ones.
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (
-    (
-        """CREATE TABLE jobs (
-            id TEXT PRIMARY KEY, name TEXT NOT NULL, spec TEXT NOT NULL, base_dir TEXT NOT NULL,
-            state TEXT NOT NULL, step INTEGER NOT NULL, steps INTEGER NOT NULL, loss REAL,
-            error TEXT NOT NULL, message TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL
-        )""",
-        "CREATE INDEX jobs_state ON jobs (state)",
-        """CREATE TABLE steps (
-            job TEXT NOT NULL REFERENCES jobs (id), step INTEGER NOT NULL, loss REAL,
-            samples INTEGER NOT NULL, seconds REAL NOT NULL, time REAL NOT NULL,
-            PRIMARY KEY (job, step)
-        )""",
-    ),
-    (  # evaluations: the validation loss of the parameters after `step` updates
-        """CREATE TABLE evals (
-            job TEXT NOT NULL REFERENCES jobs (id), step INTEGER NOT NULL, val_loss REAL,
-            time REAL NOT NULL, PRIMARY KEY (job, step)
-        )""",
-    ),
-    (  # the job's history for operators: joins, leaves and why, stalls, rollbacks, its end
-        """CREATE TABLE events (
-            job TEXT NOT NULL REFERENCES jobs (id), time REAL NOT NULL, kind TEXT NOT NULL,
-            text TEXT NOT NULL
-        )""",
-        "CREATE INDEX events_job ON events (job, time)",
-    ),
-)
-SCHEMA_VERSION = len(_MIGRATIONS)
 # A job record's columns: the row, the loss of its step 0 (what `swarm demo` starts from), and
 # its newest evaluation.
 _LAST_EVAL = "FROM evals WHERE evals.job = jobs.id ORDER BY evals.step DESC LIMIT 1"
@@ -100,10 +71,6 @@ MAX_EVENT_TEXT = 500
 
 # A listed job's bytes besides its text columns (numbers, field tags), for `page`'s budget.
 _LISTED_OVERHEAD = 128
-
-
-class StoreError(SwarmError):
-    """The store file cannot be used (written by a newer swarm, or not a swarm store)."""
 
 
 @dataclass(frozen=True)
@@ -163,50 +130,8 @@ class JobStore:
         self.path, self._clock = Path(path), clock
         # job -> step -> (loss, samples, seconds, time): step records whose write failed
         self._kept: dict[str, dict[int, tuple[float, int, float, float]]] = {}
-        # isolation_level=None: autocommit; writes open their own transactions (see _write).
-        try:
-            # isolation_level=None: autocommit; multi-statement writes use _tx.
-            self._db = sqlite3.connect(self.path, isolation_level=None)
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot open the job store {str(self.path)!r} ({e})") from None
+        self._db = open_store(self.path)
         self._db.row_factory = sqlite3.Row
-        try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss too
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._migrate()
-        except BaseException as e:
-            self._db.close()
-            if isinstance(e, sqlite3.Error):
-                raise StoreError(f"{str(self.path)!r} is not a usable job store ({e})") from None
-            raise
-
-    def _migrate(self) -> None:
-        with self._tx():  # read and bump the version under one write lock: two schedulers
-            version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
-            if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"{str(self.path)!r} has schema version {version}, newer than this swarm's "
-                    f"{SCHEMA_VERSION}; upgrade swarm or use another store file"
-                )
-            for i in range(version, SCHEMA_VERSION):
-                for statement in _MIGRATIONS[i]:
-                    self._db.execute(statement)
-                self._db.execute(f"PRAGMA user_version = {i + 1}")  # transactional in SQLite
-
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[None]:
-        """One write transaction, committed on exit (the connection is in autocommit mode)."""
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-            self._db.execute("COMMIT")
-        except BaseException:
-            # A failed COMMIT (disk full) leaves the transaction open: end it, or every later
-            # write fails with "cannot start a transaction within a transaction".
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
-            raise
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> int:
         """Run one statement as its own committed transaction; returns the rows it changed."""
@@ -313,7 +238,7 @@ class JobStore:
         job = self._require(job_id)
         if not job.finished:
             raise FailedPrecondition(f"job {job_id!r} is {job.state}; cancel it first")
-        with self._tx():
+        with transaction(self._db):
             for table, key in (
                 ("events", "job"),
                 ("evals", "job"),
@@ -358,7 +283,7 @@ class JobStore:
         row = (loss, samples, seconds, self._clock())
         rows = [*sorted(kept.items()), (step, row)]  # earlier failed records first, in order
         try:
-            with self._tx():  # every row and the job's step, or nothing
+            with transaction(self._db):  # every row and the job's step, or nothing
                 inserted = [self._insert_step(job_id, s, *r) for s, r in rows]
         except sqlite3.Error as e:
             kept.setdefault(step, row)  # a retried report keeps the first, as the table does
@@ -394,7 +319,7 @@ class JobStore:
                 f"evaluation at step {step} of job {job_id!r}: outside 0..{job.steps}"
             )
         try:
-            with self._tx():
+            with transaction(self._db):
                 self._db.execute(
                     "INSERT OR IGNORE INTO evals VALUES (?, ?, ?, ?)",
                     (job_id, step, val_loss, self._clock()),
@@ -410,7 +335,7 @@ class JobStore:
         """Add to the job's history (keeping its newest `MAX_EVENTS`). A write that fails (a
         full disk) raises `StoreError`: the history is for people, training goes on."""
         try:
-            with self._tx():
+            with transaction(self._db):
                 self._db.execute(
                     "INSERT INTO events VALUES (?, ?, ?, ?)",
                     (job_id, self._clock(), kind, text[:MAX_EVENT_TEXT]),
@@ -453,7 +378,7 @@ class JobStore:
         kept = self._kept.get(job_id, {})
         for later in [s for s in kept if s >= step]:  # those steps are trained again
             del kept[later]
-        with self._tx():
+        with transaction(self._db):
             self._db.execute("DELETE FROM steps WHERE job = ? AND step >= ?", (job_id, step))
             # The parameters after `step` updates are the checkpoint's: their evaluation holds.
             self._db.execute("DELETE FROM evals WHERE job = ? AND step > ?", (job_id, step))

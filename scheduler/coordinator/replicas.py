@@ -14,6 +14,7 @@ import torch
 
 from swarm.errors import NotFound, PeerUnavailable
 from swarm.job.config import JobConfig
+from swarm.job.rule import EagerOp
 from swarm.model.state_checks import StateChecks
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
@@ -214,13 +215,13 @@ class GrpcReplica:
             group_index=group_index,
             round=round,
             round_end=True,
-            eager=op,
+            eager=EagerOp(op),
         )
         return response.already_committed
 
     async def eager_last_apply(self, boundary: int) -> None:
         await self.client.commit(
-            boundary, [], 0, phase=pb.COMMIT_PHASE_APPLY, round_end=True, eager=pb.EAGER_LAST
+            boundary, [], 0, phase=pb.COMMIT_PHASE_APPLY, round_end=True, eager=EagerOp.LAST
         )
 
     async def discard(self, step: int) -> int:

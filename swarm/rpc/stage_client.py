@@ -6,27 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Collection,
-    Coroutine,
-    Iterable,
-    Sequence,
-)
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import grpc
 import torch
 
-from swarm.errors import InvalidArgument, PeerUnavailable, ResourceExhausted
+from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
-from swarm.job.rule import rule_of
+from swarm.job.rule import EagerOp, rule_of
 from swarm.net import tokens as auth
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
+from swarm.rpc.state_streams import ExpectedState, Followed, ReplicaStreams, StateSink
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
 from swarm.wire import codec
@@ -134,6 +127,7 @@ class StageClient:
         )
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
         self.last_queued_s = 0.0
+        self._streams = ReplicaStreams(stage, address, self._timeout, self._max)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -312,7 +306,7 @@ class StageClient:
         round: str = "",
         grad_scale: float | None = None,
         round_end: bool = False,
-        eager: int = 0,
+        eager: EagerOp = EagerOp.NONE,
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
@@ -407,34 +401,9 @@ class StageClient:
             )
         )
         try:
-            return await self._receive_state(call, expect, sink)
+            return await self._streams.receive_state(call, expect, sink)
         finally:
             call.cancel()  # refused or failed: the sender stops (nothing once the call ended)
-
-    async def _receive_state(self, call: Any, expect: ExpectedState, sink: StateSink) -> int:
-        why = (
-            "the stage's parameters and an optimizer's state at 8 bytes a value, and "
-            f"{wire.TENSOR_OVERHEAD_BYTES} bytes a tensor"
-        )
-        received = self._bounded(call, expect.max_state_bytes(), why, wire.TENSOR_OVERHEAD_BYTES)
-        most = expect.max_state_tensors()
-        names: set[str] = set()
-        step = -1
-        while (message := await received.next()) is not None:
-            header, tensors = message
-            if step >= 0 and header.step != step:
-                raise self._refused(f"a state of step {step}, then of step {header.step}")
-            step = header.step
-            for name, tensor in tensors.items():
-                if name in names:
-                    raise self._refused(f"{name!r} twice")
-                if len(names) == most:
-                    raise self._refused(f"more than the {most} tensors stage {self.stage} has")
-                self._check(expect.state_tensor, name, tensor)
-                names.add(name)
-                await sink(step, name, tensor)  # its own buffer (`_Bounded.next`): no copy
-        self._check(expect.complete, names)  # a replica always has parameters
-        return step
 
     @_swarm_errors
     async def updates(
@@ -442,209 +411,23 @@ class StageClient:
     ) -> list[Followed]:
         """The updates the replica applied from `from_step` on, as (step, gradient sums in
         parameter order, total samples, clipping coefficient, whether it is a round's end);
-        `follower` has those before. A
-        negative `from_step` says the follower is done. Lasts while bytes keep coming, as
-        `download_state`, and is checked as it comes as that is (`expect`: each update's
-        gradient sums of the parameters' shapes and dtypes, the steps in order; in all at most
-        what an update log keeps, `runtime.update_log_bytes`, or one update when larger)."""
+        `follower` has those before. A negative `from_step` says the follower is done. Lasts
+        while bytes keep coming, as `download_state`, and is checked as it comes as that is
+        (`expect`: each update's gradient sums of the parameters' shapes and dtypes, the steps
+        in order, `swarm.rpc.stream_order`; in all at most what an update log keeps,
+        `runtime.update_log_bytes`, or one update when larger)."""
         call = self.stub.Updates(
             pb.StageUpdatesRequest(
                 job=self.job_id, stage=self.stage, follower=follower, from_step=from_step
             )
         )
         try:
-            return await self._receive_updates(call, from_step, expect)
+            rounds, log_bytes = rule_of(self.job).rounds, self.job.runtime.update_log_bytes
+            return await self._streams.receive_updates(
+                call, from_step, expect, rounds=rounds, log_bytes=log_bytes
+            )
         finally:
             call.cancel()
-
-    async def _receive_updates(
-        self, call: Any, from_step: int, expect: ExpectedState
-    ) -> list[Followed]:
-        # An update log keeps at most update_log_bytes, or its last update whatever its size.
-        limit = max(self.job.runtime.update_log_bytes, expect.max_update_bytes())
-        why = (
-            "runtime.update_log_bytes (within a stage server's --max-update-log-bytes), or one "
-            "update when larger"
-        )
-        # No overhead charged: each tensor has its parameter's shape, so the sender cannot make
-        # them many and tiny (and the bound stays what the log keeps).
-        received = self._bounded(call, limit, why, 0)
-        size = expect.num_parameters
-        updates: list[Followed] = []
-        # pool.mode = "local": a local step may take no sample, and a round's end comes before
-        # its step's own update (same step); pool.overlap = "eager": an average may arrive at
-        # any step (it moves no step)
-        local = rule_of(self.job).rounds
-        least = 0 if local else 1
-        at, ended = -1, False  # the step the sender is at after the last update, and whether
-        # a round ended there
-        while (message := await received.next()) is not None:
-            header, tensors = message
-            scale = header.grad_scale if header.HasField("grad_scale") else 1.0
-            end = header.round_end and local
-            eager = header.eager if end else 0
-            if not updates or len(updates[-1].grad_sums) == size:  # the one before is whole
-                if eager not in (0, 1, 2) or (eager == 2) != (0 < header.boundary <= header.step):
-                    raise self._refused(
-                        f"an update of step {header.step} with eager operation {header.eager} "
-                        f"of the round ending at {header.boundary}"
-                    )
-                if not updates:
-                    in_order = header.step >= from_step
-                else:
-                    in_order = header.step == at and not (end and eager != 2 and ended)
-                if not in_order:
-                    raise self._refused(f"an update of step {header.step} out of order")
-                if header.total_samples < least or not 0.0 < scale <= 1.0:
-                    raise self._refused(
-                        f"an update of {header.total_samples} samples with coefficient {scale}"
-                    )
-                if not end:
-                    at, ended = header.step + 1, False
-                elif eager != 2:
-                    at, ended = header.step, True
-                elif not updates:
-                    at = header.step
-                boundary = header.boundary if eager == 2 else -1
-                updates.append(
-                    Followed(header.step, [], header.total_samples, scale, end, eager, boundary)
-                )
-            last = updates[-1]
-            if (header.step, header.total_samples, scale) != (last[0], last[2], last[3]):
-                raise self._refused(
-                    f"the update of step {last.step} with {len(last.grad_sums)} of {size} sums"
-                )
-            sums = last.grad_sums
-            for name, tensor in tensors.items():
-                if name != str(len(sums)):
-                    raise self._refused(f"gradient sum {name!r} where {len(sums)} was due")
-                self._check(expect.update_tensor, len(sums), tensor)
-                sums.append(tensor)  # its own buffer: no copy
-        if updates and len(updates[-1][1]) != size:
-            raise self._refused(
-                f"the update of step {updates[-1][0]} has {len(updates[-1][1])} of {size} sums"
-            )
-        return updates
-
-    @property
-    def _sender(self) -> str:
-        return f"stage {self.stage}'s replica at {self.address}"
-
-    def _bounded(self, call: Any, limit: int, why: str, overhead: int) -> _Bounded:
-        stream = _progressing(call, self._timeout)
-        return _Bounded(stream, self._sender, limit, why, self._max, overhead)
-
-    def _refused(self, what: str) -> InvalidArgument:
-        return InvalidArgument(f"{self._sender} sent {what}")
-
-    def _check(self, check: Callable[..., None], *args: Any) -> None:
-        """`check(*args)`, whose refusal names this replica."""
-        try:
-            check(*args)
-        except InvalidArgument as e:
-            raise self._refused(f"what stage {self.stage} would not load: {e}") from None
-
-
-class Followed(NamedTuple):
-    """An update a followed replica applied (`StageRuntime.apply_followed`'s arguments)."""
-
-    step: int
-    grad_sums: list[torch.Tensor]
-    total_samples: int
-    scale: float  # the clipping coefficient
-    round_end: bool  # a round's end of pool.mode = "local"
-    eager: int = 0  # pool.overlap = "eager": `stage_server.local_round.Eager`'s STEP or AVERAGE
-    boundary: int = -1  # an AVERAGE's round (its end)
-
-
-# (step, name, tensor) of each tensor of a state as it comes (`StageClient.stream_state`)
-StateSink = Callable[[int, str, torch.Tensor], Awaitable[None]]
-
-
-class ExpectedState(Protocol):
-    """What a stage's state and its updates may hold (`swarm.model.state_checks.StateChecks`,
-    from the job's layout of the stage): checked as each tensor arrives."""
-
-    @property
-    def num_parameters(self) -> int: ...
-
-    def max_state_bytes(self) -> int: ...
-
-    def max_state_tensors(self) -> int: ...
-
-    def max_update_bytes(self) -> int: ...
-
-    def state_tensor(self, name: str, tensor: torch.Tensor) -> None: ...
-
-    def complete(self, names: Collection[str]) -> None: ...
-
-    def update_tensor(self, index: int, tensor: torch.Tensor) -> None: ...
-
-
-class _Bounded:
-    """The messages of a server stream from `sender`, at most `limit` tensor bytes in all (`why`
-    says where that bound comes from) and `max_tensor` a message, each tensor charged `overhead`
-    bytes more than its payload (`wire.TENSOR_OVERHEAD_BYTES`: what it costs held, however
-    small): a message declaring more than is left is refused from its header, before its bytes
-    are read or allocated, and nothing after it is read."""
-
-    def __init__(
-        self,
-        stream: AsyncIterator[Any],
-        sender: str,
-        limit: int,
-        why: str,
-        max_tensor: int,
-        overhead: int,
-    ) -> None:
-        self.stream, self.sender, self.limit, self.why = stream, sender, limit, why
-        self.max_tensor, self.overhead = max_tensor, overhead
-        self.left = limit
-
-    async def next(self) -> tuple[Any, dict[str, torch.Tensor]] | None:
-        """The next message's header and tensors (decoded, the caller's own), or None at the
-        end."""
-        bound = min(self.max_tensor, self.left)
-        try:
-            received = await wire.receive(
-                self.stream, max_bytes=bound, tensor_overhead=self.overhead
-            )
-            tensors = wire.decode_named(received, device="cpu", max_bytes=bound, owned=True)
-        except wire.EndOfStream:
-            return None
-        except InvalidArgument as e:  # a header of too many tensors, or bytes that do not fit
-            raise InvalidArgument(f"{self.sender} sent {e}") from None
-        except ResourceExhausted as e:
-            raise ResourceExhausted(
-                f"{self.sender} sent more than it may: {e} ({self.limit - self.left} bytes came "
-                f"before it, of at most {self.limit} in all: {self.why}; at most "
-                f"runtime.max_tensor_bytes = {self.max_tensor} a tensor)"
-            ) from None
-        if not tensors:  # a replica sends at least one tensor a message
-            raise InvalidArgument(f"{self.sender} sent a message without tensors")
-        held = sum(len(p) for p in received.payloads)
-        charged = self.overhead * len(tensors)
-        self.left -= max(held, sum(t.nbytes for t in tensors.values())) + charged
-        return received.header, tensors
-
-
-def _aiter(call: Any) -> AsyncIterator[Any]:
-    return call.__aiter__()  # type: ignore[no-any-return]
-
-
-async def _progressing(call: Any, idle_s: float) -> AsyncIterator[Any]:
-    """The messages of a server stream with a deadline that follows progress: each must come
-    within `idle_s` of the one before, however long the whole stream takes."""
-    stream = _aiter(call)
-    while True:
-        try:
-            message = await asyncio.wait_for(anext(stream), idle_s)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            call.cancel()
-            raise PeerUnavailable(f"no bytes for {idle_s:g}s: the transfer stalled") from None
-        yield message
 
 
 def named(receipts: Iterable[pb.Receipt], stage: int, peer: str) -> list[pb.Receipt]:

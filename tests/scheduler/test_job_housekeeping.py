@@ -300,7 +300,7 @@ async def test_retention_deletes_a_job_only_once_its_checkpoint_write_ended(
             await _cancelled_while_saving(store, sched, held, job_id)
             now[0] += 1
             newer = _ended(store, ckpt, "succeeded")  # ended since: the one job kept
-            await sched._retain()  # a sweep (another job ended) while the write goes on
+            await sched._retention.sweep()  # a sweep (another job ended) while the write goes on
             held.release.set()
             assert await asyncio.to_thread(held.wrote.wait, WAIT_S)
             await _until(lambda: store.get(job_id) is None)  # at the job's own end

@@ -1,0 +1,101 @@
+"""The job store's SQLite file: opened in WAL mode with synchronous=FULL (a committed write
+survives a killed process, and power loss), its schema brought up to this swarm's version by
+append-only migrations, and one write transaction at a time (`transaction`)."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+from swarm.errors import SwarmError
+
+__all__ = ["SCHEMA_VERSION", "StoreError", "open_store", "transaction"]
+
+
+class StoreError(SwarmError):
+    """The store file cannot be used (written by a newer swarm, or not a swarm store)."""
+
+
+# Migration i (0-based) takes the schema from version i to i + 1; PRAGMA user_version records
+# how many have run. Append, never edit: a deployed store has run the old ones.
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE jobs (
+            id TEXT PRIMARY KEY, name TEXT NOT NULL, spec TEXT NOT NULL, base_dir TEXT NOT NULL,
+            state TEXT NOT NULL, step INTEGER NOT NULL, steps INTEGER NOT NULL, loss REAL,
+            error TEXT NOT NULL, message TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL
+        )""",
+        "CREATE INDEX jobs_state ON jobs (state)",
+        """CREATE TABLE steps (
+            job TEXT NOT NULL REFERENCES jobs (id), step INTEGER NOT NULL, loss REAL,
+            samples INTEGER NOT NULL, seconds REAL NOT NULL, time REAL NOT NULL,
+            PRIMARY KEY (job, step)
+        )""",
+    ),
+    (  # evaluations: the validation loss of the parameters after `step` updates
+        """CREATE TABLE evals (
+            job TEXT NOT NULL REFERENCES jobs (id), step INTEGER NOT NULL, val_loss REAL,
+            time REAL NOT NULL, PRIMARY KEY (job, step)
+        )""",
+    ),
+    (  # the job's history for operators: joins, leaves and why, stalls, rollbacks, its end
+        """CREATE TABLE events (
+            job TEXT NOT NULL REFERENCES jobs (id), time REAL NOT NULL, kind TEXT NOT NULL,
+            text TEXT NOT NULL
+        )""",
+        "CREATE INDEX events_job ON events (job, time)",
+    ),
+)
+SCHEMA_VERSION = len(_MIGRATIONS)
+
+
+def open_store(path: Path) -> sqlite3.Connection:
+    """A connection to the store at `path` (created when missing), its schema migrated to
+    `SCHEMA_VERSION`; StoreError for a file that is not a usable store."""
+    try:
+        # isolation_level=None: autocommit; multi-statement writes use `transaction`.
+        db = sqlite3.connect(path, isolation_level=None)
+    except sqlite3.Error as e:
+        raise StoreError(f"cannot open the job store {str(path)!r} ({e})") from None
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss too
+        db.execute("PRAGMA foreign_keys=ON")
+        _migrate(db, path)
+    except BaseException as e:
+        db.close()
+        if isinstance(e, sqlite3.Error):
+            raise StoreError(f"{str(path)!r} is not a usable job store ({e})") from None
+        raise
+    return db
+
+
+def _migrate(db: sqlite3.Connection, path: Path) -> None:
+    with transaction(db):  # read and bump the version under one write lock: two schedulers
+        version = int(db.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{str(path)!r} has schema version {version}, newer than this swarm's "
+                f"{SCHEMA_VERSION}; upgrade swarm or use another store file"
+            )
+        for i in range(version, SCHEMA_VERSION):
+            for statement in _MIGRATIONS[i]:
+                db.execute(statement)
+            db.execute(f"PRAGMA user_version = {i + 1}")  # transactional in SQLite
+
+
+@contextlib.contextmanager
+def transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction, committed on exit (the connection is in autocommit mode)."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        db.execute("COMMIT")
+    except BaseException:
+        # A failed COMMIT (disk full) leaves the transaction open: end it, or every later
+        # write fails with "cannot start a transaction within a transaction".
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise

@@ -1,0 +1,217 @@
+"""The bounded streams a stage replica sends: its state (`DownloadState`) and the updates a
+follower applies (`Updates`). Each is read as it comes, with a deadline that follows progress,
+at most the bytes the stage could hold, each tensor checked as the stage would load it and each
+message in the order `swarm.rpc.stream_order` admits: the first refused ends the call, before
+more is read or held (a hostile member is cut off where it passes)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar
+
+import torch
+
+from swarm.errors import InvalidArgument, PeerUnavailable, ResourceExhausted
+from swarm.job.rule import EagerOp
+from swarm.rpc.stream_order import OutOfOrder, StateOrder, UpdateHeader, UpdateOrder
+from swarm.wire import chunking as wire
+
+__all__ = ["ExpectedState", "Followed", "ReplicaStreams", "StateSink"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Followed(NamedTuple):
+    """An update a followed replica applied (`StageRuntime.apply_followed`'s arguments)."""
+
+    step: int
+    grad_sums: list[torch.Tensor]
+    total_samples: int
+    scale: float  # the clipping coefficient
+    round_end: bool  # a round's end of pool.mode = "local"
+    eager: EagerOp = EagerOp.NONE  # pool.overlap = "eager": STEP or AVERAGE
+    boundary: int = -1  # an AVERAGE's round (its end)
+
+
+# (step, name, tensor) of each tensor of a state as it comes (`StageClient.stream_state`)
+StateSink = Callable[[int, str, torch.Tensor], Awaitable[None]]
+
+
+class ExpectedState(Protocol):
+    """What a stage's state and its updates may hold (`swarm.model.state_checks.StateChecks`,
+    from the job's layout of the stage): checked as each tensor arrives."""
+
+    @property
+    def num_parameters(self) -> int: ...
+
+    def max_state_bytes(self) -> int: ...
+
+    def max_state_tensors(self) -> int: ...
+
+    def max_update_bytes(self) -> int: ...
+
+    def state_tensor(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    def complete(self, names: Collection[str]) -> None: ...
+
+    def update_tensor(self, index: int, tensor: torch.Tensor) -> None: ...
+
+
+class ReplicaStreams:
+    """The state and update streams of stage `stage`'s replica at `address`, whose every
+    refusal names that replica: each message within `idle_s` of the one before, each tensor at
+    most `max_tensor` bytes (`runtime.max_tensor_bytes`)."""
+
+    def __init__(self, stage: int, address: str, idle_s: float, max_tensor: int) -> None:
+        self.stage, self.address, self.idle_s, self.max_tensor = stage, address, idle_s, max_tensor
+
+    async def receive_state(self, call: Any, expect: ExpectedState, sink: StateSink) -> int:
+        """Each tensor of the state `call` streams handed to `sink` as it comes; the step."""
+        why = (
+            "the stage's parameters and an optimizer's state at 8 bytes a value, and "
+            f"{wire.TENSOR_OVERHEAD_BYTES} bytes a tensor"
+        )
+        received = self._bounded(call, expect.max_state_bytes(), why, wire.TENSOR_OVERHEAD_BYTES)
+        order = StateOrder(expect.max_state_tensors())
+        while (message := await received.next()) is not None:
+            header, tensors = message
+            self._in_order(order.message, header.step)
+            for name, tensor in tensors.items():
+                self._in_order(order.tensor, name, self.stage)
+                self._check(expect.state_tensor, name, tensor)
+                await sink(order.step, name, tensor)  # its own buffer (`_Bounded.next`): no copy
+        self._check(expect.complete, order.names)  # a replica always has parameters
+        return order.step
+
+    async def receive_updates(
+        self, call: Any, from_step: int, expect: ExpectedState, *, rounds: bool, log_bytes: int
+    ) -> list[Followed]:
+        """The updates `call` streams from `from_step` on, at most `log_bytes` (what the
+        sender's update log keeps: `runtime.update_log_bytes`) or one update when larger;
+        `rounds`: the job's rule has rounds (`Rule.rounds`)."""
+        # An update log keeps at most update_log_bytes, or its last update whatever its size.
+        limit = max(log_bytes, expect.max_update_bytes())
+        why = (
+            "runtime.update_log_bytes (within a stage server's --max-update-log-bytes), or one "
+            "update when larger"
+        )
+        # No overhead charged: each tensor has its parameter's shape, so the sender cannot make
+        # them many and tiny (and the bound stays what the log keeps).
+        received = self._bounded(call, limit, why, 0)
+        order = UpdateOrder(from_step, rounds=rounds, sums=expect.num_parameters)
+        updates: list[Followed] = []
+        while (message := await received.next()) is not None:
+            header, tensors = message
+            scale = header.grad_scale if header.HasField("grad_scale") else 1.0
+            said = UpdateHeader(
+                header.step,
+                header.total_samples,
+                scale,
+                header.round_end,
+                header.eager,
+                header.boundary,
+            )
+            begun = self._in_order(order.message, said)
+            if begun is not None:
+                step, samples, scale, end, eager, boundary = begun
+                updates.append(Followed(step, [], samples, scale, end, EagerOp(eager), boundary))
+            sums = updates[-1].grad_sums
+            for name, tensor in tensors.items():
+                index = self._in_order(order.sum, name)
+                self._check(expect.update_tensor, index, tensor)
+                sums.append(tensor)  # its own buffer: no copy
+        self._in_order(order.end)
+        return updates
+
+    @property
+    def _sender(self) -> str:
+        return f"stage {self.stage}'s replica at {self.address}"
+
+    def _bounded(self, call: Any, limit: int, why: str, overhead: int) -> _Bounded:
+        stream = _progressing(call, self.idle_s)
+        return _Bounded(stream, self._sender, limit, why, self.max_tensor, overhead)
+
+    def _refused(self, what: str) -> InvalidArgument:
+        return InvalidArgument(f"{self._sender} sent {what}")
+
+    def _in_order(self, judge: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`judge(*args)` of the stream's order, whose refusal names this replica."""
+        try:
+            return judge(*args, **kwargs)
+        except OutOfOrder as e:
+            raise self._refused(str(e)) from None
+
+    def _check(self, check: Callable[..., None], *args: Any) -> None:
+        """`check(*args)`, whose refusal names this replica."""
+        try:
+            check(*args)
+        except InvalidArgument as e:
+            raise self._refused(f"what stage {self.stage} would not load: {e}") from None
+
+
+class _Bounded:
+    """The messages of a server stream from `sender`, at most `limit` tensor bytes in all (`why`
+    says where that bound comes from) and `max_tensor` a message, each tensor charged `overhead`
+    bytes more than its payload (`wire.TENSOR_OVERHEAD_BYTES`: what it costs held, however
+    small): a message declaring more than is left is refused from its header, before its bytes
+    are read or allocated, and nothing after it is read."""
+
+    def __init__(
+        self,
+        stream: AsyncIterator[Any],
+        sender: str,
+        limit: int,
+        why: str,
+        max_tensor: int,
+        overhead: int,
+    ) -> None:
+        self.stream, self.sender, self.limit, self.why = stream, sender, limit, why
+        self.max_tensor, self.overhead = max_tensor, overhead
+        self.left = limit
+
+    async def next(self) -> tuple[Any, dict[str, torch.Tensor]] | None:
+        """The next message's header and tensors (decoded, the caller's own), or None at the
+        end."""
+        bound = min(self.max_tensor, self.left)
+        try:
+            received = await wire.receive(
+                self.stream, max_bytes=bound, tensor_overhead=self.overhead
+            )
+            tensors = wire.decode_named(received, device="cpu", max_bytes=bound, owned=True)
+        except wire.EndOfStream:
+            return None
+        except InvalidArgument as e:  # a header of too many tensors, or bytes that do not fit
+            raise InvalidArgument(f"{self.sender} sent {e}") from None
+        except ResourceExhausted as e:
+            raise ResourceExhausted(
+                f"{self.sender} sent more than it may: {e} ({self.limit - self.left} bytes came "
+                f"before it, of at most {self.limit} in all: {self.why}; at most "
+                f"runtime.max_tensor_bytes = {self.max_tensor} a tensor)"
+            ) from None
+        if not tensors:  # a replica sends at least one tensor a message
+            raise InvalidArgument(f"{self.sender} sent a message without tensors")
+        held = sum(len(p) for p in received.payloads)
+        charged = self.overhead * len(tensors)
+        self.left -= max(held, sum(t.nbytes for t in tensors.values())) + charged
+        return received.header, tensors
+
+
+def _aiter(call: Any) -> AsyncIterator[Any]:
+    return call.__aiter__()  # type: ignore[no-any-return]
+
+
+async def _progressing(call: Any, idle_s: float) -> AsyncIterator[Any]:
+    """The messages of a server stream with a deadline that follows progress: each must come
+    within `idle_s` of the one before, however long the whole stream takes."""
+    stream = _aiter(call)
+    while True:
+        try:
+            message = await asyncio.wait_for(anext(stream), idle_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            call.cancel()
+            raise PeerUnavailable(f"no bytes for {idle_s:g}s: the transfer stalled") from None
+        yield message
