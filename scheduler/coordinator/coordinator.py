@@ -30,7 +30,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.commit import CommitStalled, NonFiniteStep, TwoPhaseCommit
+from scheduler.coordinator.commit import NonFiniteStep, TwoPhaseCommit
+from scheduler.coordinator.failures import CommitStalled
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -42,7 +43,7 @@ from scheduler.coordinator.replicas import (
     StageReplica,
     grpc_replicas,
 )
-from scheduler.coordinator.rounds import PoolRounds
+from scheduler.coordinator.round_strategy import rounds_of
 from scheduler.coordinator.shares import Shares
 from scheduler.coordinator.step_records import StepRecords
 from swarm.clock import Clock, MonotonicClock
@@ -126,7 +127,8 @@ class LocalCoordinator:
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         self._records = StepRecords(self.metrics, job.model.seq_len)
         self._live: list[_Live] = []  # oldest first: at most two, with delayed_update
-        self.delayed = rule_of(job).delays
+        rule = rule_of(job)
+        self.delayed = rule.delays
         self.clients = ReplicaClients(
             connect or grpc_replicas(job, job_id, token), grace_s=job.runtime.commit_timeout_s
         )
@@ -142,13 +144,11 @@ class LocalCoordinator:
             grad_clip=job.training.grad_clip,
             on_joined=self._joined,
         )
-        self.rounds = (
-            PoolRounds(job, self.clients, self.membership, self.metrics, on_route, on_status)
-            if rule_of(job).rounds
-            else None
+        self.rounds = rounds_of(
+            rule, job, self.clients, self.membership, self.metrics, on_route, on_status
         )
         self.two_phase = TwoPhaseCommit(
-            self.clients, self.membership, self.metrics, job.training.grad_clip, self.rounds
+            self.clients, self.membership, self.metrics, self.rounds, job.training.grad_clip
         )
         self.recovery = Recovery(job, self.clients, checkpoint_dir, checkpoint_every_s, self.clock)
         self._rollback: asyncio.Task[None] | None = None
@@ -169,8 +169,7 @@ class LocalCoordinator:
         if isinstance(self.clients.factory, GrpcReplicas):
             await self.clients.factory.prepare()
         step = await self._reconcile()
-        if self.rounds is not None:
-            await self.rounds.started(step, self.replicas())
+        await self.rounds.started(step, self.replicas())
         self._open(step)
         return step
 
@@ -225,19 +224,14 @@ class LocalCoordinator:
         return (
             bool(ledgers)
             and ledgers[0].step == step
-            # pool.mode = "local": only where a round starts, when every member's parameters
-            # are the pool's (a copy joins with its source's inner optimizer state)
-            and (self.rounds is None or self.rounds.starts_round(step))
-            # pool.overlap = "eager": not while a round's sum is under way (a copy must hold it)
-            and not (self.rounds is not None and self.rounds.pending)
+            and self.rounds.can_admit(step)
             and not self._committing()
             and (self._rollback is None or self._rollback.done())
             and not self._closed
         )
 
     def _joined(self, step: int, stage: int, peer: str, source: str) -> None:
-        if self.rounds is not None:
-            self.rounds.joined(step, stage, peer, source)
+        self.rounds.joined(step, stage, peer, source)
 
     def _committing(self) -> bool:
         """A commit is deciding (an applied one only tells the world now)."""
@@ -250,8 +244,7 @@ class LocalCoordinator:
         for task in tasks:
             if task is not None:
                 task.cancel()
-        if self.rounds is not None:
-            self.rounds.cancel()
+        self.rounds.cancel()
         await self.recovery.close(finished=self.finished.is_set())
         await self.membership.close()
         await self.clients.close()
@@ -382,11 +375,8 @@ class LocalCoordinator:
             if ledger not in self._ledgers():
                 return
             size = self.job.training.microbatch_size
-            # pool.mode = "local": a late receipt names no run for the route record; the
-            # microbatch is replayed, and the commit voids the replica that holds it
-            local = rule_of(self.job).rounds
             for (stage, r), info in zip(pairs, infos, strict=True):
-                if local:
+                if not self.rounds.adopts_late_receipts:
                     break
                 if isinstance(info, BaseException):
                     continue  # gone: the commit's own checks deal with it
@@ -556,12 +546,9 @@ class LocalCoordinator:
                 await _maybe_await(self.on_step(self._records.with_blocked(record)))
             return
         await self.membership.sync(step)
-        # pool.overlap = "eager": a checkpoint, and a copy about to join, need every member's
-        # state whole: the round's sum is waited for here (else it overlaps the next round)
-        rounds, due = self.rounds, self.recovery.due(step)
-        needs_whole = due or self.membership.copying()
-        if rounds is not None and rounds.pending and rounds.starts_round(step) and needs_whole:
-            await rounds.drain()
+        due = self.recovery.due(step)
+        if due or self.membership.copying():  # they need every member's state whole
+            await self.rounds.whole(step)
         if due:
             self.recovery.checkpoint(step, self.replicas())
         if live in self._live and len(self._live) > 1:
@@ -575,9 +562,7 @@ class LocalCoordinator:
                 self._open_next_early()
             else:
                 self._open(step)
-                if self.rounds is not None and self.rounds.starts_round(step):
-                    # pool.mode = "local": a copy may join only where a round starts; its own
-                    # asks could miss that moment for many rounds (steps are short)
+                if self.rounds.admit_on_open(step):
                     await self.membership.admit_copies(step)
         if attempt:
             log.info("step %d committed after %d failed rounds", ledger.step, attempt)
@@ -602,10 +587,11 @@ class LocalCoordinator:
     async def _roll_back(self) -> None:
         try:
             ledgers = self._ledgers()
-            # pool.mode = "local": a replica left out mid-round holds a round its pool ended
-            # without it: not the stage's state, so the stage rolls back to a checkpoint.
-            local = self.rounds is not None
-            if ledgers and not local and await self.membership.readmit(ledgers[0].step):
+            if (
+                ledgers
+                and self.rounds.readmits  # else the stage rolls back to a checkpoint
+                and await self.membership.readmit(ledgers[0].step)
+            ):
                 self._wake()  # a replica dropped for a missed deadline still held the state
                 return
             # A checkpoint still being written may be the newest.
@@ -615,8 +601,7 @@ class LocalCoordinator:
                 if live.commit.task:
                     live.commit.task.cancel()
                     live.commit.task = None
-            if self.rounds is not None:
-                self.rounds.restarted()  # every member loads one state: no round is half done
+            self.rounds.restarted()  # every member loads one state: no round is half done
             self.membership.synced = await self.recovery.restore(step, self.members())
             if any(not stage for stage in self.replicas()):
                 return  # not every stage could load it: the next lease tries again
