@@ -6,15 +6,10 @@ trainer and, over gRPC, remote trainers) or a standalone `swarm trainer --stage-
 the step's lifecycle (open, commit, retry, next step, rollback) and composes the rest: the ledger
 (`ledger`), the two-phase commit and voids (`commit`), the members (`membership`), checkpoints and
 rollback states (`recovery`), the connections to replicas (`replicas`), and each committed step's
-record and timing (`step_records`).
-
-Its steps are *live* from their opening until their commit is applied. Synchronous, one is:
-step t+1 opens once step t is applied everywhere. With `training.delayed_update` step t+1
-opens as soon as step t has nothing left to lease, once step t-1 is applied (its microbatches
-compute on the parameters before step t's update, which the replicas keep), so two are live at
-once: step t, draining and then committing, with the replays a failed round needs (leased
-first), and step t+1. Neither the pipeline's drain nor the averaging leaves it idle. Step t+1's
-commit waits for step t's APPLY, so the updates are applied in order, each once.
+record and timing (`step_records`). Its steps are *live* from their opening until their commit
+is applied (`live_steps`: one at a time, or two with `training.delayed_update`); a returned
+microbatch's late receipts are checked before it is leased again (`late_receipts`); the
+rounds of the job's rule (`round_strategy`) run after the commits that end them.
 """
 
 from __future__ import annotations
@@ -22,17 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from scheduler.coordinator.commit import NonFiniteStep, TwoPhaseCommit
 from scheduler.coordinator.failures import CommitStalled
+from scheduler.coordinator.late_receipts import LateReceipts
 from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.live_steps import Live, window_of
+from scheduler.coordinator.long_poll import LongPoll
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.recovery import Recovery
@@ -60,30 +55,6 @@ __all__ = ["LocalCoordinator"]
 log = logging.getLogger(__name__)
 
 
-def _retry_backoff() -> Backoff:
-    # Pauses between commit attempts that wait on no replay (a member without gradients left,
-    # a round another member aborted): short, since trainers idle meanwhile.
-    return Backoff(first_s=0.1, cap_s=2.0)
-
-
-@dataclass
-class _Commit:
-    attempt: int = 0  # names the round: a retry never reuses a failed round's id
-    task: asyncio.Task[bool] | None = None  # set from the first attempt until the next step opens
-    applied: bool = False  # the step is committed: late reports and releases for it are moot
-    failed_rounds: int = 0  # PREPARE rounds of this step that failed: `max_commit_rounds` ends it
-    backoff: Backoff = field(default_factory=_retry_backoff)
-
-
-@dataclass
-class _Live:
-    """A step from its opening until its commit is applied: its ledger and its commit."""
-
-    ledger: StepLedger
-    commit: _Commit = field(default_factory=_Commit)
-    started: float = field(default_factory=time.perf_counter)
-
-
 async def _maybe_await(result: Awaitable[None] | None) -> None:
     if result is not None:
         await result
@@ -91,8 +62,6 @@ async def _maybe_await(result: Awaitable[None] | None) -> None:
 
 class LocalCoordinator:
     _CHECK_EVERY_S = 1.0  # members are checked at most this often when trainers give work back
-    MAX_WAIT_S = 60.0  # the longest a lease waits for work (a trainer's wait_s is capped here)
-    _RECHECK_S = 0.5  # a waiting lease looks again this often (members, expired leases)
 
     def __init__(
         self,
@@ -126,9 +95,12 @@ class LocalCoordinator:
         self._shares = Shares(self.clock, job.runtime.lease_timeout_s)
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         self._records = StepRecords(self.metrics, job.model.seq_len)
-        self._live: list[_Live] = []  # oldest first: at most two, with delayed_update
         rule = rule_of(job)
-        self.delayed = rule.delays
+        self._window = window_of(rule, job, self.steps, self.clock)
+        self.finished = asyncio.Event()
+        self.error: BaseException | None = None
+        self._poll = LongPoll(self.finished, self._window.commits)
+        self._wake = self._poll.wake
         self.clients = ReplicaClients(
             connect or grpc_replicas(job, job_id, token), grace_s=job.runtime.commit_timeout_s
         )
@@ -136,7 +108,7 @@ class LocalCoordinator:
             job_id,
             members,
             self.clients,
-            self._ledgers,
+            self._window.ledgers,
             self.metrics,
             self.clock,
             can_admit=self._can_admit,
@@ -157,11 +129,16 @@ class LocalCoordinator:
         self._rollback_backoff = Backoff(first_s=0.5, cap_s=30.0)
         self._rollback_after = -math.inf
         self._checked = -self._CHECK_EVERY_S
-        self._changed = asyncio.Event()  # set (and replaced) when waiting leases should look
-        self._receipts: asyncio.Task[None] | None = None  # the late-receipt check in flight
+        self._receipts = LateReceipts(
+            self.clients,
+            self.replicas,
+            self._window,
+            self.rounds,
+            job.training.microbatch_size,
+            wake=self._wake,
+            checked=self._maybe_commit,
+        )
         self._closed = False
-        self.finished = asyncio.Event()
-        self.error: BaseException | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> int:
@@ -176,56 +153,29 @@ class LocalCoordinator:
     @property
     def ledger(self) -> StepLedger | None:
         """The newest live step's ledger (None once the job is done)."""
-        return self._live[-1].ledger if self._live else None
-
-    def _ledgers(self) -> list[StepLedger]:
-        """The ledgers of the live steps not yet applied, oldest first: the oldest one's step
-        is the one members are at."""
-        return [live.ledger for live in self._live if not live.commit.applied]
-
-    def _live_at(self, step: int) -> _Live | None:
-        return next((live for live in self._live if live.ledger.step == step), None)
+        newest = self._window.newest
+        return newest.ledger if newest else None
 
     def _open(self, step: int, beside: bool = False) -> None:
         """Open `step`: the only live step, or (`beside`, delayed_update) the next one beside
-        the step whose commit is starting."""
-        if not beside:
-            for live in self._live:
-                old = live.commit.task
-                if old is not None and old is not asyncio.current_task():
-                    old.cancel()  # a retry of a ledger that is history now would void replicas
-            self._live = []
+        the step whose commit is starting; or the job is done."""
         self._records.opened()
-        t = self.job.training
-        evaluates = t.eval_every > 0 and (step % t.eval_every == 0 or step >= self.steps)
-        if step >= self.steps and not (evaluates and step == self.steps):
+        if self._window.open(step, beside) is None:
             self.finished.set()
-            self._wake()
-            return
-        m = t.microbatches_per_step
-        ledger = StepLedger(
-            step,
-            m if step < self.steps else 0,  # after the last step: the final evaluation only
-            t.stages,
-            self.job.runtime.lease_timeout_s,
-            self.clock,
-            microbatch_size=t.microbatch_size,
-            evaluations=range(m, m + t.eval_microbatches) if evaluates else range(0),
-        )
-        self._live.append(_Live(ledger))
-        self._rollback_backoff.reset()
-        self._rollback_after = -math.inf
+        else:
+            self._rollback_backoff.reset()
+            self._rollback_after = -math.inf
         self._wake()
 
     def _can_admit(self, step: int) -> bool:
         """A replica caught up with `step` becomes a member only while `step` is the members'
         and no commit (whose PREPARE group is fixed) or rollback is under way."""
-        ledgers = self._ledgers()
+        ledgers = self._window.ledgers()
         return (
             bool(ledgers)
             and ledgers[0].step == step
             and self.rounds.can_admit(step)
-            and not self._committing()
+            and not self._window.committing()
             and (self._rollback is None or self._rollback.done())
             and not self._closed
         )
@@ -233,17 +183,13 @@ class LocalCoordinator:
     def _joined(self, step: int, stage: int, peer: str, source: str) -> None:
         self.rounds.joined(step, stage, peer, source)
 
-    def _committing(self) -> bool:
-        """A commit is deciding (an applied one only tells the world now)."""
-        return any(live.commit.task is not None and not live.commit.applied for live in self._live)
-
     async def close(self) -> None:
         self._closed = True
         self._wake()
-        tasks = [live.commit.task for live in self._live] + [self._rollback, self._receipts]
-        for task in tasks:
+        for task in [*self._window.commits(), self._rollback]:
             if task is not None:
                 task.cancel()
+        self._receipts.cancel()
         self.rounds.cancel()
         await self.recovery.close(finished=self.finished.is_set())
         await self.membership.close()
@@ -254,22 +200,8 @@ class LocalCoordinator:
         return self.clients.get(stage, replica)
 
     def progress(self) -> str:
-        """Where the oldest open step is, in words (for a stall's message): its microbatches
-        still without a gradient somewhere, or its commit and how many rounds failed."""
-        if not self._live:
-            return "no step open"
-        live = self._live[0]
-        ledger, commit = live.ledger, live.commit
-        if commit.task is not None:
-            failed = (
-                f", {commit.failed_rounds} failed round(s) so far" if commit.failed_rounds else ""
-            )
-            return f"step {ledger.step} is committing (attempt {commit.attempt + 1}{failed})"
-        total = len(ledger.evaluations) + ledger.microbatches
-        return (
-            f"step {ledger.step} waits for {ledger.remaining} of its {total} microbatches "
-            f"({ledger.holding()} trainer(s) hold leases on them)"
-        )
+        """Where the oldest open step is, in words (for a stall's message)."""
+        return self._window.progress()
 
     def replicas(self) -> list[list[Replica]]:
         """Per stage, the members at the coordinator's step: trainers see and use only these."""
@@ -279,47 +211,30 @@ class LocalCoordinator:
     async def lease(
         self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
     ) -> Lease:
-        """Up to `count` tasks for `trainer`, renewing its leases of `working` first. A long poll:
-        with nothing to give, it waits (at most `wait_s`, capped at `MAX_WAIT_S`) until there is
-        work, the job is done or failed, or the members changed, so that idle trainers ask rarely
-        and still start at once."""
+        """Up to `count` tasks for `trainer`, renewing its leases of `working` first. A long poll
+        (`long_poll`): with nothing to give, it waits at most `wait_s` for work."""
         self._shares.heard(trainer)
-        for ledger in self._ledgers():
+        for ledger in self._window.ledgers():
             ledger.renew(trainer, [index for step, index in working if step == ledger.step])
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(max(wait_s, 0.0), self.MAX_WAIT_S)
-        seen: list[list[Replica]] | None = None
-        while True:
-            changed = self._changed  # before looking: a change after the look wakes this wait
-            lease = self._lease_now(trainer, count)
-            if lease.tasks or lease.done or self._closed:
-                return lease
-            if seen is None:
-                seen = lease.replicas
-            elif lease.replicas != seen:
-                return lease  # the trainer must re-route (a replica left, moved or joined)
-            left = deadline - loop.time()
-            if left <= 0:
-                return lease
-            await self._until_changed(changed, min(left, self._RECHECK_S))
+        return await self._poll.poll(
+            lambda: self._lease_now(trainer, count), wait_s, lambda: self._closed
+        )
 
     def _lease_now(self, trainer: str, count: int) -> Lease:
         if self.error:
             raise self.error
         members = self.replicas()
-        if not self._live:
+        if self.ledger is None:
             return Lease(self.steps, [], members, done=True)
-        newest = self._live[-1].ledger.step
+        newest = self.ledger.step
         if any(not stage for stage in members):
             self._maybe_roll_back()
             return Lease(newest, [], members)  # no work while a stage has no replica
-        for live in self._live:  # the oldest first: a commit's replays hold up the next one
-            if live.commit.task:
-                continue
+        for live in self._window.working():  # the oldest first: replays hold up the next
             ledger = live.ledger
             returned = ledger.returned()
-            if returned and self._receipts is None:
-                self._receipts = asyncio.create_task(self._check_receipts(ledger, returned))
+            if returned:
+                self._receipts.check(ledger, returned)
             exclude = set(returned)
             share = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
             tasks = ledger.lease(trainer, share, exclude=exclude)
@@ -329,98 +244,29 @@ class LocalCoordinator:
         return Lease(newest, [], members)
 
     def _open_next_early(self) -> None:
-        """delayed_update: step t+1 computes on parameters no later step changes, so it opens
-        once step t has no task left to lease (its last ones still in flight) and step t-1 is
-        applied, rather than when step t completes: the pipeline never drains between steps."""
-        if not self.delayed or len(self._live) != 1:
-            return
-        live = self._live[0]
-        ledger = live.ledger
-        if live.commit.applied or not ledger.microbatches or ledger.step + 1 >= self.steps:
-            return  # the final evaluation opens after the last APPLY: it is of the trained model
-        if ledger.leasable() == 0:
-            self._open(ledger.step + 1, beside=True)
-
-    def _wake(self) -> None:
-        """Waiting leases look again (work may be there, or the job done)."""
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def _until_changed(self, changed: asyncio.Event, timeout: float) -> None:
-        waiter = asyncio.ensure_future(changed.wait())
-        waits: set[asyncio.Future[Any]] = {waiter, asyncio.ensure_future(self.finished.wait())}
-        # A commit's end may leave replays to lease.
-        commits = {live.commit.task for live in self._live if live.commit.task is not None}
-        try:
-            await asyncio.wait(
-                waits | commits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for w in waits:
-                # Never a commit, even once the step it committed is history: it may still
-                # be telling the world (`on_step`) after opening the next step.
-                if not w.done():
-                    w.cancel()
-
-    async def _check_receipts(self, ledger: StepLedger, returned: list[int]) -> None:
-        """Before microbatches given back are leased again: a Backward that timed out at its
-        trainer may still have landed on a replica. A receipt for a microbatch the ledger still
-        needs at that stage is adopted (that replica holds it, exactly as a replay would make
-        it), so the late receipt is neither replayed elsewhere nor voids its replica."""
-        try:
-            pairs = [(k, r) for k, stage in enumerate(self.replicas()) for r in stage]
-            infos = await asyncio.gather(
-                *(self.clients.get(k, r).info() for k, r in pairs), return_exceptions=True
-            )
-            if ledger not in self._ledgers():
-                return
-            size = self.job.training.microbatch_size
-            for (stage, r), info in zip(pairs, infos, strict=True):
-                if not self.rounds.adopts_late_receipts:
-                    break
-                if isinstance(info, BaseException):
-                    continue  # gone: the commit's own checks deal with it
-                if info.step == ledger.step:
-                    receipts = info.receipts
-                elif self.delayed and info.step + 1 == ledger.step:
-                    receipts = info.next_receipts  # the step beside a commit
-                else:
-                    continue  # elsewhere: the commit's own checks deal with it
-                adopted = ledger.adopt(stage, r.peer, receipts, set(returned), size)
-                if adopted:
-                    log.info(
-                        "step %d: %s's late receipts %s at stage %d adopted",
-                        ledger.step,
-                        r.peer,
-                        adopted,
-                        stage,
-                    )
-            ledger.checked(returned)
-        finally:
-            self._receipts = None
-            self._wake()
-        self._maybe_commit(ledger)
+        """delayed_update: the next step opens before this one completes (`live_steps`)."""
+        step = self._window.early()
+        if step is not None:
+            self._open(step, beside=True)
 
     def _maybe_commit(self, ledger: StepLedger) -> None:
         """Start committing `ledger`'s step once it is complete, unless a commit of it runs
         already or (delayed_update) the step before it is not applied yet: its commit starts
         when that one's ends. With delayed_update the next step opens beside it now."""
-        live = self._live_at(ledger.step)
+        live = self._window.at(ledger.step)
         if live is None or live.ledger is not ledger or live.commit.applied:
             return
-        if ledger.complete and live is self._live[-1]:
+        if ledger.complete and live is self._window.newest:
             self._records.blocked()  # until the next step opens
-        if not ledger.complete or live.commit.task is not None or self._live[0] is not live:
+        if not ledger.complete or live.commit.task is not None or self._window.oldest is not live:
             return
         live.commit.task = asyncio.create_task(self._commit_step(live))
-        # The final evaluation (after the last step) opens once that step is applied: it is
-        # of the trained parameters.
-        beside = ledger.step + 1
-        if self.delayed and ledger.microbatches and beside < self.steps and len(self._live) == 1:
+        beside = self._window.beside(ledger)
+        if beside is not None:
             self._open(beside, beside=True)
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
-        live = self._live_at(result.step)
+        live = self._window.at(result.step)
         if live is None or live.commit.applied:
             return
         ledger = live.ledger
@@ -462,12 +308,12 @@ class LocalCoordinator:
         """A trainer gave these microbatches back (a hop failed on every replica it tried):
         look at the members, since one may be dead or restarted empty. (Indices only: with
         delayed_update, the live step that leased them to `trainer`.)"""
-        ledgers = [live.ledger for live in self._live if not live.commit.task]
+        ledgers = [live.ledger for live in self._window.working()]
         if ledgers:
             for ledger in ledgers:
                 ledger.release(trainer, indices)
             self._wake()
-            if self._committing():
+            if self._window.committing():
                 # A commit checks the members itself; during its APPLY those that applied are
                 # at the next step already, and would be dropped as if restarted.
                 return
@@ -477,9 +323,9 @@ class LocalCoordinator:
                 await self.membership.check(ledgers[0].step)
 
     # -- the step -------------------------------------------------------------------------------
-    async def _commit_step(self, live: _Live) -> bool:
+    async def _commit_step(self, live: Live) -> bool:
         commit, ledger = live.commit, live.ledger
-        if live not in self._live:
+        if live not in self._window:
             return False  # a rollback or an earlier commit moved on: this ledger is history
         if ledger.step >= self.steps:  # the final evaluation: nothing to commit
             commit.applied = True
@@ -521,7 +367,7 @@ class LocalCoordinator:
             self.error = e
             self.finished.set()
             return False
-        if live in self._live:
+        if live in self._window:
             commit.task = None
             commit.attempt += 1
             if ledger.complete:
@@ -530,11 +376,11 @@ class LocalCoordinator:
                 commit.task = asyncio.create_task(self._retry(live, commit.backoff))
         return False
 
-    async def _retry(self, live: _Live, backoff: Backoff) -> bool:
+    async def _retry(self, live: Live, backoff: Backoff) -> bool:
         await backoff.sleep()
         return await self._commit_step(live)
 
-    async def _next_step(self, live: _Live, attempt: int) -> None:
+    async def _next_step(self, live: Live, attempt: int) -> None:
         """After `live`'s step is applied: bring new replicas in, checkpoint, open the next
         (with delayed_update it is open already: its commit may start now)."""
         ledger = live.ledger
@@ -551,14 +397,15 @@ class LocalCoordinator:
             await self.rounds.whole(step)
         if due:
             self.recovery.checkpoint(step, self.replicas())
-        if live in self._live and len(self._live) > 1:
+        if live in self._window and len(self._window) > 1:
             # delayed_update: the next step's commit waits for this one; before it starts (it
             # may right away), replicas that copied a member join it.
             await self.membership.admit_copies(step)
-        if live in self._live:  # not rolled back meanwhile
-            self._live.remove(live)
-            if self._live:  # delayed_update: the next step, which waited for this APPLY
-                self._maybe_commit(self._live[0].ledger)
+        if live in self._window:  # not rolled back meanwhile
+            self._window.remove(live)
+            oldest = self._window.oldest
+            if oldest is not None:  # delayed_update: the next step, which waited for this APPLY
+                self._maybe_commit(oldest.ledger)
                 self._open_next_early()
             else:
                 self._open(step)
@@ -586,7 +433,7 @@ class LocalCoordinator:
 
     async def _roll_back(self) -> None:
         try:
-            ledgers = self._ledgers()
+            ledgers = self._window.ledgers()
             if (
                 ledgers
                 and self.rounds.readmits  # else the stage rolls back to a checkpoint
@@ -597,10 +444,7 @@ class LocalCoordinator:
             # A checkpoint still being written may be the newest.
             await self.recovery.flush(self.job.runtime.commit_timeout_s)
             step = self.recovery.latest()
-            for live in self._live:
-                if live.commit.task:
-                    live.commit.task.cancel()
-                    live.commit.task = None
+            self._window.cancel_commits()
             self.rounds.restarted()  # every member loads one state: no round is half done
             self.membership.synced = await self.recovery.restore(step, self.members())
             if any(not stage for stage in self.replicas()):
