@@ -5,18 +5,18 @@ gradients live, and commits the step on every replica of every stage in two phas
 trainer and, over gRPC, remote trainers) or a standalone `swarm trainer --stage-servers`. It owns
 the step's lifecycle (open, commit, retry, next step, rollback) and composes the rest: the ledger
 (`ledger`), the two-phase commit and voids (`commit`), the members (`membership`), checkpoints and
-rollback states (`recovery`), the connections to replicas (`replicas`), and each committed step's
-record and timing (`step_records`). Its steps are *live* from their opening until their commit
-is applied (`live_steps`: one at a time, or two with `training.delayed_update`); a returned
-microbatch's late receipts are checked before it is leased again (`late_receipts`); the
-rounds of the job's rule (`round_strategy`) run after the commits that end them.
+rollback states (`recovery`) and when to roll back (`rollback`), the connections to replicas
+(`replicas`), and each committed step's record and timing (`step_records`). Its steps are *live*
+from their opening until their commit is applied (`live_steps`: one at a time, or two with
+`training.delayed_update`); a returned microbatch's late receipts are checked before it is
+leased again (`late_receipts`); a lease with nothing to give waits (`long_poll`); the rounds
+of the job's rule (`round_strategy`) run after the commits that end them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -38,11 +38,11 @@ from scheduler.coordinator.replicas import (
     StageReplica,
     grpc_replicas,
 )
+from scheduler.coordinator.rollback import Rollback
 from scheduler.coordinator.round_strategy import rounds_of
 from scheduler.coordinator.shares import Shares
 from scheduler.coordinator.step_records import StepRecords
 from swarm.clock import Clock, MonotonicClock
-from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.routes import Record
@@ -123,11 +123,20 @@ class LocalCoordinator:
             self.clients, self.membership, self.metrics, self.rounds, job.training.grad_clip
         )
         self.recovery = Recovery(job, self.clients, checkpoint_dir, checkpoint_every_s, self.clock)
-        self._rollback: asyncio.Task[None] | None = None
-        # A rollback that could not finish (a stage's replica failed to load) is tried again
-        # from leases, no sooner than this backoff allows.
-        self._rollback_backoff = Backoff(first_s=0.5, cap_s=30.0)
-        self._rollback_after = -math.inf
+        self._rollback = Rollback(
+            job,
+            self.clock,
+            self._window,
+            self.rounds,
+            self.membership,
+            self.recovery,
+            self.metrics,
+            members,
+            open_step=self._open,
+            on_rollback=on_rollback,
+            wake=self._wake,
+            fail=self._fail,
+        )
         self._checked = -self._CHECK_EVERY_S
         self._receipts = LateReceipts(
             self.clients,
@@ -145,7 +154,7 @@ class LocalCoordinator:
         """Bring every replica to one step (finishing a half-applied commit) and open it."""
         if isinstance(self.clients.factory, GrpcReplicas):
             await self.clients.factory.prepare()
-        step = await self._reconcile()
+        step = await self._rollback.reconcile()
         await self.rounds.started(step, self.replicas())
         self._open(step)
         return step
@@ -163,8 +172,7 @@ class LocalCoordinator:
         if self._window.open(step, beside) is None:
             self.finished.set()
         else:
-            self._rollback_backoff.reset()
-            self._rollback_after = -math.inf
+            self._rollback.opened()
         self._wake()
 
     def _can_admit(self, step: int) -> bool:
@@ -176,7 +184,7 @@ class LocalCoordinator:
             and ledgers[0].step == step
             and self.rounds.can_admit(step)
             and not self._window.committing()
-            and (self._rollback is None or self._rollback.done())
+            and not self._rollback.running
             and not self._closed
         )
 
@@ -186,9 +194,9 @@ class LocalCoordinator:
     async def close(self) -> None:
         self._closed = True
         self._wake()
-        for task in [*self._window.commits(), self._rollback]:
-            if task is not None:
-                task.cancel()
+        for task in self._window.commits():
+            task.cancel()
+        self._rollback.cancel()
         self._receipts.cancel()
         self.rounds.cancel()
         await self.recovery.close(finished=self.finished.is_set())
@@ -228,7 +236,7 @@ class LocalCoordinator:
             return Lease(self.steps, [], members, done=True)
         newest = self.ledger.step
         if any(not stage for stage in members):
-            self._maybe_roll_back()
+            self._rollback.maybe()
             return Lease(newest, [], members)  # no work while a stage has no replica
         for live in self._window.working():  # the oldest first: replays hold up the next
             ledger = live.ledger
@@ -352,20 +360,18 @@ class LocalCoordinator:
             raise
         except CommitStalled as e:  # every retry is bounded: say why, rather than spin
             log.error("%s", e)
-            self.error = e
-            self.finished.set()
+            self._fail(e)
             return False
         except NonFiniteStep as e:  # a retry would meet the same gradient: fail, loudly
             saved = self.recovery.latest()
             last = f"the last is the checkpoint of step {saved}" if saved else "none was written"
-            self.error = NonFiniteStep(f"{e}. No checkpoint holds it ({last})")
-            log.error("job %s: %s", self.job_id, self.error)
-            self.finished.set()
+            error = NonFiniteStep(f"{e}. No checkpoint holds it ({last})")
+            log.error("job %s: %s", self.job_id, error)
+            self._fail(error)
             return False
         except Exception as e:  # a bug: fail the job loudly rather than hang
             log.exception("step %d: commit failed", ledger.step)
-            self.error = e
-            self.finished.set()
+            self._fail(e)
             return False
         if live in self._window:
             commit.task = None
@@ -375,6 +381,10 @@ class LocalCoordinator:
                 # yet): no replay will report back, so try again by itself, backing off.
                 commit.task = asyncio.create_task(self._retry(live, commit.backoff))
         return False
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        self.finished.set()
 
     async def _retry(self, live: Live, backoff: Backoff) -> bool:
         await backoff.sleep()
@@ -416,80 +426,6 @@ class LocalCoordinator:
         if self.on_step:
             await _maybe_await(self.on_step(self._records.with_blocked(record)))
 
-    # -- rollback -------------------------------------------------------------------------------
     async def flush(self) -> None:
         """Wait until the checkpoint being written, if any, is sealed or skipped."""
         await self.recovery.flush()
-
-    def _maybe_roll_back(self) -> None:
-        """A stage has lost every replica. Once a replica of it is back, roll every stage back to
-        the last complete checkpoint (no work can be exact without that stage's state)."""
-        if self._rollback is None and all(self.members()):
-            now = self.clock.now()
-            if now < self._rollback_after:
-                return  # the last attempt failed: back off
-            self._rollback_after = now + self._rollback_backoff.next()
-            self._rollback = asyncio.create_task(self._roll_back())
-
-    async def _roll_back(self) -> None:
-        try:
-            ledgers = self._window.ledgers()
-            if (
-                ledgers
-                and self.rounds.readmits  # else the stage rolls back to a checkpoint
-                and await self.membership.readmit(ledgers[0].step)
-            ):
-                self._wake()  # a replica dropped for a missed deadline still held the state
-                return
-            # A checkpoint still being written may be the newest.
-            await self.recovery.flush(self.job.runtime.commit_timeout_s)
-            step = self.recovery.latest()
-            self._window.cancel_commits()
-            self.rounds.restarted()  # every member loads one state: no round is half done
-            self.membership.synced = await self.recovery.restore(step, self.members())
-            if any(not stage for stage in self.replicas()):
-                return  # not every stage could load it: the next lease tries again
-            self.metrics.rollbacks.inc()
-            if step == 0:  # all training so far is lost: say so loudly
-                log.warning("rolled every stage back to step 0 (no checkpoint): retraining")
-            else:
-                log.warning("rolled every stage back to step %d (checkpoint)", step)
-            self._open(step)
-            if self.on_rollback:
-                await _maybe_await(self.on_rollback(step))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a damaged checkpoint, say: fail the job rather than retry forever
-            log.exception("rollback failed")
-            self.error = e
-            self.finished.set()
-        finally:
-            self._rollback = None
-
-    async def _reconcile(self) -> int:
-        target = await self.membership.reconcile()
-        missing = [k for k, replicas in enumerate(self.replicas()) if not replicas]
-        saved = self.recovery.latest()
-        if (missing or saved > target) and all(self.members()):
-            if saved > target:
-                # Every replica is behind the last sealed checkpoint (all restarted empty, say):
-                # training again from `target` would throw the checkpointed steps away.
-                log.warning(
-                    "every replica is at step %d or before: resuming from the checkpoint of "
-                    "step %d",
-                    target,
-                    saved,
-                )
-            else:
-                # Every stage has members but some none with the trained state (a stage was
-                # lost while no coordinator ran): every stage goes back to the last checkpoint.
-                log.warning("no replica of stages %s is at step %d: rolling back", missing, target)
-            await self._roll_back()
-            if self.error is not None:
-                raise self.error
-            if self.ledger is not None and all(self.replicas()):
-                return self.ledger.step
-            missing = [k for k, replicas in enumerate(self.replicas()) if not replicas]
-        if missing:
-            raise SwarmError(f"no replica of stages {missing} is at step {target}")
-        return target
