@@ -151,7 +151,7 @@ class JobTraining:
             await self.set_status(job_id, None, text)
 
         routes = None
-        if rule_of(job).rounds:  # appended: a resumed job's record goes on
+        if rule_of(job).records_routes:  # appended: a resumed job's record goes on
             path = routes_path(self.checkpoint_dir, job_id)
             path.parent.mkdir(parents=True, exist_ok=True)
             routes = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed below)

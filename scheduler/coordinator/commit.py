@@ -21,29 +21,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from scheduler.coordinator.failures import judge
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import GONE, ReplicaClients
-from swarm.errors import Aborted, NonFiniteGradient, SwarmError
+from scheduler.coordinator.round_strategy import Rounds
+from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.model.optim import clip_scale
 from swarm.rpc.lease import Replica
 
-if TYPE_CHECKING:  # rounds.py builds on this module
-    from scheduler.coordinator.rounds import PoolRounds
-
-__all__ = ["CommitStalled", "NonFiniteStep", "RoundFailure", "TwoPhaseCommit", "culprits"]
+__all__ = ["NonFiniteStep", "RoundFailure", "TwoPhaseCommit"]
 
 log = logging.getLogger(__name__)
 _REASON_CHARS = 600  # of a failed round's reason, in logs, status and the job's error
-
-
-class CommitStalled(SwarmError):
-    """A step's averaging rounds failed `runtime.max_commit_rounds` times without a commit."""
 
 
 class NonFiniteStep(Exception):
@@ -69,40 +62,17 @@ class RoundFailure:
         )
 
 
-def culprits(
-    group: list[Replica], accusations: dict[int, set[int]], holdings: dict[str, list[int]]
-) -> list[int]:
-    """Which members (indices into `group`) to leave out of a stage whose round aborted, given
-    whom each member named (`accusations`: accuser index -> named indices): those named by the
-    most others. When that is every member (two that cannot reach each other name each other),
-    one is kept: the one holding the most microbatches (the fewest replays), else the first."""
-    votes = Counter(
-        i
-        for accuser, named in accusations.items()
-        for i in named
-        if 0 <= i < len(group) and i != accuser
-    )
-    if not votes:
-        return []
-    most = max(votes.values())
-    worst = sorted(i for i, v in votes.items() if v == most)
-    if len(worst) == len(group):
-        keep = max(worst, key=lambda i: (len(holdings.get(group[i].peer, [])), -i))
-        worst.remove(keep)
-    return worst
-
-
 class TwoPhaseCommit:
     def __init__(
         self,
         clients: ReplicaClients,
         membership: Membership,
         metrics: CoordinatorMetrics,
+        rounds: Rounds,
         grad_clip: float = 0.0,
-        rounds: PoolRounds | None = None,
     ) -> None:
-        """`rounds`: pool.mode = "local" (each replica applies its own gradient; pools
-        average at the end of each round), None: "step"."""
+        """`rounds`: the job's rule's rounds (`round_strategy`): whom a step's PREPARE averages
+        with, and what follows its APPLY."""
         self.clients, self.membership, self.metrics = clients, membership, metrics
         self.rounds = rounds
         self.grad_clip = grad_clip  # `training.grad_clip`: 0, no clipping
@@ -222,10 +192,7 @@ class TwoPhaseCommit:
                 log.warning(
                     "step %d: apply on %s (stage %d) failed: %s", ledger.step, r.peer, stage, result
                 )
-        if self.rounds is not None:
-            self.rounds.applied(ledger)
-            if self.rounds.ends_round(ledger.step):
-                await self.rounds.end(ledger.step)
+        await self.rounds.applied(ledger)  # a round that ends with the step ends now
         return True
 
     def _refuse_nonfinite(self, step: int, reported: list[tuple[int, str, float]]) -> None:
@@ -293,16 +260,10 @@ class TwoPhaseCommit:
             group = [r.address for r in replicas]
             holdings = ledger.holdings(stage)
             for index, r in enumerate(replicas):
-                # A local step (pool.mode = "local"): its own gradient, over its own samples.
-                own = self.rounds is not None
+                samples, pool, at = self.rounds.step_pool(ledger, stage, r, group, index, total)
                 calls.append(
                     self.clients.get(stage, r).prepare(
-                        ledger.step,
-                        holdings.get(r.peer, []),
-                        ledger.samples_held(stage, r.peer) if own else total,
-                        [r.address] if own else group,
-                        0 if own else index,
-                        round_id,
+                        ledger.step, holdings.get(r.peer, []), samples, pool, at, round_id
                     )
                 )
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -320,36 +281,19 @@ class TwoPhaseCommit:
                 if isinstance(result, float)
             ]
         self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
-        reason = "; ".join(f"stage {k} {r.peer}: {type(e).__name__}: {e}" for k, r, e in failed)
-        self.failure = failure = RoundFailure(_shorten(reason))
-        explained: set[int] = set()  # stages where a member failed by itself
-        accusations: dict[int, dict[int, set[int]]] = {}  # stage -> accuser -> whom it names
-        for stage, r, error in failed:
-            log.warning(
-                "step %d: round %s at stage %d failed on %s: %r",
-                ledger.step,
-                round_id,
-                stage,
-                r.peer,
-                error,
-            )
+        judged = judge(f"step {ledger.step}: round {round_id}", failed, members)
+        self.failure = failure = RoundFailure(_shorten(judged.reason))
+        for stage, r, error in judged.alone:
             if isinstance(error, GONE):
                 self.membership.drop(r.peer)  # dead: its gradients are replayed
-                explained.add(stage)
-            elif not isinstance(error, Aborted):
+            else:
                 await self.void(ledger, stage, r.peer)  # it holds what it must not
-                explained.add(stage)
-            elif error.missing:  # another member failed, and it says which
-                accusations.setdefault(stage, {})[members[stage].index(r)] = set(error.missing)
-            # Aborted: another member failed; this one's gradients are intact
-        for stage, named in accusations.items():
+        explained = {stage for stage, _, _ in judged.alone}  # a member failed by itself there
+        for stage, culprit, by in judged.named(members, ledger.holdings):
             if stage in explained:
                 continue  # the member that failed by itself is gone or voided already
-            replicas = members[stage]
-            for i in culprits(replicas, named, ledger.holdings(stage)):
-                by = sorted(replicas[a].peer for a, names in named.items() if i in names)
-                await self._leave_out(ledger, stage, replicas[i], by)
-                failure.left_out.append((stage, replicas[i].peer, by))
+            await self._leave_out(ledger, stage, culprit, by)
+            failure.left_out.append((stage, culprit.peer, by))
         return None
 
     async def _leave_out(

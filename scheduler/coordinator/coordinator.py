@@ -5,33 +5,29 @@ gradients live, and commits the step on every replica of every stage in two phas
 trainer and, over gRPC, remote trainers) or a standalone `swarm trainer --stage-servers`. It owns
 the step's lifecycle (open, commit, retry, next step, rollback) and composes the rest: the ledger
 (`ledger`), the two-phase commit and voids (`commit`), the members (`membership`), checkpoints and
-rollback states (`recovery`), the connections to replicas (`replicas`), and each committed step's
-record and timing (`step_records`).
-
-Its steps are *live* from their opening until their commit is applied. Synchronous, one is:
-step t+1 opens once step t is applied everywhere. With `training.delayed_update` step t+1
-opens as soon as step t has nothing left to lease, once step t-1 is applied (its microbatches
-compute on the parameters before step t's update, which the replicas keep), so two are live at
-once: step t, draining and then committing, with the replays a failed round needs (leased
-first), and step t+1. Neither the pipeline's drain nor the averaging leaves it idle. Step t+1's
-commit waits for step t's APPLY, so the updates are applied in order, each once.
+rollback states (`recovery`) and when to roll back (`rollback`), the connections to replicas
+(`replicas`), and each committed step's record and timing (`step_records`). Its steps are *live*
+from their opening until their commit is applied (`live_steps`: one at a time, or two with
+`training.delayed_update`); a returned microbatch's late receipts are checked before it is
+leased again (`late_receipts`); a lease with nothing to give waits (`long_poll`); the rounds
+of the job's rule (`round_strategy`) run after the commits that end them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.commit import CommitStalled, NonFiniteStep, TwoPhaseCommit
+from scheduler.coordinator.commit import NonFiniteStep, TwoPhaseCommit
+from scheduler.coordinator.failures import CommitStalled
+from scheduler.coordinator.late_receipts import LateReceipts
 from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.live_steps import Live, window_of
+from scheduler.coordinator.long_poll import LongPoll
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.recovery import Recovery
@@ -42,11 +38,11 @@ from scheduler.coordinator.replicas import (
     StageReplica,
     grpc_replicas,
 )
-from scheduler.coordinator.rounds import PoolRounds
+from scheduler.coordinator.rollback import Rollback
+from scheduler.coordinator.round_strategy import rounds_of
 from scheduler.coordinator.shares import Shares
 from scheduler.coordinator.step_records import StepRecords
 from swarm.clock import Clock, MonotonicClock
-from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.routes import Record
@@ -59,30 +55,6 @@ __all__ = ["LocalCoordinator"]
 log = logging.getLogger(__name__)
 
 
-def _retry_backoff() -> Backoff:
-    # Pauses between commit attempts that wait on no replay (a member without gradients left,
-    # a round another member aborted): short, since trainers idle meanwhile.
-    return Backoff(first_s=0.1, cap_s=2.0)
-
-
-@dataclass
-class _Commit:
-    attempt: int = 0  # names the round: a retry never reuses a failed round's id
-    task: asyncio.Task[bool] | None = None  # set from the first attempt until the next step opens
-    applied: bool = False  # the step is committed: late reports and releases for it are moot
-    failed_rounds: int = 0  # PREPARE rounds of this step that failed: `max_commit_rounds` ends it
-    backoff: Backoff = field(default_factory=_retry_backoff)
-
-
-@dataclass
-class _Live:
-    """A step from its opening until its commit is applied: its ledger and its commit."""
-
-    ledger: StepLedger
-    commit: _Commit = field(default_factory=_Commit)
-    started: float = field(default_factory=time.perf_counter)
-
-
 async def _maybe_await(result: Awaitable[None] | None) -> None:
     if result is not None:
         await result
@@ -90,8 +62,6 @@ async def _maybe_await(result: Awaitable[None] | None) -> None:
 
 class LocalCoordinator:
     _CHECK_EVERY_S = 1.0  # members are checked at most this often when trainers give work back
-    MAX_WAIT_S = 60.0  # the longest a lease waits for work (a trainer's wait_s is capped here)
-    _RECHECK_S = 0.5  # a waiting lease looks again this often (members, expired leases)
 
     def __init__(
         self,
@@ -125,8 +95,12 @@ class LocalCoordinator:
         self._shares = Shares(self.clock, job.runtime.lease_timeout_s)
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         self._records = StepRecords(self.metrics, job.model.seq_len)
-        self._live: list[_Live] = []  # oldest first: at most two, with delayed_update
-        self.delayed = rule_of(job).delays
+        rule = rule_of(job)
+        self._window = window_of(rule, job, self.steps, self.clock)
+        self.finished = asyncio.Event()
+        self.error: BaseException | None = None
+        self._poll = LongPoll(self.finished, self._window.commits)
+        self._wake = self._poll.wake
         self.clients = ReplicaClients(
             connect or grpc_replicas(job, job_id, token), grace_s=job.runtime.commit_timeout_s
         )
@@ -134,7 +108,7 @@ class LocalCoordinator:
             job_id,
             members,
             self.clients,
-            self._ledgers,
+            self._window.ledgers,
             self.metrics,
             self.clock,
             can_admit=self._can_admit,
@@ -142,116 +116,89 @@ class LocalCoordinator:
             grad_clip=job.training.grad_clip,
             on_joined=self._joined,
         )
-        self.rounds = (
-            PoolRounds(job, self.clients, self.membership, self.metrics, on_route, on_status)
-            if rule_of(job).rounds
-            else None
+        self.rounds = rounds_of(
+            rule, job, self.clients, self.membership, self.metrics, on_route, on_status
         )
         self.two_phase = TwoPhaseCommit(
-            self.clients, self.membership, self.metrics, job.training.grad_clip, self.rounds
+            self.clients, self.membership, self.metrics, self.rounds, job.training.grad_clip
         )
         self.recovery = Recovery(job, self.clients, checkpoint_dir, checkpoint_every_s, self.clock)
-        self._rollback: asyncio.Task[None] | None = None
-        # A rollback that could not finish (a stage's replica failed to load) is tried again
-        # from leases, no sooner than this backoff allows.
-        self._rollback_backoff = Backoff(first_s=0.5, cap_s=30.0)
-        self._rollback_after = -math.inf
+        self._rollback = Rollback(
+            job,
+            self.clock,
+            self._window,
+            self.rounds,
+            self.membership,
+            self.recovery,
+            self.metrics,
+            members,
+            open_step=self._open,
+            on_rollback=on_rollback,
+            wake=self._wake,
+            fail=self._fail,
+        )
         self._checked = -self._CHECK_EVERY_S
-        self._changed = asyncio.Event()  # set (and replaced) when waiting leases should look
-        self._receipts: asyncio.Task[None] | None = None  # the late-receipt check in flight
+        self._receipts = LateReceipts(
+            self.clients,
+            self.replicas,
+            self._window,
+            self.rounds,
+            job.training.microbatch_size,
+            wake=self._wake,
+            checked=self._maybe_commit,
+        )
         self._closed = False
-        self.finished = asyncio.Event()
-        self.error: BaseException | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> int:
         """Bring every replica to one step (finishing a half-applied commit) and open it."""
         if isinstance(self.clients.factory, GrpcReplicas):
             await self.clients.factory.prepare()
-        step = await self._reconcile()
-        if self.rounds is not None:
-            await self.rounds.started(step, self.replicas())
+        step = await self._rollback.reconcile()
+        await self.rounds.started(step, self.replicas())
         self._open(step)
         return step
 
     @property
     def ledger(self) -> StepLedger | None:
         """The newest live step's ledger (None once the job is done)."""
-        return self._live[-1].ledger if self._live else None
-
-    def _ledgers(self) -> list[StepLedger]:
-        """The ledgers of the live steps not yet applied, oldest first: the oldest one's step
-        is the one members are at."""
-        return [live.ledger for live in self._live if not live.commit.applied]
-
-    def _live_at(self, step: int) -> _Live | None:
-        return next((live for live in self._live if live.ledger.step == step), None)
+        newest = self._window.newest
+        return newest.ledger if newest else None
 
     def _open(self, step: int, beside: bool = False) -> None:
         """Open `step`: the only live step, or (`beside`, delayed_update) the next one beside
-        the step whose commit is starting."""
-        if not beside:
-            for live in self._live:
-                old = live.commit.task
-                if old is not None and old is not asyncio.current_task():
-                    old.cancel()  # a retry of a ledger that is history now would void replicas
-            self._live = []
+        the step whose commit is starting; or the job is done."""
         self._records.opened()
-        t = self.job.training
-        evaluates = t.eval_every > 0 and (step % t.eval_every == 0 or step >= self.steps)
-        if step >= self.steps and not (evaluates and step == self.steps):
+        if self._window.open(step, beside) is None:
             self.finished.set()
-            self._wake()
-            return
-        m = t.microbatches_per_step
-        ledger = StepLedger(
-            step,
-            m if step < self.steps else 0,  # after the last step: the final evaluation only
-            t.stages,
-            self.job.runtime.lease_timeout_s,
-            self.clock,
-            microbatch_size=t.microbatch_size,
-            evaluations=range(m, m + t.eval_microbatches) if evaluates else range(0),
-        )
-        self._live.append(_Live(ledger))
-        self._rollback_backoff.reset()
-        self._rollback_after = -math.inf
+        else:
+            self._rollback.opened()
         self._wake()
 
     def _can_admit(self, step: int) -> bool:
         """A replica caught up with `step` becomes a member only while `step` is the members'
         and no commit (whose PREPARE group is fixed) or rollback is under way."""
-        ledgers = self._ledgers()
+        ledgers = self._window.ledgers()
         return (
             bool(ledgers)
             and ledgers[0].step == step
-            # pool.mode = "local": only where a round starts, when every member's parameters
-            # are the pool's (a copy joins with its source's inner optimizer state)
-            and (self.rounds is None or self.rounds.starts_round(step))
-            # pool.overlap = "eager": not while a round's sum is under way (a copy must hold it)
-            and not (self.rounds is not None and self.rounds.pending)
-            and not self._committing()
-            and (self._rollback is None or self._rollback.done())
+            and self.rounds.can_admit(step)
+            and not self._window.committing()
+            and not self._rollback.running
             and not self._closed
         )
 
     def _joined(self, step: int, stage: int, peer: str, source: str) -> None:
-        if self.rounds is not None:
-            self.rounds.joined(step, stage, peer, source)
-
-    def _committing(self) -> bool:
-        """A commit is deciding (an applied one only tells the world now)."""
-        return any(live.commit.task is not None and not live.commit.applied for live in self._live)
+        self.rounds.joined(step, stage, peer, source)
 
     async def close(self) -> None:
         self._closed = True
         self._wake()
-        tasks = [live.commit.task for live in self._live] + [self._rollback, self._receipts]
-        for task in tasks:
-            if task is not None:
-                task.cancel()
-        if self.rounds is not None:
-            self.rounds.cancel()
+        for task in self._window.commits():
+            task.cancel()
+        self._rollback.cancel()
+        self._receipts.cancel()
+        self.rounds.cancel()
         await self.recovery.close(finished=self.finished.is_set())
         await self.membership.close()
         await self.clients.close()
@@ -261,22 +208,8 @@ class LocalCoordinator:
         return self.clients.get(stage, replica)
 
     def progress(self) -> str:
-        """Where the oldest open step is, in words (for a stall's message): its microbatches
-        still without a gradient somewhere, or its commit and how many rounds failed."""
-        if not self._live:
-            return "no step open"
-        live = self._live[0]
-        ledger, commit = live.ledger, live.commit
-        if commit.task is not None:
-            failed = (
-                f", {commit.failed_rounds} failed round(s) so far" if commit.failed_rounds else ""
-            )
-            return f"step {ledger.step} is committing (attempt {commit.attempt + 1}{failed})"
-        total = len(ledger.evaluations) + ledger.microbatches
-        return (
-            f"step {ledger.step} waits for {ledger.remaining} of its {total} microbatches "
-            f"({ledger.holding()} trainer(s) hold leases on them)"
-        )
+        """Where the oldest open step is, in words (for a stall's message)."""
+        return self._window.progress()
 
     def replicas(self) -> list[list[Replica]]:
         """Per stage, the members at the coordinator's step: trainers see and use only these."""
@@ -286,47 +219,30 @@ class LocalCoordinator:
     async def lease(
         self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
     ) -> Lease:
-        """Up to `count` tasks for `trainer`, renewing its leases of `working` first. A long poll:
-        with nothing to give, it waits (at most `wait_s`, capped at `MAX_WAIT_S`) until there is
-        work, the job is done or failed, or the members changed, so that idle trainers ask rarely
-        and still start at once."""
+        """Up to `count` tasks for `trainer`, renewing its leases of `working` first. A long poll
+        (`long_poll`): with nothing to give, it waits at most `wait_s` for work."""
         self._shares.heard(trainer)
-        for ledger in self._ledgers():
+        for ledger in self._window.ledgers():
             ledger.renew(trainer, [index for step, index in working if step == ledger.step])
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(max(wait_s, 0.0), self.MAX_WAIT_S)
-        seen: list[list[Replica]] | None = None
-        while True:
-            changed = self._changed  # before looking: a change after the look wakes this wait
-            lease = self._lease_now(trainer, count)
-            if lease.tasks or lease.done or self._closed:
-                return lease
-            if seen is None:
-                seen = lease.replicas
-            elif lease.replicas != seen:
-                return lease  # the trainer must re-route (a replica left, moved or joined)
-            left = deadline - loop.time()
-            if left <= 0:
-                return lease
-            await self._until_changed(changed, min(left, self._RECHECK_S))
+        return await self._poll.poll(
+            lambda: self._lease_now(trainer, count), wait_s, lambda: self._closed
+        )
 
     def _lease_now(self, trainer: str, count: int) -> Lease:
         if self.error:
             raise self.error
         members = self.replicas()
-        if not self._live:
+        if self.ledger is None:
             return Lease(self.steps, [], members, done=True)
-        newest = self._live[-1].ledger.step
+        newest = self.ledger.step
         if any(not stage for stage in members):
-            self._maybe_roll_back()
+            self._rollback.maybe()
             return Lease(newest, [], members)  # no work while a stage has no replica
-        for live in self._live:  # the oldest first: a commit's replays hold up the next one
-            if live.commit.task:
-                continue
+        for live in self._window.working():  # the oldest first: replays hold up the next
             ledger = live.ledger
             returned = ledger.returned()
-            if returned and self._receipts is None:
-                self._receipts = asyncio.create_task(self._check_receipts(ledger, returned))
+            if returned:
+                self._receipts.check(ledger, returned)
             exclude = set(returned)
             share = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
             tasks = ledger.lease(trainer, share, exclude=exclude)
@@ -336,101 +252,29 @@ class LocalCoordinator:
         return Lease(newest, [], members)
 
     def _open_next_early(self) -> None:
-        """delayed_update: step t+1 computes on parameters no later step changes, so it opens
-        once step t has no task left to lease (its last ones still in flight) and step t-1 is
-        applied, rather than when step t completes: the pipeline never drains between steps."""
-        if not self.delayed or len(self._live) != 1:
-            return
-        live = self._live[0]
-        ledger = live.ledger
-        if live.commit.applied or not ledger.microbatches or ledger.step + 1 >= self.steps:
-            return  # the final evaluation opens after the last APPLY: it is of the trained model
-        if ledger.leasable() == 0:
-            self._open(ledger.step + 1, beside=True)
-
-    def _wake(self) -> None:
-        """Waiting leases look again (work may be there, or the job done)."""
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def _until_changed(self, changed: asyncio.Event, timeout: float) -> None:
-        waiter = asyncio.ensure_future(changed.wait())
-        waits: set[asyncio.Future[Any]] = {waiter, asyncio.ensure_future(self.finished.wait())}
-        # A commit's end may leave replays to lease.
-        commits = {live.commit.task for live in self._live if live.commit.task is not None}
-        try:
-            await asyncio.wait(
-                waits | commits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for w in waits:
-                # Never a commit, even once the step it committed is history: it may still
-                # be telling the world (`on_step`) after opening the next step.
-                if not w.done():
-                    w.cancel()
-
-    async def _check_receipts(self, ledger: StepLedger, returned: list[int]) -> None:
-        """Before microbatches given back are leased again: a Backward that timed out at its
-        trainer may still have landed on a replica. A receipt for a microbatch the ledger still
-        needs at that stage is adopted (that replica holds it, exactly as a replay would make
-        it), so the late receipt is neither replayed elsewhere nor voids its replica."""
-        try:
-            pairs = [(k, r) for k, stage in enumerate(self.replicas()) for r in stage]
-            infos = await asyncio.gather(
-                *(self.clients.get(k, r).info() for k, r in pairs), return_exceptions=True
-            )
-            if ledger not in self._ledgers():
-                return
-            size = self.job.training.microbatch_size
-            # pool.mode = "local": a late receipt names no run for the route record; the
-            # microbatch is replayed, and the commit voids the replica that holds it
-            local = rule_of(self.job).rounds
-            for (stage, r), info in zip(pairs, infos, strict=True):
-                if local:
-                    break
-                if isinstance(info, BaseException):
-                    continue  # gone: the commit's own checks deal with it
-                if info.step == ledger.step:
-                    receipts = info.receipts
-                elif self.delayed and info.step + 1 == ledger.step:
-                    receipts = info.next_receipts  # the step beside a commit
-                else:
-                    continue  # elsewhere: the commit's own checks deal with it
-                adopted = ledger.adopt(stage, r.peer, receipts, set(returned), size)
-                if adopted:
-                    log.info(
-                        "step %d: %s's late receipts %s at stage %d adopted",
-                        ledger.step,
-                        r.peer,
-                        adopted,
-                        stage,
-                    )
-            ledger.checked(returned)
-        finally:
-            self._receipts = None
-            self._wake()
-        self._maybe_commit(ledger)
+        """delayed_update: the next step opens before this one completes (`live_steps`)."""
+        step = self._window.early()
+        if step is not None:
+            self._open(step, beside=True)
 
     def _maybe_commit(self, ledger: StepLedger) -> None:
         """Start committing `ledger`'s step once it is complete, unless a commit of it runs
         already or (delayed_update) the step before it is not applied yet: its commit starts
         when that one's ends. With delayed_update the next step opens beside it now."""
-        live = self._live_at(ledger.step)
+        live = self._window.at(ledger.step)
         if live is None or live.ledger is not ledger or live.commit.applied:
             return
-        if ledger.complete and live is self._live[-1]:
+        if ledger.complete and live is self._window.newest:
             self._records.blocked()  # until the next step opens
-        if not ledger.complete or live.commit.task is not None or self._live[0] is not live:
+        if not ledger.complete or live.commit.task is not None or self._window.oldest is not live:
             return
         live.commit.task = asyncio.create_task(self._commit_step(live))
-        # The final evaluation (after the last step) opens once that step is applied: it is
-        # of the trained parameters.
-        beside = ledger.step + 1
-        if self.delayed and ledger.microbatches and beside < self.steps and len(self._live) == 1:
+        beside = self._window.beside(ledger)
+        if beside is not None:
             self._open(beside, beside=True)
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
-        live = self._live_at(result.step)
+        live = self._window.at(result.step)
         if live is None or live.commit.applied:
             return
         ledger = live.ledger
@@ -472,12 +316,12 @@ class LocalCoordinator:
         """A trainer gave these microbatches back (a hop failed on every replica it tried):
         look at the members, since one may be dead or restarted empty. (Indices only: with
         delayed_update, the live step that leased them to `trainer`.)"""
-        ledgers = [live.ledger for live in self._live if not live.commit.task]
+        ledgers = [live.ledger for live in self._window.working()]
         if ledgers:
             for ledger in ledgers:
                 ledger.release(trainer, indices)
             self._wake()
-            if self._committing():
+            if self._window.committing():
                 # A commit checks the members itself; during its APPLY those that applied are
                 # at the next step already, and would be dropped as if restarted.
                 return
@@ -487,9 +331,9 @@ class LocalCoordinator:
                 await self.membership.check(ledgers[0].step)
 
     # -- the step -------------------------------------------------------------------------------
-    async def _commit_step(self, live: _Live) -> bool:
+    async def _commit_step(self, live: Live) -> bool:
         commit, ledger = live.commit, live.ledger
-        if live not in self._live:
+        if live not in self._window:
             return False  # a rollback or an earlier commit moved on: this ledger is history
         if ledger.step >= self.steps:  # the final evaluation: nothing to commit
             commit.applied = True
@@ -516,22 +360,20 @@ class LocalCoordinator:
             raise
         except CommitStalled as e:  # every retry is bounded: say why, rather than spin
             log.error("%s", e)
-            self.error = e
-            self.finished.set()
+            self._fail(e)
             return False
         except NonFiniteStep as e:  # a retry would meet the same gradient: fail, loudly
             saved = self.recovery.latest()
             last = f"the last is the checkpoint of step {saved}" if saved else "none was written"
-            self.error = NonFiniteStep(f"{e}. No checkpoint holds it ({last})")
-            log.error("job %s: %s", self.job_id, self.error)
-            self.finished.set()
+            error = NonFiniteStep(f"{e}. No checkpoint holds it ({last})")
+            log.error("job %s: %s", self.job_id, error)
+            self._fail(error)
             return False
         except Exception as e:  # a bug: fail the job loudly rather than hang
             log.exception("step %d: commit failed", ledger.step)
-            self.error = e
-            self.finished.set()
+            self._fail(e)
             return False
-        if live in self._live:
+        if live in self._window:
             commit.task = None
             commit.attempt += 1
             if ledger.complete:
@@ -540,11 +382,15 @@ class LocalCoordinator:
                 commit.task = asyncio.create_task(self._retry(live, commit.backoff))
         return False
 
-    async def _retry(self, live: _Live, backoff: Backoff) -> bool:
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        self.finished.set()
+
+    async def _retry(self, live: Live, backoff: Backoff) -> bool:
         await backoff.sleep()
         return await self._commit_step(live)
 
-    async def _next_step(self, live: _Live, attempt: int) -> None:
+    async def _next_step(self, live: Live, attempt: int) -> None:
         """After `live`'s step is applied: bring new replicas in, checkpoint, open the next
         (with delayed_update it is open already: its commit may start now)."""
         ledger = live.ledger
@@ -556,111 +402,30 @@ class LocalCoordinator:
                 await _maybe_await(self.on_step(self._records.with_blocked(record)))
             return
         await self.membership.sync(step)
-        # pool.overlap = "eager": a checkpoint, and a copy about to join, need every member's
-        # state whole: the round's sum is waited for here (else it overlaps the next round)
-        rounds, due = self.rounds, self.recovery.due(step)
-        needs_whole = due or self.membership.copying()
-        if rounds is not None and rounds.pending and rounds.starts_round(step) and needs_whole:
-            await rounds.drain()
+        due = self.recovery.due(step)
+        if due or self.membership.copying():  # they need every member's state whole
+            await self.rounds.whole(step)
         if due:
             self.recovery.checkpoint(step, self.replicas())
-        if live in self._live and len(self._live) > 1:
+        if live in self._window and len(self._window) > 1:
             # delayed_update: the next step's commit waits for this one; before it starts (it
             # may right away), replicas that copied a member join it.
             await self.membership.admit_copies(step)
-        if live in self._live:  # not rolled back meanwhile
-            self._live.remove(live)
-            if self._live:  # delayed_update: the next step, which waited for this APPLY
-                self._maybe_commit(self._live[0].ledger)
+        if live in self._window:  # not rolled back meanwhile
+            self._window.remove(live)
+            oldest = self._window.oldest
+            if oldest is not None:  # delayed_update: the next step, which waited for this APPLY
+                self._maybe_commit(oldest.ledger)
                 self._open_next_early()
             else:
                 self._open(step)
-                if self.rounds is not None and self.rounds.starts_round(step):
-                    # pool.mode = "local": a copy may join only where a round starts; its own
-                    # asks could miss that moment for many rounds (steps are short)
+                if self.rounds.admit_on_open(step):
                     await self.membership.admit_copies(step)
         if attempt:
             log.info("step %d committed after %d failed rounds", ledger.step, attempt)
         if self.on_step:
             await _maybe_await(self.on_step(self._records.with_blocked(record)))
 
-    # -- rollback -------------------------------------------------------------------------------
     async def flush(self) -> None:
         """Wait until the checkpoint being written, if any, is sealed or skipped."""
         await self.recovery.flush()
-
-    def _maybe_roll_back(self) -> None:
-        """A stage has lost every replica. Once a replica of it is back, roll every stage back to
-        the last complete checkpoint (no work can be exact without that stage's state)."""
-        if self._rollback is None and all(self.members()):
-            now = self.clock.now()
-            if now < self._rollback_after:
-                return  # the last attempt failed: back off
-            self._rollback_after = now + self._rollback_backoff.next()
-            self._rollback = asyncio.create_task(self._roll_back())
-
-    async def _roll_back(self) -> None:
-        try:
-            ledgers = self._ledgers()
-            # pool.mode = "local": a replica left out mid-round holds a round its pool ended
-            # without it: not the stage's state, so the stage rolls back to a checkpoint.
-            local = self.rounds is not None
-            if ledgers and not local and await self.membership.readmit(ledgers[0].step):
-                self._wake()  # a replica dropped for a missed deadline still held the state
-                return
-            # A checkpoint still being written may be the newest.
-            await self.recovery.flush(self.job.runtime.commit_timeout_s)
-            step = self.recovery.latest()
-            for live in self._live:
-                if live.commit.task:
-                    live.commit.task.cancel()
-                    live.commit.task = None
-            if self.rounds is not None:
-                self.rounds.restarted()  # every member loads one state: no round is half done
-            self.membership.synced = await self.recovery.restore(step, self.members())
-            if any(not stage for stage in self.replicas()):
-                return  # not every stage could load it: the next lease tries again
-            self.metrics.rollbacks.inc()
-            if step == 0:  # all training so far is lost: say so loudly
-                log.warning("rolled every stage back to step 0 (no checkpoint): retraining")
-            else:
-                log.warning("rolled every stage back to step %d (checkpoint)", step)
-            self._open(step)
-            if self.on_rollback:
-                await _maybe_await(self.on_rollback(step))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a damaged checkpoint, say: fail the job rather than retry forever
-            log.exception("rollback failed")
-            self.error = e
-            self.finished.set()
-        finally:
-            self._rollback = None
-
-    async def _reconcile(self) -> int:
-        target = await self.membership.reconcile()
-        missing = [k for k, replicas in enumerate(self.replicas()) if not replicas]
-        saved = self.recovery.latest()
-        if (missing or saved > target) and all(self.members()):
-            if saved > target:
-                # Every replica is behind the last sealed checkpoint (all restarted empty, say):
-                # training again from `target` would throw the checkpointed steps away.
-                log.warning(
-                    "every replica is at step %d or before: resuming from the checkpoint of "
-                    "step %d",
-                    target,
-                    saved,
-                )
-            else:
-                # Every stage has members but some none with the trained state (a stage was
-                # lost while no coordinator ran): every stage goes back to the last checkpoint.
-                log.warning("no replica of stages %s is at step %d: rolling back", missing, target)
-            await self._roll_back()
-            if self.error is not None:
-                raise self.error
-            if self.ledger is not None and all(self.replicas()):
-                return self.ledger.step
-            missing = [k for k, replicas in enumerate(self.replicas()) if not replicas]
-        if missing:
-            raise SwarmError(f"no replica of stages {missing} is at step {target}")
-        return target

@@ -74,7 +74,7 @@ class StageReplica(Protocol):
 
     async def eager(
         self,
-        op: int,
+        op: EagerOp,
         boundary: int,
         total_samples: int = 0,
         group: list[str] | None = None,
@@ -82,13 +82,13 @@ class StageReplica(Protocol):
         round: str = "",
     ) -> bool:
         """pool.overlap = "eager": operation `op` of the round ending before step `boundary`
-        (the wire's `EagerOp`: `pb.EAGER_STEP` is local; `pb.EAGER_AVERAGE`, `pb.EAGER_LAST`'s
-        PREPARE and `pb.EAGER_MEAN` sum with `group`; `pb.EAGER_LAST`'s APPLY is
-        `eager_last_apply`). True: it applied that round's step before."""
+        (`EagerOp.STEP` is local; `EagerOp.AVERAGE`, `EagerOp.LAST`'s PREPARE and
+        `EagerOp.MEAN` sum with `group`; `EagerOp.LAST`'s APPLY is `eager_last_apply`). True:
+        it applied that round's step before."""
         ...
 
     async def eager_last_apply(self, boundary: int) -> None:
-        """The job's last round's outer step with the sum `eager(pb.EAGER_LAST, ...)` prepared."""
+        """The job's last round's outer step with the sum `eager(EagerOp.LAST, ...)` prepared."""
         ...
 
     async def discard(self, step: int) -> int:
@@ -198,14 +198,14 @@ class GrpcReplica:
 
     async def eager(
         self,
-        op: int,
+        op: EagerOp,
         boundary: int,
         total_samples: int = 0,
         group: list[str] | None = None,
         group_index: int = 0,
         round: str = "",
     ) -> bool:
-        apply = op == pb.EAGER_STEP
+        apply = op == EagerOp.STEP
         response = await self.client.commit(
             boundary,
             [],

@@ -1,0 +1,200 @@
+"""The coordinator's live-step window: which steps are open, from their opening until their
+commit is applied, each with its ledger and its commit; chosen once from the job's rule
+(`window_of`).
+
+Synchronous, one is live (`LiveSteps`): step t+1 opens once step t is applied everywhere. With
+`training.delayed_update` (`DelayedSteps`) step t+1 opens as soon as step t has nothing left to
+lease, once step t-1 is applied (its microbatches compute on the parameters before step t's
+update, which the replicas keep), so two are live at once: step t, draining and then
+committing, with the replays a failed round needs (leased first), and step t+1. Neither the
+pipeline's drain nor the averaging leaves it idle. Step t+1's commit waits for step t's APPLY,
+so the updates are applied in order, each once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from scheduler.coordinator.ledger import StepLedger
+from swarm.clock import Clock
+from swarm.job.config import JobConfig
+from swarm.job.rule import Rule
+from swarm.policy.backoff import Backoff
+from swarm.proto import stage_pb2 as pb
+
+__all__ = ["Commit", "DelayedSteps", "Live", "LiveSteps", "window_of"]
+
+
+def _retry_backoff() -> Backoff:
+    # Pauses between commit attempts that wait on no replay (a member without gradients left,
+    # a round another member aborted): short, since trainers idle meanwhile.
+    return Backoff(first_s=0.1, cap_s=2.0)
+
+
+@dataclass
+class Commit:
+    attempt: int = 0  # names the round: a retry never reuses a failed round's id
+    task: asyncio.Task[bool] | None = None  # set from the first attempt until the next step opens
+    applied: bool = False  # the step is committed: late reports and releases for it are moot
+    failed_rounds: int = 0  # PREPARE rounds of this step that failed: `max_commit_rounds` ends it
+    backoff: Backoff = field(default_factory=_retry_backoff)
+
+
+@dataclass
+class Live:
+    """A step from its opening until its commit is applied: its ledger and its commit."""
+
+    ledger: StepLedger
+    commit: Commit = field(default_factory=Commit)
+    started: float = field(default_factory=time.perf_counter)
+
+
+class LiveSteps:
+    """The live steps, oldest first: one at a time, but for `DelayedSteps`."""
+
+    def __init__(self, job: JobConfig, steps: int, clock: Clock) -> None:
+        """`steps`: the job's; after the last, only its final evaluation opens."""
+        self.job, self.steps, self.clock = job, steps, clock
+        self._live: list[Live] = []
+
+    def __iter__(self) -> Iterator[Live]:
+        return iter(list(self._live))
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, live: Live) -> bool:
+        return live in self._live
+
+    @property
+    def oldest(self) -> Live | None:
+        return self._live[0] if self._live else None
+
+    @property
+    def newest(self) -> Live | None:
+        return self._live[-1] if self._live else None
+
+    def at(self, step: int) -> Live | None:
+        return next((live for live in self._live if live.ledger.step == step), None)
+
+    def ledgers(self) -> list[StepLedger]:
+        """The ledgers of the live steps not yet applied, oldest first: the oldest one's step
+        is the one members are at."""
+        return [live.ledger for live in self._live if not live.commit.applied]
+
+    def working(self) -> list[Live]:
+        """The live steps whose commit has not started: trainers work on these, oldest first."""
+        return [live for live in self._live if not live.commit.task]
+
+    def committing(self) -> bool:
+        """A commit is deciding (an applied one only tells the world now)."""
+        return any(live.commit.task is not None and not live.commit.applied for live in self._live)
+
+    def commits(self) -> set[asyncio.Task[bool]]:
+        """The commit tasks of the live steps (even applied ones telling the world still)."""
+        return {live.commit.task for live in self._live if live.commit.task is not None}
+
+    def cancel_commits(self) -> None:
+        for live in self._live:
+            if live.commit.task:
+                live.commit.task.cancel()
+                live.commit.task = None
+
+    def open(self, step: int, beside: bool = False) -> StepLedger | None:
+        """Open `step`: the only live step, or (`beside`, delayed_update) the next one beside
+        the step whose commit is starting. None: the job is done (nothing is left to open)."""
+        if not beside:
+            for live in self._live:
+                old = live.commit.task
+                if old is not None and old is not asyncio.current_task():
+                    old.cancel()  # a retry of a ledger that is history now would void replicas
+            self._live = []
+        t = self.job.training
+        evaluates = t.eval_every > 0 and (step % t.eval_every == 0 or step >= self.steps)
+        if step >= self.steps and not (evaluates and step == self.steps):
+            return None
+        m = t.microbatches_per_step
+        ledger = StepLedger(
+            step,
+            m if step < self.steps else 0,  # after the last step: the final evaluation only
+            t.stages,
+            self.job.runtime.lease_timeout_s,
+            self.clock,
+            microbatch_size=t.microbatch_size,
+            evaluations=range(m, m + t.eval_microbatches) if evaluates else range(0),
+        )
+        self._live.append(Live(ledger))
+        return ledger
+
+    def remove(self, live: Live) -> None:
+        self._live.remove(live)
+
+    def beside(self, ledger: StepLedger) -> int | None:
+        """The step to open beside `ledger`'s as its commit starts, if any."""
+        return None
+
+    def early(self) -> int | None:
+        """The step to open before the live one completes, if any."""
+        return None
+
+    def receipts(self, info: pb.StageInfoResponse, step: int) -> Sequence[int] | None:
+        """The receipts a replica's `info` holds for `step`; None where it is elsewhere."""
+        return info.receipts if info.step == step else None
+
+    def progress(self) -> str:
+        """Where the oldest open step is, in words (for a stall's message): its microbatches
+        still without a gradient somewhere, or its commit and how many rounds failed."""
+        if not self._live:
+            return "no step open"
+        live = self._live[0]
+        ledger, commit = live.ledger, live.commit
+        if commit.task is not None:
+            failed = (
+                f", {commit.failed_rounds} failed round(s) so far" if commit.failed_rounds else ""
+            )
+            return f"step {ledger.step} is committing (attempt {commit.attempt + 1}{failed})"
+        total = len(ledger.evaluations) + ledger.microbatches
+        return (
+            f"step {ledger.step} waits for {ledger.remaining} of its {total} microbatches "
+            f"({ledger.holding()} trainer(s) hold leases on them)"
+        )
+
+
+class DelayedSteps(LiveSteps):
+    """delayed_update's window: two live steps, the next opened beside the one committing."""
+
+    def beside(self, ledger: StepLedger) -> int | None:
+        """The next step opens as `ledger`'s commit starts, unless it is open already. The
+        final evaluation (after the last step) opens once that step is applied: it is of the
+        trained parameters."""
+        step = ledger.step + 1
+        if ledger.microbatches and step < self.steps and len(self._live) == 1:
+            return step
+        return None
+
+    def early(self) -> int | None:
+        """Step t+1 computes on parameters no later step changes, so it opens once step t has
+        no task left to lease (its last ones still in flight) and step t-1 is applied, rather
+        than when step t completes: the pipeline never drains between steps."""
+        if len(self._live) != 1:
+            return None
+        live = self._live[0]
+        ledger = live.ledger
+        if live.commit.applied or not ledger.microbatches or ledger.step + 1 >= self.steps:
+            return None  # the final evaluation opens after the last APPLY: of the trained model
+        return ledger.step + 1 if ledger.leasable() == 0 else None
+
+    def receipts(self, info: pb.StageInfoResponse, step: int) -> Sequence[int] | None:
+        """A replica at the step before `step` (its commit beside) holds `step`'s receipts
+        apart."""
+        if info.step + 1 == step:
+            return info.next_receipts
+        return super().receipts(info, step)
+
+
+def window_of(rule: Rule, job: JobConfig, steps: int, clock: Clock) -> LiveSteps:
+    """The live-step window of `job`, whose rule is `rule`, of `steps` steps."""
+    return (DelayedSteps if rule.delays else LiveSteps)(job, steps, clock)

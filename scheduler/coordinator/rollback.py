@@ -1,0 +1,152 @@
+"""When the coordinator rolls every stage back to the last sealed checkpoint (`recovery` moves
+the states): once a stage that lost every replica has one again (no work can be exact without
+that stage's state), or at a start where every stage has members but some none with the trained
+state, or every one is behind the last checkpoint. One rollback at a time; one that could not
+finish (a stage's replica failed to load) is tried again from leases, backing off."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+
+from scheduler.coordinator.live_steps import LiveSteps
+from scheduler.coordinator.membership import Membership
+from scheduler.coordinator.metrics import CoordinatorMetrics
+from scheduler.coordinator.recovery import Recovery
+from scheduler.coordinator.round_strategy import Rounds
+from swarm.clock import Clock
+from swarm.errors import SwarmError
+from swarm.job.config import JobConfig
+from swarm.policy.backoff import Backoff
+from swarm.rpc.lease import Replica
+
+__all__ = ["Rollback"]
+
+log = logging.getLogger(__name__)
+
+
+class Rollback:
+    def __init__(
+        self,
+        job: JobConfig,
+        clock: Clock,
+        window: LiveSteps,
+        rounds: Rounds,
+        membership: Membership,
+        recovery: Recovery,
+        metrics: CoordinatorMetrics,
+        members: Callable[[], list[list[Replica]]],
+        *,
+        open_step: Callable[[int], None],
+        on_rollback: Callable[[int], Awaitable[None] | None] | None,
+        wake: Callable[[], None],
+        fail: Callable[[BaseException], None],
+    ) -> None:
+        """`members()`: per stage, the replicas serving it now; `open_step(step)` opens the
+        step rolled back to; `on_rollback(step)` tells the world; `wake()`: leases look again;
+        `fail(error)`: the job fails with `error`."""
+        self.job, self.clock, self.window, self.rounds = job, clock, window, rounds
+        self.membership, self.recovery, self.metrics, self.members = (
+            membership,
+            recovery,
+            metrics,
+            members,
+        )
+        self.open_step, self.on_rollback, self.wake, self.fail = open_step, on_rollback, wake, fail
+        self.error: BaseException | None = None  # what failed the job, if a rollback did
+        self._task: asyncio.Task[None] | None = None
+        self._backoff = Backoff(first_s=0.5, cap_s=30.0)
+        self._after = -math.inf
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def opened(self) -> None:
+        """A step opened: the next rollback needs no backing off."""
+        self._backoff.reset()
+        self._after = -math.inf
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def maybe(self) -> None:
+        """A stage has lost every replica. Once a replica of it is back, roll every stage back to
+        the last complete checkpoint (no work can be exact without that stage's state)."""
+        if self._task is None and all(self.members()):
+            now = self.clock.now()
+            if now < self._after:
+                return  # the last attempt failed: back off
+            self._after = now + self._backoff.next()
+            self._task = asyncio.create_task(self.run())
+
+    async def run(self) -> None:
+        try:
+            ledgers = self.window.ledgers()
+            if (
+                ledgers
+                and self.rounds.readmits  # else the stage rolls back to a checkpoint
+                and await self.membership.readmit(ledgers[0].step)
+            ):
+                self.wake()  # a replica dropped for a missed deadline still held the state
+                return
+            # A checkpoint still being written may be the newest.
+            await self.recovery.flush(self.job.runtime.commit_timeout_s)
+            step = self.recovery.latest()
+            self.window.cancel_commits()
+            self.rounds.restarted()  # every member loads one state: no round is half done
+            self.membership.synced = await self.recovery.restore(step, self.members())
+            if any(not stage for stage in self.membership.replicas()):
+                return  # not every stage could load it: the next lease tries again
+            self.metrics.rollbacks.inc()
+            if step == 0:  # all training so far is lost: say so loudly
+                log.warning("rolled every stage back to step 0 (no checkpoint): retraining")
+            else:
+                log.warning("rolled every stage back to step %d (checkpoint)", step)
+            self.open_step(step)
+            if self.on_rollback:
+                said = self.on_rollback(step)
+                if said is not None:
+                    await said
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a damaged checkpoint, say: fail the job rather than retry forever
+            log.exception("rollback failed")
+            self.error = e
+            self.fail(e)
+        finally:
+            self._task = None
+
+    async def reconcile(self) -> int:
+        """At a start: the step every replica is brought to (finishing a half-applied commit),
+        rolling every stage back first where that step cannot be trained from."""
+        target = await self.membership.reconcile()
+        missing = [k for k, replicas in enumerate(self.membership.replicas()) if not replicas]
+        saved = self.recovery.latest()
+        if (missing or saved > target) and all(self.members()):
+            if saved > target:
+                # Every replica is behind the last sealed checkpoint (all restarted empty, say):
+                # training again from `target` would throw the checkpointed steps away.
+                log.warning(
+                    "every replica is at step %d or before: resuming from the checkpoint of "
+                    "step %d",
+                    target,
+                    saved,
+                )
+            else:
+                # Every stage has members but some none with the trained state (a stage was
+                # lost while no coordinator ran): every stage goes back to the last checkpoint.
+                log.warning("no replica of stages %s is at step %d: rolling back", missing, target)
+            await self.run()
+            if self.error is not None:
+                raise self.error
+            newest = self.window.newest
+            if newest is not None and all(self.membership.replicas()):
+                return newest.ledger.step
+            missing = [k for k, replicas in enumerate(self.membership.replicas()) if not replicas]
+        if missing:
+            raise SwarmError(f"no replica of stages {missing} is at step {target}")
+        return target

@@ -1,0 +1,135 @@
+"""The coordinator's rounds: one strategy per job, chosen once from its rule (`rounds_of`), so
+that neither the step's lifecycle (`coordinator`) nor its commit (`commit`) asks which rule the
+job trains by. `NoRounds` is the plain rules' (sync, delayed: every step is its own commit and
+every replica of a stage holds the same state); `PoolRounds` (`rounds`) the local rule's, where
+each replica applies its own steps and its pool averages at each round's end; `EagerRounds`
+(`eager_rounds`) the eager rules' (local-eager, step-eager), whose averaging overlaps the next
+round."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from scheduler.coordinator.eager_rounds import EagerRounds
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.membership import Membership
+from scheduler.coordinator.metrics import CoordinatorMetrics
+from scheduler.coordinator.replicas import ReplicaClients
+from scheduler.coordinator.rounds import PoolRounds
+from swarm.job.config import JobConfig
+from swarm.job.rule import Rule
+from swarm.model.routes import Record
+from swarm.rpc.lease import Replica
+
+__all__ = ["NoRounds", "Rounds", "rounds_of"]
+
+
+class Rounds(Protocol):
+    """What the coordinator and the commit ask of the job's rounds."""
+
+    @property
+    def readmits(self) -> bool:
+        """Whether a member dropped for a missed deadline may be taken back as it is (else it
+        holds a round its pool ended without it: not the stage's state)."""
+        ...
+
+    @property
+    def adopts_late_receipts(self) -> bool:
+        """Whether a late receipt is adopted where it landed (else the microbatch is replayed:
+        it names no run for the route record, and the commit voids the replica holding it)."""
+        ...
+
+    async def started(self, step: int, members: list[list[Replica]]) -> None:
+        """The job starts (or resumes) at `step` with `members`."""
+        ...
+
+    def can_admit(self, step: int) -> bool:
+        """Whether a copy may join at `step` as far as the rounds go."""
+        ...
+
+    def admit_on_open(self, step: int) -> bool:
+        """Whether the copies waiting to join are admitted as `step` opens: they may join only
+        there, and their own asks could miss that moment for many rounds (steps are short)."""
+        ...
+
+    async def whole(self, step: int) -> None:
+        """Every member's state whole at `step` (a checkpoint, a copy about to join need it)."""
+        ...
+
+    def joined(self, step: int, stage: int, peer: str, source: str) -> None:
+        """`peer` became a member of `stage` at `step`, a copy of `source`."""
+        ...
+
+    def step_pool(
+        self, ledger: StepLedger, stage: int, r: Replica, group: list[str], index: int, total: int
+    ) -> tuple[int, list[str], int]:
+        """Whom `r`'s PREPARE of `ledger`'s step averages with, given its pool (`group`, `r`
+        at `index`) and the step's `total` samples: (samples, group, index)."""
+        ...
+
+    async def applied(self, ledger: StepLedger) -> None:
+        """`ledger`'s step is applied on every member: the round it ends, if any, ends now."""
+        ...
+
+    def restarted(self) -> None:
+        """Every member holds the same state anew (a start, a rollback)."""
+        ...
+
+    def cancel(self) -> None:
+        """The coordinator closes (or rolls back): work in the background stops."""
+        ...
+
+
+class NoRounds:
+    """The plain rules' (sync, delayed): a step's PREPARE averages the pool, and nothing more
+    happens between steps."""
+
+    readmits = True
+    adopts_late_receipts = True
+
+    async def started(self, step: int, members: list[list[Replica]]) -> None:
+        pass
+
+    def can_admit(self, step: int) -> bool:
+        return True
+
+    def admit_on_open(self, step: int) -> bool:
+        return False  # a copy asks at any step, and joins at the next one it asks at
+
+    async def whole(self, step: int) -> None:
+        pass
+
+    def joined(self, step: int, stage: int, peer: str, source: str) -> None:
+        pass
+
+    def step_pool(
+        self, ledger: StepLedger, stage: int, r: Replica, group: list[str], index: int, total: int
+    ) -> tuple[int, list[str], int]:
+        return total, group, index
+
+    async def applied(self, ledger: StepLedger) -> None:
+        pass
+
+    def restarted(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
+def rounds_of(
+    rule: Rule,
+    job: JobConfig,
+    clients: ReplicaClients,
+    membership: Membership,
+    metrics: CoordinatorMetrics,
+    on_record: Callable[[Record], None] | None = None,
+    on_status: Callable[[str], Awaitable[None] | None] | None = None,
+) -> Rounds:
+    """The rounds of `job`, whose rule is `rule`. `on_record`: the route record's sink;
+    `on_status(text)`: what `swarm status` should say (a round that dropped samples)."""
+    if not rule.rounds:
+        return NoRounds()
+    kind = EagerRounds if rule.eager else PoolRounds
+    return kind(job, rule, clients, membership, metrics, on_record, on_status)
