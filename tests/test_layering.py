@@ -138,9 +138,6 @@ KNOWN_RULE_READS: dict[str, str] = {
 KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
     # A circle's modules, sorted: why it is left for now. Each must still be exactly a circle.
     # issue 40: being removed; the lead prunes these after merging.
-    ("scheduler.coordinator.commit", "scheduler.coordinator.rounds"): (
-        "commit ends a round after APPLY; rounds borrows culprits and CommitStalled"
-    ),
     ("swarm.job.fingerprint", "swarm.job.schema"): "a convenience method imports inside itself",
 }
 """Import circles between project modules (imports inside functions and under `TYPE_CHECKING`
@@ -177,7 +174,6 @@ OVERSIZE: dict[str, str] = {
     ),
     # issue 40: being split; the lead prunes these after merging.
     "stage_server.runtime": "delayed copies, following a copy, the step's sums and spill leave",
-    "scheduler.coordinator.coordinator": "the live-step window and late-receipt checks leave",
     "swarm.model.local_steps": "the reference's rule becomes one strategy",
 }
 MAPPED = 150

@@ -215,7 +215,7 @@ class GrpcReplica:
             group_index=group_index,
             round=round,
             round_end=True,
-            eager=EagerOp(op),
+            eager=op,
         )
         return response.already_committed
 
