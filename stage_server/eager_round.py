@@ -49,7 +49,7 @@ class EagerRound(LocalRound):
         return self.shared > self.averaged
 
     def copy_step(self, step: int) -> int:
-        """... or the pool's average of its last round has not arrived."""
+        """A copy at `step - 1` also while the pool's sum of its last share has not arrived."""
         return step - 1 if self.pending else super().copy_step(step)
 
     def fresh_share(self, total_samples: int) -> list[torch.Tensor]:

@@ -326,7 +326,7 @@ class StageRuntime:
         # This step's own sums: not needed once prepared (averaged in place, they are
         # `grad_sums` now; a replica alone prepares them as they are).
         self.sums.drop(self.step)
-        # step_eager: the round keeps them for the step's end, which applies them
+        # (the step-eager round keeps them for the step's end, which applies them)
         if not self.round.keeps(grad_sums, total_samples) and total_samples > 0:
             # (a local step without samples, pool.mode = "local", moves nothing)
             for p, g in zip(self.params, grad_sums, strict=True):
