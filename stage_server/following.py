@@ -7,6 +7,7 @@ the following) or holds work of its own. The download and the asking for updates
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 import torch
@@ -40,7 +41,13 @@ class Following:
     """One replica's following of the replica it copied (`following`: whether it still does)."""
 
     def __init__(self, replica: Followed) -> None:
-        self.replica = replica
+        self._replica = weakref.ref(replica)  # weakly: as `NoRound` holds its replica
+
+    @property
+    def replica(self) -> Followed:
+        replica = self._replica()
+        assert replica is not None  # called by its replica only
+        return replica
 
     def load(self, step: int, state: dict[str, torch.Tensor], began: int | None = None) -> None:
         """Become a copy of the replica whose state at `step` this is, and follow its updates.

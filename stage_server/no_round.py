@@ -11,6 +11,7 @@ what the job lacks, as torchft's `LocalSGD` and `DiLoCo` are strategies over one
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -47,17 +48,24 @@ class NoRound:
     EMPTY_STEPS = False  # whether a step of no samples is one (a local step: it moves nothing)
 
     def __init__(self, job: JobConfig, replica: Replica) -> None:
-        self.job, self.replica = job, replica
+        self.job, self.stage = job, replica.stage
+        # Weakly: a released replica (its parameters, its optimizer) goes at once, not when
+        # the cyclic collector finds it and its round holding each other.
+        self._replica = weakref.ref(replica)
         self.samples = 0  # this replica's samples in the round so far (its weight)
         self.synced = -1  # the boundary whose outer step was applied last
 
+    @property
+    def replica(self) -> Replica:
+        replica = self._replica()
+        assert replica is not None  # a round is called by its replica only
+        return replica
+
     def _no_round(self) -> FailedPrecondition:
-        return FailedPrecondition(f'stage {self.replica.stage}: rounds are for pool.mode = "local"')
+        return FailedPrecondition(f'stage {self.stage}: rounds are for pool.mode = "local"')
 
     def _not_eager(self) -> FailedPrecondition:
-        return FailedPrecondition(
-            f'stage {self.replica.stage}: not a job with pool.overlap = "eager"'
-        )
+        return FailedPrecondition(f'stage {self.stage}: not a job with pool.overlap = "eager"')
 
     def ended(self, boundary: int) -> bool:
         """Whether the round ending at `boundary` was applied here already (a retry)."""
@@ -86,8 +94,8 @@ class NoRound:
 
     # -- a round's end (pool.mode = "local") ----------------------------------------------------
     def prepare(self, boundary: int) -> list[torch.Tensor]:
-        """This replica's part of the round's average, which ends before step `boundary`."""
-        self.replica.following = False  # a member now: its updates come from its own pool
+        """This replica's part of the round's average, which ends before step `boundary` (and
+        it is a member now: its updates come from its own pool, no longer its source's)."""
         raise self._no_round()
 
     def set_prepared(self, boundary: int, sums: list[torch.Tensor], total_samples: int) -> None:
