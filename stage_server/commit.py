@@ -37,12 +37,12 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager, flatten, unflatten
 from stage_server.averaging.spill import Spill
-from stage_server.local_round import Eager
 from stage_server.messages import Limits
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Served, StageRuntime
 from stage_server.worker import Worker
 from swarm.errors import FailedPrecondition, InvalidArgument, NonFiniteGradient, WireError
+from swarm.job.rule import EagerOp
 from swarm.ops import allocator
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
@@ -70,7 +70,7 @@ class Commit:
     grad_scale: float = 1.0  # the clipping coefficient APPLY multiplies the gradient by
     # pool.mode = "local": the round ending before `step`, not a step (`stage_server.local_round`)
     round_end: bool = False
-    eager: int = Eager.NONE  # pool.overlap = "eager": what the round's end asks (`Eager`)
+    eager: int = EagerOp.NONE  # pool.overlap = "eager": what the round's end asks (`EagerOp`)
 
     @classmethod
     def of(cls, request: pb.StageCommitRequest) -> Commit:
@@ -136,7 +136,7 @@ class Committer:
         """Prepare and/or apply step `c.step` (or, `c.round_end`, the round ending before it)."""
         if c.round_end:
             return await self._round_end(c)
-        if c.eager != Eager.NONE:
+        if c.eager != EagerOp.NONE:
             raise InvalidArgument("an eager operation is a round's end: round_end must be set")
         rt, step, already, sq_norm = self._runtime(), c.step, False, 0.0
         if c.prepare and c.apply and rt.job.training.grad_clip > 0:
@@ -179,45 +179,47 @@ class Committer:
     async def _round_end(self, c: Commit) -> Committed:
         """pool.mode = "local": PREPARE averages the pool's pseudo-gradients, weighted by each
         replica's samples in the round; APPLY takes the outer step every replica takes."""
-        if c.eager != Eager.NONE:
+        if c.eager != EagerOp.NONE:
             return await self._eager(c)
         rt, boundary, already = self._runtime(), c.step, False
+        rnd = rt.round  # the replica's round (`stage_server.no_round`)
         if c.prepare:
-            if await self._worker.run(rt.synced, boundary):
+            if await self._worker.run(rnd.ended, boundary):
                 return Committed(rt.step, already=True)
             if c.total_samples < 0:
                 raise InvalidArgument(f"total_samples must be >= 0; got {c.total_samples}")
-            sums = await self._part(c, rt.prepare_round, boundary, fresh=True)
-            await self._worker.run(rt.set_round, boundary, sums, c.total_samples)
+            sums = await self._part(c, rnd.prepare, boundary, fresh=True)
+            await self._worker.run(rnd.set_prepared, boundary, sums, c.total_samples)
         if c.apply:
-            already = await self._worker.run(rt.apply_round, boundary)
+            already = await self._worker.run(rnd.apply, boundary)
             self.feedback.applied(c.job, c.stage, boundary)
             if not already:
                 log.debug("%s: stage %d ended a round at step %d", self.peer, c.stage, boundary)
         return Committed(rt.step, already)
 
     async def _eager(self, c: Commit) -> Committed:
-        """pool.overlap = "eager" (`stage_server.local_round`): the operation `c.eager` names,
+        """pool.overlap = "eager" (`stage_server.eager_round`): the operation `c.eager` names,
         in the phase it belongs to."""
         rt, boundary, already = self._runtime(), c.step, False
-        if c.eager == Eager.STEP and c.apply and not c.prepare:
-            already = await self._worker.run(rt.eager_step, boundary, self._samples(c))
-        elif c.eager == Eager.AVERAGE and c.prepare and not c.apply:
-            sums = await self._part(c, rt.eager_part, boundary)
-            await self._worker.run(rt.set_average, boundary, sums)
+        rnd = rt.round  # the replica's round (`stage_server.no_round`)
+        if c.eager == EagerOp.STEP and c.apply and not c.prepare:
+            already = await self._worker.run(rnd.eager_step, boundary, self._samples(c))
+        elif c.eager == EagerOp.AVERAGE and c.prepare and not c.apply:
+            sums = await self._part(c, rnd.eager_part, boundary)
+            await self._worker.run(rnd.set_average, boundary, sums)
             self.feedback.applied(c.job, c.stage, boundary)
-        elif c.eager == Eager.LAST and c.prepare and not c.apply:
-            if await self._worker.run(rt.synced, boundary):
+        elif c.eager == EagerOp.LAST and c.prepare and not c.apply:
+            if await self._worker.run(rnd.ended, boundary):
                 return Committed(rt.step, already=True)
             total = self._samples(c)
-            sums = await self._part(c, rt.last_part, boundary, total, fresh=True)
-            await self._worker.run(rt.set_last, boundary, sums, total)
-        elif c.eager == Eager.LAST and c.apply and not c.prepare:
-            already = await self._worker.run(rt.last_step, boundary)
+            sums = await self._part(c, rnd.last_part, boundary, total, fresh=True)
+            await self._worker.run(rnd.set_last, boundary, sums, total)
+        elif c.eager == EagerOp.LAST and c.apply and not c.prepare:
+            already = await self._worker.run(rnd.last_step, boundary)
             self.feedback.applied(c.job, c.stage, boundary)
-        elif c.eager == Eager.MEAN and c.prepare and not c.apply:
-            sums = await self._part(c, rt.mean_part, boundary, lossless=True)
-            await self._worker.run(rt.set_mean, sums, len(c.group))
+        elif c.eager == EagerOp.MEAN and c.prepare and not c.apply:
+            sums = await self._part(c, rnd.mean_part, boundary, lossless=True)
+            await self._worker.run(rnd.set_mean, sums, len(c.group))
         else:
             raise InvalidArgument(
                 f'pool.overlap = "eager": no operation {c.eager} in phase '
@@ -226,7 +228,7 @@ class Committer:
             )
         if not already:
             log.debug("%s: stage %d: %s of the round ending at step %d", self.peer, c.stage,
-                      Eager(c.eager).name, boundary)  # fmt: skip
+                      EagerOp(c.eager).name, boundary)  # fmt: skip
         return Committed(rt.step, already)
 
     @staticmethod
@@ -263,7 +265,7 @@ class Committer:
             return sums
         spill = None
         if spilled is not None:
-            spill = await self._worker.run(self._runtime().spill, spilled, self.spill_dir)
+            spill = await self._worker.run(self._runtime().sums.spill, spilled, self.spill_dir)
         return await self._average(c, sums, lossless, fresh or spilled is not None, spill)
 
     def _apply(self, rt: StageRuntime, c: Commit, sq_norm: float | None) -> bool:

@@ -42,7 +42,7 @@ class Copy:
         self._ask = asyncio.Event()  # set: ask the source for updates now, not after a pause
         self._moved = asyncio.Event()  # set (and replaced) after each round of updates
         # Where this replica is as the copy starts: one that moves before the copy is loaded
-        # (it applied a commit as a member) is not overwritten by it (`load_copy`).
+        # (it applied a commit as a member) is not overwritten by it (`Following.load`).
         self._began = runtime.step
         self.task = asyncio.get_running_loop().create_task(self._run())
 
@@ -78,7 +78,7 @@ class Copy:
             step, state = await self.source.download_state(
                 include_optimizer=True, prefix="", follower=self.peer, expect=rt.checks.state
             )
-            await self.compute(rt.load_copy, step, state, self._began)
+            await self.compute(rt.follow.load, step, state, self._began)
             self.loaded = True
             log.info(
                 "%s: copied stage %d at step %d from %s", self.peer, rt.stage, step, self.address
@@ -95,7 +95,7 @@ class Copy:
         while rt.following:
             updates = await self.source.updates(self.peer, rt.step, expect=rt.checks.state)
             for update in updates:
-                if not await self.compute(rt.apply_followed, *update):
+                if not await self.compute(rt.follow.apply, *update):
                     break
             self._moved.set()
             self._moved = asyncio.Event()

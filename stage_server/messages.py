@@ -234,8 +234,8 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
         next_receipts=sorted(rt.receipts(rt.step + 1)),
         applied_step=rt.applied[0],
         applied_scale=rt.applied[1],
-        round_synced=rt.round.synced if rt.round is not None else -1,
-        round_samples=rt.round.samples if rt.round is not None else 0,
+        round_synced=rt.round.synced,  # -1, 0 without a round (`stage_server.no_round`)
+        round_samples=rt.round.samples,
     )
 
 
@@ -249,7 +249,7 @@ def updates_reply(updates: list[Update], chunk_bytes: int) -> Iterator[pb.StageU
                 total_samples=u.total_samples,
                 grad_scale=u.scale,
                 round_end=u.round_end,
-                eager=u.eager,  # type: ignore[arg-type]  # `Eager` is the wire's EagerOp
+                eager=u.eager,  # type: ignore[arg-type]  # `EagerOp` is the wire's
                 boundary=u.boundary,
             )
             yield from wire.split_tensor(header, str(i), g, chunk_bytes)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.errors import FailedPrecondition, ResourceExhausted
+from swarm.job.rule import EagerOp
 
 __all__ = ["Update", "UpdateLog"]
 
@@ -39,11 +40,11 @@ class Update:
     # pool.mode = "local": the round's end before step `step` (its own update comes after),
     # `grad_sums` the pool's summed pseudo-gradient
     round_end: bool = False
-    # pool.overlap = "eager" (with round_end; `swarm.proto.stage_pb2.EagerOp`): EAGER_STEP, the
-    # outer gradient applied at the round's end before `step` (its fresh share of
-    # `total_samples`); EAGER_AVERAGE, the pool's sum of the shares of the round that ended
-    # before step `boundary`, which arrived while this replica was at `step`
-    eager: int = 0
+    # pool.overlap = "eager" (with round_end; `swarm.job.rule.EagerOp`): STEP, the outer
+    # gradient applied at the round's end before `step` (its fresh share of `total_samples`);
+    # AVERAGE, the pool's sum of the shares of the round that ended before step `boundary`,
+    # which arrived while this replica was at `step`
+    eager: int = EagerOp.NONE
     boundary: int = -1
 
     @property
@@ -115,7 +116,7 @@ class UpdateLog:
         scale: float = 1.0,
         *,
         round_end: bool = False,
-        eager: int = 0,
+        eager: int = EagerOp.NONE,
         boundary: int = -1,
     ) -> None:
         """This replica applied `scale * grad_sums / total_samples` at `step` (or, `round_end`,

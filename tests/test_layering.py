@@ -173,7 +173,6 @@ OVERSIZE: dict[str, str] = {
         "bans, probes) keep their invariants only together"
     ),
     # issue 40: being split; the lead prunes these after merging.
-    "stage_server.runtime": "delayed copies, following a copy, the step's sums and spill leave",
     "swarm.model.local_steps": "the reference's rule becomes one strategy",
 }
 MAPPED = 150

@@ -24,7 +24,8 @@ R = TypeVar("R")
 
 
 class Followed(NamedTuple):
-    """An update a followed replica applied (`StageRuntime.apply_followed`'s arguments)."""
+    """An update a followed replica applied (the arguments of
+    `stage_server.following.Following.apply`)."""
 
     step: int
     grad_sums: list[torch.Tensor]

@@ -89,7 +89,7 @@ async def test_a_retry_after_a_round_died_half_way_applies_the_survivors_sums_ex
         )  # fmt: skip
         assert all(isinstance(r, Aborted) for r in first), first
         for survivor in (a, b):  # its own part landed over its sums before the round died
-            spill = survivor.runtime.spill(0, None)
+            spill = survivor.runtime.sums.spill(0, None)
             assert spill is not None and spill.kept_bytes > 0
         assert os.listdir(tmp_path / "spill-0") == []  # kept in a file without a name
         survivors = group[:2]

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_server.local_round import Eager
 from stage_server.runtime import StageRuntime
 from swarm.errors import ConfigError, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
+from swarm.job.rule import EagerOp
 from swarm.model.data import make_data
 from swarm.model.local_steps import train_replicas
 from swarm.model.outer_rules import ordered_sum
@@ -39,20 +39,20 @@ def _train(rt: StageRuntime, job: JobConfig, step: int, indices: list[int]) -> i
         rt.forward_backward(step, index, inputs, targets)
     samples = len(indices) * job.training.microbatch_size
     rt.prepare(step, indices, samples)
-    rt.set_prepared(step, rt._accum_or_zeros(), samples)
+    rt.set_prepared(step, rt.sums.accum_or_zeros(step), samples)
     assert rt.prepared_sq_norm(step) >= 0  # as the committer asks, whatever the samples
     rt.apply(step)
     return samples
 
 
 def _end_round(pool: list[StageRuntime], boundary: int) -> None:
-    parts = [rt.prepare_round(boundary) for rt in pool]
+    parts = [rt.round.prepare(boundary) for rt in pool]
     total = sum(rt.round.samples for rt in pool if rt.round is not None)
     for rt in pool:
         summed = [sum(p[j] for p in parts[1:]) + parts[0][j] for j in range(len(parts[0]))]
-        rt.set_round(boundary, [t.clone() for t in summed], total)
-        assert not rt.apply_round(boundary)
-        assert rt.apply_round(boundary)  # a retry changes nothing
+        rt.round.set_prepared(boundary, [t.clone() for t in summed], total)
+        assert not rt.round.apply(boundary)
+        assert rt.round.apply(boundary)  # a retry changes nothing
 
 
 def test_a_pool_of_two_with_local_steps_equals_the_reference_replaying_its_routes(
@@ -99,7 +99,7 @@ def test_the_round_travels_with_the_state(tmp_path: Path) -> None:
 
 def _follow(follower: StageRuntime, source: StageRuntime) -> None:
     for u in source.updates.since("b", follower.step):  # as `stage_server.copying` asks
-        follower.apply_followed(
+        follower.follow.apply(
             u.step, u.grad_sums, u.total_samples, u.scale, u.round_end, u.eager, u.boundary
         )
 
@@ -118,7 +118,7 @@ def test_a_copy_follows_its_source_through_a_rounds_end(tmp_path: Path, taken: s
         _train(other, job, 1, [1, 2, 3])
     a.updates.follow("b", a.step)
     b = StageRuntime(job, 0)
-    b.load_copy(a.step, a.export_state(), began=0)
+    b.follow.load(a.step, a.export_state(), began=0)
     assert b.copy_step == 1  # mid-round at 1, or at 2 without the round's end
     if taken == "mid-round":
         _train(a, job, 1, [0])
@@ -143,12 +143,12 @@ def test_rounds_end_where_the_job_says_and_nowhere_else(tmp_path: Path) -> None:
     a = StageRuntime(job, 0)
     _train(a, job, 0, [0])
     with pytest.raises(FailedPrecondition, match="no round of it ends at 1"):
-        a.prepare_round(1)
+        a.round.prepare(1)
     with pytest.raises(InvalidArgument, match="total_samples must be positive"):
         a.prepare(1, [], -1)
     step_mode = make_job(tmp_path, "step", training={"stages": 1, "steps": 3})
     with pytest.raises(FailedPrecondition, match=r'pool\.mode = "local"'):
-        StageRuntime(step_mode, 0).prepare_round(2)
+        StageRuntime(step_mode, 0).round.prepare(2)
 
 
 @pytest.mark.parametrize(
@@ -196,19 +196,19 @@ def _sum(
 def _eager_last(pool: list[StageRuntime], boundary: int) -> None:
     """The job's last round: the whole sum of the fresh shares, the outer steps, the mean."""
     total = _total(pool)
-    summed = _sum(pool, lambda rt: rt.last_part(boundary, total))
+    summed = _sum(pool, lambda rt: rt.round.last_part(boundary, total))
     for rt in pool:
-        rt.set_last(boundary, [t.clone() for t in summed], total)
+        rt.round.set_last(boundary, [t.clone() for t in summed], total)
     for rt in pool:
-        assert rt.last_step(boundary) is False
-        assert rt.last_step(boundary) is True  # a retry changes nothing
-    starts = _sum(pool, lambda rt: rt.mean_part(boundary))
+        assert rt.round.last_step(boundary) is False
+        assert rt.round.last_step(boundary) is True  # a retry changes nothing
+    starts = _sum(pool, lambda rt: rt.round.mean_part(boundary))
     for rt in pool:
-        rt.set_mean([t.clone() for t in starts], len(pool))
+        rt.round.set_mean([t.clone() for t in starts], len(pool))
 
 
 def test_the_eager_operations_are_the_wires() -> None:
-    assert {e.name: e.value for e in Eager} == {
+    assert {e.name: e.value for e in EagerOp} == {
         n.removeprefix("EAGER_"): v for n, v in pb.EagerOp.items()
     }
 
@@ -228,7 +228,7 @@ def test_an_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(tmp_pat
     for step, (mine, theirs) in held.items():
         if step == 3:  # mid-round, with the sum of round [0, 1] already in
             a.updates.follow("b", a.step)
-            copy.load_copy(a.step, a.export_state(), began=0)
+            copy.follow.load(a.step, a.export_state(), began=0)
             assert copy.round is not None and not copy.round.pending
         _train(a, job, step, mine)
         _train(b, job, step, theirs)
@@ -239,13 +239,13 @@ def test_an_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(tmp_pat
         if step in (1, 3):
             total = _total([a, b])
             for rt in (a, b):
-                rt.eager_step(step + 1, total)
+                rt.round.eager_step(step + 1, total)
             if step == 3:
                 _follow(copy, a)
                 assert copy.copy_step == 3  # the sum of round [2, 3] is not in yet
-            summed = ordered_sum([a.eager_part(step + 1), b.eager_part(step + 1)])
+            summed = ordered_sum([a.round.eager_part(step + 1), b.round.eager_part(step + 1)])
             for rt in (a, b):
-                rt.set_average(step + 1, [t.clone() for t in summed])
+                rt.round.set_average(step + 1, [t.clone() for t in summed])
             record.append(Sync(step, 0, ("a", "b")))
             if step == 3:
                 _follow(copy, a)
@@ -276,7 +276,7 @@ def test_delayed_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(
     table |= {"delayed_update": True}
     job = make_job(tmp_path, "de", training=table, pool={"overlap": "eager"}, runtime=RELAY)
     a, b, copy = StageRuntime(job, 0), StageRuntime(job, 0), StageRuntime(job, 0)
-    assert not a.delayed and a.round is not None and a.round.gradients
+    assert not a.rule.delays and a.round is not None and a.rule.step_eager
     held = {0: ([0, 1, 2], [3]), 1: ([0], [1, 2, 3]), 2: ([0, 1, 2, 3], []), 3: ([3], [0, 1, 2])}
     record: list[Record] = [Join(0, 0, "a", None), Join(0, 0, "b", None)]
     for step, (mine, theirs) in held.items():
@@ -284,7 +284,7 @@ def test_delayed_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(
         _train(b, job, step, theirs)
         if step == 2:  # between a's APPLY (its sums kept) and the step's end
             a.updates.follow("b", a.step)
-            copy.load_copy(a.step, a.export_state(), began=0)
+            copy.follow.load(a.step, a.export_state(), began=0)
             assert copy.copy_step == 2
         runs = [Run(i, (0,), ("a",)) for i in mine] + [Run(i, (0,), ("b",)) for i in theirs]
         record.append(StepRuns(step, tuple(sorted(runs, key=lambda r: r.index))))
@@ -294,10 +294,10 @@ def test_delayed_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(
             continue
         total = _total([a, b])
         for rt in (a, b):
-            assert rt.eager_step(step + 1, total) is False
-        summed = ordered_sum([a.eager_part(step + 1), b.eager_part(step + 1)])
+            assert rt.round.eager_step(step + 1, total) is False
+        summed = ordered_sum([a.round.eager_part(step + 1), b.round.eager_part(step + 1)])
         for rt in (a, b):
-            rt.set_average(step + 1, [t.clone() for t in summed])
+            rt.round.set_average(step + 1, [t.clone() for t in summed])
         if step == 2:
             _follow(copy, a)
             assert copy.copy_step == 3
@@ -319,11 +319,11 @@ def test_the_eager_round_travels_with_the_state_and_refuses_what_is_not_due(
     _train(a, job, 0, [0, 1])
     _train(b, job, 0, [2, 3])
     with pytest.raises(FailedPrecondition, match="no share of the round ending at step 2"):
-        a.eager_part(2)
+        a.round.eager_part(2)
     _train(a, job, 1, [0])
     _train(b, job, 1, [1])
     for rt in (a, b):
-        rt.eager_step(2, _total([a, b]))
+        rt.round.eager_step(2, _total([a, b]))
     state = a.export_state()  # its share of round [0, 1] taken, the sum not in yet
     assert {"round/shared", "round/averaged"} <= set(state)
     assert any(k.startswith("share/") for k in state)
@@ -333,12 +333,12 @@ def test_the_eager_round_travels_with_the_state_and_refuses_what_is_not_due(
     _train(a, job, 2, [0])
     _train(a, job, 3, [1])
     with pytest.raises(FailedPrecondition, match="has not arrived"):
-        a.eager_step(4, 8)  # the next round's end waits for the sum of this one
+        a.round.eager_step(4, 8)  # the next round's end waits for the sum of this one
     c = StageRuntime(job, 0)
     c.load_state(2, state)
     assert c.round is not None and c.round.pending and c.copy_step == 1
-    summed = _sum([a, b], lambda rt: rt.eager_part(2))
-    a.set_average(2, summed)
+    summed = _sum([a, b], lambda rt: rt.round.eager_part(2))
+    a.round.set_average(2, summed)
     with pytest.raises(InvalidArgument, match="without all average/"):
         c.load_state(2, _without_average(a))  # a state that says it holds the sum, but not all
     plain = StageRuntime(make_job(tmp_path, "plain", training={"stages": 1, "steps": 5,
@@ -347,10 +347,10 @@ def test_the_eager_round_travels_with_the_state_and_refuses_what_is_not_due(
     with pytest.raises(InvalidArgument):
         plain.check_state_tensor("round/shared", torch.tensor([2]))  # not an eager job's
     for refused in (
-        lambda: plain.eager_part(2),
-        lambda: plain.eager_step(2, 8),  # a plain local job's round is not eager's
-        lambda: plain.last_part(2, 8),
-        lambda: plain.last_step(2),
+        lambda: plain.round.eager_part(2),
+        lambda: plain.round.eager_step(2, 8),  # a plain local job's round is not eager's
+        lambda: plain.round.last_part(2, 8),
+        lambda: plain.round.last_step(2),
     ):
         with pytest.raises(FailedPrecondition, match=r'pool\.overlap = "eager"'):
             refused()

@@ -105,10 +105,10 @@ def test_duplicate_backward_is_not_counted_twice(tmp_path: Path) -> None:
     rt = StageRuntime(job, 0)
     x, y = make_data(job).microbatch(0, 0)
     _, _, first = rt.forward_backward(0, 0, x, y)
-    accum = [a.clone() for a in rt._sums[0].accum or []]
+    accum = [a.clone() for a in rt.sums[0].accum or []]
     _, _, again = rt.forward_backward(0, 0, x, y)
     assert not first.duplicate and again.duplicate
-    assert all(torch.equal(a, b) for a, b in zip(accum, rt._sums[0].accum or [], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(accum, rt.sums[0].accum or [], strict=True))
     assert rt.receipts() == {0: 4}
 
 
@@ -154,7 +154,7 @@ def test_prepare_lends_the_sums_and_a_late_backward_adds_into_a_copy(tmp_path: P
     data = make_data(job)
     rt = StageRuntime(job, 0)
     rt.forward_backward(0, 0, *data.microbatch(0, 0))
-    accum = list(rt._sums[0].accum or [])
+    accum = list(rt.sums[0].accum or [])
     sums = rt.prepare(0, [0], 4)
     assert [s.data_ptr() for s in sums] == [a.data_ptr() for a in accum]  # lent, not copied
     flat = flatten(sums)
@@ -162,7 +162,7 @@ def test_prepare_lends_the_sums_and_a_late_backward_adds_into_a_copy(tmp_path: P
     before = flat.clone()
     rt.forward_backward(0, 1, *data.microbatch(0, 1))  # a straggler after PREPARE
     assert torch.equal(flat, before)  # the prepared sums are untouched
-    assert (rt._sums[0].accum or [])[0].data_ptr() != sums[0].data_ptr()  # it went to a copy
+    assert (rt.sums[0].accum or [])[0].data_ptr() != sums[0].data_ptr()  # it went to a copy
     seen: list[int] = []
     step = rt.optimizer.step
 
@@ -174,13 +174,13 @@ def test_prepare_lends_the_sums_and_a_late_backward_adds_into_a_copy(tmp_path: P
     rt.set_prepared(0, sums, 4)
     assert rt.apply(0) is False
     assert seen == [s.data_ptr() for s in sums]  # the optimizer read the prepared memory
-    assert 0 not in rt._sums  # and the step's sums were let go
+    assert 0 not in rt.sums  # and the step's sums were let go
 
 
 def _averaged_in_place_half_way(rt: StageRuntime, sums: list[torch.Tensor], tmp_path: Path) -> None:
     """What a round averaging the lent sums in place leaves when it fails half way: the first
     half kept by the step's spill, then overwritten with (here) nonsense."""
-    spill = rt.spill(0, tmp_path / "spill")
+    spill = rt.sums.spill(0, tmp_path / "spill")
     flat = flatten(sums)
     assert spill is not None and spill.flat.data_ptr() == flat.data_ptr()
     half = slice(0, flat.numel() // 2)
@@ -244,7 +244,7 @@ def test_microbatches_add_into_the_sums_in_place_with_the_same_bits(tmp_path: Pa
     x = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=rt.dtype)
     y = data.microbatch(0, 0)[1]
     rt.forward_backward(0, 0, x, y)
-    accum = rt._sums[0].accum or []
+    accum = rt.sums[0].accum or []
     check = StageRuntime(job, 1)
     first = torch.autograd.grad(loss_sum(check.module(x), y), check.params)
     bits = [a.view(torch.int64) for a in accum]
@@ -254,14 +254,14 @@ def test_microbatches_add_into_the_sums_in_place_with_the_same_bits(tmp_path: Pa
     x2 = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=rt.dtype)
     _, grad_x, _ = rt.forward_backward(0, 1, x2, y)
     _, grad_ref, _ = check.forward_backward(0, 1, x2, y, accumulate=False)
-    reference = check._sums[0].accum  # accumulate=False kept none: compute them as before
+    reference = check.sums[0].accum  # accumulate=False kept none: compute them as before
     assert reference is None
     leaf = x2.detach().requires_grad_(True)
     grads = torch.autograd.grad(loss_sum(check.module(leaf), y), check.params)
     for e, g in zip(expected, grads, strict=True):
         e.add_(g)
-    assert [a.data_ptr() for a in rt._sums[0].accum or []] == where  # in place
-    assert all(torch.equal(a, e) for a, e in zip(rt._sums[0].accum or [], expected, strict=True))
+    assert [a.data_ptr() for a in rt.sums[0].accum or []] == where  # in place
+    assert all(torch.equal(a, e) for a, e in zip(rt.sums[0].accum or [], expected, strict=True))
     assert grad_x is not None and grad_ref is not None and torch.equal(grad_x, grad_ref)
     assert all(p.grad is None for p in rt.params)  # nothing left on the parameters
 
@@ -330,29 +330,29 @@ def test_a_copy_following_the_updates_of_its_source_is_bitwise_identical(
     # The copy downloads the state at step 1 while the pool trains on.
     source.updates.follow("copy", source.step)
     copy = StageRuntime(job, 0)
-    copy.load_copy(source.step, source.export_state(include_optimizer=True))
+    copy.follow.load(source.step, source.export_state(include_optimizer=True))
     for step in (1, 2, 3):
         _run_step([source], job, step, list(range(m)), clipped=grad_clip)
     updates = source.updates.since("copy", copy.step)
     assert all((u.scale < 1.0) == (grad_clip > 0) for u in updates)  # the clipping bit
     for u in updates:
-        assert copy.apply_followed(u.step, u.grad_sums, u.total_samples, u.scale)
+        assert copy.follow.apply(u.step, u.grad_sums, u.total_samples, u.scale)
     assert copy.step == source.step == 4
     for name, tensor in source.export_state(include_optimizer=True).items():
         assert torch.equal(tensor, copy.export_state(include_optimizer=True)[name]), name
     # A member now (its first PREPARE): it applies its own pool's updates, never its source's.
     _run_step([source, copy][1:], job, 4, list(range(m)), clipped=grad_clip)
     assert not copy.following
-    assert copy.apply_followed(5, [torch.zeros(1)], 1) is False and copy.step == 5
+    assert copy.follow.apply(5, [torch.zeros(1)], 1) is False and copy.step == 5
 
 
 def test_a_follower_refuses_an_update_it_skipped(tmp_path: Path) -> None:
     job = make_job(tmp_path, training={"stages": 1})
     source = StageRuntime(job, 0)
     copy = StageRuntime(job, 0)
-    copy.load_copy(0, source.export_state(include_optimizer=True))
+    copy.follow.load(0, source.export_state(include_optimizer=True))
     with pytest.raises(FailedPrecondition, match="update of step 2 at 0"):
-        copy.apply_followed(2, [torch.zeros(1)], 16)
+        copy.follow.apply(2, [torch.zeros(1)], 16)
 
 
 def test_bf16_mixed_computes_in_bf16_and_keeps_float32_weights_and_sums(tmp_path: Path) -> None:
@@ -364,8 +364,8 @@ def test_bf16_mixed_computes_in_bf16_and_keeps_float32_weights_and_sums(tmp_path
     loss, _, _ = mixed.forward_backward(0, 0, inputs, targets)
     loss32, _, _ = full.forward_backward(0, 0, inputs, targets)
     assert loss != loss32 and abs(loss - loss32) < 1e-2 * loss32  # bf16 matmuls: close, not equal
-    assert mixed._sums[0].accum is not None and full._sums[0].accum is not None
-    assert {t.dtype for t in [*mixed.params, *mixed._sums[0].accum]} == {torch.float32}
+    assert mixed.sums[0].accum is not None and full.sums[0].accum is not None
+    assert {t.dtype for t in [*mixed.params, *mixed.sums[0].accum]} == {torch.float32}
     assert mixed.commit(0, [0], 4) is False  # the update in float32, optimizer state too
     state = mixed.optimizer.state[mixed.params[0]]
     assert state["exp_avg"].dtype == torch.float32

@@ -105,7 +105,7 @@ async def test_a_state_loaded_or_a_rounds_outer_step_during_a_download_is_not_se
     want = local.export_state()
     reply = state_reply(local.snapshot(), CHUNK)
     first = next(reply)
-    sums = local.prepare_round(2)
-    local.set_round(2, sums, 8)
-    assert local.apply_round(2) is False  # the outer step moves every parameter
+    sums = local.round.prepare(2)
+    local.round.set_prepared(2, sums, 8)
+    assert local.round.apply(2) is False  # the outer step moves every parameter
     _assert_equal(await _decoded([first, *reply]), want)

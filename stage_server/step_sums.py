@@ -1,0 +1,173 @@
+"""A replica's gradient sums of its open steps, the receipts of what they hold, and the pool's sum
+prepared for the step's APPLY.
+
+The sums of a step are one flat tensor (which averaging reads as it is), lent to the step's
+commit at PREPARE: averaging may then sum the pool's parts over them in place, and a `Spill`
+keeps what it overwrites, for a retried PREPARE or a straggler. A late Backward (a straggler's
+duplicate, which the ledger counts elsewhere) must not reach what this replica averages and
+applies: it adds into a copy of the sums as they were, made when such a Backward comes rather
+than at every commit.
+
+Pure torch, no networking: read and written on the replica's worker thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from stage_server.averaging.owner import flat_view
+from stage_server.averaging.spill import Spill
+
+__all__ = ["Receipt", "StepSums", "Sums", "flat_copy"]
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """Proof that microbatch `(step, index)`'s gradients are in this replica's accumulator."""
+
+    stage: int
+    step: int
+    index: int
+    samples: int
+    duplicate: bool
+
+
+@dataclass
+class StepSums:
+    """One step's gradient sums on this replica, and the receipts of what they hold."""
+
+    accum: list[torch.Tensor] | None = None
+    receipts: dict[int, int] = field(default_factory=dict)  # index -> samples
+    lent: bool = False  # `accum` is a commit's now: a later Backward adds into a copy of it
+    # what averaging `accum` in place overwrote, kept for a retry or a straggler (`Spill`)
+    spill: Spill | None = None
+
+    def drop(self) -> None:
+        """The sums are done with (applied or discarded): so is what their spill kept."""
+        if self.spill is not None:
+            self.spill.close()
+
+    def add(self, index: int, samples: int, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Receipt of microbatch `index` (its `samples`); the sums its gradients add into."""
+        if self.accum is None:
+            # One flat tensor (which averaging reads as it is) of -0.0, the one value x + v
+            # leaves x as it is whatever x, the sign of a zero included: the first
+            # microbatch's gradients land in it with their own bits.
+            self.accum = flat_copy(params, fill=-0.0)
+        elif self.lent:  # a straggler after PREPARE: the prepared sums stay as they are
+            copy = flat_copy(self.accum)
+            if self.spill is not None:  # averaged in place: the sums as they were
+                whole = flat_view(copy)
+                assert whole is not None  # a copy of one flat tensor is one
+                self.spill.restore(into=whole)
+            self.accum, self.lent, self.spill = copy, False, None
+        self.receipts[index] = samples
+        return self.accum
+
+
+class Sums:
+    """Step -> this replica's sums of it (its own step, and the next one if steps are delayed),
+    and the pool's summed gradient of its own step between PREPARE and APPLY."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)  # what the sums are of
+        self._steps: dict[int, StepSums] = {}
+        # (step, the pool's summed gradient, the step's samples) between prepare and apply
+        self._prepared: tuple[int, list[torch.Tensor], int] | None = None
+
+    def __getitem__(self, step: int) -> StepSums:
+        return self._steps[step]
+
+    def __contains__(self, step: int) -> bool:
+        return step in self._steps
+
+    def of(self, step: int) -> StepSums:
+        """The sums of `step`, new and empty if it has none yet."""
+        return self._steps.setdefault(step, StepSums())
+
+    def receipts(self, step: int) -> dict[int, int]:
+        """What this replica accumulated for `step`: index -> samples."""
+        sums = self._steps.get(step)
+        return dict(sums.receipts) if sums is not None else {}
+
+    def held(self) -> bool:
+        """Whether this replica holds work of its own: a receipt, or a prepared step."""
+        return any(s.receipts for s in self._steps.values()) or self._prepared is not None
+
+    def lend(self, step: int) -> list[torch.Tensor]:
+        """The sums of `step` themselves (zeros if it holds none), lent to its commit."""
+        sums = self._steps.get(step)
+        if sums is None or sums.accum is None:
+            return self.zeros()
+        if sums.spill is not None:  # a retry: the last round overwrote some, in place
+            sums.spill.restore()
+        if self._prepared is not None and self._prepared[0] == step:
+            self._prepared = None  # that was the sums, averaged in place: prepared anew now
+        sums.lent = True
+        return list(sums.accum)
+
+    def spill(self, step: int, directory: Path | None) -> Spill | None:
+        """Where the averaging of `step`'s lent sums keeps what it overwrites in place (in
+        `directory`, None: in memory); None when they are not one flat tensor on the CPU (the
+        part averaged is then a copy, or a device's: nothing to keep)."""
+        sums = self._steps.get(step)
+        if sums is None or sums.accum is None or not sums.lent:
+            return None
+        if sums.spill is None:
+            flat = flat_view(sums.accum)
+            if flat is None or flat.device.type != "cpu":
+                return None
+            sums.spill = Spill(flat, directory)
+        return sums.spill
+
+    def zeros(self) -> list[torch.Tensor]:
+        return flat_copy(self.params, fill=0.0)
+
+    def accum_or_zeros(self, step: int) -> list[torch.Tensor]:
+        sums = self._steps.get(step)
+        return sums.accum if sums is not None and sums.accum is not None else self.zeros()
+
+    def drop(self, step: int) -> int:
+        """Let go of the sums of `step` (applied or discarded); how many receipts they held."""
+        sums = self._steps.pop(step, StepSums())
+        sums.drop()
+        return len(sums.receipts)
+
+    def clear(self) -> None:
+        self._steps, self._prepared = {}, None
+
+    # -- the pool's sum, between PREPARE and APPLY ----------------------------------------------
+    def set_prepared(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> None:
+        self._prepared = (step, grad_sums, total_samples)
+
+    def prepared(self, step: int) -> tuple[list[torch.Tensor], int] | None:
+        """The pool's summed gradient prepared for `step` and its samples (None: not prepared)."""
+        if self._prepared is None or self._prepared[0] != step:
+            return None
+        return self._prepared[1], self._prepared[2]
+
+    def unprepare(self) -> None:
+        self._prepared = None
+
+
+def flat_copy(tensors: Sequence[torch.Tensor], fill: float | None = None) -> list[torch.Tensor]:
+    """Copies of `tensors` (or, with `fill`, tensors like them holding that value) as views of
+    one flat tensor, when they share a dtype and device (else one tensor each)."""
+    if len({(t.dtype, t.device) for t in tensors}) != 1:
+        return [t.detach().clone() if fill is None else torch.full_like(t, fill) for t in tensors]
+    first = tensors[0]
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)
+    if fill is not None:
+        flat.fill_(fill)
+    views, start = [], 0
+    for t in tensors:
+        view = flat[start : start + t.numel()].view(t.shape)
+        if fill is None:
+            view.copy_(t.detach())
+        views.append(view)
+        start += t.numel()
+    return views
