@@ -17,8 +17,9 @@ Key = tuple[int, int]  # (step, index)
 
 
 class BoundaryCache:
-    def __init__(self, limit_bytes: int, *, delayed_update: bool) -> None:
-        self.limit_bytes, self.delayed_update = limit_bytes, delayed_update
+    def __init__(self, limit_bytes: int, *, delays: bool) -> None:
+        # `delays`: the job's rule's (`Rule.delays`): step t+1 runs before step t is applied.
+        self.limit_bytes, self.delays = limit_bytes, delays
         self._entries: OrderedDict[Key, dict[int, tuple[TensorLike, TensorLike]]] = OrderedDict()
         self.nbytes = 0
 
@@ -27,7 +28,7 @@ class BoundaryCache:
     ) -> None:
         # An old step's are useless (with delayed_update the step before is still live: a failed
         # round of its commit replays from them).
-        live = step - 1 if self.delayed_update else step
+        live = step - 1 if self.delays else step
         for old in [key for key in self._entries if key[0] < live]:
             self._forget(old)
         self._entries.setdefault((step, index), {})[stage] = (inputs, grad)

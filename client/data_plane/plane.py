@@ -45,5 +45,5 @@ def make_plane(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> Data
     """The plane `job` names."""
     if job.runtime.data_plane == "push":
         return PushPlane(job, hops, metrics)
-    cache = BoundaryCache(job.runtime.boundary_cache_bytes, delayed_update=rule_of(job).delays)
+    cache = BoundaryCache(job.runtime.boundary_cache_bytes, delays=rule_of(job).delays)
     return RelayPlane(job, hops, metrics, cache)
