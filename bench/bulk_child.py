@@ -279,10 +279,11 @@ async def replica(args: dict[str, Any]) -> None:
 
 def stage_client(args: dict[str, Any], address: str) -> Any:
     from swarm.job.config import load_job
+    from swarm.job.fingerprint import fingerprint
     from swarm.rpc.stage_client import StageClient
 
     job = load_job(Path(args["job"]))
-    return StageClient(address, job, job.fingerprint(), args.get("stage", 0))
+    return StageClient(address, job, fingerprint(job), args.get("stage", 0))
 
 
 def expected(client: Any) -> Any:

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from client.trainer import PipelineTrainer  # noqa: E402
 from scheduler.coordinator import LocalCoordinator  # noqa: E402
 from swarm.job.config import load_job  # noqa: E402
+from swarm.job.fingerprint import fingerprint  # noqa: E402
 from swarm.local.procs import SwarmProcess, start_process, stop_all  # noqa: E402
 from swarm.ops.progress import StepRecord  # noqa: E402
 from swarm.rpc.lease import Lease, Replica  # noqa: E402
@@ -100,7 +101,7 @@ async def throughput(
     def on_step(record: StepRecord) -> None:
         records.append((time.perf_counter(), record))
 
-    coordinator = LocalCoordinator(job, job.fingerprint(), lambda: members, on_step=on_step)
+    coordinator = LocalCoordinator(job, fingerprint(job), lambda: members, on_step=on_step)
     lease = coordinator.lease
     started: list[float] = []  # when the second step's first task was leased
 

@@ -17,6 +17,7 @@ from client.trainer import PipelineTrainer, load_followed
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.model.routes import Record, write_record
 from swarm.ops.metrics import serve_metrics
 from swarm.ops.progress import StepLog, StepRecord
@@ -55,7 +56,7 @@ async def train_standalone(
     """Coordinate and train `job` on the given stage servers in this process; returns the
     trained model. `registry` receives the trainer's and coordinator's metrics. With `broker`,
     the trainers' wiring follows the load reports published there for this job (its id is
-    `job.fingerprint()`) by replicas named as in `replicas`. `routes`: write pool.mode =
+    `fingerprint(job)`) by replicas named as in `replicas`. `routes`: write pool.mode =
     "local"'s route record there (`swarm.model.routes`), for `swarm local --routes`."""
     with contextlib.ExitStack() as stack:
         record = None
@@ -81,22 +82,22 @@ async def _train(
     members = replicas if callable(replicas) else (lambda: replicas)  # type: ignore[misc]
     coordinator = LocalCoordinator(
         job,
-        job.fingerprint(),
+        fingerprint(job),
         members,
         token=token,
         on_step=on_step,  # type: ignore[arg-type]
-        metrics=CoordinatorMetrics(job.fingerprint(), registry),
+        metrics=CoordinatorMetrics(fingerprint(job), registry),
         checkpoint_dir=checkpoint_dir,
         on_route=on_route,
     )
-    metrics = TrainerMetrics(job.fingerprint(), registry)
+    metrics = TrainerMetrics(fingerprint(job), registry)
     runs = [
         PipelineTrainer(job, coordinator, metrics=metrics, token=token, seed=i)
         for i in range(trainers)
     ]
     try:
         await coordinator.start()
-        job_id = job.fingerprint()
+        job_id = fingerprint(job)
         async with load_followed(broker, job_id, runs, token=token, registry=registry):
             await asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait())
         if coordinator.error:

@@ -25,6 +25,7 @@ from swarm.bus.connection import Bus, BusLike
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.job.rule import rule_of
 from swarm.model.data import VAL_STEP, DataSource, make_data, make_val_data
 from swarm.policy.backoff import Backoff
@@ -59,7 +60,7 @@ class PipelineTrainer:
         client_factory: ClientFactory = StageClient,
     ) -> None:
         self.job, self.coordinator, self.token = job, coordinator, token
-        self.job_id = job_id or job.fingerprint()
+        self.job_id = job_id or fingerprint(job)
         self.trainer_id = trainer_id or f"trainer-{uuid.uuid4().hex[:8]}"
         self.data = data or make_data(job)
         # Only a trainer given validation work reads the validation data (a job's file, or

@@ -22,6 +22,7 @@ from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
 from swarm.errors import NotFound
 from swarm.job.config import JobConfig, RuntimeConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.net.addresses import announced_host, host_port
 from swarm.net.tokens import add_port, server_interceptors
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
@@ -188,7 +189,7 @@ async def start_stage_server(
     """A stage server for `opts.stage` of `job`, given on the command line (no scheduler)."""
     runtime = StageRuntime(job, opts.stage, check_device(opts.device))
     running = await start_grpc(opts, job.runtime.max_message_bytes, throttle)
-    running.servicer.serve(runtime, job.fingerprint())
+    running.servicer.serve(runtime, fingerprint(job))
     await running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     return running
 

@@ -131,14 +131,10 @@ something named as its section: an attribute (`job.pool.mode`, `self.pool.overla
 a section under another name (`p = job.pool; p.mode`) escapes, which review catches."""
 KNOWN_RULE_READS: dict[str, str] = {
     # module: why it still reads a rule key. Each must still read one (a stale entry fails).
-    # issue 40: being removed; the lead prunes these after merging.
-    "swarm.model.local_steps": "its refusal of a job names the job's pool.mode",
 }
 
 KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
     # A circle's modules, sorted: why it is left for now. Each must still be exactly a circle.
-    # issue 40: being removed; the lead prunes these after merging.
-    ("swarm.job.fingerprint", "swarm.job.schema"): "a convenience method imports inside itself",
 }
 """Import circles between project modules (imports inside functions and under `TYPE_CHECKING`
 count: they are the same knot, only loaded later). A circle is a strongly connected part of the
@@ -167,13 +163,8 @@ BUDGET = 450
 """The lines a module may have: one concept, one file (the generated messages are not counted)."""
 GENERATED = re.compile(r"swarm\.proto\.\w+_pb2(?:_grpc)?")
 OVERSIZE: dict[str, str] = {
-    # module: why it may pass BUDGET. Each must still pass it (a stale entry fails).
-    "swarm.policy.stage_pool": (
-        "a single large concept: one stage's pool, whose three lazily invalidated heaps (choice, "
-        "bans, probes) keep their invariants only together"
-    ),
-    # issue 40: being split; the lead prunes these after merging.
-    "swarm.model.local_steps": "the reference's rule becomes one strategy",
+    # module: why it may pass BUDGET (an orchestrator per role, a single large concept). Each
+    # must still pass it (a stale entry fails).
 }
 MAPPED = 150
 """A module longer than this is a concept of its own: the concept map names it (its file, not

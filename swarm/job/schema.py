@@ -4,7 +4,8 @@ Each field is documented with its unit and default, so this file is the referenc
 The dataclasses are frozen because a job is shared by every role and must not change under them
 (its fingerprint names it); they validate in `__post_init__` (through `swarm.job.coerce.Section`),
 so jobs built in code are held to the rules jobs read from files are. Reading TOML is
-`swarm.job.config`'s; what identifies a job's maths is `swarm.job.fingerprint`'s.
+`swarm.job.config`'s; what identifies a job's maths is `swarm.job.fingerprint`'s (it reads
+this schema; the schema does not call it).
 """
 
 from __future__ import annotations
@@ -390,15 +391,6 @@ class JobConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every key (paths as strings, tuples as lists)."""
         return json.loads(json.dumps(asdict(self), default=str))  # type: ignore[no-any-return]
-
-    def fingerprint(self) -> str:
-        """First 16 hex of sha256 over what changes the maths; runtime and data paths are left out
-        (a moved data file keeps its fingerprint, an edited one does not). checkpoint_every is left
-        out too: when checkpoints are written does not change the parameters."""
-        # Imported here: the fingerprint module reads this schema (its defaults, FILE_DATA).
-        from swarm.job.fingerprint import fingerprint
-
-        return fingerprint(self)
 
 
 _CLASSES = (ModelConfig, DataConfig, TrainingConfig, OptimizerConfig, CompressionConfig)

@@ -10,27 +10,9 @@ modes"), so every rule here is one the stage servers implement the same way:
   where its `back` says so, through another replica that recomputed the stage from the same
   inputs); its parameter gradients are summed into that replica only for the stages it counts
   at;
-- after a step's runs every replica that counted n > 0 samples applies its inner optimizer to
-  its own sum / n (`update`, unclipped); the others apply nothing;
-- a round of stage k averages its group's pseudo-gradients (start - own parameters) weighted by
-  the samples each counted in the round (`pseudo_gradient`), takes the outer step on the start
-  parameters, and every member continues from them; a replica left out of the group is gone.
-
-With `pool.overlap = "eager"` a round's
-average is not waited for: each member takes its outer step at once with its own fresh share and
-the others' shares one round late (`eager_gradients`: the previous round's average plus its own
-share minus its own previous share; the Eager Updates rule, arXiv 2502.12996), on a start and
-an outer optimizer of its own (the members differ by their shares); the last round is completed
-synchronously (the others' last shares are added) and the trained model is the members' mean.
-
-The same rule is offered for `training.delayed_update` (`pool.mode = "step"`, `overlap =
-"eager"`): a round of one step with the inner optimizer for the outer one. After every step each
-replica applies its optimizer at once to the previous step's average plus its own fresh share
-(its gradient sum / the step's samples at its stage) minus its own previous share, instead of
-the whole average one step late on parameters one step old; its optimizer state is its own, so
-the replicas drift apart by their shares; the last step is completed and the model is their
-mean. It is the eager overlap with rounds of one step (`step_eager`: a record's Sync after every
-step), the job's optimizer for the outer one and the step's gradient for the pseudo-gradient.
+- what a step's end and a round's end do is the rule's (`local`, `local-eager`, `step-eager`):
+  a strategy chosen once from the job's rule (`swarm.model.replay_rounds`, which says each);
+  a replica left out of a round's group is gone.
 """
 
 from __future__ import annotations
@@ -39,24 +21,19 @@ import copy
 import hashlib
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
 import torch
-from torch import nn
 
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import DataSource, make_data, make_val_data
-from swarm.model.optim import build_optimizer, update
-from swarm.model.outer_rules import (
-    build_outer_optimizer,
-    eager_gradients,
-    ordered_sum,
-    pseudo_gradient,
-)
+from swarm.model.optim import build_optimizer
+from swarm.model.outer_rules import build_outer_optimizer
 from swarm.model.reference import evaluate
+from swarm.model.replay_rounds import Pool, Replica, replay_round
 from swarm.model.routes import Join, Record, Run, StepRuns, Sync
 from swarm.model.transformer import (
     StageModule,
@@ -97,12 +74,12 @@ def synthetic_routes(job: JobConfig, replicas: int, steps: int | None = None) ->
     for k in range(n_stages):
         for name in names:
             yield Join(0, k, name, None)
-    everywhere = tuple(range(n_stages))
+    everywhere, rule = tuple(range(n_stages)), rule_of(job)
     for t in range(total):
         held = [_spread(job.training.seed, t, k, m, replicas) for k in range(n_stages)]
         chains = [tuple(names[held[k][i]] for k in range(n_stages)) for i in range(m)]
         yield StepRuns(t, tuple(Run(i, everywhere, chains[i]) for i in range(m)))
-        if rule_of(job).rounds and ((t + 1) % rule_of(job).round_steps == 0 or t == total - 1):
+        if rule.rounds and rule.is_boundary(t + 1, total):
             for k in range(n_stages):
                 yield Sync(t, k, names)
 
@@ -117,49 +94,6 @@ def _spread(seed: int, step: int, stage: int, microbatches: int, replicas: int) 
     for j, index in enumerate(torch.randperm(microbatches, generator=gen).tolist()):
         held[index] = j % replicas
     return held
-
-
-@dataclass
-class _Replica:
-    module: StageModule
-    optimizer: torch.optim.Optimizer
-    sums: list[torch.Tensor] | None = None  # the current step's gradient sum
-    step_samples: int = 0
-    round_samples: int = 0  # counted since its round began (its join or the last sync)
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return list(self.module.parameters())
-
-
-def _holds(replica: _Replica, params: Sequence[torch.Tensor]) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(replica.params, params, strict=True))
-
-
-@dataclass
-class _Own:
-    """pool.overlap = "eager": a member's own round start, outer optimizer and last share
-    (delayed_update's eager rule: its parameters, and no outer optimizer: its inner one's)."""
-
-    start: list[torch.Tensor]
-    outer: torch.optim.Optimizer | None
-    share: list[torch.Tensor] | None = None
-
-
-@dataclass
-class _Pool:
-    """One stage: its replicas (in the order they joined), the round's start parameters (the
-    returned model's own) with their outer optimizer, and the job's initial parameters; with
-    the eager overlap, each member's own start (`own`) and the last round's average."""
-
-    start: list[nn.Parameter]
-    outer: torch.optim.Optimizer
-    initial: StageModule
-    replicas: dict[str, _Replica]
-    own: dict[str, _Own] = field(default_factory=dict)
-    average: list[torch.Tensor] | None = None
-    last_shares: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # eager, by member
-    ended: int = -1  # the step the last round ended after
 
 
 def train_replicas(
@@ -183,7 +117,7 @@ def train_replicas(
     end with there)."""
     if not simulates_replicas(job):
         raise ConfigError(
-            f'pool.mode = "{job.pool.mode}": replicas with local steps need pool.mode = "local" '
+            f'the {rule_of(job).kind} rule: replicas with local steps need pool.mode = "local" '
             "(step mode's reference is swarm local without --replicas/--routes, but for "
             'delayed_update with pool.overlap = "eager")'
         )
@@ -204,15 +138,7 @@ class _Replay:
         eval_every: int | None = None,
     ) -> None:
         self.job, self.device, self.on_step = job, device, on_step
-        rule = rule_of(job)
-        self.eager = rule.eager and rule.local
-        self.delayed_eager = rule.step_eager  # `_eager_update`
-        if rule.eager and job.training.eval_every:
-            raise ConfigError(
-                'pool.overlap = "eager" with training.eval_every: the replicas share no '
-                "parameters between rounds to evaluate; set eval_every = 0 (the final model is "
-                "evaluated)"
-            )
+        self.round = replay_round(job)  # the rule's round end, chosen once
         self.total = job.training.steps
         self.model = build_model(job, device)
         self.data: DataSource = make_data(job)
@@ -224,7 +150,7 @@ class _Replay:
             shared = StageModule({i: self.model.layers[str(i)] for i in layers})
             start = list(shared.parameters())
             outer = build_outer_optimizer(start, job.pool)
-            self.pools.append(_Pool(start, outer, copy.deepcopy(shared), {}))
+            self.pools.append(Pool(start, outer, copy.deepcopy(shared), {}))
         self.done = 0  # steps whose runs are applied
 
     def run(self, routes: Iterable[Record], total: int) -> StageModule:
@@ -243,10 +169,7 @@ class _Replay:
                 f"the route record holds the runs of {self.done} steps; the job trains {total}"
             )
         for k, pool in enumerate(self.pools):  # the round that always ends after the last step
-            if self.eager or self.delayed_eager:
-                if pool.ended != total - 1:
-                    self._sync(Sync(total - 1, k, tuple(pool.replicas)))
-            elif any(not _holds(r, pool.start) for r in pool.replicas.values()):
+            if self.round.needs_last_round(pool, total - 1):
                 self._sync(Sync(total - 1, k, tuple(pool.replicas)))
         if self.val is not None:  # the final evaluation, of the trained parameters
             began = time.perf_counter()
@@ -256,7 +179,7 @@ class _Replay:
                 self.on_step(StepRecord(total, math.nan, 0, seconds, val_loss=val_loss))
         return self.model
 
-    def _pool(self, step: int, stage: int) -> _Pool:
+    def _pool(self, step: int, stage: int) -> Pool:
         if not 0 <= stage < len(self.pools):
             raise ConfigError(
                 f"route record, step {step}: stage {stage} does not exist; the job has stages "
@@ -264,7 +187,7 @@ class _Replay:
             )
         return self.pools[stage]
 
-    def _replica(self, step: int, stage: int, peer: str) -> _Replica:
+    def _replica(self, step: int, stage: int, peer: str) -> Replica:
         found = self._pool(step, stage).replicas.get(peer)
         if found is None:
             raise ConfigError(
@@ -290,28 +213,15 @@ class _Replay:
             )
         if record.source is None:  # the job's initial parameters, no optimizer state yet
             module = copy.deepcopy(pool.initial)
-            pool.replicas[record.peer] = _Replica(module, self._inner(module))
-            if self.delayed_eager:
-                pool.own[record.peer] = _Own(list(module.parameters()), None)
-            elif self.eager:
-                start = [p.detach().clone() for p in module.parameters()]
-                pool.own[record.peer] = _Own(start, build_outer_optimizer(start, self.job.pool))
+            pool.replicas[record.peer] = Replica(module, self._inner(module))
+            self.round.joined(pool, record.peer, None)
             return
         source = self._replica(record.step, record.stage, record.source)
         module = copy.deepcopy(source.module)
         optimizer = self._inner(module)
         optimizer.load_state_dict(copy.deepcopy(source.optimizer.state_dict()))
-        pool.replicas[record.peer] = _Replica(module, optimizer)
-        if self.eager or self.delayed_eager:  # its own start, outer momentum and last share
-            own = pool.own[record.source]  # the source's
-            share = None if own.share is None else [t.clone() for t in own.share]
-            if own.outer is None:  # delayed_update's: its parameters and inner optimizer
-                pool.own[record.peer] = _Own(list(module.parameters()), None, share)
-                return
-            start = [s.detach().clone() for s in own.start]
-            outer = build_outer_optimizer(start, self.job.pool)
-            outer.load_state_dict(copy.deepcopy(own.outer.state_dict()))
-            pool.own[record.peer] = _Own(start, outer, share)
+        pool.replicas[record.peer] = Replica(module, optimizer)
+        self.round.joined(pool, record.peer, record.source)
 
     def _inner(self, module: StageModule) -> torch.optim.Optimizer:
         return build_optimizer(module.parameters(), self.job.optimizer)
@@ -323,22 +233,16 @@ class _Replay:
         began = time.perf_counter()
         val_loss = None
         if self.val is not None and t % self.every == 0:  # the shared parameters (a round's start)
-            if self.eager or self.delayed_eager:  # none shared: the replicas' mean
-                self._mean_into_model()
+            self.round.before_evaluation(self.pools)
             val_loss = evaluate(self.job, self.model, self.val, self.device)
         loss_total, loss_samples = 0.0, 0
-        touched: dict[int, _Replica] = {}
+        touched: dict[int, Replica] = {}
         for run in record.runs:
             counted = self._run(t, run, touched)
             if counted is not None:
                 loss_total += counted[0]
                 loss_samples += counted[1]
-        if self.delayed_eager:  # applied at the step's end (`_eager_sync`)
-            for replica in touched.values():
-                replica.round_samples += replica.step_samples
-                replica.step_samples = 0
-        else:
-            self._local_update(t, touched.values())
+        self.round.step_end(t, touched.values())
         self.done = t + 1
         if self.on_step:
             mean = loss_total / loss_samples if loss_samples else math.nan
@@ -346,28 +250,7 @@ class _Replay:
             done = StepRecord(t, mean, loss_samples, seconds, tokens)
             self.on_step(replace(done, val_loss=val_loss))
 
-    def _mean_into_model(self) -> None:
-        """The model (every pool's start) becomes the mean of each pool's replicas."""
-        for pool in self.pools:
-            replicas = list(pool.replicas.values())
-            summed = ordered_sum([r.params for r in replicas])
-            with torch.no_grad():
-                for p, t in zip(pool.start, summed, strict=True):
-                    p.copy_(t.div_(len(replicas)))
-
-    def _local_update(self, t: int, touched: Iterable[_Replica]) -> None:
-        """Every replica that counted samples in step `t` applies its optimizer to its own mean
-        gradient (local steps); the others apply nothing."""
-        for replica in touched:
-            assert replica.sums is not None
-            n = replica.step_samples
-            for p, s in zip(replica.params, replica.sums, strict=True):
-                p.grad = s.div_(n)
-            update(replica.optimizer, self.job, t)
-            replica.sums, replica.step_samples = None, 0
-            replica.round_samples += n
-
-    def _run(self, t: int, run: Run, touched: dict[int, _Replica]) -> tuple[float, int] | None:
+    def _run(self, t: int, run: Run, touched: dict[int, Replica]) -> tuple[float, int] | None:
         """One run of step `t`: forward through its chain, back through the same replicas with
         the boundaries detached (as between servers); its parameter gradients are summed at the
         stages it counts at. Its (loss sum, samples) when it counts at the last stage."""
@@ -440,88 +323,4 @@ class _Replay:
                 f"replica twice: {list(record.group)}"
             )
         members = [self._replica(record.step, record.stage, p) for p in record.group]
-        if self.eager or self.delayed_eager:
-            self._eager_sync(record, pool, members)
-            return
-        averaged = pseudo_gradient(pool.start, [(m.params, m.round_samples) for m in members])
-        if averaged is not None:
-            for p, g in zip(pool.start, averaged, strict=True):
-                p.grad = g
-            pool.outer.step()
-            pool.outer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for member in members:
-                for p, s in zip(member.params, pool.start, strict=True):
-                    p.copy_(s)
-                member.round_samples = 0
-        # Replicas left out of the round are gone, and their round's samples with them.
-        pool.replicas = {p: pool.replicas[p] for p in record.group}
-
-    def _eager_sync(self, record: Sync, pool: _Pool, members: list[_Replica]) -> None:
-        """A round under the eager overlap (`eager_gradients`): each member's outer step on its
-        own start; the last round completes the average, and the pool's start (the returned
-        model's parameters) becomes the members' mean."""
-        owns = [pool.own[p] for p in record.group]
-        total = sum(m.round_samples for m in members)
-        last = record.step == self.total - 1
-        if record.averaged is not None:  # some member's share did not reach the last average
-            missing = [p for p in record.averaged if p not in pool.last_shares]
-            if missing:
-                raise ConfigError(
-                    f"route record, step {record.step}: stage {record.stage}'s last average is "
-                    f"of {missing}, who took no part in the round before"
-                )
-            parts = [pool.last_shares[p] for p in record.averaged]
-            pool.average = ordered_sum(parts) if parts else None
-        if total:
-            shares = [self._share(o, m, total) for o, m in zip(owns, members, strict=True)]
-            grads = eager_gradients(pool.average, shares, [o.share for o in owns], complete=last)
-            for own, member, share, g in zip(owns, members, shares, grads, strict=True):
-                self._eager_step(own, member, g, record.step)
-                own.share = share
-            pool.average = ordered_sum(shares)
-            pool.last_shares = dict(zip(record.group, shares, strict=True))
-        with torch.no_grad():
-            for own, member in zip(owns, members, strict=True):
-                if own.outer is not None:  # not delayed_update's: from its own start
-                    for p, s in zip(member.params, own.start, strict=True):
-                        p.copy_(s)
-                member.round_samples, member.sums = 0, None
-            if last:  # the trained model: the members' mean (they differ by their shares)
-                meaned = record.group if record.mean is None else record.mean
-                if not set(meaned) <= set(record.group) or not meaned:
-                    raise ConfigError(
-                        f"route record, step {record.step}: stage {record.stage}'s mean is of "
-                        f"{list(meaned)}, not members of its round {list(record.group)}"
-                    )
-                starts = ordered_sum([pool.own[p].start for p in meaned])
-                for p, t in zip(pool.start, starts, strict=True):
-                    p.copy_(t.div_(len(meaned)))
-        pool.replicas = {p: pool.replicas[p] for p in record.group}
-        pool.own = {p: pool.own[p] for p in record.group}
-        pool.ended = record.step
-
-    @staticmethod
-    def _share(own: _Own, member: _Replica, total: int) -> list[torch.Tensor]:
-        """A member's fresh share of its round: (start - parameters) x its samples / `total`;
-        delayed_update's: its gradient sums of the step / `total` (zeros when it took none)."""
-        with torch.no_grad():
-            if own.outer is None:
-                if member.sums is None:
-                    return [torch.zeros_like(p) for p in member.params]
-                return [s / total for s in member.sums]
-            ratio = member.round_samples / total
-            return [(s - p) * ratio for s, p in zip(own.start, member.params, strict=True)]
-
-    def _eager_step(self, own: _Own, member: _Replica, grad: list[torch.Tensor], t: int) -> None:
-        """A member's outer step with its eager gradient `grad` after step `t`: on its own start
-        with its outer optimizer; delayed_update's: the job's optimizer on its parameters."""
-        if own.outer is None:
-            for p, g in zip(member.params, grad, strict=True):
-                p.grad = g
-            update(member.optimizer, self.job, t)
-            return
-        for s, g in zip(own.start, grad, strict=True):
-            s.grad = g
-        own.outer.step()
-        own.outer.zero_grad(set_to_none=True)
+        self.round.end_round(record, pool, members, last=record.step == self.total - 1)

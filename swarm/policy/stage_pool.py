@@ -28,46 +28,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from swarm.clock import Clock
-from swarm.errors import ConfigError, SwarmError
+from swarm.errors import SwarmError
+from swarm.policy.wiring_config import WiringConfig
 
-__all__ = ["NoReplicaError", "StagePool", "WiringConfig"]
+__all__ = ["NoReplicaError", "StagePool"]
 
 
 class NoReplicaError(SwarmError):
     """Every replica of the stage is banned, draining or gone: the caller must wait or roll back."""
-
-
-@dataclass(frozen=True, slots=True)
-class WiringConfig:
-    """Tuning of the wiring policy; every field is validated by `__post_init__`."""
-
-    throughput_ema_alpha: float = 0.2
-    """Weight (0, 1] of the newest measurement in the samples/s EMA; 1 keeps only the last one."""
-    ban_base_s: float = 1.0
-    """Seconds a replica is banned after its first failure."""
-    ban_factor: float = 2.0
-    """Each further consecutive failure multiplies the ban by this (>= 1)."""
-    ban_max_s: float = 60.0
-    """Cap on one ban, seconds (>= ban_base_s)."""
-    probe_after: float = 30.0
-    """A measured replica left idle this many times its own expected task time is tried once
-    more (> 0): its figures may be stale. One slow measurement (a busy machine, a cold start)
-    would otherwise keep it idle for good, since only its own tasks can correct it; a replica
-    that really is slow then spends at most about 1/probe_after of its time on probes."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.throughput_ema_alpha <= 1.0:
-            raise ConfigError(
-                f"throughput_ema_alpha={self.throughput_ema_alpha}: use a weight in (0, 1]"
-            )
-        if not (math.isfinite(self.ban_base_s) and self.ban_base_s > 0.0):
-            raise ConfigError(f"ban_base_s={self.ban_base_s}: use a positive number of seconds")
-        if not (math.isfinite(self.ban_factor) and self.ban_factor >= 1.0):
-            raise ConfigError(f"ban_factor={self.ban_factor}: use a factor >= 1")
-        if not (math.isfinite(self.ban_max_s) and self.ban_max_s >= self.ban_base_s):
-            raise ConfigError(f"ban_max_s={self.ban_max_s}: use seconds >= ban_base_s")
-        if not (math.isfinite(self.probe_after) and self.probe_after > 0.0):
-            raise ConfigError(f"probe_after={self.probe_after}: use a positive factor")
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ import random
 
 from swarm.clock import Clock
 from swarm.errors import ConfigError
-from swarm.policy.stage_pool import NoReplicaError, StagePool, WiringConfig
+from swarm.policy.stage_pool import NoReplicaError, StagePool
+from swarm.policy.wiring_config import WiringConfig
 
 # The policy's public names, wherever they live.
 __all__ = ["NoReplicaError", "StagePool", "Wiring", "WiringConfig"]

@@ -15,6 +15,7 @@ import torch
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient, as_tensor
 from tests.support.jobs import make_job
@@ -36,7 +37,7 @@ async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
 
 @pytest.fixture
 async def client(job: JobConfig, server: RunningStageServer) -> AsyncIterator[StageClient]:
-    client = StageClient(server.address, job, job.fingerprint(), 1)
+    client = StageClient(server.address, job, fingerprint(job), 1)
     yield client
     await client.close()
 

@@ -17,6 +17,7 @@ import torch
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.errors import Aborted
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient, as_tensor
 from tests.support.jobs import make_job
@@ -71,7 +72,7 @@ async def test_a_retry_after_a_round_died_half_way_applies_the_survivors_sums_ex
     job: JobConfig, servers: list[RunningStageServer], tmp_path: Path
 ) -> None:
     a, b, c, alone = servers
-    clients = [StageClient(s.address, job, job.fingerprint(), STAGE) for s in servers]
+    clients = [StageClient(s.address, job, fingerprint(job), STAGE) for s in servers]
     try:
         for index, client in enumerate(clients[:3]):
             await _microbatch(client, index, job)

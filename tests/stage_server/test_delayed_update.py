@@ -21,6 +21,7 @@ from stage_server.runtime import StageRuntime
 from swarm.clock import MonotonicClock
 from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.model.data import make_data
 from swarm.model.optim import computes_on
 from swarm.model.reference import train_local
@@ -50,7 +51,7 @@ def test_the_rule_steps_0_and_1_on_the_initial_parameters_then_one_step_behind(
     assert [computes_on(job, s) for s in range(6)] == [0, 0, 1, 2, 3, 5]  # 5: final evaluation
     sync = make_job(tmp_path, "sync", training={"steps": 5})
     assert [computes_on(sync, s) for s in range(6)] == [0, 1, 2, 3, 4, 5]
-    assert job.fingerprint() != sync.fingerprint()  # it changes the maths
+    assert fingerprint(job) != fingerprint(sync)  # it changes the maths
 
 
 def test_the_reference_is_sgd_with_a_gradient_one_step_stale(tmp_path: Path) -> None:
@@ -219,7 +220,7 @@ async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
         swarm.assert_replicas_identical()  # bitwise, after every step
         records.append(record)
 
-    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_step=after_step)
     events = await _train_in_process(swarm, coordinator, trainers=2)
     assert [r.step for r in records] == [0, 1, 2, 3, 4]
     # Every step after the first started while the one before it was committed.
@@ -236,16 +237,16 @@ async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
         await swarm.add(stage)
     synced: list[StepRecord] = []
     registry = CollectorRegistry()
-    metrics = CoordinatorMetrics(sync.fingerprint(), registry)
+    metrics = CoordinatorMetrics(fingerprint(sync), registry)
     coordinator = LocalCoordinator(
-        sync, sync.fingerprint(), swarm.members, on_step=synced.append, metrics=metrics
+        sync, fingerprint(sync), swarm.members, on_step=synced.append, metrics=metrics
     )
     events = await _train_in_process(swarm, coordinator, trainers=2)
     assert _overlapped(events) == _undrained(events) == set()
     # There, every commit blocks the leases: each step's record and the counter say how long.
     assert all(r.blocked_seconds > 0 for r in synced), synced
     counted = registry.get_sample_value(
-        "swarm_coordinator_blocked_seconds_total", {"job": sync.fingerprint()}
+        "swarm_coordinator_blocked_seconds_total", {"job": fingerprint(sync)}
     )
     assert counted == pytest.approx(sum(r.blocked_seconds for r in synced))
     await coordinator.close()
@@ -265,7 +266,7 @@ async def test_a_replica_joining_mid_job_computes_as_the_others(
         if record.step == 1:
             joined.append(await swarm.add(2))
 
-    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_step=after_step)
     # Steps 5 to 7 wait for it to be a member (a bounded wait): it has steps to work in.
     lease_after_joined(coordinator, joined, 5)
     await _train_in_process(swarm, coordinator, trainers=1)

@@ -24,6 +24,7 @@ from stage_server.messages import Limits
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.errors import Busy, ConfigError
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.proto import pool_pb2, pool_pb2_grpc, stage_pb2_grpc, tensor_pb2
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.status import from_rpc_error
@@ -125,7 +126,7 @@ async def test_a_full_replica_says_busy_from_a_pushs_header_before_its_body(
             await asyncio.sleep(0.01)
         inputs = tensor_pb2.Tensor(name="inputs", dtype="float64", shape=[4, 16, 32], nbytes=16384)
         header = pb.StagePushRequest(
-            job=job.fingerprint(),
+            job=fingerprint(job),
             stage=2,
             microbatch=pb.MicrobatchId(step=0, index=0),
             tensors=[inputs, codec.encode(torch.zeros(4, 16, dtype=torch.int64), "targets")],
@@ -161,7 +162,7 @@ async def test_a_tensor_above_the_peers_limit_is_refused_though_the_job_allows_i
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
             call = pool_pb2_grpc.PoolServiceStub(channel).Reduce(timeout=20)
-            await call.write(_reduce_header(lavish.fingerprint(), 2 * GiB))
+            await call.write(_reduce_header(fingerprint(lavish), 2 * GiB))
             grown, ended = await _peak_rss_growth(call, 5.0)
         assert isinstance(ended, grpc.aio.AioRpcError), f"not refused; RSS grew {grown >> 20} MiB"
         assert ended.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ended
@@ -176,7 +177,7 @@ async def test_a_jobs_one_byte_chunks_are_raised_to_the_peers_floor(lavish: JobC
     try:
         x = codec.encode(torch.randn(1, 16, 32, dtype=torch.float64), "inputs")  # 4 KiB out
         request = pb.StageForwardRequest(
-            job=lavish.fingerprint(), stage=1, microbatch=pb.MicrobatchId(step=0, index=0),
+            job=fingerprint(lavish), stage=1, microbatch=pb.MicrobatchId(step=0, index=0),
             tensors=[x],
         )  # fmt: skip
         async with grpc.aio.insecure_channel(running.address) as channel:
@@ -207,7 +208,7 @@ async def test_download_state_streams_from_the_snapshot_without_encoding_it_whol
     try:
         size = sum(t.nbytes for t in running.runtime.export_state().values())
         assert size >= 32 * MiB
-        request = pb.StageDownloadStateRequest(job=job.fingerprint(), stage=0)
+        request = pb.StageDownloadStateRequest(job=fingerprint(job), stage=0)
         # No BDP probing: the client's window stays small, so what this process holds for the
         # unread stream is the server's (the client shares the process).
         options = [("grpc.http2.bdp_probe", 0)]
@@ -243,7 +244,7 @@ async def test_bodies_past_the_receive_budget_are_refused_not_queued(job: JobCon
     running = await start_stage_server(job, StageServerOptions(stage=1, limits=limits))
     x = codec.encode(torch.randn(4, 16, 32, dtype=torch.float64), "inputs")
     forward = pb.StageForwardRequest(
-        job=job.fingerprint(), stage=1, microbatch=pb.MicrobatchId(step=0, index=0), tensors=[x]
+        job=fingerprint(job), stage=1, microbatch=pb.MicrobatchId(step=0, index=0), tensors=[x]
     )
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
@@ -251,12 +252,12 @@ async def test_bodies_past_the_receive_budget_are_refused_not_queued(job: JobCon
             stage = stage_pb2_grpc.StageServiceStub(channel)
             holding = pool.Reduce(timeout=20)
             # (Each tensor is charged TENSOR_OVERHEAD_BYTES beyond its payload.)
-            await holding.write(_reduce_header(job.fingerprint(), MiB - TENSOR_OVERHEAD_BYTES))
+            await holding.write(_reduce_header(fingerprint(job), MiB - TENSOR_OVERHEAD_BYTES))
             while running.servicer.budget.in_use < MiB:  # until the server holds it
                 await asyncio.sleep(0.01)
             # Past the budget: the pool's call is refused, the data plane's is Busy.
             other = pool.Reduce(timeout=20)
-            await other.write(_reduce_header(job.fingerprint(), 4096, round="r2"))
+            await other.write(_reduce_header(fingerprint(job), 4096, round="r2"))
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await other.read()
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -427,7 +428,7 @@ async def test_a_jobs_activation_cache_is_clamped_on_a_live_replica(tmp_path: Pa
             stub = stage_pb2_grpc.StageServiceStub(channel)
             for index in range(12):
                 request = pb.StageForwardRequest(
-                    job=job.fingerprint(), stage=1, microbatch=pb.MicrobatchId(step=0, index=index),
+                    job=fingerprint(job), stage=1, microbatch=pb.MicrobatchId(step=0, index=index),
                     tensors=[x],
                 )  # fmt: skip
                 (reply,) = await _call(stub.Forward, request)
@@ -447,7 +448,7 @@ async def test_the_servers_grpc_messages_stay_within_the_peers_ceiling(tmp_path:
     try:
         big = codec.encode(torch.randn(3 * MiB // 8, dtype=torch.float64), "inputs")
         request = pb.StageForwardRequest(
-            job=job.fingerprint(), stage=1, microbatch=pb.MicrobatchId(step=0, index=0),
+            job=fingerprint(job), stage=1, microbatch=pb.MicrobatchId(step=0, index=0),
             tensors=[big],
         )  # fmt: skip
         options = [("grpc.max_send_message_length", 64 * MiB)]
@@ -479,7 +480,7 @@ async def test_a_body_that_never_comes_gives_its_reservation_back(
         async with grpc.aio.insecure_channel(running.address) as channel:
             if method == "Reduce":
                 call = pool_pb2_grpc.PoolServiceStub(channel).Reduce()  # no deadline
-                await call.write(_reduce_header(job.fingerprint(), MiB))
+                await call.write(_reduce_header(fingerprint(job), MiB))
                 setting = "averaging_timeout_s"
             else:
                 inputs = tensor_pb2.Tensor(
@@ -488,7 +489,7 @@ async def test_a_body_that_never_comes_gives_its_reservation_back(
                 call = stage_pb2_grpc.StageServiceStub(channel).Forward()
                 await call.write(
                     pb.StageForwardRequest(
-                        job=job.fingerprint(),
+                        job=fingerprint(job),
                         stage=1,
                         microbatch=pb.MicrobatchId(step=0, index=0),
                         tensors=[inputs],

@@ -14,6 +14,7 @@ from scheduler.coordinator import LocalCoordinator, gather_model, gather_state
 from stage_server.runtime import StageRuntime
 from stage_server.server import RunningStageServer
 from swarm.errors import FailedPrecondition
+from swarm.job.fingerprint import fingerprint
 from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import Replica, Task
 from tests.support.equality import assert_equal_to_local
@@ -50,7 +51,7 @@ async def test_two_replicas_per_stage_and_two_trainers_equal_local(
         swarm.assert_replicas_identical()  # bitwise, after every step
         checked.append(record.step)
 
-    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_step=after_step)
     await _train(swarm, coordinator, trainers=2)
     assert checked == [0, 1, 2, 3]
     # both replicas of every stage did work (the wiring spreads it)
@@ -80,7 +81,7 @@ async def test_replica_joining_mid_job_ends_identical(
         if record.step == 1:  # a new replica of stage 2 appears during step 2
             joined.append(await swarm.add(2))
 
-    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_step=after_step)
     # Steps 5 to 7 wait for it to be a member (a bounded wait): it has steps to work in.
     lease_after_joined(coordinator, joined, 5)
     await _train(swarm, coordinator, trainers=1)
@@ -111,7 +112,7 @@ async def test_racing_trainers_never_count_a_microbatch_twice(
     for stage in range(2):
         for _ in range(2):
             await swarm.add(stage)
-    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members)
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members)
     await _train(swarm, coordinator, trainers=2)
     swarm.assert_replicas_identical()
     assert_equal_to_local(job, await gather_state(coordinator))
@@ -127,7 +128,7 @@ async def test_the_model_is_taken_at_one_step(tmp_path: Path, make_swarm: list[S
     for stage in range(4):
         for _ in range(2 if stage == 1 else 1):
             await swarm.add(stage)
-    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members)
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members)
     await _train(swarm, coordinator, trainers=1)
     initial = StageRuntime(job, 1, "cpu").export_state()
     behind, ahead = coordinator.replicas()[1]

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.errors import ActivationsNotCached, InvalidArgument
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.rpc.stage_client import StageClient, as_tensor
@@ -74,7 +75,7 @@ def _forward(
     reply_codec: int = 0,
 ) -> pb.StageForwardRequest:
     return pb.StageForwardRequest(
-        job=job.fingerprint() if job_id is None else job_id,
+        job=fingerprint(job) if job_id is None else job_id,
         stage=stage,
         microbatch=pb.MicrobatchId(step=step, index=0),
         tensors=list(tensors),
@@ -173,7 +174,7 @@ async def test_good_forward_then_bad_requests_then_still_serving(
         ),
         (
             stub.Backward,
-            [pb.StageBackwardRequest(job=job.fingerprint(), stage=1, tensors=[good])],
+            [pb.StageBackwardRequest(job=fingerprint(job), stage=1, tensors=[good])],
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         (stub.Forward, [], grpc.StatusCode.INVALID_ARGUMENT),
@@ -184,7 +185,7 @@ async def test_good_forward_then_bad_requests_then_still_serving(
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Commit(
             pb.StageCommitRequest(
-                job=job.fingerprint(), stage=1, step=0, microbatches=[0], total_samples=4
+                job=fingerprint(job), stage=1, step=0, microbatches=[0], total_samples=4
             ),
             timeout=10,
         )
@@ -207,7 +208,7 @@ async def test_chunked_activations_pass_and_health_says_serving(
     job: JobConfig, server: RunningStageServer
 ) -> None:
     # 4 x 16 x 32 float64 is 128 KiB: above chunk_bytes (64 KiB), so it streams in chunks.
-    client = StageClient(server.address, job, job.fingerprint(), 1)
+    client = StageClient(server.address, job, fingerprint(job), 1)
     try:
         x = _hidden()
         out = as_tensor(await client.forward(0, 0, x))
@@ -231,7 +232,7 @@ async def test_chunked_activations_pass_and_health_says_serving(
 async def test_prepare_answers_its_norm_and_the_clipping_coefficient_reaches_its_followers(
     job: JobConfig, server: RunningStageServer
 ) -> None:
-    client = StageClient(server.address, job, job.fingerprint(), 1)
+    client = StageClient(server.address, job, fingerprint(job), 1)
     try:
         out = as_tensor(await client.forward(0, 0, _hidden()))
         await client.backward(0, 0, None, torch.ones_like(out))
@@ -254,7 +255,7 @@ async def test_prepare_answers_its_norm_and_the_clipping_coefficient_reaches_its
 async def test_backward_without_inputs_needs_the_cached_forward(
     job: JobConfig, server: RunningStageServer
 ) -> None:
-    client = StageClient(server.address, job, job.fingerprint(), 1)
+    client = StageClient(server.address, job, fingerprint(job), 1)
     try:
         x = _hidden()
         with pytest.raises(ActivationsNotCached) as info:  # no forward here: nothing cached
@@ -284,7 +285,7 @@ async def test_a_batch_above_microbatch_size_is_refused_before_the_compute(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "microbatch_size" in (info.value.details() or "")
     backward = pb.StageBackwardRequest(
-        job=job.fingerprint(),
+        job=fingerprint(job),
         stage=1,
         tensors=[big, codec.encode(_hidden(batch=5), "grad_outputs")],
     )
@@ -326,7 +327,7 @@ def _load(job: JobConfig, tensors: dict[str, torch.Tensor], step: int = 0) -> li
         for k, v in tensors.items()
         for part in wire.split(
             pb.StageLoadStateRequest(
-                job=job.fingerprint(), stage=1, step=step, tensors=[codec.encode(v, k)]
+                job=fingerprint(job), stage=1, step=step, tensors=[codec.encode(v, k)]
             ),
             job.runtime.chunk_bytes,
         )
@@ -378,7 +379,7 @@ async def test_each_direction_travels_with_its_own_codec(
         training={"stages": 3},
         compression={"wire": "none", "forward": "hadamard3", "backward": "fp16"},
     )
-    client = StageClient(server.address, directed, job.fingerprint(), 1)
+    client = StageClient(server.address, directed, fingerprint(job), 1)
     try:
         x = _hidden()
         out = await client.forward(0, 0, x)
@@ -406,7 +407,7 @@ async def test_a_data_plane_call_leaves_no_chunk_of_its_request_held(
         runtime={"chunk_bytes": chunk},
     )
     running = await start_stage_server(job, StageServerOptions(stage=1))
-    client = StageClient(running.address, job, job.fingerprint(), 1)
+    client = StageClient(running.address, job, fingerprint(job), 1)
     x = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=torch.float64)
     try:
         await client.forward(0, 0, x)  # warm

@@ -11,6 +11,7 @@ import pytest
 
 from client.sdk import SchedulerClient
 from swarm.job.config import load_job
+from swarm.job.fingerprint import fingerprint
 from swarm.local.procs import SwarmProcess, start_process, stop_all
 from swarm.rpc.stage_client import StageClient
 from tests.support.jobs import write_job
@@ -24,7 +25,7 @@ def _server(tmp_path: Path, *flags: str) -> SwarmProcess:
 
 async def _info_at(address: str, tmp_path: Path) -> int:
     job = load_job(write_job(tmp_path))
-    client = StageClient(address, job, job.fingerprint(), 1)
+    client = StageClient(address, job, fingerprint(job), 1)
     try:
         return (await client.info()).stage
     finally:

@@ -15,6 +15,7 @@ import torch
 from client.sdk import SchedulerClient
 from swarm.errors import PeerUnavailable, RemoteError
 from swarm.job.config import load_job
+from swarm.job.fingerprint import fingerprint
 from swarm.local.procs import (
     SwarmProcess,
     start_local_swarm,
@@ -57,7 +58,7 @@ def _server(
 
 
 async def _info(job: Path, address: str, token: str | None) -> int:
-    client = StageClient(address, load_job(job), load_job(job).fingerprint(), 0, token)
+    client = StageClient(address, load_job(job), fingerprint(load_job(job)), 0, token)
     try:
         return (await client.info()).stage
     finally:

@@ -27,6 +27,7 @@ from stage_server.server import (
 )
 from swarm.errors import Aborted, SwarmError
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Task
@@ -63,7 +64,7 @@ async def test_two_replicas_that_cannot_reach_each_other_keep_one_and_the_step_c
     tmp_path: Path, made: list[Harness]
 ) -> None:
     job = job_of(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     a.cannot_reach(b)
     b.cannot_reach(a)  # every round of both aborts, each naming the other
@@ -91,7 +92,7 @@ async def test_the_replica_the_others_cannot_reach_is_left_out(
     tmp_path: Path, made: list[Harness]
 ) -> None:
     job = job_of(tmp_path, target_batch_size=12)  # three microbatches
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, x = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(0, "x")
     swarm.add(1, "c")
     x.cannot_reach(a, b)
@@ -119,7 +120,7 @@ async def test_rounds_that_keep_failing_without_a_culprit_fail_the_job_after_the
         training={"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": 3},
         runtime={"max_commit_rounds": 3},
     )
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     b.fail("prepare", *(Aborted("a member did not send its part") for _ in range(50)))
     h = _harness(made, job, swarm)
@@ -154,7 +155,7 @@ async def test_a_prepare_that_cannot_reach_its_pool_names_the_member_in_its_abor
     small_job: JobConfig,
 ) -> None:
     running = await start_stage_server(small_job, StageServerOptions(stage=0))
-    client = StageClient(running.address, small_job, small_job.fingerprint(), 0)
+    client = StageClient(running.address, small_job, fingerprint(small_job), 0)
     try:
         with pytest.raises(Aborted) as info:
             await client.commit(
@@ -222,7 +223,7 @@ async def _installed(job: JobConfig, how: str) -> tuple[RunningStageServer, str]
     """A stage server serving stage 0 of `job`: given on the command line, or built with the
     defaults and then assigned the stage (as `stage_server.agent` does under a scheduler)."""
     if how == "command line":
-        return await start_stage_server(job, StageServerOptions(stage=0)), job.fingerprint()
+        return await start_stage_server(job, StageServerOptions(stage=0)), fingerprint(job)
     running = await start_grpc(StageServerOptions(stage=0), 64 << 20)
     running.servicer.serve(StageRuntime(job, 0, torch.device("cpu")), "job-x")
     return running, "job-x"

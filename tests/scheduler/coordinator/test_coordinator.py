@@ -14,6 +14,7 @@ import torch
 
 from swarm.errors import Aborted, PeerUnavailable
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.model import checkpoint
 from swarm.model.stage_state import initial_state
 from swarm.ops.progress import StepRecord
@@ -42,7 +43,7 @@ async def test_commit_prepares_every_replica_then_applies_and_opens_the_next_ste
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     job = job_of(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
     assert await h.coordinator.start() == 0
@@ -72,7 +73,7 @@ async def test_receipts_beyond_the_ledger_void_the_replica_before_prepare(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     job = job_of(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
     await h.coordinator.start()
@@ -103,7 +104,7 @@ async def test_a_clean_step_goes_straight_to_prepare_which_refuses_an_unknown_re
     ledger does not know of all the same is refused by PREPARE's own check: that replica is
     voided, its microbatches replayed, and the step commits with exactly the ledger's."""
     job = job_of(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
     await h.coordinator.start()  # (which asks every replica where it stands)
@@ -130,7 +131,7 @@ async def test_a_replica_gone_during_prepare_is_dropped_and_the_step_commits_aft
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     job = job_of(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     a.fail("prepare", PeerUnavailable("UNAVAILABLE: connection refused"))
     h = _harness(harnesses, job, swarm)
@@ -152,7 +153,7 @@ async def test_an_aborted_round_is_retried_under_a_new_round_id(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     job = job_of(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     b.fail("prepare", Aborted("round 0/0: a member did not send its part"))
     h = _harness(harnesses, job, swarm)
@@ -170,7 +171,7 @@ async def test_a_joiner_copies_a_member_at_the_boundary_and_one_that_fails_backs
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     job = job_of(tmp_path, steps=5)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
     await h.coordinator.start()
@@ -203,7 +204,7 @@ async def test_a_lost_stage_rolls_every_stage_back_to_the_last_checkpoint(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     job = job_of(tmp_path, steps=5, checkpoint_every=2)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm, checkpoint_dir=tmp_path / "checkpoints")
     await h.coordinator.start()
@@ -228,7 +229,7 @@ async def test_without_a_checkpoint_a_rollback_goes_to_step_0s_initial_state(
     tmp_path: Path, harnesses: list[Harness], caplog: pytest.LogCaptureFixture
 ) -> None:
     job = job_of(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, _ = swarm.add(0, "a"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
     await h.coordinator.start()
@@ -252,7 +253,7 @@ async def _a_straggler_and_b(
     """p and q at stage 0, c at stage 1. Trainer A leases microbatch 0 and is slow: its lease
     expires and B leases both microbatches (returned)."""
     job = job_of(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     p, q, c = swarm.add(0, "p"), swarm.add(0, "q"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
     await h.coordinator.start()
@@ -312,7 +313,7 @@ async def test_a_missed_deadline_on_a_one_replica_stage_readmits_the_replica_wit
     tmp_path: Path, harnesses: list[Harness], method: str
 ) -> None:
     job = job_of(tmp_path, steps=5)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
     await h.coordinator.start()
@@ -342,7 +343,7 @@ async def test_a_release_while_apply_is_in_flight_does_not_drop_replicas_that_ap
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     job = job_of(tmp_path, steps=5)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm)
     await h.coordinator.start()
@@ -368,7 +369,7 @@ async def test_a_join_and_a_checkpoint_in_flight_hold_up_no_step(
     long as they take: the next steps train meanwhile, and the joiner becomes a member once it is
     a copy at the open step."""
     job = job_of(tmp_path, steps=6, checkpoint_every=1)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm, checkpoint_dir=tmp_path / "checkpoints")
     await h.coordinator.start()
@@ -401,14 +402,14 @@ async def test_every_replica_restarted_fresh_resumes_from_the_last_sealed_checkp
 ) -> None:
     job = job_of(tmp_path, steps=6, checkpoint_every=2)
     checkpoints = tmp_path / "checkpoints"
-    first = FakeSwarm(job.fingerprint(), 2)
+    first = FakeSwarm(fingerprint(job), 2)
     first.add(0, "a"), first.add(1, "c")
     h = _harness(harnesses, job, first, checkpoint_dir=checkpoints)
     await h.coordinator.start()
     for _ in range(3):
         await h.step()
     await h.coordinator.close()  # the scheduler stops; every replica restarts empty
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
     again = _harness(harnesses, job, swarm, checkpoint_dir=checkpoints)
     assert await again.coordinator.start() == 2  # not step 0: the checkpoint of step 2
@@ -426,7 +427,7 @@ async def test_startup_reconcile_leaves_out_an_unreachable_replica_and_it_rejoin
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     job = job_of(tmp_path, steps=6)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a", step=3), swarm.add(1, "c", step=3)
     b = swarm.add(0, "b", step=3)
     b.fail("info", PeerUnavailable("DEADLINE_EXCEEDED: deadline exceeded"))
@@ -447,7 +448,7 @@ async def test_a_checkpoint_on_a_full_disk_is_skipped_and_training_goes_on(
 ) -> None:
     job = job_of(tmp_path, steps=4, checkpoint_every=1)
     with tiny_disk(tmp_path / "disk") as disk:
-        swarm = FakeSwarm(job.fingerprint(), 2)
+        swarm = FakeSwarm(fingerprint(job), 2)
         swarm.add(0, "a"), swarm.add(1, "c")
         h = _harness(harnesses, job, swarm, checkpoint_dir=disk / "checkpoints")
         await h.coordinator.start()
@@ -472,7 +473,7 @@ async def test_only_the_newest_sealed_checkpoints_are_kept(
     """Issue 27, item 17: every sealed checkpoint stayed, so a long job filled the disk."""
     job = job_of(tmp_path, steps=6, checkpoint_every=1)
     checkpoints = tmp_path / "checkpoints"
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
     h = _harness(harnesses, job, swarm, checkpoint_dir=checkpoints)
     await h.coordinator.start()
@@ -481,10 +482,10 @@ async def test_only_the_newest_sealed_checkpoints_are_kept(
     assert checkpoint.sealed(checkpoints) == [4, 5, 6]  # training.keep_checkpoints = 3
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-0000000{s}" for s in (4, 5, 6)]
     fewer = job_of(tmp_path, steps=6, checkpoint_every=1, keep_checkpoints=1)
-    swarm = FakeSwarm(fewer.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(fewer), 2)
     swarm.add(0, "a", step=6), swarm.add(1, "c", step=6)
     h = _harness(harnesses, fewer, swarm, checkpoint_dir=checkpoints)
-    assert fewer.fingerprint() == job.fingerprint()  # how many are kept changes no parameter
+    assert fingerprint(fewer) == fingerprint(job)  # how many are kept changes no parameter
     await h.coordinator.start()
     await h.coordinator.recovery.save(6, h.coordinator.replicas())
     assert checkpoint.sealed(checkpoints) == [6]
@@ -496,7 +497,7 @@ async def test_trainers_heard_from_share_a_step_and_one_gone_stops_counting(
     # A trainer that asks first (the scheduler's embedded one, in-process) must not take the
     # whole step while another waits; a trainer silent for a lease timeout stops counting.
     job = job_of(tmp_path, target_batch_size=16)  # 4 microbatches a step
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a")
     swarm.add(1, "b")
     h = _harness(harnesses, job, swarm)
@@ -517,7 +518,7 @@ async def test_every_apply_carries_one_coefficient_from_the_whole_models_norm(
     tmp_path: Path, harnesses: list[Harness], grad_clip: float, scale: float
 ) -> None:
     job = job_of(tmp_path, grad_clip=grad_clip)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     a.sq_norm = b.sq_norm = 9.0  # a pool averages to the same sums: one norm per stage
     c.sq_norm = 16.0  # the whole model's norm: sqrt(9 + 16) = 5
@@ -532,7 +533,7 @@ async def test_a_half_applied_clipped_step_is_finished_with_the_coefficient_it_w
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     job = job_of(tmp_path, steps=5, grad_clip=1.0)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
     first = _harness(harnesses, job, swarm)
     await first.coordinator.start()
@@ -556,7 +557,7 @@ async def test_a_half_applied_clipped_step_whose_coefficient_is_unknown_is_copie
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     job = job_of(tmp_path, steps=5, grad_clip=1.0)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a = swarm.add(0, "a")
     swarm.add(0, "b", step=1), swarm.add(1, "c", step=1)
     a.step, a.prepared = 0, Prepared(0, [], 8, ["fake:a"], 0, "0/0")  # applied by no one here
@@ -575,7 +576,7 @@ async def test_a_long_poll_never_cancels_the_commit_it_waited_on(
     ends, the commit must not be cancelled with the waiter's other futures: its `on_step` would
     never finish (the scheduler's step announcements and metrics stayed at step 0)."""
     job = job_of(tmp_path, steps=3)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
     release, finished = asyncio.Event(), list[int]()
 

@@ -23,6 +23,7 @@ from scheduler.store import JobStore
 from swarm.clock import FakeClock
 from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.rpc.lease import Lease, MicrobatchResult, Task, Working
 from tests.support.api import start_api
 from tests.support.jobs import BASE, make_job, render
@@ -95,7 +96,7 @@ async def test_a_lease_renews_the_trainers_work_in_flight(
     tmp_path: Path, made: list[LocalCoordinator]
 ) -> None:
     job, clock = _job(tmp_path), FakeClock()
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
     c = _coordinator(made, job, swarm, clock)
     await c.start()
@@ -142,7 +143,7 @@ async def test_an_idle_trainer_asks_a_handful_of_times_not_every_20ms(
     tmp_path: Path, made: list[LocalCoordinator]
 ) -> None:
     job, clock = _job(tmp_path), FakeClock()
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, _ = swarm.add(0, "a"), swarm.add(1, "c")
     gate = a.hold("prepare")  # the step's commit is in flight, held here: no work for anyone
     c = _coordinator(made, job, swarm, clock)
@@ -166,7 +167,7 @@ async def test_a_waiting_lease_answers_as_soon_as_work_appears(
     tmp_path: Path, made: list[LocalCoordinator]
 ) -> None:
     job, clock = _job(tmp_path), FakeClock()
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, _ = swarm.add(0, "a"), swarm.add(1, "c")
     gate = a.hold("prepare")
     c = _coordinator(made, job, swarm, clock)
@@ -200,7 +201,7 @@ async def test_a_trainer_asking_again_and_again_leaves_a_waiting_trainer_its_sha
     training = {"stages": 2, "microbatch_size": 4, "target_batch_size": 16, "steps": 3}
     job = make_job(tmp_path, training=training, runtime={"lease_timeout_s": LEASE_S})
     clock = FakeClock()
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
     c = _coordinator(made, job, swarm, clock)
     await c.start()
@@ -218,7 +219,7 @@ async def test_a_late_receipt_for_a_microbatch_still_needed_is_adopted(
     tmp_path: Path, made: list[LocalCoordinator]
 ) -> None:
     job, clock = _job(tmp_path), FakeClock()
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c_ = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     c = _coordinator(made, job, swarm, clock)
     await c.start()
@@ -242,7 +243,7 @@ async def test_a_released_microbatchs_late_receipts_are_adopted_and_the_rest_rep
     tmp_path: Path, made: list[LocalCoordinator]
 ) -> None:
     job, clock = _job(tmp_path), FakeClock()
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c_ = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     c = _coordinator(made, job, swarm, clock)
     await c.start()

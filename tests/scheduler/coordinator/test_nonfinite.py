@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from scheduler.coordinator.commit import NonFiniteStep
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from swarm.errors import NonFiniteGradient, SwarmError
+from swarm.job.fingerprint import fingerprint
 from swarm.model import checkpoint
 from tests.support.coordinator import Harness, job_of, until
 from tests.support.replicas import FakeSwarm
@@ -49,7 +50,7 @@ async def test_a_non_finite_norm_applies_nothing_and_fails_the_job(
     grad_clip: float,
 ) -> None:
     job = job_of(tmp_path, grad_clip=grad_clip, checkpoint_every=1)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(swarm.job_id, families=CoordinatorFamilies(registry))
@@ -90,7 +91,7 @@ async def test_a_replica_that_refuses_to_apply_a_non_finite_gradient_fails_the_j
     """Every norm PREPARE answered was finite, yet a replica refuses its APPLY (its prepared sums
     are not): the coordinator fails the job rather than go on without that stage's update."""
     job = job_of(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)
+    swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
     swarm["c"].fail("apply", NonFiniteGradient("stage 1 step 0: the prepared gradient is NaN"))
     registry = CollectorRegistry()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from swarm.errors import PeerUnavailable
+from swarm.job.fingerprint import fingerprint
 from swarm.model.routes import Join, Record, StepRuns, Sync
 from tests.support.coordinator import LEASE_S, Harness, until
 from tests.support.jobs import make_job
@@ -37,7 +38,7 @@ def _local(tmp_path: Path, steps: int = 4, overlap: str = "none") -> object:
 
 def _pools(job: object, made: list[Harness]) -> tuple[FakeSwarm, Harness, list[Record], list[str]]:
     """Stage 0 of a and b, stage 1 of c; the harness records the routes and what it says."""
-    swarm = FakeSwarm(job.fingerprint(), 2)  # type: ignore[attr-defined]
+    swarm = FakeSwarm(fingerprint(job), 2)  # type: ignore[arg-type]
     swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     records: list[Record] = []
     said: list[str] = []
@@ -84,7 +85,7 @@ async def test_local_steps_commit_alone_and_rounds_average_the_pool(
 
 async def test_a_copy_joins_only_where_a_round_starts(tmp_path: Path, made: list[Harness]) -> None:
     job = _local(tmp_path, steps=6)
-    swarm = FakeSwarm(job.fingerprint(), 2)  # type: ignore[attr-defined]
+    swarm = FakeSwarm(fingerprint(job), 2)  # type: ignore[arg-type]
     swarm.add(0, "a"), swarm.add(1, "c")
     records: list[Record] = []
     h = Harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
@@ -111,7 +112,7 @@ async def test_eager_rounds_sum_while_the_next_round_trains(
     commit; the round's end after them waits for that sum; the job's last round is waited for
     (EAGER_LAST's two phases) and ends with the members' mean (EAGER_MEAN)."""
     job = _local(tmp_path, steps=6, overlap="eager")
-    swarm = FakeSwarm(job.fingerprint(), 2)  # type: ignore[attr-defined]
+    swarm = FakeSwarm(fingerprint(job), 2)  # type: ignore[arg-type]
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     records: list[Record] = []
     h = Harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
@@ -190,7 +191,7 @@ async def test_eager_a_coordinator_resuming_mid_job_sums_the_last_round_again(
     members would wait for it forever at the next round's end. The new coordinator sums it
     again before that round's end."""
     job = _local(tmp_path, steps=8, overlap="eager")
-    swarm = FakeSwarm(job.fingerprint(), 2)  # type: ignore[attr-defined]
+    swarm = FakeSwarm(fingerprint(job), 2)  # type: ignore[arg-type]
     a, b, c = swarm.add(0, "a", step=5), swarm.add(0, "b", step=5), swarm.add(1, "c", step=5)
     h = Harness(job, swarm)
     made.append(h)
@@ -226,7 +227,7 @@ def _resuming(
     """a and b of stage 0, c of stage 1, all at `step` with round [0, 1] unsynced and these
     samples in it, for a coordinator that starts there (its predecessor died)."""
     job = _local(tmp_path)
-    swarm = FakeSwarm(job.fingerprint(), 2)  # type: ignore[attr-defined]
+    swarm = FakeSwarm(fingerprint(job), 2)  # type: ignore[arg-type]
     for stage, peer in ((0, "a"), (0, "b"), (1, "c")):
         replica = swarm.add(stage, peer, step=step)
         replica.round_synced, replica.round_samples = 0, samples[peer]

@@ -19,6 +19,7 @@ from stage_server.averaging.error_feedback import ErrorFeedback, Residuals
 from stage_server.averaging.owner import split_parts
 from stage_server.server import RunningStageServer
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.ops.progress import StepRecord
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE
 from tests.stage_server.averaging.test_butterfly import assert_identical
@@ -200,7 +201,7 @@ async def test_pools_with_feedback_stay_identical_and_carry_each_applied_step(
 
 async def _train(job: JobConfig, swarm: Swarm, after_step: Callable[[StepRecord], None]) -> None:
     """The job on `swarm`'s replicas, a trainer and a coordinator in this process, to its end."""
-    coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_step=after_step)
     trainer = PipelineTrainer(job, coordinator)
     try:
         await coordinator.start()

@@ -20,6 +20,7 @@ from swarm.job.config import (
     load_job,
     parse_job,
 )
+from swarm.job.fingerprint import fingerprint
 from swarm.job.pinning import pin_data
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -97,7 +98,7 @@ def test_examples_parse() -> None:
     assert synthetic.data.kind == "synthetic" and synthetic.data.path is None
     same = ("model", "training", "optimizer", "compression", "runtime")
     assert all(getattr(tiny, s) == getattr(synthetic, s) for s in same)
-    assert tiny.fingerprint() != synthetic.fingerprint()
+    assert fingerprint(tiny) != fingerprint(synthetic)
 
 
 def test_corpus_size_and_encoding() -> None:
@@ -266,11 +267,10 @@ def test_data_path_resolves_against_job_file(
 
 def test_fingerprint(tmp_path: Path) -> None:
     base = job(tmp_path)
-    assert len(base.fingerprint()) == 16
-    assert job(tmp_path).fingerprint() == base.fingerprint()
-    assert (
-        load_job(EXAMPLES / "tiny.toml").fingerprint()
-        == load_job(EXAMPLES / "tiny.toml").fingerprint()
+    assert len(fingerprint(base)) == 16
+    assert fingerprint(job(tmp_path)) == fingerprint(base)
+    assert fingerprint(load_job(EXAMPLES / "tiny.toml")) == fingerprint(
+        load_job(EXAMPLES / "tiny.toml")
     )
 
     maths: list[Sections] = [
@@ -284,8 +284,8 @@ def test_fingerprint(tmp_path: Path) -> None:
         {"data": {"kind": '"synthetic"', "path": None}},
     ]
     for overrides in maths:
-        assert job(tmp_path, overrides).fingerprint() != base.fingerprint(), overrides
-    assert job(tmp_path, data=TEXT + b"!").fingerprint() != base.fingerprint()
+        assert fingerprint(job(tmp_path, overrides)) != fingerprint(base), overrides
+    assert fingerprint(job(tmp_path, data=TEXT + b"!")) != fingerprint(base)
 
     same: list[Sections] = [
         {"runtime": {"max_in_flight": "2", "rpc_timeout_s": "5"}},
@@ -295,10 +295,10 @@ def test_fingerprint(tmp_path: Path) -> None:
         {"": {"name": '"other"'}},
     ]
     for overrides in same:
-        assert job(tmp_path, overrides).fingerprint() == base.fingerprint(), overrides
+        assert fingerprint(job(tmp_path, overrides)) == fingerprint(base), overrides
     # The data file is fingerprinted by its content at load time, not by where it lies.
     (tmp_path / "moved").mkdir()
-    assert job(tmp_path / "moved").fingerprint() == base.fingerprint()
+    assert fingerprint(job(tmp_path / "moved")) == fingerprint(base)
 
 
 def test_data_sha256_is_recorded_and_pins_the_file(tmp_path: Path) -> None:
@@ -308,11 +308,11 @@ def test_data_sha256_is_recorded_and_pins_the_file(tmp_path: Path) -> None:
     assert job(tmp_path, {"data": {"sha256": f'"{digest}"'}}) == loaded
     # Built in code without a digest: the fingerprint reads the file instead.
     in_code = dataclasses.replace(loaded, data=dataclasses.replace(loaded.data, sha256=None))
-    assert in_code.fingerprint() == loaded.fingerprint()
+    assert fingerprint(in_code) == fingerprint(loaded)
     (tmp_path / "corpus.txt").unlink()
-    assert loaded.fingerprint()  # recorded at load: the file is no longer needed
+    assert fingerprint(loaded)  # recorded at load: the file is no longer needed
     with pytest.raises(ConfigError, match="cannot be read"):
-        in_code.fingerprint()
+        fingerprint(in_code)
 
 
 @pytest.mark.parametrize(

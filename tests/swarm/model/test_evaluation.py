@@ -18,6 +18,7 @@ import pytest
 from scheduler.store import JobStore
 from swarm.errors import ConfigError, InvalidArgument
 from swarm.job.config import load_job
+from swarm.job.fingerprint import fingerprint
 from swarm.model.data import VAL_STEP, make_data, make_val_data
 from swarm.model.reference import train_local
 from swarm.ops.progress import StepLog, StepRecord
@@ -53,8 +54,8 @@ def test_val_fraction_holds_the_tail_of_the_file_out_of_training(tmp_path: Path)
         assert (inputs % 2 == 1).all() and (targets % 2 == 1).all()
     # The split changes what is trained on, so it names another job; no split keeps the old.
     whole = load_job(_job(tmp_path, "whole", path="data.bin"))
-    assert job.fingerprint() != whole.fingerprint()
-    assert whole.fingerprint() == load_job(_job(tmp_path, "again", path="data.bin")).fingerprint()
+    assert fingerprint(job) != fingerprint(whole)
+    assert fingerprint(whole) == fingerprint(load_job(_job(tmp_path, "again", path="data.bin")))
 
 
 def test_without_a_split_validation_windows_are_drawn_apart_from_training(tmp_path: Path) -> None:
@@ -74,7 +75,7 @@ def test_a_validation_file_is_pinned_like_the_data(tmp_path: Path) -> None:
     assert job.data.val_sha256 is not None and job.data.val_path == val_file
     assert (make_val_data(job).microbatch(VAL_STEP, 2)[0] == 63).all()
     # Not trained on: the fingerprint is the data's, with or without a validation file.
-    assert job.fingerprint() == load_job(_job(tmp_path, "plain", path="data.bin")).fingerprint()
+    assert fingerprint(job) == fingerprint(load_job(_job(tmp_path, "plain", path="data.bin")))
     pinned = path.read_text().replace("[data]", f'[data]\nval_sha256 = "{job.data.val_sha256}"')
     path.write_text(pinned)
     val_file.write_bytes(val_file.read_bytes()[:-2] + b"\x00\x00")

@@ -13,6 +13,7 @@ import torch
 
 from swarm.errors import ConfigError
 from swarm.job.config import load_job
+from swarm.job.fingerprint import fingerprint
 from swarm.model.hf import write_hf
 from swarm.model.transformer import build_model, build_stage
 from tests.support.equality import local_state
@@ -53,7 +54,7 @@ def test_a_job_starts_from_the_checkpoint_and_each_stage_reads_its_own_layers(
     moved.mkdir()
     shutil.copytree(tmp_path / "pretrained", moved / "pretrained")
     shutil.copy(tmp_path / "finetune.toml", moved / "finetune.toml")
-    assert load_job(moved / "finetune.toml").fingerprint() == job.fingerprint()  # contents count
+    assert fingerprint(load_job(moved / "finetune.toml")) == fingerprint(job)  # contents count
 
 
 def test_a_changed_or_foreign_checkpoint_is_refused(tmp_path: Path) -> None:
@@ -65,7 +66,7 @@ def test_a_changed_or_foreign_checkpoint_is_refused(tmp_path: Path) -> None:
         f'init_from = "pretrained"\ninit_sha256 = "{job.model.init_sha256}"',
     )
     (tmp_path / "pinned.toml").write_text(pinned)
-    assert load_job(tmp_path / "pinned.toml").fingerprint() == job.fingerprint()
+    assert fingerprint(load_job(tmp_path / "pinned.toml")) == fingerprint(job)
     weights = checkpoint / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b" ")  # its last byte changed
     with pytest.raises(ConfigError, match="the checkpoint changed since the job was pinned"):

@@ -14,6 +14,7 @@ import torch
 from swarm.cli import main
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.model.data import make_val_data
 from swarm.model.local_steps import synthetic_routes, train_replicas
 from swarm.model.outer_rules import eager_gradients
@@ -257,7 +258,7 @@ def test_delayed_eager_with_two_replicas_trains_apart_from_both_other_rules(
     assert all(torch.isfinite(v).all() for v in state.values()) and losses[-1] < losses[0]
     assert _max_diff(state, _state(train_local(naive))) > 1e-6
     assert _max_diff(state, _state(train_local(sync))) > 1e-6
-    assert eager.fingerprint() != naive.fingerprint()  # another rule: another job
+    assert fingerprint(eager) != fingerprint(naive)  # another rule: another job
 
 
 def test_delayed_eager_runs_on_the_swarm_but_not_with_clipping_or_evaluations(

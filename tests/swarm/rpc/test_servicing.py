@@ -16,6 +16,7 @@ import torch
 
 from stage_server.server import StageServerOptions, start_stage_server
 from swarm.errors import ActivationsNotCached, InvalidArgument, NotFound, WireError
+from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.rpc.servicing import Servicing
@@ -124,7 +125,7 @@ async def test_activations_not_cached_reaches_a_grpc_client_as_itself(tmp_path: 
             stub = stage_pb2_grpc.StageServiceStub(channel)
             grad = codec.encode(torch.ones(4, 16, 32), "grad_outputs")
             request = pb.StageBackwardRequest(  # no inputs, and no forward ran here
-                job=job.fingerprint(),
+                job=fingerprint(job),
                 stage=1,
                 microbatch=pb.MicrobatchId(step=0, index=3),
                 tensors=[grad],
