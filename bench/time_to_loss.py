@@ -78,6 +78,7 @@ ROOT = wan.ROOT
 
 from swarm.errors import ConfigError  # noqa: E402
 from swarm.job.config import parse_job  # noqa: E402
+from swarm.job.rule import rule_of  # noqa: E402
 from swarm.local.netns import Network, Proc, remove_leftovers  # noqa: E402
 
 # Neither wan.py's ("swb-") nor tests/system/test_many_hosts.py's ("swt-"): each run removes the
@@ -259,7 +260,7 @@ def train_curve(text: str, local: bool, eval_every: int) -> dict[str, Any]:
 
     began = time.perf_counter()
     if local:
-        eager = job.pool.overlap == "eager"
+        eager = rule_of(job).eager
         cadence = eval_every if eager else None
         train_replicas(job, replicas=REPLICAS, on_step=on_step, eval_every=cadence)
     else:
