@@ -5,7 +5,6 @@ replays, joins, kills during the overlapped averaging, and rollback."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -29,9 +27,7 @@ from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Working
 from tests.support.equality import assert_equal_to_local, assert_states_within
 from tests.support.inprocess import Swarm, lease_after_joined
-from tests.support.jobs import make_job
-
-DELAYED = {"delayed_update": True}
+from tests.support.jobs import DELAYED, make_job
 
 
 def _sgd_job(tmp_path: Path, name: str, **training: object) -> JobConfig:
@@ -169,16 +165,7 @@ async def _train_in_process(
         return on_step(record) if on_step is not None else None
 
     coordinator.on_step = applied
-    runs = [PipelineTrainer(swarm.job, coordinator, seed=i) for i in range(trainers)]
-    try:
-        await coordinator.start()
-        await asyncio.wait_for(
-            asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait()), 120
-        )
-        assert coordinator.error is None
-    finally:
-        for t in runs:
-            await t.close()
+    await swarm.train(coordinator, trainers)
     return events
 
 

@@ -13,10 +13,9 @@ from swarm.job.config import load_job
 from swarm.model.reference import train_local
 from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
-from tests.stage_server.test_delayed_update import DELAYED
 from tests.support.equality import assert_equal_to_local, local_state
-from tests.support.jobs import write_job
-from tests.system.test_faults import Servers, _count, _train
+from tests.support.jobs import DELAYED, write_job
+from tests.support.servers import Servers, counted, train_on
 
 
 @pytest.mark.slow
@@ -41,15 +40,15 @@ def test_a_replica_killed_during_the_overlapped_averaging_stays_exact(
     victim = servers.procs[fault.target]
     records: list[StepRecord] = []
     try:
-        state, registry = _train(servers, records.append)
+        state, registry = train_on(servers, records.append)
     finally:
         servers.stop()
     assert victim.proc.returncode == -signal.SIGKILL, "the fault must have killed the replica"
     assert_equal_to_local(job, state, tol=1e-9)
     assert [r.step for r in records] == list(range(6))
     if point == Point.AVERAGING:
-        assert _count(registry, "swarm_coordinator_aborted_rounds_total") >= 1
-        assert _count(registry, "swarm_coordinator_replays_total") >= 1
+        assert counted(registry, "swarm_coordinator_aborted_rounds_total") >= 1
+        assert counted(registry, "swarm_coordinator_replays_total") >= 1
 
 
 @pytest.mark.slow
@@ -76,13 +75,13 @@ def test_a_recipe_job_with_delayed_update_stays_exact_through_a_kill_a_rejoin_an
             servers.restart("s2r0")
 
     try:
-        state, registry = _train(servers, chaos, tmp_path / "ckpt")
+        state, registry = train_on(servers, chaos, tmp_path / "ckpt")
     finally:
         servers.stop()
     assert victim.proc.returncode == -signal.SIGKILL
     assert done == {"restart", "wipe"}, "s1r0 must have joined before the job ended"
-    assert _count(registry, "swarm_coordinator_replays_total") >= 1
-    assert _count(registry, "swarm_coordinator_rollbacks_total") == 1
+    assert counted(registry, "swarm_coordinator_replays_total") >= 1
+    assert counted(registry, "swarm_coordinator_rollbacks_total") == 1
     assert_equal_to_local(job, state, tol=1e-9)
     synchronous = write_job(tmp_path, "sync", training=training, optimizer=recipe)
     far = max((state[k] - v).abs().max().item() for k, v in local_state(synchronous).items())
@@ -105,7 +104,7 @@ def test_evaluations_with_delayed_update_are_of_the_parameters_each_step_compute
     servers = Servers(job, [2, 2, 2, 2], [Fault("s2r0", Point.FORWARD, 3)], tmp_path)
     records: list[StepRecord] = []
     try:
-        state, _ = _train(servers, records.append)
+        state, _ = train_on(servers, records.append)
     finally:
         servers.stop()
     assert servers.procs["s2r0"].proc.returncode == -signal.SIGKILL

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator
 from stage_server.averaging.butterfly import all_reduce
 from stage_server.averaging.error_feedback import ErrorFeedback, Residuals
@@ -21,10 +20,9 @@ from stage_server.server import RunningStageServer
 from swarm.job.config import JobConfig
 from swarm.ops.progress import StepRecord
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE
-from tests.stage_server.averaging.test_butterfly import assert_identical
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
-from tests.support.pools import JOB, MiB, Replica, replicas
+from tests.support.pools import JOB, MiB, Replica, assert_identical, replicas
 
 N, NUMEL, BLOCK, ROUNDS = 2, 4000, 1000, 40
 HALF_STEP = 1 / 254  # int8 absmax: half a quantization step, per unit of the block's largest value
@@ -198,13 +196,9 @@ async def test_pools_with_feedback_stay_identical_and_carry_each_applied_step(
 async def _train(job: JobConfig, swarm: Swarm, after_step: Callable[[StepRecord], None]) -> None:
     """The job on `swarm`'s replicas, a trainer and a coordinator in this process, to its end."""
     coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_step=after_step)
-    trainer = PipelineTrainer(job, coordinator)
     try:
-        await coordinator.start()
-        await asyncio.wait_for(asyncio.gather(trainer.run(), coordinator.finished.wait()), 120)
-        assert coordinator.error is None
+        await swarm.train(coordinator, seeded=False)
     finally:
-        await trainer.close()
         await coordinator.close()
 
 
