@@ -28,9 +28,7 @@ async def test_the_swarm_under_every_rule_equals_swarm_local(
     assert rule_of(job).kind is kind
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(job.training.stages):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     routes: list[Record] = []
     coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members, on_route=routes.append)
     try:

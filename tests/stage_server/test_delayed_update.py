@@ -197,9 +197,7 @@ async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
     job = make_job(tmp_path, training={"steps": 5, "target_batch_size": 32, **DELAYED})
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(4):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     records: list[StepRecord] = []
 
     def after_step(record: StepRecord) -> None:
@@ -219,8 +217,7 @@ async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
     sync = make_job(tmp_path, "sync", training={"steps": 3, "target_batch_size": 32})
     swarm = Swarm(sync)
     make_swarm.append(swarm)
-    for stage in range(4):
-        await swarm.add(stage)
+    await swarm.add_replicas(1)
     synced: list[StepRecord] = []
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(sync.fingerprint(), registry)
@@ -244,8 +241,7 @@ async def test_a_replica_joining_mid_job_computes_as_the_others(
     job = make_job(tmp_path, training={"steps": 8, "target_batch_size": 32, **DELAYED})
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(4):
-        await swarm.add(stage)
+    await swarm.add_replicas(1)
     joined = []
 
     async def after_step(record: StepRecord) -> None:

@@ -26,9 +26,7 @@ async def test_two_replicas_per_stage_and_two_trainers_equal_local(
     job = make_job(tmp_path, training={"steps": 4, "target_batch_size": 32})
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(4):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     checked: list[int] = []
 
     def after_step(record: StepRecord) -> None:
@@ -57,8 +55,7 @@ async def test_replica_joining_mid_job_ends_identical(
     job = make_job(tmp_path, training={"steps": 8, "target_batch_size": 32})
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(4):
-        await swarm.add(stage)
+    await swarm.add_replicas(1)
     joined: list[RunningStageServer] = []
 
     async def after_step(record: StepRecord) -> None:
@@ -93,9 +90,7 @@ async def test_racing_trainers_never_count_a_microbatch_twice(
     )
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(2):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     coordinator = LocalCoordinator(job, job.fingerprint(), swarm.members)
     await swarm.train(coordinator, trainers=2)
     swarm.assert_replicas_identical()

@@ -66,6 +66,16 @@ def wait_for_port(
             time.sleep(0.02)
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if `proc` has not exited within `STOP_TIMEOUT_S`."""
+    proc.terminate()
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(STOP_TIMEOUT_S)
+
+
 class Mosquitto:
     """A Mosquitto broker on 127.0.0.1:`port` with a generated config under `workdir`.
 
@@ -137,14 +147,8 @@ class Mosquitto:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
+        if proc is not None:
+            _stop(proc)
 
     def __enter__(self) -> Mosquitto:
         self.start()
@@ -187,12 +191,7 @@ def running(conf: Path, port: int) -> Iterator[Path]:
             raise AssertionError(f"mosquitto did not start: {exc}\n{log.read_text()}") from exc
         yield log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
+        _stop(proc)
 
 
 class BrokerUnderTest:

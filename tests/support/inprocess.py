@@ -59,6 +59,12 @@ class Swarm:
         self.servers[stage].append(server)
         return server
 
+    async def add_replicas(self, count: int) -> None:
+        """`count` replicas of every stage, stage by stage."""
+        for stage in range(self.job.training.stages):
+            for _ in range(count):
+                await self.add(stage)
+
     def members(self) -> list[list[Replica]]:
         return [[Replica(s.address, s.address, 1.0) for s in stage] for stage in self.servers]
 

@@ -1,6 +1,7 @@
-"""`training.delayed_update` through real processes: SIGKILLs during the overlapped averaging, a
-recipe through a kill, a rejoin and a rollback, float64 equal to the reference. The rule itself and
-in-process pools: tests/stage_server/test_delayed_update.py."""
+"""`training.delayed_update` through real processes: SIGKILLs during the overlapped averaging and
+evaluations through a kill, float64 equal to the reference. A recipe through a kill, a rejoin and
+a rollback: tests/system/test_faults.py (one case a rule). The rule itself and in-process pools:
+tests/stage_server/test_delayed_update.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from swarm.job.config import load_job
 from swarm.model.reference import train_local
 from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
-from tests.support.equality import assert_equal_to_local, local_state
+from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import DELAYED, write_job
 from tests.support.servers import Servers, counted, train_on
 
@@ -49,43 +50,6 @@ def test_a_replica_killed_during_the_overlapped_averaging_stays_exact(
     if point == Point.AVERAGING:
         assert counted(registry, "swarm_coordinator_aborted_rounds_total") >= 1
         assert counted(registry, "swarm_coordinator_replays_total") >= 1
-
-
-@pytest.mark.slow
-def test_a_recipe_job_with_delayed_update_stays_exact_through_a_kill_a_rejoin_and_a_rollback(
-    tmp_path: Path,
-) -> None:
-    """Clipping that bites and a warm-up + cosine schedule: s1r0 dies averaging step 2, comes
-    back and copies a member (with the parameters the open step computes on), then stage 2's
-    only replica is wiped out and every stage rolls back to a checkpoint that holds them."""
-    recipe = {"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3}
-    training = {"steps": 14, "target_batch_size": 16, "checkpoint_every": 2, "grad_clip": 0.3}
-    job = write_job(tmp_path, training=training | DELAYED, optimizer=recipe)
-    fault = Fault("s1r0", Point.AVERAGING, 2)
-    servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path, slow=frozenset({"s1r1"}))
-    victim, done = servers.procs["s1r0"], set[str]()
-
-    def chaos(record: StepRecord) -> None:
-        if record.step == 2 and "restart" not in done:
-            done.add("restart")
-            servers.restart("s1r0")
-        elif done == {"restart"} and "joined stage 1 at step" in servers.procs["s1r0"].log():
-            done.add("wipe")
-            servers.procs["s2r0"].kill()
-            servers.restart("s2r0")
-
-    try:
-        state, registry = train_on(servers, chaos, tmp_path / "ckpt")
-    finally:
-        servers.stop()
-    assert victim.proc.returncode == -signal.SIGKILL
-    assert done == {"restart", "wipe"}, "s1r0 must have joined before the job ended"
-    assert counted(registry, "swarm_coordinator_replays_total") >= 1
-    assert counted(registry, "swarm_coordinator_rollbacks_total") == 1
-    assert_equal_to_local(job, state, tol=1e-9)
-    synchronous = write_job(tmp_path, "sync", training=training, optimizer=recipe)
-    far = max((state[k] - v).abs().max().item() for k, v in local_state(synchronous).items())
-    assert far > 1e-4, far  # the staleness is not idle
 
 
 @pytest.mark.slow

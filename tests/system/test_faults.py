@@ -16,7 +16,7 @@ from swarm.model.reference import train_local
 from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
 from tests.support.equality import assert_equal_to_local, local_state
-from tests.support.jobs import write_job
+from tests.support.jobs import DELAYED, write_job
 from tests.support.servers import Servers, counted, train_on
 
 pytestmark = pytest.mark.slow
@@ -216,15 +216,35 @@ def test_without_the_boundary_cache_replays_rerun_the_pipeline(tmp_path: Path) -
     assert_equal_to_local(job, state, tol=1e-9)
 
 
-def test_a_recipe_job_stays_exact_through_a_kill_a_rejoin_and_a_rollback(tmp_path: Path) -> None:
+RECIPE = {"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3}
+RECIPE_TRAINING = {"steps": 14, "target_batch_size": 16, "checkpoint_every": 2}
+# Per rule: its [training] keys, and the jobs (name, [training], [optimizer]) that must end
+# elsewhere, so that no part of the recipe (the clipping, the schedule, the staleness) is idle.
+RECIPE_RULES = {
+    "sync": (
+        {},
+        [
+            ("unclipped", RECIPE_TRAINING, RECIPE),
+            ("constant", RECIPE_TRAINING | {"grad_clip": 0.3}, {}),
+        ],
+    ),
+    "delayed": (DELAYED, [("sync", RECIPE_TRAINING | {"grad_clip": 0.3}, RECIPE)]),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RECIPE_RULES))
+def test_a_recipe_job_stays_exact_through_a_kill_a_rejoin_and_a_rollback(
+    tmp_path: Path, rule: str
+) -> None:
     """A warm-up then cosine learning rate and global-norm clipping that bites: the schedule
     is a function of the step and the coefficient travels with each update, so a replay (s1r0
     dies averaging step 2), a copy that follows its source's updates (s1r0 restarted after step
     2, admitted a few steps later) and a rollback (stage 2's only replica wiped out once s1r0 is
-    back) all stay exact."""
-    recipe = {"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3}
-    training = {"steps": 14, "target_batch_size": 16, "checkpoint_every": 2}
-    job = write_job(tmp_path, training=training | {"grad_clip": 0.3}, optimizer=recipe)
+    back) all stay exact. With delayed_update too: the copy carries the parameters the open step
+    computes on, and so does the checkpoint every stage rolls back to."""
+    keys, elsewhere = RECIPE_RULES[rule]
+    training = RECIPE_TRAINING | {"grad_clip": 0.3} | keys
+    job = write_job(tmp_path, training=training, optimizer=RECIPE)
     fault = Fault("s1r0", Point.AVERAGING, 2)
     servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path, slow=frozenset({"s1r1"}))
     victim, done = servers.procs["s1r0"], set[str]()
@@ -248,11 +268,10 @@ def test_a_recipe_job_stays_exact_through_a_kill_a_rejoin_and_a_rollback(tmp_pat
     assert counted(registry, "swarm_coordinator_rollbacks_total") == 1
     assert counted(registry, "swarm_coordinator_grad_norm") > 0
     assert_equal_to_local(job, state, tol=1e-9)
-    # Neither the clipping nor the schedule is idle here: without either the result differs.
-    for other in (
-        write_job(tmp_path, "unclipped", training=training, optimizer=recipe),
-        write_job(tmp_path, "constant", training=training | {"grad_clip": 0.3}),
-    ):
+    # Neither the clipping nor the schedule (nor the staleness) is idle: without it the result
+    # differs.
+    for name, other_training, optimizer in elsewhere:
+        other = write_job(tmp_path, name, training=other_training, optimizer=optimizer)
         far = max((state[k] - v).abs().max().item() for k, v in local_state(other).items())
         assert far > 1e-4, far
 

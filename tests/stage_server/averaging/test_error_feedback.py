@@ -153,9 +153,7 @@ async def test_pools_with_feedback_stay_identical_and_carry_each_applied_step(
     assert job.compression.error_feedback
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(job.training.stages):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     records: list[StepRecord] = []
     before: dict[str, float] = {}  # replica -> samples it had accumulated by the last step
     carried: dict[str, bool] = {}  # replica -> whether it held residuals after the last step
@@ -222,9 +220,7 @@ async def test_eager_rounds_carry_what_the_codec_dropped_into_the_next_rounds_su
     )
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(job.training.stages):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     held: list[tuple[int, list[int | None]]] = []  # (step, each replica's residuals' step)
 
     def after_step(record: StepRecord) -> None:
