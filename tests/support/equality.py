@@ -15,11 +15,14 @@ from swarm.job.rule import rule_of
 from swarm.model.local_steps import train_replicas
 from swarm.model.reference import train_local
 from swarm.model.routes import Record
+from swarm.ops.progress import StepRecord
 
 __all__ = [
     "assert_equal_to_local",
     "assert_equal_to_reference",
     "assert_states_within",
+    "evaluations",
+    "local_evaluations",
     "local_state",
     "reference_state",
 ]
@@ -32,6 +35,19 @@ def local_state(job: JobConfig | Path) -> dict[str, torch.Tensor]:
     """`swarm local`'s final parameters for `job` (a config, or a job file)."""
     config = job if isinstance(job, JobConfig) else load_job(job)
     return train_local(config).state_dict()
+
+
+def evaluations(records: Iterable[StepRecord]) -> list[tuple[int, float | None]]:
+    """(step, validation loss) of each record that holds one."""
+    return [(r.step, r.val_loss) for r in records if r.val_loss is not None]
+
+
+def local_evaluations(job: JobConfig | Path) -> list[tuple[int, float | None]]:
+    """`swarm local`'s evaluations of `job` (`evaluations` of its step records)."""
+    config = job if isinstance(job, JobConfig) else load_job(job)
+    reference: list[StepRecord] = []
+    train_local(config, on_step=reference.append)
+    return evaluations(reference)
 
 
 def assert_states_within(

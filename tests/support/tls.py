@@ -1,6 +1,7 @@
 """TLS material for tests: the swarm's CA with a server, a client and an expired certificate, a
 stranger CA with its own (`pki`), the process identity a test loads from them (`load_identity`,
-or `unchecked` to show what `Tls.load` refuses), and none left to the next test (`no_identity`)."""
+or `unchecked` to show what `Tls.load` refuses), and none left to the next test (`no_identity`);
+the environment that gives a swarm process the server certificate (`mutual_env`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ import pytest
 from swarm.net import tls
 from swarm.net.certs import init_ca, issue
 
-__all__ = ["HOSTS", "REFUSED_SOCKETS", "load_identity", "no_identity", "pki", "unchecked"]
+__all__ = [
+    "HOSTS",
+    "REFUSED_SOCKETS",
+    "load_identity",
+    "mutual_env",
+    "no_identity",
+    "pki",
+    "unchecked",
+]
 
 HOSTS = ["127.0.0.1", "localhost"]
 
@@ -63,3 +72,16 @@ def unchecked(identity: tls.Tls, pki: Path, name: str) -> tls.Tls:
     return tls.Tls(
         identity.ca, cert.read_bytes(), key.read_bytes(), False, identity.ca_path, cert, key
     )
+
+
+def mutual_env(pki: Path, token: str) -> dict[str, str]:
+    """The environment of a swarm process that serves and connects with `pki`'s own server
+    certificate, mutual TLS, and the swarm's `token`."""
+    ours = pki / "ours"
+    return {
+        "SWARM_TLS_CA": str(ours / "ca.pem"),
+        "SWARM_TLS_CERT": str(ours / "server.pem"),
+        "SWARM_TLS_KEY": str(ours / "server.key"),
+        "SWARM_TLS_MUTUAL": "1",
+        "SWARM_TOKEN": token,
+    }

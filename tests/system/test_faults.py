@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from swarm.job.config import load_job
-from swarm.model.reference import train_local
 from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
-from tests.support.equality import assert_equal_to_local, local_state
+from tests.support.equality import (
+    assert_equal_to_local,
+    evaluations,
+    local_evaluations,
+    local_state,
+)
 from tests.support.jobs import DELAYED, write_job
 from tests.support.servers import Servers, counted, train_on
 
@@ -308,10 +311,7 @@ def test_a_llama_recipe_with_evaluations_stays_exact_through_a_kill(
         servers.stop()
     assert victim.proc.returncode == -signal.SIGKILL
     assert_equal_to_local(job, state, tol=1e-9)
-    reference = list[StepRecord]()
-    train_local(load_job(job), on_step=reference.append)
-    evals = [(r.step, r.val_loss) for r in records if r.val_loss is not None]
-    expected = [(r.step, r.val_loss) for r in reference if r.val_loss is not None]
+    evals, expected = evaluations(records), local_evaluations(job)
     assert [s for s, _ in evals] == [s for s, _ in expected] == [0, 3, 6, 8]
     for (_, a), (_, b) in zip(evals, expected, strict=True):
         assert a is not None and b is not None and abs(a - b) <= 1e-9 * b

@@ -28,7 +28,7 @@ from swarm.rpc.stage_client import StageClient
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
-from tests.support.tls import load_identity, unchecked
+from tests.support.tls import load_identity, mutual_env, no_identity, unchecked  # noqa: F401
 
 
 def _server(
@@ -108,14 +108,7 @@ def test_a_whole_swarm_trains_over_mutual_tls_with_the_token(tmp_path: Path, pki
     """Scheduler, embedded broker (mqtts), stage servers and the job API, every connection
     TLS with client certificates and the token: a job trains to its end and exports exactly
     what `swarm local` trains."""
-    ours = pki / "ours"
-    env = {
-        "SWARM_TLS_CA": str(ours / "ca.pem"),
-        "SWARM_TLS_CERT": str(ours / "server.pem"),
-        "SWARM_TLS_KEY": str(ours / "server.key"),
-        "SWARM_TLS_MUTUAL": "1",
-        "SWARM_TOKEN": "s3cret",
-    }
+    env = mutual_env(pki, "s3cret")
     job = write_job(tmp_path, training={"stages": 2, "steps": 6})
     sw, _ = start_local_swarm([1.0, 1.0, 1.0], log_dir=tmp_path, env=env)
     try:
