@@ -1,18 +1,24 @@
 """Shared fixtures: leftover child processes are killed after every test; `make_swarm` makes
-in-process swarms (`tests.support.inprocess`) and closes them after the test."""
+in-process swarms (`tests.support.inprocess`) and closes them after the test; `make_harness`
+makes step coordinators over in-memory replicas (`tests.support.coordinator`); `api` is the job
+API over a real store (`tests.support.api`); `pki` the swarm's CA and a stranger's
+(`tests.support.tls`). The fixtures themselves live in `tests/support/`, one home per concept."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import forked
-from tests.support.inprocess import Swarm
+from tests.support.api import api  # noqa: F401
+from tests.support.coordinator import make_harness  # noqa: F401
+from tests.support.inprocess import make_swarm  # noqa: F401
+from tests.support.tls import pki  # noqa: F401
 
 
 def _children(pid: int) -> set[int]:
@@ -69,11 +75,3 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture
-async def make_swarm() -> AsyncIterator[list[Swarm]]:
-    made: list[Swarm] = []
-    yield made
-    for swarm in made:
-        await swarm.close()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from unittest import mock
 
@@ -20,7 +19,7 @@ from swarm.cli import load, parse
 from swarm.flags import env_name
 from swarm.job.config import load_job
 from swarm.model.transformer import build_model
-from tests.support.api import RunningApi, start_api
+from tests.support.api import RunningApi
 from tests.support.jobs import write_job
 from tests.support.ports import free_address
 
@@ -33,13 +32,6 @@ async def swarm(*argv: str, env: dict[str, str] | None = None) -> int:
     with mock.patch.dict(os.environ, environ, clear=True):
         args = parse(list(argv))
     return int(await asyncio.to_thread(load(args.command).run, args.command, args))
-
-
-@pytest.fixture
-async def api(tmp_path: Path) -> AsyncIterator[RunningApi]:
-    running = await start_api(tmp_path)
-    yield running
-    await running.stop()
 
 
 async def test_submit_status_jobs_cancel(

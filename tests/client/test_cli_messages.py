@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import AsyncIterator, Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from unittest import mock
 
@@ -16,7 +16,7 @@ import pytest
 from swarm.cli import COMMANDS, load, main, parse
 from swarm.job.config import load_job
 from swarm.model.transformer import build_model
-from tests.support.api import RunningApi, start_api
+from tests.support.api import RunningApi
 from tests.support.jobs import write_job
 
 
@@ -96,13 +96,6 @@ def test_generate_given_a_file_names_the_directory_it_needs(
     assert "swarm export JOB --format hf --out DIR" in err and "Not a directory" not in err
     assert main(["generate", str(tmp_path), "--prompt", "hello"]) == 2
     assert f"{tmp_path} holds no config.json" in capsys.readouterr().err
-
-
-@pytest.fixture
-async def api(tmp_path: Path) -> AsyncIterator[RunningApi]:
-    running = await start_api(tmp_path)
-    yield running
-    await running.stop()
 
 
 @pytest.fixture

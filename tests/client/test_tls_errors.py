@@ -25,8 +25,7 @@ from swarm.net.tokens import add_port
 from swarm.proto import scheduler_pb2_grpc
 from tests.support.api import FakeControl
 from tests.support.ports import free_address
-from tests.swarm.net.test_tls import _identity, no_identity  # noqa: F401
-from tests.system.test_tls import _unchecked
+from tests.support.tls import load_identity, no_identity, unchecked  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,7 +45,9 @@ async def serve(tmp_path: Path, pki: Path) -> AsyncIterator[Serve]:
         servicer = JobApiServicer(store, FakeControl(store), data_root=tmp_path)
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
         # The credentials are the process's identity when the port is added, not later.
-        identity = None if kind == "plain" else _identity(pki, "ours", "server", kind == "mutual")
+        identity = (
+            None if kind == "plain" else load_identity(pki, "ours", "server", kind == "mutual")
+        )
         tls.configure(identity)
         port = add_port(server, "127.0.0.1:0", "the job API")
         tls.configure(None)
@@ -112,7 +113,7 @@ async def test_tls_on_one_side_only_is_named_with_the_flags_to_pass(
 async def test_a_certificate_the_server_refuses_is_named(serve: Serve, pki: Path) -> None:
     address = await serve("mutual")
     # Expired since it was loaded (`Tls.load` refuses an expired one at start).
-    tls.configure(_unchecked(_identity(pki, "ours", None), pki, "expired"))
+    tls.configure(unchecked(load_identity(pki, "ours", None), pki, "expired"))
     async with SchedulerClient(address) as client:
         with pytest.raises(ClientError) as caught:
             await client.list()
@@ -143,7 +144,7 @@ async def test_a_closed_connection_tls_does_not_explain_gets_no_tls_hint(
     doing, and a remote trainer keeps asking then."""
     closed = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:{}: Socket closed"
     mutual = await serve("mutual")
-    tls.configure(_identity(pki, "ours", "client"))
+    tls.configure(load_identity(pki, "ours", "client"))
     assert explain_grpc(mutual, closed.format(mutual), "the scheduler") is None
     nobody = free_address()
     tls.configure(None)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,7 @@ from scheduler.main import SchedulerProcessOptions, run_scheduler
 from swarm.errors import ConfigError
 from swarm.net import tls
 from swarm.net.certs import init_ca, issue
-
-
-@pytest.fixture(autouse=True)
-def no_identity() -> Iterator[None]:
-    tls.configure(None)
-    yield
-    tls.configure(None)
+from tests.support.tls import no_identity  # noqa: F401
 
 
 def _parse(*argv: str) -> argparse.Namespace:

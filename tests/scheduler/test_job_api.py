@@ -32,13 +32,6 @@ def free_address() -> str:
 
 
 @pytest.fixture
-async def api(tmp_path: Path) -> AsyncIterator[RunningApi]:
-    running = await start_api(tmp_path)
-    yield running
-    await running.stop()
-
-
-@pytest.fixture
 async def client(api: RunningApi) -> AsyncIterator[SchedulerClient]:
     async with SchedulerClient(api.address, timeout_s=5.0) as c:
         yield c

@@ -5,7 +5,6 @@ replays, joins, kills during the overlapped averaging, and rollback."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -30,9 +28,7 @@ from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Working
 from tests.support.equality import assert_equal_to_local, assert_states_within
 from tests.support.inprocess import Swarm, lease_after_joined
-from tests.support.jobs import make_job
-
-DELAYED = {"delayed_update": True}
+from tests.support.jobs import DELAYED, make_job
 
 
 def _sgd_job(tmp_path: Path, name: str, **training: object) -> JobConfig:
@@ -170,16 +166,7 @@ async def _train_in_process(
         return on_step(record) if on_step is not None else None
 
     coordinator.on_step = applied
-    runs = [PipelineTrainer(swarm.job, coordinator, seed=i) for i in range(trainers)]
-    try:
-        await coordinator.start()
-        await asyncio.wait_for(
-            asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait()), 120
-        )
-        assert coordinator.error is None
-    finally:
-        for t in runs:
-            await t.close()
+    await swarm.train(coordinator, trainers)
     return events
 
 
@@ -211,9 +198,7 @@ async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
     job = make_job(tmp_path, training={"steps": 5, "target_batch_size": 32, **DELAYED})
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(4):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     records: list[StepRecord] = []
 
     def after_step(record: StepRecord) -> None:
@@ -233,8 +218,7 @@ async def test_pools_overlap_each_commit_with_the_next_step_and_equal_local(
     sync = make_job(tmp_path, "sync", training={"steps": 3, "target_batch_size": 32})
     swarm = Swarm(sync)
     make_swarm.append(swarm)
-    for stage in range(4):
-        await swarm.add(stage)
+    await swarm.add_replicas(1)
     synced: list[StepRecord] = []
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(fingerprint(sync), registry)
@@ -258,8 +242,7 @@ async def test_a_replica_joining_mid_job_computes_as_the_others(
     job = make_job(tmp_path, training={"steps": 8, "target_batch_size": 32, **DELAYED})
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(4):
-        await swarm.add(stage)
+    await swarm.add_replicas(1)
     joined = []
 
     async def after_step(record: StepRecord) -> None:

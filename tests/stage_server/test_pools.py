@@ -3,7 +3,6 @@ inspected after each step): several trainers, averaging, joining mid-job, lease 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,29 +21,13 @@ from tests.support.inprocess import Swarm, lease_after_joined
 from tests.support.jobs import make_job
 
 
-async def _train(swarm: Swarm, coordinator: LocalCoordinator, trainers: int) -> None:
-    """Run `trainers` trainers over `coordinator` until the job's last step is committed."""
-    runs = [PipelineTrainer(swarm.job, coordinator, seed=i) for i in range(trainers)]
-    try:
-        await coordinator.start()
-        await asyncio.wait_for(
-            asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait()), 120
-        )
-        assert coordinator.error is None
-    finally:
-        for t in runs:
-            await t.close()
-
-
 async def test_two_replicas_per_stage_and_two_trainers_equal_local(
     tmp_path: Path, make_swarm: list[Swarm]
 ) -> None:
     job = make_job(tmp_path, training={"steps": 4, "target_batch_size": 32})
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(4):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     checked: list[int] = []
 
     def after_step(record: StepRecord) -> None:
@@ -52,7 +35,7 @@ async def test_two_replicas_per_stage_and_two_trainers_equal_local(
         checked.append(record.step)
 
     coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_step=after_step)
-    await _train(swarm, coordinator, trainers=2)
+    await swarm.train(coordinator, trainers=2)
     assert checked == [0, 1, 2, 3]
     # both replicas of every stage did work (the wiring spreads it)
     for stage in swarm.servers:
@@ -73,8 +56,7 @@ async def test_replica_joining_mid_job_ends_identical(
     job = make_job(tmp_path, training={"steps": 8, "target_batch_size": 32})
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(4):
-        await swarm.add(stage)
+    await swarm.add_replicas(1)
     joined: list[RunningStageServer] = []
 
     async def after_step(record: StepRecord) -> None:
@@ -84,7 +66,7 @@ async def test_replica_joining_mid_job_ends_identical(
     coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_step=after_step)
     # Steps 5 to 7 wait for it to be a member (a bounded wait): it has steps to work in.
     lease_after_joined(coordinator, joined, 5)
-    await _train(swarm, coordinator, trainers=1)
+    await swarm.train(coordinator, trainers=1)
     assert joined and joined[0].runtime.step == 8
     swarm.assert_replicas_identical()
     # it did real work after joining: it accumulated samples
@@ -109,11 +91,9 @@ async def test_racing_trainers_never_count_a_microbatch_twice(
     )
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(2):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     coordinator = LocalCoordinator(job, fingerprint(job), swarm.members)
-    await _train(swarm, coordinator, trainers=2)
+    await swarm.train(coordinator, trainers=2)
     swarm.assert_replicas_identical()
     assert_equal_to_local(job, await gather_state(coordinator))
     await coordinator.close()
@@ -129,7 +109,7 @@ async def test_the_model_is_taken_at_one_step(tmp_path: Path, make_swarm: list[S
         for _ in range(2 if stage == 1 else 1):
             await swarm.add(stage)
     coordinator = LocalCoordinator(job, fingerprint(job), swarm.members)
-    await _train(swarm, coordinator, trainers=1)
+    await swarm.train(coordinator, trainers=1)
     initial = StageRuntime(job, 1, "cpu").export_state()
     behind, ahead = coordinator.replicas()[1]
     await coordinator.client(1, behind).load_state(0, initial)

@@ -1,13 +1,28 @@
 """What several test files share, one home per concept.
 
 - `ports`: free ports and addresses.
-- `brokers`: a real Mosquitto in a child process.
+- `brokers`: a real Mosquitto in a child process (or on a written config); either broker behind
+  one interface (the `broker` fixture).
+- `buses`: bus clients with the tests' settings, bounded receives, the logins a broker must take.
+- `raw_mqtt`: MQTT packets written by hand, for what no well-behaved client sends.
+- `tls`: the swarm's CA and a stranger's (`pki`), identities loaded from them.
 - `cli`: `swarm ...` as its own process; the repository root.
-- `jobs`: the tiny synthetic job with any key overridden.
+- `forked`: swarm processes forked from a server that imported torch once.
+- `jobs`: the tiny synthetic job with any key overridden; the keys of each training rule.
+- `pretrained`: a pretrained checkpoint and a job fine-tuning from it.
 - `equality`: "equal to `swarm local`" within a tolerance.
 - `fakes`: stand-ins shared by several files (a bus nobody publishes on, an echoing stage).
-- `api`: the job API on a real gRPC server over a real store, with a fake orchestration.
+- `echo`: the echoing stage on a real gRPC server, and a chunked round trip through it.
+- `stages`: one fake stage behind the data planes' client seam.
+- `replicas`: in-memory replicas for the step coordinator.
+- `coordinator`: the step coordinator over them (`Harness`, the `make_harness` fixture).
+- `inprocess`: stage servers and trainers in the test's process (`Swarm`, `make_swarm`).
+- `servers`: stage servers as their own processes, for the fault tests, and a job trained on them.
+- `pools`: real pool replicas for averaging tests, and the butterfly over all of them at once.
 - `hostile`: a hostile member of a stage (DownloadState, Updates) on a real gRPC server.
+- `api`: the job API on a real gRPC server over a real store, with a fake orchestration.
+- `disks`, `hogs`: a real full disk; a busy machine.
 
-Test files import from here, never from one another or from `conftest.py`.
+Test files import from here, never from one another or from `conftest.py`; a `conftest.py`
+only makes this package's fixtures visible to its folder.
 """

@@ -4,11 +4,12 @@ standing in for the orchestration: shared by the job API, auth and client CLI te
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import pytest
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
@@ -19,7 +20,7 @@ from swarm.errors import FailedPrecondition
 from swarm.net.tokens import server_interceptors
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["CHUNK", "FakeControl", "RunningApi", "start_api"]
+__all__ = ["CHUNK", "FakeControl", "RunningApi", "api", "start_api"]
 
 CHUNK = 1024  # bytes: small, so exports are chunked
 
@@ -135,3 +136,11 @@ async def start_api(
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return RunningApi(server, f"127.0.0.1:{port}", store, control, registry)
+
+
+@pytest.fixture
+async def api(tmp_path: Path) -> AsyncIterator[RunningApi]:
+    """The job API on a free port for one test (`start_api`'s defaults), stopped after it."""
+    running = await start_api(tmp_path)
+    yield running
+    await running.stop()

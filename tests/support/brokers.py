@@ -1,20 +1,27 @@
-"""Brokers for tests: a real Mosquitto in a child process, and small waiting helpers.
+"""Brokers for tests: a real Mosquitto in a child process (generated, or `running` a written
+config), either broker behind one interface (`broker`, the embedded one and Mosquitto in turn),
+and small waiting helpers.
 
 Every wait here is bounded; a broker that does not come up fails the test with its own log.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pwd
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import pytest
+
+from swarm.bus.broker import EmbeddedBroker
 from swarm.net.tls import Tls
 from tests.support.ports import free_port
 
@@ -23,8 +30,12 @@ __all__ = [
     "MOSQUITTO",
     "START_TIMEOUT_S",
     "STOP_TIMEOUT_S",
+    "BrokerUnderTest",
     "Mosquitto",
+    "broker",
     "mosquitto",
+    "reachable_dir",
+    "running",
     "wait_for_port",
 ]
 
@@ -53,6 +64,16 @@ def wait_for_port(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nothing accepts connections on {host}:{port}") from None
             time.sleep(0.02)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if `proc` has not exited within `STOP_TIMEOUT_S`."""
+    proc.terminate()
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(STOP_TIMEOUT_S)
 
 
 class Mosquitto:
@@ -126,14 +147,8 @@ class Mosquitto:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
+        if proc is not None:
+            _stop(proc)
 
     def __enter__(self) -> Mosquitto:
         self.start()
@@ -150,3 +165,69 @@ def mosquitto(workdir: Path, port: int = 0) -> Iterator[Mosquitto]:
         raise RuntimeError(f"mosquitto not found at {MOSQUITTO}; install the Debian package")
     with Mosquitto(workdir, port) as broker:
         yield broker
+
+
+@contextlib.contextmanager
+def reachable_dir() -> Iterator[Path]:
+    """A directory that user mosquitto can enter (pytest's own are root's, 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="swarm-broker-"))
+    try:
+        path.chmod(0o755)
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def running(conf: Path, port: int) -> Iterator[Path]:
+    """`mosquitto -c conf` (as we are), listening on `port`; yields its log."""
+    log = conf.with_name("mosquitto.log")
+    with log.open("wb") as out:
+        proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_for_port("127.0.0.1", port, START_TIMEOUT_S, proc)
+        except Exception as exc:
+            raise AssertionError(f"mosquitto did not start: {exc}\n{log.read_text()}") from exc
+        yield log
+    finally:
+        _stop(proc)
+
+
+class BrokerUnderTest:
+    """Either broker behind one interface, so each test runs against both."""
+
+    def __init__(self, kind: str, workdir: Path) -> None:
+        self.kind = kind
+        self._mosquitto = Mosquitto(workdir) if kind == "mosquitto" else None
+        self._embedded: EmbeddedBroker | None = None
+        self.port = self._mosquitto.port if self._mosquitto else 0
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        if self._mosquitto is not None:
+            await asyncio.to_thread(self._mosquitto.start)
+        else:
+            self._embedded = EmbeddedBroker(port=self.port)
+            await self._embedded.start()
+            self.port = self._embedded.port
+
+    async def stop(self) -> None:
+        if self._mosquitto is not None:
+            await asyncio.to_thread(self._mosquitto.stop)
+        elif self._embedded is not None:
+            await self._embedded.stop()
+            self._embedded = None
+
+
+@pytest.fixture(params=["amqtt", "mosquitto"])
+async def broker(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BrokerUnderTest]:
+    under_test = BrokerUnderTest(request.param, tmp_path / "broker")
+    await under_test.start()
+    try:
+        yield under_test
+    finally:
+        await under_test.stop()

@@ -1,12 +1,15 @@
 """A step coordinator over in-memory replicas (`tests.support.replicas`), with the step records
-and rollbacks it announced: the harness of the coordinator's unit tests."""
+and rollbacks it announced: the harness of the coordinator's unit tests (`make_harness` makes
+them and closes each after the test)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import pytest
 
 from scheduler.coordinator import LocalCoordinator
 from swarm.clock import FakeClock
@@ -16,7 +19,7 @@ from swarm.rpc.lease import MicrobatchResult, Task
 from tests.support.jobs import make_job
 from tests.support.replicas import FakeSwarm
 
-__all__ = ["LEASE_S", "Harness", "job_of", "until"]
+__all__ = ["LEASE_S", "Harness", "MakeHarness", "job_of", "make_harness", "until"]
 
 LEASE_S = 10.0  # the jobs' lease timeout, on the fake clock
 
@@ -61,12 +64,24 @@ class Harness:
         `at` names (else the stage's first member), then the trainer reports it."""
         holders = {}
         for stage in sorted(task.stages):
-            peer = (at or {}).get(stage) or self.coordinator.replicas()[stage][0].peer
-            self.swarm[peer].accumulate(task.index)
-            holders[stage] = peer
+            holders[stage] = (at or {}).get(stage) or self.coordinator.replicas()[stage][0].peer
+        return await self.land(task.step, task.index, holders, trainer, report)
+
+    async def land(
+        self,
+        step: int,
+        index: int,
+        holders: dict[int, str],
+        trainer: str = "t",
+        report: bool = True,
+    ) -> MicrobatchResult:
+        """Microbatch `index`'s gradients land at `holders` (stage -> peer), and the trainer
+        reports them (with the loss where the last stage is among them)."""
+        for peer in holders.values():
+            self.swarm[peer].accumulate(index)
         last = self.job.training.stages - 1
-        loss = 1.0 if last in task.stages else None
-        result = MicrobatchResult(task.step, task.index, holders, loss, 4)
+        loss = 1.0 if last in holders else None
+        result = MicrobatchResult(step, index, holders, loss, 4)
         if report:
             await self.coordinator.report(trainer, result)
         return result
@@ -79,6 +94,25 @@ class Harness:
         record = await asyncio.wait_for(self.steps.get(), 10)
         await asyncio.wait_for(self.coordinator.flush(), 10)
         return record
+
+
+class MakeHarness(Protocol):
+    def __call__(self, job: JobConfig, swarm: FakeSwarm, **kwargs: Any) -> Harness: ...
+
+
+@pytest.fixture
+async def make_harness() -> AsyncIterator[MakeHarness]:
+    """`make_harness(job, swarm, **coordinator_kwargs)`: a `Harness`, its coordinator closed after
+    the test."""
+    made: list[Harness] = []
+
+    def make(job: JobConfig, swarm: FakeSwarm, **kwargs: Any) -> Harness:
+        made.append(Harness(job, swarm, **kwargs))
+        return made[-1]
+
+    yield make
+    for h in made:
+        await h.coordinator.close()
 
 
 async def until(condition: Callable[[], bool]) -> None:

@@ -1,16 +1,31 @@
 """Equal to `swarm local`: the parameters a job ends with, compared with the reference training
-(`swarm.model.reference.train_local`, what `swarm local` runs) within a per-test tolerance."""
+(`swarm.model.reference.train_local`, what `swarm local` runs; for a rule with rounds,
+`swarm.model.local_steps.train_replicas` replaying the run's route record, what `swarm local
+--routes` runs) within a per-test tolerance."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from swarm.job.config import JobConfig, load_job
+from swarm.job.rule import rule_of
+from swarm.model.local_steps import train_replicas
 from swarm.model.reference import train_local
+from swarm.model.routes import Record
+from swarm.ops.progress import StepRecord
 
-__all__ = ["assert_equal_to_local", "assert_states_within", "local_state"]
+__all__ = [
+    "assert_equal_to_local",
+    "assert_equal_to_reference",
+    "assert_states_within",
+    "evaluations",
+    "local_evaluations",
+    "local_state",
+    "reference_state",
+]
 
 DEFAULT_TOL = 1e-9
 """float64 training, only the order of float additions differs."""
@@ -20,6 +35,19 @@ def local_state(job: JobConfig | Path) -> dict[str, torch.Tensor]:
     """`swarm local`'s final parameters for `job` (a config, or a job file)."""
     config = job if isinstance(job, JobConfig) else load_job(job)
     return train_local(config).state_dict()
+
+
+def evaluations(records: Iterable[StepRecord]) -> list[tuple[int, float | None]]:
+    """(step, validation loss) of each record that holds one."""
+    return [(r.step, r.val_loss) for r in records if r.val_loss is not None]
+
+
+def local_evaluations(job: JobConfig | Path) -> list[tuple[int, float | None]]:
+    """`swarm local`'s evaluations of `job` (`evaluations` of its step records)."""
+    config = job if isinstance(job, JobConfig) else load_job(job)
+    reference: list[StepRecord] = []
+    train_local(config, on_step=reference.append)
+    return evaluations(reference)
 
 
 def assert_states_within(
@@ -37,3 +65,20 @@ def assert_equal_to_local(
 ) -> None:
     """`state` equals `swarm local`'s parameters for `job` within `tol`."""
     assert_states_within(state, local_state(job), tol)
+
+
+def reference_state(job: JobConfig, routes: Iterable[Record]) -> dict[str, torch.Tensor]:
+    """`swarm local`'s final parameters for a run of `job` that wrote the route record `routes`:
+    replaying it with replicas where the job's rule has rounds, else the one model (a rule
+    without rounds writes no record: the reference needs none)."""
+    if rule_of(job).records_routes:
+        model = train_replicas(job, routes=routes)
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    return local_state(job)
+
+
+def assert_equal_to_reference(
+    job: JobConfig, state: dict[str, torch.Tensor], routes: Iterable[Record], tol: float
+) -> None:
+    """`state` equals `reference_state(job, routes)` within `tol`."""
+    assert_states_within(state, reference_state(job, routes), tol)

@@ -1,19 +1,22 @@
 """A swarm whose stage servers run in the test's process (real gRPC servers on real ports), so
-every replica's state can be looked at after each step."""
+every replica's state can be looked at after each step, and its trainers in the same process
+(`Swarm.train`)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
+import pytest
 import torch
 
+from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.job.config import JobConfig
 from swarm.rpc.lease import Lease, Replica, Working
 
-__all__ = ["Swarm", "lease_after_joined"]
+__all__ = ["Swarm", "lease_after_joined", "make_swarm"]
 
 
 def lease_after_joined(
@@ -56,6 +59,12 @@ class Swarm:
         self.servers[stage].append(server)
         return server
 
+    async def add_replicas(self, count: int) -> None:
+        """`count` replicas of every stage, stage by stage."""
+        for stage in range(self.job.training.stages):
+            for _ in range(count):
+                await self.add(stage)
+
     def members(self) -> list[list[Replica]]:
         return [[Replica(s.address, s.address, 1.0) for s in stage] for stage in self.servers]
 
@@ -69,7 +78,36 @@ class Swarm:
                 ):
                     assert torch.equal(a, b), f"stage {first.stage} differs at {name}"
 
+    async def train(
+        self, coordinator: LocalCoordinator, trainers: int = 1, *, seeded: bool = True
+    ) -> None:
+        """Start `coordinator` and run `trainers` trainers over it (wiring seeded 0, 1, ..., or
+        from the OS as a trainer's is by default) until the job's last step is committed; the
+        job must end without an error."""
+        runs = [
+            PipelineTrainer(self.job, coordinator, seed=i if seeded else None)
+            for i in range(trainers)
+        ]
+        try:
+            await coordinator.start()
+            await asyncio.wait_for(
+                asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait()), 120
+            )
+            assert coordinator.error is None
+        finally:
+            for t in runs:
+                await t.close()
+
     async def close(self) -> None:
         for stage in self.servers:
             for s in stage:
                 await s.stop()
+
+
+@pytest.fixture
+async def make_swarm() -> AsyncIterator[list[Swarm]]:
+    """Append the `Swarm`s a test makes: each is closed after the test."""
+    made: list[Swarm] = []
+    yield made
+    for swarm in made:
+        await swarm.close()

@@ -1,4 +1,5 @@
-"""Job files for tests: the tiny synthetic job with any key overridden."""
+"""Job files for tests: the tiny synthetic job with any key overridden, and the keys that choose
+each training rule (`RULES`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.job.config import JobConfig, load_job
+from swarm.job.rule import RuleKind
 
 BASE: dict[str, dict[str, Any]] = {
     "model": {
@@ -28,6 +30,31 @@ BASE: dict[str, dict[str, Any]] = {
     "optimizer": {"kind": "adamw", "lr": 1e-2, "weight_decay": 0.01},
     "compression": {"wire": "none"},
 }
+
+DELAYED = {"delayed_update": True}
+"""The [training] key of delayed_update: its plain rule, or with pool.overlap = "eager" its eager
+one."""
+
+LOCAL = {"mode": "local", "sync_every": 2}
+"""A [pool] of local steps, rounds of two steps."""
+
+RULES: dict[RuleKind, dict[str, dict[str, Any]]] = {
+    RuleKind.SYNC: {},
+    RuleKind.DELAYED: {"training": DELAYED},
+    RuleKind.STEP_EAGER: {"training": DELAYED, "pool": {"overlap": "eager"}},
+    RuleKind.LOCAL: {"pool": LOCAL},
+    RuleKind.LOCAL_EAGER: {"pool": LOCAL | {"overlap": "eager"}},
+}
+"""The sections each rule (`swarm.job.rule`) needs, to pass as `write_job`'s overrides: a new rule
+is a row here."""
+
+
+def with_rule(kind: RuleKind, **overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`overrides` with the keys of rule `kind` added, section by section."""
+    sections = {k: dict(v) for k, v in overrides.items()}
+    for section, table in RULES[kind].items():
+        sections[section] = sections.get(section, {}) | table
+    return sections
 
 
 def _value(v: Any) -> str:

@@ -1,21 +1,35 @@
 """Real pool replicas for averaging tests: one gRPC server, `Averager` and `PoolServicer` each, on
-127.0.0.1 port 0, serving job `JOB` stages 0 and 1."""
+127.0.0.1 port 0, serving job `JOB` stages 0 and 1; every replica's butterfly all-reduce at once
+(`reduce_all`), and what its results must be (`assert_identical`, `ordered_sum`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+import torch
 
+from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.owner import Averager
 from stage_server.averaging.service import PoolServicer
 from swarm.errors import NotFound
 from swarm.proto import pool_pb2_grpc
 
-__all__ = ["JOB", "OPTIONS", "MiB", "Replica", "replicas"]
+__all__ = [
+    "JOB",
+    "OPTIONS",
+    "MiB",
+    "Replica",
+    "assert_identical",
+    "ordered_sum",
+    "reduce_all",
+    "replicas",
+]
 
 MiB = 1 << 20
 JOB = "job-a"
@@ -58,3 +72,40 @@ async def replicas(n: int) -> AsyncIterator[list[Replica]]:
         for r in made:
             await r.channels.close()
             await r.server.stop(None)
+
+
+async def reduce_all(
+    pool: Sequence[Replica], flats: Sequence[torch.Tensor], **kwargs: Any
+) -> list[Any]:
+    """Every replica's all_reduce, concurrently; results or exceptions in group order."""
+    opts: dict[str, Any] = {
+        "round": "r0", "job": JOB, "stage": 0, "timeout_s": 20.0,
+        "chunk_bytes": 4 * MiB, "max_bytes": 64 * MiB,
+    } | kwargs  # fmt: skip
+    group = opts.pop("group", [r.address for r in pool])
+    on_bytes = opts.pop("on_bytes", None)
+    calls = [
+        all_reduce(
+            f, RoundSettings(group=group, index=i, **opts),
+            averager=r.averager, channels=r.channels, on_bytes=on_bytes,
+        )
+        for i, (r, f) in enumerate(zip(pool, flats, strict=True))
+    ]  # fmt: skip
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def assert_identical(results: Sequence[Any]) -> torch.Tensor:
+    """Every result the same bits (an exception among them is raised); returns the first."""
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    return results[0]  # type: ignore[no-any-return]
+
+
+def ordered_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum in sender order (the owner's), as one addition after another."""
+    total = values[0].clone()
+    for v in values[1:]:
+        total = total + v
+    return total

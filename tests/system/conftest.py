@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarm.bus.test_connection import broker  # noqa: F401
-from tests.swarm.net.test_tls import pki  # noqa: F401
-from tests.swarm.wire.test_chunking import stub  # noqa: F401
+from tests.support.brokers import broker  # noqa: F401
+from tests.support.echo import stub  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 

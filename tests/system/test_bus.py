@@ -11,14 +11,9 @@ import textwrap
 import pytest
 
 from swarm.proto import control_pb2 as pb
+from tests.support.brokers import BrokerUnderTest
+from tests.support.buses import bus, receive_until
 from tests.support.cli import ROOT
-from tests.swarm.bus.test_connection import (  # noqa: F401
-    FAST,
-    WAIT_S,
-    BrokerUnderTest,
-    bus,
-    receive_until,
-)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import torch
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.wire.chunking import decode_named, split
 from swarm.wire.codec import encode
-from tests.swarm.wire.test_chunking import (  # noqa: F401
+from tests.support.echo import (  # noqa: F401
     CHUNK_BYTES,
     GRPC_MAX_MESSAGE,
     LIMIT,

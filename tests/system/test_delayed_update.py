@@ -1,6 +1,7 @@
-"""`training.delayed_update` through real processes: SIGKILLs during the overlapped averaging, a
-recipe through a kill, a rejoin and a rollback, float64 equal to the reference. The rule itself and
-in-process pools: tests/stage_server/test_delayed_update.py."""
+"""`training.delayed_update` through real processes: SIGKILLs during the overlapped averaging and
+evaluations through a kill, float64 equal to the reference. A recipe through a kill, a rejoin and
+a rollback: tests/system/test_faults.py (one case a rule). The rule itself and in-process pools:
+tests/stage_server/test_delayed_update.py."""
 
 from __future__ import annotations
 
@@ -9,14 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from swarm.job.config import load_job
-from swarm.model.reference import train_local
 from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
-from tests.stage_server.test_delayed_update import DELAYED
-from tests.support.equality import assert_equal_to_local, local_state
-from tests.support.jobs import write_job
-from tests.system.test_faults import Servers, _count, _train
+from tests.support.equality import assert_equal_to_local, evaluations, local_evaluations
+from tests.support.jobs import DELAYED, write_job
+from tests.support.servers import Servers, counted, train_on
 
 
 @pytest.mark.slow
@@ -41,52 +39,15 @@ def test_a_replica_killed_during_the_overlapped_averaging_stays_exact(
     victim = servers.procs[fault.target]
     records: list[StepRecord] = []
     try:
-        state, registry = _train(servers, records.append)
+        state, registry = train_on(servers, records.append)
     finally:
         servers.stop()
     assert victim.proc.returncode == -signal.SIGKILL, "the fault must have killed the replica"
     assert_equal_to_local(job, state, tol=1e-9)
     assert [r.step for r in records] == list(range(6))
     if point == Point.AVERAGING:
-        assert _count(registry, "swarm_coordinator_aborted_rounds_total") >= 1
-        assert _count(registry, "swarm_coordinator_replays_total") >= 1
-
-
-@pytest.mark.slow
-def test_a_recipe_job_with_delayed_update_stays_exact_through_a_kill_a_rejoin_and_a_rollback(
-    tmp_path: Path,
-) -> None:
-    """Clipping that bites and a warm-up + cosine schedule: s1r0 dies averaging step 2, comes
-    back and copies a member (with the parameters the open step computes on), then stage 2's
-    only replica is wiped out and every stage rolls back to a checkpoint that holds them."""
-    recipe = {"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3}
-    training = {"steps": 14, "target_batch_size": 16, "checkpoint_every": 2, "grad_clip": 0.3}
-    job = write_job(tmp_path, training=training | DELAYED, optimizer=recipe)
-    fault = Fault("s1r0", Point.AVERAGING, 2)
-    servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path, slow=frozenset({"s1r1"}))
-    victim, done = servers.procs["s1r0"], set[str]()
-
-    def chaos(record: StepRecord) -> None:
-        if record.step == 2 and "restart" not in done:
-            done.add("restart")
-            servers.restart("s1r0")
-        elif done == {"restart"} and "joined stage 1 at step" in servers.procs["s1r0"].log():
-            done.add("wipe")
-            servers.procs["s2r0"].kill()
-            servers.restart("s2r0")
-
-    try:
-        state, registry = _train(servers, chaos, tmp_path / "ckpt")
-    finally:
-        servers.stop()
-    assert victim.proc.returncode == -signal.SIGKILL
-    assert done == {"restart", "wipe"}, "s1r0 must have joined before the job ended"
-    assert _count(registry, "swarm_coordinator_replays_total") >= 1
-    assert _count(registry, "swarm_coordinator_rollbacks_total") == 1
-    assert_equal_to_local(job, state, tol=1e-9)
-    synchronous = write_job(tmp_path, "sync", training=training, optimizer=recipe)
-    far = max((state[k] - v).abs().max().item() for k, v in local_state(synchronous).items())
-    assert far > 1e-4, far  # the staleness is not idle
+        assert counted(registry, "swarm_coordinator_aborted_rounds_total") >= 1
+        assert counted(registry, "swarm_coordinator_replays_total") >= 1
 
 
 @pytest.mark.slow
@@ -105,15 +66,12 @@ def test_evaluations_with_delayed_update_are_of_the_parameters_each_step_compute
     servers = Servers(job, [2, 2, 2, 2], [Fault("s2r0", Point.FORWARD, 3)], tmp_path)
     records: list[StepRecord] = []
     try:
-        state, _ = _train(servers, records.append)
+        state, _ = train_on(servers, records.append)
     finally:
         servers.stop()
     assert servers.procs["s2r0"].proc.returncode == -signal.SIGKILL
     assert_equal_to_local(job, state, tol=1e-9)
-    reference: list[StepRecord] = []
-    train_local(load_job(job), on_step=reference.append)
-    evals = [(r.step, r.val_loss) for r in records if r.val_loss is not None]
-    expected = [(r.step, r.val_loss) for r in reference if r.val_loss is not None]
+    evals, expected = evaluations(records), local_evaluations(job)
     assert [s for s, _ in evals] == [s for s, _ in expected] == [0, 3, 6, 8]
     for (_, a), (_, b) in zip(evals, expected, strict=True):
         assert a is not None and b is not None and abs(a - b) <= 1e-9 * b

@@ -19,9 +19,10 @@ import pytest
 
 from swarm.cli import parse
 from swarm.net import tls
+from tests.support.brokers import reachable_dir, running
+from tests.support.buses import check_logins
 from tests.support.cli import ROOT
 from tests.support.ports import free_port
-from tests.swarm.bus.test_broker_config import check_logins, reachable_dir, running
 
 pytestmark = [
     pytest.mark.timeout(120),

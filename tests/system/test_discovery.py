@@ -29,6 +29,7 @@ from swarm.local.procs import start_local_swarm
 from swarm.proto import scheduler_pb2
 from tests.support.jobs import write_job
 from tests.support.ports import free_address
+from tests.support.tls import mutual_env
 
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
 
@@ -251,14 +252,7 @@ def test_prometheus_scrapes_a_swarm_over_mutual_tls_with_the_metrics_token(
     configured as docs/prometheus-tls.yml says, still finds and scrapes every process."""
     assert PROMETHEUS, "install the Debian package prometheus (make test does)"
     ours = pki / "ours"
-    env = {
-        "SWARM_TLS_CA": str(ours / "ca.pem"),
-        "SWARM_TLS_CERT": str(ours / "server.pem"),
-        "SWARM_TLS_KEY": str(ours / "server.key"),
-        "SWARM_TLS_MUTUAL": "1",
-        "SWARM_TOKEN": "s3cret",
-        "SWARM_METRICS_TOKEN": "watch-only",
-    }
+    env = mutual_env(pki, "s3cret") | {"SWARM_METRICS_TOKEN": "watch-only"}
     swarm, _ = start_local_swarm([1.0], log_dir=tmp_path, env=env)
     prometheus = None
     try:

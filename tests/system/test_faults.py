@@ -3,107 +3,27 @@ with `swarm local`'s parameters (float64, within 1e-9), and the counters must sh
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
-import torch
-from prometheus_client import CollectorRegistry
 
-from client.standalone import train_standalone
-from swarm.job.config import load_job
-from swarm.local.procs import SwarmProcess, start_process, stop_all
-from swarm.model.reference import train_local
-from swarm.ops.faults import ENV, Fault, FaultPlan, Point
+from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
-from swarm.rpc.lease import Replica
-from tests.support.equality import assert_equal_to_local, local_state
-from tests.support.jobs import write_job
+from tests.support.equality import (
+    assert_equal_to_local,
+    evaluations,
+    local_evaluations,
+    local_state,
+)
+from tests.support.jobs import DELAYED, write_job
+from tests.support.servers import Servers, counted, train_on
 
 pytestmark = pytest.mark.slow
 WHERE = {"first": 0, "middle": 1, "last": 3}
-
-
-class Servers:
-    """Stage servers `s{stage}r{replica}`, each its own process, restartable on its port."""
-
-    def __init__(
-        self,
-        job: Path,
-        layout: list[int],
-        faults: list[Fault],
-        log_dir: Path,
-        slow: frozenset[str] = frozenset(),
-    ) -> None:
-        self.job, self.faults, self.log_dir, self.slow = job, faults, log_dir, slow
-        self.procs: dict[str, SwarmProcess] = {}
-        self.ports: dict[str, str] = {}
-        self.layout = layout
-        for stage, count in enumerate(layout):
-            for r in range(count):
-                self.start(f"s{stage}r{r}", stage)
-        for p in self.procs.values():
-            p.wait_ready(120)
-        self.ports = {n: p.address.rsplit(":", 1)[1] for n, p in self.procs.items()}
-
-    def start(self, name: str, stage: int, port: str = "0", faults: bool = True) -> SwarmProcess:
-        env = {ENV: FaultPlan.for_process(self.faults, name) if faults else ""}
-        self.procs[name] = start_process(
-            [
-                "--log-level",
-                "INFO",
-                "stage-server",
-                "--job",
-                str(self.job),
-                "--stage",
-                str(stage),
-                "--port",
-                port,
-                "--throttle",
-                "3" if name in self.slow else "1",
-            ],
-            log_dir=self.log_dir,
-            name=f"{name}-{len(self.procs)}-{time.monotonic_ns()}",
-            env=env,
-        )
-        return self.procs[name]
-
-    def restart(self, name: str) -> None:
-        stage = int(name[1:].split("r")[0])
-        self.start(name, stage, self.ports[name], faults=False).wait_ready(120)
-
-    def replicas(self) -> list[list[Replica]]:
-        return [
-            [Replica(f"s{k}r{r}", f"127.0.0.1:{self.ports[f's{k}r{r}']}") for r in range(n)]
-            for k, n in enumerate(self.layout)
-        ]
-
-    def stop(self) -> None:
-        stop_all(list(self.procs.values()))
-
-
-def _train(
-    servers: Servers, on_step: object = None, checkpoint_dir: Path | None = None
-) -> tuple[dict[str, torch.Tensor], CollectorRegistry]:
-    registry = CollectorRegistry()
-    job = load_job(servers.job)
-    training = train_standalone(
-        job,
-        servers.replicas(),
-        registry=registry,
-        on_step=on_step,  # type: ignore[arg-type]
-        checkpoint_dir=checkpoint_dir,
-    )
-    return asyncio.run(asyncio.wait_for(training, 300)), registry
-
-
-def _count(registry: CollectorRegistry, name: str) -> float:
-    return sum(s.value for m in registry.collect() for s in m.samples if s.name == name)
 
 
 def _a_victim_and_a_slow_survivor(
@@ -136,15 +56,15 @@ def test_replica_killed_at_each_point(tmp_path: Path, point: Point, where: str) 
             victim.kill()
 
     try:
-        state, registry = _train(servers, kill_when_idle)
+        state, registry = train_on(servers, kill_when_idle)
     finally:
         servers.stop()
     assert victim.proc.returncode == -signal.SIGKILL, "the fault must have killed the replica"
     assert_equal_to_local(job, state, tol=1e-9)
-    retries = _count(registry, "swarm_trainer_hop_failures_total")
-    replays = _count(registry, "swarm_coordinator_replays_total")
-    aborted = _count(registry, "swarm_coordinator_aborted_rounds_total")
-    dropped = _count(registry, "swarm_coordinator_dropped_replicas_total")
+    retries = counted(registry, "swarm_trainer_hop_failures_total")
+    replays = counted(registry, "swarm_coordinator_replays_total")
+    aborted = counted(registry, "swarm_coordinator_aborted_rounds_total")
+    dropped = counted(registry, "swarm_coordinator_dropped_replicas_total")
     assert dropped >= 1 or retries >= 1, (retries, replays, aborted, dropped)
     if point in (Point.FORWARD, Point.BACKWARD):
         # The hop in flight failed and went to the survivor. (At BACKWARD the victim dies with
@@ -156,7 +76,7 @@ def test_replica_killed_at_each_point(tmp_path: Path, point: Point, where: str) 
         # those microbatches were replayed on the survivor, from the trainer's cached boundary
         # tensors (one call each, no pipeline).
         assert aborted >= 1 and replays >= 1
-        assert _count(registry, "swarm_trainer_cached_replays_total") >= 1
+        assert counted(registry, "swarm_trainer_cached_replays_total") >= 1
 
 
 @pytest.mark.parametrize(
@@ -172,18 +92,18 @@ def test_push_plane_replica_killed_with_microbatches_in_its_hands(
     job, fault, servers = _a_victim_and_a_slow_survivor(tmp_path, point, where, "push")
     victim = servers.procs[fault.target]
     try:
-        state, registry = _train(servers)
+        state, registry = train_on(servers)
     finally:
         servers.stop()
     assert victim.proc.returncode == -signal.SIGKILL, "the fault must have killed the replica"
     assert_equal_to_local(job, state, tol=1e-9)
-    replays = _count(registry, "swarm_coordinator_replays_total")
-    unreported = _count(registry, "swarm_trainer_unreported_stages_total")
+    replays = counted(registry, "swarm_coordinator_replays_total")
+    unreported = counted(registry, "swarm_trainer_unreported_stages_total")
     if point == Point.AVERAGING:  # it died holding accepted gradients: they were replayed
         assert replays >= 1, (replays, unreported)
     else:  # the stage before it saw the push fail: the stages it may have reached went unreported
         assert unreported >= 1, (replays, unreported)
-    assert _count(registry, "swarm_trainer_cached_replays_total") == 0  # push keeps no boundary
+    assert counted(registry, "swarm_trainer_cached_replays_total") == 0  # push keeps no boundary
 
 
 @pytest.mark.parametrize("where", sorted(WHERE))
@@ -205,7 +125,7 @@ def test_source_killed_while_a_replica_downloads_its_state(tmp_path: Path, where
             servers.restart(joiner)
 
     try:
-        state, _ = _train(servers, chaos)
+        state, _ = train_on(servers, chaos)
     finally:
         servers.stop()
     assert servers.procs[fault.target].proc.returncode == -signal.SIGKILL
@@ -235,11 +155,11 @@ def test_chaos_random_replicas_killed_and_restarted(tmp_path: Path) -> None:
                 kills.append(name)
 
     try:
-        state, registry = _train(servers, chaos)
+        state, registry = train_on(servers, chaos)
     finally:
         servers.stop()
     assert len(kills) >= 4, kills
-    assert _count(registry, "swarm_coordinator_dropped_replicas_total") >= 1
+    assert counted(registry, "swarm_coordinator_dropped_replicas_total") >= 1
     assert_equal_to_local(job, state, tol=1e-9)
 
 
@@ -258,10 +178,10 @@ def test_stage_wiped_out_rolls_back_to_the_last_checkpoint(tmp_path: Path) -> No
             servers.restart("s2r0")
 
     try:
-        state, registry = _train(servers, wipe_out, tmp_path / "ckpt")
+        state, registry = train_on(servers, wipe_out, tmp_path / "ckpt")
     finally:
         servers.stop()
-    assert _count(registry, "swarm_coordinator_rollbacks_total") == 1
+    assert counted(registry, "swarm_coordinator_rollbacks_total") == 1
     assert "a rollback" in servers.procs["s1r0"].log()  # the others rolled back too
     assert_equal_to_local(job, state, tol=1e-9)
 
@@ -274,7 +194,7 @@ def test_a_checkpoint_that_cannot_be_written_does_not_stop_training(
     (tmp_path / "a-file").write_text("not a directory")
     servers = Servers(job, [1, 1, 1, 1], [], tmp_path)
     try:
-        state, _ = _train(servers, checkpoint_dir=tmp_path / "a-file" / "ckpt")
+        state, _ = train_on(servers, checkpoint_dir=tmp_path / "a-file" / "ckpt")
     finally:
         servers.stop()
     assert "checkpoint of step 2 not written" in caplog.text
@@ -291,23 +211,43 @@ def test_without_the_boundary_cache_replays_rerun_the_pipeline(tmp_path: Path) -
     fault = Fault("s1r0", Point.AVERAGING, 2)
     servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path, slow=frozenset({"s1r1"}))
     try:
-        state, registry = _train(servers)
+        state, registry = train_on(servers)
     finally:
         servers.stop()
-    assert _count(registry, "swarm_coordinator_replays_total") >= 1
-    assert _count(registry, "swarm_trainer_cached_replays_total") == 0  # no cache: full pipeline
+    assert counted(registry, "swarm_coordinator_replays_total") >= 1
+    assert counted(registry, "swarm_trainer_cached_replays_total") == 0  # no cache: full pipeline
     assert_equal_to_local(job, state, tol=1e-9)
 
 
-def test_a_recipe_job_stays_exact_through_a_kill_a_rejoin_and_a_rollback(tmp_path: Path) -> None:
+RECIPE = {"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3}
+RECIPE_TRAINING = {"steps": 14, "target_batch_size": 16, "checkpoint_every": 2}
+# Per rule: its [training] keys, and the jobs (name, [training], [optimizer]) that must end
+# elsewhere, so that no part of the recipe (the clipping, the schedule, the staleness) is idle.
+RECIPE_RULES = {
+    "sync": (
+        {},
+        [
+            ("unclipped", RECIPE_TRAINING, RECIPE),
+            ("constant", RECIPE_TRAINING | {"grad_clip": 0.3}, {}),
+        ],
+    ),
+    "delayed": (DELAYED, [("sync", RECIPE_TRAINING | {"grad_clip": 0.3}, RECIPE)]),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RECIPE_RULES))
+def test_a_recipe_job_stays_exact_through_a_kill_a_rejoin_and_a_rollback(
+    tmp_path: Path, rule: str
+) -> None:
     """A warm-up then cosine learning rate and global-norm clipping that bites: the schedule
     is a function of the step and the coefficient travels with each update, so a replay (s1r0
     dies averaging step 2), a copy that follows its source's updates (s1r0 restarted after step
     2, admitted a few steps later) and a rollback (stage 2's only replica wiped out once s1r0 is
-    back) all stay exact."""
-    recipe = {"schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-3}
-    training = {"steps": 14, "target_batch_size": 16, "checkpoint_every": 2}
-    job = write_job(tmp_path, training=training | {"grad_clip": 0.3}, optimizer=recipe)
+    back) all stay exact. With delayed_update too: the copy carries the parameters the open step
+    computes on, and so does the checkpoint every stage rolls back to."""
+    keys, elsewhere = RECIPE_RULES[rule]
+    training = RECIPE_TRAINING | {"grad_clip": 0.3} | keys
+    job = write_job(tmp_path, training=training, optimizer=RECIPE)
     fault = Fault("s1r0", Point.AVERAGING, 2)
     servers = Servers(job, [1, 2, 1, 1], [fault], tmp_path, slow=frozenset({"s1r1"}))
     victim, done = servers.procs["s1r0"], set[str]()
@@ -322,20 +262,19 @@ def test_a_recipe_job_stays_exact_through_a_kill_a_rejoin_and_a_rollback(tmp_pat
             servers.restart("s2r0")
 
     try:
-        state, registry = _train(servers, chaos, tmp_path / "ckpt")
+        state, registry = train_on(servers, chaos, tmp_path / "ckpt")
     finally:
         servers.stop()
     assert victim.proc.returncode == -signal.SIGKILL
     assert done == {"restart", "wipe"}, "s1r0 must have joined before the job ended"
-    assert _count(registry, "swarm_coordinator_replays_total") >= 1
-    assert _count(registry, "swarm_coordinator_rollbacks_total") == 1
-    assert _count(registry, "swarm_coordinator_grad_norm") > 0
+    assert counted(registry, "swarm_coordinator_replays_total") >= 1
+    assert counted(registry, "swarm_coordinator_rollbacks_total") == 1
+    assert counted(registry, "swarm_coordinator_grad_norm") > 0
     assert_equal_to_local(job, state, tol=1e-9)
-    # Neither the clipping nor the schedule is idle here: without either the result differs.
-    for other in (
-        write_job(tmp_path, "unclipped", training=training, optimizer=recipe),
-        write_job(tmp_path, "constant", training=training | {"grad_clip": 0.3}),
-    ):
+    # Neither the clipping nor the schedule (nor the staleness) is idle: without it the result
+    # differs.
+    for name, other_training, optimizer in elsewhere:
+        other = write_job(tmp_path, name, training=other_training, optimizer=optimizer)
         far = max((state[k] - v).abs().max().item() for k, v in local_state(other).items())
         assert far > 1e-4, far
 
@@ -367,16 +306,13 @@ def test_a_llama_recipe_with_evaluations_stays_exact_through_a_kill(
     servers = Servers(job, [2, 2, 2, 2], fault, tmp_path, slow=frozenset({"s2r1"}))
     victim, records = servers.procs["s2r0"], list[StepRecord]()
     try:
-        state, registry = _train(servers, records.append)
+        state, registry = train_on(servers, records.append)
     finally:
         servers.stop()
     assert victim.proc.returncode == -signal.SIGKILL
     assert_equal_to_local(job, state, tol=1e-9)
-    reference = list[StepRecord]()
-    train_local(load_job(job), on_step=reference.append)
-    evals = [(r.step, r.val_loss) for r in records if r.val_loss is not None]
-    expected = [(r.step, r.val_loss) for r in reference if r.val_loss is not None]
+    evals, expected = evaluations(records), local_evaluations(job)
     assert [s for s, _ in evals] == [s for s, _ in expected] == [0, 3, 6, 8]
     for (_, a), (_, b) in zip(evals, expected, strict=True):
         assert a is not None and b is not None and abs(a - b) <= 1e-9 * b
-    assert _count(registry, "swarm_coordinator_val_loss") == evals[-1][1]
+    assert counted(registry, "swarm_coordinator_val_loss") == evals[-1][1]

@@ -13,13 +13,13 @@ from swarm.local.procs import start_stage_servers, stop_all
 from swarm.model.transformer import build_model
 from tests.support.cli import swarm
 from tests.support.equality import assert_states_within, local_state
-from tests.swarm.model.test_init_from import LLAMA, _finetune, _pretrained  # noqa: F401
+from tests.support.pretrained import write_finetune, write_pretrained
 
 
 @pytest.mark.slow
 def test_fine_tuning_over_stage_servers_equals_swarm_local(tmp_path: Path) -> None:
-    _pretrained(tmp_path)
-    job = _finetune(tmp_path)
+    write_pretrained(tmp_path)
+    job = write_finetune(tmp_path)
     servers = start_stage_servers(job, 3, log_dir=tmp_path)
     try:
         addresses = ",".join(s.address for s in servers)

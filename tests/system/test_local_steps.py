@@ -4,7 +4,6 @@ with a replica SIGKILLed mid-round too. The rule itself: tests/swarm/model/test_
 
 from __future__ import annotations
 
-import asyncio
 import signal
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +13,6 @@ import torch
 from prometheus_client import CollectorRegistry
 from safetensors.torch import load_file
 
-from client.standalone import train_standalone
 from swarm.job.config import load_job
 from swarm.local.procs import start_local_swarm
 from swarm.model.local_steps import train_replicas
@@ -24,7 +22,7 @@ from swarm.ops.progress import StepRecord
 from tests.support.cli import swarm
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import write_job
-from tests.system.test_faults import Servers, _count
+from tests.support.servers import Servers, counted, train_on
 
 LOCAL = {"mode": "local", "sync_every": 2}
 RELAY = {"data_plane": "relay", "max_in_flight": 4}
@@ -37,26 +35,12 @@ RULES: dict[str, tuple[dict[str, object], dict[str, object]]] = {
 }
 
 
-def _train_recording(
-    servers: Servers, routes: Path, on_step: object = None
-) -> tuple[dict[str, torch.Tensor], CollectorRegistry]:
-    registry = CollectorRegistry()
-    training = train_standalone(
-        load_job(servers.job),
-        servers.replicas(),
-        registry=registry,
-        on_step=on_step,  # type: ignore[arg-type]
-        routes=routes,
-    )
-    return asyncio.run(asyncio.wait_for(training, 300)), registry
-
-
 def _train_through_a_kill(
     servers: Servers, routes: Path, victim: str
 ) -> tuple[dict[str, torch.Tensor], CollectorRegistry, list[Record]]:
     """Train, recording; `victim` must have died by SIGKILL (its fault)."""
     try:
-        state, registry = _train_recording(servers, routes)
+        state, registry = train_on(servers, routes=routes)
     finally:
         servers.stop()
     assert servers.procs[victim].proc.returncode == -signal.SIGKILL
@@ -89,7 +73,7 @@ def test_local_steps_on_two_replicas_per_stage_equal_the_reference_replaying_the
     routes = tmp_path / "routes.jsonl"
     records: list[StepRecord] = []
     try:
-        state, _ = _train_recording(servers, routes, records.append)
+        state, _ = train_on(servers, records.append, routes=routes)
     finally:
         servers.stop()
     record = list(read_routes(routes))
@@ -148,7 +132,7 @@ def test_a_replica_killed_mid_round_drops_its_round_and_the_rest_stays_exact(
     syncs = {(r.step, r.stage): r for r in record if isinstance(r, Sync)}
     if rule == "delayed" and syncs[(3, 1)].averaged is None:
         lost = 0  # step 2's sum was done before the kill: nothing applied is lost
-    assert _count(registry, "swarm_coordinator_round_dropped_samples_total") == lost
+    assert counted(registry, "swarm_coordinator_round_dropped_samples_total") == lost
     after = [r for r in record if isinstance(r, Sync) and r.stage == 1 and r.step >= 3]
     assert after and all(s.group == ("s1r1",) for s in after)
     assert_states_within(state, _replayed(job, routes), tol=1e-9)
@@ -180,7 +164,7 @@ def test_eager_a_replica_killed_in_a_rounds_background_sum_leaves_its_share_out_
     first = [r for r in record if isinstance(r, StepRuns) and summed <= r.step < 2]
     lost = sum(4 for s in first for run in s.runs if 1 in run.stages and run.chain[1] == "s1r0")
     assert lost > 0
-    assert _count(registry, "swarm_coordinator_round_dropped_samples_total") == lost
+    assert counted(registry, "swarm_coordinator_round_dropped_samples_total") == lost
     syncs = {(r.step, r.stage): r for r in record if isinstance(r, Sync)}
     assert syncs[(1, 1)].group == ("s1r0", "s1r1") and syncs[(1, 1)].averaged is None
     assert syncs[(after, 1)].group == ("s1r1",) and syncs[(after, 1)].averaged == ("s1r1",)
@@ -223,7 +207,7 @@ def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact
 
     routes = tmp_path / "routes.jsonl"
     try:
-        state, _ = _train_recording(servers, routes, chaos)
+        state, _ = train_on(servers, chaos, routes=routes)
     finally:
         servers.stop()
     assert victim.proc.returncode == -signal.SIGKILL and restarted

@@ -29,15 +29,7 @@ from swarm.rpc.stage_client import StageClient
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
-from tests.swarm.net.test_tls import HOSTS, _identity  # noqa: F401
-
-
-def _unchecked(identity: tls.Tls, pki: Path, name: str) -> tls.Tls:
-    """`identity` showing `pki/ours/NAME` (which `Tls.load` would refuse: expired)."""
-    cert, key = pki / "ours" / f"{name}.pem", pki / "ours" / f"{name}.key"
-    return tls.Tls(
-        identity.ca, cert.read_bytes(), key.read_bytes(), False, identity.ca_path, cert, key
-    )
+from tests.support.tls import load_identity, mutual_env, no_identity, unchecked  # noqa: F401
 
 
 def _server(
@@ -69,12 +61,13 @@ async def _info(job: Path, address: str, token: str | None) -> int:
 def test_a_tls_stage_server_serves_its_ca_and_refuses_strangers(tmp_path: Path, pki: Path) -> None:
     job, server = _server(tmp_path, pki, mutual=False, token="s3cret")
     try:
-        tls.configure(_identity(pki, "ours", None))  # trusts our CA, shows no certificate
+        tls.configure(load_identity(pki, "ours", None))  # trusts our CA, shows no certificate
         assert asyncio.run(_info(job, server.address, "s3cret")) == 0
         with pytest.raises(RemoteError, match="UNAUTHENTICATED"):  # TLS is no pass: token too
             asyncio.run(_info(job, server.address, "wrong"))
         before = tls.REFUSED._value.get()
-        tls.configure(_identity(pki, "theirs", None))  # trusts another CA: the server is a stranger
+        # trusts another CA: the server is a stranger
+        tls.configure(load_identity(pki, "theirs", None))
         with pytest.raises(PeerUnavailable, match="TLS refused"):
             asyncio.run(_info(job, server.address, "s3cret"))
         assert tls.REFUSED._value.get() == before + 1
@@ -91,17 +84,17 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_of_the_ca(
 ) -> None:
     job, server = _server(tmp_path, pki, mutual=True, token=None)
     try:
-        tls.configure(_identity(pki, "ours", "client"))
+        tls.configure(load_identity(pki, "ours", "client"))
         assert asyncio.run(_info(job, server.address, None)) == 0
         refused = tls.REFUSED._value.get()
         for identity in (
-            _identity(pki, "ours", None),  # no certificate
+            load_identity(pki, "ours", None),  # no certificate
             tls.Tls(  # a certificate of another CA (trusting ours: it reaches the server)
-                _identity(pki, "ours", None).ca,
+                load_identity(pki, "ours", None).ca,
                 (pki / "theirs" / "client.pem").read_bytes(),
                 (pki / "theirs" / "client.key").read_bytes(),
             ),
-            _unchecked(_identity(pki, "ours", None), pki, "expired"),  # ours, but expired
+            unchecked(load_identity(pki, "ours", None), pki, "expired"),  # ours, but expired
         ):
             tls.configure(identity)
             with pytest.raises(PeerUnavailable, match="TLS refused"):
@@ -116,19 +109,12 @@ def test_a_whole_swarm_trains_over_mutual_tls_with_the_token(tmp_path: Path, pki
     """Scheduler, embedded broker (mqtts), stage servers and the job API, every connection
     TLS with client certificates and the token: a job trains to its end and exports exactly
     what `swarm local` trains."""
-    ours = pki / "ours"
-    env = {
-        "SWARM_TLS_CA": str(ours / "ca.pem"),
-        "SWARM_TLS_CERT": str(ours / "server.pem"),
-        "SWARM_TLS_KEY": str(ours / "server.key"),
-        "SWARM_TLS_MUTUAL": "1",
-        "SWARM_TOKEN": "s3cret",
-    }
+    env = mutual_env(pki, "s3cret")
     job = write_job(tmp_path, training={"stages": 2, "steps": 6})
     sw, _ = start_local_swarm([1.0, 1.0, 1.0], log_dir=tmp_path, env=env)
     try:
         assert sw.broker.startswith("mqtts://")
-        tls.configure(_identity(pki, "ours", "client"))
+        tls.configure(load_identity(pki, "ours", "client"))
 
         async def train() -> scheduler_pb2.JobStatus:
             async with SchedulerClient(sw.address, token="s3cret") as client:

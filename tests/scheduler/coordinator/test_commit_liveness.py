@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from swarm.rpc.stage_client import StageClient
 from swarm.rpc.status import ERROR_KEY, MISSING_KEY, error_metadata, from_rpc_error
 from swarm.wire import chunking as wire
 from swarm.wire.codec import encode
-from tests.support.coordinator import Harness, job_of
+from tests.support.coordinator import MakeHarness, job_of
 from tests.support.jobs import make_job
 from tests.support.pools import JOB, replicas
 from tests.support.ports import free_address
@@ -44,24 +43,11 @@ from tests.support.replicas import FakeSwarm, Prepared
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-async def made() -> AsyncIterator[list[Harness]]:
-    harnesses: list[Harness] = []
-    yield harnesses
-    for h in harnesses:
-        await h.coordinator.close()
-
-
-def _harness(made: list[Harness], job: JobConfig, swarm: FakeSwarm, **kwargs: Any) -> Harness:
-    made.append(Harness(job, swarm, **kwargs))
-    return made[-1]
-
-
 # --- the coordinator, against in-memory replicas ---------------------------------------------
 
 
 async def test_two_replicas_that_cannot_reach_each_other_keep_one_and_the_step_commits(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
@@ -69,7 +55,7 @@ async def test_two_replicas_that_cannot_reach_each_other_keep_one_and_the_step_c
     a.cannot_reach(b)
     b.cannot_reach(a)  # every round of both aborts, each naming the other
     said: list[str] = []
-    h = _harness(made, job, swarm, on_status=said.append)
+    h = make_harness(job, swarm, on_status=said.append)
     await h.coordinator.start()
     first, second = await h.lease()
     await h.run(first, {0: "a"})
@@ -89,7 +75,7 @@ async def test_two_replicas_that_cannot_reach_each_other_keep_one_and_the_step_c
 
 
 async def test_the_replica_the_others_cannot_reach_is_left_out(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path, target_batch_size=12)  # three microbatches
     swarm = FakeSwarm(fingerprint(job), 2)
@@ -98,7 +84,7 @@ async def test_the_replica_the_others_cannot_reach_is_left_out(
     x.cannot_reach(a, b)
     a.cannot_reach(x)
     b.cannot_reach(x)
-    h = _harness(made, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     tasks = await h.lease()
     for task, peer in zip(tasks, "xab", strict=True):
@@ -113,7 +99,7 @@ async def test_the_replica_the_others_cannot_reach_is_left_out(
 
 
 async def test_rounds_that_keep_failing_without_a_culprit_fail_the_job_after_the_bound(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = make_job(
         tmp_path,
@@ -123,7 +109,7 @@ async def test_rounds_that_keep_failing_without_a_culprit_fail_the_job_after_the
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     b.fail("prepare", *(Aborted("a member did not send its part") for _ in range(50)))
-    h = _harness(made, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     first, second = await h.lease()
     await h.run(first, {0: "a"})

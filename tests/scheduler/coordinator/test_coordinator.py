@@ -5,47 +5,31 @@ calls, a `FakeClock` for leases and backoff)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from swarm.errors import Aborted, PeerUnavailable
-from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.model import checkpoint
 from swarm.model.stage_state import initial_state
 from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import Task
-from tests.support.coordinator import LEASE_S, Harness, job_of, until
+from tests.support.coordinator import LEASE_S, Harness, MakeHarness, job_of, until
 from tests.support.disks import fill, tiny_disk
 from tests.support.replicas import FakeReplica, FakeSwarm, Prepared
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-async def harnesses() -> AsyncIterator[list[Harness]]:
-    made: list[Harness] = []
-    yield made
-    for h in made:
-        await h.coordinator.close()
-
-
-def _harness(made: list[Harness], job: JobConfig, swarm: FakeSwarm, **kwargs: Any) -> Harness:
-    made.append(Harness(job, swarm, **kwargs))
-    return made[-1]
-
-
 async def test_commit_prepares_every_replica_then_applies_and_opens_the_next_step(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     assert await h.coordinator.start() == 0
     tasks = await h.lease()
     assert tasks == [Task(0, 0, frozenset({0, 1})), Task(0, 1, frozenset({0, 1}))]
@@ -70,12 +54,12 @@ async def test_commit_prepares_every_replica_then_applies_and_opens_the_next_ste
 
 
 async def test_receipts_beyond_the_ledger_void_the_replica_before_prepare(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     first, _ = await h.lease()
     await h.run(first, {0: "a"})
@@ -97,7 +81,7 @@ async def test_receipts_beyond_the_ledger_void_the_replica_before_prepare(
 
 
 async def test_a_clean_step_goes_straight_to_prepare_which_refuses_an_unknown_receipt(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """Nothing suspect happened in the step (no lease ran out, nothing given back or left out):
     its commit asks no replica for its receipts first, one round trip less. A receipt the
@@ -106,7 +90,7 @@ async def test_a_clean_step_goes_straight_to_prepare_which_refuses_an_unknown_re
     job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()  # (which asks every replica where it stands)
     looked = [len(r.called("info")) for r in (a, b, c)]
     await h.step({0: "a"})
@@ -128,13 +112,13 @@ async def test_a_clean_step_goes_straight_to_prepare_which_refuses_an_unknown_re
 
 
 async def test_a_replica_gone_during_prepare_is_dropped_and_the_step_commits_after_replay(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     a.fail("prepare", PeerUnavailable("UNAVAILABLE: connection refused"))
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     first, second = await h.lease()
     await h.run(first, {0: "a"})
@@ -150,13 +134,13 @@ async def test_a_replica_gone_during_prepare_is_dropped_and_the_step_commits_aft
 
 
 async def test_an_aborted_round_is_retried_under_a_new_round_id(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     b.fail("prepare", Aborted("round 0/0: a member did not send its part"))
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     first, second = await h.lease()
     await h.run(first, {0: "a"})
@@ -168,12 +152,12 @@ async def test_an_aborted_round_is_retried_under_a_new_round_id(
 
 
 async def test_a_joiner_copies_a_member_at_the_boundary_and_one_that_fails_backs_off(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path, steps=5)
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     n, m = swarm.add(0, "n"), swarm.add(1, "m")  # appear during step 0
     m.fail("join", PeerUnavailable("UNAVAILABLE: m is not listening yet"))
@@ -201,12 +185,12 @@ async def test_a_joiner_copies_a_member_at_the_boundary_and_one_that_fails_backs
 
 
 async def test_a_lost_stage_rolls_every_stage_back_to_the_last_checkpoint(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path, steps=5, checkpoint_every=2)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm, checkpoint_dir=tmp_path / "checkpoints")
+    h = make_harness(job, swarm, checkpoint_dir=tmp_path / "checkpoints")
     await h.coordinator.start()
     for _ in range(3):
         await h.step()
@@ -226,12 +210,12 @@ async def test_a_lost_stage_rolls_every_stage_back_to_the_last_checkpoint(
 
 
 async def test_without_a_checkpoint_a_rollback_goes_to_step_0s_initial_state(
-    tmp_path: Path, harnesses: list[Harness], caplog: pytest.LogCaptureFixture
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
 ) -> None:
     job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, _ = swarm.add(0, "a"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     await h.step()
     swarm.remove("c")
@@ -248,14 +232,14 @@ async def test_without_a_checkpoint_a_rollback_goes_to_step_0s_initial_state(
 
 
 async def _a_straggler_and_b(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> tuple[Harness, FakeReplica, FakeReplica, FakeReplica, Task, Task]:
     """p and q at stage 0, c at stage 1. Trainer A leases microbatch 0 and is slow: its lease
     expires and B leases both microbatches (returned)."""
     job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     p, q, c = swarm.add(0, "p"), swarm.add(0, "q"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     assert await h.lease("A", 1) == [Task(0, 0, frozenset({0, 1}))]
     h.clock.advance(LEASE_S + 1)
@@ -264,9 +248,9 @@ async def _a_straggler_and_b(
 
 
 async def test_a_void_landing_while_the_commit_gathers_receipts_stops_the_prepare(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    h, p, q, c, first, second = await _a_straggler_and_b(tmp_path, harnesses)
+    h, p, q, c, first, second = await _a_straggler_and_b(tmp_path, make_harness)
     straggler = await h.run(first, {0: "p"}, trainer="A", report=False)
     gathering = p.hold("info")
     await h.run(first, {0: "q"}, trainer="B")
@@ -286,9 +270,9 @@ async def test_a_void_landing_while_the_commit_gathers_receipts_stops_the_prepar
 
 
 async def test_a_duplicate_reported_while_apply_runs_leaves_the_replica_in_the_commit(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    h, p, q, c, first, second = await _a_straggler_and_b(tmp_path, harnesses)
+    h, p, q, c, first, second = await _a_straggler_and_b(tmp_path, make_harness)
     applying = p.hold("apply")
     await h.run(first, {0: "q"}, trainer="B")
     await h.run(second, {0: "p"}, trainer="B")  # complete: p and q prepare, then apply
@@ -310,12 +294,12 @@ async def test_a_duplicate_reported_while_apply_runs_leaves_the_replica_in_the_c
 
 @pytest.mark.parametrize("method", ["info", "prepare"])
 async def test_a_missed_deadline_on_a_one_replica_stage_readmits_the_replica_without_rollback(
-    tmp_path: Path, harnesses: list[Harness], method: str
+    tmp_path: Path, make_harness: MakeHarness, method: str
 ) -> None:
     job = job_of(tmp_path, steps=5)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     await h.step()
     # Step 1: c (stage 1's only replica) misses one deadline in the commit and is dropped.
@@ -340,12 +324,12 @@ async def test_a_missed_deadline_on_a_one_replica_stage_readmits_the_replica_wit
 
 
 async def test_a_release_while_apply_is_in_flight_does_not_drop_replicas_that_applied(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path, steps=5)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     applying = c.hold("apply")
     for task in await h.lease():
@@ -363,7 +347,7 @@ async def test_a_release_while_apply_is_in_flight_does_not_drop_replicas_that_ap
 
 # -- field hardening: nothing stops the world ----------------------------------------------------
 async def test_a_join_and_a_checkpoint_in_flight_hold_up_no_step(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """A joiner's copy (a large stage over a slow link) and a checkpoint's download take as
     long as they take: the next steps train meanwhile, and the joiner becomes a member once it is
@@ -371,7 +355,7 @@ async def test_a_join_and_a_checkpoint_in_flight_hold_up_no_step(
     job = job_of(tmp_path, steps=6, checkpoint_every=1)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm, checkpoint_dir=tmp_path / "checkpoints")
+    h = make_harness(job, swarm, checkpoint_dir=tmp_path / "checkpoints")
     await h.coordinator.start()
     n = swarm.add(0, "n")
     copying = n.hold("join")  # its copy is under way until the test lets it go
@@ -398,20 +382,20 @@ async def test_a_join_and_a_checkpoint_in_flight_hold_up_no_step(
 
 
 async def test_every_replica_restarted_fresh_resumes_from_the_last_sealed_checkpoint(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path, steps=6, checkpoint_every=2)
     checkpoints = tmp_path / "checkpoints"
     first = FakeSwarm(fingerprint(job), 2)
     first.add(0, "a"), first.add(1, "c")
-    h = _harness(harnesses, job, first, checkpoint_dir=checkpoints)
+    h = make_harness(job, first, checkpoint_dir=checkpoints)
     await h.coordinator.start()
     for _ in range(3):
         await h.step()
     await h.coordinator.close()  # the scheduler stops; every replica restarts empty
     swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
-    again = _harness(harnesses, job, swarm, checkpoint_dir=checkpoints)
+    again = make_harness(job, swarm, checkpoint_dir=checkpoints)
     assert await again.coordinator.start() == 2  # not step 0: the checkpoint of step 2
     assert a.called("load_state") == [2] and c.called("load_state") == [2]
     assert a.state["w"].item() == 2.0 and c.state["w"].item() == 2.0
@@ -424,7 +408,7 @@ async def test_every_replica_restarted_fresh_resumes_from_the_last_sealed_checkp
 
 
 async def test_startup_reconcile_leaves_out_an_unreachable_replica_and_it_rejoins_later(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path, steps=6)
     swarm = FakeSwarm(fingerprint(job), 2)
@@ -432,7 +416,7 @@ async def test_startup_reconcile_leaves_out_an_unreachable_replica_and_it_rejoin
     b = swarm.add(0, "b", step=3)
     b.fail("info", PeerUnavailable("DEADLINE_EXCEEDED: deadline exceeded"))
     b.fail("join", PeerUnavailable("UNAVAILABLE: connection refused"))
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     assert await h.coordinator.start() == 3
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
     await until(lambda: len(b.called("join")) == 1)  # its first try, in the background, failed
@@ -444,13 +428,13 @@ async def test_startup_reconcile_leaves_out_an_unreachable_replica_and_it_rejoin
 
 
 async def test_a_checkpoint_on_a_full_disk_is_skipped_and_training_goes_on(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path, steps=4, checkpoint_every=1)
     with tiny_disk(tmp_path / "disk") as disk:
         swarm = FakeSwarm(fingerprint(job), 2)
         swarm.add(0, "a"), swarm.add(1, "c")
-        h = _harness(harnesses, job, swarm, checkpoint_dir=disk / "checkpoints")
+        h = make_harness(job, swarm, checkpoint_dir=disk / "checkpoints")
         await h.coordinator.start()
         await h.step()  # the checkpoint of step 1, with room
         filler = fill(disk)
@@ -468,14 +452,14 @@ async def test_a_checkpoint_on_a_full_disk_is_skipped_and_training_goes_on(
 
 
 async def test_only_the_newest_sealed_checkpoints_are_kept(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """Issue 27, item 17: every sealed checkpoint stayed, so a long job filled the disk."""
     job = job_of(tmp_path, steps=6, checkpoint_every=1)
     checkpoints = tmp_path / "checkpoints"
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
-    h = _harness(harnesses, job, swarm, checkpoint_dir=checkpoints)
+    h = make_harness(job, swarm, checkpoint_dir=checkpoints)
     await h.coordinator.start()
     for _ in range(6):
         await h.step()  # and its checkpoint sealed
@@ -484,7 +468,7 @@ async def test_only_the_newest_sealed_checkpoints_are_kept(
     fewer = job_of(tmp_path, steps=6, checkpoint_every=1, keep_checkpoints=1)
     swarm = FakeSwarm(fingerprint(fewer), 2)
     swarm.add(0, "a", step=6), swarm.add(1, "c", step=6)
-    h = _harness(harnesses, fewer, swarm, checkpoint_dir=checkpoints)
+    h = make_harness(fewer, swarm, checkpoint_dir=checkpoints)
     assert fingerprint(fewer) == fingerprint(job)  # how many are kept changes no parameter
     await h.coordinator.start()
     await h.coordinator.recovery.save(6, h.coordinator.replicas())
@@ -492,7 +476,7 @@ async def test_only_the_newest_sealed_checkpoints_are_kept(
 
 
 async def test_trainers_heard_from_share_a_step_and_one_gone_stops_counting(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     # A trainer that asks first (the scheduler's embedded one, in-process) must not take the
     # whole step while another waits; a trainer silent for a lease timeout stops counting.
@@ -500,7 +484,7 @@ async def test_trainers_heard_from_share_a_step_and_one_gone_stops_counting(
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a")
     swarm.add(1, "b")
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     assert (await h.coordinator.lease("remote", 0)).tasks == []  # heard from, no free slot
     first = await h.coordinator.lease("embedded", 8)
@@ -515,14 +499,14 @@ async def test_trainers_heard_from_share_a_step_and_one_gone_stops_counting(
 
 @pytest.mark.parametrize(("grad_clip", "scale"), [(0.0, 1.0), (10.0, 1.0), (1.0, 1 / (5 + 1e-6))])
 async def test_every_apply_carries_one_coefficient_from_the_whole_models_norm(
-    tmp_path: Path, harnesses: list[Harness], grad_clip: float, scale: float
+    tmp_path: Path, make_harness: MakeHarness, grad_clip: float, scale: float
 ) -> None:
     job = job_of(tmp_path, grad_clip=grad_clip)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     a.sq_norm = b.sq_norm = 9.0  # a pool averages to the same sums: one norm per stage
     c.sq_norm = 16.0  # the whole model's norm: sqrt(9 + 16) = 5
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     await h.step()
     assert a.scales == b.scales == c.scales == [scale]
@@ -530,12 +514,12 @@ async def test_every_apply_carries_one_coefficient_from_the_whole_models_norm(
 
 
 async def test_a_half_applied_clipped_step_is_finished_with_the_coefficient_it_was_applied_with(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path, steps=5, grad_clip=1.0)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, c = swarm.add(0, "a"), swarm.add(1, "c")
-    first = _harness(harnesses, job, swarm)
+    first = make_harness(job, swarm)
     await first.coordinator.start()
     await first.step()
     # Step 1: the coordinator dies after c applied it (clipped) and before a did.
@@ -547,21 +531,21 @@ async def test_a_half_applied_clipped_step_is_finished_with_the_coefficient_it_w
     await first.coordinator.close()
     assert (a.step, a.prepared is not None, c.applied) == (1, True, (1, 1 / (2 + 1e-6)))
     a.gates.clear()
-    again = _harness(harnesses, job, swarm)
+    again = make_harness(job, swarm)
     assert await again.coordinator.start() == 2
     assert a.step == 2 and a.scales[-1] == c.scales[-1] == 1 / (2 + 1e-6)
     assert not a.called("join")
 
 
 async def test_a_half_applied_clipped_step_whose_coefficient_is_unknown_is_copied(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = job_of(tmp_path, steps=5, grad_clip=1.0)
     swarm = FakeSwarm(fingerprint(job), 2)
     a = swarm.add(0, "a")
     swarm.add(0, "b", step=1), swarm.add(1, "c", step=1)
     a.step, a.prepared = 0, Prepared(0, [], 8, ["fake:a"], 0, "0/0")  # applied by no one here
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     assert await h.coordinator.start() == 1
     assert not a.called("apply")  # with a guessed coefficient it could differ from b's
     await until(lambda: len(h.coordinator.replicas()[0]) == 2)
@@ -569,7 +553,7 @@ async def test_a_half_applied_clipped_step_whose_coefficient_is_unknown_is_copie
 
 
 async def test_a_long_poll_never_cancels_the_commit_it_waited_on(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """The scheduler's `on_step` publishes the step (a broker round trip) after the next step
     has opened. A trainer long-polling meanwhile waits on that commit's task too; when its wait
@@ -584,7 +568,7 @@ async def test_a_long_poll_never_cancels_the_commit_it_waited_on(
         await release.wait()
         finished.append(record.step)
 
-    h = _harness(harnesses, job, swarm)
+    h = make_harness(job, swarm)
     h.coordinator.on_step = publish
     await h.coordinator.start()
     tasks = await h.lease("A", 2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,50 +22,15 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.store import JobStore
 from swarm.clock import FakeClock
 from swarm.errors import PeerUnavailable
-from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.rpc.lease import Lease, MicrobatchResult, Task, Working
 from tests.support.api import start_api
+from tests.support.coordinator import LEASE_S, MakeHarness, job_of
 from tests.support.jobs import BASE, make_job, render
 from tests.support.ports import free_address
 from tests.support.replicas import FakeSwarm
 
 pytestmark = pytest.mark.timeout(60)
-
-LEASE_S = 10.0  # the jobs' lease timeout, on the fake clock
-
-
-def _job(tmp_path: Path) -> JobConfig:
-    # Two stages, two microbatches of 4 samples per step.
-    training = {"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": 3}
-    return make_job(tmp_path, training=training, runtime={"lease_timeout_s": LEASE_S})
-
-
-@pytest.fixture
-async def made() -> AsyncIterator[list[LocalCoordinator]]:
-    coordinators: list[LocalCoordinator] = []
-    yield coordinators
-    for c in coordinators:
-        await c.close()
-
-
-def _coordinator(
-    made: list[LocalCoordinator], job: JobConfig, swarm: FakeSwarm, clock: FakeClock
-) -> LocalCoordinator:
-    made.append(
-        LocalCoordinator(job, swarm.job_id, swarm.members, connect=swarm.connect, clock=clock)
-    )
-    return made[-1]
-
-
-async def _report(
-    c: LocalCoordinator, swarm: FakeSwarm, index: int, holders: dict[int, str], trainer: str = "t"
-) -> None:
-    """A trainer's Backwards landed at `holders` (stage -> peer) and it reports them."""
-    for peer in holders.values():
-        swarm[peer].accumulate(index)
-    loss = 1.0 if 1 in holders else None
-    await c.report(trainer, MicrobatchResult(0, index, holders, loss, 4))
 
 
 async def _leased(c: LocalCoordinator, trainer: str = "t", count: int = 8) -> list[Task]:
@@ -93,12 +58,13 @@ def test_a_renewed_lease_is_not_leased_again_however_long_its_work_takes() -> No
 
 
 async def test_a_lease_renews_the_trainers_work_in_flight(
-    tmp_path: Path, made: list[LocalCoordinator]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    job, clock = _job(tmp_path), FakeClock()
+    job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
-    c = _coordinator(made, job, swarm, clock)
+    h = make_harness(job, swarm)
+    c, clock = h.coordinator, h.clock
     await c.start()
     assert [t.index for t in (await c.lease("A", 1)).tasks] == [0]
     for _ in range(4):  # A works on microbatch 0 for 4 lease timeouts, renewing it
@@ -106,7 +72,7 @@ async def test_a_lease_renews_the_trainers_work_in_flight(
         await c.lease("A", 0, working=[(0, 0)])
         assert [t.index for t in (await c.lease("B", 8)).tasks] in ([1], [])
     assert 0 not in [t.index for t in (await c.lease("B", 8)).tasks]
-    await _report(c, swarm, 0, {0: "a", 1: "c"}, trainer="A")  # A's work counts: no void
+    await h.land(0, 0, {0: "a", 1: "c"}, trainer="A")  # A's work counts: no void
     assert not swarm["a"].called("discard")
 
 
@@ -140,16 +106,17 @@ class _Counting:
 
 
 async def test_an_idle_trainer_asks_a_handful_of_times_not_every_20ms(
-    tmp_path: Path, made: list[LocalCoordinator]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    job, clock = _job(tmp_path), FakeClock()
+    job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, _ = swarm.add(0, "a"), swarm.add(1, "c")
     gate = a.hold("prepare")  # the step's commit is in flight, held here: no work for anyone
-    c = _coordinator(made, job, swarm, clock)
+    h = make_harness(job, swarm)
+    c = h.coordinator
     await c.start()
     for task in (await c.lease("t", 8)).tasks:
-        await _report(c, swarm, task.index, {0: "a", 1: "c"})
+        await h.land(0, task.index, {0: "a", 1: "c"})
     await asyncio.wait_for(gate.entered.wait(), 5)
     source = _Counting(c)
     trainer = PipelineTrainer(job, source)  # type: ignore[arg-type]
@@ -164,16 +131,17 @@ async def test_an_idle_trainer_asks_a_handful_of_times_not_every_20ms(
 
 
 async def test_a_waiting_lease_answers_as_soon_as_work_appears(
-    tmp_path: Path, made: list[LocalCoordinator]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    job, clock = _job(tmp_path), FakeClock()
+    job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, _ = swarm.add(0, "a"), swarm.add(1, "c")
     gate = a.hold("prepare")
-    c = _coordinator(made, job, swarm, clock)
+    h = make_harness(job, swarm)
+    c = h.coordinator
     await c.start()
     for task in (await c.lease("t", 8)).tasks:
-        await _report(c, swarm, task.index, {0: "a", 1: "c"})
+        await h.land(0, task.index, {0: "a", 1: "c"})
     await asyncio.wait_for(gate.entered.wait(), 5)
     waiting = asyncio.create_task(c.lease("t", 8, wait_s=30.0))
     await asyncio.sleep(0.3)
@@ -193,17 +161,17 @@ async def test_a_waiting_lease_answers_as_soon_as_work_appears(
 
 # -- fair shares --------------------------------------------------------------------------------
 async def test_a_trainer_asking_again_and_again_leaves_a_waiting_trainer_its_share(
-    tmp_path: Path, made: list[LocalCoordinator]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """The scheduler's embedded trainer is in-process: with free slots it leases again at once,
     before a remote trainer's long poll can wake. A share is of the trainer's total holding, not
     of one call, so a trainer waiting for work still gets its half of the step."""
     training = {"stages": 2, "microbatch_size": 4, "target_batch_size": 16, "steps": 3}
     job = make_job(tmp_path, training=training, runtime={"lease_timeout_s": LEASE_S})
-    clock = FakeClock()
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
-    c = _coordinator(made, job, swarm, clock)
+    h = make_harness(job, swarm)
+    c, clock = h.coordinator, h.clock
     await c.start()
     assert (await c.lease("remote", 0)).tasks == []  # heard, holding no work
     embedded = [t.index for _ in range(4) for t in (await c.lease("embedded", 1)).tasks]
@@ -216,18 +184,19 @@ async def test_a_trainer_asking_again_and_again_leaves_a_waiting_trainer_its_sha
 
 # -- late receipts ------------------------------------------------------------------------------
 async def test_a_late_receipt_for_a_microbatch_still_needed_is_adopted(
-    tmp_path: Path, made: list[LocalCoordinator]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    job, clock = _job(tmp_path), FakeClock()
+    job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c_ = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
-    c = _coordinator(made, job, swarm, clock)
+    h = make_harness(job, swarm)
+    c = h.coordinator
     await c.start()
     assert [t.index for t in await _leased(c)] == [0, 1]
-    await _report(c, swarm, 0, {0: "a", 1: "c"})
+    await h.land(0, 0, {0: "a", 1: "c"})
     # Microbatch 1: its Backward at stage 0 on b timed out at the trainer, which reported stage
     # 1 only; the Backward completed on b all the same.
-    await _report(c, swarm, 1, {1: "c"})
+    await h.land(0, 1, {1: "c"})
     b.accumulate(1)
     # The ledger still needs (1, stage 0) and b holds it: adopted, not replayed; the step
     # commits and the next lease is the next step's work.
@@ -240,22 +209,23 @@ async def test_a_late_receipt_for_a_microbatch_still_needed_is_adopted(
 
 
 async def test_a_released_microbatchs_late_receipts_are_adopted_and_the_rest_replayed(
-    tmp_path: Path, made: list[LocalCoordinator]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    job, clock = _job(tmp_path), FakeClock()
+    job = job_of(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c_ = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
-    c = _coordinator(made, job, swarm, clock)
+    h = make_harness(job, swarm)
+    c = h.coordinator
     await c.start()
     await _leased(c)
-    await _report(c, swarm, 0, {0: "a", 1: "c"})
+    await h.land(0, 0, {0: "a", 1: "c"})
     # Microbatch 1 failed at stage 0 on every try and was given back; its ForwardBackward at
     # stage 1 had landed on c.
     c_.accumulate(1)
     await c.release("t", [1])
     replay = await _leased(c, "u")
     assert replay == [Task(0, 1, frozenset({0}))]  # stage 1 adopted: stage 0 alone is replayed
-    await _report(c, swarm, 1, {0: "b"}, trainer="u")
+    await h.land(0, 1, {0: "b"}, trainer="u")
     for _ in range(500):
         if a.step == 1:
             break

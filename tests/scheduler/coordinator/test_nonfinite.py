@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -17,20 +16,12 @@ from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetric
 from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.job.fingerprint import fingerprint
 from swarm.model import checkpoint
-from tests.support.coordinator import Harness, job_of, until
+from tests.support.coordinator import MakeHarness, job_of, until
 from tests.support.replicas import FakeSwarm
 
 pytestmark = pytest.mark.timeout(60)
 
 _COUNTER = "swarm_coordinator_nonfinite_gradients_total"
-
-
-@pytest.fixture
-async def made() -> AsyncIterator[list[Harness]]:
-    harnesses: list[Harness] = []
-    yield harnesses
-    for h in harnesses:
-        await h.coordinator.close()
 
 
 @pytest.mark.parametrize(
@@ -43,7 +34,7 @@ async def made() -> AsyncIterator[list[Harness]]:
 )
 async def test_a_non_finite_norm_applies_nothing_and_fails_the_job(
     tmp_path: Path,
-    made: list[Harness],
+    make_harness: MakeHarness,
     peer: str,
     stage: int,
     norm: float,
@@ -55,8 +46,7 @@ async def test_a_non_finite_norm_applies_nothing_and_fails_the_job(
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(swarm.job_id, families=CoordinatorFamilies(registry))
     ckpt = tmp_path / "ckpt"
-    h = Harness(job, swarm, metrics=metrics, checkpoint_dir=ckpt)
-    made.append(h)
+    h = make_harness(job, swarm, metrics=metrics, checkpoint_dir=ckpt)
     await h.coordinator.start()
     await h.step()  # step 0 commits; the checkpoint of step 1 is sealed
     assert checkpoint.latest(ckpt) == 1
@@ -86,7 +76,7 @@ async def test_a_non_finite_norm_applies_nothing_and_fails_the_job(
 
 
 async def test_a_replica_that_refuses_to_apply_a_non_finite_gradient_fails_the_job(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """Every norm PREPARE answered was finite, yet a replica refuses its APPLY (its prepared sums
     are not): the coordinator fails the job rather than go on without that stage's update."""
@@ -96,8 +86,7 @@ async def test_a_replica_that_refuses_to_apply_a_non_finite_gradient_fails_the_j
     swarm["c"].fail("apply", NonFiniteGradient("stage 1 step 0: the prepared gradient is NaN"))
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(swarm.job_id, families=CoordinatorFamilies(registry))
-    h = Harness(job, swarm, metrics=metrics)
-    made.append(h)
+    h = make_harness(job, swarm, metrics=metrics)
     await h.coordinator.start()
     for task in await h.lease():
         await h.run(task)

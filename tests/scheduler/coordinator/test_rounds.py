@@ -5,7 +5,6 @@ samples counted and said), joins only where a round starts, and the route record
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -13,19 +12,11 @@ import pytest
 from swarm.errors import PeerUnavailable
 from swarm.job.fingerprint import fingerprint
 from swarm.model.routes import Join, Record, StepRuns, Sync
-from tests.support.coordinator import LEASE_S, Harness, until
+from tests.support.coordinator import LEASE_S, Harness, MakeHarness, until
 from tests.support.jobs import make_job
 from tests.support.replicas import FakeSwarm, Prepared
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def made() -> AsyncIterator[list[Harness]]:
-    harnesses: list[Harness] = []
-    yield harnesses
-    for h in harnesses:
-        await h.coordinator.close()
 
 
 def _local(tmp_path: Path, steps: int = 4, overlap: str = "none") -> object:
@@ -36,22 +27,23 @@ def _local(tmp_path: Path, steps: int = 4, overlap: str = "none") -> object:
     return make_job(tmp_path, training=training, runtime=runtime, pool=pool)
 
 
-def _pools(job: object, made: list[Harness]) -> tuple[FakeSwarm, Harness, list[Record], list[str]]:
+def _pools(
+    job: object, make_harness: MakeHarness
+) -> tuple[FakeSwarm, Harness, list[Record], list[str]]:
     """Stage 0 of a and b, stage 1 of c; the harness records the routes and what it says."""
     swarm = FakeSwarm(fingerprint(job), 2)  # type: ignore[arg-type]
     swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     records: list[Record] = []
     said: list[str] = []
-    h = Harness(job, swarm, on_route=records.append, on_status=said.append)  # type: ignore[arg-type]
-    made.append(h)
+    h = make_harness(job, swarm, on_route=records.append, on_status=said.append)  # type: ignore[arg-type]
     return swarm, h, records, said
 
 
 async def test_local_steps_commit_alone_and_rounds_average_the_pool(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     job = _local(tmp_path)
-    swarm, h, records, said = _pools(job, made)
+    swarm, h, records, said = _pools(job, make_harness)
     a, b, c = swarm["a"], swarm["b"], swarm["c"]
     await h.coordinator.start()
     await h.step({0: "a"})  # microbatch 0 at a, 1 at a: b took none in step 0
@@ -83,13 +75,14 @@ async def test_local_steps_commit_alone_and_rounds_average_the_pool(
     assert [r.step for r in runs] == [0, 1, 2, 3]
 
 
-async def test_a_copy_joins_only_where_a_round_starts(tmp_path: Path, made: list[Harness]) -> None:
+async def test_a_copy_joins_only_where_a_round_starts(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
     job = _local(tmp_path, steps=6)
     swarm = FakeSwarm(fingerprint(job), 2)  # type: ignore[arg-type]
     swarm.add(0, "a"), swarm.add(1, "c")
     records: list[Record] = []
-    h = Harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
-    made.append(h)
+    h = make_harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
     await h.coordinator.start()
     tasks = await h.lease()
     swarm.add(0, "b", step=0)  # comes during step 0: it copies a from step 1 on, mid-round
@@ -105,7 +98,7 @@ async def test_a_copy_joins_only_where_a_round_starts(tmp_path: Path, made: list
 
 
 async def test_eager_rounds_sum_while_the_next_round_trains(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """pool.overlap = "eager": a round's end is every member's outer step (EAGER_STEP) and no
     wait: while the pools' sum of the shares (EAGER_AVERAGE) is held, the next round's steps
@@ -115,8 +108,7 @@ async def test_eager_rounds_sum_while_the_next_round_trains(
     swarm = FakeSwarm(fingerprint(job), 2)  # type: ignore[arg-type]
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     records: list[Record] = []
-    h = Harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
-    made.append(h)
+    h = make_harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
     held = a.hold("eager_average")
     await h.coordinator.start()
     await h.step({0: "a"})
@@ -156,13 +148,13 @@ async def test_eager_rounds_sum_while_the_next_round_trains(
 
 
 async def test_eager_a_member_that_fails_the_background_sum_is_left_out_of_it(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """b fails stage 0's sum of round [0, 1]: it is dropped, a sums again alone, b's samples
     of that round are counted as dropped, and the next round's record says whose shares the
     average holds."""
     job = _local(tmp_path, steps=4, overlap="eager")
-    swarm, h, records, said = _pools(job, made)
+    swarm, h, records, said = _pools(job, make_harness)
     a, b, c = swarm["a"], swarm["b"], swarm["c"]
     b.fail("eager_average", PeerUnavailable("b died"))
     await h.coordinator.start()
@@ -185,7 +177,7 @@ async def test_eager_a_member_that_fails_the_background_sum_is_left_out_of_it(
 
 
 async def test_eager_a_coordinator_resuming_mid_job_sums_the_last_round_again(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """Its predecessor may have died during the background sum of round [2, 3]'s shares: the
     members would wait for it forever at the next round's end. The new coordinator sums it
@@ -193,8 +185,7 @@ async def test_eager_a_coordinator_resuming_mid_job_sums_the_last_round_again(
     job = _local(tmp_path, steps=8, overlap="eager")
     swarm = FakeSwarm(fingerprint(job), 2)  # type: ignore[arg-type]
     a, b, c = swarm.add(0, "a", step=5), swarm.add(0, "b", step=5), swarm.add(1, "c", step=5)
-    h = Harness(job, swarm)
-    made.append(h)
+    h = make_harness(job, swarm)
     await h.coordinator.start()
     await until(lambda: len(c.called("eager_average")) == 1)
     assert a.called("eager_average") == [(4, 0, ["fake:a", "fake:b"], "3/eager0")]
@@ -204,12 +195,12 @@ async def test_eager_a_coordinator_resuming_mid_job_sums_the_last_round_again(
 
 
 async def test_eager_a_member_that_fails_its_outer_step_has_its_samples_counted(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """b dies at round [0, 1]'s end before its outer step: it is dropped, its share reaches no
     average, and its samples of the round are counted as dropped (and said)."""
     job = _local(tmp_path, steps=4, overlap="eager")
-    swarm, h, _records, said = _pools(job, made)
+    swarm, h, _records, said = _pools(job, make_harness)
     a, b = swarm["a"], swarm["b"]
     b.fail("eager_step", PeerUnavailable("b died"))
     await h.coordinator.start()
@@ -222,7 +213,7 @@ async def test_eager_a_member_that_fails_its_outer_step_has_its_samples_counted(
 
 
 def _resuming(
-    tmp_path: Path, made: list[Harness], step: int, samples: dict[str, int]
+    tmp_path: Path, make_harness: MakeHarness, step: int, samples: dict[str, int]
 ) -> tuple[FakeSwarm, Harness, list[Record]]:
     """a and b of stage 0, c of stage 1, all at `step` with round [0, 1] unsynced and these
     samples in it, for a coordinator that starts there (its predecessor died)."""
@@ -232,17 +223,16 @@ def _resuming(
         replica = swarm.add(stage, peer, step=step)
         replica.round_synced, replica.round_samples = 0, samples[peer]
     records: list[Record] = []
-    h = Harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
-    made.append(h)
+    h = make_harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
     return swarm, h, records
 
 
 async def test_a_coordinator_resuming_mid_round_weighs_the_samples_taken_before_it(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """Its predecessor committed step 0 (a took both microbatches at stage 0) and died: the
     round's end after step 1 weighs a's 8 samples too, which only the replicas still know."""
-    swarm, h, _ = _resuming(tmp_path, made, 1, {"a": 8, "b": 0, "c": 8})
+    swarm, h, _ = _resuming(tmp_path, make_harness, 1, {"a": 8, "b": 0, "c": 8})
     a, c = swarm["a"], swarm["c"]
     assert await h.coordinator.start() == 1
     await h.step({0: "b"})
@@ -251,12 +241,12 @@ async def test_a_coordinator_resuming_mid_round_weighs_the_samples_taken_before_
 
 
 async def test_a_coordinator_resuming_where_a_round_was_not_ended_ends_it_first(
-    tmp_path: Path, made: list[Harness]
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """Its predecessor applied step 1, the round's last, and died before the round's end: the
     replicas are at step 2 with the round [0, 1] unsynced. It is ended (with the replicas'
     counts) before step 2 opens, and the record says so."""
-    swarm, h, records = _resuming(tmp_path, made, 2, {"a": 12, "b": 4, "c": 16})
+    swarm, h, records = _resuming(tmp_path, make_harness, 2, {"a": 12, "b": 4, "c": 16})
     a, c = swarm["a"], swarm["c"]
     assert await h.coordinator.start() == 2
     assert a.called("prepare_round") == [(2, 16, ["fake:a", "fake:b"], "1/round0")]
@@ -270,11 +260,11 @@ async def test_a_coordinator_resuming_where_a_round_was_not_ended_ends_it_first(
 
 @pytest.mark.parametrize("claimed", [-5, 10**12])
 async def test_a_resuming_coordinator_counts_no_samples_a_replica_could_not_have_taken(
-    tmp_path: Path, made: list[Harness], claimed: int
+    tmp_path: Path, make_harness: MakeHarness, claimed: int
 ) -> None:
     """A replica's count is a peer's word: one outside what a round can hold (negative, or over
     its steps x the batch) is not believed; the replica counts nothing and the others stand."""
-    swarm, h, _ = _resuming(tmp_path, made, 1, {"a": claimed, "b": 8, "c": 8})
+    swarm, h, _ = _resuming(tmp_path, make_harness, 1, {"a": claimed, "b": 8, "c": 8})
     assert await h.coordinator.start() == 1
     await h.step({0: "b"})
     assert swarm["b"].called("prepare_round") == [(2, 16, ["fake:a", "fake:b"], "1/round0")]

@@ -26,7 +26,15 @@ from stage_server.averaging.service import PoolServicer
 from swarm.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from swarm.proto import pool_pb2, tensor_pb2
 from swarm.wire.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE, decode, encode
-from tests.support.pools import JOB, MiB, Replica, replicas
+from tests.support.pools import (
+    JOB,
+    MiB,
+    Replica,
+    assert_identical,
+    ordered_sum,
+    reduce_all,
+    replicas,
+)
 
 # --- pure helpers ----------------------------------------------------------------------------
 
@@ -67,13 +75,6 @@ def test_flatten_of_tensors_laid_out_one_after_another_is_a_view_not_a_copy() ->
 # --- the Averager alone ----------------------------------------------------------------------
 
 R = (JOB, 0, "r0")
-
-
-def ordered_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
-    total = values[0].clone()
-    for v in values[1:]:
-        total = total + v
-    return total
 
 
 async def test_sum_is_in_sender_order_whatever_the_arrival_order() -> None:
@@ -177,34 +178,6 @@ async def test_limits_and_history_are_bounded() -> None:
 
 
 # --- real replicas ---------------------------------------------------------------------------
-
-
-async def reduce_all(
-    pool: Sequence[Replica], flats: Sequence[torch.Tensor], **kwargs: Any
-) -> list[Any]:
-    """Every replica's all_reduce, concurrently; results or exceptions in group order."""
-    opts: dict[str, Any] = {
-        "round": "r0", "job": JOB, "stage": 0, "timeout_s": 20.0,
-        "chunk_bytes": 4 * MiB, "max_bytes": 64 * MiB,
-    } | kwargs  # fmt: skip
-    group = opts.pop("group", [r.address for r in pool])
-    on_bytes = opts.pop("on_bytes", None)
-    calls = [
-        all_reduce(
-            f, RoundSettings(group=group, index=i, **opts),
-            averager=r.averager, channels=r.channels, on_bytes=on_bytes,
-        )
-        for i, (r, f) in enumerate(zip(pool, flats, strict=True))
-    ]  # fmt: skip
-    return await asyncio.gather(*calls, return_exceptions=True)
-
-
-def assert_identical(results: Sequence[Any]) -> torch.Tensor:
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    assert all(torch.equal(r, results[0]) for r in results[1:])
-    return results[0]  # type: ignore[no-any-return]
 
 
 def reference(flats: Sequence[torch.Tensor]) -> torch.Tensor:

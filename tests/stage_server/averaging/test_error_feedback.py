@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.error_feedback import ErrorFeedback, Residuals
@@ -22,10 +21,9 @@ from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.ops.progress import StepRecord
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE
-from tests.stage_server.averaging.test_butterfly import assert_identical
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
-from tests.support.pools import JOB, MiB, Replica, replicas
+from tests.support.pools import JOB, MiB, Replica, assert_identical, replicas
 
 N, NUMEL, BLOCK, ROUNDS = 2, 4000, 1000, 40
 HALF_STEP = 1 / 254  # int8 absmax: half a quantization step, per unit of the block's largest value
@@ -159,9 +157,7 @@ async def test_pools_with_feedback_stay_identical_and_carry_each_applied_step(
     assert job.compression.error_feedback
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(job.training.stages):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     records: list[StepRecord] = []
     before: dict[str, float] = {}  # replica -> samples it had accumulated by the last step
     carried: dict[str, bool] = {}  # replica -> whether it held residuals after the last step
@@ -202,13 +198,9 @@ async def test_pools_with_feedback_stay_identical_and_carry_each_applied_step(
 async def _train(job: JobConfig, swarm: Swarm, after_step: Callable[[StepRecord], None]) -> None:
     """The job on `swarm`'s replicas, a trainer and a coordinator in this process, to its end."""
     coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_step=after_step)
-    trainer = PipelineTrainer(job, coordinator)
     try:
-        await coordinator.start()
-        await asyncio.wait_for(asyncio.gather(trainer.run(), coordinator.finished.wait()), 120)
-        assert coordinator.error is None
+        await swarm.train(coordinator, seeded=False)
     finally:
-        await trainer.close()
         await coordinator.close()
 
 
@@ -232,9 +224,7 @@ async def test_eager_rounds_carry_what_the_codec_dropped_into_the_next_rounds_su
     )
     swarm = Swarm(job)
     make_swarm.append(swarm)
-    for stage in range(job.training.stages):
-        for _ in range(2):
-            await swarm.add(stage)
+    await swarm.add_replicas(2)
     held: list[tuple[int, list[int | None]]] = []  # (step, each replica's residuals' step)
 
     def after_step(record: StepRecord) -> None:

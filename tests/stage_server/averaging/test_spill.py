@@ -19,9 +19,8 @@ from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.owner import AveragingAborted, split_parts
 from stage_server.averaging.spill import Spill, in_memory_fs, spill_directory
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
-from tests.stage_server.averaging.test_butterfly import assert_identical, ordered_sum, reduce_all
 from tests.support.disks import fill, tiny_disk
-from tests.support.pools import JOB, MiB, replicas
+from tests.support.pools import JOB, MiB, assert_identical, ordered_sum, reduce_all, replicas
 
 # --- the spill alone -------------------------------------------------------------------------
 

@@ -1,3 +1,3 @@
-"""The swarm's CA and certificates (tests/swarm/net/test_tls.py), for the bus's TLS tests."""
+"""Either broker behind one interface (`tests.support.brokers.broker`), for the bus's tests."""
 
-from tests.swarm.net.test_tls import pki  # noqa: F401
+from tests.support.brokers import broker  # noqa: F401

@@ -4,44 +4,31 @@ refuses what would make a broker that cannot start or cannot be logged in to."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import os
 import pwd
 import re
-import shutil
 import subprocess
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from swarm.bus import broker_config
 from swarm.bus.broker_config import TOOL_USER, acl_text, conf_text, hash_password, write
-from swarm.bus.connection import Bus, BusAuthError, BusSettings
-from swarm.bus.topics import ANY, SCHEDULER_USER, Topics, topic_matches
+from swarm.bus.topics import SCHEDULER_USER, Topics, topic_matches
 from swarm.cli import main
 from swarm.errors import ConfigError
 from swarm.net import tls
 from swarm.net.certs import init_ca, issue
-from swarm.proto import control_pb2 as pb
-from tests.support.brokers import (
-    BUNDLED_ACL,
-    MOSQUITTO,
-    START_TIMEOUT_S,
-    STOP_TIMEOUT_S,
-    wait_for_port,
-)
+from tests.support.brokers import BUNDLED_ACL, reachable_dir, running
+from tests.support.buses import WAIT_S, check_logins, login
 from tests.support.cli import ROOT
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-WAIT_S = 10.0  # bound on any single expected event
-FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
 TOKEN, SCHEDULER_TOKEN = "s3cret", "sched-only"
 TOPICS = Topics()
 ME = pwd.getpwuid(os.geteuid()).pw_name
@@ -124,73 +111,10 @@ def certs(tmp_path: Path) -> Iterator[Path]:
     tls.configure(None)
 
 
-@contextlib.contextmanager
-def reachable_dir() -> Iterator[Path]:
-    """A directory that user mosquitto can enter (pytest's own are root's, 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="swarm-broker-"))
-    try:
-        path.chmod(0o755)
-        yield path
-    finally:
-        shutil.rmtree(path)
-
-
 @pytest.fixture
 def open_dir() -> Iterator[Path]:
     with reachable_dir() as path:
         yield path
-
-
-@contextlib.contextmanager
-def running(conf: Path, port: int) -> Iterator[Path]:
-    """`mosquitto -c conf` (as we are), listening on `port`; yields its log."""
-    log = conf.with_name("mosquitto.log")
-    with log.open("wb") as out:
-        proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        try:
-            wait_for_port("127.0.0.1", port, START_TIMEOUT_S, proc)
-        except Exception as exc:
-            raise AssertionError(f"mosquitto did not start: {exc}\n{log.read_text()}") from exc
-        yield log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
-
-
-def _bus(url: str, user: str, password: str, client_id: str | None = None) -> Bus:
-    return Bus(
-        url,
-        client_id or f"test-{user}",
-        token=password,
-        username=user,
-        registry=CollectorRegistry(),
-        settings=FAST,
-    )
-
-
-async def check_logins(url: str, peer: str, token: str, scheduler_token: str) -> None:
-    """On the broker at `url`: the scheduler logs in with its own password and sees `peer`,
-    logged in with `token`, publish its announcement; `peer` cannot publish another's, and
-    neither a stranger nor the token as the scheduler gets in."""
-    async with _bus(url, SCHEDULER_USER, scheduler_token) as scheduler, _bus(url, peer, token) as p:
-        await scheduler.wait_connected(WAIT_S)
-        seen = scheduler.subscribe(TOPICS.peer(ANY))
-        await seen.wait_subscribed(WAIT_S)
-        await p.wait_connected(WAIT_S)
-        # In order on one connection: if the second arrives first, the first was dropped.
-        await p.publish(TOPICS.peer("someone-else"), pb.PeerAnnouncement(address="x:1"))
-        await p.publish(TOPICS.peer(peer), pb.PeerAnnouncement(address="a:1"), retain=True)
-        async with asyncio.timeout(WAIT_S):
-            assert (await anext(seen))[0] == TOPICS.peer(peer)
-    for user, password in (("stranger", token), (SCHEDULER_USER, token), (peer, "wrong")):
-        async with _bus(url, user, password) as refused:
-            with pytest.raises(BusAuthError):
-                await refused.wait_connected(WAIT_S)
 
 
 @contextlib.asynccontextmanager
@@ -219,9 +143,9 @@ async def test_real_mosquitto_checks_the_written_logins(
     async with _written(tmp_path, certs, hasher) as url:
         await check_logins(url, "a", TOKEN, SCHEDULER_TOKEN)
         own = url.replace("mqtts://", "mqtts://b:b-only@")  # b's own password, in its URL
-        async with _bus(own, "b", TOKEN) as b:
+        async with login(own, "b", TOKEN) as b:
             await b.wait_connected(WAIT_S)
-        async with _bus(url, TOOL_USER, TOKEN) as trainer:
+        async with login(url, TOOL_USER, TOKEN) as trainer:
             await trainer.wait_connected(WAIT_S)
 
 

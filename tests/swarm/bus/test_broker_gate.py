@@ -11,20 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from swarm.bus.broker import EmbeddedBroker
-from swarm.bus.connection import Bus, BusSettings
+from swarm.bus.connection import Bus
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics, parse_broker_url
 from swarm.proto import control_pb2 as pb
 from tests.support.brokers import Mosquitto
-from tests.swarm.bus.raw_mqtt import RawClient, Will, connect_packet
+from tests.support.buses import WAIT_S, bus
+from tests.support.raw_mqtt import RawClient, Will, connect_packet
 
 pytestmark = pytest.mark.timeout(60)
 
-WAIT_S = 10.0  # bound on any single expected event
 QUIET_S = 0.5  # how long "nothing arrives" is watched
-FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
 TOKEN = "s3cret"  # the swarm's: every peer holds it
 SCHEDULER_TOKEN = "sched-only"  # the scheduler's own
 TOPICS = Topics()
@@ -59,12 +57,8 @@ async def _broker(kind: str, tmp_path: Path) -> AsyncIterator[Broker]:
             await asyncio.to_thread(mosquitto.stop)
 
 
-def _bus(url: str, client_id: str, **kwargs: object) -> Bus:
-    return Bus(url, client_id, registry=CollectorRegistry(), settings=FAST, **kwargs)  # type: ignore[arg-type]
-
-
 def _scheduler(broker: Broker) -> Bus:
-    return _bus(broker.url, "scheduler", token=SCHEDULER_TOKEN, username=SCHEDULER_USER)
+    return bus(broker.url, "scheduler", token=SCHEDULER_TOKEN, username=SCHEDULER_USER)
 
 
 def _serving(peer: str) -> pb.PeerAnnouncement:
@@ -73,7 +67,7 @@ def _serving(peer: str) -> pb.PeerAnnouncement:
 
 async def _hears_peer(sub: AsyncIterator[tuple[str, object]], broker: Broker) -> str:
     """Peer a announces itself; the scheduler's subscription `sub` must deliver it."""
-    async with _bus(broker.url, "peer-a", token=TOKEN, username="a") as a:
+    async with bus(broker.url, "peer-a", token=TOKEN, username="a") as a:
         await a.wait_connected(WAIT_S)
         await a.publish(TOPICS.peer("a"), _serving("a"))
         async with asyncio.timeout(WAIT_S):
@@ -112,7 +106,7 @@ async def test_a_wrong_password_with_a_persistent_session_neither_kicks_nor_will
     async with _broker(kind, tmp_path) as broker, _scheduler(broker) as scheduler:
         offline = pb.PeerAnnouncement(peer="a", state=pb.PEER_STATE_OFFLINE)
         own_will = (TOPICS.peer("a"), offline)
-        async with _bus(broker.url, "peer-a", token=TOKEN, username="a", will=own_will) as victim:
+        async with bus(broker.url, "peer-a", token=TOKEN, username="a", will=own_will) as victim:
             await scheduler.wait_connected(WAIT_S)
             await victim.wait_connected(WAIT_S)
             everything = scheduler.subscribe(TOPICS.everything())
@@ -129,7 +123,7 @@ async def test_a_wrong_password_with_a_persistent_session_neither_kicks_nor_will
                 async with asyncio.timeout(QUIET_S):
                     topic, _ = await anext(everything)
                     pytest.fail(f"{topic} arrived")
-        async with _bus(broker.url, "late", token=SCHEDULER_TOKEN, username=SCHEDULER_USER) as late:
+        async with bus(broker.url, "late", token=SCHEDULER_TOKEN, username=SCHEDULER_USER) as late:
             await late.wait_connected(WAIT_S)
             retained = late.subscribe(TOPICS.assign(ANY, ANY))
             await retained.wait_subscribed(WAIT_S)

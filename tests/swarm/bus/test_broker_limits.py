@@ -9,28 +9,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from swarm.bus.broker import EmbeddedBroker
-from swarm.bus.connection import Bus, BusSettings
+from swarm.bus.connection import Bus
 from swarm.bus.limits import BrokerLimits
 from swarm.bus.topics import ANY, Topics
 from swarm.errors import ConfigError
 from swarm.net import tls
 from swarm.net.certs import init_ca, issue
 from swarm.proto import control_pb2 as pb
-from tests.swarm.bus.raw_mqtt import RawClient, connect_packet, packet, publish_packet
+from tests.support.buses import WAIT_S, bus
+from tests.support.raw_mqtt import RawClient, connect_packet, packet, publish_packet
 
 pytestmark = pytest.mark.timeout(60)
 
-WAIT_S = 10.0  # bound on any single expected event
 QUIET_S = 0.5  # how long "nothing happens" is watched
-FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
 TOPICS = Topics()
-
-
-def _bus(url: str, client_id: str, **kwargs: object) -> Bus:
-    return Bus(url, client_id, registry=CollectorRegistry(), settings=FAST, **kwargs)  # type: ignore[arg-type]
 
 
 def _serving(peer: str) -> pb.PeerAnnouncement:
@@ -92,8 +86,8 @@ async def test_connections_past_the_cap_are_closed_and_the_others_carry_on() -> 
     limits = BrokerLimits(max_connections=3, connect_timeout_s=30.0)
     async with (
         EmbeddedBroker(limits=limits) as broker,
-        _bus(broker.url, "reader") as reader,
-        _bus(broker.url, "writer") as writer,
+        bus(broker.url, "reader") as reader,
+        bus(broker.url, "writer") as writer,
     ):
         await reader.wait_connected(WAIT_S)
         await writer.wait_connected(WAIT_S)
@@ -120,8 +114,8 @@ async def test_an_oversized_packet_drops_its_connection_only() -> None:
     limits = BrokerLimits(max_packet_bytes=4096)
     async with (
         EmbeddedBroker(limits=limits) as broker,
-        _bus(broker.url, "reader") as reader,
-        _bus(broker.url, "writer") as writer,
+        bus(broker.url, "reader") as reader,
+        bus(broker.url, "writer") as writer,
     ):
         await reader.wait_connected(WAIT_S)
         await writer.wait_connected(WAIT_S)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,76 +12,14 @@ from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry
 
 from swarm.bus.broker import EmbeddedBroker
-from swarm.bus.connection import Bus, BusAuthError, BusNotConnected, BusSettings, Subscription
+from swarm.bus.connection import BusAuthError, BusNotConnected, BusSettings
 from swarm.bus.topics import ANY, SCHEDULER_USER, TopicInfo, TopicKind
 from swarm.errors import ConfigError
 from swarm.proto import control_pb2 as pb
-from tests.support.brokers import Mosquitto
+from tests.support.brokers import BrokerUnderTest
+from tests.support.buses import WAIT_S, bus, receive, receive_until
 
 pytestmark = pytest.mark.timeout(60)
-
-WAIT_S = 10.0  # bound on any single expected event
-FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
-
-
-class BrokerUnderTest:
-    """Either broker behind one interface, so each test runs against both."""
-
-    def __init__(self, kind: str, workdir: Path) -> None:
-        self.kind = kind
-        self._mosquitto = Mosquitto(workdir) if kind == "mosquitto" else None
-        self._embedded: EmbeddedBroker | None = None
-        self.port = self._mosquitto.port if self._mosquitto else 0
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        if self._mosquitto is not None:
-            await asyncio.to_thread(self._mosquitto.start)
-        else:
-            self._embedded = EmbeddedBroker(port=self.port)
-            await self._embedded.start()
-            self.port = self._embedded.port
-
-    async def stop(self) -> None:
-        if self._mosquitto is not None:
-            await asyncio.to_thread(self._mosquitto.stop)
-        elif self._embedded is not None:
-            await self._embedded.stop()
-            self._embedded = None
-
-
-@pytest.fixture(params=["amqtt", "mosquitto"])
-async def broker(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BrokerUnderTest]:
-    under_test = BrokerUnderTest(request.param, tmp_path / "broker")
-    await under_test.start()
-    try:
-        yield under_test
-    finally:
-        await under_test.stop()
-
-
-def bus(url: str, client_id: str, **kwargs: Any) -> Bus:
-    kwargs.setdefault("registry", CollectorRegistry())
-    kwargs.setdefault("settings", FAST)
-    return Bus(url, client_id, **kwargs)
-
-
-async def receive(sub: Subscription, timeout: float = WAIT_S) -> tuple[str, Message]:
-    return await asyncio.wait_for(anext(sub), timeout)
-
-
-async def receive_until(
-    sub: Subscription, done: Callable[[str, Message], bool], timeout: float = WAIT_S
-) -> tuple[str, Message]:
-    """The first message for which `done` holds, skipping others; bounded by `timeout`."""
-    async with asyncio.timeout(timeout):
-        async for topic, message in sub:
-            if done(topic, message):
-                return topic, message
-    raise AssertionError("subscription ended")
 
 
 async def until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:

@@ -25,7 +25,7 @@ from swarm.bus.connection import (
 from swarm.net import tls
 from tests.support.brokers import Mosquitto
 from tests.support.ports import free_port
-from tests.swarm.net.test_tls import REFUSED_SOCKETS, _identity, no_identity  # noqa: F401
+from tests.support.tls import REFUSED_SOCKETS, load_identity, no_identity  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,7 +54,7 @@ async def _refusal(url: str, name: str = "peer-a", **kwargs: object) -> BaseExce
 async def test_mqtt_to_a_tls_mosquitto_says_use_mqtts(
     tmp_path: Path, pki: Path, mutual: bool
 ) -> None:
-    server = _identity(pki, "ours", "server", mutual=mutual)
+    server = load_identity(pki, "ours", "server", mutual=mutual)
     with Mosquitto(tmp_path / "mosquitto", tls=server) as mosquitto:
         plain = mosquitto.url.replace("mqtts://", "mqtt://")
         error = await _refusal(plain)
@@ -65,7 +65,7 @@ async def test_mqtt_to_a_tls_mosquitto_says_use_mqtts(
 
 @REFUSED_SOCKETS
 async def test_mqtt_to_the_embedded_tls_broker_says_use_mqtts(pki: Path) -> None:
-    tls.configure(_identity(pki, "ours", "server"))
+    tls.configure(load_identity(pki, "ours", "server"))
     async with EmbeddedBroker("127.0.0.1", 0) as broker:
         tls.configure(None)
         error = await _refusal(broker.url.replace("mqtts://", "mqtt://"))
@@ -75,7 +75,7 @@ async def test_mqtt_to_the_embedded_tls_broker_says_use_mqtts(pki: Path) -> None
 
 @REFUSED_SOCKETS
 async def test_mqtts_to_a_clear_text_broker_says_use_mqtt(tmp_path: Path, pki: Path) -> None:
-    tls.configure(_identity(pki, "ours", "client"))
+    tls.configure(load_identity(pki, "ours", "client"))
     with Mosquitto(tmp_path / "mosquitto") as mosquitto:
         error = await _refusal(mosquitto.url.replace("mqtt://", "mqtts://"))
     assert isinstance(error, BusTlsMismatch), error
@@ -84,11 +84,11 @@ async def test_mqtts_to_a_clear_text_broker_says_use_mqtt(tmp_path: Path, pki: P
 
 @REFUSED_SOCKETS
 async def test_a_certificate_refused_by_either_side_is_named(tmp_path: Path, pki: Path) -> None:
-    server = _identity(pki, "ours", "server", mutual=True)
+    server = load_identity(pki, "ours", "server", mutual=True)
     with Mosquitto(tmp_path / "mosquitto", tls=server) as mosquitto:
-        tls.configure(_identity(pki, "ours", None))  # the CA, but no certificate of its own
+        tls.configure(load_identity(pki, "ours", None))  # the CA, but no certificate of its own
         lacking = await _refusal(mosquitto.url)
-        tls.configure(_identity(pki, "theirs", "their-client"))  # trusts another CA
+        tls.configure(load_identity(pki, "theirs", "their-client"))  # trusts another CA
         stranger = await _refusal(mosquitto.url)
     assert isinstance(lacking, BusRefused), lacking
     assert "TLS refused: the broker at" in str(lacking)

@@ -9,28 +9,23 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from scheduler.registry import PeerRegistry
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
 from swarm.bus.broker import EmbeddedBroker
-from swarm.bus.connection import Bus, BusAuthError, BusSettings
+from swarm.bus.connection import BusAuthError
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics
 from swarm.proto import control_pb2 as pb
 from tests.support.brokers import Mosquitto
+from tests.support.buses import WAIT_S
+from tests.support.buses import bus as _bus
 
 pytestmark = pytest.mark.timeout(60)
 
-WAIT_S = 10.0
 QUIET_S = 0.5  # how long "nothing arrives" is watched
-FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
 TOKEN = "s3cret"  # the swarm's: every peer holds it
 SCHEDULER_TOKEN = "sched-only"  # the scheduler's own
-
-
-def _bus(url: str, client_id: str, **kwargs: object) -> Bus:
-    return Bus(url, client_id, registry=CollectorRegistry(), settings=FAST, **kwargs)  # type: ignore[arg-type]
 
 
 def _serving(peer: str) -> pb.PeerAnnouncement:

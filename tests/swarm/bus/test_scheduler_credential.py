@@ -11,10 +11,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from swarm.bus.broker import EmbeddedBroker
-from swarm.bus.connection import Bus, BusAuthError, BusSettings
+from swarm.bus.connection import BusAuthError, BusSettings
 from swarm.bus.link import Dialer
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics, parse_broker_url
 from swarm.errors import ConfigError
@@ -22,19 +21,14 @@ from swarm.net import tls
 from swarm.net.certs import init_ca, issue
 from swarm.proto import control_pb2 as pb
 from tests.support.brokers import Mosquitto
+from tests.support.buses import WAIT_S, bus
 
 pytestmark = pytest.mark.timeout(60)
 
-WAIT_S = 10.0  # bound on any single expected event
 QUIET_S = 0.5  # how long "nothing arrives" is watched
-FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
 TOKEN = "s3cret"  # the swarm's: every peer has it
 SCHEDULER_TOKEN = "sched-only"  # the scheduler's own
 TOPICS = Topics()
-
-
-def _bus(url: str, client_id: str, **kwargs: object) -> Bus:
-    return Bus(url, client_id, registry=CollectorRegistry(), settings=FAST, **kwargs)  # type: ignore[arg-type]
 
 
 def _with_login(url: str, user: str, password: str) -> str:
@@ -65,10 +59,10 @@ async def _broker(kind: str, tmp_path: Path, peers: dict[str, str]) -> AsyncIter
 @pytest.mark.parametrize("kind", ["amqtt", "mosquitto"])
 async def test_the_swarm_token_does_not_log_in_as_the_scheduler(kind: str, tmp_path: Path) -> None:
     async with _broker(kind, tmp_path, {"a": TOKEN}) as url:
-        async with _bus(url, "thief", token=TOKEN, username=SCHEDULER_USER) as thief:
+        async with bus(url, "thief", token=TOKEN, username=SCHEDULER_USER) as thief:
             with pytest.raises(BusAuthError, match="refused"):
                 await thief.wait_connected(WAIT_S)
-        async with _bus(url, "scheduler", token=SCHEDULER_TOKEN, username=SCHEDULER_USER) as own:
+        async with bus(url, "scheduler", token=SCHEDULER_TOKEN, username=SCHEDULER_USER) as own:
             await own.wait_connected(WAIT_S)
             jobs = own.subscribe(TOPICS.job(ANY))
             await jobs.wait_subscribed(WAIT_S)
@@ -82,10 +76,10 @@ async def test_an_embedded_broker_with_a_token_makes_the_schedulers_own() -> Non
     async with EmbeddedBroker(token=TOKEN) as broker:
         made = broker.scheduler_token
         assert made and made != TOKEN
-        async with _bus(broker.url, "thief", token=TOKEN, username=SCHEDULER_USER) as thief:
+        async with bus(broker.url, "thief", token=TOKEN, username=SCHEDULER_USER) as thief:
             with pytest.raises(BusAuthError):
                 await thief.wait_connected(WAIT_S)
-        async with _bus(broker.url, "scheduler", token=made, username=SCHEDULER_USER) as own:
+        async with bus(broker.url, "scheduler", token=made, username=SCHEDULER_USER) as own:
             await own.wait_connected(WAIT_S)
     async with EmbeddedBroker() as open_broker:  # without a token: open, as before
         assert open_broker.scheduler_token is None
@@ -111,8 +105,8 @@ async def test_a_peer_logs_in_with_its_own_password(tmp_path: Path) -> None:
     the peer also needs for gRPC) must not replace it."""
     async with (
         _broker("mosquitto", tmp_path, {"a": "a-only"}) as url,
-        _bus(url, "scheduler", token=SCHEDULER_TOKEN, username=SCHEDULER_USER) as scheduler,
-        _bus(_with_login(url, "a", "a-only"), "peer-a", token=TOKEN, username="a") as a,
+        bus(url, "scheduler", token=SCHEDULER_TOKEN, username=SCHEDULER_USER) as scheduler,
+        bus(_with_login(url, "a", "a-only"), "peer-a", token=TOKEN, username="a") as a,
     ):
         await scheduler.wait_connected(WAIT_S)
         peers = scheduler.subscribe(TOPICS.peer(ANY))
@@ -149,9 +143,9 @@ async def test_the_client_certificate_names_the_user(pki: Path) -> None:
     _as(pki, "broker")
     async with EmbeddedBroker(token=TOKEN, use_identity_as_username=True) as broker:
         _as(pki, "scheduler")  # each Bus takes the identity current when it is made
-        scheduler = _bus(broker.url, "scheduler", token=TOKEN, username="whoever")
+        scheduler = bus(broker.url, "scheduler", token=TOKEN, username="whoever")
         _as(pki, "a")
-        liar = _bus(broker.url, "peer-a", token=TOKEN, username=SCHEDULER_USER)
+        liar = bus(broker.url, "peer-a", token=TOKEN, username=SCHEDULER_USER)
         async with scheduler, liar:
             await scheduler.wait_connected(WAIT_S)
             await liar.wait_connected(WAIT_S)

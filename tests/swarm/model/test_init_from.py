@@ -14,33 +14,16 @@ import torch
 from swarm.errors import ConfigError
 from swarm.job.config import load_job
 from swarm.job.fingerprint import fingerprint
-from swarm.model.hf import write_hf
 from swarm.model.transformer import build_model, build_stage
-from tests.support.equality import local_state
 from tests.support.jobs import write_job
-
-LLAMA = {"kind": "llama", "n_heads": 4, "n_kv_heads": 2}
-
-
-def _pretrained(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A llama trained 4 steps by `swarm local`, exported as a Hugging Face checkpoint."""
-    base = load_job(write_job(tmp_path, "base", model=LLAMA, training={"steps": 4}))
-    state = local_state(base)
-    write_hf(tmp_path / "pretrained", state, base.model, None)
-    return tmp_path / "pretrained", state
-
-
-def _finetune(tmp_path: Path, **training: object) -> Path:
-    model = LLAMA | {"init_from": "pretrained"}  # relative to the job file
-    settings = {"steps": 3, "seed": 5, "stages": 3, **training}
-    return write_job(tmp_path, "finetune", model=model, training=settings)
+from tests.support.pretrained import LLAMA, write_finetune, write_pretrained
 
 
 def test_a_job_starts_from_the_checkpoint_and_each_stage_reads_its_own_layers(
     tmp_path: Path,
 ) -> None:
-    _, pretrained = _pretrained(tmp_path)
-    job = load_job(_finetune(tmp_path))
+    _, pretrained = write_pretrained(tmp_path)
+    job = load_job(write_finetune(tmp_path))
     assert job.model.init_sha256 is not None  # pinned at load
     whole = build_model(job).state_dict()
     assert whole.keys() == pretrained.keys()
@@ -58,8 +41,8 @@ def test_a_job_starts_from_the_checkpoint_and_each_stage_reads_its_own_layers(
 
 
 def test_a_changed_or_foreign_checkpoint_is_refused(tmp_path: Path) -> None:
-    checkpoint, _ = _pretrained(tmp_path)
-    job = load_job(_finetune(tmp_path))
+    checkpoint, _ = write_pretrained(tmp_path)
+    job = load_job(write_finetune(tmp_path))
     text = (tmp_path / "finetune.toml").read_text()
     pinned = text.replace(
         'init_from = "pretrained"',
@@ -75,7 +58,7 @@ def test_a_changed_or_foreign_checkpoint_is_refused(tmp_path: Path) -> None:
         build_stage(job, 0)  # a stage server handed the pinned spec checks the file too
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 4}))
-    deeper = load_job(_finetune(tmp_path))
+    deeper = load_job(write_finetune(tmp_path))
     with pytest.raises(ConfigError, match="num_hidden_layers = 4 \\(the job's: 2\\)"):
         build_stage(deeper, 1)
     with pytest.raises(ConfigError, match=r"cannot read model\.safetensors"):

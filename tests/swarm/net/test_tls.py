@@ -4,8 +4,6 @@ one is required is refused, and the refusal is counted; the token keeps working 
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,43 +15,10 @@ from swarm.bus.connection import Bus, BusSettings
 from swarm.cli import main
 from swarm.errors import ConfigError
 from swarm.net import tls
-from swarm.net.certs import init_ca, issue
 from tests.support.brokers import Mosquitto
+from tests.support.tls import REFUSED_SOCKETS, load_identity, no_identity  # noqa: F401
 
-HOSTS = ["127.0.0.1", "localhost"]
 FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=3.0)
-
-
-@pytest.fixture(autouse=True)
-def no_identity() -> Iterator[None]:
-    """Each test sets the process's identity it needs; none is left to the next."""
-    tls.configure(None)
-    yield
-    tls.configure(None)
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Path:
-    """The swarm's CA with a server and a client certificate, and a stranger CA with one."""
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    init_ca(ours)
-    issue(ours, "server", HOSTS)
-    issue(ours, "client", HOSTS)
-    past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=30)
-    issue(ours, "expired", HOSTS, days=1, valid_from=past)
-    init_ca(theirs)
-    issue(theirs, "server", HOSTS)
-    issue(theirs, "client", HOSTS)
-    return tmp_path
-
-
-def _identity(pki: Path, ca: str, name: str | None, mutual: bool = False) -> tls.Tls:
-    cert = key = None
-    if name is not None:
-        owner = "theirs" if name.startswith("their-") else "ours"
-        base = name.removeprefix("their-")
-        cert, key = pki / owner / f"{base}.pem", pki / owner / f"{base}.key"
-    return tls.Tls.load(pki / ca / "ca.pem", cert, key, mutual)
 
 
 def test_certs_init_and_issue_make_a_ca_and_host_certificates(
@@ -129,31 +94,26 @@ async def _connects(url: str, timeout: float = 6.0) -> bool:
         return True
 
 
-# paho (under aiomqtt) drops the TLS socket of a refused handshake without closing it, in its
-# connect thread; the collector closes it (a ResourceWarning, not a descriptor kept).
-REFUSED_SOCKETS = pytest.mark.filterwarnings("ignore:unclosed <ssl.SSLSocket:ResourceWarning")
-
-
 @REFUSED_SOCKETS
 async def test_the_embedded_broker_serves_mqtts_to_the_swarm_ca_only(pki: Path) -> None:
-    tls.configure(_identity(pki, "ours", "server", mutual=True))
+    tls.configure(load_identity(pki, "ours", "server", mutual=True))
     async with EmbeddedBroker("127.0.0.1", 0) as broker:
         assert broker.url.startswith("mqtts://")
         assert await _connects(broker.url)  # our CA, our certificate
-        tls.configure(_identity(pki, "ours", None))  # no certificate: mutual refuses it
+        tls.configure(load_identity(pki, "ours", None))  # no certificate: mutual refuses it
         assert not await _connects(broker.url, 3.0)
-        tls.configure(_identity(pki, "theirs", "their-client"))  # a stranger's CA
+        tls.configure(load_identity(pki, "theirs", "their-client"))  # a stranger's CA
         assert not await _connects(broker.url, 3.0)
 
 
 @REFUSED_SOCKETS
 async def test_mosquitto_serves_mqtts_to_the_swarm_ca_only(tmp_path: Path, pki: Path) -> None:
-    server = _identity(pki, "ours", "server", mutual=True)
+    server = load_identity(pki, "ours", "server", mutual=True)
     with Mosquitto(tmp_path / "mosquitto", tls=server) as mosquitto:
         assert mosquitto.url.startswith("mqtts://")
-        tls.configure(_identity(pki, "ours", "client"))
+        tls.configure(load_identity(pki, "ours", "client"))
         assert await _connects(mosquitto.url)
-        tls.configure(_identity(pki, "ours", None))
+        tls.configure(load_identity(pki, "ours", None))
         assert not await _connects(mosquitto.url, 3.0)
-        tls.configure(_identity(pki, "theirs", "their-client"))
+        tls.configure(load_identity(pki, "theirs", "their-client"))
         assert not await _connects(mosquitto.url, 3.0)

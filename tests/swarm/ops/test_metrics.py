@@ -13,7 +13,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,15 +22,9 @@ from swarm.net import tls
 from swarm.net.certs import init_ca, issue
 from swarm.ops.endpoint import Limits
 from swarm.ops.metrics import serve_metrics
+from tests.support.tls import no_identity  # noqa: F401
 
 PEERS = b'[{"targets": ["10.0.0.2:9101"], "labels": {"swarm_peer": "p1"}}]'
-
-
-@pytest.fixture(autouse=True)
-def no_identity() -> Iterator[None]:
-    tls.configure(None)
-    yield
-    tls.configure(None)
 
 
 @pytest.fixture(scope="module")
