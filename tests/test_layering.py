@@ -146,17 +146,6 @@ SUPPORT = "tests.support"
 test file, so each reads alone and a helper has one home. conftest files may be imported too."""
 HELPER_SOURCES: dict[str, str] = {
     # A module under tests/, not tests/support/, that others import: why. Each must still be.
-    # issue 40: their helpers move to tests/support/; the lead prunes these after merging.
-    "tests.stage_server.averaging.test_butterfly": "all-reduce helpers",
-    "tests.stage_server.test_delayed_update": "the delayed job",
-    "tests.swarm.bus.raw_mqtt": "a raw MQTT client",
-    "tests.swarm.bus.test_broker_config": "Mosquitto's logins",
-    "tests.swarm.bus.test_connection": "the broker fixture",
-    "tests.swarm.model.test_init_from": "a pretrained model",
-    "tests.swarm.net.test_tls": "the TLS material",
-    "tests.swarm.wire.test_chunking": "the chunking stub",
-    "tests.system.test_faults": "the fault tests' servers",
-    "tests.system.test_tls": "an unchecked TLS identity",
 }
 
 BUDGET = 450
