@@ -35,7 +35,8 @@ import torch
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
-from stage_server.averaging.owner import Averager, flatten, unflatten
+from stage_server.averaging.flat import flatten, unflatten
+from stage_server.averaging.owner import Averager
 from stage_server.averaging.spill import Spill
 from stage_server.messages import Limits
 from stage_server.metrics import StageMetrics

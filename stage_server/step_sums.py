@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from stage_server.averaging.owner import flat_view
+from stage_server.averaging.flat import flat_view
 from stage_server.averaging.spill import Spill
 
 __all__ = ["Receipt", "StepSums", "Sums", "flat_copy"]

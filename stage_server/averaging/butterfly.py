@@ -39,13 +39,8 @@ import torch
 
 from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import Residuals
-from stage_server.averaging.owner import (
-    Averager,
-    AveragingAborted,
-    RoundKey,
-    round_name,
-    split_parts,
-)
+from stage_server.averaging.flat import split_parts
+from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, round_name
 from swarm.errors import Aborted, ConfigError, InvalidArgument
 from swarm.proto import pool_pb2
 from swarm.rpc.status import from_rpc_error

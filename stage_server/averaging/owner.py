@@ -1,6 +1,7 @@
 """The owner's side of pool averaging: the parts of a round this replica sums, and their outcome.
 
-In a round each replica owns one contiguous part of the flat gradient (`split_parts`); the others
+In a round each replica owns one contiguous part of the flat gradient
+(`stage_server.averaging.flat.split_parts`); the others
 send it their values of that part, and `Averager` sums the contributions in sender order once and
 gives every waiter that one result (see `stage_server.averaging.butterfly` for the round as a
 whole).
@@ -19,7 +20,6 @@ import torch
 
 from swarm.errors import (
     Aborted,
-    ConfigError,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -34,11 +34,7 @@ __all__ = [
     "AveragingAborted",
     "Reduced",
     "RoundKey",
-    "flat_view",
-    "flatten",
     "round_name",
-    "split_parts",
-    "unflatten",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,50 +49,6 @@ class AveragingAborted(Aborted):
     `missing` (from `Aborted`, and sent with the answer): the group indices of the members it
     failed on: the senders a timed-out part still waited for, or whom the replica that aborted
     the round named."""
-
-
-def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`tensors` (which must share one dtype and device) as one contiguous 1-D tensor: a view
-    when they lie one after another in one memory (as `StageRuntime.prepare` gives them), else
-    a copy."""
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1:
-        raise InvalidArgument(f"flatten needs tensors of one dtype, got {sorted(map(str, dtypes))}")
-    whole = flat_view(tensors)
-    if whole is not None:
-        return whole
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The 1-D view over `tensors` when each is contiguous and starts where the one before it
-    ends, in one storage; else None."""
-    first = tensors[0].detach()
-    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for t in tensors:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage:
-            return None
-        if t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    return first.as_strided((offset - first.storage_offset(),), (1,))
-
-
-def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of `flat` shaped like `like` (no copy: writing to one writes to `flat`)."""
-    sizes = [t.numel() for t in like]
-    if flat.dim() != 1 or flat.numel() != sum(sizes):
-        raise InvalidArgument(f"flat {list(flat.shape)} does not hold {sum(sizes)} elements")
-    return [p.view(t.shape) for p, t in zip(torch.split(flat, sizes), like, strict=True)]
-
-
-def split_parts(numel: int, n: int) -> list[slice]:
-    """`n` contiguous parts of `range(numel)`, the first `numel % n` one element longer."""
-    if n < 1 or numel < 0:
-        raise ConfigError(f"cannot split {numel} elements into {n} parts; need n >= 1")
-    q, r = divmod(numel, n)
-    bounds = [k * q + min(k, r) for k in range(n + 1)]
-    return [slice(bounds[k], bounds[k + 1]) for k in range(n)]
 
 
 class Reduced:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_server.averaging.owner import flatten
+from stage_server.averaging.flat import flatten
 from stage_server.runtime import StageRuntime
 from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig

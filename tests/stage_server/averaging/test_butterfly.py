@@ -14,14 +14,8 @@ import pytest
 import torch
 
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
-from stage_server.averaging.owner import (
-    MAX_GROUP_SIZE,
-    Averager,
-    AveragingAborted,
-    flatten,
-    split_parts,
-    unflatten,
-)
+from stage_server.averaging.flat import flatten, split_parts, unflatten
+from stage_server.averaging.owner import MAX_GROUP_SIZE, Averager, AveragingAborted
 from stage_server.averaging.service import PoolServicer
 from swarm.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from swarm.proto import pool_pb2, tensor_pb2

@@ -15,7 +15,7 @@ import torch
 from scheduler.coordinator import LocalCoordinator
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.error_feedback import ErrorFeedback, Residuals
-from stage_server.averaging.owner import split_parts
+from stage_server.averaging.flat import split_parts
 from stage_server.server import RunningStageServer
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
-from stage_server.averaging.owner import AveragingAborted, split_parts
+from stage_server.averaging.flat import split_parts
+from stage_server.averaging.owner import AveragingAborted
 from stage_server.averaging.spill import Spill, in_memory_fs, spill_directory
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
 from tests.support.disks import fill, tiny_disk
