@@ -22,14 +22,15 @@ from swarm.net.certs import init_ca, issue
 from tests.support.cli import swarm
 
 ANNOUNCED = "sched.test"  # a name only: nothing resolves it, nothing dials it
-FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=3.0)
 
 
 @pytest.fixture(autouse=True)
-def no_identity() -> Iterator[None]:
-    tls.configure(None)
-    yield
-    tls.configure(None)
+def unconfigured() -> Iterator[None]:
+    """The process's identity is set by a test for itself; none stays for the next one."""
+    try:
+        yield
+    finally:
+        tls.configure(None)
 
 
 @pytest.fixture
@@ -59,7 +60,13 @@ def test_a_certificate_names_the_hosts_it_was_issued_for(certs: Path) -> None:
 
 
 async def _connects(url: str, server_name: str | None, timeout: float) -> bool:
-    bus = Bus(url, "own", registry=CollectorRegistry(), settings=FAST, server_name=server_name)
+    bus = Bus(
+        url,
+        "own",
+        registry=CollectorRegistry(),
+        settings=BusSettings(operation_timeout_s=3.0),
+        server_name=server_name,
+    )
     async with bus:
         try:
             await bus.wait_connected(timeout)

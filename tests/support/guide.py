@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from tests.support.cli import ROOT
+from tests.support.namespaces import PROXIES
 
 __all__ = ["DOC", "bash", "bash_env", "blocks", "checkout", "commands", "replaced"]
 
@@ -58,7 +59,8 @@ def bash(script: str) -> list[str]:
 
 
 def bash_env(**extra: str) -> dict[str, str]:
-    """This environment without the swarm's variables (the guide sets its own), importing this
-    tree, plus `extra`."""
+    """This environment without the swarm's variables (the guide sets its own) or proxies,
+    importing this tree, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env = {k: v for k, v in env.items() if k.lower() not in PROXIES}  # none in a namespace
     return env | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"} | extra

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from swarm.local import netns
+from tests.support import namespaces
 from tests.support.cli import ROOT
 from tests.support.guide import bash, bash_env, blocks, checkout, replaced
 
@@ -46,25 +47,10 @@ TINY = {
 }
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return b"pytest" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 @pytest.fixture
 def network() -> Iterator[netns.Network]:
-    problem = netns.available()
-    if problem:
-        pytest.skip(problem)  # CI runs as root: there it always runs
-    netns.remove_leftovers(PREFIX, _alive)
-    net = netns.Network(PREFIX, ADDRESS)
-    try:
-        net.create()
+    with namespaces.network(PREFIX, ADDRESS) as net:
         yield net
-    finally:
-        net.destroy()
 
 
 def _examples(home: Path) -> None:
