@@ -71,6 +71,8 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
     broker = opts.broker
     announce = announced_host(opts.host, opts.announce_host, "the scheduler")
     if not broker:
+        if identity is not None:  # peers dial its broker (and job API) there, and check it
+            identity.check_names(announce, "the scheduler")
         embedded = EmbeddedBroker(
             host=opts.host,
             port=opts.broker_port,
@@ -88,8 +90,15 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
     store = JobStore(opts.store)
     registry = CollectorRegistry()
     try:
+        # Its own broker is dialled on this machine (the announced address may not route back
+        # here), and its certificate checked for the announced host, the name peers check.
         async with Bus(
-            broker, "scheduler", token=password, username=SCHEDULER_USER, registry=registry
+            broker,
+            "scheduler",
+            token=password,
+            username=SCHEDULER_USER,
+            registry=registry,
+            server_name=announce if embedded else None,
         ) as bus:
             await bus.wait_connected(opts.connect_timeout_s)
             options = SchedulerOptions(

@@ -62,7 +62,8 @@ class Bus:
     is the URL's user, else `username` (a peer's id, or "scheduler": the broker's ACL allows each
     user its own topics only), else "swarm" when there is a `token`; the token is the password.
     `registry` takes the `swarm_bus_malformed_messages_total` counter (default: the global
-    registry).
+    registry). `server_name`: under TLS, the name the broker's certificate must hold when it is
+    not the URL's host (`Dialer.create`).
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class Bus:
         username: str | None = None,
         registry: CollectorRegistry | None = None,
         settings: BusSettings | None = None,
+        server_name: str | None = None,
     ) -> None:
         if not client_id or len(client_id.encode()) > 65535:
             raise ConfigError("client_id must be a non-empty string, unique per broker")
@@ -84,7 +86,13 @@ class Bus:
         self.settings = settings or BusSettings()
         self._topics = Topics(prefix)
         self._dialer = Dialer.create(
-            self.address, client_id, self.settings, will=will, token=token, username=username
+            self.address,
+            client_id,
+            self.settings,
+            will=will,
+            token=token,
+            username=username,
+            server_name=server_name,
         )
         self._retained: dict[str, bytes] = {}  # last retained payload per topic; b"" = clear it
         self._subs = Subscriptions(client_id, self._topics, registry or REGISTRY)

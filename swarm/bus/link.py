@@ -51,12 +51,14 @@ class Dialer:
         will: tuple[str, Message] | None = None,
         token: str | None = None,
         username: str | None = None,
+        server_name: str | None = None,
     ) -> Dialer:
         """Log in as the URL's user, else as `username` (a peer: its peer id; the scheduler:
         "scheduler"), else as "swarm"; with the URL's password, else `token` (a password of a
         peer's own, set in its URL, wins over the swarm token it needs for gRPC anyway). The
         broker's ACL lets a user publish only its own topics. `will` (topic, message) becomes a
-        retained last-will."""
+        retained last-will. `server_name`: the name the broker's certificate must hold, when not
+        the host dialled (the scheduler's own broker, dialled on this machine)."""
         login = address.username or username
         password = address.password if address.password is not None else token
         if password is not None:
@@ -70,7 +72,7 @@ class Dialer:
         identity = swarm_tls.current()
         tls = None
         if address.tls:
-            tls = identity.client_context() if identity else ssl.create_default_context()
+            tls = identity.client_context(server_name) if identity else ssl.create_default_context()
         return cls(address, client_id, settings, login, password, last_will, tls)
 
     async def connect(self) -> aiomqtt.Client:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import ipaddress
 import os
+import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,12 +114,74 @@ class Tls:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
 
-    def client_context(self) -> ssl.SSLContext:
-        """For a client of the MQTT broker: trusts the CA, shows the certificate if any."""
-        context = ssl.create_default_context(cafile=str(self.ca_path))
+    def client_context(self, server_name: str | None = None) -> ssl.SSLContext:
+        """For a client of the MQTT broker: trusts the CA, shows the certificate if any. With
+        `server_name`, the server's certificate must name it, whatever host was dialled (the
+        scheduler dials its embedded broker on this machine, and checks it as peers do)."""
+        if server_name is None:
+            context = ssl.create_default_context(cafile=str(self.ca_path))
+        else:
+            context = _VerifiedAs(ssl.PROTOCOL_TLS_CLIENT)  # as create_default_context's
+            context.server_name = server_name
+            context.load_verify_locations(cafile=str(self.ca_path))
         if self.cert_path is not None:
             context.load_cert_chain(str(self.cert_path), str(self.key_path))
         return context
+
+    def check_names(self, host: str, what: str) -> None:
+        """A ConfigError naming the fix when this process's certificate is not issued for
+        `host`, the host `what` announces: every peer dialling it there would refuse it. A
+        certificate without subject alternative names is left to the handshake."""
+        from cryptography import x509
+
+        if self.cert is None:
+            return
+        cert = x509.load_pem_x509_certificate(self.cert)
+        try:
+            sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except x509.ExtensionNotFound:
+            return
+        ips = sans.get_values_for_type(x509.IPAddress)
+        dns = [n.lower().rstrip(".") for n in sans.get_values_for_type(x509.DNSName)]
+        try:
+            if ipaddress.ip_address(host) in ips:
+                return
+        except ValueError:
+            name = host.lower().rstrip(".")
+            parent = name.split(".", 1)[1] if "." in name else None
+            if name in dns or (parent is not None and f"*.{parent}" in dns):
+                return
+        names = ", ".join([*dns, *map(str, ips)]) or "no host"
+        raise ConfigError(
+            f"--tls-cert {self.cert_path} names {names}, not {host}, the host {what} announces "
+            f"(--announce-host): every peer dialling it there would refuse it. Give {what} a "
+            f"certificate of its own for that host: `swarm certs issue NAME --host {host}`"
+        )
+
+
+class _VerifiedAs(ssl.SSLContext):
+    """A client context that checks the server's certificate against `server_name`, not against
+    the host dialled (paho names the host it dials to `wrap_socket`)."""
+
+    server_name: str = ""
+
+    def wrap_socket(
+        self,
+        sock: socket.socket,
+        server_side: bool = False,
+        do_handshake_on_connect: bool = True,
+        suppress_ragged_eofs: bool = True,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLSocket:
+        return super().wrap_socket(
+            sock,
+            server_side,
+            do_handshake_on_connect,
+            suppress_ragged_eofs,
+            self.server_name,
+            session,
+        )
 
 
 def _read(path: Path, flag: str) -> bytes:

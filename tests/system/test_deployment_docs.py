@@ -3,16 +3,13 @@ certificates, the token), then the Mosquitto section's blocks, run by bash in a 
 the real Mosquitto is started as root with the written configuration (it becomes user mosquitto),
 and must start without a warning and let in exactly who the doc says. Only the host, the port and
 the broker's directory are replaced, each asserted to be there: 127.0.0.1 for broker.example.org,
-a free port for 8883, a directory here for /etc/swarm/broker."""
+a free port for 8883, a directory here for /etc/swarm/broker (tests.support.guide)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
-import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from swarm.cli import parse
 from swarm.net import tls
 from tests.support.brokers import reachable_dir, running
 from tests.support.buses import check_logins
-from tests.support.cli import ROOT
+from tests.support.guide import bash, bash_env, blocks, checkout, commands, replaced
 from tests.support.ports import free_port
 
 pytestmark = [
@@ -29,32 +26,8 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="Mosquitto drops privileges only when root"),
 ]
 
-DOC = ROOT / "docs" / "deployment.md"
 SECTION_2 = "## 2. A CA, a certificate per host, and the token"
 MOSQUITTO_SECTION = "### Mosquitto instead of the embedded broker"
-
-
-def blocks(heading: str) -> list[str]:
-    """The fenced blocks under `heading`, up to the next heading of its level or above."""
-    text = DOC.read_text()
-    assert heading in text, f"{DOC} has no heading {heading!r}"
-    level = len(heading.split()[0])
-    section = text.split(heading, 1)[1]
-    end = re.search(rf"^#{{1,{level}}} ", section, re.MULTILINE)
-    section = section[: end.start()] if end else section
-    return re.findall(r"^```[a-z]*\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
-
-
-def replaced(text: str, substitutions: dict[str, str]) -> str:
-    for old, new in substitutions.items():
-        assert old in text, f"the doc's block no longer says {old!r}:\n{text}"
-        text = text.replace(old, new)
-    return text
-
-
-def commands(block: str) -> list[list[str]]:
-    """Each command of `block` (continuations joined, comments dropped) as its words."""
-    return [shlex.split(c, comments=True) for c in block.replace("\\\n", " ").splitlines()]
 
 
 def test_the_mosquitto_section_works_as_written() -> None:
@@ -69,13 +42,10 @@ def follow_the_doc(work: Path) -> None:
     broker_dir = work / "etc-swarm-broker"
     issue = replaced(issue, {"broker.example.org": "127.0.0.1", "8883": str(port)})
     issue = replaced(issue, {"/etc/swarm/broker": str(broker_dir)})
-    bin_dir = str(Path(sys.executable).parent)  # `swarm` as installed in this environment
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    env = {k: v for k, v in env.items() if not k.startswith("SWARM_")}
     done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", setup + issue],
-        cwd=work,
-        env=env,
+        bash(setup + issue),
+        cwd=checkout(work),
+        env=bash_env(),
         capture_output=True,
         text=True,
         timeout=60,

@@ -19,6 +19,7 @@ import torch
 
 from swarm.local import netns
 from swarm.net.certs import init_ca, issue
+from tests.support import namespaces
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
 
@@ -34,31 +35,15 @@ TOKEN = "many-hosts-token"
 STEPS = 30
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return b"pytest" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 @pytest.fixture
 def network() -> Iterator[netns.Network]:
-    problem = netns.available()
-    if problem:
-        pytest.skip(problem)  # CI runs as root: there it always runs
-    netns.remove_leftovers(PREFIX, _alive)
-    net = netns.Network(PREFIX, ADDRESSES)
-    try:
-        net.create()
+    with namespaces.network(PREFIX, ADDRESSES) as net:
         yield net
-    finally:
-        net.destroy()
 
 
 def _env(certs: Path, host: str, work: Path) -> dict[str, str]:
-    proxies = {"http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
-    env = {k: v for k, v in env.items() if k.lower() not in proxies}
+    env = {k: v for k, v in env.items() if k.lower() not in namespaces.PROXIES}
     return env | {
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": str(ROOT),
