@@ -1,6 +1,7 @@
-"""A stage that loses its last replica while another stage has a spare: the scheduler moves the
-spare there at once (not at its next rebalancing check), says so, and the job is `stalled` until
-the stage is served again, then `running`; real scheduler, stage servers and broker."""
+"""Redundancy with real processes (scheduler, stage servers, broker): a stage that loses its last
+replica while another stage has a spare gets the spare at once (not at the next rebalancing
+check), the scheduler says so, and the job is `stalled` until the stage is served again, then
+`running`; `--min-replicas` fills every stage to it before any gets more, and says what is short."""
 
 from __future__ import annotations
 
@@ -77,6 +78,34 @@ def test_a_lost_stage_gets_a_spare_at_once_and_the_job_is_stalled_meanwhile(
     finally:
         sw.stop()
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
+
+
+def test_min_replicas_fills_the_short_stages_first_and_says_what_they_take(
+    tmp_path: Path,
+) -> None:
+    # --min-replicas 2 for a job of 4 stages on 5 servers: the job starts (one replica each at
+    # least) and says that 3 more servers would give every stage two; each server that joins
+    # goes to a stage short of two, and the warning counts down.
+    job = write_job(tmp_path, training={"steps": 400, "target_batch_size": 16})
+    sw, _ = start_local_swarm([20.0] * 5, log_dir=tmp_path, extra_scheduler=["--min-replicas", "2"])
+    try:
+        job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        status = _wait(sw, job_id, lambda s: s["step"] >= 1 and bool(s.get("warnings")))
+        sizes = [len(s.get("replicas", [])) for s in status["stages"]]
+        assert sorted(sizes) == [1, 1, 1, 2], sizes
+        short = [k for k, n in enumerate(sizes) if n == 1]
+        assert status["warnings"][0].startswith(
+            f"stages {', '.join(map(str, short))} have fewer than min_replicas = 2 (1, 1, 1): 3 "
+            "more stage server(s) would fill every stage; "
+        ), status["warnings"]
+        sw.add_peer(20.0)
+        status = _wait(sw, job_id, lambda s: "2 more stage server(s)" in str(s.get("warnings")))
+        now = [len(s.get("replicas", [])) for s in status["stages"]]
+        grown = [k for k in range(4) if now[k] > sizes[k]]
+        assert len(grown) == 1 and grown[0] in short, (sizes, now)
+        swarm("cancel", job_id, "--scheduler", sw.address)
+    finally:
+        sw.stop()
 
 
 def _spare(status: dict[str, Any]) -> tuple[int, int] | None:
