@@ -54,6 +54,8 @@ class Assignments:
         self.serve_timeout_s = serve_timeout_s
         self.lost_stage_grace_s = lost_stage_grace_s
         self.min_replicas = min_replicas
+        # peer -> (job, stage, clock time) of its last assignment, until it serves there
+        self._sent: dict[str, tuple[str, int, float]] = {}
         self.changed = asyncio.Event()  # set by whoever feeds the registry announcements
 
     def floor(self, job: JobConfig) -> int:
@@ -146,6 +148,22 @@ class Assignments:
         message = cpb.Assignment(job=job_id, peer=peer, stage=stage, generation=generation)
         await self.bus.publish(self.bus.topics.assign(job_id, peer), message, retain=True)
         self.registry.assigned(peer, job_id)
+        self._sent[peer] = (job_id, stage, self.registry.clock.now())
+
+    def on_the_way(self, job_id: str, stages: int) -> list[list[str]]:
+        """Per stage, the peers assigned it that do not serve it yet (building it, or draining
+        their old stage), within `serve_timeout_s` of their assignment and still present."""
+        now, peers = self.registry.clock.now(), self.registry.peers
+        timeout, serving = self.registry.serve_timeout_s, cpb.PEER_STATE_SERVING
+        result: list[list[str]] = [[] for _ in range(stages)]
+        for peer, (job, stage, at) in list(self._sent.items()):
+            there = peers.get(peer)
+            arrived = there is not None and (there.state, there.job) == (serving, job)
+            if there is None or (arrived and there.stage == stage) or now - at > timeout:
+                del self._sent[peer]  # arrived, gone, or given up on
+            elif job == job_id and stage < stages:
+                result[stage].append(peer)
+        return result
 
     async def withdraw(self, job_id: str, peers: set[str]) -> None:
         """Clear the assignments of an ended job (its announcement frees the peers)."""
@@ -165,7 +183,8 @@ class Assignments:
         stages = len(next(iter(available.values())))
         members = self.registry.members(job_id, stages)
         totals = [sum(r.throughput for r in stage) for stage in members] if any(members) else None
-        sizes = [len(stage) for stage in members]
+        coming = self.on_the_way(job_id, stages)  # so a burst of joins is not all sent to one
+        sizes = [len(stage) + len(more) for stage, more in zip(members, coming, strict=True)]
         placement = place_new(available, stages, totals, min_replicas=min_replicas, sizes=sizes)
         generation = time.time_ns() // 1000  # one for the whole placement
         for peer, stage in sorted(placement.items()):

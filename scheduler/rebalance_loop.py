@@ -77,6 +77,10 @@ class Mover:
                 or now - at > registry.serve_timeout_s
             ):
                 del self._filling[k]  # served, or the peer sent is gone or never arrived
+        coming = self.assignments.on_the_way(self.job_id, self.stages)
+        for k in missing:  # sent there by placement (a peer that joined) or a move meanwhile
+            if k not in self._filling and coming[k]:
+                self._filling[k] = (coming[k][0], f"giving it to {coming[k][0]} (joining)", now)
         todo = [k for k in missing if k not in self._filling]
         if todo:
             await self._send_idle(todo, now)
@@ -106,7 +110,9 @@ class Mover:
         registry = self.assignments.registry
         members = registry.members(self.job_id, self.stages)
         assignment = {r.peer: k for k, reps in enumerate(members) for r in reps}
-        for k, (peer, _, _) in self._filling.items():
+        coming = self.assignments.on_the_way(self.job_id, self.stages)
+        sent = [(p, k) for k, peers in enumerate(coming) for p in peers]
+        for peer, k in [*sent, *((p, k) for k, (p, _, _) in self._filling.items())]:
             assignment[peer] = k  # on its way there: it fills that stage, and is no spare
         speeds = {
             p: [registry.peers[p].samples_per_second.get(j, 0.0) for j in range(self.stages)]
