@@ -82,7 +82,7 @@ async def _kill(
     while True:
         await asyncio.sleep(POLL_S)
         status = await client.get(job.job)
-        if state_name(status.state) not in ("placing", "running"):
+        if state_name(status.state) not in ("placing", "running", "stalled"):
             return
         victim = plan.victim(status)
         if victim is None:

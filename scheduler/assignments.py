@@ -2,8 +2,9 @@
 
 `place` waits until every stage of a job has a serving replica, assigning measured peers; `grow`
 gives peers that join a running job a stage; `assign` publishes one assignment (rebalancing moves
-go through it too). Who goes where is `swarm.policy.placement.place_new`'s decision; who is there is
-the `PeerRegistry`'s.
+go through it too). Who goes where is `swarm.policy.placement.place_new`'s decision (every stage
+gets the job's `min_replicas`, `floor`, before any gets more); who is there is the
+`PeerRegistry`'s.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from scheduler.registry import PeerRegistry
 from scheduler.stalls import REMEDY, Health, stages_text
 from swarm.bus.connection import BusLike
+from swarm.job.config import JobConfig
 from swarm.policy.placement import place_new
 from swarm.proto import control_pb2 as cpb
 
@@ -39,24 +41,39 @@ class Assignments:
         serve_timeout_s: float,
         lost_stage_grace_s: float,
         health: Callable[[str], Health] = lambda _: Health(),
+        min_replicas: int = 1,
     ) -> None:
         """`grace_s`: once enough peers are measured, wait this long for more; `serve_timeout_s`:
         assigned peers must serve within this, else the stages are placed again;
         `lost_stage_grace_s`: a trained job's unserved stage waits this long for a replica with
         the trained state before fresh peers take it (and the job rolls back); `health(job)`:
-        where `place` keeps since when the job waits."""
+        where `place` keeps since when the job waits; `min_replicas`: the floor of jobs that
+        set none (`floor`)."""
         self.registry, self.bus, self.say, self.health = registry, bus, say, health
         self.grace_s = grace_s
         self.serve_timeout_s = serve_timeout_s
         self.lost_stage_grace_s = lost_stage_grace_s
+        self.min_replicas = min_replicas
+        # peer -> (job, stage, clock time) of its last assignment, until it serves there
+        self._sent: dict[str, tuple[str, int, float]] = {}
         self.changed = asyncio.Event()  # set by whoever feeds the registry announcements
 
+    def floor(self, job: JobConfig) -> int:
+        """The replicas every stage of `job` gets before any gets more, and keeps under
+        rebalancing: its `runtime.min_replicas`, else the scheduler's `--min-replicas`."""
+        return job.runtime.min_replicas or self.min_replicas
+
     async def place(
-        self, job_id: str, stages: int, step: Callable[[], int], assigned: list[str]
+        self,
+        job_id: str,
+        stages: int,
+        step: Callable[[], int],
+        assigned: list[str],
+        min_replicas: int = 1,
     ) -> None:
         """Wait until every stage has a serving replica, assigning measured peers. `step()`: the
         job's committed step (its trained state lives on its servers once above 0); `assigned`
-        collects every peer given a stage."""
+        collects every peer given a stage; `min_replicas`: the job's `floor`."""
         lost_since: float | None = None
         waiting = self.health(job_id)
         try:
@@ -102,21 +119,24 @@ class Assignments:
                 available = self.registry.available(job_id, stages)
                 if len(available) < len(missing):
                     continue  # some left during the grace period
-                await self._assign_available(job_id, available, assigned)
+                await self._assign_available(job_id, available, assigned, min_replicas)
                 await self._wait_serving(job_id, missing)
         finally:
             waiting.waiting_since = 0.0
 
-    async def grow(self, job_id: str, stages: int, assigned: list[str]) -> None:
+    async def grow(
+        self, job_id: str, stages: int, assigned: list[str], min_replicas: int = 1
+    ) -> None:
         """While the job trains, peers that join become extra replicas (they copy a live
-        replica's state at the next step boundary). Runs until cancelled."""
+        replica's state at the next step boundary), of the stages short of `min_replicas` first.
+        Runs until cancelled."""
         while True:
             await self._change(5.0)
             if self.registry.available(job_id, stages):
                 await asyncio.sleep(self.grace_s)
                 available = self.registry.available(job_id, stages)
                 if available:
-                    await self._assign_available(job_id, available, assigned)
+                    await self._assign_available(job_id, available, assigned, min_replicas)
 
     async def assign(
         self, job_id: str, peer: str, stage: int, generation: int | None = None
@@ -128,6 +148,22 @@ class Assignments:
         message = cpb.Assignment(job=job_id, peer=peer, stage=stage, generation=generation)
         await self.bus.publish(self.bus.topics.assign(job_id, peer), message, retain=True)
         self.registry.assigned(peer, job_id)
+        self._sent[peer] = (job_id, stage, self.registry.clock.now())
+
+    def on_the_way(self, job_id: str, stages: int) -> list[list[str]]:
+        """Per stage, the peers assigned it that do not serve it yet (building it, or draining
+        their old stage), within `serve_timeout_s` of their assignment and still present."""
+        now, peers = self.registry.clock.now(), self.registry.peers
+        timeout, serving = self.registry.serve_timeout_s, cpb.PEER_STATE_SERVING
+        result: list[list[str]] = [[] for _ in range(stages)]
+        for peer, (job, stage, at) in list(self._sent.items()):
+            there = peers.get(peer)
+            arrived = there is not None and (there.state, there.job) == (serving, job)
+            if there is None or (arrived and there.stage == stage) or now - at > timeout:
+                del self._sent[peer]  # arrived, gone, or given up on
+            elif job == job_id and stage < stages:
+                result[stage].append(peer)
+        return result
 
     async def withdraw(self, job_id: str, peers: set[str]) -> None:
         """Clear the assignments of an ended job (its announcement frees the peers)."""
@@ -135,14 +171,21 @@ class Assignments:
             await self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
 
     async def _assign_available(
-        self, job_id: str, available: dict[str, list[float]], assigned: list[str]
+        self,
+        job_id: str,
+        available: dict[str, list[float]],
+        assigned: list[str],
+        min_replicas: int,
     ) -> None:
-        """Every available peer gets a stage: `place` for a job nobody serves, the stages that
-        raise the bottleneck most (fastest peer first) for peers joining a running one."""
+        """Every available peer gets a stage: `place` for a job nobody serves; for peers joining
+        a running one, the stages short of `min_replicas`, then those that raise the bottleneck
+        most (fastest peer first)."""
         stages = len(next(iter(available.values())))
         members = self.registry.members(job_id, stages)
         totals = [sum(r.throughput for r in stage) for stage in members] if any(members) else None
-        placement = place_new(available, stages, totals)
+        coming = self.on_the_way(job_id, stages)  # so a burst of joins is not all sent to one
+        sizes = [len(stage) + len(more) for stage, more in zip(members, coming, strict=True)]
+        placement = place_new(available, stages, totals, min_replicas=min_replicas, sizes=sizes)
         generation = time.time_ns() // 1000  # one for the whole placement
         for peer, stage in sorted(placement.items()):
             log.info(

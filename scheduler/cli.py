@@ -68,6 +68,15 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_flag(
         p,
+        "min-replicas",
+        1,
+        "replicas every stage of a job gets before any stage gets more, and keeps when "
+        "rebalancing feeds the bottleneck, for jobs whose runtime.min_replicas is unset (2: a "
+        "spare per stage, so one lost replica costs no rollback)",
+        type=int,
+    )
+    add_flag(
+        p,
         "data-root",
         None,
         "the only directory whose files (and its subdirectories') a submitted job may name as "
@@ -123,6 +132,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         data_root=args.data_root,
         keep_finished_jobs=args.keep_finished_jobs,
         embedded_trainer=not args.no_embedded_trainer,
+        min_replicas=args.min_replicas,
     )
     asyncio.run(run_scheduler(opts))
     return 0

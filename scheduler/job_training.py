@@ -33,7 +33,7 @@ from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
 from scheduler.history import History
-from scheduler.rebalance_loop import rebalance
+from scheduler.rebalance_loop import Mover
 from scheduler.registry import PeerRegistry
 from scheduler.speed import RecentSpeed
 from scheduler.stalls import Health, StallWatch
@@ -181,30 +181,31 @@ class JobTraining:
             self.coordinators[job_id] = coordinator
             speed.start()
             await self.set_status(job_id, "running", said[-1] if said else "training")
+            floor = self.assignments.floor(job)
+            mover = Mover(job_id, stages, job.rebalance, self.assignments, self.moves, floor)
             watch = StallWatch(
                 job_id,
                 lambda: self.peer_registry.members(job_id, stages),
                 lambda: self._step(job_id),
                 coordinator.recovery.latest,
-                lambda text: self.set_status(job_id, None, text),
+                lambda text, state: self.set_status(job_id, state, text),
                 lambda: self._message(job_id),
                 self.history,
                 self.health(job_id),
                 speed=speed,
                 progress=coordinator.progress,
+                refill=mover.refill,
+                min_replicas=floor,
             )
             try:
                 async with asyncio.TaskGroup() as group:
                     helpers = [  # stopped when the job ends
-                        group.create_task(self.assignments.grow(job_id, stages, assigned)),
+                        group.create_task(self.assignments.grow(job_id, stages, assigned, floor)),
                         group.create_task(follow_load(self.bus, job_id, trainer.wiring, mb)),
                         group.create_task(watch.run()),
                     ]
                     if job.rebalance.enabled:
-                        moving = rebalance(
-                            job_id, stages, job.rebalance, self.assignments, self.moves
-                        )
-                        helpers.append(group.create_task(moving))
+                        helpers.append(group.create_task(mover.run()))
                     if self.embedded_trainer:
                         group.create_task(trainer.run())
                     await coordinator.finished.wait()

@@ -57,6 +57,7 @@ class SchedulerProcessOptions:
     checkpoint_every_s: float | None = 300.0  # checkpoint at least this often (None: by steps)
     keep_finished_jobs: int | None = None  # finished jobs kept (None: all); older ones deleted
     embedded_trainer: bool = True  # train each job in this process too (False: remote only)
+    min_replicas: int = 1  # for jobs without runtime.min_replicas: replicas every stage gets first
 
 
 async def run_scheduler(opts: SchedulerProcessOptions) -> None:
@@ -109,6 +110,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 checkpoint_every_s=opts.checkpoint_every_s,
                 keep_finished_jobs=opts.keep_finished_jobs,
                 embedded_trainer=opts.embedded_trainer,
+                min_replicas=opts.min_replicas,
             )
             scheduler = Scheduler(store, bus, options, registry)
             registry.register(collector(scheduler))

@@ -27,6 +27,9 @@ class SchedulerOptions:
     # stage whose only replica dies costs minutes of training, not the job. None: by steps.
     checkpoint_every_s: float | None = 300.0
     token: str | None = None  # swarm token for calls to stage servers
+    # Replicas per stage placement gives every stage before any gets more, and rebalancing
+    # leaves, for jobs whose `runtime.min_replicas` is 0 (unset).
+    min_replicas: int = 1
     # An ended job's retained announcement and steps stay on the broker this long (peers that
     # were briefly away learn the end, and free themselves), then are cleared; its record stays
     # in the store, which is what `swarm status` reads. Its assignments are cleared at once.
@@ -40,6 +43,10 @@ class SchedulerOptions:
     shutdown_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ConfigError(
+                f"--min-replicas {self.min_replicas} is not allowed; use an integer >= 1"
+            )
         if self.keep_finished_jobs is not None and self.keep_finished_jobs < 1:
             raise ConfigError(
                 f"--keep-finished-jobs {self.keep_finished_jobs} is not allowed; use an integer "

@@ -1,7 +1,14 @@
-"""The scheduler's rebalancing loop: every period, the policy's decision on the registry's measured
-view of a job (`swarm.policy.rebalance.Rebalancer`, the simulator's too), published as a new
-assignment. The moved peer drains; what it held at its old stage is replayed; it copies its new
-stage's state at a step boundary."""
+"""The scheduler's moves of peers between a job's stages, both decided by the policy's `Rebalancer`
+(the simulator's too) and published as new assignments:
+- every period, on the registry's measured view of the job, the move that raises the bottleneck
+  (`Mover.run`);
+- at once, when a stage has lost its last replica (the job stalls: no microbatch crosses it), a
+  spare for it (`Mover.refill`, called by the job's `StallWatch` as it sees the stage empty): an
+  idle peer measured for the job, else a replica of a stage with more than it needs
+  (`swarm.policy.rebalance.plan_refill`). What it does is what the stall's message says, so the
+  remedy shown is the scheduler's own when it has one.
+The moved peer drains; what it held at its old stage is replayed; it copies its new stage's state
+at a step boundary (an emptied stage's from the last checkpoint, as every stage rolls back)."""
 
 from __future__ import annotations
 
@@ -12,36 +19,137 @@ from prometheus_client import Counter
 
 from scheduler.assignments import Assignments
 from swarm.job.config import RebalanceConfig
-from swarm.policy.rebalance import Rebalancer
+from swarm.policy.rebalance import Move, Rebalancer
 
-__all__ = ["rebalance"]
+__all__ = ["Mover"]
 
 log = logging.getLogger(__name__)
 
 
-async def rebalance(
-    job_id: str, stages: int, config: RebalanceConfig, assignments: Assignments, moves: Counter
-) -> None:
-    """Run until cancelled; `moves` counts the moves ordered (label `job`)."""
-    rebalancer, registry = Rebalancer(config), assignments.registry
-    while True:
-        await asyncio.sleep(config.period_s)
-        measured = registry.measured(job_id, stages)
-        if measured is None:
-            continue  # decide on measured throughput only: wait for every member's report
-        assignment, speeds = measured
-        move = rebalancer.decide(assignment, speeds, stages, registry.clock.now())
-        if move is None:
-            continue
-        moves.labels(job=job_id).inc()
-        log.warning(
-            "job %s: rebalancing: moving %s from stage %d to stage %d (bottleneck "
-            "%.1f -> %.1f samples/s)",
-            job_id,
-            move.peer,
-            move.src,
-            move.dst,
-            move.before,
-            move.after,
-        )
-        await assignments.assign(job_id, move.peer, move.dst)
+class Mover:
+    def __init__(
+        self,
+        job_id: str,
+        stages: int,
+        config: RebalanceConfig,
+        assignments: Assignments,
+        moves: Counter,
+        min_replicas: int = 1,
+    ) -> None:
+        """`moves` counts the moves ordered (label `job`); `min_replicas`: the job's floor, which
+        no move to the bottleneck takes a stage below. With `config.enabled` false no replica
+        is moved (an idle peer still takes an emptied stage at once)."""
+        self.job_id, self.stages, self.config = job_id, stages, config
+        self.assignments, self.moves = assignments, moves
+        self.rebalancer = Rebalancer(config, min_replicas)
+        # stage -> (the peer sent to fill it, what was done in words, clock time it was sent)
+        self._filling: dict[int, tuple[str, str, float]] = {}
+
+    async def run(self) -> None:
+        """Rebalance every `period_s` until cancelled."""
+        registry = self.assignments.registry
+        while True:
+            await asyncio.sleep(self.config.period_s)
+            measured = registry.measured(self.job_id, self.stages)
+            if measured is None:
+                continue  # decide on measured throughput only: wait for every member's report
+            assignment, speeds = measured
+            now = registry.clock.now()
+            move = self.rebalancer.decide(assignment, speeds, self.stages, now)
+            if move is None:
+                continue
+            await self._order(move, "rebalancing")
+            if move.dst not in assignment.values():  # an empty stage: `refill` need not send more
+                what = f"moving {move.peer} from stage {move.src} (a spare replica)"
+                self._filling[move.dst] = (move.peer, what, now)
+
+    async def refill(self, missing: list[int]) -> dict[int, str]:
+        """Send a spare to each of the `missing` stages (those nobody serves) not being filled
+        already; returns, for each missing stage being filled, what was done, in words ("moving
+        peer3 from stage 2 (a spare replica)"). A stage absent from it has no spare: starting
+        a stage server is the remedy."""
+        registry = self.assignments.registry
+        now = registry.clock.now()
+        for k, (peer, _, at) in list(self._filling.items()):
+            if (
+                k not in missing
+                or peer not in registry.peers
+                or now - at > registry.serve_timeout_s
+            ):
+                del self._filling[k]  # served, or the peer sent is gone or never arrived
+        coming = self.assignments.on_the_way(self.job_id, self.stages)
+        for k in missing:  # sent there by placement (a peer that joined) or a move meanwhile
+            if k not in self._filling and coming[k]:
+                self._filling[k] = (coming[k][0], f"giving it to {coming[k][0]} (joining)", now)
+        todo = [k for k in missing if k not in self._filling]
+        if todo:
+            await self._send_idle(todo, now)
+            todo = [k for k in todo if k not in self._filling]
+        if todo and self.config.enabled:
+            await self._move_spares(todo, now)
+        return {k: what for k, (_, what, _) in self._filling.items() if k in missing}
+
+    async def _send_idle(self, todo: list[int], now: float) -> None:
+        """Idle peers measured for the job take the empty stages, the fastest at each."""
+        idle = self.assignments.registry.available(self.job_id, self.stages)
+        for k in todo:
+            able = [p for p, row in idle.items() if row[k] > 0.0]
+            if not able:
+                continue
+            peer = max(able, key=lambda p: (idle[p][k], p))
+            del idle[peer]
+            log.warning(
+                "job %s: stage %d has no replica: idle peer %s takes it", self.job_id, k, peer
+            )
+            await self.assignments.assign(self.job_id, peer, k)
+            self._filling[k] = (peer, f"giving it to idle peer {peer}", now)
+
+    async def _move_spares(self, todo: list[int], now: float) -> None:
+        """Spare replicas move to the empty stages (`Rebalancer.refill`), on the speeds the
+        peers announced (a stall cannot wait for every member's measurement)."""
+        registry = self.assignments.registry
+        members = registry.members(self.job_id, self.stages)
+        assignment = {r.peer: k for k, reps in enumerate(members) for r in reps}
+        coming = self.assignments.on_the_way(self.job_id, self.stages)
+        sent = [(p, k) for k, peers in enumerate(coming) for p in peers]
+        for peer, k in [*sent, *((p, k) for k, (p, _, _) in self._filling.items())]:
+            assignment[peer] = k  # on its way there: it fills that stage, and is no spare
+        speeds = {
+            p: [registry.peers[p].samples_per_second.get(j, 0.0) for j in range(self.stages)]
+            for p in assignment
+            if p in registry.peers
+        }
+        assignment = {p: k for p, k in assignment.items() if p in speeds}
+        for move in self.rebalancer.refill(assignment, speeds, self.stages, now):
+            if move.dst in todo:
+                await self._order(move, "its stage's spare")
+                self._filling[move.dst] = (
+                    move.peer,
+                    f"moving {move.peer} from stage {move.src} (a spare replica)",
+                    now,
+                )
+
+    async def _order(self, move: Move, why: str) -> None:
+        self.moves.labels(job=self.job_id).inc()
+        if move.before > 0.0:
+            log.warning(
+                "job %s: %s: moving %s from stage %d to stage %d (bottleneck %.1f -> %.1f "
+                "samples/s)",
+                self.job_id,
+                why,
+                move.peer,
+                move.src,
+                move.dst,
+                move.before,
+                move.after,
+            )
+        else:
+            log.warning(
+                "job %s: stage %d has no replica: moving %s from stage %d to it (%s)",
+                self.job_id,
+                move.dst,
+                move.peer,
+                move.src,
+                why,
+            )
+        await self.assignments.assign(self.job_id, move.peer, move.dst)

@@ -86,6 +86,7 @@ class Scheduler:
             serve_timeout_s=opts.serve_timeout_s,
             lost_stage_grace_s=opts.lost_stage_grace_s,
             health=self.health_of,
+            min_replicas=opts.min_replicas,
         )
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # Both filled by `self._training`: each job's recent speed, its open coordinator.
@@ -349,6 +350,7 @@ class Scheduler:
                     job.training.stages,
                     lambda: self.store.get(job_id).step,  # type: ignore[union-attr]
                     assigned,
+                    self.assignments.floor(job),
                 )
                 before = self.store.get(job_id).step  # type: ignore[union-attr]
                 try:

@@ -1,12 +1,16 @@
 """What a running job waits for, and what the operator can do about it.
 
 While a job trains, `StallWatch` looks every second at who serves each stage. A stage without a
-replica stalls the job (no microbatch can cross it): the job's message then says which stage,
-since when, what to do (start a stage server: it takes the empty stage) and what will happen
-then (every stage rolls back to the last checkpoint, so many steps are trained again), and the
-job waits "since" the moment the stage emptied, which `swarm status` counts up. A stage with a
-single replica is a warning: losing it costs the steps since the last checkpoint, where a spare
-replica would have taken over without loss. Each change is an event in the job's history.
+replica stalls the job (no microbatch can cross it): its state is `stalled` until the stage is
+served again (then `running`), and its message says which stage, since when, what is done about
+it and what will happen then (every stage rolls back to the last checkpoint, so many steps are
+trained again); the job waits "since" the moment the stage emptied, which `swarm status` counts
+up. What is done is the scheduler's own remedy when it has one: the watch asks `refill` (the
+job's `scheduler.rebalance_loop.Mover`) at once, which sends an idle peer or a spare replica of
+another stage; only a stage with no spare says "start a stage server". A stage with fewer
+replicas than the job's `min_replicas` (with the default 1: a single replica) is a warning that
+names the servers it takes: losing a single replica costs the steps since the last checkpoint,
+where a spare would have taken over without loss. Each change is an event in the job's history.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 
 from scheduler.history import History
 from scheduler.speed import RecentSpeed
+from swarm.job.states import JobState
 from swarm.rpc.lease import Replica
 
 __all__ = [
@@ -28,6 +33,7 @@ __all__ = [
     "lost_stage_text",
     "single_replica_text",
     "stages_text",
+    "under_replicated_text",
 ]
 
 # Steps that stop committing for this many usual step times (and at least this long) while every
@@ -44,8 +50,15 @@ def stages_text(stages: list[int]) -> str:
     return ("stage " if len(stages) == 1 else "stages ") + ", ".join(map(str, stages))
 
 
-def lost_stage_text(missing: list[int], step: int, checkpoint: int, since: float) -> str:
-    """The message of a job stalled because `missing` stages have no replica."""
+def lost_stage_text(
+    missing: list[int],
+    step: int,
+    checkpoint: int,
+    since: float,
+    plans: dict[int, str] | None = None,
+) -> str:
+    """The message of a job stalled because `missing` stages have no replica; `plans`: what the
+    scheduler does about some of them (`Mover.refill`), the others' remedy is `REMEDY`."""
     at = time.strftime("%H:%M:%S", time.localtime(since))
     verb = "has" if len(missing) == 1 else "have"
     if checkpoint > 0:
@@ -54,14 +67,52 @@ def lost_stage_text(missing: list[int], step: int, checkpoint: int, since: float
             then += f" ({step - checkpoint} step(s) trained again)"
     else:
         then = f"training starts again from step 0 (no checkpoint yet: {step} step(s) lost)"
-    return (
-        f"stalled at step {step}: {stages_text(missing)} {verb} no replica since {at}; {REMEDY}: "
-        f"it takes the stage, and {then}"
-    )
+    plans = {k: what for k, what in (plans or {}).items() if k in missing}
+    if not plans:
+        remedy = f"{REMEDY}: it takes the stage, and {then}"
+    elif len(missing) == 1:
+        remedy = f"the scheduler is {plans[missing[0]]}: once it serves, {then}"
+    else:
+        each = "; ".join(
+            f"stage {k}: " + (f"the scheduler is {plans[k]}" if k in plans else REMEDY)
+            for k in missing
+        )
+        remedy = f"{each}; once every stage is served, {then}"
+    return f"stalled at step {step}: {stages_text(missing)} {verb} no replica since {at}; {remedy}"
 
 
 def single_replica_text(stages: list[int], peers: list[str], checkpoint: int) -> str:
-    """The warning for `stages`, each served by one replica (`peers`, in their order)."""
+    """The warning for `stages`, each served by one replica (`peers`, in their order), of a job
+    with `min_replicas` = 1: it names the servers a spare for each takes."""
+    spares = len(stages)
+    return (
+        f"{_single(stages, peers, checkpoint)}; a spare stage server would take over without "
+        f"loss ({spares} more stage server(s) with runtime.min_replicas = 2, or the scheduler's "
+        f"--min-replicas 2, give {'it' if spares == 1 else 'each'} one)"
+    )
+
+
+def under_replicated_text(
+    sizes: list[int], min_replicas: int, peers: list[list[str]], checkpoint: int
+) -> str:
+    """The warning for a job whose stages have `sizes` replicas (`peers`: each stage's), some
+    below `min_replicas` (> 1): which, and how many more stage servers would fill every stage
+    (joining peers fill the stages short of it first)."""
+    short = [k for k, n in enumerate(sizes) if n < min_replicas]
+    more = sum(min_replicas - sizes[k] for k in short)
+    if len(short) == 1:
+        which = f"stage {short[0]} has {sizes[short[0]]} of min_replicas = {min_replicas} replicas"
+    else:
+        counts = ", ".join(str(sizes[k]) for k in short)
+        which = f"{stages_text(short)} have fewer than min_replicas = {min_replicas} ({counts})"
+    text = f"{which}: {more} more stage server(s) would fill every stage"
+    single = [k for k in short if sizes[k] == 1]
+    if single:
+        text += "; " + _single(single, [peers[k][0] for k in single], checkpoint)
+    return text
+
+
+def _single(stages: list[int], peers: list[str], checkpoint: int) -> str:
     back = f"step {checkpoint}, the last checkpoint" if checkpoint else "step 0 (no checkpoint)"
     if len(stages) == 1:
         which = f"stage {stages[0]} has a single replica ({peers[0]}): if it is lost"
@@ -69,9 +120,7 @@ def single_replica_text(stages: list[int], peers: list[str], checkpoint: int) ->
         which = (
             f"{stages_text(stages)} have a single replica each ({', '.join(peers)}): if one is lost"
         )
-    return (
-        f"{which}, training rolls back to {back}; a spare stage server would take over without loss"
-    )
+    return f"{which}, training rolls back to {back}"
 
 
 @dataclass
@@ -89,23 +138,30 @@ class StallWatch:
         members: Callable[[], list[list[Replica]]],
         step: Callable[[], int],
         checkpoint: Callable[[], int],
-        say: Callable[[str], Awaitable[None]],
+        say: Callable[[str, JobState | None], Awaitable[None]],
         said: Callable[[], str],
         history: History,
         health: Health,
         clock: Callable[[], float] = time.time,
         speed: RecentSpeed | None = None,
         progress: Callable[[], str] = lambda: "",
+        refill: Callable[[list[int]], Awaitable[dict[int, str]]] | None = None,
+        min_replicas: int = 1,
     ) -> None:
         """`members()`: who serves each stage now; `step()`: the job's committed steps;
-        `checkpoint()`: the step the last sealed checkpoint holds (0: none); `say(text)`: set the
-        job's message, `said()`: what it is now; `health`: what this watch keeps current;
-        `speed`: the job's commits (a job served everywhere whose steps stop is stalled too),
-        `progress()`: where its open step is, in words."""
+        `checkpoint()`: the step the last sealed checkpoint holds (0: none); `say(text, state)`:
+        set the job's message (and its state, unless None), `said()`: what it is now; `health`:
+        what this watch keeps current; `speed`: the job's commits (a job served everywhere whose
+        steps stop is stalled too), `progress()`: where its open step is, in words;
+        `refill(stages)`: send spares to stages nobody serves, saying what it did for each
+        (`Mover.refill`); `min_replicas`: the job's, for its warnings."""
         self.job_id, self.members, self.step, self.checkpoint = job_id, members, step, checkpoint
         self.say, self.said, self.history = say, said, history
         self.health, self.clock = health, clock
         self.speed, self.progress = speed, progress
+        self.refill, self.min_replicas = refill, min_replicas
+        self._plans: dict[int, str] = {}  # what is done for each stage nobody serves
+        self._stalled = False  # the job's state is "stalled" (set by this watch)
         self._slow_since: float | None = None  # the last commit, while no step commits
         self._served_at = -math.inf  # when a lost stage was last served again
         # (when read, the job's step then, the checkpoint's step read)
@@ -120,14 +176,20 @@ class StallWatch:
         step = self.step()
         checkpoint = self._checkpoint(now, step)
         missing = [k for k, replicas in enumerate(members) if not replicas]
+        plans = await self.refill(missing) if missing and self.refill is not None else {}
         for k in missing:
+            what = plans.get(k)
             if k not in self._lost:
                 self._lost[k] = now
                 self.history.record(
                     self.job_id,
                     "stall",
-                    f"stage {k} lost its last replica at step {step}: training stalled; {REMEDY}",
+                    f"stage {k} lost its last replica at step {step}: training stalled; "
+                    + (what or REMEDY),
                 )
+            elif what and self._plans.get(k) != what:  # a spare came later
+                self.history.record(self.job_id, "move", f"stage {k} has no replica: {what}")
+        self._plans = plans
         served_again = ""
         for k in [k for k in self._lost if k not in missing]:
             held = now - self._lost.pop(k)
@@ -135,40 +197,55 @@ class StallWatch:
             self._served_at = now  # its rollback comes next: not a slow step
             served_again = f"stage {k} is served again ({who}) after {held:.0f} s without a replica"
             self.history.record(self.job_id, "resume", served_again)
-        single = {k for k, replicas in enumerate(members) if len(replicas) == 1}
-        if single - self._single:  # said once as it starts, for the stages new to it
-            new = sorted(single - self._single)
-            text = single_replica_text(new, [members[k][0].peer for k in new], checkpoint)
-            self.history.record(self.job_id, "warning", text)
-        self._single = single
-        self.health.warnings = (
-            [
-                single_replica_text(
-                    sorted(single), [members[k][0].peer for k in sorted(single)], checkpoint
-                )
-            ]
-            if single
-            else []
-        )
+        self._warn(members, checkpoint)
+        # Served again: running (said with whatever is said next, or with what it says now).
+        back: JobState | None = "running" if self._stalled and not missing else None
         slow = self._slow(now, step) if not missing else None
         if slow is not None:
             self.health.waiting_since = self._slow_since or now
-            if slow != self._said:
+            if slow != self._said or back:
                 self._said = slow
-                await self.say(slow)
+                await self.say(slow, back)
         elif missing:
             since = min(self._lost.values())
             self.health.waiting_since = since
-            text = lost_stage_text(missing, step, checkpoint, since)
-            if text != self._said:
+            text = lost_stage_text(missing, step, checkpoint, since, plans)
+            if text != self._said or not self._stalled:
                 self._said = text
-                await self.say(text)
+                await self.say(text, None if self._stalled else "stalled")
         else:
             self.health.waiting_since = 0.0
             # The stall's message, unless something (a rollback) has said more since.
             if self._said and self.said() == self._said:
-                await self.say(f"training: {served_again}" if served_again else "training")
+                await self.say(f"training: {served_again}" if served_again else "training", back)
+            elif back:
+                await self.say(self.said(), back)
             self._said = ""
+        self._stalled = bool(missing)
+
+    def _warn(self, members: list[list[Replica]], checkpoint: int) -> None:
+        """Keep the warnings current: stages short of `min_replicas` (with 1: a single replica),
+        each said once as an event as it starts."""
+        sizes = [len(replicas) for replicas in members]
+        peers = [[r.peer for r in replicas] for replicas in members]
+        floor = max(2, self.min_replicas)  # with min_replicas 1, a single replica is the risk
+        single = {k for k, n in enumerate(sizes) if 0 < n < floor}
+        if self.min_replicas > 1:
+            short = [n if n else floor for n in sizes]  # an empty stage is the stall's message
+            warnings = [under_replicated_text(short, floor, peers, checkpoint)] if single else []
+            if single - self._single:
+                self.history.record(self.job_id, "warning", warnings[0])
+        else:
+            ones = sorted(single)
+            warnings = (
+                [single_replica_text(ones, [peers[k][0] for k in ones], checkpoint)] if ones else []
+            )
+            if single - self._single:  # said once as it starts, for the stages new to it
+                new = sorted(single - self._single)
+                text = single_replica_text(new, [peers[k][0] for k in new], checkpoint)
+                self.history.record(self.job_id, "warning", text)
+        self._single = single
+        self.health.warnings = warnings
 
     def _checkpoint(self, now: float, step: int) -> int:
         """`checkpoint()`, read again when a step has committed since, or after

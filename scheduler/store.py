@@ -41,11 +41,13 @@ __all__ = [
 ]
 
 # Allowed moves besides "failed"/"cancelled" (reachable from any unfinished state) and staying put.
-# running -> placing: a stage lost every replica and the job waits to be placed again.
+# running -> placing: a training attempt failed and the job waits to be placed again.
+# running <-> stalled: a stage has no replica while the job trains, and is served again.
 _NEXT: dict[JobState, frozenset[JobState]] = {
     "queued": frozenset({"placing"}),
     "placing": frozenset({"running"}),
-    "running": frozenset({"placing", "succeeded"}),
+    "running": frozenset({"placing", "stalled", "succeeded"}),
+    "stalled": frozenset({"running", "placing", "succeeded"}),
 }
 
 # A job record's columns: the row, the loss of its step 0 (what `swarm demo` starts from), and
@@ -205,7 +207,8 @@ class JobStore:
         return records, ""
 
     def unfinished(self) -> Records:
-        """Queued, placing and running jobs, oldest first: what a restarted scheduler resumes."""
+        """Unfinished jobs (queued, placing, running, stalled), oldest first: what a restarted
+        scheduler resumes."""
         marks = ", ".join("?" * len(UNFINISHED))
         rows = self._db.execute(
             f"SELECT {_COLUMNS} FROM jobs WHERE state IN ({marks}) ORDER BY created, rowid",

@@ -71,7 +71,8 @@ REFUSED_RETRY_S = 600.0
 # 2^64 - 1 would otherwise make every later real assignment look stale, until a restart.
 MAX_CLOCK_SKEW_S = 300.0
 """How many finished jobs a peer remembers (to ignore their assignments quietly)."""
-_ACTIVE = (cpb.JOB_STATE_PLACING, cpb.JOB_STATE_RUNNING)
+# A stalled job runs on (a stage of it waits for a replica): its peers keep serving it.
+_ACTIVE = (cpb.JOB_STATE_PLACING, cpb.JOB_STATE_RUNNING, cpb.JOB_STATE_STALLED)
 _ENDED_WHY = {
     cpb.JOB_STATE_SUCCEEDED: "it succeeded",
     cpb.JOB_STATE_FAILED: "it failed",

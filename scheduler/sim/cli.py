@@ -67,6 +67,13 @@ def _add_flags(p: argparse.ArgumentParser, env: EnvDefault) -> None:
         "factor below the mean stage total (>= 1)",
     )
     p.add_argument(
+        "--min-replicas",
+        type=int,
+        default=env("min_replicas", 1),
+        help="replicas every stage gets before any gets more, and keeps (a job's "
+        "runtime.min_replicas)",
+    )
+    p.add_argument(
         "--skew",
         type=float,
         default=env("skew", 0.0),
@@ -104,6 +111,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             lifetime_h=args.churn,
             join_rate_h=args.join_rate,
             skew=args.skew,
+            min_replicas=args.min_replicas,
             window_s=args.window * 3600.0,
         )
         rebalance = dataclasses.replace(config.rebalance_config, hysteresis=args.hysteresis)

@@ -3,7 +3,8 @@
 Drives `swarm.policy.wiring.Wiring` (one per trainer, on the simulated clock), and through
 `registry`
 the scheduler's own calls: `swarm.policy.placement.place_new` (the initial peers, each joining peer)
-and `swarm.policy.rebalance.Rebalancer` (every period, with `policy="swarm"`).
+and `swarm.policy.rebalance.Rebalancer` (every period, and at once when a departure leaves a stage
+with no replica assigned, with `policy="swarm"`).
 Randomness comes from `random.Random` streams seeded from `config.seed` only, so a config gives
 the same numbers every time. Two shortcuts keep it one event per hop: the trainer acts on a reply
 when the replica finishes (the reply's latency is added to the next hop's), and a task joins its
@@ -34,6 +35,7 @@ from scheduler.sim.model import (
 )
 from scheduler.sim.registry import Registry
 from scheduler.sim.report import Summary
+from swarm.policy.rebalance import Move
 from swarm.policy.wiring import NoReplicaError, Wiring
 
 __all__ = ["Simulation", "simulate"]
@@ -70,7 +72,7 @@ class Simulation:
         self._seq = 0
         self._peers: dict[str, SimPeer] = {}  # present peers
         self._named = 0
-        self.registry = Registry(stages, config.rebalance_config)
+        self.registry = Registry(stages, config.rebalance_config, config.min_replicas)
         self.meter = Meter(stages)
 
     def run(self) -> Summary:
@@ -261,6 +263,9 @@ class Simulation:
         self.meter.count("failed_hops", len(tasks))
         for task in tasks:  # the trainer hears of the failure one latency later
             self._route(task, t, peer.latency)
+        if self.config.policy == "swarm":
+            for move in self.registry.refill(t):  # its stage lost its last replica: at once
+                self._move(move, t)
 
     # -- the scheduler's periodic work ------------------------------------------------------------
 
@@ -268,8 +273,11 @@ class Simulation:
         config = self.config.rebalance_config
         self._push(t + config.period_s, _REBALANCE, None)
         move = self.registry.plan(t)
-        if move is None:
-            return
+        if move is not None:
+            self._move(move, t)
+
+    def _move(self, move: Move, t: float) -> None:
+        """Carry out a move the registry has decided (and assigned)."""
         self.meter.count("moves")
         peer = self._peers[move.peer]
         peer.stage = move.dst

@@ -104,6 +104,9 @@ class SimConfig:
     optimum_every_s: float | None = None
     """Seconds between evaluations of the optimum (`place` on the current peers, costly; see
     `report`); None: once per window."""
+    min_replicas: int = 1
+    """Replicas every stage gets before any gets more, and keeps under rebalancing (a job's
+    `runtime.min_replicas`)."""
     skew: float = 0.0
     """Share [0, 1) of stage 0's peers that start on the other stages instead (a scenario that
     needs rebalancing)."""
@@ -132,6 +135,7 @@ class SimConfig:
             _check(math.isfinite(value) and value >= 0.0, name, value, "a number >= 0")
         _check(0.0 < self.forward_share < 1.0, "forward_share", self.forward_share, "in (0, 1)")
         _check(0.0 <= self.skew < 1.0, "skew", self.skew, "a share in [0, 1)")
+        _check(self.min_replicas >= 1, "min_replicas", self.min_replicas, "an integer >= 1")
         if self.join_rate_h is not None:
             ok = math.isfinite(self.join_rate_h) and self.join_rate_h >= 0.0
             _check(ok, "join_rate_h", self.join_rate_h, "joins per hour >= 0")

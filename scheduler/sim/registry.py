@@ -1,6 +1,7 @@
 """The scheduler's side of the simulation: which stage each peer is assigned, decided by the calls
 the scheduler makes (`place_new` for the initial and each joining peer, `Rebalancer.decide` every
-period), and the optimum to judge them by (`place`)."""
+period, `Rebalancer.refill` when a stage loses its last replica), and the optimum to judge them by
+(`place`)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ _OPTIMUM_BUDGET = 200_000
 
 
 class Registry:
-    def __init__(self, stages: int, rebalance: RebalanceConfig) -> None:
-        self.stages = stages
+    def __init__(self, stages: int, rebalance: RebalanceConfig, min_replicas: int = 1) -> None:
+        self.stages, self.min_replicas = stages, min_replicas
         self.assignment: dict[str, int] = {}  # present peers -> the stage they are assigned
         self.speeds: dict[str, list[float]] = {}  # present peers -> samples/s on each stage
-        self.rebalancer = Rebalancer(rebalance)
+        self.rebalancer = Rebalancer(rebalance, min_replicas)
         self._totals = [0.0] * stages  # assigned samples/s per stage, kept up to date
+        self._sizes = [0] * stages  # assigned peers per stage
         self.counted: set[str] = set()  # peers the optimum is for: present, done joining
         self.strength = 0.0  # sum of `_strength` over them
         self._per_strength = 0.0  # the last evaluated optimum / strength
@@ -36,8 +38,10 @@ class Registry:
         row = self.speeds[peer]
         if old is not None:
             self._totals[old] -= row[old]
+            self._sizes[old] -= 1
         self.assignment[peer] = stage
         self._totals[stage] += row[stage]
+        self._sizes[stage] += 1
 
     def count(self, peer: str) -> None:
         """`peer` finished joining: the optimum is for it too from now on."""
@@ -51,23 +55,33 @@ class Registry:
         stage = self.assignment.pop(peer, None)
         if stage is not None:
             self._totals[stage] -= self.speeds[peer][stage]
+            self._sizes[stage] -= 1
         self.speeds.pop(peer, None)
         self.rebalancer.forget(peer)
 
     def place_all(self) -> dict[str, int]:
         """Every peer known, nothing serving yet: the initial placement."""
-        return place_new(self.speeds, self.stages)
+        return place_new(self.speeds, self.stages, min_replicas=self.min_replicas)
 
     def join_stage(self, peer: str) -> int:
         """The stage for a joining peer, on the assigned totals (peers still downloading
         included, so a burst of joins does not all go to one stage)."""
-        return place_new({peer: self.speeds[peer]}, self.stages, self._totals)[peer]
+        row = {peer: self.speeds[peer]}
+        sizes, floor = self._sizes, self.min_replicas
+        return place_new(row, self.stages, self._totals, min_replicas=floor, sizes=sizes)[peer]
 
     def plan(self, now: float) -> Move | None:
         move = self.rebalancer.decide(self.assignment, self.speeds, self.stages, now)
         if move is not None:
             self.assign(move.peer, move.dst)
         return move
+
+    def refill(self, now: float) -> list[Move]:
+        """Spare replicas moved at once to stages nobody is assigned (a stalled job)."""
+        moves = self.rebalancer.refill(self.assignment, self.speeds, self.stages, now)
+        for move in moves:
+            self.assign(move.peer, move.dst)
+        return moves
 
     def optimum_now(self) -> float:
         """The optimum between evaluations: the last one, scaled by the change in strength."""

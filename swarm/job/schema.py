@@ -322,6 +322,9 @@ class RuntimeConfig(Section):
     #: bytes of applied updates a replica keeps for peers copying it (a copy slower than this
     #: covers starts again)
     update_log_bytes: int = _f(4096 * MiB, GE1)
+    #: replicas every stage gets before any stage gets more, and keeps when peers are moved to
+    #: the bottleneck (count; 0: the scheduler's `--min-replicas`, 1 unless it says)
+    min_replicas: int = _f(0, GE0)
 
     def _validate(self) -> None:
         if self.max_message_bytes <= self.chunk_bytes:

@@ -20,15 +20,18 @@ __all__ = [
     "peer_state_name",
 ]
 
-JobState = Literal["queued", "placing", "running", "succeeded", "failed", "cancelled"]
+# "stalled": running, but a stage has no replica (no microbatch crosses it) until it is served
+# again; not an end.
+JobState = Literal["queued", "placing", "running", "stalled", "succeeded", "failed", "cancelled"]
 JOB_STATES: tuple[JobState, ...] = get_args(JobState)
 TERMINAL: frozenset[JobState] = frozenset({"succeeded", "failed", "cancelled"})
-UNFINISHED: tuple[JobState, ...] = ("queued", "placing", "running")
+UNFINISHED: tuple[JobState, ...] = ("queued", "placing", "running", "stalled")
 
 _JOB_PROTO: dict[JobState, cpb.JobState] = {
     "queued": cpb.JOB_STATE_QUEUED,
     "placing": cpb.JOB_STATE_PLACING,
     "running": cpb.JOB_STATE_RUNNING,
+    "stalled": cpb.JOB_STATE_STALLED,
     "succeeded": cpb.JOB_STATE_SUCCEEDED,
     "failed": cpb.JOB_STATE_FAILED,
     "cancelled": cpb.JOB_STATE_CANCELLED,

@@ -13,6 +13,11 @@ problem), which no polynomial algorithm can even approximate within a factor bel
 So `place` is a heuristic, and what it guarantees is:
 - every stage gets a replica whenever some assignment gives every stage one (a maximum matching
   covers the stages first); with exactly as many usable peers as stages the result is optimal;
+- redundancy before throughput: with `min_replicas = m` (a job's `runtime.min_replicas`), every
+  stage gets m replicas before any stage gets more whenever some assignment gives every stage m
+  (the matching has m slots per stage, filled round by round: every stage's first, then every
+  stage's second, ...), and the search never takes a stage under m; with too few peers for m
+  everywhere, no stage gets its (r+1)-th replica while one it could serve lacks its r-th;
 - the result is never worse than the greedy fill (`best_stage` peer by peer) it starts from;
 - unless the budget ran out, it is a local optimum: no move of a peer into a bottleneck stage, no
   swap of two peers across one and no exchange of two stages' replica groups raises the
@@ -117,6 +122,7 @@ def place(
     speeds: Mapping[str, Sequence[float]],
     num_stages: int,
     *,
+    min_replicas: int = 1,
     rounds: int = 200,
     budget: int = 2_000_000,
 ) -> dict[str, int]:
@@ -125,7 +131,11 @@ def place(
     are left out. Phases:
     1. cover: a maximum matching gives as many stages as possible one replica each, maximising
        the slowest of them. With fewer usable peers than stages the placement is partial
-       (`stages_without_replicas` names the rest) and stops there;
+       (`stages_without_replicas` names the rest) and stops there. With `min_replicas` m > 1
+       the matching has m slots per stage, filled round by round, so every stage gets m
+       replicas before any gets more; with too few peers for that, those left join the stages
+       with the fewest replicas where they raise the bottleneck most (`best_stage`), and the
+       placement stops there;
     2. fill: the other peers, fastest first, each join their `best_stage` (greedy); a second kind
        of start lets them prefer stages where market prices value them most (`_prices`), and the
        better start is kept;
@@ -135,11 +145,15 @@ def place(
        round and large ones stop early (about 1.5 s at 3,000 peers x 32 stages here)."""
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages}: a job has at least one stage")
+    _check_min_replicas(min_replicas)
     peers = sorted(p for p, row in speeds.items() if max(_check_row(p, row, num_stages)) > 0.0)
-    assignment = _cover(peers, speeds, num_stages)
+    assignment = _cover(peers, speeds, num_stages, min_replicas)
     covered = stage_totals(assignment, speeds, num_stages)
-    if len(assignment) < num_stages:  # some stage stays empty: the bottleneck is 0 regardless
-        _fill(peers, assignment, speeds, covered)
+    sizes = [0] * num_stages
+    for stage in assignment.values():
+        sizes[stage] += 1
+    if min(sizes) < min_replicas:  # too few peers: the rest join the stages with the fewest
+        _fill(peers, assignment, speeds, covered, floor=(sizes, min_replicas))
         return dict(sorted(assignment.items()))
     if len(peers) == num_stages:  # one peer per stage: the matching is the optimum
         return dict(sorted(assignment.items()))
@@ -154,6 +168,7 @@ def place(
         if better(_score_of(other, speeds, num_stages), _score_of(start, speeds, num_stages)):
             start = other
     search = Search([speeds[p] for p in peers], [start[p] for p in peers], num_stages)
+    search.floor = min_replicas
     improve(search, rounds, budget)
     return dict(zip(peers, search.stage_of, strict=True))
 
@@ -162,19 +177,27 @@ def place_new(
     speeds: Mapping[str, Sequence[float]],
     num_stages: int,
     totals: Sequence[float] | None = None,
+    *,
+    min_replicas: int = 1,
+    sizes: Sequence[int] | None = None,
 ) -> dict[str, int]:
     """Stages for peers not placed yet: the one placement decision of the scheduler and the
     simulator. `totals=None` (nothing serves the job yet) is `place`. Otherwise `totals` are the
     stages' summed samples/s now (a running job), and each new peer, fastest first, joins its
     `best_stage` as the totals grow: peers already serving stay put (moving them is rebalancing's
-    call, which weighs what a move costs). Peers with no positive speed are left out."""
+    call, which weighs what a move costs). With `sizes` (the replicas each stage has now), a new
+    peer joins one of the stages with the fewest replicas while some stage it can serve has
+    fewer than `min_replicas`: redundancy before throughput. Peers with no positive speed are
+    left out."""
+    _check_min_replicas(min_replicas)
     if totals is None:
-        return place(speeds, num_stages)
-    if len(totals) != num_stages:
+        return place(speeds, num_stages, min_replicas=min_replicas)
+    if len(totals) != num_stages or (sizes is not None and len(sizes) != num_stages):
         raise ValueError(f"{len(totals)} stage totals for {num_stages} stages: give one per stage")
     peers = sorted(p for p, row in speeds.items() if max(_check_row(p, row, num_stages)) > 0.0)
     assignment: dict[str, int] = {}
-    _fill(peers, assignment, speeds, list(totals))
+    floor = (list(sizes), min_replicas) if sizes is not None else None
+    _fill(peers, assignment, speeds, list(totals), floor=floor)
     return dict(sorted(assignment.items()))
 
 
@@ -184,6 +207,11 @@ def _check_row(peer: str, row: Sequence[float], num_stages: int) -> Sequence[flo
             f"peer {peer!r}: give {num_stages} finite speeds >= 0, one per stage, not {row!r}"
         )
     return row
+
+
+def _check_min_replicas(min_replicas: int) -> None:
+    if min_replicas < 1:
+        raise ValueError(f"min_replicas={min_replicas}: give an integer >= 1")
 
 
 def _rows(speeds: Mapping[str, Sequence[float]], num_stages: int) -> list[Sequence[float]]:
@@ -200,19 +228,36 @@ def _fill(
     *,
     prices: Sequence[float] | None = None,
     slack: float = 0.0,
+    floor: tuple[list[int], int] | None = None,
 ) -> None:
     """Each unplaced peer, fastest first (as in LPT scheduling: a large peer placed last would
     overshoot its stage), joins its `best_stage` on `totals` (updated as it goes). With `prices`,
-    only among the stages where its speed is worth at least (1 - slack) of its best at them."""
+    only among the stages where its speed is worth at least (1 - slack) of its best at them.
+    With `floor` = (sizes, m), only among the stages with the fewest replicas below m that it
+    can serve, while there are such (`sizes` updated as it goes)."""
     for peer in sorted((p for p in peers if p not in assignment), key=lambda p: -max(speeds[p])):
         row = speeds[peer]
         if prices is not None:
             worth = [price * s for price, s in zip(prices, row, strict=True)]
-            floor = (1.0 - slack) * max(worth)
-            row = [s if w >= floor else 0.0 for s, w in zip(row, worth, strict=True)]
+            least = (1.0 - slack) * max(worth)
+            row = [s if w >= least else 0.0 for s, w in zip(row, worth, strict=True)]
+        if floor is not None:
+            row = _shortest(row, *floor)
         stage = best_stage(row, totals)
         assignment[peer] = stage
         totals[stage] += speeds[peer][stage]
+        if floor is not None:
+            floor[0][stage] += 1
+
+
+def _shortest(row: Sequence[float], sizes: Sequence[int], floor: int) -> Sequence[float]:
+    """`row` with only the stages it can serve that have the fewest replicas below `floor` left
+    positive; `row` itself when it can serve none below `floor`."""
+    for level in sorted({n for n in sizes if n < floor}):
+        short = [s if n == level else 0.0 for s, n in zip(row, sizes, strict=True)]
+        if max(short) > 0.0:
+            return short
+    return row
 
 
 def _prices(rows: list[Sequence[float]], num_stages: int) -> tuple[list[float], float]:
@@ -258,47 +303,73 @@ def _score_of(
 
 
 def _cover(
-    peers: list[str], speeds: Mapping[str, Sequence[float]], num_stages: int
+    peers: list[str], speeds: Mapping[str, Sequence[float]], num_stages: int, min_replicas: int
 ) -> dict[str, int]:
-    """A maximum matching of peers to distinct stages over positive speeds that maximises its
-    slowest edge: binary search on that speed, augmenting paths at each threshold. Only each
-    stage's `num_stages` fastest peers can matter (an optimal matching using any other peer for a
-    stage leaves one of those free, and switching to it is no slower), so a check is O(S^3)."""
+    """A maximum matching of peers to `min_replicas` slots per stage over positive speeds that
+    gives as many stages as possible a first replica, then as many as possible a second, ...
+    (the slots are taken round by round: augmenting paths never unmatch a slot), and maximises
+    its slowest edge: binary search on that speed, augmenting paths at each threshold. Only
+    each stage's `num_stages * min_replicas` fastest peers can matter (an optimal matching
+    using any other peer for a stage leaves one of those free, and switching to it is no
+    slower), so a check is O((S m)^3)."""
     candidates: dict[int, list[str]] = {}
     for k in range(num_stages):
         usable = [p for p in peers if speeds[p][k] > 0.0]
         usable.sort(key=lambda p: -speeds[p][k])  # stable: equal speeds stay in id order
-        candidates[k] = usable[:num_stages]
+        candidates[k] = usable[: num_stages * min_replicas]
+    slots = [k for _ in range(min_replicas) for k in range(num_stages)]  # round by round
     thresholds = sorted({speeds[p][k] for k, ps in candidates.items() for p in ps})
-    size = len(_matching(candidates, speeds, 0.0))
-    lo, hi = 0, len(thresholds) - 1  # the answer is the largest index still matching `size`
+    rounds = _rounds(_matching(slots, candidates, speeds, 0.0), num_stages)
+    lo, hi = 0, len(thresholds) - 1  # the answer is the largest index still matching `rounds`
     best: dict[str, int] = {}
     while lo <= hi:
         mid = (lo + hi) // 2
-        match = _matching(candidates, speeds, thresholds[mid])
-        if len(match) == size:
+        match = _matching(slots, candidates, speeds, thresholds[mid])
+        if _rounds(match, num_stages) == rounds:
             best, lo = match, mid + 1
         else:
             hi = mid - 1
-    return best
+    return {peer: slots[slot] for peer, slot in best.items()}
+
+
+def _rounds(owner: Mapping[str, int], num_stages: int) -> list[int]:
+    """Matched slots per round of a slot matching."""
+    counts = [0] * (max(owner.values(), default=0) // num_stages + 1)
+    for slot in owner.values():
+        counts[slot // num_stages] += 1
+    return counts
 
 
 def _matching(
-    candidates: Mapping[int, list[str]], speeds: Mapping[str, Sequence[float]], threshold: float
+    slots: Sequence[int],
+    candidates: Mapping[int, list[str]],
+    speeds: Mapping[str, Sequence[float]],
+    threshold: float,
 ) -> dict[str, int]:
-    """Maximum bipartite matching (Kuhn's augmenting paths) over edges at least `threshold`."""
+    """Maximum bipartite matching of peers to `slots` (each a stage) over edges at least
+    `threshold`, slot by slot (Kuhn's augmenting paths, searched with a stack of their own:
+    a path may pass every slot). Peer -> slot index."""
     owner: dict[str, int] = {}
-
-    def augment(stage: int, seen: set[str]) -> bool:
-        for peer in candidates[stage]:
-            if speeds[peer][stage] < threshold or peer in seen:
-                continue
-            seen.add(peer)
-            if peer not in owner or augment(owner[peer], seen):
-                owner[peer] = stage
-                return True
-        return False
-
-    for stage in sorted(candidates):
-        augment(stage, set())
+    for start in range(len(slots)):
+        seen: set[str] = set()
+        stack = [(start, iter(candidates[slots[start]]))]
+        path: list[str] = []  # path[i]: the peer stack[i]'s slot would take
+        while stack:
+            slot, untried = stack[-1]
+            for peer in untried:
+                if speeds[peer][slots[slot]] < threshold or peer in seen:
+                    continue
+                seen.add(peer)
+                path.append(peer)
+                if peer in owner:  # may its slot take another peer?
+                    stack.append((owner[peer], iter(candidates[slots[owner[peer]]])))
+                    break
+                for (taker, _), taken in zip(stack, path, strict=True):
+                    owner[taken] = taker
+                stack.clear()
+                break
+            else:
+                stack.pop()
+                if path:
+                    path.pop()
     return owner

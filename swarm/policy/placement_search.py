@@ -49,6 +49,7 @@ class Search:
             self.sizes[stage] += 1
         self.order = sorted(range(num_stages), key=self.totals.__getitem__)
         self.budget = 0
+        self.floor = 1  # no move takes a stage below this many replicas (min_replicas)
 
     def score(self) -> tuple[float, int]:
         return score(self.totals)
@@ -113,7 +114,7 @@ class Search:
             self.budget -= len(rows)
             for i, row in enumerate(rows):
                 j = stage_of[i]
-                if j == k or row[k] <= 0.0 or sizes[j] == 1:  # never empty a stage
+                if j == k or row[k] <= 0.0 or sizes[j] <= self.floor:  # never below the floor
                     continue
                 a = totals[j] - row[j]
                 if a < score[0]:  # stage j would fall below the bottleneck
@@ -172,12 +173,13 @@ class Search:
         return [(i, j if s == k else k) for i, s in enumerate(self.stage_of) if s in pair]
 
     def kick(self, rng: random.Random, moves: int) -> None:
-        """Move a few random peers to random stages (never emptying one), off a local optimum."""
+        """Move a few random peers to random stages (never taking one below the floor), off a
+        local optimum."""
         for _ in range(moves):
             i = rng.randrange(len(self.rows))
             j = self.stage_of[i]
             targets = [k for k in range(self.num_stages) if k != j and self.rows[i][k] > 0.0]
-            if self.sizes[j] > 1 and targets:
+            if self.sizes[j] > self.floor and targets:
                 self.move([(i, rng.choice(targets))])
 
 

@@ -7,12 +7,17 @@ The job runs at its bottleneck `min_k total_k`, the smallest summed samples/s of
 `speeds[peer][k]` is already in samples/s of stage k, so totals of stages of different cost compare
 directly (every sample passes every stage: each stage needs the same rate).
 
+`plan_refill` is the other decision, taken at once when a stage has lost its last replica (the job
+stalls: no microbatch crosses it): which spare replica to move there (below).
+
 A decision looks at moving one peer into the bottleneck stage `b`, from the most over-served stage
 (highest total) first; only when no peer there passes every check are the other stages tried, in
 decreasing order of total (a fast peer on a less over-served stage may help where the slow peers of
 the most over-served one cannot). Among the peers of the first stage that has a valid candidate it
 takes the one that makes the new bottleneck `after` largest. A candidate is valid when:
-- the move leaves its stage with a replica (never empty a stage) and can serve `b` (speed > 0);
+- the move leaves its stage with a replica (never empty a stage), and with at least
+  `min_replicas` (the job's `runtime.min_replicas`: redundancy is not traded for throughput), and
+  can serve `b` (speed > 0);
 - hysteresis: `after > before * hysteresis`. A move that only reshuffles float error or measurement
   noise is not worth a peer's downtime, and the reverse move is never attractive right after.
   Except when the swarm is out of balance, `before * hysteresis < mean`, the mean being that of the
@@ -61,7 +66,7 @@ from swarm.job.config import RebalanceConfig
 
 # RebalanceConfig's home is the job file's config (`swarm.job.config`); it is named here too because
 # the policy takes it.
-__all__ = ["Move", "RebalanceConfig", "Rebalancer", "plan_move"]
+__all__ = ["Move", "RebalanceConfig", "Rebalancer", "plan_move", "plan_refill"]
 
 # Totals are float sums taken in different orders: a gain within this is no gain.
 _REL_TOL = 1e-9
@@ -87,23 +92,17 @@ def plan_move(
     now: float,
     last_moved: Mapping[str, float],
     config: RebalanceConfig | None = None,
+    min_replicas: int = 1,
 ) -> Move | None:
     """The move to order now, or None. `assignment` maps each peer to the stage it serves or is
     moving to, `speeds[peer][k]` is its measured samples/s on stage k, `last_moved[peer]` the
-    clock time of its last move (absent: never moved)."""
+    clock time of its last move (absent: never moved); no move leaves its stage with fewer than
+    `min_replicas` replicas (nor with none)."""
     config = config or RebalanceConfig()
     if num_stages < 2:
         return None  # nowhere to move to
-    totals = [0.0] * num_stages
-    members: list[list[str]] = [[] for _ in range(num_stages)]
-    for peer, stage in assignment.items():
-        if not 0 <= stage < num_stages:
-            raise ValueError(f"peer {peer!r}: stage {stage} out of range 0..{num_stages - 1}")
-        row = speeds[peer]
-        if len(row) != num_stages:
-            raise ValueError(f"peer {peer!r}: {len(row)} speeds for {num_stages} stages")
-        totals[stage] += row[stage]
-        members[stage].append(peer)
+    totals, members = _stages(assignment, speeds, num_stages)
+    keep = max(1, min_replicas)  # replicas a source stage keeps
     dst = min(range(num_stages), key=lambda k: (totals[k], k))
     before = totals[dst]
     out_of_balance = before * config.hysteresis < sum(totals) / num_stages
@@ -111,7 +110,7 @@ def plan_move(
     dwell = config.min_dwell_s
     received = {assignment[p] for p, t in last_moved.items() if p in assignment and now - t < dwell}
     for src in sorted(range(num_stages), key=lambda k: (-totals[k], k)):
-        if src == dst or len(members[src]) < 2 or src in received:
+        if src == dst or len(members[src]) <= keep or src in received:
             continue
         move = _best_from(
             src,
@@ -129,6 +128,73 @@ def plan_move(
         if move is not None:
             return move
     return None
+
+
+def plan_refill(
+    assignment: Mapping[str, int],
+    speeds: Mapping[str, Sequence[float]],
+    num_stages: int,
+    *,
+    min_replicas: int = 1,
+) -> list[Move]:
+    """The moves that serve stages nobody serves (a stalled job), at once: no hysteresis, cost or
+    dwell check, as nothing trains until every stage is served. For each empty stage (lowest
+    first) a spare replica moves there: one of a stage with more than `min_replicas` replicas,
+    else (a stall is worse than thinner redundancy) of a stage with at least two, never a stage's
+    last. Among those it takes the move that leaves the highest bottleneck, then the peer
+    fastest at the empty stage, then the one slowest where it is, then the peer id. A stage no
+    spare can serve (speed 0) stays empty: starting a stage server is the remedy then.
+    Arguments as for `plan_move`; `speeds` may be announced rather than measured figures."""
+    totals, members = _stages(assignment, speeds, num_stages)
+    keep = max(1, min_replicas)
+    moves: list[Move] = []
+    for dst in [k for k in range(num_stages) if not members[k]]:
+        # (spare tier, -bottleneck after, -speed at dst, speed lost at src, peer)
+        best: tuple[int, float, float, float, str] | None = None
+        src_of: dict[str, int] = {}
+        for src, peers in enumerate(members):
+            if len(peers) < 2:
+                continue
+            tier = 0 if len(peers) > keep else 1
+            for peer in peers:
+                row = speeds[peer]
+                if row[dst] <= 0.0:
+                    continue
+                after = min(
+                    min((t for k, t in enumerate(totals) if k not in (src, dst)), default=math.inf),
+                    totals[src] - row[src],
+                    row[dst],
+                )
+                key = (tier, -after, -row[dst], row[src], peer)
+                if best is None or key < best:
+                    best, src_of[peer] = key, src
+        if best is None:
+            continue
+        peer = best[4]
+        src = src_of[peer]
+        moves.append(Move(peer=peer, src=src, dst=dst, before=0.0, after=-best[1]))
+        members[src].remove(peer)
+        members[dst].append(peer)
+        totals[src] -= speeds[peer][src]
+        totals[dst] += speeds[peer][dst]
+    return moves
+
+
+def _stages(
+    assignment: Mapping[str, int], speeds: Mapping[str, Sequence[float]], num_stages: int
+) -> tuple[list[float], list[list[str]]]:
+    """Each stage's summed samples/s and its peers (in `assignment`'s order), checked."""
+    totals = [0.0] * num_stages
+    members: list[list[str]] = [[] for _ in range(num_stages)]
+    for peer, stage in assignment.items():
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"peer {peer!r}: stage {stage} out of range 0..{num_stages - 1}")
+        row = speeds[peer]
+        if len(row) != num_stages:
+            raise ValueError(f"peer {peer!r}: {len(row)} speeds for {num_stages} stages")
+        totals[stage] += row[stage]
+        members[stage].append(peer)
+    return totals, members
 
 
 def _best_from(
@@ -182,8 +248,9 @@ class Rebalancer:
     older than `min_dwell_s` weigh nothing in a decision and are dropped, so the memory stays as
     small as the recent moves."""
 
-    def __init__(self, config: RebalanceConfig | None = None) -> None:
+    def __init__(self, config: RebalanceConfig | None = None, min_replicas: int = 1) -> None:
         self.config = config or RebalanceConfig()
+        self.min_replicas = min_replicas  # the job's: no move takes a stage below it
         self.last_moved: dict[str, float] = {}
 
     def decide(
@@ -203,10 +270,25 @@ class Rebalancer:
             now=now,
             last_moved=self.last_moved,
             config=self.config,
+            min_replicas=self.min_replicas,
         )
         if move is not None:
             self.last_moved[move.peer] = now
         return move
+
+    def refill(
+        self,
+        assignment: Mapping[str, int],
+        speeds: Mapping[str, Sequence[float]],
+        num_stages: int,
+        now: float,
+    ) -> list[Move]:
+        """`plan_refill`'s moves (remembered as made: the stages they fill hold no other move's
+        peer within `min_dwell_s`, and the moved peers stay put as long)."""
+        moves = plan_refill(assignment, speeds, num_stages, min_replicas=self.min_replicas)
+        for move in moves:
+            self.last_moved[move.peer] = now
+        return moves
 
     def forget(self, peer: str) -> None:
         """`peer` left."""

@@ -24,6 +24,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
+    JOB_STATE_STALLED: _ClassVar[JobState]
 PEER_STATE_UNSPECIFIED: PeerState
 PEER_STATE_JOINING: PeerState
 PEER_STATE_SERVING: PeerState
@@ -36,6 +37,7 @@ JOB_STATE_RUNNING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+JOB_STATE_STALLED: JobState
 
 class PeerAnnouncement(_message.Message):
     __slots__ = ("peer", "address", "metrics_address", "device", "state", "job", "stage", "samples_per_second", "throttle", "time")

@@ -17,6 +17,7 @@ from scheduler.history import History
 from scheduler.job_training import JobTraining, final_path, save_final
 from scheduler.stalls import Health
 from scheduler.store import JobStore
+from swarm.job.config import JobConfig
 from swarm.model import checkpoint
 from swarm.rpc.lease import Replica
 from tests.support.disks import fill, tiny_disk
@@ -50,7 +51,10 @@ class _Peers:
 
 
 class _Assignments:
-    async def grow(self, job_id: str, stages: int, assigned: list[str]) -> None:
+    def floor(self, job: JobConfig) -> int:
+        return 1
+
+    async def grow(self, job_id: str, stages: int, assigned: list[str], floor: int) -> None:
         await asyncio.Event().wait()  # every stage is served already
 
 

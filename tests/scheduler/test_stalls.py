@@ -11,7 +11,7 @@ from typing import Any
 from scheduler.history import History
 from scheduler.speed import RecentSpeed
 from scheduler.stalls import CHECKPOINT_LOOK_S, Health, StallWatch
-from scheduler.store import JobStore
+from scheduler.store import JobState, JobStore
 from swarm.rpc.lease import Replica
 
 
@@ -22,12 +22,16 @@ def _watch(
     checkpoint: Callable[[], int],
     message: list[str],
     now: list[float],
+    states: list[str] | None = None,
     **kwargs: Any,
 ) -> tuple[str, Health, StallWatch]:
-    """A job in `store` and its watch: `message[0]` is what the job says, `now[0]` the time."""
+    """A job in `store` and its watch: `message[0]` is what the job says, `now[0]` the time,
+    `states` the states the watch set, in order."""
 
-    async def say(text: str) -> None:
+    async def say(text: str, state: JobState | None) -> None:
         message[0] = text
+        if state is not None and states is not None:
+            states.append(state)
 
     job = store.create("tiny", "spec", "/data", steps=800).id
     health = Health()
@@ -49,11 +53,11 @@ def _watch(
 def test_a_lost_stage_is_named_with_its_remedy_and_what_follows(tmp_path: Path) -> None:
     now = [1000.0]
     members = [[Replica("a", "h:1")], [Replica("b", "h:2"), Replica("c", "h:3")]]
-    checkpoint, step, message = [0], [89], ["training"]
+    checkpoint, step, message, states = [0], [89], ["training"], []
 
     with JobStore(tmp_path / "jobs.db") as store:
         job, health, watch = _watch(
-            store, members, lambda: step[0], lambda: checkpoint[0], message, now
+            store, members, lambda: step[0], lambda: checkpoint[0], message, now, states
         )
 
         async def look() -> None:
@@ -73,7 +77,7 @@ def test_a_lost_stage_is_named_with_its_remedy_and_what_follows(tmp_path: Path) 
         members[0] = []  # stage 0's only replica dies at step 89, no checkpoint yet
         now[0] += 1.0
         asyncio.run(look())
-        assert health.waiting_since == 1001.0
+        assert health.waiting_since == 1001.0 and states == ["stalled"]
         said = message[0]
         assert said.startswith("stalled at step 89: stage 0 has no replica since ")
         assert "start a stage server for this job" in said
@@ -89,6 +93,7 @@ def test_a_lost_stage_is_named_with_its_remedy_and_what_follows(tmp_path: Path) 
         asyncio.run(look())
         assert health.waiting_since == 0.0
         assert message[0] == "training: stage 0 is served again (d) after 77 s without a replica"
+        assert states == ["stalled", "running"]
         kinds = [(e.kind, e.text.split(":")[0]) for e in store.events(job)]
         assert kinds == [
             ("warning", "stage 0 has a single replica (a)"),
@@ -104,6 +109,7 @@ def test_a_lost_stage_is_named_with_its_remedy_and_what_follows(tmp_path: Path) 
         members[0] = [Replica("e", "h:5"), Replica("f", "h:6")]
         asyncio.run(look())
         assert message[0].startswith("rolled back to step 80")  # not overwritten
+        assert states == ["stalled", "running", "stalled", "running"]
         assert health.warnings == []
 
 
@@ -147,3 +153,107 @@ def test_steps_that_stop_while_every_stage_is_served_are_a_stall_too(tmp_path: P
             ("stall", "no step committed for 61 s at step 40"),
             ("resume", "steps commit again (step 40) after 66 s"),
         ]
+
+
+def test_a_stall_says_the_spare_the_scheduler_moves_not_start_a_server(tmp_path: Path) -> None:
+    # Stage 0 loses its only replica; the scheduler's `refill` moves a spare of stage 1 at
+    # once. The message and the stall's event say that, not "start a stage server".
+    now = [1000.0]
+    members = [[Replica("a", "h:1")], [Replica("b", "h:2"), Replica("c", "h:3")], []]
+    message, states = ["training"], []
+    plans: dict[int, str] = {0: "moving c from stage 1 (a spare replica)"}
+    asked: list[list[int]] = []
+
+    async def refill(missing: list[int]) -> dict[int, str]:
+        asked.append(missing)
+        return {k: plans[k] for k in missing if k in plans}
+
+    with JobStore(tmp_path / "jobs.db") as store:
+        job, health, watch = _watch(
+            store, members, lambda: 89, lambda: 80, message, now, states, refill=refill
+        )
+        members[2] = [Replica("d", "h:4")]
+        asyncio.run(watch.look())
+        assert asked == [] and states == []  # nothing missing: refill is not asked
+        members[0] = []
+        asyncio.run(watch.look())
+        assert asked == [[0]] and states == ["stalled"] and health.waiting_since == 1000.0
+        assert message[0].startswith("stalled at step 89: stage 0 has no replica since ")
+        assert message[0].endswith(
+            "; the scheduler is moving c from stage 1 (a spare replica): once it serves, every "
+            "stage rolls back to step 80, the last checkpoint (9 step(s) trained again)"
+        )
+        assert "start a stage server" not in message[0]
+        # Stage 2 is lost too, with no spare for it: its remedy is a server, stage 0's the move.
+        members[2] = []
+        asyncio.run(watch.look())
+        assert (
+            "stage 0: the scheduler is moving c from stage 1 (a spare replica); stage 2: "
+            + ("start a stage server")
+            in message[0]
+        )
+        plans[2] = "giving it to idle peer e"  # a peer joins: the scheduler sends it there
+        asyncio.run(watch.look())
+        members[0], members[2] = [Replica("c", "h:3")], [Replica("e", "h:5")]
+        members[1] = [Replica("b", "h:2")]
+        asyncio.run(watch.look())
+        assert states == ["stalled", "running"]
+        events = [(e.kind, e.text) for e in store.events(job) if e.kind != "warning"]
+        assert events[:3] == [
+            (
+                "stall",
+                "stage 0 lost its last replica at step 89: training stalled; moving c from "
+                "stage 1 (a spare replica)",
+            ),
+            (
+                "stall",
+                "stage 2 lost its last replica at step 89: training stalled; start a stage "
+                "server for this job (`swarm stage-server --broker URL`, as for the others)",
+            ),
+            ("move", "stage 2 has no replica: giving it to idle peer e"),
+        ]
+
+
+def test_stages_short_of_min_replicas_are_a_warning_naming_the_servers_it_takes(
+    tmp_path: Path,
+) -> None:
+    now, message = [0.0], ["training"]
+    members = [
+        [Replica("a", "h:1"), Replica("b", "h:2")],
+        [Replica("c", "h:3")],
+        [Replica("d", "h:4")],
+        [Replica("e", "h:5"), Replica("f", "h:6")],
+    ]
+    with JobStore(tmp_path / "jobs.db") as store:
+
+        def warnings(min_replicas: int) -> list[str]:
+            _, health, watch = _watch(
+                store, members, lambda: 5, lambda: 0, message, now, min_replicas=min_replicas
+            )
+            asyncio.run(watch.look())
+            return health.warnings
+
+        # min_replicas 1: the single replicas, and what a spare for each takes
+        assert warnings(1) == [
+            "stages 1, 2 have a single replica each (c, d): if one is lost, training rolls back "
+            "to step 0 (no checkpoint); a spare stage server would take over without loss (2 "
+            "more stage server(s) with runtime.min_replicas = 2, or the scheduler's "
+            "--min-replicas 2, give each one)"
+        ]
+        assert warnings(2) == [
+            "stages 1, 2 have fewer than min_replicas = 2 (1, 1): 2 more stage server(s) would "
+            "fill every stage; stages 1, 2 have a single replica each (c, d): if one is lost, "
+            "training rolls back to step 0 (no checkpoint)"
+        ]
+        members[1].append(Replica("g", "h:7"))
+        assert warnings(3)[0].startswith(
+            "stages 0, 1, 2, 3 have fewer than min_replicas = 3 (2, 2, 1, 2): 5 more stage "
+            "server(s) would fill every stage; stage 2 has a single replica (d): if it is lost"
+        )
+        assert warnings(2) == [
+            "stage 2 has 1 of min_replicas = 2 replicas: 1 more stage server(s) would fill every "
+            "stage; stage 2 has a single replica (d): if it is lost, training rolls back to step "
+            "0 (no checkpoint)"
+        ]
+        members[2].append(Replica("h", "h:8"))
+        assert warnings(2) == []  # every stage has its two

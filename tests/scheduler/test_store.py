@@ -44,6 +44,9 @@ LEGAL: list[list[JobState]] = [
     ["placing", "failed"],
     ["placing", "running", "cancelled"],
     ["placing", "placing", "running", "running"],  # staying put is allowed while unfinished
+    # a stage without a replica while it trains, served again; or the attempt ends meanwhile
+    ["placing", "running", "stalled", "stalled", "running", "succeeded"],
+    ["placing", "running", "stalled", "placing", "running", "stalled", "cancelled"],
 ]
 
 
@@ -63,6 +66,8 @@ ILLEGAL: list[tuple[list[JobState], JobState]] = [
     (["placing", "running", "succeeded"], "failed"),
     (["cancelled"], "cancelled"),  # terminal states are final
     (["failed"], "placing"),
+    (["placing"], "stalled"),  # only a job that trains can stall
+    (["placing", "running", "stalled", "succeeded"], "stalled"),
 ]
 
 

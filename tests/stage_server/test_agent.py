@@ -89,6 +89,20 @@ async def test_an_active_announcement_undoes_a_forged_end(
         executor.shutdown()
 
 
+async def test_a_stalled_job_keeps_its_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `stalled`: a stage of the job has no replica. The job runs on, and its peers must keep
+    # serving it (a peer that took it for an end would empty every other stage too).
+    agent, servicer, executor = _agent(monkeypatch)
+    try:
+        await agent._on_job(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_RUNNING))
+        await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=1, generation=_now_us()))
+        await agent._on_job(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_STALLED))
+        assert agent.job_id == "j" and agent.stage == 1, "still serving the stalled job"
+        assert servicer.served == [("j", 1)]
+    finally:
+        executor.shutdown()
+
+
 # -- item 15: a job the peer fails to measure ---------------------------------------------------
 class _Messages:
     """What the bus delivers, in order, then nothing more."""

@@ -14,8 +14,10 @@ import pytest
 from scheduler.sim import SimConfig, Summary, simulate
 from scheduler.sim.cli import cmd_simulate
 from scheduler.sim.model import hop_stage, hop_work
+from scheduler.sim.registry import Registry
 from swarm.cli import parse
 from swarm.errors import ConfigError
+from swarm.job.config import RebalanceConfig
 
 SMALL = SimConfig(peers=30, stages=4, hours=1.0, lifetime_h=1.0, window_s=900.0, seed=1)
 SLACK = 1e-9
@@ -42,6 +44,7 @@ def test_hops_go_forward_then_back_with_the_last_stage_fused() -> None:
         ("stage_costs", (1.0, 2.0)),
         ("lifetime_h", -1.0),
         ("policy", "random"),
+        ("min_replicas", 0),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: Any) -> None:
@@ -139,3 +142,31 @@ def test_cli_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Any
     code, out, _ = cli(capsys, *SMALL_ARGS, "--plot", str(tmp_path / "t.png"))
     assert code == 0 and "wrote" in out
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_simulated_scheduler_keeps_min_replicas_and_refills_an_emptied_stage() -> None:
+    """The simulator's registry makes the scheduler's calls with the job's min_replicas:
+    placement gives every stage two, a joining peer goes to a stage short of two, rebalancing
+    keeps two, and a stage that loses its last replica gets a spare at once."""
+    registry = Registry(3, RebalanceConfig(hysteresis=1.0, min_dwell_s=0.0, move_cost_s=0.0), 2)
+    speeds = {f"p{i}": [1.0 + i, 1.0 + i, 1.0 + i] for i in range(6)}
+    for peer, row in speeds.items():
+        registry.add(peer, row)
+    for peer, stage in registry.place_all().items():
+        registry.assign(peer, stage)
+
+    def sizes() -> list[int]:
+        return [list(registry.assignment.values()).count(k) for k in range(3)]
+
+    assert sizes() == [2, 2, 2]
+    assert registry.plan(0.0) is None  # a faster bottleneck would take a stage below two
+    lost = [p for p, k in registry.assignment.items() if k == 0]
+    registry.remove(lost[0])
+    registry.add("new", [9.0, 9.0, 9.0])
+    stage = registry.join_stage("new")
+    assert stage == 0  # the stage short of two
+    registry.assign("new", stage)
+    for peer in [p for p, k in registry.assignment.items() if k == 1]:
+        registry.remove(peer)  # stage 1 loses both
+    moves = registry.refill(1.0)
+    assert len(moves) == 1 and moves[0].dst == 1 and sizes()[1] == 1

@@ -155,6 +155,86 @@ def test_too_few_peers_gives_a_partial_placement() -> None:
     assert place({}, 2) == {}
 
 
+# -- min_replicas: redundancy before throughput --------------------------------------------------
+
+
+def _sizes(assignment: Mapping[str, int], stages: int) -> list[int]:
+    return [sum(1 for k in assignment.values() if k == stage) for stage in range(stages)]
+
+
+def test_min_replicas_fills_every_stage_before_adding_throughput() -> None:
+    # Eight servers for four stages, two of them three times as fast: for throughput alone the
+    # fast ones serve a stage each and the slow ones pile up on the other two (1/1/3/3: one
+    # loss there rolls the job back). With min_replicas = 2 every stage gets two.
+    speeds = {"fast-0": [30.0] * 4, "fast-1": [30.0] * 4}
+    speeds |= {f"slow-{i}": [10.0] * 4 for i in range(6)}
+    assert sorted(_sizes(place(speeds, 4), 4)) == [1, 1, 3, 3]
+    two = place(speeds, 4, min_replicas=2)
+    assert _sizes(two, 4) == [2, 2, 2, 2] and sorted(two) == sorted(speeds)
+    # ... and the best such placement: each fast peer beside a slow one, the rest in pairs.
+    assert bottleneck(two, speeds, 4) == 20.0
+    assert place(speeds, 4, min_replicas=2) == two  # a function of its input
+    assert place_new(speeds, 4, min_replicas=2) == two
+
+
+def test_the_readmes_six_servers_on_four_stages() -> None:
+    # README: tiny.toml's 4 stages (the last the costliest: the head), 6 equal servers, "2
+    # spares". Two stages get a second replica either way; with min_replicas = 2 the two
+    # servers short of it (`swarm status` names them) are 2, not a placement that looks done.
+    speeds = {f"peer-{i}": [10.0, 10.0, 10.0, 7.75] for i in range(6)}
+    for m in (1, 2):
+        assert sorted(_sizes(place(speeds, 4, min_replicas=m), 4)) == [1, 1, 2, 2]
+    eight = {f"peer-{i}": [10.0, 10.0, 10.0, 7.75] for i in range(8)}
+    assert _sizes(place(eight, 4, min_replicas=2), 4) == [2, 2, 2, 2]
+    # Three replicas asked of 8 servers: two each, and no stage a third before all have one.
+    assert _sizes(place(eight, 4, min_replicas=3), 4) == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_min_replicas_holds_whenever_the_peers_allow(kind: str) -> None:
+    rng = random.Random(21)
+    for _ in range(40):
+        stages, m = rng.randint(1, 5), rng.randint(1, 3)
+        count = rng.randint(stages, (m + 1) * stages)
+        speeds = instance(kind, rng, count, stages)
+        sizes = _sizes(place(speeds, stages, min_replicas=m), stages)
+        # Every stage m replicas when there are enough peers; else no stage more than
+        # one above another (the short ones are filled first, round by round).
+        if count >= m * stages:
+            assert min(sizes) >= m, (sizes, m)
+        else:
+            assert max(sizes) <= m and max(sizes) - min(sizes) <= 1, (sizes, m)
+
+
+def test_min_replicas_respects_what_peers_can_serve() -> None:
+    # Only "c" and "d" can serve stage 2: each second round must use the other one there.
+    speeds = {
+        "a": [1.0, 1.0, 0.0],
+        "b": [1.0, 1.0, 0.0],
+        "e": [1.0, 1.0, 0.0],
+        "f": [1.0, 1.0, 0.0],
+        "c": [9.0, 9.0, 1.0],
+        "d": [9.0, 9.0, 1.0],
+    }
+    placed = place(speeds, 3, min_replicas=2)
+    assert _sizes(placed, 3) == [2, 2, 2] and placed["c"] == placed["d"] == 2
+
+
+def test_peers_joining_a_running_job_fill_stages_short_of_min_replicas_first() -> None:
+    # Stage 0 is the bottleneck (5), but stage 1 has one replica of min_replicas = 2.
+    speeds = {"a": [4.0, 4.0, 4.0]}
+    now, sizes = [5.0, 20.0, 9.0], [2, 1, 2]
+    assert place_new(speeds, 3, now) == {"a": 0}
+    assert place_new(speeds, 3, now, min_replicas=2, sizes=sizes) == {"a": 1}
+    # Two joining: the second goes where it raises the bottleneck once every stage has two.
+    two = {"a": [4.0, 4.0, 4.0], "b": [3.0, 3.0, 3.0]}
+    assert place_new(two, 3, now, min_replicas=2, sizes=sizes) == {"a": 1, "b": 0}
+    # A peer that cannot serve the short stage joins where it can.
+    assert place_new({"c": [4.0, 0.0, 4.0]}, 3, now, min_replicas=2, sizes=sizes) == {"c": 0}
+    with pytest.raises(ValueError, match="min_replicas=0"):
+        place_new(speeds, 3, now, min_replicas=0, sizes=sizes)
+
+
 def test_one_peer_per_stage_is_optimal() -> None:
     rng = random.Random(5)
     for kind in KINDS:

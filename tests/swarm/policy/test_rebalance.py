@@ -13,7 +13,7 @@ import pytest
 from swarm.errors import ConfigError
 from swarm.job.config import RebalanceConfig
 from swarm.policy.placement import bottleneck, place, stage_totals
-from swarm.policy.rebalance import Move, Rebalancer, plan_move
+from swarm.policy.rebalance import Move, Rebalancer, plan_move, plan_refill
 
 # Every check but the one under test switched off.
 EAGER = RebalanceConfig(hysteresis=1.0, min_dwell_s=0.0, move_cost_s=0.0)
@@ -347,3 +347,75 @@ def test_the_rebalancer_remembers_moves_for_the_dwell_only() -> None:
     rebalancer.last_moved["gone"] = 299.0
     rebalancer.forget("gone")
     assert rebalancer.last_moved == {}
+
+
+# -- min_replicas and stalls -----------------------------------------------------------------------
+
+
+def test_never_takes_a_stage_below_min_replicas_to_feed_the_bottleneck() -> None:
+    # Stage 0 (one slow replica) is the bottleneck; stage 1 has two fast ones. With the default
+    # a fast one moves; with min_replicas = 2 stage 1 keeps both, whatever the gain.
+    speeds = uniform(x=1.0, a=10.0, b=10.0)
+    assignment = {"x": 0, "a": 1, "b": 1}
+    assert decide(assignment, speeds) is not None
+    move = plan_move(assignment, speeds, 2, now=0.0, last_moved={}, config=EAGER, min_replicas=2)
+    assert move is None
+    # A stage above the floor still gives: three on stage 1, min_replicas = 2.
+    three = {**assignment, "c": 1}
+    speeds3 = uniform(x=1.0, a=10.0, b=10.0, c=10.0)
+    move = Rebalancer(EAGER, min_replicas=2).decide(three, speeds3, 2, now=0.0)
+    assert move is not None and move.src == 1 and move.dst == 0
+    assert Rebalancer(EAGER, min_replicas=3).decide(three, speeds3, 2, now=0.0) is None
+
+
+def test_rebalancing_never_goes_below_min_replicas_over_many_decisions() -> None:
+    rng = random.Random(3)
+    for _ in range(100):
+        stages, m = rng.randint(2, 4), rng.randint(1, 3)
+        speeds = {f"p{i}": [rng.uniform(0.5, 9.0) for _ in range(stages)] for i in range(12)}
+        assignment = place(speeds, stages, min_replicas=m)
+        rebalancer = Rebalancer(EAGER, min_replicas=m)
+        for now in range(20):
+            speeds = {p: [s * rng.uniform(0.5, 2.0) for s in row] for p, row in speeds.items()}
+            move = rebalancer.decide(assignment, speeds, stages, float(now))
+            if move is not None:
+                assignment[move.peer] = move.dst
+            sizes = [sum(1 for k in assignment.values() if k == s) for s in range(stages)]
+            assert min(sizes) >= min(m, 12 // stages), (sizes, m)
+
+
+def test_a_stage_that_lost_its_last_replica_gets_a_spare_at_once() -> None:
+    # Stage 1 is empty; stage 2 has two replicas, stage 0 one. The spare of stage 2 moves,
+    # whatever the dwell, hysteresis or cost (nothing trains meanwhile): the faster one at
+    # stage 1 ("b"), leaving the higher bottleneck.
+    config = RebalanceConfig(min_dwell_s=1e6, move_cost_s=1e3)
+    rebalancer = Rebalancer(config)
+    speeds = {"x": [5.0, 5.0, 5.0], "a": [4.0, 2.0, 4.0], "b": [4.0, 3.0, 4.0]}
+    assignment = {"x": 0, "a": 2, "b": 2}
+    rebalancer.last_moved["b"] = 0.0  # moved a moment ago: a stall outweighs the dwell
+    assert rebalancer.refill(assignment, speeds, 3, now=1.0) == [
+        Move(peer="b", src=2, dst=1, before=0.0, after=3.0)
+    ]
+    assert rebalancer.last_moved["b"] == 1.0  # remembered: rebalancing leaves it there
+    # No spare (every stage has one replica, or the spare cannot serve it): nothing moves, and
+    # starting a stage server stays the remedy.
+    assert plan_refill({"x": 0, "a": 2}, speeds, 3) == []
+    cannot = {**speeds, "a": [4.0, 0.0, 4.0], "c": [4.0, 0.0, 4.0]}
+    assert plan_refill({"x": 0, "a": 2, "c": 2}, cannot, 3) == []
+    # Two empty stages, two spares: one each.
+    four = {p: [2.0] * 4 for p in ("a", "b", "c", "d")}
+    moves = plan_refill({"a": 0, "b": 0, "c": 0, "d": 1}, four, 4)
+    assert [(m.peer, m.src, m.dst) for m in moves] == [("a", 0, 2), ("b", 0, 3)]
+
+
+def test_a_stall_takes_a_spare_above_min_replicas_first() -> None:
+    # min_replicas = 2: stage 0 has two (its floor), stage 1 three (one above it). Stage 2 is
+    # empty: the replica above the floor moves, not one of stage 0's.
+    speeds = {p: [3.0, 3.0, 3.0] for p in ("a", "b", "c", "d", "e")}
+    speeds["a"] = [9.0, 9.0, 9.0]  # the fastest: it would be taken first, were stage 0 above
+    moves = plan_refill({"a": 0, "b": 0, "c": 1, "d": 1, "e": 1}, speeds, 3, min_replicas=2)
+    assert [(m.src, m.dst) for m in moves] == [(1, 2)]
+    # With no stage above its floor, a stall still takes a second replica (thinner redundancy
+    # beats no training), never a stage's last.
+    moves = plan_refill({"a": 0, "b": 0, "c": 1}, speeds, 3, min_replicas=2)
+    assert [(m.peer, m.src, m.dst) for m in moves] == [("a", 0, 2)]
