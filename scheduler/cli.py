@@ -8,11 +8,24 @@ from pathlib import Path
 
 from scheduler.data_root import check_data_root
 from swarm.bus.flags import add_login_flags, scheduler_token
-from swarm.flags import add_flag, add_metrics_token, add_switch, add_token, metrics_token, token
+from swarm.flags import (
+    add_flag,
+    add_metrics_token,
+    add_switch,
+    add_token,
+    env_name,
+    metrics_token,
+    token,
+)
+from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
 from swarm.ops.logs import show_at_default
 
 __all__ = ["add_arguments", "run"]
+
+_PORT = PortFlag(Listener.GRPC, "--port", env_name("scheduler-port"))
+_METRICS_PORT = PortFlag(Listener.METRICS, "--metrics-port", env_name("scheduler-metrics-port"))
+_BROKER_PORT = PortFlag(Listener.BROKER, "--broker-port", env_name("broker-port"))
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
@@ -95,6 +108,16 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
 
 
 def run(command: str, args: argparse.Namespace) -> int:
+    # A port another process holds is refused before the slow start below, by its flag.
+    ports = [(_PORT, args.port), (_METRICS_PORT, args.metrics_port)]
+    if not args.broker:
+        ports.append((_BROKER_PORT, args.broker_port))
+    with naming(args.host, ports):
+        _run(args)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> None:
     # Imported here: `swarm scheduler --help` needs only the flags, not torch and gRPC.
     from scheduler.main import SchedulerProcessOptions, run_scheduler
 
@@ -125,4 +148,3 @@ def run(command: str, args: argparse.Namespace) -> int:
         embedded_trainer=not args.no_embedded_trainer,
     )
     asyncio.run(run_scheduler(opts))
-    return 0

@@ -34,6 +34,7 @@ from swarm.bus.topics import DEFAULT_PREFIX, SCHEDULER_USER, BusError, Topics
 from swarm.errors import ConfigError
 from swarm.net import tls
 from swarm.net.addresses import host_port, is_unspecified
+from swarm.net.ports import Listener, bind_error, raise_if_taken
 
 __all__ = ["DISCONNECT_GRACE_S", "EmbeddedBroker", "run_broker"]
 
@@ -308,9 +309,13 @@ class EmbeddedBroker:
             use_identity_as_username=self.use_identity_as_username,
         )
         broker = _AclBroker(config, gate=gate, limits=self.limits, mutual=mutual)
+        if self._port:  # said in one line, not amqtt's traceback
+            taken = bind_error(self.host, self._port)
+            raise_if_taken(taken, self.host, self._port, Listener.BROKER)
         try:
             await broker.start()
         except Exception as exc:
+            raise_if_taken(exc.__cause__, self.host, self._port, Listener.BROKER)
             raise BusError(f"cannot start the embedded broker on {self.url}: {exc}") from exc
         self._broker = broker
         if self._port == 0:
