@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from scheduler.data_root import check_data_root
+from scheduler.store_file import hold
 from swarm.bus.flags import add_login_flags, scheduler_token
 from swarm.flags import (
     add_flag,
@@ -108,11 +109,12 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
 
 
 def run(command: str, args: argparse.Namespace) -> int:
-    # A port another process holds is refused before the slow start below, by its flag.
+    # Before the slow start below: a store another scheduler holds (for this process's life),
+    # a port another process listens on (by its flag).
     ports = [(_PORT, args.port), (_METRICS_PORT, args.metrics_port)]
     if not args.broker:
         ports.append((_BROKER_PORT, args.broker_port))
-    with naming(args.host, ports):
+    with hold(args.store), naming(args.host, ports):
         _run(args)
     return 0
 
