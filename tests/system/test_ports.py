@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from swarm.local.procs import start_process
 from tests.support.cli import ROOT, swarm
 from tests.support.ports import free_port
 
@@ -91,3 +92,24 @@ def test_two_flags_given_one_port_name_the_second(tmp_path: Path) -> None:
     assert f"port {port} is taken" in lines[0], lines[0]
     assert "give --metrics-port another port" in lines[0], lines[0]
     assert "(SWARM_SCHEDULER_METRICS_PORT)" in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_a_peer_given_the_schedulers_job_api_as_its_broker_is_told_at_once(tmp_path: Path) -> None:
+    # Before: paho's "Unrecognised command 0", then 30 s of "does not answer".
+    scheduler = start_process(_scheduler(tmp_path, "--port", "0"), log_dir=tmp_path)
+    try:
+        url = f"mqtt://{scheduler.wait_ready(120)['address']}"
+        started = time.monotonic()
+        env = {"SWARM_CACHE_DIR": str(tmp_path / "cache")}
+        peer = swarm("stage-server", "--broker", url, timeout=60, check=False, env=env)
+        took = time.monotonic() - started
+    finally:
+        scheduler.stop()
+    assert peer.returncode == 2, peer.stderr
+    last = peer.stderr.strip().splitlines()[-1]
+    assert last.startswith("swarm stage-server: error: bus peer-"), peer.stderr
+    assert f"{url} answered but is not an MQTT broker (it looks like a gRPC/HTTP2 server" in last
+    assert "point --broker at the broker's port (the scheduler printed it at start)" in last
+    assert "Unrecognised command" not in peer.stderr and "Traceback" not in peer.stderr
+    assert took < BOUND_S, f"{took:.1f} s"
