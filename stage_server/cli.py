@@ -17,9 +17,10 @@ from swarm.ops.logs import show_at_default
 
 __all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lifecycle"]
 
-LIFECYCLE_LOGGERS = ("stage_server.agent", "stage_server.server")
-"""Whose INFO lines say what the server becomes, once each (measured, assigned stage K of job J,
-serving, moving, released and why, stopped): shown at the default level too."""
+LIFECYCLE_LOGGERS = ("stage_server.agent", "stage_server.measure", "stage_server.server")
+"""Whose INFO lines say what the server becomes, once each (measured, or its machine's figures
+read, assigned stage K of job J, serving, moving, released and why, stopped): shown at the
+default level too."""
 
 _PORT = PortFlag(Listener.GRPC, "--port", env_name("stage-server-port"))
 _METRICS_PORT = PortFlag(Listener.METRICS, "--metrics-port", env_name("stage-server-metrics-port"))
