@@ -1,6 +1,6 @@
 """What several test files share, one home per concept.
 
-- `ports`: free ports and addresses.
+- `ports`: free ports and addresses, and a port in use.
 - `brokers`: a real Mosquitto in a child process.
 - `cli`: `swarm ...` as its own process; the repository root.
 - `jobs`: the tiny synthetic job with any key overridden.

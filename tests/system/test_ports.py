@@ -4,7 +4,6 @@ wait). The bind sites themselves: tests/swarm/net/test_ports.py."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 
 from swarm.local.procs import start_process
 from tests.support.cli import ROOT, swarm
-from tests.support.ports import free_port
+from tests.support.ports import free_port, taken_port
 
 JOB = str(ROOT / "examples" / "tiny_synthetic.toml")
 BOUND_S = 15.0  # a Python start on a busy machine, not a connect timeout (30 s before)
@@ -22,10 +21,8 @@ BOUND_S = 15.0  # a Python start on a busy machine, not a connect timeout (30 s 
 @pytest.fixture
 def taken() -> Iterator[int]:
     """A port another process listens on."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield int(sock.getsockname()[1])
+    with taken_port() as port:
+        yield port
 
 
 def _scheduler(tmp_path: Path, *flags: str) -> list[str]:

@@ -4,7 +4,6 @@ tests/system/test_ports.py."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import grpc
@@ -17,16 +16,16 @@ from swarm.net.ports import Listener, PortFlag, PortInUse, naming
 from swarm.net.tokens import add_port
 from swarm.ops.metrics import serve_metrics
 from swarm.wire.chunking import grpc_options
+from tests.support.ports import taken_port
 
 FLAG = PortFlag(Listener.METRICS, "--metrics-port", "SWARM_X_METRICS_PORT")
 
 
 @pytest.fixture
 def taken() -> Iterator[int]:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield int(sock.getsockname()[1])
+    """A port another process listens on."""
+    with taken_port() as port:
+        yield port
 
 
 async def test_a_grpc_server_on_a_taken_port_raises_port_in_use(taken: int) -> None:
