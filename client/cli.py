@@ -8,12 +8,14 @@ import asyncio
 from pathlib import Path
 
 from swarm.errors import SwarmError
-from swarm.flags import add_flag, add_metrics_token, add_token, metrics_token, token
+from swarm.flags import add_flag, add_metrics_token, add_token, env_name, metrics_token, token
+from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
 
 __all__ = ["JOB_COMMANDS", "add_arguments", "run"]
 
 JOB_COMMANDS = ("submit", "status", "jobs", "cancel", "delete", "export")  # talk to the job API
+_METRICS_PORT = PortFlag(Listener.METRICS, "--metrics-port", env_name("trainer-metrics-port"))
 _DEMO_JOB = Path(__file__).resolve().parent.parent / "examples" / "tiny.toml"
 
 
@@ -155,7 +157,9 @@ def run(command: str, args: argparse.Namespace) -> int:
         }[command]
         return body(args)
     if command == "trainer":
-        return _run_trainer(args)
+        # A port another process holds is refused before the slow start, by its flag.
+        with naming("127.0.0.1", [(_METRICS_PORT, args.metrics_port)]):
+            return _run_trainer(args)
     from client.demo import run_demo
 
     return run_demo(args.job, chaos=args.chaos)

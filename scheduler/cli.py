@@ -7,12 +7,26 @@ import asyncio
 from pathlib import Path
 
 from scheduler.data_root import check_data_root
+from scheduler.store_file import hold
 from swarm.bus.flags import add_login_flags, scheduler_token
-from swarm.flags import add_flag, add_metrics_token, add_switch, add_token, metrics_token, token
+from swarm.flags import (
+    add_flag,
+    add_metrics_token,
+    add_switch,
+    add_token,
+    env_name,
+    metrics_token,
+    token,
+)
+from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
 from swarm.ops.logs import show_at_default
 
 __all__ = ["add_arguments", "run"]
+
+_PORT = PortFlag(Listener.GRPC, "--port", env_name("scheduler-port"))
+_METRICS_PORT = PortFlag(Listener.METRICS, "--metrics-port", env_name("scheduler-metrics-port"))
+_BROKER_PORT = PortFlag(Listener.BROKER, "--broker-port", env_name("broker-port"))
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
@@ -104,6 +118,17 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
 
 
 def run(command: str, args: argparse.Namespace) -> int:
+    # Before the slow start below: a store another scheduler holds (for this process's life),
+    # a port another process listens on (by its flag).
+    ports = [(_PORT, args.port), (_METRICS_PORT, args.metrics_port)]
+    if not args.broker:
+        ports.append((_BROKER_PORT, args.broker_port))
+    with hold(args.store), naming(args.host, ports):
+        _run(args)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> None:
     # Imported here: `swarm scheduler --help` needs only the flags, not torch and gRPC.
     from scheduler.main import SchedulerProcessOptions, run_scheduler
 
@@ -135,4 +160,3 @@ def run(command: str, args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
     )
     asyncio.run(run_scheduler(opts))
-    return 0

@@ -123,40 +123,11 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
             )
             health_servicer = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-            port = add_port(server, host_port(opts.host, opts.port), "the scheduler")
-            if port == 0:
-                raise SystemExit(f"cannot listen on {host_port(opts.host, opts.port)}")
-            await server.start()
-            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-            own: list[str] = [""]  # its metrics address, once bound
-
-            def sd() -> tuple[str, bytes]:  # on the metrics thread: a copy of the registry's
-                return sd_document(own[0], list(dict(scheduler.peer_registry.peers).values()))
-
-            metrics_port = (
-                serve_metrics(
-                    registry,
-                    opts.host,
-                    opts.metrics_port,
-                    routes={"/sd": sd},
-                    token=opts.metrics_token or opts.token,
-                )
-                if opts.metrics_port is not None
-                else None
-            )
-            if metrics_port is not None:
-                own[0] = host_port(announce, metrics_port)
-            stop = asyncio.Event()
-            install_signal_handlers(stop)
-            print_ready(
-                "scheduler",
-                address=host_port(announce, port),
-                broker=embedded.url if embedded else broker,
-                metrics=metrics_port,
-                store=opts.store,
-            )
             try:
-                await scheduler.run(stop)
+                port = add_port(server, host_port(opts.host, opts.port), "the scheduler")
+                await server.start()
+                shown = embedded.url if embedded else broker
+                await _serve(opts, scheduler, registry, health_servicer, port, announce, shown)
             finally:
                 await health_servicer.enter_graceful_shutdown()
                 await server.stop(opts.shutdown_grace_s)
@@ -164,3 +135,45 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
         store.close()
         if embedded:
             await embedded.stop()
+
+
+async def _serve(
+    opts: SchedulerProcessOptions,
+    scheduler: Scheduler,
+    registry: CollectorRegistry,
+    health_servicer: health.aio.HealthServicer,
+    port: int,
+    announce: str,
+    broker: str,
+) -> None:
+    """With the job API listening: /metrics (and /sd), the ready line, the orchestration until
+    SIGTERM/SIGINT."""
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    own: list[str] = [""]  # its metrics address, once bound
+
+    def sd() -> tuple[str, bytes]:  # on the metrics thread: a copy of the registry's
+        return sd_document(own[0], list(dict(scheduler.peer_registry.peers).values()))
+
+    metrics_port = (
+        serve_metrics(
+            registry,
+            opts.host,
+            opts.metrics_port,
+            routes={"/sd": sd},
+            token=opts.metrics_token or opts.token,
+        )
+        if opts.metrics_port is not None
+        else None
+    )
+    if metrics_port is not None:
+        own[0] = host_port(announce, metrics_port)
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    print_ready(
+        "scheduler",
+        address=host_port(announce, port),
+        broker=broker,
+        metrics=metrics_port,
+        store=opts.store,
+    )
+    await scheduler.run(stop)

@@ -1,17 +1,20 @@
 """The job store's SQLite file: opened in WAL mode with synchronous=FULL (a committed write
 survives a killed process, and power loss), its schema brought up to this swarm's version by
-append-only migrations, and one write transaction at a time (`transaction`)."""
+append-only migrations, and one write transaction at a time (`transaction`). One scheduler
+process holds a store (`hold`): a second one on the same file is refused, not run beside it."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
 from swarm.errors import SwarmError
 
-__all__ = ["SCHEMA_VERSION", "StoreError", "open_store", "transaction"]
+__all__ = ["SCHEMA_VERSION", "StoreError", "hold", "open_store", "transaction"]
 
 
 class StoreError(SwarmError):
@@ -99,3 +102,31 @@ def transaction(db: sqlite3.Connection) -> Iterator[None]:
         if db.in_transaction:
             db.execute("ROLLBACK")
         raise
+
+
+@contextlib.contextmanager
+def hold(path: Path) -> Iterator[None]:
+    """Hold the store at `path` for this process, or raise StoreError naming the process that
+    does: a lock on `<store>.lock` beside it (released by the system when the process ends,
+    however it ends), which records the holder's pid. Two schedulers on one store would each
+    lease the same jobs' work and overwrite each other's records."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise StoreError(f"cannot lock the job store {str(path)!r}: {lock}: {e.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            by = f" (pid {holder})" if holder.isdigit() else ""
+            raise StoreError(
+                f"the job store {path} is in use by another scheduler{by}: stop it, or give "
+                "this one another store (--store PATH, SWARM_STORE)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)

@@ -10,15 +10,20 @@ from pathlib import Path
 
 from stage_server.limits import PeerLimits, flag_name
 from swarm.errors import SwarmError
-from swarm.flags import add_flag, add_metrics_token, add_token, metrics_token, token
+from swarm.flags import add_flag, add_metrics_token, add_token, env_name, metrics_token, token
+from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
 from swarm.ops.logs import show_at_default
 
 __all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lifecycle"]
 
-LIFECYCLE_LOGGERS = ("stage_server.agent", "stage_server.server")
-"""Whose INFO lines say what the server becomes, once each (measured, assigned stage K of job J,
-serving, moving, released and why, stopped): shown at the default level too."""
+LIFECYCLE_LOGGERS = ("stage_server.agent", "stage_server.measure", "stage_server.server")
+"""Whose INFO lines say what the server becomes, once each (measured, or its machine's figures
+read, assigned stage K of job J, serving, moving, released and why, stopped): shown at the
+default level too."""
+
+_PORT = PortFlag(Listener.GRPC, "--port", env_name("stage-server-port"))
+_METRICS_PORT = PortFlag(Listener.METRICS, "--metrics-port", env_name("stage-server-metrics-port"))
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
@@ -91,6 +96,13 @@ def show_lifecycle() -> None:
 
 
 def run(command: str, args: argparse.Namespace) -> int:
+    # A port another process holds is refused before the slow start below, by its flag.
+    with naming(args.host, [(_PORT, args.port), (_METRICS_PORT, args.metrics_port)]):
+        _run(args)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> None:
     # Imported here: `swarm stage-server --help` needs only the flags, not torch and gRPC.
     from stage_server.agent import run_peer
     from stage_server.server import StageServerOptions, run_stage_server
@@ -122,4 +134,3 @@ def run(command: str, args: argparse.Namespace) -> int:
             "give --broker URL (or SWARM_BROKER) to join a swarm, "
             "or --job FILE --stage K to serve one stage on its own"
         )
-    return 0

@@ -7,7 +7,8 @@ Peers on one machine measure one at a time (a lock beside the cache, one per dev
 peers that start together would otherwise time their stages while the others time theirs, and
 on a small machine that made one stage look 4x slower than the rest to all of them (placement
 then put four of six peers there). The first to take the lock measures; the others then find
-its figures in the cache, so co-located peers of one device agree exactly."""
+its figures in the cache, so co-located peers of one device agree exactly; the log line that
+shows them says so, with the cache's path (delete it to measure again)."""
 
 from __future__ import annotations
 
@@ -117,8 +118,9 @@ def measure_job(job: JobConfig, device: torch.device, throttle: float = 1.0) -> 
             if key not in cache:
                 cache[key] = measure_stage(job, stage, device)
                 measured = True
-                log.info("measured stage %d on %s: %.1f samples/s", stage, device, cache[key])
+                log.debug("measured stage %d on %s: %.1f samples/s", stage, device, cache[key])
             result[stage] = cache[key] / max(throttle, 1.0)
+        _say(job, device, cache, path, measured, throttle)
         if measured:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,3 +130,23 @@ def measure_job(job: JobConfig, device: torch.device, throttle: float = 1.0) -> 
             except OSError as e:
                 log.warning("cannot write the throughput cache %s: %s", path, e)
     return result
+
+
+def _say(
+    job: JobConfig,
+    device: torch.device,
+    cache: dict[str, float],
+    path: Path,
+    measured: bool,
+    throttle: float,
+) -> None:
+    """The figures, and that they are the machine's: every peer of it on `device` shows them."""
+    figures = {s: round(cache[_key(job, s, device)], 1) for s in range(job.training.stages)}
+    log.info(
+        "%s samples/s per stage on %s: %s (shared by the peers on this machine, cached %s)%s",
+        "measured" if measured else "read",
+        device,
+        figures,
+        path,
+        f"; --throttle {throttle} divides them" if throttle > 1.0 else "",
+    )

@@ -127,9 +127,18 @@ async def start_grpc(
         maximum_concurrent_rpcs=opts.limits.max_concurrent_rpcs,
     )
     announce = announced_host(opts.host, opts.announce_host, "a stage server")
+    # /metrics first: a gRPC server that never started needs no stop when its port is taken.
+    metrics_port = (
+        serve_metrics(
+            metrics.registry,
+            opts.host,
+            opts.metrics_port,
+            token=opts.metrics_token or opts.token,
+        )
+        if opts.metrics_port is not None
+        else None
+    )
     port = add_port(server, host_port(opts.host, opts.port), "a stage server")
-    if port == 0:
-        raise SystemExit(f"cannot listen on {host_port(opts.host, opts.port)}")
     address = host_port(announce, port)
     peer = opts.peer or address
     metrics.identify(peer)
@@ -159,16 +168,6 @@ async def start_grpc(
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    metrics_port = (
-        serve_metrics(
-            metrics.registry,
-            opts.host,
-            opts.metrics_port,
-            token=opts.metrics_token or opts.token,
-        )
-        if opts.metrics_port is not None
-        else None
-    )
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return RunningStageServer(

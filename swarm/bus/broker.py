@@ -17,6 +17,7 @@ import functools
 import logging
 import secrets
 import ssl
+from collections.abc import Iterator
 from typing import Any, Self
 
 from amqtt.adapters import ReaderAdapter, StreamReaderAdapter, StreamWriterAdapter, WriterAdapter
@@ -34,6 +35,7 @@ from swarm.bus.topics import DEFAULT_PREFIX, SCHEDULER_USER, BusError, Topics
 from swarm.errors import ConfigError
 from swarm.net import tls
 from swarm.net.addresses import host_port, is_unspecified
+from swarm.net.ports import Listener, bind_error, raise_if_taken
 
 __all__ = ["DISCONNECT_GRACE_S", "EmbeddedBroker", "run_broker"]
 
@@ -47,6 +49,16 @@ second past the keepalive, so without grace an idle client would be cut off."""
 async def _close(writer: WriterAdapter) -> None:
     with contextlib.suppress(Exception):
         await writer.close()
+
+
+class _Snapshots(dict[str, Any]):
+    """amqtt's subscriptions by topic, walked over a copy of the topics: a connecting client's
+    walk (sending it the retained messages of every topic subscribed to) awaits at each topic,
+    and a SUBSCRIBE or a disconnect landing meanwhile changed the dictionary under it (its
+    RuntimeError was an `ERROR asyncio` traceback, and that client's connection reset)."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.keys()))
 
 
 class _AclBroker(Broker):
@@ -67,6 +79,7 @@ class _AclBroker(Broker):
         self._gate, self._limits, self._mutual = gate, limits, mutual
         self._open = 0  # connections held, logged in or not
         self._refusals, self._login_refusals = RefusalLog(), RefusalLog()  # full; wrong login
+        self._subscriptions = _Snapshots(self._subscriptions)  # type: ignore[has-type]
 
     async def _create_server_instance(
         self,
@@ -95,7 +108,14 @@ class _AclBroker(Broker):
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener_name: str
     ) -> None:
         capped = PacketCap(StreamReaderAdapter(reader), self._limits.max_packet_bytes)
-        await self._client_connected(listener_name, capped, StreamWriterAdapter(writer))
+        try:
+            await self._client_connected(listener_name, capped, StreamWriterAdapter(writer))
+        except asyncio.CancelledError:
+            # The broker stops with this connection still open (a client not logged in yet):
+            # the connection ends here. Raised on, Python 3.11's stream callback reads the
+            # cancelled task's exception() and logs an `ERROR asyncio` traceback at every
+            # clean shutdown; nothing awaits this task.
+            writer.transport.abort()
 
     def _create_ssl_context(self, listener: ListenerConfig) -> ssl.SSLContext:  # type: ignore[override]
         context = Broker._create_ssl_context(listener)
@@ -308,9 +328,13 @@ class EmbeddedBroker:
             use_identity_as_username=self.use_identity_as_username,
         )
         broker = _AclBroker(config, gate=gate, limits=self.limits, mutual=mutual)
+        if self._port:  # said in one line, not amqtt's traceback
+            taken = bind_error(self.host, self._port)
+            raise_if_taken(taken, self.host, self._port, Listener.BROKER)
         try:
             await broker.start()
         except Exception as exc:
+            raise_if_taken(exc.__cause__, self.host, self._port, Listener.BROKER)
             raise BusError(f"cannot start the embedded broker on {self.url}: {exc}") from exc
         self._broker = broker
         if self._port == 0:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import ssl
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aiomqtt
@@ -17,6 +18,7 @@ from aiomqtt.exceptions import MqttConnectError
 from google.protobuf.message import Message
 
 from swarm.bus.api import BusAuthError, BusRefused, BusSettings, BusTlsMismatch
+from swarm.bus.probe import answers_in_clear, not_a_broker
 from swarm.bus.topics import BrokerAddress, check_topic
 from swarm.net import tls as swarm_tls
 from swarm.net.tls_mismatch import PROBE_TIMEOUT_S, Speaks, explain_verify, probe
@@ -80,6 +82,7 @@ class Dialer:
         login: `BusAuthError`; TLS on one side only: `BusTlsMismatch`; a certificate refused by
         either side), else the error."""
         client = self.client()
+        disarm = _fail_before_connack(client)
         try:
             await client.__aenter__()
             return client
@@ -93,6 +96,8 @@ class Dialer:
             with contextlib.suppress(Exception):
                 client._client.disconnect()
             failure = exc
+        finally:
+            disarm()
         # The error (kept by the bus, logged) must not hold paho's: its traceback's frames hold
         # the TLS socket of a failed handshake, which paho never closes. So it is raised out of
         # the handler, with paho's error dropped.
@@ -137,6 +142,11 @@ class Dialer:
             return BusRefused(f"{who}: {unverified}")
         timeout = min(PROBE_TIMEOUT_S, self.settings.operation_timeout_s)
         speaks = await asyncio.to_thread(probe, host, port, timeout)
+        if speaks is not Speaks.NO_ANSWER:  # something listens: is it a broker?
+            context = None if speaks is Speaks.PLAIN else _probe_context(identity)
+            other = await asyncio.to_thread(not_a_broker, host, port, context, timeout)
+            if other is not None:
+                return BusRefused(f"{who}: {self.address.url} {other}")
         bracketed = f"[{host}]" if ":" in host else host
         if not self.address.tls and speaks in (Speaks.TLS, Speaks.TLS_CLIENT_CERT):
             return BusTlsMismatch(
@@ -148,6 +158,11 @@ class Dialer:
                     else ")"
                 )
             )
+        # A clear-text broker may also say nothing to a TLS handshake (amqtt waits for the
+        # rest of what it reads as a packet): asked in clear text, it answers.
+        silent = speaks is Speaks.NO_ANSWER and self.address.tls
+        if silent and await asyncio.to_thread(answers_in_clear, host, port, timeout):
+            speaks = Speaks.PLAIN
         if self.address.tls and speaks is Speaks.PLAIN:
             return BusTlsMismatch(
                 f"{who}: {at} does not speak TLS: use mqtt://{bracketed}:{port}, or give the "
@@ -181,7 +196,65 @@ class Dialer:
             keepalive=self.settings.keepalive_s,
             timeout=self.settings.operation_timeout_s,
             tls_context=self.tls,
+            logger=_paho_log(),
         )
+
+
+def _fail_before_connack(client: aiomqtt.Client) -> Callable[[], None]:
+    """Make `client`'s connect fail as soon as the connection closes before the broker's CONNACK
+    (aiomqtt waits out its timeout instead): the other side reset it, or answered what is not
+    MQTT. Returns what ends this, once the connect is over."""
+    paho, connecting = client._client, client._connected
+    inner = paho.on_disconnect
+    armed = [True]
+
+    def on_disconnect(*args: Any) -> None:
+        if inner is not None:
+            inner(*args)
+        if armed[0] and not connecting.done():
+            reason = args[3] if len(args) > 3 else "closed"
+            connecting.set_exception(
+                aiomqtt.MqttError(f"the connection closed before the broker's CONNACK ({reason})")
+            )
+
+    paho.on_disconnect = on_disconnect
+
+    def disarm() -> None:
+        armed[0] = False
+        paho.on_disconnect = inner
+
+    return disarm
+
+
+class _Explained(logging.Filter):
+    """Paho's "Unrecognised command" line: a port that is not a broker's, which the dialer
+    names in words (`swarm.bus.probe`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Error: Unrecognised command")
+
+
+_EXPLAINED = _Explained()
+
+
+def _paho_log() -> logging.Logger:
+    """aiomqtt's logger ("mqtt"), less the lines the dialer says better."""
+    logger = logging.getLogger("mqtt")
+    logger.addFilter(_EXPLAINED)  # once: a filter already there is not added again
+    return logger
+
+
+def _probe_context(identity: swarm_tls.Tls | None) -> ssl.SSLContext:
+    """TLS for asking a port what it is: verifying nothing (it is sent only a CONNECT), offering
+    MQTT or HTTP/2, showing this process's certificate, if any, to a server that requires one."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    # A gRPC server closes a TLS connection that does not offer HTTP/2 without a word.
+    context.set_alpn_protocols(["mqtt", "h2"])
+    if identity is not None and identity.cert_path is not None and identity.key_path is not None:
+        context.load_cert_chain(identity.cert_path, identity.key_path)
+    return context
 
 
 class Link:

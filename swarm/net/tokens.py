@@ -26,7 +26,10 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from swarm.errors import SwarmError
 from swarm.net import tls
+from swarm.net.ports import Listener, bind_error, raise_if_taken
+from swarm.net.tls_mismatch import grpc_host_port
 
 __all__ = [
     "HEALTH_PREFIX",
@@ -216,9 +219,21 @@ def channel(
 
 
 def add_port(server: grpc.aio.Server, address: str, what: str) -> int:
-    """Listen on `address` (TLS with the process's identity, if any); the bound port, 0 when it
-    could not bind."""
+    """Listen on `address`, `host:port` (TLS with the process's identity, if any); the bound
+    port. `PortInUse` when another process listens there, a `SwarmError` saying why for another
+    failure."""
     identity = tls.current()
-    if identity is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, identity.server_credentials(what))
+    try:
+        if identity is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, identity.server_credentials(what))
+    except RuntimeError:  # gRPC says only "failed to bind": the port is asked why
+        bound = 0
+    if bound:
+        return bound
+    where = grpc_host_port(address)
+    why = bind_error(*where) if where else None
+    if where is not None:
+        raise_if_taken(why, *where, Listener.GRPC)
+    raise SwarmError(f"{what} cannot listen on {address}" + (f": {why}" if why else ""))

@@ -23,6 +23,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from swarm.errors import ConfigError
 from swarm.net import tls
+from swarm.net.ports import Listener, raise_if_taken
 from swarm.ops.endpoint import Answer, Endpoint, Limits
 
 __all__ = [
@@ -57,7 +58,8 @@ def serve_metrics(
     as a bearer token; with the process's TLS identity (`swarm.net.tls`), HTTPS only, with its
     certificate (and a client certificate from the CA required under --tls-mutual). The
     process-wide TLS refusal count comes along. `limits`: the
-    endpoint's bounds (`swarm.ops.endpoint.Limits`)."""
+    endpoint's bounds (`swarm.ops.endpoint.Limits`). `PortInUse` when another process listens on
+    `port`."""
     with contextlib.suppress(ValueError):  # served by an earlier call already
         registry.register(tls.REFUSED)
     own = dict(routes or {})
@@ -79,9 +81,12 @@ def serve_metrics(
 
     identity = tls.current()
     context = None if identity is None else _server_context(identity)
-    bound = Endpoint(answer, token=token, context=context, limits=limits or Limits()).start(
-        host, port
-    )
+    endpoint = Endpoint(answer, token=token, context=context, limits=limits or Limits())
+    try:
+        bound = endpoint.start(host, port)
+    except OSError as e:
+        raise_if_taken(e, host, port, Listener.METRICS)  # the flag is the caller's to name
+        raise
     scheme = "http" if context is None else "https"
     log.info("metrics on %s://%s:%d/metrics%s", scheme, host, bound, " (token)" if token else "")
     return bound

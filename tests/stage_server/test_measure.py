@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stage_server.cli import LIFECYCLE_LOGGERS
 from stage_server.measure import measure_job, measure_stage
 from swarm.job.config import load_job
 from tests.support.hogs import busy
@@ -82,3 +84,25 @@ def test_peers_that_start_together_on_one_machine_measure_once_and_agree(tmp_pat
     figures = [json.loads(o.read_text()) for o in outs]
     assert all(f == figures[0] for f in figures), figures
     assert len(figures[0]) == 3 and all(v > 0 for v in figures[0].values())
+
+
+def test_the_figures_say_they_are_shared_by_the_peers_of_the_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Peers on one machine all showed the same figure with no word of why: the first measures,
+    # the others read its figures from the cache (on purpose: measured one at a time).
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache" / "throughput.json"
+    job = make_job(tmp_path, model={"n_layers": 3}, training={"stages": 3})
+    caplog.set_level(logging.INFO, logger="stage_server.measure")
+    first = measure_job(job, torch.device("cpu"))
+    second = measure_job(job, torch.device("cpu"), throttle=2.0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "stage_server.measure"]
+    figures = str({k: round(v, 1) for k, v in first.items()})
+    shared = f"(shared by the peers on this machine, cached {cache})"
+    assert lines == [
+        f"measured samples/s per stage on cpu: {figures} {shared}",
+        f"read samples/s per stage on cpu: {figures} {shared}; --throttle 2.0 divides them",
+    ]
+    assert second == {k: v / 2.0 for k, v in first.items()}
+    assert "stage_server.measure" in LIFECYCLE_LOGGERS  # shown at the default level

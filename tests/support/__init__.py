@@ -1,6 +1,6 @@
 """What several test files share, one home per concept.
 
-- `ports`: free ports and addresses.
+- `ports`: free ports and addresses, and a port in use.
 - `brokers`: a real Mosquitto in a child process (or on a written config); either broker behind
   one interface (the `broker` fixture).
 - `buses`: bus clients with the tests' settings, bounded receives, the logins a broker must take.

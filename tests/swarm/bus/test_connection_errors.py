@@ -10,7 +10,9 @@ import re
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from swarm.bus.broker import EmbeddedBroker
@@ -23,6 +25,7 @@ from swarm.bus.connection import (
     BusTlsMismatch,
 )
 from swarm.net import tls
+from swarm.net.tokens import add_port
 from tests.support.brokers import Mosquitto
 from tests.support.ports import free_port
 from tests.support.tls import REFUSED_SOCKETS, load_identity, no_identity  # noqa: F401
@@ -83,6 +86,17 @@ async def test_mqtts_to_a_clear_text_broker_says_use_mqtt(tmp_path: Path, pki: P
 
 
 @REFUSED_SOCKETS
+async def test_mqtts_to_the_embedded_clear_text_broker_says_use_mqtt(pki: Path) -> None:
+    # amqtt reads a ClientHello as the start of a packet and waits for the rest: the handshake
+    # gets no answer, where Mosquitto closes the connection.
+    async with EmbeddedBroker("127.0.0.1", 0) as broker:
+        tls.configure(_identity(pki, "ours", "client"))
+        error = await _refusal(broker.url.replace("mqtt://", "mqtts://"))
+    assert isinstance(error, BusTlsMismatch), error
+    assert f"does not speak TLS: use mqtt://127.0.0.1:{broker.port}" in str(error)
+
+
+@REFUSED_SOCKETS
 async def test_a_certificate_refused_by_either_side_is_named(tmp_path: Path, pki: Path) -> None:
     server = load_identity(pki, "ours", "server", mutual=True)
     with Mosquitto(tmp_path / "mosquitto", tls=server) as mosquitto:
@@ -139,3 +153,36 @@ async def test_a_broker_that_does_not_answer_is_reported_at_once_then_at_every_a
     assert attempts == list(range(1, len(attempts) + 1)) and len(attempts) >= 3
     assert url in lines[0].getMessage() and "Connection refused" in lines[0].getMessage()
     assert int(shown[0].group(2)) <= 3  # type: ignore[union-attr]
+
+
+NOT_A_BROKER = (
+    "answered but is not an MQTT broker (it looks like a gRPC/HTTP2 server: the scheduler's "
+    "--port?); point --broker at the broker's port (the scheduler printed it at start)"
+)
+
+
+@REFUSED_SOCKETS
+@pytest.mark.parametrize("scheme", ["mqtt", "mqtts", "mqtt-to-tls"])
+async def test_a_grpc_port_given_as_the_broker_is_named_within_a_second(
+    pki: Path, scheme: str
+) -> None:
+    # The scheduler's job API where its broker was meant: paho reads an HTTP/2 frame as
+    # "Unrecognised command 0" and waited out the CONNACK at every attempt until the caller
+    # gave up (30 s).
+    if scheme != "mqtt":
+        tls.configure(_identity(pki, "ours", "server"))
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = add_port(server, "127.0.0.1:0", "the scheduler")
+    await server.start()
+    try:
+        url = f"{'mqtts' if scheme == 'mqtts' else 'mqtt'}://127.0.0.1:{port}"
+        async with Bus(url, "peer-a", registry=CollectorRegistry()) as bus:  # default timings
+            started = time.monotonic()
+            with pytest.raises(BusRefused) as caught:
+                await bus.wait_connected(WAIT_S)
+            took = time.monotonic() - started
+    finally:
+        await server.stop(None)
+    assert f"{url} {NOT_A_BROKER}" in str(caught.value), caught.value
+    assert took < 1.5, f"{took:.1f} s"
