@@ -90,7 +90,7 @@ async def test_mqtts_to_the_embedded_clear_text_broker_says_use_mqtt(pki: Path) 
     # amqtt reads a ClientHello as the start of a packet and waits for the rest: the handshake
     # gets no answer, where Mosquitto closes the connection.
     async with EmbeddedBroker("127.0.0.1", 0) as broker:
-        tls.configure(_identity(pki, "ours", "client"))
+        tls.configure(load_identity(pki, "ours", "client"))
         error = await _refusal(broker.url.replace("mqtt://", "mqtts://"))
     assert isinstance(error, BusTlsMismatch), error
     assert f"does not speak TLS: use mqtt://127.0.0.1:{broker.port}" in str(error)
@@ -170,7 +170,7 @@ async def test_a_grpc_port_given_as_the_broker_is_named_within_a_second(
     # "Unrecognised command 0" and waited out the CONNACK at every attempt until the caller
     # gave up (30 s).
     if scheme != "mqtt":
-        tls.configure(_identity(pki, "ours", "server"))
+        tls.configure(load_identity(pki, "ours", "server"))
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     port = add_port(server, "127.0.0.1:0", "the scheduler")
