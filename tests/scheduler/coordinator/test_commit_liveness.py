@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +41,6 @@ from tests.support.ports import free_address
 from tests.support.replicas import FakeSwarm, Prepared
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def made() -> AsyncIterator[list[Harness]]:
-    harnesses: list[Harness] = []
-    yield harnesses
-    for h in harnesses:
-        await h.coordinator.close()
 
 
 def _harness(made: list[Harness], job: JobConfig, swarm: FakeSwarm, **kwargs: Any) -> Harness:

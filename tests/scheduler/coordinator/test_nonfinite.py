@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -23,14 +22,6 @@ from tests.support.replicas import FakeSwarm
 pytestmark = pytest.mark.timeout(60)
 
 _COUNTER = "swarm_coordinator_nonfinite_gradients_total"
-
-
-@pytest.fixture
-async def made() -> AsyncIterator[list[Harness]]:
-    harnesses: list[Harness] = []
-    yield harnesses
-    for h in harnesses:
-        await h.coordinator.close()
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,14 +20,6 @@ from tests.support.jobs import make_job
 from tests.support.replicas import FakeSwarm
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def made() -> AsyncIterator[list[Harness]]:
-    harnesses: list[Harness] = []
-    yield harnesses
-    for h in harnesses:
-        await h.coordinator.close()
 
 
 def _harness(job: JobConfig, made: list[Harness]) -> tuple[Harness, CollectorRegistry]:

@@ -5,7 +5,6 @@ samples counted and said), joins only where a round starts, and the route record
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,6 @@ from tests.support.jobs import make_job
 from tests.support.replicas import FakeSwarm, Prepared
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def made() -> AsyncIterator[list[Harness]]:
-    harnesses: list[Harness] = []
-    yield harnesses
-    for h in harnesses:
-        await h.coordinator.close()
 
 
 def _local(tmp_path: Path, steps: int = 4, overlap: str = "none") -> object:
