@@ -152,15 +152,15 @@ def rounds_lines(s: scheduler_pb2.JobStatus, now: float) -> list[str]:
         line += "no average left"
     if not r.last_at:
         return [line + "; no average yet"]
-    took = (
-        f"{r.last_seconds * 1000:.0f}ms"
-        if r.last_seconds < 1
-        else f"{r.last_seconds:.1f}s"
-        if r.last_seconds < 60
-        else duration_text(r.last_seconds)
-    )
-    ago = duration_text(now - r.last_at)
+    took, ago = _took_text(r.last_seconds), duration_text(now - r.last_at)
     return [line + f"; last average took {took}, {ago} ago, {_size_text(r.last_bytes)} moved"]
+
+
+def _took_text(seconds: float) -> str:
+    """How long an average took: `840ms`, `2.3s`, `1m15s`."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    return f"{seconds:.1f}s" if seconds < 60 else duration_text(seconds)
 
 
 def _where(s: scheduler_pb2.JobStatus) -> dict[str, int]:

@@ -251,27 +251,26 @@ class PoolRounds:
 
     def _round(self, done: int) -> int:
         """The round under way after `done` steps, from 1 (the last once every step is)."""
-        every, steps = self.rule.round_steps, self.job.training.steps
-        return min(done // every + 1, -(-steps // every))
+        return min(done // self.rule.round_steps + 1, self._rounds_in_all)
+
+    @property
+    def _rounds_in_all(self) -> int:
+        return -(-self.job.training.steps // self.rule.round_steps)  # the last may be shorter
 
     def status(self, done: int) -> spb.RoundStatus:
         """What `swarm status` says of the rounds after `done` committed steps."""
         every, steps = self.rule.round_steps, self.job.training.steps
-        status = spb.RoundStatus(
+        last = self.last or Average(0.0, 0.0, 0)  # unset before the first
+        return spb.RoundStatus(
             rule=str(self.rule.kind),
             round=self._round(done),
-            rounds=-(-steps // every),
+            rounds=self._rounds_in_all,
             round_steps=every,
             next_average_in=max(min((done // every + 1) * every, steps) - done, 0),
+            last_seconds=last.seconds,
+            last_at=last.at,
+            last_bytes=last.bytes,
         )
-        if self.last is not None:
-            last = self.last
-            status.last_seconds, status.last_at, status.last_bytes = (
-                last.seconds,
-                last.at,
-                last.bytes,
-            )
-        return status
 
     async def _apply(
         self,
