@@ -144,16 +144,20 @@ def rounds_lines(s: scheduler_pb2.JobStatus, now: float) -> list[str]:
     if not s.HasField("rounds"):
         return []
     r = s.rounds
-    line = f"rounds   {shown(r.rule)}, round {r.round}/{r.rounds} ({r.round_steps} steps each), "
+    each = _steps_text(r.round_steps)
+    line = f"rounds   {shown(r.rule)}, round {r.round}/{r.rounds} ({each} each), "
     if r.next_average_in:
-        plural = "s" if r.next_average_in != 1 else ""
-        line += f"next average in {r.next_average_in} step{plural}"
+        line += f"next average in {_steps_text(r.next_average_in)}"
     else:
         line += "no average left"
     if not r.last_at:
         return [line + "; no average yet"]
     took, ago = _took_text(r.last_seconds), duration_text(now - r.last_at)
     return [line + f"; last average took {took}, {ago} ago, {_size_text(r.last_bytes)} moved"]
+
+
+def _steps_text(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 def _took_text(seconds: float) -> str:

@@ -37,4 +37,8 @@ def test_status_shows_the_rounds_of_a_local_steps_job() -> None:
     ]
     slow = _job(**shape, next_average_in=16, last_seconds=2.25, last_at=999.0, last_bytes=3 << 30)
     assert _rounds(slow)[0].endswith("last average took 2.2s, 1s ago, 3.0 GiB moved")
+    eager = _job(rule="step-eager", round=38, rounds=160, round_steps=1, next_average_in=1)
+    assert _rounds(eager) == [
+        "rounds   step-eager, round 38/160 (1 step each), next average in 1 step; no average yet"
+    ]
     assert _rounds(_job()) == []  # a job without rounds: no line
