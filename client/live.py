@@ -30,6 +30,7 @@ __all__ = [
     "event_lines_of",
     "events",
     "loss_text",
+    "rounds_lines",
     "shown",
     "status_lines",
     "table",
@@ -100,6 +101,7 @@ def status_lines(
     ]
     if s.HasField("val_loss"):
         lines.insert(4, f"val loss {loss_text(s.val_loss)} (after {s.val_step} steps)")
+    lines += rounds_lines(s, now)
     if s.message:
         waited = (
             f" (for {duration_text(now - s.waiting_since)}, since {_clock_time(s.waiting_since)})"
@@ -126,6 +128,43 @@ def status_lines(
     if events and s.events:
         lines += ["", "events:", *(f"  {e}" for e in event_lines(s, events))]
     return lines
+
+
+def _size_text(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def rounds_lines(s: scheduler_pb2.JobStatus, now: float) -> list[str]:
+    """The job's rounds (a rule whose pools meet in rounds, while it trains): the rule, the
+    round under way, the steps to the next average, and the last average's time (how long it
+    took, how long ago) and bytes (what its pools sent each other, before compression)."""
+    if not s.HasField("rounds"):
+        return []
+    r = s.rounds
+    each = _steps_text(r.round_steps)
+    line = f"rounds   {shown(r.rule)}, round {r.round}/{r.rounds} ({each} each), "
+    if r.next_average_in:
+        line += f"next average in {_steps_text(r.next_average_in)}"
+    else:
+        line += "no average left"
+    if not r.last_at:
+        return [line + "; no average yet"]
+    took, ago = _took_text(r.last_seconds), duration_text(now - r.last_at)
+    return [line + f"; last average took {took}, {ago} ago, {_size_text(r.last_bytes)} moved"]
+
+
+def _steps_text(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
+def _took_text(seconds: float) -> str:
+    """How long an average took: `840ms`, `2.3s`, `1m15s`."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    return f"{seconds:.1f}s" if seconds < 60 else duration_text(seconds)
 
 
 def _where(s: scheduler_pb2.JobStatus) -> dict[str, int]:

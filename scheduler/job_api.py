@@ -101,6 +101,11 @@ class JobControl(Protocol):
         not wait), and the risks to warn of (asked for unfinished jobs only)."""
         ...
 
+    def rounds(self, job_id: str, step: int) -> scheduler_pb2.RoundStatus | None:
+        """Its rounds after `step` committed steps, where its pools meet in rounds and it
+        trains now (asked for unfinished jobs only)."""
+        ...
+
     async def lease(
         self,
         job_id: str,
@@ -159,6 +164,7 @@ def job_status(
         samples_per_second=control.samples_per_second(record.id) if live else mean_speed,
         waiting_since=waiting_since,
         warnings=warnings,
+        rounds=control.rounds(record.id, record.step) if live else None,
         events=[
             scheduler_pb2.JobEvent(time=e.time, kind=e.kind, text=e.text) for e in events or []
         ],

@@ -203,6 +203,10 @@ class Scheduler:
         health = self._health.get(job_id)
         return (health.waiting_since, list(health.warnings)) if health else (0.0, [])
 
+    def rounds(self, job_id: str, step: int) -> spb.RoundStatus | None:
+        coordinator = self._coordinators.get(job_id)
+        return coordinator.rounds.status(step) if coordinator is not None else None
+
     async def delete(self, job_id: str) -> None:
         record = self.store.get(job_id)
         if record is not None and not record.finished:

@@ -16,6 +16,7 @@ trained model is the members' mean (`EagerOp.MEAN`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -121,8 +122,9 @@ class EagerRounds(PoolRounds):
     ) -> dict[int, tuple[str, ...]]:
         """The background sum of the round's shares (`EagerOp.AVERAGE`); per stage, whose. The
         samples of a member whose share it could not sum are dropped (`samples`: the round's)."""
-        call = self._eager_call(step + 1, EagerOp.AVERAGE)
+        call, began = self._eager_call(step + 1, EagerOp.AVERAGE), time.monotonic()
         summed = await self._until_summed(step, "eager", call, members)
+        self.averaged(began, await self.moved(summed))
         kept = {(k, r.peer) for k, rs in enumerate(summed) for r in rs}
         lost = {(k, r.peer): samples.get((k, r.peer), 0) for k, rs in enumerate(members)
                 for r in rs if (k, r.peer) not in kept}  # fmt: skip
@@ -133,7 +135,7 @@ class EagerRounds(PoolRounds):
         """The job's last round: the whole sum of the fresh shares (`EagerOp.LAST`'s PREPARE),
         every member's outer step with it (its APPLY), then the members' mean
         (`EagerOp.MEAN`), the trained model."""
-        boundary = step + 1
+        boundary, began = step + 1, time.monotonic()
         members = await self._until_summed(step, "last", self._eager_call(boundary, EagerOp.LAST))
         applied = await self._apply(
             step, members, lambda c, k: c.eager_last_apply(boundary), drop=True
@@ -141,6 +143,7 @@ class EagerRounds(PoolRounds):
         meaned = await self._until_summed(
             step, "mean", self._eager_call(boundary, EagerOp.MEAN), applied
         )
+        self.averaged(began, await self.moved(members) + await self.moved(meaned))
         syncs = []
         for k, replicas in enumerate(members):
             group, mean = peers(replicas), peers(meaned[k])

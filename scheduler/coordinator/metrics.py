@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import math
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["CoordinatorFamilies", "CoordinatorMetrics"]
+from swarm.ops.metrics import LATENCY_BUCKETS
+
+__all__ = ["ROUND_BUCKETS", "CoordinatorFamilies", "CoordinatorMetrics", "RoundMetrics"]
+
+# A round's averaging moves a whole stage's parameters: over slow links minutes, not milliseconds.
+ROUND_BUCKETS = (*LATENCY_BUCKETS, 120, 300, 600)
 
 
 class CoordinatorFamilies:
@@ -70,6 +75,26 @@ class CoordinatorFamilies:
             registry=registry,
         )
         self._nonfinite_stages: dict[str, set[str]] = {}  # job -> the stage labels it counted
+        # A job whose pools meet in rounds (local, local-eager, step-eager) only: `RoundMetrics`
+        self.round = Gauge(
+            "swarm_coordinator_round",
+            'The round under way, from 1 (pool.mode = "local" or an eager rule\'s rounds)',
+            ["job"],
+            registry=registry,
+        )
+        self.round_seconds = Histogram(
+            "swarm_coordinator_round_seconds",
+            "Time of a round's averaging over every pool (its PREPARE and APPLY, or an eager "
+            "rule's background sum)",
+            ["job"],
+            buckets=ROUND_BUCKETS,
+            registry=registry,
+        )
+        self.round_bytes = counter(
+            "swarm_coordinator_round_bytes_total",
+            "Bytes the rounds' averaging moved between replicas, both ways, before compression "
+            "(2 (N - 1) x a stage's parameter bytes per pool of N)",
+        )
 
     def count_nonfinite(self, job: str, stage: int) -> None:
         self._nonfinite_stages.setdefault(job, set()).add(str(stage))
@@ -88,6 +113,9 @@ class CoordinatorFamilies:
             self.blocked,
             self.grad_norm,
             self.val_loss,
+            self.round,
+            self.round_seconds,
+            self.round_bytes,
         ):
             family.remove(job)  # absent: nothing to do
         for stage in self._nonfinite_stages.pop(job, ()):
@@ -117,7 +145,24 @@ class CoordinatorMetrics:
         self.blocked = f.blocked.labels(job=job)
         self.val_loss = f.val_loss.labels(job=job)
         self.val_loss.set(math.nan)
+        self._rounds: RoundMetrics | None = None
 
     def nonfinite(self, stage: int) -> None:
         """Stage `stage`'s averaged gradient was NaN or infinite at a step."""
         self._families.count_nonfinite(self._job, stage)
+
+    def rounds(self) -> RoundMetrics:
+        """The job's round series, created on the first call (a job with rounds makes it when
+        its rounds are made; a job without has none)."""
+        if self._rounds is None:
+            self._rounds = RoundMetrics(self._families, self._job)
+        return self._rounds
+
+
+class RoundMetrics:
+    """A job's rounds: the round under way, each averaging's time and bytes."""
+
+    def __init__(self, families: CoordinatorFamilies, job: str) -> None:
+        self.round = families.round.labels(job=job)
+        self.seconds = families.round_seconds.labels(job=job)
+        self.bytes = families.round_bytes.labels(job=job)

@@ -20,6 +20,7 @@ from scheduler.coordinator.rounds import PoolRounds
 from swarm.job.config import JobConfig
 from swarm.job.rule import Rule
 from swarm.model.routes import Record
+from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Replica
 
 __all__ = ["NoRounds", "Rounds", "rounds_of"]
@@ -80,6 +81,10 @@ class Rounds(Protocol):
         """The coordinator closes (or rolls back): work in the background stops."""
         ...
 
+    def status(self, done: int) -> spb.RoundStatus | None:
+        """What `swarm status` says of the rounds after `done` committed steps (None: none)."""
+        ...
+
 
 class NoRounds:
     """The plain rules' (sync, delayed): a step's PREPARE averages the pool, and nothing more
@@ -116,6 +121,9 @@ class NoRounds:
 
     def cancel(self) -> None:
         pass
+
+    def status(self, done: int) -> spb.RoundStatus | None:
+        return None
 
 
 def rounds_of(

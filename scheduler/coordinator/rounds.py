@@ -15,15 +15,18 @@ line), not replayed (replaying them would count them twice at every other stage,
 have applied them already; docs/jobs.md, "Pool modes").
 
 The route record (`swarm.model.routes`) is written here too: the runs each step counted, each
-round's group, and the members the job started with.
+round's group, and the members the job started with. So is what `swarm status` and /metrics
+say of the rounds (`status`, `RoundMetrics`): the round under way, each average's time and bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from scheduler.coordinator.failures import CommitStalled, judge
 from scheduler.coordinator.ledger import StepLedger
@@ -33,10 +36,12 @@ from scheduler.coordinator.replicas import ReplicaClients, StageReplica
 from swarm.job.config import JobConfig
 from swarm.job.rule import Rule
 from swarm.model.routes import Join, Record, StepRuns, Sync
+from swarm.model.transformer import stage_layout
 from swarm.policy.backoff import Backoff
+from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Replica
 
-__all__ = ["PoolRounds", "RoundCall", "peers"]
+__all__ = ["Average", "PoolRounds", "RoundCall", "peers"]
 
 # A PREPARE on one member: (stage, replica, the group's samples, group, index, round id)
 RoundCall = Callable[[int, Replica, int, list[str], int, str], Awaitable[object]]
@@ -47,6 +52,16 @@ def peers(replicas: list[Replica]) -> tuple[str, ...]:
 
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Average:
+    """A round's averaging, ended: how long it took (seconds), when it ended (unix seconds), and
+    the bytes its pools moved before compression (`PoolRounds.moved`)."""
+
+    seconds: float
+    at: float
+    bytes: int
 
 
 class PoolRounds:
@@ -77,11 +92,15 @@ class PoolRounds:
         self.on_status = on_status
         self.dropped = 0  # samples dropped with the replicas that left mid-round, so far
         self._samples: Counter[tuple[int, str]] = Counter()  # (stage, peer) -> in this round
+        self.last: Average | None = None  # the last averaging that ended
+        self.series = metrics.rounds()
+        self._stage_sizes: dict[int, int] = {}  # stage -> its parameter bytes, once known
 
     async def started(self, step: int, members: list[list[Replica]]) -> None:
         """The job starts (or resumes) at `step` with `members`. The round's samples so far are
         the members' own counts (a predecessor's died with it)."""
         self.restarted()
+        self.series.round.set(self._round(step))
         synced = await self._counted(members)
         for stage, replicas in enumerate(members):
             for r in replicas:
@@ -170,6 +189,7 @@ class PoolRounds:
                 self._samples[(stage, peer)] += ledger.samples_held(stage, peer)
         if self.ends_round(ledger.step):
             await self.end(ledger.step)
+        self.series.round.set(self._round(ledger.step + 1))
 
     def ends_round(self, step: int) -> bool:
         """Whether step `step`'s commit ends a round."""
@@ -195,10 +215,62 @@ class PoolRounds:
 
     async def _end(self, step: int) -> list[Sync]:
         """PREPARE everywhere (the pools average), then APPLY everywhere."""
-        boundary = step + 1
+        boundary, began = step + 1, time.monotonic()
         members = await self._until_summed(step, "round", self._prepare_call(boundary))
         await self._apply(step, members, lambda c, k: c.apply_round(boundary), drop=False)
+        self.averaged(began, await self.moved(members))
         return [Sync(step, k, peers(replicas)) for k, replicas in enumerate(members)]
+
+    def averaged(self, began: float, moved: int) -> None:
+        """An averaging that began at `began` (`time.monotonic()`) ended, its pools having
+        moved `moved` bytes: the last one `swarm status` shows, and /metrics counts it."""
+        seconds = time.monotonic() - began
+        self.last = Average(seconds, time.time(), moved)
+        self.series.seconds.observe(seconds)
+        self.series.bytes.inc(moved)
+
+    async def moved(self, members: list[list[Replica]]) -> int:
+        """The bytes a butterfly average over each pool of `members` moves, before compression:
+        each of N members sends the other N - 1 their parts of its values and each owner sends
+        its part's sum back to them, 2 (N - 1) x the stage's parameter bytes, over the stages
+        (the members' `swarm_stage_averaging_bytes_{sent,received}_total`, uncompressed)."""
+        total = 0
+        for k, replicas in enumerate(members):
+            if len(replicas) > 1:
+                total += 2 * (len(replicas) - 1) * await self._stage_bytes(k)
+        return total
+
+    async def _stage_bytes(self, stage: int) -> int:
+        """`stage`'s parameter bytes, off the event loop once (from its layout: no values)."""
+        if stage not in self._stage_sizes:
+            layout = await asyncio.to_thread(stage_layout, self.job, stage)
+            self._stage_sizes[stage] = sum(
+                p.numel() * p.element_size() for p in layout.parameters()
+            )
+        return self._stage_sizes[stage]
+
+    def _round(self, done: int) -> int:
+        """The round under way after `done` steps, from 1 (the last once every step is)."""
+        return min(done // self.rule.round_steps + 1, self._rounds_in_all)
+
+    @property
+    def _rounds_in_all(self) -> int:
+        return -(-self.job.training.steps // self.rule.round_steps)  # the last may be shorter
+
+    def status(self, done: int) -> spb.RoundStatus:
+        """What `swarm status` says of the rounds after `done` committed steps."""
+        every, steps = self.rule.round_steps, self.job.training.steps
+        last = self.last or Average(0.0, 0.0, 0)  # unset before the first
+        return spb.RoundStatus(
+            rule=str(self.rule.kind),
+            round=self._round(done),
+            rounds=self._rounds_in_all,
+            round_steps=every,
+            next_average_in=max(min((done // every + 1) * every, steps) - done, 0),
+            last_seconds=last.seconds,
+            last_at=last.at,
+            last_bytes=last.bytes,
+        )
 
     async def _apply(
         self,

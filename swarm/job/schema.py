@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -22,6 +22,7 @@ from swarm.job.coerce import GE0, GE1, GT0, UNIT, Section, not_allowed
 from swarm.job.coerce import checked_field as _f  # short: nearly every field uses it
 
 __all__ = [
+    "CHECKPOINT_EVERY",
     "FILE_DATA",
     "MAX_LAYERS",
     "MAX_SPEC_BYTES",
@@ -54,6 +55,8 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_LAYERS = 4096  #: model.n_layers at most (transformer blocks)
 MAX_STAGES = 512  #: training.stages at most
 MAX_SPEC_BYTES = MiB  #: a job file's size at most (bytes of UTF-8): data belongs in data.path
+# Not 0: without a checkpoint a lost stage sends the whole job back to step 0.
+CHECKPOINT_EVERY = 100  #: training.checkpoint_every when unset (steps)
 
 
 @dataclass(frozen=True)
@@ -171,8 +174,9 @@ class TrainingConfig(Section):
     #: "fp32": compute in `dtype`; "bf16-mixed": float32 parameters, optimizer state and
     #: gradient sums, bfloat16 autocast compute, bf16 on the wire unless [compression] says
     precision: Literal["fp32", "bf16-mixed"] = "fp32"
-    # Not 0 by default: without a checkpoint a lost stage sends the whole job back to step 0.
-    checkpoint_every: int = _f(100, GE0)  #: steps between checkpoints (0 = never)
+    #: steps between checkpoints (0 = never); unset: `CHECKPOINT_EVERY`, under local steps
+    #: rounded up to a round's end (`JobConfig`, when the job is read; never None in a job)
+    checkpoint_every: int | None = _f(None, GE0)
     keep_checkpoints: int = _f(3, GE1)  #: sealed checkpoints kept, the newest (older: deleted)
     #: largest L2 norm of the whole model's averaged gradient (all stages); larger ones are
     #: scaled down to it before the optimizer step (0 = no clipping)
@@ -347,6 +351,9 @@ class JobConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
 
     def __post_init__(self) -> None:
+        if self.training.checkpoint_every is None:  # frozen: resolved once, as read
+            every = _default_checkpoint_every(self.pool)
+            object.__setattr__(self, "training", replace(self.training, checkpoint_every=every))
         if not isinstance(self.name, str) or not NAME_RE.fullmatch(self.name):
             allowed = 'a string of 1-64 letters, digits, ".", "_" or "-", starting alphanumeric'
             raise not_allowed("name", self.name, allowed)
@@ -389,11 +396,23 @@ class JobConfig:
             value = getattr(training, key)
             if value % every:
                 allowed = f'a multiple of pool.sync_every = {every} with pool.mode = "local"'
+                if key == "checkpoint_every":  # unset, it is one
+                    allowed += f" (or leave it unset: {_default_checkpoint_every(self.pool)})"
                 raise not_allowed(f"training.{key}", value, allowed)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every key (paths as strings, tuples as lists)."""
         return json.loads(json.dumps(asdict(self), default=str))  # type: ignore[no-any-return]
+
+
+def _default_checkpoint_every(pool: PoolConfig) -> int:
+    """training.checkpoint_every when a job leaves it unset: `CHECKPOINT_EVERY` steps, under
+    local steps rounded up to a multiple of `pool.sync_every` (a checkpoint needs parameters
+    every replica shares: a round's start), so the default fits any round length (112 steps for
+    the default 16)."""
+    if pool.mode != "local":
+        return CHECKPOINT_EVERY
+    return -(-CHECKPOINT_EVERY // pool.sync_every) * pool.sync_every
 
 
 _CLASSES = (ModelConfig, DataConfig, TrainingConfig, OptimizerConfig, CompressionConfig)

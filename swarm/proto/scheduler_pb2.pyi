@@ -35,7 +35,7 @@ class StageStatus(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir", "first_loss", "val_loss", "val_step", "waiting_since", "warnings", "events")
+    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir", "first_loss", "val_loss", "val_step", "waiting_since", "warnings", "events", "rounds")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class JobStatus(_message.Message):
     WAITING_SINCE_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     state: _control_pb2.JobState
@@ -76,7 +77,28 @@ class JobStatus(_message.Message):
     waiting_since: float
     warnings: _containers.RepeatedScalarFieldContainer[str]
     events: _containers.RepeatedCompositeFieldContainer[JobEvent]
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ..., first_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., val_step: _Optional[int] = ..., waiting_since: _Optional[float] = ..., warnings: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ...) -> None: ...
+    rounds: RoundStatus
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ..., first_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., val_step: _Optional[int] = ..., waiting_since: _Optional[float] = ..., warnings: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ..., rounds: _Optional[_Union[RoundStatus, _Mapping]] = ...) -> None: ...
+
+class RoundStatus(_message.Message):
+    __slots__ = ("rule", "round", "rounds", "round_steps", "next_average_in", "last_seconds", "last_at", "last_bytes")
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AVERAGE_IN_FIELD_NUMBER: _ClassVar[int]
+    LAST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rule: str
+    round: int
+    rounds: int
+    round_steps: int
+    next_average_in: int
+    last_seconds: float
+    last_at: float
+    last_bytes: int
+    def __init__(self, rule: _Optional[str] = ..., round: _Optional[int] = ..., rounds: _Optional[int] = ..., round_steps: _Optional[int] = ..., next_average_in: _Optional[int] = ..., last_seconds: _Optional[float] = ..., last_at: _Optional[float] = ..., last_bytes: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("time", "kind", "text")

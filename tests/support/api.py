@@ -90,6 +90,9 @@ class FakeControl:
     def health(self, job_id: str) -> tuple[float, list[str]]:
         return 0.0, []
 
+    def rounds(self, job_id: str, step: int) -> scheduler_pb2.RoundStatus | None:
+        return None
+
     def routes(self, job_id: str) -> Path:
         return self.routes_dir / f"{job_id}.jsonl"
 

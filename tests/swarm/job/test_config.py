@@ -84,7 +84,13 @@ def test_examples_parse() -> None:
     assert tiny.data.kind == "text"
     assert tiny.data.path == (EXAMPLES / "data" / "corpus.txt").resolve()
     assert tiny.training == TrainingConfig(
-        stages=4, microbatch_size=8, target_batch_size=32, steps=150, seed=0, dtype="float32"
+        stages=4,
+        microbatch_size=8,
+        target_batch_size=32,
+        steps=150,
+        seed=0,
+        dtype="float32",
+        checkpoint_every=100,  # unset in the file: the default, resolved when the job is read
     )
     assert tiny.training.microbatches_per_step == 4
     assert (tiny.optimizer.kind, tiny.optimizer.lr, tiny.optimizer.weight_decay) == (
@@ -99,6 +105,27 @@ def test_examples_parse() -> None:
     same = ("model", "training", "optimizer", "compression", "runtime")
     assert all(getattr(tiny, s) == getattr(synthetic, s) for s in same)
     assert fingerprint(tiny) != fingerprint(synthetic)
+
+
+def test_a_local_steps_job_with_no_other_pool_key_loads(tmp_path: Path) -> None:
+    # A default never makes another valid choice invalid: checkpoint_every's 100 is not a
+    # multiple of sync_every's 16, so unset under local steps it is the round end after it.
+    local = job(tmp_path, {"pool": {"mode": '"local"'}})
+    assert (local.pool.sync_every, local.training.checkpoint_every) == (16, 112)
+    rounds = {"mode": '"local"', "sync_every": "25"}
+    assert job(tmp_path, {"pool": rounds}).training.checkpoint_every == 100
+    assert job(tmp_path, {"pool": {**rounds, "sync_every": "500"}}).training.checkpoint_every == 500
+    assert job(tmp_path).training.checkpoint_every == 100  # step mode: as before
+    # Set, it is the user's: one that is no round's end is refused, the default offered.
+    with pytest.raises(ConfigError) as e:
+        job(tmp_path, {"pool": {"mode": '"local"'}, "training": {"checkpoint_every": "100"}})
+    assert str(e.value) == (
+        "training.checkpoint_every = 100 is not allowed; use a multiple of pool.sync_every = 16 "
+        'with pool.mode = "local" (or leave it unset: 112)'
+    )
+    # A job built in code is held to the same rule.
+    built = dataclasses.replace(local, training=TrainingConfig(1, 8, 32, 3))
+    assert built.training.checkpoint_every == 112
 
 
 def test_corpus_size_and_encoding() -> None:
