@@ -127,12 +127,13 @@ class Assignments:
             generation = time.time_ns() // 1000
         message = cpb.Assignment(job=job_id, peer=peer, stage=stage, generation=generation)
         await self.bus.publish(self.bus.topics.assign(job_id, peer), message, retain=True)
-        self.registry.assigned(peer, job_id)
+        self.registry.assigned(peer, job_id, stage)
 
     async def withdraw(self, job_id: str, peers: set[str]) -> None:
         """Clear the assignments of an ended job (its announcement frees the peers)."""
         for peer in sorted(peers):
             await self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
+        self.registry.withdrawn(job_id)
 
     async def _assign_available(
         self, job_id: str, available: dict[str, list[float]], assigned: list[str]

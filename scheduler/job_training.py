@@ -192,6 +192,7 @@ class JobTraining:
                 self.health(job_id),
                 speed=speed,
                 progress=coordinator.progress,
+                counted=coordinator.replicas,
             )
             try:
                 async with asyncio.TaskGroup() as group:

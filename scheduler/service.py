@@ -176,19 +176,28 @@ class Scheduler:
         if ranges is None:
             return []  # not started yet: its run partitions it first, off the event loop
         result = [spb.StageStatus(stage=k, layers=list(r)) for k, r in enumerate(ranges)]
-        for p in self.peer_registry.peers.values():
-            if p.job == job_id and p.HasField("stage") and p.stage < len(result):
-                result[p.stage].replicas.append(
-                    spb.Replica(
-                        peer=p.peer,
-                        address=p.address,
-                        metrics_address=p.metrics_address,
-                        device=p.device,
-                        state=p.state,
-                        samples_per_second=p.samples_per_second.get(p.stage, 0.0),
-                    )
+        coordinator = self._coordinators.get(job_id)
+        waits = coordinator.membership.waits() if coordinator is not None else {}
+        for shown in self.peer_registry.shown(job_id, self.admitted(job_id), waits, len(result)):
+            p = shown.announcement
+            result[shown.stage].replicas.append(
+                spb.Replica(
+                    peer=p.peer,
+                    address=p.address,
+                    metrics_address=p.metrics_address,
+                    device=p.device,
+                    state=shown.state,
+                    samples_per_second=p.samples_per_second.get(shown.stage, 0.0),
+                    joining=shown.joining,
                 )
+            )
         return result
+
+    def admitted(self, job_id: str) -> frozenset[str] | None:
+        """The job's replicas that count: those its coordinator admitted (None: it has none
+        open). Safe on the metrics thread."""
+        coordinator = self._coordinators.get(job_id)
+        return frozenset(coordinator.membership.synced) if coordinator is not None else None
 
     def samples_per_second(self, job_id: str) -> float:
         speed = self._speed.get(job_id)

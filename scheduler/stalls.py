@@ -96,16 +96,19 @@ class StallWatch:
         clock: Callable[[], float] = time.time,
         speed: RecentSpeed | None = None,
         progress: Callable[[], str] = lambda: "",
+        counted: Callable[[], list[list[Replica]]] | None = None,
     ) -> None:
         """`members()`: who serves each stage now; `step()`: the job's committed steps;
         `checkpoint()`: the step the last sealed checkpoint holds (0: none); `say(text)`: set the
         job's message, `said()`: what it is now; `health`: what this watch keeps current;
         `speed`: the job's commits (a job served everywhere whose steps stop is stalled too),
-        `progress()`: where its open step is, in words."""
+        `progress()`: where its open step is, in words; `counted()`: the replicas that count
+        for the single-replica warning, those whose join succeeded (default: `members()`)."""
         self.job_id, self.members, self.step, self.checkpoint = job_id, members, step, checkpoint
         self.say, self.said, self.history = say, said, history
         self.health, self.clock = health, clock
         self.speed, self.progress = speed, progress
+        self.counted = counted or members
         self._slow_since: float | None = None  # the last commit, while no step commits
         self._served_at = -math.inf  # when a lost stage was last served again
         # (when read, the job's step then, the checkpoint's step read)
@@ -135,16 +138,17 @@ class StallWatch:
             self._served_at = now  # its rollback comes next: not a slow step
             served_again = f"stage {k} is served again ({who}) after {held:.0f} s without a replica"
             self.history.record(self.job_id, "resume", served_again)
-        single = {k for k, replicas in enumerate(members) if len(replicas) == 1}
+        counted = self.counted()  # a replica still joining is no spare yet
+        single = {k for k, replicas in enumerate(counted) if len(replicas) == 1}
         if single - self._single:  # said once as it starts, for the stages new to it
             new = sorted(single - self._single)
-            text = single_replica_text(new, [members[k][0].peer for k in new], checkpoint)
+            text = single_replica_text(new, [counted[k][0].peer for k in new], checkpoint)
             self.history.record(self.job_id, "warning", text)
         self._single = single
         self.health.warnings = (
             [
                 single_replica_text(
-                    sorted(single), [members[k][0].peer for k in sorted(single)], checkpoint
+                    sorted(single), [counted[k][0].peer for k in sorted(single)], checkpoint
                 )
             ]
             if single

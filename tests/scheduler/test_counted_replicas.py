@@ -1,0 +1,123 @@
+"""A replica counts (in `swarm status`, the single-replica warning, the scheduler's gauges) only
+once its join succeeded: a spare placed in a running job shows as joining, with what it waits
+for, until the coordinator admits it; one nobody can reach never counts (issue 45, item 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarm.job.states import peer_state_name
+from swarm.proto import control_pb2 as cpb
+from swarm.proto import scheduler_pb2 as spb
+from tests.support.jobs import BASE, render
+from tests.support.scheduled import ScheduledSwarm, scheduled_swarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+# Two stages, and steps enough to outlast the test (it is cancelled at the end).
+SPEC = render({**BASE, "training": {**BASE["training"], "stages": 2, "steps": 100_000}})
+
+
+def _rows(s: spb.JobStatus) -> dict[str, tuple[int, str, str]]:
+    """peer -> (stage, state, what it waits for)"""
+    return {
+        r.peer: (st.stage, peer_state_name(r.state), r.joining)
+        for st in s.stages
+        for r in st.replicas
+    }
+
+
+async def _running(swarm: ScheduledSwarm, tmp_path: Path) -> str:
+    job = swarm.store.create("test", SPEC, str(tmp_path), 100_000).id
+    swarm.scheduler.submitted(job)
+    for name in ("a", "b"):
+        await swarm.add(name)
+    await swarm.until(lambda: swarm.store.get(job).step >= 2, "the job trains")  # type: ignore[union-attr]
+    return job
+
+
+async def test_a_spare_nobody_can_reach_never_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    async with scheduled_swarm(tmp_path) as swarm:
+        job = await _running(swarm, tmp_path)
+        status = swarm.status(job)
+        assert (
+            len(status.warnings) == 1 and "stages 0, 1 have a single replica" in status.warnings[0]
+        )
+        # It listens on 127.0.0.1 and tells others to dial 127.0.0.2: nothing answers there.
+        await swarm.add("far", announce_host="127.0.0.2")
+
+        def placed() -> bool:
+            announced = swarm.scheduler.peer_registry.peers.get("far")
+            return announced is not None and announced.state == cpb.PEER_STATE_SERVING
+
+        await swarm.until(placed, "the spare is placed and says it serves")
+        await swarm.until(
+            lambda: "not answering" in _rows(swarm.status(job)).get("far", (0, "", ""))[2],
+            "status says the spare does not answer",
+        )
+        status = swarm.status(job)
+        stage, state, waiting = _rows(status)["far"]
+        assert state == "joining" and "127.0.0.2" in waiting, _rows(status)
+        # Its stage still has a single replica, and says so.
+        assert [
+            len([r for r in st.replicas if r.state == cpb.PEER_STATE_SERVING])
+            for st in status.stages
+        ] == [1, 1]
+        assert (
+            len(status.warnings) == 1 and "stages 0, 1 have a single replica" in status.warnings[0]
+        )
+        metrics = _gauges(swarm, job)
+        assert metrics[(str(stage), "serving")] == 1 and metrics[(str(stage), "joining")] == 1
+
+
+async def test_a_spare_counts_once_it_joined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    async with scheduled_swarm(tmp_path) as swarm:
+        job = await _running(swarm, tmp_path)
+        await swarm.add("c")
+        coordinator = swarm.scheduler._coordinators[job]
+        seen: list[tuple[int, str, str]] = []
+
+        def admitted() -> bool:
+            row = _rows(swarm.status(job)).get("c")
+            if row is not None:
+                seen.append(row)
+                # Shown serving only once the coordinator counts it a member.
+                if row[1] == "serving":
+                    assert "c" in coordinator.membership.synced
+            return "c" in coordinator.membership.synced and row is not None and row[1] == "serving"
+
+        await swarm.until(admitted, "the spare joins")
+        assert seen[0][1] == "joining" and seen[0][2], seen
+        stage = _rows(swarm.status(job))["c"][0]
+        other = f"stage {1 - stage} has a single replica"
+        # The watch looks every second: the warning drops the stage that has a spare now.
+        await swarm.until(
+            lambda: [other in w for w in swarm.status(job).warnings] == [True],
+            "the warning names only the stage without a spare",
+        )
+        assert _gauges(swarm, job)[(str(stage), "serving")] == 2
+
+
+def _gauges(swarm: ScheduledSwarm, job: str) -> dict[tuple[str, str], float]:
+    """swarm_scheduler_peers of `job`: (stage, state) -> peers."""
+    from prometheus_client import CollectorRegistry
+
+    from scheduler.collector import collector
+
+    registry = CollectorRegistry()
+    registry.register(collector(swarm.scheduler))
+    found: dict[tuple[str, str], float] = {}
+    for family in registry.collect():
+        if family.name == "swarm_scheduler_peers":
+            for sample in family.samples:
+                if sample.labels["job"] == job:
+                    found[(sample.labels["stage"], sample.labels["state"])] = sample.value
+    return found

@@ -1,0 +1,145 @@
+"""A scheduler in the test's process with its embedded trainer, the embedded broker, and stage
+servers that join through it as `swarm stage-server --broker` does (a `PeerAgent` over a real gRPC
+server and its own bus connection), all in this process: what `swarm status` shows can be read at
+any moment, and a peer can be killed (its last-will published) and restarted under its id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from scheduler.job_api import job_status
+from scheduler.service import Scheduler, SchedulerOptions
+from scheduler.store import JobStore
+from stage_server.agent import PeerAgent
+from stage_server.server import RunningStageServer, StageServerOptions, start_grpc
+from swarm.bus.broker import EmbeddedBroker
+from swarm.bus.connection import Bus, BusSettings
+from swarm.bus.topics import SCHEDULER_USER, Topics
+from swarm.job.config import RuntimeConfig
+from swarm.proto import control_pb2 as cpb
+from swarm.proto import scheduler_pb2 as spb
+
+__all__ = ["Peer", "ScheduledSwarm", "scheduled_swarm"]
+
+WAIT_S = 30.0
+FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
+
+
+@dataclass
+class Peer:
+    """One stage server under the scheduler."""
+
+    name: str
+    running: RunningStageServer
+    bus: Bus
+    agent: PeerAgent
+    task: asyncio.Task[None]
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ScheduledSwarm:
+    def __init__(self, broker: EmbeddedBroker, store: JobStore, scheduler: Scheduler) -> None:
+        self.broker, self.store, self.scheduler = broker, store, scheduler
+        self.peers: dict[str, Peer] = {}
+        self.topics = Topics()
+
+    async def add(self, name: str, announce_host: str = "") -> Peer:
+        """Start stage server `name`; `announce_host`: the host it tells others to dial (one
+        where it does not listen makes a peer nobody can reach)."""
+        opts = StageServerOptions(stage=0, peer=name, announce_host=announce_host)
+        running = await start_grpc(opts, RuntimeConfig().max_message_bytes)
+        will = cpb.PeerAnnouncement(peer=name, state=cpb.PEER_STATE_OFFLINE)
+        bus = Bus(
+            self.broker.url,
+            f"peer-{name}",
+            username=name,
+            will=(self.topics.peer(name), will),
+            registry=CollectorRegistry(),
+            settings=FAST,
+        )
+        await bus.__aenter__()
+        await bus.wait_connected(WAIT_S)
+        agent = PeerAgent(running, bus, peer=name, device="cpu")
+        agent.load_period_s = 0.2
+        stop = asyncio.Event()
+        peer = Peer(name, running, bus, agent, asyncio.create_task(agent.run(stop)), stop)
+        self.peers[name] = peer
+        return peer
+
+    async def kill(self, name: str) -> None:
+        """`name` dies: no goodbye; the broker's last-will for it (offline, no time) goes out."""
+        peer = self.peers.pop(name)
+        peer.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await peer.task
+        await peer.running.stop()
+        with contextlib.suppress(Exception):
+            await peer.bus.__aexit__(None, None, None)
+        will = cpb.PeerAnnouncement(peer=name, state=cpb.PEER_STATE_OFFLINE)
+        await self.scheduler.bus.publish(self.topics.peer(name), will, retain=True)
+
+    def status(self, job_id: str) -> spb.JobStatus:
+        """The job as `swarm status` gets it (GetJob's answer, with its events)."""
+        record = self.store.get(job_id)
+        assert record is not None
+        return job_status(record, self.scheduler, self.store.events(job_id, 50))
+
+    async def until(
+        self, condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S
+    ) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                await asyncio.sleep(0.05)
+        assert condition(), what
+
+    async def close(self) -> None:
+        for name in list(self.peers):
+            peer = self.peers.pop(name)
+            peer.stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(peer.task, 10)
+            await peer.running.stop()
+            with contextlib.suppress(Exception):
+                await peer.bus.__aexit__(None, None, None)
+
+
+@contextlib.asynccontextmanager
+async def scheduled_swarm(tmp_path: Path, **options: object) -> AsyncIterator[ScheduledSwarm]:
+    """A running scheduler (`options`: its `SchedulerOptions`, fast placement by default) over
+    the embedded broker, with no peers yet."""
+    settings: dict[str, object] = {"placement_grace_s": 0.2, "retry_pause_s": 0.2} | options
+    async with EmbeddedBroker() as broker:
+        with JobStore(tmp_path / "jobs.sqlite") as store:
+            async with Bus(
+                broker.url,
+                "scheduler",
+                username=SCHEDULER_USER,
+                registry=CollectorRegistry(),
+                settings=FAST,
+            ) as bus:
+                await bus.wait_connected(WAIT_S)
+                opts = SchedulerOptions(tmp_path / "ckpt", **settings)  # type: ignore[arg-type]
+                scheduler = Scheduler(store, bus, opts)
+                stop = asyncio.Event()
+                running = asyncio.create_task(scheduler.run(stop))
+                swarm = ScheduledSwarm(broker, store, scheduler)
+                try:
+                    yield swarm
+                finally:
+                    for job in store.list():
+                        if not job.finished:
+                            store.set_state(job.id, "cancelled", message="test over")
+                            scheduler.cancelled(job.id)
+                    tasks = list(scheduler._tasks.values())
+                    if tasks:  # the jobs' trainers stop before the peers they call
+                        await asyncio.wait(tasks, timeout=WAIT_S)
+                    await swarm.close()
+                    stop.set()
+                    async with asyncio.timeout(WAIT_S):
+                        await running
