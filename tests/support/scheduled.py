@@ -49,11 +49,11 @@ class ScheduledSwarm:
         self.peers: dict[str, Peer] = {}
         self.topics = Topics()
 
-    async def add(self, name: str, announce_host: str = "") -> Peer:
+    async def add(self, name: str, announce_host: str = "", throttle: float = 1.0) -> Peer:
         """Start stage server `name`; `announce_host`: the host it tells others to dial (one
-        where it does not listen makes a peer nobody can reach)."""
+        where it does not listen makes a peer nobody can reach); `throttle`: `--throttle`."""
         opts = StageServerOptions(stage=0, peer=name, announce_host=announce_host)
-        running = await start_grpc(opts, RuntimeConfig().max_message_bytes)
+        running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
         will = cpb.PeerAnnouncement(peer=name, state=cpb.PEER_STATE_OFFLINE)
         bus = Bus(
             self.broker.url,
@@ -65,7 +65,7 @@ class ScheduledSwarm:
         )
         await bus.__aenter__()
         await bus.wait_connected(WAIT_S)
-        agent = PeerAgent(running, bus, peer=name, device="cpu")
+        agent = PeerAgent(running, bus, peer=name, device="cpu", throttle=throttle)
         agent.load_period_s = 0.2
         stop = asyncio.Event()
         peer = Peer(name, running, bus, agent, asyncio.create_task(agent.run(stop)), stop)
