@@ -143,7 +143,18 @@ class Assignments:
         stages = len(next(iter(available.values())))
         members = self.registry.members(job_id, stages)
         totals = [sum(r.throughput for r in stage) for stage in members] if any(members) else None
-        placement = place_new(available, stages, totals)
+        # A peer back under its id (restarted) finds the stage it was given retained on the
+        # broker and builds it: while every stage is served and it can serve that one, it keeps
+        # it (decided once: placed anew, it would build one stage and then move to another).
+        kept: dict[str, int] = {}
+        if totals is not None and all(t > 0.0 for t in totals):
+            for peer, speeds in sorted(available.items()):
+                stage = self.registry.given(job_id, peer)
+                if stage is not None and stage < stages and speeds[stage] > 0.0:
+                    kept[peer] = stage
+                    totals[stage] += speeds[stage]
+        rest = {peer: speeds for peer, speeds in available.items() if peer not in kept}
+        placement = dict(sorted((kept | (place_new(rest, stages, totals) if rest else {})).items()))
         generation = time.time_ns() // 1000  # one for the whole placement
         for peer, stage in sorted(placement.items()):
             log.info(

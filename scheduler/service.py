@@ -81,7 +81,7 @@ class Scheduler:
         self.assignments = Assignments(
             self.peer_registry,
             bus,
-            lambda job_id, message: self._set(job_id, None, message),
+            self._placement_said,
             grace_s=opts.placement_grace_s,
             serve_timeout_s=opts.serve_timeout_s,
             lost_stage_grace_s=opts.lost_stage_grace_s,
@@ -302,6 +302,16 @@ class Scheduler:
             self.store.set_message(job_id, message)
             log.info("job %s: %s", job_id, message)
         await self._announce(job_id)
+
+    async def _placement_said(self, job_id: str, message: str) -> None:
+        """What placement says: the job's message while it is placed; once it runs, an event
+        (a spare placed): the message would outlast its cause (the spare shows as joining,
+        with what it waits for, until it counts)."""
+        record = self.store.get(job_id)
+        if record is not None and record.state == "running":
+            self.history.record(job_id, "place", message)
+        else:
+            await self._set(job_id, None, message)
 
     async def lease(
         self,

@@ -1,0 +1,115 @@
+"""A stage server that comes back under its id (restarted, or replaced from the same cache
+directory) takes one stage, once: the assignment retained for it on the broker and the
+scheduler's placement agree (issue 45, item 5: it flapped between stages 0, 3 and 0). And a
+placement in a running job is an event, not the job's message for the rest of the job."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+import stage_server.agent
+from stage_server.runtime import StageRuntime
+from swarm.bus.connection import Bus
+from swarm.bus.topics import SCHEDULER_USER
+from swarm.proto import control_pb2 as cpb
+from tests.support.jobs import BASE, render
+from tests.support.scheduled import FAST, WAIT_S, scheduled_swarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+SPEC = render({**BASE, "training": {**BASE["training"], "stages": 2, "steps": 100_000}})
+# Samples/s per stage each peer measures, by its throttle: the figures placement decides on.
+FIGURES = {1.0: {0: 1.0, 1: 1.0}, 2.0: {0: 1.0, 1: 2.0}, 3.0: {0: 2.0, 1: 1.0}}
+
+
+def _slow_build(*args: Any) -> StageRuntime:
+    time.sleep(1.0)  # as a real model's stage takes a while to build
+    return StageRuntime(*args)
+
+
+async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        stage_server.agent, "measure_job", lambda job, dev, throttle: FIGURES[throttle]
+    )
+    monkeypatch.setattr(stage_server.agent, "StageRuntime", _slow_build)
+    async with scheduled_swarm(tmp_path, placement_grace_s=0.0) as swarm:
+        job = swarm.store.create("test", SPEC, str(tmp_path), 100_000).id
+        swarm.scheduler.submitted(job)
+        for name in ("a", "b"):
+            await swarm.add(name)
+        await swarm.until(lambda: swarm.store.get(job).step >= 1, "the job trains")  # type: ignore[union-attr]
+        # v is fastest on stage 1 and goes there (both stages have one replica).
+        await swarm.add("v", throttle=2.0)
+        registry = swarm.scheduler.peer_registry
+
+        def serves_stage_1() -> bool:
+            v = registry.peers.get("v")
+            return v is not None and v.state == cpb.PEER_STATE_SERVING and v.stage == 1
+
+        await swarm.until(serves_stage_1, "v serves stage 1")
+        await swarm.kill("v")
+        await swarm.until(lambda: "v" not in registry.peers, "the scheduler saw v go")
+
+        # What is assigned to v from now on, and what v says it serves.
+        seen: list[tuple[str, int]] = []
+        async with Bus(
+            swarm.broker.url,
+            "watcher",
+            username=SCHEDULER_USER,
+            registry=CollectorRegistry(),
+            settings=FAST,
+        ) as bus:
+            await bus.wait_connected(WAIT_S)
+            sub = bus.subscribe(swarm.topics.everything())
+            await sub.wait_subscribed(WAIT_S)
+
+            async def watch() -> None:
+                async for _topic, message in sub:
+                    if isinstance(message, cpb.Assignment) and message.peer == "v":
+                        seen.append(("assigned", message.stage))
+                    elif (
+                        isinstance(message, cpb.PeerAnnouncement)
+                        and message.peer == "v"
+                        and message.state == cpb.PEER_STATE_SERVING
+                    ):
+                        seen.append(("serving", message.stage))
+
+            watching = asyncio.create_task(watch())
+            # Back under its id, measuring other figures (a replacement from the same cache
+            # directory): placed afresh it would take stage 0; its assignment says stage 1.
+            await swarm.add("v", throttle=3.0)
+            coordinator = swarm.scheduler._coordinators[job]
+            await swarm.until(lambda: "v" in coordinator.membership.synced, "v joins again")
+            await asyncio.sleep(1.5)  # a placement made meanwhile would have reached v
+            watching.cancel()
+        assert {stage for _, stage in seen} == {1}, seen
+        texts = [e.text for e in swarm.store.events(job) if e.text.startswith("v ")]
+        assert not [t for t in texts if "moved" in t], texts
+        assert texts[-1].startswith("v is back, restarted") and texts[-1].endswith("stage 1"), texts
+
+
+async def test_a_placement_in_a_running_job_is_an_event_not_its_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    async with scheduled_swarm(tmp_path) as swarm:
+        job = swarm.store.create("test", SPEC, str(tmp_path), 100_000).id
+        swarm.scheduler.submitted(job)
+        for name in ("a", "b"):
+            await swarm.add(name)
+        await swarm.until(lambda: swarm.store.get(job).step >= 1, "the job trains")  # type: ignore[union-attr]
+        assert swarm.store.get(job).message == "training"  # type: ignore[union-attr]
+        await swarm.add("c")
+        coordinator = swarm.scheduler._coordinators[job]
+        await swarm.until(lambda: "c" in coordinator.membership.synced, "c joins")
+        events = [e.text for e in swarm.store.events(job)]
+        assert any(t.startswith("starting 1 stage server(s): c on stage") for t in events), events
+        assert swarm.store.get(job).message == "training"  # type: ignore[union-attr]
