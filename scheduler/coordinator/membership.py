@@ -85,8 +85,9 @@ class Membership:
                     )
                 elif failed is not None:
                     again = max(0.0, failed[1] - self.clock.now())
+                    when = f"in {again:.0f} s" if again >= 1 else "at the next step's end"
                     said[r.peer] = (
-                        f"not answering at {r.address} ({failed[0]}); trying again in {again:.0f} s"
+                        f"not answering at {r.address} ({failed[0]}); trying again {when}"
                     )
                 elif not sources:
                     said[r.peer] = f"waiting for a member of stage {stage} to copy"
@@ -322,6 +323,9 @@ class Membership:
 
 
 def _short(error: BaseException) -> str:
-    """The first line of `error`, at most a line long (a gRPC error's details run on)."""
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    """`error` in a few words: its code and its last cause ("UNAVAILABLE: Connection refused");
+    a gRPC error's details run on through every layer that passed it up."""
+    lines = str(error).splitlines()
+    parts = lines[0].split(": ") if lines else [type(error).__name__]
+    text = f"{parts[0]}: {parts[-1]}" if len(parts) > 2 else ": ".join(parts)
     return text if len(text) <= 120 else text[:117] + "..."
