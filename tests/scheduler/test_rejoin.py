@@ -21,7 +21,13 @@ from swarm.proto import control_pb2 as cpb
 from tests.support.jobs import BASE, render
 from tests.support.scheduled import FAST, WAIT_S, scheduled_swarm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(180),
+    # amqtt's broker leaks a socket now and then (tests/system/test_job_end.py says when): the
+    # garbage collector may find it during any test, and it is not ours to fail on.
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+]
 
 SPEC = render({**BASE, "training": {**BASE["training"], "stages": 2, "steps": 100_000}})
 # Samples/s per stage each peer measures, by its throttle: the figures placement decides on.
@@ -86,9 +92,8 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
             # Back under its id, measuring other figures (a replacement from the same cache
             # directory): placed afresh it would take stage 0; its assignment says stage 1.
             await swarm.add("v", throttle=3.0)
-            coordinator = swarm.scheduler._coordinators[job]
-            await swarm.until(lambda: "v" in coordinator.membership.synced, "v joins again")
-            await asyncio.sleep(1.5)  # a placement made meanwhile would have reached v
+            await swarm.until(lambda: ("serving", 1) in seen, "v serves again")
+            await asyncio.sleep(2.5)  # a move ordered meanwhile would have been built by now
             watching.cancel()
         assert {stage for _, stage in seen} == {1}, seen
         texts = [e.text for e in swarm.store.events(job) if e.text.startswith("v ")]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import warnings
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ from swarm.proto import scheduler_pb2 as spb
 
 __all__ = ["Peer", "ScheduledSwarm", "scheduled_swarm"]
 
-WAIT_S = 30.0
+WAIT_S = 60.0  # a join under load may take many steps: copies are admitted between commits
 FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
 
 
@@ -143,3 +145,8 @@ async def scheduled_swarm(tmp_path: Path, **options: object) -> AsyncIterator[Sc
                     stop.set()
                     async with asyncio.timeout(WAIT_S):
                         await running
+    # amqtt's broker leaks a socket when a client's UNSUBSCRIBE and DISCONNECT arrive together
+    # (tests/system/test_job_end.py): collected here, not in whichever later test gc runs in.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
