@@ -44,21 +44,9 @@ def _rows(s: spb.JobStatus) -> dict[str, tuple[int, str, str]]:
     }
 
 
-async def _running(swarm: ScheduledSwarm, tmp_path: Path) -> str:
-    job = swarm.store.create("test", SPEC, str(tmp_path), 100_000).id
-    swarm.scheduler.submitted(job)
-    for name in ("a", "b"):
-        await swarm.add(name)
-    await swarm.until(lambda: swarm.store.get(job).step >= 2, "the job trains")  # type: ignore[union-attr]
-    return job
-
-
-async def test_a_spare_nobody_can_reach_never_counts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+async def test_a_spare_nobody_can_reach_never_counts(tmp_path: Path) -> None:
     async with scheduled_swarm(tmp_path) as swarm:
-        job = await _running(swarm, tmp_path)
+        job = await swarm.start_job(SPEC, tmp_path)
         status = swarm.status(job)
         assert (
             len(status.warnings) == 1 and "stages 0, 1 have a single replica" in status.warnings[0]
@@ -93,9 +81,8 @@ async def test_a_spare_nobody_can_reach_never_counts(
 async def test_a_spare_counts_once_it_joined(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
     async with scheduled_swarm(tmp_path) as swarm:
-        job = await _running(swarm, tmp_path)
+        job = await swarm.start_job(SPEC, tmp_path)
         monkeypatch.setattr(stage_server.agent, "StageRuntime", _slow_build)
         await swarm.add("c")
         coordinator = swarm.scheduler._coordinators[job]

@@ -11,15 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 import stage_server.agent
 from stage_server.runtime import StageRuntime
-from swarm.bus.connection import Bus
-from swarm.bus.topics import SCHEDULER_USER
 from swarm.proto import control_pb2 as cpb
 from tests.support.jobs import BASE, render
-from tests.support.scheduled import FAST, WAIT_S, scheduled_swarm
+from tests.support.scheduled import scheduled_swarm
 
 pytestmark = [
     pytest.mark.slow,
@@ -47,11 +44,7 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
     )
     monkeypatch.setattr(stage_server.agent, "StageRuntime", _slow_build)
     async with scheduled_swarm(tmp_path, placement_grace_s=0.0) as swarm:
-        job = swarm.store.create("test", SPEC, str(tmp_path), 100_000).id
-        swarm.scheduler.submitted(job)
-        for name in ("a", "b"):
-            await swarm.add(name)
-        await swarm.until(lambda: swarm.store.get(job).step >= 1, "the job trains")  # type: ignore[union-attr]
+        job = await swarm.start_job(SPEC, tmp_path)
         # v is fastest on stage 1 and goes there (both stages have one replica).
         await swarm.add("v", throttle=2.0)
         registry = swarm.scheduler.peer_registry
@@ -66,16 +59,7 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
 
         # What is assigned to v from now on, and what v says it serves.
         seen: list[tuple[str, int]] = []
-        async with Bus(
-            swarm.broker.url,
-            "watcher",
-            username=SCHEDULER_USER,
-            registry=CollectorRegistry(),
-            settings=FAST,
-        ) as bus:
-            await bus.wait_connected(WAIT_S)
-            sub = bus.subscribe(swarm.topics.everything())
-            await sub.wait_subscribed(WAIT_S)
+        async with swarm.reader() as sub:
 
             async def watch() -> None:
                 async for _topic, message in sub:
@@ -101,16 +85,9 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
         assert texts[-1].startswith("v is back, restarted") and texts[-1].endswith("stage 1"), texts
 
 
-async def test_a_placement_in_a_running_job_is_an_event_not_its_message(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+async def test_a_placement_in_a_running_job_is_an_event_not_its_message(tmp_path: Path) -> None:
     async with scheduled_swarm(tmp_path) as swarm:
-        job = swarm.store.create("test", SPEC, str(tmp_path), 100_000).id
-        swarm.scheduler.submitted(job)
-        for name in ("a", "b"):
-            await swarm.add(name)
-        await swarm.until(lambda: swarm.store.get(job).step >= 1, "the job trains")  # type: ignore[union-attr]
+        job = await swarm.start_job(SPEC, tmp_path)
         assert swarm.store.get(job).message == "training"  # type: ignore[union-attr]
         await swarm.add("c")
         coordinator = swarm.scheduler._coordinators[job]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import warnings
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from scheduler.store import JobStore
 from stage_server.agent import PeerAgent
 from stage_server.server import RunningStageServer, StageServerOptions, start_grpc
 from swarm.bus.broker import EmbeddedBroker
-from swarm.bus.connection import Bus, BusSettings
+from swarm.bus.connection import Bus, BusSettings, Subscription
 from swarm.bus.topics import SCHEDULER_USER, Topics
 from swarm.job.config import RuntimeConfig
 from swarm.proto import control_pb2 as cpb
@@ -45,11 +46,40 @@ class Peer:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def _bus(url: str, client: str, user: str, will: tuple[str, cpb.PeerAnnouncement] | None) -> Bus:
+    return Bus(url, client, username=user, will=will, registry=CollectorRegistry(), settings=FAST)
+
+
 class ScheduledSwarm:
     def __init__(self, broker: EmbeddedBroker, store: JobStore, scheduler: Scheduler) -> None:
         self.broker, self.store, self.scheduler = broker, store, scheduler
         self.peers: dict[str, Peer] = {}
         self.topics = Topics()
+
+    async def start_job(
+        self, spec: str, base_dir: Path, peers: tuple[str, ...] = ("a", "b")
+    ) -> str:
+        """Submit `spec` (steps enough to outlast the test: it is cancelled at the end), start
+        `peers` and return the job's id once it has committed two steps."""
+        job = self.store.create("test", spec, str(base_dir), 100_000).id
+        self.scheduler.submitted(job)
+        for name in peers:
+            await self.add(name)
+        await self.until(lambda: self.step(job) >= 2, "the job trains")
+        return job
+
+    def step(self, job_id: str) -> int:
+        record = self.store.get(job_id)
+        return record.step if record else 0
+
+    @contextlib.asynccontextmanager
+    async def reader(self) -> AsyncIterator[Subscription]:
+        """Everything published from now on (and what is retained), as the scheduler sees it."""
+        async with _bus(self.broker.url, "reader", SCHEDULER_USER, None) as bus:
+            await bus.wait_connected(WAIT_S)
+            sub = bus.subscribe(self.topics.everything())
+            await sub.wait_subscribed(WAIT_S)
+            yield sub
 
     async def add(self, name: str, announce_host: str = "", throttle: float = 1.0) -> Peer:
         """Start stage server `name`; `announce_host`: the host it tells others to dial (one
@@ -57,14 +87,7 @@ class ScheduledSwarm:
         opts = StageServerOptions(stage=0, peer=name, announce_host=announce_host)
         running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
         will = cpb.PeerAnnouncement(peer=name, state=cpb.PEER_STATE_OFFLINE)
-        bus = Bus(
-            self.broker.url,
-            f"peer-{name}",
-            username=name,
-            will=(self.topics.peer(name), will),
-            registry=CollectorRegistry(),
-            settings=FAST,
-        )
+        bus = _bus(self.broker.url, f"peer-{name}", name, (self.topics.peer(name), will))
         await bus.__aenter__()
         await bus.wait_connected(WAIT_S)
         agent = PeerAgent(running, bus, peer=name, device="cpu", throttle=throttle)
@@ -114,17 +137,25 @@ class ScheduledSwarm:
 @contextlib.asynccontextmanager
 async def scheduled_swarm(tmp_path: Path, **options: object) -> AsyncIterator[ScheduledSwarm]:
     """A running scheduler (`options`: its `SchedulerOptions`, fast placement by default) over
-    the embedded broker, with no peers yet."""
+    the embedded broker, with no peers yet; peers measure into a cache under `tmp_path`."""
+    cache = os.environ.get("SWARM_CACHE_DIR")
+    os.environ["SWARM_CACHE_DIR"] = str(tmp_path / "cache")
+    try:
+        async with _scheduled(tmp_path, options) as swarm:
+            yield swarm
+    finally:
+        if cache is None:
+            os.environ.pop("SWARM_CACHE_DIR", None)
+        else:
+            os.environ["SWARM_CACHE_DIR"] = cache
+
+
+@contextlib.asynccontextmanager
+async def _scheduled(tmp_path: Path, options: dict[str, object]) -> AsyncIterator[ScheduledSwarm]:
     settings: dict[str, object] = {"placement_grace_s": 0.2, "retry_pause_s": 0.2} | options
     async with EmbeddedBroker() as broker:
         with JobStore(tmp_path / "jobs.sqlite") as store:
-            async with Bus(
-                broker.url,
-                "scheduler",
-                username=SCHEDULER_USER,
-                registry=CollectorRegistry(),
-                settings=FAST,
-            ) as bus:
+            async with _bus(broker.url, "scheduler", SCHEDULER_USER, None) as bus:
                 await bus.wait_connected(WAIT_S)
                 opts = SchedulerOptions(tmp_path / "ckpt", **settings)  # type: ignore[arg-type]
                 scheduler = Scheduler(store, bus, opts)
