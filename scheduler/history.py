@@ -16,7 +16,7 @@ import logging
 from scheduler.store import JobStore, StoreError
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["History", "peer_events"]
+__all__ = ["History", "admitted_text", "peer_events"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,13 @@ def peer_events(
         else:
             events.append((now[0], "join", f"{peer} joined stage {now[1]}"))
     return events
+
+
+def admitted_text(step: int, stage: int, peer: str, source: str) -> str:
+    """The event of `peer` becoming a member of `stage` at `step`: from then on it counts (it
+    served before, but held no state of the job's yet)."""
+    how = f"a copy of {source}" if source else "it answered at the job's step"
+    return f"{peer} counts as a replica of stage {stage} from step {step} ({how})"
 
 
 class History:

@@ -62,6 +62,9 @@ class Membership:
         # joiner -> (why its last Join failed, when it is tried again): until it answers
         self._failed: dict[str, tuple[str, float]] = {}
         self._copied: set[str] = set()  # joiners at the open step, waiting to be admitted
+        # Told (step, stage, peer, the member it copied: "" for one re-admitted) whenever a
+        # replica becomes a member: from then on it counts (the job's history says so).
+        self.admitted: list[Callable[[int, int, str, str], None]] = []
 
     def waits(self) -> dict[str, str]:
         """What each replica that serves its stage but is not a member yet waits for before it
@@ -158,6 +161,9 @@ class Membership:
                 continue
             log.warning("stage %d: %s answers at step %d: re-admitted", stage, r.peer, step)
             self.synced.add(r.peer)
+            self._failed.pop(r.peer, None)
+            for told in self.admitted:
+                told(step, stage, r.peer, "")
         return all(self.replicas())
 
     async def sync(self, step: int) -> None:
@@ -249,7 +255,10 @@ class Membership:
         # would start another, whose older state would overwrite what it applied since.
         self._copying.pop(joiner.peer, None)
         log.info("stage %d: %s joined at step %d", stage, joiner.peer, step)
-        self.on_joined(step, stage, joiner.peer, self._sources.pop(joiner.peer, ""))
+        source = self._sources.pop(joiner.peer, "")
+        self.on_joined(step, stage, joiner.peer, source)
+        for told in self.admitted:
+            told(step, stage, joiner.peer, source)
         self.on_admit()
         return True
 

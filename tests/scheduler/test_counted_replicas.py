@@ -104,6 +104,14 @@ async def test_a_spare_counts_once_it_joined(
             row[2].startswith("waiting for a step's end") for row in seen
         ), seen
         stage = _rows(swarm.status(job))["c"][0]
+        said = [e.text for e in swarm.store.events(job) if e.text.startswith("c counts")]
+        assert len(said) == 1 and said[0].startswith(f"c counts as a replica of stage {stage} "), (
+            said
+        )
+        [member] = [
+            p for p, row in _rows(swarm.status(job)).items() if row[0] == stage and p != "c"
+        ]
+        assert said[0].endswith(f"(a copy of {member})"), said
         other = f"stage {1 - stage} has a single replica"
         # The watch looks every second: the warning drops the stage that has a spare now.
         await swarm.until(
