@@ -21,6 +21,7 @@ from swarm.job.states import job_state_name as state_name
 from swarm.local.procs import LocalSwarm, start_local_swarm
 from swarm.ops.faults import ANY_REPLICA, Fault, FaultPlan, Point
 from swarm.proto import scheduler_pb2
+from swarm.proto.control_pb2 import PEER_STATE_SERVING
 
 __all__ = ["DEFAULT_THROTTLES", "Chaos", "run_demo"]
 
@@ -45,9 +46,14 @@ def _show_endpoints(sw: LocalSwarm) -> None:
 
 
 def _victim(status: scheduler_pb2.JobStatus, rng: random.Random) -> str | None:
-    """A replica whose stage keeps another one: killing it shows training carry on."""
-    pools = [s for s in status.stages if len(s.replicas) >= 2]
-    return rng.choice(rng.choice(pools).replicas).peer if pools else None
+    """A replica whose stage keeps another one: killing it shows training carry on. Only those
+    that count (serving: their join succeeded) do: one still joining holds no state yet."""
+    pools = [
+        serving
+        for s in status.stages
+        if len(serving := [r for r in s.replicas if r.state == PEER_STATE_SERVING]) >= 2
+    ]
+    return rng.choice(rng.choice(pools)).peer if pools else None
 
 
 class Chaos:

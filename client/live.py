@@ -1,6 +1,7 @@
 """`swarm status JOB` and its live form, `--watch`: the job's state, step, loss and speed (over a
 recent window: zero in a stall; an ended job's is its mean and it shows how long it took), what it
-waits for and for how long, its warnings, each stage's replicas with their throughput and state,
+waits for and for how long, its warnings, each stage's replicas with their throughput and state
+(a replica counts once its join succeeded; until then it is joining, with what it waits for),
 and its recent events: the scheduler's history of the job (joins, leaves and why, restarts, moves,
 stalls, rollbacks, its end), from the start. Against a scheduler that keeps no history, watching
 shows the events seen between two looks instead.
@@ -23,6 +24,7 @@ from swarm.job.states import TERMINAL_PROTO, peer_state_name
 from swarm.job.states import job_state_name as state_name
 from swarm.ops.progress import duration_text
 from swarm.proto import scheduler_pb2
+from swarm.proto.control_pb2 import PEER_STATE_JOINING, PEER_STATE_SERVING
 
 __all__ = [
     "LiveView",
@@ -113,14 +115,18 @@ def status_lines(
     lines += [f"warning  {shown(w)}" for w in s.warnings]
     for st in s.stages:
         layers = _layers(list(st.layers))
-        lines.append(f"stage {st.stage} ({layers}): {len(st.replicas)} replica(s)")
+        joining = sum(r.state == PEER_STATE_JOINING for r in st.replicas)
+        lines.append(
+            f"stage {st.stage} ({layers}): {_counted(st)} replica(s)"
+            + (f", {joining} joining" if joining else "")
+        )
         rows = [["  PEER", "DEVICE", "SAMPLES/S", "STATE"]]
         rows += [
             [
                 f"  {shown(r.peer)}",
                 shown(r.device),
                 f"{r.samples_per_second:.1f}",
-                peer_state_name(r.state),
+                peer_state_name(r.state) + (f": {shown(r.joining)}" if r.joining else ""),
             ]
             for r in st.replicas
         ]
@@ -167,8 +173,19 @@ def _took_text(seconds: float) -> str:
     return f"{seconds:.1f}s" if seconds < 60 else duration_text(seconds)
 
 
+def _counted(stage: scheduler_pb2.StageStatus) -> int:
+    """The replicas of `stage` that count: those serving (their join succeeded)."""
+    return sum(r.state == PEER_STATE_SERVING for r in stage.replicas)
+
+
 def _where(s: scheduler_pb2.JobStatus) -> dict[str, int]:
-    return {shown(r.peer): st.stage for st in s.stages for r in st.replicas}
+    """Where each replica is, once it joined (one still joining has not) or while it drains."""
+    return {
+        shown(r.peer): st.stage
+        for st in s.stages
+        for r in st.replicas
+        if r.state != PEER_STATE_JOINING
+    }
 
 
 def events(before: scheduler_pb2.JobStatus, after: scheduler_pb2.JobStatus) -> list[str]:

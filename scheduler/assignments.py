@@ -147,7 +147,7 @@ class Assignments:
             generation = time.time_ns() // 1000
         message = cpb.Assignment(job=job_id, peer=peer, stage=stage, generation=generation)
         await self.bus.publish(self.bus.topics.assign(job_id, peer), message, retain=True)
-        self.registry.assigned(peer, job_id)
+        self.registry.assigned(peer, job_id, stage)
         self._sent[peer] = (job_id, stage, self.registry.clock.now())
 
     def on_the_way(self, job_id: str, stages: int) -> list[list[str]]:
@@ -169,6 +169,7 @@ class Assignments:
         """Clear the assignments of an ended job (its announcement frees the peers)."""
         for peer in sorted(peers):
             await self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
+        self.registry.withdrawn(job_id)
 
     async def _assign_available(
         self,
@@ -185,7 +186,22 @@ class Assignments:
         totals = [sum(r.throughput for r in stage) for stage in members] if any(members) else None
         coming = self.on_the_way(job_id, stages)  # so a burst of joins is not all sent to one
         sizes = [len(stage) + len(more) for stage, more in zip(members, coming, strict=True)]
-        placement = place_new(available, stages, totals, min_replicas=min_replicas, sizes=sizes)
+        # A peer back under its id (restarted) finds the stage it was given retained on the
+        # broker and builds it: while every stage is served and it can serve that one, it keeps
+        # it (decided once: placed anew, it would build one stage and then move to another).
+        kept: dict[str, int] = {}
+        if totals is not None and all(t > 0.0 for t in totals):
+            for peer, speeds in sorted(available.items()):
+                stage = self.registry.given(job_id, peer)
+                if stage is not None and stage < stages and speeds[stage] > 0.0:
+                    kept[peer] = stage
+                    totals[stage] += speeds[stage]
+                    sizes[stage] += 1
+        rest = {peer: speeds for peer, speeds in available.items() if peer not in kept}
+        placed = (
+            place_new(rest, stages, totals, min_replicas=min_replicas, sizes=sizes) if rest else {}
+        )
+        placement = dict(sorted((kept | placed).items()))
         generation = time.time_ns() // 1000  # one for the whole placement
         for peer, stage in sorted(placement.items()):
             log.info(

@@ -1,5 +1,6 @@
 """The scheduler's Prometheus gauges of live state: peers per job, stage and state, each stage's
-measured throughput, and each job's state, step and loss.
+measured throughput, and each job's state, step and loss. A peer counts as serving its stage only
+once the job's coordinator admitted it (`PeerRegistry.shown`): until then it is joining.
 
 Why a collector and not gauges kept up to date: these are computed at scrape time from what the
 scheduler already holds, so there is nothing to keep in sync, and a job's series go when it
@@ -31,6 +32,10 @@ class SchedulerView(Protocol):
     peer_registry: PeerRegistry
     snapshot: dict[str, JobRecord]  # the latest record of each job, refreshed on the event loop
 
+    def admitted(self, job_id: str) -> frozenset[str] | None:
+        """The job's admitted replicas (None: no coordinator); safe on the metrics thread."""
+        ...
+
 
 def collector(scheduler: SchedulerView) -> Collector:
     """A Prometheus collector computing peers per stage and state, per-stage throughput, and job
@@ -50,11 +55,19 @@ def collector(scheduler: SchedulerView) -> Collector:
             )
             counts: dict[tuple[str, str, str], int] = {}
             totals: dict[tuple[str, str], float] = {}
-            for p in list(scheduler.peer_registry.peers.values()):
-                stage = str(p.stage) if p.HasField("stage") else ""
-                state = peer_state_name(p.state)
+            registry = scheduler.peer_registry
+            present = list(registry.peers.values())
+            shown = {
+                s.announcement.peer: (str(s.stage), s.state)
+                for job in {p.job for p in present if p.job}
+                for s in registry.shown(job, scheduler.admitted(job))
+            }
+            for p in present:
+                announced = (str(p.stage) if p.HasField("stage") else "", p.state)
+                stage, shown_state = shown.get(p.peer, announced)
+                state = peer_state_name(shown_state)
                 counts[(p.job, stage, state)] = counts.get((p.job, stage, state), 0) + 1
-                if p.state == cpb.PEER_STATE_SERVING and stage:
+                if shown_state == cpb.PEER_STATE_SERVING and stage:
                     key = (p.job, stage)
                     totals[key] = totals.get(key, 0.0) + p.samples_per_second.get(p.stage, 0.0)
             for labels, n in counts.items():

@@ -3,7 +3,8 @@
 events) and by `--watch` from the start.
 
 Peers' comings and goings are read off their announcements (`peer_events`): a peer that joins a
-stage, moves, leaves (its last-will: killed, crashed or cut off; or a clean stop), and one that
+stage, moves (it drains its stage, then serves another: one move, not a leave and a restart),
+leaves (its last-will: killed, crashed or cut off; or a clean stop), and one that
 comes back under the id of a peer that left (a replacement server from the same cache directory,
 or the same one restarted) reads as a restart, not as if the dead peer had come back.
 """
@@ -11,11 +12,14 @@ or the same one restarted) reads as a restart, not as if the dead peer had come 
 from __future__ import annotations
 
 import logging
+import time
 
-from scheduler.store import JobStore, StoreError
+from scheduler.store import JobRecord, JobStore, StoreError
+from swarm.job.states import JobState
+from swarm.ops.progress import duration_text
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["History", "peer_events"]
+__all__ = ["History", "admitted_text", "peer_events", "state_change_text"]
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +34,17 @@ _ALARMING = frozenset({"stall", "warning", "rollback"})
 Event = tuple[str, str, str]
 
 
-def _serving(a: cpb.PeerAnnouncement | None) -> tuple[str, int] | None:
-    """(job, stage) the peer serves per `a`, or None."""
-    if a is None or a.state != cpb.PEER_STATE_SERVING or not a.job or not a.HasField("stage"):
+def _serving(
+    a: cpb.PeerAnnouncement | None, states: tuple[int, ...] = (cpb.PEER_STATE_SERVING,)
+) -> tuple[str, int] | None:
+    """(job, stage) the peer serves per `a` (in one of `states`), or None."""
+    if a is None or a.state not in states or not a.job or not a.HasField("stage"):
         return None
     return a.job, a.stage
+
+
+#: A peer draining its stage still holds it: it moves (rebalancing) and serves its new stage next.
+_HOLDING = (cpb.PEER_STATE_SERVING, cpb.PEER_STATE_DRAINING)
 
 
 def peer_events(
@@ -43,7 +53,9 @@ def peer_events(
     """What a peer's announcement `new` (after `old`, None for a peer not present) tells of the
     jobs it served or serves. `restarted`: the peer left before under this id."""
     peer = new.peer
-    was, now = _serving(old), _serving(new)
+    was, now = _serving(old, _HOLDING), _serving(new)
+    if new.state == cpb.PEER_STATE_DRAINING and was == _serving(new, _HOLDING):
+        return []  # a move begins: said as a move once it serves its new stage
     if new.state == cpb.PEER_STATE_OFFLINE:
         if was is None:
             return []
@@ -75,6 +87,13 @@ def peer_events(
         else:
             events.append((now[0], "join", f"{peer} joined stage {now[1]}"))
     return events
+
+
+def admitted_text(step: int, stage: int, peer: str, source: str) -> str:
+    """The event of `peer` becoming a member of `stage` at `step`: from then on it counts (it
+    served before, but held no state of the job's yet)."""
+    how = f"a copy of {source}" if source else "it answered at the job's step"
+    return f"{peer} counts as a replica of stage {stage} from step {step} ({how})"
 
 
 class History:
@@ -114,3 +133,12 @@ class History:
     def forget(self, job_id: str) -> None:
         """The job ended: nothing more to tell apart."""
         self._left.pop(job_id, None)
+
+
+def state_change_text(record: JobRecord, state: JobState, message: str) -> str:
+    """The event of `record`'s job becoming `state`."""
+    if state == "succeeded":
+        took = time.time() - record.created
+        loss = f"{record.loss:.4f}"
+        return f"succeeded: {record.steps} steps, loss {loss}, {duration_text(took)} after submit"
+    return f"{record.state} -> {state}" + (f": {message}" if message else "")

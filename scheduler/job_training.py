@@ -32,7 +32,7 @@ from scheduler.assignments import Assignments
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
-from scheduler.history import History
+from scheduler.history import History, admitted_text
 from scheduler.rebalance_loop import Mover
 from scheduler.registry import PeerRegistry
 from scheduler.speed import RecentSpeed
@@ -168,6 +168,11 @@ class JobTraining:
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
             checkpoint_every_s=self.checkpoint_every_s,
         )
+        coordinator.membership.admitted.append(
+            lambda step, stage, peer, source: self.history.record(
+                job_id, "join", admitted_text(step, stage, peer, source)
+            )
+        )
         trainer = PipelineTrainer(
             job,
             coordinator,
@@ -196,6 +201,7 @@ class JobTraining:
                 progress=coordinator.progress,
                 refill=mover.refill,
                 min_replicas=floor,
+                counted=coordinator.replicas,
             )
             try:
                 async with asyncio.TaskGroup() as group:

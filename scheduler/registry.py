@@ -9,20 +9,27 @@ A serving peer whose load reports stop for `load_silence_s` is left out of `memb
 off from the broker while its last-will has not fired yet); one that reports again is back. A peer
 that has sent no report for the job yet is timed from when it was first seen serving the job: one
 that hangs before its first report (a second after it began) is left out as any other. A peer
-that announces itself offline is forgotten entirely, so the registry holds only present peers.
+that announces itself offline is forgotten entirely, so the registry holds only present peers;
+only the stage it was last given stays (`given`): that assignment is retained on the broker, and
+the peer acts on it when it comes back.
+
+A peer that says it serves is not yet a replica that counts: `shown` is each stage's peers as
+`swarm status` and the gauges show them, serving only once the step coordinator admitted them
+(their join succeeded), else joining with what they wait for.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from swarm.clock import Clock
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
 
-__all__ = ["PeerRegistry"]
+__all__ = ["PeerRegistry", "Shown"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,16 @@ class _Load:
     stage: int
     at: float  # clock time it arrived
     speed: float | None  # samples/s it measured on `stage`; None: not measured yet
+
+
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """A peer of a job's stage as status shows it."""
+
+    announcement: cpb.PeerAnnouncement
+    stage: int
+    state: cpb.PeerState  # SERVING only once admitted; JOINING until then
+    joining: str  # while JOINING: what it waits for
 
 
 class PeerRegistry:
@@ -54,6 +71,9 @@ class PeerRegistry:
         # from there until its first load report for the job.
         self._serving_since: dict[str, tuple[str, float]] = {}
         self._silent_logged: set[str] = set()  # silent peers already logged as such
+        # peer -> (job, stage) it was last given: kept when it leaves (the assignment is retained
+        # on the broker, and a peer that comes back builds that stage), until the job lets go.
+        self._given: dict[str, tuple[str, int]] = {}
 
     # -- what arrives -----------------------------------------------------------------------------
     def announce(self, message: cpb.PeerAnnouncement) -> None:
@@ -83,9 +103,20 @@ class PeerRegistry:
             speed = old.speed  # a report without a figure keeps the last one
         self._loads[message.peer] = _Load(message.job, message.stage, self.clock.now(), speed)
 
-    def assigned(self, peer: str, job_id: str) -> None:
-        """The scheduler gave `peer` a stage of `job_id` just now."""
+    def assigned(self, peer: str, job_id: str, stage: int | None = None) -> None:
+        """The scheduler gave `peer` `stage` of `job_id` just now."""
         self._assigned_at[peer] = (job_id, self.clock.now())
+        if stage is not None:
+            self._given[peer] = (job_id, stage)
+
+    def given(self, job_id: str, peer: str) -> int | None:
+        """The stage of `job_id` last given to `peer` (None: none), even if it left since."""
+        job, stage = self._given.get(peer, ("", -1))
+        return stage if job == job_id else None
+
+    def withdrawn(self, job_id: str) -> None:
+        """`job_id` ended: its assignments are cleared from the broker."""
+        self._given = {p: g for p, g in self._given.items() if g[0] != job_id}
 
     def forget(self, peer: str) -> None:
         """`peer` left: drop everything kept about it."""
@@ -111,6 +142,46 @@ class PeerRegistry:
                 result[p.stage].append(
                     Replica(p.peer, p.address, p.samples_per_second.get(p.stage, 0.0))
                 )
+        return result
+
+    def shown(
+        self,
+        job_id: str,
+        admitted: Collection[str] | None,
+        waits: Mapping[str, str] | None = None,
+        stages: int | None = None,
+    ) -> list[Shown]:
+        """The job's peers on its stages as status shows them: `admitted`, the coordinator's
+        members (None: no coordinator, nobody is admitted); `waits`, what each joining one
+        waits for (the coordinator's words). Safe on another thread (the metrics')."""
+        waits = waits or {}
+        now, result = self.clock.now(), []
+        for p in sorted(list(self.peers.values()), key=lambda p: p.peer):
+            if p.job != job_id:
+                continue
+            stage = p.stage if p.HasField("stage") else None
+            state, joining = p.state, ""
+            if p.state == cpb.PEER_STATE_SERVING and stage is not None:
+                if admitted is not None and p.peer in admitted:
+                    pass
+                elif admitted is None:
+                    state, joining = cpb.PEER_STATE_JOINING, "waiting for training to start"
+                else:
+                    state = cpb.PEER_STATE_JOINING
+                    joining = waits.get(p.peer) or (
+                        "its load reports stopped"
+                        if self._quiet(job_id, p.peer) > self.load_silence_s
+                        else "waiting for a step's end to download state from a member"
+                    )
+            elif p.state == cpb.PEER_STATE_JOINING:
+                job, at = self._assigned_at.get(p.peer, ("", 0.0))
+                stage = self.given(job_id, p.peer)
+                if stage is None or job != job_id or now - at >= self.serve_timeout_s:
+                    continue  # not placed (or it gave up): not on a stage
+                joining = f"building stage {stage} (assigned {now - at:.0f} s ago)"
+            if stage is None or (stages is not None and stage >= stages):
+                continue
+            result.append(Shown(p, stage, state, joining))
         return result
 
     def serving(self, job_id: str) -> dict[int, str]:
@@ -165,18 +236,22 @@ class PeerRegistry:
             speeds[peer][k] = load.speed  # what it really does where it is now
         return assignment, speeds
 
-    def _silent(self, job_id: str, peer: str) -> bool:
-        """Whether `peer` has been quiet for longer than `load_silence_s`: since its last load
-        report for this job, or, before its first, since it was first seen serving the job."""
+    def _quiet(self, job_id: str, peer: str) -> float:
+        """Seconds since `peer`'s last load report for this job, or, before its first, since it
+        was first seen serving the job (0: neither)."""
         load = self._loads.get(peer)
         if load is not None and load.job == job_id:
             at = load.at
         else:
             since = self._serving_since.get(peer)
             if since is None or since[0] != job_id:
-                return False
+                return 0.0
             at = since[1]  # no report for the job yet
-        quiet = self.clock.now() - at
+        return self.clock.now() - at
+
+    def _silent(self, job_id: str, peer: str) -> bool:
+        """Whether `peer` has been quiet for longer than `load_silence_s` (`_quiet`)."""
+        quiet = self._quiet(job_id, peer)
         if quiet <= self.load_silence_s:
             self._silent_logged.discard(peer)
             return False

@@ -29,7 +29,7 @@ from scheduler.assignments import Assignments
 from scheduler.collector import collector
 from scheduler.coordinator import LocalCoordinator, gather_model
 from scheduler.coordinator.metrics import CoordinatorFamilies
-from scheduler.history import History
+from scheduler.history import History, state_change_text
 from scheduler.job_training import JobTraining, final_path, routes_path
 from scheduler.logged import logged
 from scheduler.options import SchedulerOptions
@@ -46,7 +46,6 @@ from swarm.job.config import JobConfig, parse_job
 from swarm.job.states import job_state_proto
 from swarm.model import checkpoint
 from swarm.model.transformer import layer_costs, partition
-from swarm.ops.progress import duration_text
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Lease, MicrobatchResult, Working
@@ -81,7 +80,7 @@ class Scheduler:
         self.assignments = Assignments(
             self.peer_registry,
             bus,
-            lambda job_id, message: self._set(job_id, None, message),
+            self._placement_said,
             grace_s=opts.placement_grace_s,
             serve_timeout_s=opts.serve_timeout_s,
             lost_stage_grace_s=opts.lost_stage_grace_s,
@@ -177,19 +176,28 @@ class Scheduler:
         if ranges is None:
             return []  # not started yet: its run partitions it first, off the event loop
         result = [spb.StageStatus(stage=k, layers=list(r)) for k, r in enumerate(ranges)]
-        for p in self.peer_registry.peers.values():
-            if p.job == job_id and p.HasField("stage") and p.stage < len(result):
-                result[p.stage].replicas.append(
-                    spb.Replica(
-                        peer=p.peer,
-                        address=p.address,
-                        metrics_address=p.metrics_address,
-                        device=p.device,
-                        state=p.state,
-                        samples_per_second=p.samples_per_second.get(p.stage, 0.0),
-                    )
+        coordinator = self._coordinators.get(job_id)
+        waits = coordinator.membership.waits() if coordinator is not None else {}
+        for shown in self.peer_registry.shown(job_id, self.admitted(job_id), waits, len(result)):
+            p = shown.announcement
+            result[shown.stage].replicas.append(
+                spb.Replica(
+                    peer=p.peer,
+                    address=p.address,
+                    metrics_address=p.metrics_address,
+                    device=p.device,
+                    state=shown.state,
+                    samples_per_second=p.samples_per_second.get(shown.stage, 0.0),
+                    joining=shown.joining,
                 )
+            )
         return result
+
+    def admitted(self, job_id: str) -> frozenset[str] | None:
+        """The job's replicas that count: those its coordinator admitted (None: it has none
+        open). Safe on the metrics thread."""
+        coordinator = self._coordinators.get(job_id)
+        return frozenset(coordinator.membership.synced) if coordinator is not None else None
 
     def samples_per_second(self, job_id: str) -> float:
         speed = self._speed.get(job_id)
@@ -293,11 +301,21 @@ class Scheduler:
             return
         if state and state != record.state:
             self.store.set_state(job_id, state, message=message)
-            self.history.record(job_id, "state", _state_change(record, state, message))
+            self.history.record(job_id, "state", state_change_text(record, state, message))
         elif message != (record.message or ""):
             self.store.set_message(job_id, message)
             log.info("job %s: %s", job_id, message)
         await self._announce(job_id)
+
+    async def _placement_said(self, job_id: str, message: str) -> None:
+        """What placement says: the job's message while it is placed; once it runs, an event
+        (a spare placed): the message would outlast its cause (the spare shows as joining,
+        with what it waits for, until it counts)."""
+        record = self.store.get(job_id)
+        if record is not None and record.state == "running":
+            self.history.record(job_id, "place", message)
+        else:
+            await self._set(job_id, None, message)
 
     async def lease(
         self,
@@ -417,15 +435,6 @@ class Scheduler:
         self.snapshot.pop(job_id, None)
         self._coordinator_metrics.remove(job_id)
         self._moves.remove(job_id)
-
-
-def _state_change(record: JobRecord, state: JobState, message: str) -> str:
-    """The event of `record`'s job becoming `state`."""
-    if state == "succeeded":
-        took = time.time() - record.created
-        loss = f"{record.loss:.4f}"
-        return f"succeeded: {record.steps} steps, loss {loss}, {duration_text(took)} after submit"
-    return f"{record.state} -> {state}" + (f": {message}" if message else "")
 
 
 def _remove(directory: Path) -> None:

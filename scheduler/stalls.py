@@ -147,6 +147,7 @@ class StallWatch:
         progress: Callable[[], str] = lambda: "",
         refill: Callable[[list[int]], Awaitable[dict[int, str]]] | None = None,
         min_replicas: int = 1,
+        counted: Callable[[], list[list[Replica]]] | None = None,
     ) -> None:
         """`members()`: who serves each stage now; `step()`: the job's committed steps;
         `checkpoint()`: the step the last sealed checkpoint holds (0: none); `say(text, state)`:
@@ -154,7 +155,8 @@ class StallWatch:
         what this watch keeps current; `speed`: the job's commits (a job served everywhere whose
         steps stop is stalled too), `progress()`: where its open step is, in words;
         `refill(stages)`: send spares to stages nobody serves, saying what it did for each
-        (`Mover.refill`); `min_replicas`: the job's, for its warnings."""
+        (`Mover.refill`); `min_replicas`: the job's, for its warnings; `counted()`: the replicas
+        that count for the warnings, those whose join succeeded (default: `members()`)."""
         self.job_id, self.members, self.step, self.checkpoint = job_id, members, step, checkpoint
         self.say, self.said, self.history = say, said, history
         self.health, self.clock = health, clock
@@ -162,6 +164,7 @@ class StallWatch:
         self.refill, self.min_replicas = refill, min_replicas
         self._plans: dict[int, str] = {}  # what is done for each stage nobody serves
         self._stalled = False  # the job's state is "stalled" (set by this watch)
+        self.counted = counted or members
         self._slow_since: float | None = None  # the last commit, while no step commits
         self._served_at = -math.inf  # when a lost stage was last served again
         # (when read, the job's step then, the checkpoint's step read)
@@ -197,7 +200,7 @@ class StallWatch:
             self._served_at = now  # its rollback comes next: not a slow step
             served_again = f"stage {k} is served again ({who}) after {held:.0f} s without a replica"
             self.history.record(self.job_id, "resume", served_again)
-        self._warn(members, checkpoint)
+        self._warn(self.counted(), checkpoint)  # a replica still joining is no spare yet
         # Served again: running (said with whatever is said next, or with what it says now).
         back: JobState | None = "running" if self._stalled and not missing else None
         slow = self._slow(now, step) if not missing else None

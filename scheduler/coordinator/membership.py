@@ -1,7 +1,8 @@
 """Which replicas are members: those known to be at the coordinator's step. Trainers see and use
 only members; a replica that is new, restarted or moved copies a member of its stage in the
 background (`sync` starts it at a step boundary, training goes on) and becomes one when it is a
-copy at the open step; one that stops answering is dropped until then."""
+copy at the open step; one that stops answering is dropped until then. Until it is a member a
+replica does not count (status shows it joining, with what it waits for: `waits`)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,45 @@ class Membership:
         self.synced: set[str] = set()
         self._stage_of: dict[str, int] = {}  # where each peer served when last seen
         self._joins = Backoffs(self._JOIN_FIRST_S, self._JOIN_CAP_S, clock)
+        self.clock = clock
+        # joiner -> (why its last Join failed, when it is tried again): until it answers
+        self._failed: dict[str, tuple[str, float]] = {}
+        self._copied: set[str] = set()  # joiners at the open step, waiting to be admitted
+        # Told (step, stage, peer, the member it copied: "" for one re-admitted) whenever a
+        # replica becomes a member: from then on it counts (the job's history says so).
+        self.admitted: list[Callable[[int, int, str, str], None]] = []
+
+    def waits(self) -> dict[str, str]:
+        """What each replica that serves its stage but is not a member yet waits for before it
+        is one (and counts), in words: its join's progress as the coordinator sees it."""
+        members = self.members()
+        said: dict[str, str] = {}
+        for stage, replicas in enumerate(members):
+            sources = [r.peer for r in replicas if r.peer in self.synced]
+            for r in replicas:
+                if r.peer in self.synced:
+                    continue
+                failed = self._failed.get(r.peer)
+                if r.peer in self._copied:
+                    said[r.peer] = (
+                        "state copied; waiting for the step's commit (or the round's end) to "
+                        "be admitted"
+                    )
+                elif r.peer in self._copying:
+                    said[r.peer] = (
+                        f"downloading state from {self._sources.get(r.peer) or 'a member'}"
+                    )
+                elif failed is not None:
+                    again = max(0.0, failed[1] - self.clock.now())
+                    when = f"in {again:.0f} s" if again >= 1 else "at the next step's end"
+                    said[r.peer] = (
+                        f"not answering at {r.address} ({failed[0]}); trying again {when}"
+                    )
+                elif not sources:
+                    said[r.peer] = f"waiting for a member of stage {stage} to copy"
+                else:
+                    said[r.peer] = f"waiting for a step's end to download state from {sources[0]}"
+        return said
 
     def replicas(self) -> list[list[Replica]]:
         """Per stage, the members at the coordinator's step."""
@@ -77,6 +117,7 @@ class Membership:
         if peer in self.synced:
             log.warning("replica %s is unreachable: leaving it out until it rejoins", peer)
             self.synced.discard(peer)
+            self._failed[peer] = ("it stopped answering calls", self.clock.now())
             self.metrics.dropped.inc()
             for ledger in self.ledgers():
                 self.metrics.replays.inc(len(ledger.lose(peer)))
@@ -120,6 +161,9 @@ class Membership:
                 continue
             log.warning("stage %d: %s answers at step %d: re-admitted", stage, r.peer, step)
             self.synced.add(r.peer)
+            self._failed.pop(r.peer, None)
+            for told in self.admitted:
+                told(step, stage, r.peer, "")
         return all(self.replicas())
 
     async def sync(self, step: int) -> None:
@@ -131,6 +175,7 @@ class Membership:
         current = {r.peer for stage in members for r in stage}
         self.synced &= current  # those that left are forgotten, with their pauses and clients
         self._joins.forget(set[Hashable](current))
+        self._failed = {p: f for p, f in self._failed.items() if p in current}
         for peer in [p for p in self._joining if p not in current]:
             self._joining.pop(peer).cancel()
         await self.clients.keep(members)
@@ -169,6 +214,7 @@ class Membership:
                     at = await self.clients.get(stage, joiner).join(sources[0].address, step)
                 except GONE as e:  # the joiner itself is absent: try it less often
                     delay = self._joins.failed(joiner.peer)
+                    self._failed[joiner.peer] = (_short(e), self.clock.now() + delay)
                     first = delay <= self._JOIN_FIRST_S * (1 + self._joins.jitter)  # then quieter
                     log.log(
                         logging.WARNING if first else logging.INFO,
@@ -182,6 +228,7 @@ class Membership:
                 except SwarmError as e:  # it refused: the next boundary tries again
                     log.warning("stage %d: %s could not join: %s", stage, joiner.peer, e)
                     return
+                self._failed.pop(joiner.peer, None)
                 self._copying[joiner.peer] = (stage, joiner, sources[0].address)
                 self._sources[joiner.peer] = sources[0].peer
                 if self._admit(stage, joiner, step, at):
@@ -191,18 +238,27 @@ class Membership:
             if self._joining.get(joiner.peer) is asyncio.current_task():
                 del self._joining[joiner.peer]
                 self._copying.pop(joiner.peer, None)
+                self._copied.discard(joiner.peer)
 
     def _admit(self, stage: int, joiner: Replica, step: int, at: int) -> bool:
         """Make `joiner` a member if it is a copy at `step` and may become one now."""
+        if at == step and joiner.peer not in self.synced:
+            self._copied.add(joiner.peer)  # a copy: it waits for a moment it may join at
+        else:
+            self._copied.discard(joiner.peer)
         if at != step or not self.can_admit(step) or joiner.peer in self.synced:
             return joiner.peer in self.synced
+        self._copied.discard(joiner.peer)
         self._joins.succeeded(joiner.peer)
         self.synced.add(joiner.peer)
         # A member is never asked to Join again: its copy ended at its first PREPARE, so a Join
         # would start another, whose older state would overwrite what it applied since.
         self._copying.pop(joiner.peer, None)
         log.info("stage %d: %s joined at step %d", stage, joiner.peer, step)
-        self.on_joined(step, stage, joiner.peer, self._sources.pop(joiner.peer, ""))
+        source = self._sources.pop(joiner.peer, "")
+        self.on_joined(step, stage, joiner.peer, source)
+        for told in self.admitted:
+            told(step, stage, joiner.peer, source)
         self.on_admit()
         return True
 
@@ -273,3 +329,12 @@ class Membership:
         self.synced = at_target
         await self.sync(target)
         return target
+
+
+def _short(error: BaseException) -> str:
+    """`error` in a few words: its code and its last cause ("UNAVAILABLE: Connection refused");
+    a gRPC error's details run on through every layer that passed it up."""
+    lines = str(error).splitlines()
+    parts = lines[0].split(": ") if lines else [type(error).__name__]
+    text = f"{parts[0]}: {parts[-1]}" if len(parts) > 2 else ": ".join(parts)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Replica(_message.Message):
-    __slots__ = ("peer", "address", "metrics_address", "device", "state", "samples_per_second")
+    __slots__ = ("peer", "address", "metrics_address", "device", "state", "samples_per_second", "joining")
     PEER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     peer: str
     address: str
     metrics_address: str
     device: str
     state: _control_pb2.PeerState
     samples_per_second: float
-    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.PeerState, str]] = ..., samples_per_second: _Optional[float] = ...) -> None: ...
+    joining: str
+    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.PeerState, str]] = ..., samples_per_second: _Optional[float] = ..., joining: _Optional[str] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("stage", "layers", "replicas")

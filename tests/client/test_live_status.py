@@ -126,3 +126,29 @@ def test_an_ended_job_shows_how_long_it_took_and_its_mean_speed() -> None:
     assert "state    succeeded after 1h02m03s" in lines
     assert "speed    241.5 samples/s (mean over its steps)" in lines
     assert duration_text(59.6) == "1m00s" and duration_text(3.0) == "3s"
+
+
+def test_a_replica_still_joining_is_shown_with_what_it_waits_for_and_not_counted() -> None:
+    s = _status(7, {"p0": 0, "p1": 1})
+    s.stages[0].replicas.append(
+        spb.Replica(
+            peer="far",
+            device="cpu",
+            state=cpb.PEER_STATE_JOINING,
+            joining="not answering at 10.0.0.9:50051 (UNAVAILABLE); trying again in 4 s",
+        )
+    )
+    lines = status_lines(s, now=0.0)
+    assert "stage 0 (layer 0): 1 replica(s), 1 joining" in lines
+    row = next(line for line in lines if line.startswith("  far"))
+    assert row.endswith(
+        "joining: not answering at 10.0.0.9:50051 (UNAVAILABLE); trying again in 4 s"
+    )
+    # Watching, it joins when it counts, not when it is first listed.
+    before, after = _status(7, {"p0": 0}), _status(8, {"p0": 0})
+    after.stages[0].replicas.append(
+        spb.Replica(peer="p5", state=cpb.PEER_STATE_JOINING, joining="downloading state from p0")
+    )
+    assert events(before, after) == []
+    admitted = _status(9, {"p0": 0, "p5": 0})
+    assert events(after, admitted) == ["p5 joined stage 0"]

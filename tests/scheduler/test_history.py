@@ -53,3 +53,24 @@ def test_a_peer_back_under_a_dead_ones_id_reads_as_a_restart(tmp_path: Path) -> 
         store.set_state(job, "cancelled")
         history.peer(serving, cpb.PeerAnnouncement(peer="p", state=cpb.PEER_STATE_JOINING))
         assert len(store.events(job)) == 4  # released by the ended job: not a leave
+
+
+def test_a_move_reads_as_a_move_not_a_restart(tmp_path: Path) -> None:
+    # What a peer moved by rebalancing announces: serving stage 1, draining it while it builds
+    # stage 0, serving stage 0 (issue 45, item 5: this read as a leave and a restart).
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job = store.create("tiny", "spec", "/data", steps=5).id
+        history = History(store)
+        serving = _serving("p", job, 1)
+        draining = cpb.PeerAnnouncement(peer="p", job=job, stage=1, state=cpb.PEER_STATE_DRAINING)
+        history.peer(None, serving)
+        history.peer(serving, draining)
+        history.peer(draining, _serving("p", job, 0))
+        assert [(e.kind, e.text) for e in store.events(job)] == [
+            ("join", "p joined stage 1"),
+            ("move", "p moved from stage 1 to stage 0"),
+        ]
+        # A peer that dies while it moves left the stage it served.
+        moving = cpb.PeerAnnouncement(peer="p", job=job, stage=0, state=cpb.PEER_STATE_DRAINING)
+        [(_, kind, text)] = peer_events(moving, _offline("p", 0.0))
+        assert kind == "leave" and text.startswith("p left stage 0: its connection dropped")

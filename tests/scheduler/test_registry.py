@@ -308,3 +308,29 @@ async def test_a_peer_measured_while_placement_speaks_is_placed_at_once() -> Non
         with contextlib.suppress(asyncio.CancelledError):
             await place
     assert sorted(bus.published) == ["a", "b"]
+
+
+def test_shown_counts_a_peer_serving_only_once_admitted_and_says_what_the_rest_wait_for() -> None:
+    clock = FakeClock()
+    reg = registry(clock)
+    for message in (serving("a", 0), serving("b", 0), joining("c"), joining("d")):
+        reg.announce(message)
+    reg.assigned("c", "j", 1)  # building stage 1; d is measured, not placed
+    clock.advance(3.0)
+
+    def rows(admitted: set[str] | None) -> list[tuple[str, int, int, str]]:
+        shown = reg.shown("j", admitted, {"b": "downloading state from a"})
+        return [(s.announcement.peer, s.stage, s.state, s.joining) for s in shown]
+
+    j, s = cpb.PEER_STATE_JOINING, cpb.PEER_STATE_SERVING
+    assert rows({"a"}) == [
+        ("a", 0, s, ""),
+        ("b", 0, j, "downloading state from a"),
+        ("c", 1, j, "building stage 1 (assigned 3 s ago)"),
+    ]
+    assert rows(None)[0] == ("a", 0, j, "waiting for training to start")  # no coordinator
+    # The stage given stays known when the peer leaves: it comes back to it (issue 45, item 5).
+    reg.announce(cpb.PeerAnnouncement(peer="c", state=cpb.PEER_STATE_OFFLINE))
+    assert reg.given("j", "c") == 1 and reg.given("k", "c") is None
+    reg.withdrawn("j")
+    assert reg.given("j", "c") is None

@@ -22,6 +22,8 @@
 - `hostile`: a hostile member of a stage (DownloadState, Updates) on a real gRPC server.
 - `api`: the job API on a real gRPC server over a real store, with a fake orchestration.
 - `disks`, `hogs`: a real full disk; a busy machine.
+- `scheduled`: a scheduler, the embedded broker and stage servers that join through it, all in
+  the test's process.
 
 Test files import from here, never from one another or from `conftest.py`; a `conftest.py`
 only makes this package's fixtures visible to its folder.

@@ -8,6 +8,7 @@ import random
 from client.demo import Chaos
 from swarm.ops.faults import ANY_REPLICA, Fault, FaultPlan, Point, parse_faults
 from swarm.proto import scheduler_pb2
+from swarm.proto.control_pb2 import PEER_STATE_JOINING, PEER_STATE_SERVING
 
 
 def test_due_returns_each_fault_once_and_add_plans_more() -> None:
@@ -26,8 +27,18 @@ def test_due_returns_each_fault_once_and_add_plans_more() -> None:
 
 
 def _status(step: int, steps: int, *pools: list[str]) -> scheduler_pb2.JobStatus:
+    """Each pool's replicas serving; a name ending in "?" is still joining (it does not count)."""
     stages = [
-        scheduler_pb2.StageStatus(stage=k, replicas=[scheduler_pb2.Replica(peer=p) for p in peers])
+        scheduler_pb2.StageStatus(
+            stage=k,
+            replicas=[
+                scheduler_pb2.Replica(
+                    peer=p.rstrip("?"),
+                    state=PEER_STATE_JOINING if p.endswith("?") else PEER_STATE_SERVING,
+                )
+                for p in peers
+            ],
+        )
         for k, peers in enumerate(pools)
     ]
     return scheduler_pb2.JobStatus(step=step, steps=steps, stages=stages)
@@ -39,6 +50,8 @@ def test_the_demo_kills_one_spare_replica_halfway() -> None:
     assert chaos.victim(_status(19, 40, *spare)) is None
     # due, but no stage can spare a replica: it waits for one
     assert chaos.victim(_status(20, 40, ["peer0"], ["peer1"])) is None
+    # nor one whose second replica is still joining: it holds no state yet (issue 45, item 2)
+    assert chaos.victim(_status(20, 40, ["peer0", "peer4?"], ["peer1"])) is None
     assert chaos.victim(_status(21, 40, *spare)) in ("peer1", "peer2")
     assert all(chaos.victim(_status(s, 40, *spare)) is None for s in range(22, 40))
 

@@ -1,0 +1,43 @@
+"""What a replica that serves its stage but is not a member yet waits for, as `swarm status`
+shows it (issue 45, item 2): a step's end, then its copy; one that does not answer says so, with
+when it is tried again; a member waits for nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from swarm.errors import PeerUnavailable
+from swarm.job.fingerprint import fingerprint
+from tests.support.coordinator import Harness, job_of, until
+from tests.support.replicas import FakeSwarm
+
+
+async def test_a_joiner_says_what_it_waits_for_until_it_is_a_member(tmp_path: Path) -> None:
+    job = job_of(tmp_path, steps=5)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    swarm.add(0, "a"), swarm.add(1, "c")
+    h = Harness(job, swarm)
+    try:
+        await h.coordinator.start()
+        swarm.add(0, "n")
+        m = swarm.add(1, "m")
+        m.fail("join", PeerUnavailable("UNAVAILABLE: failed to connect: Connection refused"))
+        membership = h.coordinator.membership
+        assert membership.waits() == {
+            "n": "waiting for a step's end to download state from a",
+            "m": "waiting for a step's end to download state from c",
+        }
+        await h.step()  # the boundary: n copies a and becomes a member; m does not answer
+        await until(lambda: "n" in membership.synced and len(m.called("join")) == 1)
+        await until(lambda: "not answering" in membership.waits().get("m", ""))
+        [(peer, said)] = membership.waits().items()
+        assert peer == "m" and said.startswith(
+            "not answering at fake:m (UNAVAILABLE: Connection refused); trying again "
+        ), said
+        h.clock.advance(60)  # past its pause: tried again at the next step's end
+        assert membership.waits()["m"].endswith("trying again at the next step's end")
+        await h.step()
+        await until(lambda: "m" in membership.synced)
+        assert membership.waits() == {}
+    finally:
+        await h.coordinator.close()
