@@ -255,8 +255,10 @@ class Committer:
         `prepare` made it `fresh` for this call, or when it is the lent sums of step `spilled`
         (the runtime's `Spill` keeps what is overwritten, for a retry or a straggler)."""
         # The replica's peak comes now: what its arenas freed since the last commit goes back
-        # first (`swarm.ops.allocator`), on the worker, which is idle until this commit is done.
-        await self._worker.run(allocator.give_back)
+        # first (`swarm.ops.allocator`), on the worker, which is idle until this commit is done;
+        # not when the freed memory dwarfs the state the commit adds (a small stage's activations).
+        state = sum(p.nbytes for p in self._runtime().params)
+        await self._worker.run(allocator.give_back, state)
         try:
             sums = await self._worker.run(prepare, *args)
         except WireError as e:
@@ -275,7 +277,7 @@ class Committer:
         if c.step >= rt.step:  # not a retry of a step applied already
             # What the averaging's buffers freed goes back before the optimizer's own pass
             # (and the next step's compute) peaks on top of it.
-            allocator.give_back()
+            allocator.give_back(sum(p.nbytes for p in rt.params))
             if sq_norm is None:  # not prepared by a Commit seen here (or not at all)
                 sq_norm = rt.prepared_sq_norm(c.step)  # not prepared: FailedPrecondition
                 if not math.isfinite(sq_norm):
