@@ -18,6 +18,8 @@ Why the pieces sit as they do:
 - A NaN or infinite average is never applied, clipping or not (`NonFiniteGradient`): PREPARE
   reports its norm as it is, for the coordinator to fail the job on, and APPLY refuses it. The
   check reuses the norm PREPARE took, so a clean step costs no extra pass over the gradient.
+  A round's end (`pool.mode = "local"`) refuses a NaN or infinite pool sum in its PREPARE, before
+  it is kept or applied (an eager round's sums and the members' mean alike).
 """
 
 from __future__ import annotations
@@ -190,6 +192,7 @@ class Committer:
             if c.total_samples < 0:
                 raise InvalidArgument(f"total_samples must be >= 0; got {c.total_samples}")
             sums = await self._part(c, rnd.prepare, boundary, fresh=True)
+            await self._worker.run(self._finite, c, "averaged pseudo-gradient", sums)
             await self._worker.run(rnd.set_prepared, boundary, sums, c.total_samples)
         if c.apply:
             already = await self._worker.run(rnd.apply, boundary)
@@ -207,6 +210,7 @@ class Committer:
             already = await self._worker.run(rnd.eager_step, boundary, self._samples(c))
         elif c.eager == EagerOp.AVERAGE and c.prepare and not c.apply:
             sums = await self._part(c, rnd.eager_part, boundary)
+            await self._worker.run(self._finite, c, "sum of the shares", sums)
             await self._worker.run(rnd.set_average, boundary, sums)
             self.feedback.applied(c.job, c.stage, boundary)
         elif c.eager == EagerOp.LAST and c.prepare and not c.apply:
@@ -214,12 +218,14 @@ class Committer:
                 return Committed(rt.step, already=True)
             total = self._samples(c)
             sums = await self._part(c, rnd.last_part, boundary, total, fresh=True)
+            await self._worker.run(self._finite, c, "sum of the last shares", sums)
             await self._worker.run(rnd.set_last, boundary, sums, total)
         elif c.eager == EagerOp.LAST and c.apply and not c.prepare:
             already = await self._worker.run(rnd.last_step, boundary)
             self.feedback.applied(c.job, c.stage, boundary)
         elif c.eager == EagerOp.MEAN and c.prepare and not c.apply:
             sums = await self._part(c, rnd.mean_part, boundary, lossless=True)
+            await self._worker.run(self._finite, c, "sum of the members' starts", sums)
             await self._worker.run(rnd.set_mean, sums, len(c.group))
         else:
             raise InvalidArgument(
@@ -231,6 +237,17 @@ class Committer:
             log.debug("%s: stage %d: %s of the round ending at step %d", self.peer, c.stage,
                       EagerOp(c.eager).name, boundary)  # fmt: skip
         return Committed(rt.step, already)
+
+    def _finite(self, c: Commit, what: str, sums: list[torch.Tensor]) -> None:
+        """On the worker: refuse a round's pool sum that holds NaN or infinity, before anything
+        of it is kept or applied (`NonFiniteGradient`: the coordinator fails the job)."""
+        if all(bool(torch.isfinite(t).all()) for t in sums):
+            return
+        self.metrics.nonfinite()
+        raise NonFiniteGradient(
+            f"stage {c.stage}: the round ending at step {c.step}: the pool's {what} is NaN or "
+            "infinite: refused, nothing of it applied"
+        )
 
     @staticmethod
     def _samples(c: Commit) -> int:

@@ -23,7 +23,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from scheduler.coordinator.failures import judge
+from scheduler.coordinator.failures import NonFiniteStep, judge
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -37,12 +37,6 @@ __all__ = ["NonFiniteStep", "RoundFailure", "TwoPhaseCommit"]
 
 log = logging.getLogger(__name__)
 _REASON_CHARS = 600  # of a failed round's reason, in logs, status and the job's error
-
-
-class NonFiniteStep(Exception):
-    """A step's averaged gradient is NaN or infinite at some stage: none of it was applied, and
-    the job fails. Not a `SwarmError`, which the scheduler retries: the step's microbatches on
-    the same parameters give the same gradient again."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from swarm.errors import Aborted, SwarmError
 from swarm.rpc.lease import Replica
 
-__all__ = ["CommitStalled", "Failed", "Judgement", "culprits", "judge"]
+__all__ = ["CommitStalled", "Failed", "Judgement", "NonFiniteStep", "culprits", "judge"]
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,12 @@ Failed = tuple[int, Replica, BaseException]  # a member that failed a round: (st
 
 class CommitStalled(SwarmError):
     """A step's averaging rounds failed `runtime.max_commit_rounds` times without a commit."""
+
+
+class NonFiniteStep(Exception):
+    """A step's averaged gradient (or a round's pool sum) is NaN or infinite at some stage: none
+    of it was applied, and the job fails. Not a `SwarmError`, which the scheduler retries: the
+    step's microbatches on the same parameters give the same gradient again."""
 
 
 def culprits(

@@ -12,7 +12,8 @@ A member that fails the round (dead, or named by the others as the one they coul
 dropped and the round repeats without it: its local steps of the round are lost with it, and
 its samples of the round are counted (`swarm_coordinator_round_dropped_samples_total`, a log
 line), not replayed (replaying them would count them twice at every other stage, whose replicas
-have applied them already; docs/jobs.md, "Pool modes").
+have applied them already; docs/jobs.md, "Pool modes"). A member that refuses its pool's sum as
+NaN or infinite fails the job (`NonFiniteStep`), with nothing of the round applied anywhere.
 
 The route record (`swarm.model.routes`) is written here too: the runs each step counted, each
 round's group, and the members the job started with. So is what `swarm status` and /metrics
@@ -28,11 +29,12 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from scheduler.coordinator.failures import CommitStalled, judge
+from scheduler.coordinator.failures import CommitStalled, NonFiniteStep, judge
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import ReplicaClients, StageReplica
+from swarm.errors import NonFiniteGradient
 from swarm.job.config import JobConfig
 from swarm.job.rule import Rule
 from swarm.model.routes import Join, Record, StepRuns, Sync
@@ -323,7 +325,10 @@ class PoolRounds:
             else:  # those of `members` still members
                 peers = {r.peer for replicas in self.membership.replicas() for r in replicas}
                 current = [[r for r in replicas if r.peer in peers] for replicas in members]
-            reason = await self._prepare(current, f"{step}/{what}{failures}", call)
+            try:
+                reason = await self._prepare(current, f"{step}/{what}{failures}", call)
+            except NonFiniteGradient as e:
+                raise NonFiniteStep(f"the round after step {step} ({what}): {e}") from None
             if reason is None:
                 return current
             failures += 1
@@ -362,12 +367,30 @@ class PoolRounds:
                   if isinstance(e, BaseException)]  # fmt: skip
         if not failed:
             return None
+        self._refuse_nonfinite(failed)
         judged = judge(f"round {round_id}", failed, members)
         for _, r, _ in judged.alone:  # it failed by itself: gone, or refused
             self.membership.drop(r.peer)
         for _, r, _ in judged.named(members):
             self.membership.drop(r.peer)
         return judged.reason
+
+    def _refuse_nonfinite(self, failed: list[tuple[int, Replica, BaseException]]) -> None:
+        """A member that refused its pool's sum as NaN or infinite (`NonFiniteGradient`, before
+        keeping or applying any of it) fails the job (`_until_summed` raises `NonFiniteStep`):
+        no retry, no member dropped (the same parts sum to the same poison), and no APPLY of
+        the round goes out."""
+        refused = [(k, r, e) for k, r, e in failed if isinstance(e, NonFiniteGradient)]
+        if not refused:
+            return
+        for stage in sorted({k for k, _, _ in refused}):
+            self.metrics.nonfinite(stage)
+        raise NonFiniteGradient(
+            "its pool sum was refused as NaN or infinite by "
+            + "; ".join(f"{r.peer}: {e}" for _, r, e in refused)
+            + ". No replica applied it, and the job fails: the same parts sum to the same again "
+            "(a lower optimizer.lr or pool.outer_lr, or the data, may be at fault)"
+        )
 
     def _count_dropped(self, step: int, lost: dict[tuple[int, str], int], why: str) -> str:
         """Count the samples of `lost` ((stage, peer) -> its samples of the round: a replica's
