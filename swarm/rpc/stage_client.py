@@ -366,10 +366,12 @@ class StageClient:
         """The replica's state and step: parameters (names as in the whole model, with `prefix`
         removed) and, when asked, optimizer state (`optim/<index>/<key>`). A `follower` (a
         joining peer) has the replica keep its updates from that step on (`updates`). However
-        large the state, the call lasts while bytes keep coming: it fails only when none came
-        for `rpc_timeout_s`. Each tensor is checked as it comes (`expect`: its name, shape and
-        dtype; at most `expect.max_state_bytes()` in all, `runtime.max_tensor_bytes` each): the
-        first refused ends the call, before more is read or held."""
+        large the state, the call lasts while bytes keep coming: it fails when none came for
+        `rpc_timeout_s`, or when the whole state took longer than its bound at a minimum rate
+        (`swarm.rpc.state_streams.STATE_MIN_RATE`, at least `STATE_FLOOR_S`). Each tensor is
+        checked as it comes (`expect`: its name, shape and dtype; at most
+        `expect.max_state_bytes()` in all, `runtime.max_tensor_bytes` each): the first refused
+        ends the call, before more is read or held."""
         state: dict[str, torch.Tensor] = {}
 
         async def keep(step: int, name: str, tensor: torch.Tensor) -> None:

@@ -1,8 +1,10 @@
-"""The bounded streams a stage replica sends: its state (`DownloadState`) and the updates a
-follower applies (`Updates`). Each is read as it comes, with a deadline that follows progress,
-at most the bytes the stage could hold, each tensor checked as the stage would load it and each
-message in the order `swarm.rpc.stream_order` admits: the first refused ends the call, before
-more is read or held (a hostile member is cut off where it passes)."""
+"""The bounded streams a stage replica sends: its state (`DownloadState`) and the updates a follower
+applies (`Updates`). Each is read as it comes, with a deadline that follows progress (and a state,
+one for the whole transfer: its bound at `STATE_MIN_RATE`, at least `STATE_FLOOR_S`, so a member
+that trickles is cut off in bounded time), at most the bytes the stage could hold, each tensor
+checked as the stage would load it and each message in the order `swarm.rpc.stream_order` admits:
+the first refused ends the call, before more is read or held (a hostile member is cut off where it
+passes)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,21 @@ from swarm.job.rule import EagerOp
 from swarm.rpc.stream_order import OutOfOrder, StateOrder, UpdateHeader, UpdateOrder
 from swarm.wire import chunking as wire
 
-__all__ = ["ExpectedState", "Followed", "ReplicaStreams", "StateSink"]
+__all__ = [
+    "STATE_FLOOR_S",
+    "STATE_MIN_RATE",
+    "ExpectedState",
+    "Followed",
+    "ReplicaStreams",
+    "StateSink",
+]
+
+# A state download's whole-transfer deadline: the stage's state bound (`max_state_bytes`, about
+# twice an fp32 state with AdamW's moments) at this rate, and never under the floor. Far under
+# any real link, so only a member that trickles on purpose (a chunk just inside each idle
+# deadline) reaches it.
+STATE_MIN_RATE = 1 << 20  # bytes a second
+STATE_FLOOR_S = 60.0
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -63,10 +79,21 @@ class ExpectedState(Protocol):
 class ReplicaStreams:
     """The state and update streams of stage `stage`'s replica at `address`, whose every
     refusal names that replica: each message within `idle_s` of the one before, each tensor at
-    most `max_tensor` bytes (`runtime.max_tensor_bytes`)."""
+    most `max_tensor` bytes (`runtime.max_tensor_bytes`); a whole state within its bound at
+    `min_rate` bytes a second, and at least `floor_s`."""
 
-    def __init__(self, stage: int, address: str, idle_s: float, max_tensor: int) -> None:
+    def __init__(
+        self,
+        stage: int,
+        address: str,
+        idle_s: float,
+        max_tensor: int,
+        *,
+        min_rate: float | None = None,
+        floor_s: float | None = None,
+    ) -> None:
         self.stage, self.address, self.idle_s, self.max_tensor = stage, address, idle_s, max_tensor
+        self.min_rate, self.floor_s = min_rate, floor_s  # None: the module's, when a state comes
 
     async def receive_state(self, call: Any, expect: ExpectedState, sink: StateSink) -> int:
         """Each tensor of the state `call` streams handed to `sink` as it comes; the step."""
@@ -74,7 +101,16 @@ class ReplicaStreams:
             "the stage's parameters and an optimizer's state at 8 bytes a value, and "
             f"{wire.TENSOR_OVERHEAD_BYTES} bytes a tensor"
         )
-        received = self._bounded(call, expect.max_state_bytes(), why, wire.TENSOR_OVERHEAD_BYTES)
+        limit = expect.max_state_bytes()
+        rate = STATE_MIN_RATE if self.min_rate is None else self.min_rate
+        floor_s = STATE_FLOOR_S if self.floor_s is None else self.floor_s
+        whole_s = max(floor_s, limit / rate)
+        within = (
+            whole_s,
+            f"{self._sender} did not send its state within {whole_s:g}s (its bound of {limit} "
+            f"bytes at {rate:g} bytes a second, at least {floor_s:g}s): the transfer is too slow",
+        )
+        received = self._bounded(call, limit, why, wire.TENSOR_OVERHEAD_BYTES, within)
         order = StateOrder(expect.max_state_tensors())
         while (message := await received.next()) is not None:
             header, tensors = message
@@ -130,8 +166,15 @@ class ReplicaStreams:
     def _sender(self) -> str:
         return f"stage {self.stage}'s replica at {self.address}"
 
-    def _bounded(self, call: Any, limit: int, why: str, overhead: int) -> _Bounded:
-        stream = _progressing(call, self.idle_s)
+    def _bounded(
+        self,
+        call: Any,
+        limit: int,
+        why: str,
+        overhead: int,
+        within: tuple[float, str] | None = None,
+    ) -> _Bounded:
+        stream = _progressing(call, self.idle_s, within)
         return _Bounded(stream, self._sender, limit, why, self.max_tensor, overhead)
 
     def _refused(self, what: str) -> InvalidArgument:
@@ -203,16 +246,24 @@ def _aiter(call: Any) -> AsyncIterator[Any]:
     return call.__aiter__()  # type: ignore[no-any-return]
 
 
-async def _progressing(call: Any, idle_s: float) -> AsyncIterator[Any]:
+async def _progressing(
+    call: Any, idle_s: float, within: tuple[float, str] | None = None
+) -> AsyncIterator[Any]:
     """The messages of a server stream with a deadline that follows progress: each must come
-    within `idle_s` of the one before, however long the whole stream takes."""
+    within `idle_s` of the one before; and, given `within` (seconds, the error's text), the whole
+    stream within those seconds however steadily it comes."""
     stream = _aiter(call)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within[0] if within else None
     while True:
+        wait = idle_s if end is None else min(idle_s, end - loop.time())
         try:
-            message = await asyncio.wait_for(anext(stream), idle_s)
+            message = await asyncio.wait_for(anext(stream), max(wait, 0))
         except StopAsyncIteration:
             return
         except TimeoutError:
             call.cancel()
+            if within and wait < idle_s:
+                raise PeerUnavailable(within[1]) from None
             raise PeerUnavailable(f"no bytes for {idle_s:g}s: the transfer stalled") from None
         yield message

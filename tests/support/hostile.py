@@ -1,8 +1,8 @@
 """A hostile member of a stage as a real gRPC server: it answers DownloadState and Updates with
-whatever its test gives it (an endless or oversized state, a tensor of the wrong shape, a stream
-of updates that never ends), one tensor a message (or `per_message` state tensors), chunked, as
-a real replica sends them, and counts the tensor bytes it wrote, so a test can tell how far a
-receiver read before it cancelled the call."""
+whatever its test gives it (an endless or oversized state, a tensor of the wrong shape, a stream of
+updates that never ends), one tensor a message (or `per_message` state tensors), chunked, as a real
+replica sends them (or trickled: `pause_s` after each chunk), and counts the tensor bytes it wrote,
+so a test can tell how far a receiver read before it cancelled the call."""
 
 from __future__ import annotations
 
@@ -44,9 +44,11 @@ class HostileStage(stage_pb2_grpc.StageServiceServicer):
         updates: UpdatesReply = _none,
         chunk_bytes: int = 64 << 10,
         per_message: int = 1,
+        pause_s: float = 0.0,
     ) -> None:
         self.state, self.step, self.updates, self.chunk_bytes = state, step, updates, chunk_bytes
         self.per_message = per_message  # state tensors a DownloadState message carries
+        self.pause_s = pause_s  # after each chunk of a DownloadState
         self.sent = 0
         self.ended = asyncio.Event()
         self.cut = False
@@ -74,6 +76,7 @@ class HostileStage(stage_pb2_grpc.StageServiceServicer):
                 batch = []
                 for part in self._parts(reply):
                     yield part
+                    await asyncio.sleep(self.pause_s)
             if batch:
                 for part in self._parts(
                     pb.StageDownloadStateResponse(tensors=batch, step=self.step)

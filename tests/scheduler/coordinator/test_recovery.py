@@ -4,6 +4,7 @@ stays the one a rollback uses."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from scheduler.coordinator.replicas import ReplicaClients, grpc_replicas
 from stage_server.runtime import StageRuntime
 from swarm.model import checkpoint
 from swarm.model.stage_state import initial_state
+from swarm.rpc import state_streams
 from swarm.rpc.lease import Replica
 from tests.support.hostile import HostileStage, serving
 from tests.support.jobs import make_job
@@ -71,3 +73,34 @@ def test_a_checkpoint_is_due_by_time_as_well_as_by_steps(tmp_path: Path, mode: s
     assert recovery.due(5) == (mode == "step") and recovery.due(8)
     assert not Recovery(job, ReplicaClients(grpc_replicas(job, "job")), tmp_path).due(8)
     assert not Recovery(job, ReplicaClients(grpc_replicas(job, "job")), None, 1.0, clock).due(8)
+
+
+async def test_a_trickling_member_fails_its_checkpoint_in_bounded_time_and_the_next_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # N12: a member sending a few bytes just inside rpc_timeout_s each kept the checkpoint in
+    # progress forever, and every later one was skipped while it lasted.
+    monkeypatch.setattr(state_streams, "STATE_MIN_RATE", 1 << 40)  # the floor is the deadline
+    monkeypatch.setattr(state_streams, "STATE_FLOOR_S", 1.5)
+    job = make_job(tmp_path, training={"stages": 1}, runtime={"rpc_timeout_s": 1.0})
+    whole = initial_state(job, 0)
+    trickle = HostileStage(lambda: whole.items(), step=2, chunk_bytes=8, pause_s=0.3)
+    honest = HostileStage(lambda: whole.items(), step=4)
+    directory = tmp_path / "checkpoints"
+    clients = ReplicaClients(grpc_replicas(job, "job"))
+    recovery = Recovery(job, clients, directory)
+    loop = asyncio.get_running_loop()
+    try:
+        async with serving(trickle) as slow, serving(honest) as good:
+            started = loop.time()
+            recovery.checkpoint(2, [[Replica("peer-slow", slow)]])
+            await asyncio.wait_for(recovery.flush(), 10)  # bounded: the old code read on
+            assert loop.time() - started < 1.5 + 1.0 + 1.0
+            recovery.checkpoint(4, [[Replica("peer-good", good)]])  # taken, not skipped
+            await asyncio.wait_for(recovery.flush(), 10)
+    finally:
+        await clients.close()
+    assert checkpoint.sealed(directory) == [4]
+    told = [r.getMessage() for r in caplog.records]
+    assert any("checkpoint 2: peer-slow did not answer" in m and "within 1.5s" in m for m in told)
+    assert not any("skipped: the one before is still written" in m for m in told)
