@@ -90,6 +90,17 @@ def add_token(p: argparse.ArgumentParser, help: str = _TOKEN_HELP) -> None:
     p.add_argument("--token", default=None, help=help)
 
 
+def add_insecure_no_token(p: argparse.ArgumentParser) -> None:
+    """`--insecure-no-token`: a server on an address other machines reach starts without a
+    token (`swarm.net.tokens.refuse_open_host` refuses it otherwise)."""
+    add_switch(
+        p,
+        "insecure-no-token",
+        "listen on a --host other machines reach without a token: every caller who reaches the "
+        "port is let in (only on a trusted network; loopback needs no token)",
+    )
+
+
 def token(args: argparse.Namespace) -> str | None:
     """`--token`, else `SWARM_TOKEN`, else None (no authentication)."""
     return args.token or os.environ.get(env_name("token")) or None
