@@ -18,6 +18,7 @@ from swarm.flags import (
     env_name,
     metrics_token,
     token,
+    warn_if_url_password,
 )
 from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
@@ -107,6 +108,7 @@ def show_lifecycle() -> None:
 def run(command: str, args: argparse.Namespace) -> int:
     from swarm.net.tokens import refuse_open_host  # here: --help needs no gRPC
 
+    warn_if_url_password(args, "broker")
     refuse_open_host(
         "the stage server", args.host, token=token(args), insecure=args.insecure_no_token
     )

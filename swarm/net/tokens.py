@@ -73,9 +73,9 @@ def refuse_open_host(what: str, host: str, *, token: str | None, insecure: bool)
     except ValueError:
         pass  # a host name, or "" (every interface): not known to stay on this machine
     raise ConfigError(
-        f"{what} would listen on --host {host or repr(host)} without a token, open to every caller "
-        "who reaches it: give --token or SWARM_TOKEN, listen on 127.0.0.1, or "
-        "--insecure-no-token to run it open on a trusted network"
+        f"{what} would listen on --host {host or repr(host)} without a token, open to every "
+        "caller who reaches it: give --token-file PATH or SWARM_TOKEN (or --token), listen on "
+        "127.0.0.1, or --insecure-no-token to run it open on a trusted network"
     )
 
 
