@@ -30,8 +30,8 @@ from client.live import (
 )
 from client.sdk import TERMINAL_STATES, ClientError, SchedulerClient
 from swarm.errors import ConfigError, SwarmError
+from swarm.flags import token
 from swarm.job.states import job_state_name as state_name
-from swarm.net.tokens import token_from_env
 from swarm.ops.progress import duration_text
 from swarm.proto import scheduler_pb2
 
@@ -79,9 +79,7 @@ def _guarded(name: str, body: Callable[[argparse.Namespace], Coroutine[Any, Any,
 def _client(args: argparse.Namespace) -> SchedulerClient:
     if not args.scheduler:
         raise _Usage("no scheduler address: pass --scheduler HOST:PORT or set SWARM_SCHEDULER")
-    return SchedulerClient(
-        args.scheduler, token=args.token or token_from_env(), timeout_s=args.timeout
-    )
+    return SchedulerClient(args.scheduler, token=token(args), timeout_s=args.timeout)
 
 
 def _outcome(name: str, status: scheduler_pb2.JobStatus) -> int:

@@ -11,12 +11,14 @@ from scheduler.store_file import hold
 from swarm.bus.flags import add_login_flags, scheduler_token
 from swarm.flags import (
     add_flag,
+    add_insecure_no_token,
     add_metrics_token,
     add_switch,
     add_token,
     env_name,
     metrics_token,
     token,
+    warn_if_url_password,
 )
 from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
@@ -113,11 +115,16 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "for one",
     )
     add_token(p)
+    add_insecure_no_token(p)
     add_login_flags(p)
     add_tls_flags(p)
 
 
 def run(command: str, args: argparse.Namespace) -> int:
+    from swarm.net.tokens import refuse_open_host  # here: --help needs no gRPC
+
+    warn_if_url_password(args, "broker")
+    refuse_open_host("the scheduler", args.host, token=token(args), insecure=args.insecure_no_token)
     # Before the slow start below: a store another scheduler holds (for this process's life),
     # a port another process listens on (by its flag).
     ports = [(_PORT, args.port), (_METRICS_PORT, args.metrics_port)]

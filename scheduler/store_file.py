@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from swarm.errors import SwarmError
+from swarm.ops.private import FILE_MODE
 
 __all__ = ["SCHEMA_VERSION", "StoreError", "hold", "open_store", "transaction"]
 
@@ -58,9 +59,12 @@ def open_store(path: Path) -> sqlite3.Connection:
     """A connection to the store at `path` (created when missing), its schema migrated to
     `SCHEMA_VERSION`; StoreError for a file that is not a usable store."""
     try:
+        # Created 0600 before SQLite opens it: its -wal and -shm files take the store's mode,
+        # and it holds every job's spec and history (SQLite alone would create it 0644).
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE))
         # isolation_level=None: autocommit; multi-statement writes use `transaction`.
         db = sqlite3.connect(path, isolation_level=None)
-    except sqlite3.Error as e:
+    except (OSError, sqlite3.Error) as e:
         raise StoreError(f"cannot open the job store {str(path)!r} ({e})") from None
     try:
         db.execute("PRAGMA journal_mode=WAL")
@@ -112,7 +116,7 @@ def hold(path: Path) -> Iterator[None]:
     lease the same jobs' work and overwrite each other's records."""
     lock = path.with_name(path.name + ".lock")
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, FILE_MODE)
     except OSError as e:
         raise StoreError(f"cannot lock the job store {str(path)!r}: {lock}: {e.strerror}") from None
     try:

@@ -10,7 +10,16 @@ from pathlib import Path
 
 from stage_server.limits import PeerLimits, flag_name
 from swarm.errors import SwarmError
-from swarm.flags import add_flag, add_metrics_token, add_token, env_name, metrics_token, token
+from swarm.flags import (
+    add_flag,
+    add_insecure_no_token,
+    add_metrics_token,
+    add_token,
+    env_name,
+    metrics_token,
+    token,
+    warn_if_url_password,
+)
 from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
 from swarm.ops.logs import show_at_default
@@ -45,6 +54,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_flag(p, "peer", "", "peer id, also its MQTT username (default: persisted in the cache dir)")
     add_token(p)
+    add_insecure_no_token(p)
     add_tls_flags(p)
     add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
     add_flag(
@@ -96,6 +106,12 @@ def show_lifecycle() -> None:
 
 
 def run(command: str, args: argparse.Namespace) -> int:
+    from swarm.net.tokens import refuse_open_host  # here: --help needs no gRPC
+
+    warn_if_url_password(args, "broker")
+    refuse_open_host(
+        "the stage server", args.host, token=token(args), insecure=args.insecure_no_token
+    )
     # A port another process holds is refused before the slow start below, by its flag.
     with naming(args.host, [(_PORT, args.port), (_METRICS_PORT, args.metrics_port)]):
         _run(args)

@@ -8,18 +8,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 __all__ = [
     "HelpFormatter",
     "add_flag",
+    "add_insecure_no_token",
     "add_metrics_token",
+    "add_secret",
     "add_switch",
     "add_token",
     "env_default",
     "env_name",
     "metrics_token",
+    "secret",
     "token",
+    "warn_if_url_password",
 ]
 
 # gRPC's core logs every failed TLS handshake (a client without TLS, say) as raw lines on stderr
@@ -30,7 +36,7 @@ __all__ = [
 if not os.environ.get("GRPC_VERBOSITY"):
     os.environ["GRPC_VERBOSITY"] = "ERROR"
 
-_TOKEN_HELP = "swarm token (default: SWARM_TOKEN; prefer it, flags show in `ps`)"
+_TOKEN_HELP = "swarm token (default: SWARM_TOKEN)"
 
 
 def env_name(flag: str) -> str:
@@ -85,27 +91,88 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def add_secret(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """`--FLAG SECRET` and `--FLAG-file PATH` (default `SWARM_FLAG_FILE`); `secret` reads them,
+    else `SWARM_FLAG`. No default from the environment for the secret itself: help output must
+    not print it."""
+    p.add_argument(f"--{flag}", default=None, help=f"{help}; shows in `ps`: prefer --{flag}-file")
+    add_flag(p, f"{flag}-file", None, f"a file holding --{flag}, which `ps` does not show")
+
+
+def secret(args: argparse.Namespace, flag: str) -> str | None:
+    """`--FLAG` (warned of once: every local user sees it in `ps`), else the first line of
+    `--FLAG-file`, else `SWARM_FLAG`, else None. A file that cannot be read, or is empty, stops
+    the command (exit 2, the flag named: this floor has no `swarm.errors`)."""
+    dest = flag.replace("-", "_")
+    given = getattr(args, dest)
+    if given:
+        if not getattr(args, f"_{dest}_warned", False):
+            setattr(args, f"_{dest}_warned", True)
+            print(
+                f"swarm: warning: --{flag} on the command line shows in `ps` to every local user; "
+                f"give --{flag}-file PATH or {env_name(flag)} instead",
+                file=sys.stderr,
+            )
+        return str(given)
+    path = getattr(args, f"{dest}_file", None)
+    if path:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError as e:
+            text, why = "", f"cannot read it ({e.strerror})"
+        else:
+            why = "it is empty: write the secret in it"
+        if not text:
+            print(f"swarm: error: --{flag}-file {path}: {why}", file=sys.stderr)
+            raise SystemExit(2)
+        return text
+    return os.environ.get(env_name(flag)) or None
+
+
+def warn_if_url_password(args: argparse.Namespace, flag: str) -> None:
+    """Warn when `--FLAG`'s URL, given on the command line (not by `SWARM_FLAG`), carries a
+    password (`mqtt://peer:PASSWORD@host`): `ps` shows it to every local user."""
+    url = getattr(args, flag.replace("-", "_")) or ""
+    if url == os.environ.get(env_name(flag)) or urlsplit(url).password is None:
+        return
+    print(
+        f"swarm: warning: the password in --{flag} shows in `ps` to every local user; "
+        f"give the URL in {env_name(flag)} instead",
+        file=sys.stderr,
+    )
+
+
 def add_token(p: argparse.ArgumentParser, help: str = _TOKEN_HELP) -> None:
-    # No default from the environment: help output must not print the secret from SWARM_TOKEN.
-    p.add_argument("--token", default=None, help=help)
+    add_secret(p, "token", help)
+
+
+def add_insecure_no_token(p: argparse.ArgumentParser) -> None:
+    """`--insecure-no-token`: a server on an address other machines reach starts without a
+    token (`swarm.net.tokens.refuse_open_host` refuses it otherwise)."""
+    add_switch(
+        p,
+        "insecure-no-token",
+        "listen on a --host other machines reach without a token: every caller who reaches the "
+        "port is let in (only on a trusted network; loopback needs no token)",
+    )
 
 
 def token(args: argparse.Namespace) -> str | None:
-    """`--token`, else `SWARM_TOKEN`, else None (no authentication)."""
-    return args.token or os.environ.get(env_name("token")) or None
+    """`--token`, else `--token-file`, else `SWARM_TOKEN`, else None (no authentication)."""
+    return secret(args, "token")
 
 
 def add_metrics_token(p: argparse.ArgumentParser) -> None:
-    # No default from the environment either: help output must not print the secret.
-    p.add_argument(
-        "--metrics-token",
-        default=None,
-        help="bearer token /metrics (and the scheduler's /sd) require, so that Prometheus need "
+    add_secret(
+        p,
+        "metrics-token",
+        "bearer token /metrics (and the scheduler's /sd) require, so that Prometheus need "
         "not hold the swarm token (default: SWARM_METRICS_TOKEN, else the swarm token; none "
         "without either)",
     )
 
 
 def metrics_token(args: argparse.Namespace) -> str | None:
-    """`--metrics-token`, else `SWARM_METRICS_TOKEN`, else None (the swarm token, if any)."""
-    return args.metrics_token or os.environ.get(env_name("metrics-token")) or None
+    """`--metrics-token`, else its file, else `SWARM_METRICS_TOKEN`, else None (the swarm
+    token, if any)."""
+    return secret(args, "metrics-token")

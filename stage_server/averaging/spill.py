@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from swarm.ops.private import private_dir
 from swarm.wire.chunking import tensor_bytes
 
 __all__ = ["OFF", "Spill", "in_memory_fs", "spill_directory"]
@@ -132,7 +133,7 @@ class Spill:
 
 def _unlinked_file(directory: Path) -> int:
     """A new file in `directory` that has no name: it goes when its descriptor closes."""
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     try:
         return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
     except (AttributeError, OSError):  # no O_TMPFILE here (or this filesystem lacks it)

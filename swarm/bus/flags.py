@@ -4,19 +4,17 @@ login to any broker) and `swarm broker`. Light on purpose: `--help` imports no M
 from __future__ import annotations
 
 import argparse
-import os
 
-from swarm.flags import add_switch, env_name
+from swarm.flags import add_secret, add_switch, secret
 
 __all__ = ["add_login_flags", "scheduler_token"]
 
 
 def add_login_flags(p: argparse.ArgumentParser) -> None:
-    # No default from the environment for the secret: help output must not print it.
-    p.add_argument(
-        "--scheduler-token",
-        default=None,
-        help="the scheduler's own MQTT password: only it publishes jobs and assignments, so "
+    add_secret(
+        p,
+        "scheduler-token",
+        "the scheduler's own MQTT password: only it publishes jobs and assignments, so "
         "the swarm token (every peer's) must not be it. Unset: an embedded broker makes one up "
         "for a scheduler in its process, and a scheduler dialling --broker sends the swarm "
         "token [env SWARM_SCHEDULER_TOKEN]",
@@ -31,5 +29,5 @@ def add_login_flags(p: argparse.ArgumentParser) -> None:
 
 
 def scheduler_token(args: argparse.Namespace) -> str | None:
-    """`--scheduler-token`, else `SWARM_SCHEDULER_TOKEN`, else None."""
-    return args.scheduler_token or os.environ.get(env_name("scheduler-token")) or None
+    """`--scheduler-token`, else its file, else `SWARM_SCHEDULER_TOKEN`, else None."""
+    return secret(args, "scheduler-token")

@@ -31,6 +31,8 @@ from typing import BinaryIO
 import torch
 from safetensors.torch import load_file
 
+from swarm.ops.private import private_dir, private_open
+
 __all__ = [
     "CheckpointError",
     "StageWriter",
@@ -72,8 +74,8 @@ def _atomic(path: Path, write: Callable[[BinaryIO], object], what: str) -> None:
     """`write(f)` writes the file; it becomes `path` once it is on disk."""
     tmp = _tmp_name(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        private_dir(path.parent)
+        with open(tmp, "wb", opener=private_open) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
@@ -143,8 +145,8 @@ class StageWriter:
             raise CheckpointError(f"{self._what}: written to after it was closed or aborted")
         if self._file is None:
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed by close or abort)
+                private_dir(self.path.parent)
+                self._file = open(self._tmp, "wb", opener=private_open)  # noqa: SIM115 (closed by close or abort)
                 self._file.seek(self._room)
             except OSError as e:
                 self.abort()
@@ -207,7 +209,7 @@ class StageWriter:
         moved = self._tmp.with_name(self._tmp.name + ".moved")
         header = header.ljust(len(header) + (-len(header) % 8), b" ")
         with open(self._tmp, "rb") as src:
-            dst = open(moved, "wb")  # noqa: SIM115 (the caller closes it)
+            dst = open(moved, "wb", opener=private_open)  # noqa: SIM115 (the caller closes it)
             try:
                 dst.write(struct.pack("<Q", len(header)))
                 dst.write(header)

@@ -44,7 +44,7 @@ def _now() -> datetime.datetime:
 def init_ca(directory: Path, days: int = 3650, name: str | None = None) -> Issued:
     """A new CA in `directory`; an existing one is never overwritten (every certificate it
     issued would stop being trusted)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # its owner's only, as the keys
     cert_path, key_path = directory / CA_CERT, directory / CA_KEY
     if cert_path.exists() or key_path.exists():
         raise ConfigError(
@@ -83,7 +83,7 @@ def init_ca(directory: Path, days: int = 3650, name: str | None = None) -> Issue
         .sign(key, hashes.SHA256())
     )
     _private_file(key_path, _key_pem(key))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _private_file(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return Issued(cert_path, key_path, cert.not_valid_after_utc)
 
 
@@ -145,7 +145,7 @@ def issue(
         .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
     )
     _private_file(key_path, _key_pem(key))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _private_file(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return Issued(cert_path, key_path, cert.not_valid_after_utc)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
@@ -26,7 +27,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from swarm.errors import SwarmError
+from swarm.errors import ConfigError, SwarmError
 from swarm.net import tls
 from swarm.net.ports import Listener, bind_error, raise_if_taken
 from swarm.net.tls_mismatch import grpc_host_port
@@ -37,6 +38,7 @@ __all__ = [
     "TokenAuthInterceptor",
     "add_port",
     "channel",
+    "refuse_open_host",
     "server_interceptors",
     "token_from_env",
 ]
@@ -57,6 +59,24 @@ def token_from_env() -> str | None:
     """`SWARM_TOKEN`, or None when unset or blank."""
     token = os.environ.get(TOKEN_ENV, "").strip()
     return token or None
+
+
+def refuse_open_host(what: str, host: str, *, token: str | None, insecure: bool) -> None:
+    """ConfigError when `what` would listen on `host`, an address other machines reach (anything
+    but loopback), without a token: every caller who reaches the port would be let in. Meant
+    open (`--insecure-no-token`, a trusted network), it is not refused."""
+    if token or insecure or host.strip("[]") == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return
+    except ValueError:
+        pass  # a host name, or "" (every interface): not known to stay on this machine
+    raise ConfigError(
+        f"{what} would listen on --host {host or repr(host)} without a token, open to every "
+        "caller who reaches it: give --token-file PATH or SWARM_TOKEN (or --token), listen on "
+        "127.0.0.1, or --insecure-no-token to run it open on a trusted network"
+    )
 
 
 def _problem(metadata: Sequence[tuple[str, str | bytes]] | None, expected: bytes) -> str | None:

@@ -105,6 +105,7 @@ def _args(tmp_path: Path) -> list[str]:
         *("--host", "0.0.0.0", "--announce-host", ANNOUNCED, "--port", "0"),
         *("--store", str(tmp_path / "jobs.sqlite"), "--checkpoint-dir", str(tmp_path / "ckpt")),
         *("--data-root", str(data)),
+        "--insecure-no-token",  # every interface, no token: meant here (TLS is the subject)
     ]
 
 

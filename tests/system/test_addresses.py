@@ -20,6 +20,7 @@ from tests.support.jobs import write_job
 def _server(tmp_path: Path, *flags: str) -> SwarmProcess:
     job = write_job(tmp_path)
     args = ["stage-server", "--job", str(job), "--stage", "1", "--port", "0", *flags]
+    args.append("--insecure-no-token")  # every interface, no token: meant here (a test's own)
     return start_process(args, log_dir=tmp_path, name="-".join(["s", *flags]).replace(":", "_"))
 
 
@@ -63,6 +64,7 @@ async def _jobs_at(address: str) -> list[str]:
 def test_a_scheduler_on_every_interface_announces_its_api_and_broker(tmp_path: Path) -> None:
     common = ["scheduler", "--port", "0", "--store", str(tmp_path / "jobs.sqlite")]
     common += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--host", "0.0.0.0"]
+    common += ["--insecure-no-token"]  # every interface, no token: meant here
     (tmp_path / "data").mkdir()
     common += ["--data-root", str(tmp_path / "data")]
     refused = start_process(common, log_dir=tmp_path, name="refused")
