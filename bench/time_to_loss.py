@@ -423,7 +423,7 @@ def launch(
     start_at = len(procs)
     for k, host in servers:
         flags = f"--stage {k} --host {listen[host]} --port {wan.PORT} --device cpu --threads 1"
-        flags += f" --metrics-port {METRICS_PORT}"
+        flags += f" --metrics-port {METRICS_PORT} --insecure-no-token"  # namespaces here alone
         argv = wan.swarm_cmd("stage-server", "--job", str(job), *flags.split())
         procs.append(wan.start(net, host, f"{label}-{host}", argv, work))
     deadline = time.monotonic() + wan.READY_TIMEOUT_S

@@ -317,6 +317,7 @@ def run_once(
         for k, host in servers:
             listen = "127.0.0.1" if relayed else address[host]
             flags = f"--stage {k} --host {listen} --port {PORT} --device cpu --threads 1"
+            flags += " --insecure-no-token"  # a lab of namespaces on this machine alone
             argv = swarm_cmd("stage-server", "--job", str(job), *flags.split())
             procs.append(start(net, host, f"{label}-{host}", argv, work))
         deadline = time.monotonic() + READY_TIMEOUT_S
