@@ -308,11 +308,12 @@ class Scheduler:
         await self._announce(job_id)
 
     async def _placement_said(self, job_id: str, message: str) -> None:
-        """What placement says: the job's message while it is placed; once it runs, an event
-        (a spare placed): the message would outlast its cause (the spare shows as joining,
+        """What placement says: the job's message while it is placed; once it runs (or stalls:
+        the stall's message says what it waits for), an event (a spare placed): the message
+        would outlast its cause (the spare shows as joining,
         with what it waits for, until it counts)."""
         record = self.store.get(job_id)
-        if record is not None and record.state == "running":
+        if record is not None and record.state in ("running", "stalled"):
             self.history.record(job_id, "place", message)
         else:
             await self._set(job_id, None, message)

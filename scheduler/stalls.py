@@ -16,12 +16,14 @@ where a spare would have taken over without loss. Each change is an event in the
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from scheduler.history import History
+from scheduler.logged import logged
 from scheduler.speed import RecentSpeed
 from swarm.job.states import JobState
 from swarm.rpc.lease import Replica
@@ -35,6 +37,8 @@ __all__ = [
     "stages_text",
     "under_replicated_text",
 ]
+
+log = logging.getLogger(__name__)
 
 # Steps that stop committing for this many usual step times (and at least this long) while every
 # stage is served are a stall too (a hung or very slow replica, trainers gone).
@@ -179,7 +183,12 @@ class StallWatch:
         step = self.step()
         checkpoint = self._checkpoint(now, step)
         missing = [k for k, replicas in enumerate(members) if not replicas]
-        plans = await self.refill(missing) if missing and self.refill is not None else {}
+        plans: dict[int, str] = {}
+        if missing and self.refill is not None:
+            # A move publishes on the bus: a failure there is logged and tried again next look,
+            # never the end of the watch (and the job's training attempt with it).
+            with logged(log, f"job {self.job_id}: refill failed"):
+                plans = await self.refill(missing)
         for k in missing:
             what = plans.get(k)
             if k not in self._lost:

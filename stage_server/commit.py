@@ -241,7 +241,7 @@ class Committer:
     def _finite(self, c: Commit, what: str, sums: list[torch.Tensor]) -> None:
         """On the worker: refuse a round's pool sum that holds NaN or infinity, before anything
         of it is kept or applied (`NonFiniteGradient`: the coordinator fails the job)."""
-        if all(bool(torch.isfinite(t).all()) for t in sums):
+        if not sums or bool(torch.stack([torch.isfinite(t).all() for t in sums]).all()):  # 1 sync
             return
         self.metrics.nonfinite()
         raise NonFiniteGradient(

@@ -96,3 +96,16 @@ async def test_a_placement_in_a_running_job_is_an_event_not_its_message(tmp_path
         events = [e.text for e in swarm.store.events(job)]
         assert any(t.startswith("starting 1 stage server(s): c on stage") for t in events), events
         assert swarm.store.get(job).message == "training"  # type: ignore[union-attr]
+
+
+async def test_a_placement_in_a_stalled_job_leaves_the_stall_said(tmp_path: Path) -> None:
+    # While a job is stalled its message is the stall's (what it waits for and the remedy);
+    # a peer placed meanwhile is an event, as in a running job, not a message over it.
+    async with scheduled_swarm(tmp_path) as swarm:
+        job = await swarm.start_job(SPEC, tmp_path)
+        stall = "stalled at step 3: stage 1 has no replica since 12:00:00; start a stage server"
+        swarm.store.set_state(job, "stalled", message=stall)
+        await swarm.scheduler._placement_said(job, "starting 1 stage server(s): d on stage 0")
+        assert swarm.store.get(job).message == stall  # type: ignore[union-attr]
+        events = [(e.kind, e.text) for e in swarm.store.events(job)]
+        assert ("place", "starting 1 stage server(s): d on stage 0") in events, events

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from scheduler.history import History
 from scheduler.speed import RecentSpeed
 from scheduler.stalls import CHECKPOINT_LOOK_S, Health, StallWatch
@@ -257,3 +259,30 @@ def test_stages_short_of_min_replicas_are_a_warning_naming_the_servers_it_takes(
         ]
         members[2].append(Replica("h", "h:8"))
         assert warnings(2) == []  # every stage has its two
+
+
+def test_a_refill_that_fails_leaves_the_stall_said_and_the_watch_running(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Moving a spare publishes on the bus; a broker hiccup there must not end the watch (and
+    # with it the job's training attempt): the stall is said with its remedy, tried again.
+    now = [1000.0]
+    members: list[list[Replica]] = [[Replica("a", "h:1")], []]
+    message, states = ["training"], []
+    tries: list[list[int]] = []
+
+    async def refill(missing: list[int]) -> dict[int, str]:
+        tries.append(missing)
+        raise ConnectionError("the broker went away")
+
+    with JobStore(tmp_path / "jobs.db") as store:
+        _, _, watch = _watch(
+            store, members, lambda: 9, lambda: 0, message, now, states, refill=refill
+        )
+        asyncio.run(watch.look())
+        now[0] += 1
+        asyncio.run(watch.look())
+    assert tries == [[1], [1]] and states == ["stalled"]
+    assert message[0].startswith("stalled at step 9: stage 1 has no replica since ")
+    assert "start a stage server" in message[0]
+    assert "refill failed" in caplog.text and "the broker went away" in caplog.text
