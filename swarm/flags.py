@@ -101,8 +101,9 @@ def add_secret(p: argparse.ArgumentParser, flag: str, help: str) -> None:
 
 def secret(args: argparse.Namespace, flag: str) -> str | None:
     """`--FLAG` (warned of once: every local user sees it in `ps`), else the first line of
-    `--FLAG-file`, else `SWARM_FLAG`, else None. A file that cannot be read, or is empty, stops
-    the command (exit 2, the flag named: this floor has no `swarm.errors`)."""
+    `--FLAG-file` (what follows it, a comment or an old secret, is not part of it), else
+    `SWARM_FLAG`, else None. A file that cannot be read as text, or whose first line is empty,
+    stops the command (exit 2, the flag named: this floor has no `swarm.errors`)."""
     dest = flag.replace("-", "_")
     given = getattr(args, dest)
     if given:
@@ -117,9 +118,11 @@ def secret(args: argparse.Namespace, flag: str) -> str | None:
     path = getattr(args, f"{dest}_file", None)
     if path:
         try:
-            text = Path(path).read_text().strip()
+            text = next(iter(Path(path).read_text().splitlines()), "").strip()
         except OSError as e:
             text, why = "", f"cannot read it ({e.strerror})"
+        except UnicodeDecodeError:
+            text, why = "", "it is not text: write the secret in it"
         else:
             why = "it is empty: write the secret in it"
         if not text:

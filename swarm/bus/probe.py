@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 
 __all__ = ["CONNECT", "answers_in_clear", "not_a_broker"]
 
@@ -53,7 +54,9 @@ def answers_in_clear(host: str, port: int, timeout: float) -> bool:
 
 def _reply(host: str, port: int, context: ssl.SSLContext | None, timeout: float) -> bytes:
     """The first bytes (up to 9, enough for an HTTP/2 frame header) that `host:port` answers a
-    CONNECT with; b"" when it closes, stays silent or cannot be reached."""
+    CONNECT with, within `timeout` in all (a listener trickling a byte at a time waits no
+    longer); b"" when it closes, stays silent or cannot be reached."""
+    deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError:
@@ -64,6 +67,10 @@ def _reply(host: str, port: int, context: ssl.SSLContext | None, timeout: float)
             sock = context.wrap_socket(sock, server_hostname=host)
         sock.sendall(CONNECT)
         while len(reply) < 9 and reply[:1] != bytes([_CONNACK]):  # a broker's says enough
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            sock.settimeout(left)
             chunk = sock.recv(9 - len(reply))
             if not chunk:
                 break

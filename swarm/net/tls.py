@@ -136,6 +136,7 @@ class Tls:
 
         if self.cert is None:
             return
+        host = host.strip("[]")  # an IPv6 address as a URL writes it
         cert = x509.load_pem_x509_certificate(self.cert)
         try:
             sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value

@@ -41,6 +41,7 @@ def certs(tmp_path: Path) -> Path:
     issue(certs, "scheduler", [ANNOUNCED])
     issue(certs, "gpu1", ["203.0.113.7"])
     issue(certs, "wild", ["*.example.org", "10.0.0.1"])
+    issue(certs, "six", ["2001:db8::7"])
     return certs
 
 
@@ -54,6 +55,9 @@ def test_a_certificate_names_the_hosts_it_was_issued_for(certs: Path) -> None:
     _identity(certs, "gpu1").check_names("203.0.113.7", "the scheduler")
     _identity(certs, "wild").check_names("sched.example.org", "the scheduler")
     _identity(certs, "wild").check_names("10.0.0.1", "the scheduler")
+    # An IPv6 address as a URL writes it, in brackets, is the same address.
+    _identity(certs, "six").check_names("[2001:db8::7]", "the scheduler")
+    _identity(certs, "six").check_names("2001:db8::7", "the scheduler")
     for name, host in [("wild", "a.b.example.org"), ("wild", "example.org"), ("gpu1", "gpu1")]:
         with pytest.raises(ConfigError, match=f"not {host}, the host the scheduler announces"):
             _identity(certs, name).check_names(host, "the scheduler")

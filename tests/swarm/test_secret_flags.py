@@ -109,3 +109,22 @@ def test_a_broker_password_on_the_command_line_is_warned_of(
     monkeypatch.setenv("SWARM_BROKER", url)  # from the environment: not in `ps`
     warn_if_url_password(p.parse_args([]), "broker")
     assert capsys.readouterr().err == ""
+
+
+def test_a_secret_file_gives_its_first_line(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("s3cret\n# the old one, kept for a day: 0ld\n")
+    args = _parser().parse_args(["--token-file", str(path)])
+    assert token(args) == "s3cret"
+
+
+def test_a_secret_file_that_is_not_text_stops_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "token"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    args = _parser().parse_args(["--token-file", str(path)])
+    with pytest.raises(SystemExit) as exit_:
+        token(args)
+    assert exit_.value.code == 2
+    assert f"--token-file {path}: it is not text" in capsys.readouterr().err
