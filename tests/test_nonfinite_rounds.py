@@ -22,7 +22,7 @@ from swarm.job.rule import RuleKind
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job, with_rule
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.attack("N10")]
 
 TRAINING = {"stages": 2, "steps": 5, "target_batch_size": 16, "checkpoint_every": 0}
 

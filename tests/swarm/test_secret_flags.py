@@ -20,6 +20,8 @@ from swarm.flags import (
 )
 from tests.support.cli import swarm
 
+pytestmark = pytest.mark.attack("N19")
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()

@@ -13,6 +13,8 @@ from swarm.errors import ConfigError
 from swarm.net.tokens import refuse_open_host
 from tests.support.cli import swarm
 
+pytestmark = pytest.mark.attack("N18")
+
 NO_TOKEN = {"SWARM_TOKEN": "", "SWARM_INSECURE_NO_TOKEN": ""}
 
 

@@ -17,6 +17,8 @@ from stage_server.averaging.spill import Spill
 from swarm.model.checkpoint import save_file, save_stage, seal
 from swarm.net.certs import init_ca, issue
 
+pytestmark = pytest.mark.attack("N20")
+
 
 @pytest.fixture(autouse=True)
 def _default_umask() -> Iterator[None]:

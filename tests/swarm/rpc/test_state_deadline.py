@@ -20,7 +20,7 @@ from swarm.rpc.state_streams import ReplicaStreams
 from tests.support.hostile import HostileStage, serving
 from tests.support.jobs import make_job
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.attack("N12")]
 
 IDLE_S = 1.0  # the deadline that follows progress (rpc_timeout_s)
 PAUSE_S = 0.3  # between the trickle's chunks: well within IDLE_S

@@ -1,0 +1,112 @@
+"""The hostile inputs of the security reviews, each tried against real servers, brokers and
+processes: prints, for each attack, whether today's code refuses it.
+
+    .venv/bin/python bench/hostile_inputs.py [-k EXPR] [--slow]
+
+Each attack is reproduced by the tests marked `@pytest.mark.attack("N1")` (raw HTTP/2 and MQTT
+packets where the attack is below the client libraries, real Mosquitto where it is Mosquitto's);
+a test passes when the attack is refused. This script runs those tests and prints one line per
+attack: `refused` when every test of it passed, `NOT refused` (with the failing tests) when one
+failed, `no test` when nothing reproduces it yet. Exit status 1 unless every attack is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Issue 44's review ("let no one in, round two"); the ids are the issue's.
+ATTACKS: dict[str, str] = {
+    "N1": "half-sent calls hold every call slot; unbounded scheduler memory and sockets",
+    "N2": "a peer takes the scheduler's (or another peer's) client id on Mosquitto",
+    "N3": "retained messages and slow subscribers grow the broker without bound",
+    "N4": "any token holder cancels, deletes or exports another user's job",
+    "N5": "silent TLS connections exhaust the embedded broker's descriptors",
+    "N6": "Reduce headers declaring ~1 GiB pin a replica's receive budget",
+    "N7": "fake followers lock real joiners out of DownloadState",
+    "N8": "a client id peer-X squatted by another user on the embedded broker",
+    "N9": "a peer flipping its announcement forges job history and floods the log",
+    "N10": "a NaN in a round's sums, outer step or final mean is applied to every replica",
+    "N11": "a job too large for any peer is accepted and built; unfinished jobs uncapped",
+    "N12": "a 1-byte-per-59-s state chunk keeps a checkpoint in progress forever",
+    "N13": "empty Reduce calls pin memory after the caller hangs up",
+    "N14": "connection churn starves /metrics scrapes",
+    "N15": "a resuming coordinator trusts a member's unchecked round number",
+    "N16": "one log line per refused connection or call, unrated",
+    "N17": "a 63 MiB header parsed whole before the 64-tensor cap",
+    "N18": "a scheduler on 0.0.0.0 without a token starts silently",
+    "N19": "secrets accepted only on the command line",
+    "N20": "the store and checkpoints are world-readable",
+    "M9": "a token holder speaks for the scheduler in the commit protocol",
+    "M9-hash": "init_from's hash cache keyed by path, size and mtime",
+    "M9-load": "torch.load without weights_only in the demo",
+}
+
+
+class _Outcomes:
+    """A pytest plugin: the attack ids of each collected test, and each test's outcome."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, list[str]] = {}
+        self.failed: dict[str, list[str]] = defaultdict(list)
+        self.passed: dict[str, int] = defaultdict(int)
+
+    def pytest_collection_modifyitems(self, items: list[Any]) -> None:
+        kept = []
+        for item in items:
+            marks = [m.args[0] for m in item.iter_markers("attack")]
+            if marks:
+                self.ids[item.nodeid] = marks
+                kept.append(item)
+        items[:] = kept
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        ids = self.ids.get(report.nodeid, [])
+        if report.failed or (report.when == "call" and report.skipped):
+            for attack in ids:
+                self.failed[attack].append(report.nodeid)
+        elif report.when == "call" and report.passed:
+            for attack in ids:
+                self.passed[attack] += 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", default=None, help="only the tests pytest's -k selects")
+    parser.add_argument("--slow", action="store_true", help="the slow tests' attacks too")
+    args = parser.parse_args()
+    outcomes = _Outcomes()
+    pytest_args = [
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "attack" + ("" if args.slow else " and not slow"),
+    ]
+    if args.k:
+        pytest_args += ["-k", args.k]
+    pytest.main([*pytest_args, str(ROOT / "tests")], plugins=[outcomes])
+    unrefused = 0
+    print(f"\n{'attack':<8} {'result':<12} what")
+    for attack, what in ATTACKS.items():
+        if outcomes.failed.get(attack):
+            result, unrefused = "NOT refused", unrefused + 1
+        elif outcomes.passed.get(attack):
+            result = f"refused ({outcomes.passed[attack]})"
+        else:
+            result = "no test"
+        print(f"{attack:<8} {result:<12} {what}")
+        for nodeid in outcomes.failed.get(attack, []):
+            print(f"{'':<8} failed: {nodeid}")
+    return 1 if unrefused else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
