@@ -1,0 +1,110 @@
+"""Issue 44 N2, on real Mosquitto as `swarm broker-config` writes it: a client id is its user's
+(`use_username_as_clientid`), so a peer that sends the scheduler's client id, or another peer's,
+takes no one's place: the scheduler and that peer stay connected, and no last-will fires."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pwd
+import ssl
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from swarm.bus.broker_config import write
+from swarm.bus.topics import ANY, SCHEDULER_USER, Topics
+from swarm.net import tls
+from swarm.net.certs import init_ca, issue
+from swarm.proto import control_pb2 as pb
+from tests.support.brokers import running
+from tests.support.buses import WAIT_S, bus, login, receive_until
+from tests.support.ports import free_port
+from tests.support.raw_mqtt import RawClient, connect_packet
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.attack("N2")]
+
+TOKEN, SCHEDULER_TOKEN = "s3cret", "sched-only"
+PASSWORDS = {"gpu1": "gpu1-own", "gpu2": "gpu2-own"}
+TOPICS = Topics()
+TAKEOVER = "already connected, closing old connection"  # Mosquitto's line for a kicked client
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "certs"
+    init_ca(path)
+    issue(path, "broker", ["127.0.0.1"])
+    tls.configure(tls.Tls.load(path / "ca.pem", None, None, False))
+    yield path
+    tls.configure(None)
+
+
+@contextlib.asynccontextmanager
+async def _broker(tmp_path: Path, certs: Path) -> AsyncIterator[tuple[int, Path]]:
+    """Mosquitto with the written files, for peers gpu1 and gpu2 with passwords of their own."""
+    port = free_port("127.0.0.1")
+    files = write(
+        tmp_path / "broker",
+        certs=certs,
+        cert="broker",
+        port=port,
+        peers=dict(PASSWORDS),
+        token=TOKEN,
+        scheduler_password=SCHEDULER_TOKEN,
+        user=pwd.getpwuid(os.geteuid()).pw_name,
+        tool=None,
+    )
+    with running(files[0], port) as log:
+        yield port, log
+
+
+async def _raw_login(port: int, certs: Path, client_id: str, user: str, password: str) -> RawClient:
+    """A TLS connection sending one CONNECT (no reconnects, unlike a `Bus`); CONNACK read."""
+    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+    raw = RawClient(reader, writer)
+    await raw.send(connect_packet(client_id, username=user, password=password))
+    assert await raw.connack(WAIT_S) == 0, f"{user} was refused"
+    return raw
+
+
+@pytest.mark.parametrize("taken", [SCHEDULER_USER, "peer-gpu2"])
+async def test_a_peer_sending_another_clients_id_takes_no_ones_place(
+    tmp_path: Path, certs: Path, taken: str
+) -> None:
+    async with _broker(tmp_path, certs) as (port, log):
+        url = f"mqtts://127.0.0.1:{port}"
+        scheduler = login(url, SCHEDULER_USER, SCHEDULER_TOKEN, client_id=SCHEDULER_USER)
+        will = (TOPICS.peer("gpu2"), pb.PeerAnnouncement(peer="gpu2", state=pb.PEER_STATE_OFFLINE))
+        gpu2 = bus(url, "peer-gpu2", will=will, token=PASSWORDS["gpu2"], username="gpu2")
+        async with scheduler, gpu2:
+            await scheduler.wait_connected(WAIT_S)
+            seen = scheduler.subscribe(TOPICS.peer(ANY))
+            await seen.wait_subscribed(WAIT_S)
+            await gpu2.wait_connected(WAIT_S)
+            online = pb.PeerAnnouncement(peer="gpu2", state=pb.PEER_STATE_JOINING, address="a:1")
+            await gpu2.publish(TOPICS.peer("gpu2"), online, retain=True)
+            await receive_until(seen, lambda t, m: t == TOPICS.peer("gpu2"))
+
+            # gpu1, with its own password, sends the taken client id; no reconnecting back.
+            attacker = await _raw_login(port, certs, taken, "gpu1", PASSWORDS["gpu1"])
+            async with attacker:
+                # gpu2 says something after the attack: the scheduler hears it, and before it
+                # no offline will (a kicked gpu2's) on gpu2's topic.
+                after = pb.PeerAnnouncement(peer="gpu2", state=pb.PEER_STATE_JOINING, address="b:2")
+                await gpu2.publish(TOPICS.peer("gpu2"), after, retain=True)
+                heard: list[pb.PeerAnnouncement] = []
+
+                def done(topic: str, message: object) -> bool:
+                    if topic == TOPICS.peer("gpu2") and isinstance(message, pb.PeerAnnouncement):
+                        heard.append(message)
+                        return message.address == "b:2"
+                    return False
+
+                await receive_until(seen, done)
+                assert [m.state for m in heard if m.state == pb.PEER_STATE_OFFLINE] == []
+                assert scheduler.connected and gpu2.connected
+                assert TAKEOVER not in log.read_text(), log.read_text()
