@@ -51,9 +51,22 @@ CONF, PASSWD, ACL, CA = "mosquitto.conf", "passwd", "acl", "ca.pem"
 MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
 _ID = re.compile(r"[A-Za-z0-9._-]+")  # the characters of a persisted peer id (stage_server)
 _ITERATIONS = 101  # mosquitto_passwd's, for PBKDF2-SHA512 (`$7$`)
+MEMORY_LIMIT_MIB = 512  # the broker's whole heap; a swarm's retained state is a few MiB
+# Over every retained message of a full swarm (1,024 peers' announcements and assignments, the
+# jobs), which a fresh subscription to all of them is sent at once: Mosquitto counts each.
+MAX_QUEUED_MESSAGES = 4096
+MAX_QUEUED_BYTES = 64 << 20
 
 
-def conf_text(directory: Path, port: int, *, user: str, mutual: bool, cert: str = "broker") -> str:
+def conf_text(
+    directory: Path,
+    port: int,
+    *,
+    user: str,
+    mutual: bool,
+    cert: str = "broker",
+    memory_limit_mib: int = MEMORY_LIMIT_MIB,
+) -> str:
     """mosquitto.conf for the files `write` puts in `directory` (absolute)."""
     d = directory
     return f"""\
@@ -68,6 +81,16 @@ user {user}
 max_packet_size 2097152
 # Retained state is refilled by the clients after a restart (they re-publish it).
 persistence false
+# What one client makes the broker hold: what is not yet sent to it (a subscriber that never
+# reads) is dropped for it past max_queued_messages (QoS 0 messages are counted) or
+# max_queued_bytes (QoS 1). A fresh subscription is sent every retained message at once: a full
+# swarm has fewer.
+max_queued_messages {MAX_QUEUED_MESSAGES}
+max_queued_bytes {MAX_QUEUED_BYTES}
+# All of the broker's heap, retained messages included: past it a message is dropped and its
+# sender disconnected. Mosquitto bounds no one user's retained bytes: a peer may retain on its
+# load topics (of any job id) until this is reached, and then every sender is refused.
+memory_limit {memory_limit_mib << 20}
 
 # TLS with the swarm's CA only: clients dial mqtts://HOST:{port} with --tls-ca.
 listener {port}
@@ -80,15 +103,21 @@ require_certificate {"true" if mutual else "false"}
 # certificate name its user: issue the scheduler's as scheduler, each peer's as its id.
 
 # Who may log in: "scheduler" with a password of its own, each peer id with the swarm token or
-# its own password, "{TOOL_USER}" (trainers, tools) with the token; each publishes only its own.
+# its own password, each trainer's user and "{TOOL_USER}" (tools) with the token; each publishes
+# only its own. A client's id is its user, whatever id it sends: no one takes the scheduler's
+# or another peer's place (the same user logging in again replaces its own connection).
 allow_anonymous false
+use_username_as_clientid true
 password_file {d / PASSWD}
 acl_file {d / ACL}
 """
 
 
-def acl_text(peers: Iterable[str], prefix: str = DEFAULT_PREFIX) -> str:
-    """The ACL for the scheduler, `TOOL_USER` and `peers` (usernames are peer ids)."""
+def acl_text(
+    peers: Iterable[str], prefix: str = DEFAULT_PREFIX, trainers: Iterable[str] = ()
+) -> str:
+    """The ACL for the scheduler, `TOOL_USER`, `peers` (usernames are peer ids) and `trainers`
+    (users that read the swarm, one for each trainer)."""
     every = f"{prefix}#"
     lines = [
         "# The swarm's ACL, written by `swarm broker-config`: each peer publishes only its own",
@@ -103,7 +132,7 @@ def acl_text(peers: Iterable[str], prefix: str = DEFAULT_PREFIX) -> str:
         "",
         "# Everyone reads the whole swarm.",
     ]
-    for user in (TOOL_USER, *peers):
+    for user in (TOOL_USER, *peers, *trainers):
         lines += [f"user {user}", f"topic read {every}"]
     return "\n".join(lines) + "\n"
 
@@ -144,9 +173,14 @@ def write(
     user: str,
     mutual: bool = False,
     tool: str | None = MOSQUITTO_PASSWD,
+    trainers: Iterable[str] = (),
+    memory_limit_mib: int = MEMORY_LIMIT_MIB,
 ) -> list[Path]:
     """Write Mosquitto's files into `directory`; return them. `peers` maps each peer id to its
-    own password, or None: the swarm `token` (which `TOOL_USER` logs in with too)."""
+    own password, or None: the swarm `token` (which `TOOL_USER` and `trainers` log in with too).
+    Mosquitto makes a client's id its user, so each trainer needs a user of its own: two
+    connections of one user take each other's place."""
+    trainers = list(trainers)
     if scheduler_password == token:
         raise ConfigError("the scheduler's password must not be the swarm token: every peer has it")
     for peer, password in {TOOL_USER: token, **peers}.items():
@@ -160,6 +194,16 @@ def write(
                 f"{peer!r} cannot be a peer id: use letters, digits, '.', '_' and '-', and "
                 f"neither {SCHEDULER_USER!r} nor {TOOL_USER!r}"
             )
+    for trainer in trainers:
+        if not _ID.fullmatch(trainer) or trainer in (SCHEDULER_USER, TOOL_USER, *peers):
+            raise ConfigError(
+                f"{trainer!r} cannot be a trainer's user: use letters, digits, '.', '_' and '-', "
+                f"and neither {SCHEDULER_USER!r}, {TOOL_USER!r} nor a peer id"
+            )
+    if len(set(trainers)) != len(trainers):
+        raise ConfigError("a trainer's user is named twice")
+    if memory_limit_mib < 16:
+        raise ConfigError(f"--memory-limit is in MiB, at least 16, got {memory_limit_mib}")
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be a TCP port, got {port}")
     ca, pem, key = certs / CA, certs / f"{cert}.pem", certs / f"{cert}.key"
@@ -171,10 +215,14 @@ def write(
         _check_reachable(directory, user)
     logins = {SCHEDULER_USER: scheduler_password, TOOL_USER: token}
     logins |= {peer: password or token for peer, password in peers.items()}
+    logins |= {trainer: token for trainer in trainers}
+    conf = conf_text(
+        directory, port, user=user, mutual=mutual, cert=cert, memory_limit_mib=memory_limit_mib
+    )
     files = {
-        CONF: (conf_text(directory, port, user=user, mutual=mutual, cert=cert), 0o644, None),
+        CONF: (conf, 0o644, None),
         PASSWD: (passwd_text(logins, tool), 0o600, owner),
-        ACL: (acl_text(peers), 0o600, owner),
+        ACL: (acl_text(peers, trainers=trainers), 0o600, owner),
         CA: (ca.read_text(), 0o644, None),
         pem.name: (pem.read_text(), 0o644, None),
         key.name: (key.read_text(), 0o600, owner),
@@ -255,6 +303,21 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "(# starts a comment line)",
     )
     p.add_argument(
+        "--trainers",
+        default="",
+        help="users for trainers, comma-separated (password: the token): Mosquitto makes a "
+        "client's id its user, so each trainer process dials mqtts://USER@HOST:PORT with one of "
+        f"its own; {TOOL_USER!r} serves one connection at a time",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=int,
+        default=MEMORY_LIMIT_MIB,
+        metavar="MIB",
+        help="all of Mosquitto's heap, retained messages included, in MiB (past it a message is "
+        "dropped and its sender disconnected)",
+    )
+    p.add_argument(
         "--certs",
         type=Path,
         default=Path("certs"),
@@ -290,6 +353,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         sched = secrets.token_hex(32)
         made.append(f"export SWARM_SCHEDULER_TOKEN={sched}  # the scheduler alone")
     peers = _peers(args.peers, args.peers_file)
+    trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
     user = args.user or ("mosquitto" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name)
     files = write(
         args.dir,
@@ -301,10 +365,13 @@ def run(command: str, args: argparse.Namespace) -> int:
         scheduler_password=sched,
         user=user,
         mutual=args.tls_mutual,
+        trainers=trainers,
+        memory_limit_mib=args.memory_limit,
     )
+    also = f", trainers {', '.join(trainers)}" if trainers else ""
     print(
         f"wrote {', '.join(str(f) for f in files)}: {SCHEDULER_USER}, {TOOL_USER} and "
-        f"{len(peers)} peers ({', '.join(peers)}) may log in; the secrets belong to {user}\n"
+        f"{len(peers)} peers ({', '.join(peers)}){also} may log in; the secrets belong to {user}\n"
         f"start it: mosquitto -c {files[0]}"
         + (f" (as root: it becomes {user})" if os.geteuid() == 0 else "")
     )
