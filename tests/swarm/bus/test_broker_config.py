@@ -176,6 +176,11 @@ def _write(tmp_path: Path, certs: Path, **kw: object) -> list[Path]:
         ({"scheduler_password": TOKEN}, "must not be the swarm token"),
         ({"cert": "missing"}, "missing"),
         ({"port": 0}, "TCP port"),
+        ({"trainers": ["a"]}, "cannot be a trainer's user"),  # a peer id
+        ({"trainers": [TOOL_USER]}, "cannot be a trainer's user"),
+        ({"trainers": ["t/1"]}, "cannot be a trainer's user"),
+        ({"trainers": ["t1", "t1"]}, "named twice"),
+        ({"memory_limit_mib": 1}, "at least 16"),
     ],
 )
 def test_refuses_what_would_not_work(
@@ -223,13 +228,14 @@ def test_the_command_makes_up_the_tokens_it_is_not_given_and_shows_them_once(
     peers.write_text("# the lab's machines\ngpu1\ngpu2 gpu2-own-pass\n\n")
     out = tmp_path / "broker"
     argv = ["broker-config", "--dir", str(out), "--certs", str(certs), "--user", ME]
-    assert main([*argv, "--peers", "gpu0", "--peers-file", str(peers)]) == 0
+    assert main([*argv, "--peers", "gpu0", "--peers-file", str(peers), "--trainers", "t1"]) == 0
     printed = capsys.readouterr().out
     made = dict(re.findall(r"export (SWARM_\w+)=(\w+)", printed))
     assert set(made) == {"SWARM_TOKEN", "SWARM_SCHEDULER_TOKEN"}
     passwd = out / "passwd"
-    for user in ("gpu0", "gpu1", TOOL_USER):
+    for user in ("gpu0", "gpu1", TOOL_USER, "t1"):
         assert _verifies(passwd, user, made["SWARM_TOKEN"]), user
+    assert "user t1\ntopic read swarm/v1/#" in (out / "acl").read_text()  # it reads, only
     assert _verifies(passwd, "gpu2", "gpu2-own-pass")
     assert _verifies(passwd, SCHEDULER_USER, made["SWARM_SCHEDULER_TOKEN"])
     assert made["SWARM_TOKEN"] not in "".join(f.read_text() for f in out.iterdir())

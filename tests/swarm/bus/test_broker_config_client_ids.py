@@ -24,7 +24,7 @@ from tests.support.buses import WAIT_S, bus, login, receive_until
 from tests.support.ports import free_port
 from tests.support.raw_mqtt import RawClient, connect_packet
 
-pytestmark = [pytest.mark.timeout(90), pytest.mark.attack("N2")]
+pytestmark = pytest.mark.timeout(90)
 
 TOKEN, SCHEDULER_TOKEN = "s3cret", "sched-only"
 PASSWORDS = {"gpu1": "gpu1-own", "gpu2": "gpu2-own"}
@@ -44,7 +44,8 @@ def certs(tmp_path: Path) -> Iterator[Path]:
 
 @contextlib.asynccontextmanager
 async def _broker(tmp_path: Path, certs: Path) -> AsyncIterator[tuple[int, Path]]:
-    """Mosquitto with the written files, for peers gpu1 and gpu2 with passwords of their own."""
+    """Mosquitto with the written files, for peers gpu1 and gpu2 with passwords of their own,
+    and trainers t1 and t2."""
     port = free_port("127.0.0.1")
     files = write(
         tmp_path / "broker",
@@ -56,6 +57,7 @@ async def _broker(tmp_path: Path, certs: Path) -> AsyncIterator[tuple[int, Path]
         scheduler_password=SCHEDULER_TOKEN,
         user=pwd.getpwuid(os.geteuid()).pw_name,
         tool=None,
+        trainers=["t1", "t2"],
     )
     with running(files[0], port) as log:
         yield port, log
@@ -71,6 +73,7 @@ async def _raw_login(port: int, certs: Path, client_id: str, user: str, password
     return raw
 
 
+@pytest.mark.attack("N2")
 @pytest.mark.parametrize("taken", [SCHEDULER_USER, "peer-gpu2"])
 async def test_a_peer_sending_another_clients_id_takes_no_ones_place(
     tmp_path: Path, certs: Path, taken: str
@@ -108,3 +111,29 @@ async def test_a_peer_sending_another_clients_id_takes_no_ones_place(
                 assert [m.state for m in heard if m.state == pb.PEER_STATE_OFFLINE] == []
                 assert scheduler.connected and gpu2.connected
                 assert TAKEOVER not in log.read_text(), log.read_text()
+
+
+async def test_trainers_with_users_of_their_own_stay_connected_together(
+    tmp_path: Path, certs: Path
+) -> None:
+    """Each trainer dials with its user in the URL (the token its password), as
+    `client.trainer.load_followed` does: both read the swarm, neither replaces the other."""
+    async with _broker(tmp_path, certs) as (port, log):
+        url = f"mqtts://127.0.0.1:{port}"
+        scheduler = login(url, SCHEDULER_USER, SCHEDULER_TOKEN, client_id=SCHEDULER_USER)
+        trainers = [
+            bus(url.replace("//", f"//{user}@"), f"trainer-{user}-load", token=TOKEN)
+            for user in ("t1", "t2")
+        ]
+        async with scheduler, trainers[0], trainers[1]:
+            subs = []
+            for trainer in trainers:
+                await trainer.wait_connected(WAIT_S)
+                subs.append(trainer.subscribe(TOPICS.steps("j")))
+                await subs[-1].wait_subscribed(WAIT_S)
+            await scheduler.wait_connected(WAIT_S)
+            await scheduler.publish(TOPICS.steps("j"), pb.StepCommitted(step=3), retain=True)
+            for sub in subs:
+                await receive_until(sub, lambda t, m: t == TOPICS.steps("j"))
+            assert all(t.connected for t in trainers)
+        assert TAKEOVER not in log.read_text(), log.read_text()
