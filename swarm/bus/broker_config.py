@@ -1,6 +1,7 @@
 """`swarm broker-config`: Mosquitto's files for a swarm, ready to run as written: its configuration
-(absolute paths, the TLS listener), the password file (the scheduler's own password; the swarm
-token, or a password of its own, for each peer id chosen up front) and the ACL.
+(absolute paths, the TLS listener, a client's id bound to its user, caps on what clients make the
+broker hold), the password file (the scheduler's own password; the swarm token, or a password of
+its own, for each peer id chosen up front; the token for each trainer's user) and the ACL.
 
 The ACL's rules are `examples/mosquitto/acl`'s (and the embedded broker's, `Topics.may_publish`),
 with one difference of form: Mosquitto 2 warns at every start about a `pattern` line without `%u`

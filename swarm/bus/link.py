@@ -56,11 +56,13 @@ class Dialer:
         server_name: str | None = None,
     ) -> Dialer:
         """Log in as the URL's user, else as `username` (a peer: its peer id; the scheduler:
-        "scheduler"), else as "swarm"; with the URL's password, else `token` (a password of a
-        peer's own, set in its URL, wins over the swarm token it needs for gRPC anyway). The
-        broker's ACL lets a user publish only its own topics. `will` (topic, message) becomes a
-        retained last-will. `server_name`: the name the broker's certificate must hold, when not
-        the host dialled (the scheduler's own broker, dialled on this machine)."""
+        "scheduler"), else as "swarm" (on Mosquitto, which makes a client's id its user, a
+        trainer's URL names a user of its own: two connections of one user replace each other);
+        with the URL's password, else `token` (a password of a peer's own, set in its URL, wins
+        over the swarm token it needs for gRPC anyway). The broker's ACL lets a user publish only
+        its own topics. `will` (topic, message) becomes a retained last-will. `server_name`: the
+        name the broker's certificate must hold, when not the host dialled (the scheduler's own
+        broker, dialled on this machine)."""
         login = address.username or username
         password = address.password if address.password is not None else token
         if password is not None:
@@ -124,10 +126,10 @@ class Dialer:
         # a wrong password: name both.
         return (
             f"{who} refused user {self.username!r}: not authorised ({exc}). Either the broker "
-            f"does not know {self.username!r} (a peer logs in as its peer id, --peer; "
-            "Mosquitto's password file needs every one: `swarm broker-config --peers ID,...` "
-            "writes it), or its password there is not the token (--token, SWARM_TOKEN) or the "
-            "password in the broker URL"
+            f"does not know {self.username!r} (a peer logs in as its peer id, --peer; a trainer "
+            "as its URL's user; Mosquitto's password file needs every one: `swarm broker-config "
+            "--peers ID,... --trainers USER,...` writes it), or its password there is not the "
+            "token (--token, SWARM_TOKEN) or the password in the broker URL"
         )
 
     async def _final(self, error: str) -> BusRefused | None:
