@@ -73,7 +73,7 @@ def unsafe_loads(source: str) -> list[int]:
     for node in ast.walk(tree):
         stored = isinstance(getattr(node, "ctx", None), ast.Store)
         if is_load(node) and id(node) not in checked and not stored:
-            bad.append(node.lineno)
+            bad.append(getattr(node, "lineno", 0))
     return sorted(set(bad))
 
 
