@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,7 @@ from scheduler.assignments import Assignments
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
-from scheduler.history import History, admitted_text
+from scheduler.history import History
 from scheduler.rebalance_loop import Mover
 from scheduler.registry import PeerRegistry
 from scheduler.speed import RecentSpeed
@@ -168,11 +169,7 @@ class JobTraining:
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
             checkpoint_every_s=self.checkpoint_every_s,
         )
-        coordinator.membership.admitted.append(
-            lambda step, stage, peer, source: self.history.record(
-                job_id, "join", admitted_text(step, stage, peer, source)
-            )
-        )
+        coordinator.membership.admitted.append(functools.partial(self.history.admitted, job_id))
         trainer = PipelineTrainer(
             job,
             coordinator,

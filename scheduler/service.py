@@ -76,7 +76,7 @@ class Scheduler:
         )
         # Each unfinished job's waiting and warnings (placement's and the running job's watch).
         self._health: dict[str, Health] = {}
-        self.history = History(store)
+        self.history = History(store, vouched=self._vouched)
         self.assignments = Assignments(
             self.peer_registry,
             bus,
@@ -263,6 +263,14 @@ class Scheduler:
                 self.peer_registry.announce(message)
                 self.history.peer(old, message)
                 self.assignments.changed.set()
+
+    def _vouched(self, job_id: str, peer: str) -> bool:
+        """Whether this scheduler gave `peer` a stage of `job_id`, or its coordinator admitted
+        it: what a peer announces counts for such a job only (`History`)."""
+        if self.peer_registry.given(job_id, peer) is not None:
+            return True
+        coordinator = self._coordinators.get(job_id)
+        return coordinator is not None and peer in coordinator.membership.synced
 
     async def _watch_load(self) -> None:
         async for _topic, message in self.bus.subscribe(self.bus.topics.load("+", "+")):
