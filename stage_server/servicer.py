@@ -376,9 +376,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             yield part
 
     async def LoadState(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        stage = self._runtime.stage if self._runtime is not None else 0
-        signed = pb.StageLoadStateRequest(job=self.job_id, stage=stage)  # as the scheduler signs
-        await self._scheduler_only("LoadState", signed, context)
+        if self._runtime is not None:  # else refused unread (NOT_FOUND), as before
+            signed = pb.StageLoadStateRequest(job=self.job_id, stage=self._runtime.stage)
+            await self._scheduler_only("LoadState", signed, context)  # as the scheduler signs
 
         async def body() -> pb.StageLoadStateResponse:
             step = await self._transfer.load(request_iterator, self._route, self.limits)
