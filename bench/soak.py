@@ -715,7 +715,7 @@ class Soak:
         if exported is None:
             return
         out, step = exported
-        state = torch.load(out)
+        state = torch.load(out, weights_only=True)
         started = time.monotonic()
         config = load_job(path)
         expected = train_local(config, steps=step).state_dict()

@@ -144,7 +144,7 @@ async def _sample(sw: LocalSwarm, job_id: str, job_path: Path, prompt: str = "Th
     with tempfile.TemporaryDirectory() as tmp:
         async with SchedulerClient(sw.address) as client:
             await client.export(job_id, Path(tmp) / "model.pt")
-        state = torch.load(Path(tmp) / "model.pt")
+        state = torch.load(Path(tmp) / "model.pt", weights_only=True)
     model = build_model(job)
     model.load_state_dict(state)
     codec = text_codec()

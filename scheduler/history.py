@@ -7,25 +7,43 @@ stage, moves (it drains its stage, then serves another: one move, not a leave an
 leaves (its last-will: killed, crashed or cut off; or a clean stop), and one that
 comes back under the id of a peer that left (a replacement server from the same cache directory,
 or the same one restarted) reads as a restart, not as if the dead peer had come back.
+
+An announcement is the peer's own claim: it names whatever job and stage it likes, as often as it
+likes. So a peer's events are recorded only for a job the scheduler vouches for it in (`vouched`:
+it gave the peer a stage of the job, or admitted it as a member), never for a job it merely names;
+and each peer's events (its admissions too) are rated (`PEER_BURST`, then one per `PEER_EVERY_S`):
+a peer that flips its announcement many times a second costs a few store writes and log lines,
+and the next one recorded says how many were left out.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from scheduler.store import JobRecord, JobStore, StoreError
 from swarm.job.states import JobState
 from swarm.ops.progress import duration_text
+from swarm.ops.rated import RatedLog
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["History", "admitted_text", "peer_events", "state_change_text"]
+__all__ = ["PEER_BURST", "PEER_EVERY_S", "History", "Vouched", "admitted_text", "peer_events",
+           "state_change_text"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 # Peers remembered as gone, per job: ids are what peers call themselves, so a stream of made-up
 # ones must not grow the scheduler; the oldest are forgotten (a restart then reads as a join).
 MAX_REMEMBERED = 10_000
+
+#: Each peer's events: this many at once, then one per `PEER_EVERY_S` (what a peer's honest
+#: comings and goings never reach: a join, an admission, a move, a leave).
+PEER_BURST, PEER_EVERY_S = 8, 30.0
+
+#: `vouched(job, peer)`: whether the scheduler itself put `peer` on `job` (gave it a stage of the
+#: job, or admitted it as a member): only then does what the peer announces count for the job.
+Vouched = Callable[[str, str], bool]
 
 #: Kinds logged as warnings: training stopped, or is at risk of losing steps.
 _ALARMING = frozenset({"stall", "warning", "rollback"})
@@ -100,10 +118,19 @@ class History:
     """Writes jobs' events to the store and the log; remembers peers that left each job, so that
     one coming back reads as a restart."""
 
-    def __init__(self, store: JobStore) -> None:
-        self.store = store
+    def __init__(
+        self,
+        store: JobStore,
+        *,
+        vouched: Vouched = lambda job, peer: False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`vouched`: by default nobody (no peer's announcement is recorded)."""
+        self.store, self.vouched = store, vouched
         # job -> peers that left it, oldest first (a dict as an ordered set, bounded)
         self._left: dict[str, dict[str, None]] = {}
+        self._quota = _PeerQuota(clock)
+        self._rated = RatedLog(log, every_s=PEER_EVERY_S, clock=clock)
 
     def record(self, job_id: str, kind: str, text: str) -> None:
         level = logging.WARNING if kind in _ALARMING else logging.INFO
@@ -114,10 +141,13 @@ class History:
             log.error("%s", e)
 
     def peer(self, old: cpb.PeerAnnouncement | None, new: cpb.PeerAnnouncement) -> None:
-        """Record what `new` (the peer's announcement after `old`) tells."""
+        """Record what `new` (the peer's announcement after `old`) tells of the jobs the
+        scheduler vouches for it in."""
         job = new.job or (old.job if old is not None else "")
         restarted = bool(job) and new.peer in self._left.get(job, {})
         for job_id, kind, text in peer_events(old, new, restarted):
+            if not self.vouched(job_id, new.peer):
+                continue  # a job it only names: its claim is not the job's history
             record = self.store.get(job_id)
             if record is None or record.finished:
                 continue  # deleted (or another scheduler's); or ended: its peers are released
@@ -128,11 +158,54 @@ class History:
                     del left[next(iter(left))]
             elif kind in ("join", "restart"):
                 left.pop(new.peer, None)
-            self.record(job_id, kind, text)
+            self._rated_record(job_id, new.peer, kind, text)
+
+    def admitted(self, job_id: str, step: int, stage: int, peer: str, source: str) -> None:
+        """`peer` became a member of `stage` at `step` (`Membership.admitted`)."""
+        self._rated_record(job_id, peer, "join", admitted_text(step, stage, peer, source))
+
+    def _rated_record(self, job_id: str, peer: str, kind: str, text: str) -> None:
+        """`record`, within `peer`'s quota; the next one recorded says what was left out."""
+        held = self._quota.take(peer)
+        if held is None:
+            self._rated.warning(
+                ("history", peer),
+                "job %s: %s changes its announcement too often: its events are not recorded "
+                "for now (at most %d, then one per %.0f s)",
+                job_id,
+                peer,
+                PEER_BURST,
+                PEER_EVERY_S,
+            )
+            return
+        if held:
+            text += f" ({held} earlier change(s) of {peer} not recorded: too frequent)"
+        self.record(job_id, kind, text)
 
     def forget(self, job_id: str) -> None:
         """The job ended: nothing more to tell apart."""
         self._left.pop(job_id, None)
+
+
+class _PeerQuota:
+    """A token bucket per peer (`PEER_BURST`, refilled one per `PEER_EVERY_S`), with the count of
+    events it refused since the last it allowed; for at most `MAX_REMEMBERED` peers (the ones
+    heard from longest ago are forgotten: a full bucket again)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._peers: dict[str, tuple[float, float, int]] = {}  # peer -> (tokens, at, refused)
+
+    def take(self, peer: str) -> int | None:
+        """None: refused; else allowed, with how many were refused before it."""
+        now = self.clock()
+        tokens, at, refused = self._peers.pop(peer, (float(PEER_BURST), now, 0))
+        tokens = min(float(PEER_BURST), tokens + (now - at) / PEER_EVERY_S)
+        allowed = tokens >= 1.0
+        self._peers[peer] = (tokens - 1.0, now, 0) if allowed else (tokens, now, refused + 1)
+        if len(self._peers) > MAX_REMEMBERED:
+            del self._peers[next(iter(self._peers))]
+        return refused if allowed else None
 
 
 def state_change_text(record: JobRecord, state: JobState, message: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,8 @@ from scheduler.assignments import Assignments
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
-from scheduler.history import History, admitted_text
+from scheduler.coordinator.replicas import grpc_replicas
+from scheduler.history import History
 from scheduler.rebalance_loop import Mover
 from scheduler.registry import PeerRegistry
 from scheduler.speed import RecentSpeed
@@ -43,6 +45,7 @@ from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model import checkpoint
 from swarm.model.routes import write_record
+from swarm.net.commit_auth import SchedulerKey
 from swarm.ops.progress import StepRecord
 from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
@@ -79,6 +82,16 @@ class JobTraining:
     health: Callable[[str], Health]  # each job's waiting and warnings
     # the first and the longest pause between attempts at saving a job's final model (seconds)
     final_save_retry_s: tuple[float, float] = (1.0, 60.0)
+    # signs the commit protocol's calls (`swarm.net.commit_auth`); None: they go unsigned
+    signing: SchedulerKey | None = None
+
+    def vouched(self, job_id: str, peer: str) -> bool:
+        """Whether the scheduler gave `peer` a stage of `job_id`, or the job's coordinator
+        admitted it: what a peer announces counts for such a job only (`History`)."""
+        if self.peer_registry.given(job_id, peer) is not None:
+            return True
+        coordinator = self.coordinators.get(job_id)
+        return coordinator is not None and peer in coordinator.membership.synced
 
     async def run(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
         """Train `job_id` from the step its servers hold to the end and save the final model.
@@ -160,6 +173,7 @@ class JobTraining:
             job_id,
             lambda: self.peer_registry.members(job_id, stages),
             token=self.token,
+            connect=grpc_replicas(job, job_id, self.token, self.signing),
             on_step=committed,
             checkpoint_dir=self.checkpoint_dir / job_id,
             on_rollback=rolled_back,
@@ -168,11 +182,7 @@ class JobTraining:
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
             checkpoint_every_s=self.checkpoint_every_s,
         )
-        coordinator.membership.admitted.append(
-            lambda step, stage, peer, source: self.history.record(
-                job_id, "join", admitted_text(step, stage, peer, source)
-            )
-        )
+        coordinator.membership.admitted.append(functools.partial(self.history.admitted, job_id))
         trainer = PipelineTrainer(
             job,
             coordinator,

@@ -46,6 +46,7 @@ from swarm.job.config import JobConfig, parse_job
 from swarm.job.states import job_state_proto
 from swarm.model import checkpoint
 from swarm.model.transformer import layer_costs, partition
+from swarm.net.commit_auth import KEY_FILE, SchedulerKey
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Lease, MicrobatchResult, Working
@@ -76,7 +77,9 @@ class Scheduler:
         )
         # Each unfinished job's waiting and warnings (placement's and the running job's watch).
         self._health: dict[str, Health] = {}
-        self.history = History(store)
+        self.history = History(store, vouched=lambda job, peer: self._training.vouched(job, peer))
+        # Signs the commit protocol's calls; its public half goes out with each job's announcement.
+        self.signing = SchedulerKey.load_or_create(opts.checkpoint_dir / KEY_FILE)
         self.assignments = Assignments(
             self.peer_registry,
             bus,
@@ -105,6 +108,7 @@ class Scheduler:
             self.assignments,
             checkpoint_dir=opts.checkpoint_dir,
             token=opts.token,
+            signing=self.signing,
             embedded_trainer=opts.embedded_trainer,
             checkpoint_every_s=opts.checkpoint_every_s,
             announce=self._announce,
@@ -292,6 +296,7 @@ class Scheduler:
             spec=r.spec,
             error=r.error or "",
             time=time.time(),
+            scheduler_key=self.signing.public,
         )
         await self.bus.publish(self.bus.topics.job(job_id), message, retain=True)
 

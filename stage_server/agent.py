@@ -247,6 +247,7 @@ class PeerAgent:
                 self._jobs.pop(job.job, None)  # its config is needed no more
         elif job.state in _ACTIVE:
             self._active[job.job] = job
+            self.running.servicer.trust(job)  # the scheduler's key, if it serves the job
             self._ended.pop(job.job, None)  # the scheduler says it runs: an earlier end is void
         if job.state in _ACTIVE and self.job_id in ("", job.job) and not self.speeds:
             if self._still_refused(job):
@@ -368,7 +369,7 @@ class PeerAgent:
             self._show()
             return
         self.running.servicer.throttle = self.throttle * stage_slowdown(assignment.stage)
-        self.running.servicer.serve(runtime, assignment.job)
+        self.running.servicer.serve(runtime, assignment.job, self._active.get(assignment.job))
         await self.running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self.job_id, self.stage = assignment.job, assignment.stage
         self.state = cpb.PEER_STATE_SERVING

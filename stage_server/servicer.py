@@ -16,6 +16,7 @@ ends: past the budget the call is Busy too, and goes to another replica."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +37,10 @@ from stage_server.runtime import Receipt, StageRuntime
 from stage_server.state_transfer import StateTransfer
 from stage_server.worker import Worker
 from swarm.errors import Busy, NotFound
+from swarm.net.commit_auth import CommitRefused, CommitVerifier
 from swarm.ops.faults import Point, maybe_die
+from swarm.ops.rated import RatedLog
+from swarm.proto import control_pb2 as cpb
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.rpc.servicing import Servicing
@@ -51,6 +55,7 @@ from swarm.wire.chunking import (
 __all__ = ["StageServicer"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -69,6 +74,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     ) -> None:
         self.peer, self.metrics = peer, metrics
         self.job_id = ""
+        # The scheduler's key, once a scheduler assigned this peer its stage (the agent sets
+        # it): the commit protocol's calls are then taken only signed with it. None: a server
+        # whose owner coordinates it (`swarm trainer --stage-servers`): the token alone.
+        self.commit_auth: CommitVerifier | None = None
+        self._refusals = RatedLog(log)
         self._runtime: StageRuntime | None = None
         self.token = token
         self.limits = Limits(limits or PeerLimits())  # the served job's, within this peer's
@@ -130,9 +140,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def _feedback(self) -> ErrorFeedback:  # what lossy averaging dropped, for the next round
         return self._commits.feedback
 
-    def serve(self, runtime: StageRuntime, job_id: str) -> None:
-        """Start serving `runtime` as job `job_id` (called on the event loop between calls)."""
+    def serve(
+        self, runtime: StageRuntime, job_id: str, announced: cpb.JobAnnouncement | None = None
+    ) -> None:
+        """Start serving `runtime` as job `job_id` (called on the event loop between calls);
+        `announced`: the job's announcement, by its scheduler (`trust`)."""
         self._runtime, self.job_id = runtime, job_id
+        self.trust(announced)
         self._commits.serve()  # a state installed anew starts from no residuals
         self.limits.serve(runtime.job)
         peer = self.limits.peer
@@ -140,6 +154,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         runtime.activation_cache = self.limits.activation_cache
         self.metrics.bind(job_id, runtime.stage)
         self._push.serve(runtime, job_id)
+
+    def trust(self, announced: cpb.JobAnnouncement | None) -> None:
+        """Take the commit protocol's calls only signed with the key the scheduler announced the
+        served job with (`swarm.net.commit_auth`); another job's announcement changes nothing."""
+        if announced is None or announced.job != self.job_id:
+            return
+        key = announced.scheduler_key
+        if self.commit_auth is None or self.commit_auth.public != key:
+            self.commit_auth = CommitVerifier(key, self.peer) if key else None
 
     def release(self) -> None:
         """Stop serving: later calls are NOT_FOUND until the next `serve`."""
@@ -288,9 +311,26 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             yield msg
 
     # -- commit ---------------------------------------------------------------------------------
+    async def _scheduler_only(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Refuse (UNAUTHENTICATED, PERMISSION_DENIED) a commit-protocol call that the scheduler
+        did not sign for this replica (`swarm.net.commit_auth`), before anything is read or
+        done."""
+        if self.commit_auth is None:
+            return
+        try:
+            self.commit_auth.check(method, request, context.invocation_metadata())
+        except CommitRefused as e:
+            self._refusals.warning((method, e.code), "%s: refused %s: %s", self.peer, method, e)
+            self.metrics.observe(method, e.code.name, 0.0)
+            await context.abort(e.code, str(e))
+
     async def Commit(
         self, request: pb.StageCommitRequest, context: grpc.aio.ServicerContext
     ) -> Any:
+        await self._scheduler_only("Commit", request, context)
+
         async def body() -> pb.StageCommitResponse:
             self._route(request.job, request.stage)
             done = await self._commits.commit(Commit.of(request))
@@ -303,6 +343,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def Discard(
         self, request: pb.StageDiscardRequest, context: grpc.aio.ServicerContext
     ) -> Any:
+        await self._scheduler_only("Discard", request, context)
+
         async def body() -> pb.StageDiscardResponse:
             self._route(request.job, request.stage)
             dropped = await self._commits.discard(request.step)
@@ -312,6 +354,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     # -- state transfer -------------------------------------------------------------------------
     async def Join(self, request: pb.StageJoinRequest, context: grpc.aio.ServicerContext) -> Any:
+        await self._scheduler_only("Join", request, context)
+
         async def body() -> pb.StageJoinResponse:
             self._route(request.job, request.stage)
             at = await self._transfer.join(self.job_id, request.source, request.step)
@@ -332,6 +376,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             yield part
 
     async def LoadState(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self._runtime is not None:  # else refused unread (NOT_FOUND), as before
+            signed = pb.StageLoadStateRequest(job=self.job_id, stage=self._runtime.stage)
+            await self._scheduler_only("LoadState", signed, context)  # as the scheduler signs
+
         async def body() -> pb.StageLoadStateResponse:
             step = await self._transfer.load(request_iterator, self._route, self.limits)
             return pb.StageLoadStateResponse(step=step)

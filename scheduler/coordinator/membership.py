@@ -15,6 +15,7 @@ from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import GONE, ReplicaClients
 from swarm.clock import Clock
 from swarm.errors import SwarmError
+from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff, Backoffs
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
@@ -22,6 +23,11 @@ from swarm.rpc.lease import Replica
 __all__ = ["Membership"]
 
 log = logging.getLogger(__name__)
+
+#: A replica is a member of the job only once its join succeeded; until then it is whatever a
+#: peer says of itself, and may come and go as often as it likes: what its joins say in the log
+#: is rated per peer (once per this many seconds, the next line says how many were held back).
+JOIN_LOG_EVERY_S = 10.0
 
 
 class Membership:
@@ -65,6 +71,7 @@ class Membership:
         # Told (step, stage, peer, the member it copied: "" for one re-admitted) whenever a
         # replica becomes a member: from then on it counts (the job's history says so).
         self.admitted: list[Callable[[int, int, str, str], None]] = []
+        self._rated = RatedLog(log, every_s=JOIN_LOG_EVERY_S, clock=clock.now)
 
     def waits(self) -> dict[str, str]:
         """What each replica that serves its stage but is not a member yet waits for before it
@@ -186,8 +193,12 @@ class Membership:
                 if not self._joins.ready(r.peer):
                     continue
                 if not any(m.peer in self.synced for m in replicas):
-                    log.warning(
-                        "stage %d: no replica at step %d to copy to %s", stage, step, r.peer
+                    self._rated.warning(
+                        ("no source", stage),
+                        "stage %d: no replica at step %d to copy to %s",
+                        stage,
+                        step,
+                        r.peer,
                     )
                     continue
                 joining = self._join(stage, r, step)
@@ -216,8 +227,9 @@ class Membership:
                     delay = self._joins.failed(joiner.peer)
                     self._failed[joiner.peer] = (_short(e), self.clock.now() + delay)
                     first = delay <= self._JOIN_FIRST_S * (1 + self._joins.jitter)  # then quieter
-                    log.log(
+                    self._rated.log(
                         logging.WARNING if first else logging.INFO,
+                        ("absent", joiner.peer),
                         "stage %d: %s could not join (retry in %.1fs): %s",
                         stage,
                         joiner.peer,
@@ -226,7 +238,13 @@ class Membership:
                     )
                     return
                 except SwarmError as e:  # it refused: the next boundary tries again
-                    log.warning("stage %d: %s could not join: %s", stage, joiner.peer, e)
+                    self._rated.warning(
+                        ("refused", joiner.peer),
+                        "stage %d: %s could not join: %s",
+                        stage,
+                        joiner.peer,
+                        e,
+                    )
                     return
                 self._failed.pop(joiner.peer, None)
                 self._copying[joiner.peer] = (stage, joiner, sources[0].address)

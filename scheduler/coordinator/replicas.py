@@ -16,6 +16,7 @@ from swarm.errors import NotFound, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp
 from swarm.model.state_checks import StateChecks
+from swarm.net.commit_auth import SchedulerKey, SignedStub
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
 from swarm.rpc.stage_client import StageClient, StateSink
@@ -255,12 +256,22 @@ class GrpcReplica:
 class GrpcReplicas:
     """The `ReplicaFactory` of a job's real replicas, sharing one `ExpectedStates`."""
 
-    def __init__(self, job: JobConfig, job_id: str, token: str | None = None) -> None:
-        self.job, self.job_id, self.token = job, job_id, token
+    def __init__(
+        self,
+        job: JobConfig,
+        job_id: str,
+        token: str | None = None,
+        signing: SchedulerKey | None = None,
+    ) -> None:
+        """`signing`: the scheduler's key, which its commit-protocol calls are signed with."""
+        self.job, self.job_id, self.token, self.signing = job, job_id, token, signing
         self.expected = ExpectedStates(job)  # one per stage, whichever replica asks first
 
     def __call__(self, stage: int, replica: Replica) -> StageReplica:
         client = StageClient(replica.address, self.job, self.job_id, stage, self.token)
+        if self.signing is not None:  # the commit protocol's calls speak for the scheduler
+            signer = self.signing.signer(replica.peer)
+            client.stub = SignedStub(client.stub, signer, self.job_id, stage)
         return GrpcReplica(client, self.expected)
 
     async def prepare(self) -> None:
@@ -269,8 +280,10 @@ class GrpcReplicas:
         await asyncio.gather(*(self.expected.get(s) for s in range(self.job.training.stages)))
 
 
-def grpc_replicas(job: JobConfig, job_id: str, token: str | None = None) -> GrpcReplicas:
-    return GrpcReplicas(job, job_id, token)
+def grpc_replicas(
+    job: JobConfig, job_id: str, token: str | None = None, signing: SchedulerKey | None = None
+) -> GrpcReplicas:
+    return GrpcReplicas(job, job_id, token, signing)
 
 
 class ReplicaClients:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,26 +121,46 @@ def data_sha256(job: JobConfig, key: str = "path") -> str:
 
 
 _HASH_CHUNK = 1 << 20
+_MAX_INIT_HASHES = 64  # file versions remembered
 
 
-_INIT_HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256, per process
+# A file's version -> its sha256, per process: (path, device, inode, size, mtime, ctime), all in
+# ns. Size and mtime alone are no version: whoever may write the file can swap its bytes and set
+# its mtime back (`touch -d`). ctime is the kernel's own stamp of any change to the file, which no
+# user can set, and a file renamed over it is another inode.
+_INIT_HASHES: dict[tuple[str, int, int, int, int, int], str] = {}
+# A file changed this recently may change again within the same tick of the (coarse) clock that
+# stamps ctime, leaving the stamp as it was: such a file is hashed every time, not remembered.
+_RACY_NS = 2_000_000_000
+
+
+def _version(path: Path) -> tuple[str, int, int, int, int, int]:
+    st = path.stat()
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def init_sha256(model: ModelConfig) -> str:
     """Hex sha256 of `model.init_from`'s model.safetensors (remembered per file version: every
-    stage built in a process asks, and a checkpoint can be gigabytes)."""
+    stage built in a process asks, and a checkpoint can be gigabytes; any change to the file,
+    even one that keeps its size and mtime, is a new version)."""
     assert model.init_from is not None
     path = Path(model.init_from) / "model.safetensors"
     try:
-        st = path.stat()
-        key = (str(path), st.st_size, st.st_mtime_ns)
-        if key not in _INIT_HASHES:
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(_HASH_CHUNK):
-                    digest.update(chunk)
-            _INIT_HASHES[key] = digest.hexdigest()
-        return _INIT_HASHES[key]
+        before, started = _version(path), time.time_ns()
+        known = _INIT_HASHES.get(before)
+        if known is not None:
+            return known
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+        # Remembered only for a version that held still while it was read, and was settled
+        # before: else the next call reads it again.
+        if _version(path) == before and before[-1] < started - _RACY_NS:
+            if len(_INIT_HASHES) >= _MAX_INIT_HASHES:
+                del _INIT_HASHES[next(iter(_INIT_HASHES))]
+            _INIT_HASHES[before] = digest.hexdigest()
+        return digest.hexdigest()
     except OSError as e:
         raise ConfigError(
             f"model.init_from = {show(model.init_from)}: cannot read {path.name} ({e.strerror}); "

@@ -101,7 +101,7 @@ class Assignment(_message.Message):
     def __init__(self, job: _Optional[str] = ..., peer: _Optional[str] = ..., stage: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JobAnnouncement(_message.Message):
-    __slots__ = ("job", "name", "state", "step", "steps", "loss", "spec", "error", "time")
+    __slots__ = ("job", "name", "state", "step", "steps", "loss", "spec", "error", "time", "scheduler_key")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class JobAnnouncement(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_KEY_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     state: JobState
@@ -120,7 +121,8 @@ class JobAnnouncement(_message.Message):
     spec: str
     error: str
     time: float
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., spec: _Optional[str] = ..., error: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
+    scheduler_key: bytes
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., spec: _Optional[str] = ..., error: _Optional[str] = ..., time: _Optional[float] = ..., scheduler_key: _Optional[bytes] = ...) -> None: ...
 
 class StepCommitted(_message.Message):
     __slots__ = ("job", "step", "loss", "samples", "time", "val_loss")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scheduler.history import History, peer_events
+import pytest
+
+from scheduler.history import PEER_BURST, PEER_EVERY_S, History, peer_events
 from scheduler.store import JobStore
 from swarm.proto import control_pb2 as cpb
 
@@ -41,7 +43,7 @@ def test_peer_events_name_joins_moves_and_the_cause_of_a_leave() -> None:
 def test_a_peer_back_under_a_dead_ones_id_reads_as_a_restart(tmp_path: Path) -> None:
     with JobStore(tmp_path / "jobs.db") as store:
         job = store.create("tiny", "spec", "/data", steps=5).id
-        history = History(store)
+        history = History(store, vouched=lambda job, peer: True)
         serving = _serving("p", job, 1)
         history.peer(None, serving)
         history.peer(serving, _offline("p", 0.0))
@@ -60,7 +62,7 @@ def test_a_move_reads_as_a_move_not_a_restart(tmp_path: Path) -> None:
     # stage 0, serving stage 0 (issue 45, item 5: this read as a leave and a restart).
     with JobStore(tmp_path / "jobs.sqlite") as store:
         job = store.create("tiny", "spec", "/data", steps=5).id
-        history = History(store)
+        history = History(store, vouched=lambda job, peer: True)
         serving = _serving("p", job, 1)
         draining = cpb.PeerAnnouncement(peer="p", job=job, stage=1, state=cpb.PEER_STATE_DRAINING)
         history.peer(None, serving)
@@ -74,3 +76,29 @@ def test_a_move_reads_as_a_move_not_a_restart(tmp_path: Path) -> None:
         moving = cpb.PeerAnnouncement(peer="p", job=job, stage=0, state=cpb.PEER_STATE_DRAINING)
         [(_, kind, text)] = peer_events(moving, _offline("p", 0.0))
         assert kind == "leave" and text.startswith("p left stage 0: its connection dropped")
+
+
+@pytest.mark.attack("N9")
+def test_only_vouched_peers_count_and_each_within_its_quota(tmp_path: Path) -> None:
+    now = [0.0]
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job = store.create("tiny", "spec", "/data", steps=5).id
+        history = History(store, vouched=lambda j, peer: peer == "p", clock=lambda: now[0])
+        joining = cpb.PeerAnnouncement(peer="x", job=job, state=cpb.PEER_STATE_JOINING)
+        for _ in range(100):  # x names the job; the scheduler never put it there
+            history.peer(joining, _serving("x", job, 0))
+            history.peer(_serving("x", job, 0), joining)
+        assert store.events(job) == []
+        history.admitted(job, 3, 0, "p", "q")  # admissions count against the peer's quota too
+        joining = cpb.PeerAnnouncement(peer="p", job=job, state=cpb.PEER_STATE_JOINING)
+        for _ in range(500):
+            history.peer(joining, _serving("p", job, 0))
+            history.peer(_serving("p", job, 0), joining)
+        assert len(store.events(job)) == PEER_BURST
+        now[0] += PEER_EVERY_S  # one more in a while, saying how many were left out
+        history.peer(joining, _serving("p", job, 0))
+        *_, last = store.events(job)
+        assert len(store.events(job)) == PEER_BURST + 1
+        assert last.text.endswith(
+            f"({1000 - PEER_BURST + 1} earlier change(s) of p not recorded: too frequent)"
+        )

@@ -29,8 +29,11 @@ class _Servicer:
         self.served: list[tuple[str, int]] = []
         self.throttle = 1.0
 
-    def serve(self, runtime: Any, job: str) -> None:
+    def serve(self, runtime: Any, job: str, announced: Any = None) -> None:
         self.served.append((job, runtime.stage))
+
+    def trust(self, announced: Any) -> None:  # tests/stage_server/test_commit_auth.py
+        pass
 
     def release(self) -> None:
         pass

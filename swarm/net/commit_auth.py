@@ -1,0 +1,212 @@
+"""The commit protocol speaks for the scheduler alone: its calls are signed with the scheduler's
+key, and a replica under a scheduler takes no other.
+
+The swarm token lets any peer operator call a stage's RPCs, so a token holder could otherwise call
+`Commit`, `Discard`, `Join` or `LoadState` with well-formed wrong values (a step applied early,
+a group of its own, a source to copy of its own, a state of its own) and disturb every replica of
+a step. The scheduler holds an Ed25519 key (`SchedulerKey`, a file of its own, kept across
+restarts) and announces the public half in each job's retained announcement, a topic only it may
+publish on (the brokers' ACL). A replica serving a job the scheduler assigned verifies
+(`CommitVerifier`) each such call's signature, sent in its metadata, over the method, the replica
+it is for (its peer id: a call signed for one replica is refused by the others), a time and a
+nonce (a call is taken once, and only within `MAX_AGE_S` of when it was signed) and the request
+itself (every field: the step, `group`, `source`, the phase, ...). A stage server not under a
+scheduler (`swarm trainer --stage-servers`, whose owner coordinates it) has no key to check
+against, and takes the token alone, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from google.protobuf.message import Message
+
+from swarm.proto import stage_pb2 as pb
+
+__all__ = [
+    "KEY_FILE",
+    "MAX_AGE_S",
+    "SIGNATURE_KEY",
+    "CallSigner",
+    "CommitRefused",
+    "CommitVerifier",
+    "SchedulerKey",
+    "SignedStub",
+]
+
+#: The binary metadata entry a signed call carries: issued (ms, 8 bytes), nonce (16), signature.
+SIGNATURE_KEY = "swarm-scheduler-signature-bin"
+#: A signed call is taken this long after (or before: clocks differ) the time it was signed: the
+#: clock skew a peer accepts of the scheduler (`stage_server.agent.MAX_CLOCK_SKEW_S`).
+MAX_AGE_S = 300.0
+#: The scheduler's key, in its checkpoint directory (0600).
+KEY_FILE = "scheduler-commit-key"
+
+_CONTEXT = b"swarm-commit/1\0"
+_HEAD = struct.Struct(">q16s")  # issued (ms), nonce
+_SIGNATURE_BYTES = 64
+_MAX_NONCES = 65_536  # calls remembered per replica within MAX_AGE_S (only signed ones get here)
+
+Metadata = Sequence[tuple[str, str | bytes]]
+
+
+def _signed(method: str, peer: str, head: bytes, request: Message) -> bytes:
+    body = request.SerializeToString(deterministic=True)
+    return b"".join((_CONTEXT, method.encode(), b"\0", peer.encode(), b"\0", head, body))
+
+
+class CallSigner:
+    """Signs the commit-protocol calls to one replica (`peer`)."""
+
+    def __init__(self, key: Ed25519PrivateKey, peer: str) -> None:
+        self._key, self.peer = key, peer
+
+    def metadata(self, method: str, request: Message) -> tuple[tuple[str, bytes], ...]:
+        head = _HEAD.pack(int(time.time() * 1000), os.urandom(16))
+        signature = self._key.sign(_signed(method, self.peer, head, request))
+        return ((SIGNATURE_KEY, head + signature),)
+
+
+class SchedulerKey:
+    """The scheduler's signing key."""
+
+    def __init__(self, key: Ed25519PrivateKey) -> None:
+        self._key = key
+        self.public = key.public_key().public_bytes_raw()
+
+    @classmethod
+    def generate(cls) -> SchedulerKey:
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def load_or_create(cls, path: Path) -> SchedulerKey:
+        """The key in `path`, made there (0600) on first use: a restarted scheduler keeps its
+        key, so the replicas of the jobs it resumes take its calls at once."""
+        try:
+            return cls(Ed25519PrivateKey.from_private_bytes(path.read_bytes()))
+        except FileNotFoundError:
+            pass
+        except ValueError as e:
+            raise ValueError(f"{path} is not a scheduler key ({e}); remove it to make one") from e
+        key = Ed25519PrivateKey.generate()
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:  # its owner's only, whatever the umask
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it meanwhile: theirs
+            return cls.load_or_create(path)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key.private_bytes_raw())
+        return cls(key)
+
+    def signer(self, peer: str) -> CallSigner:
+        return CallSigner(self._key, peer)
+
+
+class SignedStub:
+    """A `StageServiceStub` whose commit-protocol calls carry `signer`'s signature (the stub of
+    a `StageClient` to replica `signer.peer` of `stage` of `job`); its other calls are the
+    stub's own."""
+
+    def __init__(self, stub: Any, signer: CallSigner, job: str, stage: int) -> None:
+        self._stub, self._signer, self._job, self._stage = stub, signer, job, stage
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+    def Commit(self, request: pb.StageCommitRequest, **kwargs: Any) -> Any:
+        return self._stub.Commit(
+            request, metadata=self._signer.metadata("Commit", request), **kwargs
+        )
+
+    def Discard(self, request: pb.StageDiscardRequest, **kwargs: Any) -> Any:
+        return self._stub.Discard(
+            request, metadata=self._signer.metadata("Discard", request), **kwargs
+        )
+
+    def Join(self, request: pb.StageJoinRequest, **kwargs: Any) -> Any:
+        return self._stub.Join(request, metadata=self._signer.metadata("Join", request), **kwargs)
+
+    def LoadState(self, **kwargs: Any) -> Any:
+        # A stream: what is signed is its job and stage, before any tensor (a replica refuses an
+        # unsigned one before it reads a byte of state).
+        signed = pb.StageLoadStateRequest(job=self._job, stage=self._stage)
+        return self._stub.LoadState(metadata=self._signer.metadata("LoadState", signed), **kwargs)
+
+
+class CommitRefused(Exception):
+    """A commit-protocol call not signed by the scheduler: `code` is what it is refused with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class CommitVerifier:
+    """What a replica (`peer`) checks a commit-protocol call against: `public`, the key its
+    scheduler announced."""
+
+    def __init__(self, public: bytes, peer: str, clock: Callable[[], float] = time.time) -> None:
+        self.public, self.peer, self.clock = public, peer, clock
+        self._key = Ed25519PublicKey.from_public_bytes(public)
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> issued (ms), oldest first
+        self._floor_ms = -(2**63)  # issued at or before this: forgotten, so refused
+
+    def check(self, method: str, request: Message, metadata: Metadata | None) -> None:
+        """Raise `CommitRefused` unless `request` to `method` is the scheduler's, signed for this
+        replica, fresh, and not taken before."""
+        value = next((v for k, v in metadata or () if k == SIGNATURE_KEY), None)
+        if value is None:
+            raise CommitRefused(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method} is the scheduler's: this replica takes it only signed by the "
+                "scheduler's key (the swarm token is not enough)",
+            )
+        raw = value if isinstance(value, bytes) else value.encode()
+        if len(raw) != _HEAD.size + _SIGNATURE_BYTES:
+            raise CommitRefused(
+                grpc.StatusCode.PERMISSION_DENIED, f"{method}: a malformed scheduler signature"
+            )
+        head, signature = raw[: _HEAD.size], raw[_HEAD.size :]
+        issued_ms, nonce = _HEAD.unpack(head)
+        try:
+            self._key.verify(signature, _signed(method, self.peer, head, request))
+        except InvalidSignature:
+            raise CommitRefused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method} is not signed by this job's scheduler for peer {self.peer}",
+            ) from None
+        age = self.clock() - issued_ms / 1000
+        if abs(age) > MAX_AGE_S:
+            raise CommitRefused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method} was signed {age:.0f} s from now (more than {MAX_AGE_S:.0f} s): a "
+                "replay, or the scheduler's clock is wrong",
+            )
+        if nonce in self._seen or issued_ms <= self._floor_ms:
+            raise CommitRefused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method}: a signed call taken before (a replay)",
+            )
+        self._remember(nonce, issued_ms)
+
+    def _remember(self, nonce: bytes, issued_ms: int) -> None:
+        self._seen[nonce] = issued_ms
+        horizon = (self.clock() - MAX_AGE_S) * 1000
+        while self._seen:
+            oldest, at = next(iter(self._seen.items()))
+            if at >= horizon and len(self._seen) <= _MAX_NONCES:
+                break
+            # Forgotten: whatever was signed up to it is refused from now on (a full memory
+            # must not let a replay through).
+            del self._seen[oldest]
+            if at >= horizon:
+                self._floor_ms = max(self._floor_ms, at)

@@ -1,0 +1,107 @@
+"""The scheduler's signature on the commit protocol's calls (M9): what a replica takes and what it
+refuses, field by field; and the key a scheduler keeps across restarts, its owner's only."""
+
+from __future__ import annotations
+
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.net.commit_auth import (
+    MAX_AGE_S,
+    SIGNATURE_KEY,
+    CommitRefused,
+    CommitVerifier,
+    SchedulerKey,
+)
+from swarm.proto import stage_pb2 as pb
+
+pytestmark = pytest.mark.attack("M9")
+
+KEY = SchedulerKey.generate()
+
+
+def _commit(**fields: object) -> pb.StageCommitRequest:
+    base: dict[str, object] = {
+        "job": "j",
+        "stage": 1,
+        "step": 7,
+        "phase": pb.COMMIT_PHASE_PREPARE,
+        "group": ["10.0.0.1:5", "10.0.0.2:5"],
+        "group_index": 0,
+        "round": "r1",
+        "microbatches": [0, 1],
+        "total_samples": 8,
+    }
+    return pb.StageCommitRequest(**(base | fields))  # type: ignore[arg-type]
+
+
+def _code(verifier: CommitVerifier, method: str, request: object, metadata: object) -> str:
+    try:
+        verifier.check(method, request, metadata)  # type: ignore[arg-type]
+    except CommitRefused as e:
+        return e.code.name
+    return "OK"
+
+
+def test_the_schedulers_call_is_taken_once() -> None:
+    verifier = CommitVerifier(KEY.public, "a")
+    request = _commit()
+    signed = KEY.signer("a").metadata("Commit", request)
+    assert _code(verifier, "Commit", request, signed) == "OK"
+    assert _code(verifier, "Commit", request, signed) == "PERMISSION_DENIED"  # a replay
+    assert _code(verifier, "Commit", request, KEY.signer("a").metadata("Commit", request)) == "OK"
+
+
+def test_every_field_and_the_replica_and_the_method_are_bound() -> None:
+    verifier = CommitVerifier(KEY.public, "a")
+    request = _commit()
+    changed = [
+        _commit(group=["10.0.0.1:5", "6.6.6.6:5"]),  # Commit.group
+        _commit(group_index=1),
+        _commit(step=8),
+        _commit(phase=pb.COMMIT_PHASE_APPLY),
+        _commit(microbatches=[0]),
+        _commit(grad_scale=1000.0),
+        _commit(job="k"),
+    ]
+    for other in changed:
+        signed = KEY.signer("a").metadata("Commit", request)
+        assert _code(verifier, "Commit", other, signed) == "PERMISSION_DENIED", other
+    join = pb.StageJoinRequest(job="j", stage=1, source="10.0.0.1:5", step=7)
+    signed = KEY.signer("a").metadata("Join", join)
+    evil = pb.StageJoinRequest(job="j", stage=1, source="6.6.6.6:5", step=7)  # Join.source
+    assert _code(verifier, "Join", evil, signed) == "PERMISSION_DENIED"
+    discard = pb.StageDiscardRequest(job="j", stage=1, step=7)
+    assert _code(verifier, "Discard", discard, signed) == "PERMISSION_DENIED"  # another method
+    for_b = KEY.signer("b").metadata("Join", join)  # signed for another replica
+    assert _code(verifier, "Join", join, for_b) == "PERMISSION_DENIED"
+    assert _code(verifier, "Join", join, signed) == "OK"
+
+
+def test_unsigned_forged_malformed_and_stale_calls_are_refused() -> None:
+    now = [1_000_000.0]
+    verifier = CommitVerifier(KEY.public, "a", clock=lambda: now[0])
+    request = _commit()
+    assert _code(verifier, "Commit", request, None) == "UNAUTHENTICATED"
+    assert _code(verifier, "Commit", request, [("authorization", "Bearer t")]) == "UNAUTHENTICATED"
+    forged = SchedulerKey.generate().signer("a").metadata("Commit", request)
+    assert _code(verifier, "Commit", request, forged) == "PERMISSION_DENIED"
+    assert _code(verifier, "Commit", request, [(SIGNATURE_KEY, b"x" * 10)]) == "PERMISSION_DENIED"
+    signed = KEY.signer("a").metadata("Commit", request)  # signed at the real time: long ago
+    assert _code(verifier, "Commit", request, signed) == "PERMISSION_DENIED"
+    now[0] = time.time() + MAX_AGE_S / 2  # within the clocks' skew
+    assert _code(verifier, "Commit", request, signed) == "OK"
+
+
+def test_the_key_is_kept_and_private(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt" / "key"
+    first = SchedulerKey.load_or_create(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = SchedulerKey.load_or_create(path)
+    assert again.public == first.public and len(first.public) == 32
+    path.write_bytes(b"not a key")
+    with pytest.raises(ValueError, match="not a scheduler key"):
+        SchedulerKey.load_or_create(path)
