@@ -176,7 +176,7 @@ async def _jobs(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs")
         return 0
-    rows = [["JOB", "NAME", "STATE", "STEP", "LOSS", "SAMPLES/S", "CREATED"]]
+    rows = [["JOB", "NAME", "STATE", "STEP", "LOSS", "SAMPLES/S", "CREATED", "SUBMITTER"]]
     for j in jobs:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created))
         rows.append(
@@ -188,6 +188,7 @@ async def _jobs(args: argparse.Namespace) -> int:
                 loss_text(j.loss),
                 f"{j.samples_per_second:.1f}",
                 created,
+                j.submitter or "-",  # "-": the swarm token alone
             ]
         )
     print(table(rows))

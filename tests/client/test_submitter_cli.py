@@ -60,6 +60,9 @@ async def test_tokens_made_by_the_command_name_their_submitters_to_the_job_comma
     job = capsys.readouterr().out.strip()
     assert await swarm("status", job, "--json", *at) == 0  # anyone reads it
     assert json.loads(capsys.readouterr().out)["submitter"] == "alice"
+    assert await swarm("jobs", *at) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[-1] == "SUBMITTER" and row.split()[-1] == "alice"
     bob = {"submitter-token": files["bob"].read_text().strip()}  # SWARM_SUBMITTER_TOKEN
     assert await swarm("cancel", job, *at, env=bob) == 1
     err = capsys.readouterr().err
