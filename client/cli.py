@@ -8,7 +8,15 @@ import asyncio
 from pathlib import Path
 
 from swarm.errors import SwarmError
-from swarm.flags import add_flag, add_metrics_token, add_token, env_name, metrics_token, token
+from swarm.flags import (
+    add_flag,
+    add_metrics_token,
+    add_secret,
+    add_token,
+    env_name,
+    metrics_token,
+    token,
+)
 from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
 
@@ -77,6 +85,14 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
         )
     add_flag(p, "scheduler", None, "the scheduler's job API, HOST:PORT")
     add_token(p)
+    add_secret(
+        p,
+        "submitter-token",
+        "who you are to the scheduler: your submitter token (`swarm submitter-token NAME`), or "
+        "its admin token; only a job's submitter or an admin may cancel, delete or export it "
+        "(default: SWARM_SUBMITTER_TOKEN; none: your certificate's name under --tls-mutual, else "
+        "the swarm token alone)",
+    )
     add_tls_flags(p)
     add_flag(p, "timeout", 30.0, "deadline per call (seconds)", type=float)
 

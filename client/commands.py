@@ -30,7 +30,7 @@ from client.live import (
 )
 from client.sdk import TERMINAL_STATES, ClientError, SchedulerClient
 from swarm.errors import ConfigError, SwarmError
-from swarm.flags import token
+from swarm.flags import secret, token
 from swarm.job.states import job_state_name as state_name
 from swarm.ops.progress import duration_text
 from swarm.proto import scheduler_pb2
@@ -79,7 +79,12 @@ def _guarded(name: str, body: Callable[[argparse.Namespace], Coroutine[Any, Any,
 def _client(args: argparse.Namespace) -> SchedulerClient:
     if not args.scheduler:
         raise _Usage("no scheduler address: pass --scheduler HOST:PORT or set SWARM_SCHEDULER")
-    return SchedulerClient(args.scheduler, token=token(args), timeout_s=args.timeout)
+    return SchedulerClient(
+        args.scheduler,
+        token=token(args),
+        submitter_token=secret(args, "submitter-token"),
+        timeout_s=args.timeout,
+    )
 
 
 def _outcome(name: str, status: scheduler_pb2.JobStatus) -> int:
@@ -171,7 +176,7 @@ async def _jobs(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs")
         return 0
-    rows = [["JOB", "NAME", "STATE", "STEP", "LOSS", "SAMPLES/S", "CREATED"]]
+    rows = [["JOB", "NAME", "STATE", "STEP", "LOSS", "SAMPLES/S", "CREATED", "SUBMITTER"]]
     for j in jobs:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created))
         rows.append(
@@ -183,6 +188,7 @@ async def _jobs(args: argparse.Namespace) -> int:
                 loss_text(j.loss),
                 f"{j.samples_per_second:.1f}",
                 created,
+                j.submitter or "-",  # "-": the swarm token alone
             ]
         )
     print(table(rows))

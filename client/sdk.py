@@ -23,6 +23,7 @@ from swarm.job.config import load_job
 from swarm.job.states import TERMINAL_PROTO as TERMINAL_STATES
 from swarm.job.states import job_state_name as state_name
 from swarm.net import tokens as auth
+from swarm.net.submitters import SUBMITTER_KEY
 from swarm.net.tls_mismatch import explain_grpc
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
 from swarm.rpc.status import from_rpc_error
@@ -56,6 +57,7 @@ class SchedulerClient:
         address: str,
         *,
         token: str | None = None,
+        submitter_token: str | None = None,  #: who this client is to the job API (or admin's)
         timeout_s: float = 30.0,  #: deadline of each unary call (seconds)
         export_timeout_s: float = 600.0,  #: deadline of a whole model export (seconds)
         max_message_bytes: int = 64 * MiB,  #: largest message accepted (> the server's chunks)
@@ -66,6 +68,9 @@ class SchedulerClient:
         options = [("grpc.max_receive_message_length", max_message_bytes)]
         self._channel = auth.channel(address, token=token, options=options)
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+        # Sent beside the swarm token: the scheduler records the submitter of a job, and lets
+        # only them (or an admin) cancel, delete or export it.
+        self._metadata = ((SUBMITTER_KEY, submitter_token),) if submitter_token else None
 
     async def close(self) -> None:
         await self._channel.close()
@@ -87,7 +92,7 @@ class SchedulerClient:
 
     async def _unary(self, method: Any, request: Any) -> Any:
         with self._converting():
-            return await method(request, timeout=self.timeout_s)
+            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
 
     # -- the API --------------------------------------------------------------------------------
     async def submit(self, path: str | Path) -> JobStatus:
@@ -167,7 +172,9 @@ class SchedulerClient:
         request = scheduler_pb2.SchedulerExportRoutesRequest(job=job)
         try:
             with open(tmp, "wb") as f, self._converting():
-                async for part in self._stub.ExportRoutes(request, timeout=self.export_timeout_s):
+                async for part in self._stub.ExportRoutes(
+                    request, timeout=self.export_timeout_s, metadata=self._metadata
+                ):
                     await asyncio.to_thread(f.write, part.data)
                     size += len(part.data)
             os.replace(tmp, out)
@@ -201,7 +208,9 @@ class SchedulerClient:
         state: dict[str, torch.Tensor] = {}
         steps: set[int] = set()
         with self._converting():
-            call = self._stub.ExportModel(request, timeout=self.export_timeout_s)
+            call = self._stub.ExportModel(
+                request, timeout=self.export_timeout_s, metadata=self._metadata
+            )
             stream: AsyncIterator[Any] = call.__aiter__()  # one iterator across messages
             while True:
                 try:

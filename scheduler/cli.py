@@ -13,10 +13,12 @@ from swarm.flags import (
     add_flag,
     add_insecure_no_token,
     add_metrics_token,
+    add_secret,
     add_switch,
     add_token,
     env_name,
     metrics_token,
+    secret,
     token,
     warn_if_url_password,
 )
@@ -32,6 +34,10 @@ _BROKER_PORT = PortFlag(Listener.BROKER, "--broker-port", env_name("broker-port"
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    if command == "submitter-token":
+        p.add_argument("name", help="the submitter the token names (letters, digits, . _ -)")
+        _add_admin_token(p)
+        return
     add_flag(p, "broker", None, "MQTT broker URL (default: run an embedded broker)")
     add_flag(p, "broker-port", 0, "embedded broker's port (0: any free port)", type=int)
     add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
@@ -107,6 +113,24 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "their checkpoints and final models, at start and as jobs end (default: keep every one)",
         type=int,
     )
+    add_flag(
+        p,
+        "max-jobs-per-submitter",
+        8,
+        "unfinished jobs (queued or training) one submitter may have; SubmitJob refuses more "
+        "(0: no cap)",
+        type=int,
+    )
+    add_flag(
+        p,
+        "max-stage-bytes",
+        None,
+        "refuse a job whose largest stage holds more state than this (bytes; weights, gradient "
+        "sums and optimizer state); jobs are also refused past the largest memory a present peer "
+        "announced",
+        type=int,
+    )
+    _add_admin_token(p)
     add_switch(
         p,
         "no-embedded-trainer",
@@ -120,7 +144,19 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_tls_flags(p)
 
 
+def _add_admin_token(p: argparse.ArgumentParser) -> None:
+    add_secret(
+        p,
+        "admin-token",
+        "the admin's token: it may cancel, delete and export every job, and submitter tokens "
+        "(`swarm submitter-token NAME`) are made from it (default: SWARM_ADMIN_TOKEN; none: no "
+        "admin token, no submitter tokens)",
+    )
+
+
 def run(command: str, args: argparse.Namespace) -> int:
+    if command == "submitter-token":
+        return _submitter_token(args)
     from swarm.net.tokens import refuse_open_host  # here: --help needs no gRPC
 
     warn_if_url_password(args, "broker")
@@ -163,7 +199,25 @@ def _run(args: argparse.Namespace) -> None:
         checkpoint_every_s=args.checkpoint_every_s or None,
         data_root=args.data_root,
         keep_finished_jobs=args.keep_finished_jobs,
+        admin_token=secret(args, "admin-token"),
+        max_jobs_per_submitter=args.max_jobs_per_submitter or None,
+        max_stage_bytes=args.max_stage_bytes,
         embedded_trainer=not args.no_embedded_trainer,
         min_replicas=args.min_replicas,
     )
     asyncio.run(run_scheduler(opts))
+
+
+def _submitter_token(args: argparse.Namespace) -> int:
+    """Print the submitter token of `args.name`, made from the admin token: give it to that
+    submitter alone (`swarm submit --submitter-token-file`)."""
+    from swarm.errors import ConfigError
+    from swarm.net.submitters import submitter_token
+
+    admin = secret(args, "admin-token")
+    if not admin:
+        raise ConfigError(
+            "give the scheduler's admin token: --admin-token-file PATH or SWARM_ADMIN_TOKEN"
+        )
+    print(submitter_token(admin, args.name))
+    return 0

@@ -18,6 +18,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from scheduler.admission import Admission
+from scheduler.callers import Callers
 from scheduler.store import Events, JobRecord, JobStore
 from swarm.errors import (
     ConfigError,
@@ -172,6 +174,7 @@ def job_status(
         updated=record.updated,
         spec=record.spec,
         base_dir=record.base_dir,
+        submitter=record.submitter,
     )
 
 
@@ -183,12 +186,17 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         *,
         chunk_bytes: int = 4 * MiB,
         data_root: str | Path,
+        callers: Callers | None = None,
+        admission: Admission | None = None,
     ) -> None:
         """`data_root`: the only directory (with its subdirectories) whose files SubmitJob reads
-        as job data; no default (`scheduler.data_root` says why)."""
+        as job data; no default (`scheduler.data_root` says why). `callers`: who calls (default:
+        no submitter tokens; certificates' names under --tls-mutual); `admission`: what a job
+        must fit (default: 8 unfinished jobs per submitter, sizes bounded by peers' memory)."""
         if chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.store, self.control, self.chunk_bytes = store, control, chunk_bytes
+        self.callers, self.admission = callers or Callers(), admission or Admission()
         self.data_root = Path(os.path.realpath(data_root))
         self._serving = Servicing("scheduler")
         self._jobs_seen: set[str] = set()  # ids the store has (DeleteJob forgets its own)
@@ -228,6 +236,8 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerSubmitJobRequest, context: Any
     ) -> scheduler_pb2.SchedulerSubmitJobResponse:
         async def body() -> scheduler_pb2.SchedulerSubmitJobResponse:
+            caller = self.callers.identify(context)
+            self.admission.check_count(self.store, caller.name)  # before any work for it
             # The request's free-form strings are stored and sent back with the job: each has a
             # bound (the spec's, MAX_SPEC_BYTES, is parse_job's), or one large job would make
             # every listing too large to receive.
@@ -243,6 +253,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     f"base_dir must be an absolute directory, got {request.base_dir!r}"
                 )
             job = parse_job(request.spec, base_dir, name="job", check_data=False)  # bounds, size
+            await asyncio.to_thread(self.admission.check_size, job)  # off the loop: a partition
             spec = request.spec
             if job.data.kind in FILE_DATA:
                 assert job.data.path is not None  # required for file data
@@ -267,8 +278,15 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 assert pinned.model.init_sha256 is not None
                 spec = pin(spec, "model", "init_sha256", pinned.model.init_sha256)
             check_spec_size(spec, "the job file with the hashes pinned")  # as trainers parse it
-            record = self.store.create(job.name, spec, str(base_dir), job.training.steps)
-            log.info("scheduler: job %s submitted (%d steps)", record.id, record.steps)
+            # Again after the awaits, and with no await before the store has it: two calls of
+            # one submitter at once cannot both take its last place.
+            self.admission.check_count(self.store, caller.name)
+            record = self.store.create(
+                job.name, spec, str(base_dir), job.training.steps, caller.name
+            )
+            log.info(
+                "scheduler: job %s submitted by %r (%d steps)", record.id, caller.name, record.steps
+            )
             self.control.submitted(record.id)
             return scheduler_pb2.SchedulerSubmitJobResponse(job=self._status(record))
 
@@ -314,6 +332,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.SchedulerCancelJobResponse:
         def body() -> scheduler_pb2.SchedulerCancelJobResponse:
             record = self._job(request.job)
+            self.callers.identify(context).may_manage(record, "cancel")
             if record.finished:
                 raise FailedPrecondition(f"job {record.id!r} is already {record.state}")
             record = self.store.set_state(record.id, "cancelled", message="cancelled on request")
@@ -328,6 +347,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.SchedulerDeleteJobResponse:
         async def body() -> scheduler_pb2.SchedulerDeleteJobResponse:
             record = self._job(request.job)
+            self.callers.identify(context).may_manage(record, "delete")
             if not record.finished:
                 raise FailedPrecondition(f"job {record.id!r} is {record.state}; cancel it first")
             await self.control.delete(record.id)  # its files first: a failure keeps the record
@@ -380,7 +400,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerExportModelRequest, context: Any
     ) -> AsyncIterator[scheduler_pb2.SchedulerExportModelResponse]:
         async def body() -> AsyncIterator[scheduler_pb2.SchedulerExportModelResponse]:
-            self._job(request.job)
+            self.callers.identify(context).may_manage(self._job(request.job), "export")
             step, state = await self.control.export(request.job)
             if not state:
                 raise FailedPrecondition(f"job {request.job!r} has no parameters to export")
@@ -397,7 +417,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerExportRoutesRequest, context: Any
     ) -> AsyncIterator[scheduler_pb2.SchedulerExportRoutesResponse]:
         async def body() -> AsyncIterator[scheduler_pb2.SchedulerExportRoutesResponse]:
-            self._job(request.job)
+            self.callers.identify(context).may_manage(self._job(request.job), "export")
             path = self.control.routes(request.job)
             try:
                 f = await asyncio.to_thread(open, path, "rb")

@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from scheduler.admission import Admission
+from scheduler.callers import Callers
 from scheduler.data_root import check_data_root
 from scheduler.discovery import sd_document
 from scheduler.job_api import JobApiServicer
@@ -56,6 +58,9 @@ class SchedulerProcessOptions:
     lost_stage_grace_s: float = 30.0  # an unserved stage of a trained job: wait, then roll back
     checkpoint_every_s: float | None = 300.0  # checkpoint at least this often (None: by steps)
     keep_finished_jobs: int | None = None  # finished jobs kept (None: all); older ones deleted
+    admin_token: str | None = None  # may act on every job; submitter tokens derive from it
+    max_jobs_per_submitter: int | None = 8  # unfinished jobs per submitter (None: no cap)
+    max_stage_bytes: int | None = None  # a job's largest stage's state at most (None: peers')
     embedded_trainer: bool = True  # train each job in this process too (False: remote only)
     min_replicas: int = 1  # for jobs without runtime.min_replicas: replicas every stage gets first
 
@@ -119,7 +124,18 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 options=grpc_options(64 << 20),
             )
             scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
-                JobApiServicer(store, scheduler, data_root=data_root), server
+                JobApiServicer(
+                    store,
+                    scheduler,
+                    data_root=data_root,
+                    callers=Callers(opts.admin_token),
+                    admission=Admission(
+                        opts.max_jobs_per_submitter,
+                        opts.max_stage_bytes,
+                        scheduler.peer_registry.largest_memory,
+                    ),
+                ),
+                server,
             )
             health_servicer = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

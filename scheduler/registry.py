@@ -128,6 +128,11 @@ class PeerRegistry:
         self._silent_logged.discard(peer)
 
     # -- what it answers --------------------------------------------------------------------------
+    def largest_memory(self) -> tuple[int, str]:
+        """The most memory a present peer announced (bytes) and that peer; (0, "") when none
+        said. The largest: a peer that understates its own cannot lower the bound for others."""
+        return max(((a.memory_bytes, p) for p, a in self.peers.items()), default=(0, ""))
+
     def members(self, job_id: str, stages: int) -> list[list[Replica]]:
         """Per stage, the peers serving it for this job, in a stable order (peer id)."""
         result: list[list[Replica]] = [[] for _ in range(stages)]

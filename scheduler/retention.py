@@ -1,5 +1,6 @@
-"""The scheduler's retention of finished jobs: those beyond `--keep-finished-jobs` (the most
-recently ended are kept) are deleted, their files (checkpoints, final model) then their records,
+"""The scheduler's retention of finished jobs: each submitter's beyond `--keep-finished-jobs` (the
+most recently ended of theirs are kept) are deleted, so one who ends many jobs deletes only their
+own, their files (checkpoints, final model) then their records,
 at the scheduler's start and whenever a job ends. A job still shutting down (a write in flight)
 is left for the sweep at its own end; a failed deletion is logged and left for the next sweep."""
 
@@ -18,8 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class Retention:
-    """Sweeps `store`'s finished jobs beyond the `keep` most recently ended (None: keeps every
-    one). `shutting_down(job)`: its task has not ended yet; `delete(job)`: removes its files."""
+    """Sweeps `store`'s finished jobs beyond each submitter's `keep` most recently ended (None:
+    keeps every one). `shutting_down(job)`: its task has not ended yet; `delete(job)`: removes
+    its files."""
 
     def __init__(
         self,
@@ -34,7 +36,7 @@ class Retention:
         self._sweeping = asyncio.Lock()  # one sweep at a time
 
     async def sweep(self) -> None:
-        """Delete the finished jobs beyond `keep`: their files, then their records."""
+        """Delete each submitter's finished jobs beyond `keep`: their files, then their records."""
         keep = self.keep
         if keep is None:
             return
@@ -51,4 +53,8 @@ class Retention:
                 with logged(log, f"job {job_id}: not deleted (retention)"):
                     await self._delete(job_id)
                     self.store.delete(job_id)
-                    log.info("job %s deleted: beyond --keep-finished-jobs %d", job_id, keep)
+                    log.info(
+                        "job %s deleted: beyond its submitter's --keep-finished-jobs %d",
+                        job_id,
+                        keep,
+                    )

@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any, Self, cast
 
 from scheduler.store_file import SCHEMA_VERSION, StoreError, open_store, transaction  # re-exported
+from scheduler.store_pages import page_of, position
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound
 from swarm.job.states import JOB_STATES, TERMINAL, UNFINISHED, JobState  # re-exported
 
@@ -61,7 +62,8 @@ _COLUMNS = (
 # an older scheduler), and the row's position for the next page's cursor.
 _LISTED = _COLUMNS.replace(
     "*",
-    "id, name, '' AS spec, base_dir, state, step, steps, loss, error, message, created, updated",
+    "id, name, '' AS spec, base_dir, state, step, steps, loss, error, message, created, updated,"
+    " submitter",
     1,
 )
 
@@ -70,9 +72,6 @@ _LISTED = _COLUMNS.replace(
 MAX_EVENTS = 1000
 # An event's text is cut to this (it may quote a peer's own words: an error, its id).
 MAX_EVENT_TEXT = 500
-
-# A listed job's bytes besides its text columns (numbers, field tags), for `page`'s budget.
-_LISTED_OVERHEAD = 128
 
 
 @dataclass(frozen=True)
@@ -92,6 +91,7 @@ class JobRecord:
     first_loss: float = math.nan  #: loss of step 0; NaN before it
     val_loss: float = math.nan  #: validation loss at the newest evaluation; NaN before one
     val_step: int = -1  #: the updates the evaluated parameters had; -1 before an evaluation
+    submitter: str = ""  #: who submitted it (`scheduler.callers`); "": the swarm token alone
 
     @property
     def finished(self) -> bool:
@@ -151,15 +151,19 @@ class JobStore:
         self.close()
 
     # -- jobs -----------------------------------------------------------------------------------
-    def create(self, name: str, spec: str, base_dir: str, steps: int) -> JobRecord:
-        """Store a new queued job; its id is `{name}-{6 random hex digits}`."""
+    def create(
+        self, name: str, spec: str, base_dir: str, steps: int, submitter: str = ""
+    ) -> JobRecord:
+        """Store a new queued job of `submitter`; its id is `{name}-{6 random hex digits}`."""
         now = self._clock()
         for _ in range(8):  # 16M ids per name: a collision is rare, and retried
             job_id = f"{name}-{secrets.token_hex(3)}"
             try:
                 self._write(
-                    "INSERT INTO jobs VALUES (?, ?, ?, ?, 'queued', 0, ?, NULL, '', '', ?, ?)",
-                    (job_id, name, spec, base_dir, steps, now, now),
+                    "INSERT INTO jobs (id, name, spec, base_dir, state, step, steps, loss, error,"
+                    " message, created, updated, submitter)"
+                    " VALUES (?, ?, ?, ?, 'queued', 0, ?, NULL, '', '', ?, ?, ?)",
+                    (job_id, name, spec, base_dir, steps, now, now, submitter),
                 )
             except sqlite3.IntegrityError:
                 continue
@@ -185,26 +189,13 @@ class JobStore:
         message) to `budget` bytes or more: it holds one job at least, and rows past the end are
         never read."""
         limit = max(limit, 1)
-        created, row = _position(cursor) if cursor else (math.inf, 0)
+        created, row = position(cursor) if cursor else (math.inf, 0)
         rows = self._db.execute(
             f"SELECT {_LISTED}, rowid AS position FROM jobs WHERE created < ? OR"
             " (created = ? AND rowid < ?) ORDER BY created DESC, rowid DESC LIMIT ?",
             (created, created, row, limit + 1),  # one more: is there a next page?
         )
-        records: Records = []
-        used, last = 0, None
-        try:
-            for r in rows:  # read one at a time: a page over its budget reads no more
-                if last is not None and (len(records) == limit or (budget and used >= budget)):
-                    return records, f"{last['created'].hex()}/{last['position']}"
-                records.append(self._record(r))
-                used += _LISTED_OVERHEAD + sum(
-                    len(r[k].encode()) for k in ("id", "name", "base_dir", "error", "message")
-                )
-                last = r
-        finally:
-            rows.close()  # the read ends here, not when the cursor is collected
-        return records, ""
+        return page_of(rows, limit, budget, self._record)
 
     def unfinished(self) -> Records:
         """Unfinished jobs (queued, placing, running, stalled), oldest first: what a restarted
@@ -252,15 +243,23 @@ class JobStore:
         self._kept.pop(job_id, None)
 
     def finished_beyond(self, keep: int) -> Ids:
-        """Finished jobs but the `keep` that ended most recently (by their last update), most
-        recent first: what a retention of `keep` finished jobs deletes."""
+        """Each submitter's finished jobs but the `keep` of theirs that ended most recently (by
+        their last update), most recent first: what a retention of `keep` finished jobs per
+        submitter deletes. Per submitter: one who ends many jobs deletes only their own."""
         marks = ", ".join("?" * len(TERMINAL))
         rows = self._db.execute(
-            f"SELECT id FROM jobs WHERE state IN ({marks}) ORDER BY updated DESC, rowid DESC"
-            " LIMIT -1 OFFSET ?",
+            "SELECT id FROM (SELECT id, updated, rowid AS r, ROW_NUMBER() OVER (PARTITION BY"
+            " submitter ORDER BY updated DESC, rowid DESC) AS rank FROM jobs WHERE state IN"
+            f" ({marks})) WHERE rank > ? ORDER BY updated DESC, r DESC",
             (*TERMINAL, keep),
         )
         return [r["id"] for r in rows]
+
+    def unfinished_of(self, submitter: str) -> int:
+        """How many of `submitter`'s jobs are unfinished (queued, placing, running, stalled)."""
+        marks = ", ".join("?" * len(UNFINISHED))
+        sql = f"SELECT COUNT(*) FROM jobs WHERE submitter = ? AND state IN ({marks})"
+        return int(self._db.execute(sql, (submitter, *UNFINISHED)).fetchone()[0])
 
     def set_message(self, job_id: str, message: str) -> None:
         changed = self._write(
@@ -423,20 +422,6 @@ class JobStore:
         d["first_loss"], d["val_loss"] = _loss(d["first_loss"]), _loss(d["val_loss"])
         d["val_step"] = -1 if d["val_step"] is None else d["val_step"]
         return JobRecord(**d)
-
-
-def _position(cursor: str) -> tuple[float, int]:
-    """A page cursor's (created, rowid); InvalidArgument for one this store did not give."""
-    created, _, row = cursor.partition("/")
-    try:
-        position = float.fromhex(created), int(row)
-    except ValueError:
-        position = (math.nan, 0)
-    if not math.isfinite(position[0]):
-        raise InvalidArgument(
-            f"page_token {cursor!r} is not one this scheduler gave; list again without one"
-        )
-    return position
 
 
 def _allowed(old: JobState, new: JobState) -> bool:

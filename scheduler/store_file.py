@@ -51,6 +51,10 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE INDEX events_job ON events (job, time)",
     ),
+    (  # who submitted each job ("": the swarm token alone, and every job stored before this)
+        "ALTER TABLE jobs ADD COLUMN submitter TEXT NOT NULL DEFAULT ''",
+        "CREATE INDEX jobs_submitter ON jobs (submitter, state)",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 

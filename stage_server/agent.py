@@ -25,7 +25,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from stage_server.identity import PeerIdentity, persistent_peer_id
-from stage_server.measure import cache_path, measure_job
+from stage_server.measure import cache_path, device_memory, measure_job
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import StageRuntime
 from stage_server.server import (
@@ -126,6 +126,7 @@ class PeerAgent:
             job=self.job_id,
             throttle=self.throttle,
             samples_per_second=self.speeds,
+            memory_bytes=device_memory(self.device),  # the scheduler bounds jobs' stages by it
             time=time.time(),
         )
         if self.stage is not None:

@@ -8,7 +8,11 @@ peers that start together would otherwise time their stages while the others tim
 on a small machine that made one stage look 4x slower than the rest to all of them (placement
 then put four of six peers there). The first to take the lock measures; the others then find
 its figures in the cache, so co-located peers of one device agree exactly; the log line that
-shows them says so, with the cache's path (delete it to measure again)."""
+shows them says so, with the cache's path (delete it to measure again).
+
+Before it builds anything, a peer counts each stage's state on the meta device
+(`swarm.model.sizes`) and refuses a job with a stage its memory cannot hold (`check_fits`): an
+allocation the kernel cannot back kills the peer (the OOM killer), it raises nothing."""
 
 from __future__ import annotations
 
@@ -24,10 +28,12 @@ from pathlib import Path
 import torch
 
 from stage_server.runtime import StageRuntime
+from swarm.errors import ResourceExhausted
 from swarm.job.config import JobConfig
+from swarm.model.sizes import format_bytes, layer_parameters, stage_state_bytes
 from swarm.model.transformer import layer_costs, partition
 
-__all__ = ["cache_path", "measure_job", "measure_stage"]
+__all__ = ["cache_path", "check_fits", "device_memory", "measure_job", "measure_stage"]
 
 log = logging.getLogger(__name__)
 # Timed runs after one warm-up: at least _REPEATS, and more until they add up to _MIN_TIMED_S
@@ -54,6 +60,56 @@ def _key(job: JobConfig, stage: int, device: torch.device) -> str:
         ],
         sort_keys=True,
     )
+
+
+def _machine_memory() -> int:
+    """The machine's memory (bytes), or its cgroup's limit when lower; 0 when unknown."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        total = 0
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        limit = "max"
+    if limit.isdigit() and (not total or int(limit) < total):
+        return int(limit)
+    return max(total, 0)
+
+
+def device_memory(device: torch.device | str) -> int:
+    """Bytes of memory `device` has for a stage: a GPU's total, the machine's for the CPU (and
+    MPS, which shares it); 0 when unknown. What a peer announces, and checks a job against."""
+    try:
+        device = torch.device(device)
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+    except (RuntimeError, AssertionError, ValueError):
+        return 0
+    return _machine_memory()
+
+
+def check_fits(job: JobConfig, device: torch.device, memory_bytes: int | None = None) -> None:
+    """ResourceExhausted when a stage of `job` cannot fit `memory_bytes` (default: the
+    device's), counted on the meta device, before anything is allocated. A layer is first built
+    in float64 on the CPU (`swarm.model.transformer`): its largest must fit the machine too."""
+    memory = device_memory(device) if memory_bytes is None else memory_bytes
+    if memory > 0:
+        state = stage_state_bytes(job)
+        stage = max(range(len(state)), key=state.__getitem__)
+        if state[stage] > memory:
+            raise ResourceExhausted(
+                f"stage {stage} of job {job.name!r} holds {format_bytes(state[stage])} of state "
+                f"at least, more than this peer's {format_bytes(memory)} on {device}: not "
+                "measured (nothing allocated)"
+            )
+    machine = _machine_memory()
+    layer = max(layer_parameters(job)) * 8
+    if machine > 0 and layer > machine:
+        raise ResourceExhausted(
+            f"a layer of job {job.name!r} is {format_bytes(layer)} in float64, as it is built, "
+            f"more than this machine's {format_bytes(machine)}: not measured (nothing allocated)"
+        )
 
 
 def measure_stage(job: JobConfig, stage: int, device: torch.device) -> float:
@@ -103,9 +159,13 @@ def _measuring_alone(path: Path, device: torch.device) -> Iterator[None]:
         os.close(fd)
 
 
-def measure_job(job: JobConfig, device: torch.device, throttle: float = 1.0) -> dict[int, float]:
+def measure_job(
+    job: JobConfig, device: torch.device, throttle: float = 1.0, *, memory_bytes: int | None = None
+) -> dict[int, float]:
     """Samples/s per stage, divided by `throttle`; cached on disk, measured by one peer of a
-    machine at a time."""
+    machine at a time. A job with a stage over `memory_bytes` (default: the device's) is refused
+    first (`check_fits`)."""
+    check_fits(job, device, memory_bytes)
     path = cache_path()
     with _measuring_alone(path, device):
         try:

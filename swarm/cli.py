@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "join a swarm (--broker) or serve one stage of a job (--job, --stage)",
     ),
     "scheduler": ("scheduler.cli", "run the scheduler: job API, placement, trainers"),
+    "submitter-token": (
+        "scheduler.cli",
+        "print the token that names a submitter (from the scheduler's --admin-token-file)",
+    ),
     "broker": ("swarm.commands", "run the embedded MQTT broker (amqtt)"),
     "broker-config": (
         "swarm.bus.broker_config",

@@ -17,9 +17,11 @@ __all__ = [
     "NonFiniteGradient",
     "NotFound",
     "PeerUnavailable",
+    "PermissionDenied",
     "RemoteError",
     "ResourceExhausted",
     "SwarmError",
+    "Unauthenticated",
     "WireError",
 ]
 
@@ -70,6 +72,14 @@ class NonFiniteGradient(FailedPrecondition):
     """A gradient, or its norm, is NaN or infinite: no update is made from it (clipping cannot
     make it finite, and every replica would apply the same poison). A replica refuses to APPLY
     one; the coordinator sends no APPLY for a step whose PREPARE reported one."""
+
+
+class PermissionDenied(WireError):
+    """The caller is known, but its credential may not do this (another submitter's job)."""
+
+
+class Unauthenticated(WireError):
+    """The call's credential is not one this server knows (a forged submitter token)."""
 
 
 class ResourceExhausted(WireError):

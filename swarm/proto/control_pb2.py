@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19swarm/proto/control.proto\x12\x0bswarm.proto\"\xd6\x02\n\x10PeerAnnouncement\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12%\n\x05state\x18\x05 \x01(\x0e\x32\x16.swarm.proto.PeerState\x12\x0b\n\x03job\x18\x06 \x01(\t\x12\x12\n\x05stage\x18\x07 \x01(\rH\x00\x88\x01\x01\x12O\n\x12samples_per_second\x18\x08 \x03(\x0b\x32\x33.swarm.proto.PeerAnnouncement.SamplesPerSecondEntry\x12\x10\n\x08throttle\x18\t \x01(\x01\x12\x0c\n\x04time\x18\n \x01(\x01\x1a\x37\n\x15SamplesPerSecondEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_stage\"\x8c\x01\n\nLoadReport\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x1e\n\x16\x65ma_seconds_per_sample\x18\x06 \x01(\x01\x12\x0c\n\x04time\x18\x07 \x01(\x01\"J\n\nAssignment\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\xbf\x01\n\x0fJobAnnouncement\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.swarm.proto.JobState\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x0c\n\x04spec\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0c\n\x04time\x18\t \x01(\x01\x12\x15\n\rscheduler_key\x18\n \x01(\x0c\"{\n\rStepCommitted\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\x03\x12\x0c\n\x04time\x18\x05 \x01(\x01\x12\x15\n\x08val_loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x0b\n\t_val_loss*\x88\x01\n\tPeerState\x12\x1a\n\x16PEER_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12PEER_STATE_JOINING\x10\x01\x12\x16\n\x12PEER_STATE_SERVING\x10\x02\x12\x17\n\x13PEER_STATE_DRAINING\x10\x03\x12\x16\n\x12PEER_STATE_OFFLINE\x10\x04*\xc8\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_PLACING\x10\x02\x12\x15\n\x11JOB_STATE_RUNNING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x06\x12\x15\n\x11JOB_STATE_STALLED\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19swarm/proto/control.proto\x12\x0bswarm.proto\"\xec\x02\n\x10PeerAnnouncement\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12%\n\x05state\x18\x05 \x01(\x0e\x32\x16.swarm.proto.PeerState\x12\x0b\n\x03job\x18\x06 \x01(\t\x12\x12\n\x05stage\x18\x07 \x01(\rH\x00\x88\x01\x01\x12O\n\x12samples_per_second\x18\x08 \x03(\x0b\x32\x33.swarm.proto.PeerAnnouncement.SamplesPerSecondEntry\x12\x10\n\x08throttle\x18\t \x01(\x01\x12\x0c\n\x04time\x18\n \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x14 \x01(\x04\x1a\x37\n\x15SamplesPerSecondEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_stage\"\x8c\x01\n\nLoadReport\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x1e\n\x16\x65ma_seconds_per_sample\x18\x06 \x01(\x01\x12\x0c\n\x04time\x18\x07 \x01(\x01\"J\n\nAssignment\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\xbf\x01\n\x0fJobAnnouncement\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.swarm.proto.JobState\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x0c\n\x04spec\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0c\n\x04time\x18\t \x01(\x01\x12\x15\n\rscheduler_key\x18\n \x01(\x0c\"{\n\rStepCommitted\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\x03\x12\x0c\n\x04time\x18\x05 \x01(\x01\x12\x15\n\x08val_loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x0b\n\t_val_loss*\x88\x01\n\tPeerState\x12\x1a\n\x16PEER_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12PEER_STATE_JOINING\x10\x01\x12\x16\n\x12PEER_STATE_SERVING\x10\x02\x12\x17\n\x13PEER_STATE_DRAINING\x10\x03\x12\x16\n\x12PEER_STATE_OFFLINE\x10\x04*\xc8\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_PLACING\x10\x02\x12\x15\n\x11JOB_STATE_RUNNING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x06\x12\x15\n\x11JOB_STATE_STALLED\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PEERANNOUNCEMENT_SAMPLESPERSECONDENTRY']._loaded_options = None
   _globals['_PEERANNOUNCEMENT_SAMPLESPERSECONDENTRY']._serialized_options = b'8\001'
-  _globals['_PEERSTATE']._serialized_start=926
-  _globals['_PEERSTATE']._serialized_end=1062
-  _globals['_JOBSTATE']._serialized_start=1065
-  _globals['_JOBSTATE']._serialized_end=1265
+  _globals['_PEERSTATE']._serialized_start=948
+  _globals['_PEERSTATE']._serialized_end=1084
+  _globals['_JOBSTATE']._serialized_start=1087
+  _globals['_JOBSTATE']._serialized_end=1287
   _globals['_PEERANNOUNCEMENT']._serialized_start=43
-  _globals['_PEERANNOUNCEMENT']._serialized_end=385
-  _globals['_PEERANNOUNCEMENT_SAMPLESPERSECONDENTRY']._serialized_start=320
-  _globals['_PEERANNOUNCEMENT_SAMPLESPERSECONDENTRY']._serialized_end=375
-  _globals['_LOADREPORT']._serialized_start=388
-  _globals['_LOADREPORT']._serialized_end=528
-  _globals['_ASSIGNMENT']._serialized_start=530
-  _globals['_ASSIGNMENT']._serialized_end=604
-  _globals['_JOBANNOUNCEMENT']._serialized_start=607
-  _globals['_JOBANNOUNCEMENT']._serialized_end=798
-  _globals['_STEPCOMMITTED']._serialized_start=800
-  _globals['_STEPCOMMITTED']._serialized_end=923
+  _globals['_PEERANNOUNCEMENT']._serialized_end=407
+  _globals['_PEERANNOUNCEMENT_SAMPLESPERSECONDENTRY']._serialized_start=342
+  _globals['_PEERANNOUNCEMENT_SAMPLESPERSECONDENTRY']._serialized_end=397
+  _globals['_LOADREPORT']._serialized_start=410
+  _globals['_LOADREPORT']._serialized_end=550
+  _globals['_ASSIGNMENT']._serialized_start=552
+  _globals['_ASSIGNMENT']._serialized_end=626
+  _globals['_JOBANNOUNCEMENT']._serialized_start=629
+  _globals['_JOBANNOUNCEMENT']._serialized_end=820
+  _globals['_STEPCOMMITTED']._serialized_start=822
+  _globals['_STEPCOMMITTED']._serialized_end=945
 # @@protoc_insertion_point(module_scope)

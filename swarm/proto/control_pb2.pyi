@@ -40,7 +40,7 @@ JOB_STATE_CANCELLED: JobState
 JOB_STATE_STALLED: JobState
 
 class PeerAnnouncement(_message.Message):
-    __slots__ = ("peer", "address", "metrics_address", "device", "state", "job", "stage", "samples_per_second", "throttle", "time")
+    __slots__ = ("peer", "address", "metrics_address", "device", "state", "job", "stage", "samples_per_second", "throttle", "time", "memory_bytes")
     class SamplesPerSecondEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class PeerAnnouncement(_message.Message):
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     THROTTLE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     peer: str
     address: str
     metrics_address: str
@@ -68,7 +69,8 @@ class PeerAnnouncement(_message.Message):
     samples_per_second: _containers.ScalarMap[int, float]
     throttle: float
     time: float
-    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[PeerState, str]] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., samples_per_second: _Optional[_Mapping[int, float]] = ..., throttle: _Optional[float] = ..., time: _Optional[float] = ...) -> None: ...
+    memory_bytes: int
+    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[PeerState, str]] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., samples_per_second: _Optional[_Mapping[int, float]] = ..., throttle: _Optional[float] = ..., time: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("peer", "job", "stage", "queue_depth", "in_flight", "ema_seconds_per_sample", "time")

@@ -37,7 +37,7 @@ class StageStatus(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir", "first_loss", "val_loss", "val_step", "waiting_since", "warnings", "events", "rounds")
+    __slots__ = ("job", "name", "state", "step", "steps", "loss", "error", "message", "stages", "samples_per_second", "created", "updated", "spec", "base_dir", "first_loss", "val_loss", "val_step", "waiting_since", "warnings", "events", "rounds", "submitter")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class JobStatus(_message.Message):
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTER_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     state: _control_pb2.JobState
@@ -80,7 +81,8 @@ class JobStatus(_message.Message):
     warnings: _containers.RepeatedScalarFieldContainer[str]
     events: _containers.RepeatedCompositeFieldContainer[JobEvent]
     rounds: RoundStatus
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ..., first_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., val_step: _Optional[int] = ..., waiting_since: _Optional[float] = ..., warnings: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ..., rounds: _Optional[_Union[RoundStatus, _Mapping]] = ...) -> None: ...
+    submitter: str
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., loss: _Optional[float] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., samples_per_second: _Optional[float] = ..., created: _Optional[float] = ..., updated: _Optional[float] = ..., spec: _Optional[str] = ..., base_dir: _Optional[str] = ..., first_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., val_step: _Optional[int] = ..., waiting_since: _Optional[float] = ..., warnings: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ..., rounds: _Optional[_Union[RoundStatus, _Mapping]] = ..., submitter: _Optional[str] = ...) -> None: ...
 
 class RoundStatus(_message.Message):
     __slots__ = ("rule", "round", "rounds", "round_steps", "next_average_in", "last_seconds", "last_at", "last_bytes")

@@ -23,9 +23,11 @@ from swarm.errors import (
     NonFiniteGradient,
     NotFound,
     PeerUnavailable,
+    PermissionDenied,
     RemoteError,
     ResourceExhausted,
     SwarmError,
+    Unauthenticated,
 )
 from swarm.net import tls
 
@@ -45,6 +47,8 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     # A push whose next stage did not answer: this replica answers as that peer did not.
     PeerUnavailable: grpc.StatusCode.UNAVAILABLE,
     # A caller that did not send its request's body within the server's limit.

@@ -14,6 +14,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from scheduler.admission import Admission
+from scheduler.callers import Callers
 from scheduler.job_api import JobApiServicer
 from scheduler.store import JobStore
 from swarm.errors import FailedPrecondition
@@ -123,13 +125,23 @@ async def start_api(
     token: str | None = None,
     more: Callable[[grpc.aio.Server], None] | None = None,
     address: str = "127.0.0.1:0",
+    callers: Callers | None = None,
+    admission: Admission | None = None,
 ) -> RunningApi:
-    """The job API (and health) on a free port; `more` adds services before the start."""
+    """The job API (and health) on a free port; `more` adds services before the start;
+    `callers` and `admission`: who calls, what a job must fit (the servicer's defaults)."""
     store = JobStore(tmp_path / "jobs.db")
     control = FakeControl(store)
     registry = CollectorRegistry()
     server = grpc.aio.server(interceptors=server_interceptors(token, registry))
-    servicer = JobApiServicer(store, control, chunk_bytes=CHUNK, data_root=tmp_path / "data")
+    servicer = JobApiServicer(
+        store,
+        control,
+        chunk_bytes=CHUNK,
+        data_root=tmp_path / "data",
+        callers=callers,
+        admission=admission,
+    )
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

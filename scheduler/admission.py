@@ -1,0 +1,87 @@
+"""What a submitted job must fit before the scheduler stores it: no more unfinished jobs of its
+submitter than `--max-jobs-per-submitter`, and a largest stage that some peer could hold.
+
+A stage's state is counted on the meta device (`swarm.model.sizes`) and compared with the
+scheduler's `--max-stage-bytes` and with the largest memory a present peer announced: a job of
+3.3 T parameters is refused here, naming its sizes, instead of idle peers building it layer by
+layer until the kernel kills them (each peer checks again before it measures:
+`stage_server.measure`). With neither bound (no flag, no peer that said its memory yet) the
+size is not refused here; the peers' own check still holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler.callers import shown
+from scheduler.store import JobStore
+from swarm.errors import ConfigError, ResourceExhausted
+from swarm.job.config import JobConfig
+from swarm.model.sizes import format_bytes, stage_parameters, stage_state_bytes
+
+__all__ = ["MAX_JOBS_PER_SUBMITTER", "Admission", "PeerMemory"]
+
+MAX_JOBS_PER_SUBMITTER = 8  # unfinished jobs (queued, placing, running, stalled) per submitter
+
+PeerMemory = Callable[[], tuple[int, str]]
+"""The largest memory (bytes) a present peer announced, and that peer's id; (0, "") when none
+said."""
+
+
+def _none_said() -> tuple[int, str]:
+    return 0, ""
+
+
+@dataclass(frozen=True)
+class Admission:
+    max_jobs_per_submitter: int | None = MAX_JOBS_PER_SUBMITTER  # None: no cap
+    max_stage_bytes: int | None = None  # the operator's bound on one stage's state (None: none)
+    peer_memory: PeerMemory = _none_said
+
+    def __post_init__(self) -> None:
+        if self.max_jobs_per_submitter is not None and self.max_jobs_per_submitter < 1:
+            raise ConfigError(
+                f"--max-jobs-per-submitter {self.max_jobs_per_submitter} is not allowed; use an "
+                "integer >= 1"
+            )
+        if self.max_stage_bytes is not None and self.max_stage_bytes < 1:
+            raise ConfigError(f"--max-stage-bytes {self.max_stage_bytes}: use an integer >= 1")
+
+    def check_count(self, store: JobStore, submitter: str) -> None:
+        """ResourceExhausted when `submitter` already has the unfinished jobs it may have."""
+        cap = self.max_jobs_per_submitter
+        if cap is None:
+            return
+        have = store.unfinished_of(submitter)
+        if have >= cap:
+            raise ResourceExhausted(
+                f"{shown(submitter)} already has {have} unfinished job(s), the most one submitter "
+                f"may have (--max-jobs-per-submitter {cap}): cancel one, or wait for one to end"
+            )
+
+    def check_size(self, job: JobConfig) -> None:
+        """ResourceExhausted when `job`'s largest stage is over the bounds. Pure computation
+        (a partition, three modules on the meta device): call it off the event loop."""
+        limits = []
+        if self.max_stage_bytes is not None:
+            limits.append((self.max_stage_bytes, "--max-stage-bytes"))
+        memory, peer = self.peer_memory()
+        if memory > 0:
+            limits.append((memory, f"the largest memory a present peer announced ({peer})"))
+        if not limits:
+            return
+        limit, why = min(limits)
+        state = stage_state_bytes(job)
+        largest = max(range(len(state)), key=state.__getitem__)
+        if state[largest] <= limit:
+            return
+        params = stage_parameters(job)
+        raise ResourceExhausted(
+            f"job {job.name!r} is too large for this swarm: its stage {largest} holds "
+            f"{params[largest]:,} parameters, {format_bytes(state[largest])} of state at least "
+            f"(weights, gradient sums and {job.optimizer.kind}'s state in "
+            f"{job.training.dtype}), over {format_bytes(limit)}, {why}; the model has "
+            f"{sum(params):,} parameters in {len(params)} stage(s): use more training.stages, "
+            "or a smaller model"
+        )

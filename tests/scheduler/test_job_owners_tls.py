@@ -1,0 +1,87 @@
+"""Under --tls-mutual a caller of the job API is its client certificate's name (issue 44, N4),
+with nothing else to configure: a real gRPC server over TLS requiring client certificates of the
+swarm's CA, and clients each with their own certificate."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from scheduler.callers import Callers
+from scheduler.job_api import JobApiServicer
+from scheduler.store import JobStore
+from swarm.net import tls
+from swarm.net.certs import issue
+from swarm.net.tokens import add_port, server_interceptors
+from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.support.api import FakeControl
+from tests.support.jobs import write_job
+from tests.support.tls import HOSTS, load_identity, no_identity, pki
+
+__all__ = ["no_identity", "pki"]  # fixtures
+
+TOKEN = "swarm-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def address(pki: Path, tmp_path: Path) -> AsyncIterator[str]:
+    """The job API over mutual TLS (the process's identity: the swarm's `server` certificate)."""
+    for name in ("alice", "bob", "scheduler"):
+        issue(pki / "ours", name, HOSTS)
+    tls.configure(load_identity(pki, "ours", "server", mutual=True))
+    store = JobStore(tmp_path / "jobs.db")
+    server = grpc.aio.server(interceptors=server_interceptors(TOKEN, CollectorRegistry()))
+    control: Any = FakeControl(store)  # trains nothing; not under test
+    servicer = JobApiServicer(store, control, data_root=tmp_path / "data", callers=Callers())
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+    port = add_port(server, "127.0.0.1:0", "the scheduler")
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(None)
+    store.close()
+
+
+def _stub(pki: Path, name: str, address: str) -> tuple[grpc.aio.Channel, object]:
+    ours = pki / "ours"
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=(ours / "ca.pem").read_bytes(),
+        private_key=(ours / f"{name}.key").read_bytes(),
+        certificate_chain=(ours / f"{name}.pem").read_bytes(),
+    )
+    channel = grpc.aio.secure_channel(address, credentials)
+    return channel, scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+
+@pytest.mark.attack("N4")
+async def test_a_certificate_names_its_caller_and_the_schedulers_is_an_admin(
+    pki: Path, address: str, tmp_path: Path
+) -> None:
+    path = write_job(tmp_path, "waiting")
+    submit = scheduler_pb2.SchedulerSubmitJobRequest(
+        spec=path.read_text(), base_dir=str(path.parent)
+    )
+    a, alice = _stub(pki, "alice", address)
+    b, bob = _stub(pki, "bob", address)
+    s, scheduler = _stub(pki, "scheduler", address)
+    try:
+        job = (await alice.SubmitJob(submit, metadata=AUTH)).job  # type: ignore[attr-defined]
+        assert job.submitter == "alice"
+        cancel = scheduler_pb2.SchedulerCancelJobRequest(job=job.job)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await bob.CancelJob(cancel, metadata=AUTH)  # type: ignore[attr-defined]
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "'alice'" in (e.value.details() or "")
+        # The scheduler's own certificate: its holder holds the store anyway.
+        done = await scheduler.CancelJob(cancel, metadata=AUTH)  # type: ignore[attr-defined]
+        assert done.job.state == control_pb2.JOB_STATE_CANCELLED
+    finally:
+        for channel in (a, b, s):
+            await channel.close()
