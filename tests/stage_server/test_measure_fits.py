@@ -86,7 +86,7 @@ async def test_an_idle_peer_refuses_the_job_and_announces_its_memory(
     running: Any = SimpleNamespace(
         address="127.0.0.1:1",
         executor=executor,
-        servicer=SimpleNamespace(release=lambda: None),
+        servicer=SimpleNamespace(release=lambda: None, trust=lambda job: None),
         health=SimpleNamespace(set=_set),
     )
     agent = PeerAgent(running, bus, peer="p", device="cpu")  # type: ignore[arg-type]
