@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 
 from swarm.errors import ConfigError, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from swarm.proto import framing, tensor_pb2
+from swarm.proto.framing import MAX_TENSORS_PER_MESSAGE  # counted before a header is parsed
 from swarm.wire.codec import CODEC_NONE, decode, decoded_nbytes, dtype_name
 
 __all__ = [
@@ -43,10 +44,6 @@ __all__ = [
 
 M = TypeVar("M", bound=Message)
 
-# Every sender puts one to three tensors in a message (a request's inputs, targets or gradient; a
-# reply's one tensor; a state's or an update's one tensor a message): more is refused from the
-# header, before a tensor of it is decoded (a 64 MiB message could name two million tensors).
-MAX_TENSORS_PER_MESSAGE = 64
 # What a received tensor costs beyond its payload (its header, the torch tensor and the name it
 # is kept under): charged to a message's size and to what it reserves, so that many tiny tensors
 # do not pass a byte limit meant for their memory.
