@@ -19,8 +19,8 @@ Any other message of a streamed type (a header) is measured before protobuf pars
 builds every tensor and value a message names, so a 63 MiB header could name millions, costing
 gigabytes and seconds of the event loop before the tensor cap was ever checked. A header of more
 than MAX_TENSORS_PER_MESSAGE tensors or MAX_HEADER_VALUES values (fields and packed elements,
-nested ones included) is refused (InvalidArgument) from a walk of its encoding that builds
-nothing.
+nested ones included) is refused (`HeaderRefused`, the sender's InvalidArgument) from a walk of
+its encoding that builds nothing.
 
 protogen.py makes every generated stub and servicer use `serialize` and `deserializer(cls)`.
 """
@@ -33,12 +33,11 @@ from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from swarm.errors import InvalidArgument
-
 __all__ = [
     "MAX_HEADER_VALUES",
     "MAX_TENSORS_PER_MESSAGE",
     "Framed",
+    "HeaderRefused",
     "deserializer",
     "frame",
     "serialize",
@@ -52,6 +51,12 @@ MAX_TENSORS_PER_MESSAGE = 64
 # dimensions each), its routes' peers. An honest header holds a few hundred.
 MAX_HEADER_VALUES = 1 << 16
 _MAX_DEPTH = 16  # nested messages; swarm's go three deep
+
+
+class HeaderRefused(ValueError):
+    """A header refused before it was parsed; `swarm.wire.chunking` reads it as the sender's
+    InvalidArgument (this floor knows no swarm errors)."""
+
 
 _CHUNK_TENSOR_KEY = (1 << 3) | 0  # Chunk.tensor: field 1, varint
 _CHUNK_DATA_KEY = (2 << 3) | 2  # Chunk.data: field 2, length-delimited
@@ -219,7 +224,7 @@ class _Header:
 
     def walk(self, start: int, end: int, desc: Any, depth: int) -> None:
         if depth > _MAX_DEPTH:
-            raise InvalidArgument(f"a message nested more than {_MAX_DEPTH} deep")
+            raise HeaderRefused(f"a message nested more than {_MAX_DEPTH} deep")
         pos = start
         while pos < end:
             key, pos = _read_varint(self.data, pos)
@@ -242,7 +247,7 @@ class _Header:
                 pos += _FIXED_SIZE[wire]
             self.values += values
             if self.values > MAX_HEADER_VALUES:
-                raise InvalidArgument(
+                raise HeaderRefused(
                     f"a message of more than {MAX_HEADER_VALUES} values (MAX_HEADER_VALUES), "
                     "refused before it was parsed"
                 )
@@ -256,7 +261,7 @@ class _Header:
         if depth == 0 and field.number == self.tensors_field:
             self.tensors += 1
             if self.tensors > MAX_TENSORS_PER_MESSAGE:
-                raise InvalidArgument(
+                raise HeaderRefused(
                     f"a message of more than {MAX_TENSORS_PER_MESSAGE} tensors "
                     "(MAX_TENSORS_PER_MESSAGE), refused before it was parsed"
                 )
@@ -265,6 +270,6 @@ class _Header:
 
 
 def _check_header(data: bytes, descriptor: Any, tensors_field: int) -> None:
-    """InvalidArgument when the message `data` encodes (of type `descriptor`) names more than
+    """HeaderRefused when the message `data` encodes (of type `descriptor`) names more than
     MAX_TENSORS_PER_MESSAGE tensors or MAX_HEADER_VALUES values."""
     _Header(data, tensors_field).walk(0, len(data), descriptor, 0)

@@ -207,8 +207,23 @@ async def read_to_end(stream: AsyncIterator[Any], what: str) -> None:
     a message after it). gRPC holds the last message it read (a whole chunk) while its stream is
     suspended on it, which a call read only up to its last chunk is until the garbage collector
     finds the call: read to the end, the chunk goes as the call does."""
-    async for _ in stream:
+    it = stream.__aiter__()
+    with contextlib.suppress(StopAsyncIteration):
+        await _next(it)
         raise InvalidArgument(f"a message after {what} last chunk")
+
+
+async def _next(it: AsyncIterator[Any]) -> Any:
+    """`it`'s next message. A header refused before it was parsed (`framing.HeaderRefused`) is
+    the sender's InvalidArgument; so is a message gRPC could not read at all, which a client's
+    stream yields as None."""
+    try:
+        message = await it.__anext__()
+    except framing.HeaderRefused as e:
+        raise InvalidArgument(str(e)) from None
+    if message is None:
+        raise InvalidArgument("a message that could not be read (malformed, or refused unparsed)")
+    return message
 
 
 async def receive(
@@ -236,7 +251,7 @@ async def receive(
     """
     it = stream.__aiter__()
     try:
-        first = await it.__anext__()
+        first = await _next(it)
     except StopAsyncIteration:
         raise EndOfStream("empty stream: expected a header message") from None
     header: Any = first
@@ -287,7 +302,7 @@ async def receive(
     received = 0
     while received < chunked_total:
         try:
-            nxt: Any = await it.__anext__()
+            nxt: Any = await _next(it)
         except StopAsyncIteration:
             raise InvalidArgument(
                 f"stream ended after {received} of {chunked_total} bytes"

@@ -15,7 +15,8 @@ from stage_server.server import RunningStageServer, StageServerOptions, start_st
 from swarm.errors import InvalidArgument
 from swarm.net import tokens as auth
 from swarm.proto import framing, stage_pb2, tensor_pb2
-from swarm.proto.framing import MAX_HEADER_VALUES, MAX_TENSORS_PER_MESSAGE
+from swarm.proto.framing import MAX_HEADER_VALUES, MAX_TENSORS_PER_MESSAGE, HeaderRefused
+from swarm.wire.chunking import receive
 from tests.support.jobs import make_job
 
 TOKEN = "s3cret-token"
@@ -61,7 +62,7 @@ def test_an_honest_header_is_parsed() -> None:
 def test_too_many_tensors_are_refused_before_the_parse() -> None:
     # What follows the 65th tensor is not protobuf at all: protobuf never saw it.
     data = _empty_tensors(MAX_TENSORS_PER_MESSAGE + 1) + b"\xff" * 64
-    with pytest.raises(InvalidArgument, match="MAX_TENSORS_PER_MESSAGE"):
+    with pytest.raises(HeaderRefused, match="MAX_TENSORS_PER_MESSAGE"):
         _parse(data)
 
 
@@ -76,8 +77,25 @@ def test_too_many_tensors_are_refused_before_the_parse() -> None:
     ids=["dimensions", "route peers"],
 )
 def test_too_many_values_are_refused_before_the_parse(data: bytes) -> None:
-    with pytest.raises(InvalidArgument, match="MAX_HEADER_VALUES"):
+    with pytest.raises(HeaderRefused, match="MAX_HEADER_VALUES"):
         framing.deserializer(stage_pb2.StagePushRequest)(data)
+
+
+async def test_a_reader_gets_the_senders_invalid_argument() -> None:
+    """What `receive` makes of a header the deserializer refused (a server's request stream
+    raises it), or of a message gRPC could not read (a client's stream yields None)."""
+
+    async def refused() -> AsyncIterator[Any]:
+        _parse(_empty_tensors(MAX_TENSORS_PER_MESSAGE + 1))
+        yield FORWARD()
+
+    async def unreadable() -> AsyncIterator[Any]:
+        yield None
+
+    with pytest.raises(InvalidArgument, match="refused before it was parsed"):
+        await receive(refused(), max_bytes=1 << 20)
+    with pytest.raises(InvalidArgument, match="could not be read"):
+        await receive(unreadable(), max_bytes=1 << 20)
 
 
 def test_malformed_is_left_to_protobuf() -> None:
