@@ -19,8 +19,10 @@ Any other message of a streamed type (a header) is measured before protobuf pars
 builds every tensor and value a message names, so a 63 MiB header could name millions, costing
 gigabytes and seconds of the event loop before the tensor cap was ever checked. A header of more
 than MAX_TENSORS_PER_MESSAGE tensors or MAX_HEADER_VALUES values (fields and packed elements,
-nested ones included) is refused (`HeaderRefused`, the sender's InvalidArgument) from a walk of
-its encoding that builds nothing.
+nested ones included) is refused from a walk of its encoding that builds nothing: the deserializer
+returns a `HeaderRefused` in its place (gRPC's client swallows a deserializer's exception, its
+stream yielding None; a value keeps the reason), which `swarm.wire.chunking` raises as the
+sender's InvalidArgument.
 
 protogen.py makes every generated stub and servicer use `serialize` and `deserializer(cls)`.
 """
@@ -54,8 +56,9 @@ _MAX_DEPTH = 16  # nested messages; swarm's go three deep
 
 
 class HeaderRefused(ValueError):
-    """A header refused before it was parsed; `swarm.wire.chunking` reads it as the sender's
-    InvalidArgument (this floor knows no swarm errors)."""
+    """A header refused before it was parsed, returned in its place by `deserializer`;
+    `swarm.wire.chunking` raises it as the sender's InvalidArgument (this floor knows no swarm
+    errors)."""
 
 
 _CHUNK_TENSOR_KEY = (1 << 3) | 0  # Chunk.tensor: field 1, varint
@@ -146,7 +149,10 @@ def deserializer(cls: Any) -> Callable[[bytes], Any]:
         chunk = _read_chunk(data, outer_key)
         if chunk is not None:
             return chunk
-        _check_header(data, cls.DESCRIPTOR, tensors_field)  # before protobuf builds any of it
+        try:
+            _check_header(data, cls.DESCRIPTOR, tensors_field)  # before protobuf builds any
+        except HeaderRefused as refused:
+            return refused
         return parse(data)
 
     return deserialize
@@ -247,10 +253,19 @@ class _Header:
                 pos += _FIXED_SIZE[wire]
             self.values += values
             if self.values > MAX_HEADER_VALUES:
+                self.refuse_tensors("more than ")
                 raise HeaderRefused(
                     f"a message of more than {MAX_HEADER_VALUES} values (MAX_HEADER_VALUES), "
                     "refused before it was parsed"
                 )
+
+    def refuse_tensors(self, more_than: str = "") -> None:
+        if self.tensors > MAX_TENSORS_PER_MESSAGE:
+            raise HeaderRefused(
+                f"a message of {more_than}{self.tensors} tensors, more than "
+                f"{MAX_TENSORS_PER_MESSAGE} a message (MAX_TENSORS_PER_MESSAGE), refused before "
+                "it was parsed"
+            )
 
     def _delimited(self, start: int, end: int, field: Any, depth: int) -> int:
         """The values of one length-delimited field, a nested message's walked and counted."""
@@ -261,10 +276,7 @@ class _Header:
         if depth == 0 and field.number == self.tensors_field:
             self.tensors += 1
             if self.tensors > MAX_TENSORS_PER_MESSAGE:
-                raise HeaderRefused(
-                    f"a message of more than {MAX_TENSORS_PER_MESSAGE} tensors "
-                    "(MAX_TENSORS_PER_MESSAGE), refused before it was parsed"
-                )
+                return 1  # refused once counted (the refusal says how many): not walked
         self.walk(start, end, field.message_type, depth + 1)
         return 1
 
@@ -272,4 +284,6 @@ class _Header:
 def _check_header(data: bytes, descriptor: Any, tensors_field: int) -> None:
     """HeaderRefused when the message `data` encodes (of type `descriptor`) names more than
     MAX_TENSORS_PER_MESSAGE tensors or MAX_HEADER_VALUES values."""
-    _Header(data, tensors_field).walk(0, len(data), descriptor, 0)
+    header = _Header(data, tensors_field)
+    header.walk(0, len(data), descriptor, 0)
+    header.refuse_tensors()

@@ -214,13 +214,12 @@ async def read_to_end(stream: AsyncIterator[Any], what: str) -> None:
 
 
 async def _next(it: AsyncIterator[Any]) -> Any:
-    """`it`'s next message. A header refused before it was parsed (`framing.HeaderRefused`) is
-    the sender's InvalidArgument; so is a message gRPC could not read at all, which a client's
-    stream yields as None."""
-    try:
-        message = await it.__anext__()
-    except framing.HeaderRefused as e:
-        raise InvalidArgument(str(e)) from None
+    """`it`'s next message. A header refused before it was parsed (the deserializer gives a
+    `framing.HeaderRefused` in its place) is the sender's InvalidArgument; so is a message gRPC
+    could not read at all, which a client's stream yields as None."""
+    message = await it.__anext__()
+    if isinstance(message, framing.HeaderRefused):
+        raise InvalidArgument(str(message))
     if message is None:
         raise InvalidArgument("a message that could not be read (malformed, or refused unparsed)")
     return message
