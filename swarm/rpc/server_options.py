@@ -38,8 +38,10 @@ class ServerLimits:
     max_streams_per_connection: int = 256  # calls open at once on one connection
     max_connections: int = 512  # open at once; past it a new one is closed at once
     idle_s: float = 300.0  # a connection with no call this long gets GOAWAY
-    max_age_s: float = 3600.0  # any connection this old gets GOAWAY (gRPC adds ±10% jitter)
-    age_grace_s: float = 1800.0  # then its calls in flight have this long to finish
+    max_age_s: float = 7200.0  # any connection this old gets GOAWAY (gRPC adds ±10% jitter)
+    # then its calls in flight have this long to finish; a call cut then is retried on a new
+    # connection, which gives it max_age_s + age_grace_s (a long state download included)
+    age_grace_s: float = 7200.0
     handshake_s: float = 20.0  # to finish the TLS and HTTP/2 handshake once connected
 
     def __post_init__(self) -> None:
