@@ -52,7 +52,7 @@ _KEY = "authorization"
 _SCHEME = "bearer "  # RFC 6750: the scheme is case-insensitive
 _DRAIN_S = 1.0  # longest a refused streaming call is read before the answer (seconds)
 _DRAIN_IDLE_S = 0.1  # a pause this long ends the read early (seconds)
-_MAX_DRAINING = 4  # refused streaming calls read at once; past it, answered unread
+_MAX_DRAINING = 2  # refused streaming calls read at once (a message each); past it, unread
 
 Handler = Any  # grpc.RpcMethodHandler; its stubs lack the attributes read here
 

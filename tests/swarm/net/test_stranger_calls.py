@@ -115,8 +115,8 @@ async def _scheduler_server(limits: ServerLimits = SCHEDULER_LIMITS) -> tuple[gr
 async def test_scheduler_buffers_no_strangers_message() -> None:
     """Four tokenless calls declaring 60 MiB and sending it as fast as the server takes it: the
     server takes at most a flow-control window of each before the refusal ends it (it took all
-    60 MiB of each, and kept them, before), and its memory does not grow by the declared bytes. An authenticated caller's message is bounded
-    too: past the job API's 4 MiB it is refused."""
+    60 MiB of each, and kept them, before), and its memory does not grow by the declared bytes.
+    An authenticated caller's message is bounded too: past the job API's 4 MiB it is refused."""
     server, port = await _scheduler_server()
     stranger = RawHttp2("127.0.0.1", port)
     try:
