@@ -8,7 +8,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -24,11 +23,11 @@ from swarm.bus.connection import Bus
 from swarm.bus.topics import SCHEDULER_USER
 from swarm.net import tls
 from swarm.net.addresses import announced_host, host_port
-from swarm.net.tokens import add_port, server_interceptors
+from swarm.net.tokens import add_port
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
 from swarm.proto import scheduler_pb2_grpc
-from swarm.wire.chunking import grpc_options
+from swarm.rpc.server_options import SCHEDULER_LIMITS, grpc_server
 
 __all__ = ["SchedulerProcessOptions", "run_scheduler"]
 
@@ -119,10 +118,8 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
             )
             scheduler = Scheduler(store, bus, options, registry)
             registry.register(collector(scheduler))
-            server = grpc.aio.server(
-                interceptors=server_interceptors(opts.token, registry),
-                options=grpc_options(64 << 20),
-            )
+            # Bounded below the handlers: messages, calls, streams, connections and their age.
+            server = grpc_server(SCHEDULER_LIMITS, token=opts.token, registry=registry)
             scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
                 JobApiServicer(
                     store,

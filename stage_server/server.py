@@ -24,10 +24,11 @@ from swarm.errors import NotFound
 from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net.addresses import announced_host, host_port
-from swarm.net.tokens import add_port, server_interceptors
+from swarm.net.tokens import add_port
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
+from swarm.rpc.server_options import ServerLimits, grpc_server
 from swarm.wire.chunking import grpc_options
 
 __all__ = [
@@ -117,15 +118,12 @@ async def start_grpc(
 ) -> RunningStageServer:
     """A listening stage server that serves no stage yet (`servicer.serve` installs one)."""
     metrics = StageMetrics(opts.peer or "")
-    server = grpc.aio.server(
-        interceptors=server_interceptors(opts.token, metrics.registry),
-        # gRPC holds a whole message before any check: at most the peer's ceiling, whatever the
-        # job's max_message_bytes.
-        options=grpc_options(min(max_message_bytes, opts.limits.max_message_bytes)),
-        # Past it a call is refused (RESOURCE_EXHAUSTED) before it is read: with the receive
-        # budget, no number of calls sizes this process's memory.
-        maximum_concurrent_rpcs=opts.limits.max_concurrent_rpcs,
-    )
+    # gRPC holds a whole message before any check: at most the peer's ceiling, whatever the
+    # job's max_message_bytes. Past max_concurrent_rpcs a call is refused (RESOURCE_EXHAUSTED)
+    # before it is read: with the receive budget, no number of calls sizes this process's memory.
+    message_bytes = min(max_message_bytes, opts.limits.max_message_bytes)
+    limits = ServerLimits(message_bytes, message_bytes, opts.limits.max_concurrent_rpcs)
+    server = grpc_server(limits, token=opts.token, registry=metrics.registry)
     announce = announced_host(opts.host, opts.announce_host, "a stage server")
     # /metrics first: a gRPC server that never started needs no stop when its port is taken.
     metrics_port = (
@@ -153,17 +151,17 @@ async def start_grpc(
         spill_dir=spill_directory(opts.spill_dir),
     )
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
-    limits = servicer.limits  # the defaults within the peer's until a stage is installed
+    served = servicer.limits  # the defaults within the peer's until a stage is installed
     pool = PoolServicer(
         servicer.averager,
         route=servicer._route,
-        chunk_bytes=limits.chunk_bytes,
-        max_bytes=limits.max_bytes,
+        chunk_bytes=served.chunk_bytes,
+        max_bytes=served.max_bytes,
         timeout_s=RuntimeConfig().averaging_timeout_s,
         served=lambda: _served_pool(servicer),
         peer=peer,
         budget=servicer.budget,
-        limit_name=limits.max_bytes_name,
+        limit_name=served.max_bytes_name,
     )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     health_servicer = health.aio.HealthServicer()

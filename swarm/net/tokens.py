@@ -1,6 +1,6 @@
 """Swarm tokens: one shared secret that every gRPC call must carry as `authorization: Bearer <t>`.
 
-Server side, `server_interceptors(token, registry)` gives the `interceptors=` of a
+Server side, `server_interceptors(token, registry, refusals)` gives the `interceptors=` of a
 `grpc.aio.server`: with a token, every call (unary or streaming) that lacks it or carries another
 is refused with UNAUTHENTICATED before any handler runs; without one, nothing is installed and no
 call pays for a check. The gRPC health service (`/grpc.health.v1.Health/`) stays open, so
@@ -21,8 +21,8 @@ import hmac
 import ipaddress
 import logging
 import os
-from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterable, Awaitable, Callable, Hashable, Sequence
+from typing import Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
@@ -35,6 +35,7 @@ from swarm.net.tls_mismatch import grpc_host_port
 __all__ = [
     "HEALTH_PREFIX",
     "TOKEN_ENV",
+    "RefusalLog",
     "TokenAuthInterceptor",
     "add_port",
     "channel",
@@ -51,8 +52,16 @@ _KEY = "authorization"
 _SCHEME = "bearer "  # RFC 6750: the scheme is case-insensitive
 _DRAIN_S = 1.0  # longest a refused streaming call is read before the answer (seconds)
 _DRAIN_IDLE_S = 0.1  # a pause this long ends the read early (seconds)
+_MAX_DRAINING = 2  # refused streaming calls read at once (a message each); past it, unread
 
 Handler = Any  # grpc.RpcMethodHandler; its stubs lack the attributes read here
+
+
+class RefusalLog(Protocol):
+    """Where refusals are logged: a stranger can cause thousands a second, so a server passes a
+    rated log (`swarm.ops.rated.RatedLog`, keyed by the refusal's reason)."""
+
+    def warning(self, key: Hashable, msg: str, *args: object) -> object: ...
 
 
 def token_from_env() -> str | None:
@@ -97,13 +106,20 @@ def _problem(metadata: Sequence[tuple[str, str | bytes]] | None, expected: bytes
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without the swarm token (UNAUTHENTICATED); health checks pass.
+    """Refuses calls without the swarm token (UNAUTHENTICATED) at their header, before a byte of
+    their message is read; health checks pass.
 
-    Counts refusals in `swarm_auth_refused_total` on `registry` (one interceptor per registry).
+    Counts every refusal in `swarm_auth_refused_total` on `registry` (one interceptor per
+    registry); logs them on `refusals`, keyed by their reason (never the caller's address).
     """
 
     def __init__(
-        self, token: str, registry: CollectorRegistry, *, open_prefixes: Sequence[str] = ()
+        self,
+        token: str,
+        registry: CollectorRegistry,
+        refusals: RefusalLog,
+        *,
+        open_prefixes: Sequence[str] = (),
     ) -> None:
         if not token:
             raise ValueError("an empty token would let every call in; pass None to disable auth")
@@ -114,6 +130,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             "gRPC calls refused for a missing or wrong swarm token",
             registry=registry,
         )
+        self._log = refusals
+        self._draining = 0  # refused streaming calls being read before their answer
 
     async def intercept_service(
         self,
@@ -129,38 +147,46 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if problem is None:
             return handler
         self.refused.inc()
-        return _refusal(handler, method, problem)
+        return self._refusal(handler, method, problem)
 
+    def _refusal(self, handler: Handler, method: str, problem: str) -> Handler:
+        """A handler that only aborts; it logs the caller, which the interceptor itself cannot
+        see (the context is handed to handlers only).
 
-def _refusal(handler: Handler, method: str, problem: str) -> Handler:
-    """A handler of the same kind as `handler` that only aborts; it logs the caller, which the
-    interceptor itself cannot see (the context is handed to handlers only)."""
-    streaming = bool(handler.request_streaming)
+        Always of a streaming request kind, whatever `handler`'s: grpc-aio reads a unary call's
+        whole message (up to the server's message limit, holding a call slot meanwhile) before
+        it runs the handler, but hands a streaming one an iterator it need not touch. On the
+        wire the kinds are alike, so a unary client gets its UNAUTHENTICATED just the same."""
+        drain = bool(handler.request_streaming)
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        log.warning("refused %s from %s: %s", method, context.peer(), problem)
-        if streaming:
-            await _drain(request)
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED, f"{problem}; this swarm needs its token"
+        async def refuse(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            self._log.warning(problem, "refused %s from %s: %s", method, context.peer(), problem)
+            if drain and self._draining < _MAX_DRAINING:
+                self._draining += 1
+                try:
+                    await _drain(requests)
+                finally:
+                    self._draining -= 1
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, f"{problem}; this swarm needs its token"
+            )
+
+        make: Any = (
+            grpc.stream_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.stream_unary_rpc_method_handler
         )
-
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make: Any = kinds[(streaming, bool(handler.response_streaming))]
-    # No request deserializer: a refused caller's bytes are never parsed.
-    return make(refuse, response_serializer=handler.response_serializer)
+        # No request deserializer: a refused caller's bytes are never parsed.
+        return make(refuse, response_serializer=handler.response_serializer)
 
 
 async def _drain(requests: AsyncIterable[Any]) -> None:
     """Read what a refused client is still sending, briefly, before answering. grpc-aio clients
     report a write that loses the race with the server's early close as INTERNAL ("Internal
     error from Core"), hiding UNAUTHENTICATED; a client that writes all, then reads (the data
-    plane) thus gets the real reason. Bounded in time, so a caller cannot hold the server."""
+    plane) thus gets the real reason. Bounded in time, and to `_MAX_DRAINING` calls at once (each
+    may hold a message): past it a refused call is answered at once, so a flood of them holds
+    neither the server's call slots nor its memory."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + _DRAIN_S
     it = requests.__aiter__()
@@ -173,10 +199,10 @@ async def _drain(requests: AsyncIterable[Any]) -> None:
 
 
 def server_interceptors(
-    token: str | None, registry: CollectorRegistry
+    token: str | None, registry: CollectorRegistry, refusals: RefusalLog
 ) -> list[grpc.aio.ServerInterceptor]:
     """The `interceptors=` for `grpc.aio.server`: a token check, or nothing without a token."""
-    return [TokenAuthInterceptor(token, registry)] if token else []
+    return [TokenAuthInterceptor(token, registry, refusals)] if token else []
 
 
 class _Token:

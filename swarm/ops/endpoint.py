@@ -8,9 +8,14 @@ It answers what it must and no more, to anyone who can reach the port:
 - with a TLS context, it speaks HTTPS only (the context says whether a client certificate is
   required);
 - its cost is bounded whatever clients do: one thread; at most `Limits.connections` open at
-  once, a new one dropping the oldest (a flood of idle connections can neither use up the
-  process's file descriptors nor lock a scrape out); each has `request_s` to finish its TLS
-  handshake and send its request, and `answer_s` to take the answer.
+  once; each has `request_s` to finish its TLS handshake and send its request, and `answer_s`
+  to take the answer;
+- when full, a new connection drops one of the host that holds the most (the new one's own host
+  on a tie), its oldest still waiting for a request first: a host that floods or churns
+  connections, whatever its rate, only ever drops its own, and a scrape from another host
+  (Prometheus) is never cut off, neither before its answer nor while taking it;
+- a refused request (no token, the wrong one, not HTTP) is counted (`refused`) and logged rated
+  (`swarm.ops.rated.RatedLog`: a line per reason every `_LOG_EVERY_S`), never a line per request.
 
 HTTP/1.1 GET, one request per connection (`Connection: close`): what Prometheus needs.
 """
@@ -25,12 +30,16 @@ import logging
 import socket
 import ssl
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from swarm.ops.rated import RatedLog
 
 __all__ = ["Answer", "Endpoint", "Handler", "Limits"]
 
 log = logging.getLogger(__name__)
+_LOG_EVERY_S = 10.0  # one line per refusal reason this often
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,10 @@ class Endpoint:
         self._expected = hashlib.sha256(token.encode()).digest() if token else None
         self._context = context
         self._limits = limits
-        self._open: dict[asyncio.StreamWriter, None] = {}  # oldest first
+        self._open: dict[asyncio.StreamWriter, str] = {}  # each one's host, oldest first
+        self._answering: set[asyncio.StreamWriter] = set()  # their request read
+        self._log = RatedLog(log, _LOG_EVERY_S)
+        self.refused = 0  # requests refused (401, 400), on the endpoint's thread
 
     def start(self, host: str, port: int) -> int:
         """Listen on `host`:`port` (bind errors raise here); the bound port."""
@@ -98,11 +110,27 @@ class Endpoint:
         return int(sock.getsockname()[1])
 
     def _admit(self, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         while len(self._open) >= self._limits.connections:
-            oldest = next(iter(self._open))
-            del self._open[oldest]
-            oldest.transport.abort()
-        self._open[writer] = None
+            victim = self._victim(host)
+            del self._open[victim]
+            self._answering.discard(victim)
+            victim.transport.abort()
+        self._open[writer] = host
+
+    def _victim(self, newcomer: str) -> asyncio.StreamWriter:
+        """The connection a new one from `newcomer` replaces: of the host that holds the most
+        (counting the new one, so a tie is the newcomer's), the oldest waiting for its request,
+        else the oldest. At most `connections` are looked at."""
+        held = Counter(self._open.values())
+        held[newcomer] += 1
+        busiest = max(held, key=lambda h: (held[h], h == newcomer))
+        theirs = [w for w, h in self._open.items() if h == busiest]
+        if not theirs:  # only the newcomer's own host, holding none yet: the oldest of all
+            theirs = list(self._open)
+        waiting = [w for w in theirs if w not in self._answering]
+        return (waiting or theirs)[0]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Admitted, and TLS started, before the first await: the client's first bytes reach
@@ -116,6 +144,7 @@ class Endpoint:
                     head = await reader.readuntil(b"\r\n\r\n")
             except (TimeoutError, OSError, EOFError, asyncio.LimitOverrunError):
                 return  # no request: a failed handshake, a stranger, a slow or idle client
+            self._answering.add(writer)
             writer.write(_encode(self._answer(head)))
             async with asyncio.timeout(self._limits.answer_s):
                 writer.close()
@@ -124,14 +153,17 @@ class Endpoint:
             pass  # a client that does not take its answer
         finally:
             self._open.pop(writer, None)
+            self._answering.discard(writer)
             writer.transport.abort()
 
     def _answer(self, head: bytes) -> Answer:
         request = _parse(head)
         if request is None:
+            self._refuse("not an HTTP request")
             return Answer(400, b"not an HTTP request\n")
         method, path, headers = request
         if self._expected is not None and not _authorized(headers, self._expected):
+            self._refuse("no metrics token, or another")
             return Answer(
                 401,
                 b"this endpoint needs the swarm's metrics token: Authorization: Bearer <token>\n",
@@ -145,6 +177,10 @@ class Endpoint:
         except Exception:
             log.exception("answering %s failed", path)
             return Answer(500, b"internal error\n")
+
+    def _refuse(self, reason: str) -> None:
+        self.refused += 1
+        self._log.warning(reason, "metrics endpoint: refused a request: %s", reason)
 
 
 def _parse(head: bytes) -> tuple[str, str, dict[str, list[str]]] | None:

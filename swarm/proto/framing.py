@@ -15,6 +15,15 @@ on the way in a message that is exactly one chunk is read as a `Framed` whose `d
 the bytes gRPC gave (no copy). Anything else, or anything that does not parse cleanly, goes
 through protobuf as before, which refuses what is malformed.
 
+Any other message of a streamed type (a header) is measured before protobuf parses it: protobuf
+builds every tensor and value a message names, so a 63 MiB header could name millions, costing
+gigabytes and seconds of the event loop before the tensor cap was ever checked. A header of more
+than MAX_TENSORS_PER_MESSAGE tensors or MAX_HEADER_VALUES values (fields and packed elements,
+nested ones included) is refused from a walk of its encoding that builds nothing: the deserializer
+returns a `HeaderRefused` in its place (gRPC's client swallows a deserializer's exception, its
+stream yielding None; a value keeps the reason), which `swarm.wire.chunking` raises as the
+sender's InvalidArgument.
+
 protogen.py makes every generated stub and servicer use `serialize` and `deserializer(cls)`.
 """
 
@@ -24,7 +33,33 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Framed", "deserializer", "frame", "serialize"]
+from google.protobuf.descriptor import FieldDescriptor
+
+__all__ = [
+    "MAX_HEADER_VALUES",
+    "MAX_TENSORS_PER_MESSAGE",
+    "Framed",
+    "HeaderRefused",
+    "deserializer",
+    "frame",
+    "serialize",
+]
+
+# Every sender puts one to three tensors in a message (a request's inputs, targets or gradient; a
+# reply's one tensor; a state's or an update's one tensor a message): more is refused from the
+# header, before a tensor of it is built (a 64 MiB message could name thirty million).
+MAX_TENSORS_PER_MESSAGE = 64
+# Values a header may hold, nested ones included: its own fields, its tensors' (a shape's
+# dimensions each), its routes' peers. An honest header holds a few hundred.
+MAX_HEADER_VALUES = 1 << 16
+_MAX_DEPTH = 16  # nested messages; swarm's go three deep
+
+
+class HeaderRefused(ValueError):
+    """A header refused before it was parsed, returned in its place by `deserializer`;
+    `swarm.wire.chunking` raises it as the sender's InvalidArgument (this floor knows no swarm
+    errors)."""
+
 
 _CHUNK_TENSOR_KEY = (1 << 3) | 0  # Chunk.tensor: field 1, varint
 _CHUNK_DATA_KEY = (2 << 3) | 2  # Chunk.data: field 2, length-delimited
@@ -107,9 +142,18 @@ def deserializer(cls: Any) -> Callable[[bytes], Any]:
         return parse
     outer_key = (field << 3) | 2
 
+    tensors = cls.DESCRIPTOR.fields_by_name.get("tensors")
+    tensors_field = int(tensors.number) if tensors is not None else -1
+
     def deserialize(data: bytes) -> Any:
         chunk = _read_chunk(data, outer_key)
-        return chunk if chunk is not None else parse(data)
+        if chunk is not None:
+            return chunk
+        try:
+            _check_header(data, cls.DESCRIPTOR, tensors_field)  # before protobuf builds any
+        except HeaderRefused as refused:
+            return refused
+        return parse(data)
 
     return deserialize
 
@@ -162,3 +206,84 @@ def _read_chunk(data: bytes, outer_key: int) -> Framed | None:
     if payload is None:
         return None
     return Framed(tensor, payload)
+
+
+_FIXED_SIZE = {1: 8, 5: 4}  # wire type: bytes a value
+# A packed repeated field's bytes a value, by its type; varints take at least one.
+_PACKED_SIZE = {
+    FieldDescriptor.TYPE_DOUBLE: 8,
+    FieldDescriptor.TYPE_FIXED64: 8,
+    FieldDescriptor.TYPE_SFIXED64: 8,
+    FieldDescriptor.TYPE_FLOAT: 4,
+    FieldDescriptor.TYPE_FIXED32: 4,
+    FieldDescriptor.TYPE_SFIXED32: 4,
+}
+
+
+class _Header:
+    """The walk of one header's encoding: counts its values and tensors, refuses past the caps.
+    What is malformed is left to protobuf, which refuses it no later than the walk stopped."""
+
+    def __init__(self, data: bytes, tensors_field: int) -> None:
+        self.data, self.tensors_field = data, tensors_field
+        self.values = self.tensors = 0
+
+    def walk(self, start: int, end: int, desc: Any, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            raise HeaderRefused(f"a message nested more than {_MAX_DEPTH} deep")
+        pos = start
+        while pos < end:
+            key, pos = _read_varint(self.data, pos)
+            wire = key & 7
+            if key < 0 or wire not in (0, 1, 2, 5):
+                return  # cut off, a group, or no wire type at all: protobuf judges it
+            values = 1
+            if wire == 0:
+                _, pos = _read_varint(self.data, pos)
+                if pos < 0:
+                    return
+            elif wire == 2:
+                length, pos = _read_varint(self.data, pos)
+                if length < 0 or pos + length > end:
+                    return
+                field = desc.fields_by_number.get(key >> 3)
+                values = self._delimited(pos, pos + length, field, depth)
+                pos += length
+            else:
+                pos += _FIXED_SIZE[wire]
+            self.values += values
+            if self.values > MAX_HEADER_VALUES:
+                self.refuse_tensors("more than ")
+                raise HeaderRefused(
+                    f"a message of more than {MAX_HEADER_VALUES} values (MAX_HEADER_VALUES), "
+                    "refused before it was parsed"
+                )
+
+    def refuse_tensors(self, more_than: str = "") -> None:
+        if self.tensors > MAX_TENSORS_PER_MESSAGE:
+            raise HeaderRefused(
+                f"a message of {more_than}{self.tensors} tensors, more than "
+                f"{MAX_TENSORS_PER_MESSAGE} a message (MAX_TENSORS_PER_MESSAGE), refused before "
+                "it was parsed"
+            )
+
+    def _delimited(self, start: int, end: int, field: Any, depth: int) -> int:
+        """The values of one length-delimited field, a nested message's walked and counted."""
+        if field is None or field.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
+            return 1  # bytes (an unknown field's too: protobuf keeps those unparsed)
+        if field.message_type is None:  # a packed repeated scalar
+            return max(1, (end - start) // _PACKED_SIZE.get(field.type, 1))
+        if depth == 0 and field.number == self.tensors_field:
+            self.tensors += 1
+            if self.tensors > MAX_TENSORS_PER_MESSAGE:
+                return 1  # refused once counted (the refusal says how many): not walked
+        self.walk(start, end, field.message_type, depth + 1)
+        return 1
+
+
+def _check_header(data: bytes, descriptor: Any, tensors_field: int) -> None:
+    """HeaderRefused when the message `data` encodes (of type `descriptor`) names more than
+    MAX_TENSORS_PER_MESSAGE tensors or MAX_HEADER_VALUES values."""
+    header = _Header(data, tensors_field)
+    header.walk(0, len(data), descriptor, 0)
+    header.refuse_tensors()

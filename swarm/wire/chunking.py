@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 
 from swarm.errors import ConfigError, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from swarm.proto import framing, tensor_pb2
+from swarm.proto.framing import MAX_TENSORS_PER_MESSAGE  # counted before a header is parsed
 from swarm.wire.codec import CODEC_NONE, decode, decoded_nbytes, dtype_name
 
 __all__ = [
@@ -43,10 +44,6 @@ __all__ = [
 
 M = TypeVar("M", bound=Message)
 
-# Every sender puts one to three tensors in a message (a request's inputs, targets or gradient; a
-# reply's one tensor; a state's or an update's one tensor a message): more is refused from the
-# header, before a tensor of it is decoded (a 64 MiB message could name two million tensors).
-MAX_TENSORS_PER_MESSAGE = 64
 # What a received tensor costs beyond its payload (its header, the torch tensor and the name it
 # is kept under): charged to a message's size and to what it reserves, so that many tiny tensors
 # do not pass a byte limit meant for their memory.
@@ -210,8 +207,22 @@ async def read_to_end(stream: AsyncIterator[Any], what: str) -> None:
     a message after it). gRPC holds the last message it read (a whole chunk) while its stream is
     suspended on it, which a call read only up to its last chunk is until the garbage collector
     finds the call: read to the end, the chunk goes as the call does."""
-    async for _ in stream:
+    it = stream.__aiter__()
+    with contextlib.suppress(StopAsyncIteration):
+        await _next(it)
         raise InvalidArgument(f"a message after {what} last chunk")
+
+
+async def _next(it: AsyncIterator[Any]) -> Any:
+    """`it`'s next message. A header refused before it was parsed (the deserializer gives a
+    `framing.HeaderRefused` in its place) is the sender's InvalidArgument; so is a message gRPC
+    could not read at all, which a client's stream yields as None."""
+    message = await it.__anext__()
+    if isinstance(message, framing.HeaderRefused):
+        raise InvalidArgument(str(message))
+    if message is None:
+        raise InvalidArgument("a message that could not be read (malformed, or refused unparsed)")
+    return message
 
 
 async def receive(
@@ -239,7 +250,7 @@ async def receive(
     """
     it = stream.__aiter__()
     try:
-        first = await it.__anext__()
+        first = await _next(it)
     except StopAsyncIteration:
         raise EndOfStream("empty stream: expected a header message") from None
     header: Any = first
@@ -290,7 +301,7 @@ async def receive(
     received = 0
     while received < chunked_total:
         try:
-            nxt: Any = await it.__anext__()
+            nxt: Any = await _next(it)
         except StopAsyncIteration:
             raise InvalidArgument(
                 f"stream ended after {received} of {chunked_total} bytes"

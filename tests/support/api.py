@@ -19,8 +19,8 @@ from scheduler.callers import Callers
 from scheduler.job_api import JobApiServicer
 from scheduler.store import JobStore
 from swarm.errors import FailedPrecondition
-from swarm.net.tokens import server_interceptors
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
+from swarm.rpc.server_options import SCHEDULER_LIMITS, grpc_server
 
 __all__ = ["CHUNK", "FakeControl", "RunningApi", "api", "start_api"]
 
@@ -133,7 +133,7 @@ async def start_api(
     store = JobStore(tmp_path / "jobs.db")
     control = FakeControl(store)
     registry = CollectorRegistry()
-    server = grpc.aio.server(interceptors=server_interceptors(token, registry))
+    server = grpc_server(SCHEDULER_LIMITS, token=token, registry=registry)  # as the scheduler's
     servicer = JobApiServicer(
         store,
         control,

@@ -3,6 +3,7 @@ allowed with it; the health service stays open; refusals are counted."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,11 @@ async def test_health_needs_no_token(api: RunningApi) -> None:
 def test_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     from prometheus_client import CollectorRegistry
 
-    assert auth.server_interceptors(None, CollectorRegistry()) == []
-    assert len(auth.server_interceptors("t", CollectorRegistry())) == 1
+    from swarm.ops.rated import RatedLog
+
+    refusals = RatedLog(logging.getLogger("test"))
+    assert auth.server_interceptors(None, CollectorRegistry(), refusals) == []
+    assert len(auth.server_interceptors("t", CollectorRegistry(), refusals)) == 1
     monkeypatch.setenv("SWARM_TOKEN", " abc \n")
     assert auth.token_from_env() == "abc"
     monkeypatch.setenv("SWARM_TOKEN", "  ")

@@ -1,0 +1,224 @@
+"""A stranger without the token, speaking raw HTTP/2 below any gRPC library: its half-sent calls
+must neither hold a stage server's call slots nor the scheduler's memory, and its idle
+connections must neither pile up descriptors nor stay open for ever (issue 44, N1)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from stage_server.server import RunningStageServer, StageServerOptions, start_grpc
+from swarm.net import tokens as auth
+from swarm.proto import scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
+from swarm.rpc.server_options import (
+    REFUSAL_LOG_EVERY_S,
+    SCHEDULER_LIMITS,
+    ServerLimits,
+    grpc_server,
+)
+from tests.support.raw_http2 import RawHttp2
+
+TOKEN = "s3cret-token"
+MiB = 1 << 20
+
+
+async def _until(what: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    """Whether `what` came true within `timeout_s` (polled)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not what():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+@pytest.fixture
+async def stage_server() -> AsyncIterator[RunningStageServer]:
+    running = await start_grpc(StageServerOptions(stage=0, token=TOKEN), 64 * MiB)
+    yield running
+    await running.stop()
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+@pytest.mark.attack("N1")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["Info", "Forward"], ids=["unary", "streaming"])
+async def test_half_sent_calls_hold_no_call_slot(
+    stage_server: RunningStageServer, method: str
+) -> None:
+    """1,100 calls (unary, or the data plane's streaming kind) without a token, each with the
+    first bytes of a message declaring 60 MiB, on five connections (so no per-connection cap
+    alone turns them away): more than the server's 1,024 call slots. An honest call with the
+    token is still served, and the stranger's calls are ended, not left waiting for their body."""
+    strangers = [RawHttp2("127.0.0.1", _port(stage_server.address)) for _ in range(5)]
+    try:
+        streams: list[tuple[RawHttp2, int]] = []
+        for stranger in strangers:
+            stranger.preface()
+            for _ in range(220):
+                path = f"/swarm.proto.StageService/{method}"
+                call = stranger.half_sent_call(path, declared=60 * MiB, body=b"x" * 8)
+                streams.append((stranger, call))
+        await asyncio.sleep(1.0)  # for the server to take them all in
+        async with auth.channel(stage_server.address, token=TOKEN) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            try:
+                await stub.Info(stage_pb2.StageInfoRequest(), timeout=20)
+                code = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+        assert code != grpc.StatusCode.RESOURCE_EXHAUSTED, "the honest call found no slot"
+        assert code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), code
+        # The stranger's calls end (refused at their header), rather than wait with their slot
+        # for a body that never comes.
+        assert await _until(lambda: all(call in s.closed_streams for s, call in streams))
+    finally:
+        for stranger in strangers:
+            stranger.close()
+
+
+def _rss() -> int:
+    """This process's resident memory (bytes), from /proc."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _scheduler_server(limits: ServerLimits = SCHEDULER_LIMITS) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server built as the scheduler builds its job API's (the servicer's methods all
+    answer UNIMPLEMENTED: what a caller can hold is decided before any of them runs)."""
+    server = grpc_server(limits, token=TOKEN, registry=CollectorRegistry())
+    servicer = scheduler_pb2_grpc.SchedulerServiceServicer()
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+@pytest.mark.attack("N1")
+@pytest.mark.timeout(120)
+async def test_scheduler_buffers_no_strangers_message() -> None:
+    """Four tokenless calls declaring 60 MiB and sending it as fast as the server takes it: the
+    server takes at most a flow-control window of each before the refusal ends it (it took all
+    60 MiB of each, and kept them, before), and its memory does not grow by the declared bytes.
+    An authenticated caller's message is bounded too: past the job API's 4 MiB it is refused."""
+    server, port = await _scheduler_server()
+    stranger = RawHttp2("127.0.0.1", port)
+    try:
+        stranger.preface()
+        body = b"\x01" * (60 * MiB)  # the stranger's own memory, before the server's is taken
+        before = _rss()
+        taken = []
+        for _ in range(4):
+            stream = stranger.half_sent_call(
+                "/swarm.proto.SchedulerService/SubmitJob", declared=len(body)
+            )
+            taken.append(await asyncio.to_thread(stranger.send_body, stream, body, timeout_s=10))
+        grown = _rss() - before
+        # What the client could push before the refusal reset its stream: within the stream's
+        # flow-control window (gRPC sizes it from the connection's bandwidth: a few MiB here).
+        assert max(taken) <= 16 * MiB, f"the server took {taken} bytes of tokenless calls"
+        assert grown < 48 * MiB, f"the server grew {grown / MiB:.0f} MiB"
+        async with auth.channel(f"127.0.0.1:{port}", token=TOKEN) as channel:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                request = scheduler_pb2.SchedulerSubmitJobRequest(spec="x" * (5 * MiB))
+                await stub.SubmitJob(request, timeout=20)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        stranger.close()
+        await server.stop(None)
+
+
+@pytest.mark.attack("N1")
+@pytest.mark.timeout(120)
+async def test_connections_are_capped() -> None:
+    """700 connections that send the preface and nothing else: the scheduler's server keeps at
+    most its 512 open (a descriptor each), closing the rest at once."""
+    server, port = await _scheduler_server()
+    before = _descriptors()
+    strangers: list[RawHttp2] = []
+    try:
+        for _ in range(700):
+            strangers.append(RawHttp2("127.0.0.1", port))
+            strangers[-1].preface()
+        cap = SCHEDULER_LIMITS.max_connections
+        assert await _until(lambda: sum(s.eof.is_set() for s in strangers) >= 700 - cap)
+        # Each stranger's own socket is one of this process's descriptors: the rest are the
+        # server's (and stay while the stranger's end is open).
+        held = _descriptors() - before - len(strangers)
+        assert held <= cap + 16, f"{held} descriptors held"
+    finally:
+        for stranger in strangers:
+            stranger.close()
+        await server.stop(None)
+
+
+@pytest.mark.attack("N1")
+@pytest.mark.timeout(120)
+async def test_idle_connections_are_dropped() -> None:
+    """Connections that carry no call are sent GOAWAY and closed once idle (here after 1 s, to
+    keep the test short; 300 s in production)."""
+    server, port = await _scheduler_server(dataclasses.replace(SCHEDULER_LIMITS, idle_s=1.0))
+    strangers = [RawHttp2("127.0.0.1", port) for _ in range(50)]
+    try:
+        for stranger in strangers:
+            stranger.preface()
+        assert await _until(lambda: all(s.eof.is_set() for s in strangers))
+        assert all(s.goaway for s in strangers)
+    finally:
+        for stranger in strangers:
+            stranger.close()
+        await server.stop(None)
+
+
+@pytest.mark.attack("N16")
+@pytest.mark.timeout(120)
+async def test_refusals_are_logged_rated(caplog: pytest.LogCaptureFixture) -> None:
+    """1,000 tokenless calls: every one is counted in `swarm_auth_refused_total`, but the log
+    gets a line per reason and `REFUSAL_LOG_EVERY_S`, not one per call."""
+    registry = CollectorRegistry()
+    server = grpc_server(SCHEDULER_LIMITS, token=TOKEN, registry=registry)
+    servicer = scheduler_pb2_grpc.SchedulerServiceServicer()
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        caplog.set_level(logging.WARNING, logger="swarm.net.tokens")
+        async with auth.channel(f"127.0.0.1:{port}", token=None) as channel:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+            async def call() -> grpc.StatusCode:
+                try:
+                    await stub.ListJobs(scheduler_pb2.SchedulerListJobsRequest(), timeout=30)
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+                return grpc.StatusCode.OK
+
+            codes = []
+            started = time.monotonic()
+            for _ in range(10):  # in waves: within the connection's stream cap
+                codes += await asyncio.gather(*(call() for _ in range(100)))
+        assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
+        assert registry.get_sample_value("swarm_auth_refused_total") == 1000
+        lines = [r for r in caplog.records if r.name == "swarm.net.tokens"]
+        # A line per reason (one here) and REFUSAL_LOG_EVERY_S, however many refusals.
+        bound = 1 + int((time.monotonic() - started) / REFUSAL_LOG_EVERY_S)
+        assert 1 <= len(lines) <= bound, f"{len(lines)} log lines for 1,000 refusals"
+    finally:
+        await server.stop(None)

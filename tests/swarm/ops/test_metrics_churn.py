@@ -1,0 +1,88 @@
+"""A host that churns connections to a metrics endpoint (opening them as fast as it can, closing
+or abandoning them) never cuts off another host's scrape (issue 44, N14); refused scrapes are
+counted, each one, and logged rated (N16)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from swarm.ops.endpoint import Answer, Endpoint
+
+CHURNER = """
+import socket, sys, time
+port, mode = int(sys.argv[1]), sys.argv[2]
+held = []
+while True:
+    s = socket.socket()
+    s.bind(("127.0.0.2", 0))  # another host than the scrape's
+    try:
+        s.connect(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        continue
+    if mode == "close":
+        s.close()
+    else:
+        held.append(s)
+        if len(held) > 200:
+            held.pop(0).close()
+"""
+BODY = b"swarm_test_series 1\n" * 20_000  # 400 KB: a large swarm's scrape
+
+
+def _scrape(port: int, pause_s: float) -> bytes:
+    """A scrape from 127.0.0.1 over a slow link: its request comes in two parts `pause_s` apart
+    (well within the endpoint's `request_s`)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        time.sleep(pause_s)
+        s.sendall(b"Authorization: Bearer s3cret\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(1 << 16):
+            answer += chunk
+        return answer
+
+
+@pytest.mark.attack("N14")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["close", "hold"])
+def test_churn_from_another_host_never_cuts_a_scrape_off(mode: str) -> None:
+    endpoint = Endpoint(lambda path, headers: Answer(200, BODY), token="s3cret")
+    port = endpoint.start("127.0.0.1", 0)
+    churner = subprocess.Popen([sys.executable, "-c", CHURNER, str(port), mode])
+    try:
+        time.sleep(1.0)  # churning
+        for _ in range(5):
+            try:
+                answer = _scrape(port, pause_s=1.0)
+            except (ConnectionResetError, BrokenPipeError) as e:
+                pytest.fail(f"a scrape was cut off: {e}")
+            assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(BODY)
+        assert churner.poll() is None  # it churned all along
+    finally:
+        churner.kill()
+        churner.wait()
+
+
+@pytest.mark.attack("N16")
+@pytest.mark.timeout(120)
+def test_refused_scrapes_are_counted_and_logged_rated(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="swarm.ops.endpoint")
+    endpoint = Endpoint(lambda path, headers: Answer(200, b"ok\n"), token="s3cret")
+    port = endpoint.start("127.0.0.1", 0)
+    started = time.monotonic()
+    for i in range(1000):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n" if i % 2 else b"hello\r\n\r\n")
+            assert s.recv(64).startswith((b"HTTP/1.1 401", b"HTTP/1.1 400"))
+    assert endpoint.refused == 1000
+    lines = [r for r in caplog.records if r.name == "swarm.ops.endpoint"]
+    # A line per reason (two here) and 10 s, however many refusals.
+    bound = 2 * (1 + int((time.monotonic() - started) / 10))
+    assert 2 <= len(lines) <= bound, f"{len(lines)} log lines for 1,000 refusals"
