@@ -17,7 +17,8 @@ from scheduler.job_api import JobApiServicer
 from scheduler.store import JobStore
 from swarm.net import tls
 from swarm.net.certs import issue
-from swarm.net.tokens import add_port, server_interceptors
+from swarm.net.tokens import add_port
+from swarm.rpc.server_options import SCHEDULER_LIMITS, grpc_server
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.api import FakeControl
 from tests.support.jobs import write_job
@@ -38,7 +39,7 @@ async def address(pki: Path, tmp_path: Path) -> AsyncIterator[str]:
         issue(pki / "ours", name, HOSTS)
     tls.configure(load_identity(pki, "ours", "server", mutual=True))
     store = JobStore(tmp_path / "jobs.db")
-    server = grpc.aio.server(interceptors=server_interceptors(TOKEN, CollectorRegistry()))
+    server = grpc_server(SCHEDULER_LIMITS, token=TOKEN, registry=CollectorRegistry())
     control: Any = FakeControl(store)  # trains nothing; not under test
     servicer = JobApiServicer(store, control, data_root=tmp_path / "data", callers=Callers())
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
