@@ -202,9 +202,11 @@ class AclBroker(Broker):
             raise
         refusal = self._gate.admit(session)
         if refusal is not None:
-            # `swarm`'s broker probe (`swarm.bus.probe`) sends a CONNECT with no client id nor
-            # login, to learn that a broker answers: refused here, and no news.
-            probe = not (session.client_id or session.username or session.password)
+            # `swarm`'s broker probe (`swarm.bus.probe`) sends a CONNECT with no client id (amqtt
+            # makes one up, "amqtt/...") nor login, to learn that a broker answers: refused
+            # here, and no news.
+            made_up = (session.client_id or "amqtt/").startswith("amqtt/")
+            probe = made_up and not (session.username or session.password)
             self._rated.log(
                 logging.INFO if probe else logging.WARNING,
                 ("login", refusal.code, probe),

@@ -60,7 +60,7 @@ class BrokerLimits:
     or past `max_queued_messages`, the subscriber is disconnected: it stopped reading, and what
     it missed it gets again, as retained messages, when it reconnects. Messages already sent are
     not counted, nor the retained messages a new subscription receives (bounded above)."""
-    max_queued_messages: int = 1000
+    max_queued_messages: int = 10_000
     max_queued_bytes_total: int = 128 * _MiB
     """Queued bytes of all subscribers together; past it, the one with the most queued is
     disconnected (an honest subscriber, reading, has next to none)."""

@@ -71,7 +71,8 @@ class Outbox:
         if self.bytes > limits.max_queued_bytes or self.messages > limits.max_queued_messages:
             self.close("limits.max_queued_bytes / max_queued_messages for one subscriber")
         elif self._owner.total > limits.max_queued_bytes_total:
-            self._owner.largest().close("limits.max_queued_bytes_total for all subscribers")
+            victim = self._owner.largest() or self
+            victim.close("limits.max_queued_bytes_total for all subscribers")
         if self.closed:
             self.give(size)
             return False
@@ -114,9 +115,9 @@ class Outboxes:
     def discard(self, box: Outbox) -> None:
         self._boxes.discard(box)
 
-    def largest(self) -> Outbox:
-        """The open outbox with the most bytes waiting (only called while one holds some)."""
-        return max((b for b in self._boxes if not b.closed), key=lambda b: b.bytes)
+    def largest(self) -> Outbox | None:
+        """The open outbox with the most bytes waiting, if any is open."""
+        return max((b for b in self._boxes if not b.closed), key=lambda b: b.bytes, default=None)
 
 
 class BoundedHandler(BrokerProtocolHandler):

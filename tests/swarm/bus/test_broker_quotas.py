@@ -13,6 +13,8 @@ import pytest
 
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.limits import BrokerLimits
+from swarm.bus.outbox import Outboxes
+from swarm.bus.retained_budget import RetainedBudget
 from swarm.bus.subscriptions import Subscription
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics
 from swarm.proto import control_pb2 as pb
@@ -168,3 +170,32 @@ async def test_a_subscriber_that_never_reads_is_disconnected() -> None:
         assert broker._broker is not None
         queued = sum(not t.done() for t in broker._broker._tasks_queue)
         assert await stalled.closed_by_broker(WAIT_S), f"{queued} deliveries still queued"
+
+
+def test_past_the_total_the_subscriber_with_the_most_queued_goes() -> None:
+    """The outboxes' arithmetic, alone: each subscriber within its own bound, all together past
+    the total; the one holding the most is closed (and only it), then the next message counts."""
+    limits = BrokerLimits(max_queued_bytes=1000, max_queued_bytes_total=1500)
+    boxes = Outboxes(limits)
+    closed: list[str] = []
+    slow = boxes.open("slow", lambda: closed.append("slow"))
+    fast = boxes.open("fast", lambda: closed.append("fast"))
+    assert slow.take(900) and fast.take(100)
+    fast.give(100)
+    assert fast.take(500)  # 1400 in all: within
+    assert fast.take(200)  # 1600: past the total; slow holds the most
+    assert closed == ["slow"] and not slow.take(1)
+    assert not fast.take(400)  # 1100 of its own: past its bound
+    assert closed == ["slow", "fast"]
+    assert boxes.total == 900 + 700  # what is still in flight, given back as it ends
+
+
+def test_retained_budget_counts_replacements_and_clears() -> None:
+    budget = RetainedBudget(per_user=100, total=150)
+    assert budget.refusal("a", "t/a", 100) is None
+    budget.stored("a", "t/a", 100)
+    assert budget.refusal("a", "t/a", 90) is None  # replaces its own
+    assert budget.refusal("a", "t/a2", 1) is not None  # past its own
+    assert budget.refusal("b", "t/b", 60) is not None  # past the total
+    budget.stored(None, "t/a", 5)  # the scheduler's now: not counted
+    assert budget.used == 0 and budget.refusal("b", "t/b", 100) is None
