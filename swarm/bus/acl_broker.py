@@ -124,8 +124,8 @@ class AclBroker(Broker):
         self._open += 1
         out = AbortableWriter(writer)
         box = self._outboxes.open(f"a connection from {_peer(writer)}", out.abort)
-        out.outbox, out.deadline = box, asyncio.get_running_loop().time()
-        out.deadline += self._limits.connect_timeout_s
+        out.outbox = box
+        out.deadline = asyncio.get_running_loop().time() + self._limits.connect_timeout_s
         try:
             if await self._handshake(writer, listener_name, out.deadline):
                 capped = PacketCap(StreamReaderAdapter(reader), self._limits.max_packet_bytes)
