@@ -5,32 +5,24 @@ disk here: after a restart the retained topics are refilled by the clients
 (`swarm.bus.connection.Bus` re-publishes its retained messages on every reconnect). Two amqtt
 quirks to know: it speaks MQTT 3.1.1 only, and it does not enforce keepalive, so a peer whose host
 vanishes without closing its TCP connection keeps its last-will pending until the operating system
-drops that connection. Who logs in, and the ACL, are `swarm.bus.gate`; what a connection may take
-(time, count, packet size) is `swarm.bus.limits`.
+drops that connection. amqtt made the swarm's is `swarm.bus.acl_broker`; who logs in, and the
+ACL, are `swarm.bus.gate`; what a connection may take (time, count, packet size, retained bytes,
+queued bytes) is `swarm.bus.limits`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import secrets
-import ssl
-from collections.abc import Iterator
 from typing import Any, Self
 
-from amqtt.adapters import ReaderAdapter, StreamReaderAdapter, StreamWriterAdapter, WriterAdapter
 from amqtt.broker import Broker
-from amqtt.contexts import Action, BrokerConfig, ListenerConfig, ListenerType
-from amqtt.errors import AMQTTError, MQTTError, NoDataError
-from amqtt.mqtt.connack import ConnackPacket
-from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
-from amqtt.session import Session
-from amqtt.utils import gen_client_id
+from amqtt.contexts import BrokerConfig, ListenerConfig, ListenerType
 
+from swarm.bus.acl_broker import DISCONNECT_GRACE_S, AclBroker
 from swarm.bus.gate import Gate
-from swarm.bus.limits import BrokerLimits, PacketCap, PacketTooLarge, RefusalLog
+from swarm.bus.limits import BrokerLimits
 from swarm.bus.topics import DEFAULT_PREFIX, SCHEDULER_USER, BusError, Topics
 from swarm.errors import ConfigError
 from swarm.net import tls
@@ -40,182 +32,6 @@ from swarm.net.ports import Listener, bind_error, raise_if_taken
 __all__ = ["DISCONNECT_GRACE_S", "EmbeddedBroker", "run_broker"]
 
 log = logging.getLogger(__name__)
-
-DISCONNECT_GRACE_S = 2
-"""Seconds the broker adds to a client's keepalive before giving up on it; paho pings only once a
-second past the keepalive, so without grace an idle client would be cut off."""
-
-
-async def _close(writer: WriterAdapter) -> None:
-    with contextlib.suppress(Exception):
-        await writer.close()
-
-
-class _Snapshots(dict[str, Any]):
-    """amqtt's subscriptions by topic, walked over a copy of the topics: a connecting client's
-    walk (sending it the retained messages of every topic subscribed to) awaits at each topic,
-    and a SUBSCRIBE or a disconnect landing meanwhile changed the dictionary under it (its
-    RuntimeError was an `ERROR asyncio` traceback, and that client's connection reset)."""
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self.keys()))
-
-
-class _AclBroker(Broker):
-    """amqtt's broker behind the swarm's `Gate`: every CONNECT is checked before amqtt touches a
-    session, a last-will passes the ACL again when it is sent, and a PUBLISH the ACL refuses is
-    dropped (MQTT 3.1.1 has no way to say no) and logged; subscribing and receiving are open.
-
-    The hooks are amqtt's private methods (pinned amqtt version; tests/swarm/bus/ drive each
-    through a real broker, so a version that moved one fails them). Not a topic plugin: amqtt
-    awaits a plugin for every recipient of every message while it iterates over its
-    subscriptions, so a SUBSCRIBE landing meanwhile breaks that broadcast ("dictionary changed
-    size during iteration"), and each check costs a task. This check is synchronous."""
-
-    def __init__(
-        self, config: BrokerConfig, *, gate: Gate, limits: BrokerLimits, mutual: bool
-    ) -> None:
-        super().__init__(config)
-        self._gate, self._limits, self._mutual = gate, limits, mutual
-        self._open = 0  # connections held, logged in or not
-        self._refusals, self._login_refusals = RefusalLog(), RefusalLog()  # full; wrong login
-        self._subscriptions = _Snapshots(self._subscriptions)  # type: ignore[has-type]
-
-    async def _create_server_instance(
-        self,
-        listener_name: str,
-        listener_type: ListenerType,
-        address: str | None,
-        port: int,
-        ssl_context: ssl.SSLContext | None,
-    ) -> Any:
-        # amqtt's, with a bound on the TLS handshake: a stranger's silent connection is closed
-        # before the broker ever sees it (asyncio's default would hold it a minute).
-        if listener_type != ListenerType.TCP:
-            return await super()._create_server_instance(
-                listener_name, listener_type, address, port, ssl_context
-            )
-        return await asyncio.start_server(
-            functools.partial(self.stream_connected, listener_name=listener_name),
-            address,
-            port,
-            reuse_address=True,
-            ssl=ssl_context,
-            ssl_handshake_timeout=self._limits.connect_timeout_s if ssl_context else None,
-        )
-
-    async def stream_connected(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener_name: str
-    ) -> None:
-        capped = PacketCap(StreamReaderAdapter(reader), self._limits.max_packet_bytes)
-        try:
-            await self._client_connected(listener_name, capped, StreamWriterAdapter(writer))
-        except asyncio.CancelledError:
-            # The broker stops with this connection still open (a client not logged in yet):
-            # the connection ends here. Raised on, Python 3.11's stream callback reads the
-            # cancelled task's exception() and logs an `ERROR asyncio` traceback at every
-            # clean shutdown; nothing awaits this task.
-            writer.transport.abort()
-
-    def _create_ssl_context(self, listener: ListenerConfig) -> ssl.SSLContext:  # type: ignore[override]
-        context = Broker._create_ssl_context(listener)
-        if self._mutual:  # amqtt asks for a client certificate but lets one without it in
-            context.verify_mode = ssl.CERT_REQUIRED
-        return context
-
-    async def _client_connected(
-        self, listener_name: str, reader: ReaderAdapter, writer: WriterAdapter
-    ) -> None:
-        if self._open >= self._limits.max_connections:
-            self._refusals.refused(
-                f"closed a new connection: {self._open} held already, "
-                f"the limit (limits.max_connections={self._limits.max_connections})"
-            )
-            await _close(writer)
-            return
-        self._open += 1
-        try:
-            await super()._client_connected(listener_name, reader, writer)
-        finally:
-            self._open -= 1
-            self._gate.release(asyncio.current_task())
-
-    async def _initialize_client_session(
-        self, reader: ReaderAdapter, writer: WriterAdapter, remote_address: str, remote_port: int
-    ) -> tuple[BrokerProtocolHandler, Session]:
-        # amqtt's own deletes or takes over the CONNECT's client id before authenticating; this
-        # one reads the CONNECT, asks the gate, and only then touches the sessions.
-        timeout_s = self._limits.connect_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                handler, session = await BrokerProtocolHandler.init_from_connect(
-                    reader, writer, self.plugins_manager
-                )
-        except TimeoutError:
-            log.info(
-                "broker: closed %s: no CONNECT within %.1f s (limits.connect_timeout_s)",
-                host_port(remote_address, remote_port),
-                timeout_s,
-            )
-            await _close(writer)
-            raise AMQTTError(f"no CONNECT within {timeout_s} s") from None
-        except PacketTooLarge as exc:  # in the CONNECT: made an error amqtt's caller handles
-            await _close(writer)
-            raise MQTTError(str(exc)) from exc
-        except (AMQTTError, MQTTError, NoDataError):
-            await _close(writer)
-            raise
-        refusal = self._gate.admit(session)
-        if refusal is not None:
-            self._login_refusals.refused(
-                f"refused client {session.client_id!r} (user {session.username!r}) from "
-                f"{host_port(remote_address, remote_port)}: {refusal.reason}"
-            )
-            with contextlib.suppress(Exception):
-                await ConnackPacket.build(0, refusal.code).to_stream(writer)
-            await _close(writer)
-            raise MQTTError(f"refused: {refusal.reason}")
-        if not session.client_id:
-            session.client_id = gen_client_id()
-        self._gate.claim(session, asyncio.current_task())  # released when this connection ends
-        held = self._sessions.get(session.client_id)
-        if held is not None and held[0].transitions.is_connected():
-            # The same user again (the gate refused any other): drop the old connection, as MQTT
-            # says, rather than leave it connected without its subscriptions.
-            log.info("broker: client %r again; closing its old connection", session.client_id)
-            await held[1].handle_connection_closed()
-            await held[1].stop()
-        await self._delete_session(session.client_id)
-        session.parent = 0
-        if session.keep_alive > 0:
-            session.keep_alive += DISCONNECT_GRACE_S
-        return handler, session
-
-    async def _authenticate(self, session: Session, _: ListenerConfig) -> bool:
-        return self._gate.admit(session) is None  # checked again, had amqtt moved the hook
-
-    async def _handle_disconnect(
-        self, client_session: Session, handler: BrokerProtocolHandler, disconnect_waiter: Any
-    ) -> None:
-        if client_session.will_flag and not self._gate.may_publish(
-            client_session.username, client_session.will_topic or ""
-        ):
-            log.warning(
-                "broker: dropped the last-will of user %r on %r: not its topic",
-                client_session.username,
-                client_session.will_topic,
-            )
-            client_session.will_flag = False
-        await super()._handle_disconnect(client_session, handler, disconnect_waiter)
-
-    async def _topic_filtering(self, session: Session, topic: str, action: Action) -> bool:
-        if action != Action.PUBLISH:
-            return True
-        user = session.username if session is not None else None
-        if self._gate.may_publish(user, topic or ""):
-            return True
-        log.warning("broker: dropped a message from user %r on %r: not its topic", user, topic)
-        return False
 
 
 def _quiet_amqtt() -> None:
@@ -327,7 +143,7 @@ class EmbeddedBroker:
             self.scheduler_token,
             use_identity_as_username=self.use_identity_as_username,
         )
-        broker = _AclBroker(config, gate=gate, limits=self.limits, mutual=mutual)
+        broker = AclBroker(config, gate=gate, limits=self.limits, mutual=mutual)
         if self._port:  # said in one line, not amqtt's traceback
             taken = bind_error(self.host, self._port)
             raise_if_taken(taken, self.host, self._port, Listener.BROKER)

@@ -18,11 +18,25 @@ from typing import NamedTuple
 from amqtt.mqtt.connack import BAD_USERNAME_PASSWORD, IDENTIFIER_REJECTED, NOT_AUTHORIZED
 from amqtt.session import Session
 
-from swarm.bus.topics import SCHEDULER_USER, Topics
+from swarm.bus.topics import SCHEDULER_USER, TopicError, TopicKind, Topics
 
-__all__ = ["Gate", "Refusal", "certificate_name"]
+__all__ = ["PEER_ID_PREFIX", "Gate", "Refusal", "certificate_name", "reserved_for"]
 
 log = logging.getLogger(__name__)
+
+PEER_ID_PREFIX = "peer-"
+"""A stage server's client id is this and its peer id (its MQTT user): `peer-X` is user X's."""
+
+
+def reserved_for(client_id: str) -> str | None:
+    """The user whose client id `client_id` is, whether connected or not: `scheduler` is the
+    scheduler's, `peer-X` peer X's; None for any other id (a trainer's, a tool's), which is only
+    the user's who holds it while connected."""
+    if client_id == SCHEDULER_USER:
+        return SCHEDULER_USER
+    if client_id.startswith(PEER_ID_PREFIX) and len(client_id) > len(PEER_ID_PREFIX):
+        return client_id[len(PEER_ID_PREFIX) :]
+    return None
 
 
 class Refusal(NamedTuple):
@@ -61,9 +75,12 @@ class Gate:
 
     A client id belongs to the user connected under it (`claim`): another user's CONNECT with
     that id is refused (a peer cannot unseat the scheduler), the same user's replaces the old
-    connection; the scheduler's client id is refused to every other user even while the
-    scheduler is away. Persistent sessions (clean_session=0) are refused: the swarm's clients never
-    ask for one, and they are how a CONNECT reached a live session."""
+    connection. With a token, `scheduler` and `peer-X` are their users' even while they are away
+    (`reserved_for`). What binds a user is its credential: with the shared token a username is
+    a claim (any holder may say it is peer X, never the scheduler); under
+    `use_identity_as_username` it is the certificate's name. Persistent sessions
+    (clean_session=0) are refused: the swarm's clients never ask for one, and they are how a
+    CONNECT reached a live session."""
 
     def __init__(
         self,
@@ -102,9 +119,14 @@ class Gate:
             return Refusal(
                 NOT_AUTHORIZED, f"its last-will is on {session.will_topic!r}, not its own topic"
             )
-        if self.closed and session.client_id == SCHEDULER_USER != session.username:
-            # reserved even while the scheduler is away: a peer holding it would lock it out
-            return Refusal(IDENTIFIER_REJECTED, "the client id 'scheduler' is the scheduler's")
+        reserved = reserved_for(session.client_id or "")
+        if self.closed and reserved is not None and reserved != session.username:
+            # reserved even while its user is away: another holding it would lock that user out
+            # (refused on every retry). Not authorised, not "identifier rejected": the client
+            # should stop, not retry.
+            return Refusal(
+                NOT_AUTHORIZED, f"the client id {session.client_id!r} is user {reserved!r}'s"
+            )
         owner = self._owners.get(session.client_id or "")
         if owner is not None and owner[0] != session.username:
             return Refusal(
@@ -139,6 +161,20 @@ class Gate:
         client_id = self._held.pop(holder, None)
         if client_id is not None and self._owners.get(client_id, (None, None))[1] is holder:
             del self._owners[client_id]
+
+    def may_retain(self, user: str | None, topic: str) -> bool:
+        """Whether `user` may leave a retained message on `topic` (which it may publish): the
+        scheduler anywhere; a peer only its announcement (`peers/{peer}`, its last-will's topic),
+        not its load reports, which are sent again every few seconds and of which a made-up job
+        per message would keep a copy each; an open broker's client without a username, as
+        for publishing, anywhere."""
+        if user == SCHEDULER_USER or (not user and not self.closed):
+            return True
+        try:
+            info = self.topics.parse(topic)
+        except TopicError:
+            return False
+        return info.kind == TopicKind.PEER and info.peer == user
 
     def may_publish(self, user: str | None, topic: str) -> bool:
         """The ACL (`Topics.may_publish`); a client without a username on a broker without a token

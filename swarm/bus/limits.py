@@ -1,6 +1,7 @@
 """The embedded broker's limits: how long a new connection may stay silent, how many it holds,
-and how large a packet it reads. The broker runs inside the scheduler, so a stranger's idle or
-oversized connections must not take the scheduler's file descriptors or memory.
+how large a packet it reads, how much it retains for peers and queues for each subscriber. The
+broker runs inside the scheduler, so a stranger's idle or oversized connections, retained
+messages or unread subscriptions must not take the scheduler's file descriptors or memory.
 
 `PacketCap` enforces the size on the byte stream itself: it reads each packet's fixed header
 before amqtt does and refuses a declared length over the cap, so an oversized packet ends that
@@ -12,18 +13,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import resource
-import time
 
 from amqtt.adapters import ReaderAdapter
 
 from swarm.errors import ConfigError
 from swarm.job.schema import MAX_SPEC_BYTES
 
-__all__ = ["BrokerLimits", "PacketCap", "PacketTooLarge", "RefusalLog", "default_max_connections"]
+__all__ = ["BrokerLimits", "PacketCap", "PacketTooLarge", "default_max_connections"]
 
 log = logging.getLogger(__name__)
 
 _MAX_LENGTH_BYTES = 4  # MQTT's remaining length takes at most four bytes
+_KiB, _MiB = 1024, 1024 * 1024
 
 
 def default_max_connections() -> int:
@@ -47,12 +48,36 @@ class BrokerLimits:
     max_packet_bytes: int = 2 * MAX_SPEC_BYTES
     """The largest MQTT packet read (after its fixed header); a larger one closes its connection.
     The largest the swarm sends is a job announcement carrying its job file (`MAX_SPEC_BYTES`)."""
+    max_retained_bytes_per_user: int = 64 * _KiB
+    """Retained payload bytes one user other than the scheduler may leave on the broker: a peer
+    retains its announcement (or its last-will) on its own topic, a few hundred bytes."""
+    max_retained_bytes: int = 16 * _MiB
+    """Retained payload bytes of all users but the scheduler together: with the shared token
+    anyone can log in as any number of made-up peers. A retained message past either bound is
+    dropped (and logged); the scheduler's own (jobs, assignments, steps) are not counted."""
+    max_queued_bytes: int = 16 * _MiB
+    """Payload bytes waiting to be sent to one subscriber (or for its acknowledgement); past it,
+    or past `max_queued_messages`, the subscriber is disconnected: it stopped reading, and what
+    it missed it gets again, as retained messages, when it reconnects. Messages already sent are
+    not counted, nor the retained messages a new subscription receives (bounded above)."""
+    max_queued_messages: int = 10_000
+    max_queued_bytes_total: int = 128 * _MiB
+    """Queued bytes of all subscribers together; past it, the one with the most queued is
+    disconnected (an honest subscriber, reading, has next to none)."""
 
     def __post_init__(self) -> None:
         if not self.connect_timeout_s > 0:
             raise ConfigError(f"broker connect_timeout_s={self.connect_timeout_s}: must be > 0")
-        if self.max_connections < 1:
-            raise ConfigError(f"broker max_connections={self.max_connections}: must be >= 1")
+        for name in (
+            "max_connections",
+            "max_retained_bytes_per_user",
+            "max_retained_bytes",
+            "max_queued_bytes",
+            "max_queued_messages",
+            "max_queued_bytes_total",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"broker {name}={getattr(self, name)}: must be >= 1")
         if self.max_packet_bytes < 1024:
             raise ConfigError(f"broker max_packet_bytes={self.max_packet_bytes}: must be >= 1024")
 
@@ -108,18 +133,3 @@ class PacketCap(ReaderAdapter):
 
     def feed_eof(self) -> None:
         self._inner.feed_eof()
-
-
-class RefusalLog:
-    """Logs refused connections and logins at most once per `every_s`, with how many since: a
-    flood of connections must not become a flood of log lines."""
-
-    def __init__(self, every_s: float = 2.0) -> None:
-        self._every_s, self._last, self._count = every_s, -float("inf"), 0
-
-    def refused(self, what: str) -> None:
-        self._count += 1
-        now = time.monotonic()
-        if now - self._last >= self._every_s:
-            log.warning("broker: %s (%d such in the last %.0f s)", what, self._count, self._every_s)
-            self._last, self._count = now, 0

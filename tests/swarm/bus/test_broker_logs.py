@@ -1,0 +1,70 @@
+"""What a stranger can repeat is logged rated by the embedded broker: one line per kind of
+refusal every few seconds, not one per refused CONNECT or PUBLISH (a flood of them would fill the
+disk and bury the lines an operator needs)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from swarm.bus.broker import EmbeddedBroker
+from swarm.bus.topics import Topics
+from tests.support.buses import WAIT_S
+from tests.support.raw_mqtt import RawClient, connect_packet, publish_packet
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "s3cret"
+TOPICS = Topics()
+
+
+def _broker_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("swarm.bus") and r.levelno >= logging.WARNING
+    ]
+
+
+@pytest.mark.attack("N16")
+async def test_messages_on_anothers_topics_are_logged_rated(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """50 PUBLISHes of peer a on peer b's topic, and 50 retained load reports: dropped, and
+    logged a line each kind (each was a warning of its own)."""
+    caplog.set_level(logging.INFO)
+    async with (
+        EmbeddedBroker(token=TOKEN) as broker,
+        await RawClient.open("127.0.0.1", broker.port) as a,
+    ):
+        await a.send(connect_packet("peer-a", username="a", password=TOKEN))
+        assert await a.connack(WAIT_S) == 0
+        for _ in range(50):
+            await a.send(publish_packet(TOPICS.peer("b"), b"forged"))
+            await a.send(publish_packet(TOPICS.load("j", "a"), b"load", retain=True))
+        await a.send(publish_packet(TOPICS.peer("a"), b"marker", retain=True))
+        assert broker._broker is not None
+        async with asyncio.timeout(WAIT_S):
+            while TOPICS.peer("a") not in broker._broker.retained_messages:
+                await asyncio.sleep(0.02)
+    lines = _broker_warnings(caplog)
+    assert len(lines) <= 4, "\n".join(lines[:10])
+    assert any("not its topic" in line for line in lines)
+    assert any("retains only its announcement" in line for line in lines)
+
+
+@pytest.mark.attack("N16")
+async def test_a_probes_connect_is_not_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """`swarm`'s broker probe (a CONNECT without client id or login) is refused by a broker
+    with a token: logged at info, as a probe, not as a refused login."""
+    caplog.set_level(logging.INFO)
+    async with (
+        EmbeddedBroker(token=TOKEN) as broker,
+        await RawClient.open("127.0.0.1", broker.port) as probe,
+    ):
+        await probe.send(connect_packet(""))
+        assert await probe.connack(WAIT_S) not in (0, None)
+    assert not [line for line in _broker_warnings(caplog) if "refused" in line]
+    assert any("probe" in r.getMessage() for r in caplog.records)
