@@ -19,7 +19,15 @@ import torch
 from swarm.errors import ResourceExhausted
 from swarm.ops.faults import Point, due
 
-__all__ = ["OutOfDeviceMemory", "free_memory", "inject", "is_out_of_memory", "named"]
+__all__ = [
+    "OutOfDeviceMemory",
+    "free_memory",
+    "inject",
+    "is_out_of_memory",
+    "named",
+    "oom_message",
+    "out_of_memory",
+]
 
 _MIB = 1 << 20
 
@@ -50,18 +58,47 @@ def free_memory(device: torch.device) -> str:
 
 
 @contextmanager
-def named(job: str, stage: int, what: str, samples: int, device: torch.device) -> Iterator[None]:
+def named(
+    job: str,
+    stage: int,
+    what: str,
+    device: torch.device,
+    *,
+    samples: int | None = None,
+    nbytes: int | None = None,
+) -> Iterator[None]:
     """Run the body; an out-of-memory error in it becomes `OutOfDeviceMemory` naming the job,
-    the stage, the computation (`what`), the microbatch's `samples` and the free memory."""
+    the stage, the computation (`what`), its size (a microbatch's `samples`, or a buffer's
+    `nbytes`) and the free memory."""
     try:
         yield
     except Exception as e:
         if not is_out_of_memory(e) or isinstance(e, OutOfDeviceMemory):
             raise
-        raise OutOfDeviceMemory(
-            f"job {job} stage {stage}: out of device memory in {what} of a microbatch of "
-            f"{samples} samples ({free_memory(device)}): {e}"
-        ) from e
+        raise OutOfDeviceMemory(oom_message(job, stage, what, device, e, samples, nbytes)) from e
+
+
+def oom_message(
+    job: str,
+    stage: int,
+    what: str,
+    device: torch.device,
+    error: BaseException,
+    samples: int | None = None,
+    nbytes: int | None = None,
+) -> str:
+    """What `OutOfDeviceMemory` says (`named`)."""
+    size = (
+        f" of a microbatch of {samples} samples"
+        if samples is not None
+        else f" of {nbytes / _MIB:.1f} MiB"
+        if nbytes is not None
+        else ""
+    )
+    return (
+        f"job {job} stage {stage}: out of device memory in {what}{size} "
+        f"({free_memory(device)}): {error}"
+    )
 
 
 def out_of_memory(message: str) -> RuntimeError:
@@ -74,7 +111,8 @@ def out_of_memory(message: str) -> RuntimeError:
         return RuntimeError(message)
 
 
-def inject(point: Point, step: int) -> None:
-    """Raise an out-of-memory error here if a `SWARM_FAULTS` raising point says so (once)."""
-    if due(point, step):
+def inject(point: Point, step: int, peer: str = "") -> None:
+    """Raise an out-of-memory error here if a `SWARM_FAULTS` raising point says so (once; for
+    `peer`'s faults, `swarm.ops.faults.due`)."""
+    if due(point, step, peer):
         raise out_of_memory(f"CUDA out of memory (injected: SWARM_FAULTS {point}@{step})")

@@ -113,7 +113,7 @@ class StageRuntime:
         """Out of device memory in `what` (of a microbatch like `tensor`): a clear error
         (`stage_server.device_oom`) naming the job, this stage and the free memory."""
         samples = int(tensor.shape[0]) if tensor.dim() else 1
-        return named(self.job.name, self.stage, what, samples, self.device)
+        return named(self.job.name, self.stage, what, self.device, samples=samples)
 
     # -- compute --------------------------------------------------------------------------------
     def _leaf(self, inputs: torch.Tensor) -> torch.Tensor:

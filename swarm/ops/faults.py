@@ -31,6 +31,7 @@ __all__ = [
     "FaultPlan",
     "Point",
     "arm",
+    "armed",
     "due",
     "maybe_die",
     "parse_faults",
@@ -102,6 +103,11 @@ def _faults() -> list[Fault]:
     return _armed if _armed is not None else arm()
 
 
+def armed() -> list[Fault]:
+    """This process's faults still to come (a raising one that fired is spent)."""
+    return list(_faults())
+
+
 def maybe_die(point: Point, step: int) -> None:
     """Called at each fault point of a stage server: SIGKILL this process if a fault says so."""
     if any(f.point == point and f.step == step for f in _faults()):
@@ -109,11 +115,14 @@ def maybe_die(point: Point, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def due(point: Point, step: int) -> bool:
+def due(point: Point, step: int, peer: str = "") -> bool:
     """Whether a raising fault at `point` of `step` fires now: True once, the first time it is
-    asked (the fault is spent then), so a retry of the computation goes through."""
+    asked (the fault is spent then), so a retry of the computation goes through. A fault that
+    names a target fires only where the caller says it is that `peer` (servers sharing one
+    process, as in tests); one without, wherever this process reaches the point."""
     faults = _faults()
-    fault = next((f for f in faults if f.point == point and f.step == step), None)
+    mine = (f for f in faults if f.point == point and f.step == step)
+    fault = next((f for f in mine if not f.target or f.target == peer), None)
     if fault is None:
         return False
     faults.remove(fault)
