@@ -92,7 +92,11 @@ def arm(text: str | None = None) -> list[Fault]:
     server's start, so a malformed spec stops it with `ConfigError` before it serves anything.
     Arming again replaces the faults (and re-arms a raising point that fired)."""
     global _armed
-    faults = parse_faults(os.environ.get(ENV, "") if text is None else text)
+    text = os.environ.get(ENV, "") if text is None else text
+    try:
+        faults = parse_faults(text)
+    except ConfigError as e:
+        raise ConfigError(f"{ENV}={text!r}: {e}") from None
     _armed = faults
     if faults:
         log.warning("%s: faults armed in this process: %s", ENV, ", ".join(map(str, faults)))
