@@ -16,6 +16,7 @@ any gradient reached the sums leaves them as they were.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -31,8 +32,8 @@ def backprop_into(
     sums: StepSums,
     index: int,
     samples: int,
-    shapes: list[torch.Tensor],
-    params: list[torch.Tensor],
+    shapes: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
     x: torch.Tensor,
     out: torch.Tensor,
     grad: torch.Tensor | None,

@@ -65,7 +65,11 @@ class Fault:
     step: int
 
     def __str__(self) -> str:
-        return f"{self.target}:{self.point}@{self.step}" if self.target else f"{self.point}@{self.step}"
+        return (
+            f"{self.target}:{self.point}@{self.step}"
+            if self.target
+            else f"{self.point}@{self.step}"
+        )
 
 
 def parse_faults(text: str) -> list[Fault]:

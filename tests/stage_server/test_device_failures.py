@@ -19,9 +19,11 @@ from swarm.ops import faults
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import make_job
 
-
 # The job, the stage, the computation, the microbatch's size and the free memory ("cpu" here).
-OOM_SAYS = r"job test stage 0: out of device memory in ForwardBackward of a microbatch of 4 samples \(cpu\)"
+OOM_SAYS = (
+    r"job test stage 0: out of device memory in ForwardBackward of a microbatch of 4 samples "
+    r"\(cpu\)"
+)
 
 
 def _job(tmp_path: Path) -> JobConfig:
@@ -70,7 +72,7 @@ def test_a_backward_that_raises_half_way_leaves_no_receipt_and_a_retry_adds_it_o
 
 
 @pytest.fixture
-def armed() -> Iterator[Callable[[str], None]]:
+def armed() -> Iterator[Callable[[str], list[faults.Fault]]]:
     """Arm this process's faults (`SWARM_FAULTS`' raising points) for one test."""
     yield faults.arm
     faults.arm("")
@@ -82,7 +84,7 @@ def armed() -> Iterator[Callable[[str], None]]:
      ("backward-oom", "stage 2: out of device memory in ForwardBackward")],
 )  # fmt: skip
 def test_the_fault_plan_raises_out_of_memory_once_and_the_replay_is_exact(
-    tmp_path: Path, armed: Callable[[str], None], point: str, where: str
+    tmp_path: Path, armed: Callable[[str], list[faults.Fault]], point: str, where: str
 ) -> None:
     """Three stages, the fault armed in this process: the first Forward (stage 0), or the
     first backward once a gradient reached its sums (the last stage's), raises out of memory.
@@ -100,7 +102,9 @@ def test_the_fault_plan_raises_out_of_memory_once_and_the_replay_is_exact(
                 h1 = runtimes[0].forward(0, index, x)
                 h2 = runtimes[1].forward(0, index, h1)
                 _, g2, _ = runtimes[2].forward_backward(0, index, h2, y)
+                assert g2 is not None
                 g1, _ = runtimes[1].backward(0, index, None, g2)
+                assert g1 is not None
                 runtimes[0].backward(0, index, None, g1, need_grad_inputs=False)
                 break
             except OutOfDeviceMemory as e:
