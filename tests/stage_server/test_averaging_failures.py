@@ -44,6 +44,7 @@ async def test_a_replica_out_of_memory_in_averaging_is_left_out_and_its_partner_
     samples of the round, which the route record says)."""
     job = make_job(
         tmp_path,
+        "test",
         **with_rule(
             kind,
             training={"stages": 2, "steps": 4, "target_batch_size": 16},
