@@ -24,6 +24,7 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
+from stage_server.device_oom import OutOfDeviceMemory, is_out_of_memory, oom_message
 from stage_server.identity import PeerIdentity, persistent_peer_id
 from stage_server.measure import cache_path, device_memory, measure_job
 from stage_server.metrics import StageMetrics
@@ -294,18 +295,15 @@ class PeerAgent:
         spec, at = refused
         return spec == _spec_hash(job) and self.clock.now() - at < REFUSED_RETRY_S
 
-    async def _refuse(self, job: cpb.JobAnnouncement, error: Exception) -> None:
-        """Give up `job`, which this peer could not measure, and say so: announced free again
-        (no job, no speeds), the scheduler places it in another job."""
-        log.warning(
-            "%s: refused job %s: measuring its stages failed (%s: %s); free for another job, "
-            "and not measuring it again for %.0f s unless its spec changes",
-            self.peer,
-            job.job,
-            type(error).__name__,
-            error,
-            REFUSED_RETRY_S,
-        )
+    async def _refuse(
+        self, job: cpb.JobAnnouncement, error: Exception, failed: str = "measuring its stages"
+    ) -> None:
+        """Give up `job`, which this peer could not measure (or build a stage of: `failed`
+        says), and say so: announced free again (no job, no speeds, idle), the scheduler
+        places it in another job."""
+        log.warning("%s: refused job %s: %s failed (%s: %s); free for another job, and not "
+                    "measuring it again for %.0f s unless its spec changes", self.peer, job.job,
+                    failed, type(error).__name__, error, REFUSED_RETRY_S)  # fmt: skip
         self._refused[job.job] = (_spec_hash(job), self.clock.now())
         self._refused.move_to_end(job.job)
         while len(self._refused) > ENDED_REMEMBERED:
@@ -337,32 +335,29 @@ class PeerAgent:
         self._generation = assignment.generation
         if (self.job_id, self.stage) == (assignment.job, assignment.stage):
             return
-        layers = _layers(config, assignment.stage)
+        layers, device = _layers(config, assignment.stage), check_device(self.device)
         self._building = (assignment.job, assignment.stage)
         try:
             if self.state == cpb.PEER_STATE_SERVING:  # a move: stop taking work for the old stage
-                log.info(
-                    "%s: moving from stage %s to stage %d of job %s (%s)",
-                    self.peer,
-                    self.stage,
-                    assignment.stage,
-                    assignment.job,
-                    layers,
-                )
+                log.info("%s: moving from stage %s to stage %d of job %s (%s)", self.peer,
+                         self.stage, assignment.stage, assignment.job, layers)  # fmt: skip
                 self.state = cpb.PEER_STATE_DRAINING
                 await self.announce()
             else:
-                log.info(
-                    "%s: assigned stage %d of job %s (%s); building it",
-                    self.peer,
-                    assignment.stage,
-                    assignment.job,
-                    layers,
-                )
+                log.info("%s: assigned stage %d of job %s (%s); building it", self.peer,
+                         assignment.stage, assignment.job, layers)  # fmt: skip
                 self._show()  # building
-            runtime = await self._compute(
-                StageRuntime, config, assignment.stage, check_device(self.device)
-            )
+            runtime = await self._compute(StageRuntime, config, assignment.stage, device)
+        except Exception as e:  # out of memory, say: idle again, with its reason, not DRAINING
+            self._building = None
+            self.running.servicer.release()  # a move's old stage: the scheduler moved it away
+            await self._refuse(
+                self._active.get(assignment.job) or cpb.JobAnnouncement(job=assignment.job),
+                e if not is_out_of_memory(e) else OutOfDeviceMemory(oom_message(
+                    config.name, assignment.stage, "building the stage", device, e)),
+                f"building stage {assignment.stage}",
+            )  # fmt: skip
+            return
         finally:
             self._building = None
         if assignment.job in self._ended:  # it ended while the stage was being built

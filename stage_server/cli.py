@@ -22,6 +22,7 @@ from swarm.flags import (
 )
 from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
+from swarm.ops import faults
 from swarm.ops.logs import show_at_default
 
 __all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lifecycle"]
@@ -109,6 +110,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     from swarm.net.tokens import refuse_open_host  # here: --help needs no gRPC
 
     warn_if_url_password(args, "broker")
+    faults.arm()  # a malformed SWARM_FAULTS stops the server now, not at its first fault point
     refuse_open_host(
         "the stage server", args.host, token=token(args), insecure=args.insecure_no_token
     )

@@ -38,8 +38,9 @@ from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.flat import flatten, unflatten
-from stage_server.averaging.owner import Averager
+from stage_server.averaging.owner import Averager, AveragingAborted
 from stage_server.averaging.spill import Spill
+from stage_server.device_oom import OutOfDeviceMemory, inject, is_out_of_memory, oom_message
 from stage_server.messages import Limits
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Served, StageRuntime
@@ -286,7 +287,21 @@ class Committer:
         spill = None
         if spilled is not None:
             spill = await self._worker.run(self._runtime().sums.spill, spilled, self.spill_dir)
-        return await self._average(c, sums, lossless, fresh or spilled is not None, spill)
+        try:
+            return await self._average(c, sums, lossless, fresh or spilled is not None, spill)
+        except AveragingAborted:
+            raise  # the round's own doing: it was aborted, naming whom it failed on
+        except Exception as e:  # this replica failed its part (out of memory, say): its group
+            self.averager.abort(  # learns it now, naming it, rather than at its timeout
+                (c.job, c.stage, c.round), f"{self.peer} failed: {e}", [c.group_index]
+            )
+            if not is_out_of_memory(e):
+                raise
+            rt, nbytes = self._runtime(), sum(t.nbytes for t in sums)
+            what = f"averaging (round {c.round!r}, step {c.step})"
+            raise OutOfDeviceMemory(
+                oom_message(rt.job.name, c.stage, what, rt.device, e, nbytes=nbytes)
+            ) from e
 
     def _apply(self, rt: StageRuntime, c: Commit, sq_norm: float | None) -> bool:
         """On the worker: apply the prepared step unless its gradient is NaN or infinite
@@ -321,6 +336,7 @@ class Committer:
             raise InvalidArgument(f"group_index {c.group_index} outside the group")
         start = time.perf_counter()
         maybe_die(Point.AVERAGING, c.step)
+        inject(Point.AVERAGING_OOM, c.step, self.peer)  # before this replica sends a byte
         flat = flatten(sums)  # a view of the part (or, of tensors apart, a copy of it)
         keep = None
         if spill is not None:

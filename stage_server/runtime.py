@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
+from stage_server.accumulate import backprop_into
 from stage_server.delayed_copies import copies_for
+from stage_server.device_oom import inject, named
 from stage_server.eager_round import EagerRound, StepEagerRound
 from stage_server.following import Following
 from stage_server.local_round import LocalRound
@@ -41,6 +44,7 @@ from swarm.model.transformer import (
     partition,
     precision,
 )
+from swarm.ops.faults import Point, due
 
 __all__ = ["ROUNDS", "Receipt", "Served", "StageRuntime"]
 
@@ -105,6 +109,12 @@ class StageRuntime:
         module = self.copies.module_at(step, self.step)  # the parameters step `step` computes on
         return module(x)  # type: ignore[no-any-return]
 
+    def _named(self, what: str, tensor: torch.Tensor) -> AbstractContextManager[None]:
+        """Out of device memory in `what` (of a microbatch like `tensor`): a clear error
+        (`stage_server.device_oom`) naming the job, this stage and the free memory."""
+        samples = int(tensor.shape[0]) if tensor.dim() else 1
+        return named(self.job.name, self.stage, what, self.device, samples=samples)
+
     # -- compute --------------------------------------------------------------------------------
     def _leaf(self, inputs: torch.Tensor) -> torch.Tensor:
         # Token ids are not differentiable; hidden states become leaves whose .grad we return.
@@ -117,10 +127,11 @@ class StageRuntime:
         `evaluate` (a validation microbatch: no Backward follows, no graph is built)."""
         self._check_step(step, next_ok=True)
         if evaluate:
-            with torch.no_grad(), precision(self.job, self.device):
+            with torch.no_grad(), precision(self.job, self.device), self._named("Forward", inputs):
                 return self._run(step, self.checks.inputs(inputs))
         x = self._leaf(self.checks.inputs(inputs))
-        with torch.enable_grad(), precision(self.job, self.device):
+        with torch.enable_grad(), precision(self.job, self.device), self._named("Forward", x):
+            inject(Point.FORWARD_OOM, step)
             out = self._run(step, x)
         self._cache[(step, index)] = (x, out)
         self._cache.move_to_end((step, index))
@@ -147,15 +158,16 @@ class StageRuntime:
                 f"{ActivationsNotCached.PREFIX} for microbatch ({step}, {index}) at stage "
                 f"{self.stage}; send its inputs"
             )
-        if cached is None:  # another replica did the forward, or the cache evicted it
-            assert inputs is not None
-            x = self._leaf(self.checks.inputs(inputs))
-            with torch.enable_grad(), precision(self.job, self.device):
-                out = self._run(step, x)
-        else:
-            x, out = cached
-        grad = self.checks.grad(grad_outputs, out)
-        return self._backprop(step, index, x, out, grad, accumulate, need_grad_inputs)
+        with self._named("Backward", grad_outputs):
+            if cached is None:  # another replica did the forward, or the cache evicted it
+                assert inputs is not None
+                x = self._leaf(self.checks.inputs(inputs))
+                with torch.enable_grad(), precision(self.job, self.device):
+                    out = self._run(step, x)
+            else:
+                x, out = cached
+            grad = self.checks.grad(grad_outputs, out)
+            return self._backprop(step, index, x, out, grad, accumulate, need_grad_inputs)
 
     def forward_backward(
         self,
@@ -174,10 +186,14 @@ class StageRuntime:
         self._check_step(step, next_ok=True)
         x = self._leaf(self.checks.inputs(inputs))
         y = self.checks.targets(targets, x)
-        with torch.enable_grad(), precision(self.job, self.device):
-            loss = loss_sum(self._run(step, x), y)
-        grad_x, receipt = self._backprop(step, index, x, loss, None, accumulate, need_grad_inputs)
-        return float(loss.detach()), grad_x, receipt
+        with self._named("ForwardBackward", x):
+            with torch.enable_grad(), precision(self.job, self.device):
+                inject(Point.FORWARD_OOM, step)
+                loss = loss_sum(self._run(step, x), y)
+            grad_x, receipt = self._backprop(
+                step, index, x, loss, None, accumulate, need_grad_inputs
+            )
+            return float(loss.detach()), grad_x, receipt
 
     def evaluate(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """The last stage's loss sum of a validation microbatch: forward only, nothing kept,
@@ -206,34 +222,14 @@ class StageRuntime:
         sums = self.sums.of(step)
         duplicate = index in sums.receipts
         receipt = Receipt(self.stage, step, index, samples, duplicate and accumulate)
-        if accumulate and not duplicate:
-            accum = sums.add(index, samples, self.params)
-            return self._backprop_into(accum, params, x, out, grad, want_x), receipt
+        if accumulate and not duplicate:  # its receipt once the sums hold it whole
+            fail = f"{Point.BACKWARD_OOM}@{step}" if due(Point.BACKWARD_OOM, step) else ""
+            grad_x = backprop_into(sums, index, samples, self.params, list(params), x, out, grad,
+                                   want_x, fail=fail)  # fmt: skip
+            return grad_x, receipt
         targets = [*params, x] if want_x else list(params)
         grads = torch.autograd.grad(out, targets, grad, allow_unused=True)
         return (grads[-1] if want_x else None), receipt
-
-    @staticmethod
-    def _backprop_into(
-        accum: list[torch.Tensor],
-        params: list[torch.Tensor],
-        x: torch.Tensor,
-        out: torch.Tensor,
-        grad: torch.Tensor | None,
-        want_x: bool,
-    ) -> torch.Tensor | None:
-        """Backward of `out` adding the parameters' gradients into `accum` in place, as autograd
-        makes them (a parameter's `.grad` is its sum while it runs: the same bits as adding the
-        gradients after, without the whole gradient existing once more beside the sums); the
-        gradient of `x` when `want_x`."""
-        for p, acc in zip(params, accum, strict=True):
-            p.grad = acc
-        try:
-            torch.autograd.backward(out, grad, inputs=[*params, x] if want_x else list(params))
-            return x.grad if want_x else None
-        finally:
-            for p in params:
-                p.grad = None
 
     # -- commit ---------------------------------------------------------------------------------
     def receipts(self, step: int | None = None) -> dict[int, int]:

@@ -51,8 +51,9 @@ class StepSums:
         if self.spill is not None:
             self.spill.close()
 
-    def add(self, index: int, samples: int, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Receipt of microbatch `index` (its `samples`); the sums its gradients add into."""
+    def open(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The sums a microbatch's gradients add into (of `params`' shapes); no receipt yet:
+        `received` gives it once they hold the microbatch whole, `withdraw` undoes a failure."""
         if self.accum is None:
             # One flat tensor (which averaging reads as it is) of -0.0, the one value x + v
             # leaves x as it is whatever x, the sign of a zero included: the first
@@ -65,8 +66,20 @@ class StepSums:
                 assert whole is not None  # a copy of one flat tensor is one
                 self.spill.restore(into=whole)
             self.accum, self.lent, self.spill = copy, False, None
-        self.receipts[index] = samples
         return self.accum
+
+    def received(self, index: int, samples: int) -> None:
+        """The sums hold microbatch `index` (its `samples`) whole now: its receipt."""
+        self.receipts[index] = samples
+
+    def withdraw(self) -> list[int]:
+        """A microbatch's backward failed after adding part of its gradients here: the sums
+        hold no set of whole microbatches any more. They go, with every receipt of the step
+        (returned, for the log): a PREPARE that names them fails its receipt check, and the
+        coordinator replays them. Sums that held none yet start again as they were: empty."""
+        assert not self.lent and self.spill is None  # `open` made them this replica's own
+        withdrawn, self.receipts, self.accum = sorted(self.receipts), {}, None
+        return withdrawn
 
 
 class Sums:

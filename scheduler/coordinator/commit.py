@@ -23,7 +23,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from scheduler.coordinator.failures import NonFiniteStep, judge
+from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -280,6 +280,9 @@ class TwoPhaseCommit:
         for stage, r, error in judged.alone:
             if isinstance(error, GONE):
                 self.membership.drop(r.peer)  # dead: its gradients are replayed
+            elif failed_its_part(error):  # out of memory, say: it would again, in the retry
+                await self._leave_out(ledger, stage, r, [r.peer])
+                failure.left_out.append((stage, r.peer, [r.peer]))
             else:
                 await self.void(ledger, stage, r.peer)  # it holds what it must not
         explained = {stage for stage, _, _ in judged.alone}  # a member failed by itself there

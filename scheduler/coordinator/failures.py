@@ -11,10 +11,18 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from swarm.errors import Aborted, SwarmError
+from swarm.errors import Aborted, Busy, RemoteError, ResourceExhausted, SwarmError
 from swarm.rpc.lease import Replica
 
-__all__ = ["CommitStalled", "Failed", "Judgement", "NonFiniteStep", "culprits", "judge"]
+__all__ = [
+    "CommitStalled",
+    "Failed",
+    "Judgement",
+    "NonFiniteStep",
+    "culprits",
+    "failed_its_part",
+    "judge",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,16 @@ def culprits(
         keep = max(worst, key=lambda i: (len(holdings.get(group[i].peer, [])), -i))
         worst.remove(keep)
     return worst
+
+
+def failed_its_part(error: BaseException) -> bool:
+    """Whether a member that failed a round by itself could not do its part (out of device
+    memory: `ResourceExhausted`; an error of its own: `RemoteError`), rather than refusing what
+    it was asked (a stale step, receipts it does not hold). The same again would fail the same
+    way: the retry goes without it, and its partners, told at once by its own abort, name it."""
+    return isinstance(error, RemoteError) or (
+        isinstance(error, ResourceExhausted) and not isinstance(error, Busy)
+    )
 
 
 def _held_by_none(stage: int) -> Mapping[str, Sequence[int]]:

@@ -41,6 +41,7 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import Residuals
 from stage_server.averaging.flat import split_parts
 from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, round_name
+from stage_server.device_oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
 from swarm.proto import pool_pb2
 from swarm.rpc.status import from_rpc_error
@@ -311,6 +312,8 @@ class ButterflyRound:
         except AveragingAborted as e:  # own part: timed out or aborted
             reason, culprits = f"{where}: {e}", self._others(e.missing)
         except Exception as e:  # a bad reply, a refused contribution: all abort
+            if is_out_of_memory(e):
+                raise  # this replica's own failure, not the peer's: `run` names it
             reason = f"{where}: {type(e).__name__}: {e}"
         if culprits:
             reason += f"; failed on {[group[i] for i in culprits]}"
@@ -327,12 +330,16 @@ class ButterflyRound:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             reason = str(e) if isinstance(e, AveragingAborted) else f"{type(e).__name__} {e}"
-            missing = e.missing if isinstance(e, AveragingAborted) else ()
+            missing: tuple[int, ...] = ()
+            if isinstance(e, AveragingAborted):
+                missing = e.missing
+            elif isinstance(e, Exception):  # this replica failed (out of memory): it is the
+                missing = (self.settings.index,)  # one its partners leave out
             # Peers still waiting on this replica's part learn it now, not at their timeout, and
             # whom it failed on.
             self.averager.abort(self.key, f"{me} gave up: {reason}", missing)
             if not isinstance(e, AveragingAborted):
-                raise  # cancelled: the caller's own doing
+                raise  # cancelled (the caller's own doing), or this replica's own failure
             log.warning("%s: %s aborted: %s", me, round_name(self.key), reason)
             raise AveragingAborted(
                 f"{me}: {round_name(self.key)} aborted: {reason}", missing

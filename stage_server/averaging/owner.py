@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from stage_server.device_oom import is_out_of_memory
 from swarm.errors import (
     Aborted,
     FailedPrecondition,
@@ -296,13 +297,13 @@ class Averager:
             self._summed.move_to_end(round)
             while len(self._summed) > self._history:
                 self._summed.popitem(last=False)
-            task = loop.create_task(self._finish(round, name, slot, codec, block_size))
+            task = loop.create_task(self._finish(round, name, slot, codec, block_size, part))
             self._tasks.add(task)  # a reference, so the task is not collected mid-way
             task.add_done_callback(self._tasks.discard)
         return slot
 
     async def _finish(
-        self, round: RoundKey, name: str, slot: _Slot, codec: int, block_size: int
+        self, round: RoundKey, name: str, slot: _Slot, codec: int, block_size: int, part: int
     ) -> None:
         values = [v for v in slot.values if v is not None]
         owned = slot.owned
@@ -312,8 +313,10 @@ class Averager:
             reduced = await asyncio.to_thread(_reduce, values, owned, codec, block_size)
         except Exception as e:
             log.exception("%s: the sum failed", name)
+            # Out of memory: the owner failed, not a sender; part k's owner is member k.
+            failed = [part] if is_out_of_memory(e) else []
             if not slot.done.done():
-                slot.done.set_exception(AveragingAborted(f"{name}: {e}"))
+                slot.done.set_exception(AveragingAborted(f"{name}: {e}", failed))
         else:
             if not slot.done.done():
                 slot.done.set_result(reduced)

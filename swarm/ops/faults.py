@@ -1,8 +1,13 @@
-"""Fault injection as data: `(target, point, step)` triples that kill real processes with SIGKILL.
+"""Fault injection as data: `(target, point, step)` triples that kill real processes with SIGKILL,
+or make a computation raise as a device out of memory would.
 
 A stage server started with `SWARM_FAULTS="backward@3,averaging@5"` kills itself the first time
 it reaches that point while serving that step: mid-request, so the caller sees a dead peer exactly
-where the fault says. `idle` faults (between calls) and the roles `scheduler`, `trainer` and
+where the fault says. The raising points (`forward-oom`, `backward-oom`, `averaging-oom`) raise an
+out-of-memory error inside that computation instead (`due`, once each), and the process lives on:
+a device failure in a real process, for tests and benchmarks. A stage server reads its
+SWARM_FAULTS when it starts (`arm`): a malformed one stops it there, not at the first fault
+point it reaches. `idle` faults (between calls) and the roles `scheduler`, `trainer` and
 `broker` are killed from outside by `FaultPlan.due`'s caller (the test harness, `swarm demo`)
 when the job reaches the step; the target `*` (`ANY_REPLICA`) leaves the choice of replica to it.
 """
@@ -18,7 +23,19 @@ from dataclasses import dataclass
 
 from swarm.errors import ConfigError
 
-__all__ = ["ANY_REPLICA", "ENV", "Fault", "FaultPlan", "Point", "maybe_die", "parse_faults"]
+__all__ = [
+    "ANY_REPLICA",
+    "ENV",
+    "RAISING",
+    "Fault",
+    "FaultPlan",
+    "Point",
+    "arm",
+    "armed",
+    "due",
+    "maybe_die",
+    "parse_faults",
+]
 
 log = logging.getLogger(__name__)
 ENV = "SWARM_FAULTS"
@@ -32,6 +49,13 @@ class Point(enum.StrEnum):
     AVERAGING = "averaging"  # inside a pool's averaging round
     STATE_DOWNLOAD = "state-download"  # while streaming its state to a joining replica
     IDLE = "idle"  # between calls: killed from outside
+    # Raising, not killing: an out-of-memory error inside the computation, once (`due`).
+    FORWARD_OOM = "forward-oom"  # a Forward's forward (or ForwardBackward's)
+    BACKWARD_OOM = "backward-oom"  # inside the backward, once a gradient reached the sums
+    AVERAGING_OOM = "averaging-oom"  # a pool's averaging round, before this replica sends
+
+
+RAISING = frozenset({Point.FORWARD_OOM, Point.BACKWARD_OOM, Point.AVERAGING_OOM})
 
 
 @dataclass(frozen=True)
@@ -41,7 +65,11 @@ class Fault:
     step: int
 
     def __str__(self) -> str:
-        return f"{self.target}:{self.point}@{self.step}"
+        return (
+            f"{self.target}:{self.point}@{self.step}"
+            if self.target
+            else f"{self.point}@{self.step}"
+        )
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -63,14 +91,51 @@ def parse_faults(text: str) -> list[Fault]:
 _armed: list[Fault] | None = None
 
 
+def arm(text: str | None = None) -> list[Fault]:
+    """This process's own faults from `text` (default: its SWARM_FAULTS), read now: a stage
+    server's start, so a malformed spec stops it with `ConfigError` before it serves anything.
+    Arming again replaces the faults (and re-arms a raising point that fired)."""
+    global _armed
+    text = os.environ.get(ENV, "") if text is None else text
+    try:
+        faults = parse_faults(text)
+    except ConfigError as e:
+        raise ConfigError(f"{ENV}={text!r}: {e}") from None
+    _armed = faults
+    if faults:
+        log.warning("%s: faults armed in this process: %s", ENV, ", ".join(map(str, faults)))
+    return list(faults)
+
+
+def _faults() -> list[Fault]:
+    return _armed if _armed is not None else arm()
+
+
+def armed() -> list[Fault]:
+    """This process's faults still to come (a raising one that fired is spent)."""
+    return list(_faults())
+
+
 def maybe_die(point: Point, step: int) -> None:
     """Called at each fault point of a stage server: SIGKILL this process if a fault says so."""
-    global _armed
-    if _armed is None:
-        _armed = parse_faults(os.environ.get(ENV, ""))
-    if any(f.point == point and f.step == step for f in _armed):
+    if any(f.point == point and f.step == step for f in _faults()):
         log.warning("fault injected: %s@%d; killing this process", point, step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def due(point: Point, step: int, peer: str = "") -> bool:
+    """Whether a raising fault at `point` of `step` fires now: True once, the first time it is
+    asked (the fault is spent then), so a retry of the computation goes through. A fault that
+    names a target fires only where the caller says it is that `peer` (servers sharing one
+    process, as in tests); one without, wherever this process reaches the point."""
+    faults = _faults()
+    mine = (f for f in faults if f.point == point and f.step == step)
+    fault = next((f for f in mine if not f.target or f.target == peer), None)
+    if fault is None:
+        return False
+    faults.remove(fault)
+    log.warning("fault injected: %s@%d; raising out of memory", point, step)
+    return True
 
 
 class FaultPlan:

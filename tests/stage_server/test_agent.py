@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from stage_server.agent import REFUSED_RETRY_S, PeerAgent
+from stage_server.device_oom import out_of_memory
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
 from swarm.proto import control_pb2 as cpb
@@ -199,5 +200,45 @@ async def test_a_refused_job_is_tried_again_after_a_while_or_with_a_new_spec_and
         ended = cpb.JobAnnouncement(job="a", spec=_spec("a"), state=cpb.JOB_STATE_SUCCEEDED)
         await agent._consume(_Messages(ended))
         assert measured[4:] == ["big", "small"] and agent.job_id == "small"
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.parametrize("moving", [False, True])
+async def test_a_build_out_of_memory_returns_the_peer_to_idle_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, moving: bool
+) -> None:
+    """Issue 41: a build that failed left the peer DRAINING (a move) or building, for good.
+    Now it is idle again and says why (job, stage, free memory), its old stage released, and
+    the job refused for a while (not measured and built again in a loop)."""
+    agent, servicer, executor = _agent(monkeypatch)
+    released: list[bool] = []
+    monkeypatch.setattr(servicer, "release", lambda: released.append(True))
+    published: list[cpb.PeerAnnouncement] = []
+
+    async def publish(topic: str, message: Any, retain: bool = False) -> None:
+        published.append(message)
+
+    monkeypatch.setattr(agent.bus, "publish", publish)
+    try:
+        await agent._on_job(_placing("j"))
+        if moving:
+            await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=0,
+                                                      generation=_now_us()))  # fmt: skip
+            assert agent.activity() == ("serving", "j", 0)
+
+        def too_big(*args: Any) -> Any:
+            raise out_of_memory("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+        monkeypatch.setattr("stage_server.agent.StageRuntime", too_big)
+        await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=1,
+                                                  generation=_now_us()))  # fmt: skip
+        assert agent.activity() == ("idle", "", None)
+        assert (published[-1].job, published[-1].state) == ("", cpb.PEER_STATE_JOINING)
+        assert released, "the old stage (or none) is let go: the scheduler placed it elsewhere"
+        assert agent._still_refused(_placing("j"))
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "refused job j: building stage 1 failed (OutOfDeviceMemory: job test stage 1: " \
+            "out of device memory in building the stage (cpu)" in said, said  # fmt: skip
     finally:
         executor.shutdown()

@@ -1,0 +1,67 @@
+"""A replica out of memory in its pool's round (real gRPC replicas on 127.0.0.1): it fails with
+the out-of-memory error itself (its commit answers it, naming it: the coordinator leaves it out
+of the retry), and every other member aborts at once naming it, not at the round's timeout."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from stage_server.averaging.owner import AveragingAborted
+from stage_server.device_oom import is_out_of_memory, out_of_memory
+from tests.support.pools import reduce_all, replicas
+
+TIMEOUT_S = 30.0  # far above the round's work: a member waiting it out fails the test
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("where", ["own part", "owner's sum"])
+async def test_a_member_out_of_memory_fails_itself_and_the_others_name_it_at_once(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing = 1
+    async with replicas(3) as pool:
+        if where == "own part":  # its own contribution to the part it owns cannot be made
+            reduce = pool[failing].averager.reduce
+
+            async def own_fails(round: Any, part: int, sender: int, *a: Any, **k: Any) -> Any:
+                if sender == part:
+                    raise out_of_memory("CUDA out of memory (the test's)")
+                return await reduce(round, part, sender, *a, **k)
+
+            monkeypatch.setattr(pool[failing].averager, "reduce", own_fails)
+        else:  # the sum of the part it owns (in its averager) cannot be allocated
+            finish = pool[failing].averager._finish
+
+            async def sum_fails(*args: Any) -> None:
+                monkeypatch.setattr(
+                    "stage_server.averaging.owner._reduce",
+                    lambda *a: (_ for _ in ()).throw(out_of_memory("CUDA out of memory (sum)")),
+                )
+                try:
+                    await finish(*args)
+                finally:
+                    monkeypatch.undo()
+
+            monkeypatch.setattr(pool[failing].averager, "_finish", sum_fails)
+        start = time.monotonic()
+        results = await reduce_all(
+            pool, [torch.randn(1001, dtype=torch.float64) for _ in pool], timeout_s=TIMEOUT_S
+        )
+        took = time.monotonic() - start
+    assert took < TIMEOUT_S / 3, took
+    for i, result in enumerate(results):
+        assert isinstance(result, BaseException), result
+        if i == failing and where == "own part":
+            # Before: an AveragingAborted that named no one (an out-of-memory error of its own
+            # read as a refused contribution), for the coordinator to take as intact.
+            assert is_out_of_memory(result), repr(result)
+        else:
+            assert isinstance(result, AveragingAborted), repr(result)
+            if i != failing:  # the others name it; it names no one
+                assert failing in result.missing, (i, repr(result))
+            else:
+                assert result.missing == (), repr(result)
