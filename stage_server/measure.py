@@ -17,12 +17,12 @@ import fcntl
 import json
 import logging
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from stage_server.compute_clock import ComputeClock, clock_for
 from stage_server.runtime import StageRuntime
 from swarm.job.config import JobConfig
 from swarm.model.transformer import layer_costs, partition
@@ -56,8 +56,12 @@ def _key(job: JobConfig, stage: int, device: torch.device) -> str:
     )
 
 
-def measure_stage(job: JobConfig, stage: int, device: torch.device) -> float:
-    """Samples/s of forward + backward of one microbatch through `stage` on `device`."""
+def measure_stage(
+    job: JobConfig, stage: int, device: torch.device, clock: ComputeClock | None = None
+) -> float:
+    """Samples/s of forward + backward of one microbatch through `stage` on `device`, each run
+    timed by `clock` (the device's) to the end of its work on the device."""
+    clock = clock or clock_for(device)
     rt = StageRuntime(job, stage, device)
     b, t, cfg = job.training.microbatch_size, job.model.seq_len, job.model
     gen = torch.Generator().manual_seed(0)
@@ -69,15 +73,14 @@ def measure_stage(job: JobConfig, stage: int, device: torch.device) -> float:
     times: list[float] = []
     while len(times) <= _REPEATS or (sum(times[1:]) < _MIN_TIMED_S and len(times) <= _MAX_REPEATS):
         i = len(times)
-        start = time.perf_counter()
+        start = clock.now()
         if rt.is_last:
             rt.forward_backward(0, i, inputs, targets, accumulate=False)
         else:
             out = rt.forward(0, i, inputs)
             rt.backward(0, i, inputs, torch.ones_like(out), accumulate=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        clock.settle()
+        times.append(clock.now() - start)
     # The fastest run, not the median: other processes on the machine (peers that measure at the
     # same moment, a test suite) only ever add time, and placement compares stages measured at
     # different moments, so the figure must not depend on what else ran then.
