@@ -1,7 +1,7 @@
 """A joining peer measures its own samples/s on each stage's compute (forward + backward of one
 microbatch), so the scheduler can place it where it raises the bottleneck most. Results are cached
-per model shape, stage, microbatch size, dtype and device, since building and timing every stage of
-a large model is not free.
+per model shape, stage, microbatch size, dtype, precision, device model and torch version, since
+building and timing every stage of a large model is not free.
 
 Peers on one machine measure one at a time (a lock beside the cache, one per device): several
 peers that start together would otherwise time their stages while the others time theirs, and
@@ -17,6 +17,7 @@ import fcntl
 import json
 import logging
 import os
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from stage_server.runtime import StageRuntime
 from swarm.job.config import JobConfig
 from swarm.model.transformer import layer_costs, partition
 
-__all__ = ["cache_path", "measure_job", "measure_stage"]
+__all__ = ["cache_path", "device_model", "measure_job", "measure_stage"]
 
 log = logging.getLogger(__name__)
 # Timed runs after one warm-up: at least _REPEATS, and more until they add up to _MIN_TIMED_S
@@ -40,7 +41,30 @@ def cache_path() -> Path:
     return Path(root) / "throughput.json"
 
 
+def device_model(device: torch.device) -> str:
+    """What `device` is, for the cache key: the GPU's name (two peers on two cards of one model
+    share their figures; a card swapped for another measures anew), or the host's CPU."""
+    if device.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        return f"cpu {_cpu_model()}"
+    return device.type
+
+
+def _cpu_model() -> str:
+    try:  # Linux names the model; elsewhere the architecture is what there is
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _key(job: JobConfig, stage: int, device: torch.device) -> str:
+    """What a stage's speed depends on: its layers and shape, the microbatch, the dtype and
+    precision it computes in (bf16-mixed autocasts an fp32 job's matmuls), the device's model
+    and the torch build."""
     layers = list(partition(layer_costs(job.model), job.training.stages)[stage])
     return json.dumps(
         [
@@ -49,7 +73,8 @@ def _key(job: JobConfig, stage: int, device: torch.device) -> str:
             layers[-1],
             job.training.microbatch_size,
             job.training.dtype,
-            str(device),
+            job.training.precision,
+            device_model(device),
             torch.__version__,
         ],
         sort_keys=True,
