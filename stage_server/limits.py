@@ -58,6 +58,11 @@ class PeerLimits:
     max_activation_cache: int = _limit(
         1024, "most microbatches whose activations are kept, whatever the job's activation_cache"
     )
+    max_activation_cache_bytes: int = _limit(
+        4 << 30,
+        "most bytes of activations kept for Backwards (each microbatch's saved tensors; past it "
+        "the oldest are dropped and their Backwards recompute)",
+    )
     max_queue: int = _limit(1024, "most pushed microbatches queued, whatever the job's max_queue")
     receive_budget_bytes: int = _limit(
         4 << 30, "request bodies this process holds at once; a call past it is busy (bytes)"

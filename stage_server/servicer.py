@@ -139,6 +139,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         peer = self.limits.peer
         runtime.updates.bound(self.limits.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
         runtime.activation_cache = self.limits.activation_cache
+        runtime.activation_cache_bytes = peer.max_activation_cache_bytes
         self.worker.clock = clock_for(runtime.device)  # compute timed to its end on the device
         self.metrics.bind(job_id, runtime.stage)
         self._push.serve(runtime, job_id)
