@@ -91,3 +91,33 @@ def test_each_device_gets_its_clock() -> None:
     assert clock_for("cpu") is HOST_CLOCK
     cuda = clock_for("cuda:1")  # built without touching CUDA: a CPU host can name it
     assert isinstance(cuda, CudaClock) and cuda.device == torch.device("cuda:1")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_on_cuda_the_worker_times_a_call_to_the_end_of_its_kernels() -> None:
+    # The real device: a call that queues about a second of matmuls returns in milliseconds.
+    # Events recorded around its launches time the kernels on the GPU; the worker's time, from
+    # before the call to the settled end, can only be longer.
+    device = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(4096, 4096, device=device)
+    a.matmul(a)  # cuBLAS set up before the timing (its first call blocks the host)
+    torch.cuda.synchronize(device)
+    events: list[torch.cuda.Event] = []
+
+    def launch() -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        returned = clock_for(device).now()
+        begin.record()
+        for _ in range(400):  # ~55 TFLOP: hundreds of ms even on an H100
+            a.matmul(a)
+        end.record()
+        events[:] = [begin, end]
+        return clock_for(device).now() - returned
+
+    with ThreadPoolExecutor(1) as executor:
+        worker = Worker(executor, lambda _: None, clock=clock_for(device))
+        launched = await worker.run(launch)
+    kernels = events[0].elapsed_time(events[1]) / 1e3
+    assert worker.ema_seconds is not None
+    assert worker.ema_seconds >= kernels, (worker.ema_seconds, kernels, launched)
+    assert kernels > 5 * launched, (kernels, launched)  # the launch did return early
