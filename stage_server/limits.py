@@ -3,8 +3,8 @@
 A job's `[runtime]` is written by whoever submitted it, and a peer would defend itself with it
 (`max_tensor_bytes = 10**15`, `chunk_bytes = 1`, `activation_cache = 10**9`); so each limit a
 job names is clamped by the peer's (`stage_server.messages.Limits`), and the limits no job names
-(how many bytes of request bodies, calls, copying peers and state downloads a process holds at
-once) are the peer's alone. Each is a `swarm stage-server` flag (`--max-tensor-bytes`, ...),
+(how many bytes of request bodies, of kept activations, calls, copying peers and state downloads
+a process holds at once) are the peer's alone. Each is a `swarm stage-server` flag (`--max-tensor-bytes`, ...),
 named in every refusal it causes. Pure data: the flags are parsed without importing torch or gRPC.
 
 The job's `[runtime]`, field by field. Clamped here: `chunk_bytes` (--min/--max-chunk-bytes),
