@@ -3,9 +3,10 @@
 A job's `[runtime]` is written by whoever submitted it, and a peer would defend itself with it
 (`max_tensor_bytes = 10**15`, `chunk_bytes = 1`, `activation_cache = 10**9`); so each limit a
 job names is clamped by the peer's (`stage_server.messages.Limits`), and the limits no job names
-(how many bytes of request bodies, calls, copying peers and state downloads a process holds at
-once) are the peer's alone. Each is a `swarm stage-server` flag (`--max-tensor-bytes`, ...),
-named in every refusal it causes. Pure data: the flags are parsed without importing torch or gRPC.
+(how many bytes of request bodies, of kept activations, calls, copying peers and state downloads
+a process holds at once) are the peer's alone. Each is a `swarm stage-server` flag
+(`--max-tensor-bytes`, ...), named in every refusal it causes. Pure data: the flags are parsed
+without importing torch or gRPC.
 
 The job's `[runtime]`, field by field. Clamped here: `chunk_bytes` (--min/--max-chunk-bytes),
 `max_message_bytes` (--max-message-bytes: the gRPC messages it receives, from callers and from
@@ -57,6 +58,11 @@ class PeerLimits:
     )
     max_activation_cache: int = _limit(
         1024, "most microbatches whose activations are kept, whatever the job's activation_cache"
+    )
+    max_activation_cache_bytes: int = _limit(
+        4 << 30,
+        "most bytes of activations kept for Backwards (each microbatch's saved tensors; past it "
+        "the oldest are dropped and their Backwards recompute)",
     )
     max_queue: int = _limit(1024, "most pushed microbatches queued, whatever the job's max_queue")
     receive_budget_bytes: int = _limit(

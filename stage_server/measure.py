@@ -1,7 +1,7 @@
 """A joining peer measures its own samples/s on each stage's compute (forward + backward of one
 microbatch), so the scheduler can place it where it raises the bottleneck most. Results are cached
-per model shape, stage, microbatch size, dtype and device, since building and timing every stage of
-a large model is not free.
+per model shape, stage, microbatch size, dtype, precision, device model and torch version, since
+building and timing every stage of a large model is not free.
 
 Peers on one machine measure one at a time (a lock beside the cache, one per device): several
 peers that start together would otherwise time their stages while the others time theirs, and
@@ -21,19 +21,27 @@ import fcntl
 import json
 import logging
 import os
-import time
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from stage_server.compute_clock import ComputeClock, clock_for
 from stage_server.runtime import StageRuntime
 from swarm.errors import ResourceExhausted
 from swarm.job.config import JobConfig
 from swarm.model.sizes import format_bytes, layer_parameters, stage_state_bytes
 from swarm.model.transformer import layer_costs, partition
 
-__all__ = ["cache_path", "check_fits", "device_memory", "measure_job", "measure_stage"]
+__all__ = [
+    "cache_path",
+    "check_fits",
+    "device_memory",
+    "device_model",
+    "measure_job",
+    "measure_stage",
+]
 
 log = logging.getLogger(__name__)
 # Timed runs after one warm-up: at least _REPEATS, and more until they add up to _MIN_TIMED_S
@@ -46,7 +54,30 @@ def cache_path() -> Path:
     return Path(root) / "throughput.json"
 
 
+def device_model(device: torch.device) -> str:
+    """What `device` is, for the cache key: the GPU's name (two peers on two cards of one model
+    share their figures; a card swapped for another measures anew), or the host's CPU."""
+    if device.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        return f"cpu {_cpu_model()}"
+    return device.type
+
+
+def _cpu_model() -> str:
+    try:  # Linux names the model; elsewhere the architecture is what there is
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _key(job: JobConfig, stage: int, device: torch.device) -> str:
+    """What a stage's speed depends on: its layers and shape, the microbatch, the dtype and
+    precision it computes in (bf16-mixed autocasts an fp32 job's matmuls), the device's model
+    and the torch build."""
     layers = list(partition(layer_costs(job.model), job.training.stages)[stage])
     return json.dumps(
         [
@@ -55,7 +86,8 @@ def _key(job: JobConfig, stage: int, device: torch.device) -> str:
             layers[-1],
             job.training.microbatch_size,
             job.training.dtype,
-            str(device),
+            job.training.precision,
+            device_model(device),
             torch.__version__,
         ],
         sort_keys=True,
@@ -112,8 +144,12 @@ def check_fits(job: JobConfig, device: torch.device, memory_bytes: int | None = 
         )
 
 
-def measure_stage(job: JobConfig, stage: int, device: torch.device) -> float:
-    """Samples/s of forward + backward of one microbatch through `stage` on `device`."""
+def measure_stage(
+    job: JobConfig, stage: int, device: torch.device, clock: ComputeClock | None = None
+) -> float:
+    """Samples/s of forward + backward of one microbatch through `stage` on `device`, each run
+    timed by `clock` (the device's) to the end of its work on the device."""
+    clock = clock or clock_for(device)
     rt = StageRuntime(job, stage, device)
     b, t, cfg = job.training.microbatch_size, job.model.seq_len, job.model
     gen = torch.Generator().manual_seed(0)
@@ -125,15 +161,14 @@ def measure_stage(job: JobConfig, stage: int, device: torch.device) -> float:
     times: list[float] = []
     while len(times) <= _REPEATS or (sum(times[1:]) < _MIN_TIMED_S and len(times) <= _MAX_REPEATS):
         i = len(times)
-        start = time.perf_counter()
+        start = clock.now()
         if rt.is_last:
             rt.forward_backward(0, i, inputs, targets, accumulate=False)
         else:
             out = rt.forward(0, i, inputs)
             rt.backward(0, i, inputs, torch.ones_like(out), accumulate=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        clock.settle()
+        times.append(clock.now() - start)
     # The fastest run, not the median: other processes on the machine (peers that measure at the
     # same moment, a test suite) only ever add time, and placement compares stages measured at
     # different moments, so the figure must not depend on what else ran then.

@@ -13,17 +13,18 @@ is shared between threads.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
 
 from stage_server.accumulate import backprop_into
+from stage_server.activation_cache import ActivationCache
 from stage_server.delayed_copies import copies_for
 from stage_server.device_oom import inject, named
 from stage_server.eager_round import EagerRound, StepEagerRound
 from stage_server.following import Following
+from stage_server.limits import PeerLimits
 from stage_server.local_round import LocalRound
 from stage_server.no_round import NoRound
 from stage_server.snapshot import Snapshot, Snapshots
@@ -75,10 +76,12 @@ class StageRuntime:
         self.copies = copies_for(job, stage, self.module)
         self.sums = Sums(self.params)  # step -> its sums: `step`, and `step + 1` if delayed
         # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
-        self._cache: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._cache = ActivationCache()
         # How many it keeps: the job's `activation_cache`, within the serving peer's own limit
-        # (the servicer sets it: `Limits.activation_cache`).
+        # (the servicer sets it: `Limits.activation_cache`); and how many bytes: the peer's
+        # `--max-activation-cache-bytes` (the servicer sets it too).
         self.activation_cache = job.runtime.activation_cache
+        self.activation_cache_bytes = PeerLimits().max_activation_cache_bytes
         self.updates = UpdateLog(job.runtime.update_log_bytes)  # for replicas copying this one
         self.snapshots = Snapshots()  # states being sent, sharing this replica's tensors
         # (step, clipping coefficient) of the last update applied here (step -1: none since the
@@ -130,13 +133,17 @@ class StageRuntime:
             with torch.no_grad(), precision(self.job, self.device), self._named("Forward", inputs):
                 return self._run(step, self.checks.inputs(inputs))
         x = self._leaf(self.checks.inputs(inputs))
-        with torch.enable_grad(), precision(self.job, self.device), self._named("Forward", x):
+        with (
+            torch.enable_grad(),
+            precision(self.job, self.device),
+            self._named("Forward", x),
+            self._cache.counting() as held,
+        ):
             inject(Point.FORWARD_OOM, step)
             out = self._run(step, x)
-        self._cache[(step, index)] = (x, out)
-        self._cache.move_to_end((step, index))
-        while len(self._cache) > self.activation_cache:
-            self._cache.popitem(last=False)  # the oldest; its Backward will recompute
+        self._cache.keep(
+            (step, index), x, out, held, self.activation_cache, self.activation_cache_bytes
+        )
         return out.detach()
 
     def backward(

@@ -29,6 +29,7 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager
 from stage_server.commit import Commit, Committer
+from stage_server.compute_clock import clock_for
 from stage_server.limits import PeerLimits
 from stage_server.messages import Limits, Messages, info_reply
 from stage_server.metrics import StageMetrics
@@ -152,6 +153,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         peer = self.limits.peer
         runtime.updates.bound(self.limits.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
         runtime.activation_cache = self.limits.activation_cache
+        runtime.activation_cache_bytes = peer.max_activation_cache_bytes
+        self.worker.clock = clock_for(runtime.device)  # compute timed to its end on the device
         self.metrics.bind(job_id, runtime.stage)
         self._push.serve(runtime, job_id)
 

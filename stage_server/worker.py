@@ -8,6 +8,10 @@ the peer reports (`waiting`); `ema_seconds` is the service time its load reports
 time a call holds the worker and never its wait in the queue (`run_queued` returns that wait
 separately, so a trainer's estimate of this replica is its speed, not its backlog).
 
+Every time here is the device's (`stage_server.compute_clock`): a call holds the worker until
+the device has finished its work, not until its launch returned, so on CUDA the service time,
+the queue's waits and the queue depth are the compute's, whichever stage reads its results back.
+
 `throttle` > 1 stands in for a slower device: the worker is held that much longer after each call,
 as a slower device would hold it, and the EMA sees the held time.
 """
@@ -21,6 +25,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
+from stage_server.compute_clock import HOST_CLOCK, ComputeClock
+
 __all__ = ["LOAD_EMA", "Worker"]
 
 T = TypeVar("T")
@@ -29,12 +35,17 @@ LOAD_EMA = 0.2  # weight of the newest call in the reported moving average
 
 class Worker:
     """Runs calls on `executor` (a single-thread pool); `on_queue(+1/-1)` sees each call enter and
-    leave (the stage's queue-depth metric)."""
+    leave (the stage's queue-depth metric); `clock` times them (the served device's: `serve`
+    sets it)."""
 
     def __init__(
-        self, executor: Executor, on_queue: Callable[[int], None], throttle: float = 1.0
+        self,
+        executor: Executor,
+        on_queue: Callable[[int], None],
+        throttle: float = 1.0,
+        clock: ComputeClock = HOST_CLOCK,
     ) -> None:
-        self.executor, self._on_queue = executor, on_queue
+        self.executor, self._on_queue, self.clock = executor, on_queue, clock
         self.throttle = throttle  # >1: each call holds the worker that many times as long
         self.waiting = 0  # calls queued or running: the load this peer reports
         self.ema_seconds: float | None = None  # moving average of one call (seconds)
@@ -48,12 +59,13 @@ class Worker:
         """`run`, also returning how long the call waited for the worker (seconds)."""
         self._on_queue(1)
         self.waiting += 1
-        submitted = time.perf_counter()
+        clock = self.clock  # one clock for both ends of the wait
+        submitted = clock.now()
         started: list[float] = []
 
         def timed() -> T:
-            started.append(time.perf_counter())
-            return self._throttled(functools.partial(fn, *args, **kwargs))
+            started.append(clock.now())
+            return self._throttled(functools.partial(fn, *args, **kwargs), clock)
 
         try:
             loop = asyncio.get_running_loop()
@@ -63,14 +75,24 @@ class Worker:
             self._on_queue(-1)
             self.waiting -= 1
 
-    def _throttled(self, call: Callable[[], T]) -> T:
-        start = time.perf_counter()
+    def _throttled(self, call: Callable[[], T], clock: ComputeClock) -> T:
+        start, failed = clock.now(), True
         try:
-            return call()
+            result = call()
+            failed = False
+            return result
         finally:
+            # Until the device has run what the call launched: the worker is not free before
+            # (the next call's work would queue behind it), and a call that failed still held it.
+            try:
+                clock.settle()
+            except Exception:
+                if not failed:  # a device error surfacing now: the call's result is not to be had
+                    raise
+                # else the call's own error is the one to tell (the device's is likely its echo)
             if self.throttle > 1:  # hold the worker, as a slower device would be held
-                time.sleep((self.throttle - 1) * (time.perf_counter() - start))
-            seconds = time.perf_counter() - start
+                time.sleep((self.throttle - 1) * (clock.now() - start))
+            seconds = clock.now() - start
             self.ema_seconds = (
                 seconds
                 if self.ema_seconds is None

@@ -18,8 +18,8 @@ from scheduler.store import JobStore
 from swarm.net import tls
 from swarm.net.certs import issue
 from swarm.net.tokens import add_port
-from swarm.rpc.server_options import SCHEDULER_LIMITS, grpc_server
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
+from swarm.rpc.server_options import SCHEDULER_LIMITS, grpc_server
 from tests.support.api import FakeControl
 from tests.support.jobs import write_job
 from tests.support.tls import HOSTS, load_identity, no_identity, pki

@@ -21,6 +21,7 @@ import torch
 from stage_server.cli import add_arguments, peer_limits
 from stage_server.limits import PeerLimits
 from stage_server.messages import Limits
+from stage_server.runtime import StageRuntime
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.errors import Busy, ConfigError
 from swarm.job.config import JobConfig
@@ -512,3 +513,57 @@ async def test_a_body_that_never_comes_gives_its_reservation_back(
         assert f"runtime.{setting}" in (await call.details() or ""), await call.details()
     finally:
         await running.stop()
+
+
+async def test_the_activation_cache_is_bounded_by_bytes_on_a_live_replica(tmp_path: Path) -> None:
+    # Issue 41: the cache was bounded by count only (64 by default): 64 microbatches' graphs of
+    # a large stage fill a GPU. The peer's --max-activation-cache-bytes bounds their bytes too,
+    # evicting the oldest as the count bound does (its Backward then needs its inputs).
+    job = make_job(tmp_path, training={"stages": 3})  # activation_cache 64
+    bound = 256 * 1024
+    opts = StageServerOptions(stage=1, limits=PeerLimits(max_activation_cache_bytes=bound))
+    running = await start_stage_server(job, opts)
+    try:
+        x = codec.encode(torch.randn(1, 16, 32, dtype=torch.float64), "inputs")
+        g = codec.encode(torch.ones(1, 16, 32, dtype=torch.float64), "grad_outputs")
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+
+            def mb(index: int) -> Any:
+                return {"job": fingerprint(job), "stage": 1, "microbatch": pb.MicrobatchId(
+                    step=0, index=index)}  # fmt: skip
+
+            for index in range(12):
+                (reply,) = await _call(
+                    stub.Forward, pb.StageForwardRequest(**mb(index), tensors=[x])
+                )
+                assert codec.decode(reply.tensors[0]).shape == (1, 16, 32)
+            cache = running.runtime._cache
+            assert len(cache) < 12, f"{len(cache)} microbatches cached within {bound} bytes"
+            assert len(cache) >= 1 and cache.bytes <= bound, (len(cache), cache.bytes)
+            # The newest is kept: its Backward needs no inputs; the oldest's does.
+            backward = pb.StageBackwardRequest(
+                **mb(11), tensors=[g], accumulate=False, need_grad_inputs=True
+            )
+            (reply,) = await _call(stub.Backward, backward)
+            assert codec.decode(reply.tensors[0]).shape == (1, 16, 32)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _call(stub.Backward, pb.StageBackwardRequest(**mb(0), tensors=[g]))
+            assert "send its inputs" in str(refused.value.details())
+    finally:
+        await running.stop()
+
+
+def test_a_microbatch_above_the_whole_byte_bound_is_not_kept_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One microbatch's activations above the peer's whole bound: none kept (its Backward
+    # recomputes from its inputs), and the operator is told which flag to raise.
+    job = make_job(tmp_path, training={"stages": 3})
+    runtime = StageRuntime(job, 1)
+    runtime.activation_cache_bytes = 1024
+    with caplog.at_level(logging.WARNING, logger="stage_server.activation_cache"):
+        runtime.forward(0, 0, torch.randn(1, 16, 32, dtype=torch.float64))
+    assert len(runtime._cache) == 0
+    (record,) = caplog.records
+    assert "--max-activation-cache-bytes 1024" in record.getMessage()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stage_server.cli import LIFECYCLE_LOGGERS
-from stage_server.measure import measure_job, measure_stage
+from stage_server.measure import device_model, measure_job, measure_stage
 from swarm.job.config import load_job
 from tests.support.hogs import busy
 from tests.support.jobs import make_job, write_job
@@ -106,3 +106,26 @@ def test_the_figures_say_they_are_shared_by_the_peers_of_the_machine(
     ]
     assert second == {k: v / 2.0 for k, v in first.items()}
     assert "stage_server.measure" in LIFECYCLE_LOGGERS  # shown at the default level
+
+
+def test_an_fp32_and_a_bf16_mixed_job_of_one_shape_are_measured_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 41: the cache key had no precision, so a bf16-mixed job read the figures an fp32 job
+    # of its shape had measured (bf16 runs at another speed, far from it on a GPU); nor a
+    # device model, so a peer of a machine whose GPU was swapped read the old card's figures.
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache" / "throughput.json"
+    model, training = {"n_layers": 2}, {"stages": 2, "dtype": "float32"}
+    fp32 = make_job(tmp_path, model=model, training=training)
+    bf16 = make_job(tmp_path, model=model, training=training | {"precision": "bf16-mixed"})
+    caplog.set_level(logging.INFO, logger="stage_server.measure")
+    measure_job(fp32, torch.device("cpu"))
+    measure_job(bf16, torch.device("cpu"))
+    said = [r.getMessage().split()[0] for r in caplog.records if r.name == "stage_server.measure"]
+    assert said == ["measured", "measured"], said
+    keys = [json.loads(k) for k in json.loads(cache.read_text())]
+    assert len(keys) == 4, keys  # two stages, each in both precisions
+    for key in keys:
+        assert torch.__version__ in key and device_model(torch.device("cpu")) in key, key
+    assert len([k for k in keys if "bf16-mixed" in k]) == 2, keys

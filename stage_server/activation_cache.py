@@ -1,0 +1,113 @@
+"""The activations a replica keeps between a microbatch's Forward and its Backward: its leaf input
+and its output with the graph, which holds every tensor the backward will need.
+
+Bounded two ways, both by dropping the oldest (whose Backward then recomputes from its inputs,
+as one that reached another replica does): by count, the job's `activation_cache` within the
+peer's `--max-activation-cache`; and by bytes, the peer's `--max-activation-cache-bytes`, since
+a count says nothing of a graph's size (64 microbatches of a large stage fill a GPU). A
+microbatch's bytes are those its graph saved, counted as the forward saves them (a
+`saved_tensors_hooks` that sees each saved tensor, storages counted once), plus its input and
+output; the stage's parameters are not counted (they are held anyway), their bf16 casts under
+autocast are (each microbatch's graph holds its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import torch
+
+from swarm.ops.rated import RatedLog
+
+__all__ = ["ActivationCache", "Footprint"]
+
+log = logging.getLogger(__name__)
+_rated = RatedLog(log, every_s=60.0)
+
+Key = tuple[int, int]  # (step, index)
+Entry = tuple[torch.Tensor, torch.Tensor]  # (leaf input, output with its graph)
+
+
+class Footprint:
+    """The bytes of the distinct storages a forward saved for its backward (`counting`)."""
+
+    def __init__(self) -> None:
+        self._storages: dict[int, int] = {}  # data pointer -> bytes
+
+    def add(self, t: torch.Tensor) -> None:
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return  # the stage's own (or a view of it: `w.t()`), held whether or not cached
+        storage = t.untyped_storage()
+        self._storages[storage.data_ptr()] = storage.nbytes()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._storages.values())
+
+
+class ActivationCache:
+    """`(step, index)` -> `(leaf input, output)`, oldest first, within its bounds (`keep`)."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[Key, tuple[Entry, int]] = OrderedDict()
+        self.bytes = 0  # the kept microbatches' footprints, summed
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[Footprint]:
+        """Count what the forward run inside saves for its backward."""
+        footprint = Footprint()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            footprint.add(t)
+            return t  # kept as autograd would keep it: nothing copied
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield footprint
+
+    def keep(
+        self, key: Key, x: torch.Tensor, out: torch.Tensor, footprint: Footprint, count: int,
+        max_bytes: int,
+    ) -> None:  # fmt: skip
+        """Keep `key`'s activations, then drop the oldest past `count` or `max_bytes`."""
+        footprint.add(x)
+        footprint.add(out)
+        nbytes = footprint.nbytes
+        self.pop(key)
+        self._entries[key] = ((x, out), nbytes)
+        self.bytes += nbytes
+        while self._entries and (len(self._entries) > count or self.bytes > max_bytes):
+            self.pop(next(iter(self._entries)))  # the oldest; its Backward will recompute
+        if nbytes > max_bytes:
+            _rated.warning(
+                "one-above-bound",
+                "one microbatch's activations take %d bytes, above --max-activation-cache-bytes "
+                "%d: none is kept, and every Backward recomputes its forward (raise the flag to "
+                "keep them)",
+                nbytes,
+                max_bytes,
+            )
+
+    def pop(self, key: Key, default: None = None) -> Entry | None:
+        """`key`'s activations, no longer kept (None if they are not)."""
+        held = self._entries.pop(key, None)
+        if held is None:
+            return default
+        self.bytes -= held[1]
+        return held[0]
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __delitem__(self, key: Key) -> None:
+        if self.pop(key) is None:
+            raise KeyError(key)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
