@@ -123,8 +123,12 @@ def _run(args: argparse.Namespace) -> None:
     from stage_server.agent import run_peer
     from stage_server.server import StageServerOptions, run_stage_server
     from swarm.job.config import load_job
+    from swarm.ops.doctor import preflight
 
     show_lifecycle()
+    # `swarm doctor`'s device checks, before anything is built: a device this machine lacks, or
+    # a torch without kernels for it, is named with its fix; and it becomes the current device.
+    preflight(args.device)
     opts = StageServerOptions(
         stage=args.stage if args.stage is not None else -1,
         host=args.host,

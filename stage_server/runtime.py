@@ -32,6 +32,7 @@ from swarm.job.config import JobConfig
 from swarm.job.rule import RuleKind, rule_of
 from swarm.model import stage_state
 from swarm.model.optim import build_optimizer, grad_sq_norm, update
+from swarm.ops.devices import apply_matmul_precision
 from swarm.model.transformer import (
     DTYPES,
     build_stage,
@@ -61,6 +62,7 @@ class StageRuntime:
         self.layers = list(partition(layer_costs(job.model), job.training.stages)[stage])
         self.is_first = stage == 0
         self.is_last = stage == job.training.stages - 1
+        apply_matmul_precision(job.training.tf32, self.device)
         self.module = build_stage(job, stage, self.device)
         self.checks = TensorChecks(job, stage, self.module, self.device)  # what it accepts
         self.params = list(self.module.parameters())
