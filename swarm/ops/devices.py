@@ -19,6 +19,7 @@ import torch
 from swarm.errors import SwarmError
 
 __all__ = [
+    "INSTALL_FIX",
     "DeviceFacts",
     "TorchFacts",
     "apply_matmul_precision",
@@ -47,6 +48,7 @@ class DeviceFacts(Protocol):
     def arch_list(self) -> list[str]: ...  # the build's kernels: sm_XY (binary), compute_XY (PTX)
     def free_total(self, index: int) -> tuple[int, int]: ...  # bytes free, bytes in all
     def host_free(self) -> int | None: ...  # MemAvailable (bytes); None where unknown
+    def select(self, index: int) -> None: ...  # make cuda:index the current CUDA device
 
 
 class TorchFacts:
@@ -83,6 +85,9 @@ class TorchFacts:
 
     def host_free(self) -> int | None:
         return host_available()
+
+    def select(self, index: int) -> None:
+        torch.cuda.set_device(index)
 
 
 def describe_devices(facts: DeviceFacts) -> str:
@@ -176,11 +181,11 @@ def missing_kernels(facts: DeviceFacts, index: int | None) -> str | None:
     )
 
 
-def use_device(device: torch.device) -> None:
+def use_device(device: torch.device, facts: DeviceFacts) -> None:
     """Make `device` this process's current CUDA device: what torch places on "cuda" without an
     index (a context, pinned host buffers, a synchronize) goes there, not to cuda:0."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        facts.select(device.index or 0)
 
 
 def apply_matmul_precision(tf32: bool, device: torch.device | str) -> None:

@@ -22,6 +22,7 @@ import torch
 from swarm.errors import SwarmError
 from swarm.flags import add_flag
 from swarm.ops.devices import (
+    INSTALL_FIX,
     DeviceFacts,
     TorchFacts,
     find_device,
@@ -53,8 +54,9 @@ def preflight(spec: str, facts: DeviceFacts | None = None) -> torch.device:
     """A stage server's start: `--device spec` exists here and the torch build runs on it (else a
     `SwarmError` naming the fix, before anything is built), and it becomes this process's current
     CUDA device, so that nothing lands on cuda:0 unasked."""
-    device = resolve_device(spec, facts or TorchFacts())
-    use_device(device)
+    facts = facts or TorchFacts()
+    device = resolve_device(spec, facts)
+    use_device(device, facts)
     return device
 
 
@@ -86,7 +88,12 @@ def _device_checks(spec: str, facts: DeviceFacts) -> tuple[list[Check], torch.de
     try:
         device = find_device(spec, facts)
     except SwarmError as e:
-        fix = "pass a --device this machine has (listed above), or fix what it says"
+        wants_gpu = spec.startswith("cuda")
+        fix = (
+            INSTALL_FIX
+            if wants_gpu and build is None
+            else "pass a --device this machine has (listed above)"
+        )
         return [*checks, Check("device", False, str(e), fix)], None
     if device.type != "cuda":
         return [*checks, Check("device", True, f"{device}")], device
