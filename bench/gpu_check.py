@@ -185,9 +185,11 @@ class Check:
         peaks = r["device_peak_bytes"]
         memory = (
             "device memory per server (max_memory_allocated) "
-            + ", ".join(f"{p / mib:.0f}" for p in peaks) + " MiB"
+            + ", ".join(f"{p / mib:.0f}" for p in peaks)
+            + " MiB"
             if all(p is not None for p in peaks)
-            else "peak RSS per server " + ", ".join(f"{p / mib:.0f}" for p in r["peak_rss_bytes"])
+            else "peak RSS per server "
+            + ", ".join(f"{p / mib:.0f}" for p in r["peak_rss_bytes"])
             + " MiB"
         )
         text = (
@@ -225,9 +227,11 @@ class Check:
         peaks = r.get("device_peak") or []
         memory = (
             "device memory per server (max_memory_allocated) "
-            + ", ".join(f"{p / gib:.2f}" for p in peaks) + " GiB"
+            + ", ".join(f"{p / gib:.2f}" for p in peaks)
+            + " GiB"
             if peaks and all(p is not None for p in peaks)
-            else "peak RSS per server " + ", ".join(f"{p / gib:.2f}" for p in r["peak_rss"])
+            else "peak RSS per server "
+            + ", ".join(f"{p / gib:.2f}" for p in r["peak_rss"])
             + " GiB"
         )
         mfu = r.get("mfu")
@@ -260,8 +264,14 @@ class Check:
         started = time.monotonic()
         with open(log, "w+", encoding="utf-8", errors="replace") as f:
             try:
-                proc = subprocess.Popen(part.command(), cwd=ROOT, env=env, stdout=f,
-                                        stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                proc = subprocess.Popen(
+                    part.command(),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # a timeout ends the part and all it started
+                )
                 try:
                     code = proc.wait(min(part.timeout_s, left))
                 except subprocess.TimeoutExpired:
@@ -273,7 +283,9 @@ class Check:
                 passed, part.figures = part.judge(code, output)
                 if code == -9:
                     passed = False
-                    part.figures = f"timed out after {min(part.timeout_s, left):.0f} s\n{tail(output)}"
+                    part.figures = (
+                        f"timed out after {min(part.timeout_s, left):.0f} s\n{tail(output)}"
+                    )
             except Exception as e:  # a judge that cannot read the output fails its part only
                 passed, part.figures = False, f"{type(e).__name__}: {e}"
         part.seconds = time.monotonic() - started

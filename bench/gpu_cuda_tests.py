@@ -36,9 +36,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # A failure in setup or teardown counts; a skip is decided in setup.
-    if report.when == "call" or report.outcome != "passed":
-        if _outcomes.get(report.nodeid) != "failed":
-            _outcomes[report.nodeid] = report.outcome
+    counts = report.when == "call" or report.outcome != "passed"
+    if counts and _outcomes.get(report.nodeid) != "failed":
+        _outcomes[report.nodeid] = report.outcome
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: Any) -> None:

@@ -170,9 +170,12 @@ def main() -> int:
         "failures": failures,
     }
     mib = 1 << 20
+    on_device = [p for p in peaks if p is not None]
     memory = (
-        ", ".join(f"s{i // REPLICAS}r{i % REPLICAS} {p / mib:.0f} MiB" for i, p in enumerate(peaks))
-        if all(p is not None for p in peaks)
+        ", ".join(
+            f"s{i // REPLICAS}r{i % REPLICAS} {p / mib:.0f} MiB" for i, p in enumerate(on_device)
+        )
+        if len(on_device) == len(peaks)
         else "not CUDA: peak RSS " + ", ".join(f"{p / mib:.0f} MiB" for p in rss)
     )
     print(

@@ -123,7 +123,7 @@ def _run(args: argparse.Namespace) -> None:
     from stage_server.agent import run_peer
     from stage_server.server import StageServerOptions, run_stage_server
     from swarm.job.config import load_job
-    from swarm.ops.doctor import preflight
+    from stage_server.doctor import preflight
 
     show_lifecycle()
     # `swarm doctor`'s device checks, before anything is built: a device this machine lacks, or

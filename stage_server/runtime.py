@@ -32,7 +32,6 @@ from swarm.job.config import JobConfig
 from swarm.job.rule import RuleKind, rule_of
 from swarm.model import stage_state
 from swarm.model.optim import build_optimizer, grad_sq_norm, update
-from swarm.ops.devices import apply_matmul_precision
 from swarm.model.transformer import (
     DTYPES,
     build_stage,
@@ -42,6 +41,7 @@ from swarm.model.transformer import (
     partition,
     precision,
 )
+from swarm.ops.devices import apply_matmul_precision
 
 __all__ = ["ROUNDS", "Receipt", "Served", "StageRuntime"]
 

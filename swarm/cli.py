@@ -47,7 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "generate": ("swarm.commands", "sample text from a trained model (a Hugging Face checkpoint)"),
     "doctor": (
-        "swarm.ops.doctor",
+        "stage_server.doctor",
         "check this machine before it serves: the device, the torch build's kernels for it, "
         "memory for a job's largest stage (--job), the broker and scheduler answering",
     ),

@@ -14,7 +14,7 @@ import torch
 
 from swarm.errors import SwarmError
 from swarm.ops.devices import apply_matmul_precision, missing_kernels, resolve_device
-from swarm.ops.doctor import preflight
+from stage_server.doctor import preflight
 from tests.support.devices import FakeFacts, Gpu
 from tests.support.jobs import write_job
 

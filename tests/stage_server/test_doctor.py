@@ -1,4 +1,4 @@
-"""`swarm doctor` (`swarm.ops.doctor`): every failure named with its fix, on made-up machines for
+"""`swarm doctor` (`stage_server.doctor`): every failure named with its fix, on made-up machines for
 the device facts, and for real for what it dials (a listening socket, a closed port) and for the
 command on this machine."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.ops.doctor import diagnose, stage_bytes
+from stage_server.doctor import diagnose, stage_bytes
 from tests.support.devices import FakeFacts, Gpu
 from tests.support.jobs import write_job
 from tests.support.ports import free_port
@@ -63,7 +63,9 @@ def test_no_kernels_for_this_gpu_is_named_with_the_fix(tmp_path: Path) -> None:
 
 def test_a_cpu_only_torch_asked_for_a_gpu() -> None:
     failed = _failed(diagnose("cuda:0", FakeFacts(cuda=None)))
-    assert failed == {"device": "install a CUDA build of torch (README, 'Installing on a GPU host')"}
+    assert failed == {
+        "device": "install a CUDA build of torch (README, 'Installing on a GPU host')"
+    }
 
 
 def test_broker_and_scheduler_answering_or_not() -> None:
