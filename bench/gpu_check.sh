@@ -38,9 +38,10 @@ for whl in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
 PYEOF
   )
   echo "installing ${#PICK[@]} carried wheels into $SITE"
+  export PIP_ROOT_USER_ACTION=ignore  # a container runs as root; older pips ignore it
   if [ "${#PICK[@]}" -eq 0 ]; then
     :
-  elif "$PY" -m pip --version >/dev/null 2>&1; then
+  elif [ -z "${GPU_CHECK_NO_PIP:-}" ] && "$PY" -m pip --version >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --disable-pip-version-check --target "$SITE" "${PICK[@]}" || echo "FAIL: pip install"
   else  # no pip: a wheel is a zip of what goes into site-packages (and *.data/purelib|platlib)

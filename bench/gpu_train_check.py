@@ -18,6 +18,7 @@ import asyncio
 import json
 import math
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -187,6 +188,8 @@ def main() -> int:
     )
     for failure in failures:
         print(f"FAIL: {failure}")
+    if not failures:
+        shutil.rmtree(work, ignore_errors=True)  # the logs of a failed run stay
     print("RESULT " + json.dumps(result), flush=True)
     return 1 if failures else 0
 

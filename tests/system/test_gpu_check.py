@@ -5,6 +5,7 @@ $OUT."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,21 +18,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "GPU_CHECK_WHEELS": ""}
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+           "GPU_CHECK_WHEELS": "", "TMPDIR": str(tmp_path)}  # fmt: skip
     done = subprocess.run(
         [str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu", "--quick"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=380,
     )  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    summary = (tmp_path / "gpu_check.txt").read_text()
+    summary = (tmp_path / "out" / "gpu_check.txt").read_text()
     assert "6 of 6 parts passed" in summary, summary
     for part in ("environment", "doctor", "CUDA tests", "train fp32", "train bf16-mixed",
                  "llama-1b"):  # fmt: skip
         assert f"PASS    {part} (" in summary, summary
-    assert "5 skipped (no GPU asked: --device cpu)" in summary or "skipped" in summary
+    # the tests that need CUDA: skipped here (no GPU asked), none failed
+    assert re.search(r"CUDA tests \(\d+ s\): (\d+ passed, )?\d+ skipped \(no GPU", summary), summary
     assert "against the CPU reference: loss" in summary and "tokens/s" in summary
-    assert (tmp_path / "gpu_check_logs" / "train-fp32.log").exists()
+    assert (tmp_path / "out" / "gpu_check_logs" / "train-fp32.log").exists()
 
 
 def test_a_device_that_is_not_one_is_refused_at_once(tmp_path: Path) -> None:
