@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from stage_server.doctor import preflight
 from swarm.errors import SwarmError
 from swarm.ops.devices import apply_matmul_precision, missing_kernels, resolve_device
-from stage_server.doctor import preflight
 from tests.support.devices import FakeFacts, Gpu
 from tests.support.jobs import write_job
 
