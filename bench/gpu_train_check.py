@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import math
-import re
 import shutil
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from client.standalone import train_standalone  # noqa: E402
 from swarm.job.config import load_job  # noqa: E402
 from swarm.local.procs import SwarmProcess, start_process, stop_all  # noqa: E402
 from swarm.model.reference import train_local  # noqa: E402
+from swarm.ops.devices import read_peak  # noqa: E402
 from swarm.ops.progress import StepRecord  # noqa: E402
 from swarm.rpc.lease import Replica  # noqa: E402
 
@@ -44,7 +44,6 @@ PARAM_TOLERANCE = 1e-5  # fp32: relative, on every trained tensor
 # A llama (what GPU users train) big enough that a GPU's kernels differ from a CPU's.
 FULL = {"d_model": 128, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "seq_len": 128}
 QUICK = {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "seq_len": 16}
-PEAK = re.compile(r"device (\S+): at most (\d+) B allocated")
 
 JOB = """name = "gpu-check-{precision}"
 [model]
@@ -85,8 +84,7 @@ def tensor_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def device_peak(server: SwarmProcess) -> int | None:
     """The peak device bytes a stopped stage server logged (None off CUDA)."""
-    found = PEAK.findall(server.log())
-    return int(found[-1][1]) if found else None
+    return read_peak(server.log())
 
 
 def main() -> int:

@@ -27,7 +27,9 @@ __all__ = [
     "find_device",
     "host_available",
     "missing_kernels",
+    "peak_line",
     "peak_memory",
+    "read_peak",
     "resolve_device",
     "use_device",
 ]
@@ -212,11 +214,24 @@ def peak_memory(device: torch.device) -> str | None:
     if device.type != "cuda" or not torch.cuda.is_initialized():
         return None
     allocated = torch.cuda.max_memory_allocated(device)
-    reserved = torch.cuda.max_memory_reserved(device)
+    return peak_line(device, allocated, torch.cuda.max_memory_reserved(device))
+
+
+def peak_line(device: torch.device | str, allocated: int, reserved: int) -> str:
+    """`peak_memory`'s line, which `read_peak` reads back."""
     return (
         f"device {device}: at most {allocated} B allocated (max_memory_allocated), "
         f"{reserved} B reserved"
     )
+
+
+_PEAK = re.compile(r"device \S+: at most (\d+) B allocated \(max_memory_allocated\)")
+
+
+def read_peak(log: str) -> int | None:
+    """The bytes the last `peak_memory` line in a process's log says it allocated at most."""
+    found = _PEAK.findall(log)
+    return int(found[-1]) if found else None
 
 
 def host_available() -> int | None:

@@ -14,7 +14,14 @@ import torch
 
 from stage_server.doctor import preflight
 from swarm.errors import SwarmError
-from swarm.ops.devices import apply_matmul_precision, missing_kernels, resolve_device
+from swarm.ops.devices import (
+    apply_matmul_precision,
+    missing_kernels,
+    peak_line,
+    peak_memory,
+    read_peak,
+    resolve_device,
+)
 from tests.support.devices import FakeFacts, Gpu
 from tests.support.jobs import write_job
 
@@ -84,6 +91,14 @@ def test_kernels_for_an_architecture(
 ) -> None:
     facts = FakeFacts(gpus=[Gpu(capability=capability)], arches=arches)
     assert (missing_kernels(facts, 0) is None) == runs
+
+
+def test_the_peak_memory_line_reads_back() -> None:
+    """What a stage server logs as it stops on a GPU is what the benchmarks read."""
+    log = "ready\n" + peak_line("cuda:1", 123456789, 234567890) + "\nbye\n"
+    assert read_peak(log) == 123456789
+    assert read_peak("no such line") is None
+    assert peak_memory(torch.device("cpu")) is None
 
 
 def test_tf32_changes_nothing_on_a_cpu() -> None:
