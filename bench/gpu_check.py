@@ -217,8 +217,9 @@ class Check:
         return cmd + (["--peak-tflops", str(peak)] if peak else [])
 
     def _judge_llama(self, code: int, output: str) -> tuple[bool, str]:
-        start = output.find("\n{") + 1 if not output.startswith("{") else 0
-        end = output.find("\n}", start) + 2
+        # --json's object, indented: the last line "{" to the last line "}"
+        start = 0 if output.startswith("{\n") else output.rfind("\n{\n") + 1
+        end = output.rfind("\n}") + 2
         try:
             r = json.loads(output[start:end])
         except ValueError:

@@ -6,7 +6,8 @@
 # 1. Installs the wheels carried in .whl/ (bench/gpu_wheels.sh downloads them on a machine with
 #    an index) into a fresh directory put first on PYTHONPATH: those the host lacks, and always
 #    grpcio, grpcio-health-checking and protobuf (the generated swarm/proto code demands its
-#    protobuf) and pytest with its plugins (the suite's configuration needs pytest-asyncio).
+#    protobuf), pytest with its plugins (the suite's configuration needs pytest-asyncio), and
+#    what only amqtt uses.
 #    Never torch: the host's is the one under test. GPU_CHECK_WHEELS= (empty) skips this.
 # 2. Runs bench/gpu_check.py: versions, swarm doctor, the CUDA tests, 2 stages x 2 replicas in
 #    float32 and bf16-mixed against the CPU reference, the 1B example's tokens/s and MFU. Each
@@ -24,7 +25,8 @@ if [ -n "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   mapfile -t PICK < <("$PY" - "$WHEELS" <<'PYEOF'
 import importlib.metadata as md, pathlib, sys
 always = {"grpcio", "grpcio_health_checking", "protobuf", "pytest", "pluggy", "iniconfig",
-          "pytest_asyncio", "pytest_timeout"}
+          "pytest_asyncio", "pytest_timeout",
+          "websockets", "dacite", "transitions"}  # amqtt's, at the versions it was tested with
 for whl in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
     name, version = whl.name.split("-")[:2]
     key = name.lower().replace("-", "_").replace(".", "_")

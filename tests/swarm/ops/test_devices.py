@@ -101,18 +101,26 @@ def test_the_peak_memory_line_reads_back() -> None:
     assert peak_memory(torch.device("cpu")) is None
 
 
+def _tf32() -> object:
+    """torch's float32 matmul setting, by whichever API this torch has."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return matmul.fp32_precision == "tf32"
+    return matmul.allow_tf32
+
+
 def test_tf32_changes_nothing_on_a_cpu() -> None:
-    before = torch.backends.cuda.matmul.fp32_precision
+    before = _tf32()
     apply_matmul_precision(True, "cpu")
-    assert torch.backends.cuda.matmul.fp32_precision == before
+    assert _tf32() == before
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tf32_on_cuda_is_the_jobs_choice() -> None:
     apply_matmul_precision(True, "cuda:0")
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert _tf32() is True
     apply_matmul_precision(False, "cuda:0")
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert _tf32() is False
 
 
 # (Its reason names no GPU API: bench/gpu_cuda_tests.py runs the tests whose skip names it.)
