@@ -139,3 +139,17 @@ def test_stage_server_asked_for_a_gpu_this_machine_lacks(tmp_path: Path) -> None
     assert "CPU-only build: install a CUDA build of torch" in done.stderr
     assert "this machine has: cpu" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="where torch has a GPU, it trains")
+@pytest.mark.timeout(120)
+def test_swarm_local_asked_for_a_gpu_this_machine_lacks(tmp_path: Path) -> None:
+    """The reference checks its device as a stage server does."""
+    job = write_job(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", "local", str(job), "--device", "cuda:0"],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "swarm local: error: --device cuda:0: CUDA is not available" in done.stderr
+    assert "this machine has: cpu" in done.stderr
