@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.*
+# The index torch comes from (empty: pip's own, as CI configures it): a GPU host names PyTorch's
+# for its CUDA, e.g. `make install TORCH_INDEX=https://download.pytorch.org/whl/cu128`.
+TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
 .PHONY: install mosquitto prometheus demo test test-fast check protos bench clean
@@ -24,7 +27,7 @@ prometheus:
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 

@@ -2,6 +2,7 @@
 does it fit, and what each server's peak RSS is against the state it holds.
 
     .venv/bin/python bench/llama_1b.py [--steps 3] [--device cuda:0] [--peak-tflops 989] [--json]
+        [--precision bf16-mixed] [--microbatch-size 4 --batch 16] [--checkpoint-every 0] [--tiny]
 
 Starts the 4 stage servers (`swarm stage-server --job J --stage k`, the standalone path, one
 torch thread each on a CPU), trains `--steps` steps with the standalone trainer in this process,
@@ -9,7 +10,10 @@ which writes the job's checkpoints (`checkpoint_every`, under `--dir`), and prin
 parameters, state (16 B a parameter: float32 weights, gradient sums, AdamW's two moments), peak
 RSS (VmHWM) and their ratio, the trainer's largest RSS while it trained (checkpoints included),
 the checkpoints written, and the run's tokens/s and model FLOP/s (6 x parameters x tokens; MFU
-against `--peak-tflops`, the device's dense peak, when given).
+against `--peak-tflops`, the device's dense peak, when given). On CUDA each server's device
+memory too: its `max_memory_allocated`, which a stage server logs as it stops (the state lives
+on the GPU; the host RSS is then the process's, not the model's). `--tiny` shrinks the model to
+a few layers of width 64, so that CI runs this on a CPU (bench/gpu_check.sh --quick).
 While it runs it watches the machine's MemAvailable: below `--min-free-gib` it stops every
 server and says so (a size that does not fit ends as a report, not as the OOM killer's pick).
 """
@@ -20,6 +24,7 @@ import _thread
 import argparse
 import asyncio
 import json
+import re
 import sys
 import tempfile
 import threading
@@ -31,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bulk import GiB, peak_rss  # noqa: E402
+from bench.gpu_train_check import device_peak  # noqa: E402
 from client.standalone import train_standalone  # noqa: E402
 from swarm.job.config import load_job  # noqa: E402
 from swarm.local.procs import SwarmProcess, start_process  # noqa: E402
@@ -94,6 +100,12 @@ def main() -> None:
     parser.add_argument("--min-free-gib", type=float, default=1.0)
     parser.add_argument("--dir", default=None, help="where the checkpoints go (a temp directory)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"), default=None,
+                        help="training.precision (default: the example's, fp32)")  # fmt: skip
+    parser.add_argument("--microbatch-size", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="training.target_batch_size")
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="0: no checkpoints")
+    parser.add_argument("--tiny", action="store_true", help="a small model of the same kind")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swarm-llama-1b-", dir=args.dir))
     ckpt = work / "checkpoints"
@@ -101,6 +113,7 @@ def main() -> None:
         'path = "data/corpus.txt"', f'path = "{JOB.parent}/data/corpus.txt"'
     )
     text = text.replace("steps = 3\n", f"steps = {args.steps}\n")
+    text = _override(text, args)
     job_path = work / "llama-1b.toml"
     job_path.write_text(text)
     job = load_job(job_path)
@@ -140,6 +153,7 @@ def main() -> None:
             watch.stop()
         for s in servers:
             s.stop()
+    device_peaks = [device_peak(s) for s in servers]  # logged as each stopped; None off CUDA
     written = checkpoint.sealed(ckpt)
     files = sorted(ckpt.glob("step-*/stage-*"))
     tokens = sum(r.tokens for r in records[1:])  # the first step warms up
@@ -148,6 +162,7 @@ def main() -> None:
     out: dict[str, Any] = {
         "params": params,
         "peak_rss": peaks,
+        "device_peak": device_peaks,
         "lowest_available": watch.lowest if watch else 0,
         "trainer_rss": watch.trainer_rss if watch else 0,
         "checkpoints": written,
@@ -159,6 +174,8 @@ def main() -> None:
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "model_tflops": flops / 1e12,
         "mfu": flops / (args.peak_tflops * 1e12) if args.peak_tflops else None,
+        "precision": job.training.precision,
+        "batch": [job.training.microbatch_size, job.training.target_batch_size],
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -169,12 +186,13 @@ def main() -> None:
         f"{out['train_seconds']:.0f} s"
     )
     print()
-    print("| stage | parameters | state GB | peak RSS GiB | peak/state |")
-    print("|---|---:|---:|---:|---:|")
+    print("| stage | parameters | state GB | peak RSS GiB | peak/state | device peak GiB |")
+    print("|---|---:|---:|---:|---:|---:|")
     for k, (n, peak) in enumerate(zip(params, peaks, strict=True)):
+        dev = device_peaks[k]
         print(
             f"| {k} | {n / 1e6:.0f}M | {16 * n / 1e9:.2f} | {peak / GiB:.2f} | "
-            f"{peak / (16 * n):.2f} |"
+            f"{(dev or peak) / (16 * n):.2f} | {'-' if dev is None else f'{dev / GiB:.2f}'} |"
         )
     print(
         f"\nall servers: {sum(peaks) / GiB:.2f} GiB at their peaks; the machine's lowest "
@@ -191,6 +209,28 @@ def main() -> None:
         f"{out['model_tflops']:.3f} model TFLOP/s"
         + (f", MFU {out['mfu']:.3f}" if out["mfu"] else "")
     )
+
+
+TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "mlp_hidden": 128, "seq_len": 32}
+
+
+def _override(text: str, args: argparse.Namespace) -> str:
+    """The example's job text with the flags' keys in place of its own."""
+    keys: dict[str, object] = dict(TINY) if args.tiny else {}
+    if args.precision:
+        keys["precision"] = f'"{args.precision}"'
+    for key, value in (
+        ("microbatch_size", args.microbatch_size),
+        ("target_batch_size", args.batch),
+        ("checkpoint_every", args.checkpoint_every),
+    ):
+        if value is not None:
+            keys[key] = value
+    for key, value in keys.items():
+        text, n = re.subn(rf"(?m)^{key} = [^#\n]*", f"{key} = {value} ", text)
+        if n != 1:
+            raise SystemExit(f"examples/llama-1b.toml has no single {key} to override")
+    return text
 
 
 if __name__ == "__main__":

@@ -123,10 +123,14 @@ def run(command: str, args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> None:
     # Imported here: `swarm stage-server --help` needs only the flags, not torch and gRPC.
     from stage_server.agent import run_peer
+    from stage_server.doctor import preflight
     from stage_server.server import StageServerOptions, run_stage_server
     from swarm.job.config import load_job
 
     show_lifecycle()
+    # `swarm doctor`'s device checks, before anything is built: a device this machine lacks, or
+    # a torch without kernels for it, is named with its fix; and it becomes the current device.
+    preflight(args.device)
     opts = StageServerOptions(
         stage=args.stage if args.stage is not None else -1,
         host=args.host,

@@ -45,6 +45,7 @@ from swarm.model.transformer import (
     partition,
     precision,
 )
+from swarm.ops.devices import apply_matmul_precision
 from swarm.ops.faults import Point, due
 
 __all__ = ["ROUNDS", "Receipt", "Served", "StageRuntime"]
@@ -66,6 +67,7 @@ class StageRuntime:
         self.layers = list(partition(layer_costs(job.model), job.training.stages)[stage])
         self.is_first = stage == 0
         self.is_last = stage == job.training.stages - 1
+        apply_matmul_precision(job.training.tf32, self.device)
         self.module = build_stage(job, stage, self.device)
         self.checks = TensorChecks(job, stage, self.module, self.device)  # what it accepts
         self.params = list(self.module.parameters())

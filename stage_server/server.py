@@ -25,6 +25,7 @@ from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net.addresses import announced_host, host_port
 from swarm.net.tokens import add_port
+from swarm.ops.devices import peak_memory
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
@@ -215,4 +216,7 @@ async def run_stage_server(job: JobConfig, opts: StageServerOptions, throttle: f
         opts.shutdown_grace_s,
     )
     await running.stop()
+    peak = peak_memory(rt.device)  # what it took of the GPU: read by bench/gpu_check.sh
+    if peak:
+        log.info("stage %d: %s", opts.stage, peak)
     sys.stdout.flush()

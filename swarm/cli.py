@@ -50,6 +50,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "make the swarm's CA (certs init) and a host's certificate (certs issue NAME --host H)",
     ),
     "generate": ("swarm.commands", "sample text from a trained model (a Hugging Face checkpoint)"),
+    "doctor": (
+        "stage_server.doctor",
+        "check this machine before it serves: the device, the torch build's kernels for it, "
+        "memory for a job's largest stage (--job), the broker and scheduler answering",
+    ),
     "submit": ("client.cli", "submit a job file to the scheduler; prints the job id"),
     "status": ("client.cli", "show a job's state, progress and replicas per stage"),
     "jobs": ("client.cli", "list the scheduler's jobs, newest first"),

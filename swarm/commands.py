@@ -172,8 +172,11 @@ def _local(args: argparse.Namespace) -> int:
     from swarm.job.config import load_job
     from swarm.model.local_steps import simulates_replicas
     from swarm.model.reference import train_local
+    from swarm.ops.devices import TorchFacts, resolve_device, use_device
     from swarm.ops.progress import StepLog
 
+    facts = TorchFacts()  # the device checked first, as a stage server's: a clear error, no cuda:0
+    use_device(device := resolve_device(args.device, facts), facts)
     job = load_job(args.job_file)
     local_steps = simulates_replicas(job)
     if not local_steps and (args.replicas is not None or args.routes is not None):
@@ -191,10 +194,10 @@ def _local(args: argparse.Namespace) -> int:
 
             routes = read_routes(args.routes) if args.routes is not None else None
             model = train_replicas(
-                job, args.device, replicas=args.replicas, routes=routes, on_step=steps
+                job, device, replicas=args.replicas, routes=routes, on_step=steps
             )
         else:
-            model = train_local(job, args.device, on_step=steps)
+            model = train_local(job, device, on_step=steps)
     if args.out:
         state = {k: v.cpu() for k, v in model.state_dict().items()}
         if args.format == "hf":

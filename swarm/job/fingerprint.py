@@ -72,6 +72,7 @@ _LATER_KEYS = (
     ("training", "grad_clip"),
     ("training", "precision"),
     ("training", "delayed_update"),
+    ("training", "tf32"),
     ("optimizer", "schedule"),
     ("optimizer", "warmup_steps"),
     ("optimizer", "min_lr"),

@@ -188,6 +188,9 @@ class TrainingConfig(Section):
     #: one step of staleness: step t computes on the parameters before step t-1's update, so
     #: each step's averaging and update overlap the next step's microbatches (docs/jobs.md)
     delayed_update: bool = False
+    #: float32 matmuls on a GPU's TF32 tensor cores (faster; about 10 mantissa bits, so no
+    #: longer exact against a float32 reference); false: IEEE float32. Changes nothing on a CPU
+    tf32: bool = False
 
     @property
     def microbatches_per_step(self) -> int:

@@ -31,8 +31,14 @@ _CLIP_EPS = 1e-6
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
 ) -> torch.optim.Optimizer:
-    # foreach=False: the multi-tensor kernels group parameters differently from the per-tensor
-    # path; one code path everywhere keeps replicas and the reference in agreement.
+    """The job's optimizer over `params`. On a CPU the per-tensor path (foreach=False): the
+    multi-tensor kernels group parameters differently, and one code path keeps CPU replicas and
+    the reference bitwise in agreement. On CUDA, AdamW runs fused (one kernel for all of a
+    stage's parameters, not a dozen launches per tensor): every CUDA replica of a stage runs the
+    same kernel, so they agree bitwise with each other, and with the CPU reference to float32
+    rounding (the device check compares them: bench/gpu_check.sh)."""
+    params = list(params)
+    fused = cfg.kind == "adamw" and _all_cuda(params)
     if cfg.kind == "adamw":
         return torch.optim.AdamW(
             params,
@@ -41,10 +47,16 @@ def build_optimizer(
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
             foreach=False,
+            fused=fused or None,
         )
     return torch.optim.SGD(
         params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False
     )
+
+
+def _all_cuda(params: Sequence[torch.Tensor]) -> bool:
+    """Whether fused AdamW takes `params`: all floating-point, all on CUDA devices."""
+    return bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
 
 
 def lr_at(cfg: OptimizerConfig, step: int, steps: int) -> float:
@@ -86,13 +98,16 @@ NORM_PIECE = 1 << 20
 def grad_sq_norm(grads: Iterable[torch.Tensor]) -> float:
     """The squared L2 norm of a stage's gradient, summed tensor by tensor in parameter order (in
     float64, whatever the training dtype; a tensor over NORM_PIECE elements piece by piece), as
-    every replica and the reference compute it."""
-    total = 0.0
+    every replica and the reference compute it. The running total stays on the gradients'
+    device and is read once at the end: on a GPU one synchronization, not one per piece (the
+    same float64 additions in the same order as adding Python floats, so the same result)."""
+    total: torch.Tensor | None = None
     for g in grads:
         flat = g.detach().reshape(-1)
         for start in range(0, max(flat.numel(), 1), NORM_PIECE):
-            total += float(flat[start : start + NORM_PIECE].double().square().sum())
-    return total
+            piece = flat[start : start + NORM_PIECE].double().square().sum()
+            total = piece if total is None else total + piece
+    return 0.0 if total is None else float(total)
 
 
 def clip_scale(stage_sq_norms: Sequence[float], max_norm: float) -> float:

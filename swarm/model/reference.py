@@ -22,6 +22,7 @@ from swarm.model.transformer import (
     partition,
     precision,
 )
+from swarm.ops.devices import apply_matmul_precision
 from swarm.ops.progress import StepRecord
 
 __all__ = ["evaluate", "train_local"]
@@ -33,6 +34,7 @@ def train_local(
     steps: int | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
 ) -> StageModule:
+    apply_matmul_precision(job.training.tf32, device)
     model = build_model(job, device)
     optimizer = build_optimizer(model.parameters(), job.optimizer)
     data = make_data(job)

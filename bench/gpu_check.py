@@ -1,0 +1,360 @@
+"""The device check's parts, each its own process (bench/gpu_check.sh installs the carried wheels
+and runs this): one that fails or hangs is reported and the next still runs.
+
+    python bench/gpu_check.py [--device cuda:0|cpu] [--quick] [--budget-s 330]
+
+1. environment: the versions this runs with, and nvidia-smi's line for the GPU;
+2. doctor: `swarm doctor --device D --job examples/llama-1b.toml` (the 1B example's largest stage
+   against free device and host memory);
+3. CUDA tests: the tests that need CUDA (bench/gpu_cuda_tests.py picks them), on the device;
+4. train fp32 / 5. train bf16-mixed: 2 stages x 2 replicas against the CPU reference
+   (bench/gpu_train_check.py), tokens/s and device memory per process;
+6. llama-1b: the 1B example (bench/llama_1b.py) in bf16-mixed: tokens/s, MFU, device memory.
+
+Every part prints PASS or FAIL with its figures; the summary goes to $OUT/gpu_check.txt when OUT
+is set (rewritten after each part, so a run cut short still leaves what it found), with each
+part's log beside it. Exit status 1 when a part failed. Only the standard library here: this
+process touches no GPU and survives a broken torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+LOG_BYTES = 200_000  # of each part's log kept under $OUT
+
+# Dense bfloat16 tensor-core peaks (TFLOP/s, no sparsity), for the 1B example's MFU: the first
+# name found in the GPU's name wins, so the specific ones come first.
+BF16_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("GH200", 989.4),
+    ("H200", 989.4),
+    ("H100", 989.4),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("RTX 5090", 209.5),
+    ("RTX 4090", 165.2),
+)
+
+ENVIRONMENT = r"""
+import json, platform, sys
+out = {"python": platform.python_version()}
+import torch
+out["torch"] = torch.__version__
+out["cuda"] = torch.version.cuda
+out["cuda_available"] = torch.cuda.is_available()
+if torch.cuda.is_available():
+    out["cudnn"] = torch.backends.cudnn.version()
+    out["arch_list"] = torch.cuda.get_arch_list()
+    i = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] else 0
+    if i < torch.cuda.device_count():
+        out["gpu"] = torch.cuda.get_device_name(i)
+        out["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(i)
+import numpy, grpc, google.protobuf
+out["numpy"], out["grpcio"] = numpy.__version__, grpc.__version__
+out["protobuf"] = google.protobuf.__version__
+for name in ("aiomqtt", "amqtt", "grpc_health.v1.health", "cryptography", "pytest_asyncio"):
+    __import__(name)
+import swarm.proto.stage_pb2  # the generated code's protobuf check
+print("RESULT " + json.dumps(out))
+"""
+
+
+@dataclass
+class Part:
+    name: str
+    timeout_s: float
+    command: Callable[[], list[str]]
+    judge: Callable[[int, str], tuple[bool, str]]  # (exit status, output) -> (passed, figures)
+    env: dict[str, str] = field(default_factory=dict)
+    status: str = "not run"
+    figures: str = ""
+    seconds: float = 0.0
+
+
+def result(output: str) -> dict[str, Any] | None:
+    """The last `RESULT {json}` line of a part's output."""
+    found = re.findall(r"(?m)^RESULT (\{.*\})$", output)
+    return json.loads(found[-1]) if found else None
+
+
+def tail(output: str, lines: int = 15) -> str:
+    return "\n".join("    " + x for x in output.strip().splitlines()[-lines:])
+
+
+class Check:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.device = args, args.device
+        self.cuda = args.device.startswith("cuda")
+        self.index = (args.device.partition(":")[2] or "0") if self.cuda else ""
+        self.work = Path(tempfile.mkdtemp(prefix="swarm-gpu-check-"))
+        self.out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+        self.env: dict[str, Any] = {}
+        self.header = ""
+        self.parts = self._parts()
+
+    # --- the parts ---------------------------------------------------------------------------
+
+    def _parts(self) -> list[Part]:
+        quick, dev = self.args.quick, self.device
+        steps = ["--quick", "--steps", "3"] if quick else ["--steps", "20"]
+        train = [PY, str(ROOT / "bench" / "gpu_train_check.py"), "--device", dev, *steps]
+        return [
+            Part("environment", 60, lambda: [PY, "-c", ENVIRONMENT, self.index], self._judge_env),
+            Part("doctor", 90, self._doctor, self._judge_doctor),
+            Part("CUDA tests", 150, self._tests, self._judge_tests,
+                 env={"GPU_CHECK_TESTS_JSON": str(self.work / "tests.json"),
+                      **({"CUDA_VISIBLE_DEVICES": self.index} if self.cuda else {})}),
+            Part("train fp32", 240, lambda: [*train, "--precision", "fp32"], self._judge_train),
+            Part("train bf16-mixed", 240, lambda: [*train, "--precision", "bf16-mixed"],
+                 self._judge_train),
+            Part("llama-1b", 300, self._llama, self._judge_llama),
+        ]  # fmt: skip
+
+    def _judge_env(self, code: int, output: str) -> tuple[bool, str]:
+        self.env = result(output) or {}
+        if code or not self.env:
+            return False, f"the imports failed:\n{tail(output)}"
+        e = self.env
+        text = (
+            f"python {e['python']}, torch {e['torch']} (CUDA {e['cuda']}, cuDNN "
+            f"{e.get('cudnn')}), numpy {e['numpy']}, grpcio {e['grpcio']}, protobuf "
+            f"{e['protobuf']}; GPU {e.get('gpu', '-')} {e.get('capability', '')}"
+        )
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            query = "name,driver_version,memory.total,memory.used,power.limit"
+            line = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+            text += "\n    nvidia-smi: " + "\n    nvidia-smi: ".join(line.strip().splitlines())
+        elif self.cuda:
+            text += "\n    nvidia-smi: not found"
+        ok = not self.cuda or bool(e.get("gpu"))
+        return ok, text if ok else f"{text}; torch sees no {self.device}"
+
+    def _doctor(self) -> list[str]:
+        job = ROOT / "examples" / "llama-1b.toml"
+        return [PY, "-m", "swarm.cli", "doctor", "--device", self.device, "--job", str(job)]
+
+    def _judge_doctor(self, code: int, output: str) -> tuple[bool, str]:
+        return code == 0, "\n".join("    " + x for x in output.strip().splitlines())
+
+    def _tests(self) -> list[str]:
+        files = sorted(
+            str(p.relative_to(ROOT))
+            for p in (ROOT / "tests").rglob("test_*.py")
+            if "cuda" in p.read_text(encoding="utf-8", errors="replace").lower()
+        )
+        return [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.gpu_cuda_tests",
+                "-rs", "--timeout", "120", *files]  # fmt: skip
+
+    def _judge_tests(self, code: int, output: str) -> tuple[bool, str]:
+        path = self.work / "tests.json"
+        outcomes: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+        counts = {k: sum(1 for v in outcomes.values() if v == k) for k in set(outcomes.values())}
+        text = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests ran"
+        failed = [n for n, v in outcomes.items() if v == "failed"]
+        skipped = [n for n, v in outcomes.items() if v == "skipped"]
+        if failed or not outcomes or code not in (0, 5):
+            return False, f"{text}; failed: {failed}\n{tail(output, 40)}"
+        if self.cuda and skipped:
+            return False, f"{text}: skipped on a GPU host: {skipped}\n{tail(output)}"
+        return True, text + ("" if self.cuda else " (no GPU asked: --device cpu)")
+
+    def _judge_train(self, code: int, output: str) -> tuple[bool, str]:
+        r = result(output)
+        if r is None:
+            return False, f"no result (exit {code}):\n{tail(output, 30)}"
+        mib = 1 << 20
+        peaks = r["device_peak_bytes"]
+        memory = (
+            "device memory per server (max_memory_allocated) "
+            + ", ".join(f"{p / mib:.0f}" for p in peaks)
+            + " MiB"
+            if all(p is not None for p in peaks)
+            else "peak RSS per server "
+            + ", ".join(f"{p / mib:.0f}" for p in r["peak_rss_bytes"])
+            + " MiB"
+        )
+        text = (
+            f"{r['steps']} steps, loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}; against the "
+            f"CPU reference: loss {r['loss_rel_err']:.2e}, parameters {r['param_rel_err']:.2e} "
+            f"({r['param_worst']}); {r['tokens_per_s']:.0f} tokens/s; {memory}"
+        )
+        if self.cuda and not all(p is not None for p in peaks):
+            r["failures"].append("a server logged no device memory: did it run on the GPU?")
+        if code or r["failures"]:
+            return False, text + "\n    " + "\n    ".join(r["failures"] or [f"exit {code}"])
+        return True, text
+
+    def _peak_tflops(self) -> float:
+        gpu = str(self.env.get("gpu", ""))
+        return next((peak for name, peak in BF16_PEAK_TFLOPS if name in gpu), 0.0)
+
+    def _llama(self) -> list[str]:
+        cmd = [PY, str(ROOT / "bench" / "llama_1b.py"), "--device", self.device, "--json",
+               "--precision", "bf16-mixed", "--checkpoint-every", "0"]  # fmt: skip
+        if self.args.quick:
+            return [*cmd, "--tiny", "--steps", "2", "--microbatch-size", "2", "--batch", "4"]
+        peak = self._peak_tflops()
+        cmd += ["--steps", "6", "--microbatch-size", "4", "--batch", "16"]
+        return cmd + (["--peak-tflops", str(peak)] if peak else [])
+
+    def _judge_llama(self, code: int, output: str) -> tuple[bool, str]:
+        # --json's object, indented: the last line "{" to the last line "}"
+        start = 0 if output.startswith("{\n") else output.rfind("\n{\n") + 1
+        end = output.rfind("\n}") + 2
+        try:
+            r = json.loads(output[start:end])
+        except ValueError:
+            return False, f"no result (exit {code}):\n{tail(output, 30)}"
+        gib = 1 << 30
+        peaks = r.get("device_peak") or []
+        memory = (
+            "device memory per server (max_memory_allocated) "
+            + ", ".join(f"{p / gib:.2f}" for p in peaks)
+            + " GiB"
+            if peaks and all(p is not None for p in peaks)
+            else "peak RSS per server "
+            + ", ".join(f"{p / gib:.2f}" for p in r["peak_rss"])
+            + " GiB"
+        )
+        mfu = r.get("mfu")
+        peak = self._peak_tflops()
+        mfu_text = (
+            f"MFU {100 * mfu:.2f}% of {peak:.0f} TFLOP/s (dense bf16, {self.env.get('gpu')})"
+            if mfu
+            else "MFU: no peak known for this device"
+        )
+        text = (
+            f"{sum(r['params']) / 1e9:.3f}B parameters, bf16-mixed, microbatch x batch "
+            f"{r['batch']}, {len(r['losses'])} steps (servers ready in {r['start_seconds']:.0f} s):"
+            f" losses {[round(x, 3) for x in r['losses']]}; {r['tokens_per_s']:.0f} tokens/s, "
+            f"{r['model_tflops']:.2f} model TFLOP/s, {mfu_text}; {memory}"
+        )
+        losses = r["losses"]
+        if code or not losses or any(x != x for x in losses):  # NaN != NaN
+            return False, f"{text}\n{tail(output)}"
+        return True, text
+
+    # --- running -----------------------------------------------------------------------------
+
+    def run_part(self, part: Part, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left < 5:
+            part.status, part.figures = "FAIL", "not run: the check's time budget is spent"
+            return
+        log = self.work / f"{re.sub(r'[^A-Za-z0-9]+', '-', part.name)}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **part.env}
+        started = time.monotonic()
+        with open(log, "w+", encoding="utf-8", errors="replace") as f:
+            try:
+                proc = subprocess.Popen(
+                    part.command(),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # a timeout ends the part and all it started
+                )
+                try:
+                    code = proc.wait(min(part.timeout_s, left))
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)  # the part and the servers it started
+                    proc.wait()
+                    code = -9
+                f.seek(0)
+                output = f.read()
+                passed, part.figures = part.judge(code, output)
+                if code == -9:
+                    passed = False
+                    part.figures = (
+                        f"timed out after {min(part.timeout_s, left):.0f} s\n{tail(output)}"
+                    )
+            except Exception as e:  # a judge that cannot read the output fails its part only
+                passed, part.figures = False, f"{type(e).__name__}: {e}"
+        part.seconds = time.monotonic() - started
+        part.status = "PASS" if passed else "FAIL"
+        if self.out:
+            logs = self.out / "gpu_check_logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            data = log.read_bytes()
+            (logs / log.name).write_bytes(data[-LOG_BYTES:])
+
+    def report(self) -> str:
+        lines = [self.header]
+        for p in self.parts:
+            lines.append(f"{p.status:<7} {p.name} ({p.seconds:.0f} s): {p.figures}")
+        failed = [p.name for p in self.parts if p.status != "PASS"]
+        lines.append(
+            f"{len(self.parts) - len(failed)} of {len(self.parts)} parts passed"
+            + (f"; not passed: {', '.join(failed)}" if failed else "")
+        )
+        return "\n".join(lines) + "\n"
+
+    def save(self) -> None:
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "gpu_check.txt").write_text(self.report())
+
+    def run(self) -> int:
+        started = time.monotonic()
+        deadline = started + self.args.budget_s
+        self.header = (
+            f"swarm device check: --device {self.device}{' --quick' if self.args.quick else ''}, "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, budget "
+            f"{self.args.budget_s:.0f} s"
+        )
+        print(self.header, flush=True)
+        self.save()
+        first, rest = self.parts[0], self.parts[1:]
+        self.run_part(first, deadline)  # its GPU name picks the MFU peak
+        self._show(first)
+        # On a CPU (CI) the parts share the machine and run side by side; on a GPU one at a time,
+        # so that each one's tokens/s and memory are its own.
+        with ThreadPoolExecutor(max_workers=len(rest) if self.args.quick else 1) as pool:
+            for part, _ in [(p, pool.submit(self.run_part, p, deadline)) for p in rest]:
+                _.result()
+                self._show(part)
+        print(self.report().splitlines()[-1])
+        print(f"total {time.monotonic() - started:.0f} s; logs in {self.work}", flush=True)
+        return 0 if all(p.status == "PASS" for p in self.parts) else 1
+
+    def _show(self, part: Part) -> None:
+        print(f"{part.status:<7} {part.name} ({part.seconds:.0f} s): {part.figures}", flush=True)
+        self.save()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda:0", help="cuda:N or cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, parts side by side (CI)")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="seconds for all parts (330; quick: 150)"
+    )
+    args = parser.parse_args()
+    if args.budget_s is None:
+        args.budget_s = 150.0 if args.quick else 330.0
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        parser.error(f"--device {args.device!r}: cpu or cuda:N")
+    return Check(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

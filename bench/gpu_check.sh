@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The device check (issue 41): on a GPU host with no package index, with the host's own torch.
+#
+#   bench/gpu_check.sh [--device cuda:0|cpu] [--quick] [--budget-s S]
+#
+# 1. Installs the wheels carried in .whl/ (bench/gpu_wheels.sh downloads them on a machine with
+#    an index) into a fresh directory put first on PYTHONPATH: those the host lacks, and always
+#    grpcio, grpcio-health-checking and protobuf (the generated swarm/proto code demands its
+#    protobuf), pytest with its plugins (the suite's configuration needs pytest-asyncio), and
+#    what only amqtt uses.
+#    Never torch: the host's is the one under test. GPU_CHECK_WHEELS= (empty) skips this.
+# 2. Runs bench/gpu_check.py: versions, swarm doctor, the CUDA tests, 2 stages x 2 replicas in
+#    float32 and bf16-mixed against the CPU reference, the 1B example's tokens/s and MFU. Each
+#    part says PASS or FAIL with its figures; $OUT/gpu_check.txt gets the summary when OUT is set.
+# Exit status: 0 when every part passed. CI runs `bench/gpu_check.sh --device cpu --quick`.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WHEELS=${GPU_CHECK_WHEELS-.whl}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ -n "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  SITE=$(mktemp -d "${TMPDIR:-/tmp}/swarm-gpu-site-XXXXXX")
+  # The wheels to install: every one the host has no distribution of, and the pinned ones.
+  mapfile -t PICK < <("$PY" - "$WHEELS" <<'PYEOF'
+import importlib.metadata as md, pathlib, sys
+always = {"grpcio", "grpcio_health_checking", "protobuf", "pytest", "pluggy", "iniconfig",
+          "pytest_asyncio", "pytest_timeout",
+          "websockets", "dacite", "transitions"}  # amqtt's, at the versions it was tested with
+for whl in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    name, version = whl.name.split("-")[:2]
+    key = name.lower().replace("-", "_").replace(".", "_")
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        have = None
+    if key in always or have is None:
+        print(whl)
+        print(f"  {name} {version} (host: {have or 'none'})", file=sys.stderr)
+PYEOF
+  )
+  echo "installing ${#PICK[@]} carried wheels into $SITE"
+  export PIP_ROOT_USER_ACTION=ignore  # a container runs as root; older pips ignore it
+  if [ "${#PICK[@]}" -eq 0 ]; then
+    :
+  elif [ -z "${GPU_CHECK_NO_PIP:-}" ] && "$PY" -m pip --version >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --disable-pip-version-check --target "$SITE" "${PICK[@]}" || echo "FAIL: pip install"
+  else  # no pip: a wheel is a zip of what goes into site-packages (and *.data/purelib|platlib)
+    "$PY" - "$SITE" "${PICK[@]}" <<'PYEOF' || echo "FAIL: unpacking the wheels"
+import pathlib, shutil, sys, zipfile
+site = pathlib.Path(sys.argv[1])
+for whl in sys.argv[2:]:
+    with zipfile.ZipFile(whl) as z:
+        z.extractall(site)
+for data in site.glob("*.data"):
+    for sub in ("purelib", "platlib"):
+        if (data / sub).is_dir():
+            shutil.copytree(data / sub, site, dirs_exist_ok=True)
+PYEOF
+  fi
+  export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
+exec "$PY" bench/gpu_check.py "$@"

@@ -1,0 +1,185 @@
+"""`swarm doctor`: the preflight a volunteer runs before lending a machine. Each check says what it
+found, and a failed one says what to do: torch sees the device; the torch build has kernels for
+this GPU's architecture; free device and host memory hold the largest stage of a job (`--job`);
+the broker and the scheduler answer (`--broker`, `--scheduler`). A stage server runs the device
+checks at its start (`preflight`), so a machine that cannot serve says so before it joins.
+
+The device facts come through `swarm.ops.devices.DeviceFacts`, so the checks run on a CPU-only
+machine in the tests with fakes; the network checks dial for real (a test starts what they dial).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import torch
+
+from swarm.errors import SwarmError
+from swarm.flags import add_flag
+from swarm.ops.devices import (
+    INSTALL_FIX,
+    DeviceFacts,
+    TorchFacts,
+    find_device,
+    missing_kernels,
+    resolve_device,
+    use_device,
+)
+
+__all__ = ["Check", "add_arguments", "diagnose", "preflight", "run", "stage_bytes"]
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding: `fix` is what to do, "" when it passed."""
+
+    name: str
+    ok: bool
+    found: str
+    fix: str = ""
+
+    def line(self) -> str:
+        head = f"{'ok  ' if self.ok else 'FAIL'} {self.name}: {self.found}"
+        return head if self.ok else f"{head}\n     fix: {self.fix}"
+
+
+def preflight(spec: str, facts: DeviceFacts | None = None) -> torch.device:
+    """A stage server's start: `--device spec` exists here and the torch build runs on it (else a
+    `SwarmError` naming the fix, before anything is built), and it becomes this process's current
+    CUDA device, so that nothing lands on cuda:0 unasked."""
+    facts = facts or TorchFacts()
+    device = resolve_device(spec, facts)
+    use_device(device, facts)
+    return device
+
+
+def stage_bytes(job_path: Path) -> tuple[int, int, int]:
+    """`(stage, parameters, bytes)` of the largest stage of the job at `job_path`: weights,
+    gradient sums and the optimizer's moments (AdamW two, SGD with momentum one), in the job's
+    dtype. A floor: activations and averaging buffers come on top."""
+    from swarm.job.config import load_job  # here: `swarm doctor` without --job reads no job
+    from swarm.model.transformer import DTYPES, stage_layout
+
+    job = load_job(job_path)
+    sizes = [
+        sum(p.numel() for p in stage_layout(job, k).parameters())
+        for k in range(job.training.stages)
+    ]
+    stage = max(range(len(sizes)), key=sizes.__getitem__)
+    opt = job.optimizer
+    moments = 2 if opt.kind == "adamw" else 1 if opt.momentum else 0
+    width = torch.empty((), dtype=DTYPES[job.training.dtype]).element_size()
+    return stage, sizes[stage], sizes[stage] * width * (2 + moments)
+
+
+def _device_checks(spec: str, facts: DeviceFacts) -> tuple[list[Check], torch.device | None]:
+    build = facts.cuda_build()
+    torch_found = f"torch {facts.torch_version()}, " + (
+        f"built for CUDA {build}" if build else "a CPU-only build"
+    )
+    checks = [Check("torch", True, torch_found)]
+    try:
+        device = find_device(spec, facts)
+    except SwarmError as e:
+        wants_gpu = spec.startswith("cuda")
+        fix = (
+            INSTALL_FIX
+            if wants_gpu and build is None
+            else "pass a --device this machine has (listed above)"
+        )
+        return [*checks, Check("device", False, str(e), fix)], None
+    if device.type != "cuda":
+        return [*checks, Check("device", True, f"{device}")], device
+    index = device.index or 0
+    major, minor = facts.capability(index)
+    checks.append(Check("device", True, f"{device}: {facts.name(index)} (sm_{major}{minor})"))
+    problem = missing_kernels(facts, index)
+    if problem:
+        head, _, fix = problem.partition(". Install")
+        checks.append(Check("kernels", False, head, f"install{fix}"))
+        return checks, None
+    checks.append(Check("kernels", True, f"the build has kernels for sm_{major}{minor}"))
+    return checks, device
+
+
+def _memory_checks(job: Path, device: torch.device, facts: DeviceFacts) -> list[Check]:
+    stage, params, need = stage_bytes(job)
+    what = f"the largest stage of {job.name} (stage {stage}, {params / 1e6:.1f}M parameters) "
+    what += f"needs at least {need / GiB:.2f} GiB"
+    checks = []
+    if device.type == "cuda":
+        free, total = facts.free_total(device.index or 0)
+        ok = free >= need
+        found = f"{what} on {device}; {free / GiB:.2f} GiB of {total / GiB:.2f} GiB free"
+        fix = "free the GPU (nvidia-smi lists what holds it), or choose another --device"
+        checks.append(Check("device memory", ok, found, "" if ok else fix))
+    host = facts.host_free()
+    if host is not None:
+        ok = host >= need  # a snapshot stages the state through the host, or a CPU holds it
+        found = f"{what} of host memory; {host / GiB:.2f} GiB available"
+        fix = "stop what holds the host's memory, or serve a smaller job's stages"
+        checks.append(Check("host memory", ok, found, "" if ok else fix))
+    return checks
+
+
+def _reachable(name: str, address: str, timeout: float, fix: str) -> Check:
+    """Whether a TCP connection to `address` (host:port, or a URL with one) opens."""
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    host, port = parts.hostname, parts.port
+    if not host or not port:
+        return Check(name, False, f"{address!r} names no host:port", f"give {name} as host:port")
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as e:
+        return Check(name, False, f"{host}:{port} does not answer ({e})", fix)
+    return Check(name, True, f"{host}:{port} accepts connections")
+
+
+def diagnose(
+    spec: str,
+    facts: DeviceFacts,
+    job: Path | None = None,
+    broker: str | None = None,
+    scheduler: str | None = None,
+    timeout: float = 5.0,
+) -> list[Check]:
+    """Every check `swarm doctor` makes, in order."""
+    checks, device = _device_checks(spec, facts)
+    if job is not None and device is not None:
+        checks += _memory_checks(job, device, facts)
+    if broker:
+        fix = "start the broker (or the scheduler that embeds it), or fix --broker's host:port"
+        checks.append(_reachable("broker", broker, timeout, fix))
+    if scheduler:
+        fix = "start the scheduler, or fix --scheduler (its --port, printed at its start)"
+        checks.append(_reachable("scheduler", scheduler, timeout, fix))
+    return checks
+
+
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    add_flag(p, "device", "cpu", "the device a stage server would compute on: cpu, cuda:N, mps")
+    p.add_argument("--job", type=Path, help="a job file: does its largest stage fit here?")
+    add_flag(p, "broker", None, "the swarm's MQTT broker URL: does it answer?")
+    add_flag(p, "scheduler", None, "the scheduler's host:port: does it answer?")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    checks = diagnose(
+        args.device, TorchFacts(), args.job, args.broker, args.scheduler, args.timeout
+    )
+    for check in checks:
+        print(check.line())
+    failed = [c.name for c in checks if not c.ok]
+    print(f"{len(checks) - len(failed)} of {len(checks)} checks passed"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))  # fmt: skip
+    sys.stdout.flush()
+    return 1 if failed else 0

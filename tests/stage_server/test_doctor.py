@@ -1,0 +1,95 @@
+"""`swarm doctor` (`stage_server.doctor`): every failure named with its fix, on made-up machines for
+the device facts, and for real for what it dials (a listening socket, a closed port) and for the
+command on this machine."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stage_server.doctor import diagnose, stage_bytes
+from tests.support.devices import FakeFacts, Gpu
+from tests.support.jobs import write_job
+from tests.support.ports import free_port
+
+GiB = 1 << 30
+
+
+def _job(tmp_path: Path) -> Path:
+    return write_job(
+        tmp_path,
+        model={"d_model": 256, "n_layers": 4, "n_heads": 4, "vocab_size": 256},
+        training={"stages": 2, "dtype": "float32"},
+    )
+
+
+def _failed(checks: list) -> dict[str, str]:  # type: ignore[type-arg]
+    return {c.name: c.fix for c in checks if not c.ok}
+
+
+def test_a_healthy_gpu_host_passes(tmp_path: Path) -> None:
+    checks = diagnose("cuda:0", FakeFacts(gpus=[Gpu()]), job=_job(tmp_path))
+    assert [c.name for c in checks] == ["torch", "device", "kernels", "device memory",
+                                        "host memory"]  # fmt: skip
+    assert _failed(checks) == {}
+    assert "NVIDIA H100 80GB HBM3 (sm_90)" in checks[1].found
+
+
+def test_the_largest_stage_against_free_memory(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    stage, params, need = stage_bytes(job)
+    assert need == params * 4 * 4  # float32 weights, gradient sums, AdamW's two moments
+    full = Gpu(free=need // 2)
+    checks = diagnose("cuda:0", FakeFacts(gpus=[full], host=need // 3), job=job)
+    failed = _failed(checks)
+    assert set(failed) == {"device memory", "host memory"}
+    assert "nvidia-smi" in failed["device memory"]
+    memory = next(c for c in checks if c.name == "device memory")
+    assert f"stage {stage}" in memory.found and f"{params / 1e6:.1f}M parameters" in memory.found
+
+
+def test_no_kernels_for_this_gpu_is_named_with_the_fix(tmp_path: Path) -> None:
+    facts = FakeFacts(gpus=[Gpu("NVIDIA GeForce RTX 5090", (12, 0))], arches=["sm_80", "sm_90"])
+    checks = diagnose("cuda:0", facts, job=_job(tmp_path))
+    failed = _failed(checks)
+    assert list(failed) == ["kernels"], "no memory check on a device torch cannot run on"
+    assert failed["kernels"].startswith("install a torch build for this GPU")
+    assert "sm_120" in next(c for c in checks if c.name == "kernels").found
+
+
+def test_a_cpu_only_torch_asked_for_a_gpu() -> None:
+    failed = _failed(diagnose("cuda:0", FakeFacts(cuda=None)))
+    assert failed == {
+        "device": "install a CUDA build of torch (README, 'Installing on a GPU host')"
+    }
+
+
+def test_broker_and_scheduler_answering_or_not() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        closed = free_port()
+        checks = diagnose("cpu", FakeFacts(), broker=f"mqtt://127.0.0.1:{port}",
+                          scheduler=f"127.0.0.1:{closed}", timeout=2.0)  # fmt: skip
+    found = {c.name: c for c in checks}
+    assert found["broker"].ok, found["broker"]
+    assert not found["scheduler"].ok
+    assert f"127.0.0.1:{closed} does not answer" in found["scheduler"].found
+    assert "start the scheduler" in found["scheduler"].fix
+
+
+@pytest.mark.timeout(120)
+def test_swarm_doctor_on_this_machine(tmp_path: Path) -> None:
+    """The command itself: exit 1 and the failed check named when one fails."""
+    done = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", "doctor", "--device", "cpu", "--job",
+         str(_job(tmp_path)), "--scheduler", f"127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ok   device: cpu" in done.stdout
+    assert "FAIL scheduler:" in done.stdout and "     fix: start the scheduler" in done.stdout
+    assert "failed: scheduler" in done.stdout
