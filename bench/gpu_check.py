@@ -161,7 +161,10 @@ class Check:
             for p in (ROOT / "tests").rglob("test_*.py")
             if "cuda" in p.read_text(encoding="utf-8", errors="replace").lower()
         )
-        return [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.gpu_cuda_tests",
+        # A GPU image's own pytest plugins (benchmark, xdist, cov, ...) may not agree with the
+        # carried pytest: autoloading is off (gpu_check.sh) and the suite's two are named here.
+        return [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin",
+                "-p", "pytest_timeout", "-p", "bench.gpu_cuda_tests",
                 "-rs", "--timeout", "120", *files]  # fmt: skip
 
     def _judge_tests(self, code: int, output: str) -> tuple[bool, str]:

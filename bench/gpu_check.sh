@@ -61,4 +61,5 @@ PYEOF
   fi
   export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # the host image's plugins: see bench/gpu_check.py
 exec "$PY" bench/gpu_check.py "$@"
