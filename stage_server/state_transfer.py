@@ -22,6 +22,7 @@ Invariants, and why:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,6 +34,7 @@ from stage_server.messages import Limits, Route, state_reply, updates_reply
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Served
 from stage_server.snapshot import Snapshot
+from stage_server.update_log import UpdateLog
 from stage_server.worker import Worker
 from swarm.errors import InvalidArgument, ResourceExhausted
 from swarm.ops.faults import Point, maybe_die
@@ -120,30 +122,41 @@ class StateTransfer:
                 f"peer serves at once (--max-state-downloads): try again later"
             )
         self._downloads += 1
+        log_, registered, sent = self._runtime().updates, None, False
         try:
-            log_ = self._runtime().updates
-            snapshot = await self.snapshot(follower, include_optimizer)
+            snapshot, registered = await self.snapshot(follower, include_optimizer)
             for part in state_reply(snapshot, chunk_bytes):
                 yield part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
+            sent = True
         finally:
             self._downloads -= 1
+            # A follower's place is held by a copy that goes on: one whose download ended
+            # early (a caller that named itself a follower and hung up) has none (N7).
+            if registered is not None:
+                (log_.sent if sent else log_.unfollow)(follower, registered)
 
-    async def snapshot(self, follower: str, include_optimizer: bool) -> Snapshot:
+    async def snapshot(self, follower: str, include_optimizer: bool) -> tuple[Snapshot, int | None]:
         """This replica's state of its step, taken between updates so it is of one step (and
         kept so: `stage_server.snapshot`). A `follower` (a joining peer) has the updates after it
-        kept for it."""
+        kept for it: its registration in the update log comes with the snapshot."""
         rt = self._runtime()
 
-        def take() -> Snapshot:
-            if follower:
-                rt.updates.follow(follower, rt.step)
-            return rt.snapshot(include_optimizer)
+        def take() -> tuple[Snapshot, int | None]:
+            registered = rt.updates.follow(follower, rt.step) if follower else None
+            return rt.snapshot(include_optimizer), registered
 
-        snapshot = await self._worker.run(take)
+        taking = asyncio.ensure_future(self._worker.run(take))
+        try:
+            snapshot, registered = await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            # The caller hung up while the snapshot waited for the worker, which takes it
+            # anyway: its follower goes once it is registered.
+            taking.add_done_callback(lambda done: _unfollow(rt.updates, follower, done))
+            raise
         maybe_die(Point.STATE_DOWNLOAD, snapshot.step)
-        return snapshot
+        return snapshot, registered
 
     async def load(self, requests: AsyncIterator[Any], route: Route, limits: Limits) -> int:
         """Receive a LoadState stream (each message within `limits`, each routed by `route`) and
@@ -204,3 +217,14 @@ class StateTransfer:
         if step < 0:
             raise InvalidArgument("LoadState carried no state")
         return step, state
+
+
+def _unfollow(
+    log_: UpdateLog, follower: str, taken: asyncio.Future[tuple[Any, int | None]]
+) -> None:
+    """The follower `taken` (a snapshot no one waits for any more) registered, let go."""
+    if taken.cancelled() or taken.exception() is not None:
+        return
+    registered = taken.result()[1]
+    if registered is not None:
+        log_.unfollow(follower, registered)
