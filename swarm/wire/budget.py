@@ -21,7 +21,10 @@ from collections.abc import AsyncIterable, AsyncIterator
 from types import TracebackType
 from typing import Any, TypeVar
 
+from google.protobuf.message import Message
+
 from swarm.errors import ConfigError, ResourceExhausted
+from swarm.proto.framing import Framed
 from swarm.wire.chunking import TENSOR_OVERHEAD_BYTES
 
 M = TypeVar("M")
@@ -110,8 +113,12 @@ class Held:
 
 
 def _arrived(message: Any) -> int:
-    """The bytes `message` brought: a chunk's data, or a header's encoded size (its inline data
-    and a few bytes of fields, computed without a copy) and each tensor's overhead."""
-    if not message.tensors and message.HasField("chunk"):
-        return len(message.chunk.data)  # a `Framed` chunk has no encoded size of its own
-    return int(message.ByteSize()) + TENSOR_OVERHEAD_BYTES * len(message.tensors)
+    """The bytes `message` brought: a message's encoded size (a header's inline data and a few
+    bytes of fields, computed without a copy) and each tensor's overhead, or a `Framed`
+    chunk's data. Anything else (a header refused unparsed, a message gRPC could not read) is
+    passed on uncharged, for `receive` to refuse."""
+    if isinstance(message, Message):
+        return message.ByteSize() + TENSOR_OVERHEAD_BYTES * len(getattr(message, "tensors", ()))
+    if isinstance(message, Framed):
+        return len(message.data)
+    return 0
