@@ -130,8 +130,9 @@ class Averager:
         self, *, max_open_rounds: int = 64, history: int = 256, max_open_slices: int = 4096
     ) -> None:
         self._max_open, self._history = max_open_rounds, history
-        # Slices of one round summed at once: each holds a timer and its contributions (whose
-        # bytes the receive budget bounds); a sender sends a few per part at a time.
+        # Slices of one round open or summed: each open one holds a timer and its contributions
+        # (whose bytes the receive budget bounds), each summed one is remembered; a sender
+        # sends a few per part at a time, a part of 64 GiB in 16 MiB slices is 4096.
         self._max_open_slices = max_open_slices
         # round -> (part, slice) -> its contributions so far
         self._open: dict[RoundKey, dict[tuple[int, int], _Slot]] = {}
@@ -290,8 +291,10 @@ class Averager:
         slot = slots.get(key)
         loop = asyncio.get_running_loop()
         if slot is None:
-            if len(slots) >= self._max_open_slices:
-                raise ResourceExhausted(f"{name}: {len(slots)} slices of the round are open")
+            # Summed ones count too: each is remembered with its round (issue 44, N13).
+            held = len(slots) + len(self._summed.get(round, ()))
+            if held >= self._max_open_slices:
+                raise ResourceExhausted(f"{name}: {held} slices of the round are open or summed")
             done: asyncio.Future[Reduced] = loop.create_future()
             done.add_done_callback(_retrieve)
             # The round's deadline even when every waiter has gone (cancelled calls).

@@ -218,3 +218,19 @@ async def test_a_part_someone_still_waits_for_keeps_a_hung_up_senders_contributi
     gone.cancel()
     await asyncio.gather(gone, return_exceptions=True)
     assert averager.open_rounds() == set()
+
+
+@pytest.mark.attack("N13")
+async def test_a_round_keeps_at_most_max_open_slices_summed_or_open() -> None:
+    # Each summed slice is remembered for its round (a late sender is told it came too late):
+    # before the fix without bound, ~190 bytes kept a completed call (a round of one, a new
+    # slice each time), for as long as the round is in the history.
+    from stage_server.averaging.owner import Averager
+    from swarm.errors import ResourceExhausted
+
+    averager, key, empty = Averager(max_open_slices=4), ("job", 0, "r"), torch.zeros(0)
+    for s in range(4):
+        await averager.reduce(key, 0, 0, 1, empty, timeout_s=30, slice=s)
+    with pytest.raises(ResourceExhausted, match="4 slices of the round"):
+        await averager.reduce(key, 0, 0, 1, empty, timeout_s=30, slice=4)
+    await averager.reduce(("job", 0, "other"), 0, 0, 1, empty, timeout_s=30)  # another round
