@@ -17,7 +17,10 @@ Invariants, and why:
 - A state to serve is a snapshot of one step streamed as it is sent (`stage_server.snapshot`: the
   replica's own tensors, copied only if an update comes before they are sent), at most
   `--max-state-downloads` at once: a request of a few bytes may cost a copy of the state, so
-  their number is bounded, and nothing more is built ahead of the reader.
+  their number is bounded, and nothing more is built ahead of the reader. A download whose
+  reader took nothing for `rpc_timeout_s` (its client gave up) gives its place to the next.
+- A follower's place in the update log is held by a copy that goes on: a download that ends
+  before its state is sent lets its follower go (`stage_server.update_log`).
 """
 
 from __future__ import annotations
@@ -67,7 +70,31 @@ class StateTransfer:
         self.peer, self.token, self._worker, self.metrics = peer, token, worker, metrics
         self._runtime, self._budget, self._limits = runtime, budget, limits
         self.copy: Copy | None = None  # a joining replica's background copy of a member
-        self._downloads = 0  # snapshots being served now
+        # The downloads served now (their calls' tasks) -> when their reader last took a part
+        # (the loop's clock).
+        self._served: dict[asyncio.Task[Any], float] = {}
+
+    @property
+    def _downloads(self) -> int:
+        """Snapshots being served now."""
+        return len(self._served)
+
+    def _let_stalled_go(self) -> None:
+        """End the downloads whose reader took nothing for `rpc_timeout_s`, after which the
+        reader's own client gives up (`swarm.rpc.stage_client`): a caller that stops reading
+        without hanging up must not keep a place of `--max-state-downloads` from a joiner
+        (issue 44, N7)."""
+        stall_s = self._runtime().job.runtime.rpc_timeout_s
+        now = asyncio.get_running_loop().time()
+        for task, heard in list(self._served.items()):
+            if now - heard > stall_s:
+                del self._served[task]  # its place is free now; its call ends as it is cancelled
+                task.cancel()
+                log.info(
+                    "%s: a state download whose reader took nothing for %.3g s ended for another",
+                    self.peer,
+                    now - heard,
+                )
 
     def stop_copy(self) -> None:
         if self.copy is not None:
@@ -117,21 +144,27 @@ class StateTransfer:
         """The DownloadState answer: a `snapshot`, streamed chunk by chunk as it is sent.
         ResourceExhausted when `--max-state-downloads` are being served already."""
         if self._downloads >= self._limits.peer.max_state_downloads:
+            self._let_stalled_go()
+        if self._downloads >= self._limits.peer.max_state_downloads:
             raise ResourceExhausted(
                 f"{self._downloads} state downloads are being served already, the most this "
                 f"peer serves at once (--max-state-downloads): try again later"
             )
-        self._downloads += 1
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        assert task is not None  # a call's handler
+        self._served[task] = loop.time()
         log_, registered, sent = self._runtime().updates, None, False
         try:
             snapshot, registered = await self.snapshot(follower, include_optimizer)
+            self._served[task] = loop.time()
             for part in state_reply(snapshot, chunk_bytes):
                 yield part
+                self._served[task] = loop.time()  # its reader took a part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
             sent = True
         finally:
-            self._downloads -= 1
+            self._served.pop(task, None)
             # A follower's place is held by a copy that goes on: one whose download ended
             # early (a caller that named itself a follower and hung up) has none (N7).
             if registered is not None:

@@ -91,3 +91,39 @@ async def test_followers_that_never_ask_for_updates_are_let_go(
                 pass
     await asyncio.sleep(1.0)
     await _real_joiner(server, job)
+
+
+async def test_downloads_whose_readers_stall_give_their_places_to_a_joiner(
+    tmp_path: Path,
+) -> None:
+    # Four callers start a download of a 32 MiB state, read one message and stop reading
+    # without hanging up: each holds a place of --max-state-downloads (4). Their own client
+    # would have given up after rpc_timeout_s without a byte, so a download whose reader took
+    # nothing for that long gives its place to the next (before the fix: the joiner was
+    # refused, "4 state downloads are being served already", for as long as they stayed).
+    job = make_job(
+        tmp_path,
+        model={"vocab_size": 16384, "d_model": 256, "n_heads": 4},
+        runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0},
+    )
+    running = await start_stage_server(job, StageServerOptions(stage=0))
+    options = [("grpc.http2.bdp_probe", 0)]  # small windows: the stalled reader stalls the sender
+    request = pb.StageDownloadStateRequest(job=fingerprint(job), stage=0, include_optimizer=True)
+    try:
+        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            stalled = [stub.DownloadState(request, timeout=60) for _ in range(4)]
+            for call in stalled:
+                await call.read()
+            await asyncio.sleep(2.5)  # past rpc_timeout_s: none of them took a byte since
+            client = StageClient(running.address, job, fingerprint(job), 0)
+            try:
+                expect = running.runtime.checks.state
+                step, state = await client.download_state(True, "", expect=expect)
+                assert step == 0 and state
+            finally:
+                await client.close()
+            for call in stalled:
+                call.cancel()
+    finally:
+        await running.stop()
