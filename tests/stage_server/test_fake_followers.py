@@ -1,7 +1,8 @@
 """Fake followers against a live stage server (issue 44, N7): `DownloadState(follower=X)` calls
 that hang up after one message, or that take the state and never ask for its updates, do not
-keep the places of the peers copying this replica: a real joiner still gets the state and its
-updates at once."""
+keep the places of the peers copying this replica, and downloads whose readers stopped reading
+do not keep the places of the downloads served at once: a real joiner still gets the state and
+its updates."""
 
 from __future__ import annotations
 
