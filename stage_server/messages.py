@@ -151,8 +151,9 @@ class Messages:
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         """A data-plane request's header and tensors. From the header, before a byte of the body
         is allocated: routed by `route`, then `admit()` (a full replica raises Busy), its size at
-        most `max_request_bytes` (one microbatch's tensors) and the tensor limit, and its bytes
-        reserved in `held` (the process's budget: the call holds them until it ends)."""
+        most `max_request_bytes` (one microbatch's tensors) and the tensor limit, and its size
+        within what is free of `held`'s budget; its bytes are held there as they come (the call
+        holds them until it ends)."""
         limit = min(self.limits.max_bytes, max_request_bytes)
         name = (
             self.limits.max_bytes_name
@@ -165,9 +166,12 @@ class Messages:
             if admit is not None:
                 admit()
 
+        # The body's bytes are held as they come (`Held.arriving`): headers that declare a
+        # body and send none hold nothing (issue 44, N6).
         received = await wire.receive(
-            requests, max_bytes=limit, admit=check, reserve=held.reserve, limit_name=name
-        )
+            held.arriving(requests), max_bytes=limit, admit=check, reserve=held.expect,
+            limit_name=name,
+        )  # fmt: skip
         tensors = wire.decode_named(received, device="cpu", max_bytes=limit, reserve=held.reserve)
         self.metrics.received(
             sum(t.nbytes for t in received.header.tensors),

@@ -17,11 +17,15 @@ Invariants, and why:
 - A state to serve is a snapshot of one step streamed as it is sent (`stage_server.snapshot`: the
   replica's own tensors, copied only if an update comes before they are sent), at most
   `--max-state-downloads` at once: a request of a few bytes may cost a copy of the state, so
-  their number is bounded, and nothing more is built ahead of the reader.
+  their number is bounded, and nothing more is built ahead of the reader. A download whose
+  reader took nothing for `rpc_timeout_s` (its client gave up) gives its place to the next.
+- A follower's place in the update log is held by a copy that goes on: a download that ends
+  before its state is sent lets its follower go (`stage_server.update_log`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,6 +37,7 @@ from stage_server.messages import Limits, Route, state_reply, updates_reply
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Served
 from stage_server.snapshot import Snapshot
+from stage_server.update_log import UpdateLog
 from stage_server.worker import Worker
 from swarm.errors import InvalidArgument, ResourceExhausted
 from swarm.ops.faults import Point, maybe_die
@@ -65,7 +70,31 @@ class StateTransfer:
         self.peer, self.token, self._worker, self.metrics = peer, token, worker, metrics
         self._runtime, self._budget, self._limits = runtime, budget, limits
         self.copy: Copy | None = None  # a joining replica's background copy of a member
-        self._downloads = 0  # snapshots being served now
+        # The downloads served now (their calls' tasks) -> when their reader last took a part
+        # (the loop's clock).
+        self._served: dict[asyncio.Task[Any], float] = {}
+
+    @property
+    def _downloads(self) -> int:
+        """Snapshots being served now."""
+        return len(self._served)
+
+    def _let_stalled_go(self) -> None:
+        """End the downloads whose reader took nothing for `rpc_timeout_s`, after which the
+        reader's own client gives up (`swarm.rpc.stage_client`): a caller that stops reading
+        without hanging up must not keep a place of `--max-state-downloads` from a joiner
+        (issue 44, N7)."""
+        stall_s = self._runtime().job.runtime.rpc_timeout_s
+        now = asyncio.get_running_loop().time()
+        for task, heard in list(self._served.items()):
+            if now - heard > stall_s:
+                del self._served[task]  # its place is free now; its call ends as it is cancelled
+                task.cancel()
+                log.info(
+                    "%s: a state download whose reader took nothing for %.3g s ended for another",
+                    self.peer,
+                    now - heard,
+                )
 
     def stop_copy(self) -> None:
         if self.copy is not None:
@@ -115,35 +144,52 @@ class StateTransfer:
         """The DownloadState answer: a `snapshot`, streamed chunk by chunk as it is sent.
         ResourceExhausted when `--max-state-downloads` are being served already."""
         if self._downloads >= self._limits.peer.max_state_downloads:
+            self._let_stalled_go()
+        if self._downloads >= self._limits.peer.max_state_downloads:
             raise ResourceExhausted(
                 f"{self._downloads} state downloads are being served already, the most this "
                 f"peer serves at once (--max-state-downloads): try again later"
             )
-        self._downloads += 1
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        assert task is not None  # a call's handler
+        self._served[task] = loop.time()
+        log_, registered, sent = self._runtime().updates, None, False
         try:
-            log_ = self._runtime().updates
-            snapshot = await self.snapshot(follower, include_optimizer)
+            snapshot, registered = await self.snapshot(follower, include_optimizer)
+            self._served[task] = loop.time()
             for part in state_reply(snapshot, chunk_bytes):
                 yield part
+                self._served[task] = loop.time()  # its reader took a part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
+            sent = True
         finally:
-            self._downloads -= 1
+            self._served.pop(task, None)
+            # A follower's place is held by a copy that goes on: one whose download ended
+            # early (a caller that named itself a follower and hung up) has none (N7).
+            if registered is not None:
+                (log_.sent if sent else log_.unfollow)(follower, registered)
 
-    async def snapshot(self, follower: str, include_optimizer: bool) -> Snapshot:
+    async def snapshot(self, follower: str, include_optimizer: bool) -> tuple[Snapshot, int | None]:
         """This replica's state of its step, taken between updates so it is of one step (and
         kept so: `stage_server.snapshot`). A `follower` (a joining peer) has the updates after it
-        kept for it."""
+        kept for it: its registration in the update log comes with the snapshot."""
         rt = self._runtime()
 
-        def take() -> Snapshot:
-            if follower:
-                rt.updates.follow(follower, rt.step)
-            return rt.snapshot(include_optimizer)
+        def take() -> tuple[Snapshot, int | None]:
+            registered = rt.updates.follow(follower, rt.step) if follower else None
+            return rt.snapshot(include_optimizer), registered
 
-        snapshot = await self._worker.run(take)
+        taking = asyncio.ensure_future(self._worker.run(take))
+        try:
+            snapshot, registered = await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            # The caller hung up while the snapshot waited for the worker, which takes it
+            # anyway: its follower goes once it is registered.
+            taking.add_done_callback(lambda done: _unfollow(rt.updates, follower, done))
+            raise
         maybe_die(Point.STATE_DOWNLOAD, snapshot.step)
-        return snapshot
+        return snapshot, registered
 
     async def load(self, requests: AsyncIterator[Any], route: Route, limits: Limits) -> int:
         """Receive a LoadState stream (each message within `limits`, each routed by `route`) and
@@ -204,3 +250,14 @@ class StateTransfer:
         if step < 0:
             raise InvalidArgument("LoadState carried no state")
         return step, state
+
+
+def _unfollow(
+    log_: UpdateLog, follower: str, taken: asyncio.Future[tuple[Any, int | None]]
+) -> None:
+    """The follower `taken` (a snapshot no one waits for any more) registered, let go."""
+    if taken.cancelled() or taken.exception() is not None:
+        return
+    registered = taken.result()[1]
+    if registered is not None:
+        log_.unfollow(follower, registered)

@@ -11,6 +11,11 @@ bound the oldest updates go, and a follower that still needed them must start it
 What one caller can make a replica keep is bounded too, since any token holder may name itself a
 follower: at most `max_followers` at once (another is refused until one is done or gone), each
 forgotten after `ttl_s` unheard (its download and its asks for updates are heard, `touch`).
+And a place is held only by a peer that is copying (issue 44, N7: four fake downloads that hung
+up after one message held every place for `ttl_s`, renewably): a download that ends before the
+state is sent lets its follower go (`unfollow`), and one that took the state must ask for the
+updates after it within `FIRST_ASK_S` (a joiner asks as soon as its copy is loaded), else it
+is let go.
 
 The log is read and written on the replica's worker thread, and touched from the event loop while
 a download streams: a lock keeps the two apart.
@@ -29,6 +34,14 @@ from swarm.errors import FailedPrecondition, ResourceExhausted
 from swarm.job.rule import EagerOp
 
 __all__ = ["Update", "UpdateLog"]
+
+
+@dataclass
+class _Follower:
+    step: int  # the next step it needs
+    heard: float  # when it was last heard from (the log's clock)
+    since: int  # which `follow` registered it (a later download of the same name is another)
+    sent: float | None = None  # when its download ended, until it first asks for updates
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,9 @@ class Update:
 class UpdateLog:
     FOLLOWER_TTL_S = 3600.0  # a follower not heard from this long is gone (it died mid-copy)
     MAX_FOLLOWERS = 4  # peers copying this replica at once
+    # A follower that took the state asks for its updates within this (its copy loads locally,
+    # in seconds), else it is gone: no copy follows.
+    FIRST_ASK_S = 60.0
 
     def __init__(
         self,
@@ -66,9 +82,11 @@ class UpdateLog:
     ) -> None:
         self.max_bytes, self._clock = max_bytes, clock
         self.max_followers, self.ttl_s = max_followers, ttl_s
+        self.first_ask_s = self.FIRST_ASK_S
         self._updates: list[Update] = []
         self._first = 0  # the first step the log still has (or will have) an update of
-        self._followers: dict[str, tuple[int, float]] = {}  # peer -> (next step it needs, heard)
+        self._followers: dict[str, _Follower] = {}
+        self._registered = 0  # `follow`s so far: each registration's own number
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -86,9 +104,10 @@ class UpdateLog:
             self._forget_silent()
             self._drop_oldest()
 
-    def follow(self, follower: str, step: int) -> None:
-        """`follower` took this replica's state at `step`: keep every update from `step` on.
-        ResourceExhausted when `max_followers` others follow already."""
+    def follow(self, follower: str, step: int) -> int:
+        """`follower` takes this replica's state at `step`: keep every update from `step` on.
+        ResourceExhausted when `max_followers` others follow already. Returns the registration,
+        which its download ends with (`sent`, or `unfollow` when it ended early)."""
         with self._lock:
             self._forget_silent()
             if follower not in self._followers and len(self._followers) >= self.max_followers:
@@ -100,13 +119,32 @@ class UpdateLog:
             if not self._followers:
                 self._updates, self._first = [], step
             self._first = min(self._first, step)
-            self._followers[follower] = (step, self._clock())
+            self._registered += 1
+            self._followers[follower] = _Follower(step, self._clock(), self._registered)
+            return self._registered
+
+    def sent(self, follower: str, registration: int) -> None:
+        """`follower`'s download (`registration`) sent the whole state: it asks for the updates
+        after it within `first_ask_s`, or is let go."""
+        with self._lock:
+            f = self._followers.get(follower)
+            if f is not None and f.since == registration:
+                f.sent = self._clock()
+
+    def unfollow(self, follower: str, registration: int) -> None:
+        """`follower`'s download (`registration`) ended before the state was sent (it hung up,
+        or failed): no copy follows from it, and its place is free at once."""
+        with self._lock:
+            f = self._followers.get(follower)
+            if f is not None and f.since == registration:
+                del self._followers[follower]
+                self._trim()
 
     def touch(self, follower: str) -> None:
         """`follower` was heard from (its download goes on): it is not silent."""
         with self._lock:
             if follower in self._followers:
-                self._followers[follower] = (self._followers[follower][0], self._clock())
+                self._followers[follower].heard = self._clock()
 
     def record(
         self,
@@ -152,7 +190,8 @@ class UpdateLog:
                     f"updates from step {step} are no longer kept (the log starts at "
                     f"{self._first}; it holds at most {self.max_bytes} bytes): copy the state again"
                 )
-            self._followers[follower] = (step, self._clock())
+            f = self._followers[follower]
+            f.step, f.heard, f.sent = step, self._clock(), None  # asked: copying
             self._trim()
             return [u for u in self._updates if u.step >= step]
 
@@ -172,13 +211,18 @@ class UpdateLog:
         if not self._followers:
             self._updates = []
             return
-        needed = min(step for step, _ in self._followers.values())
+        needed = min(f.step for f in self._followers.values())
         self._updates = [u for u in self._updates if u.step >= needed]
         self._first = max(self._first, needed)
 
     def _forget_silent(self) -> None:
-        horizon = self._clock() - self.ttl_s
-        silent = [p for p, (_, heard) in self._followers.items() if heard < horizon]
+        now = self._clock()
+        horizon, asked_by = now - self.ttl_s, now - min(self.first_ask_s, self.ttl_s)
+        silent = [
+            p
+            for p, f in self._followers.items()
+            if f.heard < horizon or (f.sent is not None and f.sent < asked_by)
+        ]
         for peer in silent:
             del self._followers[peer]
         if silent:

@@ -103,7 +103,7 @@ class PoolRounds:
         the members' own counts (a predecessor's died with it)."""
         self.restarted()
         self.series.round.set(self._round(step))
-        synced = await self._counted(members)
+        synced = await self._counted(members, step)
         for stage, replicas in enumerate(members):
             for r in replicas:
                 self.on_record(Join(step, stage, r.peer, None))
@@ -125,9 +125,12 @@ class PoolRounds:
             self.on_record(Sync(step - 1, k, peers(replicas)))
         self._samples.clear()
 
-    async def _counted(self, members: list[list[Replica]]) -> list[int]:
+    async def _counted(self, members: list[list[Replica]], step: int) -> list[int]:
         """Each member's samples of the round so far into the round's counts, from its own
-        word (believed only within what a round can hold); the last round's end each applied."""
+        word (believed only within what a round can hold); the last round's end each applied
+        (believed only from -1, none, up to `step`, where the coordinator resumes: a round's end
+        past it would make an unended round look half applied, applied with no averaging;
+        issue 44, N15). A member whose word is not believed counts nothing."""
         where = [(k, r) for k, replicas in enumerate(members) for r in replicas]
         infos = await asyncio.gather(
             *(self.clients.get(k, r).info() for k, r in where), return_exceptions=True
@@ -138,6 +141,12 @@ class PoolRounds:
         for (k, r), info in zip(where, infos, strict=True):
             if isinstance(info, BaseException):
                 continue  # gone or unreachable: the first commit deals with it
+            if not -1 <= info.round_synced <= step:  # a peer's word: not past the job's step
+                said = info.round_synced
+                log.warning("stage %d: %s says it applied the round's end at step %d (-1..%d "
+                            "can be, resuming at %d): not believed, its samples counted as none",
+                            k, r.peer, said, step, step)  # fmt: skip
+                continue
             if not 0 <= info.round_samples <= most:  # a peer's word: not past what can be
                 said = info.round_samples
                 log.warning("stage %d: %s says it took %d samples in the round (0..%d can be): "

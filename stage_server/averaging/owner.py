@@ -100,6 +100,7 @@ class _Slot:
     timer: asyncio.TimerHandle
     values: list[torch.Tensor | None] = field(default_factory=list)
     owned: list[bool] = field(default_factory=list)  # the averager may write into values[i]
+    waiting: int = 0  # contributions waiting for the sum now (each a call, or the owner's own)
 
     def missing(self) -> list[int]:
         return [i for i, v in enumerate(self.values) if v is None]
@@ -130,8 +131,9 @@ class Averager:
         self, *, max_open_rounds: int = 64, history: int = 256, max_open_slices: int = 4096
     ) -> None:
         self._max_open, self._history = max_open_rounds, history
-        # Slices of one round summed at once: each holds a timer and its contributions (whose
-        # bytes the receive budget bounds); a sender sends a few per part at a time.
+        # Slices of one round open or summed: each open one holds a timer and its contributions
+        # (whose bytes the receive budget bounds), each summed one is remembered; a sender
+        # sends a few per part at a time, a part of 64 GiB in 16 MiB slices is 4096.
         self._max_open_slices = max_open_slices
         # round -> (part, slice) -> its contributions so far
         self._open: dict[RoundKey, dict[tuple[int, int], _Slot]] = {}
@@ -193,6 +195,7 @@ class Averager:
         slot = self._admit(
             round, (part, slice), sender, group_size, values, timeout_s, codec, block_size, owned
         )
+        slot.waiting += 1
         try:
             return await asyncio.wait_for(asyncio.shield(slot.done), max(timeout_s, 0.0))
         except TimeoutError:
@@ -202,6 +205,28 @@ class Averager:
             raise AveragingAborted(f"{round_name(round)}: {where} timed out", missing) from None
         except AveragingAborted as e:
             raise AveragingAborted(str(e), e.missing) from None  # a fresh one per waiter
+        finally:
+            slot.waiting -= 1
+            if not slot.waiting:
+                self._forsaken(round, (part, slice), slot)
+
+    def _forsaken(self, round: RoundKey, key: tuple[int, int], slot: _Slot) -> None:
+        """`slot` still open, with no one waiting for its sum any more (every call that
+        contributed to it ended, hung up): no one would receive its sum, so it goes now, not at
+        the round's timeout. Else calls that contribute and hang up would each leave a slot (a
+        sender list as long as the group they name, up to `MAX_GROUP_SIZE`, and a timer) for
+        the whole averaging timeout (issue 44, N13). The round is not aborted: a stranger could
+        abort it so. A sender that comes later opens the slot again."""
+        slots = self._open.get(round)
+        if slots is None or slots.get(key) is not slot:
+            return  # summed, timed out or aborted: nothing left open
+        slot.timer.cancel()
+        del slots[key]
+        if not slots:
+            del self._open[round]
+        if not slot.done.done():
+            slot.done.cancel()
+        log.debug("%s %s: every contributor hung up; dropped", round_name(round), _where(*key))
 
     def abort(self, round: RoundKey, reason: str, missing: Sequence[int] = ()) -> None:
         """Fail every open part of `round` (waiters raise AveragingAborted) and refuse it later."""
@@ -267,8 +292,10 @@ class Averager:
         slot = slots.get(key)
         loop = asyncio.get_running_loop()
         if slot is None:
-            if len(slots) >= self._max_open_slices:
-                raise ResourceExhausted(f"{name}: {len(slots)} slices of the round are open")
+            # Summed ones count too: each is remembered with its round (issue 44, N13).
+            held = len(slots) + len(self._summed.get(round, ()))
+            if held >= self._max_open_slices:
+                raise ResourceExhausted(f"{name}: {held} slices of the round are open or summed")
             done: asyncio.Future[Reduced] = loop.create_future()
             done.add_done_callback(_retrieve)
             # The round's deadline even when every waiter has gone (cancelled calls).

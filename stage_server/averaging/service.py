@@ -1,7 +1,8 @@
 """`PoolService.Reduce` served: the owner's side of a round over the wire. A contribution to a part
 this replica owns is received (routed from its header, its bytes from the process's receive
-budget), summed by the `Averager` (`stage_server.averaging.owner`) with the other senders', and the
-sum answered; a round that fails answers ABORTED naming the senders it waited for."""
+budget as they arrive), summed by the `Averager` (`stage_server.averaging.owner`) with the other
+senders', and the sum answered; a round that fails answers ABORTED naming the senders it waited
+for."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     serves none), so the owner side of a round follows the job however its stage was installed.
 
     A contribution is routed from its header, before a byte of its part is allocated, and the
-    part's bytes come from `budget` (the process's, shared with the stage's calls) until its sum
-    is answered: past it the call is refused with RESOURCE_EXHAUSTED. `limit_name` names the
+    part's bytes come from `budget` (the process's, shared with the stage's calls) as they
+    arrive, held until its sum is answered: a part declared past what is free, or bytes past
+    it, and the call is refused with RESOURCE_EXHAUSTED. `limit_name` names the
     setting behind `max_bytes` in refusals.
     """
 
@@ -84,13 +86,18 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         self, requests: Any, context: grpc.aio.ServicerContext, held: Held
     ) -> Iterator[pool_pb2.PoolReduceResponse]:
         chunk_bytes, max_bytes, timeout = self.settings()
-        # A caller with no deadline must not hold its part's share of the budget forever.
+        # A caller with no deadline must not wait for its part forever.
         body = wire.within_deadline(requests, timeout, "the job's runtime.averaging_timeout_s")
+        # A part's bytes are held as they come, not as its header declares them: headers that
+        # declare a GiB each and send nothing would hold the whole budget for the averaging
+        # timeout, and refuse every honest round meanwhile (issue 44, N6). A declared part
+        # that could not fit now is still refused at once.
+        body = held.arriving(body)
         received = await wire.receive(
             body,
             max_bytes=max_bytes,
             admit=lambda first: self._route(first.job, first.stage),
-            reserve=held.reserve,
+            reserve=held.expect,
             limit_name=self._limit_name,
         )
         h: pool_pb2.PoolReduceRequest = received.header

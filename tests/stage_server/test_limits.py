@@ -26,7 +26,7 @@ from stage_server.server import RunningStageServer, StageServerOptions, start_st
 from swarm.errors import Busy, ConfigError
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
-from swarm.proto import pool_pb2, pool_pb2_grpc, stage_pb2_grpc, tensor_pb2
+from swarm.proto import framing, pool_pb2, pool_pb2_grpc, stage_pb2_grpc, tensor_pb2
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import codec
@@ -240,7 +240,8 @@ async def test_download_state_streams_from_the_snapshot_without_encoding_it_whol
 
 
 async def test_bodies_past_the_receive_budget_are_refused_not_queued(job: JobConfig) -> None:
-    # A 1 MiB budget: one Reduce declaring 1 MiB (its bytes not sent yet) holds all of it.
+    # A 1 MiB budget: one Reduce sending a 1 MiB part, all but its last 4 KiB, holds nearly
+    # all of it (a part holds its bytes as they come: issue 44, N6).
     limits = PeerLimits(max_tensor_bytes=MiB, receive_budget_bytes=MiB)
     running = await start_stage_server(job, StageServerOptions(stage=1, limits=limits))
     x = codec.encode(torch.randn(4, 16, 32, dtype=torch.float64), "inputs")
@@ -254,7 +255,9 @@ async def test_bodies_past_the_receive_budget_are_refused_not_queued(job: JobCon
             holding = pool.Reduce(timeout=20)
             # (Each tensor is charged TENSOR_OVERHEAD_BYTES beyond its payload.)
             await holding.write(_reduce_header(fingerprint(job), MiB - TENSOR_OVERHEAD_BYTES))
-            while running.servicer.budget.in_use < MiB:  # until the server holds it
+            sent = MiB - TENSOR_OVERHEAD_BYTES - 4096
+            await holding.write(framing.frame(pool_pb2.PoolReduceRequest, 0, bytes(sent)))
+            while running.servicer.budget.in_use < sent:  # until the server holds it
                 await asyncio.sleep(0.01)
             # Past the budget: the pool's call is refused, the data plane's is Busy.
             other = pool.Reduce(timeout=20)

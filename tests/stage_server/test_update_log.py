@@ -105,3 +105,30 @@ def test_followers_are_bounded_in_number_and_a_silent_one_is_let_go() -> None:
     log.follow("e", 4)
     with pytest.raises(ResourceExhausted, match="--max-followers 1"):
         log.follow("f", 4)
+
+
+@pytest.mark.attack("N7")
+def test_a_place_is_held_only_by_a_copy_that_goes_on() -> None:
+    # Issue 44, N7: a download that ended early lets its follower go at once; one that took the
+    # state must ask for the updates after it within FIRST_ASK_S; a later download of the same
+    # name is not let go by an earlier one's end.
+    now = [0.0]
+    log = UpdateLog(max_bytes=1 << 20, clock=lambda: now[0], max_followers=2, ttl_s=600.0)
+    hung_up = log.follow("x", 0)
+    log.unfollow("x", hung_up)
+    took = log.follow("y", 0)
+    log.sent("y", took)
+    joiner = log.follow("z", 0)
+    log.sent("z", joiner)
+    with pytest.raises(ResourceExhausted, match="--max-followers 2"):
+        log.follow("w", 0)
+    now[0] = UpdateLog.FIRST_ASK_S / 2
+    assert log.since("z", 0) == []  # z asks: it copies
+    now[0] = UpdateLog.FIRST_ASK_S + 1  # y never asked: gone; z asked, kept till its ttl
+    log.follow("w", 0)
+    with pytest.raises(FailedPrecondition, match="does not follow"):
+        log.since("y", 0)
+    assert log.since("z", 0) == []
+    again = log.follow("w", 1)  # w takes the state again: the first download's end is moot
+    log.unfollow("w", again - 1)
+    assert log.since("w", 1) == []

@@ -268,3 +268,24 @@ async def test_a_resuming_coordinator_counts_no_samples_a_replica_could_not_have
     assert await h.coordinator.start() == 1
     await h.step({0: "b"})
     assert swarm["b"].called("prepare_round") == [(2, 16, ["fake:a", "fake:b"], "1/round0")]
+
+
+@pytest.mark.attack("N15")
+@pytest.mark.parametrize("claimed", [10**12, 3, -7])
+async def test_a_resuming_coordinator_ignores_a_round_end_no_replica_could_have_applied(
+    tmp_path: Path, make_harness: MakeHarness, claimed: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 44, N15: the last round's end a replica says it applied is a peer's word too. The
+    replicas are at step 2 with the round [0, 1] unended; b says it applied a round's end past
+    the step the coordinator resumes at (or before any). Before the fix the coordinator took
+    the round for half applied and only applied it everywhere (no PREPARE: the pools never
+    averaged it). Now b's word is refused with a warning and the round is ended as it must be."""
+    swarm, h, _ = _resuming(tmp_path, make_harness, 2, {"a": 12, "b": 4, "c": 16})
+    swarm["b"].round_synced = claimed
+    a, c = swarm["a"], swarm["c"]
+    assert await h.coordinator.start() == 2
+    # b's samples are not believed either: the group weighs a's 12.
+    assert a.called("prepare_round") == [(2, 12, ["fake:a", "fake:b"], "1/round0")]
+    assert c.called("prepare_round") == [(2, 16, ["fake:c"], "1/round0")]
+    assert c.called("apply_round") == [2]
+    assert f"says it applied the round's end at step {claimed}" in caplog.text
