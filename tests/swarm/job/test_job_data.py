@@ -288,5 +288,9 @@ def test_the_data_root_flag_reaches_the_job_api(
     monkeypatch.setattr(scheduler.main, "run_scheduler", fake_run)
     parser = argparse.ArgumentParser()
     cli.add_arguments("scheduler", parser)
-    assert cli.run("scheduler", parser.parse_args(["--data-root", str(tmp_path)])) == 0
+    store = str(tmp_path / "jobs.sqlite")  # not the default, in the working directory: the repo
+    assert (
+        cli.run("scheduler", parser.parse_args(["--data-root", str(tmp_path), "--store", store]))
+        == 0
+    )
     assert [o.data_root for o in got] == [tmp_path]  # no default: tests/scheduler/test_data_root
