@@ -170,7 +170,9 @@ async def test_agent_forgets_jobs_that_ended(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(agent_module, "measure_job", lambda *a: {0: 1.0, 1: 1.0})
     executor = ThreadPoolExecutor(1)
     running: Any = SimpleNamespace(
-        address="127.0.0.1:1", executor=executor, servicer=SimpleNamespace(release=lambda: None)
+        address="127.0.0.1:1",
+        executor=executor,
+        servicer=SimpleNamespace(release=lambda: None, trust=lambda job: None),
     )
     agent = PeerAgent(running, _Bus(), peer="p", device="cpu")  # type: ignore[arg-type]
     spec = _spec()
