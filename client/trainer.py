@@ -279,9 +279,10 @@ class PipelineTrainer:
 
 
 async def follow_load(bus: BusLike, job_id: str, wiring: Wiring, microbatch_size: int) -> None:
-    """Merge the load reports replicas publish on MQTT into `wiring` (until cancelled)."""
-    async for _topic, message in bus.subscribe(bus.topics.load(job_id, "+")):
-        if isinstance(message, cpb.LoadReport):
+    """Merge the load reports replicas publish on MQTT for `job_id` into `wiring` (until
+    cancelled). A peer's load topic carries whichever job it serves: the report names it."""
+    async for _topic, message in bus.subscribe(bus.topics.load("+")):
+        if isinstance(message, cpb.LoadReport) and message.job == job_id:
             seconds = message.ema_seconds_per_sample
             wiring.report_load(
                 message.peer,

@@ -269,7 +269,7 @@ class Scheduler:
                 self.assignments.changed.set()
 
     async def _watch_load(self) -> None:
-        async for _topic, message in self.bus.subscribe(self.bus.topics.load("+", "+")):
+        async for _topic, message in self.bus.subscribe(self.bus.topics.load("+")):
             if isinstance(message, cpb.LoadReport):
                 self.peer_registry.report_load(message)
 

@@ -204,7 +204,7 @@ class PeerAgent:
                 time=time.time(),
             )
             try:
-                await self.bus.publish(self.bus.topics.load(self.job_id, self.peer), report)
+                await self.bus.publish(self.bus.topics.load(self.peer), report)
             except Exception as e:  # a broker hiccup must not stop the reports for good
                 log.debug("%s: load report not sent: %s", self.peer, e)
 

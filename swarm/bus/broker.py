@@ -51,7 +51,7 @@ class EmbeddedBroker:
     (mutual TLS only) a client's user is the name of its certificate (`swarm.bus.gate.Gate`).
     Either way a client that logs in with a username is held to the ACL of the swarm's topics
     under `prefix` (`Topics.may_publish`): the scheduler publishes anything, a peer (username =
-    its peer id) only `peers/{peer}` and `jobs/+/load/{peer}`, its last-will included. With a
+    its peer id) only `peers/{peer}` and `peers/{peer}/load`, its last-will included. With a
     token every client has a username ("swarm" by default); without one, a client without a
     username is trusted with everything (an open broker has no identities). `limits` bound
     what strangers can take: the time to send a CONNECT, the connections held, the size of a

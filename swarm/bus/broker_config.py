@@ -89,8 +89,8 @@ persistence false
 max_queued_messages {MAX_QUEUED_MESSAGES}
 max_queued_bytes {MAX_QUEUED_BYTES}
 # All of the broker's heap, retained messages included: past it a message is dropped and its
-# sender disconnected. Mosquitto bounds no one user's retained bytes: a peer may retain on its
-# load topics (of any job id) until this is reached, and then every sender is refused.
+# sender disconnected. Mosquitto bounds no one user's retained bytes, but a peer writes two
+# topics only (acl), so it holds at most two retained messages of max_packet_size.
 memory_limit {memory_limit_mib << 20}
 
 # TLS with the swarm's CA only: clients dial mqtts://HOST:{port} with --tls-ca.
@@ -123,9 +123,10 @@ def acl_text(
     lines = [
         "# The swarm's ACL, written by `swarm broker-config`: each peer publishes only its own",
         "# topics (a denied PUBLISH, a last-will included, is dropped silently).",
-        "# A peer writes its announcement (and last-will) and its load reports ...",
+        "# A peer writes its announcement (and last-will) and its load reports (of whichever job",
+        "# it serves: a fixed two topics, so it can leave no more than two retained) ...",
         f"pattern write {prefix}peers/%u",
-        f"pattern write {prefix}jobs/+/load/%u",
+        f"pattern write {prefix}peers/%u/load",
         "",
         "# ... the scheduler job announcements, assignments, committed steps, and anything else.",
         f"user {SCHEDULER_USER}",

@@ -165,9 +165,9 @@ class Gate:
     def may_retain(self, user: str | None, topic: str) -> bool:
         """Whether `user` may leave a retained message on `topic` (which it may publish): the
         scheduler anywhere; a peer only its announcement (`peers/{peer}`, its last-will's topic),
-        not its load reports, which are sent again every few seconds and of which a made-up job
-        per message would keep a copy each; an open broker's client without a username, as
-        for publishing, anywhere."""
+        not its load reports (`peers/{peer}/load`), which are sent again every few seconds and
+        which no one needs kept; an open broker's client without a username, as for publishing,
+        anywhere."""
         if user == SCHEDULER_USER or (not user and not self.closed):
             return True
         try:

@@ -3,6 +3,12 @@
 Peers, the scheduler and trainers share membership, assignments and load through topics under a
 prefix (default `swarm/v1/`); payloads are the protobuf messages of `control.proto`, typed by the
 topic's kind. Pure functions only: the connection itself is `swarm.bus.connection.Bus`.
+
+A peer writes two topics, whatever job it serves: `peers/{peer}` and `peers/{peer}/load` (the job
+is inside the load report). Why not one load topic per job: a broker bounds what it retains per
+topic, and Mosquitto (whose ACL cannot see the retain flag, and which bounds no one user's retained
+bytes) would keep a message on every job id a peer made up, until its heap cap refused everyone.
+With a fixed set, what a peer can leave retained is two topics x the packet cap.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ DEFAULT_PREFIX = "swarm/v1/"
 SCHEDULER_USER = "scheduler"
 """The scheduler's MQTT username: the one user the brokers' ACLs let publish every topic (jobs,
 assignments, steps); any other user is a peer, and publishes only `peers/{user}` and
-`jobs/+/load/{user}` (`Topics.may_publish`)."""
+`peers/{user}/load` (`Topics.may_publish`)."""
 ANY = "+"
 """Pass as an id to a `Topics` builder to get a single-level wildcard pattern."""
 
@@ -118,7 +124,7 @@ class TopicKind(enum.StrEnum):
     PEER = "peer"  # peers/{peer}
     JOB = "job"  # jobs/{job}
     ASSIGN = "assign"  # jobs/{job}/assign/{peer}
-    LOAD = "load"  # jobs/{job}/load/{peer}
+    LOAD = "load"  # peers/{peer}/load, the job in the payload
     STEPS = "steps"  # jobs/{job}/steps
 
 
@@ -183,17 +189,19 @@ class Topics:
     def assign(self, job: str, peer: str) -> str:
         return f"{self.job(job)}/assign/{_level(peer, wildcard=True)}"
 
-    def load(self, job: str, peer: str) -> str:
-        return f"{self.job(job)}/load/{_level(peer, wildcard=True)}"
+    def load(self, peer: str) -> str:
+        """`peer`'s load reports, of whichever job it serves (`LoadReport.job` says which)."""
+        return f"{self.peer(peer)}/load"
 
     def steps(self, job: str) -> str:
         return f"{self.job(job)}/steps"
 
     def may_publish(self, user: str | None, topic: str) -> bool:
         """The brokers' ACL: whether MQTT user `user` may publish on `topic`. The scheduler may
-        publish anything; a peer (its username is its id) only its announcement and its load
-        reports; a client without a username nothing under the prefix (an open broker lets it in
-        only when it has no token at all: see `swarm.bus.broker`)."""
+        publish anything; a peer (its username is its id) only its two topics, its announcement
+        and its load reports (`peers/{peer}`, `peers/{peer}/load`); a client without a username
+        nothing under the prefix (an open broker lets it in only when it has no token at all: see
+        `swarm.bus.broker`)."""
         if user == SCHEDULER_USER:
             return True
         if not user or not topic.startswith(self.prefix):
@@ -221,14 +229,14 @@ class Topics:
         match levels:
             case ["peers", peer]:
                 return TopicInfo(TopicKind.PEER, None, peer)
+            case ["peers", peer, "load"]:
+                return TopicInfo(TopicKind.LOAD, None, peer)
             case ["jobs", job]:
                 return TopicInfo(TopicKind.JOB, job, None)
             case ["jobs", job, "steps"]:
                 return TopicInfo(TopicKind.STEPS, job, None)
             case ["jobs", job, "assign", peer]:
                 return TopicInfo(TopicKind.ASSIGN, job, peer)
-            case ["jobs", job, "load", peer]:
-                return TopicInfo(TopicKind.LOAD, job, peer)
         raise TopicError(f"topic {topic!r} is not a swarm topic")
 
 

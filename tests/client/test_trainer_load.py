@@ -1,5 +1,6 @@
 """Trainers outside the scheduler follow the replicas' load reports: a remote trainer given the
-broker merges what a peer publishes there into its wiring (the embedded amqtt broker, for real)."""
+broker merges what a peer publishes there into its wiring (the embedded amqtt broker, for real).
+A peer's load topic is the same whatever job it serves: the trainer takes its own job's reports."""
 
 from __future__ import annotations
 
@@ -44,12 +45,14 @@ async def test_a_remote_trainer_follows_the_load_reports(monkeypatch: pytest.Mon
     seen: list[float] = []
 
     class Watching(PipelineTrainer):
-        """Instead of training: a replica of stage 0 appears, and it publishes its load on the
-        broker until this trainer's wiring has it."""
+        """Instead of training: replicas of stage 0 appear, and one publishes its load on the
+        broker until this trainer's wiring has it, then its load for another job (ignored), then
+        the other replica its load, for this job, behind it."""
 
         async def run(self) -> None:
             stages = self.job.training.stages
-            self.sync([[Replica("p0", "127.0.0.1:1", 1.0)]] + [[] for _ in range(stages - 1)])
+            replicas = [Replica(p, "127.0.0.1:1", 1.0) for p in ("p0", "p1")]
+            self.sync([replicas] + [[] for _ in range(stages - 1)])
             pool = self.wiring[0]
             report = cpb.LoadReport(
                 peer="p0",
@@ -62,7 +65,13 @@ async def test_a_remote_trainer_follows_the_load_reports(monkeypatch: pytest.Mon
                 await peer.wait_connected(10.0)
                 async with asyncio.timeout(20.0):
                     while pool.queued("p0") == 0.0:  # the trainer may not be subscribed yet
-                        await peer.publish(peer.topics.load(JOB, "p0"), report)
+                        await peer.publish(peer.topics.load("p0"), report)
+                        await asyncio.sleep(0.05)
+                    other = cpb.LoadReport(peer="p0", job="other", stage=0, queue_depth=99)
+                    await peer.publish(peer.topics.load("p0"), other)
+                    report.peer = "p1"  # an open broker: one connection may publish for both
+                    while pool.queued("p1") == 0.0:  # so "other" was handled before it
+                        await peer.publish(peer.topics.load("p1"), report)
                         await asyncio.sleep(0.05)
             seen.extend([pool.queued("p0"), pool.throughput("p0")])
 

@@ -64,7 +64,9 @@ def test_the_acl_grants_what_the_shipped_acl_and_the_embedded_broker_grant() -> 
     assert "pattern read" not in written  # Mosquitto 2 warns at every start about it
     probes = [
         *(TOPICS.peer(p) for p in (*peers, "c", TOOL_USER, SCHEDULER_USER)),
-        *(TOPICS.load("j", p) for p in (*peers, "c")),
+        *(TOPICS.load(p) for p in (*peers, "c")),
+        *(f"{TOPICS.prefix}jobs/j/load/{p}" for p in peers),  # the load topics of before (N3)
+        *(f"{TOPICS.peer(p)}/x" for p in peers),
         TOPICS.job("j"),
         TOPICS.assign("j", "a"),
         TOPICS.steps("j"),

@@ -43,7 +43,7 @@ async def test_messages_on_anothers_topics_are_logged_rated(
         assert await a.connack(WAIT_S) == 0
         for _ in range(50):
             await a.send(publish_packet(TOPICS.peer("b"), b"forged"))
-            await a.send(publish_packet(TOPICS.load("j", "a"), b"load", retain=True))
+            await a.send(publish_packet(TOPICS.load("a"), b"load", retain=True))
         await a.send(publish_packet(TOPICS.peer("a"), b"marker", retain=True))
         assert broker._broker is not None
         async with asyncio.timeout(WAIT_S):

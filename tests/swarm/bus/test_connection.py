@@ -86,11 +86,11 @@ async def test_retained_state_reaches_late_subscriber(broker: BrokerUnderTest) -
 async def test_load_reaches_live_subscribers(broker: BrokerUnderTest) -> None:
     async with bus(broker.url, "sched") as sched, bus(broker.url, "peer-b") as peer:
         await sched.wait_connected(WAIT_S)
-        loads = sched.subscribe(sched.topics.load("j1", ANY))
+        loads = sched.subscribe(sched.topics.load(ANY))
         await loads.wait_subscribed(WAIT_S)
-        await peer.publish(peer.topics.load("j1", "b"), pb.LoadReport(peer="b", queue_depth=4))
+        await peer.publish(peer.topics.load("b"), pb.LoadReport(peer="b", queue_depth=4))
         topic, report = await receive(loads)
-        assert sched.topics.parse(topic) == TopicInfo(TopicKind.LOAD, "j1", "b")
+        assert sched.topics.parse(topic) == TopicInfo(TopicKind.LOAD, None, "b")
         assert isinstance(report, pb.LoadReport) and report.queue_depth == 4
 
         # A consumer cancelled mid-iteration leaves no subscription behind, and closing the bus
@@ -133,7 +133,7 @@ async def test_reconnects_and_restores_after_broker_restart(broker: BrokerUnderT
         await peer.wait_connected(WAIT_S)
         await sched.wait_connected(WAIT_S)
         await peer.publish(peer.topics.peer("r"), serving("r", stage=0), retain=True)
-        loads = sched.subscribe(sched.topics.load("j1", ANY))
+        loads = sched.subscribe(sched.topics.load(ANY))
         await loads.wait_subscribed(WAIT_S)
 
         await broker.stop()
@@ -141,7 +141,7 @@ async def test_reconnects_and_restores_after_broker_restart(broker: BrokerUnderT
         # While the broker is down: a retained update is kept, a load report cannot be sent.
         await peer.publish(peer.topics.peer("r"), serving("r", stage=1), retain=True, timeout=0.2)
         with pytest.raises(BusNotConnected):
-            await peer.publish(peer.topics.load("j1", "r"), pb.LoadReport(peer="r"), timeout=0.2)
+            await peer.publish(peer.topics.load("r"), pb.LoadReport(peer="r"), timeout=0.2)
 
         await broker.start()  # same port, empty: no retained state survived
         await peer.wait_connected(WAIT_S)
@@ -154,7 +154,7 @@ async def test_reconnects_and_restores_after_broker_restart(broker: BrokerUnderT
         assert isinstance(announcement, pb.PeerAnnouncement) and announcement.stage == 1
 
         await loads.wait_subscribed(WAIT_S)
-        await peer.publish(peer.topics.load("j1", "r"), pb.LoadReport(peer="r", in_flight=2))
+        await peer.publish(peer.topics.load("r"), pb.LoadReport(peer="r", in_flight=2))
         _, report = await receive(loads)
         assert isinstance(report, pb.LoadReport) and report.in_flight == 2
 

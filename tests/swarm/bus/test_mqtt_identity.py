@@ -63,7 +63,7 @@ async def _nothing_on(sub: AsyncIterator[tuple[str, object]]) -> None:
 
 async def test_a_payload_naming_another_peer_does_not_update_it(tmp_path: Path) -> None:
     """On peers/A, a payload claiming to be B: the scheduler's registry has no B, and its load
-    report on jobs/j/load/A claiming B changes nothing of B (an open broker: no ACL to help)."""
+    report on peers/A/load claiming B changes nothing of B (an open broker: no ACL to help)."""
     async with EmbeddedBroker() as broker:
         with JobStore(tmp_path / "jobs.sqlite") as store:
             async with _bus(broker.url, "scheduler") as bus, _bus(broker.url, "peer-a") as peer:
@@ -85,7 +85,7 @@ async def test_a_payload_naming_another_peer_does_not_update_it(tmp_path: Path) 
                     liar.address = "evil:1"
                     await peer.publish(peer.topics.peer("a"), liar, retain=True)
                     report = pb.LoadReport(peer="b", job="j", stage=0, ema_seconds_per_sample=9.0)
-                    await peer.publish(peer.topics.load("j", "a"), report)
+                    await peer.publish(peer.topics.load("a"), report)
                     marker = _serving("c")
                     await peer.publish(peer.topics.peer("c"), marker, retain=True)
                     async with asyncio.timeout(WAIT_S):  # everything before it was handled
@@ -101,7 +101,8 @@ async def test_a_payload_naming_another_peer_does_not_update_it(tmp_path: Path) 
 
 
 async def test_every_subscriber_gets_the_topics_name(tmp_path: Path) -> None:
-    """What the bus delivers names the topic's peer and job, whatever the payload left out."""
+    """What the bus delivers names the topic's peer (and job, where the topic has one: a load
+    report's job is its payload's), whatever the payload left out."""
     async with (
         EmbeddedBroker() as broker,
         _bus(broker.url, "reader") as reader,
@@ -110,12 +111,12 @@ async def test_every_subscriber_gets_the_topics_name(tmp_path: Path) -> None:
         await reader.wait_connected(WAIT_S)
         await writer.wait_connected(WAIT_S)
         peers = reader.subscribe(reader.topics.peer(ANY))
-        loads = reader.subscribe(reader.topics.load(ANY, ANY))
+        loads = reader.subscribe(reader.topics.load(ANY))
         await peers.wait_subscribed(WAIT_S)
         await loads.wait_subscribed(WAIT_S)
         nameless = pb.PeerAnnouncement(address="a:1")  # not empty: b"" clears a topic
         await writer.publish(writer.topics.peer("a"), nameless, retain=True)
-        await writer.publish(writer.topics.load("j", "a"), pb.LoadReport(queue_depth=1))
+        await writer.publish(writer.topics.load("a"), pb.LoadReport(job="j", queue_depth=1))
         async with asyncio.timeout(WAIT_S):
             _, announced = await anext(peers)
             _, loaded = await anext(loads)
@@ -140,16 +141,16 @@ async def test_a_peer_publishes_only_its_own_topics(kind: str, tmp_path: Path) -
             await everything.wait_subscribed(WAIT_S)
             # another peer's announcement and load, and the scheduler's topics: dropped
             await a.publish(topics.peer("b"), _serving("b"), retain=True)
-            await a.publish(topics.load("j", "b"), pb.LoadReport(peer="b"))
+            await a.publish(topics.load("b"), pb.LoadReport(peer="b"))
             await a.publish(topics.assign("j", "a"), pb.Assignment(job="j", peer="a", stage=1))
             await a.publish(topics.job("j"), pb.JobAnnouncement(job="j"), retain=True)
             await _nothing_on(everything)
             # its own: delivered
             await a.publish(topics.peer("a"), _serving("a"), retain=True)
-            await a.publish(topics.load("j", "a"), pb.LoadReport(peer="a", queue_depth=2))
+            await a.publish(topics.load("a"), pb.LoadReport(peer="a", queue_depth=2))
             async with asyncio.timeout(WAIT_S):
                 got = {(await anext(everything))[0] for _ in range(2)}
-            assert got == {topics.peer("a"), topics.load("j", "a")}
+            assert got == {topics.peer("a"), topics.load("a")}
             # and the scheduler publishes everything
             await watcher.publish(topics.job("j"), pb.JobAnnouncement(job="j"), retain=True)
             async with asyncio.timeout(WAIT_S):

@@ -52,19 +52,21 @@ def test_topics_build_and_parse() -> None:
     assert t.prefix == "s/v1/"
     assert t.peer("p1") == "s/v1/peers/p1"
     assert t.assign("j", "p") == "s/v1/jobs/j/assign/p"
-    assert t.load("j", ANY) == "s/v1/jobs/j/load/+"
+    assert t.load(ANY) == "s/v1/peers/+/load"
     assert t.parse(t.peer("p1")) == TopicInfo(TopicKind.PEER, None, "p1")
     assert t.parse(t.job("j")) == TopicInfo(TopicKind.JOB, "j", None)
     assert t.parse(t.assign("j", "p")) == TopicInfo(TopicKind.ASSIGN, "j", "p")
-    assert t.parse(t.load("j", "p")) == TopicInfo(TopicKind.LOAD, "j", "p")
+    assert t.parse(t.load("p")) == TopicInfo(TopicKind.LOAD, None, "p")
     assert t.parse(t.steps("j")) == TopicInfo(TopicKind.STEPS, "j", None)
     for bad_id in ["", "a/b", "#", "a+"]:
         with pytest.raises(TopicError):
             t.peer(bad_id)
-    for bad_topic in ["x/v1/peers/p", "s/v1/peers/p/q", "s/v1/jobs/j/other/p", "s/v1/peers/+"]:
+    bad_topics = ["x/v1/peers/p", "s/v1/peers/p/q", "s/v1/jobs/j/other/p", "s/v1/peers/+"]
+    for bad_topic in [*bad_topics, "s/v1/jobs/j/load/p", "s/v1/peers/p/load/q"]:
         with pytest.raises(TopicError):
             t.parse(bad_topic)
-    assert topic_matches("s/v1/jobs/j/load/p", t.load(ANY, ANY))
+    assert topic_matches("s/v1/peers/p/load", t.load(ANY))
+    assert not topic_matches("s/v1/peers/p/load", t.peer(ANY))
     assert topic_matches("s/v1/jobs/j", t.everything())
     assert not topic_matches("s/v1/jobs/j/steps", t.job(ANY))
 
@@ -83,10 +85,21 @@ def test_publish_topics_and_subscription_patterns_are_checked() -> None:
 
 def test_the_acl_lets_a_peer_publish_only_its_own_topics() -> None:
     t = Topics()
-    assert t.may_publish("a", t.peer("a")) and t.may_publish("a", t.load("j", "a"))
-    for topic in (t.peer("b"), t.load("j", "b"), t.assign("j", "a"), t.job("j"), t.steps("j")):
+    assert t.may_publish("a", t.peer("a")) and t.may_publish("a", t.load("a"))
+    for topic in (t.peer("b"), t.load("b"), t.assign("j", "a"), t.job("j"), t.steps("j")):
         assert not t.may_publish("a", topic)
     assert not t.may_publish("a", "elsewhere/peers/a") and not t.may_publish(None, t.peer("a"))
     assert all(
         t.may_publish(SCHEDULER_USER, x) for x in (t.job("j"), t.assign("j", "a"), "any/thing")
     )
+
+
+@pytest.mark.attack("N3")
+def test_a_peer_may_publish_a_fixed_two_topics_whatever_job_it_names() -> None:
+    """Issue 44 N3: what bounds a peer's retained messages on Mosquitto (no per-user bound there,
+    an ACL blind to the retain flag) is how many topics it may write: two, for any job."""
+    t = Topics()
+    shapes = ("jobs/x{}/load/a", "peers/a/{}", "peers/a/load/{}", "peers/a/x{}/load")
+    made_up = [f"{t.prefix}{shape.format(i)}" for i in range(50) for shape in shapes]
+    writable = {x for x in [t.peer("a"), t.load("a"), *made_up] if t.may_publish("a", x)}
+    assert writable == {t.peer("a"), t.load("a")}
