@@ -30,6 +30,7 @@ from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager
 from stage_server.commit import Commit, Committer
 from stage_server.compute_clock import clock_for
+from stage_server.host_copies import DeviceCopies
 from stage_server.limits import PeerLimits
 from stage_server.messages import Limits, Messages, info_reply
 from stage_server.metrics import StageMetrics
@@ -128,6 +129,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     @throttle.setter
     def throttle(self, value: float) -> None:
         self.worker.throttle = value
+
+    @property
+    def copies(self) -> DeviceCopies:  # how replies reach the host (`stage_server.host_copies`)
+        return self._messages.copies
+
+    @copies.setter
+    def copies(self, value: DeviceCopies) -> None:
+        self._messages.copies = value
 
     @property
     def waiting(self) -> int:  # compute calls queued or running: the load this peer reports
