@@ -116,7 +116,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             peer=peer,
             token=token,
             worker=self.worker,
-            limits=self.limits,
+            messages=self._messages,
             runtime=lambda: self.runtime,
             backward_here=self._backward_here,
         )
@@ -242,12 +242,24 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
         input gradient in codec `reply` and (unless `receipt` is False) the receipt."""
         step, index = h.microbatch.step, h.microbatch.index
-        (*loss, grad, done), queued = await self.worker.run_queued(
-            fn, step, index, *tensors, accumulate=accumulate, need_grad_inputs=h.need_grad_inputs
+
+        def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
+            # On the worker thread: the input gradient's copy to the host waits on the device.
+            *loss, grad, done = result
+            return loss, self._messages.encode(grad, "grad_inputs", reply), done
+
+        (loss, grad, done), queued = await self.worker.run_then(
+            fn,
+            on_host,
+            step,
+            index,
+            *tensors,
+            accumulate=accumulate,
+            need_grad_inputs=h.need_grad_inputs,
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
         return Answered(
-            grad=self._messages.encode(grad, "grad_inputs", reply),
+            grad=grad,
             receipt=self._receipt(done) if receipt else None,
             loss=loss[0] if loss else 0.0,
             queued=queued,
@@ -261,12 +273,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             reply = self._messages.reply_codec(h.reply_codec)
             step, index = h.microbatch.step, h.microbatch.index
             maybe_die(Point.FORWARD, step)
-            out, queued = await self.worker.run_queued(
-                self.runtime.forward, step, index, inputs, evaluate=h.evaluate
+            # The outputs' copy to the host on the worker thread, right after the compute.
+            outputs, queued = await self.worker.run_then(
+                self.runtime.forward,
+                lambda out: self._messages.encode(out, "outputs", reply),
+                step,
+                index,
+                inputs,
+                evaluate=h.evaluate,
             )
-            return pb.StageForwardResponse(
-                tensors=self._messages.encode(out, "outputs", reply), queued_seconds=queued
-            )
+            return pb.StageForwardResponse(tensors=outputs, queued_seconds=queued)
 
         for msg in self._messages.split(await self._run_held("Forward", context, body)):
             yield msg

@@ -86,6 +86,51 @@ async def test_the_loop_answers_another_call_while_a_reply_is_copied_off_the_dev
     assert out.shape == (4, 16, 32) and out.dtype == torch.float64
 
 
+async def test_a_push_sends_its_outputs_on_without_the_loop_waiting_on_their_copy(
+    tmp_path: Path,
+) -> None:
+    # The push plane: stage 1 computes, copies its outputs to the host and sends them on to
+    # stage 2 (the last) along the same call. While stage 1's copy is slow, its loop answers.
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    first = await start_stage_server(job, StageServerOptions(stage=1, metrics_port=0))
+    last = await start_stage_server(job, StageServerOptions(stage=2, metrics_port=0))
+    slow = SlowCopies(seconds=10.0, gated=True)
+    first.servicer.copies = slow
+    onward = pb.Route(
+        peers=[last.servicer.peer], addresses=[last.address], throughput=[1.0]
+    )  # fmt: skip
+    request = pb.StagePushRequest(
+        job=fingerprint(job),
+        stage=1,
+        microbatch=pb.MicrobatchId(step=0, index=0),
+        tensors=[
+            codec.encode(torch.randn(4, 16, 32, dtype=torch.float64), "inputs"),
+            codec.encode(torch.zeros(4, 16, dtype=torch.int64), "targets"),
+        ],
+        accumulate=[1, 2],
+        route=[onward],
+        need_grad_inputs=True,
+    )
+    try:
+        async with grpc.aio.insecure_channel(first.address) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            push = asyncio.create_task(_call(stub.Push, request))
+            await asyncio.wait_for(_started(slow), 30)
+            info = await stub.Info(pb.StageInfoRequest(), timeout=30)
+            answered_during_copy = not slow.copies
+            slow.gate.set()
+            (reply,) = await push
+    finally:
+        await first.stop()
+        await last.stop()
+    assert info.peer == first.servicer.peer
+    assert answered_during_copy, "Info was answered only after the copy had ended"
+    assert slow.copies[0] is True, "the copy blocked the event loop until it timed out"
+    assert sorted(r.stage for r in reply.receipts) == [1, 2]  # stage 2 took what was copied
+    grad = codec.decode(reply.tensors[0])
+    assert grad.shape == (4, 16, 32) and torch.isfinite(grad).all()
+
+
 async def test_the_loop_wakes_on_time_during_a_slow_copy(
     job: JobConfig, server: RunningStageServer
 ) -> None:
