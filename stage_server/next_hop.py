@@ -21,7 +21,6 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
-
 from swarm.clock import MonotonicClock
 from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
