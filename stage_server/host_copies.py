@@ -77,7 +77,12 @@ class PinnedPool:
                 return None
             self.allocated += size
             self.made += 1
-        return self._alloc(size)
+        try:
+            return self._alloc(size)
+        except RuntimeError:  # the host would not page-lock more: copy without a buffer
+            with self._lock:
+                self.allocated -= size
+            return None
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer `take` lent, for the next copy of its size."""

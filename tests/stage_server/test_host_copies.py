@@ -44,6 +44,15 @@ def test_the_pool_never_holds_more_than_its_bound() -> None:
     assert pool.allocated == 8 << 10 <= pool.max_bytes
 
 
+def test_a_host_that_will_not_page_lock_gets_no_buffer_and_the_pool_stays_balanced() -> None:
+    def refuse(nbytes: int) -> torch.Tensor:
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    pool = PinnedPool(max_bytes=1 << 20, alloc=refuse)
+    assert pool.take(1000) is None
+    assert pool.allocated == 0
+
+
 def test_on_the_cpu_nothing_is_copied_or_page_locked() -> None:
     copies = TorchCopies(PinnedPool(alloc=_plain))
     t = torch.randn(3, 5)
