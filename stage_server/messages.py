@@ -25,6 +25,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from google.protobuf.message import Message
 
+from stage_server.host_copies import DeviceCopies, TorchCopies
 from stage_server.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import Receipt, StageRuntime
@@ -138,8 +139,12 @@ class Limits:
 class Messages:
     """Decoding and encoding with `limits`, counting bytes in `metrics`."""
 
-    def __init__(self, limits: Limits, metrics: StageMetrics) -> None:
+    def __init__(
+        self, limits: Limits, metrics: StageMetrics, copies: DeviceCopies | None = None
+    ) -> None:
         self.limits, self.metrics = limits, metrics
+        # How device tensors reach the host: called on the worker thread, never on the loop.
+        self.copies: DeviceCopies = copies or TorchCopies()
 
     async def receive(
         self,
@@ -197,12 +202,20 @@ class Messages:
     def encode(
         self, tensor: torch.Tensor | None, name: str, reply_codec: int
     ) -> list[tensor_pb2.Tensor]:
-        """`tensor` as a reply's tensors: none for None, else one, encoded with `reply_codec`."""
+        """`tensor` as a reply's tensors: none for None, else one, encoded with `reply_codec`.
+        It waits for the device's copy to the host: call it on the worker thread."""
         if tensor is None:
             return []
-        msg = codec.encode(tensor, name, reply_codec, self.limits.block_size)
+        msg = self.to_wire(tensor, name, reply_codec)
         self.metrics.sent(msg.nbytes, tensor.numel() * tensor.element_size())
         return [msg]
+
+    def to_wire(self, tensor: torch.Tensor, name: str, with_codec: int) -> tensor_pb2.Tensor:
+        """`tensor` encoded with `with_codec`, copied to the host through `copies` (the push
+        plane's outputs, which its next hop sends on as they are; counted there, not here)."""
+        return codec.encode(
+            tensor, name, with_codec, self.limits.block_size, host=self.copies.to_host
+        )
 
     def split(self, msg: M) -> Iterator[M]:
         """`msg` in chunks of at most the served job's chunk size."""

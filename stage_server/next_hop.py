@@ -21,8 +21,6 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
-import torch
-
 from swarm.clock import MonotonicClock
 from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
@@ -72,8 +70,8 @@ class NextHop:
         self,
         step: int,
         index: int,
-        outputs: torch.Tensor,
-        targets: torch.Tensor,
+        outputs: TensorLike,
+        targets: TensorLike,
         accumulate: list[int],
         route: list[pb.Route],
         *,
@@ -81,7 +79,8 @@ class NextHop:
         deadline: float,
         evaluate: bool = False,
     ) -> Pushed:
-        """Send `outputs` on to the next stage (tries on others as above); raises
+        """Send `outputs` on to the next stage (tries on others as above; a replica hands them
+        over encoded, on the host already, so no try waits on its device); raises
         `PeerUnavailable` when no replica of it gave what this replica needs (`evaluate`: a
         validation microbatch, whose loss it needs)."""
         stage = self.stage + 1

@@ -5,7 +5,9 @@ the answer; the last stage runs its forward_backward instead. A validation micro
 same way, its loss back, nothing kept or accumulated.
 
 The servicer (`stage_server.servicer`) decodes the request and encodes the answer; the backward
-here is its `_backward_here`, the one way every accumulating call ends (`BackwardHere`)."""
+here is its `_backward_here`, the one way every accumulating call ends (`BackwardHere`). The
+outputs sent on are encoded, their copy to the host made, on the worker thread right after the
+forward (`Worker.run_then`): the event loop only sends their bytes."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from stage_server.messages import Limits
+from stage_server.messages import Messages
 from stage_server.next_hop import NextHop, Pushed
 from stage_server.runtime import StageRuntime
 from stage_server.worker import Worker
@@ -64,11 +66,12 @@ class PushPlane:
         peer: str,
         token: str | None,
         worker: Worker,
-        limits: Limits,
+        messages: Messages,
         runtime: Callable[[], StageRuntime],
         backward_here: BackwardHere,
     ) -> None:
-        self.peer, self.token, self.worker, self.limits = peer, token, worker, limits
+        self.peer, self.token, self.worker = peer, token, worker
+        self.messages, self.limits = messages, messages.limits
         self._runtime, self._backward_here = runtime, backward_here
         self._next_hop: NextHop | None = None  # the push plane's next stage, as seen here
 
@@ -178,8 +181,14 @@ class PushPlane:
         forward waited for the worker."""
         rt, step, index = self._runtime(), h.microbatch.step, h.microbatch.index
         assert self._next_hop is not None
-        outputs, queued = await self.worker.run_queued(
-            rt.forward, step, index, inputs, evaluate=evaluate
+        sent_as = codec.codec_from_name(rt.job.compression.forward)  # as a trainer sends them
+        outputs, queued = await self.worker.run_then(
+            rt.forward,
+            lambda out: self.messages.to_wire(out, "inputs", sent_as),
+            step,
+            index,
+            inputs,
+            evaluate=evaluate,
         )
         pushed = await self._next_hop.send(
             step,

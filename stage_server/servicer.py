@@ -30,6 +30,7 @@ from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager
 from stage_server.commit import Commit, Committer
 from stage_server.compute_clock import clock_for
+from stage_server.host_copies import DeviceCopies
 from stage_server.limits import PeerLimits
 from stage_server.messages import Limits, Messages, info_reply
 from stage_server.metrics import StageMetrics
@@ -115,7 +116,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             peer=peer,
             token=token,
             worker=self.worker,
-            limits=self.limits,
+            messages=self._messages,
             runtime=lambda: self.runtime,
             backward_here=self._backward_here,
         )
@@ -128,6 +129,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     @throttle.setter
     def throttle(self, value: float) -> None:
         self.worker.throttle = value
+
+    @property
+    def copies(self) -> DeviceCopies:  # how replies reach the host (`stage_server.host_copies`)
+        return self._messages.copies
+
+    @copies.setter
+    def copies(self, value: DeviceCopies) -> None:
+        self._messages.copies = value
 
     @property
     def waiting(self) -> int:  # compute calls queued or running: the load this peer reports
@@ -233,12 +242,24 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
         input gradient in codec `reply` and (unless `receipt` is False) the receipt."""
         step, index = h.microbatch.step, h.microbatch.index
-        (*loss, grad, done), queued = await self.worker.run_queued(
-            fn, step, index, *tensors, accumulate=accumulate, need_grad_inputs=h.need_grad_inputs
+
+        def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
+            # On the worker thread: the input gradient's copy to the host waits on the device.
+            *loss, grad, done = result
+            return loss, self._messages.encode(grad, "grad_inputs", reply), done
+
+        (loss, grad, done), queued = await self.worker.run_then(
+            fn,
+            on_host,
+            step,
+            index,
+            *tensors,
+            accumulate=accumulate,
+            need_grad_inputs=h.need_grad_inputs,
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
         return Answered(
-            grad=self._messages.encode(grad, "grad_inputs", reply),
+            grad=grad,
             receipt=self._receipt(done) if receipt else None,
             loss=loss[0] if loss else 0.0,
             queued=queued,
@@ -252,12 +273,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             reply = self._messages.reply_codec(h.reply_codec)
             step, index = h.microbatch.step, h.microbatch.index
             maybe_die(Point.FORWARD, step)
-            out, queued = await self.worker.run_queued(
-                self.runtime.forward, step, index, inputs, evaluate=h.evaluate
+            # The outputs' copy to the host on the worker thread, right after the compute.
+            outputs, queued = await self.worker.run_then(
+                self.runtime.forward,
+                lambda out: self._messages.encode(out, "outputs", reply),
+                step,
+                index,
+                inputs,
+                evaluate=h.evaluate,
             )
-            return pb.StageForwardResponse(
-                tensors=self._messages.encode(out, "outputs", reply), queued_seconds=queued
-            )
+            return pb.StageForwardResponse(tensors=outputs, queued_seconds=queued)
 
         for msg in self._messages.split(await self._run_held("Forward", context, body)):
             yield msg

@@ -12,6 +12,10 @@ Every time here is the device's (`stage_server.compute_clock`): a call holds the
 the device has finished its work, not until its launch returned, so on CUDA the service time,
 the queue's waits and the queue depth are the compute's, whichever stage reads its results back.
 
+A call's results reach the event loop on the host: `run_then`'s `after` (the copy of the reply to
+the host, `stage_server.host_copies`) runs on the worker thread once the compute has settled,
+outside its timing, so the loop never waits on the device.
+
 `throttle` > 1 stands in for a slower device: the worker is held that much longer after each call,
 as a slower device would hold it, and the EMA sees the held time.
 """
@@ -30,6 +34,7 @@ from stage_server.compute_clock import HOST_CLOCK, ComputeClock
 __all__ = ["LOAD_EMA", "Worker"]
 
 T = TypeVar("T")
+U = TypeVar("U")
 LOAD_EMA = 0.2  # weight of the newest call in the reported moving average
 
 
@@ -57,15 +62,23 @@ class Worker:
 
     async def run_queued(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
         """`run`, also returning how long the call waited for the worker (seconds)."""
+        return await self.run_then(fn, _itself, *args, **kwargs)
+
+    async def run_then(
+        self, fn: Callable[..., T], after: Callable[[T], U], *args: Any, **kwargs: Any
+    ) -> tuple[U, float]:
+        """`run_queued`, then `after(result)` on the worker thread before the loop gets it:
+        what must wait on the device (its results' copy to the host) waits there. `after` is not
+        part of the call's service time (`ema_seconds`), which is the compute's."""
         self._on_queue(1)
         self.waiting += 1
         clock = self.clock  # one clock for both ends of the wait
         submitted = clock.now()
         started: list[float] = []
 
-        def timed() -> T:
+        def timed() -> U:
             started.append(clock.now())
-            return self._throttled(functools.partial(fn, *args, **kwargs), clock)
+            return after(self._throttled(functools.partial(fn, *args, **kwargs), clock))
 
         try:
             loop = asyncio.get_running_loop()
@@ -98,3 +111,7 @@ class Worker:
                 if self.ema_seconds is None
                 else (LOAD_EMA * seconds + (1 - LOAD_EMA) * self.ema_seconds)
             )
+
+
+def _itself(result: T) -> T:
+    return result

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import cast
 
 import torch
@@ -26,6 +28,7 @@ __all__ = [
     "CODEC_INT8_BLOCKWISE",
     "CODEC_NONE",
     "DTYPES",
+    "HostCopy",
     "codec_from_name",
     "decode",
     "decoded_nbytes",
@@ -67,6 +70,13 @@ _BUFFER_WARNING = "The given buffer is not writable"
 _MAX_BLOCK_SIZE = 2**31 - 1  # Tensor.block_size is an int32
 
 Buffer = bytes | bytearray | memoryview
+# A tensor's bytes on the host for as long as the context is open (`stage_server.host_copies`:
+# through a reusable pinned buffer on CUDA). The default copies with `.cpu()`.
+HostCopy = Callable[[torch.Tensor], AbstractContextManager[torch.Tensor]]
+
+
+def _cpu(t: torch.Tensor) -> AbstractContextManager[torch.Tensor]:
+    return nullcontext(t.cpu())
 
 
 def codec_from_name(name: str) -> int:
@@ -88,14 +98,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def encode(
-    t: torch.Tensor, name: str, codec: int = CODEC_NONE, block_size: int = 2048
+    t: torch.Tensor,
+    name: str,
+    codec: int = CODEC_NONE,
+    block_size: int = 2048,
+    *,
+    host: HostCopy = _cpu,
 ) -> tensor_pb2.Tensor:
     """Encode `t` as a `Tensor` message named `name`.
 
     Lossy codecs apply to floating tensors only; others always go as CODEC_NONE. The cast or
     quantization runs on `t`'s device before the copy to the CPU, so fewer bytes cross the bus.
     int8_blockwise and hadamard3 do not preserve NaN or infinity; hadamard3 uses its own
-    block (`swarm.wire.hadamard.BLOCK`), not `block_size`.
+    block (`swarm.wire.hadamard.BLOCK`), not `block_size`. `host` copies the wire form to the
+    host: it blocks until the device has produced `t`, so a server calls this off its event loop.
     """
     name_of_dtype = dtype_name(t.dtype)
     if codec not in _CODEC_NAMES:
@@ -117,9 +133,11 @@ def encode(
     else:
         wire = t.to(_CAST_CODECS[codec]) if codec in _CAST_CODECS else t
     # reshape(-1) first: a 0-dim tensor cannot be viewed as a dtype of another element size.
-    wire = wire.cpu().contiguous().reshape(-1).view(torch.uint8)
-    # The one unavoidable copy: protobuf bytes fields take `bytes` only.
-    msg.data = wire.numpy().tobytes()
+    # On the device: the copy to the host then moves one flat run of bytes.
+    wire = wire.contiguous().reshape(-1).view(torch.uint8)
+    with host(wire) as on_host:
+        # The one unavoidable copy: protobuf bytes fields take `bytes` only.
+        msg.data = on_host.numpy().tobytes()
     msg.nbytes = wire.numel()
     return msg
 
