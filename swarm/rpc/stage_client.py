@@ -331,9 +331,8 @@ class StageClient:
         """Have this replica copy the replica at `source` in the background, until it is at
         `step`; returns the step it is at now (`step` once it is a copy to admit). `ticket`: the
         scheduler's, naming this replica a follower of `source` (`swarm.net.follow_tickets`)."""
-        request = pb.StageJoinRequest(
-            job=self.job_id, stage=self.stage, source=source, step=step, ticket=ticket
-        )
+        request = pb.StageJoinRequest(job=self.job_id, stage=self.stage, source=source, step=step)
+        request.ticket = ticket
         response: pb.StageJoinResponse = await self.stub.Join(request, timeout=self._timeout)
         return response.step
 
@@ -369,10 +368,10 @@ class StageClient:
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """The replica's state and step: parameters (names as in the whole model, with `prefix`
         removed) and, when asked, optimizer state (`optim/<index>/<key>`). A `follower` (a
-        joining peer, with the scheduler's `ticket` naming it when the replica was placed by a
-        scheduler) has the replica keep its updates from that step on (`updates`). However
-        large the state, the call lasts while bytes keep coming: it fails when none came for
-        `rpc_timeout_s`, or when the whole state took longer than its bound at a minimum rate
+        joining peer, named by the scheduler's `ticket` under a scheduler) has the replica keep
+        its updates from that step on (`updates`). However large the state, the call lasts
+        while bytes keep coming: it fails when none came for `rpc_timeout_s`, or when the whole
+        state took longer than its bound at a minimum rate
         (`swarm.rpc.state_streams.STATE_MIN_RATE`, at least `STATE_FLOOR_S`). Each tensor is
         checked as it comes (`expect`: its name, shape and dtype; at most
         `expect.max_state_bytes()` in all, `runtime.max_tensor_bytes` each): the first refused
@@ -423,20 +422,14 @@ class StageClient:
         """The updates the replica applied from `from_step` on, as (step, gradient sums in
         parameter order, total samples, clipping coefficient, whether it is a round's end);
         `follower` (named by `ticket`, as to `download_state`) has those before. A negative
-        `from_step` says the follower is done. Lasts
-        while bytes keep coming, as `download_state`, and is checked as it comes as that is
-        (`expect`: each update's gradient sums of the parameters' shapes and dtypes, the steps
-        in order, `swarm.rpc.stream_order`; in all at most what an update log keeps,
+        `from_step` says the follower is done. Lasts while bytes keep coming, as
+        `download_state`, and is checked as it comes as that is (`expect`: each update's
+        gradient sums of the parameters' shapes and dtypes, the steps in order,
+        `swarm.rpc.stream_order`; in all at most what an update log keeps,
         `runtime.update_log_bytes`, or one update when larger)."""
-        call = self.stub.Updates(
-            pb.StageUpdatesRequest(
-                job=self.job_id,
-                stage=self.stage,
-                follower=follower,
-                from_step=from_step,
-                ticket=ticket,
-            )
-        )
+        request = pb.StageUpdatesRequest(job=self.job_id, stage=self.stage, follower=follower)
+        request.from_step, request.ticket = from_step, ticket
+        call = self.stub.Updates(request)
         try:
             rounds, log_bytes = rule_of(self.job).rounds, self.job.runtime.update_log_bytes
             return await self._streams.receive_updates(
