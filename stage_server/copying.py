@@ -33,9 +33,17 @@ class Copy:
     _POLL_FIRST_S, _POLL_CAP_S = 0.05, 1.0  # pauses between asks for new updates
 
     def __init__(
-        self, source: StageClient, runtime: StageRuntime, compute: Compute, peer: str
+        self,
+        source: StageClient,
+        runtime: StageRuntime,
+        compute: Compute,
+        peer: str,
+        ticket: bytes = b"",
     ) -> None:
         self.source, self.runtime, self.compute, self.peer = source, runtime, compute, peer
+        # The scheduler's, naming this replica a follower of `source` (`Join` brought it): a
+        # source the scheduler placed keeps updates only for the followers it names.
+        self.ticket = ticket
         self.address = source.address
         self.error: BaseException | None = None
         self.loaded = False  # the state is downloaded and loaded: now applying updates
@@ -76,7 +84,11 @@ class Copy:
             # Checked as it comes (names, shapes, dtypes, a total): a source that sends what
             # this stage's state cannot hold is refused before it sizes this process's memory.
             step, state = await self.source.download_state(
-                include_optimizer=True, prefix="", follower=self.peer, expect=rt.checks.state
+                include_optimizer=True,
+                prefix="",
+                follower=self.peer,
+                expect=rt.checks.state,
+                ticket=self.ticket,
             )
             await self.compute(rt.follow.load, step, state, self._began)
             self.loaded = True
@@ -93,7 +105,9 @@ class Copy:
     async def _follow(self) -> None:
         rt, pause = self.runtime, Backoff(self._POLL_FIRST_S, self._POLL_CAP_S)
         while rt.following:
-            updates = await self.source.updates(self.peer, rt.step, expect=rt.checks.state)
+            updates = await self.source.updates(
+                self.peer, rt.step, expect=rt.checks.state, ticket=self.ticket
+            )
             for update in updates:
                 if not await self.compute(rt.follow.apply, *update):
                     break
@@ -109,4 +123,4 @@ class Copy:
             self._ask.clear()
         # A member now: the source may forget this follower's updates (or later, by itself).
         with contextlib.suppress(SwarmError):
-            await self.source.updates(self.peer, -1, expect=rt.checks.state)
+            await self.source.updates(self.peer, -1, expect=rt.checks.state, ticket=self.ticket)

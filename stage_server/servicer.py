@@ -111,6 +111,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             runtime=lambda: self.runtime,
             budget=self.budget,
             limits=self.limits,
+            # Under a scheduler, it alone names followers (its tickets, issue 44 N7).
+            scheduler_key=lambda: self.commit_auth.public if self.commit_auth else None,
         )
         self._push = PushPlane(
             peer=peer,
@@ -386,7 +388,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         async def body() -> pb.StageJoinResponse:
             self._route(request.job, request.stage)
-            at = await self._transfer.join(self.job_id, request.source, request.step)
+            at = await self._transfer.join(
+                self.job_id, request.source, request.step, request.ticket
+            )
             return pb.StageJoinResponse(step=at, copying=True)
 
         return await self._serving.run("Join", context, body)
@@ -397,7 +401,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         async def body() -> AsyncIterator[pb.StageUpdatesResponse]:
             self._route(request.job, request.stage)
             chunk = self.limits.chunk_bytes
-            async for part in self._transfer.updates(request.follower, request.from_step, chunk):
+            async for part in self._transfer.updates(
+                request.job, request.follower, request.ticket, request.from_step, chunk
+            ):
                 yield part
 
         async for part in self._serving.stream("Updates", context, body()):
@@ -420,7 +426,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         async def body() -> AsyncIterator[pb.StageDownloadStateResponse]:
             self._route(request.job, request.stage)
             chunk, optim = self.limits.chunk_bytes, request.include_optimizer
-            async for part in self._transfer.download(request.follower, optim, chunk):
+            async for part in self._transfer.download(
+                request.job, request.follower, request.ticket, optim, chunk
+            ):
                 yield part
 
         async for part in self._serving.stream("DownloadState", context, body()):

@@ -21,13 +21,18 @@ Invariants, and why:
   reader took nothing for `rpc_timeout_s` (its client gave up) gives its place to the next.
 - A follower's place in the update log is held by a copy that goes on: a download that ends
   before its state is sent lets its follower go (`stage_server.update_log`).
+- Only the coordinator names followers: under a scheduler (its key known), a download or an ask
+  for updates that names a follower is refused, before anything is read or kept, unless it
+  brings the scheduler's ticket naming that follower and this replica
+  (`swarm.net.follow_tickets`); the joiner got it with its signed Join. A download that names
+  no follower registers nothing and needs none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -40,6 +45,7 @@ from stage_server.snapshot import Snapshot
 from stage_server.update_log import UpdateLog
 from stage_server.worker import Worker
 from swarm.errors import InvalidArgument, ResourceExhausted
+from swarm.net.follow_tickets import FollowTickets
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient
@@ -66,9 +72,14 @@ class StateTransfer:
         runtime: Served,
         budget: ReceiveBudget,
         limits: Limits,
+        scheduler_key: Callable[[], bytes | None] = lambda: None,
     ) -> None:
+        """`scheduler_key()`: the key of the scheduler that placed this replica (None: none
+        did), whose tickets name its followers."""
         self.peer, self.token, self._worker, self.metrics = peer, token, worker, metrics
         self._runtime, self._budget, self._limits = runtime, budget, limits
+        self._scheduler_key = scheduler_key
+        self._tickets: FollowTickets | None = None  # of the scheduler key last seen
         self.copy: Copy | None = None  # a joining replica's background copy of a member
         # The downloads served now (their calls' tasks) -> when their reader last took a part
         # (the loop's clock).
@@ -96,15 +107,26 @@ class StateTransfer:
                     now - heard,
                 )
 
+    def _named(self, job_id: str, follower: str, ticket: bytes, *, fresh: bool) -> None:
+        """PermissionDenied unless `follower` is one the scheduler named, by `ticket` (fresh:
+        for a new registration), when a scheduler placed this replica; anyone, else."""
+        key = self._scheduler_key()
+        if key is None:
+            return  # its owner coordinates it (`swarm trainer --stage-servers`): the token
+        if self._tickets is None or self._tickets.public != key:
+            self._tickets = FollowTickets(key, self.peer)
+        self._tickets.check(job_id, self._runtime().stage, follower, ticket, fresh=fresh)
+
     def stop_copy(self) -> None:
         if self.copy is not None:
             self.copy.task.cancel()
             self.copy = None
 
-    async def join(self, job_id: str, source: str, step: int) -> int:
+    async def join(self, job_id: str, source: str, step: int, ticket: bytes = b"") -> int:
         """The coordinator asks this replica to join at `step` from the member at `source`: the
         step this replica is at as a copy of `source` (-1: nothing copied yet). Starts a copy
-        when none of `source` is running."""
+        when none of `source` is running, presenting `ticket` (the scheduler's, naming this
+        replica a follower of `source`) to it."""
         rt, copy = self._runtime(), self.copy
         if copy is not None and copy.address == source and copy.running:
             if copy.loaded and rt.following and rt.copy_step < step:
@@ -124,14 +146,17 @@ class StateTransfer:
         self.stop_copy()
         # The member's answers are bounded by the job within this peer's limits.
         client = StageClient(source, self._limits.clamp(rt.job), job_id, rt.stage, self.token)
-        self.copy = Copy(client, rt, self._worker.run, self.peer)
+        self.copy = Copy(client, rt, self._worker.run, self.peer, ticket)
         return -1
 
     async def updates(
-        self, follower: str, from_step: int, chunk_bytes: int
+        self, job_id: str, follower: str, ticket: bytes, from_step: int, chunk_bytes: int
     ) -> AsyncIterator[pb.StageUpdatesResponse]:
-        """The Updates answer: the updates `follower` lacks from `from_step` on (read between
-        updates, on the worker: the log and the step move together there), streamed as sent."""
+        """The Updates answer: the updates `follower` (named by `ticket`, under a scheduler)
+        lacks from `from_step` on (read between updates, on the worker: the log and the step
+        move together there), streamed as sent."""
+        # Another caller naming a real follower must not move or end its registration.
+        self._named(job_id, follower, ticket, fresh=False)
         log_ = self._runtime().updates
         updates = await self._worker.run(log_.since, follower, from_step)
         for part in updates_reply(updates, chunk_bytes):
@@ -139,10 +164,14 @@ class StateTransfer:
             log_.touch(follower)  # still reading: not silent
 
     async def download(
-        self, follower: str, include_optimizer: bool, chunk_bytes: int
+        self, job_id: str, follower: str, ticket: bytes, include_optimizer: bool, chunk_bytes: int
     ) -> AsyncIterator[pb.StageDownloadStateResponse]:
         """The DownloadState answer: a `snapshot`, streamed chunk by chunk as it is sent.
-        ResourceExhausted when `--max-state-downloads` are being served already."""
+        PermissionDenied for a `follower` the scheduler's `ticket` does not name (under a
+        scheduler: issue 44, N7); ResourceExhausted when `--max-state-downloads` are being
+        served already."""
+        if follower:
+            self._named(job_id, follower, ticket, fresh=True)
         if self._downloads >= self._limits.peer.max_state_downloads:
             self._let_stalled_go()
         if self._downloads >= self._limits.peer.max_state_downloads:

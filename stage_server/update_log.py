@@ -8,9 +8,11 @@ docs/architecture.md, "Joining, leaving, moving").
 
 Nothing is kept while nobody follows. The log is bounded in bytes: when it would grow past its
 bound the oldest updates go, and a follower that still needed them must start its copy again.
-What one caller can make a replica keep is bounded too, since any token holder may name itself a
-follower: at most `max_followers` at once (another is refused until one is done or gone), each
-forgotten after `ttl_s` unheard (its download and its asks for updates are heard, `touch`).
+What one caller can make a replica keep is bounded too, since a token holder may name itself a
+follower of a replica no scheduler placed (under a scheduler only its tickets name followers,
+`swarm.net.follow_tickets`): at most `max_followers` at once (another is refused until one is
+done or gone), each forgotten after `ttl_s` unheard (its download and its asks for updates are
+heard, `touch`).
 And a place is held only by a peer that is copying (issue 44, N7: four fake downloads that hung
 up after one message held every place for `ttl_s`, renewably): a download that ends before the
 state is sent lets its follower go (`unfollow`), and one that took the state must ask for the

@@ -59,7 +59,7 @@ class Membership:
         self._sources: dict[str, str] = {}  # joiner -> the peer of the member it copies
         self._joining: dict[str, asyncio.Task[None]] = {}  # peer -> its join in the background
         # peer -> (stage, the joiner, the member it copies), once asked to copy it
-        self._copying: dict[str, tuple[int, Replica, str]] = {}
+        self._copying: dict[str, tuple[int, Replica, Replica]] = {}
         self.ledgers, self.metrics = ledgers, metrics
         self.synced: set[str] = set()
         self._stage_of: dict[str, int] = {}  # where each peer served when last seen
@@ -222,7 +222,10 @@ class Membership:
                     continue
                 step, first_step = ledger.step, -1
                 try:
-                    at = await self.clients.get(stage, joiner).join(sources[0].address, step)
+                    source = sources[0]  # named by its peer id in the follow ticket the Join brings
+                    at = await self.clients.get(stage, joiner).join(
+                        source.address, step, source.peer
+                    )
                 except GONE as e:  # the joiner itself is absent: try it less often
                     delay = self._joins.failed(joiner.peer)
                     self._failed[joiner.peer] = (_short(e), self.clock.now() + delay)
@@ -247,8 +250,8 @@ class Membership:
                     )
                     return
                 self._failed.pop(joiner.peer, None)
-                self._copying[joiner.peer] = (stage, joiner, sources[0].address)
-                self._sources[joiner.peer] = sources[0].peer
+                self._copying[joiner.peer] = (stage, joiner, source)
+                self._sources[joiner.peer] = source.peer
                 if self._admit(stage, joiner, step, at):
                     return
                 await ask.sleep()
@@ -291,7 +294,10 @@ class Membership:
         # Not those admitted meanwhile (by their own asks, or an earlier call of this one).
         copying = [(p, c) for p, c in self._copying.items() if p not in self.synced]
         answers = await asyncio.gather(
-            *(self.clients.get(k, joiner).join(source, step) for _, (k, joiner, source) in copying),
+            *(
+                self.clients.get(k, joiner).join(source.address, step, source.peer)
+                for _, (k, joiner, source) in copying
+            ),
             return_exceptions=True,
         )
         for (_, (stage, joiner, _)), at in zip(copying, answers, strict=True):

@@ -96,9 +96,10 @@ class StageReplica(Protocol):
         """Drop its gradients of `step` (they are replayed elsewhere); returns how many."""
         ...
 
-    async def join(self, source: str, step: int) -> int:
-        """Copy the replica at `source` in the background until at `step` (the open step);
-        returns the step it is at now: `step` once it is a copy to admit, else keep asking."""
+    async def join(self, source: str, step: int, source_peer: str = "") -> int:
+        """Copy the replica at `source` (peer `source_peer`) in the background until at `step`
+        (the open step); returns the step it is at now: `step` once it is a copy to admit, else
+        keep asking."""
         ...
 
     async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int: ...
@@ -148,9 +149,16 @@ class ExpectedStates:
 class GrpcReplica:
     """`StageReplica` over a `StageClient` (which already converts gRPC errors)."""
 
-    def __init__(self, client: StageClient, expected: ExpectedStates | None = None) -> None:
-        """`expected`: the job's, shared by its replicas (by default, this replica's own)."""
-        self.client = client
+    def __init__(
+        self,
+        client: StageClient,
+        expected: ExpectedStates | None = None,
+        tickets: Callable[[str], bytes] | None = None,
+    ) -> None:
+        """`expected`: the job's, shared by its replicas (by default, this replica's own).
+        `tickets(source_peer)`: the scheduler's ticket naming this replica a follower of that
+        peer (`swarm.net.follow_tickets`), given with each `Join`; None: no scheduler."""
+        self.client, self.tickets = client, tickets
         self.expected = expected or ExpectedStates(client.job)
 
     async def info(self) -> pb.StageInfoResponse:
@@ -228,8 +236,9 @@ class GrpcReplica:
     async def discard(self, step: int) -> int:
         return await self.client.discard(step)
 
-    async def join(self, source: str, step: int) -> int:
-        return await self.client.join(source, step)
+    async def join(self, source: str, step: int, source_peer: str = "") -> int:
+        ticket = self.tickets(source_peer) if self.tickets is not None and source_peer else b""
+        return await self.client.join(source, step, ticket)
 
     async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
         return await self.client.load_state(step, state)
@@ -269,10 +278,17 @@ class GrpcReplicas:
 
     def __call__(self, stage: int, replica: Replica) -> StageReplica:
         client = StageClient(replica.address, self.job, self.job_id, stage, self.token)
-        if self.signing is not None:  # the commit protocol's calls speak for the scheduler
-            signer = self.signing.signer(replica.peer)
-            client.stub = SignedStub(client.stub, signer, self.job_id, stage)
-        return GrpcReplica(client, self.expected)
+        if self.signing is None:
+            return GrpcReplica(client, self.expected)
+        # The commit protocol's calls speak for the scheduler, and so does naming this replica
+        # a follower of the source it is told to copy.
+        key, job_id, follower = self.signing, self.job_id, replica.peer
+        client.stub = SignedStub(client.stub, key.signer(follower), job_id, stage)
+        return GrpcReplica(
+            client,
+            self.expected,
+            lambda source: key.ticket(job_id, stage, follower, source),
+        )
 
     async def prepare(self) -> None:
         """Build every stage's checks before the first step: a checkpoint that waited for them

@@ -30,6 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from google.protobuf.message import Message
 
+from swarm.net.follow_tickets import issue_ticket
 from swarm.proto import stage_pb2 as pb
 
 __all__ = [
@@ -109,6 +110,11 @@ class SchedulerKey:
 
     def signer(self, peer: str) -> CallSigner:
         return CallSigner(self._key, peer)
+
+    def ticket(self, job: str, stage: int, follower: str, source: str) -> bytes:
+        """The ticket naming `follower` a follower of `source` (peer ids) in `stage` of `job`,
+        which the coordinator's `Join` gives the joiner (`swarm.net.follow_tickets`)."""
+        return issue_ticket(self._key, job, stage, follower, source, time.time())
 
 
 class SignedStub:

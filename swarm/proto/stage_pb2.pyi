@@ -253,16 +253,18 @@ class StageDiscardResponse(_message.Message):
     def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class StageJoinRequest(_message.Message):
-    __slots__ = ("job", "stage", "source", "step")
+    __slots__ = ("job", "stage", "source", "step", "ticket")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     source: str
     step: int
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., source: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., source: _Optional[str] = ..., step: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class StageJoinResponse(_message.Message):
     __slots__ = ("step", "copying")
@@ -331,28 +333,32 @@ class StageInfoResponse(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ..., applied_step: _Optional[int] = ..., applied_scale: _Optional[float] = ..., next_receipts: _Optional[_Iterable[int]] = ..., round_synced: _Optional[int] = ..., round_samples: _Optional[int] = ...) -> None: ...
 
 class StageDownloadStateRequest(_message.Message):
-    __slots__ = ("job", "stage", "include_optimizer", "follower")
+    __slots__ = ("job", "stage", "include_optimizer", "follower", "ticket")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     FOLLOWER_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     include_optimizer: bool
     follower: str
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., include_optimizer: _Optional[bool] = ..., follower: _Optional[str] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., include_optimizer: _Optional[bool] = ..., follower: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class StageUpdatesRequest(_message.Message):
-    __slots__ = ("job", "stage", "follower", "from_step")
+    __slots__ = ("job", "stage", "follower", "from_step", "ticket")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     FOLLOWER_FIELD_NUMBER: _ClassVar[int]
     FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     follower: str
     from_step: int
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., follower: _Optional[str] = ..., from_step: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., follower: _Optional[str] = ..., from_step: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class StageUpdatesResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "step", "total_samples", "grad_scale", "round_end", "eager", "boundary")

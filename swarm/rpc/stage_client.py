@@ -327,10 +327,12 @@ class StageClient:
         return response.dropped
 
     @_swarm_errors
-    async def join(self, source: str, step: int) -> int:
+    async def join(self, source: str, step: int, ticket: bytes = b"") -> int:
         """Have this replica copy the replica at `source` in the background, until it is at
-        `step`; returns the step it is at now (`step` once it is a copy to admit)."""
+        `step`; returns the step it is at now (`step` once it is a copy to admit). `ticket`: the
+        scheduler's, naming this replica a follower of `source` (`swarm.net.follow_tickets`)."""
         request = pb.StageJoinRequest(job=self.job_id, stage=self.stage, source=source, step=step)
+        request.ticket = ticket
         response: pb.StageJoinResponse = await self.stub.Join(request, timeout=self._timeout)
         return response.step
 
@@ -362,12 +364,14 @@ class StageClient:
         follower: str = "",
         *,
         expect: ExpectedState,
+        ticket: bytes = b"",
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """The replica's state and step: parameters (names as in the whole model, with `prefix`
         removed) and, when asked, optimizer state (`optim/<index>/<key>`). A `follower` (a
-        joining peer) has the replica keep its updates from that step on (`updates`). However
-        large the state, the call lasts while bytes keep coming: it fails when none came for
-        `rpc_timeout_s`, or when the whole state took longer than its bound at a minimum rate
+        joining peer, named by the scheduler's `ticket` under a scheduler) has the replica keep
+        its updates from that step on (`updates`). However large the state, the call lasts
+        while bytes keep coming: it fails when none came for `rpc_timeout_s`, or when the whole
+        state took longer than its bound at a minimum rate
         (`swarm.rpc.state_streams.STATE_MIN_RATE`, at least `STATE_FLOOR_S`). Each tensor is
         checked as it comes (`expect`: its name, shape and dtype; at most
         `expect.max_state_bytes()` in all, `runtime.max_tensor_bytes` each): the first refused
@@ -377,7 +381,9 @@ class StageClient:
         async def keep(step: int, name: str, tensor: torch.Tensor) -> None:
             state[name.removeprefix(prefix) if prefix else name] = tensor
 
-        step = await self.stream_state(keep, include_optimizer, follower, expect=expect)
+        step = await self.stream_state(
+            keep, include_optimizer, follower, expect=expect, ticket=ticket
+        )
         return step, state
 
     @_swarm_errors
@@ -388,6 +394,7 @@ class StageClient:
         follower: str = "",
         *,
         expect: ExpectedState,
+        ticket: bytes = b"",
     ) -> int:
         """`download_state`, each tensor handed to `sink(step, name, tensor)` as it comes (and
         no longer held here) rather than collected: a state larger than this process's memory
@@ -400,6 +407,7 @@ class StageClient:
                 stage=self.stage,
                 include_optimizer=include_optimizer,
                 follower=follower,
+                ticket=ticket,
             )
         )
         try:
@@ -409,20 +417,19 @@ class StageClient:
 
     @_swarm_errors
     async def updates(
-        self, follower: str, from_step: int, *, expect: ExpectedState
+        self, follower: str, from_step: int, *, expect: ExpectedState, ticket: bytes = b""
     ) -> list[Followed]:
         """The updates the replica applied from `from_step` on, as (step, gradient sums in
         parameter order, total samples, clipping coefficient, whether it is a round's end);
-        `follower` has those before. A negative `from_step` says the follower is done. Lasts
-        while bytes keep coming, as `download_state`, and is checked as it comes as that is
-        (`expect`: each update's gradient sums of the parameters' shapes and dtypes, the steps
-        in order, `swarm.rpc.stream_order`; in all at most what an update log keeps,
+        `follower` (named by `ticket`, as to `download_state`) has those before. A negative
+        `from_step` says the follower is done. Lasts while bytes keep coming, as
+        `download_state`, and is checked as it comes as that is (`expect`: each update's
+        gradient sums of the parameters' shapes and dtypes, the steps in order,
+        `swarm.rpc.stream_order`; in all at most what an update log keeps,
         `runtime.update_log_bytes`, or one update when larger)."""
-        call = self.stub.Updates(
-            pb.StageUpdatesRequest(
-                job=self.job_id, stage=self.stage, follower=follower, from_step=from_step
-            )
-        )
+        request = pb.StageUpdatesRequest(job=self.job_id, stage=self.stage, follower=follower)
+        request.from_step, request.ticket = from_step, ticket
+        call = self.stub.Updates(request)
         try:
             rounds, log_bytes = rule_of(self.job).rounds, self.job.runtime.update_log_bytes
             return await self._streams.receive_updates(

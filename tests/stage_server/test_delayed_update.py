@@ -271,7 +271,7 @@ async def test_a_joiner_admitted_between_commits_is_never_asked_to_join_again() 
     asked: list[int] = []
 
     class Client:
-        async def join(self, address: str, step: int) -> int:
+        async def join(self, address: str, step: int, source_peer: str = "") -> int:
             asked.append(step)
             return step  # a copy at the open step
 
@@ -289,7 +289,7 @@ async def test_a_joiner_admitted_between_commits_is_never_asked_to_join_again() 
         MonotonicClock(),
     )
     membership.synced = {source.peer}
-    membership._copying[joiner.peer] = (0, joiner, source.address)  # its Join started a copy
+    membership._copying[joiner.peer] = (0, joiner, source)  # its Join started a copy
     await membership.admit_copies(3)
     assert joiner.peer in membership.synced and asked == [3]
     await membership.admit_copies(4)  # the next boundary, its own ask still pausing

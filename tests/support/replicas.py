@@ -181,7 +181,7 @@ class FakeReplica:
             self.prepared = None
         return dropped
 
-    async def join(self, source: str, step: int) -> int:
+    async def join(self, source: str, step: int, source_peer: str = "") -> int:
         """A copy that completes at once: it answers `step` when `source` is at it (a real
         replica gets there by following the source's updates)."""
         await self._enter("join", source)
