@@ -36,8 +36,8 @@ from swarm.errors import ResourceExhausted
 from swarm.job.config import JobConfig
 from swarm.model.footprint import StageFootprint, stage_footprints
 from swarm.model.sizes import format_bytes, layer_parameters
-from swarm.ops.devices import DeviceFacts, TorchFacts, free_memory
 from swarm.model.transformer import layer_costs, partition
+from swarm.ops.devices import DeviceFacts, TorchFacts, free_memory
 
 __all__ = [
     "cache_path",

@@ -135,9 +135,10 @@ def test_the_footprint_counts_activations_at_the_peers_bounds_and_the_chunks(
     roomy, tight = footprints(job), footprints(job, PeerLimits(max_activation_cache=1))
     first = roomy[0]
     assert tight[0].state == first.state and tight[0].activations < first.activations
-    assert tight[0].activations * 2 == footprints(job, PeerLimits(max_activation_cache=3))[
-        0
-    ].activations, "one kept and one computed, against three kept and one computed"
+    assert (
+        tight[0].activations * 2
+        == footprints(job, PeerLimits(max_activation_cache=3))[0].activations
+    ), "one kept and one computed, against three kept and one computed"
     assert footprints(job, PeerLimits(max_activation_cache_bytes=1))[0].activations * 2 == (
         tight[0].activations
     ), "a bound below one microbatch keeps none"
