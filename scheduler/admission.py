@@ -2,7 +2,8 @@
 submitter than `--max-jobs-per-submitter`, and a largest stage that some peer could hold.
 
 A stage's state is counted on the meta device (`swarm.model.sizes`) and compared with the
-scheduler's `--max-stage-bytes` and with the largest memory a present peer announced: a job of
+scheduler's `--max-stage-bytes`, and with one microbatch's activations on top
+(`swarm.model.footprint`) with the largest memory a present peer announced: a job of
 3.3 T parameters is refused here, naming its sizes, instead of idle peers building it layer by
 layer until the kernel kills them (each peer checks again before it measures:
 `stage_server.measure`). With neither bound (no flag, no peer that said its memory yet) the
@@ -18,6 +19,7 @@ from scheduler.callers import shown
 from scheduler.store import JobStore
 from swarm.errors import ConfigError, ResourceExhausted
 from swarm.job.config import JobConfig
+from swarm.model.footprint import stage_footprints
 from swarm.model.sizes import format_bytes, stage_parameters, stage_state_bytes
 
 __all__ = ["MAX_JOBS_PER_SUBMITTER", "Admission", "PeerMemory"]
@@ -61,27 +63,46 @@ class Admission:
             )
 
     def check_size(self, job: JobConfig) -> None:
-        """ResourceExhausted when `job`'s largest stage is over the bounds. Pure computation
-        (a partition, three modules on the meta device): call it off the event loop."""
-        limits = []
+        """ResourceExhausted when `job`'s largest stage is over the bounds: its state over
+        --max-stage-bytes, or its state and one microbatch's activations (the least a peer
+        computes with, whatever its own bounds: `swarm.model.footprint`) over the largest memory
+        a present peer announced. Pure computation (a partition, modules on the meta device):
+        call it off the event loop."""
+        limits = []  # (bound, its name, what of a stage it bounds)
         if self.max_stage_bytes is not None:
-            limits.append((self.max_stage_bytes, "--max-stage-bytes"))
+            limits.append((self.max_stage_bytes, "--max-stage-bytes", False))
         memory, peer = self.peer_memory()
         if memory > 0:
-            limits.append((memory, f"the largest memory a present peer announced ({peer})"))
+            limits.append((memory, f"the largest memory a present peer announced ({peer})", True))
         if not limits:
             return
-        limit, why = min(limits)
         state = stage_state_bytes(job)
-        largest = max(range(len(state)), key=state.__getitem__)
-        if state[largest] <= limit:
+        least = state
+        if memory > 0:  # the least any peer needs: no activations kept, one being computed
+            each = stage_footprints(
+                job, activation_cache=0, activation_cache_bytes=0, chunk_bytes=0
+            )
+            least = [f.total for f in each]
+        over = [
+            (limit, why, need, max(range(len(need)), key=need.__getitem__))
+            for limit, why, computing in sorted(limits)
+            for need in [least if computing else state]
+            if max(need) > limit
+        ]
+        if not over:
             return
+        limit, why, need, largest = over[0]
         params = stage_parameters(job)
+        also = (
+            f" and {format_bytes(need[largest] - state[largest])} of one microbatch's activations"
+            if need[largest] > state[largest]
+            else ""
+        )
         raise ResourceExhausted(
             f"job {job.name!r} is too large for this swarm: its stage {largest} holds "
             f"{params[largest]:,} parameters, {format_bytes(state[largest])} of state at least "
             f"(weights, gradient sums and {job.optimizer.kind}'s state in "
-            f"{job.training.dtype}), over {format_bytes(limit)}, {why}; the model has "
+            f"{job.training.dtype}){also}, over {format_bytes(limit)}, {why}; the model has "
             f"{sum(params):,} parameters in {len(params)} stage(s): use more training.stages, "
             "or a smaller model"
         )

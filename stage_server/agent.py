@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import os
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -26,8 +25,10 @@ from grpc_health.v1 import health_pb2
 
 from stage_server.device_oom import OutOfDeviceMemory, is_out_of_memory, oom_message
 from stage_server.identity import PeerIdentity, persistent_peer_id
+from stage_server.limits import PeerLimits
 from stage_server.measure import cache_path, device_memory, measure_job
 from stage_server.metrics import StageMetrics
+from stage_server.moving import describe_layers, plan_move, return_memory, stage_slowdown
 from stage_server.runtime import StageRuntime
 from stage_server.server import (
     SERVICE_NAME,
@@ -42,7 +43,7 @@ from swarm.clock import Clock, MonotonicClock
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, RuntimeConfig, parse_job
 from swarm.job.states import TERMINAL_PROTO
-from swarm.model.transformer import layer_costs, partition
+from swarm.ops.devices import DeviceFacts, TorchFacts
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.proto import control_pb2 as cpb
 
@@ -50,19 +51,6 @@ from swarm.proto import control_pb2 as cpb
 __all__ = ["PeerAgent", "PeerIdentity", "persistent_peer_id", "run_peer"]
 
 log = logging.getLogger(__name__)
-# A test and demo hook: "K:F,..." makes this peer F times slower while it serves stage K only,
-# a slowdown its join-time measurement cannot see (so only live measurements reveal it).
-STAGE_THROTTLE_ENV = "SWARM_STAGE_THROTTLE"
-
-
-def stage_slowdown(stage: int) -> float:
-    for item in filter(None, os.environ.get(STAGE_THROTTLE_ENV, "").split(",")):
-        k, _, factor = item.partition(":")
-        if int(k) == stage:
-            return max(1.0, float(factor))
-    return 1.0
-
-
 ENDED_REMEMBERED = 256
 # A job this peer failed to measure (too big for its memory, say) is refused: it is measured
 # again only when its spec changes or after this long, not on each of its announcements.
@@ -95,9 +83,13 @@ class PeerAgent:
         metrics_address: str = "",
         clock: Clock | None = None,
         metrics: StageMetrics | None = None,
+        limits: PeerLimits | None = None,
+        facts: DeviceFacts | None = None,
     ) -> None:
-        """`metrics`: whose `swarm_peer_info` follows what this peer does (None: none)."""
+        """`metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
+        `limits`: the peer's (its stages' footprints); `facts`: its device's (free memory)."""
         self.running, self.bus, self.peer = running, bus, peer
+        self.limits, self.facts = limits or PeerLimits(), facts or TorchFacts()
         self.clock = clock or MonotonicClock()
         self.device, self.throttle, self.metrics_address = device, throttle, metrics_address
         self.job_id = ""  # the job this peer is measured for or serves
@@ -261,7 +253,7 @@ class PeerAgent:
             self._show()  # measuring
             try:
                 self.speeds = await self._compute(
-                    measure_job, config, check_device(self.device), self.throttle
+                    measure_job, config, check_device(self.device), self.throttle, self.limits
                 )
             except Exception as e:  # too big for this peer, say: free for the other jobs
                 await self._refuse(job, e)
@@ -335,7 +327,7 @@ class PeerAgent:
         self._generation = assignment.generation
         if (self.job_id, self.stage) == (assignment.job, assignment.stage):
             return
-        layers, device = _layers(config, assignment.stage), check_device(self.device)
+        layers, device = describe_layers(config, assignment.stage), check_device(self.device)
         self._building = (assignment.job, assignment.stage)
         try:
             if self.state == cpb.PEER_STATE_SERVING:  # a move: stop taking work for the old stage
@@ -343,6 +335,7 @@ class PeerAgent:
                          self.stage, assignment.stage, assignment.job, layers)  # fmt: skip
                 self.state = cpb.PEER_STATE_DRAINING
                 await self.announce()
+                await self._make_room(config, assignment.stage, device)
             else:
                 log.info("%s: assigned stage %d of job %s (%s); building it", self.peer,
                          assignment.stage, assignment.job, layers)  # fmt: skip
@@ -372,15 +365,18 @@ class PeerAgent:
         await self.announce()
         log.info("%s: serving stage %d of job %s", self.peer, self.stage, self.job_id)
 
-
-def _layers(config: JobConfig, stage: int) -> str:
-    """The model layers stage `stage` of `config` holds, as a log line names them."""
-    costs = layer_costs(config.model)
-    layers = partition(costs, config.training.stages)[stage]
-    if not layers:
-        return f"none of {len(costs)} layers"
-    held = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}..{layers[-1]}"
-    return f"{held} of {len(costs)}"
+    async def _make_room(self, new: JobConfig, stage: int, device: torch.device) -> None:
+        """A move: release the old stage first when `stage` of `new` does not fit beside it
+        (`stage_server.moving`)."""
+        old = self._jobs.get(self.job_id)
+        if old is not None and self.stage is not None:
+            args = ((old, self.stage), (new, stage), device, self.limits, self.facts)
+            plan = await self._compute(plan_move, *args)
+            if not plan.beside:
+                log.info("%s: releasing stage %s before building stage %d: %s", self.peer,
+                         self.stage, stage, plan.why)  # fmt: skip
+                self.running.servicer.release()
+                await self._compute(return_memory, device)
 
 
 def _spec_hash(job: cpb.JobAnnouncement) -> str:
@@ -429,6 +425,7 @@ async def run_peer(
                 throttle=throttle,
                 metrics_address=metrics,
                 metrics=running.servicer.metrics,
+                limits=opts.limits,
             )
             stop = asyncio.Event()
             install_signal_handlers(stop)

@@ -10,9 +10,11 @@ then put four of six peers there). The first to take the lock measures; the othe
 its figures in the cache, so co-located peers of one device agree exactly; the log line that
 shows them says so, with the cache's path (delete it to measure again).
 
-Before it builds anything, a peer counts each stage's state on the meta device
-(`swarm.model.sizes`) and refuses a job with a stage its memory cannot hold (`check_fits`): an
-allocation the kernel cannot back kills the peer (the OOM killer), it raises nothing."""
+Before it builds anything, a peer counts each stage's footprint on the meta device (its state,
+its activations at the cache's bound, the averaging's buffers: `swarm.model.footprint`) and
+refuses a job with a stage its free memory cannot hold (`check_fits`): an allocation the kernel
+cannot back kills the peer (the OOM killer), it raises nothing, and on a GPU shared with other
+processes, or holding a stage already, the total is not there to take."""
 
 from __future__ import annotations
 
@@ -28,17 +30,21 @@ from pathlib import Path
 import torch
 
 from stage_server.compute_clock import ComputeClock, clock_for
+from stage_server.limits import PeerLimits
 from stage_server.runtime import StageRuntime
 from swarm.errors import ResourceExhausted
 from swarm.job.config import JobConfig
-from swarm.model.sizes import format_bytes, layer_parameters, stage_state_bytes
+from swarm.model.footprint import StageFootprint, stage_footprints
+from swarm.model.sizes import format_bytes, layer_parameters
 from swarm.model.transformer import layer_costs, partition
+from swarm.ops.devices import DeviceFacts, TorchFacts, free_memory
 
 __all__ = [
     "cache_path",
     "check_fits",
     "device_memory",
     "device_model",
+    "footprints",
     "measure_job",
     "measure_stage",
 ]
@@ -121,19 +127,57 @@ def device_memory(device: torch.device | str) -> int:
     return _machine_memory()
 
 
-def check_fits(job: JobConfig, device: torch.device, memory_bytes: int | None = None) -> None:
-    """ResourceExhausted when a stage of `job` cannot fit `memory_bytes` (default: the
-    device's), counted on the meta device, before anything is allocated. A layer is first built
-    in float64 on the CPU (`swarm.model.transformer`): its largest must fit the machine too."""
-    memory = device_memory(device) if memory_bytes is None else memory_bytes
+def footprints(job: JobConfig, limits: PeerLimits | None = None) -> list[StageFootprint]:
+    """Each stage of `job`'s footprint on a peer of `limits` (default: the defaults): the job's
+    activation cache and chunks within the peer's bounds, as `stage_server.messages` clamps
+    them when the stage is served."""
+    peer = limits or PeerLimits()
+    rt = job.runtime
+    return stage_footprints(
+        job,
+        activation_cache=min(rt.activation_cache, peer.max_activation_cache),
+        activation_cache_bytes=peer.max_activation_cache_bytes,
+        chunk_bytes=min(max(rt.chunk_bytes, peer.min_chunk_bytes), peer.max_chunk_bytes),
+    )
+
+
+def check_fits(
+    job: JobConfig,
+    device: torch.device,
+    memory_bytes: int | None = None,
+    *,
+    limits: PeerLimits | None = None,
+    facts: DeviceFacts | None = None,
+) -> None:
+    """ResourceExhausted when a stage of `job` at its footprint (state, activations at the
+    cache's bound, averaging buffers: `footprints`) cannot fit `memory_bytes`, by default the
+    device's free memory now (`swarm.ops.devices.free_memory`, within its total: what other
+    processes and this one hold is not there to take), counted on the meta device, before
+    anything is allocated. A layer is first built in float64 on the CPU
+    (`swarm.model.transformer`): its largest must fit the machine too."""
+    if memory_bytes is None:
+        facts = facts or TorchFacts()
+        try:
+            free, how = free_memory(device, facts)
+        except (RuntimeError, AssertionError):  # a device torch cannot ask: its total bounds
+            free, how = None, ""
+        total = facts.free_total(device.index or 0)[1] if free and device.type == "cuda" else 0
+        total = total or device_memory(device)
+        if free:  # within the total: a container's limit is below the host's free memory
+            memory = min(free, total) if total else free
+            said = f"{format_bytes(memory)} {how}" + (f" of {format_bytes(total)}" if total else "")
+        else:
+            memory, said = total, f"{format_bytes(total)} in all"
+    else:
+        memory, said = memory_bytes, format_bytes(memory_bytes)
     if memory > 0:
-        state = stage_state_bytes(job)
-        stage = max(range(len(state)), key=state.__getitem__)
-        if state[stage] > memory:
+        each = footprints(job, limits)
+        over = [k for k, footprint in enumerate(each) if footprint.total > memory]
+        if over:
+            stage = over[0]
             raise ResourceExhausted(
-                f"stage {stage} of job {job.name!r} holds {format_bytes(state[stage])} of state "
-                f"at least, more than this peer's {format_bytes(memory)} on {device}: not "
-                "measured (nothing allocated)"
+                f"stage {stage} of job {job.name!r} needs {each[stage]} at least, more than "
+                f"this peer's {said} on {device}: not measured (nothing allocated)"
             )
     machine = _machine_memory()
     layer = max(layer_parameters(job)) * 8
@@ -195,12 +239,18 @@ def _measuring_alone(path: Path, device: torch.device) -> Iterator[None]:
 
 
 def measure_job(
-    job: JobConfig, device: torch.device, throttle: float = 1.0, *, memory_bytes: int | None = None
+    job: JobConfig,
+    device: torch.device,
+    throttle: float = 1.0,
+    limits: PeerLimits | None = None,
+    *,
+    memory_bytes: int | None = None,
+    facts: DeviceFacts | None = None,
 ) -> dict[int, float]:
     """Samples/s per stage, divided by `throttle`; cached on disk, measured by one peer of a
-    machine at a time. A job with a stage over `memory_bytes` (default: the device's) is refused
-    first (`check_fits`)."""
-    check_fits(job, device, memory_bytes)
+    machine at a time. A job with a stage whose footprint on a peer of `limits` is over
+    `memory_bytes` (default: the device's free memory) is refused first (`check_fits`)."""
+    check_fits(job, device, memory_bytes, limits=limits, facts=facts)
     path = cache_path()
     with _measuring_alone(path, device):
         try:

@@ -25,6 +25,7 @@ __all__ = [
     "apply_matmul_precision",
     "describe_devices",
     "find_device",
+    "free_memory",
     "host_available",
     "missing_kernels",
     "peak_line",
@@ -83,6 +84,10 @@ class TorchFacts:
 
     def free_total(self, index: int) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(index)
+        # What torch's caching allocator holds but no tensor uses (a stage released, say) is
+        # free to this process, though not to the driver, which mem_get_info asks.
+        if torch.cuda.is_initialized():
+            free += torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
         return int(free), int(total)
 
     def host_free(self) -> int | None:
@@ -205,6 +210,15 @@ def apply_matmul_precision(tf32: bool, device: torch.device | str) -> None:
             matmul.fp32_precision = "tf32" if tf32 else "ieee"
     elif matmul.allow_tf32 != tf32:
         matmul.allow_tf32 = tf32
+
+
+def free_memory(device: torch.device, facts: DeviceFacts) -> tuple[int | None, str]:
+    """The bytes `device` has free for a stage now, and where that figure comes from: a GPU's
+    free memory (`torch.cuda.mem_get_info`, with what this process's allocator holds unused),
+    the host's available memory for the CPU (and MPS, which shares it); None when unknown."""
+    if device.type == "cuda":
+        return facts.free_total(device.index or 0)[0], "free (torch.cuda.mem_get_info)"
+    return facts.host_free(), "available (MemAvailable)"
 
 
 def peak_memory(device: torch.device) -> str | None:

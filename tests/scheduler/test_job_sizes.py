@@ -12,6 +12,9 @@ from client.sdk import ClientError, SchedulerClient
 from scheduler.admission import Admission
 from scheduler.registry import PeerRegistry
 from swarm.clock import FakeClock
+from swarm.errors import ResourceExhausted
+from swarm.job.config import load_job
+from swarm.model.sizes import stage_state_bytes
 from swarm.proto import control_pb2 as cpb
 from tests.support.api import start_api
 from tests.support.jobs import write_job
@@ -108,3 +111,18 @@ async def test_the_cap_is_each_submitters_own(tmp_path: Path) -> None:
         assert first.submitter == "alice"
     finally:
         await api.stop()
+
+
+def test_a_stage_whose_state_fits_but_not_with_a_microbatch_is_refused(tmp_path: Path) -> None:
+    """Issue 41, deliverable 4: a peer computes at least one microbatch beside the state, so a
+    peer whose memory holds the state alone cannot serve the stage (the check was of the state
+    alone, and took it)."""
+    job = load_job(write_job(tmp_path, "long", training={"microbatch_size": 16}))
+    state = max(stage_state_bytes(job))
+    admission = Admission(peer_memory=lambda: (state + (64 << 10), "gpu1"))
+    with pytest.raises(ResourceExhausted) as e:
+        admission.check_size(job)
+    said = str(e.value)
+    assert "of state at least" in said and "of one microbatch's activations" in said, said
+    assert "the largest memory a present peer announced (gpu1)" in said
+    Admission(max_stage_bytes=state).check_size(job)  # --max-stage-bytes bounds the state

@@ -40,7 +40,7 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
-        stage_server.agent, "measure_job", lambda job, dev, throttle: FIGURES[throttle]
+        stage_server.agent, "measure_job", lambda job, dev, throttle, *limits: FIGURES[throttle]
     )
     monkeypatch.setattr(stage_server.agent, "StageRuntime", _slow_build)
     async with scheduled_swarm(tmp_path, placement_grace_s=0.0) as swarm:

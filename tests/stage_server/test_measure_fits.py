@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from stage_server.agent import PeerAgent
-from stage_server.measure import check_fits, device_memory, measure_job
+from stage_server.limits import PeerLimits
+from stage_server.measure import check_fits, device_memory, footprints, measure_job
 from swarm.bus.topics import Topics
 from swarm.errors import ResourceExhausted
 from swarm.proto import control_pb2 as cpb
+from tests.support.devices import FakeFacts, Gpu
 from tests.support.jobs import BASE, make_job, render
 
 # d_model 8192 x 4096 blocks in 8 stages: 3.3 T parameters, 6 TiB of state a stage.
@@ -99,3 +101,53 @@ async def test_an_idle_peer_refuses_the_job_and_announces_its_memory(
         assert said.state == cpb.PEER_STATE_JOINING and said.memory_bytes == device_memory("cpu")
     finally:
         executor.shutdown()
+
+
+# -- issue 41, deliverable 4: free device memory and the job's real footprint ------------------
+def _job_on(tmp_path: Path) -> Any:
+    return make_job(tmp_path, "small", training={"stages": 2, "dtype": "float32"})
+
+
+def test_a_stage_that_fits_the_gpus_total_but_not_its_free_memory_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A GPU of 80 GiB with 1 MiB free (other processes hold the rest): the old check compared
+    the stage's state with the total and built it, out of memory at the first allocation."""
+    job = _job_on(tmp_path)
+    each = footprints(job)
+    largest = max(f.total for f in each)
+    assert max(f.state for f in each) < 1 << 20 < largest, "state fits 1 MiB; activations do not"
+    cuda = torch.device("cuda:0")
+    check_fits(job, cuda, memory_bytes=80 << 30)  # what the total would allow
+    busy = FakeFacts(gpus=[Gpu(free=1 << 20, total=80 << 30)])
+    with pytest.raises(ResourceExhausted) as e:
+        check_fits(job, cuda, facts=busy)
+    said = str(e.value)
+    assert "1.0 MiB free (torch.cuda.mem_get_info) of 80.0 GiB on cuda:0" in said, said
+    assert "of activations at the cache's bound" in said and "nothing allocated" in said
+    check_fits(job, cuda, facts=FakeFacts(gpus=[Gpu(free=largest, total=80 << 30)]))  # fits
+
+
+def test_the_footprint_counts_activations_at_the_peers_bounds_and_the_chunks(
+    tmp_path: Path,
+) -> None:
+    job = _job_on(tmp_path)
+    roomy, tight = footprints(job), footprints(job, PeerLimits(max_activation_cache=1))
+    first = roomy[0]
+    assert tight[0].state == first.state and tight[0].activations < first.activations
+    assert (
+        tight[0].activations * 2
+        == footprints(job, PeerLimits(max_activation_cache=3))[0].activations
+    ), "one kept and one computed, against three kept and one computed"
+    assert footprints(job, PeerLimits(max_activation_cache_bytes=1))[0].activations * 2 == (
+        tight[0].activations
+    ), "a bound below one microbatch keeps none"
+    assert roomy[-1].activations < roomy[0].activations, "the last stage keeps none"
+    assert first.averaging == 2 * job.runtime.chunk_bytes
+
+
+def test_on_the_cpu_the_bound_is_the_hosts_available_memory(tmp_path: Path) -> None:
+    job = _job_on(tmp_path)
+    with pytest.raises(ResourceExhausted, match=r"1\.0 MiB available \(MemAvailable\)"):
+        check_fits(job, torch.device("cpu"), facts=FakeFacts(host=1 << 20))
+    check_fits(job, torch.device("cpu"), facts=FakeFacts(host=1 << 30))
