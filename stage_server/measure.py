@@ -82,8 +82,8 @@ def _cpu_model() -> str:
 
 def _key(job: JobConfig, stage: int, device: torch.device) -> str:
     """What a stage's speed depends on: its layers and shape, the microbatch, the dtype and
-    precision it computes in (bf16-mixed autocasts an fp32 job's matmuls), the device's model
-    and the torch build."""
+    precision it computes in (bf16-mixed autocasts an fp32 job's matmuls; `tf32` runs float32
+    matmuls on tensor cores), the device's model and the torch build."""
     layers = list(partition(layer_costs(job.model), job.training.stages)[stage])
     return json.dumps(
         [
@@ -93,6 +93,7 @@ def _key(job: JobConfig, stage: int, device: torch.device) -> str:
             job.training.microbatch_size,
             job.training.dtype,
             job.training.precision,
+            job.training.tf32,
             device_model(device),
             torch.__version__,
         ],

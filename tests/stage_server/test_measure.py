@@ -129,3 +129,18 @@ def test_an_fp32_and_a_bf16_mixed_job_of_one_shape_are_measured_apart(
     for key in keys:
         assert torch.__version__ in key and device_model(torch.device("cpu")) in key, key
     assert len([k for k in keys if "bf16-mixed" in k]) == 2, keys
+
+
+def test_a_tf32_job_is_measured_apart_from_its_float32_twin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # TF32 matmuls run on a GPU's tensor cores, at another speed than IEEE float32 ones.
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    model, training = {"n_layers": 2}, {"stages": 2, "dtype": "float32"}
+    fp32 = make_job(tmp_path, model=model, training=training)
+    tf32 = make_job(tmp_path, model=model, training=training | {"tf32": True})
+    caplog.set_level(logging.INFO, logger="stage_server.measure")
+    measure_job(fp32, torch.device("cpu"))
+    measure_job(tf32, torch.device("cpu"))
+    said = [r.getMessage().split()[0] for r in caplog.records if r.name == "stage_server.measure"]
+    assert said == ["measured", "measured"], said
