@@ -19,32 +19,13 @@ import torch
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.spill import Spill
 from stage_server.averaging.staging import TorchCopies
+from tests.support.fake_device import CountingCopies
 from tests.support.pools import JOB, MiB, Replica, ordered_sum, replicas
 
 pytestmark = pytest.mark.timeout(120)
 
 CHUNK = 2048  # bytes a message's chunk (and a staged copy) takes at most
 SLICE = 8192  # bytes a part's slice takes
-
-
-class CountingCopies:
-    """A fake device: every tensor is "on" it; each copy's bytes are counted."""
-
-    def __init__(self) -> None:
-        self.to_host_bytes = self.to_device_bytes = self.largest = 0
-
-    def on_device(self, t: torch.Tensor) -> bool:
-        return True
-
-    def to_host(self, src: torch.Tensor, into: torch.Tensor) -> None:
-        into.copy_(src)
-        self.to_host_bytes += src.nbytes
-        self.largest = max(self.largest, src.nbytes)
-
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-        self.to_device_bytes += src.nbytes
-        self.largest = max(self.largest, src.nbytes)
 
 
 async def _round(
