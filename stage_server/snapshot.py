@@ -33,7 +33,7 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import Message
 
-from stage_server.averaging.staging import DeviceCopies, Staging, TorchCopies
+from stage_server.averaging.staging import DeviceCopies, TorchCopies, staging
 
 __all__ = ["Snapshot", "Snapshots"]
 
@@ -53,7 +53,8 @@ class Snapshot:
         copies: DeviceCopies | None = None,
     ) -> None:
         self.step = step
-        self._copies = copies or TorchCopies()  # a device's tensors cross to the host by these
+        self._given = copies  # a test's fake device, or None: torch's
+        self._copies = copies or TorchCopies()
         self._state = state  # what is left to send
         self._shared = set(shared) & state.keys()  # of those, the replica's own
         self._lock = threading.Lock()
@@ -65,7 +66,7 @@ class Snapshot:
             for name in self._shared:
                 tensor = self._state[name]
                 if self._copies.on_device(tensor):  # to the host, where it is to be sent
-                    self._state[name] = Staging(CHUNK, self._copies).to_host(tensor)
+                    self._state[name] = staging(CHUNK, self._given).to_host(tensor)
                 else:
                     self._state[name] = tensor.clone()
                 self.copied_bytes += tensor.nbytes
@@ -76,9 +77,9 @@ class Snapshot:
         `chunk_bytes` (`wire.split_tensor`'s messages, each tensor under a fresh `header()`);
         each tensor is let go once sent, so what the snapshot holds shrinks as it streams. A
         device's tensor is copied to the host a chunk at a time, as it is sent."""
-        staging = Staging(chunk_bytes, self._copies, pinned=True)
+        staged = staging(chunk_bytes, self._given)
         for name in list(self._state):
-            yield from staging.split(
+            yield from staged.split(
                 header(), name, functools.partial(self._state.__getitem__, name), self._lock
             )
             with self._lock:

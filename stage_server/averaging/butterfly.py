@@ -41,7 +41,7 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import Residuals
 from stage_server.averaging.flat import split_parts
 from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, round_name
-from stage_server.averaging.staging import DeviceCopies, Staging, TorchCopies
+from stage_server.averaging.staging import DeviceCopies, TorchCopies, staging
 from stage_server.device_oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
 from swarm.proto import pool_pb2
@@ -167,13 +167,9 @@ class ButterflyRound:
         self.n, self.key = len(settings.group), settings.key
         self.parts = split_parts(flat.numel(), self.n)
         self.src = flat.detach()
-        copies = copies or TorchCopies()
         # A device's gradient crosses to the host and back a chunk at a time (`staging`).
-        self.staging = (
-            Staging(settings.chunk_bytes, copies, pinned=flat.device.type == "cuda")
-            if copies.on_device(flat)
-            else None
-        )
+        on_device = (copies or TorchCopies()).on_device(flat)
+        self.staging = staging(settings.chunk_bytes, copies) if on_device else None
         # Every part's sum lands in its place here, as its bytes arrive: no part is held twice.
         self.in_place = settings.in_place and flat.is_contiguous()
         # Not in place: a total beside `flat`, on its device (no host copy to move over after).

@@ -15,6 +15,7 @@ counting fake treats CPU tensors as a device's and measures what crosses (no GPU
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -28,7 +29,7 @@ from swarm.proto import framing
 from swarm.wire import chunking as wire
 from swarm.wire.codec import dtype_name
 
-__all__ = ["BUFFERS", "DeviceCopies", "Staging", "TorchCopies"]
+__all__ = ["BUFFERS", "DeviceCopies", "Staging", "TorchCopies", "staging"]
 
 M = TypeVar("M", bound=Message)
 
@@ -173,3 +174,15 @@ def _framed(cls: Any, whole: bool, piece: torch.Tensor) -> framing.Framed | byte
     if whole:
         return piece.numpy().tobytes()
     return framing.frame(cls, 0, wire.tensor_bytes(piece))
+
+
+@functools.cache
+def _shared(chunk_bytes: int) -> Staging:
+    return Staging(chunk_bytes, TorchCopies(), pinned=True)
+
+
+def staging(chunk_bytes: int, copies: DeviceCopies | None = None) -> Staging:
+    """The staging of chunks of `chunk_bytes` through `copies`: torch's (None) share the
+    process's pinned buffers, made once for its life (pinning memory is slow: not at every
+    round or download), whichever round or download stages; another's (a test's) its own."""
+    return _shared(chunk_bytes) if copies is None else Staging(chunk_bytes, copies)

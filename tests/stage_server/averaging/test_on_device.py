@@ -19,6 +19,7 @@ import torch
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.spill import Spill
 from stage_server.averaging.staging import TorchCopies
+from swarm.wire.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE
 from tests.support.fake_device import CountingCopies
 from tests.support.pools import JOB, MiB, Replica, ordered_sum, replicas
 
@@ -80,6 +81,23 @@ async def test_not_in_place_the_total_is_made_on_the_device_once() -> None:
         assert torch.equal(flat, before)
         assert counted.to_host_bytes == counted.to_device_bytes == flat.nbytes
         assert counted.largest <= CHUNK
+
+
+@pytest.mark.parametrize("codec", [CODEC_FP16, CODEC_INT8_BLOCKWISE])
+async def test_a_lossy_round_on_a_device_gives_the_cpus_bits(codec: int) -> None:
+    """A lossy codec's parts go whole (one part's copy each), its sums come back a chunk at a
+    time: every replica ends with the bits the same round gives on the CPU."""
+    gen = torch.Generator().manual_seed(11)
+    flats = [torch.randn(6000, generator=gen) for _ in range(3)]
+    async with replicas(3) as pool:
+        on_cpu = await _round(pool, [f.clone() for f in flats], [None] * 3, codec=codec)
+    copies = [CountingCopies() for _ in flats]
+    async with replicas(3) as pool:
+        staged = await _round(pool, [f.clone() for f in flats], copies, codec=codec)
+    for want, got, counted in zip(on_cpu, staged, copies, strict=True):
+        assert isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor), (want, got)
+        assert torch.equal(got, want)
+        assert counted.to_device_bytes == flats[0].nbytes and counted.largest <= CHUNK
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
