@@ -11,8 +11,15 @@ commits, copies nothing; one that is still running then costs what a snapshot us
 
 Threads: `detach` runs on the replica's worker, the reply is built on the event loop; both take
 the snapshot's lock for each chunk, so a chunk is read wholly before or wholly after a detach,
-never from a tensor being changed. Only CPU tensors are shared: another device's are copied to
-the host when the snapshot is taken, as they must be to be sent.
+never from a tensor being changed.
+
+A device's tensors (CUDA) are shared too, not copied to the host when the snapshot is taken (that
+was 12 B a parameter of host memory per download running): each chunk is copied to a reusable
+host buffer only as it is sent (`stage_server.averaging.staging`), under the lock. A detach
+copies what is left to the host, not the device (whose memory is the scarce one), before the
+worker launches the kernels that change it; the chunk copies and the detach's are blocking, on
+the stream the worker's kernels run on, so a chunk holds the bytes of the snapshot's step, never
+those of a kernel still running or launched after: a step boundary cannot mix two states.
 """
 
 from __future__ import annotations
@@ -26,19 +33,28 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import Message
 
-from swarm.wire import chunking as wire
+from stage_server.averaging.staging import DeviceCopies, TorchCopies, staging
 
 __all__ = ["Snapshot", "Snapshots"]
 
 M = TypeVar("M", bound=Message)
+CHUNK = 4 << 20  # bytes a detach copies from a device at a time
 
 
 class Snapshot:
     """The state of step `step` (`state`: name -> tensor, in the order they are sent), whose
     tensors named in `shared` are the replica's own."""
 
-    def __init__(self, step: int, state: dict[str, torch.Tensor], shared: Collection[str]) -> None:
+    def __init__(
+        self,
+        step: int,
+        state: dict[str, torch.Tensor],
+        shared: Collection[str],
+        copies: DeviceCopies | None = None,
+    ) -> None:
         self.step = step
+        self._given = copies  # a test's fake device, or None: torch's
+        self._copies = copies or TorchCopies()
         self._state = state  # what is left to send
         self._shared = set(shared) & state.keys()  # of those, the replica's own
         self._lock = threading.Lock()
@@ -49,21 +65,22 @@ class Snapshot:
         with self._lock:
             for name in self._shared:
                 tensor = self._state[name]
-                self._state[name] = tensor.clone()
+                if self._copies.on_device(tensor):  # to the host, where it is to be sent
+                    self._state[name] = staging(CHUNK, self._given).to_host(tensor)
+                else:
+                    self._state[name] = tensor.clone()
                 self.copied_bytes += tensor.nbytes
             self._shared.clear()
 
     def reply(self, header: Callable[[], M], chunk_bytes: int) -> Iterator[M]:
         """The messages of the state, one tensor after another in chunks of at most
         `chunk_bytes` (`wire.split_tensor`'s messages, each tensor under a fresh `header()`);
-        each tensor is let go once sent, so what the snapshot holds shrinks as it streams."""
+        each tensor is let go once sent, so what the snapshot holds shrinks as it streams. A
+        device's tensor is copied to the host a chunk at a time, as it is sent."""
+        staged = staging(chunk_bytes, self._given)
         for name in list(self._state):
-            yield from wire.split_tensor(
-                header(),
-                name,
-                functools.partial(self._state.__getitem__, name),
-                chunk_bytes,
-                self._lock,
+            yield from staged.split(
+                header(), name, functools.partial(self._state.__getitem__, name), self._lock
             )
             with self._lock:
                 del self._state[name]

@@ -125,14 +125,14 @@ class Sums:
 
     def spill(self, step: int, directory: Path | None) -> Spill | None:
         """Where the averaging of `step`'s lent sums keeps what it overwrites in place (in
-        `directory`, None: in memory); None when they are not one flat tensor on the CPU (the
-        part averaged is then a copy, or a device's: nothing to keep)."""
+        `directory`, None: in memory); None when they are not one flat tensor (the part
+        averaged is then a copy: nothing to keep). A device's are kept on the host."""
         sums = self._steps.get(step)
         if sums is None or sums.accum is None or not sums.lent:
             return None
         if sums.spill is None:
             flat = flat_view(sums.accum)
-            if flat is None or flat.device.type != "cpu":
+            if flat is None:
                 return None
             sums.spill = Spill(flat, directory)
         return sums.spill

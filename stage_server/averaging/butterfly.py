@@ -41,6 +41,7 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import Residuals
 from stage_server.averaging.flat import split_parts
 from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, round_name
+from stage_server.averaging.staging import DeviceCopies, TorchCopies, staging
 from stage_server.device_oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
 from swarm.proto import pool_pb2
@@ -97,6 +98,7 @@ async def all_reduce(
     on_bytes: Callable[[int, int], None] | None = None,
     residuals: Residuals | None = None,
     keep: Callable[[slice], Awaitable[None]] | None = None,
+    copies: DeviceCopies | None = None,
 ) -> torch.Tensor:
     """The sum of `flat` over the replicas of `settings.group`, bitwise the same on every
     replica; `flat` itself when the group is alone.
@@ -110,11 +112,18 @@ async def all_reduce(
     owner at once: while one slice is summed and answered the next is sent, and an owner holds
     `window` slices of each sender, not its whole part.
 
-    `settings.in_place` (a CPU `flat`): each slice's sum lands over the slice of `flat` it was
-    made from, once that slice is sent (or, this replica's own part, summed), and `flat` is the
+    `settings.in_place` (a contiguous `flat`): each slice's sum lands over the slice of `flat` it
+    was made from, once that slice is sent (or, this replica's own part, summed), and `flat` is the
     result: no second tensor of its size. `await keep(where)` comes first, before `flat[where]`
     is overwritten (`stage_server.averaging.spill`: what a retry reads back). A round that fails
     leaves `flat` partly summed: only what `keep` kept restores it.
+
+    A `flat` on a device (CUDA; `copies` says which are, `TorchCopies` by default) is summed in
+    place as on the CPU, staged through host memory a chunk at a time (`staging`): each part is
+    copied to the host chunk by chunk as it is sent, each slice's sum goes into its place in
+    `flat` chunk by chunk as it arrives, and this replica's own part is summed on the host `window`
+    slices at a time. No copy of the gradient is made on the device or the host (a lossy codec's
+    parts, sent whole, are copied whole: one part each).
     """
     n, index = len(settings.group), settings.index
     if not 0 <= index < n or len(set(settings.group)) != n:
@@ -128,8 +137,9 @@ async def all_reduce(
     if n == 1:
         return flat
     butterfly = ButterflyRound(
-        flat, settings, averager=averager, channels=channels, residuals=residuals, keep=keep
-    )
+        flat, settings, averager=averager, channels=channels, residuals=residuals, keep=keep,
+        copies=copies,
+    )  # fmt: skip
     try:
         return await butterfly.run()
     finally:
@@ -150,15 +160,20 @@ class ButterflyRound:
         channels: ChannelPool,
         residuals: Residuals | None = None,
         keep: Callable[[slice], Awaitable[None]] | None = None,
+        copies: DeviceCopies | None = None,
     ) -> None:
         self.flat, self.settings, self.averager, self.channels = flat, settings, averager, channels
         self._keep = keep
         self.n, self.key = len(settings.group), settings.key
         self.parts = split_parts(flat.numel(), self.n)
         self.src = flat.detach()
+        # A device's gradient crosses to the host and back a chunk at a time (`staging`).
+        on_device = (copies or TorchCopies()).on_device(flat)
+        self.staging = staging(settings.chunk_bytes, copies) if on_device else None
         # Every part's sum lands in its place here, as its bytes arrive: no part is held twice.
-        self.in_place = settings.in_place and flat.device.type == "cpu" and flat.is_contiguous()
-        self.total = self.src if self.in_place else torch.empty(flat.shape, dtype=flat.dtype)
+        self.in_place = settings.in_place and flat.is_contiguous()
+        # Not in place: a total beside `flat`, on its device (no host copy to move over after).
+        self.total = self.src if self.in_place else torch.empty_like(flat)
         self.sent = self.received = 0  # wire bytes, as `on_bytes` counts them
         self.lossy = settings.codec != CODEC_NONE and flat.is_floating_point()
         self.feedback = residuals if self.lossy else None
@@ -181,7 +196,18 @@ class ButterflyRound:
         where = self.parts[k] if where is None else where
         if self.feedback is None:
             return self.src[where]
-        return self.src[where].cpu() + self.feedback.sent[where]
+        return self._host(self.src[where]) + self.feedback.sent[where]
+
+    def _host(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` on the host: themselves there, else a new copy made a chunk at a time."""
+        return values if self.staging is None else self.staging.to_host(values)
+
+    def _place(self, where: slice, values: torch.Tensor) -> None:
+        """`values` (on the host) into `total[where]`, chunk by chunk from a device's."""
+        if self.staging is None:
+            self.total[where].copy_(values)
+        else:
+            self.staging.to_device(self.total[where], values)
 
     def _slices(self, k: int) -> list[slice]:
         """Part k as it travels: consecutive slices of at most `slice_bytes` (each summed and
@@ -200,6 +226,8 @@ class ButterflyRound:
         place, dtype = self.total[where], dtype_name(self.flat.dtype)
 
         def locate(i: int, meta: Any) -> memoryview | None:
+            if self.staging is not None:  # a device's: received on the host, then placed
+                return None
             plain = meta.codec == CODEC_NONE and meta.dtype == dtype
             if i != 0 or not plain or meta.nbytes != place.nbytes:
                 return None
@@ -215,13 +243,17 @@ class ButterflyRound:
             slice=j,
         )  # fmt: skip
         if self.lossy:
+            values = self._host(values) if self.feedback is None else values  # whole: encoded
             msg = encode(values, "part", s.codec, s.block_size)
             if self._dropped is not None:  # what the encoding dropped waits for the next round
                 self._dropped.sent[where] = values - decode(msg)
             header.tensors.append(msg)
             messages, nbytes = wire.split(header, s.chunk_bytes), msg.nbytes
-        else:  # cut from the gradient's memory as it is sent: no copy of the part
-            messages = wire.split_tensor(header, "part", values, s.chunk_bytes)
+        else:
+            if self.staging is not None:  # a device's: one chunk at a time on the host
+                messages = self.staging.split(header, "part", values)
+            else:  # cut from the gradient's memory as it is sent: no copy of the part
+                messages = wire.split_tensor(header, "part", values, s.chunk_bytes)
             nbytes = values.numel() * values.element_size()
         call: Any = self.channels.stub(s.group[k]).Reduce(timeout=s.timeout_s)
         for m in messages:
@@ -238,9 +270,8 @@ class ButterflyRound:
         if got is None or got.dtype != flat.dtype or tuple(got.shape) != (length,):
             shapes = {name: (t.dtype, list(t.shape)) for name, t in tensors.items()}
             raise InvalidArgument(f"expected a 'sum' of {flat.dtype}[{length}], got {shapes}")
-        place = self.total[where]
-        if got.data_ptr() != place.data_ptr():  # not received in place: decoded elsewhere
-            place.copy_(got)
+        if got.data_ptr() != self.total[where].data_ptr():  # not received in place
+            self._place(where, got)
         self.received += sum(t.nbytes for t in reply.header.tensors)
 
     async def _remote(self, k: int) -> None:
@@ -258,30 +289,46 @@ class ButterflyRound:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _own_slice(self, j: int, where: slice) -> None:
+    async def _own_slice(self, j: int, where: slice, gate: asyncio.Semaphore | None) -> None:
+        if gate is None:
+            return await self._own_summed(j, where)
+        async with gate:
+            await self._own_summed(j, where)
+
+    def _own_slice_values(self, where: slice) -> tuple[torch.Tensor, bool]:
+        """This replica's values of its own slice `where` on the host, and whether they are a
+        copy the averager may sum into."""
+        values = self._fed(self.settings.index, where)
+        if self.staging is not None and self.feedback is None:
+            return self.staging.to_host(values), True
+        return values.cpu(), False
+
+    async def _own_summed(self, j: int, where: slice) -> None:
         s, index = self.settings, self.settings.index
-        values = self._fed(index, where).cpu()
+        values, owned = self._own_slice_values(where)
         if self.lossy:  # as it would travel (whole: a lossy part is one slice)
             travelled = decode(encode(values, "part", s.codec, s.block_size))
             if self.feedback is not None and self._dropped is not None:
                 self._dropped.sent[where] = values - travelled  # as in `_remote_slice`
                 # The sum's own error goes in through the one contribution its owner makes.
                 travelled = travelled + self.feedback.summed[where]
-            values = travelled
+            values, owned = travelled, False
         reduced = await self.averager.reduce(
             self.key, index, index, self.n, values, timeout_s=s.timeout_s, codec=s.codec,
-            block_size=s.block_size, slice=j,
+            block_size=s.block_size, slice=j, owned=owned,
         )  # fmt: skip
         if self._dropped is not None:
             self._dropped.summed[where] = reduced.exact - reduced.tensor
         await self._overwriting(where)
-        self.total[where].copy_(reduced.tensor)
+        self._place(where, reduced.tensor)
 
     async def _own(self) -> None:
         """This replica's own part: every slice contributed at once (views of the gradient,
-        nothing sent), each summed as the others' slices arrive."""
+        nothing sent), each summed as the others' slices arrive. A device's: `window` slices at
+        a time, in order (as the others send theirs), so that only those are on the host."""
+        gate = asyncio.Semaphore(self.settings.window) if self.staging is not None else None
         tasks = [
-            asyncio.ensure_future(self._own_slice(j, w))
+            asyncio.ensure_future(self._own_slice(j, w, gate))
             for j, w in enumerate(self._slices(self.settings.index))
         ]
         try:
@@ -346,4 +393,4 @@ class ButterflyRound:
             ) from None
         if self.feedback is not None and self._dropped is not None:
             self.feedback.sent, self.feedback.summed = self._dropped.sent, self._dropped.summed
-        return self.total.to(self.flat.device)
+        return self.total

@@ -14,7 +14,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,6 +35,7 @@ __all__ = [
     "AveragingAborted",
     "Reduced",
     "RoundKey",
+    "Summer",
     "round_name",
 ]
 
@@ -70,6 +71,16 @@ class Reduced:
         if self._message is None:
             return wire.split_tensor(pool_pb2.PoolReduceResponse(), "sum", self.tensor, chunk_bytes)
         return wire.split(pool_pb2.PoolReduceResponse(tensors=[self._message]), chunk_bytes)
+
+
+class Summer(Protocol):
+    """How an `Averager` sums a part's contributions (`_reduce`); a test gives one averager a
+    failing one, where a patch of the module's function would reach every averager the process
+    holds (each replica's in a pool of replicas sharing one process)."""
+
+    def __call__(
+        self, values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+    ) -> Reduced: ...
 
 
 def _reduce(values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int) -> Reduced:
@@ -144,6 +155,7 @@ class Averager:
         # summed is refused
         self._summed: OrderedDict[RoundKey, set[tuple[int, int]]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.summer: Summer = _reduce  # this averager's own (see `Summer`)
 
     def open_rounds(self) -> set[RoundKey]:
         return set(self._open)
@@ -337,7 +349,7 @@ class Averager:
         slot.values, slot.owned = [], []
         try:
             # Off the event loop: a large part's sum would hold up every other call.
-            reduced = await asyncio.to_thread(_reduce, values, owned, codec, block_size)
+            reduced = await asyncio.to_thread(self.summer, values, owned, codec, block_size)
         except Exception as e:
             log.exception("%s: the sum failed", name)
             # Out of memory: the owner failed, not a sender; part k's owner is member k.

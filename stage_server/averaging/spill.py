@@ -40,12 +40,14 @@ OFF = "off"  # the spill directory that keeps the sums in memory
 
 
 class Spill:
-    """The original values of the ranges of `flat` (1-D, contiguous, on the CPU) that averaging
-    overwrites, in a file in `directory` (None: in memory)."""
+    """The original values of the ranges of `flat` (1-D, contiguous) that averaging overwrites,
+    in a file in `directory` (None: in memory). A device's `flat` (CUDA, averaged in place too)
+    is kept on the host: each range copied over as it is kept (a slice's worth at a time), and
+    copied back when restored; the device holds nothing more."""
 
     def __init__(self, flat: torch.Tensor, directory: Path | None) -> None:
-        if flat.dim() != 1 or not flat.is_contiguous() or flat.device.type != "cpu":
-            raise ValueError("a spill keeps a 1-D contiguous CPU tensor")
+        if flat.dim() != 1 or not flat.is_contiguous():
+            raise ValueError("a spill keeps a 1-D contiguous tensor")
         self.flat, self._directory = flat, directory
         self._lock = threading.Lock()
         self._file: int | None = None  # the unlinked file's descriptor, made at the first keep
@@ -66,11 +68,13 @@ class Spill:
         with self._lock:
             if self.closed:
                 return
-            values = self.flat[where]
+            values, copied = self.flat[where], False
+            if values.device.type != "cpu":  # a device's: written or held from a host copy
+                values, copied = values.cpu(), True
             if self._disk and self._write(values, where.start * self.flat.element_size()):
                 self._kept.append(where)
             else:
-                self._held.append((where, values.clone()))
+                self._held.append((where, values if copied else values.clone()))
 
     def restore(self, into: torch.Tensor | None = None) -> None:
         """Write the kept originals back into `flat` (then nothing is kept: the sums are whole
@@ -79,7 +83,12 @@ class Spill:
         with self._lock:
             target = self.flat if into is None else into
             for where in self._kept:
-                self._read(target[where], where.start * self.flat.element_size())
+                place = target[where]
+                on_host = place.device.type == "cpu"
+                host = place if on_host else torch.empty_like(place, device="cpu")
+                self._read(host, where.start * self.flat.element_size())
+                if host is not place:
+                    place.copy_(host)
             for where, values in self._held:
                 target[where].copy_(values)
             self._kept, self._held = [], []

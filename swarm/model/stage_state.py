@@ -31,7 +31,7 @@ def export_state(
 def share_state(
     module: torch.nn.Module, optimizer: torch.optim.Optimizer, include_optimizer: bool = True
 ) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """`export_state` whose parameters and optimizer tensors on the CPU are the live ones, not
+    """`export_state` whose parameters and optimizer tensors (on any device) are the live ones, not
     copies (buffers are copied: a forward may change them); with the names of those shared. Who
     holds it copies them before they change (`stage_server.snapshot`)."""
     params = {id(p) for p in module.parameters()}
@@ -39,11 +39,11 @@ def share_state(
     shared: set[str] = set()
 
     def put(name: str, value: torch.Tensor, live: bool) -> None:
-        if value.device.type != "cpu":
-            state[name] = value.detach().cpu()  # a copy already
-        elif live and value.is_contiguous():  # cut into chunks in place, each read once
-            state[name] = value.detach()
+        if live and value.is_contiguous():  # cut into chunks in place, each read once (a
+            state[name] = value.detach()  # device's copied to the host a chunk at a time)
             shared.add(name)
+        elif value.device.type != "cpu":
+            state[name] = value.detach().cpu()  # a copy already
         else:
             state[name] = value.detach().clone(memory_format=torch.contiguous_format)
 

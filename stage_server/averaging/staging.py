@@ -1,0 +1,188 @@
+"""Device memory crossing to and from the host a chunk at a time: a CUDA gradient's parts sent in
+an averaging round and their sums landing back in it, a snapshot's tensors streamed to a joiner.
+
+Nothing here copies a whole gradient or state: a tensor on a device is sent chunk by chunk, each
+chunk copied into one of a few reusable host buffers (pinned on CUDA, so the copy runs at the
+link's speed) and framed from there (`swarm.proto.framing.frame` copies it into the message, so
+the buffer is free again at once); a sum comes back into host memory of one slice and goes to
+its place in the device tensor chunk by chunk. The host memory a round or a download stages is
+thus `buffers` chunks plus the slices in flight, whatever the stage's size.
+
+`DeviceCopies` is the seam every such copy goes through: `TorchCopies` on a real device; a test's
+counting fake treats CPU tensors as a device's and measures what crosses (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, TypeVar
+
+import torch
+from google.protobuf.message import Message
+
+from swarm.errors import ConfigError
+from swarm.proto import framing
+from swarm.wire import chunking as wire
+from swarm.wire.codec import dtype_name
+
+__all__ = ["BUFFERS", "DeviceCopies", "Staging", "TorchCopies", "staging"]
+
+M = TypeVar("M", bound=Message)
+
+BUFFERS = 2  # host buffers of one chunk each: one filled while the last one is framed
+
+
+class DeviceCopies(Protocol):
+    """The copies between a device's memory and the host's, each done when it returns."""
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in a device's memory (it must be staged to be sent)."""
+        ...
+
+    def to_host(self, src: torch.Tensor, into: torch.Tensor) -> None:
+        """`src` (on the device) into `into` (on the host, as many bytes)."""
+        ...
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`src` (on the host) into `dst` (on the device, as many bytes)."""
+        ...
+
+
+class TorchCopies:
+    """Torch's own copies. Blocking: a buffer is reused, and a host tensor read, right after."""
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.device.type != "cpu"
+
+    def to_host(self, src: torch.Tensor, into: torch.Tensor) -> None:
+        into.copy_(src)
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as a 1-D uint8 view (`t` contiguous; reshape first: a 0-dim tensor cannot be
+    viewed as a dtype of another size)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+class Staging:
+    """Chunk-by-chunk copies of device tensors through at most `buffers` host buffers of
+    `chunk_bytes` each, made at their first use and reused (thread-safe: a copy holds its buffer
+    only while it copies and frames, never across an await)."""
+
+    def __init__(
+        self,
+        chunk_bytes: int,
+        copies: DeviceCopies | None = None,
+        *,
+        pinned: bool = False,
+        buffers: int = BUFFERS,
+    ) -> None:
+        if chunk_bytes <= 0 or buffers < 1:
+            raise ConfigError(f"staging needs chunk_bytes > 0 and buffers >= 1: {chunk_bytes}")
+        self.chunk_bytes, self.copies = chunk_bytes, copies or TorchCopies()
+        self._pinned, self._most = pinned and torch.cuda.is_available(), buffers
+        self._free: list[torch.Tensor] = []
+        self._made = 0
+        self._ready = threading.Condition()
+
+    @contextlib.contextmanager
+    def _buffer(self) -> Iterator[torch.Tensor]:
+        with self._ready:
+            while not self._free and self._made >= self._most:
+                self._ready.wait()
+            if self._free:
+                buffer = self._free.pop()
+            else:
+                buffer = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+                self._made += 1
+        try:
+            yield buffer
+        finally:
+            with self._ready:
+                self._free.append(buffer)
+                self._ready.notify()
+
+    def to_host(self, src: torch.Tensor) -> torch.Tensor:
+        """A new host tensor holding `src` (a device's, contiguous), copied chunk by chunk."""
+        host = torch.empty(src.shape, dtype=src.dtype)
+        raw_src, raw_host, step = _raw(src), _raw(host), self.chunk_bytes
+        for a in range(0, raw_src.numel(), step):
+            self.copies.to_host(raw_src[a : a + step], raw_host[a : a + step])
+        return host
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`src` (on the host) into `dst` (a device's, contiguous, alike), chunk by chunk."""
+        raw_dst, raw_src, step = _raw(dst), _raw(src.contiguous()), self.chunk_bytes
+        if raw_dst.numel() != raw_src.numel():
+            raise ValueError(f"{raw_src.numel()} bytes into a tensor of {raw_dst.numel()}")
+        for a in range(0, raw_dst.numel(), step):
+            self.copies.to_device(raw_dst[a : a + step], raw_src[a : a + step])
+
+    def split(
+        self,
+        header: M,
+        name: str,
+        tensor: torch.Tensor | Callable[[], torch.Tensor],
+        lock: AbstractContextManager[Any] | None = None,
+    ) -> Iterator[M | framing.Framed]:
+        """`wire.split_tensor`'s messages (a receiver tells no difference), each chunk copied
+        from the device only as it is cut: one chunk's bytes on the host at a time. A host
+        tensor is cut from its own memory as `split_tensor` does. `tensor` may be a function
+        giving it, asked again for every chunk under `lock` (`stage_server.snapshot`)."""
+
+        def current() -> torch.Tensor:
+            return tensor() if callable(tensor) else tensor
+
+        guard = lock if lock is not None else contextlib.nullcontext()
+        cls, chunk = type(header), self.chunk_bytes
+
+        def cut(start: int) -> tuple[torch.Tensor, framing.Framed | bytes]:
+            with guard:
+                t = current()
+                piece = _raw(t.contiguous())[start : start + chunk]
+                if not self.copies.on_device(t):
+                    return t, _framed(cls, t.nbytes <= chunk, piece)
+                with self._buffer() as buffer:
+                    host = buffer[: piece.numel()]
+                    self.copies.to_host(piece, host)
+                    return t, _framed(cls, t.nbytes <= chunk, host)  # copied: buffer free
+
+        first, part = cut(0)
+        m: Any = header
+        meta = m.tensors.add()
+        meta.name, meta.dtype, meta.nbytes = name, dtype_name(first.dtype), first.nbytes
+        meta.shape.extend(first.shape)
+        if isinstance(part, bytes):
+            meta.data = part
+            yield header
+            return
+        yield header
+        for start in range(0, first.nbytes, chunk):
+            yield part if start == 0 else cut(start)[1]
+
+
+def _framed(cls: Any, whole: bool, piece: torch.Tensor) -> framing.Framed | bytes:
+    """`piece` (host bytes) as the header's bytes when the tensor is `whole` in one chunk, else
+    as a chunk message; copied either way."""
+    if whole:
+        return piece.numpy().tobytes()
+    return framing.frame(cls, 0, wire.tensor_bytes(piece))
+
+
+@functools.cache
+def _shared(chunk_bytes: int) -> Staging:
+    return Staging(chunk_bytes, TorchCopies(), pinned=True)
+
+
+def staging(chunk_bytes: int, copies: DeviceCopies | None = None) -> Staging:
+    """The staging of chunks of `chunk_bytes` through `copies`: torch's (None) share the
+    process's pinned buffers, made once for its life (pinning memory is slow: not at every
+    round or download), whichever round or download stages; another's (a test's) its own."""
+    return _shared(chunk_bytes) if copies is None else Staging(chunk_bytes, copies)
