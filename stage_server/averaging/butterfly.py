@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import Residuals
 from stage_server.averaging.flat import split_parts
 from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, round_name
-from stage_server.averaging.staging import DeviceCopies, TorchCopies, staging
+from stage_server.averaging.staging import DeviceCopies, OffLoop, TorchCopies, staging
 from stage_server.device_oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
 from swarm.proto import pool_pb2
@@ -123,7 +123,8 @@ async def all_reduce(
     copied to the host chunk by chunk as it is sent, each slice's sum goes into its place in
     `flat` chunk by chunk as it arrives, and this replica's own part is summed on the host `window`
     slices at a time. No copy of the gradient is made on the device or the host (a lossy codec's
-    parts, sent whole, are copied whole: one part each).
+    parts, sent whole, are copied whole: one part each). Those copies run off the event loop, in
+    order, on a thread of the round's (`OffLoop`): the loop never waits on the device.
     """
     n, index = len(settings.group), settings.index
     if not 0 <= index < n or len(set(settings.group)) != n:
@@ -170,6 +171,7 @@ class ButterflyRound:
         # A device's gradient crosses to the host and back a chunk at a time (`staging`).
         on_device = (copies or TorchCopies()).on_device(flat)
         self.staging = staging(settings.chunk_bytes, copies) if on_device else None
+        self._off = OffLoop(on_device)  # where its copies (and what reads them) run
         # Every part's sum lands in its place here, as its bytes arrive: no part is held twice.
         self.in_place = settings.in_place and flat.is_contiguous()
         # Not in place: a total beside `flat`, on its device (no host copy to move over after).
@@ -235,28 +237,37 @@ class ButterflyRound:
 
         return locate
 
+    def _encoded(self, k: int, where: slice) -> Any:
+        """Part k's slice `where` as a lossy codec sends it (whole: encoded)."""
+        s = self.settings
+        values = self._fed(k, where)
+        values = self._host(values) if self.feedback is None else values
+        msg = encode(values, "part", s.codec, s.block_size)
+        if self._dropped is not None:  # what the encoding dropped waits for the next round
+            self._dropped.sent[where] = values - decode(msg)
+        return msg
+
     async def _remote_slice(self, k: int, j: int, where: slice) -> None:
         s, flat = self.settings, self.flat
-        values = self._fed(k, where)
         header = pool_pb2.PoolReduceRequest(
             job=s.job, stage=s.stage, round=s.round, part=k, sender=s.index, group_size=self.n,
             slice=j,
         )  # fmt: skip
+        messages: Iterator[Any]
         if self.lossy:
-            values = self._host(values) if self.feedback is None else values  # whole: encoded
-            msg = encode(values, "part", s.codec, s.block_size)
-            if self._dropped is not None:  # what the encoding dropped waits for the next round
-                self._dropped.sent[where] = values - decode(msg)
+            msg = await self._off(self._encoded, k, where)
             header.tensors.append(msg)
-            messages, nbytes = wire.split(header, s.chunk_bytes), msg.nbytes
+            messages, nbytes = iter(wire.split(header, s.chunk_bytes)), msg.nbytes
         else:
+            values = self._fed(k, where)  # a view: uncompressed, nothing is fed back
             if self.staging is not None:  # a device's: one chunk at a time on the host
                 messages = self.staging.split(header, "part", values)
             else:  # cut from the gradient's memory as it is sent: no copy of the part
-                messages = wire.split_tensor(header, "part", values, s.chunk_bytes)
+                messages = iter(wire.split_tensor(header, "part", values, s.chunk_bytes))
             nbytes = values.numel() * values.element_size()
         call: Any = self.channels.stub(s.group[k]).Reduce(timeout=s.timeout_s)
-        for m in messages:
+        # A device's chunk is copied (and framed) off the loop as it is cut, one at a time.
+        while (m := await self._off.next(messages)) is not None:
             await call.write(m)
         await call.done_writing()
         self.sent += nbytes
@@ -271,7 +282,7 @@ class ButterflyRound:
             shapes = {name: (t.dtype, list(t.shape)) for name, t in tensors.items()}
             raise InvalidArgument(f"expected a 'sum' of {flat.dtype}[{length}], got {shapes}")
         if got.data_ptr() != self.total[where].data_ptr():  # not received in place
-            self._place(where, got)
+            await self._off(self._place, where, got)
         self.received += sum(t.nbytes for t in reply.header.tensors)
 
     async def _remote(self, k: int) -> None:
@@ -296,23 +307,27 @@ class ButterflyRound:
             await self._own_summed(j, where)
 
     def _own_slice_values(self, where: slice) -> tuple[torch.Tensor, bool]:
-        """This replica's values of its own slice `where` on the host, and whether they are a
-        copy the averager may sum into."""
-        values = self._fed(self.settings.index, where)
+        """This replica's values of its own slice `where` on the host as they are contributed,
+        and whether they are a copy the averager may sum into."""
+        s = self.settings
+        values = self._fed(s.index, where)
         if self.staging is not None and self.feedback is None:
-            return self.staging.to_host(values), True
-        return values.cpu(), False
+            values, owned = self.staging.to_host(values), True
+        else:
+            values, owned = values.cpu(), False
+        if not self.lossy:
+            return values, owned
+        # As it would travel (whole: a lossy part is one slice).
+        travelled = decode(encode(values, "part", s.codec, s.block_size))
+        if self.feedback is not None and self._dropped is not None:
+            self._dropped.sent[where] = values - travelled  # as in `_encoded`
+            # The sum's own error goes in through the one contribution its owner makes.
+            travelled = travelled + self.feedback.summed[where]
+        return travelled, False
 
     async def _own_summed(self, j: int, where: slice) -> None:
         s, index = self.settings, self.settings.index
-        values, owned = self._own_slice_values(where)
-        if self.lossy:  # as it would travel (whole: a lossy part is one slice)
-            travelled = decode(encode(values, "part", s.codec, s.block_size))
-            if self.feedback is not None and self._dropped is not None:
-                self._dropped.sent[where] = values - travelled  # as in `_remote_slice`
-                # The sum's own error goes in through the one contribution its owner makes.
-                travelled = travelled + self.feedback.summed[where]
-            values, owned = travelled, False
+        values, owned = await self._off(self._own_slice_values, where)
         reduced = await self.averager.reduce(
             self.key, index, index, self.n, values, timeout_s=s.timeout_s, codec=s.codec,
             block_size=s.block_size, slice=j, owned=owned,
@@ -320,7 +335,7 @@ class ButterflyRound:
         if self._dropped is not None:
             self._dropped.summed[where] = reduced.exact - reduced.tensor
         await self._overwriting(where)
-        self._place(where, reduced.tensor)
+        await self._off(self._place, where, reduced.tensor)
 
     async def _own(self) -> None:
         """This replica's own part: every slice contributed at once (views of the gradient,
@@ -367,7 +382,15 @@ class ButterflyRound:
         raise AveragingAborted(reason, culprits)
 
     async def run(self) -> torch.Tensor:
-        """Every part at once; the total (on `flat`'s device), or AveragingAborted."""
+        """Every part at once; the total (on `flat`'s device), or AveragingAborted. Either way
+        no copy of the round's is still under way once it returns (a failed round's caller
+        restores `flat`: nothing may land in it after)."""
+        try:
+            return await self._run()
+        finally:
+            await self._off.close()
+
+    async def _run(self) -> torch.Tensor:
         me = self.settings.group[self.settings.index]
         tasks = [asyncio.ensure_future(self._guarded(k)) for k in range(self.n)]
         try:

@@ -1,5 +1,7 @@
 """Device memory crossing to and from the host a chunk at a time: a CUDA gradient's parts sent in
 an averaging round and their sums landing back in it, a snapshot's tensors streamed to a joiner.
+Every such copy runs off the event loop (`OffLoop`), which only ever sees host bytes: a busy
+device holds a copying thread, never the loop that moves every other call's bytes.
 
 Nothing here copies a whole gradient or state: a tensor on a device is sent chunk by chunk, each
 chunk copied into one of a few reusable host buffers (pinned on CUDA, so the copy runs at the
@@ -14,10 +16,12 @@ counting fake treats CPU tensors as a device's and measures what crosses (no GPU
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
@@ -29,9 +33,10 @@ from swarm.proto import framing
 from swarm.wire import chunking as wire
 from swarm.wire.codec import dtype_name
 
-__all__ = ["BUFFERS", "DeviceCopies", "Staging", "TorchCopies", "staging"]
+__all__ = ["BUFFERS", "DeviceCopies", "OffLoop", "Staging", "TorchCopies", "staging"]
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 BUFFERS = 2  # host buffers of one chunk each: one filled while the last one is framed
 
@@ -186,3 +191,39 @@ def staging(chunk_bytes: int, copies: DeviceCopies | None = None) -> Staging:
     process's pinned buffers, made once for its life (pinning memory is slow: not at every
     round or download), whichever round or download stages; another's (a test's) its own."""
     return _shared(chunk_bytes) if copies is None else Staging(chunk_bytes, copies)
+
+
+class OffLoop:
+    """Where one round's (or download's) device copies run: one after another, in the order
+    they were asked for, on a thread of its own (made at the first copy), so the event loop
+    never waits on the device. A copy and the framing of its chunk run together there, so a
+    staging buffer is free again before the loop sees the chunk's bytes. `on=False` (nothing
+    on a device: no copy to wait on) runs each call where it is asked, as before."""
+
+    def __init__(self, on: bool) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="staging") if on else None
+
+    async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._pool is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(fn, *args)
+        )
+
+    async def next(self, messages: Iterator[T]) -> T | None:
+        """`messages`' next one (a `Staging.split` copies its chunk as it is cut), or None."""
+        return await self(next, messages, None)
+
+    async def close(self) -> None:
+        """Once the copies already under way have ended (one cancelled before it began never
+        runs): after this no copy writes into a gradient its round has given back."""
+        if self._pool is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, _nothing)
+        finally:
+            self._pool.shutdown(wait=False)
+
+
+def _nothing() -> None:
+    """Run after every copy asked before it (`OffLoop`'s one thread takes them in order)."""

@@ -1,11 +1,14 @@
-"""A fake device for unit tests of device<->host staging (`stage_server.averaging.staging`): it
-counts the bytes each copy moves, treating every tensor (CPU ones, in a test) as a device's."""
+"""Fake devices for unit tests of device<->host staging (`stage_server.averaging.staging`), each
+treating every tensor (CPU ones, in a test) as a device's: `CountingCopies` counts the bytes each
+copy moves; `GatedCopies` makes a copy as slow as a busy GPU's, until the test lets it finish."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-__all__ = ["CountingCopies"]
+__all__ = ["CountingCopies", "GatedCopies"]
 
 
 class CountingCopies:
@@ -27,3 +30,34 @@ class CountingCopies:
         dst.copy_(src)
         self.to_device_bytes += src.nbytes
         self.largest = max(self.largest, src.nbytes)
+
+
+class GatedCopies(CountingCopies):
+    """`CountingCopies` whose first copy of kind `slow` ("to_host" or "to_device") blocks its
+    caller until `gate` is set or `seconds` pass; `started` is set when it begins. `opened`
+    says whether the gate let it through (False: it timed out, as it must when it holds the
+    thread that would open the gate: the event loop's). `threads`: the thread of every copy."""
+
+    def __init__(self, slow: str = "to_host", seconds: float = 5.0) -> None:
+        super().__init__()
+        if slow not in ("to_host", "to_device"):
+            raise ValueError(f"slow must be to_host or to_device, got {slow!r}")
+        self.slow, self.seconds = slow, seconds
+        self.started, self.gate = threading.Event(), threading.Event()
+        self.opened: bool | None = None  # None: the slow copy has not ended (or not begun)
+        self.threads: set[str] = set()
+
+    def _wait(self, kind: str) -> None:
+        self.threads.add(threading.current_thread().name)
+        if kind != self.slow or self.started.is_set():
+            return
+        self.started.set()
+        self.opened = self.gate.wait(self.seconds)
+
+    def to_host(self, src: torch.Tensor, into: torch.Tensor) -> None:
+        self._wait("to_host")
+        super().to_host(src, into)
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._wait("to_device")
+        super().to_device(dst, src)

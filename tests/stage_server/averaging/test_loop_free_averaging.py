@@ -1,0 +1,75 @@
+"""An averaging round never makes the event loop wait on the device (issue 41, item 3): a
+gradient on a slow device (`tests.support.fake_device.GatedCopies`, behind the staging's
+`DeviceCopies` seam) is copied to the host and its sums back off the loop, so the loop goes on
+(other rounds' bytes, other calls) while a copy is under way; over real gRPC replicas.
+
+The slow copy holds its thread until the test opens the gate, which the test does from the
+event loop once it has seen the copy begin: a copy on the loop can never see the gate open (it
+times out), whatever the machine's speed. The CUDA path (torch's copies through pinned buffers,
+off the loop) is `test_on_device.py`'s cuda tests'."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from stage_server.averaging.butterfly import RoundSettings, all_reduce
+from swarm.wire.codec import CODEC_FP16, CODEC_NONE
+from tests.support.fake_device import CountingCopies, GatedCopies
+from tests.support.pools import JOB, MiB, ordered_sum, replicas
+
+pytestmark = pytest.mark.timeout(120)
+
+CHUNK = 2048
+SLICE = 8192
+
+
+async def _started(gated: GatedCopies) -> None:
+    """Until the slow copy has begun (polled: the loop must be free to notice, or it is not)."""
+    while not gated.started.is_set():
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize(
+    ("slow", "codec"),
+    [("to_host", CODEC_NONE), ("to_device", CODEC_NONE), ("to_host", CODEC_FP16)],
+)
+async def test_the_loop_runs_while_a_round_copies_a_device_gradient(slow: str, codec: int) -> None:
+    gen = torch.Generator().manual_seed(13)
+    flats = [torch.randn(6000, generator=gen) for _ in range(2)]
+    given = [f.clone() for f in flats]
+    gated = GatedCopies(slow, seconds=5.0)
+    copies: list[Any] = [gated, CountingCopies()]
+    async with replicas(2) as pool:
+        group = [r.address for r in pool]
+        opts: dict[str, Any] = {
+            "round": "r0", "job": JOB, "stage": 0, "timeout_s": 30.0, "chunk_bytes": CHUNK,
+            "max_bytes": 64 * MiB, "slice_bytes": SLICE, "in_place": True, "codec": codec,
+        }  # fmt: skip
+        calls = [
+            all_reduce(
+                f, RoundSettings(group=group, index=i, **opts),
+                averager=r.averager, channels=r.channels, copies=c,
+            )
+            for i, (r, f, c) in enumerate(zip(pool, given, copies, strict=True))
+        ]  # fmt: skip
+        rounds = asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.wait_for(_started(gated), 30)
+        await asyncio.sleep(0.01)  # the loop wakes (a timer) while the copy is under way
+        woke_during_copy = gated.opened is None
+        gated.gate.set()
+        results = await rounds
+    assert woke_during_copy, "the loop woke only after the device's copy had ended"
+    assert gated.opened is True, "the copy blocked the event loop until it timed out"
+    assert threading.main_thread().name not in gated.threads  # the loop's thread never copied
+    want = ordered_sum(flats) if codec == CODEC_NONE else None
+    for result, flat in zip(results, given, strict=True):
+        assert isinstance(result, torch.Tensor), repr(result)
+        assert result.data_ptr() == flat.data_ptr()
+        if want is not None:
+            assert torch.equal(result, want)  # bitwise, as on the CPU
+    assert torch.equal(results[0], results[1])
