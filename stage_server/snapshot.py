@@ -9,9 +9,11 @@ step. A download that ends before the next update, the usual case for a checkpoi
 commits, copies nothing; one that is still running then costs what a snapshot used to cost
 (a copy of what is left), no more.
 
-Threads: `detach` runs on the replica's worker, the reply is built on the event loop; both take
-the snapshot's lock for each chunk, so a chunk is read wholly before or wholly after a detach,
-never from a tensor being changed.
+Threads: `detach` runs on the replica's worker; the reply is built on the event loop, or, for a
+snapshot `on_device`, on a thread of the download's (`stage_server.state_transfer` asks for each
+message there: a chunk's copy from the device, and a detach's wait for the lock, never hold the
+loop); both take the snapshot's lock (a threading lock) for each chunk, so a chunk is read
+wholly before or wholly after a detach, never from a tensor being changed.
 
 A device's tensors (CUDA) are shared too, not copied to the host when the snapshot is taken (that
 was 12 B a parameter of host memory per download running): each chunk is copied to a reusable
@@ -57,6 +59,8 @@ class Snapshot:
         self._copies = copies or TorchCopies()
         self._state = state  # what is left to send
         self._shared = set(shared) & state.keys()  # of those, the replica's own
+        # Whether its chunks are copied from a device as they are sent (off the event loop).
+        self.on_device = any(self._copies.on_device(t) for t in state.values())
         self._lock = threading.Lock()
         self.copied_bytes = 0  # what `detach` copied
 
@@ -90,12 +94,13 @@ class Snapshot:
 class Snapshots:
     """A replica's open snapshots (weakly: a reply dropped unfinished lets its snapshot go)."""
 
-    def __init__(self) -> None:
+    def __init__(self, copies: DeviceCopies | None = None) -> None:
         self._open: weakref.WeakSet[Snapshot] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self.copies = copies  # a test's fake device, or None: torch's
 
     def open(self, step: int, state: dict[str, torch.Tensor], shared: Collection[str]) -> Snapshot:
-        snapshot = Snapshot(step, state, shared)
+        snapshot = Snapshot(step, state, shared, self.copies)
         with self._lock:
             self._open.add(snapshot)
         return snapshot

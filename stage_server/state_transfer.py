@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from stage_server.averaging.staging import OffLoop
 from stage_server.copying import Copy
 from stage_server.messages import Limits, Route, state_reply, updates_reply
 from stage_server.metrics import StageMetrics
@@ -183,16 +184,22 @@ class StateTransfer:
         assert task is not None  # a call's handler
         self._served[task] = loop.time()
         log_, registered, sent = self._runtime().updates, None, False
+        off: OffLoop | None = None
         try:
             snapshot, registered = await self.snapshot(follower, include_optimizer)
             self._served[task] = loop.time()
-            for part in state_reply(snapshot, chunk_bytes):
+            # A device's chunks are copied to the host (under the snapshot's lock) off the loop.
+            off = OffLoop(snapshot.on_device)
+            parts = state_reply(snapshot, chunk_bytes)
+            while (part := await off.next(parts)) is not None:
                 yield part
                 self._served[task] = loop.time()  # its reader took a part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
             sent = True
         finally:
+            if off is not None:
+                off.shutdown()  # its thread ends with its last copy (nothing waits on it)
             self._served.pop(task, None)
             # A follower's place is held by a copy that goes on: one whose download ended
             # early (a caller that named itself a follower and hung up) has none (N7).

@@ -222,6 +222,11 @@ class OffLoop:
         try:
             await asyncio.get_running_loop().run_in_executor(self._pool, _nothing)
         finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Its thread ends once the copies under way have (not waited for: none is cancelled)."""
+        if self._pool is not None:
             self._pool.shutdown(wait=False)
 
 
