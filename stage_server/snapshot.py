@@ -59,8 +59,10 @@ class Snapshot:
         self._copies = copies or TorchCopies()
         self._state = state  # what is left to send
         self._shared = set(shared) & state.keys()  # of those, the replica's own
-        # Whether its chunks are copied from a device as they are sent (off the event loop).
-        self.on_device = any(self._copies.on_device(t) for t in state.values())
+        # Whether its chunks are copied from a device as they are sent (off the event loop),
+        # and which (its copying thread's current one).
+        devices = [t.device for t in state.values() if self._copies.on_device(t)]
+        self.on_device, self.device = bool(devices), devices[0] if devices else None
         self._lock = threading.Lock()
         self.copied_bytes = 0  # what `detach` copied
 

@@ -189,7 +189,7 @@ class StateTransfer:
             snapshot, registered = await self.snapshot(follower, include_optimizer)
             self._served[task] = loop.time()
             # A device's chunks are copied to the host (under the snapshot's lock) off the loop.
-            off = OffLoop(snapshot.on_device)
+            off = OffLoop(snapshot.on_device, snapshot.device)
             parts = state_reply(snapshot, chunk_bytes)
             while (part := await off.next(parts)) is not None:
                 yield part

@@ -171,7 +171,7 @@ class ButterflyRound:
         # A device's gradient crosses to the host and back a chunk at a time (`staging`).
         on_device = (copies or TorchCopies()).on_device(flat)
         self.staging = staging(settings.chunk_bytes, copies) if on_device else None
-        self._off = OffLoop(on_device)  # where its copies (and what reads them) run
+        self._off = OffLoop(on_device, flat.device)  # where its copies (and what reads them) run
         # Every part's sum lands in its place here, as its bytes arrive: no part is held twice.
         self.in_place = settings.in_place and flat.is_contiguous()
         # Not in place: a total beside `flat`, on its device (no host copy to move over after).

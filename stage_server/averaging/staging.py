@@ -198,10 +198,16 @@ class OffLoop:
     they were asked for, on a thread of its own (made at the first copy), so the event loop
     never waits on the device. A copy and the framing of its chunk run together there, so a
     staging buffer is free again before the loop sees the chunk's bytes. `on=False` (nothing
-    on a device: no copy to wait on) runs each call where it is asked, as before."""
+    on a device: no copy to wait on) runs each call where it is asked, as before. A CUDA
+    `device` is made its thread's current one (a thread starts on `cuda:0`: what it allocates,
+    and the stream it copies on, are then the served device's)."""
 
-    def __init__(self, on: bool) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="staging") if on else None
+    def __init__(self, on: bool, device: torch.device | None = None) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        if on and device is not None and device.type == "cuda":
+            self._pool = ThreadPoolExecutor(1, "staging", torch.cuda.set_device, (device,))
+        elif on:
+            self._pool = ThreadPoolExecutor(1, "staging")
 
     async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
         if self._pool is None:

@@ -5,8 +5,9 @@ chunk to the host off the loop, so the loop answers another call while a chunk's
 way, and the joiner still gets the state bit for bit.
 
 The slow copy holds its thread until the test opens the gate, which it does only once the other
-call was answered: a copy on the loop can never see the gate open (it times out). The CUDA path
-(torch's copies) is `test_snapshot_on_device.py`'s cuda test's."""
+call was answered: a copy on the loop can never see the gate open (it times out). On CUDA
+(skipped without it) a server on the GPU copies its chunks with torch's own copies off the loop,
+on its device."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.rpc.stage_client import StageClient
-from tests.support.fake_device import GatedCopies
+from tests.support.fake_device import GatedCopies, WatchedCopies
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,3 +77,25 @@ async def test_the_loop_answers_another_call_while_a_download_copies_a_chunk(
     assert state.keys() == want.keys()
     assert all(torch.equal(state[k], want[k]) for k in want)  # bit for bit
     assert gated.to_host_bytes > 0  # the state did cross through the fake device
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_on_cuda_a_download_copies_its_chunks_off_the_loop(job: JobConfig) -> None:
+    index = torch.cuda.device_count() - 1  # the last GPU: a thread starts on cuda:0
+    opts = StageServerOptions(stage=1, metrics_port=0, device=f"cuda:{index}")
+    running = await start_stage_server(job, opts)
+    watched = WatchedCopies()
+    running.runtime.snapshots.copies = watched
+    want = {k: v.cpu() for k, v in running.runtime.export_state(True).items()}
+    want_step = running.runtime.step
+    client = StageClient(running.address, job, fingerprint(job), 1)
+    try:
+        expect = running.runtime.checks.state
+        step, state = await asyncio.wait_for(client.download_state(True, "", expect=expect), 60)
+    finally:
+        await client.close()
+        await running.stop()
+    assert step == want_step and state.keys() == want.keys()
+    assert all(torch.equal(state[k].cpu(), want[k]) for k in want)  # bit for bit
+    assert watched.threads and threading.main_thread().name not in watched.threads
+    assert watched.devices == {index}

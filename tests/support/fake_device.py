@@ -1,6 +1,8 @@
 """Fake devices for unit tests of device<->host staging (`stage_server.averaging.staging`), each
 treating every tensor (CPU ones, in a test) as a device's: `CountingCopies` counts the bytes each
-copy moves; `GatedCopies` makes a copy as slow as a busy GPU's, until the test lets it finish."""
+copy moves; `GatedCopies` makes a copy as slow as a busy GPU's, until the test lets it finish.
+`WatchedCopies` are torch's real ones (a CUDA test's), noting the thread and current device of
+each."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import threading
 
 import torch
 
-__all__ = ["CountingCopies", "GatedCopies"]
+from stage_server.averaging.staging import TorchCopies
+
+__all__ = ["CountingCopies", "GatedCopies", "WatchedCopies"]
 
 
 class CountingCopies:
@@ -60,4 +64,25 @@ class GatedCopies(CountingCopies):
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._wait("to_device")
+        super().to_device(dst, src)
+
+
+class WatchedCopies(TorchCopies):
+    """Torch's own copies, each noting its thread (`threads`) and that thread's current CUDA
+    device (`devices`, its index)."""
+
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+        self.devices: set[int] = set()
+
+    def _seen(self) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.devices.add(torch.cuda.current_device())
+
+    def to_host(self, src: torch.Tensor, into: torch.Tensor) -> None:
+        self._seen()
+        super().to_host(src, into)
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._seen()
         super().to_device(dst, src)

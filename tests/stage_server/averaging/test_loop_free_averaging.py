@@ -5,8 +5,8 @@ gradient on a slow device (`tests.support.fake_device.GatedCopies`, behind the s
 
 The slow copy holds its thread until the test opens the gate, which the test does from the
 event loop once it has seen the copy begin: a copy on the loop can never see the gate open (it
-times out), whatever the machine's speed. The CUDA path (torch's copies through pinned buffers,
-off the loop) is `test_on_device.py`'s cuda tests'."""
+times out), whatever the machine's speed. On CUDA (skipped without it) torch's own copies run on
+the round's thread, with the gradient's device its current one, and give the CPU's bits."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from swarm.wire.codec import CODEC_FP16, CODEC_NONE
-from tests.support.fake_device import CountingCopies, GatedCopies
+from tests.support.fake_device import CountingCopies, GatedCopies, WatchedCopies
 from tests.support.pools import JOB, MiB, ordered_sum, replicas
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,3 +75,32 @@ async def test_the_loop_runs_while_a_round_copies_a_device_gradient(slow: str, c
     first, second = results
     assert isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
     assert torch.equal(first, second)  # the replicas agree, bit for bit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_on_cuda_a_rounds_copies_run_off_the_loop_on_the_gradients_device() -> None:
+    index = torch.cuda.device_count() - 1  # the last GPU: a thread starts on cuda:0
+    gen = torch.Generator().manual_seed(17)
+    cpu = [torch.randn(1 << 20, generator=gen) for _ in range(2)]
+    on_gpu = [t.to(f"cuda:{index}") for t in cpu]
+    watched = [WatchedCopies(), WatchedCopies()]
+    async with replicas(2) as pool:
+        group = [r.address for r in pool]
+        opts: dict[str, Any] = {
+            "round": "r0", "job": JOB, "stage": 0, "timeout_s": 60.0, "chunk_bytes": 256 << 10,
+            "max_bytes": 64 * MiB, "slice_bytes": 1 * MiB, "in_place": True,
+        }  # fmt: skip
+        calls = [
+            all_reduce(
+                f, RoundSettings(group=group, index=i, **opts),
+                averager=r.averager, channels=r.channels, copies=c,
+            )
+            for i, (r, f, c) in enumerate(zip(pool, on_gpu, watched, strict=True))
+        ]  # fmt: skip
+        results = await asyncio.gather(*calls)
+    want = ordered_sum(cpu)
+    for result, flat, w in zip(results, on_gpu, watched, strict=True):
+        assert result.data_ptr() == flat.data_ptr()
+        assert torch.equal(result.cpu(), want)  # bitwise the CPU's sum
+        assert w.threads and threading.main_thread().name not in w.threads
+        assert w.devices == {index}
