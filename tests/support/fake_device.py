@@ -40,7 +40,8 @@ class GatedCopies(CountingCopies):
     """`CountingCopies` whose first copy of kind `slow` ("to_host" or "to_device") blocks its
     caller until `gate` is set or `seconds` pass; `started` is set when it begins. `opened`
     says whether the gate let it through (False: it timed out, as it must when it holds the
-    thread that would open the gate: the event loop's). `threads`: the thread of every copy."""
+    thread that would open the gate: the event loop's); `ended` is set once its bytes landed.
+    `threads`: the thread of every copy."""
 
     def __init__(self, slow: str = "to_host", seconds: float = 5.0) -> None:
         super().__init__()
@@ -49,22 +50,29 @@ class GatedCopies(CountingCopies):
         self.slow, self.seconds = slow, seconds
         self.started, self.gate = threading.Event(), threading.Event()
         self.opened: bool | None = None  # None: the slow copy has not ended (or not begun)
+        self.ended = threading.Event()  # the slow copy's bytes have landed
         self.threads: set[str] = set()
 
-    def _wait(self, kind: str) -> None:
+    def _wait(self, kind: str) -> bool:
+        """Whether this is the slow copy (waited for the gate)."""
         self.threads.add(threading.current_thread().name)
         if kind != self.slow or self.started.is_set():
-            return
+            return False
         self.started.set()
         self.opened = self.gate.wait(self.seconds)
+        return True
 
     def to_host(self, src: torch.Tensor, into: torch.Tensor) -> None:
-        self._wait("to_host")
+        slow = self._wait("to_host")
         super().to_host(src, into)
+        if slow:
+            self.ended.set()
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._wait("to_device")
+        slow = self._wait("to_device")
         super().to_device(dst, src)
+        if slow:
+            self.ended.set()
 
 
 class WatchedCopies(TorchCopies):

@@ -77,6 +77,36 @@ async def test_the_loop_runs_while_a_round_copies_a_device_gradient(slow: str, c
     assert torch.equal(first, second)  # the replicas agree, bit for bit
 
 
+async def test_a_round_cancelled_mid_copy_ends_only_once_the_copy_has_landed() -> None:
+    """A failed or cancelled round's caller restores the gradient (`spill`): no sum may still
+    be landing in it after the round has ended, so the round waits for its copy under way."""
+    flats = [torch.randn(6000, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    gated = GatedCopies("to_device", seconds=5.0)
+    copies: list[Any] = [gated, CountingCopies()]
+    landed_when_done: list[bool] = []
+    async with replicas(2) as pool:
+        group = [r.address for r in pool]
+        opts: dict[str, Any] = {
+            "round": "r0", "job": JOB, "stage": 0, "timeout_s": 30.0, "chunk_bytes": CHUNK,
+            "max_bytes": 64 * MiB, "slice_bytes": SLICE, "in_place": True,
+        }  # fmt: skip
+        tasks = [
+            asyncio.ensure_future(all_reduce(
+                f, RoundSettings(group=group, index=i, **opts),
+                averager=r.averager, channels=r.channels, copies=c,
+            ))
+            for i, (r, f, c) in enumerate(zip(pool, flats, copies, strict=True))
+        ]  # fmt: skip
+        tasks[0].add_done_callback(lambda _: landed_when_done.append(gated.ended.is_set()))
+        await asyncio.wait_for(_started(gated), 30)
+        tasks[0].cancel()
+        await asyncio.sleep(0.05)  # the cancellation goes through (the copy still held)
+        gated.gate.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError), repr(results[0])
+    assert landed_when_done == [True], "the round ended while its copy was still landing"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_on_cuda_a_rounds_copies_run_off_the_loop_on_the_gradients_device() -> None:
     index = torch.cuda.device_count() - 1  # the last GPU: a thread starts on cuda:0
