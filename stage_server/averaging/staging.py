@@ -58,16 +58,33 @@ class DeviceCopies(Protocol):
 
 
 class TorchCopies:
-    """Torch's own copies. Blocking: a buffer is reused, and a host tensor read, right after."""
+    """Torch's own copies, each done when it returns: a buffer is reused, and a host tensor
+    read, right after. On CUDA a `non_blocking` copy then a wait on an event recorded after it
+    on this (copying) thread's stream: this thread waits, no other stream or thread."""
 
     def on_device(self, t: torch.Tensor) -> bool:
         return t.device.type != "cpu"
 
     def to_host(self, src: torch.Tensor, into: torch.Tensor) -> None:
-        into.copy_(src)
+        if src.device.type != "cuda":
+            into.copy_(src)
+            return
+        into.copy_(src, non_blocking=True)
+        _landed(src.device)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+        if dst.device.type != "cuda":
+            dst.copy_(src)
+            return
+        dst.copy_(src, non_blocking=True)
+        _landed(dst.device)
+
+
+def _landed(device: torch.device) -> None:
+    """Until the copies queued on `device`'s current stream (this thread's) have run."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    done.synchronize()
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
