@@ -109,3 +109,20 @@ async def test_probes_and_silent_and_oversized_connects_are_rated(
     said = [r.getMessage() for r in caplog.records if r.name.startswith("swarm.bus")]
     assert any("no CONNECT within" in line for line in said)
     assert any("packet" in line and "1024" in line for line in said), said
+
+
+@pytest.mark.attack("N16")
+async def test_amqtts_own_warnings_are_rated(caplog: pytest.LogCaptureFixture) -> None:
+    """20 logged-in clients each sending a second CONNECT (amqtt logs an error for each, by its
+    rule's number, and closes the connection): one line of amqtt's kind, not 20."""
+    caplog.set_level(logging.INFO)
+    async with EmbeddedBroker(token=TOKEN) as broker:
+        for i in range(20):
+            async with await RawClient.open("127.0.0.1", broker.port) as c:
+                await c.send(connect_packet(f"peer-w{i}", username=f"w{i}", password=TOKEN))
+                assert await c.connack(WAIT_S) == 0
+                await c.send(connect_packet(f"peer-w{i}", username=f"w{i}", password=TOKEN))
+                assert await c.closed_by_broker(WAIT_S)
+    lines = _broker_warnings(caplog)
+    assert len(lines) <= 2, "\n".join(lines[:10])
+    assert any("MQTT-3.1.0-2" in line for line in lines), lines
