@@ -1,5 +1,6 @@
 """What a submitted job must fit before the scheduler stores it: no more unfinished jobs of its
-submitter than `--max-jobs-per-submitter`, and a largest stage that some peer could hold.
+submitter than `--max-jobs-per-submitter`, no faster than `--max-submits-per-minute`
+(`scheduler.submit_rate`), and a largest stage that some peer could hold.
 
 A stage's state is counted on the meta device (`swarm.model.sizes`) and compared with the
 scheduler's `--max-stage-bytes`, and with one microbatch's activations on top
@@ -12,17 +13,19 @@ size is not refused here; the peers' own check still holds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.callers import shown
 from scheduler.store import JobStore
+from scheduler.submit_rate import MAX_SUBMITS_PER_MINUTE, SubmitRate
 from swarm.errors import ConfigError, ResourceExhausted
 from swarm.job.config import JobConfig
 from swarm.model.footprint import stage_footprints
 from swarm.model.sizes import format_bytes, stage_parameters, stage_state_bytes
 
-__all__ = ["MAX_JOBS_PER_SUBMITTER", "Admission", "PeerMemory"]
+__all__ = ["MAX_JOBS_PER_SUBMITTER", "MAX_SUBMITS_PER_MINUTE", "Admission", "PeerMemory"]
 
 MAX_JOBS_PER_SUBMITTER = 8  # unfinished jobs (queued, placing, running, stalled) per submitter
 
@@ -40,6 +43,8 @@ class Admission:
     max_jobs_per_submitter: int | None = MAX_JOBS_PER_SUBMITTER  # None: no cap
     max_stage_bytes: int | None = None  # the operator's bound on one stage's state (None: none)
     peer_memory: PeerMemory = _none_said
+    max_submits_per_minute: float | None = MAX_SUBMITS_PER_MINUTE  # per submitter (None: any)
+    rate: SubmitRate | None = field(init=False, default=None, compare=False)  # its buckets
 
     def __post_init__(self) -> None:
         if self.max_jobs_per_submitter is not None and self.max_jobs_per_submitter < 1:
@@ -49,6 +54,20 @@ class Admission:
             )
         if self.max_stage_bytes is not None and self.max_stage_bytes < 1:
             raise ConfigError(f"--max-stage-bytes {self.max_stage_bytes}: use an integer >= 1")
+        if self.max_submits_per_minute is not None:
+            # A minute's worth at once (or a whole queue, if more): a submitter refused at its
+            # cap, who cancels one and submits again, is not refused for the rate.
+            cap = self.max_jobs_per_submitter or MAX_JOBS_PER_SUBMITTER
+            burst = max(cap, math.ceil(self.max_submits_per_minute))
+            rate = SubmitRate(self.max_submits_per_minute, burst)
+            object.__setattr__(self, "rate", rate)  # frozen: the settings, not the buckets
+
+    def check_submit(self, store: JobStore, submitter: str) -> None:
+        """`check_count`, then one of `submitter`'s submits (`SubmitRate.take`): before any
+        work for the job, so a refused or failing submit costs its place in the rate too."""
+        self.check_count(store, submitter)
+        if self.rate is not None:
+            self.rate.take(submitter)
 
     def check_count(self, store: JobStore, submitter: str) -> None:
         """ResourceExhausted when `submitter` already has the unfinished jobs it may have."""

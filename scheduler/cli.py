@@ -123,6 +123,15 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_flag(
         p,
+        "max-submits-per-minute",
+        30.0,
+        "jobs one submitter may submit a minute (a minute's worth at once, or "
+        "--max-jobs-per-submitter if more); SubmitJob refuses faster ones, saying when to retry "
+        "(0: no bound)",
+        type=float,
+    )
+    add_flag(
+        p,
         "max-stage-bytes",
         None,
         "refuse a job whose largest stage holds more state than this (bytes; weights, gradient "
@@ -201,6 +210,7 @@ def _run(args: argparse.Namespace) -> None:
         keep_finished_jobs=args.keep_finished_jobs,
         admin_token=secret(args, "admin-token"),
         max_jobs_per_submitter=args.max_jobs_per_submitter or None,
+        max_submits_per_minute=args.max_submits_per_minute or None,
         max_stage_bytes=args.max_stage_bytes,
         embedded_trainer=not args.no_embedded_trainer,
         min_replicas=args.min_replicas,

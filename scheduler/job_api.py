@@ -237,7 +237,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.SchedulerSubmitJobResponse:
         async def body() -> scheduler_pb2.SchedulerSubmitJobResponse:
             caller = self.callers.identify(context)
-            self.admission.check_count(self.store, caller.name)  # before any work for it
+            self.admission.check_submit(self.store, caller.name)  # before any work for it
             # The request's free-form strings are stored and sent back with the job: each has a
             # bound (the spec's, MAX_SPEC_BYTES, is parse_job's), or one large job would make
             # every listing too large to receive.

@@ -59,6 +59,7 @@ class SchedulerProcessOptions:
     keep_finished_jobs: int | None = None  # finished jobs kept (None: all); older ones deleted
     admin_token: str | None = None  # may act on every job; submitter tokens derive from it
     max_jobs_per_submitter: int | None = 8  # unfinished jobs per submitter (None: no cap)
+    max_submits_per_minute: float | None = 30.0  # per submitter (None: no bound)
     max_stage_bytes: int | None = None  # a job's largest stage's state at most (None: peers')
     embedded_trainer: bool = True  # train each job in this process too (False: remote only)
     min_replicas: int = 1  # for jobs without runtime.min_replicas: replicas every stage gets first
@@ -130,6 +131,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                         opts.max_jobs_per_submitter,
                         opts.max_stage_bytes,
                         scheduler.peer_registry.largest_memory,
+                        opts.max_submits_per_minute,
                     ),
                 ),
                 server,

@@ -293,7 +293,8 @@ class Scheduler:
             step=r.step,
             steps=r.steps,
             loss=r.loss,
-            spec=r.spec,
+            # None once ended (peers only drop it): 1 MiB each, retained, piled up by submit+cancel
+            spec="" if r.finished else r.spec,
             error=r.error or "",
             time=time.time(),
             scheduler_key=self.signing.public,

@@ -195,9 +195,19 @@ class AclBroker(Broker):
             await _close(writer)
             raise AMQTTError(f"no CONNECT within {timeout_s} s") from None
         except PacketTooLarge as exc:  # in the CONNECT: made an error amqtt's caller handles
+            self._rated.warning(
+                "large", "broker: closed %s: %s", host_port(remote_address, remote_port), exc
+            )
             await _close(writer)
             raise MQTTError(str(exc)) from exc
-        except (AMQTTError, MQTTError, NoDataError):
+        except (AMQTTError, MQTTError, NoDataError) as exc:
+            # Said here, rated (amqtt's own line for it is held back: `swarm.bus.amqtt_log`).
+            self._rated.warning(
+                ("malformed", type(exc).__name__),
+                "broker: closed %s: no valid CONNECT: %s",
+                host_port(remote_address, remote_port),
+                exc or type(exc).__name__,
+            )
             await _close(writer)
             raise
         refusal = self._gate.admit(session)

@@ -21,6 +21,7 @@ from amqtt.broker import Broker
 from amqtt.contexts import BrokerConfig, ListenerConfig, ListenerType
 
 from swarm.bus.acl_broker import DISCONNECT_GRACE_S, AclBroker
+from swarm.bus.amqtt_log import rate_amqtt_warnings
 from swarm.bus.gate import Gate
 from swarm.bus.limits import BrokerLimits
 from swarm.bus.topics import DEFAULT_PREFIX, SCHEDULER_USER, BusError, Topics
@@ -35,7 +36,9 @@ log = logging.getLogger(__name__)
 
 
 def _quiet_amqtt() -> None:
-    # amqtt logs every connection at INFO; keep it to warnings unless the user configured it.
+    # amqtt logs every connection at INFO; keep it to warnings unless the user configured it,
+    # and those warnings rated (a stranger makes one per connection).
+    rate_amqtt_warnings()
     for name in ("amqtt", "transitions"):
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET:

@@ -36,8 +36,15 @@ class ServerLimits:
     max_send_bytes: int  # one answer message
     max_concurrent_rpcs: int  # calls in progress; past it RESOURCE_EXHAUSTED at the header
     max_streams_per_connection: int = 256  # calls open at once on one connection
-    max_connections: int = 512  # open at once; past it a new one is closed at once
-    idle_s: float = 300.0  # a connection with no call this long gets GOAWAY
+    # Open at once; past it a new one is closed at once. A descriptor each: the bound that keeps
+    # a stranger from taking the process's descriptors, not from locking callers out, which it
+    # can at any cap (it only needs more connections); that is the host firewall's, per source.
+    max_connections: int = 512
+    # A connection with no call this long gets GOAWAY. gRPC cannot tell a connection that never
+    # carried an authenticated call, so this is how long a stranger's idle connections (the
+    # HTTP/2 preface, nothing else) hold their places: short. A caller's channel reconnects at
+    # its next call, transparently (swarm's clients set no keepalive that would fight it).
+    idle_s: float = 30.0
     max_age_s: float = 7200.0  # any connection this old gets GOAWAY (gRPC adds ±10% jitter)
     # then its calls in flight have this long to finish; a call cut then is retried on a new
     # connection, which gives it max_age_s + age_grace_s (a long state download included)

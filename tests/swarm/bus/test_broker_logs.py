@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from swarm.bus.broker import EmbeddedBroker
+from swarm.bus.limits import BrokerLimits
 from swarm.bus.topics import Topics
 from tests.support.buses import WAIT_S
 from tests.support.raw_mqtt import RawClient, connect_packet, publish_packet
@@ -21,11 +22,9 @@ TOPICS = Topics()
 
 
 def _broker_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name.startswith("swarm.bus") and r.levelno >= logging.WARNING
-    ]
+    """Every warning the process logged, amqtt's own included: a line per refusal on any logger
+    fills the disk alike."""
+    return [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 @pytest.mark.attack("N16")
@@ -68,3 +67,62 @@ async def test_a_probes_connect_is_not_a_warning(caplog: pytest.LogCaptureFixtur
         assert await probe.connack(WAIT_S) not in (0, None)
     assert not [line for line in _broker_warnings(caplog) if "refused" in line]
     assert any("probe" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.attack("N16")
+async def test_refused_logins_are_one_line_on_any_logger(caplog: pytest.LogCaptureFixture) -> None:
+    """30 CONNECTs with a wrong password: one rated line, naming the refusal (amqtt wrote a
+    `Failed to initialize client session` warning for each as well)."""
+    caplog.set_level(logging.INFO)
+    async with EmbeddedBroker(token=TOKEN) as broker:
+        for i in range(30):
+            async with await RawClient.open("127.0.0.1", broker.port) as c:
+                await c.send(connect_packet(f"x{i}", username="a", password="wrong"))
+                assert await c.connack(WAIT_S) not in (0, None)
+    lines = _broker_warnings(caplog)
+    assert len(lines) <= 2, "\n".join(lines[:10])
+    assert any("refused client" in line for line in lines)
+
+
+@pytest.mark.attack("N16")
+async def test_probes_and_silent_and_oversized_connects_are_rated(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """20 broker probes, 10 connections that never send a CONNECT and 10 CONNECTs over the
+    packet cap: no warning per connection on any logger, and each kind said once at least."""
+    caplog.set_level(logging.INFO)
+    limits = BrokerLimits(connect_timeout_s=0.3, max_packet_bytes=1024)
+    async with EmbeddedBroker(token=TOKEN, limits=limits) as broker:
+        for _ in range(20):
+            async with await RawClient.open("127.0.0.1", broker.port) as probe:
+                await probe.send(connect_packet(""))
+                assert await probe.connack(WAIT_S) not in (0, None)
+        for _ in range(10):
+            async with await RawClient.open("127.0.0.1", broker.port) as silent:
+                assert await silent.closed_by_broker(WAIT_S)
+        for i in range(10):
+            async with await RawClient.open("127.0.0.1", broker.port) as big:
+                await big.send(connect_packet(f"b{i}", username="x" * 4000, password=TOKEN))
+                assert await big.closed_by_broker(WAIT_S)
+    lines = _broker_warnings(caplog)
+    assert len(lines) <= 3, "\n".join(lines[:10])
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("swarm.bus")]
+    assert any("no CONNECT within" in line for line in said)
+    assert any("packet" in line and "1024" in line for line in said), said
+
+
+@pytest.mark.attack("N16")
+async def test_amqtts_own_warnings_are_rated(caplog: pytest.LogCaptureFixture) -> None:
+    """20 logged-in clients each sending a second CONNECT (amqtt logs an error for each, by its
+    rule's number, and closes the connection): one line of amqtt's kind, not 20."""
+    caplog.set_level(logging.INFO)
+    async with EmbeddedBroker(token=TOKEN) as broker:
+        for i in range(20):
+            async with await RawClient.open("127.0.0.1", broker.port) as c:
+                await c.send(connect_packet(f"peer-w{i}", username=f"w{i}", password=TOKEN))
+                assert await c.connack(WAIT_S) == 0
+                await c.send(connect_packet(f"peer-w{i}", username=f"w{i}", password=TOKEN))
+                assert await c.closed_by_broker(WAIT_S)
+    lines = _broker_warnings(caplog)
+    assert len(lines) <= 2, "\n".join(lines[:10])
+    assert any("MQTT-3.1.0-2" in line for line in lines), lines
