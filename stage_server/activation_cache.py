@@ -29,6 +29,7 @@ _rated = RatedLog(log, every_s=60.0)
 
 Key = tuple[int, int]  # (step, index)
 Entry = tuple[torch.Tensor, torch.Tensor]  # (leaf input, output with its graph)
+Saved = tuple[torch.Tensor, int]  # a tensor the graph saved, detached, and its version then
 
 
 class Footprint:
@@ -60,11 +61,25 @@ class ActivationCache:
         """Count what the forward run inside saves for its backward."""
         footprint = Footprint()
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor) -> Saved:
             footprint.add(t)
-            return t  # kept as autograd would keep it: nothing copied
+            # Detached: the same storage and version counter, nothing copied, but no grad_fn.
+            # A tensor saved by the node that made it (tanh's, softmax's output) would otherwise
+            # hold that node, which holds it: a cycle inside autograd's graph that gc cannot see,
+            # freed only by a Backward, so every microbatch dropped unanswered would leak.
+            return t.detach(), t._version
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        def unpack(saved: Saved) -> torch.Tensor:
+            t, version = saved
+            if t._version != version:  # autograd checks this itself only without hooks
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                    f"{t._version}; expected version {version} instead"
+                )
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield footprint
 
     def keep(

@@ -1,6 +1,7 @@
 """A device out of memory, named: which job, stage and computation, how large a microbatch, and
 how much device memory was free (`torch.cuda.mem_get_info` on CUDA; "cpu" where there is no
-device to ask), in place of torch's bare "CUDA out of memory".
+device to ask), in place of torch's bare "CUDA out of memory". An allocation failing in host
+memory counts too (torch's CPU allocator, MemoryError): a CPU peer's memory is its device's.
 
 `OutOfDeviceMemory` is a `ResourceExhausted`: a trainer's hop takes it as a refusal that took
 nothing (the replica's receipts are honest about it, `stage_server.step_sums`) and replays the
@@ -11,6 +12,7 @@ error a `SWARM_FAULTS` raising point (`swarm.ops.faults`) asks for, as torch wou
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,6 +32,10 @@ __all__ = [
 ]
 
 _MIB = 1 << 20
+# What a failed allocation's RuntimeError says (lower case): CUDA's and other backends', torch's
+# CPU allocator's on Linux and macOS ("can't allocate memory: you tried to allocate N bytes")
+# and on Windows ("not enough memory: you tried to allocate N bytes").
+_ALLOCATION_FAILED = ("out of memory", "can't allocate memory", "not enough memory")
 
 
 class OutOfDeviceMemory(ResourceExhausted):
@@ -38,12 +44,19 @@ class OutOfDeviceMemory(ResourceExhausted):
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether `error` is a device allocation that failed (torch's own class, or the bare
-    RuntimeError older builds and other backends raise)."""
+    """Whether `error` is an allocation that failed, on the device or the host: torch's own
+    class, the bare RuntimeError older builds and other backends raise, torch's CPU allocator's
+    (a RuntimeError: "DefaultCPUAllocator: can't allocate memory"), Python's MemoryError, or
+    an OSError of ENOMEM. A CPU peer's memory is its device's; a GPU peer's host memory (its
+    staging, its spill) runs out as its device's would: either way the work fits elsewhere."""
     oom = getattr(torch, "OutOfMemoryError", None)
-    if oom is not None and isinstance(error, oom):
+    if (oom is not None and isinstance(error, oom)) or isinstance(error, MemoryError):
         return True
-    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOMEM
+    return isinstance(error, RuntimeError) and any(
+        says in str(error).lower() for says in _ALLOCATION_FAILED
+    )
 
 
 def free_memory(device: torch.device) -> str:

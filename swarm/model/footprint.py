@@ -71,7 +71,9 @@ def layer_activation_bytes(job: JobConfig) -> tuple[int, int, int]:
                 return t  # held anyway, cached or not
             storage = t.untyped_storage()
             saved[storage._cdata] = storage.nbytes()  # meta storages have no data pointer
-            return t
+            # detached: a tensor saved by the node that made it would hold that node, which
+            # holds it, a cycle gc cannot see (`stage_server.activation_cache.counting`)
+            return t.detach()
 
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
