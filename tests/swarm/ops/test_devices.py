@@ -136,7 +136,10 @@ def test_stage_server_asked_for_a_gpu_this_machine_lacks(tmp_path: Path) -> None
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "--device cuda:0: CUDA is not available" in done.stderr
-    assert "CPU-only build: install a CUDA build of torch" in done.stderr
+    if torch.version.cuda is None:  # this machine's (CI's) CPU build
+        assert "CPU-only build: install a CUDA build of torch" in done.stderr
+    else:  # a CUDA build on a machine without a GPU (the suite under a GPU image's torch)
+        assert "sees no GPU: check the NVIDIA driver" in done.stderr
     assert "this machine has: cpu" in done.stderr
     assert "Traceback" not in done.stderr
 
