@@ -3,6 +3,8 @@
 - `ports`: free ports and addresses, and a port in use.
 - `brokers`: a real Mosquitto in a child process (or on a written config); either broker behind
   one interface (the `broker` fixture).
+- `mosquitto`: real Mosquitto on the files `swarm broker-config` writes, its certificate (the
+  `broker_certs` fixture), a raw TLS login to it.
 - `buses`: bus clients with the tests' settings, bounded receives, the logins a broker must take.
 - `raw_mqtt`: MQTT packets written by hand, for what no well-behaved client sends.
 - `tls`: the swarm's CA and a stranger's (`pki`), identities loaded from them.

@@ -5,12 +5,11 @@ refuses what would make a broker that cannot start or cannot be logged in to."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import os
 import pwd
 import re
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,18 +19,14 @@ from swarm.bus.broker_config import TOOL_USER, acl_text, conf_text, hash_passwor
 from swarm.bus.topics import SCHEDULER_USER, Topics, topic_matches
 from swarm.cli import main
 from swarm.errors import ConfigError
-from swarm.net import tls
-from swarm.net.certs import init_ca, issue
-from tests.support.brokers import BUNDLED_ACL, reachable_dir, running
+from tests.support.brokers import BUNDLED_ACL, reachable_dir
 from tests.support.buses import WAIT_S, check_logins, login
 from tests.support.cli import ROOT
-from tests.support.ports import free_port
+from tests.support.mosquitto import ME, SCHEDULER_TOKEN, TOKEN, written_mosquitto
 
 pytestmark = pytest.mark.timeout(60)
 
-TOKEN, SCHEDULER_TOKEN = "s3cret", "sched-only"
 TOPICS = Topics()
-ME = pwd.getpwuid(os.geteuid()).pw_name
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (files given to mosquitto)")
 
 
@@ -103,46 +98,18 @@ def test_hash_password_is_mosquitto_passwds_format(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def certs(tmp_path: Path) -> Iterator[Path]:
-    """A swarm CA and a broker certificate for 127.0.0.1; the client trusts the CA."""
-    path = tmp_path / "certs"
-    init_ca(path)
-    issue(path, "broker", ["127.0.0.1"])
-    tls.configure(tls.Tls.load(path / "ca.pem", None, None, False))
-    yield path
-    tls.configure(None)
-
-
-@pytest.fixture
 def open_dir() -> Iterator[Path]:
     with reachable_dir() as path:
         yield path
 
 
-@contextlib.asynccontextmanager
-async def _written(tmp_path: Path, certs: Path, tool: str | None) -> AsyncIterator[str]:
-    port = free_port("127.0.0.1")
-    files = write(
-        tmp_path / "broker",
-        certs=certs,
-        cert="broker",
-        port=port,
-        peers={"a": None, "b": "b-only"},
-        token=TOKEN,
-        scheduler_password=SCHEDULER_TOKEN,
-        user=ME,  # no dropping of privileges here: the system test does that
-        tool=tool,
-    )
-    with running(files[0], port):
-        yield f"mqtts://127.0.0.1:{port}"
-
-
 @pytest.mark.parametrize("tool", ["mosquitto_passwd", "ours"])
 async def test_real_mosquitto_checks_the_written_logins(
-    tmp_path: Path, certs: Path, tool: str
+    tmp_path: Path, broker_certs: Path, tool: str
 ) -> None:
     hasher = broker_config.MOSQUITTO_PASSWD if tool == "mosquitto_passwd" else None
-    async with _written(tmp_path, certs, hasher) as url:
+    with written_mosquitto(tmp_path, broker_certs, {"a": None, "b": "b-only"}, tool=hasher) as m:
+        url = m.url
         await check_logins(url, "a", TOKEN, SCHEDULER_TOKEN)
         own = url.replace("mqtts://", "mqtts://b:b-only@")  # b's own password, in its URL
         async with login(own, "b", TOKEN) as b:
@@ -186,25 +153,25 @@ def _write(tmp_path: Path, certs: Path, **kw: object) -> list[Path]:
     ],
 )
 def test_refuses_what_would_not_work(
-    tmp_path: Path, certs: Path, change: dict[str, object], match: str
+    tmp_path: Path, broker_certs: Path, change: dict[str, object], match: str
 ) -> None:
     with pytest.raises(ConfigError, match=match):
-        _write(tmp_path, certs, **change)
+        _write(tmp_path, broker_certs, **change)
     assert not (tmp_path / "broker" / "passwd").exists()
 
 
 @as_root
 def test_gives_the_secrets_to_the_brokers_user_in_a_place_it_can_reach(
-    tmp_path: Path, certs: Path, open_dir: Path
+    tmp_path: Path, broker_certs: Path, open_dir: Path
 ) -> None:
     """tmp_path lies under a 0700 directory of root's: Mosquitto, once it is user mosquitto,
     could not open its files there."""
     with pytest.raises(ConfigError, match="cannot enter"):
-        _write(tmp_path, certs, user="mosquitto")
+        _write(tmp_path, broker_certs, user="mosquitto")
     with pytest.raises(ConfigError, match="no user"):
-        _write(open_dir, certs, user="no-such-user-here")
+        _write(open_dir, broker_certs, user="no-such-user-here")
     mosquitto = pwd.getpwnam("mosquitto")
-    files = {f.name: f for f in _write(open_dir, certs, user="mosquitto")}
+    files = {f.name: f for f in _write(open_dir, broker_certs, user="mosquitto")}
     for name in ("passwd", "acl", "broker.key"):
         st = files[name].stat()
         assert (st.st_uid, st.st_mode & 0o777) == (mosquitto.pw_uid, 0o600), name
@@ -222,14 +189,17 @@ def _verifies(passwd: Path, user: str, password: str) -> bool:
 
 
 def test_the_command_makes_up_the_tokens_it_is_not_given_and_shows_them_once(
-    tmp_path: Path, certs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    broker_certs: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("SWARM_TOKEN", raising=False)
     monkeypatch.delenv("SWARM_SCHEDULER_TOKEN", raising=False)
     peers = tmp_path / "peers"
     peers.write_text("# the lab's machines\ngpu1\ngpu2 gpu2-own-pass\n\n")
     out = tmp_path / "broker"
-    argv = ["broker-config", "--dir", str(out), "--certs", str(certs), "--user", ME]
+    argv = ["broker-config", "--dir", str(out), "--certs", str(broker_certs), "--user", ME]
     assert main([*argv, "--peers", "gpu0", "--peers-file", str(peers), "--trainers", "t1"]) == 0
     printed = capsys.readouterr().out
     made = dict(re.findall(r"export (SWARM_\w+)=(\w+)", printed))

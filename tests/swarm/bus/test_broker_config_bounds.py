@@ -6,25 +6,18 @@ bounds. (That a peer retains on no more than its two topics: test_broker_config_
 from __future__ import annotations
 
 import asyncio
-import os
-import pwd
-import ssl
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from swarm.bus.broker_config import MEMORY_LIMIT_MIB, conf_text, write
+from swarm.bus.broker_config import MEMORY_LIMIT_MIB, conf_text
 from swarm.bus.topics import Topics
-from swarm.net.certs import init_ca, issue
-from tests.support.brokers import running
-from tests.support.ports import free_port
-from tests.support.raw_mqtt import RawClient, connect_packet, packet, publish_packet
+from tests.support.mosquitto import written_mosquitto
+from tests.support.raw_mqtt import packet, publish_packet
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.attack("N3")]
 
-TOKEN, SCHEDULER_TOKEN = "s3cret", "sched-only"
 TOPICS = Topics()
 FLOOD = 300  # retained messages, each just under the packet cap: 570 MiB in all
 SIZE = int(1.9 * 2**20)
@@ -56,14 +49,6 @@ def _subscribe(pattern: str) -> bytes:
     return packet(SUBSCRIBE, struct.pack("!HH", 1, len(name)) + name + b"\x00")
 
 
-@pytest.fixture
-def certs(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "certs"
-    init_ca(path)
-    issue(path, "broker", ["127.0.0.1"])
-    yield path
-
-
 def test_the_written_conf_bounds_queues_heap_and_packets() -> None:
     conf = conf_text(Path("/etc/swarm/broker"), 8883, user="mosquitto", mutual=False)
     settings = dict(
@@ -77,31 +62,12 @@ def test_the_written_conf_bounds_queues_heap_and_packets() -> None:
 
 
 async def test_a_retained_flood_and_a_subscriber_that_never_reads_stay_bounded(
-    tmp_path: Path, certs: Path
+    tmp_path: Path, broker_certs: Path
 ) -> None:
-    port = free_port("127.0.0.1")
-    files = write(
-        tmp_path / "broker",
-        certs=certs,
-        cert="broker",
-        port=port,
-        peers={"a": None, "b": None},
-        token=TOKEN,
-        scheduler_password=SCHEDULER_TOKEN,
-        user=pwd.getpwuid(os.geteuid()).pw_name,
-        tool=None,
-    )
-    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
-
-    async def connect(user: str) -> RawClient:
-        raw = RawClient(*await asyncio.open_connection("127.0.0.1", port, ssl=context))
-        await raw.send(connect_packet(f"c-{user}", username=user, password=TOKEN))
-        assert await raw.connack(10.0) == 0
-        return raw
-
-    with running(files[0], port) as log:
-        pid = _pid_running(files[0])
-        async with await connect("b") as never_reads, await connect("a") as flooder:
+    with written_mosquitto(tmp_path, broker_certs, {"a": None, "b": None}) as broker:
+        log = broker.log
+        pid = _pid_running(broker.files[0])
+        async with await broker.connect("b") as never_reads, await broker.connect("a") as flooder:
             await never_reads.send(_subscribe(TOPICS.everything()))
             suback = await asyncio.wait_for(never_reads.reader.readexactly(5), 10.0)
             assert suback[0] == SUBACK and suback[-1] == 0, suback  # then it reads no more

@@ -4,82 +4,30 @@ takes no one's place: the scheduler and that peer stay connected, and no last-wi
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import pwd
-import ssl
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from swarm.bus.broker_config import write
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics
-from swarm.net import tls
-from swarm.net.certs import init_ca, issue
 from swarm.proto import control_pb2 as pb
-from tests.support.brokers import running
 from tests.support.buses import WAIT_S, bus, login, receive_until
-from tests.support.ports import free_port
-from tests.support.raw_mqtt import RawClient, connect_packet
+from tests.support.mosquitto import SCHEDULER_TOKEN, TOKEN, written_mosquitto
 
 pytestmark = pytest.mark.timeout(90)
 
-TOKEN, SCHEDULER_TOKEN = "s3cret", "sched-only"
 PASSWORDS = {"gpu1": "gpu1-own", "gpu2": "gpu2-own"}
 TOPICS = Topics()
 TAKEOVER = "already connected, closing old connection"  # Mosquitto's line for a kicked client
 
 
-@pytest.fixture
-def certs(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "certs"
-    init_ca(path)
-    issue(path, "broker", ["127.0.0.1"])
-    tls.configure(tls.Tls.load(path / "ca.pem", None, None, False))
-    yield path
-    tls.configure(None)
-
-
-@contextlib.asynccontextmanager
-async def _broker(tmp_path: Path, certs: Path) -> AsyncIterator[tuple[int, Path]]:
-    """Mosquitto with the written files, for peers gpu1 and gpu2 with passwords of their own,
-    and trainers t1 and t2."""
-    port = free_port("127.0.0.1")
-    files = write(
-        tmp_path / "broker",
-        certs=certs,
-        cert="broker",
-        port=port,
-        peers=dict(PASSWORDS),
-        token=TOKEN,
-        scheduler_password=SCHEDULER_TOKEN,
-        user=pwd.getpwuid(os.geteuid()).pw_name,
-        tool=None,
-        trainers=["t1", "t2"],
-    )
-    with running(files[0], port) as log:
-        yield port, log
-
-
-async def _raw_login(port: int, certs: Path, client_id: str, user: str, password: str) -> RawClient:
-    """A TLS connection sending one CONNECT (no reconnects, unlike a `Bus`); CONNACK read."""
-    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
-    raw = RawClient(reader, writer)
-    await raw.send(connect_packet(client_id, username=user, password=password))
-    assert await raw.connack(WAIT_S) == 0, f"{user} was refused"
-    return raw
-
-
 @pytest.mark.attack("N2")
 @pytest.mark.parametrize("taken", [SCHEDULER_USER, "peer-gpu2"])
 async def test_a_peer_sending_another_clients_id_takes_no_ones_place(
-    tmp_path: Path, certs: Path, taken: str
+    tmp_path: Path, broker_certs: Path, taken: str
 ) -> None:
-    async with _broker(tmp_path, certs) as (port, log):
-        url = f"mqtts://127.0.0.1:{port}"
+    # peers gpu1 and gpu2 with passwords of their own, and trainers t1 and t2
+    with written_mosquitto(tmp_path, broker_certs, PASSWORDS, trainers=["t1", "t2"]) as broker:
+        url, log = broker.url, broker.log
         scheduler = login(url, SCHEDULER_USER, SCHEDULER_TOKEN, client_id=SCHEDULER_USER)
         will = (TOPICS.peer("gpu2"), pb.PeerAnnouncement(peer="gpu2", state=pb.PEER_STATE_OFFLINE))
         gpu2 = bus(url, "peer-gpu2", will=will, token=PASSWORDS["gpu2"], username="gpu2")
@@ -93,7 +41,7 @@ async def test_a_peer_sending_another_clients_id_takes_no_ones_place(
             await receive_until(seen, lambda t, m: t == TOPICS.peer("gpu2"))
 
             # gpu1, with its own password, sends the taken client id; no reconnecting back.
-            attacker = await _raw_login(port, certs, taken, "gpu1", PASSWORDS["gpu1"])
+            attacker = await broker.connect("gpu1", PASSWORDS["gpu1"], client_id=taken)
             async with attacker:
                 # gpu2 says something after the attack: the scheduler hears it, and before it
                 # no offline will (a kicked gpu2's) on gpu2's topic.
@@ -114,12 +62,13 @@ async def test_a_peer_sending_another_clients_id_takes_no_ones_place(
 
 
 async def test_trainers_with_users_of_their_own_stay_connected_together(
-    tmp_path: Path, certs: Path
+    tmp_path: Path, broker_certs: Path
 ) -> None:
     """Each trainer dials with its user in the URL (the token its password), as
     `client.trainer.load_followed` does: both read the swarm, neither replaces the other."""
-    async with _broker(tmp_path, certs) as (port, log):
-        url = f"mqtts://127.0.0.1:{port}"
+    # peers gpu1 and gpu2 with passwords of their own, and trainers t1 and t2
+    with written_mosquitto(tmp_path, broker_certs, PASSWORDS, trainers=["t1", "t2"]) as broker:
+        url, log = broker.url, broker.log
         scheduler = login(url, SCHEDULER_USER, SCHEDULER_TOKEN, client_id=SCHEDULER_USER)
         trainers = [
             bus(url.replace("//", f"//{user}@"), f"trainer-{user}-load", token=TOKEN)

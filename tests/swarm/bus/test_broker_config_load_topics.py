@@ -8,25 +8,17 @@ no more of it."""
 from __future__ import annotations
 
 import asyncio
-import os
-import pwd
-import ssl
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from swarm.bus.broker_config import write
 from swarm.bus.topics import DEFAULT_PREFIX
-from swarm.net.certs import init_ca, issue
-from tests.support.brokers import running
-from tests.support.ports import free_port
-from tests.support.raw_mqtt import RawClient, connect_packet, packet, publish_packet
+from tests.support.mosquitto import written_mosquitto
+from tests.support.raw_mqtt import RawClient, packet, publish_packet
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.attack("N3")]
 
-TOKEN, SCHEDULER_TOKEN = "s3cret", "sched-only"
 P = DEFAULT_PREFIX
 MADE_UP_JOBS = 300  # load topics of made-up jobs
 MADE_UP_LEVELS = 20  # of each shape under the peer's own topic
@@ -77,39 +69,12 @@ async def _retained_now(raw: RawClient, pattern: str) -> dict[str, bytes]:
             retained[body[2 : 2 + size].decode()] = body[2 + size :]
 
 
-@pytest.fixture
-def certs(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "certs"
-    init_ca(path)
-    issue(path, "broker", ["127.0.0.1"])
-    yield path
-
-
 async def test_a_peer_retains_on_two_topics_at_most_whatever_it_makes_up(
-    tmp_path: Path, certs: Path
+    tmp_path: Path, broker_certs: Path
 ) -> None:
-    port = free_port("127.0.0.1")
-    files = write(
-        tmp_path / "broker",
-        certs=certs,
-        cert="broker",
-        port=port,
-        peers={"a": None, "b": None},
-        token=TOKEN,
-        scheduler_password=SCHEDULER_TOKEN,
-        user=pwd.getpwuid(os.geteuid()).pw_name,
-        tool=None,
-    )
-    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
-
-    async def connect(user: str) -> RawClient:
-        raw = RawClient(*await asyncio.open_connection("127.0.0.1", port, ssl=context))
-        await raw.send(connect_packet(f"c-{user}", username=user, password=TOKEN))
-        assert await raw.connack(10.0) == 0
-        return raw
-
-    with running(files[0], port) as log:
-        async with await connect("a") as flooder:
+    with written_mosquitto(tmp_path, broker_certs, {"a": None, "b": None}) as broker:
+        log = broker.log
+        async with await broker.connect("a") as flooder:
             for topic in _made_up_topics():
                 await flooder.send(publish_packet(topic, b"junk " + topic.encode(), retain=True))
             # its own two topics, as an honest peer writes them (a retained announcement, a load
@@ -119,7 +84,7 @@ async def test_a_peer_retains_on_two_topics_at_most_whatever_it_makes_up(
             await flooder.send(packet(PINGREQ, b""))  # answered once all of it is handled
             first, _ = await _read_packet(flooder, 30.0)
             assert first == PINGRESP, hex(first)
-        async with await connect("b") as fresh:
+        async with await broker.connect("b") as fresh:
             retained = await _retained_now(fresh, f"{P}#")
         assert set(retained) == {f"{P}peers/a", f"{P}peers/a/load"}, (
             f"{len(retained)} retained messages of peer a: {sorted(retained)[:5]}...\n"
