@@ -31,7 +31,6 @@ from google.protobuf.message import Message
 from swarm.errors import ConfigError
 from swarm.proto import framing
 from swarm.wire import chunking as wire
-from swarm.wire.codec import dtype_name
 
 __all__ = ["BUFFERS", "DeviceCopies", "OffLoop", "Staging", "TorchCopies", "staging"]
 
@@ -176,18 +175,7 @@ class Staging:
                     self.copies.to_host(piece, host)
                     return t, _framed(cls, t.nbytes <= chunk, host)  # copied: buffer free
 
-        first, part = cut(0)
-        m: Any = header
-        meta = m.tensors.add()
-        meta.name, meta.dtype, meta.nbytes = name, dtype_name(first.dtype), first.nbytes
-        meta.shape.extend(first.shape)
-        if isinstance(part, bytes):
-            meta.data = part
-            yield header
-            return
-        yield header
-        for start in range(0, first.nbytes, chunk):
-            yield part if start == 0 else cut(start)[1]
+        yield from wire.split_cuts(header, name, chunk, cut)
 
 
 def _framed(cls: Any, whole: bool, piece: torch.Tensor) -> framing.Framed | bytes:

@@ -37,6 +37,7 @@ __all__ = [
     "receive",
     "receive_reply",
     "split",
+    "split_cuts",
     "split_tensor",
     "tensor_bytes",
     "within_deadline",
@@ -160,18 +161,32 @@ def split_tensor(
 
     cls = type(header)
 
-    def cut(start: int, end: int) -> tuple[torch.Tensor, framing.Framed | bytes]:
-        """The tensor and its bytes [start, end), copied once while `lock` is held: as a chunk,
+    def cut(start: int) -> tuple[torch.Tensor, framing.Framed | bytes]:
+        """The tensor and its chunk at `start`, copied once while `lock` is held: as a chunk,
         or as `bytes` for the header when the whole tensor fits in one chunk."""
         with guard:
             t = current()
             # reshape(-1) first: a 0-dim tensor cannot be viewed as a dtype of another size.
-            piece = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)[start:end]
+            flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            piece = flat[start : start + chunk_bytes]
             if t.nbytes <= chunk_bytes:
                 return t, piece.numpy().tobytes()
             return t, framing.frame(cls, 0, tensor_bytes(piece))
 
-    first, part = cut(0, chunk_bytes)
+    yield from split_cuts(header, name, chunk_bytes, cut)
+
+
+def split_cuts(
+    header: M,
+    name: str,
+    chunk_bytes: int,
+    cut: Callable[[int], tuple[torch.Tensor, framing.Framed | bytes]],
+) -> Iterator[M | framing.Framed]:
+    """`split_tensor`'s messages, however the chunks are cut: `cut(start)` gives the tensor as it
+    is now and its chunk at byte `start`, or `bytes` for the header when the whole tensor fits in
+    one chunk. The first cut's tensor gives the metadata; each later chunk is cut only as it is
+    sent (`stage_server.averaging.staging` copies it off a device then, one chunk at a time)."""
+    first, part = cut(0)
     m: Any = header
     meta = m.tensors.add()
     meta.name, meta.dtype, meta.nbytes = name, dtype_name(first.dtype), first.nbytes
@@ -182,7 +197,7 @@ def split_tensor(
         return
     yield header
     for start in range(0, first.nbytes, chunk_bytes):
-        yield part if start == 0 else cut(start, start + chunk_bytes)[1]
+        yield part if start == 0 else cut(start)[1]
 
 
 def _check_count(header: Any) -> None:
