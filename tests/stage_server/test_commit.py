@@ -7,32 +7,18 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
+from stage_server.server import RunningStageServer
 from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient, as_tensor
-from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def job(tmp_path: Path) -> JobConfig:
-    return make_job(tmp_path, training={"stages": 3})
-
-
-@pytest.fixture
-async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
-    running = await start_stage_server(job, StageServerOptions(stage=1))
-    yield running
-    await running.stop()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ its updates."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,17 +24,8 @@ from tests.support.jobs import make_job
 pytestmark = [pytest.mark.timeout(120), pytest.mark.attack("N7")]
 
 
-@pytest.fixture
-def job(tmp_path: Path) -> JobConfig:
-    return make_job(tmp_path, training={"stages": 3})
-
-
-@pytest.fixture
-async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
-    # The peer's default limits: 4 followers at once, each kept 600 s unheard.
-    running = await start_stage_server(job, StageServerOptions(stage=1))
-    yield running
-    await running.stop()
+# `job` and `server` (conftest): the peer's default limits, 4 followers at once, each kept
+# 600 s unheard.
 
 
 def _request(job: JobConfig, follower: str) -> pb.StageDownloadStateRequest:

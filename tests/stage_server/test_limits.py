@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -69,16 +68,7 @@ async def _peak_rss_growth(
     return peak, task.exception()
 
 
-@pytest.fixture
-def job(tmp_path: Path) -> JobConfig:
-    return make_job(tmp_path, training={"stages": 3})  # `[runtime]` defaults: 1 GiB tensors
-
-
-@pytest.fixture
-async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
-    running = await start_stage_server(job, StageServerOptions(stage=1))
-    yield running
-    await running.stop()
+# `job` and `server` (conftest): `[runtime]` defaults, 1 GiB tensors.
 
 
 async def _call(method: Any, *messages: Any) -> list[Any]:

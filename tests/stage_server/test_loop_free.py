@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +25,6 @@ from tests.support.jobs import make_job
 from tests.support.slow_copies import SlowCopies
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def job(tmp_path: Path) -> JobConfig:
-    return make_job(tmp_path, training={"stages": 3})
-
-
-@pytest.fixture
-async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
-    running = await start_stage_server(job, StageServerOptions(stage=1, metrics_port=0))
-    yield running
-    await running.stop()
 
 
 def _forward(job: JobConfig, step: int = 0) -> pb.StageForwardRequest:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -27,21 +25,8 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.rpc.stage_client import StageClient
 from tests.support.fake_device import GatedCopies, WatchedCopies
-from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def job(tmp_path: Path) -> JobConfig:
-    return make_job(tmp_path, training={"stages": 3})
-
-
-@pytest.fixture
-async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
-    running = await start_stage_server(job, StageServerOptions(stage=1, metrics_port=0))
-    yield running
-    await running.stop()
 
 
 async def _started(gated: GatedCopies) -> None:

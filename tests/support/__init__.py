@@ -18,6 +18,7 @@
 - `stages`: one fake stage behind the data planes' client seam.
 - `replicas`: in-memory replicas for the step coordinator.
 - `coordinator`: the step coordinator over them (`Harness`, the `make_harness` fixture).
+- `middle_stage`: one live middle stage server in the test's process (`job`, `server`).
 - `inprocess`: stage servers and trainers in the test's process (`Swarm`, `make_swarm`).
 - `servers`: stage servers as their own processes, for the fault tests, and a job trained on them.
 - `pools`: real pool replicas for averaging tests, and the butterfly over all of them at once.

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import tracemalloc
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,7 +20,6 @@ from swarm.proto import pool_pb2, pool_pb2_grpc, tensor_pb2
 from swarm.proto.framing import frame
 from swarm.wire import chunking as wire
 from swarm.wire.chunking import TENSOR_OVERHEAD_BYTES
-from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,17 +27,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
-@pytest.fixture
-def job(tmp_path: Path) -> JobConfig:
-    return make_job(tmp_path, training={"stages": 3})  # `[runtime]` defaults: 1 GiB tensors
-
-
-@pytest.fixture
-async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
-    # The peer's default limits: a 4 GiB receive budget, tensors of at most 1 GiB.
-    running = await start_stage_server(job, StageServerOptions(stage=1))
-    yield running
-    await running.stop()
+# `job` and `server` (conftest): `[runtime]` defaults (1 GiB tensors), the peer's default limits
+# (a 4 GiB receive budget).
 
 
 def _header(job: str, nbytes: int, *, round: str, group_size: int = 2, **kw: Any) -> Any:
