@@ -1,7 +1,8 @@
 """TLS material for tests: the swarm's CA with a server, a client and an expired certificate, a
 stranger CA with its own (`pki`), the process identity a test loads from them (`load_identity`,
 or `unchecked` to show what `Tls.load` refuses), and none left to the next test (`no_identity`);
-the environment that gives a swarm process the server certificate (`mutual_env`)."""
+the environment that gives a swarm process the server certificate (`mutual_env`); a CA with
+certificates of the names a test gives (`named_ca`), and becoming one of them (`become`)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from swarm.net.certs import init_ca, issue
 __all__ = [
     "HOSTS",
     "REFUSED_SOCKETS",
+    "become",
     "load_identity",
     "mutual_env",
+    "named_ca",
     "no_identity",
     "pki",
     "unchecked",
@@ -85,3 +88,17 @@ def mutual_env(pki: Path, token: str) -> dict[str, str]:
         "SWARM_TLS_MUTUAL": "1",
         "SWARM_TOKEN": token,
     }
+
+
+def named_ca(path: Path, *names: str) -> Path:
+    """A swarm CA in `path` with a certificate for 127.0.0.1 named each of `names`; `path`."""
+    init_ca(path)
+    for name in names:
+        issue(path, name, ["127.0.0.1"])
+    return path
+
+
+def become(pki: Path, name: str) -> None:
+    """This process's TLS identity (mutual) becomes certificate `name` of `named_ca`'s `pki`."""
+    pem, key = pki / f"{name}.pem", pki / f"{name}.key"
+    tls.configure(tls.Tls.load(pki / "ca.pem", pem, key, mutual=True))

@@ -14,10 +14,10 @@ from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import BusAuthError
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics
 from swarm.net import tls
-from swarm.net.certs import init_ca, issue
 from swarm.proto import control_pb2 as pb
 from tests.support.buses import WAIT_S, bus, receive
 from tests.support.raw_mqtt import RawClient, connect_packet
+from tests.support.tls import become, named_ca
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,31 +64,22 @@ async def test_another_user_under_a_connected_peers_id_neither_gets_in_nor_kicks
 @pytest.fixture
 def pki(tmp_path: Path) -> Iterator[Path]:
     """A swarm CA with certificates named broker, x and y; no identity is left behind."""
-    init_ca(tmp_path)
-    for name in ("broker", "x", "y"):
-        issue(tmp_path, name, ["127.0.0.1"])
-    yield tmp_path
+    yield named_ca(tmp_path, "broker", "x", "y")
     tls.configure(None)
-
-
-def _as(pki: Path, name: str) -> None:
-    """This process's TLS identity (mutual) becomes certificate `name`."""
-    pem, key = pki / f"{name}.pem", pki / f"{name}.key"
-    tls.configure(tls.Tls.load(pki / "ca.pem", pem, key, mutual=True))
 
 
 @pytest.mark.attack("N8")
 async def test_under_certificate_users_a_peers_id_is_its_certificates(pki: Path) -> None:
     """With --use-identity-as-username the binding is real: the holder of certificate y, which
     says it is user x, is user y, and is refused peer x's client id; x's certificate gets it."""
-    _as(pki, "broker")
+    become(pki, "broker")
     async with EmbeddedBroker(token=TOKEN, use_identity_as_username=True) as broker:
-        _as(pki, "y")
+        become(pki, "y")
         liar = bus(broker.url, "peer-x", token=TOKEN, username="x")
         with pytest.raises(BusAuthError):
             async with liar:
                 await liar.wait_connected(WAIT_S)
-        _as(pki, "x")
+        become(pki, "x")
         async with bus(broker.url, "peer-x", token=TOKEN, username="x") as x:
             await x.wait_connected(WAIT_S)
 

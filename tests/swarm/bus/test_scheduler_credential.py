@@ -18,10 +18,10 @@ from swarm.bus.link import Dialer
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics, parse_broker_url
 from swarm.errors import ConfigError
 from swarm.net import tls
-from swarm.net.certs import init_ca, issue
 from swarm.proto import control_pb2 as pb
 from tests.support.brokers import Mosquitto
 from tests.support.buses import WAIT_S, bus
+from tests.support.tls import become, named_ca
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,28 +123,19 @@ async def test_a_peer_logs_in_with_its_own_password(tmp_path: Path) -> None:
 @pytest.fixture
 def pki(tmp_path: Path) -> Iterator[Path]:
     """A swarm CA with certificates named broker, scheduler and a; no identity is left behind."""
-    init_ca(tmp_path)
-    for name in ("broker", "scheduler", "a"):
-        issue(tmp_path, name, ["127.0.0.1"])
-    yield tmp_path
+    yield named_ca(tmp_path, "broker", "scheduler", "a")
     tls.configure(None)
-
-
-def _as(pki: Path, name: str) -> None:
-    """This process's TLS identity (mutual) becomes certificate `name`."""
-    pem, key = pki / f"{name}.pem", pki / f"{name}.key"
-    tls.configure(tls.Tls.load(pki / "ca.pem", pem, key, mutual=True))
 
 
 async def test_the_client_certificate_names_the_user(pki: Path) -> None:
     """use_identity_as_username: a client with certificate "scheduler" is the scheduler (its
     certificate is its credential, beside the swarm token); a client with certificate "a"
     is peer a, whatever username it sends."""
-    _as(pki, "broker")
+    become(pki, "broker")
     async with EmbeddedBroker(token=TOKEN, use_identity_as_username=True) as broker:
-        _as(pki, "scheduler")  # each Bus takes the identity current when it is made
+        become(pki, "scheduler")  # each Bus takes the identity current when it is made
         scheduler = bus(broker.url, "scheduler", token=TOKEN, username="whoever")
-        _as(pki, "a")
+        become(pki, "a")
         liar = bus(broker.url, "peer-a", token=TOKEN, username=SCHEDULER_USER)
         async with scheduler, liar:
             await scheduler.wait_connected(WAIT_S)
