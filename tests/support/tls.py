@@ -2,7 +2,8 @@
 stranger CA with its own (`pki`), the process identity a test loads from them (`load_identity`,
 or `unchecked` to show what `Tls.load` refuses), and none left to the next test (`no_identity`);
 the environment that gives a swarm process the server certificate (`mutual_env`); a CA with
-certificates of the names a test gives (`named_ca`), and becoming one of them (`become`)."""
+certificates of the names a test gives (`named_ca`), becoming one of them (`become`), and the
+`tls_identity` fixture: this process serves and dials TLS as a fresh CA's "broker"."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ __all__ = [
     "named_ca",
     "no_identity",
     "pki",
+    "tls_identity",
     "unchecked",
 ]
 
@@ -102,3 +104,13 @@ def become(pki: Path, name: str) -> None:
     """This process's TLS identity (mutual) becomes certificate `name` of `named_ca`'s `pki`."""
     pem, key = pki / f"{name}.pem", pki / f"{name}.key"
     tls.configure(tls.Tls.load(pki / "ca.pem", pem, key, mutual=True))
+
+
+@pytest.fixture
+def tls_identity(tmp_path: Path) -> Iterator[None]:
+    """This process serves (and dials) TLS with a certificate of a fresh swarm CA, for one
+    test (not mutual)."""
+    pki = named_ca(tmp_path, "broker")
+    tls.configure(tls.Tls.load(pki / "ca.pem", pki / "broker.pem", pki / "broker.key"))
+    yield
+    tls.configure(None)

@@ -5,8 +5,6 @@ oversized packet ends its own connection only."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +13,6 @@ from swarm.bus.connection import Bus
 from swarm.bus.limits import BrokerLimits
 from swarm.bus.topics import ANY, Topics
 from swarm.errors import ConfigError
-from swarm.net import tls
-from swarm.net.certs import init_ca, issue
 from swarm.proto import control_pb2 as pb
 from tests.support.buses import WAIT_S, bus
 from tests.support.raw_mqtt import RawClient, connect_packet, packet, publish_packet
@@ -57,18 +53,6 @@ async def test_a_socket_that_never_sends_connect_is_closed() -> None:
             await client.send(connect_packet("c1", keepalive=0))
             assert await client.connack(WAIT_S) == 0
             assert not await client.closed_by_broker(2.0)
-
-
-@pytest.fixture
-def tls_identity(tmp_path: Path) -> Iterator[None]:
-    """This process serves TLS with a certificate of a fresh swarm CA, for one test."""
-    init_ca(tmp_path)
-    issue(tmp_path, "broker", ["127.0.0.1"])
-    tls.configure(
-        tls.Tls.load(tmp_path / "ca.pem", tmp_path / "broker.pem", tmp_path / "broker.key")
-    )
-    yield
-    tls.configure(None)
 
 
 async def test_a_silent_connection_is_closed_during_the_tls_handshake_too(

@@ -6,31 +6,15 @@ connect timeout, and an honest client still gets in."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.limits import BrokerLimits
-from swarm.net import tls
-from swarm.net.certs import init_ca, issue
 from tests.support.buses import WAIT_S, bus
 from tests.support.raw_mqtt import RawClient
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-def tls_identity(tmp_path: Path) -> Iterator[None]:
-    """This process serves (and dials) TLS with a certificate of a fresh swarm CA."""
-    init_ca(tmp_path)
-    issue(tmp_path, "broker", ["127.0.0.1"])
-    tls.configure(
-        tls.Tls.load(tmp_path / "ca.pem", tmp_path / "broker.pem", tmp_path / "broker.key")
-    )
-    yield
-    tls.configure(None)
 
 
 async def _honest_client_connects(broker: EmbeddedBroker) -> None:
