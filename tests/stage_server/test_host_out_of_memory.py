@@ -16,9 +16,13 @@ from stage_server.averaging.owner import AveragingAborted
 from stage_server.device_oom import OutOfDeviceMemory, is_out_of_memory, out_of_memory
 from stage_server.runtime import StageRuntime
 from tests.support.jobs import make_job
-from tests.support.pools import reduce_all, replicas
+from tests.support.pools import fail_in_round, reduce_all, replicas
 
 ABSURD = 1 << 60  # bytes no machine has: the allocator refuses at once, touching nothing
+
+
+def _allocate_too_much(*_: object) -> torch.Tensor:
+    return torch.empty(ABSURD, dtype=torch.uint8)
 
 
 def _cpu_allocation_failure() -> RuntimeError:
@@ -74,22 +78,8 @@ async def test_a_member_whose_allocation_fails_in_a_round_is_named_by_the_others
 ) -> None:
     failing = 1
     async with replicas(3) as pool:
-        averager = pool[failing].averager
-        if where == "own part":  # its own contribution to the part it owns cannot be made
-            reduce = averager.reduce
-
-            async def own_fails(round: Any, part: int, sender: int, *a: Any, **k: Any) -> Any:
-                if sender == part:
-                    torch.empty(ABSURD, dtype=torch.uint8)  # a too large part on this host
-                return await reduce(round, part, sender, *a, **k)
-
-            monkeypatch.setattr(averager, "reduce", own_fails)
-        else:  # the sum of the part it owns cannot be allocated (its averager's own summer)
-
-            def sum_fails(*_: Any) -> Any:
-                return torch.empty(ABSURD, dtype=torch.uint8)
-
-            monkeypatch.setattr(averager, "summer", sum_fails)
+        # a too large part, or sum, on this host
+        fail_in_round(monkeypatch, pool[failing].averager, where, _allocate_too_much)
         results = await reduce_all(
             pool, [torch.randn(1001, dtype=torch.float64) for _ in pool], timeout_s=30.0
         )

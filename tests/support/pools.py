@@ -1,16 +1,18 @@
 """Real pool replicas for averaging tests: one gRPC server, `Averager` and `PoolServicer` each, on
 127.0.0.1 port 0, serving job `JOB` stages 0 and 1; every replica's butterfly all-reduce at once
-(`reduce_all`), and what its results must be (`assert_identical`, `ordered_sum`)."""
+(`reduce_all`), and what its results must be (`assert_identical`, `ordered_sum`); a member made
+to fail in its round (`fail_in_round`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import pytest
 import torch
 
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
@@ -26,6 +28,7 @@ __all__ = [
     "MiB",
     "Replica",
     "assert_identical",
+    "fail_in_round",
     "ordered_sum",
     "reduce_all",
     "replicas",
@@ -109,3 +112,28 @@ def ordered_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
     for v in values[1:]:
         total = total + v
     return total
+
+
+def fail_in_round(
+    monkeypatch: pytest.MonkeyPatch, averager: Averager, where: str, fail: Callable[[str], Any]
+) -> None:
+    """`averager`'s member calls `fail(where)` (which raises, or allocates what cannot be) in its
+    next round: `where` "own part", as it makes its own contribution to the part it owns;
+    "owner's sum", as it sums the part it owns."""
+    if where == "own part":
+        reduce = averager.reduce
+
+        async def own_fails(round: Any, part: int, sender: int, *a: Any, **k: Any) -> Any:
+            if sender == part:
+                fail(where)
+            return await reduce(round, part, sender, *a, **k)
+
+        monkeypatch.setattr(averager, "reduce", own_fails)
+    else:
+        # Its averager's own summer only: a patch of the module's `_reduce` (as before) also
+        # reached the other replicas' sums running meanwhile in this process, one run in about
+        # five, and they failed instead of naming it.
+        def sum_fails(*_: Any) -> Any:
+            return fail(where)
+
+        monkeypatch.setattr(averager, "summer", sum_fails)

@@ -5,17 +5,21 @@ of the retry), and every other member aborts at once naming it, not at the round
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import NoReturn
 
 import pytest
 import torch
 
 from stage_server.averaging.owner import AveragingAborted
 from stage_server.device_oom import is_out_of_memory, out_of_memory
-from tests.support.pools import reduce_all, replicas
+from tests.support.pools import fail_in_round, reduce_all, replicas
 
 TIMEOUT_S = 30.0  # far above the round's work: a member waiting it out fails the test
 pytestmark = pytest.mark.timeout(120)
+
+
+def _out_of_memory(where: str) -> NoReturn:
+    raise out_of_memory(f"CUDA out of memory (the test's, {where})")
 
 
 @pytest.mark.parametrize("where", ["own part", "owner's sum"])
@@ -24,23 +28,7 @@ async def test_a_member_out_of_memory_fails_itself_and_the_others_name_it_at_onc
 ) -> None:
     failing = 1
     async with replicas(3) as pool:
-        if where == "own part":  # its own contribution to the part it owns cannot be made
-            reduce = pool[failing].averager.reduce
-
-            async def own_fails(round: Any, part: int, sender: int, *a: Any, **k: Any) -> Any:
-                if sender == part:
-                    raise out_of_memory("CUDA out of memory (the test's)")
-                return await reduce(round, part, sender, *a, **k)
-
-            monkeypatch.setattr(pool[failing].averager, "reduce", own_fails)
-        else:  # the sum of the part it owns (in its averager) cannot be allocated
-            # Its averager's own summer only: a patch of the module's `_reduce` (as before) also
-            # reached the other replicas' sums running meanwhile in this process, one run in
-            # about five, and they failed instead of naming it.
-            def sum_fails(*a: Any) -> Any:
-                raise out_of_memory("CUDA out of memory (sum)")
-
-            monkeypatch.setattr(pool[failing].averager, "summer", sum_fails)
+        fail_in_round(monkeypatch, pool[failing].averager, where, _out_of_memory)
         start = time.monotonic()
         results = await reduce_all(
             pool, [torch.randn(1001, dtype=torch.float64) for _ in pool], timeout_s=TIMEOUT_S
