@@ -15,19 +15,13 @@ from stage_server.runtime import StageRuntime
 from swarm.job.states import peer_state_name
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
-from tests.support.jobs import BASE, render
-from tests.support.scheduled import ScheduledSwarm, scheduled_swarm
+from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, ScheduledSwarm, scheduled_swarm
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(180),
-    # amqtt's broker leaks a socket now and then (tests/system/test_job_end.py says when): the
-    # garbage collector may find it during any test, and it is not ours to fail on.
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+    AMQTT_LEAKS,
 ]
-
-# Two stages, and steps enough to outlast the test (it is cancelled at the end).
-SPEC = render({**BASE, "training": {**BASE["training"], "stages": 2, "steps": 100_000}})
 
 
 def _slow_build(*args: Any) -> StageRuntime:
@@ -46,7 +40,7 @@ def _rows(s: spb.JobStatus) -> dict[str, tuple[int, str, str]]:
 
 async def test_a_spare_nobody_can_reach_never_counts(tmp_path: Path) -> None:
     async with scheduled_swarm(tmp_path) as swarm:
-        job = await swarm.start_job(SPEC, tmp_path)
+        job = await swarm.start_job(LONG_SPEC, tmp_path)
         status = swarm.status(job)
         assert (
             len(status.warnings) == 1 and "stages 0, 1 have a single replica" in status.warnings[0]
@@ -82,7 +76,7 @@ async def test_a_spare_counts_once_it_joined(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with scheduled_swarm(tmp_path) as swarm:
-        job = await swarm.start_job(SPEC, tmp_path)
+        job = await swarm.start_job(LONG_SPEC, tmp_path)
         monkeypatch.setattr(stage_server.agent, "StageRuntime", _slow_build)
         await swarm.add("c")
         coordinator = swarm.scheduler._coordinators[job]

@@ -13,18 +13,16 @@ import pytest
 from scheduler.history import PEER_BURST
 from swarm.bus.topics import Topics
 from swarm.proto import control_pb2 as cpb
-from tests.support.jobs import BASE, render
 from tests.support.raw_mqtt import RawClient, connect_packet, publish_packet
-from tests.support.scheduled import WAIT_S, ScheduledSwarm, scheduled_swarm
+from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, WAIT_S, ScheduledSwarm, scheduled_swarm
 
 pytestmark = [
     pytest.mark.attack("N9"),
     pytest.mark.slow,
     pytest.mark.timeout(240),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),  # amqtt's (tests/support/scheduled.py)
+    AMQTT_LEAKS,
 ]
 
-SPEC = render({**BASE, "training": {**BASE["training"], "stages": 2, "steps": 100_000}})
 FLIPS = 500
 
 
@@ -64,7 +62,7 @@ async def test_a_flipping_peer_neither_forges_a_jobs_history_nor_floods_the_log(
 ) -> None:
     caplog.set_level(logging.INFO)
     async with scheduled_swarm(tmp_path) as swarm:
-        job = await swarm.start_job(SPEC, tmp_path)
+        job = await swarm.start_job(LONG_SPEC, tmp_path)
         before = [(e.kind, e.text) for e in swarm.store.events(job)]
         assert any(kind == "join" for kind, _ in before), before
 

@@ -15,18 +15,14 @@ import pytest
 import stage_server.agent
 from stage_server.runtime import StageRuntime
 from swarm.proto import control_pb2 as cpb
-from tests.support.jobs import BASE, render
-from tests.support.scheduled import scheduled_swarm
+from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, scheduled_swarm
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(180),
-    # amqtt's broker leaks a socket now and then (tests/system/test_job_end.py says when): the
-    # garbage collector may find it during any test, and it is not ours to fail on.
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+    AMQTT_LEAKS,
 ]
 
-SPEC = render({**BASE, "training": {**BASE["training"], "stages": 2, "steps": 100_000}})
 # Samples/s per stage each peer measures, by its throttle: the figures placement decides on.
 FIGURES = {1.0: {0: 1.0, 1: 1.0}, 2.0: {0: 1.0, 1: 2.0}, 3.0: {0: 2.0, 1: 1.0}}
 
@@ -44,7 +40,7 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
     )
     monkeypatch.setattr(stage_server.agent, "StageRuntime", _slow_build)
     async with scheduled_swarm(tmp_path, placement_grace_s=0.0) as swarm:
-        job = await swarm.start_job(SPEC, tmp_path)
+        job = await swarm.start_job(LONG_SPEC, tmp_path)
         # v is fastest on stage 1 and goes there (both stages have one replica).
         await swarm.add("v", throttle=2.0)
         registry = swarm.scheduler.peer_registry
@@ -88,7 +84,7 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
 
 async def test_a_placement_in_a_running_job_is_an_event_not_its_message(tmp_path: Path) -> None:
     async with scheduled_swarm(tmp_path) as swarm:
-        job = await swarm.start_job(SPEC, tmp_path)
+        job = await swarm.start_job(LONG_SPEC, tmp_path)
         assert swarm.store.get(job).message == "training"  # type: ignore[union-attr]
         await swarm.add("c")
         coordinator = swarm.scheduler._coordinators[job]
@@ -102,7 +98,7 @@ async def test_a_placement_in_a_stalled_job_leaves_the_stall_said(tmp_path: Path
     # While a job is stalled its message is the stall's (what it waits for and the remedy);
     # a peer placed meanwhile is an event, as in a running job, not a message over it.
     async with scheduled_swarm(tmp_path) as swarm:
-        job = await swarm.start_job(SPEC, tmp_path)
+        job = await swarm.start_job(LONG_SPEC, tmp_path)
         stall = "stalled at step 3: stage 1 has no replica since 12:00:00; start a stage server"
         swarm.store.set_state(job, "stalled", message=stall)
         await swarm.scheduler._placement_said(job, "starting 1 stage server(s): d on stage 0")

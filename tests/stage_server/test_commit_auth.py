@@ -17,17 +17,14 @@ from swarm.job.config import parse_job
 from swarm.net.commit_auth import SchedulerKey, SignedStub
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient
-from tests.support.jobs import BASE, render
-from tests.support.scheduled import scheduled_swarm
+from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, scheduled_swarm
 
 pytestmark = [
     pytest.mark.attack("M9"),
     pytest.mark.slow,
     pytest.mark.timeout(240),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),  # amqtt's (tests/support/scheduled.py)
+    AMQTT_LEAKS,
 ]
-
-SPEC = render({**BASE, "training": {**BASE["training"], "stages": 2, "steps": 100_000}})
 
 
 async def _refused(client: StageClient, step: int) -> set[str]:
@@ -55,8 +52,8 @@ async def _refused(client: StageClient, step: int) -> set[str]:
 
 async def test_only_the_scheduler_speaks_the_commit_protocol(tmp_path: Path) -> None:
     async with scheduled_swarm(tmp_path) as swarm:
-        job_id = await swarm.start_job(SPEC, tmp_path)
-        job = parse_job(SPEC, tmp_path, "test", check_data=False)
+        job_id = await swarm.start_job(LONG_SPEC, tmp_path)
+        job = parse_job(LONG_SPEC, tmp_path, "test", check_data=False)
         registry = swarm.scheduler.peer_registry
         a = registry.peers["a"]
         address, stage, step = a.address, a.stage, swarm.step(job_id)

@@ -1,7 +1,8 @@
 """A scheduler in the test's process with its embedded trainer, the embedded broker, and stage
 servers that join through it as `swarm stage-server --broker` does (a `PeerAgent` over a real gRPC
 server and its own bus connection), all in this process: what `swarm status` shows can be read at
-any moment, and a peer can be killed (its last-will published) and restarted under its id."""
+any moment, and a peer can be killed (its last-will published) and restarted under its id. A job
+that outlasts the test (`LONG_SPEC`); amqtt's leaked sockets let be (`AMQTT_LEAKS`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from scheduler.job_api import job_status
@@ -27,10 +29,16 @@ from swarm.bus.topics import SCHEDULER_USER, Topics
 from swarm.job.config import RuntimeConfig
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
+from tests.support.jobs import BASE, render
 
-__all__ = ["Peer", "ScheduledSwarm", "scheduled_swarm"]
+__all__ = ["AMQTT_LEAKS", "LONG_SPEC", "Peer", "ScheduledSwarm", "scheduled_swarm"]
 
 WAIT_S = 60.0  # a join under load may take many steps: copies are admitted between commits
+LONG_SPEC = render({**BASE, "training": {**BASE["training"], "stages": 2, "steps": 100_000}})
+"""Two stages, and steps enough to outlast the test (it is cancelled at the end)."""
+AMQTT_LEAKS = pytest.mark.filterwarnings("ignore::ResourceWarning")
+"""amqtt's broker leaks a socket now and then (tests/system/test_job_end.py says when): the garbage
+collector may find it during any test, and it is not ours to fail on."""
 FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
 
 
