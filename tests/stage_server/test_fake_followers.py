@@ -19,7 +19,7 @@ from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.rpc.stage_client import StageClient
-from tests.support.jobs import make_job
+from tests.support.jobs import WIDE, make_job
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.attack("N7")]
 
@@ -95,7 +95,7 @@ async def test_downloads_whose_readers_stall_give_their_places_to_a_joiner(
     # refused, "4 state downloads are being served already", for as long as they stayed).
     job = make_job(
         tmp_path,
-        model={"vocab_size": 16384, "d_model": 256, "n_heads": 4},
+        model=WIDE,
         runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0},
     )
     running = await start_stage_server(job, StageServerOptions(stage=0))

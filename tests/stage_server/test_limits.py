@@ -30,7 +30,7 @@ from swarm.proto import stage_pb2 as pb
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import codec
 from swarm.wire.chunking import TENSOR_OVERHEAD_BYTES
-from tests.support.jobs import make_job
+from tests.support.jobs import WIDE, make_job
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -191,7 +191,7 @@ async def test_download_state_streams_from_the_snapshot_without_encoding_it_whol
     # when the peer serves one at a time.
     job = make_job(
         tmp_path,
-        model={"vocab_size": 16384, "d_model": 256, "n_heads": 4},
+        model=WIDE,
         runtime={"chunk_bytes": 256 << 10},
     )
     opts = StageServerOptions(stage=0, limits=PeerLimits(max_state_downloads=1))

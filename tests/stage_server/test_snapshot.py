@@ -4,7 +4,6 @@ included), and one sent before any of them copies nothing."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,7 @@ import torch
 from stage_server.messages import state_reply
 from stage_server.runtime import StageRuntime
 from swarm.model.data import make_data
-from swarm.proto import stage_pb2 as pb
-from swarm.wire import chunking as wire
+from tests.support.downloads import decoded_state
 from tests.support.jobs import make_job
 
 CHUNK = 1024  # bytes: every parameter of the tiny model is several chunks
@@ -39,20 +37,6 @@ def _step(rt: StageRuntime) -> None:
     assert rt.commit(rt.step, [0], 4) is False
 
 
-async def _decoded(messages: Iterable[pb.StageDownloadStateResponse]) -> dict[str, torch.Tensor]:
-    async def stream() -> AsyncIterator[pb.StageDownloadStateResponse]:
-        for m in messages:
-            yield m
-
-    state, it = {}, stream()
-    while True:
-        try:
-            received = await wire.receive(it, max_bytes=1 << 30)
-        except wire.EndOfStream:
-            return state
-        state.update(wire.decode_named(received, owned=True))
-
-
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     for name, value in want.items():
@@ -66,7 +50,7 @@ async def test_a_snapshot_sent_before_the_next_update_copies_nothing(tmp_path: P
     params = dict(rt.module.named_parameters())
     shared = snapshot._state["param/" + next(iter(params))]
     assert shared.data_ptr() == next(iter(params.values())).data_ptr()  # not a copy
-    _assert_equal(await _decoded(state_reply(snapshot, CHUNK)), want)
+    _assert_equal(await decoded_state(state_reply(snapshot, CHUNK)), want)
     _step(rt)
     assert snapshot.copied_bytes == 0 and not snapshot._state  # sent, let go of
 
@@ -86,7 +70,7 @@ async def test_an_update_during_a_download_leaves_the_snapshot_of_its_step(
     assert snapshot.copied_bytes > 0
     name = "param/" + next(iter(rt.state_dict()))
     assert not torch.equal(rt.export_state()[name], want[name])  # the replica did move
-    _assert_equal(await _decoded([*first, *reply]), want)
+    _assert_equal(await decoded_state([*first, *reply]), want)
 
 
 async def test_a_state_loaded_or_a_rounds_outer_step_during_a_download_is_not_seen(
@@ -99,7 +83,7 @@ async def test_a_state_loaded_or_a_rounds_outer_step_during_a_download_is_not_se
     reply = state_reply(snapshot, CHUNK)
     first = next(reply)
     rt.load_state(other.step, other.export_state())  # a rollback meanwhile
-    _assert_equal(await _decoded([first, *reply]), want)
+    _assert_equal(await decoded_state([first, *reply]), want)
 
     local = _trained(tmp_path / "local", steps=2, mode="local", sync_every=2)
     want = local.export_state()
@@ -108,4 +92,4 @@ async def test_a_state_loaded_or_a_rounds_outer_step_during_a_download_is_not_se
     sums = local.round.prepare(2)
     local.round.set_prepared(2, sums, 8)
     assert local.round.apply(2) is False  # the outer step moves every parameter
-    _assert_equal(await _decoded([first, *reply]), want)
+    _assert_equal(await decoded_state([first, *reply]), want)

@@ -8,7 +8,7 @@ On the CPU a counting fake device (`tests.support.fake_device`) measures what cr
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -16,25 +16,10 @@ import torch
 from stage_server.snapshot import Snapshot
 from swarm.model import stage_state
 from swarm.proto import stage_pb2 as pb
-from swarm.wire import chunking as wire
+from tests.support.downloads import decoded_state
 from tests.support.fake_device import CountingCopies
 
 CHUNK = 1024
-
-
-async def _decoded(messages: Iterable[pb.StageDownloadStateResponse]) -> dict[str, torch.Tensor]:
-    async def stream() -> AsyncIterator[pb.StageDownloadStateResponse]:
-        for m in messages:
-            yield m
-
-    state: dict[str, torch.Tensor] = {}
-    it = stream()
-    while True:
-        try:
-            received = await wire.receive(it, max_bytes=1 << 30)
-        except wire.EndOfStream:
-            return state
-        state.update(wire.decode_named(received, owned=True))
 
 
 def _reply(snapshot: Snapshot) -> Iterable[pb.StageDownloadStateResponse]:
@@ -54,7 +39,7 @@ async def test_a_device_snapshot_crosses_to_the_host_a_chunk_at_a_time() -> None
     state, copies = _state(), CountingCopies()
     want = {k: v.clone() for k, v in state.items()}
     snapshot = Snapshot(1, dict(state), shared=state.keys(), copies=copies)
-    got = await _decoded(_reply(snapshot))
+    got = await decoded_state(_reply(snapshot))
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert copies.to_host_bytes == sum(t.nbytes for t in want.values())  # each byte once
@@ -74,7 +59,7 @@ async def test_an_update_mid_stream_leaves_a_device_snapshot_of_its_step(sent: i
     snapshot.detach()
     for t in state.values():
         t.add_(1.0)  # the next update, in place
-    got = await _decoded([*first, *reply])
+    got = await decoded_state([*first, *reply])
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert snapshot.copied_bytes > 0
 
@@ -103,7 +88,7 @@ async def test_on_cuda_a_snapshot_shares_the_device_state_and_streams_one_step(s
     first = [next(reply) for _ in range(sent)]
     snapshot.detach()
     update()  # launched after the detach: not seen
-    got = await _decoded([*first, *reply])
+    got = await decoded_state([*first, *reply])
     assert got.keys() == want.keys()
     for name, value in want.items():
         assert torch.equal(got[name], value), name

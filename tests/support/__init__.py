@@ -10,7 +10,8 @@
 - `tls`: the swarm's CA and a stranger's (`pki`), identities loaded from them.
 - `cli`: `swarm ...` as its own process; the repository root.
 - `forked`: swarm processes forked from a server that imported torch once.
-- `jobs`: the tiny synthetic job with any key overridden; the keys of each training rule.
+- `jobs`: the tiny synthetic job with any key overridden; the keys of each training rule; a
+  wide vocabulary (`WIDE`).
 - `pretrained`: a pretrained checkpoint and a job fine-tuning from it.
 - `equality`: "equal to `swarm local`" within a tolerance.
 - `fakes`: stand-ins shared by several files (a bus nobody publishes on, an echoing stage).
@@ -24,6 +25,7 @@
 - `pools`: real pool replicas for averaging tests, and the butterfly over all of them at once.
 - `hostile`: a hostile member of a stage (DownloadState, Updates) on a real gRPC server.
 - `api`: the job API on a real gRPC server over a real store, with a fake orchestration.
+- `downloads`: a state download's messages decoded into the state they carry.
 - `disks`, `hogs`: a real full disk; a busy machine.
 - `scheduled`: a scheduler, the embedded broker and stage servers that join through it, all in
   the test's process.

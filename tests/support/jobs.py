@@ -1,5 +1,5 @@
 """Job files for tests: the tiny synthetic job with any key overridden, and the keys that choose
-each training rule (`RULES`)."""
+each training rule (`RULES`); a wide vocabulary (`WIDE`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Any
 
 from swarm.job.config import JobConfig, load_job
 from swarm.job.rule import RuleKind
+
+WIDE: dict[str, Any] = {"vocab_size": 16384, "d_model": 256, "n_heads": 4}
+"""`model` overrides of a wide vocabulary: stage 0's state is a 32 MiB embedding."""
 
 BASE: dict[str, dict[str, Any]] = {
     "model": {
