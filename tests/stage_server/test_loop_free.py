@@ -21,6 +21,7 @@ from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.wire import codec
+from tests.support.fake_device import copy_started
 from tests.support.jobs import make_job
 from tests.support.slow_copies import SlowCopies
 
@@ -44,12 +45,6 @@ async def _call(method: Any, request: Any) -> list[Any]:
     return [r async for r in call]
 
 
-async def _started(slow: SlowCopies) -> None:
-    """Until the slow copy has begun (polled: the loop must be free to notice, or it is not)."""
-    while not slow.started.is_set():
-        await asyncio.sleep(0.005)
-
-
 async def test_the_loop_answers_another_call_while_a_reply_is_copied_off_the_device(
     job: JobConfig, server: RunningStageServer
 ) -> None:
@@ -60,7 +55,7 @@ async def test_the_loop_answers_another_call_while_a_reply_is_copied_off_the_dev
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
         forward = asyncio.create_task(_call(stub.Forward, _forward(job)))
-        await asyncio.wait_for(_started(slow), 30)
+        await asyncio.wait_for(copy_started(slow), 30)
         info = await stub.Info(pb.StageInfoRequest(), timeout=30)
         answered_during_copy = not slow.copies  # the copy has not finished yet
         slow.gate.set()
@@ -102,7 +97,7 @@ async def test_a_push_sends_its_outputs_on_without_the_loop_waiting_on_their_cop
         async with grpc.aio.insecure_channel(first.address) as channel:
             stub = stage_pb2_grpc.StageServiceStub(channel)
             push = asyncio.create_task(_call(stub.Push, request))
-            await asyncio.wait_for(_started(slow), 30)
+            await asyncio.wait_for(copy_started(slow), 30)
             info = await stub.Info(pb.StageInfoRequest(), timeout=30)
             answered_during_copy = not slow.copies
             slow.gate.set()

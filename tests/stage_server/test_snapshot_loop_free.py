@@ -24,15 +24,9 @@ from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.rpc.stage_client import StageClient
-from tests.support.fake_device import GatedCopies, WatchedCopies
+from tests.support.fake_device import GatedCopies, WatchedCopies, copy_started
 
 pytestmark = pytest.mark.timeout(120)
-
-
-async def _started(gated: GatedCopies) -> None:
-    """Until the slow copy has begun (polled: the loop must be free to notice, or it is not)."""
-    while not gated.started.is_set():
-        await asyncio.sleep(0.005)
 
 
 async def test_the_loop_answers_another_call_while_a_download_copies_a_chunk(
@@ -45,7 +39,7 @@ async def test_the_loop_answers_another_call_while_a_download_copies_a_chunk(
     try:
         expect = server.runtime.checks.state
         download = asyncio.create_task(client.download_state(True, "", expect=expect))
-        await asyncio.wait_for(_started(gated), 30)
+        await asyncio.wait_for(copy_started(gated), 30)
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = stage_pb2_grpc.StageServiceStub(channel)
             info = await stub.Info(pb.StageInfoRequest(), timeout=30)

@@ -2,17 +2,31 @@
 treating every tensor (CPU ones, in a test) as a device's: `CountingCopies` counts the bytes each
 copy moves; `GatedCopies` makes a copy as slow as a busy GPU's, until the test lets it finish.
 `WatchedCopies` are torch's real ones (a CUDA test's), noting the thread and current device of
-each."""
+each. `copy_started` waits, off nothing but the event loop, until a slow copy has begun."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from typing import Protocol
 
 import torch
 
 from stage_server.averaging.staging import TorchCopies
 
-__all__ = ["CountingCopies", "GatedCopies", "WatchedCopies"]
+__all__ = ["CountingCopies", "GatedCopies", "WatchedCopies", "copy_started"]
+
+
+class _Slow(Protocol):
+    @property
+    def started(self) -> threading.Event: ...
+
+
+async def copy_started(slow: _Slow) -> None:
+    """Until `slow`'s copy has begun (`GatedCopies`, `tests.support.slow_copies.SlowCopies`;
+    polled: the loop must be free to notice, or it is not)."""
+    while not slow.started.is_set():
+        await asyncio.sleep(0.005)
 
 
 class CountingCopies:

@@ -19,19 +19,13 @@ import torch
 
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from swarm.wire.codec import CODEC_FP16, CODEC_NONE
-from tests.support.fake_device import CountingCopies, GatedCopies, WatchedCopies
-from tests.support.pools import JOB, MiB, ordered_sum, replicas
+from tests.support.fake_device import CountingCopies, GatedCopies, WatchedCopies, copy_started
+from tests.support.pools import JOB, MiB, ordered_sum, reduce_all, replicas
 
 pytestmark = pytest.mark.timeout(120)
 
 CHUNK = 2048
 SLICE = 8192
-
-
-async def _started(gated: GatedCopies) -> None:
-    """Until the slow copy has begun (polled: the loop must be free to notice, or it is not)."""
-    while not gated.started.is_set():
-        await asyncio.sleep(0.005)
 
 
 @pytest.mark.parametrize(
@@ -45,20 +39,13 @@ async def test_the_loop_runs_while_a_round_copies_a_device_gradient(slow: str, c
     gated = GatedCopies(slow, seconds=5.0)
     copies: list[Any] = [gated, CountingCopies()]
     async with replicas(2) as pool:
-        group = [r.address for r in pool]
-        opts: dict[str, Any] = {
-            "round": "r0", "job": JOB, "stage": 0, "timeout_s": 30.0, "chunk_bytes": CHUNK,
-            "max_bytes": 64 * MiB, "slice_bytes": SLICE, "in_place": True, "codec": codec,
-        }  # fmt: skip
-        calls = [
-            all_reduce(
-                f, RoundSettings(group=group, index=i, **opts),
-                averager=r.averager, channels=r.channels, copies=c,
+        rounds = asyncio.ensure_future(
+            reduce_all(
+                pool, given, copies=copies, timeout_s=30.0, chunk_bytes=CHUNK,
+                slice_bytes=SLICE, in_place=True, codec=codec,
             )
-            for i, (r, f, c) in enumerate(zip(pool, given, copies, strict=True))
-        ]  # fmt: skip
-        rounds = asyncio.gather(*calls, return_exceptions=True)
-        await asyncio.wait_for(_started(gated), 30)
+        )  # fmt: skip
+        await asyncio.wait_for(copy_started(gated), 30)
         await asyncio.sleep(0.01)  # the loop wakes (a timer) while the copy is under way
         woke_during_copy = gated.opened is None
         gated.gate.set()
@@ -98,7 +85,7 @@ async def test_a_round_cancelled_mid_copy_ends_only_once_the_copy_has_landed() -
             for i, (r, f, c) in enumerate(zip(pool, flats, copies, strict=True))
         ]  # fmt: skip
         tasks[0].add_done_callback(lambda _: landed_when_done.append(gated.ended.is_set()))
-        await asyncio.wait_for(_started(gated), 30)
+        await asyncio.wait_for(copy_started(gated), 30)
         tasks[0].cancel()
         await asyncio.sleep(0.05)  # the cancellation goes through (the copy still held)
         gated.gate.set()

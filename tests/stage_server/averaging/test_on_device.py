@@ -10,17 +10,15 @@ it) the same round allocates no gradient-sized device memory and is bitwise the 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
 import torch
 
-from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.spill import Spill
 from swarm.wire.codec import CODEC_FP16, CODEC_INT8_BLOCKWISE
 from tests.support.fake_device import CountingCopies
-from tests.support.pools import JOB, MiB, Replica, ordered_sum, replicas
+from tests.support.pools import MiB, Replica, ordered_sum, reduce_all, replicas
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,19 +29,8 @@ SLICE = 8192  # bytes a part's slice takes
 async def _round(
     pool: list[Replica], flats: list[torch.Tensor], copies: list[Any], **settings: Any
 ) -> list[Any]:
-    opts: dict[str, Any] = {
-        "round": "r0", "job": JOB, "stage": 0, "timeout_s": 20.0, "chunk_bytes": CHUNK,
-        "max_bytes": 64 * MiB, "slice_bytes": SLICE, "in_place": True,
-    } | settings  # fmt: skip
-    group = [r.address for r in pool]
-    calls = [
-        all_reduce(
-            f, RoundSettings(group=group, index=i, **opts),
-            averager=r.averager, channels=r.channels, copies=c,
-        )
-        for i, (r, f, c) in enumerate(zip(pool, flats, copies, strict=True))
-    ]  # fmt: skip
-    return await asyncio.gather(*calls, return_exceptions=True)
+    opts: dict[str, Any] = {"chunk_bytes": CHUNK, "slice_bytes": SLICE, "in_place": True}
+    return await reduce_all(pool, flats, copies=copies, **(opts | settings))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
