@@ -65,18 +65,19 @@ class TorchCopies:
         return t.device.type != "cpu"
 
     def to_host(self, src: torch.Tensor, into: torch.Tensor) -> None:
-        if src.device.type != "cuda":
-            into.copy_(src)
-            return
-        into.copy_(src, non_blocking=True)
-        _landed(src.device)
+        _copy(into, src, src.device)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.device.type != "cuda":
-            dst.copy_(src)
-            return
-        dst.copy_(src, non_blocking=True)
-        _landed(dst.device)
+        _copy(dst, src, dst.device)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
+    """`src` into `dst`, landed when it returns; `device` the side that is a device's, if any."""
+    if device.type != "cuda":
+        dst.copy_(src)
+        return
+    dst.copy_(src, non_blocking=True)
+    _landed(device)
 
 
 def _landed(device: torch.device) -> None:
