@@ -15,6 +15,19 @@ class PeerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PEER_STATE_DRAINING: _ClassVar[PeerState]
     PEER_STATE_OFFLINE: _ClassVar[PeerState]
 
+class PeerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PEER_ROLE_STAGE_SERVER: _ClassVar[PeerRole]
+    PEER_ROLE_RELAY: _ClassVar[PeerRole]
+    PEER_ROLE_AGGREGATOR: _ClassVar[PeerRole]
+
+class Reachability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REACHABILITY_UNKNOWN: _ClassVar[Reachability]
+    REACHABILITY_DIRECT: _ClassVar[Reachability]
+    REACHABILITY_RELAYED: _ClassVar[Reachability]
+    REACHABILITY_UNREACHABLE: _ClassVar[Reachability]
+
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
@@ -30,6 +43,13 @@ PEER_STATE_JOINING: PeerState
 PEER_STATE_SERVING: PeerState
 PEER_STATE_DRAINING: PeerState
 PEER_STATE_OFFLINE: PeerState
+PEER_ROLE_STAGE_SERVER: PeerRole
+PEER_ROLE_RELAY: PeerRole
+PEER_ROLE_AGGREGATOR: PeerRole
+REACHABILITY_UNKNOWN: Reachability
+REACHABILITY_DIRECT: Reachability
+REACHABILITY_RELAYED: Reachability
+REACHABILITY_UNREACHABLE: Reachability
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_QUEUED: JobState
 JOB_STATE_PLACING: JobState
@@ -40,7 +60,7 @@ JOB_STATE_CANCELLED: JobState
 JOB_STATE_STALLED: JobState
 
 class PeerAnnouncement(_message.Message):
-    __slots__ = ("peer", "address", "metrics_address", "device", "state", "job", "stage", "samples_per_second", "throttle", "time", "memory_bytes")
+    __slots__ = ("peer", "address", "metrics_address", "device", "state", "job", "stage", "samples_per_second", "throttle", "time", "memory_bytes", "role", "relay", "relay_address", "upload_bytes_per_second", "download_bytes_per_second")
     class SamplesPerSecondEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +79,11 @@ class PeerAnnouncement(_message.Message):
     THROTTLE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     peer: str
     address: str
     metrics_address: str
@@ -70,7 +95,30 @@ class PeerAnnouncement(_message.Message):
     throttle: float
     time: float
     memory_bytes: int
-    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[PeerState, str]] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., samples_per_second: _Optional[_Mapping[int, float]] = ..., throttle: _Optional[float] = ..., time: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    role: PeerRole
+    relay: str
+    relay_address: str
+    upload_bytes_per_second: float
+    download_bytes_per_second: float
+    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[PeerState, str]] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., samples_per_second: _Optional[_Mapping[int, float]] = ..., throttle: _Optional[float] = ..., time: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., role: _Optional[_Union[PeerRole, str]] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., upload_bytes_per_second: _Optional[float] = ..., download_bytes_per_second: _Optional[float] = ...) -> None: ...
+
+class ReachabilityReport(_message.Message):
+    __slots__ = ("peer", "reachability", "address", "relay", "detail", "remedy", "time")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REMEDY_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    reachability: Reachability
+    address: str
+    relay: str
+    detail: str
+    remedy: str
+    time: float
+    def __init__(self, peer: _Optional[str] = ..., reachability: _Optional[_Union[Reachability, str]] = ..., address: _Optional[str] = ..., relay: _Optional[str] = ..., detail: _Optional[str] = ..., remedy: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("peer", "job", "stage", "queue_depth", "in_flight", "ema_seconds_per_sample", "time")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PoolReduceRequest(_message.Message):
-    __slots__ = ("job", "stage", "round", "part", "sender", "group_size", "tensors", "chunk", "slice")
+    __slots__ = ("job", "stage", "round", "part", "sender", "group_size", "tensors", "chunk", "slice", "contributors")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class PoolReduceRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     round: str
@@ -27,7 +28,8 @@ class PoolReduceRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     slice: int
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., round: _Optional[str] = ..., part: _Optional[int] = ..., sender: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., slice: _Optional[int] = ...) -> None: ...
+    contributors: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., round: _Optional[str] = ..., part: _Optional[int] = ..., sender: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., slice: _Optional[int] = ..., contributors: _Optional[int] = ...) -> None: ...
 
 class PoolReduceResponse(_message.Message):
     __slots__ = ("tensors", "chunk")

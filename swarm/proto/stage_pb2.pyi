@@ -199,7 +199,7 @@ class StagePushResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., uncertain: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., path: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StageCommitRequest(_message.Message):
-    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager")
+    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,8 @@ class StageCommitRequest(_message.Message):
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     ROUND_END_FIELD_NUMBER: _ClassVar[int]
     EAGER_FIELD_NUMBER: _ClassVar[int]
+    PART_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     step: int
@@ -224,7 +226,9 @@ class StageCommitRequest(_message.Message):
     grad_scale: float
     round_end: bool
     eager: EagerOp
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ...) -> None: ...
+    part_weights: _containers.RepeatedScalarFieldContainer[float]
+    contributors: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ..., part_weights: _Optional[_Iterable[float]] = ..., contributors: _Optional[int] = ...) -> None: ...
 
 class StageCommitResponse(_message.Message):
     __slots__ = ("step", "already_committed", "grad_sq_norm")
