@@ -1,0 +1,162 @@
+"""How a round's parts are sized: water-filling over the members' link rates (DeDLOC's linear
+program, solved in closed form), and the contiguous element bounds every member derives from the
+same weights.
+
+The round (`stage_server.averaging.butterfly`): a vector of V bytes, a group of n members of
+which the first m contribute a vector ("contributors") and the rest only own parts
+("aggregators"); member i owns the fraction w_i of the vector and sums its part's m
+contributions. Each member's link is one full-duplex rate b_i (bytes/s; the caller gives
+min(upload, download)), and a member's time is the larger of what it sends and receives over b_i,
+the two being equal here:
+
+- a contributor sends its vector less its own part, (1 - w_i)·V, and the sum of its part to the
+  m - 1 other contributors, (m - 1)·w_i·V: (1 + (m - 2)·w_i)·V in all, and receives as much (the
+  others' contributions to its part, then the other parts' sums);
+- an aggregator receives its part from each of the m contributors and sends the sum back to each:
+  m·w_i·V.
+
+Minimise T, the slowest member's time, subject to Σ w_i = 1, w_i ≥ 0:
+    contributor: (1 + (m - 2)·w_i) / b_i ≤ T   ⇔  w_i ≤ (T·b_i - 1) / (m - 2)   (m > 2)
+    aggregator:  m·w_i / b_i ≤ T                ⇔  w_i ≤ T·b_i / m
+Each bound grows with T, so the least T is the one at which the capacities sum to 1
+(water-filling): w_i = max(0, (T·b_i - 1)/(m - 2)) for a contributor, T·b_i/m for an aggregator.
+A contributor also sends its whole vector once whatever it owns: the round lasts at least
+max 1/b_i over the contributors (`round_time`), which no partition changes, so the weights are
+those of the T above and the bound is the larger of the two. A contributor whose weight is 0
+owns nothing (client mode): it only sends its parts and takes their sums back.
+
+Degenerate cases, where the program leaves the partition free or no rate is known, keep today's
+equal parts: m = 2 with no aggregator (each contributor's time is 1/b_i whatever it owns), a rate
+unknown (0) or all rates equal. m = 2 with aggregators: the contributors' times do not depend on
+the partition and an aggregator's only adds to its own, so the two contributors own halves.
+m = 1: the lone contributor owns everything (nothing travels).
+
+`part_bounds` cuts `numel` elements by the weights with exact rational arithmetic on the doubles
+given, so every member derives the same bounds from the same commit on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
+from swarm.errors import InvalidArgument
+
+__all__ = ["check_weights", "contributors_of", "part_bounds", "round_time", "water_fill"]
+
+
+def contributors_of(n: int, contributors: int) -> int:
+    """The number of contributing members of a group of `n` (`contributors` 0: all of them)."""
+    if not 0 <= contributors <= n:
+        raise InvalidArgument(f"contributors {contributors} outside 0..{n}")
+    return contributors or n
+
+
+def _equal(n: int) -> list[float]:
+    return [1.0 / n] * n
+
+
+def water_fill(rates: Sequence[float], contributors: int = 0) -> list[float]:
+    """Each member's fraction of the round's vector (summing to 1, one per member of `rates`,
+    the first `contributors` contributing, 0: all), from the members' full-duplex rates
+    (bytes/s, 0 unknown): the partition that minimises the slowest member's time (see the
+    module). Equal parts, exactly 1/n each, where the rates cannot tell better (a rate unknown,
+    all equal, two contributors)."""
+    n = len(rates)
+    if n == 0:
+        return []
+    m = contributors_of(n, contributors)
+    if any(not math.isfinite(b) or b < 0 for b in rates):
+        raise InvalidArgument(f"link rates must be finite and >= 0, got {list(rates)}")
+    if m == 1:
+        return [1.0] + [0.0] * (n - 1)
+    if any(b == 0 for b in rates) or len(set(rates)) == 1 and m == n or m == 2 and n == 2:
+        return _equal(n)
+    if m == 2:  # the contributors' times are 1/b_i whatever they own: aggregators idle
+        return [0.5, 0.5] + [0.0] * (n - 2)
+    level = _level(rates, m)
+    caps = [max(0.0, (level * b - 1.0) / (m - 2)) for b in rates[:m]]
+    caps += [level * b / m for b in rates[m:]]
+    total = math.fsum(caps)
+    return [c / total for c in caps]  # the level's rounding is not the weights'
+
+
+def _level(rates: Sequence[float], m: int) -> float:
+    """The T (seconds per byte of the vector) at which the members' capacities sum to 1, m > 2:
+    with the k fastest contributors active, Σ (T·b_i - 1)/(m - 2) + T·Σ_agg b_j/m = 1 gives
+    T = (1 + k/(m - 2)) / (Σ_k b_i/(m - 2) + Σ_agg b_j/m); the right k is the one whose T lies
+    between its slowest member's threshold 1/b_k and the next one's."""
+    fast = sorted(rates[:m], reverse=True)
+    agg = math.fsum(rates[m:]) / m
+    active = 0.0
+    for k in range(0, m + 1):
+        if k:
+            active += fast[k - 1]
+        speed = active / (m - 2) + agg
+        if speed <= 0:
+            continue  # no one owns anything yet (no aggregator, no contributor active)
+        level = (1.0 + k / (m - 2)) / speed
+        if k == m or level <= 1.0 / fast[k]:  # the next contributor would own nothing
+            return level
+    raise AssertionError("unreachable: k = m always returns")
+
+
+def round_time(
+    rates: Sequence[float], weights: Sequence[float], contributors: int, nbytes: float
+) -> float:
+    """The time (s) the round of an `nbytes` vector takes by the model of the module under these
+    `weights` (empty: equal parts): the slowest member's traffic over its rate, at least the
+    slowest contributor's whole vector. Unknown rates (0): inf when that member moves bytes."""
+    n = len(rates)
+    m = contributors_of(n, contributors)
+    weights = list(weights) or _equal(n)
+    if len(weights) != n:
+        raise InvalidArgument(f"{len(weights)} weights for {n} members")
+    worst = 0.0
+    for i, (b, w) in enumerate(zip(rates, weights, strict=True)):
+        traffic = (1.0 + (m - 2) * w) if i < m else m * w
+        if i < m and m > 1:
+            traffic = max(traffic, 1.0)  # its whole vector leaves once, owned part or not
+        if m == 1:
+            traffic = (1.0 - w) if i == 0 else w  # the lone contributor's parts, there and back
+        if traffic > 0:
+            worst = max(worst, math.inf if b <= 0 else traffic * nbytes / b)
+    return worst
+
+
+def check_weights(weights: Sequence[float], n: int) -> None:
+    """Refuse weights a round cannot cut by: not one per member, negative, NaN or infinite, or
+    all zero. Empty: equal parts."""
+    if not weights:
+        return
+    if len(weights) != n:
+        raise InvalidArgument(f"{len(weights)} part weights for a group of {n}")
+    if any(not math.isfinite(w) or w < 0 for w in weights) or not any(w > 0 for w in weights):
+        raise InvalidArgument(f"part weights must be finite, >= 0 and not all 0: {list(weights)}")
+
+
+def part_bounds(numel: int, weights: Sequence[float], n: int = 0) -> list[slice]:
+    """Contiguous parts of `range(numel)`, part k about `weights[k]` of it (a weight 0: an empty
+    part). Exact rational arithmetic on the doubles given (the same bounds on every machine).
+    Equal weights, or none (then `n` parts), cut as `split_parts` does: the first `numel % n`
+    one element longer."""
+    if numel < 0:
+        raise InvalidArgument(f"cannot split {numel} elements")
+    if not weights or len(set(weights)) == 1:
+        count = len(weights) or n
+        if count < 1:
+            raise InvalidArgument("part_bounds needs weights or a number of parts")
+        if weights:
+            check_weights(weights, count)
+        q, r = divmod(numel, count)
+        cuts = [k * q + min(k, r) for k in range(count + 1)]
+    else:
+        check_weights(weights, len(weights))
+        exact = [Fraction(w) for w in weights]
+        total, so_far, cuts = sum(exact), Fraction(0), [0]
+        for w in exact[:-1]:
+            so_far += w
+            cuts.append(math.floor(numel * so_far / total + Fraction(1, 2)))
+        cuts.append(numel)
+    return [slice(cuts[k], cuts[k + 1]) for k in range(len(cuts) - 1)]
