@@ -3,11 +3,20 @@
 `stage_server.averaging.owner` (served by `stage_server.averaging.service`); the peers are dialled
 over `stage_server.averaging.channels`.
 
-At a step commit every replica holds its gradient sum as one flat tensor. With N replicas in the
-round's group the flat tensor is cut into N contiguous parts and replica k owns part k: every
-replica sends its values of part k to replica k, which sums the N contributions in sender order,
+At a step commit every replica holds its gradient sum as one flat tensor. With N members in the
+round's group the flat tensor is cut into N contiguous parts and member k owns part k: every
+replica sends its values of part k to member k, which sums the contributions in sender order,
 `((c0 + c1) + c2) + ...`, once, and gives that one sum to all of them. Each element is thus added
 by one process in one order, so every replica ends with bitwise the same total.
+
+The parts follow `RoundSettings.weights` (`swarm.policy.parts`: water-filling over the members'
+links; none: equal parts): a member of weight 0 owns an empty part (client mode), which is
+neither sent nor awaited: it only sends its values of the others' parts and takes their sums
+back on the calls it opened. The group's first `contributors` members contribute; the rest
+(aggregators: PoolService owners without a gradient, which run no `all_reduce`) only own parts,
+summing the contributors' values in sender order like any owner. Where a part ends changes which
+process adds an element, never the order its contributions are added in, so the total is the same
+bits whatever the weights.
 
 Lossy codecs (fp16, bf16, int8_blockwise): the owner encodes the sum once and every replica, the
 owner included, uses the decoding of those same bytes; that keeps the replicas identical. The
@@ -39,11 +48,11 @@ import torch
 
 from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import Residuals
-from stage_server.averaging.flat import split_parts
 from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, round_name
 from stage_server.averaging.staging import DeviceCopies, OffLoop, TorchCopies, staging
 from stage_server.device_oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
+from swarm.policy.parts import check_weights, contributors_of, part_bounds
 from swarm.proto import pool_pb2
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
@@ -65,7 +74,9 @@ class RoundSettings:
     replica `group[index]`), the round's name (`job`, `stage`, `round`), and how its parts travel
     (`all_reduce` says how). `timeout_s` bounds every call and wait; `chunk_bytes` is a message's
     chunk, `max_bytes` the most a reply's tensor may take; `codec` and `block_size` encode the
-    parts."""
+    parts. `weights` (one per member, or none: equal parts) size the parts
+    (`swarm.policy.parts.part_bounds`); `contributors` (0: all) is how many of the group's first
+    members contribute, the rest being aggregators."""
 
     group: Sequence[str]
     index: int
@@ -80,9 +91,12 @@ class RoundSettings:
     slice_bytes: int = SLICE_BYTES
     window: int = WINDOW
     in_place: bool = False
+    weights: Sequence[float] = ()
+    contributors: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group", tuple(self.group))  # frozen: not the caller's list
+        object.__setattr__(self, "weights", tuple(self.weights))
 
     @property
     def key(self) -> RoundKey:
@@ -135,8 +149,12 @@ async def all_reduce(
         raise InvalidArgument(f"all_reduce takes a 1-D tensor, got shape {list(flat.shape)}")
     if settings.window < 1:
         raise ConfigError(f"window must be at least 1, got {settings.window}")
-    if n == 1:
-        return flat
+    check_weights(settings.weights, n)
+    contributors = contributors_of(n, settings.contributors)
+    if index >= contributors:
+        raise ConfigError(f"member {index} is an aggregator (of {contributors} contributors)")
+    if contributors == 1:
+        return flat  # alone with its gradient (aggregators or not): nothing to sum
     butterfly = ButterflyRound(
         flat, settings, averager=averager, channels=channels, residuals=residuals, keep=keep,
         copies=copies,
@@ -166,7 +184,7 @@ class ButterflyRound:
         self.flat, self.settings, self.averager, self.channels = flat, settings, averager, channels
         self._keep = keep
         self.n, self.key = len(settings.group), settings.key
-        self.parts = split_parts(flat.numel(), self.n)
+        self.parts = part_bounds(flat.numel(), settings.weights, self.n)
         self.src = flat.detach()
         # A device's gradient crosses to the host and back a chunk at a time (`staging`).
         on_device = (copies or TorchCopies()).on_device(flat)
@@ -251,7 +269,7 @@ class ButterflyRound:
         s, flat = self.settings, self.flat
         header = pool_pb2.PoolReduceRequest(
             job=s.job, stage=s.stage, round=s.round, part=k, sender=s.index, group_size=self.n,
-            slice=j,
+            slice=j, contributors=s.contributors,
         )  # fmt: skip
         messages: Iterator[Any]
         if self.lossy:
@@ -330,7 +348,7 @@ class ButterflyRound:
         values, owned = await self._off(self._own_slice_values, where)
         reduced = await self.averager.reduce(
             self.key, index, index, self.n, values, timeout_s=s.timeout_s, codec=s.codec,
-            block_size=s.block_size, slice=j, owned=owned,
+            block_size=s.block_size, slice=j, owned=owned, contributors=s.contributors,
         )  # fmt: skip
         if self._dropped is not None:
             self._dropped.summed[where] = reduced.exact - reduced.tensor
@@ -392,7 +410,9 @@ class ButterflyRound:
 
     async def _run(self) -> torch.Tensor:
         me = self.settings.group[self.settings.index]
-        tasks = [asyncio.ensure_future(self._guarded(k)) for k in range(self.n)]
+        # An empty part (its owner is a client) is neither sent nor awaited.
+        owned = [k for k, part in enumerate(self.parts) if part.stop > part.start]
+        tasks = [asyncio.ensure_future(self._guarded(k)) for k in owned]
         try:
             await asyncio.gather(*tasks)
         except BaseException as e:

@@ -1,7 +1,8 @@
 """The owner's side of pool averaging: the parts of a round this replica sums, and their outcome.
 
-In a round each replica owns one contiguous part of the flat gradient
-(`stage_server.averaging.flat.split_parts`); the others
+In a round each member owns one contiguous part of the flat gradient (`swarm.policy.parts`:
+sized by the members' links, possibly empty); the contributors (the group's first
+`contributors` members: all of them but aggregators, which own parts and contribute nothing)
 send it their values of that part, and `Averager` sums the contributions in sender order once and
 gives every waiter that one result (see `stage_server.averaging.butterfly` for the round as a
 whole).
@@ -106,6 +107,7 @@ def _reduce(values: list[torch.Tensor], owned: list[bool], codec: int, block_siz
 @dataclass
 class _Slot:
     group_size: int
+    contributors: int  # the senders 0..contributors-1 whose values the sum waits for
     signature: tuple[Any, ...]  # shape, dtype, codec, block size: all contributions agree
     done: asyncio.Future[Reduced]
     timer: asyncio.TimerHandle
@@ -179,12 +181,15 @@ class Averager:
         timeout_s: float,
         codec: int = CODEC_NONE,
         block_size: int = 2048,
+        contributors: int = 0,
     ) -> torch.Tensor:
         """Add `values` as `sender`'s contribution to `part` of `round`; the part's sum once all
-        `group_size` arrived. `codec` is how the contributions travelled; the sum is given back
-        through the same codec. A sender may repeat bit-identical values (a retry): it joins."""
+        `contributors` (0: all `group_size`) arrived. `codec` is how the contributions
+        travelled; the sum is given back through the same codec. A sender may repeat
+        bit-identical values (a retry): it joins."""
         return (await self.reduce(round, part, sender, group_size, values, timeout_s=timeout_s,
-                                  codec=codec, block_size=block_size)).tensor  # fmt: skip
+                                  codec=codec, block_size=block_size,
+                                  contributors=contributors)).tensor  # fmt: skip
 
     async def reduce(
         self,
@@ -199,14 +204,17 @@ class Averager:
         block_size: int = 2048,
         owned: bool = False,
         slice: int = 0,
+        contributors: int = 0,
     ) -> Reduced:
         """`contribute`, returning the shared `Reduced` (the servicer replies its bytes).
         `owned`: `values` is a buffer the averager may sum into (a contribution received for
         it), not a sender's own gradient. `slice`: which slice of the part `values` are (a
-        part sent in slices is summed slice by slice, each on its own)."""
+        part sent in slices is summed slice by slice, each on its own). `contributors`: how
+        many of the group send (senders 0..contributors-1; 0: the whole group)."""
         slot = self._admit(
-            round, (part, slice), sender, group_size, values, timeout_s, codec, block_size, owned
-        )
+            round, (part, slice), sender, (group_size, contributors), values, timeout_s, codec,
+            block_size, owned,
+        )  # fmt: skip
         slot.waiting += 1
         try:
             return await asyncio.wait_for(asyncio.shield(slot.done), max(timeout_s, 0.0))
@@ -270,7 +278,7 @@ class Averager:
         round: RoundKey,
         key: tuple[int, int],
         sender: int,
-        group_size: int,
+        group: tuple[int, int],
         values: torch.Tensor,
         timeout_s: float,
         codec: int,
@@ -278,11 +286,18 @@ class Averager:
         owned: bool,
     ) -> _Slot:
         part, slice = key
+        group_size, contributors = group
         name = f"{round_name(round)} {_where(part, slice)}"
         if group_size > MAX_GROUP_SIZE:
             raise InvalidArgument(f"{name}: group size {group_size} above {MAX_GROUP_SIZE}")
-        if group_size < 1 or not (0 <= part < group_size and 0 <= sender < group_size):
-            raise InvalidArgument(f"{name}: sender {sender} or part out of 0..{group_size - 1}")
+        if not 0 <= contributors <= group_size:
+            raise InvalidArgument(f"{name}: {contributors} contributors in a group of {group_size}")
+        contributors = contributors or group_size
+        if group_size < 1 or not (0 <= part < group_size and 0 <= sender < contributors):
+            raise InvalidArgument(
+                f"{name}: part {part} out of 0..{group_size - 1} or sender {sender} out of "
+                f"0..{contributors - 1} (the contributors)"
+            )
         outcome, missing = self._closed.get(round, (None, ()))
         if outcome is not None:
             raise AveragingAborted(f"{name}: {outcome}", missing)
@@ -313,10 +328,14 @@ class Averager:
             # The round's deadline even when every waiter has gone (cancelled calls).
             timer = loop.call_later(max(timeout_s, 0.0), self._expire, round, key, timeout_s)
             slot = slots[key] = _Slot(
-                group_size, signature, done, timer, [None] * group_size, [False] * group_size
+                group_size, contributors, signature, done, timer, [None] * contributors,
+                [False] * contributors,
+            )  # fmt: skip
+        elif (slot.group_size, slot.contributors) != (group_size, contributors):
+            raise InvalidArgument(
+                f"{name}: group size {group_size} of {contributors} contributors, others said "
+                f"{slot.group_size} of {slot.contributors}"
             )
-        elif slot.group_size != group_size:
-            raise InvalidArgument(f"{name}: group size {group_size}, others said {slot.group_size}")
         elif slot.signature != signature:
             raise InvalidArgument(
                 f"{name}: sender {sender} sent {signature}, others {slot.signature}"
