@@ -31,6 +31,7 @@ from client.metrics import TrainerMetrics
 from client.trainer import PipelineTrainer, follow_load
 from scheduler.assignments import Assignments
 from scheduler.coordinator import LocalCoordinator, gather_state
+from scheduler.coordinator.groups import Groups, link_of
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
 from scheduler.coordinator.replicas import grpc_replicas
@@ -181,6 +182,8 @@ class JobTraining:
             metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
             checkpoint_every_s=self.checkpoint_every_s,
+            # parts by the links the peers announced (issue 43)
+            groups=Groups(lambda peer: link_of(self.peer_registry.peers.get(peer))),
         )
         coordinator.membership.admitted.append(functools.partial(self.history.admitted, job_id))
         trainer = PipelineTrainer(

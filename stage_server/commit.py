@@ -75,6 +75,10 @@ class Commit:
     # pool.mode = "local": the round ending before `step`, not a step (`stage_server.local_round`)
     round_end: bool = False
     eager: int = EagerOp.NONE  # pool.overlap = "eager": what the round's end asks (`EagerOp`)
+    # the round's parts: one weight per member of `group` (none: equal; 0: it owns nothing),
+    # and how many of its first members contribute (0: all; the rest are aggregators)
+    part_weights: tuple[float, ...] = ()
+    contributors: int = 0
 
     @classmethod
     def of(cls, request: pb.StageCommitRequest) -> Commit:
@@ -93,6 +97,8 @@ class Commit:
             grad_scale=request.grad_scale if request.HasField("grad_scale") else 1.0,
             round_end=request.round_end,
             eager=request.eager,
+            part_weights=tuple(request.part_weights),
+            contributors=request.contributors,
         )
 
 
@@ -227,7 +233,8 @@ class Committer:
         elif c.eager == EagerOp.MEAN and c.prepare and not c.apply:
             sums = await self._part(c, rnd.mean_part, boundary, lossless=True)
             await self._worker.run(self._finite, c, "sum of the members' starts", sums)
-            await self._worker.run(rnd.set_mean, sums, len(c.group))
+            members = c.contributors or len(c.group)  # aggregators hold no model: not averaged
+            await self._worker.run(rnd.set_mean, sums, members)
         else:
             raise InvalidArgument(
                 f'pool.overlap = "eager": no operation {c.eager} in phase '
@@ -360,6 +367,8 @@ class Committer:
             chunk_bytes=self.limits.chunk_bytes,
             max_bytes=self.limits.max_bytes,
             in_place=in_place,
+            weights=c.part_weights,
+            contributors=c.contributors,
         )
         total = await all_reduce(
             flat,

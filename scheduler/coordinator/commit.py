@@ -6,7 +6,9 @@
    its pool (butterfly all-reduce); a replica that fails is lost, and the step waits for replays.
    An aborted round names the members it failed on (`Aborted.missing`): the member the others
    name most is left out until it rejoins at a step boundary (of two that name each other, one
-   is kept), so a replica its pool cannot reach does not abort every round of the step;
+   is kept), so a replica its pool cannot reach does not abort every round of the step. The
+   pool's parts are sized by its members' links, and its group may end with aggregators
+   (`groups`); an aggregator named sits out the next rounds;
 3. APPLY everywhere: one optimizer step. No stage leaves step t before every pool has averaged,
    so a replay can still run through the whole pipeline. Each PREPARE answers with the squared
    norm of its pool's averaged gradient; with `training.grad_clip` the coordinator sums them in
@@ -24,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
+from scheduler.coordinator.groups import Groups, RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -64,11 +67,14 @@ class TwoPhaseCommit:
         metrics: CoordinatorMetrics,
         rounds: Rounds,
         grad_clip: float = 0.0,
+        groups: Groups | None = None,
     ) -> None:
         """`rounds`: the job's rule's rounds (`round_strategy`): whom a step's PREPARE averages
-        with, and what follows its APPLY."""
+        with, and what follows its APPLY. `groups`: how a pool's round group is made (its
+        parts, its aggregators)."""
         self.clients, self.membership, self.metrics = clients, membership, metrics
         self.rounds = rounds
+        self.groups = groups or Groups()
         self.grad_clip = grad_clip  # `training.grad_clip`: 0, no clipping
         self._tried: StepLedger | None = None  # the ledger of the last attempt
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
@@ -250,14 +256,25 @@ class TwoPhaseCommit:
         """PREPARE everywhere: each member's squared gradient norm, as (stage, peer, norm) in
         stage order, or None when the round failed."""
         total, calls = ledger.samples(), []
+        groups: dict[int, RoundGroup] = {}
         for stage, replicas in enumerate(members):
-            group = [r.address for r in replicas]
+            made = groups[stage] = self.groups.of(stage, replicas)
+            group = list(made.members)
             holdings = ledger.holdings(stage)
             for index, r in enumerate(replicas):
                 samples, pool, at = self.rounds.step_pool(ledger, stage, r, group, index, total)
+                # A step that averages with no one (local steps) has no parts to size.
+                parts = made if pool == group else RoundGroup(tuple(pool))
                 calls.append(
                     self.clients.get(stage, r).prepare(
-                        ledger.step, holdings.get(r.peer, []), samples, pool, at, round_id
+                        ledger.step,
+                        holdings.get(r.peer, []),
+                        samples,
+                        pool,
+                        at,
+                        round_id,
+                        weights=parts.weights,
+                        contributors=parts.contributors,
                     )
                 )
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -276,6 +293,7 @@ class TwoPhaseCommit:
             ]
         self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
         judged = judge(f"step {ledger.step}: round {round_id}", failed, members)
+        self.groups.blame(groups, judged.accusations)
         self.failure = failure = RoundFailure(_shorten(judged.reason))
         for stage, r, error in judged.alone:
             if isinstance(error, GONE):

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from scheduler.coordinator.commit import NonFiniteStep, TwoPhaseCommit
 from scheduler.coordinator.failures import CommitStalled
+from scheduler.coordinator.groups import Groups
 from scheduler.coordinator.late_receipts import LateReceipts
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.live_steps import Live, window_of
@@ -80,13 +81,15 @@ class LocalCoordinator:
         clock: Clock | None = None,
         on_route: Callable[[Record], None] | None = None,
         checkpoint_every_s: float | None = None,
+        groups: Groups | None = None,
     ) -> None:
         """`members()`: per stage, the replicas serving it now (from the peer registry).
         `on_status(text)`: something `swarm status` should say (a replica left out of its pool).
         `connect` and `clock` are for tests: replicas other than gRPC ones, time that is told.
         `on_route(record)`: pool.mode = "local"'s route record (`swarm.model.routes`).
         `checkpoint_every_s`: checkpoint at least this often besides every `checkpoint_every`
-        steps (with `checkpoint_dir`)."""
+        steps (with `checkpoint_dir`). `groups`: how each round's group is made: the parts by
+        the members' links, the aggregators after the replicas (default: equal parts, none)."""
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
         self.on_step, self.on_rollback, self.on_status = on_step, on_rollback, on_status
@@ -116,12 +119,15 @@ class LocalCoordinator:
             grad_clip=job.training.grad_clip,
             on_joined=self._joined,
         )
+        self.groups = groups or Groups(clock=self.clock)
         self.rounds = rounds_of(
-            rule, job, self.clients, self.membership, self.metrics, on_route, on_status
-        )
+            rule, job, self.clients, self.membership, self.metrics, on_route, on_status,
+            self.groups,
+        )  # fmt: skip
         self.two_phase = TwoPhaseCommit(
-            self.clients, self.membership, self.metrics, self.rounds, job.training.grad_clip
-        )
+            self.clients, self.membership, self.metrics, self.rounds, job.training.grad_clip,
+            self.groups,
+        )  # fmt: skip
         self.recovery = Recovery(job, self.clients, checkpoint_dir, checkpoint_every_s, self.clock)
         self._rollback = Rollback(
             job,

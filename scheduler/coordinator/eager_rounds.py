@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
+from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.rounds import PoolRounds, RoundCall, peers
 from swarm.job.rule import EagerOp
 from swarm.model.routes import Sync
@@ -162,8 +163,11 @@ class EagerRounds(PoolRounds):
         """`op`'s PREPARE of the round ending at `boundary` on one member."""
 
         def call(
-            stage: int, r: Replica, total: int, group: list[str], index: int, rid: str
+            stage: int, r: Replica, total: int, group: RoundGroup, index: int, rid: str
         ) -> Awaitable[object]:
-            return self.clients.get(stage, r).eager(op, boundary, total, group, index, rid)
+            return self.clients.get(stage, r).eager(
+                op, boundary, total, list(group.members), index, rid, weights=group.weights,
+                contributors=group.contributors,
+            )  # fmt: skip
 
         return call

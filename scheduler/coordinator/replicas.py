@@ -7,7 +7,7 @@ job's or stage's, is `GONE`; `Aborted` is a round another member spoiled."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -51,10 +51,15 @@ class StageReplica(Protocol):
         group: list[str],
         group_index: int,
         round: str,
+        *,
+        weights: Sequence[float] = (),
+        contributors: int = 0,
     ) -> float | None:
         """Phase one: check it holds exactly `microbatches`, and average with `group` (its
-        stage's replicas, itself at `group_index`) over `total_samples`. Returns the squared
-        norm of the averaged gradient (None: it applied `step` already)."""
+        stage's replicas, itself at `group_index`, then any aggregators: the members past the
+        first `contributors`, 0 none) over `total_samples`, in parts sized by `weights` (one per
+        member; none: equal). Returns the squared norm of the averaged gradient (None: it
+        applied `step` already)."""
         ...
 
     async def apply(self, step: int, scale: float = 1.0) -> None:
@@ -62,11 +67,19 @@ class StageReplica(Protocol):
         ...
 
     async def prepare_round(
-        self, boundary: int, total_samples: int, group: list[str], group_index: int, round: str
+        self,
+        boundary: int,
+        total_samples: int,
+        group: list[str],
+        group_index: int,
+        round: str,
+        *,
+        weights: Sequence[float] = (),
+        contributors: int = 0,
     ) -> bool:
         """pool.mode = "local": phase one of the round ending before step `boundary`: average
         its pseudo-gradient with `group` over the group's `total_samples` samples of the
-        round. True: it applied that round already."""
+        round (parts as `prepare`'s). True: it applied that round already."""
         ...
 
     async def apply_round(self, boundary: int) -> None:
@@ -81,11 +94,14 @@ class StageReplica(Protocol):
         group: list[str] | None = None,
         group_index: int = 0,
         round: str = "",
+        *,
+        weights: Sequence[float] = (),
+        contributors: int = 0,
     ) -> bool:
         """pool.overlap = "eager": operation `op` of the round ending before step `boundary`
         (`EagerOp.STEP` is local; `EagerOp.AVERAGE`, `EagerOp.LAST`'s PREPARE and
-        `EagerOp.MEAN` sum with `group`; `EagerOp.LAST`'s APPLY is `eager_last_apply`). True:
-        it applied that round's step before."""
+        `EagerOp.MEAN` sum with `group`, parts as `prepare`'s; `EagerOp.LAST`'s APPLY is
+        `eager_last_apply`). True: it applied that round's step before."""
         ...
 
     async def eager_last_apply(self, boundary: int) -> None:
@@ -172,6 +188,9 @@ class GrpcReplica:
         group: list[str],
         group_index: int,
         round: str,
+        *,
+        weights: Sequence[float] = (),
+        contributors: int = 0,
     ) -> float | None:
         response = await self.client.commit(
             step,
@@ -181,6 +200,8 @@ class GrpcReplica:
             group=group,
             group_index=group_index,
             round=round,
+            part_weights=weights,
+            contributors=contributors,
         )
         return None if response.already_committed else response.grad_sq_norm
 
@@ -188,7 +209,15 @@ class GrpcReplica:
         await self.client.commit(step, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=scale)
 
     async def prepare_round(
-        self, boundary: int, total_samples: int, group: list[str], group_index: int, round: str
+        self,
+        boundary: int,
+        total_samples: int,
+        group: list[str],
+        group_index: int,
+        round: str,
+        *,
+        weights: Sequence[float] = (),
+        contributors: int = 0,
     ) -> bool:
         response = await self.client.commit(
             boundary,
@@ -199,6 +228,8 @@ class GrpcReplica:
             group_index=group_index,
             round=round,
             round_end=True,
+            part_weights=weights,
+            contributors=contributors,
         )
         return response.already_committed
 
@@ -213,6 +244,9 @@ class GrpcReplica:
         group: list[str] | None = None,
         group_index: int = 0,
         round: str = "",
+        *,
+        weights: Sequence[float] = (),
+        contributors: int = 0,
     ) -> bool:
         apply = op == EagerOp.STEP
         response = await self.client.commit(
@@ -225,6 +259,8 @@ class GrpcReplica:
             round=round,
             round_end=True,
             eager=op,
+            part_weights=weights,
+            contributors=contributors,
         )
         return response.already_committed
 

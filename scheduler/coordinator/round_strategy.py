@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from scheduler.coordinator.eager_rounds import EagerRounds
+from scheduler.coordinator.groups import Groups
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -134,10 +135,12 @@ def rounds_of(
     metrics: CoordinatorMetrics,
     on_record: Callable[[Record], None] | None = None,
     on_status: Callable[[str], Awaitable[None] | None] | None = None,
+    groups: Groups | None = None,
 ) -> Rounds:
     """The rounds of `job`, whose rule is `rule`. `on_record`: the route record's sink;
-    `on_status(text)`: what `swarm status` should say (a round that dropped samples)."""
+    `on_status(text)`: what `swarm status` should say (a round that dropped samples);
+    `groups`: how a pool's round group is made."""
     if not rule.rounds:
         return NoRounds()
     kind = EagerRounds if rule.eager else PoolRounds
-    return kind(job, rule, clients, membership, metrics, on_record, on_status)
+    return kind(job, rule, clients, membership, metrics, on_record, on_status, groups)

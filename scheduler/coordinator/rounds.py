@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from scheduler.coordinator.failures import CommitStalled, NonFiniteStep, judge
+from scheduler.coordinator.groups import Groups, RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -46,7 +47,7 @@ from swarm.rpc.lease import Replica
 __all__ = ["Average", "PoolRounds", "RoundCall", "peers"]
 
 # A PREPARE on one member: (stage, replica, the group's samples, group, index, round id)
-RoundCall = Callable[[int, Replica, int, list[str], int, str], Awaitable[object]]
+RoundCall = Callable[[int, Replica, int, RoundGroup, int, str], Awaitable[object]]
 
 
 def peers(replicas: list[Replica]) -> tuple[str, ...]:
@@ -85,10 +86,13 @@ class PoolRounds:
         metrics: CoordinatorMetrics,
         on_record: Callable[[Record], None] | None = None,
         on_status: Callable[[str], Awaitable[None] | None] | None = None,
+        groups: Groups | None = None,
     ) -> None:
         """`on_record`: the route record's sink; `on_status(text)`: what `swarm status` should
-        say (a round that dropped a replica's samples)."""
+        say (a round that dropped a replica's samples); `groups`: how a pool's round group is
+        made (its parts, its aggregators)."""
         self.job, self.rule, self.clients = job, rule, clients
+        self.groups = groups or Groups()
         self.membership, self.metrics = membership, metrics
         self.on_record = on_record or (lambda record: None)
         self.on_status = on_status
@@ -313,9 +317,12 @@ class PoolRounds:
         """PREPARE of the round ending at `boundary` on one member."""
 
         def call(
-            stage: int, r: Replica, total: int, group: list[str], index: int, rid: str
+            stage: int, r: Replica, total: int, group: RoundGroup, index: int, rid: str
         ) -> Awaitable[object]:
-            return self.clients.get(stage, r).prepare_round(boundary, total, group, index, rid)
+            return self.clients.get(stage, r).prepare_round(
+                boundary, total, list(group.members), index, rid, weights=group.weights,
+                contributors=group.contributors,
+            )  # fmt: skip
 
         return call
 
@@ -365,8 +372,9 @@ class PoolRounds:
         """`call` (a PREPARE) on every one of `members`; None when every one averaged, else
         why not (the members that failed it are dropped by then)."""
         where, calls = [], []
+        groups: dict[int, RoundGroup] = {}
         for stage, replicas in enumerate(members):
-            group = [r.address for r in replicas]
+            group = groups[stage] = self.groups.of(stage, replicas)
             total = sum(self._samples[(stage, r.peer)] for r in replicas)
             for index, r in enumerate(replicas):
                 where.append((stage, r))
@@ -378,6 +386,7 @@ class PoolRounds:
             return None
         self._refuse_nonfinite(failed)
         judged = judge(f"round {round_id}", failed, members)
+        self.groups.blame(groups, judged.accusations)
         for _, r, _ in judged.alone:  # it failed by itself: gone, or refused
             self.membership.drop(r.peer)
         for _, r, _ in judged.named(members):

@@ -38,7 +38,7 @@ given, so every member derives the same bounds from the same commit on any machi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from fractions import Fraction
 
 from swarm.errors import InvalidArgument
@@ -53,53 +53,65 @@ def contributors_of(n: int, contributors: int) -> int:
     return contributors or n
 
 
-def _equal(n: int) -> list[float]:
-    return [1.0 / n] * n
+def _equal_among(n: int, owners: Sequence[int]) -> list[float]:
+    """`owners` own equal parts (exactly 1/len each), the rest nothing."""
+    weights = [0.0] * n
+    for i in owners:
+        weights[i] = 1.0 / len(owners)
+    return weights
 
 
-def water_fill(rates: Sequence[float], contributors: int = 0) -> list[float]:
+def water_fill(
+    rates: Sequence[float], contributors: int = 0, *, clients: Collection[int] = ()
+) -> list[float]:
     """Each member's fraction of the round's vector (summing to 1, one per member of `rates`,
     the first `contributors` contributing, 0: all), from the members' full-duplex rates
     (bytes/s, 0 unknown): the partition that minimises the slowest member's time (see the
-    module). Equal parts, exactly 1/n each, where the rates cannot tell better (a rate unknown,
-    all equal, two contributors)."""
+    module). `clients`: members that must own nothing whatever their rate (a relayed peer, whose
+    owner traffic would all cross its relay), unless no one else could. Equal parts, exactly 1/n
+    each, where the rates cannot tell better (a rate unknown, all equal, two contributors)."""
     n = len(rates)
     if n == 0:
         return []
     m = contributors_of(n, contributors)
     if any(not math.isfinite(b) or b < 0 for b in rates):
         raise InvalidArgument(f"link rates must be finite and >= 0, got {list(rates)}")
-    if m == 1:
-        return [1.0] + [0.0] * (n - 1)
-    if any(b == 0 for b in rates) or len(set(rates)) == 1 and m == n or m == 2 and n == 2:
-        return _equal(n)
+    owners = [i for i in range(n) if i not in clients] or list(range(n))
+    if m == 1:  # the lone contributor sums alone: nothing travels
+        return _equal_among(n, [0])
     if m == 2:  # the contributors' times are 1/b_i whatever they own: aggregators idle
-        return [0.5, 0.5] + [0.0] * (n - 2)
-    level = _level(rates, m)
-    caps = [max(0.0, (level * b - 1.0) / (m - 2)) for b in rates[:m]]
-    caps += [level * b / m for b in rates[m:]]
+        return _equal_among(n, [i for i in owners if i < m] or owners)
+    known = all(rates[i] > 0 for i in owners)
+    if not known or (owners[-1] < m and len({rates[i] for i in owners}) == 1):
+        return _equal_among(n, owners)
+    level = _level([rates[i] for i in owners if i < m], [rates[i] for i in owners if i >= m], m)
+    caps = [0.0] * n
+    for i in owners:
+        b = rates[i]
+        caps[i] = max(0.0, (level * b - 1.0) / (m - 2)) if i < m else level * b / m
     total = math.fsum(caps)
     return [c / total for c in caps]  # the level's rounding is not the weights'
 
 
-def _level(rates: Sequence[float], m: int) -> float:
-    """The T (seconds per byte of the vector) at which the members' capacities sum to 1, m > 2:
-    with the k fastest contributors active, Σ (T·b_i - 1)/(m - 2) + T·Σ_agg b_j/m = 1 gives
-    T = (1 + k/(m - 2)) / (Σ_k b_i/(m - 2) + Σ_agg b_j/m); the right k is the one whose T lies
-    between its slowest member's threshold 1/b_k and the next one's."""
-    fast = sorted(rates[:m], reverse=True)
-    agg = math.fsum(rates[m:]) / m
+def _level(contributing: Sequence[float], aggregating: Sequence[float], m: int) -> float:
+    """The T (seconds per byte of the vector) at which the owners' capacities sum to 1, m > 2,
+    given the rates of the contributors and aggregators that may own: with the k fastest
+    contributors active, Σ (T·b_i - 1)/(m - 2) + T·Σ_agg b_j/m = 1 gives
+    T = (1 + k/(m - 2)) / (Σ_k b_i/(m - 2) + Σ_agg b_j/m); the right k is the first whose T is
+    at most the next contributor's threshold 1/b_(k+1) (the capacities' sum grows with T)."""
+    fast = sorted(contributing, reverse=True)
+    agg = math.fsum(aggregating) / m
     active = 0.0
-    for k in range(0, m + 1):
+    for k in range(len(fast) + 1):
         if k:
             active += fast[k - 1]
         speed = active / (m - 2) + agg
         if speed <= 0:
             continue  # no one owns anything yet (no aggregator, no contributor active)
         level = (1.0 + k / (m - 2)) / speed
-        if k == m or level <= 1.0 / fast[k]:  # the next contributor would own nothing
+        if k == len(fast) or level <= 1.0 / fast[k]:  # the next contributor would own nothing
             return level
-    raise AssertionError("unreachable: k = m always returns")
+    raise InvalidArgument("no member can own a part")
 
 
 def round_time(
@@ -110,7 +122,7 @@ def round_time(
     slowest contributor's whole vector. Unknown rates (0): inf when that member moves bytes."""
     n = len(rates)
     m = contributors_of(n, contributors)
-    weights = list(weights) or _equal(n)
+    weights = list(weights) or [1.0 / n] * n
     if len(weights) != n:
         raise InvalidArgument(f"{len(weights)} weights for {n} members")
     worst = 0.0

@@ -6,6 +6,7 @@ for it to raise."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,8 @@ class Prepared:
     group: list[str]
     group_index: int
     round: str
+    weights: tuple[float, ...] = ()  # the round's part weights (none: equal parts)
+    contributors: int = 0
 
 
 class FakeReplica:
@@ -61,6 +64,8 @@ class FakeReplica:
         # them for a resuming coordinator; the fake does no local steps of its own)
         self.round_synced, self.round_samples = -1, 0
         self.closed = 0
+        # (method, part weights, contributors) of every averaging call, in order
+        self.parts: list[tuple[str, tuple[float, ...], int]] = []
 
     @property
     def replica(self) -> Replica:
@@ -122,8 +127,13 @@ class FakeReplica:
         group: list[str],
         group_index: int,
         round: str,
+        *,
+        weights: Sequence[float] = (),
+        contributors: int = 0,
     ) -> float | None:
-        args = Prepared(step, list(microbatches), total_samples, list(group), group_index, round)
+        args = Prepared(step, list(microbatches), total_samples, list(group), group_index, round,
+                        tuple(weights), contributors)  # fmt: skip
+        self.parts.append(("prepare", tuple(weights), contributors))
         await self._enter("prepare", args)
         if step != self.step or sorted(self.receipts) != sorted(microbatches):
             raise FailedPrecondition(f"{self.peer} holds {sorted(self.receipts)} at {self.step}")
@@ -134,8 +144,17 @@ class FakeReplica:
         return self.sq_norm
 
     async def prepare_round(
-        self, boundary: int, total_samples: int, group: list[str], group_index: int, round: str
+        self,
+        boundary: int,
+        total_samples: int,
+        group: list[str],
+        group_index: int,
+        round: str,
+        *,
+        weights: Sequence[float] = (),
+        contributors: int = 0,
     ) -> bool:
+        self.parts.append(("prepare_round", tuple(weights), contributors))
         await self._enter("prepare_round", (boundary, total_samples, list(group), round))
         if boundary != self.step:
             raise FailedPrecondition(f"{self.peer} is at {self.step}, not at {boundary}")
@@ -152,8 +171,12 @@ class FakeReplica:
         group: list[str] | None = None,
         group_index: int = 0,
         round: str = "",
+        *,
+        weights: Sequence[float] = (),
+        contributors: int = 0,
     ) -> bool:
         name = pb.EagerOp.Name(op).lower()  # "eager_step", "eager_average", ...
+        self.parts.append((name, tuple(weights), contributors))
         await self._enter(name, (boundary, total_samples, list(group or []), round))
         missing = [i for i, address in enumerate(group or []) if address in self.unreachable]
         if missing:

@@ -33,7 +33,7 @@ async def test_an_owner_sums_the_contributors_only_in_sender_order() -> None:
         *(av.reduce(R, 2, s, 3, x[s], timeout_s=5, contributors=2) for s in (1, 0))
     )
     assert torch.equal(sums[0].tensor, x[0] + x[1]) and sums[0] is sums[1]
-    with pytest.raises(InvalidArgument, match="sender 2 out of 0..1"):
+    with pytest.raises(InvalidArgument, match=r"sender 2 out of 0\.\.1"):
         await av.reduce((JOB, 0, "s"), 2, 2, 3, x[0], timeout_s=5, contributors=2)
     with pytest.raises(InvalidArgument, match="4 contributors in a group of 3"):
         await av.reduce((JOB, 0, "s"), 0, 0, 3, x[0], timeout_s=5, contributors=4)

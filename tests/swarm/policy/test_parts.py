@@ -98,6 +98,17 @@ def test_two_contributors_and_an_aggregator_own_halves() -> None:
     assert water_fill([1.0, 100.0, 100.0], 1) == [1.0, 0.0, 0.0]
 
 
+def test_members_that_must_not_own_are_clients_unless_no_one_else_could() -> None:
+    relayed = water_fill([100.0, 100.0, 100.0, 100.0], clients={1})
+    assert relayed[1] == 0 and relayed[0] == relayed[2] == relayed[3] == 1 / 3
+    assert water_fill([5.0, 0.0, 7.0], clients={0}) == [0.0, 0.5, 0.5]  # unknown: equal
+    assert water_fill([5.0, 9.0], clients={0}) == [0.0, 1.0]
+    assert water_fill([5.0, 9.0], clients={0, 1}) == [0.5, 0.5]
+    weights = water_fill([10.0, 100.0, 50.0, 100.0, 20.0], clients={3})
+    assert weights[3] == 0 and sum(weights) == pytest.approx(1)
+    assert weights[1] > weights[2] > 0
+
+
 def test_bad_rates_and_contributors_are_refused() -> None:
     with pytest.raises(InvalidArgument):
         water_fill([1.0, -1.0, 2.0])
