@@ -3,20 +3,28 @@ inspected after each step): several trainers, averaging, joining mid-job, lease 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import grpc
 import pytest
+import torch
 
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_model, gather_state
+from scheduler.coordinator.groups import Aggregator, Groups, Link
+from stage_server.averaging.owner import Averager
+from stage_server.averaging.service import PoolServicer
 from stage_server.runtime import StageRuntime
 from stage_server.server import RunningStageServer
-from swarm.errors import FailedPrecondition
+from swarm.errors import FailedPrecondition, NotFound
 from swarm.job.fingerprint import fingerprint
+from swarm.model.routes import Record
 from swarm.ops.progress import StepRecord
+from swarm.proto import pool_pb2_grpc
 from swarm.rpc.lease import Replica, Task
-from tests.support.equality import assert_equal_to_local
+from tests.support.equality import assert_equal_to_local, assert_equal_to_reference
 from tests.support.inprocess import Swarm, lease_after_joined
 from tests.support.jobs import make_job
 
@@ -166,3 +174,78 @@ async def test_a_failed_microbatch_of_an_older_step_gives_nothing_back(tmp_path:
         assert coordinator.released == [[1]]
     finally:
         await trainer.close()
+
+
+# --- uneven links (issue 43): parts by water-filling, a client, an aggregator ------------------
+
+
+@contextlib.asynccontextmanager
+async def _aggregator(job_id: str) -> AsyncIterator[tuple[str, Averager]]:
+    """A PoolService that owns parts of `job_id`'s rounds and holds no model (an aggregator)."""
+
+    def route(job: str, stage: int) -> None:
+        if job != job_id:
+            raise NotFound(f"job {job!r} is not served here")
+
+    server, averager = grpc.aio.server(), Averager()
+    servicer = PoolServicer(
+        averager, route=route, chunk_bytes=1 << 20, max_bytes=1 << 28, timeout_s=30
+    )
+    pool_pb2_grpc.add_PoolServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", averager
+    finally:
+        await server.stop(None)
+
+
+def _summed(averager: Averager) -> int:
+    """How many rounds `averager` summed a part of."""
+    return len(averager._summed)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("mode", "aggregated"), [("step", False), ("step", True), ("local", True), ("eager", True)]
+)
+async def test_uneven_parts_a_client_and_an_aggregator_equal_local(
+    tmp_path: Path, make_swarm: list[Swarm], mode: str, aggregated: bool
+) -> None:
+    """Three replicas a stage on links of 10, 100 and 60 Mbit/s: the slow one owns nothing (a
+    client), the others uneven parts; with an aggregator, it owns parts too and contributes
+    nothing. The replicas end bitwise alike, and the job equals `swarm local` (`--routes` for
+    local steps and eager rounds; float64: only where the additions are split differs, not
+    their order, so the route record needs no weights)."""
+    pool = {} if mode == "step" else {"mode": "local", "sync_every": 2}
+    pool |= {"overlap": "eager"} if mode == "eager" else {}
+    job = make_job(
+        tmp_path, training={"steps": 4, "target_batch_size": 32, "checkpoint_every": 0},
+        pool=pool, runtime={"data_plane": "relay"},
+    )  # fmt: skip
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    mbit = 1e6 / 8
+    rates = {s.address: r * mbit for stage in swarm.servers for s, r in zip(stage, (10, 100, 60))}
+    async with _aggregator(fingerprint(job)) as (address, aggregator):
+        offered = [Aggregator("agg", address, Link(30 * mbit))] if aggregated else []
+        groups = Groups(lambda peer: Link(rates[peer]), lambda stage: offered)
+        routes: list[Record] = []
+        coordinator = LocalCoordinator(
+            job, fingerprint(job), swarm.members, groups=groups, on_route=routes.append
+        )
+        await swarm.train(coordinator, trainers=2)
+        for stage in swarm.servers:  # the parameters (each inner optimizer is its own)
+            first = stage[0].runtime.state_dict()
+            for other in stage[1:]:
+                for name, tensor in other.runtime.state_dict().items():
+                    assert torch.equal(tensor, first[name]), name
+        group = groups.of(0, swarm.members()[0])
+        assert group.weights[0] == 0 and all(w > 0 for w in group.weights[1:])
+        for stage in swarm.servers:  # the client summed no part; the others did
+            assert _summed(stage[0].servicer.averager) == 0
+            assert all(_summed(s.servicer.averager) > 0 for s in stage[1:])
+        assert (_summed(aggregator) > 0) == aggregated
+        assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
+        await coordinator.close()
