@@ -200,8 +200,7 @@ class GrpcReplica:
             group=group,
             group_index=group_index,
             round=round,
-            part_weights=weights,
-            contributors=contributors,
+            parts=(weights, contributors),
         )
         return None if response.already_committed else response.grad_sq_norm
 
@@ -228,8 +227,7 @@ class GrpcReplica:
             group_index=group_index,
             round=round,
             round_end=True,
-            part_weights=weights,
-            contributors=contributors,
+            parts=(weights, contributors),
         )
         return response.already_committed
 
@@ -259,8 +257,7 @@ class GrpcReplica:
             round=round,
             round_end=True,
             eager=op,
-            part_weights=weights,
-            contributors=contributors,
+            parts=(weights, contributors),
         )
         return response.already_committed
 

@@ -307,15 +307,13 @@ class StageClient:
         grad_scale: float | None = None,
         round_end: bool = False,
         eager: EagerOp = EagerOp.NONE,
-        part_weights: Sequence[float] = (),
-        contributors: int = 0,
+        parts: tuple[Sequence[float], int] = ((), 0),  # the round's part_weights, contributors
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
             total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
-            round=round, grad_scale=grad_scale, round_end=round_end,
-            part_weights=part_weights, contributors=contributors,
-            eager=eager)  # type: ignore[arg-type]  # fmt: skip
+            round=round, grad_scale=grad_scale, round_end=round_end, part_weights=parts[0],
+            contributors=parts[1], eager=eager)  # type: ignore[arg-type]  # fmt: skip
         # APPLY is one local optimizer step: a replica that cannot do it within a hop's deadline
         # is hung, and must not hold the whole job for a commit's (it rejoins later).
         apply = phase == pb.COMMIT_PHASE_APPLY

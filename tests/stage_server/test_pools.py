@@ -227,7 +227,11 @@ async def test_uneven_parts_a_client_and_an_aggregator_equal_local(
     make_swarm.append(swarm)
     await swarm.add_replicas(3)
     mbit = 1e6 / 8
-    rates = {s.address: r * mbit for stage in swarm.servers for s, r in zip(stage, (10, 100, 60))}
+    rates = {
+        s.address: r * mbit
+        for stage in swarm.servers
+        for s, r in zip(stage, (10, 100, 60), strict=True)
+    }
     async with _aggregator(fingerprint(job)) as (address, aggregator):
         offered = [Aggregator("agg", address, Link(30 * mbit))] if aggregated else []
         groups = Groups(lambda peer: Link(rates[peer]), lambda stage: offered)
