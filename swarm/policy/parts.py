@@ -29,7 +29,8 @@ Degenerate cases, where the program leaves the partition free or no rate is know
 equal parts: m = 2 with no aggregator (each contributor's time is 1/b_i whatever it owns), a rate
 unknown (0) or all rates equal. m = 2 with aggregators: the contributors' times do not depend on
 the partition and an aggregator's only adds to its own, so the two contributors own halves.
-m = 1: the lone contributor owns everything (nothing travels).
+m = 1: the lone contributor owns everything (nothing travels). Members the caller names as
+`clients` (relayed peers) own nothing whatever their rate: the program runs over the others.
 
 `part_bounds` cuts `numel` elements by the weights with exact rational arithmetic on the doubles
 given, so every member derives the same bounds from the same commit on any machine.
