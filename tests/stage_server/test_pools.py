@@ -3,9 +3,11 @@ inspected after each step): several trainers, averaging, joining mid-job, lease 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -194,10 +196,16 @@ async def _aggregator(job_id: str) -> AsyncIterator[tuple[str, Averager]]:
     pool_pb2_grpc.add_PoolServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    address = f"127.0.0.1:{port}"
+    aggregator_servers[address] = server
     try:
-        yield f"127.0.0.1:{port}", averager
+        yield address, averager
     finally:
         await server.stop(None)
+        del aggregator_servers[address]
+
+
+aggregator_servers: dict[str, grpc.aio.Server] = {}  # address -> an `_aggregator`'s server
 
 
 def _summed(averager: Averager) -> int:
@@ -252,4 +260,39 @@ async def test_uneven_parts_a_client_and_an_aggregator_equal_local(
             assert all(_summed(s.servicer.averager) > 0 for s in stage[1:])
         assert (_summed(aggregator) > 0) == aggregated
         assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
+        await coordinator.close()
+
+
+@pytest.mark.timeout(180)
+async def test_an_aggregator_dying_mid_round_sits_out_and_the_retry_is_exact(
+    tmp_path: Path, make_swarm: list[Swarm]
+) -> None:
+    """The aggregator's server stops as the first contribution reaches it (its calls cut, as a
+    SIGKILL would): every replica names it, none is left out, the aggregator sits out the retry,
+    and the job equals `swarm local`."""
+    job = make_job(tmp_path, training={"steps": 3, "target_batch_size": 32})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    async with _aggregator(fingerprint(job)) as (address, aggregator):
+        server = aggregator_servers[address]
+        reduce, stopping = aggregator.reduce, []
+
+        async def dies(*a: Any, **k: Any) -> Any:
+            if not stopping:  # mid-round: a contribution has arrived
+                stopping.append(asyncio.ensure_future(server.stop(None)))
+            return await reduce(*a, **k)
+
+        aggregator.reduce = dies  # type: ignore[method-assign]
+        offered = [Aggregator("agg", address, Link(100.0))]
+        groups = Groups(lambda peer: Link(100.0), lambda stage: offered)
+        coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, groups=groups)
+        await swarm.train(coordinator, trainers=2)
+        await asyncio.gather(*stopping)
+        assert stopping, "the aggregator took part in a round"
+        assert coordinator.metrics.aborted_rounds._value.get() >= 1
+        assert address not in groups.of(0, swarm.members()[0]).members  # it sits out
+        assert all(len(stage) == 3 for stage in coordinator.replicas())  # no replica blamed
+        swarm.assert_replicas_identical()
+        assert_equal_to_local(job, await gather_state(coordinator))
         await coordinator.close()
