@@ -276,7 +276,8 @@ async def test_an_aggregator_dying_mid_round_sits_out_and_the_retry_is_exact(
     await swarm.add_replicas(3)
     async with _aggregator(fingerprint(job)) as (address, aggregator):
         server = aggregator_servers[address]
-        reduce, stopping = aggregator.reduce, []
+        reduce = aggregator.reduce
+        stopping: list[asyncio.Future[None]] = []
 
         async def dies(*a: Any, **k: Any) -> Any:
             if not stopping:  # mid-round: a contribution has arrived
