@@ -135,9 +135,10 @@ MAX_GROUP_SIZE = 1024
 class Averager:
     """The owner's side of the rounds this replica takes part in (one per replica process).
 
-    A round's part completes when all `group_size` senders contributed; a timeout or `abort` fails
-    every open part of the round. Finished rounds are forgotten but for their outcome, of which the
-    last `history` are kept, so a late contribution gets a clear error instead of waiting.
+    A round's part completes when all its senders contributed (the group's first `contributors`,
+    all `group_size` by default); a timeout or `abort` fails every open part of the round.
+    Finished rounds are forgotten but for their outcome, of which the last `history` are kept, so
+    a late contribution gets a clear error instead of waiting.
     """
 
     def __init__(
