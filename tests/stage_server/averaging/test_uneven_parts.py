@@ -16,6 +16,7 @@ import torch
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.error_feedback import Residuals
 from stage_server.averaging.owner import Averager, AveragingAborted
+from stage_server.averaging.service import PoolServicer
 from swarm.errors import ConfigError, InvalidArgument
 from swarm.policy.parts import part_bounds, water_fill
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, decode, encode
@@ -219,3 +220,33 @@ async def test_an_owner_dying_mid_round_fails_it_and_the_retry_without_it_is_exa
             slice_bytes=8000,
         )  # fmt: skip
         assert torch.equal(assert_identical(again), ordered_sum(kept))
+
+
+async def test_an_aggregator_holds_a_window_of_slices_per_contributor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An aggregator owning most of the vector still holds at most `window` slices of each
+    contributor at once (each a Reduce call it serves), as any owner."""
+    window, held, most = 2, [0], [0]
+    watched: list[Averager] = []  # the aggregator's
+    serve = PoolServicer._reduce
+
+    async def counting(self: PoolServicer, requests: Any, context: Any) -> Any:
+        mine = self.averager in watched
+        held[0] += mine
+        most[0] = max(most[0], held[0])
+        try:
+            return await serve(self, requests, context)
+        finally:
+            held[0] -= mine
+
+    monkeypatch.setattr(PoolServicer, "_reduce", counting)
+    async with replicas(4) as pool:
+        watched.append(pool[3].averager)
+        flats = [torch.randn(50_000, dtype=torch.float64) for _ in range(3)]
+        results = await reduce_all(
+            pool[:3], flats, group=[r.address for r in pool], weights=[0.1, 0.05, 0.05, 0.8],
+            contributors=3, slice_bytes=8000, window=window,
+        )  # fmt: skip
+        assert torch.equal(assert_identical(results), ordered_sum(flats))
+    assert 0 < most[0] <= window * 3  # its part: 40 slices of 1000 elements per contributor
