@@ -49,6 +49,7 @@ from swarm.errors import InvalidArgument, ResourceExhausted
 from swarm.net.follow_tickets import FollowTickets
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
+from swarm.proto.framing import Framed
 from swarm.rpc.stage_client import StageClient
 from swarm.wire import chunking as wire
 from swarm.wire.budget import ReceiveBudget
@@ -197,7 +198,7 @@ class StateTransfer:
             started, nbytes = loop.time(), 0  # its bytes over its time: this link's upload
             while (part := await off.next(parts)) is not None:
                 yield part
-                nbytes += part.ByteSize()
+                nbytes += _payload_bytes(part)
                 self._served[task] = loop.time()  # its reader took a part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
@@ -292,6 +293,13 @@ class StateTransfer:
         if step < 0:
             raise InvalidArgument("LoadState carried no state")
         return step, state
+
+
+def _payload_bytes(part: Any) -> int:
+    """The tensor bytes of one part of a streamed state: a chunk's, or a message's inline ones."""
+    if isinstance(part, Framed):
+        return memoryview(part.data).nbytes
+    return sum(len(t.data) for t in part.tensors)
 
 
 def _unfollow(

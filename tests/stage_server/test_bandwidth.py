@@ -22,8 +22,9 @@ from swarm.bus.topics import Topics
 from swarm.job.fingerprint import fingerprint
 from swarm.local.procs import start_process
 from swarm.proto import control_pb2 as cpb
+from swarm.rpc.stage_client import StageClient
 from tests.support.brokers import Mosquitto
-from tests.support.jobs import make_job, write_job
+from tests.support.jobs import WIDE, make_job, write_job
 
 MiB = 1 << 20
 
@@ -228,3 +229,43 @@ def test_a_bad_bandwidth_is_refused_with_its_reason(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode != 0
     assert "ambiguous" in done.stderr and "100mbit" in done.stderr
+
+
+@pytest.mark.timeout(180)
+async def test_a_state_download_measures_the_joiners_download_and_the_sources_upload(
+    tmp_path: Path,
+) -> None:
+    job = make_job(tmp_path, model=WIDE)  # stage 0's state: a 32 MiB embedding, and Adam's
+    source, joiner = [await start_stage_server(job, StageServerOptions(stage=0)) for _ in "ab"]
+    client = StageClient(joiner.address, job, fingerprint(job), 0)
+    try:
+        deadline = time.monotonic() + 120
+        while await client.join(source.address, 0) != 0:  # copied, and following at step 0
+            assert time.monotonic() < deadline, "the copy never came"
+            await asyncio.sleep(0.05)
+        assert joiner.servicer.metrics.link.measured("down") > 0
+        assert source.servicer.metrics.link.measured("up") > 0
+        assert joiner.servicer.metrics.link.measured("up") == 0  # it sent no state
+    finally:
+        await client.close()
+        for s in (source, joiner):
+            await s.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_activations_received_measure_the_download(tmp_path: Path) -> None:
+    job = make_job(
+        tmp_path,
+        model={**WIDE, "seq_len": 256},
+        training={"stages": 3, "microbatch_size": 8},
+    )  # a middle stage's inputs: 8 x 256 x 256 float64, 4 MiB
+    server = await start_stage_server(job, StageServerOptions(stage=1))
+    client = StageClient(server.address, job, fingerprint(job), 1)
+    try:
+        inputs = torch.randn(8, 256, 256, dtype=torch.float64)
+        await client.forward(0, 0, inputs)
+        assert server.servicer.metrics.link.measured("down") > 0
+        assert server.servicer.metrics.link.measured("up") == 0
+    finally:
+        await client.close()
+        await server.stop()
