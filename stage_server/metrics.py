@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from stage_server.bandwidth import DIRECTIONS, Direction, LinkMeter, RoundTraffic
+from stage_server.bandwidth import DIRECTIONS, Direction, LinkMeter
 from swarm.ops.metrics import LABELS, LATENCY_BUCKETS
 
 __all__ = ["PEER_FACTS", "StageMetrics"]
@@ -80,10 +80,10 @@ class StageMetrics:
             "Gradient bytes received from the pool while averaging",
         )
         reg.register(_PeerInfo(self))
-        # The peer's link rates (`stage_server.bandwidth`): measured from its transfers, or fixed
-        # by `--bandwidth`; announced with the peer, read here at each scrape.
+        # The peer's link rates (`stage_server.bandwidth`): measured from its transfers (its
+        # pool's streams record theirs in it), or fixed by `--bandwidth`; announced with the
+        # peer, read here at each scrape.
         self.link = LinkMeter()
-        self.rounds = RoundTraffic(self.link)
         reg.register(_LinkRates(self))
 
     def identify(self, peer: str) -> None:
@@ -132,16 +132,10 @@ class StageMetrics:
     def averaged(self, sent: int, received: int) -> None:
         self._avg_sent.labels(**self.values).inc(sent)
         self._avg_received.labels(**self.values).inc(received)
-        self.rounds.counted(sent, received)  # a link rate once the round finished
 
     def averaging_seconds(self, seconds: float) -> None:
         self._avg_seconds.labels(**self.values).observe(seconds)
-        self.rounds.finished(seconds)
-
-    def pooled(self, sent: int, received: int) -> None:
-        """As an owner, this replica summed a part: `received` of it in, `sent` of its sum out
-        (the round's traffic too: `RoundTraffic`)."""
-        self.rounds.served(sent, received)
+        self.link.settle(0.0)  # the round's streams are over: their burst is a sample now
 
     def moved(self, direction: Direction, nbytes: int, seconds: float) -> None:
         """`nbytes` went `direction` in `seconds` on the wire (a state download, activations)."""

@@ -165,7 +165,7 @@ async def start_grpc(
         peer=peer,
         budget=servicer.budget,
         limit_name=served.max_bytes_name,
-        on_bytes=metrics.pooled,  # an owner's side of a round: its link's rates too
+        link=metrics.link,  # an owner's streams: its link's rates too
     )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     health_servicer = health.aio.HealthServicer()
