@@ -9,11 +9,11 @@ also waits for the other end's link, its compute, the summing of a round), so ea
 bound of what the link can do, and the largest recent one is the tightest. An average (an EMA)
 of lower bounds stays below the link for good, and most below it on the slowest peer's partners,
 which a round waits for: exactly the peers water-filling must tell apart. Idle gaps cost nothing
-(no transfer, no sample). Only transfers of `min_bytes` or more count: a small call's time is
-its latency, not its bytes. "Recent" is the last `keep` bursts (below) of the last `window_s`
-seconds, so a link that got slower shows within that window; after a longer silence the newest
-burst alone is the estimate (a stale rate is better than none: links change less often than
-peers idle).
+(no transfer, no sample). Only bursts of `min_bytes` or more count (`min_up_bytes` up, whose
+end a sender sees early, see below): a small call's time is its latency, not its bytes.
+"Recent" is the last `keep` bursts (below) of the last `window_s` seconds, so a link that got
+slower shows within that window; after a longer silence the newest burst alone is the estimate
+(a stale rate is better than none: links change less often than peers idle).
 
 Why bursts, not a round's bytes over its time: in a round every member waits for the slowest,
 so each member's bytes over the round's time is the slowest member's rate, whatever its own
@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 Direction = Literal["up", "down"]
 DIRECTIONS: tuple[Direction, Direction] = ("up", "down")
 MIN_BYTES = 1 << 20  # smaller bursts take their latency's time, not their bytes'
+# A sender's bursts end when gRPC took the last write, with a few MiB still in the socket and
+# HTTP/2's window (measured: 2-3 MiB on a 10 Mbit/s link): only bursts far larger than that
+# tell an upload rate, not how fast the buffers filled.
+MIN_UP_BYTES = 16 << 20
 KEEP = 8  # bursts the estimate is the max of...
 WINDOW_S = 600.0  # ... when no older than this
 SETTLE_S = 1.0  # a burst nothing joined for this long is over: a sample
@@ -76,11 +80,13 @@ class LinkMeter:
         *,
         clock: Callable[[], float] = time.monotonic,
         min_bytes: int = MIN_BYTES,
+        min_up_bytes: int = MIN_UP_BYTES,
         keep: int = KEEP,
         window_s: float = WINDOW_S,
         settle_s: float = SETTLE_S,
     ) -> None:
-        self.clock, self.min_bytes, self.window_s = clock, min_bytes, window_s
+        self.clock, self.window_s = clock, window_s
+        self.min_bytes: dict[Direction, int] = {"up": min_up_bytes, "down": min_bytes}
         self.settle_s = settle_s
         self._samples: dict[Direction, deque[tuple[float, float]]] = {
             d: deque(maxlen=keep) for d in DIRECTIONS
@@ -119,7 +125,7 @@ class LinkMeter:
         if burst is None:
             return
         started, ended, nbytes = burst
-        if nbytes >= self.min_bytes and ended > started:
+        if nbytes >= self.min_bytes[direction] and ended > started:
             self._samples[direction].append((ended, nbytes / (ended - started)))
 
     def settle(self, idle_s: float | None = None) -> None:

@@ -40,6 +40,11 @@ from tests.support.jobs import WIDE, make_job, write_job
 MiB = 1 << 20
 
 
+def small(clock: Clock, **kwargs: int | float) -> LinkMeter:
+    """A meter that takes upload bursts from 1 MiB, as it takes download ones."""
+    return LinkMeter(clock=clock, min_up_bytes=MiB, **kwargs)  # type: ignore[arg-type]
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -50,7 +55,7 @@ class Clock:
 
 def test_a_rate_is_bytes_over_seconds_per_direction_and_small_transfers_do_not_count() -> None:
     clock = Clock()
-    meter = LinkMeter(clock=clock)
+    meter = small(clock)
     assert meter.rates() == (0.0, 0.0)  # unknown until measured
     meter.transferred("up", 512 * 1024, 0.001)  # latency-bound: 500 MB/s it is not
     clock.now += 2
@@ -64,9 +69,21 @@ def test_a_rate_is_bytes_over_seconds_per_direction_and_small_transfers_do_not_c
         meter.transferred("sideways", MiB, 1.0)  # type: ignore[arg-type]
 
 
-def test_overlapping_transfers_are_one_burst_and_a_wait_is_not_charged() -> None:
+def test_an_upload_counts_from_16_mib_as_its_end_is_seen_early() -> None:
     clock = Clock()
     meter = LinkMeter(clock=clock)
+    meter.transferred("up", 15 * MiB, 1.0)  # a few MiB of it may still be in buffers
+    meter.transferred("down", 15 * MiB, 1.0)
+    clock.now += 2
+    assert meter.rates() == (0.0, 15 * MiB)
+    meter.transferred("up", 16 * MiB, 1.0)
+    clock.now += 2
+    assert meter.rates() == (16 * MiB, 15 * MiB)
+
+
+def test_overlapping_transfers_are_one_burst_and_a_wait_is_not_charged() -> None:
+    clock = Clock()
+    meter = small(clock)
     # A round's streams to three owners at once: 3 x 4 MiB in the same 2 s is 6 MiB/s, not
     # three transfers of 2 MiB/s.
     meter.record("up", 100.0, 102.0, 4 * MiB)
@@ -81,7 +98,7 @@ def test_overlapping_transfers_are_one_burst_and_a_wait_is_not_charged() -> None
 
 def test_the_estimate_is_the_max_of_recent_bursts_and_forgets_old_ones() -> None:
     clock = Clock()
-    meter = LinkMeter(clock=clock, keep=3, window_s=60.0)
+    meter = small(clock, keep=3, window_s=60.0)
 
     def burst(direction: Direction, nbytes: int, seconds: float) -> None:
         clock.now += 10
@@ -106,7 +123,7 @@ def test_the_estimate_is_the_max_of_recent_bursts_and_forgets_old_ones() -> None
 
 def test_fixed_rates_win_and_zero_leaves_a_direction_measured() -> None:
     clock = Clock()
-    meter = LinkMeter(clock=clock)
+    meter = small(clock)
     meter.transferred("up", 10 * MiB, 1.0)
     meter.transferred("down", 10 * MiB, 1.0)
     clock.now += 1
@@ -145,7 +162,7 @@ class _Call:
 
 async def test_a_timed_call_records_its_writes_up_and_its_replies_down() -> None:
     clock = Clock()
-    meter = LinkMeter(clock=clock)
+    meter = small(clock)
     chunk = Framed(0, bytes(MiB))
     call = _Call(clock, [chunk] * 5)
     timed = TimedCall(call, meter)
@@ -160,7 +177,7 @@ async def test_a_timed_call_records_its_writes_up_and_its_replies_down() -> None
 
 async def test_a_served_stream_records_what_came_and_what_went() -> None:
     clock = Clock()
-    meter = LinkMeter(clock=clock)
+    meter = small(clock)
     chunk = Framed(0, bytes(MiB))
 
     async def requests() -> AsyncIterator[Framed]:
@@ -201,13 +218,13 @@ async def test_rates_are_announced_again_when_they_move_materially() -> None:
     try:
         await asyncio.sleep(0.1)
         assert announced == []  # nothing known: nothing to say
-        metrics.moved("up", 10 * MiB, 1.0)
-        await _until(lambda: announced == [(10 * MiB, 0.0)])
-        metrics.moved("up", 11 * MiB, 1.0)  # +10 %: not material
+        metrics.moved("up", 20 * MiB, 1.0)
+        await _until(lambda: announced == [(20 * MiB, 0.0)])
+        metrics.moved("up", 22 * MiB, 1.0)  # +10 %: not material
         await asyncio.sleep(0.1)
-        assert announced == [(10 * MiB, 0.0)]
+        assert announced == [(20 * MiB, 0.0)]
         metrics.moved("down", 8 * MiB, 1.0)
-        await _until(lambda: announced[-1:] == [(11 * MiB, 8 * MiB)])
+        await _until(lambda: announced[-1:] == [(22 * MiB, 8 * MiB)])
     finally:
         task.cancel()
 
@@ -227,7 +244,7 @@ async def test_an_averaging_round_between_two_stage_servers_measures_both_links(
     servers = [await start_stage_server(job, StageServerOptions(stage=0)) for _ in range(2)]
     try:
         group = [s.address for s in servers]
-        numel = 2 * MiB  # float32: 8 MiB, a part of 4 MiB each way to each owner
+        numel = 8 * MiB  # float32: 32 MiB, a part of 16 MiB each way to each owner
         flats = [torch.full((numel,), float(i + 1)) for i in range(2)]
 
         async def member(i: int) -> float:
@@ -252,9 +269,10 @@ async def test_an_averaging_round_between_two_stage_servers_measures_both_links(
             metrics = running.servicer.metrics
             up, down = metrics.link.rates()
             # Its own part out and the other's sum back (all_reduce's calls), and as the owner
-            # of its part the other's contribution in and the sum out (PoolServicer's): 8 MiB
-            # each way, over no more than the round's time.
-            assert up >= 8 * MiB / seconds and down >= 8 * MiB / seconds
+            # of its part the other's contribution in and the sum out (PoolServicer's): two
+            # streams of 16 MiB each way, each within the round's time (a stream's first chunk
+            # is not counted down: its own time is before it came).
+            assert up >= 16 * MiB / seconds and down >= 15 * MiB / seconds
             for direction, rate in (("up", up), ("down", down)):
                 labels = {"peer": running.address, "direction": direction}
                 gauge = "swarm_peer_link_bytes_per_second"
