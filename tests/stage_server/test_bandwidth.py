@@ -6,10 +6,15 @@ included, and shown as `swarm_peer_link_bytes_per_second`; a stage server starte
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,12 +35,15 @@ from stage_server.server import StageServerOptions, start_stage_server
 from swarm.bus.connection import Bus
 from swarm.bus.topics import Topics
 from swarm.job.fingerprint import fingerprint
+from swarm.local.netns import sh
 from swarm.local.procs import start_process
 from swarm.proto import control_pb2 as cpb
 from swarm.proto.framing import Framed
 from swarm.rpc.stage_client import StageClient
 from tests.support.brokers import Mosquitto
+from tests.support.cli import ROOT, swarm
 from tests.support.jobs import WIDE, make_job, write_job
+from tests.support.namespaces import PROXIES, network
 
 MiB = 1 << 20
 
@@ -319,8 +327,6 @@ async def test_a_stage_server_with_a_given_bandwidth_announces_it(tmp_path: Path
 
 
 def test_a_bad_bandwidth_is_refused_with_its_reason(tmp_path: Path) -> None:
-    from tests.support.cli import swarm
-
     job = write_job(tmp_path)
     done = swarm(
         "stage-server", "--job", str(job), "--stage", "0", "--bandwidth", "100Mbps",
@@ -369,3 +375,69 @@ async def test_activations_received_measure_the_download(tmp_path: Path) -> None
     finally:
         await client.close()
         await server.stop()
+
+
+def _line(proc: subprocess.Popen[str], key: str) -> Any:
+    """The value of `key` in the next JSON line of `proc` that has it."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        message = json.loads(line)
+        if key in message:
+            return message[key]
+    raise AssertionError(f"the member exited before {key!r} ({proc.wait()})")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_in_namespaces_a_slow_uplink_measures_slow_and_the_fast_ones_fast(tmp_path: Path) -> None:
+    """A pool of 4 replicas on hosts of their own (`bench/uneven.py`'s members), one uplink at
+    40 Mbit/s and three at 400, every downlink at 400: a round's streams tell each member's
+    uplink, though the round lasts as long as the slow one needs, for every member."""
+    hosts = {f"m{i}": f"10.79.0.{11 + i}" for i in range(4)}
+    with network("swbw-", hosts) as net:
+        for host in hosts:
+            up = 40e6 if host == "m0" else 400e6
+            for (ns, dev), bits in zip(net._ends(host), (up, 400e6), strict=True):
+                burst = max(128 << 10, int(bits / 800))
+                tbf = f"tbf rate {int(bits)}bit burst {burst} latency 100ms".split()
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf)
+        env = {k: v for k, v in os.environ.items() if k.lower() not in PROXIES}
+        members = []
+        for seed, host in enumerate(hosts):
+            args = {"params": 8_000_000, "seed": seed, "host": hosts[host]}  # 32 MB
+            argv = [sys.executable, str(ROOT / "bench" / "uneven.py"), "--member", json.dumps(args)]
+            with (tmp_path / f"{host}.log").open("w") as log:
+                members.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", net.ns[host], *argv],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        text=True,
+                        env={**env, "PYTHONPATH": str(ROOT)},
+                        cwd=ROOT,
+                    )
+                )
+        try:
+            group = ",".join(_line(m, "ready") for m in members)
+            for command in (f"group {group}", "go r0"):
+                for m in members:
+                    assert m.stdin is not None
+                    m.stdin.write(command + "\n")
+                    m.stdin.flush()
+                if command.startswith("group"):
+                    for m in members:
+                        _line(m, "prepared")
+            uploads = [_line(m, "result")["rates"][0] for m in members]
+        finally:
+            for m in members:
+                m.kill()
+                m.wait()
+                for pipe in (m.stdin, m.stdout):
+                    if pipe is not None:
+                        pipe.close()
+    # The slow member's 48 MB go at 5 MB/s; the others' at up to ten times that (on two shared
+    # cores, less): far apart whatever the machine's load, the slow one near its shaped rate.
+    slow, *fast = uploads
+    assert 0 < slow < 8e6, uploads
+    assert min(fast) > 2 * slow, uploads  # 4.4 x in a trial run on a loaded machine
