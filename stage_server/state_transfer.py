@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from stage_server.averaging.staging import OffLoop
+from stage_server.bandwidth import payload_bytes
 from stage_server.copying import Copy
 from stage_server.messages import Limits, Route, state_reply, updates_reply
 from stage_server.metrics import StageMetrics
@@ -49,7 +50,6 @@ from swarm.errors import InvalidArgument, ResourceExhausted
 from swarm.net.follow_tickets import FollowTickets
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
-from swarm.proto.framing import Framed
 from swarm.rpc.stage_client import StageClient
 from swarm.wire import chunking as wire
 from swarm.wire.budget import ReceiveBudget
@@ -198,7 +198,7 @@ class StateTransfer:
             started, nbytes = loop.time(), 0  # its bytes over its time: this link's upload
             while (part := await off.next(parts)) is not None:
                 yield part
-                nbytes += _payload_bytes(part)
+                nbytes += payload_bytes(part)
                 self._served[task] = loop.time()  # its reader took a part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
@@ -293,13 +293,6 @@ class StateTransfer:
         if step < 0:
             raise InvalidArgument("LoadState carried no state")
         return step, state
-
-
-def _payload_bytes(part: Any) -> int:
-    """The tensor bytes of one part of a streamed state: a chunk's, or a message's inline ones."""
-    if isinstance(part, Framed):
-        return memoryview(part.data).nbytes
-    return sum(len(t.data) for t in part.tensors)
 
 
 def _unfollow(
