@@ -23,6 +23,7 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
+from stage_server.bandwidth import fill_rates, reannounce
 from stage_server.device_oom import OutOfDeviceMemory, is_out_of_memory, oom_message
 from stage_server.identity import PeerIdentity, persistent_peer_id
 from stage_server.limits import PeerLimits
@@ -122,6 +123,7 @@ class PeerAgent:
             memory_bytes=device_memory(self.device),  # the scheduler bounds jobs' stages by it
             time=time.time(),
         )
+        fill_rates(msg, self.metrics)  # its link rates (issue 43), announced anew as they move
         if self.stage is not None:
             msg.stage = self.stage
         return msg
@@ -159,6 +161,7 @@ class PeerAgent:
                 tg.create_task(self._consume(subscription)),
                 tg.create_task(self._consume(assignments)),
                 tg.create_task(self._report_load()),
+                tg.create_task(reannounce(self.metrics, self.announce)),
             ]
             await stop.wait()
             for task in tasks:

@@ -20,6 +20,7 @@ from swarm.flags import (
     token,
     warn_if_url_password,
 )
+from swarm.net.bandwidth import bandwidth_flag
 from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
 from swarm.ops import faults
@@ -85,6 +86,14 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "place, on a disk (default: the system's temp directory; 'off': in memory, a copy of "
         "the gradient more at each commit)",
     )
+    add_flag(
+        p,
+        "bandwidth",
+        "",
+        "this peer's link rates UP/DOWN in bits/s as tc writes them (100mbit/20mbit, 10M/100M; "
+        "one value: both; 0: measured), announced instead of those measured from its transfers",
+        type=bandwidth_flag,
+    )
     _add_limits(p)
 
 
@@ -144,6 +153,7 @@ def _run(args: argparse.Namespace) -> None:
         token=token(args),
         limits=peer_limits(args),
         spill_dir=args.spill_dir,
+        bandwidth=args.bandwidth or (0.0, 0.0),
     )
     if args.job:
         if args.stage is None:

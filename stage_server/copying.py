@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -39,8 +40,11 @@ class Copy:
         compute: Compute,
         peer: str,
         ticket: bytes = b"",
+        on_copied: Callable[[int, float], None] | None = None,
     ) -> None:
+        """`on_copied(nbytes, seconds)`: the state downloaded, its bytes in that time."""
         self.source, self.runtime, self.compute, self.peer = source, runtime, compute, peer
+        self._on_copied = on_copied
         # The scheduler's, naming this replica a follower of `source` (`Join` brought it): a
         # source the scheduler placed keeps updates only for the followers it names.
         self.ticket = ticket
@@ -83,6 +87,7 @@ class Copy:
         try:
             # Checked as it comes (names, shapes, dtypes, a total): a source that sends what
             # this stage's state cannot hold is refused before it sizes this process's memory.
+            started = time.perf_counter()
             step, state = await self.source.download_state(
                 include_optimizer=True,
                 prefix="",
@@ -90,6 +95,9 @@ class Copy:
                 expect=rt.checks.state,
                 ticket=self.ticket,
             )
+            if self._on_copied is not None:
+                nbytes = sum(t.nbytes for t in state.values())
+                self._on_copied(nbytes, time.perf_counter() - started)
             await self.compute(rt.follow.load, step, state, self._began)
             self.loaded = True
             log.info(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -173,13 +174,17 @@ class Messages:
 
         # The body's bytes are held as they come (`Held.arriving`): headers that declare a
         # body and send none hold nothing (issue 44, N6).
+        started = time.perf_counter()  # the call came: its bytes follow (a link rate)
         received = await wire.receive(
             held.arriving(requests), max_bytes=limit, admit=check, reserve=held.expect,
             limit_name=name,
         )  # fmt: skip
+        seconds = time.perf_counter() - started
+        wire_bytes = sum(t.nbytes for t in received.header.tensors)
+        self.metrics.moved("down", wire_bytes, seconds)
         tensors = wire.decode_named(received, device="cpu", max_bytes=limit, reserve=held.reserve)
         self.metrics.received(
-            sum(t.nbytes for t in received.header.tensors),
+            wire_bytes,
             sum(t.numel() * t.element_size() for t in tensors.values()),
         )
         return received.header, tensors

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from stage_server.bandwidth import DIRECTIONS, Direction, LinkMeter
 from swarm.ops.metrics import LABELS, LATENCY_BUCKETS
 
 __all__ = ["PEER_FACTS", "StageMetrics"]
@@ -79,6 +80,11 @@ class StageMetrics:
             "Gradient bytes received from the pool while averaging",
         )
         reg.register(_PeerInfo(self))
+        # The peer's link rates (`stage_server.bandwidth`): measured from its transfers (its
+        # pool's streams record theirs in it), or fixed by `--bandwidth`; announced with the
+        # peer, read here at each scrape.
+        self.link = LinkMeter()
+        reg.register(_LinkRates(self))
 
     def identify(self, peer: str) -> None:
         """The peer id is `peer` (known once the server listens: it may default to its address)."""
@@ -129,6 +135,11 @@ class StageMetrics:
 
     def averaging_seconds(self, seconds: float) -> None:
         self._avg_seconds.labels(**self.values).observe(seconds)
+        self.link.settle(0.0)  # the round's streams are over: their burst is a sample now
+
+    def moved(self, direction: Direction, nbytes: int, seconds: float) -> None:
+        """`nbytes` went `direction` in `seconds` on the wire (a state download, activations)."""
+        self.link.transferred(direction, nbytes, seconds)
 
     def queue(self, delta: int) -> None:
         self._queue.labels(**self.values).inc(delta)
@@ -151,4 +162,23 @@ class _PeerInfo(Collector):
             labels=list(labels),
         )
         family.add_metric(list(labels.values()), 1)
+        yield family
+
+
+class _LinkRates(Collector):
+    """`swarm_peer_link_bytes_per_second{direction="up"|"down"}`: the rates the peer announces
+    (0: unknown yet), read from its meter at each scrape."""
+
+    def __init__(self, metrics: StageMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "swarm_peer_link_bytes_per_second",
+            "This peer's link rate, bytes/s, measured from its transfers or set by --bandwidth",
+            labels=["peer", "direction"],
+        )
+        for direction in DIRECTIONS:
+            rate = self.metrics.link.rate(direction)
+            family.add_metric([self.metrics.values["peer"], direction], rate)
         yield family

@@ -63,6 +63,7 @@ class StageServerOptions:
     # where a commit keeps the gradient sums it averages over in place (`stage_server.averaging.
     # spill`): "" the system's temp directory, "off" in memory
     spill_dir: str = ""
+    bandwidth: tuple[float, float] = (0.0, 0.0)  # --bandwidth, bytes/s up, down (0: measured)
 
 
 @dataclass
@@ -119,6 +120,7 @@ async def start_grpc(
 ) -> RunningStageServer:
     """A listening stage server that serves no stage yet (`servicer.serve` installs one)."""
     metrics = StageMetrics(opts.peer or "")
+    metrics.link.fix(*opts.bandwidth)
     # gRPC holds a whole message before any check: at most the peer's ceiling, whatever the
     # job's max_message_bytes. Past max_concurrent_rpcs a call is refused (RESOURCE_EXHAUSTED)
     # before it is read: with the receive budget, no number of calls sizes this process's memory.
@@ -163,6 +165,7 @@ async def start_grpc(
         peer=peer,
         budget=servicer.budget,
         limit_name=served.max_bytes_name,
+        link=metrics.link,  # an owner's streams: its link's rates too
     )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     health_servicer = health.aio.HealthServicer()

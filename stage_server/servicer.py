@@ -90,7 +90,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.worker = Worker(executor, metrics.queue, throttle)
         self.averager = Averager()
         self.channels = ChannelPool(
-            token=token, options=grpc_options(self.limits.peer.max_message_bytes)
+            token=token, options=grpc_options(self.limits.peer.max_message_bytes), link=metrics.link
         )
         self._serving = Servicing(peer, metrics.observe)
         self._commits = Committer(

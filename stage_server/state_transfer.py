@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from stage_server.averaging.staging import OffLoop
+from stage_server.bandwidth import payload_bytes
 from stage_server.copying import Copy
 from stage_server.messages import Limits, Route, state_reply, updates_reply
 from stage_server.metrics import StageMetrics
@@ -147,8 +148,11 @@ class StateTransfer:
         self.stop_copy()
         # The member's answers are bounded by the job within this peer's limits.
         client = StageClient(source, self._limits.clamp(rt.job), job_id, rt.stage, self.token)
-        self.copy = Copy(client, rt, self._worker.run, self.peer, ticket)
+        self.copy = Copy(client, rt, self._worker.run, self.peer, ticket, self._copied)
         return -1
+
+    def _copied(self, nbytes: int, seconds: float) -> None:
+        self.metrics.moved("down", nbytes, seconds)  # a state downloaded: this link's rate
 
     async def updates(
         self, job_id: str, follower: str, ticket: bytes, from_step: int, chunk_bytes: int
@@ -191,12 +195,15 @@ class StateTransfer:
             # A device's chunks are copied to the host (under the snapshot's lock) off the loop.
             off = OffLoop(snapshot.on_device, snapshot.device)
             parts = state_reply(snapshot, chunk_bytes)
+            started, nbytes = loop.time(), 0  # its bytes over its time: this link's upload
             while (part := await off.next(parts)) is not None:
                 yield part
+                nbytes += payload_bytes(part)
                 self._served[task] = loop.time()  # its reader took a part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
             sent = True
+            self.metrics.moved("up", nbytes, loop.time() - started)
         finally:
             if off is not None:
                 off.shutdown()  # its thread ends with its last copy (nothing waits on it)

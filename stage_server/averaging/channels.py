@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
+from stage_server.bandwidth import LinkMeter, TimedCall
 from swarm.clock import Clock, MonotonicClock
 from swarm.net import tokens as auth
 from swarm.proto import pool_pb2_grpc
@@ -36,8 +37,10 @@ class ChannelPool:
         options: Sequence[tuple[str, Any]] | None = None,
         idle_s: float = 600.0,
         clock: Clock | None = None,
+        link: LinkMeter | None = None,
     ) -> None:
-        self._token, self._options = token, options
+        """`link`: where its calls record their bytes (`stage_server.bandwidth`); None: nowhere."""
+        self._token, self._options, self._link = token, options, link
         self._idle_s, self._clock = idle_s, clock or MonotonicClock()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._used: dict[str, float] = {}  # address -> when its channel was last asked for
@@ -57,7 +60,8 @@ class ChannelPool:
         return self._channels[address]
 
     def stub(self, address: str) -> pool_pb2_grpc.PoolServiceStub:
-        return pool_pb2_grpc.PoolServiceStub(self.channel(address))
+        stub = pool_pb2_grpc.PoolServiceStub(self.channel(address))
+        return stub if self._link is None else cast(Any, _Timed(stub, self._link))
 
     def _expire(self, now: float) -> None:
         for address in [a for a, t in self._used.items() if now - t > self._idle_s]:
@@ -80,3 +84,13 @@ class ChannelPool:
         for channel in channels:
             await channel.close()
         await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+class _Timed:
+    """A pool stub whose calls record their bytes in a link meter (`TimedCall`)."""
+
+    def __init__(self, stub: pool_pb2_grpc.PoolServiceStub, link: LinkMeter) -> None:
+        self._stub, self._link = stub, link
+
+    def Reduce(self, **kwargs: Any) -> TimedCall:  # the stub's name
+        return TimedCall(self._stub.Reduce(**kwargs), self._link)

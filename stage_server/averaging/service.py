@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from stage_server.averaging.owner import Averager
+from stage_server.bandwidth import LinkMeter, incoming, outgoing
 from swarm.errors import InvalidArgument
 from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.rpc.servicing import Servicing
@@ -54,8 +55,10 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         on_bytes: Callable[[int, int], None] | None = None,
         budget: ReceiveBudget | None = None,
         limit_name: str = "",
+        link: LinkMeter | None = None,
     ) -> None:
         self.averager, self._route, self.peer, self._on_bytes = averager, route, peer, on_bytes
+        self._link = link  # where its streams record their bytes (`stage_server.bandwidth`)
         self._chunk, self._max_bytes, self._timeout_s = chunk_bytes, max_bytes, timeout_s
         self._served = served
         # No budget given (a pool on its own, in tests): bounded by max_bytes per call only.
@@ -70,11 +73,14 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     async def Reduce(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pool_pb2.PoolReduceResponse]:
+        requests = incoming(request_iterator, self._link)
         replies = await self._serving.run(
-            "Reduce", context, lambda: self._reduce(request_iterator, context)
+            "Reduce", context, lambda: self._reduce(requests, context)
         )
-        for msg in replies:
-            yield msg
+        with outgoing(self._link) as sending:
+            for msg in replies:
+                sending(msg)
+                yield msg
 
     async def _reduce(
         self, requests: Any, context: grpc.aio.ServicerContext

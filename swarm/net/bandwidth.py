@@ -1,0 +1,81 @@
+"""`--bandwidth UP/DOWN`: a peer's link rates as an operator states them, in bits per second as
+`tc` writes rates ("100mbit", "1gbit", "10M" meaning 10 Mbit/s), turned into the bytes per second
+a peer announces (`PeerAnnouncement.upload_bytes_per_second`, `download_bytes_per_second`).
+
+One value ("100M") is both directions; 0 in a direction leaves that direction measured
+(`stage_server.bandwidth`). Bytes are spelt out ("12.5MB/s"); tc's own bytes units ("mbps") are
+refused, not guessed: "100Mbps" means megabits to most people and megabytes to tc, and a rate read
+8 times off is worse than an error."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from swarm.errors import ConfigError
+
+__all__ = ["bandwidth_flag", "format_rate", "parse_bandwidth", "parse_rate"]
+
+# SI prefixes as tc reads them (k = 1000), and IEC ones (ki = 1024).
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_PREFIX |= {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
+_RATE = re.compile(r"(?P<n>\d+(?:\.\d*)?|\.\d+)\s*(?P<prefix>[kmgt]i?)?(?P<unit>bit|b/s|bps|b)?")
+_SEPARATOR = re.compile(r"/(?!\s*s\s*(?:/|$))", re.IGNORECASE)
+_FORM = (
+    "UP/DOWN (or one rate for both) like 100mbit/20mbit, 1gbit, 10M/100M (Mbit/s), 500kbit "
+    "or 12.5MB/s (bytes)"
+)
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second of one rate: bits by default ("100mbit", "100M", "100000000"), bytes
+    when written "B/s" ("12.5MB/s")."""
+    raw = text.strip()
+    match = _RATE.fullmatch(raw.lower())
+    if match is None:
+        raise ConfigError(f"--bandwidth: {text!r} is not a rate: write {_FORM}")
+    unit = match["unit"] or "bit"
+    if unit in ("bps", "b"):
+        raise ConfigError(
+            f"--bandwidth: {text!r} is ambiguous (bits or bytes?): write "
+            f"{match['n']}{match['prefix'] or ''}bit for bits per second, or "
+            f"{match['n']}{(match['prefix'] or '').upper()}B/s for bytes"
+        )
+    if unit == "b/s" and "B" not in raw:  # "mb/s": the b must say bytes, as B does
+        raise ConfigError(f"--bandwidth: {text!r}: write B/s (bytes per second) or bit")
+    value = float(match["n"]) * _PREFIX[match["prefix"] or ""]
+    return value if unit == "b/s" else value / 8
+
+
+def parse_bandwidth(text: str) -> tuple[float, float]:
+    """`UP/DOWN` (or one rate for both) as (upload, download) bytes per second; 0 in a direction
+    means "measure it"."""
+    parts = _SEPARATOR.split(text)  # not the slash of "B/s"
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2:
+        raise ConfigError(f"--bandwidth: {text!r} is not a rate: write {_FORM}")
+    up, down = parse_rate(parts[0]), parse_rate(parts[1])
+    return up, down
+
+
+def bandwidth_flag(text: str) -> tuple[float, float]:
+    """`parse_bandwidth` as an argparse `type`: its message shown as the flag's error; "" (the
+    flag's default) is both measured."""
+    if not text.strip():
+        return 0.0, 0.0
+    try:
+        return parse_bandwidth(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def format_rate(bytes_per_second: float) -> str:
+    """A rate for people, in bits per second as it was given ("10Mbit/s"); "?" when unknown."""
+    if bytes_per_second <= 0:
+        return "?"
+    bits = bytes_per_second * 8
+    for prefix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:.3g}{prefix}bit/s"
+    return f"{bits:.3g}bit/s"
