@@ -98,11 +98,11 @@ async def test_an_aggregator_is_never_placed_on_a_stage_whatever_it_announces() 
     bus = _RecordingBus()
     assignments = Assignments(
         reg,
-        bus,
+        bus,  # type: ignore[arg-type]
         say,
         grace_s=0.0,
         serve_timeout_s=300.0,
-        lost_stage_grace_s=0.0,  # type: ignore[arg-type]
+        lost_stage_grace_s=0.0,
     )
     assigned: list[str] = []
     await assignments._assign_available("j", reg.available("j", 2), assigned, 1)
