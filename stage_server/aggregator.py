@@ -324,11 +324,10 @@ class AggregatorAgent:
 
 
 def offline_will(peer: str, address: str) -> cpb.PeerAnnouncement:
-    """What the broker says of it when its connection drops (no time: it was not stopped).
-    Its fields only (no role): amqtt, the embedded broker, reads a will's message as UTF-8 and
-    refuses the CONNECT of one that is not, and field 21's tag is byte 0xA8. An OFFLINE peer is
-    forgotten whatever its role."""
-    return cpb.PeerAnnouncement(peer=peer, address=address, state=cpb.PEER_STATE_OFFLINE)
+    """What the broker says of it when its connection drops (no time: it was not stopped)."""
+    return cpb.PeerAnnouncement(
+        peer=peer, address=address, state=cpb.PEER_STATE_OFFLINE, role=cpb.PEER_ROLE_AGGREGATOR
+    )
 
 
 async def run_aggregator(

@@ -179,7 +179,8 @@ async def test_its_will_says_it_is_gone_when_killed(broker: EmbeddedBroker, tmp_
             await announcement(peers, cpb.PEER_STATE_SERVING)
             proc.kill()
             will = await announcement(peers, cpb.PEER_STATE_OFFLINE)
-            assert will.address == proc.address and will.time == 0
+            assert will.role == cpb.PEER_ROLE_AGGREGATOR and will.address == proc.address
+            assert will.time == 0  # its will: the broker's, with no time
 
 
 @pytest.mark.attack("43.4")
