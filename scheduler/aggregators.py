@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["MAX_AGGREGATORS", "AggregatorPeer", "aggregators_of", "present"]
+__all__ = ["MAX_AGGREGATORS", "AggregatorPeer", "offered", "present"]
+
+T = TypeVar("T")
 
 # The most aggregators a round is given. Each one is a member every contributor sends its part
 # to, so a pool's round grows with them; past a few, one more shortens no member's part by much.
@@ -63,9 +65,13 @@ def present(
     return sorted(fastest, key=lambda a: a.peer)
 
 
-def aggregators_of(
-    peers: Mapping[str, cpb.PeerAnnouncement], limit: int = MAX_AGGREGATORS
-) -> Callable[[], list[AggregatorPeer]]:
-    """The coordinator's seam: `present` aggregators, read anew at every round (`peers` is the
-    registry's live dict)."""
-    return lambda: present(peers, limit)
+def offered(
+    peers: Mapping[str, cpb.PeerAnnouncement],
+    make: Callable[[AggregatorPeer], T],
+    limit: int = MAX_AGGREGATORS,
+) -> Callable[[int], list[T]]:
+    """The coordinator's seam (`Groups(aggregators=...)`, helper "parts"'s): for a stage, the
+    `present` aggregators, each made into the coordinator's own form by `make`, read anew at
+    every round (`peers` is the registry's live dict). Every stage of a running job is offered
+    the same ones: an aggregator takes parts of any stage of the jobs it follows."""
+    return lambda stage: [make(a) for a in present(peers, limit)]

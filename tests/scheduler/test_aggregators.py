@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from scheduler.aggregators import AggregatorPeer, aggregators_of, present
+from scheduler.aggregators import AggregatorPeer, offered, present
 from scheduler.assignments import Assignments
 from scheduler.registry import PeerRegistry
 from swarm.bus.topics import Topics
@@ -53,7 +53,12 @@ def test_the_aggregators_present_with_their_rates_in_peer_order() -> None:
     reg.announce(_aggregator("a-agg", up=12.5e6, down=0.0))  # its download rate is not known
     reg.announce(_joining("stage-peer"))
     reg.announce(_aggregator("nan-agg", up=math.nan, down=-1.0))
-    seam = aggregators_of(reg.peers)
+    offers = offered(reg.peers, lambda a: a)
+
+    def seam() -> list[AggregatorPeer]:
+        return offers(0)
+
+    assert offers(1) == seam()  # every stage of a job is offered the same ones
     assert seam() == [
         AggregatorPeer("a-agg", "a-agg:7000", 12.5e6, 0.0),
         AggregatorPeer("nan-agg", "nan-agg:7000", 0.0, 0.0),  # rates it cannot mean: unknown

@@ -286,7 +286,7 @@ async def _pool_job(bus: Bus) -> None:
 async def test_an_aggregator_owns_a_part_of_a_real_round_float64_equal_to_the_plain_sum(
     open_broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
-    needs_parts()
+    parts = needs_parts()
     flats = [torch.randn(100_003, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
              for i in range(2)]  # fmt: skip
     async with (
@@ -309,7 +309,8 @@ async def test_an_aggregator_owns_a_part_of_a_real_round_float64_equal_to_the_pl
             for s in metrics(proc, None)["swarm_aggregator_bytes_received"]
             if s.name.endswith("_total")
         ]
-        assert received >= flats[0].nbytes  # half of each member's vector
+        owned = parts.part_bounds(flats[0].numel(), WEIGHTS)[2]
+        assert received == 2 * (owned.stop - owned.start) * 8  # its part of both, no more
 
 
 async def test_a_killed_aggregator_fails_its_round_by_name_and_the_retry_loses_nothing(
