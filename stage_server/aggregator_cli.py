@@ -93,23 +93,25 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_flag(p, "threads", 1, "torch threads for the sums", type=int)
 
 
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(bit|bps)?\s*$", re.IGNORECASE)
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(bit)?\s*$", re.IGNORECASE)
 _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
 def parse_bandwidth(text: str) -> tuple[float, float]:
-    """`UP/DOWN` in bits per second (`100mbit/20mbit`, `1gbit/1gbit`, `100M/20M`) as bytes per
-    second. A stand-in for helper "bandwidth"'s `swarm.net.bandwidth.parse_bandwidth` (the
-    contract's parser, the same form): once that is merged, this calls it instead."""
+    """`UP/DOWN` (or one rate for both) in bits per second (`100mbit/20mbit`, `1gbit`,
+    `100M/20M`) as bytes per second. A stand-in for helper "bandwidth"'s
+    `swarm.net.bandwidth.parse_bandwidth` (the contract's parser, the same form): once that is
+    merged, this module calls it instead."""
     sides = text.split("/")
-    if len(sides) != 2:
-        raise ConfigError(f"--bandwidth {text!r}: give UP/DOWN, e.g. 100mbit/20mbit")
+    if len(sides) == 1:
+        sides = sides * 2
     rates = []
     for side in sides:
         match = _RATE.match(side)
-        if match is None:
+        if match is None or len(sides) != 2:
             raise ConfigError(
-                f"--bandwidth {text!r}: {side!r} is not a rate (e.g. 100mbit, 1gbit, 100M)"
+                f"--bandwidth: {side!r} is not a rate: write UP/DOWN (or one rate for both) "
+                "like 100mbit/20mbit, 1gbit, 10M/100M (Mbit/s)"
             )
         rates.append(float(match.group(1)) * _SCALE[match.group(2).lower()] / 8)
     return rates[0], rates[1]
