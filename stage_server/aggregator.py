@@ -25,6 +25,7 @@ given `shutdown_grace_s`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -113,6 +114,7 @@ class PoolJobs:
         # job -> (its spec, its [runtime], its number of stages)
         self._running: dict[str, tuple[str, RuntimeConfig, int]] = {}
         self._ended: dict[str, str] = {}  # job -> why its calls are refused (the last 256)
+        self._bad: dict[str, str] = {}  # job -> its spec that did not parse (said once)
 
     def __len__(self) -> int:
         return len(self._running)
@@ -120,16 +122,17 @@ class PoolJobs:
     def announced(self, message: cpb.JobAnnouncement) -> None:
         job = message.job
         if message.state not in _RUNNING:
+            self._bad.pop(job, None)
             if self._running.pop(job, None) is not None:
                 log.info("job %s is no longer running: its pools are left", job)
-            self._ended[job] = f"job {job} is {cpb.JobState.Name(message.state).lower()[10:]}"
+            self._ended[job] = f"job {job} is {_state_name(message.state)}"
             while len(self._ended) > 256:
                 del self._ended[next(iter(self._ended))]
             return
         self._ended.pop(job, None)
         known = self._running.get(job)
-        if known is not None and known[0] == message.spec:
-            return  # announced again at every step: parsed once
+        if (known is not None and known[0] == message.spec) or self._bad.get(job) == message.spec:
+            return  # announced again at every step: parsed (and said) once
         try:
             config = parse_job(
                 message.spec, Path("/"), name=message.name or "job", check_data=False
@@ -137,7 +140,9 @@ class PoolJobs:
         except ConfigError as e:
             log.error("job %s has a bad spec: not taking its pools' parts: %s", job, e)
             self._running.pop(job, None)
+            self._bad[job] = message.spec
             return
+        self._bad.pop(job, None)
         self._running[job] = (message.spec, config.runtime, config.training.stages)
         if known is None:
             log.info(
@@ -274,6 +279,14 @@ async def start_aggregator(opts: AggregatorOptions, peer: str) -> RunningAggrega
     )  # fmt: skip
 
 
+def _state_name(state: int) -> str:
+    """ "cancelled" for JOB_STATE_CANCELLED; the number of a state this build does not know."""
+    try:
+        return cpb.JobState.Name(state).removeprefix("JOB_STATE_").lower()  # type: ignore[arg-type]
+    except ValueError:
+        return f"in state {state}"
+
+
 def _within(served: tuple[int, int, float] | None, max_bytes: int) -> tuple[int, int, float] | None:
     """A part is never larger than the memory it would be held in."""
     return None if served is None else (served[0], min(served[1], max_bytes), served[2])
@@ -309,6 +322,8 @@ class AggregatorAgent:
             await stop.wait()
         finally:
             follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follow
         self.running.metrics.state = "offline"
         offline = offline_will(self.peer, self.running.address)
         offline.time = time.time()  # a clean stop, not a dropped connection
@@ -317,10 +332,13 @@ class AggregatorAgent:
 
     async def _follow(self, messages: object) -> None:
         async for topic, message in messages:  # type: ignore[attr-defined]
-            if self.bus.topics.parse(topic).kind is TopicKind.JOB and isinstance(
-                message, cpb.JobAnnouncement
-            ):
-                self.running.jobs.announced(message)
+            try:
+                if self.bus.topics.parse(topic).kind is TopicKind.JOB and isinstance(
+                    message, cpb.JobAnnouncement
+                ):
+                    self.running.jobs.announced(message)
+            except Exception:  # one bad announcement must not stop it following the others
+                log.exception("%s: could not handle %s", self.peer, topic)
 
 
 def offline_will(peer: str, address: str) -> cpb.PeerAnnouncement:

@@ -24,11 +24,13 @@ import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from stage_server.aggregator import PoolJobs
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.owner import AveragingAborted, Reduced
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus, Subscription
 from swarm.bus.topics import SCHEDULER_USER, Topics
+from swarm.errors import NotFound
 from swarm.local.procs import SwarmProcess, start_process
 from swarm.net import tokens
 from swarm.proto import control_pb2 as cpb
@@ -399,3 +401,24 @@ async def test_a_hostile_aggregator_changes_only_the_part_it_owns_alike_on_every
         assert torch.equal(r, results[0])
         assert torch.equal(r[: owned.start], exact[: owned.start])
         assert torch.equal(r[owned], exact[owned] + 1.0)
+
+
+def test_the_jobs_it_follows_from_their_announcements(caplog: pytest.LogCaptureFixture) -> None:
+    """A running job's stages are taken, any other refused with why; a bad spec is said once,
+    not at each of the job's announcements (one a step)."""
+    jobs = PoolJobs()
+    bad = cpb.JobAnnouncement(job="j", spec="[training\n", state=cpb.JOB_STATE_RUNNING)
+    for _ in range(3):
+        jobs.announced(bad)
+    assert [r.levelname for r in caplog.records].count("ERROR") == 1
+    with pytest.raises(NotFound, match="job 'j' is unknown here"):
+        jobs.route("j", 0)
+    jobs.announced(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_STALLED))
+    jobs.route("j", 1)  # a stalled job's other stages still average
+    assert jobs.served() == (4 * MiB, 1 << 30, 60.0) and len(jobs) == 1
+    with pytest.raises(NotFound, match=r"has stages 0\.\.1, not 2"):
+        jobs.route("j", 2)
+    jobs.announced(cpb.JobAnnouncement(job="j", state=99))  # type: ignore[arg-type]
+    with pytest.raises(NotFound, match="job j is in state 99"):
+        jobs.route("j", 0)
+    assert jobs.served() is None and len(jobs) == 0
