@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from stage_server.averaging.owner import Averager
 from stage_server.averaging.service import PoolServicer
@@ -182,16 +185,8 @@ class AggregatorMetrics:
 
     def __init__(self, peer: str, budget: ReceiveBudget, jobs: PoolJobs) -> None:
         self.registry = reg = CollectorRegistry()
-        self.state = "starting"
-        info = Gauge(
-            "swarm_peer_info",
-            "This peer (1): what it does now",
-            ["peer", "role", "state"],
-            registry=reg,
-        )
-        info.labels(peer, "aggregator", "aggregating").set_function(
-            lambda: float(self.state != "offline")
-        )
+        self.peer, self.state = peer, "starting"  # then "aggregating", at last "offline"
+        reg.register(_PeerInfo(self))
         Gauge(
             "swarm_aggregator_jobs", "Running jobs whose pools it takes parts in", registry=reg
         ).set_function(lambda: len(jobs))
@@ -211,6 +206,22 @@ class AggregatorMetrics:
     def moved(self, sent: int, received: int) -> None:
         self._sent.inc(sent)
         self._received.inc(received)
+
+
+class _PeerInfo(Collector):
+    """`swarm_peer_info` as a stage server's (one series, what it does in its labels), its
+    state "aggregating": it serves no job or stage of its own."""
+
+    def __init__(self, metrics: AggregatorMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = {"peer": self.metrics.peer, "state": self.metrics.state, "job": "", "stage": ""}
+        family = GaugeMetricFamily(
+            "swarm_peer_info", "This aggregator (1): what it does now", labels=list(labels)
+        )
+        family.add_metric(list(labels.values()), 1)
+        yield family
 
 
 @dataclass

@@ -165,7 +165,7 @@ async def test_an_aggregator_announces_its_role_address_and_rates_and_stops_in_o
             assert said.metrics_address.endswith(f":{proc.ready['metrics']}")
             shown = metrics(proc)
             (info,) = shown["swarm_peer_info"]
-            assert info.labels == {"peer": "agg", "role": "aggregator", "state": "aggregating"}
+            assert info.labels == {"peer": "agg", "state": "aggregating", "job": "", "stage": ""}
             assert shown["swarm_aggregator_memory_limit_bytes"][0].value == 1 << 30  # the default
             assert await asyncio.to_thread(proc.stop) == 0  # SIGTERM: in order
             gone = await announcement(peers, cpb.PEER_STATE_OFFLINE)
