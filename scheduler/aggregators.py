@@ -59,7 +59,10 @@ def present(
             _rate(a.download_bytes_per_second),
         )
         for a in list(peers.values())
-        if a.role == cpb.PEER_ROLE_AGGREGATOR and a.state == cpb.PEER_STATE_SERVING and a.address
+        if a.role == cpb.PEER_ROLE_AGGREGATOR
+        and a.state == cpb.PEER_STATE_SERVING
+        and a.address
+        and not a.relay  # behind NAT: every byte of its parts would cross its relay twice
     ]
     fastest = sorted(found, key=lambda a: (-a.rate, a.peer))[: max(limit, 0)]
     return sorted(fastest, key=lambda a: a.peer)

@@ -53,6 +53,9 @@ def test_the_aggregators_present_with_their_rates_in_peer_order() -> None:
     reg.announce(_aggregator("a-agg", up=12.5e6, down=0.0))  # its download rate is not known
     reg.announce(_joining("stage-peer"))
     reg.announce(_aggregator("nan-agg", up=math.nan, down=-1.0))
+    relayed = _aggregator("nat-agg", up=125e6, down=125e6)
+    relayed.relay = "relay.example.org:7900"
+    reg.announce(relayed)  # reached through a relay: offered to no round
     offers = offered(reg.peers, lambda a: a)
 
     def seam() -> list[AggregatorPeer]:
