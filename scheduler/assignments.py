@@ -181,6 +181,10 @@ class Assignments:
         """Every available peer gets a stage: `place` for a job nobody serves; for peers joining
         a running one, the stages short of `min_replicas`, then those that raise the bottleneck
         most (fastest peer first)."""
+        # An aggregator (or a relay) serves no stage, whatever else it announces.
+        available = {p: s for p, s in available.items() if _stage_server(self.registry, p)}
+        if not available:
+            return
         stages = len(next(iter(available.values())))
         members = self.registry.members(job_id, stages)
         totals = [sum(r.throughput for r in stage) for stage in members] if any(members) else None
@@ -236,3 +240,8 @@ class Assignments:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.changed.wait(), timeout)
         self.changed.clear()
+
+
+def _stage_server(registry: PeerRegistry, peer: str) -> bool:
+    announced = registry.peers.get(peer)
+    return announced is not None and announced.role == cpb.PEER_ROLE_STAGE_SERVER

@@ -29,9 +29,10 @@ from prometheus_client import CollectorRegistry, Counter
 
 from client.metrics import TrainerMetrics
 from client.trainer import PipelineTrainer, follow_load
+from scheduler.aggregators import offered
 from scheduler.assignments import Assignments
 from scheduler.coordinator import LocalCoordinator, gather_state
-from scheduler.coordinator.groups import Groups, link_of
+from scheduler.coordinator.groups import Aggregator, Groups, Link, link_of
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
 from scheduler.coordinator.replicas import grpc_replicas
@@ -183,7 +184,12 @@ class JobTraining:
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
             checkpoint_every_s=self.checkpoint_every_s,
             # parts by the links the peers announced (issue 43)
-            groups=Groups(lambda peer: link_of(self.peer_registry.peers.get(peer))),
+            groups=Groups(
+                lambda peer: link_of(self.peer_registry.peers.get(peer)),
+                offered(
+                    self.peer_registry.peers, lambda a: Aggregator(a.peer, a.address, Link(a.rate))
+                ),
+            ),
         )
         coordinator.membership.admitted.append(functools.partial(self.history.admitted, job_id))
         trainer = PipelineTrainer(

@@ -95,6 +95,7 @@ GRPC_ROLES: dict[str, str] = {
     "stage_server.server": "serves StageService, PoolService and health",
     "stage_server.servicer": "the StageService servicer",
     "stage_server.agent": "sets the health status its server serves",
+    "stage_server.aggregator": "serves PoolService and health (the aggregator peer)",
     "stage_server.averaging.butterfly": "dials PoolService.Reduce (the all-reduce's round)",
     "stage_server.averaging.service": "serves PoolService.Reduce (the owner's side)",
     "stage_server.averaging.channels": "the channels PoolService is dialled over",
