@@ -1,8 +1,9 @@
 """Reachability measured, not assumed: the scheduler dials each peer's announced address back.
 
 When a peer announces itself, or announces another address or relay, `ReachabilityChecker` dials
-it back with a short authenticated call (`Dialer`; in production `StageDialer`: StageService.Info
-through `swarm.net.tokens.channel`, with the swarm's token, a 2 s deadline). The gRPC health check
+it back with a short authenticated call (`Dialer`; in production `scheduler.dial_back`'s
+`StageDialer`: StageService.Info through `swarm.net.tokens.channel`, with the swarm's token, a 2 s
+deadline). The gRPC health check
 would not do: it is open to anyone, so it would not show that the peer takes the swarm's calls.
 The result is a `ReachabilityReport`:
 - DIRECT: its announced address answered, as that peer;
@@ -37,19 +38,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import grpc
-
 from swarm.net import paths
-from swarm.net.tokens import channel
 from swarm.proto import control_pb2 as cpb
-from swarm.proto import stage_pb2 as pb
-from swarm.proto import stage_pb2_grpc
 
 __all__ = [
     "DialFailed",
     "Dialer",
     "ReachabilityChecker",
-    "StageDialer",
     "path_text",
     "remedy",
 ]
@@ -71,36 +66,6 @@ class Dialer(Protocol):
         """The peer id that answers an authenticated call at dial address `address` ("" when
         something answers that serves no stage: an aggregator); `DialFailed` otherwise."""
         ...
-
-
-class StageDialer:
-    """StageService.Info with the swarm's token through `swarm.net.tokens.channel`, the one dialer
-    every call to a peer goes through (a relayed address goes through its relay there)."""
-
-    def __init__(self, token: str | None) -> None:
-        self._token = token
-
-    async def answer(self, address: str, timeout_s: float) -> str:
-        # One try, no waiting for a connection to come back: the deadline is the whole check.
-        options = [("grpc.max_reconnect_backoff_ms", int(timeout_s * 1000))]
-        conn = channel(address, token=self._token, options=options)
-        try:
-            info = stage_pb2_grpc.StageServiceStub(conn).Info
-            reply = await info(pb.StageInfoRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return ""  # a gRPC server of the swarm's that serves no stage (an aggregator)
-            raise DialFailed(f"{e.code().name}: {_last(e.details() or '')}") from None
-        finally:
-            await conn.close()
-        return reply.peer
-
-
-def _last(details: str) -> str:
-    """The last cause of a gRPC error's details, which run on through every layer."""
-    parts = details.splitlines()[0].split(": ") if details else [""]
-    text = ": ".join(parts[-2:]) if len(parts) > 2 else ": ".join(parts)
-    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def remedy(address: str) -> str:
