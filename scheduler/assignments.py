@@ -60,6 +60,12 @@ class Assignments:
         self._sent: dict[str, tuple[str, int, float]] = {}
         self.changed = asyncio.Event()  # set by whoever feeds the registry announcements
 
+    def reached(self, report: cpb.ReachabilityReport) -> None:
+        """A peer's dial-back (`scheduler.reachability`): kept, and placement looks again (a
+        peer checked may be placed now)."""
+        self.registry.reached(report)
+        self.changed.set()
+
     def floor(self, job: JobConfig) -> int:
         """The replicas every stage of `job` gets before any gets more, and keeps under
         rebalancing: its `runtime.min_replicas`, else the scheduler's `--min-replicas`."""

@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from swarm.bus.api import BusLike
 from swarm.net import paths
 from swarm.proto import control_pb2 as cpb
 
@@ -47,12 +48,24 @@ __all__ = [
     "ReachabilityChecker",
     "path_text",
     "remedy",
+    "retained_on",
 ]
 
 log = logging.getLogger(__name__)
 
 #: `publish(peer, report)`: retain `report` on the peer's topic; None clears it (the peer left).
 Publish = Callable[[str, cpb.ReachabilityReport | None], Awaitable[None]]
+
+
+def retained_on(bus: BusLike) -> Publish:
+    """`Publish` on `bus`: each report retained on `peers/{peer}/reachability`, cleared with an
+    empty retained message."""
+
+    async def publish(peer: str, report: cpb.ReachabilityReport | None) -> None:
+        topic = bus.topics.reachability(peer)
+        await bus.publish(topic, report if report is not None else b"", retain=True)
+
+    return publish
 
 
 class DialFailed(Exception):
@@ -242,7 +255,9 @@ class ReachabilityChecker:
 
     def _said(self, report: cpb.ReachabilityReport) -> None:
         if report.reachability == cpb.REACHABILITY_UNREACHABLE:
-            log.warning("peer %s is unreachable (%s): %s", report.peer, report.detail, report.remedy)
+            log.warning(
+                "peer %s is unreachable (%s): %s", report.peer, report.detail, report.remedy
+            )
         else:
             log.info("peer %s at %s: %s", report.peer, report.address, path_text(report))
 

@@ -63,8 +63,9 @@ class AclBroker(Broker):
     session, a last-will passes the ACL again when it is sent, and a PUBLISH the ACL refuses is
     dropped (MQTT 3.1.1 has no way to say no) and logged, as is a retained message where the
     swarm retains nothing or past its user's budget; subscribing is open, receiving too except
-    another peer's reachability report (`Gate.may_read`), each subscriber's queue bounded. Under TLS a connection is counted from its first byte, and its
-    handshake bounded by the connect timeout (asyncio's listener counted it only once done).
+    another peer's reachability report (`Gate.may_read`), each subscriber's queue bounded. Under
+    TLS a connection is counted from its first byte, and its handshake bounded by the connect
+    timeout (asyncio's listener counted it only once done).
 
     The hooks are amqtt's private methods (pinned amqtt version; tests/swarm/bus/ drive each
     through a real broker, so a version that moved one fails them). Not a topic plugin: amqtt

@@ -44,8 +44,8 @@ from collections.abc import Mapping, Sequence
 from swarm.policy.placement_search import Search, better, close, improve, score
 
 __all__ = [
-    "best_stage",
     "RELAYED_FACTOR",
+    "best_stage",
     "bottleneck",
     "path_speeds",
     "place",
