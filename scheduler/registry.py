@@ -146,11 +146,12 @@ class PeerRegistry:
         return p is not None and self.dial_address(p) != p.address
 
     def unreachable(self, job_id: str) -> list[cpb.ReachabilityReport]:
-        """The dial-backs of `job_id`'s peers (joining or serving it) that nobody can dial."""
+        """The dial-backs of the peers nobody can dial among `job_id`'s (joining or serving it)
+        and those free for any job (no job yet)."""
         return [
             self._reach[p.peer]
             for p in sorted(self.peers.values(), key=lambda p: p.peer)
-            if p.job == job_id and self._unreachable(p.peer)
+            if p.job in (job_id, "") and self._unreachable(p.peer)
         ]
 
     def _unreachable(self, peer: str) -> bool:

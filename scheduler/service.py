@@ -36,7 +36,7 @@ from scheduler.logged import logged
 from scheduler.options import SchedulerOptions
 from scheduler.reachability import Dialer, ReachabilityChecker, retained_on
 from scheduler.registry import PeerRegistry
-from scheduler.replica_status import replica_status
+from scheduler.replica_status import replica_status, unreachable_warnings
 from scheduler.retained import clear_retained
 from scheduler.retention import Retention
 from scheduler.speed import RecentSpeed
@@ -210,8 +210,8 @@ class Scheduler:
         return self._health.setdefault(job_id, Health())
 
     def health(self, job_id: str) -> tuple[float, list[str]]:
-        health = self._health.get(job_id)
-        return (health.waiting_since, list(health.warnings)) if health else (0.0, [])
+        health, far = self._health.get(job_id), unreachable_warnings(self.peer_registry, job_id)
+        return (health.waiting_since, [*health.warnings, *far]) if health else (0.0, far)
 
     def rounds(self, job_id: str, step: int) -> spb.RoundStatus | None:
         coordinator = self._coordinators.get(job_id)
