@@ -138,9 +138,7 @@ async def test_a_peer_with_another_token_is_told_about_the_token() -> None:
         assert "token" in report.remedy
 
 
-async def test_announcements_repeated_are_not_dialled_again_but_a_new_address_or_relay_is() -> (
-    None
-):
+async def test_announcements_repeated_are_not_dialled_again_but_a_new_address_or_relay_is() -> None:
     dialer = FakeDialer({"h:1": "a", "h:2": "a"})
     async with checking(dialer, recheck_s=3600) as c:
         c.checker.announced(announce("a", "h:1"))

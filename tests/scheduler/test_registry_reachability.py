@@ -165,3 +165,36 @@ async def test_placement_keeps_a_relayed_peer_off_a_stage_it_alone_would_bottlen
     stage = {p: m.stage for p, m in bus.published.items()}
     # Measured alone r (12) would get a stage of its own; through its relay it carries 6.
     assert sorted(p for p, k in stage.items() if k == stage["r"]) in (["a", "r"], ["b", "r"])
+
+
+class _View:
+    """What the collector reads of a scheduler (`scheduler.collector.SchedulerView`)."""
+
+    def __init__(self, registry: PeerRegistry) -> None:
+        self.peer_registry, self.snapshot = registry, {}
+
+    def admitted(self, job_id: str) -> frozenset[str] | None:
+        return None
+
+
+def test_each_peers_reachability_is_a_gauge() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from scheduler.collector import collector
+
+    reg = registry()
+    for name in "abcd":
+        reg.announce(peer(name, relay="relay:7" if name == "b" else ""))
+    reg.reached(report("a", cpb.REACHABILITY_DIRECT))
+    reg.reached(report("b", cpb.REACHABILITY_RELAYED, "relay:7"))
+    reg.reached(report("c", cpb.REACHABILITY_UNREACHABLE))
+    metrics = CollectorRegistry()
+    metrics.register(collector(_View(reg)))  # type: ignore[arg-type]
+    ones = {
+        (s.labels["peer"], s.labels["reachability"])
+        for family in metrics.collect()
+        if family.name == "swarm_peer_reachability"
+        for s in family.samples
+        if s.value == 1.0
+    }
+    assert ones == {("a", "direct"), ("b", "relayed"), ("c", "unreachable"), ("d", "unknown")}

@@ -29,4 +29,3 @@ def test_placement_keeps_a_relayed_peer_off_a_stage_it_alone_would_bottleneck() 
     placed = place(priced, 2)
     assert sorted(p for p, k in placed.items() if k == placed["r"]) in (["a", "r"], ["b", "r"])
     assert bottleneck(placed, priced, 2) == 10.0 > bottleneck(blind, priced, 2)
-
