@@ -1,7 +1,8 @@
 """The scheduler's Prometheus gauges of live state: peers per job, stage and state, each stage's
 measured throughput, each job's state, step and loss, and each present peer's reachability as
-the scheduler's dial-back found it (`swarm_peer_reachability`, 1 for its current one). A peer counts as serving its stage only
-once the job's coordinator admitted it (`PeerRegistry.shown`): until then it is joining.
+the scheduler's dial-back found it (`swarm_peer_reachability`, 1 for its current one). A peer
+counts as serving its stage only once the job's coordinator admitted it (`PeerRegistry.shown`):
+until then it is joining.
 
 Why a collector and not gauges kept up to date: these are computed at scrape time from what the
 scheduler already holds, so there is nothing to keep in sync, and a job's series go when it
