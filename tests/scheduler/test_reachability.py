@@ -210,3 +210,24 @@ async def test_a_dialer_that_hangs_is_cut_off_by_the_checks_deadline() -> None:
         report = await c.report()
         assert report.reachability == cpb.REACHABILITY_UNREACHABLE
         assert "no answer within 0.1 s" in report.detail
+
+
+async def test_the_checker_holds_only_present_peers() -> None:
+    dialer = FakeDialer({f"h:{i}": f"p{i}" for i in range(200)})
+    async with checking(dialer) as c:
+        for i in range(200):
+            c.checker.announced(announce(f"p{i}", f"h:{i}"))
+        for _ in range(200):
+            await c.report()
+        for i in range(200):
+            c.checker.announced(cpb.PeerAnnouncement(peer=f"p{i}", state=cpb.PEER_STATE_OFFLINE))
+        for _ in range(500):
+            if len(c.published) == 400:
+                break
+            await asyncio.sleep(0.01)
+        checker = c.checker
+        assert checker.reports == {} and checker._targets == {} and checker._due == {}
+        assert checker._misses == {} and checker._checking == {}
+        assert sorted(p for p, report in c.published if report is None) == sorted(
+            f"p{i}" for i in range(200)
+        )
