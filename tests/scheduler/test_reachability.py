@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -43,7 +44,7 @@ class FakeDialer:
 class Checked:
     """A checker over a `FakeDialer`, with what it published and reported."""
 
-    def __init__(self, dialer: FakeDialer, **kwargs: float) -> None:
+    def __init__(self, dialer: FakeDialer, **kwargs: Any) -> None:
         self.published: list[tuple[str, cpb.ReachabilityReport | None]] = []
         self.reported: asyncio.Queue[cpb.ReachabilityReport] = asyncio.Queue()
         self.dialer = dialer
@@ -62,7 +63,7 @@ class Checked:
 
 
 @contextlib.asynccontextmanager
-async def checking(dialer: FakeDialer, **kwargs: float) -> AsyncIterator[Checked]:
+async def checking(dialer: FakeDialer, **kwargs: Any) -> AsyncIterator[Checked]:
     checked = Checked(dialer, **kwargs)
     task = asyncio.create_task(checked.checker.run())
     try:
@@ -73,9 +74,13 @@ async def checking(dialer: FakeDialer, **kwargs: float) -> AsyncIterator[Checked
             await task
 
 
-def announce(peer: str, address: str, relay: str = "", **kw: object) -> cpb.PeerAnnouncement:
+def announce(peer: str, address: str, relay: str = "", speed: float = 0.0) -> cpb.PeerAnnouncement:
     return cpb.PeerAnnouncement(
-        peer=peer, address=address, relay=relay, state=cpb.PEER_STATE_JOINING, **kw
+        peer=peer,
+        address=address,
+        relay=relay,
+        state=cpb.PEER_STATE_JOINING,
+        samples_per_second={0: speed},
     )
 
 
@@ -144,7 +149,7 @@ async def test_announcements_repeated_are_not_dialled_again_but_a_new_address_or
         c.checker.announced(announce("a", "h:1"))
         await c.report()
         for _ in range(5):
-            c.checker.announced(announce("a", "h:1", samples_per_second={0: 1.0}))
+            c.checker.announced(announce("a", "h:1", speed=1.0))
         c.checker.announced(announce("a", "h:2"))
         report = await c.report()
         assert report.address == "h:2"

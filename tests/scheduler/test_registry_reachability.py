@@ -137,7 +137,7 @@ async def test_a_job_waiting_for_peers_names_those_nobody_can_dial_with_the_reme
     reg = registry()
     reg.announce(peer("c"))
     reg.reached(report("c", cpb.REACHABILITY_UNREACHABLE))
-    bus, said = _Bus(), []
+    bus, said = _Bus(), list[str]()
     place = asyncio.create_task(_assignments(reg, bus, said).place("j", 1, lambda: 0, []))
     async with asyncio.timeout(10.0):
         while not said:
@@ -160,7 +160,7 @@ async def test_placement_keeps_a_relayed_peer_off_a_stage_it_alone_would_bottlen
         reg.reached(
             report(name, cpb.REACHABILITY_RELAYED if relayed else 1, "relay:7" if relayed else "")
         )
-    bus, said = _Bus(), []
+    bus, said = _Bus(), list[str]()
     await _assignments(reg, bus, said)._assign_available("j", reg.available("j", 2), [], 1)
     stage = {p: m.stage for p, m in bus.published.items()}
     # Measured alone r (12) would get a stage of its own; through its relay it carries 6.
@@ -171,7 +171,7 @@ class _View:
     """What the collector reads of a scheduler (`scheduler.collector.SchedulerView`)."""
 
     def __init__(self, registry: PeerRegistry) -> None:
-        self.peer_registry, self.snapshot = registry, {}
+        self.peer_registry, self.snapshot = registry, dict[str, object]()
 
     def admitted(self, job_id: str) -> frozenset[str] | None:
         return None
