@@ -159,14 +159,14 @@ class ReachabilityChecker:
         self._wake.set()
 
     def left(self, peer: str) -> None:
-        """`peer` left: forget it, and clear its retained report."""
-        known = peer in self._targets or peer in self.reports
+        """`peer` left: forget it, and clear its retained report. Cleared even when not known
+        here: a peer that left while the scheduler was down is known by its retained last-will
+        only, and its report of before would stay retained (clearing nothing is nothing)."""
         self._targets.pop(peer, None)
         self._due.pop(peer, None)
         self._misses.pop(peer, None)
         self.reports.pop(peer, None)
-        if known:
-            self._spawn(self._clear(peer))
+        self._spawn(self._clear(peer))
 
     # -- the checks ------------------------------------------------------------------------------
     async def run(self) -> None:

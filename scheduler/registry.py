@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from swarm.clock import Clock
 from swarm.net import paths
+from swarm.policy.placement import path_speeds
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
 
@@ -299,8 +300,10 @@ class PeerRegistry:
         self, job_id: str, stages: int
     ) -> tuple[dict[str, int], dict[str, list[float]]] | None:
         """The job's members as rebalancing sees them: each one's stage, and its samples/s on
-        every stage (measured where it serves, announced elsewhere). None until every member has
-        reported a measurement on its stage: decide on measured throughput only."""
+        every stage (measured where it serves, announced elsewhere; a relayed one's at its path's
+        price, `placement.path_speeds`, as placement counts it: its compute was measured, not its
+        relay). None until every member has reported a measurement on its stage: decide on
+        measured throughput only."""
         members = self.members(job_id, stages)
         assignment = {rep.peer: k for k, reps in enumerate(members) for rep in reps}
         speeds: dict[str, list[float]] = {}
@@ -311,7 +314,7 @@ class PeerRegistry:
             announced = self.peers[peer].samples_per_second
             speeds[peer] = [announced.get(j, 0.0) for j in range(stages)]
             speeds[peer][k] = load.speed  # what it really does where it is now
-        return assignment, speeds
+        return assignment, path_speeds(speeds, {p: None for p in speeds if self.relayed(p)})
 
     def _quiet(self, job_id: str, peer: str) -> float:
         """Seconds since `peer`'s last load report for this job, or, before its first, since it

@@ -99,6 +99,19 @@ def test_a_relayed_peer_is_dialled_through_its_relay() -> None:
     assert reg.members("j", 2)[1][0].address == "n.lan:5000" and not reg.relayed("n")
 
 
+def test_rebalancing_sees_a_relayed_member_at_its_paths_price() -> None:
+    reg = registry()
+    reg.announce(peer("a", cpb.PEER_STATE_SERVING, stage=0, speeds=(4.0, 4.0)))
+    reg.announce(peer("n", cpb.PEER_STATE_SERVING, stage=1, speeds=(4.0, 4.0), relay="r:7"))
+    reg.reached(report("a", cpb.REACHABILITY_DIRECT))
+    reg.reached(report("n", cpb.REACHABILITY_RELAYED, "r:7"))
+    for name, stage in (("a", 0), ("n", 1)):
+        reg.report_load(cpb.LoadReport(peer=name, job="j", stage=stage, ema_seconds_per_sample=0.1))
+    measured = reg.measured("j", 2)
+    assert measured is not None
+    assert measured[1] == {"a": [10.0, 4.0], "n": [2.0, 5.0]}  # n: 10/s, 5 via its relay
+
+
 def test_a_peer_that_leaves_takes_its_report_along() -> None:
     reg = registry()
     reg.announce(peer("c"))
