@@ -1,7 +1,9 @@
 """`swarm status JOB` and its live form, `--watch`: the job's state, step, loss and speed (over a
 recent window: zero in a stall; an ended job's is its mean and it shows how long it took), what it
-waits for and for how long, its warnings, each stage's replicas with their throughput and state
-(a replica counts once its join succeeded; until then it is joining, with what it waits for),
+waits for and for how long, its warnings, each stage's replicas with their throughput, path
+(direct, via its relay, or UNREACHABLE with the remedy, as the scheduler's dial-back found it),
+measured link rates and state (a replica counts once its join succeeded; until then it is
+joining, with what it waits for),
 and its recent events: the scheduler's history of the job (joins, leaves and why, restarts, moves,
 stalls, rollbacks, its end), from the start. Against a scheduler that keeps no history, watching
 shows the events seen between two looks instead.
@@ -24,7 +26,13 @@ from swarm.job.states import TERMINAL_PROTO, peer_state_name
 from swarm.job.states import job_state_name as state_name
 from swarm.ops.progress import duration_text
 from swarm.proto import scheduler_pb2
-from swarm.proto.control_pb2 import PEER_STATE_JOINING, PEER_STATE_SERVING
+from swarm.proto.control_pb2 import (
+    PEER_STATE_JOINING,
+    PEER_STATE_SERVING,
+    REACHABILITY_DIRECT,
+    REACHABILITY_RELAYED,
+    REACHABILITY_UNREACHABLE,
+)
 
 __all__ = [
     "LiveView",
@@ -32,6 +40,8 @@ __all__ = [
     "event_lines_of",
     "events",
     "loss_text",
+    "path_text",
+    "rates_text",
     "rounds_lines",
     "shown",
     "status_lines",
@@ -120,20 +130,51 @@ def status_lines(
             f"stage {st.stage} ({layers}): {_counted(st)} replica(s)"
             + (f", {joining} joining" if joining else "")
         )
-        rows = [["  PEER", "DEVICE", "SAMPLES/S", "STATE"]]
+        rows = [["  PEER", "DEVICE", "SAMPLES/S", "PATH", "UP/DOWN", "STATE"]]
         rows += [
             [
                 f"  {shown(r.peer)}",
                 shown(r.device),
                 f"{r.samples_per_second:.1f}",
+                path_text(r),
+                rates_text(r.upload_bytes_per_second, r.download_bytes_per_second),
                 peer_state_name(r.state) + (f": {shown(r.joining)}" if r.joining else ""),
             ]
             for r in st.replicas
         ]
         lines += table(rows).splitlines() if st.replicas else []
+        lines += [  # why, and what fixes it: too long for a column
+            f"    {shown(r.peer)} is UNREACHABLE: {shown(r.reachability_detail)}"
+            for r in st.replicas
+            if r.reachability == REACHABILITY_UNREACHABLE and r.reachability_detail
+        ]
     if events and s.events:
         lines += ["", "events:", *(f"  {e}" for e in event_lines(s, events))]
     return lines
+
+
+def path_text(r: scheduler_pb2.Replica) -> str:
+    """How calls reach a replica, as the scheduler's dial-back found it: "direct", "via RELAY",
+    "UNREACHABLE"; "-" before its first dial-back (or from a scheduler that does none)."""
+    if r.reachability == REACHABILITY_DIRECT:
+        return "direct"
+    if r.reachability == REACHABILITY_RELAYED:
+        return f"via {shown(r.relay)}"
+    return "UNREACHABLE" if r.reachability == REACHABILITY_UNREACHABLE else "-"
+
+
+def rates_text(up: float, down: float) -> str:
+    """Measured link rates (bytes/s) as "100/20 Mbit/s"; "?" for one not known, "-" for none."""
+    if up <= 0 and down <= 0:
+        return "-"
+
+    def mbit(rate: float) -> str:
+        if rate <= 0 or not math.isfinite(rate):
+            return "?"
+        value = rate * 8 / 1e6
+        return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+    return f"{mbit(up)}/{mbit(down)} Mbit/s"
 
 
 def _size_text(n: int) -> str:

@@ -4,7 +4,9 @@
 gives peers that join a running job a stage; `assign` publishes one assignment (rebalancing moves
 go through it too). Who goes where is `swarm.policy.placement.place_new`'s decision (every stage
 gets the job's `min_replicas`, `floor`, before any gets more); who is there is the
-`PeerRegistry`'s.
+`PeerRegistry`'s. A relayed peer (behind NAT) is placed at the share of its speed its path
+carries (`placement.path_speeds`); an unreachable one is not placed, and while a job waits for
+peers its message names those nobody can dial, with the remedy.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from scheduler.registry import PeerRegistry
 from scheduler.stalls import REMEDY, Health, stages_text
 from swarm.bus.connection import BusLike
 from swarm.job.config import JobConfig
-from swarm.policy.placement import place_new
+from swarm.policy.placement import path_speeds, place_new
 from swarm.proto import control_pb2 as cpb
 
 __all__ = ["Assignments"]
@@ -57,6 +59,12 @@ class Assignments:
         # peer -> (job, stage, clock time) of its last assignment, until it serves there
         self._sent: dict[str, tuple[str, int, float]] = {}
         self.changed = asyncio.Event()  # set by whoever feeds the registry announcements
+
+    def reached(self, report: cpb.ReachabilityReport) -> None:
+        """A peer's dial-back (`scheduler.reachability`): kept, and placement looks again (a
+        peer checked may be placed now)."""
+        self.registry.reached(report)
+        self.changed.set()
 
     def floor(self, job: JobConfig) -> int:
         """The replicas every stage of `job` gets before any gets more, and keeps under
@@ -111,7 +119,7 @@ class Assignments:
                         f"waiting for peers: {stages_text(missing)} without a replica; this "
                         f"job's {stages} stage(s) need at least {stages} stage server(s), one "
                         f"per stage ({stages - len(missing)} served, {len(available)} more "
-                        f"peer(s) measured): {REMEDY} ({more} more)",
+                        f"peer(s) measured): {REMEDY} ({more} more)" + self._unreachable(job_id),
                     )
                     await self._change(5.0)
                     continue
@@ -186,8 +194,13 @@ class Assignments:
         if not available:
             return
         stages = len(next(iter(available.values())))
+        available = self._priced(available)
         members = self.registry.members(job_id, stages)
-        totals = [sum(r.throughput for r in stage) for stage in members] if any(members) else None
+        totals = (
+            [sum(self._priced({r.peer: [r.throughput]})[r.peer][0] for r in s) for s in members]
+            if any(members)
+            else None
+        )
         coming = self.on_the_way(job_id, stages)  # so a burst of joins is not all sent to one
         sizes = [len(stage) + len(more) for stage, more in zip(members, coming, strict=True)]
         # A peer back under its id (restarted) finds the stage it was given retained on the
@@ -219,6 +232,19 @@ class Assignments:
             assigned.append(peer)
         where = ", ".join(f"{peer} on stage {stage}" for peer, stage in sorted(placement.items()))
         await self.say(job_id, f"starting {len(placement)} stage server(s): {where}")
+
+    def _unreachable(self, job_id: str) -> str:
+        """The job's peers nobody can dial, with why and the remedy ("" when none): they wait
+        too, but a dial-back found no path to them, and none serves until that is fixed."""
+        reports = self.registry.unreachable(job_id)
+        if not reports:
+            return ""
+        who = "; ".join(f"{r.peer} at {r.address} ({r.detail})" for r in reports)
+        return f"; not placed, UNREACHABLE: {who}: {reports[0].remedy}"
+
+    def _priced(self, speeds: dict[str, list[float]]) -> dict[str, list[float]]:
+        """`speeds` as placement counts them: a relayed peer's at its path's share."""
+        return path_speeds(speeds, {p: None for p in speeds if self.registry.relayed(p)})
 
     async def _wait_serving(self, job_id: str, stages: list[int]) -> None:
         deadline = time.monotonic() + self.serve_timeout_s

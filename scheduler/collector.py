@@ -1,6 +1,8 @@
 """The scheduler's Prometheus gauges of live state: peers per job, stage and state, each stage's
-measured throughput, and each job's state, step and loss. A peer counts as serving its stage only
-once the job's coordinator admitted it (`PeerRegistry.shown`): until then it is joining.
+measured throughput, each job's state, step and loss, and each present peer's reachability as
+the scheduler's dial-back found it (`swarm_peer_reachability`, 1 for its current one). A peer
+counts as serving its stage only once the job's coordinator admitted it (`PeerRegistry.shown`):
+until then it is joining.
 
 Why a collector and not gauges kept up to date: these are computed at scrape time from what the
 scheduler already holds, so there is nothing to keep in sync, and a job's series go when it
@@ -24,6 +26,13 @@ from swarm.job.states import JOB_STATES, peer_state_name
 from swarm.proto import control_pb2 as cpb
 
 __all__ = ["SchedulerView", "collector"]
+
+_REACHABILITY = {
+    cpb.REACHABILITY_UNKNOWN: "unknown",
+    cpb.REACHABILITY_DIRECT: "direct",
+    cpb.REACHABILITY_RELAYED: "relayed",
+    cpb.REACHABILITY_UNREACHABLE: "unreachable",
+}
 
 
 class SchedulerView(Protocol):
@@ -87,6 +96,17 @@ def collector(scheduler: SchedulerView) -> Collector:
                 step.add_metric([job_id], record.step)
                 if not math.isnan(record.loss):
                     loss.add_metric([job_id], record.loss)
-            yield from (peers, speed, job_state, step, loss)
+            reach = GaugeMetricFamily(
+                "swarm_peer_reachability",
+                "1 for how the scheduler's dial-back reached the peer (direct, relayed, "
+                "unreachable; unknown: not checked yet)",
+                labels=["peer", "reachability"],
+            )
+            for p in present:
+                report = registry.reachability(p.peer)
+                now = report.reachability if report is not None else cpb.REACHABILITY_UNKNOWN
+                for value, label in _REACHABILITY.items():
+                    reach.add_metric([p.peer, label], 1.0 if value == now else 0.0)
+            yield from (peers, speed, job_state, step, loss, reach)
 
     return _Collector()

@@ -13,6 +13,13 @@ that announces itself offline is forgotten entirely, so the registry holds only 
 only the stage it was last given stays (`given`): that assignment is retained on the broker, and
 the peer acts on it when it comes back.
 
+What the scheduler's dial-back found of each peer (`scheduler.reachability`) is kept here too
+(`reached`): an UNREACHABLE peer is no member, serves nothing and is not placed; a RELAYED one is
+dialled through its relay (`dial_address`: every call to it, the coordinator's and the trainers',
+goes there). With `require_reachable` (the scheduler's) a peer not checked yet is not placed
+either: its check takes two seconds. A serving peer not checked yet (the scheduler restarted)
+counts meanwhile, at the address (or relay) it announces: it served until now.
+
 A peer that says it serves is not yet a replica that counts: `shown` is each stage's peers as
 `swarm status` and the gauges show them, serving only once the step coordinator admitted them
 (their join succeeded), else joining with what they wait for.
@@ -26,6 +33,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from swarm.clock import Clock
+from swarm.net import paths
+from swarm.policy.placement import path_speeds
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
 
@@ -55,9 +64,19 @@ class Shown:
 
 
 class PeerRegistry:
-    def __init__(self, clock: Clock, *, load_silence_s: float, serve_timeout_s: float) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        load_silence_s: float,
+        serve_timeout_s: float,
+        require_reachable: bool = False,
+    ) -> None:
         """`serve_timeout_s`: a peer assigned a stage that still says JOINING after this long is
-        available to be placed again."""
+        available to be placed again; `require_reachable`: only peers a dial-back reached are
+        placed (`reached`)."""
+        self.require_reachable = require_reachable
+        self._reach: dict[str, cpb.ReachabilityReport] = {}  # peer -> its last dial-back
         self.clock = clock
         self.load_silence_s = load_silence_s
         self.serve_timeout_s = serve_timeout_s
@@ -103,6 +122,50 @@ class PeerRegistry:
             speed = old.speed  # a report without a figure keeps the last one
         self._loads[message.peer] = _Load(message.job, message.stage, self.clock.now(), speed)
 
+    def reached(self, report: cpb.ReachabilityReport) -> None:
+        """What the dial-back found of a present peer (one that left meanwhile is ignored)."""
+        if report.peer in self.peers:
+            self._reach[report.peer] = report
+
+    def reachability(self, peer: str) -> cpb.ReachabilityReport | None:
+        """`peer`'s last dial-back; None: not checked yet."""
+        return self._reach.get(peer)
+
+    def dial_address(self, p: cpb.PeerAnnouncement) -> str:
+        """Where a call to `p` goes: through its relay when the dial-back reached it there (or,
+        not checked yet, when it announces one), else its announced address."""
+        report = self._reach.get(p.peer)
+        if report is not None and report.reachability == cpb.REACHABILITY_RELAYED:
+            return paths.relayed_address(p.peer, p.address, report.relay)
+        if (report is None or report.reachability == cpb.REACHABILITY_UNKNOWN) and p.relay:
+            return paths.relayed_address(p.peer, p.address, p.relay)
+        return p.address
+
+    def relayed(self, peer: str) -> bool:
+        """Whether calls to `peer` go through a relay (placement discounts its throughput)."""
+        p = self.peers.get(peer)
+        return p is not None and self.dial_address(p) != p.address
+
+    def unreachable(self, job_id: str) -> list[cpb.ReachabilityReport]:
+        """The dial-backs of the peers nobody can dial among `job_id`'s (joining or serving it)
+        and those free for any job (no job yet)."""
+        return [
+            self._reach[p.peer]
+            for p in sorted(self.peers.values(), key=lambda p: p.peer)
+            if p.job in (job_id, "") and self._unreachable(p.peer)
+        ]
+
+    def _unreachable(self, peer: str) -> bool:
+        report = self._reach.get(peer)
+        return report is not None and report.reachability == cpb.REACHABILITY_UNREACHABLE
+
+    def _placeable(self, peer: str) -> bool:
+        """Whether `peer` may be given work: not unreachable, and checked if that is required."""
+        report = self._reach.get(peer)
+        if report is None or report.reachability == cpb.REACHABILITY_UNKNOWN:
+            return not self.require_reachable
+        return report.reachability != cpb.REACHABILITY_UNREACHABLE
+
     def assigned(self, peer: str, job_id: str, stage: int | None = None) -> None:
         """The scheduler gave `peer` `stage` of `job_id` just now."""
         self._assigned_at[peer] = (job_id, self.clock.now())
@@ -126,6 +189,7 @@ class PeerRegistry:
         self._unplaceable.discard(peer)
         self._serving_since.pop(peer, None)
         self._silent_logged.discard(peer)
+        self._reach.pop(peer, None)
 
     # -- what it answers --------------------------------------------------------------------------
     def largest_memory(self) -> tuple[int, str]:
@@ -134,7 +198,8 @@ class PeerRegistry:
         return max(((a.memory_bytes, p) for p, a in self.peers.items()), default=(0, ""))
 
     def members(self, job_id: str, stages: int) -> list[list[Replica]]:
-        """Per stage, the peers serving it for this job, in a stable order (peer id)."""
+        """Per stage, the peers serving it for this job, in a stable order (peer id), each at its
+        `dial_address`; an unreachable one is none."""
         result: list[list[Replica]] = [[] for _ in range(stages)]
         for p in sorted(self.peers.values(), key=lambda p: p.peer):
             if (
@@ -142,11 +207,11 @@ class PeerRegistry:
                 and p.state == cpb.PEER_STATE_SERVING
                 and p.HasField("stage")
                 and p.stage < stages
+                and not self._unreachable(p.peer)
                 and not self._silent(job_id, p.peer)
             ):
-                result[p.stage].append(
-                    Replica(p.peer, p.address, p.samples_per_second.get(p.stage, 0.0))
-                )
+                speed = p.samples_per_second.get(p.stage, 0.0)
+                result[p.stage].append(Replica(p.peer, self.dial_address(p), speed))
         return result
 
     def shown(
@@ -190,19 +255,25 @@ class PeerRegistry:
         return result
 
     def serving(self, job_id: str) -> dict[int, str]:
-        """Per stage, the address of the fastest replica serving it."""
+        """Per stage, the dial address of the fastest replica serving it (not an unreachable
+        one: it serves nobody)."""
         best: dict[int, tuple[float, str]] = {}
         for p in self.peers.values():
-            if p.job == job_id and p.state == cpb.PEER_STATE_SERVING and p.HasField("stage"):
+            if (
+                p.job == job_id
+                and p.state == cpb.PEER_STATE_SERVING
+                and p.HasField("stage")
+                and not self._unreachable(p.peer)
+            ):
                 speed = p.samples_per_second.get(p.stage, 0.0)
                 if p.stage not in best or speed > best[p.stage][0]:
-                    best[p.stage] = (speed, p.address)
+                    best[p.stage] = (speed, self.dial_address(p))
         return {k: address for k, (_, address) in best.items()}
 
     def available(self, job_id: str, stages: int) -> dict[str, list[float]]:
-        """Joining peers measured for this job and not building a stage they were given: their
-        samples/s per stage. A peer whose figures cannot be placed (not finite, negative, none
-        positive) is left out, with a log line."""
+        """Joining peers measured for this job, not building a stage they were given, and
+        `_placeable` (reached by a dial-back): their samples/s per stage. A peer whose figures
+        cannot be placed (not finite, negative, none positive) is left out, with a log line."""
         available = {}
         now = self.clock.now()
         for p in self.peers.values():
@@ -215,6 +286,8 @@ class PeerRegistry:
             job, assigned_at = self._assigned_at.get(p.peer, ("", 0.0))
             if job == job_id and now - assigned_at < self.serve_timeout_s:
                 continue  # building the stage it was given
+            if not self._placeable(p.peer):
+                continue  # no work down a path nobody can dial (`unreachable` says why)
             speeds = [p.samples_per_second[k] for k in range(stages)]
             if all(math.isfinite(v) and v >= 0.0 for v in speeds) and max(speeds) > 0.0:
                 available[p.peer] = speeds
@@ -227,8 +300,10 @@ class PeerRegistry:
         self, job_id: str, stages: int
     ) -> tuple[dict[str, int], dict[str, list[float]]] | None:
         """The job's members as rebalancing sees them: each one's stage, and its samples/s on
-        every stage (measured where it serves, announced elsewhere). None until every member has
-        reported a measurement on its stage: decide on measured throughput only."""
+        every stage (measured where it serves, announced elsewhere; a relayed one's at its path's
+        price, `placement.path_speeds`, as placement counts it: its compute was measured, not its
+        relay). None until every member has reported a measurement on its stage: decide on
+        measured throughput only."""
         members = self.members(job_id, stages)
         assignment = {rep.peer: k for k, reps in enumerate(members) for rep in reps}
         speeds: dict[str, list[float]] = {}
@@ -239,7 +314,7 @@ class PeerRegistry:
             announced = self.peers[peer].samples_per_second
             speeds[peer] = [announced.get(j, 0.0) for j in range(stages)]
             speeds[peer][k] = load.speed  # what it really does where it is now
-        return assignment, speeds
+        return assignment, path_speeds(speeds, {p: None for p in speeds if self.relayed(p)})
 
     def _quiet(self, job_id: str, peer: str) -> float:
         """Seconds since `peer`'s last load report for this job, or, before its first, since it

@@ -29,11 +29,14 @@ from scheduler.assignments import Assignments
 from scheduler.collector import collector
 from scheduler.coordinator import LocalCoordinator, gather_model
 from scheduler.coordinator.metrics import CoordinatorFamilies
+from scheduler.dial_back import StageDialer
 from scheduler.history import History, state_change_text
 from scheduler.job_training import JobTraining, final_path, routes_path
 from scheduler.logged import logged
 from scheduler.options import SchedulerOptions
+from scheduler.reachability import Dialer, ReachabilityChecker, retained_on
 from scheduler.registry import PeerRegistry
+from scheduler.replica_status import replica_status, unreachable_warnings
 from scheduler.retained import clear_retained
 from scheduler.retention import Retention
 from scheduler.speed import RecentSpeed
@@ -67,6 +70,7 @@ class Scheduler:
         bus: BusLike,
         opts: SchedulerOptions,
         registry: CollectorRegistry | None = None,
+        dialer: Dialer | None = None,
     ) -> None:
         self.store, self.bus, self.opts = store, bus, opts
         self.registry = registry or CollectorRegistry()
@@ -74,6 +78,7 @@ class Scheduler:
             MonotonicClock(),
             load_silence_s=opts.load_silence_s,
             serve_timeout_s=opts.serve_timeout_s,
+            require_reachable=True,
         )
         # Each unfinished job's waiting and warnings (placement's and the running job's watch).
         self._health: dict[str, Health] = {}
@@ -89,6 +94,9 @@ class Scheduler:
             lost_stage_grace_s=opts.lost_stage_grace_s,
             health=self.health_of,
             min_replicas=opts.min_replicas,
+        )
+        self.reachability = ReachabilityChecker(
+            dialer or StageDialer(opts.token), retained_on(bus), self.assignments.reached
         )
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # Both filled by `self._training`: each job's recent speed, its open coordinator.
@@ -139,6 +147,7 @@ class Scheduler:
             self._group = group
             watcher = group.create_task(self._watch_peers())
             load = group.create_task(self._watch_load())
+            dial_back = group.create_task(self.reachability.run())
             self.snapshot = {r.id: r for r in self.store.page(100)[0]}
             for record in self.store.unfinished():
                 log.info("resuming job %s (%s, step %d)", record.id, record.state, record.step)
@@ -149,7 +158,7 @@ class Scheduler:
             group.create_task(self._retention.sweep())
             await stop.wait()
             self._group = None  # jobs submitted from now on wait in the store for the next run
-            for task in [watcher, load, *self._tasks.values(), *self._expiring.values()]:
+            for task in [watcher, load, dial_back, *self._tasks.values(), *self._expiring.values()]:
                 task.cancel()
 
     def _start(self, job_id: str) -> None:
@@ -183,18 +192,7 @@ class Scheduler:
         coordinator = self._coordinators.get(job_id)
         waits = coordinator.membership.waits() if coordinator is not None else {}
         for shown in self.peer_registry.shown(job_id, self.admitted(job_id), waits, len(result)):
-            p = shown.announcement
-            result[shown.stage].replicas.append(
-                spb.Replica(
-                    peer=p.peer,
-                    address=p.address,
-                    metrics_address=p.metrics_address,
-                    device=p.device,
-                    state=shown.state,
-                    samples_per_second=p.samples_per_second.get(shown.stage, 0.0),
-                    joining=shown.joining,
-                )
-            )
+            result[shown.stage].replicas.append(replica_status(shown, self.peer_registry))
         return result
 
     def admitted(self, job_id: str) -> frozenset[str] | None:
@@ -212,8 +210,8 @@ class Scheduler:
         return self._health.setdefault(job_id, Health())
 
     def health(self, job_id: str) -> tuple[float, list[str]]:
-        health = self._health.get(job_id)
-        return (health.waiting_since, list(health.warnings)) if health else (0.0, [])
+        health, far = self._health.get(job_id), unreachable_warnings(self.peer_registry, job_id)
+        return (health.waiting_since, [*health.warnings, *far]) if health else (0.0, far)
 
     def rounds(self, job_id: str, step: int) -> spb.RoundStatus | None:
         coordinator = self._coordinators.get(job_id)
@@ -265,6 +263,7 @@ class Scheduler:
             if isinstance(message, cpb.PeerAnnouncement):
                 old = self.peer_registry.peers.get(message.peer)
                 self.peer_registry.announce(message)
+                self.reachability.announced(message)  # dialled back off this loop's path
                 self.history.peer(old, message)
                 self.assignments.changed.set()
 

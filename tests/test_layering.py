@@ -101,6 +101,7 @@ GRPC_ROLES: dict[str, str] = {
     "stage_server.averaging.channels": "the channels PoolService is dialled over",
     "scheduler.main": "serves the job API and health",
     "scheduler.job_api": "the job API's servicer",
+    "scheduler.dial_back": "dials a peer back (StageService.Info) to measure its reachability",
     "client.sdk": "dials the job API",
     "client.remote": "dials the job API for leases",
 }

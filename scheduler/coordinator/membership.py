@@ -62,6 +62,8 @@ class Membership:
         self._copying: dict[str, tuple[int, Replica, Replica]] = {}
         self.ledgers, self.metrics = ledgers, metrics
         self.synced: set[str] = set()
+        # stage -> "peer at address: error" of each member that did not answer the last reconcile
+        self.unanswered: dict[int, list[str]] = {}
         self._stage_of: dict[str, int] = {}  # where each peer served when last seen
         self._joins = Backoffs(self._JOIN_FIRST_S, self._JOIN_CAP_S, clock)
         self.clock = clock
@@ -321,9 +323,12 @@ class Membership:
             *(self.clients.get(k, r).info() for k, r in pairs), return_exceptions=True
         )
         infos: list[tuple[int, Replica, pb.StageInfoResponse]] = []
+        unanswered: dict[int, list[str]] = {}
+        self.unanswered = unanswered
         for (stage, r), info in zip(pairs, answers, strict=True):
             if isinstance(info, SwarmError):
                 log.warning("stage %d: %s does not answer: left out (%s)", stage, r.peer, info)
+                unanswered.setdefault(stage, []).append(f"{r.peer} at {r.address}: {_short(info)}")
                 continue
             if isinstance(info, BaseException):
                 raise info  # a bug, not a replica's state

@@ -148,5 +148,23 @@ class Rollback:
                 return newest.ledger.step
             missing = [k for k, replicas in enumerate(self.membership.replicas()) if not replicas]
         if missing:
-            raise SwarmError(f"no replica of stages {missing} is at step {target}")
+            raise SwarmError(
+                f"no replica of stages {missing} is at step {target}" + self._why(missing)
+            )
         return target
+
+    def _why(self, missing: list[int]) -> str:
+        """Why `missing` stages have no replica when theirs did not answer at all: not a replica
+        behind, but one nobody can dial (issue 42: a peer behind NAT was assigned and served
+        nothing); "" when they answered."""
+        silent = {
+            k: self.membership.unanswered[k] for k in missing if k in self.membership.unanswered
+        }
+        if not silent:
+            return ""
+        who = "; ".join(f"stage {k}: {', '.join(v)}" for k, v in sorted(silent.items()))
+        return (
+            f": its replicas did not answer ({who}); a replica nobody can dial serves nothing: "
+            "give its stage server --announce-host with an address others reach it at, forward "
+            "its port, or start a relay (`swarm relay`, or a stage server with `--relay`)"
+        )

@@ -62,9 +62,10 @@ class AclBroker(Broker):
     """amqtt's broker behind the swarm's `Gate`: every CONNECT is checked before amqtt touches a
     session, a last-will passes the ACL again when it is sent, and a PUBLISH the ACL refuses is
     dropped (MQTT 3.1.1 has no way to say no) and logged, as is a retained message where the
-    swarm retains nothing or past its user's budget; subscribing and receiving are open, each
-    subscriber's queue bounded. Under TLS a connection is counted from its first byte, and its
-    handshake bounded by the connect timeout (asyncio's listener counted it only once done).
+    swarm retains nothing or past its user's budget; subscribing is open, receiving too except
+    another peer's reachability report (`Gate.may_read`), each subscriber's queue bounded. Under
+    TLS a connection is counted from its first byte, and its handshake bounded by the connect
+    timeout (asyncio's listener counted it only once done).
 
     The hooks are amqtt's private methods (pinned amqtt version; tests/swarm/bus/ drive each
     through a real broker, so a version that moved one fails them). Not a topic plugin: amqtt
@@ -234,6 +235,8 @@ class AclBroker(Broker):
         if not session.client_id:
             session.client_id = gen_client_id()
         self._gate.claim(session, asyncio.current_task())  # released when this connection ends
+        if isinstance(handler, BoundedHandler):
+            handler.readable = functools.partial(self._gate.may_read, session.username)
         box = getattr(writer, "outbox", None)
         if box is not None and isinstance(handler, BoundedHandler):
             box.name = f"client {session.client_id!r} (user {session.username!r})"

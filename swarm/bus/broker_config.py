@@ -132,10 +132,15 @@ def acl_text(
         f"user {SCHEDULER_USER}",
         f"topic readwrite {every}",
         "",
-        "# Everyone reads the whole swarm.",
+        "# Everyone reads the whole swarm but the scheduler's reachability reports, which only",
+        "# the scheduler and the peer dialled back read (Mosquitto's `deny` would hide a peer's",
+        "# own too: it is checked before every grant).",
     ]
-    for user in (TOOL_USER, *peers, *trainers):
-        lines += [f"user {user}", f"topic read {every}"]
+    reads = [f"topic read {prefix}{t}" for t in ("jobs/#", "peers/+", "peers/+/load")]
+    for user in (TOOL_USER, *trainers):
+        lines += [f"user {user}", *reads]
+    for user in peers:
+        lines += [f"user {user}", *reads, f"topic read {prefix}peers/{user}/reachability"]
     return "\n".join(lines) + "\n"
 
 

@@ -176,6 +176,13 @@ class Gate:
             return False
         return info.kind == TopicKind.PEER and info.peer == user
 
+    def may_read(self, user: str | None, topic: str) -> bool:
+        """The read ACL (`Topics.may_read`): a peer reads every topic but other peers'
+        reachability reports; on an open broker a client without a username reads everything."""
+        if not user and not self.closed:
+            return True
+        return self.topics.may_read(user, topic)
+
     def may_publish(self, user: str | None, topic: str) -> bool:
         """The ACL (`Topics.may_publish`); a client without a username on a broker without a token
         is trusted with everything (an open broker: there is no identity to check)."""

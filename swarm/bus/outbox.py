@@ -126,6 +126,9 @@ class BoundedHandler(BrokerProtocolHandler):
     broker retains, and amqtt sends them one subscription at a time."""
 
     outbox: Outbox | None = None
+    # Whether its client may read a topic (`Gate.may_read`); None: everything. Checked here, the
+    # one way out to a client, so a retained message a new subscription gets is held to it too.
+    readable: Callable[[str], bool] | None = None
 
     async def mqtt_publish(
         self,
@@ -135,6 +138,8 @@ class BoundedHandler(BrokerProtocolHandler):
         retain: bool,
         ack_timeout: int | None = None,
     ) -> OutgoingApplicationMessage:
+        if self.readable is not None and not self.readable(topic):
+            return OutgoingApplicationMessage(None, topic, qos, data, retain)  # not theirs
         box = self.outbox
         if box is None or retain:
             return await super().mqtt_publish(topic, data, qos, retain, ack_timeout)

@@ -39,6 +39,7 @@ __all__ = [
     "check_pattern",
     "check_topic",
     "parse_broker_url",
+    "reachability",
     "topic_matches",
 ]
 
@@ -126,6 +127,7 @@ class TopicKind(enum.StrEnum):
     ASSIGN = "assign"  # jobs/{job}/assign/{peer}
     LOAD = "load"  # peers/{peer}/load, the job in the payload
     STEPS = "steps"  # jobs/{job}/steps
+    REACHABILITY = "reachability"  # peers/{peer}/reachability, the scheduler's dial-back
 
 
 class TopicInfo(NamedTuple):
@@ -142,6 +144,7 @@ MESSAGE_TYPES: dict[TopicKind, type[Message]] = {
     TopicKind.ASSIGN: control_pb2.Assignment,
     TopicKind.LOAD: control_pb2.LoadReport,
     TopicKind.STEPS: control_pb2.StepCommitted,
+    TopicKind.REACHABILITY: control_pb2.ReachabilityReport,
 }
 """The payload type of each topic kind."""
 
@@ -196,6 +199,11 @@ class Topics:
     def steps(self, job: str) -> str:
         return f"{self.job(job)}/steps"
 
+    def reachability(self, peer: str) -> str:
+        """What the scheduler's dial-back of `peer` found (`ReachabilityReport`, retained): only
+        the scheduler writes it, and only the scheduler and `peer` itself read it."""
+        return f"{self.peer(peer)}/reachability"
+
     def may_publish(self, user: str | None, topic: str) -> bool:
         """The brokers' ACL: whether MQTT user `user` may publish on `topic`. The scheduler may
         publish anything; a peer (its username is its id) only its two topics, its announcement
@@ -211,6 +219,18 @@ class Topics:
         except TopicError:
             return False
         return info.kind in (TopicKind.PEER, TopicKind.LOAD) and info.peer == user
+
+    def may_read(self, user: str | None, topic: str) -> bool:
+        """The brokers' read ACL: everyone who may connect reads the swarm, except a peer's
+        reachability report (`reachability`), which only the scheduler and that peer read: it
+        names the peer's network trouble (its dial error), no one else's business."""
+        if user == SCHEDULER_USER:
+            return True
+        try:
+            info = self.parse(topic)
+        except TopicError:
+            return True  # not one of ours (or not under the prefix): nothing the swarm guards
+        return info.kind != TopicKind.REACHABILITY or info.peer == user
 
     def everything(self) -> str:
         """The pattern matching every topic of this swarm."""
@@ -231,6 +251,8 @@ class Topics:
                 return TopicInfo(TopicKind.PEER, None, peer)
             case ["peers", peer, "load"]:
                 return TopicInfo(TopicKind.LOAD, None, peer)
+            case ["peers", peer, "reachability"]:
+                return TopicInfo(TopicKind.REACHABILITY, None, peer)
             case ["jobs", job]:
                 return TopicInfo(TopicKind.JOB, job, None)
             case ["jobs", job, "steps"]:
@@ -238,6 +260,11 @@ class Topics:
             case ["jobs", job, "assign", peer]:
                 return TopicInfo(TopicKind.ASSIGN, job, peer)
         raise TopicError(f"topic {topic!r} is not a swarm topic")
+
+
+def reachability(peer: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """`Topics(prefix).reachability(peer)`: where the scheduler retains `peer`'s report."""
+    return Topics(prefix).reachability(peer)
 
 
 def check_topic(topic: str) -> None:

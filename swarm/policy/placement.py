@@ -29,6 +29,11 @@ the other at 0.987 of it (the greedy start alone: 3,370 of 4,000, worst 0.60); a
 stages it is within 3.5% of `upper_bound`, at 1,000 x 16 within 2% (that bound may itself be
 above the optimum).
 
+A replica reached through a relay (a peer behind NAT) is slower than its compute: every call to it
+crosses two links, the relay's, which its other peers share. `path_speeds` prices that before
+placement sees the speeds: a relayed peer's samples/s times `RELAYED_FACTOR` (or the factor its
+relay was measured at). Maximising the bottleneck over those prices then prefers direct peers
+where a relay would be a stage's bottleneck, and puts relayed ones where others carry the stage.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ from collections.abc import Mapping, Sequence
 from swarm.policy.placement_search import Search, better, close, improve, score
 
 __all__ = [
+    "RELAYED_FACTOR",
     "best_stage",
     "bottleneck",
+    "path_speeds",
     "place",
     "place_new",
     "stage_totals",
@@ -56,6 +63,32 @@ _PRICE_RATE = 0.3
 # prices. Prices only approach the ideal ones, and peers of equal hardware are exactly tied, so a
 # strict argmax herds them onto one stage; each slack here makes one candidate start.
 _PRICE_SLACKS = (0.0, 0.02, 0.05, 0.1)
+
+RELAYED_FACTOR = 0.5
+"""The share of its measured samples/s a relayed replica is counted at when no measurement of its
+relay's throughput says otherwise. Petals discounts a relayed server by 0.2 in routing, for
+libp2p circuit relays over the public internet; a swarm's relay is one of its own reachable peers
+(a gRPC proxy on a good link: a bare stream through one runs at half or more of a direct one,
+issue 42's target), so half is the prior here."""
+
+
+def path_speeds(
+    speeds: Mapping[str, Sequence[float]],
+    relayed: Mapping[str, float | None],
+    factor: float = RELAYED_FACTOR,
+) -> dict[str, list[float]]:
+    """`speeds` as placement counts them: each peer in `relayed` at its factor (None: `factor`),
+    a relay's measured share of a direct path where one is known; every other peer as measured."""
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"relay factor {factor}: a share of the direct speed, in (0, 1]")
+    result = {}
+    for peer, row in speeds.items():
+        share = 1.0
+        if peer in relayed:
+            measured = relayed[peer]
+            share = factor if measured is None else min(max(measured, 0.0), 1.0)
+        result[peer] = [v * share for v in row]
+    return result
 
 
 def stage_totals(

@@ -152,3 +152,48 @@ def test_a_replica_still_joining_is_shown_with_what_it_waits_for_and_not_counted
     assert events(before, after) == []
     admitted = _status(9, {"p0": 0, "p5": 0})
     assert events(after, admitted) == ["p5 joined stage 0"]
+
+
+def test_each_replica_shows_its_path_and_link_rates_and_an_unreachable_one_its_remedy() -> None:
+    s = _status(7, {})
+    s.stages[0].replicas.extend(
+        [
+            spb.Replica(
+                peer="home",
+                device="cuda:0",
+                state=cpb.PEER_STATE_SERVING,
+                reachability=cpb.REACHABILITY_RELAYED,
+                relay="relay.example:7000",
+                upload_bytes_per_second=12.5e6,  # 100 Mbit/s
+                download_bytes_per_second=2.5e6,  # 20 Mbit/s
+            ),
+            spb.Replica(
+                peer="lab",
+                device="cpu",
+                state=cpb.PEER_STATE_SERVING,
+                reachability=cpb.REACHABILITY_DIRECT,
+                upload_bytes_per_second=1e5,
+            ),
+            spb.Replica(
+                peer="far",
+                device="cpu",
+                state=cpb.PEER_STATE_SERVING,
+                reachability=cpb.REACHABILITY_UNREACHABLE,
+                reachability_detail="UNAVAILABLE: Connection refused: give the stage server "
+                "--announce-host, forward port 5000, or start a relay",
+            ),
+            spb.Replica(peer="new", device="cpu", state=cpb.PEER_STATE_SERVING),
+        ]
+    )
+    lines = status_lines(s, now=0.0)
+    assert "PATH" in lines[lines.index("stage 0 (layer 0): 4 replica(s)") + 1]
+    rows = [line for line in lines if line.startswith("  ") and not line.startswith("    ")]
+    row = {line.split()[0]: line.split() for line in rows}
+    assert row["home"][3:7] == ["via", "relay.example:7000", "100/20", "Mbit/s"]
+    assert row["lab"][3:6] == ["direct", "0.8/?", "Mbit/s"]
+    assert row["far"][3:5] == ["UNREACHABLE", "-"]
+    assert row["new"][3:5] == ["-", "-"]  # not dialled back yet, rates not known
+    assert (
+        "    far is UNREACHABLE: UNAVAILABLE: Connection refused: give the stage server "
+        "--announce-host, forward port 5000, or start a relay"
+    ) in lines

@@ -48,28 +48,30 @@ async def test_a_spare_nobody_can_reach_never_counts(tmp_path: Path) -> None:
         # It listens on 127.0.0.1 and tells others to dial 127.0.0.2: nothing answers there.
         await swarm.add("far", announce_host="127.0.0.2")
 
-        def placed() -> bool:
-            announced = swarm.scheduler.peer_registry.peers.get("far")
-            return announced is not None and announced.state == cpb.PEER_STATE_SERVING
+        def unreachable() -> bool:
+            report = swarm.scheduler.peer_registry.reachability("far")
+            return report is not None and report.reachability == cpb.REACHABILITY_UNREACHABLE
 
-        await swarm.until(placed, "the spare is placed and says it serves")
-        await swarm.until(
-            lambda: "not answering" in _rows(swarm.status(job)).get("far", (0, "", ""))[2],
-            "status says the spare does not answer",
-        )
+        # The scheduler's dial-back finds that out (issue 42): it is never placed, so it never
+        # says it serves (it used to be placed, and to show as joining, "not answering").
+        await swarm.until(unreachable, "the scheduler's dial-back finds the spare unreachable")
+        assert swarm.scheduler.peer_registry.given(job, "far") is None
+        assert swarm.scheduler.peer_registry.peers["far"].state != cpb.PEER_STATE_SERVING
         status = swarm.status(job)
-        stage, state, waiting = _rows(status)["far"]
-        assert state == "joining" and "127.0.0.2" in waiting, _rows(status)
-        # Its stage still has a single replica, and says so.
+        assert "far" not in _rows(status), _rows(status)
+        # Each stage still has a single replica, and says so; and status says why far is not
+        # placed, with what fixes it.
         assert [
             len([r for r in st.replicas if r.state == cpb.PEER_STATE_SERVING])
             for st in status.stages
         ] == [1, 1]
-        assert (
-            len(status.warnings) == 1 and "stages 0, 1 have a single replica" in status.warnings[0]
-        )
+        assert len(status.warnings) == 2, status.warnings
+        assert "stages 0, 1 have a single replica" in status.warnings[0]
+        assert "peer far is UNREACHABLE at 127.0.0.2:" in status.warnings[1]
+        assert "--announce-host" in status.warnings[1] and "--relay" in status.warnings[1]
         metrics = _gauges(swarm, job)
-        assert metrics[(str(stage), "serving")] == 1 and metrics[(str(stage), "joining")] == 1
+        assert metrics[("0", "serving")] == 1 and metrics[("1", "serving")] == 1
+        assert ("0", "joining") not in metrics and ("1", "joining") not in metrics
 
 
 async def test_a_spare_counts_once_it_joined(

@@ -62,6 +62,7 @@ def test_the_acl_grants_what_the_shipped_acl_and_the_embedded_broker_grant() -> 
         *(TOPICS.load(p) for p in (*peers, "c")),
         *(f"{TOPICS.prefix}jobs/j/load/{p}" for p in peers),  # the load topics of before (N3)
         *(f"{TOPICS.peer(p)}/x" for p in peers),
+        *(TOPICS.reachability(p) for p in (*peers, "c")),  # a peer reads its own only
         TOPICS.job("j"),
         TOPICS.assign("j", "a"),
         TOPICS.steps("j"),
@@ -75,6 +76,9 @@ def test_the_acl_grants_what_the_shipped_acl_and_the_embedded_broker_grant() -> 
                 assert _allowed(ours, access, topic) == expected, (user, access, topic)
             if topic.startswith(TOPICS.prefix):  # outside it the embedded broker lets all be
                 assert _allowed(ours, "write", topic) == TOPICS.may_publish(user, topic), topic
+            if topic.startswith(TOPICS.prefix) and "/x" not in topic and "/load/" not in topic:
+                # the swarm's own topics (the others the embedded broker lets every user read)
+                assert _allowed(ours, "read", topic) == TOPICS.may_read(user, topic), topic
 
 
 def test_the_shipped_conf_is_what_broker_config_writes() -> None:
@@ -207,7 +211,8 @@ def test_the_command_makes_up_the_tokens_it_is_not_given_and_shows_them_once(
     passwd = out / "passwd"
     for user in ("gpu0", "gpu1", TOOL_USER, "t1"):
         assert _verifies(passwd, user, made["SWARM_TOKEN"]), user
-    assert "user t1\ntopic read swarm/v1/#" in (out / "acl").read_text()  # it reads, only
+    assert "user t1\ntopic read swarm/v1/jobs/#" in (out / "acl").read_text()  # it reads, only
+    assert "t1/reachability" not in (out / "acl").read_text()  # not a peer: no report of its own
     assert _verifies(passwd, "gpu2", "gpu2-own-pass")
     assert _verifies(passwd, SCHEDULER_USER, made["SWARM_SCHEDULER_TOKEN"])
     assert made["SWARM_TOKEN"] not in "".join(f.read_text() for f in out.iterdir())

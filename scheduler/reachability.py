@@ -1,0 +1,293 @@
+"""Reachability measured, not assumed: the scheduler dials each peer's announced address back.
+
+When a peer announces itself, or announces another address or relay, `ReachabilityChecker` dials
+it back with a short authenticated call (`Dialer`; in production `scheduler.dial_back`'s
+`StageDialer`: StageService.Info through `swarm.net.tokens.channel`, with the swarm's token, a 2 s
+deadline). The gRPC health check
+would not do: it is open to anyone, so it would not show that the peer takes the swarm's calls.
+The result is a `ReachabilityReport`:
+- DIRECT: its announced address answered, as that peer;
+- RELAYED: it announces a relay (`PeerAnnouncement.relay`; a peer behind NAT attaches to one by
+  itself) and answered through it (`swarm.net.paths.relayed_address`), not directly;
+- UNREACHABLE: nothing answered; `detail` is the dial's error, `remedy` the flags that fix it.
+Each report goes to `on_report` (the registry keeps it: placement leaves an unreachable peer out,
+and every call to a relayed one goes through its relay) and is retained on
+`peers/{peer}/reachability`, where the peer reads it (its log shows the remedy); it is cleared
+when the peer leaves.
+
+The checks run off the event loop's critical path: `announced` only notes what to check, `run`
+dials at most `concurrency` peers at once. Reachable peers are checked again every `recheck_s`;
+unreachable ones every `retry_s` (a peer that fixed its router is found within that). A re-check
+of a reachable peer that fails once is not believed at once: a stage server busy with a step may
+miss a 2 s deadline, and dropping a serving replica for that would cost a step; only
+`demote_after` failures in a row make it unreachable. A first check, or one of a changed address
+or relay, counts at once.
+
+Peers not yet checked (UNKNOWN) are not placed: the check takes at most `timeout_s`, less than
+placement's grace period. Every peer can be checked: with the swarm's token on a closed swarm,
+without one on an open one (which accepts calls without it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from swarm.bus.api import BusLike
+from swarm.net import paths
+from swarm.proto import control_pb2 as cpb
+
+__all__ = [
+    "DialFailed",
+    "Dialer",
+    "ReachabilityChecker",
+    "path_text",
+    "remedy",
+    "retained_on",
+]
+
+log = logging.getLogger(__name__)
+
+#: `publish(peer, report)`: retain `report` on the peer's topic; None clears it (the peer left).
+Publish = Callable[[str, cpb.ReachabilityReport | None], Awaitable[None]]
+
+
+def retained_on(bus: BusLike) -> Publish:
+    """`Publish` on `bus`: each report retained on `peers/{peer}/reachability`, cleared with an
+    empty retained message."""
+
+    async def publish(peer: str, report: cpb.ReachabilityReport | None) -> None:
+        topic = bus.topics.reachability(peer)
+        await bus.publish(topic, report if report is not None else b"", retain=True)
+
+    return publish
+
+
+class DialFailed(Exception):
+    """Nothing answered the dial-back as the peer; the message says what happened instead."""
+
+
+class Dialer(Protocol):
+    """The dial-back's one call: a fake in unit tests, `StageDialer` in the scheduler."""
+
+    async def answer(self, address: str, timeout_s: float) -> str:
+        """The peer id that answers an authenticated call at dial address `address` ("" when
+        something answers that serves no stage: an aggregator); `DialFailed` otherwise."""
+        ...
+
+
+def remedy(address: str) -> str:
+    """What an operator does about a peer nobody can dial at `address`."""
+    port = address.rsplit(":", 1)[-1] if ":" in address else "its port"
+    return (
+        f"nobody can dial {address}: give the stage server --announce-host with an address "
+        f"others reach it at, forward port {port} on its router to it, or start a relay on a "
+        "reachable host (`swarm relay`, or a stage server with `--relay`): a peer behind NAT "
+        "attaches to one by itself"
+    )
+
+
+def path_text(report: cpb.ReachabilityReport | None) -> str:
+    """A report in a few words, for status and logs: direct, via RELAY, UNREACHABLE: remedy."""
+    if report is None or report.reachability == cpb.REACHABILITY_UNKNOWN:
+        return "not checked yet"
+    if report.reachability == cpb.REACHABILITY_DIRECT:
+        return "direct"
+    if report.reachability == cpb.REACHABILITY_RELAYED:
+        return f"via {report.relay}"
+    return f"UNREACHABLE ({report.detail}): {report.remedy}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What is checked of a peer: a change of any of it is checked again at once."""
+
+    address: str
+    relay: str
+
+
+class ReachabilityChecker:
+    def __init__(
+        self,
+        dialer: Dialer,
+        publish: Publish,
+        on_report: Callable[[cpb.ReachabilityReport], None],
+        *,
+        timeout_s: float = 2.0,
+        concurrency: int = 8,
+        recheck_s: float = 60.0,
+        retry_s: float = 10.0,
+        demote_after: int = 3,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.dialer, self.publish, self.on_report = dialer, publish, on_report
+        self.timeout_s, self.recheck_s, self.retry_s = timeout_s, recheck_s, retry_s
+        self.demote_after = demote_after
+        self._now = now
+        self._slots = asyncio.Semaphore(concurrency)
+        self._targets: dict[str, _Target] = {}
+        self._due: dict[str, float] = {}  # peer -> when it is checked next (`now`'s clock)
+        self._misses: dict[str, int] = {}  # failed re-checks in a row of a reachable peer
+        self.reports: dict[str, cpb.ReachabilityReport] = {}
+        self._checking: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+
+    # -- what arrives (on the event loop; never waits) -------------------------------------------
+    def announced(self, message: cpb.PeerAnnouncement) -> None:
+        """A peer's announcement: a new peer, or a new address or relay, is checked at once."""
+        peer = message.peer
+        if not peer:
+            return
+        if message.state == cpb.PEER_STATE_OFFLINE:
+            self.left(peer)
+            return
+        if not message.address:
+            return  # nothing to dial (a relay that serves calls at its relay listener only)
+        target = _Target(message.address, message.relay)
+        if self._targets.get(peer) == target:
+            return  # the same again, as every few seconds: its re-checks are timed
+        if self._targets.get(peer) is not None and message.relay:
+            log.info("peer %s is reached through relay %s now: checking it", peer, message.relay)
+        self._targets[peer], self._due[peer] = target, self._now()
+        self._misses.pop(peer, None)
+        self._wake.set()
+
+    def left(self, peer: str) -> None:
+        """`peer` left: forget it, and clear its retained report. Cleared even when not known
+        here: a peer that left while the scheduler was down is known by its retained last-will
+        only, and its report of before would stay retained (clearing nothing is nothing)."""
+        self._targets.pop(peer, None)
+        self._due.pop(peer, None)
+        self._misses.pop(peer, None)
+        self.reports.pop(peer, None)
+        self._spawn(self._clear(peer))
+
+    # -- the checks ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Check peers as they come due, until cancelled."""
+        try:
+            while True:
+                now = self._now()
+                for peer, due in sorted(self._due.items(), key=lambda kv: kv[1]):
+                    if due <= now and peer not in self._checking:
+                        self._checking[peer] = self._spawn(self._check(peer, self._targets[peer]))
+                nxt = [d for p, d in self._due.items() if p not in self._checking]
+                wait = max(0.05, min(nxt) - now) if nxt else None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                self._wake.clear()
+        finally:
+            for task in list(self._background):
+                task.cancel()
+
+    async def _check(self, peer: str, target: _Target) -> None:
+        try:
+            async with self._slots:
+                report = await self.measure(peer, target.address, target.relay)
+            if self._targets.get(peer) != target:
+                return  # it left, or moved, meanwhile: that is checked anew
+            old = self.reports.get(peer)
+            reachable = old is not None and old.reachability in (
+                cpb.REACHABILITY_DIRECT,
+                cpb.REACHABILITY_RELAYED,
+            )
+            if report.reachability == cpb.REACHABILITY_UNREACHABLE and reachable:
+                misses = self._misses.get(peer, 0) + 1
+                if misses < self.demote_after:  # one slow answer does not drop a replica
+                    self._misses[peer] = misses
+                    self._due[peer] = self._now() + min(self.retry_s, self.recheck_s)
+                    log.info("peer %s missed a dial-back (%s); trying again", peer, report.detail)
+                    return
+            self._misses.pop(peer, None)
+            reachable_now = report.reachability != cpb.REACHABILITY_UNREACHABLE
+            self._due[peer] = self._now() + (self.recheck_s if reachable_now else self.retry_s)
+            if old is not None and _same(old, report):
+                return  # nothing new to say
+            self.reports[peer] = report
+            self._said(report)
+            self.on_report(report)
+            await self.publish(peer, report)
+        finally:
+            self._checking.pop(peer, None)
+            self._wake.set()
+
+    async def measure(self, peer: str, address: str, relay: str) -> cpb.ReachabilityReport:
+        """Dial `peer` at `address`, then (if it announces one) through `relay`."""
+        report = cpb.ReachabilityReport(peer=peer, address=address, time=time.time())
+        direct = await self._dial(peer, address)
+        if direct is None:
+            report.reachability = cpb.REACHABILITY_DIRECT
+            return report
+        if relay:
+            through = await self._dial(peer, paths.relayed_address(peer, address, relay))
+            if through is None:
+                report.reachability, report.relay = cpb.REACHABILITY_RELAYED, relay
+                report.detail = f"direct: {direct}"
+                return report
+            direct = f"{direct}; through relay {relay}: {through}"
+        report.reachability, report.detail = cpb.REACHABILITY_UNREACHABLE, direct
+        report.remedy = _remedy_for(direct, address)
+        return report
+
+    async def _dial(self, peer: str, address: str) -> str | None:
+        """None when `address` answers as `peer`; else what happened, in words."""
+        try:
+            async with asyncio.timeout(self.timeout_s + 1.0):  # a dialer that forgets its own
+                answered = await self.dialer.answer(address, self.timeout_s)
+        except DialFailed as e:
+            return str(e)
+        except TimeoutError:
+            return f"no answer within {self.timeout_s:g} s"
+        except Exception as e:  # a malformed address, say: the peer is at fault, not the check
+            return f"{type(e).__name__}: {e}"
+        if answered and answered != peer:
+            return f"{address} answers as peer {answered!r}, not {peer!r}"
+        return None
+
+    async def _clear(self, peer: str) -> None:
+        await self.publish(peer, None)
+
+    def _said(self, report: cpb.ReachabilityReport) -> None:
+        if report.reachability == cpb.REACHABILITY_UNREACHABLE:
+            log.warning(
+                "peer %s is unreachable (%s): %s", report.peer, report.detail, report.remedy
+            )
+        else:
+            log.info("peer %s at %s: %s", report.peer, report.address, path_text(report))
+
+    def _spawn(self, work: Awaitable[None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(_logged(work))
+        self._background.add(task)  # held: the loop keeps only a weak reference
+        task.add_done_callback(self._background.discard)
+        return task
+
+
+async def _logged(work: Awaitable[None]) -> None:
+    """A check or a clearing in the background: its failure (the bus gone) is logged, not lost."""
+    try:
+        await work
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("reachability: a check failed")
+
+
+def _same(a: cpb.ReachabilityReport, b: cpb.ReachabilityReport) -> bool:
+    return (a.reachability, a.address, a.relay, a.detail) == (
+        b.reachability,
+        b.address,
+        b.relay,
+        b.detail,
+    )
+
+
+def _remedy_for(detail: str, address: str) -> str:
+    if "UNAUTHENTICATED" in detail:
+        return "it refuses the swarm's token: give it the same --token-file (or SWARM_TOKEN)"
+    return remedy(address)

@@ -1,0 +1,44 @@
+"""One replica as `swarm status` shows it (`spb.Replica`): what it announced, its state as the
+coordinator sees it, and its path as the scheduler's dial-back found it (direct, relayed through
+a relay, or unreachable with why and the remedy) with its measured link rates; and the job's
+peers nobody can dial, which are on no stage (never placed), as warnings."""
+
+from __future__ import annotations
+
+from scheduler.registry import PeerRegistry, Shown
+from swarm.proto import control_pb2 as cpb
+from swarm.proto import scheduler_pb2 as spb
+
+__all__ = ["replica_status", "unreachable_warnings"]
+
+
+def replica_status(shown: Shown, registry: PeerRegistry) -> spb.Replica:
+    p = shown.announcement
+    report = registry.reachability(p.peer)
+    reachability = report.reachability if report is not None else cpb.REACHABILITY_UNKNOWN
+    detail = ""
+    if report is not None and reachability == cpb.REACHABILITY_UNREACHABLE:
+        detail = f"{report.detail}: {report.remedy}" if report.remedy else report.detail
+    return spb.Replica(
+        peer=p.peer,
+        address=p.address,
+        metrics_address=p.metrics_address,
+        device=p.device,
+        state=shown.state,
+        samples_per_second=p.samples_per_second.get(shown.stage, 0.0),
+        joining=shown.joining,
+        reachability=reachability,
+        relay=report.relay if report is not None else "",
+        reachability_detail=detail,
+        upload_bytes_per_second=p.upload_bytes_per_second,
+        download_bytes_per_second=p.download_bytes_per_second,
+    )
+
+
+def unreachable_warnings(registry: PeerRegistry, job_id: str) -> list[str]:
+    """A warning for each of `job_id`'s peers a dial-back could not reach: it is placed nowhere,
+    so no stage shows it; this says why, and what fixes it."""
+    return [
+        f"peer {r.peer} is UNREACHABLE at {r.address} ({r.detail}), so it is not placed: {r.remedy}"
+        for r in registry.unreachable(job_id)
+    ]

@@ -1,0 +1,213 @@
+"""What the registry makes of each peer's dial-back (`PeerRegistry.reached`), and what placement
+does with it: an unreachable peer is no member and never placed (the job's message says why,
+with the remedy), a relayed one is dialled through its relay and placed at its path's price."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from scheduler.assignments import Assignments
+from scheduler.registry import PeerRegistry
+from swarm.bus.topics import Topics
+from swarm.clock import FakeClock
+from swarm.net import paths
+from swarm.proto import control_pb2 as cpb
+
+SERVE_TIMEOUT_S = 300.0
+
+
+def registry(require_reachable: bool = True) -> PeerRegistry:
+    return PeerRegistry(
+        FakeClock(),
+        load_silence_s=10.0,
+        serve_timeout_s=SERVE_TIMEOUT_S,
+        require_reachable=require_reachable,
+    )
+
+
+def peer(
+    name: str,
+    state: int = cpb.PEER_STATE_JOINING,
+    stage: int | None = None,
+    speeds: tuple[float, ...] = (2.0, 2.0),
+    relay: str = "",
+) -> cpb.PeerAnnouncement:
+    message = cpb.PeerAnnouncement(
+        peer=name,
+        address=f"{name}.lan:5000",
+        job="j",
+        state=state,  # type: ignore[arg-type]
+        samples_per_second=dict(enumerate(speeds)),
+        relay=relay,
+    )
+    if stage is not None:
+        message.stage = stage
+    return message
+
+
+def report(name: str, reachability: int, relay: str = "") -> cpb.ReachabilityReport:
+    unreachable = reachability == cpb.REACHABILITY_UNREACHABLE
+    return cpb.ReachabilityReport(
+        peer=name,
+        reachability=reachability,  # type: ignore[arg-type]
+        address=f"{name}.lan:5000",
+        relay=relay,
+        detail="UNAVAILABLE: Connection refused" if unreachable else "",
+        remedy="give it --announce-host, forward its port, or start a relay" if unreachable else "",
+    )
+
+
+def test_an_unreachable_peer_is_no_member_serves_nothing_and_is_not_placed() -> None:
+    reg = registry()
+    reg.announce(peer("a", cpb.PEER_STATE_SERVING, stage=0))
+    reg.announce(peer("b", cpb.PEER_STATE_SERVING, stage=1))
+    reg.announce(peer("c"))
+    for name in "abc":
+        reg.reached(report(name, cpb.REACHABILITY_DIRECT if name == "a" else 3))
+    assert [[r.peer for r in s] for s in reg.members("j", 2)] == [["a"], []]
+    assert reg.serving("j") == {0: "a.lan:5000"}
+    assert reg.available("j", 2) == {}
+    assert [r.peer for r in reg.unreachable("j")] == ["b", "c"]
+    reg.reached(report("c", cpb.REACHABILITY_DIRECT))  # its router forwards the port now
+    assert reg.available("j", 2) == {"c": [2.0, 2.0]}
+
+
+def test_a_peer_not_checked_yet_is_not_placed_but_a_serving_one_still_counts() -> None:
+    reg = registry()
+    reg.announce(peer("a", cpb.PEER_STATE_SERVING, stage=0))  # served before a restart
+    reg.announce(peer("c"))
+    assert [[r.peer for r in s] for s in reg.members("j", 2)] == [["a"], []]
+    assert reg.available("j", 2) == {}  # unknown: its dial-back takes two seconds
+    assert registry(require_reachable=False).available("j", 2) == {}  # (none announced there)
+    unchecked = registry(require_reachable=False)
+    unchecked.announce(peer("c"))
+    assert unchecked.available("j", 2) == {"c": [2.0, 2.0]}  # without checks: as before
+
+
+def test_a_relayed_peer_is_dialled_through_its_relay() -> None:
+    reg = registry()
+    reg.announce(peer("n", cpb.PEER_STATE_SERVING, stage=1, relay="relay.example:7000"))
+    via = paths.relayed_address("n", "n.lan:5000", "relay.example:7000")
+    # Not checked yet: where it says it is reached.
+    assert reg.members("j", 2)[1][0].address == via
+    reg.reached(report("n", cpb.REACHABILITY_RELAYED, relay="relay.example:7000"))
+    assert reg.members("j", 2)[1][0].address == via
+    assert reg.serving("j") == {1: via}
+    assert reg.relayed("n")
+    reg.reached(report("n", cpb.REACHABILITY_DIRECT))  # reachable directly after all
+    assert reg.members("j", 2)[1][0].address == "n.lan:5000" and not reg.relayed("n")
+
+
+def test_rebalancing_sees_a_relayed_member_at_its_paths_price() -> None:
+    reg = registry()
+    reg.announce(peer("a", cpb.PEER_STATE_SERVING, stage=0, speeds=(4.0, 4.0)))
+    reg.announce(peer("n", cpb.PEER_STATE_SERVING, stage=1, speeds=(4.0, 4.0), relay="r:7"))
+    reg.reached(report("a", cpb.REACHABILITY_DIRECT))
+    reg.reached(report("n", cpb.REACHABILITY_RELAYED, "r:7"))
+    for name, stage in (("a", 0), ("n", 1)):
+        reg.report_load(cpb.LoadReport(peer=name, job="j", stage=stage, ema_seconds_per_sample=0.1))
+    measured = reg.measured("j", 2)
+    assert measured is not None
+    assert measured[1] == {"a": [10.0, 4.0], "n": [2.0, 5.0]}  # n: 10/s, 5 via its relay
+
+
+def test_a_peer_that_leaves_takes_its_report_along() -> None:
+    reg = registry()
+    reg.announce(peer("c"))
+    reg.reached(report("c", cpb.REACHABILITY_DIRECT))
+    reg.announce(cpb.PeerAnnouncement(peer="c", state=cpb.PEER_STATE_OFFLINE))
+    assert reg.reachability("c") is None
+    reg.reached(report("c", cpb.REACHABILITY_DIRECT))  # a late check of a gone peer: ignored
+    assert reg.reachability("c") is None
+
+
+class _Bus:
+    def __init__(self) -> None:
+        self.topics = Topics()
+        self.published: dict[str, cpb.Assignment] = {}
+
+    async def publish(self, topic: str, message: object, retain: bool = False) -> None:
+        assert isinstance(message, cpb.Assignment)
+        self.published[message.peer] = message
+
+
+def _assignments(reg: PeerRegistry, bus: _Bus, said: list[str]) -> Assignments:
+    async def say(job_id: str, message: str) -> None:
+        said.append(message)
+
+    return Assignments(
+        reg,
+        bus,  # type: ignore[arg-type]
+        say,
+        grace_s=0.0,
+        serve_timeout_s=SERVE_TIMEOUT_S,
+        lost_stage_grace_s=0.0,
+    )
+
+
+async def test_a_job_waiting_for_peers_names_those_nobody_can_dial_with_the_remedy() -> None:
+    reg = registry()
+    reg.announce(peer("c"))
+    reg.reached(report("c", cpb.REACHABILITY_UNREACHABLE))
+    bus, said = _Bus(), list[str]()
+    place = asyncio.create_task(_assignments(reg, bus, said).place("j", 1, lambda: 0, []))
+    async with asyncio.timeout(10.0):
+        while not said:
+            await asyncio.sleep(0.01)
+    place.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await place
+    assert bus.published == {}  # no work down a path nobody can dial
+    assert said[0].endswith(
+        "; not placed, UNREACHABLE: c at c.lan:5000 (UNAVAILABLE: Connection refused): give it "
+        "--announce-host, forward its port, or start a relay"
+    )
+
+
+async def test_placement_keeps_a_relayed_peer_off_a_stage_it_alone_would_bottleneck() -> None:
+    reg = registry()
+    for name, speeds in (("a", (10.0, 10.0)), ("b", (10.0, 10.0)), ("r", (12.0, 12.0))):
+        reg.announce(peer(name, speeds=speeds, relay="relay:7" if name == "r" else ""))
+        relayed = name == "r"
+        reg.reached(
+            report(name, cpb.REACHABILITY_RELAYED if relayed else 1, "relay:7" if relayed else "")
+        )
+    bus, said = _Bus(), list[str]()
+    await _assignments(reg, bus, said)._assign_available("j", reg.available("j", 2), [], 1)
+    stage = {p: m.stage for p, m in bus.published.items()}
+    # Measured alone r (12) would get a stage of its own; through its relay it carries 6.
+    assert sorted(p for p, k in stage.items() if k == stage["r"]) in (["a", "r"], ["b", "r"])
+
+
+class _View:
+    """What the collector reads of a scheduler (`scheduler.collector.SchedulerView`)."""
+
+    def __init__(self, registry: PeerRegistry) -> None:
+        self.peer_registry, self.snapshot = registry, dict[str, object]()
+
+    def admitted(self, job_id: str) -> frozenset[str] | None:
+        return None
+
+
+def test_each_peers_reachability_is_a_gauge() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from scheduler.collector import collector
+
+    reg = registry()
+    for name in "abcd":
+        reg.announce(peer(name, relay="relay:7" if name == "b" else ""))
+    reg.reached(report("a", cpb.REACHABILITY_DIRECT))
+    reg.reached(report("b", cpb.REACHABILITY_RELAYED, "relay:7"))
+    reg.reached(report("c", cpb.REACHABILITY_UNREACHABLE))
+    metrics = CollectorRegistry()
+    metrics.register(collector(_View(reg)))  # type: ignore[arg-type]
+    ones = {
+        (s.labels["peer"], s.labels["reachability"])
+        for family in metrics.collect()
+        if family.name == "swarm_peer_reachability"
+        for s in family.samples
+        if s.value == 1.0
+    }
+    assert ones == {("a", "direct"), ("b", "relayed"), ("c", "unreachable"), ("d", "unknown")}
