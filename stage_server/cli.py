@@ -14,6 +14,7 @@ from swarm.flags import (
     add_flag,
     add_insecure_no_token,
     add_metrics_token,
+    add_switch,
     add_token,
     env_name,
     metrics_token,
@@ -21,16 +22,22 @@ from swarm.flags import (
     warn_if_url_password,
 )
 from swarm.net.ports import Listener, PortFlag, naming
+from swarm.net.relay import RelayLimits
 from swarm.net.tls import add_tls_flags
 from swarm.ops import faults
 from swarm.ops.logs import show_at_default
 
 __all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lifecycle"]
 
-LIFECYCLE_LOGGERS = ("stage_server.agent", "stage_server.measure", "stage_server.server")
+LIFECYCLE_LOGGERS = (
+    "stage_server.agent",
+    "stage_server.measure",
+    "stage_server.server",
+    "stage_server.nat",
+)
 """Whose INFO lines say what the server becomes, once each (measured, or its machine's figures
-read, assigned stage K of job J, serving, moving, released and why, stopped): shown at the
-default level too."""
+read, assigned stage K of job J, serving, moving, released and why, stopped; reachable directly
+or through which relay): shown at the default level too."""
 
 _PORT = PortFlag(Listener.GRPC, "--port", env_name("stage-server-port"))
 _METRICS_PORT = PortFlag(Listener.METRICS, "--metrics-port", env_name("stage-server-metrics-port"))
@@ -86,6 +93,34 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "the gradient more at each commit)",
     )
     _add_limits(p)
+    _add_relay(p)
+
+
+def _add_relay(p: argparse.ArgumentParser) -> None:
+    """Peers behind NAT: this one relaying for them, or this one behind NAT."""
+    add_switch(
+        p,
+        "relay",
+        "also relay for peers behind NAT (reachable hosts only): calls to them travel over "
+        "connections they opened to this server; announced with its address",
+    )
+    add_flag(
+        p,
+        "relay-port",
+        0,
+        "the relay's port, with --relay (0: any free port, printed in the ready line)",
+        env="stage-server-relay-port",
+        type=int,
+    )
+    limits = RelayLimits()
+    add_flag(p, "relay-max-peers", limits.max_peers, "peers behind NAT it carries", type=int)
+    add_flag(p, "relay-max-calls", limits.max_calls, "calls it carries at once", type=int)
+    add_switch(
+        p,
+        "behind-nat",
+        "attach to a relay at start (with --broker), not only once the scheduler's dial-back "
+        "finds this server unreachable",
+    )
 
 
 def _add_limits(p: argparse.ArgumentParser) -> None:
@@ -144,13 +179,18 @@ def _run(args: argparse.Namespace) -> None:
         token=token(args),
         limits=peer_limits(args),
         spill_dir=args.spill_dir,
+        relay=args.relay,
+        relay_port=args.relay_port,
+        relay_limits=RelayLimits(max_peers=args.relay_max_peers, max_calls=args.relay_max_calls),
     )
     if args.job:
         if args.stage is None:
             raise SwarmError("--job needs --stage (or leave out both to join a scheduler's swarm)")
         asyncio.run(run_stage_server(load_job(args.job), opts, throttle=args.throttle))
     elif args.broker:
-        asyncio.run(run_peer(opts, args.broker, throttle=args.throttle, token=opts.token))
+        joining = run_peer(opts, args.broker, throttle=args.throttle, token=opts.token,
+                       behind_nat=args.behind_nat)  # fmt: skip
+        asyncio.run(joining)
     else:
         raise SwarmError(
             "give --broker URL (or SWARM_BROKER) to join a swarm, "

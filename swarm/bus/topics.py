@@ -126,6 +126,7 @@ class TopicKind(enum.StrEnum):
     ASSIGN = "assign"  # jobs/{job}/assign/{peer}
     LOAD = "load"  # peers/{peer}/load, the job in the payload
     STEPS = "steps"  # jobs/{job}/steps
+    REACHABILITY = "reachability"  # peers/{peer}/reachability, the scheduler's dial-back
 
 
 class TopicInfo(NamedTuple):
@@ -142,6 +143,7 @@ MESSAGE_TYPES: dict[TopicKind, type[Message]] = {
     TopicKind.ASSIGN: control_pb2.Assignment,
     TopicKind.LOAD: control_pb2.LoadReport,
     TopicKind.STEPS: control_pb2.StepCommitted,
+    TopicKind.REACHABILITY: control_pb2.ReachabilityReport,
 }
 """The payload type of each topic kind."""
 
@@ -193,6 +195,10 @@ class Topics:
         """`peer`'s load reports, of whichever job it serves (`LoadReport.job` says which)."""
         return f"{self.peer(peer)}/load"
 
+    def reachability(self, peer: str) -> str:
+        """What the scheduler's dial-back found of `peer` (retained; only the scheduler writes)."""
+        return f"{self.peer(peer)}/reachability"
+
     def steps(self, job: str) -> str:
         return f"{self.job(job)}/steps"
 
@@ -231,6 +237,8 @@ class Topics:
                 return TopicInfo(TopicKind.PEER, None, peer)
             case ["peers", peer, "load"]:
                 return TopicInfo(TopicKind.LOAD, None, peer)
+            case ["peers", peer, "reachability"]:
+                return TopicInfo(TopicKind.REACHABILITY, None, peer)
             case ["jobs", job]:
                 return TopicInfo(TopicKind.JOB, job, None)
             case ["jobs", job, "steps"]:
