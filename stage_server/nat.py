@@ -15,6 +15,7 @@ makes it direct again, and the attachment is let go.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
@@ -27,6 +28,7 @@ from swarm.bus.api import BusLike
 from swarm.bus.topics import ANY
 from swarm.net.addresses import host_port, is_unspecified
 from swarm.net.attach import Attachment
+from swarm.ops.rated import RatedLog
 from swarm.proto import control_pb2 as cpb
 
 __all__ = ["MAX_RELAYS", "REACHABILITY", "Attach", "Attaching", "PeerPath", "local_address"]
@@ -100,6 +102,7 @@ class PeerPath:
         self._waiting = False  # "no relay announced yet" said (once, until one is)
         self._lock = asyncio.Lock()  # one attachment at a time, whoever asks
         self._changed = asyncio.Event()  # the relay changed: announce it
+        self._failed = RatedLog(log, every_s=60.0)  # each report tries again: said once a minute
 
     def relays(self) -> list[str]:
         """The relays announced now, the latest announced first."""
@@ -197,10 +200,12 @@ class PeerPath:
             attachment = self._attach(self.peer, self.token, self.local, self.relays, changed)
             try:
                 await attachment.start()
-            except Exception as e:  # the next relay announced tries again
-                log.warning("%s: could not attach to a relay: %s: %s",
-                            self.peer, type(e).__name__, e)  # fmt: skip
+            except Exception as e:  # the next relay announced, or report, tries again
+                self._failed.warning(type(e).__name__, "%s: could not attach to a relay: %s: %s",
+                                     self.peer, type(e).__name__, e)  # fmt: skip
                 self._generation += 1
+                with contextlib.suppress(Exception):  # whatever it had begun
+                    await attachment.stop()
                 return
             self._attachment = attachment
             if attachment.relay and not self.relay:  # attached within start: said by no callback

@@ -37,6 +37,8 @@ from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus, Subscription
 from swarm.bus.topics import SCHEDULER_USER, Topics
 from swarm.job.config import RuntimeConfig
+from swarm.local.procs import SwarmProcess, start_process
+from swarm.net import attach as attach_module
 from swarm.proto import control_pb2 as cpb
 
 pytestmark = pytest.mark.timeout(60)
@@ -436,3 +438,61 @@ def test_every_dial_of_a_peer_goes_through_the_one_dialer() -> None:
                 if name in ("insecure_channel", "secure_channel"):
                     stray.append(f"{file.relative_to(ROOT)}:{node.lineno}: {name}")  # type: ignore[attr-defined]
     assert stray == [], stray
+
+
+# ------------------------------------------------------------------------------ real processes
+
+_STAND_IN = "STAND-IN" in (attach_module.__doc__ or "")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_real_processes_a_relay_and_a_peer_behind_nat(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """`swarm stage-server --relay` announces its relay (the address in its ready line, which
+    answers); `swarm stage-server --behind-nat`, told by its report that nobody dials it, says so
+    at the default log level with the flags that fix it, and (with the real attachment) is
+    announced relayed through that relay within 10 s; both stop in order (the relay with them)."""
+    env = {"SWARM_CACHE_DIR": str(tmp_path / "cache")}
+    common = ["stage-server", "--broker", broker.url, "--port", "0"]
+
+    def start(name: str, *flags: str) -> SwarmProcess:
+        return start_process(
+            [*common, "--peer", name, *flags], log_dir=tmp_path, name=name, env=env
+        )
+
+    procs = [start("relay", "--relay"), start("nat", "--behind-nat")]
+    topics = Topics()
+    try:
+        relay_ready, nat_ready = [await asyncio.to_thread(p.wait_ready, 120) for p in procs]
+        relay_address = f"127.0.0.1:{relay_ready['relay']}"
+        assert "relay" not in nat_ready, "no --relay: no relay"
+        assert _accepts(relay_address)
+        async with _bus(broker, SCHEDULER_USER) as sch:
+            await sch.wait_connected(WAIT_S)
+            peers = sch.subscribe(topics.peer("+"))
+            await peers.wait_subscribed(WAIT_S)
+            announced = await _until(peers, lambda a: a.peer == "relay" and a.relay_address != "")
+            assert announced.relay_address == relay_address
+            report = cpb.ReachabilityReport(
+                reachability=cpb.REACHABILITY_UNREACHABLE,
+                address=nat_ready["address"],
+                detail="connection refused",
+            )
+            await sch.publish(topics.reachability("nat"), report, retain=True)
+            said = f"nat: not reachable at {nat_ready['address']}: connection refused. "
+            async with asyncio.timeout(WAIT_S):
+                while said not in procs[1].log():
+                    await asyncio.sleep(0.1)
+            line = next(x for x in procs[1].log().splitlines() if said in x)
+            assert "--announce-host" in line and "--relay" in line, line
+            if not _STAND_IN:  # the real attachment (helper relay's): the relay carries it
+                async with asyncio.timeout(10):
+                    relayed = await _until(peers, lambda a: a.peer == "nat" and a.relay != "")
+                assert relayed.relay == relay_address
+                assert relayed.address == nat_ready["address"]
+    finally:
+        codes = [await asyncio.to_thread(p.stop) for p in procs]
+    assert codes == [0, 0], [p.log()[-2000:] for p in procs]
+    assert not _accepts(relay_address), "the relay stopped with its server"
