@@ -114,7 +114,14 @@ def _add_relay(p: argparse.ArgumentParser) -> None:
     )
     limits = RelayLimits()
     add_flag(p, "relay-max-peers", limits.max_peers, "peers behind NAT it carries", type=int)
-    add_flag(p, "relay-max-calls", limits.max_calls, "calls it carries at once", type=int)
+    add_flag(p, "relay-max-calls", limits.max_tunnels, "calls it carries at once, in all", type=int)
+    add_flag(
+        p,
+        "relay-max-calls-per-peer",
+        limits.max_tunnels_per_peer,
+        "calls it carries at once to one peer",
+        type=int,
+    )
     add_switch(
         p,
         "behind-nat",
@@ -128,6 +135,15 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
     for f in fields(PeerLimits):
         flag = flag_name(f.name).removeprefix("--")
         add_flag(p, flag, f.default, f.metadata["help"], type=type(f.default))
+
+
+def relay_limits(args: argparse.Namespace) -> RelayLimits:
+    """The `RelayLimits` the flags say (`--relay-max-*`); the rest are the relay's own."""
+    return RelayLimits(
+        max_peers=args.relay_max_peers,
+        max_tunnels=args.relay_max_calls,
+        max_tunnels_per_peer=args.relay_max_calls_per_peer,
+    )
 
 
 def peer_limits(args: argparse.Namespace) -> PeerLimits:
@@ -181,7 +197,7 @@ def _run(args: argparse.Namespace) -> None:
         spill_dir=args.spill_dir,
         relay=args.relay,
         relay_port=args.relay_port,
-        relay_limits=RelayLimits(max_peers=args.relay_max_peers, max_calls=args.relay_max_calls),
+        relay_limits=relay_limits(args),
     )
     if args.job:
         if args.stage is None:

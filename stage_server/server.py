@@ -30,6 +30,7 @@ from swarm.net.tokens import add_port
 from swarm.ops.devices import peak_memory
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
+from swarm.ops.rated import RatedLog
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
 from swarm.rpc.server_options import ServerLimits, grpc_server
 from swarm.wire.chunking import grpc_options
@@ -206,7 +207,9 @@ async def start_grpc(
 
 async def _start_relay(running: RunningStageServer, opts: StageServerOptions) -> int:
     """Run a relay beside the stage (`--relay`); its port."""
-    relay = RelayServer(opts.token, opts.relay_limits)
+    # Its series on this server's /metrics; strangers' refusals logged rated.
+    registry, refusals = running.servicer.metrics.registry, RatedLog(log)
+    relay = RelayServer(opts.token, opts.relay_limits, registry=registry, refusals=refusals)
     try:
         port = await relay.start(opts.host, opts.relay_port)
     except (OSError, PortInUse) as e:

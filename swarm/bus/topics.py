@@ -39,6 +39,7 @@ __all__ = [
     "check_pattern",
     "check_topic",
     "parse_broker_url",
+    "reachability",
     "topic_matches",
 ]
 
@@ -195,12 +196,13 @@ class Topics:
         """`peer`'s load reports, of whichever job it serves (`LoadReport.job` says which)."""
         return f"{self.peer(peer)}/load"
 
-    def reachability(self, peer: str) -> str:
-        """What the scheduler's dial-back found of `peer` (retained; only the scheduler writes)."""
-        return f"{self.peer(peer)}/reachability"
-
     def steps(self, job: str) -> str:
         return f"{self.job(job)}/steps"
+
+    def reachability(self, peer: str) -> str:
+        """What the scheduler's dial-back of `peer` found (`ReachabilityReport`, retained): only
+        the scheduler writes it, and only the scheduler and `peer` itself read it."""
+        return f"{self.peer(peer)}/reachability"
 
     def may_publish(self, user: str | None, topic: str) -> bool:
         """The brokers' ACL: whether MQTT user `user` may publish on `topic`. The scheduler may
@@ -217,6 +219,18 @@ class Topics:
         except TopicError:
             return False
         return info.kind in (TopicKind.PEER, TopicKind.LOAD) and info.peer == user
+
+    def may_read(self, user: str | None, topic: str) -> bool:
+        """The brokers' read ACL: everyone who may connect reads the swarm, except a peer's
+        reachability report (`reachability`), which only the scheduler and that peer read: it
+        names the peer's network trouble (its dial error), no one else's business."""
+        if user == SCHEDULER_USER:
+            return True
+        try:
+            info = self.parse(topic)
+        except TopicError:
+            return True  # not one of ours (or not under the prefix): nothing the swarm guards
+        return info.kind != TopicKind.REACHABILITY or info.peer == user
 
     def everything(self) -> str:
         """The pattern matching every topic of this swarm."""
@@ -246,6 +260,11 @@ class Topics:
             case ["jobs", job, "assign", peer]:
                 return TopicInfo(TopicKind.ASSIGN, job, peer)
         raise TopicError(f"topic {topic!r} is not a swarm topic")
+
+
+def reachability(peer: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """`Topics(prefix).reachability(peer)`: where the scheduler retains `peer`'s report."""
+    return Topics(prefix).reachability(peer)
 
 
 def check_topic(topic: str) -> None:

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from stage_server.agent import PeerAgent
-from stage_server.cli import add_arguments
+from stage_server.cli import add_arguments, relay_limits
 from stage_server.metrics import StageMetrics
 from stage_server.nat import MAX_RELAYS, PeerPath, local_address
 from stage_server.server import RunningStageServer, StageServerOptions, start_grpc
@@ -39,6 +39,7 @@ from swarm.bus.topics import SCHEDULER_USER, Topics
 from swarm.job.config import RuntimeConfig
 from swarm.local.procs import SwarmProcess, start_process
 from swarm.net import attach as attach_module
+from swarm.net.relay import RelayLimits
 from swarm.proto import control_pb2 as cpb
 
 pytestmark = pytest.mark.timeout(60)
@@ -402,15 +403,15 @@ def test_the_flags_of_peers_behind_nat() -> None:
 
     p = argparse.ArgumentParser()
     add_arguments("stage-server", p)
-    args = p.parse_args(["--relay", "--relay-port", "7100", "--relay-max-peers", "3"])
-    assert (args.relay, args.relay_port, args.relay_max_peers, args.behind_nat) == (
-        True,
-        7100,
-        3,
-        False,
-    )
+    given = ["--relay", "--relay-port", "7100", "--relay-max-peers", "3", "--relay-max-calls", "9"]
+    args = p.parse_args([*given, "--relay-max-calls-per-peer", "2"])
+    assert (args.relay, args.relay_port, args.behind_nat) == (True, 7100, False)
+    limits = relay_limits(args)
+    assert (limits.max_peers, limits.max_tunnels, limits.max_tunnels_per_peer) == (3, 9, 2)
+    assert limits.head_timeout_s == RelayLimits().head_timeout_s, "the rest: the relay's own"
     args = p.parse_args(["--behind-nat"])
     assert args.behind_nat and not args.relay and args.relay_port == 0
+    assert relay_limits(args) == RelayLimits(), "the defaults are the relay's"
 
 
 def test_the_announcement_carries_the_relay_it_runs_and_the_one_it_is_reached_through() -> None:
