@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,6 +40,7 @@ from swarm.bus.topics import SCHEDULER_USER, Topics
 from swarm.job.config import RuntimeConfig
 from swarm.local.procs import SwarmProcess, start_process
 from swarm.net import attach as attach_module
+from swarm.net import tokens
 from swarm.net.relay import RelayLimits
 from swarm.proto import control_pb2 as cpb
 
@@ -46,6 +48,7 @@ pytestmark = pytest.mark.timeout(60)
 
 WAIT_S = 20.0
 PEER, ADDRESS = "p", "203.0.113.7:7000"
+TOKEN = "the-swarm-token"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -444,6 +447,18 @@ def test_every_dial_of_a_peer_goes_through_the_one_dialer() -> None:
 # ------------------------------------------------------------------------------ real processes
 
 _STAND_IN = "STAND-IN" in (attach_module.__doc__ or "")
+_NONE = cpb.PeerAnnouncement()
+
+
+async def _health(address: str) -> int:
+    """The health of the server at `address`, dialled through the one dialer."""
+    channel = tokens.channel(address, token=TOKEN)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
+        return int(reply.status)
+    finally:
+        await channel.close()
 
 
 @pytest.mark.slow
@@ -455,7 +470,7 @@ async def test_real_processes_a_relay_and_a_peer_behind_nat(
     answers); `swarm stage-server --behind-nat`, told by its report that nobody dials it, says so
     at the default log level with the flags that fix it, and (with the real attachment) is
     announced relayed through that relay within 10 s; both stop in order (the relay with them)."""
-    env = {"SWARM_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"SWARM_CACHE_DIR": str(tmp_path / "cache"), "SWARM_TOKEN": TOKEN}  # as deployed
     common = ["stage-server", "--broker", broker.url, "--port", "0"]
 
     def start(name: str, *flags: str) -> SwarmProcess:
@@ -465,6 +480,15 @@ async def test_real_processes_a_relay_and_a_peer_behind_nat(
 
     procs = [start("relay", "--relay"), start("nat", "--behind-nat")]
     topics = Topics()
+    latest: dict[str, cpb.PeerAnnouncement] = {}  # each peer's latest announcement
+
+    async def announced(peers: Subscription, want: Callable[[], bool], wait_s: float) -> None:
+        async with asyncio.timeout(wait_s):
+            while not want():
+                _, message = await anext(peers)
+                assert isinstance(message, cpb.PeerAnnouncement)
+                latest[message.peer] = message
+
     try:
         relay_ready, nat_ready = [await asyncio.to_thread(p.wait_ready, 120) for p in procs]
         relay_address = f"127.0.0.1:{relay_ready['relay']}"
@@ -474,8 +498,8 @@ async def test_real_processes_a_relay_and_a_peer_behind_nat(
             await sch.wait_connected(WAIT_S)
             peers = sch.subscribe(topics.peer("+"))
             await peers.wait_subscribed(WAIT_S)
-            announced = await _until(peers, lambda a: a.peer == "relay" and a.relay_address != "")
-            assert announced.relay_address == relay_address
+            await announced(peers, lambda: latest.get("relay", _NONE).relay_address != "", WAIT_S)
+            assert latest["relay"].relay_address == relay_address
             report = cpb.ReachabilityReport(
                 reachability=cpb.REACHABILITY_UNREACHABLE,
                 address=nat_ready["address"],
@@ -489,10 +513,12 @@ async def test_real_processes_a_relay_and_a_peer_behind_nat(
             line = next(x for x in procs[1].log().splitlines() if said in x)
             assert "--announce-host" in line and "--relay" in line, line
             if not _STAND_IN:  # the real attachment (helper relay's): the relay carries it
-                async with asyncio.timeout(10):
-                    relayed = await _until(peers, lambda a: a.peer == "nat" and a.relay != "")
-                assert relayed.relay == relay_address
-                assert relayed.address == nat_ready["address"]
+                await announced(peers, lambda: latest.get("nat", _NONE).relay != "", 10)
+                assert latest["nat"].relay == relay_address
+                assert latest["nat"].address == nat_ready["address"]
+                paths = pytest.importorskip("swarm.net.paths")
+                relayed = paths.relayed_address("nat", nat_ready["address"], relay_address)
+                assert await _health(relayed) == health_pb2.HealthCheckResponse.SERVING
     finally:
         codes = [await asyncio.to_thread(p.stop) for p in procs]
     assert codes == [0, 0], [p.log()[-2000:] for p in procs]
