@@ -25,7 +25,7 @@ from google.protobuf.message import Message
 
 from stage_server.metrics import StageMetrics
 from swarm.bus.api import BusLike
-from swarm.bus.topics import ANY
+from swarm.bus.topics import ANY, BusError
 from swarm.net.addresses import host_port, is_unspecified
 from swarm.net.attach import Attachment
 from swarm.ops.rated import RatedLog
@@ -132,14 +132,17 @@ class PeerPath:
             await self._detach("stopping")
 
     async def _consume(self, messages: AsyncIterable[tuple[str, Message]]) -> None:
-        async for _, message in messages:
-            try:
-                if isinstance(message, cpb.ReachabilityReport):
-                    await self.on_report(message)
-                elif isinstance(message, cpb.PeerAnnouncement):
-                    await self.on_announcement(message)
-            except Exception:  # one bad message must not leave the peer unreachable for good
-                log.exception("%s: could not follow its path", self.peer)
+        try:
+            async for _, message in messages:
+                try:
+                    if isinstance(message, cpb.ReachabilityReport):
+                        await self.on_report(message)
+                    elif isinstance(message, cpb.PeerAnnouncement):
+                        await self.on_announcement(message)
+                except Exception:  # one bad message must not leave the peer unreachable
+                    log.exception("%s: could not follow its path", self.peer)
+        except BusError as e:  # a broker that refuses the subscription: the peer serves on
+            log.warning("%s: cannot follow how others reach it: %s", self.peer, e)
 
     async def _announcing(self, announce: Callable[[], Awaitable[None]]) -> None:
         while True:

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,7 +37,7 @@ from stage_server.nat import MAX_RELAYS, PeerPath, local_address
 from stage_server.server import RunningStageServer, StageServerOptions, start_grpc
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus, Subscription
-from swarm.bus.topics import SCHEDULER_USER, Topics
+from swarm.bus.topics import SCHEDULER_USER, BusError, Topics
 from swarm.job.config import RuntimeConfig
 from swarm.local.procs import SwarmProcess, start_process
 from swarm.net import attach as attach_module
@@ -267,6 +268,41 @@ async def test_a_failed_attachment_is_said_and_tried_again_with_the_next_relay(
     assert path.relay == "" and "could not attach to a relay" in _said(caplog)[-1]
     await path.on_announcement(_relay("b", "b:1"))
     assert tries == ["a:1", "b:1"] and path.relay == "b:1"
+
+
+async def test_a_broker_refusing_the_report_leaves_the_peer_following_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A broker whose ACL refuses the report's subscription: said, and the peer goes on (its
+    agent's task group is not taken down with it)."""
+    topics = Topics()
+
+    async def refused() -> AsyncIterator[tuple[str, Message]]:
+        raise BusError("the broker refused subscription")
+        yield  # pragma: no cover
+
+    async def relays() -> AsyncIterator[tuple[str, Message]]:
+        yield topics.peer("a"), _relay("a", "a:1")
+        await asyncio.Event().wait()
+
+    bus: Any = SimpleNamespace(
+        topics=topics,
+        subscribe=lambda pattern: refused() if pattern.endswith("reachability") else relays(),
+    )
+    path = _path(behind_nat=True)
+    announced = asyncio.Event()
+
+    async def announce() -> None:
+        announced.set()
+
+    task = asyncio.create_task(path.run(bus, announce))
+    await asyncio.wait_for(announced.wait(), WAIT_S)
+    assert path.relay == "a:1" and not task.done()
+    assert any("cannot follow how others reach it" in m for m in _said(caplog, logging.WARNING))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert FakeAttachment.made[0].stopped
 
 
 # ------------------------------------------------------------ real broker, real stage servers
