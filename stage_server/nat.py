@@ -99,7 +99,7 @@ class PeerPath:
         self._attachment: Attaching | None = None
         self._generation = 0  # which attachment's changes count: a stopped one's do not
         self._said: tuple[int, str, str] | None = None  # the report last logged
-        self._waiting = False  # "no relay announced yet" said (once, until one is)
+        self._waiting = 0  # the level "no relay announced yet" was said at (once, until one is)
         self._lock = asyncio.Lock()  # one attachment at a time, whoever asks
         self._changed = asyncio.Event()  # the relay changed: announce it
         self._failed = RatedLog(log, every_s=60.0)  # each report tries again: said once a minute
@@ -184,16 +184,20 @@ class PeerPath:
             if self._attachment is not None:
                 return
             if not self._relays:
-                if self._waiting:
+                # --behind-nat at its start: the relays' retained announcements are on their way
+                unreachable = self.report.reachability == cpb.REACHABILITY_UNREACHABLE
+                level = logging.WARNING if unreachable else logging.INFO
+                if self._waiting >= level:
                     return
-                self._waiting = True
-                log.warning(
+                self._waiting = level
+                log.log(
+                    level,
                     "%s: no relay announced yet to attach to: it attaches once one is (a "
                     "reachable stage server started with --relay, or `swarm relay`)",
                     self.peer,
                 )
                 return
-            self._waiting = False
+            self._waiting = 0
             self._generation += 1
             generation = self._generation
 

@@ -239,10 +239,15 @@ async def test_an_unreachable_peer_attaches_re_chooses_and_lets_go_when_reached_
     assert not path.wanted
 
 
-async def test_behind_nat_attaches_without_waiting_for_a_report() -> None:
+async def test_behind_nat_attaches_without_waiting_for_a_report(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="stage_server.nat")
     path = _path(behind_nat=True)
     await path.steer()  # at its start, no relay known yet: it waits for one
     assert FakeAttachment.made == []
+    # Not a warning: at its start the relays' retained announcements are still on their way.
+    assert "no relay announced yet" in _said(caplog)[0] and not _said(caplog, logging.WARNING)
     await path.on_announcement(_relay("a", "a:1"))
     assert path.relay == "a:1", "the first relay announced is taken"
     await path.on_report(_report(cpb.REACHABILITY_DIRECT))
