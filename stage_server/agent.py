@@ -30,6 +30,7 @@ from stage_server.limits import PeerLimits
 from stage_server.measure import cache_path, device_memory, measure_job
 from stage_server.metrics import StageMetrics
 from stage_server.moving import describe_layers, plan_move, return_memory, stage_slowdown
+from stage_server.nat import PeerPath, local_address
 from stage_server.runtime import StageRuntime
 from stage_server.server import (
     SERVICE_NAME,
@@ -86,10 +87,15 @@ class PeerAgent:
         metrics: StageMetrics | None = None,
         limits: PeerLimits | None = None,
         facts: DeviceFacts | None = None,
+        path: PeerPath | None = None,
+        relay_address: str = "",
     ) -> None:
         """`metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
-        `limits`: the peer's (its stages' footprints); `facts`: its device's (free memory)."""
-        self.running, self.bus, self.peer = running, bus, peer
+        `limits`: the peer's (its stages' footprints); `facts`: its device's (free memory);
+        `path`: how others reach it, its relay (None: not followed); `relay_address`: the relay
+        it runs itself (`--relay`)."""
+        self.running, self.bus, self.peer, self.path = running, bus, peer, path
+        self.relay_address = relay_address
         self.limits, self.facts = limits or PeerLimits(), facts or TorchFacts()
         self.clock = clock or MonotonicClock()
         self.device, self.throttle, self.metrics_address = device, throttle, metrics_address
@@ -121,6 +127,8 @@ class PeerAgent:
             throttle=self.throttle,
             samples_per_second=self.speeds,
             memory_bytes=device_memory(self.device),  # the scheduler bounds jobs' stages by it
+            relay=self.path.relay if self.path is not None else "",
+            relay_address=self.relay_address,
             time=time.time(),
         )
         fill_rates(msg, self.metrics)  # its link rates (issue 43), announced anew as they move
@@ -163,6 +171,8 @@ class PeerAgent:
                 tg.create_task(self._report_load()),
                 tg.create_task(reannounce(self.metrics, self.announce)),
             ]
+            if self.path is not None:  # its reachability; a relay while it needs one
+                tasks.append(tg.create_task(self.path.run(self.bus, self.announce)))
             await stop.wait()
             for task in tasks:
                 task.cancel()
@@ -313,13 +323,9 @@ class PeerAgent:
             return  # a stale or repeated assignment (retained messages come again on reconnect)
         ahead_s = (assignment.generation - time.time_ns() // 1000) / 1e6
         if ahead_s > MAX_CLOCK_SKEW_S:
-            log.warning(
-                "%s: refused an assignment %.0f s ahead of this clock (more than %.0f s): "
-                "forged, or the scheduler's clock is wrong",
-                self.peer,
-                ahead_s,
-                MAX_CLOCK_SKEW_S,
-            )
+            log.warning("%s: refused an assignment %.0f s ahead of this clock (more than %.0f s): "
+                        "forged, or the scheduler's clock is wrong", self.peer, ahead_s,
+                        MAX_CLOCK_SKEW_S)  # fmt: skip
             return
         config = self._jobs.get(assignment.job)
         if assignment.job in self._ended:
@@ -393,8 +399,10 @@ async def run_peer(
     throttle: float = 1.0,
     token: str | None = None,
     connect_timeout_s: float = 30.0,
+    behind_nat: bool = False,
 ) -> None:
-    """`swarm stage-server --broker URL`: join the swarm and serve what the scheduler assigns."""
+    """`swarm stage-server --broker URL`: join the swarm and serve what the scheduler assigns;
+    `behind_nat`: attach to a relay at once, not only once the scheduler finds it unreachable."""
     torch.set_num_threads(max(1, opts.threads))
     check_device(opts.device)
     identity = persistent_peer_id(cache_path().parent, opts.peer)
@@ -402,12 +410,8 @@ async def run_peer(
     opts = dataclasses.replace(opts, peer=peer)  # the metrics' peer label too
     login = parse_broker_url(broker).username
     if login and login != peer:
-        log.warning(
-            "%s: the broker URL logs in as %r: the broker's ACL will refuse this peer's "
-            "topics unless the peer id (--peer) is that user",
-            peer,
-            login,
-        )
+        log.warning("%s: the broker URL logs in as %r: the broker's ACL will refuse this peer's "
+                    "topics unless the peer id (--peer) is that user", peer, login)  # fmt: skip
     running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
     metrics = running.metrics_address
     will = cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address)
@@ -420,16 +424,14 @@ async def run_peer(
             will=(Topics().peer(peer), will),
         ) as bus:
             await bus.wait_connected(connect_timeout_s)
+            local = local_address(opts.host, int(running.address.rsplit(":", 1)[1]))
+            path = PeerPath(peer, running.address, local=local, token=token,
+                            behind_nat=behind_nat, metrics=running.servicer.metrics)  # fmt: skip
             agent = PeerAgent(
-                running,
-                bus,
-                peer=peer,
-                device=opts.device,
-                throttle=throttle,
-                metrics_address=metrics,
-                metrics=running.servicer.metrics,
-                limits=opts.limits,
-            )
+                running, bus, peer=peer, device=opts.device, throttle=throttle,
+                metrics_address=metrics, metrics=running.servicer.metrics, limits=opts.limits,
+                path=path, relay_address=running.relay_address,
+            )  # fmt: skip
             stop = asyncio.Event()
             install_signal_handlers(stop)
             print_ready(
@@ -437,6 +439,7 @@ async def run_peer(
                 peer=peer,
                 address=running.address,
                 metrics=running.metrics_port,
+                **running.relay_field(),
                 device=opts.device,
                 throttle=throttle,
             )

@@ -14,6 +14,7 @@ from swarm.flags import (
     add_flag,
     add_insecure_no_token,
     add_metrics_token,
+    add_switch,
     add_token,
     env_name,
     metrics_token,
@@ -22,16 +23,22 @@ from swarm.flags import (
 )
 from swarm.net.bandwidth import bandwidth_flag
 from swarm.net.ports import Listener, PortFlag, naming
+from swarm.net.relay import RelayLimits
 from swarm.net.tls import add_tls_flags
 from swarm.ops import faults
 from swarm.ops.logs import show_at_default
 
 __all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lifecycle"]
 
-LIFECYCLE_LOGGERS = ("stage_server.agent", "stage_server.measure", "stage_server.server")
+LIFECYCLE_LOGGERS = (
+    "stage_server.agent",
+    "stage_server.measure",
+    "stage_server.server",
+    "stage_server.nat",
+)
 """Whose INFO lines say what the server becomes, once each (measured, or its machine's figures
-read, assigned stage K of job J, serving, moving, released and why, stopped): shown at the
-default level too."""
+read, assigned stage K of job J, serving, moving, released and why, stopped; reachable directly
+or through which relay): shown at the default level too."""
 
 _PORT = PortFlag(Listener.GRPC, "--port", env_name("stage-server-port"))
 _METRICS_PORT = PortFlag(Listener.METRICS, "--metrics-port", env_name("stage-server-metrics-port"))
@@ -95,6 +102,41 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         type=bandwidth_flag,
     )
     _add_limits(p)
+    _add_relay(p)
+
+
+def _add_relay(p: argparse.ArgumentParser) -> None:
+    """Peers behind NAT: this one relaying for them, or this one behind NAT."""
+    add_switch(
+        p,
+        "relay",
+        "also relay for peers behind NAT (reachable hosts only): calls to them travel over "
+        "connections they opened to this server; announced with its address",
+    )
+    add_flag(
+        p,
+        "relay-port",
+        0,
+        "the relay's port, with --relay (0: any free port, printed in the ready line)",
+        env="stage-server-relay-port",
+        type=int,
+    )
+    limits = RelayLimits()
+    add_flag(p, "relay-max-peers", limits.max_peers, "peers behind NAT it carries", type=int)
+    add_flag(p, "relay-max-calls", limits.max_tunnels, "calls it carries at once, in all", type=int)
+    add_flag(
+        p,
+        "relay-max-calls-per-peer",
+        limits.max_tunnels_per_peer,
+        "calls it carries at once to one peer",
+        type=int,
+    )
+    add_switch(
+        p,
+        "behind-nat",
+        "attach to a relay at start (with --broker), not only once the scheduler's dial-back "
+        "finds this server unreachable",
+    )
 
 
 def _add_limits(p: argparse.ArgumentParser) -> None:
@@ -102,6 +144,15 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
     for f in fields(PeerLimits):
         flag = flag_name(f.name).removeprefix("--")
         add_flag(p, flag, f.default, f.metadata["help"], type=type(f.default))
+
+
+def relay_limits(args: argparse.Namespace) -> RelayLimits:
+    """The `RelayLimits` the flags say (`--relay-max-*`); the rest are the relay's own."""
+    return RelayLimits(
+        max_peers=args.relay_max_peers,
+        max_tunnels=args.relay_max_calls,
+        max_tunnels_per_peer=args.relay_max_calls_per_peer,
+    )
 
 
 def peer_limits(args: argparse.Namespace) -> PeerLimits:
@@ -154,13 +205,18 @@ def _run(args: argparse.Namespace) -> None:
         limits=peer_limits(args),
         spill_dir=args.spill_dir,
         bandwidth=args.bandwidth or (0.0, 0.0),
+        relay=args.relay,
+        relay_port=args.relay_port,
+        relay_limits=relay_limits(args),
     )
     if args.job:
         if args.stage is None:
             raise SwarmError("--job needs --stage (or leave out both to join a scheduler's swarm)")
         asyncio.run(run_stage_server(load_job(args.job), opts, throttle=args.throttle))
     elif args.broker:
-        asyncio.run(run_peer(opts, args.broker, throttle=args.throttle, token=opts.token))
+        joining = run_peer(opts, args.broker, throttle=args.throttle, token=opts.token,
+                       behind_nat=args.behind_nat)  # fmt: skip
+        asyncio.run(joining)
     else:
         raise SwarmError(
             "give --broker URL (or SWARM_BROKER) to join a swarm, "

@@ -11,10 +11,13 @@ from prometheus_client.registry import Collector
 from stage_server.bandwidth import DIRECTIONS, Direction, LinkMeter
 from swarm.ops.metrics import LABELS, LATENCY_BUCKETS
 
-__all__ = ["PEER_FACTS", "StageMetrics"]
+__all__ = ["PATH_FACTS", "PEER_FACTS", "StageMetrics"]
 
 PEER_FACTS = ("state", "job", "stage")
 """The labels of `swarm_peer_info` besides `peer`: what the peer does now."""
+PATH_FACTS = ("reachability", "relay")
+"""... and how others reach it: the scheduler's dial-back (unknown, direct, relayed, unreachable)
+and the relay it is reached through ("" for none; `stage_server/nat.py`)."""
 
 
 class StageMetrics:
@@ -25,6 +28,7 @@ class StageMetrics:
         reg = self.registry = registry or CollectorRegistry()
         self.values = {"job": "", "stage": "", "peer": peer}
         self.facts = ("idle", "", "")  # state, job, stage: what `swarm_peer_info` says
+        self.path = ("unknown", "")  # reachability, relay: its other labels
 
         def counter(name: str, doc: str, *extra: str) -> Counter:
             return Counter(name, doc, [*LABELS, *extra], registry=reg)
@@ -100,9 +104,17 @@ class StageMetrics:
         serving, moving, offline) for `job` and `stage` ("" for none)."""
         self.facts = (state, job, "" if stage is None else str(stage))
 
+    def reached(self, reachability: str, relay: str = "") -> None:
+        """`swarm_peer_info` says others reach the peer so (`PATH_FACTS`)."""
+        self.path = (reachability, relay)
+
     def info(self) -> dict[str, str]:
         """The labels of the one `swarm_peer_info` series now."""
-        return {"peer": self.values["peer"], **dict(zip(PEER_FACTS, self.facts, strict=True))}
+        return {
+            "peer": self.values["peer"],
+            **dict(zip(PEER_FACTS, self.facts, strict=True)),
+            **dict(zip(PATH_FACTS, self.path, strict=True)),
+        }
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         self._requests.labels(**self.values, method=method, code=code).inc()
@@ -158,7 +170,8 @@ class _PeerInfo(Collector):
         labels = self.metrics.info()
         family = GaugeMetricFamily(
             "swarm_peer_info",
-            "This stage server (1): what it does now (state), for which job and stage",
+            "This stage server (1): what it does now (state), for which job and stage; how others "
+            "reach it (reachability, relay)",
             labels=list(labels),
         )
         family.add_metric(list(labels.values()), 1)

@@ -20,14 +20,17 @@ from stage_server.limits import PeerLimits
 from stage_server.metrics import StageMetrics
 from stage_server.runtime import StageRuntime
 from stage_server.servicer import StageServicer
-from swarm.errors import NotFound
+from swarm.errors import NotFound, SwarmError
 from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net.addresses import announced_host, host_port
+from swarm.net.ports import PortInUse
+from swarm.net.relay import RelayLimits, RelayServer
 from swarm.net.tokens import add_port
 from swarm.ops.devices import peak_memory
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
+from swarm.ops.rated import RatedLog
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
 from swarm.rpc.server_options import ServerLimits, grpc_server
 from swarm.wire.chunking import grpc_options
@@ -64,6 +67,11 @@ class StageServerOptions:
     # spill`): "" the system's temp directory, "off" in memory
     spill_dir: str = ""
     bandwidth: tuple[float, float] = (0.0, 0.0)  # --bandwidth, bytes/s up, down (0: measured)
+    # `--relay`: it also relays for peers behind NAT (`swarm.net.relay`), listening on `host` at
+    # `relay_port` (0: any free port) and announced as `relay_address`
+    relay: bool = False
+    relay_port: int = 0
+    relay_limits: RelayLimits = field(default_factory=RelayLimits)
 
 
 @dataclass
@@ -76,6 +84,15 @@ class RunningStageServer:
     metrics_port: int | None
     grace_s: float
     announce_host: str = ""  # the host part of `address`
+    relay: RelayServer | None = None  # `--relay`: the relay it runs beside its stage
+    relay_port: int | None = None
+
+    @property
+    def relay_address(self) -> str:
+        """Where peers behind NAT attach to its relay ("" when it runs none)."""
+        if self.relay_port is None:
+            return ""
+        return host_port(self.announce_host or self.address.rsplit(":", 1)[0], self.relay_port)
 
     @property
     def metrics_address(self) -> str:
@@ -84,12 +101,18 @@ class RunningStageServer:
             return ""
         return host_port(self.announce_host or self.address.rsplit(":", 1)[0], self.metrics_port)
 
+    def relay_field(self) -> dict[str, int]:
+        """The ready line's `relay=PORT`, with `--relay` only."""
+        return {} if self.relay_port is None else {"relay": self.relay_port}
+
     @property
     def runtime(self) -> StageRuntime:
         return self.servicer.runtime
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
+        if self.relay is not None:  # first: the peers it carries re-attach elsewhere at once
+            await self.relay.stop()
         await self.server.stop(self.grace_s)
         await self.servicer.channels.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
@@ -172,16 +195,35 @@ async def start_grpc(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return RunningStageServer(
-        server,
-        health_servicer,
-        servicer,
-        executor,
-        address,
-        metrics_port,
-        opts.shutdown_grace_s,
-        announce,
-    )
+    running = RunningStageServer(
+        server, health_servicer, servicer, executor, address, metrics_port,
+        opts.shutdown_grace_s, announce,
+    )  # fmt: skip
+    if opts.relay:
+        try:
+            running.relay_port = await _start_relay(running, opts)
+        except BaseException:
+            await running.stop()
+            raise
+    return running
+
+
+async def _start_relay(running: RunningStageServer, opts: StageServerOptions) -> int:
+    """Run a relay beside the stage (`--relay`); its port."""
+    # Its series on this server's /metrics; strangers' refusals logged rated.
+    registry, refusals = running.servicer.metrics.registry, RatedLog(log)
+    relay = RelayServer(opts.token, opts.relay_limits, registry=registry, refusals=refusals)
+    try:
+        port = await relay.start(opts.host, opts.relay_port)
+    except (OSError, PortInUse) as e:
+        raise SwarmError(
+            f"the relay cannot listen on {host_port(opts.host, opts.relay_port)} ({e}): give "
+            "--relay-port another port, or 0 for any free one"
+        ) from None
+    running.relay = relay
+    log.info("%s: relaying for peers behind NAT at %s", running.servicer.peer,
+             host_port(running.announce_host, port))  # fmt: skip
+    return port
 
 
 async def start_stage_server(
@@ -207,6 +249,7 @@ async def run_stage_server(job: JobConfig, opts: StageServerOptions, throttle: f
         stage=opts.stage,
         address=running.address,
         metrics=running.metrics_port,
+        **running.relay_field(),
         layers=f"{rt.layers[0]}..{rt.layers[-1]}",
         params=rt.num_parameters(),
         device=rt.device,

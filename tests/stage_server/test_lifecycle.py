@@ -96,7 +96,10 @@ async def test_a_peer_says_once_what_it_became_and_shows_it_in_one_series(
 
     def show(state: str, job: str, stage: str) -> None:  # one series, these labels
         series = _peer_info(running)
-        assert series == [{"peer": PEER, "state": state, "job": job, "stage": stage}], series
+        # No scheduler dials it back here: how others reach it stays unknown, with no relay.
+        path = {"reachability": "unknown", "relay": ""}
+        expected = {"peer": PEER, "state": state, "job": job, "stage": stage, **path}
+        assert series == [expected], series
         states.append(state)
 
     try:

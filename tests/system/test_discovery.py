@@ -68,6 +68,12 @@ def _peer_info(target: str) -> list[dict[str, str]]:
     ]
 
 
+def _doing(target: str) -> list[dict[str, str]]:
+    """What each `swarm_peer_info` series of a peer says it does (its reachability aside)."""
+    keep = ("peer", "state", "job", "stage")
+    return [{k: v for k, v in s.items() if k in keep} for s in _peer_info(target)]
+
+
 def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
     url = f"http://{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     doc = json.loads(_get(url))
@@ -198,10 +204,13 @@ def test_prometheus_discovers_a_live_swarm_through_the_scheduler(tmp_path: Path)
         }
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # released by the cancelled job: idle again
-            if all(_peer_info(t) == idle[t] for t in peers):
+            if all(_doing(t) == idle[t] for t in peers):
                 break
             time.sleep(0.2)
-        assert {t: _peer_info(t) for t in peers} == idle
+        assert {t: _doing(t) for t in peers} == idle
+        for t in peers:  # how others reach it: on one host, directly (unknown before a dial-back)
+            (series,) = _peer_info(t)
+            assert series["reachability"] in ("unknown", "direct") and series["relay"] == "", series
         swarm.stop()  # each peer says why it stopped
         for peer in swarm.peers:  # at the default level: what it became, once each; no steps
             log, stage = peer.log(), serving[peer.ready["peer"]][2]
