@@ -28,7 +28,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from swarm.errors import ConfigError, SwarmError
-from swarm.net import tls
+from swarm.net.relay_auth import relay_credential
+from swarm.net import paths, tls
 from swarm.net.ports import Listener, bind_error, raise_if_taken
 from swarm.net.tls_mismatch import grpc_host_port
 
@@ -250,12 +251,22 @@ def channel(
     address: str, *, token: str | None, options: Sequence[tuple[str, Any]] | None = None
 ) -> grpc.aio.Channel:
     """A `grpc.aio` channel that sends `token` with every call (none when None): over TLS with
-    the process's identity (`swarm.net.tls`), else in clear text."""
+    the process's identity (`swarm.net.tls`), else in clear text. A relayed address
+    (`swarm.net.paths`) is dialled through its relay: an HTTP CONNECT to the peer's announced
+    address, with the relay credential for that peer; TLS stays end to end, the peer's
+    certificate checked against its announced host as on a direct dial."""
     interceptors = None
     if token:
         interceptors = [k(token) for k in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    path = paths.parse(address)
     given = {name for name, _ in options or ()}
     options = [*(options or ()), *((k, v) for k, v in _RECONNECT if k not in given)]
+    if path.relay is not None and path.peer is not None:
+        address = path.target
+        password = relay_credential(token, path.peer)
+        login = f"{path.peer}:{password}" if password else path.peer
+        # Set per channel: a relayed channel never shares a connection with a direct one.
+        options += [("grpc.enable_http_proxy", 1), ("grpc.http_proxy", f"http://{login}@{path.relay}")]
     identity = tls.current()
     if identity is not None:
         return grpc.aio.secure_channel(
