@@ -33,6 +33,7 @@ __all__ = ["RelayLimits", "RelayServer"]
 log = logging.getLogger(__name__)
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+_LINGER_S = 0.5  # how long a refused request's remaining bytes are read before closing
 
 
 class Refusals(Protocol):
@@ -120,7 +121,13 @@ class RelayServer:
 
     @property
     def tunnels(self) -> int:
+        """Tunnels open now, in all."""
         return self._tunnels
+
+    def tunnels_of(self, peer: str) -> int:
+        """Tunnels open now to `peer` (0 when it is not attached)."""
+        attached = self._peers.get(peer)
+        return attached.tunnels if attached is not None else 0
 
     async def start(self, host: str, port: int) -> int:
         self._server = await asyncio.start_server(self._connected, host, port)
@@ -150,6 +157,8 @@ class RelayServer:
             kept = await self._serve(reader, writer)
         except (ConnectionError, OSError, TimeoutError, ValueError):
             pass  # the other side went away, or sent a line past the stream's limit
+        except asyncio.CancelledError:
+            pass  # stop(): asyncio's server would log a cancelled handler as an error
         finally:
             self._tasks.discard(task)  # type: ignore[arg-type]
             if not kept:
@@ -169,6 +178,7 @@ class RelayServer:
         except HeadError as e:
             self._refuse("head", "refused a request from %s: %s", where, e.reason)
             await _answer(writer, e.status, e.reason)
+            await _linger(reader)
             return False
         except TimeoutError:
             self._refuse("slow", "dropped %s: no request head in %.0f s", where,
@@ -330,5 +340,16 @@ async def _answer(writer: asyncio.StreamWriter, status: int, reason: str) -> Non
     )
     try:
         await asyncio.wait_for(writer.drain(), 1.0)
+    except (ConnectionError, OSError, TimeoutError):
+        pass
+
+
+async def _linger(reader: asyncio.StreamReader) -> None:
+    """Read and drop what the client still sends, briefly, before closing: a socket closed with
+    unread bytes is reset, and the reset can overtake the answer it was sent."""
+    try:
+        async with asyncio.timeout(_LINGER_S):
+            while await reader.read(64 * 1024):
+                pass
     except (ConnectionError, OSError, TimeoutError):
         pass

@@ -81,15 +81,13 @@ async def _pump(
     chunk: int,
     count: Callable[[int], None],
 ) -> None:
-    """Copy until end of stream, then pass the end on (half-close). `drain` waits while the
-    writer's buffer is over its high-water mark, and the reader stops reading from its socket
-    while its own buffer is full: memory stays bounded whatever the two sides' speeds."""
+    """Copy until end of stream. `drain` waits while the writer's buffer is over its high-water
+    mark, and the reader stops reading from its socket while its own buffer is full: memory
+    stays bounded whatever the two sides' speeds."""
     while data := await reader.read(chunk):
         writer.write(data)
         count(len(data))
         await writer.drain()
-    if writer.can_write_eof():
-        writer.write_eof()
 
 
 async def splice(
@@ -98,14 +96,19 @@ async def splice(
     chunk: int,
     count: Callable[[int], None] = lambda n: None,
 ) -> None:
-    """Copy a<->b until both ends have ended or either fails; then close both."""
+    """Copy a<->b until either side ends or fails; then close both (what was read is still
+    written first). No half-closed tunnel lingers: gRPC's HTTP/2 never half-closes a
+    connection, and a side that did could otherwise hold the tunnel's slot for ever."""
+    pumps = [
+        asyncio.create_task(_pump(a[0], b[1], chunk, count)),
+        asyncio.create_task(_pump(b[0], a[1], chunk, count)),
+    ]
     try:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(_pump(a[0], b[1], chunk, count))
-            tg.create_task(_pump(b[0], a[1], chunk, count))
-    except* (ConnectionError, OSError):
-        pass  # a side reset or vanished: the other is closed below
+        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for pump in pumps:
+            pump.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)  # a reset side's error is moot
         await close(a[1])
         await close(b[1])
 
