@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "join a swarm (--broker) or serve one stage of a job (--job, --stage)",
     ),
     "scheduler": ("scheduler.cli", "run the scheduler: job API, placement, trainers"),
+    "relay": (
+        "stage_server.relay",
+        "carry calls to stage servers behind NAT over connections they open themselves",
+    ),
     "submitter-token": (
         "scheduler.cli",
         "print the token that names a submitter (from the scheduler's --admin-token-file)",

@@ -17,6 +17,7 @@ bounded amount ahead of the side it writes to. Refusals are counted by reason an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import Hashable
@@ -105,8 +106,12 @@ class RelayServer:
         self.carried = Counter(
             "swarm_relay_bytes_total", "Bytes carried through tunnels, both ways", registry=registry
         )
-        self.peers_gauge = Gauge("swarm_relay_attached_peers", "Peers attached now", registry=registry)
-        self.tunnels_gauge = Gauge("swarm_relay_open_tunnels", "Tunnels open now", registry=registry)
+        self.peers_gauge = Gauge(
+            "swarm_relay_attached_peers", "Peers attached now", registry=registry
+        )
+        self.tunnels_gauge = Gauge(
+            "swarm_relay_open_tunnels", "Tunnels open now", registry=registry
+        )
         self._peers: dict[str, _Attached] = {}
         self._calls: dict[str, tuple[str, asyncio.Future[Stream]]] = {}
         self._tunnels = 0
@@ -338,10 +343,8 @@ async def _answer(writer: asyncio.StreamWriter, status: int, reason: str) -> Non
         "Connection: close\r\n\r\n".encode()
         + body
     )
-    try:
+    with contextlib.suppress(ConnectionError, OSError, TimeoutError):
         await asyncio.wait_for(writer.drain(), 1.0)
-    except (ConnectionError, OSError, TimeoutError):
-        pass
 
 
 async def _linger(reader: asyncio.StreamReader) -> None:

@@ -56,7 +56,9 @@ def proxy_user(header: str) -> tuple[str, str] | None:
     if scheme.lower() != "basic":
         return None
     try:
-        user, colon, password = base64.b64decode(encoded.strip(), validate=True).decode().partition(":")
+        user, colon, password = (
+            base64.b64decode(encoded.strip(), validate=True).decode().partition(":")
+        )
     except (binascii.Error, UnicodeDecodeError):
         return None
     return (user, password) if colon else None

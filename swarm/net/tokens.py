@@ -28,9 +28,9 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from swarm.errors import ConfigError, SwarmError
-from swarm.net.relay_auth import relay_credential
 from swarm.net import paths, tls
 from swarm.net.ports import Listener, bind_error, raise_if_taken
+from swarm.net.relay_auth import relay_credential
 from swarm.net.tls_mismatch import grpc_host_port
 
 __all__ = [
@@ -266,7 +266,10 @@ def channel(
         password = relay_credential(token, path.peer)
         login = f"{path.peer}:{password}" if password else path.peer
         # Set per channel: a relayed channel never shares a connection with a direct one.
-        options += [("grpc.enable_http_proxy", 1), ("grpc.http_proxy", f"http://{login}@{path.relay}")]
+        options += [
+            ("grpc.enable_http_proxy", 1),
+            ("grpc.http_proxy", f"http://{login}@{path.relay}"),
+        ]
     identity = tls.current()
     if identity is not None:
         return grpc.aio.secure_channel(
