@@ -30,9 +30,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swarm.net import paths, tokens  # noqa: E402
-from swarm.net.attach import Attachment  # noqa: E402
-from swarm.net.relay import RelayServer  # noqa: E402
+from swarm.net import paths, tokens
+from swarm.net.attach import Attachment
+from swarm.net.relay import RelayServer
 
 MiB = 1 << 20
 TOKEN = "bench-token"
@@ -113,7 +113,9 @@ async def _interleaved(addresses: list[str], mib: int, runs: int) -> list[float]
         for address in addresses:
             channel = tokens.channel(address, token=TOKEN, options=OPTIONS)
             await stack.enter_async_context(channel)
-            method = channel.stream_stream(SINK, request_serializer=_same, response_deserializer=_same)
+            method = channel.stream_stream(
+                SINK, request_serializer=_same, response_deserializer=_same
+            )
             await _stream(method(), 8)  # warm: the connection, the tunnel
             methods.append(method)
         best = [float("inf")] * len(addresses)
@@ -223,15 +225,15 @@ def main() -> None:
         rows.append(("grpctunnel-py reverse tunnel", "skipped: grpctunnel-py not installed"))
     else:
         rows.append(("grpctunnel-py reverse tunnel", _grpctunnel(args.mib, args.runs)))
-    direct = rows[0][1]
-    assert isinstance(direct, float)
+    base = rows[0][1]
+    assert isinstance(base, float)
     print(f"{args.mib} MiB in 1 MiB messages, best of {args.runs}")
     print(f"{'path':32} {'MiB/s':>8} {'x direct':>9}")
     for name, seconds in rows:
         if isinstance(seconds, str):
             print(f"{name:32} {seconds}")
         else:
-            print(f"{name:32} {args.mib / seconds:8.0f} {direct / seconds:9.2f}")
+            print(f"{name:32} {args.mib / seconds:8.0f} {base / seconds:9.2f}")
 
 
 if __name__ == "__main__":

@@ -159,15 +159,17 @@ class RelayServer:
         self._tasks.add(task)  # type: ignore[arg-type]
         kept = False  # a DATA connection is handed to its tunnel, which closes it
         try:
-            kept = await self._serve(reader, writer)
+            try:
+                kept = await self._serve(reader, writer)
+            finally:
+                if not kept:
+                    await close(writer)
         except (ConnectionError, OSError, TimeoutError, ValueError):
             pass  # the other side went away, or sent a line past the stream's limit
         except asyncio.CancelledError:
             pass  # stop(): asyncio's server would log a cancelled handler as an error
         finally:
             self._tasks.discard(task)  # type: ignore[arg-type]
-            if not kept:
-                await close(writer)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         where = writer.get_extra_info("peername")

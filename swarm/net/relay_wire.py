@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["PROTOCOL", "Head", "HeadError", "close", "read_head", "splice"]
 
@@ -75,19 +76,56 @@ async def read_head(reader: asyncio.StreamReader, max_bytes: int) -> Head:
     return Head(parts[0], parts[1], parts[2], headers)
 
 
-async def _pump(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    chunk: int,
-    count: Callable[[int], None],
-) -> None:
-    """Copy until end of stream. `drain` waits while the writer's buffer is over its high-water
-    mark, and the reader stops reading from its socket while its own buffer is full: memory
-    stays bounded whatever the two sides' speeds."""
-    while data := await reader.read(chunk):
-        writer.write(data)
-        count(len(data))
-        await writer.drain()
+class _Pump(asyncio.Protocol):
+    """One side of a splice: what its transport receives is written to the other side's at once
+    (no copy into a stream buffer, no task switch). Flow control is the transports' own: when
+    the other side's write buffer passes its high-water mark, this side stops reading from its
+    socket until it drains, so memory stays bounded whatever the two sides' speeds."""
+
+    def __init__(self, count: Callable[[int], None], ended: asyncio.Future[None]) -> None:
+        self.count, self.ended = count, ended
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.mine: asyncio.Transport | None = None
+        self.other: asyncio.Transport | None = None
+
+    def data_received(self, data: bytes) -> None:
+        assert self.other is not None
+        self.other.write(data)
+        self.count(len(data))
+
+    def eof_received(self) -> bool:
+        self._end()
+        return False  # close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end()
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def pause_writing(self) -> None:  # this side's write buffer is full: stop reading the other
+        if self.other is not None:
+            self.other.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.other is not None and not self.other.is_closing():
+            self.other.resume_reading()
+
+    def _end(self) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+
+def _take(
+    stream: tuple[asyncio.StreamReader, asyncio.StreamWriter], pump: _Pump
+) -> tuple[asyncio.Transport, bytes]:
+    """Hand `stream`'s transport to `pump`; the bytes its reader had read past the head."""
+    transport: Any = stream[1].transport
+    # The head was read through a StreamReader, which may hold bytes that followed it (only
+    # its private buffer says so): they are passed on first.
+    leftover = bytes(getattr(stream[0], "_buffer", b""))
+    transport.set_protocol(pump)
+    pump.mine = transport
+    return transport, leftover
 
 
 async def splice(
@@ -98,19 +136,37 @@ async def splice(
 ) -> None:
     """Copy a<->b until either side ends or fails; then close both (what was read is still
     written first). No half-closed tunnel lingers: gRPC's HTTP/2 never half-closes a
-    connection, and a side that did could otherwise hold the tunnel's slot for ever."""
-    pumps = [
-        asyncio.create_task(_pump(a[0], b[1], chunk, count)),
-        asyncio.create_task(_pump(b[0], a[1], chunk, count)),
-    ]
+    connection, and a side that did could otherwise hold the tunnel's slot for ever. `chunk`
+    bounds each transport's write buffer (its high-water mark)."""
+    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    pa, pb = _Pump(count, ended), _Pump(count, ended)
+    ta, left_a = _take(a, pa)
+    tb, left_b = _take(b, pb)
+    pa.other, pb.other = tb, ta
+    for transport in (ta, tb):
+        transport.set_write_buffer_limits(high=chunk)
+    for leftover, to in ((left_a, tb), (left_b, ta)):
+        if leftover:
+            to.write(leftover)
+            count(len(leftover))
+    for transport in (ta, tb):
+        if transport.is_closing():  # gone while the head was read: the splice ends at once
+            pa._end()
+        else:
+            transport.resume_reading()  # a StreamReader with a full buffer paused it
     try:
-        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        await ended
     finally:
-        for pump in pumps:
-            pump.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)  # a reset side's error is moot
-        await close(a[1])
-        await close(b[1])
+        # Closed here, not through the writers: their protocol was handed over, so only the
+        # pumps hear the connections go.
+        for transport in (ta, tb):
+            transport.close()
+        try:
+            async with asyncio.timeout(1.0):  # a peer that stopped reading: its bytes dropped
+                await asyncio.gather(pa.lost, pb.lost)
+        except TimeoutError:
+            ta.abort()
+            tb.abort()
 
 
 async def close(writer: asyncio.StreamWriter) -> None:
