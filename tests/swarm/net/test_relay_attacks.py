@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from swarm.net import paths, tls
+from swarm.net import tls
 from swarm.net.attach import Attachment
 from swarm.net.relay import RelayLimits, RelayServer
 from swarm.net.relay_auth import attach_proof, relay_credential
@@ -193,24 +193,50 @@ async def test_one_peers_tunnels_are_bounded_and_leave_room_for_others() -> None
         other = Attachment("b", TOKEN, f"127.0.0.1:{port}", lambda: [r.relay_address],
                            lambda _: None, address=f"{NAT_HOST}:{port}")  # fmt: skip
         await other.start()
+        target = f"{NAT_HOST}:{port}"
+        login = {p: f"{p}:{relay_credential(TOKEN, p)}" for p in ("a", "b")}
+        opened: list[Stream] = []
+
+        async def connect(peer: str) -> str:
+            status, stream = await _connect(r.relay_address, target, login[peer])
+            if status.startswith("HTTP/1.1 200"):
+                opened.append(stream)
+            else:
+                await _closed(stream)
+            return status
+
         try:
             await eventually(lambda: set(r.relay.peers) == {"a", "b"})
-            login = f"a:{relay_credential(TOKEN, 'a')}"
-            held = [await _connect(r.relay_address, f"{NAT_HOST}:{port}", login) for _ in range(2)]
-            assert [s for s, _ in held] == ["HTTP/1.1 200 Connection established"] * 2
-            status, extra = await _connect(r.relay_address, f"{NAT_HOST}:{port}", login)
-            assert status.startswith("HTTP/1.1 503 peer a has 2 tunnels open"), status
-            await _closed(extra)
-            via_b = paths.relayed_address("b", f"{NAT_HOST}:{port}", r.relay_address)
-            assert await echo_bytes(via_b, TOKEN, [b"b"]) == [b"b"]  # b still served
-            for s in held:
-                await _closed(s[1])
-            await eventually(lambda: r.relay.tunnels_of("a") == 0)
-            status, again = await _connect(r.relay_address, f"{NAT_HOST}:{port}", login)
-            assert status == "HTTP/1.1 200 Connection established"
-            await _closed(again)
+            ok = "HTTP/1.1 200 Connection established"
+            assert [await connect("a"), await connect("a")] == [ok, ok]
+            assert (await connect("a")).startswith("HTTP/1.1 503 peer a has 2 tunnels open")
+            assert await connect("b") == ok  # a's bound left room for b
+            assert (await connect("b")).startswith("HTTP/1.1 503 this relay has 3 tunnels open")
+            assert r.relay.tunnels == 3
+            for stream in opened:
+                await _closed(stream)
+            await eventually(lambda: r.relay.tunnels == 0)
+            assert await connect("a") == ok
+            await _closed(opened.pop())
         finally:
             await other.stop()
+
+
+@pytest.mark.attack("R4")
+async def test_attached_peers_are_bounded() -> None:
+    limits = RelayLimits(max_peers=1)
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port, peer="a", limits=limits) as r:
+        await eventually(lambda: r.attachment.relay is not None)
+        changes: list[str | None] = []
+        extra = Attachment("b", TOKEN, f"127.0.0.1:{port}", lambda: [r.relay_address],
+                           changes.append)  # fmt: skip
+        await extra.start()
+        try:
+            await eventually(lambda: (r.registry.get_sample_value(
+                "swarm_relay_refused_total", {"reason": "peers-full"}) or 0) >= 1)  # fmt: skip
+            assert list(r.relay.peers) == ["a"] and changes == [] and extra.relay is None
+        finally:
+            await extra.stop()
 
 
 @pytest.mark.attack("R4")
