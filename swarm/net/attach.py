@@ -115,7 +115,11 @@ class Attachment:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            relays = list(dict.fromkeys(self._relays()))
+            try:
+                relays = list(dict.fromkeys(self._relays()))
+            except Exception:  # whoever lists them failed: no relay this round, not the end
+                log.exception("%s: could not list relays", self.peer)
+                relays = []
             if self._last_failed in relays and len(relays) > 1:  # the others first
                 relays.remove(self._last_failed)
                 relays.append(self._last_failed)

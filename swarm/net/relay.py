@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ __all__ = ["RelayLimits", "RelayServer"]
 log = logging.getLogger(__name__)
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+_PEER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # as stage_server.identity makes them
 _LINGER_S = 0.5  # how long a refused request's remaining bytes are read before closing
 
 
@@ -287,6 +289,10 @@ class RelayServer:
         self, head: Head, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: object
     ) -> None:
         peer, address = head.target, head.headers.get("x-swarm-address", "")
+        if not _PEER_ID.fullmatch(peer):
+            self._refuse("attach", "refused to attach %.64r from %s: not a peer id", peer, where)
+            writer.write(b"ERR not a peer id\n")
+            return
         if peer not in self._peers and len(self._peers) >= self.limits.max_peers:
             self._refuse("peers-full", "refused peer %.64r: %d peers attached", peer,
                          len(self._peers))  # fmt: skip

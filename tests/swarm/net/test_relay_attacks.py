@@ -228,15 +228,20 @@ async def test_attached_peers_are_bounded() -> None:
     async with echo_server(TOKEN) as port, relayed(TOKEN, port, peer="a", limits=limits) as r:
         await eventually(lambda: r.attachment.relay is not None)
         changes: list[str | None] = []
-        extra = Attachment("b", TOKEN, f"127.0.0.1:{port}", lambda: [r.relay_address],
+        second = RelayServer(TOKEN)
+        elsewhere = f"127.0.0.1:{await second.start('127.0.0.1', 0)}"
+        extra = Attachment("b", TOKEN, f"127.0.0.1:{port}", lambda: [r.relay_address, elsewhere],
                            changes.append)  # fmt: skip
         await extra.start()
         try:
-            await eventually(lambda: (r.registry.get_sample_value(
-                "swarm_relay_refused_total", {"reason": "peers-full"}) or 0) >= 1)  # fmt: skip
-            assert list(r.relay.peers) == ["a"] and changes == [] and extra.relay is None
+            await eventually(lambda: extra.relay == elsewhere)  # the first relay that accepts
+            assert r.registry.get_sample_value(
+                "swarm_relay_refused_total", {"reason": "peers-full"}
+            )
+            assert list(r.relay.peers) == ["a"] and changes == [elsewhere]
         finally:
             await extra.stop()
+            await second.stop()
 
 
 @pytest.mark.attack("R4")
