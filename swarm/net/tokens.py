@@ -265,6 +265,7 @@ def channel(
         address = path.target
         password = relay_credential(token, path.peer)
         login = f"{path.peer}:{password}" if password else path.peer
+        _warn_no_proxy(path.target)
         # Set per channel: a relayed channel never shares a connection with a direct one.
         options += [
             ("grpc.enable_http_proxy", 1),
@@ -276,6 +277,29 @@ def channel(
             address, identity.channel_credentials(), options=options, interceptors=interceptors
         )
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+_NO_PROXY = ("no_grpc_proxy", "no_proxy")  # what gRPC reads, in its order
+_warned: set[str] = set()
+
+
+def _warn_no_proxy(target: str) -> None:
+    """gRPC dials the hosts `no_proxy` lists directly, whatever the channel's proxy: a relayed
+    peer's announced host among them is dialled past its relay (and fails). Said once per host."""
+    host = target.rpartition(":")[0].strip("[]")
+    for name in _NO_PROXY:
+        listed = os.environ.get(name, "")
+        if not listed:
+            continue
+        if host not in _warned and any(
+            entry == "*" or host == entry or host.endswith("." + entry.lstrip("."))
+            for entry in (e.strip() for e in listed.split(","))
+            if entry
+        ):
+            _warned.add(host)
+            log.warning("%s lists %s: gRPC dials it directly, not through its relay; take it "
+                        "out of %s", name, host, name)  # fmt: skip
+        return  # gRPC reads the first one set
 
 
 def add_port(server: grpc.aio.Server, address: str, what: str) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from swarm.net import paths, tls
+from swarm.net import paths, tls, tokens
 from swarm.net.attach import Attachment
 from swarm.net.relay import RelayServer
 from swarm.net.relay_auth import proxy_user, relay_credential
@@ -124,3 +124,16 @@ async def test_a_killed_relay_is_replaced_and_calls_resume() -> None:
             await attachment.stop()
             await second.stop()
         assert changes[-1] is None and attachment.relay is None
+
+
+async def test_a_relayed_host_in_no_proxy_is_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gRPC dials a host `no_proxy` lists directly, past the channel's proxy: the dialer says so
+    (a relayed dial of it fails: test_a_peer_nobody_can_dial shows the direct dial failing)."""
+    monkeypatch.setenv("no_proxy", "localhost,.invalid")
+    monkeypatch.delenv("no_grpc_proxy", raising=False)
+    address = paths.relayed_address("p", f"{NAT_HOST}:7001", "127.0.0.1:9")
+    async with tokens.channel(address, token=TOKEN):
+        pass
+    assert f"no_proxy lists {NAT_HOST}: gRPC dials it directly" in caplog.text
