@@ -73,3 +73,40 @@ async def test_a_relay_process_announces_itself_carries_calls_and_says_when_it_g
         finally:
             relay.stop()
         assert "announced offline" in relay.log()
+
+
+async def test_a_sigkilled_relay_process_is_replaced_and_calls_resume(tmp_path: Path) -> None:
+    """Two relay processes; the one the peer attached to is SIGKILLed: the peer attaches to the
+    other, and its calls through it go on."""
+    env = {**os.environ, "SWARM_TOKEN": TOKEN}
+    relays = [
+        start_process(
+            ["relay", "--port", "0", "--peer", f"relay-{i}"],
+            log_dir=tmp_path,
+            name=f"relay-{i}",
+            env=env,
+        )
+        for i in range(2)
+    ]
+    try:
+        a, b = [(await asyncio.to_thread(r.wait_ready, 60))["address"] for r in relays]
+        async with echo_server(TOKEN) as port:
+            changes: list[str | None] = []
+            attachment = Attachment("home-gpu", TOKEN, f"127.0.0.1:{port}", lambda: [a, b],
+                                    changes.append, address=f"{NAT_HOST}:{port}")  # fmt: skip
+            await attachment.start()
+            try:
+                await eventually(lambda: attachment.relay == a)
+                via = {
+                    r: paths.relayed_address("home-gpu", f"{NAT_HOST}:{port}", r) for r in (a, b)
+                }
+                assert await echo_bytes(via[a], TOKEN, [b"one"]) == [b"one"]
+                relays[0].proc.kill()
+                await eventually(lambda: attachment.relay == b)
+                assert await echo_bytes(via[b], TOKEN, [b"two"]) == [b"two"]
+                assert changes == [a, None, b]
+            finally:
+                await attachment.stop()
+    finally:
+        for r in relays:
+            r.stop()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from swarm.net import tls
 from swarm.net.attach import Attachment
@@ -126,6 +127,24 @@ async def test_a_stranger_cannot_open_a_tunnel() -> None:
             await call.write(b"x")
             assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
         assert r.registry.get_sample_value("swarm_relay_tunnels_total") == 1
+
+
+@pytest.mark.attack("R2")
+async def test_a_stranger_cannot_pose_as_a_peers_data_connection() -> None:
+    """A data connection must name a call the relay just asked the peer for (a random id sent
+    only over the peer's control connection) and prove the token for it."""
+    registry = CollectorRegistry()
+    relay = RelayServer(TOKEN, registry=registry)
+    address = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
+    try:
+        for call in ("0" * 32, "guess"):
+            reader, writer = await _dial(address)
+            writer.write(f"DATA {call} SWARM-RELAY/1\r\nAuthorization: Swarm x\r\n\r\n".encode())
+            await asyncio.wait_for(_ended(reader), 15)
+            await _closed((reader, writer))
+        assert registry.get_sample_value("swarm_relay_refused_total", {"reason": "data"}) == 2
+    finally:
+        await relay.stop()
 
 
 @pytest.fixture
