@@ -263,6 +263,10 @@ class RelayServer:
             return await asyncio.wait_for(future, self.limits.open_timeout_s)
         except (ConnectionError, OSError, TimeoutError):
             return None
+        except asyncio.CancelledError:  # stop(): a data connection already handed over is closed
+            if future.done() and not future.cancelled():
+                future.result()[1].transport.abort()
+            raise
         finally:
             del self._calls[call]
             if not future.done():
