@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "own averaging parts in the pools of a swarm's running jobs (--broker): no model, no GPU",
     ),
     "scheduler": ("scheduler.cli", "run the scheduler: job API, placement, trainers"),
+    "relay": (
+        "stage_server.relay",
+        "carry calls to stage servers behind NAT over connections they open themselves",
+    ),
     "submitter-token": (
         "scheduler.cli",
         "print the token that names a submitter (from the scheduler's --admin-token-file)",

@@ -1,16 +1,69 @@
-"""STAND-IN for helper "relay"'s `swarm.net.attach` (issue 42): the contract's signature only, so
-that the stage server imports on this branch; it attaches to nothing. The lead takes relay's real
-module in its place at the merge."""
+"""A NAT'd peer's side of a relay (`swarm.net.relay`): it keeps one control connection to a relay,
+and for each call the relay carries to it opens a data connection back to the relay and splices
+it to its own gRPC server. Every connection is one the peer opened itself, so a router that drops
+inbound connections stops none of them.
+
+`Attachment` chooses the first relay of `relays()` that accepts it (the one that last failed is
+tried last), and re-chooses when that relay dies, refuses it, or goes silent (it pings every few
+seconds), pausing between rounds; `on_change` hears the relay it is reached through, or None.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import random
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-__all__ = ["Attachment"]
+from swarm.net.relay_auth import attach_proof, data_proof
+from swarm.net.relay_wire import PROTOCOL, close, splice
+
+__all__ = ["Attachment", "Pauses", "split_host_port"]
+
+log = logging.getLogger(__name__)
+
+
+class Pauses(Protocol):
+    """The pause between rounds of relays: `swarm.policy.backoff.Backoff` is one (a role passes
+    it; this floor cannot import the policies)."""
+
+    def next(self) -> float: ...
+
+    def reset(self) -> None: ...
+
+
+class _Doubling:
+    """The default pauses: 0.5 s doubling to 30 s, jittered by a fifth, as `Backoff(0.5, 30)`."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def next(self) -> float:
+        pause = min(30.0, 0.5 * 2.0**self.attempts) * random.uniform(0.8, 1.2)
+        self.attempts = min(self.attempts + 1, 16)
+        return pause
+
+    def reset(self) -> None:
+        self.attempts = 0
+
+
+class _Refused(Exception):
+    """The relay answered, and refused."""
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """(host, port) of `host:port` (an IPv6 host in brackets); ValueError when it is not one."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not host:port")
+    return host.strip("[]"), int(port)
 
 
 class Attachment:
-    """Keeps a NAT'd peer attached to one relay of `relays()`; `on_change(relay or None)`."""
+    """Keeps `peer` attached to one relay of `relays()` and carries the relay's calls to
+    `local_address` (this peer's own gRPC server). `address`: what this peer announces (the
+    relay shows it; default `local_address`)."""
 
     def __init__(
         self,
@@ -19,16 +72,137 @@ class Attachment:
         local_address: str,
         relays: Callable[[], Sequence[str]],
         on_change: Callable[[str | None], None],
+        *,
+        address: str = "",
+        pauses: Pauses | None = None,
+        timeout_s: float = 5.0,
+        dead_after_s: float = 35.0,
+        max_tunnels: int = 256,
+        chunk_bytes: int = 256 * 1024,
     ) -> None:
-        self.peer, self.token, self.local_address = peer, token, local_address
-        self.relays, self.on_change = relays, on_change
+        self.peer, self.token, self.local_address = peer, token or None, local_address
+        self.address = address or local_address
+        self._relays, self._on_change = relays, on_change
+        self._pauses: Pauses = pauses or _Doubling()
+        self.timeout_s, self.dead_after_s = timeout_s, dead_after_s
+        self.max_tunnels, self.chunk_bytes = max_tunnels, chunk_bytes
+        self._relay: str | None = None
+        self._last_failed: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._tunnels: set[asyncio.Task[None]] = set()
 
     @property
     def relay(self) -> str | None:
-        return None
+        """The relay this peer is reached through now, or None."""
+        return self._relay
 
     async def start(self) -> None:
-        raise NotImplementedError("swarm.net.attach is a stand-in on this branch")
+        self._task = asyncio.create_task(self._run(), name=f"attachment-{self.peer}")
 
     async def stop(self) -> None:
-        pass
+        tasks = [t for t in (self._task, *self._tunnels) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+        self._set(None)
+
+    def _set(self, relay: str | None) -> None:
+        if relay != self._relay:
+            self._relay = relay
+            self._on_change(relay)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                relays = list(dict.fromkeys(self._relays()))
+            except Exception:  # whoever lists them failed: no relay this round, not the end
+                log.exception("%s: could not list relays", self.peer)
+                relays = []
+            if self._last_failed in relays and len(relays) > 1:  # the others first
+                relays.remove(self._last_failed)
+                relays.append(self._last_failed)
+            for relay in relays:
+                try:
+                    reader, writer = await asyncio.wait_for(self._attach(relay), self.timeout_s)
+                except (OSError, TimeoutError, ValueError, _Refused) as e:
+                    log.info("%s: relay %s: not attached: %s", self.peer, relay, e or type(e))
+                    self._last_failed = relay
+                    continue
+                log.info("%s: attached to relay %s", self.peer, relay)
+                self._set(relay)
+                since = loop.time()
+                try:
+                    await self._serve(relay, reader, writer)
+                except (OSError, TimeoutError, ValueError) as e:
+                    log.info("%s: relay %s lost: %s", self.peer, relay, e or type(e).__name__)
+                finally:
+                    self._set(None)
+                    await close(writer)
+                self._last_failed = relay
+                if loop.time() - since > self.dead_after_s:
+                    self._pauses.reset()  # it served a while: its end is news, not a pattern
+                break
+            else:
+                if not relays:
+                    log.debug("%s: no relay to attach to", self.peer)
+            await asyncio.sleep(self._pauses.next())
+
+    async def _attach(self, relay: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(*split_host_port(relay))
+        try:
+            writer.write(
+                f"ATTACH {self.peer} {PROTOCOL}\r\nX-Swarm-Address: {self.address}\r\n\r\n".encode()
+            )
+            verb, _, nonce = (await reader.readline()).decode("latin-1").strip().partition(" ")
+            if verb != "NONCE":
+                raise _Refused(f"{verb} {nonce}".strip() or "closed")
+            writer.write(f"PROOF {attach_proof(self.token, self.peer, nonce)}\n".encode())
+            answer = (await reader.readline()).decode("latin-1").strip()
+            if answer != "OK":
+                raise _Refused(answer or "closed")
+        except BaseException:
+            await close(writer)
+            raise
+        return reader, writer
+
+    async def _serve(
+        self, relay: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Answer the relay's pings and open a data connection per call, until it ends."""
+        while True:
+            line = await asyncio.wait_for(reader.readline(), self.dead_after_s)
+            verb, _, call = line.decode("latin-1").strip().partition(" ")
+            if verb == "PING":
+                writer.write(b"PONG\n")
+                await asyncio.wait_for(writer.drain(), self.dead_after_s)
+            elif verb == "OPEN" and call and len(self._tunnels) < self.max_tunnels:
+                task = asyncio.create_task(self._tunnel(relay, call))
+                self._tunnels.add(task)
+                task.add_done_callback(self._tunnels.discard)
+            elif verb != "OPEN":
+                raise ValueError(f"the relay said {line[:40]!r}" if line else "closed")
+
+    async def _tunnel(self, relay: str, call: str) -> None:
+        """One call: this peer's server, spliced to a data connection to the relay."""
+        try:
+            local = await asyncio.wait_for(
+                asyncio.open_connection(*split_host_port(self.local_address)), self.timeout_s
+            )
+        except (OSError, TimeoutError) as e:
+            log.warning("%s: own server %s did not answer a relayed call: %s", self.peer,
+                        self.local_address, e)  # fmt: skip
+            return
+        try:
+            remote = await asyncio.wait_for(
+                asyncio.open_connection(*split_host_port(relay)), self.timeout_s
+            )
+        except (OSError, TimeoutError):
+            await close(local[1])
+            return
+        remote[1].write(
+            f"DATA {call} {PROTOCOL}\r\nAuthorization: Swarm {data_proof(self.token, call)}"
+            "\r\n\r\n".encode()
+        )
+        await splice(local, remote, self.chunk_bytes)

@@ -1,32 +1,50 @@
-"""STAND-IN (helper "reach"): the minimal `swarm.net.paths` of the shared contract, so that the
-scheduler's reachability runs on this branch; helper "relay" owns the real module, which replaces
-this one. The one place that knows the address form of a relayed peer."""
+"""The one place that knows how a peer's dial address is written: plain `host:port`, or relayed.
+
+A peer behind NAT announces its own address (`host:port`, what its TLS certificate names) and is
+reached through a relay it attached to. Its dial address says all three:
+`relay://PEER@RELAY/ADDRESS`, e.g. `relay://home-gpu-1@203.0.113.5:7100/192.168.1.20:7001`.
+`swarm.net.tokens.channel` dials such an address through the relay (an HTTP CONNECT to ADDRESS,
+authenticated for PEER) and verifies the peer's certificate against ADDRESS's host, as a direct
+dial would. Pure: no I/O, nothing resolved.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Path", "parse", "relayed_address"]
+__all__ = ["SCHEME", "Path", "parse", "relayed_address"]
 
-_SCHEME = "relay://"
+SCHEME = "relay://"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Path:
-    target: str  # the peer's own announced "host:port"
-    relay: str | None  # the relay's "host:port" it is reached through; None: dialled directly
-    peer: str | None  # the peer's id (what the relay knows it by); None: dialled directly
+    """How to reach an address: `target` (`host:port`, dialled directly when `relay` is None, else
+    asked of the relay), through `relay` (`host:port`), to `peer` (the id the relay knows it by)."""
+
+    target: str
+    relay: str | None = None
+    peer: str | None = None
 
 
 def relayed_address(peer: str, address: str, relay: str) -> str:
     """The dial address of `peer`, announced at `address`, reached through relay `relay`."""
-    return f"{_SCHEME}{relay}/{peer}@{address}"
+    if not peer or "@" in peer or "/" in peer:
+        raise ValueError(f"peer id {peer!r} cannot name a relayed peer (empty, '@' or '/')")
+    if not address or not relay or "/" in relay or "@" in relay:
+        raise ValueError(f"cannot relay to {address!r} through {relay!r}")
+    return f"{SCHEME}{peer}@{relay}/{address}"
 
 
 def parse(address: str) -> Path:
-    """A dial address as a `Path`; a plain "host:port" has no relay."""
-    if not address.startswith(_SCHEME):
-        return Path(address, None, None)
-    relay, _, rest = address[len(_SCHEME) :].partition("/")
-    peer, _, target = rest.partition("@")
+    """The path an address names; a plain `host:port` parses to `Path(address)` (no relay).
+    ValueError for a relayed address missing a part."""
+    if not address.startswith(SCHEME):
+        return Path(address)
+    authority, slash, target = address[len(SCHEME) :].partition("/")
+    peer, at, relay = authority.partition("@")
+    if not (slash and at and peer and relay and target):
+        raise ValueError(
+            f"relayed address {address!r} is not {SCHEME}PEER@RELAY_HOST:PORT/PEER_HOST:PORT"
+        )
     return Path(target, relay, peer)

@@ -28,8 +28,9 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from swarm.errors import ConfigError, SwarmError
-from swarm.net import tls
+from swarm.net import paths, tls
 from swarm.net.ports import Listener, bind_error, raise_if_taken
+from swarm.net.relay_auth import relay_credential
 from swarm.net.tls_mismatch import grpc_host_port
 
 __all__ = [
@@ -250,18 +251,55 @@ def channel(
     address: str, *, token: str | None, options: Sequence[tuple[str, Any]] | None = None
 ) -> grpc.aio.Channel:
     """A `grpc.aio` channel that sends `token` with every call (none when None): over TLS with
-    the process's identity (`swarm.net.tls`), else in clear text."""
+    the process's identity (`swarm.net.tls`), else in clear text. A relayed address
+    (`swarm.net.paths`) is dialled through its relay: an HTTP CONNECT to the peer's announced
+    address, with the relay credential for that peer; TLS stays end to end, the peer's
+    certificate checked against its announced host as on a direct dial."""
     interceptors = None
     if token:
         interceptors = [k(token) for k in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    path = paths.parse(address)
     given = {name for name, _ in options or ()}
     options = [*(options or ()), *((k, v) for k, v in _RECONNECT if k not in given)]
+    if path.relay is not None and path.peer is not None:
+        address = path.target
+        password = relay_credential(token, path.peer)
+        login = f"{path.peer}:{password}" if password else path.peer
+        _warn_no_proxy(path.target)
+        # Set per channel: a relayed channel never shares a connection with a direct one.
+        options += [
+            ("grpc.enable_http_proxy", 1),
+            ("grpc.http_proxy", f"http://{login}@{path.relay}"),
+        ]
     identity = tls.current()
     if identity is not None:
         return grpc.aio.secure_channel(
             address, identity.channel_credentials(), options=options, interceptors=interceptors
         )
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+_NO_PROXY = ("no_grpc_proxy", "no_proxy")  # what gRPC reads, in its order
+_warned: set[str] = set()
+
+
+def _warn_no_proxy(target: str) -> None:
+    """gRPC dials the hosts `no_proxy` lists directly, whatever the channel's proxy: a relayed
+    peer's announced host among them is dialled past its relay (and fails). Said once per host."""
+    host = target.rpartition(":")[0].strip("[]")
+    for name in _NO_PROXY:
+        listed = os.environ.get(name, "")
+        if not listed:
+            continue
+        if host not in _warned and any(
+            entry == "*" or host == entry or host.endswith("." + entry.lstrip("."))
+            for entry in (e.strip() for e in listed.split(","))
+            if entry
+        ):
+            _warned.add(host)
+            log.warning("%s lists %s: gRPC dials it directly, not through its relay; take it "
+                        "out of %s", name, host, name)  # fmt: skip
+        return  # gRPC reads the first one set
 
 
 def add_port(server: grpc.aio.Server, address: str, what: str) -> int:

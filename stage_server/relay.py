@@ -1,0 +1,159 @@
+"""`swarm relay`: a directly reachable process that carries calls to stage servers behind NAT
+(`swarm.net.relay`). It announces itself on the bus like a peer (`peers/{peer}`, role RELAY, its
+listener in `relay_address`, a last will that says it is gone), so NAT'd peers find it and attach;
+it serves no stage and is never placed. Its /metrics (`swarm_relay_*`) if asked.
+
+Shutdown in order: announced offline first (peers re-choose), then the listener and every
+tunnel closed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import socket
+import time
+from dataclasses import fields
+
+from swarm.errors import SwarmError
+from swarm.flags import (
+    add_flag,
+    add_insecure_no_token,
+    add_metrics_token,
+    add_token,
+    metrics_token,
+    token,
+    warn_if_url_password,
+)
+from swarm.net.relay import RelayLimits
+from swarm.net.tls import add_tls_flags
+from swarm.ops.logs import show_at_default
+
+__all__ = ["add_arguments", "run", "run_relay"]
+
+log = logging.getLogger(__name__)
+DEFAULT_PORT = 7100
+_LIMITS = ("max_peers", "max_tunnels_per_peer", "max_tunnels")
+
+
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    add_flag(p, "broker", None, "MQTT broker URL: the relay announces itself there (none: it "
+             "only listens; peers are then given its address)")  # fmt: skip
+    add_flag(p, "peer", "", "its peer id and MQTT username (default: relay-HOSTNAME)")
+    add_token(p)
+    add_insecure_no_token(p)
+    add_tls_flags(p)
+    add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
+    add_flag(p, "announce-host", "", "address peers dial to reach the relay (default: --host)")
+    add_flag(p, "port", DEFAULT_PORT, "relay port (0: any free port)", env="relay-port", type=int)
+    add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)",
+             env="relay-metrics-port", type=int)  # fmt: skip
+    add_metrics_token(p)
+    defaults = RelayLimits()
+    for name in _LIMITS:
+        flag = name.replace("_", "-")
+        add_flag(p, flag, getattr(defaults, name), f"bound: {flag.replace('-', ' ')}", type=int)
+
+
+def limits(args: argparse.Namespace) -> RelayLimits:
+    given = {f.name: getattr(args, f.name) for f in fields(RelayLimits) if f.name in _LIMITS}
+    return RelayLimits(**given)
+
+
+def default_peer() -> str:
+    return "relay-" + (re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "host")
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    from swarm.net.tokens import refuse_open_host  # here: --help needs no gRPC
+
+    warn_if_url_password(args, "broker")
+    refuse_open_host("the relay", args.host, token=token(args), insecure=args.insecure_no_token)
+    show_at_default(("stage_server.relay", "swarm.net.relay"))
+    asyncio.run(
+        run_relay(
+            args.host,
+            args.port,
+            broker=args.broker,
+            peer=args.peer or default_peer(),
+            token=token(args),
+            announce_host=args.announce_host,
+            metrics_port=args.metrics_port,
+            metrics_token=metrics_token(args),
+            limits=limits(args),
+        )
+    )
+    return 0
+
+
+async def run_relay(
+    host: str,
+    port: int,
+    *,
+    broker: str | None,
+    peer: str,
+    token: str | None,
+    announce_host: str = "",
+    metrics_port: int | None = None,
+    metrics_token: str | None = None,
+    limits: RelayLimits | None = None,
+    connect_timeout_s: float = 30.0,
+) -> None:
+    """Serve the relay until SIGTERM/SIGINT; announced on `broker` when given."""
+    from prometheus_client import CollectorRegistry
+
+    from swarm.bus.connection import Bus
+    from swarm.bus.topics import Topics
+    from swarm.net.addresses import announced_host, host_port
+    from swarm.net.relay import RelayServer
+    from swarm.ops.lifecycle import install_signal_handlers, print_ready
+    from swarm.ops.metrics import serve_metrics
+    from swarm.ops.rated import RatedLog
+    from swarm.proto import control_pb2 as cpb
+
+    address = host_port(announced_host(host, announce_host, "the relay"), port)  # checked first
+    registry = CollectorRegistry()
+    relay = RelayServer(token, limits, registry=registry, refusals=RatedLog(log))
+    metrics = None
+    if metrics_port is not None:
+        metrics = serve_metrics(registry, host, metrics_port, token=metrics_token or token)
+    try:
+        bound = await relay.start(host, port)
+    except OSError as e:
+        raise SwarmError(
+            f"the relay cannot listen on {host_port(host, port)}: {e.strerror}"
+        ) from None
+    address = host_port(announced_host(host, announce_host, "the relay"), bound)
+    metrics_address = "" if metrics is None else host_port(address.rpartition(":")[0], metrics)
+
+    def announcement(state: cpb.PeerState) -> cpb.PeerAnnouncement:
+        return cpb.PeerAnnouncement(
+            peer=peer,
+            state=state,
+            role=cpb.PEER_ROLE_RELAY,
+            relay_address=address,
+            metrics_address=metrics_address,
+            time=time.time(),
+        )
+
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    try:
+        if broker is None:
+            print_ready("relay", peer=peer, address=address, metrics=metrics)
+            await stop.wait()
+            return
+        topic = Topics().peer(peer)
+        will = (topic, announcement(cpb.PEER_STATE_OFFLINE))
+        async with Bus(broker, client_id=f"relay-{peer}", username=peer, token=token,
+                       will=will) as bus:  # fmt: skip
+            await bus.wait_connected(connect_timeout_s)
+            await bus.publish(bus.topics.peer(peer), announcement(cpb.PEER_STATE_SERVING), True)
+            print_ready("relay", peer=peer, address=address, metrics=metrics)
+            await stop.wait()
+            # Offline first: peers attached here re-choose while the tunnels still carry.
+            await bus.publish(bus.topics.peer(peer), announcement(cpb.PEER_STATE_OFFLINE), True)
+            log.info("relay %s: stopped (SIGTERM or SIGINT); announced offline", peer)
+    finally:
+        await relay.stop()

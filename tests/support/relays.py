@@ -1,0 +1,136 @@
+"""Relay harness for tests: a real gRPC server (health and a raw bytes echo, behind the swarm
+token and the process's TLS identity) reached only through a real `RelayServer` and `Attachment`
+(`relayed`), the echo's bytes (`echo_bytes`), and waiting for a condition (`eventually`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from swarm.net import paths, tokens
+from swarm.net.attach import Attachment
+from swarm.net.relay import RelayLimits, RelayServer
+from swarm.ops.rated import RatedLog
+
+__all__ = ["ECHO", "NAT_HOST", "Relayed", "echo_bytes", "echo_server", "eventually", "relayed"]
+
+ECHO = "/test.Relay/Echo"
+NAT_HOST = "nat-peer.invalid"
+"""The host a NAT'd peer announces in these tests: it resolves nowhere, so a call that reaches
+the peer at all went through the relay."""
+MiB = 1 << 20
+_OPTIONS = [("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)]
+
+
+async def _echo(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    async for r in requests:
+        yield r
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+@contextlib.asynccontextmanager
+async def echo_server(token: str | None) -> AsyncIterator[int]:
+    """A gRPC server on 127.0.0.1 (TLS with the process's identity, if any): health and
+    `ECHO`, a bidi stream of raw bytes; its port."""
+    refusals = RatedLog(logging.getLogger("tests.relays"))
+    server = grpc.aio.server(
+        options=_OPTIONS,
+        interceptors=tokens.server_interceptors(token, CollectorRegistry(), refusals),
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        _echo, request_deserializer=_identity, response_serializer=_identity
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("test.Relay", {"Echo": handler}),)
+    )
+    port = tokens.add_port(server, "127.0.0.1:0", "the echo server")
+    await server.start()
+    try:
+        yield port
+    finally:
+        await server.stop(grace=None)
+
+
+async def echo_bytes(address: str, token: str | None, parts: Sequence[bytes]) -> list[bytes]:
+    """`parts` sent through `ECHO` at `address` (dialled by `tokens.channel`); what came back."""
+    async with tokens.channel(address, token=token, options=_OPTIONS) as channel:
+        call = channel.stream_stream(
+            ECHO, request_serializer=_identity, response_deserializer=_identity
+        )(timeout=30)
+        got = []
+        for part in parts:
+            await call.write(part)
+            got.append(await call.read())
+        await call.done_writing()
+        return got
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class Relayed:
+    """A relay, a peer attached to it, and the address its callers dial."""
+
+    relay: RelayServer
+    attachment: Attachment
+    relay_address: str
+    peer: str
+    announced: str
+    registry: CollectorRegistry
+    changes: list[str | None] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return paths.relayed_address(self.peer, self.announced, self.relay_address)
+
+
+@contextlib.asynccontextmanager
+async def relayed(
+    token: str | None,
+    port: int,
+    *,
+    peer: str = "home-gpu",
+    limits: RelayLimits | None = None,
+    attach_token: str | None = "same",
+) -> AsyncIterator[Relayed]:
+    """A relay on 127.0.0.1 and `peer` attached to it, serving its server on `port`, which it
+    announces at `NAT_HOST`; the attachment's token is `token` unless `attach_token` says."""
+    registry = CollectorRegistry()
+    relay = RelayServer(token, limits, registry=registry)
+    relay_port = await relay.start("127.0.0.1", 0)
+    relay_address = f"127.0.0.1:{relay_port}"
+    changes: list[str | None] = []
+    attachment = Attachment(
+        peer,
+        token if attach_token == "same" else attach_token,
+        f"127.0.0.1:{port}",
+        lambda: [relay_address],
+        changes.append,
+        address=f"{NAT_HOST}:{port}",
+    )
+    await attachment.start()
+    try:
+        yield Relayed(
+            relay, attachment, relay_address, peer, f"{NAT_HOST}:{port}", registry, changes
+        )
+    finally:
+        await attachment.stop()
+        await relay.stop()

@@ -1,0 +1,139 @@
+"""A peer behind NAT serves over connections it opened itself: a real gRPC server reached only
+through a real `RelayServer` and `Attachment`, from real `grpc.aio` channels made by the one
+dialer (`swarm.net.tokens.channel`); TLS end to end; a relay that dies is replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from swarm.net import paths, tls, tokens
+from swarm.net.attach import Attachment
+from swarm.net.relay import RelayServer
+from swarm.net.relay_auth import proxy_user, relay_credential
+from swarm.net.relay_wire import read_head
+from tests.support.relays import NAT_HOST, echo_bytes, echo_server, eventually, relayed
+from tests.support.tls import named_ca, no_identity
+
+__all__ = ["no_identity"]  # autouse: no TLS identity left to the next test
+
+TOKEN = "relay-test-token"
+MiB = 1 << 20
+pytestmark = pytest.mark.timeout(120)
+
+
+def _sample(n: int) -> list[bytes]:
+    return [os.urandom(MiB) for _ in range(n)]
+
+
+async def test_a_peer_nobody_can_dial_serves_through_the_relay() -> None:
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port) as r:
+        await eventually(lambda: r.attachment.relay == r.relay_address)
+        assert r.changes == [r.relay_address]
+        assert r.relay.peers == {"home-gpu": f"{NAT_HOST}:{port}"}
+        # Its announced address answers nothing: what reaches it below went through the relay.
+        with pytest.raises(grpc.aio.AioRpcError) as direct:
+            await echo_bytes(r.announced, TOKEN, [b"x"])
+        assert direct.value.code() == grpc.StatusCode.UNAVAILABLE
+        parts = _sample(4)
+        assert await echo_bytes(r.address, TOKEN, parts) == parts
+        assert r.registry.get_sample_value("swarm_relay_tunnels_total") == 1
+        carried = r.registry.get_sample_value("swarm_relay_bytes_total") or 0
+        assert carried >= 8 * MiB  # both ways
+
+
+async def test_the_dialer_asks_the_relay_for_the_announced_address_as_that_peer() -> None:
+    """What `channel` sends a relay: CONNECT to the peer's announced address, unresolved, with
+    the relay credential for that peer (a fake relay that records and refuses)."""
+    seen: list[object] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await read_head(reader, 8192))
+        writer.write(b"HTTP/1.1 502 recorded\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(record, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    address = paths.relayed_address("home-gpu", f"{NAT_HOST}:7001", f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await echo_bytes(address, TOKEN, [b"x"])
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert "502" in (refused.value.details() or "")
+    head = seen[0]
+    assert (head.method, head.target) == ("CONNECT", f"{NAT_HOST}:7001")  # type: ignore[attr-defined]
+    login = proxy_user(head.headers["proxy-authorization"])  # type: ignore[attr-defined]
+    assert login == ("home-gpu", relay_credential(TOKEN, "home-gpu"))
+
+
+@pytest.fixture
+def nat_tls(tmp_path: Path) -> Iterator[Path]:
+    """This process serves and dials TLS with a certificate for the NAT'd peer's announced host
+    (`NAT_HOST`); a stranger CA's certificate for the same host is in `theirs/`."""
+    from swarm.net.certs import init_ca, issue
+
+    pki = named_ca(tmp_path / "ours", "peer")
+    issue(pki, "nat", [NAT_HOST])
+    init_ca(tmp_path / "theirs")
+    issue(tmp_path / "theirs", "nat", [NAT_HOST])
+    tls.configure(tls.Tls.load(pki / "ca.pem", pki / "nat.pem", pki / "nat.key"))
+    yield tmp_path
+    tls.configure(None)
+
+
+async def test_tls_is_end_to_end_through_the_relay(nat_tls: Path) -> None:
+    """The caller checks the NAT'd peer's own certificate (issued for its announced host) through
+    the relay, which splices bytes it cannot read."""
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port) as r:
+        await eventually(lambda: r.attachment.relay is not None)
+        parts = _sample(2)
+        assert await echo_bytes(r.address, TOKEN, parts) == parts
+        assert (r.registry.get_sample_value("swarm_relay_bytes_total") or 0) >= 4 * MiB
+
+
+async def test_a_killed_relay_is_replaced_and_calls_resume() -> None:
+    async with echo_server(TOKEN) as port:
+        first, second = RelayServer(TOKEN), RelayServer(TOKEN)
+        a = f"127.0.0.1:{await first.start('127.0.0.1', 0)}"
+        b = f"127.0.0.1:{await second.start('127.0.0.1', 0)}"
+        changes: list[str | None] = []
+        attachment = Attachment(
+            "home-gpu", TOKEN, f"127.0.0.1:{port}", lambda: [a, b], changes.append,
+            address=f"{NAT_HOST}:{port}",
+        )  # fmt: skip
+        await attachment.start()
+        try:
+            await eventually(lambda: attachment.relay == a)
+            via_a = paths.relayed_address("home-gpu", f"{NAT_HOST}:{port}", a)
+            assert await echo_bytes(via_a, TOKEN, [b"one"]) == [b"one"]
+            await first.stop()  # its listener, its control connections and tunnels, all gone
+            await eventually(lambda: attachment.relay == b)
+            assert changes == [a, None, b]
+            via_b = paths.relayed_address("home-gpu", f"{NAT_HOST}:{port}", b)
+            assert await echo_bytes(via_b, TOKEN, [b"two"]) == [b"two"]
+            assert second.peers == {"home-gpu": f"{NAT_HOST}:{port}"}
+        finally:
+            await attachment.stop()
+            await second.stop()
+        assert changes[-1] is None and attachment.relay is None
+
+
+async def test_a_relayed_host_in_no_proxy_is_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gRPC dials a host `no_proxy` lists directly, past the channel's proxy: the dialer says so
+    (a relayed dial of it fails: test_a_peer_nobody_can_dial shows the direct dial failing)."""
+    monkeypatch.setenv("no_proxy", "localhost,.invalid")
+    monkeypatch.delenv("no_grpc_proxy", raising=False)
+    address = paths.relayed_address("p", f"{NAT_HOST}:7001", "127.0.0.1:9")
+    async with tokens.channel(address, token=TOKEN):
+        pass
+    assert f"no_proxy lists {NAT_HOST}: gRPC dials it directly" in caplog.text

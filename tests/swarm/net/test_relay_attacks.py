@@ -1,0 +1,304 @@
+"""No one gets in through a relay, and no one exhausts it: strangers' attaches and tunnels, replayed
+or borrowed proofs, a peer's impostor under TLS, slow and oversized request heads, a peer's
+tunnels, a tunnel's buffers. Raw sockets where the attack is below the client libraries."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from swarm.net import tls
+from swarm.net.attach import Attachment
+from swarm.net.relay import RelayLimits, RelayServer
+from swarm.net.relay_auth import attach_proof, relay_credential
+from tests.support.relays import ECHO, NAT_HOST, echo_bytes, echo_server, eventually, relayed
+from tests.support.tls import no_identity
+
+__all__ = ["no_identity"]  # autouse: no TLS identity left to the next test
+
+TOKEN = "relay-test-token"
+pytestmark = pytest.mark.timeout(120)
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def _dial(address: str) -> Stream:
+    host, port = address.rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+async def _connect(address: str, target: str, login: str | None) -> tuple[str, Stream]:
+    """A raw CONNECT (`login`: "user:password" for Proxy-Authorization); the status line."""
+    stream = await _dial(address)
+    auth = ""
+    if login is not None:
+        auth = f"Proxy-Authorization: Basic {base64.b64encode(login.encode()).decode()}\r\n"
+    stream[1].write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n".encode())
+    line = await asyncio.wait_for(stream[0].readline(), 15)
+    return line.decode().strip(), stream
+
+
+async def _ended(reader: asyncio.StreamReader) -> None:
+    """The relay closed this connection (a reset too: it had unread bytes from us)."""
+    with contextlib.suppress(ConnectionResetError):
+        assert await reader.read() == b""
+
+
+async def _closed(stream: Stream) -> None:
+    stream[1].close()
+    with contextlib.suppress(ConnectionError):  # the relay may have reset it already
+        await stream[1].wait_closed()
+
+
+@pytest.mark.attack("R1")
+async def test_a_stranger_cannot_attach() -> None:
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port, attach_token="wrong") as r:
+        await eventually(lambda: (r.registry.get_sample_value(
+            "swarm_relay_refused_total", {"reason": "attach"}) or 0) >= 2)  # fmt: skip
+        assert r.relay.peers == {} and r.attachment.relay is None and r.changes == []
+
+
+@pytest.mark.attack("R1")
+async def test_an_overheard_or_borrowed_proof_attaches_no_one() -> None:
+    """A proof overheard on one attach is not good for the next (a fresh nonce each), and the
+    relay credential a caller of peer P holds does not attach as P."""
+    relay = RelayServer(TOKEN)
+    address = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
+    try:
+        reader, writer = await _dial(address)
+        writer.write(b"ATTACH home-gpu SWARM-RELAY/1\r\nX-Swarm-Address: h:1\r\n\r\n")
+        overheard = (await reader.readline()).decode().split()[1]
+        writer.write(f"PROOF {attach_proof(TOKEN, 'home-gpu', overheard)}\n".encode())
+        assert await reader.readline() == b"OK\n"  # the real peer, whose exchange was overheard
+        for proof in (
+            attach_proof(TOKEN, "home-gpu", overheard),  # replayed
+            relay_credential(TOKEN, "home-gpu"),  # a caller's credential for the peer
+            attach_proof("another-swarm", "home-gpu", "x"),
+        ):
+            r, w = await _dial(address)
+            w.write(b"ATTACH home-gpu SWARM-RELAY/1\r\n\r\n")
+            nonce = (await r.readline()).decode().split()[1]
+            assert nonce != overheard
+            w.write(f"PROOF {proof}\n".encode())
+            assert (await r.readline()).startswith(b"ERR wrong proof")
+            assert await r.read() == b""  # and closed
+            await _closed((r, w))
+        assert list(relay.peers) == ["home-gpu"]
+        assert not writer.is_closing()  # the real peer keeps its place
+        await _closed((reader, writer))
+    finally:
+        await relay.stop()
+
+
+@pytest.mark.attack("R2")
+async def test_a_stranger_cannot_open_a_tunnel() -> None:
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port, peer="a") as r:
+        await eventually(lambda: r.attachment.relay is not None)
+        target = f"{NAT_HOST}:{port}"
+        for login in (
+            None,  # no credential
+            "a:guess",  # a wrong one
+            f"a:{relay_credential('another-swarm', 'a')}",  # another swarm's
+            f"b:{relay_credential(TOKEN, 'b')}",  # peer b's: not attached here
+        ):
+            status, stream = await _connect(r.relay_address, target, login)
+            assert status.startswith(("HTTP/1.1 407", "HTTP/1.1 502")), status
+            await _closed(stream)
+        # Through gRPC: a channel without the token is refused by the relay (407).
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await echo_bytes(r.address, None, [b"x"])
+        assert "407" in (refused.value.details() or "")
+        assert r.registry.get_sample_value("swarm_relay_tunnels_total") == 0
+        assert (
+            r.registry.get_sample_value("swarm_relay_refused_total", {"reason": "credential"}) == 4
+        )
+        # A caller holding a's relay credential but not the token still meets a's own check.
+        proxy = f"http://a:{relay_credential(TOKEN, 'a')}@{r.relay_address}"
+        options = [("grpc.enable_http_proxy", 1), ("grpc.http_proxy", proxy)]
+        async with grpc.aio.insecure_channel(target, options=options) as channel:
+            call = channel.stream_stream(ECHO)(timeout=15)
+            await call.write(b"x")
+            assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert r.registry.get_sample_value("swarm_relay_tunnels_total") == 1
+
+
+@pytest.mark.attack("R2")
+async def test_a_stranger_cannot_pose_as_a_peers_data_connection() -> None:
+    """A data connection must name a call the relay just asked the peer for (a random id sent
+    only over the peer's control connection) and prove the token for it."""
+    registry = CollectorRegistry()
+    relay = RelayServer(TOKEN, registry=registry)
+    address = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
+    try:
+        for call in ("0" * 32, "guess"):
+            reader, writer = await _dial(address)
+            writer.write(f"DATA {call} SWARM-RELAY/1\r\nAuthorization: Swarm x\r\n\r\n".encode())
+            await asyncio.wait_for(_ended(reader), 15)
+            await _closed((reader, writer))
+        assert registry.get_sample_value("swarm_relay_refused_total", {"reason": "data"}) == 2
+    finally:
+        await relay.stop()
+
+
+@pytest.fixture
+def impostor_tls(tmp_path: Path) -> Iterator[Path]:
+    """Ours: a CA with the real peer's certificate for `NAT_HOST`; theirs: another CA's for the
+    same host. This process trusts ours."""
+    from swarm.net.certs import init_ca, issue
+
+    for owner in ("ours", "theirs"):
+        init_ca(tmp_path / owner)
+        issue(tmp_path / owner, "nat", [NAT_HOST])
+    ours = tmp_path / "ours"
+    tls.configure(tls.Tls.load(ours / "ca.pem", ours / "nat.pem", ours / "nat.key"))
+    yield tmp_path
+    tls.configure(None)
+
+
+@pytest.mark.attack("R3")
+async def test_whoever_attaches_in_a_peers_name_cannot_speak_for_it(impostor_tls: Path) -> None:
+    """A token holder (or the relay) that puts its own server where the peer should be: the
+    caller verifies the peer's certificate end to end and refuses it."""
+    theirs = impostor_tls / "theirs"
+    impostor = grpc.aio.server()
+    creds = grpc.ssl_server_credentials([((theirs / "nat.key").read_bytes(),
+                                          (theirs / "nat.pem").read_bytes())])  # fmt: skip
+    port = impostor.add_secure_port("127.0.0.1:0", creds)
+    await impostor.start()
+    try:
+        async with relayed(TOKEN, port) as r:
+            await eventually(lambda: r.attachment.relay is not None)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await echo_bytes(r.address, TOKEN, [b"secret"])
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert r.registry.get_sample_value("swarm_relay_tunnels_total") == 1  # carried
+    finally:
+        await impostor.stop(grace=None)
+
+
+@pytest.mark.attack("R4")
+async def test_slow_and_oversized_request_heads_hold_nothing_long() -> None:
+    limits = RelayLimits(max_heads=4, head_timeout_s=1.0, max_head_bytes=1024)
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port, limits=limits) as r:
+        await eventually(lambda: r.attachment.relay is not None)
+        slow = [await _dial(r.relay_address) for _ in range(8)]
+        for _, w in slow:
+            w.write(b"CONNECT ")  # and never the rest
+        # Four are held (for the head's time at most); the rest are closed at once, and all
+        # are closed once the time is up.
+        for reader, _ in slow:
+            await asyncio.wait_for(_ended(reader), 15)
+        big, stream = await _connect(r.relay_address, "h:1\r\nX-Pad: " + "a" * 4096, None)
+        assert big.startswith("HTTP/1.1 431"), big
+        await _closed(stream)
+        for s in slow:
+            await _closed(s)
+        assert await echo_bytes(r.address, TOKEN, [b"still"]) == [b"still"]
+        assert (r.registry.get_sample_value("swarm_relay_refused_total", {"reason": "busy"})
+                or 0) >= 1  # fmt: skip
+
+
+@pytest.mark.attack("R4")
+async def test_one_peers_tunnels_are_bounded_and_leave_room_for_others() -> None:
+    limits = RelayLimits(max_tunnels_per_peer=2, max_tunnels=3)
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port, peer="a", limits=limits) as r:
+        other = Attachment("b", TOKEN, f"127.0.0.1:{port}", lambda: [r.relay_address],
+                           lambda _: None, address=f"{NAT_HOST}:{port}")  # fmt: skip
+        await other.start()
+        target = f"{NAT_HOST}:{port}"
+        login = {p: f"{p}:{relay_credential(TOKEN, p)}" for p in ("a", "b")}
+        opened: list[Stream] = []
+
+        async def connect(peer: str) -> str:
+            status, stream = await _connect(r.relay_address, target, login[peer])
+            if status.startswith("HTTP/1.1 200"):
+                opened.append(stream)
+            else:
+                await _closed(stream)
+            return status
+
+        try:
+            await eventually(lambda: set(r.relay.peers) == {"a", "b"})
+            ok = "HTTP/1.1 200 Connection established"
+            assert [await connect("a"), await connect("a")] == [ok, ok]
+            assert (await connect("a")).startswith("HTTP/1.1 503 peer a has 2 tunnels open")
+            assert await connect("b") == ok  # a's bound left room for b
+            assert (await connect("b")).startswith("HTTP/1.1 503 this relay has 3 tunnels open")
+            assert r.relay.tunnels == 3
+            for stream in opened:
+                await _closed(stream)
+            await eventually(lambda: r.relay.tunnels == 0)
+            assert await connect("a") == ok
+            await _closed(opened.pop())
+        finally:
+            await other.stop()
+
+
+@pytest.mark.attack("R4")
+async def test_attached_peers_are_bounded() -> None:
+    limits = RelayLimits(max_peers=1)
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port, peer="a", limits=limits) as r:
+        await eventually(lambda: r.attachment.relay is not None)
+        changes: list[str | None] = []
+        second = RelayServer(TOKEN)
+        elsewhere = f"127.0.0.1:{await second.start('127.0.0.1', 0)}"
+        extra = Attachment("b", TOKEN, f"127.0.0.1:{port}", lambda: [r.relay_address, elsewhere],
+                           changes.append)  # fmt: skip
+        await extra.start()
+        try:
+            await eventually(lambda: extra.relay == elsewhere)  # the first relay that accepts
+            assert r.registry.get_sample_value(
+                "swarm_relay_refused_total", {"reason": "peers-full"}
+            )
+            assert list(r.relay.peers) == ["a"] and changes == [elsewhere]
+        finally:
+            await extra.stop()
+            await second.stop()
+
+
+@pytest.mark.attack("R4")
+async def test_a_tunnel_reads_no_further_ahead_than_its_buffers() -> None:
+    """A caller pushing into a tunnel whose far end never reads: the relay stops reading from
+    it (flow control), so what the caller gets to send is bounded by the sockets' buffers, not
+    by the relay's memory. A relay that read ahead without bound would take all 512 MiB."""
+    stalled: list[asyncio.StreamWriter] = []
+
+    async def never_reads(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stalled.append(writer)
+
+    server = await asyncio.start_server(never_reads, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with relayed(TOKEN, port) as r:
+            await eventually(lambda: r.attachment.relay is not None)
+            login = f"home-gpu:{relay_credential(TOKEN, 'home-gpu')}"
+            status, (reader, writer) = await _connect(r.relay_address, f"{NAT_HOST}:{port}", login)
+            assert status == "HTTP/1.1 200 Connection established"
+            await reader.readline()  # the blank line ending the answer
+            sock = writer.get_extra_info("socket")
+            raw = sock.dup()
+            raw.setblocking(False)
+            sent, chunk = 0, b"\0" * (1 << 20)
+            loop = asyncio.get_running_loop()
+            quiet_since = loop.time()
+            while sent < 512 << 20 and loop.time() - quiet_since < 3.0:
+                try:
+                    sent += raw.send(chunk)
+                    quiet_since = loop.time()
+                except BlockingIOError:
+                    await asyncio.sleep(0.05)
+            raw.close()
+            assert sent < 200 << 20, f"{sent >> 20} MiB went in"
+            await _closed((reader, writer))
+    finally:
+        for w in stalled:
+            w.close()
+        server.close()
+        await server.wait_closed()
