@@ -29,6 +29,7 @@ from swarm.bus.topics import ANY, BusError
 from swarm.net.addresses import host_port, is_unspecified
 from swarm.net.attach import Attachment
 from swarm.ops.rated import RatedLog
+from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
 
 __all__ = ["MAX_RELAYS", "REACHABILITY", "Attach", "Attaching", "PeerPath", "local_address"]
@@ -80,6 +81,21 @@ class PeerPath:
     `address`: the announced one; `local`: where a relay's calls are delivered (`local_address`);
     `attach`: makes the attachment (`Attachment`; a fake in unit tests)."""
 
+    def _real_attachment(
+        self,
+        peer: str,
+        token: str | None,
+        local: str,
+        relays: Callable[[], Sequence[str]],
+        on_change: Callable[[str | None], None],
+    ) -> Attaching:
+        """The real attachment: it tells the relay this peer's announced address (the relay shows
+        it), and pauses between tries with the swarm's one backoff."""
+        pauses = Backoff(0.5, 30.0)
+        return Attachment(
+            peer, token, local, relays, on_change, address=self.address, pauses=pauses
+        )
+
     def __init__(
         self,
         peer: str,
@@ -88,11 +104,12 @@ class PeerPath:
         local: str,
         token: str | None,
         behind_nat: bool = False,
-        attach: Attach = Attachment,
+        attach: Attach | None = None,
         metrics: StageMetrics | None = None,
     ) -> None:
         self.peer, self.address, self.local, self.token = peer, address, local, token
-        self.behind_nat, self.metrics, self._attach = behind_nat, metrics, attach
+        self.behind_nat, self.metrics = behind_nat, metrics
+        self._attach = attach or self._real_attachment
         self.report = cpb.ReachabilityReport()  # UNKNOWN until the scheduler's first
         self.relay = ""  # the relay this peer is attached to now, announced as `relay`
         self._relays: OrderedDict[str, str] = OrderedDict()  # relay peer -> its relay_address

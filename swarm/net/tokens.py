@@ -264,7 +264,9 @@ def channel(
     if path.relay is not None and path.peer is not None:
         address = path.target
         password = relay_credential(token, path.peer)
-        login = f"{path.peer}:{password}" if password else path.peer
+        # Always "user:password" (an empty password without a token): a login without its colon
+        # is no credentials at all to the relay, which would not know whom the call is for.
+        login = f"{path.peer}:{password}"
         _warn_no_proxy(path.target)
         # Set per channel: a relayed channel never shares a connection with a direct one.
         options += [

@@ -137,3 +137,13 @@ async def test_a_relayed_host_in_no_proxy_is_named(
     async with tokens.channel(address, token=TOKEN):
         pass
     assert f"no_proxy lists {NAT_HOST}: gRPC dials it directly" in caplog.text
+
+
+async def test_an_open_swarm_serves_through_the_relay_too() -> None:
+    """No token anywhere (`--insecure-no-token`): the dialer still names the peer it wants (a
+    login of "peer:" and no password), so the relay knows whom the call is for. It failed with
+    `502 peer  is not attached` when the login lost its colon without a password."""
+    async with echo_server(None) as port, relayed(None, port) as r:
+        await eventually(lambda: r.attachment.relay == r.relay_address)
+        parts = _sample(1)
+        assert await echo_bytes(r.address, None, parts) == parts
