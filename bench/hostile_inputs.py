@@ -47,6 +47,14 @@ ATTACKS: dict[str, str] = {
     "M9": "a token holder speaks for the scheduler in the commit protocol",
     "M9-hash": "init_from's hash cache keyed by path, size and mtime",
     "M9-load": "torch.load without weights_only in the demo",
+    # Issue 42 (peers behind NAT): the relay and the reachability reports
+    "R1": "a stranger attaches to a relay as a NAT'd peer",
+    "R2": "a stranger opens a tunnel through a relay",
+    "R3": "whoever carries a peer speaks for it",
+    "R4": "one peer or caller exhausts a relay",
+    "42.1": "a peer reads another peer's reachability report",
+    # Issue 43 (uneven links): aggregator peers
+    "43.4": "an aggregator placed on a stage, in jobs not offered, or unbounded in memory",
 }
 
 
