@@ -6,9 +6,9 @@ with every PREPARE so that every member cuts the same parts (`StageCommitRequest
 
 A link is what a peer announced (`PeerAnnouncement.upload_bytes_per_second` and
 `download_bytes_per_second`, measured from its own transfers or set with `--bandwidth`): one
-full-duplex rate, the lower of the two. A relayed peer (behind NAT) owns nothing: every byte it
-owned would cross its relay twice. An aggregator that a member named as the one it failed on
-takes part in no round for `shun_s`: a dead one would fail every retry meanwhile.
+full-duplex rate, its upload (`link_of` says why). A relayed peer (behind NAT) owns nothing:
+every byte it owned would cross its relay twice. An aggregator that a member named as the one it
+failed on takes part in no round for `shun_s`: a dead one would fail every retry meanwhile.
 """
 
 from __future__ import annotations
@@ -34,13 +34,17 @@ class Link:
 
 
 def link_of(announcement: cpb.PeerAnnouncement | None) -> Link:
-    """The link a peer announced: the lower of its upload and download rates (one of them when
-    only one is known), and whether it is reached through a relay."""
+    """The link a peer announced: its upload rate (its download rate when no upload is known),
+    and whether it is reached through a relay.
+
+    Upload, not the lower of the two: a round's time is its members' sending (each sends what it
+    receives), the uplink is the scarce side of a home link, and a download measured during a
+    round is a lower bound held down by the slowest sender (`stage_server.bandwidth`), so the
+    lower of the two would make every member look as slow as the slowest."""
     if announcement is None:
         return Link()
     up, down = announcement.upload_bytes_per_second, announcement.download_bytes_per_second
-    known = [r for r in (up, down) if r > 0]
-    return Link(min(known, default=0.0), bool(announcement.relay))
+    return Link(up if up > 0 else max(down, 0.0), bool(announcement.relay))
 
 
 @dataclass(frozen=True)

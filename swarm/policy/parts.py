@@ -5,8 +5,8 @@ same weights.
 The round (`stage_server.averaging.butterfly`): a vector of V bytes, a group of n members of
 which the first m contribute a vector ("contributors") and the rest only own parts
 ("aggregators"); member i owns the fraction w_i of the vector and sums its part's m
-contributions. Each member's link is one full-duplex rate b_i (bytes/s; the caller gives
-min(upload, download)), and a member's time is the larger of what it sends and receives over b_i,
+contributions. Each member's link is one full-duplex rate b_i (bytes/s; the coordinator gives
+its upload rate), and a member's time is the larger of what it sends and receives over b_i,
 the two being equal here:
 
 - a contributor sends its vector less its own part, (1 - w_i)·V, and the sum of its part to the

@@ -29,10 +29,15 @@ def _replicas(*peers: str) -> list[Replica]:
     return [Replica(p, f"fake:{p}") for p in peers]
 
 
-def test_a_peers_link_is_the_lower_of_its_announced_rates_and_whether_it_is_relayed() -> None:
+def test_a_peers_link_is_its_upload_rate_and_whether_it_is_relayed() -> None:
     a = cpb.PeerAnnouncement(peer="a", upload_bytes_per_second=10.0)
     a.download_bytes_per_second = 30.0
     assert link_of(a) == Link(10.0, False)
+    # A download measured in a round is held down by its slowest sender (41-52 of 100 Mbit/s in
+    # bench/uneven.py's pool with one 10 Mbit/s uplink): it would make a fast peer look slow.
+    fast = cpb.PeerAnnouncement(peer="f", upload_bytes_per_second=100.0)
+    fast.download_bytes_per_second = 45.0
+    assert link_of(fast) == Link(100.0, False)
     assert link_of(cpb.PeerAnnouncement(peer="b", download_bytes_per_second=7.0)) == Link(7.0)
     assert link_of(cpb.PeerAnnouncement(peer="c", relay="r:1")) == Link(0.0, True)
     assert link_of(None) == Link()
