@@ -41,10 +41,12 @@ def test_a_final_save_on_a_full_disk_fails_as_oserror_and_leaves_no_partial_file
 
 
 class _Peers:
-    """The peer registry's one answer JobTraining asks for: the stage servers, per stage."""
+    """What JobTraining asks of the peer registry: the stage servers, per stage, and the peers'
+    announcements (none here: equal parts, no aggregators)."""
 
     def __init__(self, swarm: Swarm) -> None:
         self.swarm = swarm
+        self.peers: dict[str, object] = {}
 
     def members(self, job_id: str, stages: int) -> list[list[Replica]]:
         return self.swarm.members()
