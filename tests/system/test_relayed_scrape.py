@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from scheduler.discovery import sd_document
 from stage_server.metrics import StageMetrics
+from swarm.cli import main
 from swarm.net import tls
 from swarm.net.attach import Attachment
 from swarm.net.certs import issue
@@ -177,3 +178,17 @@ async def test_prometheus_scrapes_a_nat_peer_through_its_relay_over_tls(
         _one_up(await _scraped(tmp_path, config))
         assert (registry.get_sample_value("swarm_relay_tunnels_total") or 0) >= 1
         assert not registry.get_sample_value("swarm_relay_refused_total", {"reason": "credential"})
+
+
+def test_the_relays_metrics_credential_is_printed_as_the_doc_says(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/prometheus-tls.yml's RELAY_CREDENTIAL comes from `swarm relay
+    --print-metrics-credential`: the one the relay takes, the same for every relay."""
+    assert (
+        "swarm relay --print-metrics-credential"
+        in (ROOT / "docs" / "prometheus-tls.yml").read_text()
+    )
+    monkeypatch.setenv("SWARM_TOKEN", TOKEN)
+    assert main(["relay", "--print-metrics-credential"]) == 0
+    assert capsys.readouterr().out.strip() == metrics_credential(TOKEN)
