@@ -33,6 +33,7 @@ from swarm.net.relay import RelayServer
 from swarm.net.relay_auth import metrics_credential
 from swarm.ops.metrics import serve_metrics
 from swarm.proto import control_pb2 as cpb
+from tests.support.guide import blocks
 from tests.support.ports import free_address
 from tests.support.tls import no_identity, pki
 
@@ -113,7 +114,7 @@ async def _scraped(tmp_path: Path, config: str) -> list[dict[str, Any]]:
         )  # fmt: skip
     try:
         loop = asyncio.get_running_loop()
-        deadline, found = loop.time() + 90, []
+        deadline, found = loop.time() + 90, list[dict[str, Any]]()
         expr = f'swarm_peer_info{{peer="{PEER}",reachability="relayed"}}'
         while loop.time() < deadline and not found:
             with contextlib.suppress(OSError):  # not listening yet
@@ -184,11 +185,11 @@ def test_the_relays_metrics_credential_is_printed_as_the_doc_says(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """docs/prometheus-tls.yml's RELAY_CREDENTIAL comes from `swarm relay
-    --print-metrics-credential`: the one the relay takes, the same for every relay."""
-    assert (
-        "swarm relay --print-metrics-credential"
-        in (ROOT / "docs" / "prometheus-tls.yml").read_text()
-    )
+    --print-metrics-credential`, as the guide's section 4 says: the one the relay takes (the
+    same for every relay: derived from the token)."""
+    command = "swarm relay --print-metrics-credential"
+    assert command in (ROOT / "docs" / "prometheus-tls.yml").read_text()
+    assert f"{command}\n" in blocks("## 4. Prometheus and Grafana")  # the guide's block
     monkeypatch.setenv("SWARM_TOKEN", TOKEN)
     assert main(["relay", "--print-metrics-credential"]) == 0
     assert capsys.readouterr().out.strip() == metrics_credential(TOKEN)

@@ -412,22 +412,24 @@ async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers(
         asked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def fake_relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            first = await reader.readline()
-            if first.startswith(b"DATA"):
-                data.append(first.split()[1])
+            try:
+                first = await reader.readline()
+                if first.startswith(b"DATA"):
+                    data.append(first.split()[1])
+                    return
+                while await reader.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                writer.write(b"NONCE n\n")
+                await reader.readline()
+                writer.write(b"OK\n")
+                for line in (f"OPEN c1 127.0.0.1:{other}", f"OPEN c2 {other}", "OPEN c3 metrics",
+                             "OPEN c4 ssh", "OPEN c5 grpc"):  # fmt: skip
+                    writer.write(line.encode() + b"\n")
+                await writer.drain()
+                asked.set_result(None)
+                await reader.read()
+            finally:
                 writer.close()
-                return
-            while await reader.readline() not in (b"\r\n", b"\n", b""):
-                pass
-            writer.write(b"NONCE n\n")
-            await reader.readline()
-            writer.write(b"OK\n")
-            for line in (f"OPEN c1 127.0.0.1:{other}", f"OPEN c2 {other}", "OPEN c3 metrics",
-                         "OPEN c4 ssh", "OPEN c5 grpc"):  # fmt: skip
-                writer.write(line.encode() + b"\n")
-            await writer.drain()
-            asked.set_result(None)
-            await reader.read()
 
         server = await asyncio.start_server(fake_relay, "127.0.0.1", 0)
         relay = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
