@@ -52,6 +52,7 @@ ATTACKS: dict[str, str] = {
     "R2": "a stranger opens a tunnel through a relay",
     "R3": "whoever carries a peer speaks for it",
     "R4": "one peer or caller exhausts a relay",
+    "R5": "a relay opens tunnels to a peer's other ports, or Prometheus's credential to its RPCs",
     "42.1": "a peer reads another peer's reachability report",
     # Issue 43 (uneven links): aggregator peers
     "43.4": "an aggregator placed on a stage, in jobs not offered, or unbounded in memory",

@@ -8,6 +8,11 @@ every metric the target serves at each change, and split one peer in two for `ra
 what a peer does now is in its metric `swarm_peer_info{peer,state,job,stage}` instead. A peer
 without a metrics port is not listed. The labels are prefixed `swarm_`: the series themselves
 carry `job`, `stage` and `peer` (kept with `honor_labels: true`).
+
+A peer reached through a relay (behind NAT: its announcement names the relay) is labelled
+`__meta_swarm_relay` with the relay's address too: Prometheus scrapes it through that relay (the
+relay's scrape job, `proxy_url`), the other jobs drop it (docs/prometheus.yml). A `__meta_` label
+is seen by relabelling only, never stored, so a peer that changes relay stays one series.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ def sd_targets(scheduler: str, peers: list[cpb.PeerAnnouncement]) -> list[dict[s
         if not p.metrics_address:
             continue
         labels = {"swarm_role": "peer", "swarm_peer": p.peer}
+        if p.relay:
+            labels["__meta_swarm_relay"] = p.relay
         groups.append({"targets": [p.metrics_address], "labels": labels})
     return groups
 

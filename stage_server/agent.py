@@ -426,7 +426,8 @@ async def run_peer(
             await bus.wait_connected(connect_timeout_s)
             local = local_address(opts.host, int(running.address.rsplit(":", 1)[1]))
             path = PeerPath(peer, running.address, local=local, token=token,
-                            behind_nat=behind_nat, metrics=running.servicer.metrics)  # fmt: skip
+                            behind_nat=behind_nat, metrics=running.servicer.metrics,
+                            metrics_port=running.metrics_port, metrics_address=metrics)  # fmt: skip
             agent = PeerAgent(
                 running, bus, peer=peer, device=opts.device, throttle=throttle,
                 metrics_address=metrics, metrics=running.servicer.metrics, limits=opts.limits,

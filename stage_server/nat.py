@@ -9,7 +9,8 @@ relay carries calls to its gRPC server). The relays are the peers whose announce
 `relay_address` (`swarm relay`, or a stage server with `--relay`); the attachment re-chooses when
 its relay dies, and each change is announced (`PeerAnnouncement.relay`), so callers dial the peer
 through it. The peer still announces its own address: a dial-back that later finds it answering
-makes it direct again, and the attachment is let go.
+makes it direct again, and the attachment is let go. Its /metrics, when it serves one, is carried
+too (`local_metrics`): Prometheus scrapes a NAT'd peer through its relay.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from stage_server.metrics import StageMetrics
 from swarm.bus.api import BusLike
 from swarm.bus.topics import ANY, BusError
 from swarm.net.addresses import host_port, is_unspecified
-from swarm.net.attach import Attachment
+from swarm.net.attach import Attachment, split_host_port
 from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
@@ -79,6 +80,8 @@ def local_address(listen_host: str, port: int) -> str:
 class PeerPath:
     """Follows this peer's reachability and keeps it attached to a relay while it needs one.
     `address`: the announced one; `local`: where a relay's calls are delivered (`local_address`);
+    `metrics_port`: its /metrics' (None: none), on `local`'s host, where a relayed scrape is
+    delivered; `metrics_address`: the announced one;
     `attach`: makes the attachment (`Attachment`; a fake in unit tests)."""
 
     def _real_attachment(
@@ -93,8 +96,9 @@ class PeerPath:
         it), and pauses between tries with the swarm's one backoff."""
         pauses = Backoff(0.5, 30.0)
         return Attachment(
-            peer, token, local, relays, on_change, address=self.address, pauses=pauses
-        )
+            peer, token, local, relays, on_change, address=self.address, pauses=pauses,
+            local_metrics=self.local_metrics, metrics_address=self.metrics_address,
+        )  # fmt: skip
 
     def __init__(
         self,
@@ -106,8 +110,13 @@ class PeerPath:
         behind_nat: bool = False,
         attach: Attach | None = None,
         metrics: StageMetrics | None = None,
+        metrics_port: int | None = None,
+        metrics_address: str = "",
     ) -> None:
         self.peer, self.address, self.local, self.token = peer, address, local, token
+        host = split_host_port(local)[0]
+        self.local_metrics = "" if metrics_port is None else host_port(host, metrics_port)
+        self.metrics_address = metrics_address
         self.behind_nat, self.metrics = behind_nat, metrics
         self._attach = attach or self._real_attachment
         self.report = cpb.ReachabilityReport()  # UNKNOWN until the scheduler's first

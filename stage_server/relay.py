@@ -50,6 +50,9 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)",
              env="relay-metrics-port", type=int)  # fmt: skip
     add_metrics_token(p)
+    p.add_argument("--print-metrics-credential", action="store_true", help="print the password "
+                   "Prometheus shows a relay of this swarm (its proxy_url) and exit: it opens "
+                   "tunnels to the peers' metrics addresses only")  # fmt: skip
     defaults = RelayLimits()
     for name in _LIMITS:
         flag = name.replace("_", "-")
@@ -68,6 +71,11 @@ def default_peer() -> str:
 def run(command: str, args: argparse.Namespace) -> int:
     from swarm.net.tokens import refuse_open_host  # here: --help needs no gRPC
 
+    if args.print_metrics_credential:  # derived from the token: the same for every relay
+        from swarm.net.relay_auth import metrics_credential
+
+        print(metrics_credential(token(args)) or "(no token: a relay checks no credential)")
+        return 0
     warn_if_url_password(args, "broker")
     refuse_open_host("the relay", args.host, token=token(args), insecure=args.insecure_no_token)
     show_at_default(("stage_server.relay", "swarm.net.relay"))

@@ -6,6 +6,10 @@ inbound connections stops none of them.
 `Attachment` chooses the first relay of `relays()` that accepts it (the one that last failed is
 tried last), and re-chooses when that relay dies, refuses it, or goes silent (it pings every few
 seconds), pausing between rounds; `on_change` hears the relay it is reached through, or None.
+
+Each call the relay asks for names what it is for, `grpc` or `metrics`, never an address: the
+peer dials only its own gRPC server or its own /metrics, so neither a relay nor whoever poses as
+one can make it a way into its LAN.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from typing import Protocol
 from swarm.net.relay_auth import attach_proof, data_proof
 from swarm.net.relay_wire import PROTOCOL, close, splice
 
-__all__ = ["Attachment", "Pauses", "split_host_port"]
+__all__ = ["GRPC", "METRICS", "Attachment", "Pauses", "split_host_port"]
 
 log = logging.getLogger(__name__)
+
+GRPC, METRICS = "grpc", "metrics"
+"""What a relay's call is for (`OPEN call KIND`): this peer's gRPC server, or its /metrics."""
 
 
 class Pauses(Protocol):
@@ -63,7 +70,8 @@ def split_host_port(address: str) -> tuple[str, int]:
 class Attachment:
     """Keeps `peer` attached to one relay of `relays()` and carries the relay's calls to
     `local_address` (this peer's own gRPC server). `address`: what this peer announces (the
-    relay shows it; default `local_address`)."""
+    relay shows it; default `local_address`). `local_metrics`: its own /metrics, where a relayed
+    scrape is carried ("": none), announced at `metrics_address` (default `local_metrics`)."""
 
     def __init__(
         self,
@@ -74,6 +82,8 @@ class Attachment:
         on_change: Callable[[str | None], None],
         *,
         address: str = "",
+        local_metrics: str = "",
+        metrics_address: str = "",
         pauses: Pauses | None = None,
         timeout_s: float = 5.0,
         dead_after_s: float = 35.0,
@@ -82,6 +92,9 @@ class Attachment:
     ) -> None:
         self.peer, self.token, self.local_address = peer, token or None, local_address
         self.address = address or local_address
+        self.local_metrics = local_metrics
+        self.metrics_address = (metrics_address or local_metrics) if local_metrics else ""
+        self._targets = {GRPC: local_address, METRICS: local_metrics}
         self._relays, self._on_change = relays, on_change
         self._pauses: Pauses = pauses or _Doubling()
         self.timeout_s, self.dead_after_s = timeout_s, dead_after_s
@@ -152,8 +165,10 @@ class Attachment:
     async def _attach(self, relay: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_connection(*split_host_port(relay))
         try:
+            metrics = f"X-Swarm-Metrics: {self.metrics_address}\r\n" if self.metrics_address else ""
             writer.write(
-                f"ATTACH {self.peer} {PROTOCOL}\r\nX-Swarm-Address: {self.address}\r\n\r\n".encode()
+                f"ATTACH {self.peer} {PROTOCOL}\r\nX-Swarm-Address: {self.address}\r\n"
+                f"{metrics}\r\n".encode()
             )
             verb, _, nonce = (await reader.readline()).decode("latin-1").strip().partition(" ")
             if verb != "NONCE":
@@ -173,26 +188,32 @@ class Attachment:
         """Answer the relay's pings and open a data connection per call, until it ends."""
         while True:
             line = await asyncio.wait_for(reader.readline(), self.dead_after_s)
-            verb, _, call = line.decode("latin-1").strip().partition(" ")
+            verb, _, rest = line.decode("latin-1").strip().partition(" ")
+            call, _, kind = rest.partition(" ")
             if verb == "PING":
                 writer.write(b"PONG\n")
                 await asyncio.wait_for(writer.drain(), self.dead_after_s)
+            elif verb == "OPEN" and not self._targets.get(kind or GRPC):
+                # Only its own two servers, by name: an address, a port, or a kind this peer
+                # does not serve (a metrics call to a peer without /metrics) opens nothing.
+                log.debug("%s: relay %s asked for %.40r: not served", self.peer, relay, kind)
             elif verb == "OPEN" and call and len(self._tunnels) < self.max_tunnels:
-                task = asyncio.create_task(self._tunnel(relay, call))
+                task = asyncio.create_task(self._tunnel(relay, call, self._targets[kind or GRPC]))
                 self._tunnels.add(task)
                 task.add_done_callback(self._tunnels.discard)
             elif verb != "OPEN":
                 raise ValueError(f"the relay said {line[:40]!r}" if line else "closed")
 
-    async def _tunnel(self, relay: str, call: str) -> None:
-        """One call: this peer's server, spliced to a data connection to the relay."""
+    async def _tunnel(self, relay: str, call: str, target: str) -> None:
+        """One call: this peer's server at `target` (its gRPC or its /metrics), spliced to a data
+        connection to the relay."""
         try:
             local = await asyncio.wait_for(
-                asyncio.open_connection(*split_host_port(self.local_address)), self.timeout_s
+                asyncio.open_connection(*split_host_port(target)), self.timeout_s
             )
         except (OSError, TimeoutError) as e:
             log.warning("%s: own server %s did not answer a relayed call: %s", self.peer,
-                        self.local_address, e)  # fmt: skip
+                        target, e)  # fmt: skip
             return
         try:
             remote = await asyncio.wait_for(

@@ -7,6 +7,10 @@ each tunnel when the relay asks it to over its control connection (DATA). The re
 caller's and the peer's connections byte for byte: TLS and HTTP/2 stay end to end, so with TLS on
 the caller verifies the NAT'd peer's own certificate and the relay reads nothing it carries.
 
+A tunnel goes to the peer's announced gRPC or metrics address (Prometheus's scrape; for an
+http:// target a plain proxy request), no other: the peer is told which of its two servers to
+dial, never an address, so a relay is no way into the peer's network.
+
 Who gets in (`swarm.net.relay_auth`): every request proves the swarm token, each in its own
 derived form, so a stranger can neither attach nor open a tunnel, and an overheard attach cannot
 be replayed. What one connection can hold (`RelayLimits`): a request head is read within a time
@@ -27,8 +31,25 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from swarm.net.relay_auth import attach_proof, data_proof, proxy_user, relay_credential, same
-from swarm.net.relay_wire import PROTOCOL, Head, HeadError, close, read_head, splice
+from swarm.net.attach import GRPC, METRICS
+from swarm.net.relay_auth import (
+    attach_proof,
+    data_proof,
+    metrics_credential,
+    proxy_user,
+    relay_credential,
+    same,
+)
+from swarm.net.relay_wire import (
+    PROTOCOL,
+    Head,
+    HeadError,
+    address_key,
+    close,
+    origin_form,
+    read_head,
+    splice,
+)
 
 __all__ = ["RelayLimits", "RelayServer"]
 
@@ -69,15 +90,25 @@ class RelayLimits:
 
 
 class _Attached:
-    """A peer's control connection, and what it holds."""
+    """A peer's control connection, what it holds, and the addresses it announced (its gRPC
+    server's, its /metrics' or "")."""
 
-    def __init__(self, peer: str, address: str, writer: asyncio.StreamWriter) -> None:
-        self.peer, self.address, self.writer = peer, address, writer
+    def __init__(self, peer: str, address: str, metrics: str, writer: asyncio.StreamWriter) -> None:
+        self.peer, self.address, self.metrics, self.writer = peer, address, metrics, writer
+        self.keys = {GRPC: address_key(address), METRICS: address_key(metrics)}
         self.tunnels = 0
 
     async def send(self, line: str, timeout_s: float) -> None:
         self.writer.write(line.encode() + b"\n")
         await asyncio.wait_for(self.writer.drain(), timeout_s)
+
+
+class _Refused(Exception):
+    """A tunnel refused: its answer's `status` and `reason`, counted under `key`."""
+
+    def __init__(self, status: int, key: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.key, self.reason = status, key, reason
 
 
 class RelayServer:
@@ -195,7 +226,7 @@ class RelayServer:
             return False
         finally:
             self._heads -= 1
-        if head.method == "CONNECT":
+        if head.method == "CONNECT" or origin_form(head) is not None:
             await self._tunnel(head, reader, writer, where)
         elif head.method == "ATTACH" and head.version == PROTOCOL:
             await self._attach(head, reader, writer, where)
@@ -203,7 +234,7 @@ class RelayServer:
             return self._data(head, reader, writer, where)
         else:
             self._refuse("head", "refused %s: method %.16r", where, head.method)
-            await _answer(writer, 405, "this relay takes CONNECT only")
+            await _answer(writer, 405, "this relay takes CONNECT (or a proxy request for /metrics)")
         return False
 
     def _refuse(self, reason: str, msg: str, *args: object) -> None:
@@ -214,19 +245,24 @@ class RelayServer:
     async def _tunnel(
         self, head: Head, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: object
     ) -> None:
-        creds = proxy_user(head.headers.get("proxy-authorization", ""))
-        peer = creds[0] if creds else ""
-        if self.token is not None and (
-            creds is None or not same(creds[1], relay_credential(self.token, peer))
-        ):
+        target, forward = head.target, b""
+        form = origin_form(head)
+        if head.method != "CONNECT" and form is not None:  # a plain HTTP proxy request
+            target, forward = form
+        named = self._credential(head)
+        if named is None:
             self._refuse("credential", "refused a tunnel from %s: no or wrong credential", where)
             await _answer(writer, 407, "this relay needs the swarm's credential for the peer")
             return
-        attached = self._peers.get(peer)
-        if attached is None:
-            self._refuse("unknown", "refused a tunnel to %.64r: not attached here", peer)
-            await _answer(writer, 502, f"peer {peer[:64]} is not attached to this relay")
+        try:
+            attached, kind = self._route(named, target)
+            if forward and kind != METRICS:
+                raise _Refused(403, "target", "only a peer's metrics take a plain HTTP request")
+        except _Refused as e:
+            self._refuse(e.key, "refused a tunnel from %s to %.64r: %s", where, target, e.reason)
+            await _answer(writer, e.status, e.reason)
             return
+        peer = attached.peer
         if attached.tunnels >= self.limits.max_tunnels_per_peer:
             self._refuse("peer-full", "refused a tunnel to %s: its %d tunnels are open", peer,
                          attached.tunnels)  # fmt: skip
@@ -240,26 +276,66 @@ class RelayServer:
         self._tunnels += 1
         self.tunnels_gauge.set(self._tunnels)
         try:
-            data = await self._open(attached)
+            data = await self._open(attached, kind)
             if data is None:
                 self._refuse("no-data", "peer %s opened no connection for a tunnel", peer)
                 await _answer(writer, 504, f"peer {peer} did not answer through this relay")
                 return
             self.opened.inc()
-            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            if forward:  # the request goes on to the peer's /metrics, which answers it
+                data[1].write(forward)
+            else:
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await splice((reader, writer), data, self.limits.chunk_bytes, self.carried.inc)
         finally:
             attached.tunnels -= 1
             self._tunnels -= 1
             self.tunnels_gauge.set(self._tunnels)
 
-    async def _open(self, attached: _Attached) -> Stream | None:
-        """Ask `attached` for a data connection; it, or None when none came in time."""
+    def _credential(self, head: Head) -> str | None:
+        """The peer a request's credential names ("": none, the metrics credential, good for
+        any peer's metrics address only); None when it has no credential this relay takes."""
+        creds = proxy_user(head.headers.get("proxy-authorization", ""))
+        user, password = creds or ("", "")
+        if self.token is None:
+            return user  # an open relay: the user names the peer, or none is named
+        if same(password, metrics_credential(self.token)):
+            return ""
+        if creds is not None and user and same(password, relay_credential(self.token, user)):
+            return user
+        return None
+
+    def _route(self, peer: str, target: str) -> tuple[_Attached, str]:
+        """The attached peer and which of its servers (`GRPC`, `METRICS`) `target` is: the named
+        `peer`'s announced gRPC or metrics address; with no peer named, the one peer that
+        announced `target` as its metrics address. `_Refused` otherwise."""
+        key = address_key(target)
+        if peer:
+            attached = self._peers.get(peer)
+            if attached is None:
+                raise _Refused(502, "unknown", f"peer {peer[:64]} is not attached to this relay")
+            for kind, announced in attached.keys.items():
+                if key is not None and key == announced:
+                    return attached, kind
+            raise _Refused(403, "target", f"peer {peer} announced no such address (only its "
+                           "gRPC and metrics addresses are carried)")  # fmt: skip
+        found = [a for a in self._peers.values() if key is not None and a.keys[METRICS] == key]
+        if not found:
+            raise _Refused(502, "unknown", "no peer attached to this relay serves metrics there")
+        if len(found) > 1:  # two homes' LAN addresses may be the same: never the wrong peer
+            names = ", ".join(sorted(a.peer for a in found)[:4])
+            why = f"peers {names} all announce metrics there: give them distinct --metrics-port"
+            raise _Refused(409, "ambiguous", why)
+        return found[0], METRICS
+
+    async def _open(self, attached: _Attached, kind: str) -> Stream | None:
+        """Ask `attached` for a data connection to its server `kind`; it, or None when none came
+        in time."""
         call = secrets.token_hex(16)
         future: asyncio.Future[Stream] = asyncio.get_running_loop().create_future()
         self._calls[call] = (attached.peer, future)
         try:
-            await attached.send(f"OPEN {call}", self.limits.open_timeout_s)
+            await attached.send(f"OPEN {call} {kind}", self.limits.open_timeout_s)
             return await asyncio.wait_for(future, self.limits.open_timeout_s)
         except (ConnectionError, OSError, TimeoutError):
             return None
@@ -293,6 +369,7 @@ class RelayServer:
         self, head: Head, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: object
     ) -> None:
         peer, address = head.target, head.headers.get("x-swarm-address", "")
+        metrics = head.headers.get("x-swarm-metrics", "")
         if not _PEER_ID.fullmatch(peer):
             self._refuse("attach", "refused to attach %.64r from %s: not a peer id", peer, where)
             writer.write(b"ERR not a peer id\n")
@@ -316,7 +393,7 @@ class RelayServer:
             self._refuse("attach", "refused to attach %.64r from %s: wrong proof", peer, where)
             writer.write(b"ERR wrong proof: this relay needs the swarm's token\n")
             return
-        attached = _Attached(peer, address, writer)
+        attached = _Attached(peer, address, metrics, writer)
         old = self._peers.get(peer)
         if old is not None:  # a restarted peer: the newer connection wins, the old may be dead
             old.writer.close()

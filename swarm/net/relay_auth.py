@@ -22,7 +22,14 @@ import binascii
 import hashlib
 import hmac
 
-__all__ = ["attach_proof", "data_proof", "proxy_user", "relay_credential", "same"]
+__all__ = [
+    "attach_proof",
+    "data_proof",
+    "metrics_credential",
+    "proxy_user",
+    "relay_credential",
+    "same",
+]
 
 
 def _mac(token: str, message: str) -> str:
@@ -32,6 +39,12 @@ def _mac(token: str, message: str) -> str:
 def relay_credential(token: str | None, peer: str) -> str:
     """The password of a tunnel to `peer` ("" without a token)."""
     return _mac(token, f"relay:{peer}") if token else ""
+
+
+def metrics_credential(token: str | None) -> str:
+    """The password of a tunnel to any attached peer's metrics address, and to nothing else
+    ("" without a token): what Prometheus holds to scrape every peer a relay carries."""
+    return _mac(token, "relay-metrics") if token else ""
 
 
 def attach_proof(token: str | None, peer: str, nonce: str) -> str:

@@ -4,11 +4,16 @@ byte for byte, never reading more than a bounded amount ahead of the side it wri
 
 Requests on a relay's one port (`swarm.net.relay`):
 - `CONNECT host:port HTTP/1.1` + `Proxy-Authorization: Basic ...`: a caller's tunnel (what
-  gRPC's `grpc.http_proxy` sends); answered `HTTP/1.1 200` then spliced, or a 4xx/5xx whose
-  reason phrase says why.
-- `ATTACH peer SWARM-RELAY/1` + `X-Swarm-Address: host:port`: a NAT'd peer's control connection;
-  then lines: relay `NONCE n`, peer `PROOF p`, relay `OK` (or `ERR why`); after that the relay
-  sends `OPEN call` (open a data connection for it) and `PING`, the peer answers `PONG`.
+  gRPC's `grpc.http_proxy` sends, and Prometheus for an https:// target); answered
+  `HTTP/1.1 200` then spliced, or a 4xx/5xx whose reason phrase says why.
+- `GET http://host:port/path HTTP/1.1` + `Proxy-Authorization`: what Prometheus sends a proxy for
+  an http:// target; passed on in origin form (`GET /path`, `Connection: close`, no proxy
+  headers) down a tunnel, whose answer is the peer's.
+- `ATTACH peer SWARM-RELAY/1` + `X-Swarm-Address: host:port` (+ `X-Swarm-Metrics: host:port`
+  when it serves /metrics): a NAT'd peer's control connection; then lines: relay `NONCE n`, peer
+  `PROOF p`, relay `OK` (or `ERR why`); after that the relay sends `OPEN call grpc` or
+  `OPEN call metrics` (open a data connection to that server of yours for it) and `PING`, the
+  peer answers `PONG`.
 - `DATA call SWARM-RELAY/1` + `Authorization: Swarm proof`: the peer's data connection for
   `call`, spliced to the caller's tunnel.
 """
@@ -20,7 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PROTOCOL", "Head", "HeadError", "close", "read_head", "splice"]
+__all__ = [
+    "PROTOCOL",
+    "Head",
+    "HeadError",
+    "address_key",
+    "close",
+    "origin_form",
+    "read_head",
+    "splice",
+]
 
 PROTOCOL = "SWARM-RELAY/1"
 
@@ -74,6 +88,32 @@ async def read_head(reader: asyncio.StreamReader, max_bytes: int) -> Head:
             raise HeadError(400, f"header {name} given twice")
         headers[name] = value.strip()
     return Head(parts[0], parts[1], parts[2], headers)
+
+
+def address_key(address: str) -> tuple[str, int] | None:
+    """`host:port` as compared with a peer's announced address (the host's case and an IPv6
+    host's brackets aside); None when it is not one."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or len(address) > 300:
+        return None
+    return host.strip("[]").lower(), int(port)
+
+
+_HOP = frozenset({"proxy-authorization", "proxy-connection", "connection", "keep-alive"})
+
+
+def origin_form(head: Head) -> tuple[str, bytes] | None:
+    """A plain HTTP proxy request (`GET http://host:port/path`): its target `host:port` and the
+    head to pass on (`GET /path`, the proxy's own headers left out, one request per
+    connection); None when its target is not an absolute http:// URL."""
+    if not head.target.startswith("http://"):
+        return None
+    authority, slash, path = head.target[len("http://") :].partition("/")
+    if not authority or "@" in authority:
+        return None
+    lines = [f"{head.method} /{path if slash else ''} {head.version}"]
+    lines += [f"{k}: {v}" for k, v in head.headers.items() if k not in _HOP]
+    return authority, "\r\n".join([*lines, "Connection: close", "", ""]).encode("latin-1")
 
 
 class _Pump(asyncio.Protocol):

@@ -43,3 +43,22 @@ def test_a_peer_keeps_its_target_labels_whatever_it_does() -> None:
     ]
     answers = [sd_targets("", [p]) for p in lives]
     assert all(a == answers[0] for a in answers), answers
+
+
+def test_a_relayed_peer_is_labelled_with_its_relay_for_relabelling_only() -> None:
+    """A peer behind NAT is scraped through its relay (docs/prometheus.yml routes it by
+    `__meta_swarm_relay`); a `__meta_` label is never stored, so changing relay splits nothing."""
+    relayed = cpb.PeerAnnouncement(
+        peer="p1", address="192.168.1.20:7001", metrics_address="192.168.1.20:9101",
+        relay="203.0.113.5:7100",
+    )  # fmt: skip
+    assert sd_targets("", [relayed]) == [
+        {
+            "targets": ["192.168.1.20:9101"],
+            "labels": {
+                "swarm_role": "peer",
+                "swarm_peer": "p1",
+                "__meta_swarm_relay": "203.0.113.5:7100",
+            },
+        }
+    ]

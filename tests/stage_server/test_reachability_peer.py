@@ -42,6 +42,7 @@ from swarm.job.config import RuntimeConfig
 from swarm.local.procs import SwarmProcess, start_process
 from swarm.net import attach as attach_module
 from swarm.net import tokens
+from swarm.net.attach import Attachment
 from swarm.net.relay import RelayLimits
 from swarm.proto import control_pb2 as cpb
 
@@ -564,3 +565,18 @@ async def test_real_processes_a_relay_and_a_peer_behind_nat(
         codes = [await asyncio.to_thread(p.stop) for p in procs]
     assert codes == [0, 0], [p.log()[-2000:] for p in procs]
     assert not _accepts(relay_address), "the relay stopped with its server"
+
+
+def test_the_attachment_carries_the_peers_metrics_too() -> None:
+    """A NAT'd stage server's /metrics is scraped through its relay: its attachment is told
+    where it listens (on the gRPC server's local host) and where it is announced."""
+    path = PeerPath(PEER, "203.0.113.9:7000", local="127.0.0.1:7000", token="t",
+                    metrics_port=9101, metrics_address="203.0.113.9:9101")  # fmt: skip
+    attachment = path._real_attachment(PEER, "t", path.local, path.relays, lambda _: None)
+    assert isinstance(attachment, Attachment)
+    assert (attachment.local_metrics, attachment.metrics_address) == (
+        "127.0.0.1:9101", "203.0.113.9:9101"
+    )  # fmt: skip
+    bare = PeerPath(PEER, "203.0.113.9:7000", local="127.0.0.1:7000", token="t")
+    attachment = bare._real_attachment(PEER, "t", bare.local, bare.relays, lambda _: None)
+    assert isinstance(attachment, Attachment) and attachment.metrics_address == ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from swarm.net import tls
 from swarm.net.attach import Attachment
 from swarm.net.relay import RelayLimits, RelayServer
-from swarm.net.relay_auth import attach_proof, relay_credential
+from swarm.net.relay_auth import attach_proof, metrics_credential, relay_credential
 from tests.support.relays import ECHO, NAT_HOST, echo_bytes, echo_server, eventually, relayed
 from tests.support.tls import no_identity
 
@@ -302,3 +302,146 @@ async def test_a_tunnel_reads_no_further_ahead_than_its_buffers() -> None:
             w.close()
         server.close()
         await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def _counting_listener() -> AsyncIterator[tuple[int, list[bytes]]]:
+    """A TCP listener on 127.0.0.1 (another service of the peer's LAN, or its metrics port):
+    its port, and what each connection it accepted sent first."""
+    got: list[bytes] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = b""
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            first = await asyncio.wait_for(reader.read(1024), 5)
+        got.append(first)
+        writer.close()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], got
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.attack("R5")
+async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
+    """One credential lets Prometheus scrape every relayed peer (HMAC(token, "relay-metrics"),
+    no peer named): a CONNECT with it reaches a peer's announced metrics address, never its gRPC
+    server; no credential opens a tunnel to any other port of the peer, in CONNECT or in a plain
+    HTTP proxy request. A relay is no open proxy into a peer's LAN."""
+    registry = CollectorRegistry()
+    relay = RelayServer(TOKEN, registry=registry)
+    address = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
+    async with (
+        echo_server(TOKEN) as port,
+        _counting_listener() as (metrics_port, scraped),
+        _counting_listener() as (other, elsewhere),
+    ):
+        attachment = Attachment(
+            "a", TOKEN, f"127.0.0.1:{port}", lambda: [address], lambda _: None,
+            address=f"{NAT_HOST}:{port}", local_metrics=f"127.0.0.1:{metrics_port}",
+            metrics_address=f"{NAT_HOST}:{metrics_port}",
+        )  # fmt: skip
+        await attachment.start()
+        try:
+            await eventually(lambda: attachment.relay is not None)
+            metrics = f"metrics:{metrics_credential(TOKEN)}"
+            peer = f"a:{relay_credential(TOKEN, 'a')}"
+            for login, target in (
+                (metrics, f"{NAT_HOST}:{port}"),  # the peer's gRPC server
+                (metrics, f"{NAT_HOST}:{other}"),  # another port of the peer
+                (metrics, f"127.0.0.1:{other}"),
+                (peer, f"{NAT_HOST}:{other}"),  # the peer's own credential: not there either
+                (peer, f"127.0.0.1:{port}"),  # not its announced address
+                (peer, f"{NAT_HOST}:22"),
+            ):
+                status, stream = await _connect(address, target, login)
+                assert status.startswith(("HTTP/1.1 403", "HTTP/1.1 502")), (login, target, status)
+                await _closed(stream)
+            # A plain HTTP proxy request (what Prometheus sends for an http:// target) is no
+            # way around it: only a metrics address takes one.
+            for target in (f"{NAT_HOST}:{port}", f"{NAT_HOST}:{other}"):
+                status, stream = await _get(address, target, metrics)
+                assert status.startswith(("HTTP/1.1 403", "HTTP/1.1 502")), (target, status)
+                await _closed(stream)
+            assert registry.get_sample_value("swarm_relay_tunnels_total") == 0
+            # The peer's metrics address, with the metrics credential: carried.
+            status, (reader, writer) = await _connect(address, f"{NAT_HOST}:{metrics_port}",
+                                                      metrics)  # fmt: skip
+            assert status == "HTTP/1.1 200 Connection established"
+            await reader.readline()
+            writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
+            await eventually(lambda: bool(scraped))
+            await _closed((reader, writer))
+            assert scraped == [b"GET /metrics HTTP/1.1\r\n\r\n"] and elsewhere == []
+            assert registry.get_sample_value("swarm_relay_tunnels_total") == 1
+            # The metrics credential attaches no one, and proves no data connection.
+            r, w = await _dial(address)
+            w.write(b"ATTACH b SWARM-RELAY/1\r\n\r\n")
+            await r.readline()
+            w.write(f"PROOF {metrics_credential(TOKEN)}\n".encode())
+            assert (await r.readline()).startswith(b"ERR wrong proof")
+            await _closed((r, w))
+        finally:
+            await attachment.stop()
+            await relay.stop()
+
+
+async def _get(address: str, target: str, login: str) -> tuple[str, Stream]:
+    """A raw plain-HTTP proxy request for `http://target/metrics`; the status line."""
+    stream = await _dial(address)
+    auth = base64.b64encode(login.encode()).decode()
+    stream[1].write(f"GET http://{target}/metrics HTTP/1.1\r\nHost: {target}\r\n"
+                    f"Proxy-Authorization: Basic {auth}\r\n\r\n".encode())  # fmt: skip
+    line = await asyncio.wait_for(stream[0].readline(), 15)
+    return line.decode().strip(), stream
+
+
+@pytest.mark.attack("R5")
+async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers() -> None:
+    """The relay names what a call is for (its gRPC server or its metrics), never an address:
+    a relay (or whoever poses as one) asking for anything else gets no connection, and a peer
+    without metrics opens none for a metrics call."""
+    async with (
+        _counting_listener() as (grpc_port, served),
+        _counting_listener() as (other, elsewhere),
+    ):
+        data: list[bytes] = []
+        asked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def fake_relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                first = await reader.readline()
+                if first.startswith(b"DATA"):
+                    data.append(first.split()[1])
+                    return
+                while await reader.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                writer.write(b"NONCE n\n")
+                await reader.readline()
+                writer.write(b"OK\n")
+                for line in (f"OPEN c1 127.0.0.1:{other}", f"OPEN c2 {other}", "OPEN c3 metrics",
+                             "OPEN c4 ssh", "OPEN c5 grpc"):  # fmt: skip
+                    writer.write(line.encode() + b"\n")
+                await writer.drain()
+                asked.set_result(None)
+                await reader.read()
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(fake_relay, "127.0.0.1", 0)
+        relay = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        attachment = Attachment("a", TOKEN, f"127.0.0.1:{grpc_port}", lambda: [relay],
+                                lambda _: None)  # fmt: skip
+        await attachment.start()
+        try:
+            await asked
+            await eventually(lambda: data == [b"c5"] and len(served) == 1)
+            await asyncio.sleep(0.5)  # what else it would have opened, it had by now
+            assert data == [b"c5"] and elsewhere == [] and len(served) == 1
+        finally:
+            await attachment.stop()
+            server.close()
+            await server.wait_closed()
