@@ -1,0 +1,92 @@
+"""A hostile aggregator's finite wrong sum (issue 43, item 4): a pool of real stage servers (in
+this process, so every replica can be inspected) and a real PoolService aggregator whose owner
+side adds a small error to every sum it answers. Every replica takes the same wrong sum, so the
+replicas stay identical and no check among them can see it: the coordinator's linear checksum
+(`scheduler.coordinator.sum_checks`) must. The round fails naming the aggregator, the retry runs
+without it, and nothing wrong is ever applied: the job equals `swarm local`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from scheduler.coordinator import LocalCoordinator, gather_state
+from scheduler.coordinator.groups import Aggregator, Groups, Link
+from stage_server.averaging.owner import Averager, Reduced
+from stage_server.averaging.service import PoolServicer
+from swarm.errors import NotFound
+from swarm.job.fingerprint import fingerprint
+from swarm.proto import pool_pb2_grpc
+from tests.support.equality import assert_equal_to_local
+from tests.support.inprocess import Swarm
+from tests.support.jobs import make_job
+
+ERROR = 1e-3  # what the hostile aggregator adds to each element of every sum it answers
+
+
+@contextlib.asynccontextmanager
+async def _aggregator(job_id: str) -> AsyncIterator[tuple[str, Averager]]:
+    """A PoolService that owns parts of `job_id`'s rounds and holds no model (an aggregator)."""
+
+    def route(job: str, stage: int) -> None:
+        if job != job_id:
+            raise NotFound(f"job {job!r} is not served here")
+
+    server, averager = grpc.aio.server(), Averager()
+    servicer = PoolServicer(
+        averager, route=route, chunk_bytes=1 << 20, max_bytes=1 << 28, timeout_s=30
+    )
+    pool_pb2_grpc.add_PoolServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", averager
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.attack("43.4-sum")
+@pytest.mark.timeout(180)
+async def test_a_finite_wrong_sum_fails_the_round_naming_the_aggregator(
+    tmp_path: Path, make_swarm: list[Swarm], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three replicas a stage and one aggregator owning a part of every round (float64; with two
+    contributors water-filling gives an aggregator nothing): its sums are off by 1e-3 an
+    element. Every round it takes part in fails, naming it; it sits out the
+    retry, which commits; the job equals `swarm local` within 1e-9."""
+    job = make_job(tmp_path, training={"steps": 3, "target_batch_size": 32})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    async with _aggregator(fingerprint(job)) as (address, aggregator):
+        honest = aggregator.summer
+        wrong_sums: list[int] = []
+
+        def wrong(values: list[torch.Tensor], owned: list[bool], codec: int, block: int) -> Reduced:
+            reduced = honest(values, owned, codec, block)
+            reduced.tensor.add_(ERROR)  # finite, small, the same for every member
+            wrong_sums.append(reduced.tensor.numel())
+            return reduced
+
+        aggregator.summer = wrong
+        offered = [Aggregator("agg", address, Link(100.0))]
+        # Shunned for longer than the test: it must not come back for a later step.
+        groups = Groups(lambda peer: Link(100.0), lambda stage: offered, shun_s=3600)
+        coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, groups=groups)
+        with caplog.at_level(logging.WARNING):
+            await swarm.train(coordinator, trainers=2)
+        assert wrong_sums, "the aggregator summed a part of a round"
+        swarm.assert_replicas_identical()
+        assert_equal_to_local(job, await gather_state(coordinator), tol=1e-9)
+        assert coordinator.metrics.aborted_rounds._value.get() >= 1
+        assert address not in groups.of(0, swarm.members()[0]).members  # it sits out
+        assert all(len(stage) == 3 for stage in coordinator.replicas())  # no replica blamed
+        named = [r.getMessage() for r in caplog.records if "checksum" in r.getMessage()]
+        assert any(address in m for m in named), named
+        await coordinator.close()
