@@ -36,6 +36,7 @@ import torch
 
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.channels import ChannelPool
+from stage_server.averaging.checksum import PartChecks
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.flat import flatten, unflatten
 from stage_server.averaging.owner import Averager, AveragingAborted
@@ -79,6 +80,7 @@ class Commit:
     # and how many of its first members contribute (0: all; the rest are aggregators)
     part_weights: tuple[float, ...] = ()
     contributors: int = 0
+    check_seed: int = 0  # the checksum of aggregators' parts asked (0: none)
 
     @classmethod
     def of(cls, request: pb.StageCommitRequest) -> Commit:
@@ -99,17 +101,20 @@ class Commit:
             eager=request.eager,
             part_weights=tuple(request.part_weights),
             contributors=request.contributors,
+            check_seed=request.check_seed,
         )
 
 
 @dataclass(frozen=True)
 class Committed:
     """The replica after a Commit: its step, whether the step was applied before (a retry), and
-    the squared norm of the prepared average (0.0 when nothing was prepared)."""
+    the squared norm of the prepared average (0.0 when nothing was prepared), and the checksums
+    of the aggregators' parts it averaged (`checksum`; asked by the coordinator's seed)."""
 
     step: int
     already: bool = False
     grad_sq_norm: float = 0.0
+    sum_checks: tuple[pb.SumCheck, ...] = ()
 
 
 class Committer:
@@ -149,6 +154,7 @@ class Committer:
         if c.eager != EagerOp.NONE:
             raise InvalidArgument("an eager operation is a round's end: round_end must be set")
         rt, step, already, sq_norm = self._runtime(), c.step, False, 0.0
+        checks: PartChecks | None = None
         if c.prepare and c.apply and rt.job.training.grad_clip > 0:
             raise FailedPrecondition(
                 "training.grad_clip needs the whole model's gradient norm: the coordinator "
@@ -158,8 +164,9 @@ class Committer:
             if step < rt.step:
                 return Committed(rt.step, already=True)
             self._prepared = None
+            checks = PartChecks(c.check_seed) if c.check_seed else None
             sums = await self._part(
-                c, rt.prepare, step, c.microbatches, c.total_samples, spilled=step
+                c, rt.prepare, step, c.microbatches, c.total_samples, spilled=step, checks=checks
             )
             await self._worker.run(rt.set_prepared, step, sums, c.total_samples)
             sq_norm = await self._worker.run(rt.prepared_sq_norm, step)
@@ -184,7 +191,8 @@ class Committer:
             if not already:
                 log.debug("%s: stage %d committed step %d", self.peer, c.stage, step)
             self.metrics.committed(rt.step, applied=not already)
-        return Committed(rt.step, already, sq_norm)
+        report = tuple(checks.report()) if c.prepare and checks is not None else ()
+        return Committed(rt.step, already, sq_norm, report)
 
     async def _round_end(self, c: Commit) -> Committed:
         """pool.mode = "local": PREPARE averages the pool's pseudo-gradients, weighted by each
@@ -271,6 +279,7 @@ class Committer:
         lossless: bool = False,
         fresh: bool = False,
         spilled: int | None = None,
+        checks: PartChecks | None = None,
     ) -> list[torch.Tensor]:
         """This replica's part (`prepare(*args)` on the worker), summed with `c.group`'s (with
         the job's averaging codec unless `lossless`). A PREPARE that fails before averaging
@@ -278,7 +287,8 @@ class Committer:
 
         The sum lands over the part itself, in place, where nothing else reads the part: when
         `prepare` made it `fresh` for this call, or when it is the lent sums of step `spilled`
-        (the runtime's `Spill` keeps what is overwritten, for a retry or a straggler)."""
+        (the runtime's `Spill` keeps what is overwritten, for a retry or a straggler). `checks`
+        takes the checksums of the aggregators' parts."""
         # The replica's peak comes now: what its arenas freed since the last commit goes back
         # first (`swarm.ops.allocator`), on the worker, which is idle until this commit is done;
         # not when the freed memory dwarfs the state the commit adds (a small stage's activations).
@@ -295,7 +305,8 @@ class Committer:
         if spilled is not None:
             spill = await self._worker.run(self._runtime().sums.spill, spilled, self.spill_dir)
         try:
-            return await self._average(c, sums, lossless, fresh or spilled is not None, spill)
+            in_place = fresh or spilled is not None
+            return await self._average(c, sums, lossless, in_place, spill, checks)
         except AveragingAborted:
             raise  # the round's own doing: it was aborted, naming whom it failed on
         except Exception as e:  # this replica failed its part (out of memory, say): its group
@@ -335,6 +346,7 @@ class Committer:
         lossless: bool,
         in_place: bool,
         spill: Spill | None,
+        checks: PartChecks | None = None,
     ) -> list[torch.Tensor]:
         """The pool's summed gradient: butterfly all-reduce with the round's group, over `sums`
         themselves when `in_place` (`spill`, if any, keeps what it overwrites of them)."""
@@ -378,6 +390,7 @@ class Committer:
             residuals=residuals,
             on_bytes=self.metrics.averaged,
             keep=keep,
+            checks=checks,
         )
         self.metrics.averaging_seconds(time.perf_counter() - start)
         if residuals is not None:
