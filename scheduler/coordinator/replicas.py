@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from scheduler.coordinator.sum_checks import Checksums
 from swarm.errors import NotFound, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp
@@ -54,12 +55,14 @@ class StageReplica(Protocol):
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> float | None:
         """Phase one: check it holds exactly `microbatches`, and average with `group` (its
         stage's replicas, itself at `group_index`, then any aggregators: the members past the
         first `contributors`, 0 none) over `total_samples`, in parts sized by `weights` (one per
         member; none: equal). Returns the squared norm of the averaged gradient (None: it
-        applied `step` already)."""
+        applied `step` already). `checks`: the checksums of the aggregators' parts asked with
+        its seed, and filled in with its answer (`sum_checks`)."""
         ...
 
     async def apply(self, step: int, scale: float = 1.0) -> None:
@@ -191,6 +194,7 @@ class GrpcReplica:
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> float | None:
         response = await self.client.commit(
             step,
@@ -201,7 +205,10 @@ class GrpcReplica:
             group_index=group_index,
             round=round,
             parts=(weights, contributors),
+            check_seed=checks.seed if checks is not None else 0,
         )
+        if checks is not None:
+            checks.reports = list(response.sum_checks)
         return None if response.already_committed else response.grad_sq_norm
 
     async def apply(self, step: int, scale: float = 1.0) -> None:

@@ -130,6 +130,7 @@ class FakeReplica:
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: object = None,  # a fake averages nothing: it reports no checksums
     ) -> float | None:
         args = Prepared(step, list(microbatches), total_samples, list(group), group_index, round,
                         tuple(weights), contributors)  # fmt: skip

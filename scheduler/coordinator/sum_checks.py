@@ -1,0 +1,98 @@
+"""What the coordinator checks of the sums aggregators answer (issue 43, item 4): a linear
+checksum they cannot forge (the contributor's side: `stage_server.averaging.checksum`).
+
+Each PREPARE of a round with aggregators carries a seed drawn anew for the attempt (`Checksums`),
+sent to the replicas only: an aggregator never sees it (it takes `PoolService.Reduce` calls and
+nothing else). From it each contributor j draws one random vector r and reports, for every part
+an aggregator owned, c_j = r·x_j over what it contributed, a_j = Σ_i |r_i·x_ji|, and s_j = r·S_j
+over the sum S_j it took back. Summation is linear, so an honest S gives s_j = Σ_j c_j up to
+rounding: the owner's additions in the part's dtype (at most (m - 1)·u·Σ_j a_j for m
+contributors, u its unit roundoff) and the float64 dots' own (a block of `DOT_BLOCK` elements at
+a time). `mismatches` holds every contributor's s_j to that, twice over; a wrong sum S' passes
+only if r·(S' - S) falls inside it, which for r Gaussian and unknown to the aggregator is a
+chance of about tolerance/‖S' - S‖. Every contributor's s_j is checked, not one's: an aggregator
+could answer members different sums.
+
+A mismatch fails the round before any APPLY (the replicas' prepared sums are replaced by the
+retry's PREPARE), naming the aggregator, which then sits out (`Groups.blame`). Only lossless
+rounds are checked (a lossy codec's sum is its encoding's, off by the codec's error): their
+contributors report nothing, and a part some contributor did not report is not judged (a
+contributor is trusted as any member is: it could as well send a wrong gradient).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from swarm.proto import stage_pb2 as pb
+
+__all__ = ["DOT_BLOCK", "Checksums", "Mismatch", "mismatches", "new_seed", "tolerance"]
+
+# The most elements a contributor's float64 dot adds before its partial sums are added exactly
+# (`stage_server.averaging.checksum.BLOCK`): its rounding is at most DOT_BLOCK·2^-53 of a_j.
+DOT_BLOCK = 1 << 16
+_SAFETY = 2.0  # the bound is a worst case already; twice it leaves room for what it omits
+_EPS64 = 2.0**-53
+
+
+def new_seed() -> int:
+    """A fresh secret seed for one attempt's checksums (never 0, which asks none)."""
+    return secrets.randbits(63) or 1
+
+
+@dataclass
+class Checksums:
+    """One replica's checksums of one PREPARE: the `seed` it is sent, and what it answered
+    (`reports`: one `SumCheck` per aggregator's part it averaged; filled in with its answer)."""
+
+    seed: int
+    reports: list[pb.SumCheck] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Contributor `contributor`'s sum of part `part` (a group index: its aggregator) is not
+    what the contributions add up to."""
+
+    part: int
+    contributor: int
+    got: float  # its r·S
+    expected: float  # Σ_j r·x_j
+    tolerance: float
+
+
+def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
+    """How far an honest r·S may be from Σ_j r·x_j, given every contributor's report of a part."""
+    scale = math.fsum(r.magnitude for r in reports)
+    unit = max((r.unit for r in reports), default=0.0)
+    m = max(contributors, 1)
+    return _SAFETY * ((m - 1) * unit + (m + 1) * DOT_BLOCK * _EPS64) * scale
+
+
+def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) -> list[Mismatch]:
+    """The sums that fail their checksum, given each contributor's reports (contributor index ->
+    its `SumCheck`s) of one round of `contributors`. A part is judged only when every contributor
+    reported it, with finite contributions (a NaN or infinite gradient is the commit's to refuse:
+    `NonFiniteStep`); a NaN or infinite sum of finite contributions is a mismatch."""
+    if len(reports) < contributors or contributors < 2:
+        return []
+    by_part: dict[int, dict[int, pb.SumCheck]] = {}
+    for j, checks in reports.items():
+        for check in checks:
+            by_part.setdefault(check.part, {})[j] = check
+    found = []
+    for part, of in sorted(by_part.items()):
+        if len(of) < contributors:
+            continue
+        checks = list(of.values())
+        if not all(math.isfinite(c.dot) and math.isfinite(c.magnitude) for c in checks):
+            continue
+        expected = math.fsum(c.dot for c in checks)
+        allowed = tolerance(checks, contributors)
+        for j, c in sorted(of.items()):
+            if not abs(c.sum_dot - expected) <= allowed:  # NaN fails too
+                found.append(Mismatch(part, j, c.sum_dot, expected, allowed))
+    return found
