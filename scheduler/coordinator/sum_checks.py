@@ -4,14 +4,21 @@ checksum they cannot forge (the contributor's side: `stage_server.averaging.chec
 Each PREPARE of a round with aggregators carries a seed drawn anew for the attempt (`Checksums`),
 sent to the replicas only: an aggregator never sees it (it takes `PoolService.Reduce` calls and
 nothing else). From it each contributor j draws one random vector r and reports, for every part
-an aggregator owned, c_j = r·x_j over what it contributed, a_j = Σ_i |r_i·x_ji|, and s_j = r·S_j
-over the sum S_j it took back. Summation is linear, so an honest S gives s_j = Σ_j c_j up to
-rounding: the owner's additions in the part's dtype (at most (m - 1)·u·Σ_j a_j for m
-contributors, u its unit roundoff) and the float64 dots' own (a block of `DOT_BLOCK` elements at
-a time). `mismatches` holds every contributor's s_j to that, twice over; a wrong sum S' passes
-only if r·(S' - S) falls inside it, which for r Gaussian and unknown to the aggregator is a
-chance of about tolerance/‖S' - S‖. Every contributor's s_j is checked, not one's: an aggregator
-could answer members different sums.
+an aggregator owned, c_j = r·x_j over what it contributed, a_j = Σ_i |r_i·x_ji|, q_j = ‖x_j‖,
+and s_j = r·S_j over the sum S_j it took back. Summation is linear, so an honest S gives
+s_j = Σ_j c_j up to rounding (`tolerance`):
+- the owner's additions in the part's dtype leave S off the exact sum by a vector δ with
+  |δ_i| ≤ (m - 1)·u·Σ_j |x_ji| (m contributors, u the dtype's unit roundoff), so
+  ‖δ‖ ≤ (m - 1)·u·Σ_j q_j. δ does not depend on r (the owner never sees it), so r·δ is a normal
+  of deviation ‖δ‖: it is held to `SIGMAS` of them (a false alarm about once in 10^23 checks).
+  The worst case, Σ|r_i·δ_i|, would grow with the part's length n where this grows with √n, and
+  hide errors √n times larger;
+- the float64 dots, which do depend on r, are held to their worst case: each adds `DOT_BLOCK`
+  products at a time, so it rounds by at most DOT_BLOCK·2^-53 of a_j (and r·S of Σ_j a_j).
+A wrong sum S' passes only if r·(S' - S) falls inside that, which for r Gaussian and unknown to
+the aggregator is a chance of about tolerance/‖S' - S‖: in float32, an error of about 1e-5 of an
+element's magnitude spread over the part is caught, whatever its length. Every contributor's s_j
+is checked, not one's: an aggregator could answer members different sums.
 
 A mismatch fails the round before any APPLY (the replicas' prepared sums are replaced by the
 retry's PREPARE), naming the aggregator, which then sits out (`Groups.blame`). Only lossless
@@ -29,12 +36,12 @@ from dataclasses import dataclass, field
 
 from swarm.proto import stage_pb2 as pb
 
-__all__ = ["DOT_BLOCK", "Checksums", "Mismatch", "mismatches", "new_seed", "tolerance"]
+__all__ = ["DOT_BLOCK", "SIGMAS", "Checksums", "Mismatch", "mismatches", "new_seed", "tolerance"]
 
 # The most elements a contributor's float64 dot adds before its partial sums are added exactly
 # (`stage_server.averaging.checksum.BLOCK`): its rounding is at most DOT_BLOCK·2^-53 of a_j.
 DOT_BLOCK = 1 << 16
-_SAFETY = 2.0  # the bound is a worst case already; twice it leaves room for what it omits
+SIGMAS = 10.0  # how many deviations of the owner's rounding an honest checksum may be off
 _EPS64 = 2.0**-53
 
 
@@ -66,10 +73,13 @@ class Mismatch:
 
 def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
     """How far an honest r·S may be from Σ_j r·x_j, given every contributor's report of a part."""
-    scale = math.fsum(r.magnitude for r in reports)
-    unit = max((r.unit for r in reports), default=0.0)
     m = max(contributors, 1)
-    return _SAFETY * ((m - 1) * unit + (m + 1) * DOT_BLOCK * _EPS64) * scale
+    unit = max((r.unit for r in reports), default=0.0)
+    summing = SIGMAS * (m - 1) * unit * math.fsum(r.norm for r in reports)
+    # Each c_j's dot, and s_j's (|S_i| ≤ Σ_j |x_ji| to within the rounding): twice, for the
+    # products' own rounding and what the bound leaves out.
+    dotting = 2 * (m + 1) * DOT_BLOCK * _EPS64 * math.fsum(r.magnitude for r in reports)
+    return summing + dotting
 
 
 def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) -> list[Mismatch]:
@@ -88,7 +98,7 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
         if len(of) < contributors:
             continue
         checks = list(of.values())
-        if not all(math.isfinite(c.dot) and math.isfinite(c.magnitude) for c in checks):
+        if not all(math.isfinite(c.dot + c.magnitude + c.norm) for c in checks):
             continue
         expected = math.fsum(c.dot for c in checks)
         allowed = tolerance(checks, contributors)

@@ -4,7 +4,7 @@ the coordinator's side, and why, is `scheduler.coordinator.sum_checks`).
 Summation is linear: for any vector r, r·(Σ_j x_j) = Σ_j r·x_j. The coordinator sends the
 replicas (never the aggregators) a secret seed with each PREPARE; each contributor j draws r from
 it and reports, for every part an aggregator owns, r·x_j over what it contributed, Σ_i |r_i·x_ji|
-(the scale every rounding of the check is bounded by) and r·S over the sum it got back. An
+and ‖x_j‖ (the scales its roundings are bounded by) and r·S over the sum it got back. An
 aggregator that answers a sum S' ≠ S cannot make r·S' agree with the others' r·x without knowing
 r: with r Gaussian, r·(S' - S) is a normal of deviation ‖S' - S‖.
 
@@ -40,28 +40,31 @@ def weights(seed: int, block: int) -> torch.Tensor:
     return torch.randn(BLOCK, generator=generator, dtype=torch.float64)
 
 
-def dots(seed: int, start: int, values: torch.Tensor) -> tuple[float, float]:
-    """(r·values, Σ|r_i·values_i|), `values` being elements `start`.. of the flat vector (1-D,
-    on any device), a block at a time."""
+def dots(seed: int, start: int, values: torch.Tensor) -> tuple[float, float, float]:
+    """(r·values, Σ|r_i·values_i|, Σ values_i²), `values` being elements `start`.. of the flat
+    vector (1-D, on any device), a block at a time."""
     dot: list[float] = []
     magnitude: list[float] = []
+    squares: list[float] = []
     pos, end = start, start + values.numel()
     while pos < end:
         block, offset = divmod(pos, BLOCK)
         stop = min(end, (block + 1) * BLOCK)
         r = weights(seed, block)[offset : offset + stop - pos]
         x = values[pos - start : stop - start].to(device="cpu", dtype=torch.float64)
+        squares.append(float(torch.dot(x, x)))
         product = r.mul_(x)  # r is this call's own: no second buffer
         dot.append(float(product.sum()))
         magnitude.append(float(product.abs_().sum()))
         pos = stop
-    return math.fsum(dot), math.fsum(magnitude)
+    return math.fsum(dot), math.fsum(magnitude), math.fsum(squares)
 
 
 @dataclass
 class _Part:
     dot: list[float] = field(default_factory=list)
     magnitude: list[float] = field(default_factory=list)
+    squares: list[float] = field(default_factory=list)
     sum_dot: list[float] = field(default_factory=list)
 
 
@@ -78,10 +81,11 @@ class PartChecks:
     def contributed(self, part: int, start: int, values: torch.Tensor) -> None:
         if values.dtype.is_floating_point:
             self.unit = max(self.unit, torch.finfo(values.dtype).eps / 2)
-        dot, magnitude = dots(self.seed, start, values)
+        dot, magnitude, squares = dots(self.seed, start, values)
         p = self._parts.setdefault(part, _Part())
         p.dot.append(dot)
         p.magnitude.append(magnitude)
+        p.squares.append(squares)
 
     def summed(self, part: int, start: int, values: torch.Tensor) -> None:
         self._parts.setdefault(part, _Part()).sum_dot.append(dots(self.seed, start, values)[0])
@@ -94,6 +98,7 @@ class PartChecks:
                 magnitude=math.fsum(p.magnitude),
                 sum_dot=math.fsum(p.sum_dot),
                 unit=self.unit,
+                norm=math.sqrt(math.fsum(p.squares)),
             )
             for k, p in sorted(self._parts.items())
         ]
