@@ -311,10 +311,10 @@ class StageClient:
         check_seed: int = 0,  # PREPARE: the checksum of the aggregators' parts asked (0: none)
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
-            job=self.job_id, stage=self.stage, step=step, microbatches=microbatches, eager=eager,
+            job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
             total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
             round=round, grad_scale=grad_scale, round_end=round_end, part_weights=parts[0],
-            contributors=parts[1], check_seed=check_seed)  # type: ignore[arg-type]  # fmt: skip
+            contributors=parts[1], check_seed=check_seed, eager=eager)  # type: ignore[arg-type]  # fmt: skip
         # APPLY is one local step: a replica hung past a hop's deadline rejoins later, not held for.
         apply = phase == pb.COMMIT_PHASE_APPLY
         timeout = self._timeout if apply else self.job.runtime.commit_timeout_s

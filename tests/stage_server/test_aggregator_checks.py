@@ -68,8 +68,10 @@ async def test_a_finite_wrong_sum_fails_the_round_naming_the_aggregator(
         honest = aggregator.summer
         wrong_sums: list[int] = []
 
-        def wrong(values: list[torch.Tensor], owned: list[bool], codec: int, block: int) -> Reduced:
-            reduced = honest(values, owned, codec, block)
+        def wrong(
+            values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+        ) -> Reduced:
+            reduced = honest(values, owned, codec, block_size)
             reduced.tensor.add_(ERROR)  # finite, small, the same for every member
             wrong_sums.append(reduced.tensor.numel())
             return reduced

@@ -7,6 +7,7 @@ contributions: the commit's non-finite check has those)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from scheduler.coordinator.sum_checks import DOT_BLOCK, Mismatch, mismatches, tolerance
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.checksum import BLOCK, PartChecks, dots
-from stage_server.averaging.owner import Averager, Reduced
+from stage_server.averaging.owner import Averager, Reduced, Summer
 from swarm.proto import stage_pb2 as pb
 from swarm.wire.codec import CODEC_NONE, codec_from_name
 from tests.support.pools import JOB, MiB, replicas
@@ -42,7 +43,7 @@ def test_dots_do_not_depend_on_how_a_part_is_sliced() -> None:
     x = torch.randn(3 * BLOCK + 1234, dtype=torch.float64)
     whole = dots(7, 500, x)
     cuts = [0, 1, 4097, BLOCK - 500, BLOCK, 2 * BLOCK + 17, x.numel()]
-    pieces = [dots(7, 500 + a, x[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    pieces = [dots(7, 500 + a, x[a:b]) for a, b in itertools.pairwise(cuts)]
     for k in range(3):
         assert math.fsum(p[k] for p in pieces) == pytest.approx(whole[k], rel=1e-12)
     assert dots(8, 500, x)[0] != pytest.approx(whole[0])  # another seed, another r
@@ -65,7 +66,9 @@ def test_an_honest_float32_sum_never_alarms(seed: int) -> None:
     assert mismatches(reports, 3) == []
 
 
-def _reports(sums: list[float], dots_: list[float], magnitude: float = 1.0) -> dict:
+def _reports(
+    sums: list[float], dots_: list[float], magnitude: float = 1.0
+) -> dict[int, list[pb.SumCheck]]:
     return {
         j: [pb.SumCheck(part=3, dot=d, magnitude=magnitude, sum_dot=s, unit=2.0**-24, norm=1.0)]
         for j, (d, s) in enumerate(zip(dots_, sums, strict=True))
@@ -86,6 +89,19 @@ def test_what_is_judged_and_what_is_not() -> None:
     assert mismatches({**one, 1: []}, 2) == []
 
 
+def _off_by(honest: Summer, add: float) -> Summer:
+    """`honest`'s sums, each element off by `add`."""
+
+    def summer(
+        values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+    ) -> Reduced:
+        reduced = honest(values, owned, codec, block_size)
+        reduced.tensor.add_(add)
+        return reduced
+
+    return summer
+
+
 async def _round(
     xs: list[torch.Tensor], seed: int, *, codec: int = CODEC_NONE, add: float = 0.0
 ) -> list[list[pb.SumCheck]]:
@@ -94,14 +110,7 @@ async def _round(
     `add` an element."""
     async with replicas(5) as pool:
         for aggregator in pool[CONTRIBUTORS:]:
-            honest = aggregator.averager.summer
-
-            def summer(v: list, o: list, c: int, b: int, honest=honest) -> Reduced:  # noqa: ANN001
-                reduced = honest(v, o, c, b)
-                reduced.tensor.add_(add)
-                return reduced
-
-            aggregator.averager.summer = summer
+            aggregator.averager.summer = _off_by(aggregator.averager.summer, add)
         group = [r.address for r in pool]
         checks = [PartChecks(seed) for _ in range(CONTRIBUTORS)]
         results = await asyncio.gather(*(
