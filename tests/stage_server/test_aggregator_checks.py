@@ -16,13 +16,15 @@ import grpc
 import pytest
 import torch
 
-from scheduler.coordinator import LocalCoordinator, gather_state
+from scheduler.coordinator import LocalCoordinator, commit, gather_state
 from scheduler.coordinator.groups import Aggregator, Groups, Link
+from scheduler.coordinator.sum_checks import Mismatch, mismatches
 from stage_server.averaging.owner import Averager, Reduced
 from stage_server.averaging.service import PoolServicer
 from swarm.errors import NotFound
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import pool_pb2_grpc
+from swarm.proto import stage_pb2 as pb
 from tests.support.equality import assert_equal_to_local
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
@@ -91,4 +93,38 @@ async def test_a_finite_wrong_sum_fails_the_round_naming_the_aggregator(
         assert all(len(stage) == 3 for stage in coordinator.replicas())  # no replica blamed
         named = [r.getMessage() for r in caplog.records if "checksum" in r.getMessage()]
         assert any(address in m for m in named), named
+        await coordinator.close()
+
+
+@pytest.mark.timeout(180)
+async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
+    tmp_path: Path, make_swarm: list[Swarm], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same pool in float32 (the owner's sums round) with an honest aggregator on a faster
+    link than the replicas (uneven parts): every contributor reports a checksum of the
+    aggregator's part at every step, and no round fails."""
+    job = make_job(tmp_path, training={"steps": 3, "target_batch_size": 32, "dtype": "float32"})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    judged: list[dict[int, list[pb.SumCheck]]] = []
+
+    def recorded(reports: dict[int, list[pb.SumCheck]], contributors: int) -> list[Mismatch]:
+        judged.append({j: list(r) for j, r in reports.items()})
+        return mismatches(reports, contributors)
+
+    monkeypatch.setattr(commit, "mismatches", recorded)
+    async with _aggregator(fingerprint(job)) as (address, _):
+        offered = [Aggregator("agg", address, Link(300.0))]
+        groups = Groups(lambda peer: Link(100.0), lambda stage: offered)
+        coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, groups=groups)
+        await swarm.train(coordinator, trainers=2)
+        swarm.assert_replicas_identical()
+        assert coordinator.metrics.aborted_rounds._value.get() == 0
+        assert address in groups.of(0, swarm.members()[0]).members
+        assert len(judged) >= 3 * len(swarm.servers)  # every stage of every step
+        for reports in judged:
+            assert sorted(reports) == [0, 1, 2]
+            assert all([c.part for c in r] == [3] and c.unit == 2.0**-24 for r in reports.values()
+                       for c in r)  # fmt: skip
         await coordinator.close()
