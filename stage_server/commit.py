@@ -164,7 +164,7 @@ class Committer:
             if step < rt.step:
                 return Committed(rt.step, already=True)
             self._prepared = None
-            checks = PartChecks(c.check_seed) if c.check_seed else None
+            checks = _checks(c)
             sums = await self._part(
                 c, rt.prepare, step, c.microbatches, c.total_samples, spilled=step, checks=checks
             )
@@ -191,14 +191,14 @@ class Committer:
             if not already:
                 log.debug("%s: stage %d committed step %d", self.peer, c.stage, step)
             self.metrics.committed(rt.step, applied=not already)
-        report = tuple(checks.report()) if c.prepare and checks is not None else ()
-        return Committed(rt.step, already, sq_norm, report)
+        return Committed(rt.step, already, sq_norm, _report(checks))
 
     async def _round_end(self, c: Commit) -> Committed:
         """pool.mode = "local": PREPARE averages the pool's pseudo-gradients, weighted by each
         replica's samples in the round; APPLY takes the outer step every replica takes."""
+        checks = _checks(c)
         if c.eager != EagerOp.NONE:
-            return await self._eager(c)
+            return await self._eager(c, checks)
         rt, boundary, already = self._runtime(), c.step, False
         rnd = rt.round  # the replica's round (`stage_server.no_round`)
         if c.prepare:
@@ -206,7 +206,7 @@ class Committer:
                 return Committed(rt.step, already=True)
             if c.total_samples < 0:
                 raise InvalidArgument(f"total_samples must be >= 0; got {c.total_samples}")
-            sums = await self._part(c, rnd.prepare, boundary, fresh=True)
+            sums = await self._part(c, rnd.prepare, boundary, fresh=True, checks=checks)
             await self._worker.run(self._finite, c, "averaged pseudo-gradient", sums)
             await self._worker.run(rnd.set_prepared, boundary, sums, c.total_samples)
         if c.apply:
@@ -214,9 +214,9 @@ class Committer:
             self.feedback.applied(c.job, c.stage, boundary)
             if not already:
                 log.debug("%s: stage %d ended a round at step %d", self.peer, c.stage, boundary)
-        return Committed(rt.step, already)
+        return Committed(rt.step, already, sum_checks=_report(checks))
 
-    async def _eager(self, c: Commit) -> Committed:
+    async def _eager(self, c: Commit, checks: PartChecks | None) -> Committed:
         """pool.overlap = "eager" (`stage_server.eager_round`): the operation `c.eager` names,
         in the phase it belongs to."""
         rt, boundary, already = self._runtime(), c.step, False
@@ -224,7 +224,7 @@ class Committer:
         if c.eager == EagerOp.STEP and c.apply and not c.prepare:
             already = await self._worker.run(rnd.eager_step, boundary, self._samples(c))
         elif c.eager == EagerOp.AVERAGE and c.prepare and not c.apply:
-            sums = await self._part(c, rnd.eager_part, boundary)
+            sums = await self._part(c, rnd.eager_part, boundary, checks=checks)
             await self._worker.run(self._finite, c, "sum of the shares", sums)
             await self._worker.run(rnd.set_average, boundary, sums)
             self.feedback.applied(c.job, c.stage, boundary)
@@ -232,14 +232,14 @@ class Committer:
             if await self._worker.run(rnd.ended, boundary):
                 return Committed(rt.step, already=True)
             total = self._samples(c)
-            sums = await self._part(c, rnd.last_part, boundary, total, fresh=True)
+            sums = await self._part(c, rnd.last_part, boundary, total, fresh=True, checks=checks)
             await self._worker.run(self._finite, c, "sum of the last shares", sums)
             await self._worker.run(rnd.set_last, boundary, sums, total)
         elif c.eager == EagerOp.LAST and c.apply and not c.prepare:
             already = await self._worker.run(rnd.last_step, boundary)
             self.feedback.applied(c.job, c.stage, boundary)
         elif c.eager == EagerOp.MEAN and c.prepare and not c.apply:
-            sums = await self._part(c, rnd.mean_part, boundary, lossless=True)
+            sums = await self._part(c, rnd.mean_part, boundary, lossless=True, checks=checks)
             await self._worker.run(self._finite, c, "sum of the members' starts", sums)
             members = c.contributors or len(c.group)  # aggregators hold no model: not averaged
             await self._worker.run(rnd.set_mean, sums, members)
@@ -252,7 +252,7 @@ class Committer:
         if not already:
             log.debug("%s: stage %d: %s of the round ending at step %d", self.peer, c.stage,
                       EagerOp(c.eager).name, boundary)  # fmt: skip
-        return Committed(rt.step, already)
+        return Committed(rt.step, already, sum_checks=_report(checks))
 
     def _finite(self, c: Commit, what: str, sums: list[torch.Tensor]) -> None:
         """On the worker: refuse a round's pool sum that holds NaN or infinity, before anything
@@ -405,3 +405,12 @@ class Committer:
         log.warning("%s: voided %d microbatches of step %d", self.peer, dropped, step)
         self.metrics.accumulated(0, 0)
         return dropped
+
+
+def _checks(c: Commit) -> PartChecks | None:
+    """The checksums of the aggregators' parts a PREPARE is asked for (`checksum`), if any."""
+    return PartChecks(c.check_seed) if c.check_seed and c.prepare else None
+
+
+def _report(checks: PartChecks | None) -> tuple[pb.SumCheck, ...]:
+    return () if checks is None else tuple(checks.report())

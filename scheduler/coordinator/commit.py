@@ -34,7 +34,7 @@ from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import GONE, ReplicaClients
 from scheduler.coordinator.round_strategy import Rounds
-from scheduler.coordinator.sum_checks import Checksums, mismatches, new_seed
+from scheduler.coordinator.sum_checks import Checksums, checked, new_seed, verify
 from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.model.optim import clip_scale
 from swarm.rpc.lease import Replica
@@ -269,9 +269,9 @@ class TwoPhaseCommit:
                 samples, pool, at = self.rounds.step_pool(ledger, stage, r, group, index, total)
                 # A step that averages with no one (local steps) has no parts to size.
                 parts = made if pool == group else RoundGroup(tuple(pool))
-                check = None
-                if parts.aggregators:  # their sums are checked (`sum_checks`)
-                    check = checks.setdefault(stage, {})[index] = Checksums(seed)
+                check = checked(parts, seed)  # with aggregators: their sums are checked
+                if check is not None:
+                    checks.setdefault(stage, {})[index] = check
                 calls.append(
                     self.clients.get(stage, r).prepare(
                         ledger.step,
@@ -331,19 +331,7 @@ class TwoPhaseCommit:
         """Whether every aggregator's sums pass their checksums (`sum_checks`). Else the round
         fails (nothing of it is applied: the retry's PREPARE replaces what each replica
         prepared), naming the aggregators, which sit out the next rounds."""
-        accusations: dict[int, dict[int, set[int]]] = {}
-        lines = []
-        for stage, of in checks.items():
-            group = groups[stage]
-            reports = {j: c.reports for j, c in of.items()}
-            for bad in mismatches(reports, len(of)):
-                accusations.setdefault(stage, {}).setdefault(bad.contributor, set()).add(bad.part)
-                owner, at = group.members[bad.part], group.members[bad.contributor]
-                lines.append(
-                    f"stage {stage}: the sum of part {bad.part} from aggregator {owner} fails "
-                    f"its checksum at {at} (r·S = {bad.got!r}, the contributions' Σ r·x = "
-                    f"{bad.expected!r}, within {bad.tolerance:.3g})"
-                )
+        accusations, lines = verify(groups, checks)
         if not lines:
             return True
         self.metrics.aborted_rounds.inc(len(accusations))

@@ -79,10 +79,11 @@ class StageReplica(Protocol):
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> bool:
         """pool.mode = "local": phase one of the round ending before step `boundary`: average
         its pseudo-gradient with `group` over the group's `total_samples` samples of the
-        round (parts as `prepare`'s). True: it applied that round already."""
+        round (parts and `checks` as `prepare`'s). True: it applied that round already."""
         ...
 
     async def apply_round(self, boundary: int) -> None:
@@ -100,11 +101,12 @@ class StageReplica(Protocol):
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> bool:
         """pool.overlap = "eager": operation `op` of the round ending before step `boundary`
         (`EagerOp.STEP` is local; `EagerOp.AVERAGE`, `EagerOp.LAST`'s PREPARE and
-        `EagerOp.MEAN` sum with `group`, parts as `prepare`'s; `EagerOp.LAST`'s APPLY is
-        `eager_last_apply`). True: it applied that round's step before."""
+        `EagerOp.MEAN` sum with `group`, parts and `checks` as `prepare`'s; `EagerOp.LAST`'s
+        APPLY is `eager_last_apply`). True: it applied that round's step before."""
         ...
 
     async def eager_last_apply(self, boundary: int) -> None:
@@ -224,6 +226,7 @@ class GrpcReplica:
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> bool:
         response = await self.client.commit(
             boundary,
@@ -235,7 +238,10 @@ class GrpcReplica:
             round=round,
             round_end=True,
             parts=(weights, contributors),
+            check_seed=checks.seed if checks is not None else 0,
         )
+        if checks is not None:
+            checks.reports = list(response.sum_checks)
         return response.already_committed
 
     async def apply_round(self, boundary: int) -> None:
@@ -252,6 +258,7 @@ class GrpcReplica:
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> bool:
         apply = op == EagerOp.STEP
         response = await self.client.commit(
@@ -265,7 +272,10 @@ class GrpcReplica:
             round_end=True,
             eager=op,
             parts=(weights, contributors),
+            check_seed=checks.seed if checks is not None else 0,
         )
+        if checks is not None:
+            checks.reports = list(response.sum_checks)
         return response.already_committed
 
     async def eager_last_apply(self, boundary: int) -> None:

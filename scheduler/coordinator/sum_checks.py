@@ -34,9 +34,20 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from scheduler.coordinator.groups import RoundGroup
 from swarm.proto import stage_pb2 as pb
 
-__all__ = ["DOT_BLOCK", "SIGMAS", "Checksums", "Mismatch", "mismatches", "new_seed", "tolerance"]
+__all__ = [
+    "DOT_BLOCK",
+    "SIGMAS",
+    "Checksums",
+    "Mismatch",
+    "checked",
+    "mismatches",
+    "new_seed",
+    "tolerance",
+    "verify",
+]
 
 # The most elements a contributor's float64 dot adds before its partial sums are added exactly
 # (`stage_server.averaging.checksum.BLOCK`): its rounding is at most DOT_BLOCK·2^-53 of a_j.
@@ -57,6 +68,12 @@ class Checksums:
 
     seed: int
     reports: list[pb.SumCheck] = field(default_factory=list)
+
+
+def checked(group: RoundGroup, seed: int) -> Checksums | None:
+    """A contributor's checksums to ask for in a round of `group`: only where it has
+    aggregators."""
+    return Checksums(seed) if group.aggregators else None
 
 
 @dataclass(frozen=True)
@@ -106,3 +123,27 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
             if not abs(c.sum_dot - expected) <= allowed:  # NaN fails too
                 found.append(Mismatch(part, j, c.sum_dot, expected, allowed))
     return found
+
+
+Accusations = dict[int, dict[int, set[int]]]  # stage -> contributor -> the parts it names
+
+
+def verify(
+    groups: Mapping[int, RoundGroup], checks: Mapping[int, Mapping[int, Checksums]]
+) -> tuple[Accusations, list[str]]:
+    """A round's checksums (`checks`: stage -> contributor -> what it answered) judged: whom
+    each contributor's failed checksums name, by stage (as an aborted member names whom it
+    failed on: for `Groups.blame`), and one line each for the round's reason."""
+    accusations: Accusations = {}
+    lines = []
+    for stage, of in checks.items():
+        group = groups[stage]
+        for bad in mismatches({j: c.reports for j, c in of.items()}, len(of)):
+            accusations.setdefault(stage, {}).setdefault(bad.contributor, set()).add(bad.part)
+            owner, at = group.members[bad.part], group.members[bad.contributor]
+            lines.append(
+                f"stage {stage}: the sum of part {bad.part} from aggregator {owner} fails its "
+                f"checksum at {at} (r·S = {bad.got!r}, the contributions' Σ r·x = "
+                f"{bad.expected!r}, within {bad.tolerance:.3g})"
+            )
+    return accusations, lines

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from scheduler.coordinator import LocalCoordinator, commit, gather_state
+from scheduler.coordinator import LocalCoordinator, gather_state, sum_checks
 from scheduler.coordinator.groups import Aggregator, Groups, Link
 from scheduler.coordinator.sum_checks import Mismatch, mismatches
 from stage_server.averaging.owner import Averager, Reduced
@@ -128,7 +128,7 @@ async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
         judged.append({j: list(r) for j, r in reports.items()})
         return mismatches(reports, contributors)
 
-    monkeypatch.setattr(commit, "mismatches", recorded)
+    monkeypatch.setattr(sum_checks, "mismatches", recorded)
     async with _aggregator(fingerprint(job)) as (address, _):
         offered = [Aggregator("agg", address, Link(300.0))]
         groups = Groups(lambda peer: Link(100.0), lambda stage: offered)
