@@ -9,14 +9,15 @@ and s_j = r·S_j over the sum S_j it took back. Summation is linear, so an hones
 s_j = Σ_j c_j up to rounding (`tolerance`):
 - the owner's additions in the part's dtype leave S off the exact sum by a vector δ with
   |δ_i| ≤ (m - 1)·u·Σ_j |x_ji| (m contributors, u the dtype's unit roundoff), so
-  ‖δ‖ ≤ (m - 1)·u·Σ_j q_j. δ does not depend on r (the owner never sees it), so r·δ is a normal
-  of deviation ‖δ‖: it is held to `SIGMAS` of them (a false alarm about once in 10^23 checks).
-  The worst case, Σ|r_i·δ_i|, would grow with the part's length n where this grows with √n, and
-  hide errors √n times larger;
+  ‖δ‖ ≤ (m - 1)·u·Σ_j q_j. δ does not depend on r (the owner never sees it), and the r_i are
+  independent and uniform in [-1, 1), so |r·δ| passes t·‖δ‖ with a chance under 2·exp(-t²/2)
+  (Hoeffding): it is held to t = `SIGMAS` (a false alarm about once in 10^21 checks). The worst
+  case, Σ|r_i·δ_i|, would grow with the part's length n where this grows with √n, and hide
+  errors √n times larger;
 - the float64 dots, which do depend on r, are held to their worst case: each adds `DOT_BLOCK`
   products at a time, so it rounds by at most DOT_BLOCK·2^-53 of a_j (and r·S of Σ_j a_j).
-A wrong sum S' passes only if r·(S' - S) falls inside that, which for r Gaussian and unknown to
-the aggregator is a chance of about tolerance/‖S' - S‖: in float32, an error of about 1e-5 of an
+A wrong sum S' passes only if r·(S' - S) falls inside that, which for r unknown to the
+aggregator is a chance of about tolerance/‖S' - S‖: in float32, an error of about 1e-5 of an
 element's magnitude spread over the part is caught, whatever its length. Every contributor's s_j
 is checked, not one's: an aggregator could answer members different sums.
 
@@ -52,7 +53,7 @@ __all__ = [
 # The most elements a contributor's float64 dot adds before its partial sums are added exactly
 # (`stage_server.averaging.checksum.BLOCK`): its rounding is at most DOT_BLOCK·2^-53 of a_j.
 DOT_BLOCK = 1 << 16
-SIGMAS = 10.0  # how many deviations of the owner's rounding an honest checksum may be off
+SIGMAS = 10.0  # how many times its rounding's bound ‖δ‖ an honest r·δ may reach
 _EPS64 = 2.0**-53
 
 

@@ -297,7 +297,7 @@ class ButterflyRound:
         await call.done_writing()
         self.sent += nbytes
         if check is not None:  # what was sent, before its sum lands over it
-            await self._off(check.contributed, k, where.start, self._fed(k, where))
+            await asyncio.to_thread(check.contributed, k, where.start, self._fed(k, where))
         await self._overwriting(where)  # the reply lands there: this slice's values are sent
         reply: wire.Received[Any] = await wire.receive_reply(
             call, max_bytes=s.max_bytes, into=self._into(where)
@@ -311,7 +311,7 @@ class ButterflyRound:
         if got.data_ptr() != self.total[where].data_ptr():  # not received in place
             await self._off(self._place, where, got)
         if check is not None:
-            await self._off(check.summed, k, where.start, self.total[where])
+            await asyncio.to_thread(check.summed, k, where.start, self.total[where])
         self.received += sum(t.nbytes for t in reply.header.tensors)
 
     async def _remote(self, k: int) -> None:

@@ -6,38 +6,46 @@ replicas (never the aggregators) a secret seed with each PREPARE; each contribut
 it and reports, for every part an aggregator owns, r·x_j over what it contributed, Σ_i |r_i·x_ji|
 and ‖x_j‖ (the scales its roundings are bounded by) and r·S over the sum it got back. An
 aggregator that answers a sum S' ≠ S cannot make r·S' agree with the others' r·x without knowing
-r: with r Gaussian, r·(S' - S) is a normal of deviation ‖S' - S‖.
+r: r·(S' - S) is spread over about ‖S' - S‖.
 
-r depends only on the seed and an element's place in the flat vector (drawn in aligned blocks of
-`BLOCK`, each from its own generator), so every contributor draws the same r whatever its slices,
-and no copy of a whole part is made: a block's r and values (in float64, on the host) at a time.
+r_i is uniform in [-1, 1), a hash of the seed and i (an element's place in the flat vector:
+splitmix64, in integers, then exact float64 steps), so every contributor draws the same bits of
+r whatever its slices, its hardware or its torch (a generator's normals are not: their vectorised
+and scalar paths round apart, and r must agree to the last bit). No copy of a whole part is made:
+`BLOCK` elements of r and of the values (in float64, on the host) at a time.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import struct
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from swarm.proto import stage_pb2 as pb
 
 __all__ = ["BLOCK", "PartChecks", "dots", "weights"]
 
-# r is drawn this many elements at a time; a float64 dot over one block rounds by at most
-# BLOCK·2^-53 of its magnitude (the coordinator's tolerance counts on it: `sum_checks`).
+# The values are taken this many at a time (aligned: a block's dot is the same whatever the
+# slices); a float64 dot over one block rounds by at most BLOCK·2^-53 of its magnitude (the
+# coordinator's tolerance counts on it: `sum_checks`).
 BLOCK = 1 << 16
 
 
-def weights(seed: int, block: int) -> torch.Tensor:
-    """r over elements [block·BLOCK, (block+1)·BLOCK) of the flat vector: float64 normals from a
-    generator seeded by the round's seed and the block (hashed: neighbouring blocks' generators
-    are unrelated)."""
-    digest = hashlib.blake2b(struct.pack("<QQ", seed, block), digest_size=8).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-    return torch.randn(BLOCK, generator=generator, dtype=torch.float64)
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def weights(seed: int, start: int, stop: int) -> torch.Tensor:
+    """r over elements [start, stop) of the flat vector (float64, uniform in [-1, 1)): element
+    i's is splitmix64's output for the seed's stream at i (uint64 arithmetic wraps, as it must)."""
+    z = np.uint64(seed) + (np.arange(start, stop, dtype=np.uint64) + np.uint64(1)) * _GAMMA
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z ^= z >> np.uint64(31)
+    # The top 53 bits, exactly as a float64 in [0, 2), then shifted: every step is exact.
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-52 - 1.0)
 
 
 def dots(seed: int, start: int, values: torch.Tensor) -> tuple[float, float, float]:
@@ -48,9 +56,8 @@ def dots(seed: int, start: int, values: torch.Tensor) -> tuple[float, float, flo
     squares: list[float] = []
     pos, end = start, start + values.numel()
     while pos < end:
-        block, offset = divmod(pos, BLOCK)
-        stop = min(end, (block + 1) * BLOCK)
-        r = weights(seed, block)[offset : offset + stop - pos]
+        stop = min(end, (pos // BLOCK + 1) * BLOCK)
+        r = weights(seed, pos, stop)
         x = values[pos - start : stop - start].to(device="cpu", dtype=torch.float64)
         squares.append(float(torch.dot(x, x)))
         product = r.mul_(x)  # r is this call's own: no second buffer

@@ -15,7 +15,7 @@ import torch
 
 from scheduler.coordinator.sum_checks import DOT_BLOCK, Mismatch, mismatches, tolerance
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
-from stage_server.averaging.checksum import BLOCK, PartChecks, dots
+from stage_server.averaging.checksum import BLOCK, PartChecks, dots, weights
 from stage_server.averaging.owner import Averager, Reduced, Summer
 from swarm.proto import stage_pb2 as pb
 from swarm.wire.codec import CODEC_NONE, codec_from_name
@@ -37,6 +37,23 @@ def _contributions(seed: int, n: int) -> list[torch.Tensor]:
 
 def test_the_block_is_what_the_tolerance_counts_on() -> None:
     assert BLOCK == DOT_BLOCK
+
+
+def test_r_is_splitmix64_bit_for_bit() -> None:
+    """Every contributor must draw the same bits of r on any machine: the hash, redone in
+    Python's integers, and exact float steps."""
+    mask, seed = (1 << 64) - 1, 0x5EED_1234_ABCD
+    expected = []
+    for i in range(BLOCK - 3, BLOCK + 3):
+        z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        expected.append((z >> 11) * 2.0**-52 - 1.0)
+    assert weights(seed, BLOCK - 3, BLOCK + 3).tolist() == expected
+    big = weights(seed, 0, 1 << 18)
+    assert float(big.min()) >= -1.0 and float(big.max()) < 1.0
+    assert float(big.mean()) == pytest.approx(0.0, abs=0.01)
 
 
 def test_dots_do_not_depend_on_how_a_part_is_sliced() -> None:
