@@ -56,6 +56,7 @@ ATTACKS: dict[str, str] = {
     "42.1": "a peer reads another peer's reachability report",
     # Issue 43 (uneven links): aggregator peers
     "43.4": "an aggregator placed on a stage, in jobs not offered, or unbounded in memory",
+    "43.4-sum": "an aggregator answering a finite wrong sum (caught by a checksum it cannot forge)",
 }
 
 

@@ -36,6 +36,7 @@ import torch
 
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.channels import ChannelPool
+from stage_server.averaging.checksum import PartChecks
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.flat import flatten, unflatten
 from stage_server.averaging.owner import Averager, AveragingAborted
@@ -79,6 +80,7 @@ class Commit:
     # and how many of its first members contribute (0: all; the rest are aggregators)
     part_weights: tuple[float, ...] = ()
     contributors: int = 0
+    check_seed: int = 0  # the checksum of aggregators' parts asked (0: none)
 
     @classmethod
     def of(cls, request: pb.StageCommitRequest) -> Commit:
@@ -99,17 +101,20 @@ class Commit:
             eager=request.eager,
             part_weights=tuple(request.part_weights),
             contributors=request.contributors,
+            check_seed=request.check_seed,
         )
 
 
 @dataclass(frozen=True)
 class Committed:
     """The replica after a Commit: its step, whether the step was applied before (a retry), and
-    the squared norm of the prepared average (0.0 when nothing was prepared)."""
+    the squared norm of the prepared average (0.0 when nothing was prepared), and the checksums
+    of the aggregators' parts it averaged (`checksum`; asked by the coordinator's seed)."""
 
     step: int
     already: bool = False
     grad_sq_norm: float = 0.0
+    sum_checks: tuple[pb.SumCheck, ...] = ()
 
 
 class Committer:
@@ -149,6 +154,7 @@ class Committer:
         if c.eager != EagerOp.NONE:
             raise InvalidArgument("an eager operation is a round's end: round_end must be set")
         rt, step, already, sq_norm = self._runtime(), c.step, False, 0.0
+        checks: PartChecks | None = None
         if c.prepare and c.apply and rt.job.training.grad_clip > 0:
             raise FailedPrecondition(
                 "training.grad_clip needs the whole model's gradient norm: the coordinator "
@@ -158,8 +164,9 @@ class Committer:
             if step < rt.step:
                 return Committed(rt.step, already=True)
             self._prepared = None
+            checks = _checks(c)
             sums = await self._part(
-                c, rt.prepare, step, c.microbatches, c.total_samples, spilled=step
+                c, rt.prepare, step, c.microbatches, c.total_samples, spilled=step, checks=checks
             )
             await self._worker.run(rt.set_prepared, step, sums, c.total_samples)
             sq_norm = await self._worker.run(rt.prepared_sq_norm, step)
@@ -184,13 +191,14 @@ class Committer:
             if not already:
                 log.debug("%s: stage %d committed step %d", self.peer, c.stage, step)
             self.metrics.committed(rt.step, applied=not already)
-        return Committed(rt.step, already, sq_norm)
+        return Committed(rt.step, already, sq_norm, _report(checks))
 
     async def _round_end(self, c: Commit) -> Committed:
         """pool.mode = "local": PREPARE averages the pool's pseudo-gradients, weighted by each
         replica's samples in the round; APPLY takes the outer step every replica takes."""
+        checks = _checks(c)
         if c.eager != EagerOp.NONE:
-            return await self._eager(c)
+            return await self._eager(c, checks)
         rt, boundary, already = self._runtime(), c.step, False
         rnd = rt.round  # the replica's round (`stage_server.no_round`)
         if c.prepare:
@@ -198,7 +206,7 @@ class Committer:
                 return Committed(rt.step, already=True)
             if c.total_samples < 0:
                 raise InvalidArgument(f"total_samples must be >= 0; got {c.total_samples}")
-            sums = await self._part(c, rnd.prepare, boundary, fresh=True)
+            sums = await self._part(c, rnd.prepare, boundary, fresh=True, checks=checks)
             await self._worker.run(self._finite, c, "averaged pseudo-gradient", sums)
             await self._worker.run(rnd.set_prepared, boundary, sums, c.total_samples)
         if c.apply:
@@ -206,9 +214,9 @@ class Committer:
             self.feedback.applied(c.job, c.stage, boundary)
             if not already:
                 log.debug("%s: stage %d ended a round at step %d", self.peer, c.stage, boundary)
-        return Committed(rt.step, already)
+        return Committed(rt.step, already, sum_checks=_report(checks))
 
-    async def _eager(self, c: Commit) -> Committed:
+    async def _eager(self, c: Commit, checks: PartChecks | None) -> Committed:
         """pool.overlap = "eager" (`stage_server.eager_round`): the operation `c.eager` names,
         in the phase it belongs to."""
         rt, boundary, already = self._runtime(), c.step, False
@@ -216,7 +224,7 @@ class Committer:
         if c.eager == EagerOp.STEP and c.apply and not c.prepare:
             already = await self._worker.run(rnd.eager_step, boundary, self._samples(c))
         elif c.eager == EagerOp.AVERAGE and c.prepare and not c.apply:
-            sums = await self._part(c, rnd.eager_part, boundary)
+            sums = await self._part(c, rnd.eager_part, boundary, checks=checks)
             await self._worker.run(self._finite, c, "sum of the shares", sums)
             await self._worker.run(rnd.set_average, boundary, sums)
             self.feedback.applied(c.job, c.stage, boundary)
@@ -224,14 +232,14 @@ class Committer:
             if await self._worker.run(rnd.ended, boundary):
                 return Committed(rt.step, already=True)
             total = self._samples(c)
-            sums = await self._part(c, rnd.last_part, boundary, total, fresh=True)
+            sums = await self._part(c, rnd.last_part, boundary, total, fresh=True, checks=checks)
             await self._worker.run(self._finite, c, "sum of the last shares", sums)
             await self._worker.run(rnd.set_last, boundary, sums, total)
         elif c.eager == EagerOp.LAST and c.apply and not c.prepare:
             already = await self._worker.run(rnd.last_step, boundary)
             self.feedback.applied(c.job, c.stage, boundary)
         elif c.eager == EagerOp.MEAN and c.prepare and not c.apply:
-            sums = await self._part(c, rnd.mean_part, boundary, lossless=True)
+            sums = await self._part(c, rnd.mean_part, boundary, lossless=True, checks=checks)
             await self._worker.run(self._finite, c, "sum of the members' starts", sums)
             members = c.contributors or len(c.group)  # aggregators hold no model: not averaged
             await self._worker.run(rnd.set_mean, sums, members)
@@ -244,7 +252,7 @@ class Committer:
         if not already:
             log.debug("%s: stage %d: %s of the round ending at step %d", self.peer, c.stage,
                       EagerOp(c.eager).name, boundary)  # fmt: skip
-        return Committed(rt.step, already)
+        return Committed(rt.step, already, sum_checks=_report(checks))
 
     def _finite(self, c: Commit, what: str, sums: list[torch.Tensor]) -> None:
         """On the worker: refuse a round's pool sum that holds NaN or infinity, before anything
@@ -271,6 +279,7 @@ class Committer:
         lossless: bool = False,
         fresh: bool = False,
         spilled: int | None = None,
+        checks: PartChecks | None = None,
     ) -> list[torch.Tensor]:
         """This replica's part (`prepare(*args)` on the worker), summed with `c.group`'s (with
         the job's averaging codec unless `lossless`). A PREPARE that fails before averaging
@@ -278,7 +287,8 @@ class Committer:
 
         The sum lands over the part itself, in place, where nothing else reads the part: when
         `prepare` made it `fresh` for this call, or when it is the lent sums of step `spilled`
-        (the runtime's `Spill` keeps what is overwritten, for a retry or a straggler)."""
+        (the runtime's `Spill` keeps what is overwritten, for a retry or a straggler). `checks`
+        takes the checksums of the aggregators' parts."""
         # The replica's peak comes now: what its arenas freed since the last commit goes back
         # first (`swarm.ops.allocator`), on the worker, which is idle until this commit is done;
         # not when the freed memory dwarfs the state the commit adds (a small stage's activations).
@@ -295,7 +305,8 @@ class Committer:
         if spilled is not None:
             spill = await self._worker.run(self._runtime().sums.spill, spilled, self.spill_dir)
         try:
-            return await self._average(c, sums, lossless, fresh or spilled is not None, spill)
+            in_place = fresh or spilled is not None
+            return await self._average(c, sums, lossless, in_place, spill, checks)
         except AveragingAborted:
             raise  # the round's own doing: it was aborted, naming whom it failed on
         except Exception as e:  # this replica failed its part (out of memory, say): its group
@@ -335,6 +346,7 @@ class Committer:
         lossless: bool,
         in_place: bool,
         spill: Spill | None,
+        checks: PartChecks | None = None,
     ) -> list[torch.Tensor]:
         """The pool's summed gradient: butterfly all-reduce with the round's group, over `sums`
         themselves when `in_place` (`spill`, if any, keeps what it overwrites of them)."""
@@ -378,6 +390,7 @@ class Committer:
             residuals=residuals,
             on_bytes=self.metrics.averaged,
             keep=keep,
+            checks=checks,
         )
         self.metrics.averaging_seconds(time.perf_counter() - start)
         if residuals is not None:
@@ -392,3 +405,12 @@ class Committer:
         log.warning("%s: voided %d microbatches of step %d", self.peer, dropped, step)
         self.metrics.accumulated(0, 0)
         return dropped
+
+
+def _checks(c: Commit) -> PartChecks | None:
+    """The checksums of the aggregators' parts a PREPARE is asked for (`checksum`), if any."""
+    return PartChecks(c.check_seed) if c.check_seed and c.prepare else None
+
+
+def _report(checks: PartChecks | None) -> tuple[pb.SumCheck, ...]:
+    return () if checks is None else tuple(checks.report())

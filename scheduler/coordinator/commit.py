@@ -8,7 +8,9 @@
    name most is left out until it rejoins at a step boundary (of two that name each other, one
    is kept), so a replica its pool cannot reach does not abort every round of the step. The
    pool's parts are sized by its members' links, and its group may end with aggregators
-   (`groups`); an aggregator named sits out the next rounds;
+   (`groups`); an aggregator named sits out the next rounds. So does one whose sum fails its
+   checksum (`sum_checks`: every contributor's sum of an aggregator's part against the
+   contributions, by a random projection only the replicas know), which fails the round;
 3. APPLY everywhere: one optimizer step. No stage leaves step t before every pool has averaged,
    so a replay can still run through the whole pipeline. Each PREPARE answers with the squared
    norm of its pool's averaged gradient; with `training.grad_clip` the coordinator sums them in
@@ -32,6 +34,7 @@ from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import GONE, ReplicaClients
 from scheduler.coordinator.round_strategy import Rounds
+from scheduler.coordinator.sum_checks import Checksums, checked, new_seed, verify
 from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.model.optim import clip_scale
 from swarm.rpc.lease import Replica
@@ -255,8 +258,9 @@ class TwoPhaseCommit:
     ) -> list[tuple[int, str, float]] | None:
         """PREPARE everywhere: each member's squared gradient norm, as (stage, peer, norm) in
         stage order, or None when the round failed."""
-        total, calls = ledger.samples(), []
+        total, calls, seed = ledger.samples(), [], new_seed()
         groups: dict[int, RoundGroup] = {}
+        checks: dict[int, dict[int, Checksums]] = {}  # stage -> contributor -> its checksums
         for stage, replicas in enumerate(members):
             made = groups[stage] = self.groups.of(stage, replicas)
             group = list(made.members)
@@ -265,6 +269,9 @@ class TwoPhaseCommit:
                 samples, pool, at = self.rounds.step_pool(ledger, stage, r, group, index, total)
                 # A step that averages with no one (local steps) has no parts to size.
                 parts = made if pool == group else RoundGroup(tuple(pool))
+                check = checked(parts, seed)  # with aggregators: their sums are checked
+                if check is not None:
+                    checks.setdefault(stage, {})[index] = check
                 calls.append(
                     self.clients.get(stage, r).prepare(
                         ledger.step,
@@ -275,6 +282,7 @@ class TwoPhaseCommit:
                         round_id,
                         weights=parts.weights,
                         contributors=parts.contributors,
+                        checks=check,
                     )
                 )
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -283,7 +291,7 @@ class TwoPhaseCommit:
             for (stage, r), e in zip(where, results, strict=True)
             if isinstance(e, BaseException)
         ]
-        if not failed:
+        if not failed and self._sums_check(ledger.step, round_id, groups, checks):
             # None: the member had applied the step already (a retried commit): nothing of that
             # stage is applied again, and the others' norms are what is left to clip by.
             return [
@@ -291,6 +299,8 @@ class TwoPhaseCommit:
                 for (stage, r), result in zip(where, results, strict=True)
                 if isinstance(result, float)
             ]
+        if not failed:
+            return None  # an aggregator's sum failed its checksum: the retry goes without it
         self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
         judged = judge(f"step {ledger.step}: round {round_id}", failed, members)
         self.groups.blame(groups, judged.accusations)
@@ -310,6 +320,26 @@ class TwoPhaseCommit:
             await self._leave_out(ledger, stage, culprit, by)
             failure.left_out.append((stage, culprit.peer, by))
         return None
+
+    def _sums_check(
+        self,
+        step: int,
+        round_id: str,
+        groups: dict[int, RoundGroup],
+        checks: dict[int, dict[int, Checksums]],
+    ) -> bool:
+        """Whether every aggregator's sums pass their checksums (`sum_checks`). Else the round
+        fails (nothing of it is applied: the retry's PREPARE replaces what each replica
+        prepared), naming the aggregators, which sit out the next rounds."""
+        accusations, lines = verify(groups, checks)
+        if not lines:
+            return True
+        self.metrics.aborted_rounds.inc(len(accusations))
+        named = self.groups.blame(groups, accusations)
+        reason = f"step {step}: round {round_id}: " + "; ".join(lines)
+        log.warning("%s: the round fails, and %s sit(s) out the next rounds", reason, named)
+        self.failure = RoundFailure(_shorten(reason))
+        return False
 
     async def _leave_out(
         self, ledger: StepLedger, stage: int, culprit: Replica, named_by: list[str]

@@ -22,6 +22,7 @@ from typing import Any
 
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.rounds import PoolRounds, RoundCall, peers
+from scheduler.coordinator.sum_checks import Checksums
 from swarm.job.rule import EagerOp
 from swarm.model.routes import Sync
 from swarm.rpc.lease import Replica
@@ -163,11 +164,12 @@ class EagerRounds(PoolRounds):
         """`op`'s PREPARE of the round ending at `boundary` on one member."""
 
         def call(
-            stage: int, r: Replica, total: int, group: RoundGroup, index: int, rid: str
-        ) -> Awaitable[object]:
+            stage: int, r: Replica, total: int, group: RoundGroup, index: int, rid: str,
+            checks: Checksums | None,
+        ) -> Awaitable[object]:  # fmt: skip
             return self.clients.get(stage, r).eager(
                 op, boundary, total, list(group.members), index, rid, weights=group.weights,
-                contributors=group.contributors,
+                contributors=group.contributors, checks=checks,
             )  # fmt: skip
 
         return call

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from scheduler.coordinator.sum_checks import Checksums
 from swarm.errors import NotFound, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp
@@ -54,12 +55,14 @@ class StageReplica(Protocol):
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> float | None:
         """Phase one: check it holds exactly `microbatches`, and average with `group` (its
         stage's replicas, itself at `group_index`, then any aggregators: the members past the
         first `contributors`, 0 none) over `total_samples`, in parts sized by `weights` (one per
         member; none: equal). Returns the squared norm of the averaged gradient (None: it
-        applied `step` already)."""
+        applied `step` already). `checks`: the checksums of the aggregators' parts asked with
+        its seed, and filled in with its answer (`sum_checks`)."""
         ...
 
     async def apply(self, step: int, scale: float = 1.0) -> None:
@@ -76,10 +79,11 @@ class StageReplica(Protocol):
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> bool:
         """pool.mode = "local": phase one of the round ending before step `boundary`: average
         its pseudo-gradient with `group` over the group's `total_samples` samples of the
-        round (parts as `prepare`'s). True: it applied that round already."""
+        round (parts and `checks` as `prepare`'s). True: it applied that round already."""
         ...
 
     async def apply_round(self, boundary: int) -> None:
@@ -97,11 +101,12 @@ class StageReplica(Protocol):
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> bool:
         """pool.overlap = "eager": operation `op` of the round ending before step `boundary`
         (`EagerOp.STEP` is local; `EagerOp.AVERAGE`, `EagerOp.LAST`'s PREPARE and
-        `EagerOp.MEAN` sum with `group`, parts as `prepare`'s; `EagerOp.LAST`'s APPLY is
-        `eager_last_apply`). True: it applied that round's step before."""
+        `EagerOp.MEAN` sum with `group`, parts and `checks` as `prepare`'s; `EagerOp.LAST`'s
+        APPLY is `eager_last_apply`). True: it applied that round's step before."""
         ...
 
     async def eager_last_apply(self, boundary: int) -> None:
@@ -191,6 +196,7 @@ class GrpcReplica:
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> float | None:
         response = await self.client.commit(
             step,
@@ -201,7 +207,10 @@ class GrpcReplica:
             group_index=group_index,
             round=round,
             parts=(weights, contributors),
+            check_seed=checks.seed if checks is not None else 0,
         )
+        if checks is not None:
+            checks.reports = list(response.sum_checks)
         return None if response.already_committed else response.grad_sq_norm
 
     async def apply(self, step: int, scale: float = 1.0) -> None:
@@ -217,6 +226,7 @@ class GrpcReplica:
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> bool:
         response = await self.client.commit(
             boundary,
@@ -228,7 +238,10 @@ class GrpcReplica:
             round=round,
             round_end=True,
             parts=(weights, contributors),
+            check_seed=checks.seed if checks is not None else 0,
         )
+        if checks is not None:
+            checks.reports = list(response.sum_checks)
         return response.already_committed
 
     async def apply_round(self, boundary: int) -> None:
@@ -245,6 +258,7 @@ class GrpcReplica:
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: Checksums | None = None,
     ) -> bool:
         apply = op == EagerOp.STEP
         response = await self.client.commit(
@@ -258,7 +272,10 @@ class GrpcReplica:
             round_end=True,
             eager=op,
             parts=(weights, contributors),
+            check_seed=checks.seed if checks is not None else 0,
         )
+        if checks is not None:
+            checks.reports = list(response.sum_checks)
         return response.already_committed
 
     async def eager_last_apply(self, boundary: int) -> None:

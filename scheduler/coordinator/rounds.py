@@ -35,6 +35,7 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import ReplicaClients, StageReplica
+from scheduler.coordinator.sum_checks import Checksums, checked, new_seed, verify
 from swarm.errors import NonFiniteGradient
 from swarm.job.config import JobConfig
 from swarm.job.rule import Rule
@@ -46,8 +47,9 @@ from swarm.rpc.lease import Replica
 
 __all__ = ["Average", "PoolRounds", "RoundCall", "peers"]
 
-# A PREPARE on one member: (stage, replica, the group's samples, group, index, round id)
-RoundCall = Callable[[int, Replica, int, RoundGroup, int, str], Awaitable[object]]
+# A PREPARE on one member: (stage, replica, the group's samples, group, index, round id, the
+# checksums of the aggregators' sums it is asked for: `sum_checks`)
+RoundCall = Callable[[int, Replica, int, RoundGroup, int, str, Checksums | None], Awaitable[object]]
 
 
 def peers(replicas: list[Replica]) -> tuple[str, ...]:
@@ -317,11 +319,12 @@ class PoolRounds:
         """PREPARE of the round ending at `boundary` on one member."""
 
         def call(
-            stage: int, r: Replica, total: int, group: RoundGroup, index: int, rid: str
-        ) -> Awaitable[object]:
+            stage: int, r: Replica, total: int, group: RoundGroup, index: int, rid: str,
+            checks: Checksums | None,
+        ) -> Awaitable[object]:  # fmt: skip
             return self.clients.get(stage, r).prepare_round(
                 boundary, total, list(group.members), index, rid, weights=group.weights,
-                contributors=group.contributors,
+                contributors=group.contributors, checks=checks,
             )  # fmt: skip
 
         return call
@@ -371,19 +374,26 @@ class PoolRounds:
     ) -> str | None:
         """`call` (a PREPARE) on every one of `members`; None when every one averaged, else
         why not (the members that failed it are dropped by then)."""
-        where, calls = [], []
+        where, calls, seed = [], [], new_seed()
         groups: dict[int, RoundGroup] = {}
+        checks: dict[int, dict[int, Checksums]] = {}  # stage -> contributor -> its checksums
         for stage, replicas in enumerate(members):
             group = groups[stage] = self.groups.of(stage, replicas)
             total = sum(self._samples[(stage, r.peer)] for r in replicas)
             for index, r in enumerate(replicas):
                 where.append((stage, r))
-                calls.append(call(stage, r, total, group, index, round_id))
+                if (check := checked(group, seed)) is not None:
+                    checks.setdefault(stage, {})[index] = check
+                calls.append(call(stage, r, total, group, index, round_id, check))
         results = await asyncio.gather(*calls, return_exceptions=True)
         failed = [(k, r, e) for (k, r), e in zip(where, results, strict=True)
                   if isinstance(e, BaseException)]  # fmt: skip
-        if not failed:
-            return None
+        if not failed:  # every aggregator's sum passes its checksum, or it sits out
+            accusations, lines = verify(groups, checks)
+            if lines:
+                named = self.groups.blame(groups, accusations)
+                log.warning("round %s: %s: %s sit(s) out", round_id, "; ".join(lines), named)
+            return "; ".join(lines) or None
         self._refuse_nonfinite(failed)
         judged = judge(f"round {round_id}", failed, members)
         self.groups.blame(groups, judged.accusations)

@@ -47,6 +47,7 @@ import grpc
 import torch
 
 from stage_server.averaging.channels import ChannelPool
+from stage_server.averaging.checksum import PartChecks
 from stage_server.averaging.error_feedback import Residuals
 from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, round_name
 from stage_server.averaging.staging import DeviceCopies, OffLoop, TorchCopies, staging
@@ -113,6 +114,7 @@ async def all_reduce(
     residuals: Residuals | None = None,
     keep: Callable[[slice], Awaitable[None]] | None = None,
     copies: DeviceCopies | None = None,
+    checks: PartChecks | None = None,
 ) -> torch.Tensor:
     """The sum of `flat` over the replicas of `settings.group`, bitwise the same on every
     replica; `flat` itself when the group is alone.
@@ -122,6 +124,8 @@ async def all_reduce(
     aborts the round in `averager` too (so peers waiting on this replica learn it at once) and
     raises AveragingAborted naming the peer. `on_bytes(sent, received)` counts wire bytes.
     `residuals` (a lossy codec's error feedback) are read, and replaced once the round completed.
+    `checks` takes the checksum of every slice of an aggregator's part, sent and summed (lossless
+    rounds only: `stage_server.averaging.checksum`).
     Uncompressed, a part travels in slices of `settings.slice_bytes`, `window` of them to each
     owner at once: while one slice is summed and answered the next is sent, and an owner holds
     `window` slices of each sender, not its whole part.
@@ -157,7 +161,7 @@ async def all_reduce(
         return flat  # alone with its gradient (aggregators or not): nothing to sum
     butterfly = ButterflyRound(
         flat, settings, averager=averager, channels=channels, residuals=residuals, keep=keep,
-        copies=copies,
+        copies=copies, checks=checks,
     )  # fmt: skip
     try:
         return await butterfly.run()
@@ -180,6 +184,7 @@ class ButterflyRound:
         residuals: Residuals | None = None,
         keep: Callable[[slice], Awaitable[None]] | None = None,
         copies: DeviceCopies | None = None,
+        checks: PartChecks | None = None,
     ) -> None:
         self.flat, self.settings, self.averager, self.channels = flat, settings, averager, channels
         self._keep = keep
@@ -197,6 +202,7 @@ class ButterflyRound:
         self.sent = self.received = 0  # wire bytes, as `on_bytes` counts them
         self.lossy = settings.codec != CODEC_NONE and flat.is_floating_point()
         self.feedback = residuals if self.lossy else None
+        self.checks = None if self.lossy or not settings.contributors else checks
         self._dropped: Residuals | None = None  # what this round's encodings drop, as it goes
         if self.feedback is not None:
             sent, summed = self.feedback.sent, self.feedback.summed
@@ -283,12 +289,15 @@ class ButterflyRound:
             else:  # cut from the gradient's memory as it is sent: no copy of the part
                 messages = iter(wire.split_tensor(header, "part", values, s.chunk_bytes))
             nbytes = values.numel() * values.element_size()
+        check = self.checks if k >= s.contributors else None  # an aggregator's part
         call: Any = self.channels.stub(s.group[k]).Reduce(timeout=s.timeout_s)
         # A device's chunk is copied (and framed) off the loop as it is cut, one at a time.
         while (m := await self._off.next(messages)) is not None:
             await call.write(m)
         await call.done_writing()
         self.sent += nbytes
+        if check is not None:  # what was sent, before its sum lands over it
+            await asyncio.to_thread(check.contributed, k, where.start, self._fed(k, where))
         await self._overwriting(where)  # the reply lands there: this slice's values are sent
         reply: wire.Received[Any] = await wire.receive_reply(
             call, max_bytes=s.max_bytes, into=self._into(where)
@@ -301,6 +310,8 @@ class ButterflyRound:
             raise InvalidArgument(f"expected a 'sum' of {flat.dtype}[{length}], got {shapes}")
         if got.data_ptr() != self.total[where].data_ptr():  # not received in place
             await self._off(self._place, where, got)
+        if check is not None:
+            await asyncio.to_thread(check.summed, k, where.start, self.total[where])
         self.received += sum(t.nbytes for t in reply.header.tensors)
 
     async def _remote(self, k: int) -> None:

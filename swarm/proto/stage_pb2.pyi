@@ -199,7 +199,7 @@ class StagePushResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., uncertain: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., path: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StageCommitRequest(_message.Message):
-    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors")
+    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors", "check_seed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class StageCommitRequest(_message.Message):
     EAGER_FIELD_NUMBER: _ClassVar[int]
     PART_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_SEED_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     step: int
@@ -228,17 +229,36 @@ class StageCommitRequest(_message.Message):
     eager: EagerOp
     part_weights: _containers.RepeatedScalarFieldContainer[float]
     contributors: int
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ..., part_weights: _Optional[_Iterable[float]] = ..., contributors: _Optional[int] = ...) -> None: ...
+    check_seed: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ..., part_weights: _Optional[_Iterable[float]] = ..., contributors: _Optional[int] = ..., check_seed: _Optional[int] = ...) -> None: ...
 
 class StageCommitResponse(_message.Message):
-    __slots__ = ("step", "already_committed", "grad_sq_norm")
+    __slots__ = ("step", "already_committed", "grad_sq_norm", "sum_checks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ALREADY_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    SUM_CHECKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     already_committed: bool
     grad_sq_norm: float
-    def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ..., grad_sq_norm: _Optional[float] = ...) -> None: ...
+    sum_checks: _containers.RepeatedCompositeFieldContainer[SumCheck]
+    def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ..., grad_sq_norm: _Optional[float] = ..., sum_checks: _Optional[_Iterable[_Union[SumCheck, _Mapping]]] = ...) -> None: ...
+
+class SumCheck(_message.Message):
+    __slots__ = ("part", "dot", "magnitude", "sum_dot", "unit", "norm")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    DOT_FIELD_NUMBER: _ClassVar[int]
+    MAGNITUDE_FIELD_NUMBER: _ClassVar[int]
+    SUM_DOT_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    dot: float
+    magnitude: float
+    sum_dot: float
+    unit: float
+    norm: float
+    def __init__(self, part: _Optional[int] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., sum_dot: _Optional[float] = ..., unit: _Optional[float] = ..., norm: _Optional[float] = ...) -> None: ...
 
 class StageDiscardRequest(_message.Message):
     __slots__ = ("job", "stage", "step")

@@ -308,14 +308,14 @@ class StageClient:
         round_end: bool = False,
         eager: EagerOp = EagerOp.NONE,
         parts: tuple[Sequence[float], int] = ((), 0),  # the round's part_weights, contributors
+        check_seed: int = 0,  # PREPARE: the checksum of the aggregators' parts asked (0: none)
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
             total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
             round=round, grad_scale=grad_scale, round_end=round_end, part_weights=parts[0],
-            contributors=parts[1], eager=eager)  # type: ignore[arg-type]  # fmt: skip
-        # APPLY is one local optimizer step: a replica that cannot do it within a hop's deadline
-        # is hung, and must not hold the whole job for a commit's (it rejoins later).
+            contributors=parts[1], check_seed=check_seed, eager=eager)  # type: ignore[arg-type]  # fmt: skip
+        # APPLY is one local step: a replica hung past a hop's deadline rejoins later, not held for.
         apply = phase == pb.COMMIT_PHASE_APPLY
         timeout = self._timeout if apply else self.job.runtime.commit_timeout_s
         response: pb.StageCommitResponse = await self.stub.Commit(request, timeout=timeout)

@@ -130,6 +130,7 @@ class FakeReplica:
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: object = None,  # a fake averages nothing: it reports no checksums
     ) -> float | None:
         args = Prepared(step, list(microbatches), total_samples, list(group), group_index, round,
                         tuple(weights), contributors)  # fmt: skip
@@ -153,6 +154,7 @@ class FakeReplica:
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: object = None,  # a fake averages nothing: it reports no checksums
     ) -> bool:
         self.parts.append(("prepare_round", tuple(weights), contributors))
         await self._enter("prepare_round", (boundary, total_samples, list(group), round))
@@ -174,6 +176,7 @@ class FakeReplica:
         *,
         weights: Sequence[float] = (),
         contributors: int = 0,
+        checks: object = None,  # a fake averages nothing: it reports no checksums
     ) -> bool:
         name = pb.EagerOp.Name(op).lower()  # "eager_step", "eager_average", ...
         self.parts.append((name, tuple(weights), contributors))

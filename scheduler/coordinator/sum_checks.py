@@ -1,0 +1,150 @@
+"""What the coordinator checks of the sums aggregators answer (issue 43, item 4): a linear
+checksum they cannot forge (the contributor's side: `stage_server.averaging.checksum`).
+
+Each PREPARE of a round with aggregators carries a seed drawn anew for the attempt (`Checksums`),
+sent to the replicas only: an aggregator never sees it (it takes `PoolService.Reduce` calls and
+nothing else). From it each contributor j draws one random vector r and reports, for every part
+an aggregator owned, c_j = r·x_j over what it contributed, a_j = Σ_i |r_i·x_ji|, q_j = ‖x_j‖,
+and s_j = r·S_j over the sum S_j it took back. Summation is linear, so an honest S gives
+s_j = Σ_j c_j up to rounding (`tolerance`):
+- the owner's additions in the part's dtype leave S off the exact sum by a vector δ with
+  |δ_i| ≤ (m - 1)·u·Σ_j |x_ji| (m contributors, u the dtype's unit roundoff), so
+  ‖δ‖ ≤ (m - 1)·u·Σ_j q_j. δ does not depend on r (the owner never sees it), and the r_i are
+  independent and uniform in [-1, 1), so |r·δ| passes t·‖δ‖ with a chance under 2·exp(-t²/2)
+  (Hoeffding): it is held to t = `SIGMAS` (a false alarm about once in 10^21 checks). The worst
+  case, Σ|r_i·δ_i|, would grow with the part's length n where this grows with √n, and hide
+  errors √n times larger;
+- the float64 dots, which do depend on r, are held to their worst case: each adds `DOT_BLOCK`
+  products at a time, so it rounds by at most DOT_BLOCK·2^-53 of a_j (and r·S of Σ_j a_j).
+A wrong sum S' passes only if r·(S' - S) falls inside that, which for r unknown to the
+aggregator is a chance of about tolerance/‖S' - S‖: in float32, an error of about 1e-5 of an
+element's magnitude spread over the part is caught, whatever its length. Every contributor's s_j
+is checked, not one's: an aggregator could answer members different sums.
+
+A mismatch fails the round before any APPLY (the replicas' prepared sums are replaced by the
+retry's PREPARE), naming the aggregator, which then sits out (`Groups.blame`). Only lossless
+rounds are checked (a lossy codec's sum is its encoding's, off by the codec's error): their
+contributors report nothing, and a part some contributor did not report is not judged (a
+contributor is trusted as any member is: it could as well send a wrong gradient).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from scheduler.coordinator.groups import RoundGroup
+from swarm.proto import stage_pb2 as pb
+
+__all__ = [
+    "DOT_BLOCK",
+    "SIGMAS",
+    "Checksums",
+    "Mismatch",
+    "checked",
+    "mismatches",
+    "new_seed",
+    "tolerance",
+    "verify",
+]
+
+# The most elements a contributor's float64 dot adds before its partial sums are added exactly
+# (`stage_server.averaging.checksum.BLOCK`): its rounding is at most DOT_BLOCK·2^-53 of a_j.
+DOT_BLOCK = 1 << 16
+SIGMAS = 10.0  # how many times its rounding's bound ‖δ‖ an honest r·δ may reach
+_EPS64 = 2.0**-53
+
+
+def new_seed() -> int:
+    """A fresh secret seed for one attempt's checksums (never 0, which asks none)."""
+    return secrets.randbits(63) or 1
+
+
+@dataclass
+class Checksums:
+    """One replica's checksums of one PREPARE: the `seed` it is sent, and what it answered
+    (`reports`: one `SumCheck` per aggregator's part it averaged; filled in with its answer)."""
+
+    seed: int
+    reports: list[pb.SumCheck] = field(default_factory=list)
+
+
+def checked(group: RoundGroup, seed: int) -> Checksums | None:
+    """A contributor's checksums to ask for in a round of `group`: only where it has
+    aggregators."""
+    return Checksums(seed) if group.aggregators else None
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Contributor `contributor`'s sum of part `part` (a group index: its aggregator) is not
+    what the contributions add up to."""
+
+    part: int
+    contributor: int
+    got: float  # its r·S
+    expected: float  # Σ_j r·x_j
+    tolerance: float
+
+
+def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
+    """How far an honest r·S may be from Σ_j r·x_j, given every contributor's report of a part."""
+    m = max(contributors, 1)
+    unit = max((r.unit for r in reports), default=0.0)
+    summing = SIGMAS * (m - 1) * unit * math.fsum(r.norm for r in reports)
+    # Each c_j's dot, and s_j's (|S_i| ≤ Σ_j |x_ji| to within the rounding): twice, for the
+    # products' own rounding and what the bound leaves out.
+    dotting = 2 * (m + 1) * DOT_BLOCK * _EPS64 * math.fsum(r.magnitude for r in reports)
+    return summing + dotting
+
+
+def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) -> list[Mismatch]:
+    """The sums that fail their checksum, given each contributor's reports (contributor index ->
+    its `SumCheck`s) of one round of `contributors`. A part is judged only when every contributor
+    reported it, with finite contributions (a NaN or infinite gradient is the commit's to refuse:
+    `NonFiniteStep`); a NaN or infinite sum of finite contributions is a mismatch."""
+    if len(reports) < contributors or contributors < 2:
+        return []
+    by_part: dict[int, dict[int, pb.SumCheck]] = {}
+    for j, checks in reports.items():
+        for check in checks:
+            by_part.setdefault(check.part, {})[j] = check
+    found = []
+    for part, of in sorted(by_part.items()):
+        if len(of) < contributors:
+            continue
+        checks = list(of.values())
+        if not all(math.isfinite(c.dot + c.magnitude + c.norm) for c in checks):
+            continue
+        expected = math.fsum(c.dot for c in checks)
+        allowed = tolerance(checks, contributors)
+        for j, c in sorted(of.items()):
+            if not abs(c.sum_dot - expected) <= allowed:  # NaN fails too
+                found.append(Mismatch(part, j, c.sum_dot, expected, allowed))
+    return found
+
+
+Accusations = dict[int, dict[int, set[int]]]  # stage -> contributor -> the parts it names
+
+
+def verify(
+    groups: Mapping[int, RoundGroup], checks: Mapping[int, Mapping[int, Checksums]]
+) -> tuple[Accusations, list[str]]:
+    """A round's checksums (`checks`: stage -> contributor -> what it answered) judged: whom
+    each contributor's failed checksums name, by stage (as an aborted member names whom it
+    failed on: for `Groups.blame`), and one line each for the round's reason."""
+    accusations: Accusations = {}
+    lines = []
+    for stage, of in checks.items():
+        group = groups[stage]
+        for bad in mismatches({j: c.reports for j, c in of.items()}, len(of)):
+            accusations.setdefault(stage, {}).setdefault(bad.contributor, set()).add(bad.part)
+            owner, at = group.members[bad.part], group.members[bad.contributor]
+            lines.append(
+                f"stage {stage}: the sum of part {bad.part} from aggregator {owner} fails its "
+                f"checksum at {at} (r·S = {bad.got!r}, the contributions' Σ r·x = "
+                f"{bad.expected!r}, within {bad.tolerance:.3g})"
+            )
+    return accusations, lines

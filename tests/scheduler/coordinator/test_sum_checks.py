@@ -1,0 +1,168 @@
+"""The checksum of aggregators' sums (`scheduler.coordinator.sum_checks`, the contributors'
+side `stage_server.averaging.checksum`): no false alarm on honest float32 rounds (uneven parts,
+slices that cut r's blocks, cancelling contributions, a wide range of magnitudes), a wrong sum
+caught, and what is not judged (a lossy round, a part some contributor did not report, NaN
+contributions: the commit's non-finite check has those)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+
+import pytest
+import torch
+
+from scheduler.coordinator.sum_checks import DOT_BLOCK, Mismatch, mismatches, tolerance
+from stage_server.averaging.butterfly import RoundSettings, all_reduce
+from stage_server.averaging.checksum import BLOCK, PartChecks, dots, weights
+from stage_server.averaging.owner import Averager, Reduced, Summer
+from swarm.proto import stage_pb2 as pb
+from swarm.wire.codec import CODEC_NONE, codec_from_name
+from tests.support.pools import JOB, MiB, replicas
+
+CONTRIBUTORS = 3
+WEIGHTS = (0.1, 0.0, 0.25, 0.3, 0.35)  # 3 replicas (one a client), then 2 aggregators
+
+
+def _contributions(seed: int, n: int) -> list[torch.Tensor]:
+    """Float32 gradients over six orders of magnitude, the last cancelling the others' sum
+    almost to nothing (where a relative check would be tightest)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 10.0 ** (torch.rand(n, generator=g, dtype=torch.float64) * 6 - 3)
+    xs = [(torch.randn(n, generator=g, dtype=torch.float64) * scale).float() for _ in range(2)]
+    noise = torch.randn(n, generator=g) * 1e-6
+    return [*xs, -(xs[0] + xs[1]) + noise]
+
+
+def test_the_block_is_what_the_tolerance_counts_on() -> None:
+    assert BLOCK == DOT_BLOCK
+
+
+def test_r_is_splitmix64_bit_for_bit() -> None:
+    """Every contributor must draw the same bits of r on any machine: the hash, redone in
+    Python's integers, and exact float steps."""
+    mask, seed = (1 << 64) - 1, 0x5EED_1234_ABCD
+    expected = []
+    for i in range(BLOCK - 3, BLOCK + 3):
+        z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        expected.append((z >> 11) * 2.0**-52 - 1.0)
+    assert weights(seed, BLOCK - 3, BLOCK + 3).tolist() == expected
+    big = weights(seed, 0, 1 << 18)
+    assert float(big.min()) >= -1.0 and float(big.max()) < 1.0
+    assert float(big.mean()) == pytest.approx(0.0, abs=0.01)
+
+
+def test_dots_do_not_depend_on_how_a_part_is_sliced() -> None:
+    x = torch.randn(3 * BLOCK + 1234, dtype=torch.float64)
+    whole = dots(7, 500, x)
+    cuts = [0, 1, 4097, BLOCK - 500, BLOCK, 2 * BLOCK + 17, x.numel()]
+    pieces = [dots(7, 500 + a, x[a:b]) for a, b in itertools.pairwise(cuts)]
+    for k in range(3):
+        assert math.fsum(p[k] for p in pieces) == pytest.approx(whole[k], rel=1e-12)
+    assert dots(8, 500, x)[0] != pytest.approx(whole[0])  # another seed, another r
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_honest_float32_sum_never_alarms(seed: int) -> None:
+    """The owner's own summation (`Averager.summer`, sender order, float32) of cancelling
+    contributions over a wide range: every contributor's r·S within the tolerance."""
+    n = 1 + (seed * 7919) % (3 * BLOCK)  # lengths across r's blocks
+    xs = _contributions(seed, n)
+    reduced = Averager().summer([x.clone() for x in xs], [False] * 3, CODEC_NONE, 2048)
+    start = seed * 1000
+    reports = {}
+    for j, x in enumerate(xs):
+        checks = PartChecks(seed + 1)
+        checks.contributed(4, start, x)
+        checks.summed(4, start, reduced.tensor)
+        reports[j] = checks.report()
+    assert mismatches(reports, 3) == []
+
+
+def _reports(
+    sums: list[float], dots_: list[float], magnitude: float = 1.0
+) -> dict[int, list[pb.SumCheck]]:
+    return {
+        j: [pb.SumCheck(part=3, dot=d, magnitude=magnitude, sum_dot=s, unit=2.0**-24, norm=1.0)]
+        for j, (d, s) in enumerate(zip(dots_, sums, strict=True))
+    }
+
+
+def test_what_is_judged_and_what_is_not() -> None:
+    allowed = tolerance(_reports([0.0], [0.0])[0] * 2, 2)
+    assert 0 < allowed < 1e-4
+    honest = _reports([3.0, 3.0], [1.0, 2.0])
+    assert mismatches(honest, 2) == []
+    wrong = _reports([3.0, 3.01], [1.0, 2.0])  # one member was answered another sum
+    assert mismatches(wrong, 2) == [Mismatch(3, 1, 3.01, 3.0, allowed)]
+    nan_sum = _reports([math.nan, 3.0], [1.0, 2.0])
+    assert [m.contributor for m in mismatches(nan_sum, 2)] == [0]
+    assert mismatches(_reports([math.nan] * 2, [math.nan, 2.0]), 2) == []  # the commit's
+    one = _reports([3.01], [1.0])  # the other contributor did not report the part (lossy)
+    assert mismatches({**one, 1: []}, 2) == []
+
+
+def _off_by(honest: Summer, add: float) -> Summer:
+    """`honest`'s sums, each element off by `add`."""
+
+    def summer(
+        values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+    ) -> Reduced:
+        reduced = honest(values, owned, codec, block_size)
+        reduced.tensor.add_(add)
+        return reduced
+
+    return summer
+
+
+async def _round(
+    xs: list[torch.Tensor], seed: int, *, codec: int = CODEC_NONE, add: float = 0.0
+) -> list[list[pb.SumCheck]]:
+    """A real round of 3 replicas and 2 aggregators (PoolService servers) in uneven parts, slices
+    of 40 kB (cutting r's blocks), every contributor's checksums; the aggregators' sums off by
+    `add` an element."""
+    async with replicas(5) as pool:
+        for aggregator in pool[CONTRIBUTORS:]:
+            aggregator.averager.summer = _off_by(aggregator.averager.summer, add)
+        group = [r.address for r in pool]
+        checks = [PartChecks(seed) for _ in range(CONTRIBUTORS)]
+        results = await asyncio.gather(*(
+            all_reduce(
+                x.clone(), RoundSettings(
+                    group=group, index=i, round=f"r{seed}", job=JOB, stage=0, timeout_s=20.0,
+                    chunk_bytes=MiB, max_bytes=64 * MiB, codec=codec, slice_bytes=40_000,
+                    weights=WEIGHTS, contributors=CONTRIBUTORS, in_place=i == 1,
+                ),
+                averager=r.averager, channels=r.channels, checks=checks[i],
+            )
+            for i, (r, x) in enumerate(zip(pool, xs, strict=False))
+        ))  # fmt: skip
+    assert all(torch.equal(t, results[0]) for t in results)
+    return [c.report() for c in checks]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_an_honest_round_never_alarms_and_a_wrong_sum_is_caught(seed: int) -> None:
+    xs = _contributions(seed, 150_000)
+    honest = await _round(xs, seed)
+    assert [sorted(c.part for c in r) for r in honest] == [[3, 4]] * CONTRIBUTORS
+    assert all(c.unit == 2.0**-24 for r in honest for c in r)
+    assert mismatches(dict(enumerate(honest)), CONTRIBUTORS) == []
+    # Gradients of unit scale, each sum off by 1e-3 an element (a float32 sum's rounding is
+    # 1e-7 of that): caught at every member. How small an error is caught is relative to the
+    # part's norm: one of 1e-3 among elements of up to 1e3 (`xs`) is within their rounding.
+    g = torch.Generator().manual_seed(seed)
+    unit = [torch.randn(150_000, generator=g) for _ in range(CONTRIBUTORS)]
+    wrong = await _round(unit, seed, add=1e-3)
+    found = mismatches(dict(enumerate(wrong)), CONTRIBUTORS)
+    assert {(m.part, m.contributor) for m in found} == {(k, j) for k in (3, 4) for j in range(3)}
+
+
+async def test_a_lossy_round_reports_nothing() -> None:
+    """fp16 averaging: the sum is its encoding's, off by the codec's error: not checked."""
+    reports = await _round(_contributions(3, 20_000), 3, codec=codec_from_name("fp16"))
+    assert reports == [[]] * CONTRIBUTORS

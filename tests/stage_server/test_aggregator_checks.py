@@ -1,0 +1,145 @@
+"""A hostile aggregator's finite wrong sum (issue 43, item 4): a pool of real stage servers (in
+this process, so every replica can be inspected) and a real PoolService aggregator whose owner
+side adds a small error to every sum it answers. Every replica takes the same wrong sum, so the
+replicas stay identical and no check among them can see it: the coordinator's linear checksum
+(`scheduler.coordinator.sum_checks`) must. The round fails naming the aggregator, the retry runs
+without it, and nothing wrong is ever applied: the job equals `swarm local`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from scheduler.coordinator import LocalCoordinator, gather_state, sum_checks
+from scheduler.coordinator.groups import Aggregator, Groups, Link
+from scheduler.coordinator.sum_checks import Mismatch, mismatches
+from stage_server.averaging.owner import Averager, Reduced
+from stage_server.averaging.service import PoolServicer
+from swarm.errors import NotFound
+from swarm.job.fingerprint import fingerprint
+from swarm.model.routes import Record
+from swarm.proto import pool_pb2_grpc
+from swarm.proto import stage_pb2 as pb
+from tests.support.equality import assert_equal_to_reference
+from tests.support.inprocess import Swarm
+from tests.support.jobs import make_job
+
+ERROR = 1e-3  # what the hostile aggregator adds to each element of every sum it answers
+
+
+@contextlib.asynccontextmanager
+async def _aggregator(job_id: str) -> AsyncIterator[tuple[str, Averager]]:
+    """A PoolService that owns parts of `job_id`'s rounds and holds no model (an aggregator)."""
+
+    def route(job: str, stage: int) -> None:
+        if job != job_id:
+            raise NotFound(f"job {job!r} is not served here")
+
+    server, averager = grpc.aio.server(), Averager()
+    servicer = PoolServicer(
+        averager, route=route, chunk_bytes=1 << 20, max_bytes=1 << 28, timeout_s=30
+    )
+    pool_pb2_grpc.add_PoolServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", averager
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.attack("43.4-sum")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["step", "local", "eager"])
+async def test_a_finite_wrong_sum_fails_the_round_naming_the_aggregator(
+    tmp_path: Path, make_swarm: list[Swarm], caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    """Three replicas a stage and one aggregator owning a part of every round (float64; with two
+    contributors water-filling gives an aggregator nothing): its sums are off by 1e-3 an
+    element. Every round it takes part in fails, naming it; it sits out the retry, which
+    commits; the job equals `swarm local` within 1e-9 (`--routes` for local steps' rounds and
+    eager rounds)."""
+    pool = {} if mode == "step" else {"mode": "local", "sync_every": 2}
+    pool |= {"overlap": "eager"} if mode == "eager" else {}
+    job = make_job(
+        tmp_path, training={"steps": 4, "target_batch_size": 32, "checkpoint_every": 0},
+        pool=pool, runtime={"data_plane": "relay"},
+    )  # fmt: skip
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    async with _aggregator(fingerprint(job)) as (address, aggregator):
+        honest = aggregator.summer
+        wrong_sums: list[int] = []
+
+        def wrong(
+            values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+        ) -> Reduced:
+            reduced = honest(values, owned, codec, block_size)
+            reduced.tensor.add_(ERROR)  # finite, small, the same for every member
+            wrong_sums.append(reduced.tensor.numel())
+            return reduced
+
+        aggregator.summer = wrong
+        offered = [Aggregator("agg", address, Link(100.0))]
+        # Shunned for longer than the test: it must not come back for a later step.
+        groups = Groups(lambda peer: Link(100.0), lambda stage: offered, shun_s=3600)
+        routes: list[Record] = []
+        coordinator = LocalCoordinator(
+            job, fingerprint(job), swarm.members, groups=groups, on_route=routes.append
+        )
+        with caplog.at_level(logging.WARNING):
+            await swarm.train(coordinator, trainers=2)
+        assert wrong_sums, "the aggregator summed a part of a round"
+        for stage in swarm.servers:  # the parameters (each inner optimizer is its own)
+            first = stage[0].runtime.state_dict()
+            for other in stage[1:]:
+                for name, tensor in other.runtime.state_dict().items():
+                    assert torch.equal(tensor, first[name]), name
+        assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
+        assert coordinator.metrics.aborted_rounds._value.get() >= 1
+        assert address not in groups.of(0, swarm.members()[0]).members  # it sits out
+        assert all(len(stage) == 3 for stage in coordinator.replicas())  # no replica blamed
+        named = [r.getMessage() for r in caplog.records if "checksum" in r.getMessage()]
+        assert any(address in m for m in named), named
+        await coordinator.close()
+
+
+@pytest.mark.timeout(180)
+async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
+    tmp_path: Path, make_swarm: list[Swarm], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same pool in float32 (the owner's sums round) with an honest aggregator on a faster
+    link than the replicas (uneven parts): every contributor reports a checksum of the
+    aggregator's part at every step, and no round fails."""
+    job = make_job(tmp_path, training={"steps": 3, "target_batch_size": 32, "dtype": "float32"})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    judged: list[dict[int, list[pb.SumCheck]]] = []
+
+    def recorded(reports: dict[int, list[pb.SumCheck]], contributors: int) -> list[Mismatch]:
+        judged.append({j: list(r) for j, r in reports.items()})
+        return mismatches(reports, contributors)
+
+    monkeypatch.setattr(sum_checks, "mismatches", recorded)
+    async with _aggregator(fingerprint(job)) as (address, _):
+        offered = [Aggregator("agg", address, Link(300.0))]
+        groups = Groups(lambda peer: Link(100.0), lambda stage: offered)
+        coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, groups=groups)
+        await swarm.train(coordinator, trainers=2)
+        swarm.assert_replicas_identical()
+        assert coordinator.metrics.aborted_rounds._value.get() == 0
+        assert address in groups.of(0, swarm.members()[0]).members
+        assert len(judged) >= 3 * len(swarm.servers)  # every stage of every step
+        for reports in judged:
+            assert sorted(reports) == [0, 1, 2]
+            assert all([c.part for c in r] == [3] and c.unit == 2.0**-24 for r in reports.values()
+                       for c in r)  # fmt: skip
+        await coordinator.close()
