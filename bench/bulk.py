@@ -175,15 +175,35 @@ class Child:
                 self.proc.wait()
 
 
-def stage_server(job_path: Path, stage: int, log_dir: Path, name: str) -> SwarmProcess:
+def stage_server(
+    job_path: Path, stage: int, log_dir: Path, name: str, times: Path | None = None
+) -> SwarmProcess:
+    """`swarm stage-server` of `stage`, serving; with `times`, its commits' phases timed into
+    that file (`bulk_child.py`'s `timed-stage-server`, the same server in a wrapper)."""
     args = ["stage-server", "--job", str(job_path), "--stage", str(stage), "--port", "0"]
-    server = start_process([*args, "--threads", "1"], log_dir=log_dir, name=name)
+    args += ["--threads", "1"]
+    if times is None:
+        server = start_process(args, log_dir=log_dir, name=name)
+    else:
+        server = start_timed(args, times, log_dir, name)
     try:
         server.wait_ready(READY_TIMEOUT_S)
     except BaseException:
         server.kill()
         raise
     return server
+
+
+def start_timed(args: list[str], times: Path, log_dir: Path, name: str) -> SwarmProcess:
+    log_path = log_dir / f"{name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(CHILD), "timed-stage-server",
+             json.dumps({"argv": args, "times": str(times)})],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+    return SwarmProcess(args, proc, log_path)
 
 
 @dataclass
@@ -197,8 +217,10 @@ class Procs:
         self.children.append(Child(role, args, log_dir, name))
         return self.children[-1]
 
-    def server(self, job_path: Path, stage: int, log_dir: Path, name: str) -> SwarmProcess:
-        self.servers.append(stage_server(job_path, stage, log_dir, name))
+    def server(
+        self, job_path: Path, stage: int, log_dir: Path, name: str, times: Path | None = None
+    ) -> SwarmProcess:
+        self.servers.append(stage_server(job_path, stage, log_dir, name, times))
         return self.servers[-1]
 
     def close(self) -> None:
@@ -402,7 +424,11 @@ def measure_pool(n: int, params: int, reps: int, state: int, work: Path) -> Row:
         slowest,
         mem,
         f"slowest replica; fastest {fast:.0f} MB/s; sum checked",
-        {"replica_seconds": [[r["seconds"] for r in rs] for rs in rounds], "counted": counted},
+        {
+            "replica_seconds": [[r["seconds"] for r in rs] for rs in rounds],
+            "keep_seconds": [[r["keep_seconds"] for r in rs] for rs in rounds],
+            "counted": counted,
+        },
     )
 
 
@@ -532,8 +558,10 @@ def measure_training(state_job: Path, state: int, work: Path) -> dict[str, Any]:
     job = load_job(path)
     procs = Procs()
     records: list[StepRecord] = []
+    times = work / "commit-times.jsonl"
+    times.unlink(missing_ok=True)
     try:
-        servers = [procs.server(path, 0, work, f"train-{k}") for k in range(2)]
+        servers = [procs.server(path, 0, work, f"train-{k}", times) for k in range(2)]
         pool = [[Replica(s.address, s.address) for s in servers]]
         asyncio.run(train_standalone(job, pool, on_step=records.append))
         peaks = [peak_rss(s.proc.pid) for s in servers]
@@ -546,7 +574,44 @@ def measure_training(state_job: Path, state: int, work: Path) -> dict[str, Any]:
         "blocked_seconds": [r.blocked_seconds for r in records],
         "peak_rss": peaks,
         "state_bytes": state,
+        "rounds": step_rounds(times),
     }
+
+
+def step_rounds(times: Path) -> list[dict[str, Any]]:
+    """Each committed step's averaging round as its members timed it (`timed-stage-server`), in
+    order: `round` the slowest member's own (its `all_reduce` call, from its own start);
+    `from_last` from when the later member started to when the last one ended (the round's cost,
+    without the wait for the member that came later); `apart` how far apart they started;
+    `prepare` the slowest member's whole PREPARE (receipts, its sums, the round, the norm);
+    `keep` the slowest member's spill writes in the round (seconds, on threads beside it)."""
+    events = [json.loads(line) for line in times.read_text().splitlines() if line.strip()]
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        if e["what"] == "round":
+            rounds.setdefault(e["round"], []).append(e)
+    out = []
+    for name, members in sorted(rounds.items(), key=lambda kv: min(e["start"] for e in kv[1])):
+        starts, ends = [e["start"] for e in members], [e["end"] for e in members]
+        prepares = [e for e in events if e["what"] == "prepare" and e["round"] == name]
+        keeps = [
+            sum(k["end"] - k["start"] for k in events
+                if k["what"] == "keep" and k["pid"] == m["pid"]
+                and m["start"] <= k["start"] <= m["end"])
+            for m in members
+        ]  # fmt: skip
+        out.append(
+            {
+                "round": name,
+                "members": len(members),
+                "round_seconds": max(e - s for s, e in zip(starts, ends, strict=True)),
+                "from_last": max(ends) - max(starts),
+                "apart": max(starts) - min(starts),
+                "prepare_seconds": max((p["end"] - p["start"] for p in prepares), default=0.0),
+                "keep_seconds": max(keeps, default=0.0),
+            }
+        )
+    return out
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -561,6 +626,30 @@ def run_training(params: int, work: Path, log: Any) -> dict[str, Any]:
     training = measure_training(job_path, 16 * count, work)
     log(f"training a pool of 2: peaks {[round(p / GiB, 2) for p in training['peak_rss']]} GiB")
     return {"params": count, "bare_process_bytes": bare, "training": training}
+
+
+def run_rounds_only(params: int, reps: int, work: Path, log: Any) -> dict[str, Any]:
+    """`--rounds-only`: the bare exchange and the isolated pool of 2, then the pool of 2
+    training the stage (its rounds timed in its servers): a step's round against the
+    isolated one, in one run."""
+    job_path, count = state_job(params, work)
+    job = load_job(job_path)
+    state = 16 * count
+    log(f"stage: {job.model.d_model} x {job.model.n_layers} blocks, {count / 1e6:.1f}M params")
+    rows = [measure_exchange(2, count, reps, state, work)]
+    rows.append(measure_pool(2, count, reps, state, work))
+    rows[-1].note += f"; {rows[-1].mbps / rows[-2].mbps:.2f} of the bare exchange"
+    log(f"{rows[-1].path}: {rows[-1].mbps:.0f} MB/s")
+    training = measure_training(job_path, state, work)
+    return {
+        "params": count,
+        "bare_process_bytes": measure_bare(work),
+        "training": training,
+        "rows": [
+            {"path": r.path, "mb_per_s": r.mbps, "seconds": r.seconds, "note": r.note, **r.extra}
+            for r in rows
+        ],
+    }
 
 
 def run(params: int, reps: int, scratch: Path, work: Path, log: Any) -> dict[str, Any]:
@@ -674,6 +763,40 @@ def print_training(out: dict[str, Any]) -> None:
     print(f"\nstep seconds: {steps}; blocked on the commit: {blocked}")
 
 
+def print_rounds(out: dict[str, Any]) -> None:
+    """The training pool's rounds against the isolated pool of 2 (the issue's target: a step's
+    round >= 0.8 of the isolated one, as speed: isolated seconds / step's seconds)."""
+    pool = next((r for r in out["rows"] if r["path"].strip() == "pool averaging, 2 replicas"), None)
+    rounds = out["training"].get("rounds", [])
+    if pool is None or not rounds:
+        return
+    isolated = statistics.median(pool["seconds"])
+    later = rounds[1:] or rounds  # the first round dials the channels (the isolated warm up)
+    own = statistics.median(r["round_seconds"] for r in later)
+    last = statistics.median(r["from_last"] for r in later)
+    print()
+    print(
+        f"a step's round against the isolated pool of 2 ({pool['path'].strip()}: median of "
+        f"{len(pool['seconds'])}, {isolated:.3f} s); a step's: median of its rounds after the "
+        "first"
+    )
+    print()
+    print("| round | slowest member's s | from the last start s | apart s | PREPARE s | spill s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for k, r in enumerate(rounds):
+        print(
+            f"| step {k} | {r['round_seconds']:.3f} | {r['from_last']:.3f} | {r['apart']:.3f} | "
+            f"{r['prepare_seconds']:.3f} | {r['keep_seconds']:.3f} |"
+        )
+    if "keep_seconds" in pool:
+        spilled = statistics.median(max(k) for k in pool["keep_seconds"])
+        print(f"\nthe isolated round's spill writes: {spilled:.3f} s (slowest replica, median)")
+    print(
+        f"\nisolated round {isolated:.3f} s; a step's round {own:.3f} s ({isolated / own:.2f} of "
+        f"the isolated), from the last member's start {last:.3f} s ({isolated / last:.2f})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=50e6, help="the stage's parameters")
@@ -687,6 +810,12 @@ def main() -> None:
         help="only a pool of 2 training the stage, and its replicas' peak RSS (a large --params "
         "without the transfer rows)",
     )
+    parser.add_argument(
+        "--rounds-only",
+        action="store_true",
+        help="only the bare exchange and the pool of 2, isolated, then the pool of 2 training the "
+        "stage: a step's averaging round against the isolated one",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -698,6 +827,8 @@ def main() -> None:
     try:
         if args.training_only:
             out = run_training(int(args.params), work, log)
+        elif args.rounds_only:
+            out = run_rounds_only(int(args.params), args.reps, work, log)
         else:
             out = run(int(args.params), args.reps, args.dir, work, log)
     except BaseException:
@@ -707,9 +838,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        if not args.training_only:
+        if not args.training_only and not args.rounds_only:
             print_tables(out)
         print_training(out)
+        if not args.training_only:
+            print_rounds(out)
 
 
 if __name__ == "__main__":

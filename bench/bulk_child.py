@@ -36,6 +36,7 @@ import gc
 import hashlib
 import json
 import os
+import resource
 import statistics
 import struct
 import sys
@@ -250,12 +251,28 @@ async def replica(args: dict[str, Any]) -> None:
     # after each round (not timed) for the next.
     spill = Spill(flat, Path(args["spill_dir"]))
 
+    kept = [0.0]  # this round's seconds in the spill's writes (on threads beside the round)
+
+    def timed_keep(where: slice) -> None:
+        start = time.perf_counter()
+        spill.keep(where)
+        kept[0] += time.perf_counter() - start
+
     async def keep(where: slice) -> None:
-        await asyncio.to_thread(spill.keep, where)
+        await asyncio.to_thread(timed_keep, where)
 
     try:
         while (cmd := await command())[0] == "go":
-            counted[:] = [0, 0]
+            as_step = set(cmd[2].split(",")) if len(cmd) > 2 else set()
+            if "spill" in as_step:  # a new spill file, as each step's commit makes one
+                spill.close()
+                spill = Spill(flat, Path(args["spill_dir"]))
+            if "trim" in as_step:  # the arenas given back first, as a commit does
+                from swarm.ops import allocator
+
+                allocator.give_back()
+            counted[:], kept[0] = [0, 0], 0.0
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             started = time.perf_counter()
             settings = RoundSettings(
                 group=group, index=index, round=cmd[1], job=POOL_JOB, stage=0, timeout_s=timeout,
@@ -265,10 +282,12 @@ async def replica(args: dict[str, Any]) -> None:
                 flat, settings, averager=averager, channels=channels, on_bytes=on_bytes, keep=keep
             )
             seconds = time.perf_counter() - started
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             digest = hashlib.sha256(total.numpy().data.cast("B")).hexdigest()
             del total
             spill.restore()
-            say(result={"seconds": seconds, "sha256": digest, "sent": counted[0]})
+            say(result={"seconds": seconds, "sha256": digest, "sent": counted[0],
+                        "keep_seconds": kept[0], "page_faults": faults})  # fmt: skip
     finally:
         await channels.close()
         await server.stop(None)
@@ -532,6 +551,87 @@ async def hop(args: dict[str, Any]) -> None:
     await wait_for("quit")
 
 
+# --- a timed stage server -------------------------------------------------------------------
+
+
+def timed_stage_server(args: dict[str, Any]) -> None:
+    """`swarm stage-server ARGV` in this process, each of its commits' phases timed: a JSON line
+    a phase (`{"what", "round", "step", "start", "end"}`, CLOCK_MONOTONIC seconds, one clock for
+    every process of the machine) appended to the file `args["times"]`. Timed: a PREPARE whole
+    (`prepare`), its all-reduce (`round`: from this member's call of `all_reduce` to its
+    return), the spill's writes (`keep`, each), and an APPLY (`apply`). Nothing else changes:
+    the functions are wrapped where `stage_server.commit` calls them."""
+    import functools
+
+    from stage_server import commit as commit_module
+    from stage_server.averaging import spill as spill_module
+    from swarm.cli import main as swarm_main
+
+    fd = os.open(args["times"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def record(what: str, start: float, **fields: Any) -> None:
+        line = {"what": what, "start": start, "end": time.monotonic(), "pid": os.getpid()}
+        os.write(fd, (json.dumps({**line, **fields}) + "\n").encode())
+
+    reduce = commit_module.all_reduce
+
+    @functools.wraps(reduce)
+    async def timed_reduce(flat: torch.Tensor, settings: Any, **kwargs: Any) -> torch.Tensor:
+        start = time.monotonic()
+        total = await reduce(flat, settings, **kwargs)
+        record("round", start, round=settings.round, index=settings.index)
+        return total
+
+    commit = commit_module.Committer.commit
+
+    @functools.wraps(commit)
+    async def timed_commit(self: Any, c: Any) -> Any:
+        start = time.monotonic()
+        done = await commit(self, c)
+        what = "prepare" if c.prepare and not c.apply else "apply" if c.apply else "commit"
+        record(what, start, round=c.round, step=c.step, index=c.group_index)
+        return done
+
+    keep = spill_module.Spill.keep
+
+    @functools.wraps(keep)
+    def timed_keep(self: Any, where: slice) -> None:
+        start = time.monotonic()
+        keep(self, where)
+        record("keep", start, bytes=(where.stop - where.start) * self.flat.element_size())
+
+    commit_module.all_reduce = timed_reduce  # type: ignore[assignment]
+    commit_module.Committer.commit = timed_commit  # type: ignore[method-assign]
+    spill_module.Spill.keep = timed_keep  # type: ignore[method-assign]
+    variant = os.environ.get("BULK_VARIANT", "")  # ad hoc experiments
+    if "notrim" in variant:
+        from swarm.ops import allocator
+
+        allocator.give_back = lambda beside=None: False  # type: ignore[assignment]
+    if "reuse" in variant:
+        from stage_server import step_sums
+
+        files: list[int] = []
+        orig_write = spill_module.Spill._write
+        orig_close = spill_module.Spill._close
+
+        def write(self: Any, values: torch.Tensor, offset: int) -> bool:
+            if self._file is None and files:
+                self._file = files.pop()
+            return orig_write(self, values, offset)
+
+        def close(self: Any) -> None:
+            if self._file is not None:
+                files.append(self._file)
+                self._file = None
+            orig_close(self)
+
+        spill_module.Spill._write = write  # type: ignore[method-assign]
+        spill_module.Spill._close = close  # type: ignore[method-assign]
+        del step_sums
+    raise SystemExit(swarm_main(args["argv"]))
+
+
 ROLES = {
     "bare": bare,
     "sink": sink,
@@ -548,6 +648,8 @@ ROLES = {
 def main() -> None:
     role, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     torch.set_num_threads(1)
+    if role == "timed-stage-server":  # its own event loop, as `swarm stage-server` runs one
+        return timed_stage_server(args)
     asyncio.run(ROLES[role](args))
 
 
