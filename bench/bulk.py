@@ -427,6 +427,7 @@ def measure_pool(n: int, params: int, reps: int, state: int, work: Path) -> Row:
         {
             "replica_seconds": [[r["seconds"] for r in rs] for rs in rounds],
             "keep_seconds": [[r["keep_seconds"] for r in rs] for rs in rounds],
+            "cpu_seconds": [[r["cpu"] for r in rs] for rs in rounds],
             "counted": counted,
         },
     )
@@ -529,21 +530,21 @@ def measure_hop(reps: int, work: Path) -> Row:
     return Row("activation hop", nbytes, wire, mem, note, extra, per_state=False)
 
 
-def training_job_text(state_job: Path) -> str:
+def training_job_text(state_job: Path, steps: int = 4) -> str:
     """The state job as a pool trains it: the issue's 4 steps of 8 samples, 128 positions."""
     text = state_job.read_text()
     for old, new in (
         ("seq_len = 32", "seq_len = 128"),
         ("microbatch_size = 1", "microbatch_size = 4"),
         ("target_batch_size = 1", "target_batch_size = 8"),
-        ("steps = 1000", "steps = 4"),
+        ("steps = 1000", f"steps = {steps}"),
     ):
         text = text.replace(old, new)
     data = ROOT / "examples" / "data" / "corpus.txt"
     return text.replace("[training]", f'[data]\nkind = "text"\npath = "{data}"\n[training]')
 
 
-def measure_training(state_job: Path, state: int, work: Path) -> dict[str, Any]:
+def measure_training(state_job: Path, state: int, work: Path, steps: int = 4) -> dict[str, Any]:
     """Two stage servers training the stage as one pool (the standalone trainer, in this
     process): each server's peak RSS holds the parameters, AdamW's state, the step's gradient
     sums and whatever a commit and its averaging add."""
@@ -554,7 +555,7 @@ def measure_training(state_job: Path, state: int, work: Path) -> dict[str, Any]:
     from swarm.rpc.lease import Replica
 
     path = work / "training.toml"
-    path.write_text(training_job_text(state_job))
+    path.write_text(training_job_text(state_job, steps))
     job = load_job(path)
     procs = Procs()
     records: list[StepRecord] = []
@@ -609,6 +610,7 @@ def step_rounds(times: Path) -> list[dict[str, Any]]:
                 "apart": max(starts) - min(starts),
                 "prepare_seconds": max((p["end"] - p["start"] for p in prepares), default=0.0),
                 "keep_seconds": max(keeps, default=0.0),
+                "cpu_seconds": max(e.get("cpu", 0.0) for e in members),
             }
         )
     return out
@@ -628,28 +630,50 @@ def run_training(params: int, work: Path, log: Any) -> dict[str, Any]:
     return {"params": count, "bare_process_bytes": bare, "training": training}
 
 
-def run_rounds_only(params: int, reps: int, work: Path, log: Any) -> dict[str, Any]:
-    """`--rounds-only`: the bare exchange and the isolated pool of 2, then the pool of 2
-    training the stage (its rounds timed in its servers): a step's round against the
-    isolated one, in one run."""
+def round_pair(pool: Row, training: dict[str, Any]) -> dict[str, Any]:
+    """An isolated pool of 2's rounds and a training pool of 2's, measured one after the other:
+    their medians (a step's after its first round, which dials the channels as the isolated
+    pool's warm-up does) and the ratio the issue's target reads, isolated s / a step's s."""
+    later = training["rounds"][1:] or training["rounds"]
+    isolated = statistics.median(pool.seconds)
+    own = statistics.median(r["round_seconds"] for r in later)
+    last = statistics.median(r["from_last"] for r in later)
+    keep = pool.extra.get("keep_seconds", [])
+    return {
+        "isolated_seconds": pool.seconds,
+        "isolated_keep_seconds": [max(k) for k in keep],
+        "isolated_cpu_seconds": [max(c) for c in pool.extra.get("cpu_seconds", [])],
+        "isolated": isolated,
+        "step_round": own,
+        "step_round_from_last": last,
+        "ratio": isolated / own,
+        "ratio_from_last": isolated / last,
+        "rounds": training["rounds"],
+        "blocked_seconds": training["blocked_seconds"],
+        "load": training.get("load"),
+    }
+
+
+def run_rounds_only(
+    params: int, reps: int, pairs: int, steps: int, work: Path, log: Any
+) -> dict[str, Any]:
+    """`--rounds-only`: `pairs` times, the isolated pool of 2 (`reps` rounds) then the pool of 2
+    training the stage (its rounds timed in its servers): a step's round against the isolated
+    one, pair by pair (on a shared machine the load moves between runs: compare within a
+    pair)."""
     job_path, count = state_job(params, work)
     job = load_job(job_path)
     state = 16 * count
     log(f"stage: {job.model.d_model} x {job.model.n_layers} blocks, {count / 1e6:.1f}M params")
-    rows = [measure_exchange(2, count, reps, state, work)]
-    rows.append(measure_pool(2, count, reps, state, work))
-    rows[-1].note += f"; {rows[-1].mbps / rows[-2].mbps:.2f} of the bare exchange"
-    log(f"{rows[-1].path}: {rows[-1].mbps:.0f} MB/s")
-    training = measure_training(job_path, state, work)
-    return {
-        "params": count,
-        "bare_process_bytes": measure_bare(work),
-        "training": training,
-        "rows": [
-            {"path": r.path, "mb_per_s": r.mbps, "seconds": r.seconds, "note": r.note, **r.extra}
-            for r in rows
-        ],
-    }
+    out: list[dict[str, Any]] = []
+    for k in range(pairs):
+        load = os.getloadavg()
+        pool = measure_pool(2, count, reps, state, work)
+        training = measure_training(job_path, state, work, steps)
+        out.append({**round_pair(pool, training), "load": load})
+        got = out[-1]
+        log(f"pair {k}: isolated {got['isolated']:.3f} s, a step's {got['step_round']:.3f} s")
+    return {"params": count, "round_pairs": out}
 
 
 def run(params: int, reps: int, scratch: Path, work: Path, log: Any) -> dict[str, Any]:
@@ -672,11 +696,14 @@ def run(params: int, reps: int, scratch: Path, work: Path, log: Any) -> dict[str
     log("state paths: " + ", ".join(f"{r.path} {r.mbps:.0f} MB/s" for r in rows[first:]))
     rows.append(measure_hop(reps, work))
     log(f"{rows[-1].path}: {rows[-1].mbps:.0f} MB/s")
+    load = os.getloadavg()
+    pool = measure_pool(2, count, reps, state, work)  # again: the pair's isolated rounds
     training = measure_training(job_path, state, work)
     log(f"training a pool of 2: peaks {[round(p / GiB, 2) for p in training['peak_rss']]} GiB")
     ceiling = rows[0].mbps
     return {
         "training": training,
+        "round_pairs": [{**round_pair(pool, training), "load": load}],
         "params": count,
         "d_model": job.model.d_model,
         "n_layers": job.model.n_layers,
@@ -763,37 +790,48 @@ def print_training(out: dict[str, Any]) -> None:
     print(f"\nstep seconds: {steps}; blocked on the commit: {blocked}")
 
 
-def print_rounds(out: dict[str, Any]) -> None:
-    """The training pool's rounds against the isolated pool of 2 (the issue's target: a step's
-    round >= 0.8 of the isolated one, as speed: isolated seconds / step's seconds)."""
-    pool = next((r for r in out["rows"] if r["path"].strip() == "pool averaging, 2 replicas"), None)
-    rounds = out["training"].get("rounds", [])
-    if pool is None or not rounds:
+def print_rounds(pairs: list[dict[str, Any]]) -> None:
+    """A training pool's rounds against the isolated pool of 2, pair by pair (the issue's
+    target: a step's round >= 0.8 of the isolated one, as speed: isolated s / a step's s)."""
+    if not pairs:
         return
-    isolated = statistics.median(pool["seconds"])
-    later = rounds[1:] or rounds  # the first round dials the channels (the isolated warm up)
-    own = statistics.median(r["round_seconds"] for r in later)
-    last = statistics.median(r["from_last"] for r in later)
     print()
     print(
-        f"a step's round against the isolated pool of 2 ({pool['path'].strip()}: median of "
-        f"{len(pool['seconds'])}, {isolated:.3f} s); a step's: median of its rounds after the "
-        "first"
+        "a step's averaging round (1 stage, 2 replicas, 4 steps; timed in its stage servers) "
+        "against the isolated pool of 2 run just before it; a step's: its rounds after the first"
     )
-    print()
-    print("| round | slowest member's s | from the last start s | apart s | PREPARE s | spill s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for k, r in enumerate(rounds):
+    for k, p in enumerate(pairs):
+        load = "/".join(f"{x:.1f}" for x in p["load"]) if p.get("load") else "?"
+        keep, cpu = p["isolated_keep_seconds"], p.get("isolated_cpu_seconds", [])
+        spill = f"{statistics.median(keep):.3f}" if keep else "?"
+        used = f"{statistics.median(cpu):.3f}" if cpu else "?"
         print(
-            f"| step {k} | {r['round_seconds']:.3f} | {r['from_last']:.3f} | {r['apart']:.3f} | "
-            f"{r['prepare_seconds']:.3f} | {r['keep_seconds']:.3f} |"
+            f"\npair {k} (load {load} before it): isolated rounds "
+            f"{', '.join(f'{x:.3f}' for x in p['isolated_seconds'])} s (their spill {spill} s, "
+            f"CPU {used} s: medians, the slower replica's)"
         )
-    if "keep_seconds" in pool:
-        spilled = statistics.median(max(k) for k in pool["keep_seconds"])
-        print(f"\nthe isolated round's spill writes: {spilled:.3f} s (slowest replica, median)")
+        print()
+        print("| step | round s | from the last start s | apart s | PREPARE s | spill s | CPU s |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for j, r in enumerate(p["rounds"]):
+            print(
+                f"| {j} | {r['round_seconds']:.3f} | {r['from_last']:.3f} | {r['apart']:.3f} | "
+                f"{r['prepare_seconds']:.3f} | {r['keep_seconds']:.3f} | "
+                f"{r.get('cpu_seconds', 0.0):.3f} |"
+            )
+    print()
+    print("| pair | isolated s | a step's s | ratio | from the last start s | ratio |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for k, p in enumerate(pairs):
+        print(
+            f"| {k} | {p['isolated']:.3f} | {p['step_round']:.3f} | {p['ratio']:.2f} | "
+            f"{p['step_round_from_last']:.3f} | {p['ratio_from_last']:.2f} |"
+        )
+    ratios = [p["ratio"] for p in pairs]
+    lasts = [p["ratio_from_last"] for p in pairs]
     print(
-        f"\nisolated round {isolated:.3f} s; a step's round {own:.3f} s ({isolated / own:.2f} of "
-        f"the isolated), from the last member's start {last:.3f} s ({isolated / last:.2f})"
+        f"\na step's round against the isolated: median ratio {statistics.median(ratios):.2f} "
+        f"over {len(pairs)} pairs (from the last member's start: {statistics.median(lasts):.2f})"
     )
 
 
@@ -816,6 +854,12 @@ def main() -> None:
         help="only the bare exchange and the pool of 2, isolated, then the pool of 2 training the "
         "stage: a step's averaging round against the isolated one",
     )
+    parser.add_argument(
+        "--pairs", type=int, default=3, help="--rounds-only: isolated and training pairs to run"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=4, help="--rounds-only: steps of each training pool"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -828,7 +872,7 @@ def main() -> None:
         if args.training_only:
             out = run_training(int(args.params), work, log)
         elif args.rounds_only:
-            out = run_rounds_only(int(args.params), args.reps, work, log)
+            out = run_rounds_only(int(args.params), args.reps, args.pairs, args.steps, work, log)
         else:
             out = run(int(args.params), args.reps, args.dir, work, log)
     except BaseException:
@@ -840,9 +884,9 @@ def main() -> None:
     else:
         if not args.training_only and not args.rounds_only:
             print_tables(out)
-        print_training(out)
-        if not args.training_only:
-            print_rounds(out)
+        if not args.rounds_only:
+            print_training(out)
+        print_rounds(out.get("round_pairs", []))
 
 
 if __name__ == "__main__":

@@ -273,6 +273,7 @@ async def replica(args: dict[str, Any]) -> None:
                 allocator.give_back()
             counted[:], kept[0] = [0, 0], 0.0
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            cpu = time.process_time()
             started = time.perf_counter()
             settings = RoundSettings(
                 group=group, index=index, round=cmd[1], job=POOL_JOB, stage=0, timeout_s=timeout,
@@ -283,11 +284,12 @@ async def replica(args: dict[str, Any]) -> None:
             )
             seconds = time.perf_counter() - started
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            cpu = time.process_time() - cpu
             digest = hashlib.sha256(total.numpy().data.cast("B")).hexdigest()
             del total
             spill.restore()
             say(result={"seconds": seconds, "sha256": digest, "sent": counted[0],
-                        "keep_seconds": kept[0], "page_faults": faults})  # fmt: skip
+                        "keep_seconds": kept[0], "page_faults": faults, "cpu": cpu})  # fmt: skip
     finally:
         await channels.close()
         await server.stop(None)
@@ -577,9 +579,10 @@ def timed_stage_server(args: dict[str, Any]) -> None:
 
     @functools.wraps(reduce)
     async def timed_reduce(flat: torch.Tensor, settings: Any, **kwargs: Any) -> torch.Tensor:
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         total = await reduce(flat, settings, **kwargs)
-        record("round", start, round=settings.round, index=settings.index)
+        cpu = time.process_time() - cpu  # every thread's of this process, the round's and not
+        record("round", start, round=settings.round, index=settings.index, cpu=cpu)
         return total
 
     commit = commit_module.Committer.commit

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import logging
 import os
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,17 @@ from typing import Any
 import pytest
 import torch
 
+from stage_server.averaging import spill as spill_module
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.flat import split_parts
 from stage_server.averaging.owner import AveragingAborted
-from stage_server.averaging import spill as spill_module
-from stage_server.averaging.spill import Spill, in_memory_fs, spill_directory
+from stage_server.averaging.spill import (
+    Spill,
+    SpillFile,
+    dirty_expiry_s,
+    in_memory_fs,
+    spill_directory,
+)
 from stage_server.step_sums import Sums
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
 from tests.support.disks import fill, tiny_disk
@@ -113,6 +120,37 @@ def test_a_replicas_steps_spill_into_one_file_and_each_reads_back_only_its_own(
     del sums, spill
     gc.collect()
     assert not os.path.exists(f"/proc/self/fd/{made[0]}")  # closed with the sums
+
+
+def test_a_spill_file_goes_unwritten_before_the_kernel_would_write_it_back(tmp_path: Path) -> None:
+    """A spill file the kernel would soon write to disk (half its dirty expiry old: the default
+    age) is not lent again but closed, its pages dropped unwritten; one left free closes itself
+    at that age."""
+    assert dirty_expiry_s() > 0 and SpillFile().max_age_s == dirty_expiry_s() / 2
+    flat = torch.randn(4096)
+
+    def spilled(file: SpillFile) -> int:
+        spill = Spill(flat, tmp_path, file)
+        spill.keep(slice(0, 4096))
+        fd = spill._file
+        assert fd is not None
+        spill.close()
+        return fd
+
+    old = SpillFile(max_age_s=0.0)  # every file too old at once
+    first = spilled(old)
+    assert not os.path.exists(f"/proc/self/fd/{first}")  # closed when given back
+    spilled(old)
+    assert old.opened == 2
+    young = SpillFile(max_age_s=3600.0)
+    assert spilled(young) == spilled(young) and young.opened == 1
+    aging = SpillFile(max_age_s=0.2)
+    fd = spilled(aging)
+    deadline = time.monotonic() + 30.0  # a generous bound: the machine may be busy
+    while os.path.exists(f"/proc/self/fd/{fd}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/self/fd/{fd}"), "a free file outlived its age"
+    assert spilled(aging) != -1 and aging.opened == 2
 
 
 def test_a_full_disk_keeps_the_values_in_memory(
