@@ -2,6 +2,7 @@
 each process takes against the state it serves, all measured in one run.
 
     .venv/bin/python bench/bulk.py [--params 50e6] [--reps 3] [--dir /tmp] [--json]
+    .venv/bin/python bench/bulk.py --rounds-only [--pairs 3] [--steps 4] [--reps 5]
 
 A stage of about `--params` parameters (a byte-level GPT, `[training] stages = 1`, float32,
 AdamW: d_model a multiple of 64, 4 blocks, n_layers fewer when that comes closer) holds
@@ -57,6 +58,20 @@ to the bare stream's MB/s in the same run:
   position out: a LayerNorm and a d_model x 1 product); their compute, timed in the client
   process on one thread, is subtracted from the calls' time as well. Bytes: all tensor bytes in
   and out of both calls (one hop's in + out, about 64 MiB).
+
+A step's round against the isolated one (issue 43, item 6; the target: >= 0.8 of the isolated
+round's speed): the pool of 2 training the stage (below) runs on stage servers whose commits are
+timed where they run (`bulk_child.py`'s `timed-stage-server`: `swarm stage-server` in a wrapper
+that times `all_reduce`, the PREPARE and APPLY calls and the spill's writes, in CLOCK_MONOTONIC,
+one clock for every process here). Each step's round is the slower member's `all_reduce` call;
+"from the last start" runs from the later member's call to the last one's end (the wait for a
+member that came later is not the round's), "apart" is that wait. Right before it, the isolated
+pool of 2 runs again (`--reps` rounds), and the two make a pair: the ratio is the isolated
+median / the median of the step's rounds after its first (whose channels are dialled then, as
+the isolated pool's warm-up dials them). With both, the CPU seconds the process used in each
+round (every thread's): on a machine that others load, CPU moves less than wall time.
+`--rounds-only` runs only `--pairs` such pairs, each training `--steps` steps, and reports each
+pair and the median of their ratios, with the load average before each.
 
 Memory: the peak RSS (VmHWM) of every process of every row, against 16 B x the parameters of the
 stage it works for ("state"), as `peak / state` and `(peak - bare) / state`, where `bare` is the

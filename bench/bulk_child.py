@@ -18,7 +18,8 @@ Roles:
   on a `grpc.aio` server, a `ChannelPool`), holding a seeded random flat gradient; each `go`
   runs `butterfly.all_reduce` over the group last given, in place as a commit averages (each
   slice kept in a `Spill` in the work directory first; the gradient restored from it after the
-  round, untimed), and answers its seconds and the sha256 of the sum.
+  round, untimed), and answers its seconds, the sha256 of the sum, its seconds in the spill's
+  writes and the CPU seconds the process used in the round (every thread's).
 - `download`: trains one step on a stage server (so it holds AdamW's moments), then downloads
   its state with `StageClient.download_state(include_optimizer=True)`, `reps` times.
 - `load`: downloads a state from one stage server (not timed), then `StageClient.load_state`s
@@ -27,6 +28,10 @@ Roles:
   reads it with `load_stage`, against one `write` + `fsync` of as many bytes and one `read`.
 - `hop`: `StageClient.forward` of a large boundary through two stage servers (see bulk.py), and
   the same stages' compute timed in this process, to be subtracted.
+- `timed-stage-server`: `swarm stage-server` itself in this process (JSON args: its `argv`), each
+  commit's PREPARE, APPLY, averaging round and spill writes timed into the file `times` (see
+  `timed_stage_server`): a training step's round, measured where it runs. Its output is the
+  server's (the ready line the benchmark waits for), not JSON lines.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import gc
 import hashlib
 import json
 import os
-import resource
 import statistics
 import struct
 import sys
@@ -263,16 +267,7 @@ async def replica(args: dict[str, Any]) -> None:
 
     try:
         while (cmd := await command())[0] == "go":
-            as_step = set(cmd[2].split(",")) if len(cmd) > 2 else set()
-            if "spill" in as_step:  # a new spill file, as each step's commit makes one
-                spill.close()
-                spill = Spill(flat, Path(args["spill_dir"]))
-            if "trim" in as_step:  # the arenas given back first, as a commit does
-                from swarm.ops import allocator
-
-                allocator.give_back()
             counted[:], kept[0] = [0, 0], 0.0
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             cpu = time.process_time()
             started = time.perf_counter()
             settings = RoundSettings(
@@ -283,13 +278,12 @@ async def replica(args: dict[str, Any]) -> None:
                 flat, settings, averager=averager, channels=channels, on_bytes=on_bytes, keep=keep
             )
             seconds = time.perf_counter() - started
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             cpu = time.process_time() - cpu
             digest = hashlib.sha256(total.numpy().data.cast("B")).hexdigest()
             del total
             spill.restore()
             say(result={"seconds": seconds, "sha256": digest, "sent": counted[0],
-                        "keep_seconds": kept[0], "page_faults": faults, "cpu": cpu})  # fmt: skip
+                        "keep_seconds": kept[0], "cpu": cpu})  # fmt: skip
     finally:
         await channels.close()
         await server.stop(None)
@@ -606,32 +600,6 @@ def timed_stage_server(args: dict[str, Any]) -> None:
     commit_module.all_reduce = timed_reduce  # type: ignore[assignment]
     commit_module.Committer.commit = timed_commit  # type: ignore[method-assign]
     spill_module.Spill.keep = timed_keep  # type: ignore[method-assign]
-    variant = os.environ.get("BULK_VARIANT", "")  # ad hoc experiments
-    if "notrim" in variant:
-        from swarm.ops import allocator
-
-        allocator.give_back = lambda beside=None: False  # type: ignore[assignment]
-    if "reuse" in variant:
-        from stage_server import step_sums
-
-        files: list[int] = []
-        orig_write = spill_module.Spill._write
-        orig_close = spill_module.Spill._close
-
-        def write(self: Any, values: torch.Tensor, offset: int) -> bool:
-            if self._file is None and files:
-                self._file = files.pop()
-            return orig_write(self, values, offset)
-
-        def close(self: Any) -> None:
-            if self._file is not None:
-                files.append(self._file)
-                self._file = None
-            orig_close(self)
-
-        spill_module.Spill._write = write  # type: ignore[method-assign]
-        spill_module.Spill._close = close  # type: ignore[method-assign]
-        del step_sums
     raise SystemExit(swarm_main(args["argv"]))
 
 
