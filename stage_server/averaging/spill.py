@@ -16,12 +16,12 @@ peak is as before.
 One file serves a replica's steps one after another (`SpillFile`, held by its `Sums`): a step's
 spill writes over the pages an earlier step wrote, which the page cache still holds, instead of
 a new file's. A new file's pages are allocated and charged page by page as the round writes
-them, and freed when it closes: that cost a step's round about as much as the spill's copy
-itself (bench/bulk.py --rounds-only, docs/bulk.md). The file still goes before the kernel would
-write its pages back (`vm.dirty_expire_centisecs`, 30 s): one no older than half that is reused,
-an older one is closed and its pages dropped unwritten, as each step's were before. So a
-replica pays for a new file's pages once in that time, not at every step, and its spill never
-reaches the disk but under memory pressure.
+them, and freed when it closes: on shared cores that cost a step's round as much as the rest
+of it (bench/bulk.py --rounds-only, docs/bulk.md). The price: while a replica commits, its file
+stays dirty, so the kernel writes it back (`vm.dirty_expire_centisecs`: about every 30 s, at
+most the gradient's bytes each time; a file made anew at every step never reached the disk
+but under memory pressure). A file left free for half that time (a replica that stopped
+committing) is closed, its pages dropped.
 
 Thread-safety: `keep` runs in the event loop's threads as slices arrive while the replica's
 worker may `restore` (a straggler); a slice is recorded kept only once its values are written,
@@ -34,7 +34,6 @@ import logging
 import os
 import tempfile
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -53,63 +52,54 @@ OFF = "off"  # the spill directory that keeps the sums in memory
 class SpillFile:
     """An unlinked spill file that one spill after another writes (a replica's steps, one at a
     time): lent to a `Spill` at its first write, given back when it closes; closed, its pages
-    dropped unwritten, once it is `max_age_s` old (or with `close`, or when collected): a
-    younger one free then is closed when it reaches that age. What a spill reads back is only
-    what it wrote itself: what an earlier one left in the file is never read."""
+    dropped, once it is left free for `idle_s` (or with `close`, or when collected). What a
+    spill reads back is only what it wrote itself: what an earlier one left in the file is
+    never read."""
 
-    def __init__(self, max_age_s: float | None = None) -> None:
-        self.max_age_s = dirty_expiry_s() / 2 if max_age_s is None else max_age_s
+    def __init__(self, idle_s: float | None = None) -> None:
+        self.idle_s = dirty_expiry_s() / 2 if idle_s is None else idle_s
         self._lock = threading.Lock()
-        # (its directory, its descriptor, when it was made) while free; made anew when too old
-        self._free: tuple[Path, int, float] | None = None
-        self._timer: threading.Timer | None = None  # closes the free file at its age
-        self._born: dict[int, float] = {}  # descriptor lent -> when it was made
+        self._free: tuple[Path, int] | None = None  # (its directory, its descriptor) while free
+        self._timer: threading.Timer | None = None  # closes the free file when left idle
         self.opened = 0  # files made so far
 
     def lend(self, directory: Path) -> int:
-        """The file, or a new one in `directory` when it is lent already, lies elsewhere or
-        is too old."""
+        """The file, or a new one in `directory` when it is lent already or lies elsewhere."""
         with self._lock:
             free, self._free = self._free, None
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
         if free is not None:
-            where, fd, born = free
-            if where == directory and time.monotonic() - born < self.max_age_s:
-                with self._lock:
-                    self._born[fd] = born
-                return fd
-            os.close(fd)
+            if free[0] == directory:
+                return free[1]
+            os.close(free[1])
         fd = _unlinked_file(directory)
         with self._lock:
             self.opened += 1
-            self._born[fd] = time.monotonic()
         return fd
 
     def give_back(self, directory: Path, fd: int) -> None:
-        """`fd` (from `lend`) free again: kept for the next spill until it is `max_age_s` old,
-        else (or when one is kept already) closed."""
+        """`fd` (from `lend`) free again: kept for the next spill for `idle_s`, else (or when
+        one is kept already) closed."""
         with self._lock:
-            born = self._born.pop(fd, 0.0)
-            left = self.max_age_s - (time.monotonic() - born)
-            if self._free is None and left > 0:
-                self._free, fd = (directory, fd, born), -1
+            if self._free is None and self.idle_s > 0:
+                self._free, fd = (directory, fd), -1
                 # A weak reference: a pending timer does not keep the file open past its
                 # holder's life.
-                self._timer = threading.Timer(left, _expire, (weakref.ref(self),))
+                self._timer = threading.Timer(self.idle_s, _expire, (weakref.ref(self),))
                 self._timer.daemon = True
                 self._timer.start()
         if fd >= 0:
             os.close(fd)
 
     def _expire(self) -> None:
-        """The free file reached its age: it goes, its pages unwritten."""
+        """Left free for `idle_s`: the file goes (its pages dropped, unwritten when younger than
+        the kernel's dirty expiry)."""
         with self._lock:
-            if self._free is None or time.monotonic() - self._free[2] < self.max_age_s:
-                return  # lent meanwhile (its spill gives it back, or closes it), or anew
             free, self._free, self._timer = self._free, None, None
-        os.close(free[1])
+        if free is not None:
+            os.close(free[1])
 
     def close(self) -> None:
         with self._lock:

@@ -122,11 +122,11 @@ def test_a_replicas_steps_spill_into_one_file_and_each_reads_back_only_its_own(
     assert not os.path.exists(f"/proc/self/fd/{made[0]}")  # closed with the sums
 
 
-def test_a_spill_file_goes_unwritten_before_the_kernel_would_write_it_back(tmp_path: Path) -> None:
-    """A spill file the kernel would soon write to disk (half its dirty expiry old: the default
-    age) is not lent again but closed, its pages dropped unwritten; one left free closes itself
-    at that age."""
-    assert dirty_expiry_s() > 0 and SpillFile().max_age_s == dirty_expiry_s() / 2
+def test_a_spill_file_left_idle_goes(tmp_path: Path) -> None:
+    """A replica that stopped committing drops its spill file once it is left free for half the
+    kernel's dirty expiry (the default), before the kernel writes it back; one no spill is to
+    keep (`idle_s` 0) closes at once."""
+    assert dirty_expiry_s() > 0 and SpillFile().idle_s == dirty_expiry_s() / 2
     flat = torch.randn(4096)
 
     def spilled(file: SpillFile) -> int:
@@ -137,20 +137,21 @@ def test_a_spill_file_goes_unwritten_before_the_kernel_would_write_it_back(tmp_p
         spill.close()
         return fd
 
-    old = SpillFile(max_age_s=0.0)  # every file too old at once
-    first = spilled(old)
+    kept_none = SpillFile(idle_s=0.0)
+    first = spilled(kept_none)
     assert not os.path.exists(f"/proc/self/fd/{first}")  # closed when given back
-    spilled(old)
-    assert old.opened == 2
-    young = SpillFile(max_age_s=3600.0)
-    assert spilled(young) == spilled(young) and young.opened == 1
-    aging = SpillFile(max_age_s=0.2)
-    fd = spilled(aging)
+    spilled(kept_none)
+    assert kept_none.opened == 2
+    busy = SpillFile(idle_s=3600.0)
+    assert spilled(busy) == spilled(busy) and busy.opened == 1
+    idle = SpillFile(idle_s=0.2)
+    fd = spilled(idle)
     deadline = time.monotonic() + 30.0  # a generous bound: the machine may be busy
     while os.path.exists(f"/proc/self/fd/{fd}") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not os.path.exists(f"/proc/self/fd/{fd}"), "a free file outlived its age"
-    assert spilled(aging) != -1 and aging.opened == 2
+    assert not os.path.exists(f"/proc/self/fd/{fd}"), "a file left idle stayed open"
+    spilled(idle)
+    assert idle.opened == 2
 
 
 def test_a_full_disk_keeps_the_values_in_memory(
