@@ -2,6 +2,7 @@
 each process takes against the state it serves, all measured in one run.
 
     .venv/bin/python bench/bulk.py [--params 50e6] [--reps 3] [--dir /tmp] [--json]
+    .venv/bin/python bench/bulk.py --rounds-only [--pairs 3] [--steps 4] [--reps 5]
 
 A stage of about `--params` parameters (a byte-level GPT, `[training] stages = 1`, float32,
 AdamW: d_model a multiple of 64, 4 blocks, n_layers fewer when that comes closer) holds
@@ -57,6 +58,20 @@ to the bare stream's MB/s in the same run:
   position out: a LayerNorm and a d_model x 1 product); their compute, timed in the client
   process on one thread, is subtracted from the calls' time as well. Bytes: all tensor bytes in
   and out of both calls (one hop's in + out, about 64 MiB).
+
+A step's round against the isolated one (issue 43, item 6; the target: >= 0.8 of the isolated
+round's speed): the pool of 2 training the stage (below) runs on stage servers whose commits are
+timed where they run (`bulk_child.py`'s `timed-stage-server`: `swarm stage-server` in a wrapper
+that times `all_reduce`, the PREPARE and APPLY calls and the spill's writes, in CLOCK_MONOTONIC,
+one clock for every process here). Each step's round is the slower member's `all_reduce` call;
+"from the last start" runs from the later member's call to the last one's end (the wait for a
+member that came later is not the round's), "apart" is that wait. Right before it, the isolated
+pool of 2 runs again (`--reps` rounds), and the two make a pair: the ratio is the isolated
+median / the median of the step's rounds after its first (whose channels are dialled then, as
+the isolated pool's warm-up dials them). With both, the CPU seconds the process used in each
+round (every thread's): on a machine that others load, CPU moves less than wall time.
+`--rounds-only` runs only `--pairs` such pairs, each training `--steps` steps, and reports each
+pair and the median of their ratios, with the load average before each.
 
 Memory: the peak RSS (VmHWM) of every process of every row, against 16 B x the parameters of the
 stage it works for ("state"), as `peak / state` and `(peak - bare) / state`, where `bare` is the
@@ -175,15 +190,35 @@ class Child:
                 self.proc.wait()
 
 
-def stage_server(job_path: Path, stage: int, log_dir: Path, name: str) -> SwarmProcess:
+def stage_server(
+    job_path: Path, stage: int, log_dir: Path, name: str, times: Path | None = None
+) -> SwarmProcess:
+    """`swarm stage-server` of `stage`, serving; with `times`, its commits' phases timed into
+    that file (`bulk_child.py`'s `timed-stage-server`, the same server in a wrapper)."""
     args = ["stage-server", "--job", str(job_path), "--stage", str(stage), "--port", "0"]
-    server = start_process([*args, "--threads", "1"], log_dir=log_dir, name=name)
+    args += ["--threads", "1"]
+    if times is None:
+        server = start_process(args, log_dir=log_dir, name=name)
+    else:
+        server = start_timed(args, times, log_dir, name)
     try:
         server.wait_ready(READY_TIMEOUT_S)
     except BaseException:
         server.kill()
         raise
     return server
+
+
+def start_timed(args: list[str], times: Path, log_dir: Path, name: str) -> SwarmProcess:
+    log_path = log_dir / f"{name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(CHILD), "timed-stage-server",
+             json.dumps({"argv": args, "times": str(times)})],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+    return SwarmProcess(args, proc, log_path)
 
 
 @dataclass
@@ -197,8 +232,10 @@ class Procs:
         self.children.append(Child(role, args, log_dir, name))
         return self.children[-1]
 
-    def server(self, job_path: Path, stage: int, log_dir: Path, name: str) -> SwarmProcess:
-        self.servers.append(stage_server(job_path, stage, log_dir, name))
+    def server(
+        self, job_path: Path, stage: int, log_dir: Path, name: str, times: Path | None = None
+    ) -> SwarmProcess:
+        self.servers.append(stage_server(job_path, stage, log_dir, name, times))
         return self.servers[-1]
 
     def close(self) -> None:
@@ -402,7 +439,12 @@ def measure_pool(n: int, params: int, reps: int, state: int, work: Path) -> Row:
         slowest,
         mem,
         f"slowest replica; fastest {fast:.0f} MB/s; sum checked",
-        {"replica_seconds": [[r["seconds"] for r in rs] for rs in rounds], "counted": counted},
+        {
+            "replica_seconds": [[r["seconds"] for r in rs] for rs in rounds],
+            "keep_seconds": [[r["keep_seconds"] for r in rs] for rs in rounds],
+            "cpu_seconds": [[r["cpu"] for r in rs] for rs in rounds],
+            "counted": counted,
+        },
     )
 
 
@@ -503,21 +545,21 @@ def measure_hop(reps: int, work: Path) -> Row:
     return Row("activation hop", nbytes, wire, mem, note, extra, per_state=False)
 
 
-def training_job_text(state_job: Path) -> str:
+def training_job_text(state_job: Path, steps: int = 4) -> str:
     """The state job as a pool trains it: the issue's 4 steps of 8 samples, 128 positions."""
     text = state_job.read_text()
     for old, new in (
         ("seq_len = 32", "seq_len = 128"),
         ("microbatch_size = 1", "microbatch_size = 4"),
         ("target_batch_size = 1", "target_batch_size = 8"),
-        ("steps = 1000", "steps = 4"),
+        ("steps = 1000", f"steps = {steps}"),
     ):
         text = text.replace(old, new)
     data = ROOT / "examples" / "data" / "corpus.txt"
     return text.replace("[training]", f'[data]\nkind = "text"\npath = "{data}"\n[training]')
 
 
-def measure_training(state_job: Path, state: int, work: Path) -> dict[str, Any]:
+def measure_training(state_job: Path, state: int, work: Path, steps: int = 4) -> dict[str, Any]:
     """Two stage servers training the stage as one pool (the standalone trainer, in this
     process): each server's peak RSS holds the parameters, AdamW's state, the step's gradient
     sums and whatever a commit and its averaging add."""
@@ -528,12 +570,14 @@ def measure_training(state_job: Path, state: int, work: Path) -> dict[str, Any]:
     from swarm.rpc.lease import Replica
 
     path = work / "training.toml"
-    path.write_text(training_job_text(state_job))
+    path.write_text(training_job_text(state_job, steps))
     job = load_job(path)
     procs = Procs()
     records: list[StepRecord] = []
+    times = work / "commit-times.jsonl"
+    times.unlink(missing_ok=True)
     try:
-        servers = [procs.server(path, 0, work, f"train-{k}") for k in range(2)]
+        servers = [procs.server(path, 0, work, f"train-{k}", times) for k in range(2)]
         pool = [[Replica(s.address, s.address) for s in servers]]
         asyncio.run(train_standalone(job, pool, on_step=records.append))
         peaks = [peak_rss(s.proc.pid) for s in servers]
@@ -546,7 +590,45 @@ def measure_training(state_job: Path, state: int, work: Path) -> dict[str, Any]:
         "blocked_seconds": [r.blocked_seconds for r in records],
         "peak_rss": peaks,
         "state_bytes": state,
+        "rounds": step_rounds(times),
     }
+
+
+def step_rounds(times: Path) -> list[dict[str, Any]]:
+    """Each committed step's averaging round as its members timed it (`timed-stage-server`), in
+    order: `round` the slowest member's own (its `all_reduce` call, from its own start);
+    `from_last` from when the later member started to when the last one ended (the round's cost,
+    without the wait for the member that came later); `apart` how far apart they started;
+    `prepare` the slowest member's whole PREPARE (receipts, its sums, the round, the norm);
+    `keep` the slowest member's spill writes in the round (seconds, on threads beside it)."""
+    events = [json.loads(line) for line in times.read_text().splitlines() if line.strip()]
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        if e["what"] == "round":
+            rounds.setdefault(e["round"], []).append(e)
+    out = []
+    for name, members in sorted(rounds.items(), key=lambda kv: min(e["start"] for e in kv[1])):
+        starts, ends = [e["start"] for e in members], [e["end"] for e in members]
+        prepares = [e for e in events if e["what"] == "prepare" and e["round"] == name]
+        keeps = [
+            sum(k["end"] - k["start"] for k in events
+                if k["what"] == "keep" and k["pid"] == m["pid"]
+                and m["start"] <= k["start"] <= m["end"])
+            for m in members
+        ]  # fmt: skip
+        out.append(
+            {
+                "round": name,
+                "members": len(members),
+                "round_seconds": max(e - s for s, e in zip(starts, ends, strict=True)),
+                "from_last": max(ends) - max(starts),
+                "apart": max(starts) - min(starts),
+                "prepare_seconds": max((p["end"] - p["start"] for p in prepares), default=0.0),
+                "keep_seconds": max(keeps, default=0.0),
+                "cpu_seconds": max(e.get("cpu", 0.0) for e in members),
+            }
+        )
+    return out
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -561,6 +643,52 @@ def run_training(params: int, work: Path, log: Any) -> dict[str, Any]:
     training = measure_training(job_path, 16 * count, work)
     log(f"training a pool of 2: peaks {[round(p / GiB, 2) for p in training['peak_rss']]} GiB")
     return {"params": count, "bare_process_bytes": bare, "training": training}
+
+
+def round_pair(pool: Row, training: dict[str, Any]) -> dict[str, Any]:
+    """An isolated pool of 2's rounds and a training pool of 2's, measured one after the other:
+    their medians (a step's after its first round, which dials the channels as the isolated
+    pool's warm-up does) and the ratio the issue's target reads, isolated s / a step's s."""
+    later = training["rounds"][1:] or training["rounds"]
+    isolated = statistics.median(pool.seconds)
+    own = statistics.median(r["round_seconds"] for r in later)
+    last = statistics.median(r["from_last"] for r in later)
+    keep = pool.extra.get("keep_seconds", [])
+    return {
+        "isolated_seconds": pool.seconds,
+        "isolated_keep_seconds": [max(k) for k in keep],
+        "isolated_cpu_seconds": [max(c) for c in pool.extra.get("cpu_seconds", [])],
+        "isolated": isolated,
+        "step_round": own,
+        "step_round_from_last": last,
+        "ratio": isolated / own,
+        "ratio_from_last": isolated / last,
+        "rounds": training["rounds"],
+        "blocked_seconds": training["blocked_seconds"],
+        "load": training.get("load"),
+    }
+
+
+def run_rounds_only(
+    params: int, reps: int, pairs: int, steps: int, work: Path, log: Any
+) -> dict[str, Any]:
+    """`--rounds-only`: `pairs` times, the isolated pool of 2 (`reps` rounds) then the pool of 2
+    training the stage (its rounds timed in its servers): a step's round against the isolated
+    one, pair by pair (on a shared machine the load moves between runs: compare within a
+    pair)."""
+    job_path, count = state_job(params, work)
+    job = load_job(job_path)
+    state = 16 * count
+    log(f"stage: {job.model.d_model} x {job.model.n_layers} blocks, {count / 1e6:.1f}M params")
+    out: list[dict[str, Any]] = []
+    for k in range(pairs):
+        load = os.getloadavg()
+        pool = measure_pool(2, count, reps, state, work)
+        training = measure_training(job_path, state, work, steps)
+        out.append({**round_pair(pool, training), "load": load})
+        got = out[-1]
+        log(f"pair {k}: isolated {got['isolated']:.3f} s, a step's {got['step_round']:.3f} s")
+    return {"params": count, "round_pairs": out}
 
 
 def run(params: int, reps: int, scratch: Path, work: Path, log: Any) -> dict[str, Any]:
@@ -583,11 +711,14 @@ def run(params: int, reps: int, scratch: Path, work: Path, log: Any) -> dict[str
     log("state paths: " + ", ".join(f"{r.path} {r.mbps:.0f} MB/s" for r in rows[first:]))
     rows.append(measure_hop(reps, work))
     log(f"{rows[-1].path}: {rows[-1].mbps:.0f} MB/s")
+    load = os.getloadavg()
+    pool = measure_pool(2, count, reps, state, work)  # again: the pair's isolated rounds
     training = measure_training(job_path, state, work)
     log(f"training a pool of 2: peaks {[round(p / GiB, 2) for p in training['peak_rss']]} GiB")
     ceiling = rows[0].mbps
     return {
         "training": training,
+        "round_pairs": [{**round_pair(pool, training), "load": load}],
         "params": count,
         "d_model": job.model.d_model,
         "n_layers": job.model.n_layers,
@@ -674,6 +805,51 @@ def print_training(out: dict[str, Any]) -> None:
     print(f"\nstep seconds: {steps}; blocked on the commit: {blocked}")
 
 
+def print_rounds(pairs: list[dict[str, Any]]) -> None:
+    """A training pool's rounds against the isolated pool of 2, pair by pair (the issue's
+    target: a step's round >= 0.8 of the isolated one, as speed: isolated s / a step's s)."""
+    if not pairs:
+        return
+    print()
+    print(
+        "a step's averaging round (1 stage, 2 replicas, 4 steps; timed in its stage servers) "
+        "against the isolated pool of 2 run just before it; a step's: its rounds after the first"
+    )
+    for k, p in enumerate(pairs):
+        load = "/".join(f"{x:.1f}" for x in p["load"]) if p.get("load") else "?"
+        keep, cpu = p["isolated_keep_seconds"], p.get("isolated_cpu_seconds", [])
+        spill = f"{statistics.median(keep):.3f}" if keep else "?"
+        used = f"{statistics.median(cpu):.3f}" if cpu else "?"
+        print(
+            f"\npair {k} (load {load} before it): isolated rounds "
+            f"{', '.join(f'{x:.3f}' for x in p['isolated_seconds'])} s (their spill {spill} s, "
+            f"CPU {used} s: medians, the slower replica's)"
+        )
+        print()
+        print("| step | round s | from the last start s | apart s | PREPARE s | spill s | CPU s |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for j, r in enumerate(p["rounds"]):
+            print(
+                f"| {j} | {r['round_seconds']:.3f} | {r['from_last']:.3f} | {r['apart']:.3f} | "
+                f"{r['prepare_seconds']:.3f} | {r['keep_seconds']:.3f} | "
+                f"{r.get('cpu_seconds', 0.0):.3f} |"
+            )
+    print()
+    print("| pair | isolated s | a step's s | ratio | from the last start s | ratio |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for k, p in enumerate(pairs):
+        print(
+            f"| {k} | {p['isolated']:.3f} | {p['step_round']:.3f} | {p['ratio']:.2f} | "
+            f"{p['step_round_from_last']:.3f} | {p['ratio_from_last']:.2f} |"
+        )
+    ratios = [p["ratio"] for p in pairs]
+    lasts = [p["ratio_from_last"] for p in pairs]
+    print(
+        f"\na step's round against the isolated: median ratio {statistics.median(ratios):.2f} "
+        f"over {len(pairs)} pairs (from the last member's start: {statistics.median(lasts):.2f})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=50e6, help="the stage's parameters")
@@ -687,6 +863,18 @@ def main() -> None:
         help="only a pool of 2 training the stage, and its replicas' peak RSS (a large --params "
         "without the transfer rows)",
     )
+    parser.add_argument(
+        "--rounds-only",
+        action="store_true",
+        help="only the bare exchange and the pool of 2, isolated, then the pool of 2 training the "
+        "stage: a step's averaging round against the isolated one",
+    )
+    parser.add_argument(
+        "--pairs", type=int, default=3, help="--rounds-only: isolated and training pairs to run"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=4, help="--rounds-only: steps of each training pool"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -698,6 +886,8 @@ def main() -> None:
     try:
         if args.training_only:
             out = run_training(int(args.params), work, log)
+        elif args.rounds_only:
+            out = run_rounds_only(int(args.params), args.reps, args.pairs, args.steps, work, log)
         else:
             out = run(int(args.params), args.reps, args.dir, work, log)
     except BaseException:
@@ -707,9 +897,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        if not args.training_only:
+        if not args.training_only and not args.rounds_only:
             print_tables(out)
-        print_training(out)
+        if not args.rounds_only:
+            print_training(out)
+        print_rounds(out.get("round_pairs", []))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ Roles:
   on a `grpc.aio` server, a `ChannelPool`), holding a seeded random flat gradient; each `go`
   runs `butterfly.all_reduce` over the group last given, in place as a commit averages (each
   slice kept in a `Spill` in the work directory first; the gradient restored from it after the
-  round, untimed), and answers its seconds and the sha256 of the sum.
+  round, untimed), and answers its seconds, the sha256 of the sum, its seconds in the spill's
+  writes and the CPU seconds the process used in the round (every thread's).
 - `download`: trains one step on a stage server (so it holds AdamW's moments), then downloads
   its state with `StageClient.download_state(include_optimizer=True)`, `reps` times.
 - `load`: downloads a state from one stage server (not timed), then `StageClient.load_state`s
@@ -27,6 +28,10 @@ Roles:
   reads it with `load_stage`, against one `write` + `fsync` of as many bytes and one `read`.
 - `hop`: `StageClient.forward` of a large boundary through two stage servers (see bulk.py), and
   the same stages' compute timed in this process, to be subtracted.
+- `timed-stage-server`: `swarm stage-server` itself in this process (JSON args: its `argv`), each
+  commit's PREPARE, APPLY, averaging round and spill writes timed into the file `times` (see
+  `timed_stage_server`): a training step's round, measured where it runs. Its output is the
+  server's (the ready line the benchmark waits for), not JSON lines.
 """
 
 from __future__ import annotations
@@ -250,12 +255,20 @@ async def replica(args: dict[str, Any]) -> None:
     # after each round (not timed) for the next.
     spill = Spill(flat, Path(args["spill_dir"]))
 
+    kept = [0.0]  # this round's seconds in the spill's writes (on threads beside the round)
+
+    def timed_keep(where: slice) -> None:
+        start = time.perf_counter()
+        spill.keep(where)
+        kept[0] += time.perf_counter() - start
+
     async def keep(where: slice) -> None:
-        await asyncio.to_thread(spill.keep, where)
+        await asyncio.to_thread(timed_keep, where)
 
     try:
         while (cmd := await command())[0] == "go":
-            counted[:] = [0, 0]
+            counted[:], kept[0] = [0, 0], 0.0
+            cpu = time.process_time()
             started = time.perf_counter()
             settings = RoundSettings(
                 group=group, index=index, round=cmd[1], job=POOL_JOB, stage=0, timeout_s=timeout,
@@ -265,10 +278,12 @@ async def replica(args: dict[str, Any]) -> None:
                 flat, settings, averager=averager, channels=channels, on_bytes=on_bytes, keep=keep
             )
             seconds = time.perf_counter() - started
+            cpu = time.process_time() - cpu
             digest = hashlib.sha256(total.numpy().data.cast("B")).hexdigest()
             del total
             spill.restore()
-            say(result={"seconds": seconds, "sha256": digest, "sent": counted[0]})
+            say(result={"seconds": seconds, "sha256": digest, "sent": counted[0],
+                        "keep_seconds": kept[0], "cpu": cpu})  # fmt: skip
     finally:
         await channels.close()
         await server.stop(None)
@@ -532,6 +547,62 @@ async def hop(args: dict[str, Any]) -> None:
     await wait_for("quit")
 
 
+# --- a timed stage server -------------------------------------------------------------------
+
+
+def timed_stage_server(args: dict[str, Any]) -> None:
+    """`swarm stage-server ARGV` in this process, each of its commits' phases timed: a JSON line
+    a phase (`{"what", "round", "step", "start", "end"}`, CLOCK_MONOTONIC seconds, one clock for
+    every process of the machine) appended to the file `args["times"]`. Timed: a PREPARE whole
+    (`prepare`), its all-reduce (`round`: from this member's call of `all_reduce` to its
+    return), the spill's writes (`keep`, each), and an APPLY (`apply`). Nothing else changes:
+    the functions are wrapped where `stage_server.commit` calls them."""
+    import functools
+
+    from stage_server import commit as commit_module
+    from stage_server.averaging import spill as spill_module
+    from swarm.cli import main as swarm_main
+
+    fd = os.open(args["times"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def record(what: str, start: float, **fields: Any) -> None:
+        line = {"what": what, "start": start, "end": time.monotonic(), "pid": os.getpid()}
+        os.write(fd, (json.dumps({**line, **fields}) + "\n").encode())
+
+    reduce = commit_module.all_reduce
+
+    @functools.wraps(reduce)
+    async def timed_reduce(flat: torch.Tensor, settings: Any, **kwargs: Any) -> torch.Tensor:
+        start, cpu = time.monotonic(), time.process_time()
+        total = await reduce(flat, settings, **kwargs)
+        cpu = time.process_time() - cpu  # every thread's of this process, the round's and not
+        record("round", start, round=settings.round, index=settings.index, cpu=cpu)
+        return total
+
+    commit = commit_module.Committer.commit
+
+    @functools.wraps(commit)
+    async def timed_commit(self: Any, c: Any) -> Any:
+        start = time.monotonic()
+        done = await commit(self, c)
+        what = "prepare" if c.prepare and not c.apply else "apply" if c.apply else "commit"
+        record(what, start, round=c.round, step=c.step, index=c.group_index)
+        return done
+
+    keep = spill_module.Spill.keep
+
+    @functools.wraps(keep)
+    def timed_keep(self: Any, where: slice) -> None:
+        start = time.monotonic()
+        keep(self, where)
+        record("keep", start, bytes=(where.stop - where.start) * self.flat.element_size())
+
+    commit_module.all_reduce = timed_reduce  # type: ignore[assignment]
+    commit_module.Committer.commit = timed_commit  # type: ignore[method-assign]
+    spill_module.Spill.keep = timed_keep  # type: ignore[method-assign]
+    raise SystemExit(swarm_main(args["argv"]))
+
+
 ROLES = {
     "bare": bare,
     "sink": sink,
@@ -548,6 +619,8 @@ ROLES = {
 def main() -> None:
     role, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     torch.set_num_threads(1)
+    if role == "timed-stage-server":  # its own event loop, as `swarm stage-server` runs one
+        return timed_stage_server(args)
     asyncio.run(ROLES[role](args))
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from stage_server.averaging.flat import flat_view
-from stage_server.averaging.spill import Spill
+from stage_server.averaging.spill import Spill, SpillFile
 
 __all__ = ["Receipt", "StepSums", "Sums", "flat_copy"]
 
@@ -89,6 +89,9 @@ class Sums:
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = list(params)  # what the sums are of
         self._steps: dict[int, StepSums] = {}
+        # The one spill file each step's spill writes in turn: over pages the page cache holds
+        # already, not a new file's (`stage_server.averaging.spill`).
+        self._spill_file = SpillFile()
         # (step, the pool's summed gradient, the step's samples) between prepare and apply
         self._prepared: tuple[int, list[torch.Tensor], int] | None = None
 
@@ -134,7 +137,7 @@ class Sums:
             flat = flat_view(sums.accum)
             if flat is None:
                 return None
-            sums.spill = Spill(flat, directory)
+            sums.spill = Spill(flat, directory, self._spill_file)
         return sums.spill
 
     def zeros(self) -> list[torch.Tensor]:

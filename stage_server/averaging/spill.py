@@ -9,10 +9,19 @@ after PREPARE (it adds into a copy of the sums) still need the sums as they were
 slice is overwritten, its values are written to a `Spill`: an unlinked file in the spill
 directory (none is left behind, whatever kills the process), read back only when something needs
 them. A file's pages are the kernel's: they sit in the page cache, which the kernel writes to
-disk and reclaims when memory runs short, and they are dropped unwritten when the step applies
-and the file closes (a commit takes seconds; the kernel writes dirty pages back after 30). With
-no directory (`--spill-dir off`), or when a write fails (a full disk), a slice's values are held
-in memory instead: nothing is lost, the replica's peak is as before.
+disk and reclaims when memory runs short. With no directory (`--spill-dir off`), or when a write
+fails (a full disk), a slice's values are held in memory instead: nothing is lost, the replica's
+peak is as before.
+
+One file serves a replica's steps one after another (`SpillFile`, held by its `Sums`): a step's
+spill writes over the pages an earlier step wrote, which the page cache still holds, instead of
+a new file's. A new file's pages are allocated and charged page by page as the round writes
+them, and freed when it closes: on shared cores that cost a step's round as much as the rest
+of it (bench/bulk.py --rounds-only, docs/bulk.md). The price: while a replica commits, its file
+stays dirty, so the kernel writes it back (`vm.dirty_expire_centisecs`: about every 30 s, at
+most the gradient's bytes each time; a file made anew at every step never reached the disk
+but under memory pressure). A file left free for half that time (a replica that stopped
+committing) is closed, its pages dropped.
 
 Thread-safety: `keep` runs in the event loop's threads as slices arrive while the replica's
 worker may `restore` (a straggler); a slice is recorded kept only once its values are written,
@@ -25,6 +34,7 @@ import logging
 import os
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -32,23 +42,109 @@ import torch
 from swarm.ops.private import private_dir
 from swarm.wire.chunking import tensor_bytes
 
-__all__ = ["OFF", "Spill", "in_memory_fs", "spill_directory"]
+__all__ = ["OFF", "Spill", "SpillFile", "dirty_expiry_s", "in_memory_fs", "spill_directory"]
 
 log = logging.getLogger(__name__)
 
 OFF = "off"  # the spill directory that keeps the sums in memory
 
 
+class SpillFile:
+    """An unlinked spill file that one spill after another writes (a replica's steps, one at a
+    time): lent to a `Spill` at its first write, given back when it closes; closed, its pages
+    dropped, once it is left free for `idle_s` (or with `close`, or when collected). What a
+    spill reads back is only what it wrote itself: what an earlier one left in the file is
+    never read."""
+
+    def __init__(self, idle_s: float | None = None) -> None:
+        self.idle_s = dirty_expiry_s() / 2 if idle_s is None else idle_s
+        self._lock = threading.Lock()
+        self._free: tuple[Path, int] | None = None  # (its directory, its descriptor) while free
+        self._timer: threading.Timer | None = None  # closes the free file when left idle
+        self.opened = 0  # files made so far
+
+    def lend(self, directory: Path) -> int:
+        """The file, or a new one in `directory` when it is lent already or lies elsewhere."""
+        with self._lock:
+            free, self._free = self._free, None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        if free is not None:
+            if free[0] == directory:
+                return free[1]
+            os.close(free[1])
+        fd = _unlinked_file(directory)
+        with self._lock:
+            self.opened += 1
+        return fd
+
+    def give_back(self, directory: Path, fd: int) -> None:
+        """`fd` (from `lend`) free again: kept for the next spill for `idle_s`, else (or when
+        one is kept already) closed."""
+        with self._lock:
+            if self._free is None and self.idle_s > 0:
+                self._free, fd = (directory, fd), -1
+                # A weak reference: a pending timer does not keep the file open past its
+                # holder's life.
+                self._timer = threading.Timer(self.idle_s, _expire, (weakref.ref(self),))
+                self._timer.daemon = True
+                self._timer.start()
+        if fd >= 0:
+            os.close(fd)
+
+    def _expire(self) -> None:
+        """Left free for `idle_s`: the file goes (its pages dropped, unwritten when younger than
+        the kernel's dirty expiry)."""
+        with self._lock:
+            free, self._free, self._timer = self._free, None, None
+        if free is not None:
+            os.close(free[1])
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        if free is not None:
+            os.close(free[1])
+
+    def __del__(self) -> None:
+        timer, free = getattr(self, "_timer", None), getattr(self, "_free", None)
+        if timer is not None:
+            timer.cancel()
+        if free is not None:
+            os.close(free[1])
+
+
+def _expire(file: weakref.ref[SpillFile]) -> None:
+    held = file()
+    if held is not None:
+        held._expire()
+
+
+def dirty_expiry_s() -> float:
+    """How old dirty page cache may grow before the kernel writes it back (30 s by default)."""
+    try:
+        return int(Path("/proc/sys/vm/dirty_expire_centisecs").read_text()) / 100
+    except (OSError, ValueError):
+        return 30.0
+
+
 class Spill:
     """The original values of the ranges of `flat` (1-D, contiguous) that averaging overwrites,
-    in a file in `directory` (None: in memory). A device's `flat` (CUDA, averaged in place too)
-    is kept on the host: each range copied over as it is kept (a slice's worth at a time), and
-    copied back when restored; the device holds nothing more."""
+    in a file in `directory` (None: in memory), `reuse`'s when given (else one of its own). A
+    device's `flat` (CUDA, averaged in place too) is kept on the host: each range copied over
+    as it is kept (a slice's worth at a time), and copied back when restored; the device holds
+    nothing more."""
 
-    def __init__(self, flat: torch.Tensor, directory: Path | None) -> None:
+    def __init__(
+        self, flat: torch.Tensor, directory: Path | None, reuse: SpillFile | None = None
+    ) -> None:
         if flat.dim() != 1 or not flat.is_contiguous():
             raise ValueError("a spill keeps a 1-D contiguous tensor")
-        self.flat, self._directory = flat, directory
+        self.flat, self._directory, self._reuse = flat, directory, reuse
         self._lock = threading.Lock()
         self._file: int | None = None  # the unlinked file's descriptor, made at the first keep
         self._disk = directory is not None  # False once a write failed: the rest in memory
@@ -103,15 +199,22 @@ class Spill:
     def _close(self) -> None:
         self.closed, self._kept, self._held = True, [], []
         if self._file is not None:
-            os.close(self._file)
-            self._file = None
+            fd, self._file = self._file, None
+            if self._reuse is not None and self._directory is not None:
+                self._reuse.give_back(self._directory, fd)  # its pages serve the next spill
+            else:
+                os.close(fd)
 
     def _write(self, values: torch.Tensor, offset: int) -> bool:
         """`values` into the file at `offset`; False (the disk given up on) when it fails."""
         try:
             if self._file is None:
                 assert self._directory is not None
-                self._file = _unlinked_file(self._directory)
+                self._file = (
+                    _unlinked_file(self._directory)
+                    if self._reuse is None
+                    else self._reuse.lend(self._directory)
+                )
             view, done = tensor_bytes(values), 0
             while done < len(view):
                 done += os.pwrite(self._file, view[done:], offset + done)

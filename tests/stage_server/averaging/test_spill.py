@@ -8,6 +8,7 @@ import asyncio
 import gc
 import logging
 import os
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,18 @@ from typing import Any
 import pytest
 import torch
 
+from stage_server.averaging import spill as spill_module
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.flat import split_parts
 from stage_server.averaging.owner import AveragingAborted
-from stage_server.averaging.spill import Spill, in_memory_fs, spill_directory
+from stage_server.averaging.spill import (
+    Spill,
+    SpillFile,
+    dirty_expiry_s,
+    in_memory_fs,
+    spill_directory,
+)
+from stage_server.step_sums import Sums
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
 from tests.support.disks import fill, tiny_disk
 from tests.support.pools import JOB, MiB, assert_identical, ordered_sum, reduce_all, replicas
@@ -69,6 +78,80 @@ def test_a_copy_restored_takes_the_originals_and_the_spill_is_done(tmp_path: Pat
     flat[1024:2048] = 2.0
     spill.keep(slice(2048, 4096))  # the round goes on over the old tensor: nothing kept
     assert spill.kept_bytes == 0 and torch.equal(copy, original)
+
+
+def test_a_replicas_steps_spill_into_one_file_and_each_reads_back_only_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step after step a replica's sums spill into the same unlinked file (over pages the page
+    cache holds already: a new file's cost the round as much as the copy itself); each step
+    restores its own originals bit for bit, whatever an earlier step left in the file; the
+    file closes with the sums that held it."""
+    made: list[int] = []
+    unlinked = spill_module._unlinked_file
+
+    def counted(directory: Path) -> int:
+        made.append(fd := unlinked(directory))
+        return fd
+
+    monkeypatch.setattr(spill_module, "_unlinked_file", counted)
+    params = [torch.zeros(3000, dtype=torch.float64), torch.zeros(7000, dtype=torch.float64)]
+    sums = Sums(params)
+    pieces = [  # what each step's round overwrites: all of it, then less, then other ranges
+        [slice(0, 5000), slice(5000, 10_000)],
+        [slice(2000, 4000)],
+        [slice(0, 1000), slice(9000, 10_000)],
+    ]
+    for step, overwritten in enumerate(pieces):
+        accum = sums.of(step).open(params)
+        for t in accum:
+            t.copy_(torch.randn(t.shape, dtype=torch.float64))
+        sums.of(step).received(0, 1)
+        original = torch.cat([t.reshape(-1) for t in sums.lend(step)])
+        spill = sums.spill(step, tmp_path)
+        assert spill is not None
+        _overwritten(spill, overwritten)
+        spill.restore()
+        assert torch.equal(spill.flat.view(torch.int64), original.view(torch.int64))
+        assert os.listdir(tmp_path) == []  # nameless, as ever
+        sums.drop(step)  # applied: the spill closes, its file waits for the next step's
+    assert len(made) == 1, f"{len(made)} spill files for {len(pieces)} steps: one expected"
+    assert os.path.exists(f"/proc/self/fd/{made[0]}")
+    del sums, spill
+    gc.collect()
+    assert not os.path.exists(f"/proc/self/fd/{made[0]}")  # closed with the sums
+
+
+def test_a_spill_file_left_idle_goes(tmp_path: Path) -> None:
+    """A replica that stopped committing drops its spill file once it is left free for half the
+    kernel's dirty expiry (the default), before the kernel writes it back; one no spill is to
+    keep (`idle_s` 0) closes at once."""
+    assert dirty_expiry_s() > 0 and SpillFile().idle_s == dirty_expiry_s() / 2
+    flat = torch.randn(4096)
+
+    def spilled(file: SpillFile) -> int:
+        spill = Spill(flat, tmp_path, file)
+        spill.keep(slice(0, 4096))
+        fd = spill._file
+        assert fd is not None
+        spill.close()
+        return fd
+
+    kept_none = SpillFile(idle_s=0.0)
+    first = spilled(kept_none)
+    assert not os.path.exists(f"/proc/self/fd/{first}")  # closed when given back
+    spilled(kept_none)
+    assert kept_none.opened == 2
+    busy = SpillFile(idle_s=3600.0)
+    assert spilled(busy) == spilled(busy) and busy.opened == 1
+    idle = SpillFile(idle_s=0.2)
+    fd = spilled(idle)
+    deadline = time.monotonic() + 30.0  # a generous bound: the machine may be busy
+    while os.path.exists(f"/proc/self/fd/{fd}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/self/fd/{fd}"), "a file left idle stayed open"
+    spilled(idle)
+    assert idle.opened == 2
 
 
 def test_a_full_disk_keeps_the_values_in_memory(
