@@ -138,15 +138,16 @@ class Attachment:
                 except (OSError, TimeoutError, ValueError) as e:
                     log.info("%s: relay %s lost: %s", self.peer, relay, e or type(e).__name__)
                 finally:
-                    self._set(None)
                     await close(writer)
                 self._last_failed = relay
                 if loop.time() - since > self.dead_after_s:
                     self._pauses.reset()  # it served a while: its end is news, not a pattern
-                break
-            else:
-                if not relays:
-                    log.debug("%s: no relay to attach to", self.peer)
+                # The round's other relays at once, still announced through the lost one: the
+                # peer goes from one relay to the next with no pause and no moment announced
+                # without one (nobody could call it then); each relay is tried once a round.
+            if not relays:
+                log.debug("%s: no relay to attach to", self.peer)
+            self._set(None)  # no relay of this round holds it
             await asyncio.sleep(self._pauses.next())
 
     async def _attach(self, relay: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
