@@ -136,22 +136,27 @@ class _LongPauses:
         pass
 
 
-async def test_a_killed_relay_is_replaced_at_once_by_the_next_one() -> None:
+@pytest.mark.parametrize("listed", ["both", "later"])
+async def test_a_killed_relay_is_replaced_at_once_by_the_next_one(listed: str) -> None:
     """A relay that dies mid-serving: the other relays are tried at once, not after the pause
     between rounds (a stage's only replica behind NAT is uncallable meanwhile; the coordinator
-    would take it for lost), and the peer is never announced without a relay on the way."""
+    would take it for lost), and the peer is never announced without a relay on the way. Also
+    a relay listed only after the peer attached ("later": the relays' announcements arrive one
+    by one at a peer's start)."""
     async with echo_server(TOKEN) as port:
         first, second = RelayServer(TOKEN), RelayServer(TOKEN)
         a = f"127.0.0.1:{await first.start('127.0.0.1', 0)}"
         b = f"127.0.0.1:{await second.start('127.0.0.1', 0)}"
         changes: list[str | None] = []
+        known = [a, b] if listed == "both" else [a]
         attachment = Attachment(
-            "home-gpu", TOKEN, f"127.0.0.1:{port}", lambda: [a, b], changes.append,
+            "home-gpu", TOKEN, f"127.0.0.1:{port}", lambda: known, changes.append,
             address=f"{NAT_HOST}:{port}", pauses=_LongPauses(),
         )  # fmt: skip
         await attachment.start()
         try:
             await eventually(lambda: attachment.relay == a)
+            known[:] = [a, b]
             await first.stop()
             await eventually(lambda: attachment.relay == b, timeout_s=20)
             assert changes == [a, b]
