@@ -70,6 +70,11 @@ def _rollbacks(metrics: str) -> float:
     return sum(float(v) for v in found)
 
 
+def _tunnels(relay: SwarmProcess) -> float:
+    found = re.search(r"^swarm_relay_tunnels_total (\S+)$", _metrics(relay), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def _start_relay(sw: LocalSwarm, name: str) -> SwarmProcess:
     relay = start_process(
         ["--log-level", "INFO", "relay", "--broker", sw.broker, "--port", "0",
@@ -141,3 +146,81 @@ def test_a_relay_killed_mid_step_is_replaced_without_a_rollback_and_stays_exact(
     said = nat.log()
     assert f"relay {first} is gone; attached to relay {other} instead" in said, said[-3000:]
     assert "no other relay answers" not in said, said[-3000:]
+
+
+def test_a_peer_behind_nat_with_no_relay_says_so_waits_unassigned_and_serves_once_one_is_up(
+    tmp_path: Path,
+) -> None:
+    """The other side of the target: with no relay, a NAT'd peer (--behind-nat) is not assigned,
+    and both it and `swarm status` say what fixes it; a relay started later is found by itself,
+    and the job then trains through it, exact. (A peer nobody can dial without --behind-nat is
+    tests/system/test_reachability.py's.)"""
+    job = write_job(tmp_path, training={"stages": 1, "steps": 4, "target_batch_size": 16})
+    sw, _ = start_local_swarm([], log_dir=tmp_path)
+    relays: list[SwarmProcess] = []
+    try:
+        nat = sw.add_peer(extra=["--announce-host", "127.0.0.2", "--behind-nat"])
+        job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        shown = _until(
+            lambda: s
+            if "UNREACHABLE" in (s := swarm("status", job_id, "--scheduler", sw.address).stdout)
+            else None,
+            "swarm status shows peer0 unreachable",
+        )
+        assert "peer0" in shown and "--relay" in shown and "swarm relay" in shown, shown
+        said = _until(
+            lambda: "WARNING" in (log := nat.log()) and "no relay announced yet" in log and log,
+            "the NAT'd peer warns that it has no relay",
+        )
+        assert "--relay" in said and "swarm relay" in said, said[-2000:]
+        assert "stage 0 -> peer0" not in sw.scheduler.log()
+        assert int(_status(sw, job_id).get("step", 0)) == 0
+
+        relays.append(_start_relay(sw, "relay-late"))
+        _until(lambda: int(_status(sw, job_id).get("step", 0)) >= 4, "the job's end", 240)
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+        assert f"attached to relay {relays[0].ready['address']}" in nat.log()
+    finally:
+        sw.stop()
+        for relay in relays:
+            relay.stop()
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
+
+
+def test_a_remote_trainer_reaches_a_nat_peer_through_its_relay(tmp_path: Path) -> None:
+    """A remote trainer (`swarm trainer`, no embedded one) dials the NAT'd replica of a stage at
+    the address its leases name, which the scheduler writes in relayed form
+    (`swarm.net.paths.relayed_address`): the trainer reads no peer announcement itself. Its
+    announced 127.0.0.2 answers nothing, so every microbatch it trained went through the relay."""
+    steps = 6
+    job = write_job(tmp_path, training={"stages": 2, "steps": steps, "target_batch_size": 16})
+    sw, _ = start_local_swarm([], log_dir=tmp_path, extra_scheduler=["--no-embedded-trainer"])
+    relays: list[SwarmProcess] = []
+    try:
+        relays.append(_start_relay(sw, "relay-a"))
+        sw.add_peer()
+        nat = sw.add_peer(extra=["--announce-host", "127.0.0.2", "--behind-nat"])
+        relayed = 'swarm_peer_reachability{peer="peer1",reachability="relayed"} 1.0'
+        _until(lambda: relayed in _metrics(sw.scheduler), "peer1 relayed", 60)
+        job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        before = _tunnels(relays[0])
+        remote = start_process(
+            ["trainer", "--scheduler", sw.address, "--job", job_id],
+            log_dir=tmp_path, name="remote-trainer", env=sw.env,
+        )  # fmt: skip
+        _until(lambda: int(_status(sw, job_id).get("step", 0)) >= steps, "the job's end", 240)
+        assert remote.proc.wait(60) == 0, remote.log()[-2000:]
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+        trained = re.search(r"trained (\d+) microbatches", remote.log())
+        assert trained and int(trained.group(1)) == steps * 16 // 4, remote.log()[-2000:]
+        assert re.search(r"peer1: serving stage \d of job", nat.log()), nat.log()[-2000:]
+        # The trainer's connection to the NAT'd peer is a tunnel (one per connection: gRPC
+        # carries many calls over one); the trainer made every hop itself (the relay data
+        # plane), so it called peer1, whose announced address answers nothing.
+        assert _tunnels(relays[0]) - before >= 1, "no call went through the relay"
+        assert "127.0.0.2" not in remote.log(), remote.log()[-2000:]  # never dialled directly
+    finally:
+        sw.stop()
+        for relay in relays:
+            relay.stop()
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
