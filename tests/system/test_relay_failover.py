@@ -248,8 +248,8 @@ def test_a_nat_peer_reads_relayed_within_10_s_of_its_start(tmp_path: Path, flag:
         _until(lambda: "peer0: relayed through" in nat.log(), "peer0 says it is relayed", 60)
         took = time.monotonic() - started
         assert took <= RELAYED_WITHIN_S, f"peer0 read relayed {took:.1f} s after its start"
-        relay = relays[0].ready["address"]
-        assert f"peer0: relayed through {relay}" in nat.log()
+        through = relays[0].ready["address"]
+        assert f"peer0: relayed through {through}" in nat.log()
         info = _metrics(nat)
         assert re.search(r'swarm_peer_info\{[^}]*reachability="relayed"', info), info[-2000:]
     finally:
