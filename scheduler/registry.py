@@ -136,7 +136,9 @@ class PeerRegistry:
         not checked yet, when it announces one), else its announced address."""
         report = self._reach.get(p.peer)
         if report is not None and report.reachability == cpb.REACHABILITY_RELAYED:
-            return paths.relayed_address(p.peer, p.address, report.relay)
+            # The relay it announces now first: its relay died and it re-attached to that one
+            # (checked again at once, but calls meanwhile would go to the dead one).
+            return paths.relayed_address(p.peer, p.address, p.relay or report.relay)
         if (report is None or report.reachability == cpb.REACHABILITY_UNKNOWN) and p.relay:
             return paths.relayed_address(p.peer, p.address, p.relay)
         return p.address

@@ -93,6 +93,14 @@ class Rollback:
             ):
                 self.wake()  # a replica dropped for a missed deadline still held the state
                 return
+            silent = await self._silent()
+            if silent:
+                # Loading the checkpoint on the other stages now would cost their replicas the
+                # trained state for nothing (this rollback cannot finish without these stages),
+                # and a replica between two paths (its relay died, it re-attaches to another)
+                # may still hold its stage's state: the next try may re-admit it instead.
+                log.info("rollback waits: no replica of stage(s) %s answers", silent)
+                return
             # A checkpoint still being written may be the newest.
             await self.recovery.flush(self.job.runtime.commit_timeout_s)
             step = self.recovery.latest()
@@ -119,6 +127,18 @@ class Rollback:
             self.fail(e)
         finally:
             self._task = None
+
+    async def _silent(self) -> list[int]:
+        """The stages none of whose replicas answers Info now."""
+        members = self.members()
+        calls = [(k, r) for k, stage in enumerate(members) for r in stage]
+        answers = await asyncio.gather(
+            *(self.membership.clients.get(k, r).info() for k, r in calls), return_exceptions=True
+        )
+        answering = {
+            k for (k, _), a in zip(calls, answers, strict=True) if not isinstance(a, BaseException)
+        }
+        return [k for k in range(len(members)) if k not in answering]
 
     async def reconcile(self) -> int:
         """At a start: the step every replica is brought to (finishing a half-applied commit),

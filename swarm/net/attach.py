@@ -125,18 +125,30 @@ class Attachment:
             self._relay = relay
             self._on_change(relay)
 
+    def _next(self, tried: set[str]) -> str | None:
+        """The relay to try next this round: the first of `relays()` as listed now (the one that
+        last failed last) not tried yet this round; None when every one was."""
+        try:
+            relays = list(dict.fromkeys(self._relays()))
+        except Exception:  # whoever lists them failed: no relay this round, not the end
+            log.exception("%s: could not list relays", self.peer)
+            return None
+        if self._last_failed in relays and len(relays) > 1:  # the others first
+            relays.remove(self._last_failed)
+            relays.append(self._last_failed)
+        return next((r for r in relays if r not in tried), None)
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            try:
-                relays = list(dict.fromkeys(self._relays()))
-            except Exception:  # whoever lists them failed: no relay this round, not the end
-                log.exception("%s: could not list relays", self.peer)
-                relays = []
-            if self._last_failed in relays and len(relays) > 1:  # the others first
-                relays.remove(self._last_failed)
-                relays.append(self._last_failed)
-            for relay in relays:
+            # One round: each relay listed at most once. The list is read again after each
+            # relay, so a relay announced since the round began (as the relays' announcements
+            # arrive one by one at a peer's start) is tried in it too: a lost relay is followed
+            # at once by another, with no pause and no moment announced without a relay (nobody
+            # could call the peer then), still announced through the lost one meanwhile.
+            tried: set[str] = set()
+            while (relay := self._next(tried)) is not None:
+                tried.add(relay)
                 try:
                     reader, writer = await asyncio.wait_for(self._attach(relay), self.timeout_s)
                 except (OSError, TimeoutError, ValueError, _Refused) as e:
@@ -151,15 +163,13 @@ class Attachment:
                 except (OSError, TimeoutError, ValueError) as e:
                     log.info("%s: relay %s lost: %s", self.peer, relay, e or type(e).__name__)
                 finally:
-                    self._set(None)
                     await close(writer)
                 self._last_failed = relay
                 if loop.time() - since > self.dead_after_s:
                     self._pauses.reset()  # it served a while: its end is news, not a pattern
-                break
-            else:
-                if not relays:
-                    log.debug("%s: no relay to attach to", self.peer)
+            if not tried:
+                log.debug("%s: no relay to attach to", self.peer)
+            self._set(None)  # no relay of this round holds it
             await asyncio.sleep(self._pauses.next())
 
     async def _attach(self, relay: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

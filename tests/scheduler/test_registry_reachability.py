@@ -99,6 +99,22 @@ def test_a_relayed_peer_is_dialled_through_its_relay() -> None:
     assert reg.members("j", 2)[1][0].address == "n.lan:5000" and not reg.relayed("n")
 
 
+def test_a_relayed_peer_that_moved_to_another_relay_is_dialled_through_the_new_one() -> None:
+    """Its relay died and it re-attached elsewhere (issue 42, a relay killed mid-step): from its
+    announcement on, calls go through the relay it names, not the dead one its last dial-back
+    found, in the moment before that is checked again."""
+    reg = registry()
+    reg.announce(peer("n", cpb.PEER_STATE_SERVING, stage=1, relay="a.example:7100"))
+    reg.reached(report("n", cpb.REACHABILITY_RELAYED, relay="a.example:7100"))
+    reg.announce(peer("n", cpb.PEER_STATE_SERVING, stage=1, relay="b.example:7100"))
+    via_b = paths.relayed_address("n", "n.lan:5000", "b.example:7100")
+    assert reg.members("j", 2)[1][0].address == via_b
+    # Announced without one (between relays, none answering): the last one found still stands.
+    reg.announce(peer("n", cpb.PEER_STATE_SERVING, stage=1))
+    via_a = paths.relayed_address("n", "n.lan:5000", "a.example:7100")
+    assert reg.members("j", 2)[1][0].address == via_a
+
+
 def test_rebalancing_sees_a_relayed_member_at_its_paths_price() -> None:
     reg = registry()
     reg.announce(peer("a", cpb.PEER_STATE_SERVING, stage=0, speeds=(4.0, 4.0)))

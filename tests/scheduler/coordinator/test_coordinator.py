@@ -312,10 +312,48 @@ async def test_a_missed_deadline_on_a_one_replica_stage_readmits_the_replica_wit
     # c still answers at step 1 with the stage's state: it is re-admitted, its gradients of
     # the step discarded and replayed there; nothing rolls back.
     replay = await h.lease()
+    print("LOG", swarm.log[-30:], h.coordinator.replicas())
     assert replay == [Task(1, 0, frozenset({1})), Task(1, 1, frozenset({1}))]
     assert h.rollbacks.empty()
     assert not a.called("load_state") and not c.called("load_state")
     assert c.called("discard") == [1]
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
+    for task in replay:
+        await h.run(task)
+    assert (await asyncio.wait_for(h.steps.get(), 10)).step == 1
+    assert (a.step, c.step) == (2, 2) and h.rollbacks.empty()
+
+
+async def test_a_one_replica_stage_between_paths_costs_no_other_stage_its_state(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """Stage 1's only replica is behind NAT and its relay dies mid-step (issue 42): for a moment
+    nothing answers for it, then it answers again through another relay, still at the step. The
+    rollback tried meanwhile must not load step 0 on stage 0 (its replica would lose the trained
+    state while stage 1 cannot load anything either, making the rollback certain): it waits, and
+    the replica is re-admitted without one."""
+    job = job_of(tmp_path, steps=5)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    a, c = swarm.add(0, "a"), swarm.add(1, "c")
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    await h.step()
+    gone = PeerUnavailable("UNAVAILABLE: failed to connect to all addresses")
+    c.fail("prepare", gone)  # dropped in step 1's commit
+    c.fail("info", *[gone] * 4)  # and between paths a while: the first rollback tries fail
+    c.fail("load_state", gone)
+    for task in await h.lease():
+        await h.run(task)
+    replay: list[Task] = []
+    for _ in range(200):  # the rollback's tries, backing off on the fake clock: c answers again
+        replay = (await h.coordinator.lease("t", 8)).tasks
+        assert not a.called("load_state"), "stage 0 rolled back while stage 1 could load nothing"
+        if replay:
+            break
+        h.clock.advance(1.0)
+        await asyncio.sleep(0.05)
+    assert replay == [Task(1, 0, frozenset({1})), Task(1, 1, frozenset({1}))]
+    assert h.rollbacks.empty() and not a.called("load_state")
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
     for task in replay:
         await h.run(task)
