@@ -31,6 +31,7 @@ first, everything removed on exit.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import signal
@@ -91,6 +92,34 @@ def client(net: Network, work: Path, *args: str) -> str:
     return done.stdout
 
 
+# ---------------------------------------------------------------------------------------------
+# The step follower (`nat.py --follow BROKER_HOST BROKER_PORT JOB OUT`, run in the trainer's
+# namespace): a remote trainer writes no step log, so each StepCommitted the scheduler publishes
+# is written to OUT as one JSON line with the time it was seen.
+
+
+async def _follow(host: str, port: int, job: str, out: Path) -> None:
+    import aiomqtt
+
+    from swarm.bus.topics import Topics
+    from swarm.proto import control_pb2
+
+    async with aiomqtt.Client(host, port, username="bench", password=TOKEN) as bus:
+        await bus.subscribe(Topics().steps(job), qos=1)
+        print("swarm nat-follower ready: job=" + job, flush=True)
+        with out.open("a") as f:
+            last = -1
+            async for message in bus.messages:
+                payload = bytes(message.payload)  # type: ignore[arg-type]
+                step = control_pb2.StepCommitted.FromString(payload)
+                if not payload or step.step <= last:  # a retained topic cleared, or seen again
+                    continue
+                last = step.step
+                line = {"step": step.step, "samples": step.samples, "seen": time.monotonic()}
+                f.write(json.dumps(line) + "\n")
+                f.flush()
+
+
 @dataclass
 class Run:
     label: str
@@ -105,6 +134,7 @@ class Run:
 def run_once(net: Network, job: Path, work: Path, label: str, args: argparse.Namespace) -> Run:
     hub = net.addresses[HUB]
     scheduler = f"{hub}:{SCHEDULER_PORT}"
+    at = ("--json", "--scheduler", scheduler)
     broker = f"mqtt://{hub}:{BROKER_PORT}"
     procs: list[Proc] = []
 
@@ -120,7 +150,7 @@ def run_once(net: Network, job: Path, work: Path, label: str, args: argparse.Nam
             *("scheduler", "--host", "0.0.0.0", "--announce-host", hub, "--no-embedded-trainer"),
             *("--port", str(SCHEDULER_PORT), "--broker-port", str(BROKER_PORT)),
             *("--store", str(work / f"{label}.sqlite"), "--data-root", str(work / "data")),
-            *("--checkpoint-dir", str(work / f"{label}-ckpt")),
+            *("--checkpoint-dir", str(work / f"{label}-ckpt"), "--min-replicas", str(REPLICAS)),
         ).wait_ready(time.monotonic() + READY_TIMEOUT_S)
         if label == "nat":
             relay = ("--host", "0.0.0.0", "--port", str(RELAY_PORT), "--announce-host", hub)
@@ -137,47 +167,58 @@ def run_once(net: Network, job: Path, work: Path, label: str, args: argparse.Nam
             proc.wait_ready(deadline)
         job_id = client(net, work, "submit", str(job), "--scheduler", scheduler).split()[0]
         log = work / f"{label}-steps.jsonl"
-        trainer = ("--scheduler", scheduler, "--job", job_id, "--threads", "1", "--log", str(log))
+        follow = [sys.executable, str(Path(__file__).resolve()), "--follow", hub]
+        follow += [str(BROKER_PORT), job_id, str(log)]
+        follower = net.start(TRAINER, f"{label}-follower", follow, work, env(work), wan.ROOT)
+        procs.append(follower)
+        follower.wait_ready(time.monotonic() + 60)
+        trainer = ("--scheduler", scheduler, "--job", job_id, "--threads", "1")
         start(TRAINER, "trainer", "trainer", *trainer)
         deadline = time.monotonic() + args.timeout
-        first: tuple[float, int] | None = None
         total = args.steps + 1
-        while (done := wan.count_lines(log)) < total:
-            if first is None and done >= 1:
-                first = (time.monotonic(), done)
+        status: dict[str, Any] = {}
+        gone: dict[str, float] = {}  # process -> when it was first seen exited
+        polled = 0.0
+        while wan.count_lines(log) < total:
+            if wan.count_lines(log) >= 1 and time.monotonic() > polled + 5:  # its placement
+                polled, now = time.monotonic(), json.loads(client(net, work, "status", job_id, *at))
+                if any(stage.get("replicas") for stage in now.get("stages", [])):
+                    status = now
+            # the trainer exits once the job has no more steps (its last ones may reach the
+            # follower a moment later); any other exit is a failure
             for proc in procs:
                 if proc.popen.poll() is not None:
-                    raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-3000:]}")
+                    gone.setdefault(proc.name, time.monotonic())
+                    if proc.popen.returncode or time.monotonic() - gone[proc.name] > 10:
+                        raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-3000:]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the {label} run did only {done} of {total} steps in time")
-            time.sleep(0.01)
-        end = time.monotonic()
-        assert first is not None
-        status = wait_end(net, work, job_id, scheduler, deadline)
+                raise TimeoutError(f"the {label} run did not do {total} steps in time")
+            time.sleep(0.05)
+        wait_end(net, work, job_id, scheduler, deadline)
         out = work / f"{label}.pt"
-        client(net, work, "export", job_id, "--out", str(out), "--scheduler", scheduler)
+        client(net, work, "export", job_id, "--out", str(out), *at[1:])
     finally:
         for proc in procs:
             proc.kill()
+    lines = [json.loads(line) for line in log.read_text().splitlines()][:total]
+    seconds = lines[-1]["seen"] - lines[0]["seen"]  # from the warm-up step's end to the last's
     placement = [
         [
             {
                 "peer": r["peer"],
                 "natted": r["peer"] in NATTED,
-                "reachability": r.get("reachability", ""),
+                "reachability": r.get("reachability", "").removeprefix("REACHABILITY_").lower(),
                 "relay": r.get("relay", ""),
             }
             for r in stage.get("replicas", [])
         ]
         for stage in status.get("stages", [])
     ]
-    steps = total - first[1]
-    p = wan.WORKLOADS[args.workload]
     return Run(
         label=label,
-        samples_per_s=steps * p["microbatch_size"] * p["microbatches"] / (end - first[0]),
-        seconds=end - first[0],
-        steps=steps,
+        samples_per_s=sum(line["samples"] for line in lines[1:]) / seconds,
+        seconds=seconds,
+        steps=len(lines) - 1,
         placement=placement,
         natted_only_stages=[k for k, reps in enumerate(placement) if reps and all_natted(reps)],
         max_abs_diff=max_abs_diff(out, job),
@@ -188,19 +229,14 @@ def all_natted(replicas: list[dict[str, Any]]) -> bool:
     return all(r["natted"] for r in replicas)
 
 
-def wait_end(
-    net: Network, work: Path, job_id: str, scheduler: str, deadline: float
-) -> dict[str, Any]:
-    """The job's last status with replicas (its placement), once it succeeded."""
-    placed: dict[str, Any] = {}
+def wait_end(net: Network, work: Path, job_id: str, scheduler: str, deadline: float) -> None:
+    """Once the job succeeded (raises if it ended otherwise, or not in time)."""
     while time.monotonic() < deadline:
         status: dict[str, Any] = json.loads(
             client(net, work, "status", job_id, "--json", "--scheduler", scheduler)
         )
-        if status.get("stages"):
-            placed = status
         if status["state"] == "JOB_STATE_SUCCEEDED":
-            return placed or status
+            return
         if status["state"] in ("JOB_STATE_FAILED", "JOB_STATE_CANCELLED"):
             raise RuntimeError(f"job {job_id} ended {status['state']}: {status.get('error')}")
         time.sleep(0.5)
@@ -247,6 +283,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run at most")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument("--follow", nargs=4, help=argparse.SUPPRESS)  # HOST PORT JOB OUT
     return parser.parse_args()
 
 
@@ -259,6 +296,10 @@ def _bench_alive(pid: int) -> bool:
 
 def main() -> int:
     args = parse_args()
+    if args.follow:
+        host, port, job_id, out = args.follow
+        asyncio.run(_follow(host, int(port), job_id, Path(out)))
+        return 0
     problem = netns.available(routers=True)
     if problem:
         print(f"bench/nat.py: {problem}", file=sys.stderr)
