@@ -63,8 +63,10 @@ def _kill_pids(pids: list[int]) -> None:
 
 def remove_leftovers(prefix: str, alive: Callable[[int], bool]) -> list[str]:
     """Delete namespaces `<prefix><pid>-*` whose maker (`pid`) is gone, `alive(pid)` false
-    (SIGKILL first any process still in them): a run killed before it cleaned up. A namespace
-    of a run still going is left alone."""
+    (SIGKILL first any process still in them): a run killed before it cleaned up. Hosts, routers
+    and the bridges' namespace are all named so; a router's ruleset and forwarding, and every
+    bridge and veth, live in those namespaces and go with them. A namespace of a run still going
+    is left alone."""
     removed = []
     for line in sh("ip", "netns", "list").splitlines():
         name = line.split()[0] if line.split() else ""
