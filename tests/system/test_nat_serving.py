@@ -2,6 +2,7 @@
 (embedded broker and trainer) and one stage server; a second stage server sits on a private LAN
 behind a NAT router that masquerades it and drops every connection that starts outside
 (`swarm.local.nat`), announcing its LAN address as an operator at home would; a 2-stage job.
+With both ends behind NAT, the job's trainer runs behind a second router of its own.
 
 Nobody can dial the NAT'd server. With a relay (the public stage server started with `--relay`)
 its status reads relayed, through the relay, and the job trains to its end float64-equal to
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "swz-"
 HUB = "10.83.0.10"  # the public host: scheduler, broker, trainer, a stage server (the relay)
 LAN = netns.Lan("gw", "10.83.0.2", "192.168.83.0/24", {"home": "192.168.83.10"})
+AWAY = netns.Lan("gw2", "10.83.0.3", "192.168.84.0/24", {"away": "192.168.84.10"})  # a trainer's
 HOME = LAN.hosts["home"]
 SCHEDULER = f"{HUB}:7700"
 BROKER = f"mqtt://{HUB}:1883"
@@ -49,7 +51,7 @@ FAILED_THAT_WAY = "is at step"  # `no replica of stages [1] is at step 0`
 
 @pytest.fixture
 def lab() -> Iterator[netns.Network]:
-    with namespaces.network(PREFIX, {"hub": HUB}, [LAN]) as net:
+    with namespaces.network(PREFIX, {"hub": HUB}, [LAN, AWAY]) as net:
         yield net
 
 
@@ -120,8 +122,16 @@ def _replicas(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-@pytest.mark.parametrize("relay", [True, False], ids=["with a relay", "without a relay"])
-def test_a_stage_server_behind_nat(lab: netns.Network, tmp_path: Path, relay: bool) -> None:
+@pytest.mark.parametrize(
+    ("relay", "trainer_behind_nat"),
+    [(True, False), (False, False), (True, True)],
+    ids=["with a relay", "without a relay", "both ends behind NAT"],
+)
+def test_a_stage_server_behind_nat(
+    lab: netns.Network, tmp_path: Path, relay: bool, trainer_behind_nat: bool
+) -> None:
+    """Both ends behind NAT: the scheduler trains nothing itself; the job's one trainer runs
+    behind a second router of its own, and reaches the NAT'd server through the relay."""
     job = write_job(tmp_path, training={"stages": 2, "steps": STEPS, "checkpoint_every": 0})
     data_root = tmp_path / "data"
     data_root.mkdir()
@@ -145,6 +155,7 @@ def test_a_stage_server_behind_nat(lab: netns.Network, tmp_path: Path, relay: bo
             *("scheduler", "--host", "0.0.0.0", "--announce-host", HUB, "--port", "7700"),
             *("--broker-port", "1883", "--store", str(tmp_path / "jobs.sqlite")),
             *("--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(data_root)),
+            *(["--no-embedded-trainer"] if trainer_behind_nat else []),
         )
         deadline = time.monotonic() + 240
         assert scheduler.wait_ready(deadline)["broker"] == BROKER
@@ -163,6 +174,8 @@ def test_a_stage_server_behind_nat(lab: netns.Network, tmp_path: Path, relay: bo
         job_id = _on_hub(
             lab, tmp_path, _swarm("submit", str(job), "--scheduler", SCHEDULER)
         ).split()[0]
+        if trainer_behind_nat:
+            start("away", "trainer", "trainer", "--scheduler", SCHEDULER, "--job", job_id)
         seen: dict[str, dict[str, Any]] = {}  # every replica status showed, by peer: its latest
         end = time.monotonic() + (360 if relay else WAIT_S)
         while time.monotonic() < end:
