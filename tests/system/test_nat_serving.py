@@ -99,8 +99,9 @@ async def main():
         try:
             async with asyncio.timeout(3):
                 async for message in client.messages:
-                    print(bytes(message.payload).hex())
-                    return
+                    if message.topic.value == topic and message.payload:  # only that topic's
+                        print(bytes(message.payload).hex())
+                        return
         except TimeoutError:
             pass
 asyncio.run(main())
