@@ -84,6 +84,26 @@ def _on_hub(lab: netns.Network, work: Path, argv: list[str]) -> str:
     return done.stdout
 
 
+# The job's status, polled until it ends (argv: scheduler, job): what `swarm status --json` prints.
+_WATCH = """
+import asyncio, json, os, sys
+from google.protobuf import json_format
+from client.sdk import SchedulerClient
+async def main():
+    async with SchedulerClient(sys.argv[1], token=os.environ["SWARM_TOKEN"]) as client:
+        while True:
+            status = await client.get(sys.argv[2])
+            doc = json_format.MessageToDict(
+                status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
+            print(json.dumps(doc), flush=True)
+            if doc["state"] in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED"):
+                return
+            await asyncio.sleep(0.2)
+asyncio.run(main())
+"""
+
+
 # The retained report of a peer, read as that peer's user (the only one besides the scheduler the
 # broker lets read it), under a client id of its own (the peer's own stays connected).
 _REPORT = """
@@ -143,11 +163,6 @@ def test_a_stage_server_behind_nat(
         procs.append(proc)
         return proc
 
-    def status(job_id: str) -> dict[str, Any]:
-        argv = _swarm("status", job_id, "--json", "--scheduler", SCHEDULER)
-        doc: dict[str, Any] = json.loads(_on_hub(lab, tmp_path, argv))
-        return doc
-
     serving = ("--broker", BROKER, "--host", "0.0.0.0", "--port", "7000", "--threads", "1")
     try:
         scheduler = start(
@@ -177,14 +192,20 @@ def test_a_stage_server_behind_nat(
         ).split()[0]
         if trainer_behind_nat:
             start("away", "trainer", "trainer", "--scheduler", SCHEDULER, "--job", job_id)
-        seen: dict[str, dict[str, Any]] = {}  # every replica status showed, by peer: its latest
+        # the job's status 5 times a second (a `swarm status` takes a second to start, and the
+        # relayed job trains in less), one JSON line each in the watcher's log
+        watch = [sys.executable, "-c", _WATCH, SCHEDULER, job_id]
+        watcher = lab.start("hub", "watcher", watch, tmp_path, _env(tmp_path, "watcher"), ROOT)
+        procs.append(watcher)
         end = time.monotonic() + (360 if relay else WAIT_S)
-        while time.monotonic() < end:
-            now = status(job_id)
-            seen |= _replicas(now)
-            if now["state"] in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED"):
-                break
-            time.sleep(1)
+        while time.monotonic() < end and watcher.popen.poll() is None:
+            time.sleep(0.5)
+        statuses = [json.loads(line) for line in watcher.log().splitlines() if line[:1] == "{"]
+        assert statuses, watcher.log()[-3000:]
+        now = statuses[-1]
+        seen: dict[str, dict[str, Any]] = {}  # every replica status showed, by peer: its latest
+        for each in statuses:
+            seen |= _replicas(each)
         report = _report(lab, tmp_path, "home0")
         if relay and now["state"] == "JOB_STATE_SUCCEEDED":
             out = tmp_path / "swarm.pt"
@@ -192,7 +213,7 @@ def test_a_stage_server_behind_nat(
                 lab, tmp_path, _swarm("export", job_id, "--out", str(out), "--scheduler", SCHEDULER)
             )
     finally:
-        for proc in procs:
+        for proc in reversed(procs):  # the watcher before the scheduler it watches
             proc.kill()
     logs = {p.name: p.log() for p in procs}
     story = f"status: {json.dumps(now)[-3000:]}\nhome0's log:\n{logs['home0'][-3000:]}"
