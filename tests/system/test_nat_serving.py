@@ -9,8 +9,9 @@ its status reads relayed, through the relay, and the job trains to its end float
 `swarm local`. Without one, the scheduler's dial-back finds it unreachable and says so with the
 remedy (the retained report on `peers/{peer}/reachability`, and the peer's own log), it is never
 given a stage, and the job waits for a peer that can serve instead of failing with `no replica of
-stages [1] is at step 0` (how it failed before: the NAT'd server was assigned stage 1, logged
-"serving stage 1", and the job failed 23 s later). Needs root and nftables (CI has both)."""
+stages [N] is at step 0` (how it failed before: the NAT'd server was assigned a stage, logged
+"serving stage 0", and the job failed 20 s later; `--relay` did not exist). Needs root and
+nftables (CI has both)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ SCHEDULER = f"{HUB}:7700"
 BROKER = f"mqtt://{HUB}:1883"
 TOKEN = "nat-serving-token"
 STEPS = 6
-WAIT_S = 60.0  # without a relay: watched this long after the job's submission (main: 23 s)
+WAIT_S = 60.0  # without a relay: watched this long after the job's submission (it failed in 20)
 FAILED_THAT_WAY = "is at step"  # `no replica of stages [1] is at step 0`
 
 
