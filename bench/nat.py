@@ -112,7 +112,8 @@ async def _follow(host: str, port: int, job: str, out: Path) -> None:
             async for message in bus.messages:
                 payload = bytes(message.payload)  # type: ignore[arg-type]
                 step = control_pb2.StepCommitted.FromString(payload)
-                if not payload or step.step <= last:  # a retained topic cleared, or seen again
+                # a retained topic cleared, a step seen again, or the job's start (no samples)
+                if not payload or step.step <= last or step.samples == 0:
                     continue
                 last = step.step
                 line = {"step": step.step, "samples": step.samples, "seen": time.monotonic()}
