@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.*
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: install mosquitto prometheus demo test test-fast check protos bench clean
+.PHONY: install mosquitto nftables prometheus demo test test-fast check protos bench clean
 
 install: $(STAMP)
 
@@ -19,6 +19,13 @@ mosquitto:
 	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq mosquitto >/dev/null; }
+
+# The namespace lab's NAT routers (swarm/local/nat.py) masquerade and firewall with nft.
+nftables:
+	@command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || { \
+	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nftables >/dev/null; }
 
 # A test has the real Prometheus server discover a swarm, and promtool lint every /metrics.
 prometheus:
@@ -34,10 +41,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(BIN)/swarm demo
 
-test: install mosquitto prometheus
+test: install mosquitto nftables prometheus
 	$(BIN)/python -m pytest -q
 
-test-fast: install mosquitto prometheus
+test-fast: install mosquitto nftables prometheus
 	$(BIN)/python -m pytest -q -m "not slow"
 
 check: install

@@ -1,17 +1,26 @@
 """Hosts of their own for one test: network namespaces (`swarm.local.netns`) made for it and
-removed after it, with what a run killed before it cleaned up left behind removed first."""
+removed after it, with what a run killed before it cleaned up left behind removed first; with
+`lans`, private LANs behind NAT routers (`swarm.local.nat`). And a TCP probe to run between
+them: `listen` on one host, `dial` from another (does the connection open, whom does the
+listener see, how long do N bytes take each way)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from swarm.local import netns
 
-__all__ = ["PROXIES", "network"]
+__all__ = ["PROXIES", "Dialed", "dial", "listen", "network", "seen_peers"]
 
 PROXIES = {"http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy"}
 """Variables (any case) a process in a namespace must not have: gRPC would dial through them."""
@@ -25,16 +34,110 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def network(prefix: str, addresses: Mapping[str, str]) -> Iterator[netns.Network]:
-    """A namespace per host of `addresses`, on one bridge; the test is skipped where namespaces
-    cannot be made (not root: CI runs as root, so there it always runs)."""
-    problem = netns.available()
+def network(
+    prefix: str, addresses: Mapping[str, str], lans: Sequence[netns.Lan] = ()
+) -> Iterator[netns.Network]:
+    """A namespace per host of `addresses`, on one bridge, and each of `lans` behind its router;
+    the test is skipped where namespaces (or, with `lans`, nftables) cannot be made (not root:
+    CI runs as root and installs nftables, so there it always runs)."""
+    problem = netns.available(routers=bool(lans))
     if problem:
         pytest.skip(problem)
     netns.remove_leftovers(prefix, _alive)
-    net = netns.Network(prefix, addresses)
+    net = netns.Network(prefix, addresses, lans)
     try:
         net.create()
         yield net
     finally:
         net.destroy()
+
+
+# The probe. A connection starts with 16 bytes: how many the dialer sends, how many it wants
+# back. The listener prints each dialer's address, reads what it is sent, then sends what is
+# wanted and closes; the dialer times from the connection's opening to the last byte back, so
+# an upload is timed through its acknowledgement.
+_LISTEN = """
+import contextlib, socket, struct, sys, threading
+srv = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+print("swarm probe ready: port=" + sys.argv[1], flush=True)
+def read(conn, n):
+    parts = []
+    while n > 0:
+        chunk = conn.recv(min(n, 1 << 20))
+        if not chunk:
+            raise EOFError
+        parts.append(chunk)
+        n -= len(chunk)
+    return b"".join(parts)
+def serve(conn):
+    with conn, contextlib.suppress(EOFError, OSError):
+        send, want = struct.unpack("!QQ", read(conn, 16))
+        read(conn, send)
+        conn.sendall(bytes(want))
+while True:
+    conn, peer = srv.accept()
+    print("peer " + peer[0], flush=True)
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+"""
+_DIAL = """
+import json, socket, struct, sys, time
+host, (port, send, want), timeout = sys.argv[1], map(int, sys.argv[2:5]), float(sys.argv[5])
+try:
+    conn = socket.create_connection((host, port), timeout=timeout)
+except OSError as e:
+    print(json.dumps({"ok": False, "error": str(e) or type(e).__name__}))
+    sys.exit()
+conn.settimeout(120)
+t0 = time.monotonic()
+conn.sendall(struct.pack("!QQ", send, want) + bytes(send))
+got = 0
+while got < want:
+    got += len(conn.recv(1 << 20) or sys.exit("closed early"))
+print(json.dumps({"ok": True, "seconds": time.monotonic() - t0}))
+"""
+
+
+@dataclass(frozen=True)
+class Dialed:
+    ok: bool  # the connection opened (and the bytes went both ways)
+    seconds: float  # from its opening to the last byte back
+    error: str  # why it did not open ("timed out", "Connection refused", ...)
+
+
+def listen(net: netns.Network, host: str, port: int, log_dir: Path) -> netns.Proc:
+    """A probe listener on `host`, all its addresses, `port`; ready when this returns."""
+    argv = [sys.executable, "-c", _LISTEN, str(port)]
+    env = {"PATH": os.environ.get("PATH", os.defpath)}
+    proc = net.start(host, f"probe-{host}-{port}", argv, log_dir, env, log_dir)
+    proc.wait_ready(time.monotonic() + 30)
+    return proc
+
+
+def seen_peers(listener: netns.Proc) -> list[str]:
+    """The address each connection to `listener` came from, in order."""
+    return [line.split()[1] for line in listener.log().splitlines() if line.startswith("peer ")]
+
+
+def dial(
+    net: netns.Network,
+    host: str,
+    address: str,
+    port: int,
+    *,
+    send: int = 0,
+    want: int = 1,
+    timeout: float = 3.0,
+) -> Dialed:
+    """From `host`, a connection to `address:port` (given up after `timeout` s) that sends `send`
+    bytes and takes `want` back."""
+    argv = [sys.executable, "-c", _DIAL, address, str(port), str(send), str(want), str(timeout)]
+    done = subprocess.run(
+        ["ip", "netns", "exec", net.ns[host], *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout + 150,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the probe from {host} failed: {done.stderr[-2000:]}")
+    out = json.loads(done.stdout)
+    return Dialed(out["ok"], out.get("seconds", 0.0), out.get("error", ""))

@@ -1,0 +1,362 @@
+"""NAT: samples/s of a scheduled swarm of 4 stages x 2 replicas whose hosts are network namespaces,
+each host's link shaped to `--rate`, with half of its stage servers behind home routers (each
+its own: masquerade, every inbound connection dropped: `swarm.local.nat`), against the same swarm
+with every peer public, in the same run; and each run's final parameters against `swarm local`
+(float64).
+
+    sudo .venv/bin/python bench/nat.py [--rate 100mbit] [--hub-rate 1gbit] [--steps 10]
+        [--workload d256|tiny] [--only nat|public] [--json] [--keep-logs]
+
+Hosts. `hub` runs the scheduler (its embedded broker; no embedded trainer) and, in the NAT run, a
+relay (`swarm relay`), its link shaped to `--hub-rate`; `trainer` runs one `swarm trainer`; each
+stage server a host of its own. The public run's are `p0`..`p7`; the NAT run's `p0`..`p3` and
+`n0`..`n3`, each `n<i>` on LAN 192.168.(90+i).0/24 behind router `r<i>`. A NAT'd server announces
+its LAN address, as at home: the scheduler's dial-back finds it unreachable, it attaches to the
+relay, and every call to it goes through the relay. The scheduler places the replicas; the issue
+asks for one stage served by NAT'd replicas only, and the report says which stages were (placement
+is not forced here). The links are shaped as bench/wan.py shapes them (tbf each way; the routers'
+uplinks unshaped: each home router serves one host).
+
+Runs. Each on fresh processes and a fresh job store: the job (bench/wan.py's workload, float64, 1
+warm-up step + `--steps`) is submitted, the trainer started; samples/s is the wall time from the
+end of the warm-up step to the end of the last, as seen (polled) in the trainer's `--log`. The
+job is trained to its end, exported and compared with `swarm local`'s parameters (max absolute
+difference: float64, only the order of additions differs). Target (issue 42): the NAT run at
+>= 0.8x the public run's samples/s, both equal to `swarm local`.
+
+Needs root, `ip`, `tc` and `nft`; namespaces `swnat-<pid>-*`, leftovers of a run that died removed
+first, everything removed on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import wan  # noqa: E402  (puts the repository root on sys.path too)
+
+from swarm.local import netns  # noqa: E402
+from swarm.local.netns import Lan, Network, Proc  # noqa: E402
+
+PREFIX = "swnat-"
+SUBNET = "10.84.0"
+HUB, TRAINER = "hub", "trainer"
+REPLICAS = 2
+SERVERS = wan.STAGES * REPLICAS
+PUBLIC = [f"p{i}" for i in range(SERVERS)]
+NATTED = [f"n{i}" for i in range(SERVERS // 2)]
+SCHEDULER_PORT, BROKER_PORT, RELAY_PORT, PORT = 7700, 1883, 7100, 7000
+TOKEN = "bench-nat-token"
+READY_TIMEOUT_S = 300.0
+
+
+def addresses() -> dict[str, str]:
+    hosts = [HUB, TRAINER, *PUBLIC]
+    return {h: f"{SUBNET}.{10 + i}" for i, h in enumerate(hosts)}
+
+
+def lans() -> list[Lan]:
+    """A home router of its own per NAT'd host."""
+    return [
+        Lan(f"r{i}", f"{SUBNET}.{100 + i}", f"192.168.{90 + i}.0/24", {h: f"192.168.{90 + i}.10"})
+        for i, h in enumerate(NATTED)
+    ]
+
+
+RUNS = {"public": PUBLIC, "nat": PUBLIC[: SERVERS // 2] + NATTED}
+
+
+def env(work: Path) -> dict[str, str]:
+    return wan.child_env(work) | {"SWARM_TOKEN": TOKEN}
+
+
+def client(net: Network, work: Path, *args: str) -> str:
+    """A `swarm` client command from the trainer's host; its stdout."""
+    argv = ["ip", "netns", "exec", net.ns[TRAINER], *wan.swarm_cmd(*args)]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env(work), cwd=wan.ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"swarm {' '.join(args)} failed: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The step follower (`nat.py --follow BROKER_HOST BROKER_PORT JOB OUT`, run in the trainer's
+# namespace): a remote trainer writes no step log, so each StepCommitted the scheduler publishes
+# is written to OUT as one JSON line with the time it was seen.
+
+
+async def _follow(host: str, port: int, job: str, out: Path) -> None:
+    import aiomqtt
+
+    from swarm.bus.topics import Topics
+    from swarm.proto import control_pb2
+
+    async with aiomqtt.Client(host, port, username="bench", password=TOKEN) as bus:
+        await bus.subscribe(Topics().steps(job), qos=1)
+        print("swarm nat-follower ready: job=" + job, flush=True)
+        with out.open("a") as f:
+            last = -1
+            async for message in bus.messages:
+                payload = bytes(message.payload)  # type: ignore[arg-type]
+                step = control_pb2.StepCommitted.FromString(payload)
+                # a retained topic cleared, a step seen again, or the job's start (no samples)
+                if not payload or step.step <= last or step.samples == 0:
+                    continue
+                last = step.step
+                line = {"step": step.step, "samples": step.samples, "seen": time.monotonic()}
+                f.write(json.dumps(line) + "\n")
+                f.flush()
+
+
+@dataclass
+class Run:
+    label: str
+    samples_per_s: float
+    seconds: float
+    steps: int
+    placement: list[list[dict[str, Any]]]  # per stage, its replicas: peer, natted, reachability
+    natted_only_stages: list[int]
+    max_abs_diff: float  # against `swarm local`
+
+
+def run_once(net: Network, job: Path, work: Path, label: str, args: argparse.Namespace) -> Run:
+    hub = net.addresses[HUB]
+    scheduler = f"{hub}:{SCHEDULER_PORT}"
+    at = ("--json", "--scheduler", scheduler)
+    broker = f"mqtt://{hub}:{BROKER_PORT}"
+    procs: list[Proc] = []
+
+    def start(host: str, name: str, *argv: str) -> Proc:
+        proc = net.start(host, f"{label}-{name}", wan.swarm_cmd(*argv), work, env(work), wan.ROOT)
+        procs.append(proc)
+        return proc
+
+    try:
+        start(
+            HUB,
+            "scheduler",
+            *("scheduler", "--host", "0.0.0.0", "--announce-host", hub, "--no-embedded-trainer"),
+            *("--port", str(SCHEDULER_PORT), "--broker-port", str(BROKER_PORT)),
+            *("--store", str(work / f"{label}.sqlite"), "--data-root", str(work / "data")),
+            *("--checkpoint-dir", str(work / f"{label}-ckpt"), "--min-replicas", str(REPLICAS)),
+        ).wait_ready(time.monotonic() + READY_TIMEOUT_S)
+        if label == "nat":
+            relay = ("--host", "0.0.0.0", "--port", str(RELAY_PORT), "--announce-host", hub)
+            start(HUB, "relay", "relay", "--broker", broker, *relay)
+        for host in RUNS[label]:
+            start(
+                host,
+                host,
+                *("stage-server", "--broker", broker, "--host", "0.0.0.0", "--port", str(PORT)),
+                *("--announce-host", net.addresses[host], "--peer", host, "--threads", "1"),
+            )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for proc in procs[1:]:  # the relay, then the stage servers
+            proc.wait_ready(deadline)
+        job_id = client(net, work, "submit", str(job), "--scheduler", scheduler).split()[0]
+        log = work / f"{label}-steps.jsonl"
+        follow = [sys.executable, str(Path(__file__).resolve()), "--follow", hub]
+        follow += [str(BROKER_PORT), job_id, str(log)]
+        follower = net.start(TRAINER, f"{label}-follower", follow, work, env(work), wan.ROOT)
+        procs.append(follower)
+        follower.wait_ready(time.monotonic() + 60)
+        trainer = ("--scheduler", scheduler, "--job", job_id, "--threads", "1")
+        start(TRAINER, "trainer", "trainer", *trainer)
+        deadline = time.monotonic() + args.timeout
+        total = args.steps + 1
+        status: dict[str, Any] = {}
+        gone: dict[str, float] = {}  # process -> when it was first seen exited
+        polled = 0.0
+        while wan.count_lines(log) < total:
+            if wan.count_lines(log) >= 1 and time.monotonic() > polled + 5:  # its placement
+                polled, now = time.monotonic(), json.loads(client(net, work, "status", job_id, *at))
+                if any(stage.get("replicas") for stage in now.get("stages", [])):
+                    status = now
+            # the trainer exits once the job has no more steps (its last ones may reach the
+            # follower a moment later); any other exit is a failure
+            for proc in procs:
+                if proc.popen.poll() is not None:
+                    gone.setdefault(proc.name, time.monotonic())
+                    if proc.popen.returncode or time.monotonic() - gone[proc.name] > 10:
+                        raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {label} run did not do {total} steps in time")
+            time.sleep(0.05)
+        wait_end(net, work, job_id, scheduler, deadline)
+        out = work / f"{label}.pt"
+        client(net, work, "export", job_id, "--out", str(out), *at[1:])
+    finally:
+        for proc in procs:
+            proc.kill()
+    lines = [json.loads(line) for line in log.read_text().splitlines()][:total]
+    seconds = lines[-1]["seen"] - lines[0]["seen"]  # from the warm-up step's end to the last's
+    placement = [
+        [
+            {
+                "peer": r["peer"],
+                "natted": r["peer"] in NATTED,
+                "reachability": r.get("reachability", "").removeprefix("REACHABILITY_").lower(),
+                "relay": r.get("relay", ""),
+            }
+            for r in stage.get("replicas", [])
+        ]
+        for stage in status.get("stages", [])
+    ]
+    return Run(
+        label=label,
+        samples_per_s=sum(line["samples"] for line in lines[1:]) / seconds,
+        seconds=seconds,
+        steps=len(lines) - 1,
+        placement=placement,
+        natted_only_stages=[k for k, reps in enumerate(placement) if reps and all_natted(reps)],
+        max_abs_diff=max_abs_diff(out, job),
+    )
+
+
+def all_natted(replicas: list[dict[str, Any]]) -> bool:
+    return all(r["natted"] for r in replicas)
+
+
+def wait_end(net: Network, work: Path, job_id: str, scheduler: str, deadline: float) -> None:
+    """Once the job succeeded (raises if it ended otherwise, or not in time)."""
+    while time.monotonic() < deadline:
+        status: dict[str, Any] = json.loads(
+            client(net, work, "status", job_id, "--json", "--scheduler", scheduler)
+        )
+        if status["state"] == "JOB_STATE_SUCCEEDED":
+            return
+        if status["state"] in ("JOB_STATE_FAILED", "JOB_STATE_CANCELLED"):
+            raise RuntimeError(f"job {job_id} ended {status['state']}: {status.get('error')}")
+        time.sleep(0.5)
+    raise TimeoutError(f"job {job_id} did not end in time")
+
+
+def max_abs_diff(exported: Path, job: Path) -> float:
+    """The largest difference between the exported parameters and `swarm local`'s."""
+    import torch
+
+    from swarm.job.config import load_job
+    from swarm.model.reference import train_local
+
+    state = torch.load(exported)
+    want = train_local(load_job(job)).state_dict()
+    if state.keys() != want.keys():
+        return float("inf")
+    return max((state[k] - v).abs().max().item() for k, v in want.items())
+
+
+def print_report(r: dict[str, Any]) -> None:
+    print(f"links {r['rate']} per host (hub {r['hub_rate']}); workload {r['workload']}, float64")
+    print(f"{'run':<8} {'samples/s':>10} {'s/step':>8} {'max|diff| vs local':>19}  NAT'd-only")
+    for run in r["runs"]:
+        print(
+            f"{run['label']:<8} {run['samples_per_s']:>10.2f} "
+            f"{run['seconds'] / run['steps']:>8.2f} {run['max_abs_diff']:>19.3g}  "
+            f"{run['natted_only_stages']}"
+        )
+        for k, reps in enumerate(run["placement"]):
+            shown = ", ".join(f"{x['peer']} {x['reachability'] or '?'} {x['relay']}" for x in reps)
+            print(f"    stage {k}: {shown}")
+    if r["nat_over_public"] is not None:
+        print(f"nat/public {r['nat_over_public']:.3f} (target >= 0.8)")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="100mbit", help="each host's link, each way")
+    parser.add_argument("--hub-rate", default="1gbit", help="the hub's (scheduler, relay) link")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (plus 1 warm-up)")
+    parser.add_argument("--workload", choices=sorted(wan.WORKLOADS), default="d256")
+    parser.add_argument("--only", choices=sorted(RUNS), help="one run alone (no ratio)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run at most")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument("--follow", nargs=4, help=argparse.SUPPRESS)  # HOST PORT JOB OUT
+    return parser.parse_args()
+
+
+def _bench_alive(pid: int) -> bool:
+    try:
+        return b"nat.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def main() -> int:
+    args = parse_args()
+    if args.follow:
+        host, port, job_id, out = args.follow
+        asyncio.run(_follow(host, int(port), job_id, Path(out)))
+        return 0
+    problem = netns.available(routers=True)
+    if problem:
+        print(f"bench/nat.py: {problem}", file=sys.stderr)
+        return 2
+    rate, hub_rate = wan.parse_rate(args.rate), wan.parse_rate(args.hub_rate)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    work = Path(tempfile.mkdtemp(prefix="swarm-nat-"))
+    (work / "data").mkdir()
+    toml = wan.job_toml(args.workload, args.steps + 1, "none", "push")
+    job = work / "job.toml"
+    job.write_text(toml.replace('dtype = "float32"', 'dtype = "float64"', 1))
+    net = Network(PREFIX, addresses(), lans())
+    runs: list[Run] = []
+    status = 1
+    try:
+        netns.remove_leftovers(PREFIX, _bench_alive)
+        net.create()
+        net.shape(rate)
+        net.shape_host(HUB, hub_rate, hub_rate)
+        for label in [args.only] if args.only else list(RUNS):
+            print(f"{label} run ...", file=sys.stderr, flush=True)
+            runs.append(run_once(net, job, work, label, args))
+        status = 0
+    except KeyboardInterrupt:
+        status = 130
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OSError) as e:
+        print(f"bench/nat.py: {e}", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        net.destroy()
+        if status == 0 and not args.keep_logs:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"logs in {work}", file=sys.stderr)
+    if status:
+        return status
+    by = {r.label: r for r in runs}
+    result = {
+        "rate": args.rate,
+        "hub_rate": args.hub_rate,
+        "workload": args.workload,
+        "runs": [asdict(r) for r in runs],
+        "nat_over_public": by["nat"].samples_per_s / by["public"].samples_per_s
+        if len(by) == 2
+        else None,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_report(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
