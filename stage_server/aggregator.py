@@ -19,7 +19,8 @@ holds little of it.
 
 It announces itself on peers/{peer} (role AGGREGATOR, `address` its PoolService, its link rates),
 with a last will OFFLINE; SIGTERM/SIGINT stop it in order (announced offline, calls in flight
-given `shutdown_grace_s`).
+given `shutdown_grace_s`). Like a stage server it takes `SWARM_FAULTS=averaging@STEP`
+(`swarm.ops.faults`): SIGKILLed mid-round, at the first contribution of that step's round.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -50,10 +53,11 @@ from swarm.errors import ConfigError, NotFound
 from swarm.job.config import RuntimeConfig, parse_job
 from swarm.net.addresses import announced_host, host_port
 from swarm.net.tokens import add_port
+from swarm.ops.faults import Point, maybe_die
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
 from swarm.proto import control_pb2 as cpb
-from swarm.proto import pool_pb2_grpc
+from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.rpc.server_options import ServerLimits, grpc_server
 from swarm.wire.budget import ReceiveBudget
 
@@ -224,6 +228,30 @@ class _PeerInfo(Collector):
         yield family
 
 
+_STEP = re.compile(r"(\d+)/")  # a round's id starts with its step: "12/0", "12/local-1"
+
+
+class _AggregatorPool(PoolServicer):
+    """Its PoolService, with a stage server's averaging fault point (`SWARM_FAULTS`,
+    `averaging@STEP`): SIGKILLed at the first contribution of that step's round it is sent,
+    mid-round, as tests and benchmarks kill an owner."""
+
+    async def Reduce(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pool_pb2.PoolReduceResponse]:
+        async for reply in super().Reduce(_at_fault_point(request_iterator), context):
+            yield reply
+
+
+async def _at_fault_point(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    first = True
+    async for request in requests:
+        if first and (step := _STEP.match(request.round)) is not None:
+            maybe_die(Point.AVERAGING, int(step[1]))
+        first = False
+        yield request
+
+
 @dataclass
 class RunningAggregator:
     server: grpc.aio.Server
@@ -264,7 +292,7 @@ async def start_aggregator(opts: AggregatorOptions, peer: str) -> RunningAggrega
         metrics_port = serve_metrics(metrics.registry, opts.host, opts.metrics_port, token=token)
     port = add_port(server, host_port(opts.host, opts.port), "an aggregator")
     defaults = RuntimeConfig()
-    pool = PoolServicer(
+    pool = _AggregatorPool(
         Averager(),
         route=jobs.route,
         chunk_bytes=min(defaults.chunk_bytes, opts.max_message_bytes - MESSAGE_HEADROOM),

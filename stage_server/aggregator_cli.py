@@ -21,6 +21,7 @@ from swarm.flags import (
 from swarm.net.bandwidth import parse_bandwidth
 from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
+from swarm.ops import faults
 from swarm.ops.logs import show_at_default
 
 __all__ = ["add_arguments", "parse_bandwidth", "run"]
@@ -105,6 +106,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         "the aggregator", args.host, token=token(args), insecure=args.insecure_no_token
     )
     up, down = parse_bandwidth(args.bandwidth) if args.bandwidth else (0.0, 0.0)
+    faults.arm()  # a malformed SWARM_FAULTS stops it now, not at its first fault point
     # Imported here: `swarm aggregator --help` needs only the flags, not torch and gRPC.
     from stage_server.aggregator import AggregatorOptions, run_aggregator
 
