@@ -67,7 +67,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "",
         "this machine's link rates, UP/DOWN in bits per second as tc writes them (100mbit, "
         "1gbit; a plain 100M is Mbit/s), announced so that pools give it parts by its links "
-        "(default: not announced)",
+        "(default: measured from the rounds it serves, announced again as they move)",
     )
     add_flag(
         p,
@@ -125,7 +125,8 @@ def run(command: str, args: argparse.Namespace) -> int:
         download_bytes_per_second=down,
         threads=args.threads,
     )
-    show_at_default(("stage_server.aggregator",))
+    # What it does, and its link rates as they are measured and announced (its parts follow).
+    show_at_default(("stage_server.aggregator", "stage_server.bandwidth"))
     with naming(args.host, [(_PORT, args.port), (_METRICS_PORT, args.metrics_port)]):
         asyncio.run(run_aggregator(opts, args.broker))
     return 0
