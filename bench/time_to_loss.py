@@ -8,7 +8,7 @@ with the steps measured with the links off and the step time over shaped links.
         [--modes sync,delayed,local4,local16,...] [--compression int8_blockwise|none]
         [--links 20mbit,100mbit+50ms] [--max-steps 480] [--eval-every 16] [--target-step 240]
         [--outer 0.7:0.9] [--workers 2] [--cache bench/.time_to_loss_steps.json]
-        [--agree 0.05] [--max-windows 6] [--steps-only] [--json]
+        [--agree 0.05] [--max-windows 6] [--uneven 10mbit/100mbit|none] [--steps-only] [--json]
 
 Rows (`--modes`): `sync` (per-step synchronous averaging, the default pool), `delayed`
 (`training.delayed_update`: each step's averaging overlaps the next step), `delayede` (the same
@@ -46,6 +46,17 @@ last three (the row then says "not steady"). Beside it: the trainer's blocked se
 (no microbatch could be leased while a commit was under way), as a share of the step, and the
 averaging bytes each replica sent per step over the same windows, read from every stage server's
 `swarm_stage_averaging_bytes_sent_total` (scraped inside its namespace at each window's edges).
+
+Uneven links (`--uneven SLOW/FAST`, default 10mbit/100mbit; `none` skips it; issue 43): sync on
+one stage's pool of 3 replicas (hosts `u0`..`u2`; with 2 contributors no partition changes a
+round's time), `u0`'s uplink at SLOW and every other link at FAST, under a scheduler (the
+trainer's host) whose coordinator sizes each round's parts from the rates the peers announce:
+two runs, parts equal (every member announces FAST) and water-filled (each announces its own:
+`u0` owns nothing, a client). The partition changes no sum, so both take sync's steps to the
+target; T = those steps x the steady step time (read off the scheduler's committed tokens),
+beside the LP's bound for the step's vector (`swarm.policy.parts.round_time`: 1.33x at N = 3).
+The slow uplink is shaped per direction with the lab harness's `Network.shape_host` where it has
+it, else by tbf on `u0`'s own end.
 
 Needs root, `ip`, `tc` and `curl` for the shaped part (`--steps-only` skips it). Namespaces are
 `swttl-<pid>-<host>`; leftovers of a run that died are removed first, everything on exit.
@@ -565,6 +576,9 @@ def measure(
 UNEVEN_REPLICAS = 3  # a pool of 3: with 2 contributors no partition changes a round's time
 SCHEDULER_PORT, BROKER_PORT, SCHEDULER_METRICS_PORT = 7400, 1883, 9200
 UNEVEN_ROWS = ("equal", "water-filled")
+# Steps the job may take before all three are members (those placed as copies join a step
+# boundary or more after the start): the windows count from then on.
+JOIN_SLACK_STEPS = 40
 
 
 @dataclass(frozen=True)
@@ -643,7 +657,7 @@ def measure_uneven(
     parts follow the rates the peers announce), parts equal or water-filled; every process
     killed after."""
     mode = parse_mode("sync", args.compression)
-    steps = WARMUP_STEPS + args.max_windows * mode.window + 2
+    steps = JOIN_SLACK_STEPS + WARMUP_STEPS + args.max_windows * mode.window + 2
     text = job_text(args.workload, mode, steps, 0, args.outer, "none")
     text = text.replace(f"stages = {STAGES}\n", "stages = 1\n")  # one pool of them all
     label = f"uneven-{UNEVEN_ROWS[water]}"
@@ -662,24 +676,46 @@ def measure_uneven(
         )
         procs.append(scheduler)
         broker = scheduler.wait_ready(time.monotonic() + wan.READY_TIMEOUT_S)["broker"]
-        for host in uneven.hosts:
+
+        def server(host: str) -> Proc:
             flags = f"--broker {broker} --host {here[host]} --port {wan.PORT} --device cpu"
             flags += f" --threads 1 --metrics-port {METRICS_PORT} --insecure-no-token"
             flags += f" --peer {host} --bandwidth {uneven.bandwidth(host, water)}"
             argv = wan.swarm_cmd("stage-server", *flags.split())
-            procs.append(wan.start(net, host, f"{label}-{host}", argv, work))
+            proc = wan.start(net, host, f"{label}-{host}", argv, work)
+            procs.append(proc)
+            return proc
+
+        # The fast ones first, the job on them, then u0: a replica placed later joins as a copy
+        # of a member, and a copy taken over u0's slow uplink was seen never to catch up with
+        # the steps (the whole run trained on u0 alone).
         deadline = time.monotonic() + wan.READY_TIMEOUT_S
-        for proc in procs[start_at + 1 :]:
+        for proc in [server(h) for h in uneven.hosts[1:]]:
             proc.wait_ready(deadline)
         at = f"{wan.SUBNET}.10:{SCHEDULER_PORT}"
         submit = wan.swarm_cmd("submit", str(job), "--scheduler", at)
-        procs.append(wan.start(net, wan.TRAINER, f"{label}-submit", submit, work))
+        submitted = wan.start(net, wan.TRAINER, f"{label}-submit", submit, work)
+        procs.append(submitted)
+        server("u0").wait_ready(deadline)
         p = WORKLOADS[args.workload]
         tokens = p["target_batch_size"] * p["seq_len"]  # per step: the coordinator counts them
         listen = {h: here[h] for h in uneven.hosts}
-        alive = procs[start_at:-1]  # `submit` exits once submitted
+        alive = [p for p in procs[start_at:] if p is not submitted]  # submit exits, done
+
+        def committed() -> int:
+            return int(scheduler_metric(net, "swarm_coordinator_tokens_total") // tokens)
+
+        # Measured once the pool is whole: every member has sent averaging bytes (a copy not
+        # yet admitted sends none, and no member leaves a healthy run).
+        deadline = time.monotonic() + args.timeout
+        while not all(v["sent"] > 0 for v in scrape(net, listen).values()):
+            check_alive(alive, label)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{label}: the pool of 3 never met: {scheduler.log()[-3000:]}")
+            time.sleep(0.2)
+        base = committed()
         periods, edges, (first, is_steady) = watch(
-            lambda: int(scheduler_metric(net, "swarm_coordinator_tokens_total") // tokens),
+            lambda: committed() - base,
             lambda: metrics.submit(scrape, net, listen),
             mode.window,
             args,
