@@ -8,7 +8,7 @@ with the steps measured with the links off and the step time over shaped links.
         [--modes sync,delayed,local4,local16,...] [--compression int8_blockwise|none]
         [--links 20mbit,100mbit+50ms] [--max-steps 480] [--eval-every 16] [--target-step 240]
         [--outer 0.7:0.9] [--workers 2] [--cache bench/.time_to_loss_steps.json]
-        [--agree 0.05] [--max-windows 6] [--steps-only] [--json]
+        [--agree 0.05] [--max-windows 6] [--uneven 10mbit/100mbit|none] [--steps-only] [--json]
 
 Rows (`--modes`): `sync` (per-step synchronous averaging, the default pool), `delayed`
 (`training.delayed_update`: each step's averaging overlaps the next step), `delayede` (the same
@@ -47,6 +47,17 @@ last three (the row then says "not steady"). Beside it: the trainer's blocked se
 averaging bytes each replica sent per step over the same windows, read from every stage server's
 `swarm_stage_averaging_bytes_sent_total` (scraped inside its namespace at each window's edges).
 
+Uneven links (`--uneven SLOW/FAST`, default 10mbit/100mbit; `none` skips it; issue 43): sync on
+one stage's pool of 3 replicas (hosts `u0`..`u2`; with 2 contributors no partition changes a
+round's time), `u0`'s uplink at SLOW and every other link at FAST, under a scheduler (the
+trainer's host) whose coordinator sizes each round's parts from the rates the peers announce:
+two runs, parts equal (every member announces FAST) and water-filled (each announces its own:
+`u0` owns nothing, a client). The partition changes no sum, so both take sync's steps to the
+target; T = those steps x the steady step time (read off the scheduler's committed tokens),
+beside the LP's bound for the step's vector (`swarm.policy.parts.round_time`: 1.33x at N = 3).
+The slow uplink is shaped per direction with the lab harness's `Network.shape_host` where it has
+it, else by tbf on `u0`'s own end.
+
 Needs root, `ip`, `tc` and `curl` for the shaped part (`--steps-only` skips it). Namespaces are
 `swttl-<pid>-<host>`; leftovers of a run that died are removed first, everything on exit.
 """
@@ -64,6 +75,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -457,6 +469,46 @@ def check_alive(procs: list[Proc], label: str) -> None:
             )
 
 
+def watch(
+    count: Callable[[], int],
+    at_edge: Callable[[], Future[dict[str, dict[str, float]]]],
+    w: int,
+    args: argparse.Namespace,
+    check: Callable[[], None],
+    why: Callable[[], str],
+) -> tuple[list[float], dict[int, Future[dict[str, dict[str, float]]]], tuple[int, bool]]:
+    """Steps as `count()` sees them done (polled), cut into windows of `w` after the warm-up,
+    `at_edge()` started at each window's edge (its scrape), until three windows agree (`steady`)
+    or `--max-windows` passed: the windows' mean step times, the edges' scrapes by step count,
+    and (the first of the three, whether steady). `check()` raises when a process died."""
+    arrived: list[float] = []  # arrived[i]: when step i was seen done
+    edges: dict[int, Future[dict[str, dict[str, float]]]] = {}  # step count -> the scrape there
+    periods: list[float] = []
+    deadline = time.monotonic() + args.timeout
+    while True:
+        done = count()
+        now = time.monotonic()
+        while len(arrived) < done:
+            arrived.append(now)
+            n = len(arrived)
+            if n >= WARMUP_STEPS and (n - WARMUP_STEPS) % w == 0:
+                edges[n] = at_edge()
+                if n > WARMUP_STEPS:
+                    periods.append((arrived[n - 1] - arrived[n - 1 - w]) / w)
+        if len(periods) >= 3:
+            found = steady(periods, args.agree)
+            if found is None and len(periods) >= args.max_windows:
+                found = (len(periods) - 3, False)
+            if found is not None:
+                return periods, edges, found
+        check()
+        if now > deadline:
+            raise TimeoutError(
+                f"{len(periods)} windows in {args.timeout:.0f}s, no steady three; {why()}"
+            )
+        time.sleep(0.01)
+
+
 def measure(
     net: Network,
     mode: Mode,
@@ -476,35 +528,14 @@ def measure(
     metrics = ThreadPoolExecutor(max_workers=1)
     try:
         log, trainer, listen = launch(net, job, link, label, work, procs)
-        arrived: list[float] = []  # arrived[i]: when the line of step i appeared
-        edges: dict[int, Future[dict[str, float]]] = {}  # line count -> the scrape there
-        periods: list[float] = []
-        found: tuple[int, bool] | None = None
-        deadline = time.monotonic() + args.timeout
-        while found is None:
-            done = wan.count_lines(log)
-            now = time.monotonic()
-            while len(arrived) < done:
-                arrived.append(now)
-                n = len(arrived)
-                if n >= WARMUP_STEPS and (n - WARMUP_STEPS) % w == 0:
-                    edges[n] = metrics.submit(scrape, net, listen)
-                    if n > WARMUP_STEPS:
-                        periods.append((arrived[n - 1] - arrived[n - 1 - w]) / w)
-            if periods and len(periods) >= 3:
-                found = steady(periods, args.agree)
-                if found is None and len(periods) >= args.max_windows:
-                    found = (len(periods) - 3, False)
-            if found is not None:
-                break
-            check_alive(procs[start_at:], label)
-            if now > deadline:
-                raise TimeoutError(
-                    f"{label}: {len(periods)} windows in {args.timeout:.0f}s, no steady three; "
-                    f"trainer log:\n{trainer.log()[-3000:]}"
-                )
-            time.sleep(0.01)
-        first, is_steady = found
+        periods, edges, (first, is_steady) = watch(
+            lambda: wan.count_lines(log),
+            lambda: metrics.submit(scrape, net, listen),
+            w,
+            args,
+            lambda: check_alive(procs[start_at:], label),
+            lambda: f"{label}: trainer log:\n{trainer.log()[-3000:]}",
+        )
         lo = WARMUP_STEPS + first * w  # line counts at the three windows' edges
         hi = lo + 3 * w
         before, after = edges[lo].result(timeout=60), edges[hi].result(timeout=60)
@@ -537,6 +568,197 @@ def measure(
         / len(per_step),
         "bytes_per_step_by_host": per_step,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Uneven links: equal vs water-filled parts (issue 43)
+
+UNEVEN_REPLICAS = 3  # a pool of 3: with 2 contributors no partition changes a round's time
+SCHEDULER_PORT, BROKER_PORT, SCHEDULER_METRICS_PORT = 7400, 1883, 9200
+UNEVEN_ROWS = ("equal", "water-filled")
+# Steps the job may take before all three are members (those placed as copies join a step
+# boundary or more after the start): the windows count from then on.
+JOIN_SLACK_STEPS = 40
+
+
+@dataclass(frozen=True)
+class Uneven:
+    """One stage's pool of `UNEVEN_REPLICAS` hosts: `u0`'s uplink at `slow_bits`, every other
+    link at `fast_bits`."""
+
+    name: str
+    slow_bits: float
+    fast_bits: float
+
+    @property
+    def hosts(self) -> list[str]:
+        return [f"u{j}" for j in range(UNEVEN_REPLICAS)]
+
+    def bandwidth(self, host: str, water: bool) -> str:
+        """The `--bandwidth` `host` announces: its real links for water-filled parts, the fast
+        rate for everyone for equal parts (water-filling gives equal rates equal parts)."""
+        fast = f"{int(self.fast_bits)}bit"
+        return f"{int(self.slow_bits)}bit/{fast}" if water and host == "u0" else fast
+
+    def rates(self) -> list[float]:
+        """Each member's upload, bytes/s (what the coordinator sizes parts by)."""
+        return [(self.slow_bits if h == "u0" else self.fast_bits) / 8 for h in self.hosts]
+
+
+def parse_uneven(text: str) -> Uneven | None:
+    if text.strip().lower() in ("", "none"):
+        return None
+    slow, sep, fast = text.strip().lower().partition("/")
+    rates = (wan.parse_rate(slow), wan.parse_rate(fast)) if sep else (None, None)
+    if rates[0] is None or rates[1] is None or not rates[0] < rates[1]:
+        raise argparse.ArgumentTypeError(f"--uneven {text!r}: use SLOW/FAST, e.g. 10mbit/100mbit")
+    return Uneven(text.strip().lower(), rates[0], rates[1])
+
+
+def uneven_addresses(uneven: Uneven) -> dict[str, str]:
+    return {h: f"{wan.SUBNET}.{31 + j}" for j, h in enumerate(uneven.hosts)}
+
+
+def shape_uneven(net: Network, uneven: Uneven) -> None:
+    """Every link at the fast rate, then `u0`'s uplink at the slow one: per direction with the
+    lab harness's `shape_host` where it has it, else tbf on `u0`'s own end (its upload)."""
+    net.shape(uneven.fast_bits)
+    shape_host = getattr(net, "shape_host", None)
+    if shape_host is not None:
+        shape_host("u0", uneven.slow_bits, uneven.fast_bits)
+        return
+    burst = max(128 << 10, int(uneven.slow_bits / 8 / 100))  # as Network.shape sizes it
+    tbf = f"tbf rate {int(uneven.slow_bits)}bit burst {burst} latency 100ms".split()
+    sh = ("ip", "netns", "exec", net.ns["u0"], "tc", "qdisc", "replace", "dev", "eth0", "root")
+    subprocess.run([*sh, *tbf], check=True, capture_output=True, timeout=30)
+
+
+def scheduler_metric(net: Network, name: str) -> float:
+    """The sum of `name`'s samples on the scheduler's /metrics (read inside its namespace)."""
+    url = f"http://{wan.SUBNET}.10:{SCHEDULER_METRICS_PORT}/metrics"
+    cmd = ["ip", "netns", "exec", net.ns[wan.TRAINER], "curl", "-s", "--max-time", "5", url]
+    text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    return sum(
+        float(line.rsplit(None, 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    )
+
+
+def measure_uneven(
+    net: Network,
+    uneven: Uneven,
+    water: bool,
+    args: argparse.Namespace,
+    work: Path,
+    procs: list[Proc],
+) -> dict[str, Any]:
+    """Sync's steady step time on one stage's pool over `uneven` links, under a scheduler (the
+    parts follow the rates the peers announce), parts equal or water-filled; every process
+    killed after."""
+    mode = parse_mode("sync", args.compression)
+    steps = JOIN_SLACK_STEPS + WARMUP_STEPS + args.max_windows * mode.window + 2
+    text = job_text(args.workload, mode, steps, 0, args.outer, "none")
+    text = text.replace(f"stages = {STAGES}\n", "stages = 1\n")  # one pool of them all
+    label = f"uneven-{UNEVEN_ROWS[water]}"
+    job = work / f"{label}.toml"
+    job.write_text(text)
+    shape_uneven(net, uneven)
+    start_at, here = len(procs), uneven_addresses(uneven)
+    metrics = ThreadPoolExecutor(max_workers=1)
+    try:
+        head = f"--host {wan.SUBNET}.10 --port {SCHEDULER_PORT} --broker-port {BROKER_PORT}"
+        head += f" --metrics-port {SCHEDULER_METRICS_PORT} --insecure-no-token"
+        head += f" --store {work}/{label}.sqlite --checkpoint-dir {work}/{label}-ckpt"
+        head += f" --data-root {CORPUS.parent}"
+        scheduler = wan.start(
+            net, wan.TRAINER, f"{label}-scheduler", wan.swarm_cmd("scheduler", *head.split()), work
+        )
+        procs.append(scheduler)
+        broker = scheduler.wait_ready(time.monotonic() + wan.READY_TIMEOUT_S)["broker"]
+
+        def server(host: str) -> Proc:
+            flags = f"--broker {broker} --host {here[host]} --port {wan.PORT} --device cpu"
+            flags += f" --threads 1 --metrics-port {METRICS_PORT} --insecure-no-token"
+            flags += f" --peer {host} --bandwidth {uneven.bandwidth(host, water)}"
+            argv = wan.swarm_cmd("stage-server", *flags.split())
+            proc = wan.start(net, host, f"{label}-{host}", argv, work)
+            procs.append(proc)
+            return proc
+
+        # The fast ones first, the job on them, then u0: a replica placed later joins as a copy
+        # of a member, and a copy taken over u0's slow uplink was seen never to catch up with
+        # the steps (the whole run trained on u0 alone).
+        deadline = time.monotonic() + wan.READY_TIMEOUT_S
+        for proc in [server(h) for h in uneven.hosts[1:]]:
+            proc.wait_ready(deadline)
+        at = f"{wan.SUBNET}.10:{SCHEDULER_PORT}"
+        submit = wan.swarm_cmd("submit", str(job), "--scheduler", at)
+        submitted = wan.start(net, wan.TRAINER, f"{label}-submit", submit, work)
+        procs.append(submitted)
+        server("u0").wait_ready(deadline)
+        p = WORKLOADS[args.workload]
+        tokens = p["target_batch_size"] * p["seq_len"]  # per step: the coordinator counts them
+        listen = {h: here[h] for h in uneven.hosts}
+        alive = [p for p in procs[start_at:] if p is not submitted]  # submit exits, done
+
+        def committed() -> int:
+            return int(scheduler_metric(net, "swarm_coordinator_tokens_total") // tokens)
+
+        # Measured once the pool is whole: every member has sent averaging bytes (a copy not
+        # yet admitted sends none, and no member leaves a healthy run).
+        deadline = time.monotonic() + args.timeout
+        while not all(v["sent"] > 0 for v in scrape(net, listen).values()):
+            check_alive(alive, label)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{label}: the pool of 3 never met: {scheduler.log()[-3000:]}")
+            time.sleep(0.2)
+        base = committed()
+        periods, edges, (first, is_steady) = watch(
+            lambda: committed() - base,
+            lambda: metrics.submit(scrape, net, listen),
+            mode.window,
+            args,
+            lambda: check_alive(alive, label),
+            lambda: f"{label}: scheduler log:\n{scheduler.log()[-3000:]}",
+        )
+        lo = WARMUP_STEPS + first * mode.window
+        hi = lo + 3 * mode.window
+        before, after = edges[lo].result(timeout=60), edges[hi].result(timeout=60)
+    finally:
+        metrics.shutdown(wait=True)
+        for proc in procs[start_at:]:
+            proc.kill()
+        del procs[start_at:]
+    step_s = sum(periods[first : first + 3]) / 3
+    per_step = {h: {k: (after[h][k] - before[h][k]) / (hi - lo) for k in after[h]} for h in after}
+    return {
+        "parts": UNEVEN_ROWS[water],
+        "link": uneven.name,
+        "bandwidth": {h: uneven.bandwidth(h, water) for h in uneven.hosts},
+        "step_seconds": step_s,
+        "steady": is_steady,
+        "windows": periods,
+        "window_steps": mode.window,
+        # Per member: what it sent averaging (a client sends its whole vector; an owner less
+        # its own part), and what its link carried out (tbf's counter).
+        "bytes_per_step_by_host": per_step,
+    }
+
+
+def uneven_bound(uneven: Uneven, workload: str) -> dict[str, float]:
+    """The round times the LP's model gives for one step's vector over these rates: equal
+    parts, water-filled, and their ratio (`swarm.policy.parts`)."""
+    from swarm.model.transformer import stage_layout
+    from swarm.policy.parts import round_time, water_fill
+
+    text = job_text(workload, parse_mode("sync", "none"), 1, 0, (0.7, 0.9), "none")
+    job = parse_job(text.replace(f"stages = {STAGES}\n", "stages = 1\n"), ROOT, "ttl")
+    nbytes = 4 * sum(p.numel() for p in stage_layout(job, 0).parameters())  # float32
+    rates = uneven.rates()
+    equal = round_time(rates, [], len(rates), nbytes)
+    water = round_time(rates, water_fill(rates), len(rates), nbytes)
+    return {"vector_bytes": nbytes, "equal_s": equal, "water_s": water, "ratio": equal / water}
 
 
 def swarm_curve(
@@ -629,6 +851,8 @@ def shaped(
     evaluations on a real swarm with the links off."""
     work = Path(tempfile.mkdtemp(prefix="swarm-ttl-"))
     _, address = host_layout()
+    if args.uneven is not None:
+        address |= uneven_addresses(args.uneven)
     net = Network(PREFIX, address)
     procs: list[Proc] = []
     rows: list[dict[str, Any]] = []
@@ -678,6 +902,19 @@ def shaped(
                     f"{row['averaging_bytes_per_replica_step'] / 1e6:.2f} MB/replica/step"
                 )
                 rows.append(row)
+        for water in (False, True) if args.uneven is not None else ():
+            say(f"shaped run: sync over {args.uneven.name}, {UNEVEN_ROWS[water]} parts ...")
+            try:
+                row = measure_uneven(net, args.uneven, water, args, work, procs)
+            except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
+                lines = str(e).strip().splitlines()
+                error = lines[0] if lines else type(e).__name__
+                say(f"  FAILED: {error}\n{str(e)[-2000:]}")
+                rows.append({"parts": UNEVEN_ROWS[water], "link": args.uneven.name, "error": error})
+                failed = True
+                continue
+            say(f"  {row['step_seconds']:.3f} s/step{'' if row['steady'] else ' (not steady)'}")
+            rows.append(row)
         ok = True
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -757,7 +994,7 @@ def report(
         "links": [],
     }
     for link in links:
-        rows = {r["mode"]: r for r in timed if r["link"] == link.name}
+        rows = {r["mode"]: r for r in timed if r["link"] == link.name and "mode" in r}
         if not rows:
             continue
         sync_t = None
@@ -796,6 +1033,25 @@ def report(
                 "sync_blocked_share": rows.get("sync", {}).get("blocked_share"),
             }
         )
+    uneven = [r for r in timed if "parts" in r]
+    if uneven and args.uneven is not None:
+        sync_steps = steps.get("sync")
+        table = [
+            {**r, "steps_to_target": sync_steps,
+             "T_seconds": None if "error" in r or sync_steps is None
+             else sync_steps * r["step_seconds"]}
+            for r in uneven
+        ]  # fmt: skip
+        t = {r["parts"]: r["T_seconds"] for r in table}
+        both = t.get("equal") and t.get("water-filled")
+        out["uneven"] = {
+            "link": args.uneven.name,
+            "replicas": UNEVEN_REPLICAS,
+            "stages": 1,
+            "rows": table,
+            "equal_over_water": t["equal"] / t["water-filled"] if both else None,
+            "bound": uneven_bound(args.uneven, args.workload),
+        }
     return out
 
 
@@ -879,6 +1135,36 @@ def print_report(r: dict[str, Any], out: IO[str]) -> None:
                 file=out,
             )
 
+    u = r.get("uneven")
+    if u is not None:
+        print(file=out)
+        print(
+            f"uneven links {u['link']} (u0's uplink slow, every other link fast): sync, 1 stage x "
+            f"{u['replicas']} replicas under a scheduler; steps: sync's (the parts change no "
+            "sum); parts equal (every member announces the fast rate) or water-filled (each its "
+            "own: u0 a client)",
+            file=out,
+        )
+        print(f"{'parts':<14} {'steps':>6} {'s/step':>8} {'T s':>9}  u0 MB sent/step", file=out)
+        for x in u["rows"]:
+            if "error" in x:
+                print(f"{x['parts']:<14}  FAILED: {x['error'][:200]}", file=out)
+                continue
+            sent = x["bytes_per_step_by_host"].get("u0", {}).get("sent", 0.0) / 1e6
+            note = "" if x["steady"] else "  not steady"
+            print(
+                f"{x['parts']:<14} {fmt(x['steps_to_target'], 'd'):>6} {x['step_seconds']:>8.3f} "
+                f"{fmt(x['T_seconds'], '.1f'):>9}  {sent:.3f}{note}",
+                file=out,
+            )
+        b = u["bound"]
+        print(
+            f"T equal / T water-filled: {fmt(u['equal_over_water'], '.3f')}; the LP's bound for "
+            f"a round of {b['vector_bytes'] / 1e6:.1f} MB: {b['equal_s']:.2f} s equal, "
+            f"{b['water_s']:.2f} s water-filled ({b['ratio']:.3f}x)",
+            file=out,
+        )
+
 
 # ---------------------------------------------------------------------------------------------
 
@@ -909,6 +1195,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--links", default="20mbit,100mbit+50ms", help="RATE[+DELAYms],...")
     parser.add_argument(
         "--outer", type=parse_outer, default=(0.7, 0.9), help="local rows' outer LR:MOMENTUM"
+    )
+    parser.add_argument(
+        "--uneven",
+        type=parse_uneven,
+        default=parse_uneven("10mbit/100mbit"),
+        help="SLOW/FAST: sync on a pool of 3 whose one uplink is SLOW, equal vs water-filled "
+        "parts (issue 43); none skips it",
     )
     parser.add_argument("--max-steps", type=int, default=480)
     parser.add_argument("--eval-every", type=int, default=16)
@@ -998,7 +1291,8 @@ def main() -> int:
             )
             return 1
         if args.steps_only:  # --swarm-steps rows from the cache only (they need root)
-            timed, swarm = [], {}
+            timed: list[dict[str, Any]] = []
+            swarm: dict[str, dict[str, Any]] = {}
             for m in (m for m in modes if m.name in args.swarm_steps):
                 if (hit := swarm_cached(args, m, target)) is not None:
                     swarm[m.name] = hit

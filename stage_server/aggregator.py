@@ -17,9 +17,12 @@ RESOURCE_EXHAUSTED naming that flag, and the round is retried (without it, if it
 How many chunks a member sends it at once is the butterfly's per-owner window, so an honest pool
 holds little of it.
 
-It announces itself on peers/{peer} (role AGGREGATOR, `address` its PoolService, its link rates),
-with a last will OFFLINE; SIGTERM/SIGINT stop it in order (announced offline, calls in flight
-given `shutdown_grace_s`).
+It announces itself on peers/{peer} (role AGGREGATOR, `address` its PoolService, its link rates:
+`--bandwidth`'s, else measured from the streams of the rounds it serves and announced again as
+they move, as a stage server's: `stage_server.bandwidth`), with a last will OFFLINE;
+SIGTERM/SIGINT stop it in order (announced offline, calls in flight given `shutdown_grace_s`).
+Like a stage server it takes `SWARM_FAULTS=averaging@STEP`
+(`swarm.ops.faults`): SIGKILLed mid-round, at the first contribution of that step's round.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -41,6 +46,7 @@ from prometheus_client.registry import Collector
 
 from stage_server.averaging.owner import Averager
 from stage_server.averaging.service import PoolServicer
+from stage_server.bandwidth import DIRECTIONS, LinkMeter, fill_rates, reannounce
 from stage_server.identity import persistent_peer_id
 from stage_server.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.measure import cache_path
@@ -50,10 +56,11 @@ from swarm.errors import ConfigError, NotFound
 from swarm.job.config import RuntimeConfig, parse_job
 from swarm.net.addresses import announced_host, host_port
 from swarm.net.tokens import add_port
+from swarm.ops.faults import Point, maybe_die
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
 from swarm.proto import control_pb2 as cpb
-from swarm.proto import pool_pb2_grpc
+from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.rpc.server_options import ServerLimits, grpc_server
 from swarm.wire.budget import ReceiveBudget
 
@@ -180,12 +187,14 @@ class PoolJobs:
 
 
 class AggregatorMetrics:
-    """Its series: `swarm_peer_info` (what it does), the jobs it follows, the bytes it holds
-    of its budget and the averaging bytes it moved."""
+    """Its series: `swarm_peer_info` (what it does), its link rates, the jobs it follows, the
+    bytes it holds of its budget and the averaging bytes it moved. `link`: its meter, which its
+    PoolService's streams record their bytes in (`stage_server.bandwidth`)."""
 
     def __init__(self, peer: str, budget: ReceiveBudget, jobs: PoolJobs) -> None:
         self.registry = reg = CollectorRegistry()
         self.peer, self.state = peer, "starting"  # then "aggregating", at last "offline"
+        self.link = LinkMeter()
         reg.register(_PeerInfo(self))
         Gauge(
             "swarm_aggregator_jobs", "Running jobs whose pools it takes parts in", registry=reg
@@ -210,7 +219,8 @@ class AggregatorMetrics:
 
 class _PeerInfo(Collector):
     """`swarm_peer_info` as a stage server's (one series, what it does in its labels), its
-    state "aggregating": it serves no job or stage of its own."""
+    state "aggregating": it serves no job or stage of its own; and as a stage server's,
+    `swarm_peer_link_bytes_per_second{peer,direction}`, the rates it announces (0: unknown)."""
 
     def __init__(self, metrics: AggregatorMetrics) -> None:
         self.metrics = metrics
@@ -222,6 +232,38 @@ class _PeerInfo(Collector):
         )
         family.add_metric(list(labels.values()), 1)
         yield family
+        rates = GaugeMetricFamily(
+            "swarm_peer_link_bytes_per_second",
+            "This peer's link rate, bytes/s, measured from its transfers or set by --bandwidth",
+            labels=["peer", "direction"],
+        )
+        for direction in DIRECTIONS:
+            rates.add_metric([self.metrics.peer, direction], self.metrics.link.rate(direction))
+        yield rates
+
+
+_STEP = re.compile(r"(\d+)/")  # a round's id starts with its step: "12/0", "12/local-1"
+
+
+class _AggregatorPool(PoolServicer):
+    """Its PoolService, with a stage server's averaging fault point (`SWARM_FAULTS`,
+    `averaging@STEP`): SIGKILLed at the first contribution of that step's round it is sent,
+    mid-round, as tests and benchmarks kill an owner."""
+
+    async def Reduce(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pool_pb2.PoolReduceResponse]:
+        async for reply in super().Reduce(_at_fault_point(request_iterator), context):
+            yield reply
+
+
+async def _at_fault_point(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    first = True
+    async for request in requests:
+        if first and (step := _STEP.match(request.round)) is not None:
+            maybe_die(Point.AVERAGING, int(step[1]))
+        first = False
+        yield request
 
 
 @dataclass
@@ -255,6 +297,7 @@ async def start_aggregator(opts: AggregatorOptions, peer: str) -> RunningAggrega
     jobs = PoolJobs(opts.max_message_bytes - MESSAGE_HEADROOM)
     budget = ReceiveBudget(opts.max_memory_bytes, flag="--max-memory-bytes")
     metrics = AggregatorMetrics(peer, budget, jobs)
+    metrics.link.fix(opts.upload_bytes_per_second, opts.download_bytes_per_second)
     limits = ServerLimits(opts.max_message_bytes, opts.max_message_bytes, opts.max_concurrent_rpcs)
     server = grpc_server(limits, token=opts.token, registry=metrics.registry)
     announce = announced_host(opts.host, opts.announce_host, "an aggregator")
@@ -264,7 +307,7 @@ async def start_aggregator(opts: AggregatorOptions, peer: str) -> RunningAggrega
         metrics_port = serve_metrics(metrics.registry, opts.host, opts.metrics_port, token=token)
     port = add_port(server, host_port(opts.host, opts.port), "an aggregator")
     defaults = RuntimeConfig()
-    pool = PoolServicer(
+    pool = _AggregatorPool(
         Averager(),
         route=jobs.route,
         chunk_bytes=min(defaults.chunk_bytes, opts.max_message_bytes - MESSAGE_HEADROOM),
@@ -273,6 +316,7 @@ async def start_aggregator(opts: AggregatorOptions, peer: str) -> RunningAggrega
         served=lambda: _within(jobs.served(), opts.max_memory_bytes),
         peer=peer,
         on_bytes=metrics.moved,
+        link=metrics.link,  # what its streams moved: its link's rates
         budget=budget,
         limit_name="--max-memory-bytes",
     )
@@ -313,28 +357,36 @@ class AggregatorAgent:
 
     def announcement(self) -> cpb.PeerAnnouncement:
         """Serving: its PoolService's address, its role, its link rates."""
-        return cpb.PeerAnnouncement(
+        msg = cpb.PeerAnnouncement(
             peer=self.peer,
             address=self.running.address,
             metrics_address=self.running.metrics_address,
             device="cpu",
             state=cpb.PEER_STATE_SERVING,
             role=cpb.PEER_ROLE_AGGREGATOR,
-            upload_bytes_per_second=self.opts.upload_bytes_per_second,
-            download_bytes_per_second=self.opts.download_bytes_per_second,
             time=time.time(),
         )
+        fill_rates(msg, self.running.metrics)  # --bandwidth's, else measured (0: not yet)
+        return msg
+
+    async def announce(self) -> None:
+        await self.bus.publish(self.bus.topics.peer(self.peer), self.announcement(), retain=True)
 
     async def run(self, stop: asyncio.Event) -> None:
         jobs = self.bus.subscribe(self.bus.topics.job("+"))
-        await self.bus.publish(self.bus.topics.peer(self.peer), self.announcement(), retain=True)
-        follow = asyncio.create_task(self._follow(jobs))
+        await self.announce()
+        tasks = [
+            asyncio.create_task(self._follow(jobs)),
+            # announced again when its measured rates move (`stage_server.bandwidth`)
+            asyncio.create_task(reannounce(self.running.metrics, self.announce)),
+        ]
         try:
             await stop.wait()
         finally:
-            follow.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await follow
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.running.metrics.state = "offline"
         offline = offline_will(self.peer, self.running.address)
         offline.time = time.time()  # a clean stop, not a dropped connection

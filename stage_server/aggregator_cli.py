@@ -21,6 +21,7 @@ from swarm.flags import (
 from swarm.net.bandwidth import parse_bandwidth
 from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
+from swarm.ops import faults
 from swarm.ops.logs import show_at_default
 
 __all__ = ["add_arguments", "parse_bandwidth", "run"]
@@ -66,7 +67,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "",
         "this machine's link rates, UP/DOWN in bits per second as tc writes them (100mbit, "
         "1gbit; a plain 100M is Mbit/s), announced so that pools give it parts by its links "
-        "(default: not announced)",
+        "(default: measured from the rounds it serves, announced again as they move)",
     )
     add_flag(
         p,
@@ -105,6 +106,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         "the aggregator", args.host, token=token(args), insecure=args.insecure_no_token
     )
     up, down = parse_bandwidth(args.bandwidth) if args.bandwidth else (0.0, 0.0)
+    faults.arm()  # a malformed SWARM_FAULTS stops it now, not at its first fault point
     # Imported here: `swarm aggregator --help` needs only the flags, not torch and gRPC.
     from stage_server.aggregator import AggregatorOptions, run_aggregator
 
@@ -123,7 +125,8 @@ def run(command: str, args: argparse.Namespace) -> int:
         download_bytes_per_second=down,
         threads=args.threads,
     )
-    show_at_default(("stage_server.aggregator",))
+    # What it does, and its link rates as they are measured and announced (its parts follow).
+    show_at_default(("stage_server.aggregator", "stage_server.bandwidth"))
     with naming(args.host, [(_PORT, args.port), (_METRICS_PORT, args.metrics_port)]):
         asyncio.run(run_aggregator(opts, args.broker))
     return 0

@@ -189,6 +189,7 @@ async def start_grpc(
         budget=servicer.budget,
         limit_name=served.max_bytes_name,
         link=metrics.link,  # an owner's streams: its link's rates too
+        observe=metrics.observe,  # the calls it answers as an owner, in swarm_stage_requests_total
     )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     health_servicer = health.aio.HealthServicer()

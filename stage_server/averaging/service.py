@@ -15,7 +15,7 @@ from stage_server.averaging.owner import Averager
 from stage_server.bandwidth import LinkMeter, incoming, outgoing
 from swarm.errors import InvalidArgument
 from swarm.proto import pool_pb2, pool_pb2_grpc
-from swarm.rpc.servicing import Servicing
+from swarm.rpc.servicing import Observe, Servicing
 from swarm.wire import chunking as wire
 from swarm.wire.budget import Held, ReceiveBudget
 
@@ -31,9 +31,10 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
     `route(job, stage)` raises NotFound when this replica does not serve that job and stage;
     `timeout_s` bounds a wait when the caller set no deadline; `on_bytes(sent, received)` counts
-    wire bytes. `served()`, read at every call, is `(chunk_bytes, max_bytes, timeout_s)` of the
-    job the replica serves now (its `[runtime]` within the peer's own limits; None while it
-    serves none), so the owner side of a round follows the job however its stage was installed.
+    wire bytes; `observe` sees every call (the stage server's request metrics). `served()`,
+    read at every call, is `(chunk_bytes, max_bytes, timeout_s)` of the job the replica serves
+    now (its `[runtime]` within the peer's own limits; None while it serves none), so the owner
+    side of a round follows the job however its stage was installed.
 
     A contribution is routed from its header, before a byte of its part is allocated, and the
     part's bytes come from `budget` (the process's, shared with the stage's calls) as they
@@ -56,6 +57,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         budget: ReceiveBudget | None = None,
         limit_name: str = "",
         link: LinkMeter | None = None,
+        observe: Observe | None = None,
     ) -> None:
         self.averager, self._route, self.peer, self._on_bytes = averager, route, peer, on_bytes
         self._link = link  # where its streams record their bytes (`stage_server.bandwidth`)
@@ -63,7 +65,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         self._served = served
         # No budget given (a pool on its own, in tests): bounded by max_bytes per call only.
         self._budget, self._limit_name = budget or ReceiveBudget(1 << 62), limit_name
-        self._serving = Servicing(peer)
+        self._serving = Servicing(peer, observe)  # the server's request metrics, if any
 
     def settings(self) -> tuple[int, int, float]:
         """`(chunk_bytes, max_bytes, timeout_s)` a call is served with now."""

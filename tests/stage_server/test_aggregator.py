@@ -347,6 +347,45 @@ async def test_a_killed_aggregator_fails_its_round_by_name_and_the_retry_loses_n
     assert all(torch.equal(r, kept[0] + kept[1]) for r in retried)
 
 
+async def test_without_bandwidth_it_measures_its_links_from_the_rounds_it_serves_and_says_so(
+    open_broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """No --bandwidth: it announces no rates until a round's streams tell them (`LinkMeter`, as
+    a stage server's owner streams do), then announces them again, and /metrics shows them."""
+    needs_parts()
+    # 64 MiB vectors: its half comes in 32 MiB from each member and goes back as 32 MiB sums,
+    # bursts past the meter's thresholds (1 MiB down, 16 MiB up).
+    flats = [torch.randn(8 << 20, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+             for i in range(2)]  # fmt: skip
+    async with (
+        scheduler_bus(open_broker) as bus,
+        replicas(2) as pool,
+        aggregator(open_broker, tmp_path, token=None) as proc,
+    ):
+        peers = bus.subscribe(Topics().peer("agg"))
+        await peers.wait_subscribed(WAIT_S)
+        said = await announcement(peers, cpb.PEER_STATE_SERVING)
+        assert (said.upload_bytes_per_second, said.download_bytes_per_second) == (0.0, 0.0)
+        await _pool_job(bus)
+        await until_taken(proc.address, job=JOB, token=None)
+        group = [r.address for r in pool] + [proc.address]
+        half = (0.25, 0.25, 0.5)
+        results = await reduce_all(
+            pool, flats, group=group, weights=half, contributors=2, round="measured"
+        )
+        assert all(torch.equal(r, flats[0] + flats[1]) for r in results)
+        async with asyncio.timeout(WAIT_S):  # announced again once measured (checked every 5 s)
+            while not (said.upload_bytes_per_second > 0 and said.download_bytes_per_second > 0):
+                said = await announcement(peers, cpb.PEER_STATE_SERVING)
+        assert said.role == cpb.PEER_ROLE_AGGREGATOR and said.address == proc.address
+        shown = {
+            s.labels["direction"]: s.value
+            for s in metrics(proc, None)["swarm_peer_link_bytes_per_second"]
+        }
+        assert shown["up"] > 0 and shown["down"] > 0, shown
+        assert "link measured at" in proc.log()
+
+
 async def members(
     pool: list[Replica], flats: list[torch.Tensor], indices: list[int], **kwargs: Any
 ) -> list[Any]:
