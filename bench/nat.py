@@ -5,17 +5,33 @@ with every peer public, in the same run; and each run's final parameters against
 (float64).
 
     sudo .venv/bin/python bench/nat.py [--rate 100mbit] [--hub-rate 1gbit] [--steps 10]
-        [--workload d256|tiny] [--only nat|public] [--json] [--keep-logs]
+        [--workload d256|tiny] [--natted 4] [--layout pinned|free] [--only nat|public] [--json]
+        [--keep-logs]
 
 Hosts. `hub` runs the scheduler (its embedded broker; no embedded trainer) and, in the NAT run, a
 relay (`swarm relay`), its link shaped to `--hub-rate`; `trainer` runs one `swarm trainer`; each
-stage server a host of its own. The public run's are `p0`..`p7`; the NAT run's `p0`..`p3` and
-`n0`..`n3`, each `n<i>` on LAN 192.168.(90+i).0/24 behind router `r<i>`. A NAT'd server announces
-its LAN address, as at home: the scheduler's dial-back finds it unreachable, it attaches to the
-relay, and every call to it goes through the relay. The scheduler places the replicas; the issue
-asks for one stage served by NAT'd replicas only, and the report says which stages were (placement
-is not forced here). The links are shaped as bench/wan.py shapes them (tbf each way; the routers'
-uplinks unshaped: each home router serves one host).
+stage server a host of its own. The public run's are `p0`..`p7`; the NAT run's `--natted` N of them
+(default 4, half) are `n0`..`n<N-1>`, each `n<i>` on LAN 192.168.(90+i).0/24 behind router `r<i>`,
+the rest `p0`..`p<7-N>`. A NAT'd server announces its LAN address, as at home: the scheduler's
+dial-back finds it unreachable, it attaches to the relay, and every call to it goes through the
+relay.
+
+Layout. The issue asks for one whole stage served by NAT'd replicas only, which placement, left
+free, never makes: it counts a relayed replica at a share of its speed
+(`swarm.policy.placement.path_speeds`) and so pairs each NAT'd replica with a public one. So by
+default (`--layout pinned`) the bench pins each server to a stage, production placement
+unchanged: each server's throughput cache (`SWARM_CACHE_DIR`, one per server) holds the figure
+the bench measured for its stage and 0 for every other ("cannot serve it"), so placement has
+one choice. The slots are filled NAT'd first in the order stage 0's replicas, then every other
+stage's first replica, then their second ones: N=4 gives stage 0 two NAT'd replicas, stages 1
+and 2 one each, stage 3 none; N=6, stages 0 and 1 NAT'd only. The public run pins its servers to
+the same slots, so the two runs differ only in who is behind NAT. `--layout free` leaves
+placement to the scheduler (each server's figures all measured). Either way the report gives
+each stage's replicas as `swarm status` showed them, and the stages served by NAT'd replicas
+only; a pinned run whose placement is not its pin fails.
+
+The links are shaped as bench/wan.py shapes them (tbf each way; the routers' uplinks unshaped:
+each home router serves one host).
 
 Runs. Each on fresh processes and a fresh job store: the job (bench/wan.py's workload, float64, 1
 warm-up step + `--steps`) is submitted, the trainer started; samples/s is the wall time from the
@@ -33,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -57,7 +74,6 @@ HUB, TRAINER = "hub", "trainer"
 REPLICAS = 2
 SERVERS = wan.STAGES * REPLICAS
 PUBLIC = [f"p{i}" for i in range(SERVERS)]
-NATTED = [f"n{i}" for i in range(SERVERS // 2)]
 SCHEDULER_PORT, BROKER_PORT, RELAY_PORT, PORT = 7700, 1883, 7100, 7000
 TOKEN = "bench-nat-token"
 READY_TIMEOUT_S = 300.0
@@ -68,15 +84,58 @@ def addresses() -> dict[str, str]:
     return {h: f"{SUBNET}.{10 + i}" for i, h in enumerate(hosts)}
 
 
-def lans() -> list[Lan]:
+def natted_hosts(count: int) -> list[str]:
+    return [f"n{i}" for i in range(count)]
+
+
+def lans(natted: list[str]) -> list[Lan]:
     """A home router of its own per NAT'd host."""
     return [
         Lan(f"r{i}", f"{SUBNET}.{100 + i}", f"192.168.{90 + i}.0/24", {h: f"192.168.{90 + i}.10"})
-        for i, h in enumerate(NATTED)
+        for i, h in enumerate(natted)
     ]
 
 
-RUNS = {"public": PUBLIC, "nat": PUBLIC[: SERVERS // 2] + NATTED}
+RUNS = ("public", "nat")
+
+
+def slots() -> list[int]:
+    """The stage of each slot, in the order NAT'd servers fill them: stage 0's replicas (the
+    stage served by NAT'd replicas only), then every other stage's first replica, then their
+    second ones (so the next NAT'd servers share stages with public ones)."""
+    rest = [k for _ in range(REPLICAS) for k in range(1, wan.STAGES)]
+    return [0] * REPLICAS + rest
+
+
+def run_hosts(label: str, natted: list[str]) -> list[str]:
+    """The stage servers of a run, in slot order: the NAT run's NAT'd ones first."""
+    if label == "public":
+        return list(PUBLIC)
+    return natted + PUBLIC[: SERVERS - len(natted)]
+
+
+def pinned_stages(label: str, natted: list[str]) -> dict[str, int]:
+    """Each stage server of a run -> the stage it is pinned to (`slots`)."""
+    return dict(zip(run_hosts(label, natted), slots(), strict=True))
+
+
+def write_pins(work: Path, job: Path, label: str, pins: dict[str, int]) -> None:
+    """Each pinned server's own throughput cache (`cache-<run>-<host>`): the figure measured
+    here for its stage, 0 for every other stage, so it announces it can serve that one only."""
+    import torch
+
+    from stage_server.measure import _key, measure_job
+    from swarm.job.config import load_job
+
+    config, cpu = load_job(job), torch.device("cpu")
+    torch.set_num_threads(1)  # as the servers compute (`--threads 1`)
+    os.environ["SWARM_CACHE_DIR"] = str(work / "cache")  # measured once for both runs
+    figures = measure_job(config, cpu)
+    for host, stage in pins.items():
+        cache = {_key(config, k, cpu): figures[k] if k == stage else 0.0 for k in figures}
+        path = work / f"cache-{label}-{host}" / "throughput.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cache))
 
 
 def env(work: Path) -> dict[str, str]:
@@ -130,17 +189,27 @@ class Run:
     placement: list[list[dict[str, Any]]]  # per stage, its replicas: peer, natted, reachability
     natted_only_stages: list[int]
     max_abs_diff: float  # against `swarm local`
+    pinned: list[list[str]] | None  # per stage, the servers pinned to it (`--layout pinned`)
 
 
-def run_once(net: Network, job: Path, work: Path, label: str, args: argparse.Namespace) -> Run:
+def run_once(
+    net: Network, job: Path, work: Path, label: str, natted: list[str], args: argparse.Namespace
+) -> Run:
     hub = net.addresses[HUB]
     scheduler = f"{hub}:{SCHEDULER_PORT}"
     at = ("--json", "--scheduler", scheduler)
     broker = f"mqtt://{hub}:{BROKER_PORT}"
     procs: list[Proc] = []
 
+    pins = pinned_stages(label, natted) if args.layout == "pinned" else None
+    if pins:
+        write_pins(work, job, label, pins)
+
     def start(host: str, name: str, *argv: str) -> Proc:
-        proc = net.start(host, f"{label}-{name}", wan.swarm_cmd(*argv), work, env(work), wan.ROOT)
+        own = env(work)
+        if pins and host in pins:
+            own["SWARM_CACHE_DIR"] = str(work / f"cache-{label}-{host}")
+        proc = net.start(host, f"{label}-{name}", wan.swarm_cmd(*argv), work, own, wan.ROOT)
         procs.append(proc)
         return proc
 
@@ -156,7 +225,7 @@ def run_once(net: Network, job: Path, work: Path, label: str, args: argparse.Nam
         if label == "nat":
             relay = ("--host", "0.0.0.0", "--port", str(RELAY_PORT), "--announce-host", hub)
             start(HUB, "relay", "relay", "--broker", broker, *relay)
-        for host in RUNS[label]:
+        for host in run_hosts(label, natted):
             start(
                 host,
                 host,
@@ -207,7 +276,7 @@ def run_once(net: Network, job: Path, work: Path, label: str, args: argparse.Nam
         [
             {
                 "peer": r["peer"],
-                "natted": r["peer"] in NATTED,
+                "natted": r["peer"] in natted,
                 "reachability": r.get("reachability", "").removeprefix("REACHABILITY_").lower(),
                 "relay": r.get("relay", ""),
             }
@@ -223,7 +292,20 @@ def run_once(net: Network, job: Path, work: Path, label: str, args: argparse.Nam
         placement=placement,
         natted_only_stages=[k for k, reps in enumerate(placement) if reps and all_natted(reps)],
         max_abs_diff=max_abs_diff(out, job),
+        pinned=[sorted(h for h, k in pins.items() if k == s) for s in range(wan.STAGES)]
+        if pins
+        else None,
     )
+
+
+def off_pin(run: Run) -> list[int]:
+    """The stages whose replicas (as `swarm status` showed them) are not the servers pinned to
+    them; [] for a run left free."""
+    if run.pinned is None:
+        return []
+    shown = [sorted(r["peer"] for r in reps) for reps in run.placement]
+    shown += [[]] * (len(run.pinned) - len(shown))
+    return [k for k, (want, got) in enumerate(zip(run.pinned, shown, strict=True)) if want != got]
 
 
 def all_natted(replicas: list[dict[str, Any]]) -> bool:
@@ -260,6 +342,7 @@ def max_abs_diff(exported: Path, job: Path) -> float:
 
 def print_report(r: dict[str, Any]) -> None:
     print(f"links {r['rate']} per host (hub {r['hub_rate']}); workload {r['workload']}, float64")
+    print(f"{r['natted']} of {SERVERS} stage servers behind NAT (nat run); layout {r['layout']}")
     print(f"{'run':<8} {'samples/s':>10} {'s/step':>8} {'max|diff| vs local':>19}  NAT'd-only")
     for run in r["runs"]:
         print(
@@ -270,6 +353,8 @@ def print_report(r: dict[str, Any]) -> None:
         for k, reps in enumerate(run["placement"]):
             shown = ", ".join(f"{x['peer']} {x['reachability'] or '?'} {x['relay']}" for x in reps)
             print(f"    stage {k}: {shown}")
+        if run["off_pin"]:
+            print(f"    NOT AS PINNED: stages {run['off_pin']} (pinned {run['pinned']})")
     if r["nat_over_public"] is not None:
         print(f"nat/public {r['nat_over_public']:.3f} (target >= 0.8)")
 
@@ -280,12 +365,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hub-rate", default="1gbit", help="the hub's (scheduler, relay) link")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (plus 1 warm-up)")
     parser.add_argument("--workload", choices=sorted(wan.WORKLOADS), default="d256")
-    parser.add_argument("--only", choices=sorted(RUNS), help="one run alone (no ratio)")
+    parser.add_argument(
+        "--natted",
+        type=int,
+        default=SERVERS // 2,
+        help=f"stage servers behind NAT in the nat run (0..{SERVERS}; default: half)",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("pinned", "free"),
+        default="pinned",
+        help="pinned: NAT'd servers on stage 0 first (stage 0 NAT'd only), the same slots in "
+        "both runs; free: the scheduler places them",
+    )
+    parser.add_argument("--only", choices=RUNS, help="one run alone (no ratio)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run at most")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument("--follow", nargs=4, help=argparse.SUPPRESS)  # HOST PORT JOB OUT
-    return parser.parse_args()
+    args = parser.parse_args()
+    if not 0 <= args.natted <= SERVERS:
+        parser.error(f"--natted {args.natted}: give 0..{SERVERS}")
+    return args
 
 
 def _bench_alive(pid: int) -> bool:
@@ -316,7 +417,8 @@ def main() -> int:
     toml = wan.job_toml(args.workload, args.steps + 1, "none", "push")
     job = work / "job.toml"
     job.write_text(toml.replace('dtype = "float32"', 'dtype = "float64"', 1))
-    net = Network(PREFIX, addresses(), lans())
+    natted = natted_hosts(args.natted)
+    net = Network(PREFIX, addresses(), lans(natted))
     runs: list[Run] = []
     status = 1
     try:
@@ -326,7 +428,7 @@ def main() -> int:
         net.shape_host(HUB, hub_rate, hub_rate)
         for label in [args.only] if args.only else list(RUNS):
             print(f"{label} run ...", file=sys.stderr, flush=True)
-            runs.append(run_once(net, job, work, label, args))
+            runs.append(run_once(net, job, work, label, natted, args))
         status = 0
     except KeyboardInterrupt:
         status = 130
@@ -346,7 +448,9 @@ def main() -> int:
         "rate": args.rate,
         "hub_rate": args.hub_rate,
         "workload": args.workload,
-        "runs": [asdict(r) for r in runs],
+        "natted": args.natted,
+        "layout": args.layout,
+        "runs": [asdict(r) | {"off_pin": off_pin(r)} for r in runs],
         "nat_over_public": by["nat"].samples_per_s / by["public"].samples_per_s
         if len(by) == 2
         else None,
@@ -355,7 +459,8 @@ def main() -> int:
         print(json.dumps(result, indent=2))
     else:
         print_report(result)
-    return 0
+    # a pinned run not placed as pinned measured another scenario than the one it names
+    return 1 if any(off_pin(r) for r in runs) else 0
 
 
 if __name__ == "__main__":
