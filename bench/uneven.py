@@ -4,6 +4,8 @@ equal parts against one with parts by water-filling, and the bound the LP gives,
 
     sudo .venv/bin/python bench/uneven.py [--params 8e6] [--reps 2] [--json]
 
+(about 8 minutes at the defaults on two cores; `--reps 1`: about 5)
+
 Scenarios: a pool of 4 with one member's uplink at 10 Mbit/s, and a pool of 8 with half of them
 at 10 Mbit/s; every other uplink, and every downlink, at 100 Mbit/s. Each member is a pool
 replica as a stage server has one (`PoolServicer` and `Averager` on a `grpc.aio` server, a
@@ -26,6 +28,19 @@ member needs; the LP's optimum is that time at the water-filling weights ("bound
 from the measured upload rates; "bound, shaped": from the rates tc was given, each member's
 smaller). Equal parts' model time is shown too, as is each ratio: the issue's targets are
 water-filled within 1.15 x of the bound and >= 1.3 x faster than equal parts for the pool of 4.
+
+Then the same pool with one aggregator peer on a host of its own at 1 Gbit/s both ways: a member
+in aggregator mode serving `PoolServicer` and `Averager` with no gradient (what
+`stage_server.aggregator` serves), last in the group, `RoundSettings(contributors=n)`, the parts
+`water_fill(rates, n)` from the members' measured uploads and the aggregator's shaped rate (it
+has measured nothing before it owns a part; what it measured is printed beside). Its bound: a
+contributor's bytes as above with m = n contributors, the aggregator's m w V each way.
+
+Every member connects to every other before the warm-up, while the links are idle (see
+`member`), and a failed round shows every failed member's log tail. `--params` below 8e6 leaves
+the members' upload bursts under the link meter's 16 MiB floor (`stage_server.bandwidth`'s
+MIN_UP_BYTES): a fast member's contributions, 0.75 of the gradient, are one burst, and its sums
+another, so no upload rate is measured and the run stops.
 
 `--member JSON` runs one member (the benchmark starts them; not by hand).
 """
@@ -51,7 +66,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bulk import Child, go_and_read, reference_sha  # noqa: E402
+from bench.bulk import Child, reference_sha  # noqa: E402
 from bench.bulk_child import command, gradient, options, say, wait_for  # noqa: E402
 from swarm.local.netns import Network, remove_leftovers  # noqa: E402
 
@@ -60,6 +75,7 @@ SUBNET = "10.78.0"
 PORT = 7100  # every member's (namespaces are separate)
 MBIT = 1e6
 SLOW_BITS, FAST_BITS = 10 * MBIT, 100 * MBIT
+AGGREGATOR_BITS = 1000 * MBIT
 POOL_JOB = "bench-uneven"
 CHUNK_BYTES = 1 << 20
 ROUND_TIMEOUT_S = 600.0
@@ -84,7 +100,6 @@ async def member(args: dict[str, Any]) -> None:
         if job != POOL_JOB or stage != 0:
             raise NotFound(f"job {job!r} stage {stage} is not served here")
 
-    flat = gradient(args["params"], args["seed"])
     most = 4 * args["params"] + CHUNK_BYTES
     link = LinkMeter()
     server = grpc.aio.server(options=options())
@@ -100,14 +115,33 @@ async def member(args: dict[str, Any]) -> None:
     channels = ChannelPool(options=options(), link=link)
     say(ready=address)
     group = (await wait_for("group"))[1].split(",")
+    # Every connection made now, while the links are idle. Made lazily at the first round's
+    # start instead, a member's connection to a slow-uplink member waits for that member's
+    # answers (SYN-ACK, then HTTP/2 SETTINGS) behind its own saturated uplink: tbf drops what
+    # would queue past 100 ms, the kernel backs off 1, 2, 4, 8 s per drop, and gRPC gives a
+    # connection attempt 20 s ("timed out before receiving SETTINGS frame"); that member then
+    # aborts the round, stops its server, and the others see GOAWAY ("RPC already finished").
+    # An aggregator opens no calls (it answers those made to it): no channels of its own.
+    if not args.get("aggregator"):
+        await asyncio.gather(*(channels.channel(a).channel_ready() for a in group if a != address))
     say(prepared=True)
+    flat = None if args.get("aggregator") else gradient(args["params"], args["seed"])
     try:
-        while (cmd := await command())[0] == "go":
-            weights = [float(w) for w in cmd[2].split(",")] if len(cmd) > 2 else []
-            extra = {"weights": weights} if weights else {}  # RoundSettings(weights=): issue 43
+        while (cmd := await command())[0] in ("go", "rates"):
+            if cmd[0] == "rates" or flat is None:  # an aggregator: what its streams measured
+                link.settle(0.0)
+                say(result={"rates": list(link.rates())})
+                continue
+            # go TAG WEIGHTS|- CONTRIBUTORS: 0 contributors, the group's members without the
+            # aggregator (the last of `group`, when there is one); n, all of it, the last owning
+            # parts without contributing (RoundSettings(contributors=): issue 43)
+            weights = [float(w) for w in cmd[2].split(",")] if cmd[2] != "-" else []
+            contributors = int(cmd[3])
+            members = group if contributors else group[: args["members"]]
             settings = RoundSettings(
-                group=group, index=group.index(address), round=cmd[1], job=POOL_JOB, stage=0,
-                timeout_s=ROUND_TIMEOUT_S, chunk_bytes=CHUNK_BYTES, max_bytes=most, **extra,
+                group=members, index=members.index(address), round=cmd[1], job=POOL_JOB,
+                stage=0, timeout_s=ROUND_TIMEOUT_S, chunk_bytes=CHUNK_BYTES, max_bytes=most,
+                weights=weights, contributors=contributors,
             )  # fmt: skip
             started = asyncio.get_running_loop().time()
             total = await all_reduce(flat, settings, averager=averager, channels=channels)
@@ -138,11 +172,34 @@ class NsChild(Child):
         self._buffer = b""
 
 
-def model_time(nbytes: float, rates: Sequence[float], weights: Sequence[float]) -> float:
+def go_and_read(children: Sequence[Child], line: str) -> list[Any]:
+    """Every member's result of the round `line` starts; if any failed, every failed member's
+    log tail (the first to fail is usually not the one whose error ends the run)."""
+    for c in children:
+        c.send(line)
+    results, failed = [], []
+    for c in children:
+        try:
+            results.append(c.read("result"))
+        except RuntimeError as e:
+            failed.append(str(e))
+    if failed:
+        raise RuntimeError(f"{line!r}: {len(failed)} member(s) failed:\n" + "\n\n".join(failed))
+    return results
+
+
+def model_time(
+    nbytes: float, rates: Sequence[float], weights: Sequence[float], contributors: int = 0
+) -> float:
     """Seconds of a bandwidth-bound full-duplex round of `nbytes` with these parts: the slowest
-    member's (1 + (n - 2) w) V bytes at its rate (see the module's note)."""
-    n = len(rates)
-    return max((1 + (n - 2) * w) * nbytes / r for r, w in zip(rates, weights, strict=True))
+    member's bytes at its rate, a contributor's (1 + (m - 2) w) V, an aggregator's m w V (it
+    takes m contributions of its part and sends m sums back), m contributors (see the module's
+    note)."""
+    m = contributors or len(rates)
+    return max(
+        (1 + (m - 2) * w if i < m else m * w) * nbytes / r
+        for i, (r, w) in enumerate(zip(rates, weights, strict=True))
+    )
 
 
 @dataclass
@@ -157,16 +214,23 @@ class Scenario:
     measured_up: list[float]
     measured_down: list[float]
     weights: list[float]
+    aggregated_s: list[float]  # water-filled with the aggregator (index `members`)
+    aggregated_weights: list[float]
+    aggregator_rates: list[float]  # what its streams measured: up, down
 
     def row(self, nbytes: int) -> dict[str, Any]:
-        n = self.members
-        equal_w = [1 / n] * n
         from swarm.policy.parts import water_fill
 
+        n = self.members
+        equal_w = [1 / n] * n
         shaped = [min(u, d) for u, d in zip(self.shaped_up, self.shaped_down, strict=True)]
         shaped_w = water_fill(shaped, n)
         bound = model_time(nbytes, self.measured_up, self.weights)
         equal, water = statistics.median(self.equal_s), statistics.median(self.water_s)
+        aggregated = statistics.median(self.aggregated_s)
+        with_agg = [*self.measured_up, AGGREGATOR_BITS / 8]
+        agg_bound = model_time(nbytes, with_agg, self.aggregated_weights, n)
+        agg_shaped = [*shaped, AGGREGATOR_BITS / 8]
         return {
             "scenario": self.name,
             "equal_s": equal,
@@ -181,6 +245,16 @@ class Scenario:
             "measured_down_mbit": [8 * r / MBIT for r in self.measured_down],
             "equal_rounds_s": self.equal_s,
             "water_filled_rounds_s": self.water_s,
+            "aggregated_s": aggregated,
+            "aggregated_speed_up": equal / aggregated,
+            "aggregated_bound_s": agg_bound,
+            "aggregated_over_bound": aggregated / agg_bound,
+            "aggregated_bound_shaped_s": model_time(
+                nbytes, agg_shaped, water_fill(agg_shaped, n), n
+            ),
+            "aggregated_weights": self.aggregated_weights,
+            "aggregated_rounds_s": self.aggregated_s,
+            "aggregator_measured_mbit": [8 * r / MBIT for r in self.aggregator_rates],
         }
 
 
@@ -189,28 +263,33 @@ def run_scenario(
 ) -> Scenario:
     from swarm.policy.parts import water_fill
 
-    hosts = [f"m{i}" for i in range(n)]
+    hosts = [f"m{i}" for i in range(n)] + ["agg"]
     net = Network(PREFIX, {h: f"{SUBNET}.{11 + i}" for i, h in enumerate(hosts)})
     up_bits = [SLOW_BITS if i < slow else FAST_BITS for i in range(n)]
     children: list[Child] = []
     try:
         net.create()
-        for host, bits in zip(hosts, up_bits, strict=True):
+        for host, bits in zip(hosts, up_bits, strict=False):
             net.shape_host(host, bits, FAST_BITS)  # helper "lab": upload, download
+        net.shape_host("agg", AGGREGATOR_BITS, AGGREGATOR_BITS)
         for i, host in enumerate(hosts):
-            args = {"params": params, "seed": i, "host": net.addresses[host]}
+            args = {"params": params, "seed": i, "host": net.addresses[host], "members": n,
+                    "aggregator": host == "agg"}  # fmt: skip
             children.append(NsChild(net, host, args, work))
         group = [c.read("ready") for c in children]
         for c in children:
             c.send("group " + ",".join(group))
         for c in children:
             c.read("prepared")
+        members, aggregator = children[:n], children[n]
 
-        def rounds(tag: str, weights: Sequence[float] = ()) -> tuple[list[float], list[Any]]:
-            shares = " " + ",".join(f"{w:.17g}" for w in weights) if weights else ""
+        def rounds(
+            tag: str, weights: Sequence[float] = (), contributors: int = 0
+        ) -> tuple[list[float], list[Any]]:
+            shares = ",".join(f"{w:.17g}" for w in weights) or "-"
             seconds, last = [], []
             for r in range(reps):
-                last = go_and_read(children, f"go {tag}{r}{shares}")
+                last = go_and_read(members, f"go {tag}{r} {shares} {contributors}")
                 if {x["sha256"] for x in last} != {expected}:
                     raise RuntimeError(
                         f"{name}: {tag} round {r}: the sums differ from the reference"
@@ -218,7 +297,7 @@ def run_scenario(
                 seconds.append(max(x["seconds"] for x in last))
             return seconds, last
 
-        go_and_read(children, "go warmup")
+        go_and_read(members, "go warmup - 0")
         equal_s, after = rounds("equal")
         up = [x["rates"][0] for x in after]
         down = [x["rates"][1] for x in after]
@@ -226,9 +305,14 @@ def run_scenario(
             raise RuntimeError(f"{name}: a member measured no rate: up {up}, down {down}")
         weights = water_fill(up, n)  # uploads: see the module's note
         water_s, _ = rounds("water", weights)
+        # The aggregator has taken no part yet: its rate is the one its link was shaped to (as
+        # an operator's `--bandwidth` would announce it); what it measures is shown beside.
+        aggregated_weights = water_fill([*up, AGGREGATOR_BITS / 8], n)
+        aggregated_s, _ = rounds("aggregated", aggregated_weights, n)
+        aggregator_rates = go_and_read([aggregator], "rates")[0]["rates"]
         return Scenario(
             name, n, slow, [b / 8 for b in up_bits], [FAST_BITS / 8] * n, equal_s, water_s, up,
-            down, list(weights),
+            down, list(weights), aggregated_s, list(aggregated_weights), aggregator_rates,
         )  # fmt: skip
     finally:
         for c in children:
@@ -238,7 +322,8 @@ def run_scenario(
 
 def print_rows(rows: list[dict[str, Any]], params: int) -> None:
     print(f"gradient: {params} float32 values ({4 * params / 1e6:.1f} MB); uplinks 10 or 100 "
-          "Mbit/s, downlinks 100 Mbit/s; seconds: the slowest member's, median")  # fmt: skip
+          "Mbit/s, downlinks 100 Mbit/s, the aggregator's 1 Gbit/s both ways; seconds: the "
+          "slowest member's, median")  # fmt: skip
     head = ("scenario", "equal", "water-filled", "speed-up", "bound (meas.)", "water/bound",
             "bound (shaped)", "equal (model)")  # fmt: skip
     print(" | ".join(head))
@@ -249,10 +334,19 @@ def print_rows(rows: list[dict[str, Any]], params: int) -> None:
             f"{r['water_over_bound']:.2f} | {r['bound_shaped_s']:.2f} s | "
             f"{r['equal_model_s']:.2f} s"
         )
+        print(
+            f"{r['scenario']} + aggregator at 1 Gbit/s | - | {r['aggregated_s']:.2f} s | "
+            f"{r['aggregated_speed_up']:.2f} x | {r['aggregated_bound_s']:.2f} s | "
+            f"{r['aggregated_over_bound']:.2f} | {r['aggregated_bound_shaped_s']:.2f} s | -"
+        )
+    for r in rows:
         up = ", ".join(f"{m:.0f}" for m in r["measured_up_mbit"])
         down = ", ".join(f"{m:.0f}" for m in r["measured_down_mbit"])
         weights = ", ".join(f"{w:.3f}" for w in r["weights"])
-        print(f"    measured Mbit/s up [{up}], down [{down}]; weights [{weights}]")
+        agg_w = ", ".join(f"{w:.3f}" for w in r["aggregated_weights"])
+        agg = ", ".join(f"{m:.0f}" for m in r["aggregator_measured_mbit"])
+        print(f"{r['scenario']}: measured Mbit/s up [{up}], down [{down}]; weights [{weights}]; "
+              f"with the aggregator [{agg_w}], its measured up, down [{agg}]")  # fmt: skip
 
 
 def _alive(pid: int) -> bool:
