@@ -333,7 +333,7 @@ def max_abs_diff(exported: Path, job: Path) -> float:
     from swarm.job.config import load_job
     from swarm.model.reference import train_local
 
-    state = torch.load(exported)
+    state = torch.load(exported, weights_only=True)
     want = train_local(load_job(job)).state_dict()
     if state.keys() != want.keys():
         return float("inf")
