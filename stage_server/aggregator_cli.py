@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from stage_server.cli import add_peer_flags
 from stage_server.limits import PeerLimits
 from swarm.errors import SwarmError
 from swarm.flags import (
     add_flag,
-    add_insecure_no_token,
     add_metrics_token,
-    add_token,
     env_name,
     metrics_token,
     token,
@@ -20,7 +19,6 @@ from swarm.flags import (
 )
 from swarm.net.bandwidth import parse_bandwidth
 from swarm.net.ports import Listener, PortFlag, naming
-from swarm.net.tls import add_tls_flags
 from swarm.ops import faults
 from swarm.ops.logs import show_at_default
 
@@ -39,11 +37,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         None,
         "MQTT broker URL of the swarm, mqtt://[user:pass@]host:port or mqtts://... (required)",
     )
-    add_flag(p, "peer", "", "peer id, also its MQTT username (default: persisted in the cache dir)")
-    add_token(p)
-    add_insecure_no_token(p)
-    add_tls_flags(p)
-    add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
+    add_peer_flags(p)
     add_flag(
         p,
         "announce-host",

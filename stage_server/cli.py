@@ -61,11 +61,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "make compute this many times slower (stands in for a slow device)",
         type=float,
     )
-    add_flag(p, "peer", "", "peer id, also its MQTT username (default: persisted in the cache dir)")
-    add_token(p)
-    add_insecure_no_token(p)
-    add_tls_flags(p)
-    add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
+    add_peer_flags(p)
     add_flag(
         p,
         "announce-host",
@@ -103,6 +99,16 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     )
     _add_limits(p)
     _add_relay(p)
+
+
+def add_peer_flags(p: argparse.ArgumentParser) -> None:
+    """Who a peer is and how it is reached and trusted: its id, the swarm token, TLS, the host it
+    listens on (a stage server's and an aggregator's alike)."""
+    add_flag(p, "peer", "", "peer id, also its MQTT username (default: persisted in the cache dir)")
+    add_token(p)
+    add_insecure_no_token(p)
+    add_tls_flags(p)
+    add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
 
 
 def _add_relay(p: argparse.ArgumentParser) -> None:
