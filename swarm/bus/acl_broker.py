@@ -141,6 +141,11 @@ class AclBroker(Broker):
             self._open -= 1
             self._gate.release(asyncio.current_task())
             self._outboxes.discard(box)
+            # amqtt ends some sessions (a client gone mid-session) without closing its side: the
+            # socket stayed open until garbage collection, which warned in whatever ran then.
+            # (Closed, not aborted: whatever amqtt wrote last, a refusing CONNACK, still goes.)
+            if not writer.transport.is_closing():
+                writer.close()
 
     async def _handshake(
         self, writer: asyncio.StreamWriter, listener_name: str, deadline: float

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from swarm.bus.acl_broker import AclBroker
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus
 from swarm.bus.limits import BrokerLimits
@@ -53,6 +54,23 @@ async def test_a_socket_that_never_sends_connect_is_closed() -> None:
             await client.send(connect_packet("c1", keepalive=0))
             assert await client.connack(WAIT_S) == 0
             assert not await client.closed_by_broker(2.0)
+
+
+async def test_a_session_amqtt_ends_without_closing_is_closed_on_the_brokers_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """amqtt returns from some sessions (a client gone mid-session, as a SIGKILLed aggregator's)
+    without closing its side of the connection: the broker closes it when the session ends, so
+    no socket is left to the garbage collector (which warned in whatever test ran then)."""
+
+    async def returns_open(self: AclBroker, listener: str, reader: object, writer: object) -> None:
+        return None  # what amqtt's session does on that path: nothing closed
+
+    async with EmbeddedBroker() as broker:
+        monkeypatch.setattr(AclBroker, "_client_connected", returns_open)
+        async with await RawClient.open("127.0.0.1", broker.port) as client:
+            await client.send(connect_packet("c1", keepalive=0))
+            assert await client.closed_by_broker(WAIT_S)
 
 
 async def test_a_silent_connection_is_closed_during_the_tls_handshake_too(
