@@ -146,6 +146,9 @@ class StateTransfer:
         # one; the answer is where this replica is now, which the coordinator does not take for
         # a member's step.
         self.stop_copy()
+        log.info(
+            "%s: copying stage %d from %s to join at step %d", self.peer, rt.stage, source, step
+        )
         # The member's answers are bounded by the job within this peer's limits.
         client = StageClient(source, self._limits.clamp(rt.job), job_id, rt.stage, self.token)
         self.copy = Copy(client, rt, self._worker.run, self.peer, ticket, self._copied)

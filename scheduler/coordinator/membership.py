@@ -229,6 +229,7 @@ class Membership:
                         source.address, step, source.peer
                     )
                 except GONE as e:  # the joiner itself is absent: try it less often
+                    self.clients.drop(stage, joiner)  # and then over a new connection
                     delay = self._joins.failed(joiner.peer)
                     self._failed[joiner.peer] = (_short(e), self.clock.now() + delay)
                     first = delay <= self._JOIN_FIRST_S * (1 + self._joins.jitter)  # then quieter

@@ -373,11 +373,23 @@ class ReplicaClients:
         current = {(r.peer, k, r.address) for k, stage in enumerate(members) for r in stage}
         stale = [self._open.pop(key) for key in list(self._open) if key not in current]
         if stale:
-            # Closing a channel cancels its calls in flight (a void's Discard, an export's
-            # download): let them run to their deadlines first.
-            task = asyncio.create_task(self._close_after(stale, self.grace_s))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._close_later(stale)
+
+    def drop(self, stage: int, replica: Replica) -> None:
+        """Forget the connection to a replica that did not answer: the next call dials anew.
+        A gRPC channel that failed to connect waits out its own reconnect backoff (up to 5 s)
+        and fails every call meanwhile, so a peer restarted at the same address was not asked
+        again until then, and again after each of its calls failed that way."""
+        client = self._open.pop((replica.peer, stage, replica.address), None)
+        if client is not None:
+            self._close_later([client])
+
+    def _close_later(self, clients: list[StageReplica]) -> None:
+        # Closing a channel cancels its calls in flight (a void's Discard, an export's
+        # download): let them run to their deadlines first.
+        task = asyncio.create_task(self._close_after(clients, self.grace_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     @staticmethod
     async def _close_after(clients: list[StageReplica], delay_s: float) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from scheduler.coordinator.replicas import StageReplica
 from swarm.errors import PeerUnavailable
 from swarm.job.fingerprint import fingerprint
+from swarm.rpc.lease import Replica
 from tests.support.coordinator import Harness, job_of, until
 from tests.support.replicas import FakeSwarm
 
@@ -39,5 +41,41 @@ async def test_a_joiner_says_what_it_waits_for_until_it_is_a_member(tmp_path: Pa
         await h.step()
         await until(lambda: "m" in membership.synced)
         assert membership.waits() == {}
+    finally:
+        await h.coordinator.close()
+
+
+async def test_a_joiner_that_did_not_answer_is_asked_again_over_a_new_connection(
+    tmp_path: Path,
+) -> None:
+    """A gRPC channel that failed to connect fails every call until its own reconnect backoff
+    ends: a peer restarted at the same address was asked again over it and refused each time
+    (in CI a restarted replica never rejoined in 28 steps). The connection that failed is
+    dropped, and the next ask dials anew."""
+    job = job_of(tmp_path, steps=5)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    swarm.add(0, "a"), swarm.add(1, "c")
+    h = Harness(job, swarm)
+    dialed: list[str] = []
+    clients = h.coordinator.membership.clients
+    factory = clients.factory
+
+    def counted(stage: int, replica: Replica) -> StageReplica:
+        dialed.append(replica.peer)
+        return factory(stage, replica)
+
+    clients.factory = counted
+    try:
+        await h.coordinator.start()
+        m = swarm.add(1, "m")
+        m.fail("join", PeerUnavailable("UNAVAILABLE: failed to connect: Connection refused"))
+        membership = h.coordinator.membership
+        await h.step()
+        await until(lambda: "not answering" in membership.waits().get("m", ""))
+        assert dialed.count("m") == 1
+        h.clock.advance(60)  # restarted at the same address meanwhile (its failure was one)
+        await h.step()
+        await until(lambda: "m" in membership.synced)
+        assert dialed.count("m") == 2, dialed
     finally:
         await h.coordinator.close()
