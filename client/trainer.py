@@ -83,6 +83,9 @@ class PipelineTrainer:
         self.plane: DataPlane = make_plane(job, self.hops, self.metrics)
         self._departed: dict[str, float] = {}  # peer -> when it left, until its series go
         self._leased_step = -1  # the step of the last lease
+        # A microbatch that failed at once (a stage's every replica banned for a while) would
+        # come back from the coordinator within milliseconds: its retries pause, backing off.
+        self._failing = Backoff(first_s=0.05, cap_s=2.0)
         self.completed = 0  # microbatches this trainer computed and reported
         # Results not reported yet, each with its slot waiting for its next task; the one
         # report call in flight (`_report`)
@@ -213,10 +216,12 @@ class PipelineTrainer:
         self.metrics.in_flight.inc()
         try:
             result = await self._microbatch(task)
+            self._failing.reset()
         except TrainerError as e:  # the hop loop handled every failed stage call itself
             log.warning(
                 "%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e
             )
+            await asyncio.sleep(self._failing.next())  # still leased to it meanwhile
             # A release names indices only: one of an older step (a straggler) would give away
             # this trainer's lease on the same index of the step it works on now. (With
             # delayed_update the step before the leased one is live too.)

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
+from client.data_plane.hops import TrainerError
 from client.trainer import PipelineTrainer
 from swarm.job.config import load_job
 from swarm.rpc.lease import Lease, MicrobatchResult, Task, Working
@@ -102,3 +103,60 @@ async def test_a_slow_scheduler_gets_fewer_larger_calls(tmp_path: Path) -> None:
     assert max(source.batches) > 1 and len(source.batches) < STEPS * MICROBATCHES / 2, (
         source.batches
     )
+
+
+class _Releasing(_Source):
+    """`_Source`, where a released microbatch is leased again at once (as the coordinator
+    gives work back): counts the releases."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.released = 0
+        self.back: list[int] = []  # released, given first
+
+    def _take(self, count: int) -> Lease:
+        again, self.back = self.back[:count], self.back[count:]
+        lease = super()._take(count - len(again))
+        if not again or lease.done:
+            return lease
+        tasks = [Task(self.step, i, frozenset({0, 1})) for i in again]
+        return Lease(self.step, tasks + lease.tasks, [])
+
+    async def release(self, trainer: str, indices: Sequence[int]) -> None:
+        self.released += len(indices)
+        self.back += indices
+
+
+class _FailingFor(_Instant):
+    """Every microbatch fails at once for `fail_s` (a stage's every replica banned: no eligible
+    replica), then they succeed."""
+
+    def __init__(self, *args: object, fail_s: float) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.until = asyncio.get_running_loop().time() + fail_s
+
+    async def _microbatch(self, task: Task) -> MicrobatchResult:
+        if asyncio.get_running_loop().time() < self.until:
+            raise TrainerError("stage 0: no eligible replica among 1: all banned")
+        return await super()._microbatch(task)
+
+
+async def test_microbatches_that_fail_at_once_are_retried_after_a_pause_not_in_a_spin(
+    tmp_path: Path,
+) -> None:
+    """A microbatch that fails at once (every replica of a stage banned for a while) went back
+    to the coordinator and came back within milliseconds: a trainer spun, logging a warning each
+    time (hundreds a second, its CPU taken from the stage servers beside it on a small host).
+    Each slot's retries back off (reset by a success), and the job still ends."""
+    job = load_job(write_job(tmp_path, training={"stages": 2}, runtime={"max_in_flight": 2}))
+    source = _Releasing()
+    trainer = _FailingFor(job, source, fail_s=1.0)
+    try:
+        await asyncio.wait_for(trainer.run(), 30)
+    finally:
+        await trainer.close()
+    assert {s: sorted(i) for s, i in source.reported.items()} == {
+        s: list(range(MICROBATCHES)) for s in range(STEPS)
+    }
+    # Two slots, pauses doubling from 0.05 s: about 5 each in the failing second.
+    assert 2 <= source.released <= 16, source.released
