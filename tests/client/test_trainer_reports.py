@@ -74,10 +74,7 @@ class _Instant(PipelineTrainer):
         return MicrobatchResult(task.step, task.index, {0: "a", 1: "b"}, 1.0, 4)
 
 
-async def _train(tmp_path: Path, delay_s: float) -> _Source:
-    job = load_job(write_job(tmp_path, training={"stages": 2}, runtime={"max_in_flight": 8}))
-    source = _Source(delay_s)
-    trainer = _Instant(job, source)
+async def _to_the_end(trainer: PipelineTrainer, source: _Source) -> None:
     try:
         await asyncio.wait_for(trainer.run(), 30)
     finally:
@@ -85,6 +82,12 @@ async def _train(tmp_path: Path, delay_s: float) -> _Source:
     assert {s: sorted(i) for s, i in source.reported.items()} == {
         s: list(range(MICROBATCHES)) for s in range(STEPS)
     }, "every microbatch is reported exactly once"
+
+
+async def _train(tmp_path: Path, delay_s: float) -> _Source:
+    job = load_job(write_job(tmp_path, training={"stages": 2}, runtime={"max_in_flight": 8}))
+    source = _Source(delay_s)
+    await _to_the_end(_Instant(job, source), source)
     return source
 
 
@@ -150,13 +153,6 @@ async def test_microbatches_that_fail_at_once_are_retried_after_a_pause_not_in_a
     Each slot's retries back off (reset by a success), and the job still ends."""
     job = load_job(write_job(tmp_path, training={"stages": 2}, runtime={"max_in_flight": 2}))
     source = _Releasing()
-    trainer = _FailingFor(job, source, fail_s=1.0)
-    try:
-        await asyncio.wait_for(trainer.run(), 30)
-    finally:
-        await trainer.close()
-    assert {s: sorted(i) for s, i in source.reported.items()} == {
-        s: list(range(MICROBATCHES)) for s in range(STEPS)
-    }
+    await _to_the_end(_FailingFor(job, source, fail_s=1.0), source)
     # Two slots, pauses doubling from 0.05 s: about 5 each in the failing second.
     assert 2 <= source.released <= 16, source.released
