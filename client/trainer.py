@@ -83,9 +83,7 @@ class PipelineTrainer:
         self.plane: DataPlane = make_plane(job, self.hops, self.metrics)
         self._departed: dict[str, float] = {}  # peer -> when it left, until its series go
         self._leased_step = -1  # the step of the last lease
-        # A microbatch that failed at once (a stage's every replica banned for a while) would
-        # come back from the coordinator within milliseconds: its retries pause, backing off.
-        self._failing = Backoff(first_s=0.05, cap_s=2.0)
+        self._failing = Backoff(first_s=0.05, cap_s=2.0)  # the pause before a `_give_back`
         self.completed = 0  # microbatches this trainer computed and reported
         # Results not reported yet, each with its slot waiting for its next task; the one
         # report call in flight (`_report`)
@@ -215,27 +213,35 @@ class PipelineTrainer:
         running = running or {}
         self.metrics.in_flight.inc()
         try:
-            result = await self._microbatch(task)
-            self._failing.reset()
+            result: MicrobatchResult | None = await self._microbatch(task)
         except TrainerError as e:  # the hop loop handled every failed stage call itself
             log.warning(
                 "%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e
             )
-            await asyncio.sleep(self._failing.next())  # still leased to it meanwhile
-            # A release names indices only: one of an older step (a straggler) would give away
-            # this trainer's lease on the same index of the step it works on now. (With
-            # delayed_update the step before the leased one is live too.)
-            live = self._leased_step - (1 if rule_of(self.job).delays else 0)
-            if task.step >= live:
-                await self.coordinator.release(self.trainer_id, [task.index])
-            return None
+            result = None
         finally:
             self.metrics.in_flight.dec()
+        if result is None:
+            await self._give_back(task)
+            return None
+        self._failing.reset()
         waiter: asyncio.Future[Task | None] = asyncio.get_running_loop().create_future()
         self._unreported.append((result, waiter, asyncio.current_task()))
         if self._reporter is None or self._reporter.done():
             self._reporter = asyncio.create_task(self._report(running))
         return await waiter
+
+    async def _give_back(self, task: Task) -> None:
+        """Release a microbatch that failed, after a pause: one that fails at once (a stage's
+        every replica banned for a while) would come back within milliseconds. It stays leased
+        to this slot meanwhile, not in flight."""
+        await asyncio.sleep(self._failing.next())
+        # A release names indices only: one of an older step (a straggler) would give away
+        # this trainer's lease on the same index of the step it works on now. (With
+        # delayed_update the step before the leased one is live too.)
+        live = self._leased_step - (1 if rule_of(self.job).delays else 0)
+        if task.step >= live:
+            await self.coordinator.release(self.trainer_id, [task.index])
 
     async def _report(self, running: dict[asyncio.Task[None], Task]) -> None:
         """Report what finished, asking for as many next tasks, one call in flight at a time:
