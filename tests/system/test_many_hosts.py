@@ -32,7 +32,10 @@ PEERS = [f"peer{i}" for i in range(4)]
 HOSTS = ["broker", "scheduler", "trainer", *PEERS]
 ADDRESSES = {h: f"{SUBNET}.{10 + i}" for i, h in enumerate(HOSTS)}
 TOKEN = "many-hosts-token"
-STEPS = 30
+# Long enough that a `swarm status` from the trainer's namespace (a fresh interpreter each,
+# 1-3 s on a busy machine) sees a step >= 3 with a pool before the job ends: with 30 the job
+# once ended between two of them, and the kill never came.
+STEPS = 90
 
 
 @pytest.fixture
