@@ -5,10 +5,12 @@ CPU reference (`swarm local`'s `train_local`): part of bench/gpu_check.sh.
 
 fp32: every step's loss within 1e-5 (relative) of the reference's, and every trained parameter
 tensor within 1e-5 (||swarm - reference|| / ||reference||). bf16-mixed: every step's loss within
-1% (bfloat16 rounding, and bf16 on the wire). Prints the run's tokens/s (steps after the first)
-and each server's memory: on CUDA its `max_memory_allocated`, which a stage server logs as it
-stops; on a CPU its peak RSS. The last line is `RESULT {json}`; exit status 1 when a tolerance
-is missed.
+1% (bfloat16 rounding, and bf16 on the wire). In both, the replicas of each stage hold bitwise
+the same parameters and optimizer state at the end: every replica applies the same averaged
+update with the same kernel (swarm/model/optim.py claims it; this checks it on the device).
+Prints the run's tokens/s (steps after the first) and each server's memory: on CUDA its
+`max_memory_allocated`, which a stage server logs as it stops; on a CPU its peak RSS. The last
+line is `RESULT {json}`; exit status 1 when a tolerance is missed.
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ import torch  # noqa: E402
 from bench.bulk import peak_rss  # noqa: E402
 from client.standalone import train_standalone  # noqa: E402
 from swarm.job.config import load_job  # noqa: E402
+from swarm.job.fingerprint import fingerprint  # noqa: E402
+from swarm.job.schema import JobConfig  # noqa: E402
 from swarm.local.procs import SwarmProcess, start_process, stop_all  # noqa: E402
 from swarm.model.reference import train_local  # noqa: E402
+from swarm.model.state_checks import StateChecks  # noqa: E402
 from swarm.ops.devices import read_peak  # noqa: E402
 from swarm.ops.progress import StepRecord  # noqa: E402
 from swarm.rpc.lease import Replica  # noqa: E402
+from swarm.rpc.stage_client import StageClient  # noqa: E402
 
 STAGES, REPLICAS = 2, 2
 TOLERANCE = {"fp32": 1e-5, "bf16-mixed": 1e-2}  # relative, on every step's loss
@@ -87,6 +93,36 @@ def device_peak(server: SwarmProcess) -> int | None:
     return read_peak(server.log())
 
 
+async def replica_state(job: JobConfig, stage: int, replica: Replica) -> dict[str, torch.Tensor]:
+    """One replica's whole state (parameters and optimizer state), as a joiner downloads it."""
+    client = StageClient(replica.address, job, fingerprint(job), stage)
+    try:
+        _, state = await client.download_state(
+            include_optimizer=True, prefix="", expect=StateChecks(job, stage)
+        )
+        return state
+    finally:
+        await client.close()
+
+
+async def replicas_apart(job: JobConfig, pool: list[list[Replica]]) -> list[str]:
+    """Per stage, each tensor in which a replica is not bitwise its stage's first replica."""
+    apart = []
+    for stage, replicas in enumerate(pool):
+        states = [await replica_state(job, stage, r) for r in replicas]
+        first = states[0]
+        for replica, state in zip(replicas[1:], states[1:], strict=True):
+            if state.keys() != first.keys():
+                apart.append(f"stage {stage}: {replica.peer} holds other tensors than the first")
+                continue
+            apart += [
+                f"stage {stage}: {replica.peer}'s {name} is not bitwise its first replica's"
+                for name, tensor in state.items()
+                if not torch.equal(tensor, first[name])
+            ]
+    return apart
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -126,6 +162,7 @@ def main() -> int:
         state = asyncio.run(
             asyncio.wait_for(train_standalone(job, pool, on_step=records.append), args.timeout)
         )
+        apart = asyncio.run(replicas_apart(job, pool))
         rss = [peak_rss(s.proc.pid) for s in servers]
     except BaseException:
         print(f"logs in {work}", file=sys.stderr)
@@ -153,6 +190,7 @@ def main() -> int:
         failures.append(f"a step's loss is {loss_err:.2e} (relative) off the reference's > {tol}")
     if args.precision == "fp32" and param_err > PARAM_TOLERANCE:
         failures.append(f"a trained tensor is {param_err:.2e} off the reference's > 1e-5")
+    failures += [f"replicas apart: {line}" for line in apart[:10]]
     result: dict[str, Any] = {
         "device": args.device,
         "precision": args.precision,
@@ -162,6 +200,7 @@ def main() -> int:
         "loss_rel_err": loss_err,
         "param_rel_err": param_err,
         "param_worst": worst,
+        "replicas_bitwise_equal": not apart,
         "tokens_per_s": tokens_s,
         "reference_s": reference_s,
         "device_peak_bytes": peaks,
@@ -181,7 +220,7 @@ def main() -> int:
         f"{args.precision} on {args.device}, {STAGES} stages x {REPLICAS} replicas, "
         f"{len(losses)} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}; largest relative "
         f"error against the CPU reference: loss {loss_err:.2e}, parameters {param_err:.2e} "
-        f"({worst}); "
+        f"({worst}); replicas of each stage bitwise equal: {'yes' if not apart else 'NO'}; "
         f"{tokens_s:.0f} tokens/s; device memory per server (max_memory_allocated): {memory}"
     )
     for failure in failures:

@@ -34,6 +34,8 @@ def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
     # the tests that need CUDA: skipped here (no GPU asked), none failed
     assert re.search(r"CUDA tests \(\d+ s\): (\d+ passed, )?\d+ skipped \(no GPU", summary), summary
     assert "against the CPU reference: loss" in summary and "tokens/s" in summary
+    # each stage's replicas downloaded after training: bitwise equal (the claim GPU hosts check)
+    assert summary.count("replicas of each stage bitwise equal: yes") == 2, summary
     assert (tmp_path / "out" / "gpu_check_logs" / "train-fp32.log").exists()
 
 
