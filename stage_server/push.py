@@ -5,20 +5,20 @@ the answer; the last stage runs its forward_backward instead. A validation micro
 same way, its loss back, nothing kept or accumulated.
 
 The servicer (`stage_server.servicer`) decodes the request and encodes the answer; the backward
-here is its `_backward_here`, the one way every accumulating call ends (`BackwardHere`). The
-outputs sent on are encoded, their copy to the host made, on the worker thread right after the
-forward (`Worker.run_then`): the event loop only sends their bytes."""
+here is the replica's `Answering` (`stage_server.answering`), which the servicer holds too: the
+one way every accumulating call ends. The outputs sent on are encoded, their copy to the host
+made, on the worker thread right after the forward (`Worker.run_then`): the event loop only sends
+their bytes."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
+from stage_server.answering import Answering
 from stage_server.messages import Messages
 from stage_server.next_hop import NextHop, Pushed
 from stage_server.runtime import StageRuntime
@@ -29,31 +29,7 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import codec
 
-__all__ = ["Answered", "BackwardHere", "PushPlane"]
-
-
-@dataclass(frozen=True)
-class Answered:
-    """A backward done here, ready for the answer."""
-
-    grad: list[tensor_pb2.Tensor]  # the encoded input gradient ([] when none was asked for)
-    receipt: pb.Receipt | None  # None when the caller keeps no receipt
-    loss: float  # the loss sum of a forward_backward (0.0 for a backward)
-    queued: float  # seconds the call waited for the worker
-
-
-class BackwardHere(Protocol):
-    """The servicer's `_backward_here`: the one way a call accumulates here, answered."""
-
-    async def __call__(
-        self,
-        fn: Callable[..., tuple[Any, ...]],
-        h: Any,
-        reply: int,
-        *tensors: torch.Tensor | None,
-        accumulate: bool,
-        receipt: bool = True,
-    ) -> Answered: ...
+__all__ = ["PushPlane"]
 
 
 class PushPlane:
@@ -68,11 +44,11 @@ class PushPlane:
         worker: Worker,
         messages: Messages,
         runtime: Callable[[], StageRuntime],
-        backward_here: BackwardHere,
+        answering: Answering,
     ) -> None:
         self.peer, self.token, self.worker = peer, token, worker
         self.messages, self.limits = messages, messages.limits
-        self._runtime, self._backward_here = runtime, backward_here
+        self._runtime, self.answering = runtime, answering
         self._next_hop: NextHop | None = None  # the push plane's next stage, as seen here
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
@@ -109,7 +85,7 @@ class PushPlane:
         if h.evaluate:
             return await self._evaluation(h, inputs, targets, time_remaining)
         if rt.is_last:
-            done = await self._backward_here(
+            done = await self.answering.backward_here(
                 rt.forward_backward, h, reply, inputs, targets, accumulate=here, receipt=here
             )
             return pb.StagePushResponse(
@@ -133,7 +109,7 @@ class PushPlane:
             grad_outputs = pushed.grad
             if not isinstance(grad_outputs, torch.Tensor):
                 grad_outputs = codec.decode(grad_outputs, max_bytes=self.limits.max_bytes)
-            done = await self._backward_here(
+            done = await self.answering.backward_here(
                 rt.backward, h, reply, inputs, grad_outputs, accumulate=here, receipt=here
             )
             grad = done.grad

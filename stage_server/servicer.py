@@ -5,9 +5,8 @@ DownloadState to `stage_server.state_transfer`.
 Errors become status codes in `swarm.rpc.servicing`, as in every servicer; a bad request never
 takes the server down.
 
-Every call that accumulates here (Backward, ForwardBackward, Push) ends the same way
-(`_backward_here`): compute on the worker, then the BACKWARD fault point (accumulated, not yet
-answered: the case a replay must cover), then the input gradient and the receipt.
+Every call that accumulates here (Backward, ForwardBackward, Push) ends the same way, in the
+replica's one `Answering` (`stage_server.answering`), which the push plane holds too.
 
 A data-plane call is routed, and a full replica says Busy, from the request's header, before a
 byte of its body is allocated; the body's bytes come from the process's receive budget
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from stage_server.answering import Answering
 from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager
@@ -34,8 +34,8 @@ from stage_server.host_copies import DeviceCopies
 from stage_server.limits import PeerLimits
 from stage_server.messages import Limits, Messages, info_reply
 from stage_server.metrics import StageMetrics
-from stage_server.push import Answered, PushPlane
-from stage_server.runtime import Receipt, StageRuntime
+from stage_server.push import PushPlane
+from stage_server.runtime import StageRuntime
 from stage_server.state_transfer import StateTransfer
 from stage_server.worker import Worker
 from swarm.errors import Busy, NotFound
@@ -114,13 +114,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # Under a scheduler, it alone names followers (its tickets, issue 44 N7).
             scheduler_key=lambda: self.commit_auth.public if self.commit_auth else None,
         )
+        self._answering = Answering(
+            peer=peer, worker=self.worker, messages=self._messages, runtime=lambda: self.runtime
+        )
         self._push = PushPlane(
             peer=peer,
             token=token,
             worker=self.worker,
             messages=self._messages,
             runtime=lambda: self.runtime,
-            backward_here=self._backward_here,
+            answering=self._answering,
         )
 
     # The worker's figures and the feedback, where the agent and tests read them.
@@ -228,45 +231,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         return await self._serving.run(method, context, held_body)
 
-    def _receipt(self, r: Receipt) -> pb.Receipt:
-        return self._messages.receipt(r, self.peer, len(self.runtime.receipts()))
-
-    async def _backward_here(
-        self,
-        fn: Callable[..., tuple[Any, ...]],
-        h: Any,
-        reply: int,
-        *tensors: torch.Tensor | None,
-        accumulate: bool,
-        receipt: bool = True,
-    ) -> Answered:
-        """The one way a call accumulates here: `fn` (`backward`, or the last stage's
-        `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
-        input gradient in codec `reply` and (unless `receipt` is False) the receipt."""
-        step, index = h.microbatch.step, h.microbatch.index
-
-        def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
-            # On the worker thread: the input gradient's copy to the host waits on the device.
-            *loss, grad, done = result
-            return loss, self._messages.encode(grad, "grad_inputs", reply), done
-
-        (loss, grad, done), queued = await self.worker.run_then(
-            fn,
-            on_host,
-            step,
-            index,
-            *tensors,
-            accumulate=accumulate,
-            need_grad_inputs=h.need_grad_inputs,
-        )
-        maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
-        return Answered(
-            grad=grad,
-            receipt=self._receipt(done) if receipt else None,
-            loss=loss[0] if loss else 0.0,
-            queued=queued,
-        )
-
     # -- the data plane -------------------------------------------------------------------------
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body(held: Held) -> pb.StageForwardResponse:
@@ -295,7 +259,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             (grad_outputs,) = self._messages.need(tensors, "grad_outputs")
             inputs = tensors.get("inputs")  # absent: use the activations cached by Forward
             reply = self._messages.reply_codec(h.reply_codec)
-            done = await self._backward_here(
+            done = await self._answering.backward_here(
                 self.runtime.backward, h, reply, inputs, grad_outputs, accumulate=h.accumulate
             )
             return pb.StageBackwardResponse(
@@ -318,7 +282,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     rt.evaluate, h.microbatch.step, inputs, targets
                 )
                 return pb.StageForwardBackwardResponse(loss_sum=loss, queued_seconds=queued)
-            done = await self._backward_here(
+            done = await self._answering.backward_here(
                 rt.forward_backward, h, reply, inputs, targets, accumulate=h.accumulate
             )
             return pb.StageForwardBackwardResponse(

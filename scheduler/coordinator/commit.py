@@ -18,6 +18,9 @@
    A NaN or infinite norm from any member (clipping or not) sends no APPLY at all: the job fails
    (`NonFiniteStep`), every replica stays at the step, and checkpoints stay finite. So does a
    replica that refuses its APPLY as non-finite (`NonFiniteGradient`).
+An attempt is a context: once it returns that the step applied, its caller (the coordinator)
+ends the round that ends with the step, if any, before the attempt is over, so a straggler's
+duplicate stays held through the round's end as through PREPARE and APPLY.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
@@ -73,8 +78,8 @@ class TwoPhaseCommit:
         groups: Groups | None = None,
     ) -> None:
         """`rounds`: the job's rule's rounds (`round_strategy`): whom a step's PREPARE averages
-        with, and what follows its APPLY. `groups`: how a pool's round group is made (its
-        parts, its aggregators)."""
+        with (what follows its APPLY is the caller's: `attempt`). `groups`: how a pool's round
+        group is made (its parts, its aggregators)."""
         self.clients, self.membership, self.metrics = clients, membership, metrics
         self.rounds = rounds
         self.groups = groups or Groups()
@@ -121,12 +126,16 @@ class TwoPhaseCommit:
             return
         await self.void(ledger, stage, peer)
 
-    async def attempt(self, ledger: StepLedger, round_id: str) -> bool:
-        """Commit `ledger`'s step under `round_id`; False when it must wait (for replays, or a
-        retry): whatever went wrong has been lost, voided or dropped by then, and `failure` says
-        so when it was the PREPARE round."""
+    @asynccontextmanager
+    async def attempt(self, ledger: StepLedger, round_id: str) -> AsyncIterator[bool]:
+        """Commit `ledger`'s step under `round_id`: whether it applied; False when it must wait
+        (for replays, or a retry): whatever went wrong has been lost, voided or dropped by then,
+        and `failure` says so when it was the PREPARE round. The caller's block runs before the
+        attempt ends (a round that ends with the step ends there: `Rounds.applied`), so a
+        straggler's duplicate stays held until then."""
         try:
             applied = await self._attempt(ledger, round_id)
+            yield applied
         finally:
             self._deciding = None
             held, self._held = self._held, []
@@ -140,7 +149,6 @@ class TwoPhaseCommit:
                 )
             else:
                 await self.void(ledger, stage, peer)
-        return applied
 
     async def _attempt(self, ledger: StepLedger, round_id: str) -> bool:
         self.failure = None
@@ -195,7 +203,6 @@ class TwoPhaseCommit:
                 log.warning(
                     "step %d: apply on %s (stage %d) failed: %s", ledger.step, r.peer, stage, result
                 )
-        await self.rounds.applied(ledger)  # a round that ends with the step ends now
         return True
 
     def _refuse_nonfinite(self, step: int, reported: list[tuple[int, str, float]]) -> None:

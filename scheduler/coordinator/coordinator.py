@@ -346,7 +346,10 @@ class LocalCoordinator:
             await self._next_step(live, 0)
             return True
         try:
-            if await self.two_phase.attempt(ledger, f"{ledger.step}/{commit.attempt}"):
+            async with self.two_phase.attempt(ledger, f"{ledger.step}/{commit.attempt}") as applied:
+                if applied:  # a round that ends with the step ends now, within the attempt
+                    await self.rounds.applied(ledger)
+            if applied:
                 commit.applied = True
                 await self._next_step(live, commit.attempt)
                 return True

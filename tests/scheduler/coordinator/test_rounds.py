@@ -12,6 +12,7 @@ import pytest
 from swarm.errors import PeerUnavailable
 from swarm.job.fingerprint import fingerprint
 from swarm.model.routes import Join, Record, StepRuns, Sync
+from swarm.rpc.lease import Task
 from tests.support.coordinator import LEASE_S, Harness, MakeHarness, until
 from tests.support.jobs import make_job
 from tests.support.replicas import FakeSwarm, Prepared
@@ -289,3 +290,32 @@ async def test_a_resuming_coordinator_ignores_a_round_end_no_replica_could_have_
     assert c.called("prepare_round") == [(2, 16, ["fake:c"], "1/round0")]
     assert c.called("apply_round") == [2]
     assert f"says it applied the round's end at step {claimed}" in caplog.text
+
+
+async def test_a_duplicate_reported_while_a_round_ends_leaves_the_replica_in_the_step(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """The round that ends with a step ends within the step's commit attempt (the coordinator
+    ends it once the attempt says the step applied): a straggler's duplicate reported meanwhile
+    is held as it is during APPLY, not voided on a step that applied already."""
+    job = _local(tmp_path)
+    swarm, h, _, _ = _pools(job, make_harness)
+    a, b, c = swarm["a"], swarm["b"], swarm["c"]
+    await h.coordinator.start()
+    await h.step({0: "a"})
+    # Step 1 (it ends round 0): trainer A leases microbatch 0 and is slow; B takes both.
+    assert await h.lease("A", 1) == [Task(1, 0, frozenset({0, 1}))]
+    h.clock.advance(LEASE_S + 1)
+    first, second = await h.lease("B", 2)
+    ending = a.hold("prepare_round")
+    await h.run(first, {0: "b"}, trainer="B")
+    await h.run(second, {0: "a"}, trainer="B")  # complete: the step applies, the round ends
+    await asyncio.wait_for(ending.entered.wait(), 10)
+    assert (a.step, b.step, c.step) == (2, 2, 2)  # applied: the round's end is under way
+    await h.run(first, {0: "a"}, trainer="A")  # a duplicate of b's microbatch 0 on a
+    assert not a.called("discard")
+    ending.open()
+    assert (await asyncio.wait_for(h.steps.get(), 10)).step == 1
+    assert not a.called("discard")
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a", "b"], ["c"]]
+    assert {(t.step, t.index) for t in await h.lease("B", 2)} == {(2, 0), (2, 1)}
