@@ -75,7 +75,7 @@ def job_text(path: Path, steps: int, lr: str, seed: int, setting: Setting) -> st
         if not found and key != "lr":
             raise SystemExit(f"{path}: no `{key} = ` line to set")
     # Local mode's validation (JobConfig._check_local): no checkpoints or evaluations off a
-    # round's start, the relay data plane (the one that records routes). Both rows get them.
+    # round's start, the carry data plane (the one that records routes). Both rows get them.
     for key in ("checkpoint_every", "eval_every"):
         text = _set(text, "training", key, "0")
     text = _set(text, "runtime", "data_plane", '"relay"')

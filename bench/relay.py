@@ -1,5 +1,5 @@
 """The tunnel evaluation of issue 42: one bare gRPC stream of the same bytes (256 MiB in 1 MiB
-messages by default) sent direct, through `swarm.net.relay` (a relay process splicing a NAT'd
+messages by default) sent direct, through `swarm.relay.server` (a relay process splicing a NAT'd
 peer's own connections, on loopback) and through grpctunnel-py's reverse tunnel; prints each
 one's MiB/s and its ratio to direct, in one run.
 
@@ -30,9 +30,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swarm.net import paths, tokens
-from swarm.net.attach import Attachment
-from swarm.net.relay import RelayServer
+from swarm.net import dial, paths
+from swarm.relay.attach import Attachment
+from swarm.relay.server import RelayServer
 
 MiB = 1 << 20
 TOKEN = "bench-token"
@@ -114,7 +114,7 @@ async def _interleaved(addresses: list[str], mib: int, runs: int) -> list[float]
     async with contextlib.AsyncExitStack() as stack:
         methods = []
         for address in addresses:
-            channel = tokens.channel(address, token=TOKEN, options=OPTIONS)
+            channel = dial.channel(address, token=TOKEN, options=OPTIONS)
             await stack.enter_async_context(channel)
             method = channel.stream_stream(
                 SINK, request_serializer=_same, response_deserializer=_same

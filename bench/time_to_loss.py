@@ -18,8 +18,9 @@ at once and the others' one step late), `local<H>`
 (the same with `overlap = "eager"`: a round's sum runs while the next round trains), each also
 with `+int8` (`[compression] averaging = --compression`, `int8_blockwise` by default: the
 pools' averaging traffic compressed). The default rows are sync, delayed, local4, local16 and,
-unless `--compression none`, sync+int8, local4+int8, local16+int8. Every row runs the relay data
-plane (local mode needs it), so rows differ only in the averaging rule and its codec.
+unless `--compression none`, sync+int8, local4+int8, local16+int8. Every row runs the carry data
+plane (`data_plane = "relay"`: local mode needs it), so rows differ only in the averaging rule
+and its codec.
 
 Steps to target (links off). Each rule trains in one process, the exact equivalent of the swarm
 with 2 replicas per stage: `swarm.model.reference.train_local` for sync and delayed (step mode is
@@ -187,7 +188,7 @@ def job_text(
     outer: tuple[float, float],
     codec: str,
 ) -> str:
-    """The row's job: the workload, the relay plane, the rule and (compressed) the codec. An
+    """The row's job: the workload, the carry plane, the rule and (compressed) the codec. An
     eager row's job evaluates nothing (the swarm refuses it: its replicas share no parameters);
     its curve evaluates the replicas' mean every `eval_every` steps (`train_curve`), said in a
     comment so that the cache keeps it apart."""
@@ -1065,7 +1066,7 @@ def print_report(r: dict[str, Any], out: IO[str]) -> None:
         f"workload {w['name']}: byte gpt d_model {w['d_model']}, {w['n_layers']} blocks, "
         f"{w['n_heads']} heads, seq {w['seq_len']}; {w['stages']} stages x {w['replicas']} "
         f"replicas; {w['microbatch_size']} x {w['target_batch_size'] // w['microbatch_size']} "
-        f"samples per step; {w['dtype']}, relay plane; outer {r['outer']['lr']}:"
+        f"samples per step; {w['dtype']}, carry plane; outer {r['outer']['lr']}:"
         f"{r['outer']['momentum']}",
         file=out,
     )

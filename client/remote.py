@@ -19,7 +19,7 @@ from client.metrics import TrainerMetrics
 from client.trainer import PipelineTrainer, load_followed
 from swarm.errors import ConfigError, PeerUnavailable
 from swarm.job.config import parse_job
-from swarm.net import tokens as auth
+from swarm.net import dial
 from swarm.net.tls_mismatch import explain_grpc
 from swarm.ops.metrics import serve_metrics
 from swarm.policy.backoff import Backoff
@@ -61,7 +61,7 @@ class RemoteCoordinator:
         does too, but its work is replayed exactly either way."""
         self.address, self.job_id = address, job_id
         self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
-        self.channel = auth.channel(address, token=token, options=grpc_options(64 << 20))
+        self.channel = dial.channel(address, token=token, options=grpc_options(64 << 20))
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
 
     async def close(self) -> None:

@@ -22,7 +22,7 @@ from swarm.errors import PeerUnavailable, RemoteError, SwarmError, WireError
 from swarm.job.config import load_job
 from swarm.job.states import TERMINAL_PROTO as TERMINAL_STATES
 from swarm.job.states import job_state_name as state_name
-from swarm.net import tokens as auth
+from swarm.net import dial
 from swarm.net.submitters import SUBMITTER_KEY
 from swarm.net.tls_mismatch import explain_grpc
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
@@ -66,7 +66,7 @@ class SchedulerClient:
         self.address, self.timeout_s, self.export_timeout_s = address, timeout_s, export_timeout_s
         self._max_tensor = max_tensor_bytes
         options = [("grpc.max_receive_message_length", max_message_bytes)]
-        self._channel = auth.channel(address, token=token, options=options)
+        self._channel = dial.channel(address, token=token, options=options)
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         # Sent beside the swarm token: the scheduler records the submitter of a job, and lets
         # only them (or an admin) cancel, delete or export it.

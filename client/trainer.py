@@ -1,5 +1,5 @@
 """The trainer: leases microbatches from the step coordinator, runs each through the stages on
-its data plane (`client.data_plane`: relay or push), and reports, per stage, the replica that
+its data plane (`client.data_plane`: carry or push), and reports, per stage, the replica that
 accumulated its gradient. It follows the coordinator's view of every stage's members (each lease
 carries it) and, given a broker, the replicas' load reports, so its wiring chooses for every hop
 the replica with the smallest expected finish time (stochastic wiring). A microbatch whose hops

@@ -1,5 +1,5 @@
 """The dial-back's one gRPC call (`scheduler.reachability.Dialer`): StageService.Info with the
-swarm's token, through `swarm.net.tokens.channel`, the one dialer every call to a peer goes
+swarm's token, through `swarm.net.dial.channel`, the one dialer every call to a peer goes
 through (a relayed address is carried by its relay there)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 
 from scheduler.reachability import DialFailed
-from swarm.net.tokens import channel
+from swarm.net.dial import channel
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 
@@ -15,7 +15,7 @@ __all__ = ["StageDialer"]
 
 
 class StageDialer:
-    """StageService.Info with the swarm's token through `swarm.net.tokens.channel`, the one dialer
+    """StageService.Info with the swarm's token through `swarm.net.dial.channel`, the one dialer
     every call to a peer goes through (a relayed address goes through its relay there)."""
 
     def __init__(self, token: str | None) -> None:

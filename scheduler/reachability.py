@@ -2,7 +2,7 @@
 
 When a peer announces itself, or announces another address or relay, `ReachabilityChecker` dials
 it back with a short authenticated call (`Dialer`; in production `scheduler.dial_back`'s
-`StageDialer`: StageService.Info through `swarm.net.tokens.channel`, with the swarm's token, a 2 s
+`StageDialer`: StageService.Info through `swarm.net.dial.channel`, with the swarm's token, a 2 s
 deadline). The gRPC health check
 would not do: it is open to anyone, so it would not show that the peer takes the swarm's calls.
 The result is a `ReachabilityReport`:

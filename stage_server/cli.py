@@ -23,10 +23,10 @@ from swarm.flags import (
 )
 from swarm.net.bandwidth import bandwidth_flag
 from swarm.net.ports import Listener, PortFlag, naming
-from swarm.net.relay import RelayLimits
 from swarm.net.tls import add_tls_flags
 from swarm.ops import faults
 from swarm.ops.logs import show_at_default
+from swarm.relay.server import RelayLimits
 
 __all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lifecycle"]
 

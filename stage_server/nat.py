@@ -4,7 +4,7 @@ unreachable with the remedy); the peer follows its own report, says it in its lo
 (a WARNING with the flags that fix it when nobody can dial it), and shows it in `swarm_peer_info`.
 
 While its report says unreachable (or from the start with `--behind-nat`), the peer keeps itself
-attached to a relay (`swarm.net.attach.Attachment`: a connection the peer opened, over which the
+attached to a relay (`swarm.relay.attach.Attachment`: a connection the peer opened, over which the
 relay carries calls to its gRPC server). The relays are the peers whose announcement carries a
 `relay_address` (`swarm relay`, or a stage server with `--relay`); the attachment re-chooses when
 its relay dies, and each change is announced (`PeerAnnouncement.relay`), so callers dial the peer
@@ -28,10 +28,10 @@ from stage_server.metrics import StageMetrics
 from swarm.bus.api import BusLike
 from swarm.bus.topics import ANY, BusError
 from swarm.net.addresses import host_port, is_unspecified
-from swarm.net.attach import Attachment, split_host_port
 from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
+from swarm.relay.attach import Attachment, split_host_port
 
 __all__ = ["MAX_RELAYS", "REACHABILITY", "Attach", "Attaching", "PeerPath", "local_address"]
 
@@ -53,7 +53,7 @@ _ATTACHED = (cpb.REACHABILITY_UNREACHABLE, cpb.REACHABILITY_RELAYED)  # a relay 
 
 
 class Attaching(Protocol):
-    """What the peer asks of `swarm.net.attach.Attachment` (a fake stands in for it in tests)."""
+    """What the peer asks of `swarm.relay.attach.Attachment` (a fake stands in for it in tests)."""
 
     @property
     def relay(self) -> str | None: ...

@@ -1,5 +1,5 @@
 """`swarm relay`: a directly reachable process that carries calls to stage servers behind NAT
-(`swarm.net.relay`). It announces itself on the bus like a peer (`peers/{peer}`, role RELAY, its
+(`swarm.relay.server`). It announces itself on the bus like a peer (`peers/{peer}`, role RELAY, its
 listener in `relay_address`, a last will that says it is gone), so NAT'd peers find it and attach;
 it serves no stage and is never placed. Its /metrics (`swarm_relay_*`) if asked.
 
@@ -26,9 +26,9 @@ from swarm.flags import (
     token,
     warn_if_url_password,
 )
-from swarm.net.relay import RelayLimits
 from swarm.net.tls import add_tls_flags
 from swarm.ops.logs import show_at_default
+from swarm.relay.server import RelayLimits
 
 __all__ = ["add_arguments", "run", "run_relay"]
 
@@ -72,13 +72,13 @@ def run(command: str, args: argparse.Namespace) -> int:
     from swarm.net.tokens import refuse_open_host  # here: --help needs no gRPC
 
     if args.print_metrics_credential:  # derived from the token: the same for every relay
-        from swarm.net.relay_auth import metrics_credential
+        from swarm.relay.auth import metrics_credential
 
         print(metrics_credential(token(args)) or "(no token: a relay checks no credential)")
         return 0
     warn_if_url_password(args, "broker")
     refuse_open_host("the relay", args.host, token=token(args), insecure=args.insecure_no_token)
-    show_at_default(("stage_server.relay", "swarm.net.relay"))
+    show_at_default(("stage_server.relay", "swarm.relay.server"))
     asyncio.run(
         run_relay(
             args.host,
@@ -114,11 +114,11 @@ async def run_relay(
     from swarm.bus.connection import Bus
     from swarm.bus.topics import Topics
     from swarm.net.addresses import announced_host, host_port
-    from swarm.net.relay import RelayServer
     from swarm.ops.lifecycle import install_signal_handlers, print_ready
     from swarm.ops.metrics import serve_metrics
     from swarm.ops.rated import RatedLog
     from swarm.proto import control_pb2 as cpb
+    from swarm.relay.server import RelayServer
 
     address = host_port(announced_host(host, announce_host, "the relay"), port)  # checked first
     registry = CollectorRegistry()

@@ -25,13 +25,13 @@ from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net.addresses import announced_host, host_port
 from swarm.net.ports import PortInUse
-from swarm.net.relay import RelayLimits, RelayServer
 from swarm.net.tokens import add_port
 from swarm.ops.devices import peak_memory
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
 from swarm.ops.rated import RatedLog
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
+from swarm.relay.server import RelayLimits, RelayServer
 from swarm.rpc.server_options import ServerLimits, grpc_server
 from swarm.wire.chunking import grpc_options
 
@@ -67,7 +67,7 @@ class StageServerOptions:
     # spill`): "" the system's temp directory, "off" in memory
     spill_dir: str = ""
     bandwidth: tuple[float, float] = (0.0, 0.0)  # --bandwidth, bytes/s up, down (0: measured)
-    # `--relay`: it also relays for peers behind NAT (`swarm.net.relay`), listening on `host` at
+    # `--relay`: it also relays for peers behind NAT (`swarm.relay.server`), listening on `host` at
     # `relay_port` (0: any free port) and announced as `relay_address`
     relay: bool = False
     relay_port: int = 0

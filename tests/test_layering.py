@@ -59,8 +59,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("swarm.net", "swarm.job", "swarm.wire"),
     # 2: what decides and what watches: the pure policies; metrics, lifecycle, faults.
     ("swarm.policy", "swarm.ops"),
-    # 3: the machinery: the model, MQTT, RPC, processes on one machine.
-    ("swarm.model", "swarm.bus", "swarm.rpc", "swarm.local"),
+    # 3: the machinery: the model, MQTT, RPC, processes on one machine; the NAT relay (above the
+    # addresses and tokens it carries, the backoff it pauses with and the rated log it refuses on).
+    ("swarm.model", "swarm.bus", "swarm.rpc", "swarm.local", "swarm.relay"),
     # 4: the entry points.
     ("swarm.cli", "swarm.commands"),
 )
@@ -87,7 +88,7 @@ GRPC_SHARED: dict[str, str] = {
     "swarm.proto": "the generated stubs",
     "swarm.protogen": "regenerates them (grpc_tools, a dev dependency)",
     "swarm.rpc": "status mapping, the servicer wrapper, the stage client, the hop loop",
-    "swarm.net": "secure channels and ports, the token's interceptors",
+    "swarm.net": "the one dialer's secure channels, ports, the token's interceptors",
     "swarm.wire": "the wire's encodings and chunked streams",
 }
 GRPC_ROLES: dict[str, str] = {

@@ -1,4 +1,4 @@
-"""The relay plane's boundary cache: per microbatch and stage, the bytes the trainer sent there
+"""The carry plane's boundary cache: per microbatch and stage, the bytes the trainer sent there
 (the stage's inputs, and its output gradient or the targets). A gradient lost at one stage (its
 replica died before the commit) is replayed from these with one call, on any replica: it
 recomputes from the same bytes, so the gradient is the same. Bounded by `limit_bytes`, the

@@ -10,9 +10,9 @@ from typing import Protocol
 import torch
 
 from client.data_plane.boundary import BoundaryCache
+from client.data_plane.carry import CarryPlane
 from client.data_plane.hops import StageHops
 from client.data_plane.push import PushPlane
-from client.data_plane.relay import RelayPlane
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -46,4 +46,4 @@ def make_plane(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> Data
     if job.runtime.data_plane == "push":
         return PushPlane(job, hops, metrics)
     cache = BoundaryCache(job.runtime.boundary_cache_bytes, delays=rule_of(job).delays)
-    return RelayPlane(job, hops, metrics, cache)
+    return CarryPlane(job, hops, metrics, cache)

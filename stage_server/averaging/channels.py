@@ -12,7 +12,7 @@ import grpc
 
 from stage_server.bandwidth import LinkMeter, TimedCall
 from swarm.clock import Clock, MonotonicClock
-from swarm.net import tokens as auth
+from swarm.net import dial
 from swarm.proto import pool_pb2_grpc
 
 __all__ = ["ChannelPool"]
@@ -54,7 +54,7 @@ class ChannelPool:
         self._used[address] = now
         self._expire(now)
         if address not in self._channels:
-            self._channels[address] = auth.channel(
+            self._channels[address] = dial.channel(
                 address, token=self._token, options=self._options
             )
         return self._channels[address]

@@ -311,7 +311,7 @@ class RuntimeConfig(Section):
     section: ClassVar[str] = "runtime"
     max_in_flight: int = _f(8, GE1)  #: microbatches a trainer keeps in flight (count)
     #: "push": stages send activations and gradients straight to each other; "relay": the
-    #: trainer carries every one (the first data plane; its link carries 3x a server's)
+    #: trainer carries every one (the carry plane, the first; its link carries 3x a server's)
     data_plane: Literal["push", "relay"] = "push"
     max_queue: int = _f(64, GE1)  #: pushed microbatches a replica queues before it says busy
     rpc_timeout_s: float = _f(60.0, GT0)  #: deadline of each Forward/Backward call (seconds)

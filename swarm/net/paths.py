@@ -3,16 +3,18 @@
 A peer behind NAT announces its own address (`host:port`, what its TLS certificate names) and is
 reached through a relay it attached to. Its dial address says all three:
 `relay://PEER@RELAY/ADDRESS`, e.g. `relay://home-gpu-1@203.0.113.5:7100/192.168.1.20:7001`.
-`swarm.net.tokens.channel` dials such an address through the relay (an HTTP CONNECT to ADDRESS,
-authenticated for PEER) and verifies the peer's certificate against ADDRESS's host, as a direct
-dial would. Pure: no I/O, nothing resolved.
+`swarm.net.dial.channel` dials such an address through the relay (an HTTP CONNECT to ADDRESS,
+authenticated for PEER with `relay_credential`) and verifies the peer's certificate against
+ADDRESS's host, as a direct dial would. Pure: no I/O, nothing resolved.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 
-__all__ = ["SCHEME", "Path", "parse", "relayed_address"]
+__all__ = ["SCHEME", "Path", "parse", "relay_credential", "relayed_address"]
 
 SCHEME = "relay://"
 
@@ -48,3 +50,13 @@ def parse(address: str) -> Path:
             f"relayed address {address!r} is not {SCHEME}PEER@RELAY_HOST:PORT/PEER_HOST:PORT"
         )
     return Path(target, relay, peer)
+
+
+def relay_credential(token: str | None, peer: str) -> str:
+    """The password of a tunnel to `peer` ("" without a token), derived from the swarm token: a
+    caller shows it to the relay (its CONNECT's `Proxy-Authorization`, user `peer`), which
+    checks it (`swarm.relay.auth` has the relay's other credentials). One leaked from one caller
+    opens tunnels to `peer` only, and `peer` still checks the caller's own token and TLS."""
+    if not token:
+        return ""
+    return hmac.new(token.encode(), f"relay:{peer}".encode(), hashlib.sha256).hexdigest()

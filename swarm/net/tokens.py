@@ -6,11 +6,10 @@ is refused with UNAUTHENTICATED before any handler runs; without one, nothing is
 call pays for a check. The gRPC health service (`/grpc.health.v1.Health/`) stays open, so
 liveness probes and readiness waits need no secret; it reveals only SERVING/NOT_SERVING.
 
-Client side, `channel(address, token=...)` attaches the token to every call of every kind (a
-client interceptor: call credentials would need a secure channel). The token travels in clear text
-on an insecure channel: it keeps strangers' processes out of a swarm on a trusted network, not an
-eavesdropper; with TLS (`swarm.net.tls`: `--tls-ca` ...) channels and ports are secure and the token
-travels encrypted beside the certificates.
+Client side, the one dialer (`swarm.net.dial.channel`) attaches the token to every call. The
+token travels in clear text on an insecure channel: it keeps strangers' processes out of a swarm
+on a trusted network, not an eavesdropper; with TLS (`swarm.net.tls`: `--tls-ca` ...) channels
+and ports are secure and the token travels encrypted beside the certificates.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import asyncio
 import hashlib
 import hmac
 import ipaddress
-import logging
 import os
 from collections.abc import AsyncIterable, Awaitable, Callable, Hashable, Sequence
 from typing import Any, Protocol
@@ -28,28 +26,25 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from swarm.errors import ConfigError, SwarmError
-from swarm.net import paths, tls
+from swarm.net import tls
 from swarm.net.ports import Listener, bind_error, raise_if_taken
-from swarm.net.relay_auth import relay_credential
 from swarm.net.tls_mismatch import grpc_host_port
 
 __all__ = [
     "HEALTH_PREFIX",
     "TOKEN_ENV",
+    "TOKEN_KEY",
     "RefusalLog",
     "TokenAuthInterceptor",
     "add_port",
-    "channel",
     "refuse_open_host",
     "server_interceptors",
     "token_from_env",
 ]
 
-log = logging.getLogger(__name__)
-
 TOKEN_ENV = "SWARM_TOKEN"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-_KEY = "authorization"
+TOKEN_KEY = "authorization"  # the metadata key a call carries its token under
 _SCHEME = "bearer "  # RFC 6750: the scheme is case-insensitive
 _DRAIN_S = 1.0  # longest a refused streaming call is read before the answer (seconds)
 _DRAIN_IDLE_S = 0.1  # a pause this long ends the read early (seconds)
@@ -92,7 +87,7 @@ def refuse_open_host(what: str, host: str, *, token: str | None, insecure: bool)
 def _problem(metadata: Sequence[tuple[str, str | bytes]] | None, expected: bytes) -> str | None:
     """What is wrong with the call's credentials, or None when right; `expected` is the token's
     sha256 digest."""
-    values = [v for k, v in metadata or () if k == _KEY]
+    values = [v for k, v in metadata or () if k == TOKEN_KEY]
     if not values:
         return "no authorization metadata"
     if len(values) > 1:
@@ -204,104 +199,6 @@ def server_interceptors(
 ) -> list[grpc.aio.ServerInterceptor]:
     """The `interceptors=` for `grpc.aio.server`: a token check, or nothing without a token."""
     return [TokenAuthInterceptor(token, registry, refusals)] if token else []
-
-
-class _Token:
-    """Adds `authorization: Bearer <token>` to a call's metadata."""
-
-    def __init__(self, token: str) -> None:
-        self._pair = (_KEY, f"Bearer {token}")
-
-    def _with_token(self, details: Any) -> Any:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
-        return details._replace(metadata=metadata)
-
-
-# One class per call kind: a channel files each interceptor under the first kind it matches.
-class _UnaryUnary(_Token, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
-
-
-class _UnaryStream(_Token, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
-
-
-class _StreamUnary(_Token, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._with_token(details), requests)
-
-
-class _StreamStream(_Token, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._with_token(details), requests)
-
-
-# A peer that restarts at the same address is reached again within seconds: gRPC's own pauses
-# between reconnects grow to two minutes, far longer than a stage server takes to come back.
-_RECONNECT = (
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 5000),
-)
-
-
-def channel(
-    address: str, *, token: str | None, options: Sequence[tuple[str, Any]] | None = None
-) -> grpc.aio.Channel:
-    """A `grpc.aio` channel that sends `token` with every call (none when None): over TLS with
-    the process's identity (`swarm.net.tls`), else in clear text. A relayed address
-    (`swarm.net.paths`) is dialled through its relay: an HTTP CONNECT to the peer's announced
-    address, with the relay credential for that peer; TLS stays end to end, the peer's
-    certificate checked against its announced host as on a direct dial."""
-    interceptors = None
-    if token:
-        interceptors = [k(token) for k in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
-    path = paths.parse(address)
-    given = {name for name, _ in options or ()}
-    options = [*(options or ()), *((k, v) for k, v in _RECONNECT if k not in given)]
-    if path.relay is not None and path.peer is not None:
-        address = path.target
-        password = relay_credential(token, path.peer)
-        # Always "user:password" (an empty password without a token): a login without its colon
-        # is no credentials at all to the relay, which would not know whom the call is for.
-        login = f"{path.peer}:{password}"
-        _warn_no_proxy(path.target)
-        # Set per channel: a relayed channel never shares a connection with a direct one.
-        options += [
-            ("grpc.enable_http_proxy", 1),
-            ("grpc.http_proxy", f"http://{login}@{path.relay}"),
-        ]
-    identity = tls.current()
-    if identity is not None:
-        return grpc.aio.secure_channel(
-            address, identity.channel_credentials(), options=options, interceptors=interceptors
-        )
-    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-
-
-_NO_PROXY = ("no_grpc_proxy", "no_proxy")  # what gRPC reads, in its order
-_warned: set[str] = set()
-
-
-def _warn_no_proxy(target: str) -> None:
-    """gRPC dials the hosts `no_proxy` lists directly, whatever the channel's proxy: a relayed
-    peer's announced host among them is dialled past its relay (and fails). Said once per host."""
-    host = target.rpartition(":")[0].strip("[]")
-    for name in _NO_PROXY:
-        listed = os.environ.get(name, "")
-        if not listed:
-            continue
-        if host not in _warned and any(
-            entry == "*" or host == entry or host.endswith("." + entry.lstrip("."))
-            for entry in (e.strip() for e in listed.split(","))
-            if entry
-        ):
-            _warned.add(host)
-            log.warning("%s lists %s: gRPC dials it directly, not through its relay; take it "
-                        "out of %s", name, host, name)  # fmt: skip
-        return  # gRPC reads the first one set
 
 
 def add_port(server: grpc.aio.Server, address: str, what: str) -> int:

@@ -31,7 +31,10 @@ class Backoff:
 
     def peek(self) -> float:
         """The next pause without jitter."""
-        return min(self.cap_s, self.first_s * self.factor**self.attempts)
+        try:
+            return min(self.cap_s, self.first_s * self.factor**self.attempts)
+        except OverflowError:  # a loop failing for hours (2.0**1024): long at its cap
+            return self.cap_s
 
     def next(self) -> float:
         """The next pause, jittered; counts an attempt."""

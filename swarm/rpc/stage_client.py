@@ -16,7 +16,7 @@ import torch
 from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp, rule_of
-from swarm.net import tokens as auth
+from swarm.net import dial
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.rpc.state_streams import ExpectedState, Followed, ReplicaStreams, StateSink
@@ -122,7 +122,7 @@ class StageClient:
         self._forward: Any = codec.codec_from_name(job.compression.forward)
         self._backward: Any = codec.codec_from_name(job.compression.backward)
         self._block = job.compression.block_size
-        self.channel = auth.channel(
+        self.channel = dial.channel(
             address, token=token, options=grpc_options(rt.max_message_bytes)
         )
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)

@@ -32,7 +32,7 @@ from swarm.bus.connection import Bus, Subscription
 from swarm.bus.topics import SCHEDULER_USER, Topics
 from swarm.errors import NotFound
 from swarm.local.procs import SwarmProcess, start_process
-from swarm.net import tokens
+from swarm.net import dial
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.wire import chunking as wire
@@ -129,7 +129,7 @@ async def reduce(
     header = pool_pb2.PoolReduceRequest(
         job=job, stage=stage, round=round, part=1, sender=0, group_size=2
     )
-    async with tokens.channel(address, token=token, options=OPTIONS) as channel:
+    async with dial.channel(address, token=token, options=OPTIONS) as channel:
         call: Any = pool_pb2_grpc.PoolServiceStub(channel).Reduce(timeout=timeout_s)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             for message in wire.split_tensor(header, "part", values, 4 * MiB):
@@ -204,7 +204,7 @@ async def test_it_takes_parts_of_running_jobs_only_and_refuses_every_other_call(
         assert code == grpc.StatusCode.NOT_FOUND and "running jobs only: ['j-1']" in details
         code, _ = await reduce(address, token="wrong")
         assert code == grpc.StatusCode.UNAUTHENTICATED
-        async with tokens.channel(address, token=TOKEN) as channel:  # no stage served here
+        async with dial.channel(address, token=TOKEN) as channel:  # no stage served here
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await channel.unary_unary("/swarm.proto.StageService/Forward")(b"")
             assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -6,9 +6,9 @@ nobody can dial it, and in `swarm_peer_info`. While unreachable (or from its sta
 `--behind-nat`) it keeps attached to a relay, one of the peers that announce a `relay_address`, and
 announces `relay=` at each change (re-chosen when its relay dies; none left: empty, and said). A
 stage server with `--relay` runs a relay beside its stage and announces it. Every dial of a peer
-goes through the one dialer, `swarm.net.tokens.channel`.
+goes through the one dialer, `swarm.net.dial.channel`.
 
-The attachment itself (`swarm.net.attach.Attachment`) is faked behind the peer's `Attaching`
+The attachment itself (`swarm.relay.attach.Attachment`) is faked behind the peer's `Attaching`
 protocol; the broker, the gRPC servers and the relay's listener are real.
 """
 
@@ -40,11 +40,11 @@ from swarm.bus.connection import Bus, Subscription
 from swarm.bus.topics import SCHEDULER_USER, BusError, Topics
 from swarm.job.config import RuntimeConfig
 from swarm.local.procs import SwarmProcess, start_process
-from swarm.net import attach as attach_module
-from swarm.net import tokens
-from swarm.net.attach import Attachment
-from swarm.net.relay import RelayLimits
+from swarm.net import dial
 from swarm.proto import control_pb2 as cpb
+from swarm.relay import attach as attach_module
+from swarm.relay.attach import Attachment
+from swarm.relay.server import RelayLimits
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeAttachment:
-    """Stands in for `swarm.net.attach.Attachment`: attaches to the first of `relays()` that is
+    """Stands in for `swarm.relay.attach.Attachment`: attaches to the first of `relays()` that is
     not dead; `die()` kills its relay, and it re-chooses as the real one does."""
 
     made: list[FakeAttachment] = []
@@ -475,7 +475,7 @@ def test_the_announcement_carries_the_relay_it_runs_and_the_one_it_is_reached_th
 
 def test_every_dial_of_a_peer_goes_through_the_one_dialer() -> None:
     """Nothing in the stage server (nor the clients it dials peers with) opens a gRPC channel
-    but `swarm.net.tokens.channel`, the dialer that knows how each peer is reached."""
+    but `swarm.net.dial.channel`, the dialer that knows how each peer is reached."""
     stray = []
     for root in ("stage_server", "swarm/rpc"):
         for file in sorted((ROOT / root).rglob("*.py")):
@@ -494,7 +494,7 @@ _NONE = cpb.PeerAnnouncement()
 
 async def _health(address: str) -> int:
     """The health of the server at `address`, dialled through the one dialer."""
-    channel = tokens.channel(address, token=TOKEN)
+    channel = dial.channel(address, token=TOKEN)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)

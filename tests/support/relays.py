@@ -15,10 +15,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from swarm.net import paths, tokens
-from swarm.net.attach import Attachment
-from swarm.net.relay import RelayLimits, RelayServer
+from swarm.net import dial, paths, tokens
 from swarm.ops.rated import RatedLog
+from swarm.relay.attach import Attachment
+from swarm.relay.server import RelayLimits, RelayServer
 
 __all__ = ["ECHO", "NAT_HOST", "Relayed", "echo_bytes", "echo_server", "eventually", "relayed"]
 
@@ -64,8 +64,8 @@ async def echo_server(token: str | None) -> AsyncIterator[int]:
 
 
 async def echo_bytes(address: str, token: str | None, parts: Sequence[bytes]) -> list[bytes]:
-    """`parts` sent through `ECHO` at `address` (dialled by `tokens.channel`); what came back."""
-    async with tokens.channel(address, token=token, options=_OPTIONS) as channel:
+    """`parts` sent through `ECHO` at `address` (dialled by `dial.channel`); what came back."""
+    async with dial.channel(address, token=token, options=_OPTIONS) as channel:
         call = channel.stream_stream(
             ECHO, request_serializer=_identity, response_deserializer=_identity
         )(timeout=30)

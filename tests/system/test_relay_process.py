@@ -14,8 +14,8 @@ from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus
 from swarm.local.procs import start_process
 from swarm.net import paths
-from swarm.net.attach import Attachment
 from swarm.proto import control_pb2 as cpb
+from swarm.relay.attach import Attachment
 from tests.support.relays import NAT_HOST, echo_bytes, echo_server, eventually
 
 TOKEN = "relay-process-token"

@@ -27,12 +27,12 @@ from scheduler.discovery import sd_document
 from stage_server.metrics import StageMetrics
 from swarm.cli import main
 from swarm.net import tls
-from swarm.net.attach import Attachment
 from swarm.net.certs import issue
-from swarm.net.relay import RelayServer
-from swarm.net.relay_auth import metrics_credential
 from swarm.ops.metrics import serve_metrics
 from swarm.proto import control_pb2 as cpb
+from swarm.relay.attach import Attachment
+from swarm.relay.auth import metrics_credential
+from swarm.relay.server import RelayServer
 from tests.support.guide import blocks
 from tests.support.ports import free_address
 from tests.support.tls import no_identity, pki

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from stage_server.server import RunningStageServer, StageServerOptions, start_grpc
-from swarm.net import tokens as auth
+from swarm.net import dial
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
 from swarm.rpc.server_options import (
     REFUSAL_LOG_EVERY_S,
@@ -72,7 +72,7 @@ async def test_half_sent_calls_hold_no_call_slot(
                 call = stranger.half_sent_call(path, declared=60 * MiB, body=b"x" * 8)
                 streams.append((stranger, call))
         await asyncio.sleep(1.0)  # for the server to take them all in
-        async with auth.channel(stage_server.address, token=TOKEN) as channel:
+        async with dial.channel(stage_server.address, token=TOKEN) as channel:
             stub = stage_pb2_grpc.StageServiceStub(channel)
             try:
                 await stub.Info(stage_pb2.StageInfoRequest(), timeout=20)
@@ -134,7 +134,7 @@ async def test_scheduler_buffers_no_strangers_message() -> None:
         # flow-control window (gRPC sizes it from the connection's bandwidth: a few MiB here).
         assert max(taken) <= 16 * MiB, f"the server took {taken} bytes of tokenless calls"
         assert grown < 48 * MiB, f"the server grew {grown / MiB:.0f} MiB"
-        async with auth.channel(f"127.0.0.1:{port}", token=TOKEN) as channel:
+        async with dial.channel(f"127.0.0.1:{port}", token=TOKEN) as channel:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 request = scheduler_pb2.SchedulerSubmitJobRequest(spec="x" * (5 * MiB))
@@ -190,7 +190,7 @@ async def test_idle_connections_are_dropped() -> None:
 async def _honest_call(port: int) -> grpc.StatusCode:
     """One call with the token on a new connection: UNIMPLEMENTED means it reached the servicer
     (`_scheduler_server`'s answers nothing), UNAVAILABLE that its connection was closed."""
-    async with auth.channel(f"127.0.0.1:{port}", token=TOKEN) as channel:
+    async with dial.channel(f"127.0.0.1:{port}", token=TOKEN) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         try:
             await stub.ListJobs(scheduler_pb2.SchedulerListJobsRequest(), timeout=5)
@@ -246,7 +246,7 @@ async def test_refusals_are_logged_rated(caplog: pytest.LogCaptureFixture) -> No
     await server.start()
     try:
         caplog.set_level(logging.WARNING, logger="swarm.net.tokens")
-        async with auth.channel(f"127.0.0.1:{port}", token=None) as channel:
+        async with dial.channel(f"127.0.0.1:{port}", token=None) as channel:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
             async def call() -> grpc.StatusCode:

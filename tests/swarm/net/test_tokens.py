@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.sdk import ClientError, SchedulerClient
+from swarm.net import dial
 from swarm.net import tokens as auth
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.support.api import RunningApi, start_api
@@ -90,7 +91,7 @@ def _refused(api: RunningApi) -> float:
 
 @pytest.mark.parametrize("token", [None, "wrong-token", ""], ids=["none", "wrong", "empty"])
 async def test_refused_without_the_token(api: RunningApi, token: str | None) -> None:
-    async with auth.channel(api.address, token=token) as channel:
+    async with dial.channel(api.address, token=token) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.ListJobs(scheduler_pb2.SchedulerListJobsRequest(), timeout=5)
@@ -140,7 +141,7 @@ async def test_wrong_scheme_refused(api: RunningApi) -> None:
 
 
 async def test_every_kind_allowed_with_the_token(api: RunningApi) -> None:
-    async with auth.channel(api.address, token=TOKEN) as channel:
+    async with dial.channel(api.address, token=TOKEN) as channel:
         listed, echoed, uu, us, su, ss = await _every_kind(channel)
     assert listed == [] and len(echoed) == 0
     assert (uu, us, su, ss) == (b"x", [b"y", b"y"], b"abcd", [b"ab", b"cd"])

@@ -13,7 +13,7 @@ import pytest
 
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.errors import InvalidArgument
-from swarm.net import tokens as auth
+from swarm.net import dial
 from swarm.proto import framing, stage_pb2, tensor_pb2
 from swarm.proto.framing import MAX_HEADER_VALUES, MAX_TENSORS_PER_MESSAGE, HeaderRefused
 from swarm.wire.chunking import receive
@@ -134,7 +134,7 @@ async def test_a_stage_server_refuses_a_huge_header_unparsed(
 ) -> None:
     """A token holder's Forward whose header is such a message: INVALID_ARGUMENT, saying it was
     refused before it was parsed."""
-    async with auth.channel(stage_server.address, token=TOKEN) as channel:
+    async with dial.channel(stage_server.address, token=TOKEN) as channel:
         call = channel.stream_stream("/swarm.proto.StageService/Forward")(timeout=60)
         await call.write(header)
         code, details = await call.code(), await call.details()

@@ -2,7 +2,7 @@
 line, headers, a blank line), read bounded in size and time, and the splice that copies a tunnel
 byte for byte, never reading more than a bounded amount ahead of the side it writes to.
 
-Requests on a relay's one port (`swarm.net.relay`):
+Requests on a relay's one port (`swarm.relay.server`):
 - `CONNECT host:port HTTP/1.1` + `Proxy-Authorization: Basic ...`: a caller's tunnel (what
   gRPC's `grpc.http_proxy` sends, and Prometheus for an https:// target); answered
   `HTTP/1.1 200` then spliced, or a 4xx/5xx whose reason phrase says why.

@@ -1,6 +1,6 @@
 """A peer behind NAT serves over connections it opened itself: a real gRPC server reached only
 through a real `RelayServer` and `Attachment`, from real `grpc.aio` channels made by the one
-dialer (`swarm.net.tokens.channel`); TLS end to end; a relay that dies is replaced."""
+dialer (`swarm.net.dial.channel`); TLS end to end; a relay that dies is replaced."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from swarm.net import paths, tls, tokens
-from swarm.net.attach import Attachment
-from swarm.net.relay import RelayServer
-from swarm.net.relay_auth import proxy_user, relay_credential
-from swarm.net.relay_wire import read_head
+from swarm.net import dial, paths, tls
+from swarm.net.paths import relay_credential
+from swarm.relay.attach import Attachment
+from swarm.relay.auth import proxy_user
+from swarm.relay.server import RelayServer
+from swarm.relay.wire import read_head
 from tests.support.relays import NAT_HOST, echo_bytes, echo_server, eventually, relayed
 from tests.support.tls import named_ca, no_identity
 
@@ -177,7 +178,7 @@ async def test_a_relayed_host_in_no_proxy_is_named(
     monkeypatch.setenv("no_proxy", "localhost,.invalid")
     monkeypatch.delenv("no_grpc_proxy", raising=False)
     address = paths.relayed_address("p", f"{NAT_HOST}:7001", "127.0.0.1:9")
-    async with tokens.channel(address, token=TOKEN):
+    async with dial.channel(address, token=TOKEN):
         pass
     assert f"no_proxy lists {NAT_HOST}: gRPC dials it directly" in caplog.text
 

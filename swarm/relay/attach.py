@@ -1,11 +1,12 @@
-"""A NAT'd peer's side of a relay (`swarm.net.relay`): it keeps one control connection to a relay,
-and for each call the relay carries to it opens a data connection back to the relay and splices
-it to its own gRPC server. Every connection is one the peer opened itself, so a router that drops
-inbound connections stops none of them.
+"""A NAT'd peer's side of a relay (`swarm.relay.server`): it keeps one control connection to a
+relay, and for each call the relay carries to it opens a data connection back to the relay and
+splices it to its own gRPC server. Every connection is one the peer opened itself, so a router
+that drops inbound connections stops none of them.
 
 `Attachment` chooses the first relay of `relays()` that accepts it (the one that last failed is
 tried last), and re-chooses when that relay dies, refuses it, or goes silent (it pings every few
-seconds), pausing between rounds; `on_change` hears the relay it is reached through, or None.
+seconds), pausing between rounds (a `Backoff`); `on_change` hears the relay it is reached
+through, or None.
 
 Each call the relay asks for names what it is for, `grpc` or `metrics`, never an address: the
 peer dials only its own gRPC server or its own /metrics, so neither a relay nor whoever poses as
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from swarm.net.relay_auth import attach_proof, data_proof
-from swarm.net.relay_wire import PROTOCOL, close, splice
+from swarm.policy.backoff import Backoff
+from swarm.relay.auth import attach_proof, data_proof
+from swarm.relay.wire import PROTOCOL, close, splice
 
 __all__ = ["GRPC", "METRICS", "Attachment", "Pauses", "split_host_port"]
 
@@ -32,27 +33,12 @@ GRPC, METRICS = "grpc", "metrics"
 
 
 class Pauses(Protocol):
-    """The pause between rounds of relays: `swarm.policy.backoff.Backoff` is one (a role passes
-    it; this floor cannot import the policies)."""
+    """The pause between rounds of relays: a `swarm.policy.backoff.Backoff` (by default 0.5 s
+    doubling to 30 s, jittered by a fifth: `Backoff(0.5, 30)`)."""
 
     def next(self) -> float: ...
 
     def reset(self) -> None: ...
-
-
-class _Doubling:
-    """The default pauses: 0.5 s doubling to 30 s, jittered by a fifth, as `Backoff(0.5, 30)`."""
-
-    def __init__(self) -> None:
-        self.attempts = 0
-
-    def next(self) -> float:
-        pause = min(30.0, 0.5 * 2.0**self.attempts) * random.uniform(0.8, 1.2)
-        self.attempts = min(self.attempts + 1, 16)
-        return pause
-
-    def reset(self) -> None:
-        self.attempts = 0
 
 
 class _Refused(Exception):
@@ -96,7 +82,7 @@ class Attachment:
         self.metrics_address = (metrics_address or local_metrics) if local_metrics else ""
         self._targets = {GRPC: local_address, METRICS: local_metrics}
         self._relays, self._on_change = relays, on_change
-        self._pauses: Pauses = pauses or _Doubling()
+        self._pauses: Pauses = pauses or Backoff(0.5, 30.0)
         self.timeout_s, self.dead_after_s = timeout_s, dead_after_s
         self.max_tunnels, self.chunk_bytes = max_tunnels, chunk_bytes
         self._relay: str | None = None

@@ -1,9 +1,11 @@
-"""The relay data plane: the trainer makes every hop itself. A task `(step, index, stages)` goes
-forward through stages 0..S-2, forward-and-backward at S-1, then backward down to the lowest
-stage it must accumulate at; Backward goes to the replica that did the Forward at that stage
-(its activations are cached there). Each accumulating hop reports its stage only where it surely
-accumulated there (see `swarm.rpc.hop`). A replay whose boundary tensors are still cached costs
-one call per stage to replay."""
+"""The carry plane (`runtime.data_plane = "relay"`, a job file's name for it): the trainer
+carries every hop itself. Not the NAT relay (`swarm relay`, `swarm.relay`), which carries calls to
+peers behind NAT. A task `(step, index, stages)` goes forward through stages 0..S-2,
+forward-and-backward at S-1, then backward down to the lowest stage it must accumulate at;
+Backward goes to the replica that did the Forward at that stage (its activations are cached
+there). Each accumulating hop reports its stage only where it surely accumulated there (see
+`swarm.rpc.hop`). A replay whose boundary tensors are still cached costs one call per stage to
+replay."""
 
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ from swarm.rpc.lease import MicrobatchResult, Replica, Task
 from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
 from swarm.wire import codec
 
-__all__ = ["RelayPlane"]
+__all__ = ["CarryPlane"]
 
 
-class RelayPlane:
+class CarryPlane:
     def __init__(
         self, job: JobConfig, hops: StageHops, metrics: TrainerMetrics, cache: BoundaryCache
     ) -> None:

@@ -15,9 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from swarm.net import tls
-from swarm.net.attach import Attachment
-from swarm.net.relay import RelayLimits, RelayServer
-from swarm.net.relay_auth import attach_proof, metrics_credential, relay_credential
+from swarm.net.paths import relay_credential
+from swarm.relay.attach import Attachment
+from swarm.relay.auth import attach_proof, metrics_credential
+from swarm.relay.server import RelayLimits, RelayServer
 from tests.support.relays import ECHO, NAT_HOST, echo_bytes, echo_server, eventually, relayed
 from tests.support.tls import no_identity
 

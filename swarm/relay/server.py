@@ -1,6 +1,6 @@
 """A relay: carries calls to peers behind NAT over connections those peers opened themselves.
 
-One TCP port takes three kinds of connection (`swarm.net.relay_wire` has their bytes):
+One TCP port takes three kinds of connection (`swarm.relay.wire` has their bytes):
 a NAT'd peer's long-lived control connection (ATTACH), a caller's tunnel (an HTTP CONNECT, what
 gRPC's `grpc.http_proxy` channel option sends), and the data connection the peer opens back for
 each tunnel when the relay asks it to over its control connection (DATA). The relay splices the
@@ -11,7 +11,7 @@ A tunnel goes to the peer's announced gRPC or metrics address (Prometheus's scra
 http:// target a plain proxy request), no other: the peer is told which of its two servers to
 dial, never an address, so a relay is no way into the peer's network.
 
-Who gets in (`swarm.net.relay_auth`): every request proves the swarm token, each in its own
+Who gets in (`swarm.relay.auth`): every request proves the swarm token, each in its own
 derived form, so a stranger can neither attach nor open a tunnel, and an overheard attach cannot
 be replayed. What one connection can hold (`RelayLimits`): a request head is read within a time
 and a size; peers, tunnels per peer and tunnels in all are counted; a tunnel reads at most a
@@ -25,22 +25,21 @@ import contextlib
 import logging
 import re
 import secrets
-from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from swarm.net.attach import GRPC, METRICS
-from swarm.net.relay_auth import (
+from swarm.net.paths import relay_credential
+from swarm.ops.rated import RatedLog
+from swarm.relay.attach import GRPC, METRICS
+from swarm.relay.auth import (
     attach_proof,
     data_proof,
     metrics_credential,
     proxy_user,
-    relay_credential,
     same,
 )
-from swarm.net.relay_wire import (
+from swarm.relay.wire import (
     PROTOCOL,
     Head,
     HeadError,
@@ -58,21 +57,6 @@ log = logging.getLogger(__name__)
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 _PEER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # as stage_server.identity makes them
 _LINGER_S = 0.5  # how long a refused request's remaining bytes are read before closing
-
-
-class Refusals(Protocol):
-    """Where refusals are logged: strangers cause them at will, so a role passes a rated log
-    (`swarm.ops.rated.RatedLog`), keyed by the refusal's reason."""
-
-    def warning(self, key: Hashable, msg: str, *args: object) -> object: ...
-
-
-class _Quiet:
-    """Refusals at DEBUG, when no rated log is given (a flood then fills no log)."""
-
-    def warning(self, key: Hashable, msg: str, *args: object) -> object:
-        log.debug(msg, *args)
-        return None
 
 
 @dataclass(frozen=True)
@@ -113,7 +97,8 @@ class _Refused(Exception):
 
 class RelayServer:
     """`await start(host, port)` -> the bound port; `await stop()`. `token` None: open (a
-    trusted network); `registry`: where its metrics go; `refusals`: its refusal log."""
+    trusted network); `registry`: where its metrics go; `refusals`: its refusal log, rated
+    (strangers cause refusals at will; keyed by the refusal's reason), or None: at DEBUG."""
 
     def __init__(
         self,
@@ -121,11 +106,11 @@ class RelayServer:
         limits: RelayLimits | None = None,
         *,
         registry: CollectorRegistry | None = None,
-        refusals: Refusals | None = None,
+        refusals: RatedLog | None = None,
     ) -> None:
         self.token = token or None
         self.limits = limits or RelayLimits()
-        self._log: Refusals = refusals or _Quiet()
+        self._log = refusals
         registry = registry if registry is not None else CollectorRegistry()
         self.refused = Counter(
             "swarm_relay_refused_total",
@@ -239,7 +224,10 @@ class RelayServer:
 
     def _refuse(self, reason: str, msg: str, *args: object) -> None:
         self.refused.labels(reason).inc()
-        self._log.warning(reason, "relay " + msg, *args)
+        if self._log is None:
+            log.debug("relay " + msg, *args)  # a flood fills no log either
+        else:
+            self._log.warning(reason, "relay " + msg, *args)
 
     # -- a caller's tunnel -----------------------------------------------------------------------
     async def _tunnel(

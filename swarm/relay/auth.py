@@ -1,9 +1,10 @@
-"""What a relay (`swarm.net.relay`) asks of whoever connects to it, all derived from the swarm
+"""What a relay (`swarm.relay.server`) asks of whoever connects to it, all derived from the swarm
 token, so that the relay, the peers it carries and their callers need no secret beyond it.
 
 - A caller opening a tunnel to peer P shows `relay_credential(token, P)` (its HTTP CONNECT's
   `Proxy-Authorization`, user P): a credential leaked from one caller opens tunnels to P only,
-  and P still checks the caller's own token and TLS end to end.
+  and P still checks the caller's own token and TLS end to end. The dialer makes it, so it lives
+  beside the relayed address it dials (`swarm.net.paths`).
 - A peer attaching as P answers the relay's fresh nonce with `attach_proof(token, P, nonce)`:
   nothing overheard can be replayed to attach as P later.
 - A peer's data connection for call C shows `data_proof(token, C)`; C is a random id the relay
@@ -27,18 +28,12 @@ __all__ = [
     "data_proof",
     "metrics_credential",
     "proxy_user",
-    "relay_credential",
     "same",
 ]
 
 
 def _mac(token: str, message: str) -> str:
     return hmac.new(token.encode(), message.encode(), hashlib.sha256).hexdigest()
-
-
-def relay_credential(token: str | None, peer: str) -> str:
-    """The password of a tunnel to `peer` ("" without a token)."""
-    return _mac(token, f"relay:{peer}") if token else ""
 
 
 def metrics_credential(token: str | None) -> str:
