@@ -35,8 +35,8 @@ to the bare stream's MB/s in the same run:
   path, which installs the job's one stage at start), trained one step by the client (one
   microbatch, `ForwardBackward` + `Commit`) so that it holds AdamW's moments, then
   `StageClient.download_state(include_optimizer=True)` from a client process, as a joining
-  replica copies a member (`stage_server/copying.py`). Bytes: the state received (parameters and
-  the two moments, 12 B a parameter).
+  replica copies a member (`stage_server/replica/copying.py`). Bytes: the state received (parameters
+  and the two moments, 12 B a parameter).
 - LoadState: that state (downloaded first, not timed) sent into a second, fresh stage server
   with `StageClient.load_state`.
 - checkpoint write / read: `swarm.model.checkpoint.save_stage` of that state in a temporary

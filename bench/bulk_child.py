@@ -556,11 +556,11 @@ def timed_stage_server(args: dict[str, Any]) -> None:
     every process of the machine) appended to the file `args["times"]`. Timed: a PREPARE whole
     (`prepare`), its all-reduce (`round`: from this member's call of `all_reduce` to its
     return), the spill's writes (`keep`, each), and an APPLY (`apply`). Nothing else changes:
-    the functions are wrapped where `stage_server.commit` calls them."""
+    the functions are wrapped where `stage_server.replica.commit` calls them."""
     import functools
 
-    from stage_server import commit as commit_module
     from stage_server.averaging import spill as spill_module
+    from stage_server.replica import commit as commit_module
     from swarm.cli import main as swarm_main
 
     fd = os.open(args["times"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -9,7 +9,7 @@ equal parts against one with parts by water-filling, and the bound the LP gives,
 Scenarios: a pool of 4 with one member's uplink at 10 Mbit/s, and a pool of 8 with half of them
 at 10 Mbit/s; every other uplink, and every downlink, at 100 Mbit/s. Each member is a pool
 replica as a stage server has one (`PoolServicer` and `Averager` on a `grpc.aio` server, a
-`ChannelPool`, its streams recording their bytes in a `LinkMeter`: `stage_server.bandwidth`)
+`ChannelPool`, its streams recording their bytes in a `LinkMeter`: `stage_server.peer.links`)
 holding a seeded random float32 gradient of `--params` values, in a process of its own in its
 namespace. After a warm-up, `--reps` rounds with equal parts; the members' measured upload
 rates (their meters' after those rounds) give the water-filling weights
@@ -31,14 +31,14 @@ water-filled within 1.15 x of the bound and >= 1.3 x faster than equal parts for
 
 Then the same pool with one aggregator peer on a host of its own at 1 Gbit/s both ways: a member
 in aggregator mode serving `PoolServicer` and `Averager` with no gradient (what
-`stage_server.aggregator` serves), last in the group, `RoundSettings(contributors=n)`, the parts
-`water_fill(rates, n)` from the members' measured uploads and the aggregator's shaped rate (it
+`stage_server.aggregator.main` serves), last in the group, `RoundSettings(contributors=n)`, the
+parts `water_fill(rates, n)` from the members' measured uploads and the aggregator's shaped rate (it
 has measured nothing before it owns a part; what it measured is printed beside). Its bound: a
 contributor's bytes as above with m = n contributors, the aggregator's m w V each way.
 
 Every member connects to every other before the warm-up, while the links are idle (see
 `member`), and a failed round shows every failed member's log tail. `--params` below 8e6 leaves
-the members' upload bursts under the link meter's 16 MiB floor (`stage_server.bandwidth`'s
+the members' upload bursts under the link meter's 16 MiB floor (`stage_server.peer.links`'s
 MIN_UP_BYTES): a fast member's contributions, 0.75 of the gradient, are one burst, and its sums
 another, so no upload rate is measured and the run stops.
 
@@ -92,7 +92,7 @@ async def member(args: dict[str, Any]) -> None:
     from stage_server.averaging.channels import ChannelPool
     from stage_server.averaging.owner import Averager
     from stage_server.averaging.service import PoolServicer
-    from stage_server.bandwidth import LinkMeter
+    from stage_server.peer.links import LinkMeter
     from swarm.errors import NotFound
     from swarm.proto import pool_pb2_grpc
 
@@ -363,7 +363,7 @@ def main() -> int:
         type=float,
         default=8e6,
         help="gradient values (float32): 32 MB, so that each upload burst is far larger than "
-        "what a sender's buffers hold (a few MB: `stage_server.bandwidth`)",
+        "what a sender's buffers hold (a few MB: `stage_server.peer.links`)",
     )
     p.add_argument("--reps", type=int, default=2, help="rounds of each kind, after a warm-up")
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")

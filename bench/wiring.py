@@ -16,8 +16,8 @@ each one's samples/s is printed with its ratio to the capacity. The throttles ar
 for this machine's two cores, which would make the capacity a fiction.
 
 With `--data-plane push` the pool is stage 1 of a two-stage job whose stage 0 is one unthrottled
-replica: every hop into the pool is chosen by that replica (`stage_server.next_hop`), not by the
-trainer, so this measures the stage servers' own wiring (the baselines replace the trainer's
+replica: every hop into the pool is chosen by that replica (`stage_server.replica.next_hop`), not by
+the trainer, so this measures the stage servers' own wiring (the baselines replace the trainer's
 choice only, so they are not run).
 
 With `--delayed-update` the wiring also runs a job with `training.delayed_update` (a fresh pool,

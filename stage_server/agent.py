@@ -23,15 +23,14 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
-from stage_server.bandwidth import fill_rates, reannounce
-from stage_server.device_oom import OutOfDeviceMemory, is_out_of_memory, oom_message
-from stage_server.identity import PeerIdentity, persistent_peer_id
-from stage_server.limits import PeerLimits
-from stage_server.measure import cache_path, device_memory, measure_job
-from stage_server.metrics import StageMetrics
-from stage_server.moving import describe_layers, plan_move, return_memory, stage_slowdown
-from stage_server.nat import PeerPath, local_address
-from stage_server.runtime import StageRuntime
+from stage_server.peer.identity import PeerIdentity, persistent_peer_id
+from stage_server.peer.limits import PeerLimits
+from stage_server.peer.links import fill_rates, reannounce
+from stage_server.peer.measure import cache_path, device_memory, measure_job
+from stage_server.peer.metrics import StageMetrics
+from stage_server.peer.moving import describe_layers, plan_move, return_memory, stage_slowdown
+from stage_server.peer.reachability import PeerPath, local_address
+from stage_server.replica.runtime import StageRuntime
 from stage_server.server import (
     SERVICE_NAME,
     RunningStageServer,
@@ -45,11 +44,12 @@ from swarm.clock import Clock, MonotonicClock
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, RuntimeConfig, parse_job
 from swarm.job.states import TERMINAL_PROTO
+from swarm.ops.device_oom import OutOfDeviceMemory, is_out_of_memory, oom_message
 from swarm.ops.devices import DeviceFacts, TorchFacts
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.proto import control_pb2 as cpb
 
-# PeerIdentity and persistent_peer_id live in stage_server.identity; named here for importers.
+# PeerIdentity and persistent_peer_id live in stage_server.peer.identity; named here for importers.
 __all__ = ["PeerAgent", "PeerIdentity", "persistent_peer_id", "run_peer"]
 
 log = logging.getLogger(__name__)
@@ -376,7 +376,7 @@ class PeerAgent:
 
     async def _make_room(self, new: JobConfig, stage: int, device: torch.device) -> None:
         """A move: release the old stage first when `stage` of `new` does not fit beside it
-        (`stage_server.moving`)."""
+        (`stage_server.peer.moving`)."""
         old = self._jobs.get(self.job_id)
         if old is not None and self.stage is not None:
             args = ((old, self.stage), (new, stage), device, self.limits, self.facts)

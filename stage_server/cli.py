@@ -8,14 +8,13 @@ import asyncio
 from dataclasses import fields
 from pathlib import Path
 
-from stage_server.limits import PeerLimits, flag_name
+from stage_server.peer.flags import add_peer_flags
+from stage_server.peer.limits import PeerLimits, flag_name
 from swarm.errors import SwarmError
 from swarm.flags import (
     add_flag,
-    add_insecure_no_token,
     add_metrics_token,
     add_switch,
-    add_token,
     env_name,
     metrics_token,
     token,
@@ -23,7 +22,6 @@ from swarm.flags import (
 )
 from swarm.net.bandwidth import bandwidth_flag
 from swarm.net.ports import Listener, PortFlag, naming
-from swarm.net.tls import add_tls_flags
 from swarm.ops import faults
 from swarm.ops.logs import show_at_default
 from swarm.relay.server import RelayLimits
@@ -32,9 +30,9 @@ __all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lif
 
 LIFECYCLE_LOGGERS = (
     "stage_server.agent",
-    "stage_server.measure",
+    "stage_server.peer.measure",
     "stage_server.server",
-    "stage_server.nat",
+    "stage_server.peer.reachability",
 )
 """Whose INFO lines say what the server becomes, once each (measured, or its machine's figures
 read, assigned stage K of job J, serving, moving, released and why, stopped; reachable directly
@@ -99,16 +97,6 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     )
     _add_limits(p)
     _add_relay(p)
-
-
-def add_peer_flags(p: argparse.ArgumentParser) -> None:
-    """Who a peer is and how it is reached and trusted: its id, the swarm token, TLS, the host it
-    listens on (a stage server's and an aggregator's alike)."""
-    add_flag(p, "peer", "", "peer id, also its MQTT username (default: persisted in the cache dir)")
-    add_token(p)
-    add_insecure_no_token(p)
-    add_tls_flags(p)
-    add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
 
 
 def _add_relay(p: argparse.ArgumentParser) -> None:

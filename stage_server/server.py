@@ -16,9 +16,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stage_server.averaging.service import PoolServicer
 from stage_server.averaging.spill import spill_directory
-from stage_server.limits import PeerLimits
-from stage_server.metrics import StageMetrics
-from stage_server.runtime import StageRuntime
+from stage_server.peer.limits import PeerLimits
+from stage_server.peer.metrics import StageMetrics
+from stage_server.replica.runtime import StageRuntime
 from stage_server.servicer import StageServicer
 from swarm.errors import NotFound, SwarmError
 from swarm.job.config import JobConfig, RuntimeConfig

@@ -1,12 +1,12 @@
-"""`StageService` over a `StageRuntime`: decode and encode (`stage_server.messages`), check the
-route, run the compute on the replica's worker (`stage_server.worker`). Push goes to
-`stage_server.push`; Commit and Discard to `stage_server.commit`; Join, Updates, LoadState and
-DownloadState to `stage_server.state_transfer`.
+"""`StageService` over a `StageRuntime`: decode and encode (`stage_server.replica.messages`), check
+the route, run the compute on the replica's worker (`stage_server.replica.worker`). Push goes to
+`stage_server.replica.push`; Commit and Discard to `stage_server.replica.commit`; Join, Updates,
+LoadState and DownloadState to `stage_server.replica.state_transfer`.
 Errors become status codes in `swarm.rpc.servicing`, as in every servicer; a bad request never
 takes the server down.
 
 Every call that accumulates here (Backward, ForwardBackward, Push) ends the same way, in the
-replica's one `Answering` (`stage_server.answering`), which the push plane holds too.
+replica's one `Answering` (`stage_server.replica.answering`), which the push plane holds too.
 
 A data-plane call is routed, and a full replica says Busy, from the request's header, before a
 byte of its body is allocated; the body's bytes come from the process's receive budget
@@ -24,20 +24,20 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from stage_server.answering import Answering
 from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager
-from stage_server.commit import Commit, Committer
-from stage_server.compute_clock import clock_for
-from stage_server.host_copies import DeviceCopies
-from stage_server.limits import PeerLimits
-from stage_server.messages import Limits, Messages, info_reply
-from stage_server.metrics import StageMetrics
-from stage_server.push import PushPlane
-from stage_server.runtime import StageRuntime
-from stage_server.state_transfer import StateTransfer
-from stage_server.worker import Worker
+from stage_server.peer.limits import PeerLimits
+from stage_server.peer.metrics import StageMetrics
+from stage_server.replica.answering import Answering
+from stage_server.replica.commit import Commit, Committer
+from stage_server.replica.compute_clock import clock_for
+from stage_server.replica.host_copies import DeviceCopies
+from stage_server.replica.messages import Limits, Messages, info_reply
+from stage_server.replica.push import PushPlane
+from stage_server.replica.runtime import StageRuntime
+from stage_server.replica.state_transfer import StateTransfer
+from stage_server.replica.worker import Worker
 from swarm.errors import Busy, NotFound
 from swarm.net.commit_auth import CommitRefused, CommitVerifier
 from swarm.ops.faults import Point, maybe_die
@@ -136,7 +136,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.worker.throttle = value
 
     @property
-    def copies(self) -> DeviceCopies:  # how replies reach the host (`stage_server.host_copies`)
+    def copies(self) -> DeviceCopies:
+        """How replies reach the host (`stage_server.replica.host_copies`)."""
         return self._messages.copies
 
     @copies.setter

@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "join a swarm (--broker) or serve one stage of a job (--job, --stage)",
     ),
     "aggregator": (
-        "stage_server.aggregator_cli",
+        "stage_server.aggregator.cli",
         "own averaging parts in the pools of a swarm's running jobs (--broker): no model, no GPU",
     ),
     "scheduler": ("scheduler.cli", "run the scheduler: job API, placement, trainers"),

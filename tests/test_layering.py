@@ -3,6 +3,8 @@
 module's source, so that a seeded violation can prove it bites:
 
 - `swarm/` imports no role; roles meet only over the `ALLOWED` edges, each still used;
+- a role's subpackage imports only itself, its sibling subpackages and `swarm`
+  (`KNOWN_SUBPACKAGE_IMPORTS` aside, each still used);
 - floors: a `swarm` module imports only its own package and lower `FLOORS`;
 - purity: the policies and the simulator reach no I/O or heavy library, not even indirectly;
 - confinement: the MQTT libraries only in `swarm.bus`; gRPC only where the wire is;
@@ -52,6 +54,19 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("scheduler.job_training", "client.metrics"): "and serves the embedded trainer's series",
 }
 
+KNOWN_SUBPACKAGE_IMPORTS: dict[tuple[str, str], str] = {
+    # (subpackage, what it imports besides its siblings and swarm): why. Each must still be.
+    ("client.data_plane", "client.metrics"): (
+        "the data plane counts its hops and bytes in the trainer's series (`TrainerMetrics`), "
+        "which the trainer serves and the scheduler's embedded trainer too (an ALLOWED edge)"
+    ),
+}
+"""A role's subpackages (`stage_server.replica`, `stage_server.peer`, `scheduler.coordinator`,
+`client.data_plane`, ...) hold its concepts; its top-level modules are its processes and their
+orchestrators, which import the subpackages. A subpackage imports only itself, its siblings and
+`swarm`, so a concept never reaches up into the process that runs it, and whatever two
+subpackages share lives in one of them."""
+
 FLOORS: tuple[tuple[str, ...], ...] = (
     # 0: leaves: errors, time, flags, the generated messages and their generator.
     ("swarm.errors", "swarm.clock", "swarm.flags", "swarm.proto", "swarm.protogen"),
@@ -96,7 +111,7 @@ GRPC_ROLES: dict[str, str] = {
     "stage_server.server": "serves StageService, PoolService and health",
     "stage_server.servicer": "the StageService servicer",
     "stage_server.agent": "sets the health status its server serves",
-    "stage_server.aggregator": "serves PoolService and health (the aggregator peer)",
+    "stage_server.aggregator.main": "serves PoolService and health (the aggregator peer)",
     "stage_server.averaging.butterfly": "dials PoolService.Reduce (the all-reduce's round)",
     "stage_server.averaging.service": "serves PoolService.Reduce (the owner's side)",
     "stage_server.averaging.channels": "the channels PoolService is dialled over",
@@ -312,6 +327,65 @@ def stale(found: Iterable[Edge]) -> list[str]:
         *(f"ALLOWED {a} -> {b}" for a, b in ALLOWED if not uses(a, b)),
         *(f"GRPC_ROLES {a}" for a in GRPC_ROLES if not uses(a, _is_grpc)),
         *(f"PURE_EXTRAS {a} -> {b}" for a, b in PURE_EXTRAS if not uses(a, b)),
+    ]
+
+
+# A role's subpackages.
+
+
+def role_packages(root: Path = ROOT) -> set[str]:
+    """Every package (a folder with `__init__.py`) of the roles."""
+    return {
+        name
+        for name, path in project_modules(root).items()
+        if path.name == "__init__.py" and within(name, ROLES)
+    }
+
+
+def subpackage_of(name: str, packages: Iterable[str]) -> str | None:
+    """The role subpackage (`role.x`, one of `packages`) that holds module `name`; None for a
+    role's top-level module (the role's package itself included) and for what is no role's."""
+    parts = name.split(".")
+    home = ".".join(parts[:2])
+    return home if len(parts) > 1 and within(name, ROLES) and home in set(packages) else None
+
+
+def reaches_up(
+    found: Iterable[Edge],
+    packages: Iterable[str],
+    known: Mapping[tuple[str, str], str] = KNOWN_SUBPACKAGE_IMPORTS,
+) -> list[str]:
+    """Imports by a role's subpackage of anything of the roles but its own role's subpackages
+    (a top-level module of its role, or another role), unless `known` names the edge; and
+    entries of `known` that no import needs any more."""
+    packages = set(packages)
+    bad: set[str] = set()
+    used: set[tuple[str, str]] = set()
+    for e in found:
+        if subpackage_of(e.importer, packages) is None or not within(e.imported, ROLES):
+            continue  # a top-level module; or `swarm`, the standard library, a third party
+        same_role = _top(e.imported) == _top(e.importer)
+        if same_role and subpackage_of(e.imported, packages) is not None:
+            continue  # itself or a sibling
+        entry = next(
+            (k for k in known if within(e.importer, (k[0],)) and within(e.imported, (k[1],))),
+            None,
+        )
+        if entry is not None:
+            used.add(entry)
+            continue
+        what = "a top-level module of its role" if same_role else "another role"
+        bad.add(
+            f"{e.where}: {e.importer} imports {e.imported} ({what}): a role's subpackage imports "
+            "only itself, its siblings and swarm"
+        )
+    return [
+        *sorted(bad),
+        *(
+            f"KNOWN_SUBPACKAGE_IMPORTS {a} -> {b}: no longer imported; remove it"
+            for a, b in known
+            if (a, b) not in used
+        ),
     ]
 
 
@@ -803,12 +877,19 @@ def test_the_tables_name_real_modules() -> None:
         HOP,
         DISPATCHER,
         *(m for pair in ALLOWED for m in pair),
+        *(m for pair in KNOWN_SUBPACKAGE_IMPORTS for m in pair),
         *GRPC_SHARED,
         *GRPC_ROLES,
         *(a for a, _ in PURE_EXTRAS),
     ]
     missing = sorted({m for m in named if not any(within(n, (m,)) for n in modules)})
     assert not missing, f"the tables name modules that do not exist: {missing}"
+
+
+def test_subpackages_import_only_their_siblings() -> None:
+    bad = reaches_up(edges(), role_packages())
+    if bad:
+        pytest.fail("a role's subpackage reaching up or across:\n" + "\n".join(bad))
 
 
 def test_floors() -> None:
@@ -899,6 +980,9 @@ def test_the_job_commands_start_without_torch() -> None:
 
 KNOWN = {
     "scheduler.wiring",
+    "stage_server.agent",
+    "stage_server.peer.limits",
+    "stage_server.replica.step_sums",
     "scheduler.store",
     "client.trainer",
     "stage_server.runtime",
@@ -950,6 +1034,54 @@ def test_the_role_checker() -> None:
         *(f"GRPC_ROLES {a}" for a in GRPC_ROLES),
         *(f"PURE_EXTRAS {a} -> {b}" for a, b in PURE_EXTRAS),
     ]
+
+
+def test_the_subpackage_checker() -> None:
+    packages = {"stage_server", "stage_server.replica", "stage_server.peer", "client"}
+    packages |= {"client.data_plane"}
+    source = (
+        "import torch\n"
+        "from swarm.ops.device_oom import named\n"
+        "from stage_server.peer.limits import PeerLimits\n"  # a sibling
+        "from . import step_sums\n"  # itself
+        "from stage_server.servicer import StageServicer\n"
+        "def late():\n"
+        "    from stage_server import agent\n"
+        "    import stage_server\n"
+        "    from scheduler.store import JobStore\n"
+    )
+    found = _edges_of("stage_server.replica.fake", source)
+    assert reaches_up(found, packages, {}) == [
+        "x.py:5: stage_server.replica.fake imports stage_server.servicer (a top-level module of "
+        "its role): a role's subpackage imports only itself, its siblings and swarm",
+        "x.py:7: stage_server.replica.fake imports stage_server.agent (a top-level module of its "
+        "role): a role's subpackage imports only itself, its siblings and swarm",
+        "x.py:8: stage_server.replica.fake imports stage_server (a top-level module of its role): "
+        "a role's subpackage imports only itself, its siblings and swarm",
+        "x.py:9: stage_server.replica.fake imports scheduler.store (another role): a role's "
+        "subpackage imports only itself, its siblings and swarm",
+    ]
+    # A subpackage's own package module is in it; a role's top-level modules import freely.
+    assert not reaches_up(
+        _edges_of("stage_server.replica", "from . import step_sums\n", package=True), packages, {}
+    )
+    assert not reaches_up(
+        _edges_of("stage_server.servicer", "from stage_server.agent import A\n"), packages, {}
+    )
+    # An allowed edge holds only from its own subpackage; a stale entry is named.
+    known = {
+        ("client.data_plane", "client.metrics"): "the trainer's series",
+        ("client.data_plane", "client.trainer"): "stale",
+    }
+    found = _edges_of("client.data_plane.fake", "from client.metrics import TrainerMetrics\n")
+    assert reaches_up(found, packages, known) == [
+        "KNOWN_SUBPACKAGE_IMPORTS client.data_plane -> client.trainer: no longer imported; "
+        "remove it"
+    ]
+    assert reaches_up(found, packages, {})
+    assert subpackage_of("stage_server.replica.runtime", packages) == "stage_server.replica"
+    assert subpackage_of("stage_server.cli", packages) is None
+    assert subpackage_of("swarm.ops.device_oom", packages | {"swarm.ops"}) is None
 
 
 def test_the_floor_checker() -> None:

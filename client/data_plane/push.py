@@ -1,8 +1,8 @@
 """The push data plane, the trainer's side: one call to a replica of the first stage carries
-the microbatch through every stage and back (`stage_server.next_hop`); this trainer's link carries
-its tokens, targets and receipts only. Stages the answer names uncertain, or all of them when the
-call failed after it may have accumulated, are left out of the report: the coordinator adopts
-their late receipts or replays them."""
+the microbatch through every stage and back (`stage_server.replica.next_hop`); this trainer's link
+carries its tokens, targets and receipts only. Stages the answer names uncertain, or all of them
+when the call failed after it may have accumulated, are left out of the report: the coordinator
+adopts their late receipts or replays them."""
 
 from __future__ import annotations
 

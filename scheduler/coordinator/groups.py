@@ -39,7 +39,7 @@ def link_of(announcement: cpb.PeerAnnouncement | None) -> Link:
 
     Upload, not the lower of the two: a round's time is its members' sending (each sends what it
     receives), the uplink is the scarce side of a home link, and a download measured during a
-    round is a lower bound held down by the slowest sender (`stage_server.bandwidth`), so the
+    round is a lower bound held down by the slowest sender (`stage_server.peer.links`), so the
     lower of the two would make every member look as slow as the slowest."""
     if announcement is None:
         return Link()

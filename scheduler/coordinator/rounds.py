@@ -1,5 +1,6 @@
-"""The coordinator's side of `pool.mode = "local"` (`stage_server.local_round` is the replica's):
-the local rule's rounds (`round_strategy`); `eager_rounds` builds the eager rules' on them.
+"""The coordinator's side of `pool.mode = "local"` (`stage_server.replica.local_round` is the
+replica's): the local rule's rounds (`round_strategy`); `eager_rounds` builds the eager rules' on
+them.
 
 Every step commits as in "step" mode, except that each replica's PREPARE averages with no one
 (its group is itself) over its own samples: each applies its own local update. After the step

@@ -51,8 +51,8 @@ from stage_server.averaging.checksum import PartChecks
 from stage_server.averaging.error_feedback import Residuals
 from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, round_name
 from stage_server.averaging.staging import DeviceCopies, OffLoop, TorchCopies, staging
-from stage_server.device_oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
+from swarm.ops.device_oom import is_out_of_memory
 from swarm.policy.parts import check_weights, contributors_of, part_bounds
 from swarm.proto import pool_pb2
 from swarm.rpc.status import from_rpc_error

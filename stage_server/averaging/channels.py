@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import grpc
 
-from stage_server.bandwidth import LinkMeter, TimedCall
+from stage_server.peer.links import LinkMeter, TimedCall
 from swarm.clock import Clock, MonotonicClock
 from swarm.net import dial
 from swarm.proto import pool_pb2_grpc
@@ -39,7 +39,7 @@ class ChannelPool:
         clock: Clock | None = None,
         link: LinkMeter | None = None,
     ) -> None:
-        """`link`: where its calls record their bytes (`stage_server.bandwidth`); None: nowhere."""
+        """`link`: where its calls record their bytes (`stage_server.peer.links`); None: nowhere."""
         self._token, self._options, self._link = token, options, link
         self._idle_s, self._clock = idle_s, clock or MonotonicClock()
         self._channels: dict[str, grpc.aio.Channel] = {}

@@ -19,13 +19,13 @@ from typing import Any, Protocol
 
 import torch
 
-from stage_server.device_oom import is_out_of_memory
 from swarm.errors import (
     Aborted,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
 )
+from swarm.ops.device_oom import is_out_of_memory
 from swarm.proto import pool_pb2, tensor_pb2
 from swarm.wire import chunking as wire
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE, decode, encode

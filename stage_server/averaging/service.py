@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from stage_server.averaging.owner import Averager
-from stage_server.bandwidth import LinkMeter, incoming, outgoing
+from stage_server.peer.links import LinkMeter, incoming, outgoing
 from swarm.errors import InvalidArgument
 from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.rpc.servicing import Observe, Servicing
@@ -60,7 +60,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         observe: Observe | None = None,
     ) -> None:
         self.averager, self._route, self.peer, self._on_bytes = averager, route, peer, on_bytes
-        self._link = link  # where its streams record their bytes (`stage_server.bandwidth`)
+        self._link = link  # where its streams record their bytes (`stage_server.peer.links`)
         self._chunk, self._max_bytes, self._timeout_s = chunk_bytes, max_bytes, timeout_s
         self._served = served
         # No budget given (a pool on its own, in tests): bounded by max_bytes per call only.

@@ -157,7 +157,7 @@ class Staging:
         """`wire.split_tensor`'s messages (a receiver tells no difference), each chunk copied
         from the device only as it is cut: one chunk's bytes on the host at a time. A host
         tensor is cut from its own memory as `split_tensor` does. `tensor` may be a function
-        giving it, asked again for every chunk under `lock` (`stage_server.snapshot`)."""
+        giving it, asked again for every chunk under `lock` (`stage_server.replica.snapshot`)."""
 
         def current() -> torch.Tensor:
             return tensor() if callable(tensor) else tensor

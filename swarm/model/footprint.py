@@ -1,13 +1,13 @@
 """What one stage of a job takes of a peer's memory while it serves, known before any of it is
 allocated: its state (`swarm.model.sizes`), the activations its cache keeps at its bound, and
 the averaging's chunk-sized buffers. A peer checks a job's largest stage against its free
-memory before it measures (`stage_server.measure.check_fits`), and a move checks whether the new
-stage fits beside the old one (`stage_server.moving`).
+memory before it measures (`stage_server.peer.measure.check_fits`), and a move checks whether the
+new stage fits beside the old one (`stage_server.peer.moving`).
 
 One microbatch's activations are counted as the activation cache counts them
-(`stage_server.activation_cache`): the storages its forward saves for the backward, the stage's
-own parameters left out, plus its input and output; here on the meta device, one layer of each
-kind (an embedding, a block, a head: every block of a model has one shape), so a stage of any
+(`stage_server.replica.activation_cache`): the storages its forward saves for the backward, the
+stage's own parameters left out, plus its input and output; here on the meta device, one layer of
+each kind (an embedding, a block, a head: every block of a model has one shape), so a stage of any
 width costs no memory and little time. Under bf16-mixed autocast the forward saves bfloat16
 activations and a bfloat16 cast of each weight per microbatch; the count here is in the job's
 dtype plus those casts, an upper estimate.
@@ -72,7 +72,7 @@ def layer_activation_bytes(job: JobConfig) -> tuple[int, int, int]:
             storage = t.untyped_storage()
             saved[storage._cdata] = storage.nbytes()  # meta storages have no data pointer
             # detached: a tensor saved by the node that made it would hold that node, which
-            # holds it, a cycle gc cannot see (`stage_server.activation_cache.counting`)
+            # holds it, a cycle gc cannot see (`stage_server.replica.activation_cache.counting`)
             return t.detach()
 
         if x.is_floating_point():
@@ -90,7 +90,7 @@ def stage_footprints(
 ) -> list[StageFootprint]:
     """Each stage's footprint on a peer that keeps at most `activation_cache` microbatches'
     activations and `activation_cache_bytes` of them, and averages in `chunk_bytes` chunks
-    (the peer's bounds, with the job's within them: `stage_server.measure.footprints`)."""
+    (the peer's bounds, with the job's within them: `stage_server.peer.measure.footprints`)."""
     embedding, block, head = layer_activation_bytes(job)
     params = layer_parameters(job)
     width = DTYPES[job.training.dtype].itemsize

@@ -1,7 +1,7 @@
 """The outer-step rules of pools that train with rounds (`pool.mode = "local"`, and the eager
 rules): the pool's outer optimizer, a round's averaged pseudo-gradient, a member's eager outer
-gradient and the fixed-order sum they rest on. The replicas (`stage_server.eager_round`) and the
-reference (`swarm.model.local_steps`) both take these very functions, so they compute the same
+gradient and the fixed-order sum they rest on. The replicas (`stage_server.replica.eager_round`) and
+the reference (`swarm.model.local_steps`) both take these very functions, so they compute the same
 bits."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def eager_gradient(
     / the round's samples x its pseudo-gradient; the last round: the whole average), minus the
     member's own share of the previous round (`own_previous`, None before its first):
     `prev_avg + (share - prev_share)`, so the others' fresh shares arrive one round late. The
-    swarm's replicas (`stage_server.eager_round`) take it with this very function."""
+    swarm's replicas (`stage_server.replica.eager_round`) take it with this very function."""
     grads = []
     with torch.no_grad():
         for j, f in enumerate(fresh):

@@ -1,7 +1,7 @@
 """How the reference (`swarm.model.local_steps`) ends a stage's round: one strategy per training
 rule with rounds, chosen once from the job's rule (`replay_round`), so the replay never tests
-the rule itself. The replicas (`stage_server.local_round`) end their rounds by the same rules
-with the same functions (`swarm.model.outer_rules`), so both get the same bits.
+the rule itself. The replicas (`stage_server.replica.local_round`) end their rounds by the same
+rules with the same functions (`swarm.model.outer_rules`), so both get the same bits.
 
 - `AverageRound` (`local`): after each step every replica that counted samples applies its
   inner optimizer; a round averages its group's pseudo-gradients (`pseudo_gradient`), takes the

@@ -33,7 +33,7 @@ def share_state(
 ) -> tuple[dict[str, torch.Tensor], set[str]]:
     """`export_state` whose parameters and optimizer tensors (on any device) are the live ones, not
     copies (buffers are copied: a forward may change them); with the names of those shared. Who
-    holds it copies them before they change (`stage_server.snapshot`)."""
+    holds it copies them before they change (`stage_server.replica.snapshot`)."""
     params = {id(p) for p in module.parameters()}
     state: dict[str, torch.Tensor] = {}
     shared: set[str] = set()

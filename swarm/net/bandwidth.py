@@ -3,7 +3,7 @@
 a peer announces (`PeerAnnouncement.upload_bytes_per_second`, `download_bytes_per_second`).
 
 One value ("100M") is both directions; 0 in a direction leaves that direction measured
-(`stage_server.bandwidth`). Bytes are spelt out ("12.5MB/s"); tc's own bytes units ("mbps") are
+(`stage_server.peer.links`). Bytes are spelt out ("12.5MB/s"); tc's own bytes units ("mbps") are
 refused, not guessed: "100Mbps" means megabits to most people and megabytes to tc, and a rate read
 8 times off is worse than an error."""
 

@@ -14,7 +14,7 @@ follower's name only with a ticket naming that follower and itself (PERMISSION_D
 otherwise), and registers a new follower only with a ticket issued within `MAX_AGE_S`. A ticket
 is for one joiner and one source: seen by no one else, and all it can do is what its joiner does.
 Asking for updates needs no fresh ticket: the registration it asks under is bounded by the update
-log (`stage_server.update_log`: silent followers go).
+log (`stage_server.replica.update_log`: silent followers go).
 
 A download that names no follower (a checkpoint, an export, `swarm` tooling) needs no ticket: it
 registers nothing, and `--max-state-downloads` bounds how many are served at once. A stage

@@ -1,6 +1,6 @@
 """Prometheus metrics as every process serves them: `/metrics` (and the scheduler's `/sd`) from a
 `CollectorRegistry` of the process's own, so tests can run many servers in one process. Each
-role's series live with the role (`stage_server/metrics.py`, `client/metrics.py`,
+role's series live with the role (`stage_server/peer/metrics.py`, `client/metrics.py`,
 `scheduler/coordinator/metrics.py`) and share the labels and buckets defined here.
 
 Labels are job, stage and peer, plus `method` and `code` on per-RPC series: bounded sets of RPC

@@ -55,7 +55,7 @@ __all__ = ["RelayLimits", "RelayServer"]
 log = logging.getLogger(__name__)
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-_PEER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # as stage_server.identity makes them
+_PEER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # as stage_server.peer.identity makes them
 _LINGER_S = 0.5  # how long a refused request's remaining bytes are read before closing
 
 

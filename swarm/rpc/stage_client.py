@@ -271,7 +271,7 @@ class StageClient:
         evaluate: bool = False,
     ) -> PushResult:
         """The push data plane: this replica computes its stage and pushes the microbatch on
-        through the stages `route` names (see `stage_server.next_hop`), accumulating at the
+        through the stages `route` names (see `stage_server.replica.next_hop`), accumulating at the
         stages in `accumulate`. `timeout` covers the whole path."""
         request = pb.StagePushRequest(
             job=self.job_id,

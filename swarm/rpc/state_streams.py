@@ -41,7 +41,7 @@ R = TypeVar("R")
 
 class Followed(NamedTuple):
     """An update a followed replica applied (the arguments of
-    `stage_server.following.Following.apply`)."""
+    `stage_server.replica.following.Following.apply`)."""
 
     step: int
     grad_sums: list[torch.Tensor]

@@ -3,8 +3,8 @@ message may follow which, judged from the headers alone. Pure: no I/O, no gRPC; 
 `OutOfOrder` whose text says what was sent, which the stream prefixes with its sender.
 
 A state is one step's, each tensor once, at most the stage's count of them. An update stream
-(what a follower applies, `stage_server.following.Following.apply`) is a sequence of updates,
-each carried by one or more messages of its gradient sums in parameter order:
+(what a follower applies, `stage_server.replica.following.Following.apply`) is a sequence of
+updates, each carried by one or more messages of its gradient sums in parameter order:
 
 - it starts at the step the follower asked from, or later;
 - a plain update of step s moves the sender to s + 1: the next update is of s + 1;

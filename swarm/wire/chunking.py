@@ -146,7 +146,7 @@ def split_tensor(
     tensors) gets the tensor's metadata; the messages are those `split` makes of `header` with
     `encode(tensor, name)`, so a receiver tells no difference. `tensor` may be a function giving
     it, asked again for every chunk under `lock` (a snapshot that may swap a tensor for a copy of
-    it between chunks: `stage_server.snapshot`)."""
+    it between chunks: `stage_server.replica.snapshot`)."""
     if chunk_bytes <= 0:
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if callable(tensor):

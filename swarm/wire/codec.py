@@ -70,8 +70,9 @@ _BUFFER_WARNING = "The given buffer is not writable"
 _MAX_BLOCK_SIZE = 2**31 - 1  # Tensor.block_size is an int32
 
 Buffer = bytes | bytearray | memoryview
-# A tensor's bytes on the host for as long as the context is open (`stage_server.host_copies`:
-# through a reusable pinned buffer on CUDA). The default copies with `.cpu()`.
+# A tensor's bytes on the host for as long as the context is open
+# (`stage_server.replica.host_copies`: through a reusable pinned buffer on CUDA). The default copies
+# with `.cpu()`.
 HostCopy = Callable[[torch.Tensor], AbstractContextManager[torch.Tensor]]
 
 

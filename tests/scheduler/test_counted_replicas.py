@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import stage_server.agent
-from stage_server.runtime import StageRuntime
+from stage_server.replica.runtime import StageRuntime
 from swarm.job.states import peer_state_name
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb

@@ -24,7 +24,7 @@ def test_sd_lists_the_scheduler_and_each_peer_with_a_metrics_port() -> None:
 
 def test_a_peer_keeps_its_target_labels_whatever_it_does() -> None:
     """A target label that changes starts a new series of every metric of that target: a peer's
-    state, job and stage are in its `swarm_peer_info` instead (stage_server/metrics.py)."""
+    state, job and stage are in its `swarm_peer_info` instead (stage_server/peer/metrics.py)."""
     address = "10.0.0.2:9101"
     lives = [
         cpb.PeerAnnouncement(peer="p1", metrics_address=address, state=cpb.PEER_STATE_JOINING),

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import stage_server.agent
-from stage_server.runtime import StageRuntime
+from stage_server.replica.runtime import StageRuntime
 from swarm.proto import control_pb2 as cpb
 from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, scheduled_swarm
 

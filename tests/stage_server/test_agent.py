@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from stage_server.agent import REFUSED_RETRY_S, PeerAgent
-from stage_server.device_oom import out_of_memory
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
+from swarm.ops.device_oom import out_of_memory
 from swarm.proto import control_pb2 as cpb
 from tests.support.jobs import BASE, render
 

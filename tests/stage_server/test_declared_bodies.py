@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from stage_server.limits import PeerLimits
+from stage_server.peer.limits import PeerLimits
 from stage_server.server import StageServerOptions, start_stage_server
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb

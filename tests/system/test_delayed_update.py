@@ -1,7 +1,7 @@
 """`training.delayed_update` through real processes: SIGKILLs during the overlapped averaging and
 evaluations through a kill, float64 equal to the reference. A recipe through a kill, a rejoin and
 a rollback: tests/system/test_faults.py (one case a rule). The rule itself and in-process pools:
-tests/stage_server/test_delayed_update.py."""
+tests/stage_server/replica/test_delayed_update.py."""
 
 from __future__ import annotations
 

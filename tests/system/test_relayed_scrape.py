@@ -24,7 +24,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from scheduler.discovery import sd_document
-from stage_server.metrics import StageMetrics
+from stage_server.peer.metrics import StageMetrics
 from swarm.cli import main
 from swarm.net import tls
 from swarm.net.certs import issue

@@ -17,7 +17,7 @@ import torch
 
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.owner import AveragingAborted
-from stage_server.runtime import StageRuntime
+from stage_server.replica.runtime import StageRuntime
 from stage_server.server import (
     RunningStageServer,
     StageServerOptions,

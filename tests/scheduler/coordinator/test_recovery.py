@@ -12,7 +12,7 @@ import torch
 
 from scheduler.coordinator.recovery import Recovery
 from scheduler.coordinator.replicas import ReplicaClients, grpc_replicas
-from stage_server.runtime import StageRuntime
+from stage_server.replica.runtime import StageRuntime
 from swarm.model import checkpoint
 from swarm.model.stage_state import initial_state
 from swarm.rpc import state_streams

@@ -96,7 +96,7 @@ async def test_a_part_holds_the_bytes_it_sent_and_past_the_budget_is_refused(
 ) -> None:
     # What a part holds follows its bytes as they come, never past its declaration; a part
     # declared past what is free now is still refused at once, as are bytes past the budget.
-    from stage_server.limits import PeerLimits
+    from stage_server.peer.limits import PeerLimits
 
     limits = PeerLimits(max_tensor_bytes=4 * MiB, receive_budget_bytes=4 * MiB)
     running = await start_stage_server(job, StageServerOptions(stage=1, limits=limits))

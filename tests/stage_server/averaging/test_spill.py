@@ -27,7 +27,7 @@ from stage_server.averaging.spill import (
     in_memory_fs,
     spill_directory,
 )
-from stage_server.step_sums import Sums
+from stage_server.replica.step_sums import Sums
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
 from tests.support.disks import fill, tiny_disk
 from tests.support.pools import JOB, MiB, assert_identical, ordered_sum, reduce_all, replicas

@@ -9,7 +9,7 @@ import torch
 
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
-from stage_server.runtime import StageRuntime
+from stage_server.replica.runtime import StageRuntime
 from swarm.model import checkpoint
 from tests.support.disks import fill, tiny_disk
 from tests.support.fakes import NoBus  # export never touches the bus

@@ -1,0 +1,298 @@
+"""A joining peer measures its own samples/s on each stage's compute (forward + backward of one
+microbatch), so the scheduler can place it where it raises the bottleneck most. Results are cached
+per model shape, stage, microbatch size, dtype, precision, device model and torch version, since
+building and timing every stage of a large model is not free.
+
+Peers on one machine measure one at a time (a lock beside the cache, one per device): several
+peers that start together would otherwise time their stages while the others time theirs, and
+on a small machine that made one stage look 4x slower than the rest to all of them (placement
+then put four of six peers there). The first to take the lock measures; the others then find
+its figures in the cache, so co-located peers of one device agree exactly; the log line that
+shows them says so, with the cache's path (delete it to measure again).
+
+Before it builds anything, a peer counts each stage's footprint on the meta device (its state,
+its activations at the cache's bound, the averaging's buffers: `swarm.model.footprint`) and
+refuses a job with a stage its free memory cannot hold (`check_fits`): an allocation the kernel
+cannot back kills the peer (the OOM killer), it raises nothing, and on a GPU shared with other
+processes, or holding a stage already, the total is not there to take."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from stage_server.peer.limits import PeerLimits
+from stage_server.replica.compute_clock import ComputeClock, clock_for
+from stage_server.replica.runtime import StageRuntime
+from swarm.errors import ResourceExhausted
+from swarm.job.config import JobConfig
+from swarm.model.footprint import StageFootprint, stage_footprints
+from swarm.model.sizes import format_bytes, layer_parameters
+from swarm.model.transformer import layer_costs, partition
+from swarm.ops.devices import DeviceFacts, TorchFacts, free_memory
+
+__all__ = [
+    "cache_path",
+    "check_fits",
+    "device_memory",
+    "device_model",
+    "footprints",
+    "measure_job",
+    "measure_stage",
+]
+
+log = logging.getLogger(__name__)
+# Timed runs after one warm-up: at least _REPEATS, and more until they add up to _MIN_TIMED_S
+# (at most _MAX_REPEATS), so a small stage is timed over many runs, not three of a millisecond.
+_REPEATS, _MIN_TIMED_S, _MAX_REPEATS = 3, 0.1, 100
+
+
+def cache_path() -> Path:
+    root = os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm"
+    return Path(root) / "throughput.json"
+
+
+def device_model(device: torch.device) -> str:
+    """What `device` is, for the cache key: the GPU's name (two peers on two cards of one model
+    share their figures; a card swapped for another measures anew), or the host's CPU."""
+    if device.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        return f"cpu {_cpu_model()}"
+    return device.type
+
+
+def _cpu_model() -> str:
+    try:  # Linux names the model; elsewhere the architecture is what there is
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _key(job: JobConfig, stage: int, device: torch.device) -> str:
+    """What a stage's speed depends on: its layers and shape, the microbatch, the dtype and
+    precision it computes in (bf16-mixed autocasts an fp32 job's matmuls; `tf32` runs float32
+    matmuls on tensor cores), the device's model and the torch build."""
+    layers = list(partition(layer_costs(job.model), job.training.stages)[stage])
+    return json.dumps(
+        [
+            job.to_dict()["model"],
+            layers[0],
+            layers[-1],
+            job.training.microbatch_size,
+            job.training.dtype,
+            job.training.precision,
+            job.training.tf32,
+            device_model(device),
+            torch.__version__,
+        ],
+        sort_keys=True,
+    )
+
+
+def _machine_memory() -> int:
+    """The machine's memory (bytes), or its cgroup's limit when lower; 0 when unknown."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        total = 0
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        limit = "max"
+    if limit.isdigit() and (not total or int(limit) < total):
+        return int(limit)
+    return max(total, 0)
+
+
+def device_memory(device: torch.device | str) -> int:
+    """Bytes of memory `device` has for a stage: a GPU's total, the machine's for the CPU (and
+    MPS, which shares it); 0 when unknown. What a peer announces, and checks a job against."""
+    try:
+        device = torch.device(device)
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+    except (RuntimeError, AssertionError, ValueError):
+        return 0
+    return _machine_memory()
+
+
+def footprints(job: JobConfig, limits: PeerLimits | None = None) -> list[StageFootprint]:
+    """Each stage of `job`'s footprint on a peer of `limits` (default: the defaults): the job's
+    activation cache and chunks within the peer's bounds, as `stage_server.replica.messages` clamps
+    them when the stage is served."""
+    peer = limits or PeerLimits()
+    rt = job.runtime
+    return stage_footprints(
+        job,
+        activation_cache=min(rt.activation_cache, peer.max_activation_cache),
+        activation_cache_bytes=peer.max_activation_cache_bytes,
+        chunk_bytes=min(max(rt.chunk_bytes, peer.min_chunk_bytes), peer.max_chunk_bytes),
+    )
+
+
+def check_fits(
+    job: JobConfig,
+    device: torch.device,
+    memory_bytes: int | None = None,
+    *,
+    limits: PeerLimits | None = None,
+    facts: DeviceFacts | None = None,
+) -> None:
+    """ResourceExhausted when a stage of `job` at its footprint (state, activations at the
+    cache's bound, averaging buffers: `footprints`) cannot fit `memory_bytes`, by default the
+    device's free memory now (`swarm.ops.devices.free_memory`, within its total: what other
+    processes and this one hold is not there to take), counted on the meta device, before
+    anything is allocated. A layer is first built in float64 on the CPU
+    (`swarm.model.transformer`): its largest must fit the machine too."""
+    if memory_bytes is None:
+        facts = facts or TorchFacts()
+        try:
+            free, how = free_memory(device, facts)
+        except (RuntimeError, AssertionError):  # a device torch cannot ask: its total bounds
+            free, how = None, ""
+        total = facts.free_total(device.index or 0)[1] if free and device.type == "cuda" else 0
+        total = total or device_memory(device)
+        if free:  # within the total: a container's limit is below the host's free memory
+            memory = min(free, total) if total else free
+            said = f"{format_bytes(memory)} {how}" + (f" of {format_bytes(total)}" if total else "")
+        else:
+            memory, said = total, f"{format_bytes(total)} in all"
+    else:
+        memory, said = memory_bytes, format_bytes(memory_bytes)
+    if memory > 0:
+        each = footprints(job, limits)
+        over = [k for k, footprint in enumerate(each) if footprint.total > memory]
+        if over:
+            stage = over[0]
+            raise ResourceExhausted(
+                f"stage {stage} of job {job.name!r} needs {each[stage]} at least, more than "
+                f"this peer's {said} on {device}: not measured (nothing allocated)"
+            )
+    machine = _machine_memory()
+    layer = max(layer_parameters(job)) * 8
+    if machine > 0 and layer > machine:
+        raise ResourceExhausted(
+            f"a layer of job {job.name!r} is {format_bytes(layer)} in float64, as it is built, "
+            f"more than this machine's {format_bytes(machine)}: not measured (nothing allocated)"
+        )
+
+
+def measure_stage(
+    job: JobConfig, stage: int, device: torch.device, clock: ComputeClock | None = None
+) -> float:
+    """Samples/s of forward + backward of one microbatch through `stage` on `device`, each run
+    timed by `clock` (the device's) to the end of its work on the device."""
+    clock = clock or clock_for(device)
+    rt = StageRuntime(job, stage, device)
+    b, t, cfg = job.training.microbatch_size, job.model.seq_len, job.model
+    gen = torch.Generator().manual_seed(0)
+    if rt.is_first:
+        inputs = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
+    else:
+        inputs = torch.randn(b, t, cfg.d_model, generator=gen).to(rt.dtype)
+    targets = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
+    times: list[float] = []
+    while len(times) <= _REPEATS or (sum(times[1:]) < _MIN_TIMED_S and len(times) <= _MAX_REPEATS):
+        i = len(times)
+        start = clock.now()
+        if rt.is_last:
+            rt.forward_backward(0, i, inputs, targets, accumulate=False)
+        else:
+            out = rt.forward(0, i, inputs)
+            rt.backward(0, i, inputs, torch.ones_like(out), accumulate=False)
+        clock.settle()
+        times.append(clock.now() - start)
+    # The fastest run, not the median: other processes on the machine (peers that measure at the
+    # same moment, a test suite) only ever add time, and placement compares stages measured at
+    # different moments, so the figure must not depend on what else ran then.
+    return b / max(min(times[1:]), 1e-9)
+
+
+@contextlib.contextmanager
+def _measuring_alone(path: Path, device: torch.device) -> Iterator[None]:
+    """Hold the machine's measuring lock for `device` (blocking while another peer measures);
+    without a writable cache directory, measure without it."""
+    lock = path.with_name(f"{path.stem}.{device.type}{device.index or 0}.lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        log.warning("cannot take the measuring lock %s: %s; measuring anyway", lock, e)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released with the descriptor, even if this process dies
+        yield
+    finally:
+        os.close(fd)
+
+
+def measure_job(
+    job: JobConfig,
+    device: torch.device,
+    throttle: float = 1.0,
+    limits: PeerLimits | None = None,
+    *,
+    memory_bytes: int | None = None,
+    facts: DeviceFacts | None = None,
+) -> dict[int, float]:
+    """Samples/s per stage, divided by `throttle`; cached on disk, measured by one peer of a
+    machine at a time. A job with a stage whose footprint on a peer of `limits` is over
+    `memory_bytes` (default: the device's free memory) is refused first (`check_fits`)."""
+    check_fits(job, device, memory_bytes, limits=limits, facts=facts)
+    path = cache_path()
+    with _measuring_alone(path, device):
+        try:
+            cache: dict[str, float] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        result, measured = {}, False
+        for stage in range(job.training.stages):
+            key = _key(job, stage, device)
+            if key not in cache:
+                cache[key] = measure_stage(job, stage, device)
+                measured = True
+                log.debug("measured stage %d on %s: %.1f samples/s", stage, device, cache[key])
+            result[stage] = cache[key] / max(throttle, 1.0)
+        _say(job, device, cache, path, measured, throttle)
+        if measured:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(cache))
+                tmp.replace(path)  # atomic: readers without the lock see the old or the new
+            except OSError as e:
+                log.warning("cannot write the throughput cache %s: %s", path, e)
+    return result
+
+
+def _say(
+    job: JobConfig,
+    device: torch.device,
+    cache: dict[str, float],
+    path: Path,
+    measured: bool,
+    throttle: float,
+) -> None:
+    """The figures, and that they are the machine's: every peer of it on `device` shows them."""
+    figures = {s: round(cache[_key(job, s, device)], 1) for s in range(job.training.stages)}
+    log.info(
+        "%s samples/s per stage on %s: %s (shared by the peers on this machine, cached %s)%s",
+        "measured" if measured else "read",
+        device,
+        figures,
+        path,
+        f"; --throttle {throttle} divides them" if throttle > 1.0 else "",
+    )

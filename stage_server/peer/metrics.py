@@ -1,0 +1,197 @@
+"""A stage server's Prometheus series (served by `swarm.ops.metrics.serve_metrics`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from stage_server.peer.links import DIRECTIONS, Direction, LinkMeter
+from swarm.ops.metrics import LABELS, LATENCY_BUCKETS
+
+__all__ = ["PATH_FACTS", "PEER_FACTS", "StageMetrics"]
+
+PEER_FACTS = ("state", "job", "stage")
+"""The labels of `swarm_peer_info` besides `peer`: what the peer does now."""
+PATH_FACTS = ("reachability", "relay")
+"""... and how others reach it: the scheduler's dial-back (unknown, direct, relayed, unreachable)
+and the relay it is reached through ("" for none; `stage_server/peer/reachability.py`)."""
+
+
+class StageMetrics:
+    """A stage server's series. The job and stage labels change when the peer is assigned a
+    stage (`bind`); the series of earlier assignments stay, as counters should."""
+
+    def __init__(self, peer: str, registry: CollectorRegistry | None = None) -> None:
+        reg = self.registry = registry or CollectorRegistry()
+        self.values = {"job": "", "stage": "", "peer": peer}
+        self.facts = ("idle", "", "")  # state, job, stage: what `swarm_peer_info` says
+        self.path = ("unknown", "")  # reachability, relay: its other labels
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(name, doc, [*LABELS, *extra], registry=reg)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, LABELS, registry=reg)
+
+        self._requests = counter("swarm_stage_requests_total", "RPCs handled", "method", "code")
+        self._latency = Histogram(
+            "swarm_stage_request_seconds",
+            "RPC handling time by method",
+            [*LABELS, "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self._samples = counter("swarm_stage_samples_total", "Samples accumulated by Backward")
+        self._wire_in = counter(
+            "swarm_stage_wire_bytes_received_total", "Tensor bytes received, as encoded on the wire"
+        )
+        self._raw_in = counter(
+            "swarm_stage_raw_bytes_received_total",
+            "Tensor bytes received, decoded (before compression)",
+        )
+        self._wire_out = counter(
+            "swarm_stage_wire_bytes_sent_total", "Tensor bytes sent, as encoded on the wire"
+        )
+        self._raw_out = counter(
+            "swarm_stage_raw_bytes_sent_total", "Tensor bytes sent, before compression"
+        )
+        self._steps = counter("swarm_stage_optimizer_steps_total", "Optimizer steps applied")
+        self._queue = gauge("swarm_stage_queue_depth", "Compute requests waiting or running")
+        self._pending = gauge(
+            "swarm_stage_pending_receipts", "Microbatches accumulated for the current step"
+        )
+        self._step = gauge("swarm_stage_step", "Steps committed on this replica")
+        self._nonfinite = counter(
+            "swarm_stage_nonfinite_gradients_total",
+            "Prepared averages found NaN or infinite: reported to the coordinator, never applied",
+        )
+        self._avg_seconds = Histogram(
+            "swarm_stage_averaging_seconds",
+            "Time of a pool's averaging round",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self._avg_sent = counter(
+            "swarm_stage_averaging_bytes_sent_total",
+            "Gradient bytes sent to the pool while averaging",
+        )
+        self._avg_received = counter(
+            "swarm_stage_averaging_bytes_received_total",
+            "Gradient bytes received from the pool while averaging",
+        )
+        reg.register(_PeerInfo(self))
+        # The peer's link rates (`stage_server.peer.links`): measured from its transfers (its
+        # pool's streams record theirs in it), or fixed by `--bandwidth`; announced with the
+        # peer, read here at each scrape.
+        self.link = LinkMeter()
+        reg.register(_LinkRates(self))
+
+    def identify(self, peer: str) -> None:
+        """The peer id is `peer` (known once the server listens: it may default to its address)."""
+        self.values = {**self.values, "peer": peer}
+
+    def bind(self, job: str, stage: int) -> None:
+        """Serving `stage` of `job` from now on: the labels of the series to come."""
+        self.values = {**self.values, "job": job, "stage": str(stage)}
+        self.became("serving", job, stage)
+
+    def became(self, state: str, job: str = "", stage: int | None = None) -> None:
+        """`swarm_peer_info` says the peer is in `state` (idle, measuring, waiting, building,
+        serving, moving, offline) for `job` and `stage` ("" for none)."""
+        self.facts = (state, job, "" if stage is None else str(stage))
+
+    def reached(self, reachability: str, relay: str = "") -> None:
+        """`swarm_peer_info` says others reach the peer so (`PATH_FACTS`)."""
+        self.path = (reachability, relay)
+
+    def info(self) -> dict[str, str]:
+        """The labels of the one `swarm_peer_info` series now."""
+        return {
+            "peer": self.values["peer"],
+            **dict(zip(PEER_FACTS, self.facts, strict=True)),
+            **dict(zip(PATH_FACTS, self.path, strict=True)),
+        }
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        self._requests.labels(**self.values, method=method, code=code).inc()
+        self._latency.labels(**self.values, method=method).observe(seconds)
+
+    def received(self, wire_bytes: int, raw_bytes: int) -> None:
+        self._wire_in.labels(**self.values).inc(wire_bytes)
+        self._raw_in.labels(**self.values).inc(raw_bytes)
+
+    def sent(self, wire_bytes: int, raw_bytes: int) -> None:
+        self._wire_out.labels(**self.values).inc(wire_bytes)
+        self._raw_out.labels(**self.values).inc(raw_bytes)
+
+    def accumulated(self, samples: int, pending: int) -> None:
+        self._samples.labels(**self.values).inc(samples)
+        self._pending.labels(**self.values).set(pending)
+
+    def committed(self, step: int, applied: bool) -> None:
+        if applied:
+            self._steps.labels(**self.values).inc()
+        self._step.labels(**self.values).set(step)
+        self._pending.labels(**self.values).set(0)
+
+    def nonfinite(self) -> None:
+        self._nonfinite.labels(**self.values).inc()
+
+    def averaged(self, sent: int, received: int) -> None:
+        self._avg_sent.labels(**self.values).inc(sent)
+        self._avg_received.labels(**self.values).inc(received)
+
+    def averaging_seconds(self, seconds: float) -> None:
+        self._avg_seconds.labels(**self.values).observe(seconds)
+        self.link.settle(0.0)  # the round's streams are over: their burst is a sample now
+
+    def moved(self, direction: Direction, nbytes: int, seconds: float) -> None:
+        """`nbytes` went `direction` in `seconds` on the wire (a state download, activations)."""
+        self.link.transferred(direction, nbytes, seconds)
+
+    def queue(self, delta: int) -> None:
+        self._queue.labels(**self.values).inc(delta)
+
+
+class _PeerInfo(Collector):
+    """`swarm_peer_info`: 1 from the start, so an idle peer (no job yet, no other series) is seen
+    too. What the peer does now is in its labels, not in Prometheus's target labels (where each
+    change starts a new series of every metric); read whole at each scrape, it is always exactly
+    one series, so `sum by (peer)` never counts a peer twice nor misses it."""
+
+    def __init__(self, metrics: StageMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = self.metrics.info()
+        family = GaugeMetricFamily(
+            "swarm_peer_info",
+            "This stage server (1): what it does now (state), for which job and stage; how others "
+            "reach it (reachability, relay)",
+            labels=list(labels),
+        )
+        family.add_metric(list(labels.values()), 1)
+        yield family
+
+
+class _LinkRates(Collector):
+    """`swarm_peer_link_bytes_per_second{direction="up"|"down"}`: the rates the peer announces
+    (0: unknown yet), read from its meter at each scrape."""
+
+    def __init__(self, metrics: StageMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "swarm_peer_link_bytes_per_second",
+            "This peer's link rate, bytes/s, measured from its transfers or set by --bandwidth",
+            labels=["peer", "direction"],
+        )
+        for direction in DIRECTIONS:
+            rate = self.metrics.link.rate(direction)
+            family.add_metric([self.metrics.values["peer"], direction], rate)
+        yield family

@@ -1,0 +1,316 @@
+"""How others reach this peer: its path. The scheduler dials each announced peer back and keeps
+what it found retained on `peers/{peer}/reachability` (direct, relayed through a relay, or
+unreachable with the remedy); the peer follows its own report, says it in its log once per change
+(a WARNING with the flags that fix it when nobody can dial it), and shows it in `swarm_peer_info`.
+
+While its report says unreachable (or from the start with `--behind-nat`), the peer keeps itself
+attached to a relay (`swarm.relay.attach.Attachment`: a connection the peer opened, over which the
+relay carries calls to its gRPC server). The relays are the peers whose announcement carries a
+`relay_address` (`swarm relay`, or a stage server with `--relay`); the attachment re-chooses when
+its relay dies, and each change is announced (`PeerAnnouncement.relay`), so callers dial the peer
+through it. The peer still announces its own address: a dial-back that later finds it answering
+makes it direct again, and the attachment is let go. Its /metrics, when it serves one, is carried
+too (`local_metrics`): Prometheus scrapes a NAT'd peer through its relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
+from typing import Protocol
+
+from google.protobuf.message import Message
+
+from stage_server.peer.metrics import StageMetrics
+from swarm.bus.api import BusLike
+from swarm.bus.topics import ANY, BusError
+from swarm.net.addresses import host_port, is_unspecified
+from swarm.ops.rated import RatedLog
+from swarm.policy.backoff import Backoff
+from swarm.proto import control_pb2 as cpb
+from swarm.relay.attach import Attachment, split_host_port
+
+__all__ = ["MAX_RELAYS", "REACHABILITY", "Attach", "Attaching", "PeerPath", "local_address"]
+
+log = logging.getLogger(__name__)
+
+MAX_RELAYS = 64
+"""Relays remembered from the peers' announcements (the latest announced): every other peer's
+announcement arrives here too, and only relays' addresses are kept, so this bounds the memory."""
+
+REACHABILITY = {
+    cpb.REACHABILITY_UNKNOWN: "unknown",
+    cpb.REACHABILITY_DIRECT: "direct",
+    cpb.REACHABILITY_RELAYED: "relayed",
+    cpb.REACHABILITY_UNREACHABLE: "unreachable",
+}
+"""A report's reachability as `swarm_peer_info` labels it."""
+
+_ATTACHED = (cpb.REACHABILITY_UNREACHABLE, cpb.REACHABILITY_RELAYED)  # a relay is wanted
+
+
+class Attaching(Protocol):
+    """What the peer asks of `swarm.relay.attach.Attachment` (a fake stands in for it in tests)."""
+
+    @property
+    def relay(self) -> str | None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+Attach = Callable[
+    [str, str | None, str, Callable[[], Sequence[str]], Callable[[str | None], None]], Attaching
+]
+"""Makes an attachment: (peer, token, local_address, relays, on_change), as `Attachment`'s."""
+
+
+def local_address(listen_host: str, port: int) -> str:
+    """Where the attachment dials this peer's own gRPC server: its listening host, or loopback
+    when it listens on every interface (an unspecified address is not dialable)."""
+    if is_unspecified(listen_host):
+        return host_port("::1" if ":" in listen_host else "127.0.0.1", port)
+    return host_port(listen_host, port)
+
+
+class PeerPath:
+    """Follows this peer's reachability and keeps it attached to a relay while it needs one.
+    `address`: the announced one; `local`: where a relay's calls are delivered (`local_address`);
+    `metrics_port`: its /metrics' (None: none), on `local`'s host, where a relayed scrape is
+    delivered; `metrics_address`: the announced one;
+    `attach`: makes the attachment (`Attachment`; a fake in unit tests)."""
+
+    def _real_attachment(
+        self,
+        peer: str,
+        token: str | None,
+        local: str,
+        relays: Callable[[], Sequence[str]],
+        on_change: Callable[[str | None], None],
+    ) -> Attaching:
+        """The real attachment: it tells the relay this peer's announced address (the relay shows
+        it), and pauses between tries with the swarm's one backoff."""
+        pauses = Backoff(0.5, 30.0)
+        return Attachment(
+            peer, token, local, relays, on_change, address=self.address, pauses=pauses,
+            local_metrics=self.local_metrics, metrics_address=self.metrics_address,
+        )  # fmt: skip
+
+    def __init__(
+        self,
+        peer: str,
+        address: str,
+        *,
+        local: str,
+        token: str | None,
+        behind_nat: bool = False,
+        attach: Attach | None = None,
+        metrics: StageMetrics | None = None,
+        metrics_port: int | None = None,
+        metrics_address: str = "",
+    ) -> None:
+        self.peer, self.address, self.local, self.token = peer, address, local, token
+        host = split_host_port(local)[0]
+        self.local_metrics = "" if metrics_port is None else host_port(host, metrics_port)
+        self.metrics_address = metrics_address
+        self.behind_nat, self.metrics = behind_nat, metrics
+        self._attach = attach or self._real_attachment
+        self.report = cpb.ReachabilityReport()  # UNKNOWN until the scheduler's first
+        self.relay = ""  # the relay this peer is attached to now, announced as `relay`
+        self._relays: OrderedDict[str, str] = OrderedDict()  # relay peer -> its relay_address
+        self._attachment: Attaching | None = None
+        self._generation = 0  # which attachment's changes count: a stopped one's do not
+        self._said: tuple[int, str, str] | None = None  # the report last logged
+        self._waiting = 0  # the level "no relay announced yet" was said at (once, until one is)
+        self._lock = asyncio.Lock()  # one attachment at a time, whoever asks
+        self._changed = asyncio.Event()  # the relay changed: announce it
+        self._failed = RatedLog(log, every_s=60.0)  # each report tries again: said once a minute
+
+    def relays(self) -> list[str]:
+        """The relays announced now, the latest announced first."""
+        return list(reversed(self._relays.values()))
+
+    @property
+    def wanted(self) -> bool:
+        """Whether this peer needs a relay: nobody dials it directly, or it says so itself."""
+        return self.behind_nat or self.report.reachability in _ATTACHED
+
+    async def run(self, bus: BusLike, announce: Callable[[], Awaitable[None]]) -> None:
+        """Follow the report and the relays' announcements, announcing each change of relay
+        (`announce`), until cancelled; the attachment is let go on the way out."""
+        topics = bus.topics
+        reports = bus.subscribe(topics.reachability(self.peer))
+        peers = bus.subscribe(topics.peer(ANY))
+        if self.behind_nat:
+            log.info("%s: behind NAT (--behind-nat): attaching to a relay", self.peer)
+        self._show()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._consume(reports))
+                tg.create_task(self._consume(peers))
+                tg.create_task(self._announcing(announce))
+                await self.steer()  # --behind-nat: at once, when a relay is known already
+        finally:
+            await self._detach("stopping")
+
+    async def _consume(self, messages: AsyncIterable[tuple[str, Message]]) -> None:
+        try:
+            async for _, message in messages:
+                try:
+                    if isinstance(message, cpb.ReachabilityReport):
+                        await self.on_report(message)
+                    elif isinstance(message, cpb.PeerAnnouncement):
+                        await self.on_announcement(message)
+                except Exception:  # one bad message must not leave the peer unreachable
+                    log.exception("%s: could not follow its path", self.peer)
+        except BusError as e:  # a broker that refuses the subscription: the peer serves on
+            log.warning("%s: cannot follow how others reach it: %s", self.peer, e)
+
+    async def _announcing(self, announce: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            try:
+                await announce()
+            except Exception as e:  # a broker hiccup: the next change announces it again
+                log.warning("%s: relay %r not announced: %s", self.peer, self.relay, e)
+
+    async def on_report(self, report: cpb.ReachabilityReport) -> None:
+        """The scheduler's dial-back found `report`: say it, and attach or let go."""
+        self.report = report
+        self._say(report)
+        self._show()
+        await self.steer()
+
+    async def on_announcement(self, announcement: cpb.PeerAnnouncement) -> None:
+        """Another peer announced itself: keep its relay address if it relays (and is reached
+        directly itself), forget it once it stops; a new relay may be the one to attach to."""
+        peer = announcement.peer
+        if peer == self.peer:
+            return
+        known = self._relays.pop(peer, None)
+        usable = announcement.state != cpb.PEER_STATE_OFFLINE and not announcement.relay
+        if announcement.relay_address and usable:
+            self._relays[peer] = announcement.relay_address
+            while len(self._relays) > MAX_RELAYS:
+                self._relays.popitem(last=False)
+            if known != announcement.relay_address:
+                await self.steer()
+
+    async def steer(self) -> None:
+        """Attach when a relay is wanted and none is held; let go when none is wanted."""
+        async with self._lock:
+            if not self.wanted:
+                await self._detach("it is reached directly")
+                return
+            if self._attachment is not None:
+                return
+            if not self._relays:
+                # --behind-nat at its start: the relays' retained announcements are on their way
+                unreachable = self.report.reachability == cpb.REACHABILITY_UNREACHABLE
+                level = logging.WARNING if unreachable else logging.INFO
+                if self._waiting >= level:
+                    return
+                self._waiting = level
+                log.log(
+                    level,
+                    "%s: no relay announced yet to attach to: it attaches once one is (a "
+                    "reachable stage server started with --relay, or `swarm relay`)",
+                    self.peer,
+                )
+                return
+            self._waiting = 0
+            self._generation += 1
+            generation = self._generation
+
+            def changed(relay: str | None) -> None:
+                self._on_change(relay, generation)
+
+            attachment = self._attach(self.peer, self.token, self.local, self.relays, changed)
+            try:
+                await attachment.start()
+            except Exception as e:  # the next relay announced, or report, tries again
+                self._failed.warning(type(e).__name__, "%s: could not attach to a relay: %s: %s",
+                                     self.peer, type(e).__name__, e)  # fmt: skip
+                self._generation += 1
+                with contextlib.suppress(Exception):  # whatever it had begun
+                    await attachment.stop()
+                return
+            self._attachment = attachment
+            if attachment.relay and not self.relay:  # attached within start: said by no callback
+                self._on_change(attachment.relay, generation)
+
+    async def _detach(self, why: str) -> None:
+        attachment, self._attachment = self._attachment, None
+        if attachment is None:
+            return
+        self._generation += 1  # what it says while it stops is not news
+        try:
+            await attachment.stop()
+        finally:
+            if self.relay:
+                log.info("%s: let go of relay %s: %s", self.peer, self.relay, why)
+                self.relay = ""
+                self._show()
+                self._changed.set()
+
+    def _on_change(self, relay: str | None, generation: int) -> None:
+        """The attachment `generation` is attached to `relay` now (None: to none)."""
+        if generation != self._generation:
+            return
+        old, self.relay = self.relay, relay or ""
+        if self.relay == old:
+            return
+        if self.relay and not old:
+            log.info("%s: attached to relay %s; announced as reached through it",
+                     self.peer, self.relay)  # fmt: skip
+        elif self.relay:
+            log.warning("%s: relay %s is gone; attached to relay %s instead and announced it",
+                        self.peer, old, self.relay)  # fmt: skip
+        else:
+            log.warning(
+                "%s: relay %s is gone and no other relay answers: announced without a relay, so "
+                "nobody can call this peer until a relay (a reachable stage server started with "
+                "--relay, or `swarm relay`) is announced",
+                self.peer,
+                old or "(none)",
+            )
+        self._show()
+        self._changed.set()
+
+    def _say(self, report: cpb.ReachabilityReport) -> None:
+        """Log `report` once per change of what it says (its reachability, address, relay)."""
+        said = (report.reachability, report.address, report.relay)
+        if said == self._said:
+            return
+        self._said = said
+        address = report.address or self.address
+        if report.reachability == cpb.REACHABILITY_DIRECT:
+            log.info("%s: reachable at %s (direct)", self.peer, address)
+        elif report.reachability == cpb.REACHABILITY_RELAYED:
+            log.info("%s: relayed through %s (%s does not answer directly)",
+                     self.peer, report.relay or self.relay, address)  # fmt: skip
+        elif report.reachability == cpb.REACHABILITY_UNREACHABLE:
+            detail = report.detail.rstrip(". ") or "the scheduler's dial-back got no answer"
+            remedy = report.remedy or self.remedy()
+            log.warning("%s: not reachable at %s: %s. %s", self.peer, address, detail, remedy)
+
+    def remedy(self) -> str:
+        """What makes this peer reachable, with its flags, when the report names none."""
+        port = self.address.rsplit(":", 1)[-1]
+        return (
+            f"Forward TCP port {port} of your router to this machine and give --announce-host "
+            "with the router's public address (--host 0.0.0.0 to listen on every interface), or "
+            "let it be reached through a relay: a reachable stage server started with --relay "
+            "(this peer attaches to one by itself; --behind-nat attaches at its start)"
+        )
+
+    def _show(self) -> None:
+        if self.metrics is not None:
+            relayed = self.report.reachability == cpb.REACHABILITY_RELAYED
+            relay = self.relay or (self.report.relay if relayed else "")
+            self.metrics.reached(REACHABILITY.get(self.report.reachability, "unknown"), relay)

@@ -1,0 +1,88 @@
+"""How a call that accumulates here is answered: the one way every such call ends (Backward,
+ForwardBackward, and a Push at each stage it accumulates at). Compute on the replica's worker,
+then the BACKWARD fault point (accumulated, not yet answered: the case a replay must cover), then
+the input gradient and the receipt.
+
+One `Answering` per replica, held by the servicer (`stage_server.servicer`) and the push plane
+(`stage_server.push`) alike, so neither calls into the other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stage_server.replica.messages import Messages
+from stage_server.replica.runtime import Receipt, StageRuntime
+from stage_server.replica.worker import Worker
+from swarm.ops.faults import Point, maybe_die
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import tensor_pb2
+
+__all__ = ["Answered", "Answering"]
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A backward done here, ready for the answer."""
+
+    grad: list[tensor_pb2.Tensor]  # the encoded input gradient ([] when none was asked for)
+    receipt: pb.Receipt | None  # None when the caller keeps no receipt
+    loss: float  # the loss sum of a forward_backward (0.0 for a backward)
+    queued: float  # seconds the call waited for the worker
+
+
+class Answering:
+    """The backward here of whichever stage `runtime()` serves, answered as replica `peer`."""
+
+    def __init__(
+        self,
+        *,
+        peer: str,
+        worker: Worker,
+        messages: Messages,
+        runtime: Callable[[], StageRuntime],
+    ) -> None:
+        self.peer, self.worker, self.messages = peer, worker, messages
+        self._runtime = runtime
+
+    def _receipt(self, r: Receipt) -> pb.Receipt:
+        return self.messages.receipt(r, self.peer, len(self._runtime().receipts()))
+
+    async def backward_here(
+        self,
+        fn: Callable[..., tuple[Any, ...]],
+        h: Any,
+        reply: int,
+        *tensors: torch.Tensor | None,
+        accumulate: bool,
+        receipt: bool = True,
+    ) -> Answered:
+        """The one way a call accumulates here: `fn` (`backward`, or the last stage's
+        `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
+        input gradient in codec `reply` and (unless `receipt` is False) the receipt."""
+        step, index = h.microbatch.step, h.microbatch.index
+
+        def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
+            # On the worker thread: the input gradient's copy to the host waits on the device.
+            *loss, grad, done = result
+            return loss, self.messages.encode(grad, "grad_inputs", reply), done
+
+        (loss, grad, done), queued = await self.worker.run_then(
+            fn,
+            on_host,
+            step,
+            index,
+            *tensors,
+            accumulate=accumulate,
+            need_grad_inputs=h.need_grad_inputs,
+        )
+        maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
+        return Answered(
+            grad=grad,
+            receipt=self._receipt(done) if receipt else None,
+            loss=loss[0] if loss else 0.0,
+            queued=queued,
+        )

@@ -1,0 +1,92 @@
+"""A copy following the replica it copied: it loads that replica's state, then applies the
+updates that replica applied since, as it did (same sums, same samples, same optimizer code:
+bitwise the same result), until it is a member (its first PREPARE, round's end or Discard ends
+the following) or holds work of its own. The download and the asking for updates are
+`stage_server.replica.copying`'s; the source's side is its update log
+(`stage_server.replica.update_log`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+import torch
+
+from stage_server.replica.no_round import NoRound
+from stage_server.replica.step_sums import Sums
+from swarm.errors import FailedPrecondition
+from swarm.job.rule import EagerOp
+
+__all__ = ["Following"]
+
+
+class Followed(Protocol):
+    """What following reads and moves of the replica
+    (`stage_server.replica.runtime.StageRuntime`)."""
+
+    stage: int
+    step: int
+    following: bool
+    device: torch.device
+    sums: Sums
+    round: NoRound
+
+    def load_state(self, step: int, state: dict[str, torch.Tensor]) -> None: ...
+
+    def apply_update(
+        self, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0
+    ) -> None: ...
+
+
+class Following:
+    """One replica's following of the replica it copied (`following`: whether it still does)."""
+
+    def __init__(self, replica: Followed) -> None:
+        self._replica = weakref.ref(replica)  # weakly: as `NoRound` holds its replica
+
+    @property
+    def replica(self) -> Followed:
+        replica = self._replica()
+        assert replica is not None  # called by its replica only
+        return replica
+
+    def load(self, step: int, state: dict[str, torch.Tensor], began: int | None = None) -> None:
+        """Become a copy of the replica whose state at `step` this is, and follow its updates.
+        `began`: this replica's step when the copy started. One that moved since (it applied a
+        commit as a member meanwhile) is not overwritten by the copy, which may be older than
+        what it holds: FailedPrecondition, and it stays as it is."""
+        r = self.replica
+        if began is not None and r.step != began:
+            raise FailedPrecondition(
+                f"stage {r.stage}: this replica moved from step {began} to {r.step} while "
+                f"copying a state of step {step}: the copy is stale, not loaded"
+            )
+        r.load_state(step, state)
+        r.following = True
+
+    def apply(
+        self,
+        step: int,
+        grad_sums: list[torch.Tensor],
+        total_samples: int,
+        scale: float = 1.0,
+        round_end: bool = False,
+        eager: int = EagerOp.NONE,
+        boundary: int = -1,
+    ) -> bool:
+        """Apply the update the copied replica applied at `step` (an `Update`'s fields, in
+        order). False once this replica stopped following (it is a member, or holds work of its
+        own): nothing is applied then."""
+        r = self.replica
+        if not r.following or r.sums.held():
+            r.following = False
+            return False
+        if round_end:  # a round's end before step `step` (`stage_server.replica.no_round.NoRound`)
+            return r.round.follow(step, grad_sums, total_samples, eager, boundary)
+        if step < r.step:
+            return True  # applied already
+        if step > r.step:
+            raise FailedPrecondition(f"stage {r.stage}: update of step {step} at {r.step}")
+        r.apply_update([g.to(r.device) for g in grad_sums], total_samples, scale)
+        return True

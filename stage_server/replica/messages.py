@@ -1,0 +1,284 @@
+"""A replica's messages: requests decoded to named tensors within the served job's limits, replies
+built and split into chunks, the data plane's bytes counted in the stage's metrics.
+
+Why here: a request's size is refused from its header, before its bytes are allocated (one
+microbatch's tensors at most), and its route (job, stage) is checked before its tensors are
+decoded; no single message may size this process's memory. The limits are the served job's
+(`Limits`, updated in place when a stage is installed), so everything holding them (the servicer,
+the commit's averaging, a LoadState) reads those of the job served at that moment.
+
+A job's `[runtime]` is written by whoever submitted it, and a peer defends itself with it: so
+each of its limits is clamped by the peer's own (`PeerLimits`, the stage server's flags), whatever
+the job says: the smaller of the two for a maximum, chunks kept within the peer's floor and
+ceiling (a job's 1-byte chunks would make a million messages of a megabyte), a message room for
+a chunk and its header within the peer's ceiling (gRPC holds a whole message before any check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from google.protobuf.message import Message
+
+from stage_server.peer.limits import MESSAGE_HEADROOM, PeerLimits
+from stage_server.peer.metrics import StageMetrics
+from stage_server.replica.host_copies import DeviceCopies, TorchCopies
+from stage_server.replica.runtime import Receipt, StageRuntime
+from stage_server.replica.snapshot import Snapshot
+from stage_server.replica.update_log import Update
+from swarm.errors import InvalidArgument
+from swarm.job.config import JobConfig, RuntimeConfig
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import tensor_pb2
+from swarm.wire import chunking as wire
+from swarm.wire import codec
+from swarm.wire.budget import Held
+
+__all__ = [
+    "Limits",
+    "Messages",
+    "Route",
+    "info_reply",
+    "state_reply",
+    "updates_reply",
+]
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+Route = Callable[[str, int], None]  # raises NotFound unless (job, stage) is served here
+
+
+@dataclass
+class Limits:
+    """The served job's wire settings within `peer`'s; the defaults hold until a stage is
+    installed."""
+
+    # The setting behind `max_bytes`, as refusals name it.
+    max_bytes_name: ClassVar[str] = (
+        "the job's runtime.max_tensor_bytes, at most this peer's --max-tensor-bytes"
+    )
+
+    peer: PeerLimits = field(default_factory=PeerLimits)
+    chunk_bytes: int = 4 << 20  # `[runtime] chunk_bytes`: the most bytes of one message's chunk
+    max_bytes: int = 1 << 30  # `[runtime] max_tensor_bytes`: the most bytes of one tensor
+    block_size: int = 2048  # `[compression] block_size`: values per block of a blockwise codec
+    update_log_bytes: int = 4 << 30  # `[runtime] update_log_bytes`: updates kept for copies
+    max_message_bytes: int = 64 << 20  # `[runtime] max_message_bytes`: one gRPC message
+    activation_cache: int = 64  # `[runtime] activation_cache`: microbatches' activations kept
+    max_queue: int = 64  # `[runtime] max_queue`: pushed microbatches queued before Busy
+    _logged: set[tuple[Any, ...]] = field(default_factory=set, repr=False)  # clamps said once
+
+    def __post_init__(self) -> None:
+        self._clamp(
+            dataclasses.replace(
+                RuntimeConfig(),
+                chunk_bytes=self.chunk_bytes,
+                max_tensor_bytes=self.max_bytes,
+                update_log_bytes=self.update_log_bytes,
+                max_message_bytes=self.max_message_bytes,
+                activation_cache=self.activation_cache,
+                max_queue=self.max_queue,
+            )
+        )
+
+    def serve(self, job: JobConfig) -> None:
+        """Take `job`'s settings within this peer's (in place: every holder of this `Limits`
+        sees them); a job's clamped values are logged once."""
+        clamped = self._clamp(job.runtime)
+        self.block_size = job.compression.block_size
+        said = (job.name, *clamped)
+        if clamped and said not in self._logged:
+            self._logged.add(said)
+            log.warning(
+                "job %s: its [runtime] is clamped by this peer's limits: %s",
+                job.name,
+                ", ".join(f"{k} {asked} -> {used}" for k, asked, used in clamped),
+            )
+
+    def clamp(self, job: JobConfig) -> JobConfig:
+        """`job` with the [runtime] limits this peer serves it with (`serve` took it): for the
+        clients a replica makes (its push plane's next hop, the member it copies), whose
+        answers are bounded as its own requests are."""
+        runtime = dataclasses.replace(job.runtime, **self._used())
+        return dataclasses.replace(job, runtime=runtime)
+
+    def _used(self) -> dict[str, Any]:
+        """The `[runtime]` values this peer serves the job with, by their job keys."""
+        return {
+            "chunk_bytes": self.chunk_bytes,
+            "max_tensor_bytes": self.max_bytes,
+            "update_log_bytes": self.update_log_bytes,
+            "max_message_bytes": self.max_message_bytes,
+            "activation_cache": self.activation_cache,
+            "max_queue": self.max_queue,
+        }
+
+    def _clamp(self, rt: RuntimeConfig) -> list[tuple[str, int, int]]:
+        """Take `rt`'s limits within the peer's: `(name, asked, used)` of each changed."""
+        peer = self.peer
+        self.chunk_bytes = min(max(rt.chunk_bytes, peer.min_chunk_bytes), peer.max_chunk_bytes)
+        self.max_bytes = min(rt.max_tensor_bytes, peer.max_tensor_bytes)
+        self.update_log_bytes = min(rt.update_log_bytes, peer.max_update_log_bytes)
+        # Room for a chunk (raised to the peer's floor, perhaps) and its header; within the
+        # peer's ceiling, which `PeerLimits` keeps above its largest chunk and a header.
+        self.max_message_bytes = max(
+            min(rt.max_message_bytes, peer.max_message_bytes), self.chunk_bytes + MESSAGE_HEADROOM
+        )
+        self.activation_cache = min(rt.activation_cache, peer.max_activation_cache)
+        self.max_queue = min(rt.max_queue, peer.max_queue)
+        used = self._used()
+        return [(k, asked, used[k]) for k in used if (asked := getattr(rt, k)) != used[k]]
+
+
+class Messages:
+    """Decoding and encoding with `limits`, counting bytes in `metrics`."""
+
+    def __init__(
+        self, limits: Limits, metrics: StageMetrics, copies: DeviceCopies | None = None
+    ) -> None:
+        self.limits, self.metrics = limits, metrics
+        # How device tensors reach the host: called on the worker thread, never on the loop.
+        self.copies: DeviceCopies = copies or TorchCopies()
+
+    async def receive(
+        self,
+        requests: AsyncIterator[Any],
+        max_request_bytes: int,
+        route: Route,
+        held: Held,
+        admit: Callable[[], None] | None = None,
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """A data-plane request's header and tensors. From the header, before a byte of the body
+        is allocated: routed by `route`, then `admit()` (a full replica raises Busy), its size at
+        most `max_request_bytes` (one microbatch's tensors) and the tensor limit, and its size
+        within what is free of `held`'s budget; its bytes are held there as they come (the call
+        holds them until it ends)."""
+        limit = min(self.limits.max_bytes, max_request_bytes)
+        name = (
+            self.limits.max_bytes_name
+            if limit == self.limits.max_bytes
+            else "the most one microbatch's tensors take"
+        )
+
+        def check(header: Any) -> None:
+            route(header.job, header.stage)
+            if admit is not None:
+                admit()
+
+        # The body's bytes are held as they come (`Held.arriving`): headers that declare a
+        # body and send none hold nothing (issue 44, N6).
+        started = time.perf_counter()  # the call came: its bytes follow (a link rate)
+        received = await wire.receive(
+            held.arriving(requests), max_bytes=limit, admit=check, reserve=held.expect,
+            limit_name=name,
+        )  # fmt: skip
+        seconds = time.perf_counter() - started
+        wire_bytes = sum(t.nbytes for t in received.header.tensors)
+        self.metrics.moved("down", wire_bytes, seconds)
+        tensors = wire.decode_named(received, device="cpu", max_bytes=limit, reserve=held.reserve)
+        self.metrics.received(
+            wire_bytes,
+            sum(t.numel() * t.element_size() for t in tensors.values()),
+        )
+        return received.header, tensors
+
+    @staticmethod
+    def need(tensors: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:
+        """The tensors `names`, in order; INVALID_ARGUMENT when one is missing."""
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise InvalidArgument(f"missing tensors {missing}; got {sorted(tensors)}")
+        return [tensors[n] for n in names]
+
+    @staticmethod
+    def reply_codec(value: int) -> int:
+        """The codec a request asks its reply in, when it is one this server knows."""
+        if value not in codec.CODECS.values():
+            raise InvalidArgument(f"unknown reply codec {value}")
+        return value
+
+    def encode(
+        self, tensor: torch.Tensor | None, name: str, reply_codec: int
+    ) -> list[tensor_pb2.Tensor]:
+        """`tensor` as a reply's tensors: none for None, else one, encoded with `reply_codec`.
+        It waits for the device's copy to the host: call it on the worker thread."""
+        if tensor is None:
+            return []
+        msg = self.to_wire(tensor, name, reply_codec)
+        self.metrics.sent(msg.nbytes, tensor.numel() * tensor.element_size())
+        return [msg]
+
+    def to_wire(self, tensor: torch.Tensor, name: str, with_codec: int) -> tensor_pb2.Tensor:
+        """`tensor` encoded with `with_codec`, copied to the host through `copies` (the push
+        plane's outputs, which its next hop sends on as they are; counted there, not here)."""
+        return codec.encode(
+            tensor, name, with_codec, self.limits.block_size, host=self.copies.to_host
+        )
+
+    def split(self, msg: M) -> Iterator[M]:
+        """`msg` in chunks of at most the served job's chunk size."""
+        return wire.split(msg, self.limits.chunk_bytes)
+
+    def receipt(self, r: Receipt, peer: str, pending: int) -> pb.Receipt:
+        """`r` as the trainer's ledger takes it; `pending`: the microbatches now accumulated."""
+        self.metrics.accumulated(0 if r.duplicate else r.samples, pending)
+        return pb.Receipt(
+            peer=peer,
+            stage=r.stage,
+            samples=r.samples,
+            duplicate=r.duplicate,
+            microbatch=pb.MicrobatchId(step=r.step, index=r.index),
+        )
+
+
+def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoResponse:
+    """Where the replica is (for the coordinator: its step, its receipts, its last update)."""
+    if rt is None:
+        return pb.StageInfoResponse(peer=peer)
+    return pb.StageInfoResponse(
+        peer=peer,
+        job=job_id,
+        stage=rt.stage,
+        num_stages=rt.job.training.stages,
+        step=rt.step,
+        device=str(rt.device),
+        num_parameters=rt.num_parameters(),
+        layers=rt.layers,
+        pending_microbatches=len(rt.receipts()),
+        receipts=sorted(rt.receipts()),
+        next_receipts=sorted(rt.receipts(rt.step + 1)),
+        applied_step=rt.applied[0],
+        applied_scale=rt.applied[1],
+        round_synced=rt.round.synced,  # -1, 0 without a round (`stage_server.replica.no_round`)
+        round_samples=rt.round.samples,
+    )
+
+
+def updates_reply(updates: list[Update], chunk_bytes: int) -> Iterator[pb.StageUpdatesResponse]:
+    """The Updates answer, built as it is sent: one message per gradient sum of each update, in
+    chunks of at most `chunk_bytes` cut from the log's own tensors (nothing encoded ahead)."""
+    for u in updates:
+        for i, g in enumerate(u.grad_sums):
+            header = pb.StageUpdatesResponse(
+                step=u.step,
+                total_samples=u.total_samples,
+                grad_scale=u.scale,
+                round_end=u.round_end,
+                eager=u.eager,  # type: ignore[arg-type]  # `EagerOp` is the wire's
+                boundary=u.boundary,
+            )
+            yield from wire.split_tensor(header, str(i), g, chunk_bytes)
+
+
+def state_reply(snapshot: Snapshot, chunk_bytes: int) -> Iterator[pb.StageDownloadStateResponse]:
+    """The DownloadState answer, built as it is sent: one message per tensor of the state, in
+    chunks of at most `chunk_bytes` cut from the tensor; each tensor is let go of as it goes, so
+    the snapshot shrinks while it streams."""
+    return snapshot.reply(lambda: pb.StageDownloadStateResponse(step=snapshot.step), chunk_bytes)

@@ -1,0 +1,186 @@
+"""A `Push` served here: the push data plane at one replica. The forward runs here, the outputs go
+on to the next stage (`stage_server.replica.next_hop`) along the same call, and what comes back (the
+gradient of the outputs, every later stage's receipt, the loss) gives this stage's backward and
+the answer; the last stage runs its forward_backward instead. A validation microbatch goes the
+same way, its loss back, nothing kept or accumulated.
+
+The servicer (`stage_server.servicer`) decodes the request and encodes the answer; the backward
+here is the replica's `Answering` (`stage_server.replica.answering`), which the servicer holds
+too: the one way every accumulating call ends. The outputs sent on are encoded, their copy to the
+host made, on the worker thread right after the forward (`Worker.run_then`): the event loop only
+sends their bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import torch
+
+from stage_server.replica.answering import Answering
+from stage_server.replica.messages import Messages
+from stage_server.replica.next_hop import NextHop, Pushed
+from stage_server.replica.runtime import StageRuntime
+from stage_server.replica.worker import Worker
+from swarm.errors import Busy
+from swarm.ops.faults import Point, maybe_die
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import tensor_pb2
+from swarm.wire import codec
+
+__all__ = ["PushPlane"]
+
+
+class PushPlane:
+    """The pushes this replica serves, and the next stage it sends them on to (`NextHop`, anew
+    for each stage `serve` installs)."""
+
+    def __init__(
+        self,
+        *,
+        peer: str,
+        token: str | None,
+        worker: Worker,
+        messages: Messages,
+        runtime: Callable[[], StageRuntime],
+        answering: Answering,
+    ) -> None:
+        self.peer, self.token, self.worker = peer, token, worker
+        self.messages, self.limits = messages, messages.limits
+        self._runtime, self.answering = runtime, answering
+        self._next_hop: NextHop | None = None  # the push plane's next stage, as seen here
+
+    def serve(self, runtime: StageRuntime, job_id: str) -> None:
+        """Send on to the stage after `runtime`'s, of job `job_id`."""
+        self.release()
+        # Its answers are bounded as this replica's requests are: the job within this peer's.
+        self._next_hop = NextHop(self.limits.clamp(runtime.job), job_id, runtime.stage, self.token)
+
+    def release(self) -> None:
+        next_hop, self._next_hop = self._next_hop, None
+        if next_hop is not None:  # its calls in flight end with their own deadlines
+            asyncio.get_running_loop().create_task(next_hop.close())
+
+    def room(self) -> None:
+        """Busy when `max_queue` pushed microbatches wait here already."""
+        waiting = self.worker.waiting
+        if waiting >= self.limits.max_queue:
+            raise Busy(f"{self.peer}: {waiting} microbatches queued; try another replica")
+
+    async def push(
+        self,
+        h: pb.StagePushRequest,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        time_remaining: Callable[[], float | None],
+    ) -> pb.StagePushResponse:
+        """The answer to `h` (its `inputs` and `targets` received); `time_remaining` is the
+        caller's deadline, as the call's context tells it."""
+        rt = self._runtime()
+        step = h.microbatch.step
+        here = rt.stage in h.accumulate  # this stage accumulates (and answers a receipt)
+        reply = codec.codec_from_name(rt.job.compression.backward)
+        maybe_die(Point.FORWARD, step)
+        if h.evaluate:
+            return await self._evaluation(h, inputs, targets, time_remaining)
+        if rt.is_last:
+            done = await self.answering.backward_here(
+                rt.forward_backward, h, reply, inputs, targets, accumulate=here, receipt=here
+            )
+            return pb.StagePushResponse(
+                tensors=done.grad,
+                receipts=[done.receipt] if done.receipt is not None else [],
+                loss_sum=done.loss,
+                queued_seconds=done.queued,
+            )
+        need_grad = here or h.need_grad_inputs  # a backward here needs its outputs' gradient
+        pushed, queued = await self._forward_on(
+            h,
+            inputs,
+            targets,
+            time_remaining,
+            accumulate=[k for k in h.accumulate if k > rt.stage],
+            need_grad=need_grad,
+        )
+        receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
+        if need_grad:
+            assert pushed.grad is not None
+            grad_outputs = pushed.grad
+            if not isinstance(grad_outputs, torch.Tensor):
+                grad_outputs = codec.decode(grad_outputs, max_bytes=self.limits.max_bytes)
+            done = await self.answering.backward_here(
+                rt.backward, h, reply, inputs, grad_outputs, accumulate=here, receipt=here
+            )
+            grad = done.grad
+            if done.receipt is not None:
+                receipts.append(done.receipt)
+        return pb.StagePushResponse(
+            tensors=grad,
+            receipts=receipts,
+            uncertain=sorted(pushed.uncertain),
+            loss_sum=pushed.loss_sum,
+            queued_seconds=queued,
+            path=pushed.path,
+        )
+
+    async def _evaluation(
+        self,
+        h: pb.StagePushRequest,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        time_remaining: Callable[[], float | None],
+    ) -> pb.StagePushResponse:
+        """A validation microbatch on the push plane: forward here, on to the next stage, the
+        last stage's loss back; nothing kept, nothing accumulated."""
+        rt, step = self._runtime(), h.microbatch.step
+        if rt.is_last:
+            loss, queued = await self.worker.run_queued(rt.evaluate, step, inputs, targets)
+            return pb.StagePushResponse(loss_sum=loss, queued_seconds=queued)
+        pushed, queued = await self._forward_on(
+            h, inputs, targets, time_remaining, accumulate=[], need_grad=False, evaluate=True
+        )
+        return pb.StagePushResponse(loss_sum=pushed.loss_sum, queued_seconds=queued)
+
+    async def _forward_on(
+        self,
+        h: pb.StagePushRequest,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        time_remaining: Callable[[], float | None],
+        *,
+        accumulate: list[int],
+        need_grad: bool,
+        evaluate: bool = False,
+    ) -> tuple[Pushed, float]:
+        """Forward here, then on to the next stage (`NextHop`): what came back, and how long the
+        forward waited for the worker."""
+        rt, step, index = self._runtime(), h.microbatch.step, h.microbatch.index
+        assert self._next_hop is not None
+        sent_as = codec.codec_from_name(rt.job.compression.forward)  # as a trainer sends them
+        outputs, queued = await self.worker.run_then(
+            rt.forward,
+            lambda out: self.messages.to_wire(out, "inputs", sent_as),
+            step,
+            index,
+            inputs,
+            evaluate=evaluate,
+        )
+        pushed = await self._next_hop.send(
+            step,
+            index,
+            outputs,
+            targets,
+            accumulate,
+            list(h.route),
+            need_grad=need_grad,
+            deadline=_deadline(time_remaining(), rt),
+            evaluate=evaluate,
+        )
+        return pushed, queued
+
+
+def _deadline(left: float | None, rt: StageRuntime) -> float:
+    """Leave this stage's backward and the answer a share of the caller's deadline (`left`
+    seconds; None: the caller set none)."""
+    return time.monotonic() + (left or rt.job.runtime.rpc_timeout_s) * 0.9

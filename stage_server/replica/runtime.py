@@ -1,0 +1,420 @@
+"""One replica's compute: forward, backward (from cached activations or by recomputing),
+per-step gradient accumulation with receipts, and the optimizer update at commit.
+
+What differs by the job's training rule (`swarm.job.rule`) is each a strategy chosen once here:
+the parameters each step computes on (`stage_server.replica.delayed_copies`: the module itself, or
+delayed_update's copies one update old) and the replica's round (`stage_server.replica.no_round`:
+none, a local round, an eager round or the step-eager round). The step's sums and receipts are
+`stage_server.replica.step_sums`'s; a copy following its source, `stage_server.replica.following`'s.
+
+Pure torch, no networking: the servicer calls these methods from one worker thread, so nothing here
+is shared between threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+
+from stage_server.peer.limits import PeerLimits
+from stage_server.replica.accumulate import backprop_into
+from stage_server.replica.activation_cache import ActivationCache
+from stage_server.replica.delayed_copies import copies_for
+from stage_server.replica.eager_round import EagerRound, StepEagerRound
+from stage_server.replica.following import Following
+from stage_server.replica.local_round import LocalRound
+from stage_server.replica.no_round import NoRound
+from stage_server.replica.snapshot import Snapshot, Snapshots
+from stage_server.replica.step_sums import Receipt, Sums
+from stage_server.replica.tensor_checks import TensorChecks
+from stage_server.replica.update_log import UpdateLog
+from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
+from swarm.job.config import JobConfig
+from swarm.job.rule import RuleKind, rule_of
+from swarm.model import stage_state
+from swarm.model.optim import build_optimizer, grad_sq_norm, update
+from swarm.model.transformer import (
+    DTYPES,
+    build_stage,
+    layer_costs,
+    loss_sum,
+    num_layers,
+    partition,
+    precision,
+)
+from swarm.ops.device_oom import inject, named
+from swarm.ops.devices import apply_matmul_precision
+from swarm.ops.faults import Point, due
+
+__all__ = ["ROUNDS", "Receipt", "Served", "StageRuntime"]
+
+# The replica's round under each rule (a sixth rule is a row).
+ROUNDS: dict[RuleKind, type[NoRound]] = {
+    RuleKind.SYNC: NoRound,
+    RuleKind.DELAYED: NoRound,
+    RuleKind.LOCAL: LocalRound,
+    RuleKind.LOCAL_EAGER: EagerRound,
+    RuleKind.STEP_EAGER: StepEagerRound,
+}
+
+
+class StageRuntime:
+    def __init__(self, job: JobConfig, stage: int, device: torch.device | str = "cpu") -> None:
+        self.job, self.stage, self.device = job, stage, torch.device(device)
+        self.dtype = DTYPES[job.training.dtype]
+        self.layers = list(partition(layer_costs(job.model), job.training.stages)[stage])
+        self.is_first = stage == 0
+        self.is_last = stage == job.training.stages - 1
+        apply_matmul_precision(job.training.tf32, self.device)
+        self.module = build_stage(job, stage, self.device)
+        self.checks = TensorChecks(job, stage, self.module, self.device)  # what it accepts
+        self.params = list(self.module.parameters())
+        self.optimizer = build_optimizer(self.params, job.optimizer)
+        self.step = 0  # steps committed so far; the step being accumulated
+        self.rule = rule_of(job)
+        # the parameters each step computes on: the module's, or delayed_update's copies
+        self.copies = copies_for(job, stage, self.module)
+        self.sums = Sums(self.params)  # step -> its sums: `step`, and `step + 1` if delayed
+        # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
+        self._cache = ActivationCache()
+        # How many it keeps: the job's `activation_cache`, within the serving peer's own limit
+        # (the servicer sets it: `Limits.activation_cache`); and how many bytes: the peer's
+        # `--max-activation-cache-bytes` (the servicer sets it too).
+        self.activation_cache = job.runtime.activation_cache
+        self.activation_cache_bytes = PeerLimits().max_activation_cache_bytes
+        self.updates = UpdateLog(job.runtime.update_log_bytes)  # for replicas copying this one
+        self.snapshots = Snapshots()  # states being sent, sharing this replica's tensors
+        # (step, clipping coefficient) of the last update applied here (step -1: none since the
+        # start or the last state loaded), for a coordinator finishing a half-applied commit
+        self.applied: tuple[int, float] = (-1, 1.0)
+        # A copy of another replica that still applies that replica's updates (`follow`) until
+        # it is a member: the first PREPARE, round's end or Discard it gets ends that.
+        self.following = False
+        self.follow = Following(self)
+        # The replica's round, chosen once from the job's rule (`ROUNDS`): under a local rule
+        # the round's start, the outer optimizer and this replica's samples in the round;
+        # `NoRound` where every step is averaged.
+        self.round = ROUNDS[self.rule.kind](job, self)
+
+    # -- validation -----------------------------------------------------------------------------
+    def _check_step(self, step: int, next_ok: bool = False) -> None:
+        """`step` must be this replica's; with `next_ok` under delayed_update, or the next."""
+        if step != self.step and not (
+            next_ok and self.step < step <= self.step + self.copies.ahead
+        ):
+            raise FailedPrecondition(
+                f"stage {self.stage} is at step {self.step}; microbatch of step {step} is stale"
+                if step < self.step
+                else f"stage {self.stage} is at step {self.step}; step {step} has not started here"
+            )
+
+    def _run(self, step: int, x: torch.Tensor) -> torch.Tensor:
+        module = self.copies.module_at(step, self.step)  # the parameters step `step` computes on
+        return module(x)  # type: ignore[no-any-return]
+
+    def _named(self, what: str, tensor: torch.Tensor) -> AbstractContextManager[None]:
+        """Out of device memory in `what` (of a microbatch like `tensor`): a clear error
+        (`swarm.ops.device_oom`) naming the job, this stage and the free memory."""
+        samples = int(tensor.shape[0]) if tensor.dim() else 1
+        return named(self.job.name, self.stage, what, self.device, samples=samples)
+
+    # -- compute --------------------------------------------------------------------------------
+    def _leaf(self, inputs: torch.Tensor) -> torch.Tensor:
+        # Token ids are not differentiable; hidden states become leaves whose .grad we return.
+        return inputs if self.is_first else inputs.detach().requires_grad_(True)
+
+    def forward(
+        self, step: int, index: int, inputs: torch.Tensor, *, evaluate: bool = False
+    ) -> torch.Tensor:
+        """The stage's outputs; kept with their graph for this microbatch's Backward, unless
+        `evaluate` (a validation microbatch: no Backward follows, no graph is built)."""
+        self._check_step(step, next_ok=True)
+        if evaluate:
+            with torch.no_grad(), precision(self.job, self.device), self._named("Forward", inputs):
+                return self._run(step, self.checks.inputs(inputs))
+        x = self._leaf(self.checks.inputs(inputs))
+        with (
+            torch.enable_grad(),
+            precision(self.job, self.device),
+            self._named("Forward", x),
+            self._cache.counting() as held,
+        ):
+            inject(Point.FORWARD_OOM, step)
+            out = self._run(step, x)
+        self._cache.keep(
+            (step, index), x, out, held, self.activation_cache, self.activation_cache_bytes
+        )
+        return out.detach()
+
+    def backward(
+        self,
+        step: int,
+        index: int,
+        inputs: torch.Tensor | None,
+        grad_outputs: torch.Tensor,
+        *,
+        accumulate: bool = True,
+        need_grad_inputs: bool = True,
+    ) -> tuple[torch.Tensor | None, Receipt]:
+        """Backward of microbatch `(step, index)`. `inputs` may be None when this replica did the
+        forward: then its cached activations must still be here."""
+        self._check_step(step, next_ok=True)
+        cached = self._cache.pop((step, index), None)
+        if cached is None and inputs is None:
+            raise ActivationsNotCached(
+                f"{ActivationsNotCached.PREFIX} for microbatch ({step}, {index}) at stage "
+                f"{self.stage}; send its inputs"
+            )
+        with self._named("Backward", grad_outputs):
+            if cached is None:  # another replica did the forward, or the cache evicted it
+                assert inputs is not None
+                x = self._leaf(self.checks.inputs(inputs))
+                with torch.enable_grad(), precision(self.job, self.device):
+                    out = self._run(step, x)
+            else:
+                x, out = cached
+            grad = self.checks.grad(grad_outputs, out)
+            return self._backprop(step, index, x, out, grad, accumulate, need_grad_inputs)
+
+    def forward_backward(
+        self,
+        step: int,
+        index: int,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        accumulate: bool = True,
+        need_grad_inputs: bool = True,
+    ) -> tuple[float, torch.Tensor | None, Receipt]:
+        if not self.is_last:
+            raise InvalidArgument(
+                f"ForwardBackward is for the last stage; this is stage {self.stage}"
+            )
+        self._check_step(step, next_ok=True)
+        x = self._leaf(self.checks.inputs(inputs))
+        y = self.checks.targets(targets, x)
+        with self._named("ForwardBackward", x):
+            with torch.enable_grad(), precision(self.job, self.device):
+                inject(Point.FORWARD_OOM, step)
+                loss = loss_sum(self._run(step, x), y)
+            grad_x, receipt = self._backprop(
+                step, index, x, loss, None, accumulate, need_grad_inputs
+            )
+            return float(loss.detach()), grad_x, receipt
+
+    def evaluate(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The last stage's loss sum of a validation microbatch: forward only, nothing kept,
+        nothing accumulated."""
+        if not self.is_last:
+            raise InvalidArgument(f"the loss is the last stage's; this is stage {self.stage}")
+        self._check_step(step, next_ok=True)
+        x = self.checks.inputs(inputs)
+        y = self.checks.targets(targets, x)
+        with torch.no_grad(), precision(self.job, self.device):
+            return float(loss_sum(self._run(step, x), y))
+
+    def _backprop(
+        self,
+        step: int,
+        index: int,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        grad: torch.Tensor | None,
+        accumulate: bool,
+        need_grad_inputs: bool,
+    ) -> tuple[torch.Tensor | None, Receipt]:
+        want_x = need_grad_inputs and not self.is_first
+        params = self.copies.params_at(step, self.step)
+        samples = int(x.shape[0])
+        sums = self.sums.of(step)
+        duplicate = index in sums.receipts
+        receipt = Receipt(self.stage, step, index, samples, duplicate and accumulate)
+        if accumulate and not duplicate:  # its receipt once the sums hold it whole
+            fail = f"{Point.BACKWARD_OOM}@{step}" if due(Point.BACKWARD_OOM, step) else ""
+            grad_x = backprop_into(sums, index, samples, self.params, list(params), x, out, grad,
+                                   want_x, fail=fail)  # fmt: skip
+            return grad_x, receipt
+        targets = [*params, x] if want_x else list(params)
+        grads = torch.autograd.grad(out, targets, grad, allow_unused=True)
+        return (grads[-1] if want_x else None), receipt
+
+    # -- commit ---------------------------------------------------------------------------------
+    def receipts(self, step: int | None = None) -> dict[int, int]:
+        """What this replica accumulated for `step` (its own step by default): index -> samples."""
+        return self.sums.receipts(self.step if step is None else step)
+
+    def commit(self, step: int, microbatches: list[int], total_samples: int) -> bool:
+        """Prepare and apply step `step` from this replica's gradients alone (a pool of one).
+        Returns True when `step` was already applied (a retried commit), which changes nothing."""
+        if step < self.step:
+            return True
+        self.prepare(step, microbatches, total_samples)
+        self.set_prepared(step, self.sums.accum_or_zeros(step), total_samples)
+        return self.apply(step)
+
+    def prepare(self, step: int, microbatches: list[int], total_samples: int) -> list[torch.Tensor]:
+        """Check that this replica holds exactly the receipts of `microbatches` for `step` and
+        return its gradient sums (zeros if it holds none): the replica's part of the average."""
+        self._check_step(step)
+        self.following = False  # a member now: its updates come from its own pool
+        expected, held = set(microbatches), set(self.sums.receipts(step))
+        if expected != held:
+            missing, extra = sorted(expected - held), sorted(held - expected)
+            raise FailedPrecondition(
+                f"stage {self.stage} step {step}: receipts missing for microbatches {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}, unexpected {extra[:10]}"
+            )
+        if total_samples < 0 or (total_samples == 0 and (not self.round.EMPTY_STEPS or held)):
+            # A local step of a replica that took no sample moves nothing (and 0 says so)
+            raise InvalidArgument(f"total_samples must be positive; got {total_samples}")
+        # The sums themselves, lent to the commit (`Sums.lend`): a late Backward adds into a copy.
+        return self.sums.lend(step)
+
+    def set_prepared(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> None:
+        """Keep the pool's summed gradient for `step` until `apply`."""
+        self._check_step(step)
+        self.sums.set_prepared(step, grad_sums, total_samples)
+
+    def prepared_sq_norm(self, step: int) -> float:
+        """The squared L2 norm of the pool's averaged gradient prepared for `step`: this stage's
+        part of the whole model's norm, which the coordinator clips by."""
+        grad_sums, total_samples = self._prepared(step)
+        if total_samples == 0:  # a local step of a replica that took no sample moves nothing
+            return 0.0
+        # ||sums / n||^2 = ||sums||^2 / n^2: no divided copy of every gradient on each commit
+        return grad_sq_norm(grad_sums) / total_samples**2
+
+    def apply(self, step: int, scale: float = 1.0) -> bool:
+        """Apply the prepared step, its gradient clipped by `scale`. True when `step` was
+        already applied."""
+        if step < self.step:
+            return True
+        grad_sums, total_samples = self._prepared(step)
+        self.apply_update(grad_sums, total_samples, scale)
+        return False
+
+    def _prepared(self, step: int) -> tuple[list[torch.Tensor], int]:
+        """The pool's summed gradient prepared for `step`, this replica's, and its samples."""
+        self._check_step(step)
+        prepared = self.sums.prepared(step)
+        if prepared is None:
+            raise FailedPrecondition(f"stage {self.stage}: step {step} was not prepared")
+        return prepared
+
+    @property
+    def copy_step(self) -> int:
+        """The step this replica is a whole copy at: its step, unless (pool.mode = "local") a
+        round ends there that it has not applied yet, or (pool.overlap = "eager") the pool's
+        average of its last round has not arrived."""
+        return self.round.copy_step(self.step)
+
+    def discard(self, step: int) -> int:
+        """Void this replica's gradients of `step` (they will be replayed elsewhere); returns how
+        many microbatches were dropped."""
+        self._check_step(step, next_ok=True)
+        self.following = False
+        dropped = self.sums.drop(step)
+        if step == self.step:
+            self.sums.unprepare()
+        return dropped
+
+    def apply_update(
+        self, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0
+    ) -> None:
+        """One optimizer step with gradient `scale * grad_sums / total_samples` at the step's
+        learning rate (`swarm.model.optim.update`, as the reference); then the next step."""
+        # Recorded first (a copy, only while a peer follows): the mean is taken in place below.
+        self.updates.record(self.step, grad_sums, total_samples, scale)
+        self.snapshots.detach()  # the state changes in place
+        # This step's own sums: not needed once prepared (averaged in place, they are
+        # `grad_sums` now; a replica alone prepares them as they are).
+        self.sums.drop(self.step)
+        # (the step-eager round keeps them for the step's end, which applies them)
+        if not self.round.keeps(grad_sums, total_samples) and total_samples > 0:
+            # (a local step without samples, pool.mode = "local", moves nothing)
+            for p, g in zip(self.params, grad_sums, strict=True):
+                # In place: the prepared sums are this step's alone (a retried APPLY of an
+                # applied step changes nothing), so the mean takes no memory of its own.
+                p.grad = g.div_(total_samples)
+            update(self.optimizer, self.job, self.step, scale)
+            self.round.took(total_samples)
+        self.applied = (self.step, scale)
+        self.step += 1
+        self.sums.unprepare()
+        # Activations of the old step are useless now; with delayed_update the next step's
+        # (already under way, on a copy of the parameters) are kept.
+        for key in [k for k in self._cache if k[0] < self.step]:
+            del self._cache[key]
+        self.copies.applied(self.step)
+
+    # -- state transfer -------------------------------------------------------------------------
+    # What a request or a state to load may hold (`stage_server.replica.tensor_checks`).
+    def max_request_bytes(self) -> int:
+        return self.checks.max_request_bytes()
+
+    def max_state_bytes(self) -> int:
+        return self.checks.max_state_bytes()
+
+    def check_state_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        self.checks.state_tensor(name, tensor)
+
+    def snapshot(self, include_optimizer: bool = True) -> Snapshot:
+        """`export_state` as a `Snapshot` sharing the parameters and optimizer state (copied only
+        if this replica changes them before they are sent)."""
+        state, shared = stage_state.share_state(self.module, self.optimizer, include_optimizer)
+        state.update(self._extra_state(include_optimizer))
+        return self.snapshots.open(self.step, state, shared)
+
+    def export_state(self, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
+        """This replica's state in the stage-state format (`swarm.model.stage_state`). A whole state
+        (`include_optimizer`) of a delayed_update job also holds the parameters step `step`
+        computes on, as `prev/<name>`: a copy must compute as this replica does."""
+        state = stage_state.export_state(self.module, self.optimizer, include_optimizer)
+        state.update(self._extra_state(include_optimizer))
+        return state
+
+    def _extra_state(self, include_optimizer: bool) -> dict[str, torch.Tensor]:
+        """Copies of what a whole state holds besides the module and its optimizer."""
+        if not include_optimizer:
+            return {}
+        state = self.round.export(self._param_names())
+        state.update(self.copies.export(self.step))
+        return state
+
+    def load_state(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        """Become the replica whose `export_state` this is, at `step`."""
+        self.snapshots.detach()  # the state changes in place
+        try:
+            stage_state.load_state(self.module, self.optimizer, state)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"stage {self.stage}: {e}") from e
+        self.copies.load(step, state)
+        self.round.load(self._param_names(), state, step)
+        self.step = step
+        self.sums.clear()
+        self._cache.clear()
+        self.updates.clear()  # its followers copied another state: they start again
+        self.following = False
+        self.applied = (-1, 1.0)
+
+    # -- state ----------------------------------------------------------------------------------
+    def _param_names(self) -> list[str]:
+        return [name for name, _ in self.module.named_parameters()]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.module.state_dict().items()}
+
+    @property
+    def total_layers(self) -> int:
+        return num_layers(self.job.model)
+
+
+Served = Callable[[], StageRuntime]
+"""The stage a replica serves now (its servicer's `runtime`); raises NotFound while it serves none.
+The servicer's parts take this, not a runtime, because they read it at the moments the servicer
+did: a stage released or replaced during a call is seen there, as before."""

@@ -1,0 +1,310 @@
+"""How a stage's state moves into and out of a replica, as the pool and the coordinator ask: a
+member serves a snapshot of its state (DownloadState) and the updates it applied since
+(Updates) to a replica copying it; a joining replica answers the coordinator's Join with how far
+its copy of a member has come (the copy itself runs in `stage_server.replica.copying`); LoadState
+installs a state the coordinator sends (a rollback to a checkpoint).
+
+Invariants, and why:
+- A snapshot and the update log are read on the replica's worker, between updates: the state is
+  of one step, and a follower registered there misses no update after it.
+- A joining replica becomes a member only at a step its copy has reached: Join answers -1 until
+  the copy is loaded and following, and the coordinator never takes -1 for a member's step.
+- One copy at a time, of the source the coordinator names: another source, a new assignment or a
+  rollback cancels the running one; a failed one is started again by the next Join.
+- A state to load is bounded before it is held: at most what the stage's state can take, every
+  tensor one of the stage's, each message routed from its header and its body within the
+  process's receive budget, so a sender cannot size this process's memory.
+- A state to serve is a snapshot of one step streamed as it is sent
+  (`stage_server.replica.snapshot`: the replica's own tensors, copied only if an update comes before
+  they are sent), at most `--max-state-downloads` at once: a request of a few bytes may cost a copy
+  of the state, so their number is bounded, and nothing more is built ahead of the reader. A
+  download whose reader took nothing for `rpc_timeout_s` (its client gave up) gives its place to the
+  next.
+- A follower's place in the update log is held by a copy that goes on: a download that ends
+  before its state is sent lets its follower go (`stage_server.replica.update_log`).
+- Only the coordinator names followers: under a scheduler (its key known), a download or an ask
+  for updates that names a follower is refused, before anything is read or kept, unless it
+  brings the scheduler's ticket naming that follower and this replica
+  (`swarm.net.follow_tickets`); the joiner got it with its signed Join. A download that names
+  no follower registers nothing and needs none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import torch
+
+from stage_server.averaging.staging import OffLoop
+from stage_server.peer.links import payload_bytes
+from stage_server.peer.metrics import StageMetrics
+from stage_server.replica.copying import Copy
+from stage_server.replica.messages import Limits, Route, state_reply, updates_reply
+from stage_server.replica.runtime import Served
+from stage_server.replica.snapshot import Snapshot
+from stage_server.replica.update_log import UpdateLog
+from stage_server.replica.worker import Worker
+from swarm.errors import InvalidArgument, ResourceExhausted
+from swarm.net.follow_tickets import FollowTickets
+from swarm.ops.faults import Point, maybe_die
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.stage_client import StageClient
+from swarm.wire import chunking as wire
+from swarm.wire.budget import ReceiveBudget
+
+__all__ = ["StateTransfer"]
+
+log = logging.getLogger(__name__)
+
+
+class StateTransfer:
+    """The state transfers of one replica, of the stage `runtime()` serves (read where each
+    transfer starts, and again before a received state is loaded), and the background copy it may
+    be running."""
+
+    def __init__(
+        self,
+        *,
+        peer: str,
+        token: str | None,
+        worker: Worker,
+        metrics: StageMetrics,
+        runtime: Served,
+        budget: ReceiveBudget,
+        limits: Limits,
+        scheduler_key: Callable[[], bytes | None] = lambda: None,
+    ) -> None:
+        """`scheduler_key()`: the key of the scheduler that placed this replica (None: none
+        did), whose tickets name its followers."""
+        self.peer, self.token, self._worker, self.metrics = peer, token, worker, metrics
+        self._runtime, self._budget, self._limits = runtime, budget, limits
+        self._scheduler_key = scheduler_key
+        self._tickets: FollowTickets | None = None  # of the scheduler key last seen
+        self.copy: Copy | None = None  # a joining replica's background copy of a member
+        # The downloads served now (their calls' tasks) -> when their reader last took a part
+        # (the loop's clock).
+        self._served: dict[asyncio.Task[Any], float] = {}
+
+    @property
+    def _downloads(self) -> int:
+        """Snapshots being served now."""
+        return len(self._served)
+
+    def _let_stalled_go(self) -> None:
+        """End the downloads whose reader took nothing for `rpc_timeout_s`, after which the
+        reader's own client gives up (`swarm.rpc.stage_client`): a caller that stops reading
+        without hanging up must not keep a place of `--max-state-downloads` from a joiner
+        (issue 44, N7)."""
+        stall_s = self._runtime().job.runtime.rpc_timeout_s
+        now = asyncio.get_running_loop().time()
+        for task, heard in list(self._served.items()):
+            if now - heard > stall_s:
+                del self._served[task]  # its place is free now; its call ends as it is cancelled
+                task.cancel()
+                log.info(
+                    "%s: a state download whose reader took nothing for %.3g s ended for another",
+                    self.peer,
+                    now - heard,
+                )
+
+    def _named(self, job_id: str, follower: str, ticket: bytes, *, fresh: bool) -> None:
+        """PermissionDenied unless `follower` is one the scheduler named, by `ticket` (fresh:
+        for a new registration), when a scheduler placed this replica; anyone, else."""
+        key = self._scheduler_key()
+        if key is None:
+            return  # its owner coordinates it (`swarm trainer --stage-servers`): the token
+        if self._tickets is None or self._tickets.public != key:
+            self._tickets = FollowTickets(key, self.peer)
+        self._tickets.check(job_id, self._runtime().stage, follower, ticket, fresh=fresh)
+
+    def stop_copy(self) -> None:
+        if self.copy is not None:
+            self.copy.task.cancel()
+            self.copy = None
+
+    async def join(self, job_id: str, source: str, step: int, ticket: bytes = b"") -> int:
+        """The coordinator asks this replica to join at `step` from the member at `source`: the
+        step this replica is at as a copy of `source` (-1: nothing copied yet). Starts a copy
+        when none of `source` is running, presenting `ticket` (the scheduler's, naming this
+        replica a follower of `source`) to it."""
+        rt, copy = self._runtime(), self.copy
+        if copy is not None and copy.address == source and copy.running:
+            if copy.loaded and rt.following and rt.copy_step < step:
+                # The update it lacks was just applied at the source: fetch it now.
+                await copy.reach(step, rt.job.runtime.rpc_timeout_s / 4)
+            if copy.loaded and rt.following and rt.copy_step == step:
+                log.info(
+                    "%s: joined stage %d at step %d from %s", self.peer, rt.stage, rt.step, source
+                )
+                self.metrics.committed(rt.step, applied=False)
+            return rt.copy_step if copy.loaded and rt.following else -1
+        if copy is not None and copy.error is not None and copy.address == source:
+            log.info("%s: copying %s again after: %s", self.peer, source, copy.error)
+        # Not copying `source` (a first ask, another source, a copy that failed or ended): start
+        # one; the answer is where this replica is now, which the coordinator does not take for
+        # a member's step.
+        self.stop_copy()
+        log.info(
+            "%s: copying stage %d from %s to join at step %d", self.peer, rt.stage, source, step
+        )
+        # The member's answers are bounded by the job within this peer's limits.
+        client = StageClient(source, self._limits.clamp(rt.job), job_id, rt.stage, self.token)
+        self.copy = Copy(client, rt, self._worker.run, self.peer, ticket, self._copied)
+        return -1
+
+    def _copied(self, nbytes: int, seconds: float) -> None:
+        self.metrics.moved("down", nbytes, seconds)  # a state downloaded: this link's rate
+
+    async def updates(
+        self, job_id: str, follower: str, ticket: bytes, from_step: int, chunk_bytes: int
+    ) -> AsyncIterator[pb.StageUpdatesResponse]:
+        """The Updates answer: the updates `follower` (named by `ticket`, under a scheduler)
+        lacks from `from_step` on (read between updates, on the worker: the log and the step
+        move together there), streamed as sent."""
+        # Another caller naming a real follower must not move or end its registration.
+        self._named(job_id, follower, ticket, fresh=False)
+        log_ = self._runtime().updates
+        updates = await self._worker.run(log_.since, follower, from_step)
+        for part in updates_reply(updates, chunk_bytes):
+            yield part
+            log_.touch(follower)  # still reading: not silent
+
+    async def download(
+        self, job_id: str, follower: str, ticket: bytes, include_optimizer: bool, chunk_bytes: int
+    ) -> AsyncIterator[pb.StageDownloadStateResponse]:
+        """The DownloadState answer: a `snapshot`, streamed chunk by chunk as it is sent.
+        PermissionDenied for a `follower` the scheduler's `ticket` does not name (under a
+        scheduler: issue 44, N7); ResourceExhausted when `--max-state-downloads` are being
+        served already."""
+        if follower:
+            self._named(job_id, follower, ticket, fresh=True)
+        if self._downloads >= self._limits.peer.max_state_downloads:
+            self._let_stalled_go()
+        if self._downloads >= self._limits.peer.max_state_downloads:
+            raise ResourceExhausted(
+                f"{self._downloads} state downloads are being served already, the most this "
+                f"peer serves at once (--max-state-downloads): try again later"
+            )
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        assert task is not None  # a call's handler
+        self._served[task] = loop.time()
+        log_, registered, sent = self._runtime().updates, None, False
+        off: OffLoop | None = None
+        try:
+            snapshot, registered = await self.snapshot(follower, include_optimizer)
+            self._served[task] = loop.time()
+            # A device's chunks are copied to the host (under the snapshot's lock) off the loop.
+            off = OffLoop(snapshot.on_device, snapshot.device)
+            parts = state_reply(snapshot, chunk_bytes)
+            started, nbytes = loop.time(), 0  # its bytes over its time: this link's upload
+            while (part := await off.next(parts)) is not None:
+                yield part
+                nbytes += payload_bytes(part)
+                self._served[task] = loop.time()  # its reader took a part
+                if follower:
+                    log_.touch(follower)  # its download goes on: not silent
+            sent = True
+            self.metrics.moved("up", nbytes, loop.time() - started)
+        finally:
+            if off is not None:
+                off.shutdown()  # its thread ends with its last copy (nothing waits on it)
+            self._served.pop(task, None)
+            # A follower's place is held by a copy that goes on: one whose download ended
+            # early (a caller that named itself a follower and hung up) has none (N7).
+            if registered is not None:
+                (log_.sent if sent else log_.unfollow)(follower, registered)
+
+    async def snapshot(self, follower: str, include_optimizer: bool) -> tuple[Snapshot, int | None]:
+        """This replica's state of its step, taken between updates so it is of one step (and
+        kept so: `stage_server.replica.snapshot`). A `follower` (a joining peer) has the updates
+        after it kept for it: its registration in the update log comes with the snapshot."""
+        rt = self._runtime()
+
+        def take() -> tuple[Snapshot, int | None]:
+            registered = rt.updates.follow(follower, rt.step) if follower else None
+            return rt.snapshot(include_optimizer), registered
+
+        taking = asyncio.ensure_future(self._worker.run(take))
+        try:
+            snapshot, registered = await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            # The caller hung up while the snapshot waited for the worker, which takes it
+            # anyway: its follower goes once it is registered.
+            taking.add_done_callback(lambda done: _unfollow(rt.updates, follower, done))
+            raise
+        maybe_die(Point.STATE_DOWNLOAD, snapshot.step)
+        return snapshot, registered
+
+    async def load(self, requests: AsyncIterator[Any], route: Route, limits: Limits) -> int:
+        """Receive a LoadState stream (each message within `limits`, each routed by `route`) and
+        become the replica whose state it holds (a rollback); the state's step."""
+        step, state = await self._receive(requests, route, limits)
+        self.stop_copy()  # a copy of the state before it is moot
+        await self._worker.run(self._runtime().load_state, step, state)
+        log.warning(
+            "%s: loaded stage %d's state of step %d (a rollback)",
+            self.peer,
+            self._runtime().stage,
+            step,
+        )
+        self.metrics.committed(step, applied=False)
+        return step
+
+    async def _receive(
+        self, requests: AsyncIterator[Any], route: Route, limits: Limits
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """The whole state is at most what this stage's can take, and every tensor must be one
+        of the stage's: bytes beyond either are refused, not held until memory runs out."""
+        stream, state, step = requests.__aiter__(), {}, -1
+        rt = self._runtime()
+        budget = rt.max_state_bytes()
+
+        def check(header: Any) -> None:
+            route(header.job, header.stage)
+
+        while True:
+            limit = min(limits.max_bytes, budget)
+            # One message's body at a time from the process's budget: the state it builds is
+            # bounded by the stage's own size (`budget`), not by the receive budget.
+            bound_by = (
+                limits.max_bytes_name
+                if limit == limits.max_bytes
+                else f"stage {rt.stage}'s state takes at most {rt.max_state_bytes()} bytes, of "
+                f"which {rt.max_state_bytes() - budget} were sent already"
+            )
+            with self._budget.hold() as held:
+                try:
+                    received = await wire.receive(
+                        stream,
+                        max_bytes=limit,
+                        admit=check,
+                        reserve=held.reserve,
+                        limit_name=bound_by,
+                    )
+                except wire.EndOfStream:
+                    break
+                step = received.header.step
+                tensors = wire.decode_named(
+                    received, max_bytes=limit, reserve=held.reserve, owned=True
+                )
+                budget -= sum(t.nbytes for t in tensors.values())
+                for name, tensor in tensors.items():
+                    rt.check_state_tensor(name, tensor)
+                    state[name] = tensor  # its own buffer: no copy
+        if step < 0:
+            raise InvalidArgument("LoadState carried no state")
+        return step, state
+
+
+def _unfollow(
+    log_: UpdateLog, follower: str, taken: asyncio.Future[tuple[Any, int | None]]
+) -> None:
+    """The follower `taken` (a snapshot no one waits for any more) registered, let go."""
+    if taken.cancelled() or taken.exception() is not None:
+        return
+    registered = taken.result()[1]
+    if registered is not None:
+        log_.unfollow(follower, registered)

@@ -1,0 +1,117 @@
+"""A replica's worker: the one thread its torch work runs on, how many calls wait for it, and how
+long one takes.
+
+Torch work is serial per replica: one thread, so a stage's parameters, gradient sums and caches are
+never touched by two calls at once (`StageRuntime` takes no locks), and the event loop stays free
+to move the bytes of the calls queued behind it. The calls queued or running here are the load
+the peer reports (`waiting`); `ema_seconds` is the service time its load reports divide by, the
+time a call holds the worker and never its wait in the queue (`run_queued` returns that wait
+separately, so a trainer's estimate of this replica is its speed, not its backlog).
+
+Every time here is the device's (`stage_server.replica.compute_clock`): a call holds the worker
+until the device has finished its work, not until its launch returned, so on CUDA the service time,
+the queue's waits and the queue depth are the compute's, whichever stage reads its results back.
+
+A call's results reach the event loop on the host: `run_then`'s `after` (the copy of the reply to
+the host, `stage_server.replica.host_copies`) runs on the worker thread once the compute has
+settled, outside its timing, so the loop never waits on the device.
+
+`throttle` > 1 stands in for a slower device: the worker is held that much longer after each call,
+as a slower device would hold it, and the EMA sees the held time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+from stage_server.replica.compute_clock import HOST_CLOCK, ComputeClock
+
+__all__ = ["LOAD_EMA", "Worker"]
+
+T = TypeVar("T")
+U = TypeVar("U")
+LOAD_EMA = 0.2  # weight of the newest call in the reported moving average
+
+
+class Worker:
+    """Runs calls on `executor` (a single-thread pool); `on_queue(+1/-1)` sees each call enter and
+    leave (the stage's queue-depth metric); `clock` times them (the served device's: `serve`
+    sets it)."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        on_queue: Callable[[int], None],
+        throttle: float = 1.0,
+        clock: ComputeClock = HOST_CLOCK,
+    ) -> None:
+        self.executor, self._on_queue, self.clock = executor, on_queue, clock
+        self.throttle = throttle  # >1: each call holds the worker that many times as long
+        self.waiting = 0  # calls queued or running: the load this peer reports
+        self.ema_seconds: float | None = None  # moving average of one call (seconds)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the worker thread."""
+        result, _ = await self.run_queued(fn, *args, **kwargs)
+        return result
+
+    async def run_queued(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
+        """`run`, also returning how long the call waited for the worker (seconds)."""
+        return await self.run_then(fn, _itself, *args, **kwargs)
+
+    async def run_then(
+        self, fn: Callable[..., T], after: Callable[[T], U], *args: Any, **kwargs: Any
+    ) -> tuple[U, float]:
+        """`run_queued`, then `after(result)` on the worker thread before the loop gets it:
+        what must wait on the device (its results' copy to the host) waits there. `after` is not
+        part of the call's service time (`ema_seconds`), which is the compute's."""
+        self._on_queue(1)
+        self.waiting += 1
+        clock = self.clock  # one clock for both ends of the wait
+        submitted = clock.now()
+        started: list[float] = []
+
+        def timed() -> U:
+            started.append(clock.now())
+            return after(self._throttled(functools.partial(fn, *args, **kwargs), clock))
+
+        try:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self.executor, timed)
+            return result, started[0] - submitted
+        finally:
+            self._on_queue(-1)
+            self.waiting -= 1
+
+    def _throttled(self, call: Callable[[], T], clock: ComputeClock) -> T:
+        start, failed = clock.now(), True
+        try:
+            result = call()
+            failed = False
+            return result
+        finally:
+            # Until the device has run what the call launched: the worker is not free before
+            # (the next call's work would queue behind it), and a call that failed still held it.
+            try:
+                clock.settle()
+            except Exception:
+                if not failed:  # a device error surfacing now: the call's result is not to be had
+                    raise
+                # else the call's own error is the one to tell (the device's is likely its echo)
+            if self.throttle > 1:  # hold the worker, as a slower device would be held
+                time.sleep((self.throttle - 1) * (clock.now() - start))
+            seconds = clock.now() - start
+            self.ema_seconds = (
+                seconds
+                if self.ema_seconds is None
+                else (LOAD_EMA * seconds + (1 - LOAD_EMA) * self.ema_seconds)
+            )
+
+
+def _itself(result: T) -> T:
+    return result

@@ -1,0 +1,150 @@
+"""A joining peer's measurement of its samples/s per stage, the input of placement."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from stage_server.cli import LIFECYCLE_LOGGERS
+from stage_server.peer.measure import device_model, measure_job, measure_stage
+from swarm.job.config import load_job
+from tests.support.hogs import busy
+from tests.support.jobs import make_job, write_job
+
+
+@pytest.fixture
+def busy_machine() -> Iterator[None]:
+    """Two CPU-bound processes per core for the length of the test, as when several peers start
+    (and measure) at once on one machine; every one spins before the test starts."""
+    with busy(2 * (os.cpu_count() or 1)):
+        yield
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "does not hold on this 2-vCPU VM today, before issue 26 too (16b0afe passed 2 of 4 runs "
+        "alone): under 4 spinning hogs the compute itself runs 2-5x slower from one second to "
+        "the next (one stage measured 515 to 2,789 samples/s; its thread CPU time inflates "
+        "alike, and a 1 s window settles no better), so no timing of 0.1-1 s can agree within "
+        "1.3x; the hogs now spin before it starts (they imported torch for seconds first). "
+        "The placement failure it guarded against no longer rests on it: peers on one machine "
+        "measure one at a time and share the figure (the test below)"
+    ),
+)
+def test_a_small_stage_measures_the_same_on_a_busy_machine(
+    tmp_path: Path, busy_machine: None
+) -> None:
+    # A CI run placed four of six peers on one stage: they had measured it at 280-380 samples/s
+    # against about 1,350 for the others, stages of about the same cost timed as the median of
+    # three millisecond runs while the other peers measured too. The figure must not depend on
+    # what else ran at that moment (was up to 1.9x between measurements of one stage).
+    job = make_job(tmp_path, model={"n_layers": 3}, training={"stages": 3})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a stage server on a shared machine runs (`--threads 1`)
+    try:
+        for stage in range(3):
+            figures = [measure_stage(job, stage, torch.device("cpu")) for _ in range(4)]
+            assert max(figures) < 1.3 * min(figures), (stage, figures)
+    finally:
+        torch.set_num_threads(threads)  # the rest of the session keeps its own
+
+
+def _measure_as_a_peer(cache_dir: str, job_path: str, out: str) -> None:
+    """A peer's measurement in a process of its own, as `swarm stage-server` runs it."""
+    os.environ["SWARM_CACHE_DIR"] = cache_dir
+    torch.set_num_threads(1)
+    figures = measure_job(load_job(Path(job_path)), torch.device("cpu"))
+    Path(out).write_text(json.dumps(figures))
+
+
+def test_peers_that_start_together_on_one_machine_measure_once_and_agree(tmp_path: Path) -> None:
+    # The CI run above: six peers measured at the same moment on two cores and disagreed 4x on
+    # one stage. Peers on one machine now measure one at a time: the first measures, the others
+    # wait and read its figures.
+    job = write_job(tmp_path, model={"n_layers": 3}, training={"stages": 3})
+    ctx = multiprocessing.get_context("spawn")
+    outs = [tmp_path / f"peer-{i}.json" for i in range(4)]
+    peers = [
+        ctx.Process(target=_measure_as_a_peer, args=(str(tmp_path / "cache"), str(job), str(o)))
+        for o in outs
+    ]
+    for peer in peers:
+        peer.start()
+    for peer in peers:
+        peer.join(timeout=120)
+        assert peer.exitcode == 0
+    figures = [json.loads(o.read_text()) for o in outs]
+    assert all(f == figures[0] for f in figures), figures
+    assert len(figures[0]) == 3 and all(v > 0 for v in figures[0].values())
+
+
+def test_the_figures_say_they_are_shared_by_the_peers_of_the_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Peers on one machine all showed the same figure with no word of why: the first measures,
+    # the others read its figures from the cache (on purpose: measured one at a time).
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache" / "throughput.json"
+    job = make_job(tmp_path, model={"n_layers": 3}, training={"stages": 3})
+    caplog.set_level(logging.INFO, logger="stage_server.peer.measure")
+    first = measure_job(job, torch.device("cpu"))
+    second = measure_job(job, torch.device("cpu"), throttle=2.0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "stage_server.peer.measure"]
+    figures = str({k: round(v, 1) for k, v in first.items()})
+    shared = f"(shared by the peers on this machine, cached {cache})"
+    assert lines == [
+        f"measured samples/s per stage on cpu: {figures} {shared}",
+        f"read samples/s per stage on cpu: {figures} {shared}; --throttle 2.0 divides them",
+    ]
+    assert second == {k: v / 2.0 for k, v in first.items()}
+    assert "stage_server.peer.measure" in LIFECYCLE_LOGGERS  # shown at the default level
+
+
+def test_an_fp32_and_a_bf16_mixed_job_of_one_shape_are_measured_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 41: the cache key had no precision, so a bf16-mixed job read the figures an fp32 job
+    # of its shape had measured (bf16 runs at another speed, far from it on a GPU); nor a
+    # device model, so a peer of a machine whose GPU was swapped read the old card's figures.
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache" / "throughput.json"
+    model, training = {"n_layers": 2}, {"stages": 2, "dtype": "float32"}
+    fp32 = make_job(tmp_path, model=model, training=training)
+    bf16 = make_job(tmp_path, model=model, training=training | {"precision": "bf16-mixed"})
+    caplog.set_level(logging.INFO, logger="stage_server.peer.measure")
+    measure_job(fp32, torch.device("cpu"))
+    measure_job(bf16, torch.device("cpu"))
+    said = [
+        r.getMessage().split()[0] for r in caplog.records if r.name == "stage_server.peer.measure"
+    ]
+    assert said == ["measured", "measured"], said
+    keys = [json.loads(k) for k in json.loads(cache.read_text())]
+    assert len(keys) == 4, keys  # two stages, each in both precisions
+    for key in keys:
+        assert torch.__version__ in key and device_model(torch.device("cpu")) in key, key
+    assert len([k for k in keys if "bf16-mixed" in k]) == 2, keys
+
+
+def test_a_tf32_job_is_measured_apart_from_its_float32_twin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # TF32 matmuls run on a GPU's tensor cores, at another speed than IEEE float32 ones.
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    model, training = {"n_layers": 2}, {"stages": 2, "dtype": "float32"}
+    fp32 = make_job(tmp_path, model=model, training=training)
+    tf32 = make_job(tmp_path, model=model, training=training | {"tf32": True})
+    caplog.set_level(logging.INFO, logger="stage_server.peer.measure")
+    measure_job(fp32, torch.device("cpu"))
+    measure_job(tf32, torch.device("cpu"))
+    said = [
+        r.getMessage().split()[0] for r in caplog.records if r.name == "stage_server.peer.measure"
+    ]
+    assert said == ["measured", "measured"], said

@@ -1,0 +1,90 @@
+"""A joining replica's copy of a member (`stage_server.replica.copying.Copy`) whose source sends
+what the stage would not load (a state or an update of the wrong shape): the copy refuses it where
+it arrives, says which source, and this replica stays as it was, ready to copy another."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stage_server.replica.copying import Copy
+from stage_server.replica.runtime import StageRuntime
+from swarm.errors import FailedPrecondition, InvalidArgument
+from swarm.model.stage_state import initial_state
+from swarm.rpc.stage_client import StageClient
+from tests.support.hostile import HostileStage, serving
+from tests.support.jobs import make_job
+
+pytestmark = pytest.mark.timeout(60)
+
+STAGE = 1  # of the tiny job: one transformer block
+
+
+async def _now(method: Callable[..., Any], *args: Any) -> Any:
+    return method(*args)  # the worker thread's stand-in: the test's loop has nothing else to do
+
+
+async def _copied(source: HostileStage, runtime: StageRuntime) -> tuple[Copy, str]:
+    """A copy of `source` into `runtime`, run until it ends, and the source's address."""
+    async with serving(source) as address:
+        client = StageClient(address, runtime.job, "job", STAGE)
+        copy = Copy(client, runtime, _now, "joiner")
+        await asyncio.wait_for(asyncio.gather(copy.task, return_exceptions=True), 30)
+    assert not copy.task.cancelled()
+    return copy, address
+
+
+async def test_a_copy_refuses_a_source_whose_state_has_a_wrong_shape(tmp_path: Path) -> None:
+    job = make_job(tmp_path)
+    whole = initial_state(job, STAGE)
+    name = next(iter(whole))
+    spoiled = {**whole, name: torch.zeros(3, dtype=torch.float64)}
+    runtime = StageRuntime(job, STAGE)
+    before = {k: v.clone() for k, v in runtime.state_dict().items()}
+    copy, address = await _copied(HostileStage(lambda: spoiled.items(), step=3), runtime)
+    assert isinstance(copy.error, InvalidArgument), copy.task.exception()
+    assert address in str(copy.error) and name in str(copy.error)
+    assert not copy.loaded and not runtime.following and runtime.step == 0
+    assert all(torch.equal(before[k], v) for k, v in runtime.state_dict().items())
+
+
+async def test_a_copy_refuses_an_update_of_a_wrong_shape(tmp_path: Path) -> None:
+    job = make_job(tmp_path)
+    whole = initial_state(job, STAGE)
+    runtime = StageRuntime(job, STAGE)
+    params = list(runtime.params)
+
+    def updates(from_step: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        for i, p in enumerate(params):
+            yield from_step, i, torch.zeros(7, dtype=p.dtype) if i == 3 else torch.zeros_like(p)
+
+    source = HostileStage(lambda: whole.items(), step=3, updates=updates)
+    copy, address = await _copied(source, runtime)
+    assert isinstance(copy.error, InvalidArgument), copy.task.exception()
+    assert address in str(copy.error) and "gradient sum 3" in str(copy.error)
+    assert copy.loaded and runtime.step == 3  # the state it took, and no update of it
+    assert all(torch.equal(whole[f"param/{k}"], v) for k, v in runtime.state_dict().items())
+
+
+async def test_a_copy_never_overwrites_a_replica_that_moved_while_it_downloaded(
+    tmp_path: Path,
+) -> None:
+    # A Join that reached a member (a stale ask) started a copy; the member applied a commit
+    # while the state downloaded: the copy, older than what the member holds, is not loaded.
+    job = make_job(tmp_path)
+    whole = initial_state(job, STAGE)
+    runtime = StageRuntime(job, STAGE)
+
+    def state() -> Iterator[tuple[str, torch.Tensor]]:
+        runtime.commit(0, [], 16)  # the member's APPLY, as the download starts
+        return iter(whole.items())
+
+    copy, _ = await _copied(HostileStage(state, step=0), runtime)
+    assert isinstance(copy.error, FailedPrecondition) and "stale" in str(copy.error), copy.error
+    assert not copy.loaded and not runtime.following and runtime.step == 1
+    assert not all(torch.equal(whole[f"param/{k}"], v) for k, v in runtime.state_dict().items())

@@ -1,0 +1,125 @@
+"""Fake followers against a live stage server (issue 44, N7): `DownloadState(follower=X)` calls
+that hang up after one message, or that take the state and never ask for its updates, do not
+keep the places of the peers copying this replica, and downloads whose readers stopped reading
+do not keep the places of the downloads served at once: a real joiner still gets the state and
+its updates."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+
+from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
+from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import stage_pb2_grpc
+from swarm.rpc.stage_client import StageClient
+from tests.support.jobs import WIDE, make_job
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.attack("N7")]
+
+
+# `job` and `server` (conftest): the peer's default limits, 4 followers at once, each kept
+# 600 s unheard.
+
+
+def _request(job: JobConfig, follower: str) -> pb.StageDownloadStateRequest:
+    return pb.StageDownloadStateRequest(
+        job=fingerprint(job), stage=1, include_optimizer=True, follower=follower
+    )
+
+
+async def _real_joiner(server: RunningStageServer, job: JobConfig) -> None:
+    """A joining peer's copy, as `stage_server.replica.copying` makes it: the state as a follower,
+    then the updates since."""
+    client = StageClient(server.address, job, fingerprint(job), 1)
+    try:
+        expect = server.runtime.checks.state
+        step, state = await asyncio.wait_for(
+            client.download_state(True, "", follower="peer-real", expect=expect), 20
+        )
+        assert state and step == server.runtime.step
+        assert await client.updates("peer-real", step, expect=expect) == []
+    finally:
+        await client.close()
+
+
+async def test_downloads_that_hang_up_after_one_message_keep_no_follower(
+    server: RunningStageServer, job: JobConfig
+) -> None:
+    # Before the fix the four fakes held every place for 600 s: the real joiner was refused,
+    # RESOURCE_EXHAUSTED "4 peers are copying this replica already ... (--max-followers 4)".
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        for i in range(4):
+            call = stub.DownloadState(_request(job, f"peer-fake{i}"), timeout=20)
+            assert (await call.read()).step == server.runtime.step  # one message, then gone
+            call.cancel()
+    transfer = server.servicer._transfer
+    for _ in range(500):  # the server sees each hang-up
+        if transfer._downloads == 0:
+            break
+        await asyncio.sleep(0.01)
+    await _real_joiner(server, job)
+
+
+async def test_followers_that_never_ask_for_updates_are_let_go(
+    server: RunningStageServer, job: JobConfig
+) -> None:
+    # Four fakes take the whole state, as a joiner does, and never ask for the updates after
+    # it. A joiner asks as soon as its copy is loaded: one that has not within
+    # `UpdateLog.FIRST_ASK_S` is let go (before the fix: kept for 600 s).
+    log = server.runtime.updates
+    log.first_ask_s = 0.5  # (the clock is real: a short wait instead of a minute)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        for i in range(4):
+            async for _ in stub.DownloadState(_request(job, f"peer-fake{i}"), timeout=20):
+                pass
+    await asyncio.sleep(1.0)
+    await _real_joiner(server, job)
+
+
+async def test_downloads_whose_readers_stall_give_their_places_to_a_joiner(
+    tmp_path: Path,
+) -> None:
+    # Four callers start a download of a 32 MiB state, read one message and stop reading
+    # without hanging up: each holds a place of --max-state-downloads (4). Their own client
+    # would have given up after rpc_timeout_s without a byte, so a download whose reader took
+    # nothing for that long gives its place to the next (before the fix: the joiner was
+    # refused, "4 state downloads are being served already", for as long as they stayed).
+    job = make_job(
+        tmp_path,
+        model=WIDE,
+        runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0},
+    )
+    running = await start_stage_server(job, StageServerOptions(stage=0))
+    options = [("grpc.http2.bdp_probe", 0)]  # small windows: the stalled reader stalls the sender
+    request = pb.StageDownloadStateRequest(job=fingerprint(job), stage=0, include_optimizer=True)
+    try:
+        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            stalled = [stub.DownloadState(request, timeout=60) for _ in range(4)]
+            for call in stalled:
+                await call.read()
+            await asyncio.sleep(2.5)  # past rpc_timeout_s: none of them took a byte since
+            # The joiner's own client waits longer for a byte than the server's 1 s: a 32 MiB
+            # snapshot made on a loaded machine, or a scheduling pause, must not fail it (the
+            # server still ends the stalled downloads after 1 s, which is what is tested).
+            patient = replace(job, runtime=replace(job.runtime, rpc_timeout_s=60.0))
+            client = StageClient(running.address, patient, fingerprint(job), 0)
+            try:
+                expect = running.runtime.checks.state
+                step, state = await client.download_state(True, "", expect=expect)
+                assert step == 0 and state
+            finally:
+                await client.close()
+            for call in stalled:
+                call.cancel()
+    finally:
+        await running.stop()
