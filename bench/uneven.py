@@ -2,24 +2,26 @@
 a host of its own (a network namespace, `swarm.local.netns`, shaped per direction), a round with
 equal parts against one with parts by water-filling, and the bound the LP gives, in one run.
 
-    sudo .venv/bin/python bench/uneven.py [--params 8e6] [--reps 2] [--json]
+    sudo .venv/bin/python bench/uneven.py [--params 8e6] [--reps 4] [--json]
 
-(about 8 minutes at the defaults on two cores; `--reps 1`: about 5)
+(several minutes on two cores; each repetition adds one round of each kind to each scenario)
 
 Scenarios: a pool of 4 with one member's uplink at 10 Mbit/s, and a pool of 8 with half of them
 at 10 Mbit/s; every other uplink, and every downlink, at 100 Mbit/s. Each member is a pool
 replica as a stage server has one (`PoolServicer` and `Averager` on a `grpc.aio` server, a
 `ChannelPool`, its streams recording their bytes in a `LinkMeter`: `stage_server.peer.links`)
 holding a seeded random float32 gradient of `--params` values, in a process of its own in its
-namespace. After a warm-up, `--reps` rounds with equal parts; the members' measured upload
-rates (their meters' after those rounds) give the water-filling weights
-(`swarm.policy.parts.water_fill`), and `--reps` rounds with those parts
-(`RoundSettings(weights=...)`). Uploads, not the smaller of both: a member's download in a round
-overlaps the slowest member's streams to it, so what it measures there is a lower bound held
-down by the slow senders (41-52 Mbit/s of a 100 Mbit/s downlink in a trial run), while its
-upload bursts are its own (9.8 of 10, 97-108 of 100 Mbit/s). A round's seconds are its slowest
-member's, median over rounds. Every member's sum is checked against ((g0 + g1) + g2) + ...
-computed here in the same order, whatever the parts.
+namespace. After a warm-up, one untimed round with equal parts measures the members' upload rates
+(their meters' after it), which give the water-filling weights (`swarm.policy.parts.water_fill`,
+used as `RoundSettings(weights=...)`). Then `--reps` repetitions in which a round of each kind
+(equal parts, water-filled, with the aggregator below) takes its turn, the order reversed every
+repetition, so that the machine's drift (+-30% over minutes here) lands on every kind alike.
+Uploads, not the smaller of both: a member's download in a round overlaps the slowest member's
+streams to it, so what it measures there is a lower bound held down by the slow senders (41-52
+Mbit/s of a 100 Mbit/s downlink in a trial run), while its upload bursts are its own (9.8 of 10,
+97-108 of 100 Mbit/s). A round's seconds are its slowest member's, median over rounds. Every
+member's sum is checked against ((g0 + g1) + g2) + ... computed here in the same order, whatever
+the parts.
 
 The bound: full duplex and bandwidth-bound, a member owning w of the gradient's V bytes sends
 (1 - w) V of contributions and (n - 1) w V of its part's sum, and receives as much: (1 + (n - 2)
@@ -283,32 +285,40 @@ def run_scenario(
             c.read("prepared")
         members, aggregator = children[:n], children[n]
 
-        def rounds(
-            tag: str, weights: Sequence[float] = (), contributors: int = 0
-        ) -> tuple[list[float], list[Any]]:
+        def one_round(tag: str, weights: Sequence[float] = (), contributors: int = 0) -> Any:
             shares = ",".join(f"{w:.17g}" for w in weights) or "-"
-            seconds, last = [], []
-            for r in range(reps):
-                last = go_and_read(members, f"go {tag}{r} {shares} {contributors}")
-                if {x["sha256"] for x in last} != {expected}:
-                    raise RuntimeError(
-                        f"{name}: {tag} round {r}: the sums differ from the reference"
-                    )
-                seconds.append(max(x["seconds"] for x in last))
-            return seconds, last
+            last = go_and_read(members, f"go {tag} {shares} {contributors}")
+            if {x["sha256"] for x in last} != {expected}:
+                raise RuntimeError(f"{name}: round {tag}: the sums differ from the reference")
+            return max(x["seconds"] for x in last), last
 
         go_and_read(members, "go warmup - 0")
-        equal_s, after = rounds("equal")
+        # One round with equal parts measures the members' links (not timed): the water-filling
+        # weights come from it, before any timed round.
+        _, after = one_round("measure")
         up = [x["rates"][0] for x in after]
         down = [x["rates"][1] for x in after]
         if min(up + down) <= 0:
             raise RuntimeError(f"{name}: a member measured no rate: up {up}, down {down}")
         weights = water_fill(up, n)  # uploads: see the module's note
-        water_s, _ = rounds("water", weights)
         # The aggregator has taken no part yet: its rate is the one its link was shaped to (as
         # an operator's `--bandwidth` would announce it); what it measures is shown beside.
         aggregated_weights = water_fill([*up, AGGREGATOR_BITS / 8], n)
-        aggregated_s, _ = rounds("aggregated", aggregated_weights, n)
+        kinds: dict[str, tuple[Sequence[float], int]] = {
+            "equal": ((), 0),
+            "water": (weights, 0),
+            "aggregated": (aggregated_weights, n),
+        }
+        # The machine's speed drifts (+-30% over minutes on two shared cores): the kinds take
+        # turns, in an order reversed every repetition, so that no kind always runs first or
+        # last and a drift lands on all of them alike.
+        timed: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for r in range(reps):
+            order = list(kinds) if r % 2 == 0 else list(reversed(kinds))
+            for kind in order:
+                seconds, _ = one_round(f"{kind}{r}", *kinds[kind])
+                timed[kind].append(seconds)
+        equal_s, water_s, aggregated_s = timed["equal"], timed["water"], timed["aggregated"]
         aggregator_rates = go_and_read([aggregator], "rates")[0]["rates"]
         return Scenario(
             name, n, slow, [b / 8 for b in up_bits], [FAST_BITS / 8] * n, equal_s, water_s, up,
@@ -365,7 +375,9 @@ def main() -> int:
         help="gradient values (float32): 32 MB, so that each upload burst is far larger than "
         "what a sender's buffers hold (a few MB: `stage_server.peer.links`)",
     )
-    p.add_argument("--reps", type=int, default=2, help="rounds of each kind, after a warm-up")
+    p.add_argument(
+        "--reps", type=int, default=4, help="rounds of each kind, taking turns, after a warm-up"
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")
     p.add_argument("--member", help=argparse.SUPPRESS)
     args = p.parse_args()
