@@ -268,8 +268,8 @@ class TwoPhaseCommit:
             for index, r in enumerate(replicas):
                 samples, pool, at = self.rounds.step_pool(ledger, stage, r, group, index, total)
                 # A step that averages with no one (local steps) has no parts to size.
-                parts = made if pool == group else RoundGroup(tuple(pool))
-                check = checked(parts, seed)  # with aggregators: their sums are checked
+                round_group = made if pool == group else RoundGroup(tuple(pool))
+                check = checked(round_group, seed)  # with aggregators: their sums are checked
                 if check is not None:
                     checks.setdefault(stage, {})[index] = check
                 calls.append(
@@ -280,8 +280,7 @@ class TwoPhaseCommit:
                         pool,
                         at,
                         round_id,
-                        weights=parts.weights,
-                        contributors=parts.contributors,
+                        parts=round_group.parts,
                         checks=check,
                     )
                 )

@@ -168,8 +168,8 @@ class EagerRounds(PoolRounds):
             checks: Checksums | None,
         ) -> Awaitable[object]:  # fmt: skip
             return self.clients.get(stage, r).eager(
-                op, boundary, total, list(group.members), index, rid, weights=group.weights,
-                contributors=group.contributors, checks=checks,
+                op, boundary, total, list(group.members), index, rid, parts=group.parts,
+                checks=checks,
             )  # fmt: skip
 
         return call

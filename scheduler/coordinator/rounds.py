@@ -323,8 +323,8 @@ class PoolRounds:
             checks: Checksums | None,
         ) -> Awaitable[object]:  # fmt: skip
             return self.clients.get(stage, r).prepare_round(
-                boundary, total, list(group.members), index, rid, weights=group.weights,
-                contributors=group.contributors, checks=checks,
+                boundary, total, list(group.members), index, rid, parts=group.parts,
+                checks=checks,
             )  # fmt: skip
 
         return call
