@@ -20,7 +20,7 @@ from swarm.net import tokens as auth
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
-from swarm.rpc.state_streams import ExpectedState, Followed, ReplicaStreams, StateSink
+from swarm.rpc.state_streams import ExpectedState, ReplicaStreams, StateSink, Update
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
 from swarm.wire import codec
@@ -420,7 +420,7 @@ class StageClient:
     @_swarm_errors
     async def updates(
         self, follower: str, from_step: int, *, expect: ExpectedState, ticket: bytes = b""
-    ) -> list[Followed]:
+    ) -> list[Update]:
         """The updates the replica applied from `from_step` on, in order; `follower` (named by
         `ticket`, as to `download_state`) has those before. A negative `from_step` says the
         follower is done. Lasts while bytes keep coming, as `download_state`, and is checked as
