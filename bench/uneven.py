@@ -13,9 +13,9 @@ replica as a stage server has one (`PoolServicer` and `Averager` on a `grpc.aio`
 holding a seeded random float32 gradient of `--params` values, in a process of its own in its
 namespace. After a warm-up, one untimed round with equal parts measures the members' upload rates
 (their meters' after it), which give the water-filling weights (`swarm.policy.parts.water_fill`,
-used as `RoundSettings(weights=...)`). Then `--reps` repetitions in which a round of each kind
-(equal parts, water-filled, with the aggregator below) takes its turn, the order reversed every
-repetition, so that the machine's drift (+-30% over minutes here) lands on every kind alike.
+used as `RoundSettings(parts=Parts(weights))`). Then `--reps` repetitions in which a round of each
+kind (equal parts, water-filled, with the aggregator below) takes its turn, the order reversed
+every repetition, so that the machine's drift (+-30% over minutes here) lands on every kind alike.
 Uploads, not the smaller of both: a member's download in a round overlaps the slowest member's
 streams to it, so what it measures there is a lower bound held down by the slow senders (41-52
 Mbit/s of a 100 Mbit/s downlink in a trial run), while its upload bursts are its own (9.8 of 10,
@@ -33,7 +33,7 @@ water-filled within 1.15 x of the bound and >= 1.3 x faster than equal parts for
 
 Then the same pool with one aggregator peer on a host of its own at 1 Gbit/s both ways: a member
 in aggregator mode serving `PoolServicer` and `Averager` with no gradient (what
-`stage_server.aggregator.main` serves), last in the group, `RoundSettings(contributors=n)`, the
+`stage_server.aggregator.main` serves), last in the group, `Parts(weights, contributors=n)`, the
 parts `water_fill(rates, n)` from the members' measured uploads and the aggregator's shaped rate (it
 has measured nothing before it owns a part; what it measured is printed beside). Its bound: a
 contributor's bytes as above with m = n contributors, the aggregator's m w V each way.
@@ -96,6 +96,7 @@ async def member(args: dict[str, Any]) -> None:
     from stage_server.averaging.service import PoolServicer
     from stage_server.peer.links import LinkMeter
     from swarm.errors import NotFound
+    from swarm.policy.parts import Parts
     from swarm.proto import pool_pb2_grpc
 
     def route(job: str, stage: int) -> None:
@@ -136,14 +137,14 @@ async def member(args: dict[str, Any]) -> None:
                 continue
             # go TAG WEIGHTS|- CONTRIBUTORS: 0 contributors, the group's members without the
             # aggregator (the last of `group`, when there is one); n, all of it, the last owning
-            # parts without contributing (RoundSettings(contributors=): issue 43)
+            # parts without contributing (`Parts.contributors`: issue 43)
             weights = [float(w) for w in cmd[2].split(",")] if cmd[2] != "-" else []
             contributors = int(cmd[3])
             members = group if contributors else group[: args["members"]]
             settings = RoundSettings(
                 group=members, index=members.index(address), round=cmd[1], job=POOL_JOB,
                 stage=0, timeout_s=ROUND_TIMEOUT_S, chunk_bytes=CHUNK_BYTES, max_bytes=most,
-                weights=weights, contributors=contributors,
+                parts=Parts(weights, contributors),
             )  # fmt: skip
             started = asyncio.get_running_loop().time()
             total = await all_reduce(flat, settings, averager=averager, channels=channels)

@@ -33,11 +33,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
-from scheduler.coordinator.groups import Groups, RoundGroup
+from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.membership import Membership
-from scheduler.coordinator.metrics import CoordinatorMetrics
-from scheduler.coordinator.replicas import GONE, ReplicaClients
+from scheduler.coordinator.replicas import GONE
+from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_strategy import Rounds
 from scheduler.coordinator.sum_checks import Checksums, checked, new_seed, verify
 from swarm.errors import NonFiniteGradient, SwarmError
@@ -68,22 +67,14 @@ class RoundFailure:
 
 
 class TwoPhaseCommit:
-    def __init__(
-        self,
-        clients: ReplicaClients,
-        membership: Membership,
-        metrics: CoordinatorMetrics,
-        rounds: Rounds,
-        grad_clip: float = 0.0,
-        groups: Groups | None = None,
-    ) -> None:
-        """`rounds`: the job's rule's rounds (`round_strategy`): whom a step's PREPARE averages
-        with (what follows its APPLY is the caller's: `attempt`). `groups`: how a pool's round
-        group is made (its parts, its aggregators)."""
-        self.clients, self.membership, self.metrics = clients, membership, metrics
-        self.rounds = rounds
-        self.groups = groups or Groups()
-        self.grad_clip = grad_clip  # `training.grad_clip`: 0, no clipping
+    def __init__(self, context: RoundContext, rounds: Rounds) -> None:
+        """`context`: the job's, which its rounds share (`round_context`: its replicas,
+        members, series, and how a pool's round group is made). `rounds`: the job's rule's
+        rounds (`round_strategy`): whom a step's PREPARE averages with (what follows its APPLY
+        is the caller's: `attempt`)."""
+        self.clients, self.membership = context.clients, context.membership
+        self.metrics, self.groups, self.rounds = context.metrics, context.groups, rounds
+        self.grad_clip = context.job.training.grad_clip  # 0: no clipping
         self._tried: StepLedger | None = None  # the ledger of the last attempt
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
@@ -275,8 +266,8 @@ class TwoPhaseCommit:
             for index, r in enumerate(replicas):
                 samples, pool, at = self.rounds.step_pool(ledger, stage, r, group, index, total)
                 # A step that averages with no one (local steps) has no parts to size.
-                parts = made if pool == group else RoundGroup(tuple(pool))
-                check = checked(parts, seed)  # with aggregators: their sums are checked
+                round_group = made if pool == group else RoundGroup(tuple(pool))
+                check = checked(round_group, seed)  # with aggregators: their sums are checked
                 if check is not None:
                     checks.setdefault(stage, {})[index] = check
                 calls.append(
@@ -287,8 +278,7 @@ class TwoPhaseCommit:
                         pool,
                         at,
                         round_id,
-                        weights=parts.weights,
-                        contributors=parts.contributors,
+                        parts=round_group.parts,
                         checks=check,
                     )
                 )

@@ -40,6 +40,7 @@ from scheduler.coordinator.replicas import (
     grpc_replicas,
 )
 from scheduler.coordinator.rollback import Rollback
+from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_strategy import rounds_of
 from scheduler.coordinator.shares import Shares
 from scheduler.coordinator.step_records import StepRecords
@@ -120,14 +121,11 @@ class LocalCoordinator:
             on_joined=self._joined,
         )
         self.groups = groups or Groups(clock=self.clock)
-        self.rounds = rounds_of(
-            rule, job, self.clients, self.membership, self.metrics, on_route, on_status,
-            self.groups,
-        )  # fmt: skip
-        self.two_phase = TwoPhaseCommit(
-            self.clients, self.membership, self.metrics, self.rounds, job.training.grad_clip,
-            self.groups,
-        )  # fmt: skip
+        context = RoundContext(
+            job, rule, self.clients, self.membership, self.metrics, self.groups, on_route, on_status
+        )
+        self.rounds = rounds_of(context)
+        self.two_phase = TwoPhaseCommit(context, self.rounds)
         self.recovery = Recovery(job, self.clients, checkpoint_dir, checkpoint_every_s, self.clock)
         self._rollback = Rollback(
             job,

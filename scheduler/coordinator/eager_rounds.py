@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from typing import Any
 
 from scheduler.coordinator.groups import RoundGroup
+from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.rounds import PoolRounds, RoundCall, peers
 from scheduler.coordinator.sum_checks import Checksums
 from swarm.job.rule import EagerOp
@@ -33,8 +33,8 @@ __all__ = ["EagerRounds"]
 class EagerRounds(PoolRounds):
     """Rounds whose averaging overlaps the next round."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, context: RoundContext) -> None:
+        super().__init__(context)
         # The last round's averaging under way (its result: per stage, the members whose
         # shares it summed), the members that took each stage's last outer step, and whose
         # shares made each stage's last average once it is known
@@ -168,8 +168,8 @@ class EagerRounds(PoolRounds):
             checks: Checksums | None,
         ) -> Awaitable[object]:  # fmt: skip
             return self.clients.get(stage, r).eager(
-                op, boundary, total, list(group.members), index, rid, weights=group.weights,
-                contributors=group.contributors, checks=checks,
+                op, boundary, total, list(group.members), index, rid, parts=group.parts,
+                checks=checks,
             )  # fmt: skip
 
         return call

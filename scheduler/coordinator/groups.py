@@ -1,8 +1,8 @@
 """A round's group as the coordinator builds it (`Groups`): a stage's replicas, which contribute
 their gradients, then the aggregators offered to the job, which only own parts; each member's part
 sized by water-filling over the members' links (`swarm.policy.parts`), once per round, and sent
-with every PREPARE so that every member cuts the same parts (`StageCommitRequest.part_weights`,
-`contributors`).
+with every PREPARE as one `Parts` value, so that every member cuts the same parts
+(`StageCommitRequest.part_weights`, `contributors`).
 
 A link is what a peer announced (`PeerAnnouncement.upload_bytes_per_second` and
 `download_bytes_per_second`, measured from its own transfers or set with `--bandwidth`): one
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm.clock import Clock, MonotonicClock
-from swarm.policy.parts import water_fill
+from swarm.policy.parts import EQUAL_PARTS, Parts, water_fill
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
 
@@ -59,12 +59,11 @@ class Aggregator:
 @dataclass(frozen=True)
 class RoundGroup:
     """One round's group: `members`' PoolService addresses (the replicas in their order, then
-    `aggregators`), the parts' `weights` (empty: equal parts) and how many `contributors`
-    (0: every member)."""
+    `aggregators`) and its `parts` (their weights, empty: equal parts; how many contributors,
+    0: every member)."""
 
     members: tuple[str, ...]
-    weights: tuple[float, ...] = ()
-    contributors: int = 0
+    parts: Parts = EQUAL_PARTS
     aggregators: tuple[Aggregator, ...] = ()
 
 
@@ -115,9 +114,8 @@ class Groups:
         relayed = {i for i, link in enumerate(links) if link.relayed}
         weights = water_fill([link.rate for link in links], len(replicas), clients=relayed)
         contributors = len(replicas) if aggregators else 0
-        if len(set(weights)) == 1:
-            return RoundGroup(members, (), contributors, tuple(aggregators))  # equal parts
-        return RoundGroup(members, tuple(weights), contributors, tuple(aggregators))
+        parts = Parts((), contributors) if len(set(weights)) == 1 else Parts(weights, contributors)
+        return RoundGroup(members, parts, tuple(aggregators))  # equal weights: none
 
     def blame(
         self, groups: Mapping[int, RoundGroup], accusations: Mapping[int, Mapping[int, set[int]]]

@@ -7,7 +7,7 @@ job's or stage's, is `GONE`; `Aborted` is a round another member spoiled."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -18,6 +18,7 @@ from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp
 from swarm.model.state_checks import StateChecks
 from swarm.net.commit_auth import SchedulerKey, SignedStub
+from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
 from swarm.rpc.stage_client import StageClient, StateSink
@@ -53,14 +54,13 @@ class StageReplica(Protocol):
         group_index: int,
         round: str,
         *,
-        weights: Sequence[float] = (),
-        contributors: int = 0,
+        parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
     ) -> float | None:
         """Phase one: check it holds exactly `microbatches`, and average with `group` (its
         stage's replicas, itself at `group_index`, then any aggregators: the members past the
-        first `contributors`, 0 none) over `total_samples`, in parts sized by `weights` (one per
-        member; none: equal). Returns the squared norm of the averaged gradient (None: it
+        first `parts.contributors`, 0 none) over `total_samples`, in `parts` (their weights one
+        per member; none: equal). Returns the squared norm of the averaged gradient (None: it
         applied `step` already). `checks`: the checksums of the aggregators' parts asked with
         its seed, and filled in with its answer (`sum_checks`)."""
         ...
@@ -77,8 +77,7 @@ class StageReplica(Protocol):
         group_index: int,
         round: str,
         *,
-        weights: Sequence[float] = (),
-        contributors: int = 0,
+        parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
     ) -> bool:
         """pool.mode = "local": phase one of the round ending before step `boundary`: average
@@ -99,8 +98,7 @@ class StageReplica(Protocol):
         group_index: int = 0,
         round: str = "",
         *,
-        weights: Sequence[float] = (),
-        contributors: int = 0,
+        parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
     ) -> bool:
         """pool.overlap = "eager": operation `op` of the round ending before step `boundary`
@@ -194,8 +192,7 @@ class GrpcReplica:
         group_index: int,
         round: str,
         *,
-        weights: Sequence[float] = (),
-        contributors: int = 0,
+        parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
     ) -> float | None:
         response = await self.client.commit(
@@ -206,7 +203,7 @@ class GrpcReplica:
             group=group,
             group_index=group_index,
             round=round,
-            parts=(weights, contributors),
+            parts=parts,
             check_seed=checks.seed if checks is not None else 0,
         )
         if checks is not None:
@@ -224,8 +221,7 @@ class GrpcReplica:
         group_index: int,
         round: str,
         *,
-        weights: Sequence[float] = (),
-        contributors: int = 0,
+        parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
     ) -> bool:
         response = await self.client.commit(
@@ -237,7 +233,7 @@ class GrpcReplica:
             group_index=group_index,
             round=round,
             round_end=True,
-            parts=(weights, contributors),
+            parts=parts,
             check_seed=checks.seed if checks is not None else 0,
         )
         if checks is not None:
@@ -256,8 +252,7 @@ class GrpcReplica:
         group_index: int = 0,
         round: str = "",
         *,
-        weights: Sequence[float] = (),
-        contributors: int = 0,
+        parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
     ) -> bool:
         apply = op == EagerOp.STEP
@@ -271,7 +266,7 @@ class GrpcReplica:
             round=round,
             round_end=True,
             eager=op,
-            parts=(weights, contributors),
+            parts=parts,
             check_seed=checks.seed if checks is not None else 0,
         )
         if checks is not None:

@@ -8,19 +8,12 @@ round."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from scheduler.coordinator.eager_rounds import EagerRounds
-from scheduler.coordinator.groups import Groups
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.membership import Membership
-from scheduler.coordinator.metrics import CoordinatorMetrics
-from scheduler.coordinator.replicas import ReplicaClients
+from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.rounds import PoolRounds
-from swarm.job.config import JobConfig
-from swarm.job.rule import Rule
-from swarm.model.routes import Record
 from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Replica
 
@@ -127,20 +120,9 @@ class NoRounds:
         return None
 
 
-def rounds_of(
-    rule: Rule,
-    job: JobConfig,
-    clients: ReplicaClients,
-    membership: Membership,
-    metrics: CoordinatorMetrics,
-    on_record: Callable[[Record], None] | None = None,
-    on_status: Callable[[str], Awaitable[None] | None] | None = None,
-    groups: Groups | None = None,
-) -> Rounds:
-    """The rounds of `job`, whose rule is `rule`. `on_record`: the route record's sink;
-    `on_status(text)`: what `swarm status` should say (a round that dropped samples);
-    `groups`: how a pool's round group is made."""
-    if not rule.rounds:
+def rounds_of(context: RoundContext) -> Rounds:
+    """The rounds of `context.job`, whose rule is `context.rule`."""
+    if not context.rule.rounds:
         return NoRounds()
-    kind = EagerRounds if rule.eager else PoolRounds
-    return kind(job, rule, clients, membership, metrics, on_record, on_status, groups)
+    kind = EagerRounds if context.rule.eager else PoolRounds
+    return kind(context)

@@ -31,16 +31,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from scheduler.coordinator.failures import CommitStalled, NonFiniteStep, judge
-from scheduler.coordinator.groups import Groups, RoundGroup
+from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.membership import Membership
-from scheduler.coordinator.metrics import CoordinatorMetrics
-from scheduler.coordinator.replicas import ReplicaClients, StageReplica
+from scheduler.coordinator.replicas import StageReplica
+from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.sum_checks import Checksums, checked, new_seed, verify
 from swarm.errors import NonFiniteGradient
-from swarm.job.config import JobConfig
-from swarm.job.rule import Rule
-from swarm.model.routes import Join, Record, StepRuns, Sync
+from swarm.model.routes import Join, StepRuns, Sync
 from swarm.model.transformer import stage_layout
 from swarm.policy.backoff import Backoff
 from swarm.proto import scheduler_pb2 as spb
@@ -80,29 +77,17 @@ class PoolRounds:
     readmits = False
     adopts_late_receipts = False
 
-    def __init__(
-        self,
-        job: JobConfig,
-        rule: Rule,
-        clients: ReplicaClients,
-        membership: Membership,
-        metrics: CoordinatorMetrics,
-        on_record: Callable[[Record], None] | None = None,
-        on_status: Callable[[str], Awaitable[None] | None] | None = None,
-        groups: Groups | None = None,
-    ) -> None:
-        """`on_record`: the route record's sink; `on_status(text)`: what `swarm status` should
-        say (a round that dropped a replica's samples); `groups`: how a pool's round group is
-        made (its parts, its aggregators)."""
-        self.job, self.rule, self.clients = job, rule, clients
-        self.groups = groups or Groups()
-        self.membership, self.metrics = membership, metrics
-        self.on_record = on_record or (lambda record: None)
-        self.on_status = on_status
+    def __init__(self, context: RoundContext) -> None:
+        """`context`: the job's, which its commit shares (`round_context`)."""
+        self.job, self.rule, self.clients = context.job, context.rule, context.clients
+        self.groups, self.membership = context.groups, context.membership
+        self.metrics = context.metrics
+        self.on_record = context.on_record or (lambda record: None)
+        self.on_status = context.on_status
         self.dropped = 0  # samples dropped with the replicas that left mid-round, so far
         self._samples: Counter[tuple[int, str]] = Counter()  # (stage, peer) -> in this round
         self.last: Average | None = None  # the last averaging that ended
-        self.series = metrics.rounds()
+        self.series = context.metrics.rounds()
         self._stage_sizes: dict[int, int] = {}  # stage -> its parameter bytes, once known
 
     async def started(self, step: int, members: list[list[Replica]]) -> None:
@@ -324,8 +309,8 @@ class PoolRounds:
             checks: Checksums | None,
         ) -> Awaitable[object]:  # fmt: skip
             return self.clients.get(stage, r).prepare_round(
-                boundary, total, list(group.members), index, rid, weights=group.weights,
-                contributors=group.contributors, checks=checks,
+                boundary, total, list(group.members), index, rid, parts=group.parts,
+                checks=checks,
             )  # fmt: skip
 
         return call

@@ -9,10 +9,10 @@ replica sends its values of part k to member k, which sums the contributions in 
 `((c0 + c1) + c2) + ...`, once, and gives that one sum to all of them. Each element is thus added
 by one process in one order, so every replica ends with bitwise the same total.
 
-The parts follow `RoundSettings.weights` (`swarm.policy.parts`: water-filling over the members'
-links; none: equal parts): a member of weight 0 owns an empty part (client mode), which is
+The parts follow `RoundSettings.parts` (`swarm.policy.parts`: water-filling over the members'
+links; no weights: equal parts): a member of weight 0 owns an empty part (client mode), which is
 neither sent nor awaited: it only sends its values of the others' parts and takes their sums
-back on the calls it opened. The group's first `contributors` members contribute; the rest
+back on the calls it opened. The group's first `parts.contributors` members contribute; the rest
 (aggregators: PoolService owners without a gradient, which run no `all_reduce`) only own parts,
 summing the contributors' values in sender order like any owner. Where a part ends changes which
 process adds an element, never the order its contributions are added in, so the total is the same
@@ -53,7 +53,7 @@ from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, r
 from stage_server.averaging.staging import DeviceCopies, OffLoop, TorchCopies, staging
 from swarm.errors import Aborted, ConfigError, InvalidArgument
 from swarm.ops.device_oom import is_out_of_memory
-from swarm.policy.parts import check_weights, contributors_of, part_bounds
+from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import pool_pb2
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
@@ -75,9 +75,9 @@ class RoundSettings:
     replica `group[index]`), the round's name (`job`, `stage`, `round`), and how its parts travel
     (`all_reduce` says how). `timeout_s` bounds every call and wait; `chunk_bytes` is a message's
     chunk, `max_bytes` the most a reply's tensor may take; `codec` and `block_size` encode the
-    parts. `weights` (one per member, or none: equal parts) size the parts
-    (`swarm.policy.parts.part_bounds`); `contributors` (0: all) is how many of the group's first
-    members contribute, the rest being aggregators."""
+    parts. `parts` size them (`swarm.policy.parts.Parts`: weights one per member, or none: equal
+    parts) and say how many of the group's first members contribute (0: all), the rest being
+    aggregators."""
 
     group: Sequence[str]
     index: int
@@ -92,12 +92,10 @@ class RoundSettings:
     slice_bytes: int = SLICE_BYTES
     window: int = WINDOW
     in_place: bool = False
-    weights: Sequence[float] = ()
-    contributors: int = 0
+    parts: Parts = EQUAL_PARTS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group", tuple(self.group))  # frozen: not the caller's list
-        object.__setattr__(self, "weights", tuple(self.weights))
 
     @property
     def key(self) -> RoundKey:
@@ -153,8 +151,7 @@ async def all_reduce(
         raise InvalidArgument(f"all_reduce takes a 1-D tensor, got shape {list(flat.shape)}")
     if settings.window < 1:
         raise ConfigError(f"window must be at least 1, got {settings.window}")
-    check_weights(settings.weights, n)
-    contributors = contributors_of(n, settings.contributors)
+    contributors = settings.parts.check(n)
     if index >= contributors:
         raise ConfigError(f"member {index} is an aggregator (of {contributors} contributors)")
     if contributors == 1:
@@ -189,7 +186,7 @@ class ButterflyRound:
         self.flat, self.settings, self.averager, self.channels = flat, settings, averager, channels
         self._keep = keep
         self.n, self.key = len(settings.group), settings.key
-        self.parts = part_bounds(flat.numel(), settings.weights, self.n)
+        self.parts = settings.parts.bounds(flat.numel(), self.n)
         self.src = flat.detach()
         # A device's gradient crosses to the host and back a chunk at a time (`staging`).
         on_device = (copies or TorchCopies()).on_device(flat)
@@ -202,7 +199,7 @@ class ButterflyRound:
         self.sent = self.received = 0  # wire bytes, as `on_bytes` counts them
         self.lossy = settings.codec != CODEC_NONE and flat.is_floating_point()
         self.feedback = residuals if self.lossy else None
-        self.checks = None if self.lossy or not settings.contributors else checks
+        self.checks = None if self.lossy or not settings.parts.contributors else checks
         self._dropped: Residuals | None = None  # what this round's encodings drop, as it goes
         if self.feedback is not None:
             sent, summed = self.feedback.sent, self.feedback.summed
@@ -275,7 +272,7 @@ class ButterflyRound:
         s, flat = self.settings, self.flat
         header = pool_pb2.PoolReduceRequest(
             job=s.job, stage=s.stage, round=s.round, part=k, sender=s.index, group_size=self.n,
-            slice=j, contributors=s.contributors,
+            slice=j, contributors=s.parts.contributors,
         )  # fmt: skip
         messages: Iterator[Any]
         if self.lossy:
@@ -289,7 +286,7 @@ class ButterflyRound:
             else:  # cut from the gradient's memory as it is sent: no copy of the part
                 messages = iter(wire.split_tensor(header, "part", values, s.chunk_bytes))
             nbytes = values.numel() * values.element_size()
-        check = self.checks if k >= s.contributors else None  # an aggregator's part
+        check = self.checks if k >= s.parts.contributors else None  # an aggregator's part
         call: Any = self.channels.stub(s.group[k]).Reduce(timeout=s.timeout_s)
         # A device's chunk is copied (and framed) off the loop as it is cut, one at a time.
         while (m := await self._off.next(messages)) is not None:
@@ -359,7 +356,7 @@ class ButterflyRound:
         values, owned = await self._off(self._own_slice_values, where)
         reduced = await self.averager.reduce(
             self.key, index, index, self.n, values, timeout_s=s.timeout_s, codec=s.codec,
-            block_size=s.block_size, slice=j, owned=owned, contributors=s.contributors,
+            block_size=s.block_size, slice=j, owned=owned, contributors=s.parts.contributors,
         )  # fmt: skip
         if self._dropped is not None:
             self._dropped.summed[where] = reduced.exact - reduced.tensor

@@ -50,6 +50,7 @@ from swarm.job.rule import EagerOp
 from swarm.ops import allocator
 from swarm.ops.device_oom import OutOfDeviceMemory, inject, is_out_of_memory, oom_message
 from swarm.ops.faults import Point, maybe_die
+from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.wire import codec
 
@@ -77,10 +78,9 @@ class Commit:
     # (`stage_server.replica.local_round`)
     round_end: bool = False
     eager: int = EagerOp.NONE  # pool.overlap = "eager": what the round's end asks (`EagerOp`)
-    # the round's parts: one weight per member of `group` (none: equal; 0: it owns nothing),
-    # and how many of its first members contribute (0: all; the rest are aggregators)
-    part_weights: tuple[float, ...] = ()
-    contributors: int = 0
+    # the round's parts (`swarm.policy.parts.Parts`): one weight per member of `group`, and how
+    # many of its first members contribute (the rest are aggregators)
+    parts: Parts = EQUAL_PARTS
     check_seed: int = 0  # the checksum of aggregators' parts asked (0: none)
 
     @classmethod
@@ -100,8 +100,7 @@ class Commit:
             grad_scale=request.grad_scale if request.HasField("grad_scale") else 1.0,
             round_end=request.round_end,
             eager=request.eager,
-            part_weights=tuple(request.part_weights),
-            contributors=request.contributors,
+            parts=Parts(request.part_weights, request.contributors),
             check_seed=request.check_seed,
         )
 
@@ -242,7 +241,7 @@ class Committer:
         elif c.eager == EagerOp.MEAN and c.prepare and not c.apply:
             sums = await self._part(c, rnd.mean_part, boundary, lossless=True, checks=checks)
             await self._worker.run(self._finite, c, "sum of the members' starts", sums)
-            members = c.contributors or len(c.group)  # aggregators hold no model: not averaged
+            members = c.parts.contributors or len(c.group)  # aggregators hold no model: not in it
             await self._worker.run(rnd.set_mean, sums, members)
         else:
             raise InvalidArgument(
@@ -380,8 +379,7 @@ class Committer:
             chunk_bytes=self.limits.chunk_bytes,
             max_bytes=self.limits.max_bytes,
             in_place=in_place,
-            weights=c.part_weights,
-            contributors=c.contributors,
+            parts=c.parts,
         )
         total = await all_reduce(
             flat,

@@ -117,7 +117,7 @@ class Copy:
                 self.peer, rt.step, expect=rt.checks.state, ticket=self.ticket
             )
             for update in updates:
-                if not await self.compute(rt.follow.apply, *update):
+                if not await self.compute(rt.follow.apply, update):
                     break
             self._moved.set()
             self._moved = asyncio.Event()

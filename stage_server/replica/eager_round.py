@@ -27,6 +27,7 @@ from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp
 from swarm.model.optim import update
 from swarm.model.outer_rules import eager_gradient
+from swarm.rpc.state_streams import Update
 
 __all__ = ["EagerRound", "StepEagerRound"]
 
@@ -77,7 +78,7 @@ class EagerRound(LocalRound):
         self.followed_step(boundary, fresh)
         if fresh is not None:  # for the replicas copying this one
             self.replica.updates.record(
-                boundary, fresh, total_samples, round_end=True, eager=EagerOp.STEP
+                Update(boundary, fresh, total_samples, round_end=True, eager=EagerOp.STEP)
             )
         return False
 
@@ -108,7 +109,9 @@ class EagerRound(LocalRound):
         self.average = [t.clone() if id(t) in owned else t for t in sums]
         self.averaged = boundary
         self.replica.updates.record(
-            self.replica.step, sums, 0, round_end=True, eager=EagerOp.AVERAGE, boundary=boundary
+            Update(
+                self.replica.step, sums, 0, round_end=True, eager=EagerOp.AVERAGE, boundary=boundary
+            )
         )
 
     def last_part(self, boundary: int, total_samples: int) -> list[torch.Tensor]:
@@ -167,7 +170,7 @@ class EagerRound(LocalRound):
             self._at(step)  # refused before anything is recorded or detached
             fresh = self._on_device(sums)
             self.replica.updates.record(
-                step, fresh, total_samples, round_end=True, eager=EagerOp.STEP
+                Update(step, fresh, total_samples, round_end=True, eager=EagerOp.STEP)
             )
             self.replica.snapshots.detach()
             self.followed_step(step, fresh)

@@ -16,7 +16,7 @@ import torch
 from stage_server.replica.no_round import NoRound
 from stage_server.replica.step_sums import Sums
 from swarm.errors import FailedPrecondition
-from swarm.job.rule import EagerOp
+from swarm.rpc.state_streams import Update
 
 __all__ = ["Following"]
 
@@ -65,28 +65,19 @@ class Following:
         r.load_state(step, state)
         r.following = True
 
-    def apply(
-        self,
-        step: int,
-        grad_sums: list[torch.Tensor],
-        total_samples: int,
-        scale: float = 1.0,
-        round_end: bool = False,
-        eager: int = EagerOp.NONE,
-        boundary: int = -1,
-    ) -> bool:
-        """Apply the update the copied replica applied at `step` (an `Update`'s fields, in
-        order). False once this replica stopped following (it is a member, or holds work of its
-        own): nothing is applied then."""
+    def apply(self, u: Update) -> bool:
+        """Apply the update `u` the copied replica applied. False once this replica stopped
+        following (it is a member, or holds work of its own): nothing is applied then."""
         r = self.replica
         if not r.following or r.sums.held():
             r.following = False
             return False
-        if round_end:  # a round's end before step `step` (`stage_server.replica.no_round.NoRound`)
-            return r.round.follow(step, grad_sums, total_samples, eager, boundary)
-        if step < r.step:
+        # a round's end before step `u.step` (`stage_server.replica.no_round.NoRound`)
+        if u.round_end:
+            return r.round.follow(u)
+        if u.step < r.step:
             return True  # applied already
-        if step > r.step:
-            raise FailedPrecondition(f"stage {r.stage}: update of step {step} at {r.step}")
-        r.apply_update([g.to(r.device) for g in grad_sums], total_samples, scale)
+        if u.step > r.step:
+            raise FailedPrecondition(f"stage {r.stage}: update of step {u.step} at {r.step}")
+        r.apply_update([g.to(r.device) for g in u.grad_sums], u.total_samples, u.scale)
         return True

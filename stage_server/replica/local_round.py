@@ -23,6 +23,7 @@ from swarm.errors import FailedPrecondition
 from swarm.job.config import JobConfig
 from swarm.model.optim import is_boundary
 from swarm.model.outer_rules import build_outer_optimizer
+from swarm.rpc.state_streams import Update
 
 __all__ = ["AVERAGED", "SHARED", "SYNCED", "LocalRound"]
 
@@ -91,7 +92,7 @@ class LocalRound(NoRound):
             raise FailedPrecondition(f"the round ending at step {boundary} was not prepared")
         _, sums, total = prepared
         # for the replicas copying this one, before it is divided
-        self.replica.updates.record(boundary, sums, total, round_end=True)
+        self.replica.updates.record(Update(boundary, sums, total, round_end=True))
         self.replica.snapshots.detach()  # the outer step changes the state in place
         self.outer_step(boundary, sums, total)
         return False
@@ -126,7 +127,7 @@ class LocalRound(NoRound):
 
     def _follow_end(self, step: int, sums: list[torch.Tensor], total_samples: int) -> None:
         sums = self._on_device(sums)
-        self.replica.updates.record(step, sums, total_samples, round_end=True)  # its followers
+        self.replica.updates.record(Update(step, sums, total_samples, round_end=True))  # followers
         self.replica.snapshots.detach()  # the outer step changes the state in place
         self._at(step)
         self.outer_step(step, sums, total_samples)

@@ -31,11 +31,11 @@ from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.host_copies import DeviceCopies, TorchCopies
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.snapshot import Snapshot
-from stage_server.replica.update_log import Update
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
+from swarm.rpc.state_streams import Update
 from swarm.wire import chunking as wire
 from swarm.wire import codec
 from swarm.wire.budget import Held

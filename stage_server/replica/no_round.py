@@ -23,6 +23,7 @@ from stage_server.replica.update_log import UpdateLog
 from swarm.errors import FailedPrecondition
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp
+from swarm.rpc.state_streams import Update
 
 __all__ = ["NoRound", "Replica"]
 
@@ -142,17 +143,15 @@ class NoRound:
         raise self._not_eager()
 
     # -- a copy following its source ------------------------------------------------------------
-    def follow(
-        self, step: int, sums: list[torch.Tensor], total_samples: int, eager: int, boundary: int
-    ) -> bool:
-        """Apply a round's end the followed replica applied before step `step` (`eager`,
-        `boundary`: as `stage_server.replica.update_log.Update` says), as it did. True: followed."""
-        if eager == EagerOp.AVERAGE:  # what the pool summed, whenever it arrived
-            self._follow_average(boundary, sums)
-        elif eager == EagerOp.STEP:
-            self._follow_step(step, sums, total_samples)
-        elif not self.ended(step):  # pool.mode = "local": the round's end before step `step`
-            self._follow_end(step, sums, total_samples)
+    def follow(self, u: Update) -> bool:
+        """Apply a round's end the followed replica applied before step `u.step` (`u.eager`,
+        `u.boundary`: as `swarm.rpc.state_streams.Update` says), as it did. True: followed."""
+        if u.eager == EagerOp.AVERAGE:  # what the pool summed, whenever it arrived
+            self._follow_average(u.boundary, u.grad_sums)
+        elif u.eager == EagerOp.STEP:
+            self._follow_step(u.step, u.grad_sums, u.total_samples)
+        elif not self.ended(u.step):  # pool.mode = "local": the round's end before step `step`
+            self._follow_end(u.step, u.grad_sums, u.total_samples)
         return True
 
     def _follow_average(self, boundary: int, sums: list[torch.Tensor]) -> None:

@@ -47,6 +47,7 @@ from swarm.model.transformer import (
 from swarm.ops.device_oom import inject, named
 from swarm.ops.devices import apply_matmul_precision
 from swarm.ops.faults import Point, due
+from swarm.rpc.state_streams import Update
 
 __all__ = ["ROUNDS", "Receipt", "Served", "StageRuntime"]
 
@@ -326,7 +327,7 @@ class StageRuntime:
         """One optimizer step with gradient `scale * grad_sums / total_samples` at the step's
         learning rate (`swarm.model.optim.update`, as the reference); then the next step."""
         # Recorded first (a copy, only while a peer follows): the mean is taken in place below.
-        self.updates.record(self.step, grad_sums, total_samples, scale)
+        self.updates.record(Update(self.step, grad_sums, total_samples, scale))
         self.snapshots.detach()  # the state changes in place
         # This step's own sums: not needed once prepared (averaged in place, they are
         # `grad_sums` now; a replica alone prepares them as they are).

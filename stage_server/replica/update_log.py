@@ -28,14 +28,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, replace
 
 from swarm.errors import FailedPrecondition, ResourceExhausted
-from swarm.job.rule import EagerOp
+from swarm.rpc.state_streams import Update
 
-__all__ = ["Update", "UpdateLog"]
+__all__ = ["UpdateLog"]
 
 
 @dataclass
@@ -44,27 +42,6 @@ class _Follower:
     heard: float  # when it was last heard from (the log's clock)
     since: int  # which `follow` registered it (a later download of the same name is another)
     sent: float | None = None  # when its download ended, until it first asks for updates
-
-
-@dataclass(frozen=True)
-class Update:
-    step: int  # the step this update was applied at (it moved the replica to step + 1)
-    grad_sums: list[torch.Tensor]  # the pool's summed gradient, in parameter order, on the CPU
-    total_samples: int
-    scale: float = 1.0  # the clipping coefficient it was applied with
-    # pool.mode = "local": the round's end before step `step` (its own update comes after),
-    # `grad_sums` the pool's summed pseudo-gradient
-    round_end: bool = False
-    # pool.overlap = "eager" (with round_end; `swarm.job.rule.EagerOp`): STEP, the outer
-    # gradient applied at the round's end before `step` (its fresh share of `total_samples`);
-    # AVERAGE, the pool's sum of the shares of the round that ended before step `boundary`,
-    # which arrived while this replica was at `step`
-    eager: int = EagerOp.NONE
-    boundary: int = -1
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.grad_sums)
 
 
 class UpdateLog:
@@ -148,30 +125,18 @@ class UpdateLog:
             if follower in self._followers:
                 self._followers[follower].heard = self._clock()
 
-    def record(
-        self,
-        step: int,
-        grad_sums: list[torch.Tensor],
-        total_samples: int,
-        scale: float = 1.0,
-        *,
-        round_end: bool = False,
-        eager: int = EagerOp.NONE,
-        boundary: int = -1,
-    ) -> None:
-        """This replica applied `scale * grad_sums / total_samples` at `step` (or, `round_end`,
-        the round's outer step before it; `eager`, `boundary`: as `Update` says)."""
+    def record(self, update: Update) -> None:
+        """This replica applied `update` (`update.scale * grad_sums / total_samples` at its
+        step, or a round's end before it): kept, a copy on the CPU, while a peer follows."""
         with self._lock:
             self._forget_silent()
             if not self._followers:
                 return
-        cpu = [g.detach().to("cpu", copy=True) for g in grad_sums]  # outside the lock: a copy
+        cpu = [g.detach().to("cpu", copy=True) for g in update.grad_sums]  # outside the lock
         with self._lock:
             if not self._followers:
                 return
-            self._updates.append(
-                Update(step, cpu, total_samples, scale, round_end, eager, boundary)
-            )
+            self._updates.append(replace(update, grad_sums=cpu))
             self._drop_oldest()
 
     def since(self, follower: str, step: int) -> list[Update]:

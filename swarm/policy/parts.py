@@ -34,17 +34,60 @@ m = 1: the lone contributor owns everything (nothing travels). Members the calle
 
 `part_bounds` cuts `numel` elements by the weights with exact rational arithmetic on the doubles
 given, so every member derives the same bounds from the same commit on any machine.
+
+A round's parts travel as one value, `Parts` (the weights and how many contributors), from the
+coordinator's group (`scheduler.coordinator.groups`) through the commit's wire fields
+(`StageCommitRequest.part_weights`, `contributors`) to the butterfly
+(`stage_server.averaging.butterfly`), which checks it against its group (`Parts.check`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 
 from swarm.errors import InvalidArgument
 
-__all__ = ["check_weights", "contributors_of", "part_bounds", "round_time", "water_fill"]
+__all__ = [
+    "EQUAL_PARTS",
+    "Parts",
+    "check_weights",
+    "contributors_of",
+    "part_bounds",
+    "round_time",
+    "water_fill",
+]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A round's parts, which every member of its group cuts alike: `weights`, one per member
+    (none: equal parts; 0: that member owns nothing, a client), and how many of the group's
+    first members are `contributors` (0: all; the rest are aggregators, which own parts and
+    contribute nothing). As it came (from the wire): `check` refuses what a group cannot cut by."""
+
+    weights: Sequence[float] = ()
+    contributors: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weights", tuple(self.weights))  # frozen: not the caller's list
+
+    def check(self, n: int) -> int:
+        """The number of contributing members of a group of `n` cut by these parts; refuses
+        weights that are not one per member, negative, NaN, infinite or all 0, and contributors
+        outside 0..n (`InvalidArgument`)."""
+        check_weights(self.weights, n)
+        return contributors_of(n, self.contributors)
+
+    def bounds(self, numel: int, n: int) -> list[slice]:
+        """The `n` members' contiguous parts of `range(numel)` (`part_bounds`)."""
+        return part_bounds(numel, self.weights, n)
+
+
+EQUAL_PARTS = Parts()
+"""Equal parts, every member contributing (a group without aggregators, or alone)."""
 
 
 def contributors_of(n: int, contributors: int) -> int:

@@ -17,9 +17,10 @@ from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp, rule_of
 from swarm.net import dial
+from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
-from swarm.rpc.state_streams import ExpectedState, Followed, ReplicaStreams, StateSink
+from swarm.rpc.state_streams import ExpectedState, ReplicaStreams, StateSink, Update
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
 from swarm.wire import codec
@@ -307,14 +308,14 @@ class StageClient:
         grad_scale: float | None = None,
         round_end: bool = False,
         eager: EagerOp = EagerOp.NONE,
-        parts: tuple[Sequence[float], int] = ((), 0),  # the round's part_weights, contributors
+        parts: Parts = EQUAL_PARTS,  # the round's: `part_weights`, `contributors` on the wire
         check_seed: int = 0,  # PREPARE: the checksum of the aggregators' parts asked (0: none)
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
             total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
-            round=round, grad_scale=grad_scale, round_end=round_end, part_weights=parts[0],
-            contributors=parts[1], check_seed=check_seed, eager=eager)  # type: ignore[arg-type]  # fmt: skip
+            round=round, grad_scale=grad_scale, round_end=round_end, check_seed=check_seed,
+            part_weights=parts.weights, contributors=parts.contributors, eager=eager)  # type: ignore[arg-type]  # fmt: skip
         # APPLY is one local step: a replica hung past a hop's deadline rejoins later, not held for.
         apply = phase == pb.COMMIT_PHASE_APPLY
         timeout = self._timeout if apply else self.job.runtime.commit_timeout_s
@@ -419,15 +420,13 @@ class StageClient:
     @_swarm_errors
     async def updates(
         self, follower: str, from_step: int, *, expect: ExpectedState, ticket: bytes = b""
-    ) -> list[Followed]:
-        """The updates the replica applied from `from_step` on, as (step, gradient sums in
-        parameter order, total samples, clipping coefficient, whether it is a round's end);
-        `follower` (named by `ticket`, as to `download_state`) has those before. A negative
-        `from_step` says the follower is done. Lasts while bytes keep coming, as
-        `download_state`, and is checked as it comes as that is (`expect`: each update's
-        gradient sums of the parameters' shapes and dtypes, the steps in order,
-        `swarm.rpc.stream_order`; in all at most what an update log keeps,
-        `runtime.update_log_bytes`, or one update when larger)."""
+    ) -> list[Update]:
+        """The updates the replica applied from `from_step` on, in order; `follower` (named by
+        `ticket`, as to `download_state`) has those before. A negative `from_step` says the
+        follower is done. Lasts while bytes keep coming, as `download_state`, and is checked as
+        it comes as that is (`expect`: each update's gradient sums of the parameters' shapes and
+        dtypes, the steps in order, `swarm.rpc.stream_order`; in all at most what an update log
+        keeps, `runtime.update_log_bytes`, or one update when larger)."""
         request = pb.StageUpdatesRequest(job=self.job_id, stage=self.stage, follower=follower)
         request.from_step, request.ticket = from_step, ticket
         call = self.stub.Updates(request)

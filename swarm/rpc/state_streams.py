@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -23,9 +24,9 @@ __all__ = [
     "STATE_FLOOR_S",
     "STATE_MIN_RATE",
     "ExpectedState",
-    "Followed",
     "ReplicaStreams",
     "StateSink",
+    "Update",
 ]
 
 # A state download's whole-transfer deadline: the stage's state bound (`max_state_bytes`, about
@@ -39,17 +40,29 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class Followed(NamedTuple):
-    """An update a followed replica applied (the arguments of
-    `stage_server.replica.following.Following.apply`)."""
+@dataclass(frozen=True)
+class Update:
+    """One update a replica applied, as one value: kept in its update log for the peers copying
+    it (`stage_server.replica.update_log`), streamed to them (`Updates`) and applied by each as
+    it was (`stage_server.replica.following.Following.apply`)."""
 
-    step: int
-    grad_sums: list[torch.Tensor]
+    step: int  # the step this update was applied at (it moved the replica to step + 1)
+    grad_sums: list[torch.Tensor]  # the pool's summed gradient, in parameter order
     total_samples: int
-    scale: float  # the clipping coefficient
-    round_end: bool  # a round's end of pool.mode = "local"
-    eager: EagerOp = EagerOp.NONE  # pool.overlap = "eager": STEP or AVERAGE
-    boundary: int = -1  # an AVERAGE's round (its end)
+    scale: float = 1.0  # the clipping coefficient it was applied with
+    # pool.mode = "local": the round's end before step `step` (its own update comes after),
+    # `grad_sums` the pool's summed pseudo-gradient
+    round_end: bool = False
+    # pool.overlap = "eager" (with round_end; `swarm.job.rule.EagerOp`): STEP, the outer
+    # gradient applied at the round's end before `step` (its fresh share of `total_samples`);
+    # AVERAGE, the pool's sum of the shares of the round that ended before step `boundary`,
+    # which arrived while the replica was at `step`
+    eager: int = EagerOp.NONE
+    boundary: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.grad_sums)
 
 
 # (step, name, tensor) of each tensor of a state as it comes (`StageClient.stream_state`)
@@ -124,7 +137,7 @@ class ReplicaStreams:
 
     async def receive_updates(
         self, call: Any, from_step: int, expect: ExpectedState, *, rounds: bool, log_bytes: int
-    ) -> list[Followed]:
+    ) -> list[Update]:
         """The updates `call` streams from `from_step` on, at most `log_bytes` (what the
         sender's update log keeps: `runtime.update_log_bytes`) or one update when larger;
         `rounds`: the job's rule has rounds (`Rule.rounds`)."""
@@ -138,7 +151,7 @@ class ReplicaStreams:
         # them many and tiny (and the bound stays what the log keeps).
         received = self._bounded(call, limit, why, 0)
         order = UpdateOrder(from_step, rounds=rounds, sums=expect.num_parameters)
-        updates: list[Followed] = []
+        updates: list[Update] = []
         while (message := await received.next()) is not None:
             header, tensors = message
             scale = header.grad_scale if header.HasField("grad_scale") else 1.0
@@ -153,7 +166,7 @@ class ReplicaStreams:
             begun = self._in_order(order.message, said)
             if begun is not None:
                 step, samples, scale, end, eager, boundary = begun
-                updates.append(Followed(step, [], samples, scale, end, EagerOp(eager), boundary))
+                updates.append(Update(step, [], samples, scale, end, EagerOp(eager), boundary))
             sums = updates[-1].grad_sums
             for name, tensor in tensors.items():
                 index = self._in_order(order.sum, name)

@@ -244,10 +244,9 @@ async def test_prepare_answers_its_norm_and_the_clipping_coefficient_reaches_its
         await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=0.25)
         info = await client.info()
         assert (info.step, info.applied_step, info.applied_scale) == (1, 0, 0.25)
-        ((step, sums, samples, scale, *_),) = await client.updates(
-            "f", 0, expect=server.runtime.checks.state
-        )
-        assert (step, samples, scale) == (0, 4, 0.25) and len(sums) == len(server.runtime.params)
+        (update,) = await client.updates("f", 0, expect=server.runtime.checks.state)
+        assert (update.step, update.total_samples, update.scale) == (0, 4, 0.25)
+        assert len(update.grad_sums) == len(server.runtime.params)
     finally:
         await client.close()
 

@@ -6,13 +6,13 @@ for it to raise."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from swarm.errors import Aborted, FailedPrecondition
+from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
 
@@ -128,13 +128,12 @@ class FakeReplica:
         group_index: int,
         round: str,
         *,
-        weights: Sequence[float] = (),
-        contributors: int = 0,
+        parts: Parts = EQUAL_PARTS,
         checks: object = None,  # a fake averages nothing: it reports no checksums
     ) -> float | None:
         args = Prepared(step, list(microbatches), total_samples, list(group), group_index, round,
-                        tuple(weights), contributors)  # fmt: skip
-        self.parts.append(("prepare", tuple(weights), contributors))
+                        parts.weights, parts.contributors)  # fmt: skip
+        self.parts.append(("prepare", parts.weights, parts.contributors))
         await self._enter("prepare", args)
         if step != self.step or sorted(self.receipts) != sorted(microbatches):
             raise FailedPrecondition(f"{self.peer} holds {sorted(self.receipts)} at {self.step}")
@@ -152,11 +151,10 @@ class FakeReplica:
         group_index: int,
         round: str,
         *,
-        weights: Sequence[float] = (),
-        contributors: int = 0,
+        parts: Parts = EQUAL_PARTS,
         checks: object = None,  # a fake averages nothing: it reports no checksums
     ) -> bool:
-        self.parts.append(("prepare_round", tuple(weights), contributors))
+        self.parts.append(("prepare_round", parts.weights, parts.contributors))
         await self._enter("prepare_round", (boundary, total_samples, list(group), round))
         if boundary != self.step:
             raise FailedPrecondition(f"{self.peer} is at {self.step}, not at {boundary}")
@@ -174,12 +172,11 @@ class FakeReplica:
         group_index: int = 0,
         round: str = "",
         *,
-        weights: Sequence[float] = (),
-        contributors: int = 0,
+        parts: Parts = EQUAL_PARTS,
         checks: object = None,  # a fake averages nothing: it reports no checksums
     ) -> bool:
         name = pb.EagerOp.Name(op).lower()  # "eager_step", "eager_average", ...
-        self.parts.append((name, tuple(weights), contributors))
+        self.parts.append((name, parts.weights, parts.contributors))
         await self._enter(name, (boundary, total_samples, list(group or []), round))
         missing = [i for i, address in enumerate(group or []) if address in self.unreachable]
         if missing:

@@ -46,19 +46,19 @@ def test_a_peers_link_is_its_upload_rate_and_whether_it_is_relayed() -> None:
 def test_unknown_or_equal_links_keep_todays_equal_parts() -> None:
     assert Groups().of(0, _replicas("a", "b", "c")) == RoundGroup(("fake:a", "fake:b", "fake:c"))
     same = Groups(lambda peer: Link(5.0))
-    assert same.of(0, _replicas("a", "b", "c")).weights == ()
+    assert same.of(0, _replicas("a", "b", "c")).parts.weights == ()
     assert Groups(lambda peer: Link(5.0)).of(0, _replicas("a")) == RoundGroup(("fake:a",))
 
 
 def test_a_slow_or_relayed_member_owns_nothing() -> None:
     links = {"a": Link(10 * MBIT)} | {p: Link(100 * MBIT) for p in "bcd"}
     group = Groups(links.__getitem__).of(0, _replicas("a", "b", "c", "d"))
-    assert group.weights[0] == 0 and group.weights[1:] == pytest.approx([1 / 3] * 3)
-    assert group.contributors == 0  # no aggregators: every member contributes
+    assert group.parts.weights[0] == 0 and group.parts.weights[1:] == pytest.approx([1 / 3] * 3)
+    assert group.parts.contributors == 0  # no aggregators: every member contributes
     links["a"] = Link(100 * MBIT)
     links["c"] = Link(100 * MBIT, relayed=True)
     group = Groups(links.__getitem__).of(0, _replicas("a", "b", "c", "d"))
-    assert group.weights[2] == 0 and group.weights[0] == pytest.approx(1 / 3)
+    assert group.parts.weights[2] == 0 and group.parts.weights[0] == pytest.approx(1 / 3)
 
 
 def test_aggregators_come_after_the_replicas_and_a_named_one_sits_out() -> None:
@@ -68,7 +68,7 @@ def test_aggregators_come_after_the_replicas_and_a_named_one_sits_out() -> None:
     group = groups.of(0, _replicas("a", "b", "c"))
     # One that is a replica's own address is not a second member of the group.
     assert group.members == ("fake:a", "fake:b", "fake:c", "agg:1")
-    assert group.contributors == 3 and group.weights[3] > group.weights[0] > 0
+    assert group.parts.contributors == 3 and group.parts.weights[3] > group.parts.weights[0] > 0
     assert groups.blame({0: group}, {0: {0: {3}, 1: {1}}}) == ["g"]  # 1 names itself: no one
     assert groups.of(0, _replicas("a", "b", "c")).members == ("fake:a", "fake:b", "fake:c")
     clock.advance(31)
@@ -125,7 +125,7 @@ async def test_rounds_carry_the_same_parts(
     await asyncio.wait_for(h.coordinator.finished.wait(), 20)
     averaging = [p for p in a.parts if p[0] != "prepare" and p[0] != "eager_step"]
     assert averaging, a.parts
-    expected = Groups(lambda peer: Link(rates[peer])).of(0, _replicas("a", "b", "x")).weights
+    expected = Groups(lambda peer: Link(rates[peer])).of(0, _replicas("a", "b", "x")).parts.weights
     assert expected[2] == 0 and len(expected) == 3
     for member in (a, b, x):
         rounds = [p for p in member.parts if p[0] != "prepare" and p[0] != "eager_step"]

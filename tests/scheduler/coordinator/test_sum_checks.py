@@ -17,6 +17,7 @@ from scheduler.coordinator.sum_checks import DOT_BLOCK, Mismatch, mismatches, to
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.checksum import BLOCK, PartChecks, dots, weights
 from stage_server.averaging.owner import Averager, Reduced, Summer
+from swarm.policy.parts import Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.wire.codec import CODEC_NONE, codec_from_name
 from tests.support.pools import JOB, MiB, replicas
@@ -135,7 +136,7 @@ async def _round(
                 x.clone(), RoundSettings(
                     group=group, index=i, round=f"r{seed}", job=JOB, stage=0, timeout_s=20.0,
                     chunk_bytes=MiB, max_bytes=64 * MiB, codec=codec, slice_bytes=40_000,
-                    weights=WEIGHTS, contributors=CONTRIBUTORS, in_place=i == 1,
+                    parts=Parts(WEIGHTS, CONTRIBUTORS), in_place=i == 1,
                 ),
                 averager=r.averager, channels=r.channels, checks=checks[i],
             )

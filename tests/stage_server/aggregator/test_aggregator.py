@@ -33,6 +33,7 @@ from swarm.bus.topics import SCHEDULER_USER, Topics
 from swarm.errors import NotFound
 from swarm.local.procs import SwarmProcess, start_process
 from swarm.net import dial
+from swarm.policy.parts import Parts
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.wire import chunking as wire
@@ -270,12 +271,12 @@ def test_a_memory_bound_that_holds_no_chunk_is_refused(tmp_path: Path) -> None:
 
 
 def needs_parts() -> Any:
-    """`swarm.policy.parts` and `RoundSettings.contributors`/`weights` (helper "parts"): the
-    owner summing `contributors` senders, aggregators contributing nothing."""
+    """`swarm.policy.parts` and `RoundSettings.parts` (helper "parts"): the owner summing
+    `contributors` senders, aggregators contributing nothing."""
     parts = pytest.importorskip("swarm.policy.parts", reason="needs helper 'parts' merged")
     names = {f.name for f in dataclasses.fields(RoundSettings)}
-    if not {"contributors", "weights"} <= names:
-        pytest.skip("needs helper 'parts' merged: RoundSettings.contributors and weights")
+    if "parts" not in names:
+        pytest.skip("needs helper 'parts' merged: RoundSettings.parts")
     return parts
 
 
@@ -301,7 +302,7 @@ async def test_an_aggregator_owns_a_part_of_a_real_round_float64_equal_to_the_pl
         await until_taken(proc.address, job=JOB, token=None)
         group = [r.address for r in pool] + [proc.address]
         results = await reduce_all(
-            pool, flats, group=group, weights=WEIGHTS, contributors=2, round="with-agg"
+            pool, flats, group=group, parts=Parts(WEIGHTS, 2), round="with-agg"
         )
         for r in results:
             if isinstance(r, BaseException):
@@ -331,7 +332,7 @@ async def test_a_killed_aggregator_fails_its_round_by_name_and_the_retry_loses_n
         await _pool_job(bus)
         await until_taken(proc.address, job=JOB, token=None)
         group = [r.address for r in pool] + [proc.address]
-        settings = {"group": group, "weights": WEIGHTS, "contributors": 2, "round": "doomed"}
+        settings = {"group": group, "parts": Parts(WEIGHTS, 2), "round": "doomed"}
         first = asyncio.create_task(members(pool, flats, [0], **settings))
         async with asyncio.timeout(WAIT_S):  # member 0's part is at the aggregator
             while held(proc, None) == 0:
@@ -370,9 +371,7 @@ async def test_without_bandwidth_it_measures_its_links_from_the_rounds_it_serves
         await until_taken(proc.address, job=JOB, token=None)
         group = [r.address for r in pool] + [proc.address]
         half = (0.25, 0.25, 0.5)
-        results = await reduce_all(
-            pool, flats, group=group, weights=half, contributors=2, round="measured"
-        )
+        results = await reduce_all(pool, flats, group=group, parts=Parts(half, 2), round="measured")
         assert all(torch.equal(r, flats[0] + flats[1]) for r in results)
         async with asyncio.timeout(WAIT_S):  # announced again once measured (checked every 5 s)
             while not (said.upload_bytes_per_second > 0 and said.download_bytes_per_second > 0):
@@ -431,7 +430,7 @@ async def test_a_hostile_aggregator_changes_only_the_part_it_owns_alike_on_every
         hostile.summer = wrong
         group = [r.address for r in pool]
         results = await reduce_all(
-            pool[:2], flats, group=group, weights=WEIGHTS, contributors=2, round="hostile"
+            pool[:2], flats, group=group, parts=Parts(WEIGHTS, 2), round="hostile"
         )
     exact = flats[0] + flats[1]
     owned = parts.part_bounds(exact.numel(), WEIGHTS)[2]

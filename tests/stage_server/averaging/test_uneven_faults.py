@@ -32,7 +32,7 @@ def test_the_largest_parts_owner_killed_mid_round_the_retry_without_it_is_exact(
     fault = Fault("s0r1", Point.AVERAGING, 2)
     servers = Servers(job, [3, 1, 1, 1], [fault], tmp_path)
     groups = Groups(lambda peer: Link(rates.get(peer, 0.0)))
-    weights = groups.of(0, servers.replicas()[0]).weights
+    weights = groups.of(0, servers.replicas()[0]).parts.weights
     assert weights[0] == 0 and weights[1] == max(weights)
     # The real coordinator, sizing parts by those links (standalone has no registry to ask).
     monkeypatch.setattr(

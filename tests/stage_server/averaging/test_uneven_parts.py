@@ -18,7 +18,7 @@ from stage_server.averaging.error_feedback import Residuals
 from stage_server.averaging.owner import Averager, AveragingAborted
 from stage_server.averaging.service import PoolServicer
 from swarm.errors import ConfigError, InvalidArgument
-from swarm.policy.parts import part_bounds, water_fill
+from swarm.policy.parts import Parts, part_bounds, water_fill
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, decode, encode
 from tests.support.pools import JOB, Replica, assert_identical, ordered_sum, reduce_all, replicas
 
@@ -67,7 +67,7 @@ async def test_uneven_parts_and_clients_sum_to_the_same_bits(weights: list[float
             flats = [torch.randn(numel, dtype=torch.float64) for _ in range(4)]
             rid = f"r{numel}"
             results = await reduce_all(
-                pool, flats, round=rid, weights=weights, slice_bytes=8000,
+                pool, flats, round=rid, parts=Parts(weights), slice_bytes=8000,
                 on_bytes=lambda s, r: counted.append((s, r)),
             )  # fmt: skip
             assert torch.equal(assert_identical(results), ordered_sum(flats))
@@ -93,7 +93,7 @@ async def test_aggregators_own_parts_and_contribute_nothing() -> None:
             flats = [torch.randn(numel, dtype=torch.float64) for _ in contributors]
             rid = f"a{numel}"
             results = await reduce_all(
-                contributors, flats, round=rid, group=group, weights=weights, contributors=3,
+                contributors, flats, round=rid, group=group, parts=Parts(weights, 3),
                 slice_bytes=8000,
             )  # fmt: skip
             assert torch.equal(assert_identical(results), ordered_sum(flats))
@@ -105,7 +105,7 @@ async def test_aggregators_own_parts_and_contribute_nothing() -> None:
             await all_reduce(
                 torch.zeros(4),
                 RoundSettings(group=group, index=3, round="x", job=JOB, stage=0, timeout_s=5,
-                              chunk_bytes=1 << 20, max_bytes=1 << 26, contributors=3),
+                              chunk_bytes=1 << 20, max_bytes=1 << 26, parts=Parts((), 3)),
                 averager=aggregators[0].averager, channels=aggregators[0].channels,
             )  # fmt: skip
 
@@ -113,7 +113,7 @@ async def test_aggregators_own_parts_and_contribute_nothing() -> None:
 async def test_weights_a_round_cannot_cut_by_are_refused() -> None:
     async with replicas(2) as pool:
         for bad in ([1.0], [0.0, 0.0], [-1.0, 2.0], [float("nan"), 1.0]):
-            results = await reduce_all(pool, [torch.ones(4)] * 2, round=f"{bad}", weights=bad)
+            results = await reduce_all(pool, [torch.ones(4)] * 2, round=f"{bad}", parts=Parts(bad))
             assert all(isinstance(r, InvalidArgument) for r in results), results
 
 
@@ -127,7 +127,7 @@ async def test_lossy_parts_are_encoded_per_uneven_part() -> None:
         flats = [torch.randn(numel) for _ in range(3)]
         total = assert_identical(
             await reduce_all(pool, flats, codec=CODEC_INT8_BLOCKWISE, block_size=block,
-                             weights=weights)
+                             parts=Parts(weights))
         )  # fmt: skip
     expected = torch.cat(
         [
@@ -158,7 +158,7 @@ async def test_error_feedback_with_uneven_parts_and_a_client_loses_nothing() -> 
                     f, RoundSettings(
                         group=group, index=i, round=f"e{k}", job=JOB, stage=0, timeout_s=10,
                         chunk_bytes=1 << 20, max_bytes=1 << 26, codec=CODEC_INT8_BLOCKWISE,
-                        block_size=block, weights=weights,
+                        block_size=block, parts=Parts(weights),
                     ),
                     averager=r.averager, channels=r.channels, residuals=e,
                 )
@@ -193,7 +193,7 @@ async def _kill_mid_round(
 
     pool[victim].averager.reduce = reaching  # type: ignore[method-assign]
     round = asyncio.ensure_future(
-        reduce_all(pool, flats, round="k0", weights=weights, slice_bytes=8000, timeout_s=10)
+        reduce_all(pool, flats, round="k0", parts=Parts(weights), slice_bytes=8000, timeout_s=10)
     )
     await reached.wait()
     await pool[victim].server.stop(None)
@@ -216,7 +216,7 @@ async def test_an_owner_dying_mid_round_fails_it_and_the_retry_without_it_is_exa
         survivors = [pool[i] for i in live]
         kept = [flats[i] for i in live]
         again = await reduce_all(
-            survivors, kept, round="k1", weights=water_fill([rates[i] for i in live]),
+            survivors, kept, round="k1", parts=Parts(water_fill([rates[i] for i in live])),
             slice_bytes=8000,
         )  # fmt: skip
         assert torch.equal(assert_identical(again), ordered_sum(kept))
@@ -245,8 +245,8 @@ async def test_an_aggregator_holds_a_window_of_slices_per_contributor(
         watched.append(pool[3].averager)
         flats = [torch.randn(50_000, dtype=torch.float64) for _ in range(3)]
         results = await reduce_all(
-            pool[:3], flats, group=[r.address for r in pool], weights=[0.1, 0.05, 0.05, 0.8],
-            contributors=3, slice_bytes=8000, window=window,
+            pool[:3], flats, group=[r.address for r in pool],
+            parts=Parts([0.1, 0.05, 0.05, 0.8], 3), slice_bytes=8000, window=window,
         )  # fmt: skip
         assert torch.equal(assert_identical(results), ordered_sum(flats))
     assert 0 < most[0] <= window * 3  # its part: 40 slices of 1000 elements per contributor

@@ -99,9 +99,7 @@ def test_the_round_travels_with_the_state(tmp_path: Path) -> None:
 
 def _follow(follower: StageRuntime, source: StageRuntime) -> None:
     for u in source.updates.since("b", follower.step):  # as `stage_server.replica.copying` asks
-        follower.follow.apply(
-            u.step, u.grad_sums, u.total_samples, u.scale, u.round_end, u.eager, u.boundary
-        )
+        follower.follow.apply(u)
 
 
 @pytest.mark.parametrize("taken", ["mid-round", "before-the-round-end"])

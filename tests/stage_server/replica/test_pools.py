@@ -254,7 +254,7 @@ async def test_uneven_parts_a_client_and_an_aggregator_equal_local(
                 for name, tensor in other.runtime.state_dict().items():
                     assert torch.equal(tensor, first[name]), name
         group = groups.of(0, swarm.members()[0])
-        assert group.weights[0] == 0 and all(w > 0 for w in group.weights[1:])
+        assert group.parts.weights[0] == 0 and all(w > 0 for w in group.parts.weights[1:])
         for stage in swarm.servers:  # the client summed no part; the others did
             assert _summed(stage[0].servicer.averager) == 0
             assert all(_summed(s.servicer.averager) > 0 for s in stage[1:])

@@ -14,6 +14,7 @@ from swarm.job.config import JobConfig
 from swarm.model.data import make_data
 from swarm.model.optim import clip_scale
 from swarm.model.transformer import loss_sum
+from swarm.rpc.state_streams import Update
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import make_job
 
@@ -336,14 +337,14 @@ def test_a_copy_following_the_updates_of_its_source_is_bitwise_identical(
     updates = source.updates.since("copy", copy.step)
     assert all((u.scale < 1.0) == (grad_clip > 0) for u in updates)  # the clipping bit
     for u in updates:
-        assert copy.follow.apply(u.step, u.grad_sums, u.total_samples, u.scale)
+        assert copy.follow.apply(u)
     assert copy.step == source.step == 4
     for name, tensor in source.export_state(include_optimizer=True).items():
         assert torch.equal(tensor, copy.export_state(include_optimizer=True)[name]), name
     # A member now (its first PREPARE): it applies its own pool's updates, never its source's.
     _run_step([source, copy][1:], job, 4, list(range(m)), clipped=grad_clip)
     assert not copy.following
-    assert copy.follow.apply(5, [torch.zeros(1)], 1) is False and copy.step == 5
+    assert copy.follow.apply(Update(5, [torch.zeros(1)], 1)) is False and copy.step == 5
 
 
 def test_a_follower_refuses_an_update_it_skipped(tmp_path: Path) -> None:
@@ -352,7 +353,7 @@ def test_a_follower_refuses_an_update_it_skipped(tmp_path: Path) -> None:
     copy = StageRuntime(job, 0)
     copy.follow.load(0, source.export_state(include_optimizer=True))
     with pytest.raises(FailedPrecondition, match="update of step 2 at 0"):
-        copy.follow.apply(2, [torch.zeros(1)], 16)
+        copy.follow.apply(Update(2, [torch.zeros(1)], 16))
 
 
 def test_bf16_mixed_computes_in_bf16_and_keeps_float32_weights_and_sums(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from stage_server.replica.update_log import UpdateLog
 from swarm.errors import FailedPrecondition, ResourceExhausted
+from swarm.rpc.state_streams import Update
 
 
 def _sums(value: float, n: int = 4) -> list[torch.Tensor]:
@@ -16,7 +17,7 @@ def _sums(value: float, n: int = 4) -> list[torch.Tensor]:
 
 def test_nothing_is_kept_while_nobody_follows() -> None:
     log = UpdateLog(max_bytes=1 << 20)
-    log.record(0, _sums(1.0), 16)
+    log.record(Update(0, _sums(1.0), 16))
     assert len(log) == 0 and log.nbytes == 0
 
 
@@ -25,7 +26,7 @@ def test_a_follower_gets_every_update_from_its_step_in_order() -> None:
     log.follow("b", 3)
     sums = _sums(2.0)
     for step in (3, 4, 5):
-        log.record(step, sums, 16 + step)
+        log.record(Update(step, sums, 16 + step))
     sums[0].fill_(-1.0)  # the log holds copies, not the replica's tensors
     got = log.since("b", 3)
     assert [(u.step, u.total_samples) for u in got] == [(3, 19), (4, 20), (5, 21)]
@@ -33,7 +34,7 @@ def test_a_follower_gets_every_update_from_its_step_in_order() -> None:
     assert [u.step for u in log.since("b", 5)] == [5]  # it has 3 and 4: those go
     assert len(log) == 1
     assert log.since("b", -1) == [] and len(log) == 0  # done: nothing kept
-    log.record(6, _sums(1.0), 16)
+    log.record(Update(6, _sums(1.0), 16))
     assert len(log) == 0
 
 
@@ -41,7 +42,7 @@ def test_the_log_is_bounded_and_a_follower_left_behind_must_copy_again() -> None
     log = UpdateLog(max_bytes=3 * 32)  # three updates of 32 bytes
     log.follow("b", 0)
     for step in range(5):
-        log.record(step, _sums(float(step)), 16)
+        log.record(Update(step, _sums(float(step)), 16))
     assert len(log) == 3 and log.nbytes <= 3 * 32
     with pytest.raises(FailedPrecondition, match=r"no longer kept.*copy the state again"):
         log.since("b", 1)
@@ -53,9 +54,9 @@ def test_the_log_is_bounded_and_a_follower_left_behind_must_copy_again() -> None
 def test_the_log_keeps_what_the_slowest_follower_needs() -> None:
     log = UpdateLog(max_bytes=1 << 20)
     log.follow("b", 0)
-    log.record(0, _sums(0.0), 16)
+    log.record(Update(0, _sums(0.0), 16))
     log.follow("c", 1)
-    log.record(1, _sums(1.0), 16)
+    log.record(Update(1, _sums(1.0), 16))
     assert [u.step for u in log.since("c", 2)] == []
     assert [u.step for u in log.since("b", 0)] == [0, 1]
     log.since("b", -1)
@@ -66,13 +67,13 @@ def test_a_silent_follower_is_forgotten_and_a_cleared_log_lets_followers_go() ->
     now = [0.0]
     log = UpdateLog(max_bytes=1 << 20, clock=lambda: now[0])
     log.follow("b", 0)
-    log.record(0, _sums(0.0), 16)
+    log.record(Update(0, _sums(0.0), 16))
     now[0] = UpdateLog.FOLLOWER_TTL_S + 1
-    log.record(1, _sums(1.0), 16)
+    log.record(Update(1, _sums(1.0), 16))
     with pytest.raises(FailedPrecondition, match="does not follow"):
         log.since("b", 0)
     log.follow("c", 2)
-    log.record(2, _sums(2.0), 16)
+    log.record(Update(2, _sums(2.0), 16))
     log.clear()  # the replica loaded another state
     with pytest.raises(FailedPrecondition, match="does not follow"):
         log.since("c", 2)
@@ -86,7 +87,7 @@ def test_followers_are_bounded_in_number_and_a_silent_one_is_let_go() -> None:
     with pytest.raises(ResourceExhausted, match=r"2 peers are copying .*--max-followers 2"):
         log.follow("d", 0)
     log.follow("b", 1)  # one already following takes its state again: no new place
-    log.record(0, _sums(0.0), 16)
+    log.record(Update(0, _sums(0.0), 16))
     now[0] = 50.0
     log.touch("b")  # its download goes on: heard
     now[0] = 100.0  # c silent for 100 s, b for 50 s
@@ -95,12 +96,12 @@ def test_followers_are_bounded_in_number_and_a_silent_one_is_let_go() -> None:
         log.since("c", 0)
     assert [u.step for u in log.since("b", 1)] == []
     # The peer's bounds, applied to a log that exists: fewer bytes, followers, seconds.
-    log.record(1, _sums(1.0), 16)
-    log.record(2, _sums(2.0), 16)
+    log.record(Update(1, _sums(1.0), 16))
+    log.record(Update(2, _sums(2.0), 16))
     log.bound(max_bytes=32, max_followers=1, ttl_s=10.0)
     assert len(log) == 1 and log.nbytes <= 32
     now[0] = 111.0  # both silent for more than 10 s: gone, and what they held with them
-    log.record(3, _sums(3.0), 16)
+    log.record(Update(3, _sums(3.0), 16))
     assert len(log) == 0
     log.follow("e", 4)
     with pytest.raises(ResourceExhausted, match="--max-followers 1"):

@@ -11,7 +11,7 @@ import pytest
 
 from stage_server.averaging.flat import split_parts
 from swarm.errors import InvalidArgument
-from swarm.policy.parts import part_bounds, round_time, water_fill
+from swarm.policy.parts import Parts, part_bounds, round_time, water_fill
 
 MBIT = 1e6 / 8  # bytes/s
 
@@ -141,3 +141,14 @@ def test_bad_weights_are_refused() -> None:
             part_bounds(10, bad)
     with pytest.raises(InvalidArgument):
         part_bounds(10, [])
+
+
+def test_parts_are_one_value_checked_against_their_group() -> None:
+    parts = Parts([0.0, 0.5, 0.5], 2)
+    assert parts.weights == (0.0, 0.5, 0.5) and parts == Parts((0.0, 0.5, 0.5), 2)
+    assert parts.check(3) == 2 and Parts().check(4) == 4  # 0 contributors: all of them
+    assert parts.bounds(10, 3) == part_bounds(10, [0.0, 0.5, 0.5])
+    with pytest.raises(InvalidArgument, match="3 part weights for a group of 2"):
+        parts.check(2)
+    with pytest.raises(InvalidArgument, match=r"contributors 4 outside 0\.\.3"):
+        Parts((), 4).check(3)
