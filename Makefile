@@ -53,6 +53,7 @@ test-fast: install mosquitto nftables prometheus
 
 check: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 protos: install

@@ -214,10 +214,17 @@ def start_timed(args: list[str], times: Path, log_dir: Path, name: str) -> Swarm
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, str(CHILD), "timed-stage-server",
-             json.dumps({"argv": args, "times": str(times)})],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(CHILD),
+                "timed-stage-server",
+                json.dumps({"argv": args, "times": str(times)}),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
     return SwarmProcess(args, proc, log_path)
 
 
@@ -611,11 +618,15 @@ def step_rounds(times: Path) -> list[dict[str, Any]]:
         starts, ends = [e["start"] for e in members], [e["end"] for e in members]
         prepares = [e for e in events if e["what"] == "prepare" and e["round"] == name]
         keeps = [
-            sum(k["end"] - k["start"] for k in events
-                if k["what"] == "keep" and k["pid"] == m["pid"]
-                and m["start"] <= k["start"] <= m["end"])
+            sum(
+                k["end"] - k["start"]
+                for k in events
+                if k["what"] == "keep"
+                and k["pid"] == m["pid"]
+                and m["start"] <= k["start"] <= m["end"]
+            )
             for m in members
-        ]  # fmt: skip
+        ]
         out.append(
             {
                 "round": name,

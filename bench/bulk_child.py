@@ -271,9 +271,16 @@ async def replica(args: dict[str, Any]) -> None:
             cpu = time.process_time()
             started = time.perf_counter()
             settings = RoundSettings(
-                group=group, index=index, round=cmd[1], job=POOL_JOB, stage=0, timeout_s=timeout,
-                chunk_bytes=chunk, max_bytes=most, in_place=True,
-            )  # fmt: skip
+                group=group,
+                index=index,
+                round=cmd[1],
+                job=POOL_JOB,
+                stage=0,
+                timeout_s=timeout,
+                chunk_bytes=chunk,
+                max_bytes=most,
+                in_place=True,
+            )
             total = await all_reduce(
                 flat, settings, averager=averager, channels=channels, on_bytes=on_bytes, keep=keep
             )
@@ -282,8 +289,15 @@ async def replica(args: dict[str, Any]) -> None:
             digest = hashlib.sha256(total.numpy().data.cast("B")).hexdigest()
             del total
             spill.restore()
-            say(result={"seconds": seconds, "sha256": digest, "sent": counted[0],
-                        "keep_seconds": kept[0], "cpu": cpu})  # fmt: skip
+            say(
+                result={
+                    "seconds": seconds,
+                    "sha256": digest,
+                    "sent": counted[0],
+                    "keep_seconds": kept[0],
+                    "cpu": cpu,
+                }
+            )
     finally:
         await channels.close()
         await server.stop(None)

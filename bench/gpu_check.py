@@ -119,14 +119,25 @@ class Check:
         return [
             Part("environment", 60, lambda: [PY, "-c", ENVIRONMENT, self.index], self._judge_env),
             Part("doctor", 90, self._doctor, self._judge_doctor),
-            Part("CUDA tests", 150, self._tests, self._judge_tests,
-                 env={"GPU_CHECK_TESTS_JSON": str(self.work / "tests.json"),
-                      **({"CUDA_VISIBLE_DEVICES": self.index} if self.cuda else {})}),
+            Part(
+                "CUDA tests",
+                150,
+                self._tests,
+                self._judge_tests,
+                env={
+                    "GPU_CHECK_TESTS_JSON": str(self.work / "tests.json"),
+                    **({"CUDA_VISIBLE_DEVICES": self.index} if self.cuda else {}),
+                },
+            ),
             Part("train fp32", 240, lambda: [*train, "--precision", "fp32"], self._judge_train),
-            Part("train bf16-mixed", 240, lambda: [*train, "--precision", "bf16-mixed"],
-                 self._judge_train),
+            Part(
+                "train bf16-mixed",
+                240,
+                lambda: [*train, "--precision", "bf16-mixed"],
+                self._judge_train,
+            ),
             Part("llama-1b", 300, self._llama, self._judge_llama),
-        ]  # fmt: skip
+        ]
 
     def _judge_env(self, code: int, output: str) -> tuple[bool, str]:
         self.env = result(output) or {}
@@ -141,8 +152,12 @@ class Check:
         smi = shutil.which("nvidia-smi")
         if smi:
             query = "name,driver_version,memory.total,memory.used,power.limit"
-            line = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+            line = subprocess.run(
+                [smi, f"--query-gpu={query}", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
             text += "\n    nvidia-smi: " + "\n    nvidia-smi: ".join(line.strip().splitlines())
         elif self.cuda:
             text += "\n    nvidia-smi: not found"
@@ -164,9 +179,24 @@ class Check:
         )
         # A GPU image's own pytest plugins (benchmark, xdist, cov, ...) may not agree with the
         # carried pytest: autoloading is off (gpu_check.sh) and the suite's two are named here.
-        return [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin",
-                "-p", "pytest_timeout", "-p", "bench.gpu_cuda_tests",
-                "-rs", "--timeout", "120", *files]  # fmt: skip
+        return [
+            PY,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "pytest_asyncio.plugin",
+            "-p",
+            "pytest_timeout",
+            "-p",
+            "bench.gpu_cuda_tests",
+            "-rs",
+            "--timeout",
+            "120",
+            *files,
+        ]
 
     def _judge_tests(self, code: int, output: str) -> tuple[bool, str]:
         path = self.work / "tests.json"
@@ -214,8 +244,17 @@ class Check:
         return next((peak for name, peak in BF16_PEAK_TFLOPS if name in gpu), 0.0)
 
     def _llama(self) -> list[str]:
-        cmd = [PY, str(ROOT / "bench" / "llama_1b.py"), "--device", self.device, "--json",
-               "--precision", "bf16-mixed", "--checkpoint-every", "0"]  # fmt: skip
+        cmd = [
+            PY,
+            str(ROOT / "bench" / "llama_1b.py"),
+            "--device",
+            self.device,
+            "--json",
+            "--precision",
+            "bf16-mixed",
+            "--checkpoint-every",
+            "0",
+        ]
         if self.args.quick:
             return [*cmd, "--tiny", "--steps", "2", "--microbatch-size", "2", "--batch", "4"]
         peak = self._peak_tflops()

@@ -135,8 +135,16 @@ def main() -> int:
     shape = QUICK if args.quick else FULL
     microbatch, batch = (2, 8) if args.quick else (8, 32)
     job_path = work / "job.toml"
-    job_path.write_text(JOB.format(precision=args.precision, stages=STAGES, steps=args.steps,
-                                   microbatch=microbatch, batch=batch, **shape))  # fmt: skip
+    job_path.write_text(
+        JOB.format(
+            precision=args.precision,
+            stages=STAGES,
+            steps=args.steps,
+            microbatch=microbatch,
+            batch=batch,
+            **shape,
+        )
+    )
     job = load_job(job_path)
 
     servers: list[SwarmProcess] = []

@@ -100,8 +100,12 @@ def main() -> None:
     parser.add_argument("--min-free-gib", type=float, default=1.0)
     parser.add_argument("--dir", default=None, help="where the checkpoints go (a temp directory)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"), default=None,
-                        help="training.precision (default: the example's, fp32)")  # fmt: skip
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16-mixed"),
+        default=None,
+        help="training.precision (default: the example's, fp32)",
+    )
     parser.add_argument("--microbatch-size", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None, help="training.target_batch_size")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="0: no checkpoints")

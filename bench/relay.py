@@ -69,9 +69,13 @@ async def _peer(relay: str, ports: Queue[int], stop: Any) -> None:
     if relay:
         attached = asyncio.Event()
         attachment = Attachment(
-            "peer", TOKEN, f"127.0.0.1:{port}", lambda: [relay],
-            lambda r: attached.set() if r else None, address=f"{ANNOUNCED}:{port}",
-        )  # fmt: skip
+            "peer",
+            TOKEN,
+            f"127.0.0.1:{port}",
+            lambda: [relay],
+            lambda r: attached.set() if r else None,
+            address=f"{ANNOUNCED}:{port}",
+        )
         await attachment.start()
         await attached.wait()
     ports.put(port)
@@ -144,8 +148,7 @@ async def _tunnel_peer(relay: str, stop: Any) -> None:
 
     async with grpc.aio.insecure_channel(relay, options=OPTIONS) as channel:
         server = ReverseTunnelServer(tunnel_pb2_grpc.TunnelServiceStub(channel))
-        server.register_method(SINK.lstrip("/"), sink, is_client_stream=True,
-                               is_server_stream=True)  # fmt: skip
+        server.register_method(SINK.lstrip("/"), sink, is_client_stream=True, is_server_stream=True)
         serving = asyncio.create_task(server.serve())
         while not stop.is_set():
             await asyncio.sleep(0.1)

@@ -1038,11 +1038,15 @@ def report(
     if uneven and args.uneven is not None:
         sync_steps = steps.get("sync")
         table = [
-            {**r, "steps_to_target": sync_steps,
-             "T_seconds": None if "error" in r or sync_steps is None
-             else sync_steps * r["step_seconds"]}
+            {
+                **r,
+                "steps_to_target": sync_steps,
+                "T_seconds": None
+                if "error" in r or sync_steps is None
+                else sync_steps * r["step_seconds"],
+            }
             for r in uneven
-        ]  # fmt: skip
+        ]
         t = {r["parts"]: r["T_seconds"] for r in table}
         both = t.get("equal") and t.get("water-filled")
         out["uneven"] = {

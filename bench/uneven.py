@@ -108,9 +108,13 @@ async def member(args: dict[str, Any]) -> None:
     server = grpc.aio.server(options=options())
     averager = Averager()
     servicer = PoolServicer(
-        averager, route=route, chunk_bytes=CHUNK_BYTES, max_bytes=most,
-        timeout_s=ROUND_TIMEOUT_S, link=link,
-    )  # fmt: skip
+        averager,
+        route=route,
+        chunk_bytes=CHUNK_BYTES,
+        max_bytes=most,
+        timeout_s=ROUND_TIMEOUT_S,
+        link=link,
+    )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(servicer, server)
     address = f"{args['host']}:{PORT}"
     server.add_insecure_port(address)
@@ -142,10 +146,16 @@ async def member(args: dict[str, Any]) -> None:
             contributors = int(cmd[3])
             members = group if contributors else group[: args["members"]]
             settings = RoundSettings(
-                group=members, index=members.index(address), round=cmd[1], job=POOL_JOB,
-                stage=0, timeout_s=ROUND_TIMEOUT_S, chunk_bytes=CHUNK_BYTES, max_bytes=most,
+                group=members,
+                index=members.index(address),
+                round=cmd[1],
+                job=POOL_JOB,
+                stage=0,
+                timeout_s=ROUND_TIMEOUT_S,
+                chunk_bytes=CHUNK_BYTES,
+                max_bytes=most,
                 parts=Parts(weights, contributors),
-            )  # fmt: skip
+            )
             started = asyncio.get_running_loop().time()
             total = await all_reduce(flat, settings, averager=averager, channels=channels)
             seconds = asyncio.get_running_loop().time() - started
@@ -170,8 +180,12 @@ class NsChild(Child):
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 ["ip", "netns", "exec", net.ns[host], *argv],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, cwd=ROOT,
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                cwd=ROOT,
+            )
         self._buffer = b""
 
 
@@ -276,8 +290,13 @@ def run_scenario(
             net.shape_host(host, bits, FAST_BITS)  # helper "lab": upload, download
         net.shape_host("agg", AGGREGATOR_BITS, AGGREGATOR_BITS)
         for i, host in enumerate(hosts):
-            args = {"params": params, "seed": i, "host": net.addresses[host], "members": n,
-                    "aggregator": host == "agg"}  # fmt: skip
+            args = {
+                "params": params,
+                "seed": i,
+                "host": net.addresses[host],
+                "members": n,
+                "aggregator": host == "agg",
+            }
             children.append(NsChild(net, host, args, work))
         group = [c.read("ready") for c in children]
         for c in children:
@@ -322,9 +341,20 @@ def run_scenario(
         equal_s, water_s, aggregated_s = timed["equal"], timed["water"], timed["aggregated"]
         aggregator_rates = go_and_read([aggregator], "rates")[0]["rates"]
         return Scenario(
-            name, n, slow, [b / 8 for b in up_bits], [FAST_BITS / 8] * n, equal_s, water_s, up,
-            down, list(weights), aggregated_s, list(aggregated_weights), aggregator_rates,
-        )  # fmt: skip
+            name,
+            n,
+            slow,
+            [b / 8 for b in up_bits],
+            [FAST_BITS / 8] * n,
+            equal_s,
+            water_s,
+            up,
+            down,
+            list(weights),
+            aggregated_s,
+            list(aggregated_weights),
+            aggregator_rates,
+        )
     finally:
         for c in children:
             c.close()
@@ -332,11 +362,21 @@ def run_scenario(
 
 
 def print_rows(rows: list[dict[str, Any]], params: int) -> None:
-    print(f"gradient: {params} float32 values ({4 * params / 1e6:.1f} MB); uplinks 10 or 100 "
-          "Mbit/s, downlinks 100 Mbit/s, the aggregator's 1 Gbit/s both ways; seconds: the "
-          "slowest member's, median")  # fmt: skip
-    head = ("scenario", "equal", "water-filled", "speed-up", "bound (meas.)", "water/bound",
-            "bound (shaped)", "equal (model)")  # fmt: skip
+    print(
+        f"gradient: {params} float32 values ({4 * params / 1e6:.1f} MB); uplinks 10 or 100 "
+        "Mbit/s, downlinks 100 Mbit/s, the aggregator's 1 Gbit/s both ways; seconds: the "
+        "slowest member's, median"
+    )
+    head = (
+        "scenario",
+        "equal",
+        "water-filled",
+        "speed-up",
+        "bound (meas.)",
+        "water/bound",
+        "bound (shaped)",
+        "equal (model)",
+    )
     print(" | ".join(head))
     for r in rows:
         print(
@@ -356,8 +396,10 @@ def print_rows(rows: list[dict[str, Any]], params: int) -> None:
         weights = ", ".join(f"{w:.3f}" for w in r["weights"])
         agg_w = ", ".join(f"{w:.3f}" for w in r["aggregated_weights"])
         agg = ", ".join(f"{m:.0f}" for m in r["aggregator_measured_mbit"])
-        print(f"{r['scenario']}: measured Mbit/s up [{up}], down [{down}]; weights [{weights}]; "
-              f"with the aggregator [{agg_w}], its measured up, down [{agg}]")  # fmt: skip
+        print(
+            f"{r['scenario']}: measured Mbit/s up [{up}], down [{down}]; weights [{weights}]; "
+            f"with the aggregator [{agg_w}], its measured up, down [{agg}]"
+        )
 
 
 def _alive(pid: int) -> bool:

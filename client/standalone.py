@@ -63,8 +63,9 @@ async def train_standalone(
         if routes is not None:
             f = stack.enter_context(open(routes, "w", encoding="utf-8"))
             record = lambda r: write_record(f, [r])  # noqa: E731
-        return await _train(job, replicas, registry, on_step, token, trainers, checkpoint_dir,
-                            broker, record)  # fmt: skip
+        return await _train(
+            job, replicas, registry, on_step, token, trainers, checkpoint_dir, broker, record
+        )
 
 
 async def _train(

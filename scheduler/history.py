@@ -28,8 +28,15 @@ from swarm.ops.progress import duration_text
 from swarm.ops.rated import RatedLog
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["PEER_BURST", "PEER_EVERY_S", "History", "Vouched", "admitted_text", "peer_events",
-           "state_change_text"]  # fmt: skip
+__all__ = [
+    "PEER_BURST",
+    "PEER_EVERY_S",
+    "History",
+    "Vouched",
+    "admitted_text",
+    "peer_events",
+    "state_change_text",
+]
 
 log = logging.getLogger(__name__)
 

@@ -306,9 +306,16 @@ class PeerAgent:
         """Give up `job`, which this peer could not measure (or build a stage of: `failed`
         says), and say so: announced free again (no job, no speeds, idle), the scheduler
         places it in another job."""
-        log.warning("%s: refused job %s: %s failed (%s: %s); free for another job, and not "
-                    "measuring it again for %.0f s unless its spec changes", self.peer, job.job,
-                    failed, type(error).__name__, error, REFUSED_RETRY_S)  # fmt: skip
+        log.warning(
+            "%s: refused job %s: %s failed (%s: %s); free for another job, and not "
+            "measuring it again for %.0f s unless its spec changes",
+            self.peer,
+            job.job,
+            failed,
+            type(error).__name__,
+            error,
+            REFUSED_RETRY_S,
+        )
         self._refused[job.job] = (_spec_hash(job), self.clock.now())
         self._refused.move_to_end(job.job)
         while len(self._refused) > ENDED_REMEMBERED:
@@ -323,9 +330,13 @@ class PeerAgent:
             return  # a stale or repeated assignment (retained messages come again on reconnect)
         ahead_s = (assignment.generation - time.time_ns() // 1000) / 1e6
         if ahead_s > MAX_CLOCK_SKEW_S:
-            log.warning("%s: refused an assignment %.0f s ahead of this clock (more than %.0f s): "
-                        "forged, or the scheduler's clock is wrong", self.peer, ahead_s,
-                        MAX_CLOCK_SKEW_S)  # fmt: skip
+            log.warning(
+                "%s: refused an assignment %.0f s ahead of this clock (more than %.0f s): "
+                "forged, or the scheduler's clock is wrong",
+                self.peer,
+                ahead_s,
+                MAX_CLOCK_SKEW_S,
+            )
             return
         config = self._jobs.get(assignment.job)
         if assignment.job in self._ended:
@@ -340,14 +351,25 @@ class PeerAgent:
         self._building = (assignment.job, assignment.stage)
         try:
             if self.state == cpb.PEER_STATE_SERVING:  # a move: stop taking work for the old stage
-                log.info("%s: moving from stage %s to stage %d of job %s (%s)", self.peer,
-                         self.stage, assignment.stage, assignment.job, layers)  # fmt: skip
+                log.info(
+                    "%s: moving from stage %s to stage %d of job %s (%s)",
+                    self.peer,
+                    self.stage,
+                    assignment.stage,
+                    assignment.job,
+                    layers,
+                )
                 self.state = cpb.PEER_STATE_DRAINING
                 await self.announce()
                 await self._make_room(config, assignment.stage, device)
             else:
-                log.info("%s: assigned stage %d of job %s (%s); building it", self.peer,
-                         assignment.stage, assignment.job, layers)  # fmt: skip
+                log.info(
+                    "%s: assigned stage %d of job %s (%s); building it",
+                    self.peer,
+                    assignment.stage,
+                    assignment.job,
+                    layers,
+                )
                 self._show()  # building
             runtime = await self._compute(StageRuntime, config, assignment.stage, device)
         except Exception as e:  # out of memory, say: idle again, with its reason, not DRAINING
@@ -355,10 +377,13 @@ class PeerAgent:
             self.running.servicer.release()  # a move's old stage: the scheduler moved it away
             await self._refuse(
                 self._active.get(assignment.job) or cpb.JobAnnouncement(job=assignment.job),
-                e if not is_out_of_memory(e) else OutOfDeviceMemory(oom_message(
-                    config.name, assignment.stage, "building the stage", device, e)),
+                e
+                if not is_out_of_memory(e)
+                else OutOfDeviceMemory(
+                    oom_message(config.name, assignment.stage, "building the stage", device, e)
+                ),
                 f"building stage {assignment.stage}",
-            )  # fmt: skip
+            )
             return
         finally:
             self._building = None
@@ -382,8 +407,13 @@ class PeerAgent:
             args = ((old, self.stage), (new, stage), device, self.limits, self.facts)
             plan = await self._compute(plan_move, *args)
             if not plan.beside:
-                log.info("%s: releasing stage %s before building stage %d: %s", self.peer,
-                         self.stage, stage, plan.why)  # fmt: skip
+                log.info(
+                    "%s: releasing stage %s before building stage %d: %s",
+                    self.peer,
+                    self.stage,
+                    stage,
+                    plan.why,
+                )
                 self.running.servicer.release()
                 await self._compute(return_memory, device)
 
@@ -410,8 +440,12 @@ async def run_peer(
     opts = dataclasses.replace(opts, peer=peer)  # the metrics' peer label too
     login = parse_broker_url(broker).username
     if login and login != peer:
-        log.warning("%s: the broker URL logs in as %r: the broker's ACL will refuse this peer's "
-                    "topics unless the peer id (--peer) is that user", peer, login)  # fmt: skip
+        log.warning(
+            "%s: the broker URL logs in as %r: the broker's ACL will refuse this peer's "
+            "topics unless the peer id (--peer) is that user",
+            peer,
+            login,
+        )
     running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
     metrics = running.metrics_address
     will = cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address)
@@ -425,14 +459,28 @@ async def run_peer(
         ) as bus:
             await bus.wait_connected(connect_timeout_s)
             local = local_address(opts.host, int(running.address.rsplit(":", 1)[1]))
-            path = PeerPath(peer, running.address, local=local, token=token,
-                            behind_nat=behind_nat, metrics=running.servicer.metrics,
-                            metrics_port=running.metrics_port, metrics_address=metrics)  # fmt: skip
+            path = PeerPath(
+                peer,
+                running.address,
+                local=local,
+                token=token,
+                behind_nat=behind_nat,
+                metrics=running.servicer.metrics,
+                metrics_port=running.metrics_port,
+                metrics_address=metrics,
+            )
             agent = PeerAgent(
-                running, bus, peer=peer, device=opts.device, throttle=throttle,
-                metrics_address=metrics, metrics=running.servicer.metrics, limits=opts.limits,
-                path=path, relay_address=running.relay_address,
-            )  # fmt: skip
+                running,
+                bus,
+                peer=peer,
+                device=opts.device,
+                throttle=throttle,
+                metrics_address=metrics,
+                metrics=running.servicer.metrics,
+                limits=opts.limits,
+                path=path,
+                relay_address=running.relay_address,
+            )
             stop = asyncio.Event()
             install_signal_handlers(stop)
             print_ready(

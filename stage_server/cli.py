@@ -208,8 +208,9 @@ def _run(args: argparse.Namespace) -> None:
             raise SwarmError("--job needs --stage (or leave out both to join a scheduler's swarm)")
         asyncio.run(run_stage_server(load_job(args.job), opts, throttle=args.throttle))
     elif args.broker:
-        joining = run_peer(opts, args.broker, throttle=args.throttle, token=opts.token,
-                       behind_nat=args.behind_nat)  # fmt: skip
+        joining = run_peer(
+            opts, args.broker, throttle=args.throttle, token=opts.token, behind_nat=args.behind_nat
+        )
         asyncio.run(joining)
     else:
         raise SwarmError(

@@ -179,7 +179,9 @@ def run(command: str, args: argparse.Namespace) -> int:
     for check in checks:
         print(check.line())
     failed = [c.name for c in checks if not c.ok]
-    print(f"{len(checks) - len(failed)} of {len(checks)} checks passed"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))  # fmt: skip
+    print(
+        f"{len(checks) - len(failed)} of {len(checks)} checks passed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     sys.stdout.flush()
     return 1 if failed else 0

@@ -38,8 +38,13 @@ _LIMITS = ("max_peers", "max_tunnels_per_peer", "max_tunnels")
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
-    add_flag(p, "broker", None, "MQTT broker URL: the relay announces itself there (none: it "
-             "only listens; peers are then given its address)")  # fmt: skip
+    add_flag(
+        p,
+        "broker",
+        None,
+        "MQTT broker URL: the relay announces itself there (none: it "
+        "only listens; peers are then given its address)",
+    )
     add_flag(p, "peer", "", "its peer id and MQTT username (default: relay-HOSTNAME)")
     add_token(p)
     add_insecure_no_token(p)
@@ -47,12 +52,22 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
     add_flag(p, "announce-host", "", "address peers dial to reach the relay (default: --host)")
     add_flag(p, "port", DEFAULT_PORT, "relay port (0: any free port)", env="relay-port", type=int)
-    add_flag(p, "metrics-port", None, "serve /metrics on this port (0: any free port)",
-             env="relay-metrics-port", type=int)  # fmt: skip
+    add_flag(
+        p,
+        "metrics-port",
+        None,
+        "serve /metrics on this port (0: any free port)",
+        env="relay-metrics-port",
+        type=int,
+    )
     add_metrics_token(p)
-    p.add_argument("--print-metrics-credential", action="store_true", help="print the password "
-                   "Prometheus shows a relay of this swarm (its proxy_url) and exit: it opens "
-                   "tunnels to the peers' metrics addresses only")  # fmt: skip
+    p.add_argument(
+        "--print-metrics-credential",
+        action="store_true",
+        help="print the password "
+        "Prometheus shows a relay of this swarm (its proxy_url) and exit: it opens "
+        "tunnels to the peers' metrics addresses only",
+    )
     defaults = RelayLimits()
     for name in _LIMITS:
         flag = name.replace("_", "-")
@@ -154,8 +169,9 @@ async def run_relay(
             return
         topic = Topics().peer(peer)
         will = (topic, announcement(cpb.PEER_STATE_OFFLINE))
-        async with Bus(broker, client_id=f"relay-{peer}", username=peer, token=token,
-                       will=will) as bus:  # fmt: skip
+        async with Bus(
+            broker, client_id=f"relay-{peer}", username=peer, token=token, will=will
+        ) as bus:
             await bus.wait_connected(connect_timeout_s)
             await bus.publish(bus.topics.peer(peer), announcement(cpb.PEER_STATE_SERVING), True)
             print_ready("relay", peer=peer, address=address, metrics=metrics)

@@ -197,9 +197,15 @@ async def start_grpc(
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     running = RunningStageServer(
-        server, health_servicer, servicer, executor, address, metrics_port,
-        opts.shutdown_grace_s, announce,
-    )  # fmt: skip
+        server,
+        health_servicer,
+        servicer,
+        executor,
+        address,
+        metrics_port,
+        opts.shutdown_grace_s,
+        announce,
+    )
     if opts.relay:
         try:
             running.relay_port = await _start_relay(running, opts)
@@ -222,8 +228,11 @@ async def _start_relay(running: RunningStageServer, opts: StageServerOptions) ->
             "--relay-port another port, or 0 for any free one"
         ) from None
     running.relay = relay
-    log.info("%s: relaying for peers behind NAT at %s", running.servicer.peer,
-             host_port(running.announce_host, port))  # fmt: skip
+    log.info(
+        "%s: relaying for peers behind NAT at %s",
+        running.servicer.peer,
+        host_port(running.announce_host, port),
+    )
     return port
 
 

@@ -330,9 +330,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self._route(request.job, request.stage)
             done = await self._commits.commit(Commit.of(request))
             return pb.StageCommitResponse(
-                step=done.step, already_committed=done.already, grad_sq_norm=done.grad_sq_norm,
+                step=done.step,
+                already_committed=done.already,
+                grad_sq_norm=done.grad_sq_norm,
                 sum_checks=done.sum_checks,
-            )  # fmt: skip
+            )
 
         return await self._serving.run("Commit", context, body)
 

@@ -171,7 +171,27 @@ BUDGET = 450
 GENERATED = re.compile(r"swarm\.proto\.\w+_pb2(?:_grpc)?")
 OVERSIZE: dict[str, str] = {
     # module: why it may pass BUDGET (an orchestrator per role, a single large concept). Each
-    # must still pass it (a stale entry fails).
+    # must still pass it (a stale entry fails). The budget is a prompt to ask "is this one
+    # concept?", not a press: a module that is one is listed here rather than squeezed.
+    "stage_server.agent": (
+        "the orchestrator of a stage server under a scheduler: each state of the peer's life "
+        "(announced, measured, assigned, moving, serving, released) is one step of one loop"
+    ),
+    "stage_server.aggregator.main": (
+        "the aggregator process's orchestrator: its jobs followed, its pools served, announced"
+    ),
+    "stage_server.averaging.butterfly": (
+        "one concept, a butterfly round: sending each part, taking its sum back, and every way "
+        "the round fails, which must be read together"
+    ),
+    "scheduler.coordinator.rounds": (
+        "one concept, the coordinator's side of a pool's rounds: PREPARE and APPLY of a round's "
+        "end, its members' failures and who is dropped, read together as the two phases are"
+    ),
+    "swarm.rpc.stage_client": (
+        "one concept, the client of StageService: one method per call of the service, each with "
+        "its deadline, chunking and error conversion"
+    ),
 }
 MAPPED = 150
 """A module longer than this is a concept of its own: the concept map names it (its file, not

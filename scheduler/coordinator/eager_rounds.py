@@ -113,8 +113,12 @@ class EagerRounds(PoolRounds):
         # A stage whose round took no sample took no outer step: nothing to sum.
         summing = [rs if totals[k] else [] for k, rs in enumerate(stepped)]
         samples = {key: n for key, n in self._samples.items() if n}
-        failed = {(k, r.peer): samples.get((k, r.peer), 0) for k, rs in enumerate(members)
-                  for r in rs if r not in stepped[k]}  # fmt: skip
+        failed = {
+            (k, r.peer): samples.get((k, r.peer), 0)
+            for k, rs in enumerate(members)
+            for r in rs
+            if r not in stepped[k]
+        }
         await self._say(self._count_dropped(step, failed, "failed the round's outer step"))
         self._pending = asyncio.create_task(self._sum_shares(step, summing, samples))
         return syncs
@@ -128,8 +132,12 @@ class EagerRounds(PoolRounds):
         summed = await self._until_summed(step, "eager", call, members)
         self.averaged(began, await self.moved(summed))
         kept = {(k, r.peer) for k, rs in enumerate(summed) for r in rs}
-        lost = {(k, r.peer): samples.get((k, r.peer), 0) for k, rs in enumerate(members)
-                for r in rs if (k, r.peer) not in kept}  # fmt: skip
+        lost = {
+            (k, r.peer): samples.get((k, r.peer), 0)
+            for k, rs in enumerate(members)
+            for r in rs
+            if (k, r.peer) not in kept
+        }
         await self._say(self._count_dropped(step, lost, "failed the round's averaging"))
         return {k: peers(rs) for k, rs in enumerate(summed) if members[k]}
 
@@ -164,12 +172,23 @@ class EagerRounds(PoolRounds):
         """`op`'s PREPARE of the round ending at `boundary` on one member."""
 
         def call(
-            stage: int, r: Replica, total: int, group: RoundGroup, index: int, rid: str,
+            stage: int,
+            r: Replica,
+            total: int,
+            group: RoundGroup,
+            index: int,
+            rid: str,
             checks: Checksums | None,
-        ) -> Awaitable[object]:  # fmt: skip
+        ) -> Awaitable[object]:
             return self.clients.get(stage, r).eager(
-                op, boundary, total, list(group.members), index, rid, parts=group.parts,
+                op,
+                boundary,
+                total,
+                list(group.members),
+                index,
+                rid,
+                parts=group.parts,
                 checks=checks,
-            )  # fmt: skip
+            )
 
         return call

@@ -135,14 +135,26 @@ class PoolRounds:
                 continue  # gone or unreachable: the first commit deals with it
             if not -1 <= info.round_synced <= step:  # a peer's word: not past the job's step
                 said = info.round_synced
-                log.warning("stage %d: %s says it applied the round's end at step %d (-1..%d "
-                            "can be, resuming at %d): not believed, its samples counted as none",
-                            k, r.peer, said, step, step)  # fmt: skip
+                log.warning(
+                    "stage %d: %s says it applied the round's end at step %d (-1..%d "
+                    "can be, resuming at %d): not believed, its samples counted as none",
+                    k,
+                    r.peer,
+                    said,
+                    step,
+                    step,
+                )
                 continue
             if not 0 <= info.round_samples <= most:  # a peer's word: not past what can be
                 said = info.round_samples
-                log.warning("stage %d: %s says it took %d samples in the round (0..%d can be): "
-                            "counted as none", k, r.peer, said, most)  # fmt: skip
+                log.warning(
+                    "stage %d: %s says it took %d samples in the round (0..%d can be): "
+                    "counted as none",
+                    k,
+                    r.peer,
+                    said,
+                    most,
+                )
                 continue
             self._samples[(k, r.peer)] = info.round_samples
             synced.append(info.round_synced)
@@ -293,8 +305,13 @@ class PoolRounds:
         done: list[list[Replica]] = [[] for _ in members]
         for (k, r), result in zip(where, results, strict=True):
             if isinstance(result, BaseException):
-                log.warning("round after step %d: apply on %s (stage %d) failed: %s",
-                            step, r.peer, k, result)  # fmt: skip
+                log.warning(
+                    "round after step %d: apply on %s (stage %d) failed: %s",
+                    step,
+                    r.peer,
+                    k,
+                    result,
+                )
                 if drop:
                     self.membership.drop(r.peer)
             else:
@@ -305,13 +322,23 @@ class PoolRounds:
         """PREPARE of the round ending at `boundary` on one member."""
 
         def call(
-            stage: int, r: Replica, total: int, group: RoundGroup, index: int, rid: str,
+            stage: int,
+            r: Replica,
+            total: int,
+            group: RoundGroup,
+            index: int,
+            rid: str,
             checks: Checksums | None,
-        ) -> Awaitable[object]:  # fmt: skip
+        ) -> Awaitable[object]:
             return self.clients.get(stage, r).prepare_round(
-                boundary, total, list(group.members), index, rid, parts=group.parts,
+                boundary,
+                total,
+                list(group.members),
+                index,
+                rid,
+                parts=group.parts,
                 checks=checks,
-            )  # fmt: skip
+            )
 
         return call
 
@@ -372,8 +399,11 @@ class PoolRounds:
                     checks.setdefault(stage, {})[index] = check
                 calls.append(call(stage, r, total, group, index, round_id, check))
         results = await asyncio.gather(*calls, return_exceptions=True)
-        failed = [(k, r, e) for (k, r), e in zip(where, results, strict=True)
-                  if isinstance(e, BaseException)]  # fmt: skip
+        failed = [
+            (k, r, e)
+            for (k, r), e in zip(where, results, strict=True)
+            if isinstance(e, BaseException)
+        ]
         if not failed:  # every aggregator's sum passes its checksum, or it sits out
             accusations, lines = verify(groups, checks)
             if lines:

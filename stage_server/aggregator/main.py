@@ -329,9 +329,17 @@ async def start_aggregator(opts: AggregatorOptions, peer: str) -> RunningAggrega
     metrics.state = "aggregating"
     address = host_port(announce, port)
     return RunningAggregator(
-        server, health_servicer, pool, jobs, budget, metrics, address, metrics_port,
-        opts.shutdown_grace_s, announce,
-    )  # fmt: skip
+        server,
+        health_servicer,
+        pool,
+        jobs,
+        budget,
+        metrics,
+        address,
+        metrics_port,
+        opts.shutdown_grace_s,
+        announce,
+    )
 
 
 def _state_name(state: int) -> str:
@@ -431,9 +439,12 @@ async def run_aggregator(
                 stop = asyncio.Event()
                 install_signal_handlers(stop)
                 print_ready(
-                    "aggregator", peer=peer, address=running.address, metrics=running.metrics_port,
+                    "aggregator",
+                    peer=peer,
+                    address=running.address,
+                    metrics=running.metrics_port,
                     max_memory_bytes=opts.max_memory_bytes,
-                )  # fmt: skip
+                )
                 await agent.run(stop)
         finally:
             await running.stop()

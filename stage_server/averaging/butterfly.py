@@ -157,9 +157,15 @@ async def all_reduce(
     if contributors == 1:
         return flat  # alone with its gradient (aggregators or not): nothing to sum
     butterfly = ButterflyRound(
-        flat, settings, averager=averager, channels=channels, residuals=residuals, keep=keep,
-        copies=copies, checks=checks,
-    )  # fmt: skip
+        flat,
+        settings,
+        averager=averager,
+        channels=channels,
+        residuals=residuals,
+        keep=keep,
+        copies=copies,
+        checks=checks,
+    )
     try:
         return await butterfly.run()
     finally:
@@ -271,9 +277,15 @@ class ButterflyRound:
     async def _remote_slice(self, k: int, j: int, where: slice) -> None:
         s, flat = self.settings, self.flat
         header = pool_pb2.PoolReduceRequest(
-            job=s.job, stage=s.stage, round=s.round, part=k, sender=s.index, group_size=self.n,
-            slice=j, contributors=s.parts.contributors,
-        )  # fmt: skip
+            job=s.job,
+            stage=s.stage,
+            round=s.round,
+            part=k,
+            sender=s.index,
+            group_size=self.n,
+            slice=j,
+            contributors=s.parts.contributors,
+        )
         messages: Iterator[Any]
         if self.lossy:
             msg = await self._off(self._encoded, k, where)
@@ -355,9 +367,18 @@ class ButterflyRound:
         s, index = self.settings, self.settings.index
         values, owned = await self._off(self._own_slice_values, where)
         reduced = await self.averager.reduce(
-            self.key, index, index, self.n, values, timeout_s=s.timeout_s, codec=s.codec,
-            block_size=s.block_size, slice=j, owned=owned, contributors=s.parts.contributors,
-        )  # fmt: skip
+            self.key,
+            index,
+            index,
+            self.n,
+            values,
+            timeout_s=s.timeout_s,
+            codec=s.codec,
+            block_size=s.block_size,
+            slice=j,
+            owned=owned,
+            contributors=s.parts.contributors,
+        )
         if self._dropped is not None:
             self._dropped.summed[where] = reduced.exact - reduced.tensor
         await self._overwriting(where)

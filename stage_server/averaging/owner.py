@@ -188,9 +188,19 @@ class Averager:
         `contributors` (0: all `group_size`) arrived. `codec` is how the contributions
         travelled; the sum is given back through the same codec. A sender may repeat
         bit-identical values (a retry): it joins."""
-        return (await self.reduce(round, part, sender, group_size, values, timeout_s=timeout_s,
-                                  codec=codec, block_size=block_size,
-                                  contributors=contributors)).tensor  # fmt: skip
+        return (
+            await self.reduce(
+                round,
+                part,
+                sender,
+                group_size,
+                values,
+                timeout_s=timeout_s,
+                codec=codec,
+                block_size=block_size,
+                contributors=contributors,
+            )
+        ).tensor
 
     async def reduce(
         self,
@@ -213,9 +223,16 @@ class Averager:
         part sent in slices is summed slice by slice, each on its own). `contributors`: how
         many of the group send (senders 0..contributors-1; 0: the whole group)."""
         slot = self._admit(
-            round, (part, slice), sender, (group_size, contributors), values, timeout_s, codec,
-            block_size, owned,
-        )  # fmt: skip
+            round,
+            (part, slice),
+            sender,
+            (group_size, contributors),
+            values,
+            timeout_s,
+            codec,
+            block_size,
+            owned,
+        )
         slot.waiting += 1
         try:
             return await asyncio.wait_for(asyncio.shield(slot.done), max(timeout_s, 0.0))
@@ -329,9 +346,14 @@ class Averager:
             # The round's deadline even when every waiter has gone (cancelled calls).
             timer = loop.call_later(max(timeout_s, 0.0), self._expire, round, key, timeout_s)
             slot = slots[key] = _Slot(
-                group_size, contributors, signature, done, timer, [None] * contributors,
+                group_size,
+                contributors,
+                signature,
+                done,
+                timer,
+                [None] * contributors,
                 [False] * contributors,
-            )  # fmt: skip
+            )
         elif (slot.group_size, slot.contributors) != (group_size, contributors):
             raise InvalidArgument(
                 f"{name}: group size {group_size} of {contributors} contributors, others said "

@@ -119,11 +119,18 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         if remaining is not None:
             timeout = min(timeout, remaining - min(_REPLY_MARGIN_S, remaining / 10))
         reduced = await self.averager.reduce(
-            (h.job, h.stage, h.round), h.part, h.sender, h.group_size, tensors["part"],
-            timeout_s=timeout, codec=meta.codec, block_size=meta.block_size,
+            (h.job, h.stage, h.round),
+            h.part,
+            h.sender,
+            h.group_size,
+            tensors["part"],
+            timeout_s=timeout,
+            codec=meta.codec,
+            block_size=meta.block_size,
             owned=not meta.data,  # chunked: received into a buffer of its own, summed into
-            slice=h.slice, contributors=h.contributors,
-        )  # fmt: skip
+            slice=h.slice,
+            contributors=h.contributors,
+        )
         # The sender closed its side before it waits for this sum: its end is here already.
         await wire.read_to_end(body, "the contribution's")
         replies = reduced.replies(chunk_bytes)

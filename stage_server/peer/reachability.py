@@ -96,9 +96,16 @@ class PeerPath:
         it), and pauses between tries with the swarm's one backoff."""
         pauses = Backoff(0.5, 30.0)
         return Attachment(
-            peer, token, local, relays, on_change, address=self.address, pauses=pauses,
-            local_metrics=self.local_metrics, metrics_address=self.metrics_address,
-        )  # fmt: skip
+            peer,
+            token,
+            local,
+            relays,
+            on_change,
+            address=self.address,
+            pauses=pauses,
+            local_metrics=self.local_metrics,
+            metrics_address=self.metrics_address,
+        )
 
     def __init__(
         self,
@@ -234,8 +241,13 @@ class PeerPath:
             try:
                 await attachment.start()
             except Exception as e:  # the next relay announced, or report, tries again
-                self._failed.warning(type(e).__name__, "%s: could not attach to a relay: %s: %s",
-                                     self.peer, type(e).__name__, e)  # fmt: skip
+                self._failed.warning(
+                    type(e).__name__,
+                    "%s: could not attach to a relay: %s: %s",
+                    self.peer,
+                    type(e).__name__,
+                    e,
+                )
                 self._generation += 1
                 with contextlib.suppress(Exception):  # whatever it had begun
                     await attachment.stop()
@@ -266,11 +278,16 @@ class PeerPath:
         if self.relay == old:
             return
         if self.relay and not old:
-            log.info("%s: attached to relay %s; announced as reached through it",
-                     self.peer, self.relay)  # fmt: skip
+            log.info(
+                "%s: attached to relay %s; announced as reached through it", self.peer, self.relay
+            )
         elif self.relay:
-            log.warning("%s: relay %s is gone; attached to relay %s instead and announced it",
-                        self.peer, old, self.relay)  # fmt: skip
+            log.warning(
+                "%s: relay %s is gone; attached to relay %s instead and announced it",
+                self.peer,
+                old,
+                self.relay,
+            )
         else:
             log.warning(
                 "%s: relay %s is gone and no other relay answers: announced without a relay, so "
@@ -292,8 +309,12 @@ class PeerPath:
         if report.reachability == cpb.REACHABILITY_DIRECT:
             log.info("%s: reachable at %s (direct)", self.peer, address)
         elif report.reachability == cpb.REACHABILITY_RELAYED:
-            log.info("%s: relayed through %s (%s does not answer directly)",
-                     self.peer, report.relay or self.relay, address)  # fmt: skip
+            log.info(
+                "%s: relayed through %s (%s does not answer directly)",
+                self.peer,
+                report.relay or self.relay,
+                address,
+            )
         elif report.reachability == cpb.REACHABILITY_UNREACHABLE:
             detail = report.detail.rstrip(". ") or "the scheduler's dial-back got no answer"
             remedy = report.remedy or self.remedy()

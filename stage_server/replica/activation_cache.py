@@ -83,9 +83,14 @@ class ActivationCache:
             yield footprint
 
     def keep(
-        self, key: Key, x: torch.Tensor, out: torch.Tensor, footprint: Footprint, count: int,
+        self,
+        key: Key,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        footprint: Footprint,
+        count: int,
         max_bytes: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Keep `key`'s activations, then drop the oldest past `count` or `max_bytes`."""
         footprint.add(x)
         footprint.add(out)

@@ -250,8 +250,13 @@ class Committer:
                 f"{'APPLY' if c.apply else ''}"
             )
         if not already:
-            log.debug("%s: stage %d: %s of the round ending at step %d", self.peer, c.stage,
-                      EagerOp(c.eager).name, boundary)  # fmt: skip
+            log.debug(
+                "%s: stage %d: %s of the round ending at step %d",
+                self.peer,
+                c.stage,
+                EagerOp(c.eager).name,
+                boundary,
+            )
         return Committed(rt.step, already, sum_checks=_report(checks))
 
     def _finite(self, c: Commit, what: str, sums: list[torch.Tensor]) -> None:

@@ -102,8 +102,10 @@ class EagerRound(LocalRound):
     def set_average(self, boundary: int, sums: list[torch.Tensor]) -> None:
         self.replica.snapshots.detach()  # a state being sent holds the last average
         if self.shared != boundary:
-            raise FailedPrecondition(f"an average of the round ending at step {boundary} here, "
-                                     f"whose last share is of {self.shared}")  # fmt: skip
+            raise FailedPrecondition(
+                f"an average of the round ending at step {boundary} here, "
+                f"whose last share is of {self.shared}"
+            )
         assert self.share is not None
         owned = {id(t) for t in self.share}  # a pool of one sums nothing: keep no alias
         self.average = [t.clone() if id(t) in owned else t for t in sums]
@@ -147,8 +149,10 @@ class EagerRound(LocalRound):
     def mean_part(self, boundary: int) -> list[torch.Tensor]:
         r = self.replica
         if not (boundary == r.step and self.ended(boundary)):
-            raise FailedPrecondition(f"stage {r.stage}: the last round ({boundary}) is not "
-                                     f"applied here (at step {r.step})")  # fmt: skip
+            raise FailedPrecondition(
+                f"stage {r.stage}: the last round ({boundary}) is not "
+                f"applied here (at step {r.step})"
+            )
         return self.start
 
     def set_mean(self, sums: list[torch.Tensor], members: int) -> None:
@@ -201,8 +205,11 @@ class EagerRound(LocalRound):
             if at is not None and int(at.item()) >= 0:
                 raise InvalidArgument(f"a state of round {int(at.item())} without all {prefix}/")
             return None, -1
-        return [t.to(p.device, p.dtype).clone() for t, p in zip(found, self.params, strict=True)
-                if t is not None], int(at.item())  # fmt: skip
+        return [
+            t.to(p.device, p.dtype).clone()
+            for t, p in zip(found, self.params, strict=True)
+            if t is not None
+        ], int(at.item())
 
 
 class StepEagerRound(EagerRound):

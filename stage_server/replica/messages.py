@@ -176,9 +176,12 @@ class Messages:
         # body and send none hold nothing (issue 44, N6).
         started = time.perf_counter()  # the call came: its bytes follow (a link rate)
         received = await wire.receive(
-            held.arriving(requests), max_bytes=limit, admit=check, reserve=held.expect,
+            held.arriving(requests),
+            max_bytes=limit,
+            admit=check,
+            reserve=held.expect,
             limit_name=name,
-        )  # fmt: skip
+        )
         seconds = time.perf_counter() - started
         wire_bytes = sum(t.nbytes for t in received.header.tensors)
         self.metrics.moved("down", wire_bytes, seconds)

@@ -234,8 +234,9 @@ class StageRuntime:
         receipt = Receipt(self.stage, step, index, samples, duplicate and accumulate)
         if accumulate and not duplicate:  # its receipt once the sums hold it whole
             fail = f"{Point.BACKWARD_OOM}@{step}" if due(Point.BACKWARD_OOM, step) else ""
-            grad_x = backprop_into(sums, index, samples, self.params, list(params), x, out, grad,
-                                   want_x, fail=fail)  # fmt: skip
+            grad_x = backprop_into(
+                sums, index, samples, self.params, list(params), x, out, grad, want_x, fail=fail
+            )
             return grad_x, receipt
         targets = [*params, x] if want_x else list(params)
         grads = torch.autograd.grad(out, targets, grad, allow_unused=True)

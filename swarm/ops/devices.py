@@ -132,12 +132,16 @@ def find_device(spec: str, facts: DeviceFacts) -> torch.device:
         return device
     if device.type == "mps":
         if not facts.mps_available():
-            raise SwarmError(f"--device {spec}: MPS is not available on this machine; "
-                             f"it has: {describe_devices(facts)}")  # fmt: skip
+            raise SwarmError(
+                f"--device {spec}: MPS is not available on this machine; "
+                f"it has: {describe_devices(facts)}"
+            )
         return device
     if device.type != "cuda":
-        raise SwarmError(f"--device {spec}: swarm computes on cpu, cuda:N or mps; "
-                         f"this machine has: {describe_devices(facts)}")  # fmt: skip
+        raise SwarmError(
+            f"--device {spec}: swarm computes on cpu, cuda:N or mps; "
+            f"this machine has: {describe_devices(facts)}"
+        )
     if not facts.cuda_available():
         build = facts.cuda_build()
         why = (
@@ -146,13 +150,17 @@ def find_device(spec: str, facts: DeviceFacts) -> torch.device:
             else f"torch {facts.torch_version()} (CUDA {build}) sees no GPU: check the NVIDIA "
             "driver (nvidia-smi lists the GPUs) and CUDA_VISIBLE_DEVICES"
         )
-        raise SwarmError(f"--device {spec}: CUDA is not available ({why}); "
-                         f"this machine has: {describe_devices(facts)}")  # fmt: skip
+        raise SwarmError(
+            f"--device {spec}: CUDA is not available ({why}); "
+            f"this machine has: {describe_devices(facts)}"
+        )
     index = 0 if device.index is None else device.index
     count = facts.device_count()
     if index >= count:
-        raise SwarmError(f"--device {spec}: no such GPU; this machine has {count} "
-                         f"(--device {describe_devices(facts)})")  # fmt: skip
+        raise SwarmError(
+            f"--device {spec}: no such GPU; this machine has {count} "
+            f"(--device {describe_devices(facts)})"
+        )
     return torch.device("cuda", index)
 
 

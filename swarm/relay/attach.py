@@ -208,8 +208,7 @@ class Attachment:
                 asyncio.open_connection(*split_host_port(target)), self.timeout_s
             )
         except (OSError, TimeoutError) as e:
-            log.warning("%s: own server %s did not answer a relayed call: %s", self.peer,
-                        target, e)  # fmt: skip
+            log.warning("%s: own server %s did not answer a relayed call: %s", self.peer, target, e)
             return
         try:
             remote = await asyncio.wait_for(

@@ -192,8 +192,9 @@ class RelayServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         where = writer.get_extra_info("peername")
         if self._heads >= self.limits.max_heads:
-            self._refuse("busy", "refused a connection from %s: %d request heads pending", where,
-                         self._heads)  # fmt: skip
+            self._refuse(
+                "busy", "refused a connection from %s: %d request heads pending", where, self._heads
+            )
             return False
         self._heads += 1
         try:
@@ -206,8 +207,9 @@ class RelayServer:
             await _linger(reader)
             return False
         except TimeoutError:
-            self._refuse("slow", "dropped %s: no request head in %.0f s", where,
-                         self.limits.head_timeout_s)  # fmt: skip
+            self._refuse(
+                "slow", "dropped %s: no request head in %.0f s", where, self.limits.head_timeout_s
+            )
             return False
         finally:
             self._heads -= 1
@@ -252,8 +254,12 @@ class RelayServer:
             return
         peer = attached.peer
         if attached.tunnels >= self.limits.max_tunnels_per_peer:
-            self._refuse("peer-full", "refused a tunnel to %s: its %d tunnels are open", peer,
-                         attached.tunnels)  # fmt: skip
+            self._refuse(
+                "peer-full",
+                "refused a tunnel to %s: its %d tunnels are open",
+                peer,
+                attached.tunnels,
+            )
             await _answer(writer, 503, f"peer {peer} has {attached.tunnels} tunnels open")
             return
         if self._tunnels >= self.limits.max_tunnels:
@@ -305,8 +311,12 @@ class RelayServer:
             for kind, announced in attached.keys.items():
                 if key is not None and key == announced:
                     return attached, kind
-            raise _Refused(403, "target", f"peer {peer} announced no such address (only its "
-                           "gRPC and metrics addresses are carried)")  # fmt: skip
+            raise _Refused(
+                403,
+                "target",
+                f"peer {peer} announced no such address (only its "
+                "gRPC and metrics addresses are carried)",
+            )
         found = [a for a in self._peers.values() if key is not None and a.keys[METRICS] == key]
         if not found:
             raise _Refused(502, "unknown", "no peer attached to this relay serves metrics there")
@@ -363,8 +373,9 @@ class RelayServer:
             writer.write(b"ERR not a peer id\n")
             return
         if peer not in self._peers and len(self._peers) >= self.limits.max_peers:
-            self._refuse("peers-full", "refused peer %.64r: %d peers attached", peer,
-                         len(self._peers))  # fmt: skip
+            self._refuse(
+                "peers-full", "refused peer %.64r: %d peers attached", peer, len(self._peers)
+            )
             writer.write(f"ERR this relay carries {len(self._peers)} peers, its most\n".encode())
             return
         nonce = secrets.token_hex(16)

@@ -312,10 +312,22 @@ class StageClient:
         check_seed: int = 0,  # PREPARE: the checksum of the aggregators' parts asked (0: none)
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
-            job=self.job_id, stage=self.stage, step=step, microbatches=microbatches,
-            total_samples=total_samples, phase=phase, group=group or [], group_index=group_index,
-            round=round, grad_scale=grad_scale, round_end=round_end, check_seed=check_seed,
-            part_weights=parts.weights, contributors=parts.contributors, eager=eager)  # type: ignore[arg-type]  # fmt: skip
+            job=self.job_id,
+            stage=self.stage,
+            step=step,
+            microbatches=microbatches,
+            total_samples=total_samples,
+            phase=phase,
+            group=group or [],
+            group_index=group_index,
+            round=round,
+            grad_scale=grad_scale,
+            round_end=round_end,
+            check_seed=check_seed,
+            part_weights=parts.weights,
+            contributors=parts.contributors,
+            eager=eager,  # type: ignore[arg-type]  # the job's EagerOp is the wire's enum by value
+        )
         # APPLY is one local step: a replica hung past a hop's deadline rejoins later, not held for.
         apply = phase == pb.COMMIT_PHASE_APPLY
         timeout = self._timeout if apply else self.job.runtime.commit_timeout_s
