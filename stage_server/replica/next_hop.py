@@ -11,7 +11,7 @@ Exactness: a failed call may have accumulated downstream all the same (it died a
 backward, say). Its stages are never asked to accumulate again from here: the later tries only
 fetch the gradient this replica needs, and those stages go back to the trainer as `uncertain`:
 the coordinator adopts the receipts a replica holds, or replays the stage (as it does for an
-uncertain call of the relay plane).
+uncertain call of the carry plane).
 """
 
 from __future__ import annotations

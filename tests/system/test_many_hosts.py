@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,10 +33,13 @@ PEERS = [f"peer{i}" for i in range(4)]
 HOSTS = ["broker", "scheduler", "trainer", *PEERS]
 ADDRESSES = {h: f"{SUBNET}.{10 + i}" for i, h in enumerate(HOSTS)}
 TOKEN = "many-hosts-token"
-# Long enough that a `swarm status` from the trainer's namespace (a fresh interpreter each,
-# 1-3 s on a busy machine) sees a step >= 3 with a pool before the job ends: with 30 the job
-# once ended between two of them, and the kill never came.
-STEPS = 90
+STEPS = 40
+RUN_S = 0.3
+"""While the test looks (`swarm status` from the trainer's namespace: a fresh interpreter, 1-3 s
+on a busy machine) the job holds still: the scheduler runs no trainer of its own and the remote
+trainer is stopped (SIGSTOP), so what the test sees is where the job is, and the kill lands
+mid-job however fast the machine trains. Between two looks the trainer runs `RUN_S`, a few
+steps at most (a 30-step job once ended between two looks of a test that let it run)."""
 
 
 @pytest.fixture
@@ -105,6 +109,7 @@ def test_a_swarm_of_hosts_with_tls_trains_exactly_through_a_kill(
             *("--host", "0.0.0.0", "--announce-host", ADDRESSES["scheduler"], "--port", "7700"),
             *("--broker", broker_url, "--store", str(tmp_path / "jobs.sqlite")),
             *("--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(data_root)),
+            "--no-embedded-trainer",  # the remote trainer is the job's only one (`RUN_S`)
         )
         for peer in PEERS:
             start(
@@ -122,21 +127,29 @@ def test_a_swarm_of_hosts_with_tls_trains_exactly_through_a_kill(
         for peer in PEERS:
             assert ready[peer]["address"] == f"{ADDRESSES[peer]}:7000", ready[peer]
         job_id = client("submit", str(job), "--scheduler", scheduler).split()[0]
-        start("trainer", "trainer", "--scheduler", scheduler, "--job", job_id)
+        trainer = start("trainer", "trainer", "--scheduler", scheduler, "--job", job_id)
         killed = None
         deadline = time.monotonic() + 420
         while time.monotonic() < deadline:
-            status = json.loads(client("status", job_id, "--json", "--scheduler", scheduler))
-            step = int(status.get("step", 0))
-            if killed is None and step >= 3:
-                # a peer whose stage keeps another replica: its work is replayed there
-                pools = [s["replicas"] for s in status.get("stages", []) if len(s["replicas"]) > 1]
-                if pools:
-                    killed = pools[0][0]["peer"]
-                    next(p for p in procs if p.name == killed).kill()
+            held = killed is None  # until the kill, the job holds still while the test looks
+            if held:
+                os.killpg(trainer.popen.pid, signal.SIGSTOP)
+            try:
+                status = json.loads(client("status", job_id, "--json", "--scheduler", scheduler))
+                step = int(status.get("step", 0))
+                if killed is None and step >= 3:
+                    # a peer whose stage keeps another replica: its work is replayed there
+                    stages = status.get("stages", [])
+                    pools = [s["replicas"] for s in stages if len(s["replicas"]) > 1]
+                    if pools:
+                        killed = pools[0][0]["peer"]
+                        next(p for p in procs if p.name == killed).kill()
+            finally:
+                if held:
+                    os.killpg(trainer.popen.pid, signal.SIGCONT)
             if status["state"] in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED"):
                 break
-            time.sleep(1)
+            time.sleep(RUN_S if killed is None else 1)
         assert status["state"] == "JOB_STATE_SUCCEEDED", status
         assert killed is not None, "no stage had two replicas to kill one of"
         client("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", scheduler)

@@ -25,7 +25,10 @@ from tests.support.jobs import write_job
 
 pytestmark = pytest.mark.slow
 
-PERIOD_S = 60.0  # the rebalancing check: the move must come long before it
+PERIOD_S = 3600.0
+"""The rebalancing check's period: longer than the test runs, so no periodic check comes while
+it runs, and a move it sees can only be the one made at once when a stage lost its last replica
+(judged by what happened, not by how many seconds it took on a busy machine)."""
 
 
 def test_a_lost_stage_gets_a_spare_at_once_and_the_job_is_stalled_meanwhile(
@@ -46,7 +49,6 @@ def test_a_lost_stage_gets_a_spare_at_once_and_the_job_is_stalled_meanwhile(
         assert spare is not None
         victim_stage, spare_stage = spare
         victim = status["stages"][victim_stage]["replicas"][0]["peer"]
-        killed_at = time.time()
         next(p for p in sw.peers if p.ready["peer"] == victim).kill()
         seen = asyncio.run(_states_until_served(sw.address, job_id, victim_stage))
         # `swarm status` and `swarm jobs` showed the job stalled, then running again.
@@ -61,8 +63,6 @@ def test_a_lost_stage_gets_a_spare_at_once_and_the_job_is_stalled_meanwhile(
             stall[2],
         )
         assert moved is not None, events
-        # At once: within seconds of the kill, not at the next check PERIOD_S later.
-        assert stall[0] - killed_at < 10.0, (stall, killed_at)
         states = [text for _, kind, text in events if kind == "state"]
         stalled = next(t for t in states if t.startswith("running -> stalled: "))
         assert f"the scheduler is moving {moved[1]} from stage {spare_stage}" in stalled, states

@@ -1,18 +1,17 @@
-"""Two schedulers on one job store, with real processes: the second is refused at once, naming
-the store, the pid of the scheduler holding it and `--store`; once the first stops, the store is
-free again."""
+"""Two schedulers on one job store, with real processes: the second is refused while the first
+still holds the store (it does not wait for it: the lock is taken without blocking, which
+tests/scheduler/test_store_lock.py proves in one process, where a blocking lock would hang),
+naming the store, the pid of the scheduler holding it and `--store`; once the first stops, the
+store is free again."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from swarm.local.procs import start_process
 from tests.support.cli import swarm
-
-BOUND_S = 15.0  # a Python start on a busy machine
 
 
 @pytest.mark.slow
@@ -24,9 +23,8 @@ def test_a_second_scheduler_on_the_same_store_is_refused(tmp_path: Path) -> None
     first = start_process(args, log_dir=tmp_path, name="first")
     try:
         first.wait_ready(120)
-        started = time.monotonic()
         second = swarm(*args, timeout=60, check=False)
-        took = time.monotonic() - started
+        assert first.proc.poll() is None, "the first scheduler stopped: the refusal proves nothing"
         assert second.returncode == 2, second.stderr
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1, second.stderr
@@ -35,7 +33,6 @@ def test_a_second_scheduler_on_the_same_store_is_refused(tmp_path: Path) -> None
         )
         assert f"by another scheduler (pid {first.proc.pid})" in lines[0], lines[0]
         assert "give this one another store (--store PATH, SWARM_STORE)" in lines[0], lines[0]
-        assert took < BOUND_S, f"{took:.1f} s"
     finally:
         assert first.stop() == 0, first.log()[-3000:]
     # Stopped, it lets go: a scheduler starts on the store again.
