@@ -15,6 +15,7 @@ from swarm.bus.topics import Topics
 from swarm.proto import control_pb2 as cpb
 from tests.support.raw_mqtt import RawClient, connect_packet, publish_packet
 from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, WAIT_S, ScheduledSwarm, scheduled_swarm
+from tests.support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.attack("N9"),
@@ -48,7 +49,7 @@ async def _flip(swarm: ScheduledSwarm, peer: str, job: str) -> None:
             announced = registry.peers.get(peer)
             return announced is not None and announced.device == "done"
 
-        await swarm.until(seen, f"the scheduler saw {peer}'s last announcement", timeout_s=120)
+        await wait_until(seen, f"the scheduler saw {peer}'s last announcement", timeout_s=120)
 
 
 def _said(caplog: pytest.LogCaptureFixture, peer: str) -> list[str]:

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -25,20 +25,10 @@ from swarm.rpc.server_options import (
     grpc_server,
 )
 from tests.support.raw_http2 import RawHttp2
+from tests.support.waiting import wait_until
 
 TOKEN = "s3cret-token"
 MiB = 1 << 20
-
-
-async def _until(what: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    """Whether `what` came true within `timeout_s` (polled)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not what():
-        if loop.time() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
 
 
 @pytest.fixture
@@ -83,7 +73,7 @@ async def test_half_sent_calls_hold_no_call_slot(
         assert code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), code
         # The stranger's calls end (refused at their header), rather than wait with their slot
         # for a body that never comes.
-        assert await _until(lambda: all(call in s.closed_streams for s, call in streams))
+        await wait_until(lambda: all(call in s.closed_streams for s, call in streams))
     finally:
         for stranger in strangers:
             stranger.close()
@@ -158,7 +148,7 @@ async def test_connections_are_capped() -> None:
             strangers.append(RawHttp2("127.0.0.1", port))
             strangers[-1].preface()
         cap = SCHEDULER_LIMITS.max_connections
-        assert await _until(lambda: sum(s.eof.is_set() for s in strangers) >= 700 - cap)
+        await wait_until(lambda: sum(s.eof.is_set() for s in strangers) >= 700 - cap)
         # Each stranger's own socket is one of this process's descriptors: the rest are the
         # server's (and stay while the stranger's end is open).
         held = _descriptors() - before - len(strangers)
@@ -179,7 +169,7 @@ async def test_idle_connections_are_dropped() -> None:
     try:
         for stranger in strangers:
             stranger.preface()
-        assert await _until(lambda: all(s.eof.is_set() for s in strangers))
+        await wait_until(lambda: all(s.eof.is_set() for s in strangers))
         assert all(s.goaway for s in strangers)
     finally:
         for stranger in strangers:
