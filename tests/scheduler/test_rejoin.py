@@ -56,6 +56,11 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
             lambda: "v" not in registry.peers, "the scheduler saw v go", timeout_s=WAIT_S
         )
 
+        def since_it_left() -> list[str]:
+            """The job's events from v's leaving on."""
+            texts = [e.text for e in swarm.store.events(job)]
+            return texts[max(i for i, t in enumerate(texts) if t.startswith("v left")) :]
+
         # What is assigned to v from now on, and what v says it serves.
         seen: list[tuple[str, int]] = []
         async with swarm.reader() as sub:
@@ -76,9 +81,18 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
             # directory): placed afresh it would take stage 0; its assignment says stage 1.
             await swarm.add("v", throttle=3.0)
             await wait_until(lambda: ("serving", 1) in seen, "v serves again", timeout_s=WAIT_S)
-            await asyncio.sleep(2.5)  # a move ordered meanwhile would have been built by now
+            # Judged once every decision on v since its return is made and acted on: the
+            # scheduler placed it (its one chance to order a move), v built what it was given,
+            # and the coordinator counts it as a replica.
+            await wait_until(
+                lambda: any(t.startswith("v counts as a replica") for t in since_it_left()),
+                "v counted as a replica again",
+                timeout_s=WAIT_S,
+            )
             watching.cancel()
         assert {stage for _, stage in seen} == {1}, seen
+        placed = [t for t in since_it_left() if t.startswith("starting") and "v on stage" in t]
+        assert placed == ["starting 1 stage server(s): v on stage 1"], since_it_left()
         texts = [e.text for e in swarm.store.events(job) if e.text.startswith("v ")]
         assert not [t for t in texts if "moved" in t], texts
         [back] = [t for t in texts if t.startswith("v is back, restarted")]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -401,7 +402,9 @@ async def _get(address: str, target: str, login: str) -> tuple[str, Stream]:
 
 
 @pytest.mark.attack("R5")
-async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers() -> None:
+async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The relay names what a call is for (its gRPC server or its metrics), never an address:
     a relay (or whoever poses as one) asking for anything else gets no connection, and a peer
     without metrics opens none for a metrics call."""
@@ -436,11 +439,20 @@ async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers(
         relay = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
         attachment = Attachment("a", TOKEN, f"127.0.0.1:{grpc_port}", lambda: [relay],
                                 lambda _: None)  # fmt: skip
+        caplog.set_level(logging.DEBUG)
         await attachment.start()
         try:
             await asked
-            await wait_until(lambda: data == [b"c5"] and len(served) == 1)
-            await asyncio.sleep(0.5)  # what else it would have opened, it had by now
+            # Judged once the peer gave each of the five its answer, in order: four refused
+            # (each says so), then c5's call carried to its own gRPC server.
+            await wait_until(
+                lambda: (
+                    len([r for r in caplog.records if r.getMessage().endswith(": not served")]) == 4
+                    and data == [b"c5"]
+                    and len(served) == 1
+                ),
+                lambda: f"c1-c4 refused, c5 served: {data}, {served}, {caplog.messages}",
+            )
             assert data == [b"c5"] and elsewhere == [] and len(served) == 1
         finally:
             await attachment.stop()
