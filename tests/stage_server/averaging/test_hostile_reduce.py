@@ -1,6 +1,7 @@
 """Strangers' `Reduce` calls against a live stage server's pool service (issue 44): headers that
 declare a GiB part and send nothing hold none of the receive budget (N6), and contributions
-whose callers hung up leave no round state behind (N13)."""
+whose callers hung up leave no round state behind, and a round holds a bounded number of
+slices (N13)."""
 
 from __future__ import annotations
 
@@ -215,7 +216,39 @@ async def test_a_part_someone_still_waits_for_keeps_a_hung_up_senders_contributi
     assert averager.open_rounds() == set()
 
 
+async def _slice_of_one(stub: Any, job: str, round: str, slice: int) -> grpc.StatusCode:
+    """A round of one's empty contribution to `slice`: summed at once (OK), or refused."""
+    call = stub.Reduce(timeout=30)
+    try:
+        await call.write(_header(job, 0, round=round, group_size=1, slice=slice))
+        await call.done_writing()
+        await wire.receive_reply(call, max_bytes=MiB)
+    except grpc.aio.AioRpcError as e:
+        assert "slices of the round are open or summed" in str(e.details()), e.details()
+        return e.code()
+    return grpc.StatusCode.OK
+
+
 @pytest.mark.attack("N13")
+async def test_a_strangers_new_slices_are_summed_up_to_the_bound_then_refused(
+    server: RunningStageServer, job: JobConfig
+) -> None:
+    # A stranger's Reduce calls through the pool service, each a round of one on a new slice:
+    # each completes at once and is remembered with its round (a late sender is told it came
+    # too late). Before the fix without bound; now the round holds `max_open_slices` (4,096),
+    # the next is refused, and another round is still served.
+    bound, fp = server.servicer.averager._max_open_slices, fingerprint(job)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pool_pb2_grpc.PoolServiceStub(channel)
+        for first in range(0, bound, 128):  # 128 calls at once (one connection holds 256)
+            codes = await asyncio.gather(
+                *(_slice_of_one(stub, fp, "r", s) for s in range(first, first + 128))
+            )
+            assert set(codes) == {grpc.StatusCode.OK}, codes
+        assert await _slice_of_one(stub, fp, "r", bound) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await _slice_of_one(stub, fp, "other", 0) == grpc.StatusCode.OK
+
+
 async def test_a_round_keeps_at_most_max_open_slices_summed_or_open() -> None:
     # Each summed slice is remembered for its round (a late sender is told it came too late):
     # before the fix without bound, ~190 bytes kept a completed call (a round of one, a new
