@@ -30,7 +30,9 @@ descriptors swing as peers die and return), which is not a leak; a connection to
 restarted process, a second connection to the same live one, and every file, pipe and listening
 socket still count. The raw count is printed beside it. Growth is judged per process instance
 that lived long enough: after its warm-up
-(`--warmup` of the run, counted from the run's and the instance's start), the mean of its last
+(`--warmup` of the run, counted from the run's start and from the instance's start, or for a peer
+from when the scheduler first showed it serving: a spare idles with fewer threads and descriptors
+until it serves, which is not a leak), the mean of its last
 window (`--window` of the run) over the mean of its first; the worst instance of each role is
 printed. At the end the job is exported (the parameters at one step) and compared with
 `swarm.model.reference.train_local` (what `swarm local` runs) for that many steps; a job that ends
@@ -203,6 +205,7 @@ class Instance:
         default_factory=list
     )  # t, rss MiB, all descriptors, threads, descriptors judged (see `held_descriptors`)
     stopped: bool = False  # SIGSTOPped now
+    serving_since: float | None = None  # a peer: when the scheduler first showed it serving
 
     @property
     def pid(self) -> int:
@@ -539,6 +542,10 @@ class Soak:
             self.rollback_metric[self.scheduler.pid, job] = value
         status = job_status(self.address, job)
         if status is not None:
+            for name in set().union(*serving(status).values()):
+                peer = self.peers.get(name)
+                if peer is not None and peer.serving_since is None:
+                    peer.serving_since = t
             step = int(status.step)
             if self.last_step is not None and step > self.last_step:
                 if self.first_step_s is None:
@@ -798,7 +805,11 @@ class Soak:
         for inst in self.procs.all:
             roles.setdefault(inst.role, {"instances": 0, "judged": 0})
             roles[inst.role]["instances"] += 1
-            begin = max(start, inst.started + warm)
+            # Judged within its serving life: a spare's growth as it begins serving is not.
+            since = inst.serving_since if inst.role == "peer" else inst.started
+            if since is None:
+                continue  # a peer that never served
+            begin = max(start, since + warm)
             after = [s for s in inst.samples if s[0] >= begin]
             if len(after) < 4 or after[-1][0] - after[0][0] < 2 * window:
                 continue

@@ -5,12 +5,14 @@ A peer's load topic is the same whatever job it serves: the trainer takes its ow
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 import client.remote as remote
+import client.trainer as trainer_module
 from client.trainer import PipelineTrainer, load_followed
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus
@@ -85,7 +87,24 @@ async def test_a_remote_trainer_follows_the_load_reports(monkeypatch: pytest.Mon
     assert seen == [QUEUE_DEPTH * microbatch, 1.0 / SECONDS_PER_SAMPLE]
 
 
-async def test_without_a_broker_nothing_is_followed() -> None:
-    """No broker (a standalone trainer's default): no bus, the block just runs."""
-    async with load_followed(None, JOB, []):
-        pass
+async def test_without_a_broker_nothing_is_followed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No broker (a standalone trainer's default): no bus, no follower, the block just runs."""
+    made: list[tuple[Any, ...]] = []
+
+    class NoBus:
+        def __init__(self, *args: Any, **_: Any) -> None:
+            made.append(args)
+
+        async def __aenter__(self) -> NoBus:
+            return self
+
+        async def __aexit__(self, *_: object) -> None:
+            pass
+
+    monkeypatch.setattr(trainer_module, "Bus", NoBus)
+    trainer = cast(PipelineTrainer, SimpleNamespace(trainer_id="t1", wiring=None, job=None))
+    before, ran = asyncio.all_tasks(), False
+    async with load_followed(None, JOB, [trainer]):
+        assert asyncio.all_tasks() == before  # no follower started
+        ran = True
+    assert ran and made == []

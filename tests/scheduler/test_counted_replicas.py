@@ -15,7 +15,8 @@ from stage_server.replica.runtime import StageRuntime
 from swarm.job.states import peer_state_name
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
-from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, ScheduledSwarm, scheduled_swarm
+from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, WAIT_S, ScheduledSwarm, scheduled_swarm
+from tests.support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -54,7 +55,9 @@ async def test_a_spare_nobody_can_reach_never_counts(tmp_path: Path) -> None:
 
         # The scheduler's dial-back finds that out (issue 42): it is never placed, so it never
         # says it serves (it used to be placed, and to show as joining, "not answering").
-        await swarm.until(unreachable, "the scheduler's dial-back finds the spare unreachable")
+        await wait_until(
+            unreachable, "the scheduler's dial-back finds the spare unreachable", timeout_s=WAIT_S
+        )
         assert swarm.scheduler.peer_registry.given(job, "far") is None
         assert swarm.scheduler.peer_registry.peers["far"].state != cpb.PEER_STATE_SERVING
         status = swarm.status(job)
@@ -93,7 +96,7 @@ async def test_a_spare_counts_once_it_joined(
                     assert "c" in coordinator.membership.synced
             return "c" in coordinator.membership.synced and row is not None and row[1] == "serving"
 
-        await swarm.until(admitted, "the spare joins")
+        await wait_until(admitted, "the spare joins", timeout_s=WAIT_S)
         # Listed from its placement on, building its stage (a second here), then joining.
         assert seen[0][1:] == ("joining", f"building stage {seen[0][0]} (assigned 0 s ago)"), seen
         assert any(row[2].startswith("downloading state from") for row in seen) or any(
@@ -110,9 +113,10 @@ async def test_a_spare_counts_once_it_joined(
         assert said[0].endswith(f"(a copy of {member})"), said
         other = f"stage {1 - stage} has a single replica"
         # The watch looks every second: the warning drops the stage that has a spare now.
-        await swarm.until(
+        await wait_until(
             lambda: [other in w for w in swarm.status(job).warnings] == [True],
             "the warning names only the stage without a spare",
+            timeout_s=WAIT_S,
         )
         assert _gauges(swarm, job)[(str(stage), "serving")] == 2
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +26,10 @@ from swarm.net.commit_auth import KEY_FILE
 from swarm.rpc.lease import Replica
 from tests.support.fakes import SilentBus
 from tests.support.jobs import BASE, render, write_job
+from tests.support.waiting import wait_until
 
 WAIT_S = 10.0
 _close = checkpoint.StageWriter.close  # the real one, under a held one's spy
-
-
-async def _until(what: Callable[[], bool]) -> None:
-    async with asyncio.timeout(WAIT_S):
-        while not what():
-            await asyncio.sleep(0.01)
 
 
 def _state(store: JobStore, job_id: str) -> JobState | None:
@@ -58,7 +52,7 @@ async def test_a_stored_job_over_the_bounds_fails_at_restart_and_freezes_nothing
         try:
             record = store.get(job_id)
             assert record is not None and job_status(record, scheduler).stages == []  # GetJob
-            await _until(lambda: _state(store, job_id) == "failed")
+            await wait_until(lambda: _state(store, job_id) == "failed", timeout_s=WAIT_S)
             record = store.get(job_id)
             assert record is not None
             assert "model.n_layers = 20000 is not allowed" in record.error, record.error
@@ -86,7 +80,7 @@ async def test_a_jobs_stages_are_partitioned_once_off_the_event_loop(
         stop = asyncio.Event()
         running = asyncio.create_task(sched.run(stop))
         try:
-            await _until(lambda: bool(sched.stages(job_id)))
+            await wait_until(lambda: bool(sched.stages(job_id)), timeout_s=WAIT_S)
             for _ in range(3):  # as GetJob and ListJobs ask, again and again
                 stages = sched.stages(job_id)
             want = partition(layer_costs(job.model), job.training.stages)
@@ -121,14 +115,16 @@ async def test_finished_jobs_beyond_the_retention_are_deleted_with_their_files(
         stop = asyncio.Event()
         running = asyncio.create_task(sched.run(stop))
         try:
-            await _until(lambda: store.get(ended[0]) is None)  # at start: the oldest one
+            await wait_until(
+                lambda: store.get(ended[0]) is None, timeout_s=WAIT_S
+            )  # at start: the oldest one
             assert not (ckpt / ended[0]).exists()
             assert all(store.get(j) and (ckpt / j / "final.pt").exists() for j in ended[1:])
-            await _until(lambda: _state(store, live) == "placing")
+            await wait_until(lambda: _state(store, live) == "placing", timeout_s=WAIT_S)
             now[0] += 1
             store.set_state(live, "cancelled")  # as the job API cancels
             sched.cancelled(live)
-            await _until(lambda: store.get(ended[1]) is None)  # as a job ends
+            await wait_until(lambda: store.get(ended[1]) is None, timeout_s=WAIT_S)  # as a job ends
             assert not (ckpt / ended[1]).exists()
             assert [r.id for r in store.list()] == [live, ended[2]]
         finally:
@@ -277,7 +273,7 @@ async def test_deleting_a_job_still_shutting_down_is_refused_after_a_wait(
             assert store.get(job_id) is not None and not held.wrote.is_set()
             held.release.set()
             await asyncio.to_thread(held.wrote.wait, WAIT_S)
-            await _until(lambda: job_id not in sched._tasks)
+            await wait_until(lambda: job_id not in sched._tasks, timeout_s=WAIT_S)
             await sched.delete(job_id)  # shut down now
             assert not (ckpt / job_id).exists()
         finally:
@@ -305,8 +301,10 @@ async def test_retention_deletes_a_job_only_once_its_checkpoint_write_ended(
             await sched._retention.sweep()  # a sweep (another job ended) while the write goes on
             held.release.set()
             assert await asyncio.to_thread(held.wrote.wait, WAIT_S)
-            await _until(lambda: store.get(job_id) is None)  # at the job's own end
-            await _until(lambda: job_id not in sched._tasks)
+            await wait_until(
+                lambda: store.get(job_id) is None, timeout_s=WAIT_S
+            )  # at the job's own end
+            await wait_until(lambda: job_id not in sched._tasks, timeout_s=WAIT_S)
             assert not (ckpt / job_id).exists(), "orphaned after the retention sweep"
             assert (ckpt / newer / "final.pt").exists()
         finally:

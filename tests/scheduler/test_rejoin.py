@@ -15,7 +15,8 @@ import pytest
 import stage_server.agent
 from stage_server.replica.runtime import StageRuntime
 from swarm.proto import control_pb2 as cpb
-from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, scheduled_swarm
+from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, WAIT_S, scheduled_swarm
+from tests.support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,9 +50,16 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
             v = registry.peers.get("v")
             return v is not None and v.state == cpb.PEER_STATE_SERVING and v.stage == 1
 
-        await swarm.until(serves_stage_1, "v serves stage 1")
+        await wait_until(serves_stage_1, "v serves stage 1", timeout_s=WAIT_S)
         await swarm.kill("v")
-        await swarm.until(lambda: "v" not in registry.peers, "the scheduler saw v go")
+        await wait_until(
+            lambda: "v" not in registry.peers, "the scheduler saw v go", timeout_s=WAIT_S
+        )
+
+        def since_it_left() -> list[str]:
+            """The job's events from v's leaving on."""
+            texts = [e.text for e in swarm.store.events(job)]
+            return texts[max(i for i, t in enumerate(texts) if t.startswith("v left")) :]
 
         # What is assigned to v from now on, and what v says it serves.
         seen: list[tuple[str, int]] = []
@@ -72,10 +80,19 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
             # Back under its id, measuring other figures (a replacement from the same cache
             # directory): placed afresh it would take stage 0; its assignment says stage 1.
             await swarm.add("v", throttle=3.0)
-            await swarm.until(lambda: ("serving", 1) in seen, "v serves again")
-            await asyncio.sleep(2.5)  # a move ordered meanwhile would have been built by now
+            await wait_until(lambda: ("serving", 1) in seen, "v serves again", timeout_s=WAIT_S)
+            # Judged once every decision on v since its return is made and acted on: the
+            # scheduler placed it (its one chance to order a move), v built what it was given,
+            # and the coordinator counts it as a replica.
+            await wait_until(
+                lambda: any(t.startswith("v counts as a replica") for t in since_it_left()),
+                "v counted as a replica again",
+                timeout_s=WAIT_S,
+            )
             watching.cancel()
         assert {stage for _, stage in seen} == {1}, seen
+        placed = [t for t in since_it_left() if t.startswith("starting") and "v on stage" in t]
+        assert placed == ["starting 1 stage server(s): v on stage 1"], since_it_left()
         texts = [e.text for e in swarm.store.events(job) if e.text.startswith("v ")]
         assert not [t for t in texts if "moved" in t], texts
         [back] = [t for t in texts if t.startswith("v is back, restarted")]
@@ -88,7 +105,7 @@ async def test_a_placement_in_a_running_job_is_an_event_not_its_message(tmp_path
         assert swarm.store.get(job).message == "training"  # type: ignore[union-attr]
         await swarm.add("c")
         coordinator = swarm.scheduler._coordinators[job]
-        await swarm.until(lambda: "c" in coordinator.membership.synced, "c joins")
+        await wait_until(lambda: "c" in coordinator.membership.synced, "c joins", timeout_s=WAIT_S)
         events = [e.text for e in swarm.store.events(job)]
         assert any(t.startswith("starting 1 stage server(s): c on stage") for t in events), events
         assert swarm.store.get(job).message == "training"  # type: ignore[union-attr]

@@ -17,7 +17,8 @@ from swarm.job.config import parse_job
 from swarm.net.commit_auth import SchedulerKey, SignedStub
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient
-from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, scheduled_swarm
+from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, WAIT_S, scheduled_swarm
+from tests.support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.attack("M9"),
@@ -93,4 +94,6 @@ async def test_only_the_scheduler_speaks_the_commit_protocol(tmp_path: Path) -> 
             await client.close()
 
         # The scheduler's own calls were taken all along: the job trains on.
-        await swarm.until(lambda: swarm.step(job_id) >= step + 3, "the job trains on")
+        await wait_until(
+            lambda: swarm.step(job_id) >= step + 3, "the job trains on", timeout_s=WAIT_S
+        )

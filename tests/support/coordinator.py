@@ -5,7 +5,7 @@ them and closes each after the test)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,6 +18,7 @@ from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import MicrobatchResult, Task
 from tests.support.jobs import make_job
 from tests.support.replicas import FakeSwarm
+from tests.support.waiting import wait_until
 
 __all__ = ["LEASE_S", "Harness", "MakeHarness", "job_of", "make_harness", "until"]
 
@@ -115,9 +116,7 @@ async def make_harness() -> AsyncIterator[MakeHarness]:
         await h.coordinator.close()
 
 
-async def until(condition: Callable[[], bool]) -> None:
-    for _ in range(5000):
-        if condition():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("timed out waiting")
+def until(condition: Callable[[], object], what: str = "the condition") -> Awaitable[object]:
+    """`wait_until` at the harness's pace: asked every millisecond (a state it passes through is
+    seen), for 5 s."""
+    return wait_until(condition, what, timeout_s=5.0, every_s=0.001)

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -14,12 +14,13 @@ from swarm.job.config import JobConfig, load_job
 from swarm.job.rule import rule_of
 from swarm.model.local_steps import train_replicas
 from swarm.model.reference import train_local
-from swarm.model.routes import Record
+from swarm.model.routes import Join, Record, Sync
 from swarm.ops.progress import StepRecord
 
 __all__ = [
     "assert_equal_to_local",
     "assert_equal_to_reference",
+    "assert_no_member_skipped_a_round",
     "assert_states_within",
     "evaluations",
     "local_evaluations",
@@ -80,5 +81,37 @@ def reference_state(job: JobConfig, routes: Iterable[Record]) -> dict[str, torch
 def assert_equal_to_reference(
     job: JobConfig, state: dict[str, torch.Tensor], routes: Iterable[Record], tol: float
 ) -> None:
-    """`state` equals `reference_state(job, routes)` within `tol`."""
+    """`state` equals `reference_state(job, routes)` within `tol`, and (the replay takes the
+    record's rounds as they are) no member of a stage skipped a round of it."""
+    routes = list(routes)
+    assert_no_member_skipped_a_round(routes)
     assert_states_within(state, reference_state(job, routes), tol)
+
+
+def _at(record: Record, stage: int) -> set[str]:
+    """The replicas of `stage` that `record` shows serving it (a copy made, a gradient taken,
+    a round averaged)."""
+    if isinstance(record, Join):
+        return {record.peer} if record.stage == stage else set()
+    if isinstance(record, Sync):
+        return set(record.group) if record.stage == stage else set()
+    return {r.backward_peer(stage) for r in record.runs if stage in r.stages}
+
+
+def assert_no_member_skipped_a_round(routes: Sequence[Record]) -> None:
+    """Judged apart from the replay: each round of a stage (`Sync`) averaged every replica of
+    the stage that served it before the round and serves it after without being copied anew
+    (`Join`). One left out of a round's group and recorded so, yet training on with its own
+    parameters, had its share dropped silently: the replay, following the record, would agree."""
+    for i, sync in enumerate(routes):
+        if not isinstance(sync, Sync):
+            continue
+        before = set().union(*(_at(r, sync.stage) for r in routes[:i]))
+        for peer in sorted(before - set(sync.group)):
+            for later in routes[i + 1 :]:
+                if isinstance(later, Join) and (later.stage, later.peer) == (sync.stage, peer):
+                    break  # gone from the round, and copied anew: its share went with it
+                assert peer not in _at(later, sync.stage), (
+                    f"{peer} serves stage {sync.stage} after the round of step {sync.step} "
+                    f"without its share in it (group {list(sync.group)}): {later}"
+                )

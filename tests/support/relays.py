@@ -1,13 +1,12 @@
 """Relay harness for tests: a real gRPC server (health and a raw bytes echo, behind the swarm
 token and the process's TLS identity) reached only through a real `RelayServer` and `Attachment`
-(`relayed`), the echo's bytes (`echo_bytes`), and waiting for a condition (`eventually`)."""
+(`relayed`), and the echo's bytes (`echo_bytes`)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +19,7 @@ from swarm.ops.rated import RatedLog
 from swarm.relay.attach import Attachment
 from swarm.relay.server import RelayLimits, RelayServer
 
-__all__ = ["ECHO", "NAT_HOST", "Relayed", "echo_bytes", "echo_server", "eventually", "relayed"]
+__all__ = ["ECHO", "NAT_HOST", "Relayed", "echo_bytes", "echo_server", "relayed"]
 
 ECHO = "/test.Relay/Echo"
 NAT_HOST = "nat-peer.invalid"
@@ -75,14 +74,6 @@ async def echo_bytes(address: str, token: str | None, parts: Sequence[bytes]) ->
             got.append(await call.read())
         await call.done_writing()
         return got
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import contextlib
 import gc
 import os
 import warnings
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from swarm.job.config import RuntimeConfig
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 from tests.support.jobs import BASE, render
+from tests.support.waiting import wait_until
 
 __all__ = ["AMQTT_LEAKS", "LONG_SPEC", "Peer", "ScheduledSwarm", "scheduled_swarm"]
 
@@ -73,7 +74,7 @@ class ScheduledSwarm:
         self.scheduler.submitted(job)
         for name in peers:
             await self.add(name)
-        await self.until(lambda: self.step(job) >= 2, "the job trains")
+        await wait_until(lambda: self.step(job) >= 2, "the job trains", timeout_s=WAIT_S)
         return job
 
     def step(self, job_id: str) -> int:
@@ -122,14 +123,6 @@ class ScheduledSwarm:
         record = self.store.get(job_id)
         assert record is not None
         return job_status(record, self.scheduler, self.store.events(job_id, 50))
-
-    async def until(
-        self, condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S
-    ) -> None:
-        async with asyncio.timeout(timeout_s):
-            while not condition():
-                await asyncio.sleep(0.05)
-        assert condition(), what
 
     async def close(self) -> None:
         for name in list(self.peers):

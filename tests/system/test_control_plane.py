@@ -23,6 +23,7 @@ from tests.support.brokers import Mosquitto
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
+from tests.support.waiting import wait_until_blocking
 
 pytestmark = pytest.mark.slow
 
@@ -74,15 +75,15 @@ def test_submit_wait_export_equals_local(
 
 
 def _wait_step(sw: LocalSwarm, job_id: str, at_least: int, timeout: float = 120) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def step() -> int | None:
         status = swarm("status", job_id, "--json", "--scheduler", sw.address, check=False)
-        if status.returncode == 0:
-            step = int(json.loads(status.stdout).get("step", 0))
-            if step >= at_least:
-                return step
-        time.sleep(0.3)
-    raise TimeoutError(f"job {job_id} did not reach step {at_least}")
+        if status.returncode != 0:
+            return None
+        step = int(json.loads(status.stdout).get("step", 0))
+        return step if step >= at_least else None
+
+    what = f"job {job_id} at step {at_least}"
+    return wait_until_blocking(step, what, timeout_s=timeout, every_s=0.3)
 
 
 def test_scheduler_killed_and_restarted_resumes_the_job(
@@ -288,14 +289,18 @@ def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -
 
 def _wait_rollback(sw: LocalSwarm, job_id: str, timeout: float = 120) -> str:
     """What `swarm status` said of the rollback (its message, or its rollback event once the
-    message is back to "training"), or the last message seen."""
-    deadline, said = time.monotonic() + timeout, ""
-    while time.monotonic() < deadline and "rolled back" not in said:
+    message is back to "training")."""
+    said = [""]
+
+    def rolled_back() -> str | None:
         status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
         events = [e["text"] for e in status.get("events", []) if e["kind"] == "rollback"]
-        said = events[-1] if events else status.get("message", "")
-        time.sleep(0.3)
-    return said
+        said[0] = events[-1] if events else status.get("message", "")
+        return said[0] if "rolled back" in said[0] else None
+
+    return wait_until_blocking(
+        rolled_back, lambda: f"a rollback said (last: {said[0]!r})", timeout_s=timeout, every_s=0.3
+    )
 
 
 def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -> None:

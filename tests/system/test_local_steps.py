@@ -20,7 +20,11 @@ from swarm.model.routes import Join, Record, StepRuns, Sync, read_routes
 from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
 from tests.support.cli import swarm
-from tests.support.equality import assert_states_within, local_state
+from tests.support.equality import (
+    assert_no_member_skipped_a_round,
+    assert_states_within,
+    local_state,
+)
 from tests.support.jobs import write_job
 from tests.support.servers import Servers, counted, train_on
 
@@ -52,6 +56,7 @@ def _replayed(job: Path, routes: Path) -> dict[str, torch.Tensor]:
 
 
 def _replayed_records(job: Path, records: list[Record]) -> dict[str, torch.Tensor]:
+    assert_no_member_skipped_a_round(records)  # what the replay, following the record, cannot
     model = train_replicas(load_job(job), routes=records)
     return {k: v.detach() for k, v in model.state_dict().items()}
 

@@ -5,9 +5,7 @@ announces an address nobody listens on is dialled back, found UNREACHABLE, never
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,23 +13,13 @@ import pytest
 from swarm.local.procs import LocalSwarm, start_local_swarm
 from tests.support.cli import swarm
 from tests.support.jobs import write_job
+from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def _status(sw: LocalSwarm, job_id: str) -> str:
     return swarm("status", job_id, "--scheduler", sw.address).stdout
-
-
-def _until(condition: Callable[[], str | None], what: str, timeout_s: float = 120) -> str:
-    """The first non-empty answer of `condition`, polled; fails naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        answer = condition()
-        if answer:
-            return answer
-        time.sleep(0.5)
-    raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
 
 
 def _metrics(sw: LocalSwarm) -> str:
@@ -50,9 +38,10 @@ def test_a_peer_nobody_can_dial_is_unreachable_in_status_with_the_remedy_and_not
         # It listens on 127.0.0.1 and announces 127.0.0.2: nothing answers there.
         sw.add_peer(extra=["--announce-host", "127.0.0.2"])
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
-        shown = _until(
+        shown = wait_until_blocking(
             lambda: s if "UNREACHABLE" in (s := _status(sw, job_id)) else None,
             "swarm status shows peer0 unreachable",
+            every_s=0.5,
         )
         assert "peer0" in shown and "127.0.0.2:" in shown, shown
         for fix in ("--announce-host", "forward port", "swarm relay", "--relay"):
@@ -63,9 +52,10 @@ def test_a_peer_nobody_can_dial_is_unreachable_in_status_with_the_remedy_and_not
 
         # A peer that answers is direct, and serves the job; peer0 is still placed nowhere.
         sw.add_peer()
-        _until(
+        wait_until_blocking(
             lambda: "direct" if "direct" in _status(sw, job_id) else None,
             "peer1 serves, reached directly",
+            every_s=0.5,
         )
         status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
         replicas = [r for stage in status["stages"] for r in stage.get("replicas", [])]

@@ -13,7 +13,6 @@ import json
 import re
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +23,12 @@ from swarm.local.procs import LocalSwarm, SwarmProcess, start_local_swarm, start
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
+from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 RELAYED_WITHIN_S = 10.0
 """Issue 42's target: a NAT'd peer's state reads "relayed through ..." within 10 s of its start."""
-
-
-def _until(condition: Callable[[], Any], what: str, timeout_s: float = 120) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        answer = condition()
-        if answer:
-            return answer
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
 
 
 def _metrics(process: SwarmProcess) -> str:
@@ -104,22 +94,25 @@ def test_a_relay_killed_mid_step_is_replaced_without_a_rollback_and_stays_exact(
         nat = sw.add_peer(10.0, extra=["--announce-host", "127.0.0.2", "--behind-nat"])
         started = time.monotonic()  # its ready line
         relayed = 'swarm_peer_reachability{peer="peer1",reachability="relayed"} 1.0'
-        _until(lambda: relayed in _metrics(sw.scheduler), "peer1 relayed", 60)
+        wait_until_blocking(
+            lambda: relayed in _metrics(sw.scheduler), "peer1 relayed", timeout_s=60
+        )
         took = time.monotonic() - started
         assert took <= RELAYED_WITHIN_S, f"peer1 read relayed {took:.1f} s after its start"
 
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         # Mid-job: peer1 serves its stage through its relay, and a few steps are done.
-        serving = _until(
+        serving = wait_until_blocking(
             lambda: (
-                (s := _status(sw, job_id))
+                r
+                if (s := _status(sw, job_id))
                 and 2 <= int(s.get("step", 0)) < steps - 8
                 and (r := _replica(s, "peer1"))
                 and r.get("relay") in by_address
-                and r
+                else None
             ),
             "peer1 serving through a relay, a few steps in",
-            240,
+            timeout_s=240,
         )
         first = serving["relay"]
         other = next(a for a in by_address if a != first)
@@ -127,17 +120,19 @@ def test_a_relay_killed_mid_step_is_replaced_without_a_rollback_and_stays_exact(
 
         # The peer re-attaches to the other relay and announces it; the scheduler's dial-back
         # finds it relayed through that one (its record, which `swarm status` shows).
-        _until(
+        wait_until_blocking(
             lambda: f"relay {first} is gone; attached to relay {other} instead" in nat.log(),
             "peer1 re-attached to the other relay",
-            60,
+            timeout_s=60,
         )
-        _until(
+        wait_until_blocking(
             lambda: f"peer peer1 at {nat.ready['address']}: via {other}" in sw.scheduler.log(),
             "the scheduler's record: peer1 relayed through the other relay",
-            60,
+            timeout_s=60,
         )
-        _until(lambda: int(_status(sw, job_id).get("step", 0)) >= steps, "the job's end", 300)
+        wait_until_blocking(
+            lambda: int(_status(sw, job_id).get("step", 0)) >= steps, "the job's end", timeout_s=300
+        )
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
         assert _rollbacks(_metrics(sw.scheduler)) == 0, "a rollback while another path existed"
         assert "rolled back" not in sw.scheduler.log()
@@ -165,7 +160,7 @@ def test_a_peer_behind_nat_with_no_relay_says_so_waits_unassigned_and_serves_onc
     try:
         nat = sw.add_peer(extra=["--announce-host", "127.0.0.2", "--behind-nat"])
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
-        shown = _until(
+        shown = wait_until_blocking(
             lambda: (
                 s
                 if "UNREACHABLE" in (s := swarm("status", job_id, "--scheduler", sw.address).stdout)
@@ -174,8 +169,10 @@ def test_a_peer_behind_nat_with_no_relay_says_so_waits_unassigned_and_serves_onc
             "swarm status shows peer0 unreachable",
         )
         assert "peer0" in shown and "--relay" in shown and "swarm relay" in shown, shown
-        said = _until(
-            lambda: "WARNING" in (log := nat.log()) and "no relay announced yet" in log and log,
+        said = wait_until_blocking(
+            lambda: (
+                log if "WARNING" in (log := nat.log()) and "no relay announced yet" in log else None
+            ),
             "the NAT'd peer warns that it has no relay",
         )
         assert "--relay" in said and "swarm relay" in said, said[-2000:]
@@ -183,7 +180,9 @@ def test_a_peer_behind_nat_with_no_relay_says_so_waits_unassigned_and_serves_onc
         assert int(_status(sw, job_id).get("step", 0)) == 0
 
         relays.append(_start_relay(sw, "relay-late"))
-        _until(lambda: int(_status(sw, job_id).get("step", 0)) >= 4, "the job's end", 240)
+        wait_until_blocking(
+            lambda: int(_status(sw, job_id).get("step", 0)) >= 4, "the job's end", timeout_s=240
+        )
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
         assert f"attached to relay {relays[0].ready['address']}" in nat.log()
     finally:
@@ -207,14 +206,18 @@ def test_a_remote_trainer_reaches_a_nat_peer_through_its_relay(tmp_path: Path) -
         sw.add_peer()
         nat = sw.add_peer(extra=["--announce-host", "127.0.0.2", "--behind-nat"])
         relayed = 'swarm_peer_reachability{peer="peer1",reachability="relayed"} 1.0'
-        _until(lambda: relayed in _metrics(sw.scheduler), "peer1 relayed", 60)
+        wait_until_blocking(
+            lambda: relayed in _metrics(sw.scheduler), "peer1 relayed", timeout_s=60
+        )
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         before = _tunnels(relays[0])
         remote = start_process(
             ["trainer", "--scheduler", sw.address, "--job", job_id],
             log_dir=tmp_path, name="remote-trainer", env=sw.env,
         )  # fmt: skip
-        _until(lambda: int(_status(sw, job_id).get("step", 0)) >= steps, "the job's end", 240)
+        wait_until_blocking(
+            lambda: int(_status(sw, job_id).get("step", 0)) >= steps, "the job's end", timeout_s=240
+        )
         assert remote.proc.wait(60) == 0, remote.log()[-2000:]
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
         trained = re.search(r"trained (\d+) microbatches", remote.log())
@@ -244,8 +247,12 @@ def test_a_nat_peer_reads_relayed_within_10_s_of_its_start(tmp_path: Path, flag:
         nat = sw.add_peer(extra=["--announce-host", "127.0.0.2", *flag])
         started = time.monotonic()  # its ready line
         relayed = 'swarm_peer_reachability{peer="peer0",reachability="relayed"} 1.0'
-        _until(lambda: relayed in _metrics(sw.scheduler), "peer0 relayed", 60)
-        _until(lambda: "peer0: relayed through" in nat.log(), "peer0 says it is relayed", 60)
+        wait_until_blocking(
+            lambda: relayed in _metrics(sw.scheduler), "peer0 relayed", timeout_s=60
+        )
+        wait_until_blocking(
+            lambda: "peer0: relayed through" in nat.log(), "peer0 says it is relayed", timeout_s=60
+        )
         took = time.monotonic() - started
         assert took <= RELAYED_WITHIN_S, f"peer0 read relayed {took:.1f} s after its start"
         through = relays[0].ready["address"]

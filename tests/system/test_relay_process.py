@@ -16,7 +16,8 @@ from swarm.local.procs import start_process
 from swarm.net import paths
 from swarm.proto import control_pb2 as cpb
 from swarm.relay.attach import Attachment
-from tests.support.relays import NAT_HOST, echo_bytes, echo_server, eventually
+from tests.support.relays import NAT_HOST, echo_bytes, echo_server
+from tests.support.waiting import wait_until
 
 TOKEN = "relay-process-token"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -44,7 +45,7 @@ async def test_a_relay_process_announces_itself_carries_calls_and_says_when_it_g
                         seen.append(message)
 
                 watching = asyncio.create_task(watch())
-                await eventually(lambda: bool(seen))
+                await wait_until(lambda: bool(seen))
                 assert seen[0].role == cpb.PEER_ROLE_RELAY
                 assert seen[0].state == cpb.PEER_STATE_SERVING
                 assert seen[0].relay_address == ready["address"]
@@ -58,14 +59,14 @@ async def test_a_relay_process_announces_itself_carries_calls_and_says_when_it_g
                     )  # fmt: skip
                     await attachment.start()
                     try:
-                        await eventually(lambda: attachment.relay == ready["address"])
+                        await wait_until(lambda: attachment.relay == ready["address"])
                         address = paths.relayed_address(
                             "home-gpu", f"{NAT_HOST}:{port}", ready["address"]
                         )
                         assert await echo_bytes(address, TOKEN, [b"through"]) == [b"through"]
                         assert await asyncio.to_thread(relay.stop) == 0
-                        await eventually(lambda: seen[-1].state == cpb.PEER_STATE_OFFLINE)
-                        await eventually(lambda: attachment.relay is None)
+                        await wait_until(lambda: seen[-1].state == cpb.PEER_STATE_OFFLINE)
+                        await wait_until(lambda: attachment.relay is None)
                         assert changes == [ready["address"], None]
                     finally:
                         await attachment.stop()
@@ -96,13 +97,13 @@ async def test_a_sigkilled_relay_process_is_replaced_and_calls_resume(tmp_path: 
                                     changes.append, address=f"{NAT_HOST}:{port}")  # fmt: skip
             await attachment.start()
             try:
-                await eventually(lambda: attachment.relay == a)
+                await wait_until(lambda: attachment.relay == a)
                 via = {
                     r: paths.relayed_address("home-gpu", f"{NAT_HOST}:{port}", r) for r in (a, b)
                 }
                 assert await echo_bytes(via[a], TOKEN, [b"one"]) == [b"one"]
                 relays[0].proc.kill()
-                await eventually(lambda: attachment.relay == b)
+                await wait_until(lambda: attachment.relay == b)
                 assert await echo_bytes(via[b], TOKEN, [b"two"]) == [b"two"]
                 assert changes == [a, b]  # straight to the other: never announced relay-less
             finally:

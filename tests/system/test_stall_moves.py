@@ -22,6 +22,7 @@ from swarm.local.procs import LocalSwarm, start_local_swarm
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
+from tests.support.waiting import wait_until_blocking
 
 pytestmark = pytest.mark.slow
 
@@ -127,13 +128,15 @@ def _status(sw: LocalSwarm, job_id: str) -> dict[str, Any]:
 def _wait(
     sw: LocalSwarm, job_id: str, ok: Callable[[dict[str, Any]], bool], timeout: float = 120.0
 ) -> dict[str, Any]:
-    deadline, status = time.monotonic() + timeout, {}
-    while time.monotonic() < deadline:
-        status = _status(sw, job_id)
-        if ok(status):
-            return status
-        time.sleep(0.3)
-    raise TimeoutError(f"job {job_id}: not there within {timeout} s: {status}")
+    seen: list[dict[str, Any]] = [{}]
+
+    def there() -> dict[str, Any] | None:
+        seen[0] = _status(sw, job_id)
+        return seen[0] if ok(seen[0]) else None
+
+    return wait_until_blocking(
+        there, lambda: f"job {job_id} there (last seen: {seen[0]})", timeout_s=timeout, every_s=0.3
+    )
 
 
 async def _states_until_served(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from swarm.bus.topics import SCHEDULER_USER, Topics
 from swarm.errors import NotFound
 from swarm.local.procs import SwarmProcess, start_process
 from swarm.net import dial
+from swarm.policy import parts
 from swarm.policy.parts import Parts
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import pool_pb2, pool_pb2_grpc
@@ -267,17 +267,7 @@ def test_a_memory_bound_that_holds_no_chunk_is_refused(tmp_path: Path) -> None:
     assert "'fast' is not a rate" in result.stderr
 
 
-# -- rounds with an aggregator: need helper "parts" ------------------------------------------------
-
-
-def needs_parts() -> Any:
-    """`swarm.policy.parts` and `RoundSettings.parts` (helper "parts"): the owner summing
-    `contributors` senders, aggregators contributing nothing."""
-    parts = pytest.importorskip("swarm.policy.parts", reason="needs helper 'parts' merged")
-    names = {f.name for f in dataclasses.fields(RoundSettings)}
-    if "parts" not in names:
-        pytest.skip("needs helper 'parts' merged: RoundSettings.parts")
-    return parts
+# -- rounds with an aggregator --------------------------------------------------------------------
 
 
 WEIGHTS = (0.25, 0.25, 0.5)  # the aggregator (member 2) owns half of the vector
@@ -290,7 +280,6 @@ async def _pool_job(bus: Bus) -> None:
 async def test_an_aggregator_owns_a_part_of_a_real_round_float64_equal_to_the_plain_sum(
     open_broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
-    parts = needs_parts()
     flats = [torch.randn(100_003, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
              for i in range(2)]  # fmt: skip
     async with (
@@ -320,7 +309,6 @@ async def test_an_aggregator_owns_a_part_of_a_real_round_float64_equal_to_the_pl
 async def test_a_killed_aggregator_fails_its_round_by_name_and_the_retry_loses_nothing(
     open_broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
-    needs_parts()
     flats = [torch.randn(200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
              for i in range(2)]  # fmt: skip
     kept = [f.clone() for f in flats]
@@ -353,7 +341,6 @@ async def test_without_bandwidth_it_measures_its_links_from_the_rounds_it_serves
 ) -> None:
     """No --bandwidth: it announces no rates until a round's streams tell them (`LinkMeter`, as
     a stage server's owner streams do), then announces them again, and /metrics shows them."""
-    needs_parts()
     # 64 MiB vectors: its half comes in 32 MiB from each member and goes back as 32 MiB sums,
     # bursts past the meter's thresholds (1 MiB down, 16 MiB up).
     flats = [torch.randn(8 << 20, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
@@ -413,7 +400,6 @@ async def test_a_hostile_aggregator_changes_only_the_part_it_owns_alike_on_every
     """It answers its part's sum plus one: every member gets the same wrong part (so the pool
     stays identical, and a non-finite one is refused at the commit: test_nonfinite_rounds), and
     nothing outside its part changes (docs/decisions.md: what a pool checks of an aggregator)."""
-    parts = needs_parts()
     flats = [torch.randn(10_000, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
              for i in range(2)]  # fmt: skip
     async with replicas(3) as pool:

@@ -29,6 +29,7 @@ from tests.support.pools import (
     reduce_all,
     replicas,
 )
+from tests.support.waiting import wait_until
 
 # --- pure helpers ----------------------------------------------------------------------------
 
@@ -299,10 +300,11 @@ async def test_large_tensors_travel_in_chunks() -> None:
 
 async def _assert_all_abort(results: Sequence[Any], pool: Sequence[Replica], limit: float) -> None:
     assert all(isinstance(r, AveragingAborted) for r in results), results
-    deadline = time.monotonic() + limit
-    while any(r.averager.open_rounds() for r in pool):  # the round is forgotten everywhere
-        assert time.monotonic() < deadline, [r.averager.open_rounds() for r in pool]
-        await asyncio.sleep(0.05)
+    await wait_until(  # the round is forgotten everywhere
+        lambda: not any(r.averager.open_rounds() for r in pool),
+        lambda: f"no open rounds: {[r.averager.open_rounds() for r in pool]}",
+        timeout_s=limit,
+    )
 
 
 async def test_a_closed_port_aborts_every_live_replica() -> None:

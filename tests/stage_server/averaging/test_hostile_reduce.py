@@ -1,6 +1,7 @@
 """Strangers' `Reduce` calls against a live stage server's pool service (issue 44): headers that
 declare a GiB part and send nothing hold none of the receive budget (N6), and contributions
-whose callers hung up leave no round state behind (N13)."""
+whose callers hung up leave no round state behind, and a round holds a bounded number of
+slices (N13)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from swarm.proto import pool_pb2, pool_pb2_grpc, tensor_pb2
 from swarm.proto.framing import frame
 from swarm.wire import chunking as wire
 from swarm.wire.chunking import TENSOR_OVERHEAD_BYTES
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,14 +40,6 @@ def _header(job: str, nbytes: int, *, round: str, group_size: int = 2, **kw: Any
         job=job, stage=1, round=round, part=0, sender=0, group_size=group_size, tensors=[part],
         **kw,
     )  # fmt: skip
-
-
-async def _until(condition: Any, what: str, seconds: float = 20.0) -> None:
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not within {seconds} s: {what}")
 
 
 async def _honest_reduce(channel: grpc.aio.Channel, job: str, values: torch.Tensor) -> Any:
@@ -78,7 +72,9 @@ async def test_reduce_headers_declaring_a_gib_and_sending_nothing_hold_no_budget
                 await fake.write(_header(fingerprint(job), declared, round=f"fake{i}"))
             # Each header is read (it holds its own few bytes); nothing more is held for the
             # bytes it declared and never sent.
-            await _until(lambda: budget.in_use >= 4 * TENSOR_OVERHEAD_BYTES, "headers read")
+            await wait_until(
+                lambda: budget.in_use >= 4 * TENSOR_OVERHEAD_BYTES, "headers read", timeout_s=20
+            )
             assert not any(f.done() for f in fakes)
             assert budget.in_use < MiB, f"{budget.in_use} bytes held for bodies never sent"
             values = torch.arange(1 << 18, dtype=torch.float32)  # a 1 MiB part, 16 chunks
@@ -87,7 +83,7 @@ async def test_reduce_headers_declaring_a_gib_and_sending_nothing_hold_no_budget
         finally:
             for fake in fakes:
                 fake.cancel()
-    await _until(lambda: budget.in_use == 0, "the budget given back")
+    await wait_until(lambda: budget.in_use == 0, "the budget given back", timeout_s=20)
 
 
 @pytest.mark.attack("N6")
@@ -106,12 +102,14 @@ async def test_a_part_holds_the_bytes_it_sent_and_past_the_budget_is_refused(
             stub = pool_pb2_grpc.PoolServiceStub(channel)
             sending = stub.Reduce(timeout=60)
             await sending.write(_header(fingerprint(job), 3 * MiB, round="a"))
-            await _until(lambda: budget.in_use > 0, "the header read")
+            await wait_until(lambda: budget.in_use > 0, "the header read", timeout_s=20)
             head = budget.in_use
             assert head < 2 * TENSOR_OVERHEAD_BYTES, head  # its fields, not its 3 MiB
             cls = pool_pb2.PoolReduceRequest
             await sending.write(frame(cls, 0, bytes(2 * MiB)))
-            await _until(lambda: budget.in_use == head + 2 * MiB, "2 MiB held as they came")
+            await wait_until(
+                lambda: budget.in_use == head + 2 * MiB, "2 MiB held as they came", timeout_s=20
+            )
             # 2 MiB free: a part declaring 3 MiB more is refused from its header.
             other = stub.Reduce(timeout=60)
             await other.write(_header(fingerprint(job), 3 * MiB, round="b"))
@@ -124,14 +122,18 @@ async def test_a_part_holds_the_bytes_it_sent_and_past_the_budget_is_refused(
             third = stub.Reduce(timeout=60)
             await third.write(_header(fingerprint(job), 3 * MiB // 2, round="c"))
             await third.write(frame(cls, 0, bytes(5 * MiB // 4)))
-            await _until(lambda: budget.in_use > head + 3 * MiB + MiB // 4, "c's bytes")
+            await wait_until(
+                lambda: budget.in_use > head + 3 * MiB + MiB // 4, "c's bytes", timeout_s=20
+            )
             await sending.write(frame(cls, 0, bytes(MiB)))
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await sending.read()
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            await _until(lambda: budget.in_use < 2 * MiB, "the refused call's bytes back")
+            await wait_until(
+                lambda: budget.in_use < 2 * MiB, "the refused call's bytes back", timeout_s=20
+            )
             third.cancel()
-        await _until(lambda: budget.in_use == 0, "the budget given back")
+        await wait_until(lambda: budget.in_use == 0, "the budget given back", timeout_s=20)
     finally:
         await running.stop()
 
@@ -148,7 +150,9 @@ async def _hung_up_contributions(server: RunningStageServer, job: JobConfig, n: 
             await call.done_writing()
             calls.append(call)
         averager = server.servicer.averager
-        await _until(lambda: len(averager._open.get(_key(job), {})) == n, "every part admitted")
+        await wait_until(
+            lambda: len(averager._open.get(_key(job), {})) == n, "every part admitted", timeout_s=20
+        )
         for call in calls:
             call.cancel()
         # The server sees each hang-up as the call's cancellation.
@@ -168,14 +172,18 @@ async def test_contributions_whose_callers_hung_up_leave_no_round_state(
     # open and ~19.7 KiB a call still allocated after every caller was gone.
     averager = server.servicer.averager
     await _hung_up_contributions(server, job, 20)  # warm-up: gRPC's own first allocations
-    await _until(lambda: not averager.open_rounds(), "the warm-up's state dropped")
+    await wait_until(
+        lambda: not averager.open_rounds(), "the warm-up's state dropped", timeout_s=20
+    )
     n = 200  # (within the 256 calls one connection may hold open at once)
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         await _hung_up_contributions(server, job, n)
-        await _until(lambda: not averager.open_rounds(), "every hung-up part's state dropped")
+        await wait_until(
+            lambda: not averager.open_rounds(), "every hung-up part's state dropped", timeout_s=20
+        )
         gc.collect()
         kept = (tracemalloc.get_traced_memory()[0] - before) / n
     finally:
@@ -208,7 +216,39 @@ async def test_a_part_someone_still_waits_for_keeps_a_hung_up_senders_contributi
     assert averager.open_rounds() == set()
 
 
+async def _slice_of_one(stub: Any, job: str, round: str, slice: int) -> grpc.StatusCode:
+    """A round of one's empty contribution to `slice`: summed at once (OK), or refused."""
+    call = stub.Reduce(timeout=30)
+    try:
+        await call.write(_header(job, 0, round=round, group_size=1, slice=slice))
+        await call.done_writing()
+        await wire.receive_reply(call, max_bytes=MiB)
+    except grpc.aio.AioRpcError as e:
+        assert "slices of the round are open or summed" in str(e.details()), e.details()
+        return e.code()
+    return grpc.StatusCode.OK
+
+
 @pytest.mark.attack("N13")
+async def test_a_strangers_new_slices_are_summed_up_to_the_bound_then_refused(
+    server: RunningStageServer, job: JobConfig
+) -> None:
+    # A stranger's Reduce calls through the pool service, each a round of one on a new slice:
+    # each completes at once and is remembered with its round (a late sender is told it came
+    # too late). Before the fix without bound; now the round holds `max_open_slices` (4,096),
+    # the next is refused, and another round is still served.
+    bound, fp = server.servicer.averager._max_open_slices, fingerprint(job)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pool_pb2_grpc.PoolServiceStub(channel)
+        for first in range(0, bound, 128):  # 128 calls at once (one connection holds 256)
+            codes = await asyncio.gather(
+                *(_slice_of_one(stub, fp, "r", s) for s in range(first, first + 128))
+            )
+            assert set(codes) == {grpc.StatusCode.OK}, codes
+        assert await _slice_of_one(stub, fp, "r", bound) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await _slice_of_one(stub, fp, "other", 0) == grpc.StatusCode.OK
+
+
 async def test_a_round_keeps_at_most_max_open_slices_summed_or_open() -> None:
     # Each summed slice is remembered for its round (a late sender is told it came too late):
     # before the fix without bound, ~190 bytes kept a completed call (a round of one, a new

@@ -8,7 +8,6 @@ import asyncio
 import gc
 import logging
 import os
-import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from stage_server.replica.step_sums import Sums
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
 from tests.support.disks import fill, tiny_disk
 from tests.support.pools import JOB, MiB, assert_identical, ordered_sum, reduce_all, replicas
+from tests.support.waiting import wait_until_blocking
 
 # --- the spill alone -------------------------------------------------------------------------
 
@@ -146,10 +146,12 @@ def test_a_spill_file_left_idle_goes(tmp_path: Path) -> None:
     assert spilled(busy) == spilled(busy) and busy.opened == 1
     idle = SpillFile(idle_s=0.2)
     fd = spilled(idle)
-    deadline = time.monotonic() + 30.0  # a generous bound: the machine may be busy
-    while os.path.exists(f"/proc/self/fd/{fd}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not os.path.exists(f"/proc/self/fd/{fd}"), "a file left idle stayed open"
+    wait_until_blocking(  # a generous bound: the machine may be busy
+        lambda: not os.path.exists(f"/proc/self/fd/{fd}"),
+        "a file left idle closed",
+        timeout_s=30.0,
+        every_s=0.05,
+    )
     spilled(idle)
     assert idle.opened == 2
 

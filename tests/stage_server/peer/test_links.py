@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from tests.support.brokers import Mosquitto
 from tests.support.cli import ROOT, swarm
 from tests.support.jobs import WIDE, make_job, write_job
 from tests.support.namespaces import PROXIES, network
+from tests.support.waiting import wait_until
 
 MiB = 1 << 20
 
@@ -227,21 +228,14 @@ async def test_rates_are_announced_again_when_they_move_materially() -> None:
         await asyncio.sleep(0.1)
         assert announced == []  # nothing known: nothing to say
         metrics.moved("up", 20 * MiB, 1.0)
-        await _until(lambda: announced == [(20 * MiB, 0.0)])
+        await wait_until(lambda: announced == [(20 * MiB, 0.0)], timeout_s=20)
         metrics.moved("up", 22 * MiB, 1.0)  # +10 %: not material
         await asyncio.sleep(0.1)
         assert announced == [(20 * MiB, 0.0)]
         metrics.moved("down", 8 * MiB, 1.0)
-        await _until(lambda: announced[-1:] == [(22 * MiB, 8 * MiB)])
+        await wait_until(lambda: announced[-1:] == [(22 * MiB, 8 * MiB)], timeout_s=20)
     finally:
         task.cancel()
-
-
-async def _until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "not in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.timeout(120)
@@ -349,8 +343,8 @@ async def test_a_state_download_measures_the_joiners_download_and_the_sources_up
             assert time.monotonic() < deadline, "the copy never came"
             await asyncio.sleep(0.05)
         # Each a sample once its burst is over (`SETTLE_S` after it).
-        await _until(lambda: joiner.servicer.metrics.link.measured("down") > 0)
-        await _until(lambda: source.servicer.metrics.link.measured("up") > 0)
+        await wait_until(lambda: joiner.servicer.metrics.link.measured("down") > 0, timeout_s=20)
+        await wait_until(lambda: source.servicer.metrics.link.measured("up") > 0, timeout_s=20)
         assert joiner.servicer.metrics.link.measured("up") == 0  # it sent no state
     finally:
         await client.close()
@@ -370,7 +364,7 @@ async def test_activations_received_measure_the_download(tmp_path: Path) -> None
     try:
         inputs = torch.randn(8, 256, 256, dtype=torch.float64)
         await client.forward(0, 0, inputs)
-        await _until(lambda: server.servicer.metrics.link.measured("down") > 0)
+        await wait_until(lambda: server.servicer.metrics.link.measured("down") > 0, timeout_s=20)
         assert server.servicer.metrics.link.measured("up") == 0
     finally:
         await client.close()

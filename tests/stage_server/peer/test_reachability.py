@@ -40,9 +40,8 @@ from swarm.bus.connection import Bus, Subscription
 from swarm.bus.topics import SCHEDULER_USER, BusError, Topics
 from swarm.job.config import RuntimeConfig
 from swarm.local.procs import SwarmProcess, start_process
-from swarm.net import dial
+from swarm.net import dial, paths
 from swarm.proto import control_pb2 as cpb
-from swarm.relay import attach as attach_module
 from swarm.relay.attach import Attachment
 from swarm.relay.server import RelayLimits
 from tests.support.cli import ROOT
@@ -492,7 +491,6 @@ def test_every_dial_of_a_peer_goes_through_the_one_dialer() -> None:
 
 # ------------------------------------------------------------------------------ real processes
 
-_STAND_IN = "STAND-IN" in (attach_module.__doc__ or "")
 _NONE = cpb.PeerAnnouncement()
 
 
@@ -558,13 +556,12 @@ async def test_real_processes_a_relay_and_a_peer_behind_nat(
                     await asyncio.sleep(0.1)
             line = next(x for x in procs[1].log().splitlines() if said in x)
             assert "--announce-host" in line and "--relay" in line, line
-            if not _STAND_IN:  # the real attachment (helper relay's): the relay carries it
-                await announced(peers, lambda: latest.get("nat", _NONE).relay != "", 10)
-                assert latest["nat"].relay == relay_address
-                assert latest["nat"].address == nat_ready["address"]
-                paths = pytest.importorskip("swarm.net.paths")
-                relayed = paths.relayed_address("nat", nat_ready["address"], relay_address)
-                assert await _health(relayed) == health_pb2.HealthCheckResponse.SERVING
+            # Attached: the relay carries its calls.
+            await announced(peers, lambda: latest.get("nat", _NONE).relay != "", 10)
+            assert latest["nat"].relay == relay_address
+            assert latest["nat"].address == nat_ready["address"]
+            relayed = paths.relayed_address("nat", nat_ready["address"], relay_address)
+            assert await _health(relayed) == health_pb2.HealthCheckResponse.SERVING
     finally:
         codes = [await asyncio.to_thread(p.stop) for p in procs]
     assert codes == [0, 0], [p.log()[-2000:] for p in procs]

@@ -7,6 +7,7 @@ its updates."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.rpc.stage_client import StageClient
 from tests.support.jobs import WIDE, make_job
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.attack("N7")]
 
@@ -61,10 +63,7 @@ async def test_downloads_that_hang_up_after_one_message_keep_no_follower(
             assert (await call.read()).step == server.runtime.step  # one message, then gone
             call.cancel()
     transfer = server.servicer._transfer
-    for _ in range(500):  # the server sees each hang-up
-        if transfer._downloads == 0:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: transfer._downloads == 0, "the server saw each hang-up", timeout_s=5)
     await _real_joiner(server, job)
 
 
@@ -75,13 +74,26 @@ async def test_followers_that_never_ask_for_updates_are_let_go(
     # it. A joiner asks as soon as its copy is loaded: one that has not within
     # `UpdateLog.FIRST_ASK_S` is let go (before the fix: kept for 600 s).
     log = server.runtime.updates
-    log.first_ask_s = 0.5  # (the clock is real: a short wait instead of a minute)
+    log.first_ask_s = 1.0  # (the clock is real: a short wait instead of a minute)
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
         for i in range(4):
             async for _ in stub.DownloadState(_request(job, f"peer-fake{i}"), timeout=20):
                 pass
-    await asyncio.sleep(1.0)
+        sent = time.monotonic()  # each fake's state was sent before this
+        # Within their first ask the fakes hold every place (judged only while that is sure).
+        early = stub.DownloadState(_request(job, "peer-early"), timeout=20)
+        refused: grpc.aio.AioRpcError | None = None
+        try:
+            await early.read()
+        except grpc.aio.AioRpcError as e:
+            refused = e
+        early.cancel()  # a hang-up: had it been let in, its place is free at once
+        if time.monotonic() - sent < log.first_ask_s:
+            assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-followers 4" in str(refused.details()), refused.details()
+    # Past the first ask of the last fake, and only just: each fake is let go by now.
+    await asyncio.sleep(sent + log.first_ask_s + 0.05 - time.monotonic())
     await _real_joiner(server, job)
 
 

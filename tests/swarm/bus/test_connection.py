@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,14 +17,9 @@ from swarm.errors import ConfigError
 from swarm.proto import control_pb2 as pb
 from tests.support.brokers import BrokerUnderTest
 from tests.support.buses import WAIT_S, bus, receive, receive_until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.02)
 
 
 def serving(peer: str, stage: int = 0) -> pb.PeerAnnouncement:
@@ -101,7 +95,7 @@ async def test_load_reaches_live_subscribers(broker: BrokerUnderTest) -> None:
                     pass
 
         consumer = asyncio.create_task(consume())
-        await until(lambda: len(sched._subs) == 2)
+        await wait_until(lambda: len(sched._subs) == 2, timeout_s=WAIT_S)
         consumer.cancel()
         await asyncio.gather(consumer, return_exceptions=True)
         assert len(sched._subs) == 1
@@ -137,7 +131,7 @@ async def test_reconnects_and_restores_after_broker_restart(broker: BrokerUnderT
         await loads.wait_subscribed(WAIT_S)
 
         await broker.stop()
-        await until(lambda: not peer.connected and not sched.connected)
+        await wait_until(lambda: not peer.connected and not sched.connected, timeout_s=WAIT_S)
         # While the broker is down: a retained update is kept, a load report cannot be sent.
         await peer.publish(peer.topics.peer("r"), serving("r", stage=1), retain=True, timeout=0.2)
         with pytest.raises(BusNotConnected):

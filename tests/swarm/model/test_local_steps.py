@@ -21,7 +21,7 @@ from swarm.model.outer_rules import eager_gradients
 from swarm.model.reference import evaluate, train_local
 from swarm.model.routes import Join, Record, Run, StepRuns, Sync, read_routes, write_record
 from swarm.ops.progress import StepRecord
-from tests.support.equality import assert_states_within
+from tests.support.equality import assert_no_member_skipped_a_round, assert_states_within
 from tests.support.jobs import make_job, write_job
 
 RELAY = {"data_plane": "relay"}  # either plane records routes; the reference ignores it
@@ -311,3 +311,21 @@ def test_a_benchmark_evaluates_the_eager_replicas_mean(tmp_path: Path) -> None:
     assert evals[0][1] > evals[-1][1]
     assert_states_within(_state(model), _state(train_replicas(eager, replicas=2)), 0.0)
     assert evaluate(eager, model, make_val_data(eager), "cpu") == evals[-1][1]
+
+
+def _runs(step: int, *peers: str) -> StepRuns:
+    """Step `step` of a one-stage job: a microbatch's gradient taken by each of `peers`."""
+    return StepRuns(step, tuple(Run(i, (0,), (p,)) for i, p in enumerate(peers)))
+
+
+def test_a_member_left_out_of_a_round_that_trains_on_is_caught_apart_from_the_replay() -> None:
+    # The reference replays the record's rounds as they are: a member left out of a round's
+    # group, and recorded so, passes it. `assert_no_member_skipped_a_round` does not.
+    start: list[Record] = [Join(0, 0, "a", None), Join(0, 0, "b", None), _runs(0, "a", "b")]
+    assert_no_member_skipped_a_round([*start, Sync(0, 0, ("a", "b")), _runs(1, "a", "b")])
+    assert_no_member_skipped_a_round([*start, Sync(0, 0, ("a",)), _runs(1, "a")])  # b is gone
+    copied = [*start, Sync(0, 0, ("a",)), Join(1, 0, "b", "a"), _runs(1, "a", "b")]
+    assert_no_member_skipped_a_round(copied)  # b left the round, and was copied anew
+    for after in (_runs(1, "a", "b"), Sync(1, 0, ("a", "b"))):
+        with pytest.raises(AssertionError, match="b serves stage 0 after the round of step 0"):
+            assert_no_member_skipped_a_round([*start, Sync(0, 0, ("a",)), after])

@@ -11,7 +11,7 @@ from cryptography import x509
 from prometheus_client import CollectorRegistry
 
 from swarm.bus.broker import EmbeddedBroker
-from swarm.bus.connection import Bus, BusSettings
+from swarm.bus.connection import Bus, BusRefused, BusSettings
 from swarm.cli import main
 from swarm.errors import ConfigError
 from swarm.net import tls
@@ -85,13 +85,16 @@ def test_identities_are_checked_when_loaded(pki: Path) -> None:
         tls.Tls.load(ours / "nothing.pem")
 
 
-async def _connects(url: str, timeout: float = 6.0) -> bool:
+async def _connect(url: str, timeout: float = 6.0) -> None:
+    """Connected to the broker at `url` within `timeout`, else what the bus raised."""
     async with Bus(url, "tls-test", registry=CollectorRegistry(), settings=FAST) as bus:
-        try:
-            await bus.wait_connected(timeout)
-        except Exception:
-            return False
-        return True
+        await bus.wait_connected(timeout)
+
+
+NO_CERTIFICATE = r"TLS refused: the broker at mqtts://\S+ requires a client certificate"
+NOT_OUR_CA = (
+    r"TLS refused: the certificate of the broker at \S+ was not issued by the CA of --tls-ca"
+)
 
 
 @REFUSED_SOCKETS
@@ -99,11 +102,13 @@ async def test_the_embedded_broker_serves_mqtts_to_the_swarm_ca_only(pki: Path) 
     tls.configure(load_identity(pki, "ours", "server", mutual=True))
     async with EmbeddedBroker("127.0.0.1", 0) as broker:
         assert broker.url.startswith("mqtts://")
-        assert await _connects(broker.url)  # our CA, our certificate
+        await _connect(broker.url)  # our CA, our certificate
         tls.configure(load_identity(pki, "ours", None))  # no certificate: mutual refuses it
-        assert not await _connects(broker.url, 3.0)
+        with pytest.raises(BusRefused, match=NO_CERTIFICATE):
+            await _connect(broker.url, 3.0)
         tls.configure(load_identity(pki, "theirs", "their-client"))  # a stranger's CA
-        assert not await _connects(broker.url, 3.0)
+        with pytest.raises(BusRefused, match=NOT_OUR_CA):
+            await _connect(broker.url, 3.0)
 
 
 @REFUSED_SOCKETS
@@ -112,8 +117,10 @@ async def test_mosquitto_serves_mqtts_to_the_swarm_ca_only(tmp_path: Path, pki: 
     with Mosquitto(tmp_path / "mosquitto", tls=server) as mosquitto:
         assert mosquitto.url.startswith("mqtts://")
         tls.configure(load_identity(pki, "ours", "client"))
-        assert await _connects(mosquitto.url)
+        await _connect(mosquitto.url)
         tls.configure(load_identity(pki, "ours", None))
-        assert not await _connects(mosquitto.url, 3.0)
+        with pytest.raises(BusRefused, match=NO_CERTIFICATE):
+            await _connect(mosquitto.url, 3.0)
         tls.configure(load_identity(pki, "theirs", "their-client"))
-        assert not await _connects(mosquitto.url, 3.0)
+        with pytest.raises(BusRefused, match=NOT_OUR_CA):
+            await _connect(mosquitto.url, 3.0)

@@ -10,7 +10,6 @@ import os
 import socket
 import ssl
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,6 +22,7 @@ from swarm.net.certs import init_ca, issue
 from swarm.ops.endpoint import Limits
 from swarm.ops.metrics import serve_metrics
 from tests.support.tls import no_identity  # noqa: F401
+from tests.support.waiting import wait_until_blocking
 
 PEERS = b'[{"targets": ["10.0.0.2:9101"], "labels": {"swarm_peer": "p1"}}]'
 
@@ -128,10 +128,12 @@ def test_idle_connections_neither_grow_threads_nor_sockets_and_a_scrape_answers(
         # The server side holds at most `connections` of them (the oldest are dropped); the
         # test's own 200 ends are open on top, and a few to spare for the rest of the process.
         bound = limits.connections + 16
-        deadline = time.monotonic() + 10
-        while _open_fds() - fds - len(idle) > bound and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _open_fds() - fds - len(idle) <= bound
+        wait_until_blocking(
+            lambda: _open_fds() - fds - len(idle) <= bound,
+            lambda: f"the server's descriptors within {bound}: {_open_fds() - fds - len(idle)}",
+            timeout_s=10,
+            every_s=0.05,
+        )
     finally:
         for s in idle:
             s.close()

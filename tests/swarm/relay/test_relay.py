@@ -18,8 +18,9 @@ from swarm.relay.attach import Attachment
 from swarm.relay.auth import proxy_user
 from swarm.relay.server import RelayServer
 from swarm.relay.wire import read_head
-from tests.support.relays import NAT_HOST, echo_bytes, echo_server, eventually, relayed
+from tests.support.relays import NAT_HOST, echo_bytes, echo_server, relayed
 from tests.support.tls import named_ca, no_identity
+from tests.support.waiting import wait_until
 
 __all__ = ["no_identity"]  # autouse: no TLS identity left to the next test
 
@@ -34,7 +35,7 @@ def _sample(n: int) -> list[bytes]:
 
 async def test_a_peer_nobody_can_dial_serves_through_the_relay() -> None:
     async with echo_server(TOKEN) as port, relayed(TOKEN, port) as r:
-        await eventually(lambda: r.attachment.relay == r.relay_address)
+        await wait_until(lambda: r.attachment.relay == r.relay_address)
         assert r.changes == [r.relay_address]
         assert r.relay.peers == {"home-gpu": f"{NAT_HOST}:{port}"}
         # Its announced address answers nothing: what reaches it below went through the relay.
@@ -94,7 +95,7 @@ async def test_tls_is_end_to_end_through_the_relay(nat_tls: Path) -> None:
     """The caller checks the NAT'd peer's own certificate (issued for its announced host) through
     the relay, which splices bytes it cannot read."""
     async with echo_server(TOKEN) as port, relayed(TOKEN, port) as r:
-        await eventually(lambda: r.attachment.relay is not None)
+        await wait_until(lambda: r.attachment.relay is not None)
         parts = _sample(2)
         assert await echo_bytes(r.address, TOKEN, parts) == parts
         assert (r.registry.get_sample_value("swarm_relay_bytes_total") or 0) >= 4 * MiB
@@ -112,11 +113,11 @@ async def test_a_killed_relay_is_replaced_and_calls_resume() -> None:
         )  # fmt: skip
         await attachment.start()
         try:
-            await eventually(lambda: attachment.relay == a)
+            await wait_until(lambda: attachment.relay == a)
             via_a = paths.relayed_address("home-gpu", f"{NAT_HOST}:{port}", a)
             assert await echo_bytes(via_a, TOKEN, [b"one"]) == [b"one"]
             await first.stop()  # its listener, its control connections and tunnels, all gone
-            await eventually(lambda: attachment.relay == b)
+            await wait_until(lambda: attachment.relay == b)
             assert changes == [a, b]  # from one to the other: never announced without a relay
             via_b = paths.relayed_address("home-gpu", f"{NAT_HOST}:{port}", b)
             assert await echo_bytes(via_b, TOKEN, [b"two"]) == [b"two"]
@@ -156,15 +157,15 @@ async def test_a_killed_relay_is_replaced_at_once_by_the_next_one(listed: str) -
         )  # fmt: skip
         await attachment.start()
         try:
-            await eventually(lambda: attachment.relay == a)
+            await wait_until(lambda: attachment.relay == a)
             known[:] = [a, b]
             await first.stop()
-            await eventually(lambda: attachment.relay == b, timeout_s=20)
+            await wait_until(lambda: attachment.relay == b, timeout_s=20)
             assert changes == [a, b]
             via_b = paths.relayed_address("home-gpu", f"{NAT_HOST}:{port}", b)
             assert await echo_bytes(via_b, TOKEN, [b"two"]) == [b"two"]
             await second.stop()  # the last: no relay left this round, said, then the pause
-            await eventually(lambda: attachment.relay is None, timeout_s=20)
+            await wait_until(lambda: attachment.relay is None, timeout_s=20)
             assert changes == [a, b, None]
         finally:
             await attachment.stop()
@@ -188,6 +189,6 @@ async def test_an_open_swarm_serves_through_the_relay_too() -> None:
     login of "peer:" and no password), so the relay knows whom the call is for. It failed with
     `502 peer  is not attached` when the login lost its colon without a password."""
     async with echo_server(None) as port, relayed(None, port) as r:
-        await eventually(lambda: r.attachment.relay == r.relay_address)
+        await wait_until(lambda: r.attachment.relay == r.relay_address)
         parts = _sample(1)
         assert await echo_bytes(r.address, None, parts) == parts

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from swarm.net.paths import relay_credential
 from swarm.relay.attach import Attachment
 from swarm.relay.auth import attach_proof, metrics_credential
 from swarm.relay.server import RelayLimits, RelayServer
-from tests.support.relays import ECHO, NAT_HOST, echo_bytes, echo_server, eventually, relayed
+from tests.support.relays import ECHO, NAT_HOST, echo_bytes, echo_server, relayed
 from tests.support.tls import no_identity
+from tests.support.waiting import wait_until
 
 __all__ = ["no_identity"]  # autouse: no TLS identity left to the next test
 
@@ -61,7 +63,7 @@ async def _closed(stream: Stream) -> None:
 @pytest.mark.attack("R1")
 async def test_a_stranger_cannot_attach() -> None:
     async with echo_server(TOKEN) as port, relayed(TOKEN, port, attach_token="wrong") as r:
-        await eventually(lambda: (r.registry.get_sample_value(
+        await wait_until(lambda: (r.registry.get_sample_value(
             "swarm_relay_refused_total", {"reason": "attach"}) or 0) >= 2)  # fmt: skip
         assert r.relay.peers == {} and r.attachment.relay is None and r.changes == []
 
@@ -101,7 +103,7 @@ async def test_an_overheard_or_borrowed_proof_attaches_no_one() -> None:
 @pytest.mark.attack("R2")
 async def test_a_stranger_cannot_open_a_tunnel() -> None:
     async with echo_server(TOKEN) as port, relayed(TOKEN, port, peer="a") as r:
-        await eventually(lambda: r.attachment.relay is not None)
+        await wait_until(lambda: r.attachment.relay is not None)
         target = f"{NAT_HOST}:{port}"
         for login in (
             None,  # no credential
@@ -175,7 +177,7 @@ async def test_whoever_attaches_in_a_peers_name_cannot_speak_for_it(impostor_tls
     await impostor.start()
     try:
         async with relayed(TOKEN, port) as r:
-            await eventually(lambda: r.attachment.relay is not None)
+            await wait_until(lambda: r.attachment.relay is not None)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await echo_bytes(r.address, TOKEN, [b"secret"])
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -188,7 +190,7 @@ async def test_whoever_attaches_in_a_peers_name_cannot_speak_for_it(impostor_tls
 async def test_slow_and_oversized_request_heads_hold_nothing_long() -> None:
     limits = RelayLimits(max_heads=4, head_timeout_s=1.0, max_head_bytes=1024)
     async with echo_server(TOKEN) as port, relayed(TOKEN, port, limits=limits) as r:
-        await eventually(lambda: r.attachment.relay is not None)
+        await wait_until(lambda: r.attachment.relay is not None)
         slow = [await _dial(r.relay_address) for _ in range(8)]
         for _, w in slow:
             w.write(b"CONNECT ")  # and never the rest
@@ -226,7 +228,7 @@ async def test_one_peers_tunnels_are_bounded_and_leave_room_for_others() -> None
             return status
 
         try:
-            await eventually(lambda: set(r.relay.peers) == {"a", "b"})
+            await wait_until(lambda: set(r.relay.peers) == {"a", "b"})
             ok = "HTTP/1.1 200 Connection established"
             assert [await connect("a"), await connect("a")] == [ok, ok]
             assert (await connect("a")).startswith("HTTP/1.1 503 peer a has 2 tunnels open")
@@ -235,7 +237,7 @@ async def test_one_peers_tunnels_are_bounded_and_leave_room_for_others() -> None
             assert r.relay.tunnels == 3
             for stream in opened:
                 await _closed(stream)
-            await eventually(lambda: r.relay.tunnels == 0)
+            await wait_until(lambda: r.relay.tunnels == 0)
             assert await connect("a") == ok
             await _closed(opened.pop())
         finally:
@@ -246,7 +248,7 @@ async def test_one_peers_tunnels_are_bounded_and_leave_room_for_others() -> None
 async def test_attached_peers_are_bounded() -> None:
     limits = RelayLimits(max_peers=1)
     async with echo_server(TOKEN) as port, relayed(TOKEN, port, peer="a", limits=limits) as r:
-        await eventually(lambda: r.attachment.relay is not None)
+        await wait_until(lambda: r.attachment.relay is not None)
         changes: list[str | None] = []
         second = RelayServer(TOKEN)
         elsewhere = f"127.0.0.1:{await second.start('127.0.0.1', 0)}"
@@ -254,7 +256,7 @@ async def test_attached_peers_are_bounded() -> None:
                            changes.append)  # fmt: skip
         await extra.start()
         try:
-            await eventually(lambda: extra.relay == elsewhere)  # the first relay that accepts
+            await wait_until(lambda: extra.relay == elsewhere)  # the first relay that accepts
             assert r.registry.get_sample_value(
                 "swarm_relay_refused_total", {"reason": "peers-full"}
             )
@@ -278,7 +280,7 @@ async def test_a_tunnel_reads_no_further_ahead_than_its_buffers() -> None:
     port = server.sockets[0].getsockname()[1]
     try:
         async with relayed(TOKEN, port) as r:
-            await eventually(lambda: r.attachment.relay is not None)
+            await wait_until(lambda: r.attachment.relay is not None)
             login = f"home-gpu:{relay_credential(TOKEN, 'home-gpu')}"
             status, (reader, writer) = await _connect(r.relay_address, f"{NAT_HOST}:{port}", login)
             assert status == "HTTP/1.1 200 Connection established"
@@ -347,7 +349,7 @@ async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
         )  # fmt: skip
         await attachment.start()
         try:
-            await eventually(lambda: attachment.relay is not None)
+            await wait_until(lambda: attachment.relay is not None)
             metrics = f"metrics:{metrics_credential(TOKEN)}"
             peer = f"a:{relay_credential(TOKEN, 'a')}"
             for login, target in (
@@ -374,7 +376,7 @@ async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
             assert status == "HTTP/1.1 200 Connection established"
             await reader.readline()
             writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
-            await eventually(lambda: bool(scraped))
+            await wait_until(lambda: bool(scraped))
             await _closed((reader, writer))
             assert scraped == [b"GET /metrics HTTP/1.1\r\n\r\n"] and elsewhere == []
             assert registry.get_sample_value("swarm_relay_tunnels_total") == 1
@@ -401,7 +403,9 @@ async def _get(address: str, target: str, login: str) -> tuple[str, Stream]:
 
 
 @pytest.mark.attack("R5")
-async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers() -> None:
+async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The relay names what a call is for (its gRPC server or its metrics), never an address:
     a relay (or whoever poses as one) asking for anything else gets no connection, and a peer
     without metrics opens none for a metrics call."""
@@ -436,11 +440,20 @@ async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers(
         relay = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
         attachment = Attachment("a", TOKEN, f"127.0.0.1:{grpc_port}", lambda: [relay],
                                 lambda _: None)  # fmt: skip
+        caplog.set_level(logging.DEBUG)
         await attachment.start()
         try:
             await asked
-            await eventually(lambda: data == [b"c5"] and len(served) == 1)
-            await asyncio.sleep(0.5)  # what else it would have opened, it had by now
+            # Judged once the peer gave each of the five its answer, in order: four refused
+            # (each says so), then c5's call carried to its own gRPC server.
+            await wait_until(
+                lambda: (
+                    len([r for r in caplog.records if r.getMessage().endswith(": not served")]) == 4
+                    and data == [b"c5"]
+                    and len(served) == 1
+                ),
+                lambda: f"c1-c4 refused, c5 served: {data}, {served}, {caplog.messages}",
+            )
             assert data == [b"c5"] and elsewhere == [] and len(served) == 1
         finally:
             await attachment.stop()
