@@ -13,16 +13,19 @@ module's source, so that a seeded violation can prove it bites:
 - only `swarm.job` reads the keys that choose the training rule (`KNOWN_RULE_READS` aside);
 - no import circle between project modules (`KNOWN_CIRCLES` aside, each still a circle);
 - tests take shared helpers only from `tests/support/` (`HELPER_SOURCES` aside, each still used);
-- a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it);
+- a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it), and no Python file
+  but the generated ones turns the formatter off for a line (`FORMAT_OFF`): code is not squeezed;
 - the concept map (docs/architecture.md) and README's layout name real paths, and the map names
   every module over `MAPPED` lines."""
 
 from __future__ import annotations
 
 import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -193,6 +196,10 @@ OVERSIZE: dict[str, str] = {
         "its deadline, chunking and error conversion"
     ),
 }
+FORMAT_OFF = re.compile(r"#\s*fmt:\s*(?:skip|off)\b")
+"""A comment that keeps `ruff format` off a line or a block: squeezed code hides behind it. Only
+the generated messages (`GENERATED`, which ruff does not format) may have one."""
+FORMATTED_DIRS = ("swarm", "stage_server", "scheduler", "client", "tests", "bench", "examples")
 MAPPED = 150
 """A module longer than this is a concept of its own: the concept map names it (its file, not
 only its folder)."""
@@ -862,6 +869,31 @@ def oversize(
     ]
 
 
+def format_offs(files: Mapping[str, str]) -> list[str]:
+    """`path:line` of each comment in `files` (path -> source) that turns the formatter off."""
+    bad = []
+    for path, source in sorted(files.items()):
+        tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+        bad += [
+            f"{path}:{token.start[0]}: '{token.string.strip()}': format the code instead (split "
+            "a long call over lines, or a long module by concept)"
+            for token in tokens
+            if token.type == tokenize.COMMENT and FORMAT_OFF.search(token.string)
+        ]
+    return bad
+
+
+def hand_written_python(root: Path = ROOT) -> dict[str, str]:
+    """Every Python file under `FORMATTED_DIRS` but the generated messages: path -> source."""
+    generated = root / "swarm" / "proto"
+    return {
+        str(path.relative_to(root)): path.read_text()
+        for top in FORMATTED_DIRS
+        for path in sorted((root / top).rglob("*.py"))
+        if generated not in path.parents
+    }
+
+
 def unmapped(found: Mapping[str, tuple[str, int]], named: Iterable[str]) -> list[str]:
     """Modules over `MAPPED` lines whose file the concept map does not name."""
     named = set(named)
@@ -965,6 +997,12 @@ def test_modules_keep_to_the_budget() -> None:
     bad = oversize(sizes())
     if bad:
         pytest.fail(f"modules over {BUDGET} lines (one concept, one file):\n" + "\n".join(bad))
+
+
+def test_no_code_turns_the_formatter_off() -> None:
+    bad = format_offs(hand_written_python())
+    if bad:
+        pytest.fail("code kept from the formatter:\n" + "\n".join(bad))
 
 
 def test_the_concept_map_names_every_large_module() -> None:
@@ -1305,6 +1343,22 @@ def test_the_budget_checker() -> None:
     assert not oversize(fine, {"client.allowed": "one concept"})
     assert GENERATED.fullmatch("swarm.proto.stage_pb2_grpc")
     assert not GENERATED.fullmatch("swarm.proto.framing")
+
+
+def test_the_format_off_checker() -> None:
+    skip, off = "# fmt" + ": skip", "# fmt" + ": off"  # not written whole: this file would match
+    files = {
+        "client/a.py": f"x = (1,\n     2)  {skip}\n",
+        "client/b.py": f"{off}\ny = [1,2]\n",
+        "client/c.py": f"z = '{skip}'  # a string, not a comment\n",
+        "client/d.py": "w = 1  # fmt is not the formatter's switch here\n",
+    }
+    assert format_offs(files) == [
+        f"client/a.py:2: '{skip}': format the code instead (split a long call over lines, or a "
+        "long module by concept)",
+        f"client/b.py:1: '{off}': format the code instead (split a long call over lines, or a "
+        "long module by concept)",
+    ]
 
 
 def test_the_unmapped_checker() -> None:

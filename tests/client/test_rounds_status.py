@@ -24,8 +24,9 @@ def test_status_shows_the_rounds_of_a_local_steps_job() -> None:
     assert _rounds(_job(**shape, next_average_in=11)) == [
         "rounds   local, round 3/10 (16 steps each), next average in 11 steps; no average yet"
     ]
-    averaged = _job(**shape, next_average_in=1, last_seconds=0.84, last_at=988.0,
-                    last_bytes=3 * (1 << 20) // 2)  # fmt: skip
+    averaged = _job(
+        **shape, next_average_in=1, last_seconds=0.84, last_at=988.0, last_bytes=3 * (1 << 20) // 2
+    )
     assert _rounds(averaged) == [
         "rounds   local, round 3/10 (16 steps each), next average in 1 step; last average "
         "took 840ms, 12s ago, 1.5 MiB moved"

@@ -49,9 +49,11 @@ def test_a_relayed_peer_is_labelled_with_its_relay_for_relabelling_only() -> Non
     """A peer behind NAT is scraped through its relay (docs/prometheus.yml routes it by
     `__meta_swarm_relay`); a `__meta_` label is never stored, so changing relay splits nothing."""
     relayed = cpb.PeerAnnouncement(
-        peer="p1", address="192.168.1.20:7001", metrics_address="192.168.1.20:9101",
+        peer="p1",
+        address="192.168.1.20:7001",
+        metrics_address="192.168.1.20:9101",
         relay="203.0.113.5:7100",
-    )  # fmt: skip
+    )
     assert sd_targets("", [relayed]) == [
         {
             "targets": ["192.168.1.20:9101"],

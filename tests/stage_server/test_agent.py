@@ -223,22 +223,24 @@ async def test_a_build_out_of_memory_returns_the_peer_to_idle_with_its_reason(
     try:
         await agent._on_job(_placing("j"))
         if moving:
-            await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=0,
-                                                      generation=_now_us()))  # fmt: skip
+            await agent._on_assignment(
+                cpb.Assignment(job="j", peer="p", stage=0, generation=_now_us())
+            )
             assert agent.activity() == ("serving", "j", 0)
 
         def too_big(*args: Any) -> Any:
             raise out_of_memory("CUDA out of memory. Tried to allocate 80.00 GiB")
 
         monkeypatch.setattr("stage_server.agent.StageRuntime", too_big)
-        await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=1,
-                                                  generation=_now_us()))  # fmt: skip
+        await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=1, generation=_now_us()))
         assert agent.activity() == ("idle", "", None)
         assert (published[-1].job, published[-1].state) == ("", cpb.PEER_STATE_JOINING)
         assert released, "the old stage (or none) is let go: the scheduler placed it elsewhere"
         assert agent._still_refused(_placing("j"))
         said = " ".join(r.getMessage() for r in caplog.records)
-        assert "refused job j: building stage 1 failed (OutOfDeviceMemory: job test stage 1: " \
-            "out of device memory in building the stage (cpu)" in said, said  # fmt: skip
+        assert (
+            "refused job j: building stage 1 failed (OutOfDeviceMemory: job test stage 1: "
+            "out of device memory in building the stage (cpu)" in said
+        ), said
     finally:
         executor.shutdown()

@@ -36,9 +36,11 @@ async def test_forward_headers_that_send_no_body_hold_no_budget(tmp_path: Path) 
 
     def forward(index: int, tensor: tensor_pb2.Tensor) -> pb.StageForwardRequest:
         return pb.StageForwardRequest(
-            job=fingerprint(job), stage=1, microbatch=pb.MicrobatchId(step=0, index=index),
+            job=fingerprint(job),
+            stage=1,
+            microbatch=pb.MicrobatchId(step=0, index=index),
             tensors=[tensor],
-        )  # fmt: skip
+        )
 
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:

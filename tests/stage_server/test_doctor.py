@@ -33,8 +33,13 @@ def _failed(checks: list) -> dict[str, str]:  # type: ignore[type-arg]
 
 def test_a_healthy_gpu_host_passes(tmp_path: Path) -> None:
     checks = diagnose("cuda:0", FakeFacts(gpus=[Gpu()]), job=_job(tmp_path))
-    assert [c.name for c in checks] == ["torch", "device", "kernels", "device memory",
-                                        "host memory"]  # fmt: skip
+    assert [c.name for c in checks] == [
+        "torch",
+        "device",
+        "kernels",
+        "device memory",
+        "host memory",
+    ]
     assert _failed(checks) == {}
     assert "NVIDIA H100 80GB HBM3 (sm_90)" in checks[1].found
 
@@ -72,8 +77,13 @@ def test_broker_and_scheduler_answering_or_not() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listening:
         port = listening.getsockname()[1]
         closed = free_port()
-        checks = diagnose("cpu", FakeFacts(), broker=f"mqtt://127.0.0.1:{port}",
-                          scheduler=f"127.0.0.1:{closed}", timeout=2.0)  # fmt: skip
+        checks = diagnose(
+            "cpu",
+            FakeFacts(),
+            broker=f"mqtt://127.0.0.1:{port}",
+            scheduler=f"127.0.0.1:{closed}",
+            timeout=2.0,
+        )
     found = {c.name: c for c in checks}
     assert found["broker"].ok, found["broker"]
     assert not found["scheduler"].ok
@@ -85,10 +95,22 @@ def test_broker_and_scheduler_answering_or_not() -> None:
 def test_swarm_doctor_on_this_machine(tmp_path: Path) -> None:
     """The command itself: exit 1 and the failed check named when one fails."""
     done = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", "doctor", "--device", "cpu", "--job",
-         str(_job(tmp_path)), "--scheduler", f"127.0.0.1:{free_port()}"],
-        capture_output=True, text=True, timeout=100,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "swarm.cli",
+            "doctor",
+            "--device",
+            "cpu",
+            "--job",
+            str(_job(tmp_path)),
+            "--scheduler",
+            f"127.0.0.1:{free_port()}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "ok   device: cpu" in done.stdout
     assert "FAIL scheduler:" in done.stdout and "     fix: start the scheduler" in done.stdout

@@ -83,19 +83,27 @@ async def reduce_all(
     """Every replica's all_reduce, concurrently; results or exceptions in group order. `copies`:
     each replica's `DeviceCopies` (a fake device's), in group order."""
     opts: dict[str, Any] = {
-        "round": "r0", "job": JOB, "stage": 0, "timeout_s": 20.0,
-        "chunk_bytes": 4 * MiB, "max_bytes": 64 * MiB,
-    } | kwargs  # fmt: skip
+        "round": "r0",
+        "job": JOB,
+        "stage": 0,
+        "timeout_s": 20.0,
+        "chunk_bytes": 4 * MiB,
+        "max_bytes": 64 * MiB,
+    } | kwargs
     group = opts.pop("group", [r.address for r in pool])
     on_bytes = opts.pop("on_bytes", None)
     copies = opts.pop("copies", [None] * len(pool))  # each replica's device copies, or torch's
     calls = [
         all_reduce(
-            f, RoundSettings(group=group, index=i, **opts),
-            averager=r.averager, channels=r.channels, on_bytes=on_bytes, copies=c,
+            f,
+            RoundSettings(group=group, index=i, **opts),
+            averager=r.averager,
+            channels=r.channels,
+            on_bytes=on_bytes,
+            copies=c,
         )
         for i, (r, f, c) in enumerate(zip(pool, flats, copies, strict=True))
-    ]  # fmt: skip
+    ]
     return await asyncio.gather(*calls, return_exceptions=True)
 
 

@@ -131,8 +131,16 @@ class FakeReplica:
         parts: Parts = EQUAL_PARTS,
         checks: object = None,  # a fake averages nothing: it reports no checksums
     ) -> float | None:
-        args = Prepared(step, list(microbatches), total_samples, list(group), group_index, round,
-                        parts.weights, parts.contributors)  # fmt: skip
+        args = Prepared(
+            step,
+            list(microbatches),
+            total_samples,
+            list(group),
+            group_index,
+            round,
+            parts.weights,
+            parts.contributors,
+        )
         self.parts.append(("prepare", parts.weights, parts.contributors))
         await self._enter("prepare", args)
         if step != self.step or sorted(self.receipts) != sorted(microbatches):

@@ -18,18 +18,33 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
-           "GPU_CHECK_WHEELS": "", "TMPDIR": str(tmp_path)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OUT": str(tmp_path / "out"),
+        "GPU_CHECK_WHEELS": "",
+        "TMPDIR": str(tmp_path),
+    }
     done = subprocess.run(
         [str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu", "--quick"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=380,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     summary = (tmp_path / "out" / "gpu_check.txt").read_text()
     assert "6 of 6 parts passed" in summary, summary
-    for part in ("environment", "doctor", "CUDA tests", "train fp32", "train bf16-mixed",
-                 "llama-1b"):  # fmt: skip
+    for part in (
+        "environment",
+        "doctor",
+        "CUDA tests",
+        "train fp32",
+        "train bf16-mixed",
+        "llama-1b",
+    ):
         assert f"PASS    {part} (" in summary, summary
     # the tests that need CUDA: skipped here (no GPU asked), none failed
     assert re.search(r"CUDA tests \(\d+ s\): (\d+ passed, )?\d+ skipped \(no GPU", summary), summary
@@ -43,7 +58,11 @@ def test_a_device_that_is_not_one_is_refused_at_once(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": ""}
     done = subprocess.run(
         [str(ROOT / "bench" / "gpu_check.sh"), "--device", "tpu:0"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "--device 'tpu:0': cpu or cuda:N" in done.stderr

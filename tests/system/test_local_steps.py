@@ -220,8 +220,12 @@ def test_a_restarted_replica_rejoins_at_a_rounds_start_as_a_copy_and_stays_exact
     rejoined = [r for r in record if isinstance(r, Join) and r.step > 0]
     assert [(j.stage, j.peer, j.source) for j in rejoined] == [(0, "s0r0", "s0r1")]
     assert rejoined[0].step % (1 if rule == "delayed" else 2) == 0, "joins where a round starts"
-    held = {run.chain[0] for s in record if isinstance(s, StepRuns) and s.step >= rejoined[0].step
-            for run in s.runs}  # fmt: skip
+    held = {
+        run.chain[0]
+        for s in record
+        if isinstance(s, StepRuns) and s.step >= rejoined[0].step
+        for run in s.runs
+    }
     assert "s0r0" in held, "the copy trained after it joined"
     assert_states_within(state, _replayed(job, routes), tol=1e-9)
 

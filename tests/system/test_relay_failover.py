@@ -67,10 +67,23 @@ def _tunnels(relay: SwarmProcess) -> float:
 
 def _start_relay(sw: LocalSwarm, name: str) -> SwarmProcess:
     relay = start_process(
-        ["--log-level", "INFO", "relay", "--broker", sw.broker, "--port", "0",
-         "--peer", name, "--metrics-port", "0"],
-        log_dir=sw.log_dir, name=name, env=sw.env,
-    )  # fmt: skip
+        [
+            "--log-level",
+            "INFO",
+            "relay",
+            "--broker",
+            sw.broker,
+            "--port",
+            "0",
+            "--peer",
+            name,
+            "--metrics-port",
+            "0",
+        ],
+        log_dir=sw.log_dir,
+        name=name,
+        env=sw.env,
+    )
     relay.wait_ready(60)
     return relay
 
@@ -213,8 +226,10 @@ def test_a_remote_trainer_reaches_a_nat_peer_through_its_relay(tmp_path: Path) -
         before = _tunnels(relays[0])
         remote = start_process(
             ["trainer", "--scheduler", sw.address, "--job", job_id],
-            log_dir=tmp_path, name="remote-trainer", env=sw.env,
-        )  # fmt: skip
+            log_dir=tmp_path,
+            name="remote-trainer",
+            env=sw.env,
+        )
         wait_until_blocking(
             lambda: int(_status(sw, job_id).get("step", 0)) >= steps, "the job's end", timeout_s=240
         )

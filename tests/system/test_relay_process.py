@@ -28,15 +28,29 @@ async def test_a_relay_process_announces_itself_carries_calls_and_says_when_it_g
 ) -> None:
     async with EmbeddedBroker(token=TOKEN) as broker:
         relay = start_process(
-            ["--log-level", "INFO", "relay", "--broker", broker.url, "--port", "0",
-             "--peer", "relay-1", "--metrics-port", "0"],
-            log_dir=tmp_path, name="relay", env={**os.environ, "SWARM_TOKEN": TOKEN},
-        )  # fmt: skip
+            [
+                "--log-level",
+                "INFO",
+                "relay",
+                "--broker",
+                broker.url,
+                "--port",
+                "0",
+                "--peer",
+                "relay-1",
+                "--metrics-port",
+                "0",
+            ],
+            log_dir=tmp_path,
+            name="relay",
+            env={**os.environ, "SWARM_TOKEN": TOKEN},
+        )
         try:
             ready = await asyncio.to_thread(relay.wait_ready, 60)
             seen: list[cpb.PeerAnnouncement] = []
-            async with Bus(broker.url, "watcher", username="watcher", token=TOKEN,
-                           registry=CollectorRegistry()) as bus:  # fmt: skip
+            async with Bus(
+                broker.url, "watcher", username="watcher", token=TOKEN, registry=CollectorRegistry()
+            ) as bus:
                 await bus.wait_connected(30)
 
                 async def watch() -> None:
@@ -54,9 +68,13 @@ async def test_a_relay_process_announces_itself_carries_calls_and_says_when_it_g
                 async with echo_server(TOKEN) as port:
                     changes: list[str | None] = []
                     attachment = Attachment(
-                        "home-gpu", TOKEN, f"127.0.0.1:{port}", lambda: [ready["address"]],
-                        changes.append, address=f"{NAT_HOST}:{port}",
-                    )  # fmt: skip
+                        "home-gpu",
+                        TOKEN,
+                        f"127.0.0.1:{port}",
+                        lambda: [ready["address"]],
+                        changes.append,
+                        address=f"{NAT_HOST}:{port}",
+                    )
                     await attachment.start()
                     try:
                         await wait_until(lambda: attachment.relay == ready["address"])
@@ -93,8 +111,14 @@ async def test_a_sigkilled_relay_process_is_replaced_and_calls_resume(tmp_path: 
         a, b = [(await asyncio.to_thread(r.wait_ready, 60))["address"] for r in relays]
         async with echo_server(TOKEN) as port:
             changes: list[str | None] = []
-            attachment = Attachment("home-gpu", TOKEN, f"127.0.0.1:{port}", lambda: [a, b],
-                                    changes.append, address=f"{NAT_HOST}:{port}")  # fmt: skip
+            attachment = Attachment(
+                "home-gpu",
+                TOKEN,
+                f"127.0.0.1:{port}",
+                lambda: [a, b],
+                changes.append,
+                address=f"{NAT_HOST}:{port}",
+            )
             await attachment.start()
             try:
                 await wait_until(lambda: attachment.relay == a)

@@ -72,8 +72,13 @@ async def _nat_peer(token: str | None) -> AsyncIterator[tuple[str, str, Collecto
     announced = f"{ANNOUNCED_HOST}:{port}"
     with pytest.raises(ConnectionRefusedError):  # nobody answers where it says it is
         socket.create_connection((ANNOUNCED_HOST, port), timeout=5).close()
-    peer = cpb.PeerAnnouncement(peer=PEER, address=f"{ANNOUNCED_HOST}:1", metrics_address=announced,
-                                state=cpb.PEER_STATE_JOINING, relay=relay_address)  # fmt: skip
+    peer = cpb.PeerAnnouncement(
+        peer=PEER,
+        address=f"{ANNOUNCED_HOST}:1",
+        metrics_address=announced,
+        state=cpb.PEER_STATE_JOINING,
+        relay=relay_address,
+    )
     sd = [""]
 
     def listing() -> tuple[str, bytes]:
@@ -82,9 +87,15 @@ async def _nat_peer(token: str | None) -> AsyncIterator[tuple[str, str, Collecto
     sd_port = serve_metrics(CollectorRegistry(), "127.0.0.1", 0, {"/sd": listing}, token=token)
     sd[0] = f"127.0.0.1:{sd_port}"
     attachment = Attachment(
-        PEER, token, f"127.0.0.1:{port + 1}", lambda: [relay_address], lambda _: None,
-        address=peer.address, local_metrics=f"127.0.0.1:{port}", metrics_address=announced,
-    )  # fmt: skip
+        PEER,
+        token,
+        f"127.0.0.1:{port + 1}",
+        lambda: [relay_address],
+        lambda _: None,
+        address=peer.address,
+        local_metrics=f"127.0.0.1:{port}",
+        metrics_address=announced,
+    )
     await attachment.start()
     try:
         while attachment.relay is None:
@@ -108,10 +119,15 @@ async def _scraped(tmp_path: Path, config: str) -> list[dict[str, Any]]:
     log = tmp_path / "prometheus.log"
     with log.open("wb") as out:
         prometheus = subprocess.Popen(
-            [PROMETHEUS or "prometheus", f"--config.file={path}",
-             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address={web}"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                PROMETHEUS or "prometheus",
+                f"--config.file={path}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address={web}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         loop = asyncio.get_running_loop()
         deadline, found = loop.time() + 90, list[dict[str, Any]]()

@@ -117,18 +117,43 @@ class _Swarm:
         try:
             agg_env = {**self.local.env, ENV: faults if victim == "aggregator" else ""}
             self.procs["aggregator"] = start_process(
-                ["aggregator", "--broker", self.local.broker, "--peer", "agg",
-                 "--metrics-port", "0", "--bandwidth", AGGREGATOR_LINK],
-                log_dir=tmp_path, name="aggregator", env=agg_env,
-            )  # fmt: skip
+                [
+                    "aggregator",
+                    "--broker",
+                    self.local.broker,
+                    "--peer",
+                    "agg",
+                    "--metrics-port",
+                    "0",
+                    "--bandwidth",
+                    AGGREGATOR_LINK,
+                ],
+                log_dir=tmp_path,
+                name="aggregator",
+                env=agg_env,
+            )
             for peer, link in LINKS.items():
                 env = {**self.local.env, ENV: faults if victim == peer else ""}
                 self.procs[peer] = start_process(
-                    ["--log-level", "INFO", "stage-server", "--broker", self.local.broker,
-                     "--port", "0", "--metrics-port", "0", "--peer", peer,
-                     "--bandwidth", link],
-                    log_dir=tmp_path, name=f"peer-{peer}", env=env,
-                )  # fmt: skip
+                    [
+                        "--log-level",
+                        "INFO",
+                        "stage-server",
+                        "--broker",
+                        self.local.broker,
+                        "--port",
+                        "0",
+                        "--metrics-port",
+                        "0",
+                        "--peer",
+                        peer,
+                        "--bandwidth",
+                        link,
+                    ],
+                    log_dir=tmp_path,
+                    name=f"peer-{peer}",
+                    env=env,
+                )
             for proc in self.procs.values():
                 proc.wait_ready(WAIT_S)
             asyncio.run(_announced(self.local.broker, {*LINKS, "agg"}))
@@ -187,8 +212,10 @@ def test_uneven_parts_a_client_and_an_aggregator_through_a_kill_equal_swarm_loca
     at = ("--scheduler", sw.local.address)
     submit = subprocess.Popen(
         [sys.executable, "-m", "swarm.cli", "submit", str(job), "--wait", *at],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         client_owned = _whole_pool_met(sw)
         out, _ = submit.communicate(timeout=WAIT_S)

@@ -145,9 +145,14 @@ async def test_a_prepare_that_cannot_reach_its_pool_names_the_member_in_its_abor
     try:
         with pytest.raises(Aborted) as info:
             await client.commit(
-                0, [], 8, phase=pb.COMMIT_PHASE_PREPARE,
-                group=[running.address, free_address()], group_index=0, round="0/0",
-            )  # fmt: skip
+                0,
+                [],
+                8,
+                phase=pb.COMMIT_PHASE_PREPARE,
+                group=[running.address, free_address()],
+                group_index=0,
+                round="0/0",
+            )
         assert info.value.missing == (1,)
     finally:
         await client.close()
@@ -163,15 +168,23 @@ async def test_every_live_replica_names_the_one_that_failed_the_round(fault: str
         group = [r.address for r in pool]
         calls = [
             all_reduce(
-                torch.randn(999), RoundSettings(
-                    group=group, index=i, round="r0", job=JOB, stage=0, timeout_s=1.0,
-                    chunk_bytes=1 << 20, max_bytes=1 << 26,
+                torch.randn(999),
+                RoundSettings(
+                    group=group,
+                    index=i,
+                    round="r0",
+                    job=JOB,
+                    stage=0,
+                    timeout_s=1.0,
+                    chunk_bytes=1 << 20,
+                    max_bytes=1 << 26,
                 ),
-                averager=r.averager, channels=r.channels,
+                averager=r.averager,
+                channels=r.channels,
             )
             for i, r in enumerate(pool)
             if i != culprit  # silent: its PoolService answers, but it sends no part
-        ]  # fmt: skip
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         assert all(isinstance(r, AveragingAborted) for r in results), results
         assert [r.missing for r in results] == [(culprit,)] * 3, results
@@ -219,9 +232,14 @@ async def _reduce(address: str, job_id: str, values: torch.Tensor, group_size: i
     async with grpc.aio.insecure_channel(address) as channel:
         call: Any = pool_pb2_grpc.PoolServiceStub(channel).Reduce()  # no deadline of its own
         request = pool_pb2.PoolReduceRequest(
-            job=job_id, stage=0, round="r", part=0, sender=0, group_size=group_size,
+            job=job_id,
+            stage=0,
+            round="r",
+            part=0,
+            sender=0,
+            group_size=group_size,
             tensors=[encode(values, "part")],
-        )  # fmt: skip
+        )
         for m in wire.split(request, 1 << 20):
             await call.write(m)
         await call.done_writing()

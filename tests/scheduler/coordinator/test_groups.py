@@ -109,8 +109,13 @@ async def test_a_steps_prepare_carries_the_parts_and_the_aggregators(
 async def test_rounds_carry_the_same_parts(
     tmp_path: Path, make_harness: MakeHarness, overlap: str
 ) -> None:
-    training = {"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": 2,
-                "checkpoint_every": 0}  # fmt: skip
+    training = {
+        "stages": 2,
+        "microbatch_size": 4,
+        "target_batch_size": 8,
+        "steps": 2,
+        "checkpoint_every": 0,
+    }
     runtime = {"lease_timeout_s": LEASE_S, "data_plane": "relay"}
     pool = {"mode": "local", "sync_every": 2, "overlap": overlap}
     job = make_job(tmp_path, training=training, runtime=runtime, pool=pool)

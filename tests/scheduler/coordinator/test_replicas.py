@@ -49,8 +49,11 @@ async def test_state_checks_are_built_off_the_event_loop_once_per_stage(
     monkeypatch.setattr(StageClient, "download_state", download_state)  # no replica to ask
     connect = grpc_replicas(job, "job")
     # Two replicas of each stage (a checkpoint, an export, a recovery all download).
-    clients = [connect(k, Replica(f"p{k}{i}", f"127.0.0.1:{9000 + 2 * k + i}")) for k in (0, 1)
-               for i in (0, 1)]  # fmt: skip
+    clients = [
+        connect(k, Replica(f"p{k}{i}", f"127.0.0.1:{9000 + 2 * k + i}"))
+        for k in (0, 1)
+        for i in (0, 1)
+    ]
     try:
         for _ in range(2):  # the first downloads at once, then again
             got = await asyncio.gather(*(c.download_state(True, prefix="") for c in clients))

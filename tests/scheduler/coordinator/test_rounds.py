@@ -21,8 +21,13 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _local(tmp_path: Path, steps: int = 4, overlap: str = "none") -> object:
-    training = {"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": steps,
-                "checkpoint_every": 0}  # fmt: skip
+    training = {
+        "stages": 2,
+        "microbatch_size": 4,
+        "target_batch_size": 8,
+        "steps": steps,
+        "checkpoint_every": 0,
+    }
     runtime = {"lease_timeout_s": LEASE_S, "data_plane": "relay"}
     pool = {"mode": "local", "sync_every": 2, "overlap": overlap}
     return make_job(tmp_path, training=training, runtime=runtime, pool=pool)
@@ -142,10 +147,13 @@ async def test_eager_rounds_sum_while_the_next_round_trains(
     assert order[-3:] == ["eager_last", "eager_last_apply", "eager_mean"]
     syncs = [(r.step, r.stage, r.group, r.averaged, r.mean) for r in records if isinstance(r, Sync)]
     assert syncs == [
-        (1, 0, ("a", "b"), None, None), (1, 1, ("c",), None, None),
-        (3, 0, ("a", "b"), None, None), (3, 1, ("c",), None, None),
-        (5, 0, ("a", "b"), None, None), (5, 1, ("c",), None, None),
-    ]  # fmt: skip
+        (1, 0, ("a", "b"), None, None),
+        (1, 1, ("c",), None, None),
+        (3, 0, ("a", "b"), None, None),
+        (3, 1, ("c",), None, None),
+        (5, 0, ("a", "b"), None, None),
+        (5, 1, ("c",), None, None),
+    ]
 
 
 async def test_eager_a_member_that_fails_the_background_sum_is_left_out_of_it(

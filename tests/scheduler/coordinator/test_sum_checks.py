@@ -131,17 +131,31 @@ async def _round(
             aggregator.averager.summer = _off_by(aggregator.averager.summer, add)
         group = [r.address for r in pool]
         checks = [PartChecks(seed) for _ in range(CONTRIBUTORS)]
-        results = await asyncio.gather(*(
-            all_reduce(
-                x.clone(), RoundSettings(
-                    group=group, index=i, round=f"r{seed}", job=JOB, stage=0, timeout_s=20.0,
-                    chunk_bytes=MiB, max_bytes=64 * MiB, codec=codec, slice_bytes=40_000,
-                    parts=Parts(WEIGHTS, CONTRIBUTORS), in_place=i == 1,
-                ),
-                averager=r.averager, channels=r.channels, checks=checks[i],
+        results = await asyncio.gather(
+            *(
+                all_reduce(
+                    x.clone(),
+                    RoundSettings(
+                        group=group,
+                        index=i,
+                        round=f"r{seed}",
+                        job=JOB,
+                        stage=0,
+                        timeout_s=20.0,
+                        chunk_bytes=MiB,
+                        max_bytes=64 * MiB,
+                        codec=codec,
+                        slice_bytes=40_000,
+                        parts=Parts(WEIGHTS, CONTRIBUTORS),
+                        in_place=i == 1,
+                    ),
+                    averager=r.averager,
+                    channels=r.channels,
+                    checks=checks[i],
+                )
+                for i, (r, x) in enumerate(zip(pool, xs, strict=False))
             )
-            for i, (r, x) in enumerate(zip(pool, xs, strict=False))
-        ))  # fmt: skip
+        )
     assert all(torch.equal(t, results[0]) for t in results)
     return [c.report() for c in checks]
 

@@ -257,12 +257,26 @@ def test_a_memory_bound_that_holds_no_chunk_is_refused(tmp_path: Path) -> None:
     from tests.support.cli import swarm
 
     result = swarm(
-        "aggregator", "--broker", "mqtt://127.0.0.1:1", "--max-memory-bytes", "1000",
-        env={"SWARM_CACHE_DIR": str(tmp_path)}, check=False, timeout=120,
-    )  # fmt: skip
+        "aggregator",
+        "--broker",
+        "mqtt://127.0.0.1:1",
+        "--max-memory-bytes",
+        "1000",
+        env={"SWARM_CACHE_DIR": str(tmp_path)},
+        check=False,
+        timeout=120,
+    )
     assert result.returncode == 2 and "--max-memory-bytes 1000 is below" in result.stderr
-    result = swarm("aggregator", "--broker", "mqtt://127.0.0.1:1", "--bandwidth", "fast",
-                   env={"SWARM_CACHE_DIR": str(tmp_path)}, check=False, timeout=120)  # fmt: skip
+    result = swarm(
+        "aggregator",
+        "--broker",
+        "mqtt://127.0.0.1:1",
+        "--bandwidth",
+        "fast",
+        env={"SWARM_CACHE_DIR": str(tmp_path)},
+        check=False,
+        timeout=120,
+    )
     assert result.returncode == 2 and "--bandwidth" in result.stderr
     assert "'fast' is not a rate" in result.stderr
 
@@ -280,8 +294,10 @@ async def _pool_job(bus: Bus) -> None:
 async def test_an_aggregator_owns_a_part_of_a_real_round_float64_equal_to_the_plain_sum(
     open_broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
-    flats = [torch.randn(100_003, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
-             for i in range(2)]  # fmt: skip
+    flats = [
+        torch.randn(100_003, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        for i in range(2)
+    ]
     async with (
         scheduler_bus(open_broker) as bus,
         replicas(2) as pool,
@@ -309,8 +325,10 @@ async def test_an_aggregator_owns_a_part_of_a_real_round_float64_equal_to_the_pl
 async def test_a_killed_aggregator_fails_its_round_by_name_and_the_retry_loses_nothing(
     open_broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
-    flats = [torch.randn(200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
-             for i in range(2)]  # fmt: skip
+    flats = [
+        torch.randn(200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        for i in range(2)
+    ]
     kept = [f.clone() for f in flats]
     async with (
         scheduler_bus(open_broker) as bus,
@@ -343,8 +361,10 @@ async def test_without_bandwidth_it_measures_its_links_from_the_rounds_it_serves
     a stage server's owner streams do), then announces them again, and /metrics shows them."""
     # 64 MiB vectors: its half comes in 32 MiB from each member and goes back as 32 MiB sums,
     # bursts past the meter's thresholds (1 MiB down, 16 MiB up).
-    flats = [torch.randn(8 << 20, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
-             for i in range(2)]  # fmt: skip
+    flats = [
+        torch.randn(8 << 20, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        for i in range(2)
+    ]
     async with (
         scheduler_bus(open_broker) as bus,
         replicas(2) as pool,
@@ -377,13 +397,21 @@ async def members(
 ) -> list[Any]:
     """The round of members `indices` of `pool` alone (the others run theirs apart)."""
     opts: dict[str, Any] = {
-        "job": JOB, "stage": 0, "timeout_s": 20.0, "chunk_bytes": 4 * MiB, "max_bytes": 64 * MiB,
-    } | kwargs  # fmt: skip
+        "job": JOB,
+        "stage": 0,
+        "timeout_s": 20.0,
+        "chunk_bytes": 4 * MiB,
+        "max_bytes": 64 * MiB,
+    } | kwargs
     calls = [
-        all_reduce(flats[i], RoundSettings(index=i, **opts), averager=pool[i].averager,
-                   channels=pool[i].channels)
+        all_reduce(
+            flats[i],
+            RoundSettings(index=i, **opts),
+            averager=pool[i].averager,
+            channels=pool[i].channels,
+        )
         for i in indices
-    ]  # fmt: skip
+    ]
     return await asyncio.gather(*calls, return_exceptions=True)
 
 
@@ -400,8 +428,10 @@ async def test_a_hostile_aggregator_changes_only_the_part_it_owns_alike_on_every
     """It answers its part's sum plus one: every member gets the same wrong part (so the pool
     stays identical, and a non-finite one is refused at the commit: test_nonfinite_rounds), and
     nothing outside its part changes (docs/decisions.md: what a pool checks of an aggregator)."""
-    flats = [torch.randn(10_000, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
-             for i in range(2)]  # fmt: skip
+    flats = [
+        torch.randn(10_000, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        for i in range(2)
+    ]
     async with replicas(3) as pool:
         hostile = pool[2].averager
         honest = hostile.summer

@@ -68,9 +68,11 @@ async def test_a_finite_wrong_sum_fails_the_round_naming_the_aggregator(
     pool = {} if mode == "step" else {"mode": "local", "sync_every": 2}
     pool |= {"overlap": "eager"} if mode == "eager" else {}
     job = make_job(
-        tmp_path, training={"steps": 4, "target_batch_size": 32, "checkpoint_every": 0},
-        pool=pool, runtime={"data_plane": "relay"},
-    )  # fmt: skip
+        tmp_path,
+        training={"steps": 4, "target_batch_size": 32, "checkpoint_every": 0},
+        pool=pool,
+        runtime={"data_plane": "relay"},
+    )
     swarm = Swarm(job)
     make_swarm.append(swarm)
     await swarm.add_replicas(3)
@@ -140,6 +142,9 @@ async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
         assert len(judged) >= 3 * len(swarm.servers)  # every stage of every step
         for reports in judged:
             assert sorted(reports) == [0, 1, 2]
-            assert all([c.part for c in r] == [3] and c.unit == 2.0**-24 for r in reports.values()
-                       for c in r)  # fmt: skip
+            assert all(
+                [c.part for c in r] == [3] and c.unit == 2.0**-24
+                for r in reports.values()
+                for c in r
+            )
         await coordinator.close()

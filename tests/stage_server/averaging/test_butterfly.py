@@ -316,14 +316,22 @@ async def test_a_closed_port_aborts_every_live_replica() -> None:
         start = time.monotonic()
         calls = [
             all_reduce(
-                f, RoundSettings(
-                    group=group, index=group.index(r.address), round="r0", job=JOB, stage=0,
-                    timeout_s=2.0, chunk_bytes=MiB, max_bytes=64 * MiB,
+                f,
+                RoundSettings(
+                    group=group,
+                    index=group.index(r.address),
+                    round="r0",
+                    job=JOB,
+                    stage=0,
+                    timeout_s=2.0,
+                    chunk_bytes=MiB,
+                    max_bytes=64 * MiB,
                 ),
-                averager=r.averager, channels=r.channels,
+                averager=r.averager,
+                channels=r.channels,
             )
             for r, f in zip(live, flats, strict=True)
-        ]  # fmt: skip
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         assert time.monotonic() - start < 2.5
         assert any(dead.address in str(r) for r in results)
@@ -337,15 +345,23 @@ async def test_a_silent_replica_aborts_every_live_replica_within_the_timeout() -
         start = time.monotonic()
         calls = [
             all_reduce(
-                torch.randn(777), RoundSettings(
-                    group=group, index=i, round="r0", job=JOB, stage=0, timeout_s=timeout,
-                    chunk_bytes=MiB, max_bytes=64 * MiB,
+                torch.randn(777),
+                RoundSettings(
+                    group=group,
+                    index=i,
+                    round="r0",
+                    job=JOB,
+                    stage=0,
+                    timeout_s=timeout,
+                    chunk_bytes=MiB,
+                    max_bytes=64 * MiB,
                 ),
-                averager=r.averager, channels=r.channels,
+                averager=r.averager,
+                channels=r.channels,
             )
             for i, r in enumerate(pool)
             if i != silent
-        ]  # fmt: skip
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         assert time.monotonic() - start < timeout + 0.5
         assert any(pool[silent].address in str(r) for r in results)

@@ -51,15 +51,25 @@ async def one_round(
     group = list(group or [r.address for r in pool])
     calls = [
         all_reduce(
-            f, RoundSettings(
-                group=group, index=group.index(r.address), round=round, job=JOB, stage=0,
-                timeout_s=2.0, chunk_bytes=4 * MiB, max_bytes=64 * MiB,
-                codec=CODEC_INT8_BLOCKWISE, block_size=BLOCK,
+            f,
+            RoundSettings(
+                group=group,
+                index=group.index(r.address),
+                round=round,
+                job=JOB,
+                stage=0,
+                timeout_s=2.0,
+                chunk_bytes=4 * MiB,
+                max_bytes=64 * MiB,
+                codec=CODEC_INT8_BLOCKWISE,
+                block_size=BLOCK,
             ),
-            averager=r.averager, channels=r.channels, residuals=e,
+            averager=r.averager,
+            channels=r.channels,
+            residuals=e,
         )
         for r, f, e in zip(pool, flats, residuals, strict=True)
-    ]  # fmt: skip
+    ]
     return await asyncio.gather(*calls, return_exceptions=True)
 
 
@@ -229,8 +239,9 @@ async def test_eager_rounds_carry_what_the_codec_dropped_into_the_next_rounds_su
 
     def after_step(record: StepRecord) -> None:
         feedbacks = [s.servicer._feedback for stage in swarm.servers for s in stage]
-        held.append((record.step, [None if f._applied is None else f._applied.step
-                                   for f in feedbacks]))  # fmt: skip
+        held.append(
+            (record.step, [None if f._applied is None else f._applied.step for f in feedbacks])
+        )
 
     await _train(job, swarm, after_step)
     assert [step for step, _ in held] == list(range(6))

@@ -37,9 +37,15 @@ def _header(job: str, nbytes: int, *, round: str, group_size: int = 2, **kw: Any
     """A Reduce's first message declaring a float32 part of `nbytes` bytes, sent as chunks."""
     part = tensor_pb2.Tensor(name="part", dtype="float32", shape=[nbytes // 4], nbytes=nbytes)
     return pool_pb2.PoolReduceRequest(
-        job=job, stage=1, round=round, part=0, sender=0, group_size=group_size, tensors=[part],
+        job=job,
+        stage=1,
+        round=round,
+        part=0,
+        sender=0,
+        group_size=group_size,
+        tensors=[part],
         **kw,
-    )  # fmt: skip
+    )
 
 
 async def _honest_reduce(channel: grpc.aio.Channel, job: str, values: torch.Tensor) -> Any:

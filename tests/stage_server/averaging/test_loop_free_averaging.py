@@ -41,10 +41,16 @@ async def test_the_loop_runs_while_a_round_copies_a_device_gradient(slow: str, c
     async with replicas(2) as pool:
         rounds = asyncio.ensure_future(
             reduce_all(
-                pool, given, copies=copies, timeout_s=30.0, chunk_bytes=CHUNK,
-                slice_bytes=SLICE, in_place=True, codec=codec,
+                pool,
+                given,
+                copies=copies,
+                timeout_s=30.0,
+                chunk_bytes=CHUNK,
+                slice_bytes=SLICE,
+                in_place=True,
+                codec=codec,
             )
-        )  # fmt: skip
+        )
         await asyncio.wait_for(copy_started(gated), 30)
         await asyncio.sleep(0.01)  # the loop wakes (a timer) while the copy is under way
         woke_during_copy = gated.opened is None
@@ -74,16 +80,27 @@ async def test_a_round_cancelled_mid_copy_ends_only_once_the_copy_has_landed() -
     async with replicas(2) as pool:
         group = [r.address for r in pool]
         opts: dict[str, Any] = {
-            "round": "r0", "job": JOB, "stage": 0, "timeout_s": 30.0, "chunk_bytes": CHUNK,
-            "max_bytes": 64 * MiB, "slice_bytes": SLICE, "in_place": True,
-        }  # fmt: skip
+            "round": "r0",
+            "job": JOB,
+            "stage": 0,
+            "timeout_s": 30.0,
+            "chunk_bytes": CHUNK,
+            "max_bytes": 64 * MiB,
+            "slice_bytes": SLICE,
+            "in_place": True,
+        }
         tasks = [
-            asyncio.ensure_future(all_reduce(
-                f, RoundSettings(group=group, index=i, **opts),
-                averager=r.averager, channels=r.channels, copies=c,
-            ))
+            asyncio.ensure_future(
+                all_reduce(
+                    f,
+                    RoundSettings(group=group, index=i, **opts),
+                    averager=r.averager,
+                    channels=r.channels,
+                    copies=c,
+                )
+            )
             for i, (r, f, c) in enumerate(zip(pool, flats, copies, strict=True))
-        ]  # fmt: skip
+        ]
         tasks[0].add_done_callback(lambda _: landed_when_done.append(gated.ended.is_set()))
         await asyncio.wait_for(copy_started(gated), 30)
         tasks[0].cancel()
@@ -106,16 +123,25 @@ async def test_on_cuda_a_rounds_copies_run_off_the_loop_on_the_gradients_device(
     async with replicas(2) as pool:
         group = [r.address for r in pool]
         opts: dict[str, Any] = {
-            "round": "r0", "job": JOB, "stage": 0, "timeout_s": 60.0, "chunk_bytes": 256 << 10,
-            "max_bytes": 64 * MiB, "slice_bytes": 1 * MiB, "in_place": True,
-        }  # fmt: skip
+            "round": "r0",
+            "job": JOB,
+            "stage": 0,
+            "timeout_s": 60.0,
+            "chunk_bytes": 256 << 10,
+            "max_bytes": 64 * MiB,
+            "slice_bytes": 1 * MiB,
+            "in_place": True,
+        }
         calls = [
             all_reduce(
-                f, RoundSettings(group=group, index=i, **opts),
-                averager=r.averager, channels=r.channels, copies=c,
+                f,
+                RoundSettings(group=group, index=i, **opts),
+                averager=r.averager,
+                channels=r.channels,
+                copies=c,
             )
             for i, (r, f, c) in enumerate(zip(pool, on_gpu, watched, strict=True))
-        ]  # fmt: skip
+        ]
         results = await asyncio.gather(*calls)
     want = ordered_sum(cpu)
     for result, flat, w in zip(results, on_gpu, watched, strict=True):

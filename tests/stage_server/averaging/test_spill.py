@@ -218,16 +218,27 @@ async def test_in_place_the_sum_lands_over_the_values_with_the_same_bits(
         results = await asyncio.gather(
             *(
                 all_reduce(
-                    flats[i], RoundSettings(
-                        group=[r.address for r in pool], index=i, round="in place", job=JOB,
-                        stage=0, timeout_s=20, chunk_bytes=4 * MiB, max_bytes=64 * MiB,
-                        codec=codec, slice_bytes=slice_bytes, in_place=True,
+                    flats[i],
+                    RoundSettings(
+                        group=[r.address for r in pool],
+                        index=i,
+                        round="in place",
+                        job=JOB,
+                        stage=0,
+                        timeout_s=20,
+                        chunk_bytes=4 * MiB,
+                        max_bytes=64 * MiB,
+                        codec=codec,
+                        slice_bytes=slice_bytes,
+                        in_place=True,
                     ),
-                    averager=r.averager, channels=r.channels, keep=keeper(i),
+                    averager=r.averager,
+                    channels=r.channels,
+                    keep=keeper(i),
                 )
                 for i, r in enumerate(pool)
             )
-        )  # fmt: skip
+        )
     for i, result in enumerate(results):
         assert result.data_ptr() == flats[i].data_ptr()  # the values' own memory
         assert torch.equal(result, apart)
@@ -256,15 +267,25 @@ async def test_a_round_that_fails_half_way_is_undone_by_its_spill(tmp_path: Path
 
         reduced, _ = await asyncio.gather(
             all_reduce(
-                flat, RoundSettings(
-                    group=[r.address for r in pool], index=0, round="half", job=JOB, stage=0,
-                    timeout_s=1.0, chunk_bytes=MiB, max_bytes=64 * MiB, in_place=True,
+                flat,
+                RoundSettings(
+                    group=[r.address for r in pool],
+                    index=0,
+                    round="half",
+                    job=JOB,
+                    stage=0,
+                    timeout_s=1.0,
+                    chunk_bytes=MiB,
+                    max_bytes=64 * MiB,
+                    in_place=True,
                 ),
-                averager=pool[0].averager, channels=pool[0].channels, keep=keep,
+                averager=pool[0].averager,
+                channels=pool[0].channels,
+                keep=keep,
             ),
             member_one_sends_part_zero_only(),
             return_exceptions=True,
-        )  # fmt: skip
+        )
         assert isinstance(reduced, AveragingAborted), reduced
         assert torch.equal(flat[own], original[own] + other[own])  # part 0 landed in place
         assert torch.equal(flat[own.stop :], original[own.stop :])  # part 1's never came
@@ -282,17 +303,19 @@ async def test_a_round_holds_none_of_the_messages_it_read() -> None:
     numel, chunk = 8 * MiB, MiB  # 32 MiB of float32: parts of 16 MiB in 4 slices of 4 MiB
     async with replicas(2) as pool:
         flats = [torch.randn(numel) for _ in pool]
-        await reduce_all(pool, [f.clone() for f in flats], round="warm", chunk_bytes=chunk,
-                         slice_bytes=4 * MiB)  # fmt: skip
+        await reduce_all(
+            pool, [f.clone() for f in flats], round="warm", chunk_bytes=chunk, slice_bytes=4 * MiB
+        )
         gc.collect()
         gc.disable()
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]
             assert_identical(
-                await reduce_all(pool, flats, round="measured", chunk_bytes=chunk,
-                                 slice_bytes=4 * MiB)
-            )  # fmt: skip
+                await reduce_all(
+                    pool, flats, round="measured", chunk_bytes=chunk, slice_bytes=4 * MiB
+                )
+            )
             await asyncio.sleep(0.1)  # the calls' last callbacks
             held = tracemalloc.get_traced_memory()[0] - before
         finally:

@@ -67,9 +67,13 @@ async def test_uneven_parts_and_clients_sum_to_the_same_bits(weights: list[float
             flats = [torch.randn(numel, dtype=torch.float64) for _ in range(4)]
             rid = f"r{numel}"
             results = await reduce_all(
-                pool, flats, round=rid, parts=Parts(weights), slice_bytes=8000,
+                pool,
+                flats,
+                round=rid,
+                parts=Parts(weights),
+                slice_bytes=8000,
                 on_bytes=lambda s, r: counted.append((s, r)),
-            )  # fmt: skip
+            )
             assert torch.equal(assert_identical(results), ordered_sum(flats))
             parts = part_bounds(numel, weights)
             for r, part in zip(pool, parts, strict=True):
@@ -93,9 +97,13 @@ async def test_aggregators_own_parts_and_contribute_nothing() -> None:
             flats = [torch.randn(numel, dtype=torch.float64) for _ in contributors]
             rid = f"a{numel}"
             results = await reduce_all(
-                contributors, flats, round=rid, group=group, parts=Parts(weights, 3),
+                contributors,
+                flats,
+                round=rid,
+                group=group,
+                parts=Parts(weights, 3),
                 slice_bytes=8000,
-            )  # fmt: skip
+            )
             assert torch.equal(assert_identical(results), ordered_sum(flats))
             for r, part in zip(pool, part_bounds(numel, weights), strict=True):
                 assert _served(r, rid) == ("completed" if part.stop > part.start else None)
@@ -104,10 +112,20 @@ async def test_aggregators_own_parts_and_contribute_nothing() -> None:
         with pytest.raises(ConfigError, match="is an aggregator"):
             await all_reduce(
                 torch.zeros(4),
-                RoundSettings(group=group, index=3, round="x", job=JOB, stage=0, timeout_s=5,
-                              chunk_bytes=1 << 20, max_bytes=1 << 26, parts=Parts((), 3)),
-                averager=aggregators[0].averager, channels=aggregators[0].channels,
-            )  # fmt: skip
+                RoundSettings(
+                    group=group,
+                    index=3,
+                    round="x",
+                    job=JOB,
+                    stage=0,
+                    timeout_s=5,
+                    chunk_bytes=1 << 20,
+                    max_bytes=1 << 26,
+                    parts=Parts((), 3),
+                ),
+                averager=aggregators[0].averager,
+                channels=aggregators[0].channels,
+            )
 
 
 async def test_weights_a_round_cannot_cut_by_are_refused() -> None:
@@ -126,9 +144,10 @@ async def test_lossy_parts_are_encoded_per_uneven_part() -> None:
     async with replicas(3) as pool:
         flats = [torch.randn(numel) for _ in range(3)]
         total = assert_identical(
-            await reduce_all(pool, flats, codec=CODEC_INT8_BLOCKWISE, block_size=block,
-                             parts=Parts(weights))
-        )  # fmt: skip
+            await reduce_all(
+                pool, flats, codec=CODEC_INT8_BLOCKWISE, block_size=block, parts=Parts(weights)
+            )
+        )
     expected = torch.cat(
         [
             _trip(ordered_sum([_trip(f[p], block) for f in flats]), block)
@@ -155,15 +174,26 @@ async def test_error_feedback_with_uneven_parts_and_a_client_loses_nothing() -> 
         for k in range(rounds):
             calls = [
                 all_reduce(
-                    f, RoundSettings(
-                        group=group, index=i, round=f"e{k}", job=JOB, stage=0, timeout_s=10,
-                        chunk_bytes=1 << 20, max_bytes=1 << 26, codec=CODEC_INT8_BLOCKWISE,
-                        block_size=block, parts=Parts(weights),
+                    f,
+                    RoundSettings(
+                        group=group,
+                        index=i,
+                        round=f"e{k}",
+                        job=JOB,
+                        stage=0,
+                        timeout_s=10,
+                        chunk_bytes=1 << 20,
+                        max_bytes=1 << 26,
+                        codec=CODEC_INT8_BLOCKWISE,
+                        block_size=block,
+                        parts=Parts(weights),
                     ),
-                    averager=r.averager, channels=r.channels, residuals=e,
+                    averager=r.averager,
+                    channels=r.channels,
+                    residuals=e,
                 )
                 for i, (r, f, e) in enumerate(zip(pool, flats, residuals, strict=True))
-            ]  # fmt: skip
+            ]
             total += assert_identical(await asyncio.gather(*calls)).double()
     exact = rounds * torch.stack(flats).double().sum(0)
     held = sum(r.sent.double() + r.summed.double() for r in residuals)
@@ -216,9 +246,12 @@ async def test_an_owner_dying_mid_round_fails_it_and_the_retry_without_it_is_exa
         survivors = [pool[i] for i in live]
         kept = [flats[i] for i in live]
         again = await reduce_all(
-            survivors, kept, round="k1", parts=Parts(water_fill([rates[i] for i in live])),
+            survivors,
+            kept,
+            round="k1",
+            parts=Parts(water_fill([rates[i] for i in live])),
             slice_bytes=8000,
-        )  # fmt: skip
+        )
         assert torch.equal(assert_identical(again), ordered_sum(kept))
 
 
@@ -245,8 +278,12 @@ async def test_an_aggregator_holds_a_window_of_slices_per_contributor(
         watched.append(pool[3].averager)
         flats = [torch.randn(50_000, dtype=torch.float64) for _ in range(3)]
         results = await reduce_all(
-            pool[:3], flats, group=[r.address for r in pool],
-            parts=Parts([0.1, 0.05, 0.05, 0.8], 3), slice_bytes=8000, window=window,
-        )  # fmt: skip
+            pool[:3],
+            flats,
+            group=[r.address for r in pool],
+            parts=Parts([0.1, 0.05, 0.05, 0.8], 3),
+            slice_bytes=8000,
+            window=window,
+        )
         assert torch.equal(assert_identical(results), ordered_sum(flats))
     assert 0 < most[0] <= window * 3  # its part: 40 slices of 1000 elements per contributor

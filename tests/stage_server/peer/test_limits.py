@@ -168,9 +168,11 @@ async def test_a_jobs_one_byte_chunks_are_raised_to_the_peers_floor(lavish: JobC
     try:
         x = codec.encode(torch.randn(1, 16, 32, dtype=torch.float64), "inputs")  # 4 KiB out
         request = pb.StageForwardRequest(
-            job=fingerprint(lavish), stage=1, microbatch=pb.MicrobatchId(step=0, index=0),
+            job=fingerprint(lavish),
+            stage=1,
+            microbatch=pb.MicrobatchId(step=0, index=0),
             tensors=[x],
-        )  # fmt: skip
+        )
         async with grpc.aio.insecure_channel(running.address) as channel:
             call = stage_pb2_grpc.StageServiceStub(channel).Forward(timeout=20)
             await call.write(request)
@@ -422,9 +424,11 @@ async def test_a_jobs_activation_cache_is_clamped_on_a_live_replica(tmp_path: Pa
             stub = stage_pb2_grpc.StageServiceStub(channel)
             for index in range(12):
                 request = pb.StageForwardRequest(
-                    job=fingerprint(job), stage=1, microbatch=pb.MicrobatchId(step=0, index=index),
+                    job=fingerprint(job),
+                    stage=1,
+                    microbatch=pb.MicrobatchId(step=0, index=index),
                     tensors=[x],
-                )  # fmt: skip
+                )
                 (reply,) = await _call(stub.Forward, request)
                 assert codec.decode(reply.tensors[0]).shape == (1, 16, 32)
         cached = len(running.runtime._cache)
@@ -442,9 +446,11 @@ async def test_the_servers_grpc_messages_stay_within_the_peers_ceiling(tmp_path:
     try:
         big = codec.encode(torch.randn(3 * MiB // 8, dtype=torch.float64), "inputs")
         request = pb.StageForwardRequest(
-            job=fingerprint(job), stage=1, microbatch=pb.MicrobatchId(step=0, index=0),
+            job=fingerprint(job),
+            stage=1,
+            microbatch=pb.MicrobatchId(step=0, index=0),
             tensors=[big],
-        )  # fmt: skip
+        )
         options = [("grpc.max_send_message_length", 64 * MiB)]
         async with grpc.aio.insecure_channel(running.address, options=options) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -523,8 +529,11 @@ async def test_the_activation_cache_is_bounded_by_bytes_on_a_live_replica(tmp_pa
             stub = stage_pb2_grpc.StageServiceStub(channel)
 
             def mb(index: int) -> Any:
-                return {"job": fingerprint(job), "stage": 1, "microbatch": pb.MicrobatchId(
-                    step=0, index=index)}  # fmt: skip
+                return {
+                    "job": fingerprint(job),
+                    "stage": 1,
+                    "microbatch": pb.MicrobatchId(step=0, index=index),
+                }
 
             for index in range(12):
                 (reply,) = await _call(

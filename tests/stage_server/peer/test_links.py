@@ -252,14 +252,23 @@ async def test_an_averaging_round_between_two_stage_servers_measures_both_links(
         async def member(i: int) -> float:
             s = servers[i].servicer
             settings = RoundSettings(
-                group=group, index=i, round="r0", job=fingerprint(job), stage=0, timeout_s=60.0,
-                chunk_bytes=MiB, max_bytes=64 * MiB,
-            )  # fmt: skip
+                group=group,
+                index=i,
+                round="r0",
+                job=fingerprint(job),
+                stage=0,
+                timeout_s=60.0,
+                chunk_bytes=MiB,
+                max_bytes=64 * MiB,
+            )
             started = time.monotonic()
             total = await all_reduce(
-                flats[i], settings, averager=s.averager, channels=s.channels,
+                flats[i],
+                settings,
+                averager=s.averager,
+                channels=s.channels,
                 on_bytes=s.metrics.averaged,
-            )  # fmt: skip
+            )
             # As the commit does: the round's time after its bytes (stage_server/replica/commit.py).
             seconds = time.monotonic() - started
             s.metrics.averaging_seconds(seconds)
@@ -291,12 +300,19 @@ async def test_a_stage_server_with_a_given_bandwidth_announces_it(tmp_path: Path
     broker.start()
     peer = start_process(
         [
-            "stage-server", "--broker", broker.url, "--peer", "p1", "--metrics-port", "0",
-            "--bandwidth", "10M/100M",
+            "stage-server",
+            "--broker",
+            broker.url,
+            "--peer",
+            "p1",
+            "--metrics-port",
+            "0",
+            "--bandwidth",
+            "10M/100M",
         ],
         log_dir=tmp_path,
         name="peer",
-    )  # fmt: skip
+    )
     try:
         ready = await asyncio.to_thread(peer.wait_ready, 120)
         announced = cpb.PeerAnnouncement()
@@ -323,9 +339,16 @@ async def test_a_stage_server_with_a_given_bandwidth_announces_it(tmp_path: Path
 def test_a_bad_bandwidth_is_refused_with_its_reason(tmp_path: Path) -> None:
     job = write_job(tmp_path)
     done = swarm(
-        "stage-server", "--job", str(job), "--stage", "0", "--bandwidth", "100Mbps",
-        timeout=120, check=False,
-    )  # fmt: skip
+        "stage-server",
+        "--job",
+        str(job),
+        "--stage",
+        "0",
+        "--bandwidth",
+        "100Mbps",
+        timeout=120,
+        check=False,
+    )
     assert done.returncode != 0
     assert "ambiguous" in done.stderr and "100mbit" in done.stderr
 

@@ -72,18 +72,18 @@ async def _move(monkeypatch: pytest.MonkeyPatch, free: int) -> list[str]:
 
     executor = ThreadPoolExecutor(1)
     running: Any = SimpleNamespace(
-        address="127.0.0.1:1", executor=executor, servicer=_Servicer(events),
+        address="127.0.0.1:1",
+        executor=executor,
+        servicer=_Servicer(events),
         health=SimpleNamespace(set=_set),
-    )  # fmt: skip
+    )
     agent = PeerAgent(running, _Bus(), peer="p", device="cpu")  # type: ignore[arg-type]
     agent.facts = FakeFacts(host=free)  # the host's available memory, as the peer reads it
     try:
         await agent._on_job(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_PLACING))
-        await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=0,
-                                                  generation=_now_us()))  # fmt: skip
+        await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=0, generation=_now_us()))
         events.clear()
-        await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=1,
-                                                  generation=_now_us()))  # fmt: skip
+        await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=1, generation=_now_us()))
         assert agent.activity() == ("serving", "j", 1), "it ends serving the new stage"
     finally:
         executor.shutdown()

@@ -388,9 +388,12 @@ async def test_a_peer_the_scheduler_cannot_dial_attaches_to_a_relay_peer_and_ann
             peers = sch.subscribe(topics.peer("+"))
             await peers.wait_subscribed(WAIT_S)
             relay_agent = PeerAgent(
-                relaying, relay_bus, peer="r", device="cpu",
+                relaying,
+                relay_bus,
+                peer="r",
+                device="cpu",
                 relay_address=relaying.relay_address,
-            )  # fmt: skip
+            )
             port = int(running.address.rsplit(":", 1)[1])
             path = PeerPath(
                 PEER,
@@ -466,8 +469,14 @@ def test_the_announcement_carries_the_relay_it_runs_and_the_one_it_is_reached_th
     running: Any = SimpleNamespace(address=ADDRESS)
     path = _path()
     path.relay = "b:1"
-    agent = PeerAgent(running, SimpleNamespace(), peer=PEER, device="cpu", path=path,
-                      relay_address="203.0.113.7:7100")  # fmt: skip
+    agent = PeerAgent(
+        running,
+        SimpleNamespace(),
+        peer=PEER,
+        device="cpu",
+        path=path,
+        relay_address="203.0.113.7:7100",
+    )
     announcement = agent.announcement()
     assert (announcement.relay, announcement.relay_address) == ("b:1", "203.0.113.7:7100")
     assert announcement.address == ADDRESS
@@ -571,13 +580,20 @@ async def test_real_processes_a_relay_and_a_peer_behind_nat(
 def test_the_attachment_carries_the_peers_metrics_too() -> None:
     """A NAT'd stage server's /metrics is scraped through its relay: its attachment is told
     where it listens (on the gRPC server's local host) and where it is announced."""
-    path = PeerPath(PEER, "203.0.113.9:7000", local="127.0.0.1:7000", token="t",
-                    metrics_port=9101, metrics_address="203.0.113.9:9101")  # fmt: skip
+    path = PeerPath(
+        PEER,
+        "203.0.113.9:7000",
+        local="127.0.0.1:7000",
+        token="t",
+        metrics_port=9101,
+        metrics_address="203.0.113.9:9101",
+    )
     attachment = path._real_attachment(PEER, "t", path.local, path.relays, lambda _: None)
     assert isinstance(attachment, Attachment)
     assert (attachment.local_metrics, attachment.metrics_address) == (
-        "127.0.0.1:9101", "203.0.113.9:9101"
-    )  # fmt: skip
+        "127.0.0.1:9101",
+        "203.0.113.9:9101",
+    )
     bare = PeerPath(PEER, "203.0.113.9:7000", local="127.0.0.1:7000", token="t")
     attachment = bare._real_attachment(PEER, "t", bare.local, bare.relays, lambda _: None)
     assert isinstance(attachment, Attachment) and attachment.metrics_address == ""

@@ -69,9 +69,13 @@ async def test_a_replica_out_of_memory_in_averaging_is_left_out_and_its_partner_
     metrics = CoordinatorMetrics(fingerprint(job), registry)
     routes: list[Record] = []
     coordinator = LocalCoordinator(
-        job, fingerprint(job), swarm.members, on_step=after_step, metrics=metrics,
+        job,
+        fingerprint(job),
+        swarm.members,
+        on_step=after_step,
+        metrics=metrics,
         on_route=routes.append,
-    )  # fmt: skip
+    )
     await swarm.train(coordinator, trainers=1)
     # Before: the failing replica raised before it sent; its partner waited out the whole
     # averaging timeout for it, and the retry took the same group.

@@ -82,12 +82,19 @@ async def test_a_retry_after_a_round_died_half_way_applies_the_survivors_sums_ex
         group = [s.address for s in (a, b, c)]
         first = await asyncio.gather(
             *(
-                client.commit(0, [k], 12, phase=pb.COMMIT_PHASE_PREPARE, group=group,
-                              group_index=k, round="0/0")
+                client.commit(
+                    0,
+                    [k],
+                    12,
+                    phase=pb.COMMIT_PHASE_PREPARE,
+                    group=group,
+                    group_index=k,
+                    round="0/0",
+                )
                 for k, client in enumerate(clients[:3])
             ),
             return_exceptions=True,
-        )  # fmt: skip
+        )
         assert all(isinstance(r, Aborted) for r in first), first
         for survivor in (a, b):  # its own part landed over its sums before the round died
             spill = survivor.runtime.sums.spill(0, None)
@@ -96,11 +103,18 @@ async def test_a_retry_after_a_round_died_half_way_applies_the_survivors_sums_ex
         survivors = group[:2]
         await asyncio.gather(
             *(
-                client.commit(0, [k], 8, phase=pb.COMMIT_PHASE_PREPARE, group=survivors,
-                              group_index=k, round="0/1")
+                client.commit(
+                    0,
+                    [k],
+                    8,
+                    phase=pb.COMMIT_PHASE_PREPARE,
+                    group=survivors,
+                    group_index=k,
+                    round="0/1",
+                )
                 for k, client in enumerate(clients[:2])
             )
-        )  # fmt: skip
+        )
         for client in clients[:2]:
             await client.commit(0, [], 8, phase=pb.COMMIT_PHASE_APPLY)
         await clients[3].commit(0, [0, 1], 8)

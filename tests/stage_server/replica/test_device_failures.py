@@ -80,9 +80,11 @@ def armed() -> Iterator[Callable[[str], list[faults.Fault]]]:
 
 @pytest.mark.parametrize(
     ("point", "where"),
-    [("forward-oom", "stage 0: out of device memory in Forward"),
-     ("backward-oom", "stage 2: out of device memory in ForwardBackward")],
-)  # fmt: skip
+    [
+        ("forward-oom", "stage 0: out of device memory in Forward"),
+        ("backward-oom", "stage 2: out of device memory in ForwardBackward"),
+    ],
+)
 def test_the_fault_plan_raises_out_of_memory_once_and_the_replay_is_exact(
     tmp_path: Path, armed: Callable[[str], list[faults.Fault]], point: str, where: str
 ) -> None:

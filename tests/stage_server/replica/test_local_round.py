@@ -219,8 +219,13 @@ def test_an_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(tmp_pat
     step, the sum arriving later): it is a, bit for bit, its own state included."""
     job = _eager_job(tmp_path)
     a, b = StageRuntime(job, 0), StageRuntime(job, 0)
-    held = {0: ([0, 1, 2], [3]), 1: ([0], [1, 2, 3]), 2: ([0, 1], [2, 3]), 3: ([3], [0, 1, 2]),
-            4: ([0, 1, 2, 3], [])}  # fmt: skip
+    held = {
+        0: ([0, 1, 2], [3]),
+        1: ([0], [1, 2, 3]),
+        2: ([0, 1], [2, 3]),
+        3: ([3], [0, 1, 2]),
+        4: ([0, 1, 2, 3], []),
+    }
     record: list[Record] = [Join(0, 0, "a", None), Join(0, 0, "b", None)]
     copy = StageRuntime(job, 0)
     for step, (mine, theirs) in held.items():
@@ -256,8 +261,13 @@ def test_an_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(tmp_pat
     expected = train_replicas(job, routes=record).state_dict()  # type: ignore[arg-type]
     assert_states_within(a.state_dict(), expected, tol=0.0)
     assert_states_within(b.state_dict(), expected, tol=0.0)
-    plain = make_job(tmp_path, "plain", training={"stages": 1, "steps": 5, "target_batch_size": 16,
-                     "checkpoint_every": 0}, pool=LOCAL, runtime=RELAY)  # fmt: skip
+    plain = make_job(
+        tmp_path,
+        "plain",
+        training={"stages": 1, "steps": 5, "target_batch_size": 16, "checkpoint_every": 0},
+        pool=LOCAL,
+        runtime=RELAY,
+    )
     other = train_replicas(plain, routes=record).state_dict()  # type: ignore[arg-type]
     assert max((a.state_dict()[k] - v).abs().max().item() for k, v in other.items()) > 1e-6
 
@@ -339,9 +349,16 @@ def test_the_eager_round_travels_with_the_state_and_refuses_what_is_not_due(
     a.round.set_average(2, summed)
     with pytest.raises(InvalidArgument, match="without all average/"):
         c.load_state(2, _without_average(a))  # a state that says it holds the sum, but not all
-    plain = StageRuntime(make_job(tmp_path, "plain", training={"stages": 1, "steps": 5,
-                         "target_batch_size": 16, "checkpoint_every": 0}, pool=LOCAL,
-                         runtime=RELAY), 0)  # fmt: skip
+    plain = StageRuntime(
+        make_job(
+            tmp_path,
+            "plain",
+            training={"stages": 1, "steps": 5, "target_batch_size": 16, "checkpoint_every": 0},
+            pool=LOCAL,
+            runtime=RELAY,
+        ),
+        0,
+    )
     with pytest.raises(InvalidArgument):
         plain.check_state_tensor("round/shared", torch.tensor([2]))  # not an eager job's
     for refused in (

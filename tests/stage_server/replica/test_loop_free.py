@@ -78,9 +78,7 @@ async def test_a_push_sends_its_outputs_on_without_the_loop_waiting_on_their_cop
     last = await start_stage_server(job, StageServerOptions(stage=2, metrics_port=0))
     slow = SlowCopies(seconds=10.0, gated=True)
     first.servicer.copies = slow
-    onward = pb.Route(
-        peers=[last.servicer.peer], addresses=[last.address], throughput=[1.0]
-    )  # fmt: skip
+    onward = pb.Route(peers=[last.servicer.peer], addresses=[last.address], throughput=[1.0])
     request = pb.StagePushRequest(
         job=fingerprint(job),
         stage=1,

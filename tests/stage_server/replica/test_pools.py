@@ -136,8 +136,14 @@ async def test_the_trainer_follows_moves_and_new_addresses(tmp_path: Path) -> No
     # c moves from stage 2 to stage 1, a comes back at another address, d leaves.
     trainer = PipelineTrainer(make_job(tmp_path), coordinator=None)  # type: ignore[arg-type]
     try:
-        trainer.sync([[Replica("a", "h:1")], [Replica("b", "h:2")], [Replica("c", "h:3")], [
-            Replica("d", "h:4")]])  # fmt: skip
+        trainer.sync(
+            [
+                [Replica("a", "h:1")],
+                [Replica("b", "h:2")],
+                [Replica("c", "h:3")],
+                [Replica("d", "h:4")],
+            ]
+        )
         first_a = trainer.clients["a"]
         trainer.sync([[Replica("a", "h:9")], [Replica("b", "h:2"), Replica("c", "h:3")], [], []])
         assert [trainer.wiring.stage_of(p) for p in "abcd"] == [0, 1, 1, None]
@@ -228,9 +234,11 @@ async def test_uneven_parts_a_client_and_an_aggregator_equal_local(
     pool = {} if mode == "step" else {"mode": "local", "sync_every": 2}
     pool |= {"overlap": "eager"} if mode == "eager" else {}
     job = make_job(
-        tmp_path, training={"steps": 4, "target_batch_size": 32, "checkpoint_every": 0},
-        pool=pool, runtime={"data_plane": "relay"},
-    )  # fmt: skip
+        tmp_path,
+        training={"steps": 4, "target_batch_size": 32, "checkpoint_every": 0},
+        pool=pool,
+        runtime={"data_plane": "relay"},
+    )
     swarm = Swarm(job)
     make_swarm.append(swarm)
     await swarm.add_replicas(3)

@@ -130,10 +130,24 @@ def test_stage_server_asked_for_a_gpu_this_machine_lacks(tmp_path: Path) -> None
     """A real stage server on this CPU-only machine: it stops at once, naming the fix."""
     job = write_job(tmp_path, training={"stages": 2})
     done = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", "stage-server", "--job", str(job), "--stage", "0",
-         "--device", "cuda:0", "--port", "0"],
-        capture_output=True, text=True, timeout=100,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "swarm.cli",
+            "stage-server",
+            "--job",
+            str(job),
+            "--stage",
+            "0",
+            "--device",
+            "cuda:0",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 2, done.stderr
     assert "--device cuda:0: CUDA is not available" in done.stderr
     if torch.version.cuda is None:  # this machine's (CI's) CPU build
@@ -151,8 +165,10 @@ def test_swarm_local_asked_for_a_gpu_this_machine_lacks(tmp_path: Path) -> None:
     job = write_job(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "swarm.cli", "local", str(job), "--device", "cuda:0"],
-        capture_output=True, text=True, timeout=100,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 2, done.stderr
     assert "swarm local: error: --device cuda:0: CUDA is not available" in done.stderr
     assert "this machine has: cpu" in done.stderr

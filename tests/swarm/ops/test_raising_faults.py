@@ -23,8 +23,11 @@ def disarmed() -> Iterator[None]:
 def test_raising_points_parse_and_fire_once_each() -> None:
     armed = faults.arm("forward-oom@2,backward-oom@2,averaging-oom@3,p1:averaging-oom@3")
     assert [f.point for f in armed] == [
-        Point.FORWARD_OOM, Point.BACKWARD_OOM, Point.AVERAGING_OOM, Point.AVERAGING_OOM,
-    ]  # fmt: skip
+        Point.FORWARD_OOM,
+        Point.BACKWARD_OOM,
+        Point.AVERAGING_OOM,
+        Point.AVERAGING_OOM,
+    ]
     assert not faults.due(Point.FORWARD_OOM, 1)
     assert faults.due(Point.FORWARD_OOM, 2)
     assert not faults.due(Point.FORWARD_OOM, 2)  # spent: the retry goes through
@@ -50,9 +53,14 @@ def test_a_stage_server_with_a_malformed_spec_stops_at_its_start(tmp_path: objec
     # Before: it started and served; the spec was read at its first averaging round, which then
     # failed on every replica of the pool the same way, round after round.
     done = swarm(
-        "stage-server", "--broker", "mqtt://127.0.0.1:1", "--insecure-no-token",
-        env={"SWARM_FAULTS": "averaging@one"}, check=False, timeout=100,
-    )  # fmt: skip
+        "stage-server",
+        "--broker",
+        "mqtt://127.0.0.1:1",
+        "--insecure-no-token",
+        env={"SWARM_FAULTS": "averaging@one"},
+        check=False,
+        timeout=100,
+    )
     assert done.returncode != 0
     assert "SWARM_FAULTS='averaging@one'" in done.stdout + done.stderr, done.stderr[-2000:]
     assert "ready" not in done.stdout

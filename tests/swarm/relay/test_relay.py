@@ -108,9 +108,13 @@ async def test_a_killed_relay_is_replaced_and_calls_resume() -> None:
         b = f"127.0.0.1:{await second.start('127.0.0.1', 0)}"
         changes: list[str | None] = []
         attachment = Attachment(
-            "home-gpu", TOKEN, f"127.0.0.1:{port}", lambda: [a, b], changes.append,
+            "home-gpu",
+            TOKEN,
+            f"127.0.0.1:{port}",
+            lambda: [a, b],
+            changes.append,
             address=f"{NAT_HOST}:{port}",
-        )  # fmt: skip
+        )
         await attachment.start()
         try:
             await wait_until(lambda: attachment.relay == a)
@@ -152,9 +156,14 @@ async def test_a_killed_relay_is_replaced_at_once_by_the_next_one(listed: str) -
         changes: list[str | None] = []
         known = [a, b] if listed == "both" else [a]
         attachment = Attachment(
-            "home-gpu", TOKEN, f"127.0.0.1:{port}", lambda: known, changes.append,
-            address=f"{NAT_HOST}:{port}", pauses=_LongPauses(),
-        )  # fmt: skip
+            "home-gpu",
+            TOKEN,
+            f"127.0.0.1:{port}",
+            lambda: known,
+            changes.append,
+            address=f"{NAT_HOST}:{port}",
+            pauses=_LongPauses(),
+        )
         await attachment.start()
         try:
             await wait_until(lambda: attachment.relay == a)

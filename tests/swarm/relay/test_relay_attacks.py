@@ -63,8 +63,15 @@ async def _closed(stream: Stream) -> None:
 @pytest.mark.attack("R1")
 async def test_a_stranger_cannot_attach() -> None:
     async with echo_server(TOKEN) as port, relayed(TOKEN, port, attach_token="wrong") as r:
-        await wait_until(lambda: (r.registry.get_sample_value(
-            "swarm_relay_refused_total", {"reason": "attach"}) or 0) >= 2)  # fmt: skip
+        await wait_until(
+            lambda: (
+                (
+                    r.registry.get_sample_value("swarm_relay_refused_total", {"reason": "attach"})
+                    or 0
+                )
+                >= 2
+            )
+        )
         assert r.relay.peers == {} and r.attachment.relay is None and r.changes == []
 
 
@@ -171,8 +178,9 @@ async def test_whoever_attaches_in_a_peers_name_cannot_speak_for_it(impostor_tls
     caller verifies the peer's certificate end to end and refuses it."""
     theirs = impostor_tls / "theirs"
     impostor = grpc.aio.server()
-    creds = grpc.ssl_server_credentials([((theirs / "nat.key").read_bytes(),
-                                          (theirs / "nat.pem").read_bytes())])  # fmt: skip
+    creds = grpc.ssl_server_credentials(
+        [((theirs / "nat.key").read_bytes(), (theirs / "nat.pem").read_bytes())]
+    )
     port = impostor.add_secure_port("127.0.0.1:0", creds)
     await impostor.start()
     try:
@@ -204,16 +212,23 @@ async def test_slow_and_oversized_request_heads_hold_nothing_long() -> None:
         for s in slow:
             await _closed(s)
         assert await echo_bytes(r.address, TOKEN, [b"still"]) == [b"still"]
-        assert (r.registry.get_sample_value("swarm_relay_refused_total", {"reason": "busy"})
-                or 0) >= 1  # fmt: skip
+        assert (
+            r.registry.get_sample_value("swarm_relay_refused_total", {"reason": "busy"}) or 0
+        ) >= 1
 
 
 @pytest.mark.attack("R4")
 async def test_one_peers_tunnels_are_bounded_and_leave_room_for_others() -> None:
     limits = RelayLimits(max_tunnels_per_peer=2, max_tunnels=3)
     async with echo_server(TOKEN) as port, relayed(TOKEN, port, peer="a", limits=limits) as r:
-        other = Attachment("b", TOKEN, f"127.0.0.1:{port}", lambda: [r.relay_address],
-                           lambda _: None, address=f"{NAT_HOST}:{port}")  # fmt: skip
+        other = Attachment(
+            "b",
+            TOKEN,
+            f"127.0.0.1:{port}",
+            lambda: [r.relay_address],
+            lambda _: None,
+            address=f"{NAT_HOST}:{port}",
+        )
         await other.start()
         target = f"{NAT_HOST}:{port}"
         login = {p: f"{p}:{relay_credential(TOKEN, p)}" for p in ("a", "b")}
@@ -252,8 +267,9 @@ async def test_attached_peers_are_bounded() -> None:
         changes: list[str | None] = []
         second = RelayServer(TOKEN)
         elsewhere = f"127.0.0.1:{await second.start('127.0.0.1', 0)}"
-        extra = Attachment("b", TOKEN, f"127.0.0.1:{port}", lambda: [r.relay_address, elsewhere],
-                           changes.append)  # fmt: skip
+        extra = Attachment(
+            "b", TOKEN, f"127.0.0.1:{port}", lambda: [r.relay_address, elsewhere], changes.append
+        )
         await extra.start()
         try:
             await wait_until(lambda: extra.relay == elsewhere)  # the first relay that accepts
@@ -343,10 +359,15 @@ async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
         _counting_listener() as (other, elsewhere),
     ):
         attachment = Attachment(
-            "a", TOKEN, f"127.0.0.1:{port}", lambda: [address], lambda _: None,
-            address=f"{NAT_HOST}:{port}", local_metrics=f"127.0.0.1:{metrics_port}",
+            "a",
+            TOKEN,
+            f"127.0.0.1:{port}",
+            lambda: [address],
+            lambda _: None,
+            address=f"{NAT_HOST}:{port}",
+            local_metrics=f"127.0.0.1:{metrics_port}",
             metrics_address=f"{NAT_HOST}:{metrics_port}",
-        )  # fmt: skip
+        )
         await attachment.start()
         try:
             await wait_until(lambda: attachment.relay is not None)
@@ -371,8 +392,9 @@ async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
                 await _closed(stream)
             assert registry.get_sample_value("swarm_relay_tunnels_total") == 0
             # The peer's metrics address, with the metrics credential: carried.
-            status, (reader, writer) = await _connect(address, f"{NAT_HOST}:{metrics_port}",
-                                                      metrics)  # fmt: skip
+            status, (reader, writer) = await _connect(
+                address, f"{NAT_HOST}:{metrics_port}", metrics
+            )
             assert status == "HTTP/1.1 200 Connection established"
             await reader.readline()
             writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
@@ -396,8 +418,10 @@ async def _get(address: str, target: str, login: str) -> tuple[str, Stream]:
     """A raw plain-HTTP proxy request for `http://target/metrics`; the status line."""
     stream = await _dial(address)
     auth = base64.b64encode(login.encode()).decode()
-    stream[1].write(f"GET http://{target}/metrics HTTP/1.1\r\nHost: {target}\r\n"
-                    f"Proxy-Authorization: Basic {auth}\r\n\r\n".encode())  # fmt: skip
+    stream[1].write(
+        f"GET http://{target}/metrics HTTP/1.1\r\nHost: {target}\r\n"
+        f"Proxy-Authorization: Basic {auth}\r\n\r\n".encode()
+    )
     line = await asyncio.wait_for(stream[0].readline(), 15)
     return line.decode().strip(), stream
 
@@ -427,8 +451,13 @@ async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers(
                 writer.write(b"NONCE n\n")
                 await reader.readline()
                 writer.write(b"OK\n")
-                for line in (f"OPEN c1 127.0.0.1:{other}", f"OPEN c2 {other}", "OPEN c3 metrics",
-                             "OPEN c4 ssh", "OPEN c5 grpc"):  # fmt: skip
+                for line in (
+                    f"OPEN c1 127.0.0.1:{other}",
+                    f"OPEN c2 {other}",
+                    "OPEN c3 metrics",
+                    "OPEN c4 ssh",
+                    "OPEN c5 grpc",
+                ):
                     writer.write(line.encode() + b"\n")
                 await writer.drain()
                 asked.set_result(None)
@@ -438,8 +467,9 @@ async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers(
 
         server = await asyncio.start_server(fake_relay, "127.0.0.1", 0)
         relay = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        attachment = Attachment("a", TOKEN, f"127.0.0.1:{grpc_port}", lambda: [relay],
-                                lambda _: None)  # fmt: skip
+        attachment = Attachment(
+            "a", TOKEN, f"127.0.0.1:{grpc_port}", lambda: [relay], lambda _: None
+        )
         caplog.set_level(logging.DEBUG)
         await attachment.start()
         try:

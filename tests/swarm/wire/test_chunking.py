@@ -268,17 +268,21 @@ async def test_a_header_is_admitted_and_its_bytes_reserved_before_anything_is_al
     # Past max_bytes it is refused before `reserve` is asked, naming the setting.
     with pytest.raises(ResourceExhausted, match=r"limit of 100 \(--max-tensor-bytes\)"):
         await receive(
-            stream_of([header(declared(101))]), max_bytes=100, reserve=refuse_bytes,
+            stream_of([header(declared(101))]),
+            max_bytes=100,
+            reserve=refuse_bytes,
             limit_name="--max-tensor-bytes",
-        )  # fmt: skip
+        )
     assert reserved == [10**15 + TENSOR_OVERHEAD_BYTES]
     # Admitted and reserved: received as before; decoding reserves what a lossy codec widens.
     small = forward_request(a=torch.ones(8, dtype=torch.uint8))
     taken: list[int] = []
     got = await receive(
-        stream_of([small]), max_bytes=100 + TENSOR_OVERHEAD_BYTES, admit=seen.append,
+        stream_of([small]),
+        max_bytes=100 + TENSOR_OVERHEAD_BYTES,
+        admit=seen.append,
         reserve=taken.append,
-    )  # fmt: skip
+    )
     assert taken == [8 + TENSOR_OVERHEAD_BYTES]
     half = header(encode(torch.ones(10), "h", CODEC_FP16), encode(torch.ones(3), "n"))
     got = await receive_list([half])
