@@ -4,14 +4,15 @@ server and one "behind NAT" (it listens on 127.0.0.1 and announces 127.0.0.2, wh
 answers, so it is reached only through the relay it attached to). Stage `NAT_STAGE`'s only
 replica is the NAT'd one. Its relay is killed in the middle of the job: the peer re-attaches to
 the other relay, the step goes on, nothing rolls back (a path exists), and the job ends equal to
-`swarm local`. Also the issue's target: the NAT'd peer reads "relayed through ..." within 10 s
-of its start. The namespace lab with real NAT routers is tests/system/test_nat_serving.py."""
+`swarm local`. Also: the NAT'd peer reads "relayed through ..." after its start, on the
+scheduler's side and in its own log (how soon, against issue 42's 10 s target, is measured by
+bench/time_to_relayed.py, not here). The namespace lab with real NAT routers is
+tests/system/test_nat_serving.py."""
 
 from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,6 @@ from tests.support.jobs import write_job
 from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-RELAYED_WITHIN_S = 10.0
-"""Issue 42's target: a NAT'd peer's state reads "relayed through ..." within 10 s of its start."""
 
 
 def _metrics(process: SwarmProcess) -> str:
@@ -105,13 +103,10 @@ def test_a_relay_killed_mid_step_is_replaced_without_a_rollback_and_stays_exact(
         # peer1 listens on 127.0.0.1 and announces 127.0.0.2, where nothing answers: it is
         # "behind NAT", reached only through a relay (--behind-nat: it attaches at its start).
         nat = sw.add_peer(10.0, extra=["--announce-host", "127.0.0.2", "--behind-nat"])
-        started = time.monotonic()  # its ready line
         relayed = 'swarm_peer_reachability{peer="peer1",reachability="relayed"} 1.0'
         wait_until_blocking(
             lambda: relayed in _metrics(sw.scheduler), "peer1 relayed", timeout_s=60
         )
-        took = time.monotonic() - started
-        assert took <= RELAYED_WITHIN_S, f"peer1 read relayed {took:.1f} s after its start"
 
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         # Mid-job: peer1 serves its stage through its relay, and a few steps are done.
@@ -251,16 +246,15 @@ def test_a_remote_trainer_reaches_a_nat_peer_through_its_relay(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("flag", [[], ["--behind-nat"]], ids=["by-its-report", "behind-nat"])
-def test_a_nat_peer_reads_relayed_within_10_s_of_its_start(tmp_path: Path, flag: list[str]) -> None:
-    """Issue 42's target, in the peer's own log, its `swarm_peer_info` and the scheduler's record:
-    with --behind-nat it attaches at its start; without, once the scheduler's first dial-back
-    reports it unreachable."""
+def test_a_nat_peer_reads_relayed_after_its_start(tmp_path: Path, flag: list[str]) -> None:
+    """In the peer's own log, its `swarm_peer_info` and the scheduler's record: with
+    --behind-nat it attaches at its start; without, once the scheduler's first dial-back reports
+    it unreachable. (How soon, against issue 42's 10 s: bench/time_to_relayed.py.)"""
     sw, _ = start_local_swarm([], log_dir=tmp_path)
     relays: list[SwarmProcess] = []
     try:
         relays.append(_start_relay(sw, "relay-a"))
         nat = sw.add_peer(extra=["--announce-host", "127.0.0.2", *flag])
-        started = time.monotonic()  # its ready line
         relayed = 'swarm_peer_reachability{peer="peer0",reachability="relayed"} 1.0'
         wait_until_blocking(
             lambda: relayed in _metrics(sw.scheduler), "peer0 relayed", timeout_s=60
@@ -268,8 +262,6 @@ def test_a_nat_peer_reads_relayed_within_10_s_of_its_start(tmp_path: Path, flag:
         wait_until_blocking(
             lambda: "peer0: relayed through" in nat.log(), "peer0 says it is relayed", timeout_s=60
         )
-        took = time.monotonic() - started
-        assert took <= RELAYED_WITHIN_S, f"peer0 read relayed {took:.1f} s after its start"
         through = relays[0].ready["address"]
         assert f"peer0: relayed through {through}" in nat.log()
         info = _metrics(nat)
