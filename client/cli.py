@@ -7,6 +7,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from client.outage import WAIT_RETRY_S, WATCH_RETRY_S
 from swarm.errors import SwarmError
 from swarm.flags import (
     add_flag,
@@ -46,6 +47,7 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("job_file", type=Path, help="job file (TOML)")
         p.add_argument("--wait", action="store_true", help="show progress until the job ends")
         p.add_argument("--poll", type=float, default=0.5, help="seconds between progress polls")
+        _retry_for(p, WAIT_RETRY_S, "with --wait")
     elif command == "status":
         p.add_argument("job", help="job id (from `swarm submit` or `swarm jobs`)")
         shown = p.add_mutually_exclusive_group()
@@ -57,6 +59,7 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
             "ends; exits as `submit --wait` does",
         )
         p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+        _retry_for(p, WATCH_RETRY_S, "with --watch")
     elif command in ("cancel", "delete", "export"):
         p.add_argument("job", help="job id")
     if command == "export":
@@ -95,6 +98,18 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_tls_flags(p)
     add_flag(p, "timeout", 30.0, "deadline per call (seconds)", type=float)
+
+
+def _retry_for(p: argparse.ArgumentParser, default: float, view: str) -> None:
+    p.add_argument(
+        "--retry-for",
+        type=float,
+        default=default,
+        metavar="SECONDS",
+        help=f"{view}: how long to keep asking a scheduler that does not answer (a network "
+        "blip, a restart), saying 'scheduler unreachable since ...' meanwhile, before giving up "
+        "with exit 1 (inf: never; Ctrl-C stops watching, never the job)",
+    )
 
 
 def _trainer(p: argparse.ArgumentParser) -> None:
