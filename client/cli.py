@@ -40,7 +40,8 @@ what the view shows (docs/deployment.md, "Watch it", says more):
   speed     the job's samples/s over the last 30 s (0 in a stall); an ended job's: its mean
   rounds    pools that average in rounds: the rule, the round, steps to the next average, the
             last average's time and the bytes its pools sent each other
-  message   what the job does or waits for now, and for how long
+  message   what the job does or waits for now, and for how long; news (a rollback, a replica
+            left out, a stage served again) for 20 steps, then "training" (events keep it)
   error     why it failed
   warning   what would cost it later (a stage without a spare, a peer nobody can dial) and the fix
   stage K (layers A-B): N replica(s)   N counts the replicas serving; then one row per peer:
