@@ -7,8 +7,10 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from client.outage import WAIT_RETRY_S, WATCH_RETRY_S
 from swarm.errors import SwarmError
 from swarm.flags import (
+    HelpFormatter,
     add_flag,
     add_metrics_token,
     add_secret,
@@ -20,11 +22,53 @@ from swarm.flags import (
 from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
 
-__all__ = ["JOB_COMMANDS", "add_arguments", "run"]
+__all__ = ["JOB_COMMANDS", "STATUS_VIEW", "add_arguments", "run"]
 
 JOB_COMMANDS = ("submit", "status", "jobs", "cancel", "delete", "export")  # talk to the job API
 _METRICS_PORT = PortFlag(Listener.METRICS, "--metrics-port", env_name("trainer-metrics-port"))
 _DEMO_JOB = Path(__file__).resolve().parent.parent / "examples" / "tiny.toml"
+
+
+STATUS_VIEW = """\
+what the view shows (docs/deployment.md, "Watch it", says more):
+  job       the job's id (its name)
+  state     queued, placing (waiting for peers), running, stalled (a stage has no replica, or
+            no step commits), succeeded, failed or cancelled; an ended job's: how long it took
+  step      steps committed / steps the job trains
+  loss      the last committed step's training loss (-: none yet)
+  val loss  the last validation loss, after how many steps (jobs with a validation split)
+  speed     the job's samples/s over the last 30 s (0 in a stall); an ended job's: its mean
+  rounds    pools that average in rounds: the rule, the round, steps to the next average, the
+            last average's time and the bytes its pools sent each other
+  message   what the job does or waits for now, and for how long; news (a rollback, a replica
+            left out, a stage served again) for 20 steps, then "training" (events keep it)
+  error     why it failed
+  warning   what would cost it later (a stage without a spare, a peer nobody can dial) and the fix
+  stage K (layers A-B): N replica(s)   N counts the replicas serving; then one row per peer:
+    PEER       the peer's id
+    DEVICE     what it computes on (cpu, cuda:0, mps)
+    SAMPLES/S  its speed on this stage now: the moving average of its recent compute, from its
+               load reports (the trainers' wiring weighs it by the same); before its first
+               report, what it measured when it joined
+    PATH       how calls reach it, as the scheduler's dial-back found: direct; via RELAY (behind
+               NAT, through that relay); UNREACHABLE (why and the fix below the table); - not
+               dialled back yet
+    UP/DOWN    its link rates in Mbit/s, up (what it sends) / down (what it receives): the
+               largest of its recent transfers of 1 MiB or more (rounds, state downloads,
+               activations), or what --bandwidth says. ? is a direction not measured yet: ?/3140
+               is a peer that has received a state download (3140 Mbit/s down) but sent nothing
+               that large yet; - is neither
+    STATE      serving (it counts), joining (not yet: with what it waits for), draining (it
+               stops or moves), offline
+  events    the job's history, newest last, each with its time: joins, leaves and why,
+            reconnects, moves, stalls, rollbacks, its end
+with --watch, "scheduler unreachable since HH:MM:SS (N s): retrying" above the last frame: the
+scheduler did not answer (a network blip, a restart); the view asks again (--retry-for)
+"""
+
+
+class _KeptLines(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """`HelpFormatter` that keeps the epilog's lines (a table of the view) as written."""
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
@@ -46,7 +90,9 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("job_file", type=Path, help="job file (TOML)")
         p.add_argument("--wait", action="store_true", help="show progress until the job ends")
         p.add_argument("--poll", type=float, default=0.5, help="seconds between progress polls")
+        _retry_for(p, WAIT_RETRY_S, "with --wait")
     elif command == "status":
+        p.epilog, p.formatter_class = STATUS_VIEW, _KeptLines
         p.add_argument("job", help="job id (from `swarm submit` or `swarm jobs`)")
         shown = p.add_mutually_exclusive_group()
         shown.add_argument("--json", action="store_true", help="print the JobStatus as JSON")
@@ -57,6 +103,7 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
             "ends; exits as `submit --wait` does",
         )
         p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+        _retry_for(p, WATCH_RETRY_S, "with --watch")
     elif command in ("cancel", "delete", "export"):
         p.add_argument("job", help="job id")
     if command == "export":
@@ -95,6 +142,18 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_tls_flags(p)
     add_flag(p, "timeout", 30.0, "deadline per call (seconds)", type=float)
+
+
+def _retry_for(p: argparse.ArgumentParser, default: float, view: str) -> None:
+    p.add_argument(
+        "--retry-for",
+        type=float,
+        default=default,
+        metavar="SECONDS",
+        help=f"{view}: how long to keep asking a scheduler that does not answer (a network "
+        "blip, a restart), saying 'scheduler unreachable since ...' meanwhile, before giving up "
+        "with exit 1 (inf: never; Ctrl-C stops watching, never the job)",
+    )
 
 
 def _trainer(p: argparse.ArgumentParser) -> None:

@@ -1,9 +1,10 @@
 """The CLI's client commands: `swarm submit|status|jobs|cancel|delete|export`.
 
 Each command takes its parsed namespace and returns the exit code: 0 done, 1 failed (the job
-failed or was cancelled, the scheduler is unreachable or refused), 2 bad input (a bad job file, an
-unknown job, no scheduler address). Errors print `swarm <cmd>: error: <message>` to stderr.
-`client.cli` declares their flags.
+failed or was cancelled, the scheduler is unreachable or refused; `submit --wait` and `status
+--watch` ask an unreachable one again for `--retry-for`, `client.outage`), 2 bad input (a bad job
+file, an unknown job, no scheduler address). Errors print `swarm <cmd>: error: <message>` to
+stderr. `client.cli` declares their flags.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from client.live import (
     table,
     watch_status,
 )
+from client.outage import WAIT_RETRY_S, Outage
 from client.sdk import TERMINAL_STATES, ClientError, SchedulerClient
 from swarm.errors import ConfigError, SwarmError
 from swarm.flags import secret, token
@@ -98,16 +100,33 @@ def _outcome(name: str, status: scheduler_pb2.JobStatus) -> int:
 
 # -- the commands ---------------------------------------------------------------------------------
 async def watch(
-    client: SchedulerClient, status: scheduler_pb2.JobStatus, poll_s: float = 0.5
+    client: SchedulerClient,
+    status: scheduler_pb2.JobStatus,
+    poll_s: float = 0.5,
+    retry_for_s: float = WAIT_RETRY_S,
 ) -> scheduler_pb2.JobStatus:
     """Show a progress bar (step, loss, samples/s, how long the job has waited) until the job
     ends, with the job's events and what it waits for printed above it as they come; returns its
-    last status. The bar is redrawn at every look, so its clock runs on while the job waits."""
+    last status. The bar is redrawn at every look, so its clock runs on while the job waits. A
+    scheduler that does not answer is asked again for `retry_for_s`: the bar says since when,
+    in place, and a line above it says when the outage began and ended."""
     seen_time, seen_message = status.created, ""
+    outage_since: float | None = None
     with tqdm(total=status.steps, desc=status.job, unit="step", file=sys.stderr) as bar:
 
+        def unreachable(outage: Outage) -> None:
+            nonlocal outage_since
+            if outage_since is None:
+                bar.write(outage.text(), file=sys.stderr)
+            outage_since = outage.since
+            bar.set_postfix_str(outage.text(), refresh=True)
+
         def show(s: scheduler_pb2.JobStatus) -> None:
-            nonlocal seen_time, seen_message
+            nonlocal seen_time, seen_message, outage_since
+            if outage_since is not None:
+                lasted = duration_text(time.time() - outage_since)
+                bar.write(f"scheduler answers again (unreachable for {lasted})", file=sys.stderr)
+                outage_since = None
             told = set()
             for e in s.events:
                 if e.time > seen_time:
@@ -131,7 +150,9 @@ async def watch(
             bar.refresh()
 
         try:
-            return await client.wait(status.job, show, poll_s=poll_s)
+            return await client.wait(
+                status.job, show, poll_s=poll_s, retry_for_s=retry_for_s, on_unreachable=unreachable
+            )
         except asyncio.CancelledError:  # Ctrl-C: the job itself keeps running
             bar.close()
             print(f"stopped watching; `swarm cancel {status.job}` stops the job", file=sys.stderr)
@@ -144,15 +165,16 @@ async def _submit(args: argparse.Namespace) -> int:
         print(status.job, flush=True)
         if not args.wait:
             return 0
-        final = await watch(client, status, args.poll)
+        final = await watch(client, status, args.poll, args.retry_for)
     return _outcome("submit", final)
 
 
 async def _status(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         if args.watch:
+            outage = Outage(args.retry_for)
             final = await watch_status(
-                lambda: client.get(args.job),
+                lambda unreachable: client.get_through(args.job, outage, unreachable),
                 sys.stdout,
                 interval_s=args.interval,
                 tty=sys.stdout.isatty(),

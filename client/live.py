@@ -10,7 +10,9 @@ shows the events seen between two looks instead.
 
 A terminal gets each frame drawn over the last in place (cursor home, every line cleared to its
 end, the rest of the screen cleared below), so nothing flickers; other outputs get one plain
-frame per change.
+frame per change. A scheduler that does not answer (a network blip, a restart) does not end the
+view: "scheduler unreachable since HH:MM:SS (N s): retrying" is shown above the last frame until
+it answers (`client.outage`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TextIO
 
+from client.outage import Outage
 from swarm.job.states import TERMINAL_PROTO, peer_state_name
 from swarm.job.states import job_state_name as state_name
 from swarm.ops.progress import duration_text
@@ -282,26 +285,40 @@ def terminal_frame(text: str) -> str:
 
 
 async def watch_status(
-    get: Callable[[], Awaitable[scheduler_pb2.JobStatus]],
+    get: Callable[[Callable[[Outage], None]], Awaitable[scheduler_pb2.JobStatus]],
     out: TextIO,
     *,
     interval_s: float,
     tty: bool,
     done: Callable[[scheduler_pb2.JobStatus], bool],
 ) -> scheduler_pb2.JobStatus:
-    """Redraw the job's view every `interval_s` until `done(status)`; returns the last status."""
-    view, shown = LiveView(), ""
+    """Redraw the job's view every `interval_s` until `done(status)`; returns the last status.
+    `get(unreachable)` is the job's status, asked again while the scheduler does not answer
+    (`SchedulerClient.get_through`), calling `unreachable(outage)` after each unanswered ask:
+    a terminal shows the outage on top of the last frame, in place; other outputs say it once
+    per outage, and draw the frame again once the scheduler answers."""
+    view, drawn, silent = LiveView(), "", False
+
+    def unreachable(outage: Outage) -> None:
+        nonlocal silent
+        if tty:
+            out.write(terminal_frame(f"{outage.text()}\n{drawn}"))
+        elif not silent:
+            out.write(outage.text() + "\n\n")
+        silent = True
+        out.flush()
+
     if tty:
         out.write(HIDE_CURSOR + HOME + CLEAR_BELOW)
     try:
         while True:
-            status = await get()
+            status = await get(unreachable)
             text = view.frame(status)
             if tty:
                 out.write(terminal_frame(text))
-            elif text != shown:
+            elif text != drawn or silent:
                 out.write(text + "\n\n")
-            shown = text
+            drawn, silent = text, False
             out.flush()
             if done(status):
                 return status

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import grpc
 
+from client.outage import WAIT_RETRY_S, Outage
 from swarm.errors import PeerUnavailable, RemoteError, SwarmError, WireError
 from swarm.job.config import load_job
 from swarm.job.states import TERMINAL_PROTO as TERMINAL_STATES
@@ -40,13 +41,22 @@ _Statuses = list[JobStatus]  # inside SchedulerClient, `list` names its method
 
 class ClientError(SwarmError):
     """A call to the scheduler failed; `code` is the gRPC status code's name (e.g. NOT_FOUND),
-    `error` the `swarm.errors` error it means (None for a reply the client itself rejected)."""
+    `error` the `swarm.errors` error it means (None for a reply the client itself rejected);
+    `unanswered`: the scheduler did not answer (down, restarting, or the network between is),
+    which asking again may mend, unlike a refusal or TLS on one side only."""
 
     def __init__(
-        self, code: str, details: str, message: str, error: SwarmError | None = None
+        self,
+        code: str,
+        details: str,
+        message: str,
+        error: SwarmError | None = None,
+        *,
+        unanswered: bool = False,
     ) -> None:
         super().__init__(message)
         self.code, self.details, self.error = code, details, error
+        self.unanswered = unanswered
 
 
 class SchedulerClient:
@@ -137,12 +147,43 @@ class SchedulerClient:
         one is refused: cancel it first)."""
         await self._unary(self._stub.DeleteJob, scheduler_pb2.SchedulerDeleteJobRequest(job=job))
 
-    async def wait(
-        self, job: str, on_update: Callable[[JobStatus], None], poll_s: float = 0.5
+    async def get_through(
+        self, job: str, outage: Outage, on_unreachable: Callable[[Outage], None]
     ) -> JobStatus:
-        """Poll until the job is succeeded, failed or cancelled; `on_update` sees every poll."""
+        """`get`, asked again (backing off) while the scheduler does not answer: `on_unreachable`
+        sees the `outage` after each unanswered ask. Raises the last error once the outage has
+        lasted `outage.retry_for_s`, and at once for one that asking again cannot mend."""
         while True:
-            status = await self.get(job)
+            try:
+                status = await self.get(job)
+            except ClientError as e:
+                pause = outage.failed() if e.unanswered else None
+                if pause is None:
+                    if e.unanswered:
+                        raise ClientError(
+                            e.code, e.details, f"{e}; {outage.gave_up()}", e.error
+                        ) from None
+                    raise
+                on_unreachable(outage)
+                await asyncio.sleep(pause)
+                continue
+            outage.answered()
+            return status
+
+    async def wait(
+        self,
+        job: str,
+        on_update: Callable[[JobStatus], None],
+        poll_s: float = 0.5,
+        *,
+        retry_for_s: float = WAIT_RETRY_S,
+        on_unreachable: Callable[[Outage], None] = lambda outage: None,
+    ) -> JobStatus:
+        """Poll until the job is succeeded, failed or cancelled; `on_update` sees every poll. A
+        scheduler that does not answer is asked again for `retry_for_s` (`get_through`)."""
+        outage = Outage(retry_for_s)
+        while True:
+            status = await self.get_through(job, outage, on_unreachable)
             on_update(status)
             if status.state in TERMINAL_STATES:
                 return status
@@ -237,14 +278,16 @@ def _client_error(address: str, e: grpc.RpcError) -> ClientError:
     error = from_rpc_error(e)
     code: str = e.code().name  # type: ignore[attr-defined]
     details: str = e.details() or ""  # type: ignore[attr-defined]
+    unanswered = False
     if isinstance(error, PeerUnavailable) and code == "DEADLINE_EXCEEDED":
-        message = f"the scheduler at {address} did not answer in time"
+        message, unanswered = f"the scheduler at {address} did not answer in time", True
     elif isinstance(error, PeerUnavailable):
         # TLS on one side only, or a missing client certificate, reads "Socket closed": say so.
         hint = explain_grpc(address, details, "the scheduler")
         message = hint or f"cannot reach the scheduler at {address} ({details})"
+        unanswered = hint is None  # asking again cannot change either side's flags
     elif isinstance(error, RemoteError) and error.code == "UNAUTHENTICATED":
         message = f"the scheduler at {address} refused the call: {details} (--token, SWARM_TOKEN)"
     else:
         message = details or code
-    return ClientError(code, details, message, error)
+    return ClientError(code, details, message, error, unanswered=unanswered)

@@ -52,11 +52,32 @@ from swarm.ops.progress import StepRecord
 from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["ROLLBACK_SAID_STEPS", "JobTraining", "final_path", "save_final"]
+__all__ = ["NEWS_SAID_STEPS", "JobTraining", "final_path", "save_final"]
 
-# A rollback stays the job's message for this many steps after it; then "training" again (the
-# job's events keep it).
-ROLLBACK_SAID_STEPS = 20
+# News (a rollback, a replica left out, a stage served again) stays the job's message for this
+# many committed steps; then "training" again (the job's events keep it). Issue 51: only the
+# rollback's went, the rest stayed the message long after its event ended.
+NEWS_SAID_STEPS = 20
+
+
+@dataclass(slots=True)
+class _News:
+    """The job's message while it trains, and the step it was first seen at: once
+    `NEWS_SAID_STEPS` steps have committed under the same words, it is history."""
+
+    text: str = ""
+    since: int = 0
+
+    def aged(self, message: str, step: int) -> bool:
+        """Whether `message`, seen now at `step`, has outlived its event."""
+        if message in ("", "training"):
+            self.text = ""
+            return False
+        if message != self.text:
+            self.text, self.since = message, step
+            return False
+        return step >= self.since + NEWS_SAID_STEPS
+
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +143,14 @@ class JobTraining:
                 log.error("job %s: %s", job_id, e)
             speed.committed(record.samples)
             log.debug("job %s step %d loss %.4f", job_id, record.step, record.loss)
-            if said and record.step >= rolled[-1] + ROLLBACK_SAID_STEPS:
+            if said and record.step >= rolled[-1] + NEWS_SAID_STEPS:
                 # The rollback is history now (its event stays): the message says what is.
                 if self._message(job_id) == said[-1]:
                     await self.set_status(job_id, None, "training")
                 said.clear()
+            elif news.aged(self._message(job_id), record.step):
+                # Steps commit, so whatever the message told of has passed: say what is.
+                await self.set_status(job_id, None, "training")
             await self.bus.publish(
                 self.bus.topics.steps(job_id),
                 cpb.StepCommitted(
@@ -145,6 +169,7 @@ class JobTraining:
         speed = self.speed.setdefault(job_id, RecentSpeed(time.time))
 
         said: list[str] = []  # what a rollback told `swarm status`, kept past the start
+        news = _News()  # any other message said while steps commit
         rolled: list[int] = []  # the steps rolled back to
 
         async def rolled_back(step: int) -> None:

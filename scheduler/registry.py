@@ -3,7 +3,7 @@
 Pure state, no I/O: `Scheduler` feeds it what arrives on the bus (`announce`, `report_load`) and the
 assignments it publishes (`assigned`); time comes from an injected `Clock`. It answers who serves
 each stage of a job (`members`, `serving`), who waits to be placed (`available`) and what each
-member measurably does (`measured`, for rebalancing).
+member measurably does (`measured`, for rebalancing; `live_speed`, for status).
 
 A serving peer whose load reports stop for `load_silence_s` is left out of `members` (hung, or cut
 off from the broker while its last-will has not fired yet); one that reports again is back. A peer
@@ -317,6 +317,20 @@ class PeerRegistry:
             speeds[peer] = [announced.get(j, 0.0) for j in range(stages)]
             speeds[peer][k] = load.speed  # what it really does where it is now
         return assignment, path_speeds(speeds, {p: None for p in speeds if self.relayed(p)})
+
+    def live_speed(self, peer: str, job_id: str, stage: int) -> float:
+        """`peer`'s samples/s on `stage` of `job_id` as status shows it: what its load reports
+        measure now (the moving average of its recent compute, the wiring's figure), else,
+        before its first report there, what it measured at join (its announcement); 0: none."""
+        load = self._loads.get(peer)
+        if (
+            load is not None
+            and load.speed is not None
+            and (load.job, load.stage) == (job_id, stage)
+        ):
+            return load.speed
+        p = self.peers.get(peer)
+        return p.samples_per_second.get(stage, 0.0) if p is not None else 0.0
 
     def _quiet(self, job_id: str, peer: str) -> float:
         """Seconds since `peer`'s last load report for this job, or, before its first, since it

@@ -1,4 +1,5 @@
-"""One replica as `swarm status` shows it (`spb.Replica`): what it announced, its state as the
+"""One replica as `swarm status` shows it (`spb.Replica`): what it announced, its samples/s as its
+load reports measure it now (not the figure it measured at join), its state as the
 coordinator sees it, and its path as the scheduler's dial-back found it (direct, relayed through
 a relay, or unreachable with why and the remedy) with its measured link rates; and the job's
 peers nobody can dial, which are on no stage (never placed), as warnings."""
@@ -25,7 +26,7 @@ def replica_status(shown: Shown, registry: PeerRegistry) -> spb.Replica:
         metrics_address=p.metrics_address,
         device=p.device,
         state=shown.state,
-        samples_per_second=p.samples_per_second.get(shown.stage, 0.0),
+        samples_per_second=registry.live_speed(p.peer, p.job, shown.stage),
         joining=shown.joining,
         reachability=reachability,
         relay=report.relay if report is not None else "",

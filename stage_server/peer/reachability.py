@@ -317,6 +317,18 @@ class PeerPath:
             )
         elif report.reachability == cpb.REACHABILITY_UNREACHABLE:
             detail = report.detail.rstrip(". ") or "the scheduler's dial-back got no answer"
+            relays = self.relays()
+            if not self.relay and relays:
+                # The usual start behind NAT: nobody dials it directly, and a relay is there to
+                # attach to (`steer`, next): nothing for the operator to do, so no to-do list.
+                log.info(
+                    "%s: not reachable directly at %s (%s): attaching to relay %s",
+                    self.peer,
+                    address,
+                    detail,
+                    relays[0],
+                )
+                return
             remedy = report.remedy or self.remedy()
             log.warning("%s: not reachable at %s: %s. %s", self.peer, address, detail, remedy)
 

@@ -90,6 +90,9 @@ async def test_unknown_job(api: RunningApi, capsys: pytest.CaptureFixture[str]) 
         assert await swarm(cmd, "nope", "--scheduler", api.address) == 2
         err = capsys.readouterr().err
         assert err == f"swarm {cmd}: error: unknown job 'nope'; `swarm jobs` lists them\n"
+    # A refusal is no outage: the watch ends at once.
+    assert await swarm("status", "nope", "--watch", "--scheduler", api.address) == 2
+    assert "unknown job 'nope'" in capsys.readouterr().err
 
 
 async def test_no_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,6 +102,12 @@ async def test_no_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.startswith(f"swarm jobs: error: cannot reach the scheduler at {address}")
     assert await swarm("jobs") == 2  # no --scheduler, no SWARM_SCHEDULER
     assert "pass --scheduler HOST:PORT or set SWARM_SCHEDULER" in capsys.readouterr().err
+    # A view asks again for --retry-for, saying so, then gives up.
+    assert await swarm("status", "j-1", "--watch", "--retry-for", "1", "--scheduler", address) == 1
+    captured = capsys.readouterr()
+    assert captured.out.startswith("scheduler unreachable since ")
+    assert captured.err.startswith(f"swarm status: error: cannot reach the scheduler at {address}")
+    assert captured.err.endswith("; no answer for 1s (--retry-for): giving up\n")
 
 
 async def test_export(api: RunningApi, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

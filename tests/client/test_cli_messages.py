@@ -125,3 +125,47 @@ async def test_exports_get_the_modes_the_umask_gives(
         "config.json": file_mode,
         "model.pt": file_mode,
     }
+
+
+def test_status_help_explains_every_line_and_column_of_the_view(
+    clean_env: MutableMapping[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 51: "?/3140 Mbit/s" and the other columns were explained nowhere a user looks."""
+    from client.live import status_lines
+    from swarm.proto import control_pb2 as cpb
+    from swarm.proto import scheduler_pb2 as spb
+
+    s = spb.JobStatus(
+        job="j-1", name="j", state=cpb.JOB_STATE_FAILED, step=3, steps=9, loss=2.0, val_loss=2.5
+    )
+    s.message, s.error, s.warnings[:] = "training", "boom", ["a stage has a single replica"]
+    s.rounds.CopyFrom(spb.RoundStatus(rule="local", round=1, rounds=3, round_steps=3))
+    replica = spb.Replica(peer="p", device="cpu", state=cpb.PEER_STATE_SERVING)
+    replica.download_bytes_per_second = 3140e6 / 8
+    s.stages.append(spb.StageStatus(stage=0, layers=[0, 1], replicas=[replica]))
+    s.events.append(spb.JobEvent(time=1.0, text="p joined stage 0"))
+    lines = status_lines(s, now=2.0)
+    labels = {line[:9].strip() for line in lines if line[:1].isalpha() and line[:9].strip()}
+    labels -= {"stage 0 (", "events:"}
+    assert labels == {
+        "job",
+        "state",
+        "step",
+        "loss",
+        "val loss",
+        "speed",
+        "rounds",
+        "message",
+        "error",
+        "warning",
+    }  # the view's every top line: a new one must be explained too
+    header = next(line for line in lines if line.startswith("  PEER")).split()
+    assert "?/3140 Mbit/s" in "\n".join(lines)
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    epilog = capsys.readouterr().out.split("what the view shows", 1)[1]
+    for label in labels:
+        assert re.search(rf"^  {label}  ", epilog, re.M), label
+    for column in header:
+        assert re.search(rf"^    {re.escape(column)}  ", epilog, re.M), column
+    assert "? is a direction not measured yet" in epilog and "events" in epilog

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 import time
+from collections.abc import Callable
 
 from client.live import (
     CLEAR_BELOW,
@@ -18,6 +20,7 @@ from client.live import (
     status_lines,
     watch_status,
 )
+from client.outage import Outage
 from swarm.ops.progress import duration_text
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
@@ -63,15 +66,23 @@ def test_a_frame_keeps_the_recent_events_and_redraws_in_place() -> None:
     out = io.StringIO()
     looks = iter([_status(1, {"p0": 0}), _status(2, {"p0": 0}), _status(50, {}, 4)])
 
-    async def get() -> spb.JobStatus:
-        return next(looks)
+    outage = Outage(math.inf, clock=lambda: 0.0)
+
+    async def get(unreachable: Callable[[Outage], None]) -> spb.JobStatus:
+        status = next(looks)
+        if status.step == 2:  # the scheduler did not answer once before this look
+            outage.failed()
+            unreachable(outage)
+        return status
 
     final = asyncio.run(watch_status(get, out, interval_s=0, tty=True, done=lambda s: s.state == 4))
     assert final.step == 50
     written = out.getvalue()
     assert written.startswith(HIDE_CURSOR) and written.endswith(SHOW_CURSOR)
     frames = written.removesuffix(SHOW_CURSOR).split(HOME)[2:]  # one frame per look
-    assert len(frames) == 3
+    assert len(frames) == 4
+    # The outage is drawn in place, above the last frame the scheduler gave.
+    assert frames[1].startswith("scheduler unreachable since ") and "step     1/50" in frames[1]
     for frame in frames:  # every line cleared to its end, the rest cleared below: no flicker
         assert frame.endswith(CLEAR_BELOW)
         assert all(line.endswith(CLEAR_LINE) for line in frame[: -len(CLEAR_BELOW)].splitlines())

@@ -10,6 +10,7 @@ import math
 
 from scheduler.assignments import Assignments, Say
 from scheduler.registry import PeerRegistry
+from scheduler.replica_status import replica_status
 from scheduler.stalls import Health
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
@@ -334,3 +335,24 @@ def test_shown_counts_a_peer_serving_only_once_admitted_and_says_what_the_rest_w
     assert reg.given("j", "c") == 1 and reg.given("k", "c") is None
     reg.withdrawn("j")
     assert reg.given("j", "c") is None
+
+
+def test_status_shows_a_replicas_live_speed_not_the_one_it_measured_at_join() -> None:
+    """Issue 51: samples/s in `swarm status` stayed at the join-time figure while the peer slowed
+    down (another program on its GPU) or sped up; it follows the load reports now."""
+    reg = registry(FakeClock())
+    reg.announce(serving("a", 1, speeds=(2.0, 3.0)))
+
+    def speed() -> float:
+        (shown,) = reg.shown("j", {"a"})
+        return replica_status(shown, reg).samples_per_second
+
+    assert speed() == 3.0  # no report yet: what it measured at join
+    reg.report_load(load("a", 1, seconds=0.1))
+    assert speed() == 10.0
+    reg.report_load(load("a", 1, seconds=0.5))  # slowed down
+    assert speed() == 2.0
+    reg.report_load(load("a", 1))  # a report without a figure keeps the last one
+    assert speed() == 2.0
+    reg.report_load(load("a", 0, seconds=0.01))  # about another stage: not this one's speed
+    assert speed() == 3.0

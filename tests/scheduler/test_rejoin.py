@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import stage_server.agent
+from scheduler.job_training import NEWS_SAID_STEPS
 from stage_server.replica.runtime import StageRuntime
 from swarm.proto import control_pb2 as cpb
 from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, WAIT_S, scheduled_swarm
@@ -122,3 +123,23 @@ async def test_a_placement_in_a_stalled_job_leaves_the_stall_said(tmp_path: Path
         assert swarm.store.get(job).message == stall  # type: ignore[union-attr]
         events = [(e.kind, e.text) for e in swarm.store.events(job)]
         assert ("place", "starting 1 stage server(s): d on stage 0") in events, events
+
+
+async def test_news_leaves_the_message_once_steps_commit_past_it(tmp_path: Path) -> None:
+    # Issue 51: "the message line stays after its event ends": what the coordinator says (a
+    # replica left out, its work replayed) stayed the job's message for the rest of the job.
+    async with scheduled_swarm(tmp_path) as swarm:
+        job = await swarm.start_job(LONG_SPEC, tmp_path)
+        coordinator = swarm.scheduler._coordinators[job]
+        news = "step 3: b left out of the pool's round; its 4 samples replayed"
+        assert coordinator.on_status is not None
+        await coordinator.on_status(news)  # type: ignore[misc]
+        said_at = swarm.step(job)
+        assert swarm.store.get(job).message == news  # type: ignore[union-attr]
+        await wait_until(
+            lambda: swarm.store.get(job).message == "training",  # type: ignore[union-attr]
+            "the message back to training",
+            timeout_s=WAIT_S,
+        )
+        assert swarm.step(job) >= said_at + NEWS_SAID_STEPS  # said for its steps first
+        assert news in [e.text for e in swarm.store.events(job)]  # history keeps it

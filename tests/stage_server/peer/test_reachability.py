@@ -188,6 +188,28 @@ async def test_an_unreachable_peer_says_why_and_the_flags_that_fix_it(
     assert "TCP port 7000" in last and "--announce-host" in last and "--relay" in last
 
 
+async def test_a_usual_start_behind_nat_is_said_without_a_warning_or_a_to_do_list(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 51: every normal start behind NAT logged a WARNING with the remedy's to-do list
+    (forward a port, --announce-host, a relay), while the peer was about to attach to a relay
+    by itself. With a relay to take, nothing is wrong: it says so at INFO."""
+    caplog.set_level(logging.INFO, logger="stage_server.peer.reachability")
+    path = _path()
+    await path.on_announcement(_relay("a", "a:1"))
+    await path.on_report(UNREACHABLE)
+    assert _said(caplog, logging.WARNING) == []
+    assert _said(caplog)[-2:] == [
+        f"{PEER}: not reachable directly at {ADDRESS} (connection timed out): attaching to "
+        "relay a:1",
+        f"{PEER}: attached to relay a:1; announced as reached through it",
+    ]
+    # Reached through it; later nobody reaches it even so: that is worth a warning and remedy.
+    await path.on_report(_report(cpb.REACHABILITY_RELAYED, relay="a:1"))
+    await path.on_report(UNREACHABLE)
+    assert "not reachable at" in _said(caplog, logging.WARNING)[-1]
+
+
 # ------------------------------------------------------------------------- the relays known
 
 
