@@ -24,7 +24,7 @@ import torch
 from stage_server.peer.network_checks import (
     Check,
     broker_login,
-    local_address,
+    local_host,
     path_check,
     scheduler_call,
 )
@@ -148,14 +148,15 @@ def diagnose(
 async def _network_checks(
     broker: str | None, scheduler: str | None, timeout: float, token: str | None, peer: str
 ) -> list[Check]:
-    checks = []
+    checks, relays, seen = [], None, ""
     if broker:
         login, relays = await broker_login(broker, peer, token, timeout)
         checks.append(login)
-        if login.ok:
-            checks.append(path_check(*local_address(broker), relays))
     if scheduler:
-        checks.append(await scheduler_call(scheduler, token, timeout))
+        call, seen = await scheduler_call(scheduler, token, timeout)
+        checks.append(call)
+    if checks and all(c.ok for c in checks) and relays is not None and scheduler:
+        checks.append(path_check(local_host(scheduler), seen, relays))
     return checks
 
 

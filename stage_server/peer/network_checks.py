@@ -6,10 +6,11 @@ path others will take to this machine (direct, or behind NAT through which relay
 Only opening a TCP connection, as the doctor once did, passed with a wrong token and without TLS
 against a TLS-only swarm; each of those is now a failure naming its fix.
 
-The path is judged before anything starts, from what this machine can see: the address it
-reaches the broker from (a private one toward a broker outside it: behind NAT) and the relays
-announced on the bus. The scheduler's dial-back (`scheduler.reachability`) measures it for good
-once the peer announces itself.
+The path is judged before anything starts: the scheduler says the address it saw the call come
+from (`SchedulerListJobsResponse.caller_host`); another one than this machine has toward it means
+a router translated it (behind NAT), and the relays announced on the bus say which relay will
+carry calls to it. The scheduler's dial-back (`scheduler.reachability`) measures it for good once
+the peer announces itself.
 """
 
 from __future__ import annotations
@@ -44,11 +45,6 @@ _TOKEN_FIX = (
     "use the swarm's token (the scheduler's --token-file), or ask for a new invite "
     "(`swarm invite NAME` on the scheduler's host) and pass --join FILE"
 )
-# Addresses a home router hands out: a machine holding one reaches the internet through NAT.
-_PRIVATE = [
-    ipaddress.ip_network(n)
-    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")
-]
 
 
 @dataclass(frozen=True)
@@ -123,73 +119,65 @@ def _relays_now(message: object) -> TypeGuard[cpb.PeerAnnouncement]:
     )
 
 
-async def scheduler_call(address: str, token: str | None, timeout: float) -> Check:
-    """ListJobs at the scheduler `address` with `token`: it answers only a caller it lets in."""
-    conn = channel(
-        address, token=token, options=[("grpc.max_reconnect_backoff_ms", int(timeout * 1000))]
-    )
+async def scheduler_call(address: str, token: str | None, timeout: float) -> tuple[Check, str]:
+    """ListJobs at the scheduler `address` with `token` (it answers only a caller it lets in),
+    and this machine's address as the scheduler saw the call ("" from a scheduler that does not
+    say)."""
+    backoff = [("grpc.max_reconnect_backoff_ms", int(timeout * 1000))]
+    conn = channel(address, token=token, options=backoff)
+    request = scheduler_pb2.SchedulerListJobsRequest(page_size=1)
+    tls_fix = "pass the swarm's TLS files (--tls-ca ...) or --join FILE"
     try:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(conn)
-        reply = await stub.ListJobs(
-            scheduler_pb2.SchedulerListJobsRequest(page_size=1), timeout=timeout
-        )
+        reply = await stub.ListJobs(request, timeout=timeout)
     except grpc.aio.AioRpcError as e:
         details = e.details() or ""
         if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-            return Check(
-                "scheduler", False, f"{address} refused the swarm token ({details})", _TOKEN_FIX
-            )
+            found = f"{address} refused the swarm token ({details})"
+            return Check("scheduler", False, found, _TOKEN_FIX), ""
         tls = explain_grpc(address, details, "the scheduler")
         if tls is not None:
-            return Check(
-                "scheduler",
-                False,
-                f"{address}: {tls}",
-                "pass the swarm's TLS files (--tls-ca ...) or --join FILE",
-            )
+            return Check("scheduler", False, f"{address}: {tls}", tls_fix), ""
+        found = f"{address} does not answer ({e.code().name}: {details})"
         fix = "start the scheduler, or fix --scheduler (its --port, printed at its start)"
-        return Check(
-            "scheduler", False, f"{address} does not answer ({e.code().name}: {details})", fix
-        )
+        return Check("scheduler", False, found, fix), ""
     finally:
         await conn.close()
     jobs = "jobs listed" if reply.jobs else "no jobs yet"
-    return Check("scheduler", True, f"{address} answered an authenticated call ({jobs})")
+    found = f"{address} answered an authenticated call ({jobs})"
+    return Check("scheduler", True, found), reply.caller_host
 
 
-def local_address(broker_url: str) -> tuple[str, str]:
-    """(this machine's address toward the broker, the broker's address): a UDP socket's
+def local_host(address: str) -> str:
+    """This machine's address toward `address` (a broker URL or HOST:PORT): a UDP socket's
     connect sends nothing, it only asks the kernel for the route."""
-    address = parse_broker_url(broker_url)
-    family, _, _, _, target = socket.getaddrinfo(
-        address.host, address.port, type=socket.SOCK_DGRAM
-    )[0]
+    target = parse_broker_url(address) if "://" in address else None
+    host, port = (target.host, target.port) if target else address.rsplit(":", 1)
+    family, _, _, _, where = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(target)
-        return str(s.getsockname()[0]), str(target[0])
+        s.connect(where)
+        return str(s.getsockname()[0])
 
 
-def _private(host: str) -> bool:
-    ip = ipaddress.ip_address(host)
-    return ip.is_loopback or any(ip in n for n in _PRIVATE if n.version == ip.version)
-
-
-def path_check(local: str, broker: str, relays: dict[str, str]) -> Check:
-    """How others will reach this machine: `local`, its address toward the `broker`'s address;
-    `relays`, those announced. A private address toward a broker outside it is behind NAT."""
-    if not _private(local) or _private(broker):
-        where = "a public address" if not _private(local) else "on the broker's network"
-        found = f"direct: this machine is {local}, {where} (the scheduler dials it back at start)"
+def path_check(local: str, seen: str, relays: dict[str, str]) -> Check:
+    """How others will reach this machine: `local`, its own address toward the scheduler, and
+    `seen`, the address the scheduler saw it call from; `relays`, those announced. Another
+    address seen than the one it has means a router translated it: behind NAT."""
+    if not seen:
+        found = "not judged: the scheduler does not say whom it sees (an older one)"
         return Check("path", True, found)
+    if ipaddress.ip_address(local) == ipaddress.ip_address(seen):
+        found = f"direct: the scheduler sees this machine as {local}, its own address"
+        return Check("path", True, found + " (its dial-back confirms at start)")
+    nat = f"behind NAT (this machine is {local}; the scheduler sees {seen}, its router)"
     if not relays:
         return Check(
             "path",
             False,
-            f"behind NAT (this machine is {local}, a private address; the broker is at "
-            f"{broker}), and no relay is announced",
+            f"{nat}, and no relay is announced: nobody can dial it",
             "start a relay on a host others reach (`swarm relay`, or a stage server with "
-            "--relay): docs/deployment.md, 'Peers behind NAT'",
+            "--relay): docs/deployment.md, 'Peers behind NAT'; or forward a port and give "
+            "--announce-host",
         )
     named = ", ".join(f"{peer} ({addr})" for peer, addr in sorted(relays.items()))
-    found = f"behind NAT (this machine is {local}, a private address) → relayed via {named}"
-    return Check("path", True, found)
+    return Check("path", True, f"{nat} → relayed via {named}")

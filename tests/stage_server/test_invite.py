@@ -21,6 +21,7 @@ from stage_server.peer.network_checks import path_check
 from swarm.errors import ConfigError
 from swarm.local.procs import SwarmProcess, start_process
 from swarm.net import invite
+from swarm.net.addresses import peer_host
 from swarm.net.certs import init_ca, issue
 from tests.support.cli import swarm
 
@@ -163,10 +164,12 @@ def test_join_refuses_a_flag_given_twice_and_a_foreign_version(
 
 
 def test_the_path_says_behind_nat_relayed_via_which_relay() -> None:
-    relayed = path_check("192.168.1.10", "203.0.113.5", {"relay-vps": "203.0.113.5:7100"})
+    relayed = path_check("192.168.1.10", "198.51.100.2", {"relay-vps": "203.0.113.5:7100"})
     assert relayed.ok and "behind NAT" in relayed.found
     assert "→ relayed via relay-vps (203.0.113.5:7100)" in relayed.found
-    alone = path_check("192.168.1.10", "203.0.113.5", {})
+    alone = path_check("192.168.1.10", "198.51.100.2", {})
     assert not alone.ok and "swarm relay" in alone.fix
-    assert path_check("203.0.113.9", "203.0.113.5", {}).found.startswith("direct")
-    assert path_check("192.168.1.10", "192.168.1.2", {}).found.startswith("direct")
+    assert path_check("10.0.0.9", "10.0.0.9", {}).found.startswith("direct")
+    assert peer_host("ipv4:198.51.100.2:4242") == "198.51.100.2"
+    assert peer_host("ipv6:[::1]:4242") == peer_host("ipv6:%5B::1%5D:4242") == "::1"
+    assert peer_host("unix:/tmp/s") == ""
