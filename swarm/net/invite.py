@@ -7,8 +7,9 @@ name an address that, behind NAT, nobody dials. The invite holds them all, in on
 (versioned, written 0600: it holds the swarm token and a private key):
 - `broker`, `scheduler`: where the friend's processes dial;
 - `ca`: the swarm CA's certificate (PEM), when the swarm runs TLS;
-- `cert`, `key`: a certificate for the peer id NAME, issued by the swarm CA with NAME as a DNS
-  name (a relayed peer is verified by its peer id) and any `--host` given, and its key;
+- `cert`, `key`: a certificate for the peer id NAME, issued by the swarm CA with NAME and
+  `*.NAME` as DNS names (a relayed peer is verified by its peer id; a second process on the same
+  invite, a second GPU, takes `--peer gpu1.NAME`) and any `--host` given, and its key;
 - `token`, `metrics_token`: the swarm's secrets (the metrics token if the swarm has one);
 - `submitter_token`: NAME's submitter token when the scheduler has an admin token
   (`swarm.net.submitters`), so the friend may export the jobs they submit.
@@ -75,7 +76,8 @@ def make(
         raise ConfigError("give --scheduler: the scheduler's HOST:PORT the friend dials")
     ca = cert = key = ""
     if ca_dir is not None:
-        cert_pem, key_pem, _ = issue_pem(ca_dir, name, [name, *hosts], days)
+        # `*.NAME` too: a second process on the same invite takes `--peer gpu1.NAME`.
+        cert_pem, key_pem, _ = issue_pem(ca_dir, name, [name, f"*.{name}", *hosts], days)
         ca = (ca_dir / "ca.pem").read_text()
         cert, key = cert_pem.decode(), key_pem.decode()
     elif broker.startswith("mqtts://"):
@@ -222,6 +224,8 @@ def apply_join(args: argparse.Namespace) -> Invite | None:
         if not hasattr(args, dest) or value is None:
             continue
         given = getattr(args, dest)
+        if dest == "peer" and (_own_id(given, invite.name) or args.command == "relay"):
+            continue  # a second process's id under the invite's name; a relay's id is its own
         flag = _SECRETS.get(dest, dest.replace("_", "-"))
         secret_given = dest in _SECRETS and getattr(args, _SECRETS[dest].replace("-", "_"), None)
         if (given not in (None, "") and str(given) != str(value)) or secret_given:
@@ -231,6 +235,12 @@ def apply_join(args: argparse.Namespace) -> Invite | None:
             )
         setattr(args, dest, value)
     return invite
+
+
+def _own_id(given: str, name: str) -> bool:
+    """`given` is a peer id the invite's certificate names besides NAME itself (`gpu1.NAME`)."""
+    head, dot, tail = (given or "").partition(".")
+    return bool(head and dot and tail == name)
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:

@@ -84,7 +84,8 @@ def test_an_invite_holds_everything_and_doctor_logs_in_with_it(
     assert doc["submitter_token"].startswith("alice:")
     cert = x509.load_pem_x509_certificate(doc["cert"].encode())
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert "alice" in sans.get_values_for_type(x509.DNSName)  # the peer id names it
+    names = sans.get_values_for_type(x509.DNSName)
+    assert "alice" in names and "*.alice" in names  # the peer id, and a second GPU's gpu1.alice
 
     env = _clean_env(tmp_path, monkeypatch)
     done = swarm("doctor", "--join", str(out), env=env, timeout=90, check=False)
@@ -147,11 +148,15 @@ def test_join_refuses_a_flag_given_twice_and_a_foreign_version(
     path = tmp_path / "x.invite.json"
     invite.write(invite.Invite("bob", "mqtt://h:1883", "h:7700", token="t"), path)
     args = argparse.Namespace(join=path, peer="", broker="mqtt://h:1883", token=None)
-    args.token_file = None
+    args.token_file, args.command = None, "stage-server"
     assert invite.apply_join(args) is not None and args.peer == "bob"
     assert Path(args.token_file).read_text() == "t\n"
-    for given in ({"broker": "mqtt://elsewhere:1883"}, {"token": "mine"}):
+    args.join, args.peer, args.token_file = path, "gpu1.bob", None  # a second GPU's process
+    invite.apply_join(args)
+    assert args.peer == "gpu1.bob"
+    for given in ({"broker": "mqtt://elsewhere:1883"}, {"token": "mine"}, {"peer": "carol"}):
         args = argparse.Namespace(join=path, peer="", broker="", token=None, token_file=None)
+        args.command = "stage-server"
         vars(args).update(given)
         with pytest.raises(ConfigError, match="leave out --"):
             invite.apply_join(args)
