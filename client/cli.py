@@ -19,6 +19,7 @@ from swarm.flags import (
     metrics_token,
     token,
 )
+from swarm.net.invite import add_join_flag
 from swarm.net.ports import Listener, PortFlag, naming
 from swarm.net.tls import add_tls_flags
 
@@ -141,6 +142,7 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
         "the swarm token alone)",
     )
     add_tls_flags(p)
+    add_join_flag(p)
     add_flag(p, "timeout", 30.0, "deadline per call (seconds)", type=float)
 
 

@@ -36,6 +36,7 @@ from swarm.job.config import (
 )
 from swarm.job.pinning import pin, pin_data
 from swarm.job.states import job_state_proto
+from swarm.net.addresses import peer_host
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
 from swarm.rpc.lease import (
     Lease,
@@ -323,7 +324,9 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             size = min(request.page_size or LIST_PAGE_SIZE, LIST_PAGE_MAX)
             records, cursor = self.store.page(size, request.page_token, budget=LIST_PAGE_BYTES)
             jobs = [self._status(r) for r in records]
-            return scheduler_pb2.SchedulerListJobsResponse(jobs=jobs, next_page_token=cursor)
+            return scheduler_pb2.SchedulerListJobsResponse(
+                jobs=jobs, next_page_token=cursor, caller_host=peer_host(context.peer())
+            )
 
         return await self._run("ListJobs", context, body)
 

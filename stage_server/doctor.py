@@ -1,26 +1,37 @@
 """`swarm doctor`: the preflight a volunteer runs before lending a machine. Each check says what it
 found, and a failed one says what to do: torch sees the device; the torch build has kernels for
 this GPU's architecture; free device and host memory hold the largest stage of a job (`--job`);
-the broker and the scheduler answer (`--broker`, `--scheduler`). A stage server runs the device
+the broker takes this peer's login, the scheduler the swarm token, and the path others take to
+this machine (direct, or behind NAT through a relay) (`--broker`, `--scheduler`, or all from an
+invite: `--join FILE`; `stage_server.peer.network_checks`). A stage server runs the device
 checks at its start (`preflight`), so a machine that cannot serve says so before it joins.
 
 The device facts come through `swarm.ops.devices.DeviceFacts`, so the checks run on a CPU-only
-machine in the tests with fakes; the network checks dial for real (a test starts what they dial).
+machine in the tests with fakes; the network checks log in and call for real (a test starts what
+they dial).
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
+import asyncio
+import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import torch
 
+from stage_server.peer.network_checks import (
+    Check,
+    broker_login,
+    local_host,
+    path_check,
+    scheduler_call,
+)
 from swarm.errors import SwarmError
-from swarm.flags import add_flag
+from swarm.flags import add_flag, add_token, token
+from swarm.net.invite import add_join_flag
+from swarm.net.tls import add_tls_flags
 from swarm.ops.devices import (
     INSTALL_FIX,
     DeviceFacts,
@@ -34,20 +45,6 @@ from swarm.ops.devices import (
 __all__ = ["Check", "add_arguments", "diagnose", "preflight", "run", "stage_bytes"]
 
 GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class Check:
-    """One finding: `fix` is what to do, "" when it passed."""
-
-    name: str
-    ok: bool
-    found: str
-    fix: str = ""
-
-    def line(self) -> str:
-        head = f"{'ok  ' if self.ok else 'FAIL'} {self.name}: {self.found}"
-        return head if self.ok else f"{head}\n     fix: {self.fix}"
 
 
 def preflight(spec: str, facts: DeviceFacts | None = None) -> torch.device:
@@ -129,20 +126,6 @@ def _memory_checks(job: Path, device: torch.device, facts: DeviceFacts) -> list[
     return checks
 
 
-def _reachable(name: str, address: str, timeout: float, fix: str) -> Check:
-    """Whether a TCP connection to `address` (host:port, or a URL with one) opens."""
-    parts = urlsplit(address if "://" in address else f"tcp://{address}")
-    host, port = parts.hostname, parts.port
-    if not host or not port:
-        return Check(name, False, f"{address!r} names no host:port", f"give {name} as host:port")
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
-    except OSError as e:
-        return Check(name, False, f"{host}:{port} does not answer ({e})", fix)
-    return Check(name, True, f"{host}:{port} accepts connections")
-
-
 def diagnose(
     spec: str,
     facts: DeviceFacts,
@@ -150,31 +133,57 @@ def diagnose(
     broker: str | None = None,
     scheduler: str | None = None,
     timeout: float = 5.0,
+    *,
+    token: str | None = None,
+    peer: str = "",
 ) -> list[Check]:
-    """Every check `swarm doctor` makes, in order."""
+    """Every check `swarm doctor` makes, in order: the device's, then the network's, each made
+    as the peer makes it (the broker's login, the scheduler's authenticated call, the path)."""
     checks, device = _device_checks(spec, facts)
     if job is not None and device is not None:
         checks += _memory_checks(job, device, facts)
+    return checks + asyncio.run(_network_checks(broker, scheduler, timeout, token, peer))
+
+
+async def _network_checks(
+    broker: str | None, scheduler: str | None, timeout: float, token: str | None, peer: str
+) -> list[Check]:
+    checks, relays, seen = [], None, ""
     if broker:
-        fix = "start the broker (or the scheduler that embeds it), or fix --broker's host:port"
-        checks.append(_reachable("broker", broker, timeout, fix))
+        login, relays = await broker_login(broker, peer, token, timeout)
+        checks.append(login)
     if scheduler:
-        fix = "start the scheduler, or fix --scheduler (its --port, printed at its start)"
-        checks.append(_reachable("scheduler", scheduler, timeout, fix))
+        call, seen = await scheduler_call(scheduler, token, timeout)
+        checks.append(call)
+    if checks and all(c.ok for c in checks) and relays is not None and scheduler:
+        checks.append(path_check(local_host(scheduler), seen, relays))
     return checks
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_flag(p, "device", "cpu", "the device a stage server would compute on: cpu, cuda:N, mps")
     p.add_argument("--job", type=Path, help="a job file: does its largest stage fit here?")
-    add_flag(p, "broker", None, "the swarm's MQTT broker URL: does it answer?")
-    add_flag(p, "scheduler", None, "the scheduler's host:port: does it answer?")
+    add_flag(p, "broker", None, "the swarm's MQTT broker URL: does it take this peer's login?")
+    add_flag(p, "scheduler", None, "the scheduler's host:port: does it take the swarm token?")
+    add_flag(p, "peer", "", "the peer id to log in to the broker as (default: the token alone)")
+    add_token(p)
+    add_tls_flags(p)
+    add_join_flag(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
 
 
 def run(command: str, args: argparse.Namespace) -> int:
+    # The bus logs a refused login as it happens; here the check's line says it, with the fix.
+    logging.getLogger("swarm.bus").setLevel(logging.CRITICAL)
     checks = diagnose(
-        args.device, TorchFacts(), args.job, args.broker, args.scheduler, args.timeout
+        args.device,
+        TorchFacts(),
+        args.job,
+        args.broker,
+        args.scheduler,
+        args.timeout,
+        token=token(args),
+        peer=args.peer,
     )
     for check in checks:
         print(check.line())

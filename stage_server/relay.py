@@ -26,6 +26,7 @@ from swarm.flags import (
     token,
     warn_if_url_password,
 )
+from swarm.net.invite import add_join_flag
 from swarm.net.tls import add_tls_flags
 from swarm.ops.logs import show_at_default
 from swarm.relay.server import RelayLimits
@@ -49,6 +50,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_token(p)
     add_insecure_no_token(p)
     add_tls_flags(p)
+    add_join_flag(p)
     add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
     add_flag(p, "announce-host", "", "address peers dial to reach the relay (default: --host)")
     add_flag(p, "port", DEFAULT_PORT, "relay port (0: any free port)", env="relay-port", type=int)

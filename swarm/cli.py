@@ -57,6 +57,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "swarm.commands",
         "make the swarm's CA (certs init) and a host's certificate (certs issue NAME --host H)",
     ),
+    "invite": (
+        "swarm.net.invite",
+        "write one file that lets a friend's peer join (broker, scheduler, CA, a certificate "
+        "for NAME, tokens): they pass it as --join FILE",
+    ),
     "generate": ("swarm.commands", "sample text from a trained model (a Hugging Face checkpoint)"),
     "doctor": (
         "stage_server.doctor",
@@ -124,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        from swarm.net import tls
+        from swarm.net import invite, tls
 
+        invite.apply_join(args)  # `--join FILE`: the invite's values in the flags, first
         tls.configure_from_args(args)  # the process's TLS identity, for every connection
         return int(load(args.command).run(args.command, args) or 0)
     except SwarmError as e:

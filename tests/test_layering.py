@@ -121,6 +121,7 @@ GRPC_ROLES: dict[str, str] = {
     "scheduler.main": "serves the job API and health",
     "scheduler.job_api": "the job API's servicer",
     "scheduler.dial_back": "dials a peer back (StageService.Info) to measure its reachability",
+    "stage_server.peer.network_checks": "`swarm doctor` calls the job API with the token",
     "client.sdk": "dials the job API",
     "client.remote": "dials the job API for leases",
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from swarm.flags import add_flag, add_insecure_no_token, add_token
+from swarm.net.invite import add_join_flag
 from swarm.net.tls import add_tls_flags
 
 __all__ = ["add_peer_flags"]
@@ -19,3 +20,4 @@ def add_peer_flags(p: argparse.ArgumentParser) -> None:
     add_insecure_no_token(p)
     add_tls_flags(p)
     add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
+    add_join_flag(p)

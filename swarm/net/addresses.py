@@ -12,7 +12,7 @@ import ipaddress
 
 from swarm.errors import ConfigError
 
-__all__ = ["announced_host", "host_port", "is_unspecified"]
+__all__ = ["announced_host", "host_port", "is_unspecified", "peer_host"]
 
 
 def _bare(host: str) -> str:
@@ -23,6 +23,16 @@ def host_port(host: str, port: int) -> str:
     """`host:port`, an IPv6 host in brackets."""
     host = _bare(host)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC caller as its server saw it (`context.peer()`: `ipv4:203.0.113.5:4242`,
+    `ipv6:[::1]:4242`, `ipv6:%5B::1%5D:4242`); "" for any other transport (a Unix socket)."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    host = rest.replace("%5B", "[").replace("%5D", "]").rpartition(":")[0]
+    return _bare(host)
 
 
 def is_unspecified(host: str) -> bool:

@@ -25,7 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from swarm.errors import ConfigError
 
-__all__ = ["Issued", "init_ca", "issue"]
+__all__ = ["CA_CERT", "Issued", "init_ca", "issue", "issue_pem", "private_file"]
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 
@@ -82,8 +82,8 @@ def init_ca(directory: Path, days: int = 3650, name: str | None = None) -> Issue
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    _private_file(key_path, _key_pem(key))
-    _private_file(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+    private_file(key_path, _key_pem(key))
+    private_file(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return Issued(cert_path, key_path, cert.not_valid_after_utc)
 
 
@@ -97,8 +97,6 @@ def issue(
 ) -> Issued:
     """`NAME.pem` and `NAME.key` in `directory`, signed by its CA, for `hosts`.
     `valid_from` is for tests (an expired certificate)."""
-    if not hosts:
-        raise ConfigError("give at least one --host: the name or address peers dial this one by")
     if not name or "/" in name or name.startswith("."):
         raise ConfigError(f"certificate name {name!r}: use a plain file name, e.g. the host's")
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
@@ -107,6 +105,24 @@ def issue(
         # certificate it signed and lose its key): remove the old files first to re-issue.
         if path.exists():
             raise ConfigError(f"{path} already exists: choose another name, or remove it first")
+    cert_pem, key_pem, not_after = issue_pem(directory, name, hosts, days, valid_from=valid_from)
+    private_file(key_path, key_pem)
+    private_file(cert_path, cert_pem)
+    return Issued(cert_path, key_path, not_after)
+
+
+def issue_pem(
+    directory: Path,
+    name: str,
+    hosts: list[str],
+    days: int = 365,
+    *,
+    valid_from: datetime.datetime | None = None,
+) -> tuple[bytes, bytes, datetime.datetime]:
+    """A certificate (PEM) for `hosts` named `name`, its key (PEM) and its end, signed by the CA
+    in `directory`, written nowhere (`swarm invite` puts them in the invite file)."""
+    if not hosts:
+        raise ConfigError("give at least one --host: the name or address peers dial this one by")
     try:
         ca_cert = x509.load_pem_x509_certificate((directory / CA_CERT).read_bytes())
         ca_key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), None)
@@ -144,12 +160,10 @@ def issue(
         )
         .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
     )
-    _private_file(key_path, _key_pem(key))
-    _private_file(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-    return Issued(cert_path, key_path, cert.not_valid_after_utc)
+    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key), cert.not_valid_after_utc
 
 
-def _private_file(path: Path, data: bytes) -> None:
+def private_file(path: Path, data: bytes) -> None:
     """Write `data` to `path` complete or not at all, readable by its owner only from the first
     byte (`mkstemp` creates the file 0600)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

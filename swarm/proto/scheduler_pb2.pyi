@@ -159,12 +159,14 @@ class SchedulerListJobsRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class SchedulerListJobsResponse(_message.Message):
-    __slots__ = ("jobs", "next_page_token")
+    __slots__ = ("jobs", "next_page_token", "caller_host")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CALLER_HOST_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     next_page_token: str
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    caller_host: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., caller_host: _Optional[str] = ...) -> None: ...
 
 class SchedulerCancelJobRequest(_message.Message):
     __slots__ = ("job",)

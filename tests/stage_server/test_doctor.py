@@ -73,7 +73,9 @@ def test_a_cpu_only_torch_asked_for_a_gpu() -> None:
     }
 
 
-def test_broker_and_scheduler_answering_or_not() -> None:
+def test_an_open_port_is_no_broker_and_a_closed_one_no_scheduler() -> None:
+    """A port that accepts connections is not a broker that takes the login (the doctor once
+    passed it); a real login passes in tests/stage_server/test_invite.py."""
     with socket.create_server(("127.0.0.1", 0)) as listening:
         port = listening.getsockname()[1]
         closed = free_port()
@@ -85,7 +87,9 @@ def test_broker_and_scheduler_answering_or_not() -> None:
             timeout=2.0,
         )
     found = {c.name: c for c in checks}
-    assert found["broker"].ok, found["broker"]
+    assert not found["broker"].ok, found["broker"]
+    assert "start the broker" in found["broker"].fix
+    assert "path" not in found  # judged only once the broker took the login
     assert not found["scheduler"].ok
     assert f"127.0.0.1:{closed} does not answer" in found["scheduler"].found
     assert "start the scheduler" in found["scheduler"].fix

@@ -20,10 +20,23 @@ import pytest
 
 from swarm.local import netns
 
-__all__ = ["PROXIES", "Dialed", "dial", "listen", "network", "seen_peers"]
+__all__ = ["PROXIES", "Dialed", "dial", "host_env", "listen", "network", "seen_peers"]
 
 PROXIES = {"http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy"}
 """Variables (any case) a process in a namespace must not have: gRPC would dial through them."""
+
+
+def host_env(work: Path, host: str, **extra: str) -> dict[str, str]:
+    """The environment of a swarm process on `host`: none of this one's `SWARM_*` variables nor
+    proxies, the checkout importable, a cache directory of its own under `work`; and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env = {k: v for k, v in env.items() if k.lower() not in PROXIES}
+    return env | {
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "SWARM_CACHE_DIR": str(work / f"cache-{host}"),
+        **extra,
+    }
 
 
 def _alive(pid: int) -> bool:

@@ -49,12 +49,7 @@ def network() -> Iterator[netns.Network]:
 
 
 def _env(certs: Path, host: str, work: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
-    env = {k: v for k, v in env.items() if k.lower() not in namespaces.PROXIES}
-    return env | {
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(ROOT),
-        "SWARM_CACHE_DIR": str(work / f"cache-{host}"),
+    return namespaces.host_env(work, host) | {
         "SWARM_TOKEN": TOKEN,
         "SWARM_TLS_CA": str(certs / "ca.pem"),
         "SWARM_TLS_CERT": str(certs / f"{host}.pem"),

@@ -16,7 +16,6 @@ nftables (CI has both)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -57,14 +56,7 @@ def lab() -> Iterator[netns.Network]:
 
 
 def _env(work: Path, host: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
-    env = {k: v for k, v in env.items() if k.lower() not in namespaces.PROXIES}
-    return env | {
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(ROOT),
-        "SWARM_CACHE_DIR": str(work / f"cache-{host}"),
-        "SWARM_TOKEN": TOKEN,
-    }
+    return namespaces.host_env(work, host, SWARM_TOKEN=TOKEN)
 
 
 def _swarm(*args: str) -> list[str]:
