@@ -131,7 +131,7 @@ class PeerPath:
         self._relays: OrderedDict[str, str] = OrderedDict()  # relay peer -> its relay_address
         self._attachment: Attaching | None = None
         self._generation = 0  # which attachment's changes count: a stopped one's do not
-        self._said: tuple[int, str, str] | None = None  # the report last logged
+        self._said: tuple[int, str, str, str] | None = None  # the report last logged
         self._waiting = 0  # the level "no relay announced yet" was said at (once, until one is)
         self._lock = asyncio.Lock()  # one attachment at a time, whoever asks
         self._changed = asyncio.Event()  # the relay changed: announce it
@@ -300,8 +300,9 @@ class PeerPath:
         self._changed.set()
 
     def _say(self, report: cpb.ReachabilityReport) -> None:
-        """Log `report` once per change of what it says (its reachability, address, relay)."""
-        said = (report.reachability, report.address, report.relay)
+        """Log `report` once per change of what it says (its reachability, address, relay, and
+        the remedy of its cause: a relayed dial that fails for another cause is news)."""
+        said = (report.reachability, report.address, report.relay, report.remedy)
         if said == self._said:
             return
         self._said = said

@@ -188,6 +188,29 @@ async def test_an_unreachable_peer_says_why_and_the_flags_that_fix_it(
     assert "TCP port 7000" in last and "--announce-host" in last and "--relay" in last
 
 
+async def test_a_relayed_dial_back_that_fails_for_another_cause_is_said_at_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Issue 51: unreachable directly, attached, then the dial through the relay fails on the
+    # peer's own certificate. Before, the second report was not said (its reachability, address
+    # and relay the same), and the log ended on "attached to relay": it looked healthy.
+    caplog.set_level(logging.INFO, logger="stage_server.peer.reachability")
+    path = _path()
+    await path.on_announcement(_relay("a", "a:1"))
+    await path.on_report(UNREACHABLE)
+    assert path.relay == "a:1"
+    mismatch = _report(
+        cpb.REACHABILITY_UNREACHABLE,
+        detail="TLS name mismatch: direct: ...; through relay a:1: Hostname Verification failed",
+        remedy="its TLS certificate does not name 203.0.113.7: issue it one that does",
+    )
+    await path.on_report(mismatch)
+    last = _said(caplog, logging.WARNING)[-1]
+    assert "TLS name mismatch" in last and "does not name 203.0.113.7" in last, last
+    await path.on_report(mismatch)  # the same again: said once
+    assert sum("TLS name mismatch" in m for m in _said(caplog, logging.WARNING)) == 1
+
+
 # ------------------------------------------------------------------------- the relays known
 
 
