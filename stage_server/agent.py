@@ -23,7 +23,7 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
-from stage_server.peer.identity import PeerIdentity, persistent_peer_id
+from stage_server.peer.identity import PeerIdentity, new_incarnation, persistent_peer_id
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.links import fill_rates, reannounce
 from stage_server.peer.measure import cache_path, device_memory, measure_job
@@ -89,13 +89,16 @@ class PeerAgent:
         facts: DeviceFacts | None = None,
         path: PeerPath | None = None,
         relay_address: str = "",
+        incarnation: str = "",
     ) -> None:
-        """`metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
+        """`incarnation`: this process's start id, as its last-will announces it (empty: a new
+        one); `metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
         `limits`: the peer's (its stages' footprints); `facts`: its device's (free memory);
         `path`: how others reach it, its relay (None: not followed); `relay_address`: the relay
         it runs itself (`--relay`)."""
         self.running, self.bus, self.peer, self.path = running, bus, peer, path
         self.relay_address = relay_address
+        self.incarnation = incarnation or new_incarnation()
         self.limits, self.facts = limits or PeerLimits(), facts or TorchFacts()
         self.clock = clock or MonotonicClock()
         self.device, self.throttle, self.metrics_address = device, throttle, metrics_address
@@ -129,6 +132,7 @@ class PeerAgent:
             memory_bytes=device_memory(self.device),  # the scheduler bounds jobs' stages by it
             relay=self.path.relay if self.path is not None else "",
             relay_address=self.relay_address,
+            incarnation=self.incarnation,
             time=time.time(),
         )
         fill_rates(msg, self.metrics)  # its link rates (issue 43), announced anew as they move
@@ -448,7 +452,10 @@ async def run_peer(
         )
     running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
     metrics = running.metrics_address
-    will = cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address)
+    incarnation = new_incarnation()  # the same in its last-will: a reconnection is told apart
+    will = cpb.PeerAnnouncement(
+        peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address, incarnation=incarnation
+    )
     try:
         async with Bus(
             broker,
@@ -480,6 +487,7 @@ async def run_peer(
                 limits=opts.limits,
                 path=path,
                 relay_address=running.relay_address,
+                incarnation=incarnation,
             )
             stop = asyncio.Event()
             install_signal_handlers(stop)
