@@ -44,6 +44,7 @@ from swarm.clock import Clock, MonotonicClock
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, RuntimeConfig, parse_job
 from swarm.job.states import TERMINAL_PROTO
+from swarm.net.addresses import host_port
 from swarm.ops.device_oom import OutOfDeviceMemory, is_out_of_memory, oom_message
 from swarm.ops.devices import DeviceFacts, TorchFacts
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
@@ -442,7 +443,8 @@ async def run_peer(
     identity = persistent_peer_id(cache_path().parent, opts.peer)
     peer = identity.id
     opts = dataclasses.replace(opts, peer=peer)  # the metrics' peer label too
-    login = parse_broker_url(broker).username
+    at = parse_broker_url(broker)
+    login = at.username
     if login and login != peer:
         log.warning(
             "%s: the broker URL logs in as %r: the broker's ACL will refuse this peer's "
@@ -475,6 +477,7 @@ async def run_peer(
                 metrics=running.servicer.metrics,
                 metrics_port=running.metrics_port,
                 metrics_address=metrics,
+                outside=host_port(at.host, at.port),  # its own outage told from the relay's
             )
             agent = PeerAgent(
                 running,
