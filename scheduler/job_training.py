@@ -246,6 +246,7 @@ class JobTraining:
                 refill=mover.refill,
                 min_replicas=floor,
                 counted=coordinator.replicas,
+                lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
             )
             try:
                 async with asyncio.TaskGroup() as group:

@@ -23,7 +23,7 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
-from stage_server.peer.identity import PeerIdentity, persistent_peer_id
+from stage_server.peer.identity import PeerIdentity, new_incarnation, persistent_peer_id
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.links import fill_rates, reannounce
 from stage_server.peer.measure import cache_path, device_memory, measure_job
@@ -44,6 +44,7 @@ from swarm.clock import Clock, MonotonicClock
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, RuntimeConfig, parse_job
 from swarm.job.states import TERMINAL_PROTO
+from swarm.net.addresses import host_port
 from swarm.ops.device_oom import OutOfDeviceMemory, is_out_of_memory, oom_message
 from swarm.ops.devices import DeviceFacts, TorchFacts
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
@@ -89,13 +90,16 @@ class PeerAgent:
         facts: DeviceFacts | None = None,
         path: PeerPath | None = None,
         relay_address: str = "",
+        incarnation: str = "",
     ) -> None:
-        """`metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
+        """`incarnation`: this process's start id, as its last-will announces it (empty: a new
+        one); `metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
         `limits`: the peer's (its stages' footprints); `facts`: its device's (free memory);
         `path`: how others reach it, its relay (None: not followed); `relay_address`: the relay
         it runs itself (`--relay`)."""
         self.running, self.bus, self.peer, self.path = running, bus, peer, path
         self.relay_address = relay_address
+        self.incarnation = incarnation or new_incarnation()
         self.limits, self.facts = limits or PeerLimits(), facts or TorchFacts()
         self.clock = clock or MonotonicClock()
         self.device, self.throttle, self.metrics_address = device, throttle, metrics_address
@@ -129,6 +133,7 @@ class PeerAgent:
             memory_bytes=device_memory(self.device),  # the scheduler bounds jobs' stages by it
             relay=self.path.relay if self.path is not None else "",
             relay_address=self.relay_address,
+            incarnation=self.incarnation,
             time=time.time(),
         )
         fill_rates(msg, self.metrics)  # its link rates (issue 43), announced anew as they move
@@ -438,7 +443,8 @@ async def run_peer(
     identity = persistent_peer_id(cache_path().parent, opts.peer)
     peer = identity.id
     opts = dataclasses.replace(opts, peer=peer)  # the metrics' peer label too
-    login = parse_broker_url(broker).username
+    at = parse_broker_url(broker)
+    login = at.username
     if login and login != peer:
         log.warning(
             "%s: the broker URL logs in as %r: the broker's ACL will refuse this peer's "
@@ -448,7 +454,10 @@ async def run_peer(
         )
     running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
     metrics = running.metrics_address
-    will = cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address)
+    incarnation = new_incarnation()  # the same in its last-will: a reconnection is told apart
+    will = cpb.PeerAnnouncement(
+        peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address, incarnation=incarnation
+    )
     try:
         async with Bus(
             broker,
@@ -468,6 +477,7 @@ async def run_peer(
                 metrics=running.servicer.metrics,
                 metrics_port=running.metrics_port,
                 metrics_address=metrics,
+                outside=host_port(at.host, at.port),  # its own outage told from the relay's
             )
             agent = PeerAgent(
                 running,
@@ -480,6 +490,7 @@ async def run_peer(
                 limits=opts.limits,
                 path=path,
                 relay_address=running.relay_address,
+                incarnation=incarnation,
             )
             stop = asyncio.Event()
             install_signal_handlers(stop)
