@@ -19,6 +19,7 @@ import ipaddress
 import os
 import socket
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,37 +133,36 @@ class Tls:
         """Whether this process's certificate is issued for `host` (a DNS name, a wildcard's
         child, or an IP address); None without a certificate, or one without subject
         alternative names (left to the handshake)."""
-        from cryptography import x509
-
-        if self.cert is None:
+        sans = self._sans()
+        if sans is None:
             return None
+        dns, ips = sans
         host = host.strip("[]")  # an IPv6 address as a URL writes it
-        cert = x509.load_pem_x509_certificate(self.cert)
         try:
-            sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        except x509.ExtensionNotFound:
-            return None
-        try:
-            return ipaddress.ip_address(host) in sans.get_values_for_type(x509.IPAddress)
+            return ipaddress.ip_address(host) in ips
         except ValueError:
-            dns = {n.lower().rstrip(".") for n in sans.get_values_for_type(x509.DNSName)}
             name = host.lower().rstrip(".")
             parent = name.split(".", 1)[1] if "." in name else None
             return name in dns or (parent is not None and f"*.{parent}" in dns)
 
     def named(self) -> str:
         """What this process's certificate is issued for, in words ("no host" for none)."""
+        dns, ips = self._sans() or ([], [])
+        return ", ".join([*dns, *map(str, ips)]) or "no host"
+
+    def _sans(self) -> tuple[list[str], Sequence[object]] | None:
+        """The certificate's DNS names (lower case) and IP addresses; None without either."""
         from cryptography import x509
 
         if self.cert is None:
-            return "no host"
+            return None
         cert = x509.load_pem_x509_certificate(self.cert)
         try:
             sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         except x509.ExtensionNotFound:
-            return "no host"
+            return None
         dns = [n.lower().rstrip(".") for n in sans.get_values_for_type(x509.DNSName)]
-        return ", ".join([*dns, *map(str, sans.get_values_for_type(x509.IPAddress))]) or "no host"
+        return dns, sans.get_values_for_type(x509.IPAddress)
 
     def check_names(self, host: str, what: str) -> None:
         """A ConfigError naming the fix when this process's certificate is not issued for

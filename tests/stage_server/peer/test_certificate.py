@@ -14,6 +14,7 @@ from stage_server.peer.certificate import check_own_certificate
 from swarm.errors import ConfigError
 from swarm.net import tls
 from swarm.net.certs import init_ca, issue
+from tests.support.cli import swarm
 
 
 @pytest.fixture
@@ -67,3 +68,20 @@ def test_behind_nat_a_certificate_without_its_peer_id_stops_it(ca: Path) -> None
 def test_without_tls_or_a_certificate_nothing_is_checked(ca: Path) -> None:
     check_own_certificate(None, "127.0.0.1", "p", True)
     check_own_certificate(tls.Tls.load(ca / "ca.pem"), "127.0.0.1", "p", True)
+
+
+def test_the_guides_old_home_peer_stops_at_start_with_the_fix(ca: Path, tmp_path: Path) -> None:
+    """`swarm stage-server` as the issue ran it: a certificate for the LAN address, announcing
+    loopback. It used to start, log "attached to relay" and never get work; now it stops before
+    it dials the broker (none listens there), saying what to issue."""
+    lan = {"SWARM_TLS_CA": str(ca / "ca.pem"), "SWARM_TLS_CERT": str(ca / "lan.pem")}
+    lan |= {"SWARM_TLS_KEY": str(ca / "lan.key"), "SWARM_CACHE_DIR": str(tmp_path / "cache")}
+    done = swarm(
+        *("stage-server", "--broker", "mqtts://127.0.0.1:9", "--device", "cpu"),
+        *("--peer", "home-gpu-1", "--token", "t"),
+        env=lan,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "swarm certs issue NAME --peer home-gpu-1" in done.stderr, done.stderr
