@@ -17,7 +17,6 @@ the scheduler's dial-back through the relay failed hostname verification and the
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ import pytest
 from swarm.local import netns
 from tests.support import namespaces
 from tests.support.cli import ROOT
-from tests.support.guide import bash, bash_env, blocks, checkout, replaced
+from tests.support.guide import bash, bash_env, blocks, checkout, examples, machine, replaced
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -68,21 +67,6 @@ def _peer(text: str, host: str) -> str:
     return text if host == "home1" else replaced(text, {"home-gpu-1": CERTS[host]})
 
 
-def _machine(work: Path, issuer: Path, host: str) -> Path:
-    """`host`'s checkout, given what section 2 says to give it (and no other key)."""
-    home = checkout(work / host)
-    (home / "certs").mkdir(mode=0o700)
-    for name in ("ca.pem", f"{CERTS[host]}.pem", f"{CERTS[host]}.key"):
-        shutil.copy2(issuer / "certs" / name, home / "certs" / name)
-    for name in ("token", "metrics-token"):
-        shutil.copy2(issuer / name, home / name)
-    (home / "examples").mkdir()
-    shutil.copytree(ROOT / "examples" / "data", home / "examples" / "data")
-    job = (ROOT / "examples" / "llama-small.toml").read_text()
-    (home / "examples" / "llama-small.toml").write_text(replaced(job, TINY))
-    return home
-
-
 def test_the_nat_recipe_works_as_written_with_tls(lab: netns.Network, tmp_path: Path) -> None:
     (setup,) = blocks(SECTION_2)
     every, on_scheduler, _, on_alice = blocks(SECTION_3)[:4]
@@ -98,7 +82,9 @@ def test_the_nat_recipe_works_as_written_with_tls(lab: netns.Network, tmp_path: 
         bash(issuing), cwd=issuer, env=bash_env(), capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    homes = {host: _machine(tmp_path, issuer, host) for host in CERTS}
+    homes = {host: machine(tmp_path / host, issuer, cert) for host, cert in CERTS.items()}
+    for host in ("sched", "alice"):  # where the guide copies the job from
+        examples(homes[host], TINY)
     at_home = replaced(at_home, {"--device cuda:0": "--device cpu"})
     scripts = {
         "sched": every + replaced(replaced(on_scheduler, SCHED_NAME), data_root),
