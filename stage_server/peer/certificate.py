@@ -9,10 +9,11 @@ call refused in the handshake while its own log looked healthy: it stops at star
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 
 from swarm.errors import ConfigError
-from swarm.net.paths import peer_name
+from swarm.net.paths import PEER_DOMAIN, peer_name
 from swarm.net.tls import Tls
 
 __all__ = ["check_own_certificate"]
@@ -31,11 +32,20 @@ def check_own_certificate(identity: Tls | None, host: str, peer: str, behind_nat
     if direct is None or relayed is None:
         return
     host = host.strip("[]")
-    fix = (
-        f"issue it one that names its peer id (reached through a relay) and, if others may dial "
-        f"it directly, that host: `swarm certs issue NAME --peer {peer} --host {host}`, and "
-        f"start it with --peer {peer}"
-    )
+    dns, _ = identity.subject_names() or ([], [])
+    suffix = "." + PEER_DOMAIN
+    theirs = [n.removesuffix(suffix) for n in dns if n.endswith(suffix)]
+    if theirs and not relayed:  # issued for a peer id: most likely --peer was left out
+        fix = f"start it with --peer {theirs[0]}, the peer id its certificate names"
+    else:
+        # A loopback host names every machine, never worth a certificate; behind NAT nobody
+        # dials the host it announces.
+        also = "" if behind_nat or _loopback(host) else f" --host {host}"
+        direct_too = " and, if others may dial it directly, that host" if also else ""
+        fix = (
+            f"issue it one that names its peer id (reached through a relay){direct_too}: "
+            f"`swarm certs issue NAME --peer {peer}{also}`, and start it with --peer {peer}"
+        )
     names = f"--tls-cert {identity.cert_path} names {identity.named()}"
     if behind_nat and not relayed:
         raise ConfigError(
@@ -66,3 +76,10 @@ def check_own_certificate(identity: Tls | None, host: str, peer: str, behind_nat
             name,
             host,
         )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower().rstrip(".") == "localhost"

@@ -133,7 +133,7 @@ class Tls:
         """Whether this process's certificate is issued for `host` (a DNS name, a wildcard's
         child, or an IP address); None without a certificate, or one without subject
         alternative names (left to the handshake)."""
-        sans = self._sans()
+        sans = self.subject_names()
         if sans is None:
             return None
         dns, ips = sans
@@ -147,10 +147,10 @@ class Tls:
 
     def named(self) -> str:
         """What this process's certificate is issued for, in words ("no host" for none)."""
-        dns, ips = self._sans() or ([], [])
+        dns, ips = self.subject_names() or ([], [])
         return ", ".join([*dns, *map(str, ips)]) or "no host"
 
-    def _sans(self) -> tuple[list[str], Sequence[object]] | None:
+    def subject_names(self) -> tuple[list[str], Sequence[object]] | None:
         """The certificate's DNS names (lower case) and IP addresses; None without either."""
         from cryptography import x509
 

@@ -54,15 +54,21 @@ def test_a_certificate_naming_neither_its_host_nor_its_id_stops_it_with_the_fix(
         check_own_certificate(_identity(ca, "lan"), "127.0.0.1", "home-gpu-1", False)
     said = str(refused.value)
     assert "names 192.168.1.10: neither 127.0.0.1" in said
-    assert "swarm certs issue NAME --peer home-gpu-1 --host 127.0.0.1" in said
+    assert "swarm certs issue NAME --peer home-gpu-1`" in said  # loopback names no machine
+    with pytest.raises(ConfigError, match=r"--peer home-gpu-1 --host 203\.0\.113\.9`"):
+        check_own_certificate(_identity(ca, "lan"), "203.0.113.9", "home-gpu-1", False)
+
+
+def test_a_peer_started_without_the_id_its_certificate_names_is_told_that_id(ca: Path) -> None:
+    """`--peer` left out: the id is made up, and the certificate says which it should be."""
+    with pytest.raises(ConfigError, match="start it with --peer home-gpu-1, the peer id"):
+        check_own_certificate(_identity(ca, "by-peer"), "127.0.0.1", "box-1a2b3c4d", True)
 
 
 def test_behind_nat_a_certificate_without_its_peer_id_stops_it(ca: Path) -> None:
     """Its address is private: callers through the relay verify the id, whatever host it names."""
-    for cert, host in (("lan", "192.168.1.10"), ("by-peer", "127.0.0.1")):
-        other = "someone-else"
-        with pytest.raises(ConfigError, match=r"behind NAT \(--behind-nat\).*--peer someone"):
-            check_own_certificate(_identity(ca, cert), host, other, True)
+    with pytest.raises(ConfigError, match=r"behind NAT \(--behind-nat\).*--peer home-gpu-1`"):
+        check_own_certificate(_identity(ca, "lan"), "192.168.1.10", "home-gpu-1", True)
 
 
 def test_without_tls_or_a_certificate_nothing_is_checked(ca: Path) -> None:
