@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import enum
 
+from swarm.net import paths
+
 __all__ = ["Cause", "cause_of", "verdict"]
 
 
@@ -68,7 +70,7 @@ def cause_of(error: str, through_relay: bool) -> Cause:
 
 
 def verdict(
-    address: str, direct: str, relay: str = "", through: str | None = None
+    address: str, direct: str, relay: str = "", through: str | None = None, peer: str = ""
 ) -> tuple[Cause, str, str]:
     """(cause, detail, remedy) of a peer announced at `address` that did not answer: `direct`,
     the error of the dial at `address`; `through`, that of the dial through `relay` (None: it
@@ -79,7 +81,20 @@ def verdict(
     own = [c for c in causes if c in _OWN]
     cause = own[0] if own else causes[-1]
     errors = direct if through is None else f"direct: {direct}; through relay {relay}: {through}"
+    if cause is Cause.TLS_NAME and through is not None and peer and causes[-1] is cause:
+        # Through a relay a peer is verified by its peer id (`swarm.net.paths.peer_name`), not
+        # by the address it announces.
+        return cause, f"{cause.value}: {errors}", relayed_name_remedy(peer)
     return cause, f"{cause.value}: {errors}", remedy(cause, address, relay)
+
+
+def relayed_name_remedy(peer: str) -> str:
+    """What fixes a relayed peer whose certificate does not name its peer id."""
+    return (
+        f"its TLS certificate does not name its peer id ({paths.peer_name(peer)}), which callers "
+        f"through a relay verify it by: issue it one that does (`swarm certs issue NAME --peer "
+        f"{peer}`)"
+    )
 
 
 def remedy(cause: Cause, address: str, relay: str = "") -> str:

@@ -228,7 +228,7 @@ class ReachabilityChecker:
                 report.reachability, report.relay = cpb.REACHABILITY_RELAYED, relay
                 report.detail = f"direct: {direct}"
                 return report
-        _, detail, fix = verdict(address, direct, relay, through)
+        _, detail, fix = verdict(address, direct, relay, through, peer)
         report.reachability, report.detail, report.remedy = (
             cpb.REACHABILITY_UNREACHABLE,
             detail,

@@ -23,6 +23,7 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
+from stage_server.peer.certificate import check_own_certificate
 from stage_server.peer.identity import PeerIdentity, new_incarnation, persistent_peer_id
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.links import fill_rates, reannounce
@@ -44,7 +45,8 @@ from swarm.clock import Clock, MonotonicClock
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, RuntimeConfig, parse_job
 from swarm.job.states import TERMINAL_PROTO
-from swarm.net.addresses import host_port
+from swarm.net import tls
+from swarm.net.addresses import announced_host, host_port
 from swarm.ops.device_oom import OutOfDeviceMemory, is_out_of_memory, oom_message
 from swarm.ops.devices import DeviceFacts, TorchFacts
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
@@ -442,6 +444,9 @@ async def run_peer(
     check_device(opts.device)
     identity = persistent_peer_id(cache_path().parent, opts.peer)
     peer = identity.id
+    # Before anything starts: a certificate its callers would refuse stops it here, with the fix.
+    announce = announced_host(opts.host, opts.announce_host, "a stage server")
+    check_own_certificate(tls.current(), announce, peer, behind_nat)
     opts = dataclasses.replace(opts, peer=peer)  # the metrics' peer label too
     at = parse_broker_url(broker)
     login = at.username

@@ -55,7 +55,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "certs": (
         "swarm.commands",
-        "make the swarm's CA (certs init) and a host's certificate (certs issue NAME --host H)",
+        "make the swarm's CA (certs init) and a host's certificate (certs issue NAME --host H; "
+        "a peer behind NAT: --peer ID)",
     ),
     "invite": (
         "swarm.net.invite",

@@ -73,7 +73,8 @@ def channel(
     the process's identity (`swarm.net.tls`), else in clear text. A relayed address
     (`swarm.net.paths`) is dialled through its relay: an HTTP CONNECT to the peer's announced
     address, with the relay credential for that peer; TLS stays end to end, the peer's
-    certificate checked against its announced host as on a direct dial."""
+    certificate checked against its identity (`paths.peer_name`: `PEER.peer.swarm`), not its
+    announced host, which is private or loopback behind NAT and names nobody."""
     interceptors = None
     if token:
         interceptors = [k(token) for k in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
@@ -91,6 +92,9 @@ def channel(
         options += [
             ("grpc.enable_http_proxy", 1),
             ("grpc.http_proxy", f"http://{login}@{path.relay}"),
+            # The peer is verified as who the relay delivers the call to, by its id: its
+            # announced host (192.168.1.10, 127.0.0.1) is another peer's too, in another home.
+            ("grpc.ssl_target_name_override", paths.peer_name(path.peer)),
         ]
     identity = tls.current()
     if identity is not None:

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from scheduler.dial_back import StageDialer
-from scheduler.dial_causes import Cause, cause_of
+from scheduler.dial_causes import Cause, cause_of, verdict
 from scheduler.reachability import ReachabilityChecker
 from swarm.net import paths, tls, tokens
 from swarm.net.certs import init_ca, issue
@@ -68,10 +68,11 @@ def _checker(token: str | None = TOKEN) -> ReachabilityChecker:
     return ReachabilityChecker(StageDialer(token), publish, lambda report: None, timeout_s=2.0)
 
 
-def _become(tmp_path: Path, *hosts: str) -> None:
-    """This process serves and dials TLS with a certificate of a fresh CA naming `hosts`."""
+def _become(tmp_path: Path, *hosts: str, peers: tuple[str, ...] = ()) -> None:
+    """This process serves and dials TLS with a certificate of a fresh CA naming `hosts` and the
+    peer ids `peers` (what a relayed peer is verified by)."""
     init_ca(tmp_path)
-    issue(tmp_path, "peer", list(hosts))
+    issue(tmp_path, "peer", list(hosts), peers=list(peers))
     tls.configure(tls.Tls.load(tmp_path / "ca.pem", tmp_path / "peer.pem", tmp_path / "peer.key"))
 
 
@@ -88,16 +89,18 @@ async def test_a_certificate_that_does_not_name_the_address_is_no_token_problem(
         assert "does not name 127.0.0.1" in report.remedy
         assert "swarm certs issue NAME --host 127.0.0.1" in report.remedy
 
-        # The same through its relay: the peer's certificate, not the relay, is at fault.
+        # The same through its relay: the peer's certificate, not the relay, is at fault, and
+        # through a relay what it must name is its peer id (`swarm.net.paths.peer_name`).
         async with relayed(TOKEN, port) as r:
             through = await _checker().measure(r.peer, r.announced, r.relay_address)
         assert through.reachability == cpb.REACHABILITY_UNREACHABLE
         assert through.detail.startswith("TLS name mismatch"), through.detail
-        assert f"does not name {NAT_HOST}" in through.remedy and "token" not in through.remedy
+        assert f"does not name its peer id ({r.peer}.peer.swarm)" in through.remedy
+        assert f"--peer {r.peer}" in through.remedy and "token" not in through.remedy
 
 
 async def test_each_cause_has_its_own_remedy(tmp_path: Path) -> None:
-    _become(tmp_path, "127.0.0.1", NAT_HOST)
+    _become(tmp_path, "127.0.0.1", NAT_HOST, peers=("home-gpu",))
     remedies: dict[Cause, str] = {}
     async with stage_service("home-gpu") as port:
         # A peer with another token: it refuses the scheduler's.
@@ -148,3 +151,17 @@ def test_the_relays_answers_and_a_token_refusal_are_told_apart() -> None:
     assert cause_of(connect, True) is Cause.RELAY_DOWN
     assert cause_of(connect, False) is Cause.NO_ANSWER
     assert paths.relayed_address("a", "h:1", "r:2").startswith(paths.SCHEME)
+
+
+def test_a_relayed_name_mismatch_names_the_peer_id_to_issue_not_the_announced_host() -> None:
+    # Through a relay a peer is verified by its peer id (`peer_name`): the fix is `--peer`.
+    name = "UNAVAILABLE: ipv4:127.0.0.1:1: Custom verification check failed with error: "
+    mismatch = name + "UNAUTHENTICATED: Hostname Verification Check failed."
+    silent = "UNAVAILABLE: Failed to connect to remote host: Connection timed out"
+    cause, detail, fix = verdict("192.168.1.10:7000", silent, "r:2", mismatch, "home-gpu-1")
+    assert cause is Cause.TLS_NAME and detail.startswith("TLS name mismatch: direct: ")
+    assert "home-gpu-1.peer.swarm" in fix and "swarm certs issue NAME --peer home-gpu-1" in fix
+    assert "--host" not in fix
+    # directly dialled, it is still the announced host the certificate must name
+    _, _, direct_fix = verdict("203.0.113.7:7000", mismatch, peer="p")
+    assert "--host 203.0.113.7" in direct_fix
