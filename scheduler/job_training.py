@@ -221,6 +221,7 @@ class JobTraining:
                 refill=mover.refill,
                 min_replicas=floor,
                 counted=coordinator.replicas,
+                domains=self.peer_registry.domains,
             )
             try:
                 async with asyncio.TaskGroup() as group:
