@@ -112,7 +112,7 @@ import asyncio, os, sys
 import aiomqtt
 from swarm.bus.topics import Topics
 async def main():
-    topic = Topics().peer(sys.argv[3]) + "/reachability"
+    topic = Topics().peer(sys.argv[3]) + sys.argv[4]
     async with aiomqtt.Client(
         sys.argv[1], int(sys.argv[2]), username=sys.argv[3], password=os.environ["SWARM_TOKEN"]
     ) as client:
@@ -131,8 +131,14 @@ asyncio.run(main())
 
 def _report(lab: netns.Network, work: Path, peer: str) -> control_pb2.ReachabilityReport | None:
     """The scheduler's retained ReachabilityReport of `peer`, or None when it published none."""
-    out = _on_hub(lab, work, [sys.executable, "-c", _REPORT, HUB, "1883", peer]).strip()
-    return control_pb2.ReachabilityReport.FromString(bytes.fromhex(out)) if out else None
+    out = _on_hub(lab, work, [sys.executable, "-c", _REPORT, HUB, "1883", peer, "/reachability"])
+    return control_pb2.ReachabilityReport.FromString(bytes.fromhex(out.strip())) if out else None
+
+
+def _announcement(lab: netns.Network, work: Path, peer: str) -> control_pb2.PeerAnnouncement:
+    """`peer`'s retained announcement (empty when none)."""
+    out = _on_hub(lab, work, [sys.executable, "-c", _REPORT, HUB, "1883", peer, ""]).strip()
+    return control_pb2.PeerAnnouncement.FromString(bytes.fromhex(out))
 
 
 def _replicas(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -208,6 +214,7 @@ def test_a_stage_server_behind_nat(
         for each in statuses:
             seen |= _replicas(each)
         report = _report(lab, tmp_path, "home0")
+        announced = _announcement(lab, tmp_path, "home0")
         if relay and now["state"] == "JOB_STATE_SUCCEEDED":
             out = tmp_path / "swarm.pt"
             _on_hub(
@@ -230,6 +237,10 @@ def test_a_stage_server_behind_nat(
         assert seen["home0"]["reachability"] == "REACHABILITY_RELAYED", seen
         assert seen["home0"]["relay"] == report.relay, seen
         assert seen["pub0"]["reachability"] == "REACHABILITY_DIRECT", seen
+        # Its failure domain: the relay saw it come from its router's public address, and it
+        # announces that (issue 51, item 5); the scheduler spreads replicas by it.
+        assert announced.public_address == LAN.public, announced
+        assert announced.host_id, announced
         assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
     else:
         assert report.reachability == control_pb2.REACHABILITY_UNREACHABLE, report
