@@ -20,10 +20,41 @@ import pytest
 
 from swarm.local import netns
 
-__all__ = ["PROXIES", "Dialed", "dial", "listen", "network", "seen_peers"]
+__all__ = ["PROXIES", "Dialed", "dial", "listen", "network", "run_on", "seen_peers", "swarm_env"]
 
 PROXIES = {"http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy"}
 """Variables (any case) a process in a namespace must not have: gRPC would dial through them."""
+
+
+def swarm_env(token: str, cache: Path, **more: str) -> dict[str, str]:
+    """The environment of a `swarm` process in a namespace: this one's without its SWARM_
+    settings and proxies, this checkout on the path, the swarm's `token`, peers measuring into
+    `cache`, and `more` (names as given)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env = {k: v for k, v in env.items() if k.lower() not in PROXIES}
+    root = str(Path(__file__).resolve().parents[2])
+    return env | {
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": root,
+        "SWARM_CACHE_DIR": str(cache),
+        "SWARM_TOKEN": token,
+        **more,
+    }
+
+
+def run_on(net: netns.Network, host: str, argv: list[str], env: dict[str, str]) -> str:
+    """`argv` run to its end on `host` (the test's own namespace reaches nobody), from this
+    checkout; its stdout (asserted to succeed)."""
+    done = subprocess.run(
+        ["ip", "netns", "exec", net.ns[host], *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def _alive(pid: int) -> bool:

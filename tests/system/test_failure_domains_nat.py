@@ -7,8 +7,6 @@ routers it put one home on each stage (a, c and b, d: the peers measure alike)."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -45,34 +43,20 @@ def lab() -> Iterator[netns.Network]:
 
 
 def _env(work: Path, host: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
-    env = {k: v for k, v in env.items() if k.lower() not in namespaces.PROXIES}
     # One cache for all: the peers measure one at a time and agree exactly (one machine really);
     # each says it is a machine of its own (namespaces share the machine id and hostname).
-    return env | {
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(ROOT),
-        "SWARM_CACHE_DIR": str(work / "cache"),
-        "SWARM_TOKEN": TOKEN,
-        "SWARM_HOST_ID": f"machine-{host}",
-    }
+    return namespaces.swarm_env(
+        TOKEN, work / "cache", SWARM_HOST_ID=f"machine-{host}", SWARM_SCHEDULER=SCHEDULER
+    )
 
 
 def _swarm(*args: str) -> list[str]:
     return [sys.executable, "-m", "swarm.cli", "--log-level", "INFO", *args]
 
 
-def _status(lab: netns.Network, work: Path, job: str) -> dict[str, Any]:
-    done = subprocess.run(
-        ["ip", "netns", "exec", lab.ns["hub"], *_swarm("status", job, "--json")],
-        capture_output=True,
-        text=True,
-        env=_env(work, "client") | {"SWARM_SCHEDULER": SCHEDULER},
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return dict(json.loads(done.stdout))
+def _on_hub(lab: netns.Network, work: Path, *args: str) -> str:
+    """`swarm ARGS` run on the public host; its stdout."""
+    return namespaces.run_on(lab, "hub", _swarm(*args), _env(work, "client"))
 
 
 def _serving(status: dict[str, Any]) -> list[list[str]]:
@@ -89,8 +73,6 @@ def test_a_stages_replicas_sit_behind_two_routers(lab: netns.Network, tmp_path: 
         training={"stages": 2, "steps": 100_000, "checkpoint_every": 0},
         runtime={"min_replicas": 2},
     )
-    data_root = tmp_path / "data"
-    data_root.mkdir()
     procs: list[netns.Proc] = []
 
     def start(host: str, name: str, *args: str) -> netns.Proc:
@@ -101,12 +83,13 @@ def test_a_stages_replicas_sit_behind_two_routers(lab: netns.Network, tmp_path: 
     stages: list[list[str]] = []
     status: dict[str, Any] = {}
     try:
+        (tmp_path / "data").mkdir()  # the job's data is synthetic: none there
         scheduler = start(
             "hub",
             "scheduler",
             *("scheduler", "--host", "0.0.0.0", "--announce-host", HUB, "--port", "7700"),
             *("--broker-port", "1883", "--store", str(tmp_path / "jobs.sqlite")),
-            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(data_root)),
+            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(tmp_path / "data")),
         )
         deadline = time.monotonic() + 200
         scheduler.wait_ready(deadline)
@@ -133,18 +116,9 @@ def test_a_stages_replicas_sit_behind_two_routers(lab: netns.Network, tmp_path: 
             "attached to relay" in home.log() for home in homes
         ):
             time.sleep(0.2)
-        done = subprocess.run(
-            ["ip", "netns", "exec", lab.ns["hub"], *_swarm("submit", str(job))],
-            capture_output=True,
-            text=True,
-            env=_env(tmp_path, "client") | {"SWARM_SCHEDULER": SCHEDULER},
-            cwd=ROOT,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        job_id = done.stdout.split()[0]
+        job_id = _on_hub(lab, tmp_path, "submit", str(job)).split()[0]
         while time.monotonic() < deadline:
-            status = _status(lab, tmp_path, job_id)
+            status = json.loads(_on_hub(lab, tmp_path, "status", job_id, "--json"))
             stages = _serving(status)
             if [len(s) for s in stages] == [2, 2]:
                 break
