@@ -247,6 +247,7 @@ class JobTraining:
                 min_replicas=floor,
                 counted=coordinator.replicas,
                 lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
+                domains=self.peer_registry.domains,
             )
             try:
                 async with asyncio.TaskGroup() as group:

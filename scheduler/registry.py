@@ -32,8 +32,10 @@ import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from scheduler.failure_domains import domains_of
 from swarm.clock import Clock
 from swarm.net import paths
+from swarm.policy.domains import Domains
 from swarm.policy.placement import path_speeds
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
@@ -154,6 +156,10 @@ class PeerRegistry:
         """Whether calls to `peer` go through a relay (placement discounts its throughput)."""
         p = self.peers.get(peer)
         return p is not None and self.dial_address(p) != p.address
+
+    def domains(self) -> dict[str, Domains]:
+        """Each present peer's failure domains (`scheduler.failure_domains`), for placement."""
+        return {p: domains_of(a, self.relayed(p)) for p, a in list(self.peers.items())}
 
     def unreachable(self, job_id: str) -> list[cpb.ReachabilityReport]:
         """The dial-backs of the peers nobody can dial among `job_id`'s (joining or serving it)

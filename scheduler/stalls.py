@@ -13,7 +13,10 @@ would be cut off the same way; only a stage with neither says "start a stage ser
 for all the stages it applies to). A stage with fewer
 replicas than the job's `min_replicas` (with the default 1: a single replica) is a warning that
 names the servers it takes: losing a single replica costs the steps since the last checkpoint,
-where a spare would have taken over without loss. Each change is an event in the job's history.
+where a spare would have taken over without loss. So is a stage whose replicas all run on one
+machine, or sit behind one router (their failure domains, `swarm.policy.domains.crowded`): placement
+spreads them where it can, and this says where it could not. Each change is an event in the job's
+history.
 """
 
 from __future__ import annotations
@@ -22,19 +25,21 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from scheduler.history import History
 from scheduler.logged import logged
 from scheduler.speed import RecentSpeed
 from swarm.job.states import JobState
+from swarm.policy.domains import Domains, crowded
 from swarm.rpc.lease import Replica
 
 __all__ = [
     "REMEDY",
     "Health",
     "StallWatch",
+    "crowded_text",
     "lost_stage_text",
     "relay_down_text",
     "single_replica_text",
@@ -139,6 +144,19 @@ def under_replicated_text(
     return text
 
 
+def crowded_text(stage: int, kind: str, domain: str, peers: list[str]) -> str:
+    """The warning for a stage whose replicas (`peers`) all share one `kind` ("host" or
+    "router") of failure domain, `domain`."""
+    if kind == "host":
+        where, other = f"run on one machine ({domain})", "another machine"
+    else:
+        where, other = f"sit behind one router ({domain})", "another network"
+    return (
+        f"stage {stage}'s replicas ({', '.join(peers)}) all {where}: one outage stops it; a stage "
+        f"server on {other} would spread it"
+    )
+
+
 def _single(stages: list[int], peers: list[str], checkpoint: int) -> str:
     back = f"step {checkpoint}, the last checkpoint" if checkpoint else "step 0 (no checkpoint)"
     if len(stages) == 1:
@@ -176,6 +194,7 @@ class StallWatch:
         min_replicas: int = 1,
         counted: Callable[[], list[list[Replica]]] | None = None,
         lost: Callable[[list[int]], dict[int, str]] | None = None,
+        domains: Callable[[], Mapping[str, Domains]] | None = None,
     ) -> None:
         """`members()`: who serves each stage now; `step()`: the job's committed steps;
         `checkpoint()`: the step the last sealed checkpoint holds (0: none); `say(text, state)`:
@@ -186,7 +205,8 @@ class StallWatch:
         (`Mover.refill`); `min_replicas`: the job's, for its warnings; `counted()`: the replicas
         that count for the warnings, those whose join succeeded (default: `members()`);
         `lost(stages)`: of `stages`, those cut off by a relay that is gone, with that relay
-        (`PeerRegistry.lost_relays`)."""
+        (`PeerRegistry.lost_relays`).
+        `domains()`: the peers' failure domains (None: not known, no warning of them)."""
         self.job_id, self.members, self.step, self.checkpoint = job_id, members, step, checkpoint
         self.say, self.said, self.history = say, said, history
         self.health, self.clock = health, clock
@@ -203,6 +223,8 @@ class StallWatch:
         self._checkpoint_at: tuple[float, int, int] | None = None
         self._lost: dict[int, float] = {}  # stage -> when it was last seen with no replica
         self._single: set[int] = set()  # stages warned about
+        self.domains = domains
+        self._crowded: set[str] = set()  # crowded-domain warnings said as events
         self._said = ""
 
     async def look(self) -> None:
@@ -289,7 +311,21 @@ class StallWatch:
                 text = single_replica_text(new, [peers[k][0] for k in new], checkpoint)
                 self.history.record(self.job_id, "warning", text)
         self._single = single
-        self.health.warnings = warnings
+        self.health.warnings = warnings + self._crowded_warnings(peers)
+
+    def _crowded_warnings(self, peers: list[list[str]]) -> list[str]:
+        """Stages whose replicas all share a host, or a router; each said as an event when it
+        starts."""
+        if self.domains is None:
+            return []
+        texts = [
+            crowded_text(k, kind, domain, peers[k])
+            for k, kind, domain in crowded(peers, self.domains())
+        ]
+        for text in sorted(set(texts) - self._crowded):
+            self.history.record(self.job_id, "warning", text)
+        self._crowded = set(texts)
+        return texts
 
     def _checkpoint(self, now: float, step: int) -> int:
         """`checkpoint()`, read again when a step has committed since, or after

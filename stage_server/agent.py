@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from stage_server.peer.certificate import check_own_certificate
+from stage_server.peer.host_id import host_id
 from stage_server.peer.identity import PeerIdentity, new_incarnation, persistent_peer_id
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.links import fill_rates, reannounce
@@ -93,15 +94,18 @@ class PeerAgent:
         path: PeerPath | None = None,
         relay_address: str = "",
         incarnation: str = "",
+        host: str | None = None,
     ) -> None:
         """`incarnation`: this process's start id, as its last-will announces it (empty: a new
         one); `metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
         `limits`: the peer's (its stages' footprints); `facts`: its device's (free memory);
         `path`: how others reach it, its relay (None: not followed); `relay_address`: the relay
-        it runs itself (`--relay`)."""
+        it runs itself (`--relay`); `host`: the host id it announces (None: this machine's,
+        `stage_server.peer.host_id`)."""
         self.running, self.bus, self.peer, self.path = running, bus, peer, path
         self.relay_address = relay_address
         self.incarnation = incarnation or new_incarnation()
+        self.host_id = host_id() if host is None else host  # its failure domain, a machine
         self.limits, self.facts = limits or PeerLimits(), facts or TorchFacts()
         self.clock = clock or MonotonicClock()
         self.device, self.throttle, self.metrics_address = device, throttle, metrics_address
@@ -136,6 +140,8 @@ class PeerAgent:
             relay=self.path.relay if self.path is not None else "",
             relay_address=self.relay_address,
             incarnation=self.incarnation,
+            host_id=self.host_id,
+            public_address=self.path.public_address if self.path is not None else "",
             time=time.time(),
         )
         fill_rates(msg, self.metrics)  # its link rates (issue 43), announced anew as they move

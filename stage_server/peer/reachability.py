@@ -89,6 +89,8 @@ class Attaching(Protocol):
     @property
     def relay(self) -> str | None: ...
 
+    seen_from: str  # the address the relay saw it come from ("": not said)
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -171,6 +173,13 @@ class PeerPath:
         self._lock = asyncio.Lock()  # one attachment at a time, whoever asks
         self._changed = asyncio.Event()  # the relay changed: announce it
         self._failed = RatedLog(log, every_s=60.0)  # each report tries again: said once a minute
+
+    @property
+    def public_address(self) -> str:
+        """The address this peer's relay saw its attachment come from (its router's public one,
+        announced as a failure domain); "" while not attached, or when the relay did not say."""
+        attachment = self._attachment
+        return attachment.seen_from if attachment is not None and self.relay else ""
 
     def relays(self) -> list[str]:
         """The relays announced now, the latest announced first."""

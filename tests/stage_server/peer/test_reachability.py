@@ -73,6 +73,7 @@ class FakeAttachment:
         self.dead: set[str] = set()
         self.current: str | None = None
         self.started = self.stopped = False
+        self.seen_from = ""
         FakeAttachment.made.append(self)
 
     @property

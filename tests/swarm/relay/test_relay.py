@@ -38,6 +38,9 @@ async def test_a_peer_nobody_can_dial_serves_through_the_relay() -> None:
         await wait_until(lambda: r.attachment.relay == r.relay_address)
         assert r.changes == [r.relay_address]
         assert r.relay.peers == {"home-gpu": f"{NAT_HOST}:{port}"}
+        # The relay tells it where its attachment came from: its router's public address (here
+        # the loopback one), which it announces as a failure domain.
+        assert r.attachment.seen_from == "127.0.0.1"
         # Its announced address answers nothing: what reaches it below went through the relay.
         with pytest.raises(grpc.aio.AioRpcError) as direct:
             await echo_bytes(r.announced, TOKEN, [b"x"])
