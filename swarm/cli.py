@@ -89,6 +89,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "or drive given stage servers yourself (--job FILE, --stage-servers)",
     ),
     "demo": ("client.cli", "train a small model on a local swarm of stage servers"),
+    "health": (
+        "swarm.rpc.health_probe",
+        "ask a role's gRPC health service whether it serves (a container's health check)",
+    ),
 }
 
 
