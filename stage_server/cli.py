@@ -25,6 +25,7 @@ from swarm.net.ports import Listener, PortFlag, naming
 from swarm.ops import faults
 from swarm.ops.logs import show_at_default
 from swarm.relay.server import RelayLimits
+from swarm.rpc import lan
 
 __all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lifecycle"]
 
@@ -106,6 +107,13 @@ def _add_relay(p: argparse.ArgumentParser) -> None:
         "relay",
         "also relay for peers behind NAT (reachable hosts only): calls to them travel over "
         "connections they opened to this server; announced with its address",
+    )
+    add_switch(
+        p,
+        "relay-only",
+        "call peers behind NAT through their relay only, never at their LAN address first "
+        "(by default one that answers there as itself, a peer behind this one's router, is "
+        "called directly)",
     )
     add_flag(
         p,
@@ -203,6 +211,7 @@ def _run(args: argparse.Namespace) -> None:
         relay_port=args.relay_port,
         relay_limits=relay_limits(args),
     )
+    lan.SHORTCUTS.enabled = not args.relay_only
     if args.job:
         if args.stage is None:
             raise SwarmError("--job needs --stage (or leave out both to join a scheduler's swarm)")
