@@ -34,10 +34,12 @@ LIFECYCLE_LOGGERS = (
     "stage_server.peer.measure",
     "stage_server.server",
     "stage_server.peer.reachability",
+    "swarm.rpc.lan",
 )
 """Whose INFO lines say what the server becomes, once each (measured, or its machine's figures
 read, assigned stage K of job J, serving, moving, released and why, stopped; reachable directly
-or through which relay): shown at the default level too."""
+or through which relay; a relayed neighbour called at its LAN address): shown at the default
+level too."""
 
 _PORT = PortFlag(Listener.GRPC, "--port", env_name("stage-server-port"))
 _METRICS_PORT = PortFlag(Listener.METRICS, "--metrics-port", env_name("stage-server-metrics-port"))

@@ -88,6 +88,8 @@ def channel(
     given = {name for name, _ in options or ()}
     options = [*(options or ()), *((k, v) for k, v in _RECONNECT if k not in given)]
     if path.relay is not None:
+        # How the peer is named and verified belongs here, alike on both paths; only the proxy
+        # below is the relay's, and a direct dial (a caller on the peer's LAN) leaves it out.
         address = path.target
     if path.relay is not None and path.peer is not None and not direct:
         password = paths.relay_credential(token, path.peer)

@@ -20,10 +20,66 @@ import pytest
 
 from swarm.local import netns
 
-__all__ = ["PROXIES", "Dialed", "dial", "listen", "network", "seen_peers"]
+__all__ = [
+    "PROXIES",
+    "ROOT",
+    "Dialed",
+    "dial",
+    "listen",
+    "network",
+    "run_on",
+    "scheduler_args",
+    "seen_peers",
+    "swarm_argv",
+    "swarm_env",
+]
 
 PROXIES = {"http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy"}
 """Variables (any case) a process in a namespace must not have: gRPC would dial through them."""
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def swarm_env(work: Path, name: str, token: str) -> dict[str, str]:
+    """The environment of a `swarm` process `name` in a namespace: this one's without its
+    `SWARM_` settings and proxies, the repository importable, a cache of its own, the token."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env = {k: v for k, v in env.items() if k.lower() not in PROXIES}
+    return env | {
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(ROOT),
+        "SWARM_CACHE_DIR": str(work / f"cache-{name}"),
+        "SWARM_TOKEN": token,
+    }
+
+
+def run_on(net: netns.Network, host: str, argv: list[str], env: dict[str, str]) -> str:
+    """`argv` run to its end on `host` (the test's own namespace reaches nobody); its stdout,
+    asserting it succeeded."""
+    done = subprocess.run(
+        ["ip", "netns", "exec", net.ns[host], *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def scheduler_args(host: str, work: Path, data_root: Path) -> tuple[str, ...]:
+    """`swarm scheduler`'s arguments on a public host at `host`: gRPC on 7700, its embedded
+    broker on 1883, its store and checkpoints under `work`."""
+    return (
+        *("scheduler", "--host", "0.0.0.0", "--announce-host", host, "--port", "7700"),
+        *("--broker-port", "1883", "--store", str(work / "jobs.sqlite")),
+        *("--checkpoint-dir", str(work / "ckpt"), "--data-root", str(data_root)),
+    )
+
+
+def swarm_argv(*args: str) -> list[str]:
+    """`swarm ARGS` as this interpreter runs it, logging at INFO."""
+    return [sys.executable, "-m", "swarm.cli", "--log-level", "INFO", *args]
 
 
 def _alive(pid: int) -> bool:

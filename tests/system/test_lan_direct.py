@@ -14,10 +14,7 @@ included: nothing arrived from the neighbour at all. The job still ends float64-
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +29,7 @@ from tests.support.jobs import write_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = namespaces.ROOT
 PREFIX = "swl-"
 HUB = "10.85.0.10"
 HOME = netns.Lan("gw", "10.85.0.2", "192.168.85.0/24", {"a": "192.168.85.10", "b": "192.168.85.11"})
@@ -51,32 +48,15 @@ def lab() -> Iterator[netns.Network]:
 
 
 def _env(work: Path, name: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
-    env = {k: v for k, v in env.items() if k.lower() not in namespaces.PROXIES}
-    return env | {
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(ROOT),
-        "SWARM_CACHE_DIR": str(work / f"cache-{name}"),
-        "SWARM_TOKEN": TOKEN,
-    }
+    return namespaces.swarm_env(work, name, TOKEN)
 
 
-def _swarm(*args: str) -> list[str]:
-    return [sys.executable, "-m", "swarm.cli", "--log-level", "INFO", *args]
+_swarm = namespaces.swarm_argv
 
 
 def _on_hub(lab: netns.Network, work: Path, *args: str) -> str:
     """A `swarm` client command on the public host; its stdout."""
-    done = subprocess.run(
-        ["ip", "netns", "exec", lab.ns["hub"], *_swarm(*args)],
-        capture_output=True,
-        text=True,
-        env=_env(work, "client"),
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return namespaces.run_on(lab, "hub", _swarm(*args), _env(work, "client"))
 
 
 def _tally(lab: netns.Network, host: str, neighbour: str) -> None:
@@ -127,13 +107,7 @@ def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path
         return proc
 
     try:
-        scheduler = start(
-            "hub",
-            "scheduler",
-            *("scheduler", "--host", "0.0.0.0", "--announce-host", HUB, "--port", "7700"),
-            *("--broker-port", "1883", "--store", str(tmp_path / "jobs.sqlite")),
-            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(data_root)),
-        )
+        scheduler = start("hub", "scheduler", *namespaces.scheduler_args(HUB, tmp_path, data_root))
         deadline = time.monotonic() + 240
         assert scheduler.wait_ready(deadline)["broker"] == BROKER
         relay = ("--host", "0.0.0.0", "--port", str(RELAY_PORT), "--announce-host", HUB)

@@ -16,9 +16,7 @@ nftables (CI has both)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -57,32 +55,15 @@ def lab() -> Iterator[netns.Network]:
 
 
 def _env(work: Path, host: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
-    env = {k: v for k, v in env.items() if k.lower() not in namespaces.PROXIES}
-    return env | {
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(ROOT),
-        "SWARM_CACHE_DIR": str(work / f"cache-{host}"),
-        "SWARM_TOKEN": TOKEN,
-    }
+    return namespaces.swarm_env(work, host, TOKEN)
 
 
-def _swarm(*args: str) -> list[str]:
-    return [sys.executable, "-m", "swarm.cli", "--log-level", "INFO", *args]
+_swarm = namespaces.swarm_argv
 
 
 def _on_hub(lab: netns.Network, work: Path, argv: list[str]) -> str:
-    """`argv` run on the public host (the test's own namespace reaches nobody); its stdout."""
-    done = subprocess.run(
-        ["ip", "netns", "exec", lab.ns["hub"], *argv],
-        capture_output=True,
-        text=True,
-        env=_env(work, "client"),
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    """`argv` run on the public host; its stdout."""
+    return namespaces.run_on(lab, "hub", argv, _env(work, "client"))
 
 
 # The job's status, polled until it ends (argv: scheduler, job): what `swarm status --json` prints.
@@ -169,9 +150,7 @@ def test_a_stage_server_behind_nat(
         scheduler = start(
             "hub",
             "scheduler",
-            *("scheduler", "--host", "0.0.0.0", "--announce-host", HUB, "--port", "7700"),
-            *("--broker-port", "1883", "--store", str(tmp_path / "jobs.sqlite")),
-            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(data_root)),
+            *namespaces.scheduler_args(HUB, tmp_path, data_root),
             *(["--no-embedded-trainer"] if trainer_behind_nat else []),
         )
         deadline = time.monotonic() + 240
