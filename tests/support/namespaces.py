@@ -22,18 +22,37 @@ from swarm.local import netns
 
 __all__ = [
     "PROXIES",
+    "ROOT",
     "Dialed",
     "dial",
     "host_env",
     "listen",
     "network",
     "run_on",
+    "scheduler_args",
     "seen_peers",
+    "swarm_argv",
     "swarm_env",
 ]
 
 PROXIES = {"http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy"}
 """Variables (any case) a process in a namespace must not have: gRPC would dial through them."""
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def scheduler_args(host: str, work: Path, data_root: Path) -> tuple[str, ...]:
+    """`swarm scheduler`'s arguments on a public host at `host`: gRPC on 7700, its embedded
+    broker on 1883, its store and checkpoints under `work`."""
+    return (
+        *("scheduler", "--host", "0.0.0.0", "--announce-host", host, "--port", "7700"),
+        *("--broker-port", "1883", "--store", str(work / "jobs.sqlite")),
+        *("--checkpoint-dir", str(work / "ckpt"), "--data-root", str(data_root)),
+    )
+
+
+def swarm_argv(*args: str) -> list[str]:
+    """`swarm ARGS` as this interpreter runs it, logging at INFO."""
+    return [sys.executable, "-m", "swarm.cli", "--log-level", "INFO", *args]
 
 
 def _env(cache: Path, extra: dict[str, str]) -> dict[str, str]:
@@ -43,7 +62,7 @@ def _env(cache: Path, extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in env.items() if k.lower() not in PROXIES}
     return env | {
         "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "PYTHONPATH": str(ROOT),
         "SWARM_CACHE_DIR": str(cache),
         **extra,
     }
@@ -69,7 +88,7 @@ def run_on(net: netns.Network, host: str, argv: list[str], env: dict[str, str]) 
         capture_output=True,
         text=True,
         env=env,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=ROOT,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -58,8 +58,7 @@ def _env(work: Path, host: str) -> dict[str, str]:
     return namespaces.swarm_env(TOKEN, work / f"cache-{host}")
 
 
-def _swarm(*args: str) -> list[str]:
-    return [sys.executable, "-m", "swarm.cli", "--log-level", "INFO", *args]
+_swarm = namespaces.swarm_argv
 
 
 def _on_hub(lab: netns.Network, work: Path, argv: list[str]) -> str:
@@ -157,9 +156,7 @@ def test_a_stage_server_behind_nat(
         scheduler = start(
             "hub",
             "scheduler",
-            *("scheduler", "--host", "0.0.0.0", "--announce-host", HUB, "--port", "7700"),
-            *("--broker-port", "1883", "--store", str(tmp_path / "jobs.sqlite")),
-            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(data_root)),
+            *namespaces.scheduler_args(HUB, tmp_path, data_root),
             *(["--no-embedded-trainer"] if trainer_behind_nat else []),
         )
         deadline = time.monotonic() + 240
