@@ -20,6 +20,7 @@ __all__ = [
     "BusNotConnected",
     "BusRefused",
     "BusSettings",
+    "BusTakenOver",
     "BusTlsMismatch",
 ]
 
@@ -38,6 +39,12 @@ class BusAuthError(BusRefused):
 
 class BusTlsMismatch(BusRefused):
     """TLS on one side only: the URL says mqtt:// to a TLS broker, or mqtts:// to a clear one."""
+
+
+class BusTakenOver(BusRefused):
+    """Another process connects with this client's id: a broker keeps one connection per client
+    id (MQTT), so each login drops the other's, and the two would take turns for ever. MQTT 3.1.1
+    tells the dropped client nothing; the pattern tells it (`BusSettings.takeover_after`)."""
 
 
 class BusLike(Protocol):
@@ -70,6 +77,15 @@ class BusSettings:
     """How long closing may take (publish the will, disconnect) before the task is cancelled."""
     queue_size: int = 10_000
     """Messages buffered per subscription; beyond it the oldest are dropped, with a log line."""
+    takeover_after: int = 3
+    """Connections in a row the broker accepted at once and then dropped within
+    `takeover_window_s` that mean another process logs in with this client id (each login of the
+    other kicks this one off, and this one's reconnect kicks the other): the bus gives up with
+    `BusTakenOver`. The newcomer of the two sees the pattern first (its first connection was
+    already a short one), so the process that ran before keeps its id."""
+    takeover_window_s: float = 2.0
+    """How soon after being accepted a dropped connection counts towards `takeover_after`; the
+    other process reconnects after `reconnect_initial_s`, well within it."""
 
     def __post_init__(self) -> None:
         if self.keepalive_s < 1:
@@ -81,3 +97,5 @@ class BusSettings:
                 raise ConfigError(f"{name} must be > 0 seconds")
         if self.queue_size < 1:
             raise ConfigError("queue_size must be >= 1")
+        if self.takeover_after < 2 or self.takeover_window_s <= 0:
+            raise ConfigError("need takeover_after >= 2 and takeover_window_s > 0")
