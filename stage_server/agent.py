@@ -38,7 +38,7 @@ from stage_server.server import (
     check_device,
     start_grpc,
 )
-from swarm.bus.connection import Bus, BusLike, BusRefused
+from swarm.bus.connection import Bus, BusLike, refusal_said
 from swarm.bus.topics import TopicKind, Topics, parse_broker_url
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import ConfigError
@@ -494,13 +494,8 @@ async def run_peer(
                 device=opts.device,
                 throttle=throttle,
             )
-            try:
+            with refusal_said():
                 await agent.run(stop)
-            except ExceptionGroup as group:  # its tasks' error, said as the bus said it
-                refused = group.subgroup(BusRefused)
-                if refused is None:
-                    raise
-                raise refused.exceptions[0] from None
     finally:
         await running.stop()
         identity.release()

@@ -5,8 +5,9 @@ errors. Import them from `swarm.bus.connection`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Protocol
 
 from google.protobuf.message import Message
@@ -22,6 +23,7 @@ __all__ = [
     "BusSettings",
     "BusTakenOver",
     "BusTlsMismatch",
+    "refusal_said",
 ]
 
 
@@ -45,6 +47,23 @@ class BusTakenOver(BusRefused):
     """Another process connects with this client's id: a broker keeps one connection per client
     id (MQTT), so each login drops the other's, and the two would take turns for ever. MQTT 3.1.1
     tells the dropped client nothing; the pattern tells it (`BusSettings.takeover_after`)."""
+
+
+@contextlib.contextmanager
+def refusal_said() -> Iterator[None]:
+    """Around a `TaskGroup` of tasks that use the bus: when they ended because the bus gave up
+    for good (`BusRefused`: another process took its id, the login refused), raise that one
+    error, which says what to do, rather than the group (a traceback)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        refused = group.subgroup(BusRefused)
+        if refused is None:
+            raise
+        leaf: BaseException = refused
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        raise leaf from None
 
 
 class BusLike(Protocol):

@@ -27,6 +27,7 @@ from swarm.bus.api import (
     BusSettings,
     BusTakenOver,
     BusTlsMismatch,
+    refusal_said,
 )
 from swarm.bus.link import Dialer, Link
 from swarm.bus.subscriptions import Subscription, Subscriptions
@@ -52,6 +53,7 @@ __all__ = [
     "BusTakenOver",
     "BusTlsMismatch",
     "Subscription",
+    "refusal_said",
 ]
 
 log = logging.getLogger(__name__)

@@ -107,35 +107,38 @@ async def test_a_second_relay_with_the_same_id_stops_and_says_why(tmp_path: Path
                 second.stop()
 
 
-async def test_a_stage_server_started_twice_with_one_id_stops_the_second(tmp_path: Path) -> None:
-    """The same for stage servers: `--peer` given twice (or two machines' copies of one cache
-    directory). Before, the two took turns on the broker for ever."""
+@pytest.mark.parametrize("command", ["stage-server", "aggregator"])
+async def test_a_peer_started_twice_with_one_id_stops_the_second(
+    command: str, tmp_path: Path
+) -> None:
+    """The same for stage servers and aggregators: `--peer` given twice (or two machines with
+    copies of one cache directory). Before, the two took turns on the broker for ever."""
     async with EmbeddedBroker() as broker:
 
-        def stage_server(name: str) -> SwarmProcess:
+        def peer(name: str) -> SwarmProcess:
             return start_process(
-                ["stage-server", "--broker", broker.url, "--peer", "p1", "--port", "0"],
+                [command, "--broker", broker.url, "--peer", "p1", "--port", "0"],
                 log_dir=tmp_path,
                 name=name,
                 env={**os.environ, "SWARM_CACHE_DIR": str(tmp_path / name)},
             )
 
-        first = stage_server("first")
+        first = peer("first")
         second = None
         try:
             await asyncio.to_thread(first.wait_ready, 120)
             await asyncio.sleep(BusSettings().takeover_window_s)  # as in the relays' test
-            second = stage_server("second")
+            second = peer("second")
             exited = second.proc
             await asyncio.to_thread(
                 wait_until_blocking,
                 lambda: exited.poll() is not None,
-                "the second stage server to exit",
+                f"the second {command} to exit",
                 timeout_s=90,
             )
             log = second.log()
             assert exited.returncode == 2, log[-2000:]
-            assert "swarm stage-server: error: another process is connected" in log
+            assert f"swarm {command}: error: another process is connected" in log
             assert "'peer-p1'" in log and "--peer p1-2" in log
             assert "Traceback" not in log
             assert first.proc.poll() is None
