@@ -99,9 +99,9 @@ class BusSettings:
     takeover_after: int = 3
     """Connections in a row the broker accepted at once and then dropped within
     `takeover_window_s` that mean another process logs in with this client id (each login of the
-    other kicks this one off, and this one's reconnect kicks the other): the bus gives up with
-    `BusTakenOver`. The newcomer of the two sees the pattern first (its first connection was
-    already a short one), so the process that ran before keeps its id."""
+    other kicks this one off, and this one's reconnect kicks the other). The newcomer, whose
+    connections never lasted past the window, gives up with `BusTakenOver`; the process that
+    held the id before keeps it, and logs the takeover (`swarm.bus.takeover`)."""
     takeover_window_s: float = 2.0
     """How soon after being accepted a dropped connection counts towards `takeover_after`; the
     other process reconnects after `reconnect_initial_s`, well within it."""

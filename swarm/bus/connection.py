@@ -31,7 +31,7 @@ from swarm.bus.api import (
 )
 from swarm.bus.link import Dialer, Link
 from swarm.bus.subscriptions import Subscription, Subscriptions
-from swarm.bus.takeover import DEFAULT_REMEDY, TakeoverWatch
+from swarm.bus.takeover import DEFAULT_REMEDY, KEEPS, Takeover, TakeoverWatch
 from swarm.bus.topics import (
     DEFAULT_PREFIX,
     BusError,
@@ -320,12 +320,15 @@ class Bus:
                         await self._serve(client)
                     except Exception as exc:
                         self._last_error = str(exc) or type(exc).__name__
-                        if takeover.lost(loop.time() - accepted):
-                            self._fatal = takeover.error(
-                                self.client_id, self.address.url, self._remedy
-                            )
-                            log.error("bus %s: %s", self.client_id, self._fatal)
-                            return
+                        verdict = takeover.lost(loop.time() - accepted)
+                        if verdict is not None:
+                            yields = verdict is Takeover.GIVE_UP
+                            remedy = self._remedy if yields else KEEPS
+                            error = takeover.error(self.client_id, self.address.url, remedy)
+                            log.error("bus %s: %s", self.client_id, error)
+                            if yields:
+                                self._fatal = error
+                                return
                         log.warning(
                             "bus %s: connection to %s lost (%s); reconnecting",
                             self.client_id,

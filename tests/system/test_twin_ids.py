@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus, BusSettings
 from swarm.local.procs import SwarmProcess, start_process
 from swarm.proto import control_pb2 as cpb
-from tests.support.waiting import wait_until, wait_until_blocking
+from tests.support.waiting import What, wait_until, wait_until_blocking
 
 TOKEN = "relay-ids-token"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -32,10 +33,34 @@ def _relay(broker: str, tmp_path: Path, name: str, *flags: str) -> SwarmProcess:
     )
 
 
-async def _announcements(bus: Bus, seen: dict[str, cpb.PeerAnnouncement]) -> None:
-    async for _, message in bus.subscribe(bus.topics.peer("+")):
-        assert isinstance(message, cpb.PeerAnnouncement)
-        seen[message.peer] = message
+async def _watch(
+    broker: str, done: Callable[[dict[str, cpb.PeerAnnouncement]], bool], what: What
+) -> dict[str, cpb.PeerAnnouncement]:
+    """The peers' announcements, by peer, once `done` says they are what was awaited."""
+    seen: dict[str, cpb.PeerAnnouncement] = {}
+    async with Bus(
+        broker, "watcher", username="watcher", token=TOKEN, registry=CollectorRegistry()
+    ) as bus:
+        await bus.wait_connected(30)
+
+        async def watch() -> None:
+            async for _, message in bus.subscribe(bus.topics.peer("+")):
+                assert isinstance(message, cpb.PeerAnnouncement)
+                seen[message.peer] = message
+
+        watching = asyncio.create_task(watch())
+        await wait_until(lambda: done(seen), what)
+        watching.cancel()
+    return seen
+
+
+async def _exited(process: SwarmProcess, what: str) -> int:
+    """`process`'s exit code, once it exits by itself."""
+    child = process.proc
+    await asyncio.to_thread(
+        wait_until_blocking, lambda: child.poll() is not None, what, timeout_s=90
+    )
+    return child.wait()
 
 
 async def test_two_relays_on_one_host_take_an_id_each(tmp_path: Path) -> None:
@@ -47,14 +72,9 @@ async def test_two_relays_on_one_host_take_an_id_each(tmp_path: Path) -> None:
             assert ids[0] != ids[1]
             for r in ready:
                 assert r["peer"].endswith("-" + r["address"].rsplit(":", 1)[1])
-            seen: dict[str, cpb.PeerAnnouncement] = {}
-            async with Bus(
-                broker.url, "watcher", username="watcher", token=TOKEN, registry=CollectorRegistry()
-            ) as bus:
-                await bus.wait_connected(30)
-                watching = asyncio.create_task(_announcements(bus, seen))
-                await wait_until(lambda: all(p in seen for p in ids), "both relays' announcements")
-                watching.cancel()
+            seen = await _watch(
+                broker.url, lambda seen: all(p in seen for p in ids), "both relays' announcements"
+            )
             for r in ready:
                 assert seen[r["peer"]].state == cpb.PEER_STATE_SERVING
                 assert seen[r["peer"]].relay_address == r["address"]
@@ -74,33 +94,21 @@ async def test_a_second_relay_with_the_same_id_stops_and_says_why(tmp_path: Path
             # A relay that has run a while: its connection is older than a takeover's drops.
             await asyncio.sleep(BusSettings().takeover_window_s)
             second = _relay(broker.url, tmp_path, "second", "--peer", "twin")
-            exited = second.proc
-            await asyncio.to_thread(
-                wait_until_blocking,
-                lambda: exited.poll() is not None,
-                "the second relay to exit",
-                timeout_s=60,
-            )
-            assert exited.returncode == 2
+            assert await _exited(second, "the second relay to exit") == 2
             log = second.log()
             assert "swarm relay: error: another process is connected" in log
             assert "'relay-twin'" in log and "--peer twin-2" in log
             assert first.proc.poll() is None
-            seen: dict[str, cpb.PeerAnnouncement] = {}
-            async with Bus(
-                broker.url, "watcher", username="watcher", token=TOKEN, registry=CollectorRegistry()
-            ) as bus:
-                await bus.wait_connected(30)
-                watching = asyncio.create_task(_announcements(bus, seen))
-                await wait_until(
-                    lambda: (
-                        "twin" in seen
-                        and seen["twin"].state == cpb.PEER_STATE_SERVING
-                        and seen["twin"].relay_address == ready["address"]
-                    ),
-                    lambda: f"the first relay's announcement (last: {seen.get('twin')})",
+
+            def kept(seen: dict[str, cpb.PeerAnnouncement]) -> bool:
+                twin = seen.get("twin")
+                return (
+                    twin is not None
+                    and twin.state == cpb.PEER_STATE_SERVING
+                    and (twin.relay_address == ready["address"])
                 )
-                watching.cancel()
+
+            await _watch(broker.url, kept, "the first relay's announcement, serving")
         finally:
             first.stop()
             if second is not None:
@@ -129,15 +137,9 @@ async def test_a_peer_started_twice_with_one_id_stops_the_second(
             await asyncio.to_thread(first.wait_ready, 120)
             await asyncio.sleep(BusSettings().takeover_window_s)  # as in the relays' test
             second = peer("second")
-            exited = second.proc
-            await asyncio.to_thread(
-                wait_until_blocking,
-                lambda: exited.poll() is not None,
-                f"the second {command} to exit",
-                timeout_s=90,
-            )
+            code = await _exited(second, f"the second {command} to exit")
             log = second.log()
-            assert exited.returncode == 2, log[-2000:]
+            assert code == 2, log[-2000:]
             assert f"swarm {command}: error: another process is connected" in log
             assert "'peer-p1'" in log and "--peer p1-2" in log
             assert "Traceback" not in log

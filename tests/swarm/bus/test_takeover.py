@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from swarm.bus.connection import BusSettings, BusTakenOver
-from swarm.bus.takeover import TakeoverWatch
+from swarm.bus.takeover import Takeover, TakeoverWatch
 from swarm.proto import control_pb2 as pb
 from tests.support.brokers import BrokerUnderTest
 from tests.support.buses import FAST, WAIT_S, bus, receive
@@ -44,11 +44,15 @@ async def test_a_second_client_with_the_same_id_gives_up_and_the_first_keeps_it(
         assert isinstance(message, pb.PeerAnnouncement) and message.peer == "relay-twin"
 
 
-def test_only_quick_drops_in_a_row_count() -> None:
-    watch = TakeoverWatch(BusSettings(takeover_after=3, takeover_window_s=2.0))
-    assert not watch.lost(0.3) and not watch.lost(0.3)
-    assert not watch.lost(60.0)  # a connection that lasted: the count starts again
-    assert not watch.lost(0.3) and not watch.lost(0.3)
-    watch.refused()  # the broker away: not a twin
-    assert not watch.lost(0.3) and not watch.lost(0.3)
-    assert watch.lost(0.3)
+def test_only_quick_drops_in_a_row_count_and_the_one_that_held_the_id_keeps_it() -> None:
+    newcomer = TakeoverWatch(BusSettings(takeover_after=3, takeover_window_s=2.0))
+    assert newcomer.lost(0.3) is None and newcomer.lost(0.3) is None
+    newcomer.refused()  # the broker away: not a twin
+    assert newcomer.lost(0.3) is None and newcomer.lost(0.3) is None
+    assert newcomer.lost(0.3) is Takeover.GIVE_UP
+
+    first = TakeoverWatch(BusSettings(takeover_after=3, takeover_window_s=2.0))
+    assert first.lost(60.0) is None  # it held the id a while: then the twin came
+    said = [n for n in range(1, 25) if first.lost(0.3) is not None]
+    assert said == [3, 6, 12, 24]  # it keeps the id and says so, less and less often
+    assert first.lost(0.3) is None and first.dropped == 25
