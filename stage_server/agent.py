@@ -40,7 +40,7 @@ from stage_server.server import (
     check_device,
     start_grpc,
 )
-from swarm.bus.connection import Bus, BusLike
+from swarm.bus.connection import Bus, BusLike, refusal_said
 from swarm.bus.topics import TopicKind, Topics, parse_broker_url
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import ConfigError
@@ -476,6 +476,8 @@ async def run_peer(
             username=peer,
             token=token,
             will=(Topics().peer(peer), will),
+            remedy=f"stop the other stage server, or give this one an id of its own (--peer "
+            f"{peer}-2; stage servers sharing a cache directory take one each by themselves)",
         ) as bus:
             await bus.wait_connected(connect_timeout_s)
             local = local_address(opts.host, int(running.address.rsplit(":", 1)[1]))
@@ -514,7 +516,8 @@ async def run_peer(
                 device=opts.device,
                 throttle=throttle,
             )
-            await agent.run(stop)
+            with refusal_said():
+                await agent.run(stop)
     finally:
         await running.stop()
         identity.release()
