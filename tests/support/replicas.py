@@ -9,11 +9,13 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import torch
 
 from swarm.errors import Aborted, FailedPrecondition
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
+from swarm.proto import stage_pb2_grpc
 from swarm.rpc.lease import Replica
 
 __all__ = ["FakeReplica", "FakeSwarm", "Gate", "Prepared"]
@@ -63,6 +65,9 @@ class FakeReplica:
         # pool rounds: the last round's end applied here, and its samples since (a test sets
         # them for a resuming coordinator; the fake does no local steps of its own)
         self.round_synced, self.round_samples = -1, 0
+        # Where its Info answer comes from over the wire (a real server: a hostile peer's), if
+        # not from this fake itself.
+        self.speaks_at: str | None = None
         self.closed = 0
         # (method, part weights, contributors) of every averaging call, in order
         self.parts: list[tuple[str, tuple[float, ...], int]] = []
@@ -105,6 +110,21 @@ class FakeReplica:
     # -- StageReplica ---------------------------------------------------------------------------
     async def info(self) -> pb.StageInfoResponse:
         await self._enter("info")
+        if self.speaks_at is not None:
+            return await self._info_over_the_wire(self.speaks_at)
+        return self.honest_info()
+
+    async def _info_over_the_wire(self, address: str) -> pb.StageInfoResponse:
+        """Its Info as a real StageService at `address` answers it: the bytes a peer sends,
+        decoded as the coordinator's gRPC replica decodes them (a hostile peer's own words)."""
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply: pb.StageInfoResponse = await stage_pb2_grpc.StageServiceStub(channel).Info(
+                pb.StageInfoRequest(), timeout=10
+            )
+            return reply
+
+    def honest_info(self) -> pb.StageInfoResponse:
+        """What this replica would answer to Info, as it is."""
         return pb.StageInfoResponse(
             peer=self.peer,
             job=self.swarm.job_id,

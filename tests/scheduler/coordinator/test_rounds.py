@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from swarm.errors import PeerUnavailable
 from swarm.job.fingerprint import fingerprint
 from swarm.model.routes import Join, Record, StepRuns, Sync
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import stage_pb2_grpc
 from swarm.rpc.lease import Task
 from tests.support.coordinator import LEASE_S, Harness, MakeHarness, until
+from tests.support.hostile import serving
 from tests.support.jobs import make_job
-from tests.support.replicas import FakeSwarm, Prepared
+from tests.support.replicas import FakeReplica, FakeSwarm, Prepared
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -268,6 +272,19 @@ async def test_a_coordinator_resuming_where_a_round_was_not_ended_ends_it_first(
 
 
 @pytest.mark.parametrize("claimed", [-5, 10**12])
+class _Lying(stage_pb2_grpc.StageServiceServicer):
+    """A hostile peer's StageService: it answers Info as `replica` would, but for the last
+    round's end it says it applied (`claimed`)."""
+
+    def __init__(self, replica: FakeReplica, claimed: int) -> None:
+        self.replica, self.claimed = replica, claimed
+
+    async def Info(self, request: pb.StageInfoRequest, context: Any) -> pb.StageInfoResponse:
+        reply = self.replica.honest_info()
+        reply.round_synced = self.claimed
+        return reply
+
+
 async def test_a_resuming_coordinator_counts_no_samples_a_replica_could_not_have_taken(
     tmp_path: Path, make_harness: MakeHarness, claimed: int
 ) -> None:
@@ -286,15 +303,17 @@ async def test_a_resuming_coordinator_ignores_a_round_end_no_replica_could_have_
 ) -> None:
     """Issue 44, N15: the last round's end a replica says it applied is a peer's word too. The
     replicas are at step 2 with the round [0, 1] unended; b says it applied a round's end past
-    the step the coordinator resumes at (or before any). Before the fix the coordinator took
-    the round for half applied and only applied it everywhere (no PREPARE: the pools never
-    averaged it). Now b's word is refused with a warning and the round is ended as it must be."""
+    the step the coordinator resumes at (or before any), in its Info answer sent by a real
+    StageService over the wire. Before the fix the coordinator took the round for half
+    applied and only applied it everywhere (no PREPARE: the pools never averaged it). Now b's
+    word is refused with a warning and the round is ended as it must be."""
     swarm, h, _ = _resuming(tmp_path, make_harness, 2, {"a": 12, "b": 4, "c": 16})
-    swarm["b"].round_synced = claimed
     a, c = swarm["a"], swarm["c"]
-    assert await h.coordinator.start() == 2
-    # b's samples are not believed either: the group weighs a's 12.
-    assert a.called("prepare_round") == [(2, 12, ["fake:a", "fake:b"], "1/round0")]
+    async with serving(_Lying(swarm["b"], claimed)) as address:
+        swarm["b"].speaks_at = address  # b's Info answer: the lying server's bytes
+        assert await h.coordinator.start() == 2
+        # b's samples are not believed either: the group weighs a's 12.
+        assert a.called("prepare_round") == [(2, 12, ["fake:a", "fake:b"], "1/round0")]
     assert c.called("prepare_round") == [(2, 16, ["fake:c"], "1/round0")]
     assert c.called("apply_round") == [2]
     assert f"says it applied the round's end at step {claimed}" in caplog.text
