@@ -1,8 +1,10 @@
 """A dial-back's verdict on both sides, with real processes over mutual TLS (issue 51, item 2):
-a stage server whose certificate names another address than the one it announces (the guide's
-home peer: its certificate names its LAN address) is UNREACHABLE with "TLS name mismatch" and the
-certificate's remedy in `swarm status`, never the token's; and its own log says so at WARNING.
-Before, the scheduler told it to give the same --token-file, and the peer's log looked healthy."""
+a stage server whose certificate names its peer id only (what callers through a relay verify),
+not the address it announces, and which no relay carries, is dialled directly and is UNREACHABLE
+with "TLS name mismatch" and the certificate's remedy in `swarm status`, never the token's; and
+its own log says so at WARNING. Before, the scheduler told it to give the same --token-file, and
+the peer's log looked healthy. (A certificate that names neither its address nor its id is
+refused at the stage server's start: tests/stage_server/peer/test_certificate.py.)"""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def test_a_certificate_naming_another_address_is_named_as_such_in_status_and_the
     tmp_path: Path, pki: Path
 ) -> None:
     ours = pki / "ours"
-    issue(ours, "home", ["192.168.1.10"])  # its LAN address; it announces 127.0.0.1
+    issue(ours, "home", [], peers=["peer0"])  # its id only; it announces 127.0.0.1
     env = mutual_env(pki, TOKEN)
     client = {**env, "SWARM_TLS_CERT": str(ours / "client.pem")}
     client["SWARM_TLS_KEY"] = str(ours / "client.key")
