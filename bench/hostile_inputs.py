@@ -57,6 +57,8 @@ ATTACKS: dict[str, str] = {
     # Issue 43 (uneven links): aggregator peers
     "43.4": "an aggregator placed on a stage, in jobs not offered, or unbounded in memory",
     "43.4-sum": "an aggregator answering a finite wrong sum (caught by a checksum it cannot forge)",
+    # Issue 54's review ("let no one in, round three")
+    "H-rates": "announced link rates (1e12, NaN, 1.7e308 B/s) own a pool's parts or fail its job",
 }
 
 
