@@ -62,7 +62,7 @@ ATTACKS: dict[str, str] = {
     "43.4-sum": "an aggregator answering a finite wrong sum (caught by a checksum it cannot forge)",
     # Issue 54's review ("let no one in, round three")
     "H-rates": "announced link rates (1e12, NaN, 1.7e308 B/s) own a pool's parts or fail its job",
-    "H-checks": "no checksum under a lossy codec; one seed for every stage, sent in clear",
+    "H-checks": "no checksum under a lossy codec; one seed for every stage; sparse forgeries",
     "M-scan": "the dial-back dials any host:port announced and returns the raw error",
     "runner": "this script passes attacks without a test, or with skipped tests",
 }
