@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.*
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: install mosquitto nftables prometheus demo test test-fast check protos bench clean
+.PHONY: install mosquitto nftables prometheus podman image demo test test-fast check protos bench clean
 
 install: $(STAMP)
 
@@ -31,6 +31,19 @@ nftables:
 prometheus:
 	@{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || { 	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq 	    --no-install-recommends prometheus >/dev/null; }
 
+# The container tests build and run the image with podman (runc, cgroupfs: containers.conf) on a
+# base image mmdebstrap makes from Debian's packages: no image registry is needed.
+podman:
+	@{ command -v podman && command -v runc && command -v mmdebstrap; } >/dev/null 2>&1 || { \
+	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq podman runc mmdebstrap uidmap >/dev/null; }
+
+# The image every role runs from (Containerfile), tagged $(IMAGE); docs/deployment.md, "Containers".
+IMAGE ?= swarm:latest
+image: install podman
+	$(BIN)/python -m tests.support.image --tag $(IMAGE)
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -45,10 +58,10 @@ demo: install
 # starts, so two workers on 2 cores take ~12 minutes where one took ~21-25.
 TEST_WORKERS ?= 2
 
-test: install mosquitto nftables prometheus
+test: install mosquitto nftables prometheus podman
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
-test-fast: install mosquitto nftables prometheus
+test-fast: install mosquitto nftables prometheus podman
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 check: install

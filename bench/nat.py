@@ -6,7 +6,7 @@ with every peer public, in the same run; and each run's final parameters against
 
     sudo .venv/bin/python bench/nat.py [--rate 100mbit] [--hub-rate 1gbit] [--steps 10]
         [--workload d256|tiny] [--natted 4] [--layout pinned|free] [--only nat|public] [--json]
-        [--keep-logs]
+        [--keep-logs] [--one-router]
 
 Hosts. `hub` runs the scheduler (its embedded broker; no embedded trainer) and, in the NAT run, a
 relay (`swarm relay`), its link shaped to `--hub-rate`; `trainer` runs one `swarm trainer`; each
@@ -15,6 +15,14 @@ stage server a host of its own. The public run's are `p0`..`p7`; the NAT run's `
 the rest `p0`..`p<7-N>`. A NAT'd server announces its LAN address, as at home: the scheduler's
 dial-back finds it unreachable, it attaches to the relay, and every call to it goes through the
 relay.
+
+One router (`--one-router`, issue 51 item 7): the NAT'd servers share one home router instead
+(LAN 192.168.90.0/24 behind `r0`, whose public leg, the home's one internet link that all its
+machines share, is shaped to `--rate` each way like a host's), and the two runs are both NAT
+runs: `lan`, as shipped (a NAT'd server calls a NAT'd neighbour at its LAN address once it
+answered there as itself: `swarm.rpc.lan`), against `relay-only` (every stage server
+`--relay-only`: every call to a NAT'd server through the relay, as before). The report's ratio
+is lan over relay-only (target >= 1); a run that took the other path (its servers' logs) fails.
 
 Layout. The issue asks for one whole stage served by NAT'd replicas only, which placement, left
 free, never makes: it counts a relayed replica at a share of its speed
@@ -88,15 +96,20 @@ def natted_hosts(count: int) -> list[str]:
     return [f"n{i}" for i in range(count)]
 
 
-def lans(natted: list[str]) -> list[Lan]:
-    """A home router of its own per NAT'd host."""
+def lans(natted: list[str], one_router: bool = False) -> list[Lan]:
+    """A home router of its own per NAT'd host, or (`one_router`) one for all of them."""
+    if one_router:
+        hosts = {h: f"192.168.90.{10 + i}" for i, h in enumerate(natted)}
+        return [Lan("r0", f"{SUBNET}.100", "192.168.90.0/24", hosts)] if natted else []
     return [
         Lan(f"r{i}", f"{SUBNET}.{100 + i}", f"192.168.{90 + i}.0/24", {h: f"192.168.{90 + i}.10"})
         for i, h in enumerate(natted)
     ]
 
 
+LAN_DIRECT = "its LAN address answers as the peer"  # swarm.rpc.lan's line, once per path
 RUNS = ("public", "nat")
+ONE_ROUTER_RUNS = ("relay-only", "lan")  # both NAT runs: relayed only, then LAN-direct
 
 
 def slots() -> list[int]:
@@ -190,6 +203,7 @@ class Run:
     natted_only_stages: list[int]
     max_abs_diff: float  # against `swarm local`
     pinned: list[list[str]] | None  # per stage, the servers pinned to it (`--layout pinned`)
+    lan_paths: int  # relayed peers its stage servers called at their LAN address (their logs)
 
 
 def run_once(
@@ -222,7 +236,7 @@ def run_once(
             *("--store", str(work / f"{label}.sqlite"), "--data-root", str(work / "data")),
             *("--checkpoint-dir", str(work / f"{label}-ckpt"), "--min-replicas", str(REPLICAS)),
         ).wait_ready(time.monotonic() + READY_TIMEOUT_S)
-        if label == "nat":
+        if label != "public":
             relay = ("--host", "0.0.0.0", "--port", str(RELAY_PORT), "--announce-host", hub)
             start(HUB, "relay", "relay", "--broker", broker, *relay)
         for host in run_hosts(label, natted):
@@ -231,6 +245,7 @@ def run_once(
                 host,
                 *("stage-server", "--broker", broker, "--host", "0.0.0.0", "--port", str(PORT)),
                 *("--announce-host", net.addresses[host], "--peer", host, "--threads", "1"),
+                *(["--relay-only"] if label == "relay-only" else []),
             )
         deadline = time.monotonic() + READY_TIMEOUT_S
         for proc in procs[1:]:  # the relay, then the stage servers
@@ -295,6 +310,7 @@ def run_once(
         pinned=[sorted(h for h, k in pins.items() if k == s) for s in range(wan.STAGES)]
         if pins
         else None,
+        lan_paths=sum(p.log().count(LAN_DIRECT) for p in procs),
     )
 
 
@@ -342,7 +358,8 @@ def max_abs_diff(exported: Path, job: Path) -> float:
 
 def print_report(r: dict[str, Any]) -> None:
     print(f"links {r['rate']} per host (hub {r['hub_rate']}); workload {r['workload']}, float64")
-    print(f"{r['natted']} of {SERVERS} stage servers behind NAT (nat run); layout {r['layout']}")
+    where = "one router" if r.get("one_router") else "a router each"
+    print(f"{r['natted']} of {SERVERS} stage servers behind NAT ({where}); layout {r['layout']}")
     print(f"{'run':<8} {'samples/s':>10} {'s/step':>8} {'max|diff| vs local':>19}  NAT'd-only")
     for run in r["runs"]:
         print(
@@ -353,10 +370,14 @@ def print_report(r: dict[str, Any]) -> None:
         for k, reps in enumerate(run["placement"]):
             shown = ", ".join(f"{x['peer']} {x['reachability'] or '?'} {x['relay']}" for x in reps)
             print(f"    stage {k}: {shown}")
+        if run["lan_paths"]:
+            print(f"    {run['lan_paths']} relayed paths called at their LAN address")
         if run["off_pin"]:
             print(f"    NOT AS PINNED: stages {run['off_pin']} (pinned {run['pinned']})")
     if r["nat_over_public"] is not None:
         print(f"nat/public {r['nat_over_public']:.3f} (target >= 0.8)")
+    if r.get("lan_over_relay") is not None:
+        print(f"lan/relay-only {r['lan_over_relay']:.3f} (one router; target >= 1)")
 
 
 def parse_args() -> argparse.Namespace:
@@ -378,7 +399,12 @@ def parse_args() -> argparse.Namespace:
         help="pinned: NAT'd servers on stage 0 first (stage 0 NAT'd only), the same slots in "
         "both runs; free: the scheduler places them",
     )
-    parser.add_argument("--only", choices=RUNS, help="one run alone (no ratio)")
+    parser.add_argument("--only", choices=RUNS + ONE_ROUTER_RUNS, help="one run alone (no ratio)")
+    parser.add_argument(
+        "--one-router",
+        action="store_true",
+        help="the NAT'd servers behind one router; runs lan against relay-only",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run at most")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep-logs", action="store_true")
@@ -418,7 +444,8 @@ def main() -> int:
     job = work / "job.toml"
     job.write_text(toml.replace('dtype = "float32"', 'dtype = "float64"', 1))
     natted = natted_hosts(args.natted)
-    net = Network(PREFIX, addresses(), lans(natted))
+    labels = ONE_ROUTER_RUNS if args.one_router else RUNS
+    net = Network(PREFIX, addresses(), lans(natted, args.one_router))
     runs: list[Run] = []
     status = 1
     try:
@@ -426,7 +453,9 @@ def main() -> int:
         net.create()
         net.shape(rate)
         net.shape_host(HUB, hub_rate, hub_rate)
-        for label in [args.only] if args.only else list(RUNS):
+        if args.one_router and natted:
+            net.shape_host("r0", rate, rate)  # the home's uplink, shared by its machines
+        for label in [args.only] if args.only else list(labels):
             print(f"{label} run ...", file=sys.stderr, flush=True)
             runs.append(run_once(net, job, work, label, natted, args))
         status = 0
@@ -450,17 +479,29 @@ def main() -> int:
         "workload": args.workload,
         "natted": args.natted,
         "layout": args.layout,
+        "one_router": args.one_router,
         "runs": [asdict(r) | {"off_pin": off_pin(r)} for r in runs],
         "nat_over_public": by["nat"].samples_per_s / by["public"].samples_per_s
-        if len(by) == 2
+        if {"nat", "public"} <= by.keys()
+        else None,
+        "lan_over_relay": by["lan"].samples_per_s / by["relay-only"].samples_per_s
+        if {"lan", "relay-only"} <= by.keys()
         else None,
     }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print_report(result)
-    # a pinned run not placed as pinned measured another scenario than the one it names
-    return 1 if any(off_pin(r) for r in runs) else 0
+    # a pinned run not placed as pinned measured another scenario than the one it names; so did
+    # a one-router run whose stage servers took the other path (lan: none on the LAN)
+    astray = [
+        r.label
+        for r in runs
+        if r.label in ONE_ROUTER_RUNS and (r.label == "lan") != (r.lan_paths > 0)
+    ]
+    if astray:
+        print(f"bench/nat.py: runs {astray} did not take the path they name", file=sys.stderr)
+    return 1 if astray or any(off_pin(r) for r in runs) else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ go through it too). Who goes where is `swarm.policy.placement.place_new`'s decis
 gets the job's `min_replicas`, `floor`, before any gets more); who is there is the
 `PeerRegistry`'s. A relayed peer (behind NAT) is placed at the share of its speed its path
 carries (`placement.path_speeds`); an unreachable one is not placed, and while a job waits for
-peers its message names those nobody can dial, with the remedy.
+peers its message names those nobody can dial, with the remedy. Placement spreads each stage's
+replicas over distinct hosts and routers where it costs little throughput (the peers' failure
+domains, `PeerRegistry.domains`).
 """
 
 from __future__ import annotations
@@ -203,6 +205,9 @@ class Assignments:
         )
         coming = self.on_the_way(job_id, stages)  # so a burst of joins is not all sent to one
         sizes = [len(stage) + len(more) for stage, more in zip(members, coming, strict=True)]
+        there = [
+            [r.peer for r in stage] + more for stage, more in zip(members, coming, strict=True)
+        ]
         # A peer back under its id (restarted) finds the stage it was given retained on the
         # broker and builds it: while every stage is served and it can serve that one, it keeps
         # it (decided once: placed anew, it would build one stage and then move to another).
@@ -214,9 +219,21 @@ class Assignments:
                     kept[peer] = stage
                     totals[stage] += speeds[stage]
                     sizes[stage] += 1
+                    there[stage].append(peer)
         rest = {peer: speeds for peer, speeds in available.items() if peer not in kept}
+        domains = self.registry.domains()
         placed = (
-            place_new(rest, stages, totals, min_replicas=min_replicas, sizes=sizes) if rest else {}
+            place_new(
+                rest,
+                stages,
+                totals,
+                min_replicas=min_replicas,
+                sizes=sizes,
+                domains=domains,
+                members=there,
+            )
+            if rest
+            else {}
         )
         placement = dict(sorted((kept | placed).items()))
         generation = time.time_ns() // 1000  # one for the whole placement

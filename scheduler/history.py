@@ -5,8 +5,10 @@ events) and by `--watch` from the start.
 Peers' comings and goings are read off their announcements (`peer_events`): a peer that joins a
 stage, moves (it drains its stage, then serves another: one move, not a leave and a restart),
 leaves (its last-will: killed, crashed or cut off; or a clean stop), and one that
-comes back under the id of a peer that left (a replacement server from the same cache directory,
-or the same one restarted) reads as a restart, not as if the dead peer had come back.
+comes back under the id of a peer that left reads by its announced incarnation (its process's
+start id): the same process reconnected (its link or the broker's dropped, and came back), a new
+one restarted (a replacement server from the same cache directory, or the same one restarted),
+not as if the dead peer had come back; a peer that announces no incarnation is "back", either.
 
 An announcement is the peer's own claim: it names whatever job and stage it likes, as often as it
 likes. So a peer's events are recorded only for a job the scheduler vouches for it in (`vouched`:
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from scheduler.store import JobRecord, JobStore, StoreError
 from swarm.job.states import JobState
@@ -31,9 +34,11 @@ from swarm.proto import control_pb2 as cpb
 __all__ = [
     "PEER_BURST",
     "PEER_EVERY_S",
+    "Back",
     "History",
     "Vouched",
     "admitted_text",
+    "back_as",
     "peer_events",
     "state_change_text",
 ]
@@ -72,11 +77,32 @@ def _serving(
 _HOLDING = (cpb.PEER_STATE_SERVING, cpb.PEER_STATE_DRAINING)
 
 
+#: How a peer that left is back: the same process, a new one, or it does not say (no incarnation).
+Back = Literal["", "reconnected", "restarted", "unknown"]
+
+
+def back_as(left: str | None, incarnation: str) -> Back:
+    """How a peer is back under its id: `left`, the incarnation it left with ("" unknown, None:
+    it did not leave); `incarnation`, the one it announces now."""
+    if left is None:
+        return ""
+    if not left or not incarnation:
+        return "unknown"
+    return "reconnected" if left == incarnation else "restarted"
+
+
+_BACK = {
+    "reconnected": "reconnected (the same process: its link or the broker's dropped)",
+    "restarted": "restarted (a new process under the id of the one that left)",
+    "unknown": "restarted or reconnected (it does not announce which)",
+}
+
+
 def peer_events(
-    old: cpb.PeerAnnouncement | None, new: cpb.PeerAnnouncement, restarted: bool = False
+    old: cpb.PeerAnnouncement | None, new: cpb.PeerAnnouncement, back: Back = ""
 ) -> list[Event]:
     """What a peer's announcement `new` (after `old`, None for a peer not present) tells of the
-    jobs it served or serves. `restarted`: the peer left before under this id."""
+    jobs it served or serves. `back`: how the peer is back under this id after it left."""
     peer = new.peer
     was, now = _serving(old, _HOLDING), _serving(new)
     if new.state == cpb.PEER_STATE_DRAINING and was == _serving(new, _HOLDING):
@@ -100,15 +126,10 @@ def peer_events(
     if now is not None:
         if was is not None and was[0] == now[0]:
             events.append((now[0], "move", f"{peer} moved from stage {was[1]} to stage {now[1]}"))
-        elif restarted:
-            events.append(
-                (
-                    now[0],
-                    "restart",
-                    f"{peer} is back, restarted (a new process under the id of the one that "
-                    f"left), and serves stage {now[1]}",
-                )
-            )
+        elif back:
+            kind = "reconnect" if back == "reconnected" else "restart"
+            text = f"{peer} is back, {_BACK[back]}, and serves stage {now[1]}"
+            events.append((now[0], kind, text))
         else:
             events.append((now[0], "join", f"{peer} joined stage {now[1]}"))
     return events
@@ -123,7 +144,7 @@ def admitted_text(step: int, stage: int, peer: str, source: str) -> str:
 
 class History:
     """Writes jobs' events to the store and the log; remembers peers that left each job, so that
-    one coming back reads as a restart."""
+    one coming back reads as a reconnection or a restart."""
 
     def __init__(
         self,
@@ -134,8 +155,8 @@ class History:
     ) -> None:
         """`vouched`: by default nobody (no peer's announcement is recorded)."""
         self.store, self.vouched = store, vouched
-        # job -> peers that left it, oldest first (a dict as an ordered set, bounded)
-        self._left: dict[str, dict[str, None]] = {}
+        # job -> peers that left it, oldest first, with the incarnation each left with (bounded)
+        self._left: dict[str, dict[str, str]] = {}
         self._quota = _PeerQuota(clock)
         self._rated = RatedLog(log, every_s=PEER_EVERY_S, clock=clock)
 
@@ -151,19 +172,19 @@ class History:
         """Record what `new` (the peer's announcement after `old`) tells of the jobs the
         scheduler vouches for it in."""
         job = new.job or (old.job if old is not None else "")
-        restarted = bool(job) and new.peer in self._left.get(job, {})
-        for job_id, kind, text in peer_events(old, new, restarted):
+        back = back_as(self._left.get(job, {}).get(new.peer), new.incarnation) if job else ""
+        for job_id, kind, text in peer_events(old, new, back):
             if not self.vouched(job_id, new.peer):
                 continue  # a job it only names: its claim is not the job's history
             record = self.store.get(job_id)
             if record is None or record.finished:
                 continue  # deleted (or another scheduler's); or ended: its peers are released
             left = self._left.setdefault(job_id, {})
-            if kind == "leave":
-                left[new.peer] = None
+            if kind == "leave":  # its last-will carries its incarnation; else its last word
+                left[new.peer] = new.incarnation or (old.incarnation if old is not None else "")
                 if len(left) > MAX_REMEMBERED:
                     del left[next(iter(left))]
-            elif kind in ("join", "restart"):
+            elif kind in ("join", "restart", "reconnect"):
                 left.pop(new.peer, None)
             self._rated_record(job_id, new.peer, kind, text)
 

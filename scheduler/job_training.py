@@ -246,6 +246,8 @@ class JobTraining:
                 refill=mover.refill,
                 min_replicas=floor,
                 counted=coordinator.replicas,
+                lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
+                domains=self.peer_registry.domains,
             )
             try:
                 async with asyncio.TaskGroup() as group:

@@ -9,7 +9,8 @@ The result is a `ReachabilityReport`:
 - DIRECT: its announced address answered, as that peer;
 - RELAYED: it announces a relay (`PeerAnnouncement.relay`; a peer behind NAT attaches to one by
   itself) and answered through it (`swarm.net.paths.relayed_address`), not directly;
-- UNREACHABLE: nothing answered; `detail` is the dial's error, `remedy` the flags that fix it.
+- UNREACHABLE: nothing answered; `detail` is its cause and the dial's error, `remedy` what fixes
+  that cause (`scheduler.dial_causes`: a TLS name mismatch, a wrong token, a relay down, ...).
 Each report goes to `on_report` (the registry keeps it: placement leaves an unreachable peer out,
 and every call to a relayed one goes through its relay) and is retained on
 `peers/{peer}/reachability`, where the peer reads it (its log shows the remedy); it is cleared
@@ -38,6 +39,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from scheduler import dial_causes
+from scheduler.dial_causes import verdict
 from swarm.bus.api import BusLike
 from swarm.net import paths
 from swarm.proto import control_pb2 as cpb
@@ -83,13 +86,7 @@ class Dialer(Protocol):
 
 def remedy(address: str) -> str:
     """What an operator does about a peer nobody can dial at `address`."""
-    port = address.rsplit(":", 1)[-1] if ":" in address else "its port"
-    return (
-        f"nobody can dial {address}: give the stage server --announce-host with an address "
-        f"others reach it at, forward port {port} on its router to it, or start a relay on a "
-        "reachable host (`swarm relay`, or a stage server with `--relay`): a peer behind NAT "
-        "attaches to one by itself"
-    )
+    return dial_causes.remedy(dial_causes.Cause.NO_ANSWER, address)
 
 
 def path_text(report: cpb.ReachabilityReport | None) -> str:
@@ -224,15 +221,19 @@ class ReachabilityChecker:
         if direct is None:
             report.reachability = cpb.REACHABILITY_DIRECT
             return report
+        through = None
         if relay:
             through = await self._dial(peer, paths.relayed_address(peer, address, relay))
             if through is None:
                 report.reachability, report.relay = cpb.REACHABILITY_RELAYED, relay
                 report.detail = f"direct: {direct}"
                 return report
-            direct = f"{direct}; through relay {relay}: {through}"
-        report.reachability, report.detail = cpb.REACHABILITY_UNREACHABLE, direct
-        report.remedy = _remedy_for(direct, address)
+        _, detail, fix = verdict(address, direct, relay, through, peer)
+        report.reachability, report.detail, report.remedy = (
+            cpb.REACHABILITY_UNREACHABLE,
+            detail,
+            fix,
+        )
         return report
 
     async def _dial(self, peer: str, address: str) -> str | None:
@@ -285,9 +286,3 @@ def _same(a: cpb.ReachabilityReport, b: cpb.ReachabilityReport) -> bool:
         b.relay,
         b.detail,
     )
-
-
-def _remedy_for(detail: str, address: str) -> str:
-    if "UNAUTHENTICATED" in detail:
-        return "it refuses the swarm's token: give it the same --token-file (or SWARM_TOKEN)"
-    return remedy(address)

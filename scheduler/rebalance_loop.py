@@ -55,7 +55,7 @@ class Mover:
                 continue  # decide on measured throughput only: wait for every member's report
             assignment, speeds = measured
             now = registry.clock.now()
-            move = self.rebalancer.decide(assignment, speeds, self.stages, now)
+            move = self.rebalancer.decide(assignment, speeds, self.stages, now, registry.domains())
             if move is None:
                 continue
             await self._order(move, "rebalancing")
@@ -120,7 +120,8 @@ class Mover:
             if p in registry.peers
         }
         assignment = {p: k for p, k in assignment.items() if p in speeds}
-        for move in self.rebalancer.refill(assignment, speeds, self.stages, now):
+        domains = registry.domains()
+        for move in self.rebalancer.refill(assignment, speeds, self.stages, now, domains):
             if move.dst in todo:
                 await self._order(move, "its stage's spare")
                 self._filling[move.dst] = (

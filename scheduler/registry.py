@@ -32,9 +32,11 @@ import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from scheduler.failure_domains import domains_of
 from swarm.clock import Clock
 from swarm.net import paths
 from swarm.net.bandwidth import MAX_LINK_BYTES_PER_SECOND, format_rate, plausible_rate
+from swarm.policy.domains import Domains
 from swarm.policy.placement import path_speeds
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
@@ -95,6 +97,9 @@ class PeerRegistry:
         # peer -> (job, stage) it was last given: kept when it leaves (the assignment is retained
         # on the broker, and a peer that comes back builds that stage), until the job lets go.
         self._given: dict[str, tuple[str, int]] = {}
+        # peer -> the relay it was last reached through (or announced): kept while the peer is
+        # present, so a stage cut off by its relay's death can say which relay (`lost_relays`)
+        self._via: dict[str, str] = {}
 
     # -- what arrives -----------------------------------------------------------------------------
     def announce(self, message: cpb.PeerAnnouncement) -> None:
@@ -106,6 +111,8 @@ class PeerRegistry:
             return
         message = self._plausible(message)
         self.peers[peer] = message
+        if message.relay:
+            self._via[peer] = message.relay
         if message.state != cpb.PEER_STATE_JOINING:  # serving, moving, or gone
             self._assigned_at.pop(peer, None)
         if message.state != cpb.PEER_STATE_SERVING:
@@ -151,6 +158,8 @@ class PeerRegistry:
         """What the dial-back found of a present peer (one that left meanwhile is ignored)."""
         if report.peer in self.peers:
             self._reach[report.peer] = report
+            if report.reachability == cpb.REACHABILITY_RELAYED and report.relay:
+                self._via[report.peer] = report.relay
 
     def reachability(self, peer: str) -> cpb.ReachabilityReport | None:
         """`peer`'s last dial-back; None: not checked yet."""
@@ -173,6 +182,10 @@ class PeerRegistry:
         p = self.peers.get(peer)
         return p is not None and self.dial_address(p) != p.address
 
+    def domains(self) -> dict[str, Domains]:
+        """Each present peer's failure domains (`scheduler.failure_domains`), for placement."""
+        return {p: domains_of(a, self.relayed(p)) for p, a in list(self.peers.items())}
+
     def unreachable(self, job_id: str) -> list[cpb.ReachabilityReport]:
         """The dial-backs of the peers nobody can dial among `job_id`'s (joining or serving it)
         and those free for any job (no job yet)."""
@@ -181,6 +194,22 @@ class PeerRegistry:
             for p in sorted(self.peers.values(), key=lambda p: p.peer)
             if p.job in (job_id, "") and self._unreachable(p.peer)
         ]
+
+    def lost_relays(self, job_id: str, stages: Collection[int]) -> dict[int, str]:
+        """Of `stages` of `job_id`, those whose every peer (one at least) is cut off by its
+        relay's loss, with that relay: it was reached through the relay, no present peer
+        announces that relay any longer, and nothing reaches the peer another way now. For
+        such a stage the missing piece is the relay, not a stage server."""
+        present = {a.relay_address for a in self.peers.values() if a.relay_address}
+        lost: dict[int, list[str]] = {}
+        for p in self.peers.values():
+            if p.job != job_id or not p.HasField("stage") or p.stage not in stages:
+                continue
+            via, report = self._via.get(p.peer, ""), self._reach.get(p.peer)
+            reached = report is not None and report.reachability == cpb.REACHABILITY_DIRECT
+            cut_off = bool(via) and via not in present and not reached
+            lost.setdefault(p.stage, []).append(via if cut_off else "")  # "": not the relay's
+        return {k: ", ".join(sorted(set(v))) for k, v in lost.items() if v and all(v)}
 
     def _unreachable(self, peer: str) -> bool:
         report = self._reach.get(peer)
@@ -218,6 +247,7 @@ class PeerRegistry:
         self._serving_since.pop(peer, None)
         self._silent_logged.discard(peer)
         self._reach.pop(peer, None)
+        self._via.pop(peer, None)
 
     # -- what it answers --------------------------------------------------------------------------
     def largest_memory(self) -> tuple[int, str]:

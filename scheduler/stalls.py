@@ -7,10 +7,16 @@ it and what will happen then (every stage rolls back to the last checkpoint, so 
 trained again); the job waits "since" the moment the stage emptied, which `swarm status` counts
 up. What is done is the scheduler's own remedy when it has one: the watch asks `refill` (the
 job's `scheduler.rebalance_loop.Mover`) at once, which sends an idle peer or a spare replica of
-another stage; only a stage with no spare says "start a stage server". A stage with fewer
+another stage; a stage whose replicas were all reached through a relay that is gone (`lost`: the
+registry's `lost_relays`) names that relay and what brings one back, since a stage server more
+would be cut off the same way; only a stage with neither says "start a stage server" (said once
+for all the stages it applies to). A stage with fewer
 replicas than the job's `min_replicas` (with the default 1: a single replica) is a warning that
 names the servers it takes: losing a single replica costs the steps since the last checkpoint,
-where a spare would have taken over without loss. Each change is an event in the job's history.
+where a spare would have taken over without loss. So is a stage whose replicas all run on one
+machine, or sit behind one router (their failure domains, `swarm.policy.domains.crowded`): placement
+spreads them where it can, and this says where it could not. Each change is an event in the job's
+history.
 """
 
 from __future__ import annotations
@@ -19,20 +25,23 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from scheduler.history import History
 from scheduler.logged import logged
 from scheduler.speed import RecentSpeed
 from swarm.job.states import JobState
+from swarm.policy.domains import Domains, crowded
 from swarm.rpc.lease import Replica
 
 __all__ = [
     "REMEDY",
     "Health",
     "StallWatch",
+    "crowded_text",
     "lost_stage_text",
+    "relay_down_text",
     "single_replica_text",
     "stages_text",
     "under_replicated_text",
@@ -54,15 +63,26 @@ def stages_text(stages: list[int]) -> str:
     return ("stage " if len(stages) == 1 else "stages ") + ", ".join(map(str, stages))
 
 
+def relay_down_text(relay: str) -> str:
+    """The remedy of a stage whose replicas were reached only through `relay`, which is gone."""
+    return (
+        f"the relay is down: its replicas were reached only through relay {relay}, which is "
+        "gone; restart the relay (`swarm relay`), or run a second relay on another reachable "
+        "host (peers behind NAT attach to it by themselves)"
+    )
+
+
 def lost_stage_text(
     missing: list[int],
     step: int,
     checkpoint: int,
     since: float,
     plans: dict[int, str] | None = None,
+    relays: dict[int, str] | None = None,
 ) -> str:
     """The message of a job stalled because `missing` stages have no replica; `plans`: what the
-    scheduler does about some of them (`Mover.refill`), the others' remedy is `REMEDY`."""
+    scheduler does about some of them (`Mover.refill`); `relays`: the relay gone that cut others
+    off (`relay_down_text`); the others' remedy is `REMEDY`."""
     at = time.strftime("%H:%M:%S", time.localtime(since))
     verb = "has" if len(missing) == 1 else "have"
     if checkpoint > 0:
@@ -72,15 +92,23 @@ def lost_stage_text(
     else:
         then = f"training starts again from step 0 (no checkpoint yet: {step} step(s) lost)"
     plans = {k: what for k, what in (plans or {}).items() if k in missing}
-    if not plans:
+    relays = {k: relay for k, relay in (relays or {}).items() if k in missing and k not in plans}
+
+    def fix(k: int) -> str:
+        if k in plans:
+            return f"the scheduler is {plans[k]}"
+        return relay_down_text(relays[k]) if k in relays else REMEDY
+
+    fixes: dict[str, list[int]] = {}  # one remedy, said once for all the stages it applies to
+    for k in missing:
+        fixes.setdefault(fix(k), []).append(k)
+    if list(fixes) == [REMEDY]:
         remedy = f"{REMEDY}: it takes the stage, and {then}"
-    elif len(missing) == 1:
-        remedy = f"the scheduler is {plans[missing[0]]}: once it serves, {then}"
+    elif len(fixes) == 1:
+        once = "it serves" if plans else "they are reached again"
+        remedy = f"{fix(missing[0])}: once {once}, {then}"
     else:
-        each = "; ".join(
-            f"stage {k}: " + (f"the scheduler is {plans[k]}" if k in plans else REMEDY)
-            for k in missing
-        )
+        each = "; ".join(f"{stages_text(ks)}: {what}" for what, ks in fixes.items())
         remedy = f"{each}; once every stage is served, {then}"
     return f"stalled at step {step}: {stages_text(missing)} {verb} no replica since {at}; {remedy}"
 
@@ -114,6 +142,19 @@ def under_replicated_text(
     if single:
         text += "; " + _single(single, [peers[k][0] for k in single], checkpoint)
     return text
+
+
+def crowded_text(stage: int, kind: str, domain: str, peers: list[str]) -> str:
+    """The warning for a stage whose replicas (`peers`) all share one `kind` ("host" or
+    "router") of failure domain, `domain`."""
+    if kind == "host":
+        where, other = f"run on one machine ({domain})", "another machine"
+    else:
+        where, other = f"sit behind one router ({domain})", "another network"
+    return (
+        f"stage {stage}'s replicas ({', '.join(peers)}) all {where}: one outage stops it; a stage "
+        f"server on {other} would spread it"
+    )
 
 
 def _single(stages: list[int], peers: list[str], checkpoint: int) -> str:
@@ -152,6 +193,8 @@ class StallWatch:
         refill: Callable[[list[int]], Awaitable[dict[int, str]]] | None = None,
         min_replicas: int = 1,
         counted: Callable[[], list[list[Replica]]] | None = None,
+        lost: Callable[[list[int]], dict[int, str]] | None = None,
+        domains: Callable[[], Mapping[str, Domains]] | None = None,
     ) -> None:
         """`members()`: who serves each stage now; `step()`: the job's committed steps;
         `checkpoint()`: the step the last sealed checkpoint holds (0: none); `say(text, state)`:
@@ -160,21 +203,28 @@ class StallWatch:
         steps stop is stalled too), `progress()`: where its open step is, in words;
         `refill(stages)`: send spares to stages nobody serves, saying what it did for each
         (`Mover.refill`); `min_replicas`: the job's, for its warnings; `counted()`: the replicas
-        that count for the warnings, those whose join succeeded (default: `members()`)."""
+        that count for the warnings, those whose join succeeded (default: `members()`);
+        `lost(stages)`: of `stages`, those cut off by a relay that is gone, with that relay
+        (`PeerRegistry.lost_relays`).
+        `domains()`: the peers' failure domains (None: not known, no warning of them)."""
         self.job_id, self.members, self.step, self.checkpoint = job_id, members, step, checkpoint
         self.say, self.said, self.history = say, said, history
         self.health, self.clock = health, clock
         self.speed, self.progress = speed, progress
         self.refill, self.min_replicas = refill, min_replicas
         self._plans: dict[int, str] = {}  # what is done for each stage nobody serves
+        self._relays: dict[int, str] = {}  # the relay gone that cut off each stage nobody serves
         self._stalled = False  # the job's state is "stalled" (set by this watch)
         self.counted = counted or members
+        self.lost = lost or (lambda stages: {})
         self._slow_since: float | None = None  # the last commit, while no step commits
         self._served_at = -math.inf  # when a lost stage was last served again
         # (when read, the job's step then, the checkpoint's step read)
         self._checkpoint_at: tuple[float, int, int] | None = None
         self._lost: dict[int, float] = {}  # stage -> when it was last seen with no replica
         self._single: set[int] = set()  # stages warned about
+        self.domains = domains
+        self._crowded: set[str] = set()  # crowded-domain warnings said as events
         self._said = ""
 
     async def look(self) -> None:
@@ -189,19 +239,23 @@ class StallWatch:
             # never the end of the watch (and the job's training attempt with it).
             with logged(log, f"job {self.job_id}: refill failed"):
                 plans = await self.refill(missing)
+        relays = self.lost(missing) if missing else {}
         for k in missing:
             what = plans.get(k)
+            down = relay_down_text(relays[k]) if k in relays and not what else None
             if k not in self._lost:
                 self._lost[k] = now
                 self.history.record(
                     self.job_id,
                     "stall",
                     f"stage {k} lost its last replica at step {step}: training stalled; "
-                    + (what or REMEDY),
+                    + (what or down or REMEDY),
                 )
             elif what and self._plans.get(k) != what:  # a spare came later
                 self.history.record(self.job_id, "move", f"stage {k} has no replica: {what}")
-        self._plans = plans
+            elif down and self._relays.get(k) != relays[k]:  # its relay's loss known later
+                self.history.record(self.job_id, "stall", f"stage {k} has no replica: {down}")
+        self._plans, self._relays = plans, relays
         served_again = ""
         for k in [k for k in self._lost if k not in missing]:
             held = now - self._lost.pop(k)
@@ -221,7 +275,7 @@ class StallWatch:
         elif missing:
             since = min(self._lost.values())
             self.health.waiting_since = since
-            text = lost_stage_text(missing, step, checkpoint, since, plans)
+            text = lost_stage_text(missing, step, checkpoint, since, plans, relays)
             if text != self._said or not self._stalled:
                 self._said = text
                 await self.say(text, None if self._stalled else "stalled")
@@ -257,7 +311,21 @@ class StallWatch:
                 text = single_replica_text(new, [peers[k][0] for k in new], checkpoint)
                 self.history.record(self.job_id, "warning", text)
         self._single = single
-        self.health.warnings = warnings
+        self.health.warnings = warnings + self._crowded_warnings(peers)
+
+    def _crowded_warnings(self, peers: list[list[str]]) -> list[str]:
+        """Stages whose replicas all share a host, or a router; each said as an event when it
+        starts."""
+        if self.domains is None:
+            return []
+        texts = [
+            crowded_text(k, kind, domain, peers[k])
+            for k, kind, domain in crowded(peers, self.domains())
+        ]
+        for text in sorted(set(texts) - self._crowded):
+            self.history.record(self.job_id, "warning", text)
+        self._crowded = set(texts)
+        return texts
 
     def _checkpoint(self, now: float, step: int) -> int:
         """`checkpoint()`, read again when a step has committed since, or after

@@ -23,7 +23,9 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
-from stage_server.peer.identity import PeerIdentity, persistent_peer_id
+from stage_server.peer.certificate import check_own_certificate
+from stage_server.peer.host_id import host_id
+from stage_server.peer.identity import PeerIdentity, new_incarnation, persistent_peer_id
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.links import fill_rates, reannounce
 from stage_server.peer.measure import cache_path, device_memory, measure_job
@@ -38,12 +40,14 @@ from stage_server.server import (
     check_device,
     start_grpc,
 )
-from swarm.bus.connection import Bus, BusLike
+from swarm.bus.connection import Bus, BusLike, refusal_said
 from swarm.bus.topics import TopicKind, Topics, parse_broker_url
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, RuntimeConfig, parse_job
 from swarm.job.states import TERMINAL_PROTO
+from swarm.net import tls
+from swarm.net.addresses import announced_host, host_port
 from swarm.ops.device_oom import OutOfDeviceMemory, is_out_of_memory, oom_message
 from swarm.ops.devices import DeviceFacts, TorchFacts
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
@@ -89,13 +93,19 @@ class PeerAgent:
         facts: DeviceFacts | None = None,
         path: PeerPath | None = None,
         relay_address: str = "",
+        incarnation: str = "",
+        host: str | None = None,
     ) -> None:
-        """`metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
+        """`incarnation`: this process's start id, as its last-will announces it (empty: a new
+        one); `metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
         `limits`: the peer's (its stages' footprints); `facts`: its device's (free memory);
         `path`: how others reach it, its relay (None: not followed); `relay_address`: the relay
-        it runs itself (`--relay`)."""
+        it runs itself (`--relay`); `host`: the host id it announces (None: this machine's,
+        `stage_server.peer.host_id`)."""
         self.running, self.bus, self.peer, self.path = running, bus, peer, path
         self.relay_address = relay_address
+        self.incarnation = incarnation or new_incarnation()
+        self.host_id = host_id() if host is None else host  # its failure domain, a machine
         self.limits, self.facts = limits or PeerLimits(), facts or TorchFacts()
         self.clock = clock or MonotonicClock()
         self.device, self.throttle, self.metrics_address = device, throttle, metrics_address
@@ -129,6 +139,9 @@ class PeerAgent:
             memory_bytes=device_memory(self.device),  # the scheduler bounds jobs' stages by it
             relay=self.path.relay if self.path is not None else "",
             relay_address=self.relay_address,
+            incarnation=self.incarnation,
+            host_id=self.host_id,
+            public_address=self.path.public_address if self.path is not None else "",
             time=time.time(),
         )
         fill_rates(msg, self.metrics)  # its link rates (issue 43), announced anew as they move
@@ -437,8 +450,12 @@ async def run_peer(
     check_device(opts.device)
     identity = persistent_peer_id(cache_path().parent, opts.peer)
     peer = identity.id
+    # Before anything starts: a certificate its callers would refuse stops it here, with the fix.
+    announce = announced_host(opts.host, opts.announce_host, "a stage server")
+    check_own_certificate(tls.current(), announce, peer, behind_nat)
     opts = dataclasses.replace(opts, peer=peer)  # the metrics' peer label too
-    login = parse_broker_url(broker).username
+    at = parse_broker_url(broker)
+    login = at.username
     if login and login != peer:
         log.warning(
             "%s: the broker URL logs in as %r: the broker's ACL will refuse this peer's "
@@ -448,7 +465,10 @@ async def run_peer(
         )
     running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
     metrics = running.metrics_address
-    will = cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address)
+    incarnation = new_incarnation()  # the same in its last-will: a reconnection is told apart
+    will = cpb.PeerAnnouncement(
+        peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address, incarnation=incarnation
+    )
     try:
         async with Bus(
             broker,
@@ -456,6 +476,8 @@ async def run_peer(
             username=peer,
             token=token,
             will=(Topics().peer(peer), will),
+            remedy=f"stop the other stage server, or give this one an id of its own (--peer "
+            f"{peer}-2; stage servers sharing a cache directory take one each by themselves)",
         ) as bus:
             await bus.wait_connected(connect_timeout_s)
             local = local_address(opts.host, int(running.address.rsplit(":", 1)[1]))
@@ -468,6 +490,7 @@ async def run_peer(
                 metrics=running.servicer.metrics,
                 metrics_port=running.metrics_port,
                 metrics_address=metrics,
+                outside=host_port(at.host, at.port),  # its own outage told from the relay's
             )
             agent = PeerAgent(
                 running,
@@ -480,6 +503,7 @@ async def run_peer(
                 limits=opts.limits,
                 path=path,
                 relay_address=running.relay_address,
+                incarnation=incarnation,
             )
             stop = asyncio.Event()
             install_signal_handlers(stop)
@@ -492,7 +516,8 @@ async def run_peer(
                 device=opts.device,
                 throttle=throttle,
             )
-            await agent.run(stop)
+            with refusal_said():
+                await agent.run(stop)
     finally:
         await running.stop()
         identity.release()

@@ -25,6 +25,7 @@ from swarm.net.ports import Listener, PortFlag, naming
 from swarm.ops import faults
 from swarm.ops.logs import show_at_default
 from swarm.relay.server import RelayLimits
+from swarm.rpc import lan
 
 __all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lifecycle"]
 
@@ -33,10 +34,12 @@ LIFECYCLE_LOGGERS = (
     "stage_server.peer.measure",
     "stage_server.server",
     "stage_server.peer.reachability",
+    "swarm.rpc.lan",
 )
 """Whose INFO lines say what the server becomes, once each (measured, or its machine's figures
 read, assigned stage K of job J, serving, moving, released and why, stopped; reachable directly
-or through which relay): shown at the default level too."""
+or through which relay; a relayed neighbour called at its LAN address): shown at the default
+level too."""
 
 _PORT = PortFlag(Listener.GRPC, "--port", env_name("stage-server-port"))
 _METRICS_PORT = PortFlag(Listener.METRICS, "--metrics-port", env_name("stage-server-metrics-port"))
@@ -106,6 +109,13 @@ def _add_relay(p: argparse.ArgumentParser) -> None:
         "relay",
         "also relay for peers behind NAT (reachable hosts only): calls to them travel over "
         "connections they opened to this server; announced with its address",
+    )
+    add_switch(
+        p,
+        "relay-only",
+        "call peers behind NAT through their relay only, never at their LAN address first "
+        "(by default one that answers there as itself, a peer behind this one's router, is "
+        "called directly)",
     )
     add_flag(
         p,
@@ -203,6 +213,7 @@ def _run(args: argparse.Namespace) -> None:
         relay_port=args.relay_port,
         relay_limits=relay_limits(args),
     )
+    lan.SHORTCUTS.enabled = not args.relay_only
     if args.job:
         if args.stage is None:
             raise SwarmError("--job needs --stage (or leave out both to join a scheduler's swarm)")

@@ -3,6 +3,11 @@
 listener in `relay_address`, a last will that says it is gone), so NAT'd peers find it and attach;
 it serves no stage and is never placed. Its /metrics (`swarm_relay_*`) if asked.
 
+Its id (`--peer`) is by default `relay-HOSTNAME-PORT`, its bound port's: a second relay on the
+same host (another port) is a relay of its own, not the first one's twin. Two relays given one id
+(or on two hosts of one name and port) would kick each other off the broker for ever: the one
+started second sees it and stops with the error (`swarm.bus.takeover`).
+
 Shutdown in order: announced offline first (peers re-choose), then the listener and every
 tunnel closed."""
 
@@ -15,6 +20,7 @@ import re
 import socket
 import time
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from swarm.errors import SwarmError
 from swarm.flags import (
@@ -31,6 +37,9 @@ from swarm.net.tls import add_tls_flags
 from swarm.ops.logs import show_at_default
 from swarm.relay.server import RelayLimits
 
+if TYPE_CHECKING:
+    from swarm.bus.connection import Bus, BusRefused
+
 __all__ = ["add_arguments", "run", "run_relay"]
 
 log = logging.getLogger(__name__)
@@ -46,7 +55,9 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "MQTT broker URL: the relay announces itself there (none: it "
         "only listens; peers are then given its address)",
     )
-    add_flag(p, "peer", "", "its peer id and MQTT username (default: relay-HOSTNAME)")
+    add_flag(
+        p, "peer", "", "its peer id and MQTT username (default: relay-HOSTNAME-PORT, its port's)"
+    )
     add_token(p)
     add_insecure_no_token(p)
     add_tls_flags(p)
@@ -81,8 +92,10 @@ def limits(args: argparse.Namespace) -> RelayLimits:
     return RelayLimits(**given)
 
 
-def default_peer() -> str:
-    return "relay-" + (re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "host")
+def default_peer(port: int) -> str:
+    """`relay-HOSTNAME-PORT`: one host's relays listen on distinct ports, so each has its own."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "host"
+    return f"relay-{host}-{port}"
 
 
 def run(command: str, args: argparse.Namespace) -> int:
@@ -101,7 +114,7 @@ def run(command: str, args: argparse.Namespace) -> int:
             args.host,
             args.port,
             broker=args.broker,
-            peer=args.peer or default_peer(),
+            peer=args.peer,
             token=token(args),
             announce_host=args.announce_host,
             metrics_port=args.metrics_port,
@@ -125,7 +138,9 @@ async def run_relay(
     limits: RelayLimits | None = None,
     connect_timeout_s: float = 30.0,
 ) -> None:
-    """Serve the relay until SIGTERM/SIGINT; announced on `broker` when given."""
+    """Serve the relay until SIGTERM/SIGINT; announced on `broker` when given, as `peer`
+    ("": `default_peer` of the port it bound). Another process announcing with its id: a
+    `BusTakenOver` naming `--peer`."""
     from prometheus_client import CollectorRegistry
 
     from swarm.bus.connection import Bus
@@ -150,6 +165,7 @@ async def run_relay(
             f"the relay cannot listen on {host_port(host, port)}: {e.strerror}"
         ) from None
     address = host_port(announced_host(host, announce_host, "the relay"), bound)
+    peer = peer or default_peer(bound)
     metrics_address = "" if metrics is None else host_port(address.rpartition(":")[0], metrics)
 
     def announcement(state: cpb.PeerState) -> cpb.PeerAnnouncement:
@@ -171,15 +187,33 @@ async def run_relay(
             return
         topic = Topics().peer(peer)
         will = (topic, announcement(cpb.PEER_STATE_OFFLINE))
+        remedy = f"stop the other relay, or give this one an id of its own (--peer {peer}-2)"
         async with Bus(
-            broker, client_id=f"relay-{peer}", username=peer, token=token, will=will
+            broker,
+            client_id=f"relay-{peer}",
+            username=peer,
+            token=token,
+            will=will,
+            remedy=remedy,
         ) as bus:
             await bus.wait_connected(connect_timeout_s)
             await bus.publish(bus.topics.peer(peer), announcement(cpb.PEER_STATE_SERVING), True)
             print_ready("relay", peer=peer, address=address, metrics=metrics)
-            await stop.wait()
+            if (gone := await _ended_or_stopped(bus, stop)) is not None:
+                raise gone  # the relay that had the id keeps it, and its announcement
             # Offline first: peers attached here re-choose while the tunnels still carry.
             await bus.publish(bus.topics.peer(peer), announcement(cpb.PEER_STATE_OFFLINE), True)
             log.info("relay %s: stopped (SIGTERM or SIGINT); announced offline", peer)
     finally:
         await relay.stop()
+
+
+async def _ended_or_stopped(bus: Bus, stop: asyncio.Event) -> BusRefused | None:
+    """Wait for SIGTERM/SIGINT (None) or for the bus to give up (why: another process took the
+    relay's id, or the broker refused its login)."""
+    ended = asyncio.create_task(bus.ended())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({ended, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (ended, stopped):
+        task.cancel()
+    return ended.result() if ended.done() and not ended.cancelled() else None

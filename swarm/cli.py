@@ -55,7 +55,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "certs": (
         "swarm.commands",
-        "make the swarm's CA (certs init) and a host's certificate (certs issue NAME --host H)",
+        "make the swarm's CA (certs init) and a host's certificate (certs issue NAME --host H; "
+        "a peer behind NAT: --peer ID)",
     ),
     "invite": (
         "swarm.net.invite",
@@ -88,6 +89,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "or drive given stage servers yourself (--job FILE, --stage-servers)",
     ),
     "demo": ("client.cli", "train a small model on a local swarm of stage servers"),
+    "health": (
+        "swarm.rpc.health_probe",
+        "ask a role's gRPC health service whether it serves (a container's health check)",
+    ),
 }
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from swarm.bus.flags import add_login_flags, scheduler_token
 from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_token, token
+from swarm.net.paths import PEER_DOMAIN
 from swarm.net.tls import add_tls_flags
 
 __all__ = ["add_arguments", "run"]
@@ -59,7 +60,16 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
             "--host",
             action="append",
             default=[],
-            help="issue: a DNS name or IP address peers dial it by (repeat for more)",
+            help="issue: a DNS name or IP address others dial it by, as it announces it "
+            "(--announce-host; repeat for more)",
+        )
+        p.add_argument(
+            "--peer",
+            action="append",
+            default=[],
+            help="issue: a peer id it serves as (its --peer). A stage server behind NAT needs "
+            "one: callers reach it through a relay and verify it by its peer id (as "
+            f"ID.{PEER_DOMAIN}), not by its private address",
         )
         p.add_argument("--dir", type=Path, default=Path("certs"), help="where the CA lives")
         p.add_argument("--days", type=int, help="validity (default: CA 3650, host 365)")
@@ -121,6 +131,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 def _certs(args: argparse.Namespace) -> int:
     from swarm.net.certs import init_ca, issue
+    from swarm.net.paths import peer_name
 
     if args.days is not None and args.days < 1:
         raise SwarmError(f"--days must be >= 1, got {args.days}")
@@ -133,10 +144,12 @@ def _certs(args: argparse.Namespace) -> int:
         return 0
     if not args.name:
         raise SwarmError("certs issue needs a NAME (its files are NAME.pem and NAME.key)")
-    done = issue(args.dir, args.name, args.host, args.days or 365)
+    done = issue(args.dir, args.name, args.host, args.days or 365, peers=args.peer)
+    named = [*args.host, *(f"peer {p} ({peer_name(p)})" for p in args.peer)]
     print(
-        f"wrote {done.cert} and {done.key} for {', '.join(args.host)}, valid until "
+        f"wrote {done.cert} and {done.key} for {', '.join(named)}, valid until "
         f"{done.not_after:%Y-%m-%d}: --tls-cert {done.cert} --tls-key {done.key}"
+        + "".join(f" --peer {p}" for p in args.peer)
     )
     return 0
 

@@ -35,6 +35,7 @@ from scheduler.sim.model import (
 )
 from scheduler.sim.registry import Registry
 from scheduler.sim.report import Summary
+from swarm.policy.domains import Domains
 from swarm.policy.rebalance import Move
 from swarm.policy.wiring import NoReplicaError, Wiring
 
@@ -206,7 +207,12 @@ class Simulation:
         name = f"peer-{self._named:05d}"
         peer, lifetime = new_peer(self._churn, name, self.config, self._affinity)
         self._peers[name] = peer
-        self.registry.add(name, peer.speeds)
+        domains = None
+        if self.config.hosts:  # from dice of its own: the other draws stay as they were
+            dice = random.Random(f"{SEED_PREFIX}/{self.config.seed}/{name}/host")
+            host = dice.randrange(self.config.hosts)
+            domains = Domains(f"host-{host}", f"router-{host // 2}")
+        self.registry.add(name, peer.speeds, domains)
         if math.isfinite(lifetime):
             self._push(self.clock.t + lifetime, _DEPART, peer)
         return peer

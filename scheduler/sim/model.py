@@ -107,6 +107,10 @@ class SimConfig:
     min_replicas: int = 1
     """Replicas every stage gets before any gets more, and keeps under rebalancing (a job's
     `runtime.min_replicas`)."""
+    hosts: int = 0
+    """Machines the peers run on, each peer on one drawn at random, two machines behind each
+    router (their failure domains, `swarm.policy.domains`: placement spreads a stage's replicas
+    over them); 0: every peer on a machine and router of its own (nothing to spread)."""
     skew: float = 0.0
     """Share [0, 1) of stage 0's peers that start on the other stages instead (a scenario that
     needs rebalancing)."""
@@ -136,6 +140,7 @@ class SimConfig:
         _check(0.0 < self.forward_share < 1.0, "forward_share", self.forward_share, "in (0, 1)")
         _check(0.0 <= self.skew < 1.0, "skew", self.skew, "a share in [0, 1)")
         _check(self.min_replicas >= 1, "min_replicas", self.min_replicas, "an integer >= 1")
+        _check(self.hosts >= 0, "hosts", self.hosts, "an integer >= 0")
         if self.join_rate_h is not None:
             ok = math.isfinite(self.join_rate_h) and self.join_rate_h >= 0.0
             _check(ok, "join_rate_h", self.join_rate_h, "joins per hour >= 0")

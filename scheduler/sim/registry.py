@@ -1,11 +1,12 @@
 """The scheduler's side of the simulation: which stage each peer is assigned, decided by the calls
 the scheduler makes (`place_new` for the initial and each joining peer, `Rebalancer.decide` every
-period, `Rebalancer.refill` when a stage loses its last replica), and the optimum to judge them by
-(`place`)."""
+period, `Rebalancer.refill` when a stage loses its last replica), with the peers' failure domains
+where they have some, and the optimum to judge them by (`place`)."""
 
 from __future__ import annotations
 
 from swarm.job.config import RebalanceConfig
+from swarm.policy.domains import Domains
 from swarm.policy.placement import bottleneck, place, place_new
 from swarm.policy.rebalance import Move, Rebalancer
 
@@ -23,6 +24,7 @@ class Registry:
         self.stages, self.min_replicas = stages, min_replicas
         self.assignment: dict[str, int] = {}  # present peers -> the stage they are assigned
         self.speeds: dict[str, list[float]] = {}  # present peers -> samples/s on each stage
+        self.domains: dict[str, Domains] = {}  # present peers -> their host and router, if any
         self.rebalancer = Rebalancer(rebalance, min_replicas)
         self._totals = [0.0] * stages  # assigned samples/s per stage, kept up to date
         self._sizes = [0] * stages  # assigned peers per stage
@@ -30,8 +32,10 @@ class Registry:
         self.strength = 0.0  # sum of `_strength` over them
         self._per_strength = 0.0  # the last evaluated optimum / strength
 
-    def add(self, peer: str, speeds: list[float]) -> None:
+    def add(self, peer: str, speeds: list[float], domains: Domains | None = None) -> None:
         self.speeds[peer] = speeds
+        if domains is not None:
+            self.domains[peer] = domains
 
     def assign(self, peer: str, stage: int) -> None:
         old = self.assignment.get(peer)
@@ -57,28 +61,41 @@ class Registry:
             self._totals[stage] -= self.speeds[peer][stage]
             self._sizes[stage] -= 1
         self.speeds.pop(peer, None)
+        self.domains.pop(peer, None)
         self.rebalancer.forget(peer)
 
     def place_all(self) -> dict[str, int]:
         """Every peer known, nothing serving yet: the initial placement."""
-        return place_new(self.speeds, self.stages, min_replicas=self.min_replicas)
+        floor, domains = self.min_replicas, self.domains
+        return place_new(self.speeds, self.stages, min_replicas=floor, domains=domains)
 
     def join_stage(self, peer: str) -> int:
         """The stage for a joining peer, on the assigned totals (peers still downloading
         included, so a burst of joins does not all go to one stage)."""
         row = {peer: self.speeds[peer]}
         sizes, floor = self._sizes, self.min_replicas
-        return place_new(row, self.stages, self._totals, min_replicas=floor, sizes=sizes)[peer]
+        there: list[list[str]] = [[] for _ in range(self.stages)]
+        for other, stage in self.assignment.items():
+            there[stage].append(other)
+        return place_new(
+            row,
+            self.stages,
+            self._totals,
+            min_replicas=floor,
+            sizes=sizes,
+            domains=self.domains,
+            members=there,
+        )[peer]
 
     def plan(self, now: float) -> Move | None:
-        move = self.rebalancer.decide(self.assignment, self.speeds, self.stages, now)
+        move = self.rebalancer.decide(self.assignment, self.speeds, self.stages, now, self.domains)
         if move is not None:
             self.assign(move.peer, move.dst)
         return move
 
     def refill(self, now: float) -> list[Move]:
         """Spare replicas moved at once to stages nobody is assigned (a stalled job)."""
-        moves = self.rebalancer.refill(self.assignment, self.speeds, self.stages, now)
+        moves = self.rebalancer.refill(self.assignment, self.speeds, self.stages, now, self.domains)
         for move in moves:
             self.assign(move.peer, move.dst)
         return moves

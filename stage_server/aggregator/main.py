@@ -28,7 +28,6 @@ Like a stage server it takes `SWARM_FAULTS=averaging@STEP`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -388,13 +387,18 @@ class AggregatorAgent:
             # announced again when its measured rates move (`stage_server.peer.links`)
             asyncio.create_task(reannounce(self.running.metrics, self.announce)),
         ]
+        stopped = asyncio.create_task(stop.wait())
         try:
-            await stop.wait()
+            # Its tasks end before a stop only when they fail: the bus gave up for good (another
+            # process took the aggregator's id, say), which ends it with that error.
+            await asyncio.wait({stopped, *tasks}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in tasks:
+            for task in (stopped, *tasks):
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            ended = await asyncio.gather(*tasks, return_exceptions=True)
+        for error in ended:
+            if isinstance(error, Exception):
+                raise error
         self.running.metrics.state = "offline"
         offline = offline_will(self.peer, self.running.address)
         offline.time = time.time()  # a clean stop, not a dropped connection
@@ -432,7 +436,13 @@ async def run_aggregator(
         try:
             will = (Topics().peer(peer), offline_will(peer, running.address))
             async with Bus(
-                broker, client_id=f"peer-{peer}", username=peer, token=opts.token, will=will
+                broker,
+                client_id=f"peer-{peer}",
+                username=peer,
+                token=opts.token,
+                will=will,
+                remedy=f"stop the other aggregator, or give this one an id of its own (--peer "
+                f"{peer}-2)",
             ) as bus:
                 await bus.wait_connected(connect_timeout_s)
                 agent = AggregatorAgent(running, bus, peer=peer, opts=opts)

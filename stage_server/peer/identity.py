@@ -6,6 +6,10 @@ Why a lock: two stage servers sharing one cache directory (one per device, say) 
 an id, so each holds an exclusive `flock` on the file it read for as long as it runs, and a second
 server takes the next free file (`peer-id`, `peer-id.1`, ...). The lock lives with the open file:
 releasing the identity (or the process dying) frees the id for the next server.
+
+The id outlives the process; its incarnation (`new_incarnation`) does not: announced with every
+announcement of one process, its last-will included, it tells the scheduler a peer that
+reconnected (the same process) from one restarted under the same id.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import IO
 
 from swarm.errors import ConfigError
 
-__all__ = ["PEER_ID_FILE", "PeerIdentity", "persistent_peer_id"]
+__all__ = ["PEER_ID_FILE", "PeerIdentity", "new_incarnation", "persistent_peer_id"]
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +79,8 @@ def persistent_peer_id(cache_dir: Path, given: str = "") -> PeerIdentity:
     raise ConfigError(
         f"{_MAX_SLOTS} stage servers already run from {cache_dir}; give each a --peer id"
     )
+
+
+def new_incarnation() -> str:
+    """A fresh start id for this process's announcements (`PeerAnnouncement.incarnation`)."""
+    return secrets.token_hex(8)

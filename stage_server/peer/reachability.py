@@ -11,6 +11,11 @@ its relay dies, and each change is announced (`PeerAnnouncement.relay`), so call
 through it. The peer still announces its own address: a dial-back that later finds it answering
 makes it direct again, and the attachment is let go. Its /metrics, when it serves one, is carried
 too (`local_metrics`): Prometheus scrapes a NAT'd peer through its relay.
+
+A relay lost with no other to take over is either the relay's death or this peer's own outage
+(its router unplugged, its Wi-Fi or ISP down): the log tells them apart by dialling `outside`
+(the broker's host and port) at that moment. Nothing answering there either is this peer's own
+link, not the relay; it attaches again by itself once its link is back, and says so.
 """
 
 from __future__ import annotations
@@ -33,7 +38,16 @@ from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
 from swarm.relay.attach import Attachment, split_host_port
 
-__all__ = ["MAX_RELAYS", "REACHABILITY", "Attach", "Attaching", "PeerPath", "local_address"]
+__all__ = [
+    "MAX_RELAYS",
+    "OUTSIDE_TIMEOUT_S",
+    "REACHABILITY",
+    "Attach",
+    "Attaching",
+    "PeerPath",
+    "answers",
+    "local_address",
+]
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +65,31 @@ REACHABILITY = {
 
 _ATTACHED = (cpb.REACHABILITY_UNREACHABLE, cpb.REACHABILITY_RELAYED)  # a relay is wanted
 
+OUTSIDE_TIMEOUT_S = 3.0
+"""How long the dial of `outside` may take when a relay is lost: a link that is up answers (or
+refuses) within it; one that is down answers nothing."""
+
+
+async def answers(address: str, timeout_s: float = OUTSIDE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to `address` ("host:port") opens within `timeout_s`."""
+    try:
+        host, port = split_host_port(address)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError, ValueError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
 
 class Attaching(Protocol):
     """What the peer asks of `swarm.relay.attach.Attachment` (a fake stands in for it in tests)."""
 
     @property
     def relay(self) -> str | None: ...
+
+    seen_from: str  # the address the relay saw it come from ("": not said)
 
     async def start(self) -> None: ...
 
@@ -119,8 +152,12 @@ class PeerPath:
         metrics: StageMetrics | None = None,
         metrics_port: int | None = None,
         metrics_address: str = "",
+        outside: str = "",
     ) -> None:
         self.peer, self.address, self.local, self.token = peer, address, local, token
+        self.outside = outside  # dialled when the relay is lost: its death, or this peer's link
+        self._outage = False  # said that its own link is down: its return is said too
+        self._checks: set[asyncio.Task[None]] = set()
         host = split_host_port(local)[0]
         self.local_metrics = "" if metrics_port is None else host_port(host, metrics_port)
         self.metrics_address = metrics_address
@@ -131,11 +168,18 @@ class PeerPath:
         self._relays: OrderedDict[str, str] = OrderedDict()  # relay peer -> its relay_address
         self._attachment: Attaching | None = None
         self._generation = 0  # which attachment's changes count: a stopped one's do not
-        self._said: tuple[int, str, str] | None = None  # the report last logged
+        self._said: tuple[int, str, str, str] | None = None  # the report last logged
         self._waiting = 0  # the level "no relay announced yet" was said at (once, until one is)
         self._lock = asyncio.Lock()  # one attachment at a time, whoever asks
         self._changed = asyncio.Event()  # the relay changed: announce it
         self._failed = RatedLog(log, every_s=60.0)  # each report tries again: said once a minute
+
+    @property
+    def public_address(self) -> str:
+        """The address this peer's relay saw its attachment come from (its router's public one,
+        announced as a failure domain); "" while not attached, or when the relay did not say."""
+        attachment = self._attachment
+        return attachment.seen_from if attachment is not None and self.relay else ""
 
     def relays(self) -> list[str]:
         """The relays announced now, the latest announced first."""
@@ -162,6 +206,8 @@ class PeerPath:
                 tg.create_task(self._announcing(announce))
                 await self.steer()  # --behind-nat: at once, when a relay is known already
         finally:
+            for check in list(self._checks):
+                check.cancel()
             await self._detach("stopping")
 
     async def _consume(self, messages: AsyncIterable[tuple[str, Message]]) -> None:
@@ -278,8 +324,13 @@ class PeerPath:
         if self.relay == old:
             return
         if self.relay and not old:
+            back = " (its own link is back)" if self._outage else ""
+            self._outage = False
             log.info(
-                "%s: attached to relay %s; announced as reached through it", self.peer, self.relay
+                "%s: attached to relay %s%s; announced as reached through it",
+                self.peer,
+                self.relay,
+                back,
             )
         elif self.relay:
             log.warning(
@@ -288,20 +339,43 @@ class PeerPath:
                 old,
                 self.relay,
             )
+        elif self.outside:  # the relay's death, or this peer's own outage: a dial tells
+            check = asyncio.get_running_loop().create_task(self._lost(old))
+            self._checks.add(check)  # held: the loop keeps only a weak reference
+            check.add_done_callback(self._checks.discard)
         else:
-            log.warning(
-                "%s: relay %s is gone and no other relay answers: announced without a relay, so "
-                "nobody can call this peer until a relay (a reachable stage server started with "
-                "--relay, or `swarm relay`) is announced",
-                self.peer,
-                old or "(none)",
-            )
+            self._relay_gone(old)
         self._show()
         self._changed.set()
 
+    async def _lost(self, relay: str) -> None:
+        """`relay` was lost and no other answers: say whether this peer's own link is down."""
+        if await answers(self.outside):
+            self._relay_gone(relay)
+            return
+        self._outage = True
+        log.warning(
+            "%s: lost relay %s, and the broker at %s does not answer either: this machine's own "
+            "network link is down (its router, Wi-Fi or ISP), not the relay; nobody can call "
+            "this peer meanwhile, and it attaches to a relay again by itself once its link is back",
+            self.peer,
+            relay or "(none)",
+            self.outside,
+        )
+
+    def _relay_gone(self, relay: str) -> None:
+        log.warning(
+            "%s: relay %s is gone and no other relay answers: announced without a relay, so "
+            "nobody can call this peer until a relay (a reachable stage server started with "
+            "--relay, or `swarm relay`) is announced",
+            self.peer,
+            relay or "(none)",
+        )
+
     def _say(self, report: cpb.ReachabilityReport) -> None:
-        """Log `report` once per change of what it says (its reachability, address, relay)."""
-        said = (report.reachability, report.address, report.relay)
+        """Log `report` once per change of what it says (its reachability, address, relay, and
+        the remedy of its cause: a relayed dial that fails for another cause is news)."""
+        said = (report.reachability, report.address, report.relay, report.remedy)
         if said == self._said:
             return
         self._said = said

@@ -5,8 +5,9 @@ errors. Import them from `swarm.bus.connection`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Protocol
 
 from google.protobuf.message import Message
@@ -20,7 +21,9 @@ __all__ = [
     "BusNotConnected",
     "BusRefused",
     "BusSettings",
+    "BusTakenOver",
     "BusTlsMismatch",
+    "refusal_said",
 ]
 
 
@@ -38,6 +41,29 @@ class BusAuthError(BusRefused):
 
 class BusTlsMismatch(BusRefused):
     """TLS on one side only: the URL says mqtt:// to a TLS broker, or mqtts:// to a clear one."""
+
+
+class BusTakenOver(BusRefused):
+    """Another process connects with this client's id: a broker keeps one connection per client
+    id (MQTT), so each login drops the other's, and the two would take turns for ever. MQTT 3.1.1
+    tells the dropped client nothing; the pattern tells it (`BusSettings.takeover_after`)."""
+
+
+@contextlib.contextmanager
+def refusal_said() -> Iterator[None]:
+    """Around a `TaskGroup` of tasks that use the bus: when they ended because the bus gave up
+    for good (`BusRefused`: another process took its id, the login refused), raise that one
+    error, which says what to do, rather than the group (a traceback)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        refused = group.subgroup(BusRefused)
+        if refused is None:
+            raise
+        leaf: BaseException = refused
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        raise leaf from None
 
 
 class BusLike(Protocol):
@@ -70,6 +96,15 @@ class BusSettings:
     """How long closing may take (publish the will, disconnect) before the task is cancelled."""
     queue_size: int = 10_000
     """Messages buffered per subscription; beyond it the oldest are dropped, with a log line."""
+    takeover_after: int = 3
+    """Connections in a row the broker accepted at once and then dropped within
+    `takeover_window_s` that mean another process logs in with this client id (each login of the
+    other kicks this one off, and this one's reconnect kicks the other). The newcomer, whose
+    connections never lasted past the window, gives up with `BusTakenOver`; the process that
+    held the id before keeps it, and logs the takeover (`swarm.bus.takeover`)."""
+    takeover_window_s: float = 2.0
+    """How soon after being accepted a dropped connection counts towards `takeover_after`; the
+    other process reconnects after `reconnect_initial_s`, well within it."""
 
     def __post_init__(self) -> None:
         if self.keepalive_s < 1:
@@ -81,3 +116,5 @@ class BusSettings:
                 raise ConfigError(f"{name} must be > 0 seconds")
         if self.queue_size < 1:
             raise ConfigError("queue_size must be >= 1")
+        if self.takeover_after < 2 or self.takeover_window_s <= 0:
+            raise ConfigError("need takeover_after >= 2 and takeover_window_s > 0")

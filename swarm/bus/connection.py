@@ -25,10 +25,13 @@ from swarm.bus.api import (
     BusNotConnected,
     BusRefused,
     BusSettings,
+    BusTakenOver,
     BusTlsMismatch,
+    refusal_said,
 )
 from swarm.bus.link import Dialer, Link
 from swarm.bus.subscriptions import Subscription, Subscriptions
+from swarm.bus.takeover import DEFAULT_REMEDY, KEEPS, Takeover, TakeoverWatch
 from swarm.bus.topics import (
     DEFAULT_PREFIX,
     BusError,
@@ -47,8 +50,10 @@ __all__ = [
     "BusNotConnected",
     "BusRefused",
     "BusSettings",
+    "BusTakenOver",
     "BusTlsMismatch",
     "Subscription",
+    "refusal_said",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,7 +68,8 @@ class Bus:
     user its own topics only), else "swarm" when there is a `token`; the token is the password.
     `registry` takes the `swarm_bus_malformed_messages_total` counter (default: the global
     registry). `server_name`: under TLS, the name the broker's certificate must hold when it is
-    not the URL's host (`Dialer.create`).
+    not the URL's host (`Dialer.create`). Another process connected with `client_id` makes the
+    bus give up with `BusTakenOver` (`swarm.bus.takeover`), its message ending in `remedy`.
     """
 
     def __init__(
@@ -78,12 +84,14 @@ class Bus:
         registry: CollectorRegistry | None = None,
         settings: BusSettings | None = None,
         server_name: str | None = None,
+        remedy: str = DEFAULT_REMEDY,
     ) -> None:
         if not client_id or len(client_id.encode()) > 65535:
             raise ConfigError("client_id must be a non-empty string, unique per broker")
         self.address = parse_broker_url(url)
         self.client_id = client_id
         self.settings = settings or BusSettings()
+        self._remedy = remedy
         self._topics = Topics(prefix)
         self._dialer = Dialer.create(
             self.address,
@@ -150,6 +158,12 @@ class Bus:
                         "bus %s: background task failed", self.client_id, exc_info=task.exception()
                     )
         self._subs.end_all(self._fatal)
+
+    async def ended(self) -> BusRefused | None:
+        """Wait until the bus stops for good: closed (None), or given up on (why: the login
+        refused, or another process took its client id over)."""
+        await self._done.wait()
+        return self._fatal
 
     async def wait_connected(self, timeout: float) -> None:
         """Return once connected; else `BusRefused` (the login refused, TLS on one side only)
@@ -284,6 +298,8 @@ class Bus:
         # Jitter keeps a swarm of peers from reconnecting to a restarted broker in lockstep.
         backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
         attempts = 0  # failed in a row
+        takeover = TakeoverWatch(self.settings)
+        loop = asyncio.get_running_loop()
         try:
             while not self._stop.is_set():
                 try:
@@ -295,13 +311,24 @@ class Bus:
                 except Exception as exc:
                     self._last_error = str(exc) or type(exc).__name__
                     attempts += 1
+                    takeover.refused()
                 else:
                     backoff.reset()
                     attempts = 0
+                    accepted = loop.time()
                     try:
                         await self._serve(client)
                     except Exception as exc:
                         self._last_error = str(exc) or type(exc).__name__
+                        verdict = takeover.lost(loop.time() - accepted)
+                        if verdict is not None:
+                            yields = verdict is Takeover.GIVE_UP
+                            remedy = self._remedy if yields else KEEPS
+                            error = takeover.error(self.client_id, self.address.url, remedy)
+                            log.error("bus %s: %s", self.client_id, error)
+                            if yields:
+                                self._fatal = error
+                                return
                         log.warning(
                             "bus %s: connection to %s lost (%s); reconnecting",
                             self.client_id,

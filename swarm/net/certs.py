@@ -5,7 +5,9 @@ the `cryptography` library (no hand-written ASN.1, no openssl command lines).
 issue certificates only). `issue NAME --host H ...` makes `NAME.pem` and `NAME.key`, valid for
 each host (DNS name or IP address, as peers dial it: the announced address) and for both
 server and client use, so one certificate serves a stage server's port and its calls to
-others. Keys are ECDSA P-256, written readable by their owner only.
+others. A peer behind NAT is dialled through a relay and verified by its peer id, not by an
+address: `--peer ID` names it (`ID.peer.swarm`, `swarm.net.paths.peer_name`). Keys are ECDSA
+P-256, written readable by their owner only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from swarm.errors import ConfigError
+from swarm.net.paths import peer_name
 
 __all__ = ["CA_CERT", "Issued", "init_ca", "issue", "issue_pem", "private_file"]
 
@@ -93,10 +96,18 @@ def issue(
     hosts: list[str],
     days: int = 365,
     *,
+    peers: list[str] | None = None,
     valid_from: datetime.datetime | None = None,
 ) -> Issued:
-    """`NAME.pem` and `NAME.key` in `directory`, signed by its CA, for `hosts`.
-    `valid_from` is for tests (an expired certificate)."""
+    """`NAME.pem` and `NAME.key` in `directory`, signed by its CA, for `hosts` and for the peer
+    ids `peers` (what a relayed peer is verified by). `valid_from` is for tests (an expired
+    certificate)."""
+    peers = peers or []
+    if not hosts and not peers:
+        raise ConfigError(
+            "give at least one --host (the name or address others dial it by) or, for a peer "
+            "behind NAT, --peer ID (its peer id, what callers through a relay verify it by)"
+        )
     if not name or "/" in name or name.startswith("."):
         raise ConfigError(f"certificate name {name!r}: use a plain file name, e.g. the host's")
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
@@ -105,7 +116,9 @@ def issue(
         # certificate it signed and lose its key): remove the old files first to re-issue.
         if path.exists():
             raise ConfigError(f"{path} already exists: choose another name, or remove it first")
-    cert_pem, key_pem, not_after = issue_pem(directory, name, hosts, days, valid_from=valid_from)
+    cert_pem, key_pem, not_after = issue_pem(
+        directory, name, hosts, days, peers=peers, valid_from=valid_from
+    )
     private_file(key_path, key_pem)
     private_file(cert_path, cert_pem)
     return Issued(cert_path, key_path, not_after)
@@ -117,12 +130,18 @@ def issue_pem(
     hosts: list[str],
     days: int = 365,
     *,
+    peers: list[str] | None = None,
     valid_from: datetime.datetime | None = None,
 ) -> tuple[bytes, bytes, datetime.datetime]:
-    """A certificate (PEM) for `hosts` named `name`, its key (PEM) and its end, signed by the CA
-    in `directory`, written nowhere (`swarm invite` puts them in the invite file)."""
-    if not hosts:
-        raise ConfigError("give at least one --host: the name or address peers dial this one by")
+    """A certificate (PEM) for `hosts` and the peer ids `peers` named `name`, its key (PEM) and
+    its end, signed by the CA in `directory`, written nowhere (`swarm invite` puts them in the
+    invite file)."""
+    peers = peers or []
+    if not hosts and not peers:
+        raise ConfigError(
+            "give at least one --host (the name or address others dial it by) or, for a peer "
+            "behind NAT, --peer ID (its peer id, what callers through a relay verify it by)"
+        )
     try:
         ca_cert = x509.load_pem_x509_certificate((directory / CA_CERT).read_bytes())
         ca_key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), None)
@@ -136,6 +155,11 @@ def issue_pem(
             sans.append(x509.IPAddress(ipaddress.ip_address(host.strip("[]"))))
         except ValueError:
             sans.append(x509.DNSName(host))
+    for peer in peers:
+        try:
+            sans.append(x509.DNSName(peer_name(peer)))
+        except ValueError as e:
+            raise ConfigError(f"--peer {peer!r}: {e}") from None
     key = ec.generate_private_key(ec.SECP256R1())
     start = (valid_from or _now()) - datetime.timedelta(minutes=5)
     cert = (

@@ -5,7 +5,8 @@ It attaches the swarm token (`swarm.net.tokens`) to every call of every kind (a 
 interceptor: call credentials would need a secure channel), dials over TLS with the process's
 identity when it has one (`swarm.net.tls`), reconnects within seconds to a peer that restarts,
 and reaches a peer behind NAT through its relay when its address says so (`swarm.net.paths`):
-an HTTP CONNECT to the peer's announced address, the one `swarm.relay.server` carries.
+an HTTP CONNECT to the peer's announced address, the one `swarm.relay.server` carries; or past
+the relay, at that address, for a caller on the peer's LAN (`swarm.rpc.lan` decides).
 """
 
 from __future__ import annotations
@@ -67,21 +68,35 @@ _RECONNECT = (
 
 
 def channel(
-    address: str, *, token: str | None, options: Sequence[tuple[str, Any]] | None = None
+    address: str,
+    *,
+    token: str | None,
+    options: Sequence[tuple[str, Any]] | None = None,
+    direct: bool = False,
 ) -> grpc.aio.Channel:
     """A `grpc.aio` channel that sends `token` with every call (none when None): over TLS with
     the process's identity (`swarm.net.tls`), else in clear text. A relayed address
     (`swarm.net.paths`) is dialled through its relay: an HTTP CONNECT to the peer's announced
     address, with the relay credential for that peer; TLS stays end to end, the peer's
-    certificate checked against its announced host as on a direct dial."""
+    certificate checked against its identity (`paths.peer_name`: `PEER.peer.swarm`), not its
+    announced host, which is private or loopback behind NAT and names nobody. `direct`: a
+    relayed address dialled at its announced address, past its relay (a caller on the peer's
+    LAN, `swarm.rpc.lan`), its certificate checked exactly as through the relay: by its id."""
     interceptors = None
     if token:
         interceptors = [k(token) for k in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
     path = paths.parse(address)
     given = {name for name, _ in options or ()}
     options = [*(options or ()), *((k, v) for k, v in _RECONNECT if k not in given)]
-    if path.relay is not None and path.peer is not None:
+    if path.relay is not None:
+        # How the peer is named and verified belongs here, alike on both paths; only the proxy
+        # below is the relay's, and a direct dial (a caller on the peer's LAN) leaves it out.
         address = path.target
+        if path.peer is not None:
+            # Verified by its id: its announced host (192.168.1.10, 127.0.0.1) is another
+            # peer's too, in another home.
+            options += [("grpc.ssl_target_name_override", paths.peer_name(path.peer))]
+    if path.relay is not None and path.peer is not None and not direct:
         password = paths.relay_credential(token, path.peer)
         # Always "user:password" (an empty password without a token): a login without its colon
         # is no credentials at all to the relay, which would not know whom the call is for.

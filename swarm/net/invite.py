@@ -32,6 +32,7 @@ from swarm.errors import ConfigError
 from swarm.flags import add_flag, add_metrics_token, add_secret, add_token, metrics_token, secret
 from swarm.flags import token as swarm_token
 from swarm.net.certs import issue_pem, private_file
+from swarm.net.paths import peer_name
 from swarm.net.submitters import check_submitter_name, submitter_token
 
 __all__ = ["VERSION", "Invite", "add_join_flag", "apply_join", "make", "read", "unpack", "write"]
@@ -76,8 +77,11 @@ def make(
         raise ConfigError("give --scheduler: the scheduler's HOST:PORT the friend dials")
     ca = cert = key = ""
     if ca_dir is not None:
-        # `*.NAME` too: a second process on the same invite takes `--peer gpu1.NAME`.
-        cert_pem, key_pem, _ = issue_pem(ca_dir, name, [name, f"*.{name}", *hosts], days)
+        # `*.NAME` too: a second process on the same invite takes `--peer gpu1.NAME`; and the
+        # names a peer is verified by through a relay (`swarm.net.paths.peer_name`), its own
+        # and a second process's.
+        names = [name, f"*.{name}", f"*.{peer_name(name)}", *hosts]
+        cert_pem, key_pem, _ = issue_pem(ca_dir, name, names, days, peers=[name])
         ca = (ca_dir / "ca.pem").read_text()
         cert, key = cert_pem.decode(), key_pem.decode()
     elif broker.startswith("mqtts://"):

@@ -5,7 +5,10 @@ reached through a relay it attached to. Its dial address says all three:
 `relay://PEER@RELAY/ADDRESS`, e.g. `relay://home-gpu-1@203.0.113.5:7100/192.168.1.20:7001`.
 `swarm.net.dial.channel` dials such an address through the relay (an HTTP CONNECT to ADDRESS,
 authenticated for PEER with `relay_credential`) and verifies the peer's certificate against
-ADDRESS's host, as a direct dial would. Pure: no I/O, nothing resolved.
+its identity, `peer_name(PEER)` (`PEER.peer.swarm`), not against ADDRESS's host: a NAT'd peer's
+address is private or loopback, the same in many homes, so it names nobody; its id is its own, and
+the relay delivers the call to that id. `swarm certs issue NAME --peer PEER` issues a certificate
+naming it. Pure: no I/O, nothing resolved.
 """
 
 from __future__ import annotations
@@ -14,9 +17,29 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-__all__ = ["SCHEME", "Path", "parse", "relay_credential", "relayed_address"]
+__all__ = [
+    "PEER_DOMAIN",
+    "SCHEME",
+    "Path",
+    "parse",
+    "peer_name",
+    "relay_credential",
+    "relayed_address",
+]
 
 SCHEME = "relay://"
+PEER_DOMAIN = "peer.swarm"
+"""Where peer ids are names: `PEER.peer.swarm`, a domain no real host is in, so a peer's name
+never stands for a host others dial directly (nor a host's for a peer)."""
+
+
+def peer_name(peer: str) -> str:
+    """The name a relayed peer's TLS certificate must carry (a DNS subject alternative name), and
+    what its callers verify it by: `PEER.peer.swarm`, lower-cased (names match regardless of
+    case)."""
+    if not peer or "@" in peer or "/" in peer:
+        raise ValueError(f"peer id {peer!r} cannot name a peer (empty, '@' or '/')")
+    return f"{peer.lower()}.{PEER_DOMAIN}"
 
 
 @dataclass(frozen=True)

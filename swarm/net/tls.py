@@ -19,6 +19,7 @@ import ipaddress
 import os
 import socket
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,35 +129,52 @@ class Tls:
             context.load_cert_chain(str(self.cert_path), str(self.key_path))
         return context
 
-    def check_names(self, host: str, what: str) -> None:
-        """A ConfigError naming the fix when this process's certificate is not issued for
-        `host`, the host `what` announces: every peer dialling it there would refuse it. A
-        certificate without subject alternative names is left to the handshake."""
+    def names(self, host: str) -> bool | None:
+        """Whether this process's certificate is issued for `host` (a DNS name, a wildcard's
+        child, or an IP address); None without a certificate, or one without subject
+        alternative names (left to the handshake)."""
+        sans = self.subject_names()
+        if sans is None:
+            return None
+        dns, ips = sans
+        host = host.strip("[]")  # an IPv6 address as a URL writes it
+        try:
+            return ipaddress.ip_address(host) in ips
+        except ValueError:
+            name = host.lower().rstrip(".")
+            parent = name.split(".", 1)[1] if "." in name else None
+            return name in dns or (parent is not None and f"*.{parent}" in dns)
+
+    def named(self) -> str:
+        """What this process's certificate is issued for, in words ("no host" for none)."""
+        dns, ips = self.subject_names() or ([], [])
+        return ", ".join([*dns, *map(str, ips)]) or "no host"
+
+    def subject_names(self) -> tuple[list[str], Sequence[object]] | None:
+        """The certificate's DNS names (lower case) and IP addresses; None without either."""
         from cryptography import x509
 
         if self.cert is None:
-            return
-        host = host.strip("[]")  # an IPv6 address as a URL writes it
+            return None
         cert = x509.load_pem_x509_certificate(self.cert)
         try:
             sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         except x509.ExtensionNotFound:
-            return
-        ips = sans.get_values_for_type(x509.IPAddress)
+            return None
         dns = [n.lower().rstrip(".") for n in sans.get_values_for_type(x509.DNSName)]
-        try:
-            if ipaddress.ip_address(host) in ips:
-                return
-        except ValueError:
-            name = host.lower().rstrip(".")
-            parent = name.split(".", 1)[1] if "." in name else None
-            if name in dns or (parent is not None and f"*.{parent}" in dns):
-                return
-        names = ", ".join([*dns, *map(str, ips)]) or "no host"
+        return dns, sans.get_values_for_type(x509.IPAddress)
+
+    def check_names(self, host: str, what: str) -> None:
+        """A ConfigError naming the fix when this process's certificate is not issued for
+        `host`, the host `what` announces: every peer dialling it there would refuse it. A
+        certificate without subject alternative names is left to the handshake."""
+        if self.names(host) is not False:
+            return
+        host = host.strip("[]")
         raise ConfigError(
-            f"--tls-cert {self.cert_path} names {names}, not {host}, the host {what} announces "
-            f"(--announce-host): every peer dialling it there would refuse it. Give {what} a "
-            f"certificate of its own for that host: `swarm certs issue NAME --host {host}`"
+            f"--tls-cert {self.cert_path} names {self.named()}, not {host}, the host {what} "
+            f"announces (--announce-host): every peer dialling it there would refuse it. Give "
+            f"{what} a certificate of its own for that host: `swarm certs issue NAME --host {host}`"
         )
 
 

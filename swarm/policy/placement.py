@@ -34,6 +34,10 @@ crosses two links, the relay's, which its other peers share. `path_speeds` price
 placement sees the speeds: a relayed peer's samples/s times `RELAYED_FACTOR` (or the factor its
 relay was measured at). Maximising the bottleneck over those prices then prefers direct peers
 where a relay would be a stage's bottleneck, and puts relayed ones where others carry the stage.
+
+With `domains` (each peer's host and router, `swarm.policy.domains`) both spread a stage's replicas
+over distinct hosts, then routers, where that costs at most `SPREAD_SLACK` of the bottleneck:
+`place` ends with `spread`, and a joining peer prefers a stage where its domains are new.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from swarm.policy.domains import Domains, keys_of, prefer_new, spread
 from swarm.policy.placement_search import Search, better, close, improve, score
 
 __all__ = [
@@ -158,6 +163,7 @@ def place(
     min_replicas: int = 1,
     rounds: int = 200,
     budget: int = 2_000_000,
+    domains: Mapping[str, Domains] | None = None,
 ) -> dict[str, int]:
     """Assign peers to stages to maximise the bottleneck. `speeds[peer][k]` is the samples/s the
     peer measured on stage k's compute (0: it cannot serve stage k); peers with no positive speed
@@ -175,7 +181,21 @@ def place(
     3. local search: moves into, swaps across and group exchanges with a bottleneck stage while
        they raise it, then up to `rounds` of iterated local search (a few random moves, descend
        again). `budget` bounds the candidate changes examined in all, so small jobs get every
-       round and large ones stop early (about 1.5 s at 3,000 peers x 32 stages here)."""
+       round and large ones stop early (about 1.5 s at 3,000 peers x 32 stages here);
+    4. with `domains`: `spread` over them (`swarm.policy.domains`)."""
+    placed = _place(speeds, num_stages, min_replicas, rounds, budget)
+    if not domains:
+        return placed
+    return spread(placed, speeds, num_stages, domains, min_replicas=min_replicas)
+
+
+def _place(
+    speeds: Mapping[str, Sequence[float]],
+    num_stages: int,
+    min_replicas: int,
+    rounds: int,
+    budget: int,
+) -> dict[str, int]:
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages}: a job has at least one stage")
     _check_min_replicas(min_replicas)
@@ -213,6 +233,8 @@ def place_new(
     *,
     min_replicas: int = 1,
     sizes: Sequence[int] | None = None,
+    domains: Mapping[str, Domains] | None = None,
+    members: Sequence[Sequence[str]] | None = None,
 ) -> dict[str, int]:
     """Stages for peers not placed yet: the one placement decision of the scheduler and the
     simulator. `totals=None` (nothing serves the job yet) is `place`. Otherwise `totals` are the
@@ -220,17 +242,22 @@ def place_new(
     `best_stage` as the totals grow: peers already serving stay put (moving them is rebalancing's
     call, which weighs what a move costs). With `sizes` (the replicas each stage has now), a new
     peer joins one of the stages with the fewest replicas while some stage it can serve has
-    fewer than `min_replicas`: redundancy before throughput. Peers with no positive speed are
+    fewer than `min_replicas`: redundancy before throughput. With `domains` (the new peers' and
+    `members'`, each stage's peers now), among stages of about equal value (`prefer_new`) a new
+    peer joins one where its host, then its router, is new. Peers with no positive speed are
     left out."""
     _check_min_replicas(min_replicas)
     if totals is None:
-        return place(speeds, num_stages, min_replicas=min_replicas)
+        return place(speeds, num_stages, min_replicas=min_replicas, domains=domains)
     if len(totals) != num_stages or (sizes is not None and len(sizes) != num_stages):
         raise ValueError(f"{len(totals)} stage totals for {num_stages} stages: give one per stage")
     peers = sorted(p for p, row in speeds.items() if max(_check_row(p, row, num_stages)) > 0.0)
     assignment: dict[str, int] = {}
     floor = (list(sizes), min_replicas) if sizes is not None else None
-    _fill(peers, assignment, speeds, list(totals), floor=floor)
+    there = None
+    if domains:
+        there = ([keys_of(ps, domains) for ps in members or [[]] * num_stages], domains)
+    _fill(peers, assignment, speeds, list(totals), floor=floor, there=there)
     return dict(sorted(assignment.items()))
 
 
@@ -262,12 +289,15 @@ def _fill(
     prices: Sequence[float] | None = None,
     slack: float = 0.0,
     floor: tuple[list[int], int] | None = None,
+    there: tuple[list[list[tuple[str, str]]], Mapping[str, Domains]] | None = None,
 ) -> None:
     """Each unplaced peer, fastest first (as in LPT scheduling: a large peer placed last would
     overshoot its stage), joins its `best_stage` on `totals` (updated as it goes). With `prices`,
     only among the stages where its speed is worth at least (1 - slack) of its best at them.
     With `floor` = (sizes, m), only among the stages with the fewest replicas below m that it
-    can serve, while there are such (`sizes` updated as it goes)."""
+    can serve, while there are such (`sizes` updated as it goes). With `there` = (each stage's
+    domain keys, the domains), among those of about equal value where its domains are new
+    (`prefer_new`; the keys updated as it goes)."""
     for peer in sorted((p for p in peers if p not in assignment), key=lambda p: -max(speeds[p])):
         row = speeds[peer]
         if prices is not None:
@@ -276,7 +306,12 @@ def _fill(
             row = [s if w >= least else 0.0 for s, w in zip(row, worth, strict=True)]
         if floor is not None:
             row = _shortest(row, *floor)
+        if there is not None:
+            mine = keys_of([peer], there[1])[0]
+            row = prefer_new(row, totals, there[0], mine)
         stage = best_stage(row, totals)
+        if there is not None:
+            there[0][stage].append(mine)
         assignment[peer] = stage
         totals[stage] += speeds[peer][stage]
         if floor is not None:

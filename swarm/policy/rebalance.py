@@ -37,8 +37,10 @@ takes the one that makes the new bottleneck `after` largest. A candidate is vali
   `lifted` being the smaller of the source's and `b`'s totals after the move (`after` but for a
   tie).
 Ties between candidates: the higher `after`, then the higher minimum of the source and `b` after
-the move, then the smaller rate given up at the source, then the higher rate gained at `b`, then
-the peer id; stages tie to the lower index. So the output is a function of the input.
+the move, then (given the peers' failure domains, `swarm.policy.domains`) the move that spreads
+the two stages' replicas over more hosts, then routers, then the smaller rate given up at the
+source, then the higher rate gained at `b`, then the peer id; stages tie to the lower index. So
+the output is a function of the input.
 
 Scale. Applied to one move, the hysteresis compares one peer's effect with a whole stage's: with
 P/S peers per stage one move lifts the bottleneck by about S/P of it, so a factor of 1.1 alone
@@ -63,6 +65,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from swarm.job.config import RebalanceConfig
+from swarm.policy.domains import Domains, move_crowding
 
 # RebalanceConfig's home is the job file's config (`swarm.job.config`); it is named here too because
 # the policy takes it.
@@ -93,11 +96,13 @@ def plan_move(
     last_moved: Mapping[str, float],
     config: RebalanceConfig | None = None,
     min_replicas: int = 1,
+    domains: Mapping[str, Domains] | None = None,
 ) -> Move | None:
     """The move to order now, or None. `assignment` maps each peer to the stage it serves or is
     moving to, `speeds[peer][k]` is its measured samples/s on stage k, `last_moved[peer]` the
     clock time of its last move (absent: never moved); no move leaves its stage with fewer than
-    `min_replicas` replicas (nor with none)."""
+    `min_replicas` replicas (nor with none); `domains`: the peers' failure domains (a
+    tie-breaker)."""
     config = config or RebalanceConfig()
     if num_stages < 2:
         return None  # nowhere to move to
@@ -115,7 +120,7 @@ def plan_move(
         move = _best_from(
             src,
             dst,
-            members[src],
+            members,
             totals,
             speeds,
             before,
@@ -124,6 +129,7 @@ def plan_move(
             now,
             last_moved,
             config,
+            domains,
         )
         if move is not None:
             return move
@@ -136,12 +142,14 @@ def plan_refill(
     num_stages: int,
     *,
     min_replicas: int = 1,
+    domains: Mapping[str, Domains] | None = None,
 ) -> list[Move]:
     """The moves that serve stages nobody serves (a stalled job), at once: no hysteresis, cost or
     dwell check, as nothing trains until every stage is served. For each empty stage (lowest
     first) a spare replica moves there: one of a stage with more than `min_replicas` replicas,
     else (a stall is worse than thinner redundancy) of a stage with at least two, never a stage's
-    last. Among those it takes the move that leaves the highest bottleneck, then the peer
+    last. Among those it takes the move that leaves the highest bottleneck, then the one that
+    spreads the source's replicas over more hosts, then routers (`domains`), then the peer
     fastest at the empty stage, then the one slowest where it is, then the peer id. A stage no
     spare can serve (speed 0) stays empty: starting a stage server is the remedy then.
     Arguments as for `plan_move`; `speeds` may be announced rather than measured figures."""
@@ -149,8 +157,8 @@ def plan_refill(
     keep = max(1, min_replicas)
     moves: list[Move] = []
     for dst in [k for k in range(num_stages) if not members[k]]:
-        # (spare tier, -bottleneck after, -speed at dst, speed lost at src, peer)
-        best: tuple[int, float, float, float, str] | None = None
+        # (spare tier, -bottleneck after, crowding, -speed at dst, speed lost at src, peer)
+        best: tuple[int, float, tuple[int, int], float, float, str] | None = None
         src_of: dict[str, int] = {}
         for src, peers in enumerate(members):
             if len(peers) < 2:
@@ -165,12 +173,13 @@ def plan_refill(
                     totals[src] - row[src],
                     row[dst],
                 )
-                key = (tier, -after, -row[dst], row[src], peer)
+                crowd = move_crowding(peer, peers, members[dst], domains)
+                key = (tier, -after, crowd, -row[dst], row[src], peer)
                 if best is None or key < best:
                     best, src_of[peer] = key, src
         if best is None:
             continue
-        peer = best[4]
+        peer = best[-1]
         src = src_of[peer]
         moves.append(Move(peer=peer, src=src, dst=dst, before=0.0, after=-best[1]))
         members[src].remove(peer)
@@ -200,7 +209,7 @@ def _stages(
 def _best_from(
     src: int,
     dst: int,
-    peers: list[str],
+    members: list[list[str]],
     totals: list[float],
     speeds: Mapping[str, Sequence[float]],
     before: float,
@@ -209,8 +218,9 @@ def _best_from(
     now: float,
     last_moved: Mapping[str, float],
     config: RebalanceConfig,
+    domains: Mapping[str, Domains] | None,
 ) -> Move | None:
-    """The best valid move of one of `peers` (all on `src`) to `dst`, or None. Valid: it lifts
+    """The best valid move of one of `src`'s `members` to `dst`, or None. Valid: it lifts
     `src` and `dst` both above `floor`, and so the bottleneck, unless another stage ties with
     `dst`: then only out of balance, where lifting the tied stages one by one is the way up."""
     # Stages other than src and dst keep their totals: the smallest of them caps `after`.
@@ -218,8 +228,9 @@ def _best_from(
     if others <= floor and not out_of_balance:
         return None  # another stage sits at (about) the bottleneck: no single move lifts it
     payback = config.horizon_s - config.move_cost_s
-    best: tuple[float, float, float, float, str] | None = None  # (-after, -lifted, lost, ...)
-    for peer in peers:
+    # (-after, -lifted, crowding, lost, -gained, peer)
+    best: tuple[float, float, tuple[int, int], float, float, str] | None = None
+    for peer in members[src]:
         row = speeds[peer]
         lost, gained = row[src], row[dst]
         if gained <= 0.0:
@@ -235,12 +246,13 @@ def _best_from(
         after = min(others, lifted)
         if (lifted - before) * payback <= lost * config.move_cost_s:
             continue
-        key = (-after, -lifted, lost, -gained, peer)
+        crowd = move_crowding(peer, members[src], members[dst], domains)
+        key = (-after, -lifted, crowd, lost, -gained, peer)
         if best is None or key < best:
             best = key
     if best is None:
         return None
-    return Move(peer=best[4], src=src, dst=dst, before=before, after=-best[0])
+    return Move(peer=best[-1], src=src, dst=dst, before=before, after=-best[0])
 
 
 class Rebalancer:
@@ -259,6 +271,7 @@ class Rebalancer:
         speeds: Mapping[str, Sequence[float]],
         num_stages: int,
         now: float,
+        domains: Mapping[str, Domains] | None = None,
     ) -> Move | None:
         """The move to order now (remembered as made), or None; arguments as for `plan_move`."""
         dwell = self.config.min_dwell_s
@@ -271,6 +284,7 @@ class Rebalancer:
             last_moved=self.last_moved,
             config=self.config,
             min_replicas=self.min_replicas,
+            domains=domains,
         )
         if move is not None:
             self.last_moved[move.peer] = now
@@ -282,10 +296,13 @@ class Rebalancer:
         speeds: Mapping[str, Sequence[float]],
         num_stages: int,
         now: float,
+        domains: Mapping[str, Domains] | None = None,
     ) -> list[Move]:
         """`plan_refill`'s moves (remembered as made: the stages they fill hold no other move's
         peer within `min_dwell_s`, and the moved peers stay put as long)."""
-        moves = plan_refill(assignment, speeds, num_stages, min_replicas=self.min_replicas)
+        moves = plan_refill(
+            assignment, speeds, num_stages, min_replicas=self.min_replicas, domains=domains
+        )
         for move in moves:
             self.last_moved[move.peer] = now
         return moves

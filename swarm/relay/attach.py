@@ -86,6 +86,9 @@ class Attachment:
         self.timeout_s, self.dead_after_s = timeout_s, dead_after_s
         self.max_tunnels, self.chunk_bytes = max_tunnels, chunk_bytes
         self._relay: str | None = None
+        # The source address the relay saw the attachment come from (`OK ip`): this peer's
+        # router's public address, a failure domain (`swarm.policy.domains`); "": not said.
+        self.seen_from = ""
         self._last_failed: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._tunnels: set[asyncio.Task[None]] = set()
@@ -164,15 +167,17 @@ class Attachment:
             metrics = f"X-Swarm-Metrics: {self.metrics_address}\r\n" if self.metrics_address else ""
             writer.write(
                 f"ATTACH {self.peer} {PROTOCOL}\r\nX-Swarm-Address: {self.address}\r\n"
-                f"{metrics}\r\n".encode()
+                f"X-Swarm-Seen-From: ?\r\n{metrics}\r\n".encode()
             )
             verb, _, nonce = (await reader.readline()).decode("latin-1").strip().partition(" ")
             if verb != "NONCE":
                 raise _Refused(f"{verb} {nonce}".strip() or "closed")
             writer.write(f"PROOF {attach_proof(self.token, self.peer, nonce)}\n".encode())
             answer = (await reader.readline()).decode("latin-1").strip()
-            if answer != "OK":
+            verb, _, seen = answer.partition(" ")
+            if verb != "OK":
                 raise _Refused(answer or "closed")
+            self.seen_from = seen  # "" from a relay that does not say
         except BaseException:
             await close(writer)
             raise

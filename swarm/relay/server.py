@@ -398,7 +398,11 @@ class RelayServer:
             old.writer.close()
         self._peers[peer] = attached
         self.peers_gauge.set(len(self._peers))
-        writer.write(b"OK\n")
+        # A peer that asks is told the address its attachment came from: its router's public
+        # one, the failure domain it announces (`PeerAnnouncement.public_address`).
+        source = where[0] if isinstance(where, tuple) and where else ""
+        seen = f" {source}" if "x-swarm-seen-from" in head.headers and source else ""
+        writer.write(f"OK{seen}\n".encode())
         log.info("relay: peer %s attached from %s (announced %s)", peer, where, address)
         pinger = asyncio.create_task(self._ping(attached))
         try:

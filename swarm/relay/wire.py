@@ -11,9 +11,10 @@ Requests on a relay's one port (`swarm.relay.server`):
   headers) down a tunnel, whose answer is the peer's.
 - `ATTACH peer SWARM-RELAY/1` + `X-Swarm-Address: host:port` (+ `X-Swarm-Metrics: host:port`
   when it serves /metrics): a NAT'd peer's control connection; then lines: relay `NONCE n`, peer
-  `PROOF p`, relay `OK` (or `ERR why`); after that the relay sends `OPEN call grpc` or
-  `OPEN call metrics` (open a data connection to that server of yours for it) and `PING`, the
-  peer answers `PONG`.
+  `PROOF p`, relay `OK` (or `ERR why`; `OK ip` when the peer sent `X-Swarm-Seen-From: ?`:
+  the source address its connection came from, its router's public one); after that the relay
+  sends `OPEN call grpc` or `OPEN call metrics` (open a data connection to that server of yours
+  for it) and `PING`, the peer answers `PONG`.
 - `DATA call SWARM-RELAY/1` + `Authorization: Swarm proof`: the peer's data connection for
   `call`, spliced to the caller's tunnel.
 """

@@ -113,6 +113,8 @@ async def hop(
             last = e
             continue
         except SwarmError as e:  # a stage client raises nothing else for a failed call
+            if isinstance(e, PeerUnavailable):  # dialled past its relay: through it again
+                routes.lost(peer)
             if peer in pool:  # it may have left (or moved stage) while the call ran
                 pool.failed(peer, samples)
                 if observer is not None:  # not for a departed peer: no new series

@@ -16,6 +16,7 @@ from typing import Protocol
 from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
+from swarm.rpc import lan
 from swarm.rpc.lease import Replica
 from swarm.rpc.stage_client import StageClient
 
@@ -23,10 +24,19 @@ __all__ = ["ClientFactory", "Retiring", "Routes", "members_of"]
 
 
 class ClientFactory(Protocol):
-    """Makes the client of one replica: `StageClient` itself (unit tests give fakes)."""
+    """Makes the client of one replica: `StageClient` itself (unit tests give fakes); `direct`:
+    a relayed address dialled past its relay (`swarm.rpc.lan`)."""
 
     def __call__(
-        self, address: str, job: JobConfig, job_id: str, stage: int, token: str | None, /
+        self,
+        address: str,
+        job: JobConfig,
+        job_id: str,
+        stage: int,
+        token: str | None,
+        /,
+        *,
+        direct: bool = False,
     ) -> StageClient: ...
 
 
@@ -81,32 +91,53 @@ class Routes:
         token: str | None,
         wiring: Wiring,
         client_factory: ClientFactory = StageClient,
+        shortcuts: lan.Shortcuts = lan.SHORTCUTS,
     ) -> None:
         self.job, self.job_id, self.token, self.wiring = job, job_id, token, wiring
         self.clients: dict[str, StageClient] = {}
         self.retiring = Retiring(job.runtime.rpc_timeout_s)
+        self.shortcuts = shortcuts
         self._client_factory = client_factory
+        self._direct: set[str] = set()  # the peers whose client dials past their relay
 
     def follow(self, stage: int, members: Iterable[Replica]) -> None:
         """Make `stage`'s pool exactly `members`: one that left the stage leaves the pool and
         its client is retired; a new one enters at its announced throughput (unknown: 1.0, so
-        it is tried soon); one whose address changed gets a new client."""
+        it is tried soon); one whose address changed, or whose path did (a relayed peer found
+        on this caller's LAN, or lost there: `swarm.rpc.lan`), gets a new client."""
         present = {r.peer: r for r in members}
         pool = self.wiring[stage]
         for gone in [p for p in pool if p not in present]:
             self.wiring.remove(gone)
             self.retiring.retire(self.clients.pop(gone, None))
+            self._direct.discard(gone)
         for peer, r in present.items():
             client = self.clients.get(peer)
-            if client is not None and (client.address, client.stage) != (r.address, stage):
+            direct = self.shortcuts.direct(r.address, self.token)
+            made = (r.address, stage, direct)
+            if client is not None and (client.address, client.stage, peer in self._direct) != made:
                 self.retiring.retire(self.clients.pop(peer))
                 client = None
             if client is None:
                 self.clients[peer] = self._client_factory(
-                    r.address, self.job, self.job_id, stage, self.token
+                    r.address, self.job, self.job_id, stage, self.token, direct=direct
                 )
+                (self._direct.add if direct else self._direct.discard)(peer)
             if peer not in pool:
                 self.wiring.add(peer, stage, r.throughput if r.throughput > 0 else 1.0)
+
+    def lost(self, peer: str) -> None:
+        """A call to `peer` failed: if its client dialled past its relay, that path is given up
+        (`swarm.rpc.lan`) and the peer's next calls go through its relay."""
+        client = self.clients.get(peer)
+        if client is None or peer not in self._direct:
+            return
+        self.shortcuts.lost(client.address)
+        self._direct.discard(peer)
+        self.clients[peer] = self._client_factory(
+            client.address, self.job, self.job_id, client.stage, self.token, direct=False
+        )
+        self.retiring.retire(client)
 
     def follow_all(self, replicas: Sequence[Sequence[Replica]]) -> set[str]:
         """Follow every stage's members at once (a coordinator's view); returns the peers that

@@ -108,9 +108,19 @@ def as_tensor(value: TensorLike) -> torch.Tensor:
 
 class StageClient:
     def __init__(
-        self, address: str, job: JobConfig, job_id: str, stage: int, token: str | None = None
+        self,
+        address: str,
+        job: JobConfig,
+        job_id: str,
+        stage: int,
+        token: str | None = None,
+        *,
+        direct: bool = False,
     ) -> None:
+        """`direct`: a relayed `address` dialled past its relay, at its LAN address
+        (`swarm.rpc.lan`)."""
         self.address, self.job, self.job_id, self.stage = address, job, job_id, stage
+        self.direct = direct
         rt = job.runtime
         self._timeout, self._chunk, self._max = (
             rt.rpc_timeout_s,
@@ -124,7 +134,7 @@ class StageClient:
         self._backward: Any = codec.codec_from_name(job.compression.backward)
         self._block = job.compression.block_size
         self.channel = dial.channel(
-            address, token=token, options=grpc_options(rt.max_message_bytes)
+            address, token=token, options=grpc_options(rt.max_message_bytes), direct=direct
         )
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
         self.last_queued_s = 0.0

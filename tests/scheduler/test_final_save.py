@@ -51,6 +51,12 @@ class _Peers:
     def members(self, job_id: str, stages: int) -> list[list[Replica]]:
         return self.swarm.members()
 
+    def domains(self) -> dict[str, object]:
+        return {}  # no failure domains known: no warning of them
+
+    def lost_relays(self, job_id: str, stages: object) -> dict[int, str]:
+        return {}  # no relay lost
+
 
 class _Assignments:
     def floor(self, job: JobConfig) -> int:

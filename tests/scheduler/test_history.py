@@ -36,7 +36,7 @@ def test_peer_events_name_joins_moves_and_the_cause_of_a_leave() -> None:
     [(_, _, text)] = peer_events(_serving("p", "j", 1), _offline("p", 5.0))
     assert text == "p left stage 1: it was stopped"
     assert peer_events(joining, _offline("p", 0.0)) == []  # it served nothing
-    [(_, kind, text)] = peer_events(joining, _serving("p", "j", 1), restarted=True)
+    [(_, kind, text)] = peer_events(joining, _serving("p", "j", 1), back="restarted")
     assert kind == "restart" and text.startswith("p is back, restarted")
 
 
@@ -55,6 +55,39 @@ def test_a_peer_back_under_a_dead_ones_id_reads_as_a_restart(tmp_path: Path) -> 
         store.set_state(job, "cancelled")
         history.peer(serving, cpb.PeerAnnouncement(peer="p", state=cpb.PEER_STATE_JOINING))
         assert len(store.events(job)) == 4  # released by the ended job: not a leave
+
+
+def test_a_peer_back_as_the_same_process_reconnected_and_a_new_one_restarted(
+    tmp_path: Path,
+) -> None:
+    # Issue 51: a home outage cut peers off the broker (their last-wills fired) and they came
+    # back as the same processes; history said "restarted (a new process ...)". The incarnation
+    # each announces (its last-will included) tells the two apart.
+    with JobStore(tmp_path / "jobs.db") as store:
+        job = store.create("tiny", "spec", "/data", steps=5).id
+        history = History(store, vouched=lambda job, peer: True)
+        first = _serving("p", job, 1)
+        first.incarnation = "aaaa"
+        history.peer(None, first)
+        will = _offline("p", 0.0)
+        will.incarnation = "aaaa"
+        history.peer(first, will)
+        history.peer(None, first)  # the same process, its link back
+        [event] = store.events(job)[-1:]
+        assert event.kind == "reconnect", event
+        assert event.text.startswith("p is back, reconnected (the same process"), event.text
+        assert "restarted" not in event.text
+        history.peer(first, will)
+        second = _serving("p", job, 1)
+        second.incarnation = "bbbb"
+        history.peer(None, second)  # a new process under the id
+        [event] = store.events(job)[-1:]
+        assert event.kind == "restart" and "restarted (a new process" in event.text
+        # A peer of before, which announces none: neither is claimed.
+        history.peer(second, _offline("p", 0.0))
+        history.peer(None, _serving("p", job, 1))
+        [event] = store.events(job)[-1:]
+        assert "restarted or reconnected (it does not announce which)" in event.text
 
 
 def test_a_move_reads_as_a_move_not_a_restart(tmp_path: Path) -> None:

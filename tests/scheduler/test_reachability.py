@@ -104,7 +104,9 @@ async def test_a_peer_nobody_can_dial_is_unreachable_with_the_error_and_the_flag
         assert "Connection refused" in report.detail
         for flag in ("--announce-host", "forward port 5000", "swarm relay", "--relay"):
             assert flag in report.remedy, flag
-        assert path_text(report).startswith("UNREACHABLE (UNAVAILABLE: Connection refused)")
+        assert path_text(report).startswith(
+            "UNREACHABLE (no answer: UNAVAILABLE: Connection refused)"
+        )
 
 
 async def test_a_peer_behind_nat_that_announces_a_relay_is_relayed_through_it() -> None:

@@ -244,3 +244,18 @@ async def test_a_build_out_of_memory_returns_the_peer_to_idle_with_its_reason(
         ), said
     finally:
         executor.shutdown()
+
+
+def test_every_announcement_of_one_process_carries_its_incarnation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 51: the scheduler tells a reconnection from a restart by it (`scheduler.history`).
+    agent, _, executor = _agent(monkeypatch)
+    other, _, executor2 = _agent(monkeypatch)
+    try:
+        first = agent.announcement().incarnation
+        assert first and agent.announcement().incarnation == first, "the same process: the same"
+        assert other.announcement().incarnation != first, "another process: another"
+    finally:
+        executor.shutdown()
+        executor2.shutdown()

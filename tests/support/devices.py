@@ -25,6 +25,7 @@ class FakeFacts:
     cuda: str | None = "13.0"  # None: a CPU-only torch build
     arches: list[str] = field(default_factory=lambda: ["sm_80", "sm_90", "sm_100", "sm_120"])
     host: int | None = 100 * GiB
+    mps: bool = False  # an Apple GPU torch sees (macOS)
     selected: list[int] = field(default_factory=list)  # what `select` was asked
 
     def torch_version(self) -> str:
@@ -37,7 +38,7 @@ class FakeFacts:
         return self.cuda is not None and bool(self.gpus)
 
     def mps_available(self) -> bool:
-        return False
+        return self.mps
 
     def device_count(self) -> int:
         return len(self.gpus)

@@ -8,13 +8,24 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
 from tests.support.cli import ROOT
 from tests.support.namespaces import PROXIES
 
-__all__ = ["DOC", "bash", "bash_env", "blocks", "checkout", "commands", "replaced"]
+__all__ = [
+    "DOC",
+    "bash",
+    "bash_env",
+    "blocks",
+    "checkout",
+    "commands",
+    "examples",
+    "machine",
+    "replaced",
+]
 
 DOC = ROOT / "docs" / "deployment.md"
 
@@ -51,6 +62,27 @@ def checkout(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / ".venv").symlink_to(Path(sys.executable).parent.parent)
     return directory
+
+
+def machine(directory: Path, issuer: Path, cert: str) -> Path:
+    """A machine's checkout in `directory`, given what section 2 says to give it from `issuer`'s:
+    `certs/ca.pem`, its own certificate `cert` and key (and no other key), the tokens."""
+    home = checkout(directory)
+    (home / "certs").mkdir(mode=0o700)
+    for name in ("ca.pem", f"{cert}.pem", f"{cert}.key"):
+        shutil.copy2(issuer / "certs" / name, home / "certs" / name)
+    for name in ("token", "metrics-token"):
+        shutil.copy2(issuer / name, home / name)
+    return home
+
+
+def examples(home: Path, edits: dict[str, str]) -> None:
+    """The checkout's examples the guide copies into `home`: the data, and its job with `edits`
+    (each asserted to be there)."""
+    (home / "examples").mkdir()
+    shutil.copytree(ROOT / "examples" / "data", home / "examples" / "data")
+    job = (ROOT / "examples" / "llama-small.toml").read_text()
+    (home / "examples" / "llama-small.toml").write_text(replaced(job, edits))
 
 
 def bash(script: str) -> list[str]:

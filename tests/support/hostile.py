@@ -106,7 +106,7 @@ class HostileStage(stage_pb2_grpc.StageServiceServicer):
 
 
 @asynccontextmanager
-async def serving(servicer: HostileStage) -> AsyncIterator[str]:
+async def serving(servicer: stage_pb2_grpc.StageServiceServicer) -> AsyncIterator[str]:
     """`servicer` on a free port of 127.0.0.1 (in clear text, no token); yields its address."""
     server = grpc.aio.server()
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)

@@ -20,23 +20,79 @@ import pytest
 
 from swarm.local import netns
 
-__all__ = ["PROXIES", "Dialed", "dial", "host_env", "listen", "network", "seen_peers"]
+__all__ = [
+    "PROXIES",
+    "ROOT",
+    "Dialed",
+    "dial",
+    "host_env",
+    "listen",
+    "network",
+    "run_on",
+    "scheduler_args",
+    "seen_peers",
+    "swarm_argv",
+    "swarm_env",
+]
 
 PROXIES = {"http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy"}
 """Variables (any case) a process in a namespace must not have: gRPC would dial through them."""
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def host_env(work: Path, host: str, **extra: str) -> dict[str, str]:
-    """The environment of a swarm process on `host`: none of this one's `SWARM_*` variables nor
-    proxies, the checkout importable, a cache directory of its own under `work`; and `extra`."""
+def scheduler_args(host: str, work: Path, data_root: Path) -> tuple[str, ...]:
+    """`swarm scheduler`'s arguments on a public host at `host`: gRPC on 7700, its embedded
+    broker on 1883, its store and checkpoints under `work`."""
+    return (
+        *("scheduler", "--host", "0.0.0.0", "--announce-host", host, "--port", "7700"),
+        *("--broker-port", "1883", "--store", str(work / "jobs.sqlite")),
+        *("--checkpoint-dir", str(work / "ckpt"), "--data-root", str(data_root)),
+    )
+
+
+def swarm_argv(*args: str) -> list[str]:
+    """`swarm ARGS` as this interpreter runs it, logging at INFO."""
+    return [sys.executable, "-m", "swarm.cli", "--log-level", "INFO", *args]
+
+
+def _env(cache: Path, extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a `swarm` process in a namespace: none of this one's `SWARM_*`
+    variables nor proxies, this checkout importable, peers measuring into `cache`; and `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
     env = {k: v for k, v in env.items() if k.lower() not in PROXIES}
     return env | {
         "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-        "SWARM_CACHE_DIR": str(work / f"cache-{host}"),
+        "PYTHONPATH": str(ROOT),
+        "SWARM_CACHE_DIR": str(cache),
         **extra,
     }
+
+
+def host_env(work: Path, host: str, **extra: str) -> dict[str, str]:
+    """The environment of a swarm process on `host`, its cache directory of its own under
+    `work`; and `extra`."""
+    return _env(work / f"cache-{host}", extra)
+
+
+def swarm_env(token: str, cache: Path, **more: str) -> dict[str, str]:
+    """The environment of a swarm process with the swarm's `token`, measuring into `cache`; and
+    `more` (names as given)."""
+    return _env(cache, {"SWARM_TOKEN": token, **more})
+
+
+def run_on(net: netns.Network, host: str, argv: list[str], env: dict[str, str]) -> str:
+    """`argv` run to its end on `host` (the test's own namespace reaches nobody), from this
+    checkout; its stdout (asserted to succeed)."""
+    done = subprocess.run(
+        ["ip", "netns", "exec", net.ns[host], *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def _alive(pid: int) -> bool:

@@ -90,16 +90,22 @@ class ScheduledSwarm:
             await sub.wait_subscribed(WAIT_S)
             yield sub
 
-    async def add(self, name: str, announce_host: str = "", throttle: float = 1.0) -> Peer:
+    async def add(
+        self, name: str, announce_host: str = "", throttle: float = 1.0, host: str = ""
+    ) -> Peer:
         """Start stage server `name`; `announce_host`: the host it tells others to dial (one
-        where it does not listen makes a peer nobody can reach); `throttle`: `--throttle`."""
+        where it does not listen makes a peer nobody can reach); `throttle`: `--throttle`;
+        `host`: the host id it announces (default: its name, a machine of its own, as on a
+        real swarm; peers of one host id share a failure domain)."""
         opts = StageServerOptions(stage=0, peer=name, announce_host=announce_host)
         running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
         will = cpb.PeerAnnouncement(peer=name, state=cpb.PEER_STATE_OFFLINE)
         bus = _bus(self.broker.url, f"peer-{name}", name, (self.topics.peer(name), will))
         await bus.__aenter__()
         await bus.wait_connected(WAIT_S)
-        agent = PeerAgent(running, bus, peer=name, device="cpu", throttle=throttle)
+        agent = PeerAgent(
+            running, bus, peer=name, device="cpu", throttle=throttle, host=host or name
+        )
         agent.load_period_s = 0.2
         stop = asyncio.Event()
         peer = Peer(name, running, bus, agent, asyncio.create_task(agent.run(stop)), stop)

@@ -64,7 +64,15 @@ class FakeFactory:
     calls: FakeCalls
 
     def __call__(
-        self, address: str, job: JobConfig, job_id: str, stage: int, token: str | None, /
+        self,
+        address: str,
+        job: JobConfig,
+        job_id: str,
+        stage: int,
+        token: str | None,
+        /,
+        *,
+        direct: bool = False,
     ) -> FakeStage:
         return FakeStage(self.calls, address, stage)
 

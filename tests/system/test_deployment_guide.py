@@ -12,7 +12,6 @@ Needs root (CI runs as root); everything it makes is removed."""
 from __future__ import annotations
 
 import functools
-import shutil
 import subprocess
 import sys
 import time
@@ -23,8 +22,7 @@ import pytest
 
 from swarm.local import netns
 from tests.support import namespaces
-from tests.support.cli import ROOT
-from tests.support.guide import bash, bash_env, blocks, checkout, replaced
+from tests.support.guide import bash, bash_env, blocks, checkout, examples, machine, replaced
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -53,24 +51,10 @@ def network() -> Iterator[netns.Network]:
         yield net
 
 
-def _examples(home: Path) -> None:
-    """The checkout's examples the guide copies: the data, and its job made tiny."""
-    (home / "examples").mkdir()
-    shutil.copytree(ROOT / "examples" / "data", home / "examples" / "data")
-    job = (ROOT / "examples" / "llama-small.toml").read_text()
-    (home / "examples" / "llama-small.toml").write_text(replaced(job, TINY))
-
-
 def _machine(work: Path, issuer: Path, host: str) -> Path:
     """`host`'s checkout, given what section 2 says to give it (and no other key)."""
-    cert = MACHINES[host][1]
-    home = checkout(work / host)
-    (home / "certs").mkdir(mode=0o700)
-    for name in ("ca.pem", f"{cert}.pem", f"{cert}.key"):
-        shutil.copy2(issuer / "certs" / name, home / "certs" / name)
-    for name in ("token", "metrics-token"):
-        shutil.copy2(issuer / name, home / name)
-    _examples(home)
+    home = machine(work / host, issuer, MACHINES[host][1])
+    examples(home, TINY)
     return home
 
 
@@ -102,7 +86,7 @@ def test_sections_2_and_3_work_as_written(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     if one:
-        _examples(issuer)
+        examples(issuer, TINY)
     homes = {host: issuer if one else _machine(tmp_path, issuer, host) for host in MACHINES}
     scripts = {
         "sched": every + replaced(names(on_scheduler, "sched"), data_root),

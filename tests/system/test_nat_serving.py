@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -56,25 +55,15 @@ def lab() -> Iterator[netns.Network]:
 
 
 def _env(work: Path, host: str) -> dict[str, str]:
-    return namespaces.host_env(work, host, SWARM_TOKEN=TOKEN)
+    return namespaces.swarm_env(TOKEN, work / f"cache-{host}")
 
 
-def _swarm(*args: str) -> list[str]:
-    return [sys.executable, "-m", "swarm.cli", "--log-level", "INFO", *args]
+_swarm = namespaces.swarm_argv
 
 
 def _on_hub(lab: netns.Network, work: Path, argv: list[str]) -> str:
     """`argv` run on the public host (the test's own namespace reaches nobody); its stdout."""
-    done = subprocess.run(
-        ["ip", "netns", "exec", lab.ns["hub"], *argv],
-        capture_output=True,
-        text=True,
-        env=_env(work, "client"),
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return namespaces.run_on(lab, "hub", argv, _env(work, "client"))
 
 
 # The job's status, polled until it ends (argv: scheduler, job): what `swarm status --json` prints.
@@ -104,7 +93,7 @@ import asyncio, os, sys
 import aiomqtt
 from swarm.bus.topics import Topics
 async def main():
-    topic = Topics().peer(sys.argv[3]) + "/reachability"
+    topic = Topics().peer(sys.argv[3]) + sys.argv[4]
     async with aiomqtt.Client(
         sys.argv[1], int(sys.argv[2]), username=sys.argv[3], password=os.environ["SWARM_TOKEN"]
     ) as client:
@@ -123,8 +112,14 @@ asyncio.run(main())
 
 def _report(lab: netns.Network, work: Path, peer: str) -> control_pb2.ReachabilityReport | None:
     """The scheduler's retained ReachabilityReport of `peer`, or None when it published none."""
-    out = _on_hub(lab, work, [sys.executable, "-c", _REPORT, HUB, "1883", peer]).strip()
-    return control_pb2.ReachabilityReport.FromString(bytes.fromhex(out)) if out else None
+    out = _on_hub(lab, work, [sys.executable, "-c", _REPORT, HUB, "1883", peer, "/reachability"])
+    return control_pb2.ReachabilityReport.FromString(bytes.fromhex(out.strip())) if out else None
+
+
+def _announcement(lab: netns.Network, work: Path, peer: str) -> control_pb2.PeerAnnouncement:
+    """`peer`'s retained announcement (empty when none)."""
+    out = _on_hub(lab, work, [sys.executable, "-c", _REPORT, HUB, "1883", peer, ""]).strip()
+    return control_pb2.PeerAnnouncement.FromString(bytes.fromhex(out))
 
 
 def _replicas(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -161,9 +156,7 @@ def test_a_stage_server_behind_nat(
         scheduler = start(
             "hub",
             "scheduler",
-            *("scheduler", "--host", "0.0.0.0", "--announce-host", HUB, "--port", "7700"),
-            *("--broker-port", "1883", "--store", str(tmp_path / "jobs.sqlite")),
-            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--data-root", str(data_root)),
+            *namespaces.scheduler_args(HUB, tmp_path, data_root),
             *(["--no-embedded-trainer"] if trainer_behind_nat else []),
         )
         deadline = time.monotonic() + 240
@@ -200,6 +193,7 @@ def test_a_stage_server_behind_nat(
         for each in statuses:
             seen |= _replicas(each)
         report = _report(lab, tmp_path, "home0")
+        announced = _announcement(lab, tmp_path, "home0")
         if relay and now["state"] == "JOB_STATE_SUCCEEDED":
             out = tmp_path / "swarm.pt"
             _on_hub(
@@ -222,6 +216,10 @@ def test_a_stage_server_behind_nat(
         assert seen["home0"]["reachability"] == "REACHABILITY_RELAYED", seen
         assert seen["home0"]["relay"] == report.relay, seen
         assert seen["pub0"]["reachability"] == "REACHABILITY_DIRECT", seen
+        # Its failure domain: the relay saw it come from its router's public address, and it
+        # announces that (issue 51, item 5); the scheduler spreads replicas by it.
+        assert announced.public_address == LAN.public, announced
+        assert announced.host_id, announced
         assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
     else:
         assert report.reachability == control_pb2.REACHABILITY_UNREACHABLE, report

@@ -45,6 +45,7 @@ from swarm.proto import control_pb2 as cpb
 from swarm.relay.attach import Attachment
 from swarm.relay.server import RelayLimits
 from tests.support.cli import ROOT
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,6 +73,7 @@ class FakeAttachment:
         self.dead: set[str] = set()
         self.current: str | None = None
         self.started = self.stopped = False
+        self.seen_from = ""
         FakeAttachment.made.append(self)
 
     @property
@@ -210,6 +212,29 @@ async def test_a_usual_start_behind_nat_is_said_without_a_warning_or_a_to_do_lis
     assert "not reachable at" in _said(caplog, logging.WARNING)[-1]
 
 
+async def test_a_relayed_dial_back_that_fails_for_another_cause_is_said_at_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Issue 51: unreachable directly, attached, then the dial through the relay fails on the
+    # peer's own certificate. Before, the second report was not said (its reachability, address
+    # and relay the same), and the log ended on "attached to relay": it looked healthy.
+    caplog.set_level(logging.INFO, logger="stage_server.peer.reachability")
+    path = _path()
+    await path.on_announcement(_relay("a", "a:1"))
+    await path.on_report(UNREACHABLE)
+    assert path.relay == "a:1"
+    mismatch = _report(
+        cpb.REACHABILITY_UNREACHABLE,
+        detail="TLS name mismatch: direct: ...; through relay a:1: Hostname Verification failed",
+        remedy="its TLS certificate does not name 203.0.113.7: issue it one that does",
+    )
+    await path.on_report(mismatch)
+    last = _said(caplog, logging.WARNING)[-1]
+    assert "TLS name mismatch" in last and "does not name 203.0.113.7" in last, last
+    await path.on_report(mismatch)  # the same again: said once
+    assert sum("TLS name mismatch" in m for m in _said(caplog, logging.WARNING)) == 1
+
+
 # ------------------------------------------------------------------------- the relays known
 
 
@@ -263,6 +288,49 @@ async def test_an_unreachable_peer_attaches_re_chooses_and_lets_go_when_reached_
     await path.on_report(_report(cpb.REACHABILITY_DIRECT))
     assert attachment.stopped, "reached directly: the relay is let go"
     assert not path.wanted
+
+
+async def test_its_own_outage_is_told_from_its_relays_death(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Issue 51: in a home outage every peer logged "relay ... is gone" while its own link was
+    # down. When its relay is lost with no other, the peer dials the broker's address: nothing
+    # answering there either is its own link.
+    caplog.set_level(logging.INFO, logger="stage_server.peer.reachability")
+    with socket.socket() as down:  # bound, not listening: the broker's address answers nothing
+        down.bind(("127.0.0.1", 0))
+        path = PeerPath(
+            PEER,
+            ADDRESS,
+            local="127.0.0.1:7000",
+            token="t",
+            attach=FakeAttachment,
+            outside=f"127.0.0.1:{down.getsockname()[1]}",
+        )
+        await path.on_announcement(_relay("a", "a:1"))
+        await path.on_report(UNREACHABLE)
+        FakeAttachment.made[0].die()
+        said = await wait_until(
+            lambda: [m for m in _said(caplog, logging.WARNING) if "lost relay a:1" in m],
+            "the outage said",
+        )
+    assert "own network link is down" in said[0] and "not the relay" in said[0], said
+    assert not any("is gone" in m for m in _said(caplog, logging.WARNING))
+    FakeAttachment.made[0].dead.clear()
+    FakeAttachment.made[0]._choose()  # its link back: attached again
+    assert "attached to relay a:1 (its own link is back)" in _said(caplog)[-1]
+
+    # The broker answers: the relay itself is gone.
+    with socket.socket() as up:
+        up.bind(("127.0.0.1", 0))
+        up.listen()
+        path.outside = f"127.0.0.1:{up.getsockname()[1]}"
+        FakeAttachment.made[0].die()
+        said = await wait_until(
+            lambda: [m for m in _said(caplog, logging.WARNING) if "is gone" in m],
+            "the relay's death said",
+        )
+    assert "relay a:1 is gone and no other relay answers" in said[0], said
 
 
 async def test_behind_nat_attaches_without_waiting_for_a_report(

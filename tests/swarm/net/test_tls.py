@@ -51,6 +51,28 @@ def test_certs_init_and_issue_make_a_ca_and_host_certificates(
     assert "at least one --host" in capsys.readouterr().err
 
 
+def test_a_peer_behind_nat_is_issued_a_certificate_naming_its_peer_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--peer ID` names the id callers through a relay verify it by (`ID.peer.swarm`), with or
+    without a host; --help says a NAT'd stage server needs it."""
+    d = tmp_path / "certs"
+    assert main(["certs", "init", "--dir", str(d)]) == 0
+    assert main(["certs", "issue", "home-gpu-1", "--peer", "Home-GPU-1", "--dir", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "peer Home-GPU-1 (home-gpu-1.peer.swarm)" in out and "--peer Home-GPU-1" in out
+    cert = x509.load_pem_x509_certificate((d / "home-gpu-1.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["home-gpu-1.peer.swarm"]
+    identity = tls.Tls.load(d / "ca.pem", d / "home-gpu-1.pem", d / "home-gpu-1.key")
+    assert identity.names("home-gpu-1.peer.swarm") and not identity.names("192.168.1.10")
+    assert main(["certs", "issue", "bad", "--peer", "a/b", "--dir", str(d)]) == 2
+    assert "--peer 'a/b'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["certs", "--help"])
+    assert "behind NAT needs one" in " ".join(capsys.readouterr().out.split())
+
+
 def test_issuing_never_overwrites_the_ca_or_an_issued_certificate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -38,6 +38,9 @@ async def test_a_peer_nobody_can_dial_serves_through_the_relay() -> None:
         await wait_until(lambda: r.attachment.relay == r.relay_address)
         assert r.changes == [r.relay_address]
         assert r.relay.peers == {"home-gpu": f"{NAT_HOST}:{port}"}
+        # The relay tells it where its attachment came from: its router's public address (here
+        # the loopback one), which it announces as a failure domain.
+        assert r.attachment.seen_from == "127.0.0.1"
         # Its announced address answers nothing: what reaches it below went through the relay.
         with pytest.raises(grpc.aio.AioRpcError) as direct:
             await echo_bytes(r.announced, TOKEN, [b"x"])
@@ -78,27 +81,51 @@ async def test_the_dialer_asks_the_relay_for_the_announced_address_as_that_peer(
 
 @pytest.fixture
 def nat_tls(tmp_path: Path) -> Iterator[Path]:
-    """This process serves and dials TLS with a certificate for the NAT'd peer's announced host
-    (`NAT_HOST`); a stranger CA's certificate for the same host is in `theirs/`."""
-    from swarm.net.certs import init_ca, issue
+    """A swarm CA in `ours/` whose certificates this test chooses among (`_serve_as`): `nat`
+    names the NAT'd peer's id (`home-gpu`), as `swarm certs issue nat --peer home-gpu` does;
+    `by-address` only its announced host (`NAT_HOST`); `next-door` another home's peer that
+    announces the same private host."""
+    from swarm.net.certs import issue
 
     pki = named_ca(tmp_path / "ours", "peer")
-    issue(pki, "nat", [NAT_HOST])
-    init_ca(tmp_path / "theirs")
-    issue(tmp_path / "theirs", "nat", [NAT_HOST])
-    tls.configure(tls.Tls.load(pki / "ca.pem", pki / "nat.pem", pki / "nat.key"))
-    yield tmp_path
+    issue(pki, "nat", [], peers=["home-gpu"])
+    issue(pki, "by-address", [NAT_HOST])
+    issue(pki, "next-door", [NAT_HOST], peers=["other-home"])
+    yield pki
     tls.configure(None)
 
 
+def _serve_as(pki: Path, name: str) -> None:
+    """This process (the NAT'd peer's server and its caller alike) shows certificate `name`."""
+    tls.configure(tls.Tls.load(pki / "ca.pem", pki / f"{name}.pem", pki / f"{name}.key"))
+
+
 async def test_tls_is_end_to_end_through_the_relay(nat_tls: Path) -> None:
-    """The caller checks the NAT'd peer's own certificate (issued for its announced host) through
-    the relay, which splices bytes it cannot read."""
+    """The caller checks the NAT'd peer's own certificate (issued for its peer id) through the
+    relay, which splices bytes it cannot read."""
+    _serve_as(nat_tls, "nat")
     async with echo_server(TOKEN) as port, relayed(TOKEN, port) as r:
         await wait_until(lambda: r.attachment.relay is not None)
         parts = _sample(2)
         assert await echo_bytes(r.address, TOKEN, parts) == parts
         assert (r.registry.get_sample_value("swarm_relay_bytes_total") or 0) >= 4 * MiB
+
+
+@pytest.mark.parametrize("shown", ["by-address", "next-door"])
+async def test_a_relayed_peer_is_verified_by_its_peer_id_not_its_address(
+    nat_tls: Path, shown: str
+) -> None:
+    """Behind NAT the announced host is private, the same in many homes: a certificate naming
+    it (the swarm's CA's, for another home's peer at the same address, say) does not pass for
+    `home-gpu`; the caller wants `home-gpu.peer.swarm` (before, it checked the private host and
+    took the next door peer's certificate)."""
+    _serve_as(nat_tls, shown)
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port) as r:
+        await wait_until(lambda: r.attachment.relay is not None)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await echo_bytes(r.address, TOKEN, [b"x"])
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "hostname verification" in (refused.value.details() or "").lower()
 
 
 async def test_a_killed_relay_is_replaced_and_calls_resume() -> None:

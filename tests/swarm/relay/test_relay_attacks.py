@@ -159,13 +159,13 @@ async def test_a_stranger_cannot_pose_as_a_peers_data_connection() -> None:
 
 @pytest.fixture
 def impostor_tls(tmp_path: Path) -> Iterator[Path]:
-    """Ours: a CA with the real peer's certificate for `NAT_HOST`; theirs: another CA's for the
-    same host. This process trusts ours."""
+    """Ours: a CA with the real peer's certificate for its id (`home-gpu`); theirs: another
+    CA's for the same id and host. This process trusts ours."""
     from swarm.net.certs import init_ca, issue
 
     for owner in ("ours", "theirs"):
         init_ca(tmp_path / owner)
-        issue(tmp_path / owner, "nat", [NAT_HOST])
+        issue(tmp_path / owner, "nat", [NAT_HOST], peers=["home-gpu"])
     ours = tmp_path / "ours"
     tls.configure(tls.Tls.load(ours / "ca.pem", ours / "nat.pem", ours / "nat.key"))
     yield tmp_path

@@ -1,0 +1,168 @@
+"""Peers on one LAN reach each other directly (issue 51, item 7), with real gRPC servers: a
+relayed peer whose announced address answers as that peer is dialled there, past its relay; one
+where another machine answers (the same private address in another home) or nothing does is
+left to its relay, and tried again later; a direct path that fails goes back to the relay. The
+relays here are dead ports: a call that reaches the peer at all went past its relay."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from pathlib import Path
+
+import grpc
+import pytest
+
+from swarm.clock import MonotonicClock
+from swarm.errors import PeerUnavailable
+from swarm.net import paths
+from swarm.policy.wiring import Wiring
+from swarm.proto import stage_pb2, stage_pb2_grpc
+from swarm.rpc.lan import Shortcuts, answers_as_peer
+from swarm.rpc.lease import Replica
+from swarm.rpc.routes import Routes
+from swarm.rpc.stage_client import StageClient
+from tests.support.hostile import serving
+from tests.support.jobs import make_job
+
+pytestmark = pytest.mark.timeout(60)
+
+PEER = "home-1"
+
+
+class _Named(stage_pb2_grpc.StageServiceServicer):
+    """A replica that answers Info as `peer`."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+
+    async def Info(  # type: ignore[override]
+        self, request: stage_pb2.StageInfoRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.StageInfoResponse:
+        return stage_pb2.StageInfoResponse(peer=self.peer)
+
+
+def _free_port() -> int:
+    """A port of 127.0.0.1 nothing listens on (bound, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _relayed(peer: str, address: str) -> str:
+    """`peer` announced at `address`, behind a relay that is not there."""
+    return paths.relayed_address(peer, address, f"127.0.0.1:{_free_port()}")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_peer_that_answers_at_its_lan_address_is_dialled_there(tmp_path: Path) -> None:
+    job = make_job(tmp_path)
+    async with serving(_Named(PEER)) as served:
+        address = _relayed(PEER, served)
+        shortcuts = Shortcuts()
+        assert not shortcuts.direct(address, None)  # not known yet: through the relay meanwhile
+        await shortcuts.probed()
+        assert shortcuts.direct(address, None)
+        past = StageClient(address, job, "job", 0, direct=True)
+        through = StageClient(address, job, "job", 0)
+        try:
+            assert (await past.info()).peer == PEER
+            with pytest.raises(PeerUnavailable):  # the relay path is the default, untouched
+                await through.info()
+        finally:
+            await past.close()
+            await through.close()
+
+
+async def test_another_machine_at_the_same_address_is_not_taken_for_the_peer() -> None:
+    async with serving(_Named("someone-else")) as served:
+        address = _relayed(PEER, served)
+        assert not await answers_as_peer(address, None)
+        shortcuts = Shortcuts()
+        shortcuts.direct(address, None)
+        await shortcuts.probed()
+        assert not shortcuts.direct(address, None)
+
+
+async def test_an_address_that_does_not_answer_is_tried_again_later() -> None:
+    address = _relayed(PEER, f"127.0.0.1:{_free_port()}")
+    probes: list[str] = []
+
+    async def counted(address: str, token: str | None) -> bool:
+        probes.append(address)
+        return await answers_as_peer(address, token)
+
+    clock = _Clock()
+    shortcuts = Shortcuts(counted, retry_s=60.0, clock=clock)
+    assert not shortcuts.direct(address, None)
+    await shortcuts.probed()
+    assert not shortcuts.direct(address, None)
+    await shortcuts.probed()
+    assert len(probes) == 1  # within the retry time: left to the relay, not probed again
+    clock.now = 61.0
+    assert not shortcuts.direct(address, None)
+    await shortcuts.probed()
+    assert len(probes) == 2
+
+
+async def test_a_direct_path_lost_goes_back_to_the_relay_and_is_tried_again() -> None:
+    clock = _Clock()
+    async with serving(_Named(PEER)) as served:
+        address = _relayed(PEER, served)
+        shortcuts = Shortcuts(retry_s=60.0, clock=clock)
+        shortcuts.direct(address, None)
+        await shortcuts.probed()
+        assert shortcuts.direct(address, None)
+        shortcuts.lost(address)
+        assert not shortcuts.direct(address, None)
+        await shortcuts.probed()
+        assert not shortcuts.direct(address, None)  # not before its retry time
+        clock.now = 61.0
+        shortcuts.direct(address, None)
+        await shortcuts.probed()
+        assert shortcuts.direct(address, None)
+
+
+async def test_disabled_every_call_goes_through_the_relay() -> None:
+    async with serving(_Named(PEER)) as served:
+        address = _relayed(PEER, served)
+        shortcuts = Shortcuts(enabled=False)
+        shortcuts.direct(address, None)
+        await shortcuts.probed()
+        assert not shortcuts.direct(address, None)
+
+
+async def test_routes_switch_a_peer_to_its_lan_address_and_back(tmp_path: Path) -> None:
+    """A sender's client of a relayed replica is replaced by a direct one once the probe says
+    so, and by a relayed one again once a call over it failed (`Routes.lost`)."""
+    job = make_job(tmp_path)
+    wiring = Wiring(job.training.stages, clock=MonotonicClock(), rng=random.Random(0))
+    async with serving(_Named(PEER)) as served:
+        address = _relayed(PEER, served)
+        routes = Routes(job, "job", None, wiring, shortcuts=Shortcuts())
+        members = [Replica(PEER, address, 1.0)]
+        try:
+            routes.follow(1, members)
+            first = routes.clients[PEER]
+            assert not first.direct
+            await routes.shortcuts.probed()
+            routes.follow(1, members)
+            direct = routes.clients[PEER]
+            assert direct is not first and direct.direct
+            assert (await direct.info()).peer == PEER
+            assert len(routes.retiring) == 1  # the relayed one, closed after its calls' deadline
+            routes.lost(PEER)
+            assert not routes.clients[PEER].direct
+            routes.follow(1, members)  # and it stays relayed until its retry time
+            assert not routes.clients[PEER].direct
+        finally:
+            await routes.close()
+            await asyncio.sleep(0)

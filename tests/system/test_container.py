@@ -1,0 +1,227 @@
+"""The image, built and run (issue 56): the Containerfile built with podman on a base image made
+from Debian's packages (`tests.support.image`, as `make image` builds it), then a scheduler and
+four stage servers each in a container of their own (host network, the image's non-root user,
+the scheduler's store and checkpoints on a volume), a float64 job trained through a SIGKILL of
+one stage server's container, equal to `swarm local` within 1e-9. The trainer runs on the host
+and holds still (SIGSTOP) while the test looks, so the kill lands mid-job however fast the
+machine is. Also: `swarm health` answers for the scheduler inside its container; a container
+stopped with SIGTERM exits 0; a stage server started without the swarm's token against a
+scheduler that requires one says so in one line and exits non-zero.
+
+Skipped, with the reason, only where containers cannot run at all (not root, no podman to be
+had). The first build on a fresh machine takes minutes (the base image, torch's wheel); later
+ones reuse podman's layers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.ops.lifecycle import parse_ready
+from tests.support import image
+from tests.support.cli import ROOT, swarm
+from tests.support.equality import assert_equal_to_local
+from tests.support.jobs import write_job
+from tests.support.ports import free_port
+from tests.support.waiting import wait_until_blocking
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+TAG = "localhost/swarm:test"
+UID = 10001  # the image's user (Containerfile): the volumes it writes are its own
+RUN_S = 0.3  # the trainer runs this long between two looks (tests/system/test_many_hosts.py)
+
+
+@pytest.fixture(scope="module")
+def built() -> str:
+    if os.geteuid() != 0:
+        pytest.skip("containers here run as root (podman with runc and cgroupfs)")
+    try:
+        image.ensure_podman()
+    except image.Unavailable as e:
+        pytest.skip(f"containers cannot run on this host: {e}")
+    image.build(TAG)
+    return TAG
+
+
+class Containers:
+    """Containers of one test, named apart (the test's pid), removed at the end."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag, self.prefix, self.names = tag, f"swt-{os.getpid()}-", []
+
+    def run(self, name: str, *args: str, volumes: dict[Path, str] | None = None) -> str:
+        full = self.prefix + name
+        argv = ["run", "-d", "--name", full, "--network", "host", "--ulimit", "host"]
+        for host, inside in (volumes or {}).items():
+            argv += ["--volume", f"{host}:{inside}"]
+        image.podman(*argv, self.tag, "--log-level", "INFO", *args)
+        self.names.append(full)
+        return full
+
+    def logs(self, name: str) -> str:
+        done = image.podman("logs", self.prefix + name, check=False)
+        return done.stdout + done.stderr
+
+    def running(self, name: str) -> bool:
+        state = image.podman("inspect", "--format", "{{.State.Running}}", self.prefix + name)
+        return state.stdout.strip() == "true"
+
+    def ready(self, name: str, timeout_s: float = 180) -> dict[str, str]:
+        def line() -> dict[str, str] | None:
+            found = next(filter(None, map(parse_ready, self.logs(name).splitlines())), None)
+            if found is None and not self.running(name):
+                raise AssertionError(f"{name} exited before it was ready:\n{self.logs(name)}")
+            return found
+
+        return wait_until_blocking(line, f"{name}'s ready line", timeout_s=timeout_s)
+
+    def exit_code(self, name: str) -> int:
+        done = image.podman("wait", self.prefix + name, timeout=120)
+        return int(done.stdout.strip())
+
+    def remove_all(self) -> None:
+        for full in self.names:
+            image.podman("rm", "-f", full, check=False)
+
+
+@pytest.fixture
+def containers(built: str) -> Iterator[Containers]:
+    made = Containers(built)
+    try:
+        yield made
+    finally:
+        made.remove_all()
+
+
+def _volume(path: Path) -> Path:
+    path.mkdir(parents=True)
+    os.chown(path, UID, UID)
+    return path
+
+
+def test_a_swarm_of_containers_trains_exactly_through_a_sigkill(
+    containers: Containers, tmp_path: Path
+) -> None:
+    job = write_job(
+        tmp_path, training={"stages": 2, "steps": 30, "checkpoint_every": 5}, model={"d_model": 16}
+    )
+    port, broker = free_port(), free_port()
+    scheduler = f"127.0.0.1:{port}"
+    volumes = {_volume(tmp_path / "data"): "/data", _volume(tmp_path / "state"): "/checkpoints"}
+    containers.run(
+        "scheduler",
+        "scheduler",
+        *("--host", "127.0.0.1", "--port", str(port), "--broker-port", str(broker)),
+        *("--data-root", "/data", "--store", "/checkpoints/jobs.sqlite"),
+        *("--checkpoint-dir", "/checkpoints/ckpt", "--no-embedded-trainer"),
+        volumes=volumes,
+    )
+    assert containers.ready("scheduler")["address"] == scheduler
+    peers = [f"peer{i}" for i in range(4)]
+    for peer in peers:
+        containers.run(
+            peer,
+            "stage-server",
+            *("--broker", f"mqtt://127.0.0.1:{broker}", "--host", "127.0.0.1", "--port", "0"),
+            *("--peer", peer, "--threads", "1"),
+        )
+    for peer in peers:
+        containers.ready(peer)
+    health = image.podman(
+        "exec", containers.prefix + "scheduler", "swarm", "health", "--health-address", scheduler
+    )
+    assert health.stdout.strip() == f"{scheduler}: SERVING"
+
+    job_id = swarm("submit", str(job), "--scheduler", scheduler).stdout.split()[0]
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "swarm.cli", "trainer", "--scheduler", scheduler, "--job", job_id],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    killed, status = None, {}
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            held = killed is None
+            if held:  # the job holds still while the test looks
+                os.killpg(trainer.pid, signal.SIGSTOP)
+            try:
+                out = swarm("status", job_id, "--json", "--scheduler", scheduler).stdout
+                status = json.loads(out)
+                stages = status.get("stages", [])
+                pools = [s["replicas"] for s in stages if len(s.get("replicas", [])) > 1]
+                if held and int(status.get("step", 0)) >= 3 and pools:
+                    killed = pools[0][0]["peer"]
+                    image.podman("kill", "--signal", "KILL", containers.prefix + killed)
+            finally:
+                if held:
+                    os.killpg(trainer.pid, signal.SIGCONT)
+            if status.get("state") in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED"):
+                break
+            time.sleep(RUN_S if killed is None else 1)
+        assert status.get("state") == "JOB_STATE_SUCCEEDED", status
+        assert killed is not None, "no stage had two replicas to kill one of"
+        assert containers.exit_code(killed) == 137  # SIGKILLed
+        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", scheduler)
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(30)
+    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
+    # SIGTERM stops a role cleanly: a stage server leaves its pool, the scheduler its store.
+    for name in [*(p for p in peers if p != killed), "scheduler"]:
+        image.podman("stop", "--time", "60", containers.prefix + name, timeout=120)
+        assert containers.exit_code(name) == 0, containers.logs(name)[-3000:]
+
+
+def test_a_stage_server_without_the_token_says_so_and_exits(
+    containers: Containers, tmp_path: Path
+) -> None:
+    secrets = _volume(tmp_path / "secrets")
+    token = secrets / "token"
+    token.write_text("the-swarm-token\n")
+    os.chown(token, UID, UID)
+    token.chmod(0o600)
+    port, broker = free_port(), free_port()
+    containers.run(
+        "scheduler",
+        "scheduler",
+        *("--host", "127.0.0.1", "--port", str(port), "--broker-port", str(broker)),
+        *("--data-root", "/data", "--token-file", "/tls/token"),
+        volumes={_volume(tmp_path / "data"): "/data", secrets: "/tls:ro"},
+    )
+    containers.ready("scheduler")
+    containers.run("peer", "stage-server", "--broker", f"mqtt://127.0.0.1:{broker}", "--port", "0")
+    code = containers.exit_code("peer")
+    said = [line for line in containers.logs("peer").splitlines() if line.strip()]
+    assert code != 0, said
+    assert any("token" in line.lower() for line in said[-3:]), said
+
+
+def test_a_secret_the_image_user_cannot_read_is_said_in_one_line(
+    containers: Containers, tmp_path: Path
+) -> None:
+    secrets = tmp_path / "secrets"
+    secrets.mkdir(mode=0o700)  # root's: the image's user cannot enter it
+    (secrets / "token").write_text("the-swarm-token\n")
+    containers.run(
+        "scheduler",
+        "scheduler",
+        *("--host", "127.0.0.1", "--port", str(free_port()), "--broker-port", str(free_port())),
+        *("--data-root", "/data", "--token-file", "/tls/token"),
+        volumes={_volume(tmp_path / "data"): "/data", secrets: "/tls:ro"},
+    )
+    assert containers.exit_code("scheduler") == 2
+    said = [line for line in containers.logs("scheduler").splitlines() if line.strip()]
+    assert said == ["swarm: error: --token-file /tls/token: cannot read it (Permission denied)"]

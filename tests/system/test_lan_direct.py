@@ -1,0 +1,147 @@
+"""Peers behind one home router reach each other directly (issue 51, item 7), for real: a public
+host runs the scheduler (embedded broker and trainer) and a `swarm relay`; two stage servers sit
+on one private LAN behind one NAT router (`swarm.local.nat`), each announcing its LAN address as
+an operator at home would, so both are relayed; a 2-stage job on the push data plane, so stage
+0's replica sends to stage 1's itself.
+
+The trainer reaches stage 0 through the relay (nothing else can reach it), but the hop from
+stage 0 to stage 1 goes straight over the LAN: stage 1's host takes more bytes from stage 0's
+LAN address, on its gRPC port, than from the relay (nftables counters in its namespace count
+both). Before, every call to a relayed peer went through the relay, its LAN neighbour's
+included: nothing arrived from the neighbour at all. The job still ends float64-equal to
+`swarm local`. Needs root and nftables (CI has both)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.local import netns
+from tests.support import namespaces
+from tests.support.equality import assert_equal_to_local
+from tests.support.jobs import write_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+ROOT = namespaces.ROOT
+PREFIX = "swl-"
+HUB = "10.85.0.10"
+HOME = netns.Lan("gw", "10.85.0.2", "192.168.85.0/24", {"a": "192.168.85.10", "b": "192.168.85.11"})
+SCHEDULER = f"{HUB}:7700"
+BROKER = f"mqtt://{HUB}:1883"
+RELAY_PORT, PORT = 7100, 7000
+TOKEN = "lan-direct-token"
+STEPS = 6
+TALLY = "swarm_tally"  # the counting table in each LAN host's namespace
+
+
+@pytest.fixture
+def lab() -> Iterator[netns.Network]:
+    with namespaces.network(PREFIX, {"hub": HUB}, [HOME]) as net:
+        yield net
+
+
+def _env(work: Path, name: str) -> dict[str, str]:
+    return namespaces.swarm_env(TOKEN, work / f"cache-{name}")
+
+
+_swarm = namespaces.swarm_argv
+
+
+def _on_hub(lab: netns.Network, work: Path, *args: str) -> str:
+    """A `swarm` client command on the public host; its stdout."""
+    return namespaces.run_on(lab, "hub", _swarm(*args), _env(work, "client"))
+
+
+def _tally(lab: netns.Network, host: str, neighbour: str) -> None:
+    """Count, in `host`'s namespace, what arrives at its gRPC port from `neighbour` (the LAN,
+    directly) and what arrives from the relay (every tunnel's data connection, which `host`
+    opened to the relay's port)."""
+    rules = f"""table ip {TALLY} {{
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    ip saddr {neighbour} tcp dport {PORT} counter comment "lan"
+    ip saddr {HUB} tcp sport {RELAY_PORT} counter comment "relay"
+  }}
+}}
+"""
+    netns.sh("ip", "netns", "exec", lab.ns[host], "nft", "-f", "-", stdin=rules)
+
+
+def _tallied(lab: netns.Network, host: str) -> dict[str, int]:
+    """Bytes counted so far by `_tally`'s rules in `host`'s namespace, by rule."""
+    listing = netns.sh(
+        "ip", "netns", "exec", lab.ns[host], "nft", "-j", "list", "table", "ip", TALLY
+    )
+    counted: dict[str, int] = {}
+    for item in json.loads(listing)["nftables"]:
+        rule = item.get("rule", {})
+        for expr in rule.get("expr", []):
+            if "counter" in expr:
+                counted[rule["comment"]] = int(expr["counter"]["bytes"])
+    return counted
+
+
+def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path,
+        training={"stages": 2, "steps": STEPS, "checkpoint_every": 0},
+        runtime={"data_plane": "push"},
+    )
+    data_root = tmp_path / "data"
+    data_root.mkdir()
+    lan = dict(HOME.hosts)
+    _tally(lab, "a", lan["b"])
+    _tally(lab, "b", lan["a"])
+    procs: list[netns.Proc] = []
+
+    def start(host: str, name: str, *args: str) -> netns.Proc:
+        proc = lab.start(host, name, _swarm(*args), tmp_path, _env(tmp_path, name), ROOT)
+        procs.append(proc)
+        return proc
+
+    try:
+        scheduler = start("hub", "scheduler", *namespaces.scheduler_args(HUB, tmp_path, data_root))
+        deadline = time.monotonic() + 240
+        assert scheduler.wait_ready(deadline)["broker"] == BROKER
+        relay = ("--host", "0.0.0.0", "--port", str(RELAY_PORT), "--announce-host", HUB)
+        start("hub", "relay", "relay", "--broker", BROKER, "--peer", "relay0", *relay).wait_ready(
+            deadline
+        )
+        serving = ("--broker", BROKER, "--host", "0.0.0.0", "--port", str(PORT), "--threads", "1")
+        for host, address in lan.items():
+            start(host, host, "stage-server", *serving, "--announce-host", address, "--peer", host)
+        for proc in procs[2:]:
+            assert proc.wait_ready(deadline)["address"] == f"{lan[proc.name]}:{PORT}"
+        job_id = _on_hub(lab, tmp_path, "submit", str(job), "--scheduler", SCHEDULER).split()[0]
+        state, end = "", time.monotonic() + 300
+        while state not in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED") and time.monotonic() < end:
+            status = json.loads(
+                _on_hub(lab, tmp_path, "status", job_id, "--json", "--scheduler", SCHEDULER)
+            )
+            state = status["state"]
+            time.sleep(0.5)
+        story = "\n".join(f"{p.name}:\n{p.log()[-2000:]}" for p in procs)
+        assert state == "JOB_STATE_SUCCEEDED", story
+        out = tmp_path / "swarm.pt"
+        _on_hub(lab, tmp_path, "export", job_id, "--out", str(out), "--scheduler", SCHEDULER)
+        counted = {host: _tallied(lab, host) for host in lan}
+    finally:
+        for proc in reversed(procs):
+            proc.kill()
+    logs = {p.name: p.log() for p in procs}
+    for host in lan:  # both behind NAT: each reached through the relay by whoever is elsewhere
+        assert re.search(r"relayed through", logs[host]), logs[host][-3000:]
+    placed = {h: int(m[1]) for h in lan if (m := re.search(r"serving stage (\d+)", logs[h]))}
+    assert sorted(placed.values()) == [0, 1], placed  # one replica per stage, one on each host
+    last = next(h for h, k in placed.items() if k == 1)
+    # stage 1's replica took the hops from stage 0's over the LAN: more than all it took from
+    # the relay (the coordinator's calls, the dial-backs, and the first push before the probe)
+    assert counted[last]["lan"] > counted[last]["relay"], counted
+    assert_equal_to_local(job, torch.load(out), tol=1e-9)
