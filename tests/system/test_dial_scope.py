@@ -28,17 +28,23 @@ def test_a_scheduler_without_dial_private_dials_no_loopback_address(tmp_path: Pa
         peer = sw.add_peer()  # on 127.0.0.1, announced there
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         shown = wait_until_blocking(
-            lambda: s
-            if "UNREACHABLE" in (s := swarm("status", job_id, "--scheduler", sw.address).stdout)
-            else None,
+            lambda: (
+                s
+                if "UNREACHABLE" in (s := swarm("status", job_id, "--scheduler", sw.address).stdout)
+                else None
+            ),
             "swarm status shows peer0 unreachable",
             every_s=0.5,
         )
         assert "a private address, not dialled" in shown and "--dial-private" in shown, shown
         told = wait_until_blocking(
-            lambda: line
-            if (line := next((x for x in peer.log().splitlines() if "not reachable" in x), None))
-            else None,
+            lambda: (
+                line
+                if (
+                    line := next((x for x in peer.log().splitlines() if "not reachable" in x), None)
+                )
+                else None
+            ),
             "peer0 logs what the scheduler told it",
             every_s=0.5,
         )
