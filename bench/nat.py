@@ -235,6 +235,7 @@ def run_once(
             *("--port", str(SCHEDULER_PORT), "--broker-port", str(BROKER_PORT)),
             *("--store", str(work / f"{label}.sqlite"), "--data-root", str(work / "data")),
             *("--checkpoint-dir", str(work / f"{label}-ckpt"), "--min-replicas", str(REPLICAS)),
+            "--dial-private",  # the namespaces' documentation and private ranges
         ).wait_ready(time.monotonic() + READY_TIMEOUT_S)
         if label != "public":
             relay = ("--host", "0.0.0.0", "--port", str(RELAY_PORT), "--announce-host", hub)

@@ -465,6 +465,7 @@ class Soak:
             "--log-level",
             "INFO",
             "scheduler",
+            "--dial-private",  # its peers are on this machine
             "--host",
             HOST,
             "--port",

@@ -671,7 +671,7 @@ def measure_uneven(
         head = f"--host {wan.SUBNET}.10 --port {SCHEDULER_PORT} --broker-port {BROKER_PORT}"
         head += f" --metrics-port {SCHEDULER_METRICS_PORT} --insecure-no-token"
         head += f" --store {work}/{label}.sqlite --checkpoint-dir {work}/{label}-ckpt"
-        head += f" --data-root {CORPUS.parent}"
+        head += f" --data-root {CORPUS.parent} --dial-private"  # the namespaces' private ranges
         scheduler = wan.start(
             net, wan.TRAINER, f"{label}-scheduler", wan.swarm_cmd("scheduler", *head.split()), work
         )

@@ -11,10 +11,10 @@ stage's replica: placement leaves it out (`scheduler.assignments`), and `members
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, TypeVar
 
+from swarm.net.bandwidth import plausible_rate
 from swarm.proto import control_pb2 as cpb
 
 __all__ = ["MAX_AGGREGATORS", "AggregatorPeer", "offered", "present"]
@@ -41,8 +41,9 @@ class AggregatorPeer(NamedTuple):
 
 
 def _rate(value: float) -> float:
-    """An announced rate as the pool may use it: a rate not finite or negative is not known."""
-    return value if math.isfinite(value) and value > 0.0 else 0.0
+    """An announced rate as the pool may use it: not finite, negative or past the ceiling, it
+    is not known (the registry has already taken it so; this holds for any mapping given)."""
+    return plausible_rate(value)
 
 
 def present(

@@ -147,6 +147,13 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "(run near the data, or where the scheduler's machine is small) train, and a job waits "
         "for one",
     )
+    add_switch(
+        p,
+        "dial-private",
+        "let the dial-back dial peers (and relays) at private, loopback or other non-public "
+        "addresses: a swarm within one LAN or one machine. Without it a peer cannot aim the "
+        "scheduler's dials at its own network",
+    )
     add_token(p)
     add_insecure_no_token(p)
     add_login_flags(p)
@@ -213,6 +220,7 @@ def _run(args: argparse.Namespace) -> None:
         max_submits_per_minute=args.max_submits_per_minute or None,
         max_stage_bytes=args.max_stage_bytes,
         embedded_trainer=not args.no_embedded_trainer,
+        dial_private=args.dial_private,
         min_replicas=args.min_replicas,
     )
     asyncio.run(run_scheduler(opts))

@@ -12,7 +12,9 @@ off the text (pure, no I/O) and told apart:
 - `NOT_ATTACHED`: its relay answers, but the peer is not attached to it;
 - `PEER_SILENT`: its relay reached it, and it opened no connection back (its own link, or busy);
 - `NO_ANSWER`: nothing answered at its address (nobody can dial it);
-- `ERROR`: it answered the call, with an error of its own.
+- `ERROR`: it answered the call, with an error of its own;
+- `NOT_DIALLED`: its address (or its relay's) is private and the scheduler dials only public
+  ones (`scheduler.dial_scope`).
 Of a peer dialled directly and then through its relay, a refusal by the peer itself (TLS, token)
 is the truer cause wherever it came; else the relay's, which is the path a NAT'd peer needs.
 """
@@ -21,9 +23,10 @@ from __future__ import annotations
 
 import enum
 
+from scheduler.dial_scope import NOT_DIALLED
 from swarm.net import paths
 
-__all__ = ["Cause", "cause_of", "verdict"]
+__all__ = ["Cause", "cause_of", "generic", "verdict"]
 
 
 class Cause(enum.Enum):
@@ -36,6 +39,7 @@ class Cause(enum.Enum):
     PEER_SILENT = "no answer through its relay"
     NO_ANSWER = "no answer"
     ERROR = "an error"
+    NOT_DIALLED = "a private address, not dialled"
 
 
 # The peer itself refused: wherever it was dialled, this is what is wrong.
@@ -50,6 +54,8 @@ def cause_of(error: str, through_relay: bool) -> Cause:
     """The cause of one failed dial whose error text is `error`; `through_relay`: it was dialled
     through a relay (a connection that failed is then the relay's)."""
     text = error.lower()
+    if text.startswith(NOT_DIALLED):
+        return Cause.NOT_DIALLED
     if any(word in text for word in _NAME):
         return Cause.TLS_NAME
     if through_relay and "response code 407" in text:
@@ -138,6 +144,12 @@ def remedy(cause: Cause, address: str, relay: str = "") -> str:
         )
     if cause is Cause.ERROR:
         return "it answered the scheduler's call with an error of its own: its log says why"
+    if cause is Cause.NOT_DIALLED:
+        return (
+            f"{host} is a private address (or its relay's is): give it --announce-host with a "
+            "public address, or a relay on a public host; on a swarm within one LAN, start the "
+            "scheduler with --dial-private"
+        )
     port = port if port.isdigit() else "its port"
     return (
         f"nobody can dial {address}: give the stage server --announce-host with an address "
@@ -145,3 +157,17 @@ def remedy(cause: Cause, address: str, relay: str = "") -> str:
         "reachable host (`swarm relay`, or a stage server with `--relay`): a peer behind NAT "
         "attaches to one by itself"
     )
+
+
+def generic(report_detail: str, relayed: bool) -> str:
+    """A dial-back's detail as the peer is told it: the cause's words only, never the dial's
+    error text, which would tell a closed port from an HTTP/1 or a silent one, or name the
+    peer id found there (the scheduler's log and status keep the whole). `relayed`: the detail
+    of a peer reached through its relay ("direct: ERROR")."""
+    if not report_detail:
+        return ""
+    if relayed:
+        direct = report_detail.removeprefix("direct: ")
+        return f"direct: {cause_of(direct, through_relay=False).value}"
+    words = report_detail.split(": ", 1)[0]
+    return words if words in {c.value for c in Cause} else Cause.ERROR.value

@@ -62,6 +62,7 @@ class SchedulerProcessOptions:
     max_submits_per_minute: float | None = 30.0  # per submitter (None: no bound)
     max_stage_bytes: int | None = None  # a job's largest stage's state at most (None: peers')
     embedded_trainer: bool = True  # train each job in this process too (False: remote only)
+    dial_private: bool = False  # the dial-back may dial non-public addresses (--dial-private)
     min_replicas: int = 1  # for jobs without runtime.min_replicas: replicas every stage gets first
 
 
@@ -116,6 +117,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 keep_finished_jobs=opts.keep_finished_jobs,
                 embedded_trainer=opts.embedded_trainer,
                 min_replicas=opts.min_replicas,
+                dial_private=opts.dial_private,
             )
             scheduler = Scheduler(store, bus, options, registry)
             registry.register(collector(scheduler))

@@ -19,6 +19,7 @@ class SchedulerOptions:
     retry_pause_s: float = 1.0  # after a failed training attempt, before the next one
     max_failed_attempts: int = 20  # consecutive attempts without progress before the job fails
     embedded_trainer: bool = True  # run a trainer inside the scheduler for each job
+    dial_private: bool = False  # the dial-back may dial non-public addresses (--dial-private)
     load_silence_s: float = 10.0  # a serving peer whose load reports stop this long is left out
     # A trained job with a stage nobody serves (after a scheduler restart) waits this long for a
     # replica with the trained state, then gives the stage to fresh peers and rolls back.

@@ -11,6 +11,10 @@ The result is a `ReachabilityReport`:
   itself) and answered through it (`swarm.net.paths.relayed_address`), not directly;
 - UNREACHABLE: nothing answered; `detail` is its cause and the dial's error, `remedy` what fixes
   that cause (`scheduler.dial_causes`: a TLS name mismatch, a wrong token, a relay down, ...).
+  The peer is told the cause only (`dial_causes.generic`): the error's text would tell it what
+  listens at an address it named. An address that is not public is not dialled unless the
+  operator allows private ranges (`scheduler.dial_scope`), and one peer's checks are
+  `min_interval_s` apart at least, newcomers checked first.
 Each report goes to `on_report` (the registry keeps it: placement leaves an unreachable peer out,
 and every call to a relayed one goes through its relay) and is retained on
 `peers/{peer}/reachability`, where the peer reads it (its log shows the remedy); it is cleared
@@ -40,7 +44,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler import dial_causes
-from scheduler.dial_causes import verdict
+from scheduler.dial_causes import generic, verdict
+from scheduler.dial_scope import DialPace, DialScope
 from swarm.bus.api import BusLike
 from swarm.net import paths
 from swarm.proto import control_pb2 as cpb
@@ -121,11 +126,15 @@ class ReachabilityChecker:
         retry_s: float = 10.0,
         demote_after: int = 3,
         now: Callable[[], float] = time.monotonic,
+        scope: DialScope | None = None,
+        min_interval_s: float = 5.0,
     ) -> None:
         self.dialer, self.publish, self.on_report = dialer, publish, on_report
         self.timeout_s, self.recheck_s, self.retry_s = timeout_s, recheck_s, retry_s
         self.demote_after = demote_after
         self._now = now
+        self.scope = scope or DialScope()  # public hosts only, unless the operator allows more
+        self._pace = DialPace(min_interval_s)  # a peer's checks are this far apart at least
         self._slots = asyncio.Semaphore(concurrency)
         self._targets: dict[str, _Target] = {}
         self._due: dict[str, float] = {}  # peer -> when it is checked next (`now`'s clock)
@@ -151,7 +160,7 @@ class ReachabilityChecker:
             return  # the same again, as every few seconds: its re-checks are timed
         if self._targets.get(peer) is not None and message.relay:
             log.info("peer %s is reached through relay %s now: checking it", peer, message.relay)
-        self._targets[peer], self._due[peer] = target, self._now()
+        self._targets[peer], self._due[peer] = target, self._pace.earliest(peer, self._now())
         self._misses.pop(peer, None)
         self._wake.set()
 
@@ -162,6 +171,7 @@ class ReachabilityChecker:
         self._targets.pop(peer, None)
         self._due.pop(peer, None)
         self._misses.pop(peer, None)
+        self._pace.forget(peer)
         self.reports.pop(peer, None)
         self._spawn(self._clear(peer))
 
@@ -171,7 +181,9 @@ class ReachabilityChecker:
         try:
             while True:
                 now = self._now()
-                for peer, due in sorted(self._due.items(), key=lambda kv: kv[1]):
+                # Newcomers first (never checked: not placed until they are), then by due time.
+                order = sorted(self._due.items(), key=lambda kv: (kv[0] in self.reports, kv[1]))
+                for peer, due in order:
                     if due <= now and peer not in self._checking:
                         self._checking[peer] = self._spawn(self._check(peer, self._targets[peer]))
                 nxt = [d for p, d in self._due.items() if p not in self._checking]
@@ -186,6 +198,7 @@ class ReachabilityChecker:
     async def _check(self, peer: str, target: _Target) -> None:
         try:
             async with self._slots:
+                self._pace.began(peer, self._now())
                 report = await self.measure(peer, target.address, target.relay)
             if self._targets.get(peer) != target:
                 return  # it left, or moved, meanwhile: that is checked anew
@@ -209,7 +222,7 @@ class ReachabilityChecker:
             self.reports[peer] = report
             self._said(report)
             self.on_report(report)
-            await self.publish(peer, report)
+            await self.publish(peer, _told(report))
         finally:
             self._checking.pop(peer, None)
             self._wake.set()
@@ -217,13 +230,15 @@ class ReachabilityChecker:
     async def measure(self, peer: str, address: str, relay: str) -> cpb.ReachabilityReport:
         """Dial `peer` at `address`, then (if it announces one) through `relay`."""
         report = cpb.ReachabilityReport(peer=peer, address=address, time=time.time())
-        direct = await self._dial(peer, address)
+        direct = await self.scope.refuses(address) or await self._dial(peer, address)
         if direct is None:
             report.reachability = cpb.REACHABILITY_DIRECT
             return report
         through = None
         if relay:
-            through = await self._dial(peer, paths.relayed_address(peer, address, relay))
+            through = await self.scope.refuses(relay) or await self._dial(
+                peer, paths.relayed_address(peer, address, relay)
+            )
             if through is None:
                 report.reachability, report.relay = cpb.REACHABILITY_RELAYED, relay
                 report.detail = f"direct: {direct}"
@@ -277,6 +292,14 @@ async def _logged(work: Awaitable[None]) -> None:
         raise
     except Exception:
         log.exception("reachability: a check failed")
+
+
+def _told(report: cpb.ReachabilityReport) -> cpb.ReachabilityReport:
+    """The report as the peer reads it: the cause in words, not the dial's error text."""
+    told = cpb.ReachabilityReport()
+    told.CopyFrom(report)
+    told.detail = generic(report.detail, report.reachability == cpb.REACHABILITY_RELAYED)
+    return told
 
 
 def _same(a: cpb.ReachabilityReport, b: cpb.ReachabilityReport) -> bool:

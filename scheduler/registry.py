@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from scheduler.failure_domains import domains_of
 from swarm.clock import Clock
 from swarm.net import paths
+from swarm.net.bandwidth import MAX_LINK_BYTES_PER_SECOND, format_rate, plausible_rate
 from swarm.policy.domains import Domains
 from swarm.policy.placement import path_speeds
 from swarm.proto import control_pb2 as cpb
@@ -88,6 +89,7 @@ class PeerRegistry:
         # its stage still says JOINING, and must not be assigned again (perhaps elsewhere).
         self._assigned_at: dict[str, tuple[str, float]] = {}
         self._unplaceable: set[str] = set()  # peers already warned about
+        self._implausible: set[str] = set()  # peers already warned about their link rates
         # peer -> (job, when) it was first seen serving that job: a member's silence is timed
         # from there until its first load report for the job.
         self._serving_since: dict[str, tuple[str, float]] = {}
@@ -107,6 +109,7 @@ class PeerRegistry:
         if message.state == cpb.PEER_STATE_OFFLINE:
             self.forget(peer)
             return
+        message = self._plausible(message)
         self.peers[peer] = message
         if message.relay:
             self._via[peer] = message.relay
@@ -116,6 +119,28 @@ class PeerRegistry:
             self._serving_since.pop(peer, None)
         elif self._serving_since.get(peer, ("", 0.0))[0] != message.job:
             self._serving_since[peer] = (message.job, self.clock.now())
+
+    def _plausible(self, message: cpb.PeerAnnouncement) -> cpb.PeerAnnouncement:
+        """The announcement as the registry keeps it: its link rates validated here, where they
+        enter, since every pool's parts are sized by them (`plausible_rate`: one not finite,
+        negative or past the ceiling is not known); logged once per peer."""
+        up, down = message.upload_bytes_per_second, message.download_bytes_per_second
+        if (plausible_rate(up), plausible_rate(down)) == (max(up, 0.0), max(down, 0.0)):
+            return message
+        if message.peer not in self._implausible:
+            self._implausible.add(message.peer)
+            log.warning(
+                "peer %s announced link rates %r/%r B/s: not finite or past %s, taken as unknown",
+                message.peer,
+                up,
+                down,
+                format_rate(MAX_LINK_BYTES_PER_SECOND),
+            )
+        kept = cpb.PeerAnnouncement()
+        kept.CopyFrom(message)
+        kept.upload_bytes_per_second = plausible_rate(up)
+        kept.download_bytes_per_second = plausible_rate(down)
+        return kept
 
     def report_load(self, message: cpb.LoadReport) -> None:
         """A load report; from a peer not (or no longer) present it is ignored."""
@@ -218,6 +243,7 @@ class PeerRegistry:
         self._loads.pop(peer, None)
         self._assigned_at.pop(peer, None)
         self._unplaceable.discard(peer)
+        self._implausible.discard(peer)
         self._serving_since.pop(peer, None)
         self._silent_logged.discard(peer)
         self._reach.pop(peer, None)

@@ -98,6 +98,7 @@ class Scheduler:
         self.reachability = ReachabilityChecker(
             dialer or StageDialer(opts.token), retained_on(bus), self.assignments.reached
         )
+        self.reachability.scope.allow_private = opts.dial_private  # --dial-private
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # Both filled by `self._training`: each job's recent speed, its open coordinator.
         self._speed: dict[str, RecentSpeed] = {}

@@ -15,6 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.support import forked
+
+# Every scheduler the suite starts dials peers on loopback, or in namespaces on private and
+# documentation ranges: it runs with `--dial-private` (as `swarm.local.procs` and
+# `tests.support.namespaces` also say); `tests/system/test_dial_scope.py` starts one without.
+os.environ.setdefault("SWARM_DIAL_PRIVATE", "1")
 from tests.support.api import api  # noqa: F401
 from tests.support.coordinator import make_harness  # noqa: F401
 from tests.support.inprocess import make_swarm  # noqa: F401

@@ -256,11 +256,12 @@ class TwoPhaseCommit:
     ) -> list[tuple[int, str, float]] | None:
         """PREPARE everywhere: each member's squared gradient norm, as (stage, peer, norm) in
         stage order, or None when the round failed."""
-        total, calls, seed = ledger.samples(), [], new_seed()
+        total, calls = ledger.samples(), []
         groups: dict[int, RoundGroup] = {}
         checks: dict[int, dict[int, Checksums]] = {}  # stage -> contributor -> its checksums
         for stage, replicas in enumerate(members):
             made = groups[stage] = self.groups.of(stage, replicas)
+            seed = new_seed()  # this stage's own: a replica of another stage never learns it
             group = list(made.members)
             holdings = ledger.holdings(stage)
             for index, r in enumerate(replicas):

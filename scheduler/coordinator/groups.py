@@ -9,19 +9,26 @@ A link is what a peer announced (`PeerAnnouncement.upload_bytes_per_second` and
 full-duplex rate, its upload (`link_of` says why). A relayed peer (behind NAT) owns nothing:
 every byte it owned would cross its relay twice. An aggregator that a member named as the one it
 failed on takes part in no round for `shun_s`: a dead one would fail every retry meanwhile.
+Rates are the registry's, checked where they entered (`swarm.net.bandwidth.plausible_rate`), and
+no member owns more than `swarm.policy.parts.MAX_SHARE` / n of the vector whatever its rate; a
+partition that still cannot be made is equal parts, never a failed round.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm.clock import Clock, MonotonicClock
+from swarm.errors import InvalidArgument
 from swarm.policy.parts import EQUAL_PARTS, Parts, water_fill
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
 
 __all__ = ["Aggregator", "Groups", "Link", "RoundGroup", "link_of"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,11 @@ class Groups:
             return RoundGroup(tuple(addresses))
         links = [self.links(r.peer) for r in replicas] + [a.link for a in aggregators]
         relayed = {i for i, link in enumerate(links) if link.relayed}
-        weights = water_fill([link.rate for link in links], len(replicas), clients=relayed)
+        try:
+            weights = water_fill([link.rate for link in links], len(replicas), clients=relayed)
+        except InvalidArgument as e:  # a rate no check caught: equal parts, not a failed job
+            log.warning("stage %d: equal parts (%s)", stage, e)
+            weights = [1.0 / len(members)] * len(members)
         contributors = len(replicas) if aggregators else 0
         parts = Parts((), contributors) if len(set(weights)) == 1 else Parts(weights, contributors)
         return RoundGroup(members, parts, tuple(aggregators))  # equal weights: none

@@ -387,11 +387,12 @@ class PoolRounds:
     ) -> str | None:
         """`call` (a PREPARE) on every one of `members`; None when every one averaged, else
         why not (the members that failed it are dropped by then)."""
-        where, calls, seed = [], [], new_seed()
+        where, calls = [], []
         groups: dict[int, RoundGroup] = {}
         checks: dict[int, dict[int, Checksums]] = {}  # stage -> contributor -> its checksums
         for stage, replicas in enumerate(members):
             group = groups[stage] = self.groups.of(stage, replicas)
+            seed = new_seed()  # this stage's own: a replica of another stage never learns it
             total = sum(self._samples[(stage, r.peer)] for r in replicas)
             for index, r in enumerate(replicas):
                 where.append((stage, r))

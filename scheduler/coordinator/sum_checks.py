@@ -1,12 +1,13 @@
 """What the coordinator checks of the sums aggregators answer (issue 43, item 4): a linear
 checksum they cannot forge (the contributor's side: `stage_server.averaging.checksum`).
 
-Each PREPARE of a round with aggregators carries a seed drawn anew for the attempt (`Checksums`),
-sent to the replicas only: an aggregator never sees it (it takes `PoolService.Reduce` calls and
-nothing else). From it each contributor j draws one random vector r and reports, for every part
-an aggregator owned, c_j = r·x_j over what it contributed, a_j = Σ_i |r_i·x_ji|, q_j = ‖x_j‖,
-and s_j = r·S_j over the sum S_j it took back. Summation is linear, so an honest S gives
-s_j = Σ_j c_j up to rounding (`tolerance`):
+Each PREPARE of a round with aggregators carries a seed drawn anew for the attempt and the stage
+(`Checksums`; a replica of one stage, colluding with an aggregator, learns nothing of another
+stage's), sent to that stage's replicas only: an aggregator never sees it (it takes
+`PoolService.Reduce` calls and nothing else). From it each contributor j draws one random vector
+r and reports, for every part an aggregator owned, c_j = r·x_j over what it contributed,
+a_j = Σ_i |r_i·x_ji|, q_j = ‖x_j‖, and s_j = r·S_j over the sum S_j it took back. Summation
+is linear, so an honest S gives s_j = Σ_j c_j up to rounding (`tolerance`):
 - the owner's additions in the part's dtype leave S off the exact sum by a vector δ with
   |δ_i| ≤ (m - 1)·u·Σ_j |x_ji| (m contributors, u the dtype's unit roundoff), so
   ‖δ‖ ≤ (m - 1)·u·Σ_j q_j. δ does not depend on r (the owner never sees it), and the r_i are
@@ -22,10 +23,16 @@ element's magnitude spread over the part is caught, whatever its length. Every c
 is checked, not one's: an aggregator could answer members different sums.
 
 A mismatch fails the round before any APPLY (the replicas' prepared sums are replaced by the
-retry's PREPARE), naming the aggregator, which then sits out (`Groups.blame`). Only lossless
-rounds are checked (a lossy codec's sum is its encoding's, off by the codec's error): their
-contributors report nothing, and a part some contributor did not report is not judged (a
-contributor is trusted as any member is: it could as well send a wrong gradient).
+retry's PREPARE), naming the aggregator, which then sits out (`Groups.blame`). Lossy rounds are
+checked too, on the decoded values every member uses, the sum's one encoding allowed for by the
+bound each contributor reports of it (`encoding`: `stage_server.averaging.checksum`). A part
+some contributor did not report is not judged (a contributor is trusted as any member is: it
+could as well send a wrong gradient).
+
+Not yet: the seed is sent with the PREPARE, before the sums are committed, so a contributor of the
+same stage colluding with its aggregator can forge a sum that passes (r·(S' - S) = 0). Drawing r
+per contributor and revealing it only after every answer is in (BTARD) closes that; it needs the
+contributors to keep what they sent until then (issue 54).
 """
 
 from __future__ import annotations
@@ -97,7 +104,10 @@ def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
     # Each c_j's dot, and s_j's (|S_i| ≤ Σ_j |x_ji| to within the rounding): twice, for the
     # products' own rounding and what the bound leaves out.
     dotting = 2 * (m + 1) * DOT_BLOCK * _EPS64 * math.fsum(r.magnitude for r in reports)
-    return summing + dotting
+    # A lossy codec's one encoding of the sum, δ' (bounded by each contributor from the decoded
+    # sum, `encoding`): independent of r as δ is, so held to SIGMAS of its norm as well.
+    encoding = SIGMAS * max((r.encoding for r in reports), default=0.0)
+    return summing + dotting + encoding
 
 
 def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) -> list[Mismatch]:

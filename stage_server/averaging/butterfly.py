@@ -122,8 +122,8 @@ async def all_reduce(
     aborts the round in `averager` too (so peers waiting on this replica learn it at once) and
     raises AveragingAborted naming the peer. `on_bytes(sent, received)` counts wire bytes.
     `residuals` (a lossy codec's error feedback) are read, and replaced once the round completed.
-    `checks` takes the checksum of every slice of an aggregator's part, sent and summed (lossless
-    rounds only: `stage_server.averaging.checksum`).
+    `checks` takes the checksum of every slice of an aggregator's part, sent and summed (a
+    lossy codec's as decoded: `stage_server.averaging.checksum`).
     Uncompressed, a part travels in slices of `settings.slice_bytes`, `window` of them to each
     owner at once: while one slice is summed and answered the next is sent, and an owner holds
     `window` slices of each sender, not its whole part.
@@ -205,7 +205,9 @@ class ButterflyRound:
         self.sent = self.received = 0  # wire bytes, as `on_bytes` counts them
         self.lossy = settings.codec != CODEC_NONE and flat.is_floating_point()
         self.feedback = residuals if self.lossy else None
-        self.checks = None if self.lossy or not settings.parts.contributors else checks
+        self.checks = checks if settings.parts.contributors else None
+        if self.checks is not None and self.lossy:  # checked on the decoded values (issue 54)
+            self.checks.lossy(settings.codec, settings.block_size)
         self._dropped: Residuals | None = None  # what this round's encodings drop, as it goes
         if self.feedback is not None:
             sent, summed = self.feedback.sent, self.feedback.summed
@@ -287,8 +289,11 @@ class ButterflyRound:
             contributors=s.parts.contributors,
         )
         messages: Iterator[Any]
+        check = self.checks if k >= s.parts.contributors else None  # an aggregator's part
+        sent: torch.Tensor | None = None  # what was sent as the owner reads it
         if self.lossy:
             msg = await self._off(self._encoded, k, where)
+            sent = decode(msg) if check is not None else None
             header.tensors.append(msg)
             messages, nbytes = iter(wire.split(header, s.chunk_bytes)), msg.nbytes
         else:
@@ -298,7 +303,6 @@ class ButterflyRound:
             else:  # cut from the gradient's memory as it is sent: no copy of the part
                 messages = iter(wire.split_tensor(header, "part", values, s.chunk_bytes))
             nbytes = values.numel() * values.element_size()
-        check = self.checks if k >= s.parts.contributors else None  # an aggregator's part
         call: Any = self.channels.stub(s.group[k]).Reduce(timeout=s.timeout_s)
         # A device's chunk is copied (and framed) off the loop as it is cut, one at a time.
         while (m := await self._off.next(messages)) is not None:
@@ -306,7 +310,8 @@ class ButterflyRound:
         await call.done_writing()
         self.sent += nbytes
         if check is not None:  # what was sent, before its sum lands over it
-            await asyncio.to_thread(check.contributed, k, where.start, self._fed(k, where))
+            values = self._fed(k, where) if sent is None else sent
+            await asyncio.to_thread(check.contributed, k, where.start, values)
         await self._overwriting(where)  # the reply lands there: this slice's values are sent
         reply: wire.Received[Any] = await wire.receive_reply(
             call, max_bytes=s.max_bytes, into=self._into(where)

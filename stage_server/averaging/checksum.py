@@ -13,6 +13,12 @@ splitmix64, in integers, then exact float64 steps), so every contributor draws t
 r whatever its slices, its hardware or its torch (a generator's normals are not: their vectorised
 and scalar paths round apart, and r must agree to the last bit). No copy of a whole part is made:
 `BLOCK` elements of r and of the values (in float64, on the host) at a time.
+
+Lossy codecs are checked too (issue 54): x_j is then what the contributor sent, decoded (what the
+owner sums), and S the sum as every member decodes it. The owner's one encoding of the sum moves
+it by a vector whose norm the contributor bounds from the decoded sum (`encoding_error`, reported
+as `encoding`), which the coordinator's tolerance adds (`scheduler.coordinator.sum_checks`): a
+codec's rounding passes, an error past it does not.
 """
 
 from __future__ import annotations
@@ -24,8 +30,15 @@ import numpy as np
 import torch
 
 from swarm.proto import stage_pb2 as pb
+from swarm.wire.codec import (
+    CODEC_BF16,
+    CODEC_FP16,
+    CODEC_HADAMARD3,
+    CODEC_INT8_BLOCKWISE,
+    CODEC_NONE,
+)
 
-__all__ = ["BLOCK", "PartChecks", "dots", "weights"]
+__all__ = ["BLOCK", "PartChecks", "dots", "encoding_error", "weights"]
 
 # The values are taken this many at a time (aligned: a block's dot is the same whatever the
 # slices); a float64 dot over one block rounds by at most BLOCK·2^-53 of its magnitude (the
@@ -67,12 +80,38 @@ def dots(seed: int, start: int, values: torch.Tensor) -> tuple[float, float, flo
     return math.fsum(dot), math.fsum(magnitude), math.fsum(squares)
 
 
+def encoding_error(codec: int, block_size: int, decoded: torch.Tensor) -> float:
+    """A bound on ‖decoded - S‖₂, the error of one encoding of a sum S whose decoding is
+    `decoded` (a whole part, 1-D): fp16 and bf16 round each element by at most half their unit
+    of it; int8_blockwise by half a step, absmax/254, in each block of `block_size`; hadamard3's
+    8 levels (clipped past 2.15 of a block's rms; its rotation keeps norms) are held to twice the
+    norm. A margin of 1 % covers the decoded values standing for the exact ones."""
+    x = decoded.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+    norm = float(torch.linalg.vector_norm(x))
+    if codec == CODEC_NONE:
+        return 0.0
+    if codec == CODEC_FP16:
+        return 1.01 * 2.0**-11 * norm
+    if codec == CODEC_BF16:
+        return 1.01 * 2.0**-8 * norm
+    if codec == CODEC_INT8_BLOCKWISE:
+        squares = 0.0
+        for start in range(0, x.numel(), max(block_size, 1)):
+            block = x[start : start + block_size]
+            squares += block.numel() * (float(block.abs().max()) / 254) ** 2
+        return 1.01 * math.sqrt(squares)
+    if codec == CODEC_HADAMARD3:
+        return 2.0 * norm
+    raise ValueError(f"no error bound for codec {codec}")
+
+
 @dataclass
 class _Part:
     dot: list[float] = field(default_factory=list)
     magnitude: list[float] = field(default_factory=list)
     squares: list[float] = field(default_factory=list)
     sum_dot: list[float] = field(default_factory=list)
+    encoding: list[float] = field(default_factory=list)  # squared bounds, a slice each
 
 
 class PartChecks:
@@ -83,7 +122,13 @@ class PartChecks:
 
     def __init__(self, seed: int) -> None:
         self.seed, self.unit = seed, 0.0
+        self.codec, self.block_size = CODEC_NONE, 0  # a lossy round's codec, once `lossy`
         self._parts: dict[int, _Part] = {}
+
+    def lossy(self, codec: int, block_size: int) -> None:
+        """The round's parts travel encoded: the values checked are the decoded ones, and the
+        sum's one encoding is allowed for (`encoding_error`; a lossy part is one slice)."""
+        self.codec, self.block_size = codec, block_size
 
     def contributed(self, part: int, start: int, values: torch.Tensor) -> None:
         if values.dtype.is_floating_point:
@@ -95,7 +140,9 @@ class PartChecks:
         p.squares.append(squares)
 
     def summed(self, part: int, start: int, values: torch.Tensor) -> None:
-        self._parts.setdefault(part, _Part()).sum_dot.append(dots(self.seed, start, values)[0])
+        p = self._parts.setdefault(part, _Part())
+        p.sum_dot.append(dots(self.seed, start, values)[0])
+        p.encoding.append(encoding_error(self.codec, self.block_size, values) ** 2)
 
     def report(self) -> list[pb.SumCheck]:
         return [
@@ -106,6 +153,7 @@ class PartChecks:
                 sum_dot=math.fsum(p.sum_dot),
                 unit=self.unit,
                 norm=math.sqrt(math.fsum(p.squares)),
+                encoding=math.sqrt(math.fsum(p.encoding)),
             )
             for k, p in sorted(self._parts.items())
         ]

@@ -253,10 +253,13 @@ def start_local_swarm(
     threads: int = 1,
     timeout: float = 120.0,
     data_root: Path | None = None,
+    dial_private: bool = True,
 ) -> tuple[LocalSwarm, list[str]]:
     """Start a scheduler (with an embedded broker unless `broker` is given) and one stage server
     per throttle. Returns the swarm and the scheduler's command line (to restart it). Jobs may
-    name data files under `data_root` only (None: an empty directory of the swarm's own)."""
+    name data files under `data_root` only (None: an empty directory of the swarm's own).
+    `dial_private`: its dial-back may dial this machine's loopback, where its peers are (the
+    scheduler's --dial-private)."""
     env = {"SWARM_CACHE_DIR": str(log_dir / "cache"), **(env or {})}
     if data_root is None:
         data_root = log_dir / "data"
@@ -275,6 +278,7 @@ def start_local_swarm(
         str(log_dir / "ckpt"),
         "--data-root",
         str(data_root),
+        *(["--dial-private"] if dial_private else []),
         *(["--broker", broker] if broker else []),
         *(extra_scheduler or []),
     ]

@@ -10,11 +10,24 @@ refused, not guessed: "100Mbps" means megabits to most people and megabytes to t
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 from swarm.errors import ConfigError
 
-__all__ = ["bandwidth_flag", "format_rate", "parse_bandwidth", "parse_rate"]
+__all__ = [
+    "MAX_LINK_BYTES_PER_SECOND",
+    "bandwidth_flag",
+    "format_rate",
+    "parse_bandwidth",
+    "parse_rate",
+    "plausible_rate",
+]
+
+# The fastest link rate a peer may announce: 100 Gbit/s, a datacenter NIC's, ten times a fast
+# home or office link's. Announcements are believed only up to here (`plausible_rate`): a rate
+# past it is a mistake or an attack (1e12 B/s took every pool's parts; 1.7e308 overflowed them).
+MAX_LINK_BYTES_PER_SECOND = 100e9 / 8
 
 # SI prefixes as tc reads them (k = 1000), and IEC ones (ki = 1024).
 _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -56,7 +69,18 @@ def parse_bandwidth(text: str) -> tuple[float, float]:
     if len(parts) != 2:
         raise ConfigError(f"--bandwidth: {text!r} is not a rate: write {_FORM}")
     up, down = parse_rate(parts[0]), parse_rate(parts[1])
+    if max(up, down) > MAX_LINK_BYTES_PER_SECOND:
+        raise ConfigError(
+            f"--bandwidth: {text!r} is past {format_rate(MAX_LINK_BYTES_PER_SECOND)}, the most a "
+            "scheduler believes: give the link's real rate"
+        )
     return up, down
+
+
+def plausible_rate(value: float) -> float:
+    """An announced link rate (bytes/s) as the scheduler takes it: 0 (not known) unless finite,
+    positive and at most `MAX_LINK_BYTES_PER_SECOND`."""
+    return value if math.isfinite(value) and 0.0 < value <= MAX_LINK_BYTES_PER_SECOND else 0.0
 
 
 def bandwidth_flag(text: str) -> tuple[float, float]:

@@ -52,6 +52,7 @@ from swarm.errors import InvalidArgument
 
 __all__ = [
     "EQUAL_PARTS",
+    "MAX_SHARE",
     "Parts",
     "check_weights",
     "contributors_of",
@@ -85,6 +86,11 @@ class Parts:
         """The `n` members' contiguous parts of `range(numel)` (`part_bounds`)."""
         return part_bounds(numel, self.weights, n)
 
+
+# No owner's weight passes MAX_SHARE / (number of owners), whatever the rates say: a member that
+# owns most of the vector is the one whose wrong sum spoils most of it, and a rate is what a
+# member says of itself (one announcing 1e12 B/s owned a whole pool's vector).
+MAX_SHARE = 2.0
 
 EQUAL_PARTS = Parts()
 """Equal parts, every member contributing (a group without aggregators, or alone)."""
@@ -128,21 +134,45 @@ def water_fill(
     known = all(rates[i] > 0 for i in owners)
     if not known or (owners[-1] < m and len({rates[i] for i in owners}) == 1):
         return _equal_among(n, owners)
-    level = _level([rates[i] for i in owners if i < m], [rates[i] for i in owners if i >= m], m)
-    caps = [0.0] * n
-    for i in owners:
-        b = rates[i]
-        caps[i] = max(0.0, (level * b - 1.0) / (m - 2)) if i < m else level * b / m
-    total = math.fsum(caps)
-    return [c / total for c in caps]  # the level's rounding is not the weights'
+    top = max(rates[i] for i in owners)
+    scaled = [b / top for b in rates]  # the weights depend on the ratios only: no overflow
+    return _bounded_fill(scaled, m, owners, min(1.0, MAX_SHARE / len(owners)))
 
 
-def _level(contributing: Sequence[float], aggregating: Sequence[float], m: int) -> float:
-    """The T (seconds per byte of the vector) at which the owners' capacities sum to 1, m > 2,
-    given the rates of the contributors and aggregators that may own: with the k fastest
-    contributors active, Σ (T·b_i - 1)/(m - 2) + T·Σ_agg b_j/m = 1 gives
-    T = (1 + k/(m - 2)) / (Σ_k b_i/(m - 2) + Σ_agg b_j/m); the right k is the first whose T is
-    at most the next contributor's threshold 1/b_(k+1) (the capacities' sum grows with T)."""
+def _bounded_fill(
+    rates: Sequence[float], m: int, owners: Sequence[int], bound: float
+) -> list[float]:
+    """Water-filling (m > 2, every owner's rate known) where no owner's weight passes `bound`:
+    an owner the level would give more is held at the bound, and the level is found anew for
+    what the others share (at most one pass per owner)."""
+    n = len(rates)
+    held: set[int] = set()
+    while True:
+        free = [i for i in owners if i not in held]
+        budget = 1.0 - bound * len(held)
+        level = _level(
+            [rates[i] for i in free if i < m], [rates[i] for i in free if i >= m], m, budget
+        )
+        caps = [0.0] * n
+        for i in free:
+            b = rates[i]
+            caps[i] = max(0.0, (level * b - 1.0) / (m - 2)) if i < m else level * b / m
+        total = math.fsum(caps)
+        weights = [bound if i in held else c / total * budget for i, c in enumerate(caps)]
+        over = {i for i in free if weights[i] > bound}
+        if not over or len(held | over) == len(owners):
+            return weights  # the level's rounding is not the weights'
+        held |= over
+
+
+def _level(
+    contributing: Sequence[float], aggregating: Sequence[float], m: int, budget: float = 1.0
+) -> float:
+    """The T (seconds per byte of the vector) at which the owners' capacities sum to `budget`,
+    m > 2, given the rates of the contributors and aggregators that may own: with the k fastest
+    contributors active, Σ (T·b_i - 1)/(m - 2) + T·Σ_agg b_j/m = budget gives
+    T = (budget + k/(m - 2)) / (Σ_k b_i/(m - 2) + Σ_agg b_j/m); the right k is the first whose
+    T is at most the next contributor's threshold 1/b_(k+1) (the capacities' sum grows with T)."""
     fast = sorted(contributing, reverse=True)
     agg = math.fsum(aggregating) / m
     active = 0.0
@@ -152,7 +182,7 @@ def _level(contributing: Sequence[float], aggregating: Sequence[float], m: int) 
         speed = active / (m - 2) + agg
         if speed <= 0:
             continue  # no one owns anything yet (no aggregator, no contributor active)
-        level = (1.0 + k / (m - 2)) / speed
+        level = (budget + k / (m - 2)) / speed
         if k == len(fast) or level <= 1.0 / fast[k]:  # the next contributor would own nothing
             return level
     raise InvalidArgument("no member can own a part")

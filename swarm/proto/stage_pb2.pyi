@@ -245,20 +245,22 @@ class StageCommitResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ..., grad_sq_norm: _Optional[float] = ..., sum_checks: _Optional[_Iterable[_Union[SumCheck, _Mapping]]] = ...) -> None: ...
 
 class SumCheck(_message.Message):
-    __slots__ = ("part", "dot", "magnitude", "sum_dot", "unit", "norm")
+    __slots__ = ("part", "dot", "magnitude", "sum_dot", "unit", "norm", "encoding")
     PART_FIELD_NUMBER: _ClassVar[int]
     DOT_FIELD_NUMBER: _ClassVar[int]
     MAGNITUDE_FIELD_NUMBER: _ClassVar[int]
     SUM_DOT_FIELD_NUMBER: _ClassVar[int]
     UNIT_FIELD_NUMBER: _ClassVar[int]
     NORM_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     part: int
     dot: float
     magnitude: float
     sum_dot: float
     unit: float
     norm: float
-    def __init__(self, part: _Optional[int] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., sum_dot: _Optional[float] = ..., unit: _Optional[float] = ..., norm: _Optional[float] = ...) -> None: ...
+    encoding: float
+    def __init__(self, part: _Optional[int] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., sum_dot: _Optional[float] = ..., unit: _Optional[float] = ..., norm: _Optional[float] = ..., encoding: _Optional[float] = ...) -> None: ...
 
 class StageDiscardRequest(_message.Message):
     __slots__ = ("job", "stage", "step")

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from scheduler.dial_back import StageDialer
 from scheduler.dial_causes import Cause, cause_of, verdict
+from scheduler.dial_scope import DialScope
 from scheduler.reachability import ReachabilityChecker
 from swarm.net import paths, tls, tokens
 from swarm.net.certs import init_ca, issue
@@ -65,7 +66,13 @@ def _checker(token: str | None = TOKEN) -> ReachabilityChecker:
     async def publish(peer: str, report: cpb.ReachabilityReport | None) -> None:
         pass
 
-    return ReachabilityChecker(StageDialer(token), publish, lambda report: None, timeout_s=2.0)
+    return ReachabilityChecker(
+        StageDialer(token),
+        publish,
+        lambda report: None,
+        timeout_s=2.0,
+        scope=DialScope(allow_private=True),  # its servers are on loopback
+    )
 
 
 def _become(tmp_path: Path, *hosts: str, peers: tuple[str, ...] = ()) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from scheduler.dial_scope import NOT_DIALLED, DialScope
 from scheduler.reachability import DialFailed, ReachabilityChecker, path_text
 from swarm.net import paths
 from swarm.proto import control_pb2 as cpb
@@ -49,6 +50,8 @@ class Checked:
         self.reported: asyncio.Queue[cpb.ReachabilityReport] = asyncio.Queue()
         self.dialer = dialer
         self.dials_at: list[int] = []  # the dials made when each report came
+        # The fake's addresses are private ones, re-checked at once (`test_dial_scope`: not so).
+        kwargs = {"scope": DialScope(allow_private=True), "min_interval_s": 0.0} | kwargs
         self.checker = ReachabilityChecker(dialer, self._publish, self._reported, **kwargs)
 
     def _reported(self, report: cpb.ReachabilityReport) -> None:
@@ -238,3 +241,77 @@ async def test_the_checker_holds_only_present_peers() -> None:
         assert sorted(p for p, report in c.published if report is None) == sorted(
             f"p{i}" for i in range(200)
         )
+
+
+@pytest.mark.attack("M-scan")
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1:22",
+        "[::1]:22",
+        "localhost:6379",
+        "10.1.2.3:80",
+        "192.168.1.20:7000",
+        "169.254.169.254:80",
+        "100.64.0.1:80",
+        "203.0.113.9:7700",
+        "0.0.0.0:1",
+    ],
+)
+async def test_no_private_address_is_dialled_without_dial_private(address: str) -> None:
+    """Issue 54, M-scan: what a peer announces is dialled only when public; --dial-private
+    (`DialScope(allow_private=True)`) allows the rest."""
+    refused = await DialScope().refuses(address)
+    assert refused is not None and refused.startswith(NOT_DIALLED), refused
+    assert await DialScope(allow_private=True).refuses(address) is None
+    assert await DialScope().refuses("8.8.8.8:7700") is None
+    dialer = FakeDialer({address: "a"})
+    async with checking(dialer, scope=DialScope()) as c:
+        c.checker.announced(announce("a", address, relay="127.0.0.1:7900"))
+        report = await c.report()
+        assert dialer.calls == []  # neither its address nor its relay's
+        assert report.reachability == cpb.REACHABILITY_UNREACHABLE
+        assert report.detail.startswith("a private address, not dialled"), report.detail
+        assert "--dial-private" in report.remedy
+
+
+@pytest.mark.attack("M-scan")
+async def test_the_peer_is_told_the_cause_not_the_error_and_its_checks_are_paced() -> None:
+    """The published report says the cause only ("no answer"), the scheduler's own keeps the
+    dial's error; a peer changing its address at every announcement is dialled at most once
+    per `min_interval_s`."""
+    clock = [1000.0]
+    dialer = FakeDialer()
+    async with checking(dialer, min_interval_s=60.0, now=lambda: clock[0]) as c:
+        c.checker.announced(announce("a", "h:1"))
+        report = await c.report()
+        assert "Connection refused" in report.detail  # the operator's, in status and the log
+        published = [r for p, r in c.published if p == "a" and r is not None]
+        assert [r.detail for r in published] == ["no answer"]
+        for i in range(2, 30):  # a scan of ports, an announcement each
+            c.checker.announced(announce("a", f"h:{i}"))
+            await asyncio.sleep(0.005)
+        assert dialer.calls == ["h:1"]  # the rest wait for the interval
+        clock[0] += 61.0
+        c.checker._wake.set()
+        await c.report()
+        assert dialer.calls == ["h:1", "h:29"]  # the latest only
+
+
+async def test_newcomers_are_checked_before_known_peers() -> None:
+    clock = [1000.0]
+    dialer = FakeDialer({"h:old": "old", "h:new": "new", "h:b": "b"})
+    async with checking(dialer, concurrency=1, recheck_s=10.0, now=lambda: clock[0]) as c:
+        c.checker.announced(announce("old", "h:old"))
+        await c.report()
+        dialer.hold = asyncio.Event()
+        c.checker.announced(announce("b", "h:b"))  # holds the one slot
+        while not dialer.in_flight:
+            await asyncio.sleep(0.01)
+        clock[0] += 20.0  # old's re-check is due ...
+        c.checker.announced(announce("new", "h:new"))  # ... as a newcomer comes
+        await asyncio.sleep(0.05)
+        dialer.hold.set()
+        while len(dialer.calls) < 4:
+            await asyncio.sleep(0.01)
+        assert dialer.calls == ["h:old", "h:b", "h:new", "h:old"], dialer.calls

@@ -47,6 +47,7 @@ def scheduler_args(host: str, work: Path, data_root: Path) -> tuple[str, ...]:
         *("scheduler", "--host", "0.0.0.0", "--announce-host", host, "--port", "7700"),
         *("--broker-port", "1883", "--store", str(work / "jobs.sqlite")),
         *("--checkpoint-dir", str(work / "ckpt"), "--data-root", str(data_root)),
+        "--dial-private",  # the namespaces' addresses are private and documentation ranges
     )
 
 

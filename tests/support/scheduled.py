@@ -159,7 +159,8 @@ async def scheduled_swarm(tmp_path: Path, **options: object) -> AsyncIterator[Sc
 
 @contextlib.asynccontextmanager
 async def _scheduled(tmp_path: Path, options: dict[str, object]) -> AsyncIterator[ScheduledSwarm]:
-    settings: dict[str, object] = {"placement_grace_s": 0.2, "retry_pause_s": 0.2} | options
+    settings: dict[str, object] = {"placement_grace_s": 0.2, "retry_pause_s": 0.2}
+    settings |= {"dial_private": True} | options  # its peers are on loopback
     async with EmbeddedBroker() as broker:
         with JobStore(tmp_path / "jobs.sqlite") as store:
             async with _bus(broker.url, "scheduler", SCHEDULER_USER, None) as bus:

@@ -1,6 +1,7 @@
 """A hostile aggregator's finite wrong sum (issue 43, item 4): a pool of real stage servers (in
 this process, so every replica can be inspected) and a real PoolService aggregator whose owner
-side adds a small error to every sum it answers. Every replica takes the same wrong sum, so the
+side adds an error to every sum it answers (small and dense; under lossy codecs too, sparse, and
+with a seed it knows: issue 54). Every replica takes the same wrong sum, so the
 replicas stay identical and no check among them can see it: the coordinator's linear checksum
 (`scheduler.coordinator.sum_checks`) must. The round fails naming the aggregator, the retry runs
 without it, and nothing wrong is ever applied: the job equals `swarm local`."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -17,11 +18,14 @@ import pytest
 import torch
 
 from scheduler.coordinator import LocalCoordinator, gather_state, sum_checks
-from scheduler.coordinator.groups import Aggregator, Groups, Link
+from scheduler.coordinator import commit as commit_module
+from scheduler.coordinator.groups import Aggregator, Groups, Link, RoundGroup
 from scheduler.coordinator.sum_checks import Mismatch, mismatches
+from stage_server.averaging.checksum import PartChecks, weights
 from stage_server.averaging.owner import Averager, Reduced
 from stage_server.averaging.service import PoolServicer
 from swarm.errors import NotFound
+from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.model.routes import Record
 from swarm.proto import pool_pb2_grpc
@@ -54,6 +58,38 @@ async def _aggregator(job_id: str) -> AsyncIterator[tuple[str, Averager]]:
         await server.stop(None)
 
 
+def _forging(aggregator: Averager, forge: Callable[[torch.Tensor], object]) -> list[int]:
+    """`aggregator` sums with the first contribution changed by `forge` (before the sum, so a
+    lossy codec encodes the wrong sum as an honest one); the lengths of the parts it forged."""
+    honest, forged_sums = aggregator.summer, []
+
+    def wrong(
+        values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+    ) -> Reduced:
+        forged = values[0].clone()
+        forge(forged)
+        forged_sums.append(forged.numel())
+        return honest([forged, *values[1:]], [True, *owned[1:]], codec, block_size)
+
+    aggregator.summer = wrong
+    return forged_sums
+
+
+async def _float32_pool(
+    tmp_path: Path, make_swarm: list[Swarm], codec: str
+) -> tuple[JobConfig, Swarm]:
+    """A float32 job of 3 steps averaged with `codec`, and its pool of three replicas a stage."""
+    job = make_job(
+        tmp_path,
+        training={"steps": 3, "target_batch_size": 32, "dtype": "float32"},
+        compression={"averaging": codec, "block_size": 64},
+    )
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    return job, swarm
+
+
 @pytest.mark.attack("43.4-sum")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["step", "local", "eager"])
@@ -77,18 +113,8 @@ async def test_a_finite_wrong_sum_fails_the_round_naming_the_aggregator(
     make_swarm.append(swarm)
     await swarm.add_replicas(3)
     async with _aggregator(fingerprint(job)) as (address, aggregator):
-        honest = aggregator.summer
-        wrong_sums: list[int] = []
-
-        def wrong(
-            values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
-        ) -> Reduced:
-            reduced = honest(values, owned, codec, block_size)
-            reduced.tensor.add_(ERROR)  # finite, small, the same for every member
-            wrong_sums.append(reduced.tensor.numel())
-            return reduced
-
-        aggregator.summer = wrong
+        # finite, small, the same for every member
+        wrong_sums = _forging(aggregator, lambda forged: forged.add_(ERROR))
         offered = [Aggregator("agg", address, Link(100.0))]
         # Shunned for longer than the test: it must not come back for a later step.
         groups = Groups(lambda peer: Link(100.0), lambda stage: offered, shun_s=3600)
@@ -114,16 +140,15 @@ async def test_a_finite_wrong_sum_fails_the_round_naming_the_aggregator(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8_blockwise", "hadamard3"])
 async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
-    tmp_path: Path, make_swarm: list[Swarm], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, make_swarm: list[Swarm], monkeypatch: pytest.MonkeyPatch, codec: str
 ) -> None:
     """The same pool in float32 (the owner's sums round) with an honest aggregator on a faster
     link than the replicas (uneven parts): every contributor reports a checksum of the
-    aggregator's part at every step, and no round fails."""
-    job = make_job(tmp_path, training={"steps": 3, "target_batch_size": 32, "dtype": "float32"})
-    swarm = Swarm(job)
-    make_swarm.append(swarm)
-    await swarm.add_replicas(3)
+    aggregator's part at every step, under a lossy averaging codec too (on the decoded values,
+    the sum's encoding allowed for: issue 54), and no round fails."""
+    job, swarm = await _float32_pool(tmp_path, make_swarm, codec)
     judged: list[dict[int, list[pb.SumCheck]]] = []
 
     def recorded(reports: dict[int, list[pb.SumCheck]], contributors: int) -> list[Mismatch]:
@@ -148,3 +173,86 @@ async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
                 for c in r
             )
         await coordinator.close()
+
+
+@pytest.mark.attack("H-checks")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("codec", "forgery"),
+    [("fp16", "dense"), ("int8_blockwise", "dense"), ("fp16", "sparse"), ("none", "sparse")],
+)
+async def test_a_forged_sum_is_caught_under_any_codec_and_each_stage_has_its_own_seed(
+    tmp_path: Path,
+    make_swarm: list[Swarm],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    codec: str,
+    forgery: str,
+) -> None:
+    """Issue 54, H-checks. A lossy averaging codec asked no checksum: an aggregator adding 1e3
+    to every element was applied by every replica. A sparse forgery (one element off by 1e3)
+    must be caught as well. And one seed served every stage, so a replica of one stage knew the
+    r that checks another's: each stage's PREPAREs now carry their own."""
+    job, swarm = await _float32_pool(tmp_path, make_swarm, codec)
+    seeds: dict[int, set[tuple[str, ...]]] = {}  # seed -> the groups it was sent to
+    asked = commit_module.checked
+
+    def recording(group: RoundGroup, seed: int) -> sum_checks.Checksums | None:
+        seeds.setdefault(seed, set()).add(group.members)
+        return asked(group, seed)
+
+    monkeypatch.setattr(commit_module, "checked", recording)
+    async with _aggregator(fingerprint(job)) as (address, aggregator):
+
+        def forge(forged: torch.Tensor) -> None:
+            if forgery == "dense":
+                forged.add_(1e3)
+            elif forged.numel():
+                forged[forged.numel() // 2] += 1e3
+
+        wrong_sums = _forging(aggregator, forge)
+        offered = [Aggregator("agg", address, Link(100.0))]
+        groups = Groups(lambda peer: Link(100.0), lambda stage: offered, shun_s=3600)
+        coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, groups=groups)
+        with caplog.at_level(logging.WARNING):
+            await swarm.train(coordinator, trainers=2)
+        assert wrong_sums, "the aggregator summed a part of a round"
+        assert coordinator.metrics.aborted_rounds._value.get() >= 1
+        assert address not in groups.of(0, swarm.members()[0]).members  # it sits out
+        named = [r.getMessage() for r in caplog.records if "checksum" in r.getMessage()]
+        assert any(address in m for m in named), named
+        swarm.assert_replicas_identical()
+        for params in (s[0].runtime.state_dict() for s in swarm.servers):
+            assert all(
+                bool(torch.isfinite(t).all()) and t.abs().max() < 1e2 for t in params.values()
+            )
+        assert len(swarm.servers) >= 2 and seeds
+        assert all(len(sent_to) == 1 for sent_to in seeds.values()), "a seed served two stages"
+        await coordinator.close()
+
+
+@pytest.mark.attack("H-checks")
+def test_a_forger_who_knows_the_seed_passes_its_check_but_not_another_stages() -> None:
+    """What a forger knowing r can do: answer S + e with r·e = 0, which that r cannot see (so no
+    member learns its stage's seed but its own stage's replicas). Another stage's seed, which
+    a replica elsewhere learns, is no help: its forgery fails the stage's own check."""
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(1000, generator=gen, dtype=torch.float64) for _ in range(3)]
+    total = xs[0] + xs[1] + xs[2]
+    known, own = 12345, 67890
+    r = weights(known, 0, 1000)
+    e = torch.randn(1000, generator=gen, dtype=torch.float64) * 1e3
+    e -= (r @ e) / (r @ r) * r  # invisible to the known seed's r
+    forged = total + e
+
+    def reports(seed: int) -> dict[int, list[pb.SumCheck]]:
+        out = {}
+        for j, x in enumerate(xs):
+            checks = PartChecks(seed)
+            checks.contributed(3, 0, x)
+            checks.summed(3, 0, forged)
+            out[j] = checks.report()
+        return out
+
+    assert mismatches(reports(known), 3) == []  # the seed it knows: the forgery passes
+    assert len(mismatches(reports(own), 3)) == 3  # the stage's own seed: every contributor sees it

@@ -4,11 +4,19 @@ out, and a clear error for what it cannot read or could read two ways."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
 from swarm.errors import ConfigError
-from swarm.net.bandwidth import bandwidth_flag, format_rate, parse_bandwidth, parse_rate
+from swarm.net.bandwidth import (
+    MAX_LINK_BYTES_PER_SECOND,
+    bandwidth_flag,
+    format_rate,
+    parse_bandwidth,
+    parse_rate,
+    plausible_rate,
+)
 
 
 @pytest.mark.parametrize(
@@ -60,3 +68,11 @@ def test_rates_are_shown_in_bits() -> None:
     assert format_rate(125e6) == "1Gbit/s"
     assert format_rate(0) == "?"
     assert parse_rate("10M") == 1.25e6
+
+
+def test_a_rate_past_the_ceiling_is_refused_and_an_announced_one_not_believed() -> None:
+    with pytest.raises(ConfigError, match="past 100Gbit/s"):
+        parse_bandwidth("1tbit")
+    assert plausible_rate(MAX_LINK_BYTES_PER_SECOND) == MAX_LINK_BYTES_PER_SECOND
+    for bad in (math.nan, math.inf, -1.0, 1e12):
+        assert plausible_rate(bad) == 0.0

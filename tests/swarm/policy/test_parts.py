@@ -11,7 +11,7 @@ import pytest
 
 from stage_server.averaging.flat import split_parts
 from swarm.errors import InvalidArgument
-from swarm.policy.parts import Parts, part_bounds, round_time, water_fill
+from swarm.policy.parts import MAX_SHARE, Parts, part_bounds, round_time, water_fill
 
 MBIT = 1e6 / 8  # bytes/s
 
@@ -47,12 +47,15 @@ def test_what_the_rates_cannot_tell_keeps_equal_parts_exactly(
 
 
 def _lp_bound(rates: list[float], m: int) -> float:
-    """The least slowest-member time over a fine grid of partitions (brute force, n <= 4)."""
+    """The least slowest-member time over a fine grid of partitions no weight of which passes
+    the bound (brute force, n <= 4)."""
     n, steps, best = len(rates), 60, float("inf")
     for cut in itertools.product(range(steps + 1), repeat=n - 1):
         if sum(cut) > steps:
             continue
         weights = [c / steps for c in cut] + [(steps - sum(cut)) / steps]
+        if max(weights) > MAX_SHARE / n + 1e-12:
+            continue
         best = min(best, round_time(rates, weights, m, 1.0))
     return best
 
@@ -78,19 +81,32 @@ def test_the_slowest_members_traffic_falls_to_the_vector_at_eight() -> None:
 
 
 def test_an_aggregator_takes_parts_by_its_rate_and_sends_no_vector() -> None:
-    rates = [100.0, 100.0, 100.0, 200.0]  # three contributors, one aggregator
+    rates = [100.0, 100.0, 100.0, 120.0]  # three contributors, one aggregator
     weights = water_fill(rates, 3)
     assert weights[3] > weights[0] > 0
     t = round_time(rates, weights, 3, 1.0)
     # Every member at the same level (no one idles while another is the bottleneck) ...
     assert (1 + weights[0]) / 100 == pytest.approx(t)
-    assert 3 * weights[3] / 200 == pytest.approx(t)
+    assert 3 * weights[3] / 120 == pytest.approx(t)
     # ... and the aggregator makes the round faster than the three alone.
     assert t < round_time(rates[:3], water_fill(rates[:3], 3), 3, 1.0)
-    # One fast enough owns everything: the round is each contributor's vector, there and back.
+    # One fast enough would own everything; it owns the bound, 2/n, and the rest is shared.
     fast = water_fill([100.0, 100.0, 100.0, 1000.0], 3)
-    assert fast == [0.0, 0.0, 0.0, 1.0]
-    assert round_time([100.0, 100.0, 100.0, 1000.0], fast, 3, 1.0) == pytest.approx(0.01)
+    assert fast[3] == MAX_SHARE / 4 and fast[:3] == pytest.approx([1 / 6] * 3)
+
+
+@pytest.mark.attack("H-rates")
+def test_no_rate_however_large_gives_a_member_more_than_the_bound() -> None:
+    """A member announcing 1e12 B/s (or 1.7e308: its sums overflowed) owned the whole vector;
+    now no weight passes MAX_SHARE / n, and the others share the rest by their rates."""
+    for huge in (1e12, 1.7e308, 1e15):
+        for m in (4, 2 + 1):  # a replica among four; an aggregator after three replicas
+            rates = [10 * MBIT, 20 * MBIT, 30 * MBIT, huge]
+            weights = water_fill(rates, m)
+            assert max(weights) <= MAX_SHARE / 4 and sum(weights) == pytest.approx(1.0)
+            assert weights[0] <= weights[1] <= weights[2] <= weights[3] == MAX_SHARE / 4
+    eight = water_fill([10 * MBIT] * 3 + [1.7e308] * 8, 3)  # eight aggregators: no overflow
+    assert max(eight) <= MAX_SHARE / 11 and sum(eight) == pytest.approx(1.0)
 
 
 def test_two_contributors_and_an_aggregator_own_halves() -> None:
@@ -106,7 +122,7 @@ def test_members_that_must_not_own_are_clients_unless_no_one_else_could() -> Non
     assert water_fill([5.0, 9.0], clients={0, 1}) == [0.5, 0.5]
     weights = water_fill([10.0, 100.0, 50.0, 100.0, 20.0], clients={3})
     assert weights[3] == 0 and sum(weights) == pytest.approx(1)
-    assert weights[1] > weights[2] > 0
+    assert weights[1] >= weights[2] > 0  # both at the bound, 2/4
 
 
 def test_bad_rates_and_contributors_are_refused() -> None:

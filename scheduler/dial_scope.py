@@ -1,0 +1,74 @@
+"""Where the dial-back may dial (issue 54, M-scan): it dials what a peer announces, so without a
+scope it is a port scanner a peer aims, at the scheduler's own loopback, its LAN, or through any
+relay it names. `DialScope` refuses, before any connection, an address whose host is not public
+(loopback, private, link-local, shared, reserved or documentation ranges: `ipaddress`'s
+`is_global`), a name resolving to one included, unless the operator allows private ranges
+(`swarm scheduler --dial-private`, for a swarm on one LAN or one machine, and the tests' and
+benchmarks' networks). The relay a peer names is dialled only under the same rule; the peer's own
+address behind it is the relay's to reach, among the peers attached to it.
+
+`DialPace` spaces one peer's checks: a peer changing its announced address or relay at every
+announcement is checked at most once per `min_interval_s`, so it cannot make the scheduler dial
+faster than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+
+__all__ = ["NOT_DIALLED", "DialPace", "DialScope"]
+
+NOT_DIALLED = "not dialled"  # how a refusal's text begins (`scheduler.dial_causes`)
+
+
+class DialScope:
+    """Which hosts the dial-back may dial: public ones, and private ranges only with
+    `allow_private` (the operator's --dial-private)."""
+
+    def __init__(self, allow_private: bool = False) -> None:
+        self.allow_private = allow_private
+
+    async def refuses(self, address: str) -> str | None:
+        """None when `address` ("host:port") may be dialled; else why not, in words beginning
+        with `NOT_DIALLED`. A name is resolved here (a name that resolves nowhere is dialled:
+        the dial says it fails)."""
+        if self.allow_private:
+            return None
+        host = address.rpartition(":")[0].strip("[]") or address
+        try:
+            found = [ipaddress.ip_address(host)]
+        except ValueError:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(
+                    host, None, type=socket.SOCK_STREAM
+                )
+            except OSError:
+                return None
+            found = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
+        private = [ip for ip in found if not ip.is_global]
+        if not private:
+            return None
+        return (
+            f"{NOT_DIALLED}: {host} is a private address ({private[0]}), and this scheduler "
+            "dials only public ones (--dial-private allows private ranges)"
+        )
+
+
+class DialPace:
+    """When each peer may next be dialled: `min_interval_s` after its last check began."""
+
+    def __init__(self, min_interval_s: float) -> None:
+        self.min_interval_s = min_interval_s
+        self._last: dict[str, float] = {}
+
+    def earliest(self, peer: str, now: float) -> float:
+        last = self._last.get(peer)
+        return now if last is None else max(now, last + self.min_interval_s)
+
+    def began(self, peer: str, now: float) -> None:
+        self._last[peer] = now
+
+    def forget(self, peer: str) -> None:
+        self._last.pop(peer, None)
