@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from scheduler.data_root import check_data_root
+from scheduler.dial_scope import private_swarm
 from scheduler.store_file import hold
 from swarm.bus.flags import add_login_flags, scheduler_token
 from swarm.flags import (
@@ -147,13 +148,17 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "(run near the data, or where the scheduler's machine is small) train, and a job waits "
         "for one",
     )
-    add_switch(
+    add_flag(
         p,
-        "dial-private",
-        "let the dial-back dial peers (and relays) at private, loopback or other non-public "
-        "addresses: a swarm within one LAN or one machine. Without it a peer cannot aim the "
-        "scheduler's dials at its own network",
+        "dial-scope",
+        "auto",
+        "where the dial-back may dial peers (and relays): 'public' addresses only, so that a "
+        "peer cannot aim the scheduler's dials at its own network; 'any' address, private and "
+        "loopback too (a swarm within one LAN or one machine); 'auto': 'any' when the "
+        "scheduler itself announces a private or loopback address, else 'public'",
+        choices=("auto", "public", "any"),
     )
+    add_switch(p, "dial-private", "the same as --dial-scope any")
     add_token(p)
     add_insecure_no_token(p)
     add_login_flags(p)
@@ -220,10 +225,18 @@ def _run(args: argparse.Namespace) -> None:
         max_submits_per_minute=args.max_submits_per_minute or None,
         max_stage_bytes=args.max_stage_bytes,
         embedded_trainer=not args.no_embedded_trainer,
-        dial_private=args.dial_private,
+        dial_private=_dial_private(args),
         min_replicas=args.min_replicas,
     )
     asyncio.run(run_scheduler(opts))
+
+
+def _dial_private(args: argparse.Namespace) -> bool:
+    """Whether the dial-back may dial private ranges (`--dial-scope`): under 'auto', when the
+    scheduler announces a private address it heads a private swarm, its peers' private too."""
+    if args.dial_private or args.dial_scope == "any":
+        return True
+    return args.dial_scope == "auto" and private_swarm(args.announce_host or args.host)
 
 
 def _submitter_token(args: argparse.Namespace) -> int:

@@ -4,8 +4,10 @@ relay it names. `DialScope` refuses, before any connection, an address whose hos
 (loopback, private, link-local, shared, reserved or documentation ranges: `ipaddress`'s
 `is_global`), a name resolving to one included, unless the operator allows private ranges
 (`swarm scheduler --dial-private`, for a swarm on one LAN or one machine, and the tests' and
-benchmarks' networks). The relay a peer names is dialled only under the same rule; the peer's own
-address behind it is the relay's to reach, among the peers attached to it.
+benchmarks' networks; a scheduler that itself announces a loopback or private address heads such
+a swarm and allows them by itself: `private_swarm`). The relay a peer names is dialled only
+under the same rule; the peer's own address behind it is the relay's to reach, among the peers
+attached to it.
 
 `DialPace` spaces one peer's checks: a peer changing its announced address or relay at every
 announcement is checked at most once per `min_interval_s`, so it cannot make the scheduler dial
@@ -18,7 +20,7 @@ import asyncio
 import ipaddress
 import socket
 
-__all__ = ["NOT_DIALLED", "DialPace", "DialScope"]
+__all__ = ["NOT_DIALLED", "DialPace", "DialScope", "private_swarm"]
 
 NOT_DIALLED = "not dialled"  # how a refusal's text begins (`scheduler.dial_causes`)
 
@@ -54,6 +56,22 @@ class DialScope:
             f"{NOT_DIALLED}: {host} is a private address ({private[0]}), and this scheduler "
             "dials only public ones (--dial-private allows private ranges)"
         )
+
+
+def private_swarm(announced_host: str) -> bool:
+    """Whether a scheduler announced at `announced_host` heads a swarm of one machine or one LAN
+    (a loopback or private address, `localhost`): its peers' addresses are private too, and
+    nothing it could be aimed at lies outside the network it already shares with them, so its
+    dial-back may dial private ranges without --dial-private. A public address or a name (a
+    swarm others join from the internet) keeps the dial-back to public addresses."""
+    host = announced_host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name: the swarm's public face
+    return not ip.is_global and not ip.is_unspecified
 
 
 class DialPace:

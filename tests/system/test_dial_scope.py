@@ -1,9 +1,10 @@
-"""Issue 54, M-scan: the dial-back is no port scanner. A scheduler process started without
-`--dial-private` dials no private or loopback address a peer announces: a real stage server on
-this machine's loopback is reported UNREACHABLE, "a private address, not dialled", with the
-remedy, in `swarm status` and in the peer's own log, which reads the cause only. (Before, the
-scheduler dialled whatever a peer announced, its own loopback included, and handed the peer
-the raw gRPC error.)"""
+"""Issue 54, M-scan: the dial-back is no port scanner. A scheduler process whose dial-back keeps to
+public addresses (`--dial-scope public`, what 'auto' chooses for a scheduler that announces a
+public address or a name) dials no private or loopback address a peer announces: a real stage
+server on this machine's loopback is reported UNREACHABLE, "a private address, not dialled",
+with the remedy, in `swarm status` and in the peer's own log, which reads the cause only.
+(Before, the scheduler dialled whatever a peer announced, its own loopback included, and handed
+the peer the raw gRPC error.)"""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.attack("M-
 def test_a_scheduler_without_dial_private_dials_no_loopback_address(tmp_path: Path) -> None:
     job = write_job(tmp_path, training={"stages": 1, "steps": 100_000})
     sw, _ = start_local_swarm(
-        [], log_dir=tmp_path, dial_private=False, env={"SWARM_DIAL_PRIVATE": "0"}
+        [],
+        log_dir=tmp_path,
+        dial_private=False,
+        env={"SWARM_DIAL_PRIVATE": "0"},
+        extra_scheduler=["--dial-scope", "public"],  # 'auto' allows loopback to one on loopback
     )
     try:
         peer = sw.add_peer()  # on 127.0.0.1, announced there
