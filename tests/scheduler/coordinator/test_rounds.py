@@ -271,7 +271,6 @@ async def test_a_coordinator_resuming_where_a_round_was_not_ended_ends_it_first(
     await h.step()  # and the job goes on
 
 
-@pytest.mark.parametrize("claimed", [-5, 10**12])
 class _Lying(stage_pb2_grpc.StageServiceServicer):
     """A hostile peer's StageService: it answers Info as `replica` would, but for the last
     round's end it says it applied (`claimed`)."""
@@ -285,6 +284,7 @@ class _Lying(stage_pb2_grpc.StageServiceServicer):
         return reply
 
 
+@pytest.mark.parametrize("claimed", [-5, 10**12])
 async def test_a_resuming_coordinator_counts_no_samples_a_replica_could_not_have_taken(
     tmp_path: Path, make_harness: MakeHarness, claimed: int
 ) -> None:
