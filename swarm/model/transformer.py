@@ -104,12 +104,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+_Tables = tuple[torch.Tensor, torch.Tensor]  # RoPE's (cos, sin)
+
+
 class LlamaBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, hd = cfg.d_model, cfg.d_model // cfg.n_heads
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, hd
         self.theta = cfg.rope_theta
+        self._rope_tables: dict[tuple[int, torch.dtype, torch.device], _Tables] = {}
         self.attn_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
         self.q = nn.Linear(d, cfg.n_heads * hd, bias=False)
         self.k = nn.Linear(d, cfg.kv_heads * hd, bias=False)
@@ -122,14 +126,21 @@ class LlamaBlock(nn.Module):
 
     def _rope(self, t: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each position's angles, [t, head_dim], computed in float64 (a pure
-        function of the shape: every replica and the reference get the same bits)."""
-        hd = self.head_dim
-        inv_freq = 1.0 / self.theta ** (
-            torch.arange(0, hd, 2, dtype=torch.float64, device=like.device) / hd
-        )
-        angles = torch.outer(torch.arange(t, dtype=torch.float64, device=like.device), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+        function of the shape: every replica and the reference get the same bits), once per
+        (length, dtype, device): a stage call on a GPU would otherwise spend a dozen small
+        kernels a block rebuilding them. Not a buffer: no part of the state."""
+        key = (t, like.dtype, like.device)
+        tables = self._rope_tables.get(key)
+        if tables is None:
+            hd = self.head_dim
+            inv_freq = 1.0 / self.theta ** (
+                torch.arange(0, hd, 2, dtype=torch.float64, device=like.device) / hd
+            )
+            angles = torch.outer(torch.arange(t, dtype=torch.float64, device=like.device), inv_freq)
+            angles = torch.cat((angles, angles), dim=-1)
+            tables = angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+            self._rope_tables[key] = tables
+        return tables
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -139,10 +150,10 @@ class LlamaBlock(nn.Module):
         v = self.v(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = self._rope(t, q)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        if self.n_kv != self.n_heads:  # query head i reads key/value head i // group
-            group = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query: query head i reads key/value head i // (n_heads / n_kv) inside the
+        # attention kernel, no key/value copied out per query head.
+        gqa = self.n_kv != self.n_heads
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         x = x + self.o(att.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))

@@ -203,6 +203,26 @@ def test_grouped_query_attention_is_full_attention_with_shared_key_value_heads(
     torch.testing.assert_close(full(ids), grouped(ids), rtol=0, atol=1e-12)
 
 
+def test_rope_tables_are_built_once_per_length_and_are_those_computed_afresh(
+    tmp_path: Path,
+) -> None:
+    model = build_model(make_job(tmp_path, model=LLAMA))
+    block = model.layers["1"]
+    like = torch.zeros(1, dtype=torch.float32)
+    cos, sin = block._rope(16, like)
+    again = block._rope(16, like)
+    assert again[0] is cos and again[1] is sin  # cached, not rebuilt per call
+    hd = block.head_dim
+    inv = 1.0 / block.theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angles = torch.outer(torch.arange(16, dtype=torch.float64), inv)
+    angles = torch.cat((angles, angles), dim=-1)
+    assert torch.equal(cos, angles.cos().float()) and torch.equal(sin, angles.sin().float())
+    shorter = block._rope(9, like)  # another length has its own tables
+    assert shorter[0].shape == (9, hd) and torch.equal(shorter[0], cos[:9])
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(model(ids), model(ids))  # the cache changes no result
+
+
 def test_llama_keys_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.n_kv_heads"):
         make_job(tmp_path, model=LLAMA | {"n_kv_heads": 3})
