@@ -26,7 +26,7 @@ from swarm.job.fingerprint import fingerprint
 from swarm.net.addresses import announced_host, host_port
 from swarm.net.ports import PortInUse
 from swarm.net.tokens import add_port
-from swarm.ops.devices import peak_memory
+from swarm.ops.devices import evictions_line, peak_memory
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
 from swarm.ops.rated import RatedLog
@@ -275,4 +275,5 @@ async def run_stage_server(job: JobConfig, opts: StageServerOptions, throttle: f
     peak = peak_memory(rt.device)  # what it took of the GPU: read by bench/gpu_check.sh
     if peak:
         log.info("stage %d: %s", opts.stage, peak)
+    log.info("stage %d: %s", opts.stage, evictions_line(rt.cache_evictions))
     sys.stdout.flush()

@@ -55,6 +55,7 @@ class ActivationCache:
     def __init__(self) -> None:
         self._entries: OrderedDict[Key, tuple[Entry, int]] = OrderedDict()
         self.bytes = 0  # the kept microbatches' footprints, summed
+        self.evictions = 0  # microbatches dropped to the bounds: each costs its Backward a forward
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[Footprint]:
@@ -100,6 +101,7 @@ class ActivationCache:
         self.bytes += nbytes
         while self._entries and (len(self._entries) > count or self.bytes > max_bytes):
             self.pop(next(iter(self._entries)))  # the oldest; its Backward will recompute
+            self.evictions += 1
         if nbytes > max_bytes:
             _rated.warning(
                 "one-above-bound",

@@ -149,6 +149,12 @@ class StageRuntime:
         )
         return out.detach()
 
+    @property
+    def cache_evictions(self) -> int:
+        """Microbatches whose activations the cache dropped to its bounds (each Backward of one
+        recomputes its forward): logged as the server stops, read by bench/gpu_ratio.py."""
+        return self._cache.evictions
+
     def backward(
         self,
         step: int,

@@ -24,12 +24,14 @@ __all__ = [
     "TorchFacts",
     "apply_matmul_precision",
     "describe_devices",
+    "evictions_line",
     "find_device",
     "free_memory",
     "host_available",
     "missing_kernels",
     "peak_line",
     "peak_memory",
+    "read_evictions",
     "read_peak",
     "resolve_device",
     "use_device",
@@ -253,6 +255,20 @@ _PEAK = re.compile(r"device \S+: at most (\d+) B allocated \(max_memory_allocate
 def read_peak(log: str) -> int | None:
     """The bytes the last `peak_memory` line in a process's log says it allocated at most."""
     found = _PEAK.findall(log)
+    return int(found[-1]) if found else None
+
+
+def evictions_line(evictions: int) -> str:
+    """The line a stage server logs as it stops, which `read_evictions` reads back."""
+    return f"the activation cache evicted {evictions} microbatches (their Backward recomputed)"
+
+
+_EVICTIONS = re.compile(r"the activation cache evicted (\d+) microbatches")
+
+
+def read_evictions(log: str) -> int | None:
+    """The evictions the last `evictions_line` in a process's log counts (None: none logged)."""
+    found = _EVICTIONS.findall(log)
     return int(found[-1]) if found else None
 
 

@@ -35,6 +35,7 @@ def test_the_graphs_of_forwards_dropped_past_the_bound_are_freed(tmp_path: Path)
     for index in range(2, 6):  # (0, 1) is dropped by the count bound
         rt.forward(0, index, inputs)
     assert sorted(rt._cache) == [(0, 4), (0, 5)]
+    assert rt.cache_evictions == 4  # (0, 0)..(0, 3), each dropped to the count bound
     gc.collect()
     alive = [r() for r in graph if r() is not None]
     assert not alive, f"{len(alive)} of {len(graph)} tensors of a dropped forward are still alive"
