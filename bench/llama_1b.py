@@ -230,6 +230,11 @@ def _override(text: str, args: argparse.Namespace) -> str:
     ):
         if value is not None:
             keys[key] = value
+    return set_keys(text, keys)
+
+
+def set_keys(text: str, keys: dict[str, object]) -> str:
+    """The example's job text with `keys` (each one line `key = value` in it) set."""
     for key, value in keys.items():
         text, n = re.subn(rf"(?m)^{key} = [^#\n]*", f"{key} = {value} ", text)
         if n != 1:
