@@ -10,7 +10,9 @@ and runs this): one that fails or hangs is reported and the next still runs.
 4. train fp32 / 5. train bf16-mixed: 2 stages x 2 replicas against the CPU reference
    (bench/gpu_train_check.py), each stage's replicas bitwise equal, tokens/s and device memory
    per process;
-6. llama-1b: the 1B example (bench/llama_1b.py) in bf16-mixed: tokens/s, MFU, device memory.
+6. llama-1b: the 1B example (bench/llama_1b.py) in bf16-mixed: tokens/s, MFU, device memory;
+7. gpu ratio: swarm against single-process torch on the device (bench/gpu_ratio.py), the
+   short shape (the long one: run bench/gpu_ratio.py alone).
 
 Every part prints PASS or FAIL with its figures; the summary goes to $OUT/gpu_check.txt when OUT
 is set (rewritten after each part, so a run cut short still leaves what it found), with each
@@ -137,6 +139,7 @@ class Check:
                 self._judge_train,
             ),
             Part("llama-1b", 300, self._llama, self._judge_llama),
+            Part("gpu ratio", 300, self._ratio, self._judge_ratio),
         ]
 
     def _judge_env(self, code: int, output: str) -> tuple[bool, str]:
@@ -298,6 +301,24 @@ class Check:
             return False, f"{text}\n{tail(output)}"
         return True, text
 
+    def _ratio(self) -> list[str]:
+        cmd = [PY, str(ROOT / "bench" / "gpu_ratio.py"), "--device", self.device]
+        if self.args.quick:
+            return [*cmd, "--cpu-tiny", "--shapes", "short", "--warmup", "1", "--steps", "2"]
+        peak = self._peak_tflops()
+        cmd += ["--shapes", "short", "--warmup", "2", "--steps", "4"]
+        return cmd + (["--peak-tflops", str(peak)] if peak else [])
+
+    def _judge_ratio(self, code: int, output: str) -> tuple[bool, str]:
+        r = result(output)
+        tables = [x for x in output.splitlines() if x.startswith(("|", "###"))]
+        text = "\n".join("    " + x for x in tables)
+        if r is None:
+            return False, f"no result (exit {code}):\n{tail(output, 30)}"
+        if code or r["failures"]:
+            return False, text + "\n    " + "\n    ".join(r["failures"] or [f"exit {code}"])
+        return True, "swarm against torch on the same device\n" + text
+
     # --- running -----------------------------------------------------------------------------
 
     def run_part(self, part: Part, deadline: float) -> None:
@@ -391,11 +412,11 @@ def main() -> int:
     parser.add_argument("--device", default="cuda:0", help="cuda:N or cpu")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, parts side by side (CI)")
     parser.add_argument(
-        "--budget-s", type=float, default=None, help="seconds for all parts (330; quick: 150)"
+        "--budget-s", type=float, default=None, help="seconds for all parts (560; quick: 200)"
     )
     args = parser.parse_args()
     if args.budget_s is None:
-        args.budget_s = 150.0 if args.quick else 330.0
+        args.budget_s = 200.0 if args.quick else 560.0
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         parser.error(f"--device {args.device!r}: cpu or cuda:N")
     return Check(args).run()

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from swarm.errors import ConfigError, InvalidArgument
+from swarm.model.flat import flat_view  # re-exported: the averaging's readers ask it here
 
 __all__ = ["flat_view", "flatten", "split_parts", "unflatten"]
 
@@ -24,20 +25,6 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if whole is not None:
         return whole
     return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The 1-D view over `tensors` when each is contiguous and starts where the one before it
-    ends, in one storage; else None."""
-    first = tensors[0].detach()
-    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for t in tensors:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage:
-            return None
-        if t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    return first.as_strided((offset - first.storage_offset(),), (1,))
 
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

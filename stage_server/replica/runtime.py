@@ -34,7 +34,7 @@ from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgume
 from swarm.job.config import JobConfig
 from swarm.job.rule import RuleKind, rule_of
 from swarm.model import stage_state
-from swarm.model.optim import build_optimizer, grad_sq_norm, update
+from swarm.model.optim import build_optimizer, grad_sq_norm, scale_grads, update
 from swarm.model.transformer import (
     DTYPES,
     build_stage,
@@ -342,10 +342,12 @@ class StageRuntime:
         # (the step-eager round keeps them for the step's end, which applies them)
         if not self.round.keeps(grad_sums, total_samples) and total_samples > 0:
             # (a local step without samples, pool.mode = "local", moves nothing)
+            # In place: the prepared sums are this step's alone (a retried APPLY of an applied
+            # step changes nothing), so the mean takes no memory of its own; one kernel over
+            # the flat sums, then the clipping's in `update`.
+            scale_grads(grad_sums, total_samples)
             for p, g in zip(self.params, grad_sums, strict=True):
-                # In place: the prepared sums are this step's alone (a retried APPLY of an
-                # applied step changes nothing), so the mean takes no memory of its own.
-                p.grad = g.div_(total_samples)
+                p.grad = g
             update(self.optimizer, self.job, self.step, scale)
             self.round.took(total_samples)
         self.applied = (self.step, scale)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from stage_server.averaging.flat import flat_view
 from stage_server.averaging.spill import Spill, SpillFile
+from swarm.model.flat import flat_copy, flat_view
 
-__all__ = ["Receipt", "StepSums", "Sums", "flat_copy"]
+__all__ = ["Receipt", "StepSums", "Sums"]
 
 
 @dataclass(frozen=True)
@@ -168,22 +168,3 @@ class Sums:
 
     def unprepare(self) -> None:
         self._prepared = None
-
-
-def flat_copy(tensors: Sequence[torch.Tensor], fill: float | None = None) -> list[torch.Tensor]:
-    """Copies of `tensors` (or, with `fill`, tensors like them holding that value) as views of
-    one flat tensor, when they share a dtype and device (else one tensor each)."""
-    if len({(t.dtype, t.device) for t in tensors}) != 1:
-        return [t.detach().clone() if fill is None else torch.full_like(t, fill) for t in tensors]
-    first = tensors[0]
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)
-    if fill is not None:
-        flat.fill_(fill)
-    views, start = [], 0
-    for t in tensors:
-        view = flat[start : start + t.numel()].view(t.shape)
-        if fill is None:
-            view.copy_(t.detach())
-        views.append(view)
-        start += t.numel()
-    return views

@@ -12,15 +12,18 @@ import torch
 from swarm.errors import NonFiniteGradient
 from swarm.job.config import JobConfig, OptimizerConfig
 from swarm.job.rule import rule_of
+from swarm.model.flat import flat_view
 
 __all__ = [
     "NORM_PIECE",
+    "NORM_ROWS",
     "build_optimizer",
     "clip_scale",
     "computes_on",
     "grad_sq_norm",
     "is_boundary",
     "lr_at",
+    "scale_grads",
     "update",
 ]
 
@@ -88,26 +91,52 @@ def is_boundary(job: JobConfig, step: int) -> bool:
     return rule_of(job).is_boundary(step, job.training.steps)
 
 
-# Elements of a gradient squared at once: a tensor up to this size is one sum, as it always
-# was; a larger one is summed in pieces of this size, so the float64 squares a norm makes are
-# 16 MiB at most, not twice the largest tensor's size in float64 (at a commit's peak, beside
-# the step's sums and the pool's total: 0.6 GiB for a 41M-element matrix).
+# Elements of a gradient squared into one partial sum. The float64 squares the norm makes are
+# NORM_ROWS pieces at a time: 128 MiB at most, not the whole gradient's size again in float64
+# (0.6 GiB for a 41M-element matrix), and a few kernels a chunk rather than a few a piece (a
+# 243M-parameter stage took ~1,300 launches piece by piece, ~45 this way).
 NORM_PIECE = 1 << 20
+NORM_ROWS = 16
 
 
 def grad_sq_norm(grads: Iterable[torch.Tensor]) -> float:
-    """The squared L2 norm of a stage's gradient, summed tensor by tensor in parameter order (in
-    float64, whatever the training dtype; a tensor over NORM_PIECE elements piece by piece), as
-    every replica and the reference compute it. The running total stays on the gradients'
-    device and is read once at the end: on a GPU one synchronization, not one per piece (the
-    same float64 additions in the same order as adding Python floats, so the same result)."""
-    total: torch.Tensor | None = None
-    for g in grads:
-        flat = g.detach().reshape(-1)
-        for start in range(0, max(flat.numel(), 1), NORM_PIECE):
-            piece = flat[start : start + NORM_PIECE].double().square().sum()
-            total = piece if total is None else total + piece
-    return 0.0 if total is None else float(total)
+    """The squared L2 norm of a stage's gradient in float64, whatever the training dtype, as
+    every replica and the reference compute it: over the tensors laid end to end in parameter
+    order (a view when they already are, as a replica's sums and the reference's gradients are;
+    else one copy), each NORM_PIECE consecutive elements' squares summed, and those partial sums
+    summed. A function of the values alone, not of how they are cut into tensors. Read once at
+    the end: on a GPU one synchronization."""
+    tensors = [g.detach() for g in grads]
+    if not tensors or sum(t.numel() for t in tensors) == 0:
+        return 0.0
+    flat = flat_view(tensors)
+    if flat is None:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+    partial: list[torch.Tensor] = []
+    chunk = NORM_PIECE * NORM_ROWS
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start : start + chunk]
+        whole = part.numel() - part.numel() % NORM_PIECE
+        if whole:
+            rows = part[:whole].view(-1, NORM_PIECE).double()
+            partial.append(rows.square_().sum(dim=1))
+        if whole < part.numel():
+            partial.append(part[whole:].double().square_().sum().reshape(1))
+    return float(torch.cat(partial).sum())
+
+
+def scale_grads(grads: Sequence[torch.Tensor], divisor: float, scale: float = 1.0) -> None:
+    """`grads` divided by `divisor`, then (when not 1) multiplied by `scale`, in place: the step's
+    mean and its clipping, the same two roundings of each element wherever it is done, in one
+    kernel each over the flat tensor when the gradients lie end to end (else one a tensor)."""
+    if not grads:
+        return
+    flat = flat_view(grads)
+    for g in [flat] if flat is not None else grads:
+        if divisor != 1.0:  # x / 1 is x: no kernel for it
+            g.div_(divisor)
+        if scale != 1.0:
+            g.mul_(scale)
 
 
 def clip_scale(stage_sq_norms: Sequence[float], max_norm: float) -> float:
@@ -134,8 +163,6 @@ def update(optimizer: torch.optim.Optimizer, job: JobConfig, step: int, scale: f
     for group in optimizer.param_groups:
         group["lr"] = lr
         if scale != 1.0:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            scale_grads([p.grad for p in group["params"] if p.grad is not None], 1.0, scale)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -13,7 +13,15 @@ import torch
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import VAL_STEP, DataSource, make_data, make_val_data
-from swarm.model.optim import build_optimizer, clip_scale, computes_on, grad_sq_norm, update
+from swarm.model.flat import flat_copy
+from swarm.model.optim import (
+    build_optimizer,
+    clip_scale,
+    computes_on,
+    grad_sq_norm,
+    scale_grads,
+    update,
+)
 from swarm.model.transformer import (
     StageModule,
     build_model,
@@ -54,6 +62,10 @@ def train_local(
         start, total_loss, samples = time.perf_counter(), 0.0, 0
         weights = stale if computes_on(job, step) < step else None
         val_loss = evaluate(job, model, val, device, weights) if val and step % every == 0 else None
+        # Each stage's gradients lie end to end, as a replica's sums do (starting at -0.0,
+        # which the first gradient added leaves as that gradient's own bits): its norm and
+        # scaling are then a few kernels over one flat tensor, as the replica's are.
+        flat_grads(stages if weights is None else [list(weights.values())])
         for index in range(m):
             inputs, targets = (t.to(device) for t in data.microbatch(step, index))
             with precision(job, device):
@@ -66,7 +78,8 @@ def train_local(
                 p.grad = weights[name].grad
                 weights[name].grad = None
             assert p.grad is not None
-            p.grad.div_(samples)
+        for stage in stages:  # the step's mean: a kernel a stage
+            scale_grads([p.grad for p in stage if p.grad is not None], samples)
         if rule_of(job).delays:
             named = model.named_parameters()
             stale = {n: p.detach().clone().requires_grad_(True) for n, p in named}
@@ -83,6 +96,15 @@ def train_local(
         if on_step:
             on_step(StepRecord(total, math.nan, 0, time.perf_counter() - start, val_loss=val_loss))
     return model
+
+
+def flat_grads(groups: list[list[torch.Tensor]]) -> None:
+    """Give each group's parameters `.grad`s that lie end to end in one tensor of -0.0, which
+    backward adds into in place (as a replica's step sums)."""
+    for group in groups:
+        if group:
+            for p, g in zip(group, flat_copy(group, fill=-0.0), strict=True):
+                p.grad = g
 
 
 def _run(

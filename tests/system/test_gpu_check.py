@@ -36,7 +36,7 @@ def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     summary = (tmp_path / "out" / "gpu_check.txt").read_text()
-    assert "6 of 6 parts passed" in summary, summary
+    assert "7 of 7 parts passed" in summary, summary
     for part in (
         "environment",
         "doctor",
@@ -44,6 +44,7 @@ def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
         "train fp32",
         "train bf16-mixed",
         "llama-1b",
+        "gpu ratio",
     ):
         assert f"PASS    {part} (" in summary, summary
     # the tests that need CUDA: skipped here (no GPU asked), none failed
@@ -51,6 +52,7 @@ def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
     assert "against the CPU reference: loss" in summary and "tokens/s" in summary
     # each stage's replicas downloaded after training: bitwise equal (the claim GPU hosts check)
     assert summary.count("replicas of each stage bitwise equal: yes") == 2, summary
+    assert "swarm against torch on the same device" in summary and "| swarm | " in summary
     assert (tmp_path / "out" / "gpu_check_logs" / "train-fp32.log").exists()
 
 

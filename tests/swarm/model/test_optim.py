@@ -10,7 +10,16 @@ import torch
 
 from swarm.errors import NonFiniteGradient
 from swarm.job.config import OptimizerConfig
-from swarm.model.optim import NORM_PIECE, build_optimizer, clip_scale, grad_sq_norm, lr_at
+from swarm.model.flat import flat_view
+from swarm.model.optim import (
+    NORM_PIECE,
+    NORM_ROWS,
+    build_optimizer,
+    clip_scale,
+    grad_sq_norm,
+    lr_at,
+    scale_grads,
+)
 
 
 def _opt(**kw: object) -> OptimizerConfig:
@@ -78,21 +87,75 @@ def test_a_non_finite_norm_has_no_clipping_coefficient(bad: float, max_norm: flo
         clip_scale([4.0, bad], max_norm)
 
 
-def test_a_tensor_up_to_a_piece_is_one_sum_and_a_larger_one_is_summed_in_pieces() -> None:
+def _pieces_summed(values: torch.Tensor) -> float:
+    """The definition, written out: each NORM_PIECE elements' float64 squares summed, then
+    those partial sums summed (in one tensor sum)."""
+    parts = [p.double().square().sum() for p in values.reshape(-1).split(NORM_PIECE)]
+    return float(torch.stack(parts).sum())
+
+
+def test_the_norm_sums_pieces_of_the_gradient_laid_end_to_end() -> None:
     gen = torch.Generator().manual_seed(0)
     small = torch.randn(NORM_PIECE, generator=gen)
     large = torch.randn(2 * NORM_PIECE + 7, generator=gen)
     # up to a piece: the same bits as the one sum it always was
     assert grad_sq_norm([small]) == float(small.double().square().sum())
-    pieces = [large[i : i + NORM_PIECE] for i in range(0, large.numel(), NORM_PIECE)]
-    assert len(pieces) == 3
-    assert grad_sq_norm([large]) == sum(float(p.double().square().sum()) for p in pieces)
+    assert grad_sq_norm([large]) == _pieces_summed(large)
     assert grad_sq_norm([large]) == pytest.approx(float(large.double().square().sum()), rel=1e-12)
     for bad in (float("inf"), float("nan")):  # in a later piece: still seen
         broken = large.clone()
         broken[-1] = bad
         assert not math.isfinite(grad_sq_norm([broken]))
     assert grad_sq_norm([torch.tensor(2.0), torch.empty(0)]) == 4.0  # 0-dim and empty
+    assert grad_sq_norm([]) == 0.0 and grad_sq_norm([torch.empty(0)]) == 0.0
+
+
+def test_the_norm_is_the_same_bits_however_the_gradient_is_cut_and_held() -> None:
+    """A replica's sums are views of one flat tensor; the reference's gradients too, or (with
+    delayed updates) tensors of their own: the same values give the same norm either way."""
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(NORM_ROWS * NORM_PIECE + 3 * NORM_PIECE + 11, generator=gen)
+    sizes = [5, NORM_PIECE - 3, 2 * NORM_PIECE + 1, values.numel() - 3 * NORM_PIECE - 3]
+    views = list(values.split(sizes))  # laid end to end: one view, no copy
+    apart = [v.clone() for v in views]  # each its own: copied end to end once
+    assert flat_view(views) is not None and flat_view(apart) is None
+    assert grad_sq_norm(views) == grad_sq_norm(apart) == _pieces_summed(values)
+
+
+def test_the_mean_and_the_clipping_are_a_kernel_each_over_flat_gradients() -> None:
+    gen = torch.Generator().manual_seed(4)
+    flat = torch.randn(1000, dtype=torch.float64, generator=gen)
+    grads = list(flat.split([10, 300, 690]))
+    apart = [g.clone() for g in grads]
+    with _Calls() as mode:
+        scale_grads(grads, 7.0, 0.5)
+    assert mode.calls.count("div_") == 1 and mode.calls.count("mul_") == 1
+    scale_grads(apart, 7.0, 0.5)  # one a tensor, the same two roundings of each element
+    assert all(torch.equal(a, b) for a, b in zip(apart, grads, strict=True))
+    assert torch.equal(flat[:10], apart[0])
+
+
+class _Calls(torch.overrides.TorchFunctionMode):
+    """The names of the torch functions called inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_large_stages_norm_is_a_few_kernels_not_a_few_a_piece() -> None:
+    """Before: ~5 calls per 1M-element piece (~1,300 for a 243M-parameter stage on a GPU, each
+    a kernel launch); now a few per NORM_ROWS pieces."""
+    flat = torch.zeros(40 * NORM_PIECE)
+    grads = list(flat.split([NORM_PIECE // 2] * 80))  # 80 tensors, 40 pieces, end to end
+    with _Calls() as mode:
+        grad_sq_norm(grads)
+    kernels = [c for c in mode.calls if c in ("double", "square_", "square", "sum", "cat", "add")]
+    assert len(kernels) <= 12, kernels  # 3 chunks of 16 pieces: 3 each, and the total's 2
 
 
 class _Reads(torch.overrides.TorchFunctionMode):
@@ -117,12 +180,7 @@ def test_a_stages_norm_reads_the_device_once() -> None:
     with _Reads() as mode:
         total = grad_sq_norm(grads)
     assert mode.reads == 1
-    # the same float64 additions in the same order as summing each piece's float: the same bits
-    pieces = [p for g in grads for p in g.split(NORM_PIECE)]
-    expected = 0.0
-    for p in pieces:
-        expected += float(p.double().square().sum())
-    assert total == expected
+    assert total == _pieces_summed(torch.cat(grads))
 
 
 def test_on_a_cpu_adamw_takes_the_per_tensor_path() -> None:
