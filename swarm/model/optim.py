@@ -118,11 +118,17 @@ def grad_sq_norm(grads: Iterable[torch.Tensor]) -> float:
         part = flat[start : start + chunk]
         whole = part.numel() - part.numel() % NORM_PIECE
         if whole:
-            rows = part[:whole].view(-1, NORM_PIECE).double()
+            rows = _float64_copy(part[:whole].view(-1, NORM_PIECE))
             partial.append(rows.square_().sum(dim=1))
         if whole < part.numel():
-            partial.append(part[whole:].double().square_().sum().reshape(1))
+            partial.append(_float64_copy(part[whole:]).square_().sum().reshape(1))
     return float(torch.cat(partial).sum())
+
+
+def _float64_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float64, always a copy (squared in place next: a float64 gradient's own
+    `.double()` is itself)."""
+    return t.to(torch.float64, copy=True)
 
 
 def scale_grads(grads: Sequence[torch.Tensor], divisor: float, scale: float = 1.0) -> None:

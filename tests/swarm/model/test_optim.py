@@ -107,6 +107,10 @@ def test_the_norm_sums_pieces_of_the_gradient_laid_end_to_end() -> None:
         broken[-1] = bad
         assert not math.isfinite(grad_sq_norm([broken]))
     assert grad_sq_norm([torch.tensor(2.0), torch.empty(0)]) == 4.0  # 0-dim and empty
+    as_is = large.double()
+    kept = as_is.clone()
+    assert grad_sq_norm([as_is]) == _pieces_summed(kept)
+    assert torch.equal(as_is, kept)  # a float64 gradient is read, never squared in place
     assert grad_sq_norm([]) == 0.0 and grad_sq_norm([torch.empty(0)]) == 0.0
 
 
@@ -154,7 +158,7 @@ def test_a_large_stages_norm_is_a_few_kernels_not_a_few_a_piece() -> None:
     grads = list(flat.split([NORM_PIECE // 2] * 80))  # 80 tensors, 40 pieces, end to end
     with _Calls() as mode:
         grad_sq_norm(grads)
-    kernels = [c for c in mode.calls if c in ("double", "square_", "square", "sum", "cat", "add")]
+    kernels = [c for c in mode.calls if c in ("to", "double", "square_", "square", "sum", "cat", "add")]
     assert len(kernels) <= 12, kernels  # 3 chunks of 16 pieces: 3 each, and the total's 2
 
 
