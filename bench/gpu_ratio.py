@@ -326,6 +326,12 @@ def table(shape: str, rows: dict[str, dict], baseline: dict[str, str | None]) ->
     return "\n".join(lines)
 
 
+def faster(rows: dict[str, dict], prefix: str) -> str | None:
+    """The torch run of a kind (`prefix`) with the most tokens/s: the baseline of its ratio."""
+    ok = [p for p in rows if p.startswith(prefix) and "tokens_per_s" in rows[p]]
+    return max(ok, key=lambda p: rows[p]["tokens_per_s"]) if ok else None
+
+
 def compare(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="swarm-gpu-ratio-"))
     compiled = args.compile == "on" or (args.compile == "auto" and args.device.startswith("cuda"))
@@ -356,11 +362,7 @@ def compare(args: argparse.Namespace) -> int:
                     f"{swarm['loss_diff']:.2e} > {tolerance} (relative) or steps missing"
                 )
 
-        def faster(prefix: str) -> str | None:
-            ok = [p for p in rows if p.startswith(prefix) and "tokens_per_s" in rows[p]]
-            return max(ok, key=lambda p: rows[p]["tokens_per_s"]) if ok else None
-
-        baseline = {"(a)": faster("microbatched"), "(b)": faster("pass")}
+        baseline = {"(a)": faster(rows, "microbatched"), "(b)": faster(rows, "pass")}
         print(table(shape, rows, baseline), flush=True)
         report["shapes"][shape] = {"rows": rows, "baseline": baseline}
         for kind, base in baseline.items():

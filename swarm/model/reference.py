@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -98,7 +98,7 @@ def train_local(
     return model
 
 
-def flat_grads(groups: list[list[torch.Tensor]]) -> None:
+def flat_grads(groups: Sequence[Sequence[torch.Tensor]]) -> None:
     """Give each group's parameters `.grad`s that lie end to end in one tensor of -0.0, which
     backward adds into in place (as a replica's step sums)."""
     for group in groups:

@@ -17,9 +17,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def test_the_ratio_bench_runs_on_a_cpu_and_swarm_agrees_with_torch(tmp_path: Path) -> None:
+    bench = [sys.executable, str(ROOT / "bench" / "gpu_ratio.py"), "--cpu-tiny"]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_ratio.py"), "--cpu-tiny", "--shapes", "short"]
-        + ["--warmup", "1", "--steps", "2"],
+        [*bench, "--shapes", "short", "--warmup", "1", "--steps", "2"],
         cwd=ROOT,
         capture_output=True,
         text=True,
