@@ -9,6 +9,13 @@ microbatch's bytes are those its graph saved, counted as the forward saves them 
 `saved_tensors_hooks` that sees each saved tensor, storages counted once), plus its input and
 output; the stage's parameters are not counted (they are held anyway), their bf16 casts under
 autocast are (each microbatch's graph holds its own).
+
+On CUDA no Python runs per saved tensor (a stage call saves hundreds; a hook each is host time
+the GPU waits for): the footprint is what the forward left allocated on the device, the CUDA
+allocator's count after it less before it (saved tensors, casts and output, each storage once,
+as the hooks count them), plus its input. Another thread allocating on the device meanwhile (a
+delayed update's averaging) moves the figure by what it holds at the end: the bound is then
+approximate, never a correctness matter (an eviction costs a recomputation).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 
 from swarm.ops.rated import RatedLog
 
-__all__ = ["ActivationCache", "Footprint"]
+__all__ = ["ActivationCache", "DeviceFootprint", "Footprint", "measured_on_device"]
 
 log = logging.getLogger(__name__)
 _rated = RatedLog(log, every_s=60.0)
@@ -38,6 +45,12 @@ class Footprint:
     def __init__(self) -> None:
         self._storages: dict[int, int] = {}  # data pointer -> bytes
 
+    def add_input(self, t: torch.Tensor) -> None:
+        self.add(t)
+
+    def add_output(self, t: torch.Tensor) -> None:
+        self.add(t)
+
     def add(self, t: torch.Tensor) -> None:
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
             return  # the stage's own (or a view of it: `w.t()`), held whether or not cached
@@ -49,6 +62,35 @@ class Footprint:
         return sum(self._storages.values())
 
 
+class DeviceFootprint:
+    """The bytes a forward on a CUDA device left allocated (`counting`), with its input's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._start = torch.cuda.memory_allocated(device)
+        self._left = 0
+        self._input = 0
+
+    def close(self) -> None:
+        self._left = max(0, torch.cuda.memory_allocated(self.device) - self._start)
+
+    def add_input(self, t: torch.Tensor) -> None:
+        self._input = t.untyped_storage().nbytes()  # allocated before: not in the difference
+
+    def add_output(self, t: torch.Tensor) -> None:
+        """Allocated by the forward: counted already."""
+
+    @property
+    def nbytes(self) -> int:
+        return self._left + self._input
+
+
+def measured_on_device(device: torch.device) -> bool:
+    """Whether a forward on `device` is counted by its allocator (CUDA) rather than by hooks
+    on each saved tensor (elsewhere: no allocator statistics to read)."""
+    return device.type == "cuda"
+
+
 class ActivationCache:
     """`(step, index)` -> `(leaf input, output)`, oldest first, within its bounds (`keep`)."""
 
@@ -58,8 +100,15 @@ class ActivationCache:
         self.evictions = 0  # microbatches dropped to the bounds: each costs its Backward a forward
 
     @contextlib.contextmanager
-    def counting(self) -> Iterator[Footprint]:
-        """Count what the forward run inside saves for its backward."""
+    def counting(self, device: torch.device | None = None) -> Iterator[Footprint | DeviceFootprint]:
+        """Count what the forward run inside (on `device`) saves for its backward."""
+        if device is not None and measured_on_device(device):
+            measured = DeviceFootprint(device)
+            try:
+                yield measured
+            finally:
+                measured.close()
+            return
         footprint = Footprint()
 
         def pack(t: torch.Tensor) -> Saved:
@@ -88,13 +137,13 @@ class ActivationCache:
         key: Key,
         x: torch.Tensor,
         out: torch.Tensor,
-        footprint: Footprint,
+        footprint: Footprint | DeviceFootprint,
         count: int,
         max_bytes: int,
     ) -> None:
         """Keep `key`'s activations, then drop the oldest past `count` or `max_bytes`."""
-        footprint.add(x)
-        footprint.add(out)
+        footprint.add_input(x)
+        footprint.add_output(out)
         nbytes = footprint.nbytes
         self.pop(key)
         self._entries[key] = ((x, out), nbytes)

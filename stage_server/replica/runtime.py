@@ -140,7 +140,7 @@ class StageRuntime:
             torch.enable_grad(),
             precision(self.job, self.device),
             self._named("Forward", x),
-            self._cache.counting() as held,
+            self._cache.counting(self.device) as held,
         ):
             inject(Point.FORWARD_OOM, step)
             out = self._run(step, x)

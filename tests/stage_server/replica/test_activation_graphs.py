@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_server.replica.activation_cache import ActivationCache
+from stage_server.replica.activation_cache import ActivationCache, Footprint, measured_on_device
 from stage_server.replica.runtime import StageRuntime
 from swarm.model.footprint import layer_activation_bytes
+from swarm.model.transformer import precision
 from tests.support.jobs import make_job
 
 
@@ -94,3 +95,42 @@ def test_counting_a_model_on_the_meta_device_keeps_no_graph(tmp_path: Path) -> N
     layer_activation_bytes(job)
     left = [t for t in _live_tensors() if id(t) not in before]
     assert not left, f"{len(left)} meta tensors outlive the count: {[t.shape for t in left]}"
+
+
+def test_a_forward_on_cuda_is_counted_by_its_allocator_and_elsewhere_by_hooks() -> None:
+    assert measured_on_device(torch.device("cuda", 0))
+    assert not measured_on_device(torch.device("cpu"))
+    assert not measured_on_device(torch.device("meta"))
+    with ActivationCache().counting(torch.device("cpu")) as footprint:
+        x = torch.randn(8, dtype=torch.float64, requires_grad=True)
+        y = x.tanh()
+    assert isinstance(footprint, Footprint) and footprint.nbytes == 64  # y, saved by tanh
+    del y
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_allocator_counts_what_the_hooks_would_with_no_python_per_tensor(
+    tmp_path: Path,
+) -> None:
+    job = make_job(tmp_path, training={"precision": "bf16-mixed", "dtype": "float32"})
+    rt = StageRuntime(job, 1, device="cuda:0")
+    inputs = torch.randn(4, 16, 32, device="cuda:0")
+    rt.forward(0, 0, inputs)  # what the stage makes once (RoPE tables, the allocator's pools)
+    hooks = ActivationCache()
+    x = inputs.detach().requires_grad_(True)
+    with torch.enable_grad(), precision(job, rt.device), hooks.counting() as counted:
+        out = rt.module(x)
+    counted.add_input(x)
+    counted.add_output(out)
+    packed = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal packed
+        packed += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rt.forward(0, 1, inputs)  # counted by the allocator: no hook of the cache's runs
+    assert packed > 0  # the innermost hooks win: had the cache set its own, none came here
+    measured = rt._cache._entries[(0, 1)][1]
+    assert measured == pytest.approx(counted.nbytes, rel=0.25), (measured, counted.nbytes)
