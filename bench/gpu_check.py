@@ -12,7 +12,10 @@ and runs this): one that fails or hangs is reported and the next still runs.
    per process;
 6. llama-1b: the 1B example (bench/llama_1b.py) in bf16-mixed: tokens/s, MFU, device memory;
 7. gpu ratio: swarm against single-process torch on the device (bench/gpu_ratio.py), the
-   short shape (the long one: run bench/gpu_ratio.py alone).
+   short shape (`--ratio-shapes short,long` for both).
+
+`--parts "environment,gpu ratio"` runs only the parts named (the environment part names the
+GPU, whose peak the MFU figures need).
 
 Every part prints PASS or FAIL with its figures; the summary goes to $OUT/gpu_check.txt when OUT
 is set (rewritten after each part, so a run cut short still leaves what it found), with each
@@ -110,7 +113,7 @@ class Check:
         self.out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
         self.env: dict[str, Any] = {}
         self.header = ""
-        self.parts = self._parts()
+        self.parts = [p for p in self._parts() if not args.parts or p.name in args.parts]
 
     # --- the parts ---------------------------------------------------------------------------
 
@@ -306,7 +309,7 @@ class Check:
         if self.args.quick:
             return [*cmd, "--cpu-tiny", "--shapes", "short", "--warmup", "1", "--steps", "2"]
         peak = self._peak_tflops()
-        cmd += ["--shapes", "short", "--warmup", "2", "--steps", "4"]
+        cmd += ["--shapes", self.args.ratio_shapes, "--warmup", "2", "--steps", "4"]
         return cmd + (["--peak-tflops", str(peak)] if peak else [])
 
     def _judge_ratio(self, code: int, output: str) -> tuple[bool, str]:
@@ -414,7 +417,14 @@ def main() -> int:
     parser.add_argument(
         "--budget-s", type=float, default=None, help="seconds for all parts (560; quick: 200)"
     )
+    parser.add_argument(
+        "--parts", default="", help="comma-separated part names to run (default: all of them)"
+    )
+    parser.add_argument(
+        "--ratio-shapes", default="short", help="bench/gpu_ratio.py's shapes (short,long)"
+    )
     args = parser.parse_args()
+    args.parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     if args.budget_s is None:
         args.budget_s = 200.0 if args.quick else 560.0
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device check (issue 41): on a GPU host with no package index, with the host's own torch.
 #
-#   bench/gpu_check.sh [--device cuda:0|cpu] [--quick] [--budget-s S]
+#   bench/gpu_check.sh [--device cuda:0|cpu] [--quick] [--budget-s S] [--parts P,Q]
+#       [--ratio-shapes short,long]
 #
 # 1. Installs the wheels carried in .whl/ (bench/gpu_wheels.sh downloads them on a machine with
 #    an index) into a fresh directory put first on PYTHONPATH: those the host lacks, and always

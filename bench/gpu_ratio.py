@@ -241,9 +241,11 @@ def peak_tflops(args: argparse.Namespace) -> float:
         return float(args.peak_tflops)
     if not args.device.startswith("cuda") or args.precision != "bf16-mixed":
         return 0.0
-    import torch
-
-    name = torch.cuda.get_device_name(torch.device(args.device))
+    # asked in a process of its own: this one holds no CUDA context beside the runs'
+    ask = "import sys, torch; print(torch.cuda.get_device_name(torch.device(sys.argv[1])))"
+    name = subprocess.run(
+        [sys.executable, "-c", ask, args.device], capture_output=True, text=True, check=False
+    ).stdout.strip()
     return next((peak for known, peak in BF16_PEAK_TFLOPS if known in name), 0.0)
 
 
