@@ -13,6 +13,7 @@ is shared between threads.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -34,6 +35,7 @@ from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgume
 from swarm.job.config import JobConfig
 from swarm.job.rule import RuleKind, rule_of
 from swarm.model import stage_state
+from swarm.model.cast_once import casting_once
 from swarm.model.optim import build_optimizer, grad_sq_norm, scale_grads, update
 from swarm.model.transformer import (
     DTYPES,
@@ -115,6 +117,16 @@ class StageRuntime:
         module = self.copies.module_at(step, self.step)  # the parameters step `step` computes on
         return module(x)  # type: ignore[no-any-return]
 
+    def _precision(self, step: int) -> AbstractContextManager[None]:
+        """Where step `step` computes: the job's precision; in bf16-mixed with the weights cast
+        once while they stay as they are, not once per microbatch (`swarm.model.cast_once`)."""
+        if self.job.training.precision != "bf16-mixed":
+            return precision(self.job, self.device)  # type: ignore[no-any-return]
+        stack = contextlib.ExitStack()
+        stack.enter_context(casting_once(self.copies.params_at(step, self.step)))
+        stack.enter_context(precision(self.job, self.device))
+        return stack  # type: ignore[return-value]
+
     def _named(self, what: str, tensor: torch.Tensor) -> AbstractContextManager[None]:
         """Out of device memory in `what` (of a microbatch like `tensor`): a clear error
         (`swarm.ops.device_oom`) naming the job, this stage and the free memory."""
@@ -133,12 +145,12 @@ class StageRuntime:
         `evaluate` (a validation microbatch: no Backward follows, no graph is built)."""
         self._check_step(step, next_ok=True)
         if evaluate:
-            with torch.no_grad(), precision(self.job, self.device), self._named("Forward", inputs):
+            with torch.no_grad(), self._precision(step), self._named("Forward", inputs):
                 return self._run(step, self.checks.inputs(inputs))
         x = self._leaf(self.checks.inputs(inputs))
         with (
             torch.enable_grad(),
-            precision(self.job, self.device),
+            self._precision(step),
             self._named("Forward", x),
             self._cache.counting(self.device) as held,
         ):
@@ -178,7 +190,7 @@ class StageRuntime:
             if cached is None:  # another replica did the forward, or the cache evicted it
                 assert inputs is not None
                 x = self._leaf(self.checks.inputs(inputs))
-                with torch.enable_grad(), precision(self.job, self.device):
+                with torch.enable_grad(), self._precision(step):
                     out = self._run(step, x)
             else:
                 x, out = cached
@@ -203,7 +215,7 @@ class StageRuntime:
         x = self._leaf(self.checks.inputs(inputs))
         y = self.checks.targets(targets, x)
         with self._named("ForwardBackward", x):
-            with torch.enable_grad(), precision(self.job, self.device):
+            with torch.enable_grad(), self._precision(step):
                 inject(Point.FORWARD_OOM, step)
                 loss = loss_sum(self._run(step, x), y)
             grad_x, receipt = self._backprop(
@@ -219,7 +231,7 @@ class StageRuntime:
         self._check_step(step, next_ok=True)
         x = self.checks.inputs(inputs)
         y = self.checks.targets(targets, x)
-        with torch.no_grad(), precision(self.job, self.device):
+        with torch.no_grad(), self._precision(step):
             return float(loss_sum(self._run(step, x), y))
 
     def _backprop(

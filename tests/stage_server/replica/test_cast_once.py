@@ -1,0 +1,94 @@
+"""bf16-mixed: a stage's weights are cast once while they stay as they are, not once per
+microbatch (`swarm.model.cast_once`), with bitwise the results of casting per microbatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from stage_server.replica.runtime import StageRuntime
+from swarm.job.config import JobConfig
+from swarm.model.reference import train_local
+from swarm.model.transformer import precision
+from tests.support.jobs import make_job
+
+MIXED = {"precision": "bf16-mixed", "dtype": "float32"}
+
+
+def _casts(rt: StageRuntime, step: int, index: int, x: torch.Tensor) -> dict[tuple, int]:
+    """The data pointers of the bfloat16 weight casts microbatch `(step, index)`'s kept graph
+    saved, by shape (the stage's matmul weights, each shape its own)."""
+    weights = {tuple(p.shape) for p in rt.module.parameters() if p.dim() == 2}
+    rt.forward(step, index, x)
+    kept = rt._cache._entries[(step, index)][0][1]
+    seen: dict[tuple, int] = {}
+    todo, done = [kept.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in done:
+            continue
+        done.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                t = getattr(node, name)
+                if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16:
+                    shape = tuple(t.shape)
+                    if shape in weights or shape[::-1] in weights:
+                        seen.setdefault(shape, t.untyped_storage().data_ptr())
+        todo += [n for n, _ in node.next_functions]
+    assert seen, "no bfloat16 weight was saved: not bf16-mixed?"
+    return seen
+
+
+def _apply(rt: StageRuntime, step: int, indices: list[int], samples: int) -> None:
+    rt.set_prepared(step, rt.prepare(step, indices, samples), samples)
+    assert rt.apply(step) is False
+
+
+def test_a_step_casts_each_weight_once_and_an_update_casts_anew(tmp_path: Path) -> None:
+    rt = StageRuntime(make_job(tmp_path, training=MIXED), 1)
+    x = torch.randn(4, 16, 32)
+    first, second = _casts(rt, 0, 0, x), _casts(rt, 0, 1, x)
+    assert first == second  # the second microbatch reused the first one's casts
+    for index in (0, 1):
+        rt.backward(0, index, None, torch.randn(4, 16, 32))
+    _apply(rt, 0, [0, 1], 8)  # the weights changed in place: their casts are stale
+    after = _casts(rt, 1, 0, x)
+    assert after.keys() == first.keys() and all(after[k] != first[k] for k in first)
+
+
+def test_casting_once_gives_the_bits_casting_per_microbatch_gives(tmp_path: Path) -> None:
+    job = make_job(tmp_path, training=MIXED)
+    rt = StageRuntime(job, 1)
+    plain = StageRuntime(job, 1)  # the same parameters, computed as before: a region each
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 16, 32, generator=gen) for _ in range(3)]
+    grads = [torch.randn(4, 16, 32, generator=gen) for _ in range(3)]
+    for step in range(2):
+        for i, (x, g) in enumerate(zip(xs, grads, strict=True)):
+            out = rt.forward(step, i, x)
+            leaf = x.detach().requires_grad_(True)
+            with torch.enable_grad(), precision(job, plain.device):
+                expected = plain.module(leaf)
+            assert torch.equal(out, expected.detach())
+            rt.backward(step, i, None, g)
+            plain.backward(step, i, x, g)  # recomputed in its own region: cast afresh
+        sums = rt.prepare(step, [0, 1, 2], 12)
+        assert all(torch.equal(a, b) for a, b in zip(sums, plain.prepare(step, [0, 1, 2], 12)))
+        _apply(rt, step, [0, 1, 2], 12)
+        _apply(plain, step, [0, 1, 2], 12)
+
+
+def _reference(job: JobConfig) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in train_local(job, steps=2).state_dict().items()}
+
+
+def test_the_reference_on_the_same_thread_never_sees_a_stage_call_s_casts(tmp_path: Path) -> None:
+    job = make_job(tmp_path, training=MIXED)
+    alone = _reference(job)
+    rt = StageRuntime(job, 1)
+    rt.forward(0, 0, torch.randn(4, 16, 32))  # casts kept on this thread
+    beside = _reference(job)
+    rt.forward(0, 1, torch.randn(4, 16, 32))
+    assert all(torch.equal(alone[k], beside[k]) for k in alone)
