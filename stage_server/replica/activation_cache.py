@@ -8,7 +8,8 @@ a count says nothing of a graph's size (64 microbatches of a large stage fill a 
 microbatch's bytes are those its graph saved, counted as the forward saves them (a
 `saved_tensors_hooks` that sees each saved tensor, storages counted once), plus its input and
 output; the stage's parameters are not counted (they are held anyway), their bf16 casts under
-autocast are (each microbatch's graph holds its own).
+autocast are: made once per step (`swarm.model.cast_once`), the hooks count them in every
+microbatch that saved them (an upper bound), the allocator in the one that made them.
 
 On CUDA no Python runs per saved tensor (a stage call saves hundreds; a hook each is host time
 the GPU waits for): the footprint is what the forward left allocated on the device, the CUDA

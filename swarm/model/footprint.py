@@ -103,7 +103,7 @@ def stage_footprints(
     ):
         last = job.model.n_layers + 1
         saved = sum(embedding if i == 0 else head if i == last else block for i in layers)
-        if job.training.precision == "bf16-mixed":  # each graph holds its own weight casts
+        if job.training.precision == "bf16-mixed":  # weight casts (once a step: an upper bound)
             saved += 2 * sum(params[i] for i in layers)
         one = saved + (edge if k > 0 else b * t * 8) + edge  # its input and output too
         # The last stage keeps nothing (its ForwardBackward is one call): one microbatch at a
