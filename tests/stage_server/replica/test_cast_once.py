@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from stage_server.replica.runtime import StageRuntime
@@ -16,13 +17,13 @@ from tests.support.jobs import make_job
 MIXED = {"precision": "bf16-mixed", "dtype": "float32"}
 
 
-def _casts(rt: StageRuntime, step: int, index: int, x: torch.Tensor) -> dict[tuple, int]:
-    """The data pointers of the bfloat16 weight casts microbatch `(step, index)`'s kept graph
-    saved, by shape (the stage's matmul weights, each shape its own)."""
+def _casts(rt: StageRuntime, step: int, index: int, x: torch.Tensor) -> dict[tuple, torch.Tensor]:
+    """The bfloat16 weight casts microbatch `(step, index)`'s kept graph saved, by shape (the
+    stage's matmul weights, each shape its own); held, so their memory is not reused."""
     weights = {tuple(p.shape) for p in rt.module.parameters() if p.dim() == 2}
     rt.forward(step, index, x)
     kept = rt._cache._entries[(step, index)][0][1]
-    seen: dict[tuple, int] = {}
+    seen: dict[tuple, torch.Tensor] = {}
     todo, done = [kept.grad_fn], set()
     while todo:
         node = todo.pop()
@@ -35,7 +36,7 @@ def _casts(rt: StageRuntime, step: int, index: int, x: torch.Tensor) -> dict[tup
                 if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16:
                     shape = tuple(t.shape)
                     if shape in weights or shape[::-1] in weights:
-                        seen.setdefault(shape, t.untyped_storage().data_ptr())
+                        seen.setdefault(shape, t)
         todo += [n for n, _ in node.next_functions]
     assert seen, "no bfloat16 weight was saved: not bf16-mixed?"
     return seen
@@ -46,16 +47,33 @@ def _apply(rt: StageRuntime, step: int, indices: list[int], samples: int) -> Non
     assert rt.apply(step) is False
 
 
-def test_a_step_casts_each_weight_once_and_an_update_casts_anew(tmp_path: Path) -> None:
-    rt = StageRuntime(make_job(tmp_path, training=MIXED), 1)
-    x = torch.randn(4, 16, 32)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda:0",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ),
+    ],
+)
+def test_a_step_casts_each_weight_once_and_an_update_casts_anew(
+    tmp_path: Path, device: str
+) -> None:
+    rt = StageRuntime(make_job(tmp_path, training=MIXED), 1, device=device)
+    x = torch.randn(4, 16, 32, device=device)
     first, second = _casts(rt, 0, 0, x), _casts(rt, 0, 1, x)
-    assert first == second  # the second microbatch reused the first one's casts
+    assert first.keys() == second.keys()
+    for k in first:  # the second microbatch reused the first one's casts
+        assert first[k].untyped_storage().data_ptr() == second[k].untyped_storage().data_ptr()
     for index in (0, 1):
-        rt.backward(0, index, None, torch.randn(4, 16, 32))
+        rt.backward(0, index, None, torch.randn(4, 16, 32, device=device))
     _apply(rt, 0, [0, 1], 8)  # the weights changed in place: their casts are stale
     after = _casts(rt, 1, 0, x)
-    assert after.keys() == first.keys() and all(after[k] != first[k] for k in first)
+    assert after.keys() == first.keys()
+    for k in first:  # cast anew from the updated weights (the old casts are still held)
+        assert after[k].untyped_storage().data_ptr() != first[k].untyped_storage().data_ptr()
+        assert not torch.equal(after[k], first[k])
 
 
 def test_casting_once_gives_the_bits_casting_per_microbatch_gives(tmp_path: Path) -> None:
