@@ -82,6 +82,12 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     add_metrics_token(p)
     add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
     add_flag(p, "threads", 1, "torch threads: this process's share of the cores", type=int)
+    add_switch(
+        p,
+        "compile-stage",
+        "on CUDA, compile the stage's forward and backward for its microbatch shapes "
+        "(torch.compile; eager on a CPU, always); a standalone server (--job --stage) only",
+    )
     add_flag(
         p,
         "spill-dir",
@@ -204,6 +210,7 @@ def _run(args: argparse.Namespace) -> None:
         metrics_token=metrics_token(args),
         device=args.device,
         threads=args.threads,
+        compile_stage=args.compile_stage,
         peer=args.peer,
         token=token(args),
         limits=peer_limits(args),

@@ -18,6 +18,7 @@ from stage_server.averaging.service import PoolServicer
 from stage_server.averaging.spill import spill_directory
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.metrics import StageMetrics
+from stage_server.replica.compiled import CompiledRuns, compiles
 from stage_server.replica.runtime import StageRuntime
 from stage_server.servicer import StageServicer
 from swarm.errors import NotFound, SwarmError
@@ -59,6 +60,7 @@ class StageServerOptions:
     metrics_token: str | None = None  # /metrics requires it (None: `token`)
     device: str = "cpu"
     threads: int = 1  # torch intra-op threads; size to this process's share of cores
+    compile_stage: bool = False  # CUDA: the stage's forward and backward compiled
     peer: str = ""  # defaults to host:port
     shutdown_grace_s: float = 10.0  # how long in-flight calls may finish after SIGTERM
     token: str | None = None  # swarm token every call must carry (None: open)
@@ -241,6 +243,10 @@ async def start_stage_server(
 ) -> RunningStageServer:
     """A stage server for `opts.stage` of `job`, given on the command line (no scheduler)."""
     runtime = StageRuntime(job, opts.stage, check_device(opts.device))
+    if compiles(opts.compile_stage, runtime.device):
+        runtime.compiled = CompiledRuns()
+    elif opts.compile_stage:
+        log.info("--compile-stage: eager on %s (compiled runs are for CUDA)", runtime.device)
     running = await start_grpc(opts, job.runtime.max_message_bytes, throttle)
     running.servicer.serve(runtime, fingerprint(job))
     await running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

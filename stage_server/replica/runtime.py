@@ -22,6 +22,7 @@ import torch
 from stage_server.peer.limits import PeerLimits
 from stage_server.replica.accumulate import backprop_into
 from stage_server.replica.activation_cache import ActivationCache
+from stage_server.replica.compiled import CompiledRuns
 from stage_server.replica.delayed_copies import copies_for
 from stage_server.replica.eager_round import EagerRound, StepEagerRound
 from stage_server.replica.following import Following
@@ -82,6 +83,7 @@ class StageRuntime:
         self.sums = Sums(self.params)  # step -> its sums: `step`, and `step + 1` if delayed
         # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
         self._cache = ActivationCache()
+        self.compiled: CompiledRuns | None = None  # eager unless the server compiles (CUDA)
         # How many it keeps: the job's `activation_cache`, within the serving peer's own limit
         # (the servicer sets it: `Limits.activation_cache`); and how many bytes: the peer's
         # `--max-activation-cache-bytes` (the servicer sets it too).
@@ -115,6 +117,8 @@ class StageRuntime:
 
     def _run(self, step: int, x: torch.Tensor) -> torch.Tensor:
         module = self.copies.module_at(step, self.step)  # the parameters step `step` computes on
+        if self.compiled is not None:  # CUDA, --compile-stage (`stage_server.replica.compiled`)
+            return self.compiled.run(module, x)
         return module(x)  # type: ignore[no-any-return]
 
     def _precision(self, step: int) -> AbstractContextManager[None]:
