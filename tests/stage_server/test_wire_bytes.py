@@ -81,3 +81,27 @@ async def test_every_stage_counts_what_it_sends(
     # Stage 0 sends its outputs on (no gradient back: nothing is before it); the middle stage
     # its outputs on and its input gradient back; the last stage its input gradient back.
     assert sent == [each, 2 * each, each], sent
+    # The same, per boundary and direction, with the tokens they carried.
+    tokens = each // (job.model.d_model * 4)
+    forward, backward = ([each, each, 0], [0, each, each])
+    for name, want in (("forward", forward), ("backward", backward)):
+        got = [c.get(f"swarm_stage_boundary_bytes_sent_total{{{name}}}", 0.0) for c in counted]
+        assert got == want, (name, got)
+        got = [c.get(f"swarm_stage_boundary_tokens_sent_total{{{name}}}", 0.0) for c in counted]
+        assert got == [tokens if w else 0 for w in want], (name, got)
+
+
+@pytest.mark.parametrize("trained", ["push"], indirect=True)
+async def test_a_pushing_stage_counts_the_gradient_it_gets_back(
+    trained: tuple[JobConfig, list[dict[str, float]]],
+) -> None:
+    """On the push plane the gradient of a stage's outputs comes back in its own call's
+    answer: received there, as the carry plane's comes in a request."""
+    job, counted = trained
+    each = _boundary_bytes(job)
+    m, t = job.training, job.model
+    # What each stage's request brought: its inputs (stage 0: the token ids) and the targets,
+    # int64 `[microbatch, seq]` each, which travel along to the last stage.
+    ids = STEPS * m.microbatches_per_step * m.microbatch_size * t.seq_len * 8
+    received = [c.get("swarm_stage_wire_bytes_received_total{}", 0.0) for c in counted]
+    assert received == [2 * ids + each, ids + 2 * each, ids + each], received
