@@ -32,9 +32,9 @@ def _job(tmp_path: Path, plane: str, wire: str = "none") -> JobConfig:
 
 
 @pytest.fixture
-async def trained(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
-    tuple[JobConfig, list[dict[str, float]]]
-]:
+async def trained(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[tuple[JobConfig, list[dict[str, float]]]]:
     """The job trained `STEPS` steps on one stage server per stage (`request.param`: the data
     plane), and each server's counters after it, by series (name and labels)."""
     job = _job(tmp_path, request.param)
