@@ -11,22 +11,14 @@ from __future__ import annotations
 
 import itertools
 
+from swarm.ops.boundary_bytes import Way, per_token
 from swarm.proto import scheduler_pb2
 
-__all__ = ["boundary_rows", "per_token"]
+__all__ = ["boundary_rows"]
 
 
-def per_token(stage: scheduler_pb2.StageStatus, direction: str) -> float | None:
-    """Bytes per token its replicas sent `direction` ("forward", "backward"); None: no token
-    yet."""
-    sent = tokens = 0
-    for r in stage.replicas:
-        sent += getattr(r.boundary, f"{direction}_bytes")
-        tokens += getattr(r.boundary, f"{direction}_tokens")
-    return sent / tokens if tokens else None
-
-
-def _text(value: float | None) -> str:
+def _text(stage: scheduler_pb2.StageStatus, way: Way) -> str:
+    value = per_token((r.boundary for r in stage.replicas), way)
     return "-" if value is None else f"{value:.1f}"
 
 
@@ -34,7 +26,7 @@ def boundary_rows(s: scheduler_pb2.JobStatus) -> list[list[str]]:
     """The job's boundaries as a table's rows (its header first), bytes per token each way;
     none before any replica reported a boundary's traffic (or for a job of one stage)."""
     rows = [
-        [f"  {a.stage}|{b.stage}", _text(per_token(a, "forward")), _text(per_token(b, "backward"))]
+        [f"  {a.stage}|{b.stage}", _text(a, "forward"), _text(b, "backward")]
         for a, b in itertools.pairwise(s.stages)
     ]
     if all(r[1:] == ["-", "-"] for r in rows):

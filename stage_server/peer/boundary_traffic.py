@@ -16,16 +16,15 @@ The tally restarts when the replica is bound to another (job, stage): its load r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
+from swarm.ops.boundary_bytes import Way
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["BOUNDARY_DIRECTIONS", "BoundaryTally", "Flow", "tokens_of"]
+__all__ = ["BOUNDARY_DIRECTIONS", "BoundaryTally", "tokens_of"]
 
-Flow = Literal["forward", "backward"]
-BOUNDARY_DIRECTIONS: tuple[Flow, Flow] = ("forward", "backward")
+BOUNDARY_DIRECTIONS: tuple[Way, Way] = ("forward", "backward")
 
 
 def tokens_of(tensor: torch.Tensor) -> int:
@@ -40,11 +39,11 @@ def tokens_of(tensor: torch.Tensor) -> int:
 class BoundaryTally:
     """Bytes and tokens sent each way since the replica began serving its (job, stage)."""
 
-    sent: dict[Flow, list[int]] = field(
+    sent: dict[Way, list[int]] = field(
         default_factory=lambda: {d: [0, 0] for d in BOUNDARY_DIRECTIONS}
     )
 
-    def add(self, direction: Flow, wire_bytes: int, tokens: int) -> None:
+    def add(self, direction: Way, wire_bytes: int, tokens: int) -> None:
         counts = self.sent[direction]
         counts[0] += wire_bytes
         counts[1] += tokens

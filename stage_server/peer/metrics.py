@@ -8,8 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from stage_server.peer.boundary_traffic import BoundaryTally, Flow
+from stage_server.peer.boundary_traffic import BoundaryTally
 from stage_server.peer.links import DIRECTIONS, Direction, LinkMeter
+from swarm.ops.boundary_bytes import Way
 from swarm.ops.metrics import LABELS, LATENCY_BUCKETS
 
 __all__ = ["PATH_FACTS", "PEER_FACTS", "StageMetrics"]
@@ -139,7 +140,7 @@ class StageMetrics:
         self._wire_in.labels(**self.values).inc(wire_bytes)
         self._raw_in.labels(**self.values).inc(raw_bytes)
 
-    def sent(self, wire_bytes: int, raw_bytes: int, direction: Flow, tokens: int) -> None:
+    def sent(self, wire_bytes: int, raw_bytes: int, direction: Way, tokens: int) -> None:
         """A boundary tensor sent `direction` (`stage_server.peer.boundary_traffic`): its
         `wire_bytes` as encoded, `raw_bytes` before, the `tokens` it carries."""
         self._wire_out.labels(**self.values).inc(wire_bytes)

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from google.protobuf.message import Message
 
-from stage_server.peer.boundary_traffic import Flow, tokens_of
+from stage_server.peer.boundary_traffic import tokens_of
 from stage_server.peer.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.host_copies import DeviceCopies, TorchCopies
@@ -34,6 +34,7 @@ from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.snapshot import Snapshot
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig, RuntimeConfig
+from swarm.ops.boundary_bytes import Way
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc.state_streams import Update
@@ -209,7 +210,7 @@ class Messages:
         return value
 
     def encode(
-        self, tensor: torch.Tensor | None, name: str, reply_codec: int, direction: Flow
+        self, tensor: torch.Tensor | None, name: str, reply_codec: int, direction: Way
     ) -> list[tensor_pb2.Tensor]:
         """`tensor` as a reply's tensors: none for None, else one, encoded with `reply_codec`
         and counted as sent `direction` across the stage's boundary. It waits for the device's
@@ -219,7 +220,7 @@ class Messages:
         return [self.send_on(tensor, name, reply_codec, direction)]
 
     def send_on(
-        self, tensor: torch.Tensor, name: str, with_codec: int, direction: Flow
+        self, tensor: torch.Tensor, name: str, with_codec: int, direction: Way
     ) -> tensor_pb2.Tensor:
         """`tensor` encoded with `with_codec`, copied to the host through `copies`, and counted
         as sent `direction`: a reply's tensor, or the push plane's outputs, which its next hop
