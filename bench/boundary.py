@@ -249,7 +249,7 @@ def windows(arrived: list[float], w: int, skip: frozenset[int] = frozenset()) ->
     """Mean step time of each window of `w` steps after the warm-up (windows holding a step of
     `skip` left out)."""
     out = []
-    for lo in range(ttl.WARMUP_STEPS, len(arrived) - w, w):
+    for lo in range(ttl.WARMUP_STEPS, len(arrived) - w + 1, w):
         if not any(lo <= s < lo + w for s in skip):
             out.append((arrived[lo + w - 1] - arrived[lo - 1]) / w)
     return out
@@ -280,7 +280,10 @@ def run_row(
         log, trainer = launch(net, job, label, work, procs)
         arrived = step_times(
             lambda: min(wan.count_lines(log), steps),  # the final evaluation's line aside
-            lambda: ttl.check_alive([p for p in procs[start_at:] if p is not trainer], label),
+            # unshaped, the trainer ends with the job (its exit code is checked below)
+            lambda: ttl.check_alive(
+                [p for p in procs[start_at:] if shaped or p is not trainer], label
+            ),
             args,
             None if shaped else (lambda: trainer.popen.poll() is not None),
         )
@@ -459,7 +462,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_windows, args.factor = 3, min(args.factor, 4.0)
     if args.target_step is None:
         args.target_step = args.max_steps // 2
-    args.row_list = parse_rows(args.rows, args.codec)
+    try:
+        args.row_list = parse_rows(args.rows, args.codec)
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
     return args
 
 
