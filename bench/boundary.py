@@ -6,7 +6,8 @@ compute, decide, for the full boundary and a small one, each with and without a 
 all rows measured in one run, over links shaped from this run's own unshaped compute rate.
 
     sudo .venv/bin/python bench/boundary.py [--rows full,full+codec,subspace,subspace+codec]
-        [--codec hadamard3] [--rank 64] [--factor 32] [--workload d320|small] [--max-steps 480]
+        [--codec hadamard3] [--rank 64] [--subspace-keys "k = v; ..."] [--factor 32]
+        [--workload d320|small] [--max-steps 480]
         [--eval-every 16] [--target-step 240] [--agree 0.05] [--max-windows 6]
         [--timeout 1800] [--quick] [--keep-logs] [--json]
 
@@ -17,8 +18,10 @@ its own in a network namespace (bench/wan.py's `Network`), and the trainer in a 
 
 Rows (`--rows`): `full` (today's boundary: d_model float32 values per token), `full+codec`
 (`[compression] wire = --codec`, both directions), `subspace` (`[model] boundary_rank =
---rank`: the subspace boundary), `subspace+codec` (both). A row that names the codec may name it
-(`full+hadamard3`). The full row is the baseline every ratio is against, so it always runs.
+--rank`: the subspace boundary), `subspace+codec` (both); `+codec` may also be written with the
+codec's name (`full+hadamard3`). The full row is the baseline every ratio is against, so it always
+runs. `--subspace-keys "k = v; ..."` adds `[model]` keys to the subspace rows' jobs (another
+kind of small boundary, say, scored on the same links).
 
 1. Unshaped. Each row trains `--max-steps` steps on a fresh swarm in the namespaces, links not
    shaped (a plain pfifo), evaluating every `--eval-every` steps: its validation curve, its
@@ -120,7 +123,8 @@ def parse_rows(text: str, codec: str) -> list[Row]:
 
 def job_text(args: argparse.Namespace, row: Row, steps: int, eval_every: int) -> str:
     p = WORKLOADS[args.workload]
-    rank = f"boundary_rank = {args.rank}\n" if row.subspace else ""
+    keys = [f"boundary_rank = {args.rank}", *args.subspace_keys.split(";")] if row.subspace else []
+    rank = "".join(f"{k.strip()}\n" for k in keys if k.strip())
     return f"""name = "boundary-{args.workload}"
 [model]
 kind = "gpt"
@@ -444,6 +448,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--codec", default="hadamard3", help="the +codec rows' wire codec")
     parser.add_argument("--rank", type=int, default=64, help="the subspace rows' boundary_rank")
+    parser.add_argument(
+        "--subspace-keys", default="", help='more [model] keys of the subspace rows: "k = v; ..."'
+    )
     parser.add_argument("--factor", type=float, default=32.0, help="full traffic / link rate")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="d320")
     parser.add_argument("--max-steps", type=int, default=480)
