@@ -3,7 +3,8 @@ recent window: zero in a stall; an ended job's is its mean and it shows how long
 waits for and for how long, its warnings, each stage's replicas with their throughput, path
 (direct, via its relay, or UNREACHABLE with the remedy, as the scheduler's dial-back found it),
 measured link rates and state (a replica counts once its join succeeded; until then it is
-joining, with what it waits for),
+joining, with what it waits for), the bytes per token that crossed each boundary each way
+(`client.boundaries`),
 and its recent events: the scheduler's history of the job (joins, leaves and why, restarts, moves,
 stalls, rollbacks, its end), from the start. Against a scheduler that keeps no history, watching
 shows the events seen between two looks instead.
@@ -24,6 +25,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TextIO
 
+from client.boundaries import boundary_rows
 from client.outage import Outage
 from swarm.job.states import TERMINAL_PROTO, peer_state_name
 from swarm.job.states import job_state_name as state_name
@@ -151,6 +153,8 @@ def status_lines(
             for r in st.replicas
             if r.reachability == REACHABILITY_UNREACHABLE and r.reachability_detail
         ]
+    if rows := boundary_rows(s):
+        lines += ["boundaries (bytes per token sent, as encoded):", *table(rows).splitlines()]
     if events and s.events:
         lines += ["", "events:", *(f"  {e}" for e in event_lines(s, events))]
     return lines

@@ -243,7 +243,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # The outputs' copy to the host on the worker thread, right after the compute.
             outputs, queued = await self.worker.run_then(
                 self.runtime.forward,
-                lambda out: self._messages.encode(out, "outputs", reply),
+                lambda out: self._messages.encode(out, "outputs", reply, "forward"),
                 step,
                 index,
                 inputs,

@@ -68,7 +68,7 @@ class Answering:
         def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
             # On the worker thread: the input gradient's copy to the host waits on the device.
             *loss, grad, done = result
-            return loss, self.messages.encode(grad, "grad_inputs", reply), done
+            return loss, self.messages.encode(grad, "grad_inputs", reply, "backward"), done
 
         (loss, grad, done), queued = await self.worker.run_then(
             fn,

@@ -108,7 +108,9 @@ class PushPlane:
             assert pushed.grad is not None
             grad_outputs = pushed.grad
             if not isinstance(grad_outputs, torch.Tensor):
-                grad_outputs = codec.decode(grad_outputs, max_bytes=self.limits.max_bytes)
+                msg = grad_outputs
+                grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
+                self.messages.took(msg, grad_outputs)
             done = await self.answering.backward_here(
                 rt.backward, h, reply, inputs, grad_outputs, accumulate=here, receipt=here
             )
@@ -160,7 +162,7 @@ class PushPlane:
         sent_as = codec.codec_from_name(rt.job.compression.forward)  # as a trainer sends them
         outputs, queued = await self.worker.run_then(
             rt.forward,
-            lambda out: self.messages.to_wire(out, "inputs", sent_as),
+            lambda out: self.messages.send_on(out, "inputs", sent_as, "forward"),
             step,
             index,
             inputs,
