@@ -44,7 +44,13 @@ __all__ = ["add_arguments", "run", "run_relay"]
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 7100
-_LIMITS = ("max_peers", "max_tunnels_per_peer", "max_tunnels")
+_LIMITS = (
+    "max_peers",
+    "max_peers_per_source",
+    "max_tunnels_per_peer",
+    "max_tunnels",
+    "max_tunnels_per_source",
+)
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
