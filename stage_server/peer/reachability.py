@@ -123,6 +123,8 @@ class PeerPath:
     delivered; `metrics_address`: the announced one;
     `attach`: makes the attachment (`Attachment`; a fake in unit tests)."""
 
+    _key: AttachKey | None
+
     def _real_attachment(
         self,
         peer: str,
@@ -134,8 +136,7 @@ class PeerPath:
         """The real attachment: it tells the relay this peer's announced address (the relay shows
         it), and pauses between tries with the swarm's one backoff."""
         pauses = Backoff(0.5, 30.0)
-        if self._key is None:
-            self._key = AttachKey.of(tls.current())
+        key = self._key = self._key or AttachKey.of(tls.current())
         return Attachment(
             peer,
             token,
@@ -146,7 +147,7 @@ class PeerPath:
             pauses=pauses,
             local_metrics=self.local_metrics,
             metrics_address=self.metrics_address,
-            key=self._key,
+            key=key,
         )
 
     def __init__(
@@ -175,7 +176,7 @@ class PeerPath:
         self.report = cpb.ReachabilityReport()  # UNKNOWN until the scheduler's first
         self.relay = ""  # the relay this peer is attached to now, announced as `relay`
         self._relays: OrderedDict[str, str] = OrderedDict()  # relay peer -> its relay_address
-        self._key: AttachKey | None = None  # what every attachment of this peer signs with
+        self._key = None  # what every attachment of this peer signs with, made at the first
         self._attachment: Attaching | None = None
         self._generation = 0  # which attachment's changes count: a stopped one's do not
         self._said: tuple[int, str, str, str] | None = None  # the report last logged
