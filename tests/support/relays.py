@@ -21,6 +21,7 @@ from swarm.relay.attach import Attachment
 from swarm.relay.auth import attach_proof
 from swarm.relay.identity import AttachKey, challenge
 from swarm.relay.server import RelayLimits, RelayServer
+from tests.support.waiting import wait_until
 
 __all__ = [
     "ECHO",
@@ -28,6 +29,7 @@ __all__ = [
     "Relayed",
     "echo_bytes",
     "echo_server",
+    "home_peer",
     "listener",
     "raw_attach",
     "relayed",
@@ -182,3 +184,27 @@ async def raw_attach(
     signed = key.sign(challenge(peer, relay, nonce))
     writer.write(f"PROOF {attach_proof(token, peer, nonce)} {signed}\n".encode())
     return (await reader.readline()).decode().strip(), (reader, writer)
+
+
+@contextlib.asynccontextmanager
+async def home_peer(
+    relay: str, token: str | None, *, peer: str = "home-gpu", key: AttachKey | None = None
+) -> AsyncIterator[tuple[Attachment, str]]:
+    """`peer` behind NAT: an echo server, attached to `relay` (with `key`, else its own), waited
+    for until attached; it and its dial address through the relay."""
+    async with echo_server(token) as port:
+        attachment = Attachment(
+            peer,
+            token,
+            f"127.0.0.1:{port}",
+            lambda: [relay],
+            lambda _: None,
+            address=f"{NAT_HOST}:{port}",
+            key=key,
+        )
+        await attachment.start()
+        try:
+            await wait_until(lambda: attachment.relay is not None, f"{peer} attached")
+            yield attachment, paths.relayed_address(peer, f"{NAT_HOST}:{port}", relay)
+        finally:
+            await attachment.stop()

@@ -19,10 +19,8 @@ import pytest
 
 from swarm.local.procs import SwarmProcess
 from swarm.net.paths import relay_credential
-from swarm.relay.attach import Attachment
 from swarm.relay.auth import data_proof
-from tests.support.relays import NAT_HOST, Stream, echo_bytes, echo_server, raw_attach
-from tests.support.waiting import wait_until
+from tests.support.relays import NAT_HOST, Stream, echo_bytes, home_peer, raw_attach
 
 TOKEN = "relay-descriptors-token"
 ELSEWHERE = "127.0.0.2"
@@ -102,23 +100,9 @@ async def test_self_tunnels_leave_the_relay_descriptors_for_the_real_peer(tmp_pa
         for i in range(NOFILE // 2):
             if not await _tunnel(address, made_up[i % len(made_up)], held):
                 break
-        async with echo_server(TOKEN) as port:
-            real = Attachment(
-                "home-gpu",
-                TOKEN,
-                f"127.0.0.1:{port}",
-                lambda: [address],
-                lambda _: None,
-                address=f"{NAT_HOST}:{port}",
-            )
-            await real.start()
-            try:
-                await wait_until(lambda: real.relay is not None, "the real peer attached")
-                relayed = f"relay://home-gpu@{address}/{NAT_HOST}:{port}"
-                for i in range(5):
-                    assert await echo_bytes(relayed, TOKEN, [b"%d" % i]) == [b"%d" % i]
-            finally:
-                await real.stop()
+        async with home_peer(address, TOKEN) as (_, relayed):
+            for i in range(5):
+                assert await echo_bytes(relayed, TOKEN, [b"%d" % i]) == [b"%d" % i]
         assert relay.proc.poll() is None, relay.log
     finally:
         for task in peers:

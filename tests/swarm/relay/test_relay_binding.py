@@ -19,7 +19,7 @@ from swarm.proto import control_pb2 as cpb
 from swarm.relay.attach import Attachment
 from swarm.relay.identity import AttachKey
 from swarm.relay.server import RelayServer
-from tests.support.relays import NAT_HOST, echo_bytes, echo_server, listener, relayed
+from tests.support.relays import NAT_HOST, echo_bytes, echo_server, home_peer, listener, relayed
 from tests.support.tls import no_identity
 from tests.support.waiting import wait_until
 
@@ -106,25 +106,10 @@ async def test_under_tls_only_a_certificate_naming_the_peer_id_attaches_as_it(
         await wait_until(lambda: _refused(registry, "identity") >= 1 or relay.peers)
         assert relay.peers == {}
         tls.configure(_identity(colliding, "victim"))
-        async with echo_server(TOKEN) as port:
-            victim = Attachment(
-                "home-gpu",
-                TOKEN,
-                f"127.0.0.1:{port}",
-                lambda: [address],
-                lambda _: None,
-                address=f"{NAT_HOST}:{port}",
-                key=AttachKey.of(tls.current()),
-            )
-            await victim.start()
-            try:
-                await wait_until(lambda: victim.relay is not None)
-                before = _refused(registry, "identity")
-                await wait_until(lambda: _refused(registry, "identity") > before)
-                assert relay.peers == {"home-gpu": f"{NAT_HOST}:{port}"}
-                assert mallory.relay is None
-            finally:
-                await victim.stop()
+        async with home_peer(address, TOKEN, key=AttachKey.of(tls.current())):
+            before = _refused(registry, "identity")
+            await wait_until(lambda: _refused(registry, "identity") > before)
+            assert list(relay.peers) == ["home-gpu"] and mallory.relay is None
     finally:
         await mallory.stop()
         await relay.stop()

@@ -10,9 +10,8 @@ import contextlib
 import pytest
 from prometheus_client import CollectorRegistry
 
-from swarm.relay.attach import Attachment
 from swarm.relay.server import RelayServer
-from tests.support.relays import NAT_HOST, Stream, echo_bytes, echo_server, raw_attach, relayed
+from tests.support.relays import Stream, echo_bytes, echo_server, home_peer, raw_attach, relayed
 from tests.support.waiting import wait_until
 
 TOKEN = "relay-quota-token"
@@ -76,21 +75,8 @@ async def test_made_up_attachments_from_one_source_leave_room_for_the_real_peer(
             answers.append(answer)
             held.append(stream)
         assert answers.count("OK") < 256
-        async with echo_server(TOKEN) as port:
-            real = Attachment(
-                "home-gpu",
-                TOKEN,
-                f"127.0.0.1:{port}",
-                lambda: [address],
-                lambda _: None,
-                address=f"{NAT_HOST}:{port}",
-            )
-            await real.start()
-            try:
-                await wait_until(lambda: real.relay is not None, "the real peer attached")
-                assert "home-gpu" in relay.peers
-            finally:
-                await real.stop()
+        async with home_peer(address, TOKEN):
+            assert "home-gpu" in relay.peers
     finally:
         await _close(held)
         await relay.stop()
