@@ -157,7 +157,12 @@ class Attachment:
                 tried.add(relay)
                 try:
                     reader, writer = await asyncio.wait_for(self._attach(relay), self.timeout_s)
-                except (OSError, TimeoutError, ValueError, _Refused) as e:
+                except _Refused as e:  # the relay says why (a wrong key, a certificate
+                    # not naming this peer, another key holding its id): the operator's to fix
+                    log.warning("%s: relay %s refused it: %s", self.peer, relay, e)
+                    self._last_failed = relay
+                    continue
+                except (OSError, TimeoutError, ValueError) as e:
                     log.info("%s: relay %s: not attached: %s", self.peer, relay, e or type(e))
                     self._last_failed = relay
                     continue

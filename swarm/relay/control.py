@@ -108,7 +108,7 @@ class Peers:
             writer.write(f"ERR not {peer}: {e}\n".encode())
             return
         old = self.held.get(peer)
-        if old is not None and old.identity != identity and await self.answers(old):
+        if old is not None and old.identity != identity and await self._probe(old, source):
             # Another key under a live peer's id: a token holder posing as it, or a twin.
             self._refuse("taken", "refused to attach %.64r from %s: attached already", peer, where)
             writer.write(f"ERR {peer} is attached here already, by another key\n".encode())
@@ -170,6 +170,11 @@ class Peers:
         release(self._sources, attached.source)
         self.gauge.set(len(self.held))
         return True
+
+    async def _probe(self, attached: Attached, source: str) -> bool:
+        """`answers`, the newcomer's head slot held meanwhile: its source's probes are counted."""
+        with self._head(source, False):
+            return await self.answers(attached)
 
     async def answers(self, attached: Attached) -> bool:
         """Whether `attached` answers a ping now: a live attachment is never unseated by another
