@@ -108,11 +108,14 @@ class Peers:
             writer.write(f"ERR not {peer}: {e}\n".encode())
             return
         old = self.held.get(peer)
-        if old is not None and old.identity != identity and await self._probe(old, source):
-            # Another key under a live peer's id: a token holder posing as it, or a twin.
-            self._refuse("taken", "refused to attach %.64r from %s: attached already", peer, where)
-            writer.write(f"ERR {peer} is attached here already, by another key\n".encode())
-            return
+        if old is not None and old.identity != identity:
+            alive = await self._probe(old, source)
+            now = self.held.get(peer)  # another key may have taken a dead one's place meanwhile
+            if alive or (now is not None and now is not old and now.identity != identity):
+                # Another key under a live peer's id: a token holder posing as it, or a twin.
+                self._refuse("taken", "refused to attach %.64r from %s: held", peer, where)
+                writer.write(f"ERR {peer} is attached here already, by another key\n".encode())
+                return
         refusal = self._refusal(peer, source, relay)  # again: others came meanwhile
         if refusal is not None:
             self._refuse(refusal[0], "refused to attach %.64r from %s: %s", peer, where, refusal[1])

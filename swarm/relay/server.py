@@ -241,16 +241,14 @@ class RelayServer:
     def _head(self, source: str, expected: bool) -> Iterator[None]:
         """Holds a head's slot: in the pool of expected data connections, or in all and in its
         source's."""
-        tallies = (self._data_heads,) if expected else (self._source_heads,)
-        self._heads += 0 if expected else 1
-        for tally in tallies:
-            tally[source] += 1
+        tally, counted = (self._data_heads, 0) if expected else (self._source_heads, 1)
+        tally[source] += 1
+        self._heads += counted
         try:
             yield
         finally:
-            self._heads -= 0 if expected else 1
-            for tally in tallies:
-                release(tally, source)
+            self._heads -= counted
+            release(tally, source)
 
     def _refuse(self, reason: str, msg: str, *args: object) -> None:
         self.refused.labels(reason).inc()

@@ -18,8 +18,16 @@ from swarm.net import tls
 from swarm.proto import control_pb2 as cpb
 from swarm.relay.attach import Attachment
 from swarm.relay.identity import AttachKey
-from swarm.relay.server import RelayServer
-from tests.support.relays import NAT_HOST, echo_bytes, echo_server, home_peer, listener, relayed
+from swarm.relay.server import RelayLimits, RelayServer
+from tests.support.relays import (
+    NAT_HOST,
+    echo_bytes,
+    echo_server,
+    home_peer,
+    listener,
+    raw_attach,
+    relayed,
+)
 from tests.support.tls import no_identity
 from tests.support.waiting import wait_until
 
@@ -231,3 +239,22 @@ async def test_a_peer_kicked_off_a_live_relay_goes_back_to_it() -> None:
             await twin.stop()
             await first.stop()
             await later.stop()
+
+
+async def test_a_restarted_peer_takes_its_id_back_from_its_dead_attachment() -> None:
+    """Its old process's attachment no longer answers (its machine lost power; the relay has not
+    seen the connection end): the new process, with a new key, is not kept out for good."""
+    registry = CollectorRegistry()
+    relay = RelayServer(TOKEN, RelayLimits(probe_s=0.5), registry=registry)
+    address = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
+    try:
+        answer, (dead, old) = await raw_attach(address, "home-gpu", TOKEN)  # answers no ping
+        assert answer == "OK"
+        async with home_peer(address, TOKEN) as (restarted, relayed):
+            assert await echo_bytes(relayed, TOKEN, [b"back"]) == [b"back"]
+            assert restarted.relay == address and _refused(registry, "taken") == 0
+            # The old connection pinged (unanswered), then closed by the relay.
+            assert set((await dead.read()).split()) == {b"PING"}
+    finally:
+        old.close()
+        await relay.stop()
