@@ -63,6 +63,9 @@ ATTACKS: dict[str, str] = {
     # Issue 54's review ("let no one in, round three")
     "H-rates": "announced link rates (1e12, NaN, 1.7e308 B/s) own a pool's parts or fail its job",
     "H-checks": "no checksum under a lossy codec; one seed for every stage; sparse forgeries",
+    "H-relay": "a token holder attaches as a live NAT'd peer, or draws it to a relay of its own",
+    "M-heads": "idle connections from one source hold every head slot of a relay",
+    "M-fill": "made-up attachments and self-tunnels fill a relay's peers and descriptors",
     "M-scan": "the dial-back dials any host:port announced and returns the raw error",
     "runner": "this script passes attacks without a test, or with skipped tests",
 }
