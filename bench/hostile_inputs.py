@@ -64,6 +64,7 @@ ATTACKS: dict[str, str] = {
     "H-rates": "announced link rates (1e12, NaN, 1.7e308 B/s) own a pool's parts or fail its job",
     "H-checks": "no checksum under a lossy codec; one seed for every stage; sparse forgeries",
     "M-scan": "the dial-back dials any host:port announced and returns the raw error",
+    "L-dial": "peers naming one silent host hold every dial-back slot; a newcomer waits behind",
     "runner": "this script passes attacks without a test, or with skipped tests",
 }
 
