@@ -65,6 +65,8 @@ ATTACKS: dict[str, str] = {
     "H-checks": "no checksum under a lossy codec; one seed for every stage; sparse forgeries",
     "M-scan": "the dial-back dials any host:port announced and returns the raw error",
     "L-dial": "peers naming one silent host hold every dial-back slot; a newcomer waits behind",
+    "L-admin": "the admin token, root of every submitter token, is itself sent as a credential",
+    "L-names": "under --tls-mutual a host certificate named as a submitter manages its jobs",
     "runner": "this script passes attacks without a test, or with skipped tests",
 }
 
