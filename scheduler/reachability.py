@@ -11,10 +11,12 @@ The result is a `ReachabilityReport`:
   itself) and answered through it (`swarm.net.paths.relayed_address`), not directly;
 - UNREACHABLE: nothing answered; `detail` is its cause and the dial's error, `remedy` what fixes
   that cause (`scheduler.dial_causes`: a TLS name mismatch, a wrong token, a relay down, ...).
-  The peer is told the cause only (`dial_causes.generic`): the error's text would tell it what
-  listens at an address it named. An address that is not public is not dialled unless the
-  operator allows private ranges (`scheduler.dial_scope`), and one peer's checks are
-  `min_interval_s` apart at least, newcomers checked first.
+  The peer, and status, are told a cause that says nothing of what listens at an address it
+  named (`dial_causes.told`: "no answer" but for a TLS name mismatch and a private address not
+  dialled); the scheduler's log keeps the whole. An address that is not public is not dialled
+  unless the operator allows private ranges (`scheduler.dial_scope`), and one peer's checks are
+  `min_interval_s` apart at least, newcomers checked first, at most `per_host` at once of the
+  peers naming one host.
 Each report goes to `on_report` (the registry keeps it: placement leaves an unreachable peer out,
 and every call to a relayed one goes through its relay) and is retained on
 `peers/{peer}/reachability`, where the peer reads it (its log shows the remedy); it is cleared

@@ -64,14 +64,16 @@ def _stub(pki: Path, name: str, address: str) -> tuple[grpc.aio.Channel, object]
     return channel, scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
 
+def _submit(tmp_path: Path) -> scheduler_pb2.SchedulerSubmitJobRequest:
+    path = write_job(tmp_path, "waiting")
+    return scheduler_pb2.SchedulerSubmitJobRequest(spec=path.read_text(), base_dir=str(path.parent))
+
+
 @pytest.mark.attack("N4")
 async def test_a_certificate_names_its_caller_and_the_schedulers_is_an_admin(
     pki: Path, address: str, tmp_path: Path
 ) -> None:
-    path = write_job(tmp_path, "waiting")
-    submit = scheduler_pb2.SchedulerSubmitJobRequest(
-        spec=path.read_text(), base_dir=str(path.parent)
-    )
+    submit = _submit(tmp_path)
     a, alice = _stub(pki, "alice", address)
     b, bob = _stub(pki, "bob", address)
     s, scheduler = _stub(pki, "scheduler", address)
@@ -98,10 +100,7 @@ async def test_a_certificate_named_as_a_submitter_is_not_that_submitter(
     # Issue 54: certificate names and submitter-token names were one namespace, so a host's
     # certificate whose name was a submitter's (a stage server's "alice") managed that
     # submitter's jobs. Now a certificate speaks as cert:NAME, which no token can name.
-    path = write_job(tmp_path, "waiting")
-    submit = scheduler_pb2.SchedulerSubmitJobRequest(
-        spec=path.read_text(), base_dir=str(path.parent)
-    )
+    submit = _submit(tmp_path)
     a, host = _stub(pki, "alice", address)  # a host certificate that happens to say "alice"
     as_alice = (*AUTH, (SUBMITTER_KEY, submitter_token(ADMIN_TOKEN, "alice")))
     try:
