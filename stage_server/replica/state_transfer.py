@@ -251,7 +251,9 @@ class StateTransfer:
         `signed_digest` (the scheduler's signature covers it), a state of another digest is
         refused before it is loaded: the signature covers the state, not only the call."""
         step, state = await self._receive(requests, route, limits)
-        if signed_digest is not None and state_digest(step, state) != signed_digest:
+        if signed_digest is not None and (
+            await asyncio.to_thread(state_digest, step, state) != signed_digest
+        ):
             raise PermissionDenied(
                 "LoadState: the state sent is not the one the scheduler signed (its digest "
                 "differs): not loaded"

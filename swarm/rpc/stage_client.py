@@ -366,7 +366,8 @@ class StageClient:
         """Make this replica the one `state` describes (names as `export_state` gives them). The
         state's digest goes with it: a replica under a scheduler loads only the state the
         scheduler signed (`swarm.net.commit_auth`)."""
-        digest = ((STATE_DIGEST_KEY, state_digest(step, state)),)
+        # Off the event loop: a stage's whole state is hashed.
+        digest = ((STATE_DIGEST_KEY, await asyncio.to_thread(state_digest, step, state)),)
         call = self.stub.LoadState(timeout=self.job.runtime.commit_timeout_s, metadata=digest)
         for name, tensor in state.items():
             header = pb.StageLoadStateRequest(job=self.job_id, stage=self.stage, step=step)
