@@ -182,7 +182,7 @@ async def test_peers_naming_one_silent_host_do_not_hold_an_honest_newcomer_back(
     async with (
         grpc_server("127.0.0.1", silent) as trap,
         grpc_server("127.0.0.2", honest) as home,
-        running(Told(timeout_s=0.5)) as told,
+        running(Told(timeout_s=2.0)) as told,  # each silent dial holds its slot 2 s
     ):
         for i in range(200):
             told.checker.announced(_announce(f"fake-{i}", trap))
