@@ -67,6 +67,11 @@ ATTACKS: dict[str, str] = {
     "M-heads": "idle connections from one source hold every head slot of a relay",
     "M-fill": "made-up attachments and self-tunnels fill a relay's peers and descriptors",
     "M-scan": "the dial-back dials any host:port announced and returns the raw error",
+    "L-dial": "peers naming one silent host hold every dial-back slot; a newcomer waits behind",
+    "L-admin": "the admin token, root of every submitter token, is itself sent as a credential",
+    "L-names": "under --tls-mutual a host certificate named as a submitter manages its jobs",
+    "L-state": "a signed LoadState streams any state: the signature covers its call, not its state",
+    "L-nonce": "a signed commit call replayed to a replica restarted within 5 minutes is taken",
     "runner": "this script passes attacks without a test, or with skipped tests",
 }
 

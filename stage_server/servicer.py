@@ -39,7 +39,7 @@ from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.state_transfer import StateTransfer
 from stage_server.replica.worker import Worker
 from swarm.errors import Busy, NotFound
-from swarm.net.commit_auth import CommitRefused, CommitVerifier
+from swarm.net.commit_auth import STATE_DIGEST_KEY, CommitRefused, CommitVerifier
 from swarm.ops.faults import Point, maybe_die
 from swarm.ops.rated import RatedLog
 from swarm.proto import control_pb2 as cpb
@@ -378,12 +378,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             yield part
 
     async def LoadState(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        signed_digest = None  # the state's digest the scheduler signed: the state loaded is it
         if self._runtime is not None:  # else refused unread (NOT_FOUND), as before
             signed = pb.StageLoadStateRequest(job=self.job_id, stage=self._runtime.stage)
             await self._scheduler_only("LoadState", signed, context)  # as the scheduler signs
+            if self.commit_auth is not None:
+                metadata = context.invocation_metadata() or ()
+                signed_digest = next((v for k, v in metadata if k == STATE_DIGEST_KEY), b"")
 
         async def body() -> pb.StageLoadStateResponse:
-            step = await self._transfer.load(request_iterator, self._route, self.limits)
+            step = await self._transfer.load(
+                request_iterator, self._route, self.limits, signed_digest
+            )
             return pb.StageLoadStateResponse(step=step)
 
         return await self._serving.run("LoadState", context, body)

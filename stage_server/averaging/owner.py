@@ -111,12 +111,15 @@ class _Slot:
     signature: tuple[Any, ...]  # shape, dtype, codec, block size: all contributions agree
     done: asyncio.Future[Reduced]
     timer: asyncio.TimerHandle
-    values: list[torch.Tensor | None] = field(default_factory=list)
-    owned: list[bool] = field(default_factory=list)  # the averager may write into values[i]
+    # sender -> its values, and whether the averager may write into them: what came, not a
+    # place for each sender of the group a contribution names (issue 54, N13: two lists of
+    # 1,024 a slot, ~17 KiB, for each empty contribution held open)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    owned: dict[int, bool] = field(default_factory=dict)
     waiting: int = 0  # contributions waiting for the sum now (each a call, or the owner's own)
 
     def missing(self) -> list[int]:
-        return [i for i, v in enumerate(self.values) if v is None]
+        return [i for i in range(self.contributors) if i not in self.values]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -142,9 +145,17 @@ class Averager:
     """
 
     def __init__(
-        self, *, max_open_rounds: int = 64, history: int = 256, max_open_slices: int = 4096
+        self,
+        *,
+        max_open_rounds: int = 64,
+        history: int = 256,
+        max_open_slices: int = 4096,
+        max_open_total: int = 8192,
     ) -> None:
         self._max_open, self._history = max_open_rounds, history
+        # Parts (slices) open at once in every round together: each holds a timer, a future and
+        # the contributions that came; 64 rounds of 4,096 would be 262,144 (issue 54, N13).
+        self._max_open_total, self._open_total = max_open_total, 0
         # Slices of one round open or summed: each open one holds a timer and its contributions
         # (whose bytes the receive budget bounds), each summed one is remembered; a sender
         # sends a few per part at a time, a part of 64 GiB in 16 MiB slices is 4096.
@@ -259,6 +270,7 @@ class Averager:
         if slots is None or slots.get(key) is not slot:
             return  # summed, timed out or aborted: nothing left open
         slot.timer.cancel()
+        self._open_total -= 1
         del slots[key]
         if not slots:
             del self._open[round]
@@ -271,6 +283,7 @@ class Averager:
         if missing:
             reason += f" waiting for senders {list(missing)}"
         slots = self._open.pop(round, {})
+        self._open_total -= len(slots)
         for (part, slice), slot in slots.items():
             slot.timer.cancel()
             if not slot.done.done():
@@ -290,6 +303,11 @@ class Averager:
         self._closed.move_to_end(round)
         while len(self._closed) > self._history:
             self._closed.popitem(last=False)
+
+    def _drop_if_empty(self, round: RoundKey) -> None:
+        """A round opened for a contribution then refused holds nothing: it goes."""
+        if not self._open.get(round, True):
+            del self._open[round]
 
     def _admit(
         self,
@@ -340,7 +358,13 @@ class Averager:
             # Summed ones count too: each is remembered with its round (issue 44, N13).
             held = len(slots) + len(self._summed.get(round, ()))
             if held >= self._max_open_slices:
+                self._drop_if_empty(round)
                 raise ResourceExhausted(f"{name}: {held} slices of the round are open or summed")
+            if self._open_total >= self._max_open_total:
+                self._drop_if_empty(round)
+                raise ResourceExhausted(
+                    f"{name}: {self._open_total} parts of rounds are open here already"
+                )
             done: asyncio.Future[Reduced] = loop.create_future()
             done.add_done_callback(_retrieve)
             # The round's deadline even when every waiter has gone (cancelled calls).
@@ -351,9 +375,8 @@ class Averager:
                 signature,
                 done,
                 timer,
-                [None] * contributors,
-                [False] * contributors,
             )
+            self._open_total += 1
         elif (slot.group_size, slot.contributors) != (group_size, contributors):
             raise InvalidArgument(
                 f"{name}: group size {group_size} of {contributors} contributors, others said "
@@ -363,14 +386,15 @@ class Averager:
             raise InvalidArgument(
                 f"{name}: sender {sender} sent {signature}, others {slot.signature}"
             )
-        old = slot.values[sender]
+        old = slot.values.get(sender)
         if old is not None:
             if not _same_bits(old, values):
                 raise InvalidArgument(f"{name}: sender {sender} contributed other values already")
             return slot  # a retry: it waits for the same sum
         slot.values[sender], slot.owned[sender] = values, owned
-        if not slot.missing():
+        if len(slot.values) == slot.contributors:
             slot.timer.cancel()
+            self._open_total -= 1
             del slots[key]
             if not slots:
                 del self._open[round]
@@ -386,9 +410,9 @@ class Averager:
     async def _finish(
         self, round: RoundKey, name: str, slot: _Slot, codec: int, block_size: int, part: int
     ) -> None:
-        values = [v for v in slot.values if v is not None]
-        owned = slot.owned
-        slot.values, slot.owned = [], []
+        values = [slot.values[i] for i in range(slot.contributors)]  # in sender order
+        owned = [slot.owned[i] for i in range(slot.contributors)]
+        slot.values, slot.owned = {}, {}
         try:
             # Off the event loop: a large part's sum would hold up every other call.
             reduced = await asyncio.to_thread(self.summer, values, owned, codec, block_size)

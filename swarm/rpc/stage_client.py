@@ -17,6 +17,7 @@ from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp, rule_of
 from swarm.net import dial
+from swarm.net.commit_auth import STATE_DIGEST_KEY, state_digest
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
@@ -362,8 +363,12 @@ class StageClient:
 
     @_swarm_errors
     async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
-        """Make this replica the one `state` describes (names as `export_state` gives them)."""
-        call = self.stub.LoadState(timeout=self.job.runtime.commit_timeout_s)
+        """Make this replica the one `state` describes (names as `export_state` gives them). The
+        state's digest goes with it: a replica under a scheduler loads only the state the
+        scheduler signed (`swarm.net.commit_auth`)."""
+        # Off the event loop: a stage's whole state is hashed.
+        digest = ((STATE_DIGEST_KEY, await asyncio.to_thread(state_digest, step, state)),)
+        call = self.stub.LoadState(timeout=self.job.runtime.commit_timeout_s, metadata=digest)
         for name, tensor in state.items():
             header = pb.StageLoadStateRequest(job=self.job_id, stage=self.stage, step=step)
             # Cut from the tensor's memory as sent: no encoded copy of a whole tensor.
