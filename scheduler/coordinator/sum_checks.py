@@ -53,6 +53,7 @@ __all__ = [
     "checked",
     "mismatches",
     "new_seed",
+    "replicas_to_leave_out",
     "tolerance",
     "verify",
 ]
@@ -79,9 +80,9 @@ class Checksums:
 
 
 def checked(group: RoundGroup, seed: int) -> Checksums | None:
-    """A contributor's checksums to ask for in a round of `group`: only where it has
-    aggregators."""
-    return Checksums(seed) if group.aggregators else None
+    """A contributor's checksums to ask for in a round of `group`: in every round of two
+    contributors or more (every part is checked, a replica's as an aggregator's: issue 55)."""
+    return Checksums(seed) if len(group.members) - len(group.aggregators) >= 2 else None
 
 
 @dataclass(frozen=True)
@@ -152,9 +153,33 @@ def verify(
         for bad in mismatches({j: c.reports for j, c in of.items()}, len(of)):
             accusations.setdefault(stage, {}).setdefault(bad.contributor, set()).add(bad.part)
             owner, at = group.members[bad.part], group.members[bad.contributor]
+            kind = "aggregator" if bad.part >= len(of) else "replica"
             lines.append(
-                f"stage {stage}: the sum of part {bad.part} from aggregator {owner} fails its "
+                f"stage {stage}: the sum of part {bad.part} from {kind} {owner} fails its "
                 f"checksum at {at} (r·S = {bad.got!r}, the contributions' Σ r·x = "
                 f"{bad.expected!r}, within {bad.tolerance:.3g})"
             )
     return accusations, lines
+
+
+def replicas_to_leave_out(accusations: Accusations, contributors: Mapping[int, int]) -> Accusations:
+    """The replicas (stage -> group index -> who named it) a round's failed checksums leave out
+    (`contributors`: per stage, how many of its group's first members contribute; a part past
+    them is an aggregator's, which `Groups.blame` has sit out). A replica owner's wrong sum
+    fails at every honest contributor: named by most of the other contributors, the owner alone
+    is left out. Named by fewer, either it answered those few a different sum or they lie about
+    it, which no one else can tell apart: the owner and its accusers are left out together, so
+    a liar, owner or accuser, never removes an honest member without going itself."""
+    out: Accusations = {}
+    for stage, accused in accusations.items():
+        m = contributors.get(stage, 0)
+        for part in sorted({p for parts in accused.values() for p in parts}):
+            if part >= m:
+                continue  # an aggregator's
+            by = {j for j, parts in accused.items() if part in parts and j != part}
+            named = out.setdefault(stage, {})
+            named.setdefault(part, set()).update(by)
+            if 2 * len(by) <= m - 1:  # a minority: its accusers go too
+                for j in by:
+                    named.setdefault(j, set()).add(part)
+    return out

@@ -146,7 +146,7 @@ async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
 ) -> None:
     """The same pool in float32 (the owner's sums round) with an honest aggregator on a faster
     link than the replicas (uneven parts): every contributor reports a checksum of the
-    aggregator's part at every step, under a lossy averaging codec too (on the decoded values,
+    aggregator's part (and of every replica's) at every step, under a lossy averaging codec too (on the decoded values,
     the sum's encoding allowed for: issue 54), and no round fails."""
     job, swarm = await _float32_pool(tmp_path, make_swarm, codec)
     judged: list[dict[int, list[pb.SumCheck]]] = []
@@ -167,8 +167,8 @@ async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
         assert len(judged) >= 3 * len(swarm.servers)  # every stage of every step
         for reports in judged:
             assert sorted(reports) == [0, 1, 2]
-            assert all(
-                [c.part for c in r] == [3] and c.unit == 2.0**-24
+            assert all(  # every part, the replicas' too (issue 55)
+                [c.part for c in r] == [0, 1, 2, 3] and c.unit == 2.0**-24
                 for r in reports.values()
                 for c in r
             )

@@ -1,0 +1,69 @@
+"""A hostile replica that owns a part of its pool's averaging (issue 55): it answers its part's
+sums plus 1e4 (finite, the same to every member). Every replica takes the same wrong sum, so the
+pool stays bitwise identical and no comparison among its members can see it; the job
+"succeeded" 0.06 away from `swarm local`. Every part's sum is now checked (the linear checksum of
+`scheduler.coordinator.sum_checks`, a replica's part as an aggregator's): the round fails naming
+the owner, which is left out with its microbatches replayed by the others, so the job equals
+`swarm local`. Real stage servers on real ports, in this process (so one's averager can lie)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from scheduler.coordinator import LocalCoordinator, gather_state
+from stage_server.averaging.owner import Reduced, Summer
+from swarm.job.fingerprint import fingerprint
+from swarm.model.routes import Record
+from tests.support.equality import assert_equal_to_reference
+from tests.support.inprocess import Swarm
+from tests.support.jobs import make_job
+
+ERROR = 1e4  # what the hostile owner adds to every element of the sums it answers
+
+
+def _lying(honest: Summer, forged: list[int]) -> Summer:
+    """`honest`, with `ERROR` added to every sum (after the sum: every member gets the same)."""
+
+    def wrong(
+        values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+    ) -> Reduced:
+        reduced = honest(values, owned, codec, block_size)
+        forged.append(reduced.tensor.numel())
+        wrong = reduced.tensor + ERROR
+        return Reduced(wrong, None, wrong)
+
+    return wrong
+
+
+@pytest.mark.attack("55-owner")
+@pytest.mark.timeout(180)
+async def test_a_replica_owner_s_wrong_sum_fails_its_round_and_the_job_stays_exact(
+    tmp_path: Path, make_swarm: list[Swarm], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three replicas a stage (float64, step mode); the last replica of stage 0 adds 1e4 to its
+    part's sums. The round it owns a part of fails naming it, it is left out (its microbatches
+    replayed), and the job equals `swarm local` within 1e-9."""
+    job = make_job(tmp_path, training={"steps": 3, "target_batch_size": 32, "checkpoint_every": 0})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    liar = swarm.servers[0][2]
+    forged: list[int] = []
+    averager = liar.servicer.averager
+    averager.summer = _lying(averager.summer, forged)
+    routes: list[Record] = []
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_route=routes.append)
+    with caplog.at_level(logging.WARNING):
+        await swarm.train(coordinator, trainers=2)
+    assert forged, "the liar owned a part of a round"
+    assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
+    assert coordinator.metrics.aborted_rounds._value.get() >= 1
+    named = [r.getMessage() for r in caplog.records if "fails its checksum" in r.getMessage()]
+    assert any(liar.address in m for m in named), named
+    left = [r.getMessage() for r in caplog.records if "leaving" in r.getMessage()]
+    assert any(liar.address in m for m in left), left
+    await coordinator.close()
