@@ -408,6 +408,9 @@ class ButterflyRound:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self.checks is not None:  # what each contributor sent it: the norm bound's evidence
+            index = self.settings.index
+            self.checks.received[index] = self.averager.received(self.key, index)
 
     def _others(self, missing: Sequence[int]) -> list[int]:
         return [i for i in missing if 0 <= i < self.n and i != self.settings.index]

@@ -124,6 +124,8 @@ class PartChecks:
         self.seed, self.unit = seed, 0.0
         self.codec, self.block_size = CODEC_NONE, 0  # a lossy round's codec, once `lossy`
         self._parts: dict[int, _Part] = {}
+        # of the part it owns: each sender's squared norm it summed (`SumCheck.received`)
+        self.received: dict[int, list[float]] = {}
 
     def lossy(self, codec: int, block_size: int) -> None:
         """The round's parts travel encoded: the values checked are the decoded ones, and the
@@ -154,6 +156,7 @@ class PartChecks:
                 unit=self.unit,
                 norm=math.sqrt(math.fsum(p.squares)),
                 encoding=math.sqrt(math.fsum(p.encoding)),
+                received=self.received.get(k, []),
             )
             for k, p in sorted(self._parts.items())
         ]
