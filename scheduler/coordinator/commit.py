@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.norm_bound import outliers
 from scheduler.coordinator.replicas import GONE
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_strategy import Rounds
@@ -83,6 +84,7 @@ class TwoPhaseCommit:
         self.clients, self.membership = context.clients, context.membership
         self.metrics, self.groups, self.rounds = context.metrics, context.groups, rounds
         self.grad_clip = context.job.training.grad_clip  # 0: no clipping
+        self.job = context.job
         self._tried: StepLedger | None = None  # the ledger of the last attempt
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
@@ -267,6 +269,7 @@ class TwoPhaseCommit:
         total, calls = ledger.samples(), []
         groups: dict[int, RoundGroup] = {}
         checks: dict[int, dict[int, Checksums]] = {}  # stage -> contributor -> its checksums
+        taken: dict[int, dict[int, int]] = {}  # stage -> contributor -> its microbatches held
         for stage, replicas in enumerate(members):
             made = groups[stage] = self.groups.of(stage, replicas)
             seed = new_seed()  # this stage's own: a replica of another stage never learns it
@@ -279,6 +282,7 @@ class TwoPhaseCommit:
                 check = checked(round_group, seed)  # with aggregators: their sums are checked
                 if check is not None:
                     checks.setdefault(stage, {})[index] = check
+                    taken.setdefault(stage, {})[index] = len(holdings.get(r.peer, []))
                 calls.append(
                     self.clients.get(stage, r).prepare(
                         ledger.step,
@@ -297,7 +301,11 @@ class TwoPhaseCommit:
             for (stage, r), e in zip(where, results, strict=True)
             if isinstance(e, BaseException)
         ]
-        if not failed and await self._sums_check(ledger, round_id, members, groups, checks):
+        if (
+            not failed
+            and await self._sums_check(ledger, round_id, members, groups, checks)
+            and await self._norms_check(ledger, round_id, members, groups, checks, taken)
+        ):
             # None: the member had applied the step already (a retried commit): nothing of that
             # stage is applied again, and the others' norms are what is left to clip by.
             return [
@@ -356,6 +364,43 @@ class TwoPhaseCommit:
                 why = "a part's sum that fails its checksum" if index not in by else "a checksum"
                 await self._leave_out(ledger, stage, culprit, accusers, why)
                 failure.left_out.append((stage, culprit.peer, accusers, why))
+        return False
+
+    async def _norms_check(
+        self,
+        ledger: StepLedger,
+        round_id: str,
+        members: list[list[Replica]],
+        groups: dict[int, RoundGroup],
+        checks: dict[int, dict[int, Checksums]],
+        taken: dict[int, dict[int, int]],
+    ) -> bool:
+        """Whether every contribution is within the job's norm bound (`norm_bound`; `[trust]`).
+        Else the round fails and each replica past it is left out, its microbatches replayed by
+        the others (exact: nothing is scaled), with the evidence in the log and the history."""
+        trust = self.job.trust
+        if trust.clip != "norm_bound":
+            return True
+        found = {
+            stage: outliers(groups[stage], of, taken.get(stage, {}), trust.norm_bound)
+            for stage, of in checks.items()
+        }
+        if not any(found.values()):
+            return True
+        self.metrics.aborted_rounds.inc(sum(1 for f in found.values() if f))
+        lines = [
+            f"stage {stage}: {members[stage][j].peer}: {why}"
+            for stage, of in sorted(found.items())
+            for j, why in sorted(of.items())
+        ]
+        reason = f"step {ledger.step}: round {round_id}: " + "; ".join(lines)
+        log.warning("%s: the round fails", reason)
+        self.failure = failure = RoundFailure(_shorten(reason))
+        for stage, of in sorted(found.items()):
+            for j, why in sorted(of.items()):
+                culprit = members[stage][j]
+                await self._leave_out(ledger, stage, culprit, ["the norm bound"], why)
+                failure.left_out.append((stage, culprit.peer, ["the norm bound"], why))
         return False
 
     async def _leave_out(

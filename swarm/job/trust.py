@@ -21,7 +21,7 @@ __all__ = ["TrustConfig"]
 @dataclass(frozen=True)
 class TrustConfig(Section):
     """`[trust]`: how each step's contributions are held to the pool's. "norm_bound": a
-    replica whose contribution to a step's averaging (its gradient sum, per sample) is more
+    replica whose contribution to a step's averaging (its gradient sum, per microbatch it took) is more
     than `norm_bound` times the median of the other replicas' of its stage is refused: the
     round fails, the replica is left out and its microbatches are replayed by the others, so
     the step stays exact. On by default: any holder of the swarm's token may serve a job, so
@@ -30,7 +30,7 @@ class TrustConfig(Section):
 
     section: ClassVar[str] = "trust"
     clip: Literal["off", "norm_bound"] = "norm_bound"  #: how contributions are compared
-    #: the most a replica's contribution per sample may be, in medians of the others' (ratio)
+    #: the most a replica's contribution per microbatch may be, in medians of the others' (ratio)
     norm_bound: float = _f(8.0, GE1)
 
     def _validate(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,4 +67,45 @@ async def test_a_replica_owner_s_wrong_sum_fails_its_round_and_the_job_stays_exa
     assert any(liar.address in m for m in named), named
     left = [r.getMessage() for r in caplog.records if "leaving" in r.getMessage()]
     assert any(liar.address in m for m in left), left
+    await coordinator.close()
+
+
+@pytest.mark.attack("55-norm")
+@pytest.mark.timeout(180)
+async def test_a_replica_s_finite_wrong_gradient_is_refused_by_the_norm_bound(
+    tmp_path: Path,
+    make_swarm: list[Swarm],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 55, item 4: a replica of stage 1 multiplies the gradient sums it contributes by
+    1e4 (finite; every part it sends, its own part's too, so every sum checks out). With the
+    norm bound on (the default), its contribution is far past the others' per microbatch: the
+    round fails, it is left out and its microbatches are replayed by the others, and the job
+    equals `swarm local` within 1e-9 (the bound refuses, it never scales)."""
+    job = make_job(tmp_path, training={"steps": 3, "target_batch_size": 32, "checkpoint_every": 0})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    liar = swarm.servers[1][2]
+    committer = liar.servicer._commits
+    honest, poisoned = committer._average, []
+
+    async def scaled(c: Any, sums: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        for t in sums:
+            t.mul_(1e4)
+        poisoned.append(c.step)
+        return await honest(c, sums, *args, **kwargs)
+
+    monkeypatch.setattr(committer, "_average", scaled)
+    routes: list[Record] = []
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_route=routes.append)
+    with caplog.at_level(logging.WARNING):
+        await swarm.train(coordinator, trainers=2)
+    assert poisoned, "the liar contributed to a round"
+    assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
+    left = [r.getMessage() for r in caplog.records if "leaving" in r.getMessage()]
+    assert any(liar.address in m and "norm bound" in m for m in left), left
+    assert not any(liar.address not in m for m in left), left  # no honest replica named
+    assert job.trust.clip == "norm_bound"  # the default
     await coordinator.close()
