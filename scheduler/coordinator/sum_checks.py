@@ -53,6 +53,7 @@ __all__ = [
     "checked",
     "mismatches",
     "new_seed",
+    "norm_ceiling",
     "replicas_to_leave_out",
     "tolerance",
     "verify",
@@ -92,9 +93,10 @@ class Mismatch:
 
     part: int
     contributor: int
-    got: float  # its r·S
-    expected: float  # Σ_j r·x_j
+    got: float  # its r·S (or its ‖S‖)
+    expected: float  # Σ_j r·x_j (or the most ‖S‖ may be: `norm_ceiling`)
     tolerance: float
+    what: str = "r·S"  # which check it fails
 
 
 def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
@@ -131,10 +133,32 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
             continue
         expected = math.fsum(c.dot for c in checks)
         allowed = tolerance(checks, contributors)
+        most = norm_ceiling(part, of, contributors)
         for j, c in sorted(of.items()):
             if not abs(c.sum_dot - expected) <= allowed:  # NaN fails too
                 found.append(Mismatch(part, j, c.sum_dot, expected, allowed))
+            elif not c.sum_norm <= most:  # a sum larger than its contributions allow
+                found.append(Mismatch(part, j, c.sum_norm, most, 0.0, "‖S‖"))
     return found
+
+
+def norm_ceiling(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> float:
+    """The most ‖S‖ of `part` may be: ‖Σ_j x_j‖ ≤ Σ_j ‖x_j‖, the norms as the owner reports it
+    summed them (`SumCheck.received`, a replica owner's; else each contributor's own), with
+    the owner's additions' rounding and a lossy codec's encoding of the sum allowed for. It
+    holds an owner who knows r: a forgery e with r·e = 0 passes the linear checksum, but not
+    this, unless it is smaller than what the contributions' norms leave (whose owner's own
+    share the norm bound holds to the others': `norm_bound`)."""
+    owner = of.get(part)
+    received = list(owner.received) if owner is not None else []
+    if len(received) == contributors:
+        norms = [math.sqrt(max(q, 0.0)) for q in received]
+    else:
+        norms = [c.norm for c in of.values()]
+    unit = max((c.unit for c in of.values()), default=0.0)
+    total = math.fsum(norms)
+    rounding = (2 * contributors * (unit + _EPS64) + 1e-12) * total
+    return total + rounding + 1.01 * max((c.encoding for c in of.values()), default=0.0)
 
 
 Accusations = dict[int, dict[int, set[int]]]  # stage -> contributor -> the parts it names
@@ -154,10 +178,14 @@ def verify(
             accusations.setdefault(stage, {}).setdefault(bad.contributor, set()).add(bad.part)
             owner, at = group.members[bad.part], group.members[bad.contributor]
             kind = "aggregator" if bad.part >= len(of) else "replica"
+            if bad.what == "r·S":
+                said = f"r·S = {bad.got!r}, the contributions' Σ r·x = {bad.expected!r}, within "
+                said += f"{bad.tolerance:.3g}"
+            else:
+                said = f"‖S‖ = {bad.got!r}, past the contributions' Σ ‖x‖ = {bad.expected!r}"
             lines.append(
                 f"stage {stage}: the sum of part {bad.part} from {kind} {owner} fails its "
-                f"checksum at {at} (r·S = {bad.got!r}, the contributions' Σ r·x = "
-                f"{bad.expected!r}, within {bad.tolerance:.3g})"
+                f"checksum at {at} ({said})"
             )
     return accusations, lines
 

@@ -111,6 +111,7 @@ class _Part:
     magnitude: list[float] = field(default_factory=list)
     squares: list[float] = field(default_factory=list)
     sum_dot: list[float] = field(default_factory=list)
+    sum_squares: list[float] = field(default_factory=list)
     encoding: list[float] = field(default_factory=list)  # squared bounds, a slice each
 
 
@@ -143,7 +144,9 @@ class PartChecks:
 
     def summed(self, part: int, start: int, values: torch.Tensor) -> None:
         p = self._parts.setdefault(part, _Part())
-        p.sum_dot.append(dots(self.seed, start, values)[0])
+        dot, _, squares = dots(self.seed, start, values)
+        p.sum_dot.append(dot)
+        p.sum_squares.append(squares)
         p.encoding.append(encoding_error(self.codec, self.block_size, values) ** 2)
 
     def report(self) -> list[pb.SumCheck]:
@@ -157,6 +160,7 @@ class PartChecks:
                 norm=math.sqrt(math.fsum(p.squares)),
                 encoding=math.sqrt(math.fsum(p.encoding)),
                 received=self.received.get(k, []),
+                sum_norm=math.sqrt(math.fsum(p.sum_squares)),
             )
             for k, p in sorted(self._parts.items())
         ]

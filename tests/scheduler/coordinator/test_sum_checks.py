@@ -190,3 +190,53 @@ async def test_a_lossy_round_is_checked_on_what_every_member_decodes(name: str, 
     unit = [torch.randn(20_000, generator=g) for _ in range(CONTRIBUTORS)]
     wrong = await _round(unit, 3, add=add, codec=codec_from_name(name))
     assert len(mismatches(dict(enumerate(wrong)), CONTRIBUTORS)) == 2 * CONTRIBUTORS
+
+
+@pytest.mark.attack("H-checks")
+async def test_a_replica_owner_who_knows_the_seed_is_caught_by_its_sum_s_norm() -> None:
+    """Issue 54/55: a replica owner learns its stage's seed with its own PREPARE, so it can
+    answer S + e with r·e = 0 for its own part, which no linear checksum sees (e of norm 1e3,
+    the same to every member). Every part is checked now, a replica's too, and the sum's norm
+    is held to the contributions' norms as the owner itself reports it summed them: caught at
+    every contributor. Three replicas on real PoolService servers, equal parts."""
+    seed, n = 11, 30_000
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    where = Parts((), 0).bounds(n, 3)[0]  # the liar's part: member 0's
+    r = weights(seed, where.start, where.stop)
+    e = torch.randn(where.stop - where.start, generator=torch.Generator().manual_seed(9)).double()
+    e = (e - (r @ e) / (r @ r) * r) * (1e3 / float(e.norm()))  # r·e = 0, ‖e‖ = 1e3
+    async with replicas(3) as pool:
+        honest = pool[0].averager.summer
+
+        def knowing(values: list[torch.Tensor], owned: list[bool], codec: int, b: int) -> Reduced:
+            reduced = honest(values, owned, codec, b)
+            wrong = reduced.tensor + e.to(reduced.tensor.dtype)
+            return Reduced(wrong, None, wrong)
+
+        pool[0].averager.summer = knowing
+        group = [p.address for p in pool]
+        checks = [PartChecks(seed) for _ in pool]
+        await asyncio.gather(
+            *(
+                all_reduce(
+                    x.clone(),
+                    RoundSettings(
+                        group=group,
+                        index=i,
+                        round="known",
+                        job=JOB,
+                        stage=0,
+                        timeout_s=20.0,
+                        chunk_bytes=MiB,
+                        max_bytes=64 * MiB,
+                    ),
+                    averager=p.averager,
+                    channels=p.channels,
+                    checks=checks[i],
+                )
+                for i, (p, x) in enumerate(zip(pool, xs, strict=True))
+            )
+        )
+    reports = {j: c.report() for j, c in enumerate(checks)}
+    found = mismatches(reports, 3)
+    assert {(m.part, m.contributor, m.what) for m in found} == {(0, j, "‖S‖") for j in range(3)}
