@@ -62,8 +62,12 @@ ATTACKS: dict[str, str] = {
     "43.4-sum": "an aggregator answering a finite wrong sum (caught by a checksum it cannot forge)",
     # Issue 54's review ("let no one in, round three")
     "H-rates": "announced link rates (1e12, NaN, 1.7e308 B/s) own a pool's parts or fail its job",
-    "H-checks": "no checksum under a lossy codec; one seed for every stage; sparse forgeries",
+    "H-checks": "no checksum under a lossy codec; one seed for every stage; sparse forgeries; "
+    "an owner who knows the seed",
     "M-scan": "the dial-back dials any host:port announced and returns the raw error",
+    # Issue 55 (poison-proofing): the averaging side
+    "55-owner": "a replica answers its averaging part's sums plus 1e4, applied by every replica",
+    "55-norm": "a replica's finite wrong gradient (x1e4) applied by its pool (the norm bound)",
     "runner": "this script passes attacks without a test, or with skipped tests",
 }
 

@@ -1,13 +1,14 @@
-"""What the coordinator checks of the sums aggregators answer (issue 43, item 4): a linear
-checksum they cannot forge (the contributor's side: `stage_server.averaging.checksum`).
+"""What the coordinator checks of the sums every part's owner answers (issue 43, item 4; a replica
+owner's too, issue 55): a linear checksum (the contributor's side:
+`stage_server.averaging.checksum`).
 
-Each PREPARE of a round with aggregators carries a seed drawn anew for the attempt and the stage
-(`Checksums`; a replica of one stage, colluding with an aggregator, learns nothing of another
-stage's), sent to that stage's replicas only: an aggregator never sees it (it takes
+Each PREPARE of a round of two contributors or more carries a seed drawn anew for the attempt and
+the stage (`Checksums`; a replica of one stage, colluding with an aggregator, learns nothing of
+another stage's), sent to that stage's replicas only: an aggregator never sees it (it takes
 `PoolService.Reduce` calls and nothing else). From it each contributor j draws one random vector
-r and reports, for every part an aggregator owned, c_j = r·x_j over what it contributed,
-a_j = Σ_i |r_i·x_ji|, q_j = ‖x_j‖, and s_j = r·S_j over the sum S_j it took back. Summation
-is linear, so an honest S gives s_j = Σ_j c_j up to rounding (`tolerance`):
+r and reports, for every part, c_j = r·x_j over what it contributed, a_j = Σ_i |r_i·x_ji|,
+q_j = ‖x_j‖, s_j = r·S_j over the sum S_j it took back, and ‖S_j‖. Summation is linear, so an
+honest S gives s_j = Σ_j c_j up to rounding (`tolerance`):
 - the owner's additions in the part's dtype leave S off the exact sum by a vector δ with
   |δ_i| ≤ (m - 1)·u·Σ_j |x_ji| (m contributors, u the dtype's unit roundoff), so
   ‖δ‖ ≤ (m - 1)·u·Σ_j q_j. δ does not depend on r (the owner never sees it), and the r_i are
@@ -17,22 +18,24 @@ is linear, so an honest S gives s_j = Σ_j c_j up to rounding (`tolerance`):
   errors √n times larger;
 - the float64 dots, which do depend on r, are held to their worst case: each adds `DOT_BLOCK`
   products at a time, so it rounds by at most DOT_BLOCK·2^-53 of a_j (and r·S of Σ_j a_j).
-A wrong sum S' passes only if r·(S' - S) falls inside that, which for r unknown to the
-aggregator is a chance of about tolerance/‖S' - S‖: in float32, an error of about 1e-5 of an
-element's magnitude spread over the part is caught, whatever its length. Every contributor's s_j
-is checked, not one's: an aggregator could answer members different sums.
+A wrong sum S' passes only if r·(S' - S) falls inside that, which for r unknown to the owner is
+a chance of about tolerance/‖S' - S‖: in float32, an error of about 1e-5 of an element's
+magnitude spread over the part is caught, whatever its length. Every contributor's s_j is
+checked, not one's: an owner could answer members different sums.
+
+A replica owner knows r (it is a contributor of the stage), so it could answer S + e with
+r·e = 0. The sum's norm closes most of that: ‖S‖ ≤ Σ_j ‖x_j‖, with the norms as the owner
+itself reports it summed them (`norm_ceiling`; `SumCheck.received`), so e must hide within what
+the contributions' norms leave, and an owner that inflates its own share is the norm bound's
+(`norm_bound`). A contributor colluding with an aggregator of its stage can do as much for the
+aggregator's part (docs/decisions.md, "Poison-proofing, the averaging side").
 
 A mismatch fails the round before any APPLY (the replicas' prepared sums are replaced by the
-retry's PREPARE), naming the aggregator, which then sits out (`Groups.blame`). Lossy rounds are
-checked too, on the decoded values every member uses, the sum's one encoding allowed for by the
-bound each contributor reports of it (`encoding`: `stage_server.averaging.checksum`). A part
-some contributor did not report is not judged (a contributor is trusted as any member is: it
-could as well send a wrong gradient).
-
-Not yet: the seed is sent with the PREPARE, before the sums are committed, so a contributor of the
-same stage colluding with its aggregator can forge a sum that passes (r·(S' - S) = 0). Drawing r
-per contributor and revealing it only after every answer is in (BTARD) closes that; it needs the
-contributors to keep what they sent until then (issue 54).
+retry's PREPARE), naming the owner: an aggregator sits out (`Groups.blame`), a replica is left
+out and replayed (`replicas_to_leave_out`). Lossy rounds are checked too, on the decoded values
+every member uses, the sum's one encoding allowed for by the bound each contributor reports of
+it (`encoding`: `stage_server.averaging.checksum`). A part some contributor did not report is not
+judged (a contributor is trusted as any member is: it could as well send a wrong gradient).
 """
 
 from __future__ import annotations

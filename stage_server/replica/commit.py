@@ -81,7 +81,7 @@ class Commit:
     # the round's parts (`swarm.policy.parts.Parts`): one weight per member of `group`, and how
     # many of its first members contribute (the rest are aggregators)
     parts: Parts = EQUAL_PARTS
-    check_seed: int = 0  # the checksum of aggregators' parts asked (0: none)
+    check_seed: int = 0  # the checksum of every part asked (0: none)
 
     @classmethod
     def of(cls, request: pb.StageCommitRequest) -> Commit:
@@ -109,7 +109,7 @@ class Commit:
 class Committed:
     """The replica after a Commit: its step, whether the step was applied before (a retry), and
     the squared norm of the prepared average (0.0 when nothing was prepared), and the checksums
-    of the aggregators' parts it averaged (`checksum`; asked by the coordinator's seed)."""
+    of every part it averaged (`checksum`; asked by the coordinator's seed)."""
 
     step: int
     already: bool = False
@@ -293,7 +293,7 @@ class Committer:
         The sum lands over the part itself, in place, where nothing else reads the part: when
         `prepare` made it `fresh` for this call, or when it is the lent sums of step `spilled`
         (the runtime's `Spill` keeps what is overwritten, for a retry or a straggler). `checks`
-        takes the checksums of the aggregators' parts."""
+        takes the checksums of every part."""
         # The replica's peak comes now: what its arenas freed since the last commit goes back
         # first (`swarm.ops.allocator`), on the worker, which is idle until this commit is done;
         # not when the freed memory dwarfs the state the commit adds (a small stage's activations).
@@ -412,7 +412,7 @@ class Committer:
 
 
 def _checks(c: Commit) -> PartChecks | None:
-    """The checksums of the aggregators' parts a PREPARE is asked for (`checksum`), if any."""
+    """The checksums of every part a PREPARE is asked for (`checksum`), if any."""
     return PartChecks(c.check_seed) if c.check_seed and c.prepare else None
 
 

@@ -21,8 +21,8 @@ __all__ = ["TrustConfig"]
 @dataclass(frozen=True)
 class TrustConfig(Section):
     """`[trust]`: how each step's contributions are held to the pool's. "norm_bound": a
-    replica whose contribution to a step's averaging (its gradient sum, per microbatch it took) is more
-    than `norm_bound` times the median of the other replicas' of its stage is refused: the
+    replica whose contribution to a step's averaging (its gradient sum, per microbatch it
+    took) is more than `norm_bound` times the median of its stage's others' is refused: the
     round fails, the replica is left out and its microbatches are replayed by the others, so
     the step stays exact. On by default: any holder of the swarm's token may serve a job, so
     its peers are untrusted unless the operator knows every one of them (a closed swarm under

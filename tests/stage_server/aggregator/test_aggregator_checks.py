@@ -146,8 +146,9 @@ async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
 ) -> None:
     """The same pool in float32 (the owner's sums round) with an honest aggregator on a faster
     link than the replicas (uneven parts): every contributor reports a checksum of the
-    aggregator's part (and of every replica's) at every step, under a lossy averaging codec too (on the decoded values,
-    the sum's encoding allowed for: issue 54), and no round fails."""
+    aggregator's part (and of every replica's: issue 55) at every step, under a lossy averaging
+    codec too (on the decoded values, the sum's encoding allowed for: issue 54), and no round
+    fails."""
     job, swarm = await _float32_pool(tmp_path, make_swarm, codec)
     judged: list[dict[int, list[pb.SumCheck]]] = []
 
