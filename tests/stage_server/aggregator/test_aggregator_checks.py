@@ -236,7 +236,9 @@ async def test_a_forged_sum_is_caught_under_any_codec_and_each_stage_has_its_own
 def test_a_forger_who_knows_the_seed_passes_its_check_but_not_another_stages() -> None:
     """What a forger knowing r can do: answer S + e with r·e = 0, which that r cannot see (so no
     member learns its stage's seed but its own stage's replicas). Another stage's seed, which
-    a replica elsewhere learns, is no help: its forgery fails the stage's own check."""
+    a replica elsewhere learns, is no help: its forgery fails the stage's own check. And since
+    issue 55 the sum's norm is held to the contributions' too: an e past what their norms
+    leave fails even with the seed known."""
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(1000, generator=gen, dtype=torch.float64) for _ in range(3)]
     total = xs[0] + xs[1] + xs[2]
@@ -255,5 +257,8 @@ def test_a_forger_who_knows_the_seed_passes_its_check_but_not_another_stages() -
             out[j] = checks.report()
         return out
 
-    assert mismatches(reports(known), 3) == []  # the seed it knows: the forgery passes
-    assert len(mismatches(reports(own), 3)) == 3  # the stage's own seed: every contributor sees it
+    # The seed it knows: r·S passes, but ‖S‖ = ‖total + e‖ is far past Σ ‖x_j‖.
+    found = mismatches(reports(known), 3)
+    assert [(m.contributor, m.what) for m in found] == [(j, "‖S‖") for j in range(3)]
+    # The stage's own seed: every contributor sees it (in r·S already)
+    assert [m.what for m in mismatches(reports(own), 3)] == ["r·S"] * 3
