@@ -85,6 +85,9 @@ class TwoPhaseCommit:
         self.metrics, self.groups, self.rounds = context.metrics, context.groups, rounds
         self.grad_clip = context.job.training.grad_clip  # 0: no clipping
         self.job = context.job
+        # Per stage, the median contribution per microbatch of its last round that passed: the
+        # norm bound's yardstick for a replica that took every microbatch of a step.
+        self._medians: dict[int, float] = {}
         self._tried: StepLedger | None = None  # the ledger of the last attempt
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
@@ -381,11 +384,17 @@ class TwoPhaseCommit:
         trust = self.job.trust
         if trust.clip != "norm_bound":
             return True
-        found = {
-            stage: outliers(groups[stage], of, taken.get(stage, {}), trust.norm_bound)
-            for stage, of in checks.items()
-        }
+        found: dict[int, dict[int, str]] = {}
+        medians: dict[int, float] = {}
+        for stage, of in checks.items():
+            before = self._medians.get(stage)
+            found[stage], now = outliers(
+                groups[stage], of, taken.get(stage, {}), trust.norm_bound, before
+            )
+            if now is not None:
+                medians[stage] = now
         if not any(found.values()):
+            self._medians |= medians  # a round that passed: the next ones' yardstick
             return True
         self.metrics.aborted_rounds.inc(sum(1 for f in found.values() if f))
         lines = [

@@ -12,7 +12,8 @@ parts, and the owner's own from its own report, which the sum check holds to its
 
 Each norm is taken per microbatch (a replica that took more of the step's microbatches sends a
 larger sum) and held to `bound` times the median of the other contributors' (those that took some;
-with two, the other's: a hostile one's large norm never excuses itself). One past it is refused:
+with two, the other's: a hostile one's large norm never excuses itself; one that took every
+microbatch of the step, the median of its stage's last round that passed). One past it is refused:
 the round fails, the replica is left out and its microbatches are replayed by the others. No value
 is ever scaled, so a step with the rule on equals `swarm local` of the job, a false alarm included
 (it costs a replay, never exactness); and an error large enough to matter (the 1e4 of issue 55's
@@ -58,29 +59,37 @@ def _squares(m: int, of: Mapping[int, Checksums]) -> tuple[list[float], list[int
 
 
 def outliers(
-    group: RoundGroup, of: Mapping[int, Checksums], samples: Mapping[int, int], bound: float
-) -> dict[int, str]:
+    group: RoundGroup,
+    of: Mapping[int, Checksums],
+    samples: Mapping[int, int],
+    bound: float,
+    before: float | None = None,
+) -> tuple[dict[int, str], float | None]:
     """The contributors of one stage's round (`of`: contributor index -> its checksums, with
     `samples` each: its microbatches of the step) whose contribution per microbatch is past
     `bound` times the median of the others', or that summed a part without saying what:
-    index -> why, in one line."""
+    index -> why, in one line; and the median of the round's contributions per microbatch
+    (None: none took any), for the next rounds of the stage. A contributor with no other to
+    compare with (it took every microbatch of the step) is held to `before`, that median of
+    the stage's last round that passed, if any."""
     m = len(group.members) - len(group.aggregators)
     if m < 2 or sorted(of) != list(range(m)):
-        return {}
+        return {}, None
     squares, silent = _squares(m, of)
     found = {k: "it owned a part and reported nothing of what it summed there" for k in silent}
     per_sample = [math.sqrt(s) / max(samples.get(j, 0), 1) for j, s in enumerate(squares)]
+    took = [j for j in range(m) if samples.get(j, 0) > 0 and j not in found]
     for j, norm in enumerate(per_sample):
-        others = [
-            per_sample[i] for i in range(m) if i != j and samples.get(i, 0) > 0 and i not in found
-        ]
-        if not others or not math.isfinite(norm):
+        others = [per_sample[i] for i in took if i != j]
+        median = statistics.median(others) if others else before
+        if median is None or not math.isfinite(norm):
             continue  # nothing to compare with; a NaN or infinity is the commit's to refuse
-        median = statistics.median(others)
         if norm > bound * median:
+            whose = "the others'" if others else "the stage's last round"
             found.setdefault(
                 j,
-                f"its contribution, {norm:.3g} per microbatch, is past {bound:g} times the median "
-                f"of the others' ({median:.3g}): the norm bound",
+                f"its contribution, {norm:.3g} per microbatch, is past {bound:g} times the "
+                f"median of {whose} ({median:.3g}): the norm bound",
             )
-    return found
+    kept = [per_sample[j] for j in took if j not in found]
+    return found, statistics.median(kept) if kept else None
