@@ -399,14 +399,14 @@ class TwoPhaseCommit:
         self.metrics.aborted_rounds.inc(sum(1 for f in found.values() if f))
         lines = [
             f"stage {stage}: {members[stage][j].peer}: {why}"
-            for stage, of in sorted(found.items())
-            for j, why in sorted(of.items())
+            for stage, refused in sorted(found.items())
+            for j, why in sorted(refused.items())
         ]
         reason = f"step {ledger.step}: round {round_id}: " + "; ".join(lines)
         log.warning("%s: the round fails", reason)
         self.failure = failure = RoundFailure(_shorten(reason))
-        for stage, of in sorted(found.items()):
-            for j, why in sorted(of.items()):
+        for stage, refused in sorted(found.items()):
+            for j, why in sorted(refused.items()):
                 culprit = members[stage][j]
                 await self._leave_out(ledger, stage, culprit, ["the norm bound"], why)
                 failure.left_out.append((stage, culprit.peer, ["the norm bound"], why))
