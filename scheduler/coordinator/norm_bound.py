@@ -11,10 +11,11 @@ check pins to what was sent). So a contributor's norm ‖x_j‖ is known from th
 parts, and the owner's own from its own report, which the sum check holds to its sum.
 
 Each norm is taken per microbatch (a replica that took more of the step's microbatches sends a
-larger sum) and held to `bound` times the median of the other contributors' (those that took some;
-with two, the other's: a hostile one's large norm never excuses itself; one that took every
-microbatch of the step, the median of its stage's last round that passed). One past it is refused:
-the round fails, the replica is left out and its microbatches are replayed by the others. No value
+larger sum) and held to `bound` times the median of the other contributors' (those that took
+some; with two, the other's: a hostile one's large norm never excuses itself; one that took
+every microbatch of the step, `bound`² times the median of its stage's last round that passed).
+One past it is refused: the round fails, the replica is left out and its microbatches are
+replayed by the others. No value
 is ever scaled, so a step with the rule on equals `swarm local` of the job, a false alarm included
 (it costs a replay, never exactness); and an error large enough to matter (the 1e4 of issue 55's
 opening case, under Adam an inflated second moment for thousands of steps) is refused whole.
@@ -70,8 +71,8 @@ def outliers(
     `bound` times the median of the others', or that summed a part without saying what:
     index -> why, in one line; and the median of the round's contributions per microbatch
     (None: none took any), for the next rounds of the stage. A contributor with no other to
-    compare with (it took every microbatch of the step) is held to `before`, that median of
-    the stage's last round that passed, if any."""
+    compare with (it took every microbatch of the step) is held to `bound`² times `before`,
+    that median of the stage's last round that passed, if any."""
     m = len(group.members) - len(group.aggregators)
     if m < 2 or sorted(of) != list(range(m)):
         return {}, None
@@ -84,12 +85,15 @@ def outliers(
         median = statistics.median(others) if others else before
         if median is None or not math.isfinite(norm):
             continue  # nothing to compare with; a NaN or infinity is the commit's to refuse
-        if norm > bound * median:
-            whose = "the others'" if others else "the stage's last round"
+        # A step apart is a looser yardstick than a peer of the same step (a loss spike moves
+        # every gradient at once): held to the bound squared.
+        allowed = bound * median if others else bound * bound * median
+        if norm > allowed:
+            whose = "the others'" if others else "the stage's last round (squared)"
             found.setdefault(
                 j,
-                f"its contribution, {norm:.3g} per microbatch, is past {bound:g} times the "
-                f"median of {whose} ({median:.3g}): the norm bound",
+                f"its contribution, {norm:.3g} per microbatch, is past {allowed / median:g} "
+                f"times the median of {whose} ({median:.3g}): the norm bound",
             )
     kept = [per_sample[j] for j in took if j not in found]
     return found, statistics.median(kept) if kept else None
