@@ -361,10 +361,14 @@ class TwoPhaseCommit:
         self.failure = failure = RoundFailure(_shorten(reason))
         contributors = {k: len(g.members) - len(g.aggregators) for k, g in groups.items()}
         for stage, out in replicas_to_leave_out(accusations, contributors).items():
-            group = groups[stage].members
+            group, failed = groups[stage].members, set().union(*accusations[stage].values())
             for index, by in sorted(out.items()):
                 culprit, accusers = members[stage][index], [group[j] for j in sorted(by)]
-                why = "a part's sum that fails its checksum" if index not in by else "a checksum"
+                why = (
+                    "its part's sum fails its checksum"
+                    if index in failed
+                    else "it failed an owner's sum that too few others failed"
+                )
                 await self._leave_out(ledger, stage, culprit, accusers, why)
                 failure.left_out.append((stage, culprit.peer, accusers, why))
         return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -128,35 +129,48 @@ async def _round(
     async with replicas(5) as pool:
         for aggregator in pool[CONTRIBUTORS:]:
             aggregator.averager.summer = _off_by(aggregator.averager.summer, add)
-        group = [r.address for r in pool]
         checks = [PartChecks(seed) for _ in range(CONTRIBUTORS)]
-        results = await asyncio.gather(
-            *(
-                all_reduce(
-                    x.clone(),
-                    RoundSettings(
-                        group=group,
-                        index=i,
-                        round=f"r{seed}",
-                        job=JOB,
-                        stage=0,
-                        timeout_s=20.0,
-                        chunk_bytes=MiB,
-                        max_bytes=64 * MiB,
-                        codec=codec,
-                        slice_bytes=40_000,
-                        parts=Parts(WEIGHTS, CONTRIBUTORS),
-                        in_place=i == 1,
-                    ),
-                    averager=r.averager,
-                    channels=r.channels,
-                    checks=checks[i],
-                )
-                for i, (r, x) in enumerate(zip(pool, xs, strict=False))
-            )
+        results = await _all_reduce(
+            pool,
+            xs,
+            checks,
+            round=f"r{seed}",
+            codec=codec,
+            slice_bytes=40_000,
+            parts=Parts(WEIGHTS, CONTRIBUTORS),
         )
     assert all(torch.equal(t, results[0]) for t in results)
     return [c.report() for c in checks]
+
+
+async def _all_reduce(
+    pool: list[Any], xs: list[torch.Tensor], checks: list[PartChecks], **settings: Any
+) -> list[torch.Tensor]:
+    """One round over `pool` (real PoolService servers), the first `len(xs)` contributing a
+    copy of theirs (the second in place) with their `checks`."""
+    group = [r.address for r in pool]
+    return await asyncio.gather(
+        *(
+            all_reduce(
+                x.clone(),
+                RoundSettings(
+                    group=group,
+                    index=i,
+                    job=JOB,
+                    stage=0,
+                    timeout_s=20.0,
+                    chunk_bytes=MiB,
+                    max_bytes=64 * MiB,
+                    in_place=i == 1,
+                    **settings,
+                ),
+                averager=r.averager,
+                channels=r.channels,
+                checks=checks[i],
+            )
+            for i, (r, x) in enumerate(zip(pool, xs, strict=False))
+        )
+    )
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -208,35 +222,16 @@ async def test_a_replica_owner_who_knows_the_seed_is_caught_by_its_sum_s_norm() 
     async with replicas(3) as pool:
         honest = pool[0].averager.summer
 
-        def knowing(values: list[torch.Tensor], owned: list[bool], codec: int, b: int) -> Reduced:
-            reduced = honest(values, owned, codec, b)
+        def knowing(
+            values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+        ) -> Reduced:
+            reduced = honest(values, owned, codec, block_size)
             wrong = reduced.tensor + e.to(reduced.tensor.dtype)
             return Reduced(wrong, None, wrong)
 
         pool[0].averager.summer = knowing
-        group = [p.address for p in pool]
         checks = [PartChecks(seed) for _ in pool]
-        await asyncio.gather(
-            *(
-                all_reduce(
-                    x.clone(),
-                    RoundSettings(
-                        group=group,
-                        index=i,
-                        round="known",
-                        job=JOB,
-                        stage=0,
-                        timeout_s=20.0,
-                        chunk_bytes=MiB,
-                        max_bytes=64 * MiB,
-                    ),
-                    averager=p.averager,
-                    channels=p.channels,
-                    checks=checks[i],
-                )
-                for i, (p, x) in enumerate(zip(pool, xs, strict=True))
-            )
-        )
+        await _all_reduce(pool, xs, checks, round="known")
     reports = {j: c.report() for j, c in enumerate(checks)}
     found = mismatches(reports, 3)
     assert {(m.part, m.contributor, m.what) for m in found} == {(0, j, "‖S‖") for j in range(3)}

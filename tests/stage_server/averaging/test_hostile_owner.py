@@ -19,6 +19,7 @@ import torch
 
 from scheduler.coordinator import LocalCoordinator, gather_state
 from stage_server.averaging.owner import Reduced, Summer
+from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.model.routes import Record
 from tests.support.equality import assert_equal_to_reference
@@ -42,6 +43,18 @@ def _lying(honest: Summer, forged: list[int]) -> Summer:
     return wrong
 
 
+async def _pool(
+    tmp_path: Path, make_swarm: list[Swarm], steps: int, pool: dict[str, Any] | None = None
+) -> tuple[JobConfig, Swarm]:
+    """A float64 job of `steps` steps (`pool` its [pool]), and three replicas of each stage."""
+    training = {"steps": steps, "target_batch_size": 32, "checkpoint_every": 0}
+    job = make_job(tmp_path, training=training, pool=pool or {})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    return job, swarm
+
+
 @pytest.mark.attack("55-owner")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["step", "local"])
@@ -53,11 +66,7 @@ async def test_a_replica_owner_s_wrong_sum_fails_its_round_and_the_job_stays_exa
     replayed by the others; a local-steps round goes on without it), and the job equals
     `swarm local` within 1e-9 (`--routes` for the rounds)."""
     pool = {} if mode == "step" else {"mode": "local", "sync_every": 2}
-    training = {"steps": 4 if pool else 3, "target_batch_size": 32, "checkpoint_every": 0}
-    job = make_job(tmp_path, training=training, pool=pool)
-    swarm = Swarm(job)
-    make_swarm.append(swarm)
-    await swarm.add_replicas(3)
+    job, swarm = await _pool(tmp_path, make_swarm, 4 if pool else 3, pool)
     liar = swarm.servers[0][2]
     forged: list[int] = []
     averager = liar.servicer.averager
@@ -90,10 +99,7 @@ async def test_a_replica_s_finite_wrong_gradient_is_refused_by_the_norm_bound(
     norm bound on (the default), its contribution is far past the others' per microbatch: the
     round fails, it is left out and its microbatches are replayed by the others, and the job
     equals `swarm local` within 1e-9 (the bound refuses, it never scales)."""
-    job = make_job(tmp_path, training={"steps": 3, "target_batch_size": 32, "checkpoint_every": 0})
-    swarm = Swarm(job)
-    make_swarm.append(swarm)
-    await swarm.add_replicas(3)
+    job, swarm = await _pool(tmp_path, make_swarm, 3)
     liar = swarm.servers[1][2]
     committer = liar.servicer._commits
     honest, poisoned = committer._average, []
