@@ -39,6 +39,7 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.checksum import PartChecks
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.flat import flatten, unflatten
+from stage_server.averaging.hostile import poison
 from stage_server.averaging.owner import Averager, AveragingAborted
 from stage_server.averaging.spill import Spill
 from stage_server.peer.metrics import StageMetrics
@@ -362,6 +363,7 @@ class Committer:
         maybe_die(Point.AVERAGING, c.step)
         inject(Point.AVERAGING_OOM, c.step, self.peer)  # before this replica sends a byte
         flat = flatten(sums)  # a view of the part (or, of tensors apart, a copy of it)
+        poison(flat, self.averager, c.step)  # only where a hostile fault is armed (tests)
         keep = None
         if spill is not None:
 
