@@ -170,6 +170,22 @@ class Averager:
         self._summed: OrderedDict[RoundKey, set[tuple[int, int]]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self.summer: Summer = _reduce  # this averager's own (see `Summer`)
+        # round -> part -> each sender's squared norm summed into it so far (`received`)
+        self._norms: OrderedDict[RoundKey, dict[int, list[float]]] = OrderedDict()
+
+    def received(self, round: RoundKey, part: int) -> list[float]:
+        """The squared norm of each sender's values summed into `part` of `round` (the norm
+        bound's evidence: `scheduler.coordinator.norm_bound`), forgotten once read."""
+        return self._norms.get(round, {}).pop(part, [])
+
+    def _measured(self, round: RoundKey, part: int, squares: list[float]) -> None:
+        """Count each contribution's squared norm (on the loop: slices finish concurrently)."""
+        of = self._norms.setdefault(round, {})
+        self._norms.move_to_end(round)
+        so_far = of.setdefault(part, [0.0] * len(squares))
+        of[part] = [a + b for a, b in zip(so_far, squares, strict=False)]
+        while len(self._norms) > self._history:
+            self._norms.popitem(last=False)
 
     def open_rounds(self) -> set[RoundKey]:
         return set(self._open)
@@ -415,6 +431,7 @@ class Averager:
         slot.values, slot.owned = {}, {}
         try:
             # Off the event loop: a large part's sum would hold up every other call.
+            self._measured(round, part, await asyncio.to_thread(_squares, values))
             reduced = await asyncio.to_thread(self.summer, values, owned, codec, block_size)
         except Exception as e:
             log.exception("%s: the sum failed", name)
@@ -431,6 +448,11 @@ class Averager:
         if slot is not None:
             where = _where(*key)
             self.abort(round, f"{where} timed out after {timeout_s:.3g} s", slot.missing())
+
+
+def _squares(values: list[torch.Tensor]) -> list[float]:
+    """Each contribution's squared norm, in float64 (before a sum may land in one of them)."""
+    return [float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2 for v in values]
 
 
 def _retrieve(fut: asyncio.Future[Reduced]) -> None:

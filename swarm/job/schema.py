@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 from swarm.errors import ConfigError
 from swarm.job.coerce import GE0, GE1, GT0, UNIT, Section, not_allowed
 from swarm.job.coerce import checked_field as _f  # short: nearly every field uses it
+from swarm.job.trust import TrustConfig
 
 __all__ = [
     "CHECKPOINT_EVERY",
@@ -40,6 +41,7 @@ __all__ = [
     "RebalanceConfig",
     "RuntimeConfig",
     "TrainingConfig",
+    "TrustConfig",
     "token_width",
 ]
 
@@ -352,6 +354,7 @@ class JobConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    trust: TrustConfig = field(default_factory=TrustConfig)
 
     def __post_init__(self) -> None:
         if self.training.checkpoint_every is None:  # frozen: resolved once, as read
@@ -420,5 +423,5 @@ def _default_checkpoint_every(pool: PoolConfig) -> int:
 
 _CLASSES = (ModelConfig, DataConfig, TrainingConfig, OptimizerConfig, CompressionConfig)
 SECTIONS: dict[str, type[Section]] = {
-    c.section: c for c in (*_CLASSES, RuntimeConfig, RebalanceConfig, PoolConfig)
+    c.section: c for c in (*_CLASSES, RuntimeConfig, RebalanceConfig, PoolConfig, TrustConfig)
 }

@@ -320,7 +320,7 @@ class StageClient:
         round_end: bool = False,
         eager: EagerOp = EagerOp.NONE,
         parts: Parts = EQUAL_PARTS,  # the round's: `part_weights`, `contributors` on the wire
-        check_seed: int = 0,  # PREPARE: the checksum of the aggregators' parts asked (0: none)
+        check_seed: int = 0,  # PREPARE: the checksum of every part asked (0: none)
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id,
