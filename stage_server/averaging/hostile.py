@@ -14,7 +14,8 @@ import logging
 
 import torch
 
-from stage_server.averaging.owner import Averager, Reduced, Summer
+from stage_server.averaging.owner import Averager
+from stage_server.averaging.summing import Reduced, Summer
 from swarm.ops.faults import Point, poisoning
 
 __all__ = ["ERROR", "SCALE", "poison"]

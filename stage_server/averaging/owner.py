@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from stage_server.averaging.summing import Reduced, Summer, squares, sum_in_order
 from swarm.errors import (
     Aborted,
     FailedPrecondition,
@@ -26,17 +27,13 @@ from swarm.errors import (
     ResourceExhausted,
 )
 from swarm.ops.device_oom import is_out_of_memory
-from swarm.proto import pool_pb2, tensor_pb2
-from swarm.wire import chunking as wire
-from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE, decode, encode
+from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
 
 __all__ = [
     "MAX_GROUP_SIZE",
     "Averager",
     "AveragingAborted",
-    "Reduced",
     "RoundKey",
-    "Summer",
     "round_name",
 ]
 
@@ -52,56 +49,6 @@ class AveragingAborted(Aborted):
     `missing` (from `Aborted`, and sent with the answer): the group indices of the members it
     failed on: the senders a timed-out part still waited for, or whom the replica that aborted
     the round named."""
-
-
-class Reduced:
-    """One part summed over its group, shared by every waiter: `tensor` (not to be modified in
-    place) and the reply every sender receives. Uncompressed, each reply is cut from `tensor`'s
-    memory as it is sent (a chunk's copy at a time, however many senders); a lossy codec's
-    encoding is made once, when the sum is."""
-
-    def __init__(
-        self, tensor: torch.Tensor, message: tensor_pb2.Tensor | None, exact: torch.Tensor
-    ) -> None:
-        self.tensor, self._message = tensor, message
-        self.exact = exact  # the sum before a lossy codec encoded it (`tensor` if none did)
-        # encoded bytes of the sum, as each reply carries them
-        self.wire_bytes = message.nbytes if message is not None else tensor.nbytes
-
-    def replies(self, chunk_bytes: int) -> Iterator[pool_pb2.PoolReduceResponse]:
-        if self._message is None:
-            return wire.split_tensor(pool_pb2.PoolReduceResponse(), "sum", self.tensor, chunk_bytes)
-        return wire.split(pool_pb2.PoolReduceResponse(tensors=[self._message]), chunk_bytes)
-
-
-class Summer(Protocol):
-    """How an `Averager` sums a part's contributions (`_reduce`); a test gives one averager a
-    failing one, where a patch of the module's function would reach every averager the process
-    holds (each replica's in a pool of replicas sharing one process)."""
-
-    def __call__(
-        self, values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
-    ) -> Reduced: ...
-
-
-def _reduce(values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int) -> Reduced:
-    """The sum `((c0 + c1) + c2) + ...` of `values` in sender order; into `values[0]` or
-    `values[1]` itself when it is `owned` (a received buffer no one else reads), else into a
-    new tensor."""
-    total = values[0]
-    if len(values) > 1:
-        if owned[0]:
-            total.add_(values[1])  # the same bits as c0 + c1 into a new tensor
-        elif owned[1]:  # c0 is the owner's own gradient: c1 + c0, the same bits (IEEE 754
-            total = values[1].add_(values[0])  # addition commutes), and no tensor more
-        else:
-            total = values[0] + values[1]
-        for v in values[2:]:
-            total.add_(v)  # elementwise, so the same bits as ((c0 + c1) + c2) + ...
-    if codec == CODEC_NONE:
-        return Reduced(total, None, total)
-    msg = encode(total, "sum", codec, block_size)
-    return Reduced(decode(msg), msg, total)  # the owner keeps exactly what the senders decode
 
 
 @dataclass
@@ -169,7 +116,7 @@ class Averager:
         # summed is refused
         self._summed: OrderedDict[RoundKey, set[tuple[int, int]]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
-        self.summer: Summer = _reduce  # this averager's own (see `Summer`)
+        self.summer: Summer = sum_in_order  # this averager's own (see `Summer`)
         # round -> part -> each sender's squared norm summed into it so far (`received`)
         self._norms: OrderedDict[RoundKey, dict[int, list[float]]] = OrderedDict()
 
@@ -431,7 +378,7 @@ class Averager:
         slot.values, slot.owned = {}, {}
         try:
             # Off the event loop: a large part's sum would hold up every other call.
-            self._measured(round, part, await asyncio.to_thread(_squares, values))
+            self._measured(round, part, await asyncio.to_thread(squares, values))
             reduced = await asyncio.to_thread(self.summer, values, owned, codec, block_size)
         except Exception as e:
             log.exception("%s: the sum failed", name)
@@ -448,11 +395,6 @@ class Averager:
         if slot is not None:
             where = _where(*key)
             self.abort(round, f"{where} timed out after {timeout_s:.3g} s", slot.missing())
-
-
-def _squares(values: list[torch.Tensor]) -> list[float]:
-    """Each contribution's squared norm, in float64 (before a sum may land in one of them)."""
-    return [float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2 for v in values]
 
 
 def _retrieve(fut: asyncio.Future[Reduced]) -> None:

@@ -17,7 +17,8 @@ import torch
 from scheduler.coordinator.sum_checks import DOT_BLOCK, Mismatch, mismatches, tolerance
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.checksum import BLOCK, PartChecks, dots, weights
-from stage_server.averaging.owner import Averager, Reduced, Summer
+from stage_server.averaging.owner import Averager
+from stage_server.averaging.summing import Reduced, Summer
 from swarm.policy.parts import Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.wire.codec import CODEC_NONE, codec_from_name

@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from scheduler.dial_back import StageDialer
 from stage_server.aggregator.main import PoolJobs
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
-from stage_server.averaging.owner import AveragingAborted, Reduced
+from stage_server.averaging.owner import AveragingAborted
+from stage_server.averaging.summing import Reduced
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus, Subscription
 from swarm.bus.topics import SCHEDULER_USER, Topics

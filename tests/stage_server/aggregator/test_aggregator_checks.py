@@ -22,8 +22,9 @@ from scheduler.coordinator import commit as commit_module
 from scheduler.coordinator.groups import Aggregator, Groups, Link, RoundGroup
 from scheduler.coordinator.sum_checks import Mismatch, mismatches
 from stage_server.averaging.checksum import PartChecks, weights
-from stage_server.averaging.owner import Averager, Reduced
+from stage_server.averaging.owner import Averager
 from stage_server.averaging.service import PoolServicer
+from stage_server.averaging.summing import Reduced
 from swarm.errors import NotFound
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from scheduler.coordinator import LocalCoordinator, gather_state
-from stage_server.averaging.owner import Reduced, Summer
+from stage_server.averaging.summing import Reduced, Summer
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.model.routes import Record
