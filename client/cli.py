@@ -182,6 +182,7 @@ def _trainer(p: argparse.ArgumentParser) -> None:
     )
     add_token(p)
     add_tls_flags(p)
+    add_join_flag(p)  # a friend's trainer: the job's data comes from the scheduler
     p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
     p.add_argument("--log", type=Path, help="write one JSON line per step here")
     p.add_argument(

@@ -220,6 +220,20 @@ class SchedulerExportRoutesResponse(_message.Message):
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
+class SchedulerFetchDataRequest(_message.Message):
+    __slots__ = ("job", "validation")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    validation: bool
+    def __init__(self, job: _Optional[str] = ..., validation: _Optional[bool] = ...) -> None: ...
+
+class SchedulerFetchDataResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
 class LeaseTask(_message.Message):
     __slots__ = ("step", "index", "stages", "evaluate")
     STEP_FIELD_NUMBER: _ClassVar[int]
