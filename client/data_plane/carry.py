@@ -14,15 +14,17 @@ from collections.abc import Sequence
 
 import torch
 
+from client.data_plane.audit import Audits, Work
 from client.data_plane.boundary import BoundaryCache
 from client.data_plane.hops import StageHops
+from client.data_plane.reexecute import decoded
 from client.metrics import TrainerMetrics
 from swarm.errors import ActivationsNotCached
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
 from swarm.proto import tensor_pb2
-from swarm.rpc.lease import MicrobatchResult, Replica, Task
+from swarm.rpc.lease import MicrobatchResult, Replica, Task, Verdict
 from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
 from swarm.wire import codec
 
@@ -31,9 +33,15 @@ __all__ = ["CarryPlane"]
 
 class CarryPlane:
     def __init__(
-        self, job: JobConfig, hops: StageHops, metrics: TrainerMetrics, cache: BoundaryCache
+        self,
+        job: JobConfig,
+        hops: StageHops,
+        metrics: TrainerMetrics,
+        cache: BoundaryCache,
+        audits: Audits | None = None,
     ) -> None:
         self.job, self.hops, self.metrics, self.cache = job, hops, metrics, cache
+        self.audits = audits  # None: nothing is audited (`client.data_plane.audit`)
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
         pass  # every hop reads the routes as they are when it is made
@@ -75,6 +83,12 @@ class CarryPlane:
         if done.accumulated and done.peer is not None:
             holders[last] = done.peer
         self.cache.remember(step, index, last, boundary[last], targets)
+        # what each stage was given and answered, for the audit (every stage's, or none)
+        works: list[Work] | None = None
+        if result is not None and self.audits is not None and len(stages) == last + 1:
+            loss_sum = torch.tensor(result.loss_sum, dtype=torch.float64)
+            answer = (boundary[last], targets, loss_sum, decoded(result.grad_inputs))
+            works = [Work(last, *answer, forward_peer[last], forward_peer[last])]
         # The loss is the same whichever replica computed it, accumulating or not.
         loss = result.loss_sum if last in stages and result is not None else None
         grad = result.grad_inputs if result is not None else None
@@ -98,13 +112,27 @@ class CarryPlane:
                 back[k] = done.peer
             result = done.result
             grad = result.grad_inputs if result is not None else None
+            if works is not None and (result is None or done.peer is None):
+                works = None  # an answer the trainer does not hold: nothing to audit
+            elif works is not None:
+                outputs = decoded(boundary[k + 1])
+                assert outputs is not None
+                work = Work(k, boundary[k], g, outputs, decoded(grad), forward_peer[k], done.peer)
+                works.insert(0, work)
         samples = int(ids.shape[0])
         if not local:
-            return MicrobatchResult(step, index, holders, loss, samples)
+            # Audited before it is reported: a liar caught is banned before its work commits.
+            verdicts = await self._audited(step, index, works)
+            return MicrobatchResult(step, index, holders, loss, samples, verdicts=verdicts)
         chain = tuple(forward_peer[k] for k in range(last + 1))
         return MicrobatchResult(
             step, index, holders, loss, samples, chain, tuple(sorted(back.items()))
         )
+
+    async def _audited(self, step: int, index: int, works: list[Work] | None) -> tuple[Verdict, ...]:
+        if works is None or self.audits is None:
+            return ()
+        return tuple(await self.audits.audit(step, index, works))
 
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor

@@ -40,6 +40,7 @@ __all__ = [
     "RebalanceConfig",
     "RuntimeConfig",
     "TrainingConfig",
+    "TrustConfig",
     "token_width",
 ]
 
@@ -339,6 +340,17 @@ class RuntimeConfig(Section):
             raise not_allowed("runtime.max_message_bytes", self.max_message_bytes, allowed)
 
 
+@dataclass(frozen=True)
+class TrustConfig(Section):
+    """`[trust]`: what a job does about peers that lie (docs/jobs.md, "Trust"). None of these
+    change the maths: a caught liar's work is replayed away."""
+
+    section: ClassVar[str] = "trust"
+    #: share of the microbatches each stage re-executes on another replica and compares
+    #: (carry plane; fraction, 0: off)
+    audit_fraction: float = _f(0.1, (lambda v: 0 <= v <= 1, "in [0, 1]"))
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
     """A whole job file. `training` and `optimizer` have required keys, so they have no default."""
@@ -352,6 +364,7 @@ class JobConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    trust: TrustConfig = field(default_factory=TrustConfig)
 
     def __post_init__(self) -> None:
         if self.training.checkpoint_every is None:  # frozen: resolved once, as read
@@ -420,5 +433,5 @@ def _default_checkpoint_every(pool: PoolConfig) -> int:
 
 _CLASSES = (ModelConfig, DataConfig, TrainingConfig, OptimizerConfig, CompressionConfig)
 SECTIONS: dict[str, type[Section]] = {
-    c.section: c for c in (*_CLASSES, RuntimeConfig, RebalanceConfig, PoolConfig)
+    c.section: c for c in (*_CLASSES, RuntimeConfig, RebalanceConfig, PoolConfig, TrustConfig)
 }
