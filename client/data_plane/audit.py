@@ -174,14 +174,20 @@ class Audits:
         for item in wrong:
             by = differs(claimed[item], redone_b[item])
             if self._close(redone_a[item], redone_b[item]) and by > self.tolerance:
-                liar, evidence = producer[item], (
-                    f"its {item} of {where} differ by {by:.3g} (relative) from those "
-                    f"re-executed by {first} and {second}, which agree"
+                liar, evidence = (
+                    producer[item],
+                    (
+                        f"its {item} of {where} differ by {by:.3g} (relative) from those "
+                        f"re-executed by {first} and {second}, which agree"
+                    ),
                 )
             elif by <= self.tolerance:
-                liar, evidence = first, (
-                    f"auditing {where}, it re-executed {item} that differ by {gaps[item]:.3g} "
-                    f"(relative) from those of {producer[item]} and of {second}, which agree"
+                liar, evidence = (
+                    first,
+                    (
+                        f"auditing {where}, it re-executed {item} that differ by {gaps[item]:.3g} "
+                        f"(relative) from those of {producer[item]} and of {second}, which agree"
+                    ),
                 )
             else:
                 self.metrics.audited("undecided")

@@ -82,7 +82,9 @@ class CarryPlane:
         result = done.result
         if done.accumulated and done.peer is not None:
             holders[last] = done.peer
-        self.cache.remember(step, index, last, boundary[last], targets)
+        after = done.peer  # who answered the gradient the stage below is given
+        before = [forward_peer[last - 1]] if last else []
+        self.cache.remember(step, index, last, boundary[last], targets, before)
         # what each stage was given and answered, for the audit (every stage's, or none)
         works: list[Work] | None = None
         if result is not None and self.audits is not None and len(stages) == last + 1:
@@ -96,7 +98,8 @@ class CarryPlane:
             assert grad is not None
             g = grad
             forward_client = self.hops.routes.clients.get(forward_peer[k])  # None: departed
-            self.cache.remember(step, index, k, boundary[k], g)
+            before = [forward_peer[k - 1]] if k else []
+            self.cache.remember(step, index, k, boundary[k], g, [*before, *filter(None, [after])])
             done = await self.hops.hopped(
                 k,
                 lambda c, a, k=k, g=g, f=forward_client: _backward(  # type: ignore[misc]
@@ -110,6 +113,7 @@ class CarryPlane:
                 holders[k] = done.peer
             if done.peer is not None and done.peer != forward_peer[k]:
                 back[k] = done.peer
+            after = done.peer
             result = done.result
             grad = result.grad_inputs if result is not None else None
             if works is not None and (result is None or done.peer is None):
@@ -123,13 +127,18 @@ class CarryPlane:
         if not local:
             # Audited before it is reported: a liar caught is banned before its work commits.
             verdicts = await self._audited(step, index, works)
-            return MicrobatchResult(step, index, holders, loss, samples, verdicts=verdicts)
+            touched = tuple(sorted(filter(None, {*forward_peer.values(), *back.values()})))
+            return MicrobatchResult(
+                step, index, holders, loss, samples, verdicts=verdicts, touched=touched
+            )
         chain = tuple(forward_peer[k] for k in range(last + 1))
         return MicrobatchResult(
             step, index, holders, loss, samples, chain, tuple(sorted(back.items()))
         )
 
-    async def _audited(self, step: int, index: int, works: list[Work] | None) -> tuple[Verdict, ...]:
+    async def _audited(
+        self, step: int, index: int, works: list[Work] | None
+    ) -> tuple[Verdict, ...]:
         if works is None or self.audits is None:
             return ()
         return tuple(await self.audits.audit(step, index, works))
@@ -152,6 +161,9 @@ class CarryPlane:
         cached = self.cache.get(task.step, task.index)
         if cached is None or not task.stages <= cached.keys():
             return None
+        producers = self.cache.producers(task.step, task.index, task.stages)
+        if not producers <= self.hops.routes.clients.keys():
+            return None  # one is no member now (gone, or banned): its bytes are not trusted
         last, holders = self.job.training.stages - 1, {}
         for k in sorted(task.stages):
             inputs, grad = cached[k]
@@ -176,8 +188,14 @@ class CarryPlane:
             if peer is not None:
                 holders[k] = peer
         self.metrics.cached_replays.inc()
+        touched = producers | set(holders.values())
         return MicrobatchResult(
-            task.step, task.index, holders, None, self.job.training.microbatch_size
+            task.step,
+            task.index,
+            holders,
+            None,
+            self.job.training.microbatch_size,
+            touched=tuple(sorted(touched)),
         )
 
 

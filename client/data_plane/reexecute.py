@@ -37,9 +37,16 @@ class StageReexecutor:
         grads = work.stage > 0  # stage 0's inputs are token ids
         if work.stage == self.last:
             done = await client.forward_backward(
-                step, index, work.inputs, work.grad_outputs, accumulate=False, need_grad_inputs=grads
+                step,
+                index,
+                work.inputs,
+                work.grad_outputs,
+                accumulate=False,
+                need_grad_inputs=grads,
             )
-            return Redone(torch.tensor(done.loss_sum, dtype=torch.float64), decoded(done.grad_inputs))
+            return Redone(
+                torch.tensor(done.loss_sum, dtype=torch.float64), decoded(done.grad_inputs)
+            )
         outputs = codec.decode(await client.forward(step, index, work.inputs))
         try:  # its activations are cached there now
             back = await client.backward(
@@ -47,6 +54,11 @@ class StageReexecutor:
             )
         except ActivationsNotCached:  # evicted meanwhile: send the inputs again
             back = await client.backward(
-                step, index, work.inputs, work.grad_outputs, accumulate=False, need_grad_inputs=grads
+                step,
+                index,
+                work.inputs,
+                work.grad_outputs,
+                accumulate=False,
+                need_grad_inputs=grads,
             )
         return Redone(outputs, decoded(back.grad_inputs))

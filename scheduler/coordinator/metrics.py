@@ -37,6 +37,10 @@ class CoordinatorFamilies:
         self.rollbacks = counter(
             "swarm_coordinator_rollbacks_total", "Rollbacks of the whole job to its last checkpoint"
         )
+        self.bans = counter(
+            "swarm_coordinator_bans_total",
+            "Peers banned from the job: an audit by re-execution caught them lying (issue 55)",
+        )
         self.round_dropped = counter(
             "swarm_coordinator_round_dropped_samples_total",
             'pool.mode = "local": samples a replica trained on in a round it left before the '
@@ -107,6 +111,7 @@ class CoordinatorFamilies:
             self.aborted_rounds,
             self.dropped,
             self.rollbacks,
+            self.bans,
             self.round_dropped,
             self.last_commit,
             self.tokens,
@@ -138,6 +143,7 @@ class CoordinatorMetrics:
         self.aborted_rounds = f.aborted_rounds.labels(job=job)
         self.dropped = f.dropped.labels(job=job)
         self.rollbacks = f.rollbacks.labels(job=job)
+        self.bans = f.bans.labels(job=job)
         self.round_dropped = f.round_dropped.labels(job=job)
         self.last_commit = f.last_commit.labels(job=job)
         self.grad_norm = f.grad_norm.labels(job=job)

@@ -265,7 +265,7 @@ class SchedulerLeaseMicrobatchesResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[LeaseTask, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class MicrobatchReport(_message.Message):
-    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back", "verdicts")
+    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back", "verdicts", "touched")
     class HoldersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,7 @@ class MicrobatchReport(_message.Message):
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     BACK_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
     holders: _containers.ScalarMap[int, str]
@@ -296,7 +297,8 @@ class MicrobatchReport(_message.Message):
     chain: _containers.RepeatedScalarFieldContainer[str]
     back: _containers.ScalarMap[int, str]
     verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ...) -> None: ...
+    touched: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., touched: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("peer", "stage", "evidence")

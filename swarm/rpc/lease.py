@@ -79,6 +79,9 @@ class MicrobatchResult:
     chain: tuple[str, ...] = ()
     back: tuple[tuple[int, str], ...] = ()
     verdicts: tuple[Verdict, ...] = ()  # replicas its audit caught lying (issue 55)
+    # every replica whose answer this result rests on (carry plane; empty: not known): one
+    # banned meanwhile makes it void (`scheduler.coordinator.bans`)
+    touched: tuple[str, ...] = ()
 
 
 # (step, index): a microbatch a trainer is still working on, named in a lease to renew it
@@ -170,7 +173,10 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
         samples=result.samples,
         chain=result.chain,
         back=dict(result.back),
-        verdicts=[spb.Verdict(peer=v.peer, stage=v.stage, evidence=v.evidence) for v in result.verdicts],
+        verdicts=[
+            spb.Verdict(peer=v.peer, stage=v.stage, evidence=v.evidence) for v in result.verdicts
+        ],
+        touched=result.touched,
     )
     if result.loss_sum is not None:
         msg.loss_sum = result.loss_sum
@@ -182,5 +188,13 @@ def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
     back = tuple(sorted(msg.back.items()))
     verdicts = tuple(Verdict(v.peer, v.stage, v.evidence) for v in msg.verdicts)
     return MicrobatchResult(
-        msg.step, msg.index, dict(msg.holders), loss, msg.samples, tuple(msg.chain), back, verdicts
+        msg.step,
+        msg.index,
+        dict(msg.holders),
+        loss,
+        msg.samples,
+        tuple(msg.chain),
+        back,
+        verdicts,
+        tuple(msg.touched),
     )
