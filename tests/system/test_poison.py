@@ -51,7 +51,9 @@ def test_a_replica_that_lies_is_caught_banned_and_replayed_away(
     assert_equal_to_local(job, state, tol=1e-9)
     assert counted(registry, "swarm_coordinator_bans_total") == 1
     assert counted(registry, "swarm_coordinator_rollbacks_total") >= 1
-    banned = [r.getMessage() for r in caplog.records if "banned" in r.getMessage()]
-    assert banned and all(HOSTILE in m for m in banned), banned
-    assert any("re-executed" in m for m in banned), banned  # the evidence
+    said = [r.getMessage() for r in caplog.records]
+    banned = [m for m in said if "banned" in m and "caught it lying" in m]
+    assert len(banned) == 1 and f"banned {HOSTILE} (stage 1)" in banned[0], banned
+    assert "re-executed" in banned[0], banned  # the evidence
+    assert any("rolled every stage back to step 0: before a banned peer" in m for m in said)
     assert counted(registry, "swarm_trainer_audits_total") > 0
