@@ -65,6 +65,9 @@ ATTACKS: dict[str, str] = {
     "H-checks": "no checksum under a lossy codec; one seed for every stage; sparse forgeries",
     "M-scan": "the dial-back dials any host:port announced and returns the raw error",
     "runner": "this script passes attacks without a test, or with skipped tests",
+    # Issue 55 (poison-proof by re-execution): a replica that lies, in a float64 job
+    "P-acts": "a replica answers finite wrong activations (every step, or one in 20)",
+    "P-grads": "a replica answers finite wrong input gradients (every step, or one in 20)",
 }
 
 

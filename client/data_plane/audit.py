@@ -117,14 +117,18 @@ class Audits:
         """The stages of one microbatch to audit, each with probability `fraction`."""
         return [k for k in stages if self.fraction > 0 and self.rng.random() < self.fraction]
 
-    async def audit(self, step: int, index: int, works: Sequence[Work]) -> list[Verdict]:
-        """Audit the drawn stages of microbatch `(step, index)`; the liars found."""
+    async def audit(
+        self, step: int, index: int, works: Sequence[Work]
+    ) -> tuple[list[Verdict], int]:
+        """Audit the drawn stages of microbatch `(step, index)`: the liars found, and the
+        re-executions it took."""
         self.metrics.stage_runs.inc(len(works))
+        runs = self.metrics.audit_runs._value.get()
         verdicts: dict[str, Verdict] = {}
         for k in self.drawn(range(len(works))):
             for v in await self._audit(step, index, works[k]):
                 verdicts.setdefault(v.peer, v)
-        return list(verdicts.values())
+        return list(verdicts.values()), int(self.metrics.audit_runs._value.get() - runs)
 
     def _close(self, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return differs(a, b) <= self.tolerance

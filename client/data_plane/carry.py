@@ -126,10 +126,18 @@ class CarryPlane:
         samples = int(ids.shape[0])
         if not local:
             # Audited before it is reported: a liar caught is banned before its work commits.
-            verdicts = await self._audited(step, index, works)
+            verdicts, audit_runs = await self._audited(step, index, works)
             touched = tuple(sorted(filter(None, {*forward_peer.values(), *back.values()})))
             return MicrobatchResult(
-                step, index, holders, loss, samples, verdicts=verdicts, touched=touched
+                step,
+                index,
+                holders,
+                loss,
+                samples,
+                verdicts=verdicts,
+                touched=touched,
+                stage_runs=len(works) if works is not None else 0,
+                audit_runs=audit_runs,
             )
         chain = tuple(forward_peer[k] for k in range(last + 1))
         return MicrobatchResult(
@@ -138,10 +146,12 @@ class CarryPlane:
 
     async def _audited(
         self, step: int, index: int, works: list[Work] | None
-    ) -> tuple[Verdict, ...]:
+    ) -> tuple[tuple[Verdict, ...], int]:
+        """The liars `works`' audit found, and the re-executions it took."""
         if works is None or self.audits is None:
-            return ()
-        return tuple(await self.audits.audit(step, index, works))
+            return (), 0
+        verdicts, runs = await self.audits.audit(step, index, works)
+        return tuple(verdicts), runs
 
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor

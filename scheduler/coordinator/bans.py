@@ -51,6 +51,7 @@ class Bans:
         self.void: Callable[[StepLedger, int, str], Awaitable[None]] = _unbound
         self.banned: dict[str, str] = {}  # peer -> the evidence
         self.first_seen: dict[str, int] = {}  # peer -> the first step it was a member at
+        self.caught_at: dict[str, int] = {}  # peer -> the step of the microbatch it was caught at
 
     def members(self, members: Members) -> Members:
         """`members` without the banned peers."""
@@ -68,7 +69,10 @@ class Bans:
     ) -> bool:
         """Ban whom `result`'s audit caught; True when `result` must not count (it rests on a
         banned peer's answer): its holders voided at `ledger`'s step (None: not live), and
-        `trainer`'s lease of it given back (it goes out again at once)."""
+        `trainer`'s lease of it given back (it goes out again at once). Counts what its audit
+        cost."""
+        self.metrics.stage_runs.inc(result.stage_runs)
+        self.metrics.audit_runs.inc(result.audit_runs)
         for verdict in result.verdicts:
             if verdict.peer not in self.banned:
                 await self._ban(verdict.peer, verdict.stage, verdict.evidence, result.step)
@@ -81,7 +85,7 @@ class Bans:
         return True
 
     async def _ban(self, peer: str, stage: int, evidence: str, step: int) -> None:
-        self.banned[peer] = evidence
+        self.banned[peer], self.caught_at[peer] = evidence, step
         since = min(self.first_seen.get(peer, step), step)
         self.metrics.bans.inc()
         text = (

@@ -82,6 +82,9 @@ class MicrobatchResult:
     # every replica whose answer this result rests on (carry plane; empty: not known): one
     # banned meanwhile makes it void (`scheduler.coordinator.bans`)
     touched: tuple[str, ...] = ()
+    # the audit's price: stage computations of this run, and re-executions its audit took
+    stage_runs: int = 0
+    audit_runs: int = 0
 
 
 # (step, index): a microbatch a trainer is still working on, named in a lease to renew it
@@ -177,6 +180,8 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
             spb.Verdict(peer=v.peer, stage=v.stage, evidence=v.evidence) for v in result.verdicts
         ],
         touched=result.touched,
+        stage_runs=result.stage_runs,
+        audit_runs=result.audit_runs,
     )
     if result.loss_sum is not None:
         msg.loss_sum = result.loss_sum
@@ -197,4 +202,6 @@ def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
         back,
         verdicts,
         tuple(msg.touched),
+        msg.stage_runs,
+        msg.audit_runs,
     )

@@ -66,7 +66,7 @@ def test_the_default_draw_is_the_operating_systems() -> None:
 async def test_an_honest_answer_is_agreed_by_one_auditor_bitwise() -> None:
     replicas = Replicas()
     audits = _audits(replicas)
-    assert await audits.audit(0, 0, [_work()]) == []
+    assert await audits.audit(0, 0, [_work()]) == ([], 1)
     assert len(replicas.asked) == 1 and replicas.asked[0] in ("b", "c")  # never the audited
     assert _count(audits, "agreed") == 1
     assert audits.metrics.audit_difference._value.get() == 0.0
@@ -78,7 +78,8 @@ async def test_a_lying_replica_is_convicted_by_two_auditors(item: str) -> None:
     replicas = Replicas()
     audits = _audits(replicas)
     work = _work(TRUE_OUT + WRONG) if item == "outputs" else _work(grads=TRUE_GRAD * 2)
-    (verdict,) = await audits.audit(3, 5, [work])
+    (verdict,), runs = await audits.audit(3, 5, [work])
+    assert runs == 2
     assert verdict.peer == "a" and verdict.stage == 1
     assert "microbatch (3, 5) at stage 1" in verdict.evidence
     assert sorted(replicas.asked) == ["b", "c"]  # both others re-executed it
@@ -89,7 +90,7 @@ async def test_a_lying_auditor_is_convicted_not_the_audited() -> None:
     for seed in range(10):  # whichever of the two others is asked first
         replicas = Replicas(liars={"b"})
         audits = _audits(replicas, seed=seed)
-        verdicts = await audits.audit(0, 0, [_work()])
+        verdicts, _ = await audits.audit(0, 0, [_work()])
         if replicas.asked[0] == "b":
             (verdict,) = verdicts
             assert verdict.peer == "b" and "re-executed" in verdict.evidence
@@ -102,7 +103,7 @@ async def test_no_verdict_on_one_word_against_another() -> None:
     # The second auditor is gone: a disagreement with nobody to arbitrate convicts nobody.
     replicas = Replicas(gone={"b"})
     audits = _audits(replicas, seed=1)
-    verdicts = await audits.audit(0, 0, [_work(TRUE_OUT + WRONG)])
+    verdicts, _ = await audits.audit(0, 0, [_work(TRUE_OUT + WRONG)])
     if replicas.asked[0] == "b":  # the first auditor answered nothing: skipped
         assert verdicts == [] and _count(audits, "skipped") == 1
     else:
@@ -111,7 +112,7 @@ async def test_no_verdict_on_one_word_against_another() -> None:
 
 async def test_an_audit_is_skipped_where_no_other_replica_answers() -> None:
     audits = _audits(Replicas(gone={"b", "c"}))
-    assert await audits.audit(0, 0, [_work(TRUE_OUT + WRONG)]) == []
+    assert await audits.audit(0, 0, [_work(TRUE_OUT + WRONG)]) == ([], 0)
     assert _count(audits, "skipped") == 1
 
 
