@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads: no idle-connection notes
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
@@ -114,9 +116,9 @@ class Run:
                 await asyncio.wait([done], timeout=0.05)
             seconds = time.perf_counter() - started
         finally:
-            for task in runs:
+            for task in [*runs, done]:
                 task.cancel()
-            await asyncio.gather(*runs, return_exceptions=True)
+            await asyncio.gather(*runs, done, return_exceptions=True)
             for t in trainers:
                 await t.close()
         return coordinator, seconds

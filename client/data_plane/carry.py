@@ -116,13 +116,13 @@ class CarryPlane:
             after = done.peer
             result = done.result
             grad = result.grad_inputs if result is not None else None
-            if works is not None and (result is None or done.peer is None):
-                works = None  # an answer the trainer does not hold: nothing to audit
-            elif works is not None:
+            if works is not None and result is not None and done.peer is not None:
                 outputs = decoded(boundary[k + 1])
                 assert outputs is not None
                 work = Work(k, boundary[k], g, outputs, decoded(grad), forward_peer[k], done.peer)
                 works.insert(0, work)
+            else:
+                works = None  # an answer the trainer does not hold: nothing to audit
         samples = int(ids.shape[0])
         if not local:
             # Audited before it is reported: a liar caught is banned before its work commits.
