@@ -4,13 +4,15 @@ retry elsewhere, nothing fed to the wiring): the audit wants this replica's answ
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 import torch
 
 from client.data_plane.audit import Redone, Work
 from swarm.errors import ActivationsNotCached
 from swarm.job.config import JobConfig
 from swarm.rpc.routes import Routes
-from swarm.rpc.stage_client import TensorLike
+from swarm.rpc.stage_client import BackwardResult, TensorLike
 from swarm.wire import codec
 
 __all__ = ["StageReexecutor", "decoded"]
@@ -48,17 +50,14 @@ class StageReexecutor:
                 torch.tensor(done.loss_sum, dtype=torch.float64), decoded(done.grad_inputs)
             )
         outputs = codec.decode(await client.forward(step, index, work.inputs))
+
+        def backward(inputs: TensorLike | None) -> Awaitable[BackwardResult]:
+            return client.backward(
+                step, index, inputs, work.grad_outputs, accumulate=False, need_grad_inputs=grads
+            )
+
         try:  # its activations are cached there now
-            back = await client.backward(
-                step, index, None, work.grad_outputs, accumulate=False, need_grad_inputs=grads
-            )
+            back = await backward(None)
         except ActivationsNotCached:  # evicted meanwhile: send the inputs again
-            back = await client.backward(
-                step,
-                index,
-                work.inputs,
-                work.grad_outputs,
-                accumulate=False,
-                need_grad_inputs=grads,
-            )
+            back = await backward(work.inputs)
         return Redone(outputs, decoded(back.grad_inputs))

@@ -18,6 +18,7 @@ from client.live import (
     LiveView,
     events,
     status_lines,
+    trust_lines,
     watch_status,
 )
 from client.outage import Outage
@@ -208,3 +209,14 @@ def test_each_replica_shows_its_path_and_link_rates_and_an_unreachable_one_its_r
         "    far is UNREACHABLE: UNAVAILABLE: Connection refused: give the stage server "
         "--announce-host, forward port 5000, or start a relay"
     ) in lines
+
+
+def test_status_says_what_audits_cost_and_whom_they_banned() -> None:
+    carry = '[runtime]\ndata_plane = "relay"\n[trust]\naudit_fraction = 0.25\n'
+    s = spb.JobStatus(job="j", spec=carry)
+    assert trust_lines(s) == [
+        "audits   25% of each stage's microbatches re-executed: about +25% stage compute"
+    ]
+    s.events.append(spb.JobEvent(kind="ban", text="banned s1r0 (stage 1): an audit caught it"))
+    assert trust_lines(s)[0].endswith("; banned for lying: s1r0")
+    assert trust_lines(spb.JobStatus(job="j", spec="")) == []  # push (the default): none
