@@ -85,9 +85,9 @@ class CarryPlane:
         after = done.peer  # who answered the gradient the stage below is given
         before = [forward_peer[last - 1]] if last else []
         self.cache.remember(step, index, last, boundary[last], targets, before)
-        # what each stage was given and answered, for the audit (every stage's, or none)
+        # what each stage from `lowest` up was given and answered, for the audit (all, or none)
         works: list[Work] | None = None
-        if result is not None and self.audits is not None and len(stages) == last + 1:
+        if result is not None and self.audits is not None:
             loss_sum = torch.tensor(result.loss_sum, dtype=torch.float64)
             answer = (boundary[last], targets, loss_sum, decoded(result.grad_inputs))
             works = [Work(last, *answer, forward_peer[last], forward_peer[last])]

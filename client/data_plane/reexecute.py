@@ -36,7 +36,7 @@ class StageReexecutor:
 
     async def redo(self, peer: str, step: int, index: int, work: Work) -> Redone:
         client = self.routes.clients[peer]
-        grads = work.stage > 0  # stage 0's inputs are token ids
+        grads = work.grad_inputs is not None  # asked for above the run's lowest stage only
         if work.stage == self.last:
             done = await client.forward_backward(
                 step,

@@ -9,8 +9,9 @@ job for good, and its influence is replayed away.
 - **Replayed away**: any of its answers may have been wrong, not only the one caught, and every
   microbatch it touched moved every stage's gradient. So the job rolls back to the last
   checkpoint at or before the first step it could have worked on (`first_seen`: the first
-  lease given while it was a member), the checkpoints after that deleted, and trains again
-  from there without it: the result is the honest run's, float64-equal to `swarm local`.
+  lease given while it was a member; 0 for those present when a coordinator started mid-job,
+  which cannot know), the checkpoints after that deleted, and trains again from there without
+  it: the result is the honest run's, float64-equal to `swarm local`.
 - **Stragglers**: a microbatch in flight when the ban came may have gone through the banned
   peer and still be reported, even after the rollback (its step comes again). A result that
   rests on a banned peer's answer (`MicrobatchResult.touched`) is not counted, and the replicas
@@ -52,17 +53,22 @@ class Bans:
         self.banned: dict[str, str] = {}  # peer -> the evidence
         self.first_seen: dict[str, int] = {}  # peer -> the first step it was a member at
         self.caught_at: dict[str, int] = {}  # peer -> the step of the microbatch it was caught at
+        self._origin: int | None = None  # the first step this coordinator leased work of
 
     def members(self, members: Members) -> Members:
         """`members` without the banned peers."""
         return lambda: [[r for r in stage if r.peer not in self.banned] for stage in members()]
 
     def saw(self, members: Sequence[Sequence[Replica]], step: int) -> None:
-        """Work of `step` was leased while these were members: their work may start there."""
+        """Work of `step` was leased while these were members: their work may start there. A
+        coordinator started mid-job (a scheduler restarted) cannot tell when those present at
+        its start came: from step 0, for all it knows."""
+        if self._origin is None:
+            self._origin = step
         for stage in members:
             for r in stage:
                 if r.peer not in self.first_seen:
-                    self.first_seen[r.peer] = step
+                    self.first_seen[r.peer] = 0 if step == self._origin else step
 
     async def screen(
         self, trainer: str, result: MicrobatchResult, ledger: StepLedger | None

@@ -31,8 +31,9 @@ def _result(step: int, index: int, *, touched: tuple[str, ...], **kw: object) ->
 
 async def test_a_verdict_bans_once_and_rolls_back_to_the_liars_first_step() -> None:
     bans, rolled, voided, said = _bans()
-    bans.saw([[Replica("a", "a:1")], [Replica("b", "b:1")]], 2)
+    bans.saw([[Replica("a", "a:1")], [Replica("b", "b:1")]], 2)  # a coordinator started at 2
     bans.saw([[Replica("a", "a:1")], [Replica("b", "b:1"), Replica("liar", "l:1")]], 5)
+    assert bans.first_seen == {"a": 0, "b": 0, "liar": 5}  # those at its start: from step 0
     members = bans.members(lambda: [[Replica("a", "a:1")], [Replica("liar", "l:1")]])
     verdict = Verdict("liar", 1, "its outputs differ")
     ledger = StepLedger(step=7, microbatches=4, stages=2, microbatch_size=4)
