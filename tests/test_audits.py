@@ -104,6 +104,8 @@ async def test_a_liar_that_joins_late_costs_only_the_steps_since_the_checkpoint_
     assert list(coordinator.bans.banned) == [liar.address]
     first = coordinator.bans.first_seen[liar.address]
     assert first >= 3
-    assert rolled == [max(c for c in (0, 2, 4, 6) if c <= first)]  # 2 or later: not step 0
+    # the last checkpoint sealed at or before its first step: 2, or 4 when that one was sealed
+    # by then (one is written in the background, or skipped while the one before is)
+    assert len(rolled) == 1 and rolled[0] in (2, 4) and rolled[0] <= first, (rolled, first)
     assert_equal_to_local(job, await gather_state(coordinator), tol=1e-9)
     await coordinator.close()
