@@ -354,7 +354,8 @@ class LocalCoordinator:
             await self._next_step(live, 0)
             return True
         try:
-            async with self.two_phase.attempt(ledger, f"{ledger.step}/{commit.attempt}") as applied:
+            rid = f"{ledger.step}/{commit.attempt}{self._rollback.epoch}"  # anew after rollbacks
+            async with self.two_phase.attempt(ledger, rid) as applied:
                 if applied:  # a round that ends with the step ends now, within the attempt
                     await self.rounds.applied(ledger)
             if applied:

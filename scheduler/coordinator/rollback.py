@@ -61,6 +61,13 @@ class Rollback:
         self._backoff = Backoff(first_s=0.5, cap_s=30.0)
         self._after = -math.inf
         self._before: int | None = None  # a ban's: roll back to a checkpoint at or before this
+        self.rolled = 0  # rollbacks done: a round's id after one is its step's anew
+
+    @property
+    def epoch(self) -> str:
+        """What a round's id carries after a rollback ("" before one): the steps replayed
+        average again under ids of their own."""
+        return f"r{self.rolled}" if self.rolled else ""
 
     @property
     def running(self) -> bool:
@@ -122,7 +129,7 @@ class Rollback:
             if any(not stage for stage in self.membership.replicas()):
                 return  # not every stage could load it: the next lease tries again
             self.metrics.rollbacks.inc()
-            done = True
+            self.rolled, done = self.rolled + 1, True
             if before is not None:
                 log.warning("rolled every stage back to step %d: before a banned peer's work", step)
             elif step == 0:  # all training so far is lost: say so loudly
