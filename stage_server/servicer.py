@@ -41,6 +41,7 @@ from stage_server.replica.worker import Worker
 from swarm.errors import Busy, NotFound
 from swarm.net.commit_auth import STATE_DIGEST_KEY, CommitRefused, CommitVerifier
 from swarm.ops.faults import Point, maybe_die
+from swarm.ops.poison import Poison
 from swarm.ops.rated import RatedLog
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import stage_pb2 as pb
@@ -114,8 +115,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # Under a scheduler, it alone names followers (its tickets, issue 44 N7).
             scheduler_key=lambda: self.commit_auth.public if self.commit_auth else None,
         )
+        # a hostile replica's lies, for tests and benchmarks (`swarm.ops.poison`; none unless
+        # SWARM_POISON says): what an audit by re-execution must catch (issue 55)
+        self.poison = Poison.from_env()
         self._answering = Answering(
-            peer=peer, worker=self.worker, messages=self._messages, runtime=lambda: self.runtime
+            peer=peer,
+            worker=self.worker,
+            messages=self._messages,
+            runtime=lambda: self.runtime,
+            poison=lambda: self.poison,
         )
         self._push = PushPlane(
             peer=peer,
@@ -243,7 +251,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # The outputs' copy to the host on the worker thread, right after the compute.
             outputs, queued = await self.worker.run_then(
                 self.runtime.forward,
-                lambda out: self._messages.encode(out, "outputs", reply, "forward"),
+                lambda out: self._messages.encode(
+                    self.poison.outputs(step, out), "outputs", reply, "forward"
+                ),
                 step,
                 index,
                 inputs,

@@ -14,15 +14,17 @@ from collections.abc import Sequence
 
 import torch
 
+from client.data_plane.audit import Audits, Work
 from client.data_plane.boundary import BoundaryCache
 from client.data_plane.hops import StageHops
+from client.data_plane.reexecute import decoded
 from client.metrics import TrainerMetrics
 from swarm.errors import ActivationsNotCached
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
 from swarm.proto import tensor_pb2
-from swarm.rpc.lease import MicrobatchResult, Replica, Task
+from swarm.rpc.lease import MicrobatchResult, Replica, Task, Verdict
 from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
 from swarm.wire import codec
 
@@ -31,9 +33,15 @@ __all__ = ["CarryPlane"]
 
 class CarryPlane:
     def __init__(
-        self, job: JobConfig, hops: StageHops, metrics: TrainerMetrics, cache: BoundaryCache
+        self,
+        job: JobConfig,
+        hops: StageHops,
+        metrics: TrainerMetrics,
+        cache: BoundaryCache,
+        audits: Audits | None = None,
     ) -> None:
         self.job, self.hops, self.metrics, self.cache = job, hops, metrics, cache
+        self.audits = audits  # None: nothing is audited (`client.data_plane.audit`)
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
         pass  # every hop reads the routes as they are when it is made
@@ -74,7 +82,15 @@ class CarryPlane:
         result = done.result
         if done.accumulated and done.peer is not None:
             holders[last] = done.peer
-        self.cache.remember(step, index, last, boundary[last], targets)
+        after = done.peer  # who answered the gradient the stage below is given
+        before = [forward_peer[last - 1]] if last else []
+        self.cache.remember(step, index, last, boundary[last], targets, before)
+        # what each stage from `lowest` up was given and answered, for the audit (all, or none)
+        works: list[Work] | None = None
+        if result is not None and self.audits is not None:
+            loss_sum = torch.tensor(result.loss_sum, dtype=torch.float64)
+            answer = (boundary[last], targets, loss_sum, decoded(result.grad_inputs))
+            works = [Work(last, *answer, forward_peer[last], forward_peer[last])]
         # The loss is the same whichever replica computed it, accumulating or not.
         loss = result.loss_sum if last in stages and result is not None else None
         grad = result.grad_inputs if result is not None else None
@@ -82,7 +98,8 @@ class CarryPlane:
             assert grad is not None
             g = grad
             forward_client = self.hops.routes.clients.get(forward_peer[k])  # None: departed
-            self.cache.remember(step, index, k, boundary[k], g)
+            before = [forward_peer[k - 1]] if k else []
+            self.cache.remember(step, index, k, boundary[k], g, [*before, *filter(None, [after])])
             done = await self.hops.hopped(
                 k,
                 lambda c, a, k=k, g=g, f=forward_client: _backward(  # type: ignore[misc]
@@ -96,15 +113,45 @@ class CarryPlane:
                 holders[k] = done.peer
             if done.peer is not None and done.peer != forward_peer[k]:
                 back[k] = done.peer
+            after = done.peer
             result = done.result
             grad = result.grad_inputs if result is not None else None
+            if works is not None and result is not None and done.peer is not None:
+                outputs = decoded(boundary[k + 1])
+                assert outputs is not None
+                work = Work(k, boundary[k], g, outputs, decoded(grad), forward_peer[k], done.peer)
+                works.insert(0, work)
+            else:
+                works = None  # an answer the trainer does not hold: nothing to audit
         samples = int(ids.shape[0])
         if not local:
-            return MicrobatchResult(step, index, holders, loss, samples)
+            # Audited before it is reported: a liar caught is banned before its work commits.
+            verdicts, audit_runs = await self._audited(step, index, works)
+            touched = tuple(sorted(filter(None, {*forward_peer.values(), *back.values()})))
+            return MicrobatchResult(
+                step,
+                index,
+                holders,
+                loss,
+                samples,
+                verdicts=verdicts,
+                touched=touched,
+                stage_runs=len(works) if works is not None else 0,
+                audit_runs=audit_runs,
+            )
         chain = tuple(forward_peer[k] for k in range(last + 1))
         return MicrobatchResult(
             step, index, holders, loss, samples, chain, tuple(sorted(back.items()))
         )
+
+    async def _audited(
+        self, step: int, index: int, works: list[Work] | None
+    ) -> tuple[tuple[Verdict, ...], int]:
+        """The liars `works`' audit found, and the re-executions it took."""
+        if works is None or self.audits is None:
+            return (), 0
+        verdicts, runs = await self.audits.audit(step, index, works)
+        return tuple(verdicts), runs
 
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor
@@ -124,6 +171,9 @@ class CarryPlane:
         cached = self.cache.get(task.step, task.index)
         if cached is None or not task.stages <= cached.keys():
             return None
+        producers = self.cache.producers(task.step, task.index, task.stages)
+        if not producers <= self.hops.routes.clients.keys():
+            return None  # one is no member now (gone, or banned): its bytes are not trusted
         last, holders = self.job.training.stages - 1, {}
         for k in sorted(task.stages):
             inputs, grad = cached[k]
@@ -148,8 +198,14 @@ class CarryPlane:
             if peer is not None:
                 holders[k] = peer
         self.metrics.cached_replays.inc()
+        touched = producers | set(holders.values())
         return MicrobatchResult(
-            task.step, task.index, holders, None, self.job.training.microbatch_size
+            task.step,
+            task.index,
+            holders,
+            None,
+            self.job.training.microbatch_size,
+            touched=tuple(sorted(touched)),
         )
 
 

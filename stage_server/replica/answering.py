@@ -18,6 +18,7 @@ from stage_server.replica.messages import Messages
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.worker import Worker
 from swarm.ops.faults import Point, maybe_die
+from swarm.ops.poison import Poison
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 
@@ -44,9 +45,10 @@ class Answering:
         worker: Worker,
         messages: Messages,
         runtime: Callable[[], StageRuntime],
+        poison: Callable[[], Poison] = Poison,
     ) -> None:
         self.peer, self.worker, self.messages = peer, worker, messages
-        self._runtime = runtime
+        self._runtime, self._poison = runtime, poison
 
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self.messages.receipt(r, self.peer, len(self._runtime().receipts()))
@@ -68,6 +70,7 @@ class Answering:
         def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
             # On the worker thread: the input gradient's copy to the host waits on the device.
             *loss, grad, done = result
+            grad = self._poison().grads(step, grad)  # a hostile replica's (`swarm.ops.poison`)
             return loss, self.messages.encode(grad, "grad_inputs", reply, "backward"), done
 
         (loss, grad, done), queued = await self.worker.run_then(

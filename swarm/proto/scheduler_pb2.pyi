@@ -281,7 +281,7 @@ class SchedulerLeaseMicrobatchesResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[LeaseTask, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class MicrobatchReport(_message.Message):
-    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back")
+    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back", "verdicts", "touched", "stage_runs", "audit_runs")
     class HoldersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,10 @@ class MicrobatchReport(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     BACK_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    STAGE_RUNS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_RUNS_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
     holders: _containers.ScalarMap[int, str]
@@ -310,7 +314,21 @@ class MicrobatchReport(_message.Message):
     samples: int
     chain: _containers.RepeatedScalarFieldContainer[str]
     back: _containers.ScalarMap[int, str]
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
+    touched: _containers.RepeatedScalarFieldContainer[str]
+    stage_runs: int
+    audit_runs: int
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., touched: _Optional[_Iterable[str]] = ..., stage_runs: _Optional[int] = ..., audit_runs: _Optional[int] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("peer", "stage", "evidence")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    stage: int
+    evidence: str
+    def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., evidence: _Optional[str] = ...) -> None: ...
 
 class SchedulerReportMicrobatchesRequest(_message.Message):
     __slots__ = ("job", "trainer", "results", "released", "next")

@@ -18,6 +18,7 @@ from client.live import (
     LiveView,
     events,
     status_lines,
+    trust_lines,
     watch_status,
 )
 from client.outage import Outage
@@ -236,3 +237,14 @@ def test_status_shows_bytes_per_token_per_boundary_and_direction() -> None:
         ["0|1", "128.0", "125.0"],
         ["1|2", "40.0", "-"],
     ]
+
+
+def test_status_says_what_audits_cost_and_whom_they_banned() -> None:
+    carry = '[runtime]\ndata_plane = "relay"\n[trust]\naudit_fraction = 0.25\n'
+    s = spb.JobStatus(job="j", spec=carry)
+    assert trust_lines(s) == [
+        "audits   25% of each stage's microbatches re-executed: about +25% stage compute"
+    ]
+    s.events.append(spb.JobEvent(kind="ban", text="banned s1r0 (stage 1): an audit caught it"))
+    assert trust_lines(s)[0].endswith("; banned for lying: s1r0")
+    assert trust_lines(spb.JobStatus(job="j", spec="")) == []  # push (the default): none
