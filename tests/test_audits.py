@@ -1,5 +1,6 @@
 """Issue 55, with real gRPC servers in this process (every replica's state at hand; the
-process-per-server attacks are tests/system/test_poison_audits.py): audits accuse no honest replica (a
+process-per-server attacks are in tests/system/test_poison_audits.py): audits accuse no
+honest replica (a
 float64 job on the carry plane, every stage of every microbatch audited, three replicas a stage:
 every audit agrees, bitwise on the CPU, nobody is banned, the model equals `swarm local`'s); and
 a liar that joins late costs only the steps since the checkpoint before it."""

@@ -341,17 +341,6 @@ class RuntimeConfig(Section):
             raise not_allowed("runtime.max_message_bytes", self.max_message_bytes, allowed)
 
 
-@dataclass(frozen=True)
-class TrustConfig(Section):
-    """`[trust]`: what a job does about peers that lie (docs/jobs.md, "Trust"). None of these
-    change the maths: a caught liar's work is replayed away."""
-
-    section: ClassVar[str] = "trust"
-    #: share of the microbatches each stage re-executes on another replica and compares
-    #: (carry plane; fraction, 0: off)
-    audit_fraction: float = _f(0.1, (lambda v: 0 <= v <= 1, "in [0, 1]"))
-
-
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
     """A whole job file. `training` and `optimizer` have required keys, so they have no default."""
