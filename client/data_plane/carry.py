@@ -21,6 +21,7 @@ from swarm.errors import ActivationsNotCached
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
+from swarm.model.subspace import wire_tokens
 from swarm.proto import tensor_pb2
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
 from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
@@ -51,12 +52,14 @@ class CarryPlane:
         ids, labels = data.microbatch(step, index)
         # Encoded once; every later hop passes on the messages the stages sent back.
         boundary: list[TensorLike] = [codec.encode(ids, "inputs")]
-        targets = codec.encode(labels, "targets")
+        targets, tokens = codec.encode(labels, "targets"), self._tokens(ids)
         forward_peer: dict[int, str] = {}
         for k in range(last):
             peer, out = await self.hops.any(
                 k,
-                lambda c, k=k: c.forward(step, index, boundary[k]),  # type: ignore[misc]
+                lambda c, k=k: c.forward(  # type: ignore[misc]
+                    step, index, boundary[k], tokens=tokens if k else None
+                ),
             )
             forward_peer[k] = peer
             boundary.append(out)
@@ -64,7 +67,13 @@ class CarryPlane:
         done = await self.hops.hopped(
             last,
             lambda c, a: c.forward_backward(
-                step, index, boundary[last], targets, accumulate=a, need_grad_inputs=lowest < last
+                step,
+                index,
+                boundary[last],
+                targets,
+                accumulate=a,
+                need_grad_inputs=lowest < last,
+                tokens=tokens,
             ),
             accumulate=last in stages,
             need_result=lowest < last,
@@ -74,7 +83,7 @@ class CarryPlane:
         result = done.result
         if done.accumulated and done.peer is not None:
             holders[last] = done.peer
-        self.cache.remember(step, index, last, boundary[last], targets)
+        self.cache.remember(step, index, last, boundary[last], targets, tokens)
         # The loss is the same whichever replica computed it, accumulating or not.
         loss = result.loss_sum if last in stages and result is not None else None
         grad = result.grad_inputs if result is not None else None
@@ -86,7 +95,7 @@ class CarryPlane:
             done = await self.hops.hopped(
                 k,
                 lambda c, a, k=k, g=g, f=forward_client: _backward(  # type: ignore[misc]
-                    c, task, k, boundary[k], g, f, a
+                    c, task, k, boundary[k], g, f, a, tokens if k else None
                 ),
                 prefer=forward_peer[k],
                 accumulate=k in stages,
@@ -111,12 +120,21 @@ class CarryPlane:
     ) -> MicrobatchResult:
         step, index = task.step, task.index
         inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
-        last = self.job.training.stages - 1
+        last, tokens = self.job.training.stages - 1, self._tokens(ids)
         x: TensorLike = inputs
         for k in range(last):
-            _, x = await self.hops.any(k, functools.partial(_forward_only, step, index, x))
-        _, loss = await self.hops.any(last, lambda c: c.evaluate(step, index, x, targets))
+            _, x = await self.hops.any(
+                k, functools.partial(_forward_only, step, index, x, tokens if k else None)
+            )
+        _, loss = await self.hops.any(last, lambda c: c.evaluate(step, index, x, targets, tokens))
         return MicrobatchResult(step, index, {}, loss, int(ids.shape[0]))
+
+    def _tokens(self, ids: torch.Tensor) -> tensor_pb2.Tensor | None:
+        """The token ids every stage after the first needs under a subspace boundary
+        (`model.boundary_rank`), encoded once; None (not sent) for a full boundary."""
+        if not self.job.model.boundary_rank:
+            return None
+        return codec.encode(wire_tokens(ids, self.job.model.vocab_size), "tokens")
 
     async def _replay_from_cache(self, task: Task) -> MicrobatchResult | None:
         """A replay whose stages' boundary tensors are still cached: one call per stage, on any
@@ -125,13 +143,15 @@ class CarryPlane:
         if cached is None or not task.stages <= cached.keys():
             return None
         last, holders = self.job.training.stages - 1, {}
+        tokens = self.cache.tokens(task.step, task.index)
         for k in sorted(task.stages):
             inputs, grad = cached[k]
+            t = tokens if k else None
             if k == last:
                 peer, _ = await self.hops.accumulating(
                     k,
-                    lambda c, a, i=inputs, g=grad: c.forward_backward(  # type: ignore[misc]
-                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False
+                    lambda c, a, i=inputs, g=grad, t=t: c.forward_backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False, tokens=t
                     ),
                     accumulate=True,
                     need_result=False,
@@ -139,8 +159,8 @@ class CarryPlane:
             else:
                 peer, _ = await self.hops.accumulating(
                     k,
-                    lambda c, a, i=inputs, g=grad: c.backward(  # type: ignore[misc]
-                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False
+                    lambda c, a, i=inputs, g=grad, t=t: c.backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False, tokens=t
                     ),
                     accumulate=True,
                     need_result=False,
@@ -161,19 +181,20 @@ async def _backward(
     grad: TensorLike,
     cached_on: StageClient | None,
     accumulate: bool,
+    tokens: TensorLike | None,
 ) -> BackwardResult:
     """Backward at `stage`; without re-sending the inputs when `client` did the forward (its
-    activations are cached), with them if it no longer has them."""
+    activations are cached), with them (and `tokens`) if it no longer has them."""
     kwargs = {"accumulate": accumulate, "need_grad_inputs": stage > min(task.stages)}
     if client is cached_on:
         try:
             return await client.backward(task.step, task.index, None, grad, **kwargs)
         except ActivationsNotCached:
             pass  # evicted there: resend with the inputs, and the replica recomputes
-    return await client.backward(task.step, task.index, inputs, grad, **kwargs)
+    return await client.backward(task.step, task.index, inputs, grad, tokens=tokens, **kwargs)
 
 
 async def _forward_only(
-    step: int, index: int, inputs: TensorLike, client: StageClient
+    step: int, index: int, inputs: TensorLike, tokens: TensorLike | None, client: StageClient
 ) -> tensor_pb2.Tensor:
-    return await client.forward(step, index, inputs, evaluate=True)
+    return await client.forward(step, index, inputs, evaluate=True, tokens=tokens)
