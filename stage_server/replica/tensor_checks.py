@@ -90,7 +90,7 @@ class TensorChecks:
                 f"stage {self.stage} of a job with model.boundary_rank = "
                 f"{self.job.model.boundary_rank} needs the microbatch's token ids (\"tokens\")"
             )
-        if tokens.dtype in (torch.int16, torch.int32):  # sent narrow (`wire_tokens`)
+        if tokens.dtype in (torch.uint8, torch.int32):  # sent narrow (`wire_tokens`)
             tokens = tokens.long()
         return self._ids("tokens", tokens, inputs)
 

@@ -36,10 +36,10 @@ def subspace_seed(seed: int, rank: int) -> int:
 
 
 def wire_tokens(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Token ids as they travel beside a boundary's coefficients: the narrowest integer type
-    that holds the vocabulary (int16, else int32), not int64: they are part of what every hop
-    sends. A stage widens them back (`TensorChecks.tokens`)."""
-    return ids.to(torch.int16 if vocab <= 1 << 15 else torch.int32)
+    """Token ids as they travel beside a boundary's coefficients: the narrowest integer type of
+    the wire that holds the vocabulary (uint8 for bytes, else int32), not int64: they are part of
+    what every hop sends. A stage widens them back (`TensorChecks.tokens`)."""
+    return ids.to(torch.uint8 if vocab <= 1 << 8 else torch.int32)
 
 
 class Subspace(nn.Module):

@@ -158,5 +158,5 @@ def test_a_stage_without_the_token_ids_says_so(tmp_path: Path) -> None:
 
 def test_token_ids_travel_narrow(tmp_path: Path) -> None:
     ids = torch.tensor([[0, 255]])
-    assert wire_tokens(ids, 256).dtype == torch.int16
+    assert wire_tokens(ids, 256).dtype == torch.uint8
     assert wire_tokens(ids, 50_000).dtype == torch.int32
