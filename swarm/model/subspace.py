@@ -88,6 +88,26 @@ class Subspace(nn.Module):
         """The residual h = U c + E(ids) rebuilt on the far side of the boundary."""
         return c @ self.basis.T + self.fixed(ids)
 
+    def fold(
+        self, state: dict[str, torch.Tensor], writes: tuple[str, ...], before: int
+    ) -> dict[str, torch.Tensor]:
+        """`state` (swarm names, the whole model) as ordinary weights computing the same
+        function: the embedding's tables become E + (learned) P, each write of a layer before
+        layer `before` (parameter names starting with one of `writes`) becomes P W and P b.
+        The constraint is a property of the weights: the plain model needs no runtime."""
+        p = self.basis.double() @ self.basis.double().T
+        out = dict(state)
+        for name, t in state.items():
+            _, index, rest = name.split(".", 2)
+            if int(index) >= before:
+                continue
+            if int(index) == 0:  # tok.weight [vocab, d] or pos.weight [seq_len, d]: rows
+                fixed = self.tokens if rest.startswith("tok.") else self.positions
+                out[name] = (t.double() @ p + fixed[: t.shape[0]].double()).to(t.dtype)
+            elif rest.startswith(writes):  # weight [d, in] or bias [d]: the output side
+                out[name] = (p @ t.double()).to(t.dtype)
+        return out
+
 
 class Projected(nn.Module):
     """A write into the residual through P (`Subspace.project`); the identity where the layer

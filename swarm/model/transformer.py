@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ __all__ = [
     "loss_sum",
     "num_layers",
     "partition",
+    "plain_state",
     "precision",
     "stage_layout",
     "subspace_of",
@@ -299,6 +301,20 @@ def _built(
     if job.model.init_from is not None:
         _from_checkpoint(job, module)
     return module.to(device=device, dtype=DTYPES[job.training.dtype])
+
+
+def plain_state(
+    job: JobConfig, state: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """The whole model's `state` as a model without a subspace boundary computes it, and that
+    model's config: what an export writes (`swarm.model.hf.write_hf`), loadable anywhere. A job
+    without `model.boundary_rank` is returned as it is."""
+    sub = subspace_of(job)
+    if sub is None:
+        return state, job.model
+    last = partition(layer_costs(job.model), job.training.stages)[-1].start
+    folded = sub.fold(state, _FAMILIES[job.model.kind][2], last)
+    return folded, replace(job.model, boundary_rank=0)
 
 
 def boundary_width(cfg: ModelConfig) -> int:
