@@ -293,7 +293,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 )
                 return pb.StageForwardBackwardResponse(loss_sum=loss, queued_seconds=queued)
             done = await self._answering.backward_here(
-                rt.forward_backward, h, reply, inputs, targets, accumulate=h.accumulate, tokens=tokens
+                rt.forward_backward,
+                h,
+                reply,
+                inputs,
+                targets,
+                accumulate=h.accumulate,
+                tokens=tokens,
             )
             return pb.StageForwardBackwardResponse(
                 tensors=done.grad,

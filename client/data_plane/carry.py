@@ -185,13 +185,23 @@ async def _backward(
 ) -> BackwardResult:
     """Backward at `stage`; without re-sending the inputs when `client` did the forward (its
     activations are cached), with them (and `tokens`) if it no longer has them."""
-    kwargs = {"accumulate": accumulate, "need_grad_inputs": stage > min(task.stages)}
+    need = stage > min(task.stages)
     if client is cached_on:
         try:
-            return await client.backward(task.step, task.index, None, grad, **kwargs)
+            return await client.backward(
+                task.step, task.index, None, grad, accumulate=accumulate, need_grad_inputs=need
+            )
         except ActivationsNotCached:
             pass  # evicted there: resend with the inputs, and the replica recomputes
-    return await client.backward(task.step, task.index, inputs, grad, tokens=tokens, **kwargs)
+    return await client.backward(
+        task.step,
+        task.index,
+        inputs,
+        grad,
+        accumulate=accumulate,
+        need_grad_inputs=need,
+        tokens=tokens,
+    )
 
 
 async def _forward_only(

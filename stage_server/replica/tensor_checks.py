@@ -88,7 +88,7 @@ class TensorChecks:
         if tokens is None:
             raise InvalidArgument(
                 f"stage {self.stage} of a job with model.boundary_rank = "
-                f"{self.job.model.boundary_rank} needs the microbatch's token ids (\"tokens\")"
+                f'{self.job.model.boundary_rank} needs the microbatch\'s token ids ("tokens")'
             )
         if tokens.dtype in (torch.uint8, torch.int32):  # sent narrow (`wire_tokens`)
             tokens = tokens.long()
@@ -98,8 +98,7 @@ class TensorChecks:
         vocab = self.job.model.vocab_size
         if ids.dtype != torch.int64 or tuple(ids.shape) != tuple(inputs.shape[:2]):
             raise InvalidArgument(
-                f"{name} must be int64 {list(inputs.shape[:2])}; "
-                f"got {ids.dtype} {list(ids.shape)}"
+                f"{name} must be int64 {list(inputs.shape[:2])}; got {ids.dtype} {list(ids.shape)}"
             )
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise InvalidArgument(f"{name} must lie in [0, {vocab})")

@@ -196,7 +196,10 @@ class StageModule(nn.Module):
         self.indices = sorted(layers)
         self.layers = nn.ModuleDict({str(i): layers[i] for i in self.indices})
         self.subspace = subspace  # buffers only, none persistent: the state_dict is the layers'
-        self.receives, self.sends = receives and subspace is not None, sends and subspace is not None
+        self.receives, self.sends = (
+            receives and subspace is not None,
+            sends and subspace is not None,
+        )
 
     @property
     def needs_tokens(self) -> bool:

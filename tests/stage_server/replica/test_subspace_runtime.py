@@ -65,7 +65,7 @@ def test_peers_of_another_boundary_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match=rf"\[batch, seq, {RANK}\]"):
         StageRuntime(subspace, 1).forward(0, 0, wide, tokens=ids)
     # a subspace stage sent no token ids, or ids of another shape
-    with pytest.raises(InvalidArgument, match="model.boundary_rank = 4 needs .* token ids"):
+    with pytest.raises(InvalidArgument, match=r"model.boundary_rank = 4 needs .* token ids"):
         StageRuntime(subspace, 1).forward(0, 0, coefficients)
     with pytest.raises(InvalidArgument, match="tokens must be int64"):
         StageRuntime(subspace, 2).forward(0, 0, coefficients, tokens=ids[:, :3])

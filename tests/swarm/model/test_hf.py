@@ -105,7 +105,7 @@ def test_a_subspace_model_exports_as_plain_weights_with_the_same_logits(
         for p in model.parameters():
             noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
             p.add_(noise.to(p.dtype), alpha=0.01)
-    with pytest.raises(ConfigError, match="model.boundary_rank = 8"):
+    with pytest.raises(ConfigError, match=r"model\.boundary_rank = 8"):
         write_hf(tmp_path / "raw", model.state_dict(), job.model, None)
     out = write_hf(tmp_path / "hf", *plain_state(job, model.state_dict()), None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
@@ -126,5 +126,5 @@ def replace_rank(job: JobConfig) -> Any:
 def test_init_from_into_a_subspace_job_is_refused_by_name(tmp_path: Path) -> None:
     job = _job(tmp_path, "gpt")
     out = write_hf(tmp_path / "hf", build_model(job).state_dict(), job.model, None)
-    with pytest.raises(ConfigError, match="model.boundary_rank = 4 is not allowed.*init_from"):
+    with pytest.raises(ConfigError, match=r"model\.boundary_rank = 4 is not allowed.*init_from"):
         make_job(tmp_path, "gpt", model={"init_from": str(out), "boundary_rank": 4})

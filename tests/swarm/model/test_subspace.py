@@ -144,7 +144,7 @@ def test_the_rank_is_part_of_the_fingerprint_and_absent_keeps_old_prints(tmp_pat
     ],
 )
 def test_a_bad_rank_is_refused_by_name(tmp_path: Path, overrides: Any, says: str) -> None:
-    with pytest.raises(ConfigError, match="model.boundary_rank") as e:
+    with pytest.raises(ConfigError, match=r"model\.boundary_rank") as e:
         make_job(tmp_path, **overrides)
     assert says in str(e.value)
 
