@@ -110,19 +110,17 @@ class Subspace(nn.Module):
 
 
 class Projected(nn.Module):
-    """A write into the residual through P (`Subspace.project`); the identity where the layer
-    is after the last boundary. Holds a reference to the job's one `Subspace`."""
+    """A write into the residual through P (`Subspace.project`), of a layer before the last
+    boundary (a layer after it has none). Holds a reference to the job's one `Subspace`."""
 
-    def __init__(self, subspace: Subspace | None = None) -> None:
+    def __init__(self, subspace: Subspace) -> None:
         super().__init__()
         # Not a submodule: the subspace's buffers are the stage's, registered once there.
-        self._subspace = [subspace] if subspace is not None else []
+        self._subspace = [subspace]
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return self._subspace[0].project(y) if self._subspace else y
+        return self._subspace[0].project(y)
 
     def embed(self, y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The embedding's output: the learned embedding `y` in span(U), plus the fixed table."""
-        if not self._subspace:
-            return y
         return self._subspace[0].project(y) + self._subspace[0].fixed(ids)

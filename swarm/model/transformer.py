@@ -58,11 +58,14 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.write = Projected()  # `model.boundary_rank`: into span(U), beside the fixed table
+        # `model.boundary_rank`: into span(U), beside the fixed table (None: as it is; no call
+        # at all, so a job without a subspace computes as it always did)
+        self.write: Projected | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device)
-        return self.write.embed(self.tok(ids) + self.pos(positions), ids)
+        y = self.tok(ids) + self.pos(positions)
+        return y if self.write is None else self.write.embed(y, ids)
 
 
 class Block(nn.Module):
@@ -76,15 +79,17 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, cfg.mlp_ratio * d)
         self.out = nn.Linear(cfg.mlp_ratio * d, d)
-        self.write = Projected()  # `model.boundary_rank`: what proj and out add, into span(U)
+        self.write: Projected | None = None  # `model.boundary_rank`: proj and out into span(U)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.write(self.proj(att.transpose(1, 2).reshape(b, t, d)))
-        return x + self.write(self.out(F.gelu(self.fc(self.ln2(x)))))
+        a = self.proj(att.transpose(1, 2).reshape(b, t, d))
+        x = x + (a if self.write is None else self.write(a))
+        m = self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + (m if self.write is None else self.write(m))
 
 
 class Head(nn.Module):
@@ -101,10 +106,11 @@ class LlamaEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.write = Projected()  # `model.boundary_rank`: into span(U), beside the fixed table
+        self.write: Projected | None = None  # `model.boundary_rank`: as `Embedding`'s
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.write.embed(self.tok(ids), ids)  # positions: rotations of queries and keys
+        y = self.tok(ids)  # positions enter as rotations of queries and keys
+        return y if self.write is None else self.write.embed(y, ids)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +133,7 @@ class LlamaBlock(nn.Module):
         self.gate = nn.Linear(d, cfg.swiglu_hidden, bias=False)
         self.up = nn.Linear(d, cfg.swiglu_hidden, bias=False)
         self.down = nn.Linear(cfg.swiglu_hidden, d, bias=False)
-        self.write = Projected()  # `model.boundary_rank`: what o and down add, into span(U)
+        self.write: Projected | None = None  # `model.boundary_rank`: o and down into span(U)
 
     def _rope(self, t: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each position's angles, [t, head_dim], computed in float64 (a pure
@@ -152,9 +158,11 @@ class LlamaBlock(nn.Module):
             group = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.write(self.o(att.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)))
+        a = self.o(att.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        x = x + (a if self.write is None else self.write(a))
         h = self.mlp_norm(x)
-        return x + self.write(self.down(F.silu(self.gate(h)) * self.up(h)))
+        m = self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + (m if self.write is None else self.write(m))
 
 
 class LlamaHead(nn.Module):
