@@ -76,17 +76,23 @@ class Subspace(nn.Module):
             out = out + self.positions[: ids.shape[1]]
         return out
 
+    # Each map runs in the basis' dtype (the job's), outside any autocast: under bf16-mixed a
+    # bfloat16 product would leave span(U) by its rounding, and the boundary's tensors would be
+    # bfloat16 where every stage takes the job's dtype.
     def project(self, y: torch.Tensor) -> torch.Tensor:
         """P y = U U^T y over the last dimension: a write into the residual, kept in span(U)."""
-        return (y @ self.basis) @ self.basis.T
+        with _exact(y):
+            return (y.to(self.basis.dtype) @ self.basis) @ self.basis.T
 
     def encode(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The coefficients c = U^T (h - E(ids)) that cross the boundary: [batch, seq, rank]."""
-        return (h - self.fixed(ids)) @ self.basis
+        with _exact(h):
+            return (h.to(self.basis.dtype) - self.fixed(ids)) @ self.basis
 
     def decode(self, c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The residual h = U c + E(ids) rebuilt on the far side of the boundary."""
-        return c @ self.basis.T + self.fixed(ids)
+        with _exact(c):
+            return c.to(self.basis.dtype) @ self.basis.T + self.fixed(ids)
 
     def fold(
         self, state: dict[str, torch.Tensor], writes: tuple[str, ...], before: int
@@ -107,6 +113,11 @@ class Subspace(nn.Module):
             elif rest.startswith(writes):  # weight [d, in] or bias [d]: the output side
                 out[name] = (p @ t.double()).to(t.dtype)
         return out
+
+
+def _exact(like: torch.Tensor) -> torch.autocast:
+    """No autocast on `like`'s device (a no-op where none is on)."""
+    return torch.autocast(like.device.type, enabled=False)
 
 
 class Projected(nn.Module):

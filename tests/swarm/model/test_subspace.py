@@ -19,6 +19,7 @@ from swarm.model.transformer import (
     build_model,
     build_stage,
     loss_sum,
+    precision,
     subspace_of,
 )
 from tests.support.jobs import make_job
@@ -94,6 +95,24 @@ def test_the_stages_give_the_whole_models_logits_and_gradients(tmp_path: Path, k
             torch.testing.assert_close(p.grad, theirs[name].grad, rtol=0, atol=1e-12)
     with torch.no_grad():
         torch.testing.assert_close(outs[-1], whole(ids), rtol=0, atol=1e-12)
+
+
+def test_under_bf16_mixed_the_boundary_is_the_jobs_dtype_and_close_to_the_whole_model(
+    tmp_path: Path,
+) -> None:
+    job = make_job(
+        tmp_path,
+        model={"n_layers": 4, "boundary_rank": RANK},
+        training={"stages": 3, "dtype": "float32", "precision": "bf16-mixed"},
+    )
+    ids, targets = _batch(job)
+    stages = [build_stage(job, k) for k in range(3)]
+    with precision(job, "cpu"):
+        _, outs = _chain(stages, ids)
+        whole = build_model(job)(ids)
+    assert [o.dtype for o in outs[:-1]] == [torch.float32, torch.float32]  # as stages take them
+    gap = (loss_sum(outs[-1], targets) - loss_sum(whole, targets)).abs()
+    assert gap < 1e-2 * loss_sum(whole, targets)
 
 
 def test_writes_before_the_last_boundary_are_in_the_subspace_and_after_it_are_not(
