@@ -72,3 +72,14 @@ def test_peers_of_another_boundary_are_refused_by_name(tmp_path: Path) -> None:
     last = StageRuntime(subspace, 3)
     with pytest.raises(InvalidArgument, match="token ids"):
         last.forward_backward(0, 0, coefficients, ids)
+
+
+@pytest.mark.parametrize("bad", [-1, 64])
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_lookup(
+    tmp_path: Path, bad: int
+) -> None:
+    rt = StageRuntime(make_job(tmp_path, model={"boundary_rank": RANK}), 1)
+    tokens = torch.zeros(4, 16, dtype=torch.int32)
+    tokens[2, 5] = bad  # would index past the fixed table (or wrap around)
+    with pytest.raises(InvalidArgument, match=r"tokens must lie in \[0, 64\)"):
+        rt.forward(0, 0, torch.zeros(4, 16, RANK, dtype=torch.float64), tokens=tokens)
