@@ -218,7 +218,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         timeout = self.runtime.job.runtime.rpc_timeout_s
         body = within_deadline(requests, timeout, "the job's runtime.rpc_timeout_s")
         # The most one microbatch's two tensors take, with what each is charged beyond its bytes.
-        most = self.runtime.max_request_bytes() + 2 * TENSOR_OVERHEAD_BYTES
+        # (three under a subspace boundary: the token ids travel beside them)
+        most = self.runtime.max_request_bytes() + 3 * TENSOR_OVERHEAD_BYTES
         received = await self._messages.receive(body, most, self._route, held, admit)
         # A caller closes its side before it waits for the answer: its end is here already,
         # and read, gRPC lets go of the request's last chunk now (`read_to_end`).
@@ -258,6 +259,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 index,
                 inputs,
                 evaluate=h.evaluate,
+                tokens=tensors.get("tokens"),  # a subspace boundary's (`model.boundary_rank`)
             )
             return pb.StageForwardResponse(tensors=outputs, queued_seconds=queued)
 
@@ -271,7 +273,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             inputs = tensors.get("inputs")  # absent: use the activations cached by Forward
             reply = self._messages.reply_codec(h.reply_codec)
             done = await self._answering.backward_here(
-                self.runtime.backward, h, reply, inputs, grad_outputs, accumulate=h.accumulate
+                self.runtime.backward,
+                h,
+                reply,
+                inputs,
+                grad_outputs,
+                accumulate=h.accumulate,
+                tokens=tensors.get("tokens"),
             )
             return pb.StageBackwardResponse(
                 tensors=done.grad, receipt=done.receipt, queued_seconds=done.queued
@@ -287,14 +295,21 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             h, tensors = await self._receive(request_iterator, held)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
             rt, reply = self.runtime, self._messages.reply_codec(h.reply_codec)
+            tokens = tensors.get("tokens")  # a subspace boundary's (`model.boundary_rank`)
             maybe_die(Point.FORWARD, h.microbatch.step)
             if h.evaluate:
                 loss, queued = await self.worker.run_queued(
-                    rt.evaluate, h.microbatch.step, inputs, targets
+                    rt.evaluate, h.microbatch.step, inputs, targets, tokens
                 )
                 return pb.StageForwardBackwardResponse(loss_sum=loss, queued_seconds=queued)
             done = await self._answering.backward_here(
-                rt.forward_backward, h, reply, inputs, targets, accumulate=h.accumulate
+                rt.forward_backward,
+                h,
+                reply,
+                inputs,
+                targets,
+                accumulate=h.accumulate,
+                tokens=tokens,
             )
             return pb.StageForwardBackwardResponse(
                 tensors=done.grad,
@@ -310,7 +325,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         async def body(held: Held) -> pb.StagePushResponse:
             h, tensors = await self._receive(request_iterator, held, self._push.room)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
-            return await self._push.push(h, inputs, targets, context.time_remaining)
+            tokens = tensors.get("tokens")  # a subspace boundary's (`model.boundary_rank`)
+            return await self._push.push(h, inputs, targets, tokens, context.time_remaining)
 
         for msg in self._messages.split(await self._run_held("Push", context, body)):
             yield msg

@@ -54,6 +54,8 @@ class Work:
     grad_inputs: torch.Tensor | None  # None where none was asked for (stage 0, the lowest)
     forward_peer: str  # who answered `outputs`
     backward_peer: str  # who answered `grad_inputs` (and accumulated the stage's gradient)
+    # the microbatch's token ids, where a subspace boundary needs them (stages above 0)
+    tokens: TensorLike | None = None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The carry plane's boundary cache: per microbatch and stage, the bytes the trainer sent there
-(the stage's inputs, and its output gradient or the targets). A gradient lost at one stage (its
+(the stage's inputs, and its output gradient or the targets; under a subspace boundary the
+microbatch's token ids too). A gradient lost at one stage (its
 replica died before the commit) is replayed from these with one call, on any replica: it
 recomputes from the same bytes, so the gradient is the same. Bounded by `limit_bytes`, the
 oldest microbatch forgotten first; a replay that finds nothing re-runs the pipeline instead.
@@ -26,6 +27,7 @@ class BoundaryCache:
         self.limit_bytes, self.delays = limit_bytes, delays
         self._entries: OrderedDict[Key, dict[int, tuple[TensorLike, TensorLike]]] = OrderedDict()
         self._producers: dict[Key, dict[int, frozenset[str]]] = {}  # of each entry's bytes
+        self._tokens: dict[Key, TensorLike] = {}  # `model.boundary_rank`: each stage needs them
         self.nbytes = 0
 
     def remember(
@@ -36,6 +38,7 @@ class BoundaryCache:
         inputs: TensorLike,
         grad: TensorLike,
         producers: Iterable[str] = (),
+        tokens: TensorLike | None = None,
     ) -> None:
         # An old step's are useless (with delayed_update the step before is still live: a failed
         # round of its commit replays from them).
@@ -45,6 +48,9 @@ class BoundaryCache:
         self._entries.setdefault((step, index), {})[stage] = (inputs, grad)
         self._producers.setdefault((step, index), {})[stage] = frozenset(producers)
         self.nbytes += _nbytes(inputs) + _nbytes(grad)
+        if tokens is not None and (step, index) not in self._tokens:
+            self._tokens[step, index] = tokens
+            self.nbytes += _nbytes(tokens)
         while self.nbytes > self.limit_bytes and self._entries:
             self._forget(next(iter(self._entries)))  # the oldest first
 
@@ -57,6 +63,10 @@ class BoundaryCache:
         held = self._producers.get((step, index), {})
         return {peer for k in stages for peer in held.get(k, ())}
 
+    def tokens(self, step: int, index: int) -> TensorLike | None:
+        """The token ids of microbatch `(step, index)` (a subspace boundary's), if remembered."""
+        return self._tokens.get((step, index))
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -64,6 +74,9 @@ class BoundaryCache:
         self._producers.pop(key, None)
         for inputs, grad in self._entries.pop(key, {}).values():
             self.nbytes -= _nbytes(inputs) + _nbytes(grad)
+        tokens = self._tokens.pop(key, None)
+        if tokens is not None:
+            self.nbytes -= _nbytes(tokens)
 
 
 def _nbytes(value: TensorLike) -> int:

@@ -23,6 +23,7 @@ from swarm.errors import ActivationsNotCached
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
+from swarm.model.subspace import wire_tokens
 from swarm.proto import tensor_pb2
 from swarm.rpc.lease import MicrobatchResult, Replica, Task, Verdict
 from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
@@ -59,12 +60,14 @@ class CarryPlane:
         ids, labels = data.microbatch(step, index)
         # Encoded once; every later hop passes on the messages the stages sent back.
         boundary: list[TensorLike] = [codec.encode(ids, "inputs")]
-        targets = codec.encode(labels, "targets")
+        targets, tokens = codec.encode(labels, "targets"), self._tokens(ids)
         forward_peer: dict[int, str] = {}
         for k in range(last):
             peer, out = await self.hops.any(
                 k,
-                lambda c, k=k: c.forward(step, index, boundary[k]),  # type: ignore[misc]
+                lambda c, k=k: c.forward(  # type: ignore[misc]
+                    step, index, boundary[k], tokens=tokens if k else None
+                ),
             )
             forward_peer[k] = peer
             boundary.append(out)
@@ -72,7 +75,13 @@ class CarryPlane:
         done = await self.hops.hopped(
             last,
             lambda c, a: c.forward_backward(
-                step, index, boundary[last], targets, accumulate=a, need_grad_inputs=lowest < last
+                step,
+                index,
+                boundary[last],
+                targets,
+                accumulate=a,
+                need_grad_inputs=lowest < last,
+                tokens=tokens,
             ),
             accumulate=last in stages,
             need_result=lowest < last,
@@ -84,13 +93,13 @@ class CarryPlane:
             holders[last] = done.peer
         after = done.peer  # who answered the gradient the stage below is given
         before = [forward_peer[last - 1]] if last else []
-        self.cache.remember(step, index, last, boundary[last], targets, before)
+        self.cache.remember(step, index, last, boundary[last], targets, before, tokens=tokens)
         # what each stage from `lowest` up was given and answered, for the audit (all, or none)
         works: list[Work] | None = None
         if result is not None and self.audits is not None:
             loss_sum = torch.tensor(result.loss_sum, dtype=torch.float64)
             answer = (boundary[last], targets, loss_sum, decoded(result.grad_inputs))
-            works = [Work(last, *answer, forward_peer[last], forward_peer[last])]
+            works = [Work(last, *answer, forward_peer[last], forward_peer[last], tokens)]
         # The loss is the same whichever replica computed it, accumulating or not.
         loss = result.loss_sum if last in stages and result is not None else None
         grad = result.grad_inputs if result is not None else None
@@ -103,7 +112,7 @@ class CarryPlane:
             done = await self.hops.hopped(
                 k,
                 lambda c, a, k=k, g=g, f=forward_client: _backward(  # type: ignore[misc]
-                    c, task, k, boundary[k], g, f, a
+                    c, task, k, boundary[k], g, f, a, tokens if k else None
                 ),
                 prefer=forward_peer[k],
                 accumulate=k in stages,
@@ -119,7 +128,16 @@ class CarryPlane:
             if works is not None and result is not None and done.peer is not None:
                 outputs = decoded(boundary[k + 1])
                 assert outputs is not None
-                work = Work(k, boundary[k], g, outputs, decoded(grad), forward_peer[k], done.peer)
+                work = Work(
+                    k,
+                    boundary[k],
+                    g,
+                    outputs,
+                    decoded(grad),
+                    forward_peer[k],
+                    done.peer,
+                    tokens if k else None,
+                )
                 works.insert(0, work)
             else:
                 works = None  # an answer the trainer does not hold: nothing to audit
@@ -158,12 +176,21 @@ class CarryPlane:
     ) -> MicrobatchResult:
         step, index = task.step, task.index
         inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
-        last = self.job.training.stages - 1
+        last, tokens = self.job.training.stages - 1, self._tokens(ids)
         x: TensorLike = inputs
         for k in range(last):
-            _, x = await self.hops.any(k, functools.partial(_forward_only, step, index, x))
-        _, loss = await self.hops.any(last, lambda c: c.evaluate(step, index, x, targets))
+            _, x = await self.hops.any(
+                k, functools.partial(_forward_only, step, index, x, tokens if k else None)
+            )
+        _, loss = await self.hops.any(last, lambda c: c.evaluate(step, index, x, targets, tokens))
         return MicrobatchResult(step, index, {}, loss, int(ids.shape[0]))
+
+    def _tokens(self, ids: torch.Tensor) -> tensor_pb2.Tensor | None:
+        """The token ids every stage after the first needs under a subspace boundary
+        (`model.boundary_rank`), encoded once; None (not sent) for a full boundary."""
+        if not self.job.model.boundary_rank:
+            return None
+        return codec.encode(wire_tokens(ids, self.job.model.vocab_size), "tokens")
 
     async def _replay_from_cache(self, task: Task) -> MicrobatchResult | None:
         """A replay whose stages' boundary tensors are still cached: one call per stage, on any
@@ -175,13 +202,15 @@ class CarryPlane:
         if not producers <= self.hops.routes.clients.keys():
             return None  # one is no member now (gone, or banned): its bytes are not trusted
         last, holders = self.job.training.stages - 1, {}
+        tokens = self.cache.tokens(task.step, task.index)
         for k in sorted(task.stages):
             inputs, grad = cached[k]
+            t = tokens if k else None
             if k == last:
                 peer, _ = await self.hops.accumulating(
                     k,
-                    lambda c, a, i=inputs, g=grad: c.forward_backward(  # type: ignore[misc]
-                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False
+                    lambda c, a, i=inputs, g=grad, t=t: c.forward_backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False, tokens=t
                     ),
                     accumulate=True,
                     need_result=False,
@@ -189,8 +218,8 @@ class CarryPlane:
             else:
                 peer, _ = await self.hops.accumulating(
                     k,
-                    lambda c, a, i=inputs, g=grad: c.backward(  # type: ignore[misc]
-                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False
+                    lambda c, a, i=inputs, g=grad, t=t: c.backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False, tokens=t
                     ),
                     accumulate=True,
                     need_result=False,
@@ -217,19 +246,30 @@ async def _backward(
     grad: TensorLike,
     cached_on: StageClient | None,
     accumulate: bool,
+    tokens: TensorLike | None,
 ) -> BackwardResult:
     """Backward at `stage`; without re-sending the inputs when `client` did the forward (its
-    activations are cached), with them if it no longer has them."""
-    kwargs = {"accumulate": accumulate, "need_grad_inputs": stage > min(task.stages)}
+    activations are cached), with them (and `tokens`) if it no longer has them."""
+    need = stage > min(task.stages)
     if client is cached_on:
         try:
-            return await client.backward(task.step, task.index, None, grad, **kwargs)
+            return await client.backward(
+                task.step, task.index, None, grad, accumulate=accumulate, need_grad_inputs=need
+            )
         except ActivationsNotCached:
             pass  # evicted there: resend with the inputs, and the replica recomputes
-    return await client.backward(task.step, task.index, inputs, grad, **kwargs)
+    return await client.backward(
+        task.step,
+        task.index,
+        inputs,
+        grad,
+        accumulate=accumulate,
+        need_grad_inputs=need,
+        tokens=tokens,
+    )
 
 
 async def _forward_only(
-    step: int, index: int, inputs: TensorLike, client: StageClient
+    step: int, index: int, inputs: TensorLike, tokens: TensorLike | None, client: StageClient
 ) -> tensor_pb2.Tensor:
-    return await client.forward(step, index, inputs, evaluate=True)
+    return await client.forward(step, index, inputs, evaluate=True, tokens=tokens)

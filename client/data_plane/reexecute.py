@@ -45,15 +45,22 @@ class StageReexecutor:
                 work.grad_outputs,
                 accumulate=False,
                 need_grad_inputs=grads,
+                tokens=work.tokens,
             )
             return Redone(
                 torch.tensor(done.loss_sum, dtype=torch.float64), decoded(done.grad_inputs)
             )
-        outputs = codec.decode(await client.forward(step, index, work.inputs))
+        outputs = codec.decode(await client.forward(step, index, work.inputs, tokens=work.tokens))
 
         def backward(inputs: TensorLike | None) -> Awaitable[BackwardResult]:
             return client.backward(
-                step, index, inputs, work.grad_outputs, accumulate=False, need_grad_inputs=grads
+                step,
+                index,
+                inputs,
+                work.grad_outputs,
+                accumulate=False,
+                need_grad_inputs=grads,
+                tokens=work.tokens if inputs is not None else None,
             )
 
         try:  # its activations are cached there now

@@ -61,6 +61,7 @@ class Answering:
         *tensors: torch.Tensor | None,
         accumulate: bool,
         receipt: bool = True,
+        tokens: torch.Tensor | None = None,
     ) -> Answered:
         """The one way a call accumulates here: `fn` (`backward`, or the last stage's
         `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
@@ -81,6 +82,7 @@ class Answering:
             *tensors,
             accumulate=accumulate,
             need_grad_inputs=h.need_grad_inputs,
+            tokens=tokens,  # a subspace boundary's token ids (`model.boundary_rank`)
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
         return Answered(

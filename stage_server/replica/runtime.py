@@ -111,9 +111,9 @@ class StageRuntime:
                 else f"stage {self.stage} is at step {self.step}; step {step} has not started here"
             )
 
-    def _run(self, step: int, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, step: int, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
         module = self.copies.module_at(step, self.step)  # the parameters step `step` computes on
-        return module(x)  # type: ignore[no-any-return]
+        return module(x, self.checks.tokens(tokens, x))  # type: ignore[no-any-return]
 
     def _named(self, what: str, tensor: torch.Tensor) -> AbstractContextManager[None]:
         """Out of device memory in `what` (of a microbatch like `tensor`): a clear error
@@ -127,14 +127,22 @@ class StageRuntime:
         return inputs if self.is_first else inputs.detach().requires_grad_(True)
 
     def forward(
-        self, step: int, index: int, inputs: torch.Tensor, *, evaluate: bool = False
+        self,
+        step: int,
+        index: int,
+        inputs: torch.Tensor,
+        *,
+        evaluate: bool = False,
+        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The stage's outputs; kept with their graph for this microbatch's Backward, unless
-        `evaluate` (a validation microbatch: no Backward follows, no graph is built)."""
+        `evaluate` (a validation microbatch: no Backward follows, no graph is built). `tokens`:
+        the microbatch's token ids, which a subspace boundary (`model.boundary_rank`) needs at
+        every stage after the first."""
         self._check_step(step, next_ok=True)
         if evaluate:
             with torch.no_grad(), precision(self.job, self.device), self._named("Forward", inputs):
-                return self._run(step, self.checks.inputs(inputs))
+                return self._run(step, self.checks.inputs(inputs), tokens)
         x = self._leaf(self.checks.inputs(inputs))
         with (
             torch.enable_grad(),
@@ -143,7 +151,7 @@ class StageRuntime:
             self._cache.counting() as held,
         ):
             inject(Point.FORWARD_OOM, step)
-            out = self._run(step, x)
+            out = self._run(step, x, tokens)
         self._cache.keep(
             (step, index), x, out, held, self.activation_cache, self.activation_cache_bytes
         )
@@ -158,9 +166,11 @@ class StageRuntime:
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
+        tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, Receipt]:
-        """Backward of microbatch `(step, index)`. `inputs` may be None when this replica did the
-        forward: then its cached activations must still be here."""
+        """Backward of microbatch `(step, index)`. `inputs` (and `tokens`, as for `forward`) may
+        be None when this replica did the forward: then its cached activations must still be
+        here."""
         self._check_step(step, next_ok=True)
         cached = self._cache.pop((step, index), None)
         if cached is None and inputs is None:
@@ -173,7 +183,7 @@ class StageRuntime:
                 assert inputs is not None
                 x = self._leaf(self.checks.inputs(inputs))
                 with torch.enable_grad(), precision(self.job, self.device):
-                    out = self._run(step, x)
+                    out = self._run(step, x, tokens)
             else:
                 x, out = cached
             grad = self.checks.grad(grad_outputs, out)
@@ -188,6 +198,7 @@ class StageRuntime:
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
+        tokens: torch.Tensor | None = None,
     ) -> tuple[float, torch.Tensor | None, Receipt]:
         if not self.is_last:
             raise InvalidArgument(
@@ -199,13 +210,19 @@ class StageRuntime:
         with self._named("ForwardBackward", x):
             with torch.enable_grad(), precision(self.job, self.device):
                 inject(Point.FORWARD_OOM, step)
-                loss = loss_sum(self._run(step, x), y)
+                loss = loss_sum(self._run(step, x, tokens), y)
             grad_x, receipt = self._backprop(
                 step, index, x, loss, None, accumulate, need_grad_inputs
             )
             return float(loss.detach()), grad_x, receipt
 
-    def evaluate(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def evaluate(
+        self,
+        step: int,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+    ) -> float:
         """The last stage's loss sum of a validation microbatch: forward only, nothing kept,
         nothing accumulated."""
         if not self.is_last:
@@ -214,7 +231,7 @@ class StageRuntime:
         x = self.checks.inputs(inputs)
         y = self.checks.targets(targets, x)
         with torch.no_grad(), precision(self.job, self.device):
-            return float(loss_sum(self._run(step, x), y))
+            return float(loss_sum(self._run(step, x, tokens), y))
 
     def _backprop(
         self,
