@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.*
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: install mosquitto nftables prometheus podman image demo test test-fast check protos bench clean
+.PHONY: install mosquitto nftables prometheus podman image image-test demo test test-fast check protos bench clean
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ podman:
 IMAGE ?= swarm:latest
 image: install podman
 	$(BIN)/python -m tests.support.image --tag $(IMAGE)
+
+# The fast, container-safe tests run inside the image (the Containerfile's `test` stage, built on
+# the image every role runs; that image itself stays without pytest and the tests).
+image-test: install podman
+	$(BIN)/python -m tests.support.image --tag $(IMAGE)-test --target test --run
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -6,10 +6,11 @@
 For every codec, the tiny text job (examples/tiny.toml: a 4-block byte-level GPT on the bundled
 corpus, 4 stages, float32) trains `--steps` steps on 4 stage servers (one process each, on
 localhost) with `[compression] wire = codec`, so activations and their gradients both travel
-compressed. Printed per codec: the tensor bytes sent per microbatch between the trainer and the
-stages (read from the stage servers' `swarm_stage_wire_bytes_*` counters: every byte crosses one
-of them), that figure against `none` (float32), and the final loss (the mean of the last 20
-steps' training losses) against `none`'s, all measured in this run.
+compressed. Printed per codec: the bytes that crossed the stage boundaries per microbatch, both
+ways, as encoded (read from the stage servers' `swarm_stage_boundary_bytes_sent_total`: each
+boundary tensor is counted once, by the server that sends it, on either data plane), that figure
+against `none` (float32), and the final loss (the mean of the last 20 steps' training losses)
+against `none`'s, all measured in this run.
 
 With `--averaging` every stage has two replicas (8 processes) and the codec is `[compression]
 averaging` (the wire stays float32): printed per codec, the gradient bytes each replica sends its
@@ -42,7 +43,7 @@ from swarm.rpc.lease import Replica  # noqa: E402
 
 CODECS = ("none", "fp16", "bf16", "int8_blockwise", "hadamard3")
 LAST = 20  # the final loss is the mean over this many last steps (one step's loss is noisy)
-_WIRE = re.compile(r"^swarm_stage_wire_bytes_(sent|received)_total\{[^}]*\} (\S+)$", re.M)
+_WIRE = re.compile(r"^swarm_stage_boundary_bytes_(sent)_total\{[^}]*\} (\S+)$", re.M)
 _AVERAGING = re.compile(r"^swarm_stage_averaging_bytes_(sent)_total\{[^}]*\} (\S+)$", re.M)
 DELAYED = "none+delayed_update"  # the --averaging row that trains with one step of staleness
 NO_FEEDBACK = "+no_feedback"  # an --averaging row of a lossy codec without error feedback

@@ -62,9 +62,24 @@ ATTACKS: dict[str, str] = {
     "43.4-sum": "an aggregator answering a finite wrong sum (caught by a checksum it cannot forge)",
     # Issue 54's review ("let no one in, round three")
     "H-rates": "announced link rates (1e12, NaN, 1.7e308 B/s) own a pool's parts or fail its job",
-    "H-checks": "no checksum under a lossy codec; one seed for every stage; sparse forgeries",
+    "H-checks": "no checksum under a lossy codec; one seed for every stage; sparse forgeries; "
+    "an owner who knows the seed",
+    "H-relay": "a token holder attaches as a live NAT'd peer, or draws it to a relay of its own",
+    "M-heads": "idle connections from one source hold every head slot of a relay",
+    "M-fill": "made-up attachments and self-tunnels fill a relay's peers and descriptors",
     "M-scan": "the dial-back dials any host:port announced and returns the raw error",
+    "L-dial": "peers naming one silent host hold every dial-back slot; a newcomer waits behind",
+    "L-admin": "the admin token, root of every submitter token, is itself sent as a credential",
+    "L-names": "under --tls-mutual a host certificate named as a submitter manages its jobs",
+    "L-state": "a signed LoadState streams any state: the signature covers its call, not its state",
+    "L-nonce": "a signed commit call replayed to a replica restarted within 5 minutes is taken",
+    # Issue 55 (poison-proofing): the averaging side
+    "55-owner": "a replica answers its averaging part's sums plus 1e4, applied by every replica",
+    "55-norm": "a replica's finite wrong gradient (x1e4) applied by its pool (the norm bound)",
     "runner": "this script passes attacks without a test, or with skipped tests",
+    # Issue 55 (poison-proof by re-execution): a replica that lies, in a float64 job
+    "P-acts": "a replica answers finite wrong activations (every step, or one in 20)",
+    "P-grads": "a replica answers finite wrong input gradients (every step, or one in 20)",
 }
 
 

@@ -61,6 +61,10 @@ what the view shows (docs/deployment.md, "Watch it", says more):
                that large yet; - is neither
     STATE      serving (it counts), joining (not yet: with what it waits for), draining (it
                stops or moves), offline
+  boundaries  per boundary K|K+1 between two stages, the bytes per token that crossed it as
+            encoded on the wire, each way (the replicas' own counts, summed over them):
+    FORWARD B/TOKEN   stage K's outputs, sent on to stage K+1 (a Push, or a Forward's reply)
+    BACKWARD B/TOKEN  their gradient, sent back by stage K+1; - before a token crossed
   events    the job's history, newest last, each with its time: joins, leaves and why,
             reconnects, moves, stalls, rollbacks, its end
 with --watch, "scheduler unreachable since HH:MM:SS (N s): retrying" above the last frame: the
@@ -178,6 +182,7 @@ def _trainer(p: argparse.ArgumentParser) -> None:
     )
     add_token(p)
     add_tls_flags(p)
+    add_join_flag(p)  # a friend's trainer: the job's data comes from the scheduler
     p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
     p.add_argument("--log", type=Path, help="write one JSON line per step here")
     p.add_argument(

@@ -3,7 +3,8 @@ recent window: zero in a stall; an ended job's is its mean and it shows how long
 waits for and for how long, its warnings, each stage's replicas with their throughput, path
 (direct, via its relay, or UNREACHABLE with the remedy, as the scheduler's dial-back found it),
 measured link rates and state (a replica counts once its join succeeded; until then it is
-joining, with what it waits for),
+joining, with what it waits for), the bytes per token that crossed each boundary each way
+(`client.boundaries`),
 and its recent events: the scheduler's history of the job (joins, leaves and why, restarts, moves,
 stalls, rollbacks, its end), from the start. Against a scheduler that keeps no history, watching
 shows the events seen between two looks instead.
@@ -20,11 +21,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import tomllib
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TextIO
 
+from client.boundaries import boundary_rows
 from client.outage import Outage
+from swarm.job.schema import TrustConfig
 from swarm.job.states import TERMINAL_PROTO, peer_state_name
 from swarm.job.states import job_state_name as state_name
 from swarm.ops.progress import duration_text
@@ -117,6 +121,7 @@ def status_lines(
     if s.HasField("val_loss"):
         lines.insert(4, f"val loss {loss_text(s.val_loss)} (after {s.val_step} steps)")
     lines += rounds_lines(s, now)
+    lines += trust_lines(s)
     if s.message:
         waited = (
             f" (for {duration_text(now - s.waiting_since)}, since {_clock_time(s.waiting_since)})"
@@ -151,6 +156,8 @@ def status_lines(
             for r in st.replicas
             if r.reachability == REACHABILITY_UNREACHABLE and r.reachability_detail
         ]
+    if rows := boundary_rows(s):
+        lines += ["boundaries (bytes per token sent, as encoded):", *table(rows).splitlines()]
     if events and s.events:
         lines += ["", "events:", *(f"  {e}" for e in event_lines(s, events))]
     return lines
@@ -204,6 +211,29 @@ def rounds_lines(s: scheduler_pb2.JobStatus, now: float) -> list[str]:
         return [line + "; no average yet"]
     took, ago = _took_text(r.last_seconds), duration_text(now - r.last_at)
     return [line + f"; last average took {took}, {ago} ago, {_size_text(r.last_bytes)} moved"]
+
+
+def trust_lines(s: scheduler_pb2.JobStatus) -> list[str]:
+    """What the job's audits cost (`[trust] audit_fraction` of the stage compute, on the carry
+    plane; docs/jobs.md "Trust") and the peers banned for lying (its `ban` events); [] when it
+    audits nothing and banned nobody. The measured cost is the metrics'
+    (`swarm_coordinator_audit_runs_total` over `swarm_coordinator_stage_runs_total`)."""
+    try:
+        spec = tomllib.loads(s.spec) if s.spec else {}
+    except tomllib.TOMLDecodeError:
+        spec = {}
+    fraction = float(spec.get("trust", {}).get("audit_fraction", TrustConfig().audit_fraction))
+    carry = spec.get("runtime", {}).get("data_plane", "push") == "relay"
+    banned = [e.text.split(" ", 2)[1] for e in s.events if e.kind == "ban" and " " in e.text]
+    if not (fraction and carry) and not banned:
+        return []
+    line = (
+        f"audits   {fraction:.0%} of each stage's microbatches re-executed: about "
+        f"+{fraction:.0%} stage compute"
+        if fraction and carry
+        else "audits   none (push plane, or audit_fraction = 0)"
+    )
+    return [line + (f"; banned for lying: {', '.join(banned)}" if banned else "")]
 
 
 def _steps_text(n: int) -> str:

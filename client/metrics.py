@@ -47,8 +47,44 @@ class TrainerMetrics:
             labels,
             registry=reg,
         )
+        # Audits by re-execution (issue 55, `client.data_plane.audit`): their price is
+        # audit_runs / stage_runs, the compute they add to the training's own
+        self.stage_runs = Counter(
+            "swarm_trainer_stage_runs_total",
+            "Stage computations (forward and backward) of the training microbatches completed",
+            ["job"],
+            registry=reg,
+        ).labels(job=job)
+        self.audit_runs = Counter(
+            "swarm_trainer_audit_runs_total",
+            "Stage computations re-executed on another replica for an audit (its extra compute)",
+            ["job"],
+            registry=reg,
+        ).labels(job=job)
+        self._audits = Counter(
+            "swarm_trainer_audits_total",
+            "Stages of microbatches audited, by outcome: agreed, caught (a liar found), "
+            "undecided (no two answers agree, or no second auditor), skipped (no auditor answered)",
+            ["job", "outcome"],
+            registry=reg,
+        )
+        self.audit_difference = Gauge(
+            "swarm_trainer_audit_max_difference",
+            "The largest relative difference between two honest answers an audit accepted "
+            "(0 where replicas compute bitwise alike, as on the CPU)",
+            ["job"],
+            registry=reg,
+        ).labels(job=job)
 
         self._stages: dict[str, set[str]] = {}  # peer -> the stage labels of its series
+
+    def audited(self, outcome: str) -> None:
+        self._audits.labels(job=self.job, outcome=outcome).inc()
+
+    def agreed(self, difference: float) -> None:
+        self.audited("agreed")
+        if difference > self.audit_difference._value.get():
+            self.audit_difference.set(difference)
 
     def routed(self, stage: int, peer: str, throughput: float) -> None:
         self._stages.setdefault(peer, set()).add(str(stage))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -15,11 +15,13 @@ import grpc
 import torch
 from tqdm import tqdm
 
+from client.job_data import local_data
 from client.metrics import TrainerMetrics
 from client.trainer import PipelineTrainer, load_followed
 from swarm.errors import ConfigError, PeerUnavailable
-from swarm.job.config import parse_job
+from swarm.job.config import parse_job, verify_init
 from swarm.net import dial
+from swarm.net.invite import cache_dir
 from swarm.net.tls_mismatch import explain_grpc
 from swarm.ops.metrics import serve_metrics
 from swarm.policy.backoff import Backoff
@@ -41,6 +43,9 @@ __all__ = ["RemoteCoordinator", "run_remote_trainer"]
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+#: Seconds a data file's download may take in all (a home link: 1 GB at 20 Mbit/s is 400 s).
+FETCH_TIMEOUT_S = 3600.0
 
 
 class RemoteCoordinator:
@@ -96,6 +101,15 @@ class RemoteCoordinator:
             "GetJob", lambda: self.stub.GetJob(request, timeout=self.timeout_s)
         )
         return response.job
+
+    async def fetch_data(self, validation: bool) -> AsyncIterator[bytes]:
+        """The job's data file (its validation file) from the scheduler, in chunks."""
+        request = spb.SchedulerFetchDataRequest(job=self.job_id, validation=validation)
+        try:
+            async for part in self.stub.FetchData(request, timeout=FETCH_TIMEOUT_S):
+                yield part.data
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
 
     async def lease(
         self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
@@ -194,10 +208,11 @@ async def run_remote_trainer(
     remote = RemoteCoordinator(address, job_id, token=token, retry_for_s=retry_for_s)
     try:
         status = await remote.job()
-        # The data file must be at the same path here as where the job was submitted, with the
-        # contents the scheduler pinned then (the spec's data.sha256): else a ConfigError names
-        # the file and both hashes, before any work is leased.
-        job = parse_job(status.spec, Path(status.base_dir), name=status.name)
+        # The data file at the path the job was submitted with, else fetched from the scheduler;
+        # either way with the contents pinned then (the spec's data.sha256): else a ConfigError
+        # names the file and both hashes, before any work is leased.
+        job = parse_job(status.spec, Path(status.base_dir), name=status.name, check_data=False)
+        job = verify_init(await local_data(job, remote.fetch_data, cache_dir()))
         metrics = TrainerMetrics(job_id)
         if metrics_port is not None:
             serve_metrics(metrics.registry, "127.0.0.1", metrics_port, token=metrics_token or token)

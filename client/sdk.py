@@ -231,6 +231,7 @@ class SchedulerClient:
 
         from swarm.job.config import parse_job
         from swarm.model.hf import write_hf
+        from swarm.model.transformer import plain_state
 
         status = await self.get(job)
         # The model's shape only: the data need not be where this client runs.
@@ -239,7 +240,7 @@ class SchedulerClient:
             raise FileExistsError(f"{out} exists and is not an empty directory")
         state, step = await self._download(job)
         stored = getattr(torch, dtype) if dtype else None
-        await asyncio.to_thread(write_hf, out, state, config.model, stored)
+        await asyncio.to_thread(write_hf, out, *plain_state(config, state), stored)
         return step
 
     async def _download(self, job: str) -> tuple[dict[str, torch.Tensor], int]:

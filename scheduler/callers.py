@@ -2,9 +2,12 @@
 delete or export it; everyone with the swarm token may read it (docs/deployment.md section 0).
 
 A caller is named by, first, a submitter token (`swarm.net.submitters`) sent under
-`SUBMITTER_KEY`: a submitter's name, or the admin for the admin token itself; else, under
-`--tls-mutual`, its client certificate's name, the certificate named `scheduler` (the scheduler's
-own, whose holder holds the job store anyway) being an admin; else no one in particular: the swarm
+`SUBMITTER_KEY`: a submitter's name, or the admin for the admin's credential (the admin token
+itself is refused: it is the root of every token and must not travel); else, under
+`--tls-mutual`, its client certificate's name as `cert:NAME` (`CERT_PREFIX`: a name no token
+can carry, so a host certificate named as a submitter is not that submitter, issue 54), the
+certificate named `scheduler` (the scheduler's own, whose holder holds the job store anyway)
+being an admin; else no one in particular: the swarm
 token alone, one anonymous submitter shared by every holder of it (`ANONYMOUS`). A submitter
 token that no admin token made is refused (UNAUTHENTICATED), never taken as anonymous.
 """
@@ -18,11 +21,13 @@ from scheduler.store import JobRecord
 from swarm.bus.topics import SCHEDULER_USER
 from swarm.errors import PermissionDenied, Unauthenticated
 from swarm.net import tls
-from swarm.net.submitters import ADMIN, SUBMITTER_KEY, submitter_of
+from swarm.net.submitters import ADMIN, SUBMITTER_KEY, is_admin_token, submitter_of
 
-__all__ = ["ANONYMOUS", "Caller", "Callers", "shown"]
+__all__ = ["ANONYMOUS", "CERT_PREFIX", "Caller", "Callers", "shown"]
 
 ANONYMOUS = ""  # the submitter of a job submitted with the swarm token alone
+# A certificate's caller name begins so; a submitter name has no ':' (`SUBMITTER_NAME_RE`).
+CERT_PREFIX = "cert:"
 
 
 def shown(submitter: str) -> str:
@@ -77,6 +82,11 @@ class Callers:
                 "a submitter token was sent, but this scheduler issues none (it was started "
                 "without --admin-token-file): leave out --submitter-token"
             )
+        if is_admin_token(self._admin_token, token):
+            raise Unauthenticated(
+                "the admin token itself is no credential (it makes every submitter's): send "
+                "the admin's, `swarm submitter-token admin` made from it"
+            )
         name = submitter_of(self._admin_token, token)
         if name is None:
             raise Unauthenticated(
@@ -87,9 +97,4 @@ class Callers:
 
     @staticmethod
     def _by_certificate(name: str) -> Caller:
-        if name == ADMIN:  # the admin token's name: no certificate takes its jobs
-            raise Unauthenticated(
-                f"a certificate named {ADMIN!r} names no submitter (the name is the admin "
-                "token's): issue the submitter's certificate under another name"
-            )
-        return Caller(name, admin=name == SCHEDULER_USER)
+        return Caller(CERT_PREFIX + name, admin=name == SCHEDULER_USER)

@@ -36,7 +36,11 @@ _BROKER_PORT = PortFlag(Listener.BROKER, "--broker-port", env_name("broker-port"
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     if command == "submitter-token":
-        p.add_argument("name", help="the submitter the token names (letters, digits, . _ -)")
+        p.add_argument(
+            "name",
+            help="the submitter the token names (letters, digits, . _ -); admin: the admin's "
+            "own credential",
+        )
         _add_admin_token(p)
         return
     add_flag(p, "broker", None, "MQTT broker URL (default: run an embedded broker)")
@@ -243,12 +247,13 @@ def _submitter_token(args: argparse.Namespace) -> int:
     """Print the submitter token of `args.name`, made from the admin token: give it to that
     submitter alone (`swarm submit --submitter-token-file`)."""
     from swarm.errors import ConfigError
-    from swarm.net.submitters import submitter_token
+    from swarm.net.submitters import ADMIN, admin_credential, submitter_token
 
     admin = secret(args, "admin-token")
     if not admin:
         raise ConfigError(
             "give the scheduler's admin token: --admin-token-file PATH or SWARM_ADMIN_TOKEN"
         )
-    print(submitter_token(admin, args.name))
+    # `admin`: the admin's own credential, made as a submitter's is (the admin token stays here)
+    print(admin_credential(admin) if args.name == ADMIN else submitter_token(admin, args.name))
     return 0

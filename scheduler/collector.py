@@ -1,6 +1,8 @@
 """The scheduler's Prometheus gauges of live state: peers per job, stage and state, each stage's
 measured throughput, each job's state, step and loss, and each present peer's reachability as
-the scheduler's dial-back found it (`swarm_peer_reachability`, 1 for its current one). A peer
+the scheduler's dial-back found it (`swarm_peer_reachability`, 1 for its current one), and the
+bytes per token crossing each of a job's boundaries each way, as the replicas' load reports say
+(`swarm_scheduler_boundary_bytes_per_token`). A peer
 counts as serving its stage only once the job's coordinator admitted it (`PeerRegistry.shown`):
 until then it is joining.
 
@@ -23,6 +25,7 @@ from prometheus_client.registry import Collector
 from scheduler.registry import PeerRegistry
 from scheduler.store import JobRecord
 from swarm.job.states import JOB_STATES, peer_state_name
+from swarm.ops.boundary_bytes import per_token
 from swarm.proto import control_pb2 as cpb
 
 __all__ = ["SchedulerView", "collector"]
@@ -107,6 +110,31 @@ def collector(scheduler: SchedulerView) -> Collector:
                 now = report.reachability if report is not None else cpb.REACHABILITY_UNKNOWN
                 for value, label in _REACHABILITY.items():
                     reach.add_metric([p.peer, label], 1.0 if value == now else 0.0)
-            yield from (peers, speed, job_state, step, loss, reach)
+            yield from (peers, speed, job_state, step, loss, reach, _boundaries(scheduler))
 
     return _Collector()
+
+
+def _boundaries(scheduler: SchedulerView) -> GaugeMetricFamily:
+    """`swarm_scheduler_boundary_bytes_per_token{job,boundary,direction}`: at boundary "K|K+1",
+    the bytes per token stage K's replicas sent `forward` and stage K+1's sent `backward`, as
+    their load reports say (`swarm.ops.boundary_bytes`); none before a token crossed."""
+    family = GaugeMetricFamily(
+        "swarm_scheduler_boundary_bytes_per_token",
+        "Bytes per token sent across a boundary between two stages, as encoded on the wire",
+        labels=["job", "boundary", "direction"],
+    )
+    registry = scheduler.peer_registry
+    for job in sorted({p.job for p in list(registry.peers.values()) if p.job}):
+        sent: dict[int, list[cpb.BoundaryTraffic]] = {}
+        for shown in registry.shown(job, scheduler.admitted(job)):
+            said = registry.boundary(shown.announcement.peer, job, shown.stage)
+            if said is not None:  # what it sent counts, admitted or not yet
+                sent.setdefault(shown.stage, []).append(said)
+        for k, traffic in sorted(sent.items()):  # the last stage sends nothing forward,
+            forward, backward = per_token(traffic, "forward"), per_token(traffic, "backward")
+            if forward is not None:
+                family.add_metric([job, f"{k}|{k + 1}", "forward"], forward)
+            if backward is not None:  # the first nothing backward: no token, no sample
+                family.add_metric([job, f"{k - 1}|{k}", "backward"], backward)
+    return family

@@ -2,7 +2,9 @@
 SubmitJob reads them and their bytes travel to the job's peers, so the root must hold nothing
 else the scheduler keeps: over the job store, the checkpoints (every job's trained state) or a
 TLS key, it would let any job ship them out. Never a default, then (the working directory held
-all of those), and checked once, at start."""
+all of those), and checked once, at start. A job names files under it only (`under_data_root`,
+at submit); its data file is read from there again when a trainer fetches it (`data_file`: a
+friend's trainer has no shared path)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from swarm.errors import ConfigError
+from swarm.errors import ConfigError, FailedPrecondition, InvalidArgument
+from swarm.job.config import JobConfig
+from swarm.job.schema import FILE_DATA
 
-__all__ = ["check_data_root"]
+__all__ = ["check_data_root", "data_file", "under_data_root"]
 
 
 def check_data_root(root: Path | None, kept: Mapping[str, Path | None]) -> Path:
@@ -40,3 +44,26 @@ def check_data_root(root: Path | None, kept: Mapping[str, Path | None]) -> Path:
                 f"directory that holds job data only, or move {flag} out of it"
             )
     return real
+
+
+def under_data_root(root: Path, path: Path, key: str) -> Path:
+    """`path`'s real path (symlinks and `..` resolved), which must lie under `root` (resolved):
+    a job may make the scheduler read only what it was told to serve."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(root):
+        raise InvalidArgument(
+            f"{key} = {str(path)!r} lies outside the scheduler's data root {str(root)!r}; put "
+            "the data under it, or start the scheduler with --data-root naming a directory that "
+            "holds it"
+        )
+    return real
+
+
+def data_file(job: JobConfig, validation: bool, root: Path) -> Path:
+    """The file a trainer fetches of `job` (its paths resolved): data.path, or data.val_path
+    with `validation`; under `root` again (it was at submit, but a symlink may have moved)."""
+    key = "val_path" if validation else "path"
+    path = getattr(job.data, key)
+    if job.data.kind not in FILE_DATA or path is None:
+        raise FailedPrecondition(f"job {job.name!r} has no data.{key}: nothing to fetch")
+    return under_data_root(root, path, f"data.{key}")

@@ -29,8 +29,8 @@ class StageDialer:
             info = stage_pb2_grpc.StageServiceStub(conn).Info
             reply = await info(pb.StageInfoRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return ""  # a gRPC server of the swarm's that serves no stage (an aggregator)
+            # UNIMPLEMENTED too: any gRPC server answers so, and the peer is reachable only
+            # where it answers as itself (an aggregator answers Info with its peer id).
             raise DialFailed(f"{e.code().name}: {_last(e.details() or '')}") from None
         finally:
             await conn.close()

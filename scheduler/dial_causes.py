@@ -26,7 +26,7 @@ import enum
 from scheduler.dial_scope import NOT_DIALLED
 from swarm.net import paths
 
-__all__ = ["Cause", "cause_of", "generic", "verdict"]
+__all__ = ["Cause", "cause_of", "told", "verdict"]
 
 
 class Cause(enum.Enum):
@@ -159,15 +159,30 @@ def remedy(cause: Cause, address: str, relay: str = "") -> str:
     )
 
 
-def generic(report_detail: str, relayed: bool) -> str:
-    """A dial-back's detail as the peer is told it: the cause's words only, never the dial's
-    error text, which would tell a closed port from an HTTP/1 or a silent one, or name the
-    peer id found there (the scheduler's log and status keep the whole). `relayed`: the detail
-    of a peer reached through its relay ("direct: ERROR")."""
-    if not report_detail:
-        return ""
+# What a peer is told of its own check: a cause only the swarm itself can produce (a certificate
+# of the swarm's CA naming another host: any other CA fails the chain first), or one found with
+# no dial at all. Every other cause would tell the peer what listens at an address it named
+# (closed, HTTP/1, silent, another gRPC server, a swarm server with another token), so it reads
+# "no answer" (issue 54, M-scan).
+_TOLD = (Cause.TLS_NAME, Cause.NOT_DIALLED)
+
+
+def told(
+    detail: str, fix: str, address: str, relay: str = "", relayed: bool = False
+) -> tuple[str, str]:
+    """(detail, remedy) of a dial-back's report as the peer, and everyone but the scheduler's own
+    log, is told them: the cause's words only, never the dial's error text; a cause of
+    `_TOLD` with its remedy `fix`, any other as "no answer" with that one's. `relayed`: the
+    detail of a peer reached through its relay ("direct: ERROR"), which has no remedy."""
+    if not detail:
+        return "", ""
     if relayed:
-        direct = report_detail.removeprefix("direct: ")
-        return f"direct: {cause_of(direct, through_relay=False).value}"
-    words = report_detail.split(": ", 1)[0]
-    return words if words in {c.value for c in Cause} else Cause.ERROR.value
+        cause = cause_of(detail.removeprefix("direct: "), through_relay=False)
+        return f"direct: {(cause if cause in _TOLD else Cause.NO_ANSWER).value}", ""
+    words = detail.split(": ", 1)[0]
+    cause = next((c for c in Cause if c.value == words), Cause.ERROR)
+    if cause in _TOLD:
+        return cause.value, fix
+    return Cause.NO_ANSWER.value, (
+        f"{remedy(Cause.NO_ANSWER, address, relay)}; the scheduler's log names the cause"
+    )

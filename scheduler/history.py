@@ -58,7 +58,7 @@ PEER_BURST, PEER_EVERY_S = 8, 30.0
 Vouched = Callable[[str, str], bool]
 
 #: Kinds logged as warnings: training stopped, or is at risk of losing steps.
-_ALARMING = frozenset({"stall", "warning", "rollback"})
+_ALARMING = frozenset({"stall", "warning", "rollback", "ban"})
 
 #: (job, kind, text)
 Event = tuple[str, str, str]

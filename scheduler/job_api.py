@@ -20,6 +20,7 @@ import torch
 
 from scheduler.admission import Admission
 from scheduler.callers import Callers
+from scheduler.data_root import data_file, under_data_root
 from scheduler.store import Events, JobRecord, JobStore
 from swarm.errors import (
     ConfigError,
@@ -258,10 +259,10 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             spec = request.spec
             if job.data.kind in FILE_DATA:
                 assert job.data.path is not None  # required for file data
-                real = self._under_data_root(job.data.path, "data.path")
+                real = under_data_root(self.data_root, job.data.path, "data.path")
                 val = job.data.val_path
                 if val is not None:
-                    val = self._under_data_root(val, "data.val_path")
+                    val = under_data_root(self.data_root, val, "data.val_path")
                 # Off the event loop: hashing a large file would stall every other call.
                 checked = await asyncio.to_thread(
                     verify_data, replace(job, data=replace(job.data, path=real, val_path=val))
@@ -273,7 +274,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 if checked.data.val_sha256 is not None:
                     spec = pin(spec, "data", "val_sha256", checked.data.val_sha256)
             if job.model.init_from is not None:  # the initial checkpoint: read and pinned alike
-                real = self._under_data_root(job.model.init_from, "model.init_from")
+                real = under_data_root(self.data_root, job.model.init_from, "model.init_from")
                 model = replace(job.model, init_from=real)
                 pinned = await asyncio.to_thread(verify_init, replace(job, model=model))
                 assert pinned.model.init_sha256 is not None
@@ -292,18 +293,6 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return scheduler_pb2.SchedulerSubmitJobResponse(job=self._status(record))
 
         return await self._serving.run("SubmitJob", context, body)
-
-    def _under_data_root(self, path: Path, key: str) -> Path:
-        """`path`'s real path (symlinks and `..` resolved), which must lie under the data root: a
-        job may make the scheduler read only what it was told to serve."""
-        real = Path(os.path.realpath(path))
-        if not real.is_relative_to(self.data_root):
-            raise InvalidArgument(
-                f"{key} = {str(path)!r} lies outside the scheduler's data root "
-                f"{str(self.data_root)!r}; put the data under it, or start the scheduler with "
-                "--data-root naming a directory that holds it"
-            )
-        return real
 
     async def GetJob(
         self, request: scheduler_pb2.SchedulerGetJobRequest, context: Any
@@ -435,6 +424,21 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     yield scheduler_pb2.SchedulerExportRoutesResponse(data=data)
 
         async for part in self._serving.stream("ExportRoutes", context, body()):
+            yield part
+
+    async def FetchData(
+        self, request: scheduler_pb2.SchedulerFetchDataRequest, context: Any
+    ) -> AsyncIterator[scheduler_pb2.SchedulerFetchDataResponse]:
+        async def body() -> AsyncIterator[scheduler_pb2.SchedulerFetchDataResponse]:
+            record = self._job(request.job)
+            spec, base = record.spec, Path(record.base_dir)
+            job = await asyncio.to_thread(parse_job, spec, base, record.name, check_data=False)
+            path = data_file(job, request.validation, self.data_root)
+            with await asyncio.to_thread(open, path, "rb") as f:  # off the loop: a slow disk
+                while data := await asyncio.to_thread(f.read, self.chunk_bytes):
+                    yield scheduler_pb2.SchedulerFetchDataResponse(data=data)
+
+        async for part in self._serving.stream("FetchData", context, body()):
             yield part
 
 

@@ -171,23 +171,30 @@ class JobTraining:
         said: list[str] = []  # what a rollback told `swarm status`, kept past the start
         news = _News()  # any other message said while steps commit
         rolled: list[int] = []  # the steps rolled back to
+        bans: list[str] = []  # peers banned since the last rollback (its cause then)
 
         async def rolled_back(step: int) -> None:
             self.store.rewind(job_id, step)
             rolled.append(step)
             speed.start()  # training starts again now: the stall is not its speed
+            cause = f"{', '.join(bans)} banned" if bans else "a stage lost every replica"
+            bans.clear()
             said.append(
-                f"rolled back to step {step}: a stage lost every replica; training from the last"
-                " checkpoint"
+                f"rolled back to step {step}: {cause}; training from the last checkpoint"
                 if step
-                else "rolled back to step 0 (no checkpoint): a stage lost every replica;"
-                " training again from the start"
+                else f"rolled back to step 0 (no checkpoint): {cause}; training again from the"
+                " start"
             )
             self.history.record(job_id, "rollback", said[-1])
             await self.set_status(job_id, None, said[-1])
 
         async def status(text: str) -> None:  # the coordinator's: a replica left out, a replay
             self.history.record(job_id, "commit", text)
+            await self.set_status(job_id, None, text)
+
+        async def banned(text: str) -> None:  # a peer an audit caught lying, with the evidence
+            bans.append(text.split(" ", 2)[1])  # "banned PEER (stage K): ..."
+            self.history.record(job_id, "ban", text)
             await self.set_status(job_id, None, text)
 
         routes = None
@@ -205,6 +212,7 @@ class JobTraining:
             checkpoint_dir=self.checkpoint_dir / job_id,
             on_rollback=rolled_back,
             on_status=status,
+            on_ban=banned,
             metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
             checkpoint_every_s=self.checkpoint_every_s,

@@ -26,6 +26,7 @@ from swarm.net.addresses import announced_host, host_port
 from swarm.net.tokens import add_port
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
+from swarm.ops.writable import writable_dir
 from swarm.proto import scheduler_pb2_grpc
 from swarm.rpc.server_options import SCHEDULER_LIMITS, grpc_server
 
@@ -74,6 +75,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
         kept["--tls-ca"], kept["--tls-cert"] = identity.ca_path, identity.cert_path
         kept["--tls-key"] = identity.key_path
     data_root = check_data_root(opts.data_root, kept)
+    writable_dir(opts.checkpoint_dir, "--checkpoint-dir")  # before anything starts
     embedded: EmbeddedBroker | None = None
     broker = opts.broker
     announce = announced_host(opts.host, opts.announce_host, "the scheduler")
@@ -93,7 +95,6 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
     elif opts.token and not opts.scheduler_token:
         log.warning("scheduler: MQTT login with the swarm token; give it --scheduler-token")
     password = embedded.scheduler_token if embedded else opts.scheduler_token or opts.token
-    opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     store = JobStore(opts.store)
     registry = CollectorRegistry()
     try:

@@ -11,10 +11,12 @@ The result is a `ReachabilityReport`:
   itself) and answered through it (`swarm.net.paths.relayed_address`), not directly;
 - UNREACHABLE: nothing answered; `detail` is its cause and the dial's error, `remedy` what fixes
   that cause (`scheduler.dial_causes`: a TLS name mismatch, a wrong token, a relay down, ...).
-  The peer is told the cause only (`dial_causes.generic`): the error's text would tell it what
-  listens at an address it named. An address that is not public is not dialled unless the
-  operator allows private ranges (`scheduler.dial_scope`), and one peer's checks are
-  `min_interval_s` apart at least, newcomers checked first.
+  The peer, and status, are told a cause that says nothing of what listens at an address it
+  named (`dial_causes.told`: "no answer" but for a TLS name mismatch and a private address not
+  dialled); the scheduler's log keeps the whole. An address that is not public is not dialled
+  unless the operator allows private ranges (`scheduler.dial_scope`), and one peer's checks are
+  `min_interval_s` apart at least, newcomers checked first, at most `per_host` at once of the
+  peers naming one host.
 Each report goes to `on_report` (the registry keeps it: placement leaves an unreachable peer out,
 and every call to a relayed one goes through its relay) and is retained on
 `peers/{peer}/reachability`, where the peer reads it (its log shows the remedy); it is cleared
@@ -39,12 +41,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler import dial_causes
-from scheduler.dial_causes import generic, verdict
+from scheduler.dial_causes import told, verdict
 from scheduler.dial_scope import DialPace, DialScope
 from swarm.bus.api import BusLike
 from swarm.net import paths
@@ -84,8 +87,8 @@ class Dialer(Protocol):
     """The dial-back's one call: a fake in unit tests, `StageDialer` in the scheduler."""
 
     async def answer(self, address: str, timeout_s: float) -> str:
-        """The peer id that answers an authenticated call at dial address `address` ("" when
-        something answers that serves no stage: an aggregator); `DialFailed` otherwise."""
+        """The peer id that answers an authenticated call at dial address `address` (a stage
+        server's or an aggregator's); `DialFailed` otherwise."""
         ...
 
 
@@ -112,6 +115,15 @@ class _Target:
     address: str
     relay: str
 
+    @property
+    def hosts(self) -> tuple[str, str]:
+        """The hosts its check dials: its own, then its relay's."""
+        return _host(self.address), _host(self.relay)
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]") or address
+
 
 class ReachabilityChecker:
     def __init__(
@@ -128,6 +140,7 @@ class ReachabilityChecker:
         now: Callable[[], float] = time.monotonic,
         scope: DialScope | None = None,
         min_interval_s: float = 5.0,
+        per_host: int = 2,
     ) -> None:
         self.dialer, self.publish, self.on_report = dialer, publish, on_report
         self.timeout_s, self.recheck_s, self.retry_s = timeout_s, recheck_s, retry_s
@@ -136,6 +149,11 @@ class ReachabilityChecker:
         self.scope = scope or DialScope()  # public hosts only, unless the operator allows more
         self._pace = DialPace(min_interval_s)  # a peer's checks are this far apart at least
         self._slots = asyncio.Semaphore(concurrency)
+        # Checks dialling the same hosts at once: a host of silent ports holds at most this many
+        # of the slots, whatever number of peers name it (issue 54, Low: 200 fake peers at one
+        # silent host held every slot, and an honest newcomer waited behind them all).
+        self._per_host = per_host
+        self._dialling: Counter[tuple[str, str]] = Counter()
         self._targets: dict[str, _Target] = {}
         self._due: dict[str, float] = {}  # peer -> when it is checked next (`now`'s clock)
         self._misses: dict[str, int] = {}  # failed re-checks in a row of a reachable peer
@@ -181,15 +199,28 @@ class ReachabilityChecker:
         try:
             while True:
                 now = self._now()
-                # Newcomers first (never checked: not placed until they are), then by due time.
-                order = sorted(self._due.items(), key=lambda kv: (kv[0] in self.reports, kv[1]))
-                for peer, due in order:
-                    if due <= now and peer not in self._checking:
+                # Newcomers first (never checked: not placed until they are), then the peers
+                # of hosts dialled least now, then by due time; a host dialled `per_host` times
+                # at once waits (a finished check wakes this loop).
+                waiting = [
+                    (p, d, self._targets[p].hosts)
+                    for p, d in self._due.items()
+                    if p not in self._checking
+                ]
+                waiting.sort(key=lambda w: (w[0] in self.reports, self._dialling[w[2]], w[1]))
+                later = []
+                for peer, due, hosts in waiting:
+                    if due > now:
+                        later.append(due)
+                    elif self._dialling[hosts] < self._per_host:
+                        self._dialling[hosts] += 1
                         self._checking[peer] = self._spawn(self._check(peer, self._targets[peer]))
-                nxt = [d for p, d in self._due.items() if p not in self._checking]
-                wait = max(0.05, min(nxt) - now) if nxt else None
+                wait = max(0.05, min(later) - now) if later else None
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation
+                # that comes as the wake does (a check ending), and this loop ran on.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
                 self._wake.clear()
         finally:
             for task in list(self._background):
@@ -197,35 +228,42 @@ class ReachabilityChecker:
 
     async def _check(self, peer: str, target: _Target) -> None:
         try:
-            async with self._slots:
-                self._pace.began(peer, self._now())
-                report = await self.measure(peer, target.address, target.relay)
-            if self._targets.get(peer) != target:
-                return  # it left, or moved, meanwhile: that is checked anew
-            old = self.reports.get(peer)
-            reachable = old is not None and old.reachability in (
-                cpb.REACHABILITY_DIRECT,
-                cpb.REACHABILITY_RELAYED,
-            )
-            if report.reachability == cpb.REACHABILITY_UNREACHABLE and reachable:
-                misses = self._misses.get(peer, 0) + 1
-                if misses < self.demote_after:  # one slow answer does not drop a replica
-                    self._misses[peer] = misses
-                    self._due[peer] = self._now() + min(self.retry_s, self.recheck_s)
-                    log.info("peer %s missed a dial-back (%s); trying again", peer, report.detail)
-                    return
-            self._misses.pop(peer, None)
-            reachable_now = report.reachability != cpb.REACHABILITY_UNREACHABLE
-            self._due[peer] = self._now() + (self.recheck_s if reachable_now else self.retry_s)
-            if old is not None and _same(old, report):
-                return  # nothing new to say
-            self.reports[peer] = report
-            self._said(report)
-            self.on_report(report)
-            await self.publish(peer, _told(report))
+            await self._checked(peer, target)
         finally:
+            self._dialling[target.hosts] -= 1
+            if not self._dialling[target.hosts]:
+                del self._dialling[target.hosts]
             self._checking.pop(peer, None)
             self._wake.set()
+
+    async def _checked(self, peer: str, target: _Target) -> None:
+        async with self._slots:
+            self._pace.began(peer, self._now())
+            report = await self.measure(peer, target.address, target.relay)
+        if self._targets.get(peer) != target:
+            return  # it left, or moved, meanwhile: that is checked anew
+        old = self.reports.get(peer)
+        reachable = old is not None and old.reachability in (
+            cpb.REACHABILITY_DIRECT,
+            cpb.REACHABILITY_RELAYED,
+        )
+        if report.reachability == cpb.REACHABILITY_UNREACHABLE and reachable:
+            misses = self._misses.get(peer, 0) + 1
+            if misses < self.demote_after:  # one slow answer does not drop a replica
+                self._misses[peer] = misses
+                self._due[peer] = self._now() + min(self.retry_s, self.recheck_s)
+                log.info("peer %s missed a dial-back (%s); trying again", peer, report.detail)
+                return
+        self._misses.pop(peer, None)
+        reachable_now = report.reachability != cpb.REACHABILITY_UNREACHABLE
+        self._due[peer] = self._now() + (self.recheck_s if reachable_now else self.retry_s)
+        if old is not None and _same(old, report):
+            return  # nothing new to say
+        self.reports[peer] = report
+        self._said(report)  # the whole, in the scheduler's own log
+        told_report = _told(report)
+        self.on_report(told_report)  # status shows it to every token holder
+        await self.publish(peer, told_report)
 
     async def measure(self, peer: str, address: str, relay: str) -> cpb.ReachabilityReport:
         """Dial `peer` at `address`, then (if it announces one) through `relay`."""
@@ -262,7 +300,7 @@ class ReachabilityChecker:
             return f"no answer within {self.timeout_s:g} s"
         except Exception as e:  # a malformed address, say: the peer is at fault, not the check
             return f"{type(e).__name__}: {e}"
-        if answered and answered != peer:
+        if answered != peer:
             return f"{address} answers as peer {answered!r}, not {peer!r}"
         return None
 
@@ -295,11 +333,14 @@ async def _logged(work: Awaitable[None]) -> None:
 
 
 def _told(report: cpb.ReachabilityReport) -> cpb.ReachabilityReport:
-    """The report as the peer reads it: the cause in words, not the dial's error text."""
-    told = cpb.ReachabilityReport()
-    told.CopyFrom(report)
-    told.detail = generic(report.detail, report.reachability == cpb.REACHABILITY_RELAYED)
-    return told
+    """The report as the peer reads it, and status shows it: the cause in words (or "no
+    answer"), not the dial's error text (`dial_causes.told`)."""
+    told_report = cpb.ReachabilityReport()
+    told_report.CopyFrom(report)
+    relayed = report.reachability == cpb.REACHABILITY_RELAYED
+    target = report.address, report.relay
+    told_report.detail, told_report.remedy = told(report.detail, report.remedy, *target, relayed)
+    return told_report
 
 
 def _same(a: cpb.ReachabilityReport, b: cpb.ReachabilityReport) -> bool:

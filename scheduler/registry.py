@@ -54,6 +54,7 @@ class _Load:
     stage: int
     at: float  # clock time it arrived
     speed: float | None  # samples/s it measured on `stage`; None: not measured yet
+    boundary: cpb.BoundaryTraffic | None = None  # what it sent across its boundaries (unset: None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +153,10 @@ class PeerRegistry:
         same = old is not None and (old.job, old.stage) == (message.job, message.stage)
         if speed is None and old is not None and same:
             speed = old.speed  # a report without a figure keeps the last one
-        self._loads[message.peer] = _Load(message.job, message.stage, self.clock.now(), speed)
+        boundary = message.boundary if message.HasField("boundary") else None
+        self._loads[message.peer] = _Load(
+            message.job, message.stage, self.clock.now(), speed, boundary
+        )
 
     def reached(self, report: cpb.ReachabilityReport) -> None:
         """What the dial-back found of a present peer (one that left meanwhile is ignored)."""
@@ -373,6 +377,14 @@ class PeerRegistry:
             speeds[peer] = [announced.get(j, 0.0) for j in range(stages)]
             speeds[peer][k] = load.speed  # what it really does where it is now
         return assignment, path_speeds(speeds, {p: None for p in speeds if self.relayed(p)})
+
+    def boundary(self, peer: str, job_id: str, stage: int) -> cpb.BoundaryTraffic | None:
+        """What `peer` sent across `stage`'s boundaries of `job_id`, as its last load report
+        there said; None: no report there said it."""
+        load = self._loads.get(peer)
+        if load is None or (load.job, load.stage) != (job_id, stage):
+            return None
+        return load.boundary
 
     def live_speed(self, peer: str, job_id: str, stage: int) -> float:
         """`peer`'s samples/s on `stage` of `job_id` as status shows it: what its load reports

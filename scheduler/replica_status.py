@@ -1,8 +1,9 @@
 """One replica as `swarm status` shows it (`spb.Replica`): what it announced, its samples/s as its
 load reports measure it now (not the figure it measured at join), its state as the
 coordinator sees it, and its path as the scheduler's dial-back found it (direct, relayed through
-a relay, or unreachable with why and the remedy) with its measured link rates; and the job's
-peers nobody can dial, which are on no stage (never placed), as warnings."""
+a relay, or unreachable with why and the remedy) with its measured link rates and what it sent
+across its stage's boundaries (its load reports say); and the job's peers nobody can dial, which
+are on no stage (never placed), as warnings."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def replica_status(shown: Shown, registry: PeerRegistry) -> spb.Replica:
         reachability_detail=detail,
         upload_bytes_per_second=p.upload_bytes_per_second,
         download_bytes_per_second=p.download_bytes_per_second,
+        boundary=registry.boundary(p.peer, p.job, shown.stage),
     )
 
 

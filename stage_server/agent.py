@@ -220,6 +220,7 @@ class PeerAgent:
                 in_flight=min(1, servicer.waiting),
                 ema_seconds_per_sample=ema / mb if ema else 0.0,
                 time=time.time(),
+                boundary=servicer.metrics.boundary.report(),  # what `swarm status` sums
             )
             try:
                 await self.bus.publish(self.bus.topics.load(self.peer), report)

@@ -44,7 +44,13 @@ __all__ = ["add_arguments", "run", "run_relay"]
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 7100
-_LIMITS = ("max_peers", "max_tunnels_per_peer", "max_tunnels")
+_LIMITS = (
+    "max_peers",
+    "max_peers_per_source",
+    "max_tunnels_per_peer",
+    "max_tunnels",
+    "max_tunnels_per_source",
+)
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
@@ -145,16 +151,21 @@ async def run_relay(
 
     from swarm.bus.connection import Bus
     from swarm.bus.topics import Topics
+    from swarm.net import tls
     from swarm.net.addresses import announced_host, host_port
     from swarm.ops.lifecycle import install_signal_handlers, print_ready
     from swarm.ops.metrics import serve_metrics
     from swarm.ops.rated import RatedLog
     from swarm.proto import control_pb2 as cpb
+    from swarm.relay.limits import raise_nofile
     from swarm.relay.server import RelayServer
 
     address = host_port(announced_host(host, announce_host, "the relay"), port)  # checked first
     registry = CollectorRegistry()
-    relay = RelayServer(token, limits, registry=registry, refusals=RatedLog(log))
+    raise_nofile()  # its limits are sized to the descriptors it may open
+    identity = tls.current()  # with the swarm's CA, only a certificate naming a peer attaches as it
+    ca = identity.ca if identity is not None else None
+    relay = RelayServer(token, limits, registry=registry, refusals=RatedLog(log), ca=ca)
     metrics = None
     if metrics_port is not None:
         metrics = serve_metrics(registry, host, metrics_port, token=metrics_token or token)
@@ -165,6 +176,7 @@ async def run_relay(
             f"the relay cannot listen on {host_port(host, port)}: {e.strerror}"
         ) from None
     address = host_port(announced_host(host, announce_host, "the relay"), bound)
+    relay.addresses.add(address)  # what peers sign their attaches for
     peer = peer or default_peer(bound)
     metrics_address = "" if metrics is None else host_port(address.rpartition(":")[0], metrics)
 

@@ -24,6 +24,7 @@ from stage_server.servicer import StageServicer
 from swarm.errors import NotFound, SwarmError
 from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.job.fingerprint import fingerprint
+from swarm.net import tls
 from swarm.net.addresses import announced_host, host_port
 from swarm.net.ports import PortInUse
 from swarm.net.tokens import add_port
@@ -32,6 +33,7 @@ from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
 from swarm.ops.rated import RatedLog
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
+from swarm.relay.limits import raise_nofile
 from swarm.relay.server import RelayLimits, RelayServer
 from swarm.rpc.server_options import ServerLimits, grpc_server
 from swarm.wire.chunking import grpc_options
@@ -221,7 +223,15 @@ async def _start_relay(running: RunningStageServer, opts: StageServerOptions) ->
     """Run a relay beside the stage (`--relay`); its port."""
     # Its series on this server's /metrics; strangers' refusals logged rated.
     registry, refusals = running.servicer.metrics.registry, RatedLog(log)
-    relay = RelayServer(opts.token, opts.relay_limits, registry=registry, refusals=refusals)
+    raise_nofile()  # the relay's limits are sized to the descriptors this process may open
+    identity = tls.current()  # with the swarm's CA, only a certificate naming a peer attaches as it
+    relay = RelayServer(
+        opts.token,
+        opts.relay_limits,
+        registry=registry,
+        refusals=refusals,
+        ca=identity.ca if identity is not None else None,
+    )
     try:
         port = await relay.start(opts.host, opts.relay_port)
     except (OSError, PortInUse) as e:
@@ -230,6 +240,8 @@ async def _start_relay(running: RunningStageServer, opts: StageServerOptions) ->
             "--relay-port another port, or 0 for any free one"
         ) from None
     running.relay = relay
+    # What it is announced as (`relay_address`), which peers sign their attaches for.
+    relay.addresses.add(host_port(running.announce_host or running.address.rsplit(":", 1)[0], port))
     log.info(
         "%s: relaying for peers behind NAT at %s",
         running.servicer.peer,

@@ -39,8 +39,9 @@ from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.state_transfer import StateTransfer
 from stage_server.replica.worker import Worker
 from swarm.errors import Busy, NotFound
-from swarm.net.commit_auth import CommitRefused, CommitVerifier
+from swarm.net.commit_auth import STATE_DIGEST_KEY, CommitRefused, CommitVerifier
 from swarm.ops.faults import Point, maybe_die
+from swarm.ops.poison import Poison
 from swarm.ops.rated import RatedLog
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import stage_pb2 as pb
@@ -114,8 +115,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # Under a scheduler, it alone names followers (its tickets, issue 44 N7).
             scheduler_key=lambda: self.commit_auth.public if self.commit_auth else None,
         )
+        # a hostile replica's lies, for tests and benchmarks (`swarm.ops.poison`; none unless
+        # SWARM_POISON says): what an audit by re-execution must catch (issue 55)
+        self.poison = Poison.from_env()
         self._answering = Answering(
-            peer=peer, worker=self.worker, messages=self._messages, runtime=lambda: self.runtime
+            peer=peer,
+            worker=self.worker,
+            messages=self._messages,
+            runtime=lambda: self.runtime,
+            poison=lambda: self.poison,
         )
         self._push = PushPlane(
             peer=peer,
@@ -210,7 +218,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         timeout = self.runtime.job.runtime.rpc_timeout_s
         body = within_deadline(requests, timeout, "the job's runtime.rpc_timeout_s")
         # The most one microbatch's two tensors take, with what each is charged beyond its bytes.
-        most = self.runtime.max_request_bytes() + 2 * TENSOR_OVERHEAD_BYTES
+        # (three under a subspace boundary: the token ids travel beside them)
+        most = self.runtime.max_request_bytes() + 3 * TENSOR_OVERHEAD_BYTES
         received = await self._messages.receive(body, most, self._route, held, admit)
         # A caller closes its side before it waits for the answer: its end is here already,
         # and read, gRPC lets go of the request's last chunk now (`read_to_end`).
@@ -243,11 +252,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # The outputs' copy to the host on the worker thread, right after the compute.
             outputs, queued = await self.worker.run_then(
                 self.runtime.forward,
-                lambda out: self._messages.encode(out, "outputs", reply),
+                lambda out: self._messages.encode(
+                    self.poison.outputs(step, out), "outputs", reply, "forward"
+                ),
                 step,
                 index,
                 inputs,
                 evaluate=h.evaluate,
+                tokens=tensors.get("tokens"),  # a subspace boundary's (`model.boundary_rank`)
             )
             return pb.StageForwardResponse(tensors=outputs, queued_seconds=queued)
 
@@ -261,7 +273,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             inputs = tensors.get("inputs")  # absent: use the activations cached by Forward
             reply = self._messages.reply_codec(h.reply_codec)
             done = await self._answering.backward_here(
-                self.runtime.backward, h, reply, inputs, grad_outputs, accumulate=h.accumulate
+                self.runtime.backward,
+                h,
+                reply,
+                inputs,
+                grad_outputs,
+                accumulate=h.accumulate,
+                tokens=tensors.get("tokens"),
             )
             return pb.StageBackwardResponse(
                 tensors=done.grad, receipt=done.receipt, queued_seconds=done.queued
@@ -277,14 +295,21 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             h, tensors = await self._receive(request_iterator, held)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
             rt, reply = self.runtime, self._messages.reply_codec(h.reply_codec)
+            tokens = tensors.get("tokens")  # a subspace boundary's (`model.boundary_rank`)
             maybe_die(Point.FORWARD, h.microbatch.step)
             if h.evaluate:
                 loss, queued = await self.worker.run_queued(
-                    rt.evaluate, h.microbatch.step, inputs, targets
+                    rt.evaluate, h.microbatch.step, inputs, targets, tokens
                 )
                 return pb.StageForwardBackwardResponse(loss_sum=loss, queued_seconds=queued)
             done = await self._answering.backward_here(
-                rt.forward_backward, h, reply, inputs, targets, accumulate=h.accumulate
+                rt.forward_backward,
+                h,
+                reply,
+                inputs,
+                targets,
+                accumulate=h.accumulate,
+                tokens=tokens,
             )
             return pb.StageForwardBackwardResponse(
                 tensors=done.grad,
@@ -300,7 +325,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         async def body(held: Held) -> pb.StagePushResponse:
             h, tensors = await self._receive(request_iterator, held, self._push.room)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
-            return await self._push.push(h, inputs, targets, context.time_remaining)
+            tokens = tensors.get("tokens")  # a subspace boundary's (`model.boundary_rank`)
+            return await self._push.push(h, inputs, targets, tokens, context.time_remaining)
 
         for msg in self._messages.split(await self._run_held("Push", context, body)):
             yield msg
@@ -378,12 +404,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             yield part
 
     async def LoadState(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        signed_digest = None  # the state's digest the scheduler signed: the state loaded is it
         if self._runtime is not None:  # else refused unread (NOT_FOUND), as before
             signed = pb.StageLoadStateRequest(job=self.job_id, stage=self._runtime.stage)
             await self._scheduler_only("LoadState", signed, context)  # as the scheduler signs
+            if self.commit_auth is not None:
+                metadata = context.invocation_metadata() or ()
+                signed_digest = next((v for k, v in metadata if k == STATE_DIGEST_KEY), b"")
 
         async def body() -> pb.StageLoadStateResponse:
-            step = await self._transfer.load(request_iterator, self._route, self.limits)
+            step = await self._transfer.load(
+                request_iterator, self._route, self.limits, signed_digest
+            )
             return pb.StageLoadStateResponse(step=step)
 
         return await self._serving.run("LoadState", context, body)

@@ -215,8 +215,9 @@ def _local(args: argparse.Namespace) -> int:
         state = {k: v.cpu() for k, v in model.state_dict().items()}
         if args.format == "hf":
             from swarm.model.hf import write_hf
+            from swarm.model.transformer import plain_state
 
-            write_hf(args.out, state, job.model, None)
+            write_hf(args.out, *plain_state(job, state), None)
         else:
             torch.save(state, args.out)
         print(f"wrote {args.out}")

@@ -115,6 +115,7 @@ GRPC_ROLES: dict[str, str] = {
     "stage_server.servicer": "the StageService servicer",
     "stage_server.agent": "sets the health status its server serves",
     "stage_server.aggregator.main": "serves PoolService and health (the aggregator peer)",
+    "stage_server.aggregator.identity": "serves StageService.Info, the dial-back's call",
     "stage_server.averaging.butterfly": "dials PoolService.Reduce (the all-reduce's round)",
     "stage_server.averaging.service": "serves PoolService.Reduce (the owner's side)",
     "stage_server.averaging.channels": "the channels PoolService is dialled over",

@@ -14,15 +14,18 @@ from collections.abc import Sequence
 
 import torch
 
+from client.data_plane.audit import Audits, Work
 from client.data_plane.boundary import BoundaryCache
 from client.data_plane.hops import StageHops
+from client.data_plane.reexecute import decoded
 from client.metrics import TrainerMetrics
 from swarm.errors import ActivationsNotCached
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
+from swarm.model.subspace import wire_tokens
 from swarm.proto import tensor_pb2
-from swarm.rpc.lease import MicrobatchResult, Replica, Task
+from swarm.rpc.lease import MicrobatchResult, Replica, Task, Verdict
 from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
 from swarm.wire import codec
 
@@ -31,9 +34,15 @@ __all__ = ["CarryPlane"]
 
 class CarryPlane:
     def __init__(
-        self, job: JobConfig, hops: StageHops, metrics: TrainerMetrics, cache: BoundaryCache
+        self,
+        job: JobConfig,
+        hops: StageHops,
+        metrics: TrainerMetrics,
+        cache: BoundaryCache,
+        audits: Audits | None = None,
     ) -> None:
         self.job, self.hops, self.metrics, self.cache = job, hops, metrics, cache
+        self.audits = audits  # None: nothing is audited (`client.data_plane.audit`)
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
         pass  # every hop reads the routes as they are when it is made
@@ -51,12 +60,14 @@ class CarryPlane:
         ids, labels = data.microbatch(step, index)
         # Encoded once; every later hop passes on the messages the stages sent back.
         boundary: list[TensorLike] = [codec.encode(ids, "inputs")]
-        targets = codec.encode(labels, "targets")
+        targets, tokens = codec.encode(labels, "targets"), self._tokens(ids)
         forward_peer: dict[int, str] = {}
         for k in range(last):
             peer, out = await self.hops.any(
                 k,
-                lambda c, k=k: c.forward(step, index, boundary[k]),  # type: ignore[misc]
+                lambda c, k=k: c.forward(  # type: ignore[misc]
+                    step, index, boundary[k], tokens=tokens if k else None
+                ),
             )
             forward_peer[k] = peer
             boundary.append(out)
@@ -64,7 +75,13 @@ class CarryPlane:
         done = await self.hops.hopped(
             last,
             lambda c, a: c.forward_backward(
-                step, index, boundary[last], targets, accumulate=a, need_grad_inputs=lowest < last
+                step,
+                index,
+                boundary[last],
+                targets,
+                accumulate=a,
+                need_grad_inputs=lowest < last,
+                tokens=tokens,
             ),
             accumulate=last in stages,
             need_result=lowest < last,
@@ -74,7 +91,15 @@ class CarryPlane:
         result = done.result
         if done.accumulated and done.peer is not None:
             holders[last] = done.peer
-        self.cache.remember(step, index, last, boundary[last], targets)
+        after = done.peer  # who answered the gradient the stage below is given
+        before = [forward_peer[last - 1]] if last else []
+        self.cache.remember(step, index, last, boundary[last], targets, before, tokens=tokens)
+        # what each stage from `lowest` up was given and answered, for the audit (all, or none)
+        works: list[Work] | None = None
+        if result is not None and self.audits is not None:
+            loss_sum = torch.tensor(result.loss_sum, dtype=torch.float64)
+            answer = (boundary[last], targets, loss_sum, decoded(result.grad_inputs))
+            works = [Work(last, *answer, forward_peer[last], forward_peer[last], tokens)]
         # The loss is the same whichever replica computed it, accumulating or not.
         loss = result.loss_sum if last in stages and result is not None else None
         grad = result.grad_inputs if result is not None else None
@@ -82,11 +107,12 @@ class CarryPlane:
             assert grad is not None
             g = grad
             forward_client = self.hops.routes.clients.get(forward_peer[k])  # None: departed
-            self.cache.remember(step, index, k, boundary[k], g)
+            before = [forward_peer[k - 1]] if k else []
+            self.cache.remember(step, index, k, boundary[k], g, [*before, *filter(None, [after])])
             done = await self.hops.hopped(
                 k,
                 lambda c, a, k=k, g=g, f=forward_client: _backward(  # type: ignore[misc]
-                    c, task, k, boundary[k], g, f, a
+                    c, task, k, boundary[k], g, f, a, tokens if k else None
                 ),
                 prefer=forward_peer[k],
                 accumulate=k in stages,
@@ -96,27 +122,75 @@ class CarryPlane:
                 holders[k] = done.peer
             if done.peer is not None and done.peer != forward_peer[k]:
                 back[k] = done.peer
+            after = done.peer
             result = done.result
             grad = result.grad_inputs if result is not None else None
+            if works is not None and result is not None and done.peer is not None:
+                outputs = decoded(boundary[k + 1])
+                assert outputs is not None
+                work = Work(
+                    k,
+                    boundary[k],
+                    g,
+                    outputs,
+                    decoded(grad),
+                    forward_peer[k],
+                    done.peer,
+                    tokens if k else None,
+                )
+                works.insert(0, work)
+            else:
+                works = None  # an answer the trainer does not hold: nothing to audit
         samples = int(ids.shape[0])
         if not local:
-            return MicrobatchResult(step, index, holders, loss, samples)
+            # Audited before it is reported: a liar caught is banned before its work commits.
+            verdicts, audit_runs = await self._audited(step, index, works)
+            touched = tuple(sorted(filter(None, {*forward_peer.values(), *back.values()})))
+            return MicrobatchResult(
+                step,
+                index,
+                holders,
+                loss,
+                samples,
+                verdicts=verdicts,
+                touched=touched,
+                stage_runs=len(works) if works is not None else 0,
+                audit_runs=audit_runs,
+            )
         chain = tuple(forward_peer[k] for k in range(last + 1))
         return MicrobatchResult(
             step, index, holders, loss, samples, chain, tuple(sorted(back.items()))
         )
+
+    async def _audited(
+        self, step: int, index: int, works: list[Work] | None
+    ) -> tuple[tuple[Verdict, ...], int]:
+        """The liars `works`' audit found, and the re-executions it took."""
+        if works is None or self.audits is None:
+            return (), 0
+        verdicts, runs = await self.audits.audit(step, index, works)
+        return tuple(verdicts), runs
 
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor
     ) -> MicrobatchResult:
         step, index = task.step, task.index
         inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
-        last = self.job.training.stages - 1
+        last, tokens = self.job.training.stages - 1, self._tokens(ids)
         x: TensorLike = inputs
         for k in range(last):
-            _, x = await self.hops.any(k, functools.partial(_forward_only, step, index, x))
-        _, loss = await self.hops.any(last, lambda c: c.evaluate(step, index, x, targets))
+            _, x = await self.hops.any(
+                k, functools.partial(_forward_only, step, index, x, tokens if k else None)
+            )
+        _, loss = await self.hops.any(last, lambda c: c.evaluate(step, index, x, targets, tokens))
         return MicrobatchResult(step, index, {}, loss, int(ids.shape[0]))
+
+    def _tokens(self, ids: torch.Tensor) -> tensor_pb2.Tensor | None:
+        """The token ids every stage after the first needs under a subspace boundary
+        (`model.boundary_rank`), encoded once; None (not sent) for a full boundary."""
+        if not self.job.model.boundary_rank:
+            return None
+        return codec.encode(wire_tokens(ids, self.job.model.vocab_size), "tokens")
 
     async def _replay_from_cache(self, task: Task) -> MicrobatchResult | None:
         """A replay whose stages' boundary tensors are still cached: one call per stage, on any
@@ -124,14 +198,19 @@ class CarryPlane:
         cached = self.cache.get(task.step, task.index)
         if cached is None or not task.stages <= cached.keys():
             return None
+        producers = self.cache.producers(task.step, task.index, task.stages)
+        if not producers <= self.hops.routes.clients.keys():
+            return None  # one is no member now (gone, or banned): its bytes are not trusted
         last, holders = self.job.training.stages - 1, {}
+        tokens = self.cache.tokens(task.step, task.index)
         for k in sorted(task.stages):
             inputs, grad = cached[k]
+            t = tokens if k else None
             if k == last:
                 peer, _ = await self.hops.accumulating(
                     k,
-                    lambda c, a, i=inputs, g=grad: c.forward_backward(  # type: ignore[misc]
-                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False
+                    lambda c, a, i=inputs, g=grad, t=t: c.forward_backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False, tokens=t
                     ),
                     accumulate=True,
                     need_result=False,
@@ -139,8 +218,8 @@ class CarryPlane:
             else:
                 peer, _ = await self.hops.accumulating(
                     k,
-                    lambda c, a, i=inputs, g=grad: c.backward(  # type: ignore[misc]
-                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False
+                    lambda c, a, i=inputs, g=grad, t=t: c.backward(  # type: ignore[misc]
+                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False, tokens=t
                     ),
                     accumulate=True,
                     need_result=False,
@@ -148,8 +227,14 @@ class CarryPlane:
             if peer is not None:
                 holders[k] = peer
         self.metrics.cached_replays.inc()
+        touched = producers | set(holders.values())
         return MicrobatchResult(
-            task.step, task.index, holders, None, self.job.training.microbatch_size
+            task.step,
+            task.index,
+            holders,
+            None,
+            self.job.training.microbatch_size,
+            touched=tuple(sorted(touched)),
         )
 
 
@@ -161,19 +246,30 @@ async def _backward(
     grad: TensorLike,
     cached_on: StageClient | None,
     accumulate: bool,
+    tokens: TensorLike | None,
 ) -> BackwardResult:
     """Backward at `stage`; without re-sending the inputs when `client` did the forward (its
-    activations are cached), with them if it no longer has them."""
-    kwargs = {"accumulate": accumulate, "need_grad_inputs": stage > min(task.stages)}
+    activations are cached), with them (and `tokens`) if it no longer has them."""
+    need = stage > min(task.stages)
     if client is cached_on:
         try:
-            return await client.backward(task.step, task.index, None, grad, **kwargs)
+            return await client.backward(
+                task.step, task.index, None, grad, accumulate=accumulate, need_grad_inputs=need
+            )
         except ActivationsNotCached:
             pass  # evicted there: resend with the inputs, and the replica recomputes
-    return await client.backward(task.step, task.index, inputs, grad, **kwargs)
+    return await client.backward(
+        task.step,
+        task.index,
+        inputs,
+        grad,
+        accumulate=accumulate,
+        need_grad_inputs=need,
+        tokens=tokens,
+    )
 
 
 async def _forward_only(
-    step: int, index: int, inputs: TensorLike, client: StageClient
+    step: int, index: int, inputs: TensorLike, tokens: TensorLike | None, client: StageClient
 ) -> tensor_pb2.Tensor:
-    return await client.forward(step, index, inputs, evaluate=True)
+    return await client.forward(step, index, inputs, evaluate=True, tokens=tokens)

@@ -9,10 +9,12 @@ from typing import Protocol
 
 import torch
 
+from client.data_plane.audit import TOLERANCE, Audits
 from client.data_plane.boundary import BoundaryCache
 from client.data_plane.carry import CarryPlane
 from client.data_plane.hops import StageHops
 from client.data_plane.push import PushPlane
+from client.data_plane.reexecute import StageReexecutor
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -46,4 +48,16 @@ def make_plane(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> Data
     if job.runtime.data_plane == "push":
         return PushPlane(job, hops, metrics)
     cache = BoundaryCache(job.runtime.boundary_cache_bytes, delays=rule_of(job).delays)
-    return CarryPlane(job, hops, metrics, cache)
+    return CarryPlane(job, hops, metrics, cache, audits_of(job, hops, metrics))
+
+
+def audits_of(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> Audits | None:
+    """The carry plane's audits (`[trust] audit_fraction`); none under local steps, whose
+    replicas hold different parameters between rounds, so no other can redo their work."""
+    if not job.trust.audit_fraction or rule_of(job).rounds:
+        return None
+    tolerance = TOLERANCE[job.training.dtype]
+    if (job.compression.forward, job.compression.backward) != ("none", "none"):
+        tolerance = max(tolerance, 2e-2)  # a lossy codec may round one ulp apart
+    reexecutor = StageReexecutor(job, hops.routes)
+    return Audits(job.trust.audit_fraction, tolerance, reexecutor, metrics)

@@ -35,10 +35,17 @@ from dataclasses import dataclass, field
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.norm_bound import outliers
 from scheduler.coordinator.replicas import GONE
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_strategy import Rounds
-from scheduler.coordinator.sum_checks import Checksums, checked, new_seed, verify
+from scheduler.coordinator.sum_checks import (
+    Checksums,
+    checked,
+    new_seed,
+    replicas_to_leave_out,
+    verify,
+)
 from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.model.optim import clip_scale
 from swarm.rpc.lease import Replica
@@ -47,6 +54,7 @@ __all__ = ["NonFiniteStep", "RoundFailure", "TwoPhaseCommit"]
 
 log = logging.getLogger(__name__)
 _REASON_CHARS = 600  # of a failed round's reason, in logs, status and the job's error
+AVERAGE = "its pool could not average with it"  # why most are left out
 
 
 @dataclass
@@ -55,14 +63,15 @@ class RoundFailure:
     of their stage for it, as `(stage, peer, the peers that named it)`."""
 
     reason: str
-    left_out: list[tuple[int, str, list[str]]] = field(default_factory=list)
+    # (stage, peer, the peers that named it, what it did)
+    left_out: list[tuple[int, str, list[str], str]] = field(default_factory=list)
 
     def status(self, step: int) -> str:
         """One line for `swarm status` about those left out ("" when none was)."""
         return "; ".join(
-            f"step {step}: stage {stage}: {peer} left out until it rejoins: its pool could not "
-            f"average with it (named by {', '.join(named_by)}); its microbatches are replayed"
-            for stage, peer, named_by in self.left_out
+            f"step {step}: stage {stage}: {peer} left out until it rejoins: {why} (named by "
+            f"{', '.join(named_by)}); its microbatches are replayed"
+            for stage, peer, named_by, why in self.left_out
         )
 
 
@@ -75,6 +84,10 @@ class TwoPhaseCommit:
         self.clients, self.membership = context.clients, context.membership
         self.metrics, self.groups, self.rounds = context.metrics, context.groups, rounds
         self.grad_clip = context.job.training.grad_clip  # 0: no clipping
+        self.job = context.job
+        # Per stage, the median contribution per microbatch of its last round that passed: the
+        # norm bound's yardstick for a replica that took every microbatch of a step.
+        self._medians: dict[int, float] = {}
         self._tried: StepLedger | None = None  # the ledger of the last attempt
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
@@ -259,6 +272,7 @@ class TwoPhaseCommit:
         total, calls = ledger.samples(), []
         groups: dict[int, RoundGroup] = {}
         checks: dict[int, dict[int, Checksums]] = {}  # stage -> contributor -> its checksums
+        taken: dict[int, dict[int, int]] = {}  # stage -> contributor -> its microbatches held
         for stage, replicas in enumerate(members):
             made = groups[stage] = self.groups.of(stage, replicas)
             seed = new_seed()  # this stage's own: a replica of another stage never learns it
@@ -271,6 +285,7 @@ class TwoPhaseCommit:
                 check = checked(round_group, seed)  # with aggregators: their sums are checked
                 if check is not None:
                     checks.setdefault(stage, {})[index] = check
+                    taken.setdefault(stage, {})[index] = len(holdings.get(r.peer, []))
                 calls.append(
                     self.clients.get(stage, r).prepare(
                         ledger.step,
@@ -289,7 +304,11 @@ class TwoPhaseCommit:
             for (stage, r), e in zip(where, results, strict=True)
             if isinstance(e, BaseException)
         ]
-        if not failed and self._sums_check(ledger.step, round_id, groups, checks):
+        if (
+            not failed
+            and await self._sums_check(ledger, round_id, members, groups, checks)
+            and await self._norms_check(ledger, round_id, members, groups, checks, taken)
+        ):
             # None: the member had applied the step already (a retried commit): nothing of that
             # stage is applied again, and the others' norms are what is left to clip by.
             return [
@@ -298,7 +317,7 @@ class TwoPhaseCommit:
                 if isinstance(result, float)
             ]
         if not failed:
-            return None  # an aggregator's sum failed its checksum: the retry goes without it
+            return None  # a part's sum failed its checksum: the retry goes without its owner
         self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
         judged = judge(f"step {ledger.step}: round {round_id}", failed, members)
         self.groups.blame(groups, judged.accusations)
@@ -308,7 +327,7 @@ class TwoPhaseCommit:
                 self.membership.drop(r.peer)  # dead: its gradients are replayed
             elif failed_its_part(error):  # out of memory, say: it would again, in the retry
                 await self._leave_out(ledger, stage, r, [r.peer])
-                failure.left_out.append((stage, r.peer, [r.peer]))
+                failure.left_out.append((stage, r.peer, [r.peer], AVERAGE))
             else:
                 await self.void(ledger, stage, r.peer)  # it holds what it must not
         explained = {stage for stage, _, _ in judged.alone}  # a member failed by itself there
@@ -316,40 +335,105 @@ class TwoPhaseCommit:
             if stage in explained:
                 continue  # the member that failed by itself is gone or voided already
             await self._leave_out(ledger, stage, culprit, by)
-            failure.left_out.append((stage, culprit.peer, by))
+            failure.left_out.append((stage, culprit.peer, by, AVERAGE))
         return None
 
-    def _sums_check(
+    async def _sums_check(
         self,
-        step: int,
+        ledger: StepLedger,
         round_id: str,
+        members: list[list[Replica]],
         groups: dict[int, RoundGroup],
         checks: dict[int, dict[int, Checksums]],
     ) -> bool:
-        """Whether every aggregator's sums pass their checksums (`sum_checks`). Else the round
-        fails (nothing of it is applied: the retry's PREPARE replaces what each replica
-        prepared), naming the aggregators, which sit out the next rounds."""
+        """Whether every part's sums pass their checksums (`sum_checks`). Else the round fails
+        (nothing of it is applied: the retry's PREPARE replaces what each replica prepared),
+        naming the owners: an aggregator sits out the next rounds; a replica is left out (its
+        microbatches replayed by the others, so the step stays exact: issue 55), with the
+        evidence in the log and the job's history."""
         accusations, lines = verify(groups, checks)
         if not lines:
             return True
         self.metrics.aborted_rounds.inc(len(accusations))
         named = self.groups.blame(groups, accusations)
-        reason = f"step {step}: round {round_id}: " + "; ".join(lines)
+        reason = f"step {ledger.step}: round {round_id}: " + "; ".join(lines)
         log.warning("%s: the round fails, and %s sit(s) out the next rounds", reason, named)
-        self.failure = RoundFailure(_shorten(reason))
+        self.failure = failure = RoundFailure(_shorten(reason))
+        contributors = {k: len(g.members) - len(g.aggregators) for k, g in groups.items()}
+        for stage, out in replicas_to_leave_out(accusations, contributors).items():
+            group, failed = groups[stage].members, set().union(*accusations[stage].values())
+            for index, by in sorted(out.items()):
+                culprit, accusers = members[stage][index], [group[j] for j in sorted(by)]
+                why = (
+                    "its part's sum fails its checksum"
+                    if index in failed
+                    else "it failed an owner's sum that too few others failed"
+                )
+                await self._leave_out(ledger, stage, culprit, accusers, why)
+                failure.left_out.append((stage, culprit.peer, accusers, why))
+        return False
+
+    async def _norms_check(
+        self,
+        ledger: StepLedger,
+        round_id: str,
+        members: list[list[Replica]],
+        groups: dict[int, RoundGroup],
+        checks: dict[int, dict[int, Checksums]],
+        taken: dict[int, dict[int, int]],
+    ) -> bool:
+        """Whether every contribution is within the job's norm bound (`norm_bound`; `[trust]`).
+        Else the round fails and each replica past it is left out, its microbatches replayed by
+        the others (exact: nothing is scaled), with the evidence in the log and the history."""
+        trust = self.job.trust
+        if trust.clip != "norm_bound":
+            return True
+        found: dict[int, dict[int, str]] = {}
+        medians: dict[int, float] = {}
+        for stage, of in checks.items():
+            before = self._medians.get(stage)
+            found[stage], now = outliers(
+                groups[stage], of, taken.get(stage, {}), trust.norm_bound, before
+            )
+            if now is not None:
+                medians[stage] = now
+        if not any(found.values()):
+            self._medians |= medians  # a round that passed: the next ones' yardstick
+            return True
+        self.metrics.aborted_rounds.inc(sum(1 for f in found.values() if f))
+        lines = [
+            f"stage {stage}: {members[stage][j].peer}: {why}"
+            for stage, refused in sorted(found.items())
+            for j, why in sorted(refused.items())
+        ]
+        reason = f"step {ledger.step}: round {round_id}: " + "; ".join(lines)
+        log.warning("%s: the round fails", reason)
+        self.failure = failure = RoundFailure(_shorten(reason))
+        for stage, refused in sorted(found.items()):
+            for j, why in sorted(refused.items()):
+                culprit = members[stage][j]
+                await self._leave_out(ledger, stage, culprit, ["the norm bound"], why)
+                failure.left_out.append((stage, culprit.peer, ["the norm bound"], why))
         return False
 
     async def _leave_out(
-        self, ledger: StepLedger, stage: int, culprit: Replica, named_by: list[str]
+        self,
+        ledger: StepLedger,
+        stage: int,
+        culprit: Replica,
+        named_by: list[str],
+        why: str = AVERAGE,
     ) -> None:
-        """`culprit`'s pool cannot average with it: its gradients are replayed on the others, and
-        it takes part in no round until it rejoins (copying a member at a step boundary)."""
+        """`culprit`'s pool cannot average with it (`why`: what it did): its gradients are
+        replayed on the others, and it takes part in no round until it rejoins (copying a
+        member at a step boundary)."""
         log.warning(
-            "step %d: stage %d: leaving %s out: %s could not average with it",
+            "step %d: stage %d: leaving %s out: %s named it (%s)",
             ledger.step,
             stage,
             culprit.peer,
             ", ".join(named_by),
+            why,
         )
         await self.void(ledger, stage, culprit.peer)
         self.membership.drop(culprit.peer)

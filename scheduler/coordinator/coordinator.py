@@ -22,6 +22,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from scheduler.coordinator.bans import Bans
 from scheduler.coordinator.commit import NonFiniteStep, TwoPhaseCommit
 from scheduler.coordinator.failures import CommitStalled
 from scheduler.coordinator.groups import Groups
@@ -83,6 +84,7 @@ class LocalCoordinator:
         on_route: Callable[[Record], None] | None = None,
         checkpoint_every_s: float | None = None,
         groups: Groups | None = None,
+        on_ban: Callable[[str], Awaitable[None] | None] | None = None,
     ) -> None:
         """`members()`: per stage, the replicas serving it now (from the peer registry).
         `on_status(text)`: something `swarm status` should say (a replica left out of its pool).
@@ -90,14 +92,17 @@ class LocalCoordinator:
         `on_route(record)`: pool.mode = "local"'s route record (`swarm.model.routes`).
         `checkpoint_every_s`: checkpoint at least this often besides every `checkpoint_every`
         steps (with `checkpoint_dir`). `groups`: how each round's group is made: the parts by
-        the members' links, the aggregators after the replicas (default: equal parts, none)."""
+        the members' links, the aggregators after the replicas (default: equal parts, none).
+        `on_ban(text)`: a peer was banned (`bans`), and why; from then on no view holds it."""
+        self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
+        self.bans = Bans(job_id, self.metrics, on_ban)  # its rollback and voids: bound below
+        members = self.bans.members(members)
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
         self.on_step, self.on_rollback, self.on_status = on_step, on_rollback, on_status
         self.checkpoint_dir = checkpoint_dir
         self.clock = clock or MonotonicClock()
         self._shares = Shares(self.clock, job.runtime.lease_timeout_s)
-        self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         self._records = StepRecords(self.metrics, job.model.seq_len)
         rule = rule_of(job)
         self._window = window_of(rule, job, self.steps, self.clock)
@@ -141,6 +146,7 @@ class LocalCoordinator:
             wake=self._wake,
             fail=self._fail,
         )
+        self.bans.roll_back_to, self.bans.void = self._rollback.to, self.two_phase.void_duplicate
         self._checked = -self._CHECK_EVERY_S
         self._receipts = LateReceipts(
             self.clients,
@@ -251,6 +257,7 @@ class LocalCoordinator:
             share = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
             tasks = ledger.lease(trainer, share, exclude=exclude)
             if tasks:
+                self.bans.saw(members, ledger.step)  # where a ban would roll back to
                 self._open_next_early()
                 return Lease(ledger.step, tasks, members)
         return Lease(newest, [], members)
@@ -279,6 +286,9 @@ class LocalCoordinator:
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         live = self._window.at(result.step)
+        if await self.bans.screen(trainer, result, live.ledger if live else None):
+            self._wake()  # it rests on a banned peer's answer: it goes out again
+            return
         if live is None or live.commit.applied:
             return
         ledger = live.ledger
@@ -344,7 +354,8 @@ class LocalCoordinator:
             await self._next_step(live, 0)
             return True
         try:
-            async with self.two_phase.attempt(ledger, f"{ledger.step}/{commit.attempt}") as applied:
+            rid = f"{ledger.step}/{commit.attempt}{self._rollback.epoch}"  # anew after rollbacks
+            async with self.two_phase.attempt(ledger, rid) as applied:
                 if applied:  # a round that ends with the step ends now, within the attempt
                     await self.rounds.applied(ledger)
             if applied:

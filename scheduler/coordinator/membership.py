@@ -62,6 +62,9 @@ class Membership:
         self._copying: dict[str, tuple[int, Replica, Replica]] = {}
         self.ledgers, self.metrics = ledgers, metrics
         self.synced: set[str] = set()
+        # Former members left out (gone, silent or not answering) and not members again yet:
+        # one back at the step it left at still holds its stage's state (`readmit`).
+        self._left: set[str] = set()
         # stage -> "peer at address: error" of each member that did not answer the last reconcile
         self.unanswered: dict[int, list[str]] = {}
         self._stage_of: dict[str, int] = {}  # where each peer served when last seen
@@ -126,6 +129,7 @@ class Membership:
         if peer in self.synced:
             log.warning("replica %s is unreachable: leaving it out until it rejoins", peer)
             self.synced.discard(peer)
+            self._left.add(peer)
             self._failed[peer] = ("it stopped answering calls", self.clock.now())
             self.metrics.dropped.inc()
             for ledger in self.ledgers():
@@ -145,11 +149,19 @@ class Membership:
         """Before a stage is declared lost: a replica left out for a missed deadline that answers
         at `step` (the coordinator's; after an APPLY the step just applied moved it there) still
         holds its stage's state, so it becomes a member again. Its gradients of `step` no longer
-        count in the ledger: they are discarded (and replayed) first. Only stages with no member
-        are looked at: elsewhere a laggard copies a member at the boundary. Returns whether every
-        stage has a member now."""
+        count in the ledger: they are discarded (and replayed) first. Every replica of a stage
+        with no member is looked at, and every former member elsewhere: a home outage leaves out
+        a stage's only replica and, beside it, one of another stage's; both come back holding
+        the state at the step the job stalled at, and the second must not be shown joining and
+        made to download it (it would be, at the boundary, once the first let a step commit).
+        Returns whether every stage has a member now."""
         members, current = self.members(), self.replicas()
-        candidates = [(k, r) for k, stage in enumerate(members) if not current[k] for r in stage]
+        candidates = [
+            (k, r)
+            for k, stage in enumerate(members)
+            for r in stage
+            if r.peer not in self.synced and (not current[k] or r.peer in self._left)
+        ]
         infos = await asyncio.gather(
             *(self.clients.get(k, r).info() for k, r in candidates), return_exceptions=True
         )
@@ -170,6 +182,7 @@ class Membership:
                 continue
             log.warning("stage %d: %s answers at step %d: re-admitted", stage, r.peer, step)
             self.synced.add(r.peer)
+            self._left.discard(r.peer)
             self._failed.pop(r.peer, None)
             for told in self.admitted:
                 told(step, stage, r.peer, "")
@@ -182,6 +195,7 @@ class Membership:
         self.replicas()  # notices peers that moved stage: they join their new stage below
         members = self.members()
         current = {r.peer for stage in members for r in stage}
+        self._left |= self.synced - current
         self.synced &= current  # those that left are forgotten, with their pauses and clients
         self._joins.forget(set[Hashable](current))
         self._failed = {p: f for p, f in self._failed.items() if p in current}
@@ -275,6 +289,7 @@ class Membership:
         self._copied.discard(joiner.peer)
         self._joins.succeeded(joiner.peer)
         self.synced.add(joiner.peer)
+        self._left.discard(joiner.peer)
         # A member is never asked to Join again: its copy ended at its first PREPARE, so a Join
         # would start another, whose older state would overwrite what it applied since.
         self._copying.pop(joiner.peer, None)

@@ -37,6 +37,18 @@ class CoordinatorFamilies:
         self.rollbacks = counter(
             "swarm_coordinator_rollbacks_total", "Rollbacks of the whole job to its last checkpoint"
         )
+        self.bans = counter(
+            "swarm_coordinator_bans_total",
+            "Peers banned from the job: an audit by re-execution caught them lying (issue 55)",
+        )
+        self.stage_runs = counter(
+            "swarm_coordinator_stage_runs_total",
+            "Stage computations of the microbatches trainers reported (carry plane)",
+        )
+        self.audit_runs = counter(
+            "swarm_coordinator_audit_runs_total",
+            "Of those, re-executed on another replica for an audit: the audits' extra compute",
+        )
         self.round_dropped = counter(
             "swarm_coordinator_round_dropped_samples_total",
             'pool.mode = "local": samples a replica trained on in a round it left before the '
@@ -107,6 +119,9 @@ class CoordinatorFamilies:
             self.aborted_rounds,
             self.dropped,
             self.rollbacks,
+            self.bans,
+            self.stage_runs,
+            self.audit_runs,
             self.round_dropped,
             self.last_commit,
             self.tokens,
@@ -138,6 +153,9 @@ class CoordinatorMetrics:
         self.aborted_rounds = f.aborted_rounds.labels(job=job)
         self.dropped = f.dropped.labels(job=job)
         self.rollbacks = f.rollbacks.labels(job=job)
+        self.bans = f.bans.labels(job=job)
+        self.stage_runs = f.stage_runs.labels(job=job)
+        self.audit_runs = f.audit_runs.labels(job=job)
         self.round_dropped = f.round_dropped.labels(job=job)
         self.last_commit = f.last_commit.labels(job=job)
         self.grad_norm = f.grad_norm.labels(job=job)

@@ -196,9 +196,19 @@ class Recovery:
         finally:
             writer.abort()  # whatever was not closed (no write thread runs now)
 
-    def latest(self) -> int:
-        """The step to roll back to: the last sealed checkpoint's, else 0."""
-        return (checkpoint.latest(self.directory) if self.directory else None) or 0
+    def latest(self, at_most: int | None = None) -> int:
+        """The step to roll back to: the last sealed checkpoint's (at or before `at_most`), else
+        0. With `at_most`, the sealed ones after the step returned are deleted: they hold work
+        done after `at_most` (a banned peer's, `scheduler.coordinator.bans`)."""
+        if not self.directory:
+            return 0
+        if at_most is None:
+            return checkpoint.latest(self.directory) or 0
+        step = max((s for s in checkpoint.sealed(self.directory) if s <= at_most), default=0)
+        dropped = checkpoint.drop_after(self.directory, step)
+        if dropped:
+            log.warning("checkpoints of steps %s deleted: they hold a banned peer's work", dropped)
+        return step
 
     async def restore(self, step: int, members: list[list[Replica]]) -> set[str]:
         """Load the state at `step` on every replica of every stage; returns the peers that

@@ -61,7 +61,7 @@ class StageReplica(Protocol):
         stage's replicas, itself at `group_index`, then any aggregators: the members past the
         first `parts.contributors`, 0 none) over `total_samples`, in `parts` (their weights one
         per member; none: equal). Returns the squared norm of the averaged gradient (None: it
-        applied `step` already). `checks`: the checksums of the aggregators' parts asked with
+        applied `step` already). `checks`: the checksums of every part asked with
         its seed, and filled in with its answer (`sum_checks`)."""
         ...
 

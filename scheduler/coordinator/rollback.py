@@ -1,8 +1,9 @@
 """When the coordinator rolls every stage back to the last sealed checkpoint (`recovery` moves
 the states): once a stage that lost every replica has one again (no work can be exact without
 that stage's state), or at a start where every stage has members but some none with the trained
-state, or every one is behind the last checkpoint. One rollback at a time; one that could not
-finish (a stage's replica failed to load) is tried again from leases, backing off."""
+state, or every one is behind the last checkpoint; or, once a peer is banned, to the last one
+before its first step (`to`: `scheduler.coordinator.bans`). One rollback at a time; one that
+could not finish (a stage's replica failed to load) is tried again, backing off."""
 
 from __future__ import annotations
 
@@ -59,6 +60,14 @@ class Rollback:
         self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(first_s=0.5, cap_s=30.0)
         self._after = -math.inf
+        self._before: int | None = None  # a ban's: roll back to a checkpoint at or before this
+        self.rolled = 0  # rollbacks done: a round's id after one is its step's anew
+
+    @property
+    def epoch(self) -> str:
+        """What a round's id carries after a rollback ("" before one): the steps replayed
+        average again under ids of their own."""
+        return f"r{self.rolled}" if self.rolled else ""
 
     @property
     def running(self) -> bool:
@@ -70,8 +79,16 @@ class Rollback:
         self._after = -math.inf
 
     def cancel(self) -> None:
+        self._before = None  # closed: no ban's rollback is tried again
         if self._task is not None:
             self._task.cancel()
+
+    def to(self, step: int) -> None:
+        """A peer whose work starts at `step` was banned: roll every stage back to the last
+        checkpoint at or before `step` (none after it is kept), whatever the members."""
+        self._before = step if self._before is None else min(self._before, step)
+        if self._task is None:
+            self._task = asyncio.create_task(self.run())
 
     def maybe(self) -> None:
         """A stage has lost every replica. Once a replica of it is back, roll every stage back to
@@ -84,10 +101,12 @@ class Rollback:
             self._task = asyncio.create_task(self.run())
 
     async def run(self) -> None:
+        before, done = self._before, False
         try:
             ledgers = self.window.ledgers()
             if (
-                ledgers
+                before is None  # a ban's rollback re-admits nobody: the state it holds is tainted
+                and ledgers
                 and self.rounds.readmits  # else the stage rolls back to a checkpoint
                 and await self.membership.readmit(ledgers[0].step)
             ):
@@ -103,14 +122,17 @@ class Rollback:
                 return
             # A checkpoint still being written may be the newest.
             await self.recovery.flush(self.job.runtime.commit_timeout_s)
-            step = self.recovery.latest()
+            step = self.recovery.latest(before)
             self.window.cancel_commits()
             self.rounds.restarted()  # every member loads one state: no round is half done
             self.membership.synced = await self.recovery.restore(step, self.members())
             if any(not stage for stage in self.membership.replicas()):
                 return  # not every stage could load it: the next lease tries again
             self.metrics.rollbacks.inc()
-            if step == 0:  # all training so far is lost: say so loudly
+            self.rolled, done = self.rolled + 1, True
+            if before is not None:
+                log.warning("rolled every stage back to step %d: before a banned peer's work", step)
+            elif step == 0:  # all training so far is lost: say so loudly
                 log.warning("rolled every stage back to step 0 (no checkpoint): retraining")
             else:
                 log.warning("rolled every stage back to step %d (checkpoint)", step)
@@ -127,6 +149,14 @@ class Rollback:
             self.fail(e)
         finally:
             self._task = None
+            if done and self._before == before:
+                self._before = None
+            elif self._before is not None and self.error is None:  # not done, or another ban
+                asyncio.get_running_loop().call_later(self._backoff.next(), self._again)
+
+    def _again(self) -> None:
+        if self._task is None and self._before is not None:
+            self._task = asyncio.create_task(self.run())
 
     async def _silent(self) -> list[int]:
         """The stages none of whose replicas answers Info now."""

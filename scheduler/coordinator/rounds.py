@@ -35,7 +35,13 @@ from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.replicas import StageReplica
 from scheduler.coordinator.round_context import RoundContext
-from scheduler.coordinator.sum_checks import Checksums, checked, new_seed, verify
+from scheduler.coordinator.sum_checks import (
+    Checksums,
+    checked,
+    new_seed,
+    replicas_to_leave_out,
+    verify,
+)
 from swarm.errors import NonFiniteGradient
 from swarm.model.routes import Join, StepRuns, Sync
 from swarm.model.transformer import stage_layout
@@ -405,10 +411,15 @@ class PoolRounds:
             for (k, r), e in zip(where, results, strict=True)
             if isinstance(e, BaseException)
         ]
-        if not failed:  # every aggregator's sum passes its checksum, or it sits out
+        if not failed:  # every part's sum passes its checksum, or its owner sits out
             accusations, lines = verify(groups, checks)
             if lines:
                 named = self.groups.blame(groups, accusations)
+                contributors = {k: len(g.members) - len(g.aggregators) for k, g in groups.items()}
+                for stage, out in replicas_to_leave_out(accusations, contributors).items():
+                    for index in out:  # a replica owner's wrong sum: it leaves (issue 55)
+                        named.append(members[stage][index].peer)
+                        self.membership.drop(members[stage][index].peer)
                 log.warning("round %s: %s: %s sit(s) out", round_id, "; ".join(lines), named)
             return "; ".join(lines) or None
         self._refuse_nonfinite(failed)

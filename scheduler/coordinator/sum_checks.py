@@ -1,13 +1,14 @@
-"""What the coordinator checks of the sums aggregators answer (issue 43, item 4): a linear
-checksum they cannot forge (the contributor's side: `stage_server.averaging.checksum`).
+"""What the coordinator checks of the sums every part's owner answers (issue 43, item 4; a replica
+owner's too, issue 55): a linear checksum (the contributor's side:
+`stage_server.averaging.checksum`).
 
-Each PREPARE of a round with aggregators carries a seed drawn anew for the attempt and the stage
-(`Checksums`; a replica of one stage, colluding with an aggregator, learns nothing of another
-stage's), sent to that stage's replicas only: an aggregator never sees it (it takes
+Each PREPARE of a round of two contributors or more carries a seed drawn anew for the attempt and
+the stage (`Checksums`; a replica of one stage, colluding with an aggregator, learns nothing of
+another stage's), sent to that stage's replicas only: an aggregator never sees it (it takes
 `PoolService.Reduce` calls and nothing else). From it each contributor j draws one random vector
-r and reports, for every part an aggregator owned, c_j = r·x_j over what it contributed,
-a_j = Σ_i |r_i·x_ji|, q_j = ‖x_j‖, and s_j = r·S_j over the sum S_j it took back. Summation
-is linear, so an honest S gives s_j = Σ_j c_j up to rounding (`tolerance`):
+r and reports, for every part, c_j = r·x_j over what it contributed, a_j = Σ_i |r_i·x_ji|,
+q_j = ‖x_j‖, s_j = r·S_j over the sum S_j it took back, and ‖S_j‖. Summation is linear, so an
+honest S gives s_j = Σ_j c_j up to rounding (`tolerance`):
 - the owner's additions in the part's dtype leave S off the exact sum by a vector δ with
   |δ_i| ≤ (m - 1)·u·Σ_j |x_ji| (m contributors, u the dtype's unit roundoff), so
   ‖δ‖ ≤ (m - 1)·u·Σ_j q_j. δ does not depend on r (the owner never sees it), and the r_i are
@@ -17,22 +18,24 @@ is linear, so an honest S gives s_j = Σ_j c_j up to rounding (`tolerance`):
   errors √n times larger;
 - the float64 dots, which do depend on r, are held to their worst case: each adds `DOT_BLOCK`
   products at a time, so it rounds by at most DOT_BLOCK·2^-53 of a_j (and r·S of Σ_j a_j).
-A wrong sum S' passes only if r·(S' - S) falls inside that, which for r unknown to the
-aggregator is a chance of about tolerance/‖S' - S‖: in float32, an error of about 1e-5 of an
-element's magnitude spread over the part is caught, whatever its length. Every contributor's s_j
-is checked, not one's: an aggregator could answer members different sums.
+A wrong sum S' passes only if r·(S' - S) falls inside that, which for r unknown to the owner is
+a chance of about tolerance/‖S' - S‖: in float32, an error of about 1e-5 of an element's
+magnitude spread over the part is caught, whatever its length. Every contributor's s_j is
+checked, not one's: an owner could answer members different sums.
+
+A replica owner knows r (it is a contributor of the stage), so it could answer S + e with
+r·e = 0. The sum's norm closes most of that: ‖S‖ ≤ Σ_j ‖x_j‖, with the norms as the owner
+itself reports it summed them (`norm_ceiling`; `SumCheck.received`), so e must hide within what
+the contributions' norms leave, and an owner that inflates its own share is the norm bound's
+(`norm_bound`). A contributor colluding with an aggregator of its stage can do as much for the
+aggregator's part (docs/decisions.md, "Poison-proofing, the averaging side").
 
 A mismatch fails the round before any APPLY (the replicas' prepared sums are replaced by the
-retry's PREPARE), naming the aggregator, which then sits out (`Groups.blame`). Lossy rounds are
-checked too, on the decoded values every member uses, the sum's one encoding allowed for by the
-bound each contributor reports of it (`encoding`: `stage_server.averaging.checksum`). A part
-some contributor did not report is not judged (a contributor is trusted as any member is: it
-could as well send a wrong gradient).
-
-Not yet: the seed is sent with the PREPARE, before the sums are committed, so a contributor of the
-same stage colluding with its aggregator can forge a sum that passes (r·(S' - S) = 0). Drawing r
-per contributor and revealing it only after every answer is in (BTARD) closes that; it needs the
-contributors to keep what they sent until then (issue 54).
+retry's PREPARE), naming the owner: an aggregator sits out (`Groups.blame`), a replica is left
+out and replayed (`replicas_to_leave_out`). Lossy rounds are checked too, on the decoded values
+every member uses, the sum's one encoding allowed for by the bound each contributor reports of
+it (`encoding`: `stage_server.averaging.checksum`). A part some contributor did not report is not
+judged (a contributor is trusted as any member is: it could as well send a wrong gradient).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ __all__ = [
     "checked",
     "mismatches",
     "new_seed",
+    "norm_ceiling",
+    "replicas_to_leave_out",
     "tolerance",
     "verify",
 ]
@@ -79,9 +84,9 @@ class Checksums:
 
 
 def checked(group: RoundGroup, seed: int) -> Checksums | None:
-    """A contributor's checksums to ask for in a round of `group`: only where it has
-    aggregators."""
-    return Checksums(seed) if group.aggregators else None
+    """A contributor's checksums to ask for in a round of `group`: in every round of two
+    contributors or more (every part is checked, a replica's as an aggregator's: issue 55)."""
+    return Checksums(seed) if len(group.members) - len(group.aggregators) >= 2 else None
 
 
 @dataclass(frozen=True)
@@ -91,9 +96,10 @@ class Mismatch:
 
     part: int
     contributor: int
-    got: float  # its r·S
-    expected: float  # Σ_j r·x_j
+    got: float  # its r·S (or its ‖S‖)
+    expected: float  # Σ_j r·x_j (or the most ‖S‖ may be: `norm_ceiling`)
     tolerance: float
+    what: str = "r·S"  # which check it fails
 
 
 def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
@@ -130,10 +136,32 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
             continue
         expected = math.fsum(c.dot for c in checks)
         allowed = tolerance(checks, contributors)
+        most = norm_ceiling(part, of, contributors)
         for j, c in sorted(of.items()):
             if not abs(c.sum_dot - expected) <= allowed:  # NaN fails too
                 found.append(Mismatch(part, j, c.sum_dot, expected, allowed))
+            elif not c.sum_norm <= most:  # a sum larger than its contributions allow
+                found.append(Mismatch(part, j, c.sum_norm, most, 0.0, "‖S‖"))
     return found
+
+
+def norm_ceiling(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> float:
+    """The most ‖S‖ of `part` may be: ‖Σ_j x_j‖ ≤ Σ_j ‖x_j‖, the norms as the owner reports it
+    summed them (`SumCheck.received`, a replica owner's; else each contributor's own), with
+    the owner's additions' rounding and a lossy codec's encoding of the sum allowed for. It
+    holds an owner who knows r: a forgery e with r·e = 0 passes the linear checksum, but not
+    this, unless it is smaller than what the contributions' norms leave (whose owner's own
+    share the norm bound holds to the others': `norm_bound`)."""
+    owner = of.get(part)
+    received = list(owner.received) if owner is not None else []
+    if len(received) == contributors:
+        norms = [math.sqrt(max(q, 0.0)) for q in received]
+    else:
+        norms = [c.norm for c in of.values()]
+    unit = max((c.unit for c in of.values()), default=0.0)
+    total = math.fsum(norms)
+    rounding = (2 * contributors * (unit + _EPS64) + 1e-12) * total
+    return total + rounding + 1.01 * max((c.encoding for c in of.values()), default=0.0)
 
 
 Accusations = dict[int, dict[int, set[int]]]  # stage -> contributor -> the parts it names
@@ -152,9 +180,37 @@ def verify(
         for bad in mismatches({j: c.reports for j, c in of.items()}, len(of)):
             accusations.setdefault(stage, {}).setdefault(bad.contributor, set()).add(bad.part)
             owner, at = group.members[bad.part], group.members[bad.contributor]
+            kind = "aggregator" if bad.part >= len(of) else "replica"
+            if bad.what == "r·S":
+                said = f"r·S = {bad.got!r}, the contributions' Σ r·x = {bad.expected!r}, within "
+                said += f"{bad.tolerance:.3g}"
+            else:
+                said = f"‖S‖ = {bad.got!r}, past the contributions' Σ ‖x‖ = {bad.expected!r}"
             lines.append(
-                f"stage {stage}: the sum of part {bad.part} from aggregator {owner} fails its "
-                f"checksum at {at} (r·S = {bad.got!r}, the contributions' Σ r·x = "
-                f"{bad.expected!r}, within {bad.tolerance:.3g})"
+                f"stage {stage}: the sum of part {bad.part} from {kind} {owner} fails its "
+                f"checksum at {at} ({said})"
             )
     return accusations, lines
+
+
+def replicas_to_leave_out(accusations: Accusations, contributors: Mapping[int, int]) -> Accusations:
+    """The replicas (stage -> group index -> who named it) a round's failed checksums leave out
+    (`contributors`: per stage, how many of its group's first members contribute; a part past
+    them is an aggregator's, which `Groups.blame` has sit out). A replica owner's wrong sum
+    fails at every honest contributor: named by most of the other contributors, the owner alone
+    is left out. Named by fewer, either it answered those few a different sum or they lie about
+    it, which no one else can tell apart: the owner and its accusers are left out together, so
+    a liar, owner or accuser, never removes an honest member without going itself."""
+    out: Accusations = {}
+    for stage, accused in accusations.items():
+        m = contributors.get(stage, 0)
+        for part in sorted({p for parts in accused.values() for p in parts}):
+            if part >= m:
+                continue  # an aggregator's
+            by = {j for j, parts in accused.items() if part in parts and j != part}
+            named = out.setdefault(stage, {})
+            named.setdefault(part, set()).update(by)
+            if 2 * len(by) <= m - 1:  # a minority: its accusers go too
+                for j in by:
+                    named.setdefault(j, set()).add(part)
+    return out

@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from stage_server.aggregator.identity import add_info
 from stage_server.averaging.owner import Averager
 from stage_server.averaging.service import PoolServicer
 from stage_server.peer.identity import persistent_peer_id
@@ -320,6 +321,7 @@ async def start_aggregator(opts: AggregatorOptions, peer: str) -> RunningAggrega
         limit_name="--max-memory-bytes",
     )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
+    add_info(server, peer)  # the dial-back finds it by its peer id
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await server.start()

@@ -122,8 +122,8 @@ async def all_reduce(
     aborts the round in `averager` too (so peers waiting on this replica learn it at once) and
     raises AveragingAborted naming the peer. `on_bytes(sent, received)` counts wire bytes.
     `residuals` (a lossy codec's error feedback) are read, and replaced once the round completed.
-    `checks` takes the checksum of every slice of an aggregator's part, sent and summed (a
-    lossy codec's as decoded: `stage_server.averaging.checksum`).
+    `checks` takes the checksum of every slice of every part, sent (or, this replica's own part,
+    contributed) and summed (a lossy codec's as decoded: `stage_server.averaging.checksum`).
     Uncompressed, a part travels in slices of `settings.slice_bytes`, `window` of them to each
     owner at once: while one slice is summed and answered the next is sent, and an owner holds
     `window` slices of each sender, not its whole part.
@@ -205,7 +205,7 @@ class ButterflyRound:
         self.sent = self.received = 0  # wire bytes, as `on_bytes` counts them
         self.lossy = settings.codec != CODEC_NONE and flat.is_floating_point()
         self.feedback = residuals if self.lossy else None
-        self.checks = checks if settings.parts.contributors else None
+        self.checks = checks
         if self.checks is not None and self.lossy:  # checked on the decoded values (issue 54)
             self.checks.lossy(settings.codec, settings.block_size)
         self._dropped: Residuals | None = None  # what this round's encodings drop, as it goes
@@ -289,7 +289,7 @@ class ButterflyRound:
             contributors=s.parts.contributors,
         )
         messages: Iterator[Any]
-        check = self.checks if k >= s.parts.contributors else None  # an aggregator's part
+        check = self.checks  # every part is checked, a replica's as an aggregator's (issue 55)
         sent: torch.Tensor | None = None  # what was sent as the owner reads it
         if self.lossy:
             msg = await self._off(self._encoded, k, where)
@@ -371,6 +371,8 @@ class ButterflyRound:
     async def _own_summed(self, j: int, where: slice) -> None:
         s, index = self.settings, self.settings.index
         values, owned = await self._off(self._own_slice_values, where)
+        if self.checks is not None:  # before the averager may sum into `values`
+            await asyncio.to_thread(self.checks.contributed, index, where.start, values)
         reduced = await self.averager.reduce(
             self.key,
             index,
@@ -386,6 +388,8 @@ class ButterflyRound:
         )
         if self._dropped is not None:
             self._dropped.summed[where] = reduced.exact - reduced.tensor
+        if self.checks is not None:  # the sum as every member takes it
+            await asyncio.to_thread(self.checks.summed, index, where.start, reduced.tensor)
         await self._overwriting(where)
         await self._off(self._place, where, reduced.tensor)
 
@@ -404,6 +408,9 @@ class ButterflyRound:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self.checks is not None:  # what each contributor sent it: the norm bound's evidence
+            index = self.settings.index
+            self.checks.received[index] = self.averager.received(self.key, index)
 
     def _others(self, missing: Sequence[int]) -> list[int]:
         return [i for i in missing if 0 <= i < self.n and i != self.settings.index]

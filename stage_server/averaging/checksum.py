@@ -1,12 +1,14 @@
-"""A contributor's side of the linear checksum over the parts aggregators own (issue 43, item 4;
-the coordinator's side, and why, is `scheduler.coordinator.sum_checks`).
+"""A contributor's side of the linear checksum over every part of a round, an aggregator's or a
+replica's (issue 43, item 4; issue 55; the coordinator's side, and why, is
+`scheduler.coordinator.sum_checks`).
 
 Summation is linear: for any vector r, r·(Σ_j x_j) = Σ_j r·x_j. The coordinator sends the
 replicas (never the aggregators) a secret seed with each PREPARE; each contributor j draws r from
-it and reports, for every part an aggregator owns, r·x_j over what it contributed, Σ_i |r_i·x_ji|
-and ‖x_j‖ (the scales its roundings are bounded by) and r·S over the sum it got back. An
-aggregator that answers a sum S' ≠ S cannot make r·S' agree with the others' r·x without knowing
-r: r·(S' - S) is spread over about ‖S' - S‖.
+it and reports, for every part, r·x_j over what it contributed, Σ_i |r_i·x_ji| and ‖x_j‖ (the
+scales its roundings are bounded by), r·S and ‖S‖ over the sum it got back, and, of the part it
+owns, each sender's squared norm as its averager summed it (`received`: the norm bound's
+evidence). An owner that answers a sum S' ≠ S cannot make r·S' agree with the others' r·x
+without knowing r: r·(S' - S) is spread over about ‖S' - S‖.
 
 r_i is uniform in [-1, 1), a hash of the seed and i (an element's place in the flat vector:
 splitmix64, in integers, then exact float64 steps), so every contributor draws the same bits of
@@ -111,6 +113,7 @@ class _Part:
     magnitude: list[float] = field(default_factory=list)
     squares: list[float] = field(default_factory=list)
     sum_dot: list[float] = field(default_factory=list)
+    sum_squares: list[float] = field(default_factory=list)
     encoding: list[float] = field(default_factory=list)  # squared bounds, a slice each
 
 
@@ -124,6 +127,8 @@ class PartChecks:
         self.seed, self.unit = seed, 0.0
         self.codec, self.block_size = CODEC_NONE, 0  # a lossy round's codec, once `lossy`
         self._parts: dict[int, _Part] = {}
+        # of the part it owns: each sender's squared norm it summed (`SumCheck.received`)
+        self.received: dict[int, list[float]] = {}
 
     def lossy(self, codec: int, block_size: int) -> None:
         """The round's parts travel encoded: the values checked are the decoded ones, and the
@@ -141,7 +146,9 @@ class PartChecks:
 
     def summed(self, part: int, start: int, values: torch.Tensor) -> None:
         p = self._parts.setdefault(part, _Part())
-        p.sum_dot.append(dots(self.seed, start, values)[0])
+        dot, _, squares = dots(self.seed, start, values)
+        p.sum_dot.append(dot)
+        p.sum_squares.append(squares)
         p.encoding.append(encoding_error(self.codec, self.block_size, values) ** 2)
 
     def report(self) -> list[pb.SumCheck]:
@@ -154,6 +161,8 @@ class PartChecks:
                 unit=self.unit,
                 norm=math.sqrt(math.fsum(p.squares)),
                 encoding=math.sqrt(math.fsum(p.encoding)),
+                received=self.received.get(k, []),
+                sum_norm=math.sqrt(math.fsum(p.sum_squares)),
             )
             for k, p in sorted(self._parts.items())
         ]

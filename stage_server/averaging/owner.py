@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from stage_server.averaging.summing import Reduced, Summer, squares, sum_in_order
 from swarm.errors import (
     Aborted,
     FailedPrecondition,
@@ -26,17 +27,13 @@ from swarm.errors import (
     ResourceExhausted,
 )
 from swarm.ops.device_oom import is_out_of_memory
-from swarm.proto import pool_pb2, tensor_pb2
-from swarm.wire import chunking as wire
-from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE, decode, encode
+from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
 
 __all__ = [
     "MAX_GROUP_SIZE",
     "Averager",
     "AveragingAborted",
-    "Reduced",
     "RoundKey",
-    "Summer",
     "round_name",
 ]
 
@@ -54,56 +51,6 @@ class AveragingAborted(Aborted):
     the round named."""
 
 
-class Reduced:
-    """One part summed over its group, shared by every waiter: `tensor` (not to be modified in
-    place) and the reply every sender receives. Uncompressed, each reply is cut from `tensor`'s
-    memory as it is sent (a chunk's copy at a time, however many senders); a lossy codec's
-    encoding is made once, when the sum is."""
-
-    def __init__(
-        self, tensor: torch.Tensor, message: tensor_pb2.Tensor | None, exact: torch.Tensor
-    ) -> None:
-        self.tensor, self._message = tensor, message
-        self.exact = exact  # the sum before a lossy codec encoded it (`tensor` if none did)
-        # encoded bytes of the sum, as each reply carries them
-        self.wire_bytes = message.nbytes if message is not None else tensor.nbytes
-
-    def replies(self, chunk_bytes: int) -> Iterator[pool_pb2.PoolReduceResponse]:
-        if self._message is None:
-            return wire.split_tensor(pool_pb2.PoolReduceResponse(), "sum", self.tensor, chunk_bytes)
-        return wire.split(pool_pb2.PoolReduceResponse(tensors=[self._message]), chunk_bytes)
-
-
-class Summer(Protocol):
-    """How an `Averager` sums a part's contributions (`_reduce`); a test gives one averager a
-    failing one, where a patch of the module's function would reach every averager the process
-    holds (each replica's in a pool of replicas sharing one process)."""
-
-    def __call__(
-        self, values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
-    ) -> Reduced: ...
-
-
-def _reduce(values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int) -> Reduced:
-    """The sum `((c0 + c1) + c2) + ...` of `values` in sender order; into `values[0]` or
-    `values[1]` itself when it is `owned` (a received buffer no one else reads), else into a
-    new tensor."""
-    total = values[0]
-    if len(values) > 1:
-        if owned[0]:
-            total.add_(values[1])  # the same bits as c0 + c1 into a new tensor
-        elif owned[1]:  # c0 is the owner's own gradient: c1 + c0, the same bits (IEEE 754
-            total = values[1].add_(values[0])  # addition commutes), and no tensor more
-        else:
-            total = values[0] + values[1]
-        for v in values[2:]:
-            total.add_(v)  # elementwise, so the same bits as ((c0 + c1) + c2) + ...
-    if codec == CODEC_NONE:
-        return Reduced(total, None, total)
-    msg = encode(total, "sum", codec, block_size)
-    return Reduced(decode(msg), msg, total)  # the owner keeps exactly what the senders decode
-
-
 @dataclass
 class _Slot:
     group_size: int
@@ -111,12 +58,15 @@ class _Slot:
     signature: tuple[Any, ...]  # shape, dtype, codec, block size: all contributions agree
     done: asyncio.Future[Reduced]
     timer: asyncio.TimerHandle
-    values: list[torch.Tensor | None] = field(default_factory=list)
-    owned: list[bool] = field(default_factory=list)  # the averager may write into values[i]
+    # sender -> its values, and whether the averager may write into them: what came, not a
+    # place for each sender of the group a contribution names (issue 54, N13: two lists of
+    # 1,024 a slot, ~17 KiB, for each empty contribution held open)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    owned: dict[int, bool] = field(default_factory=dict)
     waiting: int = 0  # contributions waiting for the sum now (each a call, or the owner's own)
 
     def missing(self) -> list[int]:
-        return [i for i, v in enumerate(self.values) if v is None]
+        return [i for i in range(self.contributors) if i not in self.values]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -142,9 +92,17 @@ class Averager:
     """
 
     def __init__(
-        self, *, max_open_rounds: int = 64, history: int = 256, max_open_slices: int = 4096
+        self,
+        *,
+        max_open_rounds: int = 64,
+        history: int = 256,
+        max_open_slices: int = 4096,
+        max_open_total: int = 8192,
     ) -> None:
         self._max_open, self._history = max_open_rounds, history
+        # Parts (slices) open at once in every round together: each holds a timer, a future and
+        # the contributions that came; 64 rounds of 4,096 would be 262,144 (issue 54, N13).
+        self._max_open_total, self._open_total = max_open_total, 0
         # Slices of one round open or summed: each open one holds a timer and its contributions
         # (whose bytes the receive budget bounds), each summed one is remembered; a sender
         # sends a few per part at a time, a part of 64 GiB in 16 MiB slices is 4096.
@@ -158,7 +116,23 @@ class Averager:
         # summed is refused
         self._summed: OrderedDict[RoundKey, set[tuple[int, int]]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
-        self.summer: Summer = _reduce  # this averager's own (see `Summer`)
+        self.summer: Summer = sum_in_order  # this averager's own (see `Summer`)
+        # round -> part -> each sender's squared norm summed into it so far (`received`)
+        self._norms: OrderedDict[RoundKey, dict[int, list[float]]] = OrderedDict()
+
+    def received(self, round: RoundKey, part: int) -> list[float]:
+        """The squared norm of each sender's values summed into `part` of `round` (the norm
+        bound's evidence: `scheduler.coordinator.norm_bound`), forgotten once read."""
+        return self._norms.get(round, {}).pop(part, [])
+
+    def _measured(self, round: RoundKey, part: int, squares: list[float]) -> None:
+        """Count each contribution's squared norm (on the loop: slices finish concurrently)."""
+        of = self._norms.setdefault(round, {})
+        self._norms.move_to_end(round)
+        so_far = of.setdefault(part, [0.0] * len(squares))
+        of[part] = [a + b for a, b in zip(so_far, squares, strict=False)]
+        while len(self._norms) > self._history:
+            self._norms.popitem(last=False)
 
     def open_rounds(self) -> set[RoundKey]:
         return set(self._open)
@@ -259,6 +233,7 @@ class Averager:
         if slots is None or slots.get(key) is not slot:
             return  # summed, timed out or aborted: nothing left open
         slot.timer.cancel()
+        self._open_total -= 1
         del slots[key]
         if not slots:
             del self._open[round]
@@ -271,6 +246,7 @@ class Averager:
         if missing:
             reason += f" waiting for senders {list(missing)}"
         slots = self._open.pop(round, {})
+        self._open_total -= len(slots)
         for (part, slice), slot in slots.items():
             slot.timer.cancel()
             if not slot.done.done():
@@ -290,6 +266,11 @@ class Averager:
         self._closed.move_to_end(round)
         while len(self._closed) > self._history:
             self._closed.popitem(last=False)
+
+    def _drop_if_empty(self, round: RoundKey) -> None:
+        """A round opened for a contribution then refused holds nothing: it goes."""
+        if not self._open.get(round, True):
+            del self._open[round]
 
     def _admit(
         self,
@@ -340,7 +321,13 @@ class Averager:
             # Summed ones count too: each is remembered with its round (issue 44, N13).
             held = len(slots) + len(self._summed.get(round, ()))
             if held >= self._max_open_slices:
+                self._drop_if_empty(round)
                 raise ResourceExhausted(f"{name}: {held} slices of the round are open or summed")
+            if self._open_total >= self._max_open_total:
+                self._drop_if_empty(round)
+                raise ResourceExhausted(
+                    f"{name}: {self._open_total} parts of rounds are open here already"
+                )
             done: asyncio.Future[Reduced] = loop.create_future()
             done.add_done_callback(_retrieve)
             # The round's deadline even when every waiter has gone (cancelled calls).
@@ -351,9 +338,8 @@ class Averager:
                 signature,
                 done,
                 timer,
-                [None] * contributors,
-                [False] * contributors,
             )
+            self._open_total += 1
         elif (slot.group_size, slot.contributors) != (group_size, contributors):
             raise InvalidArgument(
                 f"{name}: group size {group_size} of {contributors} contributors, others said "
@@ -363,14 +349,15 @@ class Averager:
             raise InvalidArgument(
                 f"{name}: sender {sender} sent {signature}, others {slot.signature}"
             )
-        old = slot.values[sender]
+        old = slot.values.get(sender)
         if old is not None:
             if not _same_bits(old, values):
                 raise InvalidArgument(f"{name}: sender {sender} contributed other values already")
             return slot  # a retry: it waits for the same sum
         slot.values[sender], slot.owned[sender] = values, owned
-        if not slot.missing():
+        if len(slot.values) == slot.contributors:
             slot.timer.cancel()
+            self._open_total -= 1
             del slots[key]
             if not slots:
                 del self._open[round]
@@ -386,11 +373,12 @@ class Averager:
     async def _finish(
         self, round: RoundKey, name: str, slot: _Slot, codec: int, block_size: int, part: int
     ) -> None:
-        values = [v for v in slot.values if v is not None]
-        owned = slot.owned
-        slot.values, slot.owned = [], []
+        values = [slot.values[i] for i in range(slot.contributors)]  # in sender order
+        owned = [slot.owned[i] for i in range(slot.contributors)]
+        slot.values, slot.owned = {}, {}
         try:
             # Off the event loop: a large part's sum would hold up every other call.
+            self._measured(round, part, await asyncio.to_thread(squares, values))
             reduced = await asyncio.to_thread(self.summer, values, owned, codec, block_size)
         except Exception as e:
             log.exception("%s: the sum failed", name)

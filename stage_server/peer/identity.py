@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from swarm.errors import ConfigError
+from swarm.ops.writable import writable_dir
 
 __all__ = ["PEER_ID_FILE", "PeerIdentity", "new_incarnation", "persistent_peer_id"]
 
@@ -55,7 +56,7 @@ def persistent_peer_id(cache_dir: Path, given: str = "") -> PeerIdentity:
     the peer's MQTT username (the broker's ACL lets it publish only its own topics)."""
     if given:
         return PeerIdentity(given)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    writable_dir(cache_dir, "SWARM_CACHE_DIR")  # its id lives there: said at start, in a line
     for slot in range(_MAX_SLOTS):
         path = cache_dir / (PEER_ID_FILE if slot == 0 else f"{PEER_ID_FILE}.{slot}")
         f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open: the lock lives with it)

@@ -36,7 +36,7 @@ from swarm.errors import ResourceExhausted
 from swarm.job.config import JobConfig
 from swarm.model.footprint import StageFootprint, stage_footprints
 from swarm.model.sizes import format_bytes, layer_parameters
-from swarm.model.transformer import layer_costs, partition
+from swarm.model.transformer import boundary_width, layer_costs, partition
 from swarm.ops.devices import DeviceFacts, TorchFacts, free_memory
 
 __all__ = [
@@ -198,20 +198,21 @@ def measure_stage(
     rt = StageRuntime(job, stage, device)
     b, t, cfg = job.training.microbatch_size, job.model.seq_len, job.model
     gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
     if rt.is_first:
-        inputs = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
+        inputs = tokens
     else:
-        inputs = torch.randn(b, t, cfg.d_model, generator=gen).to(rt.dtype)
+        inputs = torch.randn(b, t, boundary_width(cfg), generator=gen).to(rt.dtype)
     targets = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
     times: list[float] = []
     while len(times) <= _REPEATS or (sum(times[1:]) < _MIN_TIMED_S and len(times) <= _MAX_REPEATS):
         i = len(times)
         start = clock.now()
         if rt.is_last:
-            rt.forward_backward(0, i, inputs, targets, accumulate=False)
+            rt.forward_backward(0, i, inputs, targets, accumulate=False, tokens=tokens)
         else:
-            out = rt.forward(0, i, inputs)
-            rt.backward(0, i, inputs, torch.ones_like(out), accumulate=False)
+            out = rt.forward(0, i, inputs, tokens=tokens)
+            rt.backward(0, i, inputs, torch.ones_like(out), accumulate=False, tokens=tokens)
         clock.settle()
         times.append(clock.now() - start)
     # The fastest run, not the median: other processes on the machine (peers that measure at the

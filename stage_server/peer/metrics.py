@@ -8,7 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from stage_server.peer.boundary_traffic import BoundaryTally
 from stage_server.peer.links import DIRECTIONS, Direction, LinkMeter
+from swarm.ops.boundary_bytes import Way
 from swarm.ops.metrics import LABELS, LATENCY_BUCKETS
 
 __all__ = ["PATH_FACTS", "PEER_FACTS", "StageMetrics"]
@@ -58,6 +60,19 @@ class StageMetrics:
         self._raw_out = counter(
             "swarm_stage_raw_bytes_sent_total", "Tensor bytes sent, before compression"
         )
+        self._boundary_bytes = counter(
+            "swarm_stage_boundary_bytes_sent_total",
+            "Tensor bytes sent across the stage's boundaries, as encoded on the wire: its outputs "
+            "forward, its input gradient backward",
+            "direction",
+        )
+        self._boundary_tokens = counter(
+            "swarm_stage_boundary_tokens_sent_total",
+            "Tokens carried by the tensors of swarm_stage_boundary_bytes_sent_total",
+            "direction",
+        )
+        # The same since `bind`, for the load reports (`stage_server.peer.boundary_traffic`).
+        self.boundary = BoundaryTally()
         self._steps = counter("swarm_stage_optimizer_steps_total", "Optimizer steps applied")
         self._queue = gauge("swarm_stage_queue_depth", "Compute requests waiting or running")
         self._pending = gauge(
@@ -97,6 +112,7 @@ class StageMetrics:
     def bind(self, job: str, stage: int) -> None:
         """Serving `stage` of `job` from now on: the labels of the series to come."""
         self.values = {**self.values, "job": job, "stage": str(stage)}
+        self.boundary = BoundaryTally()
         self.became("serving", job, stage)
 
     def became(self, state: str, job: str = "", stage: int | None = None) -> None:
@@ -124,9 +140,14 @@ class StageMetrics:
         self._wire_in.labels(**self.values).inc(wire_bytes)
         self._raw_in.labels(**self.values).inc(raw_bytes)
 
-    def sent(self, wire_bytes: int, raw_bytes: int) -> None:
+    def sent(self, wire_bytes: int, raw_bytes: int, direction: Way, tokens: int) -> None:
+        """A boundary tensor sent `direction` (`stage_server.peer.boundary_traffic`): its
+        `wire_bytes` as encoded, `raw_bytes` before, the `tokens` it carries."""
         self._wire_out.labels(**self.values).inc(wire_bytes)
         self._raw_out.labels(**self.values).inc(raw_bytes)
+        self._boundary_bytes.labels(**self.values, direction=direction).inc(wire_bytes)
+        self._boundary_tokens.labels(**self.values, direction=direction).inc(tokens)
+        self.boundary.add(direction, wire_bytes, tokens)
 
     def accumulated(self, samples: int, pending: int) -> None:
         self._samples.labels(**self.values).inc(samples)

@@ -6,9 +6,13 @@ unreachable with the remedy); the peer follows its own report, says it in its lo
 While its report says unreachable (or from the start with `--behind-nat`), the peer keeps itself
 attached to a relay (`swarm.relay.attach.Attachment`: a connection the peer opened, over which the
 relay carries calls to its gRPC server). The relays are the peers whose announcement carries a
-`relay_address` (`swarm relay`, or a stage server with `--relay`); the attachment re-chooses when
-its relay dies, and each change is announced (`PeerAnnouncement.relay`), so callers dial the peer
-through it. The peer still announces its own address: a dial-back that later finds it answering
+`relay_address` (`swarm relay`, or a stage server with `--relay`), the one the scheduler's report
+found it through listed first, then the latest announced: the attachment re-chooses when its relay
+dies, and each change is announced (`PeerAnnouncement.relay`), so callers dial the peer through
+it. A relay announced since (a token holder's, say) does not draw the peer away from the relay it
+is reached through. The peer attaches with its certificate's key under TLS, else with a key it
+made at start (`swarm.relay.identity`), the same for every attachment of this process. The
+peer still announces its own address: a dial-back that later finds it answering
 makes it direct again, and the attachment is let go. Its /metrics, when it serves one, is carried
 too (`local_metrics`): Prometheus scrapes a NAT'd peer through its relay.
 
@@ -32,11 +36,13 @@ from google.protobuf.message import Message
 from stage_server.peer.metrics import StageMetrics
 from swarm.bus.api import BusLike
 from swarm.bus.topics import ANY, BusError
+from swarm.net import tls
 from swarm.net.addresses import host_port, is_unspecified
 from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
 from swarm.relay.attach import Attachment, split_host_port
+from swarm.relay.identity import AttachKey
 
 __all__ = [
     "MAX_RELAYS",
@@ -117,6 +123,8 @@ class PeerPath:
     delivered; `metrics_address`: the announced one;
     `attach`: makes the attachment (`Attachment`; a fake in unit tests)."""
 
+    _key: AttachKey | None
+
     def _real_attachment(
         self,
         peer: str,
@@ -128,6 +136,7 @@ class PeerPath:
         """The real attachment: it tells the relay this peer's announced address (the relay shows
         it), and pauses between tries with the swarm's one backoff."""
         pauses = Backoff(0.5, 30.0)
+        key = self._key = self._key or AttachKey.of(tls.current())
         return Attachment(
             peer,
             token,
@@ -138,6 +147,7 @@ class PeerPath:
             pauses=pauses,
             local_metrics=self.local_metrics,
             metrics_address=self.metrics_address,
+            key=key,
         )
 
     def __init__(
@@ -166,6 +176,7 @@ class PeerPath:
         self.report = cpb.ReachabilityReport()  # UNKNOWN until the scheduler's first
         self.relay = ""  # the relay this peer is attached to now, announced as `relay`
         self._relays: OrderedDict[str, str] = OrderedDict()  # relay peer -> its relay_address
+        self._key = None  # what every attachment of this peer signs with, made at the first
         self._attachment: Attaching | None = None
         self._generation = 0  # which attachment's changes count: a stopped one's do not
         self._said: tuple[int, str, str, str] | None = None  # the report last logged
@@ -182,8 +193,19 @@ class PeerPath:
         return attachment.seen_from if attachment is not None and self.relay else ""
 
     def relays(self) -> list[str]:
-        """The relays announced now, the latest announced first."""
-        return list(reversed(self._relays.values()))
+        """The relays announced now: the one the scheduler's report says this peer answered
+        through first, then the latest announced first."""
+        relays = list(reversed(self._relays.values()))
+        found = self._reported()
+        if found in relays:
+            relays.remove(found)
+            relays.insert(0, found)
+        return relays
+
+    def _reported(self) -> str:
+        """The relay the scheduler's report says this peer answered through ("": none)."""
+        relayed = self.report.reachability == cpb.REACHABILITY_RELAYED
+        return self.report.relay if relayed else ""
 
     @property
     def wanted(self) -> bool:
@@ -249,8 +271,12 @@ class PeerPath:
         usable = announcement.state != cpb.PEER_STATE_OFFLINE and not announcement.relay
         if announcement.relay_address and usable:
             self._relays[peer] = announcement.relay_address
-            while len(self._relays) > MAX_RELAYS:
-                self._relays.popitem(last=False)
+            kept = {self._reported(), self.relay}  # a flood of relays evicts neither
+            for old, address in list(self._relays.items()):
+                if len(self._relays) <= MAX_RELAYS:
+                    break
+                if address not in kept:
+                    del self._relays[old]
             if known != announcement.relay_address:
                 await self.steer()
 

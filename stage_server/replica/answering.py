@@ -18,6 +18,7 @@ from stage_server.replica.messages import Messages
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.worker import Worker
 from swarm.ops.faults import Point, maybe_die
+from swarm.ops.poison import Poison
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 
@@ -44,9 +45,10 @@ class Answering:
         worker: Worker,
         messages: Messages,
         runtime: Callable[[], StageRuntime],
+        poison: Callable[[], Poison] = Poison,
     ) -> None:
         self.peer, self.worker, self.messages = peer, worker, messages
-        self._runtime = runtime
+        self._runtime, self._poison = runtime, poison
 
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self.messages.receipt(r, self.peer, len(self._runtime().receipts()))
@@ -59,6 +61,7 @@ class Answering:
         *tensors: torch.Tensor | None,
         accumulate: bool,
         receipt: bool = True,
+        tokens: torch.Tensor | None = None,
     ) -> Answered:
         """The one way a call accumulates here: `fn` (`backward`, or the last stage's
         `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
@@ -68,7 +71,8 @@ class Answering:
         def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
             # On the worker thread: the input gradient's copy to the host waits on the device.
             *loss, grad, done = result
-            return loss, self.messages.encode(grad, "grad_inputs", reply), done
+            grad = self._poison().grads(step, grad)  # a hostile replica's (`swarm.ops.poison`)
+            return loss, self.messages.encode(grad, "grad_inputs", reply, "backward"), done
 
         (loss, grad, done), queued = await self.worker.run_then(
             fn,
@@ -78,6 +82,7 @@ class Answering:
             *tensors,
             accumulate=accumulate,
             need_grad_inputs=h.need_grad_inputs,
+            tokens=tokens,  # a subspace boundary's token ids (`model.boundary_rank`)
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
         return Answered(

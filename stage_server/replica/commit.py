@@ -39,6 +39,7 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.checksum import PartChecks
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.flat import flatten, unflatten
+from stage_server.averaging.hostile import poison
 from stage_server.averaging.owner import Averager, AveragingAborted
 from stage_server.averaging.spill import Spill
 from stage_server.peer.metrics import StageMetrics
@@ -81,7 +82,7 @@ class Commit:
     # the round's parts (`swarm.policy.parts.Parts`): one weight per member of `group`, and how
     # many of its first members contribute (the rest are aggregators)
     parts: Parts = EQUAL_PARTS
-    check_seed: int = 0  # the checksum of aggregators' parts asked (0: none)
+    check_seed: int = 0  # the checksum of every part asked (0: none)
 
     @classmethod
     def of(cls, request: pb.StageCommitRequest) -> Commit:
@@ -109,7 +110,7 @@ class Commit:
 class Committed:
     """The replica after a Commit: its step, whether the step was applied before (a retry), and
     the squared norm of the prepared average (0.0 when nothing was prepared), and the checksums
-    of the aggregators' parts it averaged (`checksum`; asked by the coordinator's seed)."""
+    of every part it averaged (`checksum`; asked by the coordinator's seed)."""
 
     step: int
     already: bool = False
@@ -293,7 +294,7 @@ class Committer:
         The sum lands over the part itself, in place, where nothing else reads the part: when
         `prepare` made it `fresh` for this call, or when it is the lent sums of step `spilled`
         (the runtime's `Spill` keeps what is overwritten, for a retry or a straggler). `checks`
-        takes the checksums of the aggregators' parts."""
+        takes the checksums of every part."""
         # The replica's peak comes now: what its arenas freed since the last commit goes back
         # first (`swarm.ops.allocator`), on the worker, which is idle until this commit is done;
         # not when the freed memory dwarfs the state the commit adds (a small stage's activations).
@@ -362,6 +363,7 @@ class Committer:
         maybe_die(Point.AVERAGING, c.step)
         inject(Point.AVERAGING_OOM, c.step, self.peer)  # before this replica sends a byte
         flat = flatten(sums)  # a view of the part (or, of tensors apart, a copy of it)
+        poison(flat, self.averager, c.step)  # only where a hostile fault is armed (tests)
         keep = None
         if spill is not None:
 
@@ -412,7 +414,7 @@ class Committer:
 
 
 def _checks(c: Commit) -> PartChecks | None:
-    """The checksums of the aggregators' parts a PREPARE is asked for (`checksum`), if any."""
+    """The checksums of every part a PREPARE is asked for (`checksum`), if any."""
     return PartChecks(c.check_seed) if c.check_seed and c.prepare else None
 
 

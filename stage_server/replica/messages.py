@@ -26,6 +26,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from google.protobuf.message import Message
 
+from stage_server.peer.boundary_traffic import tokens_of
 from stage_server.peer.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.host_copies import DeviceCopies, TorchCopies
@@ -33,6 +34,7 @@ from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.snapshot import Snapshot
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig, RuntimeConfig
+from swarm.ops.boundary_bytes import Way
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc.state_streams import Update
@@ -208,22 +210,33 @@ class Messages:
         return value
 
     def encode(
-        self, tensor: torch.Tensor | None, name: str, reply_codec: int
+        self, tensor: torch.Tensor | None, name: str, reply_codec: int, direction: Way
     ) -> list[tensor_pb2.Tensor]:
-        """`tensor` as a reply's tensors: none for None, else one, encoded with `reply_codec`.
-        It waits for the device's copy to the host: call it on the worker thread."""
+        """`tensor` as a reply's tensors: none for None, else one, encoded with `reply_codec`
+        and counted as sent `direction` across the stage's boundary. It waits for the device's
+        copy to the host: call it on the worker thread."""
         if tensor is None:
             return []
-        msg = self.to_wire(tensor, name, reply_codec)
-        self.metrics.sent(msg.nbytes, tensor.numel() * tensor.element_size())
-        return [msg]
+        return [self.send_on(tensor, name, reply_codec, direction)]
 
-    def to_wire(self, tensor: torch.Tensor, name: str, with_codec: int) -> tensor_pb2.Tensor:
-        """`tensor` encoded with `with_codec`, copied to the host through `copies` (the push
-        plane's outputs, which its next hop sends on as they are; counted there, not here)."""
-        return codec.encode(
+    def send_on(
+        self, tensor: torch.Tensor, name: str, with_codec: int, direction: Way
+    ) -> tensor_pb2.Tensor:
+        """`tensor` encoded with `with_codec`, copied to the host through `copies`, and counted
+        as sent `direction`: a reply's tensor, or the push plane's outputs, which its next hop
+        sends on as they are (once per microbatch: a try on another replica is not counted
+        again). On the worker thread, as `encode`."""
+        msg = codec.encode(
             tensor, name, with_codec, self.limits.block_size, host=self.copies.to_host
         )
+        raw = tensor.numel() * tensor.element_size()
+        self.metrics.sent(msg.nbytes, raw, direction, tokens_of(tensor))
+        return msg
+
+    def took(self, msg: tensor_pb2.Tensor, tensor: torch.Tensor) -> None:
+        """`msg`, decoded to `tensor`, came back in an answer (the push plane's gradient of
+        this stage's outputs): counted as received, as a request's tensors are."""
+        self.metrics.received(msg.nbytes, tensor.numel() * tensor.element_size())
 
     def split(self, msg: M) -> Iterator[M]:
         """`msg` in chunks of at most the served job's chunk size."""

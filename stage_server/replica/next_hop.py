@@ -78,6 +78,7 @@ class NextHop:
         need_grad: bool,
         deadline: float,
         evaluate: bool = False,
+        tokens: TensorLike | None = None,
     ) -> Pushed:
         """Send `outputs` on to the next stage (tries on others as above; a replica hands them
         over encoded, on the host already, so no try waits on its device); raises
@@ -99,6 +100,7 @@ class NextHop:
                 need_grad_inputs=need_grad,
                 timeout=deadline - time.monotonic(),
                 evaluate=evaluate,
+                tokens=tokens,
             )
 
         try:

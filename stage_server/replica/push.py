@@ -24,6 +24,7 @@ from stage_server.replica.next_hop import NextHop, Pushed
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.worker import Worker
 from swarm.errors import Busy
+from swarm.model.subspace import wire_tokens
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
@@ -73,20 +74,30 @@ class PushPlane:
         h: pb.StagePushRequest,
         inputs: torch.Tensor,
         targets: torch.Tensor,
+        tokens: torch.Tensor | None,
         time_remaining: Callable[[], float | None],
     ) -> pb.StagePushResponse:
-        """The answer to `h` (its `inputs` and `targets` received); `time_remaining` is the
-        caller's deadline, as the call's context tells it."""
+        """The answer to `h` (its `inputs`, `targets` and, under a subspace boundary, `tokens`
+        received); `time_remaining` is the caller's deadline, as the call's context tells it."""
         rt = self._runtime()
+        if rt.job.model.boundary_rank and rt.is_first:  # the token ids go on beside the outputs
+            tokens = wire_tokens(inputs, rt.job.model.vocab_size)
         step = h.microbatch.step
         here = rt.stage in h.accumulate  # this stage accumulates (and answers a receipt)
         reply = codec.codec_from_name(rt.job.compression.backward)
         maybe_die(Point.FORWARD, step)
         if h.evaluate:
-            return await self._evaluation(h, inputs, targets, time_remaining)
+            return await self._evaluation(h, inputs, targets, tokens, time_remaining)
         if rt.is_last:
             done = await self.answering.backward_here(
-                rt.forward_backward, h, reply, inputs, targets, accumulate=here, receipt=here
+                rt.forward_backward,
+                h,
+                reply,
+                inputs,
+                targets,
+                accumulate=here,
+                receipt=here,
+                tokens=tokens,
             )
             return pb.StagePushResponse(
                 tensors=done.grad,
@@ -99,6 +110,7 @@ class PushPlane:
             h,
             inputs,
             targets,
+            tokens,
             time_remaining,
             accumulate=[k for k in h.accumulate if k > rt.stage],
             need_grad=need_grad,
@@ -108,9 +120,18 @@ class PushPlane:
             assert pushed.grad is not None
             grad_outputs = pushed.grad
             if not isinstance(grad_outputs, torch.Tensor):
-                grad_outputs = codec.decode(grad_outputs, max_bytes=self.limits.max_bytes)
+                msg = grad_outputs
+                grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
+                self.messages.took(msg, grad_outputs)
             done = await self.answering.backward_here(
-                rt.backward, h, reply, inputs, grad_outputs, accumulate=here, receipt=here
+                rt.backward,
+                h,
+                reply,
+                inputs,
+                grad_outputs,
+                accumulate=here,
+                receipt=here,
+                tokens=tokens,
             )
             grad = done.grad
             if done.receipt is not None:
@@ -129,16 +150,24 @@ class PushPlane:
         h: pb.StagePushRequest,
         inputs: torch.Tensor,
         targets: torch.Tensor,
+        tokens: torch.Tensor | None,
         time_remaining: Callable[[], float | None],
     ) -> pb.StagePushResponse:
         """A validation microbatch on the push plane: forward here, on to the next stage, the
         last stage's loss back; nothing kept, nothing accumulated."""
         rt, step = self._runtime(), h.microbatch.step
         if rt.is_last:
-            loss, queued = await self.worker.run_queued(rt.evaluate, step, inputs, targets)
+            loss, queued = await self.worker.run_queued(rt.evaluate, step, inputs, targets, tokens)
             return pb.StagePushResponse(loss_sum=loss, queued_seconds=queued)
         pushed, queued = await self._forward_on(
-            h, inputs, targets, time_remaining, accumulate=[], need_grad=False, evaluate=True
+            h,
+            inputs,
+            targets,
+            tokens,
+            time_remaining,
+            accumulate=[],
+            need_grad=False,
+            evaluate=True,
         )
         return pb.StagePushResponse(loss_sum=pushed.loss_sum, queued_seconds=queued)
 
@@ -147,6 +176,7 @@ class PushPlane:
         h: pb.StagePushRequest,
         inputs: torch.Tensor,
         targets: torch.Tensor,
+        tokens: torch.Tensor | None,
         time_remaining: Callable[[], float | None],
         *,
         accumulate: list[int],
@@ -160,11 +190,12 @@ class PushPlane:
         sent_as = codec.codec_from_name(rt.job.compression.forward)  # as a trainer sends them
         outputs, queued = await self.worker.run_then(
             rt.forward,
-            lambda out: self.messages.to_wire(out, "inputs", sent_as),
+            lambda out: self.messages.send_on(out, "inputs", sent_as, "forward"),
             step,
             index,
             inputs,
             evaluate=evaluate,
+            tokens=tokens,
         )
         pushed = await self._next_hop.send(
             step,
@@ -176,6 +207,7 @@ class PushPlane:
             need_grad=need_grad,
             deadline=_deadline(time_remaining(), rt),
             evaluate=evaluate,
+            tokens=tokens,
         )
         return pushed, queued
 

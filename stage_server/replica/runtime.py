@@ -115,11 +115,12 @@ class StageRuntime:
                 else f"stage {self.stage} is at step {self.step}; step {step} has not started here"
             )
 
-    def _run(self, step: int, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, step: int, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
         module = self.copies.module_at(step, self.step)  # the parameters step `step` computes on
-        if self.compiled is not None:  # CUDA, --compile-stage (`stage_server.replica.compiled`)
-            return self.compiled.run(module, x)
-        return module(x)  # type: ignore[no-any-return]
+        tokens = self.checks.tokens(tokens, x)
+        if self.compiled is not None and tokens is None:  # CUDA, --compile-stage
+            return self.compiled.run(module, x)  # (`stage_server.replica.compiled`)
+        return module(x, tokens)  # type: ignore[no-any-return]
 
     def _precision(self, step: int) -> AbstractContextManager[None]:
         """Where step `step` computes: the job's precision; in bf16-mixed with the weights cast
@@ -143,14 +144,22 @@ class StageRuntime:
         return inputs if self.is_first else inputs.detach().requires_grad_(True)
 
     def forward(
-        self, step: int, index: int, inputs: torch.Tensor, *, evaluate: bool = False
+        self,
+        step: int,
+        index: int,
+        inputs: torch.Tensor,
+        *,
+        evaluate: bool = False,
+        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The stage's outputs; kept with their graph for this microbatch's Backward, unless
-        `evaluate` (a validation microbatch: no Backward follows, no graph is built)."""
+        `evaluate` (a validation microbatch: no Backward follows, no graph is built). `tokens`:
+        the microbatch's token ids, which a subspace boundary (`model.boundary_rank`) needs at
+        every stage after the first."""
         self._check_step(step, next_ok=True)
         if evaluate:
             with torch.no_grad(), self._precision(step), self._named("Forward", inputs):
-                return self._run(step, self.checks.inputs(inputs))
+                return self._run(step, self.checks.inputs(inputs), tokens)
         x = self._leaf(self.checks.inputs(inputs))
         with (
             torch.enable_grad(),
@@ -159,7 +168,7 @@ class StageRuntime:
             self._cache.counting(self.device) as held,
         ):
             inject(Point.FORWARD_OOM, step)
-            out = self._run(step, x)
+            out = self._run(step, x, tokens)
         self._cache.keep(
             (step, index), x, out, held, self.activation_cache, self.activation_cache_bytes
         )
@@ -180,9 +189,11 @@ class StageRuntime:
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
+        tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, Receipt]:
-        """Backward of microbatch `(step, index)`. `inputs` may be None when this replica did the
-        forward: then its cached activations must still be here."""
+        """Backward of microbatch `(step, index)`. `inputs` (and `tokens`, as for `forward`) may
+        be None when this replica did the forward: then its cached activations must still be
+        here."""
         self._check_step(step, next_ok=True)
         cached = self._cache.pop((step, index), None)
         if cached is None and inputs is None:
@@ -195,7 +206,7 @@ class StageRuntime:
                 assert inputs is not None
                 x = self._leaf(self.checks.inputs(inputs))
                 with torch.enable_grad(), self._precision(step):
-                    out = self._run(step, x)
+                    out = self._run(step, x, tokens)
             else:
                 x, out = cached
             grad = self.checks.grad(grad_outputs, out)
@@ -210,6 +221,7 @@ class StageRuntime:
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
+        tokens: torch.Tensor | None = None,
     ) -> tuple[float, torch.Tensor | None, Receipt]:
         if not self.is_last:
             raise InvalidArgument(
@@ -221,13 +233,19 @@ class StageRuntime:
         with self._named("ForwardBackward", x):
             with torch.enable_grad(), self._precision(step):
                 inject(Point.FORWARD_OOM, step)
-                loss = loss_sum(self._run(step, x), y)
+                loss = loss_sum(self._run(step, x, tokens), y)
             grad_x, receipt = self._backprop(
                 step, index, x, loss, None, accumulate, need_grad_inputs
             )
             return float(loss.detach()), grad_x, receipt
 
-    def evaluate(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def evaluate(
+        self,
+        step: int,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+    ) -> float:
         """The last stage's loss sum of a validation microbatch: forward only, nothing kept,
         nothing accumulated."""
         if not self.is_last:
@@ -236,7 +254,7 @@ class StageRuntime:
         x = self.checks.inputs(inputs)
         y = self.checks.targets(targets, x)
         with torch.no_grad(), self._precision(step):
-            return float(loss_sum(self._run(step, x), y))
+            return float(loss_sum(self._run(step, x, tokens), y))
 
     def _backprop(
         self,

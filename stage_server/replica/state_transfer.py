@@ -47,7 +47,8 @@ from stage_server.replica.runtime import Served
 from stage_server.replica.snapshot import Snapshot
 from stage_server.replica.update_log import UpdateLog
 from stage_server.replica.worker import Worker
-from swarm.errors import InvalidArgument, ResourceExhausted
+from swarm.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from swarm.net.commit_auth import state_digest
 from swarm.net.follow_tickets import FollowTickets
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
@@ -238,10 +239,25 @@ class StateTransfer:
         maybe_die(Point.STATE_DOWNLOAD, snapshot.step)
         return snapshot, registered
 
-    async def load(self, requests: AsyncIterator[Any], route: Route, limits: Limits) -> int:
+    async def load(
+        self,
+        requests: AsyncIterator[Any],
+        route: Route,
+        limits: Limits,
+        signed_digest: bytes | None = None,
+    ) -> int:
         """Receive a LoadState stream (each message within `limits`, each routed by `route`) and
-        become the replica whose state it holds (a rollback); the state's step."""
+        become the replica whose state it holds (a rollback); the state's step. With
+        `signed_digest` (the scheduler's signature covers it), a state of another digest is
+        refused before it is loaded: the signature covers the state, not only the call."""
         step, state = await self._receive(requests, route, limits)
+        if signed_digest is not None and (
+            await asyncio.to_thread(state_digest, step, state) != signed_digest
+        ):
+            raise PermissionDenied(
+                "LoadState: the state sent is not the one the scheduler signed (its digest "
+                "differs): not loaded"
+            )
         self.stop_copy()  # a copy of the state before it is moot
         await self._worker.run(self._runtime().load_state, step, state)
         log.warning(

@@ -17,7 +17,7 @@ import torch
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig
 from swarm.model.state_checks import StateChecks
-from swarm.model.transformer import DTYPES
+from swarm.model.transformer import DTYPES, boundary_width
 
 __all__ = ["TensorChecks"]
 
@@ -32,12 +32,15 @@ class TensorChecks:
         self.job, self.stage, self.device = job, stage, device
         self.dtype = DTYPES[job.training.dtype]
         self.is_first = stage == 0
+        self.width = boundary_width(job.model)  # features per token crossing a boundary
+        self.needs_tokens = job.model.boundary_rank > 0 and not self.is_first
         # A state of the stage: the same checks wherever one arrives (a copy, the scheduler).
         self.state = StateChecks(job, stage, module)
 
     def inputs(self, inputs: torch.Tensor) -> torch.Tensor:
         """Stage 0: int64 token ids [batch, seq] within the vocabulary; any other stage: hidden
-        states [batch, seq, d_model] in the job's dtype. At most a microbatch of samples."""
+        states [batch, seq, d_model] in the job's dtype ([batch, seq, boundary_rank] coefficients
+        under `model.boundary_rank`). At most a microbatch of samples."""
         cfg = self.job.model
         if self.is_first:
             if inputs.dtype != torch.int64 or inputs.dim() != 2:
@@ -47,9 +50,9 @@ class TensorChecks:
                 )
             if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= cfg.vocab_size):
                 raise InvalidArgument(f"token ids must lie in [0, {cfg.vocab_size})")
-        elif inputs.dtype != self.dtype or inputs.dim() != 3 or inputs.shape[2] != cfg.d_model:
+        elif inputs.dtype != self.dtype or inputs.dim() != 3 or inputs.shape[2] != self.width:
             raise InvalidArgument(
-                f"stage {self.stage} takes {self.job.training.dtype} [batch, seq, {cfg.d_model}]; "
+                f"stage {self.stage} takes {self.job.training.dtype} [batch, seq, {self.width}]; "
                 f"got {inputs.dtype} {list(inputs.shape)}"
             )
         if not 1 <= inputs.shape[1] <= cfg.seq_len or inputs.shape[0] < 1:
@@ -74,15 +77,32 @@ class TensorChecks:
 
     def targets(self, targets: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """The last stage's targets: int64 token ids [batch, seq] of `inputs`, in the vocabulary."""
-        vocab = self.job.model.vocab_size
-        if targets.dtype != torch.int64 or tuple(targets.shape) != tuple(inputs.shape[:2]):
+        return self._ids("targets", targets, inputs)
+
+    def tokens(self, tokens: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The microbatch's token ids beside a subspace boundary's coefficients (`inputs`): int64
+        [batch, seq] in the vocabulary, required after stage 0 under `model.boundary_rank`, and
+        never taken elsewhere (None then)."""
+        if not self.needs_tokens:
+            return None
+        if tokens is None:
             raise InvalidArgument(
-                f"targets must be int64 {list(inputs.shape[:2])}; "
-                f"got {targets.dtype} {list(targets.shape)}"
+                f"stage {self.stage} of a job with model.boundary_rank = "
+                f'{self.job.model.boundary_rank} needs the microbatch\'s token ids ("tokens")'
             )
-        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-            raise InvalidArgument(f"targets must lie in [0, {vocab})")
-        return targets.to(self.device)
+        if tokens.dtype in (torch.uint8, torch.int32):  # sent narrow (`wire_tokens`)
+            tokens = tokens.long()
+        return self._ids("tokens", tokens, inputs)
+
+    def _ids(self, name: str, ids: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        vocab = self.job.model.vocab_size
+        if ids.dtype != torch.int64 or tuple(ids.shape) != tuple(inputs.shape[:2]):
+            raise InvalidArgument(
+                f"{name} must be int64 {list(inputs.shape[:2])}; got {ids.dtype} {list(ids.shape)}"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise InvalidArgument(f"{name} must lie in [0, {vocab})")
+        return ids.to(self.device)
 
     def max_request_bytes(self) -> int:
         """The most tensor bytes a Forward, Backward or ForwardBackward of one microbatch can

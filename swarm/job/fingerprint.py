@@ -69,6 +69,7 @@ _LATER_KEYS = (
     ("model", "mlp_hidden"),
     ("model", "rope_theta"),
     ("model", "norm_eps"),
+    ("model", "boundary_rank"),
     ("training", "grad_clip"),
     ("training", "precision"),
     ("training", "delayed_update"),

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 from swarm.errors import ConfigError
 from swarm.job.coerce import GE0, GE1, GT0, UNIT, Section, not_allowed
 from swarm.job.coerce import checked_field as _f  # short: nearly every field uses it
+from swarm.job.trust import TrustConfig
 
 __all__ = [
     "CHECKPOINT_EVERY",
@@ -40,6 +41,7 @@ __all__ = [
     "RebalanceConfig",
     "RuntimeConfig",
     "TrainingConfig",
+    "TrustConfig",
     "token_width",
 ]
 
@@ -83,8 +85,13 @@ class ModelConfig(Section):
     # Hex sha256 of init_from's model.safetensors: pinned at load (or by the scheduler at submit)
     # so the fingerprint names the weights, and a changed file is refused.
     init_sha256: str | None = None
+    #: features per token crossing each stage boundary (`swarm.model.subspace`); 0: all d_model
+    boundary_rank: int = _f(0, GE0)
 
     def _validate(self) -> None:
+        if self.boundary_rank >= self.d_model:  # never a silent full boundary
+            allowed = f"0 (the full boundary) or 1..{self.d_model - 1} (below model.d_model)"
+            raise not_allowed("model.boundary_rank", self.boundary_rank, allowed)
         if self.n_layers > MAX_LAYERS:
             allowed = f"an integer in 1..{MAX_LAYERS} (swarm's MAX_LAYERS)"
             raise not_allowed("model.n_layers", self.n_layers, allowed)
@@ -352,6 +359,7 @@ class JobConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    trust: TrustConfig = field(default_factory=TrustConfig)
 
     def __post_init__(self) -> None:
         if self.training.checkpoint_every is None:  # frozen: resolved once, as read
@@ -363,6 +371,12 @@ class JobConfig:
         if self.training.stages > self.model.n_layers + 2:  # embedding + blocks + head
             allowed = f"an integer <= model.n_layers + 2 = {self.model.n_layers + 2}"
             raise not_allowed("training.stages", self.training.stages, allowed)
+        if self.model.boundary_rank and self.training.stages < 2:  # no boundary to narrow
+            allowed = "0 with training.stages = 1 (a subspace boundary needs two stages or more)"
+            raise not_allowed("model.boundary_rank", self.model.boundary_rank, allowed)
+        if self.model.boundary_rank and self.model.init_from is not None:
+            allowed = "0 with model.init_from (a full model's weights leave the subspace)"
+            raise not_allowed("model.boundary_rank", self.model.boundary_rank, allowed)
         if self.data.kind == "text" and self.model.vocab_size < 256:  # text tokens are bytes
             allowed = 'an integer >= 256 when data.kind = "text"'
             raise not_allowed("model.vocab_size", self.model.vocab_size, allowed)
@@ -420,5 +434,5 @@ def _default_checkpoint_every(pool: PoolConfig) -> int:
 
 _CLASSES = (ModelConfig, DataConfig, TrainingConfig, OptimizerConfig, CompressionConfig)
 SECTIONS: dict[str, type[Section]] = {
-    c.section: c for c in (*_CLASSES, RuntimeConfig, RebalanceConfig, PoolConfig)
+    c.section: c for c in (*_CLASSES, RuntimeConfig, RebalanceConfig, PoolConfig, TrustConfig)
 }

@@ -313,6 +313,16 @@ def prune(root: Path, keep: int) -> list[int]:
     return old
 
 
+def drop_after(root: Path, step: int) -> list[int]:
+    """Delete the sealed checkpoints after `step` (they hold a banned peer's work: a rollback
+    to `step` retrains those steps without it); returns their steps. The manifest goes first."""
+    newer = [s for s in sealed(root) if s > step]
+    for s in newer:
+        (_dir(root, s) / "manifest.json").unlink(missing_ok=True)
+        shutil.rmtree(_dir(root, s), ignore_errors=True)
+    return newer
+
+
 def sealed(root: Path) -> list[int]:
     """The steps of the complete checkpoints under `root`, oldest first."""
     steps = []

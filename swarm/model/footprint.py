@@ -32,9 +32,9 @@ AVERAGING_BUFFERS = 2
 
 @dataclass(frozen=True)
 class StageFootprint:
-    """The bytes a stage takes on a peer: `state` (weights, gradient sums, optimizer state),
-    `activations` (what its cache keeps at its bound, and the microbatch being computed),
-    `averaging` (the round's chunk buffers)."""
+    """The bytes a stage takes on a peer: `state` (weights, gradient sums, optimizer state, and
+    a subspace boundary's basis and table), `activations` (what its cache keeps at its bound,
+    and the microbatch being computed), `averaging` (the round's chunk buffers)."""
 
     state: int
     activations: int
@@ -97,6 +97,9 @@ def stage_footprints(
     b, t, d = job.training.microbatch_size, job.model.seq_len, job.model.d_model
     edge = b * t * d * width  # a stage's input (or output) between stages
     stages = job.training.stages
+    m = job.model  # a subspace boundary's basis and fixed table: every stage holds both
+    rows = m.vocab_size + (m.seq_len if m.kind == "gpt" else 0) + m.boundary_rank
+    fixed = rows * d * width if m.boundary_rank else 0
     result = []
     for k, (layers, state) in enumerate(
         zip(partition(layer_costs(job.model), stages), stage_state_bytes(job), strict=True)
@@ -110,5 +113,7 @@ def stage_footprints(
         # time. The others keep what fits both bounds (a microbatch over the byte bound is not
         # kept), and compute one more beside them.
         kept = 0 if k == stages - 1 else min(activation_cache, activation_cache_bytes // one)
-        result.append(StageFootprint(state, (kept + 1) * one, AVERAGING_BUFFERS * chunk_bytes))
+        result.append(
+            StageFootprint(state + fixed, (kept + 1) * one, AVERAGING_BUFFERS * chunk_bytes)
+        )
     return result

@@ -146,6 +146,11 @@ def write_hf(
     no partial checkpoint, and an existing `out` is refused rather than mixed with."""
     from safetensors.torch import save_file
 
+    if cfg.boundary_rank:  # raw subspace weights are not the model: fold them first
+        raise ConfigError(
+            f"model.boundary_rank = {cfg.boundary_rank}: export the state that "
+            "swarm.model.transformer.plain_state folds, with its config"
+        )
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,18 +27,22 @@ from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, ModelConfig, verify_init
 from swarm.model.hf import check_hf_config, read_hf
 from swarm.model.partition import partition  # re-exported: every role asks it here
+from swarm.model.subspace import Projected, Subspace
 
 __all__ = [
     "DTYPES",
     "StageModule",
+    "boundary_width",
     "build_model",
     "build_stage",
     "layer_costs",
     "loss_sum",
     "num_layers",
     "partition",
+    "plain_state",
     "precision",
     "stage_layout",
+    "subspace_of",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -53,10 +58,14 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        # `model.boundary_rank`: into span(U), beside the fixed table (None: as it is; no call
+        # at all, so a job without a subspace computes as it always did)
+        self.write: Projected | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device)
-        return self.tok(ids) + self.pos(positions)
+        y = self.tok(ids) + self.pos(positions)
+        return y if self.write is None else self.write.embed(y, ids)
 
 
 class Block(nn.Module):
@@ -70,14 +79,17 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, cfg.mlp_ratio * d)
         self.out = nn.Linear(cfg.mlp_ratio * d, d)
+        self.write: Projected | None = None  # `model.boundary_rank`: proj and out into span(U)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        a = self.proj(att.transpose(1, 2).reshape(b, t, d))
+        x = x + (a if self.write is None else self.write(a))
+        m = self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + (m if self.write is None else self.write(m))
 
 
 class Head(nn.Module):
@@ -94,9 +106,11 @@ class LlamaEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.write: Projected | None = None  # `model.boundary_rank`: as `Embedding`'s
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tok(ids)  # positions enter as rotations of queries and keys
+        y = self.tok(ids)  # positions enter as rotations of queries and keys
+        return y if self.write is None else self.write.embed(y, ids)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +137,7 @@ class LlamaBlock(nn.Module):
         self.gate = nn.Linear(d, cfg.swiglu_hidden, bias=False)
         self.up = nn.Linear(d, cfg.swiglu_hidden, bias=False)
         self.down = nn.Linear(cfg.swiglu_hidden, d, bias=False)
+        self.write: Projected | None = None  # `model.boundary_rank`: o and down into span(U)
 
     def _rope(self, t: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each position's angles, [t, head_dim], computed in float64 (a pure
@@ -154,9 +169,11 @@ class LlamaBlock(nn.Module):
         # attention kernel, no key/value copied out per query head.
         gqa = self.n_kv != self.n_heads
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        x = x + self.o(att.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        a = self.o(att.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        x = x + (a if self.write is None else self.write(a))
         h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        m = self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + (m if self.write is None else self.write(m))
 
 
 class LlamaHead(nn.Module):
@@ -182,16 +199,44 @@ _FAMILIES: dict[str, tuple[tuple[type[nn.Module], ...], tuple[str, ...], tuple[s
 
 
 class StageModule(nn.Module):
-    """Layers `first..last` of the model, applied in order."""
+    """Layers `first..last` of the model, applied in order. Under `model.boundary_rank`, a stage
+    after the first takes the boundary's coefficients and `tokens` (the microbatch's token ids)
+    and rebuilds the residual from them; a stage before the last sends coefficients."""
 
-    def __init__(self, layers: dict[int, nn.Module]) -> None:
+    def __init__(
+        self,
+        layers: dict[int, nn.Module],
+        subspace: Subspace | None = None,
+        *,
+        receives: bool = False,
+        sends: bool = False,
+    ) -> None:
         super().__init__()
         self.indices = sorted(layers)
         self.layers = nn.ModuleDict({str(i): layers[i] for i in self.indices})
+        self.subspace = subspace  # buffers only, none persistent: the state_dict is the layers'
+        self.receives, self.sends = (
+            receives and subspace is not None,
+            sends and subspace is not None,
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether `forward` needs the token ids beside its inputs (a subspace stage after 0)."""
+        return self.subspace is not None and self.indices[0] > 0
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        if self.indices[0] == 0:
+            tokens = x  # the first stage's inputs are the token ids
+        if self.receives:
+            if tokens is None:
+                raise ValueError("a subspace boundary needs the microbatch's token ids")
+            x = self.subspace.decode(x, tokens)  # type: ignore[union-attr]
         for layer in self.layers.values():
             x = layer(x)
+        if self.sends:
+            assert tokens is not None
+            x = self.subspace.encode(x, tokens)  # type: ignore[union-attr]
         return x
 
 
@@ -259,11 +304,55 @@ def _from_checkpoint(job: JobConfig, module: StageModule) -> None:
     module.load_state_dict({k: v.to(torch.float64) for k, v in state.items()}, strict=True)
 
 
-def _built(job: JobConfig, indices: Sequence[int], device: torch.device | str) -> StageModule:
-    module = StageModule({i: _build_layer(job.model, i, job.training.seed) for i in indices})
+def _built(
+    job: JobConfig, indices: Sequence[int], device: torch.device | str, *, boundaries: bool
+) -> StageModule:
+    layers = {i: _build_layer(job.model, i, job.training.seed) for i in indices}
+    sub = subspace_of(job)
+    if sub is not None:  # every layer before the last boundary writes into span(U)
+        last = partition(layer_costs(job.model), job.training.stages)[-1].start
+        for i, layer in layers.items():
+            if i < last:
+                layer.write = Projected(sub)
+    module = StageModule(
+        layers,
+        sub,
+        receives=boundaries and indices[0] > 0,
+        sends=boundaries and indices[-1] < num_layers(job.model) - 1,
+    )
     if job.model.init_from is not None:
         _from_checkpoint(job, module)
     return module.to(device=device, dtype=DTYPES[job.training.dtype])
+
+
+def plain_state(
+    job: JobConfig, state: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """The whole model's `state` as a model without a subspace boundary computes it, and that
+    model's config: what an export writes (`swarm.model.hf.write_hf`), loadable anywhere. A job
+    without `model.boundary_rank` is returned as it is."""
+    sub = subspace_of(job)
+    if sub is None:
+        return state, job.model
+    last = partition(layer_costs(job.model), job.training.stages)[-1].start
+    folded = sub.fold(state, _FAMILIES[job.model.kind][2], last)
+    return folded, replace(job.model, boundary_rank=0)
+
+
+def boundary_width(cfg: ModelConfig) -> int:
+    """Features per token that cross a stage boundary: `boundary_rank`, else `d_model`."""
+    return cfg.boundary_rank or cfg.d_model
+
+
+def subspace_of(job: JobConfig) -> Subspace | None:
+    """The job's subspace boundary (`model.boundary_rank`), in float64 on the CPU; None when
+    its boundaries carry the full residual."""
+    cfg = job.model
+    if not cfg.boundary_rank:
+        return None
+    positions = cfg.seq_len if cfg.kind == "gpt" else 0  # llama: rotary, nothing to add
+    rank, seed = cfg.boundary_rank, job.training.seed
+    return Subspace(cfg.d_model, rank, cfg.vocab_size, positions, seed, _INIT_STD)
 
 
 def _stage_layers(job: JobConfig, stage: int) -> range:
@@ -275,7 +364,7 @@ def _stage_layers(job: JobConfig, stage: int) -> range:
 
 def build_stage(job: JobConfig, stage: int, device: torch.device | str = "cpu") -> StageModule:
     """Stage `stage` of `job`'s model on `device`, in the job's dtype."""
-    return _built(job, _stage_layers(job, stage), device)
+    return _built(job, _stage_layers(job, stage), device, boundaries=True)
 
 
 def stage_layout(job: JobConfig, stage: int) -> StageModule:
@@ -293,7 +382,7 @@ def stage_layout(job: JobConfig, stage: int) -> StageModule:
 
 def build_model(job: JobConfig, device: torch.device | str = "cpu") -> StageModule:
     """The whole model as one stage: the reference `swarm local` trains this."""
-    return _built(job, range(num_layers(job.model)), device)
+    return _built(job, range(num_layers(job.model)), device, boundaries=False)
 
 
 def precision(job: JobConfig, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:

@@ -10,22 +10,29 @@ publish on (the brokers' ACL). A replica serving a job the scheduler assigned ve
 (`CommitVerifier`) each such call's signature, sent in its metadata, over the method, the replica
 it is for (its peer id: a call signed for one replica is refused by the others), a time and a
 nonce (a call is taken once, and only within `MAX_AGE_S` of when it was signed) and the request
-itself (every field: the step, `group`, `source`, the phase, ...). A stage server not under a
+itself (every field: the step, `group`, `source`, the phase, ...); a `LoadState` also the state it
+streams, by its digest (`state_digest`, sent beside the signature under `STATE_DIGEST_KEY`),
+which the replica checks once the state has come and before it loads it. A call signed before
+the replica's process started is refused too (`STARTED`): the nonces it took are gone with its
+last process, and a call seen then must not be played to the restarted one (issue 54). A stage
+server not under a
 scheduler (`swarm trainer --stage-servers`, whose owner coordinates it) has no key to check
 against, and takes the token alone, as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from google.protobuf.message import Message
@@ -37,11 +44,14 @@ __all__ = [
     "KEY_FILE",
     "MAX_AGE_S",
     "SIGNATURE_KEY",
+    "STARTED",
+    "STATE_DIGEST_KEY",
     "CallSigner",
     "CommitRefused",
     "CommitVerifier",
     "SchedulerKey",
     "SignedStub",
+    "state_digest",
 ]
 
 #: The binary metadata entry a signed call carries: issued (ms, 8 bytes), nonce (16), signature.
@@ -51,6 +61,12 @@ SIGNATURE_KEY = "swarm-scheduler-signature-bin"
 MAX_AGE_S = 300.0
 #: The scheduler's key, in its checkpoint directory (0600).
 KEY_FILE = "scheduler-commit-key"
+#: The binary metadata entry of a signed LoadState: the digest of the state it streams.
+STATE_DIGEST_KEY = "swarm-state-digest-bin"
+#: When this process started (its clock): a call signed before is refused, whatever its nonce.
+#: The price, where the scheduler's clock is behind this one: its calls are refused for that
+#: long after a restart (docs/decisions.md, "Nonces across a restart").
+STARTED = time.time()
 
 _CONTEXT = b"swarm-commit/1\0"
 _HEAD = struct.Struct(">q16s")  # issued (ms), nonce
@@ -60,9 +76,21 @@ _MAX_NONCES = 65_536  # calls remembered per replica within MAX_AGE_S (only sign
 Metadata = Sequence[tuple[str, str | bytes]]
 
 
-def _signed(method: str, peer: str, head: bytes, request: Message) -> bytes:
+def _signed(method: str, peer: str, head: bytes, request: Message, extra: bytes = b"") -> bytes:
     body = request.SerializeToString(deterministic=True)
-    return b"".join((_CONTEXT, method.encode(), b"\0", peer.encode(), b"\0", head, body))
+    parts = (_CONTEXT, method.encode(), b"\0", peer.encode(), b"\0", head, extra, body)
+    return b"".join(parts)
+
+
+def state_digest(step: int, state: Mapping[str, torch.Tensor]) -> bytes:
+    """SHA-256 of a state as LoadState streams it: its step, and each tensor's name, dtype, shape
+    and bytes, in name order (the order it travels in does not count)."""
+    digest = hashlib.sha256(struct.pack(">q", step))
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.digest()
 
 
 class CallSigner:
@@ -71,9 +99,11 @@ class CallSigner:
     def __init__(self, key: Ed25519PrivateKey, peer: str) -> None:
         self._key, self.peer = key, peer
 
-    def metadata(self, method: str, request: Message) -> tuple[tuple[str, bytes], ...]:
+    def metadata(
+        self, method: str, request: Message, extra: bytes = b""
+    ) -> tuple[tuple[str, bytes], ...]:
         head = _HEAD.pack(int(time.time() * 1000), os.urandom(16))
-        signature = self._key.sign(_signed(method, self.peer, head, request))
+        signature = self._key.sign(_signed(method, self.peer, head, request, extra))
         return ((SIGNATURE_KEY, head + signature),)
 
 
@@ -141,11 +171,20 @@ class SignedStub:
     def Join(self, request: pb.StageJoinRequest, **kwargs: Any) -> Any:
         return self._stub.Join(request, metadata=self._signer.metadata("Join", request), **kwargs)
 
-    def LoadState(self, **kwargs: Any) -> Any:
+    def LoadState(self, *, metadata: Metadata = (), **kwargs: Any) -> Any:
         # A stream: what is signed is its job and stage, before any tensor (a replica refuses an
-        # unsigned one before it reads a byte of state).
+        # unsigned one before it reads a byte of state), and the digest of the state it streams
+        # (`StageClient.load_state` sends it under STATE_DIGEST_KEY), checked once it came.
         signed = pb.StageLoadStateRequest(job=self._job, stage=self._stage)
-        return self._stub.LoadState(metadata=self._signer.metadata("LoadState", signed), **kwargs)
+        digest = _digest_of(metadata)
+        signature = self._signer.metadata("LoadState", signed, digest)
+        return self._stub.LoadState(metadata=(*metadata, *signature), **kwargs)
+
+
+def _digest_of(metadata: Metadata) -> bytes:
+    """The state digest a LoadState carries (b"" when none)."""
+    value = next((v for k, v in metadata if k == STATE_DIGEST_KEY), b"")
+    return value if isinstance(value, bytes) else value.encode()
 
 
 class CommitRefused(Exception):
@@ -160,15 +199,24 @@ class CommitVerifier:
     """What a replica (`peer`) checks a commit-protocol call against: `public`, the key its
     scheduler announced."""
 
-    def __init__(self, public: bytes, peer: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        public: bytes,
+        peer: str,
+        clock: Callable[[], float] = time.time,
+        started: float | None = None,
+    ) -> None:
         self.public, self.peer, self.clock = public, peer, clock
         self._key = Ed25519PublicKey.from_public_bytes(public)
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> issued (ms), oldest first
-        self._floor_ms = -(2**63)  # issued at or before this: forgotten, so refused
+        # Issued at or before this: forgotten (or taken by a process before this one), so
+        # refused. `started`: when this replica's process started (`STARTED`).
+        self._floor_ms = int((STARTED if started is None else started) * 1000)
 
     def check(self, method: str, request: Message, metadata: Metadata | None) -> None:
         """Raise `CommitRefused` unless `request` to `method` is the scheduler's, signed for this
-        replica, fresh, and not taken before."""
+        replica, fresh, and not taken before (a LoadState: with the digest of its state under
+        `STATE_DIGEST_KEY`, which the signature covers)."""
         value = next((v for k, v in metadata or () if k == SIGNATURE_KEY), None)
         if value is None:
             raise CommitRefused(
@@ -183,8 +231,9 @@ class CommitVerifier:
             )
         head, signature = raw[: _HEAD.size], raw[_HEAD.size :]
         issued_ms, nonce = _HEAD.unpack(head)
+        extra = _digest_of(metadata or ()) if method == "LoadState" else b""
         try:
-            self._key.verify(signature, _signed(method, self.peer, head, request))
+            self._key.verify(signature, _signed(method, self.peer, head, request, extra))
         except InvalidSignature:
             raise CommitRefused(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -200,7 +249,8 @@ class CommitVerifier:
         if nonce in self._seen or issued_ms <= self._floor_ms:
             raise CommitRefused(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"{method}: a signed call taken before (a replay)",
+                f"{method}: a signed call taken before, or signed before this replica started "
+                "(a replay; or the scheduler's clock is behind this one's)",
             )
         self._remember(nonce, issued_ms)
 

@@ -4,8 +4,11 @@ export it.
 The scheduler holds one secret, the admin token (`swarm scheduler --admin-token-file`). A
 submitter's token is derived from it and the submitter's name, `NAME:HMAC-SHA256(admin, NAME)`
 (`submitter_token`, `swarm submitter-token NAME`), so the scheduler checks one without a list of
-names to keep, reload or leak: it recomputes the digest (`submitter_of`). A client sends its
-token (or the admin token itself) beside the swarm token, under `SUBMITTER_KEY`. A name cannot be
+names to keep, reload or leak: it recomputes the digest (`submitter_of`). The admin's own
+credential is derived the same way, under the reserved name `admin` (`admin_credential`,
+`swarm submitter-token admin`): the admin token, the root of every token, never travels, so a
+credential seen on the wire (without TLS) makes no other (issue 54). A client sends its token
+beside the swarm token, under `SUBMITTER_KEY`. A name cannot be
 revoked alone: rotating the admin token voids every submitter token, as the swarm's certificates
 have no revocation either (docs/decisions.md, "Who submitted a job").
 """
@@ -22,7 +25,9 @@ __all__ = [
     "ADMIN",
     "SUBMITTER_KEY",
     "SUBMITTER_NAME_RE",
+    "admin_credential",
     "check_submitter_name",
+    "is_admin_token",
     "submitter_of",
     "submitter_token",
 ]
@@ -57,14 +62,26 @@ def submitter_token(admin_token: str, name: str) -> str:
     return f"{check_submitter_name(name)}:{_digest(admin_token, name)}"
 
 
-def submitter_of(admin_token: str, given: str) -> str | None:
-    """Who `given` names: `ADMIN` for the admin token itself, a submitter's name for a token
-    `submitter_token` made with `admin_token`, None for anything else."""
+def admin_credential(admin_token: str) -> str:
+    """The admin's credential to a scheduler holding `admin_token`: made from it as a
+    submitter's token is, never the admin token itself."""
+    if not admin_token:
+        raise ConfigError("an empty admin token would let anyone make submitter tokens")
+    return f"{ADMIN}:{_digest(admin_token, ADMIN)}"
+
+
+def is_admin_token(admin_token: str, given: str) -> bool:
+    """Whether `given` is the admin token itself (compared as digests, in constant time)."""
     expected = hashlib.sha256(admin_token.encode()).digest()
-    if hmac.compare_digest(hashlib.sha256(given.encode()).digest(), expected):
-        return ADMIN
+    return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), expected)
+
+
+def submitter_of(admin_token: str, given: str) -> str | None:
+    """Who `given` names: `ADMIN` for `admin_credential`, a submitter's name for a token
+    `submitter_token` made with `admin_token`, None for anything else (the admin token itself
+    included: it is no credential)."""
     name, _, digest = given.partition(":")
-    if not SUBMITTER_NAME_RE.fullmatch(name) or name == ADMIN:
+    if not SUBMITTER_NAME_RE.fullmatch(name):
         return None
     if not hmac.compare_digest(digest.encode(), _digest(admin_token, name).encode()):
         return None

@@ -11,9 +11,11 @@ It answers what it must and no more, to anyone who can reach the port:
   once; each has `request_s` to finish its TLS handshake and send its request, and `answer_s`
   to take the answer;
 - when full, a new connection drops one of the host that holds the most (the new one's own host
-  on a tie), its oldest still waiting for a request first: a host that floods or churns
-  connections, whatever its rate, only ever drops its own, and a scrape from another host
-  (Prometheus) is never cut off, neither before its answer nor while taking it;
+  on a tie): its oldest that has sent nothing yet, else its oldest still waiting for a request:
+  a host that floods or churns connections, whatever its rate, only ever drops its own, and a
+  scrape from another host (Prometheus) is never cut off, neither before its answer nor while
+  taking it; nor one from the flood's own host once its request began (a scrape sends it at
+  once), however many silent connections come after it;
 - a refused request (no token, the wrong one, not HTTP) is counted (`refused`) and logged rated
   (`swarm.ops.rated.RatedLog`: a line per reason every `_LOG_EVERY_S`), never a line per request.
 
@@ -86,6 +88,7 @@ class Endpoint:
         self._limits = limits
         self._open: dict[asyncio.StreamWriter, str] = {}  # each one's host, oldest first
         self._answering: set[asyncio.StreamWriter] = set()  # their request read
+        self._spoke: set[asyncio.StreamWriter] = set()  # a byte of their request came
         self._log = RatedLog(log, _LOG_EVERY_S)
         self.refused = 0  # requests refused (401, 400), on the endpoint's thread
 
@@ -116,13 +119,15 @@ class Endpoint:
             victim = self._victim(host)
             del self._open[victim]
             self._answering.discard(victim)
+            self._spoke.discard(victim)
             victim.transport.abort()
         self._open[writer] = host
 
     def _victim(self, newcomer: str) -> asyncio.StreamWriter:
         """The connection a new one from `newcomer` replaces: of the host that holds the most
-        (counting the new one, so a tie is the newcomer's), the oldest waiting for its request,
-        else the oldest. At most `connections` are looked at."""
+        (counting the new one, so a tie is the newcomer's), the oldest that sent nothing yet,
+        else the oldest waiting for its request, else the oldest. At most `connections` are
+        looked at."""
         held = Counter(self._open.values())
         held[newcomer] += 1
         busiest = max(held, key=lambda h: (held[h], h == newcomer))
@@ -130,7 +135,8 @@ class Endpoint:
         if not theirs:  # only the newcomer's own host, holding none yet: the oldest of all
             theirs = list(self._open)
         waiting = [w for w in theirs if w not in self._answering]
-        return (waiting or theirs)[0]
+        silent = [w for w in waiting if w not in self._spoke]
+        return (silent or waiting or theirs)[0]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Admitted, and TLS started, before the first await: the client's first bytes reach
@@ -141,7 +147,7 @@ class Endpoint:
                 async with asyncio.timeout(self._limits.request_s):
                     if self._context is not None:
                         await writer.start_tls(self._context)
-                    head = await reader.readuntil(b"\r\n\r\n")
+                    head = await self._head(reader, writer)
             except (TimeoutError, OSError, EOFError, asyncio.LimitOverrunError):
                 return  # no request: a failed handshake, a stranger, a slow or idle client
             self._answering.add(writer)
@@ -154,7 +160,17 @@ class Endpoint:
         finally:
             self._open.pop(writer, None)
             self._answering.discard(writer)
+            self._spoke.discard(writer)
             writer.transport.abort()
+
+    async def _head(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        """The request's head (up to its blank line), `writer` marked as having spoken at its
+        first byte."""
+        first = await reader.read(1)
+        if not first:
+            raise EOFError
+        self._spoke.add(writer)
+        return first + await reader.readuntil(b"\r\n\r\n")
 
     def _answer(self, head: bytes) -> Answer:
         request = _parse(head)

@@ -5,11 +5,13 @@ A stage server started with `SWARM_FAULTS="backward@3,averaging@5"` kills itself
 it reaches that point while serving that step: mid-request, so the caller sees a dead peer exactly
 where the fault says. The raising points (`forward-oom`, `backward-oom`, `averaging-oom`) raise an
 out-of-memory error inside that computation instead (`due`, once each), and the process lives on:
-a device failure in a real process, for tests and benchmarks. A stage server reads its
-SWARM_FAULTS when it starts (`arm`): a malformed one stops it there, not at the first fault
-point it reaches. `idle` faults (between calls) and the roles `scheduler`, `trainer` and
-`broker` are killed from outside by `FaultPlan.due`'s caller (the test harness, `swarm demo`)
-when the job reaches the step; the target `*` (`ANY_REPLICA`) leaves the choice of replica to it.
+a device failure in a real process, for tests and benchmarks. The hostile points (`poison-sum`,
+`poison-grad`) make the process lie in its pool's averaging from that step on (`poisoning`). A
+stage server reads its SWARM_FAULTS when it starts (`arm`): a malformed one stops it there, not
+at the first fault point it reaches. `idle` faults (between calls) and the roles `scheduler`,
+`trainer` and `broker` are killed from outside by `FaultPlan.due`'s caller (the test harness,
+`swarm demo`) when the job reaches the step; the target `*` (`ANY_REPLICA`) leaves the choice of
+replica to it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from swarm.errors import ConfigError
 __all__ = [
     "ANY_REPLICA",
     "ENV",
+    "HOSTILE",
     "RAISING",
     "Fault",
     "FaultPlan",
@@ -35,6 +38,7 @@ __all__ = [
     "due",
     "maybe_die",
     "parse_faults",
+    "poisoning",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,9 +57,14 @@ class Point(enum.StrEnum):
     FORWARD_OOM = "forward-oom"  # a Forward's forward (or ForwardBackward's)
     BACKWARD_OOM = "backward-oom"  # inside the backward, once a gradient reached the sums
     AVERAGING_OOM = "averaging-oom"  # a pool's averaging round, before this replica sends
+    # Hostile, from the step on (`poisoning`; `stage_server.averaging.hostile`): issue 55's
+    # poisoners as real processes, for tests and benchmarks.
+    POISON_SUM = "poison-sum"  # an owner answers its part's sums plus 1e4
+    POISON_GRAD = "poison-grad"  # a replica contributes its gradient sums times 1e4
 
 
 RAISING = frozenset({Point.FORWARD_OOM, Point.BACKWARD_OOM, Point.AVERAGING_OOM})
+HOSTILE = frozenset({Point.POISON_SUM, Point.POISON_GRAD})
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,12 @@ def maybe_die(point: Point, step: int) -> None:
     if any(f.point == point and f.step == step for f in _faults()):
         log.warning("fault injected: %s@%d; killing this process", point, step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poisoning(point: Point, step: int) -> bool:
+    """Whether this process acts hostile at `point` (one of `HOSTILE`) in `step`: from the
+    fault's step on, every step (a hostile peer does not stop at one)."""
+    return any(f.point == point and f.step <= step for f in _faults())
 
 
 def due(point: Point, step: int, peer: str = "") -> bool:

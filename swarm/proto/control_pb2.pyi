@@ -127,7 +127,7 @@ class ReachabilityReport(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., reachability: _Optional[_Union[Reachability, str]] = ..., address: _Optional[str] = ..., relay: _Optional[str] = ..., detail: _Optional[str] = ..., remedy: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("peer", "job", "stage", "queue_depth", "in_flight", "ema_seconds_per_sample", "time")
+    __slots__ = ("peer", "job", "stage", "queue_depth", "in_flight", "ema_seconds_per_sample", "time", "boundary")
     PEER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class LoadReport(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     EMA_SECONDS_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     peer: str
     job: str
     stage: int
@@ -142,7 +143,20 @@ class LoadReport(_message.Message):
     in_flight: int
     ema_seconds_per_sample: float
     time: float
-    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., ema_seconds_per_sample: _Optional[float] = ..., time: _Optional[float] = ...) -> None: ...
+    boundary: BoundaryTraffic
+    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., ema_seconds_per_sample: _Optional[float] = ..., time: _Optional[float] = ..., boundary: _Optional[_Union[BoundaryTraffic, _Mapping]] = ...) -> None: ...
+
+class BoundaryTraffic(_message.Message):
+    __slots__ = ("forward_bytes", "forward_tokens", "backward_bytes", "backward_tokens")
+    FORWARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    forward_bytes: int
+    forward_tokens: int
+    backward_bytes: int
+    backward_tokens: int
+    def __init__(self, forward_bytes: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., backward_bytes: _Optional[int] = ..., backward_tokens: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("job", "peer", "stage", "generation")

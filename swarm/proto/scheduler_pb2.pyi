@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Replica(_message.Message):
-    __slots__ = ("peer", "address", "metrics_address", "device", "state", "samples_per_second", "joining", "reachability", "relay", "reachability_detail", "upload_bytes_per_second", "download_bytes_per_second")
+    __slots__ = ("peer", "address", "metrics_address", "device", "state", "samples_per_second", "joining", "reachability", "relay", "reachability_detail", "upload_bytes_per_second", "download_bytes_per_second", "boundary")
     PEER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class Replica(_message.Message):
     REACHABILITY_DETAIL_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     peer: str
     address: str
     metrics_address: str
@@ -34,7 +35,8 @@ class Replica(_message.Message):
     reachability_detail: str
     upload_bytes_per_second: float
     download_bytes_per_second: float
-    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.PeerState, str]] = ..., samples_per_second: _Optional[float] = ..., joining: _Optional[str] = ..., reachability: _Optional[_Union[_control_pb2.Reachability, str]] = ..., relay: _Optional[str] = ..., reachability_detail: _Optional[str] = ..., upload_bytes_per_second: _Optional[float] = ..., download_bytes_per_second: _Optional[float] = ...) -> None: ...
+    boundary: _control_pb2.BoundaryTraffic
+    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.PeerState, str]] = ..., samples_per_second: _Optional[float] = ..., joining: _Optional[str] = ..., reachability: _Optional[_Union[_control_pb2.Reachability, str]] = ..., relay: _Optional[str] = ..., reachability_detail: _Optional[str] = ..., upload_bytes_per_second: _Optional[float] = ..., download_bytes_per_second: _Optional[float] = ..., boundary: _Optional[_Union[_control_pb2.BoundaryTraffic, _Mapping]] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("stage", "layers", "replicas")
@@ -218,6 +220,20 @@ class SchedulerExportRoutesResponse(_message.Message):
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
+class SchedulerFetchDataRequest(_message.Message):
+    __slots__ = ("job", "validation")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    validation: bool
+    def __init__(self, job: _Optional[str] = ..., validation: _Optional[bool] = ...) -> None: ...
+
+class SchedulerFetchDataResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
 class LeaseTask(_message.Message):
     __slots__ = ("step", "index", "stages", "evaluate")
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -265,7 +281,7 @@ class SchedulerLeaseMicrobatchesResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[LeaseTask, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class MicrobatchReport(_message.Message):
-    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back")
+    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back", "verdicts", "touched", "stage_runs", "audit_runs")
     class HoldersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +303,10 @@ class MicrobatchReport(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     BACK_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    STAGE_RUNS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_RUNS_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
     holders: _containers.ScalarMap[int, str]
@@ -294,7 +314,21 @@ class MicrobatchReport(_message.Message):
     samples: int
     chain: _containers.RepeatedScalarFieldContainer[str]
     back: _containers.ScalarMap[int, str]
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
+    touched: _containers.RepeatedScalarFieldContainer[str]
+    stage_runs: int
+    audit_runs: int
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., touched: _Optional[_Iterable[str]] = ..., stage_runs: _Optional[int] = ..., audit_runs: _Optional[int] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("peer", "stage", "evidence")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    stage: int
+    evidence: str
+    def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., evidence: _Optional[str] = ...) -> None: ...
 
 class SchedulerReportMicrobatchesRequest(_message.Message):
     __slots__ = ("job", "trainer", "results", "released", "next")

@@ -71,6 +71,11 @@ class SchedulerServiceStub:
                 request_serializer=_framing.serialize,
                 response_deserializer=_framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerExportRoutesResponse),
                 _registered_method=True)
+        self.FetchData = channel.unary_stream(
+                '/swarm.proto.SchedulerService/FetchData',
+                request_serializer=_framing.serialize,
+                response_deserializer=_framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerFetchDataResponse),
+                _registered_method=True)
         self.LeaseMicrobatches = channel.unary_unary(
                 '/swarm.proto.SchedulerService/LeaseMicrobatches',
                 request_serializer=_framing.serialize,
@@ -128,6 +133,12 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchData(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LeaseMicrobatches(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -176,6 +187,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
             'ExportRoutes': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportRoutes,
                     request_deserializer=_framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerExportRoutesRequest),
+                    response_serializer=_framing.serialize,
+            ),
+            'FetchData': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchData,
+                    request_deserializer=_framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerFetchDataRequest),
                     response_serializer=_framing.serialize,
             ),
             'LeaseMicrobatches': grpc.unary_unary_rpc_method_handler(
@@ -378,6 +394,33 @@ class SchedulerService:
             '/swarm.proto.SchedulerService/ExportRoutes',
             _framing.serialize,
             _framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerExportRoutesResponse),
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarm.proto.SchedulerService/FetchData',
+            _framing.serialize,
+            _framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerFetchDataResponse),
             options,
             channel_credentials,
             insecure,

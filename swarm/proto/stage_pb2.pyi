@@ -245,7 +245,7 @@ class StageCommitResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ..., grad_sq_norm: _Optional[float] = ..., sum_checks: _Optional[_Iterable[_Union[SumCheck, _Mapping]]] = ...) -> None: ...
 
 class SumCheck(_message.Message):
-    __slots__ = ("part", "dot", "magnitude", "sum_dot", "unit", "norm", "encoding")
+    __slots__ = ("part", "dot", "magnitude", "sum_dot", "unit", "norm", "encoding", "received", "sum_norm")
     PART_FIELD_NUMBER: _ClassVar[int]
     DOT_FIELD_NUMBER: _ClassVar[int]
     MAGNITUDE_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,8 @@ class SumCheck(_message.Message):
     UNIT_FIELD_NUMBER: _ClassVar[int]
     NORM_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SUM_NORM_FIELD_NUMBER: _ClassVar[int]
     part: int
     dot: float
     magnitude: float
@@ -260,7 +262,9 @@ class SumCheck(_message.Message):
     unit: float
     norm: float
     encoding: float
-    def __init__(self, part: _Optional[int] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., sum_dot: _Optional[float] = ..., unit: _Optional[float] = ..., norm: _Optional[float] = ..., encoding: _Optional[float] = ...) -> None: ...
+    received: _containers.RepeatedScalarFieldContainer[float]
+    sum_norm: float
+    def __init__(self, part: _Optional[int] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., sum_dot: _Optional[float] = ..., unit: _Optional[float] = ..., norm: _Optional[float] = ..., encoding: _Optional[float] = ..., received: _Optional[_Iterable[float]] = ..., sum_norm: _Optional[float] = ...) -> None: ...
 
 class StageDiscardRequest(_message.Message):
     __slots__ = ("job", "stage", "step")

@@ -6,7 +6,13 @@ that drops inbound connections stops none of them.
 `Attachment` chooses the first relay of `relays()` that accepts it (the one that last failed is
 tried last), and re-chooses when that relay dies, refuses it, or goes silent (it pings every few
 seconds), pausing between rounds (a `Backoff`); `on_change` hears the relay it is reached
-through, or None.
+through, or None. A relay that ends a live attachment (a restart, a blip, its own key attaching
+elsewhere) is tried again first, once: the peer stays where it is reached, rather than moving to
+whichever relay was announced last (a token holder's, say).
+
+Each attach is signed with the peer's key (`swarm.relay.identity.AttachKey`: its certificate's,
+or one made at its start), over the relay's address as dialled and its nonce: the relay binds
+the attachment to that key.
 
 Each call the relay asks for names what it is for, `grpc` or `metrics`, never an address: the
 peer dials only its own gRPC server or its own /metrics, so neither a relay nor whoever poses as
@@ -22,6 +28,7 @@ from typing import Protocol
 
 from swarm.policy.backoff import Backoff
 from swarm.relay.auth import attach_proof, data_proof
+from swarm.relay.identity import AttachKey, challenge
 from swarm.relay.wire import PROTOCOL, close, splice
 
 __all__ = ["GRPC", "METRICS", "Attachment", "Pauses", "split_host_port"]
@@ -57,7 +64,8 @@ class Attachment:
     """Keeps `peer` attached to one relay of `relays()` and carries the relay's calls to
     `local_address` (this peer's own gRPC server). `address`: what this peer announces (the
     relay shows it; default `local_address`). `local_metrics`: its own /metrics, where a relayed
-    scrape is carried ("": none), announced at `metrics_address` (default `local_metrics`)."""
+    scrape is carried ("": none), announced at `metrics_address` (default `local_metrics`).
+    `key`: what it proves who it is with (default: a fresh key of its own)."""
 
     def __init__(
         self,
@@ -75,8 +83,10 @@ class Attachment:
         dead_after_s: float = 35.0,
         max_tunnels: int = 256,
         chunk_bytes: int = 256 * 1024,
+        key: AttachKey | None = None,
     ) -> None:
         self.peer, self.token, self.local_address = peer, token or None, local_address
+        self.key = key or AttachKey.fresh()
         self.address = address or local_address
         self.local_metrics = local_metrics
         self.metrics_address = (metrics_address or local_metrics) if local_metrics else ""
@@ -117,18 +127,23 @@ class Attachment:
     def _next(self, tried: set[str]) -> str | None:
         """The relay to try next this round: the first of `relays()` as listed now (the one that
         last failed last) not tried yet this round; None when every one was."""
-        try:
-            relays = list(dict.fromkeys(self._relays()))
-        except Exception:  # whoever lists them failed: no relay this round, not the end
-            log.exception("%s: could not list relays", self.peer)
-            return None
+        relays = self._listed()
         if self._last_failed in relays and len(relays) > 1:  # the others first
             relays.remove(self._last_failed)
             relays.append(self._last_failed)
         return next((r for r in relays if r not in tried), None)
 
+    def _listed(self) -> list[str]:
+        """`relays()` now, each once; none when whoever lists them fails (not the end)."""
+        try:
+            return list(dict.fromkeys(self._relays()))
+        except Exception:
+            log.exception("%s: could not list relays", self.peer)
+            return []
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        retried: set[str] = set()  # tried again at once after it ended a live attachment
         while True:
             # One round: each relay listed at most once. The list is read again after each
             # relay, so a relay announced since the round began (as the relays' announcements
@@ -136,29 +151,46 @@ class Attachment:
             # at once by another, with no pause and no moment announced without a relay (nobody
             # could call the peer then), still announced through the lost one meanwhile.
             tried: set[str] = set()
-            while (relay := self._next(tried)) is not None:
+            again: str | None = None  # a relay that ended a live attachment: tried first, once
+            while (relay := again or self._next(tried)) is not None:
+                again = None
                 tried.add(relay)
                 try:
                     reader, writer = await asyncio.wait_for(self._attach(relay), self.timeout_s)
-                except (OSError, TimeoutError, ValueError, _Refused) as e:
+                except _Refused as e:  # the relay says why (a wrong key, a certificate
+                    # not naming this peer, another key holding its id): the operator's to fix
+                    log.warning("%s: relay %s refused it: %s", self.peer, relay, e)
+                    self._last_failed = relay
+                    continue
+                except (OSError, TimeoutError, ValueError) as e:
                     log.info("%s: relay %s: not attached: %s", self.peer, relay, e or type(e))
                     self._last_failed = relay
                     continue
                 log.info("%s: attached to relay %s", self.peer, relay)
                 self._set(relay)
                 since = loop.time()
+                ended = False  # by the relay (closed, reset), not gone silent
                 try:
                     await self._serve(relay, reader, writer)
-                except (OSError, TimeoutError, ValueError) as e:
+                except (OSError, ValueError) as e:
+                    ended = True
                     log.info("%s: relay %s lost: %s", self.peer, relay, e or type(e).__name__)
+                except TimeoutError:
+                    log.info("%s: relay %s lost: silent", self.peer, relay)
                 finally:
                     await close(writer)
+                if ended and relay not in retried and relay in self._listed():
+                    retried.add(relay)
+                    tried.discard(relay)
+                    again = relay
+                    continue
                 self._last_failed = relay
                 if loop.time() - since > self.dead_after_s:
                     self._pauses.reset()  # it served a while: its end is news, not a pattern
             if not tried:
                 log.debug("%s: no relay to attach to", self.peer)
             self._set(None)  # no relay of this round holds it
+            retried.clear()
             await asyncio.sleep(self._pauses.next())
 
     async def _attach(self, relay: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -167,12 +199,14 @@ class Attachment:
             metrics = f"X-Swarm-Metrics: {self.metrics_address}\r\n" if self.metrics_address else ""
             writer.write(
                 f"ATTACH {self.peer} {PROTOCOL}\r\nX-Swarm-Address: {self.address}\r\n"
+                f"X-Swarm-Relay: {relay}\r\n{self.key.header()}\r\n"
                 f"X-Swarm-Seen-From: ?\r\n{metrics}\r\n".encode()
             )
             verb, _, nonce = (await reader.readline()).decode("latin-1").strip().partition(" ")
             if verb != "NONCE":
                 raise _Refused(f"{verb} {nonce}".strip() or "closed")
-            writer.write(f"PROOF {attach_proof(self.token, self.peer, nonce)}\n".encode())
+            signed = self.key.sign(challenge(self.peer, relay, nonce))
+            writer.write(f"PROOF {attach_proof(self.token, self.peer, nonce)} {signed}\n".encode())
             answer = (await reader.readline()).decode("latin-1").strip()
             verb, _, seen = answer.partition(" ")
             if verb != "OK":

@@ -10,10 +10,10 @@ token, so that the relay, the peers it carries and their callers need no secret 
 - A peer's data connection for call C shows `data_proof(token, C)`; C is a random id the relay
   sent over that peer's control connection and takes once.
 
-With the shared-token model, every holder of the token can attach as any peer id: the id is bound
-to the token, not to one peer's own secret. With TLS on, the caller still verifies the peer's own
-certificate, so whoever attaches in another's name can refuse its calls but not read them.
-Without a token (a trusted network, `--insecure-no-token`) the relay checks nothing.
+The token says only that the attacher is one of the swarm's peers, not which: every holder can
+derive every proof above. Which peer is the key that signs the attach (`swarm.relay.identity`),
+to which the relay binds the attachment. Without a token (a trusted network,
+`--insecure-no-token`) the relay checks no proof, and still binds each attachment to its key.
 """
 
 from __future__ import annotations

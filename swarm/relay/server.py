@@ -13,9 +13,14 @@ dial, never an address, so a relay is no way into the peer's network.
 
 Who gets in (`swarm.relay.auth`): every request proves the swarm token, each in its own
 derived form, so a stranger can neither attach nor open a tunnel, and an overheard attach cannot
-be replayed. What one connection can hold (`RelayLimits`): a request head is read within a time
-and a size; peers, tunnels per peer and tunnels in all are counted; a tunnel reads at most a
-bounded amount ahead of the side it writes to. Refusals are counted by reason and logged rated.
+be replayed. Who attaches (`swarm.relay.identity`): an attachment is bound to the key that signed
+its challenge (with the swarm's CA, a certificate naming the peer id); an attach under the same
+id with another key is refused while the attachment answers a ping, so no token holder takes a
+live peer's calls. What one connection or source can hold (`swarm.relay.limits`): a request head
+is read within a time and a size, from a pool of its own for the data connections the relay
+asked for; heads, peers and tunnels are counted in all, per peer and per source, sized to the
+process's descriptors; a tunnel reads at most a bounded amount ahead of the side it writes to.
+Refusals are counted by reason and logged rated.
 """
 
 from __future__ import annotations
@@ -23,28 +28,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import secrets
-from dataclasses import dataclass
+from collections import Counter as Tally
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from swarm.net.addresses import host_port
 from swarm.net.paths import relay_credential
 from swarm.ops.rated import RatedLog
-from swarm.relay.attach import GRPC, METRICS
+from swarm.relay.attach import METRICS
 from swarm.relay.auth import (
-    attach_proof,
     data_proof,
     metrics_credential,
     proxy_user,
     same,
 )
+from swarm.relay.control import Attached, Peers
+from swarm.relay.limits import RelayLimits, nofile, release, source_of
 from swarm.relay.wire import (
     PROTOCOL,
     Head,
     HeadError,
     address_key,
+    answer,
     close,
+    linger,
     origin_form,
     read_head,
     splice,
@@ -55,36 +64,6 @@ __all__ = ["RelayLimits", "RelayServer"]
 log = logging.getLogger(__name__)
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-_PEER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # as stage_server.peer.identity makes them
-_LINGER_S = 0.5  # how long a refused request's remaining bytes are read before closing
-
-
-@dataclass(frozen=True)
-class RelayLimits:
-    max_peers: int = 256  # peers attached at once
-    max_tunnels_per_peer: int = 64  # a peer's concurrent tunnels (a gRPC channel uses one)
-    max_tunnels: int = 1024  # tunnels in all (two descriptors each, and the peer's one)
-    max_heads: int = 128  # connections still sending their request head
-    head_timeout_s: float = 10.0  # to send a request head (and an attach's proof)
-    max_head_bytes: int = 8192
-    open_timeout_s: float = 10.0  # for the peer to open a tunnel's data connection
-    ping_s: float = 10.0  # how often an attached peer is pinged
-    dead_after_s: float = 35.0  # an attached peer silent this long is dropped
-    chunk_bytes: int = 256 * 1024  # a splice's read; with the stream buffers, its memory bound
-
-
-class _Attached:
-    """A peer's control connection, what it holds, and the addresses it announced (its gRPC
-    server's, its /metrics' or "")."""
-
-    def __init__(self, peer: str, address: str, metrics: str, writer: asyncio.StreamWriter) -> None:
-        self.peer, self.address, self.metrics, self.writer = peer, address, metrics, writer
-        self.keys = {GRPC: address_key(address), METRICS: address_key(metrics)}
-        self.tunnels = 0
-
-    async def send(self, line: str, timeout_s: float) -> None:
-        self.writer.write(line.encode() + b"\n")
-        await asyncio.wait_for(self.writer.drain(), timeout_s)
 
 
 class _Refused(Exception):
@@ -97,8 +76,11 @@ class _Refused(Exception):
 
 class RelayServer:
     """`await start(host, port)` -> the bound port; `await stop()`. `token` None: open (a
-    trusted network); `registry`: where its metrics go; `refusals`: its refusal log, rated
-    (strangers cause refusals at will; keyed by the refusal's reason), or None: at DEBUG."""
+    trusted network); `ca`: the swarm CA (PEM), whose certificates naming a peer id alone
+    attach as it (None: a peer's own key, `swarm.relay.identity`); `registry`: where its
+    metrics go; `refusals`: its refusal log, rated (strangers cause refusals at will; keyed by
+    the refusal's reason), or None: at DEBUG. `addresses`: what peers dial it by, as signed in
+    their attaches; `start` adds its listening address, whoever announces it adds that."""
 
     def __init__(
         self,
@@ -107,9 +89,11 @@ class RelayServer:
         *,
         registry: CollectorRegistry | None = None,
         refusals: RatedLog | None = None,
+        ca: bytes | None = None,
     ) -> None:
-        self.token = token or None
+        self.token, self.ca = token or None, ca
         self.limits = limits or RelayLimits()
+        self.addresses: set[str] = set()
         self._log = refusals
         registry = registry if registry is not None else CollectorRegistry()
         self.refused = Counter(
@@ -117,6 +101,9 @@ class RelayServer:
             "Connections this relay refused, by reason",
             ["reason"],
             registry=registry,
+        )
+        self.attaches = Counter(
+            "swarm_relay_attaches_total", "Attachments this relay took", registry=registry
         )
         self.opened = Counter(
             "swarm_relay_tunnels_total", "Tunnels this relay opened", registry=registry
@@ -130,17 +117,32 @@ class RelayServer:
         self.tunnels_gauge = Gauge(
             "swarm_relay_open_tunnels", "Tunnels open now", registry=registry
         )
-        self._peers: dict[str, _Attached] = {}
+        self._peers = Peers(
+            self.token,
+            ca,
+            lambda: self.limits,
+            self.addresses,
+            self._refuse,
+            self._head,
+            self.peers_gauge,
+            self.attaches,
+        )
         self._calls: dict[str, tuple[str, asyncio.Future[Stream]]] = {}
         self._tunnels = 0
         self._heads = 0
+        # Per source (`source_of`): heads pending, peers attached, tunnels opened as caller;
+        # calls waiting for a data connection from a source, and those heads being read.
+        self._source_heads: Tally[str] = Tally()
+        self._source_tunnels: Tally[str] = Tally()
+        self._expected: Tally[str] = Tally()
+        self._data_heads: Tally[str] = Tally()
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
 
     @property
     def peers(self) -> dict[str, str]:
         """The attached peers and the addresses they announced."""
-        return {p: a.address for p, a in self._peers.items()}
+        return {p: a.address for p, a in self._peers.held.items()}
 
     @property
     def tunnels(self) -> int:
@@ -149,19 +151,22 @@ class RelayServer:
 
     def tunnels_of(self, peer: str) -> int:
         """Tunnels open now to `peer` (0 when it is not attached)."""
-        attached = self._peers.get(peer)
+        attached = self._peers.held.get(peer)
         return attached.tunnels if attached is not None else 0
 
     async def start(self, host: str, port: int) -> int:
+        # Sized to the descriptors this process may open (`raise_nofile` raised them first).
+        self.limits = self.limits.sized(nofile())
         self._server = await asyncio.start_server(self._connected, host, port)
         bound = int(self._server.sockets[0].getsockname()[1])
+        self.addresses.add(host_port(host, bound))
         log.info("relay listening on %s:%d", host, bound)
         return bound
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
-        for attached in list(self._peers.values()):
+        for attached in list(self._peers.held.values()):
             attached.writer.close()
         for task in list(self._tasks):
             task.cancel()
@@ -191,38 +196,59 @@ class RelayServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         where = writer.get_extra_info("peername")
-        if self._heads >= self.limits.max_heads:
+        source = source_of(where)
+        # A data connection this relay asked for has its own pool and time; any other head, a
+        # stranger's as much as a caller's, is bounded in all and per source, and timed short.
+        expected = self._expected[source] > self._data_heads[source]
+        timeout_s = self.limits.data_timeout_s if expected else self.limits.head_timeout_s
+        pending = self._source_heads[source]
+        if not expected and (
+            self._heads >= self.limits.max_heads or pending >= self.limits.max_heads_per_source
+        ):
             self._refuse(
-                "busy", "refused a connection from %s: %d request heads pending", where, self._heads
+                "busy",
+                "refused a connection from %s: %d request heads pending (%d from its source)",
+                where,
+                self._heads,
+                pending,
             )
             return False
-        self._heads += 1
         try:
-            head = await asyncio.wait_for(
-                read_head(reader, self.limits.max_head_bytes), self.limits.head_timeout_s
-            )
+            with self._head(source, expected):
+                head = await asyncio.wait_for(
+                    read_head(reader, self.limits.max_head_bytes), timeout_s
+                )
         except HeadError as e:
             self._refuse("head", "refused a request from %s: %s", where, e.reason)
-            await _answer(writer, e.status, e.reason)
-            await _linger(reader)
+            await answer(writer, e.status, e.reason)
+            await linger(reader)
             return False
         except TimeoutError:
-            self._refuse(
-                "slow", "dropped %s: no request head in %.0f s", where, self.limits.head_timeout_s
-            )
+            self._refuse("slow", "dropped %s: no request head in %.0f s", where, timeout_s)
             return False
-        finally:
-            self._heads -= 1
         if head.method == "CONNECT" or origin_form(head) is not None:
             await self._tunnel(head, reader, writer, where)
         elif head.method == "ATTACH" and head.version == PROTOCOL:
-            await self._attach(head, reader, writer, where)
+            await self._peers.serve(head, reader, writer, where)
         elif head.method == "DATA" and head.version == PROTOCOL:
             return self._data(head, reader, writer, where)
         else:
             self._refuse("head", "refused %s: method %.16r", where, head.method)
-            await _answer(writer, 405, "this relay takes CONNECT (or a proxy request for /metrics)")
+            await answer(writer, 405, "this relay takes CONNECT (or a proxy request for /metrics)")
         return False
+
+    @contextlib.contextmanager
+    def _head(self, source: str, expected: bool) -> Iterator[None]:
+        """Holds a head's slot: in the pool of expected data connections, or in all and in its
+        source's."""
+        tally, counted = (self._data_heads, 0) if expected else (self._source_heads, 1)
+        tally[source] += 1
+        self._heads += counted
+        try:
+            yield
+        finally:
+            self._heads -= counted
+            release(tally, source)
 
     def _refuse(self, reason: str, msg: str, *args: object) -> None:
         self.refused.labels(reason).inc()
@@ -242,7 +268,7 @@ class RelayServer:
         named = self._credential(head)
         if named is None:
             self._refuse("credential", "refused a tunnel from %s: no or wrong credential", where)
-            await _answer(writer, 407, "this relay needs the swarm's credential for the peer")
+            await answer(writer, 407, "this relay needs the swarm's credential for the peer")
             return
         try:
             attached, kind = self._route(named, target)
@@ -250,7 +276,7 @@ class RelayServer:
                 raise _Refused(403, "target", "only a peer's metrics take a plain HTTP request")
         except _Refused as e:
             self._refuse(e.key, "refused a tunnel from %s to %.64r: %s", where, target, e.reason)
-            await _answer(writer, e.status, e.reason)
+            await answer(writer, e.status, e.reason)
             return
         peer = attached.peer
         if attached.tunnels >= self.limits.max_tunnels_per_peer:
@@ -260,20 +286,26 @@ class RelayServer:
                 peer,
                 attached.tunnels,
             )
-            await _answer(writer, 503, f"peer {peer} has {attached.tunnels} tunnels open")
+            await answer(writer, 503, f"peer {peer} has {attached.tunnels} tunnels open")
             return
         if self._tunnels >= self.limits.max_tunnels:
             self._refuse("full", "refused a tunnel to %s: %d tunnels open", peer, self._tunnels)
-            await _answer(writer, 503, f"this relay has {self._tunnels} tunnels open")
+            await answer(writer, 503, f"this relay has {self._tunnels} tunnels open")
+            return
+        source = source_of(where)
+        if self._source_tunnels[source] >= self.limits.max_tunnels_per_source:
+            self._refuse("source-full", "refused a tunnel from %s: its source's are open", where)
+            await answer(writer, 503, f"{self._source_tunnels[source]} tunnels from your address")
             return
         attached.tunnels += 1
         self._tunnels += 1
+        self._source_tunnels[source] += 1
         self.tunnels_gauge.set(self._tunnels)
         try:
             data = await self._open(attached, kind)
             if data is None:
                 self._refuse("no-data", "peer %s opened no connection for a tunnel", peer)
-                await _answer(writer, 504, f"peer {peer} did not answer through this relay")
+                await answer(writer, 504, f"peer {peer} did not answer through this relay")
                 return
             self.opened.inc()
             if forward:  # the request goes on to the peer's /metrics, which answers it
@@ -284,6 +316,7 @@ class RelayServer:
         finally:
             attached.tunnels -= 1
             self._tunnels -= 1
+            release(self._source_tunnels, source)
             self.tunnels_gauge.set(self._tunnels)
 
     def _credential(self, head: Head) -> str | None:
@@ -299,13 +332,13 @@ class RelayServer:
             return user
         return None
 
-    def _route(self, peer: str, target: str) -> tuple[_Attached, str]:
+    def _route(self, peer: str, target: str) -> tuple[Attached, str]:
         """The attached peer and which of its servers (`GRPC`, `METRICS`) `target` is: the named
         `peer`'s announced gRPC or metrics address; with no peer named, the one peer that
         announced `target` as its metrics address. `_Refused` otherwise."""
         key = address_key(target)
         if peer:
-            attached = self._peers.get(peer)
+            attached = self._peers.held.get(peer)
             if attached is None:
                 raise _Refused(502, "unknown", f"peer {peer[:64]} is not attached to this relay")
             for kind, announced in attached.keys.items():
@@ -317,7 +350,7 @@ class RelayServer:
                 f"peer {peer} announced no such address (only its "
                 "gRPC and metrics addresses are carried)",
             )
-        found = [a for a in self._peers.values() if key is not None and a.keys[METRICS] == key]
+        found = [a for a in self._peers.held.values() if key is not None and a.keys[METRICS] == key]
         if not found:
             raise _Refused(502, "unknown", "no peer attached to this relay serves metrics there")
         if len(found) > 1:  # two homes' LAN addresses may be the same: never the wrong peer
@@ -326,12 +359,13 @@ class RelayServer:
             raise _Refused(409, "ambiguous", why)
         return found[0], METRICS
 
-    async def _open(self, attached: _Attached, kind: str) -> Stream | None:
+    async def _open(self, attached: Attached, kind: str) -> Stream | None:
         """Ask `attached` for a data connection to its server `kind`; it, or None when none came
         in time."""
         call = secrets.token_hex(16)
         future: asyncio.Future[Stream] = asyncio.get_running_loop().create_future()
         self._calls[call] = (attached.peer, future)
+        self._expected[attached.source] += 1  # its data connection's head: the data pool
         try:
             await attached.send(f"OPEN {call} {kind}", self.limits.open_timeout_s)
             return await asyncio.wait_for(future, self.limits.open_timeout_s)
@@ -343,6 +377,7 @@ class RelayServer:
             raise
         finally:
             del self._calls[call]
+            release(self._expected, attached.source)
             if not future.done():
                 future.cancel()  # a data connection coming later is refused
 
@@ -361,90 +396,3 @@ class RelayServer:
             return False
         waiting[1].set_result((reader, writer))
         return True
-
-    # -- a NAT'd peer's control connection -------------------------------------------------------
-    async def _attach(
-        self, head: Head, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: object
-    ) -> None:
-        peer, address = head.target, head.headers.get("x-swarm-address", "")
-        metrics = head.headers.get("x-swarm-metrics", "")
-        if not _PEER_ID.fullmatch(peer):
-            self._refuse("attach", "refused to attach %.64r from %s: not a peer id", peer, where)
-            writer.write(b"ERR not a peer id\n")
-            return
-        if peer not in self._peers and len(self._peers) >= self.limits.max_peers:
-            self._refuse(
-                "peers-full", "refused peer %.64r: %d peers attached", peer, len(self._peers)
-            )
-            writer.write(f"ERR this relay carries {len(self._peers)} peers, its most\n".encode())
-            return
-        nonce = secrets.token_hex(16)
-        writer.write(f"NONCE {nonce}\n".encode())
-        self._heads += 1  # until the proof is in: a stranger's silence holds a head's slot
-        try:
-            line = await asyncio.wait_for(reader.readline(), self.limits.head_timeout_s)
-        finally:
-            self._heads -= 1
-        verb, _, proof = line.decode("latin-1").strip().partition(" ")
-        if verb != "PROOF" or (
-            self.token is not None and not same(proof, attach_proof(self.token, peer, nonce))
-        ):
-            self._refuse("attach", "refused to attach %.64r from %s: wrong proof", peer, where)
-            writer.write(b"ERR wrong proof: this relay needs the swarm's token\n")
-            return
-        attached = _Attached(peer, address, metrics, writer)
-        old = self._peers.get(peer)
-        if old is not None:  # a restarted peer: the newer connection wins, the old may be dead
-            old.writer.close()
-        self._peers[peer] = attached
-        self.peers_gauge.set(len(self._peers))
-        # A peer that asks is told the address its attachment came from: its router's public
-        # one, the failure domain it announces (`PeerAnnouncement.public_address`).
-        source = where[0] if isinstance(where, tuple) and where else ""
-        seen = f" {source}" if "x-swarm-seen-from" in head.headers and source else ""
-        writer.write(f"OK{seen}\n".encode())
-        log.info("relay: peer %s attached from %s (announced %s)", peer, where, address)
-        pinger = asyncio.create_task(self._ping(attached))
-        try:
-            while True:
-                line = await asyncio.wait_for(reader.readline(), self.limits.dead_after_s)
-                if line.strip() != b"PONG":
-                    break  # end of stream, or something no peer sends
-        finally:
-            pinger.cancel()
-            if self._peers.get(peer) is attached:
-                del self._peers[peer]
-                self.peers_gauge.set(len(self._peers))
-                log.info("relay: peer %s detached", peer)
-
-    async def _ping(self, attached: _Attached) -> None:
-        try:
-            while True:
-                await asyncio.sleep(self.limits.ping_s)
-                await attached.send("PING", self.limits.dead_after_s)
-        except (ConnectionError, OSError, TimeoutError):
-            attached.writer.close()  # the reading side then ends
-
-
-async def _answer(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
-    """An HTTP answer whose reason phrase says why (gRPC shows callers the status only)."""
-    phrase = reason.replace("\r", " ").replace("\n", " ")
-    body = phrase.encode() + b"\n"
-    writer.write(
-        f"HTTP/1.1 {status} {phrase}\r\nContent-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n".encode()
-        + body
-    )
-    with contextlib.suppress(ConnectionError, OSError, TimeoutError):
-        await asyncio.wait_for(writer.drain(), 1.0)
-
-
-async def _linger(reader: asyncio.StreamReader) -> None:
-    """Read and drop what the client still sends, briefly, before closing: a socket closed with
-    unread bytes is reset, and the reset can overtake the answer it was sent."""
-    try:
-        async with asyncio.timeout(_LINGER_S):
-            while await reader.read(64 * 1024):
-                pass
-    except (ConnectionError, OSError, TimeoutError):
-        pass

@@ -22,6 +22,7 @@ Requests on a relay's one port (`swarm.relay.server`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,9 @@ __all__ = [
     "Head",
     "HeadError",
     "address_key",
+    "answer",
     "close",
+    "linger",
     "origin_form",
     "read_head",
     "splice",
@@ -218,4 +221,31 @@ async def close(writer: asyncio.StreamWriter) -> None:
     except TimeoutError:
         writer.transport.abort()
     except Exception:  # reset while closing: closed all the same
+        pass
+
+
+_LINGER_S = 0.5  # how long a refused request's remaining bytes are read before closing
+
+
+async def answer(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
+    """An HTTP answer whose reason phrase says why (gRPC shows callers the status only)."""
+    phrase = reason.replace("\r", " ").replace("\n", " ")
+    body = phrase.encode() + b"\n"
+    writer.write(
+        f"HTTP/1.1 {status} {phrase}\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n".encode()
+        + body
+    )
+    with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+        await asyncio.wait_for(writer.drain(), 1.0)
+
+
+async def linger(reader: asyncio.StreamReader) -> None:
+    """Read and drop what the client still sends, briefly, before closing: a socket closed with
+    unread bytes is reset, and the reset can overtake the answer it was sent."""
+    try:
+        async with asyncio.timeout(_LINGER_S):
+            while await reader.read(64 * 1024):
+                pass
+    except (ConnectionError, OSError, TimeoutError):
         pass

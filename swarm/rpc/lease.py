@@ -17,6 +17,7 @@ __all__ = [
     "MicrobatchResult",
     "Replica",
     "Task",
+    "Verdict",
     "Working",
     "lease_from_proto",
     "lease_request",
@@ -55,6 +56,16 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """A replica caught lying by an audit: its work contradicted by two re-executions on other
+    replicas of its stage (`client.data_plane.audit`); `evidence` says what differed."""
+
+    peer: str
+    stage: int
+    evidence: str
+
+
+@dataclass(frozen=True)
 class MicrobatchResult:
     step: int
     index: int
@@ -67,6 +78,13 @@ class MicrobatchResult:
     # whose Backward ran on another (`swarm.model.routes.Run`); empty otherwise
     chain: tuple[str, ...] = ()
     back: tuple[tuple[int, str], ...] = ()
+    verdicts: tuple[Verdict, ...] = ()  # replicas its audit caught lying (issue 55)
+    # every replica whose answer this result rests on (carry plane; empty: not known): one
+    # banned meanwhile makes it void (`scheduler.coordinator.bans`)
+    touched: tuple[str, ...] = ()
+    # the audit's price: stage computations of this run, and re-executions its audit took
+    stage_runs: int = 0
+    audit_runs: int = 0
 
 
 # (step, index): a microbatch a trainer is still working on, named in a lease to renew it
@@ -158,6 +176,12 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
         samples=result.samples,
         chain=result.chain,
         back=dict(result.back),
+        verdicts=[
+            spb.Verdict(peer=v.peer, stage=v.stage, evidence=v.evidence) for v in result.verdicts
+        ],
+        touched=result.touched,
+        stage_runs=result.stage_runs,
+        audit_runs=result.audit_runs,
     )
     if result.loss_sum is not None:
         msg.loss_sum = result.loss_sum
@@ -167,6 +191,17 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
 def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
     loss = msg.loss_sum if msg.HasField("loss_sum") else None
     back = tuple(sorted(msg.back.items()))
+    verdicts = tuple(Verdict(v.peer, v.stage, v.evidence) for v in msg.verdicts)
     return MicrobatchResult(
-        msg.step, msg.index, dict(msg.holders), loss, msg.samples, tuple(msg.chain), back
+        msg.step,
+        msg.index,
+        dict(msg.holders),
+        loss,
+        msg.samples,
+        tuple(msg.chain),
+        back,
+        verdicts,
+        tuple(msg.touched),
+        msg.stage_runs,
+        msg.audit_runs,
     )

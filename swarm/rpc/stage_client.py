@@ -17,6 +17,7 @@ from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp, rule_of
 from swarm.net import dial
+from swarm.net.commit_auth import STATE_DIGEST_KEY, state_digest
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
@@ -166,29 +167,48 @@ class StageClient:
         return received.header, tensors
 
     def _inputs_and_targets(
-        self, inputs: TensorLike, targets: TensorLike
+        self, inputs: TensorLike, targets: TensorLike, tokens: TensorLike | None
     ) -> list[tensor_pb2.Tensor]:
         """The last stage's (or a push's) tensors: activations in the forward codec, targets as
         they are."""
-        return [
-            self._tensor(inputs, "inputs", self._forward),
-            self._tensor(targets, "targets", CODEC_NONE),
-        ]
+        return self._with_tokens(
+            [
+                self._tensor(inputs, "inputs", self._forward),
+                self._tensor(targets, "targets", CODEC_NONE),
+            ],
+            tokens,
+        )
+
+    def _with_tokens(
+        self, tensors: list[tensor_pb2.Tensor], tokens: TensorLike | None
+    ) -> list[tensor_pb2.Tensor]:
+        """`tensors` and, under a subspace boundary (`model.boundary_rank`), the microbatch's
+        token ids, from which the stage rebuilds the residual beside the coefficients."""
+        if tokens is not None:
+            tensors.append(self._tensor(tokens, "tokens", CODEC_NONE))
+        return tensors
 
     def _id(self, step: int, index: int) -> pb.MicrobatchId:
         return pb.MicrobatchId(step=step, index=index)
 
     @_swarm_errors
     async def forward(
-        self, step: int, index: int, inputs: TensorLike, *, evaluate: bool = False
+        self,
+        step: int,
+        index: int,
+        inputs: TensorLike,
+        *,
+        evaluate: bool = False,
+        tokens: TensorLike | None = None,
     ) -> tensor_pb2.Tensor:
         """The stage's outputs; the time the call waited at the replica is in `last_queued_s`.
-        `evaluate`: a validation microbatch, whose activations the replica need not keep."""
+        `evaluate`: a validation microbatch, whose activations the replica need not keep.
+        `tokens`: the token ids a subspace boundary needs after stage 0 (`_with_tokens`)."""
         request = pb.StageForwardRequest(
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=[self._tensor(inputs, "inputs", self._forward)],
+            tensors=self._with_tokens([self._tensor(inputs, "inputs", self._forward)], tokens),
             reply_codec=self._forward,
             evaluate=evaluate,
         )
@@ -206,12 +226,14 @@ class StageClient:
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
+        tokens: TensorLike | None = None,
     ) -> BackwardResult:
         """`inputs=None`: this replica did the forward and should still cache its activations
-        (if not, it raises `ActivationsNotCached`: send it again with the inputs)."""
+        (if not, it raises `ActivationsNotCached`: send it again with the inputs, and `tokens`)."""
         tensors = [self._tensor(grad_outputs, "grad_outputs", self._backward)]
         if inputs is not None:
             tensors.insert(0, self._tensor(inputs, "inputs", self._forward))
+            tensors = self._with_tokens(tensors, tokens)
         request = pb.StageBackwardRequest(
             job=self.job_id,
             stage=self.stage,
@@ -236,12 +258,13 @@ class StageClient:
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
+        tokens: TensorLike | None = None,
     ) -> BackwardResult:
         request = pb.StageForwardBackwardRequest(
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=self._inputs_and_targets(inputs, targets),
+            tensors=self._inputs_and_targets(inputs, targets, tokens),
             reply_codec=self._backward,
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
@@ -253,14 +276,19 @@ class StageClient:
 
     @_swarm_errors
     async def evaluate(
-        self, step: int, index: int, inputs: TensorLike, targets: TensorLike
+        self,
+        step: int,
+        index: int,
+        inputs: TensorLike,
+        targets: TensorLike,
+        tokens: TensorLike | None = None,
     ) -> float:
         """The last stage's loss sum of validation microbatch `index` at `step`'s parameters."""
         request = pb.StageForwardBackwardRequest(
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=self._inputs_and_targets(inputs, targets),
+            tensors=self._inputs_and_targets(inputs, targets, tokens),
             evaluate=True,
         )
         header, _ = await self._call(self.stub.ForwardBackward, request)
@@ -280,6 +308,7 @@ class StageClient:
         need_grad_inputs: bool,
         timeout: float,
         evaluate: bool = False,
+        tokens: TensorLike | None = None,
     ) -> PushResult:
         """The push data plane: this replica computes its stage and pushes the microbatch on
         through the stages `route` names (see `stage_server.replica.next_hop`), accumulating at the
@@ -288,7 +317,7 @@ class StageClient:
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=self._inputs_and_targets(inputs, targets),
+            tensors=self._inputs_and_targets(inputs, targets, tokens),
             accumulate=sorted(accumulate),
             route=list(route),
             need_grad_inputs=need_grad_inputs,
@@ -319,7 +348,7 @@ class StageClient:
         round_end: bool = False,
         eager: EagerOp = EagerOp.NONE,
         parts: Parts = EQUAL_PARTS,  # the round's: `part_weights`, `contributors` on the wire
-        check_seed: int = 0,  # PREPARE: the checksum of the aggregators' parts asked (0: none)
+        check_seed: int = 0,  # PREPARE: the checksum of every part asked (0: none)
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id,
@@ -362,8 +391,12 @@ class StageClient:
 
     @_swarm_errors
     async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
-        """Make this replica the one `state` describes (names as `export_state` gives them)."""
-        call = self.stub.LoadState(timeout=self.job.runtime.commit_timeout_s)
+        """Make this replica the one `state` describes (names as `export_state` gives them). The
+        state's digest goes with it: a replica under a scheduler loads only the state the
+        scheduler signed (`swarm.net.commit_auth`)."""
+        # Off the event loop: a stage's whole state is hashed.
+        digest = ((STATE_DIGEST_KEY, await asyncio.to_thread(state_digest, step, state)),)
+        call = self.stub.LoadState(timeout=self.job.runtime.commit_timeout_s, metadata=digest)
         for name, tensor in state.items():
             header = pb.StageLoadStateRequest(job=self.job_id, stage=self.stage, step=step)
             # Cut from the tensor's memory as sent: no encoded copy of a whole tensor.

@@ -18,6 +18,7 @@ from client.live import (
     LiveView,
     events,
     status_lines,
+    trust_lines,
     watch_status,
 )
 from client.outage import Outage
@@ -208,3 +209,42 @@ def test_each_replica_shows_its_path_and_link_rates_and_an_unreachable_one_its_r
         "    far is UNREACHABLE: UNAVAILABLE: Connection refused: give the stage server "
         "--announce-host, forward port 5000, or start a relay"
     ) in lines
+
+
+def test_status_shows_bytes_per_token_per_boundary_and_direction() -> None:
+    """Issue 52: forward at boundary k|k+1 is what stage k's replicas sent on, backward what
+    stage k+1's sent back, summed over replicas; "-" before a token crossed."""
+    s = _status(3, {"p0": 0, "p1": 1, "p2": 1, "p3": 2})
+    assert not any(line.startswith("boundaries") for line in status_lines(s, now=0.0))
+
+    def sent(stage: int, replica: int, forward: tuple[int, int], backward: tuple[int, int]) -> None:
+        s.stages[stage].replicas[replica].boundary.CopyFrom(
+            cpb.BoundaryTraffic(
+                forward_bytes=forward[0],
+                forward_tokens=forward[1],
+                backward_bytes=backward[0],
+                backward_tokens=backward[1],
+            )
+        )
+
+    sent(0, 0, (1024, 8), (0, 0))  # 128 B/token on
+    sent(1, 0, (300, 10), (1000, 4))  # two replicas of stage 1: 400 B over 10 tokens on,
+    sent(1, 1, (100, 0), (0, 4))  # 1000 B over 8 tokens back
+    lines = status_lines(s, now=0.0)
+    at = lines.index("boundaries (bytes per token sent, as encoded):")
+    assert [line.split() for line in lines[at + 1 : at + 4]] == [
+        ["BOUNDARY", "FORWARD", "B/TOKEN", "BACKWARD", "B/TOKEN"],
+        ["0|1", "128.0", "125.0"],
+        ["1|2", "40.0", "-"],
+    ]
+
+
+def test_status_says_what_audits_cost_and_whom_they_banned() -> None:
+    carry = '[runtime]\ndata_plane = "relay"\n[trust]\naudit_fraction = 0.25\n'
+    s = spb.JobStatus(job="j", spec=carry)
+    assert trust_lines(s) == [
+        "audits   25% of each stage's microbatches re-executed: about +25% stage compute"
+    ]
+    s.events.append(spb.JobEvent(kind="ban", text="banned s1r0 (stage 1): an audit caught it"))
+    assert trust_lines(s)[0].endswith("; banned for lying: s1r0")
+    assert trust_lines(spb.JobStatus(job="j", spec="")) == []  # push (the default): none

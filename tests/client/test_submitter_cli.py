@@ -17,7 +17,7 @@ from scheduler.callers import Callers
 from swarm.cli import load, parse
 from swarm.errors import ConfigError
 from swarm.flags import env_name
-from swarm.net.submitters import submitter_of
+from swarm.net.submitters import admin_credential, submitter_of, submitter_token
 from tests.support.api import RunningApi, start_api
 from tests.support.jobs import write_job
 
@@ -67,16 +67,25 @@ async def test_tokens_made_by_the_command_name_their_submitters_to_the_job_comma
     assert await swarm("cancel", job, *at, env=bob) == 1
     err = capsys.readouterr().err
     assert "submitted by 'alice'" in err and "'bob'" in err
-    assert await swarm("cancel", job, *at, "--submitter-token-file", str(admin_file)) == 0
+    # The admin's credential, made from the admin token (which never leaves its machine).
+    assert await swarm("submitter-token", "admin", "--admin-token-file", str(admin_file)) == 0
+    credential = capsys.readouterr().out.strip()
+    assert ADMIN not in credential and submitter_of(ADMIN, credential) == "admin"
+    assert await swarm("cancel", job, *at, "--submitter-token-file", str(admin_file)) == 1
+    assert "swarm submitter-token admin" in capsys.readouterr().err
+    assert await swarm("cancel", job, *at, env={"submitter-token": credential}) == 0
     assert api.control.cancelled_ids == [job]
 
 
-async def test_the_admins_name_is_not_issued_and_the_admin_token_is_needed(
-    tmp_path: Path,
+async def test_the_admins_name_is_no_submitters_and_the_admin_token_is_needed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     admin_file = tmp_path / "admin-token"
     admin_file.write_text(ADMIN)
+    # `admin` gives the admin's own credential (issue 54), no submitter's token
+    assert await swarm("submitter-token", "admin", "--admin-token-file", str(admin_file)) == 0
+    assert capsys.readouterr().out.strip() == admin_credential(ADMIN)
     with pytest.raises(ConfigError, match="the admin's own"):
-        await swarm("submitter-token", "admin", "--admin-token-file", str(admin_file))
+        submitter_token(ADMIN, "admin")  # as an invite would make it
     with pytest.raises(ConfigError, match="--admin-token-file"):
         await swarm("submitter-token", "alice")

@@ -5,6 +5,7 @@ A peer's load topic is the same whatever job it serves: the trainer takes its ow
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -36,6 +37,10 @@ class _Scheduler:
 
     async def job(self) -> spb.JobStatus:
         return spb.JobStatus(job=self.job_id, name="test", steps=3, spec=render(BASE))
+
+    async def fetch_data(self, validation: bool) -> AsyncIterator[bytes]:
+        raise AssertionError("the job's data is generated, not a file: nothing to fetch")
+        yield b""  # an async generator, as the real one
 
     async def close(self) -> None:
         pass

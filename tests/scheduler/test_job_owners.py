@@ -15,7 +15,7 @@ from client.sdk import ClientError, SchedulerClient
 from scheduler.callers import Callers
 from scheduler.retention import Retention
 from swarm.job.states import TERMINAL_PROTO
-from swarm.net.submitters import SUBMITTER_KEY, submitter_token
+from swarm.net.submitters import SUBMITTER_KEY, admin_credential, submitter_token
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.api import RunningApi, start_api
 from tests.support.jobs import write_job
@@ -23,6 +23,7 @@ from tests.support.jobs import write_job
 TOKEN = "swarm-token"
 ADMIN_TOKEN = "admin-token-of-the-scheduler"
 ALICE, BOB = submitter_token(ADMIN_TOKEN, "alice"), submitter_token(ADMIN_TOKEN, "bob")
+ADMIN = admin_credential(ADMIN_TOKEN)  # the admin's credential; the admin token stays home
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -93,7 +94,7 @@ async def test_the_swarm_token_alone_cannot_act_on_a_named_submitters_job(
 async def test_an_admin_may_cancel_delete_and_export_every_job(
     api: RunningApi, tmp_path: Path
 ) -> None:
-    async with _client(api, ALICE) as alice, _client(api, ADMIN_TOKEN) as admin:
+    async with _client(api, ALICE) as alice, _client(api, ADMIN) as admin:
         queued = (await alice.submit(write_job(tmp_path, "waiting"))).job
         done = (await alice.submit(write_job(tmp_path, "run"))).job
         await _ended(alice, done)
@@ -104,6 +105,20 @@ async def test_an_admin_may_cancel_delete_and_export_every_job(
         assert api.control.cancelled_ids == [queued]
         own = (await admin.submit(write_job(tmp_path, "admins"))).job
         assert (await alice.get(own)).submitter == "admin"
+
+
+@pytest.mark.attack("L-admin")
+async def test_the_admin_token_itself_is_no_credential(api: RunningApi, tmp_path: Path) -> None:
+    # Issue 54: the admin token was itself the admin's bearer credential, so the root of every
+    # submitter token travelled on the wire (in clear without TLS), and whoever saw it made
+    # any submitter's token. Now the admin sends a credential made from it, as submitters do.
+    assert ADMIN_TOKEN not in ADMIN
+    async with _client(api, ADMIN_TOKEN) as root, _client(api, ALICE) as alice:
+        said = await _refused(root.submit(write_job(tmp_path, "x")), "UNAUTHENTICATED")
+        assert "swarm submitter-token admin" in said
+        job = (await alice.submit(write_job(tmp_path, "y"))).job
+        await _refused(root.cancel(job), "UNAUTHENTICATED")
+    assert [r.submitter for r in api.store.list()] == ["alice"]
 
 
 async def test_a_forged_submitter_token_is_refused_not_taken_as_anonymous(

@@ -17,6 +17,7 @@ from scheduler.job_api import JobApiServicer
 from scheduler.store import JobStore
 from swarm.net import tls
 from swarm.net.certs import issue
+from swarm.net.submitters import SUBMITTER_KEY, submitter_token
 from swarm.net.tokens import add_port
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
 from swarm.rpc.server_options import SCHEDULER_LIMITS, grpc_server
@@ -28,6 +29,7 @@ __all__ = ["no_identity", "pki"]  # fixtures
 
 TOKEN = "swarm-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
+ADMIN_TOKEN = "admin-token-of-the-scheduler"
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +43,8 @@ async def address(pki: Path, tmp_path: Path) -> AsyncIterator[str]:
     store = JobStore(tmp_path / "jobs.db")
     server = grpc_server(SCHEDULER_LIMITS, token=TOKEN, registry=CollectorRegistry())
     control: Any = FakeControl(store)  # trains nothing; not under test
-    servicer = JobApiServicer(store, control, data_root=tmp_path / "data", callers=Callers())
+    callers = Callers(ADMIN_TOKEN)
+    servicer = JobApiServicer(store, control, data_root=tmp_path / "data", callers=callers)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     port = add_port(server, "127.0.0.1:0", "the scheduler")
     await server.start()
@@ -61,28 +64,53 @@ def _stub(pki: Path, name: str, address: str) -> tuple[grpc.aio.Channel, object]
     return channel, scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
 
+def _submit(tmp_path: Path) -> scheduler_pb2.SchedulerSubmitJobRequest:
+    path = write_job(tmp_path, "waiting")
+    return scheduler_pb2.SchedulerSubmitJobRequest(spec=path.read_text(), base_dir=str(path.parent))
+
+
 @pytest.mark.attack("N4")
 async def test_a_certificate_names_its_caller_and_the_schedulers_is_an_admin(
     pki: Path, address: str, tmp_path: Path
 ) -> None:
-    path = write_job(tmp_path, "waiting")
-    submit = scheduler_pb2.SchedulerSubmitJobRequest(
-        spec=path.read_text(), base_dir=str(path.parent)
-    )
+    submit = _submit(tmp_path)
     a, alice = _stub(pki, "alice", address)
     b, bob = _stub(pki, "bob", address)
     s, scheduler = _stub(pki, "scheduler", address)
     try:
         job = (await alice.SubmitJob(submit, metadata=AUTH)).job  # type: ignore[attr-defined]
-        assert job.submitter == "alice"
+        assert job.submitter == "cert:alice"  # a certificate's name, no token's (issue 54)
         cancel = scheduler_pb2.SchedulerCancelJobRequest(job=job.job)
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await bob.CancelJob(cancel, metadata=AUTH)  # type: ignore[attr-defined]
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "'alice'" in (e.value.details() or "")
+        assert "'cert:alice'" in (e.value.details() or "")
         # The scheduler's own certificate: its holder holds the store anyway.
         done = await scheduler.CancelJob(cancel, metadata=AUTH)  # type: ignore[attr-defined]
         assert done.job.state == control_pb2.JOB_STATE_CANCELLED
     finally:
         for channel in (a, b, s):
             await channel.close()
+
+
+@pytest.mark.attack("L-names")
+async def test_a_certificate_named_as_a_submitter_is_not_that_submitter(
+    pki: Path, address: str, tmp_path: Path
+) -> None:
+    # Issue 54: certificate names and submitter-token names were one namespace, so a host's
+    # certificate whose name was a submitter's (a stage server's "alice") managed that
+    # submitter's jobs. Now a certificate speaks as cert:NAME, which no token can name.
+    submit = _submit(tmp_path)
+    a, host = _stub(pki, "alice", address)  # a host certificate that happens to say "alice"
+    as_alice = (*AUTH, (SUBMITTER_KEY, submitter_token(ADMIN_TOKEN, "alice")))
+    try:
+        job = (await host.SubmitJob(submit, metadata=as_alice)).job  # type: ignore[attr-defined]
+        assert job.submitter == "alice"  # the token's, sent beside the certificate
+        cancel = scheduler_pb2.SchedulerCancelJobRequest(job=job.job)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await host.CancelJob(cancel, metadata=AUTH)  # type: ignore[attr-defined]
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        done = await host.CancelJob(cancel, metadata=as_alice)  # type: ignore[attr-defined]
+        assert done.job.state == control_pb2.JOB_STATE_CANCELLED
+    finally:
+        await a.close()

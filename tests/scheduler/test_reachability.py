@@ -56,7 +56,9 @@ class Checked:
 
     def _reported(self, report: cpb.ReachabilityReport) -> None:
         self.dials_at.append(len(self.dialer.calls))
-        self.reported.put_nowait(report)
+        # The scheduler's own report, whole (its log's); status and the peer get the cause
+        # only (`test_dial_back_ports`).
+        self.reported.put_nowait(self.checker.reports[report.peer])
 
     async def _publish(self, peer: str, report: cpb.ReachabilityReport | None) -> None:
         self.published.append((peer, report))
@@ -182,11 +184,12 @@ async def test_a_peer_that_leaves_has_its_report_cleared() -> None:
 
 
 async def test_checks_run_at_most_concurrency_at_once_and_do_not_hold_up_announcements() -> None:
-    dialer = FakeDialer({f"h:{i}": f"p{i}" for i in range(20)})
+    # (each on a host of its own: `per_host` bounds the checks of one host at once)
+    dialer = FakeDialer({f"h{i}:5": f"p{i}" for i in range(20)})
     dialer.hold = asyncio.Event()
     async with checking(dialer, concurrency=3) as c:
         for i in range(20):
-            c.checker.announced(announce(f"p{i}", f"h:{i}"))  # returns at once: nothing dialled
+            c.checker.announced(announce(f"p{i}", f"h{i}:5"))  # returns at once: nothing dialled
         for _ in range(100):
             if dialer.in_flight == 3:
                 break
@@ -285,7 +288,7 @@ async def test_the_peer_is_told_the_cause_not_the_error_and_its_checks_are_paced
     async with checking(dialer, min_interval_s=60.0, now=lambda: clock[0]) as c:
         c.checker.announced(announce("a", "h:1"))
         report = await c.report()
-        assert "Connection refused" in report.detail  # the operator's, in status and the log
+        assert "Connection refused" in report.detail  # the operator's, in the scheduler's log
         published = [r for p, r in c.published if p == "a" and r is not None]
         assert [r.detail for r in published] == ["no answer"]
         for i in range(2, 30):  # a scan of ports, an announcement each

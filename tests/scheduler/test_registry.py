@@ -356,3 +356,27 @@ def test_status_shows_a_replicas_live_speed_not_the_one_it_measured_at_join() ->
     assert speed() == 2.0
     reg.report_load(load("a", 0, seconds=0.01))  # about another stage: not this one's speed
     assert speed() == 3.0
+
+
+def test_status_shows_what_a_replica_sent_across_its_boundaries() -> None:
+    """Issue 52: a replica's load reports carry its boundary traffic; status shows the last one
+    about the stage it serves, none about another (job, stage)."""
+    reg = registry(FakeClock())
+    reg.announce(serving("a", 1))
+
+    def boundary() -> cpb.BoundaryTraffic:
+        (shown,) = reg.shown("j", {"a"})
+        return replica_status(shown, reg).boundary
+
+    assert boundary() == cpb.BoundaryTraffic()  # no report yet
+    traffic = cpb.BoundaryTraffic(
+        forward_bytes=4096, forward_tokens=32, backward_bytes=2048, backward_tokens=16
+    )
+    report = load("a", 1)
+    report.boundary.CopyFrom(traffic)
+    reg.report_load(report)
+    assert boundary() == traffic
+    other = load("a", 0)
+    other.boundary.CopyFrom(traffic)
+    reg.report_load(other)  # about another stage: not this one's traffic
+    assert boundary() == cpb.BoundaryTraffic()

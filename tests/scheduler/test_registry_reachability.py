@@ -227,3 +227,34 @@ def test_each_peers_reachability_is_a_gauge() -> None:
         if s.value == 1.0
     }
     assert ones == {("a", "direct"), ("b", "relayed"), ("c", "unreachable"), ("d", "unknown")}
+
+
+def test_bytes_per_token_per_boundary_is_a_gauge() -> None:
+    """Issue 52: forward at K|K+1 from stage K's serving replicas, backward from stage K+1's,
+    summed over replicas, as their load reports say."""
+    from prometheus_client import CollectorRegistry
+
+    from scheduler.collector import collector
+
+    reg = registry(require_reachable=False)
+    sent = {"a": (0, (800, 4, 0, 0)), "b": (1, (100, 1, 600, 2)), "c": (1, (300, 1, 0, 1))}
+    for name, (stage, counts) in sent.items():
+        reg.announce(peer(name, cpb.PEER_STATE_SERVING, stage))
+        fb, ft, bb, bt = counts
+        traffic = cpb.BoundaryTraffic(
+            forward_bytes=fb, forward_tokens=ft, backward_bytes=bb, backward_tokens=bt
+        )
+        reg.report_load(cpb.LoadReport(peer=name, job="j", stage=stage, boundary=traffic))
+    metrics = CollectorRegistry()
+    metrics.register(collector(_View(reg)))  # type: ignore[arg-type]
+    got = {
+        (s.labels["job"], s.labels["boundary"], s.labels["direction"]): s.value
+        for family in metrics.collect()
+        if family.name == "swarm_scheduler_boundary_bytes_per_token"
+        for s in family.samples
+    }
+    assert got == {
+        ("j", "0|1", "forward"): 200.0,
+        ("j", "1|2", "forward"): 200.0,
+        ("j", "0|1", "backward"): 200.0,
+    }

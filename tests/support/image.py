@@ -4,6 +4,7 @@ a base image made from Debian packages by mmdebstrap, and pip inside the build r
 package index the way this host's pip does (its settings and local wheel folders passed on).
 
     .venv/bin/python -m tests.support.image [--tag swarm:latest] [--base IMAGE]
+    .venv/bin/python -m tests.support.image --tag swarm:test --target test --run   # make image-test
 
 Without `--base`, the base is `localhost/swarm-base:bookworm`, made once (python3 and its venv
 module from Debian's packages) and reused."""
@@ -122,11 +123,13 @@ def pip_passthrough() -> list[str]:
     return args
 
 
-def build(tag: str, base: str | None = None) -> float:
+def build(tag: str, base: str | None = None, target: str | None = None) -> float:
     """Build the Containerfile into `tag` (pip as on this host: torch from pip's own index, as
-    `make install` takes it); the seconds it took."""
+    `make install` takes it); `target`: a stage of it (`test`: the image with the fast tests),
+    else the image every role runs. The seconds it took."""
     started = time.monotonic()
     argv = ["build", "--format", "docker", "--network", "host", "-f", "Containerfile", "-t", tag]
+    argv += ["--target", target] if target else []
     argv += ["--build-arg", f"BASE={base or base_image()}", "--build-arg", "TORCH_INDEX="]
     podman(*argv, *pip_passthrough(), str(ROOT), timeout=1800)
     return time.monotonic() - started
@@ -136,15 +139,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tag", default="swarm:latest")
     parser.add_argument("--base", help=f"the base image (default: {BASE}, made by mmdebstrap)")
+    parser.add_argument("--target", help="a stage of the Containerfile (test: with the fast tests)")
+    parser.add_argument("--run", action="store_true", help="then run it (its tests, with test)")
     args = parser.parse_args()
     try:
         ensure_podman()
     except Unavailable as e:
         print(f"swarm image: {e}", file=sys.stderr)
         return 2
-    seconds = build(args.tag, args.base)
+    seconds = build(args.tag, args.base, args.target)
     size = podman("image", "inspect", "--format", "{{.Size}}", args.tag).stdout.strip()
-    print(f"built {args.tag} in {seconds:.0f} s: {int(size) / 1e9:.2f} GB")
+    print(f"built {args.tag} in {seconds:.0f} s: {int(size) / 1e9:.2f} GB", flush=True)
+    if args.run:
+        argv = ["podman", "run", "--rm", "--network", "host", "--ulimit", "host", args.tag]
+        return subprocess.run(argv, env=podman_env()).returncode
     return 0
 
 

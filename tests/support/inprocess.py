@@ -5,7 +5,7 @@ every replica's state can be looked at after each step, and its trainers in the 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Container, Sequence
 
 import pytest
 import torch
@@ -24,15 +24,19 @@ def lease_after_joined(
     joined: Sequence[RunningStageServer],
     step: int,
     timeout_s: float = 60.0,
+    banned: Container[str] = (),
 ) -> None:
     """Hold `coordinator`'s leases of step `step` on until the replica in `joined` (added
     mid-job) is a member, at most `timeout_s`. Its copy runs while training goes on and
     nothing bounds how many steps it takes (under load, more than a short job has): a test
-    that wants the joiner to work waits for its admission instead of racing the job's end."""
+    that wants the joiner to work waits for its admission instead of racing the job's end
+    (one in `banned` is no member any more, and was: nothing to wait for)."""
     lease = coordinator.lease
 
     def member() -> bool:
-        return bool(joined) and joined[0].address in coordinator.membership.synced
+        return bool(joined) and (
+            joined[0].address in coordinator.membership.synced or joined[0].address in banned
+        )
 
     async def held(
         trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()

@@ -32,6 +32,11 @@ BASE: dict[str, dict[str, Any]] = {
     },
     "optimizer": {"kind": "adamw", "lr": 1e-2, "weight_decay": 0.01},
     "compression": {"wire": "none"},
+    # Audits draw from the operating system's randomness (unpredictable to a liar, by design),
+    # so a test counting calls or killing at the Nth would meet a random extra re-execution:
+    # off here; the tests of audits (tests/test_audits.py, tests/system/test_poison_audits.py)
+    # ask for them.
+    "trust": {"audit_fraction": 0.0},
 }
 
 DELAYED = {"delayed_update": True}

@@ -76,6 +76,7 @@ class RawHttp2:
         self.closed_streams: set[int] = set()  # streams the server ended or reset
         self.goaway = False
         self.eof = threading.Event()  # the server closed the connection
+        self.settings = threading.Event()  # the server's SETTINGS came: it took the connection
         self._next_stream = 1
 
     def preface(self) -> None:
@@ -173,6 +174,7 @@ class RawHttp2:
         if kind == SETTINGS and not flags & ACK:
             self._on_settings(payload)
             self.send(frame(SETTINGS, ACK, 0))
+            self.settings.set()
         elif kind == WINDOW_UPDATE:
             increment = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
             with self._windows:

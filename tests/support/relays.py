@@ -4,6 +4,7 @@ token and the process's TLS identity) reached only through a real `RelayServer` 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -17,9 +18,22 @@ from prometheus_client import CollectorRegistry
 from swarm.net import dial, paths, tokens
 from swarm.ops.rated import RatedLog
 from swarm.relay.attach import Attachment
+from swarm.relay.auth import attach_proof
+from swarm.relay.identity import AttachKey, challenge
 from swarm.relay.server import RelayLimits, RelayServer
+from tests.support.waiting import wait_until
 
-__all__ = ["ECHO", "NAT_HOST", "Relayed", "echo_bytes", "echo_server", "relayed"]
+__all__ = [
+    "ECHO",
+    "NAT_HOST",
+    "Relayed",
+    "echo_bytes",
+    "echo_server",
+    "home_peer",
+    "listener",
+    "raw_attach",
+    "relayed",
+]
 
 ECHO = "/test.Relay/Echo"
 NAT_HOST = "nat-peer.invalid"
@@ -125,3 +139,72 @@ async def relayed(
     finally:
         await attachment.stop()
         await relay.stop()
+
+
+@contextlib.asynccontextmanager
+async def listener() -> AsyncIterator[tuple[int, list[bytes]]]:
+    """A TCP listener on 127.0.0.1 (another service of the peer's LAN, an attacker's server):
+    its port, and what each connection it accepted sent first."""
+    got: list[bytes] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = b""
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            first = await asyncio.wait_for(reader.read(1024), 5)
+        got.append(first)
+        writer.close()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], got
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def raw_attach(
+    relay: str, peer: str, token: str | None, *, source: str = "127.0.0.1", address: str = ""
+) -> tuple[str, Stream]:
+    """An attach as `peer` written by hand, from `source` (another 127.x address: another
+    machine to the relay): the relay's last answer (`OK`, `ERR ...`, "" when it closed) and
+    the connection."""
+    host, port = relay.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+    address, key = address or f"{NAT_HOST}:1", AttachKey.fresh()  # a made-up peer's own key
+    writer.write(
+        f"ATTACH {peer} SWARM-RELAY/1\r\nX-Swarm-Address: {address}\r\nX-Swarm-Relay: {relay}"
+        f"\r\n{key.header()}\r\n\r\n".encode()
+    )
+    verb, _, nonce = (await reader.readline()).decode().strip().partition(" ")
+    if verb != "NONCE":
+        return f"{verb} {nonce}".strip(), (reader, writer)
+    signed = key.sign(challenge(peer, relay, nonce))
+    writer.write(f"PROOF {attach_proof(token, peer, nonce)} {signed}\n".encode())
+    return (await reader.readline()).decode().strip(), (reader, writer)
+
+
+@contextlib.asynccontextmanager
+async def home_peer(
+    relay: str, token: str | None, *, peer: str = "home-gpu", key: AttachKey | None = None
+) -> AsyncIterator[tuple[Attachment, str]]:
+    """`peer` behind NAT: an echo server, attached to `relay` (with `key`, else its own), waited
+    for until attached; it and its dial address through the relay."""
+    async with echo_server(token) as port:
+        attachment = Attachment(
+            peer,
+            token,
+            f"127.0.0.1:{port}",
+            lambda: [relay],
+            lambda _: None,
+            address=f"{NAT_HOST}:{port}",
+            key=key,
+        )
+        await attachment.start()
+        try:
+            await wait_until(lambda: attachment.relay is not None, f"{peer} attached")
+            yield attachment, paths.relayed_address(peer, f"{NAT_HOST}:{port}", relay)
+        finally:
+            await attachment.stop()

@@ -97,14 +97,25 @@ class FakeStage:
             raise pending.pop(0)
 
     async def forward(
-        self, step: int, index: int, inputs: TensorLike, *, evaluate: bool = False
+        self,
+        step: int,
+        index: int,
+        inputs: TensorLike,
+        *,
+        evaluate: bool = False,
+        tokens: TensorLike | None = None,
     ) -> tensor_pb2.Tensor:
         self.swarm.calls.append(Call(self.peer, self.stage, "forward"))
         self._refused()
         return _tensor("outputs")
 
     async def evaluate(
-        self, step: int, index: int, inputs: TensorLike, targets: TensorLike
+        self,
+        step: int,
+        index: int,
+        inputs: TensorLike,
+        targets: TensorLike,
+        tokens: TensorLike | None = None,
     ) -> float:
         self.swarm.calls.append(Call(self.peer, self.stage, "evaluate"))
         self._refused()
@@ -141,6 +152,7 @@ class FakeStage:
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
+        tokens: TensorLike | None = None,
     ) -> BackwardResult:
         return self._backprop("backward", step, index, accumulate, need_grad_inputs)
 
@@ -153,6 +165,7 @@ class FakeStage:
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
+        tokens: TensorLike | None = None,
     ) -> BackwardResult:
         return self._backprop("forward_backward", step, index, accumulate, need_grad_inputs)
 
@@ -168,6 +181,7 @@ class FakeStage:
         need_grad_inputs: bool = False,
         timeout: float | None = None,
         evaluate: bool = False,
+        tokens: TensorLike | None = None,
     ) -> PushResult:
         """As if this stage and every one after it (the rest of `route`) ran the microbatch:
         it accumulates at every stage of `accumulate`, each receipt named by this peer."""

@@ -5,8 +5,11 @@ the scheduler's store and checkpoints on a volume), a float64 job trained throug
 one stage server's container, equal to `swarm local` within 1e-9. The trainer runs on the host
 and holds still (SIGSTOP) while the test looks, so the kill lands mid-job however fast the
 machine is. Also: `swarm health` answers for the scheduler inside its container; a container
-stopped with SIGTERM exits 0; a stage server started without the swarm's token against a
-scheduler that requires one says so in one line and exits non-zero.
+stopped with SIGTERM exits 0 (a stage server announced offline, the scheduler's store whole);
+stage servers need no shared memory (a 1 MB /dev/shm); a stage server started without the
+swarm's token against a scheduler that requires one, a volume the image's user cannot write and
+a secret it cannot read each say so in one line and exit non-zero; the fast tests pass inside
+the image (its `test` stage).
 
 Skipped, with the reason, only where containers cannot run at all (not root, no podman to be
 had). The first build on a fresh machine takes minutes (the base image, torch's wheel); later
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -59,9 +64,16 @@ class Containers:
     def __init__(self, tag: str) -> None:
         self.tag, self.prefix, self.names = tag, f"swt-{os.getpid()}-", []
 
-    def run(self, name: str, *args: str, volumes: dict[Path, str] | None = None) -> str:
+    def run(
+        self,
+        name: str,
+        *args: str,
+        volumes: dict[Path, str] | None = None,
+        options: tuple[str, ...] = (),
+    ) -> str:
+        """`options`: podman run's own (`--shm-size 1m`)."""
         full = self.prefix + name
-        argv = ["run", "-d", "--name", full, "--network", "host", "--ulimit", "host"]
+        argv = ["run", "-d", "--name", full, "--network", "host", "--ulimit", "host", *options]
         for host, inside in (volumes or {}).items():
             argv += ["--volume", f"{host}:{inside}"]
         image.podman(*argv, self.tag, "--log-level", "INFO", *args)
@@ -134,6 +146,9 @@ def test_a_swarm_of_containers_trains_exactly_through_a_sigkill(
             "stage-server",
             *("--broker", f"mqtt://127.0.0.1:{broker}", "--host", "127.0.0.1", "--port", "0"),
             *("--peer", peer, "--threads", "1"),
+            # No shared memory to speak of (docs: its workers are threads of one process, no
+            # tensor passes between processes): a 1 MB /dev/shm, far below Docker's 64 MB.
+            options=("--shm-size", "1m"),
         )
     for peer in peers:
         containers.ready(peer)
@@ -179,10 +194,18 @@ def test_a_swarm_of_containers_trains_exactly_through_a_sigkill(
         os.killpg(trainer.pid, signal.SIGKILL)
         trainer.wait(30)
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
-    # SIGTERM stops a role cleanly: a stage server leaves its pool, the scheduler its store.
+    # SIGTERM stops a role cleanly: a stage server leaves its pool (it announces itself
+    # offline, and the scheduler hears it stopped rather than lost), the scheduler its store.
     for name in [*(p for p in peers if p != killed), "scheduler"]:
         image.podman("stop", "--time", "60", containers.prefix + name, timeout=120)
         assert containers.exit_code(name) == 0, containers.logs(name)[-3000:]
+        if name != "scheduler":
+            said = containers.logs(name)
+            assert "stopped (SIGTERM or SIGINT)" in said and "announced offline" in said, said
+    with sqlite3.connect(tmp_path / "state" / "jobs.sqlite") as db:  # whole, and what it said
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        rows = db.execute("SELECT state, step FROM jobs WHERE id = ?", (job_id,)).fetchall()
+    assert rows == [("succeeded", 30)], rows
 
 
 def test_a_stage_server_without_the_token_says_so_and_exits(
@@ -209,6 +232,34 @@ def test_a_stage_server_without_the_token_says_so_and_exits(
     assert any("token" in line.lower() for line in said[-3:]), said
 
 
+def test_a_volume_the_image_user_cannot_write_is_said_in_one_line(
+    containers: Containers, tmp_path: Path
+) -> None:
+    """The scheduler's checkpoints and a stage server's cache on volumes the host's root owns
+    (the image's user is uid 10001): each says so in one line at start and exits 2."""
+    state, cache = tmp_path / "state", tmp_path / "cache"
+    state.mkdir(mode=0o755)
+    cache.mkdir(mode=0o755)
+    port, broker = free_port(), free_port()
+    containers.run(
+        "scheduler",
+        "scheduler",
+        *("--host", "127.0.0.1", "--port", str(port), "--broker-port", str(broker)),
+        *("--data-root", "/data", "--store", "/tmp/jobs.sqlite", "--checkpoint-dir", "/ckpt"),
+        volumes={_volume(tmp_path / "data"): "/data", state: "/ckpt"},
+    )
+    containers.run(
+        "peer",
+        "stage-server",
+        *("--broker", f"mqtt://127.0.0.1:{broker}", "--port", "0"),
+        volumes={cache: "/cache"},
+    )
+    for name, what in (("scheduler", "--checkpoint-dir '/ckpt'"), ("peer", "'/cache'")):
+        assert containers.exit_code(name) == 2
+        said = [line for line in containers.logs(name).splitlines() if line.strip()]
+        assert len(said) == 1 and what in said[0] and "cannot write there" in said[0], said
+
+
 def test_a_secret_the_image_user_cannot_read_is_said_in_one_line(
     containers: Containers, tmp_path: Path
 ) -> None:
@@ -225,3 +276,32 @@ def test_a_secret_the_image_user_cannot_read_is_said_in_one_line(
     assert containers.exit_code("scheduler") == 2
     said = [line for line in containers.logs("scheduler").splitlines() if line.strip()]
     assert said == ["swarm: error: --token-file /tls/token: cannot read it (Permission denied)"]
+
+
+def test_the_fast_tests_pass_inside_the_image(built: str) -> None:
+    """`make image-test`: the Containerfile's `test` stage (the image every role runs, with
+    pytest and the tests on top) runs its container-safe share of the fast tests as the image's
+    user; the image itself has neither (checked too)."""
+    tag = built + "-inside"
+    image.build(tag, target="test")
+    done = subprocess.run(
+        ["podman", "run", "--rm", "--network", "host", "--ulimit", "host", tag],
+        capture_output=True,
+        text=True,
+        env=image.podman_env(),
+        timeout=1200,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
+    assert re.search(r"^\d+ passed", done.stdout.strip().splitlines()[-1]), said[-3000:]
+    bare = image.podman(
+        "run",
+        "--rm",
+        "--entrypoint",
+        "sh",
+        built,
+        "-c",
+        "ls /opt; python -c 'import pytest'",
+        check=False,
+    )
+    assert "swarm-tests" not in bare.stdout and bare.returncode != 0, bare

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ import torch
 from scheduler.coordinator.sum_checks import DOT_BLOCK, Mismatch, mismatches, tolerance
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.checksum import BLOCK, PartChecks, dots, weights
-from stage_server.averaging.owner import Averager, Reduced, Summer
+from stage_server.averaging.owner import Averager
+from stage_server.averaging.summing import Reduced, Summer
 from swarm.policy.parts import Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.wire.codec import CODEC_NONE, codec_from_name
@@ -128,42 +130,56 @@ async def _round(
     async with replicas(5) as pool:
         for aggregator in pool[CONTRIBUTORS:]:
             aggregator.averager.summer = _off_by(aggregator.averager.summer, add)
-        group = [r.address for r in pool]
         checks = [PartChecks(seed) for _ in range(CONTRIBUTORS)]
-        results = await asyncio.gather(
-            *(
-                all_reduce(
-                    x.clone(),
-                    RoundSettings(
-                        group=group,
-                        index=i,
-                        round=f"r{seed}",
-                        job=JOB,
-                        stage=0,
-                        timeout_s=20.0,
-                        chunk_bytes=MiB,
-                        max_bytes=64 * MiB,
-                        codec=codec,
-                        slice_bytes=40_000,
-                        parts=Parts(WEIGHTS, CONTRIBUTORS),
-                        in_place=i == 1,
-                    ),
-                    averager=r.averager,
-                    channels=r.channels,
-                    checks=checks[i],
-                )
-                for i, (r, x) in enumerate(zip(pool, xs, strict=False))
-            )
+        results = await _all_reduce(
+            pool,
+            xs,
+            checks,
+            round=f"r{seed}",
+            codec=codec,
+            slice_bytes=40_000,
+            parts=Parts(WEIGHTS, CONTRIBUTORS),
         )
     assert all(torch.equal(t, results[0]) for t in results)
     return [c.report() for c in checks]
+
+
+async def _all_reduce(
+    pool: list[Any], xs: list[torch.Tensor], checks: list[PartChecks], **settings: Any
+) -> list[torch.Tensor]:
+    """One round over `pool` (real PoolService servers), the first `len(xs)` contributing a
+    copy of theirs (the second in place) with their `checks`."""
+    group = [r.address for r in pool]
+    return await asyncio.gather(
+        *(
+            all_reduce(
+                x.clone(),
+                RoundSettings(
+                    group=group,
+                    index=i,
+                    job=JOB,
+                    stage=0,
+                    timeout_s=20.0,
+                    chunk_bytes=MiB,
+                    max_bytes=64 * MiB,
+                    in_place=i == 1,
+                    **settings,
+                ),
+                averager=r.averager,
+                channels=r.channels,
+                checks=checks[i],
+            )
+            for i, (r, x) in enumerate(zip(pool, xs, strict=False))
+        )
+    )
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 async def test_an_honest_round_never_alarms_and_a_wrong_sum_is_caught(seed: int) -> None:
     xs = _contributions(seed, 150_000)
     honest = await _round(xs, seed)
-    assert [sorted(c.part for c in r) for r in honest] == [[3, 4]] * CONTRIBUTORS
+    # every part's, the replicas' (0 and 2; 1 is a client's, empty) as the aggregators'
+    assert [sorted(c.part for c in r) for r in honest] == [[0, 2, 3, 4]] * CONTRIBUTORS
     assert all(c.unit == 2.0**-24 for r in honest for c in r)
     assert mismatches(dict(enumerate(honest)), CONTRIBUTORS) == []
     # Gradients of unit scale, each sum off by 1e-3 an element (a float32 sum's rounding is
@@ -182,10 +198,41 @@ async def test_a_lossy_round_is_checked_on_what_every_member_decodes(name: str, 
     codec's error of the sum allowed for: an honest round passes; an error a few times the
     codec's own (int8's step is about 0.05 here) does not."""
     reports = await _round(_contributions(3, 20_000), 3, codec=codec_from_name(name))
-    assert [sorted(c.part for c in r) for r in reports] == [[3, 4]] * CONTRIBUTORS
+    assert [sorted(c.part for c in r) for r in reports] == [[0, 2, 3, 4]] * CONTRIBUTORS
     assert all(c.unit == 2.0**-24 and c.encoding > 0 for r in reports for c in r)
     assert mismatches(dict(enumerate(reports)), CONTRIBUTORS) == []
     g = torch.Generator().manual_seed(3)
     unit = [torch.randn(20_000, generator=g) for _ in range(CONTRIBUTORS)]
     wrong = await _round(unit, 3, add=add, codec=codec_from_name(name))
     assert len(mismatches(dict(enumerate(wrong)), CONTRIBUTORS)) == 2 * CONTRIBUTORS
+
+
+@pytest.mark.attack("H-checks")
+async def test_a_replica_owner_who_knows_the_seed_is_caught_by_its_sum_s_norm() -> None:
+    """Issue 54/55: a replica owner learns its stage's seed with its own PREPARE, so it can
+    answer S + e with r·e = 0 for its own part, which no linear checksum sees (e of norm 1e3,
+    the same to every member). Every part is checked now, a replica's too, and the sum's norm
+    is held to the contributions' norms as the owner itself reports it summed them: caught at
+    every contributor. Three replicas on real PoolService servers, equal parts."""
+    seed, n = 11, 30_000
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    where = Parts((), 0).bounds(n, 3)[0]  # the liar's part: member 0's
+    r = weights(seed, where.start, where.stop)
+    e = torch.randn(where.stop - where.start, generator=torch.Generator().manual_seed(9)).double()
+    e = (e - (r @ e) / (r @ r) * r) * (1e3 / float(e.norm()))  # r·e = 0, ‖e‖ = 1e3
+    async with replicas(3) as pool:
+        honest = pool[0].averager.summer
+
+        def knowing(
+            values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+        ) -> Reduced:
+            reduced = honest(values, owned, codec, block_size)
+            wrong = reduced.tensor + e.to(reduced.tensor.dtype)
+            return Reduced(wrong, None, wrong)
+
+        pool[0].averager.summer = knowing
+        checks = [PartChecks(seed) for _ in pool]
+        await _all_reduce(pool, xs, checks, round="known")
+    reports = {j: c.report() for j, c in enumerate(checks)}
+    found = mismatches(reports, 3)
+    assert {(m.part, m.contributor, m.what) for m in found} == {(0, j, "‖S‖") for j in range(3)}

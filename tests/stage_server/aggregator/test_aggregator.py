@@ -23,9 +23,11 @@ import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from scheduler.dial_back import StageDialer
 from stage_server.aggregator.main import PoolJobs
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
-from stage_server.averaging.owner import AveragingAborted, Reduced
+from stage_server.averaging.owner import AveragingAborted
+from stage_server.averaging.summing import Reduced
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus, Subscription
 from swarm.bus.topics import SCHEDULER_USER, Topics
@@ -164,6 +166,8 @@ async def test_an_aggregator_announces_its_role_address_and_rates_and_stops_in_o
             assert said.address == proc.address and not said.HasField("stage") and not said.job
             assert (said.upload_bytes_per_second, said.download_bytes_per_second) == (125e6, 25e6)
             assert said.metrics_address.endswith(f":{proc.ready['metrics']}")
+            # The scheduler's dial-back finds it as itself (issue 54: not by an UNIMPLEMENTED)
+            assert await StageDialer(TOKEN).answer(proc.address, WAIT_S) == "agg"
             shown = metrics(proc)
             (info,) = shown["swarm_peer_info"]
             assert info.labels == {"peer": "agg", "state": "aggregating", "job": "", "stage": ""}

@@ -22,8 +22,9 @@ from scheduler.coordinator import commit as commit_module
 from scheduler.coordinator.groups import Aggregator, Groups, Link, RoundGroup
 from scheduler.coordinator.sum_checks import Mismatch, mismatches
 from stage_server.averaging.checksum import PartChecks, weights
-from stage_server.averaging.owner import Averager, Reduced
+from stage_server.averaging.owner import Averager
 from stage_server.averaging.service import PoolServicer
+from stage_server.averaging.summing import Reduced
 from swarm.errors import NotFound
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
@@ -146,8 +147,9 @@ async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
 ) -> None:
     """The same pool in float32 (the owner's sums round) with an honest aggregator on a faster
     link than the replicas (uneven parts): every contributor reports a checksum of the
-    aggregator's part at every step, under a lossy averaging codec too (on the decoded values,
-    the sum's encoding allowed for: issue 54), and no round fails."""
+    aggregator's part (and of every replica's: issue 55) at every step, under a lossy averaging
+    codec too (on the decoded values, the sum's encoding allowed for: issue 54), and no round
+    fails."""
     job, swarm = await _float32_pool(tmp_path, make_swarm, codec)
     judged: list[dict[int, list[pb.SumCheck]]] = []
 
@@ -167,8 +169,8 @@ async def test_honest_float32_rounds_with_an_aggregator_pass_their_checksums(
         assert len(judged) >= 3 * len(swarm.servers)  # every stage of every step
         for reports in judged:
             assert sorted(reports) == [0, 1, 2]
-            assert all(
-                [c.part for c in r] == [3] and c.unit == 2.0**-24
+            assert all(  # every part, the replicas' too (issue 55)
+                [c.part for c in r] == [0, 1, 2, 3] and c.unit == 2.0**-24
                 for r in reports.values()
                 for c in r
             )
@@ -235,7 +237,9 @@ async def test_a_forged_sum_is_caught_under_any_codec_and_each_stage_has_its_own
 def test_a_forger_who_knows_the_seed_passes_its_check_but_not_another_stages() -> None:
     """What a forger knowing r can do: answer S + e with r·e = 0, which that r cannot see (so no
     member learns its stage's seed but its own stage's replicas). Another stage's seed, which
-    a replica elsewhere learns, is no help: its forgery fails the stage's own check."""
+    a replica elsewhere learns, is no help: its forgery fails the stage's own check. And since
+    issue 55 the sum's norm is held to the contributions' too: an e past what their norms
+    leave fails even with the seed known."""
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(1000, generator=gen, dtype=torch.float64) for _ in range(3)]
     total = xs[0] + xs[1] + xs[2]
@@ -254,5 +258,8 @@ def test_a_forger_who_knows_the_seed_passes_its_check_but_not_another_stages() -
             out[j] = checks.report()
         return out
 
-    assert mismatches(reports(known), 3) == []  # the seed it knows: the forgery passes
-    assert len(mismatches(reports(own), 3)) == 3  # the stage's own seed: every contributor sees it
+    # The seed it knows: r·S passes, but ‖S‖ = ‖total + e‖ is far past Σ ‖x_j‖.
+    found = mismatches(reports(known), 3)
+    assert [(m.contributor, m.what) for m in found] == [(j, "‖S‖") for j in range(3)]
+    # The stage's own seed: every contributor sees it (in r·S already)
+    assert [m.what for m in mismatches(reports(own), 3)] == ["r·S"] * 3

@@ -268,3 +268,65 @@ async def test_a_round_keeps_at_most_max_open_slices_summed_or_open() -> None:
     with pytest.raises(ResourceExhausted, match="4 slices of the round"):
         await averager.reduce(key, 0, 0, 1, empty, timeout_s=30, slice=4)
     await averager.reduce(("job", 0, "other"), 0, 0, 1, empty, timeout_s=30)  # another round
+
+
+async def _open_contributions(
+    averager: Any, n: int, round: str, group_size: int = 1024
+) -> list[asyncio.Task[Any]]:
+    """`n` empty contributions to slices of a round of `group_size` whose other senders never
+    come, each still waited for (its caller holds on)."""
+    key, empty = ("job", 0, round), torch.zeros(0)
+    tasks = [
+        asyncio.ensure_future(averager.reduce(key, 0, 0, group_size, empty, timeout_s=60, slice=s))
+        for s in range(n)
+    ]
+    await wait_until(lambda: len(averager._open.get(key, {})) == n, "all open", timeout_s=20)
+    return tasks
+
+
+async def _held_per_open_contribution(group_size: int) -> float:
+    from stage_server.averaging.owner import Averager
+
+    averager = Averager(max_open_slices=10_000)
+    await _open_contributions(averager, 20, "warm-up")  # the loop's own first allocations
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tasks = await _open_contributions(averager, 500, "open", group_size)
+        gc.collect()
+        return (tracemalloc.get_traced_memory()[0] - before) / 500
+    finally:
+        tracemalloc.stop()
+        averager.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.attack("N13")
+async def test_an_open_contribution_costs_what_came_not_the_group_it_names() -> None:
+    # Issue 54 (N13 still open): 32,768 empty contributions held open took the averager from
+    # 279 to 982 MiB: each slot kept two lists as long as the group it named (1,024 senders),
+    # ~17 KiB, while its caller waited (20 KiB a contribution, its call's own task included).
+    # Now a slot holds what came: naming a group of 1,024 costs what naming one of 2 does.
+    small, large = await _held_per_open_contribution(2), await _held_per_open_contribution(1024)
+    assert large - small < 1024, f"{small:.0f} bytes for a group of 2, {large:.0f} for 1,024"
+    assert large < 6144, f"{large:.0f} bytes an open empty contribution holds"
+
+
+@pytest.mark.attack("N13")
+async def test_open_slices_of_every_round_together_are_bounded() -> None:
+    # Each round held up to 4,096 slices and 64 rounds could be open: 262,144 open slots. Now
+    # `max_open_total` bounds the open ones of all rounds together; the next is refused, and one
+    # completes once another closes.
+    from stage_server.averaging.owner import Averager
+    from swarm.errors import ResourceExhausted
+
+    averager = Averager(max_open_total=30)
+    tasks = await _open_contributions(averager, 20, "a")
+    tasks += await _open_contributions(averager, 10, "b")
+    with pytest.raises(ResourceExhausted, match="30 parts of rounds are open"):
+        await averager.reduce(("job", 0, "c"), 0, 0, 2, torch.zeros(0), timeout_s=30)
+    averager.abort(("job", 0, "a"), "gone")
+    await averager.reduce(("job", 0, "c"), 0, 0, 1, torch.zeros(0), timeout_s=30)
+    averager.close()
+    await asyncio.gather(*tasks, return_exceptions=True)

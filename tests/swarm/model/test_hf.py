@@ -3,8 +3,10 @@ directory loads as `LlamaForCausalLM` / `GPT2LMHeadModel` and computes the same 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +14,13 @@ import torch
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig
 from swarm.model.hf import read_hf, write_hf
-from swarm.model.transformer import build_model, build_stage, layer_costs, partition
+from swarm.model.transformer import (
+    build_model,
+    build_stage,
+    layer_costs,
+    partition,
+    plain_state,
+)
 from tests.support.jobs import make_job
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: installed by make install
@@ -78,3 +86,45 @@ def test_exports_refuse_a_directory_in_use_and_a_state_of_another_model(tmp_path
         write_hf(tmp_path / "other", state, gpt.model, None)
     assert not (tmp_path / "other").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing left
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_a_subspace_model_exports_as_plain_weights_with_the_same_logits(
+    tmp_path: Path, kind: str
+) -> None:
+    """`model.boundary_rank`: the export folds the fixed table and the projections into ordinary
+    weights; `transformers` computes the constrained model's logits with no runtime of ours."""
+    job = make_job(
+        tmp_path,
+        kind,
+        model={**MODELS[kind], "n_layers": 3, "boundary_rank": 8},
+        training={"dtype": "float64", "stages": 3},
+    )
+    model = build_model(job)
+    with torch.no_grad():  # every raw weight off the subspace: only the folding puts it back
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+            p.add_(noise.to(p.dtype), alpha=0.01)
+    with pytest.raises(ConfigError, match=r"model\.boundary_rank = 8"):
+        write_hf(tmp_path / "raw", model.state_dict(), job.model, None)
+    out = write_hf(tmp_path / "hf", *plain_state(job, model.state_dict()), None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    ids = torch.randint(0, job.model.vocab_size, (3, job.model.seq_len))
+    atol = 1e-6 if kind == "llama" else 1e-12
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=atol)
+        # and the raw weights alone are another model: the folding is what makes it equal
+        raw = write_hf(tmp_path / "raw2", model.state_dict(), replace_rank(job), None)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float64)
+        assert (theirs(ids).logits - model(ids)).abs().max() > 1e-3
+
+
+def replace_rank(job: JobConfig) -> Any:
+    return dataclasses.replace(job.model, boundary_rank=0)
+
+
+def test_init_from_into_a_subspace_job_is_refused_by_name(tmp_path: Path) -> None:
+    job = _job(tmp_path, "gpt")
+    out = write_hf(tmp_path / "hf", build_model(job).state_dict(), job.model, None)
+    with pytest.raises(ConfigError, match=r"model\.boundary_rank = 4 is not allowed.*init_from"):
+        make_job(tmp_path, "gpt", model={"init_from": str(out), "boundary_rank": 4})

@@ -105,3 +105,20 @@ def test_the_key_is_kept_and_private(tmp_path: Path) -> None:
     path.write_bytes(b"not a key")
     with pytest.raises(ValueError, match="not a scheduler key"):
         SchedulerKey.load_or_create(path)
+
+
+@pytest.mark.attack("L-nonce")
+def test_a_call_signed_before_the_replica_started_is_refused() -> None:
+    # Issue 54: a replica's memory of the nonces it took died with its process, so a signed
+    # call seen on the wire (without TLS) was taken again by the restarted replica within
+    # MAX_AGE_S. Now a call signed before the replica's process started is refused.
+    request = _commit()
+    signed = KEY.signer("a").metadata("Commit", request)
+    assert _code(CommitVerifier(KEY.public, "a"), "Commit", request, signed) == "OK"
+    started = time.time()  # the replica restarts
+    restarted = CommitVerifier(KEY.public, "a", started=started)
+    assert _code(restarted, "Commit", request, signed) == "PERMISSION_DENIED"
+    while time.time() * 1000 <= int(started * 1000) + 1:
+        pass  # (a millisecond on: the scheduler's next call is signed after the restart)
+    fresh = KEY.signer("a").metadata("Commit", request)
+    assert _code(restarted, "Commit", request, fresh) == "OK"

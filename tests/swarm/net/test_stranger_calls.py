@@ -53,8 +53,9 @@ async def test_half_sent_calls_hold_no_call_slot(
 ) -> None:
     """1,100 calls (unary, or the data plane's streaming kind) without a token, each with the
     first bytes of a message declaring 60 MiB, on five connections (so no per-connection cap
-    alone turns them away): more than the server's 1,024 call slots. An honest call with the
-    token is still served, and the stranger's calls are ended, not left waiting for their body."""
+    alone turns them away): more than the server's 1,024 call slots. The stranger's calls are
+    ended, not left waiting for their body (waited for, not slept on: issue 54), and an honest
+    call with the token is served."""
     strangers = [RawHttp2("127.0.0.1", _port(stage_server.address)) for _ in range(5)]
     try:
         streams: list[tuple[RawHttp2, int]] = []
@@ -64,7 +65,12 @@ async def test_half_sent_calls_hold_no_call_slot(
                 path = f"/swarm.proto.StageService/{method}"
                 call = stranger.half_sent_call(path, declared=60 * MiB, body=b"x" * 8)
                 streams.append((stranger, call))
-        await asyncio.sleep(1.0)  # for the server to take them all in
+        # The server has taken every call in (issue 54: not a 1 s sleep): each is ended, refused
+        # at its header, rather than left waiting with its slot for a body that never comes.
+        await wait_until(
+            lambda: all(call in s.closed_streams for s, call in streams),
+            "the server ended every stranger's call",
+        )
         async with dial.channel(stage_server.address, token=TOKEN) as channel:
             stub = stage_pb2_grpc.StageServiceStub(channel)
             try:
@@ -74,9 +80,6 @@ async def test_half_sent_calls_hold_no_call_slot(
                 code = e.code()
         assert code != grpc.StatusCode.RESOURCE_EXHAUSTED, "the honest call found no slot"
         assert code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), code
-        # The stranger's calls end (refused at their header), rather than wait with their slot
-        # for a body that never comes.
-        await wait_until(lambda: all(call in s.closed_streams for s, call in streams))
     finally:
         for stranger in strangers:
             stranger.close()
@@ -217,7 +220,9 @@ async def test_a_strangers_idle_connections_lock_callers_out_for_the_idle_limit_
             strangers.append(RawHttp2("127.0.0.1", port))
             strangers[-1].preface()
         idle_from = time.monotonic()  # the last stranger's last byte: idle from here on
-        await asyncio.sleep(1.0)  # the server has taken them all
+        await wait_until(  # the server has taken them all (its SETTINGS came on each)
+            lambda: all(s.settings.is_set() for s in strangers), "the server took every one"
+        )
         assert await _honest_call(port) == grpc.StatusCode.UNAVAILABLE  # locked out meanwhile
         # The lock-out ends as the server sends each stranger's connection GOAWAY and closes it,
         # once idle for `idle_s` (its clock starts as the server takes the connection): by

@@ -16,11 +16,11 @@ from swarm.ops.endpoint import Answer, Endpoint
 
 CHURNER = """
 import socket, sys, time
-port, mode = int(sys.argv[1]), sys.argv[2]
+port, mode, host = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 held = []
 while True:
     s = socket.socket()
-    s.bind(("127.0.0.2", 0))  # another host than the scrape's
+    s.bind((host, 0))  # 127.0.0.2: another host than the scrape's
     try:
         s.connect(("127.0.0.1", port))
     except OSError:
@@ -55,7 +55,23 @@ def _scrape(port: int, pause_s: float) -> bytes:
 def test_churn_from_another_host_never_cuts_a_scrape_off(mode: str) -> None:
     endpoint = Endpoint(lambda path, headers: Answer(200, BODY), token="s3cret")
     port = endpoint.start("127.0.0.1", 0)
-    churner = subprocess.Popen([sys.executable, "-c", CHURNER, str(port), mode])
+    _scrapes_through_churn(port, mode, "127.0.0.2")
+
+
+@pytest.mark.attack("N14")
+@pytest.mark.timeout(180)
+def test_a_silent_flood_from_the_scrapers_own_host_never_cuts_a_scrape_off() -> None:
+    # Issue 54 (N14 still open): the flood's host is the scrape's, so "the host that holds the
+    # most" is the scrape's too; its oldest connection waiting for a request was dropped, the
+    # scrape among them (1 of 7 got through). A connection that has sent nothing goes first.
+    endpoint = Endpoint(lambda path, headers: Answer(200, BODY), token="s3cret")
+    port = endpoint.start("127.0.0.1", 0)
+    _scrapes_through_churn(port, "hold", "127.0.0.1")
+
+
+def _scrapes_through_churn(port: int, mode: str, host: str) -> None:
+    """Five scrapes from 127.0.0.1 while a process churns connections from `host`."""
+    churner = subprocess.Popen([sys.executable, "-c", CHURNER, str(port), mode, host])
     try:
         time.sleep(1.0)  # churning
         for _ in range(5):

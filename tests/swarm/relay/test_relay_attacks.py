@@ -8,7 +8,7 @@ import asyncio
 import base64
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,8 +19,9 @@ from swarm.net import tls
 from swarm.net.paths import relay_credential
 from swarm.relay.attach import Attachment
 from swarm.relay.auth import attach_proof, metrics_credential
+from swarm.relay.identity import AttachKey, challenge
 from swarm.relay.server import RelayLimits, RelayServer
-from tests.support.relays import ECHO, NAT_HOST, echo_bytes, echo_server, relayed
+from tests.support.relays import ECHO, NAT_HOST, echo_bytes, echo_server, listener, relayed
 from tests.support.tls import no_identity
 from tests.support.waiting import wait_until
 
@@ -46,6 +47,14 @@ async def _connect(address: str, target: str, login: str | None) -> tuple[str, S
     stream[1].write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n".encode())
     line = await asyncio.wait_for(stream[0].readline(), 15)
     return line.decode().strip(), stream
+
+
+def _attach_head(peer: str, relay: str, key: AttachKey) -> bytes:
+    """An attach's head, written by hand: as `peer`, dialling `relay`, signing with `key`."""
+    return (
+        f"ATTACH {peer} SWARM-RELAY/1\r\nX-Swarm-Address: h:1\r\nX-Swarm-Relay: {relay}\r\n"
+        f"{key.header()}\r\n\r\n"
+    ).encode()
 
 
 async def _ended(reader: asyncio.StreamReader) -> None:
@@ -83,9 +92,11 @@ async def test_an_overheard_or_borrowed_proof_attaches_no_one() -> None:
     address = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
     try:
         reader, writer = await _dial(address)
-        writer.write(b"ATTACH home-gpu SWARM-RELAY/1\r\nX-Swarm-Address: h:1\r\n\r\n")
+        key = AttachKey.fresh()  # the real peer's
+        writer.write(_attach_head("home-gpu", address, key))
         overheard = (await reader.readline()).decode().split()[1]
-        writer.write(f"PROOF {attach_proof(TOKEN, 'home-gpu', overheard)}\n".encode())
+        signed = key.sign(challenge("home-gpu", address, overheard))
+        writer.write(f"PROOF {attach_proof(TOKEN, 'home-gpu', overheard)} {signed}\n".encode())
         assert await reader.readline() == b"OK\n"  # the real peer, whose exchange was overheard
         for proof in (
             attach_proof(TOKEN, "home-gpu", overheard),  # replayed
@@ -93,10 +104,11 @@ async def test_an_overheard_or_borrowed_proof_attaches_no_one() -> None:
             attach_proof("another-swarm", "home-gpu", "x"),
         ):
             r, w = await _dial(address)
-            w.write(b"ATTACH home-gpu SWARM-RELAY/1\r\n\r\n")
+            mine = AttachKey.fresh()
+            w.write(_attach_head("home-gpu", address, mine))
             nonce = (await r.readline()).decode().split()[1]
             assert nonce != overheard
-            w.write(f"PROOF {proof}\n".encode())
+            w.write(f"PROOF {proof} {mine.sign(challenge('home-gpu', address, nonce))}\n".encode())
             assert (await r.readline()).startswith(b"ERR wrong proof")
             assert await r.read() == b""  # and closed
             await _closed((r, w))
@@ -323,27 +335,6 @@ async def test_a_tunnel_reads_no_further_ahead_than_its_buffers() -> None:
         await server.wait_closed()
 
 
-@contextlib.asynccontextmanager
-async def _counting_listener() -> AsyncIterator[tuple[int, list[bytes]]]:
-    """A TCP listener on 127.0.0.1 (another service of the peer's LAN, or its metrics port):
-    its port, and what each connection it accepted sent first."""
-    got: list[bytes] = []
-
-    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        first = b""
-        with contextlib.suppress(ConnectionError, TimeoutError):
-            first = await asyncio.wait_for(reader.read(1024), 5)
-        got.append(first)
-        writer.close()
-
-    server = await asyncio.start_server(accept, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1], got
-    finally:
-        server.close()
-        await server.wait_closed()
-
-
 @pytest.mark.attack("R5")
 async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
     """One credential lets Prometheus scrape every relayed peer (HMAC(token, "relay-metrics"),
@@ -355,8 +346,8 @@ async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
     address = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
     async with (
         echo_server(TOKEN) as port,
-        _counting_listener() as (metrics_port, scraped),
-        _counting_listener() as (other, elsewhere),
+        listener() as (metrics_port, scraped),
+        listener() as (other, elsewhere),
     ):
         attachment = Attachment(
             "a",
@@ -404,9 +395,11 @@ async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
             assert registry.get_sample_value("swarm_relay_tunnels_total") == 1
             # The metrics credential attaches no one, and proves no data connection.
             r, w = await _dial(address)
-            w.write(b"ATTACH b SWARM-RELAY/1\r\n\r\n")
-            await r.readline()
-            w.write(f"PROOF {metrics_credential(TOKEN)}\n".encode())
+            mine = AttachKey.fresh()
+            w.write(_attach_head("b", address, mine))
+            nonce = (await r.readline()).decode().split()[1]
+            signed = mine.sign(challenge("b", address, nonce))
+            w.write(f"PROOF {metrics_credential(TOKEN)} {signed}\n".encode())
             assert (await r.readline()).startswith(b"ERR wrong proof")
             await _closed((r, w))
         finally:
@@ -434,8 +427,8 @@ async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers(
     a relay (or whoever poses as one) asking for anything else gets no connection, and a peer
     without metrics opens none for a metrics call."""
     async with (
-        _counting_listener() as (grpc_port, served),
-        _counting_listener() as (other, elsewhere),
+        listener() as (grpc_port, served),
+        listener() as (other, elsewhere),
     ):
         data: list[bytes] = []
         asked: asyncio.Future[None] = asyncio.get_running_loop().create_future()

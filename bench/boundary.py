@@ -1,0 +1,576 @@
+"""The boundary's score (issue 52): time to a target loss when the links between stages, not the
+compute, decide, for the full boundary and a small one, each with and without a codec,
+
+    T = steps to a target validation loss x steady step time (ProtocolNanoGPT's definition),
+
+all rows measured in one run, over links shaped from this run's own unshaped compute rate.
+
+    sudo .venv/bin/python bench/boundary.py [--rows full,full+codec,subspace,subspace+codec]
+        [--codec hadamard3] [--rank 64] [--subspace-keys "k = v; ..."] [--factor 32]
+        [--workload d320|small] [--max-steps 480]
+        [--eval-every 16] [--target-step 240] [--agree 0.05] [--max-windows 6]
+        [--timeout 1800] [--quick] [--keep-logs] [--json]
+
+The workload is bench/time_to_loss.py's (a byte-level GPT, d_model 320, on the bundled
+`examples/data/corpus.txt` with 10% held out, 32 samples of 32 tokens per step, AdamW lr 1e-3,
+float32) cut into 4 stages of one block each, on the push plane: 4 stage servers, each a host of
+its own in a network namespace (bench/wan.py's `Network`), and the trainer in a fifth.
+
+Rows (`--rows`): `full` (today's boundary: d_model float32 values per token), `full+codec`
+(`[compression] wire = --codec`, both directions), `subspace` (`[model] boundary_rank =
+--rank`: the subspace boundary), `subspace+codec` (both); `+codec` may also be written with the
+codec's name (`full+hadamard3`). The full row is the baseline every ratio is against, so it always
+runs. `--subspace-keys "k = v; ..."` adds `[model]` keys to the subspace rows' jobs (another
+kind of small boundary, say, scored on the same links).
+
+1. Unshaped. Each row trains `--max-steps` steps on a fresh swarm in the namespaces, links not
+   shaped (a plain pfifo), evaluating every `--eval-every` steps: its validation curve, its
+   steady step time (below), and its bytes per token each way per boundary, read from every
+   stage server's `swarm_stage_boundary_{bytes,tokens}_sent_total` at the end (forward at
+   boundary k|k+1 is stage k's, backward stage k+1's).
+2. The shaping. The link rate is the full row's busiest host's boundary bytes per step (its
+   outputs forward plus its input gradient backward) over `--factor` x its unshaped step time:
+   at that rate the full boundary's traffic needs `--factor` x what the link carries while the
+   stages compute at their unshaped rate. Every host's link gets it both ways (tc tbf on both
+   ends of its veth, as bench/wan.py shapes).
+3. Shaped. Each row again on a fresh swarm over the shaped links, only until its step time is
+   steady (no evaluation).
+
+The target validation loss is the full row's unshaped one at `--target-step` (default half of
+`--max-steps`: one every row should reach). A row's steps are the first evaluated step at or
+below it ("-": not reached by `--max-steps`). The steady step time is read off the times the
+trainer's `--log` lines appear (polled), after 2 warm-up steps, in windows of 4 steps: the mean
+of the first three consecutive windows within `--agree` of their mean, else, after
+`--max-windows`, of the last three ("not steady"); bench/time_to_loss.py's rule. An unshaped
+run's windows are those of its first `--max-windows` windows that hold no evaluation step.
+
+Printed: both tables (shaped, unshaped) with bytes/token each way (and x fewer than bf16, the
+issue's unit: 2 x d_model), the validation loss at `--max-steps` (equal steps) against the full
+row's, the steady step time, steps to the target, T and T against the full row's; then the
+issue's targets, PASS or FAIL: at the T-best shaped row, T <= 0.25 x the full row's, >= 32x fewer
+bytes per token than bf16 both ways, the equal-step loss within 3% of the full row's, and its
+shaped throughput >= 0.8 x its unshaped one.
+
+`--quick` is a smoke run of the bench itself (the `small` workload, d_model 64, 16 steps evaluated
+every 8, windows of 2 steps, links at most 4x under the need): it checks the plumbing, not the
+score.
+
+Needs root, `ip`, `tc` and `curl`. Namespaces are `swbnd-<pid>-<host>`; leftovers of a run that
+died are removed first, everything on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import time_to_loss as ttl  # noqa: E402
+import wan  # noqa: E402  (puts the repository root on sys.path too)
+
+from swarm.errors import ConfigError  # noqa: E402
+from swarm.job.config import parse_job  # noqa: E402
+from swarm.local.netns import Network, Proc, remove_leftovers  # noqa: E402
+
+ROOT = wan.ROOT
+PREFIX = "swbnd-"  # its own: a run removes its prefix's namespaces whose maker is gone
+STAGES = 4
+METRICS_PORT = 9100
+WINDOW = 4  # steps per window of the steady step time
+BASE = "full"
+KINDS = ("full", "subspace")
+# The issue's targets, at the T-best shaped row.
+T_RATIO, BF16_FEWER, LOSS_PENALTY, THROUGHPUT = 0.25, 32.0, 0.03, 0.8
+
+WORKLOADS: dict[str, dict[str, int]] = {
+    "d320": dict(d_model=320, n_heads=5, seq_len=32, microbatch_size=8, target_batch_size=32),
+    "small": dict(d_model=64, n_heads=4, seq_len=32, microbatch_size=8, target_batch_size=32),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str  # as given: full, full+hadamard3, subspace, subspace+codec ...
+    subspace: bool
+    codec: str  # "none" or the wire codec
+
+
+def parse_rows(text: str, codec: str) -> list[Row]:
+    rows: list[Row] = []
+    for name in [n.strip() for n in text.split(",") if n.strip()]:
+        kind, _, suffix = name.partition("+")
+        if kind not in KINDS or (suffix and suffix not in ("codec", codec)):
+            raise argparse.ArgumentTypeError(
+                f"row {name!r}: use full or subspace, optionally +codec (+{codec})"
+            )
+        rows.append(Row(name, kind == "subspace", codec if suffix else "none"))
+    if not rows or rows[0].name != BASE:
+        rows = [Row(BASE, False, "none"), *(r for r in rows if r.name != BASE)]
+    return rows
+
+
+def job_text(args: argparse.Namespace, row: Row, steps: int, eval_every: int) -> str:
+    p = WORKLOADS[args.workload]
+    keys = [f"boundary_rank = {args.rank}", *args.subspace_keys.split(";")] if row.subspace else []
+    rank = "".join(f"{k.strip()}\n" for k in keys if k.strip())
+    return f"""name = "boundary-{args.workload}"
+[model]
+kind = "gpt"
+vocab_size = 256
+d_model = {p["d_model"]}
+n_layers = {STAGES}
+n_heads = {p["n_heads"]}
+seq_len = {p["seq_len"]}
+{rank}[data]
+kind = "text"
+path = "{ttl.CORPUS}"
+val_fraction = 0.1
+[training]
+stages = {STAGES}
+microbatch_size = {p["microbatch_size"]}
+target_batch_size = {p["target_batch_size"]}
+steps = {steps}
+dtype = "float32"
+checkpoint_every = 0
+eval_every = {eval_every}
+eval_microbatches = 4
+[optimizer]
+kind = "adamw"
+lr = 1e-3
+[compression]
+wire = "{row.codec}"
+[runtime]
+data_plane = "push"
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# One swarm in the namespaces
+
+
+def hosts() -> list[str]:
+    return [f"stage{k}" for k in range(STAGES)]
+
+
+def addresses() -> dict[str, str]:
+    return {
+        wan.TRAINER: f"{wan.SUBNET}.10",
+        **{h: f"{wan.SUBNET}.{11 + k}" for k, h in enumerate(hosts())},
+    }
+
+
+def launch(net: Network, job: Path, label: str, work: Path, procs: list[Proc]) -> tuple[Path, Proc]:
+    """Fresh stage servers (one per stage, /metrics on) and the trainer with its --log, appended
+    to `procs`."""
+    address = addresses()
+    start_at = len(procs)
+    for k, host in enumerate(hosts()):
+        flags = f"--stage {k} --host {address[host]} --port {wan.PORT} --device cpu --threads 1"
+        flags += f" --metrics-port {METRICS_PORT} --insecure-no-token"  # namespaces here alone
+        argv = wan.swarm_cmd("stage-server", "--job", str(job), *flags.split())
+        procs.append(wan.start(net, host, f"{label}-{host}", argv, work))
+    deadline = time.monotonic() + wan.READY_TIMEOUT_S
+    for proc in procs[start_at:]:
+        proc.wait_ready(deadline)
+    log = work / f"{label}-steps.jsonl"
+    servers = ",".join(f"{address[h]}:{wan.PORT}" for h in hosts())
+    argv = wan.swarm_cmd("trainer", "--job", str(job), "--threads", "1", "--log", str(log))
+    trainer = wan.start(
+        net, wan.TRAINER, f"{label}-trainer", [*argv, "--stage-servers", servers], work
+    )
+    procs.append(trainer)
+    return log, trainer
+
+
+def boundary_counts(net: Network) -> list[dict[str, float]]:
+    """Per stage: its boundary bytes and tokens sent each way (`forward_bytes`, ...), read off
+    its /metrics inside its namespace."""
+    address, out = addresses(), []
+    for host in hosts():
+        url = f"http://{address[host]}:{METRICS_PORT}/metrics"
+        cmd = ["ip", "netns", "exec", net.ns[host], "curl", "-s", "--max-time", "10", url]
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+        got = dict.fromkeys(
+            ("forward_bytes", "forward_tokens", "backward_bytes", "backward_tokens"), 0.0
+        )
+        for line in text.splitlines():
+            for what in ("bytes", "tokens"):
+                if line.startswith(f"swarm_stage_boundary_{what}_sent_total{{"):
+                    way = "forward" if 'direction="forward"' in line else "backward"
+                    got[f"{way}_{what}"] += float(line.rsplit(None, 1)[1])
+        out.append(got)
+    return out
+
+
+def per_token(counts: list[dict[str, float]]) -> dict[str, Any]:
+    """Bytes per token at each boundary k|k+1, each way, and their mean over the boundaries."""
+    forward = [c["forward_bytes"] / c["forward_tokens"] for c in counts[:-1] if c["forward_tokens"]]
+    backward = [
+        c["backward_bytes"] / c["backward_tokens"] for c in counts[1:] if c["backward_tokens"]
+    ]
+    return {
+        "forward": sum(forward) / len(forward) if forward else math.nan,
+        "backward": sum(backward) / len(backward) if backward else math.nan,
+        "by_boundary": {"forward": forward, "backward": backward},
+    }
+
+
+def step_times(
+    count: Any, check: Any, args: argparse.Namespace, until_end: Any = None
+) -> list[float]:
+    """When each step's log line appeared, polled, until `until_end()` says the job ended (an
+    unshaped run: every step), or until the windows are steady (a shaped run)."""
+    arrived: list[float] = []
+    deadline = time.monotonic() + args.timeout
+    while True:
+        done, now = count(), time.monotonic()
+        arrived += [now] * (done - len(arrived))
+        if until_end is not None and until_end():
+            return arrived
+        if until_end is None:
+            periods = windows(arrived, args.window)
+            if len(periods) >= args.max_windows or ttl.steady(periods, args.agree):
+                return arrived
+        check()
+        if now > deadline:
+            raise TimeoutError(f"{len(arrived)} steps in {args.timeout:.0f}s")
+        time.sleep(0.01)
+
+
+def windows(arrived: list[float], w: int, skip: frozenset[int] = frozenset()) -> list[float]:
+    """Mean step time of each window of `w` steps after the warm-up (windows holding a step of
+    `skip` left out)."""
+    out = []
+    for lo in range(ttl.WARMUP_STEPS, len(arrived) - w + 1, w):
+        if not any(lo <= s < lo + w for s in skip):
+            out.append((arrived[lo + w - 1] - arrived[lo - 1]) / w)
+    return out
+
+
+def steady_time(periods: list[float], args: argparse.Namespace) -> tuple[float, bool]:
+    periods = periods[: args.max_windows]
+    if len(periods) < 3:
+        raise RuntimeError(f"too few windows for a steady step time: {periods}")
+    found = ttl.steady(periods, args.agree)
+    first, is_steady = found if found is not None else (len(periods) - 3, False)
+    return sum(periods[first : first + 3]) / 3, is_steady
+
+
+def run_row(
+    net: Network, row: Row, args: argparse.Namespace, work: Path, procs: list[Proc], shaped: bool
+) -> dict[str, Any]:
+    """One row on a fresh swarm: unshaped, trained to `--max-steps` with its evaluations;
+    shaped, until steady. Every process killed after."""
+    label = f"{'shaped' if shaped else 'unshaped'}-{row.name.replace('+', '_')}"
+    steps = (
+        ttl.WARMUP_STEPS + (args.max_windows + 1) * args.window + 2 if shaped else args.max_steps
+    )
+    job = work / f"{label}.toml"
+    job.write_text(job_text(args, row, steps, 0 if shaped else args.eval_every))
+    start_at = len(procs)
+    try:
+        log, trainer = launch(net, job, label, work, procs)
+        arrived = step_times(
+            lambda: min(wan.count_lines(log), steps),  # the final evaluation's line aside
+            # unshaped, the trainer ends with the job (its exit code is checked below)
+            lambda: ttl.check_alive(
+                [p for p in procs[start_at:] if shaped or p is not trainer], label
+            ),
+            args,
+            None if shaped else (lambda: trainer.popen.poll() is not None),
+        )
+        if not shaped and trainer.popen.returncode != 0:
+            raise RuntimeError(f"{label}: the trainer failed:\n{trainer.log()[-3000:]}")
+        counts = boundary_counts(net)
+    finally:
+        for proc in procs[start_at:]:
+            proc.kill()
+        del procs[start_at:]
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    evals = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    skip = frozenset() if shaped else frozenset(s for s, _ in evals)
+    step_s, is_steady = steady_time(windows(arrived, args.window, skip), args)
+    return {
+        "row": row.name,
+        "step_seconds": step_s,
+        "steady": is_steady,
+        "evals": evals,
+        "bytes_per_token": per_token(counts),
+        "boundary_counts": counts,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The shaping, the target, the tables
+
+
+def link_rate_bits(full: dict[str, Any], args: argparse.Namespace) -> float:
+    """The rate (bits/s) at which the full row's busiest host's boundary traffic per step needs
+    `--factor` x its unshaped step time (evaluation forwards included: a sliver)."""
+    busiest = max(c["forward_bytes"] + c["backward_bytes"] for c in full["boundary_counts"])
+    per_step = busiest / args.max_steps
+    return 8 * per_step / (args.factor * full["step_seconds"])
+
+
+def target(full: dict[str, Any], args: argparse.Namespace) -> tuple[int, float]:
+    """The full row's unshaped validation loss at the last evaluated step at or before
+    `--target-step`: (that step, the loss)."""
+    at = [(s, v) for s, v in full["evals"] if s <= args.target_step]
+    if not at:
+        raise RuntimeError(f"the full row has no evaluation by step {args.target_step}")
+    return at[-1]
+
+
+def score(
+    args: argparse.Namespace, unshaped: dict[str, dict[str, Any]], shaped: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Both tables' rows, the ratios against the full row, and the issue's targets."""
+    target_step, target_loss = target(unshaped[BASE], args)
+    bf16 = 2 * WORKLOADS[args.workload]["d_model"]  # bytes per token of a bf16 boundary
+    final = {name: r["evals"][-1][1] if r["evals"] else math.nan for name, r in unshaped.items()}
+    tables: dict[str, list[dict[str, Any]]] = {"shaped": [], "unshaped": []}
+    for which, runs in (("shaped", shaped), ("unshaped", unshaped)):
+        base_t = None
+        for name, r in runs.items():
+            u = unshaped[name]
+            steps = ttl.steps_to(u["evals"], target_loss)
+            t = steps * r["step_seconds"] if steps is not None else None
+            if name == BASE:
+                base_t = t
+            per = u["bytes_per_token"]
+            tables[which].append(
+                {
+                    "row": name,
+                    "forward_bytes_per_token": per["forward"],
+                    "backward_bytes_per_token": per["backward"],
+                    "fewer_than_bf16": min(bf16 / per["forward"], bf16 / per["backward"]),
+                    "final_val_loss": final[name],
+                    "loss_vs_full": final[name] / final[BASE] - 1,
+                    "step_seconds": r["step_seconds"],
+                    "steady": r["steady"],
+                    "steps": steps,
+                    "T": t,
+                    "T_vs_full": t / base_t if t is not None and base_t else None,
+                    "throughput_vs_unshaped": u["step_seconds"] / r["step_seconds"]
+                    if which == "shaped"
+                    else None,
+                }
+            )
+    reached = [r for r in tables["shaped"] if r["T"] is not None]
+    best = min(reached, key=lambda r: r["T"]) if reached else None
+    goals = {
+        "T <= 0.25 x full's T (shaped)": best is not None and (best["T_vs_full"] or 1) <= T_RATIO,
+        ">= 32x fewer bytes/token than bf16, both ways": best is not None
+        and best["fewer_than_bf16"] >= BF16_FEWER,
+        "equal-step val loss within 3% of full's": best is not None
+        and best["loss_vs_full"] <= LOSS_PENALTY,
+        "shaped throughput >= 0.8 x unshaped": best is not None
+        and best["throughput_vs_unshaped"] >= THROUGHPUT,
+    }
+    return {
+        "workload": args.workload,
+        "rows": list(unshaped),
+        "codec": args.codec,
+        "rank": args.rank,
+        "factor": args.factor,
+        "link_rate_bits": args.rate_bits,
+        "target": {"step": target_step, "val_loss": target_loss},
+        "equal_step": args.max_steps,
+        "bf16_bytes_per_token": bf16,
+        "tables": tables,
+        "best": best["row"] if best else None,
+        "goals": goals,
+        "runs": {"unshaped": unshaped, "shaped": shaped},
+    }
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt % value
+
+
+def print_report(r: dict[str, Any], out: IO[str]) -> None:
+    t = r["target"]
+    print(
+        f"workload {r['workload']}, {STAGES} stages on {STAGES} hosts, push plane; codec "
+        f"{r['codec']}, rank {r['rank']}; links {r['link_rate_bits'] / 1e6:.3f} Mbit/s each way "
+        f"({r['factor']:g}x under the full boundary's unshaped need)",
+        file=out,
+    )
+    print(
+        f"target validation loss {t['val_loss']:.4f}: the full row's unshaped at step "
+        f"{t['step']}; equal-step loss at step {r['equal_step']}",
+        file=out,
+    )
+    head = (
+        "| row | fwd B/token | bwd B/token | x fewer than bf16 | val loss | vs full | s/step | "
+        "steps | T (s) | T / T_full | shaped / unshaped speed |"
+    )
+    for which in ("shaped", "unshaped"):
+        print(f"\n{which}:\n{head}\n|{'---|' * 11}", file=out)
+        for row in r["tables"][which]:
+            print(
+                f"| {row['row']} | {_num(row['forward_bytes_per_token'], '%.1f')} | "
+                f"{_num(row['backward_bytes_per_token'], '%.1f')} | "
+                f"{_num(row['fewer_than_bf16'], '%.1f')} | {_num(row['final_val_loss'], '%.4f')}"
+                f" | {100 * row['loss_vs_full']:+.2f}% | {row['step_seconds']:.3f}"
+                f"{'' if row['steady'] else ' (not steady)'} | {_num(row['steps'], '%d')} | "
+                f"{_num(row['T'], '%.0f')} | {_num(row['T_vs_full'], '%.3f')} | "
+                f"{_num(row['throughput_vs_unshaped'], '%.2f')} |",
+                file=out,
+            )
+    print(f"\nT-best shaped row: {r['best'] or 'none reached the target'}", file=out)
+    for goal, met in r["goals"].items():
+        print(f"  {'PASS' if met else 'FAIL'}  {goal}", file=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--rows",
+        default="full,full+codec,subspace,subspace+codec",
+        help="comma-separated (full always runs); the subspace rows need [model] boundary_rank",
+    )
+    parser.add_argument("--codec", default="hadamard3", help="the +codec rows' wire codec")
+    parser.add_argument("--rank", type=int, default=64, help="the subspace rows' boundary_rank")
+    parser.add_argument(
+        "--subspace-keys", default="", help='more [model] keys of the subspace rows: "k = v; ..."'
+    )
+    parser.add_argument("--factor", type=float, default=32.0, help="full traffic / link rate")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="d320")
+    parser.add_argument("--max-steps", type=int, default=480)
+    parser.add_argument("--eval-every", type=int, default=16)
+    parser.add_argument("--target-step", type=int, help="default: half of --max-steps")
+    parser.add_argument("--agree", type=float, default=0.05, help="steady: windows within this")
+    parser.add_argument("--max-windows", type=int, default=6)
+    parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per run")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of the bench")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the work directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    args.window = WINDOW
+    if args.quick:
+        args.workload, args.max_steps, args.eval_every, args.window = "small", 16, 8, 2
+        args.max_windows, args.factor = 3, min(args.factor, 4.0)
+    if args.target_step is None:
+        args.target_step = args.max_steps // 2
+    try:
+        args.row_list = parse_rows(args.rows, args.codec)
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
+    return args
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """Why this cannot run, or None."""
+    if not shutil.which("ip") or not shutil.which("tc") or not shutil.which("curl"):
+        return "needs ip, tc (iproute2) and curl on PATH"
+    from swarm.local.netns import available
+
+    why = available()
+    if why:
+        return why
+    if args.max_steps < args.eval_every or args.eval_every < 1:
+        return "--max-steps must be at least --eval-every, which must be >= 1"
+    for row in args.row_list:
+        try:
+            parse_job(job_text(args, row, args.max_steps, args.eval_every), ROOT, "boundary")
+        except ConfigError as e:
+            hint = " (boundary_rank needs the subspace boundary: --rows full,full+codec)"
+            return f"row {row.name}: the job would not load: {e}" + (hint * row.subspace)
+    return None
+
+
+def _bench_alive(pid: int) -> bool:
+    try:
+        return b"boundary.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    args = parse_args()
+    problem = check(args)
+    if problem:
+        say(f"bench/boundary.py: {problem}")
+        return 2
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    work = Path(tempfile.mkdtemp(prefix="swarm-boundary-"))
+    net = Network(PREFIX, addresses())
+    procs: list[Proc] = []
+    result: dict[str, Any] | None = None
+    status = 1
+    try:
+        removed = remove_leftovers(PREFIX, _bench_alive)
+        if removed:
+            say(f"removed leftover namespaces: {', '.join(removed)}")
+        net.create()
+        net.shape(None)
+        unshaped: dict[str, dict[str, Any]] = {}
+        for row in args.row_list:
+            say(f"unshaped {row.name}: {args.max_steps} steps, evaluated every {args.eval_every}")
+            unshaped[row.name] = run_row(net, row, args, work, procs, shaped=False)
+            u = unshaped[row.name]
+            say(
+                f"  {u['step_seconds']:.3f} s/step, bytes/token "
+                f"{u['bytes_per_token']['forward']:.1f} / {u['bytes_per_token']['backward']:.1f}"
+                f", val loss {u['evals'][-1][1]:.4f}"
+            )
+        args.rate_bits = link_rate_bits(unshaped[BASE], args)
+        net.shape(args.rate_bits)
+        say(f"links shaped to {args.rate_bits / 1e6:.3f} Mbit/s each way")
+        shaped: dict[str, dict[str, Any]] = {}
+        for row in args.row_list:
+            say(f"shaped {row.name} ...")
+            shaped[row.name] = run_row(net, row, args, work, procs, shaped=True)
+            say(f"  {shaped[row.name]['step_seconds']:.3f} s/step")
+        result = score(args, unshaped, shaped)
+        status = 0
+    except KeyboardInterrupt:
+        say("interrupted")
+        status = 130
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
+        say(f"bench/boundary.py: {e}")
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for proc in procs:
+            proc.kill()
+        net.destroy()
+        if status == 0 and not args.keep_logs:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            say(f"logs in {work}")
+    if result is not None:
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print_report(result, sys.stdout)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

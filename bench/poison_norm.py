@@ -1,0 +1,109 @@
+"""What one hostile replica per pool does to a job's loss, with the norm bound and without it
+(issue 55, item 4: "with auditing off, the norm bound alone keeps the loss of a run with one
+hostile replica per pool within 2% of the honest run at equal steps").
+
+    .venv/bin/python bench/poison_norm.py [--steps 12] [--scale 1e4]
+
+A float64 job of 4 stages x 3 replicas (real stage servers on real ports, in this process, so
+one replica of every stage can be made hostile: it multiplies the gradient sums it contributes
+to its pool's averaging by `--scale`, every step; finite, so no check of form refuses it). Three
+runs at equal steps: honest; hostile with `[trust] clip = "off"`; hostile with the default
+`"norm_bound"`. Printed: each run's validation loss of its final model, against the honest
+run's (a ratio measured in the same run), and how many replicas the bound left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scheduler.coordinator import LocalCoordinator, gather_state  # noqa: E402
+from swarm.job.config import JobConfig  # noqa: E402
+from swarm.job.fingerprint import fingerprint  # noqa: E402
+from swarm.model.data import make_val_data  # noqa: E402
+from swarm.model.reference import evaluate  # noqa: E402
+from swarm.model.transformer import build_model  # noqa: E402
+from tests.support.inprocess import Swarm  # noqa: E402
+from tests.support.jobs import make_job  # noqa: E402
+
+
+def _hostile(swarm: Swarm, scale: float) -> None:
+    """The last replica of every stage scales what it contributes to its pool's rounds."""
+    for stage in swarm.servers:
+        committer = stage[-1].servicer._commits
+        honest = committer._average
+
+        async def scaled(c: Any, sums: list[torch.Tensor], *a: Any, _h: Any = honest) -> Any:
+            for t in sums:
+                t.mul_(scale)
+            return await _h(c, sums, *a)
+
+        setattr(committer, "_average", scaled)  # noqa: B010 (a bench's hostile replica)
+
+
+async def _run(job: JobConfig, hostile: float | None) -> tuple[float, int]:
+    """The final model's validation loss, and the replicas left out, of one run of `job`."""
+    swarm = Swarm(job)
+    left: list[str] = []
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "leaving" in record.getMessage():
+                left.append(record.getMessage())
+
+    handler = Count(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    try:
+        await swarm.add_replicas(3)
+        if hostile is not None:
+            _hostile(swarm, hostile)
+        coordinator = LocalCoordinator(job, fingerprint(job), swarm.members)
+        await swarm.train(coordinator, trainers=2)
+        model = build_model(job, "cpu")
+        model.load_state_dict(await gather_state(coordinator))
+        await coordinator.close()
+        return evaluate(job, model, make_val_data(job), "cpu"), len(left)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        await swarm.close()
+
+
+async def main(steps: int, scale: float) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        training = {"steps": steps, "target_batch_size": 32, "checkpoint_every": 0}
+        runs = {
+            "honest": (make_job(Path(tmp), "honest", training=training), None),
+            "hostile, clip off": (
+                make_job(Path(tmp), "off", training=training, trust={"clip": "off"}),
+                scale,
+            ),
+            "hostile, norm_bound": (make_job(Path(tmp), "bound", training=training), scale),
+        }
+        results = {name: await _run(job, hostile) for name, (job, hostile) in runs.items()}
+    base = results["honest"][0]
+    print(f"\n4 stages x 3 replicas, float64, {steps} steps; 1 hostile replica a stage, x{scale:g}")
+    print(f"{'run':<22} {'val loss':>12} {'vs honest':>10} {'left out':>9}")
+    for name, (loss, left) in results.items():
+        print(f"{name:<22} {loss:>12.6f} {loss / base:>10.4f} {left:>9}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.ERROR)  # printed: errors only
+    logging.getLogger().setLevel(logging.WARNING)  # made: the warnings `_run` counts too
+    for printed in logging.getLogger().handlers:
+        printed.setLevel(logging.ERROR)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--scale", type=float, default=1e4)
+    args = parser.parse_args()
+    asyncio.run(main(args.steps, args.scale))

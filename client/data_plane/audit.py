@@ -1,0 +1,205 @@
+"""Audits by re-execution (issue 55): a replica's work is checked by running it again on another
+replica of its stage, from the very bytes it was given.
+
+On the carry plane the trainer holds, for every stage of a microbatch, what it sent there (the
+inputs, and the output gradient or the targets) and what came back (the outputs, or the loss, and
+the input gradient): a replica is committed to its answer once it gave it, before anyone drew
+what to audit. After the microbatch completes, and before it is reported, each stage is drawn
+with probability `[trust] audit_fraction`, from the operating system's randomness, so no replica
+can tell which of its answers will be checked. A drawn stage is re-executed on another replica of
+it (an *auditor*, also drawn) and compared: within `TOLERANCE` of the job's dtype, relative to
+the largest element (replicas of a stage hold bitwise the same parameters, so on the CPU honest
+answers agree bitwise: the largest difference seen is kept in a gauge).
+
+A disagreement is judged, not guessed: a second auditor re-executes too. The answer two of the
+three agree on is the truth; the one that differs is the liar, the audited replica or the first
+auditor alike, and comes back as a `Verdict` with the evidence. A replica that answered nothing
+(gone, refused) is no evidence: the audit is skipped. Where no second auditor exists (a stage of
+two), the disagreement is logged and counted, and nobody is banned on one word against another.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from client.metrics import TrainerMetrics
+from swarm.errors import SwarmError
+from swarm.rpc.lease import Verdict
+from swarm.rpc.stage_client import TensorLike
+
+__all__ = ["TOLERANCE", "Audits", "Redone", "Reexecutor", "Work", "differs"]
+
+log = logging.getLogger(__name__)
+
+# Relative to the largest element of the honest answer: the rounding of another device's kernels
+# (a GPU's, a CPU with other vector units), far below any error worth making. A liar whose error
+# stays under it moves the model less than the dtype's own rounding across machines does.
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one stage of a microbatch was given and answered, as the trainer holds it."""
+
+    stage: int
+    inputs: TensorLike
+    grad_outputs: TensorLike  # the last stage: the targets
+    outputs: torch.Tensor  # the last stage: its loss sum (a 0-d tensor)
+    grad_inputs: torch.Tensor | None  # None where none was asked for (stage 0, the lowest)
+    forward_peer: str  # who answered `outputs`
+    backward_peer: str  # who answered `grad_inputs` (and accumulated the stage's gradient)
+    # the microbatch's token ids, where a subspace boundary needs them (stages above 0)
+    tokens: TensorLike | None = None
+
+
+@dataclass(frozen=True)
+class Redone:
+    """The same work, re-executed on an auditor."""
+
+    outputs: torch.Tensor
+    grad_inputs: torch.Tensor | None
+
+
+class Reexecutor(Protocol):
+    """Runs a stage's work again on a chosen replica, accumulating nothing (the seam: gRPC in
+    `client.data_plane.reexecute`, fakes in unit tests)."""
+
+    def peers(self, stage: int) -> list[str]:
+        """The replicas of `stage` that can audit now."""
+        ...
+
+    async def redo(self, peer: str, step: int, index: int, work: Work) -> Redone: ...
+
+
+def differs(claimed: torch.Tensor | None, honest: torch.Tensor | None) -> float:
+    """How far `claimed` is from `honest`: the largest difference relative to `honest`'s
+    largest element (inf for another shape, a NaN or one missing; 0.0 when bitwise equal)."""
+    if claimed is None or honest is None:
+        return 0.0 if claimed is None and honest is None else float("inf")
+    if claimed.shape != honest.shape:
+        return float("inf")
+    a, b = claimed.double(), honest.double()
+    if torch.equal(a, b):
+        return 0.0
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    gap = float((a - b).abs().max())
+    return gap / scale if scale > 0 and gap == gap else float("inf")
+
+
+_ITEMS = ("outputs", "input gradients")
+
+
+class Audits:
+    """The audits of one trainer: `fraction` of the stages of every microbatch it completes."""
+
+    def __init__(
+        self,
+        fraction: float,
+        tolerance: float,
+        redo: Reexecutor,
+        metrics: TrainerMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.fraction, self.tolerance, self.reexecutor, self.metrics = (
+            fraction,
+            tolerance,
+            redo,
+            metrics,
+        )
+        # Unpredictable to every replica: drawn after their answers, from the OS's randomness.
+        self.rng = rng or random.SystemRandom()
+
+    def drawn(self, stages: Iterable[int]) -> list[int]:
+        """The stages of one microbatch to audit, each with probability `fraction`."""
+        return [k for k in stages if self.fraction > 0 and self.rng.random() < self.fraction]
+
+    async def audit(
+        self, step: int, index: int, works: Sequence[Work]
+    ) -> tuple[list[Verdict], int]:
+        """Audit the drawn stages of microbatch `(step, index)`: the liars found, and the
+        re-executions it took."""
+        self.metrics.stage_runs.inc(len(works))
+        runs = self.metrics.audit_runs._value.get()
+        verdicts: dict[str, Verdict] = {}
+        for k in self.drawn(range(len(works))):
+            for v in await self._audit(step, index, works[k]):
+                verdicts.setdefault(v.peer, v)
+        return list(verdicts.values()), int(self.metrics.audit_runs._value.get() - runs)
+
+    def _close(self, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        return differs(a, b) <= self.tolerance
+
+    async def _redo(self, peer: str, step: int, index: int, work: Work) -> Redone | None:
+        try:
+            done = await self.reexecutor.redo(peer, step, index, work)
+        except SwarmError as e:  # gone, or the step moved on: no evidence either way
+            log.info("audit of (%d, %d) at stage %d on %s: %s", step, index, work.stage, peer, e)
+            return None
+        self.metrics.audit_runs.inc()
+        return done
+
+    async def _audit(self, step: int, index: int, work: Work) -> list[Verdict]:
+        claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
+        producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
+        others = [p for p in self.reexecutor.peers(work.stage) if p not in producer.values()]
+        first = self.rng.choice(others) if others else None
+        a = None if first is None else await self._redo(first, step, index, work)
+        if first is None or a is None:
+            self.metrics.audited("skipped")
+            return []
+        redone_a = {"outputs": a.outputs, "input gradients": a.grad_inputs}
+        gaps = {item: differs(claimed[item], redone_a[item]) for item in _ITEMS}
+        wrong = [item for item in _ITEMS if gaps[item] > self.tolerance]
+        if not wrong:
+            self.metrics.agreed(max(gaps.values()))
+            return []
+        seconds = [p for p in others if p != first]
+        second = self.rng.choice(seconds) if seconds else None
+        b = None if second is None else await self._redo(second, step, index, work)
+        where = f"microbatch ({step}, {index}) at stage {work.stage}"
+        if second is None or b is None:
+            self.metrics.audited("undecided")
+            log.warning(
+                "audit: %s: %s answered %s that %s's re-execution contradicts (by %.3g); no "
+                "second auditor to arbitrate: nobody is banned",
+                where,
+                producer[wrong[0]],
+                wrong[0],
+                first,
+                gaps[wrong[0]],
+            )
+            return []
+        redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
+        verdicts = []
+        for item in wrong:
+            by = differs(claimed[item], redone_b[item])
+            if self._close(redone_a[item], redone_b[item]) and by > self.tolerance:
+                liar, evidence = (
+                    producer[item],
+                    (
+                        f"its {item} of {where} differ by {by:.3g} (relative) from those "
+                        f"re-executed by {first} and {second}, which agree"
+                    ),
+                )
+            elif by <= self.tolerance:
+                liar, evidence = (
+                    first,
+                    (
+                        f"auditing {where}, it re-executed {item} that differ by {gaps[item]:.3g} "
+                        f"(relative) from those of {producer[item]} and of {second}, which agree"
+                    ),
+                )
+            else:
+                self.metrics.audited("undecided")
+                log.warning("audit: %s: no two of three answers of its %s agree", where, item)
+                continue
+            self.metrics.audited("caught")
+            log.warning("audit: %s caught lying: %s", liar, evidence)
+            verdicts.append(Verdict(liar, work.stage, evidence))
+        return verdicts

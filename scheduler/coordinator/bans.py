@@ -1,0 +1,111 @@
+"""Peers banned from a job (issue 55): a replica that an audit by re-execution caught lying
+(`client.data_plane.audit`: its answer contradicted by two others of its stage) is out of the
+job for good, and its influence is replayed away.
+
+- **Banned**: it is no member from then on, whatever the peer registry or the command line says
+  (`members` filters it out of every view the coordinator takes: trainers, rounds, rollbacks,
+  checkpoints), and the ban is said in the log and to the job's history with the evidence.
+  Under TLS a peer's certificate names its peer id, so the id is its credential too.
+- **Replayed away**: any of its answers may have been wrong, not only the one caught, and every
+  microbatch it touched moved every stage's gradient. So the job rolls back to the last
+  checkpoint at or before the first step it could have worked on (`first_seen`: the first
+  lease given while it was a member; 0 for those present when a coordinator started mid-job,
+  which cannot know), the checkpoints after that deleted, and trains again from there without
+  it: the result is the honest run's, float64-equal to `swarm local`.
+- **Stragglers**: a microbatch in flight when the ban came may have gone through the banned
+  peer and still be reported, even after the rollback (its step comes again). A result that
+  rests on a banned peer's answer (`MicrobatchResult.touched`) is not counted, and the replicas
+  it names as holders are voided at that step (their sums may hold its gradient), so their
+  microbatches are replayed. A verdict's own result is dropped the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Never
+
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.metrics import CoordinatorMetrics
+from swarm.rpc.lease import MicrobatchResult, Replica
+
+__all__ = ["Bans"]
+
+log = logging.getLogger(__name__)
+
+Members = Callable[[], list[list[Replica]]]
+
+
+class Bans:
+    def __init__(
+        self,
+        job_id: str,
+        metrics: CoordinatorMetrics,
+        on_ban: Callable[[str], Awaitable[None] | None] | None = None,
+    ) -> None:
+        """`on_ban(text)`: tell the job's history and `swarm status`. Its owner binds
+        `roll_back_to(step)` (roll every stage back to the last checkpoint at or before `step`)
+        and `void(ledger, stage, peer)` (void `peer`'s gradients of `ledger`'s step at `stage`)
+        once it has made them."""
+        self.job_id, self.metrics, self.on_ban = job_id, metrics, on_ban
+        self.roll_back_to: Callable[[int], None] = _unbound
+        self.void: Callable[[StepLedger, int, str], Awaitable[None]] = _unbound
+        self.banned: dict[str, str] = {}  # peer -> the evidence
+        self.first_seen: dict[str, int] = {}  # peer -> the first step it was a member at
+        self.caught_at: dict[str, int] = {}  # peer -> the step of the microbatch it was caught at
+        self._origin: int | None = None  # the first step this coordinator leased work of
+
+    def members(self, members: Members) -> Members:
+        """`members` without the banned peers."""
+        return lambda: [[r for r in stage if r.peer not in self.banned] for stage in members()]
+
+    def saw(self, members: Sequence[Sequence[Replica]], step: int) -> None:
+        """Work of `step` was leased while these were members: their work may start there. A
+        coordinator started mid-job (a scheduler restarted) cannot tell when those present at
+        its start came: from step 0, for all it knows."""
+        if self._origin is None:
+            self._origin = step
+        for stage in members:
+            for r in stage:
+                if r.peer not in self.first_seen:
+                    self.first_seen[r.peer] = 0 if step == self._origin else step
+
+    async def screen(
+        self, trainer: str, result: MicrobatchResult, ledger: StepLedger | None
+    ) -> bool:
+        """Ban whom `result`'s audit caught; True when `result` must not count (it rests on a
+        banned peer's answer): its holders voided at `ledger`'s step (None: not live), and
+        `trainer`'s lease of it given back (it goes out again at once). Counts what its audit
+        cost."""
+        self.metrics.stage_runs.inc(result.stage_runs)
+        self.metrics.audit_runs.inc(result.audit_runs)
+        for verdict in result.verdicts:
+            if verdict.peer not in self.banned:
+                await self._ban(verdict.peer, verdict.stage, verdict.evidence, result.step)
+        if not self.banned.keys() & set(result.touched):
+            return False
+        if ledger is not None and ledger.step == result.step:
+            ledger.release(trainer, [result.index])
+            for stage, peer in sorted(result.holders.items()):
+                await self.void(ledger, stage, peer)
+        return True
+
+    async def _ban(self, peer: str, stage: int, evidence: str, step: int) -> None:
+        self.banned[peer], self.caught_at[peer] = evidence, step
+        since = min(self.first_seen.get(peer, step), step)
+        self.metrics.bans.inc()
+        text = (
+            f"banned {peer} (stage {stage}): an audit caught it lying: {evidence}; rolling back "
+            f"to the last checkpoint at or before step {since}, its first, and training again "
+            "without it"
+        )
+        log.warning("job %s: %s", self.job_id, text)
+        self.roll_back_to(since)
+        if self.on_ban is not None:
+            said = self.on_ban(text)
+            if said is not None:
+                await said
+
+
+def _unbound(*_: object) -> Never:
+    raise AssertionError("Bans used before its owner bound its rollback and voids")

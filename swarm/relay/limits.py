@@ -1,0 +1,109 @@
+"""What a relay holds at once (`RelayLimits`), in all and per source address, sized to fit the
+descriptors its process may open (`RelayLimits.sized`, `raise_nofile`).
+
+Every connection a relay holds is a descriptor: a request head being read, an attached peer's
+control connection, a tunnel's two (the caller's and the peer's data connection). A relay whose
+limits add up to more than its process's `RLIMIT_NOFILE` can be made to run out of them, and a
+process out of descriptors accepts nothing, a stage server's own calls included under `--relay`.
+So the soft limit is raised to the hard one at start, and the limits are lowered to fit it.
+
+Per source (an IPv4 address, an IPv6 /64: what one machine or one home holds), so that no one
+machine's connections take what every other's need: heads, attached peers, and tunnels as the
+caller. Heads the relay expects (a peer's data connection for a call it asked for) are counted
+apart, and given the longer time: a flood of strangers' connections does not delay a call's
+data connection, and a stranger's silent connection is dropped sooner.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import resource
+from collections import Counter
+from dataclasses import dataclass, replace
+
+__all__ = ["RelayLimits", "nofile", "raise_nofile", "release", "source_of"]
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    max_peers: int = 256  # peers attached at once
+    max_peers_per_source: int = 32  # attached from one source (one home's router, say)
+    max_tunnels_per_peer: int = 64  # a peer's concurrent tunnels (a gRPC channel uses one)
+    max_tunnels: int = 1024  # tunnels in all (two descriptors each, and the peer's one)
+    max_tunnels_per_source: int = 256  # opened by one caller's source
+    max_heads: int = 128  # connections still sending their request head
+    max_heads_per_source: int = 16
+    head_timeout_s: float = 4.0  # to send a request head (and an attach's proof)
+    data_timeout_s: float = 10.0  # an expected data connection's head
+    max_head_bytes: int = 8192
+    open_timeout_s: float = 10.0  # for the peer to open a tunnel's data connection
+    probe_s: float = 5.0  # a live attachment answers a ping within this, or is replaced
+    ping_s: float = 10.0  # how often an attached peer is pinged
+    dead_after_s: float = 35.0  # an attached peer silent this long is dropped
+    chunk_bytes: int = 256 * 1024  # a splice's read; with the stream buffers, its memory bound
+
+    def sized(self, nofile: int) -> RelayLimits:
+        """These limits, lowered where they would not fit `nofile` descriptors: a quarter (at
+        least 64) is left to the process's own, the rest shared by heads (an eighth), attached
+        peers (an eighth) and tunnels (two each); no source takes more than a quarter of any."""
+        spare = max(16, nofile - max(64, nofile // 4))
+        heads = max(2, min(self.max_heads, spare // 8))
+        peers = max(1, min(self.max_peers, spare // 8))
+        tunnels = max(1, min(self.max_tunnels, (spare - heads - peers) // 2))
+
+        def share(limit: int, of: int) -> int:
+            return max(1, min(limit, of if of < 8 else of // 4))
+
+        return replace(
+            self,
+            max_heads=heads,
+            max_heads_per_source=share(self.max_heads_per_source, heads),
+            max_peers=peers,
+            max_peers_per_source=share(self.max_peers_per_source, peers),
+            max_tunnels=tunnels,
+            max_tunnels_per_source=share(self.max_tunnels_per_source, tunnels),
+        )
+
+
+def raise_nofile() -> int:
+    """Raise this process's soft `RLIMIT_NOFILE` to its hard limit (1,024 is a common soft
+    limit under a far higher hard one); the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass  # left as it is: the limits are sized to it
+    return soft
+
+
+def nofile() -> int:
+    """This process's soft `RLIMIT_NOFILE` now."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def source_of(peername: object) -> str:
+    """The source a connection is counted under: its IPv4 address, or its IPv6 address's /64
+    (one machine commonly holds a whole /64); "" when unknown."""
+    if not isinstance(peername, tuple) or not peername:
+        return ""
+    try:
+        address = ipaddress.ip_address(str(peername[0]).split("%")[0])
+    except ValueError:
+        return ""
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
+
+
+def release(tally: Counter[str], key: str) -> None:
+    """One fewer under `key` in a tally of sources, forgotten at none: it holds only the sources
+    that hold something now."""
+    tally[key] -= 1
+    if tally[key] <= 0:
+        del tally[key]

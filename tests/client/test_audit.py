@@ -1,0 +1,124 @@
+"""The audit's sampler and its arbitration (`client.data_plane.audit`), with replicas faked
+behind its `Reexecutor` seam: who is drawn, and who a disagreement convicts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from client.data_plane.audit import Audits, Redone, Work, differs
+from client.metrics import TrainerMetrics
+from swarm.errors import PeerUnavailable
+
+TRUE_OUT, TRUE_GRAD = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3)
+WRONG = torch.full((2, 3), 0.01)
+
+
+class Replicas:
+    """Three replicas of stage 1 (`a`, `b`, `c`); `liars` answer re-executions wrongly; `gone`
+    answer nothing."""
+
+    def __init__(self, liars: set[str] = frozenset(), gone: set[str] = frozenset()) -> None:
+        self.liars, self.gone, self.asked = set(liars), set(gone), []
+
+    def peers(self, stage: int) -> list[str]:
+        return ["a", "b", "c"]
+
+    async def redo(self, peer: str, step: int, index: int, work: Work) -> Redone:
+        self.asked.append(peer)
+        if peer in self.gone:
+            raise PeerUnavailable(f"{peer} is gone")
+        if peer in self.liars:
+            return Redone(TRUE_OUT + WRONG, TRUE_GRAD)
+        return Redone(TRUE_OUT.clone(), TRUE_GRAD.clone())
+
+
+def _work(outputs: torch.Tensor = TRUE_OUT, grads: torch.Tensor = TRUE_GRAD) -> Work:
+    inputs = torch.zeros(2, 3)
+    return Work(1, inputs, torch.ones(2, 3), outputs, grads, "a", "a")
+
+
+def _audits(replicas: Replicas, fraction: float = 1.0, seed: int = 0) -> Audits:
+    return Audits(fraction, 1e-9, replicas, TrainerMetrics("job"), rng=random.Random(seed))
+
+
+def _count(audits: Audits, outcome: str) -> float:
+    return audits.metrics._audits.labels(job="job", outcome=outcome)._value.get()
+
+
+def test_the_sampler_draws_each_stage_with_the_fraction() -> None:
+    audits = _audits(Replicas(), fraction=0.1, seed=7)
+    drawn = sum(len(audits.drawn(range(4))) for _ in range(5000))
+    assert 0.08 * 20000 < drawn < 0.12 * 20000
+    assert _audits(Replicas(), fraction=0.0).drawn(range(4)) == []
+    assert _audits(Replicas(), fraction=1.0).drawn(range(4)) == [0, 1, 2, 3]
+
+
+def test_the_default_draw_is_the_operating_systems() -> None:
+    # Not a seeded generator a replica could replay: the draw comes after the answers, from
+    # randomness no replica shares.
+    audits = Audits(0.5, 0.0, Replicas(), TrainerMetrics("job"))
+    assert isinstance(audits.rng, random.SystemRandom)
+
+
+async def test_an_honest_answer_is_agreed_by_one_auditor_bitwise() -> None:
+    replicas = Replicas()
+    audits = _audits(replicas)
+    assert await audits.audit(0, 0, [_work()]) == ([], 1)
+    assert len(replicas.asked) == 1 and replicas.asked[0] in ("b", "c")  # never the audited
+    assert _count(audits, "agreed") == 1
+    assert audits.metrics.audit_difference._value.get() == 0.0
+    assert audits.metrics.audit_runs._value.get() == 1
+
+
+@pytest.mark.parametrize("item", ["outputs", "grads"])
+async def test_a_lying_replica_is_convicted_by_two_auditors(item: str) -> None:
+    replicas = Replicas()
+    audits = _audits(replicas)
+    work = _work(TRUE_OUT + WRONG) if item == "outputs" else _work(grads=TRUE_GRAD * 2)
+    (verdict,), runs = await audits.audit(3, 5, [work])
+    assert runs == 2
+    assert verdict.peer == "a" and verdict.stage == 1
+    assert "microbatch (3, 5) at stage 1" in verdict.evidence
+    assert sorted(replicas.asked) == ["b", "c"]  # both others re-executed it
+    assert _count(audits, "caught") == 1
+
+
+async def test_a_lying_auditor_is_convicted_not_the_audited() -> None:
+    for seed in range(10):  # whichever of the two others is asked first
+        replicas = Replicas(liars={"b"})
+        audits = _audits(replicas, seed=seed)
+        verdicts, _ = await audits.audit(0, 0, [_work()])
+        if replicas.asked[0] == "b":
+            (verdict,) = verdicts
+            assert verdict.peer == "b" and "re-executed" in verdict.evidence
+            assert replicas.asked == ["b", "c"]
+        else:  # the honest auditor agreed: nobody is asked again, nobody is accused
+            assert verdicts == [] and replicas.asked == ["c"]
+
+
+async def test_no_verdict_on_one_word_against_another() -> None:
+    # The second auditor is gone: a disagreement with nobody to arbitrate convicts nobody.
+    replicas = Replicas(gone={"b"})
+    audits = _audits(replicas, seed=1)
+    verdicts, _ = await audits.audit(0, 0, [_work(TRUE_OUT + WRONG)])
+    if replicas.asked[0] == "b":  # the first auditor answered nothing: skipped
+        assert verdicts == [] and _count(audits, "skipped") == 1
+    else:
+        assert verdicts == [] and _count(audits, "undecided") == 1
+
+
+async def test_an_audit_is_skipped_where_no_other_replica_answers() -> None:
+    audits = _audits(Replicas(gone={"b", "c"}))
+    assert await audits.audit(0, 0, [_work(TRUE_OUT + WRONG)]) == ([], 0)
+    assert _count(audits, "skipped") == 1
+
+
+def test_differs_is_relative_and_exact_for_equal_tensors() -> None:
+    assert differs(TRUE_OUT, TRUE_OUT.clone()) == 0.0
+    assert differs(TRUE_OUT + 5e-3, TRUE_OUT) == pytest.approx(1e-3, rel=1e-4)
+    assert differs(TRUE_OUT, TRUE_OUT[:1]) == float("inf")
+    assert differs(TRUE_OUT * float("nan"), TRUE_OUT) == float("inf")
+    assert differs(None, None) == 0.0 and differs(None, TRUE_OUT) == float("inf")

@@ -1,0 +1,72 @@
+"""`scheduler.coordinator.bans`: a verdict bans once and rolls back to the banned peer's first
+step; a result resting on a banned peer's answer is not counted, its holders are voided and its
+lease goes out again; every result's audit price is counted."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from scheduler.coordinator.bans import Bans
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.metrics import CoordinatorMetrics
+from swarm.rpc.lease import MicrobatchResult, Replica, Verdict
+
+
+def _bans() -> tuple[Bans, list[int], list[tuple[int, int, str]], list[str]]:
+    said: list[str] = []
+    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), said.append)
+    rolled: list[int] = []
+    voided: list[tuple[int, int, str]] = []
+
+    async def void(ledger: StepLedger, stage: int, peer: str) -> None:
+        voided.append((ledger.step, stage, peer))
+
+    bans.roll_back_to, bans.void = rolled.append, void
+    return bans, rolled, voided, said
+
+
+def _result(step: int, index: int, *, touched: tuple[str, ...], **kw: object) -> MicrobatchResult:
+    return MicrobatchResult(step, index, {0: "a", 1: "b"}, 1.0, 4, touched=touched, **kw)  # type: ignore[arg-type]
+
+
+async def test_a_verdict_bans_once_and_rolls_back_to_the_liars_first_step() -> None:
+    bans, rolled, voided, said = _bans()
+    bans.saw([[Replica("a", "a:1")], [Replica("b", "b:1")]], 2)  # a coordinator started at 2
+    bans.saw([[Replica("a", "a:1")], [Replica("b", "b:1"), Replica("liar", "l:1")]], 5)
+    assert bans.first_seen == {"a": 0, "b": 0, "liar": 5}  # those at its start: from step 0
+    members = bans.members(lambda: [[Replica("a", "a:1")], [Replica("liar", "l:1")]])
+    verdict = Verdict("liar", 1, "its outputs differ")
+    ledger = StepLedger(step=7, microbatches=4, stages=2, microbatch_size=4)
+    result = _result(7, 0, touched=("a", "liar"), verdicts=(verdict,), stage_runs=2, audit_runs=2)
+    assert len(ledger.lease("t", 4)) == 4 and ledger.leasable() == 0
+    assert await bans.screen("t", result, ledger)  # not counted: it rests on the liar
+    assert ledger.leasable() == 1  # its lease given back: it goes out again at once
+    assert rolled == [5]  # the first step it was a member at
+    assert list(bans.banned) == ["liar"] and bans.caught_at == {"liar": 7}
+    assert members() == [[Replica("a", "a:1")], []]
+    assert voided == [(7, 0, "a"), (7, 1, "b")]
+    assert len(said) == 1 and said[0].startswith("banned liar (stage 1)")
+    assert bans.metrics.bans._value.get() == 1
+    # again: no second ban, no second rollback; still not counted
+    assert await bans.screen("t", _result(7, 1, touched=("liar",), verdicts=(verdict,)), ledger)
+    assert rolled == [5] and bans.metrics.bans._value.get() == 1
+    assert bans.metrics.stage_runs._value.get() == 2
+    assert bans.metrics.audit_runs._value.get() == 2
+
+
+async def test_a_result_that_does_not_rest_on_a_banned_peer_counts() -> None:
+    bans, rolled, voided, _ = _bans()
+    bans.banned["liar"] = "evidence"
+    ledger = StepLedger(step=3, microbatches=4, stages=2, microbatch_size=4)
+    assert not await bans.screen("t", _result(3, 0, touched=("a", "b")), ledger)
+    assert not await bans.screen("t", _result(3, 1, touched=()), ledger)  # push: not known
+    assert rolled == [] and voided == []
+
+
+async def test_a_straggler_of_another_step_is_dropped_without_voids() -> None:
+    bans, _, voided, _ = _bans()
+    bans.banned["liar"] = "evidence"
+    ledger = StepLedger(step=3, microbatches=4, stages=2, microbatch_size=4)
+    assert await bans.screen("t", _result(2, 0, touched=("liar",)), ledger)
+    assert await bans.screen("t", _result(3, 0, touched=("liar",)), None)
+    assert voided == []

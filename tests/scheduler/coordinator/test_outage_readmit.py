@@ -1,0 +1,48 @@
+"""A home outage during a commit (issue 51, item 2: "serving peers show joining"): two replicas
+of one home miss the commit's deadline together and are dropped, one the only replica of its
+stage, the other one of two of another stage. The job stalls until the home is back; then both
+still hold their stage's state at the step the job stalled at. Both count again as they are
+(DESIGN's field rule: a replica that missed a deadline but answers at the ledger's step is
+re-admitted), their gradients of the step discarded and replayed. Before, only the replica of
+the empty stage was re-admitted: the other was shown joining and made to download, from a
+member, the state it held all along."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from swarm.errors import PeerUnavailable
+from swarm.job.fingerprint import fingerprint
+from tests.support.coordinator import MakeHarness, job_of
+from tests.support.replicas import FakeSwarm
+
+
+async def test_both_replicas_of_a_home_back_from_an_outage_count_again_without_a_copy(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    job = job_of(tmp_path, steps=5)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    await h.step()
+    # Step 1: the home of b and c goes dark in the commit; both are dropped.
+    out = PeerUnavailable("DEADLINE_EXCEEDED: deadline exceeded")
+    b.fail("prepare", out)
+    c.fail("prepare", out)
+    for task in await h.lease():
+        await h.run(task)
+    replay = await h.lease()
+    assert {t.step for t in replay} == {1} and h.rollbacks.empty()
+    membership = h.coordinator.membership
+    # Both are members again, as they were: nothing to copy, nothing to wait for.
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a", "b"], ["c"]]
+    assert membership.waits() == {}
+    assert b.called("discard") == [1] and c.called("discard") == [1]
+    for task in replay:
+        await h.run(task)
+    assert (await asyncio.wait_for(h.steps.get(), 10)).step == 1
+    await h.step()  # the next boundary: b is asked to copy nobody
+    assert not b.called("join") and not a.called("load_state")
+    assert (a.step, b.step, c.step) == (3, 3, 3)

@@ -1,0 +1,124 @@
+"""Hostile replicas in a pool's averaging (issue 55). One owns a part and answers its part's
+sums plus 1e4 (finite, the same to every member). Every replica takes the same wrong sum, so the
+pool stays bitwise identical and no comparison among its members can see it; the job
+"succeeded" 0.06 away from `swarm local`. Every part's sum is now checked (the linear checksum of
+`scheduler.coordinator.sum_checks`, a replica's part as an aggregator's): the round fails naming
+the owner, which is left out with its microbatches replayed by the others, so the job equals
+`swarm local`. Another contributes its gradient times 1e4 (every sum checks out): the norm bound
+refuses it, and its microbatches are replayed. Real stage servers on real ports, in this process
+(so one's averager or commit can lie)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from scheduler.coordinator import LocalCoordinator, gather_state
+from stage_server.averaging.summing import Reduced, Summer
+from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
+from swarm.model.routes import Record
+from tests.support.equality import assert_equal_to_reference
+from tests.support.inprocess import Swarm
+from tests.support.jobs import make_job
+
+ERROR = 1e4  # what the hostile owner adds to every element of the sums it answers
+
+
+def _lying(honest: Summer, forged: list[int]) -> Summer:
+    """`honest`, with `ERROR` added to every sum (after the sum: every member gets the same)."""
+
+    def wrong(
+        values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+    ) -> Reduced:
+        reduced = honest(values, owned, codec, block_size)
+        forged.append(reduced.tensor.numel())
+        wrong = reduced.tensor + ERROR
+        return Reduced(wrong, None, wrong)
+
+    return wrong
+
+
+async def _pool(
+    tmp_path: Path, make_swarm: list[Swarm], steps: int, pool: dict[str, Any] | None = None
+) -> tuple[JobConfig, Swarm]:
+    """A float64 job of `steps` steps (`pool` its [pool]), and three replicas of each stage."""
+    training = {"steps": steps, "target_batch_size": 32, "checkpoint_every": 0}
+    job = make_job(tmp_path, training=training, pool=pool or {})
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(3)
+    return job, swarm
+
+
+@pytest.mark.attack("55-owner")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["step", "local"])
+async def test_a_replica_owner_s_wrong_sum_fails_its_round_and_the_job_stays_exact(
+    tmp_path: Path, make_swarm: list[Swarm], caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    """Three replicas a stage (float64); the last replica of stage 0 adds 1e4 to its part's
+    sums. The round it owns a part of fails naming it, it is left out (a step's microbatches
+    replayed by the others; a local-steps round goes on without it), and the job equals
+    `swarm local` within 1e-9 (`--routes` for the rounds)."""
+    pool = {} if mode == "step" else {"mode": "local", "sync_every": 2}
+    job, swarm = await _pool(tmp_path, make_swarm, 4 if pool else 3, pool)
+    liar = swarm.servers[0][2]
+    forged: list[int] = []
+    averager = liar.servicer.averager
+    averager.summer = _lying(averager.summer, forged)
+    routes: list[Record] = []
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_route=routes.append)
+    with caplog.at_level(logging.WARNING):
+        await swarm.train(coordinator, trainers=2)
+    assert forged, "the liar owned a part of a round"
+    assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
+    assert coordinator.metrics.aborted_rounds._value.get() >= 1
+    named = [r.getMessage() for r in caplog.records if "fails its checksum" in r.getMessage()]
+    assert any(liar.address in m for m in named), named
+    if mode == "step":  # a step's replica is left out by name (a round's member is dropped)
+        left = [r.getMessage() for r in caplog.records if "leaving" in r.getMessage()]
+        assert any(liar.address in m for m in left), left
+    await coordinator.close()
+
+
+@pytest.mark.attack("55-norm")
+@pytest.mark.timeout(180)
+async def test_a_replica_s_finite_wrong_gradient_is_refused_by_the_norm_bound(
+    tmp_path: Path,
+    make_swarm: list[Swarm],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 55, item 4: a replica of stage 1 multiplies the gradient sums it contributes by
+    1e4 (finite; every part it sends, its own part's too, so every sum checks out). With the
+    norm bound on (the default), its contribution is far past the others' per microbatch: the
+    round fails, it is left out and its microbatches are replayed by the others, and the job
+    equals `swarm local` within 1e-9 (the bound refuses, it never scales)."""
+    job, swarm = await _pool(tmp_path, make_swarm, 3)
+    liar = swarm.servers[1][2]
+    committer = liar.servicer._commits
+    honest, poisoned = committer._average, []
+
+    async def scaled(c: Any, sums: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        for t in sums:
+            t.mul_(1e4)
+        poisoned.append(c.step)
+        return await honest(c, sums, *args, **kwargs)
+
+    monkeypatch.setattr(committer, "_average", scaled)
+    routes: list[Record] = []
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_route=routes.append)
+    with caplog.at_level(logging.WARNING):
+        await swarm.train(coordinator, trainers=2)
+    assert poisoned, "the liar contributed to a round"
+    assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
+    left = [r.getMessage() for r in caplog.records if "leaving" in r.getMessage()]
+    assert any(liar.address in m and "norm bound" in m for m in left), left
+    assert not any(liar.address not in m for m in left), left  # no honest replica named
+    assert job.trust.clip == "norm_bound"  # the default
+    await coordinator.close()

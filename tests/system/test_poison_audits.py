@@ -1,0 +1,59 @@
+"""Issue 55: a stage server (its own process) that answers finite wrong activations or wrong
+input gradients, every step or one step in 20, in a float64 job of three stages of three
+replicas. The audits (`[trust] audit_fraction`, every microbatch here so the catch is certain;
+the sampler itself is tested in tests/client/data_plane/test_audit.py) re-execute its work on
+another replica, a second one arbitrates, the liar is banned with the evidence in the log, the
+job rolls back to before its first step and replays without it: the final model equals
+`swarm local`'s within 1e-9."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.support.equality import assert_equal_to_local
+from tests.support.jobs import write_job
+from tests.support.servers import Servers, counted, train_on
+
+pytestmark = pytest.mark.slow
+
+HOSTILE = "s1r0"  # the middle stage's first replica: its outputs and input gradients both count
+
+
+@pytest.mark.parametrize(
+    "poison",
+    [
+        pytest.param("activations", marks=pytest.mark.attack("P-acts")),
+        pytest.param("grads", marks=pytest.mark.attack("P-grads")),
+        # one step in 20: the job's step 2 (its third) is the only one it lies at
+        pytest.param("activations:20:2", marks=pytest.mark.attack("P-acts")),
+        pytest.param("grads:20:2", marks=pytest.mark.attack("P-grads")),
+    ],
+)
+def test_a_replica_that_lies_is_caught_banned_and_replayed_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: str
+) -> None:
+    job = write_job(
+        tmp_path,
+        training={"stages": 3, "steps": 4, "target_batch_size": 16},
+        runtime={"data_plane": "relay"},
+        trust={"audit_fraction": 1.0},
+    )
+    servers = Servers(job, [3, 3, 3], [], tmp_path, poisoned={HOSTILE: poison})
+    try:
+        with caplog.at_level(logging.WARNING):
+            state, registry = train_on(servers)
+    finally:
+        servers.stop()
+    assert "answers wrong numbers" in servers.procs[HOSTILE].log()  # it did lie
+    assert_equal_to_local(job, state, tol=1e-9)
+    assert counted(registry, "swarm_coordinator_bans_total") == 1
+    assert counted(registry, "swarm_coordinator_rollbacks_total") >= 1
+    said = [r.getMessage() for r in caplog.records]
+    banned = [m for m in said if "banned" in m and "caught it lying" in m]
+    assert len(banned) == 1 and f"banned {HOSTILE} (stage 1)" in banned[0], banned
+    assert "re-executed" in banned[0], banned  # the evidence
+    assert any("rolled every stage back to step 0: before a banned peer" in m for m in said)
+    assert counted(registry, "swarm_trainer_audits_total") > 0
