@@ -13,7 +13,6 @@ is shared between threads.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -24,19 +23,17 @@ from stage_server.replica.accumulate import backprop_into
 from stage_server.replica.activation_cache import ActivationCache
 from stage_server.replica.compiled import CompiledRuns
 from stage_server.replica.delayed_copies import copies_for
-from stage_server.replica.eager_round import EagerRound, StepEagerRound
 from stage_server.replica.following import Following
-from stage_server.replica.local_round import LocalRound
-from stage_server.replica.no_round import NoRound
+from stage_server.replica.round_choice import ROUNDS
 from stage_server.replica.snapshot import Snapshot, Snapshots
 from stage_server.replica.step_sums import Receipt, Sums
 from stage_server.replica.tensor_checks import TensorChecks
 from stage_server.replica.update_log import UpdateLog
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
-from swarm.job.rule import RuleKind, rule_of
+from swarm.job.rule import rule_of
 from swarm.model import stage_state
-from swarm.model.cast_once import casting_once
+from swarm.model.cast_once import step_precision
 from swarm.model.optim import build_optimizer, grad_sq_norm, scale_grads, update
 from swarm.model.transformer import (
     DTYPES,
@@ -45,23 +42,13 @@ from swarm.model.transformer import (
     loss_sum,
     num_layers,
     partition,
-    precision,
 )
 from swarm.ops.device_oom import inject, named
 from swarm.ops.devices import apply_matmul_precision
 from swarm.ops.faults import Point, due
 from swarm.rpc.state_streams import Update
 
-__all__ = ["ROUNDS", "Receipt", "Served", "StageRuntime"]
-
-# The replica's round under each rule (a sixth rule is a row).
-ROUNDS: dict[RuleKind, type[NoRound]] = {
-    RuleKind.SYNC: NoRound,
-    RuleKind.DELAYED: NoRound,
-    RuleKind.LOCAL: LocalRound,
-    RuleKind.LOCAL_EAGER: EagerRound,
-    RuleKind.STEP_EAGER: StepEagerRound,
-}
+__all__ = ["Receipt", "Served", "StageRuntime"]
 
 
 class StageRuntime:
@@ -123,14 +110,8 @@ class StageRuntime:
         return module(x, tokens)  # type: ignore[no-any-return]
 
     def _precision(self, step: int) -> AbstractContextManager[None]:
-        """Where step `step` computes: the job's precision; in bf16-mixed with the weights cast
-        once while they stay as they are, not once per microbatch (`swarm.model.cast_once`)."""
-        if self.job.training.precision != "bf16-mixed":
-            return precision(self.job, self.device)  # type: ignore[no-any-return]
-        stack = contextlib.ExitStack()
-        stack.enter_context(casting_once(self.copies.params_at(step, self.step)))
-        stack.enter_context(precision(self.job, self.device))
-        return stack  # type: ignore[return-value]
+        """Where step `step` computes (`swarm.model.cast_once`)."""
+        return step_precision(self.job, self.device, lambda: self.copies.params_at(step, self.step))
 
     def _named(self, what: str, tensor: torch.Tensor) -> AbstractContextManager[None]:
         """Out of device memory in `what` (of a microbatch like `tensor`): a clear error

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 
 import torch
+
+from swarm.job.config import JobConfig
+from swarm.model.transformer import precision
 
 __all__ = ["casting_once"]
 
@@ -46,3 +50,16 @@ def casting_once(params: Sequence[torch.Tensor]) -> Iterator[None]:
     finally:
         torch.autocast_decrement_nesting()  # back as it was; the cache stays until cleared
         _local.key = _key(params)  # the versions after the call (a forward changes none)
+
+
+def step_precision(
+    job: JobConfig, device: torch.device, params: Callable[[], Sequence[torch.Tensor]]
+) -> AbstractContextManager[None]:
+    """Where a step computes: the job's precision (`transformer.precision`); in bf16-mixed with
+    `params()`' casts made once while they stay as they are, not once per microbatch."""
+    if job.training.precision != "bf16-mixed":
+        return precision(job, device)  # type: ignore[no-any-return]
+    stack = contextlib.ExitStack()
+    stack.enter_context(casting_once(params()))
+    stack.enter_context(precision(job, device))
+    return stack  # type: ignore[return-value]

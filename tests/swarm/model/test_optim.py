@@ -4,6 +4,7 @@ global-norm clipping coefficient are pure functions, so they agree everywhere.""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -94,6 +95,19 @@ def _pieces_summed(values: torch.Tensor) -> float:
     return float(torch.stack(parts).sum())
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Bits are compared: a sum this long is split among torch's threads, whose number moves
+    its rounding (a piece's sum came out 1 ulp apart with 1, 2 and 3 threads), and a test before
+    may have set any. Every process of a job sums in the threads it has, so the norm agrees
+    across processes within rounding, as the float64 bound asks; within one, to the bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_the_norm_sums_pieces_of_the_gradient_laid_end_to_end() -> None:
     gen = torch.Generator().manual_seed(0)
     small = torch.randn(NORM_PIECE, generator=gen)
@@ -114,6 +128,7 @@ def test_the_norm_sums_pieces_of_the_gradient_laid_end_to_end() -> None:
     assert grad_sq_norm([]) == 0.0 and grad_sq_norm([torch.empty(0)]) == 0.0
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_the_norm_is_the_same_bits_however_the_gradient_is_cut_and_held() -> None:
     """A replica's sums are views of one flat tensor; the reference's gradients too, or (with
     delayed updates) tensors of their own: the same values give the same norm either way."""
