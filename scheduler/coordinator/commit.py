@@ -30,7 +30,6 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
@@ -38,6 +37,7 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.norm_bound import outliers
 from scheduler.coordinator.replicas import GONE
 from scheduler.coordinator.round_context import RoundContext
+from scheduler.coordinator.round_failure import AVERAGE, LeftOut, RoundFailure, shorten
 from scheduler.coordinator.round_strategy import Rounds
 from scheduler.coordinator.sum_checks import (
     Checksums,
@@ -50,29 +50,9 @@ from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.model.optim import clip_scale
 from swarm.rpc.lease import Replica
 
-__all__ = ["NonFiniteStep", "RoundFailure", "TwoPhaseCommit"]
+__all__ = ["NonFiniteStep", "TwoPhaseCommit"]
 
 log = logging.getLogger(__name__)
-_REASON_CHARS = 600  # of a failed round's reason, in logs, status and the job's error
-AVERAGE = "its pool could not average with it"  # why most are left out
-
-
-@dataclass
-class RoundFailure:
-    """A PREPARE round that failed: why (each failed replica's error), and the replicas left out
-    of their stage for it, as `(stage, peer, the peers that named it)`."""
-
-    reason: str
-    # (stage, peer, the peers that named it, what it did)
-    left_out: list[tuple[int, str, list[str], str]] = field(default_factory=list)
-
-    def status(self, step: int) -> str:
-        """One line for `swarm status` about those left out ("" when none was)."""
-        return "; ".join(
-            f"step {step}: stage {stage}: {peer} left out until it rejoins: {why} (named by "
-            f"{', '.join(named_by)}); its microbatches are replayed"
-            for stage, peer, named_by, why in self.left_out
-        )
 
 
 class TwoPhaseCommit:
@@ -321,13 +301,13 @@ class TwoPhaseCommit:
         self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
         judged = judge(f"step {ledger.step}: round {round_id}", failed, members)
         self.groups.blame(groups, judged.accusations)
-        self.failure = failure = RoundFailure(_shorten(judged.reason))
+        self.failure = failure = RoundFailure(shorten(judged.reason))
         for stage, r, error in judged.alone:
             if isinstance(error, GONE):
                 self.membership.drop(r.peer)  # dead: its gradients are replayed
             elif failed_its_part(error):  # out of memory, say: it would again, in the retry
                 await self._leave_out(ledger, stage, r, [r.peer])
-                failure.left_out.append((stage, r.peer, [r.peer], AVERAGE))
+                failure.left_out.append(LeftOut(stage, r.peer, [r.peer], AVERAGE))
             else:
                 await self.void(ledger, stage, r.peer)  # it holds what it must not
         explained = {stage for stage, _, _ in judged.alone}  # a member failed by itself there
@@ -335,7 +315,7 @@ class TwoPhaseCommit:
             if stage in explained:
                 continue  # the member that failed by itself is gone or voided already
             await self._leave_out(ledger, stage, culprit, by)
-            failure.left_out.append((stage, culprit.peer, by, AVERAGE))
+            failure.left_out.append(LeftOut(stage, culprit.peer, by, AVERAGE))
         return None
 
     async def _sums_check(
@@ -358,7 +338,7 @@ class TwoPhaseCommit:
         named = self.groups.blame(groups, accusations)
         reason = f"step {ledger.step}: round {round_id}: " + "; ".join(lines)
         log.warning("%s: the round fails, and %s sit(s) out the next rounds", reason, named)
-        self.failure = failure = RoundFailure(_shorten(reason))
+        self.failure = failure = RoundFailure(shorten(reason))
         contributors = {k: len(g.members) - len(g.aggregators) for k, g in groups.items()}
         for stage, out in replicas_to_leave_out(accusations, contributors).items():
             group, failed = groups[stage].members, set().union(*accusations[stage].values())
@@ -370,7 +350,7 @@ class TwoPhaseCommit:
                     else "it failed an owner's sum that too few others failed"
                 )
                 await self._leave_out(ledger, stage, culprit, accusers, why)
-                failure.left_out.append((stage, culprit.peer, accusers, why))
+                failure.left_out.append(LeftOut(stage, culprit.peer, accusers, why))
         return False
 
     async def _norms_check(
@@ -408,12 +388,12 @@ class TwoPhaseCommit:
         ]
         reason = f"step {ledger.step}: round {round_id}: " + "; ".join(lines)
         log.warning("%s: the round fails", reason)
-        self.failure = failure = RoundFailure(_shorten(reason))
+        self.failure = failure = RoundFailure(shorten(reason))
         for stage, refused in sorted(found.items()):
             for j, why in sorted(refused.items()):
                 culprit = members[stage][j]
                 await self._leave_out(ledger, stage, culprit, ["the norm bound"], why)
-                failure.left_out.append((stage, culprit.peer, ["the norm bound"], why))
+                failure.left_out.append(LeftOut(stage, culprit.peer, ["the norm bound"], why))
         return False
 
     async def _leave_out(
@@ -437,7 +417,3 @@ class TwoPhaseCommit:
         )
         await self.void(ledger, stage, culprit.peer)
         self.membership.drop(culprit.peer)
-
-
-def _shorten(text: str) -> str:
-    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."

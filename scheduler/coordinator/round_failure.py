@@ -1,0 +1,42 @@
+"""A failed PREPARE round's account: why it failed, and which replicas were left out of their
+stage for it (`LeftOut`), as `TwoPhaseCommit` records it and `swarm status` shows it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+__all__ = ["AVERAGE", "LeftOut", "RoundFailure", "shorten"]
+
+_REASON_CHARS = 600  # of a failed round's reason, in logs, status and the job's error
+AVERAGE = "its pool could not average with it"  # why most are left out
+
+
+class LeftOut(NamedTuple):
+    """A replica left out of its stage for a failed round."""
+
+    stage: int
+    peer: str
+    named_by: list[str]  # the peers (or the rule) that named it
+    why: str  # what it did
+
+
+@dataclass
+class RoundFailure:
+    """A PREPARE round that failed: why (each failed replica's error), and the replicas left out
+    of their stage for it."""
+
+    reason: str
+    left_out: list[LeftOut] = field(default_factory=list)
+
+    def status(self, step: int) -> str:
+        """One line for `swarm status` about those left out ("" when none was)."""
+        return "; ".join(
+            f"step {step}: stage {o.stage}: {o.peer} left out until it rejoins: {o.why} (named by "
+            f"{', '.join(o.named_by)}); its microbatches are replayed"
+            for o in self.left_out
+        )
+
+
+def shorten(text: str) -> str:
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
