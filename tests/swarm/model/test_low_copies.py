@@ -109,17 +109,28 @@ def test_a_weight_a_non_linear_also_uses_is_not_cast() -> None:
     assert castable(Tied()) == ("mid.weight", "mid.bias")
 
 
-def test_a_replica_s_sums_are_bitwise_autocast_s(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda:0",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ),
+    ],
+)
+def test_a_replica_s_sums_are_bitwise_autocast_s(tmp_path: Path, device: str) -> None:
     """The stage server's path (`backprop_into` with the replica's copies) against autocast's
-    casts summed into flat -0.0 sums by hand, over two microbatches."""
+    casts, each gradient widened then added, over two microbatches: bitwise on the CPU and on
+    CUDA (widening is exact; the add is float32 either way)."""
     job = make_job(tmp_path, training=MIXED)
-    rt = StageRuntime(job, 1)
+    rt = StageRuntime(job, 1, device=device)
     assert rt.low is not None
-    reference = StageRuntime(job, 1)  # the same seeded parameters
+    reference = StageRuntime(job, 1, device=device)  # the same seeded parameters
     reference.low = None  # autocast's casts, as before the copies
     gen = torch.Generator().manual_seed(0)
     for index in range(2):
-        x, g = torch.randn(4, 16, 32, generator=gen), torch.randn(4, 16, 32, generator=gen)
+        x, g = (torch.randn(4, 16, 32, generator=gen).to(device) for _ in range(2))
         rt.forward(0, index, x)
         rt.backward(0, index, None, g)
         reference.forward(0, index, x)
