@@ -296,14 +296,15 @@ class Check:
     def _ratio(self) -> list[str]:
         cmd = [PY, str(ROOT / "bench" / "gpu_ratio.py"), "--device", self.device]
         if self.args.quick:
-            return [*cmd, "--cpu-tiny", "--shapes", "short", "--warmup", "1", "--steps", "2"]
+            tiny = ["--cpu-tiny", "--shapes", "short", "--warmup", "1", "--steps", "2"]
+            return [*cmd, *tiny, "--mps"]  # on a CPU: says MPS is not available, and why
         peak = self._peak_tflops()
         cmd += ["--shapes", self.args.ratio_shapes, "--warmup", "2", "--steps", "4"]
         return cmd + (["--peak-tflops", str(peak)] if peak else [])
 
     def _judge_ratio(self, code: int, output: str) -> tuple[bool, str]:
         r = result(output)
-        tables = [x for x in output.splitlines() if x.startswith(("|", "###"))]
+        tables = [x for x in output.splitlines() if x.startswith(("|", "###", "MPS A/B"))]
         text = "\n".join("    " + x for x in tables)
         if r is None:
             return False, f"no result (exit {code}):\n{tail(output, 30)}"
@@ -312,7 +313,8 @@ class Check:
         return True, "swarm against torch on the same device\n" + text
 
     def _faults(self) -> list[str]:
-        return [PY, str(ROOT / "bench" / "gpu_fault_check.py"), "--device", self.device]
+        cmd = [PY, str(ROOT / "bench" / "gpu_fault_check.py"), "--device", self.device]
+        return [*cmd, "--steps", "1" if self.args.quick else "2"]
 
     def _judge_faults(self, code: int, output: str) -> tuple[bool, str]:
         r = result(output)

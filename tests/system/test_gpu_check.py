@@ -56,6 +56,7 @@ def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
     # each stage's replicas downloaded after training: bitwise equal (the claim GPU hosts check)
     assert summary.count("replicas of each stage bitwise equal: yes") == 2, summary
     assert "swarm against torch on the same device" in summary and "| swarm | " in summary
+    assert "MPS A/B: not available: cpu is not a CUDA device" in summary, summary
     assert (tmp_path / "out" / "gpu_check_logs" / "train-fp32.log").exists()
     # the device-failure part's dry run: the injected failure (no allocator to cap on a CPU),
     # replayed, and float64 against the CPU reference: bitwise on a CPU
@@ -80,7 +81,8 @@ def test_parts_are_chosen_by_name_and_a_cpu_run_is_the_fault_check_s_dry_run(
     assert [p.name for p in check.parts] == ["environment", "device faults"]
     assert check.index == "1" and check.cuda
     faults = check.parts[1].command()
-    assert faults[1].endswith("bench/gpu_fault_check.py") and faults[2:] == ["--device", "cuda:1"]
+    assert faults[1].endswith("bench/gpu_fault_check.py")
+    assert faults[2:] == ["--device", "cuda:1", "--steps", "2"]
     figures = {"device": "cuda:1", "float64_rel_err": 3e-9, "after_failure_rel_err": 3e-9}
     figures |= {"failure": "real", "bitwise_as_without": True, "failures": ["float64 off"]}
     ok, text = check.parts[1].judge(1, "RESULT " + json.dumps(figures))
