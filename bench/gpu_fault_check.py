@@ -118,13 +118,7 @@ def train(job: JobConfig, device: str, fail_at: int | None) -> tuple[dict[str, A
             lift = failing_once(runtimes[-1]) if (step, index) == (0, fail_at) else lambda: None
             while True:
                 try:
-                    h1 = runtimes[0].forward(step, index, x)
-                    h2 = runtimes[1].forward(step, index, h1)
-                    _, g2, _ = runtimes[2].forward_backward(step, index, h2, y)
-                    assert g2 is not None
-                    g1, _ = runtimes[1].backward(step, index, None, g2)
-                    assert g1 is not None
-                    runtimes[0].backward(step, index, None, g1, need_grad_inputs=False)
+                    through(runtimes, step, index, x, y)
                     break
                 except OutOfDeviceMemory as e:
                     failed.append(str(e))
@@ -135,7 +129,7 @@ def train(job: JobConfig, device: str, fail_at: int | None) -> tuple[dict[str, A
             # The sums a failure reached are withdrawn with their receipts: the coordinator
             # replays what they held (here, on the same replicas; a duplicate adds nothing).
             for lost in sorted(set(range(index + 1)) - set(runtimes[-1].receipts(step))):
-                replay(runtimes, step, lost, *data.microbatch(step, lost))
+                through(runtimes, step, lost, *data.microbatch(step, lost))
         samples = m * job.training.microbatch_size
         for rt in runtimes:
             assert rt.commit(step, list(range(m)), samples) is False
@@ -145,9 +139,9 @@ def train(job: JobConfig, device: str, fail_at: int | None) -> tuple[dict[str, A
     return state, failed
 
 
-def replay(runtimes: list[StageRuntime], step: int, index: int, x: Any, y: Any) -> None:
-    """Microbatch `index` again through the replicas that lack its receipt (a duplicate adds
-    nothing where it is held already)."""
+def through(runtimes: list[StageRuntime], step: int, index: int, x: Any, y: Any) -> None:
+    """Microbatch `index` forward through the replicas and back, as a trainer's hops (again, a
+    replay: a replica that holds its receipt already adds nothing)."""
     h1 = runtimes[0].forward(step, index, x)
     h2 = runtimes[1].forward(step, index, h1)
     _, g2, _ = runtimes[2].forward_backward(step, index, h2, y)

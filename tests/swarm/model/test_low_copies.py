@@ -18,6 +18,7 @@ from swarm.model.low_copies import LowCopies, castable
 from swarm.model.transformer import build_model, loss_sum, precision
 from swarm.ops import faults
 from swarm.ops.device_oom import OutOfDeviceMemory
+from tests.support.cuda_param import CPU_AND_CUDA
 from tests.support.jobs import make_job
 
 MIXED = {"precision": "bf16-mixed", "dtype": "float32"}
@@ -109,16 +110,13 @@ def test_a_weight_a_non_linear_also_uses_is_not_cast() -> None:
     assert castable(Tied()) == ("mid.weight", "mid.bias")
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda:0",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ),
-    ],
-)
+def _assert_same_sums(rt: StageRuntime, other: StageRuntime) -> None:
+    """Both replicas' sums of step 0's microbatches 0 and 1 (4 samples each): bitwise equal."""
+    got, expected = rt.prepare(0, [0, 1], 8), other.prepare(0, [0, 1], 8)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_a_replica_s_sums_are_bitwise_autocast_s(tmp_path: Path, device: str) -> None:
     """The stage server's path (`backprop_into` with the replica's copies) against autocast's
     casts, each gradient widened then added, over two microbatches: bitwise on the CPU and on
@@ -135,8 +133,7 @@ def test_a_replica_s_sums_are_bitwise_autocast_s(tmp_path: Path, device: str) ->
         rt.backward(0, index, None, g)
         reference.forward(0, index, x)
         reference.backward(0, index, None, g)
-    got, expected = rt.prepare(0, [0, 1], 8), reference.prepare(0, [0, 1], 8)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    _assert_same_sums(rt, reference)
 
 
 def test_a_backward_failing_after_a_copy_s_add_withdraws_the_sums_and_replays_exactly(
@@ -178,8 +175,7 @@ def test_a_backward_failing_after_a_copy_s_add_withdraws_the_sums_and_replays_ex
     assert rt.receipts() == {}  # withdrawn whole, microbatch 0's receipt with them
     for index, (x, g) in enumerate(batches):  # the coordinator replays them
         rt.backward(0, index, x, g)
-    got, expected = rt.prepare(0, [0, 1], 8), clean.prepare(0, [0, 1], 8)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    _assert_same_sums(rt, clean)
 
 
 def test_weights_in_place_of_the_parameters_are_cast_and_summed_as_autocast_s(
