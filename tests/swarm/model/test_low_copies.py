@@ -203,3 +203,28 @@ def test_weights_in_place_of_the_parameters_are_cast_and_summed_as_autocast_s(
         sums.append([w.grad for w in weights.values()])
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(*sums, strict=True))
+
+
+def test_a_delayed_update_s_copies_of_the_module_are_cast_and_summed_as_autocast_s(
+    tmp_path: Path,
+) -> None:
+    """delayed_update: steps compute on copies of the module one update old (deep copies, which
+    keep the Linears' hooks): three steps applied, sums and parameters bitwise autocast's."""
+    job = make_job(tmp_path, training={**MIXED, "delayed_update": True})
+    rt, reference = StageRuntime(job, 1), StageRuntime(job, 1)
+    reference.low = None
+    gen = torch.Generator().manual_seed(0)
+    m = job.training.microbatches_per_step
+    for step in range(3):
+        for index in range(m):
+            x, g = (torch.randn(4, 16, 32, generator=gen) for _ in range(2))
+            for r in (rt, reference):
+                r.forward(step, index, x)
+                r.backward(step, index, None, g)
+        sums = [r.prepare(step, list(range(m)), 4 * m) for r in (rt, reference)]
+        assert all(torch.equal(a, b) for a, b in zip(*sums, strict=True)), step
+        for r, s in zip((rt, reference), sums, strict=True):
+            r.set_prepared(step, s, 4 * m)
+            assert r.apply(step) is False
+    after = [r.module.state_dict() for r in (rt, reference)]
+    assert all(torch.equal(after[0][k], after[1][k]) for k in after[0])
