@@ -8,6 +8,7 @@ The model is examples/llama-1b.toml's. Each run is its own process, one after th
 one device, warm-up steps and then timed steps:
   (a) torch, microbatched: one process, the same model, batch, microbatches, data and precision
       as swarm (`loss.backward()` per microbatch, one optimizer step), eager and (CUDA) compiled;
+      eager bf16-mixed with swarm's own weight copies and sums (`swarm.model.low_copies`);
   (b) torch, one pass: the same, the step's whole batch in one forward and backward;
   (c) swarm: one stage server per stage, all on the device, and the standalone trainer; on
       CUDA once more with the servers' `--compile-stage`.
@@ -126,6 +127,7 @@ def run_torch(args: argparse.Namespace, job_path: Path, compiled: bool, one_pass
 
     from swarm.job.config import load_job
     from swarm.model.data import make_data
+    from swarm.model.low_copies import LowCopies
     from swarm.model.optim import build_optimizer, update
     from swarm.model.transformer import build_model, loss_sum, precision
     from swarm.ops.devices import apply_matmul_precision
@@ -138,6 +140,7 @@ def run_torch(args: argparse.Namespace, job_path: Path, compiled: bool, one_pass
     params = list(model.parameters())
     optimizer = build_optimizer(params, job.optimizer)
     run = torch.compile(model) if compiled else model
+    low = None if compiled else LowCopies.of(job)  # bf16 grads straight into the fp32 sums
     data, m = make_data(job), job.training.microbatches_per_step
     losses, seconds, busy = [], [], Busy(args.device)
 
@@ -156,9 +159,10 @@ def run_torch(args: argparse.Namespace, job_path: Path, compiled: bool, one_pass
         total, samples = torch.zeros((), device=device), 0
         for inputs, targets in batches:
             inputs, targets = inputs.to(device), targets.to(device)
-            with precision(job, device):
-                loss = loss_sum(run(inputs), targets)
-            loss.backward()
+            with precision(job, device):  # eager bf16-mixed: swarm's weight copies too
+                loss = loss_sum(low.call(model, (inputs,)) if low else run(inputs), targets)
+            with low.into_grads() if low else contextlib.nullcontext():
+                loss.backward()
             total += loss.detach()
             samples += int(inputs.shape[0])
         for p in params:
