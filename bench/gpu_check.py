@@ -12,7 +12,10 @@ and runs this): one that fails or hangs is reported and the next still runs.
    per process;
 6. llama-1b: the 1B example (bench/llama_1b.py) in bf16-mixed: tokens/s, MFU, device memory;
 7. gpu ratio: swarm against single-process torch on the device (bench/gpu_ratio.py), the
-   short shape (`--ratio-shapes short,long` for both).
+   short shape (`--ratio-shapes short,long` for both);
+8. device faults: a real allocation failure mid-backward, replayed, and a float64 run, each on
+   the device against the CPU reference (bench/gpu_fault_check.py; on a CPU the failure is
+   injected, the dry run of its logic).
 
 `--parts "environment,gpu ratio"` runs only the parts named (the environment part names the
 GPU, whose peak the MFU figures need).
@@ -43,6 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 LOG_BYTES = 200_000  # of each part's log kept under $OUT
+PYTEST_ARGS = ("-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin", "-p")
+PYTEST_ARGS += ("pytest_timeout", "-p", "bench.gpu_cuda_tests", "-rs", "--timeout", "120")
 
 # Dense bfloat16 tensor-core peaks (TFLOP/s, no sparsity), for the 1B example's MFU: the first
 # name found in the GPU's name wins, so the specific ones come first.
@@ -143,6 +148,7 @@ class Check:
             ),
             Part("llama-1b", 300, self._llama, self._judge_llama),
             Part("gpu ratio", 300, self._ratio, self._judge_ratio),
+            Part("device faults", 180, self._faults, self._judge_faults),
         ]
 
     def _judge_env(self, code: int, output: str) -> tuple[bool, str]:
@@ -185,24 +191,7 @@ class Check:
         )
         # A GPU image's own pytest plugins (benchmark, xdist, cov, ...) may not agree with the
         # carried pytest: autoloading is off (gpu_check.sh) and the suite's two are named here.
-        return [
-            PY,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "pytest_asyncio.plugin",
-            "-p",
-            "pytest_timeout",
-            "-p",
-            "bench.gpu_cuda_tests",
-            "-rs",
-            "--timeout",
-            "120",
-            *files,
-        ]
+        return [PY, "-m", "pytest", *PYTEST_ARGS, *files]
 
     def _judge_tests(self, code: int, output: str) -> tuple[bool, str]:
         path = self.work / "tests.json"
@@ -307,20 +296,38 @@ class Check:
     def _ratio(self) -> list[str]:
         cmd = [PY, str(ROOT / "bench" / "gpu_ratio.py"), "--device", self.device]
         if self.args.quick:
-            return [*cmd, "--cpu-tiny", "--shapes", "short", "--warmup", "1", "--steps", "2"]
+            tiny = ["--cpu-tiny", "--shapes", "short", "--warmup", "1", "--steps", "2"]
+            return [*cmd, *tiny, "--mps"]  # on a CPU: says MPS is not available, and why
         peak = self._peak_tflops()
         cmd += ["--shapes", self.args.ratio_shapes, "--warmup", "2", "--steps", "4"]
         return cmd + (["--peak-tflops", str(peak)] if peak else [])
 
     def _judge_ratio(self, code: int, output: str) -> tuple[bool, str]:
         r = result(output)
-        tables = [x for x in output.splitlines() if x.startswith(("|", "###"))]
+        tables = [x for x in output.splitlines() if x.startswith(("|", "###", "MPS A/B"))]
         text = "\n".join("    " + x for x in tables)
         if r is None:
             return False, f"no result (exit {code}):\n{tail(output, 30)}"
         if code or r["failures"]:
             return False, text + "\n    " + "\n    ".join(r["failures"] or [f"exit {code}"])
         return True, "swarm against torch on the same device\n" + text
+
+    def _faults(self) -> list[str]:
+        cmd = [PY, str(ROOT / "bench" / "gpu_fault_check.py"), "--device", self.device]
+        return [*cmd, "--steps", "1" if self.args.quick else "2"]
+
+    def _judge_faults(self, code: int, output: str) -> tuple[bool, str]:
+        r = result(output)
+        if r is None:
+            return False, f"no result (exit {code}):\n{tail(output, 30)}"
+        text = (
+            f"float64 on {r['device']} against the CPU reference {r['float64_rel_err']:.2e}; out "
+            f"of memory mid-backward ({r['failure']}), replayed: {r['after_failure_rel_err']:.2e}"
+            f", bitwise the run without it: {'yes' if r['bitwise_as_without'] else 'NO'}"
+        )
+        if code or r["failures"]:
+            return False, text + "\n    " + "\n    ".join(r["failures"] or [f"exit {code}"])
+        return True, text
 
     # --- running -----------------------------------------------------------------------------
 

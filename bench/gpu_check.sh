@@ -11,7 +11,9 @@
 #    what only amqtt uses.
 #    Never torch: the host's is the one under test. GPU_CHECK_WHEELS= (empty) skips this.
 # 2. Runs bench/gpu_check.py: versions, swarm doctor, the CUDA tests, 2 stages x 2 replicas in
-#    float32 and bf16-mixed against the CPU reference, the 1B example's tokens/s and MFU. Each
+#    float32 and bf16-mixed against the CPU reference, the 1B example's tokens/s and MFU, swarm
+#    against torch (bench/gpu_ratio.py), a real out-of-memory mid-backward and float64 on the
+#    device against the CPU reference (bench/gpu_fault_check.py). Each
 #    part says PASS or FAIL with its figures; $OUT/gpu_check.txt gets the summary when OUT is set.
 # Exit status: 0 when every part passed. CI runs `bench/gpu_check.sh --device cpu --quick`.
 set -u

@@ -2,12 +2,13 @@
 bench/gpu_check.sh.
 
     python bench/gpu_ratio.py [--device cuda:0] [--shapes short,long] [--warmup 2] [--steps 5]
-        [--precision bf16-mixed] [--compile auto|on|off] [--peak-tflops T] [--cpu-tiny]
+        [--precision bf16-mixed] [--compile auto|on|off] [--peak-tflops T] [--cpu-tiny] [--mps]
 
 The model is examples/llama-1b.toml's. Each run is its own process, one after the other on the
 one device, warm-up steps and then timed steps:
   (a) torch, microbatched: one process, the same model, batch, microbatches, data and precision
       as swarm (`loss.backward()` per microbatch, one optimizer step), eager and (CUDA) compiled;
+      eager bf16-mixed with swarm's own weight copies and sums (`swarm.model.low_copies`);
   (b) torch, one pass: the same, the step's whole batch in one forward and backward;
   (c) swarm: one stage server per stage, all on the device, and the standalone trainer; on
       CUDA once more with the servers' `--compile-stage`.
@@ -25,12 +26,15 @@ device has no memory for is reported (OOM), not failed. The last line is `RESULT
 status 1 when a run failed or a loss disagreed.
 
 `--cpu-tiny`: a few layers of width 64 on the CPU, in fp32 (CI runs it: tests/system).
+`--mps`: (c) once more with NVIDIA's MPS daemon running (bench/mps.py), its tokens/s against (c)'s
+in the same run; where the host cannot run it, "MPS A/B: not available" and why.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -47,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_check import BF16_PEAK_TFLOPS  # noqa: E402
 from bench.llama_1b import JOB, TINY, set_keys  # noqa: E402
+from bench.mps import MpsUnavailable, mps_daemon, mps_unavailable  # noqa: E402
 
 SHAPES: dict[str, dict[str, int]] = {  # seq_len, microbatch_size, target_batch_size
     "short": {"seq_len": 128, "microbatch_size": 4, "target_batch_size": 16},
@@ -122,6 +127,7 @@ def run_torch(args: argparse.Namespace, job_path: Path, compiled: bool, one_pass
 
     from swarm.job.config import load_job
     from swarm.model.data import make_data
+    from swarm.model.low_copies import LowCopies
     from swarm.model.optim import build_optimizer, update
     from swarm.model.transformer import build_model, loss_sum, precision
     from swarm.ops.devices import apply_matmul_precision
@@ -134,6 +140,7 @@ def run_torch(args: argparse.Namespace, job_path: Path, compiled: bool, one_pass
     params = list(model.parameters())
     optimizer = build_optimizer(params, job.optimizer)
     run = torch.compile(model) if compiled else model
+    low = None if compiled else LowCopies.of(job)  # bf16 grads straight into the fp32 sums
     data, m = make_data(job), job.training.microbatches_per_step
     losses, seconds, busy = [], [], Busy(args.device)
 
@@ -152,9 +159,10 @@ def run_torch(args: argparse.Namespace, job_path: Path, compiled: bool, one_pass
         total, samples = torch.zeros((), device=device), 0
         for inputs, targets in batches:
             inputs, targets = inputs.to(device), targets.to(device)
-            with precision(job, device):
-                loss = loss_sum(run(inputs), targets)
-            loss.backward()
+            with precision(job, device):  # eager bf16-mixed: swarm's weight copies too
+                loss = loss_sum(low.call(model, (inputs,)) if low else run(inputs), targets)
+            with low.into_grads() if low else contextlib.nullcontext():
+                loss.backward()
             total += loss.detach()
             samples += int(inputs.shape[0])
         for p in params:
@@ -281,10 +289,16 @@ def run_phase(args: argparse.Namespace, phase: str, shape: str, work: Path) -> d
     cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
     cmd += ["--cpu-tiny"] if args.cpu_tiny else []
     log = work / f"{shape}-{phase}.log"
-    with open(log, "w+", encoding="utf-8", errors="replace") as f:
+    mps = mps_daemon(work) if phase == "swarm-mps" else contextlib.nullcontext({})
+    with open(log, "w+", encoding="utf-8", errors="replace") as f, mps as extra:
         try:
             code = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=PHASE_TIMEOUT_S, check=False
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=PHASE_TIMEOUT_S,
+                check=False,
+                env={**os.environ, **extra},  # MPS's clients: this phase and its servers
             ).returncode
         except subprocess.TimeoutExpired:
             code = -9
@@ -336,12 +350,22 @@ def faster(rows: dict[str, dict], prefix: str) -> str | None:
     return max(ok, key=lambda p: rows[p]["tokens_per_s"]) if ok else None
 
 
+def mps_ab(rows: dict[str, dict]) -> str:
+    """The swarm run under MPS against the one without, in this run."""
+    a, b = rows["swarm"].get("tokens_per_s"), rows["swarm-mps"].get("tokens_per_s")
+    if not a or not b:
+        return "a run failed (see its row)"
+    return f"swarm {a:.0f} tokens/s without, {b:.0f} with MPS ({b / a:.2f}x)"
+
+
 def compare(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="swarm-gpu-ratio-"))
     compiled = args.compile == "on" or (args.compile == "auto" and args.device.startswith("cuda"))
     kinds = ["eager", "compiled"] if compiled else ["eager"]
     phases = [f"{how}-{k}" for how in ("microbatched", "pass") for k in kinds] + ["swarm"]
     phases += ["swarm-compiled"] if compiled else []  # the stage servers' --compile-stage
+    mps = mps_unavailable(args.device) if args.mps else None
+    phases += ["swarm-mps"] if args.mps and mps is None else []  # (c) under MPS, for the A/B
     peak = peak_tflops(args)
     report: dict[str, Any] = {"device": args.device, "precision": args.precision, "shapes": {}}
     failures: list[str] = []
@@ -353,7 +377,12 @@ def compare(args: argparse.Namespace) -> int:
     for shape in args.shapes.split(","):
         job_path = work / f"{shape}.toml"
         job_path.write_text(job_text(args, shape))
-        rows = {p: summarize(run_phase(args, p, shape, work), args, job_path, peak) for p in phases}
+        rows = {}
+        for p in phases:
+            try:
+                rows[p] = summarize(run_phase(args, p, shape, work), args, job_path, peak)
+            except MpsUnavailable as e:  # the host would not run the daemon: no A/B, no failure
+                mps, phases = f"not available: {e}", [x for x in phases if x != p]
         failures += [f"{shape} {p}: {r['error']}" for p, r in rows.items() if "error" in r]
         reference = rows["microbatched-eager"].get("losses")
         tolerance = LOSS_TOLERANCE[args.precision]
@@ -374,6 +403,9 @@ def compare(args: argparse.Namespace) -> int:
 
         baseline = {"(a)": faster(rows, "microbatched"), "(b)": faster(rows, "pass")}
         print(table(shape, rows, baseline), flush=True)
+        if args.mps:
+            print(f"MPS A/B: {mps or mps_ab(rows)}", flush=True)
+            report["mps"] = mps or mps_ab(rows)
         report["shapes"][shape] = {"rows": rows, "baseline": baseline}
         for kind, base in baseline.items():
             if base and "tokens_per_s" in swarm:
@@ -396,6 +428,7 @@ def main() -> int:
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the device's dense peak")
     parser.add_argument("--cpu-tiny", action="store_true", help="a tiny model on the CPU (CI)")
+    parser.add_argument("--mps", action="store_true", help="(c) again under CUDA MPS: an A/B")
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # one run, in its own process
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)

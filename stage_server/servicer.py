@@ -27,6 +27,7 @@ import torch
 from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager
+from stage_server.peer.device_share import cache_bytes
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.answering import Answering
@@ -176,7 +177,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         peer = self.limits.peer
         runtime.updates.bound(self.limits.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
         runtime.activation_cache = self.limits.activation_cache
-        runtime.activation_cache_bytes = peer.max_activation_cache_bytes
+        runtime.activation_cache_bytes = cache_bytes(
+            peer.max_activation_cache_bytes, runtime.device
+        )
+        runtime.checks.to_device = lambda t, d: self.copies.to_device(t, d)  # their own stream
         self.worker.clock = clock_for(runtime.device)  # compute timed to its end on the device
         self.metrics.bind(job_id, runtime.stage)
         self._push.serve(runtime, job_id)

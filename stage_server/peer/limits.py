@@ -62,7 +62,8 @@ class PeerLimits:
     max_activation_cache_bytes: int = _limit(
         4 << 30,
         "most bytes of activations kept for Backwards (each microbatch's saved tensors; past it "
-        "the oldest are dropped and their Backwards recompute)",
+        "the oldest are dropped and their Backwards recompute); on CUDA, left at its default: "
+        "half the device memory free when the job is served",
     )
     max_queue: int = _limit(1024, "most pushed microbatches queued, whatever the job's max_queue")
     receive_budget_bytes: int = _limit(

@@ -15,12 +15,14 @@ any gradient reached the sums leaves them as they were.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
 import torch
 
 from stage_server.replica.step_sums import StepSums
+from swarm.model.low_copies import LowCopies
 from swarm.ops.device_oom import out_of_memory
 
 __all__ = ["backprop_into"]
@@ -38,13 +40,15 @@ def backprop_into(
     out: torch.Tensor,
     grad: torch.Tensor | None,
     want_x: bool,
-    *,
     fail: str = "",
+    low: LowCopies | None = None,
 ) -> torch.Tensor | None:
     """Backward of `out` adding `params`' gradients into `sums` (made like `shapes`, the
     module's parameters) in place, then the receipt of microbatch `index` (`samples`); the
     gradient of `x` when `want_x`. `fail` (a fault's name, `swarm.ops.faults`): raise an
-    out-of-memory error inside the backward, once the first gradient reached the sums."""
+    out-of-memory error inside the backward, once the first gradient reached the sums. `low`:
+    the bf16-mixed weight copies `out` was computed with, whose gradients add into the sums
+    inside their casts' backward (`swarm.model.low_copies`), watched the same way."""
     accum = sums.open(shapes)
     reached = False
 
@@ -53,15 +57,18 @@ def backprop_into(
         reached = True
 
     def landed(_: torch.Tensor) -> None:  # and was
-        raise out_of_memory(f"CUDA out of memory (injected: SWARM_FAULTS {fail})")
+        if fail:
+            raise out_of_memory(f"CUDA out of memory (injected: SWARM_FAULTS {fail})")
 
     hooks = [p.register_hook(reaching) for p in params]
     if fail:
         hooks += [p.register_post_accumulate_grad_hook(landed) for p in params]
     for p, acc in zip(params, accum, strict=True):
         p.grad = acc
+    into = low.into_grads(reaching, landed) if low is not None else contextlib.nullcontext()
     try:
-        torch.autograd.backward(out, grad, inputs=[*params, x] if want_x else list(params))
+        with into:
+            torch.autograd.backward(out, grad, inputs=[*params, x] if want_x else list(params))
         grad_x = x.grad if want_x else None
     except BaseException:
         if reached:

@@ -7,9 +7,12 @@ slow device holds that thread, never the loop that moves every other call's byte
 
 `DeviceCopies` is the seam: `TorchCopies` is the real one. On CUDA it copies through reusable
 page-locked ("pinned") host buffers (`PinnedPool`, bounded in bytes) with `non_blocking=True`
-and waits on an event recorded after the copy, on the calling (worker) thread: the copy runs at
-the bus's full speed, and no page-locked buffer is allocated per call. On the CPU a tensor is on
-the host already and nothing is copied.
+on a stream of its own, and waits on an event recorded after the copy, on the calling (worker)
+thread: the copy runs at the bus's full speed, a copy to the device does not queue behind the
+compute stream's kernels (nor a copy to the host behind more than those that wrote its tensor),
+and no page-locked buffer is allocated per call. A replica's inputs and incoming gradients come
+to the device through it too (`TensorChecks.to_device`). On the CPU a tensor is on the host
+already and nothing is copied.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ class TorchCopies:
     def __init__(self, pool: PinnedPool | None = None) -> None:
         self._pool = pool
         self._made_lock = threading.Lock()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @property
     def pool(self) -> PinnedPool:
@@ -112,6 +116,15 @@ class TorchCopies:
             if self._pool is None:
                 self._pool = PinnedPool()
             return self._pool
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The copies' own stream on `device` (one a device, made on first use): a copy queues
+        behind other copies only, never behind the kernels queued on the compute stream."""
+        with self._made_lock:
+            made = self._streams.get(device)
+            if made is None:
+                made = self._streams[device] = torch.cuda.Stream(device)
+            return made
 
     def to_host(self, t: torch.Tensor) -> AbstractContextManager[torch.Tensor]:
         return self._to_host(t)
@@ -127,8 +140,12 @@ class TorchCopies:
             return
         try:
             host = _as(buf, t)
-            host.copy_(t, non_blocking=True)
-            _wait_for_copy()
+            stream = self.stream(t.device)
+            # `t` is written by kernels on the compute stream: the copy starts after them.
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                host.copy_(t, non_blocking=True)
+            _wait_for_copy(stream)
             yield host
         finally:
             self.pool.give(buf)
@@ -142,8 +159,13 @@ class TorchCopies:
         try:
             staged = _as(buf, t)
             staged.copy_(t)
-            out = staged.to(device, non_blocking=True)
-            _wait_for_copy()  # the buffer is lent again once given back: the copy must be done
+            stream = self.stream(device)
+            with torch.cuda.stream(stream):  # its memory from the copy stream's own blocks
+                out = staged.to(device, non_blocking=True)
+            # The compute stream uses it next: its memory is not the copy stream's to reuse
+            # until that stream's work queued when it is freed has run.
+            out.record_stream(torch.cuda.current_stream(device))
+            _wait_for_copy(stream)  # the buffer is lent again once given back: the copy is done
             return out
         finally:
             self.pool.give(buf)
@@ -155,9 +177,9 @@ def _as(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return buf[:nbytes].view(like.dtype).view(like.shape)
 
 
-def _wait_for_copy() -> None:
-    # An event after the copy on this thread's stream, waited on here: the worker thread blocks
-    # until the bytes have landed; no other stream or thread is made to wait.
+def _wait_for_copy(stream: torch.cuda.Stream) -> None:
+    # An event after the copy on its stream, waited on here: the worker thread blocks until the
+    # bytes have landed (the tensor is complete when the call returns, for any stream after).
     done = torch.cuda.Event()
-    done.record()
+    done.record(stream)
     done.synchronize()

@@ -34,6 +34,7 @@ from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model import stage_state
 from swarm.model.cast_once import step_precision
+from swarm.model.low_copies import LowCopies
 from swarm.model.optim import build_optimizer, grad_sq_norm, scale_grads, update
 from swarm.model.transformer import (
     DTYPES,
@@ -71,6 +72,7 @@ class StageRuntime:
         # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
         self._cache = ActivationCache()
         self.compiled: CompiledRuns | None = None  # eager unless the server compiles (CUDA)
+        self.low = LowCopies.of(job)  # bf16-mixed: the Linears' bf16 copies (`low_copies`)
         # How many it keeps: the job's `activation_cache`, within the serving peer's own limit
         # (the servicer sets it: `Limits.activation_cache`); and how many bytes: the peer's
         # `--max-activation-cache-bytes` (the servicer sets it too).
@@ -107,6 +109,8 @@ class StageRuntime:
         tokens = self.checks.tokens(tokens, x)
         if self.compiled is not None and tokens is None:  # CUDA, --compile-stage
             return self.compiled.run(module, x)  # (`stage_server.replica.compiled`)
+        if self.low is not None:
+            return self.low.call(module, (x, tokens))  # type: ignore[no-any-return]
         return module(x, tokens)  # type: ignore[no-any-return]
 
     def _precision(self, step: int) -> AbstractContextManager[None]:
@@ -256,7 +260,7 @@ class StageRuntime:
         if accumulate and not duplicate:  # its receipt once the sums hold it whole
             fail = f"{Point.BACKWARD_OOM}@{step}" if due(Point.BACKWARD_OOM, step) else ""
             grad_x = backprop_into(
-                sums, index, samples, self.params, list(params), x, out, grad, want_x, fail=fail
+                sums, index, samples, self.params, params, x, out, grad, want_x, fail, self.low
             )
             return grad_x, receipt
         targets = [*params, x] if want_x else list(params)

@@ -12,6 +12,8 @@ for every replica of the stage alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from swarm.errors import InvalidArgument
@@ -36,6 +38,9 @@ class TensorChecks:
         self.needs_tokens = job.model.boundary_rank > 0 and not self.is_first
         # A state of the stage: the same checks wherever one arrives (a copy, the scheduler).
         self.state = StateChecks(job, stage, module)
+        # How an accepted tensor reaches the device: the server's copies (pinned buffers, their
+        # own stream: `stage_server.replica.host_copies`) once it serves; a plain copy before.
+        self.to_device: Callable[[torch.Tensor, torch.device], torch.Tensor] = torch.Tensor.to
 
     def inputs(self, inputs: torch.Tensor) -> torch.Tensor:
         """Stage 0: int64 token ids [batch, seq] within the vocabulary; any other stage: hidden
@@ -64,7 +69,7 @@ class TensorChecks:
                 f"batch of {inputs.shape[0]} samples; a microbatch has at most "
                 f"training.microbatch_size = {self.job.training.microbatch_size}"
             )
-        return inputs.to(self.device)
+        return self.to_device(inputs, self.device)
 
     def grad(self, grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """The gradient of `like` (the stage's outputs): its shape and dtype."""
@@ -73,7 +78,7 @@ class TensorChecks:
                 f"grad_outputs must be {like.dtype} {list(like.shape)}; "
                 f"got {grad.dtype} {list(grad.shape)}"
             )
-        return grad.to(self.device)
+        return self.to_device(grad, self.device)
 
     def targets(self, targets: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """The last stage's targets: int64 token ids [batch, seq] of `inputs`, in the vocabulary."""

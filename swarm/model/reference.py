@@ -3,6 +3,7 @@ microbatches. It is the correctness reference for the swarm and its performance 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -14,6 +15,7 @@ from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import VAL_STEP, DataSource, make_data, make_val_data
 from swarm.model.flat import flat_copy
+from swarm.model.low_copies import LowCopies
 from swarm.model.optim import (
     build_optimizer,
     clip_scale,
@@ -58,6 +60,7 @@ def train_local(
     # `training.delayed_update`: the parameters before the last update, which the step computes
     # on (`computes_on`); the update itself is applied to the newest parameters.
     stale: dict[str, torch.Tensor] | None = None
+    low = LowCopies.of(job)  # bf16-mixed: as a replica computes (`swarm.model.low_copies`)
     for step in range(total):
         start, total_loss, samples = time.perf_counter(), 0.0, 0
         weights = stale if computes_on(job, step) < step else None
@@ -69,8 +72,9 @@ def train_local(
         for index in range(m):
             inputs, targets = (t.to(device) for t in data.microbatch(step, index))
             with precision(job, device):
-                loss = loss_sum(_run(model, weights, inputs), targets)
-            loss.backward()  # .grad accumulates the sum over microbatches
+                loss = loss_sum(_run(model, weights, inputs, low), targets)
+            with low.into_grads() if low is not None else contextlib.nullcontext():
+                loss.backward()  # .grad accumulates the sum over microbatches
             total_loss += float(loss.detach())
             samples += int(inputs.shape[0])
         for name, p in model.named_parameters():
@@ -108,9 +112,15 @@ def flat_grads(groups: Sequence[Sequence[torch.Tensor]]) -> None:
 
 
 def _run(
-    model: StageModule, weights: dict[str, torch.Tensor] | None, inputs: torch.Tensor
+    model: StageModule,
+    weights: dict[str, torch.Tensor] | None,
+    inputs: torch.Tensor,
+    low: LowCopies | None = None,
 ) -> torch.Tensor:
-    """`model` on `inputs`, with `weights` in place of its parameters when given."""
+    """`model` on `inputs`, with `weights` in place of its parameters when given, and with
+    `low`'s bfloat16 copies of its Linear weights when given."""
+    if low is not None:
+        return low.call(model, (inputs,), weights)  # type: ignore[no-any-return]
     if weights is None:
         return model(inputs)  # type: ignore[no-any-return]
     return torch.func.functional_call(model, weights, (inputs,))  # type: ignore[no-any-return]

@@ -4,6 +4,8 @@ $OUT."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import subprocess
@@ -36,7 +38,7 @@ def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     summary = (tmp_path / "out" / "gpu_check.txt").read_text()
-    assert "7 of 7 parts passed" in summary, summary
+    assert "8 of 8 parts passed" in summary, summary
     for part in (
         "environment",
         "doctor",
@@ -45,6 +47,7 @@ def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
         "train bf16-mixed",
         "llama-1b",
         "gpu ratio",
+        "device faults",
     ):
         assert f"PASS    {part} (" in summary, summary
     # the tests that need CUDA: skipped here (no GPU asked), none failed
@@ -53,7 +56,39 @@ def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
     # each stage's replicas downloaded after training: bitwise equal (the claim GPU hosts check)
     assert summary.count("replicas of each stage bitwise equal: yes") == 2, summary
     assert "swarm against torch on the same device" in summary and "| swarm | " in summary
+    assert "MPS A/B: not available: cpu is not a CUDA device" in summary, summary
     assert (tmp_path / "out" / "gpu_check_logs" / "train-fp32.log").exists()
+    # the device-failure part's dry run: the injected failure (no allocator to cap on a CPU),
+    # replayed, and float64 against the CPU reference: bitwise on a CPU
+    assert "float64 on cpu against the CPU reference 0.00e+00" in summary, summary
+    assert "out of memory mid-backward (injected (cpu)), replayed: 0.00e+00" in summary, summary
+    assert "bitwise the run without it: yes" in summary, summary
+
+
+def test_parts_are_chosen_by_name_and_a_cpu_run_is_the_fault_check_s_dry_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check's own logic, in this process: `--parts` picks parts by name, in their order;
+    the device faults part runs bench/gpu_fault_check.py on the device asked for."""
+    sys.path.insert(0, str(ROOT))
+    from bench import gpu_check
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    args = argparse.Namespace(
+        device="cuda:1", quick=False, parts={"device faults", "environment"}, ratio_shapes="short"
+    )
+    check = gpu_check.Check(args)
+    assert [p.name for p in check.parts] == ["environment", "device faults"]
+    assert check.index == "1" and check.cuda
+    faults = check.parts[1].command()
+    assert faults[1].endswith("bench/gpu_fault_check.py")
+    assert faults[2:] == ["--device", "cuda:1", "--steps", "2"]
+    figures = {"device": "cuda:1", "float64_rel_err": 3e-9, "after_failure_rel_err": 3e-9}
+    figures |= {"failure": "real", "bitwise_as_without": True, "failures": ["float64 off"]}
+    ok, text = check.parts[1].judge(1, "RESULT " + json.dumps(figures))
+    assert not ok and "float64 on cuda:1 against the CPU reference 3.00e-09" in text
+    assert "float64 off" in text
+    assert not check.parts[1].judge(0, "killed before a result")[0]
 
 
 def test_a_device_that_is_not_one_is_refused_at_once(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from stage_server.replica.runtime import StageRuntime
 from swarm.job.config import JobConfig
 from swarm.model.reference import train_local
 from swarm.model.transformer import precision
+from tests.support.cuda_param import CPU_AND_CUDA
 from tests.support.jobs import make_job
 
 MIXED = {"precision": "bf16-mixed", "dtype": "float32"}
@@ -47,16 +48,7 @@ def _apply(rt: StageRuntime, step: int, indices: list[int], samples: int) -> Non
     assert rt.apply(step) is False
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda:0",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_a_step_casts_each_weight_once_and_an_update_casts_anew(
     tmp_path: Path, device: str
 ) -> None:

@@ -122,3 +122,34 @@ def test_the_fault_plan_raises_out_of_memory_once_and_the_replay_is_exact(
     for rt in runtimes:
         state.update(rt.state_dict())
     assert_states_within(state, local_state(job), tol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_real_cuda_allocation_failure_mid_backward_leaves_no_receipt_and_replays_exactly(
+    tmp_path: Path,
+) -> None:
+    """The first test on a GPU, with the device's own failure: once the first gradient landed
+    in the sums, the process's allocator is capped at what it holds and asked for a new block
+    (bench/gpu_fault_check.py's `failing_once`): CUDA's OutOfMemoryError mid-backward. Then the
+    same replays, and the float64 step on the device within 1e-10 of the CPU reference."""
+    from bench.gpu_fault_check import failing_once
+
+    job = _job(tmp_path)
+    data, rt = make_data(job), StageRuntime(job, 0, device="cuda:0")
+    m = job.training.microbatches_per_step
+    rt.forward_backward(0, 0, *data.microbatch(0, 0))
+    lift = failing_once(rt)
+    try:
+        with pytest.raises(OutOfDeviceMemory, match="Tried to allocate"):
+            rt.forward_backward(0, 1, *data.microbatch(0, 1))
+    finally:
+        lift()
+    assert 1 not in rt.receipts()
+    for index in range(1, m):
+        rt.forward_backward(0, index, *data.microbatch(0, index))
+    for index in sorted(set(range(m)) - set(rt.receipts())):
+        rt.forward_backward(0, index, *data.microbatch(0, index))
+    assert sorted(rt.receipts()) == list(range(m))
+    assert rt.commit(0, list(range(m)), m * job.training.microbatch_size) is False
+    state = {k: v.cpu() for k, v in rt.state_dict().items()}
+    assert_states_within(state, local_state(job), tol=1e-10)

@@ -116,3 +116,21 @@ def test_encode_of_a_cuda_tensor_through_pinned_buffers_equals_the_plain_copy() 
     t = torch.randn(8, 1000, device="cuda")
     for name, value in codec.CODECS.items():
         assert codec.encode(t, "x", value, host=copies.to_host) == codec.encode(t, "x", value), name
+
+
+@cuda
+def test_copies_run_on_their_own_stream_after_the_kernels_that_wrote_them() -> None:
+    """A copy to the host waits for the compute stream's kernels that wrote its tensor (a long
+    matmul queued just before), and a copy to the device is complete for the compute stream
+    that reads it next: both on the copies' stream, not the compute one."""
+    copies, device = TorchCopies(PinnedPool(max_bytes=1 << 26)), torch.device("cuda:0")
+    stream = copies.stream(device)
+    assert stream != torch.cuda.current_stream(device) and copies.stream(device) is stream
+    a = torch.randn(2048, 2048, device=device)
+    for _ in range(3):
+        t = a @ a  # queued on the compute stream, not done yet when the copy is asked
+        with copies.to_host(t) as host:
+            assert torch.equal(host, t.cpu())
+        x = torch.randn(512, 513)
+        on = copies.to_device(x, device)
+        assert torch.equal((on * 2).cpu(), x * 2)  # read by the compute stream

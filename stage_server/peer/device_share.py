@@ -1,0 +1,60 @@
+"""The activation cache's byte bound sized by the device a stage server computes on.
+
+A GPU host's activations live in device memory, and how many microbatches a replica can keep
+between their forward and backward (so a Backward need not recompute) is what keeps its device
+busy: a fixed 4 GiB is a sliver of an 80 GiB card and too much for an 8 GiB one. So on CUDA,
+with `--max-activation-cache-bytes` left at its default, the bound is a share (`CACHE_SHARE`)
+of the device memory free when the job is served: after the stage's weights, gradient sums and
+optimizer state are there, and after whatever other servers on the card hold (each co-located
+server started after the one before, as docs/deployment.md says, takes a share of what is left,
+so the shares never add up past the card). An operator's own `--max-activation-cache-bytes`
+is kept as given. A CPU peer's bound is the flag's, as ever: host memory is shared with
+everything else on the machine.
+
+`DeviceMemory` is the seam (`TorchDeviceMemory` asks torch); the tests give a fake.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from stage_server.peer.limits import PeerLimits
+
+__all__ = ["CACHE_SHARE", "DeviceMemory", "TorchDeviceMemory", "cache_bytes"]
+
+CACHE_SHARE = 0.5  # of the free device memory: the rest for the compute's own temporaries
+_DEFAULT = PeerLimits().max_activation_cache_bytes
+
+
+class DeviceMemory(Protocol):
+    def free_and_total(self, device: torch.device) -> tuple[int, int] | None:
+        """(free, total) bytes of `device`'s memory; None where the device cannot say (the
+        CPU, whose memory is the host's)."""
+        ...
+
+
+class TorchDeviceMemory:
+    def free_and_total(self, device: torch.device) -> tuple[int, int] | None:
+        if device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+
+
+def cache_bytes(
+    flag: int,
+    device: torch.device,
+    memory: DeviceMemory | None = None,
+    share: float = CACHE_SHARE,
+) -> int:
+    """The activation cache's byte bound on `device`: `flag` (`--max-activation-cache-bytes`)
+    when it was set or the device cannot say its free memory; else `share` of that memory."""
+    if flag != _DEFAULT:
+        return flag  # the operator's own bound
+    known = (memory or TorchDeviceMemory()).free_and_total(device)
+    if known is None:
+        return flag
+    free, _ = known
+    return max(1, int(free * share))
