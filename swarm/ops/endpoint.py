@@ -39,8 +39,9 @@ import sys
 import termios
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import SupportsIndex
 
 from swarm.ops.rated import RatedLog
 
@@ -236,12 +237,13 @@ class _Heard(asyncio.StreamReader):
         self.spoke = False
         self.vouched = False
 
-    def feed_data(self, data: bytes) -> None:
+    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
         super().feed_data(data)
-        self.spoke = self.spoke or bool(data)
+        chunk = bytes(data)  # the transport's bytes (typeshed types it as any byte source)
+        self.spoke = self.spoke or bool(chunk)
         if self._ended or self._expected is None:
             return
-        *lines, self._pending = (self._pending + data).split(b"\r\n")
+        *lines, self._pending = (self._pending + chunk).split(b"\r\n")
         for line in lines:
             self._lines += 1
             self._heard(line)
