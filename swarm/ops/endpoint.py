@@ -230,7 +230,8 @@ class _Heard(asyncio.StreamReader):
     def __init__(self, expected: bytes | None, head_bytes: int) -> None:
         super().__init__(limit=head_bytes)
         self._expected, self._head_bytes = expected, head_bytes
-        self._pending = b""  # the head line being received
+        self._pending = bytearray()  # the head line being received
+        self._seen = 0  # bytes looked at
         self._lines = 0  # head lines complete, the request line included
         self._tokens = 0  # Authorization lines among them
         self._ended = False  # the blank line came, or the head outgrew `head_bytes`
@@ -243,19 +244,24 @@ class _Heard(asyncio.StreamReader):
         self.spoke = self.spoke or bool(chunk)
         if self._ended or self._expected is None:
             return
-        *lines, self._pending = (self._pending + chunk).split(b"\r\n")
+        self._seen += len(chunk)
+        if self._seen > self._head_bytes:  # no head (the reader refuses it too)
+            self._ended, self._pending, self.vouched = True, bytearray(), False
+            return
+        self._pending += chunk
+        if b"\n" not in chunk:  # no line completed (a trickle costs no copy of the line)
+            return
+        *lines, rest = bytes(self._pending).split(b"\r\n")
+        self._pending = bytearray(rest)
         for line in lines:
             self._lines += 1
-            self._heard(line)
-        if len(self._pending) > self._head_bytes:
-            self._ended, self._pending = True, b""
+            if self._lines > 1 and not line:  # the blank line: what follows is no header
+                self._ended, self._pending = True, bytearray()
+                return
+            if self._lines > 1:
+                self._heard(line)
 
     def _heard(self, line: bytes) -> None:
-        if self._lines == 1:  # the request line
-            return
-        if not line or self._lines * 2 > self._head_bytes:  # the head's end, or a flood of lines
-            self._ended = True
-            return
         name, colon, value = line.decode("latin-1").partition(":")
         if colon and name.strip().lower() == "authorization":
             self._tokens += 1

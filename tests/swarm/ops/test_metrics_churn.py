@@ -4,6 +4,7 @@ counted, each one, and logged rated (N16)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import subprocess
@@ -128,3 +129,26 @@ def test_refused_scrapes_are_counted_and_logged_rated(caplog: pytest.LogCaptureF
     # A line per reason (two here) and 10 s, however many refusals.
     bound = 2 * (1 + int((time.monotonic() - started) / 10))
     assert 2 <= len(lines) <= bound, f"{len(lines)} log lines for 1,000 refusals"
+
+
+@pytest.mark.parametrize(
+    ("chunks", "vouched"),
+    [
+        ([b"GET / HTTP/1.1\r\nAuthorization: Bearer s3cret\r\n"], True),
+        ([b"GET / HTTP/1.1\r\nAuthor", b"ization: bearer s3c", b"ret\r", b"\nX: y\r\n"], True),
+        ([b"GET / HTTP/1.1\r\nAuthorization: Bearer s3cret"], False),  # the line not ended
+        ([b"GET / HTTP/1.1\r\nAuthorization: Bearer wrong\r\n"], False),
+        ([b"GET / HTTP/1.1\r\nAuthorization: Bearer s3cret\r\nAuthorization: Bearer x\r\n"], False),
+        ([b"GET / HTTP/1.1\r\n\r\nAuthorization: Bearer s3cret\r\n"], False),  # past the head
+        ([b"Authorization: Bearer s3cret\r\n"], False),  # the request line is no header
+    ],
+)
+async def test_a_token_vouches_for_its_request_as_its_header_line_arrives(
+    chunks: list[bytes], vouched: bool
+) -> None:
+    from swarm.ops.endpoint import _Heard
+
+    heard = _Heard(hashlib.sha256(b"s3cret").digest(), 16 * 1024)
+    for chunk in chunks:
+        heard.feed_data(chunk)
+    assert heard.spoke and heard.vouched == vouched
