@@ -15,8 +15,9 @@ The result is a `ReachabilityReport`:
   named (`dial_causes.told`: "no answer" but for a TLS name mismatch and a private address not
   dialled); the scheduler's log keeps the whole. An address that is not public is not dialled
   unless the operator allows private ranges (`scheduler.dial_scope`), and one peer's checks are
-  `min_interval_s` apart at least, newcomers checked first, at most `per_host` at once of the
-  peers naming one host.
+  `min_interval_s` apart at least, newcomers checked first (from both ends of their line in
+  turn), at most `per_host` at once of the peers naming one host, and an unreachable peer's
+  retries ever further apart (`retry_s` doubled up to `recheck_s`).
 Each report goes to `on_report` (the registry keeps it: placement leaves an unreachable peer out,
 and every call to a relayed one goes through its relay) and is retained on
 `peers/{peer}/reachability`, where the peer reads it (its log shows the remedy); it is cleared
@@ -24,7 +25,8 @@ when the peer leaves.
 
 The checks run off the event loop's critical path: `announced` only notes what to check, `run`
 dials at most `concurrency` peers at once. Reachable peers are checked again every `recheck_s`;
-unreachable ones every `retry_s` (a peer that fixed its router is found within that). A re-check
+unreachable ones after `retry_s`, then twice that, ... up to `recheck_s` (a peer that fixed its
+router is found within that; one that announces anew is checked at once). A re-check
 of a reachable peer that fails once is not believed at once: a stage server busy with a step may
 miss a 2 s deadline, and dropping a serving replica for that would cost a step; only
 `demote_after` failures in a row make it unreachable. A first check, or one of a changed address
@@ -121,6 +123,22 @@ class _Target:
         return _host(self.address), _host(self.relay)
 
 
+def _both_ends(line: list[str], newest_first: bool) -> list[str]:
+    """`line` (oldest first) taken from its two ends in turn: oldest, newest, second oldest,
+    ... (newest first if `newest_first`)."""
+    taken, low, high = [], 0, len(line) - 1
+    newest = newest_first
+    while low <= high:
+        if newest:
+            taken.append(line[high])
+            high -= 1
+        else:
+            taken.append(line[low])
+            low += 1
+        newest = not newest
+    return taken
+
+
 def _host(address: str) -> str:
     return address.rpartition(":")[0].strip("[]") or address
 
@@ -148,7 +166,9 @@ class ReachabilityChecker:
         self._now = now
         self.scope = scope or DialScope()  # public hosts only, unless the operator allows more
         self._pace = DialPace(min_interval_s)  # a peer's checks are this far apart at least
-        self._slots = asyncio.Semaphore(concurrency)
+        self._concurrency = concurrency  # checks at once
+        self._newest_next = False  # which end of the newcomers' line the next slot takes
+        self._failed: dict[str, int] = {}  # checks in a row that found the peer unreachable
         # Checks dialling the same hosts at once: a host of silent ports holds at most this many
         # of the slots, whatever number of peers name it (issue 54, Low: 200 fake peers at one
         # silent host held every slot, and an honest newcomer waited behind them all).
@@ -180,6 +200,7 @@ class ReachabilityChecker:
             log.info("peer %s is reached through relay %s now: checking it", peer, message.relay)
         self._targets[peer], self._due[peer] = target, self._pace.earliest(peer, self._now())
         self._misses.pop(peer, None)
+        self._failed.pop(peer, None)
         self._wake.set()
 
     def left(self, peer: str) -> None:
@@ -189,6 +210,7 @@ class ReachabilityChecker:
         self._targets.pop(peer, None)
         self._due.pop(peer, None)
         self._misses.pop(peer, None)
+        self._failed.pop(peer, None)
         self._pace.forget(peer)
         self.reports.pop(peer, None)
         self._spawn(self._clear(peer))
@@ -198,24 +220,7 @@ class ReachabilityChecker:
         """Check peers as they come due, until cancelled."""
         try:
             while True:
-                now = self._now()
-                # Newcomers first (never checked: not placed until they are), then the peers
-                # of hosts dialled least now, then by due time; a host dialled `per_host` times
-                # at once waits (a finished check wakes this loop).
-                waiting = [
-                    (p, d, self._targets[p].hosts)
-                    for p, d in self._due.items()
-                    if p not in self._checking
-                ]
-                waiting.sort(key=lambda w: (w[0] in self.reports, self._dialling[w[2]], w[1]))
-                later = []
-                for peer, due, hosts in waiting:
-                    if due > now:
-                        later.append(due)
-                    elif self._dialling[hosts] < self._per_host:
-                        self._dialling[hosts] += 1
-                        self._checking[peer] = self._spawn(self._check(peer, self._targets[peer]))
-                wait = max(0.05, min(later) - now) if later else None
+                wait = self._start_due(self._now())
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation
                 # that comes as the wake does (a check ending), and this loop ran on.
                 with contextlib.suppress(TimeoutError):
@@ -225,6 +230,38 @@ class ReachabilityChecker:
         finally:
             for task in list(self._background):
                 task.cancel()
+
+    def _start_due(self, now: float) -> float | None:
+        """Start the checks that are due, while a slot is free; how long until the next is.
+
+        Who goes first is chosen when a slot frees, not queued when a peer comes due (a check
+        queued behind 200 would wait for them all): newcomers (never checked: not placed until
+        they are) before re-checks; of hosts dialled `per_host` times at once, none; then the
+        peers of hosts dialled least. Newcomers are taken from both ends of their line in turn,
+        the longest waiting and the latest come (`_both_ends`): a burst of made-up peers
+        announced before an honest one delays it by one check, not by their number, and a
+        stream of made-up peers announced without end cannot starve one that came before them.
+        Peer ids are free to make up with the swarm's token (one credential for every peer), so
+        no rule by announcer can bound this better (docs/decisions.md)."""
+        waiting = [p for p in self._due if p not in self._checking]
+        fresh = _both_ends(
+            sorted((p for p in waiting if p not in self.reports), key=self._due.__getitem__),
+            self._newest_next,
+        )
+        known = sorted((p for p in waiting if p in self.reports), key=self._due.__getitem__)
+        later = []
+        for peer in sorted(fresh, key=self._dialled) + sorted(known, key=self._dialled):
+            hosts = self._targets[peer].hosts
+            if self._due[peer] > now:
+                later.append(self._due[peer])
+            elif len(self._checking) < self._concurrency and self._dialling[hosts] < self._per_host:
+                self._dialling[hosts] += 1
+                self._newest_next ^= peer not in self.reports
+                self._checking[peer] = self._spawn(self._check(peer, self._targets[peer]))
+        return max(0.05, min(later) - now) if later else None
+
+    def _dialled(self, peer: str) -> int:
+        return self._dialling[self._targets[peer].hosts]
 
     async def _check(self, peer: str, target: _Target) -> None:
         try:
@@ -237,9 +274,8 @@ class ReachabilityChecker:
             self._wake.set()
 
     async def _checked(self, peer: str, target: _Target) -> None:
-        async with self._slots:
-            self._pace.began(peer, self._now())
-            report = await self.measure(peer, target.address, target.relay)
+        self._pace.began(peer, self._now())
+        report = await self.measure(peer, target.address, target.relay)
         if self._targets.get(peer) != target:
             return  # it left, or moved, meanwhile: that is checked anew
         old = self.reports.get(peer)
@@ -255,8 +291,7 @@ class ReachabilityChecker:
                 log.info("peer %s missed a dial-back (%s); trying again", peer, report.detail)
                 return
         self._misses.pop(peer, None)
-        reachable_now = report.reachability != cpb.REACHABILITY_UNREACHABLE
-        self._due[peer] = self._now() + (self.recheck_s if reachable_now else self.retry_s)
+        self._due[peer] = self._now() + self._next_in(peer, report)
         if old is not None and _same(old, report):
             return  # nothing new to say
         self.reports[peer] = report
@@ -264,6 +299,16 @@ class ReachabilityChecker:
         told_report = _told(report)
         self.on_report(told_report)  # status shows it to every token holder
         await self.publish(peer, told_report)
+
+    def _next_in(self, peer: str, report: cpb.ReachabilityReport) -> float:
+        """Seconds to `peer`'s next check: `recheck_s` when reachable; when not, `retry_s`,
+        doubled at each failure in a row up to `recheck_s` (or `retry_s` if longer): a peer id
+        parked at a silent address costs the dial-back ever less of its slots."""
+        if report.reachability != cpb.REACHABILITY_UNREACHABLE:
+            self._failed.pop(peer, None)
+            return self.recheck_s
+        failed = self._failed[peer] = min(self._failed.get(peer, 0) + 1, 32)
+        return min(self.retry_s * 2 ** (failed - 1), max(self.recheck_s, self.retry_s))
 
     async def measure(self, peer: str, address: str, relay: str) -> cpb.ReachabilityReport:
         """Dial `peer` at `address`, then (if it announces one) through `relay`."""

@@ -11,11 +11,14 @@ It answers what it must and no more, to anyone who can reach the port:
   once; each has `request_s` to finish its TLS handshake and send its request, and `answer_s`
   to take the answer;
 - when full, a new connection drops one of the host that holds the most (the new one's own host
-  on a tie): its oldest that has sent nothing yet, else its oldest still waiting for a request:
-  a host that floods or churns connections, whatever its rate, only ever drops its own, and a
-  scrape from another host (Prometheus) is never cut off, neither before its answer nor while
-  taking it; nor one from the flood's own host once its request began (a scrape sends it at
-  once), however many silent connections come after it;
+  on a tie): its oldest that has sent nothing yet, else its oldest whose request is unfinished
+  and holds no valid token, else its oldest still waiting for a request: a host that floods or
+  churns connections, whatever its rate, only ever drops its own, and a scrape from another host
+  (Prometheus) is never cut off, neither before its answer nor while taking it; nor one from the
+  flood's own host once its token came (a scrape sends its request at once), however many
+  silent or unfinished requests (slowloris) come after it. The token is checked as its header
+  line arrives (`_Heard`), not when the request ends: a request that trickles its headers and
+  never ends is told from a scrape only by it;
 - a refused request (no token, the wrong one, not HTTP) is counted (`refused`) and logged rated
   (`swarm.ops.rated.RatedLog`: a line per reason every `_LOG_EVERY_S`), never a line per request.
 
@@ -25,16 +28,20 @@ HTTP/1.1 GET, one request per connection (`Connection: close`): what Prometheus 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import hmac
 import http
 import logging
 import socket
 import ssl
+import sys
+import termios
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import SupportsIndex
 
 from swarm.ops.rated import RatedLog
 
@@ -86,9 +93,8 @@ class Endpoint:
         self._expected = hashlib.sha256(token.encode()).digest() if token else None
         self._context = context
         self._limits = limits
-        self._open: dict[asyncio.StreamWriter, str] = {}  # each one's host, oldest first
+        self._open: dict[asyncio.StreamWriter, tuple[str, _Heard]] = {}  # host, oldest first
         self._answering: set[asyncio.StreamWriter] = set()  # their request read
-        self._spoke: set[asyncio.StreamWriter] = set()  # a byte of their request came
         self._log = RatedLog(log, _LOG_EVERY_S)
         self.refused = 0  # requests refused (401, 400), on the endpoint's thread
 
@@ -106,48 +112,54 @@ class Endpoint:
             raise
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True, name="metrics").start()
-        serving = asyncio.start_server(
-            self._serve, sock=sock, limit=self._limits.head_bytes, backlog=128
-        )
+
+        def connection() -> asyncio.StreamReaderProtocol:
+            reader = _Heard(self._expected, self._limits.head_bytes)
+            return asyncio.StreamReaderProtocol(reader, self._serve)
+
+        serving = loop.create_server(connection, sock=sock, backlog=128)
         self._server = asyncio.run_coroutine_threadsafe(serving, loop).result()
         return int(sock.getsockname()[1])
 
-    def _admit(self, writer: asyncio.StreamWriter) -> None:
+    def _admit(self, reader: _Heard, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         while len(self._open) >= self._limits.connections:
             victim = self._victim(host)
             del self._open[victim]
             self._answering.discard(victim)
-            self._spoke.discard(victim)
             victim.transport.abort()
-        self._open[writer] = host
+        self._open[writer] = host, reader
 
     def _victim(self, newcomer: str) -> asyncio.StreamWriter:
         """The connection a new one from `newcomer` replaces: of the host that holds the most
         (counting the new one, so a tie is the newcomer's), the oldest that sent nothing yet,
-        else the oldest waiting for its request, else the oldest. At most `connections` are
-        looked at."""
-        held = Counter(self._open.values())
+        else the oldest waiting for its request without a valid token, else the oldest waiting
+        for its request, else the oldest. At most `connections` are looked at."""
+        held = Counter(host for host, _ in self._open.values())
         held[newcomer] += 1
         busiest = max(held, key=lambda h: (held[h], h == newcomer))
-        theirs = [w for w, h in self._open.items() if h == busiest]
+        theirs = [w for w, (h, _) in self._open.items() if h == busiest]
         if not theirs:  # only the newcomer's own host, holding none yet: the oldest of all
             theirs = list(self._open)
         waiting = [w for w in theirs if w not in self._answering]
-        silent = [w for w in waiting if w not in self._spoke]
-        return (silent or waiting or theirs)[0]
+        unvouched = [w for w in waiting if not self._open[w][1].vouched]
+        # Its bytes may have come and wait in the kernel, not yet read: a scrape accepted in the
+        # same breath as a flood's connections is not silent for that.
+        silent = (w for w in unvouched if not self._open[w][1].spoke and not _unread(w))
+        return next(silent, None) or (unvouched or waiting or theirs)[0]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Admitted, and TLS started, before the first await: the client's first bytes reach
         # the TLS layer, not the reader.
-        self._admit(writer)
+        assert isinstance(reader, _Heard)  # `start`'s protocol makes one
+        self._admit(reader, writer)
         try:
             try:
                 async with asyncio.timeout(self._limits.request_s):
                     if self._context is not None:
                         await writer.start_tls(self._context)
-                    head = await self._head(reader, writer)
+                    head = await _head(reader)
             except (TimeoutError, OSError, EOFError, asyncio.LimitOverrunError):
                 return  # no request: a failed handshake, a stranger, a slow or idle client
             self._answering.add(writer)
@@ -160,17 +172,7 @@ class Endpoint:
         finally:
             self._open.pop(writer, None)
             self._answering.discard(writer)
-            self._spoke.discard(writer)
             writer.transport.abort()
-
-    async def _head(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
-        """The request's head (up to its blank line), `writer` marked as having spoken at its
-        first byte."""
-        first = await reader.read(1)
-        if not first:
-            raise EOFError
-        self._spoke.add(writer)
-        return first + await reader.readuntil(b"\r\n\r\n")
 
     def _answer(self, head: bytes) -> Answer:
         request = _parse(head)
@@ -199,6 +201,74 @@ class Endpoint:
         self._log.warning(reason, "metrics endpoint: refused a request: %s", reason)
 
 
+def _unread(writer: asyncio.StreamWriter) -> bool:
+    """Whether bytes wait in the kernel for `writer`'s connection (FIONREAD), read or not."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        waiting = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except OSError:
+        return False  # closed meanwhile
+    return int.from_bytes(waiting, sys.byteorder) > 0
+
+
+async def _head(reader: asyncio.StreamReader) -> bytes:
+    """The request's head, up to its blank line."""
+    first = await reader.read(1)
+    if not first:
+        raise EOFError
+    return first + await reader.readuntil(b"\r\n\r\n")
+
+
+class _Heard(asyncio.StreamReader):
+    """A connection's reader that notes, as its bytes arrive (before any task reads them),
+    whether it `spoke` and whether its request's head holds exactly one `Authorization` header
+    whose bearer token is the endpoint's (`vouched`). Each head line is looked at once, as it
+    completes; nothing past `head_bytes` or the blank line is kept."""
+
+    def __init__(self, expected: bytes | None, head_bytes: int) -> None:
+        super().__init__(limit=head_bytes)
+        self._expected, self._head_bytes = expected, head_bytes
+        self._pending = bytearray()  # the head line being received
+        self._seen = 0  # bytes looked at
+        self._lines = 0  # head lines complete, the request line included
+        self._tokens = 0  # Authorization lines among them
+        self._ended = False  # the blank line came, or the head outgrew `head_bytes`
+        self.spoke = False
+        self.vouched = False
+
+    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
+        super().feed_data(data)
+        chunk = bytes(data)  # the transport's bytes (typeshed types it as any byte source)
+        self.spoke = self.spoke or bool(chunk)
+        if self._ended or self._expected is None:
+            return
+        self._seen += len(chunk)
+        if self._seen > self._head_bytes:  # no head (the reader refuses it too)
+            self._ended, self._pending, self.vouched = True, bytearray(), False
+            return
+        self._pending += chunk
+        if b"\n" not in chunk:  # no line completed (a trickle costs no copy of the line)
+            return
+        *lines, rest = bytes(self._pending).split(b"\r\n")
+        self._pending = bytearray(rest)
+        for line in lines:
+            self._lines += 1
+            if self._lines > 1 and not line:  # the blank line: what follows is no header
+                self._ended, self._pending = True, bytearray()
+                return
+            if self._lines > 1:
+                self._heard(line)
+
+    def _heard(self, line: bytes) -> None:
+        name, colon, value = line.decode("latin-1").partition(":")
+        if colon and name.strip().lower() == "authorization":
+            self._tokens += 1
+            assert self._expected is not None
+            self.vouched = self._tokens == 1 and _bearer(value.strip(), self._expected)
+
+
 def _parse(head: bytes) -> tuple[str, str, dict[str, list[str]]] | None:
     """(method, path without the query, headers) of a request head, or None if it is none."""
     lines = head.decode("latin-1").split("\r\n")
@@ -218,9 +288,12 @@ def _parse(head: bytes) -> tuple[str, str, dict[str, list[str]]] | None:
 
 def _authorized(headers: Mapping[str, list[str]], expected: bytes) -> bool:
     values = headers.get("authorization", [])
-    if len(values) != 1:  # none, or two to choose from
-        return False
-    scheme, _, credentials = values[0].partition(" ")
+    return len(values) == 1 and _bearer(values[0], expected)  # not none, nor two to choose from
+
+
+def _bearer(value: str, expected: bytes) -> bool:
+    """Whether an Authorization header's `value` is `Bearer <the token digested to expected>`."""
+    scheme, _, credentials = value.partition(" ")
     if scheme.lower() != "bearer":  # RFC 6750: the scheme is case-insensitive
         return False
     given = hashlib.sha256(credentials.strip().encode()).digest()

@@ -191,3 +191,49 @@ async def test_peers_naming_one_silent_host_do_not_hold_an_honest_newcomer_back(
         dials_before = taken[0]
     assert told.published["honest"].reachability == cpb.REACHABILITY_DIRECT
     assert dials_before <= 4, f"{dials_before} silent dials taken before the honest peer's check"
+
+
+@pytest.mark.attack("L-dial")
+async def test_peers_naming_many_silent_hosts_do_not_hold_an_honest_newcomer_back() -> None:
+    # 200 fake peers, each at a silent server on a host of its own (127.1.i.1: the per-host
+    # bound does not apply), announced first; the checks of the first ones begin; then an honest
+    # newcomer. Before: the checks were queued as the peers came due, and it waited behind all
+    # 200 (8 at a time, a 2 s deadline each: 50 s, growing with their number).
+    taken = [0]
+    began = asyncio.Event()
+
+    async def silent(request: Any, context: Any) -> pb.StageInfoResponse:
+        taken[0] += 1
+        began.set()
+        return await _silent(request, context)
+
+    async def honest(request: Any, context: Any) -> pb.StageInfoResponse:
+        return pb.StageInfoResponse(peer="honest")
+
+    traps = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(
+        silent,
+        request_deserializer=pb.StageInfoRequest.FromString,
+        response_serializer=pb.StageInfoResponse.SerializeToString,
+    )
+    traps.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("swarm.proto.StageService", {"Info": handler}),)
+    )
+    addresses = [f"127.1.{i}.1:{traps.add_insecure_port(f'127.1.{i}.1:0')}" for i in range(200)]
+    await traps.start()
+    try:
+        async with (
+            grpc_server("127.0.0.2", honest) as home,
+            running(Told(timeout_s=2.0)) as told,  # each silent dial holds its slot 2 s
+        ):
+            for i, address in enumerate(addresses):
+                told.checker.announced(_announce(f"fake-{i}", address))
+            await asyncio.wait_for(began.wait(), 30)  # the fakes' checks hold the slots
+            told.checker.announced(_announce("honest", home))
+            await told.until({"honest"})
+            dials_before = taken[0]
+    finally:
+        await traps.stop(grace=None)
+    assert told.published["honest"].reachability == cpb.REACHABILITY_DIRECT
+    # The 8 slots the fakes held when it came, and the few begun as the first of them ended.
+    assert dials_before <= 16, f"{dials_before} silent dials taken before the honest peer's check"

@@ -318,3 +318,34 @@ async def test_newcomers_are_checked_before_known_peers() -> None:
         while len(dialer.calls) < 4:
             await asyncio.sleep(0.01)
         assert dialer.calls == ["h:old", "h:b", "h:new", "h:old"], dialer.calls
+
+
+async def _calls(c: Checked, n: int) -> None:
+    """Until the checker has dialled `n` times (woken: the fake clock moved)."""
+    c.checker._wake.set()
+    async with asyncio.timeout(10):
+        while len(c.dialer.calls) < n:
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.attack("L-dial")
+async def test_an_unreachable_peer_is_retried_ever_less_often() -> None:
+    """Issue 54 (Low): a peer id parked at a silent address is retried after `retry_s`, then
+    twice that, ... up to `recheck_s`; an answer, or a new address, starts over."""
+    clock = [1000.0]
+    dialer = FakeDialer()
+    async with checking(dialer, retry_s=10.0, recheck_s=60.0, now=lambda: clock[0]) as c:
+        c.checker.announced(announce("a", "h:1"))
+        await _calls(c, 1)
+        for wait_s in (10.0, 20.0, 40.0, 60.0, 60.0):
+            dials = len(dialer.calls)
+            clock[0] += wait_s - 1.0  # not yet due
+            c.checker._wake.set()
+            await asyncio.sleep(0.05)
+            assert len(dialer.calls) == dials, f"retried before {wait_s} s"
+            clock[0] += 1.0
+            await _calls(c, dials + 1)
+        dialer.answers["h:2"] = "a"
+        c.checker.announced(announce("a", "h:2"))  # a new address: checked at once
+        await c.report()
+        assert dialer.calls[-1] == "h:2"

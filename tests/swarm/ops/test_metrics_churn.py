@@ -4,6 +4,7 @@ counted, each one, and logged rated (N16)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import subprocess
@@ -28,6 +29,17 @@ while True:
         continue
     if mode == "close":
         s.close()
+    elif mode == "trickle":  # slowloris: a request begun, a header now and then, never ended
+        s.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n")
+        held.append(s)
+        if len(held) > 200:
+            held.pop(0).close()
+        if len(held) % 50 == 0:
+            for h in held:
+                try:
+                    h.sendall(b"X-Trickle: 1\\r\\n")
+                except OSError:
+                    pass
     else:
         held.append(s)
         if len(held) > 200:
@@ -36,13 +48,16 @@ while True:
 BODY = b"swarm_test_series 1\n" * 20_000  # 400 KB: a large swarm's scrape
 
 
-def _scrape(port: int, pause_s: float) -> bytes:
+def _scrape(port: int, pause_s: float, token_first: bool = False) -> bytes:
     """A scrape from 127.0.0.1 over a slow link: its request comes in two parts `pause_s` apart
-    (well within the endpoint's `request_s`)."""
+    (well within the endpoint's `request_s`); the token in the first part if `token_first`."""
+    first, second = b"GET /metrics HTTP/1.1\r\n", b"Authorization: Bearer s3cret\r\n\r\n"
+    if token_first:
+        first, second = first + second[:-2], b"Accept: text/plain\r\n\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        s.sendall(first)
         time.sleep(pause_s)
-        s.sendall(b"Authorization: Bearer s3cret\r\n\r\n")
+        s.sendall(second)
         answer = b""
         while chunk := s.recv(1 << 16):
             answer += chunk
@@ -69,14 +84,26 @@ def test_a_silent_flood_from_the_scrapers_own_host_never_cuts_a_scrape_off() -> 
     _scrapes_through_churn(port, "hold", "127.0.0.1")
 
 
-def _scrapes_through_churn(port: int, mode: str, host: str) -> None:
+@pytest.mark.attack("N14")
+@pytest.mark.timeout(180)
+def test_a_flood_of_partial_requests_from_the_scrapers_own_host_never_cuts_a_scrape_off() -> None:
+    # Issue 54 (N14 under slowloris): the flood's connections each send a request line, then a
+    # header now and then, never the blank line; the scrape's host is theirs. Before, a scrape
+    # that had begun its request was "the oldest waiting for its request" and dropped like them
+    # (under a flood, within its first second). Its token, once its header is in, vouches for it.
+    endpoint = Endpoint(lambda path, headers: Answer(200, BODY), token="s3cret")
+    port = endpoint.start("127.0.0.1", 0)
+    _scrapes_through_churn(port, "trickle", "127.0.0.1", token_first=True)
+
+
+def _scrapes_through_churn(port: int, mode: str, host: str, token_first: bool = False) -> None:
     """Five scrapes from 127.0.0.1 while a process churns connections from `host`."""
     churner = subprocess.Popen([sys.executable, "-c", CHURNER, str(port), mode, host])
     try:
         time.sleep(1.0)  # churning
         for _ in range(5):
             try:
-                answer = _scrape(port, pause_s=1.0)
+                answer = _scrape(port, pause_s=1.0, token_first=token_first)
             except (ConnectionResetError, BrokenPipeError) as e:
                 pytest.fail(f"a scrape was cut off: {e}")
             assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(BODY)
@@ -102,3 +129,26 @@ def test_refused_scrapes_are_counted_and_logged_rated(caplog: pytest.LogCaptureF
     # A line per reason (two here) and 10 s, however many refusals.
     bound = 2 * (1 + int((time.monotonic() - started) / 10))
     assert 2 <= len(lines) <= bound, f"{len(lines)} log lines for 1,000 refusals"
+
+
+@pytest.mark.parametrize(
+    ("chunks", "vouched"),
+    [
+        ([b"GET / HTTP/1.1\r\nAuthorization: Bearer s3cret\r\n"], True),
+        ([b"GET / HTTP/1.1\r\nAuthor", b"ization: bearer s3c", b"ret\r", b"\nX: y\r\n"], True),
+        ([b"GET / HTTP/1.1\r\nAuthorization: Bearer s3cret"], False),  # the line not ended
+        ([b"GET / HTTP/1.1\r\nAuthorization: Bearer wrong\r\n"], False),
+        ([b"GET / HTTP/1.1\r\nAuthorization: Bearer s3cret\r\nAuthorization: Bearer x\r\n"], False),
+        ([b"GET / HTTP/1.1\r\n\r\nAuthorization: Bearer s3cret\r\n"], False),  # past the head
+        ([b"Authorization: Bearer s3cret\r\n"], False),  # the request line is no header
+    ],
+)
+async def test_a_token_vouches_for_its_request_as_its_header_line_arrives(
+    chunks: list[bytes], vouched: bool
+) -> None:
+    from swarm.ops.endpoint import _Heard
+
+    heard = _Heard(hashlib.sha256(b"s3cret").digest(), 16 * 1024)
+    for chunk in chunks:
+        heard.feed_data(chunk)
+    assert heard.spoke and heard.vouched == vouched
