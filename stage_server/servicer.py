@@ -132,6 +132,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             messages=self._messages,
             runtime=lambda: self.runtime,
             answering=self._answering,
+            poison=lambda: self.poison,
         )
 
     # The worker's figures and the feedback, where the agent and tests read them.
@@ -329,6 +330,19 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return await self._push.push(h, inputs, targets, tokens, context.time_remaining)
 
         for msg in self._messages.split(await self._run_held("Push", context, body)):
+            yield msg
+
+    async def Record(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        """A push record (`stage_server.replica.push_records`), its tensors if asked."""
+
+        async def body(held: Held) -> pb.StageRecordResponse:
+            h, _ = await self._receive(request_iterator, held)
+            r = self._push.records.get(h.microbatch.step, h.microbatch.index)
+            return pb.StageRecordResponse(
+                commitment=r.commitment, tensors=r.messages(h.tensors_too)
+            )
+
+        for msg in self._messages.split(await self._run_held("Record", context, body)):
             yield msg
 
     # -- commit ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from client.data_plane.hops import StageHops
+from client.data_plane.push_audit import PushAudits
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -24,8 +25,15 @@ __all__ = ["PushPlane"]
 
 
 class PushPlane:
-    def __init__(self, job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> None:
+    def __init__(
+        self,
+        job: JobConfig,
+        hops: StageHops,
+        metrics: TrainerMetrics,
+        audits: PushAudits | None = None,
+    ) -> None:
         self.job, self.hops, self.metrics = job, hops, metrics
+        self.audits = audits  # None: nothing is audited (`client.data_plane.push_audit`)
         self._routes: list[pb.Route] = []  # per stage after the first: who serves it
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
@@ -74,7 +82,22 @@ class PushPlane:
         loss = result.loss_sum if last in holders else None
         samples = int(ids.shape[0])
         chain = (peer or "", *result.path)
-        if not rule_of(self.job).rounds or len(chain) != last + 1 or not all(chain):
+        whole = len(chain) == last + 1 and all(chain)
+        if self.audits is not None and whole:
+            # Audited before it is reported: a liar caught is banned before its work commits.
+            verdicts, runs = await self.audits.audit(step, index, chain, ids, labels)
+            return MicrobatchResult(
+                step,
+                index,
+                holders,
+                loss,
+                samples,
+                verdicts=verdicts,
+                touched=tuple(sorted(set(chain))),
+                stage_runs=len(chain),
+                audit_runs=runs,
+            )
+        if not rule_of(self.job).rounds or not whole:
             # pool.mode = "local" needs the whole path: without it, nothing of the run counts
             holders = {} if rule_of(self.job).rounds else holders
             return MicrobatchResult(step, index, holders, loss, samples)

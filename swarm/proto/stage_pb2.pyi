@@ -198,6 +198,54 @@ class StagePushResponse(_message.Message):
     path: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., uncertain: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., path: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class Commitment(_message.Message):
+    __slots__ = ("peer", "stage", "microbatch", "inputs", "outputs", "grad_outputs", "grad_inputs", "tokens", "targets")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    stage: int
+    microbatch: MicrobatchId
+    inputs: bytes
+    outputs: bytes
+    grad_outputs: bytes
+    grad_inputs: bytes
+    tokens: bytes
+    targets: bytes
+    def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., inputs: _Optional[bytes] = ..., outputs: _Optional[bytes] = ..., grad_outputs: _Optional[bytes] = ..., grad_inputs: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ...) -> None: ...
+
+class StageRecordRequest(_message.Message):
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "tensors_too")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_TOO_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    stage: int
+    microbatch: MicrobatchId
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    chunk: _tensor_pb2.Chunk
+    tensors_too: bool
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., tensors_too: _Optional[bool] = ...) -> None: ...
+
+class StageRecordResponse(_message.Message):
+    __slots__ = ("tensors", "chunk", "commitment")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    chunk: _tensor_pb2.Chunk
+    commitment: Commitment
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., commitment: _Optional[_Union[Commitment, _Mapping]] = ...) -> None: ...
+
 class StageCommitRequest(_message.Message):
     __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors", "check_seed")
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -334,6 +334,18 @@ class StageClient:
         )
 
     @_swarm_errors
+    async def record(
+        self, step: int, index: int, *, tensors: bool
+    ) -> tuple[pb.Commitment, dict[str, tensor_pb2.Tensor]]:
+        """The push plane's record of microbatch `(step, index)` at this replica: its commitment,
+        and (`tensors`) the tensors it is of (`stage_server.replica.push_records`)."""
+        request = pb.StageRecordRequest(
+            job=self.job_id, stage=self.stage, microbatch=self._id(step, index), tensors_too=tensors
+        )
+        header, received = await self._call(self.stub.Record, request)
+        return header.commitment, received
+
+    @_swarm_errors
     async def commit(
         self,
         step: int,
