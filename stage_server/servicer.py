@@ -337,10 +337,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         async def body(held: Held) -> pb.StageRecordResponse:
             h, _ = await self._receive(request_iterator, held)
-            r = self._push.records.get(h.microbatch.step, h.microbatch.index)
-            return pb.StageRecordResponse(
-                commitment=r.commitment, tensors=r.messages(h.tensors_too)
-            )
+            return self._push.records.answer(h)
 
         for msg in self._messages.split(await self._run_held("Record", context, body)):
             yield msg

@@ -6,6 +6,7 @@ adopts their late receipts or replays them."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 
 import torch
@@ -56,6 +57,7 @@ class PushPlane:
         ids, labels = data.microbatch(step, index)
         inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
         route, last, timeout = self._routes, self.job.training.stages - 1, self._timeout()
+        run = secrets.randbits(63)  # this run's records at each replica (`PushAudits`)
         peer, result = await self.hops.accumulating(
             0,
             lambda c, a: c.push(
@@ -67,6 +69,7 @@ class PushPlane:
                 route,
                 need_grad_inputs=False,
                 timeout=timeout,
+                run=run,
             ),
             accumulate=True,
             need_result=False,
@@ -85,7 +88,7 @@ class PushPlane:
         whole = len(chain) == last + 1 and all(chain)
         if self.audits is not None and whole:
             # Audited before it is reported: a liar caught is banned before its work commits.
-            verdicts, runs = await self.audits.audit(step, index, chain, ids, labels)
+            verdicts, runs = await self.audits.audit(step, index, run, chain, ids, labels)
             return MicrobatchResult(
                 step,
                 index,

@@ -23,6 +23,7 @@ A replica that answers nothing (gone, its record dropped) is no evidence either 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -41,6 +42,8 @@ from swarm.wire.digest import digest
 __all__ = ["PushAudits"]
 
 # What crosses the boundary between stages k and k+1: (the field of k's commitment, k+1's, what)
+log = logging.getLogger(__name__)
+
 _CROSSING = (
     ("outputs", "inputs", "activations"),
     ("grad_outputs", "grad_inputs", "input gradient"),
@@ -57,35 +60,45 @@ class PushAudits:
         self.disputes = Disputes()
 
     async def audit(
-        self, step: int, index: int, chain: Sequence[str], ids: torch.Tensor, labels: torch.Tensor
+        self,
+        step: int,
+        index: int,
+        run: int,
+        chain: Sequence[str],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
     ) -> tuple[tuple[Verdict, ...], int]:
-        """Audit microbatch `(step, index)`, pushed through `chain` (the replica of each stage,
-        in order; its `ids` and `labels`): the liars found, and the re-executions it took."""
+        """Audit run `run` of microbatch `(step, index)`, pushed through `chain` (the replica of
+        each stage, in order; its `ids` and `labels`): the liars found, and the re-executions it
+        took."""
         runs = self.audits.runs()
         self.audits.metrics.stage_runs.inc(len(chain))
         said = await asyncio.gather(
-            *(self._commitment(step, index, k, p) for k, p in enumerate(chain))
+            *(self._commitment(step, index, run, k, p) for k, p in enumerate(chain))
         )
         found: dict[str, Verdict] = {}
         for v in self._boundaries(step, index, said, ids, labels):
             found.setdefault(v.peer, v)
         for k in self.audits.drawn(range(len(chain))):  # drawn now, after every commitment
-            for v in await self._audited(step, index, said[k]):
+            for v in await self._audited(step, index, run, said[k]):
                 found.setdefault(v.peer, v)
         return tuple(found.values()), self.audits.runs() - runs
 
     async def _commitment(
-        self, step: int, index: int, stage: int, peer: str
+        self, step: int, index: int, run: int, stage: int, peer: str
     ) -> pb.Commitment | None:
         client = self.routes.clients.get(peer)
         if client is None or client.stage != stage:
             return None
         try:
-            c, _ = await client.record(step, index, tensors=False)
-        except SwarmError:
-            return None  # gone, or its record dropped: no evidence either way
-        mine = c.peer == peer and c.stage == stage
-        return c if mine and (c.microbatch.step, c.microbatch.index) == (step, index) else None
+            c, _ = await client.record(step, index, run, tensors=False)
+        except SwarmError as e:  # gone, or its record dropped: no evidence either way
+            log.info("push audit: no commitment of (%d, %d) from %s: %s", step, index, peer, e)
+            return None
+        if (c.stage, c.microbatch.step, c.microbatch.index, c.run) != (stage, step, index, run):
+            return None
+        c.peer = peer  # named as the trainer's routes name it (a verdict names it so)
+        return c
 
     def _boundaries(
         self,
@@ -128,14 +141,17 @@ class PushAudits:
             return None
         return digest(wire_tokens(ids, self.job.model.vocab_size))
 
-    async def _audited(self, step: int, index: int, c: pb.Commitment | None) -> list[Verdict]:
+    async def _audited(
+        self, step: int, index: int, run: int, c: pb.Commitment | None
+    ) -> list[Verdict]:
         """Stage `c.stage`'s record fetched, checked against `c`, and re-executed elsewhere."""
         client = None if c is None else self.routes.clients.get(c.peer)
         if c is None or client is None:
             self.audits.metrics.audited("skipped")
             return []
         try:
-            again, tensors = await client.record(step, index, tensors=True)
+            again, tensors = await client.record(step, index, run, tensors=True)
+            again.peer = c.peer
         except SwarmError:
             self.audits.metrics.audited("skipped")
             return []

@@ -242,6 +242,7 @@ class PushPlane:
             deadline=_deadline(time_remaining(), rt),
             evaluate=evaluate,
             tokens=tokens,
+            run=h.run,
         )
         return pushed, queued
 
@@ -257,7 +258,7 @@ class PushPlane:
         rt = self._runtime()
         if not rt.job.trust.audit_fraction or rule_of(rt.job).rounds:
             return None
-        record = self.records.begin(rt.stage, h.microbatch.step, h.microbatch.index)
+        record = self.records.begin(rt.stage, h.microbatch.step, h.microbatch.index, h.run)
         record.received("inputs", inputs)
         record.received("tokens", tokens)
         record.received("targets", targets)

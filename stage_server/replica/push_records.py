@@ -12,8 +12,10 @@ agree about the bytes that crossed it; a stage drawn is then asked for the recor
 tensors must match what it committed to, and another replica re-executes from them.
 
 How long: the last `activation_cache` microbatches (the job's, within this peer's limit), the
-oldest dropped first; the trainer asks right after the microbatch's push returns. A replay of a
-microbatch replaces its record. Nothing is kept where the job audits nothing."""
+oldest dropped first; the trainer asks right after the microbatch's push returns. Each run of a
+microbatch (the trainer's random id of it, passed on along the path) has a record of its own, so
+a replay or a straggler of the same microbatch is never taken for the run audited. Nothing is
+kept where the job audits nothing."""
 
 from __future__ import annotations
 
@@ -76,28 +78,31 @@ class PushRecords:
 
     def __init__(self, peer: str, limit: Callable[[], int]) -> None:
         self.peer, self.limit = peer, limit
-        self._records: OrderedDict[tuple[int, int], PushRecord] = OrderedDict()
+        self._records: OrderedDict[tuple[int, int, int], PushRecord] = OrderedDict()
 
-    def begin(self, stage: int, step: int, index: int) -> PushRecord:
-        """A new record for microbatch `(step, index)` at `stage` (a replay's replaces the
-        first's)."""
-        key = (step, index)
+    def begin(self, stage: int, step: int, index: int, run: int) -> PushRecord:
+        """A new record for run `run` of microbatch `(step, index)` at `stage`."""
+        key = (step, index, run)
         self._records.pop(key, None)
-        record = PushRecord(
-            pb.Commitment(
-                peer=self.peer, stage=stage, microbatch=pb.MicrobatchId(step=step, index=index)
-            )
-        )
+        mb = pb.MicrobatchId(step=step, index=index)
+        record = PushRecord(pb.Commitment(peer=self.peer, stage=stage, microbatch=mb, run=run))
         self._records[key] = record
         while len(self._records) > max(1, self.limit()):
             self._records.popitem(last=False)
         return record
 
-    def get(self, step: int, index: int) -> PushRecord:
-        record = self._records.get((step, index))
+    def get(self, step: int, index: int, run: int) -> PushRecord:
+        record = self._records.get((step, index, run))
         if record is None:
-            raise ActivationsNotCached(f"{self.peer}: no record of microbatch ({step}, {index})")
+            raise ActivationsNotCached(
+                f"{self.peer}: no record of run {run} of microbatch ({step}, {index})"
+            )
         return record
+
+    def answer(self, h: pb.StageRecordRequest) -> pb.StageRecordResponse:
+        """`Record`'s answer to `h`: the commitment, and the tensors if asked."""
+        r = self.get(h.microbatch.step, h.microbatch.index, h.run)
+        return pb.StageRecordResponse(commitment=r.commitment, tensors=r.messages(h.tensors_too))
 
     def clear(self) -> None:
         self._records.clear()

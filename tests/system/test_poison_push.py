@@ -48,10 +48,20 @@ def test_a_push_replica_that_lies_is_caught_banned_and_replayed_away(
     )
     servers = Servers(job, [3, 3, 3], [], tmp_path, poisoned={HOSTILE: poison})
     try:
-        with caplog.at_level(logging.WARNING):
+        with caplog.at_level(logging.INFO):
             state, registry = train_on(servers)
     finally:
         servers.stop()
+    print(
+        "DBG",
+        [r.getMessage()[:300] for r in caplog.records if "commitment" in r.getMessage()][:3],
+        [
+            (s.name, s.labels, s.value)
+            for m in registry.collect()
+            for s in m.samples
+            if "audit" in s.name
+        ],
+    )
     assert "answers wrong numbers" in servers.procs[HOSTILE].log()  # it did lie
     assert_equal_to_local(job, state, tol=1e-9)
     assert counted(registry, "swarm_coordinator_bans_total") == 1
