@@ -48,7 +48,7 @@ def test_a_push_replica_that_lies_is_caught_banned_and_replayed_away(
     )
     servers = Servers(job, [3, 3, 3], [], tmp_path, poisoned={HOSTILE: poison})
     try:
-        with caplog.at_level(logging.INFO):
+        with caplog.at_level(logging.WARNING):
             state, registry = train_on(servers)
     finally:
         servers.stop()
@@ -72,3 +72,31 @@ def test_a_push_replica_that_lies_is_caught_banned_and_replayed_away(
     assert evidence in banned[0], banned  # the evidence
     assert any("rolled every stage back to step 0: before a banned peer" in m for m in said)
     assert counted(registry, "swarm_trainer_audits_total") > 0
+
+
+def test_an_honest_push_run_with_every_stage_audited_accuses_nobody(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    job = write_job(
+        tmp_path,
+        training={"stages": 3, "steps": 3, "target_batch_size": 16},
+        runtime={"data_plane": "push"},
+        trust={"audit_fraction": 1.0},
+    )
+    servers = Servers(job, [2, 2, 2], [], tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING):
+            state, registry = train_on(servers)
+    finally:
+        servers.stop()
+    assert_equal_to_local(job, state, tol=1e-9)
+    assert counted(registry, "swarm_coordinator_bans_total") == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "disagree" in m or "caught" in m], said
+    audits = {
+        s.labels["outcome"]: s.value
+        for m in registry.collect()
+        for s in m.samples
+        if s.name == "swarm_trainer_audits_total"
+    }
+    assert audits.get("agreed", 0) > 0 and "caught" not in audits, audits
