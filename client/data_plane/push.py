@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -89,17 +90,9 @@ class PushPlane:
         if self.audits is not None and whole:
             # Audited before it is reported: a liar caught is banned before its work commits.
             verdicts, runs = await self.audits.audit(step, index, run, chain, ids, labels)
-            return MicrobatchResult(
-                step,
-                index,
-                holders,
-                loss,
-                samples,
-                verdicts=verdicts,
-                touched=tuple(sorted(set(chain))),
-                stage_runs=len(chain),
-                audit_runs=runs,
-            )
+            done = MicrobatchResult(step, index, holders, loss, samples, verdicts=verdicts)
+            touched, stage_runs = tuple(sorted(set(chain))), len(chain)
+            return replace(done, touched=touched, stage_runs=stage_runs, audit_runs=runs)
         if not rule_of(self.job).rounds or not whole:
             # pool.mode = "local" needs the whole path: without it, nothing of the run counts
             holders = {} if rule_of(self.job).rounds else holders
