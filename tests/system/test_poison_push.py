@@ -74,11 +74,14 @@ def test_a_push_replica_that_lies_is_caught_banned_and_replayed_away(
     assert counted(registry, "swarm_trainer_audits_total") > 0
 
 
+# a subspace boundary too: its token ids travel beside the activations, committed to as well
+@pytest.mark.parametrize("model", [{}, {"boundary_rank": 4}], ids=["full", "subspace"])
 def test_an_honest_push_run_with_every_stage_audited_accuses_nobody(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, model: dict[str, int]
 ) -> None:
     job = write_job(
         tmp_path,
+        model=model,
         training={"stages": 3, "steps": 3, "target_batch_size": 16},
         runtime={"data_plane": "push"},
         trust={"audit_fraction": 1.0},
