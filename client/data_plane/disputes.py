@@ -9,6 +9,11 @@ replica only with liars. So a replica in dispute with two different replicas of 
 neighbouring stage, on the same side, is the liar: two replicas of a stage that say the same of
 it against its one word, as two auditors outvote one answer. Framing an honest replica that way
 takes two liars in one stage.
+
+A sender picks its receiver itself (`stage_server.replica.next_hop`), and may well pick the same
+one each time; so after a dispute the receiver is set aside from this trainer's routes for its
+next `HOLD` microbatches, and the sender must deal with another replica of that stage: if it
+lies again, that is its second dispute.
 """
 
 from __future__ import annotations
@@ -18,9 +23,13 @@ from dataclasses import dataclass, field
 
 from swarm.rpc.lease import Verdict
 
-__all__ = ["Dispute", "Disputes"]
+__all__ = ["HOLD", "Dispute", "Disputes"]
 
 log = logging.getLogger(__name__)
+
+HOLD = 8  # microbatches a disputed receiver is left out of this trainer's routes
+# what crosses a boundary backwards: its receiver is the earlier stage's replica
+_BACKWARD = ("input gradient",)
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,13 @@ class Disputes:
     """The disputes one trainer has seen, by replica and neighbouring stage."""
 
     _against: dict[tuple[str, int], dict[str, Dispute]] = field(default_factory=dict)
+    _aside: dict[str, int] = field(default_factory=dict)  # receiver -> microbatches left
+
+    def set_aside(self) -> set[str]:
+        """The receivers to leave out of the next microbatch's route (one microbatch counted)."""
+        aside = set(self._aside)
+        self._aside = {p: n - 1 for p, n in self._aside.items() if n > 1}
+        return aside
 
     def add(self, dispute: Dispute) -> list[Verdict]:
         """Record `dispute` (both ways); the replicas it makes liars: a replica now in dispute
@@ -59,6 +75,10 @@ class Disputes:
             d.index,
         )
         flipped = Dispute(d.other, d.other_stage, d.peer, d.stage, d.what, d.step, d.index)
+        later, earlier = (d, flipped) if d.stage > d.other_stage else (flipped, d)
+        receiver = earlier if d.what in _BACKWARD else later
+        if receiver.stage > 0:  # stage 0 is the trainer's own pick, not a sender's
+            self._aside[receiver.peer] = HOLD
         return [v for v in (self._one(d), self._one(flipped)) if v is not None]
 
     def _one(self, d: Dispute) -> Verdict | None:

@@ -50,6 +50,24 @@ class PushPlane:
             for members in replicas[1:]
         ]
 
+    def _route(self) -> list[pb.Route]:
+        """The routes, less the receivers a boundary dispute set aside (`Disputes.set_aside`),
+        where their stage keeps another member."""
+        aside = self.audits.disputes.set_aside() if self.audits is not None else set()
+        if not aside:
+            return self._routes
+        routes = []
+        for r in self._routes:
+            keep = [i for i, p in enumerate(r.peers) if p not in aside] or range(len(r.peers))
+            routes.append(
+                pb.Route(
+                    peers=[r.peers[i] for i in keep],
+                    addresses=[r.addresses[i] for i in keep],
+                    throughput=[r.throughput[i] for i in keep],
+                )
+            )
+        return routes
+
     def _timeout(self) -> float:
         return self.job.runtime.rpc_timeout_s * self.job.training.stages  # the whole path
 
@@ -57,7 +75,7 @@ class PushPlane:
         step, index, stages = task.step, task.index, task.stages
         ids, labels = data.microbatch(step, index)
         inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
-        route, last, timeout = self._routes, self.job.training.stages - 1, self._timeout()
+        route, last, timeout = self._route(), self.job.training.stages - 1, self._timeout()
         run = secrets.randbits(63)  # this run's records at each replica (`PushAudits`)
         peer, result = await self.hops.accumulating(
             0,

@@ -4,7 +4,7 @@ honest replica framed from both sides (two liars of two stages) is not."""
 
 from __future__ import annotations
 
-from client.data_plane.disputes import Dispute, Disputes
+from client.data_plane.disputes import HOLD, Dispute, Disputes
 
 
 def _d(peer: str, stage: int, other: str, other_stage: int, index: int = 0) -> Dispute:
@@ -29,3 +29,18 @@ def test_an_honest_replica_between_two_liars_of_two_stages_is_not_named() -> Non
     d = Disputes()
     assert d.add(_d("s0r0", 0, "s1r1", 1)) == []
     assert d.add(_d("s1r1", 1, "s2r0", 2)) == []
+
+
+def test_the_receiver_is_set_aside_so_the_sender_must_deal_with_another() -> None:
+    d = Disputes()
+    d.add(_d("s1r0", 1, "s2r0", 2))  # activations: s1r0 sent, s2r0 received
+    assert d.set_aside() == {"s2r0"}
+    d.add(Dispute("s1r1", 1, "s2r2", 2, "input gradient", 3, 1))  # s2r2 sent, s1r1 received
+    assert d.set_aside() == {"s2r0", "s1r1"}
+    d.add(_d("s0r0", 0, "s1r2", 1))
+    assert "s1r2" in d.set_aside()
+    d.add(Dispute("s0r1", 0, "s1r0", 1, "input gradient", 3, 2))
+    assert "s0r1" not in d.set_aside()  # stage 0: the trainer's own pick, never routed
+    for _ in range(HOLD):
+        d.set_aside()
+    assert d.set_aside() == set()  # each held for HOLD microbatches only
