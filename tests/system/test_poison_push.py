@@ -18,11 +18,10 @@ import pytest
 
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
+from tests.support.liars import assert_caught_and_replayed_away
 from tests.support.servers import Servers, counted, train_on
 
 pytestmark = pytest.mark.slow
-
-HOSTILE = "s1r0"  # the middle stage's first replica: its outputs and input gradients both count
 
 
 @pytest.mark.parametrize(
@@ -40,38 +39,7 @@ HOSTILE = "s1r0"  # the middle stage's first replica: its outputs and input grad
 def test_a_push_replica_that_lies_is_caught_banned_and_replayed_away(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: str, evidence: str
 ) -> None:
-    job = write_job(
-        tmp_path,
-        training={"stages": 3, "steps": 4, "target_batch_size": 16},
-        runtime={"data_plane": "push"},
-        trust={"audit_fraction": 1.0},
-    )
-    servers = Servers(job, [3, 3, 3], [], tmp_path, poisoned={HOSTILE: poison})
-    try:
-        with caplog.at_level(logging.WARNING):
-            state, registry = train_on(servers)
-    finally:
-        servers.stop()
-    print(
-        "DBG",
-        [r.getMessage()[:300] for r in caplog.records if "commitment" in r.getMessage()][:3],
-        [
-            (s.name, s.labels, s.value)
-            for m in registry.collect()
-            for s in m.samples
-            if "audit" in s.name
-        ],
-    )
-    assert "answers wrong numbers" in servers.procs[HOSTILE].log()  # it did lie
-    assert_equal_to_local(job, state, tol=1e-9)
-    assert counted(registry, "swarm_coordinator_bans_total") == 1
-    assert counted(registry, "swarm_coordinator_rollbacks_total") >= 1
-    said = [r.getMessage() for r in caplog.records]
-    banned = [m for m in said if "banned" in m and "caught it lying" in m]
-    assert len(banned) == 1 and f"banned {HOSTILE} (stage 1)" in banned[0], banned
-    assert evidence in banned[0], banned  # the evidence
-    assert any("rolled every stage back to step 0: before a banned peer" in m for m in said)
-    assert counted(registry, "swarm_trainer_audits_total") > 0
+    assert_caught_and_replayed_away(tmp_path, caplog, "push", poison, evidence)
 
 
 # a subspace boundary too: its token ids travel beside the activations, committed to as well
