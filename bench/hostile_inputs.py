@@ -80,6 +80,9 @@ ATTACKS: dict[str, str] = {
     # Issue 55 (poison-proof by re-execution): a replica that lies, in a float64 job
     "P-acts": "a replica answers finite wrong activations (every step, or one in 20)",
     "P-grads": "a replica answers finite wrong input gradients (every step, or one in 20)",
+    "P-push-acts": "on the push plane, a replica sends finite wrong activations on",
+    "P-push-grads": "on the push plane, a replica sends finite wrong input gradients back",
+    "P-push-sent": "on the push plane, a replica commits to the honest outputs and sends others",
 }
 
 

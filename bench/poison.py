@@ -3,6 +3,7 @@ lies, whether the replay leaves the honest run's model, and what the audits cost
 without audits measured in the same run.
 
     .venv/bin/python bench/poison.py [--quick] [--trials N] [--fraction F] [--honest-steps N]
+                                     [--planes relay,push]
 
 A float64 job of 4 stages x 3 replicas on the carry plane (real gRPC servers in this process),
 one hostile replica per stage (`swarm.ops.poison`: finite wrong activations or input gradients,
@@ -11,6 +12,8 @@ every step or one step in `--period`). Each trial trains until the ban (or the j
 to the end and is compared with `swarm local` (the largest difference, float64). Then an honest
 job trains `--honest-steps` steps with audits and without: false accusations, the audits' extra
 compute (re-executed stage computations over the training's own) and the wall-time ratio.
+Each of `--planes` gets its table: the carry plane (`relay`) and the push plane (`push`, with one
+more attack: `sent-activations`, a replica that commits to its honest outputs and sends others).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ HEADER = (
 )
 
 
-def job_file(directory: Path, steps: int, fraction: float, name: str) -> JobConfig:
+def job_file(
+    directory: Path, steps: int, fraction: float, name: str, plane: str = "relay"
+) -> JobConfig:
     path = directory / f"{name}.toml"
     path.write_text(f"""name = "{name}"
 [model]
@@ -74,7 +79,7 @@ lr = 1e-2
 [compression]
 wire = "none"
 [runtime]
-data_plane = "relay"
+data_plane = "{plane}"
 [trust]
 audit_fraction = {fraction}
 """)
@@ -136,10 +141,12 @@ def poisoned_steps(poison: str, through: int) -> int:
     return sum(1 for s in range(through + 1) if s % p.period == p.phase)
 
 
-async def attack(directory: Path, poison: str, trials: int, steps: int, fraction: float) -> str:
+async def attack(
+    directory: Path, poison: str, trials: int, steps: int, fraction: float, plane: str = "relay"
+) -> str:
     caught, to_catch, max_diff = 0, [], float("nan")
     for trial in range(trials):
-        job = job_file(directory, steps, fraction, f"poison{trial}")
+        job = job_file(directory, steps, fraction, f"poison{trial}", plane)
         run = Run(job)
         whole = trial == 0  # trained to the end and compared with `swarm local`
         coordinator, _ = await run.train(poison, until_ban=not whole)
@@ -161,10 +168,10 @@ async def attack(directory: Path, poison: str, trials: int, steps: int, fraction
     )
 
 
-async def honest(directory: Path, steps: int, fraction: float) -> str:
+async def honest(directory: Path, steps: int, fraction: float, plane: str = "relay") -> str:
     timings, share, accused, difference = {}, 0.0, 0, 0.0
     for f in (0.0, fraction):  # the same job, without audits and with
-        run = Run(job_file(directory, steps, f, f"honest{int(f * 100)}"))
+        run = Run(job_file(directory, steps, f, f"honest{int(f * 100)}", plane))
         coordinator, seconds = await run.train()
         try:
             assert coordinator.error is None and coordinator.finished.is_set(), coordinator.error
@@ -188,20 +195,24 @@ async def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        print(
-            f"4 stages x 3 replicas, one hostile replica per stage, audit_fraction {args.fraction}"
-        )
-        print(HEADER)
-        for poison in (
-            "activations",
-            "grads",
-            f"activations:{args.period}:1",
-            f"grads:{args.period}:1",
-        ):
+        for plane in args.planes.split(","):
             print(
-                await attack(directory, poison, args.trials, args.steps, args.fraction), flush=True
+                f"{plane} plane: 4 stages x 3 replicas, one hostile replica per stage, "
+                f"audit_fraction {args.fraction}"
             )
-        print(await honest(directory, args.honest_steps, args.fraction))
+            print(HEADER)
+            poisons = [
+                "activations",
+                "grads",
+                f"activations:{args.period}:1",
+                f"grads:{args.period}:1",
+            ]
+            if plane == "push":  # says one thing, sends another: only the push plane can
+                poisons += ["sent-activations", f"sent-activations:{args.period}:1"]
+            for poison in poisons:
+                row = await attack(directory, poison, args.trials, args.steps, args.fraction, plane)
+                print(row, flush=True)
+            print(await honest(directory, args.honest_steps, args.fraction, plane))
 
 
 if __name__ == "__main__":
@@ -211,6 +222,7 @@ if __name__ == "__main__":
     parser.add_argument("--fraction", type=float, default=TrustConfig().audit_fraction)
     parser.add_argument("--period", type=int, default=20, help="the sparse attack's period")
     parser.add_argument("--honest-steps", type=int, default=1000)
+    parser.add_argument("--planes", default="relay,push", help="the data planes, in order")
     args = parser.parse_args()
     if args.quick:
         args.trials, args.period, args.honest_steps = 3, 3, 20

@@ -27,7 +27,6 @@ import torch
 from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.owner import Averager
-from stage_server.peer.device_share import cache_bytes
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.answering import Answering
@@ -133,6 +132,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             messages=self._messages,
             runtime=lambda: self.runtime,
             answering=self._answering,
+            poison=lambda: self.poison,
         )
 
     # The worker's figures and the feedback, where the agent and tests read them.
@@ -174,12 +174,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.trust(announced)
         self._commits.serve()  # a state installed anew starts from no residuals
         self.limits.serve(runtime.job)
-        peer = self.limits.peer
-        runtime.updates.bound(self.limits.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
-        runtime.activation_cache = self.limits.activation_cache
-        runtime.activation_cache_bytes = cache_bytes(
-            peer.max_activation_cache_bytes, runtime.device
-        )
+        self.limits.bound(runtime)
         runtime.checks.to_device = lambda t, d: self.copies.to_device(t, d)  # their own stream
         self.worker.clock = clock_for(runtime.device)  # compute timed to its end on the device
         self.metrics.bind(job_id, runtime.stage)
@@ -333,6 +328,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return await self._push.push(h, inputs, targets, tokens, context.time_remaining)
 
         for msg in self._messages.split(await self._run_held("Push", context, body)):
+            yield msg
+
+    async def Record(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        """A push record (`stage_server.replica.push_records`), its tensors if asked."""
+
+        async def body(held: Held) -> pb.StageRecordResponse:
+            h, _ = await self._receive(request_iterator, held)
+            return self._push.records.answer(h)
+
+        for msg in self._messages.split(await self._run_held("Record", context, body)):
             yield msg
 
     # -- commit ---------------------------------------------------------------------------------

@@ -125,12 +125,16 @@ class Audits:
         """Audit the drawn stages of microbatch `(step, index)`: the liars found, and the
         re-executions it took."""
         self.metrics.stage_runs.inc(len(works))
-        runs = self.metrics.audit_runs._value.get()
+        runs = self.runs()
         verdicts: dict[str, Verdict] = {}
         for k in self.drawn(range(len(works))):
-            for v in await self._audit(step, index, works[k]):
+            for v in await self.judge(step, index, works[k]):
                 verdicts.setdefault(v.peer, v)
-        return list(verdicts.values()), int(self.metrics.audit_runs._value.get() - runs)
+        return list(verdicts.values()), self.runs() - runs
+
+    def runs(self) -> int:
+        """The re-executions this trainer's audits took so far."""
+        return int(self.metrics.audit_runs._value.get())
 
     def _close(self, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return differs(a, b) <= self.tolerance
@@ -144,7 +148,9 @@ class Audits:
         self.metrics.audit_runs.inc()
         return done
 
-    async def _audit(self, step: int, index: int, work: Work) -> list[Verdict]:
+    async def judge(self, step: int, index: int, work: Work) -> list[Verdict]:
+        """Re-execute `work` on another replica of its stage (and, if they disagree, on a
+        second): the liars found, with the evidence."""
         claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
         producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
         others = [p for p in self.reexecutor.peers(work.stage) if p not in producer.values()]

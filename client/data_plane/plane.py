@@ -14,6 +14,7 @@ from client.data_plane.boundary import BoundaryCache
 from client.data_plane.carry import CarryPlane
 from client.data_plane.hops import StageHops
 from client.data_plane.push import PushPlane
+from client.data_plane.push_audit import PushAudits
 from client.data_plane.reexecute import StageReexecutor
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
@@ -45,14 +46,16 @@ class DataPlane(Protocol):
 
 def make_plane(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> DataPlane:
     """The plane `job` names."""
+    audits = audits_of(job, hops, metrics)
     if job.runtime.data_plane == "push":
-        return PushPlane(job, hops, metrics)
+        pushed = None if audits is None else PushAudits(job, audits, hops.routes)
+        return PushPlane(job, hops, metrics, pushed)
     cache = BoundaryCache(job.runtime.boundary_cache_bytes, delays=rule_of(job).delays)
-    return CarryPlane(job, hops, metrics, cache, audits_of(job, hops, metrics))
+    return CarryPlane(job, hops, metrics, cache, audits)
 
 
 def audits_of(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> Audits | None:
-    """The carry plane's audits (`[trust] audit_fraction`); none under local steps, whose
+    """Either plane's audits (`[trust] audit_fraction`); none under local steps, whose
     replicas hold different parameters between rounds, so no other can redo their work."""
     if not job.trust.audit_fraction or rule_of(job).rounds:
         return None

@@ -6,11 +6,14 @@ adopts their late receipts or replays them."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from client.data_plane.hops import StageHops
+from client.data_plane.push_audit import PushAudits
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -24,8 +27,15 @@ __all__ = ["PushPlane"]
 
 
 class PushPlane:
-    def __init__(self, job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> None:
+    def __init__(
+        self,
+        job: JobConfig,
+        hops: StageHops,
+        metrics: TrainerMetrics,
+        audits: PushAudits | None = None,
+    ) -> None:
         self.job, self.hops, self.metrics = job, hops, metrics
+        self.audits = audits  # None: nothing is audited (`client.data_plane.push_audit`)
         self._routes: list[pb.Route] = []  # per stage after the first: who serves it
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
@@ -40,6 +50,24 @@ class PushPlane:
             for members in replicas[1:]
         ]
 
+    def _route(self) -> list[pb.Route]:
+        """The routes, less the receivers a boundary dispute set aside (`Disputes.set_aside`),
+        where their stage keeps another member."""
+        aside = self.audits.disputes.set_aside() if self.audits is not None else set()
+        if not aside:
+            return self._routes
+        routes = []
+        for r in self._routes:
+            keep = [i for i, p in enumerate(r.peers) if p not in aside] or range(len(r.peers))
+            routes.append(
+                pb.Route(
+                    peers=[r.peers[i] for i in keep],
+                    addresses=[r.addresses[i] for i in keep],
+                    throughput=[r.throughput[i] for i in keep],
+                )
+            )
+        return routes
+
     def _timeout(self) -> float:
         return self.job.runtime.rpc_timeout_s * self.job.training.stages  # the whole path
 
@@ -47,7 +75,8 @@ class PushPlane:
         step, index, stages = task.step, task.index, task.stages
         ids, labels = data.microbatch(step, index)
         inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
-        route, last, timeout = self._routes, self.job.training.stages - 1, self._timeout()
+        route, last, timeout = self._route(), self.job.training.stages - 1, self._timeout()
+        run = secrets.randbits(63)  # this run's records at each replica (`PushAudits`)
         peer, result = await self.hops.accumulating(
             0,
             lambda c, a: c.push(
@@ -59,6 +88,7 @@ class PushPlane:
                 route,
                 need_grad_inputs=False,
                 timeout=timeout,
+                run=run,
             ),
             accumulate=True,
             need_result=False,
@@ -74,7 +104,14 @@ class PushPlane:
         loss = result.loss_sum if last in holders else None
         samples = int(ids.shape[0])
         chain = (peer or "", *result.path)
-        if not rule_of(self.job).rounds or len(chain) != last + 1 or not all(chain):
+        whole = len(chain) == last + 1 and all(chain)
+        if self.audits is not None and whole:
+            # Audited before it is reported: a liar caught is banned before its work commits.
+            verdicts, runs = await self.audits.audit(step, index, run, chain, ids, labels)
+            done = MicrobatchResult(step, index, holders, loss, samples, verdicts=verdicts)
+            touched, stage_runs = tuple(sorted(set(chain))), len(chain)
+            return replace(done, touched=touched, stage_runs=stage_runs, audit_runs=runs)
+        if not rule_of(self.job).rounds or not whole:
             # pool.mode = "local" needs the whole path: without it, nothing of the run counts
             holders = {} if rule_of(self.job).rounds else holders
             return MicrobatchResult(step, index, holders, loss, samples)

@@ -27,6 +27,7 @@ import torch
 from google.protobuf.message import Message
 
 from stage_server.peer.boundary_traffic import tokens_of
+from stage_server.peer.device_share import cache_bytes
 from stage_server.peer.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.host_copies import DeviceCopies, TorchCopies
@@ -103,6 +104,17 @@ class Limits:
                 job.name,
                 ", ".join(f"{k} {asked} -> {used}" for k, asked, used in clamped),
             )
+
+    def bound(self, runtime: StageRuntime) -> None:
+        """Bound what `runtime` keeps by the served job's limits: the updates kept for peers
+        copying it, and the activations kept for Backwards, by count and by bytes (on CUDA sized
+        by the device when the peer left its flag alone: `stage_server.peer.device_share`)."""
+        peer = self.peer
+        runtime.updates.bound(self.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
+        runtime.activation_cache = self.activation_cache
+        runtime.activation_cache_bytes = cache_bytes(
+            peer.max_activation_cache_bytes, runtime.device
+        )
 
     def clamp(self, job: JobConfig) -> JobConfig:
         """`job` with the [runtime] limits this peer serves it with (`serve` took it): for the

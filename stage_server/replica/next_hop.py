@@ -79,6 +79,7 @@ class NextHop:
         deadline: float,
         evaluate: bool = False,
         tokens: TensorLike | None = None,
+        run: int = 0,
     ) -> Pushed:
         """Send `outputs` on to the next stage (tries on others as above; a replica hands them
         over encoded, on the host already, so no try waits on its device); raises
@@ -101,6 +102,7 @@ class NextHop:
                 timeout=deadline - time.monotonic(),
                 evaluate=evaluate,
                 tokens=tokens,
+                run=run,
             )
 
         try:

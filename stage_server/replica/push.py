@@ -8,7 +8,11 @@ The servicer (`stage_server.servicer`) decodes the request and encodes the answe
 here is the replica's `Answering` (`stage_server.replica.answering`), which the servicer holds
 too: the one way every accumulating call ends. The outputs sent on are encoded, their copy to the
 host made, on the worker thread right after the forward (`Worker.run_then`): the event loop only
-sends their bytes."""
+sends their bytes.
+
+Where the job audits (`[trust] audit_fraction`), each microbatch leaves a record here
+(`stage_server.replica.push_records`): the digests of what this replica received and sent, its
+commitment, which the trainer asks for before it draws what to audit."""
 
 from __future__ import annotations
 
@@ -21,14 +25,18 @@ import torch
 from stage_server.replica.answering import Answering
 from stage_server.replica.messages import Messages
 from stage_server.replica.next_hop import NextHop, Pushed
+from stage_server.replica.push_records import PushRecord, PushRecords, sent_digest
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.worker import Worker
 from swarm.errors import Busy
+from swarm.job.rule import rule_of
 from swarm.model.subspace import wire_tokens
 from swarm.ops.faults import Point, maybe_die
+from swarm.ops.poison import Poison
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import codec
+from swarm.wire.digest import digest
 
 __all__ = ["PushPlane"]
 
@@ -46,15 +54,18 @@ class PushPlane:
         messages: Messages,
         runtime: Callable[[], StageRuntime],
         answering: Answering,
+        poison: Callable[[], Poison] = Poison,
     ) -> None:
         self.peer, self.token, self.worker = peer, token, worker
         self.messages, self.limits = messages, messages.limits
-        self._runtime, self.answering = runtime, answering
+        self._runtime, self.answering, self._poison = runtime, answering, poison
         self._next_hop: NextHop | None = None  # the push plane's next stage, as seen here
+        self.records = PushRecords(peer, lambda: self._runtime().activation_cache)
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
         """Send on to the stage after `runtime`'s, of job `job_id`."""
         self.release()
+        self.records.clear()
         # Its answers are bounded as this replica's requests are: the job within this peer's.
         self._next_hop = NextHop(self.limits.clamp(runtime.job), job_id, runtime.stage, self.token)
 
@@ -88,6 +99,7 @@ class PushPlane:
         maybe_die(Point.FORWARD, step)
         if h.evaluate:
             return await self._evaluation(h, inputs, targets, tokens, time_remaining)
+        record = self._record(h, inputs, targets, None if rt.is_first else tokens)
         if rt.is_last:
             done = await self.answering.backward_here(
                 rt.forward_backward,
@@ -99,6 +111,11 @@ class PushPlane:
                 receipt=here,
                 tokens=tokens,
             )
+            if record is not None:
+                record.received("grad_outputs", targets)
+                loss = torch.tensor(done.loss, dtype=torch.float64)
+                record.sent("outputs", loss, digest(loss))
+                _sent_back(record, done.grad)
             return pb.StagePushResponse(
                 tensors=done.grad,
                 receipts=[done.receipt] if done.receipt is not None else [],
@@ -114,6 +131,7 @@ class PushPlane:
             time_remaining,
             accumulate=[k for k in h.accumulate if k > rt.stage],
             need_grad=need_grad,
+            record=record,
         )
         receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
         if need_grad:
@@ -123,6 +141,8 @@ class PushPlane:
                 msg = grad_outputs
                 grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
                 self.messages.took(msg, grad_outputs)
+            if record is not None:
+                record.received("grad_outputs", grad_outputs)
             done = await self.answering.backward_here(
                 rt.backward,
                 h,
@@ -134,6 +154,8 @@ class PushPlane:
                 tokens=tokens,
             )
             grad = done.grad
+            if record is not None:
+                _sent_back(record, grad)
             if done.receipt is not None:
                 receipts.append(done.receipt)
         return pb.StagePushResponse(
@@ -182,21 +204,33 @@ class PushPlane:
         accumulate: list[int],
         need_grad: bool,
         evaluate: bool = False,
+        record: PushRecord | None = None,
     ) -> tuple[Pushed, float]:
         """Forward here, then on to the next stage (`NextHop`): what came back, and how long the
         forward waited for the worker."""
         rt, step, index = self._runtime(), h.microbatch.step, h.microbatch.index
         assert self._next_hop is not None
         sent_as = codec.codec_from_name(rt.job.compression.forward)  # as a trainer sends them
-        outputs, queued = await self.worker.run_then(
+        poison = self._poison()  # a hostile replica's lies (`swarm.ops.poison`): none, honest
+
+        def on_host(out: torch.Tensor) -> tuple[tensor_pb2.Tensor, bytes, tensor_pb2.Tensor]:
+            # On the worker thread: what it commits to (and its digest), and what it sends.
+            said = self.messages.send_on(poison.outputs(step, out), "inputs", sent_as, "forward")
+            forged = poison.sent(step, out) if not evaluate else None
+            sent = said if forged is None else codec.encode(forged, "inputs", sent_as)
+            return said, (sent_digest(said) if record is not None else b""), sent
+
+        (said, said_digest, outputs), queued = await self.worker.run_then(
             rt.forward,
-            lambda out: self.messages.send_on(out, "inputs", sent_as, "forward"),
+            on_host,
             step,
             index,
             inputs,
             evaluate=evaluate,
             tokens=tokens,
         )
+        if record is not None:
+            record.sent("outputs", said, said_digest)
         pushed = await self._next_hop.send(
             step,
             index,
@@ -208,8 +242,32 @@ class PushPlane:
             deadline=_deadline(time_remaining(), rt),
             evaluate=evaluate,
             tokens=tokens,
+            run=h.run,
         )
         return pushed, queued
+
+    def _record(
+        self,
+        h: pb.StagePushRequest,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        tokens: torch.Tensor | None,
+    ) -> PushRecord | None:
+        """A new record of `h`'s microbatch, with what came in; None where the job audits
+        nothing (no fraction, or local steps: replicas differ, nobody can redo their work)."""
+        rt = self._runtime()
+        if not rt.job.trust.audit_fraction or rule_of(rt.job).rounds:
+            return None
+        record = self.records.begin(rt.stage, h.microbatch.step, h.microbatch.index, h.run)
+        record.received("inputs", inputs)
+        record.received("tokens", tokens)
+        record.received("targets", targets)
+        return record
+
+
+def _sent_back(record: PushRecord, grad: list[tensor_pb2.Tensor]) -> None:
+    msg = grad[0] if grad else None
+    record.sent("grad_inputs", msg, sent_digest(msg))
 
 
 def _deadline(left: float | None, rt: StageRuntime) -> float:

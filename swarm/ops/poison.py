@@ -2,8 +2,10 @@
 finite wrong numbers, as a volunteer who lies would (issue 55). Not a fault that kills or raises
 (`swarm.ops.faults`): the process serves on, and only an audit by re-execution can tell.
 
-`SWARM_POISON="KIND[:PERIOD[:PHASE]]"`: KIND is `activations` (a Forward's outputs) or `grads`
-(the input gradient a Backward or ForwardBackward answers); the steps poisoned are those with
+`SWARM_POISON="KIND[:PERIOD[:PHASE]]"`: KIND is `activations` (a Forward's outputs), `grads`
+(the input gradient a Backward or ForwardBackward answers) or `sent-activations` (on the push
+plane, the outputs sent on to the next stage, while the replica commits to the honest ones'
+digest: a liar that says one thing and sends another); the steps poisoned are those with
 `step % PERIOD == PHASE` (default every step). What is sent is the honest tensor plus up to
 `ERROR` in every element, varying along it (`_wrong`): finite, small, far above any rounding, and
 neither a constant shift nor a scaling, which the LayerNorm after a stage would undo."""
@@ -29,6 +31,7 @@ ERROR = 1e-2  # added to every element of a poisoned tensor
 class Kind(enum.StrEnum):
     ACTIVATIONS = "activations"
     GRADS = "grads"
+    SENT = "sent-activations"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,10 @@ class Poison:
     def outputs(self, step: int, tensor: torch.Tensor) -> torch.Tensor:
         """A Forward's outputs as this replica sends them."""
         return _wrong(tensor) if self._due(Kind.ACTIVATIONS, step) else tensor
+
+    def sent(self, step: int, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The outputs this replica pushes on instead of those it commits to; None: the same."""
+        return _wrong(tensor) if self._due(Kind.SENT, step) else None
 
     def grads(self, step: int, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """The input gradient as this replica sends it."""

@@ -159,7 +159,7 @@ class Route(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., throughput: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StagePushRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "accumulate", "route", "need_grad_inputs", "evaluate")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "accumulate", "route", "need_grad_inputs", "evaluate", "run")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class StagePushRequest(_message.Message):
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     NEED_GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
@@ -178,7 +179,8 @@ class StagePushRequest(_message.Message):
     route: _containers.RepeatedCompositeFieldContainer[Route]
     need_grad_inputs: bool
     evaluate: bool
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., accumulate: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ...) -> None: ...
+    run: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., accumulate: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ..., run: _Optional[int] = ...) -> None: ...
 
 class StagePushResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "receipts", "uncertain", "loss_sum", "queued_seconds", "path")
@@ -197,6 +199,58 @@ class StagePushResponse(_message.Message):
     queued_seconds: float
     path: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., uncertain: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., path: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Commitment(_message.Message):
+    __slots__ = ("peer", "stage", "microbatch", "inputs", "outputs", "grad_outputs", "grad_inputs", "tokens", "targets", "run")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    stage: int
+    microbatch: MicrobatchId
+    inputs: bytes
+    outputs: bytes
+    grad_outputs: bytes
+    grad_inputs: bytes
+    tokens: bytes
+    targets: bytes
+    run: int
+    def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., inputs: _Optional[bytes] = ..., outputs: _Optional[bytes] = ..., grad_outputs: _Optional[bytes] = ..., grad_inputs: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., run: _Optional[int] = ...) -> None: ...
+
+class StageRecordRequest(_message.Message):
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "tensors_too", "run")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_TOO_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    stage: int
+    microbatch: MicrobatchId
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    chunk: _tensor_pb2.Chunk
+    tensors_too: bool
+    run: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., tensors_too: _Optional[bool] = ..., run: _Optional[int] = ...) -> None: ...
+
+class StageRecordResponse(_message.Message):
+    __slots__ = ("tensors", "chunk", "commitment")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    chunk: _tensor_pb2.Chunk
+    commitment: Commitment
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., commitment: _Optional[_Union[Commitment, _Mapping]] = ...) -> None: ...
 
 class StageCommitRequest(_message.Message):
     __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors", "check_seed")

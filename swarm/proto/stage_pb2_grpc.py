@@ -56,6 +56,11 @@ class StageServiceStub:
                 request_serializer=_framing.serialize,
                 response_deserializer=_framing.deserializer(swarm_dot_proto_dot_stage__pb2.StagePushResponse),
                 _registered_method=True)
+        self.Record = channel.stream_stream(
+                '/swarm.proto.StageService/Record',
+                request_serializer=_framing.serialize,
+                response_deserializer=_framing.deserializer(swarm_dot_proto_dot_stage__pb2.StageRecordResponse),
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/swarm.proto.StageService/Commit',
                 request_serializer=_framing.serialize,
@@ -115,6 +120,12 @@ class StageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Record(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,6 +194,11 @@ def add_StageServiceServicer_to_server(servicer, server):
             'Push': grpc.stream_stream_rpc_method_handler(
                     servicer.Push,
                     request_deserializer=_framing.deserializer(swarm_dot_proto_dot_stage__pb2.StagePushRequest),
+                    response_serializer=_framing.serialize,
+            ),
+            'Record': grpc.stream_stream_rpc_method_handler(
+                    servicer.Record,
+                    request_deserializer=_framing.deserializer(swarm_dot_proto_dot_stage__pb2.StageRecordRequest),
                     response_serializer=_framing.serialize,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
@@ -329,6 +345,33 @@ class StageService:
             '/swarm.proto.StageService/Push',
             _framing.serialize,
             _framing.deserializer(swarm_dot_proto_dot_stage__pb2.StagePushResponse),
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Record(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swarm.proto.StageService/Record',
+            _framing.serialize,
+            _framing.deserializer(swarm_dot_proto_dot_stage__pb2.StageRecordResponse),
             options,
             channel_credentials,
             insecure,

@@ -309,6 +309,7 @@ class StageClient:
         timeout: float,
         evaluate: bool = False,
         tokens: TensorLike | None = None,
+        run: int = 0,
     ) -> PushResult:
         """The push data plane: this replica computes its stage and pushes the microbatch on
         through the stages `route` names (see `stage_server.replica.next_hop`), accumulating at the
@@ -322,6 +323,7 @@ class StageClient:
             route=list(route),
             need_grad_inputs=need_grad_inputs,
             evaluate=evaluate,
+            run=run,
         )
         header, received = await self._call(self.stub.Push, request, timeout)
         return PushResult(
@@ -332,6 +334,23 @@ class StageClient:
             header.queued_seconds,
             list(header.path),
         )
+
+    @_swarm_errors
+    async def record(
+        self, step: int, index: int, run: int, *, tensors: bool
+    ) -> tuple[pb.Commitment, dict[str, tensor_pb2.Tensor]]:
+        """The push plane's record of run `run` of microbatch `(step, index)` at this replica:
+        its commitment, and (`tensors`) the tensors it is of
+        (`stage_server.replica.push_records`)."""
+        request = pb.StageRecordRequest(
+            job=self.job_id,
+            stage=self.stage,
+            microbatch=self._id(step, index),
+            tensors_too=tensors,
+            run=run,
+        )
+        header, received = await self._call(self.stub.Record, request)
+        return header.commitment, received
 
     @_swarm_errors
     async def commit(

@@ -182,6 +182,7 @@ class FakeStage:
         timeout: float | None = None,
         evaluate: bool = False,
         tokens: TensorLike | None = None,
+        run: int = 0,
     ) -> PushResult:
         """As if this stage and every one after it (the rest of `route`) ran the microbatch:
         it accumulates at every stage of `accumulate`, each receipt named by this peer."""

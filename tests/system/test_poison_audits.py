@@ -8,18 +8,13 @@ job rolls back to before its first step and replays without it: the final model 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 
-from tests.support.equality import assert_equal_to_local
-from tests.support.jobs import write_job
-from tests.support.servers import Servers, counted, train_on
+from tests.support.liars import assert_caught_and_replayed_away
 
 pytestmark = pytest.mark.slow
-
-HOSTILE = "s1r0"  # the middle stage's first replica: its outputs and input gradients both count
 
 
 @pytest.mark.parametrize(
@@ -35,25 +30,4 @@ HOSTILE = "s1r0"  # the middle stage's first replica: its outputs and input grad
 def test_a_replica_that_lies_is_caught_banned_and_replayed_away(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: str
 ) -> None:
-    job = write_job(
-        tmp_path,
-        training={"stages": 3, "steps": 4, "target_batch_size": 16},
-        runtime={"data_plane": "relay"},
-        trust={"audit_fraction": 1.0},
-    )
-    servers = Servers(job, [3, 3, 3], [], tmp_path, poisoned={HOSTILE: poison})
-    try:
-        with caplog.at_level(logging.WARNING):
-            state, registry = train_on(servers)
-    finally:
-        servers.stop()
-    assert "answers wrong numbers" in servers.procs[HOSTILE].log()  # it did lie
-    assert_equal_to_local(job, state, tol=1e-9)
-    assert counted(registry, "swarm_coordinator_bans_total") == 1
-    assert counted(registry, "swarm_coordinator_rollbacks_total") >= 1
-    said = [r.getMessage() for r in caplog.records]
-    banned = [m for m in said if "banned" in m and "caught it lying" in m]
-    assert len(banned) == 1 and f"banned {HOSTILE} (stage 1)" in banned[0], banned
-    assert "re-executed" in banned[0], banned  # the evidence
-    assert any("rolled every stage back to step 0: before a banned peer" in m for m in said)
-    assert counted(registry, "swarm_trainer_audits_total") > 0
+    assert_caught_and_replayed_away(tmp_path, caplog, "relay", poison, "re-executed")

@@ -1,0 +1,179 @@
+"""Audits by re-execution on the push plane (issue 55), where the trainer holds no boundary.
+
+Each replica of a microbatch's path committed, as it computed, to the digests of what it received
+and sent (`stage_server.replica.push_records`). After the push returns, and before anything is
+drawn, the trainer asks every replica of the path for its commitment, each over its own channel
+(no replica carries another's word, so none can forge a later stage's). Then:
+
+- **Every boundary, every microbatch**: the two sides must agree about what crossed it (the
+  activations and their gradient, the targets, the token ids), and stage 0 about what the trainer
+  itself sent it. Stage 0 contradicting the trainer is caught at once; two replicas disagreeing
+  is a dispute (`client.data_plane.disputes`), which names the liar once two replicas of one
+  stage say the same of it. That is what catches a replica that commits to one tensor and sends
+  another.
+- **A sample of stages, re-executed**: `[trust] audit_fraction` of the stages, drawn from the
+  operating system's randomness after the commitments, are asked for their record (the tensors
+  themselves); a record that is not what its replica committed to is a lie told twice by one
+  replica, caught at once; one that is goes to `Audits.judge`, which re-executes it on another
+  replica of the stage, a second arbitrating, as on the carry plane.
+
+A replica that answers nothing (gone, its record dropped) is no evidence either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from client.data_plane.audit import Audits, Work
+from client.data_plane.disputes import Dispute, Disputes
+from swarm.errors import SwarmError
+from swarm.job.config import JobConfig
+from swarm.model.subspace import wire_tokens
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.lease import Verdict
+from swarm.rpc.routes import Routes
+from swarm.wire import codec
+from swarm.wire.digest import digest
+
+__all__ = ["PushAudits"]
+
+# What crosses the boundary between stages k and k+1: (the field of k's commitment, k+1's, what)
+log = logging.getLogger(__name__)
+
+_CROSSING = (
+    ("outputs", "inputs", "activations"),
+    ("grad_outputs", "grad_inputs", "input gradient"),
+    ("targets", "targets", "targets"),
+)
+_RECORDED = ("inputs", "outputs", "grad_outputs", "grad_inputs", "tokens", "targets")
+
+
+class PushAudits:
+    """One trainer's audits of the push plane."""
+
+    def __init__(self, job: JobConfig, audits: Audits, routes: Routes) -> None:
+        self.job, self.audits, self.routes = job, audits, routes
+        self.disputes = Disputes()
+
+    async def audit(
+        self,
+        step: int,
+        index: int,
+        run: int,
+        chain: Sequence[str],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> tuple[tuple[Verdict, ...], int]:
+        """Audit run `run` of microbatch `(step, index)`, pushed through `chain` (the replica of
+        each stage, in order; its `ids` and `labels`): the liars found, and the re-executions it
+        took."""
+        runs = self.audits.runs()
+        self.audits.metrics.stage_runs.inc(len(chain))
+        said = await asyncio.gather(
+            *(self._commitment(step, index, run, k, p) for k, p in enumerate(chain))
+        )
+        found: dict[str, Verdict] = {}
+        for v in self._boundaries(step, index, said, ids, labels):
+            found.setdefault(v.peer, v)
+        for k in self.audits.drawn(range(len(chain))):  # drawn now, after every commitment
+            for v in await self._audited(step, index, run, said[k]):
+                found.setdefault(v.peer, v)
+        return tuple(found.values()), self.audits.runs() - runs
+
+    async def _commitment(
+        self, step: int, index: int, run: int, stage: int, peer: str
+    ) -> pb.Commitment | None:
+        client = self.routes.clients.get(peer)
+        if client is None or client.stage != stage:
+            return None
+        try:
+            c, _ = await client.record(step, index, run, tensors=False)
+        except SwarmError as e:  # gone, or its record dropped: no evidence either way
+            log.info("push audit: no commitment of (%d, %d) from %s: %s", step, index, peer, e)
+            return None
+        if (c.stage, c.microbatch.step, c.microbatch.index, c.run) != (stage, step, index, run):
+            return None
+        c.peer = peer  # named as the trainer's routes name it (a verdict names it so)
+        return c
+
+    def _boundaries(
+        self,
+        step: int,
+        index: int,
+        said: Sequence[pb.Commitment | None],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> Iterator[Verdict]:
+        """The liars the boundaries show: stage 0 against the trainer, each pair of neighbours
+        against each other."""
+        first = said[0]
+        for name, sent in (("inputs", ids), ("targets", labels)):
+            if first is not None and getattr(first, name) != digest(sent):
+                yield Verdict(
+                    first.peer,
+                    0,
+                    f"it committed to {name} of microbatch ({step}, {index}) other than the "
+                    "trainer sent it",
+                )
+        tokens = self._tokens(ids)
+        for k in range(len(said) - 1):
+            a, b = said[k], said[k + 1]
+            if a is None or b is None:
+                continue
+            checks = [(getattr(a, x), getattr(b, y), what) for x, y, what in _CROSSING]
+            if k:  # the token ids as received
+                checks.append((a.tokens, b.tokens, "token ids"))
+            elif tokens is not None:  # as stage 0 made them from the ids
+                checks.append((tokens, b.tokens, "token ids"))
+            for left, right, what in checks:
+                if left != right:
+                    yield from self.disputes.add(
+                        Dispute(a.peer, a.stage, b.peer, b.stage, what, step, index)
+                    )
+
+    def _tokens(self, ids: torch.Tensor) -> bytes | None:
+        """The digest of the token ids stage 0 sends on under a subspace boundary."""
+        if not self.job.model.boundary_rank:
+            return None
+        return digest(wire_tokens(ids, self.job.model.vocab_size))
+
+    async def _audited(
+        self, step: int, index: int, run: int, c: pb.Commitment | None
+    ) -> list[Verdict]:
+        """Stage `c.stage`'s record fetched, checked against `c`, and re-executed elsewhere."""
+        client = None if c is None else self.routes.clients.get(c.peer)
+        if c is None or client is None:
+            self.audits.metrics.audited("skipped")
+            return []
+        try:
+            again, tensors = await client.record(step, index, run, tensors=True)
+            again.peer = c.peer
+        except SwarmError:
+            self.audits.metrics.audited("skipped")
+            return []
+        where = f"microbatch ({step}, {index}) at stage {c.stage}"
+        decoded = {n: codec.decode(t) for n, t in tensors.items() if n in _RECORDED}
+        wrong = [n for n in _RECORDED if getattr(c, n) != digest(decoded.get(n))]
+        if again != c or wrong:
+            self.audits.metrics.audited("caught")
+            what = ", ".join(wrong) or "its commitment"
+            evidence = f"its record of {where} is not what it committed to ({what})"
+            return [Verdict(c.peer, c.stage, evidence)]
+        if not {"inputs", "outputs", "grad_outputs"} <= tensors.keys():
+            self.audits.metrics.audited("skipped")  # no backward ran there: nothing to redo
+            return []
+        work = Work(
+            c.stage,
+            tensors["inputs"],  # sent on as they came (the client relabels them)
+            tensors["grad_outputs"],
+            decoded["outputs"],
+            decoded.get("grad_inputs"),
+            c.peer,
+            c.peer,
+            tensors.get("tokens"),
+        )
+        return await self.audits.judge(step, index, work)

@@ -1,0 +1,108 @@
+"""The push plane's records (issue 55): what this replica received and sent for each microbatch it
+pushed on, kept so its work can be audited by re-execution.
+
+On the push plane the trainer holds no boundary: each replica sends its outputs straight to the
+next stage and its input gradient straight back. So each replica commits to what it did itself:
+for every microbatch, the digest (`swarm.wire.digest`) of the activations and token ids it
+received, of the outputs it sent on (the last stage: its loss sum), of the gradient of its outputs
+it received (the last stage: the targets) and of the input gradient it sent back. The trainer
+asks every replica of the microbatch's path for its commitment (`Record`, the commitment only)
+before it draws which stages to audit, and the replicas on either side of each boundary must
+agree about the bytes that crossed it; a stage drawn is then asked for the record itself, whose
+tensors must match what it committed to, and another replica re-executes from them.
+
+How long: the last `activation_cache` microbatches (the job's, within this peer's limit), the
+oldest dropped first; the trainer asks right after the microbatch's push returns. Each run of a
+microbatch (the trainer's random id of it, passed on along the path) has a record of its own, so
+a replay or a straggler of the same microbatch is never taken for the run audited. Nothing is
+kept where the job audits nothing."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.errors import ActivationsNotCached
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import tensor_pb2
+from swarm.wire import codec
+from swarm.wire.digest import digest
+
+__all__ = ["PushRecord", "PushRecords"]
+
+
+@dataclass
+class PushRecord:
+    """One microbatch at this replica: the tensors (decoded, or the messages sent) and the
+    commitment made of their digests."""
+
+    commitment: pb.Commitment
+    tensors: dict[str, torch.Tensor | tensor_pb2.Tensor] = field(default_factory=dict)
+
+    def received(self, name: str, tensor: torch.Tensor | None) -> None:
+        """`tensor` came in as `name` ("inputs", "grad_outputs", "tokens")."""
+        if tensor is not None:
+            self.tensors[name] = tensor
+            setattr(self.commitment, name, digest(tensor))
+
+    def sent(self, name: str, msg: tensor_pb2.Tensor | torch.Tensor | None, said: bytes) -> None:
+        """`msg` went out as `name` ("outputs", "grad_inputs"), committed to as `said` (an honest
+        replica: the digest of `msg` decoded)."""
+        if msg is not None:
+            self.tensors[name] = msg
+            setattr(self.commitment, name, said)
+
+    def messages(self, asked: bool = True) -> list[tensor_pb2.Tensor]:
+        """The record's tensors (none unless `asked`), as `Record` answers them: a decoded one
+        encoded without loss, a message sent as it was sent."""
+        out = []
+        for name, t in self.tensors.items() if asked else ():
+            msg = codec.encode(t, name) if isinstance(t, torch.Tensor) else tensor_pb2.Tensor()
+            if not isinstance(t, torch.Tensor):
+                msg.CopyFrom(t)
+                msg.name = name
+            out.append(msg)
+        return out
+
+
+def sent_digest(msg: tensor_pb2.Tensor | None) -> bytes:
+    """The digest of a message as its receiver decodes it."""
+    return b"" if msg is None else digest(codec.decode(msg))
+
+
+class PushRecords:
+    """The records of the last `limit()` microbatches this replica pushed on."""
+
+    def __init__(self, peer: str, limit: Callable[[], int]) -> None:
+        self.peer, self.limit = peer, limit
+        self._records: OrderedDict[tuple[int, int, int], PushRecord] = OrderedDict()
+
+    def begin(self, stage: int, step: int, index: int, run: int) -> PushRecord:
+        """A new record for run `run` of microbatch `(step, index)` at `stage`."""
+        key = (step, index, run)
+        self._records.pop(key, None)
+        mb = pb.MicrobatchId(step=step, index=index)
+        record = PushRecord(pb.Commitment(peer=self.peer, stage=stage, microbatch=mb, run=run))
+        self._records[key] = record
+        while len(self._records) > max(1, self.limit()):
+            self._records.popitem(last=False)
+        return record
+
+    def get(self, step: int, index: int, run: int) -> PushRecord:
+        record = self._records.get((step, index, run))
+        if record is None:
+            raise ActivationsNotCached(
+                f"{self.peer}: no record of run {run} of microbatch ({step}, {index})"
+            )
+        return record
+
+    def answer(self, h: pb.StageRecordRequest) -> pb.StageRecordResponse:
+        """`Record`'s answer to `h`: the commitment, and the tensors if asked."""
+        r = self.get(h.microbatch.step, h.microbatch.index, h.run)
+        return pb.StageRecordResponse(commitment=r.commitment, tensors=r.messages(h.tensors_too))
+
+    def clear(self) -> None:
+        self._records.clear()

@@ -1,0 +1,22 @@
+"""A tensor's digest: what a push-plane replica commits to for each tensor it received and sent
+(issue 55, `stage_server.replica.push_records`), and what the trainer checks the tensors it is
+later given against. Of the tensor decoded, so a sender's and a receiver's agree whatever codec
+and chunking carried it: its dtype, its shape and its bytes, on the host."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = ["digest"]
+
+
+def digest(tensor: torch.Tensor | None) -> bytes:
+    """SHA-256 of `tensor`'s dtype, shape and bytes; b"" for none."""
+    if tensor is None:
+        return b""
+    t = tensor.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()

@@ -1,0 +1,47 @@
+"""A push-plane replica's records (`stage_server.replica.push_records`): each run of a microbatch
+its own, committed to as the digests of what came in and went out (of the tensor decoded, so the
+receiver's digest of what it decoded is the same), the oldest dropped past the limit, and the
+tensors handed back as they were committed to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stage_server.replica.push_records import PushRecords, sent_digest
+from swarm.errors import ActivationsNotCached
+from swarm.proto import stage_pb2 as pb
+from swarm.wire import codec
+from swarm.wire.digest import digest
+
+
+def test_a_record_commits_to_what_came_in_and_went_out() -> None:
+    records = PushRecords("s1r0", lambda: 4)
+    record = records.begin(1, 3, 0, run=7)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    record.received("inputs", x)
+    out = codec.encode(x * 2, "inputs", codec.codec_from_name("bf16"))
+    record.sent("outputs", out, sent_digest(out))
+    answer = records.answer(
+        pb.StageRecordRequest(microbatch=pb.MicrobatchId(step=3, index=0), run=7, tensors_too=True)
+    )
+    c = answer.commitment
+    assert (c.peer, c.stage, c.run) == ("s1r0", 1, 7)
+    assert c.inputs == digest(x) and c.grad_inputs == b""
+    # the receiver decodes the lossy message it was sent: its digest is the committed one
+    assert c.outputs == digest(codec.decode(out)) != digest(x * 2)
+    sent = {t.name: codec.decode(t) for t in answer.tensors}
+    assert digest(sent["inputs"]) == c.inputs and digest(sent["outputs"]) == c.outputs
+    bare = records.answer(pb.StageRecordRequest(microbatch=c.microbatch, run=7))
+    assert bare.commitment == c and not bare.tensors
+
+
+def test_each_run_has_its_own_record_and_the_oldest_go_first() -> None:
+    records = PushRecords("s1r0", lambda: 2)
+    records.begin(1, 0, 0, run=1).received("inputs", torch.zeros(1))
+    records.begin(1, 0, 0, run=2).received("inputs", torch.ones(1))  # a replay: another run
+    assert records.get(0, 0, 1).commitment.inputs == digest(torch.zeros(1))
+    assert records.get(0, 0, 2).commitment.inputs == digest(torch.ones(1))
+    records.begin(1, 0, 1, run=3)
+    with pytest.raises(ActivationsNotCached):
+        records.get(0, 0, 1)  # dropped: the limit is 2

@@ -1,0 +1,45 @@
+"""A job of three stages of three replicas, one of them a liar (`SWARM_POISON`), trained with
+every stage audited on the data plane named: what both planes' poison tests assert of it (issue
+55): caught, banned once with the evidence in the log, rolled back, the final model equal to
+`swarm local`'s within 1e-9."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.support.equality import assert_equal_to_local
+from tests.support.jobs import write_job
+from tests.support.servers import Servers, counted, train_on
+
+HOSTILE = "s1r0"  # the middle stage's first replica: its outputs and input gradients both count
+
+
+def assert_caught_and_replayed_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, plane: str, poison: str, evidence: str
+) -> None:
+    """`HOSTILE` lies as `poison` says on `plane`; its ban's message names `evidence`."""
+    job = write_job(
+        tmp_path,
+        training={"stages": 3, "steps": 4, "target_batch_size": 16},
+        runtime={"data_plane": plane},
+        trust={"audit_fraction": 1.0},
+    )
+    servers = Servers(job, [3, 3, 3], [], tmp_path, poisoned={HOSTILE: poison})
+    try:
+        with caplog.at_level(logging.WARNING):
+            state, registry = train_on(servers)
+    finally:
+        servers.stop()
+    assert "answers wrong numbers" in servers.procs[HOSTILE].log()  # it did lie
+    assert_equal_to_local(job, state, tol=1e-9)
+    assert counted(registry, "swarm_coordinator_bans_total") == 1
+    assert counted(registry, "swarm_coordinator_rollbacks_total") >= 1
+    said = [r.getMessage() for r in caplog.records]
+    banned = [m for m in said if "banned" in m and "caught it lying" in m]
+    assert len(banned) == 1 and f"banned {HOSTILE} (stage 1)" in banned[0], banned
+    assert evidence in banned[0], banned  # the evidence
+    assert any("rolled every stage back to step 0: before a banned peer" in m for m in said)
+    assert counted(registry, "swarm_trainer_audits_total") > 0

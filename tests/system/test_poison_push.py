@@ -1,0 +1,73 @@
+"""Issue 55 on the push plane (the default): a stage server (its own process) that sends finite
+wrong activations or wrong input gradients straight to the next stage, every step or one step in
+20, or that commits to the honest outputs' digest while it sends others, in a float64 job of
+three stages of three replicas. Each replica commits to the digests of what it received and sent
+(`stage_server.replica.push_records`); the trainer takes every commitment of the path before it
+draws what to audit (every stage here, so the catch is certain), checks that the two sides of
+every boundary agree, and has another replica re-execute a drawn stage from the tensors its
+record holds (`client.data_plane.push_audit`). The liar is banned with the evidence in the log,
+the job rolls back to before its first step and replays without it: the final model equals
+`swarm local`'s within 1e-9."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.support.equality import assert_equal_to_local
+from tests.support.jobs import write_job
+from tests.support.liars import assert_caught_and_replayed_away
+from tests.support.servers import Servers, counted, train_on
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("poison", "evidence"),
+    [
+        pytest.param("activations", "re-executed", marks=pytest.mark.attack("P-push-acts")),
+        pytest.param("grads", "re-executed", marks=pytest.mark.attack("P-push-grads")),
+        # one step in 20: the job's step 2 (its third) is the only one it lies at
+        pytest.param("activations:20:2", "re-executed", marks=pytest.mark.attack("P-push-acts")),
+        pytest.param("grads:20:2", "re-executed", marks=pytest.mark.attack("P-push-grads")),
+        # commits to the honest outputs' digest, sends others: the stage after says so
+        pytest.param("sent-activations", "received", marks=pytest.mark.attack("P-push-sent")),
+    ],
+)
+def test_a_push_replica_that_lies_is_caught_banned_and_replayed_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: str, evidence: str
+) -> None:
+    assert_caught_and_replayed_away(tmp_path, caplog, "push", poison, evidence)
+
+
+# a subspace boundary too: its token ids travel beside the activations, committed to as well
+@pytest.mark.parametrize("model", [{}, {"boundary_rank": 4}], ids=["full", "subspace"])
+def test_an_honest_push_run_with_every_stage_audited_accuses_nobody(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, model: dict[str, int]
+) -> None:
+    job = write_job(
+        tmp_path,
+        model=model,
+        training={"stages": 3, "steps": 3, "target_batch_size": 16},
+        runtime={"data_plane": "push"},
+        trust={"audit_fraction": 1.0},
+    )
+    servers = Servers(job, [2, 2, 2], [], tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING):
+            state, registry = train_on(servers)
+    finally:
+        servers.stop()
+    assert_equal_to_local(job, state, tol=1e-9)
+    assert counted(registry, "swarm_coordinator_bans_total") == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "disagree" in m or "caught" in m], said
+    audits = {
+        s.labels["outcome"]: s.value
+        for m in registry.collect()
+        for s in m.samples
+        if s.name == "swarm_trainer_audits_total"
+    }
+    assert audits.get("agreed", 0) > 0 and "caught" not in audits, audits
