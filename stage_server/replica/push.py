@@ -55,8 +55,15 @@ class PushPlane:
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
         """Send on to the stage after `runtime`'s, of job `job_id`."""
         self.release()
+        self.messages.handing.serve(runtime.device)
         # Its answers are bounded as this replica's requests are: the job within this peer's.
-        self._next_hop = NextHop(self.limits.clamp(runtime.job), job_id, runtime.stage, self.token)
+        self._next_hop = NextHop(
+            self.limits.clamp(runtime.job),
+            job_id,
+            runtime.stage,
+            self.token,
+            handing=self.messages.handing,
+        )
 
     def release(self) -> None:
         next_hop, self._next_hop = self._next_hop, None
@@ -82,12 +89,15 @@ class PushPlane:
         rt = self._runtime()
         if rt.job.model.boundary_rank and rt.is_first:  # the token ids go on beside the outputs
             tokens = wire_tokens(inputs, rt.job.model.vocab_size)
-        step = h.microbatch.step
+        step, site = h.microbatch.step, self.messages.handing.site
+        into = h.reply if h.HasField("reply") else None  # a co-located caller's slot
         here = rt.stage in h.accumulate  # this stage accumulates (and answers a receipt)
         reply = codec.codec_from_name(rt.job.compression.backward)
         maybe_die(Point.FORWARD, step)
         if h.evaluate:
-            return await self._evaluation(h, inputs, targets, tokens, time_remaining)
+            evaluated = await self._evaluation(h, inputs, targets, tokens, time_remaining)
+            evaluated.site = site
+            return evaluated
         if rt.is_last:
             done = await self.answering.backward_here(
                 rt.forward_backward,
@@ -98,12 +108,14 @@ class PushPlane:
                 accumulate=here,
                 receipt=here,
                 tokens=tokens,
+                into=into,
             )
             return pb.StagePushResponse(
                 tensors=done.grad,
                 receipts=[done.receipt] if done.receipt is not None else [],
                 loss_sum=done.loss,
                 queued_seconds=done.queued,
+                site=site,
             )
         need_grad = here or h.need_grad_inputs  # a backward here needs its outputs' gradient
         pushed, queued = await self._forward_on(
@@ -132,6 +144,7 @@ class PushPlane:
                 accumulate=here,
                 receipt=here,
                 tokens=tokens,
+                into=into,
             )
             grad = done.grad
             if done.receipt is not None:
@@ -143,6 +156,7 @@ class PushPlane:
             loss_sum=pushed.loss_sum,
             queued_seconds=queued,
             path=pushed.path,
+            site=site,
         )
 
     async def _evaluation(
@@ -188,27 +202,32 @@ class PushPlane:
         rt, step, index = self._runtime(), h.microbatch.step, h.microbatch.index
         assert self._next_hop is not None
         sent_as = codec.codec_from_name(rt.job.compression.forward)  # as a trainer sends them
+        # handed over to a co-located replica, on the wire to another: ready for both it may be
+        near, far = self.messages.handing.forms(list(h.route[0].peers) if h.route else [])
         outputs, queued = await self.worker.run_then(
             rt.forward,
-            lambda out: self.messages.send_on(out, "inputs", sent_as, "forward"),
+            lambda out: self.messages.hand_on(out, "inputs", sent_as, "forward", near, far),
             step,
             index,
             inputs,
             evaluate=evaluate,
             tokens=tokens,
         )
-        pushed = await self._next_hop.send(
-            step,
-            index,
-            outputs,
-            targets,
-            accumulate,
-            list(h.route),
-            need_grad=need_grad,
-            deadline=_deadline(time_remaining(), rt),
-            evaluate=evaluate,
-            tokens=tokens,
-        )
+        try:
+            pushed = await self._next_hop.send(
+                step,
+                index,
+                outputs,
+                targets,
+                accumulate,
+                list(h.route),
+                need_grad=need_grad,
+                deadline=_deadline(time_remaining(), rt),
+                evaluate=evaluate,
+                tokens=tokens,
+            )
+        finally:
+            outputs.release()  # every try ended: no replica reads them now
         return pushed, queued
 
 
