@@ -45,9 +45,7 @@ def handovers(metrics_port: str) -> dict[str, float]:
 
 def segments_of(pids: set[int]) -> list[str]:
     """The handover segments in /dev/shm made by one of `pids`."""
-    return [
-        n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX) and int(n.split("-")[3]) in pids
-    ]
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX) and int(n.split("-")[3]) in pids]
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
