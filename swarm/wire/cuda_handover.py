@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from swarm.errors import InvalidArgument
 from swarm.proto import tensor_pb2
-from swarm.wire.handover import Offer
+from swarm.wire.offer import Offer
 
 __all__ = ["CudaHandover"]
 

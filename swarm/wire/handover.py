@@ -17,26 +17,14 @@ Implementations: `swarm.wire.shm_handover` (CPU tensors, POSIX shared memory) an
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from swarm.proto import tensor_pb2
+from swarm.wire.offer import Offer
 
 __all__ = ["Handover", "Offer", "handover_for"]
-
-
-@dataclass
-class Offer:
-    """A payload handed over, or a slot for one: its `handle` for the other process, what this
-    process reads of it, and how it lets it go."""
-
-    handle: tensor_pb2.Handover
-    nbytes: int
-    read: Callable[[], torch.Tensor]  # the bytes as they are now: a uint8 tensor of this side's
-    release: Callable[[], None]  # idempotent
 
 
 class Handover(Protocol):

@@ -23,7 +23,7 @@ import torch
 from swarm.errors import InvalidArgument
 from swarm.proto import tensor_pb2
 from swarm.wire.chunking import tensor_bytes
-from swarm.wire.handover import Offer
+from swarm.wire.offer import Offer
 from swarm.wire.site import SHM_DIR
 
 __all__ = ["PREFIX", "SharedMemoryHandover", "sweep"]
