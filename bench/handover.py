@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.pipeline_overhead import samples_per_second, swarm_cli  # noqa: E402
+from bench.pipeline_overhead import train_on  # noqa: E402
 from swarm.local.procs import SwarmProcess, start_stage_servers, stop_all  # noqa: E402
 
 JOB = """name = "handover"
@@ -87,23 +87,6 @@ def servers(job: Path, work: Path, device: str, handover: bool) -> list[SwarmPro
             os.environ["SWARM_HANDOVER"] = old
 
 
-def train(job: Path, work: Path, on: list[SwarmProcess], log: str) -> float:
-    path = work / f"{log}.jsonl"
-    addresses = ",".join(s.address for s in on)
-    swarm_cli(
-        "trainer",
-        "--job",
-        str(job),
-        "--threads",
-        "1",
-        "--log",
-        str(path),
-        "--stage-servers",
-        addresses,
-    )
-    return samples_per_second(path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating")
@@ -120,7 +103,7 @@ def main() -> None:
             for name in ("handover", "wire")[:: 1 if r % 2 == 0 else -1]:
                 on = servers(job, work, args.device, handover=name == "handover")
                 try:
-                    rates[name].append(train(job, work, on, f"{name}-{r}"))
+                    rates[name].append(train_on(job, on, work / f"{name}-{r}.jsonl"))
                     taken[name] += handed(on)
                 finally:
                     stop_all(on)
