@@ -15,7 +15,7 @@ decodes the same either way, so a replay on another path is exact."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +28,7 @@ from swarm.wire import codec, hadamard
 from swarm.wire.handover import Handover, Offer, handover_for
 from swarm.wire.site import site
 
-__all__ = ["Handing", "Outgoing"]
+__all__ = ["Handing", "Outgoing", "reply_header"]
 
 
 class Handing:
@@ -79,14 +79,8 @@ class Handing:
         to, or None when this replica hands nothing over."""
         if self.handover is None:
             return None
-        floating = codec.DTYPES[outputs.dtype].is_floating_point
-        grad = tensor_pb2.Tensor(
-            dtype=outputs.dtype,
-            shape=outputs.shape,
-            codec=reply if floating else codec.CODEC_NONE,  # type: ignore[arg-type]
-            block_size=hadamard.BLOCK if reply == codec.CODEC_HADAMARD3 else block_size,
-        )
-        return self.handover.slot(codec.expected_payload(grad))
+        grad = reply_header(outputs.dtype, outputs.shape, reply, block_size)
+        return self.handover.slot(grad.nbytes)
 
     def fill(
         self, msg: tensor_pb2.Tensor, payload: torch.Tensor, into: tensor_pb2.Handover
@@ -98,6 +92,23 @@ class Handing:
         msg.handover.CopyFrom(into)
         self.metrics.handed("filled")
         return True
+
+
+def reply_header(
+    dtype: str, shape: Sequence[int], reply: int, block_size: int
+) -> tensor_pb2.Tensor:
+    """The header of a gradient of `dtype` and `shape` encoded with codec `reply`, its `nbytes`
+    the payload's (a slot's size; what a gradient that came into one is counted as)."""
+    floating = codec.DTYPES[dtype].is_floating_point
+    grad = tensor_pb2.Tensor(
+        name="grad_inputs",
+        dtype=dtype,
+        shape=shape,
+        codec=reply if floating else codec.CODEC_NONE,  # type: ignore[arg-type]
+        block_size=hadamard.BLOCK if reply == codec.CODEC_HADAMARD3 else block_size,
+    )
+    grad.nbytes = codec.expected_payload(grad)
+    return grad
 
 
 @dataclass

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from stage_server.replica.answering import Answering
+from stage_server.replica.handing import reply_header
 from stage_server.replica.messages import Messages
 from stage_server.replica.next_hop import NextHop, Pushed
 from stage_server.replica.runtime import StageRuntime
@@ -131,7 +132,11 @@ class PushPlane:
         if need_grad:
             assert pushed.grad is not None
             grad_outputs = pushed.grad
-            if not isinstance(grad_outputs, torch.Tensor):
+            if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
+                dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
+                header = reply_header(dtype, shape, reply, self.limits.block_size)
+                self.messages.took(header, grad_outputs)
+            else:
                 msg = grad_outputs
                 grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
                 self.messages.took(msg, grad_outputs)

@@ -11,10 +11,15 @@ is the driver's to free; a receiver copies before it answers, so it never reads 
 A share that no receiver ever maps (the hop went elsewhere) stays in torch's "limbo" until the
 sender frees it: the offer is only made when the next replica is known to be on this device.
 
+CUDA IPC cannot open an allocation in the process that made it: a handle this process offered
+is taken from its own tensor (servers in one process, as tests run them).
+
 Only between processes on the same device (`swarm.wire.site` names the device's UUID): a
 receiver maps the allocation on the device that made it."""
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -26,6 +31,11 @@ from swarm.wire.offer import Offer
 __all__ = ["CudaHandover"]
 
 _IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t, cudaIpcEventHandle_t
+# What this process offered, by handle: CUDA IPC cannot open a process's own allocation, and
+# stage servers in one process (tests, a trainer beside its servers) hand over to each other.
+_OFFERED: weakref.WeakValueDictionary[tuple[bytes, int], torch.Tensor] = (
+    weakref.WeakValueDictionary()
+)
 
 
 class CudaHandover:
@@ -62,6 +72,7 @@ class CudaHandover:
                 offset=int(payload.storage_offset()),
             )
         )
+        _OFFERED[storage, int(payload.storage_offset())] = payload
         return Offer(handle, payload.numel(), read=lambda: held[0], release=held.clear)
 
     def take(self, handle: tensor_pb2.Handover, nbytes: int) -> torch.Tensor:
@@ -97,6 +108,11 @@ class CudaHandover:
             raise InvalidArgument(
                 f"CUDA handover: {nbytes} bytes at {c.offset} of a {c.storage_bytes}-byte storage"
             )
+        own = _OFFERED.get((c.storage, c.offset))
+        if own is not None:  # offered by this very process
+            if own.numel() != nbytes:
+                raise InvalidArgument(f"CUDA handover: {own.numel()} bytes, not {nbytes}")
+            return own
         with torch.cuda.device(self.device):
             return rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
                 torch.Tensor,

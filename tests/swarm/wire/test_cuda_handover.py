@@ -65,3 +65,19 @@ def test_cuda_handover_between_two_processes_on_one_device() -> None:
     # the sender is gone: what was taken is the receiver's own
     assert torch.equal(taken.cpu(), expected(AT))
     slot.release()
+
+
+def test_cuda_handover_within_one_process_takes_its_own_tensor() -> None:
+    from swarm.wire.cuda_handover import CudaHandover
+
+    h = CudaHandover(torch.device("cuda", 0))
+    block = (torch.arange(1 << 20, device="cuda:0") % 251).to(torch.uint8)
+    offer = h.offer(block[AT : AT + N])
+    taken = h.take(offer.handle, N)
+    block.zero_()  # the taken copy is its own
+    assert torch.equal(taken.cpu(), expected(AT))
+    slot = h.slot(N)
+    assert h.fill(slot.handle, taken)
+    assert torch.equal(slot.read().cpu(), expected(AT))
+    offer.release()
+    slot.release()
