@@ -44,6 +44,7 @@ class CudaHandover:
     def __init__(self, device: torch.device) -> None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
+        self._stream: torch.cuda.Stream | None = None  # the takes' own, made at the first
 
     def offer(self, payload: torch.Tensor) -> Offer:
         if payload.device != self.device or payload.dtype != torch.uint8 or payload.dim() != 1:
@@ -76,12 +77,18 @@ class CudaHandover:
         return Offer(handle, payload.numel(), read=lambda: held[0], release=held.clear)
 
     def take(self, handle: tensor_pb2.Handover, nbytes: int) -> torch.Tensor:
-        mapped = self._map(handle, nbytes)
-        with torch.cuda.device(self.device):
+        # On a stream of its own: a receiver takes on its event loop, and waits for this copy
+        # (and the sender's event), not for the compute queued on the default stream.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            mapped = self._map(handle, nbytes)  # waits for the sender's writes, on this stream
             out = mapped.clone()
             # The copy done before the mapping goes: then the sender may reuse its memory.
-            torch.cuda.current_stream(self.device).synchronize()
+            self._stream.synchronize()
         del mapped
+        # The stages compute on the default stream: its memory is not reused before they did.
+        out.record_stream(torch.cuda.default_stream(self.device))
         return out
 
     def slot(self, nbytes: int) -> Offer:
