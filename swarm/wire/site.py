@@ -6,7 +6,8 @@ kernel's boot id, this process's IPC and network namespaces, the device of `/dev
 user, so the same site means the same running kernel, the same shared memory, and segments this
 user may open. The network namespace because one is a host of its own wherever the project
 simulates several machines on one (its tests, `bench/wan.py`): servers there must go on the
-(shaped, relayed) wire they are meant to. A CUDA device adds its UUID: the CUDA handover is between processes on one device.
+(shaped, relayed) wire they are meant to. A CUDA device adds its UUID: the CUDA handover is
+between processes on one device.
 
 `SWARM_HANDOVER=off` gives no site: every hop then goes on the wire (a bench compares the two).
 Off Linux (no boot id, no namespaces) there is none either."""
