@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swarm.local.procs import start_stage_servers, stop_all  # noqa: E402
+from swarm.local.procs import SwarmProcess, start_stage_servers, stop_all  # noqa: E402
 
 JOBS = {
     # examples/tiny.toml's model on synthetic data
@@ -93,20 +93,27 @@ def measure(name: str, steps: int, work: Path) -> tuple[float, float]:
     local = samples_per_second(local_log)
     servers = start_stage_servers(job, 4, log_dir=work, threads=max(1, cores // 4), metrics=False)
     try:
-        swarm_cli(
-            "trainer",
-            "--job",
-            str(job),
-            "--threads",
-            "1",
-            "--log",
-            str(work / f"{name}-swarm.jsonl"),
-            "--stage-servers",
-            ",".join(s.address for s in servers),
-        )
+        swarm = train_on(job, servers, work / f"{name}-swarm.jsonl")
     finally:
         stop_all(servers)
-    return local, samples_per_second(work / f"{name}-swarm.jsonl")
+    return local, swarm
+
+
+def train_on(job: Path, servers: list[SwarmProcess], log: Path) -> float:
+    """Samples/s of a one-thread `swarm trainer` of `job` on `servers`, its steps logged to
+    `log` (the first, warm-up, not counted)."""
+    swarm_cli(
+        "trainer",
+        "--job",
+        str(job),
+        "--threads",
+        "1",
+        "--log",
+        str(log),
+        "--stage-servers",
+        ",".join(s.address for s in servers),
+    )
+    return samples_per_second(log)
 
 
 def main() -> None:

@@ -115,8 +115,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # Under a scheduler, it alone names followers (its tickets, issue 44 N7).
             scheduler_key=lambda: self.commit_auth.public if self.commit_auth else None,
         )
-        # a hostile replica's lies, for tests and benchmarks (`swarm.ops.poison`; none unless
-        # SWARM_POISON says): what an audit by re-execution must catch (issue 55)
+        # a hostile replica's lies that audits must catch, for tests (`swarm.ops.poison`)
         self.poison = Poison.from_env()
         self._answering = Answering(
             peer=peer,
@@ -211,7 +210,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             )
 
     async def _receive(
-        self, requests: AsyncIterator[Any], held: Held, admit: Callable[[], None] | None = None
+        self,
+        requests: AsyncIterator[Any],
+        held: Held,
+        admit: Callable[[], None] | None = None,
+        handed: bool = False,  # a Push: its tensors may be handed over (`replica.handing`)
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         # A caller with no deadline must not hold its body's share of the budget forever.
         timeout = self.runtime.job.runtime.rpc_timeout_s
@@ -219,7 +222,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         # The most one microbatch's two tensors take, with what each is charged beyond its bytes.
         # (three under a subspace boundary: the token ids travel beside them)
         most = self.runtime.max_request_bytes() + 3 * TENSOR_OVERHEAD_BYTES
-        received = await self._messages.receive(body, most, self._route, held, admit)
+        received = await self._messages.receive(body, most, self._route, held, admit, handed)
         # A caller closes its side before it waits for the answer: its end is here already,
         # and read, gRPC lets go of the request's last chunk now (`read_to_end`).
         await read_to_end(body, "the request's")
@@ -322,7 +325,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body(held: Held) -> pb.StagePushResponse:
-            h, tensors = await self._receive(request_iterator, held, self._push.room)
+            h, tensors = await self._receive(request_iterator, held, self._push.room, True)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
             tokens = tensors.get("tokens")  # a subspace boundary's (`model.boundary_rank`)
             return await self._push.push(h, inputs, targets, tokens, context.time_remaining)

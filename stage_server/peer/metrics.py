@@ -71,6 +71,13 @@ class StageMetrics:
             "Tokens carried by the tensors of swarm_stage_boundary_bytes_sent_total",
             "direction",
         )
+        self._handovers = counter(
+            "swarm_stage_handovers_total",
+            "Boundary tensors between co-located stage servers handed over through memory "
+            "(stage_server/replica/handing.py), by way: offered (an activation sent), filled (a "
+            "gradient answered), taken (one received); each one's bytes went on no wire",
+            "way",
+        )
         # The same since `bind`, for the load reports (`stage_server.peer.boundary_traffic`).
         self.boundary = BoundaryTally()
         self._steps = counter("swarm_stage_optimizer_steps_total", "Optimizer steps applied")
@@ -139,6 +146,10 @@ class StageMetrics:
     def received(self, wire_bytes: int, raw_bytes: int) -> None:
         self._wire_in.labels(**self.values).inc(wire_bytes)
         self._raw_in.labels(**self.values).inc(raw_bytes)
+
+    def handed(self, way: str) -> None:
+        """A tensor handed over (`stage_server.replica.handing`): "offered", "filled", "taken"."""
+        self._handovers.labels(**self.values, way=way).inc()
 
     def sent(self, wire_bytes: int, raw_bytes: int, direction: Way, tokens: int) -> None:
         """A boundary tensor sent `direction` (`stage_server.peer.boundary_traffic`): its

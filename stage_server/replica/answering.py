@@ -62,17 +62,20 @@ class Answering:
         accumulate: bool,
         receipt: bool = True,
         tokens: torch.Tensor | None = None,
+        into: tensor_pb2.Handover | None = None,
     ) -> Answered:
         """The one way a call accumulates here: `fn` (`backward`, or the last stage's
         `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
-        input gradient in codec `reply` and (unless `receipt` is False) the receipt."""
+        input gradient in codec `reply` (into a co-located caller's slot `into`, when it opens:
+        `stage_server.replica.handing`) and (unless `receipt` is False) the receipt."""
         step, index = h.microbatch.step, h.microbatch.index
 
         def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
             # On the worker thread: the input gradient's copy to the host waits on the device.
             *loss, grad, done = result
             grad = self._poison().grads(step, grad)  # a hostile replica's (`swarm.ops.poison`)
-            return loss, self.messages.encode(grad, "grad_inputs", reply, "backward"), done
+            encoded = self.messages.encode(grad, "grad_inputs", reply, "backward", into)
+            return loss, encoded, done
 
         (loss, grad, done), queued = await self.worker.run_then(
             fn,

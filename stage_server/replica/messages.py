@@ -30,6 +30,7 @@ from stage_server.peer.boundary_traffic import tokens_of
 from stage_server.peer.device_share import cache_bytes
 from stage_server.peer.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.peer.metrics import StageMetrics
+from stage_server.replica.handing import Handing, Outgoing
 from stage_server.replica.host_copies import DeviceCopies, TorchCopies
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.snapshot import Snapshot
@@ -160,6 +161,8 @@ class Messages:
         self.limits, self.metrics = limits, metrics
         # How device tensors reach the host: called on the worker thread, never on the loop.
         self.copies: DeviceCopies = copies or TorchCopies()
+        # Boundary tensors handed over to co-located replicas (`handing`), on the push plane.
+        self.handing = Handing(metrics)
 
     async def receive(
         self,
@@ -168,12 +171,14 @@ class Messages:
         route: Route,
         held: Held,
         admit: Callable[[], None] | None = None,
+        handed: bool = False,
     ) -> tuple[Any, dict[str, torch.Tensor]]:
-        """A data-plane request's header and tensors. From the header, before a byte of the body
-        is allocated: routed by `route`, then `admit()` (a full replica raises Busy), its size at
-        most `max_request_bytes` (one microbatch's tensors) and the tensor limit, and its size
-        within what is free of `held`'s budget; its bytes are held there as they come (the call
-        holds them until it ends)."""
+        """A data-plane request's header and tensors (`handed`: some may be handed over by
+        a co-located replica, `Handing.take`; else such a request is refused). From the
+        header, before a byte of the body is allocated: routed by `route`, then `admit()` (a
+        full replica raises Busy), its size at most `max_request_bytes` (one microbatch's
+        tensors) and the tensor limit, and its size within what is free of `held`'s budget; its
+        bytes are held there as they come (the call holds them until it ends)."""
         limit = min(self.limits.max_bytes, max_request_bytes)
         name = (
             self.limits.max_bytes_name
@@ -195,10 +200,13 @@ class Messages:
             admit=check,
             reserve=held.expect,
             limit_name=name,
+            handed=self.handing.take if handed else None,
         )
         seconds = time.perf_counter() - started
         wire_bytes = sum(t.nbytes for t in received.header.tensors)
-        self.metrics.moved("down", wire_bytes, seconds)
+        # the link's rate: of the bytes that crossed it (none of a handed-over tensor's)
+        linked = sum(t.nbytes for t in received.header.tensors if not t.HasField("handover"))
+        self.metrics.moved("down", linked, seconds)
         tensors = wire.decode_named(received, device="cpu", max_bytes=limit, reserve=held.reserve)
         self.metrics.received(
             wire_bytes,
@@ -222,14 +230,48 @@ class Messages:
         return value
 
     def encode(
-        self, tensor: torch.Tensor | None, name: str, reply_codec: int, direction: Way
+        self,
+        tensor: torch.Tensor | None,
+        name: str,
+        reply_codec: int,
+        direction: Way,
+        into: tensor_pb2.Handover | None = None,
     ) -> list[tensor_pb2.Tensor]:
         """`tensor` as a reply's tensors: none for None, else one, encoded with `reply_codec`
-        and counted as sent `direction` across the stage's boundary. It waits for the device's
-        copy to the host: call it on the worker thread."""
+        and counted as sent `direction` across the stage's boundary; written into the caller's
+        slot `into` when there is one that opens from here (`Handing.fill`). It waits for the
+        device's copy to the host: call it on the worker thread."""
         if tensor is None:
             return []
-        return [self.send_on(tensor, name, reply_codec, direction)]
+        if into is None:
+            return [self.send_on(tensor, name, reply_codec, direction)]
+        msg, payload = codec.encode_payload(tensor, name, reply_codec, self.limits.block_size)
+        if not self.handing.fill(msg, payload, into):
+            with self.copies.to_host(payload) as on_host:
+                msg.data = on_host.numpy().tobytes()
+        self._sent(msg, tensor, direction)
+        return [msg]
+
+    def hand_on(
+        self,
+        tensor: torch.Tensor,
+        name: str,
+        with_codec: int,
+        direction: Way,
+        near: bool,
+        far: bool,
+    ) -> Outgoing:
+        """`send_on`'s outputs for the push plane's next hop: handed over already (`near`, a
+        co-located replica may take them), on the host already (`far`, one may not), each
+        made later if a try needs it. On the worker thread, as `encode`."""
+        msg, payload = codec.encode_payload(tensor, name, with_codec, self.limits.block_size)
+        out = Outgoing(msg, payload, self.copies, self.handing)
+        if near and self.handing.handover is not None:
+            out.handed()
+        if far or self.handing.handover is None:
+            out.wire()
+        self._sent(msg, tensor, direction)
+        return out
 
     def send_on(
         self, tensor: torch.Tensor, name: str, with_codec: int, direction: Way
@@ -241,9 +283,12 @@ class Messages:
         msg = codec.encode(
             tensor, name, with_codec, self.limits.block_size, host=self.copies.to_host
         )
+        self._sent(msg, tensor, direction)
+        return msg
+
+    def _sent(self, msg: tensor_pb2.Tensor, tensor: torch.Tensor, direction: Way) -> None:
         raw = tensor.numel() * tensor.element_size()
         self.metrics.sent(msg.nbytes, raw, direction, tokens_of(tensor))
-        return msg
 
     def took(self, msg: tensor_pb2.Tensor, tensor: torch.Tensor) -> None:
         """`msg`, decoded to `tensor`, came back in an answer (the push plane's gradient of

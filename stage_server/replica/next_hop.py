@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
+from stage_server.replica.handing import Handing, Outgoing
 from swarm.clock import MonotonicClock
 from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
+from swarm.proto import tensor_pb2
 from swarm.rpc.hop import HopFailed, any_error, hop
 from swarm.rpc.routes import ClientFactory, Routes, members_of
 from swarm.rpc.stage_client import PushResult, StageClient, TensorLike, named
+from swarm.wire import codec
 
 __all__ = ["NextHop", "Pushed"]
 
@@ -56,8 +58,10 @@ class NextHop:
         token: str | None,
         attempts: int = 4,
         client_factory: ClientFactory = StageClient,
+        handing: Handing | None = None,
     ) -> None:
         self.job, self.stage, self.attempts = job, stage, attempts
+        self.handing = handing  # None: every push goes on the wire
         wiring = Wiring(
             job.training.stages,
             clock=MonotonicClock(),
@@ -70,7 +74,7 @@ class NextHop:
         self,
         step: int,
         index: int,
-        outputs: TensorLike,
+        outputs: TensorLike | Outgoing,
         targets: TensorLike,
         accumulate: list[int],
         route: list[pb.Route],
@@ -90,20 +94,41 @@ class NextHop:
             raise PeerUnavailable(f"stage {stage}: the request named no replica of it")
         self.routes.follow(stage, members_of(route[0]))
 
-        def call(client: StageClient, accumulating: bool) -> Awaitable[PushResult]:
-            return client.push(
-                step,
-                index,
-                outputs,
-                targets,
-                accumulate if accumulating else [],
-                route[1:],
-                need_grad_inputs=need_grad,
-                timeout=deadline - time.monotonic(),
-                evaluate=evaluate,
-                tokens=tokens,
-                run=run,
-            )
+        reply = codec.codec_from_name(self.job.compression.backward)  # the gradient's codec
+
+        async def call(client: StageClient, accumulating: bool) -> PushResult:
+            peer = next((p for p, c in self.routes.clients.items() if c is client), "")
+            handing, near = self.handing, False
+            sent: TensorLike
+            if not isinstance(outputs, Outgoing):
+                sent = outputs
+            else:  # per hop: handed over to a co-located replica, else on the wire
+                near = handing is not None and handing.near(peer)
+                sent = outputs.handed() if near else outputs.wire()
+            slot = None
+            if near and need_grad and isinstance(sent, tensor_pb2.Tensor) and handing:
+                slot = handing.slot(sent, reply, self.job.compression.block_size)
+            try:
+                result = await client.push(
+                    step,
+                    index,
+                    sent,
+                    targets,
+                    accumulate if accumulating else [],
+                    route[1:],
+                    need_grad_inputs=need_grad,
+                    timeout=deadline - time.monotonic(),
+                    evaluate=evaluate,
+                    tokens=tokens,
+                    reply=slot,
+                    run=run,
+                )
+            finally:
+                if slot is not None:
+                    slot.release()  # this try's own: a later try gets another
+            if handing is not None:
+                handing.learned(peer, result.site)
+            return result
 
         try:
             done = await hop(

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from stage_server.replica.answering import Answering
+from stage_server.replica.handing import Outgoing, reply_header
 from stage_server.replica.messages import Messages
 from stage_server.replica.next_hop import NextHop, Pushed
 from stage_server.replica.push_records import PushRecord, PushRecords, sent_digest
@@ -66,8 +67,15 @@ class PushPlane:
         """Send on to the stage after `runtime`'s, of job `job_id`."""
         self.release()
         self.records.clear()
+        self.messages.handing.serve(runtime.device)
         # Its answers are bounded as this replica's requests are: the job within this peer's.
-        self._next_hop = NextHop(self.limits.clamp(runtime.job), job_id, runtime.stage, self.token)
+        self._next_hop = NextHop(
+            self.limits.clamp(runtime.job),
+            job_id,
+            runtime.stage,
+            self.token,
+            handing=self.messages.handing,
+        )
 
     def release(self) -> None:
         next_hop, self._next_hop = self._next_hop, None
@@ -93,12 +101,15 @@ class PushPlane:
         rt = self._runtime()
         if rt.job.model.boundary_rank and rt.is_first:  # the token ids go on beside the outputs
             tokens = wire_tokens(inputs, rt.job.model.vocab_size)
-        step = h.microbatch.step
+        step, site = h.microbatch.step, self.messages.handing.site
+        into = h.reply if h.HasField("reply") else None  # a co-located caller's slot
         here = rt.stage in h.accumulate  # this stage accumulates (and answers a receipt)
         reply = codec.codec_from_name(rt.job.compression.backward)
         maybe_die(Point.FORWARD, step)
         if h.evaluate:
-            return await self._evaluation(h, inputs, targets, tokens, time_remaining)
+            evaluated = await self._evaluation(h, inputs, targets, tokens, time_remaining)
+            evaluated.site = site
+            return evaluated
         record = self._record(h, inputs, targets, None if rt.is_first else tokens)
         if rt.is_last:
             done = await self.answering.backward_here(
@@ -110,6 +121,7 @@ class PushPlane:
                 accumulate=here,
                 receipt=here,
                 tokens=tokens,
+                into=into,
             )
             if record is not None:
                 record.received("grad_outputs", targets)
@@ -121,6 +133,7 @@ class PushPlane:
                 receipts=[done.receipt] if done.receipt is not None else [],
                 loss_sum=done.loss,
                 queued_seconds=done.queued,
+                site=site,
             )
         need_grad = here or h.need_grad_inputs  # a backward here needs its outputs' gradient
         pushed, queued = await self._forward_on(
@@ -137,7 +150,11 @@ class PushPlane:
         if need_grad:
             assert pushed.grad is not None
             grad_outputs = pushed.grad
-            if not isinstance(grad_outputs, torch.Tensor):
+            if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
+                dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
+                header = reply_header(dtype, shape, reply, self.limits.block_size)
+                self.messages.took(header, grad_outputs)
+            else:
                 msg = grad_outputs
                 grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
                 self.messages.took(msg, grad_outputs)
@@ -152,6 +169,7 @@ class PushPlane:
                 accumulate=here,
                 receipt=here,
                 tokens=tokens,
+                into=into,
             )
             grad = done.grad
             if record is not None:
@@ -165,6 +183,7 @@ class PushPlane:
             loss_sum=pushed.loss_sum,
             queued_seconds=queued,
             path=pushed.path,
+            site=site,
         )
 
     async def _evaluation(
@@ -212,15 +231,26 @@ class PushPlane:
         assert self._next_hop is not None
         sent_as = codec.codec_from_name(rt.job.compression.forward)  # as a trainer sends them
         poison = self._poison()  # a hostile replica's lies (`swarm.ops.poison`): none, honest
+        # handed over to a co-located replica, on the wire to another: ready for both it may be
+        near, far = self.messages.handing.forms(list(h.route[0].peers) if h.route else [])
+        block_size = self.messages.limits.block_size
 
-        def on_host(out: torch.Tensor) -> tuple[tensor_pb2.Tensor, bytes, tensor_pb2.Tensor]:
-            # On the worker thread: what it commits to (and its digest), and what it sends.
-            said = self.messages.send_on(poison.outputs(step, out), "inputs", sent_as, "forward")
+        def on_host(out: torch.Tensor) -> tuple[Outgoing, tensor_pb2.Tensor | None, bytes]:
+            # On the worker thread: what it sends, and (where it keeps a record) what it commits
+            # to and its digest: the same message, unless it is a liar that sends another.
+            said = poison.outputs(step, out)
             forged = poison.sent(step, out) if not evaluate else None
-            sent = said if forged is None else codec.encode(forged, "inputs", sent_as)
-            return said, (sent_digest(said) if record is not None else b""), sent
+            sent = forged if forged is not None else said
+            outgoing = self.messages.hand_on(sent, "inputs", sent_as, "forward", near, far)
+            if record is None:
+                return outgoing, None, b""
+            if forged is None:
+                committed = outgoing.wire()
+            else:
+                committed = codec.encode(said, "inputs", sent_as, block_size)
+            return outgoing, committed, sent_digest(committed)
 
-        (said, said_digest, outputs), queued = await self.worker.run_then(
+        (outputs, said, said_digest), queued = await self.worker.run_then(
             rt.forward,
             on_host,
             step,
@@ -229,21 +259,24 @@ class PushPlane:
             evaluate=evaluate,
             tokens=tokens,
         )
-        if record is not None:
+        if record is not None and said is not None:
             record.sent("outputs", said, said_digest)
-        pushed = await self._next_hop.send(
-            step,
-            index,
-            outputs,
-            targets,
-            accumulate,
-            list(h.route),
-            need_grad=need_grad,
-            deadline=_deadline(time_remaining(), rt),
-            evaluate=evaluate,
-            tokens=tokens,
-            run=h.run,
-        )
+        try:
+            pushed = await self._next_hop.send(
+                step,
+                index,
+                outputs,
+                targets,
+                accumulate,
+                list(h.route),
+                need_grad=need_grad,
+                deadline=_deadline(time_remaining(), rt),
+                evaluate=evaluate,
+                tokens=tokens,
+                run=h.run,
+            )
+        finally:
+            outputs.release()  # every try ended: no replica reads them now
         return pushed, queued
 
     def _record(

@@ -159,7 +159,7 @@ class Route(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., throughput: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StagePushRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "accumulate", "route", "need_grad_inputs", "evaluate", "run")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "accumulate", "route", "need_grad_inputs", "evaluate", "run", "reply")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class StagePushRequest(_message.Message):
     NEED_GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
@@ -180,10 +181,11 @@ class StagePushRequest(_message.Message):
     need_grad_inputs: bool
     evaluate: bool
     run: int
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., accumulate: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ..., run: _Optional[int] = ...) -> None: ...
+    reply: _tensor_pb2.Handover
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., accumulate: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ..., run: _Optional[int] = ..., reply: _Optional[_Union[_tensor_pb2.Handover, _Mapping]] = ...) -> None: ...
 
 class StagePushResponse(_message.Message):
-    __slots__ = ("tensors", "chunk", "receipts", "uncertain", "loss_sum", "queued_seconds", "path")
+    __slots__ = ("tensors", "chunk", "receipts", "uncertain", "loss_sum", "queued_seconds", "path", "site")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +193,7 @@ class StagePushResponse(_message.Message):
     LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     receipts: _containers.RepeatedCompositeFieldContainer[Receipt]
@@ -198,7 +201,8 @@ class StagePushResponse(_message.Message):
     loss_sum: float
     queued_seconds: float
     path: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., uncertain: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., path: _Optional[_Iterable[str]] = ...) -> None: ...
+    site: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., uncertain: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., path: _Optional[_Iterable[str]] = ..., site: _Optional[str] = ...) -> None: ...
 
 class Commitment(_message.Message):
     __slots__ = ("peer", "stage", "microbatch", "inputs", "outputs", "grad_outputs", "grad_inputs", "tokens", "targets", "run")

@@ -24,17 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarm/proto/tensor.proto\x12\x0bswarm.proto\"\x89\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12!\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x12.swarm.proto.Codec\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\x05\"%\n\x05\x43hunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*f\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x0e\n\nCODEC_FP16\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x18\n\x14\x43ODEC_INT8_BLOCKWISE\x10\x03\x12\x13\n\x0f\x43ODEC_HADAMARD3\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarm/proto/tensor.proto\x12\x0bswarm.proto\"\xb2\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12!\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x12.swarm.proto.Codec\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\'\n\x08handover\x18\x08 \x01(\x0b\x32\x15.swarm.proto.Handover\";\n\x08Handover\x12\x0b\n\x03shm\x18\x01 \x01(\t\x12\"\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x14.swarm.proto.CudaIpc\"\xcc\x01\n\x07\x43udaIpc\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0f\n\x07storage\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bref_counter\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\r\n\x05\x65vent\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0e\n\x06offset\x18\t \x01(\x03\"%\n\x05\x43hunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*f\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x0e\n\nCODEC_FP16\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x18\n\x14\x43ODEC_INT8_BLOCKWISE\x10\x03\x12\x13\n\x0f\x43ODEC_HADAMARD3\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarm.proto.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=220
-  _globals['_CODEC']._serialized_end=322
+  _globals['_CODEC']._serialized_start=529
+  _globals['_CODEC']._serialized_end=631
   _globals['_TENSOR']._serialized_start=42
-  _globals['_TENSOR']._serialized_end=179
-  _globals['_CHUNK']._serialized_start=181
-  _globals['_CHUNK']._serialized_end=218
+  _globals['_TENSOR']._serialized_end=220
+  _globals['_HANDOVER']._serialized_start=222
+  _globals['_HANDOVER']._serialized_end=281
+  _globals['_CUDAIPC']._serialized_start=284
+  _globals['_CUDAIPC']._serialized_end=488
+  _globals['_CHUNK']._serialized_start=490
+  _globals['_CHUNK']._serialized_end=527
 # @@protoc_insertion_point(module_scope)

@@ -27,6 +27,7 @@ from swarm.wire import chunking as wire
 from swarm.wire import codec
 from swarm.wire.chunking import grpc_options
 from swarm.wire.codec import CODEC_NONE
+from swarm.wire.handover import Offer
 
 __all__ = [
     "BackwardResult",
@@ -94,12 +95,13 @@ class BackwardResult:
 
 @dataclass(frozen=True)
 class PushResult:
-    grad_inputs: tensor_pb2.Tensor | None
+    grad_inputs: TensorLike | None
     receipts: list[pb.Receipt]  # of every stage that accumulated the microbatch
     uncertain: set[int]  # stages that may have accumulated it without a receipt here
     loss_sum: float
     queued_seconds: float
     path: list[str] = field(default_factory=list)  # the replicas of the later stages
+    site: str = ""  # the replica's handover site (`swarm.wire.site`; "": none)
 
 
 def as_tensor(value: TensorLike) -> torch.Tensor:
@@ -151,16 +153,23 @@ class StageClient:
         return codec.encode(t, name, with_codec, self._block)
 
     async def _call(
-        self, method: Any, request: Any, timeout: float | None = None
-    ) -> tuple[Any, dict[str, tensor_pb2.Tensor]]:
+        self, method: Any, request: Any, timeout: float | None = None, slot: Offer | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """The answer's header and tensors (messages; one written into `slot`, the caller's
+        room for a co-located replica's answer, decoded already: `swarm.wire.handover`)."""
         call = method(timeout=self._timeout if timeout is None else timeout)
         for msg in wire.split(request, self._chunk):
             await _write(call, msg)
         await call.done_writing()
-        received: wire.Received[Any] = await wire.receive_reply(call, max_bytes=self._max)
-        tensors = {}
+        received: wire.Received[Any] = await wire.receive_reply(
+            call, max_bytes=self._max, handed=_from(slot) if slot is not None else None
+        )
+        tensors: dict[str, Any] = {}
         for t, payload in zip(received.header.tensors, received.payloads, strict=True):
             codec.decoded_nbytes(t)  # validate the header before passing it on
+            if isinstance(payload, torch.Tensor):  # the slot's bytes, this process's own
+                tensors[t.name] = codec.decode(t, payload)
+                continue
             if len(t.data) != t.nbytes:  # it came in chunks: put the bytes back in one message
                 t.data = bytes(payload)
             tensors[t.name] = t
@@ -310,10 +319,12 @@ class StageClient:
         evaluate: bool = False,
         tokens: TensorLike | None = None,
         run: int = 0,
+        reply: Offer | None = None,
     ) -> PushResult:
         """The push data plane: this replica computes its stage and pushes the microbatch on
         through the stages `route` names (see `stage_server.replica.next_hop`), accumulating at the
-        stages in `accumulate`. `timeout` covers the whole path."""
+        stages in `accumulate`. `timeout` covers the whole path. `reply`: a co-located caller's
+        slot for the gradient (`stage_server.replica.handing`)."""
         request = pb.StagePushRequest(
             job=self.job_id,
             stage=self.stage,
@@ -324,8 +335,9 @@ class StageClient:
             need_grad_inputs=need_grad_inputs,
             evaluate=evaluate,
             run=run,
+            reply=reply.handle if reply is not None else None,
         )
-        header, received = await self._call(self.stub.Push, request, timeout)
+        header, received = await self._call(self.stub.Push, request, timeout, reply)
         return PushResult(
             received.get("grad_inputs"),
             list(header.receipts),
@@ -333,6 +345,7 @@ class StageClient:
             header.loss_sum,
             header.queued_seconds,
             list(header.path),
+            header.site,
         )
 
     @_swarm_errors
@@ -521,3 +534,14 @@ def named(receipts: Iterable[pb.Receipt], stage: int, peer: str) -> list[pb.Rece
         if r.stage == stage:
             r.peer = peer
     return out
+
+
+def _from(slot: Offer) -> wire.Handed:
+    """The answer's handed-over tensor: only the one written into `slot`."""
+
+    def handed(_index: int, meta: tensor_pb2.Tensor) -> torch.Tensor:
+        if meta.handover != slot.handle or meta.nbytes != slot.nbytes:
+            raise PeerUnavailable(f"{meta.name!r} was handed over, but not into this call's slot")
+        return slot.read()
+
+    return handed

@@ -65,12 +65,17 @@ class Received(Generic[M]):
     (inline bytes as received; a chunked tensor's bytes in a writable buffer)."""
 
     header: M
-    payloads: list[bytes | memoryview]
+    payloads: list[bytes | memoryview | torch.Tensor]  # a tensor: handed over (`Handed`)
 
 
 Into = Callable[[int, Any], "memoryview | None"]
 """`into(i, meta)`: where chunked tensor `i` (its header entry `meta`) is to be written, a
 writable byte buffer of exactly `meta.nbytes`, or None for a new one."""
+
+
+Handed = Callable[[int, Any], torch.Tensor]
+"""`handed(i, meta)`: the payload of tensor `i`, handed over on this host (`meta.handover`),
+`meta.nbytes` bytes as a uint8 tensor this process owns (`swarm.wire.handover`)."""
 
 
 def buffer(nbytes: int) -> memoryview:
@@ -118,7 +123,7 @@ def split(msg: M, chunk_bytes: int) -> Iterator[M | framing.Framed]:
     for i, (t, data) in enumerate(zip(m.tensors, datas, strict=True)):
         ht = header.tensors.add()
         _copy_fields(t, ht, _SKIP_TENSOR)
-        ht.nbytes = len(data)
+        ht.nbytes = t.nbytes if t.HasField("handover") else len(data)  # handed: no data
         if len(data) <= budget:
             ht.data = data
             budget -= len(data)
@@ -249,6 +254,7 @@ async def receive(
     limit_name: str = "",
     tensor_overhead: int = TENSOR_OVERHEAD_BYTES,
     into: Into | None = None,
+    handed: Handed | None = None,
 ) -> Received[M]:
     """Read one (possibly chunked) message from `stream` and reassemble its tensor payloads.
 
@@ -261,7 +267,8 @@ async def receive(
     A server reads its requests `within_deadline`. Raises InvalidArgument for an empty or truncated
     stream or a chunk that does not fit the header. A chunked tensor's bytes are written where
     `into` says (the caller's own tensor: a reply lands where it is used), else in a new
-    `buffer`; each chunk is copied once, into place.
+    `buffer`; each chunk is copied once, into place. A tensor handed over on this host
+    (`swarm.wire.handover`) is taken by `handed`, after those checks; without it, refused.
     """
     it = stream.__aiter__()
     try:
@@ -278,6 +285,8 @@ async def receive(
     sizes: list[int] = []
     for i, t in enumerate(header.tensors):
         data: bytes = t.data
+        if t.HasField("handover") and (data or handed is None):
+            raise InvalidArgument(f"tensor {i} ({t.name!r}): a handover is not taken here")
         if data:
             if t.nbytes not in (0, len(data)):
                 raise InvalidArgument(
@@ -300,10 +309,15 @@ async def receive(
         )
     if reserve is not None:
         reserve(charged)
-    payloads: list[bytes | memoryview] = []
+    payloads: list[bytes | memoryview | torch.Tensor] = []
     for i, (given, size) in enumerate(zip(inline, sizes, strict=True)):
         if given is not None:
             payloads.append(given)
+            continue
+        if header.tensors[i].HasField("handover"):
+            assert handed is not None
+            payloads.append(handed(i, header.tensors[i]))
+            inline[i] = b""  # complete: no chunk of it follows
             continue
         target = into(i, header.tensors[i]) if into is not None else None
         if target is None:
@@ -342,7 +356,7 @@ async def receive(
                 f"chunk overflows tensor {index}: {end} bytes of {sizes[index]} declared"
             )
         # Write in place into the preallocated buffer: no per-chunk concatenation.
-        payloads[index][filled[index] : end] = piece  # type: ignore[index]
+        payloads[index][filled[index] : end] = piece  # type: ignore[index,assignment]
         filled[index] = end
         received += len(piece)
     return Received(header=first, payloads=payloads)
@@ -415,7 +429,9 @@ def decode_named(
     decoded = {}
     for t, payload in zip(tensors, received.payloads, strict=True):
         tensor = decode(t, payload, device=device)
-        shared = isinstance(payload, bytes) or payload.readonly
+        shared = isinstance(payload, bytes) or (
+            isinstance(payload, memoryview) and payload.readonly
+        )
         if owned and shared and t.codec == CODEC_NONE and tensor.device.type == "cpu":
             tensor = tensor.clone()  # it shares a message's bytes
         decoded[t.name] = tensor

@@ -34,6 +34,8 @@ __all__ = [
     "decoded_nbytes",
     "dtype_name",
     "encode",
+    "encode_payload",
+    "expected_payload",
 ]
 
 CODEC_NONE: int = tensor_pb2.CODEC_NONE
@@ -70,6 +72,8 @@ _BUFFER_WARNING = "The given buffer is not writable"
 _MAX_BLOCK_SIZE = 2**31 - 1  # Tensor.block_size is an int32
 
 Buffer = bytes | bytearray | memoryview
+# A payload handed over (`swarm.wire.handover`) comes as a 1-D uint8 tensor, on its device.
+Payload = Buffer | torch.Tensor
 # A tensor's bytes on the host for as long as the context is open
 # (`stage_server.replica.host_copies`: through a reusable pinned buffer on CUDA). The default copies
 # with `.cpu()`.
@@ -114,6 +118,18 @@ def encode(
     block (`swarm.wire.hadamard.BLOCK`), not `block_size`. `host` copies the wire form to the
     host: it blocks until the device has produced `t`, so a server calls this off its event loop.
     """
+    msg, wire = encode_payload(t, name, codec, block_size)
+    with host(wire) as on_host:
+        # The one unavoidable copy: protobuf bytes fields take `bytes` only.
+        msg.data = on_host.numpy().tobytes()
+    return msg
+
+
+def encode_payload(
+    t: torch.Tensor, name: str, codec: int = CODEC_NONE, block_size: int = 2048
+) -> tuple[tensor_pb2.Tensor, torch.Tensor]:
+    """`encode`'s message without its `data`, and the encoded bytes (1-D uint8, on `t`'s
+    device) that go there, or are handed over instead (`swarm.wire.handover`)."""
     name_of_dtype = dtype_name(t.dtype)
     if codec not in _CODEC_NAMES:
         raise InvalidArgument(f"unknown codec {codec}; allowed: {sorted(_CODEC_NAMES)}")
@@ -136,11 +152,8 @@ def encode(
     # reshape(-1) first: a 0-dim tensor cannot be viewed as a dtype of another element size.
     # On the device: the copy to the host then moves one flat run of bytes.
     wire = wire.contiguous().reshape(-1).view(torch.uint8)
-    with host(wire) as on_host:
-        # The one unavoidable copy: protobuf bytes fields take `bytes` only.
-        msg.data = on_host.numpy().tobytes()
     msg.nbytes = wire.numel()
-    return msg
+    return msg, wire
 
 
 def _quantize(t: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -196,8 +209,9 @@ def decoded_nbytes(msg: tensor_pb2.Tensor) -> int:
     return _numel(msg) * _dtype(msg).itemsize
 
 
-def _expected_payload(msg: tensor_pb2.Tensor, dtype: torch.dtype, numel: int) -> int:
-    codec = msg.codec
+def expected_payload(msg: tensor_pb2.Tensor) -> int:
+    """The encoded bytes `msg`'s header says its payload has (validating dtype, shape, codec)."""
+    dtype, numel, codec = _dtype(msg), _numel(msg), msg.codec
     if codec not in _CODEC_NAMES:
         raise InvalidArgument(f"tensor {msg.name!r} has unknown codec {codec}")
     if codec != CODEC_NONE and not dtype.is_floating_point:
@@ -228,14 +242,15 @@ def _frombuffer(buf: memoryview, dtype: torch.dtype, count: int, offset: int = 0
 
 def decode(
     msg: tensor_pb2.Tensor,
-    data: Buffer | None = None,
+    data: Payload | None = None,
     *,
     device: torch.device | str = "cpu",
     max_bytes: int | None = None,
 ) -> torch.Tensor:
     """Rebuild the tensor `msg` describes, on `device`.
 
-    `data` is the assembled payload of a chunked tensor; without it `msg.data` is used. For
+    `data` is the assembled payload of a chunked tensor, or a handed-over one (a uint8 tensor,
+    decoded where it is: `device` is then its device); without it `msg.data` is used. For
     CODEC_NONE on the CPU the result shares memory with the payload (no copy): it must not be
     modified in place (clone it first), and it may be read-only when the payload is `bytes`.
 
@@ -250,39 +265,45 @@ def decode(
         raise ResourceExhausted(
             f"tensor {msg.name!r} decodes to {size} bytes, above the limit of {max_bytes}"
         )
-    expected = _expected_payload(msg, dtype, numel)
-    buf = memoryview(msg.data if data is None else data).cast("B")
-    if len(buf) != expected:
+    expected = expected_payload(msg)
+    if isinstance(data, torch.Tensor):
+        raw, device = data.reshape(-1).view(torch.uint8), data.device
+    else:
+        buf = memoryview(msg.data if data is None else data).cast("B")
+        # torch.frombuffer refuses empty buffers.
+        raw = (
+            _frombuffer(buf, torch.uint8, len(buf))
+            if len(buf)
+            else torch.empty(0, dtype=torch.uint8)
+        )
+    if raw.numel() != expected:
         raise InvalidArgument(
             f"tensor {msg.name!r} ({msg.dtype}{list(msg.shape)}, codec "
-            f"{_CODEC_NAMES[msg.codec]}): expected {expected} payload bytes, got {len(buf)}"
+            f"{_CODEC_NAMES[msg.codec]}): expected {expected} payload bytes, got {raw.numel()}"
         )
     shape = tuple(msg.shape)
     if numel == 0:
-        # torch.frombuffer refuses empty buffers.
         return torch.empty(shape, dtype=dtype, device=device)
     codec = msg.codec
     if codec == CODEC_NONE:
-        if dtype is torch.bool and int(_frombuffer(buf, torch.uint8, numel).max()) > 1:
+        if dtype is torch.bool and int(raw.max()) > 1:
             raise InvalidArgument(f"tensor {msg.name!r}: bool payload has bytes other than 0/1")
-        return _frombuffer(buf, dtype, numel).view(shape).to(device)
+        return raw.view(dtype).view(shape).to(device)
     if codec in _CAST_CODECS:
         # Move the compact wire form first, then widen on the target device.
-        wire = _frombuffer(buf, _CAST_CODECS[codec], numel).to(device)
-        return wire.to(dtype).view(shape)
+        return raw.view(_CAST_CODECS[codec]).to(device).to(dtype).view(shape)
     if codec == CODEC_HADAMARD3:
-        payload = _frombuffer(buf, torch.uint8, len(buf)).to(device)
-        return hadamard.decode(payload, numel, msg.block_size).view(shape).to(dtype)
-    return _dequantize(buf, numel, msg.block_size, device).view(shape).to(dtype)
+        return hadamard.decode(raw.to(device), numel, msg.block_size).view(shape).to(dtype)
+    return _dequantize(raw, numel, msg.block_size, device).view(shape).to(dtype)
 
 
 def _dequantize(
-    buf: memoryview, numel: int, block_size: int, device: torch.device | str
+    raw: torch.Tensor, numel: int, block_size: int, device: torch.device | str
 ) -> torch.Tensor:
     nb_full, tail = divmod(numel, block_size)
     nblocks = nb_full + (1 if tail else 0)
-    scales = _frombuffer(buf, torch.float32, nblocks).to(device) / 127.0
-    q = _frombuffer(buf, torch.int8, numel, offset=4 * nblocks).to(device)
+    scales = raw[: 4 * nblocks].view(torch.float32).to(device) / 127.0
+    q = raw[4 * nblocks :].view(torch.int8).to(device)
     out = torch.empty(numel, dtype=torch.float32, device=scales.device)
     n_full = nb_full * block_size
     if nb_full:

@@ -32,9 +32,13 @@ class Servers:
         log_dir: Path,
         slow: frozenset[str] = frozenset(),
         poisoned: dict[str, str] | None = None,
+        device: str = "cpu",
+        metrics: bool = False,
     ) -> None:
-        """`poisoned`: name -> its `SWARM_POISON` (`swarm.ops.poison`: a replica that lies)."""
+        """`poisoned`: name -> its `SWARM_POISON` (`swarm.ops.poison`: a replica that lies);
+        `metrics`: each serves /metrics (its port in `ready["metrics"]`)."""
         self.job, self.faults, self.log_dir, self.slow = job, faults, log_dir, slow
+        self.extra = ["--device", device, *(["--metrics-port", "0"] if metrics else [])]
         self.poisoned = poisoned or {}
         self.procs: dict[str, SwarmProcess] = {}
         self.ports: dict[str, str] = {}
@@ -62,6 +66,7 @@ class Servers:
                 port,
                 "--throttle",
                 "3" if name in self.slow else "1",
+                *self.extra,
             ],
             log_dir=self.log_dir,
             name=f"{name}-{len(self.procs)}-{time.monotonic_ns()}",

@@ -16,6 +16,7 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc.stage_client import BackwardResult, PushResult, TensorLike
 from swarm.wire import codec
+from swarm.wire.handover import Offer
 
 __all__ = ["LOSS", "Call", "FakeCalls", "FakeStage"]
 
@@ -41,6 +42,8 @@ class FakeCalls:
     accumulated: dict[int, list[str]] = field(default_factory=dict)  # stage -> replicas
     faults: dict[int, list[tuple[Exception, bool]]] = field(default_factory=dict)
     refusals: dict[str, list[Exception]] = field(default_factory=dict)  # peer -> next errors
+    sites: dict[str, str] = field(default_factory=dict)  # peer -> the handover site it answers
+    pushed: list[tuple[str, TensorLike, Offer | None]] = field(default_factory=list)  # inputs
 
     def fail(self, stage: int, error: Exception, *, after: bool) -> None:
         self.faults.setdefault(stage, []).append((error, after))
@@ -183,13 +186,18 @@ class FakeStage:
         evaluate: bool = False,
         tokens: TensorLike | None = None,
         run: int = 0,
+        reply: Offer | None = None,
     ) -> PushResult:
         """As if this stage and every one after it (the rest of `route`) ran the microbatch:
-        it accumulates at every stage of `accumulate`, each receipt named by this peer."""
+        it accumulates at every stage of `accumulate`, each receipt named by this peer. Its
+        inputs and the caller's slot for the gradient (`reply`) are kept in `pushed`."""
+        self.swarm.pushed.append((self.peer, inputs, reply))
         self._accumulate(list(accumulate), "push", need_grad_inputs)
         receipts = [
             pb.Receipt(peer=self.peer, stage=k, microbatch=pb.MicrobatchId(step=step, index=index))
             for k in accumulate
         ]
         grad = _tensor("grad_inputs") if need_grad_inputs else None
-        return PushResult(grad, receipts, set(), LOSS, 0.0)
+        return PushResult(
+            grad, receipts, set(), LOSS, 0.0, site=self.swarm.sites.get(self.peer, "")
+        )

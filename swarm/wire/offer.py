@@ -1,0 +1,24 @@
+"""What a handover (`swarm.wire.handover`) gives the process that made it: bytes offered to a
+co-located process, or a slot for its answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from swarm.proto import tensor_pb2
+
+__all__ = ["Offer"]
+
+
+@dataclass
+class Offer:
+    """A payload handed over, or a slot for one: its `handle` for the other process, what this
+    process reads of it, and how it lets it go."""
+
+    handle: tensor_pb2.Handover
+    nbytes: int
+    read: Callable[[], torch.Tensor]  # the bytes as they are now: a uint8 tensor of this side's
+    release: Callable[[], None]  # idempotent

@@ -1,0 +1,166 @@
+"""A replica's handover choice (`stage_server.replica.handing`) with a fake `Handover` behind
+the Protocol seam: a push goes on the wire until the replica pushed to answered the same site,
+then its inputs are handed over with a slot for the gradient, each try's slot released when it
+ends; the outputs are offered once for every try and released once; a gradient is written into
+the caller's slot when it opens, and sent as bytes when it does not. The real handovers are
+tested in tests/swarm/wire/test_handover.py and, across processes, tests/system/test_handover.py."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stage_server.peer.metrics import StageMetrics
+from stage_server.replica.handing import Handing, Outgoing
+from stage_server.replica.host_copies import TorchCopies
+from stage_server.replica.messages import Limits, Messages
+from stage_server.replica.next_hop import NextHop
+from swarm.errors import InvalidArgument
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import tensor_pb2
+from swarm.wire import codec
+from swarm.wire.handover import Offer
+from tests.support.jobs import make_job
+from tests.support.stages import FakeCalls
+
+pytestmark = pytest.mark.timeout(30)
+
+SITE = "boot/ipc/shm/uid"
+
+
+class FakeHandover:
+    """A `Handover` in a dict: what is offered or slotted lives there until released."""
+
+    kind = "fake"
+
+    def __init__(self, fills: bool = True) -> None:
+        self.store: dict[str, torch.Tensor] = {}
+        self.fills, self._names = fills, itertools.count()
+
+    def offer(self, payload: torch.Tensor) -> Offer:
+        offer = self.slot(payload.numel())
+        self.store[offer.handle.shm].copy_(payload)
+        return offer
+
+    def take(self, handle: tensor_pb2.Handover, nbytes: int) -> torch.Tensor:
+        if handle.shm not in self.store:
+            raise InvalidArgument("gone")
+        return self.store[handle.shm].clone()
+
+    def slot(self, nbytes: int) -> Offer:
+        name = f"seg{next(self._names)}"
+        self.store[name] = torch.zeros(nbytes, dtype=torch.uint8)
+        return Offer(
+            tensor_pb2.Handover(shm=name),
+            nbytes,
+            read=lambda: self.store[name].clone(),
+            release=lambda: self.store.pop(name, None),  # type: ignore[arg-type, return-value]
+        )
+
+    def fill(self, handle: tensor_pb2.Handover, payload: torch.Tensor) -> bool:
+        if not self.fills or handle.shm not in self.store:
+            return False
+        self.store[handle.shm].copy_(payload)
+        return True
+
+
+def handing(fake: FakeHandover, site: str = SITE) -> Handing:
+    h = Handing(StageMetrics("p"), make=lambda _device: fake, site_of=lambda _device: site)
+    h.serve(torch.device("cpu"))
+    return h
+
+
+def outgoing(h: Handing, t: torch.Tensor) -> Outgoing:
+    header, payload = codec.encode_payload(t, "inputs")
+    return Outgoing(header, payload, TorchCopies(), h)
+
+
+async def push(hop: NextHop, outputs: Outgoing, peer: str) -> object:
+    return await hop.send(
+        0,
+        1,
+        outputs,
+        codec.encode(torch.zeros(2, dtype=torch.long), "targets"),
+        [1],
+        [pb.Route(peers=[peer], addresses=[peer], throughput=[1.0]), pb.Route(peers=["later"])],
+        need_grad=True,
+        deadline=time.monotonic() + 10,
+    )
+
+
+async def test_a_push_is_handed_over_once_the_replica_answered_the_same_site(
+    tmp_path: Path,
+) -> None:
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    calls, fake = FakeCalls(sites={"b": SITE, "c": "another host"}), FakeHandover()
+    h = handing(fake)
+    hop = NextHop(job, "job", 0, None, client_factory=calls.factory(), handing=h)
+    t = torch.randn(2, 4, dtype=torch.float64)
+    try:
+        first = outgoing(h, t)
+        await push(hop, first, "b")  # its site unknown yet: the wire
+        second = outgoing(h, t)
+        await push(hop, second, "b")  # it answered ours: handed over, a slot for the gradient
+        await push(hop, outgoing(h, t), "c")  # another site: the wire
+        await push(hop, outgoing(h, t), "c")
+    finally:
+        await hop.close()
+    sent = [
+        (peer, msg.HasField("handover"), bool(msg.data), reply) for peer, msg, reply in calls.pushed
+    ]  # type: ignore[union-attr]
+    assert [s[:3] for s in sent] == [
+        ("b", False, True),
+        ("b", True, False),
+        ("c", False, True),
+        ("c", False, True),
+    ]
+    assert [s[3] is not None for s in sent] == [False, True, False, False]
+    slot = sent[1][3]
+    assert slot is not None and slot.nbytes == t.numel() * 8  # the gradient's, as encoded
+    assert slot.handle.shm not in fake.store, "the try's slot is released when it ends"
+    handed = calls.pushed[1][1]
+    assert isinstance(handed, tensor_pb2.Tensor)
+    assert torch.equal(codec.decode(handed, fake.take(handed.handover, handed.nbytes)), t)
+    second.release()
+    assert fake.store == {}, "the offered outputs go when the push plane releases them"
+
+
+def test_outputs_are_offered_once_for_every_try_and_released_once() -> None:
+    fake = FakeHandover()
+    h = handing(fake)
+    out = outgoing(h, torch.ones(3, dtype=torch.float64))
+    assert out.handed() is out.handed() and len(fake.store) == 1
+    assert out.wire() is out.wire() and out.wire().data == torch.ones(3).double().numpy().tobytes()
+    out.release()
+    out.release()
+    assert fake.store == {}
+
+
+def test_a_replica_without_a_site_hands_nothing_over() -> None:
+    h = handing(FakeHandover(), site="")
+    h.learned("b", "")
+    assert h.handover is None and not h.near("b") and h.forms(["b"]) == (False, True)
+    header = codec.encode(torch.zeros(2), "inputs")
+    assert h.slot(header, codec.CODEC_NONE, 2048) is None
+    with pytest.raises(InvalidArgument, match="no site"):
+        h.take(0, header)
+
+
+@pytest.mark.parametrize("fills", [True, False])
+def test_a_gradient_goes_into_the_callers_slot_when_it_opens(fills: bool) -> None:
+    fake = FakeHandover(fills=fills)
+    messages = Messages(Limits(), StageMetrics("p"))
+    messages.handing = handing(fake)
+    grad = torch.randn(2, 3, dtype=torch.float64)
+    slot = messages.handing.slot(codec.encode(grad, "outputs"), codec.CODEC_NONE, 2048)
+    assert slot is not None
+    [msg] = messages.encode(grad, "grad_inputs", codec.CODEC_NONE, "backward", slot.handle)
+    if fills:  # no bytes in the answer: the caller reads its slot
+        assert msg.HasField("handover") and not msg.data and msg.nbytes == 48
+        assert torch.equal(codec.decode(msg, slot.read()), grad)
+    else:  # the slot did not open from here: the bytes go on the wire
+        assert not msg.HasField("handover") and torch.equal(codec.decode(msg), grad)
