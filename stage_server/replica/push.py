@@ -102,7 +102,6 @@ class PushPlane:
         if rt.job.model.boundary_rank and rt.is_first:  # the token ids go on beside the outputs
             tokens = wire_tokens(inputs, rt.job.model.vocab_size)
         step, site = h.microbatch.step, self.messages.handing.site
-        into = h.reply if h.HasField("reply") else None  # a co-located caller's slot
         here = rt.stage in h.accumulate  # this stage accumulates (and answers a receipt)
         reply = codec.codec_from_name(rt.job.compression.backward)
         maybe_die(Point.FORWARD, step)
@@ -111,6 +110,9 @@ class PushPlane:
             evaluated.site = site
             return evaluated
         record = self._record(h, inputs, targets, None if rt.is_first else tokens)
+        # A co-located caller's slot for the gradient; not where this replica keeps a record: it
+        # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
+        into = h.reply if h.HasField("reply") and record is None else None
         if rt.is_last:
             done = await self.answering.backward_here(
                 rt.forward_backward,
