@@ -236,7 +236,10 @@ def main() -> int:
     ratios = [direct / through for direct, through in pairs]
     median = statistics.median(ratios)
     direct_s = statistics.median(d for d, _ in pairs)
-    rows += [("direct", direct_s), ("swarm relay (loopback)", statistics.median(t for _, t in pairs))]
+    rows += [
+        ("direct", direct_s),
+        ("swarm relay (loopback)", statistics.median(t for _, t in pairs)),
+    ]
     sys.path.insert(0, args.grpctunnel)
     try:
         import grpctunnel  # noqa: F401

@@ -40,7 +40,12 @@ Count = Callable[[int], None]
 
 
 async def splice(
-    a: Stream, b: Stream, chunk: int, count: Count = lambda n: None, *, zero_copy: bool | None = None
+    a: Stream,
+    b: Stream,
+    chunk: int,
+    count: Count = lambda n: None,
+    *,
+    zero_copy: bool | None = None,
 ) -> None:
     """Copy a<->b in two threads until either side ends or fails; then shut both down and close
     them. What each side's reader had read past its head goes first, and what was written to

@@ -50,7 +50,8 @@ class RelayLimits:
     def sized(self, nofile: int) -> RelayLimits:
         """These limits, lowered where they would not fit `nofile` descriptors: a quarter (at
         least 64) is left to the process's own, the rest shared by heads (an eighth), attached
-        peers (an eighth) and tunnels (`TUNNEL_DESCRIPTORS` each); no source takes more than a quarter of any."""
+        peers (an eighth) and tunnels (`TUNNEL_DESCRIPTORS` each); no source takes more than a
+        quarter of any."""
         spare = max(16, nofile - max(64, nofile // 4))
         heads = max(2, min(self.max_heads, spare // 8))
         peers = max(1, min(self.max_peers, spare // 8))
