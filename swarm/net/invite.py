@@ -19,11 +19,11 @@ name an address that, behind NAT, nobody dials. The invite holds them all, in on
   made before this field: nothing implied).
 
 `--join FILE` reads it and fills the command's flags: the peer id, the broker, the scheduler, the
-TLS files and the token files, and a stage server's `--behind-nat` when it is `relay`. The job's data is not in it, nor at a shared path: a stage server
-reads none, and a trainer (`swarm trainer --join FILE --job ID`) fetches it from the scheduler
-it names (`client.job_data`). The TLS code and the MQTT library read paths, so the PEMs and the
-secrets are unpacked into `<cache dir>/join/NAME/`, readable by their owner only; nothing secret
-goes on a command line.
+TLS files and the token files, and a stage server's `--behind-nat` when it is `relay`. The job's
+data is not in it, nor at a shared path: a stage server reads none, and a trainer (`swarm trainer
+--join FILE --job ID`) fetches it from the scheduler it names (`client.job_data`). The TLS code
+and the MQTT library read paths, so the PEMs and the secrets are unpacked into
+`<cache dir>/join/NAME/`, readable by their owner only; nothing secret goes on a command line.
 """
 
 from __future__ import annotations
