@@ -56,12 +56,14 @@ async def splice(
     try:
         for stream in (a, b):
             taken.append(await _take(stream))
-    except (ConnectionError, OSError, TimeoutError):
+    except BaseException as e:  # gone meanwhile, or cancelled: nothing is left open
         for sock, _ in taken:
             sock.close()
         for stream in (a, b):
             stream[1].transport.abort()
-        return
+        if isinstance(e, (ConnectionError, OSError, TimeoutError)):
+            return
+        raise
     (sa, left_a), (sb, left_b) = taken
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
