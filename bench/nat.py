@@ -5,7 +5,7 @@ with every peer public, in the same run; and each run's final parameters against
 (float64).
 
     sudo .venv/bin/python bench/nat.py [--rate 100mbit] [--hub-rate 1gbit] [--steps 10]
-        [--workload d256|tiny] [--natted 4] [--layout pinned|free] [--only ROW] [--reps 1]
+        [--workload d256|tiny] [--natted 4] [--layout pinned|free] [--only ROW] [--reps 2]
         [--json] [--keep-logs] [--one-router]
 
 Hosts. `hub` runs the scheduler (its embedded broker; no embedded trainer) and, in the NAT run, a
@@ -543,8 +543,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--reps",
         type=int,
-        default=1,
-        help="runs of each layout, alternating (public, nat, nat, public, ...)",
+        default=2,
+        help="runs of each layout, alternating (public, nat, nat, public, ...): one run of a "
+        "row is no median",
     )
     parser.add_argument(
         "--one-router",

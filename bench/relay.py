@@ -3,7 +3,12 @@ messages by default) sent direct, through `swarm.relay.server` (a relay process 
 peer's own connections, on loopback) and through grpctunnel-py's reverse tunnel; prints each
 one's MiB/s and its ratio to direct, in one run.
 
-    .venv/bin/python bench/relay.py [--mib 256] [--runs 3] [--grpctunnel /work/gtvenv]
+Direct and relayed run in pairs, the order alternating (direct first, then relayed first, ...),
+so the machine's other load falls on both alike; each pair's ratio (relayed MiB/s over direct
+MiB/s) is printed, then their median and spread, checked against the target (>= 0.5x direct,
+issue 51): PASS or FAIL, and exit status 1 on FAIL.
+
+    .venv/bin/python bench/relay.py [--mib 256] [--pairs 5] [--grpctunnel /work/gtvenv]
 
 Processes: the peer (a gRPC server with a sink method, attached to the relay), the relay, and the
 caller, each its own. grpctunnel-py carries RPCs to handlers registered on its tunnel (not to the
@@ -19,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing as mp
+import statistics
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -40,6 +46,7 @@ SINK = "/bench.Bench/Sink"
 # What the NAT'd peer announces (a relay tunnels only to an address the peer announced): a name
 # nobody resolves, so the relayed row cannot be a direct dial in disguise.
 ANNOUNCED = "nat-peer.invalid"
+TARGET = 0.5  # the relayed stream's share of direct (issue 51, item 8)
 OPTIONS = [("grpc.max_send_message_length", 4 * MiB), ("grpc.max_receive_message_length", 4 * MiB)]
 
 
@@ -112,9 +119,9 @@ async def _stream(call: Any, mib: int) -> float:
     return elapsed
 
 
-async def _interleaved(addresses: list[str], mib: int, runs: int) -> list[float]:
-    """The best seconds of each address, their runs interleaved: the machine's other load
-    falls on all alike."""
+async def _pairs(addresses: list[str], mib: int, pairs: int) -> list[list[float]]:
+    """Seconds of each address per pair, the order alternating from pair to pair (the first
+    address first, then the last first, ...): the machine's other load falls on all alike."""
     async with contextlib.AsyncExitStack() as stack:
         methods = []
         for address in addresses:
@@ -125,11 +132,16 @@ async def _interleaved(addresses: list[str], mib: int, runs: int) -> list[float]
             )
             await _stream(method(), 8)  # warm: the connection, the tunnel
             methods.append(method)
-        best = [float("inf")] * len(addresses)
-        for _ in range(runs):
-            for i, method in enumerate(methods):
-                best[i] = min(best[i], await _stream(method(), mib))
-        return best
+        seconds = []
+        for pair in range(pairs):
+            order = list(range(len(methods)))
+            if pair % 2:
+                order.reverse()
+            took = [0.0] * len(methods)
+            for i in order:
+                took[i] = await _stream(methods[i](), mib)
+            seconds.append(took)
+        return seconds
 
 
 # -- grpctunnel-py -------------------------------------------------------------------------------
@@ -171,7 +183,7 @@ async def _tunnel_caller(mib: int, runs: int, results: Queue[float | str]) -> No
         await channel.wait_for_ready(60)
         method = channel.stream_stream(SINK, _same, _same)
         await _stream(await method(), 8)
-        results.put(min([await _stream(await method(), mib) for _ in range(runs)]))
+        results.put(statistics.median([await _stream(await method(), mib) for _ in range(runs)]))
     except Exception as e:  # the row says why, not a hang
         results.put(f"failed: {type(e).__name__}: {e}")
     finally:
@@ -198,10 +210,10 @@ def _grpctunnel(mib: int, runs: int) -> float | str:
                 p.kill()
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="MiB per stream (1 MiB messages)")
-    ap.add_argument("--runs", type=int, default=3, help="streams per path; the best is kept")
+    ap.add_argument("--pairs", type=int, default=5, help="direct/relayed pairs, order alternating")
     ap.add_argument("--grpctunnel", default="/work/gtvenv", help="where grpctunnel-py is")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -216,31 +228,45 @@ def main() -> None:
     rows: list[tuple[str, float | str]] = []
     try:
         relayed = paths.relayed_address("peer", f"{ANNOUNCED}:{port}", relay)
-        direct, through = asyncio.run(
-            _interleaved([f"127.0.0.1:{port}", relayed], args.mib, args.runs)
-        )
-        rows += [("direct", direct), ("swarm relay (loopback)", through)]
+        pairs = asyncio.run(_pairs([f"127.0.0.1:{port}", relayed], args.mib, args.pairs))
     finally:
         stop.set()
         for c in children:
             c.join(10)
+    ratios = [direct / through for direct, through in pairs]
+    median = statistics.median(ratios)
+    direct_s = statistics.median(d for d, _ in pairs)
+    rows += [
+        ("direct", direct_s),
+        ("swarm relay (loopback)", statistics.median(t for _, t in pairs)),
+    ]
     sys.path.insert(0, args.grpctunnel)
     try:
         import grpctunnel  # noqa: F401
     except ImportError:
         rows.append(("grpctunnel-py reverse tunnel", "skipped: grpctunnel-py not installed"))
     else:
-        rows.append(("grpctunnel-py reverse tunnel", _grpctunnel(args.mib, args.runs)))
-    base = rows[0][1]
-    assert isinstance(base, float)
-    print(f"{args.mib} MiB in 1 MiB messages, best of {args.runs}")
-    print(f"{'path':32} {'MiB/s':>8} {'x direct':>9}")
+        rows.append(("grpctunnel-py reverse tunnel", _grpctunnel(args.mib, args.pairs)))
+    print(f"{args.mib} MiB in 1 MiB messages, {args.pairs} pairs, order alternating")
+    for n, (direct, through) in enumerate(pairs):
+        first = "relayed" if n % 2 else "direct"
+        print(
+            f"pair {n} ({first} first): direct {args.mib / direct:6.0f} MiB/s, relayed "
+            f"{args.mib / through:6.0f} MiB/s, relayed/direct {direct / through:.2f}"
+        )
+    print(f"{'path (median of its runs)':32} {'MiB/s':>8} {'x direct':>9}")
     for name, seconds in rows:
         if isinstance(seconds, str):
             print(f"{name:32} {seconds}")
         else:
-            print(f"{name:32} {args.mib / seconds:8.0f} {base / seconds:9.2f}")
+            print(f"{name:32} {args.mib / seconds:8.0f} {direct_s / seconds:9.2f}")
+    verdict = "PASS" if median >= TARGET else "FAIL"
+    print(
+        f"relayed/direct per pair: median {median:.2f}, spread {min(ratios):.2f}-"
+        f"{max(ratios):.2f}: {verdict} (>= {TARGET}x direct)"
+    )
+    return 0 if verdict == "PASS" else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

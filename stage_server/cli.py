@@ -145,7 +145,7 @@ def _add_relay(p: argparse.ArgumentParser) -> None:
         p,
         "behind-nat",
         "attach to a relay at start (with --broker), not only once the scheduler's dial-back "
-        "finds this server unreachable",
+        "finds this server unreachable (implied by a --join invite made without --host)",
     )
 
 

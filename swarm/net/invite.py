@@ -12,14 +12,18 @@ name an address that, behind NAT, nobody dials. The invite holds them all, in on
   invite, a second GPU, takes `--peer gpu1.NAME`) and any `--host` given, and its key;
 - `token`, `metrics_token`: the swarm's secrets (the metrics token if the swarm has one);
 - `submitter_token`: NAME's submitter token when the scheduler has an admin token
-  (`swarm.net.submitters`), so the friend may export the jobs they submit.
+  (`swarm.net.submitters`), so the friend may export the jobs they submit;
+- `reached`: how callers reach the friend's peer: `relay` when the invite names no `--host` (the
+  friend is behind NAT: `--join` attaches a stage server to a relay at its start, as
+  `--behind-nat` does, so the friend gives no flag of NAT), `direct` with one ("" in an invite
+  made before this field: nothing implied).
 
 `--join FILE` reads it and fills the command's flags: the peer id, the broker, the scheduler, the
-TLS files and the token files. The job's data is not in it, nor at a shared path: a stage server
-reads none, and a trainer (`swarm trainer --join FILE --job ID`) fetches it from the scheduler
-it names (`client.job_data`). The TLS code and the MQTT library read paths, so the PEMs and the
-secrets are unpacked into `<cache dir>/join/NAME/`, readable by their owner only; nothing secret
-goes on a command line.
+TLS files and the token files, and a stage server's `--behind-nat` when it is `relay`. The job's
+data is not in it, nor at a shared path: a stage server reads none, and a trainer (`swarm trainer
+--join FILE --job ID`) fetches it from the scheduler it names (`client.job_data`). The TLS code
+and the MQTT library read paths, so the PEMs and the secrets are unpacked into
+`<cache dir>/join/NAME/`, readable by their owner only; nothing secret goes on a command line.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ class Invite:
     token: str = ""
     metrics_token: str = ""
     submitter_token: str = ""
+    reached: str = ""  # RELAY or DIRECT; "": an older invite, which did not say
+
+
+RELAY, DIRECT = "relay", "direct"
 
 
 def make(
@@ -101,6 +109,7 @@ def make(
         token or "",
         metrics_token or "",
         submitter_token(admin_token, name) if admin_token else "",
+        DIRECT if hosts else RELAY,  # no address of the friend's to dial: behind NAT
     )
 
 
@@ -135,6 +144,8 @@ def read(path: Path) -> Invite:
         values[f.name] = value
     invite = Invite(**values)
     check_submitter_name(invite.name)
+    if invite.reached not in ("", RELAY, DIRECT):
+        raise ConfigError(f"--join {path}: reached is {invite.reached[:16]!r}, not relay or direct")
     if not invite.broker or not invite.scheduler:
         raise ConfigError(f"--join {path} names no broker or no scheduler: ask for a new one")
     return invite
@@ -240,6 +251,8 @@ def apply_join(args: argparse.Namespace) -> Invite | None:
                 "environment variable, or leave out --join"
             )
         setattr(args, dest, value)
+    if invite.reached == RELAY and hasattr(args, "behind_nat"):
+        args.behind_nat = True  # a stage server: attached to a relay from its start
     return invite
 
 
@@ -270,7 +283,8 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="an address the friend's peer is dialled at directly, also in its certificate "
-        "(repeatable; behind NAT give none: the relay reaches it by its peer id)",
+        "(repeatable; behind NAT give none: the relay reaches it by its peer id, and its "
+        "stage server attaches to a relay at its start, as with --behind-nat)",
     )
     p.add_argument("--days", type=int, default=365, help="the certificate's validity")
     add_token(p)
@@ -297,10 +311,15 @@ def run(command: str, args: argparse.Namespace) -> int:
         days=args.days,
     )
     write(invite, out)
+    nat = (
+        "\nNo --host: their peer is behind NAT, and attaches to a relay at its start"
+        if invite.reached == RELAY
+        else ""
+    )
     print(
         f"wrote {out} (0600: it holds the swarm token{' and a private key' if invite.key else ''})"
         f"; send it to {args.name} privately. They run:\n"
         f"  swarm doctor --join {out.name}\n"
-        f"  swarm stage-server --join {out.name} --device cuda:0"
+        f"  swarm stage-server --join {out.name} --device cuda:0{nat}"
     )
     return 0

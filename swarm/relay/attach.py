@@ -28,8 +28,9 @@ from typing import Protocol
 
 from swarm.policy.backoff import Backoff
 from swarm.relay.auth import attach_proof, data_proof
+from swarm.relay.copier import splice
 from swarm.relay.identity import AttachKey, challenge
-from swarm.relay.wire import PROTOCOL, close, splice
+from swarm.relay.wire import PROTOCOL, close
 
 __all__ = ["GRPC", "METRICS", "Attachment", "Pauses", "split_host_port"]
 

@@ -2,7 +2,8 @@
 descriptors its process may open (`RelayLimits.sized`, `raise_nofile`).
 
 Every connection a relay holds is a descriptor: a request head being read, an attached peer's
-control connection, a tunnel's two (the caller's and the peer's data connection). A relay whose
+control connection, a tunnel's six (the caller's and the peer's data connection, and the two
+pipes its copy threads splice through, `swarm.relay.copier`). A relay whose
 limits add up to more than its process's `RLIMIT_NOFILE` can be made to run out of them, and a
 process out of descriptors accepts nothing, a stage server's own calls included under `--relay`.
 So the soft limit is raised to the hard one at start, and the limits are lowered to fit it.
@@ -21,7 +22,11 @@ import resource
 from collections import Counter
 from dataclasses import dataclass, replace
 
-__all__ = ["RelayLimits", "nofile", "raise_nofile", "release", "source_of"]
+__all__ = ["TUNNEL_DESCRIPTORS", "RelayLimits", "nofile", "raise_nofile", "release", "source_of"]
+
+TUNNEL_DESCRIPTORS = 6
+"""What one tunnel holds open: its two connections and its two copy threads' pipes (two ends
+each). A tunnel also holds two threads, so the tunnel caps bound the relay's threads too."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,7 @@ class RelayLimits:
     max_peers: int = 256  # peers attached at once
     max_peers_per_source: int = 32  # attached from one source (one home's router, say)
     max_tunnels_per_peer: int = 64  # a peer's concurrent tunnels (a gRPC channel uses one)
-    max_tunnels: int = 1024  # tunnels in all (two descriptors each, and the peer's one)
+    max_tunnels: int = 1024  # tunnels in all (six descriptors and two threads each)
     max_tunnels_per_source: int = 256  # opened by one caller's source
     max_heads: int = 128  # connections still sending their request head
     max_heads_per_source: int = 16
@@ -40,16 +45,17 @@ class RelayLimits:
     probe_s: float = 5.0  # a live attachment answers a ping within this, or is replaced
     ping_s: float = 10.0  # how often an attached peer is pinged
     dead_after_s: float = 35.0  # an attached peer silent this long is dropped
-    chunk_bytes: int = 256 * 1024  # a splice's read; with the stream buffers, its memory bound
+    chunk_bytes: int = 256 * 1024  # a splice's read and pipe: with the sockets', its memory
 
     def sized(self, nofile: int) -> RelayLimits:
         """These limits, lowered where they would not fit `nofile` descriptors: a quarter (at
         least 64) is left to the process's own, the rest shared by heads (an eighth), attached
-        peers (an eighth) and tunnels (two each); no source takes more than a quarter of any."""
+        peers (an eighth) and tunnels (`TUNNEL_DESCRIPTORS` each); no source takes more than a
+        quarter of any."""
         spare = max(16, nofile - max(64, nofile // 4))
         heads = max(2, min(self.max_heads, spare // 8))
         peers = max(1, min(self.max_peers, spare // 8))
-        tunnels = max(1, min(self.max_tunnels, (spare - heads - peers) // 2))
+        tunnels = max(1, min(self.max_tunnels, (spare - heads - peers) // TUNNEL_DESCRIPTORS))
 
         def share(limit: int, of: int) -> int:
             return max(1, min(limit, of if of < 8 else of // 4))

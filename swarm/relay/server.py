@@ -45,6 +45,7 @@ from swarm.relay.auth import (
     same,
 )
 from swarm.relay.control import Attached, Peers
+from swarm.relay.copier import splice
 from swarm.relay.limits import RelayLimits, nofile, release, source_of
 from swarm.relay.wire import (
     PROTOCOL,
@@ -56,7 +57,6 @@ from swarm.relay.wire import (
     linger,
     origin_form,
     read_head,
-    splice,
 )
 
 __all__ = ["RelayLimits", "RelayServer"]

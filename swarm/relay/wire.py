@@ -1,6 +1,6 @@
 """The bytes a relay and the peers it carries exchange: a request head (HTTP/1.1-like: a request
-line, headers, a blank line), read bounded in size and time, and the splice that copies a tunnel
-byte for byte, never reading more than a bounded amount ahead of the side it writes to.
+line, headers, a blank line), read bounded in size and time, and how a refused one is answered.
+What a tunnel carries once joined is copied byte for byte by `swarm.relay.copier`.
 
 Requests on a relay's one port (`swarm.relay.server`):
 - `CONNECT host:port HTTP/1.1` + `Proxy-Authorization: Basic ...`: a caller's tunnel (what
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 __all__ = [
     "PROTOCOL",
@@ -37,7 +35,6 @@ __all__ = [
     "linger",
     "origin_form",
     "read_head",
-    "splice",
 ]
 
 PROTOCOL = "SWARM-RELAY/1"
@@ -118,99 +115,6 @@ def origin_form(head: Head) -> tuple[str, bytes] | None:
     lines = [f"{head.method} /{path if slash else ''} {head.version}"]
     lines += [f"{k}: {v}" for k, v in head.headers.items() if k not in _HOP]
     return authority, "\r\n".join([*lines, "Connection: close", "", ""]).encode("latin-1")
-
-
-class _Pump(asyncio.Protocol):
-    """One side of a splice: what its transport receives is written to the other side's at once
-    (no copy into a stream buffer, no task switch). Flow control is the transports' own: when
-    the other side's write buffer passes its high-water mark, this side stops reading from its
-    socket until it drains, so memory stays bounded whatever the two sides' speeds."""
-
-    def __init__(self, count: Callable[[int], None], ended: asyncio.Future[None]) -> None:
-        self.count, self.ended = count, ended
-        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.mine: asyncio.Transport | None = None
-        self.other: asyncio.Transport | None = None
-
-    def data_received(self, data: bytes) -> None:
-        assert self.other is not None
-        self.other.write(data)
-        self.count(len(data))
-
-    def eof_received(self) -> bool:
-        self._end()
-        return False  # close
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._end()
-        if not self.lost.done():
-            self.lost.set_result(None)
-
-    def pause_writing(self) -> None:  # this side's write buffer is full: stop reading the other
-        if self.other is not None:
-            self.other.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.other is not None and not self.other.is_closing():
-            self.other.resume_reading()
-
-    def _end(self) -> None:
-        if not self.ended.done():
-            self.ended.set_result(None)
-
-
-def _take(
-    stream: tuple[asyncio.StreamReader, asyncio.StreamWriter], pump: _Pump
-) -> tuple[asyncio.Transport, bytes]:
-    """Hand `stream`'s transport to `pump`; the bytes its reader had read past the head."""
-    transport: Any = stream[1].transport
-    # The head was read through a StreamReader, which may hold bytes that followed it (only
-    # its private buffer says so): they are passed on first.
-    leftover = bytes(getattr(stream[0], "_buffer", b""))
-    transport.set_protocol(pump)
-    pump.mine = transport
-    return transport, leftover
-
-
-async def splice(
-    a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-    b: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-    chunk: int,
-    count: Callable[[int], None] = lambda n: None,
-) -> None:
-    """Copy a<->b until either side ends or fails; then close both (what was read is still
-    written first). No half-closed tunnel lingers: gRPC's HTTP/2 never half-closes a
-    connection, and a side that did could otherwise hold the tunnel's slot for ever. `chunk`
-    bounds each transport's write buffer (its high-water mark)."""
-    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    pa, pb = _Pump(count, ended), _Pump(count, ended)
-    ta, left_a = _take(a, pa)
-    tb, left_b = _take(b, pb)
-    pa.other, pb.other = tb, ta
-    for transport in (ta, tb):
-        transport.set_write_buffer_limits(high=chunk)
-    for leftover, to in ((left_a, tb), (left_b, ta)):
-        if leftover:
-            to.write(leftover)
-            count(len(leftover))
-    for transport in (ta, tb):
-        if transport.is_closing():  # gone while the head was read: the splice ends at once
-            pa._end()
-        else:
-            transport.resume_reading()  # a StreamReader with a full buffer paused it
-    try:
-        await ended
-    finally:
-        # Closed here, not through the writers: their protocol was handed over, so only the
-        # pumps hear the connections go.
-        for transport in (ta, tb):
-            transport.close()
-        try:
-            async with asyncio.timeout(1.0):  # a peer that stopped reading: its bytes dropped
-                await asyncio.gather(pa.lost, pb.lost)
-        except TimeoutError:
-            ta.abort()
-            tb.abort()
 
 
 async def close(writer: asyncio.StreamWriter) -> None:

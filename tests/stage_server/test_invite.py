@@ -24,6 +24,7 @@ from swarm.net import invite
 from swarm.net.addresses import peer_host
 from swarm.net.certs import init_ca, issue
 from tests.support.cli import swarm
+from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -135,6 +136,8 @@ def test_a_stage_server_joins_with_the_invite(
     )
     try:
         ready = peer.wait_ready(90)
+        # An invite without --host: behind NAT, attached to a relay from its start, no flag given.
+        wait_until_blocking(lambda: "behind NAT" in peer.log(), "the peer says it is behind NAT")
     finally:
         peer.stop()
     assert ready["peer"] == "alice", ready
