@@ -95,6 +95,11 @@ class ModelConfig(Section):
         if self.boundary_rank >= self.d_model:  # never a silent full boundary
             allowed = f"0 (the full boundary) or 1..{self.d_model - 1} (below model.d_model)"
             raise not_allowed("model.boundary_rank", self.boundary_rank, allowed)
+        if not math.isfinite(self.boundary_table) or (
+            self.boundary_table != ModelConfig.boundary_table and not self.boundary_rank
+        ):  # a table without a subspace would change the print and nothing else
+            allowed = "a finite std >= 0, set with model.boundary_rank"
+            raise not_allowed("model.boundary_table", self.boundary_table, allowed)
         if self.n_layers > MAX_LAYERS:
             allowed = f"an integer in 1..{MAX_LAYERS} (swarm's MAX_LAYERS)"
             raise not_allowed("model.n_layers", self.n_layers, allowed)

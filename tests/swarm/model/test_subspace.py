@@ -179,3 +179,52 @@ def test_token_ids_travel_narrow(tmp_path: Path) -> None:
     ids = torch.tensor([[0, 255]])
     assert wire_tokens(ids, 256).dtype == torch.uint8
     assert wire_tokens(ids, 50_000).dtype == torch.int32
+
+
+@pytest.mark.parametrize("table", [0.0, 0.5])
+def test_any_table_std_keeps_the_boundary_exact(tmp_path: Path, table: float) -> None:
+    job = _job(tmp_path, boundary_table=table)
+    ids, targets = _batch(job)
+    whole = build_model(job)
+    loss_sum(whole(ids), targets).backward()
+    stages = [build_stage(job, k) for k in range(3)]
+    leaves, outs = _chain(stages, ids)
+    loss_sum(outs[-1], targets).backward()
+    for k in range(len(stages) - 2, -1, -1):
+        outs[k].backward(leaves[k + 1].grad)
+    theirs = dict(whole.named_parameters())
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            assert p.grad is not None and theirs[name].grad is not None, name
+            torch.testing.assert_close(p.grad, theirs[name].grad, rtol=0, atol=1e-12)
+
+
+def test_the_table_std_scales_the_fixed_table_and_leaves_the_basis(tmp_path: Path) -> None:
+    default, none, wide = (
+        subspace_of(_job(tmp_path, **extra))
+        for extra in ({}, {"boundary_table": 0.0}, {"boundary_table": 0.5})
+    )
+    assert default is not None and none is not None and wide is not None
+    assert torch.equal(default.basis, none.basis) and torch.equal(default.basis, wide.basis)
+    assert not none.tokens.any() and not none.positions.any()  # 0: no fixed table at all
+    torch.testing.assert_close(wide.tokens, default.tokens * 25, rtol=1e-12, atol=0)
+    assert abs(float(wide.tokens.std()) - 0.5) < 0.05
+
+
+def test_the_table_std_is_part_of_the_fingerprint_only_when_set(tmp_path: Path) -> None:
+    assert fingerprint(_job(tmp_path)) == fingerprint(_job(tmp_path, boundary_table=0.02))
+    assert fingerprint(_job(tmp_path)) != fingerprint(_job(tmp_path, boundary_table=0.0))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"boundary_rank": 4, "boundary_table": -0.1},
+        {"boundary_rank": 4, "boundary_table": float("inf")},
+        {"boundary_rank": 4, "boundary_table": float("nan")},
+        {"boundary_table": 0.0},  # a table without a subspace: no boundary to rebuild
+    ],
+)
+def test_a_bad_table_std_is_refused_by_name(tmp_path: Path, model: Any) -> None:
+    with pytest.raises(ConfigError, match=r"model\.boundary_table"):
+        make_job(tmp_path, model=model)
