@@ -2,7 +2,7 @@
 workload trained for the same steps with each boundary setting, its validation loss against the
 plain model's (no subspace, no codec), and its bytes per token per boundary each way.
 
-    .venv/bin/python bench/boundary_loss.py [--rows "r64+hadamard3, r96+bf16; table=0, ..."]
+    .venv/bin/python bench/subspace_tune.py [--rows "r64+hadamard3, r96+bf16; table=0, ..."]
         [--workload d320|small] [--steps 480] [--eval-microbatches 4] [--workers 2] [--json]
 
 A row is `full` or `r<rank>`, optionally `+<codec>` (bf16, int8_blockwise, hadamard3: both
@@ -66,7 +66,7 @@ def job_of(args: argparse.Namespace, rank: int, keys: dict[str, str]) -> JobConf
     row = boundary.Row("subspace" if rank else "full", bool(rank), "none")
     text = boundary.job_text(ns, row, args.steps, args.steps)
     text = text.replace("eval_microbatches = 4", f"eval_microbatches = {args.eval_microbatches}")
-    return parse_job(text, boundary.ROOT, "boundary-loss")
+    return parse_job(text, boundary.ROOT, "subspace-tune")
 
 
 class _Wire(torch.autograd.Function):
