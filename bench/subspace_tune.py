@@ -1,23 +1,27 @@
-"""The boundary's equal-step loss (issue 52), deterministic and in one process: bench/boundary.py's
-workload trained for the same steps with each boundary setting, its validation loss against the
-plain model's (no subspace, no codec), and its bytes per token per boundary each way.
+"""The subspace boundary's settings by equal-step validation loss (issue 52), deterministic and in
+one process: bench/boundary.py's workload trained for the same steps with each setting (rank,
+codec, `[model]` keys such as `boundary_table`), its loss against the plain model's (no subspace,
+no codec) and its bytes per token per boundary each way. What bench/boundary.py's table needs
+from the loss columns, without namespaces or root, and fast enough to sweep.
 
-    .venv/bin/python bench/subspace_tune.py [--rows "r64+hadamard3, r96+bf16; table=0, ..."]
-        [--workload d320|small] [--steps 480] [--eval-microbatches 4] [--workers 2] [--json]
+    .venv/bin/python bench/subspace_tune.py [--rows "r96+hadamard3, r48+hadamard3; table=0.05"]
+        [--workload d320|small] [--steps 480] [--eval-every 0] [--eval-microbatches 4]
+        [--workers 2] [--base-loss LOSS] [--json]
 
 A row is `full` or `r<rank>`, optionally `+<codec>` (bf16, int8_blockwise, hadamard3: both
-directions), optionally `; key=value ...` (more `[model]` keys, e.g. `table=0` for
-`boundary_table = 0`). The plain row (`full`) always runs first: every penalty is against it.
+directions), optionally `; key=value ...`: more `[model]` keys (`table=0.05` is
+`boundary_table = 0.05`). The plain row (`full`) runs first and every penalty is against it,
+unless `--base-loss` gives its loss from an earlier run of the same flags.
 
-Each row builds the job's 4 stages (`build_stage`, as the stage servers do) and chains them in one
-process; at each boundary the forward tensor and, backward, its gradient go through the row's codec
-exactly as the wire encodes and decodes them (`swarm.wire.codec`), so a row's loss is the swarm's
-on the push plane without the network (a row without a codec is `swarm local`'s model up to
-float32 rounding). The step is `swarm local`'s (`train_local`: the same microbatches, clipping per
-stage, optimizer). Bytes per token are the encoded payload's, measured on the first microbatch
-(the token ids, 1 byte per token per hop, travel beside and are not counted, as the stage servers'
-`swarm_stage_boundary_bytes_sent_total` does not count them). No namespaces, no root: the loss
-columns of bench/boundary.py's table, not its times.
+Each row builds the job's 4 stages as stage servers do (`build_stage`) and chains them in one
+process; at every boundary the forward tensor and, backward, its gradient go through the row's
+codec exactly as the wire encodes and decodes them (`swarm.wire.codec`): a row computes what the
+swarm does on the push plane with `[compression] wire = codec` (without a codec, `swarm local`'s
+model, up to float32 rounding). The step is `swarm local`'s (`train_local`: the same microbatches,
+per-stage clipping, optimizer). `--eval-every` adds evaluations along the way (each printed to
+stderr as it comes, so a long sweep's partial curves can be read). Bytes per token are the
+encoded payload's (the token ids, 1 byte per token per hop for bytes, travel beside and are not
+counted, as the stage servers' `swarm_stage_boundary_bytes_sent_total` does not count them).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import boundary  # noqa: E402  (puts the repository root on sys.path too)
 
 from swarm.job.config import JobConfig, parse_job  # noqa: E402
 from swarm.model import reference  # noqa: E402
+from swarm.model.data import make_data  # noqa: E402
 from swarm.model.transformer import build_stage  # noqa: E402
 from swarm.wire.codec import codec_from_name, decode, encode  # noqa: E402
 
@@ -64,7 +69,7 @@ def job_of(args: argparse.Namespace, rank: int, keys: dict[str, str]) -> JobConf
     more = "; ".join(f"{k} = {v}" for k, v in keys.items())
     ns = argparse.Namespace(workload=args.workload, rank=rank, subspace_keys=more)
     row = boundary.Row("subspace" if rank else "full", bool(rank), "none")
-    text = boundary.job_text(ns, row, args.steps, args.steps)
+    text = boundary.job_text(ns, row, args.steps, args.eval_every or args.steps)
     text = text.replace("eval_microbatches = 4", f"eval_microbatches = {args.eval_microbatches}")
     return parse_job(text, boundary.ROOT, "subspace-tune")
 
@@ -94,10 +99,10 @@ class Chained(nn.Module):
 
     def __init__(self, job: JobConfig, codec: str) -> None:
         super().__init__()
-        self.stages = nn.ModuleList(
-            build_stage(job, k) for k in range(job.training.stages)
-        )
-        self.layers = {k: v for s in self.stages for k, v in s.layers.items()}
+        self.stages = [build_stage(job, k) for k in range(job.training.stages)]
+        for k, stage in enumerate(self.stages):
+            self.add_module(f"stage{k}", stage)
+        self.layers = {i: layer for s in self.stages for i, layer in s.layers.items()}
         self.codec, self.block = codec_from_name(codec), job.compression.block_size
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -127,15 +132,23 @@ def run(args: argparse.Namespace, row: str) -> dict[str, Any]:
         return built[0]
 
     evals: list[tuple[int, float]] = []
+
+    def on_step(r: Any) -> None:
+        if r.val_loss is not None:  # as it comes: a long sweep's partial curves are readable
+            evals.append((r.step, r.val_loss))
+            print(
+                json.dumps({"row": name, "step": r.step, "val_loss": r.val_loss}),
+                file=sys.stderr,
+                flush=True,
+            )
+
     original = reference.build_model
     reference.build_model = chained  # type: ignore[assignment]
     try:
-        reference.train_local(
-            job, on_step=lambda r: evals.append((r.step, r.val_loss)) if r.val_loss else None
-        )
+        reference.train_local(job, on_step=on_step)
     finally:
         reference.build_model = original
-    ids = reference.make_data(job).microbatch(0, 0)[0]
+    ids = make_data(job).microbatch(0, 0)[0]
     return {
         "row": name,
         "bytes_per_token": built[0].bytes_per_token(ids),
@@ -146,28 +159,34 @@ def run(args: argparse.Namespace, row: str) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="r32; r32+hadamard3; r64+hadamard3; r96+hadamard3")
+    parser.add_argument("--rows", default="r96+hadamard3, r48+hadamard3")
     parser.add_argument("--workload", choices=sorted(boundary.WORKLOADS), default="d320")
     parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--eval-microbatches", type=int, default=4)
+    parser.add_argument("--eval-every", type=int, default=0, help="0: at the end only")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--base-loss", type=float, help="the plain row's loss, known: not rerun")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = ["full", *(r.strip() for r in args.rows.split(",") if r.strip() and r.strip() != "full")]
+    rows = [r.strip() for r in args.rows.split(",") if r.strip() and r.strip() != "full"]
+    rows = rows if args.base_loss is not None else ["full", *rows]
     for row in rows:
         parse_row(row)
     with ProcessPoolExecutor(args.workers) as pool:
         results = list(pool.map(run, [args] * len(rows), rows))
     bf16 = 2 * boundary.WORKLOADS[args.workload]["d_model"]
-    base = results[0]["val_loss"]
+    base = results[0]["val_loss"] if args.base_loss is None else args.base_loss
     for r in results:
         r["fewer_than_bf16"] = bf16 / r["bytes_per_token"]
         r["penalty"] = r["val_loss"] / base - 1
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"workload {args.workload}, {args.steps} steps, validation on {args.eval_microbatches} microbatches")
-    print("| row | B/token each way | x fewer than bf16 | val loss | penalty |\n|---|---|---|---|---|")
+    val = f"validation on {args.eval_microbatches} microbatches"
+    print(f"workload {args.workload}, {args.steps} steps, {val}")
+    print(
+        "| row | B/token each way | x fewer than bf16 | val loss | penalty |\n|---|---|---|---|---|"
+    )
     for r in results:
         print(
             f"| {r['row']} | {r['bytes_per_token']:.1f} | {r['fewer_than_bf16']:.1f} | "
