@@ -89,7 +89,7 @@ class ModelConfig(Section):
     boundary_rank: int = _f(0, GE0)
     #: the subspace boundary's fixed table E: the std of each entry (token rows, gpt's position
     #: rows too), drawn from the job's seed; 0: no fixed table (`swarm.model.subspace`)
-    boundary_table: float = _f(0.05, GE0)
+    boundary_table: float = _f(0.1, GE0)
 
     def _validate(self) -> None:
         if self.boundary_rank >= self.d_model:  # never a silent full boundary

@@ -76,8 +76,11 @@ def test_what_crosses_a_boundary_is_rank_coefficients_and_rebuilds_the_residual(
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_the_stages_give_the_whole_models_logits_and_gradients(tmp_path: Path, kind: str) -> None:
-    job = _job(tmp_path, kind)
+@pytest.mark.parametrize("table", [None, 0.0, 0.5])  # any table std keeps the boundary exact
+def test_the_stages_give_the_whole_models_logits_and_gradients(
+    tmp_path: Path, kind: str, table: float | None
+) -> None:
+    job = _job(tmp_path, kind, **({} if table is None else {"boundary_table": table}))
     ids, targets = _batch(job)
     whole = build_model(job)
     loss_sum(whole(ids), targets).backward()
@@ -181,24 +184,6 @@ def test_token_ids_travel_narrow(tmp_path: Path) -> None:
     assert wire_tokens(ids, 50_000).dtype == torch.int32
 
 
-@pytest.mark.parametrize("table", [0.0, 0.5])
-def test_any_table_std_keeps_the_boundary_exact(tmp_path: Path, table: float) -> None:
-    job = _job(tmp_path, boundary_table=table)
-    ids, targets = _batch(job)
-    whole = build_model(job)
-    loss_sum(whole(ids), targets).backward()
-    stages = [build_stage(job, k) for k in range(3)]
-    leaves, outs = _chain(stages, ids)
-    loss_sum(outs[-1], targets).backward()
-    for k in range(len(stages) - 2, -1, -1):
-        outs[k].backward(leaves[k + 1].grad)
-    theirs = dict(whole.named_parameters())
-    for stage in stages:
-        for name, p in stage.named_parameters():
-            assert p.grad is not None and theirs[name].grad is not None, name
-            torch.testing.assert_close(p.grad, theirs[name].grad, rtol=0, atol=1e-12)
-
-
 def test_the_table_std_scales_the_fixed_table_and_leaves_the_basis(tmp_path: Path) -> None:
     default, none, wide = (
         subspace_of(_job(tmp_path, **extra))
@@ -207,12 +192,12 @@ def test_the_table_std_scales_the_fixed_table_and_leaves_the_basis(tmp_path: Pat
     assert default is not None and none is not None and wide is not None
     assert torch.equal(default.basis, none.basis) and torch.equal(default.basis, wide.basis)
     assert not none.tokens.any() and not none.positions.any()  # 0: no fixed table at all
-    torch.testing.assert_close(wide.tokens, default.tokens * 10, rtol=1e-12, atol=0)
+    torch.testing.assert_close(wide.tokens, default.tokens * 5, rtol=1e-12, atol=0)
     assert abs(float(wide.tokens.std()) - 0.5) < 0.05
 
 
 def test_the_table_std_is_part_of_the_fingerprint_only_when_set(tmp_path: Path) -> None:
-    assert fingerprint(_job(tmp_path)) == fingerprint(_job(tmp_path, boundary_table=0.05))
+    assert fingerprint(_job(tmp_path)) == fingerprint(_job(tmp_path, boundary_table=0.1))
     assert fingerprint(_job(tmp_path)) != fingerprint(_job(tmp_path, boundary_table=0.0))
     assert fingerprint(_job(tmp_path)) != fingerprint(_job(tmp_path, boundary_table=0.02))
 
