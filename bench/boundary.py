@@ -6,7 +6,7 @@ compute, decide, for the full boundary and a small one, each with and without a 
 all rows measured in one run, over links shaped from this run's own unshaped compute rate.
 
     sudo .venv/bin/python bench/boundary.py [--rows full,full+codec,subspace,subspace+codec]
-        [--codec hadamard3] [--rank 64] [--subspace-keys "k = v; ..."] [--factor 32]
+        [--codec hadamard3] [--rank 48] [--subspace-keys "k = v; ..."] [--factor 32]
         [--workload d320|small] [--max-steps 480]
         [--eval-every 16] [--target-step 240] [--agree 0.05] [--max-windows 6]
         [--timeout 1800] [--quick] [--keep-logs] [--json]
@@ -447,7 +447,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated (full always runs); the subspace rows need [model] boundary_rank",
     )
     parser.add_argument("--codec", default="hadamard3", help="the +codec rows' wire codec")
-    parser.add_argument("--rank", type=int, default=64, help="the subspace rows' boundary_rank")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=48,
+        help="the subspace rows' boundary_rank (48: >= 32x with hadamard3)",
+    )
     parser.add_argument(
         "--subspace-keys", default="", help='more [model] keys of the subspace rows: "k = v; ..."'
     )

@@ -87,11 +87,19 @@ class ModelConfig(Section):
     init_sha256: str | None = None
     #: features per token crossing each stage boundary (`swarm.model.subspace`); 0: all d_model
     boundary_rank: int = _f(0, GE0)
+    #: the subspace boundary's fixed table E: the std of each entry (token rows, gpt's position
+    #: rows too), drawn from the job's seed; 0: no fixed table (`swarm.model.subspace`)
+    boundary_table: float = _f(0.1, GE0)
 
     def _validate(self) -> None:
         if self.boundary_rank >= self.d_model:  # never a silent full boundary
             allowed = f"0 (the full boundary) or 1..{self.d_model - 1} (below model.d_model)"
             raise not_allowed("model.boundary_rank", self.boundary_rank, allowed)
+        if not math.isfinite(self.boundary_table) or (
+            self.boundary_table != ModelConfig.boundary_table and not self.boundary_rank
+        ):  # a table without a subspace would change the print and nothing else
+            allowed = "a finite std >= 0, set with model.boundary_rank"
+            raise not_allowed("model.boundary_table", self.boundary_table, allowed)
         if self.n_layers > MAX_LAYERS:
             allowed = f"an integer in 1..{MAX_LAYERS} (swarm's MAX_LAYERS)"
             raise not_allowed("model.n_layers", self.n_layers, allowed)

@@ -59,7 +59,9 @@ class Subspace(nn.Module):
         q, _ = torch.linalg.qr(torch.randn(d_model, rank, generator=gen, dtype=torch.float64))
         self.register_buffer("basis", q.contiguous(), persistent=False)
         # The fixed table carries each token's identity in every direction (the learned part
-        # only in span(U)); scaled as the learned embedding is initialised.
+        # only in span(U)); `scale` is the job's `model.boundary_table` (0: no table). Its
+        # default, 0.1, is above the learned embedding's initial 0.02: at d_model 320 the
+        # larger table cost far less loss per step (docs/compression.md, "Tuning").
         table = torch.randn(vocab, d_model, generator=gen, dtype=torch.float64) * scale
         self.register_buffer("tokens", table, persistent=False)
         pos = torch.randn(positions, d_model, generator=gen, dtype=torch.float64) * scale

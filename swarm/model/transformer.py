@@ -352,7 +352,7 @@ def subspace_of(job: JobConfig) -> Subspace | None:
         return None
     positions = cfg.seq_len if cfg.kind == "gpt" else 0  # llama: rotary, nothing to add
     rank, seed = cfg.boundary_rank, job.training.seed
-    return Subspace(cfg.d_model, rank, cfg.vocab_size, positions, seed, _INIT_STD)
+    return Subspace(cfg.d_model, rank, cfg.vocab_size, positions, seed, cfg.boundary_table)
 
 
 def _stage_layers(job: JobConfig, stage: int) -> range:

@@ -76,8 +76,11 @@ def test_what_crosses_a_boundary_is_rank_coefficients_and_rebuilds_the_residual(
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_the_stages_give_the_whole_models_logits_and_gradients(tmp_path: Path, kind: str) -> None:
-    job = _job(tmp_path, kind)
+@pytest.mark.parametrize("table", [None, 0.0, 0.5])  # any table std keeps the boundary exact
+def test_the_stages_give_the_whole_models_logits_and_gradients(
+    tmp_path: Path, kind: str, table: float | None
+) -> None:
+    job = _job(tmp_path, kind, **({} if table is None else {"boundary_table": table}))
     ids, targets = _batch(job)
     whole = build_model(job)
     loss_sum(whole(ids), targets).backward()
@@ -179,3 +182,35 @@ def test_token_ids_travel_narrow(tmp_path: Path) -> None:
     ids = torch.tensor([[0, 255]])
     assert wire_tokens(ids, 256).dtype == torch.uint8
     assert wire_tokens(ids, 50_000).dtype == torch.int32
+
+
+def test_the_table_std_scales_the_fixed_table_and_leaves_the_basis(tmp_path: Path) -> None:
+    default, none, wide = (
+        subspace_of(_job(tmp_path, **extra))
+        for extra in ({}, {"boundary_table": 0.0}, {"boundary_table": 0.5})
+    )
+    assert default is not None and none is not None and wide is not None
+    assert torch.equal(default.basis, none.basis) and torch.equal(default.basis, wide.basis)
+    assert not none.tokens.any() and not none.positions.any()  # 0: no fixed table at all
+    torch.testing.assert_close(wide.tokens, default.tokens * 5, rtol=1e-12, atol=0)
+    assert abs(float(wide.tokens.std()) - 0.5) < 0.05
+
+
+def test_the_table_std_is_part_of_the_fingerprint_only_when_set(tmp_path: Path) -> None:
+    assert fingerprint(_job(tmp_path)) == fingerprint(_job(tmp_path, boundary_table=0.1))
+    assert fingerprint(_job(tmp_path)) != fingerprint(_job(tmp_path, boundary_table=0.0))
+    assert fingerprint(_job(tmp_path)) != fingerprint(_job(tmp_path, boundary_table=0.02))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"boundary_rank": 4, "boundary_table": -0.1},
+        {"boundary_rank": 4, "boundary_table": float("inf")},
+        {"boundary_rank": 4, "boundary_table": float("nan")},
+        {"boundary_table": 0.0},  # a table without a subspace: no boundary to rebuild
+    ],
+)
+def test_a_bad_table_std_is_refused_by_name(tmp_path: Path, model: Any) -> None:
+    with pytest.raises(ConfigError, match=r"model\.boundary_table"):
+        make_job(tmp_path, model=model)
