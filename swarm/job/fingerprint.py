@@ -70,6 +70,7 @@ _LATER_KEYS = (
     ("model", "rope_theta"),
     ("model", "norm_eps"),
     ("model", "boundary_rank"),
+    ("model", "boundary_bottleneck"),
     ("training", "grad_clip"),
     ("training", "precision"),
     ("training", "delayed_update"),

@@ -87,11 +87,17 @@ class ModelConfig(Section):
     init_sha256: str | None = None
     #: features per token crossing each stage boundary (`swarm.model.subspace`); 0: all d_model
     boundary_rank: int = _f(0, GE0)
+    #: learned features per token crossing each boundary (`swarm.model.bottleneck`); 0: none
+    boundary_bottleneck: int = _f(0, GE0)
 
     def _validate(self) -> None:
-        if self.boundary_rank >= self.d_model:  # never a silent full boundary
-            allowed = f"0 (the full boundary) or 1..{self.d_model - 1} (below model.d_model)"
-            raise not_allowed("model.boundary_rank", self.boundary_rank, allowed)
+        for key in ("boundary_rank", "boundary_bottleneck"):  # never a silent full boundary
+            if getattr(self, key) >= self.d_model:
+                allowed = f"0 (the full boundary) or 1..{self.d_model - 1} (below model.d_model)"
+                raise not_allowed(f"model.{key}", getattr(self, key), allowed)
+        if self.boundary_rank and self.boundary_bottleneck:
+            allowed = "0 with model.boundary_rank (one small boundary at a time)"
+            raise not_allowed("model.boundary_bottleneck", self.boundary_bottleneck, allowed)
         if self.n_layers > MAX_LAYERS:
             allowed = f"an integer in 1..{MAX_LAYERS} (swarm's MAX_LAYERS)"
             raise not_allowed("model.n_layers", self.n_layers, allowed)
@@ -371,12 +377,14 @@ class JobConfig:
         if self.training.stages > self.model.n_layers + 2:  # embedding + blocks + head
             allowed = f"an integer <= model.n_layers + 2 = {self.model.n_layers + 2}"
             raise not_allowed("training.stages", self.training.stages, allowed)
-        if self.model.boundary_rank and self.training.stages < 2:  # no boundary to narrow
-            allowed = "0 with training.stages = 1 (a subspace boundary needs two stages or more)"
-            raise not_allowed("model.boundary_rank", self.model.boundary_rank, allowed)
-        if self.model.boundary_rank and self.model.init_from is not None:
-            allowed = "0 with model.init_from (a full model's weights leave the subspace)"
-            raise not_allowed("model.boundary_rank", self.model.boundary_rank, allowed)
+        for key, why in (("boundary_rank", "leave the subspace"), ("boundary_bottleneck", "lack it")):
+            value = getattr(self.model, key)
+            if value and self.training.stages < 2:  # no boundary to narrow
+                allowed = "0 with training.stages = 1 (a small boundary needs two stages or more)"
+                raise not_allowed(f"model.{key}", value, allowed)
+            if value and self.model.init_from is not None:
+                allowed = f"0 with model.init_from (a full model's weights {why})"
+                raise not_allowed(f"model.{key}", value, allowed)
         if self.data.kind == "text" and self.model.vocab_size < 256:  # text tokens are bytes
             allowed = 'an integer >= 256 when data.kind = "text"'
             raise not_allowed("model.vocab_size", self.model.vocab_size, allowed)
