@@ -2,7 +2,7 @@
 the learned bottleneck (`[model] boundary_bottleneck`) against the subspace boundary
 (`[model] boundary_rank`) at the same bytes per token, each with a codec on top (issue 52).
 
-    .venv/bin/python bench/boundary_loss.py [--rows full,rank64,bottleneck20+int8_blockwise,...]
+    .venv/bin/python bench/bottleneck_loss.py [--rows full,rank64,bottleneck20+int8_blockwise,...]
         [--steps 480] [--eval-every 480] [--workload d320|small] [--threads 2] [--json]
 
 The workload is bench/boundary.py's (bench/time_to_loss.py's d_model-320 byte-level GPT on the
@@ -97,7 +97,8 @@ class Wire(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, codec: int, count: list[int]) -> torch.Tensor:
         ctx.codec, ctx.count = codec, count
         msg = encode(x, "x", codec)
-        count[0] += len(msg.data)
+        if torch.is_grad_enabled():  # a training step's, not an evaluation's
+            count[0] += len(msg.data)
         return decode(msg).clone()
 
     @staticmethod
@@ -174,17 +175,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    if "full" not in rows:
-        rows.insert(0, "full")
     results = []
     for row in rows:
         results.append(run(args.workload, row, args.steps, args.eval_every))
         r = results[-1]
-        print(f"# {row}: val {r['val']:.4f} ({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
+        print(f"# {json.dumps(r)}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
         return
-    base = next(r["val"] for r in results if r["row"] == "full")
+    base = next((r["val"] for r in results if r["row"] == "full"), float("nan"))
     print(f"equal-step validation loss at step {args.steps} ({args.workload})")
     print("| row | B/token fwd | B/token bwd | x fewer than bf16 | val loss | vs full |")
     print("|---|---|---|---|---|---|")
