@@ -119,7 +119,9 @@ def parse_rows(text: str, codec: str) -> list[Row]:
             raise argparse.ArgumentTypeError(
                 f"row {name!r}: use full, subspace or bottleneck, optionally +codec (+{codec})"
             )
-        rows.append(Row(name, kind == "subspace", codec if suffix else "none", kind == "bottleneck"))
+        rows.append(
+            Row(name, kind == "subspace", codec if suffix else "none", kind == "bottleneck")
+        )
     if not rows or rows[0].name != BASE:
         rows = [Row(BASE, False, "none"), *(r for r in rows if r.name != BASE)]
     return rows

@@ -377,7 +377,8 @@ class JobConfig:
         if self.training.stages > self.model.n_layers + 2:  # embedding + blocks + head
             allowed = f"an integer <= model.n_layers + 2 = {self.model.n_layers + 2}"
             raise not_allowed("training.stages", self.training.stages, allowed)
-        for key, why in (("boundary_rank", "leave the subspace"), ("boundary_bottleneck", "lack it")):
+        narrow = (("boundary_rank", "leave the subspace"), ("boundary_bottleneck", "lack it"))
+        for key, why in narrow:  # a small boundary: between stages, from its own start
             value = getattr(self.model, key)
             if value and self.training.stages < 2:  # no boundary to narrow
                 allowed = "0 with training.stages = 1 (a small boundary needs two stages or more)"

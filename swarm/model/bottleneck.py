@@ -24,6 +24,7 @@ whole model (`swarm local`) runs the same layers with the same cuts: it is the s
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -99,7 +100,7 @@ def attach(
     but the last stage's, an `Expand` on each stage's first layer but the first stage's. Each
     initialised in float64 from the job's `seed` and the cut's index; `seed` None leaves them as
     constructed (a layout on the meta device)."""
-    for cut, (before, after) in enumerate(zip(cuts, cuts[1:], strict=False)):
+    for cut, (before, after) in enumerate(itertools.pairwise(cuts)):
         squeeze = Squeeze(d_model, rank).double() if before[-1] in layers else None
         expand = Expand(d_model, rank).double() if after[0] in layers else None
         if seed is not None:
