@@ -94,17 +94,18 @@ class Wire(torch.autograd.Function):
     """A boundary tensor as the far side decodes it, both ways; counts the payload bytes."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, codec: int, count: list[int]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, codec: int, count: list[int] | None) -> torch.Tensor:
         ctx.codec, ctx.count = codec, count
         msg = encode(x, "x", codec)
-        if torch.is_grad_enabled():  # a training step's, not an evaluation's
+        if count is not None:
             count[0] += len(msg.data)
         return decode(msg).clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         msg = encode(g.contiguous(), "g", ctx.codec)
-        ctx.count[1] += len(msg.data)
+        if ctx.count is not None:
+            ctx.count[1] += len(msg.data)
         return decode(msg).clone(), None, None
 
 
@@ -122,7 +123,9 @@ class Chain(torch.nn.Module):
         for k, stage in enumerate(self.stages):
             assert isinstance(stage, StageModule)
             if k:
-                x = Wire.apply(x, self.codec, self.count)
+                # Counted in a training step only (an evaluation has no backward).
+                count = self.count if torch.is_grad_enabled() else None
+                x = Wire.apply(x, self.codec, count)
             x = stage(x, ids) if stage.needs_tokens else stage(x)
         return x
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["EXPAND", "SQUEEZE", "Expand", "Squeeze", "attach", "run_layer"]
+__all__ = ["EXPAND", "SQUEEZE", "Expand", "Squeeze", "attach", "half_parameters", "run_layer"]
 
 SQUEEZE, EXPAND = "squeeze", "expand"  # the attribute names on a layer (its parameters' names)
 _HIDDEN = 4  # the encoder's and decoder's hidden width, as a multiple of r
@@ -109,6 +109,14 @@ def attach(
             layers[before[-1]].add_module(SQUEEZE, squeeze)
         if expand is not None:
             layers[after[0]].add_module(EXPAND, expand)
+
+
+def half_parameters(d_model: int, rank: int) -> tuple[int, int]:
+    """Parameters of a `Squeeze` and of an `Expand`, counted on the meta device."""
+    with torch.device("meta"):
+        halves = Squeeze(d_model, rank), Expand(d_model, rank)
+    squeeze, expand = (sum(p.numel() for p in half.parameters()) for half in halves)
+    return squeeze, expand
 
 
 def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
