@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from swarm.model.footprint import layer_activation_bytes
 from swarm.model.sizes import format_bytes, stage_parameters, stage_state_bytes
 from swarm.model.transformer import build_stage
 from tests.support.jobs import make_job
@@ -28,6 +29,8 @@ def test_a_small_boundary_job_is_counted_as_built(tmp_path: Path, key: str) -> N
     job = make_job(tmp_path, model={"n_layers": 4, key: 4}, training={"stages": 3})
     built = [sum(p.numel() for p in build_stage(job, s).parameters()) for s in range(3)]
     assert stage_parameters(job) == built
+    plain = make_job(tmp_path, model={"n_layers": 4}, training={"stages": 3})
+    assert layer_activation_bytes(job) == layer_activation_bytes(plain)  # the layers' own
 
 
 def test_the_attacks_model_is_counted_without_building_it(tmp_path: Path) -> None:
