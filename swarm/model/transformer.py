@@ -202,7 +202,8 @@ _FAMILIES: dict[str, tuple[tuple[type[nn.Module], ...], tuple[str, ...], tuple[s
 class StageModule(nn.Module):
     """Layers `first..last` of the model, applied in order. Under `model.boundary_rank`, a stage
     after the first takes the boundary's coefficients and `tokens` (the microbatch's token ids)
-    and rebuilds the residual from them; a stage before the last sends coefficients."""
+    and rebuilds the residual from them; a stage before the last sends coefficients. Under
+    `model.boundary_bottleneck` the layers at the cuts carry its halves (`run_layer`)."""
 
     def __init__(
         self,
