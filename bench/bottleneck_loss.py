@@ -35,7 +35,9 @@ from typing import Any
 import torch
 
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+import boundary  # noqa: E402  (puts the repository root on sys.path too)
 
 from swarm.job.config import JobConfig, parse_job  # noqa: E402
 from swarm.model.data import make_data, make_val_data  # noqa: E402
@@ -44,50 +46,19 @@ from swarm.model.reference import evaluate  # noqa: E402
 from swarm.model.transformer import StageModule, build_stage, loss_sum  # noqa: E402
 from swarm.wire.codec import codec_from_name, decode, encode  # noqa: E402
 
-STAGES = 4
-CODECS = ("bf16", "int8_blockwise", "hadamard3")
-WORKLOADS: dict[str, dict[str, int]] = {  # bench/boundary.py's
-    "d320": dict(d_model=320, n_heads=5, seq_len=32, microbatch_size=8, target_batch_size=32),
-    "small": dict(d_model=64, n_heads=4, seq_len=32, microbatch_size=8, target_batch_size=32),
-}
+STAGES = boundary.STAGES
 
 
 def job_of(workload: str, row: str, steps: int, eval_every: int) -> JobConfig:
+    """bench/boundary.py's job for `row` (its wire codec unused: `Chain` applies the row's)."""
     kind, _, _ = row.partition("+")
-    key = ""
-    if kind.startswith("rank"):
-        key = f"boundary_rank = {int(kind[4:])}\n"
-    elif kind.startswith("bottleneck"):
-        key = f"boundary_bottleneck = {int(kind[10:])}\n"
-    elif kind != "full":
+    rank = int(kind[4:]) if kind.startswith("rank") else 0
+    width = int(kind[10:]) if kind.startswith("bottleneck") else 0
+    if kind != "full" and not (rank or width):
         raise SystemExit(f"row {row!r}: use full, rank<r> or bottleneck<r>, optionally +codec")
-    p = WORKLOADS[workload]
-    text = f"""name = "boundary-loss"
-[model]
-kind = "gpt"
-vocab_size = 256
-d_model = {p["d_model"]}
-n_layers = {STAGES}
-n_heads = {p["n_heads"]}
-seq_len = {p["seq_len"]}
-{key}[data]
-kind = "text"
-path = "{BENCH.parent / "examples" / "data" / "corpus.txt"}"
-val_fraction = 0.1
-[training]
-stages = {STAGES}
-microbatch_size = {p["microbatch_size"]}
-target_batch_size = {p["target_batch_size"]}
-steps = {steps}
-dtype = "float32"
-checkpoint_every = 0
-eval_every = {eval_every}
-eval_microbatches = 4
-[optimizer]
-kind = "adamw"
-lr = 1e-3
-"""
-    return parse_job(text, BENCH)
+    args = argparse.Namespace(workload=workload, rank=rank, subspace_keys="", bottleneck=width)
+    shape = boundary.Row(kind, bool(rank), "none", bool(width))
+    return parse_job(boundary.job_text(args, shape, steps, eval_every), BENCH.parent)
 
 
 class Wire(torch.autograd.Function):
@@ -172,7 +143,7 @@ def main() -> None:
     parser.add_argument("--rows", default="full,rank64,bottleneck20+bf16,rank20+bf16")
     parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--eval-every", type=int, default=480)
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="d320")
+    parser.add_argument("--workload", choices=sorted(boundary.WORKLOADS), default="d320")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
