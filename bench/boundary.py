@@ -6,7 +6,8 @@ compute, decide, for the full boundary and a small one, each with and without a 
 all rows measured in one run, over links shaped from this run's own unshaped compute rate.
 
     sudo .venv/bin/python bench/boundary.py [--rows full,full+codec,subspace,subspace+codec]
-        [--codec hadamard3] [--rank 48] [--subspace-keys "k = v; ..."] [--factor 32]
+        [--codec hadamard3] [--rank 48] [--subspace-keys "k = v; ..."] [--bottleneck R]
+        [--factor 32]
         [--workload d320|small] [--max-steps 480]
         [--eval-every 16] [--target-step 240] [--agree 0.05] [--max-windows 6]
         [--timeout 1800] [--quick] [--keep-logs] [--json]
@@ -21,7 +22,9 @@ Rows (`--rows`): `full` (today's boundary: d_model float32 values per token), `f
 --rank`: the subspace boundary), `subspace+codec` (both); `+codec` may also be written with the
 codec's name (`full+hadamard3`). The full row is the baseline every ratio is against, so it always
 runs. `--subspace-keys "k = v; ..."` adds `[model]` keys to the subspace rows' jobs (another
-kind of small boundary, say, scored on the same links).
+kind of small boundary, say, scored on the same links). `--bottleneck R` adds the rows
+`bottleneck` and `bottleneck+codec` (`[model] boundary_bottleneck = R`: the learned bottleneck,
+swarm/model/bottleneck.py) unless `--rows` names them; they need it.
 
 1. Unshaped. Each row trains `--max-steps` steps on a fresh swarm in the namespaces, links not
    shaped (a plain pfifo), evaluating every `--eval-every` steps: its validation curve, its
@@ -90,7 +93,7 @@ STAGES = 4
 METRICS_PORT = 9100
 WINDOW = 4  # steps per window of the steady step time
 BASE = "full"
-KINDS = ("full", "subspace")
+KINDS = ("full", "subspace", "bottleneck")
 # The issue's targets, at the T-best shaped row.
 T_RATIO, BF16_FEWER, LOSS_PENALTY, THROUGHPUT = 0.25, 32.0, 0.03, 0.8
 
@@ -105,6 +108,7 @@ class Row:
     name: str  # as given: full, full+hadamard3, subspace, subspace+codec ...
     subspace: bool
     codec: str  # "none" or the wire codec
+    bottleneck: bool = False  # `--bottleneck`: [model] boundary_bottleneck
 
 
 def parse_rows(text: str, codec: str) -> list[Row]:
@@ -113,9 +117,11 @@ def parse_rows(text: str, codec: str) -> list[Row]:
         kind, _, suffix = name.partition("+")
         if kind not in KINDS or (suffix and suffix not in ("codec", codec)):
             raise argparse.ArgumentTypeError(
-                f"row {name!r}: use full or subspace, optionally +codec (+{codec})"
+                f"row {name!r}: use full, subspace or bottleneck, optionally +codec (+{codec})"
             )
-        rows.append(Row(name, kind == "subspace", codec if suffix else "none"))
+        rows.append(
+            Row(name, kind == "subspace", codec if suffix else "none", kind == "bottleneck")
+        )
     if not rows or rows[0].name != BASE:
         rows = [Row(BASE, False, "none"), *(r for r in rows if r.name != BASE)]
     return rows
@@ -124,6 +130,7 @@ def parse_rows(text: str, codec: str) -> list[Row]:
 def job_text(args: argparse.Namespace, row: Row, steps: int, eval_every: int) -> str:
     p = WORKLOADS[args.workload]
     keys = [f"boundary_rank = {args.rank}", *args.subspace_keys.split(";")] if row.subspace else []
+    keys += [f"boundary_bottleneck = {args.bottleneck}"] if row.bottleneck else []
     rank = "".join(f"{k.strip()}\n" for k in keys if k.strip())
     return f"""name = "boundary-{args.workload}"
 [model]
@@ -384,6 +391,7 @@ def score(
         "rows": list(unshaped),
         "codec": args.codec,
         "rank": args.rank,
+        "bottleneck": args.bottleneck,
         "factor": args.factor,
         "link_rate_bits": args.rate_bits,
         "target": {"step": target_step, "val_loss": target_loss},
@@ -456,6 +464,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--subspace-keys", default="", help='more [model] keys of the subspace rows: "k = v; ..."'
     )
+    parser.add_argument(
+        "--bottleneck", type=int, default=0, help="the bottleneck rows' boundary_bottleneck"
+    )
     parser.add_argument("--factor", type=float, default=32.0, help="full traffic / link rate")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="d320")
     parser.add_argument("--max-steps", type=int, default=480)
@@ -475,7 +486,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.target_step is None:
         args.target_step = args.max_steps // 2
     try:
-        args.row_list = parse_rows(args.rows, args.codec)
+        named = any(r.partition("+")[0].strip() == "bottleneck" for r in args.rows.split(","))
+        more = ",bottleneck,bottleneck+codec" if args.bottleneck and not named else ""
+        args.row_list = parse_rows(args.rows + more, args.codec)
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
     return args
@@ -493,6 +506,8 @@ def check(args: argparse.Namespace) -> str | None:
     if args.max_steps < args.eval_every or args.eval_every < 1:
         return "--max-steps must be at least --eval-every, which must be >= 1"
     for row in args.row_list:
+        if row.bottleneck and args.bottleneck < 1:  # 0 would be a silent full boundary
+            return f"row {row.name}: the bottleneck rows need --bottleneck R (R >= 1)"
         try:
             parse_job(job_text(args, row, args.max_steps, args.eval_every), ROOT, "boundary")
         except ConfigError as e:

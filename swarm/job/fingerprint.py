@@ -71,6 +71,7 @@ _LATER_KEYS = (
     ("model", "norm_eps"),
     ("model", "boundary_rank"),
     ("model", "boundary_table"),
+    ("model", "boundary_bottleneck"),
     ("training", "grad_clip"),
     ("training", "precision"),
     ("training", "delayed_update"),

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 from swarm.errors import ConfigError
 from swarm.job.coerce import GE0, GE1, GT0, UNIT, Section, not_allowed
 from swarm.job.coerce import checked_field as _f  # short: nearly every field uses it
+from swarm.job.small_boundary import DEFAULT_TABLE, check_small_boundary
 from swarm.job.trust import TrustConfig
 
 __all__ = [
@@ -89,17 +90,12 @@ class ModelConfig(Section):
     boundary_rank: int = _f(0, GE0)
     #: the subspace boundary's fixed table E: the std of each entry (token rows, gpt's position
     #: rows too), drawn from the job's seed; 0: no fixed table (`swarm.model.subspace`)
-    boundary_table: float = _f(0.1, GE0)
+    boundary_table: float = _f(DEFAULT_TABLE, GE0)
+    #: learned features per token crossing each boundary (`swarm.model.bottleneck`); 0: none
+    boundary_bottleneck: int = _f(0, GE0)
 
     def _validate(self) -> None:
-        if self.boundary_rank >= self.d_model:  # never a silent full boundary
-            allowed = f"0 (the full boundary) or 1..{self.d_model - 1} (below model.d_model)"
-            raise not_allowed("model.boundary_rank", self.boundary_rank, allowed)
-        if not math.isfinite(self.boundary_table) or (
-            self.boundary_table != ModelConfig.boundary_table and not self.boundary_rank
-        ):  # a table without a subspace would change the print and nothing else
-            allowed = "a finite std >= 0, set with model.boundary_rank"
-            raise not_allowed("model.boundary_table", self.boundary_table, allowed)
+        check_small_boundary(self)  # never a silent full boundary
         if self.n_layers > MAX_LAYERS:
             allowed = f"an integer in 1..{MAX_LAYERS} (swarm's MAX_LAYERS)"
             raise not_allowed("model.n_layers", self.n_layers, allowed)
@@ -379,12 +375,15 @@ class JobConfig:
         if self.training.stages > self.model.n_layers + 2:  # embedding + blocks + head
             allowed = f"an integer <= model.n_layers + 2 = {self.model.n_layers + 2}"
             raise not_allowed("training.stages", self.training.stages, allowed)
-        if self.model.boundary_rank and self.training.stages < 2:  # no boundary to narrow
-            allowed = "0 with training.stages = 1 (a subspace boundary needs two stages or more)"
-            raise not_allowed("model.boundary_rank", self.model.boundary_rank, allowed)
-        if self.model.boundary_rank and self.model.init_from is not None:
-            allowed = "0 with model.init_from (a full model's weights leave the subspace)"
-            raise not_allowed("model.boundary_rank", self.model.boundary_rank, allowed)
+        narrow = (("boundary_rank", "leave the subspace"), ("boundary_bottleneck", "lack it"))
+        for key, why in narrow:  # a small boundary: between stages, from its own start
+            value = getattr(self.model, key)
+            if value and self.training.stages < 2:  # no boundary to narrow
+                allowed = "0 with training.stages = 1 (a small boundary needs two stages or more)"
+                raise not_allowed(f"model.{key}", value, allowed)
+            if value and self.model.init_from is not None:
+                allowed = f"0 with model.init_from (a full model's weights {why})"
+                raise not_allowed(f"model.{key}", value, allowed)
         if self.data.kind == "text" and self.model.vocab_size < 256:  # text tokens are bytes
             allowed = 'an integer >= 256 when data.kind = "text"'
             raise not_allowed("model.vocab_size", self.model.vocab_size, allowed)

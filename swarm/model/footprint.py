@@ -56,9 +56,9 @@ def layer_activation_bytes(job: JobConfig) -> tuple[int, int, int]:
     """Bytes one microbatch's forward saves for its backward in an embedding, a block and a
     head of `job`'s model (with its loss), its parameters left out, counted on the meta
     device."""
-    one = replace(
-        job, model=replace(job.model, n_layers=1), training=replace(job.training, stages=1)
-    )
+    # One stage has no boundary to narrow: the layers' own (a small boundary's are on top).
+    model = replace(job.model, n_layers=1, boundary_rank=0, boundary_bottleneck=0)
+    one = replace(job, model=model, training=replace(job.training, stages=1))
     module = stage_layout(one, 0)
     b, t = job.training.microbatch_size, job.model.seq_len
     x: torch.Tensor = torch.zeros(b, t, dtype=torch.long, device="meta")

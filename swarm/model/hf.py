@@ -151,6 +151,11 @@ def write_hf(
             f"model.boundary_rank = {cfg.boundary_rank}: export the state that "
             "swarm.model.transformer.plain_state folds, with its config"
         )
+    if cfg.boundary_bottleneck:  # its squeeze and expand have no place in a transformers model
+        raise ConfigError(
+            f"model.boundary_bottleneck = {cfg.boundary_bottleneck}: a learned bottleneck "
+            "between stages cannot be expressed as a transformers model; not exported"
+        )
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")

@@ -13,14 +13,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 from swarm.job.config import JobConfig
+from swarm.model.bottleneck import half_parameters
 from swarm.model.transformer import DTYPES, layer_costs, partition, stage_layout
 
 __all__ = ["format_bytes", "layer_parameters", "stage_parameters", "stage_state_bytes"]
 
 
 def layer_parameters(job: JobConfig) -> list[int]:
-    """Parameters of each layer of `job`'s model: embedding, `n_layers` blocks, head."""
-    model, training = replace(job.model, n_layers=1), replace(job.training, stages=1)
+    """Parameters of each layer of `job`'s model: embedding, `n_layers` blocks, head (without a
+    learned bottleneck's halves: `stage_parameters` adds them at the cuts)."""
+    # One stage has no boundary to narrow: counted as the plain model (a subspace's basis and
+    # table are buffers, no parameters).
+    model = replace(job.model, n_layers=1, boundary_rank=0, boundary_bottleneck=0)
+    training = replace(job.training, stages=1)
     one = replace(job, model=model, training=training)
     counts = {0: 0, 1: 0, 2: 0}
     for name, p in stage_layout(one, 0).named_parameters():
@@ -32,7 +37,12 @@ def stage_parameters(job: JobConfig) -> list[int]:
     """Parameters of each stage of `job`, as its layers are partitioned."""
     per_layer = layer_parameters(job)
     ranges = partition(layer_costs(job.model), job.training.stages)
-    return [sum(per_layer[i] for i in r) for r in ranges]
+    counts = [sum(per_layer[i] for i in r) for r in ranges]
+    if job.model.boundary_bottleneck:  # a squeeze ends every stage but the last, an expand
+        squeeze, expand = half_parameters(job.model.d_model, job.model.boundary_bottleneck)
+        last = len(counts) - 1  # starts every stage but the first
+        counts = [n + squeeze * (k < last) + expand * (k > 0) for k, n in enumerate(counts)]
+    return counts
 
 
 def _copies(job: JobConfig) -> int:

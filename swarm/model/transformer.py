@@ -25,6 +25,7 @@ from torch import nn
 
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, ModelConfig, verify_init
+from swarm.model.bottleneck import attach, run_layer
 from swarm.model.hf import check_hf_config, read_hf
 from swarm.model.partition import partition  # re-exported: every role asks it here
 from swarm.model.subspace import Projected, Subspace
@@ -201,7 +202,8 @@ _FAMILIES: dict[str, tuple[tuple[type[nn.Module], ...], tuple[str, ...], tuple[s
 class StageModule(nn.Module):
     """Layers `first..last` of the model, applied in order. Under `model.boundary_rank`, a stage
     after the first takes the boundary's coefficients and `tokens` (the microbatch's token ids)
-    and rebuilds the residual from them; a stage before the last sends coefficients."""
+    and rebuilds the residual from them; a stage before the last sends coefficients. Under
+    `model.boundary_bottleneck` the layers at the cuts carry its halves (`run_layer`)."""
 
     def __init__(
         self,
@@ -233,7 +235,7 @@ class StageModule(nn.Module):
                 raise ValueError("a subspace boundary needs the microbatch's token ids")
             x = self.subspace.decode(x, tokens)  # type: ignore[union-attr]
         for layer in self.layers.values():
-            x = layer(x)
+            x = run_layer(layer, x)  # through a learned bottleneck's half at a cut
         if self.sends:
             assert tokens is not None
             x = self.subspace.encode(x, tokens)  # type: ignore[union-attr]
@@ -314,6 +316,7 @@ def _built(
         for i, layer in layers.items():
             if i < last:
                 layer.write = Projected(sub)
+    _bottleneck(job, layers, job.training.seed)
     module = StageModule(
         layers,
         sub,
@@ -323,6 +326,14 @@ def _built(
     if job.model.init_from is not None:
         _from_checkpoint(job, module)
     return module.to(device=device, dtype=DTYPES[job.training.dtype])
+
+
+def _bottleneck(job: JobConfig, layers: dict[int, nn.Module], seed: int | None) -> None:
+    """`model.boundary_bottleneck`: the halves of the learned bottleneck at the cuts `layers`
+    touch (`swarm.model.bottleneck`); nothing without it."""
+    if job.model.boundary_bottleneck:
+        cuts = partition(layer_costs(job.model), job.training.stages)
+        attach(layers, cuts, job.model.d_model, job.model.boundary_bottleneck, seed)
 
 
 def plain_state(
@@ -340,8 +351,9 @@ def plain_state(
 
 
 def boundary_width(cfg: ModelConfig) -> int:
-    """Features per token that cross a stage boundary: `boundary_rank`, else `d_model`."""
-    return cfg.boundary_rank or cfg.d_model
+    """Features per token that cross a stage boundary: `boundary_rank` or
+    `boundary_bottleneck`, else `d_model`."""
+    return cfg.boundary_rank or cfg.boundary_bottleneck or cfg.d_model
 
 
 def subspace_of(job: JobConfig) -> Subspace | None:
@@ -377,6 +389,7 @@ def stage_layout(job: JobConfig, stage: int) -> StageModule:
         for i in _stage_layers(job, stage):
             kind = embedding if i == 0 else block if i <= job.model.n_layers else head
             layers[i] = kind(job.model)
+        _bottleneck(job, layers, None)
     return StageModule(layers).to(dtype=DTYPES[job.training.dtype])
 
 

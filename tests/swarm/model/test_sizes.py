@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from swarm.model.footprint import layer_activation_bytes
 from swarm.model.sizes import format_bytes, stage_parameters, stage_state_bytes
 from swarm.model.transformer import build_stage
 from tests.support.jobs import make_job
@@ -19,6 +20,17 @@ def test_counted_stages_are_the_built_ones(tmp_path: Path, kind: str) -> None:
     assert stage_parameters(job) == built
     # float64, AdamW: weights, gradient sums and two moments, 8 bytes each.
     assert stage_state_bytes(job) == [n * 8 * 4 for n in built]
+
+
+@pytest.mark.parametrize("key", ["boundary_rank", "boundary_bottleneck"])
+def test_a_small_boundary_job_is_counted_as_built(tmp_path: Path, key: str) -> None:
+    """What admission counts at submit: a small boundary's job was refused there with the
+    one-stage model `layer_parameters` counts on (no boundary to narrow in one stage)."""
+    job = make_job(tmp_path, model={"n_layers": 4, key: 4}, training={"stages": 3})
+    built = [sum(p.numel() for p in build_stage(job, s).parameters()) for s in range(3)]
+    assert stage_parameters(job) == built
+    plain = make_job(tmp_path, model={"n_layers": 4}, training={"stages": 3})
+    assert layer_activation_bytes(job) == layer_activation_bytes(plain)  # the layers' own
 
 
 def test_the_attacks_model_is_counted_without_building_it(tmp_path: Path) -> None:
