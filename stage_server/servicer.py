@@ -116,8 +116,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             scheduler_key=lambda: self.commit_auth.public if self.commit_auth else None,
         )
         # a hostile replica's lies, for tests and benchmarks (`swarm.ops.poison`; none unless
-        # SWARM_POISON says): what an audit by re-execution must catch (issue 55)
-        self.poison = Poison.from_env()
+        # its SWARM_FAULTS says): what an audit by re-execution must catch (issue 55)
+        self.poison = Poison.armed()
         self._answering = Answering(
             peer=peer,
             worker=self.worker,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from swarm.ops.faults import Fault, Point
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
 from tests.support.servers import Servers, counted, train_on
@@ -25,15 +26,22 @@ HOSTILE = "s1r0"  # the middle stage's first replica: its outputs and input grad
 @pytest.mark.parametrize(
     "poison",
     [
-        pytest.param("activations", marks=pytest.mark.attack("P-acts")),
-        pytest.param("grads", marks=pytest.mark.attack("P-grads")),
+        pytest.param(Fault(HOSTILE, Point.POISON_OUTPUTS, 0), marks=pytest.mark.attack("P-acts")),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_GRAD_INPUTS, 0), marks=pytest.mark.attack("P-grads")
+        ),
         # one step in 20: the job's step 2 (its third) is the only one it lies at
-        pytest.param("activations:20:2", marks=pytest.mark.attack("P-acts")),
-        pytest.param("grads:20:2", marks=pytest.mark.attack("P-grads")),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_OUTPUTS, 2, 20), marks=pytest.mark.attack("P-acts")
+        ),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_GRAD_INPUTS, 2, 20), marks=pytest.mark.attack("P-grads")
+        ),
     ],
+    ids=str,
 )
 def test_a_replica_that_lies_is_caught_banned_and_replayed_away(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: Fault
 ) -> None:
     job = write_job(
         tmp_path,
@@ -41,7 +49,7 @@ def test_a_replica_that_lies_is_caught_banned_and_replayed_away(
         runtime={"data_plane": "relay"},
         trust={"audit_fraction": 1.0},
     )
-    servers = Servers(job, [3, 3, 3], [], tmp_path, poisoned={HOSTILE: poison})
+    servers = Servers(job, [3, 3, 3], [poison], tmp_path)
     try:
         with caplog.at_level(logging.WARNING):
             state, registry = train_on(servers)
