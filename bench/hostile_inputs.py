@@ -80,6 +80,8 @@ ATTACKS: dict[str, str] = {
     # Issue 55 (poison-proof by re-execution): a replica that lies, in a float64 job
     "P-acts": "a replica answers finite wrong activations (every step, or one in 20)",
     "P-grads": "a replica answers finite wrong input gradients (every step, or one in 20)",
+    "P-bent": "a replica answers honestly but contributes its gradient sums bent within the "
+    "norm bound",
 }
 
 

@@ -6,7 +6,10 @@ checks refuse, in processes of their own. Nothing here runs unless such a fault 
   answers every part it owns with its sum plus `ERROR` (finite, the same to every member: the
   pool stays identical);
 - `poison-grad@S`: likewise, this replica contributes its gradient sums times `SCALE` (finite,
-  every part of it: each sum is the honest sum of what was sent).
+  every part of it: each sum is the honest sum of what was sent);
+- `poison-bent@S`: likewise, its gradient sums with element i times 1 + cos i: honest forward
+  and backward answers, a contribution at most twice its honest norm (within the norm bound,
+  and neither a scaling nor a shift), what only re-executing its microbatches can tell.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ def poison(flat: torch.Tensor, averager: Averager, step: int) -> None:
     if poisoning(Point.POISON_GRAD, step):
         log.warning("fault injected: %s@%d; contributing x%g", Point.POISON_GRAD, step, SCALE)
         flat.mul_(SCALE)
+    if poisoning(Point.POISON_BENT, step):
+        log.warning("fault injected: %s@%d; contributing bent sums", Point.POISON_BENT, step)
+        bend = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).cos_().add_(1)
+        flat.mul_(bend.to(flat.dtype))
     honest = getattr(averager.summer, "honest", None)
     if poisoning(Point.POISON_SUM, step) and honest is None:
         log.warning("fault injected: %s@%d; every sum owned + %g", Point.POISON_SUM, step, ERROR)

@@ -7,14 +7,14 @@ where the fault says. The raising points (`forward-oom`, `backward-oom`, `averag
 out-of-memory error inside that computation instead (`due`, once each), and the process lives on:
 a device failure in a real process, for tests and benchmarks. The hostile points make the process
 lie from that step on (`poisoning`), or one step in PERIOD from it (`point@step/PERIOD`): in its
-pool's averaging (`poison-sum`, `poison-grad`; `stage_server.averaging.hostile`) or in its stage
-compute (`poison-outputs`, `poison-grad-inputs`: finite wrong numbers sent on, `swarm.ops.poison`),
-and the process serves on: what the audits and the pool's checks must catch (issue 55). A stage
-server reads its SWARM_FAULTS when it starts (`arm`): a malformed one stops it there, not at the
-first fault point it reaches. `idle` faults (between calls) and the roles `scheduler`,
-`trainer` and `broker` are killed from outside by `FaultPlan.due`'s caller (the test harness,
-`swarm demo`) when the job reaches the step; the target `*` (`ANY_REPLICA`) leaves the choice of
-replica to it.
+pool's averaging (`poison-sum`, `poison-grad`, `poison-bent`; `stage_server.averaging.hostile`)
+or in its stage compute (`poison-outputs`, `poison-grad-inputs`: finite wrong numbers sent on,
+`swarm.ops.poison`), and the process serves on: what the audits and the pool's checks must
+catch (issue 55). A stage server reads its SWARM_FAULTS when it starts (`arm`): a malformed one
+stops it there, not at the first fault point it reaches. `idle` faults (between calls) and the
+roles `scheduler`, `trainer` and `broker` are killed from outside by `FaultPlan.due`'s caller
+(the test harness, `swarm demo`) when the job reaches the step; the target `*` (`ANY_REPLICA`)
+leaves the choice of replica to it.
 """
 
 from __future__ import annotations
@@ -64,13 +64,21 @@ class Point(enum.StrEnum):
     # poisoners as real processes, for tests and benchmarks.
     POISON_SUM = "poison-sum"  # an owner answers its part's sums plus 1e4
     POISON_GRAD = "poison-grad"  # a replica contributes its gradient sums times 1e4
+    # ... its gradient sums bent within the norm bound (element i times 1 + cos i)
+    POISON_BENT = "poison-bent"
     POISON_OUTPUTS = "poison-outputs"  # a Forward's outputs sent wrong (`swarm.ops.poison`)
     POISON_GRAD_INPUTS = "poison-grad-inputs"  # a Backward's input gradient sent wrong
 
 
 RAISING = frozenset({Point.FORWARD_OOM, Point.BACKWARD_OOM, Point.AVERAGING_OOM})
 HOSTILE = frozenset(
-    {Point.POISON_SUM, Point.POISON_GRAD, Point.POISON_OUTPUTS, Point.POISON_GRAD_INPUTS}
+    {
+        Point.POISON_SUM,
+        Point.POISON_GRAD,
+        Point.POISON_BENT,
+        Point.POISON_OUTPUTS,
+        Point.POISON_GRAD_INPUTS,
+    }
 )
 
 
