@@ -280,9 +280,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 grad_outputs,
                 accumulate=h.accumulate,
                 tokens=tensors.get("tokens"),
+                digest_seed=0 if h.accumulate else h.digest_seed,
             )
             return pb.StageBackwardResponse(
-                tensors=done.grad, receipt=done.receipt, queued_seconds=done.queued
+                tensors=done.grad,
+                receipt=done.receipt,
+                queued_seconds=done.queued,
+                digest=done.digest,
             )
 
         for msg in self._messages.split(await self._run_held("Backward", context, body)):
@@ -310,12 +314,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 targets,
                 accumulate=h.accumulate,
                 tokens=tokens,
+                digest_seed=0 if h.accumulate else h.digest_seed,
             )
             return pb.StageForwardBackwardResponse(
                 tensors=done.grad,
                 loss_sum=done.loss,
                 receipt=done.receipt,
                 queued_seconds=done.queued,
+                digest=done.digest,
             )
 
         for msg in self._messages.split(await self._run_held("ForwardBackward", context, body)):
@@ -360,6 +366,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 already_committed=done.already,
                 grad_sq_norm=done.grad_sq_norm,
                 sum_checks=done.sum_checks,
+                audit_checks=done.audit_checks,
             )
 
         return await self._serving.run("Commit", context, body)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,7 +47,16 @@ from swarm.wire.codec import (
     CODEC_NONE,
 )
 
-__all__ = ["BLOCK", "Draws", "PartChecks", "dots", "encoding_error", "sum_dots", "weights"]
+__all__ = [
+    "BLOCK",
+    "AuditedChecks",
+    "Draws",
+    "PartChecks",
+    "dots",
+    "encoding_error",
+    "sum_dots",
+    "weights",
+]
 
 # The values are taken this many at a time (aligned: a block's dot is the same whatever the
 # slices); a float64 dot over one block rounds by at most BLOCK·2^-53 of its magnitude (the
@@ -243,3 +252,37 @@ class PartChecks:
             )
             for k, p in sorted(self._parts.items())
         ]
+
+
+class AuditedChecks(PartChecks):
+    """The round's checksums, and the same of every slice with each seed of `audit_seeds`: other
+    contributors' contributions are audited (issue 55), and this replica's reports, with the
+    others', give each one's r·x without a word from it (`scheduler.coordinator.contributions`)."""
+
+    def __init__(self, seed: int, audit_seeds: Sequence[int]) -> None:
+        super().__init__(seed)
+        self.audits = [PartChecks(s) for s in audit_seeds]
+
+    def lossy(self, codec: int, block_size: int) -> None:
+        super().lossy(codec, block_size)
+        for a in self.audits:
+            a.lossy(codec, block_size)
+
+    def contributed(self, part: int, start: int, values: torch.Tensor) -> None:
+        super().contributed(part, start, values)
+        for a in self.audits:
+            a.contributed(part, start, values)
+
+    def summed(self, part: int, start: int, values: torch.Tensor) -> None:
+        super().summed(part, start, values)
+        for a in self.audits:
+            a.summed(part, start, values)
+
+    def audit_report(self) -> list[pb.SumCheck]:
+        """Each audit seed's checksums, with its place among them (`seed_index`)."""
+        out = []
+        for i, a in enumerate(self.audits):
+            for check in a.report():
+                check.seed_index = i
+                out.append(check)
+        return out

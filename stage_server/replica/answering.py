@@ -33,6 +33,7 @@ class Answered:
     receipt: pb.Receipt | None  # None when the caller keeps no receipt
     loss: float  # the loss sum of a forward_backward (0.0 for a backward)
     queued: float  # seconds the call waited for the worker
+    digest: pb.SumCheck | None = None  # an audit's: its gradient's (`digest_seed`)
 
 
 class Answering:
@@ -62,6 +63,7 @@ class Answering:
         accumulate: bool,
         receipt: bool = True,
         tokens: torch.Tensor | None = None,
+        digest_seed: int = 0,
     ) -> Answered:
         """The one way a call accumulates here: `fn` (`backward`, or the last stage's
         `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
@@ -83,6 +85,7 @@ class Answering:
             accumulate=accumulate,
             need_grad_inputs=h.need_grad_inputs,
             tokens=tokens,  # a subspace boundary's token ids (`model.boundary_rank`)
+            digest_seed=digest_seed,  # an audit of a contribution (`stage_server.replica.digest`)
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
         return Answered(
@@ -90,4 +93,7 @@ class Answering:
             receipt=self._receipt(done) if receipt else None,
             loss=loss[0] if loss else 0.0,
             queued=queued,
+            digest=None
+            if done.digest is None
+            else pb.SumCheck(dot=done.digest[0], magnitude=done.digest[1], norm=done.digest[2]),
         )

@@ -23,6 +23,7 @@ from stage_server.replica.accumulate import backprop_into
 from stage_server.replica.activation_cache import ActivationCache
 from stage_server.replica.compiled import CompiledRuns
 from stage_server.replica.delayed_copies import copies_for
+from stage_server.replica.digest import backprop_apart
 from stage_server.replica.following import Following
 from stage_server.replica.round_choice import ROUNDS
 from stage_server.replica.snapshot import Snapshot, Snapshots
@@ -171,6 +172,7 @@ class StageRuntime:
         accumulate: bool = True,
         need_grad_inputs: bool = True,
         tokens: torch.Tensor | None = None,
+        digest_seed: int = 0,
     ) -> tuple[torch.Tensor | None, Receipt]:
         """Backward of microbatch `(step, index)`. `inputs` (and `tokens`, as for `forward`) may
         be None when this replica did the forward: then its cached activations must still be
@@ -191,7 +193,9 @@ class StageRuntime:
             else:
                 x, out = cached
             grad = self.checks.grad(grad_outputs, out)
-            return self._backprop(step, index, x, out, grad, accumulate, need_grad_inputs)
+            return self._backprop(
+                step, index, x, out, grad, accumulate, need_grad_inputs, digest_seed
+            )
 
     def forward_backward(
         self,
@@ -203,6 +207,7 @@ class StageRuntime:
         accumulate: bool = True,
         need_grad_inputs: bool = True,
         tokens: torch.Tensor | None = None,
+        digest_seed: int = 0,
     ) -> tuple[float, torch.Tensor | None, Receipt]:
         if not self.is_last:
             raise InvalidArgument(
@@ -216,7 +221,7 @@ class StageRuntime:
                 inject(Point.FORWARD_OOM, step)
                 loss = loss_sum(self._run(step, x, tokens), y)
             grad_x, receipt = self._backprop(
-                step, index, x, loss, None, accumulate, need_grad_inputs
+                step, index, x, loss, None, accumulate, need_grad_inputs, digest_seed
             )
             return float(loss.detach()), grad_x, receipt
 
@@ -246,6 +251,7 @@ class StageRuntime:
         grad: torch.Tensor | None,
         accumulate: bool,
         need_grad_inputs: bool,
+        digest_seed: int = 0,
     ) -> tuple[torch.Tensor | None, Receipt]:
         want_x = need_grad_inputs and not self.is_first
         params = self.copies.params_at(step, self.step)
@@ -259,9 +265,8 @@ class StageRuntime:
                 sums, index, samples, self.params, list(params), x, out, grad, want_x, fail=fail
             )
             return grad_x, receipt
-        targets = [*params, x] if want_x else list(params)
-        grads = torch.autograd.grad(out, targets, grad, allow_unused=True)
-        return (grads[-1] if want_x else None), receipt
+        # nothing accumulated (an audit's re-execution, or a duplicate's)
+        return backprop_apart(list(params), x, out, grad, want_x, receipt, digest_seed)
 
     # -- commit ---------------------------------------------------------------------------------
     def receipts(self, step: int | None = None) -> dict[int, int]:

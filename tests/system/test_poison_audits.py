@@ -68,11 +68,6 @@ def test_a_replica_that_lies_is_caught_banned_and_replayed_away(
 
 
 @pytest.mark.attack("P-bent")
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 55 item 1: a contribution is not re-executed yet (docs/decisions.md, 'The "
-    "parameter-gradient audit'); the job ends 3.9e-3 from swarm local",
-)
 def test_a_replica_that_bends_its_contribution_is_caught_banned_and_replayed_away(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
