@@ -138,7 +138,7 @@ class Contributions:
                 )
                 continue
             got, expected, tol = _compare(others, [digests[i] for i in mine], len(peers))
-            if abs(got - expected) <= tol:
+            if abs(got - expected) <= tol or not _agreed(others, tol):
                 continue
             auditors = sorted({digests[i].auditors for i in mine})
             found.append(
@@ -150,6 +150,16 @@ class Contributions:
                 )
             )
         return found
+
+
+def _agreed(others: Sequence[Sequence[pb.SumCheck]], tol: float) -> bool:
+    """Whether the others took back the same sums (their q·S agree): a member that says
+    otherwise lies, and with its word the contribution cannot be told (the round's own sum
+    checks name an owner that answered members different sums)."""
+    sums: dict[int, list[float]] = {}
+    for c in (c for o in others for c in o):
+        sums.setdefault(c.part, []).append(c.sum_dot)
+    return all(max(s) - min(s) <= tol for s in sums.values())
 
 
 def _compare(
