@@ -272,4 +272,5 @@ def _digest(
             None if b is None else b.digest,
         )
         return None
-    return GradientDigest(work.stage, work.backward_peer, *a.digest, f"{first} and {second}")
+    auditors = f"{first} and {second}"
+    return GradientDigest(work.stage, work.backward_peer, *a.digest, auditors, seed)

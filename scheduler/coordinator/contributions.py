@@ -98,7 +98,9 @@ class Contributions:
     def record(self, result: MicrobatchResult) -> None:
         """Keep `result`'s digests of the contributions its step audits."""
         for d in result.digests:
-            if any(a.peer == d.peer for a in self._audits(result.step, d.stage)):
+            if any(
+                (a.peer, a.seed) == (d.peer, d.seed) for a in self._audits(result.step, d.stage)
+            ):
                 self._digests.setdefault((result.step, d.stage, d.peer), {})[result.index] = d
 
     def seeds_for(self, step: int, stage: int, peer: str) -> tuple[int, ...]:

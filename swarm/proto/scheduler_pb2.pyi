@@ -259,20 +259,22 @@ class ContributionAudit(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GradientDigest(_message.Message):
-    __slots__ = ("stage", "peer", "dot", "magnitude", "norm", "auditors")
+    __slots__ = ("stage", "peer", "dot", "magnitude", "norm", "auditors", "seed")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     DOT_FIELD_NUMBER: _ClassVar[int]
     MAGNITUDE_FIELD_NUMBER: _ClassVar[int]
     NORM_FIELD_NUMBER: _ClassVar[int]
     AUDITORS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     stage: int
     peer: str
     dot: float
     magnitude: float
     norm: float
     auditors: str
-    def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., norm: _Optional[float] = ..., auditors: _Optional[str] = ...) -> None: ...
+    seed: int
+    def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., norm: _Optional[float] = ..., auditors: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class MicrobatchRef(_message.Message):
     __slots__ = ("step", "index")

@@ -67,6 +67,7 @@ class GradientDigest:
     magnitude: float
     norm: float
     auditors: str
+    seed: int = 0  # the audit's: a straggler's digest of a step since replayed has another
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,7 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
                 magnitude=d.magnitude,
                 norm=d.norm,
                 auditors=d.auditors,
+                seed=d.seed,
             )
             for d in result.digests
         ],
@@ -263,7 +265,7 @@ def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
         msg.stage_runs,
         msg.audit_runs,
         tuple(
-            GradientDigest(d.stage, d.peer, d.dot, d.magnitude, d.norm, d.auditors)
+            GradientDigest(d.stage, d.peer, d.dot, d.magnitude, d.norm, d.auditors, d.seed)
             for d in msg.digests
         ),
     )

@@ -139,7 +139,7 @@ async def test_an_audited_contribution_is_digested_by_two_auditors_whatever_the_
     verdicts, runs, digests = await audits.audited(0, 3, [_work()], [audit])
     assert verdicts == [] and runs == 2 and sorted(replicas.asked) == ["b", "c"]
     (digest,) = digests
-    assert digest == GradientDigest(1, "a", *DIGEST, digest.auditors)
+    assert digest == GradientDigest(1, "a", *DIGEST, digest.auditors, 99)
     assert digest.auditors in ("b and c", "c and b")
     others = [ContributionAudit(2, "a", 99), ContributionAudit(1, "b", 99)]
     assert await audits.audited(0, 3, [_work()], others) == ([], 0, [])

@@ -55,7 +55,7 @@ def _digests(
     (audit,) = [a for a in contributions._audits(5, 0) if a.peer == peer]
     for index, g in enumerate(grads):
         dot, magnitude, squares = dots(audit.seed, 0, g)
-        digest = GradientDigest(0, peer, dot, magnitude, squares**0.5, auditors)
+        digest = GradientDigest(0, peer, dot, magnitude, squares**0.5, auditors, audit.seed)
         result = MicrobatchResult(5, index, {0: peer}, None, 4, digests=(digest,))
         contributions.record(result)
 
@@ -93,6 +93,10 @@ def test_a_contribution_not_wholly_digested_is_not_judged() -> None:
     contributions, _ = _drawn()
     grads = _grads(3)
     _digests(contributions, "b", grads[:2])  # its third microbatch was never digested
+    # ... but for an audit of the step's run before a rollback: another seed, not this one's
+    dot, magnitude, squares = dots(1234, 0, grads[2])
+    stale = GradientDigest(0, "b", dot, magnitude, squares**0.5, "x and y", 1234)
+    contributions.record(MicrobatchResult(5, 2, {0: "b"}, None, 4, digests=(stale,)))
     xs = [torch.zeros(N, dtype=torch.float64), 5 * grads[0], torch.zeros(N, dtype=torch.float64)]
     held = {"b": [0, 1, 2]}
     assert contributions.judge(5, 0, PEERS, _round(contributions, xs), held) == []
