@@ -83,6 +83,8 @@ ATTACKS: dict[str, str] = {
     "P-push-acts": "on the push plane, a replica sends finite wrong activations on",
     "P-push-grads": "on the push plane, a replica sends finite wrong input gradients back",
     "P-push-sent": "on the push plane, a replica commits to the honest outputs and sends others",
+    "P-bent": "a replica answers honestly but contributes its gradient sums bent within the "
+    "norm bound",
 }
 
 

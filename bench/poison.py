@@ -3,17 +3,20 @@ lies, whether the replay leaves the honest run's model, and what the audits cost
 without audits measured in the same run.
 
     .venv/bin/python bench/poison.py [--quick] [--trials N] [--fraction F] [--honest-steps N]
-                                     [--planes relay,push]
+                                     [--planes relay,push] [--only attacks|honest]
 
 A float64 job of 4 stages x 3 replicas on the carry plane (real gRPC servers in this process),
-one hostile replica per stage (`swarm.ops.poison`: finite wrong activations or input gradients,
-every step or one step in `--period`). Each trial trains until the ban (or the job's end) with
-`[trust] audit_fraction = F` (default: the job default); the first trial of each attack trains
-to the end and is compared with `swarm local` (the largest difference, float64). Then an honest
+one hostile replica per stage (a `SWARM_FAULTS` hostile point, `swarm.ops.poison`: finite wrong
+activations or input gradients, every step or one step in `--period`). Each trial trains until
+the ban (or the job's end) with `[trust] audit_fraction = F` (default: the job default); the
+first trial of each attack trains to the end and is compared with `swarm local` (the largest
+difference, float64). Then an honest
 job trains `--honest-steps` steps with audits and without: false accusations, the audits' extra
-compute (re-executed stage computations over the training's own) and the wall-time ratio.
+compute (re-executed stage computations over the training's own) and the wall-time ratio; a
+false accusation (a ban in the honest job) fails the run (exit status 1). `--only honest` runs the
+honest job alone (issue 55's 1,000 steps on the CPU), `--only attacks` the attacks alone.
 Each of `--planes` gets its table: the carry plane (`relay`) and the push plane (`push`, with one
-more attack: `sent-activations`, a replica that commits to its honest outputs and sends others).
+more attack: `poison-sent-outputs`, a replica that commits to its honest outputs and sends others).
 """
 
 from __future__ import annotations
@@ -41,13 +44,14 @@ from swarm.job.config import JobConfig, load_job  # noqa: E402
 from swarm.job.fingerprint import fingerprint  # noqa: E402
 from swarm.job.schema import TrustConfig  # noqa: E402
 from swarm.model.reference import train_local  # noqa: E402
-from swarm.ops.poison import parse_poison  # noqa: E402
+from swarm.ops.faults import parse_faults  # noqa: E402
+from swarm.ops.poison import Poison  # noqa: E402
 from swarm.rpc.lease import Replica  # noqa: E402
 
 STAGES, REPLICAS = 4, 3
 HEADER = (
-    f"{'attack':<18} {'trials':>6} {'caught<=10':>12} {'mean to catch':>14} {'max':>10} "
-    f"{'vs local':>12}"
+    f"{'attack (SWARM_FAULTS)':<26} {'trials':>6} {'caught<=10':>12} {'mean to catch':>14} "
+    f"{'max':>10} {'vs local':>12}"
 )
 
 
@@ -106,7 +110,7 @@ class Run:
                 for _ in range(REPLICAS)
             ]
             if poison:
-                made[0].servicer.poison = parse_poison(poison)
+                made[0].servicer.poison = Poison.of(parse_faults(poison))
             self.servers.append(made)
         coordinator = LocalCoordinator(self.job, fingerprint(self.job), self.members)
         trainers = [
@@ -137,8 +141,8 @@ class Run:
 
 def poisoned_steps(poison: str, through: int) -> int:
     """How many of steps 0..through the hostile replicas lied at."""
-    p = parse_poison(poison)
-    return sum(1 for s in range(through + 1) if s % p.period == p.phase)
+    lies = Poison.of(parse_faults(poison)).faults
+    return sum(1 for s in range(through + 1) if any(f.hostile_at(f.point, s) for f in lies))
 
 
 async def attack(
@@ -163,7 +167,7 @@ async def attack(
             await run.close(coordinator)
     mean = sum(to_catch) / len(to_catch) if to_catch else float("nan")
     return (
-        f"{poison:<18} {trials:>6} {caught / trials:>12.2f} {mean:>14.1f} "
+        f"{poison:<26} {trials:>6} {caught / trials:>12.2f} {mean:>14.1f} "
         f"{max(to_catch, default=0):>10} {max_diff:>12.2e}"
     )
 
@@ -184,6 +188,8 @@ async def honest(directory: Path, steps: int, fraction: float, plane: str = "rel
         finally:
             await run.close(coordinator)
     ratio = timings[fraction] / timings[0.0]
+    if accused:
+        raise SystemExit(f"honest, {steps} steps: {accused} false accusation(s)")
     return (
         f"honest, {steps} steps: false accusations {accused}, extra compute {share:.1%} of the "
         f"stage computations, wall time {ratio:.2f}x the run without audits, largest honest "
@@ -196,23 +202,25 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         for plane in args.planes.split(","):
-            print(
-                f"{plane} plane: 4 stages x 3 replicas, one hostile replica per stage, "
-                f"audit_fraction {args.fraction}"
-            )
-            print(HEADER)
-            poisons = [
-                "activations",
-                "grads",
-                f"activations:{args.period}:1",
-                f"grads:{args.period}:1",
-            ]
-            if plane == "push":  # says one thing, sends another: only the push plane can
-                poisons += ["sent-activations", f"sent-activations:{args.period}:1"]
-            for poison in poisons:
-                row = await attack(directory, poison, args.trials, args.steps, args.fraction, plane)
-                print(row, flush=True)
-            print(await honest(directory, args.honest_steps, args.fraction, plane))
+            print(f"{plane} plane: 4 stages x 3 replicas, audit_fraction {args.fraction}")
+            if args.only != "honest":
+                print("one hostile replica per stage")
+                print(HEADER)
+                poisons = [
+                    "poison-outputs@0",
+                    "poison-grad-inputs@0",
+                    f"poison-outputs@1/{args.period}",
+                    f"poison-grad-inputs@1/{args.period}",
+                ]
+                if plane == "push":  # says one thing, sends another: only the push plane can
+                    poisons += ["poison-sent-outputs@0", f"poison-sent-outputs@1/{args.period}"]
+                for poison in poisons:
+                    line = await attack(
+                        directory, poison, args.trials, args.steps, args.fraction, plane
+                    )
+                    print(line, flush=True)
+            if args.only != "attacks":
+                print(await honest(directory, args.honest_steps, args.fraction, plane), flush=True)
 
 
 if __name__ == "__main__":
@@ -223,6 +231,7 @@ if __name__ == "__main__":
     parser.add_argument("--period", type=int, default=20, help="the sparse attack's period")
     parser.add_argument("--honest-steps", type=int, default=1000)
     parser.add_argument("--planes", default="relay,push", help="the data planes, in order")
+    parser.add_argument("--only", choices=("attacks", "honest"), help="one half of the bench")
     args = parser.parse_args()
     if args.quick:
         args.trials, args.period, args.honest_steps = 3, 3, 20

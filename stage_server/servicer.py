@@ -116,7 +116,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             scheduler_key=lambda: self.commit_auth.public if self.commit_auth else None,
         )
         # a hostile replica's lies that audits must catch, for tests (`swarm.ops.poison`)
-        self.poison = Poison.from_env()
+        self.poison = Poison.armed()
         self._answering = Answering(
             peer=peer,
             worker=self.worker,
@@ -221,7 +221,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         body = within_deadline(requests, timeout, "the job's runtime.rpc_timeout_s")
         # The most one microbatch's two tensors take, with what each is charged beyond its bytes.
         # (three under a subspace boundary: the token ids travel beside them)
-        most = self.runtime.max_request_bytes() + 3 * TENSOR_OVERHEAD_BYTES
+        most = self.runtime.checks.max_request_bytes() + 3 * TENSOR_OVERHEAD_BYTES
         received = await self._messages.receive(body, most, self._route, held, admit, handed)
         # A caller closes its side before it waits for the answer: its end is here already,
         # and read, gRPC lets go of the request's last chunk now (`read_to_end`).
@@ -282,10 +282,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 grad_outputs,
                 accumulate=h.accumulate,
                 tokens=tensors.get("tokens"),
+                digest_seed=0 if h.accumulate else h.digest_seed,
             )
-            return pb.StageBackwardResponse(
-                tensors=done.grad, receipt=done.receipt, queued_seconds=done.queued
-            )
+            return pb.StageBackwardResponse(**done.answer())
 
         for msg in self._messages.split(await self._run_held("Backward", context, body)):
             yield msg
@@ -312,13 +311,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 targets,
                 accumulate=h.accumulate,
                 tokens=tokens,
+                digest_seed=0 if h.accumulate else h.digest_seed,
             )
-            return pb.StageForwardBackwardResponse(
-                tensors=done.grad,
-                loss_sum=done.loss,
-                receipt=done.receipt,
-                queued_seconds=done.queued,
-            )
+            return pb.StageForwardBackwardResponse(loss_sum=done.loss, **done.answer())
 
         for msg in self._messages.split(await self._run_held("ForwardBackward", context, body)):
             yield msg
@@ -372,6 +367,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 already_committed=done.already,
                 grad_sq_norm=done.grad_sq_norm,
                 sum_checks=done.sum_checks,
+                audit_checks=done.audit_checks,
             )
 
         return await self._serving.run("Commit", context, body)

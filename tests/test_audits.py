@@ -17,7 +17,8 @@ from client.metrics import TrainerMetrics
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
 from swarm.job.fingerprint import fingerprint
-from swarm.ops.poison import parse_poison
+from swarm.ops.faults import Fault, Point
+from swarm.ops.poison import Poison
 from swarm.ops.progress import StepRecord
 from tests.support.equality import assert_equal_to_local
 from tests.support.inprocess import Swarm, lease_after_joined
@@ -59,15 +60,17 @@ async def test_an_honest_audited_job_accuses_nobody(
     assert metrics.audit_difference._value.get() == 0.0  # bitwise, on the CPU
     assert coordinator.bans.banned == {}
     assert coordinator.metrics.bans._value.get() == 0
-    # the price: every stage computation done once more
-    assert metrics.audit_runs._value.get() == metrics.stage_runs._value.get()
+    # the price: every stage computation done twice more, every replica's contribution being
+    # audited too (`audit_fraction` 1): its answers checked on one auditor, and its gradient
+    # digested on that one and a second (`scheduler.coordinator.contributions`)
+    assert metrics.audit_runs._value.get() == 2 * metrics.stage_runs._value.get()
 
 
 @pytest.mark.attack("P-acts")
 @pytest.mark.attack("P-grads")
-@pytest.mark.parametrize("poison", ["activations", "grads"])
+@pytest.mark.parametrize("poison", [Point.POISON_OUTPUTS, Point.POISON_GRAD_INPUTS])
 async def test_a_liar_that_joins_late_costs_only_the_steps_since_the_checkpoint_before_it(
-    tmp_path: Path, make_swarm: list[Swarm], poison: str
+    tmp_path: Path, make_swarm: list[Swarm], poison: Point
 ) -> None:
     """A replica of stage 1 joins after step 2's checkpoint and lies from then on: it is caught
     and banned, and the job rolls back to the last checkpoint at or before the first step it was
@@ -87,7 +90,7 @@ async def test_a_liar_that_joins_late_costs_only_the_steps_since_the_checkpoint_
     async def after_step(record: StepRecord) -> None:
         if record.step == 2 and not joined:
             liar = await swarm.add(1)
-            liar.servicer.poison = parse_poison(poison)
+            liar.servicer.poison = Poison.of([Fault("", poison, 0)])
             joined.append(liar)
 
     coordinator = LocalCoordinator(

@@ -16,6 +16,12 @@ three agree on is the truth; the one that differs is the liar, the audited repli
 auditor alike, and comes back as a `Verdict` with the evidence. A replica that answered nothing
 (gone, refused) is no evidence: the audit is skipped. Where no second auditor exists (a stage of
 two), the disagreement is logged and counted, and nobody is banned on one word against another.
+
+A replica's contribution to its pool's averaging is audited too (`ContributionAudit`, drawn by
+the coordinator per step and stage; docs/decisions.md, "The parameter-gradient audit"): each
+microbatch whose stage it accumulated is re-executed on two others of the stage, which digest
+its parameter gradient with a seed the audited replica never learns; the two digests, equal bit
+for bit, go to the coordinator (`GradientDigest`), which holds their sum to the contribution.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 
 from client.metrics import TrainerMetrics
 from swarm.errors import SwarmError
-from swarm.rpc.lease import Verdict
+from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
 from swarm.rpc.stage_client import TensorLike
 
 __all__ = ["TOLERANCE", "Audits", "Redone", "Reexecutor", "Work", "differs"]
@@ -64,6 +70,7 @@ class Redone:
 
     outputs: torch.Tensor
     grad_inputs: torch.Tensor | None
+    digest: tuple[float, float, float] | None = None  # where asked: r·g, Σ|r_i·g_i|, ‖g‖
 
 
 class Reexecutor(Protocol):
@@ -74,7 +81,11 @@ class Reexecutor(Protocol):
         """The replicas of `stage` that can audit now."""
         ...
 
-    async def redo(self, peer: str, step: int, index: int, work: Work) -> Redone: ...
+    async def redo(
+        self, peer: str, step: int, index: int, work: Work, digest_seed: int = 0
+    ) -> Redone:
+        """`digest_seed`: the digest of the parameter gradient too (`Redone.digest`)."""
+        ...
 
 
 def differs(claimed: torch.Tensor | None, honest: torch.Tensor | None) -> float:
@@ -124,13 +135,40 @@ class Audits:
     ) -> tuple[list[Verdict], int]:
         """Audit the drawn stages of microbatch `(step, index)`: the liars found, and the
         re-executions it took."""
+        verdicts, runs, _ = await self.audited(step, index, works)
+        return verdicts, runs
+
+    async def audited(
+        self,
+        step: int,
+        index: int,
+        works: Sequence[Work],
+        contributions: Sequence[ContributionAudit] = (),
+    ) -> tuple[list[Verdict], int, list[GradientDigest]]:
+        """`audit`, and the stages whose accumulating replica's contribution is audited
+        (`contributions`) audited whatever the draw, their gradients digested."""
         self.metrics.stage_runs.inc(len(works))
         runs = self.runs()
         verdicts: dict[str, Verdict] = {}
-        for k in self.drawn(range(len(works))):
-            for v in await self.judge(step, index, works[k]):
+        digests: list[GradientDigest] = []
+        drawn = set(self.drawn(range(len(works))))
+        for k, work in enumerate(works):
+            seed = next(
+                (
+                    a.seed
+                    for a in contributions
+                    if (a.stage, a.peer) == (work.stage, work.backward_peer)
+                ),
+                0,
+            )
+            if k not in drawn and not seed:
+                continue
+            found, digest = await self._audit(step, index, work, seed)
+            for v in found:
                 verdicts.setdefault(v.peer, v)
-        return list(verdicts.values()), self.runs() - runs
+            if digest is not None:
+                digests.append(digest)
+        return list(verdicts.values()), self.runs() - runs, digests
 
     def runs(self) -> int:
         """The re-executions this trainer's audits took so far."""
@@ -139,9 +177,11 @@ class Audits:
     def _close(self, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return differs(a, b) <= self.tolerance
 
-    async def _redo(self, peer: str, step: int, index: int, work: Work) -> Redone | None:
+    async def _redo(
+        self, peer: str, step: int, index: int, work: Work, seed: int = 0
+    ) -> Redone | None:
         try:
-            done = await self.reexecutor.redo(peer, step, index, work)
+            done = await self.reexecutor.redo(peer, step, index, work, seed)
         except SwarmError as e:  # gone, or the step moved on: no evidence either way
             log.info("audit of (%d, %d) at stage %d on %s: %s", step, index, work.stage, peer, e)
             return None
@@ -151,23 +191,34 @@ class Audits:
     async def judge(self, step: int, index: int, work: Work) -> list[Verdict]:
         """Re-execute `work` on another replica of its stage (and, if they disagree, on a
         second): the liars found, with the evidence."""
+        return (await self._audit(step, index, work))[0]
+
+    async def _audit(
+        self, step: int, index: int, work: Work, seed: int = 0
+    ) -> tuple[list[Verdict], GradientDigest | None]:
+        """The liars found in `work`; with `seed`, its gradient's digest by two auditors."""
         claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
         producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
         others = [p for p in self.reexecutor.peers(work.stage) if p not in producer.values()]
         first = self.rng.choice(others) if others else None
-        a = None if first is None else await self._redo(first, step, index, work)
+        a = None if first is None else await self._redo(first, step, index, work, seed)
         if first is None or a is None:
             self.metrics.audited("skipped")
-            return []
+            return [], None
+        seconds = [p for p in others if p != first]
+        second = self.rng.choice(seconds) if seconds else None
+        b = None  # the second auditor's, asked at once where a digest needs two
+        if seed and second is not None:
+            b = await self._redo(second, step, index, work, seed)
+        digest = _digest(work, seed, first, a, second, b)
         redone_a = {"outputs": a.outputs, "input gradients": a.grad_inputs}
         gaps = {item: differs(claimed[item], redone_a[item]) for item in _ITEMS}
         wrong = [item for item in _ITEMS if gaps[item] > self.tolerance]
         if not wrong:
             self.metrics.agreed(max(gaps.values()))
-            return []
-        seconds = [p for p in others if p != first]
-        second = self.rng.choice(seconds) if seconds else None
-        b = None if second is None else await self._redo(second, step, index, work)
+            return [], digest
+        if b is None and second is not None:
+            b = await self._redo(second, step, index, work)
         where = f"microbatch ({step}, {index}) at stage {work.stage}"
         if second is None or b is None:
             self.metrics.audited("undecided")
@@ -180,7 +231,7 @@ class Audits:
                 first,
                 gaps[wrong[0]],
             )
-            return []
+            return [], digest
         redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
         verdicts = []
         for item in wrong:
@@ -208,4 +259,27 @@ class Audits:
             self.metrics.audited("caught")
             log.warning("audit: %s caught lying: %s", liar, evidence)
             verdicts.append(Verdict(liar, work.stage, evidence))
-        return verdicts
+        return verdicts, digest
+
+
+def _digest(
+    work: Work, seed: int, first: str, a: Redone, second: str | None, b: Redone | None
+) -> GradientDigest | None:
+    """The gradient's digest of `work` where two auditors agree on it bit for bit (None: not
+    asked, or no two agreeing: the coordinator skips that contribution's audit)."""
+    if not seed:
+        return None
+    if second is None or b is None or a.digest is None or a.digest != b.digest:
+        log.warning(
+            "audit of the contribution of %s at stage %d: no two re-executions agree on its "
+            "gradient (%s: %s, %s: %s)",
+            work.backward_peer,
+            work.stage,
+            first,
+            a.digest,
+            second,
+            None if b is None else b.digest,
+        )
+        return None
+    auditors = f"{first} and {second}"
+    return GradientDigest(work.stage, work.backward_peer, *a.digest, auditors, seed)

@@ -25,7 +25,7 @@ from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
 from swarm.model.subspace import wire_tokens
 from swarm.proto import tensor_pb2
-from swarm.rpc.lease import MicrobatchResult, Replica, Task, Verdict
+from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task, Verdict
 from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
 from swarm.wire import codec
 
@@ -144,7 +144,7 @@ class CarryPlane:
         samples = int(ids.shape[0])
         if not local:
             # Audited before it is reported: a liar caught is banned before its work commits.
-            verdicts, audit_runs = await self._audited(step, index, works)
+            verdicts, audit_runs, digests = await self._audited(step, index, works, task)
             touched = tuple(sorted(filter(None, {*forward_peer.values(), *back.values()})))
             return MicrobatchResult(
                 step,
@@ -156,6 +156,7 @@ class CarryPlane:
                 touched=touched,
                 stage_runs=len(works) if works is not None else 0,
                 audit_runs=audit_runs,
+                digests=digests,
             )
         chain = tuple(forward_peer[k] for k in range(last + 1))
         return MicrobatchResult(
@@ -163,13 +164,14 @@ class CarryPlane:
         )
 
     async def _audited(
-        self, step: int, index: int, works: list[Work] | None
-    ) -> tuple[tuple[Verdict, ...], int]:
-        """The liars `works`' audit found, and the re-executions it took."""
+        self, step: int, index: int, works: list[Work] | None, task: Task
+    ) -> tuple[tuple[Verdict, ...], int, tuple[GradientDigest, ...]]:
+        """The liars `works`' audit found, the re-executions it took, and the gradient digests
+        of the stages whose contribution `task` says is audited."""
         if works is None or self.audits is None:
-            return (), 0
-        verdicts, runs = await self.audits.audit(step, index, works)
-        return tuple(verdicts), runs
+            return (), 0, ()
+        verdicts, runs, digests = await self.audits.audited(step, index, works, task.audits)
+        return tuple(verdicts), runs, tuple(digests)
 
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor

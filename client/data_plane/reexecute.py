@@ -34,7 +34,9 @@ class StageReexecutor:
     def peers(self, stage: int) -> list[str]:
         return sorted(p for p, c in self.routes.clients.items() if c.stage == stage)
 
-    async def redo(self, peer: str, step: int, index: int, work: Work) -> Redone:
+    async def redo(
+        self, peer: str, step: int, index: int, work: Work, digest_seed: int = 0
+    ) -> Redone:
         client = self.routes.clients[peer]
         grads = work.grad_inputs is not None  # asked for above the run's lowest stage only
         if work.stage == self.last:
@@ -46,9 +48,12 @@ class StageReexecutor:
                 accumulate=False,
                 need_grad_inputs=grads,
                 tokens=work.tokens,
+                digest_seed=digest_seed,
             )
             return Redone(
-                torch.tensor(done.loss_sum, dtype=torch.float64), decoded(done.grad_inputs)
+                torch.tensor(done.loss_sum, dtype=torch.float64),
+                decoded(done.grad_inputs),
+                _digest(done),
             )
         outputs = codec.decode(await client.forward(step, index, work.inputs, tokens=work.tokens))
 
@@ -61,10 +66,16 @@ class StageReexecutor:
                 accumulate=False,
                 need_grad_inputs=grads,
                 tokens=work.tokens if inputs is not None else None,
+                digest_seed=digest_seed,
             )
 
         try:  # its activations are cached there now
             back = await backward(None)
         except ActivationsNotCached:  # evicted meanwhile: send the inputs again
             back = await backward(work.inputs)
-        return Redone(outputs, decoded(back.grad_inputs))
+        return Redone(outputs, decoded(back.grad_inputs), _digest(back))
+
+
+def _digest(done: BackwardResult) -> tuple[float, float, float] | None:
+    d = done.digest
+    return None if d is None else (d.dot, d.magnitude, d.norm)

@@ -17,6 +17,9 @@ job for good, and its influence is replayed away.
   rests on a banned peer's answer (`MicrobatchResult.touched`) is not counted, and the replicas
   it names as holders are voided at that step (their sums may hold its gradient), so their
   microbatches are replayed. A verdict's own result is dropped the same way.
+- **Contributions**: the audit of what a replica adds into its sums (`contributions`) is drawn
+  with the step's tasks (`audited`), fed the trainers' digests with their reports (`screen`),
+  and judged at the round, which bans the same way (`ban`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Never
 
+from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
-from swarm.rpc.lease import MicrobatchResult, Replica
+from swarm.job.config import JobConfig
+from swarm.rpc.lease import MicrobatchResult, Replica, Task
 
 __all__ = ["Bans"]
 
@@ -42,8 +47,10 @@ class Bans:
         job_id: str,
         metrics: CoordinatorMetrics,
         on_ban: Callable[[str], Awaitable[None] | None] | None = None,
+        job: JobConfig | None = None,
     ) -> None:
-        """`on_ban(text)`: tell the job's history and `swarm status`. Its owner binds
+        """`on_ban(text)`: tell the job's history and `swarm status`; `job`: its contributions
+        audited as it says (`Contributions.of`; None: not). Its owner binds
         `roll_back_to(step)` (roll every stage back to the last checkpoint at or before `step`)
         and `void(ledger, stage, peer)` (void `peer`'s gradients of `ledger`'s step at `stage`)
         once it has made them."""
@@ -54,6 +61,13 @@ class Bans:
         self.first_seen: dict[str, int] = {}  # peer -> the first step it was a member at
         self.caught_at: dict[str, int] = {}  # peer -> the step of the microbatch it was caught at
         self._origin: int | None = None  # the first step this coordinator leased work of
+        self.contributions = Contributions.of(job)
+
+    def audited(
+        self, ledger: StepLedger, tasks: list[Task], members: Sequence[Sequence[Replica]]
+    ) -> list[Task]:
+        """`tasks`, leased of `ledger`'s step, with the step's audits of contributions."""
+        return self.contributions.tasks(ledger, tasks, members)
 
     def members(self, members: Members) -> Members:
         """`members` without the banned peers."""
@@ -79,6 +93,7 @@ class Bans:
         cost."""
         self.metrics.stage_runs.inc(result.stage_runs)
         self.metrics.audit_runs.inc(result.audit_runs)
+        self.contributions.record(result)
         for verdict in result.verdicts:
             if verdict.peer not in self.banned:
                 await self._ban(verdict.peer, verdict.stage, verdict.evidence, result.step)
@@ -89,6 +104,11 @@ class Bans:
             for stage, peer in sorted(result.holders.items()):
                 await self.void(ledger, stage, peer)
         return True
+
+    async def ban(self, peer: str, stage: int, evidence: str, step: int) -> None:
+        """Ban `peer`, caught at `step` (a contribution's audit), unless it is already."""
+        if peer not in self.banned:
+            await self._ban(peer, stage, evidence, step)
 
     async def _ban(self, peer: str, stage: int, evidence: str, step: int) -> None:
         self.banned[peer], self.caught_at[peer] = evidence, step

@@ -31,6 +31,7 @@ import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from scheduler.coordinator.bans import Bans
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
@@ -56,14 +57,15 @@ log = logging.getLogger(__name__)
 
 
 class TwoPhaseCommit:
-    def __init__(self, context: RoundContext, rounds: Rounds) -> None:
+    def __init__(self, context: RoundContext, rounds: Rounds, bans: Bans | None = None) -> None:
         """`context`: the job's, which its rounds share (`round_context`: its replicas,
         members, series, and how a pool's round group is made). `rounds`: the job's rule's
         rounds (`round_strategy`): whom a step's PREPARE averages with (what follows its APPLY
-        is the caller's: `attempt`)."""
+        is the caller's: `attempt`). `bans`: the job's, with its audits of contributions."""
         self.clients, self.membership = context.clients, context.membership
         self.metrics, self.groups, self.rounds = context.metrics, context.groups, rounds
         self.grad_clip = context.job.training.grad_clip  # 0: no clipping
+        self.bans = bans
         self.job = context.job
         # Per stage, the median contribution per microbatch of its last round that passed: the
         # norm bound's yardstick for a replica that took every microbatch of a step.
@@ -263,6 +265,10 @@ class TwoPhaseCommit:
                 # A step that averages with no one (local steps) has no parts to size.
                 round_group = made if pool == group else RoundGroup(tuple(pool))
                 check = checked(round_group, seed)  # with aggregators: their sums are checked
+                if check is not None and self.bans is not None:  # another's contribution audited
+                    check.audit_seeds = self.bans.contributions.seeds_for(
+                        ledger.step, stage, r.peer
+                    )
                 if check is not None:
                     checks.setdefault(stage, {})[index] = check
                     taken.setdefault(stage, {})[index] = len(holdings.get(r.peer, []))
@@ -288,6 +294,7 @@ class TwoPhaseCommit:
             not failed
             and await self._sums_check(ledger, round_id, members, groups, checks)
             and await self._norms_check(ledger, round_id, members, groups, checks, taken)
+            and await self._contributions_check(ledger, members, checks)
         ):
             # None: the member had applied the step already (a retried commit): nothing of that
             # stage is applied again, and the others' norms are what is left to clip by.
@@ -317,6 +324,27 @@ class TwoPhaseCommit:
             await self._leave_out(ledger, stage, culprit, by)
             failure.left_out.append(LeftOut(stage, culprit.peer, by, AVERAGE))
         return None
+
+    async def _contributions_check(
+        self,
+        ledger: StepLedger,
+        members: list[list[Replica]],
+        checks: dict[int, dict[int, Checksums]],
+    ) -> bool:
+        """Whether each audited contribution is what its microbatches re-executed add up to
+        (`contributions`). Else its replica is banned (the rollback replays its work away, the
+        evidence in the log and the job's history) and the round fails."""
+        if self.bans is None:
+            return True
+        for stage, of in sorted(checks.items()):
+            peers, held = [r.peer for r in members[stage]], ledger.holdings(stage)
+            found = self.bans.contributions.judge(ledger.step, stage, peers, of, held)
+            for peer, evidence in found:
+                await self.bans.ban(peer, stage, evidence, ledger.step)
+            if found:
+                self.metrics.aborted_rounds.inc()
+                return False
+        return True
 
     async def _sums_check(
         self,

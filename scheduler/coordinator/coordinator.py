@@ -95,7 +95,7 @@ class LocalCoordinator:
         the members' links, the aggregators after the replicas (default: equal parts, none).
         `on_ban(text)`: a peer was banned (`bans`), and why; from then on no view holds it."""
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
-        self.bans = Bans(job_id, self.metrics, on_ban)  # its rollback and voids: bound below
+        self.bans = Bans(job_id, self.metrics, on_ban, job)  # its rollback and voids: bound below
         members = self.bans.members(members)
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
@@ -130,7 +130,7 @@ class LocalCoordinator:
             job, rule, self.clients, self.membership, self.metrics, self.groups, on_route, on_status
         )
         self.rounds = rounds_of(context)
-        self.two_phase = TwoPhaseCommit(context, self.rounds)
+        self.two_phase = TwoPhaseCommit(context, self.rounds, self.bans)
         self.recovery = Recovery(job, self.clients, checkpoint_dir, checkpoint_every_s, self.clock)
         self._rollback = Rollback(
             job,
@@ -259,7 +259,7 @@ class LocalCoordinator:
             if tasks:
                 self.bans.saw(members, ledger.step)  # where a ban would roll back to
                 self._open_next_early()
-                return Lease(ledger.step, tasks, members)
+                return Lease(ledger.step, self.bans.audited(ledger, tasks, members), members)
         return Lease(newest, [], members)
 
     def _open_next_early(self) -> None:

@@ -205,9 +205,11 @@ class GrpcReplica:
             round=round,
             parts=parts,
             check_seed=checks.seed if checks is not None else 0,
+            audit_seeds=checks.audit_seeds if checks is not None else (),
         )
         if checks is not None:
             checks.reports = list(response.sum_checks)
+            checks.audit_reports = list(response.audit_checks)
         return None if response.already_committed else response.grad_sq_norm
 
     async def apply(self, step: int, scale: float = 1.0) -> None:

@@ -81,6 +81,16 @@ class Checksums:
 
     seed: int
     reports: list[pb.SumCheck] = field(default_factory=list)
+    # other contributors' contributions audited (`contributions`): the same, a seed each
+    audit_seeds: tuple[int, ...] = ()
+    audit_reports: list[pb.SumCheck] = field(default_factory=list)
+
+    def audit_checks(self, seed: int) -> list[pb.SumCheck]:
+        """Its reports of the audit seed `seed` (none if it was not sent that one)."""
+        if seed not in self.audit_seeds:
+            return []
+        index = self.audit_seeds.index(seed)
+        return [c for c in self.audit_reports if c.seed_index == index]
 
 
 def checked(group: RoundGroup, seed: int) -> Checksums | None:

@@ -33,6 +33,16 @@ class Answered:
     receipt: pb.Receipt | None  # None when the caller keeps no receipt
     loss: float  # the loss sum of a forward_backward (0.0 for a backward)
     queued: float  # seconds the call waited for the worker
+    digest: pb.SumCheck | None = None  # an audit's: its gradient's (`digest_seed`)
+
+    def answer(self) -> dict[str, Any]:
+        """The fields a Backward's or ForwardBackward's answer takes from it."""
+        return {
+            "tensors": self.grad,
+            "receipt": self.receipt,
+            "queued_seconds": self.queued,
+            "digest": self.digest,
+        }
 
 
 class Answering:
@@ -63,6 +73,7 @@ class Answering:
         receipt: bool = True,
         tokens: torch.Tensor | None = None,
         into: tensor_pb2.Handover | None = None,
+        digest_seed: int = 0,
     ) -> Answered:
         """The one way a call accumulates here: `fn` (`backward`, or the last stage's
         `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
@@ -86,6 +97,7 @@ class Answering:
             accumulate=accumulate,
             need_grad_inputs=h.need_grad_inputs,
             tokens=tokens,  # a subspace boundary's token ids (`model.boundary_rank`)
+            digest_seed=digest_seed,  # an audit of a contribution (`stage_server.replica.digest`)
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
         return Answered(
@@ -93,4 +105,7 @@ class Answering:
             receipt=self._receipt(done) if receipt else None,
             loss=loss[0] if loss else 0.0,
             queued=queued,
+            digest=None
+            if done.digest is None
+            else pb.SumCheck(dot=done.digest[0], magnitude=done.digest[1], norm=done.digest[2]),
         )

@@ -36,7 +36,7 @@ import torch
 
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.channels import ChannelPool
-from stage_server.averaging.checksum import PartChecks
+from stage_server.averaging.checksum import AuditedChecks, PartChecks
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.flat import flatten, unflatten
 from stage_server.averaging.hostile import poison
@@ -83,6 +83,8 @@ class Commit:
     # many of its first members contribute (the rest are aggregators)
     parts: Parts = EQUAL_PARTS
     check_seed: int = 0  # the checksum of every part asked (0: none)
+    # other contributors' contributions audited: the same checksums, a seed each
+    audit_seeds: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, request: pb.StageCommitRequest) -> Commit:
@@ -103,6 +105,7 @@ class Commit:
             eager=request.eager,
             parts=Parts(request.part_weights, request.contributors),
             check_seed=request.check_seed,
+            audit_seeds=tuple(request.audit_seeds),
         )
 
 
@@ -116,6 +119,7 @@ class Committed:
     already: bool = False
     grad_sq_norm: float = 0.0
     sum_checks: tuple[pb.SumCheck, ...] = ()
+    audit_checks: tuple[pb.SumCheck, ...] = ()  # with `audit_seeds` (`AuditedChecks`)
 
 
 class Committer:
@@ -192,7 +196,7 @@ class Committer:
             if not already:
                 log.debug("%s: stage %d committed step %d", self.peer, c.stage, step)
             self.metrics.committed(rt.step, applied=not already)
-        return Committed(rt.step, already, sq_norm, _report(checks))
+        return Committed(rt.step, already, sq_norm, *_report(checks))
 
     async def _round_end(self, c: Commit) -> Committed:
         """pool.mode = "local": PREPARE averages the pool's pseudo-gradients, weighted by each
@@ -215,7 +219,7 @@ class Committer:
             self.feedback.applied(c.job, c.stage, boundary)
             if not already:
                 log.debug("%s: stage %d ended a round at step %d", self.peer, c.stage, boundary)
-        return Committed(rt.step, already, sum_checks=_report(checks))
+        return Committed(rt.step, already, 0.0, *_report(checks))
 
     async def _eager(self, c: Commit, checks: PartChecks | None) -> Committed:
         """pool.overlap = "eager" (`stage_server.replica.eager_round`): the operation `c.eager`
@@ -258,7 +262,7 @@ class Committer:
                 EagerOp(c.eager).name,
                 boundary,
             )
-        return Committed(rt.step, already, sum_checks=_report(checks))
+        return Committed(rt.step, already, 0.0, *_report(checks))
 
     def _finite(self, c: Commit, what: str, sums: list[torch.Tensor]) -> None:
         """On the worker: refuse a round's pool sum that holds NaN or infinity, before anything
@@ -414,9 +418,20 @@ class Committer:
 
 
 def _checks(c: Commit) -> PartChecks | None:
-    """The checksums of every part a PREPARE is asked for (`checksum`), if any."""
-    return PartChecks(c.check_seed) if c.check_seed and c.prepare else None
+    """The checksums of every part a PREPARE is asked for (`checksum`), if any: with
+    `audit_seeds`, the same with each of those (`AuditedChecks`)."""
+    if not c.check_seed or not c.prepare:
+        return None
+    if c.audit_seeds:
+        return AuditedChecks(c.check_seed, c.audit_seeds)
+    return PartChecks(c.check_seed)
 
 
-def _report(checks: PartChecks | None) -> tuple[pb.SumCheck, ...]:
-    return () if checks is None else tuple(checks.report())
+def _report(
+    checks: PartChecks | None,
+) -> tuple[tuple[pb.SumCheck, ...], tuple[pb.SumCheck, ...]]:
+    """The checksums asked for, and those of the audits' seeds."""
+    if checks is None:
+        return (), ()
+    audit = checks.audit_report() if isinstance(checks, AuditedChecks) else []
+    return tuple(checks.report()), tuple(audit)

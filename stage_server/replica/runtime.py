@@ -23,6 +23,7 @@ from stage_server.replica.accumulate import backprop_into
 from stage_server.replica.activation_cache import ActivationCache
 from stage_server.replica.compiled import CompiledRuns
 from stage_server.replica.delayed_copies import copies_for
+from stage_server.replica.digest import backprop_apart
 from stage_server.replica.following import Following
 from stage_server.replica.round_choice import ROUNDS
 from stage_server.replica.snapshot import Snapshot, Snapshots
@@ -175,6 +176,7 @@ class StageRuntime:
         accumulate: bool = True,
         need_grad_inputs: bool = True,
         tokens: torch.Tensor | None = None,
+        digest_seed: int = 0,
     ) -> tuple[torch.Tensor | None, Receipt]:
         """Backward of microbatch `(step, index)`. `inputs` (and `tokens`, as for `forward`) may
         be None when this replica did the forward: then its cached activations must still be
@@ -195,7 +197,9 @@ class StageRuntime:
             else:
                 x, out = cached
             grad = self.checks.grad(grad_outputs, out)
-            return self._backprop(step, index, x, out, grad, accumulate, need_grad_inputs)
+            return self._backprop(
+                step, index, x, out, grad, accumulate, need_grad_inputs, digest_seed
+            )
 
     def forward_backward(
         self,
@@ -207,6 +211,7 @@ class StageRuntime:
         accumulate: bool = True,
         need_grad_inputs: bool = True,
         tokens: torch.Tensor | None = None,
+        digest_seed: int = 0,
     ) -> tuple[float, torch.Tensor | None, Receipt]:
         if not self.is_last:
             raise InvalidArgument(
@@ -220,7 +225,7 @@ class StageRuntime:
                 inject(Point.FORWARD_OOM, step)
                 loss = loss_sum(self._run(step, x, tokens), y)
             grad_x, receipt = self._backprop(
-                step, index, x, loss, None, accumulate, need_grad_inputs
+                step, index, x, loss, None, accumulate, need_grad_inputs, digest_seed
             )
             return float(loss.detach()), grad_x, receipt
 
@@ -250,6 +255,7 @@ class StageRuntime:
         grad: torch.Tensor | None,
         accumulate: bool,
         need_grad_inputs: bool,
+        digest_seed: int = 0,
     ) -> tuple[torch.Tensor | None, Receipt]:
         want_x = need_grad_inputs and not self.is_first
         params = self.copies.params_at(step, self.step)
@@ -263,9 +269,8 @@ class StageRuntime:
                 sums, index, samples, self.params, params, x, out, grad, want_x, fail, self.low
             )
             return grad_x, receipt
-        targets = [*params, x] if want_x else list(params)
-        grads = torch.autograd.grad(out, targets, grad, allow_unused=True)
-        return (grads[-1] if want_x else None), receipt
+        # nothing accumulated (an audit's re-execution, or a duplicate's)
+        return backprop_apart(list(params), x, out, grad, want_x, receipt, digest_seed)
 
     # -- commit ---------------------------------------------------------------------------------
     def receipts(self, step: int | None = None) -> dict[int, int]:
@@ -380,14 +385,8 @@ class StageRuntime:
 
     # -- state transfer -------------------------------------------------------------------------
     # What a request or a state to load may hold (`stage_server.replica.tensor_checks`).
-    def max_request_bytes(self) -> int:
-        return self.checks.max_request_bytes()
-
     def max_state_bytes(self) -> int:
         return self.checks.max_state_bytes()
-
-    def check_state_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        self.checks.state_tensor(name, tensor)
 
     def snapshot(self, include_optimizer: bool = True) -> Snapshot:
         """`export_state` as a `Snapshot` sharing the parameters and optimizer state (copied only

@@ -308,7 +308,7 @@ class StateTransfer:
                 )
                 budget -= sum(t.nbytes for t in tensors.values())
                 for name, tensor in tensors.items():
-                    rt.check_state_tensor(name, tensor)
+                    rt.checks.state_tensor(name, tensor)
                     state[name] = tensor  # its own buffer: no copy
         if step < 0:
             raise InvalidArgument("LoadState carried no state")

@@ -34,6 +34,9 @@ class Receipt:
     index: int
     samples: int
     duplicate: bool
+    # an audit's re-execution (nothing accumulated): its gradient's digest, where one was asked
+    # (`stage_server.replica.digest`)
+    digest: tuple[float, float, float] | None = None
 
 
 @dataclass

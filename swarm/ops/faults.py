@@ -5,13 +5,16 @@ A stage server started with `SWARM_FAULTS="backward@3,averaging@5"` kills itself
 it reaches that point while serving that step: mid-request, so the caller sees a dead peer exactly
 where the fault says. The raising points (`forward-oom`, `backward-oom`, `averaging-oom`) raise an
 out-of-memory error inside that computation instead (`due`, once each), and the process lives on:
-a device failure in a real process, for tests and benchmarks. The hostile points (`poison-sum`,
-`poison-grad`) make the process lie in its pool's averaging from that step on (`poisoning`). A
-stage server reads its SWARM_FAULTS when it starts (`arm`): a malformed one stops it there, not
-at the first fault point it reaches. `idle` faults (between calls) and the roles `scheduler`,
-`trainer` and `broker` are killed from outside by `FaultPlan.due`'s caller (the test harness,
-`swarm demo`) when the job reaches the step; the target `*` (`ANY_REPLICA`) leaves the choice of
-replica to it.
+a device failure in a real process, for tests and benchmarks. The hostile points make the process
+lie from that step on (`poisoning`), or one step in PERIOD from it (`point@step/PERIOD`): in its
+pool's averaging (`poison-sum`, `poison-grad`, `poison-bent`; `stage_server.averaging.hostile`)
+or in its stage compute (`poison-outputs`, `poison-grad-inputs`: finite wrong numbers sent on,
+`swarm.ops.poison`), and the process serves on: what the audits and the pool's checks must
+catch (issue 55). A stage server reads its SWARM_FAULTS when it starts (`arm`): a malformed one
+stops it there, not at the first fault point it reaches. `idle` faults (between calls) and the
+roles `scheduler`, `trainer` and `broker` are killed from outside by `FaultPlan.due`'s caller
+(the test harness, `swarm demo`) when the job reaches the step; the target `*` (`ANY_REPLICA`)
+leaves the choice of replica to it.
 """
 
 from __future__ import annotations
@@ -61,10 +64,25 @@ class Point(enum.StrEnum):
     # poisoners as real processes, for tests and benchmarks.
     POISON_SUM = "poison-sum"  # an owner answers its part's sums plus 1e4
     POISON_GRAD = "poison-grad"  # a replica contributes its gradient sums times 1e4
+    # ... its gradient sums bent within the norm bound (element i times 1 + cos i)
+    POISON_BENT = "poison-bent"
+    POISON_OUTPUTS = "poison-outputs"  # a Forward's outputs sent wrong (`swarm.ops.poison`)
+    POISON_GRAD_INPUTS = "poison-grad-inputs"  # a Backward's input gradient sent wrong
+    # the push plane's outputs sent on wrong, while it commits to the honest ones' digest
+    POISON_SENT_OUTPUTS = "poison-sent-outputs"
 
 
 RAISING = frozenset({Point.FORWARD_OOM, Point.BACKWARD_OOM, Point.AVERAGING_OOM})
-HOSTILE = frozenset({Point.POISON_SUM, Point.POISON_GRAD})
+HOSTILE = frozenset(
+    {
+        Point.POISON_SUM,
+        Point.POISON_GRAD,
+        Point.POISON_BENT,
+        Point.POISON_OUTPUTS,
+        Point.POISON_GRAD_INPUTS,
+        Point.POISON_SENT_OUTPUTS,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -72,27 +90,36 @@ class Fault:
     target: str  # a peer id / replica name, or a role: scheduler, trainer, broker
     point: Point
     step: int
+    period: int = 1  # a hostile point's: it lies at `step`, then every `period` steps after
+
+    def __post_init__(self) -> None:
+        if self.period < 1 or (self.period > 1 and self.point not in HOSTILE):
+            raise ValueError(f"a period of {self.period} at {self.point}")
+
+    def hostile_at(self, point: Point, step: int) -> bool:
+        """Whether this fault makes its process lie at `point` (one of `HOSTILE`) in `step`."""
+        return point == self.point and step >= self.step and (step - self.step) % self.period == 0
 
     def __str__(self) -> str:
-        return (
-            f"{self.target}:{self.point}@{self.step}"
-            if self.target
-            else f"{self.point}@{self.step}"
-        )
+        at = f"{self.point}@{self.step}" + (f"/{self.period}" if self.period > 1 else "")
+        return f"{self.target}:{at}" if self.target else at
 
 
 def parse_faults(text: str) -> list[Fault]:
-    """`target:point@step,...` (target optional inside a process's own SWARM_FAULTS)."""
+    """`target:point@step[/period],...` (target optional inside a process's own SWARM_FAULTS;
+    a period only at a hostile point)."""
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         target, _, rest = item.rpartition(":")
-        point, _, step = rest.partition("@")
+        point, _, when = rest.partition("@")
+        step, slash, period = when.partition("/")
         try:
-            faults.append(Fault(target, Point(point), int(step)))
+            faults.append(Fault(target, Point(point), int(step), int(period) if slash else 1))
         except ValueError:
             allowed = ", ".join(p.value for p in Point)
             raise ConfigError(
-                f"fault {item!r}: use [target:]point@step, point one of {allowed}"
+                f"fault {item!r}: use [target:]point@step, or point@step/period (period >= 1) "
+                f"at a hostile point ({', '.join(sorted(HOSTILE))}); point one of {allowed}"
             ) from None
     return faults
 
@@ -134,8 +161,8 @@ def maybe_die(point: Point, step: int) -> None:
 
 def poisoning(point: Point, step: int) -> bool:
     """Whether this process acts hostile at `point` (one of `HOSTILE`) in `step`: from the
-    fault's step on, every step (a hostile peer does not stop at one)."""
-    return any(f.point == point and f.step <= step for f in _faults())
+    fault's step on, every step or one in its period (a hostile peer does not stop at one)."""
+    return any(f.hostile_at(point, step) for f in _faults())
 
 
 def due(point: Point, step: int, peer: str = "") -> bool:
@@ -177,5 +204,7 @@ class FaultPlan:
     def for_process(faults: Iterable[Fault], target: str) -> str:
         """The SWARM_FAULTS value for the process named `target` (its in-process faults)."""
         return ",".join(
-            f"{f.point}@{f.step}" for f in faults if f.target == target and f.point != Point.IDLE
+            str(Fault("", f.point, f.step, f.period))
+            for f in faults
+            if f.target == target and f.point != Point.IDLE
         )

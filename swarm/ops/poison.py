@@ -1,69 +1,67 @@
-"""A hostile replica, for tests and benchmarks: a stage server started with `SWARM_POISON` answers
-finite wrong numbers, as a volunteer who lies would (issue 55). Not a fault that kills or raises
-(`swarm.ops.faults`): the process serves on, and only an audit by re-execution can tell.
+"""A hostile replica's stage compute, for tests and benchmarks: a stage server whose `SWARM_FAULTS`
+(`swarm.ops.faults`) holds `poison-outputs@S` or `poison-grad-inputs@S` (from step S on, or one
+step in PERIOD with `@S/PERIOD`) answers finite wrong numbers, as a volunteer who lies would
+(issue 55). The process serves on: only an audit by re-execution can tell.
 
-`SWARM_POISON="KIND[:PERIOD[:PHASE]]"`: KIND is `activations` (a Forward's outputs), `grads`
-(the input gradient a Backward or ForwardBackward answers) or `sent-activations` (on the push
-plane, the outputs sent on to the next stage, while the replica commits to the honest ones'
-digest: a liar that says one thing and sends another); the steps poisoned are those with
-`step % PERIOD == PHASE` (default every step). What is sent is the honest tensor plus up to
-`ERROR` in every element, varying along it (`_wrong`): finite, small, far above any rounding, and
-neither a constant shift nor a scaling, which the LayerNorm after a stage would undo."""
+`poison-outputs` lies about a Forward's outputs, `poison-grad-inputs` about the input gradient a
+Backward or ForwardBackward answers, `poison-sent-outputs` (the push plane) about the outputs sent
+on to the next stage while it commits to the honest ones' digest: a liar that says one thing and
+sends another. What is sent is the honest tensor plus up to `ERROR` in every
+element, varying along it (`_wrong`): finite, small, far above any rounding, and neither a
+constant shift nor a scaling, which the LayerNorm after a stage would undo."""
 
 from __future__ import annotations
 
-import enum
 import logging
-import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from swarm.errors import ConfigError
+from swarm.ops import faults
+from swarm.ops.faults import Fault, Point
 
-__all__ = ["ENV", "ERROR", "Kind", "Poison", "parse_poison"]
+__all__ = ["ERROR", "Poison"]
 
 log = logging.getLogger(__name__)
-ENV = "SWARM_POISON"
 ERROR = 1e-2  # added to every element of a poisoned tensor
-
-
-class Kind(enum.StrEnum):
-    ACTIVATIONS = "activations"
-    GRADS = "grads"
-    SENT = "sent-activations"
+_COMPUTE = (Point.POISON_OUTPUTS, Point.POISON_GRAD_INPUTS, Point.POISON_SENT_OUTPUTS)
 
 
 @dataclass(frozen=True)
 class Poison:
-    """What this replica lies about, and when; `Poison()` lies about nothing."""
+    """What one replica lies about in its stage compute, and when (its hostile faults; servers
+    sharing a process, as in tests, each hold their own); `Poison()` lies about nothing."""
 
-    kind: Kind | None = None
-    period: int = 1
-    phase: int = 0
+    faults: tuple[Fault, ...] = ()
 
     @classmethod
-    def from_env(cls) -> Poison:
-        text = os.environ.get(ENV, "")
-        poison = parse_poison(text)
-        if poison.kind is not None:
-            log.warning("%s=%s: this replica answers wrong numbers", ENV, text)
+    def of(cls, lies: Iterable[Fault]) -> Poison:
+        return cls(tuple(f for f in lies if f.point in _COMPUTE))
+
+    @classmethod
+    def armed(cls) -> Poison:
+        """This process's own (its SWARM_FAULTS)."""
+        poison = cls.of(faults.armed())
+        if poison.faults:
+            lies = ", ".join(map(str, poison.faults))
+            log.warning("%s: this replica answers wrong numbers", lies)
         return poison
 
-    def _due(self, kind: Kind, step: int) -> bool:
-        return self.kind == kind and step % self.period == self.phase
+    def _due(self, point: Point, step: int) -> bool:
+        return any(f.hostile_at(point, step) for f in self.faults)
 
     def outputs(self, step: int, tensor: torch.Tensor) -> torch.Tensor:
         """A Forward's outputs as this replica sends them."""
-        return _wrong(tensor) if self._due(Kind.ACTIVATIONS, step) else tensor
+        return _wrong(tensor) if self._due(Point.POISON_OUTPUTS, step) else tensor
 
     def sent(self, step: int, tensor: torch.Tensor) -> torch.Tensor | None:
         """The outputs this replica pushes on instead of those it commits to; None: the same."""
-        return _wrong(tensor) if self._due(Kind.SENT, step) else None
+        return _wrong(tensor) if self._due(Point.POISON_SENT_OUTPUTS, step) else None
 
     def grads(self, step: int, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """The input gradient as this replica sends it."""
-        if tensor is None or not self._due(Kind.GRADS, step):
+        if tensor is None or not self._due(Point.POISON_GRAD_INPUTS, step):
             return tensor
         return _wrong(tensor)
 
@@ -71,20 +69,3 @@ class Poison:
 def _wrong(tensor: torch.Tensor) -> torch.Tensor:
     wave = torch.cos(torch.arange(tensor.numel(), dtype=torch.float64, device=tensor.device))
     return tensor + (ERROR * wave).to(tensor.dtype).reshape(tensor.shape)
-
-
-def parse_poison(text: str) -> Poison:
-    if not text:
-        return Poison()
-    kind, *rest = text.split(":")
-    try:
-        period, phase = (int(rest[0]) if rest else 1), (int(rest[1]) if len(rest) > 1 else 0)
-        poison = Poison(Kind(kind), period, phase)
-    except (ValueError, IndexError):
-        poison = None
-    if poison is None or len(rest) > 2 or period < 1 or not 0 <= phase < period:
-        raise ConfigError(
-            f"{ENV}={text!r}: use KIND[:PERIOD[:PHASE]], KIND one of "
-            f"{', '.join(k.value for k in Kind)}, 0 <= PHASE < PERIOD"
-        )
-    return poison

@@ -235,16 +235,46 @@ class SchedulerFetchDataResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class LeaseTask(_message.Message):
-    __slots__ = ("step", "index", "stages", "evaluate")
+    __slots__ = ("step", "index", "stages", "evaluate", "audits")
     STEP_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
     stages: _containers.RepeatedScalarFieldContainer[int]
     evaluate: bool
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ...) -> None: ...
+    audits: _containers.RepeatedCompositeFieldContainer[ContributionAudit]
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ..., audits: _Optional[_Iterable[_Union[ContributionAudit, _Mapping]]] = ...) -> None: ...
+
+class ContributionAudit(_message.Message):
+    __slots__ = ("stage", "peer", "seed")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    peer: str
+    seed: int
+    def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GradientDigest(_message.Message):
+    __slots__ = ("stage", "peer", "dot", "magnitude", "norm", "auditors", "seed")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    DOT_FIELD_NUMBER: _ClassVar[int]
+    MAGNITUDE_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    AUDITORS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    peer: str
+    dot: float
+    magnitude: float
+    norm: float
+    auditors: str
+    seed: int
+    def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., norm: _Optional[float] = ..., auditors: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class MicrobatchRef(_message.Message):
     __slots__ = ("step", "index")
@@ -281,7 +311,7 @@ class SchedulerLeaseMicrobatchesResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[LeaseTask, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class MicrobatchReport(_message.Message):
-    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back", "verdicts", "touched", "stage_runs", "audit_runs")
+    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back", "verdicts", "touched", "stage_runs", "audit_runs", "digests")
     class HoldersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +337,7 @@ class MicrobatchReport(_message.Message):
     TOUCHED_FIELD_NUMBER: _ClassVar[int]
     STAGE_RUNS_FIELD_NUMBER: _ClassVar[int]
     AUDIT_RUNS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
     holders: _containers.ScalarMap[int, str]
@@ -318,7 +349,8 @@ class MicrobatchReport(_message.Message):
     touched: _containers.RepeatedScalarFieldContainer[str]
     stage_runs: int
     audit_runs: int
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., touched: _Optional[_Iterable[str]] = ..., stage_runs: _Optional[int] = ..., audit_runs: _Optional[int] = ...) -> None: ...
+    digests: _containers.RepeatedCompositeFieldContainer[GradientDigest]
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., touched: _Optional[_Iterable[str]] = ..., stage_runs: _Optional[int] = ..., audit_runs: _Optional[int] = ..., digests: _Optional[_Iterable[_Union[GradientDigest, _Mapping]]] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("peer", "stage", "evidence")

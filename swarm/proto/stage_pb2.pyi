@@ -81,7 +81,7 @@ class StageForwardResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., queued_seconds: _Optional[float] = ...) -> None: ...
 
 class StageBackwardRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs", "digest_seed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class StageBackwardRequest(_message.Message):
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
     ACCUMULATE_FIELD_NUMBER: _ClassVar[int]
     NEED_GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_SEED_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
@@ -98,22 +99,25 @@ class StageBackwardRequest(_message.Message):
     reply_codec: _tensor_pb2.Codec
     accumulate: bool
     need_grad_inputs: bool
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ...) -> None: ...
+    digest_seed: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ..., digest_seed: _Optional[int] = ...) -> None: ...
 
 class StageBackwardResponse(_message.Message):
-    __slots__ = ("tensors", "chunk", "receipt", "queued_seconds")
+    __slots__ = ("tensors", "chunk", "receipt", "queued_seconds", "digest")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     receipt: Receipt
     queued_seconds: float
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., queued_seconds: _Optional[float] = ...) -> None: ...
+    digest: SumCheck
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., queued_seconds: _Optional[float] = ..., digest: _Optional[_Union[SumCheck, _Mapping]] = ...) -> None: ...
 
 class StageForwardBackwardRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs", "evaluate")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs", "evaluate", "digest_seed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +127,7 @@ class StageForwardBackwardRequest(_message.Message):
     ACCUMULATE_FIELD_NUMBER: _ClassVar[int]
     NEED_GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_SEED_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
@@ -132,21 +137,24 @@ class StageForwardBackwardRequest(_message.Message):
     accumulate: bool
     need_grad_inputs: bool
     evaluate: bool
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ...) -> None: ...
+    digest_seed: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ..., digest_seed: _Optional[int] = ...) -> None: ...
 
 class StageForwardBackwardResponse(_message.Message):
-    __slots__ = ("tensors", "chunk", "receipt", "loss_sum", "queued_seconds")
+    __slots__ = ("tensors", "chunk", "receipt", "loss_sum", "queued_seconds", "digest")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
     receipt: Receipt
     loss_sum: float
     queued_seconds: float
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., loss_sum: _Optional[float] = ..., queued_seconds: _Optional[float] = ...) -> None: ...
+    digest: SumCheck
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., loss_sum: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., digest: _Optional[_Union[SumCheck, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("peers", "addresses", "throughput")
@@ -257,7 +265,7 @@ class StageRecordResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., commitment: _Optional[_Union[Commitment, _Mapping]] = ...) -> None: ...
 
 class StageCommitRequest(_message.Message):
-    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors", "check_seed")
+    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors", "check_seed", "audit_seeds")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +281,7 @@ class StageCommitRequest(_message.Message):
     PART_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     CHECK_SEED_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_SEEDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     step: int
@@ -288,22 +297,25 @@ class StageCommitRequest(_message.Message):
     part_weights: _containers.RepeatedScalarFieldContainer[float]
     contributors: int
     check_seed: int
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ..., part_weights: _Optional[_Iterable[float]] = ..., contributors: _Optional[int] = ..., check_seed: _Optional[int] = ...) -> None: ...
+    audit_seeds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ..., part_weights: _Optional[_Iterable[float]] = ..., contributors: _Optional[int] = ..., check_seed: _Optional[int] = ..., audit_seeds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageCommitResponse(_message.Message):
-    __slots__ = ("step", "already_committed", "grad_sq_norm", "sum_checks")
+    __slots__ = ("step", "already_committed", "grad_sq_norm", "sum_checks", "audit_checks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ALREADY_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     SUM_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_CHECKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     already_committed: bool
     grad_sq_norm: float
     sum_checks: _containers.RepeatedCompositeFieldContainer[SumCheck]
-    def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ..., grad_sq_norm: _Optional[float] = ..., sum_checks: _Optional[_Iterable[_Union[SumCheck, _Mapping]]] = ...) -> None: ...
+    audit_checks: _containers.RepeatedCompositeFieldContainer[SumCheck]
+    def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ..., grad_sq_norm: _Optional[float] = ..., sum_checks: _Optional[_Iterable[_Union[SumCheck, _Mapping]]] = ..., audit_checks: _Optional[_Iterable[_Union[SumCheck, _Mapping]]] = ...) -> None: ...
 
 class SumCheck(_message.Message):
-    __slots__ = ("part", "dot", "magnitude", "sum_dot", "unit", "norm", "encoding", "received", "sum_norm")
+    __slots__ = ("part", "dot", "magnitude", "sum_dot", "unit", "norm", "encoding", "received", "sum_norm", "seed_index")
     PART_FIELD_NUMBER: _ClassVar[int]
     DOT_FIELD_NUMBER: _ClassVar[int]
     MAGNITUDE_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +325,7 @@ class SumCheck(_message.Message):
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     SUM_NORM_FIELD_NUMBER: _ClassVar[int]
+    SEED_INDEX_FIELD_NUMBER: _ClassVar[int]
     part: int
     dot: float
     magnitude: float
@@ -322,7 +335,8 @@ class SumCheck(_message.Message):
     encoding: float
     received: _containers.RepeatedScalarFieldContainer[float]
     sum_norm: float
-    def __init__(self, part: _Optional[int] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., sum_dot: _Optional[float] = ..., unit: _Optional[float] = ..., norm: _Optional[float] = ..., encoding: _Optional[float] = ..., received: _Optional[_Iterable[float]] = ..., sum_norm: _Optional[float] = ...) -> None: ...
+    seed_index: int
+    def __init__(self, part: _Optional[int] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., sum_dot: _Optional[float] = ..., unit: _Optional[float] = ..., norm: _Optional[float] = ..., encoding: _Optional[float] = ..., received: _Optional[_Iterable[float]] = ..., sum_norm: _Optional[float] = ..., seed_index: _Optional[int] = ...) -> None: ...
 
 class StageDiscardRequest(_message.Message):
     __slots__ = ("job", "stage", "step")

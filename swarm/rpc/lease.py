@@ -12,6 +12,8 @@ from typing import Protocol
 from swarm.proto import scheduler_pb2 as spb
 
 __all__ = [
+    "ContributionAudit",
+    "GradientDigest",
     "Lease",
     "LeaseSource",
     "MicrobatchResult",
@@ -38,6 +40,34 @@ class Task:
     index: int
     stages: frozenset[int]
     evaluate: bool = False
+    # the step's contributions audited (issue 55): where one's replica accumulates this
+    # microbatch, the trainer has two others of the stage redo it and digest its gradient
+    audits: tuple[ContributionAudit, ...] = ()
+
+
+@dataclass(frozen=True)
+class ContributionAudit:
+    """Replica `peer`'s contribution to a step's averaging at `stage` is audited: its
+    microbatches' gradients digested with r drawn from `seed`, which it never learns
+    (`scheduler.coordinator.contributions`)."""
+
+    stage: int
+    peer: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class GradientDigest:
+    """A microbatch's parameter gradient at `stage`, accumulated there by `peer`, as two other
+    replicas (`auditors`) re-executed it and agreed on bit for bit: r·g, Σ|r_i·g_i|, ‖g‖."""
+
+    stage: int
+    peer: str
+    dot: float
+    magnitude: float
+    norm: float
+    auditors: str
+    seed: int = 0  # the audit's: a straggler's digest of a step since replayed has another
 
 
 @dataclass(frozen=True)
@@ -85,6 +115,7 @@ class MicrobatchResult:
     # the audit's price: stage computations of this run, and re-executions its audit took
     stage_runs: int = 0
     audit_runs: int = 0
+    digests: tuple[GradientDigest, ...] = ()  # of its stages whose contribution is audited
 
 
 # (step, index): a microbatch a trainer is still working on, named in a lease to renew it
@@ -140,7 +171,15 @@ def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
         step=lease.step,
         done=lease.done,
         tasks=[
-            spb.LeaseTask(step=t.step, index=t.index, stages=sorted(t.stages), evaluate=t.evaluate)
+            spb.LeaseTask(
+                step=t.step,
+                index=t.index,
+                stages=sorted(t.stages),
+                evaluate=t.evaluate,
+                audits=[
+                    spb.ContributionAudit(stage=a.stage, peer=a.peer, seed=a.seed) for a in t.audits
+                ],
+            )
             for t in lease.tasks
         ],
         replicas=[
@@ -160,7 +199,16 @@ def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
     return Lease(
         step=msg.step,
         done=msg.done,
-        tasks=[Task(t.step, t.index, frozenset(t.stages), t.evaluate) for t in msg.tasks],
+        tasks=[
+            Task(
+                t.step,
+                t.index,
+                frozenset(t.stages),
+                t.evaluate,
+                tuple(ContributionAudit(a.stage, a.peer, a.seed) for a in t.audits),
+            )
+            for t in msg.tasks
+        ],
         replicas=[
             [Replica(r.peer, r.address, r.samples_per_second) for r in s.replicas]
             for s in msg.replicas
@@ -182,6 +230,18 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
         touched=result.touched,
         stage_runs=result.stage_runs,
         audit_runs=result.audit_runs,
+        digests=[
+            spb.GradientDigest(
+                stage=d.stage,
+                peer=d.peer,
+                dot=d.dot,
+                magnitude=d.magnitude,
+                norm=d.norm,
+                auditors=d.auditors,
+                seed=d.seed,
+            )
+            for d in result.digests
+        ],
     )
     if result.loss_sum is not None:
         msg.loss_sum = result.loss_sum
@@ -204,4 +264,8 @@ def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
         tuple(msg.touched),
         msg.stage_runs,
         msg.audit_runs,
+        tuple(
+            GradientDigest(d.stage, d.peer, d.dot, d.magnitude, d.norm, d.auditors, d.seed)
+            for d in msg.digests
+        ),
     )

@@ -91,6 +91,7 @@ class BackwardResult:
     receipt: pb.Receipt
     loss_sum: float = 0.0
     queued_seconds: float = 0.0  # how long the call waited behind others at the replica
+    digest: pb.SumCheck | None = None  # an audit's, where `digest_seed` asked for it
 
 
 @dataclass(frozen=True)
@@ -236,9 +237,11 @@ class StageClient:
         accumulate: bool = True,
         need_grad_inputs: bool = True,
         tokens: TensorLike | None = None,
+        digest_seed: int = 0,
     ) -> BackwardResult:
         """`inputs=None`: this replica did the forward and should still cache its activations
-        (if not, it raises `ActivationsNotCached`: send it again with the inputs, and `tokens`)."""
+        (if not, it raises `ActivationsNotCached`: send it again with the inputs, and `tokens`).
+        `digest_seed`, with `accumulate` false: the digest of the parameter gradient too."""
         tensors = [self._tensor(grad_outputs, "grad_outputs", self._backward)]
         if inputs is not None:
             tensors.insert(0, self._tensor(inputs, "inputs", self._forward))
@@ -251,10 +254,14 @@ class StageClient:
             reply_codec=self._backward,
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
+            digest_seed=digest_seed,
         )
         header, received = await self._call(self.stub.Backward, request)
         return BackwardResult(
-            received.get("grad_inputs"), header.receipt, queued_seconds=header.queued_seconds
+            received.get("grad_inputs"),
+            header.receipt,
+            queued_seconds=header.queued_seconds,
+            digest=header.digest if header.HasField("digest") else None,
         )
 
     @_swarm_errors
@@ -268,6 +275,7 @@ class StageClient:
         accumulate: bool = True,
         need_grad_inputs: bool = True,
         tokens: TensorLike | None = None,
+        digest_seed: int = 0,
     ) -> BackwardResult:
         request = pb.StageForwardBackwardRequest(
             job=self.job_id,
@@ -277,10 +285,15 @@ class StageClient:
             reply_codec=self._backward,
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
+            digest_seed=digest_seed,
         )
         header, received = await self._call(self.stub.ForwardBackward, request)
         return BackwardResult(
-            received.get("grad_inputs"), header.receipt, header.loss_sum, header.queued_seconds
+            received.get("grad_inputs"),
+            header.receipt,
+            header.loss_sum,
+            header.queued_seconds,
+            header.digest if header.HasField("digest") else None,
         )
 
     @_swarm_errors
@@ -381,6 +394,7 @@ class StageClient:
         eager: EagerOp = EagerOp.NONE,
         parts: Parts = EQUAL_PARTS,  # the round's: `part_weights`, `contributors` on the wire
         check_seed: int = 0,  # PREPARE: the checksum of every part asked (0: none)
+        audit_seeds: Sequence[int] = (),  # PREPARE: the same with others' audits' seeds
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id,
@@ -395,6 +409,7 @@ class StageClient:
             grad_scale=grad_scale,
             round_end=round_end,
             check_seed=check_seed,
+            audit_seeds=audit_seeds,
             part_weights=parts.weights,
             contributors=parts.contributors,
             eager=eager,  # type: ignore[arg-type]  # the job's EagerOp is the wire's enum by value

@@ -11,9 +11,11 @@ import torch
 from client.data_plane.audit import Audits, Redone, Work, differs
 from client.metrics import TrainerMetrics
 from swarm.errors import PeerUnavailable
+from swarm.rpc.lease import ContributionAudit, GradientDigest
 
 TRUE_OUT, TRUE_GRAD = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3)
 WRONG = torch.full((2, 3), 0.01)
+DIGEST = (0.5, 2.0, 3.0)  # a parameter gradient's (r·g, Σ|r·g|, ‖g‖), as honest auditors give it
 
 
 class Replicas:
@@ -26,13 +28,16 @@ class Replicas:
     def peers(self, stage: int) -> list[str]:
         return ["a", "b", "c"]
 
-    async def redo(self, peer: str, step: int, index: int, work: Work) -> Redone:
+    async def redo(
+        self, peer: str, step: int, index: int, work: Work, digest_seed: int = 0
+    ) -> Redone:
         self.asked.append(peer)
         if peer in self.gone:
             raise PeerUnavailable(f"{peer} is gone")
+        digest = (DIGEST[0] + (peer in self.liars), *DIGEST[1:]) if digest_seed else None
         if peer in self.liars:
-            return Redone(TRUE_OUT + WRONG, TRUE_GRAD)
-        return Redone(TRUE_OUT.clone(), TRUE_GRAD.clone())
+            return Redone(TRUE_OUT + WRONG, TRUE_GRAD, digest)
+        return Redone(TRUE_OUT.clone(), TRUE_GRAD.clone(), digest)
 
 
 def _work(outputs: torch.Tensor = TRUE_OUT, grads: torch.Tensor = TRUE_GRAD) -> Work:
@@ -122,3 +127,25 @@ def test_differs_is_relative_and_exact_for_equal_tensors() -> None:
     assert differs(TRUE_OUT, TRUE_OUT[:1]) == float("inf")
     assert differs(TRUE_OUT * float("nan"), TRUE_OUT) == float("inf")
     assert differs(None, None) == 0.0 and differs(None, TRUE_OUT) == float("inf")
+
+
+async def test_an_audited_contribution_is_digested_by_two_auditors_whatever_the_draw() -> None:
+    """`a` accumulated the microbatch and its contribution is audited: both others redo it with
+    the audit's seed, and their digest, equal, is what the coordinator gets; its answers are
+    checked as any audit's. Another stage's audit, or another replica's, asks nothing."""
+    replicas = Replicas()
+    audits = _audits(replicas, fraction=0.0)  # no stage drawn for its answers
+    audit = ContributionAudit(1, "a", 99)
+    verdicts, runs, digests = await audits.audited(0, 3, [_work()], [audit])
+    assert verdicts == [] and runs == 2 and sorted(replicas.asked) == ["b", "c"]
+    (digest,) = digests
+    assert digest == GradientDigest(1, "a", *DIGEST, digest.auditors, 99)
+    assert digest.auditors in ("b and c", "c and b")
+    others = [ContributionAudit(2, "a", 99), ContributionAudit(1, "b", 99)]
+    assert await audits.audited(0, 3, [_work()], others) == ([], 0, [])
+
+
+async def test_two_auditors_that_disagree_on_a_gradient_vouch_for_nothing() -> None:
+    audits = _audits(Replicas(liars={"c"}), fraction=0.0)
+    _, runs, digests = await audits.audited(0, 3, [_work()], [ContributionAudit(1, "a", 99)])
+    assert runs == 2 and digests == []  # the coordinator skips that contribution's audit

@@ -1,7 +1,7 @@
-"""A job of three stages of three replicas, one of them a liar (`SWARM_POISON`), trained with
-every stage audited on the data plane named: what both planes' poison tests assert of it (issue
-55): caught, banned once with the evidence in the log, rolled back, the final model equal to
-`swarm local`'s within 1e-9."""
+"""A job of three stages of three replicas, one of them a liar (a hostile point of its
+`SWARM_FAULTS`), trained with every stage audited on the data plane named: what both planes'
+poison tests assert of it (issue 55): caught, banned once with the evidence in the log, rolled
+back, the final model equal to `swarm local`'s within 1e-9."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from swarm.ops.faults import Fault
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
 from tests.support.servers import Servers, counted, train_on
@@ -18,7 +19,7 @@ HOSTILE = "s1r0"  # the middle stage's first replica: its outputs and input grad
 
 
 def assert_caught_and_replayed_away(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, plane: str, poison: str, evidence: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, plane: str, poison: Fault, evidence: str
 ) -> None:
     """`HOSTILE` lies as `poison` says on `plane`; its ban's message names `evidence`."""
     job = write_job(
@@ -27,7 +28,7 @@ def assert_caught_and_replayed_away(
         runtime={"data_plane": plane},
         trust={"audit_fraction": 1.0},
     )
-    servers = Servers(job, [3, 3, 3], [], tmp_path, poisoned={HOSTILE: poison})
+    servers = Servers(job, [3, 3, 3], [poison], tmp_path)
     try:
         with caplog.at_level(logging.WARNING):
             state, registry = train_on(servers)

@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry
 from client.standalone import train_standalone
 from swarm.job.config import load_job
 from swarm.local.procs import SwarmProcess, start_process, stop_all
-from swarm.ops import poison
 from swarm.ops.faults import ENV, Fault, FaultPlan
 from swarm.rpc.lease import Replica
 
@@ -31,15 +30,13 @@ class Servers:
         faults: list[Fault],
         log_dir: Path,
         slow: frozenset[str] = frozenset(),
-        poisoned: dict[str, str] | None = None,
         device: str = "cpu",
         metrics: bool = False,
     ) -> None:
-        """`poisoned`: name -> its `SWARM_POISON` (`swarm.ops.poison`: a replica that lies);
+        """`faults`: each server's own (`SWARM_FAULTS`: killing, raising and hostile points);
         `metrics`: each serves /metrics (its port in `ready["metrics"]`)."""
         self.job, self.faults, self.log_dir, self.slow = job, faults, log_dir, slow
         self.extra = ["--device", device, *(["--metrics-port", "0"] if metrics else [])]
-        self.poisoned = poisoned or {}
         self.procs: dict[str, SwarmProcess] = {}
         self.ports: dict[str, str] = {}
         self.layout = layout
@@ -52,7 +49,6 @@ class Servers:
 
     def start(self, name: str, stage: int, port: str = "0", faults: bool = True) -> SwarmProcess:
         env = {ENV: FaultPlan.for_process(self.faults, name) if faults else ""}
-        env[poison.ENV] = self.poisoned.get(name, "")
         self.procs[name] = start_process(
             [
                 "--log-level",

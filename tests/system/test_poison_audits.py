@@ -8,11 +8,16 @@ job rolls back to before its first step and replays without it: the final model 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
-from tests.support.liars import assert_caught_and_replayed_away
+from swarm.ops.faults import Fault, Point
+from tests.support.equality import assert_equal_to_local
+from tests.support.jobs import write_job
+from tests.support.liars import HOSTILE, assert_caught_and_replayed_away
+from tests.support.servers import Servers, counted, train_on
 
 pytestmark = pytest.mark.slow
 
@@ -20,14 +25,48 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize(
     "poison",
     [
-        pytest.param("activations", marks=pytest.mark.attack("P-acts")),
-        pytest.param("grads", marks=pytest.mark.attack("P-grads")),
+        pytest.param(Fault(HOSTILE, Point.POISON_OUTPUTS, 0), marks=pytest.mark.attack("P-acts")),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_GRAD_INPUTS, 0), marks=pytest.mark.attack("P-grads")
+        ),
         # one step in 20: the job's step 2 (its third) is the only one it lies at
-        pytest.param("activations:20:2", marks=pytest.mark.attack("P-acts")),
-        pytest.param("grads:20:2", marks=pytest.mark.attack("P-grads")),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_OUTPUTS, 2, 20), marks=pytest.mark.attack("P-acts")
+        ),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_GRAD_INPUTS, 2, 20), marks=pytest.mark.attack("P-grads")
+        ),
     ],
+    ids=str,
 )
 def test_a_replica_that_lies_is_caught_banned_and_replayed_away(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: Fault
 ) -> None:
     assert_caught_and_replayed_away(tmp_path, caplog, "relay", poison, "re-executed")
+
+
+@pytest.mark.attack("P-bent")
+def test_a_replica_that_bends_its_contribution_is_caught_banned_and_replayed_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its forward and backward answers are honest; what it adds to its pool's averaging is
+    its gradient sums bent (element i times 1 + cos i): finite, at most twice the honest norm,
+    so the norm bound passes it, and every sum checks out. Re-executing its microbatches of the
+    step must tell."""
+    job = write_job(
+        tmp_path,
+        training={"stages": 3, "steps": 4, "target_batch_size": 16},
+        runtime={"data_plane": "relay"},
+        trust={"audit_fraction": 1.0},
+    )
+    servers = Servers(job, [3, 3, 3], [Fault(HOSTILE, Point.POISON_BENT, 1)], tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING):
+            state, registry = train_on(servers)
+    finally:
+        servers.stop()
+    assert "fault injected: poison-bent@1" in servers.procs[HOSTILE].log()  # it did lie
+    assert_equal_to_local(job, state, tol=1e-9)
+    assert counted(registry, "swarm_coordinator_bans_total") == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert any("banned" in m and f"banned {HOSTILE} (stage 1)" in m for m in said), said

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from swarm.ops.faults import Fault, Point
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
-from tests.support.liars import assert_caught_and_replayed_away
+from tests.support.liars import HOSTILE, assert_caught_and_replayed_away
 from tests.support.servers import Servers, counted, train_on
 
 pytestmark = pytest.mark.slow
@@ -27,17 +28,38 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize(
     ("poison", "evidence"),
     [
-        pytest.param("activations", "re-executed", marks=pytest.mark.attack("P-push-acts")),
-        pytest.param("grads", "re-executed", marks=pytest.mark.attack("P-push-grads")),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_OUTPUTS, 0),
+            "re-executed",
+            marks=pytest.mark.attack("P-push-acts"),
+        ),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_GRAD_INPUTS, 0),
+            "re-executed",
+            marks=pytest.mark.attack("P-push-grads"),
+        ),
         # one step in 20: the job's step 2 (its third) is the only one it lies at
-        pytest.param("activations:20:2", "re-executed", marks=pytest.mark.attack("P-push-acts")),
-        pytest.param("grads:20:2", "re-executed", marks=pytest.mark.attack("P-push-grads")),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_OUTPUTS, 2, 20),
+            "re-executed",
+            marks=pytest.mark.attack("P-push-acts"),
+        ),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_GRAD_INPUTS, 2, 20),
+            "re-executed",
+            marks=pytest.mark.attack("P-push-grads"),
+        ),
         # commits to the honest outputs' digest, sends others: the stage after says so
-        pytest.param("sent-activations", "received", marks=pytest.mark.attack("P-push-sent")),
+        pytest.param(
+            Fault(HOSTILE, Point.POISON_SENT_OUTPUTS, 0),
+            "received",
+            marks=pytest.mark.attack("P-push-sent"),
+        ),
     ],
+    ids=str,
 )
 def test_a_push_replica_that_lies_is_caught_banned_and_replayed_away(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: str, evidence: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: Fault, evidence: str
 ) -> None:
     assert_caught_and_replayed_away(tmp_path, caplog, "push", poison, evidence)
 

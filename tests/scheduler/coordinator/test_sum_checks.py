@@ -16,7 +16,7 @@ import torch
 
 from scheduler.coordinator.sum_checks import DOT_BLOCK, Mismatch, mismatches, tolerance
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
-from stage_server.averaging.checksum import BLOCK, PartChecks, dots, weights
+from stage_server.averaging.checksum import BLOCK, Draws, PartChecks, dots, sum_dots, weights
 from stage_server.averaging.owner import Averager
 from stage_server.averaging.summing import Reduced, Summer
 from swarm.policy.parts import Parts
@@ -67,6 +67,25 @@ def test_dots_do_not_depend_on_how_a_part_is_sliced() -> None:
     for k in range(3):
         assert math.fsum(p[k] for p in pieces) == pytest.approx(whole[k], rel=1e-12)
     assert dots(8, 500, x)[0] != pytest.approx(whole[0])  # another seed, another r
+
+
+def test_r_kept_from_a_contribution_to_its_sum_is_the_r_drawn_anew() -> None:
+    """`Draws`: r drawn once a round, kept from a slice's contribution to its sum (within its
+    bytes; past them drawn again): the same bits either way, and the caller's values untouched
+    (float64 values on the host are not copied by the conversion)."""
+    x = torch.randn(2 * BLOCK + 77, dtype=torch.float64)
+    s = torch.randn(x.numel(), dtype=torch.float64)
+    before = x.clone()
+    for limit in (0, BLOCK * 8, 1 << 30):  # nothing kept, one block kept, every block kept
+        draws = Draws(5, limit_bytes=limit)
+        assert dots(5, 300, x, draws) == dots(5, 300, x)
+        assert draws.nbytes <= limit
+        dot, squares = sum_dots(300, s, draws)
+        r = weights(5, 300, 300 + s.numel())
+        assert dot == pytest.approx(float(torch.dot(r, s)), rel=1e-12)
+        assert squares == pytest.approx(float(torch.dot(s, s)), rel=1e-12)
+        assert draws.nbytes == 0  # every kept block taken
+    assert torch.equal(x, before)
 
 
 @pytest.mark.parametrize("seed", range(40))

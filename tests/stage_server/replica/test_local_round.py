@@ -88,7 +88,7 @@ def test_the_round_travels_with_the_state(tmp_path: Path) -> None:
     state = a.export_state()
     assert any(k.startswith("round/") for k in state) and any(k.startswith("outer/") for k in state)
     for name, tensor in state.items():
-        a.check_state_tensor(name, tensor)  # a job in local mode accepts its own state
+        a.checks.state_tensor(name, tensor)  # a job in local mode accepts its own state
     b = StageRuntime(job, 0)
     b.load_state(3, state)
     assert b.round is not None and a.round is not None
@@ -337,7 +337,7 @@ def test_the_eager_round_travels_with_the_state_and_refuses_what_is_not_due(
     assert any(k.startswith("share/") for k in state)
     assert not any(k.startswith("average/") for k in state)
     for name, tensor in state.items():
-        a.check_state_tensor(name, tensor)  # an eager job accepts its own state
+        a.checks.state_tensor(name, tensor)  # an eager job accepts its own state
     _train(a, job, 2, [0])
     _train(a, job, 3, [1])
     with pytest.raises(FailedPrecondition, match="has not arrived"):
@@ -360,7 +360,7 @@ def test_the_eager_round_travels_with_the_state_and_refuses_what_is_not_due(
         0,
     )
     with pytest.raises(InvalidArgument):
-        plain.check_state_tensor("round/shared", torch.tensor([2]))  # not an eager job's
+        plain.checks.state_tensor("round/shared", torch.tensor([2]))  # not an eager job's
     for refused in (
         lambda: plain.round.eager_part(2),
         lambda: plain.round.eager_step(2, 8),  # a plain local job's round is not eager's

@@ -1,0 +1,187 @@
+"""The audit of a replica's contribution to its pool's averaging (issue 55, item 1;
+docs/decisions.md, "The parameter-gradient audit"): what it added into its gradient sums, which
+no trainer sees, held to its microbatches re-executed by others of its stage.
+
+- **Drawn per step**, once per step's ledger (a rollback's replay draws anew): each replica of
+  a stage of three or more with probability `[trust] audit_fraction`, from the operating
+  system's randomness, with a seed q of its own. The trainers learn them with their tasks
+  (`Task.audits`); an audited replica never learns its own.
+- **Its contribution, without a word from it**: every other member of its round is sent q with
+  its PREPARE and reports, for every part k, q·x_ik of what it sent and q·S_k of the sum it took
+  back (`Checksums.audit_reports`). Each sum is the sum of the contributions, so
+  q·x_j = Σ_k (q·S_k - Σ_{i≠j} q·x_ik), up to the owners' rounding: the audited replica knew r
+  (the round's seed) and could have hidden an error from it, not from q.
+- **Its microbatches, re-executed**: for each microbatch it accumulated at the stage, the
+  trainer had two other replicas redo it and digest the parameter gradient with q; their two
+  digests, equal bit for bit, are reported (`GradientDigest`) and add up to q·x_j up to the
+  rounding of its own accumulation.
+- **Judged**: a gap past the rounding bans it (`Bans`: the evidence in the log and the job's
+  history, the rollback and the replay that make the job `swarm local`'s again). A microbatch
+  without a digest (an auditor gone, two that disagreed, a replay from the cache) skips the
+  audit: no evidence either way.
+
+The carry plane and step rounds only (the trainer holds each stage's bytes; a local-steps or
+eager round is not audited).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.sum_checks import DOT_BLOCK, SIGMAS, Checksums, new_seed
+from swarm.job.config import JobConfig
+from swarm.job.rule import rule_of
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.lease import ContributionAudit, GradientDigest, MicrobatchResult, Replica, Task
+
+__all__ = ["Contributions"]
+
+log = logging.getLogger(__name__)
+
+_EPS64 = 2.0**-53
+
+
+class Contributions:
+    def __init__(self, fraction: float, rng: random.Random | None = None) -> None:
+        self.fraction = fraction
+        self.rng = rng or random.SystemRandom()  # unpredictable to every replica
+        # step -> (the ledger it was drawn for, its audits)
+        self._drawn: dict[int, tuple[StepLedger, tuple[ContributionAudit, ...]]] = {}
+        # (step, stage, audited peer) -> microbatch index -> its digest
+        self._digests: dict[tuple[int, int, str], dict[int, GradientDigest]] = {}
+
+    @classmethod
+    def of(cls, job: JobConfig | None) -> Contributions:
+        """A job's: on where its microbatches are audited (the carry plane) and rounds are
+        steps' (`[trust] audit_fraction`); off otherwise."""
+        if job is None or job.runtime.data_plane != "relay" or rule_of(job).rounds:
+            return cls(0.0)
+        return cls(job.trust.audit_fraction)
+
+    def tasks(
+        self, ledger: StepLedger, tasks: list[Task], members: Sequence[Sequence[Replica]]
+    ) -> list[Task]:
+        """`tasks` of `ledger`'s step, with its audits (drawn now if not yet)."""
+        audits = self._draw(ledger, members)
+        return [t if t.evaluate or not audits else replace(t, audits=audits) for t in tasks]
+
+    def _draw(
+        self, ledger: StepLedger, members: Sequence[Sequence[Replica]]
+    ) -> tuple[ContributionAudit, ...]:
+        drawn = self._drawn.get(ledger.step)
+        if drawn is not None and drawn[0] is ledger:
+            return drawn[1]
+        audits = tuple(
+            ContributionAudit(k, r.peer, new_seed())
+            for k, stage in enumerate(members)
+            for r in stage
+            if self.fraction > 0 and len(stage) >= 3 and self.rng.random() < self.fraction
+        )
+        self._drawn[ledger.step] = (ledger, audits)
+        for key in [key for key in self._digests if key[0] == ledger.step]:
+            del self._digests[key]
+        for step in [s for s in self._drawn if s < ledger.step - 8]:  # long committed
+            del self._drawn[step]
+            for key in [key for key in self._digests if key[0] == step]:
+                del self._digests[key]
+        return audits
+
+    def _audits(self, step: int, stage: int) -> list[ContributionAudit]:
+        drawn = self._drawn.get(step)
+        return [a for a in drawn[1] if a.stage == stage] if drawn else []
+
+    def record(self, result: MicrobatchResult) -> None:
+        """Keep `result`'s digests of the contributions its step audits."""
+        for d in result.digests:
+            if any(
+                (a.peer, a.seed) == (d.peer, d.seed) for a in self._audits(result.step, d.stage)
+            ):
+                self._digests.setdefault((result.step, d.stage, d.peer), {})[result.index] = d
+
+    def seeds_for(self, step: int, stage: int, peer: str) -> tuple[int, ...]:
+        """The audits' seeds for `peer`'s PREPARE at `stage`: every other audited one's."""
+        return tuple(a.seed for a in self._audits(step, stage) if a.peer != peer)
+
+    def judge(
+        self,
+        step: int,
+        stage: int,
+        peers: Sequence[str],
+        checks: Mapping[int, Checksums],
+        held: Mapping[str, Sequence[int]],
+    ) -> list[tuple[str, str]]:
+        """The audited contributors of `stage`'s round (`peers`: the contributors by index,
+        `checks` their checksums, `held` the microbatches each took) whose contribution is not
+        their re-executed microbatches', with the evidence (none where it cannot be told)."""
+        found = []
+        for audit in self._audits(step, stage):
+            if audit.peer not in peers:
+                continue
+            j = peers.index(audit.peer)
+            others = [checks[i].audit_checks(audit.seed) for i in checks if i != j]
+            mine = held.get(audit.peer, [])
+            digests = self._digests.get((step, stage, audit.peer), {})
+            if len(others) != len(peers) - 1 or not all(others):
+                continue
+            if not mine or any(index not in digests for index in mine):
+                log.info(
+                    "step %d stage %d: the audit of %s's contribution is skipped: %d of its %d "
+                    "microbatches digested",
+                    step,
+                    stage,
+                    audit.peer,
+                    sum(index in digests for index in mine),
+                    len(mine),
+                )
+                continue
+            got, expected, tol = _compare(others, [digests[i] for i in mine], len(peers))
+            if abs(got - expected) <= tol or not _agreed(others, tol):
+                continue
+            auditors = sorted({digests[i].auditors for i in mine})
+            found.append(
+                (
+                    audit.peer,
+                    f"its contribution to step {step}'s averaging, q·x = {got:.17g} under a seed "
+                    f"it never saw, is not its {len(mine)} microbatches' re-executed by "
+                    f"{', '.join(auditors)} ({expected:.17g}; rounding {tol:.3g})",
+                )
+            )
+        return found
+
+
+def _agreed(others: Sequence[Sequence[pb.SumCheck]], tol: float) -> bool:
+    """Whether the others took back the same sums (their q·S agree): a member that says
+    otherwise lies, and with its word the contribution cannot be told (the round's own sum
+    checks name an owner that answered members different sums)."""
+    sums: dict[int, list[float]] = {}
+    for c in (c for o in others for c in o):
+        sums.setdefault(c.part, []).append(c.sum_dot)
+    return all(max(s) - min(s) <= tol for s in sums.values())
+
+
+def _compare(
+    others: Sequence[Sequence[pb.SumCheck]], digests: Sequence[GradientDigest], members: int
+) -> tuple[float, float, float]:
+    """(q·x_j from the others' reports, Σ of its microbatches' digests, the rounding allowed)."""
+    sums: dict[int, float] = {}
+    sent: list[float] = []
+    reports = [c for o in others for c in o]
+    for c in reports:
+        sums.setdefault(c.part, c.sum_dot)  # every member took the same sum back
+        sent.append(c.dot)
+    got = math.fsum(sums.values()) - math.fsum(sent)
+    expected = math.fsum(d.dot for d in digests)
+    unit = max((c.unit for c in reports), default=0.0)
+    n = len(digests)
+    norms = math.fsum(c.norm for c in reports) + math.fsum(d.norm for d in digests)
+    magnitudes = math.fsum(c.magnitude for c in reports) + math.fsum(d.magnitude for d in digests)
+    # Its own accumulation of n gradients, and the owners' sums of every member's (q unknown
+    # to either: `sum_checks`' argument), then the float64 dots of every report and digest.
+    summing = SIGMAS * (n + members) * unit * norms
+    dotting = 2 * (n + members + 1) * DOT_BLOCK * _EPS64 * magnitudes
+    return got, expected, summing + dotting

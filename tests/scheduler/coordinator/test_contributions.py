@@ -1,0 +1,121 @@
+"""The audit of a replica's contribution, the coordinator's side
+(`scheduler.coordinator.contributions`): the audited replica's q·x told from the others' reports
+alone (`PartChecks` with the audit's seed, as each member's averaging takes them) and held to
+its microbatches' digests; a contribution bent within any norm bound is caught, an honest one
+(summed in another order) never; and what is drawn, and for whom."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, cast
+
+import torch
+
+from scheduler.coordinator.contributions import Contributions
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.sum_checks import Checksums
+from stage_server.averaging.checksum import AuditedChecks, dots, weights
+from swarm.policy.parts import EQUAL_PARTS
+from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task
+
+PEERS = ["a", "b", "c"]
+N = 10_000
+
+
+class _Ledger:
+    step = 5
+
+
+def _drawn(fraction: float = 1.0) -> tuple[Contributions, Any]:
+    contributions, ledger = Contributions(fraction, random.Random(1)), _Ledger()
+    members = [[Replica(p, p) for p in PEERS]]
+    contributions.tasks(cast(StepLedger, ledger), [Task(5, 0, frozenset({0}))], members)
+    return contributions, ledger
+
+
+def _round(contributions: Contributions, xs: list[torch.Tensor]) -> dict[int, Checksums]:
+    """A round of the three over `xs` (their contributions), each member's checksums as its
+    averaging takes them: every part contributed, and its sum taken back."""
+    total = xs[0] + xs[1] + xs[2]
+    parts = EQUAL_PARTS.bounds(N, len(PEERS))
+    out = {}
+    for i, peer in enumerate(PEERS):
+        seeds = contributions.seeds_for(5, 0, peer)
+        checks = AuditedChecks(7, seeds)
+        for k, part in enumerate(parts):
+            checks.contributed(k, part.start, xs[i][part])
+            checks.summed(k, part.start, total[part])
+        out[i] = Checksums(7, list(checks.report()), seeds, checks.audit_report())
+    return out
+
+
+def _digests(
+    contributions: Contributions, peer: str, grads: list[torch.Tensor], auditors: str = "x and y"
+) -> None:
+    (audit,) = [a for a in contributions._audits(5, 0) if a.peer == peer]
+    for index, g in enumerate(grads):
+        dot, magnitude, squares = dots(audit.seed, 0, g)
+        digest = GradientDigest(0, peer, dot, magnitude, squares**0.5, auditors, audit.seed)
+        result = MicrobatchResult(5, index, {0: peer}, None, 4, digests=(digest,))
+        contributions.record(result)
+
+
+def _grads(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(N, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def test_an_honest_contribution_passes_and_a_bent_one_is_caught() -> None:
+    contributions, _ = _drawn()
+    grads = {p: _grads(i) for i, p in enumerate(PEERS)}
+    for p in PEERS:
+        _digests(contributions, p, grads[p])
+    held = {p: [0, 1, 2] for p in PEERS}
+    # each accumulated its microbatches in its own order: the sums differ in their last bits
+    xs = [(grads[p][2] + grads[p][0]) + grads[p][1] for p in PEERS]
+    assert contributions.judge(5, 0, PEERS, _round(contributions, xs), held) == []
+    bent = xs[1] * (1 + torch.arange(N, dtype=torch.float64).cos())  # within twice its norm
+    found = contributions.judge(5, 0, PEERS, _round(contributions, [xs[0], bent, xs[2]]), held)
+    assert [peer for peer, _ in found] == ["b"]
+    assert "never saw" in found[0][1] and "x and y" in found[0][1]
+    # an error the round's own r cannot see (r·e = 0: b knew r when it sent) passes the sum
+    # checks; not this audit, whose seed it never learnt
+    r = weights(7, 0, N)
+    hidden = xs[1].clone()
+    hidden[17] += 1e-2 * float(r[4242])
+    hidden[4242] -= 1e-2 * float(r[17])
+    assert abs(float(torch.dot(r, hidden - xs[1]))) < 1e-15
+    found = contributions.judge(5, 0, PEERS, _round(contributions, [xs[0], hidden, xs[2]]), held)
+    assert [peer for peer, _ in found] == ["b"]
+
+
+def test_a_contribution_not_wholly_digested_is_not_judged() -> None:
+    contributions, _ = _drawn()
+    grads = _grads(3)
+    _digests(contributions, "b", grads[:2])  # its third microbatch was never digested
+    # ... but for an audit of the step's run before a rollback: another seed, not this one's
+    dot, magnitude, squares = dots(1234, 0, grads[2])
+    stale = GradientDigest(0, "b", dot, magnitude, squares**0.5, "x and y", 1234)
+    contributions.record(MicrobatchResult(5, 2, {0: "b"}, None, 4, digests=(stale,)))
+    xs = [torch.zeros(N, dtype=torch.float64), 5 * grads[0], torch.zeros(N, dtype=torch.float64)]
+    held = {"b": [0, 1, 2]}
+    assert contributions.judge(5, 0, PEERS, _round(contributions, xs), held) == []
+
+
+def test_the_audited_never_learn_their_own_seed_and_the_trainers_learn_all() -> None:
+    contributions, ledger = _drawn(1.0)
+    audits = contributions._audits(5, 0)
+    assert sorted(a.peer for a in audits) == PEERS and len({a.seed for a in audits}) == 3
+    for peer in PEERS:
+        mine = next(a.seed for a in audits if a.peer == peer)
+        assert mine not in contributions.seeds_for(5, 0, peer)
+        assert len(contributions.seeds_for(5, 0, peer)) == 2
+    members = [[Replica(p, p) for p in PEERS]]
+    (task,) = contributions.tasks(ledger, [Task(5, 1, frozenset({0}))], members)
+    assert set(task.audits) == set(audits)
+    off, _ = _drawn(0.0)
+    assert off._audits(5, 0) == [] and off.seeds_for(5, 0, "a") == ()
+    # a stage of two cannot arbitrate: nothing drawn there
+    two = Contributions(1.0, random.Random(1))
+    two.tasks(cast(StepLedger, _Ledger()), [], [[Replica("a", "a"), Replica("b", "b")]])
+    assert two._audits(5, 0) == []
