@@ -335,9 +335,12 @@ def run_once(
         polled = 0.0
 
         def placed() -> dict[str, Any]:
-            """The job's status if it shows its placement, else the last one that did."""
+            """The job's status if it shows its whole placement (every stage served: a poll
+            while the scheduler is still placing shows some stages empty), else the last one
+            that did."""
             now = json.loads(client(net, work, "status", job_id, *at))
-            return now if any(s.get("replicas") for s in now.get("stages", [])) else status
+            stages = now.get("stages", [])
+            return now if stages and all(s.get("replicas") for s in stages) else status
 
         while wan.count_lines(log) < total:
             if time.monotonic() > polled + 2:  # its placement, and who was reached how
