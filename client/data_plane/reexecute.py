@@ -9,7 +9,7 @@ from collections.abc import Awaitable
 import torch
 
 from client.data_plane.audit import Redone, Work
-from swarm.errors import ActivationsNotCached
+from swarm.errors import ActivationsNotCached, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.rpc.routes import Routes
 from swarm.rpc.stage_client import BackwardResult, TensorLike
@@ -37,7 +37,9 @@ class StageReexecutor:
     async def redo(
         self, peer: str, step: int, index: int, work: Work, digest_seed: int = 0
     ) -> Redone:
-        client = self.routes.clients[peer]
+        client = self.routes.clients.get(peer)
+        if client is None:  # left the stage (banned by another trainer's audit) since drawn
+            raise PeerUnavailable(f"{peer} is no longer a member of stage {work.stage}")
         grads = work.grad_inputs is not None  # asked for above the run's lowest stage only
         if work.stage == self.last:
             done = await client.forward_backward(

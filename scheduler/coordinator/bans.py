@@ -94,6 +94,11 @@ class Bans:
         self.metrics.stage_runs.inc(result.stage_runs)
         self.metrics.audit_runs.inc(result.audit_runs)
         self.contributions.record(result)
+        # Worked on at `result.step`: a peer that joined after the step's leases went out (so
+        # `saw` missed it there) may still have been routed to by a trainer following it.
+        for peer in result.touched:
+            if result.step < self.first_seen.get(peer, result.step + 1):
+                self.first_seen[peer] = result.step
         for verdict in result.verdicts:
             if verdict.peer not in self.banned:
                 await self._ban(verdict.peer, verdict.stage, verdict.evidence, result.step)
