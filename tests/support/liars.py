@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+import torch
+from prometheus_client import CollectorRegistry
 
+from swarm.job.config import JobConfig
 from swarm.ops.faults import Fault
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
@@ -18,10 +22,21 @@ from tests.support.servers import Servers, counted, train_on
 HOSTILE = "s1r0"  # the middle stage's first replica: its outputs and input gradients both count
 
 
-def assert_caught_and_replayed_away(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, plane: str, poison: Fault, evidence: str
-) -> None:
-    """`HOSTILE` lies as `poison` says on `plane`; its ban's message names `evidence`."""
+class Trained(NamedTuple):
+    """A job trained with a liar among its servers: its final state and trainer metrics, the
+    liar's own log, and what was logged meanwhile."""
+
+    job: JobConfig
+    state: dict[str, torch.Tensor]
+    registry: CollectorRegistry
+    liar_log: str
+    said: list[str]
+
+
+def train_with_a_liar(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, plane: str, poison: Fault
+) -> Trained:
+    """`HOSTILE` lies as `poison` says, on `plane`, with every stage audited."""
     job = write_job(
         tmp_path,
         training={"stages": 3, "steps": 4, "target_batch_size": 16},
@@ -34,11 +49,19 @@ def assert_caught_and_replayed_away(
             state, registry = train_on(servers)
     finally:
         servers.stop()
-    assert "answers wrong numbers" in servers.procs[HOSTILE].log()  # it did lie
+    said = [r.getMessage() for r in caplog.records]
+    return Trained(job, state, registry, servers.procs[HOSTILE].log(), said)
+
+
+def assert_caught_and_replayed_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, plane: str, poison: Fault, evidence: str
+) -> None:
+    """`HOSTILE` lies as `poison` says on `plane`; its ban's message names `evidence`."""
+    job, state, registry, liar_log, said = train_with_a_liar(tmp_path, caplog, plane, poison)
+    assert "answers wrong numbers" in liar_log  # it did lie
     assert_equal_to_local(job, state, tol=1e-9)
     assert counted(registry, "swarm_coordinator_bans_total") == 1
     assert counted(registry, "swarm_coordinator_rollbacks_total") >= 1
-    said = [r.getMessage() for r in caplog.records]
     banned = [m for m in said if "banned" in m and "caught it lying" in m]
     assert len(banned) == 1 and f"banned {HOSTILE} (stage 1)" in banned[0], banned
     assert evidence in banned[0], banned  # the evidence

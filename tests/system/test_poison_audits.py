@@ -8,16 +8,14 @@ job rolls back to before its first step and replays without it: the final model 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 
 from swarm.ops.faults import Fault, Point
 from tests.support.equality import assert_equal_to_local
-from tests.support.jobs import write_job
-from tests.support.liars import HOSTILE, assert_caught_and_replayed_away
-from tests.support.servers import Servers, counted, train_on
+from tests.support.liars import HOSTILE, assert_caught_and_replayed_away, train_with_a_liar
+from tests.support.servers import counted
 
 pytestmark = pytest.mark.slow
 
@@ -53,20 +51,9 @@ def test_a_replica_that_bends_its_contribution_is_caught_banned_and_replayed_awa
     its gradient sums bent (element i times 1 + cos i): finite, at most twice the honest norm,
     so the norm bound passes it, and every sum checks out. Re-executing its microbatches of the
     step must tell."""
-    job = write_job(
-        tmp_path,
-        training={"stages": 3, "steps": 4, "target_batch_size": 16},
-        runtime={"data_plane": "relay"},
-        trust={"audit_fraction": 1.0},
-    )
-    servers = Servers(job, [3, 3, 3], [Fault(HOSTILE, Point.POISON_BENT, 1)], tmp_path)
-    try:
-        with caplog.at_level(logging.WARNING):
-            state, registry = train_on(servers)
-    finally:
-        servers.stop()
-    assert "fault injected: poison-bent@1" in servers.procs[HOSTILE].log()  # it did lie
+    poison = Fault(HOSTILE, Point.POISON_BENT, 1)
+    job, state, registry, liar_log, said = train_with_a_liar(tmp_path, caplog, "relay", poison)
+    assert "fault injected: poison-bent@1" in liar_log  # it did lie
     assert_equal_to_local(job, state, tol=1e-9)
     assert counted(registry, "swarm_coordinator_bans_total") == 1
-    said = [r.getMessage() for r in caplog.records]
     assert any("banned" in m and f"banned {HOSTILE} (stage 1)" in m for m in said), said
