@@ -13,7 +13,9 @@ takes two liars in one stage.
 A sender picks its receiver itself (`stage_server.replica.next_hop`), and may well pick the same
 one each time; so after a dispute the receiver is set aside from this trainer's routes for its
 next `HOLD` microbatches, and the sender must deal with another replica of that stage: if it
-lies again, that is its second dispute.
+lies again, that is its second dispute. Nor may the trainer's routes leave the sender alone, or a
+liar that happens not to be picked again goes unconvicted: the next microbatch is routed through
+the sender (`challenged`), where its stage is a sender's pick.
 """
 
 from __future__ import annotations
@@ -52,12 +54,18 @@ class Disputes:
 
     _against: dict[tuple[str, int], dict[str, Dispute]] = field(default_factory=dict)
     _aside: dict[str, int] = field(default_factory=dict)  # receiver -> microbatches left
+    _challenged: set[str] = field(default_factory=set)  # senders the next microbatch goes through
 
     def set_aside(self) -> set[str]:
         """The receivers to leave out of the next microbatch's route (one microbatch counted)."""
         aside = set(self._aside)
         self._aside = {p: n - 1 for p, n in self._aside.items() if n > 1}
         return aside
+
+    def challenged(self) -> set[str]:
+        """The senders of a dispute the next microbatch's route goes through (taken once)."""
+        challenged, self._challenged = self._challenged, set()
+        return challenged
 
     def add(self, dispute: Dispute) -> list[Verdict]:
         """Record `dispute` (both ways); the replicas it makes liars: a replica now in dispute
@@ -79,6 +87,9 @@ class Disputes:
         receiver = earlier if d.what in _BACKWARD else later
         if receiver.stage > 0:  # stage 0 is the trainer's own pick, not a sender's
             self._aside[receiver.peer] = HOLD
+            sender = later if receiver is earlier else earlier
+            if sender.stage > 0:  # so is a stage-0 sender
+                self._challenged.add(sender.peer)
         return [v for v in (self._one(d), self._one(flipped)) if v is not None]
 
     def _one(self, d: Dispute) -> Verdict | None:

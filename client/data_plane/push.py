@@ -52,13 +52,19 @@ class PushPlane:
 
     def _route(self) -> list[pb.Route]:
         """The routes, less the receivers a boundary dispute set aside (`Disputes.set_aside`),
-        where their stage keeps another member."""
-        aside = self.audits.disputes.set_aside() if self.audits is not None else set()
-        if not aside:
+        where their stage keeps another member, and through its challenged sender."""
+        disputes = self.audits.disputes if self.audits is not None else None
+        aside = disputes.set_aside() if disputes is not None else set()
+        challenged = disputes.challenged() if disputes is not None else set()
+        if not aside and not challenged:
             return self._routes
         routes = []
         for r in self._routes:
-            keep = [i for i, p in enumerate(r.peers) if p not in aside] or range(len(r.peers))
+            # through a challenged sender where it is a member, else as set aside allows
+            keep = [i for i, p in enumerate(r.peers) if p in challenged] or [
+                i for i, p in enumerate(r.peers) if p not in aside
+            ]
+            keep = keep or list(range(len(r.peers)))
             routes.append(
                 pb.Route(
                     peers=[r.peers[i] for i in keep],
