@@ -192,13 +192,14 @@ class _Counting(_Instant):
 
 
 async def test_an_auto_window_follows_what_the_stages_hold_as_it_changes(tmp_path: Path) -> None:
-    """Stage 0 holds 2 + 3 microbatches, then 1 (a floor of one a stage: 2 in flight); the
-    last stage keeps nothing and does not narrow it. A window that shrank is kept as slots
-    report: no slot asks for a next task past it."""
+    """Stage 0 holds 2 + 3 microbatches in step 0's leases, then 1 (a floor of one a stage: 2
+    in flight); the last stage keeps nothing and does not narrow it. What a step starts with
+    was leased under the window before it; a window that shrank is kept as slots report: no
+    slot asks for a next task past it, so the step after runs within it."""
     training = {"stages": 2, "target_batch_size": 4 * MICROBATCHES}
     job = load_job(write_job(tmp_path, training=training))
     assert job.runtime.max_in_flight == "auto"
-    source = _Holding([2, 3], [1], until=2)
+    source = _Holding([2, 3], [1], until=1)
     trainer = _Counting(job, source)
     assert trainer.window == 8  # before any view of the stages: the window of old
     await _to_the_end(trainer, source)
