@@ -38,13 +38,16 @@ def _serving(reg: PeerRegistry, peer: str, stage: int, capacity: int) -> None:
     reg.report_load(cpb.LoadReport(peer=peer, job=JOB, stage=stage, activation_capacity=capacity))
 
 
-def _trainer_window(job: JobConfig, reg: PeerRegistry) -> int:
+async def _trainer_window(job: JobConfig, reg: PeerRegistry) -> int:
     """The window a trainer takes from a lease of the registry's members, over the wire."""
     members = reg.members(JOB, job.training.stages)
     lease = lease_from_proto(lease_to_proto(Lease(0, [], members)))
     trainer = PipelineTrainer(job, coordinator=None, job_id=JOB)  # type: ignore[arg-type]
-    trainer.sync(lease.replicas)
-    return trainer.window
+    try:
+        trainer.sync(lease.replicas)
+        return trainer.window
+    finally:
+        await trainer.close()
 
 
 @pytest.fixture
@@ -54,16 +57,16 @@ def job(tmp_path: Path) -> JobConfig:
     return load_job(write_job(tmp_path, training=training, runtime={"activation_cache": 1024}))
 
 
-def test_a_capacity_past_the_ceiling_is_not_believed(job: JobConfig) -> None:
+async def test_a_capacity_past_the_ceiling_is_not_believed(job: JobConfig) -> None:
     reg = PeerRegistry(FakeClock(), load_silence_s=10.0, serve_timeout_s=300.0)
     _serving(reg, "liar", 0, 2**32 - 1)
     _serving(reg, "honest", 1, 3)
     assert reg.capacity("liar", JOB, 0) == 0  # not said: its stage counts as the window of old
     assert reg.capacity("honest", JOB, 1) == 3
-    assert _trainer_window(job, reg) == 8
+    assert await _trainer_window(job, reg) == 8
 
 
-def test_a_crowd_announcing_the_most_a_cache_keeps_moves_the_window_within_its_cap(
+async def test_a_crowd_announcing_the_most_a_cache_keeps_moves_the_window_within_its_cap(
     job: JobConfig,
 ) -> None:
     reg = PeerRegistry(FakeClock(), load_silence_s=10.0, serve_timeout_s=300.0)
@@ -71,13 +74,13 @@ def test_a_crowd_announcing_the_most_a_cache_keeps_moves_the_window_within_its_c
         _serving(reg, f"sybil{i}", 0, MAX_ANNOUNCED_CAPACITY)
     _serving(reg, "last", 1, 0)
     assert reg.capacity("sybil0", JOB, 0) == MAX_ANNOUNCED_CAPACITY
-    assert _trainer_window(job, reg) == AUTO_CAP
+    assert await _trainer_window(job, reg) == AUTO_CAP
 
 
-def test_a_replica_understating_what_it_holds_leaves_a_microbatch_per_stage(
+async def test_a_replica_understating_what_it_holds_leaves_a_microbatch_per_stage(
     job: JobConfig,
 ) -> None:
     reg = PeerRegistry(FakeClock(), load_silence_s=10.0, serve_timeout_s=300.0)
     _serving(reg, "meagre", 0, 1)
     _serving(reg, "last", 1, 0)
-    assert _trainer_window(job, reg) == 2  # its two stages
+    assert await _trainer_window(job, reg) == 2  # its two stages
