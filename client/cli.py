@@ -63,7 +63,8 @@ what the view shows (docs/deployment.md, "Watch it", says more):
                that large yet; - is neither
     HOLDS      microbatches whose activations it keeps for their Backward, as its load reports
                say (its cache's bound over a microbatch's measured bytes); - not said (a CPU
-               server at its default bound, the last stage, or before its first microbatch)
+               server without --max-activation-cache-bytes, the last stage, or before its
+               first microbatch)
     STATE      serving (it counts), joining (not yet: with what it waits for), draining (it
                stops or moves), offline
   boundaries  per boundary K|K+1 between two stages, the bytes per token that crossed it as
