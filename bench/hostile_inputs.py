@@ -77,6 +77,9 @@ ATTACKS: dict[str, str] = {
     "55-owner": "a replica answers its averaging part's sums plus 1e4, applied by every replica",
     "55-norm": "a replica's finite wrong gradient (x1e4) applied by its pool (the norm bound)",
     "runner": "this script passes attacks without a test, or with skipped tests",
+    # Issue 53 (a GPU does the work): the capacities replicas announce size trainers' windows
+    "53-window": "replicas announcing 2^32-1 or the most a cache keeps size a trainer's window "
+    "(its memory) at a whole step; one announcing 1 serialises its pipeline",
     # Issue 55 (poison-proof by re-execution): a replica that lies, in a float64 job
     "P-acts": "a replica answers finite wrong activations (every step, or one in 20)",
     "P-grads": "a replica answers finite wrong input gradients (every step, or one in 20)",

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", type=int, default=4, help="pipeline stages (2 replicas each)")
     p.add_argument("--microbatches", type=int, default=4096, help="microbatches per step")
     p.add_argument(
-        "--take", type=int, default=8, help="a trainer's slots (runtime.max_in_flight's default)"
+        "--take", type=int, default=8, help="a trainer's slots (max_in_flight auto, stages silent)"
     )
     p.add_argument(
         "--separate",

@@ -41,6 +41,8 @@ what the view shows (docs/deployment.md, "Watch it", says more):
   speed     the job's samples/s over the last 30 s (0 in a stall); an ended job's: its mean
   rounds    pools that average in rounds: the rule, the round, steps to the next average, the
             last average's time and the bytes its pools sent each other
+  window    microbatches a trainer keeps in flight: the job's max_in_flight (fixed), or with
+            "auto" what the narrowest stage's replicas hold (HOLDS; 8 where none says)
   message   what the job does or waits for now, and for how long; news (a rollback, a replica
             left out, a stage served again) for 20 steps, then "training" (events keep it)
   error     why it failed
@@ -59,6 +61,10 @@ what the view shows (docs/deployment.md, "Watch it", says more):
                activations), or what --bandwidth says. ? is a direction not measured yet: ?/3140
                is a peer that has received a state download (3140 Mbit/s down) but sent nothing
                that large yet; - is neither
+    HOLDS      microbatches whose activations it keeps for their Backward, as its load reports
+               say (its cache's bound over a microbatch's measured bytes); - not said (a CPU
+               server without --max-activation-cache-bytes, the last stage, or before its
+               first microbatch)
     STATE      serving (it counts), joining (not yet: with what it waits for), draining (it
                stops or moves), offline
   boundaries  per boundary K|K+1 between two stages, the bytes per token that crossed it as

@@ -24,14 +24,18 @@ import time
 import tomllib
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import TextIO
 
 from client.boundaries import boundary_rows
 from client.outage import Outage
+from swarm.errors import ConfigError
+from swarm.job.config import parse_job
 from swarm.job.schema import TrustConfig
 from swarm.job.states import TERMINAL_PROTO, peer_state_name
 from swarm.job.states import job_state_name as state_name
 from swarm.ops.progress import duration_text
+from swarm.policy.window import window
 from swarm.proto import scheduler_pb2
 from swarm.proto.control_pb2 import (
     PEER_STATE_JOINING,
@@ -121,7 +125,7 @@ def status_lines(
     if s.HasField("val_loss"):
         lines.insert(4, f"val loss {loss_text(s.val_loss)} (after {s.val_step} steps)")
     lines += rounds_lines(s, now)
-    lines += trust_lines(s)
+    lines += trust_lines(s) + ([] if ended else window_lines(s))
     if s.message:
         waited = (
             f" (for {duration_text(now - s.waiting_since)}, since {_clock_time(s.waiting_since)})"
@@ -138,7 +142,7 @@ def status_lines(
             f"stage {st.stage} ({layers}): {_counted(st)} replica(s)"
             + (f", {joining} joining" if joining else "")
         )
-        rows = [["  PEER", "DEVICE", "SAMPLES/S", "PATH", "UP/DOWN", "STATE"]]
+        rows = [["  PEER", "DEVICE", "SAMPLES/S", "PATH", "UP/DOWN", "HOLDS", "STATE"]]
         rows += [
             [
                 f"  {shown(r.peer)}",
@@ -146,6 +150,7 @@ def status_lines(
                 f"{r.samples_per_second:.1f}",
                 path_text(r),
                 rates_text(r.upload_bytes_per_second, r.download_bytes_per_second),
+                str(r.activation_capacity) if r.activation_capacity else "-",
                 peer_state_name(r.state) + (f": {shown(r.joining)}" if r.joining else ""),
             ]
             for r in st.replicas
@@ -234,6 +239,22 @@ def trust_lines(s: scheduler_pb2.JobStatus) -> list[str]:
         else "audits   none (push plane, or audit_fraction = 0)"
     )
     return [line + (f"; banned for lying: {', '.join(banned)}" if banned else "")]
+
+
+def window_lines(s: scheduler_pb2.JobStatus) -> list[str]:
+    """The microbatches a trainer of the job keeps in flight, as each sizes it from the members
+    its leases show (`swarm.policy.window`: the replicas serving, with what each said it holds,
+    the HOLDS column); [] without a job file to read it from."""
+    try:
+        job = parse_job(s.spec, Path(s.base_dir or "/"), s.name or "job", check_data=False)
+    except ConfigError:
+        return []
+    held = [
+        [r.activation_capacity for r in st.replicas if r.state == PEER_STATE_SERVING]
+        for st in s.stages
+    ]
+    how = "auto: by what the stages hold" if job.runtime.max_in_flight == "auto" else "fixed"
+    return [f"window   {window(job, held)} microbatches in flight a trainer ({how})"]
 
 
 def _steps_text(n: int) -> str:

@@ -19,6 +19,13 @@ class TrainerMetrics:
         self.in_flight = Gauge(
             "swarm_trainer_microbatches_in_flight", "Microbatches in flight", ["job"], registry=reg
         ).labels(job=job)
+        self.window = Gauge(
+            "swarm_trainer_window",
+            "Microbatches the trainer keeps in flight at most: runtime.max_in_flight, or with "
+            '"auto" what the stages\' activation caches hold (swarm.policy.window)',
+            ["job"],
+            registry=reg,
+        ).labels(job=job)
         self._routed = Counter(
             "swarm_trainer_routed_total", "Hops routed to a replica", labels, registry=reg
         )

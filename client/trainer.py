@@ -29,6 +29,7 @@ from swarm.job.fingerprint import fingerprint
 from swarm.job.rule import rule_of
 from swarm.model.data import VAL_STEP, DataSource, make_data, make_val_data
 from swarm.policy.backoff import Backoff
+from swarm.policy.window import window
 from swarm.policy.wiring import Wiring
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Lease, LeaseSource, MicrobatchResult, Replica, Task
@@ -91,6 +92,8 @@ class PipelineTrainer:
             tuple[MicrobatchResult, asyncio.Future[Task | None], asyncio.Task[Any] | None]
         ] = []
         self._reporter: asyncio.Task[None] | None = None
+        self.window = window(job, [])  # microbatches kept in flight: sized anew at each `sync`
+        self.metrics.window.set(self.window)
 
     @property
     def val_data(self) -> DataSource:
@@ -122,6 +125,8 @@ class PipelineTrainer:
         yet) changes nothing."""
         if len(replicas) != self.job.training.stages:
             return
+        self.window = window(self.job, [[r.capacity for r in stage] for stage in replicas])
+        self.metrics.window.set(self.window)
         for gone in self.routes.follow_all(replicas):
             self._departed[gone] = self.clock.now()
         self._forget_departed({r.peer for members in replicas for r in members})
@@ -155,8 +160,8 @@ class PipelineTrainer:
                 for finished in [t for t in running if t.done()]:
                     del running[finished]
                     finished.result()  # surface bugs; hop failures were handled inside
-                free = self.job.runtime.max_in_flight - len(running)
-                if free == 0:
+                free = self.window - len(running)  # < 0 once it shrank: slots end as they report
+                if free <= 0:
                     done, _ = await asyncio.wait(
                         running, timeout=self.lease_wait_s, return_when=asyncio.FIRST_COMPLETED
                     )
@@ -255,10 +260,12 @@ class PipelineTrainer:
                 for job, t in running.items()
                 if job not in slots and not job.done()
             ]
+            # a next task for each slot reported, within the window (it may have shrunk)
+            wanted = max(0, min(len(batch), self.window - len(working)))
             self.leases += 1
             try:
                 lease = await self.coordinator.report_and_lease(
-                    self.trainer_id, [r for r, _, _ in batch], len(batch), working=working
+                    self.trainer_id, [r for r, _, _ in batch], wanted, working=working
                 )
             except asyncio.CancelledError:
                 for _, waiter, _ in batch:

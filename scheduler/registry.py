@@ -38,6 +38,7 @@ from swarm.net import paths
 from swarm.net.bandwidth import MAX_LINK_BYTES_PER_SECOND, format_rate, plausible_rate
 from swarm.policy.domains import Domains
 from swarm.policy.placement import path_speeds
+from swarm.policy.window import plausible_capacity
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
 
@@ -55,6 +56,7 @@ class _Load:
     at: float  # clock time it arrived
     speed: float | None  # samples/s it measured on `stage`; None: not measured yet
     boundary: cpb.BoundaryTraffic | None = None  # what it sent across its boundaries (unset: None)
+    capacity: int = 0  # microbatches its activation cache holds (`plausible_capacity`; 0: not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +156,10 @@ class PeerRegistry:
         if speed is None and old is not None and same:
             speed = old.speed  # a report without a figure keeps the last one
         boundary = message.boundary if message.HasField("boundary") else None
+        # what it holds sizes trainers' windows: believed only within a ceiling, where it enters
+        held = plausible_capacity(message.activation_capacity)
         self._loads[message.peer] = _Load(
-            message.job, message.stage, self.clock.now(), speed, boundary
+            message.job, message.stage, self.clock.now(), speed, boundary, held
         )
 
     def reached(self, report: cpb.ReachabilityReport) -> None:
@@ -273,7 +277,8 @@ class PeerRegistry:
                 and not self._silent(job_id, p.peer)
             ):
                 speed = p.samples_per_second.get(p.stage, 0.0)
-                result[p.stage].append(Replica(p.peer, self.dial_address(p), speed))
+                held = self.capacity(p.peer, job_id, p.stage)
+                result[p.stage].append(Replica(p.peer, self.dial_address(p), speed, held))
         return result
 
     def shown(
@@ -378,24 +383,29 @@ class PeerRegistry:
             speeds[peer][k] = load.speed  # what it really does where it is now
         return assignment, path_speeds(speeds, {p: None for p in speeds if self.relayed(p)})
 
+    def _load_at(self, peer: str, job_id: str, stage: int) -> _Load | None:
+        """`peer`'s last load report, if it was for `stage` of `job_id`."""
+        load = self._loads.get(peer)
+        return load if load is not None and (load.job, load.stage) == (job_id, stage) else None
+
     def boundary(self, peer: str, job_id: str, stage: int) -> cpb.BoundaryTraffic | None:
         """What `peer` sent across `stage`'s boundaries of `job_id`, as its last load report
         there said; None: no report there said it."""
-        load = self._loads.get(peer)
-        if load is None or (load.job, load.stage) != (job_id, stage):
-            return None
-        return load.boundary
+        load = self._load_at(peer, job_id, stage)
+        return load.boundary if load is not None else None
+
+    def capacity(self, peer: str, job_id: str, stage: int) -> int:
+        """Microbatches `peer`'s activation cache holds on `stage` of `job_id`, as its last load
+        report there said (within `MAX_ANNOUNCED_CAPACITY`); 0: not said."""
+        load = self._load_at(peer, job_id, stage)
+        return load.capacity if load is not None else 0
 
     def live_speed(self, peer: str, job_id: str, stage: int) -> float:
         """`peer`'s samples/s on `stage` of `job_id` as status shows it: what its load reports
         measure now (the moving average of its recent compute, the wiring's figure), else,
         before its first report there, what it measured at join (its announcement); 0: none."""
-        load = self._loads.get(peer)
-        if (
-            load is not None
-            and load.speed is not None
-            and (load.job, load.stage) == (job_id, stage)
-        ):
+        load = self._load_at(peer, job_id, stage)
+        if load is not None and load.speed is not None:
             return load.speed
         p = self.peers.get(peer)
         return p.samples_per_second.get(stage, 0.0) if p is not None else 0.0

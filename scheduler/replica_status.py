@@ -35,6 +35,7 @@ def replica_status(shown: Shown, registry: PeerRegistry) -> spb.Replica:
         upload_bytes_per_second=p.upload_bytes_per_second,
         download_bytes_per_second=p.download_bytes_per_second,
         boundary=registry.boundary(p.peer, p.job, shown.stage),
+        activation_capacity=registry.capacity(p.peer, p.job, shown.stage),
     )
 
 

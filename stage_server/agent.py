@@ -221,6 +221,7 @@ class PeerAgent:
                 ema_seconds_per_sample=ema / mb if ema else 0.0,
                 time=time.time(),
                 boundary=servicer.metrics.boundary.report(),  # what `swarm status` sums
+                activation_capacity=servicer.limits.capacity(runtime),  # trainers' windows
             )
             try:
                 await self.bus.publish(self.bus.topics.load(self.peer), report)

@@ -11,6 +11,12 @@ so the shares never add up past the card). An operator's own `--max-activation-c
 is kept as given. A CPU peer's bound is the flag's, as ever: host memory is shared with
 everything else on the machine.
 
+What the bound holds, in microbatches (`microbatches_held`), is what the replica's load reports
+say (`LoadReport.activation_capacity`), and trainers size their window by it
+(`swarm.policy.window`): where the bound was sized for this peer (`sized`: by its device's free
+memory, or by its operator's flag). A CPU peer at the default says nothing: its 4 GiB is no
+measure of its host, and its trainers keep the window of old.
+
 `DeviceMemory` is the seam (`TorchDeviceMemory` asks torch); the tests give a fake.
 """
 
@@ -22,7 +28,14 @@ import torch
 
 from stage_server.peer.limits import PeerLimits
 
-__all__ = ["CACHE_SHARE", "DeviceMemory", "TorchDeviceMemory", "cache_bytes"]
+__all__ = [
+    "CACHE_SHARE",
+    "DeviceMemory",
+    "TorchDeviceMemory",
+    "cache_bytes",
+    "microbatches_held",
+    "sized",
+]
 
 CACHE_SHARE = 0.5  # of the free device memory: the rest for the compute's own temporaries
 _DEFAULT = PeerLimits().max_activation_cache_bytes
@@ -58,3 +71,18 @@ def cache_bytes(
         return flag
     free, _ = known
     return max(1, int(free * share))
+
+
+def sized(flag: int, device: torch.device, memory: DeviceMemory | None = None) -> bool:
+    """Whether `cache_bytes` sizes the bound for this peer: by its operator (`flag` set) or by
+    `device`'s free memory; not a CPU peer's default, which measures nothing of its host."""
+    return flag != _DEFAULT or (memory or TorchDeviceMemory()).free_and_total(device) is not None
+
+
+def microbatches_held(count: int, max_bytes: int, footprint: int) -> int:
+    """Microbatches whose activations a cache bounded by `count` and `max_bytes` keeps, each of
+    `footprint` bytes: 0 before one was measured (`footprint` 0); at least 1, the one being
+    computed, whose activations are held while it runs whether kept or not."""
+    if footprint <= 0:
+        return 0
+    return max(1, min(count, max_bytes // footprint))

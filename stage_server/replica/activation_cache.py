@@ -99,6 +99,7 @@ class ActivationCache:
         self._entries: OrderedDict[Key, tuple[Entry, int]] = OrderedDict()
         self.bytes = 0  # the kept microbatches' footprints, summed
         self.evictions = 0  # microbatches dropped to the bounds: each costs its Backward a forward
+        self._seen = (0, 0)  # (bytes, microbatches) of every footprint measured: their mean
 
     @contextlib.contextmanager
     def counting(self, device: torch.device | None = None) -> Iterator[Footprint | DeviceFootprint]:
@@ -146,6 +147,7 @@ class ActivationCache:
         footprint.add_input(x)
         footprint.add_output(out)
         nbytes = footprint.nbytes
+        self._seen = (self._seen[0] + nbytes, self._seen[1] + 1)
         self.pop(key)
         self._entries[key] = ((x, out), nbytes)
         self.bytes += nbytes
@@ -161,6 +163,14 @@ class ActivationCache:
                 nbytes,
                 max_bytes,
             )
+
+    @property
+    def footprint(self) -> int:
+        """The mean bytes of a microbatch's activations, over every one kept so far (0: none
+        yet): what sizes the microbatches the bounds hold (the first of a step, which makes the
+        step's bf16 casts on CUDA, counts them; the mean spreads them over the others)."""
+        total, count = self._seen
+        return total // count if count else 0
 
     def pop(self, key: Key, default: None = None) -> Entry | None:
         """`key`'s activations, no longer kept (None if they are not)."""

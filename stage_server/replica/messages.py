@@ -27,7 +27,7 @@ import torch
 from google.protobuf.message import Message
 
 from stage_server.peer.boundary_traffic import tokens_of
-from stage_server.peer.device_share import cache_bytes
+from stage_server.peer.device_share import cache_bytes, microbatches_held, sized
 from stage_server.peer.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing, Outgoing
@@ -77,6 +77,9 @@ class Limits:
     max_message_bytes: int = 64 << 20  # `[runtime] max_message_bytes`: one gRPC message
     activation_cache: int = 64  # `[runtime] activation_cache`: microbatches' activations kept
     max_queue: int = 64  # `[runtime] max_queue`: pushed microbatches queued before Busy
+    # whether the activation cache's byte bound was sized for this peer (`bound`): by its
+    # device's free memory, or by its operator; what it holds is said only then (`capacity`)
+    cache_sized: bool = False
     _logged: set[tuple[Any, ...]] = field(default_factory=set, repr=False)  # clamps said once
 
     def __post_init__(self) -> None:
@@ -113,8 +116,19 @@ class Limits:
         peer = self.peer
         runtime.updates.bound(self.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
         runtime.activation_cache = self.activation_cache
-        runtime.activation_cache_bytes = cache_bytes(
-            peer.max_activation_cache_bytes, runtime.device
+        flag = peer.max_activation_cache_bytes
+        runtime.activation_cache_bytes = cache_bytes(flag, runtime.device)
+        self.cache_sized = sized(flag, runtime.device)
+
+    def capacity(self, runtime: StageRuntime) -> int:
+        """Microbatches whose activations `runtime` keeps for their Backward, as its load reports
+        say (trainers size their window by it, `swarm.policy.window`): 0 (not said) where its
+        bound was not sized for this peer (`cache_sized`), at the last stage (its ForwardBackward
+        keeps nothing between calls) and before its first microbatch was measured."""
+        if runtime.is_last or not self.cache_sized:
+            return 0
+        return microbatches_held(
+            runtime.activation_cache, runtime.activation_cache_bytes, runtime.cached_footprint
         )
 
     def clamp(self, job: JobConfig) -> JobConfig:

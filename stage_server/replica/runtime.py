@@ -74,9 +74,8 @@ class StageRuntime:
         self._cache = ActivationCache()
         self.compiled: CompiledRuns | None = None  # eager unless the server compiles (CUDA)
         self.low = LowCopies.of(job)  # bf16-mixed: the Linears' bf16 copies (`low_copies`)
-        # How many it keeps: the job's `activation_cache`, within the serving peer's own limit
-        # (the servicer sets it: `Limits.activation_cache`); and how many bytes: the peer's
-        # `--max-activation-cache-bytes` (the servicer sets it too).
+        # How many it keeps (the job's `activation_cache` within the peer's limit) and how many
+        # bytes (the peer's `--max-activation-cache-bytes`): the servicer sets both (`Limits`).
         self.activation_cache = job.runtime.activation_cache
         self.activation_cache_bytes = PeerLimits().max_activation_cache_bytes
         self.updates = UpdateLog(job.runtime.update_log_bytes)  # for replicas copying this one
@@ -161,9 +160,12 @@ class StageRuntime:
         return out.detach()
 
     @property
+    def cached_footprint(self) -> int:
+        return self._cache.footprint  # the mean bytes of a microbatch's activations (0: none yet)
+
+    @property
     def cache_evictions(self) -> int:
-        """Microbatches whose activations the cache dropped to its bounds (each Backward of one
-        recomputes its forward): logged as the server stops, read by bench/gpu_ratio.py."""
+        """Microbatches the cache dropped to its bounds (each Backward recomputes one)."""
         return self._cache.evictions
 
     def backward(

@@ -18,7 +18,7 @@ import types
 from collections.abc import Callable
 from dataclasses import MISSING, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from swarm.errors import ConfigError
 
@@ -76,6 +76,11 @@ def _describe(hint: Any, check: Check | None) -> str:
         text = f"a list of {len(get_args(hint))} numbers"
     elif get_origin(hint) is types.UnionType:  # `X | None`: None means "not set"
         text = words[next(a for a in get_args(hint) if a is not type(None))]
+    elif get_origin(hint) is Union:  # `int | Literal["auto"]`: a number, or a word for a default
+        word, number = _word_or(hint)
+        said = get_args(word)
+        text = show(said[0]) if len(said) == 1 else f"{_describe(word, None)},"
+        return f"{text} or {_describe(number, check)}"
     else:
         text = words[hint]
     return f"{text} {check[1]}" if check else text
@@ -84,6 +89,14 @@ def _describe(hint: Any, check: Check | None) -> str:
 def _coerce(key: str, value: Any, hint: Any, check: Check | None) -> Any:
     """Return `value` in its canonical Python type, or raise naming `key` and what is allowed."""
     origin, args = get_origin(hint), get_args(hint)
+    if origin is Union:  # `int | Literal["auto"]`: the word as it is, else the number checked
+        word, number = _word_or(hint)
+        if isinstance(value, str) and value in get_args(word):
+            return value
+        try:
+            return _coerce(key, value, number, check)
+        except ConfigError:
+            raise not_allowed(key, value, _describe(hint, check)) from None
     if origin is types.UnionType and value is None:
         return None
     if origin is types.UnionType:
@@ -109,6 +122,12 @@ def _coerce(key: str, value: Any, hint: Any, check: Check | None) -> Any:
     if not ok:
         raise not_allowed(key, value, _describe(hint, check))
     return tuple(items) if origin is tuple else value
+
+
+def _word_or(hint: Any) -> tuple[Any, Any]:
+    """`(Literal[...], the other type)` of a union of a literal and a type."""
+    word = next(a for a in get_args(hint) if get_origin(a) is Literal)
+    return word, next(a for a in get_args(hint) if a is not word)
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -320,7 +320,9 @@ class RuntimeConfig(Section):
     """`[runtime]`: networking and concurrency; none of these change the maths."""
 
     section: ClassVar[str] = "runtime"
-    max_in_flight: int = _f(8, GE1)  #: microbatches a trainer keeps in flight (count)
+    #: microbatches a trainer keeps in flight (count); "auto": what the stages' activation caches
+    #: hold, within 8 where they say nothing and 64 at most (`swarm.policy.window`)
+    max_in_flight: int | Literal["auto"] = _f("auto", GE1)
     #: "push": stages send activations and gradients straight to each other; "relay": the
     #: trainer carries every one (the carry plane, the first; its link carries 3x a server's)
     data_plane: Literal["push", "relay"] = "push"

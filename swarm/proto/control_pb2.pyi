@@ -127,7 +127,7 @@ class ReachabilityReport(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., reachability: _Optional[_Union[Reachability, str]] = ..., address: _Optional[str] = ..., relay: _Optional[str] = ..., detail: _Optional[str] = ..., remedy: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("peer", "job", "stage", "queue_depth", "in_flight", "ema_seconds_per_sample", "time", "boundary")
+    __slots__ = ("peer", "job", "stage", "queue_depth", "in_flight", "ema_seconds_per_sample", "time", "boundary", "activation_capacity")
     PEER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class LoadReport(_message.Message):
     EMA_SECONDS_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     peer: str
     job: str
     stage: int
@@ -144,7 +145,8 @@ class LoadReport(_message.Message):
     ema_seconds_per_sample: float
     time: float
     boundary: BoundaryTraffic
-    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., ema_seconds_per_sample: _Optional[float] = ..., time: _Optional[float] = ..., boundary: _Optional[_Union[BoundaryTraffic, _Mapping]] = ...) -> None: ...
+    activation_capacity: int
+    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., ema_seconds_per_sample: _Optional[float] = ..., time: _Optional[float] = ..., boundary: _Optional[_Union[BoundaryTraffic, _Mapping]] = ..., activation_capacity: _Optional[int] = ...) -> None: ...
 
 class BoundaryTraffic(_message.Message):
     __slots__ = ("forward_bytes", "forward_tokens", "backward_bytes", "backward_tokens")

@@ -75,6 +75,9 @@ class Replica:
     peer: str
     address: str
     throughput: float = 0.0  # measured samples/s on its stage; 0 when unknown
+    # microbatches whose activations it keeps for their Backward (its load reports'
+    # `activation_capacity`, as the scheduler took it); 0 when not said
+    capacity: int = 0
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,12 @@ def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
             spb.StageStatus(
                 stage=k,
                 replicas=[
-                    spb.Replica(peer=r.peer, address=r.address, samples_per_second=r.throughput)
+                    spb.Replica(
+                        peer=r.peer,
+                        address=r.address,
+                        samples_per_second=r.throughput,
+                        activation_capacity=r.capacity,
+                    )
                     for r in stage
                 ],
             )
@@ -210,7 +218,10 @@ def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
             for t in msg.tasks
         ],
         replicas=[
-            [Replica(r.peer, r.address, r.samples_per_second) for r in s.replicas]
+            [
+                Replica(r.peer, r.address, r.samples_per_second, r.activation_capacity)
+                for r in s.replicas
+            ]
             for s in msg.replicas
         ],
     )

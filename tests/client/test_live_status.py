@@ -25,6 +25,7 @@ from client.outage import Outage
 from swarm.ops.progress import duration_text
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
+from tests.support.jobs import BASE, render
 
 
 def _status(step: int, where: dict[str, int], state: int = cpb.JOB_STATE_RUNNING) -> spb.JobStatus:
@@ -248,3 +249,22 @@ def test_status_says_what_audits_cost_and_whom_they_banned() -> None:
     s.events.append(spb.JobEvent(kind="ban", text="banned s1r0 (stage 1): an audit caught it"))
     assert trust_lines(s)[0].endswith("; banned for lying: s1r0")
     assert trust_lines(spb.JobStatus(job="j", spec="")) == []  # push (the default): none
+
+
+def test_status_shows_what_each_replica_holds_and_the_window_trainers_take_from_it() -> None:
+    s = _status(7, {"p0": 0, "p1": 0, "p2": 1, "p3": 2})
+    training = {**BASE["training"], "stages": 3, "target_batch_size": 256}  # 64 a step
+    s.spec = render({**BASE, "training": training})
+    held = {"p0": 12, "p1": 9, "p2": 15}  # the last stage's p3 says nothing: it keeps none
+    for st in s.stages:
+        for r in st.replicas:
+            r.activation_capacity = held.get(r.peer, 0)
+    st = s.stages[1]
+    st.replicas.append(spb.Replica(peer="new", state=cpb.PEER_STATE_JOINING))
+    st.replicas[-1].activation_capacity = 40  # not a member yet: no trainer counts it
+    lines = status_lines(s, now=0.0)
+    assert "window   15 microbatches in flight a trainer (auto: by what the stages hold)" in lines
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith("  p")}
+    assert rows["p0"][-2:] == ["12", "serving"] and rows["p3"][-2:] == ["-", "serving"]
+    s.spec = render({**BASE, "training": training, "runtime": {"max_in_flight": 3}})
+    assert "window   3 microbatches in flight a trainer (fixed)" in status_lines(s, now=0.0)

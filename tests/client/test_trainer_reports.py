@@ -12,7 +12,7 @@ from pathlib import Path
 from client.data_plane.hops import TrainerError
 from client.trainer import PipelineTrainer
 from swarm.job.config import load_job
-from swarm.rpc.lease import Lease, MicrobatchResult, Task, Working
+from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Task, Working
 from tests.support.jobs import write_job
 
 STEPS, MICROBATCHES = 3, 16
@@ -156,3 +156,56 @@ async def test_microbatches_that_fail_at_once_are_retried_after_a_pause_not_in_a
     await _to_the_end(_FailingFor(job, source, fail_s=1.0), source)
     # Two slots, pauses doubling from 0.05 s: about 5 each in the failing second.
     assert 2 <= source.released <= 16, source.released
+
+
+class _Holding(_Source):
+    """`_Source` whose leases show two stages, stage 0's replicas holding `held` microbatches
+    until step `until`, `after` from then on (what their load reports said, as the scheduler
+    passes it on)."""
+
+    def __init__(self, held: list[int], after: list[int], until: int) -> None:
+        super().__init__(0.0)
+        self.held, self.after, self.until = held, after, until
+
+    def _take(self, count: int) -> Lease:
+        lease = super()._take(count)
+        held = self.held if self.step < self.until else self.after
+        first = [Replica(f"r{i}", f"r{i}:7000", 0.0, c) for i, c in enumerate(held)]
+        return Lease(lease.step, lease.tasks, [first, [Replica("z", "z:7000")]], lease.done)
+
+
+class _Counting(_Instant):
+    """Counts the most microbatches of each step in flight at once."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.now, self.most = 0, dict[int, int]()
+
+    async def _microbatch(self, task: Task) -> MicrobatchResult:
+        self.now += 1
+        self.most[task.step] = max(self.most.get(task.step, 0), self.now)
+        try:
+            await asyncio.sleep(0.005)
+            return await super()._microbatch(task)
+        finally:
+            self.now -= 1
+
+
+async def test_an_auto_window_follows_what_the_stages_hold_as_it_changes(tmp_path: Path) -> None:
+    """Stage 0 holds 2 + 3 microbatches in step 0's leases, then 1 (a floor of one a stage: 2
+    in flight); the last stage keeps nothing and does not narrow it. What a step starts with
+    was leased under the window before it; a window that shrank is kept as slots report: no
+    slot asks for a next task past it, so the step after runs within it."""
+    training = {"stages": 2, "target_batch_size": 4 * MICROBATCHES}
+    job = load_job(write_job(tmp_path, training=training))
+    assert job.runtime.max_in_flight == "auto"
+    source = _Holding([2, 3], [1], until=1)
+    trainer = _Counting(job, source)
+    assert trainer.window == 8  # before any view of the stages: the window of old
+    await _to_the_end(trainer, source)
+    assert trainer.window == 2 and trainer.metrics.window._value.get() == 2
+    assert trainer.most[1] <= 5 and trainer.most[2] <= 2, trainer.most
+    grown = _Counting(job, _Holding([20, 20], [20, 20], until=0))
+    grown.sync(_Holding([20, 20], [], until=9)._take(0).replicas)
+    assert grown.window == MICROBATCHES  # all of a step, no more
+    await grown.close()

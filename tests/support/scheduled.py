@@ -22,6 +22,7 @@ from scheduler.job_api import job_status
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
 from stage_server.agent import PeerAgent
+from stage_server.peer.limits import PeerLimits
 from stage_server.server import RunningStageServer, StageServerOptions, start_grpc
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus, BusSettings, Subscription
@@ -91,20 +92,33 @@ class ScheduledSwarm:
             yield sub
 
     async def add(
-        self, name: str, announce_host: str = "", throttle: float = 1.0, host: str = ""
+        self,
+        name: str,
+        announce_host: str = "",
+        throttle: float = 1.0,
+        host: str = "",
+        limits: PeerLimits | None = None,
     ) -> Peer:
         """Start stage server `name`; `announce_host`: the host it tells others to dial (one
         where it does not listen makes a peer nobody can reach); `throttle`: `--throttle`;
         `host`: the host id it announces (default: its name, a machine of its own, as on a
-        real swarm; peers of one host id share a failure domain)."""
-        opts = StageServerOptions(stage=0, peer=name, announce_host=announce_host)
+        real swarm; peers of one host id share a failure domain); `limits`: its own flags."""
+        opts = StageServerOptions(
+            stage=0, peer=name, announce_host=announce_host, limits=limits or PeerLimits()
+        )
         running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
         will = cpb.PeerAnnouncement(peer=name, state=cpb.PEER_STATE_OFFLINE)
         bus = _bus(self.broker.url, f"peer-{name}", name, (self.topics.peer(name), will))
         await bus.__aenter__()
         await bus.wait_connected(WAIT_S)
         agent = PeerAgent(
-            running, bus, peer=name, device="cpu", throttle=throttle, host=host or name
+            running,
+            bus,
+            peer=name,
+            device="cpu",
+            throttle=throttle,
+            host=host or name,
+            limits=opts.limits,
         )
         agent.load_period_s = 0.2
         stop = asyncio.Event()

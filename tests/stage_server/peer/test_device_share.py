@@ -1,13 +1,19 @@
 """The activation cache's byte bound sized by the device (`stage_server.peer.device_share`):
 a share of the free device memory on CUDA, the flag's as ever on a CPU and wherever the
-operator set it."""
+operator set it; and the microbatches it holds, said where the bound was sized for the peer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from stage_server.peer.device_share import CACHE_SHARE, TorchDeviceMemory, cache_bytes
+from stage_server.peer.device_share import (
+    CACHE_SHARE,
+    TorchDeviceMemory,
+    cache_bytes,
+    microbatches_held,
+    sized,
+)
 from stage_server.peer.limits import PeerLimits
 
 DEFAULT = PeerLimits().max_activation_cache_bytes
@@ -51,6 +57,25 @@ def test_the_cpu_and_an_operator_s_own_bound_are_kept_as_they_are() -> None:
 def test_the_real_memory_of_a_cpu_says_nothing() -> None:
     assert TorchDeviceMemory().free_and_total(torch.device("cpu")) is None
     assert cache_bytes(DEFAULT, torch.device("cpu")) == DEFAULT
+
+
+def test_what_a_card_holds_is_its_share_over_a_microbatch_within_the_count() -> None:
+    mib, cuda = 1 << 20, torch.device("cuda:0")
+    big = cache_bytes(DEFAULT, cuda, FakeMemory((60 * GIB, 80 * GIB)))  # 30 GiB
+    assert microbatches_held(64, big, 512 * mib) == 60
+    assert microbatches_held(40, big, 512 * mib) == 40  # the job's count bound first
+    small = cache_bytes(DEFAULT, cuda, FakeMemory((3 * GIB, 8 * GIB)))  # 1.5 GiB
+    assert microbatches_held(64, small, 512 * mib) == 3
+    assert microbatches_held(64, small, 2 * GIB) == 1  # none kept: the one computed is held
+    assert microbatches_held(64, big, 0) == 0  # nothing measured yet: not said
+
+
+def test_a_bound_is_sized_by_a_device_that_says_or_by_the_operator_not_by_the_default() -> None:
+    assert sized(DEFAULT, torch.device("cuda:0"), FakeMemory((60 * GIB, 80 * GIB)))
+    assert not sized(DEFAULT, torch.device("cpu"), FakeMemory(None))
+    assert not sized(DEFAULT, torch.device("cpu"))  # torch's own answer on a CPU
+    card = FakeMemory(None)
+    assert sized(123 << 20, torch.device("cpu"), card) and card.asked == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

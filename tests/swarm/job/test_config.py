@@ -143,7 +143,7 @@ def test_defaults_and_types(tmp_path: Path) -> None:
     assert j.compression.block_size == 2048 and j.runtime.chunk_bytes == 4 * 2**20
     assert j.runtime.max_message_bytes == 64 * 2**20
     assert j.runtime.max_tensor_bytes == 2**30
-    assert (j.runtime.max_in_flight, j.runtime.activation_cache) == (8, 64)
+    assert (j.runtime.max_in_flight, j.runtime.activation_cache) == ("auto", 64)
     assert (j.runtime.rpc_timeout_s, j.runtime.commit_timeout_s) == (60.0, 120.0)
     assert (j.training.seed, j.training.dtype, j.training.checkpoint_every) == (0, "float32", 100)
     with pytest.raises(dataclasses.FrozenInstanceError):

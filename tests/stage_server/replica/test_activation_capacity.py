@@ -1,0 +1,57 @@
+"""What a replica says its activation cache holds (`stage_server.replica.messages.Limits.capacity`,
+its load reports' `activation_capacity`), on a real stage on the CPU: its bounds over the mean
+footprint of the microbatches it kept, where its operator set the byte bound; nothing at the
+CPU's default bound, at the last stage (it keeps nothing) or before its first microbatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stage_server.peer.limits import PeerLimits
+from stage_server.replica.messages import Limits
+from stage_server.replica.runtime import StageRuntime
+from tests.support.jobs import make_job
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _served(tmp_path: Path, stage: int, limits: Limits) -> StageRuntime:
+    job = make_job(tmp_path, training={"stages": 2}, runtime={"activation_cache": 6})
+    rt = StageRuntime(job, stage)
+    limits.serve(job)
+    limits.bound(rt)
+    return rt
+
+
+def test_a_bound_set_by_the_operator_holds_what_fits_the_measured_footprint(
+    tmp_path: Path,
+) -> None:
+    inputs = torch.randint(0, 64, (4, 16))
+    probe = _served(tmp_path, 0, Limits(PeerLimits(max_activation_cache_bytes=1 << 30)))
+    probe.forward(0, 0, inputs)
+    one = probe.cached_footprint
+    assert one > 0
+    limits = Limits(PeerLimits(max_activation_cache_bytes=3 * one + one // 2))
+    rt = _served(tmp_path, 0, limits)
+    assert limits.capacity(rt) == 0  # nothing measured yet: not said
+    for index in range(4):
+        rt.forward(0, index, inputs)
+    assert rt.cached_footprint == one
+    assert limits.capacity(rt) == 3  # three fit the bytes, within the job's six
+    roomy = Limits(PeerLimits(max_activation_cache_bytes=1 << 30))
+    rt = _served(tmp_path, 0, roomy)
+    rt.forward(0, 0, inputs)
+    assert roomy.capacity(rt) == 6  # the job's count bound
+
+
+def test_the_cpu_default_and_the_last_stage_say_nothing(tmp_path: Path) -> None:
+    default = Limits()
+    rt = _served(tmp_path, 0, default)
+    rt.forward(0, 0, torch.randint(0, 64, (4, 16)))
+    assert rt.cached_footprint > 0 and default.capacity(rt) == 0
+    limits = Limits(PeerLimits(max_activation_cache_bytes=1 << 30))
+    last = _served(tmp_path, 1, limits)
+    assert last.is_last and limits.capacity(last) == 0
