@@ -101,8 +101,10 @@ class StagePool:
         replica tried already (its key is 0), so the next choice tries it even if its
         announcement undersells it. (Entering at the minimum key of the moment is not enough:
         once the others are idle again their keys fall below that minimum, and a replica that
-        joined while they were busy got no work for good.) Adding a known peer only refreshes
-        an unmeasured throughput."""
+        joined while they were busy got no work for good. Nor is entering at 0 only when that
+        minimum is below its own key: replicas that join together tie, and the first one
+        measured then left the others none for good.) Adding a known peer only refreshes an
+        unmeasured throughput."""
         _check_positive("throughput", throughput)
         known = self._replicas.get(peer)
         if known is not None:
@@ -110,11 +112,7 @@ class StagePool:
                 known.throughput = float(throughput)
                 self._refresh(known, peer)
             return
-        self._expire_bans()
-        top = self._top()
-        replica = _Replica(throughput=float(throughput))
-        if top is not None and top[0] < self._natural_key(replica):
-            replica.entry_key = 0.0
+        replica = _Replica(throughput=float(throughput), entry_key=0.0)
         self._replicas[peer] = replica
         self._refresh(replica, peer)
 

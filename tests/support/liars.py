@@ -58,9 +58,9 @@ def assert_caught_and_replayed_away(
 ) -> None:
     """`HOSTILE` lies as `poison` says on `plane`; its ban's message names `evidence`."""
     job, state, registry, liar_log, said = train_with_a_liar(tmp_path, caplog, plane, poison)
-    assert "answers wrong numbers" in liar_log  # it did lie
+    assert "answers wrong numbers" in liar_log  # armed to lie (the ban shows it was routed)
     assert_equal_to_local(job, state, tol=1e-9)
-    assert counted(registry, "swarm_coordinator_bans_total") == 1
+    assert counted(registry, "swarm_coordinator_bans_total") == 1, said
     assert counted(registry, "swarm_coordinator_rollbacks_total") >= 1
     banned = [m for m in said if "banned" in m and "caught it lying" in m]
     assert len(banned) == 1 and f"banned {HOSTILE} (stage 1)" in banned[0], banned
