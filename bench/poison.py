@@ -5,6 +5,7 @@ without audits measured in the same run.
     .venv/bin/python bench/poison.py [--quick] [--trials N] [--fraction F] [--honest-steps N]
                                      [--microbatches M] [--planes relay,push]
                                      [--only attacks|honest] [--attacks every,sparse,sent]
+                                     [--steps N]
 
 A float64 job of 4 stages x 3 replicas on the carry plane (real gRPC servers in this process),
 one hostile replica per stage (a `SWARM_FAULTS` hostile point, `swarm.ops.poison`: finite wrong
@@ -35,12 +36,15 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads: no idle-connection notes
 
+import torch  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from client.metrics import TrainerMetrics  # noqa: E402
@@ -62,6 +66,7 @@ HEADER = (
     f"{'attack (SWARM_FAULTS)':<26} {'trials':>6} {'liars':>6} {'caught<=10':>11} "
     f"{'analytic':>9} {'never':>6} {'mean to catch':>14} {'max':>5} {'vs local':>10}"
 )
+T = TypeVar("T", torch.Tensor, torch.Tensor | None)
 WITHIN = 10  # issue 55's target: each liar caught within 10 of its poisoned steps
 
 
@@ -105,6 +110,29 @@ audit_fraction = {fraction}
     return load_job(path)
 
 
+@dataclass(frozen=True)
+class Told(Poison):
+    """A hostile replica's lies (`Poison`), with the steps it told one at (a liar that has
+    nothing to lie about, as `poison-grad-inputs` at stage 0 which answers no input gradient,
+    tells none: it is no liar)."""
+
+    steps: set[int] = field(default_factory=set)
+
+    def outputs(self, step: int, tensor: torch.Tensor) -> torch.Tensor:
+        return self._told(step, super().outputs(step, tensor), tensor)
+
+    def sent(self, step: int, tensor: torch.Tensor) -> torch.Tensor | None:
+        return self._told(step, super().sent(step, tensor), None)
+
+    def grads(self, step: int, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return self._told(step, super().grads(step, tensor), tensor)
+
+    def _told(self, step: int, said: T, honest: T) -> T:
+        if said is not honest:
+            self.steps.add(step)
+        return said
+
+
 class Run:
     """One job on its own servers: trained until it ends, or every liar is banned, then closed."""
 
@@ -112,36 +140,40 @@ class Run:
         self.job = job
         self.servers: list[list[RunningStageServer]] = []
         self.metrics = TrainerMetrics(fingerprint(job), CollectorRegistry())
-        self.liars: list[str] = []  # the hostile replicas' peer ids, one per stage
+        self.hostile: dict[str, Told] = {}  # the hostile replicas (one per stage): their lies
         self.lied: dict[str, int] = {}  # liar -> poisoned steps committed while a member
         self.coordinator: LocalCoordinator | None = None
-        self.poison = Poison()
 
     def members(self) -> list[list[Replica]]:
         return [[Replica(s.address, s.address) for s in stage] for stage in self.servers]
 
     def _committed(self, record: StepRecord) -> None:
-        """A step committed: each liar still a member that lied at it lied unseen once more."""
+        """A step committed: each liar still a member that lied at it lied unseen once more
+        (a replay of the step after a rollback counts only if it lies there again)."""
         assert self.coordinator is not None
-        if not record.samples or not self.poison.faults:
-            return
-        lying = any(f.hostile_at(f.point, record.step) for f in self.poison.faults)
-        for liar in self.liars:
-            if lying and liar not in self.coordinator.bans.banned:
-                self.lied[liar] = self.lied.get(liar, 0) + 1
+        for peer, told in self.hostile.items():
+            if record.step in told.steps and peer not in self.coordinator.bans.banned:
+                self.lied[peer] = self.lied.get(peer, 0) + 1
+            told.steps.discard(record.step)
+
+    @property
+    def liars(self) -> list[str]:
+        """The hostile replicas that told a lie (committed, or caught at)."""
+        caught = self.coordinator.bans.caught_at if self.coordinator else {}
+        return [p for p in self.hostile if p in self.lied or p in caught]
 
     async def train(
         self, poison: str = "", *, until_banned: bool = False
     ) -> tuple[LocalCoordinator, float]:
-        self.poison = Poison.of(parse_faults(poison)) if poison else Poison()
         for k in range(STAGES):
             made = [
                 await start_stage_server(self.job, StageServerOptions(stage=k))
                 for _ in range(REPLICAS)
             ]
             if poison:
-                made[0].servicer.poison = self.poison
-                self.liars.append(made[0].address)
+                told = Told(Poison.of(parse_faults(poison)).faults)
+                made[0].servicer.poison = told
+                self.hostile[made[0].address] = told
             self.servers.append(made)
         coordinator = LocalCoordinator(
             self.job, fingerprint(self.job), self.members, on_step=self._committed
@@ -155,8 +187,10 @@ class Run:
         runs = [asyncio.create_task(t.run()) for t in trainers]
         done = asyncio.create_task(coordinator.finished.wait())
 
-        def all_banned() -> bool:
-            return until_banned and set(self.liars) <= coordinator.bans.banned.keys()
+        def all_banned() -> bool:  # every hostile replica that can lie (one per stage, less
+            # the one with nothing to lie about: stage 0's input gradient, the last's outputs)
+            can = STAGES - 1 if self.hostile else 0
+            return until_banned and len(coordinator.bans.banned.keys() & self.hostile.keys()) >= can
 
         try:
             while not done.done() and not all_banned():
@@ -306,9 +340,10 @@ if __name__ == "__main__":
     parser.add_argument(
         "--attacks", default="every,sparse,sent", help="every step, one in --period, sent"
     )
+    parser.add_argument("--steps", type=int, help="a trial job's steps (default: 12 periods)")
     args = parser.parse_args()
     if args.quick:
         args.trials, args.period, args.honest_steps = 3, 3, 20
     # a trial's job is long enough for each liar's 10 poisoned steps, and a margin
-    args.steps = args.period * 12 + 2
+    args.steps = args.steps or args.period * 12 + 2
     asyncio.run(main(args))
