@@ -12,15 +12,13 @@ one hostile replica per stage (a `SWARM_FAULTS` hostile point, `swarm.ops.poison
 activations or input gradients, every step or one step in `--period`), M microbatches a step
 (default 4). Each trial trains until every liar is banned (or the job's end) with `[trust]
 audit_fraction = F` (default: the job default); the first trial of each attack trains to the end
-and is compared with `swarm local` (the largest difference, float64; marked `*` where a ban
-came after the job's end, a straggler's audit, whose rollback undid what it trained). Each liar
-counts (a hostile replica that told a lie: stage 0 answers no input gradient, the last stage
-no outputs): caught within 10 of its poisoned steps or not (the steps it lied at that
-committed while it was a member, and the one it was caught at), and how many it took. Beside
-it, the analytic probability for a liar that answers its audits of others honestly (the
-bench's liars lie there too, and are caught as auditors as well): 1 - ((1 - c)(1 - F)^m)^10,
-m = M / 3 the microbatches it serves a step, c = F / (2 - F) the chance its contribution is
-audited (docs/jobs.md, "Trust").
+and is compared with `swarm local` (the largest difference, float64). Each liar counts (a
+hostile replica that told a lie: stage 0 answers no input gradient, the last stage no outputs):
+caught within 10 of its poisoned steps or not (the steps it lied at that committed while it was
+a member, and the one it was caught at), and how many it took. Beside it, the analytic
+probability for a liar that answers its audits of others honestly (the bench's liars lie there
+too, and are caught as auditors as well): 1 - ((1 - c)(1 - F)^m)^10, m = M / 3 the microbatches
+it serves a step, c = F / (2 - F) the chance its contribution is audited (docs/jobs.md, "Trust").
 Then an honest job trains `--honest-steps` steps with audits and without: false accusations,
 the audits' extra compute (re-executed stage computations over the training's own) and the
 wall-time ratio; a false accusation (a ban in the honest job) fails the run (exit status 1).
@@ -146,7 +144,6 @@ class Run:
         self.hostile: dict[str, Told] = {}  # the hostile replicas (one per stage): their lies
         self.lied: dict[str, int] = {}  # liar -> poisoned steps committed while a member
         self.coordinator: LocalCoordinator | None = None
-        self.bans_at_end: int | None = None  # the bans when the job ended
 
     def members(self) -> list[list[Replica]]:
         return [[Replica(s.address, s.address) for s in stage] for stage in self.servers]
@@ -155,8 +152,6 @@ class Run:
         """A step committed: each liar still a member that lied at it lied unseen once more
         (a replay of the step after a rollback counts only if it lies there again)."""
         assert self.coordinator is not None
-        if record.step >= self.job.training.steps:  # the final evaluation: the job's end
-            self.bans_at_end = len(self.coordinator.bans.banned)
         for peer, told in self.hostile.items():
             if record.step in told.steps and peer not in self.coordinator.bans.banned:
                 self.lied[peer] = self.lied.get(peer, 0) + 1
@@ -193,10 +188,11 @@ class Run:
         runs = [asyncio.create_task(t.run()) for t in trainers]
         done = asyncio.create_task(coordinator.finished.wait())
 
-        def all_banned() -> bool:  # every hostile replica that can lie (one per stage, less
-            # the one with nothing to lie about: stage 0's input gradient, the last's outputs)
-            can = STAGES - 1 if self.hostile else 0
-            return until_banned and len(coordinator.bans.banned.keys() & self.hostile.keys()) >= can
+        def all_banned() -> bool:
+            # every hostile replica but the one with nothing to lie about (stage 0's input
+            # gradient, the last stage's outputs)
+            banned = coordinator.bans.banned.keys() & self.hostile.keys()
+            return until_banned and bool(self.hostile) and len(banned) >= STAGES - 1
 
         try:
             while not done.done() and not all_banned():
@@ -242,7 +238,7 @@ async def attack(
     microbatches: int = 4,
 ) -> str:
     counts: list[int | None] = []
-    max_diff, late = float("nan"), ""
+    max_diff = float("nan")
     for trial in range(trials):
         job = job_file(directory, steps, fraction, f"poison{trial}", plane, microbatches)
         run = Run(job)
@@ -253,8 +249,6 @@ async def attack(
             if whole and coordinator.error is None and coordinator.finished.is_set():
                 state, reference = await gather_state(coordinator), train_local(job).state_dict()
                 max_diff = max(float((state[k] - reference[k]).abs().max()) for k in reference)
-                # a ban after the job's end (a straggler's audit) rolls back what it trained
-                late = "*" if len(coordinator.bans.banned) != run.bans_at_end else ""
         finally:
             await run.close(coordinator)
     caught = [n for n in counts if n is not None]
@@ -263,7 +257,7 @@ async def attack(
     return (
         f"{poison:<26} {trials:>6} {len(counts):>6} {within:>11.2f} "
         f"{analytic(fraction, microbatches):>9.2f} {len(counts) - len(caught):>6} {mean:>14.1f} "
-        f"{max(caught, default=0):>5} {max_diff:>10.1e}{late}"
+        f"{max(caught, default=0):>5} {max_diff:>10.1e}"
     )
 
 
