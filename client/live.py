@@ -231,8 +231,8 @@ def trust_lines(s: scheduler_pb2.JobStatus) -> list[str]:
     # the contributions' audit (carry plane, stages of three or more) spends as much again
     cost, also = (min(2 * fraction, 2.0), " and contributions") if carry else (fraction, "")
     line = (
-        f"audits   {fraction:.0%} of each stage's microbatches re-executed{also}: about "
-        f"+{cost:.0%} stage compute"
+        f"audits   {fraction * 100:.3g}% of each stage's microbatches re-executed{also}: about "
+        f"+{cost * 100:.3g}% stage compute"
         if fraction
         else "audits   none (audit_fraction = 0)"
     )
