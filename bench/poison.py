@@ -1,22 +1,31 @@
-"""Poison-proofing by re-execution (issue 55): how soon an audited job catches a replica that
+"""Poison-proofing by re-execution (issue 55): how soon an audited job catches each replica that
 lies, whether the replay leaves the honest run's model, and what the audits cost, against a run
 without audits measured in the same run.
 
     .venv/bin/python bench/poison.py [--quick] [--trials N] [--fraction F] [--honest-steps N]
-                                     [--planes relay,push] [--only attacks|honest]
+                                     [--microbatches M] [--planes relay,push]
+                                     [--only attacks|honest] [--attacks every,sparse,sent]
+                                     [--steps N]
 
 A float64 job of 4 stages x 3 replicas on the carry plane (real gRPC servers in this process),
 one hostile replica per stage (a `SWARM_FAULTS` hostile point, `swarm.ops.poison`: finite wrong
-activations or input gradients, every step or one step in `--period`). Each trial trains until
-the ban (or the job's end) with `[trust] audit_fraction = F` (default: the job default); the
-first trial of each attack trains to the end and is compared with `swarm local` (the largest
-difference, float64). Then an honest
-job trains `--honest-steps` steps with audits and without: false accusations, the audits' extra
-compute (re-executed stage computations over the training's own) and the wall-time ratio; a
-false accusation (a ban in the honest job) fails the run (exit status 1). `--only honest` runs the
-honest job alone (issue 55's 1,000 steps on the CPU), `--only attacks` the attacks alone.
-Each of `--planes` gets its table: the carry plane (`relay`) and the push plane (`push`, with one
-more attack: `poison-sent-outputs`, a replica that commits to its honest outputs and sends others).
+activations or input gradients, every step or one step in `--period`), M microbatches a step
+(default 4). Each trial trains until every liar is banned (or the job's end) with `[trust]
+audit_fraction = F` (default: the job default); the first trial of each attack trains to the end
+and is compared with `swarm local` (the largest difference, float64). Each liar counts (a
+hostile replica that told a lie: stage 0 answers no input gradient, the last stage no outputs):
+caught within 10 of its poisoned steps or not (the steps it lied at that committed while it was
+a member, and the one it was caught at), and how many it took. Beside it, the analytic
+probability for a liar that answers its audits of others honestly (the bench's liars lie there
+too, and are caught as auditors as well): 1 - ((1 - c)(1 - F)^m)^10, m = M / 3 the microbatches
+it serves a step, c = F / (2 - F) the chance its contribution is audited (docs/jobs.md, "Trust").
+Then an honest job trains `--honest-steps` steps with audits and without: false accusations,
+the audits' extra compute (re-executed stage computations over the training's own) and the
+wall-time ratio; a false accusation (a ban in the honest job) fails the run (exit status 1).
+`--only honest` runs the honest job alone (issue 55's 1,000 steps on the CPU), `--only attacks`
+the attacks alone. Each of `--planes` gets its table: the carry plane (`relay`) and the push plane
+(`push`, with one more attack: `poison-sent-outputs`, a replica that commits to its honest
+outputs and sends others).
 """
 
 from __future__ import annotations
@@ -28,17 +37,21 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads: no idle-connection notes
 
+import torch  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from client.metrics import TrainerMetrics  # noqa: E402
 from client.trainer import PipelineTrainer  # noqa: E402
 from scheduler.coordinator import LocalCoordinator, gather_state  # noqa: E402
+from scheduler.coordinator.contributions import drawn_share  # noqa: E402
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server  # noqa: E402
 from swarm.job.config import JobConfig, load_job  # noqa: E402
 from swarm.job.fingerprint import fingerprint  # noqa: E402
@@ -46,17 +59,25 @@ from swarm.job.schema import TrustConfig  # noqa: E402
 from swarm.model.reference import train_local  # noqa: E402
 from swarm.ops.faults import parse_faults  # noqa: E402
 from swarm.ops.poison import Poison  # noqa: E402
+from swarm.ops.progress import StepRecord  # noqa: E402
 from swarm.rpc.lease import Replica  # noqa: E402
 
 STAGES, REPLICAS = 4, 3
 HEADER = (
-    f"{'attack (SWARM_FAULTS)':<26} {'trials':>6} {'caught<=10':>12} {'mean to catch':>14} "
-    f"{'max':>10} {'vs local':>12}"
+    f"{'attack (SWARM_FAULTS)':<26} {'trials':>6} {'liars':>6} {'caught<=10':>11} "
+    f"{'analytic':>9} {'never':>6} {'mean to catch':>14} {'max':>5} {'vs local':>10}"
 )
+T = TypeVar("T", torch.Tensor, torch.Tensor | None)
+WITHIN = 10  # issue 55's target: each liar caught within 10 of its poisoned steps
 
 
 def job_file(
-    directory: Path, steps: int, fraction: float, name: str, plane: str = "relay"
+    directory: Path,
+    steps: int,
+    fraction: float,
+    name: str,
+    plane: str = "relay",
+    microbatches: int = 4,
 ) -> JobConfig:
     path = directory / f"{name}.toml"
     path.write_text(f"""name = "{name}"
@@ -72,7 +93,7 @@ kind = "synthetic"
 [training]
 stages = {STAGES}
 microbatch_size = 4
-target_batch_size = 16
+target_batch_size = {4 * microbatches}
 steps = {steps}
 seed = 0
 dtype = "float64"
@@ -90,19 +111,60 @@ audit_fraction = {fraction}
     return load_job(path)
 
 
+@dataclass(frozen=True)
+class Told(Poison):
+    """A hostile replica's lies (`Poison`), with the steps it told one at (a liar that has
+    nothing to lie about, as `poison-grad-inputs` at stage 0 which answers no input gradient,
+    tells none: it is no liar)."""
+
+    steps: set[int] = field(default_factory=set)
+
+    def outputs(self, step: int, tensor: torch.Tensor) -> torch.Tensor:
+        return self._told(step, super().outputs(step, tensor), tensor)
+
+    def sent(self, step: int, tensor: torch.Tensor) -> torch.Tensor | None:
+        return self._told(step, super().sent(step, tensor), None)
+
+    def grads(self, step: int, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return self._told(step, super().grads(step, tensor), tensor)
+
+    def _told(self, step: int, said: T, honest: T) -> T:
+        if said is not honest:
+            self.steps.add(step)
+        return said
+
+
 class Run:
-    """One job on its own servers: trained until it ends, or `until_ban`, then closed."""
+    """One job on its own servers: trained until it ends, or every liar is banned, then closed."""
 
     def __init__(self, job: JobConfig) -> None:
         self.job = job
         self.servers: list[list[RunningStageServer]] = []
         self.metrics = TrainerMetrics(fingerprint(job), CollectorRegistry())
+        self.hostile: dict[str, Told] = {}  # the hostile replicas (one per stage): their lies
+        self.lied: dict[str, int] = {}  # liar -> poisoned steps committed while a member
+        self.coordinator: LocalCoordinator | None = None
 
     def members(self) -> list[list[Replica]]:
         return [[Replica(s.address, s.address) for s in stage] for stage in self.servers]
 
+    def _committed(self, record: StepRecord) -> None:
+        """A step committed: each liar still a member that lied at it lied unseen once more
+        (a replay of the step after a rollback counts only if it lies there again)."""
+        assert self.coordinator is not None
+        for peer, told in self.hostile.items():
+            if record.step in told.steps and peer not in self.coordinator.bans.banned:
+                self.lied[peer] = self.lied.get(peer, 0) + 1
+            told.steps.discard(record.step)
+
+    @property
+    def liars(self) -> list[str]:
+        """The hostile replicas that told a lie (committed, or caught at)."""
+        caught = self.coordinator.bans.caught_at if self.coordinator else {}
+        return [p for p in self.hostile if p in self.lied or p in caught]
+
     async def train(
-        self, poison: str = "", *, until_ban: bool = False
+        self, poison: str = "", *, until_banned: bool = False
     ) -> tuple[LocalCoordinator, float]:
         for k in range(STAGES):
             made = [
@@ -110,9 +172,14 @@ class Run:
                 for _ in range(REPLICAS)
             ]
             if poison:
-                made[0].servicer.poison = Poison.of(parse_faults(poison))
+                told = Told(Poison.of(parse_faults(poison)).faults)
+                made[0].servicer.poison = told
+                self.hostile[made[0].address] = told
             self.servers.append(made)
-        coordinator = LocalCoordinator(self.job, fingerprint(self.job), self.members)
+        coordinator = LocalCoordinator(
+            self.job, fingerprint(self.job), self.members, on_step=self._committed
+        )
+        self.coordinator = coordinator
         trainers = [
             PipelineTrainer(self.job, coordinator, metrics=self.metrics, seed=i) for i in range(2)
         ]
@@ -120,8 +187,15 @@ class Run:
         await coordinator.start()
         runs = [asyncio.create_task(t.run()) for t in trainers]
         done = asyncio.create_task(coordinator.finished.wait())
+
+        def all_banned() -> bool:
+            # every hostile replica but the one with nothing to lie about (stage 0's input
+            # gradient, the last stage's outputs)
+            banned = coordinator.bans.banned.keys() & self.hostile.keys()
+            return until_banned and bool(self.hostile) and len(banned) >= STAGES - 1
+
         try:
-            while not done.done() and not (until_ban and coordinator.bans.banned):
+            while not done.done() and not all_banned():
                 await asyncio.wait([done], timeout=0.05)
             seconds = time.perf_counter() - started
         finally:
@@ -132,6 +206,13 @@ class Run:
                 await t.close()
         return coordinator, seconds
 
+    def to_catch(self) -> dict[str, int | None]:
+        """Each liar's poisoned steps until its ban (the one it was caught at included); None:
+        never caught."""
+        assert self.coordinator is not None
+        caught = self.coordinator.bans.caught_at
+        return {liar: self.lied.get(liar, 0) + 1 if liar in caught else None for liar in self.liars}
+
     async def close(self, coordinator: LocalCoordinator) -> None:
         await coordinator.close()
         for stage in self.servers:
@@ -139,43 +220,53 @@ class Run:
                 await s.stop()
 
 
-def poisoned_steps(poison: str, through: int) -> int:
-    """How many of steps 0..through the hostile replicas lied at."""
-    lies = Poison.of(parse_faults(poison)).faults
-    return sum(1 for s in range(through + 1) if any(f.hostile_at(f.point, s) for f in lies))
+def analytic(fraction: float, microbatches: int, within: int = WITHIN) -> float:
+    """The probability a liar serving a third of a stage's `microbatches` a step, honest when
+    it audits others, is caught within `within` poisoned steps: each of its microbatches is
+    drawn with probability `fraction`, and its contribution (all of them) with `drawn_share`."""
+    m, c = microbatches / REPLICAS, drawn_share(fraction)
+    return 1 - ((1 - c) * (1 - fraction) ** m) ** within
 
 
 async def attack(
-    directory: Path, poison: str, trials: int, steps: int, fraction: float, plane: str = "relay"
+    directory: Path,
+    poison: str,
+    trials: int,
+    steps: int,
+    fraction: float,
+    plane: str = "relay",
+    microbatches: int = 4,
 ) -> str:
-    caught, to_catch, max_diff = 0, [], float("nan")
+    counts: list[int | None] = []
+    max_diff = float("nan")
     for trial in range(trials):
-        job = job_file(directory, steps, fraction, f"poison{trial}", plane)
+        job = job_file(directory, steps, fraction, f"poison{trial}", plane, microbatches)
         run = Run(job)
         whole = trial == 0  # trained to the end and compared with `swarm local`
-        coordinator, _ = await run.train(poison, until_ban=not whole)
+        coordinator, _ = await run.train(poison, until_banned=not whole)
         try:
-            if coordinator.bans.caught_at:
-                step = min(coordinator.bans.caught_at.values())
-                n = poisoned_steps(poison, step)
-                caught += n <= 10
-                to_catch.append(n)
+            counts += run.to_catch().values()
             if whole and coordinator.error is None and coordinator.finished.is_set():
                 state, reference = await gather_state(coordinator), train_local(job).state_dict()
                 max_diff = max(float((state[k] - reference[k]).abs().max()) for k in reference)
         finally:
             await run.close(coordinator)
-    mean = sum(to_catch) / len(to_catch) if to_catch else float("nan")
+    caught = [n for n in counts if n is not None]
+    mean = sum(caught) / len(caught) if caught else float("nan")
+    within = sum(n <= WITHIN for n in caught) / max(1, len(counts))
     return (
-        f"{poison:<26} {trials:>6} {caught / trials:>12.2f} {mean:>14.1f} "
-        f"{max(to_catch, default=0):>10} {max_diff:>12.2e}"
+        f"{poison:<26} {trials:>6} {len(counts):>6} {within:>11.2f} "
+        f"{analytic(fraction, microbatches):>9.2f} {len(counts) - len(caught):>6} {mean:>14.1f} "
+        f"{max(caught, default=0):>5} {max_diff:>10.1e}"
     )
 
 
-async def honest(directory: Path, steps: int, fraction: float, plane: str = "relay") -> str:
+async def honest(
+    directory: Path, steps: int, fraction: float, plane: str = "relay", microbatches: int = 4
+) -> str:
     timings, share, accused, difference = {}, 0.0, 0, 0.0
     for f in (0.0, fraction):  # the same job, without audits and with
-        run = Run(job_file(directory, steps, f, f"honest{int(f * 100)}", plane))
+        run = Run(job_file(directory, steps, f, f"honest{int(f * 100)}", plane, microbatches))
         coordinator, seconds = await run.train()
         try:
             assert coordinator.error is None and coordinator.finished.is_set(), coordinator.error
@@ -202,25 +293,40 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         for plane in args.planes.split(","):
-            print(f"{plane} plane: 4 stages x 3 replicas, audit_fraction {args.fraction}")
+            print(
+                f"{plane} plane: 4 stages x 3 replicas, {args.microbatches} microbatches a step, "
+                f"audit_fraction {args.fraction}"
+            )
             if args.only != "honest":
                 print("one hostile replica per stage")
                 print(HEADER)
-                poisons = [
-                    "poison-outputs@0",
-                    "poison-grad-inputs@0",
-                    f"poison-outputs@1/{args.period}",
-                    f"poison-grad-inputs@1/{args.period}",
-                ]
-                if plane == "push":  # says one thing, sends another: only the push plane can
+                kinds = args.attacks.split(",")
+                poisons = []
+                if "every" in kinds:
+                    poisons += ["poison-outputs@0", "poison-grad-inputs@0"]
+                if "sparse" in kinds:
+                    poisons += [
+                        f"poison-outputs@1/{args.period}",
+                        f"poison-grad-inputs@1/{args.period}",
+                    ]
+                if plane == "push" and "sent" in kinds:  # says one thing, sends another
                     poisons += ["poison-sent-outputs@0", f"poison-sent-outputs@1/{args.period}"]
                 for poison in poisons:
                     line = await attack(
-                        directory, poison, args.trials, args.steps, args.fraction, plane
+                        directory,
+                        poison,
+                        args.trials,
+                        args.steps,
+                        args.fraction,
+                        plane,
+                        args.microbatches,
                     )
                     print(line, flush=True)
             if args.only != "attacks":
-                print(await honest(directory, args.honest_steps, args.fraction, plane), flush=True)
+                line = await honest(
+                    directory, args.honest_steps, args.fraction, plane, args.microbatches
+                )
+                print(line, flush=True)
 
 
 if __name__ == "__main__":
@@ -230,11 +336,16 @@ if __name__ == "__main__":
     parser.add_argument("--fraction", type=float, default=TrustConfig().audit_fraction)
     parser.add_argument("--period", type=int, default=20, help="the sparse attack's period")
     parser.add_argument("--honest-steps", type=int, default=1000)
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches a step")
     parser.add_argument("--planes", default="relay,push", help="the data planes, in order")
     parser.add_argument("--only", choices=("attacks", "honest"), help="one half of the bench")
+    parser.add_argument(
+        "--attacks", default="every,sparse,sent", help="every step, one in --period, sent"
+    )
+    parser.add_argument("--steps", type=int, help="a trial job's steps (default: 12 periods)")
     args = parser.parse_args()
     if args.quick:
         args.trials, args.period, args.honest_steps = 3, 3, 20
-    # a trial's job is long enough for 10 poisoned steps and a margin
-    args.steps = args.period * 12 + 2
+    # a trial's job is long enough for each liar's 10 poisoned steps, and a margin
+    args.steps = args.steps or args.period * 12 + 2
     asyncio.run(main(args))

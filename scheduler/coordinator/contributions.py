@@ -3,8 +3,10 @@ docs/decisions.md, "The parameter-gradient audit"): what it added into its gradi
 no trainer sees, held to its microbatches re-executed by others of its stage.
 
 - **Drawn per step**, once per step's ledger (a rollback's replay draws anew): each replica of
-  a stage of three or more with probability `[trust] audit_fraction`, from the operating
-  system's randomness, with a seed q of its own. The trainers learn them with their tasks
+  a stage of three or more with probability `drawn_share(audit_fraction)` (about half of
+  `[trust] audit_fraction`, all at 1: each of its microbatches runs twice more, so the
+  contributions' audit costs what the answers' audit does), from the operating system's
+  randomness, with a seed q of its own. The trainers learn them with their tasks
   (`Task.audits`); an audited replica never learns its own.
 - **Its contribution, without a word from it**: every other member of its round is sent q with
   its PREPARE and reports, for every part k, q·x_ik of what it sent and q·S_k of the sum it took
@@ -39,15 +41,26 @@ from swarm.job.rule import rule_of
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import ContributionAudit, GradientDigest, MicrobatchResult, Replica, Task
 
-__all__ = ["Contributions"]
+__all__ = ["Contributions", "drawn_share"]
 
 log = logging.getLogger(__name__)
 
 _EPS64 = 2.0**-53
 
 
+def drawn_share(fraction: float) -> float:
+    """The probability a replica's contribution is audited at a step, for a job's
+    `audit_fraction` f: f / (2 - f). An audited replica's microbatches run twice more (two
+    auditors), the others' are drawn for the answers' audit with probability f, so a
+    microbatch-stage is re-executed 2c + f(1 - c) = 2f times on average: the two audits spend
+    alike, and the whole costs twice `audit_fraction` (docs/jobs.md, "Trust"). At 1, everything,
+    as before."""
+    return fraction / (2.0 - fraction) if fraction > 0 else 0.0
+
+
 class Contributions:
     def __init__(self, fraction: float, rng: random.Random | None = None) -> None:
+        """`fraction`: the probability each replica is audited at a step (`drawn_share`)."""
         self.fraction = fraction
         self.rng = rng or random.SystemRandom()  # unpredictable to every replica
         # step -> (the ledger it was drawn for, its audits)
@@ -61,7 +74,7 @@ class Contributions:
         steps' (`[trust] audit_fraction`); off otherwise."""
         if job is None or job.runtime.data_plane != "relay" or rule_of(job).rounds:
             return cls(0.0)
-        return cls(job.trust.audit_fraction)
+        return cls(drawn_share(job.trust.audit_fraction))
 
     def tasks(
         self, ledger: StepLedger, tasks: list[Task], members: Sequence[Sequence[Replica]]

@@ -29,9 +29,10 @@ class TrustConfig(Section):
     `--tls-mutual`, say), where "off" saves the check."""
 
     section: ClassVar[str] = "trust"
-    #: share of the microbatches each stage re-executes on another replica and compares (carry
-    #: plane; fraction, 0: off): the audit of stage compute, `client.data_plane.audit`
-    audit_fraction: float = _f(0.1, (lambda v: 0 <= v <= 1, "in [0, 1]"))
+    #: share of the microbatches each stage re-executes on another replica and compares (either
+    #: plane; fraction, 0: off): the audit of stage compute, `client.data_plane.audit`; with the
+    #: audit of contributions it costs about twice this (docs/jobs.md, "Trust": why 0.045)
+    audit_fraction: float = _f(0.045, (lambda v: 0 <= v <= 1, "in [0, 1]"))
     clip: Literal["off", "norm_bound"] = "norm_bound"  #: how contributions are compared
     #: the most a replica's contribution per microbatch may be, in medians of the others' (ratio)
     norm_bound: float = _f(8.0, GE1)

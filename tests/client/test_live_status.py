@@ -244,11 +244,17 @@ def test_status_says_what_audits_cost_and_whom_they_banned() -> None:
     carry = '[runtime]\ndata_plane = "relay"\n[trust]\naudit_fraction = 0.25\n'
     s = spb.JobStatus(job="j", spec=carry)
     assert trust_lines(s) == [
-        "audits   25% of each stage's microbatches re-executed: about +25% stage compute"
+        "audits   25% of each stage's microbatches re-executed and contributions: about +50% "
+        "stage compute"
     ]
     s.events.append(spb.JobEvent(kind="ban", text="banned s1r0 (stage 1): an audit caught it"))
     assert trust_lines(s)[0].endswith("; banned for lying: s1r0")
-    assert trust_lines(spb.JobStatus(job="j", spec="")) == []  # push (the default): none
+    # the push plane (the default) audits answers, not contributions
+    assert trust_lines(spb.JobStatus(job="j", spec="")) == [
+        "audits   4.5% of each stage's microbatches re-executed: about +4.5% stage compute"
+    ]
+    off = spb.JobStatus(job="j", spec="[trust]\naudit_fraction = 0\n")
+    assert trust_lines(off) == []
 
 
 def test_status_shows_what_each_replica_holds_and_the_window_trainers_take_from_it() -> None:

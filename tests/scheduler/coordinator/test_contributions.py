@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import torch
 
-from scheduler.coordinator.contributions import Contributions
+from scheduler.coordinator.contributions import Contributions, drawn_share
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.sum_checks import Checksums
 from stage_server.averaging.checksum import AuditedChecks, dots, weights
@@ -119,3 +119,23 @@ def test_the_audited_never_learn_their_own_seed_and_the_trainers_learn_all() -> 
     two = Contributions(1.0, random.Random(1))
     two.tasks(cast(StepLedger, _Ledger()), [], [[Replica("a", "a"), Replica("b", "b")]])
     assert two._audits(5, 0) == []
+
+
+def test_the_contributions_audit_spends_what_the_answers_audit_does() -> None:
+    """Drawn with probability f / (2 - f): an audited replica's microbatches run twice, the
+    others' once with probability f, so a microbatch-stage runs 2f times more on average (the
+    whole audit twice `audit_fraction`, half each); at 1 every contribution, at 0 none."""
+    assert drawn_share(1.0) == 1.0 and drawn_share(0.0) == 0.0
+    for f in (0.01, 0.05, 0.1, 0.5):
+        c = drawn_share(f)
+        assert abs(2 * c + f * (1 - c) - 2 * f) < 1e-12
+    contributions = Contributions(drawn_share(0.05), random.Random(3))
+    members = [[Replica(p, p) for p in PEERS]]
+    drawn = 0
+    for step in range(4000):
+        ledger = _Ledger()
+        ledger.step = step
+        contributions.tasks(cast(StepLedger, ledger), [], members)
+        drawn += len(contributions._audits(step, 0))
+    # 12,000 draws at 0.0256: 308 expected, sd 17
+    assert 230 < drawn < 390, drawn
