@@ -44,7 +44,11 @@ SCHEDULER = f"{HUB}:7700"
 BROKER = f"mqtt://{HUB}:1883"
 TOKEN = "nat-serving-token"
 STEPS = 6
-WAIT_S = 60.0  # without a relay: watched this long after the job's submission (it failed in 20)
+WAIT_S = 60.0  # without a relay: watched at most this long after the job's submission
+# Without a relay, what the job's status says once placement has left the NAT'd server out (the
+# watch ends there): the old code never said it, assigned the server a stage at once (which
+# `seen` shows) and failed 20 s after the submission.
+LEFT_OUT = "not placed, UNREACHABLE: home0"
 FAILED_THAT_WAY = "is at step"  # `no replica of stages [1] is at step 0`
 
 
@@ -66,7 +70,8 @@ def _on_hub(lab: netns.Network, work: Path, argv: list[str]) -> str:
     return namespaces.run_on(lab, "hub", argv, _env(work, "client"))
 
 
-# The job's status, polled until it ends (argv: scheduler, job): what `swarm status --json` prints.
+# The job's status, polled until it ends or its message says argv[3] when given (argv: scheduler,
+# job[, said]): what `swarm status --json` prints.
 _WATCH = """
 import asyncio, json, os, sys
 from google.protobuf import json_format
@@ -80,6 +85,8 @@ async def main():
             )
             print(json.dumps(doc), flush=True)
             if doc["state"] in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED"):
+                return
+            if len(sys.argv) > 3 and sys.argv[3] in doc.get("message", ""):
                 return
             await asyncio.sleep(0.2)
 asyncio.run(main())
@@ -180,7 +187,7 @@ def test_a_stage_server_behind_nat(
             start("away", "trainer", "trainer", "--scheduler", SCHEDULER, "--job", job_id)
         # the job's status 5 times a second (a `swarm status` takes a second to start, and the
         # relayed job trains in less), one JSON line each in the watcher's log
-        watch = [sys.executable, "-c", _WATCH, SCHEDULER, job_id]
+        watch = [sys.executable, "-c", _WATCH, SCHEDULER, job_id, *([] if relay else [LEFT_OUT])]
         watcher = lab.start("hub", "watcher", watch, tmp_path, _env(tmp_path, "watcher"), ROOT)
         procs.append(watcher)
         end = time.monotonic() + (360 if relay else WAIT_S)
@@ -225,6 +232,8 @@ def test_a_stage_server_behind_nat(
         assert report.reachability == control_pb2.REACHABILITY_UNREACHABLE, report
         # the flag that fixes it: a relay somewhere reachable
         assert "--relay" in report.remedy or "swarm relay" in report.remedy, report
+        # the job's status says so: it waits, with the server left out, named, and why
+        assert LEFT_OUT in now["message"] and "waiting for peers" in now["message"], story
         assert re.search(r"(un|not )reachable", logs["home0"]), story
         # never given a stage: the job waits for a peer that can serve it
         assert "home0" not in seen, story
