@@ -181,7 +181,7 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
     """(c): one stage server per stage on the device, the standalone trainer in this process."""
     from client.standalone import train_standalone
     from swarm.job.config import load_job
-    from swarm.local.procs import SwarmProcess, start_process
+    from swarm.local.procs import SwarmProcess, start_process, stop_all
     from swarm.ops.devices import read_evictions
     from swarm.ops.progress import StepRecord
     from swarm.rpc.lease import Replica
@@ -208,8 +208,7 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
         asyncio.run(train_standalone(job, pool, on_step=on_step))
         used = busy.stop()
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)  # SIGTERM to each before waiting for any: their shutdowns overlap
     evictions = [read_evictions(s.log()) for s in servers]
     return {
         "losses": [r.loss for r in records],
