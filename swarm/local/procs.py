@@ -216,10 +216,12 @@ class LocalSwarm:
     ) -> list[SwarmProcess]:
         """One stage server per throttle, all started before any is waited for: each one's
         start (an interpreter, torch's import, its servers, the broker) is its own, and five
-        started one after another took five starts' time."""
+        started one after another took five starts' time. Started together they share the
+        machine, so the wait is `timeout` per peer for all of them, as it was one by one."""
         started = [self._start_peer(throttle, threads, extra) for throttle in throttles]
+        deadline = time.monotonic() + timeout * len(started)
         for peer in started:
-            peer.wait_ready(timeout)
+            peer.wait_ready(max(deadline - time.monotonic(), 0.1))
         return started
 
     def _start_peer(self, throttle: float, threads: int, extra: list[str] | None) -> SwarmProcess:
