@@ -338,6 +338,8 @@ class Check:
             return
         log = self.work / f"{re.sub(r'[^A-Za-z0-9]+', '-', part.name)}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **part.env}
+        if self.args.quick and not self.cuda:  # CI: stage servers forked (bench/forked_servers.py)
+            env["GPU_CHECK_FORKED"] = "1"
         started = time.monotonic()
         with open(log, "w+", encoding="utf-8", errors="replace") as f:
             try:

@@ -49,6 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import forked_servers  # noqa: E402
 from bench.gpu_check import BF16_PEAK_TFLOPS  # noqa: E402
 from bench.llama_1b import JOB, TINY, set_keys  # noqa: E402
 from bench.mps import MpsUnavailable, mps_daemon, mps_unavailable  # noqa: E402
@@ -432,6 +433,7 @@ def main() -> int:
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    forked_servers.use_if_asked()
     args.device = args.device or ("cpu" if args.cpu_tiny else "cuda:0")
     if args.precision is None:
         args.precision = "bf16-mixed" if args.device.startswith("cuda") else "fp32"
