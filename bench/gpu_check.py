@@ -338,6 +338,8 @@ class Check:
             return
         log = self.work / f"{re.sub(r'[^A-Za-z0-9]+', '-', part.name)}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **part.env}
+        if self.args.quick and not self.cuda:  # CI: stage servers forked (bench/forked_servers.py)
+            env["GPU_CHECK_FORKED"] = "1"
         started = time.monotonic()
         with open(log, "w+", encoding="utf-8", errors="replace") as f:
             try:
@@ -399,12 +401,16 @@ class Check:
         )
         print(self.header, flush=True)
         self.save()
-        first, rest = self.parts[0], self.parts[1:]
-        self.run_part(first, deadline)  # its GPU name picks the MFU peak
-        self._show(first)
+        # The first part runs alone: its GPU name picks the MFU peak of the parts after it.
+        # --quick figures no MFU (tiny sizes): every part starts at once, the first too.
+        first = [] if self.args.quick else self.parts[:1]
+        for part in first:
+            self.run_part(part, deadline)
+            self._show(part)
+        rest = self.parts[len(first) :]
         # On a CPU (CI) the parts share the machine and run side by side; on a GPU one at a time,
         # so that each one's tokens/s and memory are its own.
-        with ThreadPoolExecutor(max_workers=len(rest) if self.args.quick else 1) as pool:
+        with ThreadPoolExecutor(max_workers=max(len(rest), 1) if self.args.quick else 1) as pool:
             for part, _ in [(p, pool.submit(self.run_part, p, deadline)) for p in rest]:
                 _.result()
                 self._show(part)

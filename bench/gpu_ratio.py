@@ -49,6 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import forked_servers  # noqa: E402
 from bench.gpu_check import BF16_PEAK_TFLOPS  # noqa: E402
 from bench.llama_1b import JOB, TINY, set_keys  # noqa: E402
 from bench.mps import MpsUnavailable, mps_daemon, mps_unavailable  # noqa: E402
@@ -181,7 +182,7 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
     """(c): one stage server per stage on the device, the standalone trainer in this process."""
     from client.standalone import train_standalone
     from swarm.job.config import load_job
-    from swarm.local.procs import SwarmProcess, start_process
+    from swarm.local.procs import SwarmProcess, start_process, stop_all
     from swarm.ops.devices import read_evictions
     from swarm.ops.progress import StepRecord
     from swarm.rpc.lease import Replica
@@ -208,8 +209,7 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
         asyncio.run(train_standalone(job, pool, on_step=on_step))
         used = busy.stop()
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)  # SIGTERM to each before waiting for any: their shutdowns overlap
     evictions = [read_evictions(s.log()) for s in servers]
     return {
         "losses": [r.loss for r in records],
@@ -433,6 +433,7 @@ def main() -> int:
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    forked_servers.use_if_asked()
     args.device = args.device or ("cpu" if args.cpu_tiny else "cuda:0")
     if args.precision is None:
         args.precision = "bf16-mixed" if args.device.startswith("cuda") else "fp32"

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import forked_servers  # noqa: E402
 from bench.bulk import peak_rss  # noqa: E402
 from client.standalone import train_standalone  # noqa: E402
 from swarm.job.config import load_job  # noqa: E402
@@ -131,6 +132,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny model (CI on a CPU)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the training")
     args = parser.parse_args()
+    forked_servers.use_if_asked()
     work = Path(tempfile.mkdtemp(prefix=f"swarm-gpu-train-{args.precision}-"))
     shape = QUICK if args.quick else FULL
     microbatch, batch = (2, 8) if args.quick else (8, 32)

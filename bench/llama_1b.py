@@ -35,11 +35,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import forked_servers  # noqa: E402
 from bench.bulk import GiB, peak_rss  # noqa: E402
 from bench.gpu_train_check import device_peak  # noqa: E402
 from client.standalone import train_standalone  # noqa: E402
 from swarm.job.config import load_job  # noqa: E402
-from swarm.local.procs import SwarmProcess, start_process  # noqa: E402
+from swarm.local.procs import SwarmProcess, start_process, stop_all  # noqa: E402
 from swarm.model import checkpoint  # noqa: E402
 from swarm.model.transformer import stage_layout  # noqa: E402
 from swarm.ops.progress import StepRecord  # noqa: E402
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=None, help="0: no checkpoints")
     parser.add_argument("--tiny", action="store_true", help="a small model of the same kind")
     args = parser.parse_args()
+    forked_servers.use_if_asked()
     work = Path(tempfile.mkdtemp(prefix="swarm-llama-1b-", dir=args.dir))
     ckpt = work / "checkpoints"
     text = JOB.read_text().replace(
@@ -155,8 +157,7 @@ def main() -> None:
     finally:
         if watch is not None:
             watch.stop()
-        for s in servers:
-            s.stop()
+        stop_all(servers)  # SIGTERM to each before waiting for any: their shutdowns overlap
     device_peaks = [device_peak(s) for s in servers]  # logged as each stopped; None off CUDA
     written = checkpoint.sealed(ckpt)
     files = sorted(ckpt.glob("step-*/stage-*"))

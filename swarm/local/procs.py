@@ -205,6 +205,26 @@ class LocalSwarm:
         timeout: float = 120.0,
         extra: list[str] | None = None,
     ) -> SwarmProcess:
+        return self.add_peers([throttle], threads, timeout, extra)[0]
+
+    def add_peers(
+        self,
+        throttles: list[float],
+        threads: int = 1,
+        timeout: float = 120.0,
+        extra: list[str] | None = None,
+    ) -> list[SwarmProcess]:
+        """One stage server per throttle, all started before any is waited for: each one's
+        start (an interpreter, torch's import, its servers, the broker) is its own, and five
+        started one after another took five starts' time. Started together they share the
+        machine, so the wait is `timeout` per peer for all of them, as it was one by one."""
+        started = [self._start_peer(throttle, threads, extra) for throttle in throttles]
+        deadline = time.monotonic() + timeout * len(started)
+        for peer in started:
+            peer.wait_ready(max(deadline - time.monotonic(), 0.1))
+        return started
+
+    def _start_peer(self, throttle: float, threads: int, extra: list[str] | None) -> SwarmProcess:
         n = len(self.peers)
         peer = start_process(
             [
@@ -228,7 +248,6 @@ class LocalSwarm:
             env=self.env,
         )
         self.peers.append(peer)
-        peer.wait_ready(timeout)
         return peer
 
     def restart_scheduler(self, args: list[str], timeout: float = 60.0) -> SwarmProcess:
@@ -286,8 +305,7 @@ def start_local_swarm(
     swarm = LocalSwarm(scheduler, [], log_dir, env)
     try:
         scheduler.wait_ready(timeout)
-        for throttle in throttles:
-            swarm.add_peer(throttle, threads, timeout)
+        swarm.add_peers(list(throttles), threads, timeout)
     except BaseException:
         swarm.stop()
         raise

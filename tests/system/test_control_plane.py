@@ -3,6 +3,7 @@ the embedded broker and over Mosquitto."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from client.sdk import ClientError, SchedulerClient
 from swarm.job.config import load_job
 from swarm.local.procs import LocalSwarm, start_local_swarm, start_process
 from tests.support.brokers import Mosquitto
@@ -75,11 +77,18 @@ def test_submit_wait_export_equals_local(
 
 
 def _wait_step(sw: LocalSwarm, job_id: str, at_least: int, timeout: float = 120) -> int:
+    # Asked in this process: a `swarm status` process each look (every 0.3 s) started an
+    # interpreter each time, CPU the peers' training waited for on a small machine. The CLI's
+    # `status` is still run by the tests that read what it prints.
+    async def get() -> int:
+        async with SchedulerClient(sw.address, timeout_s=30) as client:
+            return int((await client.get(job_id)).step)
+
     def step() -> int | None:
-        status = swarm("status", job_id, "--json", "--scheduler", sw.address, check=False)
-        if status.returncode != 0:
+        try:
+            step = asyncio.run(get())
+        except ClientError:  # not answered now (a scheduler restarting, say)
             return None
-        step = int(json.loads(status.stdout).get("step", 0))
         return step if step >= at_least else None
 
     what = f"job {job_id} at step {at_least}"

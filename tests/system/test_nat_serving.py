@@ -44,7 +44,12 @@ SCHEDULER = f"{HUB}:7700"
 BROKER = f"mqtt://{HUB}:1883"
 TOKEN = "nat-serving-token"
 STEPS = 6
-WAIT_S = 60.0  # without a relay: watched this long after the job's submission (it failed in 20)
+WAIT_S = 60.0  # without a relay: watched at most this long after the job's submission
+# Without a relay the watch ends once the job's status has said that placement left the NAT'd
+# server out and the job has been watched past the old failure's time: the old code never said
+# it, assigned the server a stage at once (which `seen` shows) and failed 20 s after submission.
+LEFT_OUT = "not placed, UNREACHABLE: home0"
+FAILED_AFTER_S = 25.0
 FAILED_THAT_WAY = "is at step"  # `no replica of stages [1] is at step 0`
 
 
@@ -66,12 +71,15 @@ def _on_hub(lab: netns.Network, work: Path, argv: list[str]) -> str:
     return namespaces.run_on(lab, "hub", argv, _env(work, "client"))
 
 
-# The job's status, polled until it ends (argv: scheduler, job): what `swarm status --json` prints.
+# The job's status, polled until it ends, or, when given, until its message says argv[3] after
+# argv[4] seconds of watching (argv: scheduler, job[, said, seconds]): what `swarm status --json`
+# prints.
 _WATCH = """
-import asyncio, json, os, sys
+import asyncio, json, os, sys, time
 from google.protobuf import json_format
 from client.sdk import SchedulerClient
 async def main():
+    start = time.monotonic()
     async with SchedulerClient(sys.argv[1], token=os.environ["SWARM_TOKEN"]) as client:
         while True:
             status = await client.get(sys.argv[2])
@@ -81,6 +89,9 @@ async def main():
             print(json.dumps(doc), flush=True)
             if doc["state"] in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED"):
                 return
+            if len(sys.argv) > 3 and sys.argv[3] in doc.get("message", ""):
+                if time.monotonic() - start >= float(sys.argv[4]):
+                    return
             await asyncio.sleep(0.2)
 asyncio.run(main())
 """
@@ -180,7 +191,8 @@ def test_a_stage_server_behind_nat(
             start("away", "trainer", "trainer", "--scheduler", SCHEDULER, "--job", job_id)
         # the job's status 5 times a second (a `swarm status` takes a second to start, and the
         # relayed job trains in less), one JSON line each in the watcher's log
-        watch = [sys.executable, "-c", _WATCH, SCHEDULER, job_id]
+        until = [] if relay else [LEFT_OUT, str(FAILED_AFTER_S)]
+        watch = [sys.executable, "-c", _WATCH, SCHEDULER, job_id, *until]
         watcher = lab.start("hub", "watcher", watch, tmp_path, _env(tmp_path, "watcher"), ROOT)
         procs.append(watcher)
         end = time.monotonic() + (360 if relay else WAIT_S)
@@ -225,6 +237,8 @@ def test_a_stage_server_behind_nat(
         assert report.reachability == control_pb2.REACHABILITY_UNREACHABLE, report
         # the flag that fixes it: a relay somewhere reachable
         assert "--relay" in report.remedy or "swarm relay" in report.remedy, report
+        # the job's status says so: it waits, with the server left out, named, and why
+        assert LEFT_OUT in now["message"] and "waiting for peers" in now["message"], story
         assert re.search(r"(un|not )reachable", logs["home0"]), story
         # never given a stage: the job waits for a peer that can serve it
         assert "home0" not in seen, story
