@@ -12,7 +12,7 @@ import pytest
 
 from scheduler.coordinator.membership import Membership
 from swarm.job.fingerprint import fingerprint
-from tests.support.coordinator import MakeHarness, job_of, until
+from tests.support.coordinator import Harness, MakeHarness, job_of, until
 from tests.support.replicas import FakeSwarm
 
 
@@ -24,43 +24,46 @@ def own_asks_an_hour_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Membership, "_ASK_CAP_S", 3600.0)
 
 
-async def test_a_copy_still_downloading_at_its_first_ask_joins_as_the_next_step_opens(
-    tmp_path: Path, make_harness: MakeHarness
-) -> None:
+async def _copying_the_first_of(
+    tmp_path: Path, make_harness: MakeHarness, *members: str
+) -> tuple[Harness, FakeSwarm]:
+    """A job whose stage 1 has `members`, and a replica `m` that appears there during step 0:
+    past the boundary, it is copying the first of them, its download still going."""
     job = job_of(tmp_path, steps=5)
     swarm = FakeSwarm(fingerprint(job), 2)
-    swarm.add(0, "a"), swarm.add(1, "c")
+    swarm.add(0, "a")
+    for peer in members:
+        swarm.add(1, peer)
     h = make_harness(job, swarm)
     await h.coordinator.start()
     m = swarm.add(1, "m")
     m.copying = 1  # its first Join finds its download going
-    membership = h.coordinator.membership
-    await h.step()  # the boundary: m starts copying c
-    await until(lambda: m.called("join") == ["fake:c"])
-    assert "m" not in membership.synced
+    await h.step()  # the boundary: m starts copying
+    await until(lambda: m.called("join") == [f"fake:{members[0]}"])
+    assert "m" not in h.coordinator.membership.synced
+    return h, swarm
+
+
+async def test_a_copy_still_downloading_at_its_first_ask_joins_as_the_next_step_opens(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    h, swarm = await _copying_the_first_of(tmp_path, make_harness, "c")
     await h.step()  # the next step opens: m is asked there, is at it, and is admitted
-    await until(lambda: "m" in membership.synced)
+    await until(lambda: "m" in h.coordinator.membership.synced)
+    m = swarm["m"]
     assert m.called("join") == ["fake:c", "fake:c"] and m.step == swarm["c"].step
 
 
 async def test_a_joiner_whose_source_died_copies_another_member_from_the_next_step(
     tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    job = job_of(tmp_path, steps=5)
-    swarm = FakeSwarm(fingerprint(job), 2)
-    swarm.add(0, "a")
-    c, d = swarm.add(1, "c"), swarm.add(1, "d")
-    h = make_harness(job, swarm)
-    await h.coordinator.start()
-    m = swarm.add(1, "m")
-    m.copying = 1
-    membership = h.coordinator.membership
-    await h.step()  # the boundary: m starts copying c, the stage's first member
-    await until(lambda: m.called("join") == ["fake:c"])
-    c.dead = True  # SIGKILLed while m downloads its state
+    h, swarm = await _copying_the_first_of(tmp_path, make_harness, "c", "d")
+    swarm["c"].dead = True  # SIGKILLed while m downloads its state
     # The step's gradients land on d; c fails its PREPARE and is dropped, and the step commits
     # without it.
     await h.step(at={1: "d"})
+    membership = h.coordinator.membership
     assert "c" not in membership.synced
     await until(lambda: "m" in membership.synced)
-    assert m.called("join")[-1] == "fake:d" and m.step == d.step
+    m = swarm["m"]
+    assert m.called("join")[-1] == "fake:d" and m.step == swarm["d"].step
