@@ -230,15 +230,15 @@ class Membership:
                 listed = self.members()[stage] if stage < len(self.members()) else []
                 if not any((r.peer, r.address) == (joiner.peer, joiner.address) for r in listed):
                     return  # it left, moved or restarted elsewhere: the next boundary sees to it
-                sources = [r for r in listed if r.peer in self.synced]
+                source = self._source(stage)
                 ledgers = self.ledgers()
                 ledger = ledgers[0] if ledgers else None
-                if not sources or ledger is None or ledger.step < first_step:
+                if source is None or ledger is None or ledger.step < first_step:
                     await ask.sleep()
                     continue
                 step, first_step = ledger.step, -1
                 try:
-                    source = sources[0]  # named by its peer id in the follow ticket the Join brings
+                    # `source` is named by its peer id in the follow ticket the Join brings
                     at = await self.clients.get(stage, joiner).join(
                         source.address, step, source.peer
                     )
@@ -305,20 +305,39 @@ class Membership:
         """Whether a replica is copying a member (or about to) to join."""
         return bool(self._joining) or any(p not in self.synced for p in self._copying)
 
+    def _source(self, stage: int) -> Replica | None:
+        """The member of `stage` a joiner copies (None: the stage has none): its first, whoever
+        asks (the joiner's own loop, or `admit_copies`), so that neither restarts a copy the
+        other started."""
+        listed = self.members()[stage] if stage < len(self.members()) else []
+        return next((r for r in listed if r.peer in self.synced), None)
+
     async def admit_copies(self, step: int) -> None:
-        """Between two commits, ask every replica copying a member whether it is at `step`,
-        and admit those that are. With delayed_update a commit starts as soon as the one before
-        it is applied, so a joiner's own asks may never find a moment between commits."""
+        """As `step` opens, between two commits, ask every replica copying a member whether it
+        is at `step`, and admit those that are. A joiner's own asks pause for up to
+        `_ASK_CAP_S`: with steps shorter than that it would be asked once in many steps (and
+        with delayed_update a commit starts as soon as the one before it is applied, so its
+        own asks may never find a moment between commits). Each is named the member to copy
+        now: one whose source died or left copies another from this ask on, not from its own
+        next one."""
         # Not those admitted meanwhile (by their own asks, or an earlier call of this one).
-        copying = [(p, c) for p, c in self._copying.items() if p not in self.synced]
+        copying: list[tuple[int, Replica, Replica]] = []
+        for peer, (stage, joiner, was) in list(self._copying.items()):
+            source = self._source(stage)
+            if peer in self.synced or source is None:
+                continue
+            if (source.peer, source.address) != (was.peer, was.address):
+                self._copying[peer] = (stage, joiner, source)
+                self._sources[peer] = source.peer
+            copying.append((stage, joiner, source))
         answers = await asyncio.gather(
             *(
                 self.clients.get(k, joiner).join(source.address, step, source.peer)
-                for _, (k, joiner, source) in copying
+                for k, joiner, source in copying
             ),
             return_exceptions=True,
         )
-        for (_, (stage, joiner, _)), at in zip(copying, answers, strict=True):
+        for (stage, joiner, _), at in zip(copying, answers, strict=True):
             if isinstance(at, int):
                 self._admit(stage, joiner, step, at)
 

@@ -44,8 +44,9 @@ class Rounds(Protocol):
         ...
 
     def admit_on_open(self, step: int) -> bool:
-        """Whether the copies waiting to join are admitted as `step` opens: they may join only
-        there, and their own asks could miss that moment for many rounds (steps are short)."""
+        """Whether the copies waiting to join are asked as `step` opens (and admitted if they
+        are at it): their own asks pause for up to seconds, and could miss the moments they
+        may join at for many steps (steps are short)."""
         ...
 
     async def whole(self, step: int) -> None:
@@ -94,7 +95,9 @@ class NoRounds:
         return True
 
     def admit_on_open(self, step: int) -> bool:
-        return False  # a copy asks at any step, and joins at the next one it asks at
+        # A copy may join at any step: asked as each opens, it joins at the first step its copy
+        # reaches (and one whose source died is named another there), not at its own next ask.
+        return True
 
     async def whole(self, step: int) -> None:
         pass

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import torch
 
-from swarm.errors import Aborted, FailedPrecondition
+from swarm.errors import Aborted, FailedPrecondition, PeerUnavailable
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
@@ -71,6 +71,8 @@ class FakeReplica:
         self.closed = 0
         # (method, part weights, contributors) of every averaging call, in order
         self.parts: list[tuple[str, tuple[float, ...], int]] = []
+        self.copying = 0  # Joins that find its copy still downloading (answered -1), first
+        self.dead = False  # SIGKILLed: every call fails unreachable, and no copy of it ends
 
     @property
     def replica(self) -> Replica:
@@ -100,6 +102,8 @@ class FakeReplica:
     async def _enter(self, method: str, args: Any = None) -> None:
         self.calls.append((method, args))
         self.swarm.log.append((self.peer, method))
+        if self.dead:
+            raise PeerUnavailable(f"UNAVAILABLE: {self.address}: Connection refused")
         gate = self.gates.get(method)
         if gate is not None:
             gate.entered.set()
@@ -234,9 +238,16 @@ class FakeReplica:
 
     async def join(self, source: str, step: int, source_peer: str = "") -> int:
         """A copy that completes at once: it answers `step` when `source` is at it (a real
-        replica gets there by following the source's updates)."""
+        replica gets there by following the source's updates). -1 while its copy downloads
+        (`copying`), and for a dead source (its copy failed: a Join naming a live one starts
+        another)."""
         await self._enter("join", source)
         other = self.swarm.by_address[source]
+        if other.dead:
+            return -1
+        if self.copying:
+            self.copying -= 1
+            return -1
         self.step, self.state = other.step, {k: v.clone() for k, v in other.state.items()}
         self.receipts.clear()
         self.applied = (-1, 1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import threading
 from pathlib import Path
@@ -21,9 +22,12 @@ from tests.support.equality import (
 )
 from tests.support.jobs import DELAYED, write_job
 from tests.support.servers import Servers, counted, train_on
+from tests.support.waiting import wait_until_blocking
 
 pytestmark = pytest.mark.slow
 WHERE = {"first": 0, "middle": 1, "last": 3}
+# A joiner's copy ended: loaded ("copied stage 3 at step 2 from ADDRESS") or failed.
+_COPY_ENDED = re.compile(r"copied stage \d+ at step \d+ from |: copying \S+ failed: ")
 
 
 def _a_victim_and_a_slow_survivor(
@@ -109,26 +113,40 @@ def test_push_plane_replica_killed_with_microbatches_in_its_hands(
 @pytest.mark.parametrize("where", sorted(WHERE))
 def test_source_killed_while_a_replica_downloads_its_state(tmp_path: Path, where: str) -> None:
     # A replica of the stage is killed after step 0 and restarted empty: at the next step
-    # boundary it copies a live replica of its stage. The first source dies while streaming its
-    # state; the join is retried from the third replica at the following boundary. Steps enough
-    # that the retried copy, which runs beside training, is admitted before the job ends.
+    # boundary (step 2's) it starts copying a live replica of its stage. The first source dies
+    # while streaming its state; as the next step opens the joiner is named the third replica,
+    # copies it, and is admitted as a later step opens.
     stage = WHERE[where]
-    job = write_job(tmp_path, training={"steps": 10, "target_batch_size": 16})
-    fault = Fault(f"s{stage}r1", Point.STATE_DOWNLOAD, 2)
-    servers = Servers(job, [3 if k == stage else 1 for k in range(4)], [fault], tmp_path)
-    joiner, killed = f"s{stage}r0", threading.Event()
+    steps = 10
+    job = write_job(tmp_path, training={"steps": steps, "target_batch_size": 16})
+    # The copy runs beside training: its download reaches the source at whatever step the
+    # source is at by then, step 2 or, when the joiner is slow to start it, a later one. The
+    # source dies at the first download it serves from step 2 on (it serves no other).
+    source, joiner, killed = f"s{stage}r1", f"s{stage}r0", threading.Event()
+    faults = [Fault(source, Point.STATE_DOWNLOAD, step) for step in range(2, steps)]
+    servers = Servers(job, [3 if k == stage else 1 for k in range(4)], faults, tmp_path)
+
+    def copy_settled() -> bool:
+        """Whether the joiner's latest copy loaded or failed (or none was started)."""
+        log = servers.procs[joiner].log()
+        started = [m.end() for m in re.finditer(rf"copying stage {stage} from (\S+) ", log)]
+        return not started or bool(_COPY_ENDED.search(log, started[-1]))
 
     def chaos(record: StepRecord) -> None:
         if record.step == 0 and not killed.is_set():
             servers.procs[joiner].kill()
             killed.set()
             servers.restart(joiner)
+        # Steps here take a fraction of a second, and the copy runs beside them: a joiner
+        # slowed by a loaded machine would see the job end first. A copy needs no coordinator,
+        # so the job waits at a step's end until the joiner's latest copy is done either way.
+        wait_until_blocking(copy_settled, "the joiner's copy loaded or failed", every_s=0.01)
 
     try:
         state, _ = train_on(servers, chaos)
     finally:
         servers.stop()
-    assert servers.procs[fault.target].proc.returncode == -signal.SIGKILL
+    assert servers.procs[source].proc.returncode == -signal.SIGKILL
     assert f"joined stage {stage} at step" in servers.procs[joiner].log()
     assert_equal_to_local(job, state, tol=1e-9)
 
