@@ -6,7 +6,7 @@ compute, decide, for the full boundary and a small one, each with and without a 
 all rows measured in one run, over links shaped from this run's own unshaped compute rate.
 
     sudo .venv/bin/python bench/boundary.py [--rows full,full+codec,subspace,subspace+codec]
-        [--codec hadamard3] [--rank 48] [--subspace-keys "k = v; ..."] [--bottleneck R]
+        [--codec hadamard3] [--rank 48[,96...]] [--subspace-keys "k = v; ..."] [--bottleneck R]
         [--factor 32]
         [--workload d320|small] [--max-steps 480]
         [--eval-every 16] [--target-step 240] [--agree 0.05] [--max-windows 6]
@@ -20,11 +20,13 @@ its own in a network namespace (bench/wan.py's `Network`), and the trainer in a 
 Rows (`--rows`): `full` (today's boundary: d_model float32 values per token), `full+codec`
 (`[compression] wire = --codec`, both directions), `subspace` (`[model] boundary_rank =
 --rank`: the subspace boundary), `subspace+codec` (both); `+codec` may also be written with the
-codec's name (`full+hadamard3`). The full row is the baseline every ratio is against, so it always
-runs. `--subspace-keys "k = v; ..."` adds `[model]` keys to the subspace rows' jobs (another
-kind of small boundary, say, scored on the same links). `--bottleneck R` adds the rows
-`bottleneck` and `bottleneck+codec` (`[model] boundary_bottleneck = R`: the learned bottleneck,
-swarm/model/bottleneck.py) unless `--rows` names them; they need it.
+codec's name (`full+hadamard3`). `--rank 48,96` scores several ranks in the one run: each
+subspace row once per rank, named with it (`subspace+codec@48`, `subspace+codec@96`). The full
+row is the baseline every ratio is against, so it always runs. `--subspace-keys "k = v; ..."`
+adds `[model]` keys to the subspace rows' jobs (another kind of small boundary, say, scored on
+the same links). `--bottleneck R` adds the rows `bottleneck` and `bottleneck+codec` (`[model]
+boundary_bottleneck = R`: the learned bottleneck, swarm/model/bottleneck.py) unless `--rows`
+names them; they need it.
 
 1. Unshaped. Each row trains `--max-steps` steps on a fresh swarm in the namespaces, links not
    shaped (a plain pfifo), evaluating every `--eval-every` steps: its validation curve, its
@@ -109,9 +111,23 @@ class Row:
     subspace: bool
     codec: str  # "none" or the wire codec
     bottleneck: bool = False  # `--bottleneck`: [model] boundary_bottleneck
+    rank: int = 0  # a subspace row's boundary_rank
 
 
-def parse_rows(text: str, codec: str) -> list[Row]:
+def parse_ranks(text: str) -> list[int]:
+    """`--rank`: one boundary_rank or several, comma-separated (`48,96`), each >= 1, no repeats."""
+    try:
+        ranks = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rank {text!r}: integers, comma-separated") from None
+    if not ranks or min(ranks) < 1 or len(set(ranks)) != len(ranks):
+        raise argparse.ArgumentTypeError(f"--rank {text!r}: distinct ranks >= 1")
+    return ranks
+
+
+def parse_rows(text: str, codec: str, ranks: tuple[int, ...] = (48,)) -> list[Row]:
+    """The rows, full first; each subspace row once per rank, named `<row>@<rank>` when there
+    are several ranks."""
     rows: list[Row] = []
     for name in [n.strip() for n in text.split(",") if n.strip()]:
         kind, _, suffix = name.partition("+")
@@ -119,9 +135,13 @@ def parse_rows(text: str, codec: str) -> list[Row]:
             raise argparse.ArgumentTypeError(
                 f"row {name!r}: use full, subspace or bottleneck, optionally +codec (+{codec})"
             )
-        rows.append(
-            Row(name, kind == "subspace", codec if suffix else "none", kind == "bottleneck")
-        )
+        wire = codec if suffix else "none"
+        if kind != "subspace":
+            rows.append(Row(name, False, wire, kind == "bottleneck"))
+            continue
+        for rank in ranks:
+            label = f"{name}@{rank}" if len(ranks) > 1 else name
+            rows.append(Row(label, True, wire, rank=rank))
     if not rows or rows[0].name != BASE:
         rows = [Row(BASE, False, "none"), *(r for r in rows if r.name != BASE)]
     return rows
@@ -129,7 +149,7 @@ def parse_rows(text: str, codec: str) -> list[Row]:
 
 def job_text(args: argparse.Namespace, row: Row, steps: int, eval_every: int) -> str:
     p = WORKLOADS[args.workload]
-    keys = [f"boundary_rank = {args.rank}", *args.subspace_keys.split(";")] if row.subspace else []
+    keys = [f"boundary_rank = {row.rank}", *args.subspace_keys.split(";")] if row.subspace else []
     keys += [f"boundary_bottleneck = {args.bottleneck}"] if row.bottleneck else []
     rank = "".join(f"{k.strip()}\n" for k in keys if k.strip())
     return f"""name = "boundary-{args.workload}"
@@ -390,7 +410,7 @@ def score(
         "workload": args.workload,
         "rows": list(unshaped),
         "codec": args.codec,
-        "rank": args.rank,
+        "rank": args.ranks[0] if len(args.ranks) == 1 else args.ranks,
         "bottleneck": args.bottleneck,
         "factor": args.factor,
         "link_rate_bits": args.rate_bits,
@@ -410,9 +430,11 @@ def _num(value: float | None, fmt: str) -> str:
 
 def print_report(r: dict[str, Any], out: IO[str]) -> None:
     t = r["target"]
+    ranks = r["rank"] if isinstance(r["rank"], list) else [r["rank"]]
     print(
         f"workload {r['workload']}, {STAGES} stages on {STAGES} hosts, push plane; codec "
-        f"{r['codec']}, rank {r['rank']}; links {r['link_rate_bits'] / 1e6:.3f} Mbit/s each way "
+        f"{r['codec']}, rank {','.join(map(str, ranks))}; "
+        f"links {r['link_rate_bits'] / 1e6:.3f} Mbit/s each way "
         f"({r['factor']:g}x under the full boundary's unshaped need)",
         file=out,
     )
@@ -457,9 +479,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--codec", default="hadamard3", help="the +codec rows' wire codec")
     parser.add_argument(
         "--rank",
-        type=int,
-        default=48,
-        help="the subspace rows' boundary_rank (48: >= 32x with hadamard3)",
+        default="48",
+        help="the subspace rows' boundary_rank (48: >= 32x with hadamard3); several, "
+        "comma-separated (48,96), score each subspace row at each",
     )
     parser.add_argument(
         "--subspace-keys", default="", help='more [model] keys of the subspace rows: "k = v; ..."'
@@ -488,7 +510,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         named = any(r.partition("+")[0].strip() == "bottleneck" for r in args.rows.split(","))
         more = ",bottleneck,bottleneck+codec" if args.bottleneck and not named else ""
-        args.row_list = parse_rows(args.rows + more, args.codec)
+        args.ranks = parse_ranks(args.rank)
+        args.row_list = parse_rows(args.rows + more, args.codec, tuple(args.ranks))
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
     return args
