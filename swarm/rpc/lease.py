@@ -43,6 +43,9 @@ class Task:
     # the step's contributions audited (issue 55): where one's replica accumulates this
     # microbatch, the trainer has two others of the stage redo it and digest its gradient
     audits: tuple[ContributionAudit, ...] = ()
+    # the coordinator's rollback epoch when leased: the task's stage calls carry it, and a
+    # replica that loaded a rollback's state since refuses them (`swarm.rpc.epoch`)
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
                 audits=[
                     spb.ContributionAudit(stage=a.stage, peer=a.peer, seed=a.seed) for a in t.audits
                 ],
+                epoch=t.epoch,
             )
             for t in lease.tasks
         ],
@@ -214,6 +218,7 @@ def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
                 frozenset(t.stages),
                 t.evaluate,
                 tuple(ContributionAudit(a.stage, a.peer, a.seed) for a in t.audits),
+                t.epoch,
             )
             for t in msg.tasks
         ],
