@@ -6,7 +6,7 @@ in-process, or the scheduler over gRPC)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from swarm.proto import scheduler_pb2 as spb
@@ -44,8 +44,9 @@ class Task:
     # microbatch, the trainer has two others of the stage redo it and digest its gradient
     audits: tuple[ContributionAudit, ...] = ()
     # the coordinator's rollback epoch when leased: the task's stage calls carry it, and a
-    # replica that loaded a rollback's state since refuses them (`swarm.rpc.epoch`)
-    epoch: int = 0
+    # replica that loaded a rollback's state since refuses them (`swarm.rpc.epoch`); when the
+    # task was leased, not what it is: tasks compare without it
+    epoch: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from swarm.errors import FailedPrecondition
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.rpc import epoch
+from swarm.rpc.lease import Lease, Task, lease_from_proto, lease_to_proto
 from swarm.rpc.stage_client import StageClient
 from tests.support.jobs import make_job
 
@@ -89,3 +90,10 @@ async def test_a_replica_that_joined_after_a_rollback_takes_its_epoch_from_the_w
         assert server.runtime.receipts(0) == {1: 4}
     finally:
         await client.close()
+
+
+def test_a_tasks_epoch_travels_with_its_lease() -> None:
+    """A remote trainer's calls carry the epoch its lease said (tasks compare without it)."""
+    task = Task(3, 1, frozenset({0, 1}), epoch=AFTER)
+    (back,) = lease_from_proto(lease_to_proto(Lease(3, [task], []))).tasks
+    assert back == task and back.epoch == AFTER
