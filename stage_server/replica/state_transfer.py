@@ -274,7 +274,7 @@ class StateTransfer:
         (work leased before the rollback is refused from now on: `swarm.rpc.epoch`)."""
         rt = self._runtime()
         rt.load_state(step, state)
-        rt.sums.epoch = max(rt.sums.epoch, epoch)
+        rt.sums.epoch = epoch
 
     async def _receive(
         self, requests: AsyncIterator[Any], route: Route, limits: Limits

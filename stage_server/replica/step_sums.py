@@ -98,8 +98,8 @@ class Sums:
         self._spill_file = SpillFile()
         # (step, the pool's summed gradient, the step's samples) between prepare and apply
         self._prepared: tuple[int, list[torch.Tensor], int] | None = None
-        # The newest rollback epoch seen (`swarm.rpc.epoch`): a rollback's LoadState sets it,
-        # and work leased before it would add a step's gradient taken on the state before.
+        # The epoch of the last rollback's LoadState (`swarm.rpc.epoch`): work leased before it
+        # would add into a replayed step a gradient taken on the state before.
         self.epoch = 0
 
     def __getitem__(self, step: int) -> StepSums:
@@ -123,14 +123,14 @@ class Sums:
 
     def admit(self, epoch: int, step: int, index: int) -> None:
         """Refuse the work of microbatch `(step, index)` leased in `epoch` if a rollback since has
-        loaded this replica's state; a newer epoch (a replica that joined after the rollback,
-        which no LoadState told) is this replica's from now on."""
+        loaded this replica's state. Only a rollback's LoadState (the scheduler's) moves the
+        epoch: a call's is not taken, since on the push plane a peer names the epoch of the push
+        it sends on, and a liar's far-off one would have this replica refuse all honest work."""
         if epoch < self.epoch:
             raise FailedPrecondition(
                 f"microbatch ({step}, {index}) was leased before a rollback (epoch {epoch}; this "
                 f"replica loaded epoch {self.epoch}'s state): stale, not accumulated"
             )
-        self.epoch = epoch
 
     def lend(self, step: int) -> list[torch.Tensor]:
         """The sums of `step` themselves (zeros if it holds none), lent to its commit."""
