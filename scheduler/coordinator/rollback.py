@@ -136,9 +136,11 @@ class Rollback:
             self.window.cancel_commits()
             self.rounds.restarted()  # every member loads one state: no round is half done
             # Work leased before is refused where the state loads (as late as it may land):
-            # the epoch goes with the state, and the work leased from now on carries it.
-            self.leasing = max(self.leasing + 1, time.time_ns() // 1_000_000)
-            self.membership.synced = await self.recovery.restore(step, self.members(), self.leasing)
+            # the epoch goes with the state, and the work leased once it is loaded carries it
+            # (not work leased while it loads, of the step as it was before).
+            rolled = max(self.leasing + 1, time.time_ns() // 1_000_000)
+            self.membership.synced = await self.recovery.restore(step, self.members(), rolled)
+            self.leasing = rolled
             if any(not stage for stage in self.membership.replicas()):
                 return  # not every stage could load it: the next lease tries again
             self.metrics.rollbacks.inc()
