@@ -32,6 +32,7 @@ from swarm.policy.backoff import Backoff
 from swarm.policy.window import window
 from swarm.policy.wiring import Wiring
 from swarm.proto import control_pb2 as cpb
+from swarm.rpc import epoch
 from swarm.rpc.lease import Lease, LeaseSource, MicrobatchResult, Replica, Task
 from swarm.rpc.routes import ClientFactory, Retiring, Routes
 from swarm.rpc.stage_client import StageClient
@@ -288,6 +289,8 @@ class PipelineTrainer:
 
     # -- one microbatch -------------------------------------------------------------------------
     async def _microbatch(self, task: Task) -> MicrobatchResult:
+        # Its stage calls carry its epoch: a rollback since retires them (`swarm.rpc.epoch`).
+        epoch.leased_in(task.epoch)
         if task.evaluate:
             ids, labels = self.val_data.microbatch(
                 VAL_STEP, task.index - self.job.training.microbatches_per_step

@@ -6,7 +6,9 @@ recomputes from the same bytes, so the gradient is the same. Bounded by `limit_b
 oldest microbatch forgotten first; a replay that finds nothing re-runs the pipeline instead.
 Each entry keeps who produced its bytes (the replicas that answered the stage before's outputs
 and the stage after's input gradient): a replay from them rests on those replicas' answers, and
-one banned since (issue 55, `scheduler.coordinator.bans`) makes them worthless."""
+one banned since (issue 55, `scheduler.coordinator.bans`) makes them worthless. So does a
+rollback since (`swarm.rpc.epoch`): bytes of the same `(step, index)` taken before it may rest on
+the banned peer's answers further up the pipeline than the producers kept name."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from swarm.proto import tensor_pb2
+from swarm.rpc import epoch
 from swarm.rpc.stage_client import TensorLike
 
 __all__ = ["BoundaryCache"]
@@ -28,6 +31,7 @@ class BoundaryCache:
         self._entries: OrderedDict[Key, dict[int, tuple[TensorLike, TensorLike]]] = OrderedDict()
         self._producers: dict[Key, dict[int, frozenset[str]]] = {}  # of each entry's bytes
         self._tokens: dict[Key, TensorLike] = {}  # `model.boundary_rank`: each stage needs them
+        self._epochs: dict[Key, int] = {}  # the rollback epoch each entry's work was leased in
         self.nbytes = 0
 
     def remember(
@@ -45,6 +49,9 @@ class BoundaryCache:
         live = step - 1 if self.delays else step
         for old in [key for key in self._entries if key[0] < live]:
             self._forget(old)
+        if self._epochs.get((step, index), epoch.current()) != epoch.current():
+            self._forget((step, index))  # a rollback since: the bytes before it are not the run's
+        self._epochs[step, index] = epoch.current()
         self._entries.setdefault((step, index), {})[stage] = (inputs, grad)
         self._producers.setdefault((step, index), {})[stage] = frozenset(producers)
         self.nbytes += _nbytes(inputs) + _nbytes(grad)
@@ -55,7 +62,10 @@ class BoundaryCache:
             self._forget(next(iter(self._entries)))  # the oldest first
 
     def get(self, step: int, index: int) -> dict[int, tuple[TensorLike, TensorLike]] | None:
-        """Stage -> (inputs, output gradient or targets) of microbatch `(step, index)`."""
+        """Stage -> (inputs, output gradient or targets) of microbatch `(step, index)`, as a run
+        leased in the current task's rollback epoch sent them (none from before a rollback)."""
+        if self._epochs.get((step, index)) != epoch.current():
+            return None
         return self._entries.get((step, index))
 
     def producers(self, step: int, index: int, stages: Iterable[int]) -> set[str]:
@@ -72,6 +82,7 @@ class BoundaryCache:
 
     def _forget(self, key: Key) -> None:
         self._producers.pop(key, None)
+        self._epochs.pop(key, None)
         for inputs, grad in self._entries.pop(key, {}).values():
             self.nbytes -= _nbytes(inputs) + _nbytes(grad)
         tokens = self._tokens.pop(key, None)

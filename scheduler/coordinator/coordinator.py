@@ -255,7 +255,7 @@ class LocalCoordinator:
                 self._receipts.check(ledger, returned)
             exclude = set(returned)
             share = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
-            tasks = ledger.lease(trainer, share, exclude=exclude)
+            tasks = self._rollback.stamped(ledger.lease(trainer, share, exclude=exclude))
             if tasks:
                 self.bans.saw(members, ledger.step)  # where a ban would roll back to
                 self._open_next_early()

@@ -210,15 +210,16 @@ class Recovery:
             log.warning("checkpoints of steps %s deleted: they hold a banned peer's work", dropped)
         return step
 
-    async def restore(self, step: int, members: list[list[Replica]]) -> set[str]:
-        """Load the state at `step` on every replica of every stage; returns the peers that
-        loaded it (the members from now on)."""
+    async def restore(self, step: int, members: list[list[Replica]], epoch: int = 0) -> set[str]:
+        """Load the state at `step` on every replica of every stage, from which on each refuses
+        work leased before rollback `epoch` (`swarm.rpc.epoch`); returns the peers that loaded it
+        (the members from now on)."""
         loaded: set[str] = set()
         for stage, replicas in enumerate(members):
             state = await asyncio.to_thread(self.stage_state, step, stage)
             for r in replicas:
                 try:
-                    await self.clients.get(stage, r).load_state(step, state)
+                    await self.clients.get(stage, r).load_state(step, state, epoch)
                     loaded.add(r.peer)
                 except SwarmError as e:
                     log.warning("rollback: %s could not load step %d: %s", r.peer, step, e)

@@ -121,7 +121,12 @@ class StageReplica(Protocol):
         keep asking."""
         ...
 
-    async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int: ...
+    async def load_state(
+        self, step: int, state: dict[str, torch.Tensor], rollback_epoch: int = 0
+    ) -> int:
+        """Load `state`, of `step`; work leased before `rollback_epoch` is refused from now on
+        (`swarm.rpc.epoch`)."""
+        ...
 
     async def download_state(
         self, include_optimizer: bool = False, prefix: str = "param/"
@@ -287,8 +292,10 @@ class GrpcReplica:
         ticket = self.tickets(source_peer) if self.tickets is not None and source_peer else b""
         return await self.client.join(source, step, ticket)
 
-    async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
-        return await self.client.load_state(step, state)
+    async def load_state(
+        self, step: int, state: dict[str, torch.Tensor], rollback_epoch: int = 0
+    ) -> int:
+        return await self.client.load_state(step, state, rollback_epoch)
 
     async def download_state(
         self, include_optimizer: bool = False, prefix: str = "param/"

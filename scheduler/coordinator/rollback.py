@@ -8,8 +8,10 @@ could not finish (a stage's replica failed to load) is tried again, backing off.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 
 from scheduler.coordinator.live_steps import LiveSteps
@@ -21,7 +23,7 @@ from swarm.clock import Clock
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
 from swarm.policy.backoff import Backoff
-from swarm.rpc.lease import Replica
+from swarm.rpc.lease import Replica, Task
 
 __all__ = ["Rollback"]
 
@@ -62,12 +64,20 @@ class Rollback:
         self._after = -math.inf
         self._before: int | None = None  # a ban's: roll back to a checkpoint at or before this
         self.rolled = 0  # rollbacks done: a round's id after one is its step's anew
+        # The epoch the work leased now carries (`swarm.rpc.epoch`): each rollback's is newer
+        # than the last, and from the wall clock (milliseconds) so that a scheduler restarted,
+        # its count of rollbacks at 0 again, still leases work newer than a replica last saw.
+        self.leasing = time.time_ns() // 1_000_000
 
     @property
     def epoch(self) -> str:
         """What a round's id carries after a rollback ("" before one): the steps replayed
         average again under ids of their own."""
         return f"r{self.rolled}" if self.rolled else ""
+
+    def stamped(self, tasks: list[Task]) -> list[Task]:
+        """`tasks` as leased now: of this epoch, which a rollback's state loads retire."""
+        return [dataclasses.replace(t, epoch=self.leasing) for t in tasks]
 
     @property
     def running(self) -> bool:
@@ -125,7 +135,12 @@ class Rollback:
             step = self.recovery.latest(before)
             self.window.cancel_commits()
             self.rounds.restarted()  # every member loads one state: no round is half done
-            self.membership.synced = await self.recovery.restore(step, self.members())
+            # Work leased before is refused where the state loads (as late as it may land):
+            # the epoch goes with the state, and the work leased once it is loaded carries it
+            # (not work leased while it loads, of the step as it was before).
+            rolled = max(self.leasing + 1, time.time_ns() // 1_000_000)
+            self.membership.synced = await self.recovery.restore(step, self.members(), rolled)
+            self.leasing = rolled
             if any(not stage for stage in self.membership.replicas()):
                 return  # not every stage could load it: the next lease tries again
             self.metrics.rollbacks.inc()

@@ -88,8 +88,14 @@ class Answering:
             encoded = self.messages.encode(grad, "grad_inputs", reply, "backward", into)
             return loss, encoded, done
 
+        def admitted(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+            # On the worker, as a rollback's state load is: work leased before the rollback that
+            # lands after the load is refused, not added to the replayed step (`swarm.rpc.epoch`)
+            self._runtime().sums.admit(h.microbatch.epoch, step, index)
+            return fn(*args, **kwargs)
+
         (loss, grad, done), queued = await self.worker.run_then(
-            fn,
+            admitted,
             on_host,
             step,
             index,

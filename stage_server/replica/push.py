@@ -36,6 +36,7 @@ from swarm.ops.faults import Point, maybe_die
 from swarm.ops.poison import Poison
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
+from swarm.rpc import epoch
 from swarm.wire import codec
 from swarm.wire.digest import digest
 
@@ -99,6 +100,7 @@ class PushPlane:
         """The answer to `h` (its `inputs`, `targets` and, under a subspace boundary, `tokens`
         received); `time_remaining` is the caller's deadline, as the call's context tells it."""
         rt = self._runtime()
+        epoch.leased_in(h.microbatch.epoch)  # its push on carries the task's (`swarm.rpc.epoch`)
         if rt.job.model.boundary_rank and rt.is_first:  # the token ids go on beside the outputs
             tokens = wire_tokens(inputs, rt.job.model.vocab_size)
         step, site = h.microbatch.step, self.messages.handing.site

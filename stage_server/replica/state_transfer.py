@@ -250,7 +250,7 @@ class StateTransfer:
         become the replica whose state it holds (a rollback); the state's step. With
         `signed_digest` (the scheduler's signature covers it), a state of another digest is
         refused before it is loaded: the signature covers the state, not only the call."""
-        step, state = await self._receive(requests, route, limits)
+        step, state, epoch = await self._receive(requests, route, limits)
         if signed_digest is not None and (
             await asyncio.to_thread(state_digest, step, state) != signed_digest
         ):
@@ -259,7 +259,7 @@ class StateTransfer:
                 "differs): not loaded"
             )
         self.stop_copy()  # a copy of the state before it is moot
-        await self._worker.run(self._runtime().load_state, step, state)
+        await self._worker.run(self._loaded, step, state, epoch)
         log.warning(
             "%s: loaded stage %d's state of step %d (a rollback)",
             self.peer,
@@ -269,17 +269,28 @@ class StateTransfer:
         self.metrics.committed(step, applied=False)
         return step
 
+    def _loaded(self, step: int, state: dict[str, torch.Tensor], epoch: int) -> None:
+        """On the worker, between two calls' work: the state, and the rollback's epoch with it
+        (work leased before the rollback is refused from now on: `swarm.rpc.epoch`)."""
+        rt = self._runtime()
+        rt.load_state(step, state)
+        rt.sums.epoch = epoch
+
     async def _receive(
         self, requests: AsyncIterator[Any], route: Route, limits: Limits
-    ) -> tuple[int, dict[str, torch.Tensor]]:
+    ) -> tuple[int, dict[str, torch.Tensor], int]:
         """The whole state is at most what this stage's can take, and every tensor must be one
         of the stage's: bytes beyond either are refused, not held until memory runs out."""
         stream, state, step = requests.__aiter__(), {}, -1
         rt = self._runtime()
         budget = rt.max_state_bytes()
 
+        epoch = 0
+
         def check(header: Any) -> None:
+            nonlocal epoch
             route(header.job, header.stage)
+            epoch = max(epoch, header.epoch)
 
         while True:
             limit = min(limits.max_bytes, budget)
@@ -312,7 +323,7 @@ class StateTransfer:
                     state[name] = tensor  # its own buffer: no copy
         if step < 0:
             raise InvalidArgument("LoadState carried no state")
-        return step, state
+        return step, state, epoch
 
 
 def _unfollow(

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from stage_server.averaging.spill import Spill, SpillFile
+from swarm.errors import FailedPrecondition
 from swarm.model.flat import flat_copy, flat_view
 
 __all__ = ["Receipt", "StepSums", "Sums"]
@@ -97,6 +98,9 @@ class Sums:
         self._spill_file = SpillFile()
         # (step, the pool's summed gradient, the step's samples) between prepare and apply
         self._prepared: tuple[int, list[torch.Tensor], int] | None = None
+        # The epoch of the last rollback's LoadState (`swarm.rpc.epoch`): work leased before it
+        # would add into a replayed step a gradient taken on the state before.
+        self.epoch = 0
 
     def __getitem__(self, step: int) -> StepSums:
         return self._steps[step]
@@ -116,6 +120,17 @@ class Sums:
     def held(self) -> bool:
         """Whether this replica holds work of its own: a receipt, or a prepared step."""
         return any(s.receipts for s in self._steps.values()) or self._prepared is not None
+
+    def admit(self, epoch: int, step: int, index: int) -> None:
+        """Refuse the work of microbatch `(step, index)` leased in `epoch` if a rollback since has
+        loaded this replica's state. Only a rollback's LoadState (the scheduler's) moves the
+        epoch: a call's is not taken, since on the push plane a peer names the epoch of the push
+        it sends on, and a liar's far-off one would have this replica refuse all honest work."""
+        if epoch < self.epoch:
+            raise FailedPrecondition(
+                f"microbatch ({step}, {index}) was leased before a rollback (epoch {epoch}; this "
+                f"replica loaded epoch {self.epoch}'s state): stale, not accumulated"
+            )
 
     def lend(self, step: int) -> list[torch.Tensor]:
         """The sums of `step` themselves (zeros if it holds none), lent to its commit."""

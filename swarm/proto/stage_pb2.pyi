@@ -31,12 +31,14 @@ EAGER_LAST: EagerOp
 EAGER_MEAN: EagerOp
 
 class MicrobatchId(_message.Message):
-    __slots__ = ("step", "index")
+    __slots__ = ("step", "index", "epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Receipt(_message.Message):
     __slots__ = ("peer", "stage", "microbatch", "samples", "duplicate")
@@ -377,18 +379,20 @@ class StageJoinResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., copying: _Optional[bool] = ...) -> None: ...
 
 class StageLoadStateRequest(_message.Message):
-    __slots__ = ("job", "stage", "step", "tensors", "chunk")
+    __slots__ = ("job", "stage", "step", "tensors", "chunk", "epoch")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     step: int
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     chunk: _tensor_pb2.Chunk
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StageLoadStateResponse(_message.Message):
     __slots__ = ("step",)

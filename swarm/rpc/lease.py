@@ -6,7 +6,7 @@ in-process, or the scheduler over gRPC)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from swarm.proto import scheduler_pb2 as spb
@@ -43,6 +43,10 @@ class Task:
     # the step's contributions audited (issue 55): where one's replica accumulates this
     # microbatch, the trainer has two others of the stage redo it and digest its gradient
     audits: tuple[ContributionAudit, ...] = ()
+    # the coordinator's rollback epoch when leased: the task's stage calls carry it, and a
+    # replica that loaded a rollback's state since refuses them (`swarm.rpc.epoch`); when the
+    # task was leased, not what it is: tasks compare without it
+    epoch: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,7 @@ def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
                 audits=[
                     spb.ContributionAudit(stage=a.stage, peer=a.peer, seed=a.seed) for a in t.audits
                 ],
+                epoch=t.epoch,
             )
             for t in lease.tasks
         ],
@@ -214,6 +219,7 @@ def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
                 frozenset(t.stages),
                 t.evaluate,
                 tuple(ContributionAudit(a.stage, a.peer, a.seed) for a in t.audits),
+                t.epoch,
             )
             for t in msg.tasks
         ],

@@ -21,6 +21,7 @@ from swarm.net.commit_auth import STATE_DIGEST_KEY, state_digest
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
+from swarm.rpc import epoch
 from swarm.rpc.state_streams import ExpectedState, ReplicaStreams, StateSink, Update
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
@@ -199,7 +200,7 @@ class StageClient:
         return tensors
 
     def _id(self, step: int, index: int) -> pb.MicrobatchId:
-        return pb.MicrobatchId(step=step, index=index)
+        return pb.MicrobatchId(step=step, index=index, epoch=epoch.current())
 
     @_swarm_errors
     async def forward(
@@ -437,15 +438,20 @@ class StageClient:
         return response.step
 
     @_swarm_errors
-    async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
+    async def load_state(
+        self, step: int, state: dict[str, torch.Tensor], rollback_epoch: int = 0
+    ) -> int:
         """Make this replica the one `state` describes (names as `export_state` gives them). The
         state's digest goes with it: a replica under a scheduler loads only the state the
-        scheduler signed (`swarm.net.commit_auth`)."""
+        scheduler signed (`swarm.net.commit_auth`). `rollback_epoch`: a rollback's, from which
+        on the replica refuses work leased before it (`swarm.rpc.epoch`)."""
         # Off the event loop: a stage's whole state is hashed.
         digest = ((STATE_DIGEST_KEY, await asyncio.to_thread(state_digest, step, state)),)
         call = self.stub.LoadState(timeout=self.job.runtime.commit_timeout_s, metadata=digest)
         for name, tensor in state.items():
-            header = pb.StageLoadStateRequest(job=self.job_id, stage=self.stage, step=step)
+            header = pb.StageLoadStateRequest(
+                job=self.job_id, stage=self.stage, step=step, epoch=rollback_epoch
+            )
             # Cut from the tensor's memory as sent: no encoded copy of a whole tensor.
             for part in wire.split_tensor(header, name, tensor, self._chunk):
                 await _write(call, part)

@@ -253,7 +253,9 @@ class FakeReplica:
         self.applied = (-1, 1.0)
         return self.step
 
-    async def load_state(self, step: int, state: dict[str, torch.Tensor]) -> int:
+    async def load_state(
+        self, step: int, state: dict[str, torch.Tensor], rollback_epoch: int = 0
+    ) -> int:
         await self._enter("load_state", step)
         self.step, self.state = step, {k: v.clone() for k, v in state.items()}
         self.receipts.clear()
