@@ -41,6 +41,9 @@ what the view shows (docs/deployment.md, "Watch it", says more):
   speed     the job's samples/s over the last 30 s (0 in a stall); an ended job's: its mean
   rounds    pools that average in rounds: the rule, the round, steps to the next average, the
             last average's time and the bytes its pools sent each other
+  audits    the share of each stage's microbatches re-executed by another replica to check it
+            ([trust] audit_fraction) and what that costs in stage compute; who was banned for
+            lying (an audit caught them; the job rolled back and replayed without them)
   window    microbatches a trainer keeps in flight: the job's max_in_flight (fixed), or with
             "auto" what the narrowest stage's replicas hold (HOLDS; 8 where none says)
   message   what the job does or waits for now, and for how long; news (a rollback, a replica

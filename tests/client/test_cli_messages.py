@@ -155,6 +155,7 @@ def test_status_help_explains_every_line_and_column_of_the_view(
         "val loss",
         "speed",
         "rounds",
+        "audits",
         "message",
         "error",
         "warning",
