@@ -118,6 +118,9 @@ class Bans:
     async def _ban(self, peer: str, stage: int, evidence: str, step: int) -> None:
         self.banned[peer], self.caught_at[peer] = evidence, step
         since = min(self.first_seen.get(peer, step), step)
+        # A peer admitted after its step's leases went out and caught as an auditor was seen by
+        # neither `saw` nor a result's path: its first step is the one it was caught at.
+        self.first_seen.setdefault(peer, since)
         self.metrics.bans.inc()
         text = (
             f"banned {peer} (stage {stage}): an audit caught it lying: {evidence}; rolling back "

@@ -34,12 +34,13 @@ class Trained(NamedTuple):
 
 
 def train_with_a_liar(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, plane: str, poison: Fault
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, plane: str, poison: Fault, batch: int = 16
 ) -> Trained:
-    """`HOSTILE` lies as `poison` says, on `plane`, with every stage audited."""
+    """`HOSTILE` lies as `poison` says, on `plane`, with every stage audited; `batch` samples a
+    step (microbatches of 4)."""
     job = write_job(
         tmp_path,
-        training={"stages": 3, "steps": 4, "target_batch_size": 16},
+        training={"stages": 3, "steps": 4, "target_batch_size": batch},
         runtime={"data_plane": plane},
         trust={"audit_fraction": 1.0},
     )
@@ -54,10 +55,15 @@ def train_with_a_liar(
 
 
 def assert_caught_and_replayed_away(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, plane: str, poison: Fault, evidence: str
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    plane: str,
+    poison: Fault,
+    evidence: str,
+    batch: int = 16,
 ) -> None:
     """`HOSTILE` lies as `poison` says on `plane`; its ban's message names `evidence`."""
-    job, state, registry, liar_log, said = train_with_a_liar(tmp_path, caplog, plane, poison)
+    job, state, registry, liar_log, said = train_with_a_liar(tmp_path, caplog, plane, poison, batch)
     assert "answers wrong numbers" in liar_log  # armed to lie (the ban shows it was routed)
     assert_equal_to_local(job, state, tol=1e-9)
     assert counted(registry, "swarm_coordinator_bans_total") == 1, said

@@ -38,14 +38,17 @@ pytestmark = pytest.mark.slow
             "re-executed",
             marks=pytest.mark.attack("P-push-grads"),
         ),
-        # one step in 20: the job's step 2 (its third) is the only one it lies at
+        # one step in 20: the job's first step is the only one it lies at. That step has 12
+        # microbatches (a batch of 48, below): some stage-0 replica pushes 4 or more of them and
+        # tries every stage-1 replica before any twice (`swarm.policy.stage_pool`), so the liar
+        # is routed in the one step it lies at; a later step's routing would leave it to chance
         pytest.param(
-            Fault(HOSTILE, Point.POISON_OUTPUTS, 2, 20),
+            Fault(HOSTILE, Point.POISON_OUTPUTS, 0, 20),
             "re-executed",
             marks=pytest.mark.attack("P-push-acts"),
         ),
         pytest.param(
-            Fault(HOSTILE, Point.POISON_GRAD_INPUTS, 2, 20),
+            Fault(HOSTILE, Point.POISON_GRAD_INPUTS, 0, 20),
             "re-executed",
             marks=pytest.mark.attack("P-push-grads"),
         ),
@@ -61,7 +64,8 @@ pytestmark = pytest.mark.slow
 def test_a_push_replica_that_lies_is_caught_banned_and_replayed_away(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: Fault, evidence: str
 ) -> None:
-    assert_caught_and_replayed_away(tmp_path, caplog, "push", poison, evidence)
+    batch = 48 if poison.period > 1 else 16
+    assert_caught_and_replayed_away(tmp_path, caplog, "push", poison, evidence, batch=batch)
 
 
 # a subspace boundary too: its token ids travel beside the activations, committed to as well

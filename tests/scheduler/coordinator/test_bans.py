@@ -54,6 +54,23 @@ async def test_a_verdict_bans_once_and_rolls_back_to_the_liars_first_step() -> N
     assert bans.metrics.audit_runs._value.get() == 2
 
 
+async def test_a_liar_caught_before_any_lease_saw_it_is_recorded_from_the_step_it_was_caught() -> (
+    None
+):
+    """A replica admitted as a step opened, after that step's leases went out, and caught lying
+    as an auditor (so no result's path touched it either): its first step is the one it was
+    caught at, recorded with the ban (tests/test_audits.py reads it)."""
+    bans, rolled, _, _ = _bans()
+    bans.saw([[Replica("a", "a:1")], [Replica("b", "b:1")]], 0)
+    verdict = Verdict("liar", 1, "it re-executed outputs that differ")
+    ledger = StepLedger(step=4, microbatches=4, stages=2, microbatch_size=4)
+    assert not await bans.screen(
+        "t", _result(4, 0, touched=("a", "b"), verdicts=(verdict,)), ledger
+    )
+    assert rolled == [4] and list(bans.banned) == ["liar"]
+    assert bans.first_seen["liar"] == 4
+
+
 async def test_a_result_that_does_not_rest_on_a_banned_peer_counts() -> None:
     bans, rolled, voided, _ = _bans()
     bans.banned["liar"] = "evidence"
