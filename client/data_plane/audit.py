@@ -126,6 +126,12 @@ class Audits:
         # Unpredictable to every replica: drawn after their answers, from the OS's randomness.
         self.rng = rng or random.SystemRandom()
 
+    def auditors(self, stage: int, producers: Iterable[str]) -> list[str]:
+        """The replicas of `stage` that could re-execute work `producers` did (none: a pool of
+        one, or every other replica gone)."""
+        excluded = set(producers)
+        return [p for p in self.reexecutor.peers(stage) if p not in excluded]
+
     def drawn(self, stages: Iterable[int]) -> list[int]:
         """The stages of one microbatch to audit, each with probability `fraction`."""
         return [k for k in stages if self.fraction > 0 and self.rng.random() < self.fraction]
@@ -199,7 +205,7 @@ class Audits:
         """The liars found in `work`; with `seed`, its gradient's digest by two auditors."""
         claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
         producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
-        others = [p for p in self.reexecutor.peers(work.stage) if p not in producer.values()]
+        others = self.auditors(work.stage, producer.values())
         first = self.rng.choice(others) if others else None
         a = None if first is None else await self._redo(first, step, index, work, seed)
         if first is None or a is None:

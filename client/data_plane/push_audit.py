@@ -146,7 +146,10 @@ class PushAudits:
     ) -> list[Verdict]:
         """Stage `c.stage`'s record fetched, checked against `c`, and re-executed elsewhere."""
         client = None if c is None else self.routes.clients.get(c.peer)
-        if c is None or client is None:
+        # Nobody to redo it (a pool of one): its record, the stage's tensors of the microbatch,
+        # is not fetched. Its bytes would cross the trainer's link for nothing: on a home link
+        # they were most of what it carried (issue 52's shaped bench).
+        if c is None or client is None or not self.audits.auditors(c.stage, [c.peer]):
             self.audits.metrics.audited("skipped")
             return []
         try:
