@@ -7,7 +7,7 @@ all rows measured in one run, over links shaped from this run's own unshaped com
 
     sudo .venv/bin/python bench/boundary.py [--rows full,full+codec,subspace,subspace+codec]
         [--codec hadamard3] [--rank 48[,96...]] [--subspace-keys "k = v; ..."] [--bottleneck R]
-        [--factor 32]
+        [--factor 32,64]
         [--workload d320|small] [--max-steps 480]
         [--eval-every 16] [--target-step 240] [--agree 0.05] [--max-windows 6]
         [--timeout 1800] [--quick] [--keep-logs] [--json]
@@ -37,7 +37,10 @@ names them; they need it.
    outputs forward plus its input gradient backward) over `--factor` x its unshaped step time:
    at that rate the full boundary's traffic needs `--factor` x what the link carries while the
    stages compute at their unshaped rate. Every host's link gets it both ways (tc tbf on both
-   ends of its veth, as bench/wan.py shapes).
+   ends of its veth, as bench/wan.py shapes). The full row sends float32; a bf16 boundary, the
+   unit the issue counts bytes in, is half of it: `--factor 32,64` (the default) shapes the
+   links 32x under the full row's need and again 64x (32x under a bf16 boundary's), each a
+   shaped pass and a score of its own against the one unshaped pass.
 3. Shaped. Each row again on a fresh swarm over the shaped links, only until its step time is
    steady (no evaluation).
 
@@ -49,12 +52,12 @@ of the first three consecutive windows within `--agree` of their mean, else, aft
 `--max-windows`, of the last three ("not steady"); bench/time_to_loss.py's rule. An unshaped
 run's windows are those of its first `--max-windows` windows that hold no evaluation step.
 
-Printed: both tables (shaped, unshaped) with bytes/token each way (and x fewer than bf16, the
-issue's unit: 2 x d_model), the validation loss at `--max-steps` (equal steps) against the full
-row's, the steady step time, steps to the target, T and T against the full row's; then the
+Printed, for each factor: both tables (shaped, unshaped) with bytes/token each way (and x fewer than
+bf16, the issue's unit: 2 x d_model), the validation loss at `--max-steps` (equal steps) against the
+full row's, the steady step time, steps to the target, T and T against the full row's; then the
 issue's targets, PASS or FAIL: at the T-best shaped row, T <= 0.25 x the full row's, >= 32x fewer
-bytes per token than bf16 both ways, the equal-step loss within 3% of the full row's, and its
-shaped throughput >= 0.8 x its unshaped one.
+bytes per token than bf16 both ways, the equal-step loss within 3% of the full row's, and its shaped
+throughput >= 0.8 x its unshaped one.
 
 `--quick` is a smoke run of the bench itself (the `small` workload, d_model 64, 16 steps evaluated
 every 8, windows of 2 steps, links at most 4x under the need): it checks the plumbing, not the
@@ -145,6 +148,17 @@ def parse_rows(text: str, codec: str, ranks: tuple[int, ...] = (48,)) -> list[Ro
     if not rows or rows[0].name != BASE:
         rows = [Row(BASE, False, "none"), *(r for r in rows if r.name != BASE)]
     return rows
+
+
+def parse_factors(text: str, at_most: float = math.inf) -> list[float]:
+    """`--factor`: the link factors, each > 1, capped at `at_most` (`--quick`), distinct."""
+    try:
+        factors = [min(float(f), at_most) for f in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--factor {text!r}: numbers, comma-separated") from None
+    if any(not f > 1 for f in factors):
+        raise argparse.ArgumentTypeError(f"--factor {text!r}: each > 1 (a link under the need)")
+    return list(dict.fromkeys(factors))
 
 
 def job_text(args: argparse.Namespace, row: Row, steps: int, eval_every: int) -> str:
@@ -300,7 +314,8 @@ def run_row(
 ) -> dict[str, Any]:
     """One row on a fresh swarm: unshaped, trained to `--max-steps` with its evaluations;
     shaped, until steady. Every process killed after."""
-    label = f"{'shaped' if shaped else 'unshaped'}-{row.name.replace('+', '_')}"
+    # a shaped run's files are named with its factor: each factor's pass has its own
+    label = f"{f'shaped{args.factor:g}x' if shaped else 'unshaped'}-{row.name.replace('+', '_')}"
     steps = (
         ttl.WARMUP_STEPS + (args.max_windows + 1) * args.window + 2 if shaped else args.max_steps
     )
@@ -412,7 +427,7 @@ def score(
         "codec": args.codec,
         "rank": args.ranks[0] if len(args.ranks) == 1 else args.ranks,
         "bottleneck": args.bottleneck,
-        "factor": args.factor,
+        "factor": args.factor,  # this score's
         "link_rate_bits": args.rate_bits,
         "target": {"step": target_step, "val_loss": target_loss},
         "equal_step": args.max_steps,
@@ -489,7 +504,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--bottleneck", type=int, default=0, help="the bottleneck rows' boundary_bottleneck"
     )
-    parser.add_argument("--factor", type=float, default=32.0, help="full traffic / link rate")
+    parser.add_argument(
+        "--factor",
+        default="32,64",
+        help="full traffic / link rate; several, comma-separated: a shaped pass and a score each",
+    )
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="d320")
     parser.add_argument("--max-steps", type=int, default=480)
     parser.add_argument("--eval-every", type=int, default=16)
@@ -504,13 +523,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.window = WINDOW
     if args.quick:
         args.workload, args.max_steps, args.eval_every, args.window = "small", 16, 8, 2
-        args.max_windows, args.factor = 3, min(args.factor, 4.0)
+        args.max_windows = 3
     if args.target_step is None:
         args.target_step = args.max_steps // 2
     try:
         named = any(r.partition("+")[0].strip() == "bottleneck" for r in args.rows.split(","))
         more = ",bottleneck,bottleneck+codec" if args.bottleneck and not named else ""
         args.ranks = parse_ranks(args.rank)
+        args.factors = parse_factors(args.factor, 4.0 if args.quick else math.inf)
         args.row_list = parse_rows(args.rows + more, args.codec, tuple(args.ranks))
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
@@ -564,7 +584,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="swarm-boundary-"))
     net = Network(PREFIX, addresses())
     procs: list[Proc] = []
-    result: dict[str, Any] | None = None
+    results: list[dict[str, Any]] = []  # a score per factor
     status = 1
     try:
         removed = remove_leftovers(PREFIX, _bench_alive)
@@ -582,15 +602,17 @@ def main() -> int:
                 f"{u['bytes_per_token']['forward']:.1f} / {u['bytes_per_token']['backward']:.1f}"
                 f", val loss {u['evals'][-1][1]:.4f}"
             )
-        args.rate_bits = link_rate_bits(unshaped[BASE], args)
-        net.shape(args.rate_bits)
-        say(f"links shaped to {args.rate_bits / 1e6:.3f} Mbit/s each way")
-        shaped: dict[str, dict[str, Any]] = {}
-        for row in args.row_list:
-            say(f"shaped {row.name} ...")
-            shaped[row.name] = run_row(net, row, args, work, procs, shaped=True)
-            say(f"  {shaped[row.name]['step_seconds']:.3f} s/step")
-        result = score(args, unshaped, shaped)
+        for factor in args.factors:
+            args.factor = factor
+            args.rate_bits = link_rate_bits(unshaped[BASE], args)
+            net.shape(args.rate_bits)
+            say(f"links shaped to {args.rate_bits / 1e6:.3f} Mbit/s each way ({factor:g}x)")
+            shaped: dict[str, dict[str, Any]] = {}
+            for row in args.row_list:
+                say(f"shaped {row.name} ...")
+                shaped[row.name] = run_row(net, row, args, work, procs, shaped=True)
+                say(f"  {shaped[row.name]['step_seconds']:.3f} s/step")
+            results.append(score(args, unshaped, shaped))
         status = 0
     except KeyboardInterrupt:
         say("interrupted")
@@ -607,10 +629,11 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
         else:
             say(f"logs in {work}")
-    if result is not None:
+    if status == 0:
         if args.json:
-            print(json.dumps(result, indent=2))
-        else:
+            print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+        for i, result in enumerate(results if not args.json else []):
+            print("\n" * bool(i), end="")
             print_report(result, sys.stdout)
     return status
 

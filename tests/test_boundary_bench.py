@@ -1,6 +1,7 @@
 """bench/boundary.py's arguments: `--rank 48,96` scores each subspace row at each rank in the one
 run (same-run ratios), one rank keeps the rows' plain names, and a bad rank list is refused
-before any namespace is made."""
+before any namespace is made; `--factor 32,64` (the default) shapes the links at each factor,
+each scored against the one unshaped pass, and `--quick` caps each at 4."""
 
 from __future__ import annotations
 
@@ -44,3 +45,18 @@ def test_a_bad_rank_list_is_refused(bad: str, capsys: pytest.CaptureFixture[str]
         boundary.parse_args(["--rank", bad])
     assert exited.value.code == 2
     assert "--rank" in capsys.readouterr().err
+
+
+def test_the_links_are_shaped_at_each_factor_and_quick_caps_them() -> None:
+    assert boundary.parse_args([]).factors == [32.0, 64.0]
+    assert boundary.parse_args(["--factor", "16"]).factors == [16.0]
+    assert boundary.parse_args(["--quick"]).factors == [4.0]  # 32 and 64 both capped: one pass
+    assert boundary.parse_args(["--quick", "--factor", "2,8"]).factors == [2.0, 4.0]
+
+
+@pytest.mark.parametrize("bad", ["1", "32,x", "0.5", ""])
+def test_a_bad_factor_list_is_refused(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        boundary.parse_args(["--factor", bad])
+    assert exited.value.code == 2
+    assert "--factor" in capsys.readouterr().err
