@@ -130,8 +130,8 @@ async def test_a_subspace_boundary_sends_its_coefficients_in_the_codec_and_the_i
     tokens = microbatches * m.microbatch_size * t.seq_len
     got = [c.get("swarm_stage_boundary_tokens_sent_total{forward}", 0.0) for c in counted]
     assert got == [tokens, tokens, 0], got
-    ids = _ids_bytes(job)  # int64 targets, and the token ids as uint8 (a byte vocabulary)
-    beside = ids + ids // 8
+    # The targets and the token ids, each as uint8 (a byte vocabulary), not int64's 8 bytes.
+    beside = 2 * (_ids_bytes(job) // 8)
     sent = [c.get("swarm_stage_wire_bytes_sent_total{}", 0.0) for c in counted]
     want = [coefficients + beside, 2 * coefficients + beside, coefficients]
     assert sent == want, sent
