@@ -18,6 +18,7 @@ from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
+from swarm.model.subspace import wire_targets
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
 from swarm.rpc.stage_client import named
@@ -74,12 +75,18 @@ class PushPlane:
             )
         return routes
 
+    def _narrow(self, labels: torch.Tensor) -> torch.Tensor:
+        """The targets as every hop carries them (`wire_targets`: narrow under a subspace
+        boundary, where they ride beside a few coefficients per token)."""
+        return wire_targets(labels, self.job.model.boundary_rank, self.job.model.vocab_size)
+
     def _timeout(self) -> float:
         return self.job.runtime.rpc_timeout_s * self.job.training.stages  # the whole path
 
     async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
         step, index, stages = task.step, task.index, task.stages
         ids, labels = data.microbatch(step, index)
+        labels = self._narrow(labels)  # as sent: what stage 0 commits to (`PushAudits`)
         inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
         route, last, timeout = self._route(), self.job.training.stages - 1, self._timeout()
         run = secrets.randbits(63)  # this run's records at each replica (`PushAudits`)
@@ -128,8 +135,8 @@ class PushPlane:
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor
     ) -> MicrobatchResult:
         step, index = task.step, task.index
-        inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
-        route, timeout = self._routes, self._timeout()
+        targets = codec.encode(self._narrow(labels), "targets")
+        inputs, route, timeout = codec.encode(ids, "inputs"), self._routes, self._timeout()
         _, pushed = await self.hops.any(
             0,
             lambda c: c.push(

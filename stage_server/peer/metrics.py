@@ -160,6 +160,12 @@ class StageMetrics:
         self._boundary_tokens.labels(**self.values, direction=direction).inc(tokens)
         self.boundary.add(direction, wire_bytes, tokens)
 
+    def passed_on(self, wire_bytes: int, raw_bytes: int) -> None:
+        """A tensor sent beside a boundary tensor, not one (the targets and token ids a push
+        passes on): its bytes, and no boundary's; the boundary's figure stays its tensor's."""
+        self._wire_out.labels(**self.values).inc(wire_bytes)
+        self._raw_out.labels(**self.values).inc(raw_bytes)
+
     def accumulated(self, samples: int, pending: int) -> None:
         self._samples.labels(**self.values).inc(samples)
         self._pending.labels(**self.values).set(pending)

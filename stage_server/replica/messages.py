@@ -300,6 +300,15 @@ class Messages:
         self._sent(msg, tensor, direction)
         return msg
 
+    def beside(self, tensor: torch.Tensor, name: str) -> tensor_pb2.Tensor:
+        """`tensor`, the targets or a subspace boundary's token ids that the push plane passes
+        on beside its outputs, encoded as it is and counted as sent (not in the boundary's
+        figure, which is its tensor's). Once per microbatch, as the outputs: a try on another
+        replica sends the same message."""
+        msg = codec.encode(tensor, name)
+        self.metrics.passed_on(msg.nbytes, tensor.numel() * tensor.element_size())
+        return msg
+
     def _sent(self, msg: tensor_pb2.Tensor, tensor: torch.Tensor, direction: Way) -> None:
         raw = tensor.numel() * tensor.element_size()
         self.metrics.sent(msg.nbytes, raw, direction, tokens_of(tensor))

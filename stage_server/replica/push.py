@@ -265,18 +265,19 @@ class PushPlane:
         )
         if record is not None and said is not None:
             record.sent("outputs", said, said_digest)
+        beside = self.messages.beside  # what goes on with the outputs: counted as sent too
         try:
             pushed = await self._next_hop.send(
                 step,
                 index,
                 outputs,
-                targets,
+                beside(targets, "targets"),
                 accumulate,
                 list(h.route),
                 need_grad=need_grad,
                 deadline=_deadline(time_remaining(), rt),
                 evaluate=evaluate,
-                tokens=tokens,
+                tokens=None if tokens is None else beside(tokens, "tokens"),
                 run=h.run,
             )
         finally:

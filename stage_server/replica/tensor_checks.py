@@ -81,7 +81,10 @@ class TensorChecks:
         return self.to_device(grad, self.device)
 
     def targets(self, targets: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        """The last stage's targets: int64 token ids [batch, seq] of `inputs`, in the vocabulary."""
+        """The last stage's targets: int64 token ids [batch, seq] of `inputs`, in the vocabulary
+        (under `model.boundary_rank` also as the push plane sends them, narrow: `wire_targets`)."""
+        if self.job.model.boundary_rank and targets.dtype in (torch.uint8, torch.int32):
+            targets = targets.long()
         return self._ids("targets", targets, inputs)
 
     def tokens(self, tokens: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ import hashlib
 import torch
 from torch import nn
 
-__all__ = ["Projected", "Subspace", "subspace_seed", "wire_tokens"]
+__all__ = ["Projected", "Subspace", "subspace_seed", "wire_targets", "wire_tokens"]
 
 
 def subspace_seed(seed: int, rank: int) -> int:
@@ -40,6 +40,14 @@ def wire_tokens(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     the wire that holds the vocabulary (uint8 for bytes, else int32), not int64: they are part of
     what every hop sends. A stage widens them back (`TensorChecks.tokens`)."""
     return ids.to(torch.uint8 if vocab <= 1 << 8 else torch.int32)
+
+
+def wire_targets(targets: torch.Tensor, rank: int, vocab: int) -> torch.Tensor:
+    """The targets as the push plane carries them through every hop: under a subspace boundary
+    (`rank`, `model.boundary_rank`) as narrow as the token ids, where int64's 8 bytes a token
+    would be a third of a boundary's bytes (48 coefficients in `hadamard3` take 18); int64
+    otherwise, as ever. The last stage widens them back (`TensorChecks.targets`)."""
+    return wire_tokens(targets, vocab) if rank else targets
 
 
 class Subspace(nn.Module):

@@ -13,7 +13,7 @@ import torch
 from stage_server.replica.runtime import StageRuntime
 from swarm.errors import InvalidArgument
 from swarm.model.data import make_data
-from swarm.model.subspace import wire_tokens
+from swarm.model.subspace import wire_targets, wire_tokens
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import make_job
 
@@ -83,3 +83,24 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_lookup(
     tokens[2, 5] = bad  # would index past the fixed table (or wrap around)
     with pytest.raises(InvalidArgument, match=r"tokens must lie in \[0, 64\)"):
         rt.forward(0, 0, torch.zeros(4, 16, RANK, dtype=torch.float64), tokens=tokens)
+
+
+def test_the_last_stage_takes_the_targets_as_narrow_as_the_push_plane_sends_them(
+    tmp_path: Path,
+) -> None:
+    """Under a subspace boundary the targets ride every hop beside a few coefficients per
+    token: they travel as narrow as the token ids, and give the same loss; a full boundary's
+    last stage still takes int64 alone (its peers may predate the narrow form)."""
+    job = make_job(tmp_path, "sub", model={"boundary_rank": RANK})
+    ids = make_data(job).microbatch(0, 0)[1]
+    narrow = wire_targets(ids, RANK, job.model.vocab_size)
+    assert narrow.dtype == torch.uint8
+    c = torch.randn(ids.shape[0], ids.shape[1], RANK, dtype=torch.float64)
+    last = StageRuntime(job, job.training.stages - 1)
+    tokens = wire_tokens(ids, job.model.vocab_size)
+    assert last.evaluate(0, c, narrow, tokens) == last.evaluate(0, c, ids, tokens)
+    full = make_job(tmp_path, "full")
+    assert wire_targets(ids, 0, full.model.vocab_size) is ids
+    x = torch.zeros(ids.shape[0], ids.shape[1], full.model.d_model, dtype=torch.float64)
+    with pytest.raises(InvalidArgument, match="targets must be int64"):
+        StageRuntime(full, full.training.stages - 1).evaluate(0, x, narrow)
