@@ -153,6 +153,23 @@ async def test_an_audited_contribution_is_digested_by_two_auditors_whatever_the_
     assert await audits.audited(0, 3, [_work()], others) == ([], 0, [])
 
 
+async def test_a_lying_second_auditor_of_a_contribution_is_convicted() -> None:
+    """A contribution's audit asks both others at once (its digest needs two). Where the liar is
+    asked second, the first agreed with the answers: its own answers must still be held to
+    those two, which agree, or an auditor that lies goes unseen (it did: nobody compared them)."""
+    asked_second = 0
+    for seed in range(10):
+        replicas = Replicas(liars={"c"})
+        audits = _audits(replicas, fraction=0.0, seed=seed)
+        audit = ContributionAudit(1, "a", 99)
+        verdicts, runs, digests = await audits.audited(0, 3, [_work()], [audit])
+        (verdict,) = verdicts
+        assert verdict.peer == "c" and verdict.stage == 1 and "re-executed" in verdict.evidence
+        assert runs == 2 and digests == []  # its digest disagreed too: nothing vouched for
+        asked_second += replicas.asked == ["b", "c"]
+    assert 0 < asked_second < 10  # both orders were met
+
+
 async def test_two_auditors_that_disagree_on_a_gradient_vouch_for_nothing() -> None:
     audits = _audits(Replicas(liars={"c"}), fraction=0.0)
     _, runs, digests = await audits.audited(0, 3, [_work()], [ContributionAudit(1, "a", 99)])
