@@ -102,7 +102,8 @@ def device_peak(server: SwarmProcess) -> int | None:
 def audits(registry: CollectorRegistry) -> tuple[dict[str, int], float]:
     """The trainer's audits by outcome, and the largest difference between two honest answers
     one accepted (`client.metrics`)."""
-    outcomes, largest = {}, 0.0
+    outcomes: dict[str, int] = {}
+    largest = 0.0
     for metric in registry.collect():
         for s in metric.samples:
             if s.name == "swarm_trainer_audits_total":
