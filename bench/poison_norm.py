@@ -23,8 +23,8 @@ import asyncio
 import logging
 import sys
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +42,6 @@ from swarm.ops.faults import parse_faults  # noqa: E402
 from swarm.ops.poison import Poison  # noqa: E402
 from tests.support.inprocess import Swarm  # noqa: E402
 from tests.support.jobs import make_job  # noqa: E402
-
 
 Hostile = Callable[[Swarm], None]
 
