@@ -8,8 +8,8 @@ and runs this): one that fails or hangs is reported and the next still runs.
    against free device and host memory);
 3. CUDA tests: the tests that need CUDA (bench/gpu_cuda_tests.py picks them), on the device;
 4. train fp32 / 5. train bf16-mixed: 2 stages x 2 replicas against the CPU reference
-   (bench/gpu_train_check.py), each stage's replicas bitwise equal, tokens/s and device memory
-   per process;
+   (bench/gpu_train_check.py), each stage's replicas bitwise equal, no audit finding two honest
+   replicas apart past its tolerance (issue 55), tokens/s and device memory per process;
 6. llama-1b: the 1B example (bench/llama_1b.py) in bf16-mixed: tokens/s, MFU, device memory;
 7. gpu ratio: swarm against single-process torch on the device (bench/gpu_ratio.py), the
    short shape (`--ratio-shapes short,long` for both);
@@ -226,7 +226,8 @@ class Check:
             f"CPU reference: loss {r['loss_rel_err']:.2e}, parameters {r['param_rel_err']:.2e} "
             f"({r['param_worst']}); replicas of each stage bitwise equal: "
             f"{'yes' if r['replicas_bitwise_equal'] else 'NO'}; "
-            f"{r['tokens_per_s']:.0f} tokens/s; {memory}"
+            f"audits {r['audits'].get('agreed', 0)} agreed (largest difference "
+            f"{r['audit_max_difference']:.1e}); {r['tokens_per_s']:.0f} tokens/s; {memory}"
         )
         if self.cuda and not all(p is not None for p in peaks):
             r["failures"].append("a server logged no device memory: did it run on the GPU?")

@@ -8,6 +8,10 @@ tensor within 1e-5 (||swarm - reference|| / ||reference||). bf16-mixed: every st
 1% (bfloat16 rounding, and bf16 on the wire). In both, the replicas of each stage hold bitwise
 the same parameters and optimizer state at the end: every replica applies the same averaged
 update with the same kernel (swarm/model/optim.py claims it; this checks it on the device).
+The job audits at its default `[trust] audit_fraction` (issue 55): an audit that finds two
+honest replicas apart past the tolerance of the job's compute (`undecided` with two replicas a
+stage; `caught` would be a false accusation) fails the check, and the largest difference an
+audit accepted is printed.
 Prints the run's tokens/s (steps after the first) and each server's memory: on CUDA its
 `max_memory_allocated`, which a stage server logs as it stops; on a CPU its peak RSS. The last
 line is `RESULT {json}`; exit status 1 when a tolerance is missed.
@@ -30,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
 
 from bench import forked_servers  # noqa: E402
 from bench.bulk import peak_rss  # noqa: E402
@@ -94,6 +99,20 @@ def device_peak(server: SwarmProcess) -> int | None:
     return read_peak(server.log())
 
 
+def audits(registry: CollectorRegistry) -> tuple[dict[str, int], float]:
+    """The trainer's audits by outcome, and the largest difference between two honest answers
+    one accepted (`client.metrics`)."""
+    outcomes: dict[str, int] = {}
+    largest = 0.0
+    for metric in registry.collect():
+        for s in metric.samples:
+            if s.name == "swarm_trainer_audits_total":
+                outcomes[s.labels["outcome"]] = int(s.value)
+            elif s.name == "swarm_trainer_audit_max_difference":
+                largest = max(largest, s.value)
+    return outcomes, largest
+
+
 async def replica_state(job: JobConfig, stage: int, replica: Replica) -> dict[str, torch.Tensor]:
     """One replica's whole state (parameters and optimizer state), as a joiner downloads it."""
     client = StageClient(replica.address, job, fingerprint(job), stage)
@@ -151,6 +170,7 @@ def main() -> int:
 
     servers: list[SwarmProcess] = []
     records: list[StepRecord] = []
+    registry = CollectorRegistry()
     reference: list[StepRecord] = []
     threads = ["--threads", "1"] if args.device == "cpu" else []
     try:
@@ -170,7 +190,10 @@ def main() -> int:
             for k in range(STAGES)
         ]
         state = asyncio.run(
-            asyncio.wait_for(train_standalone(job, pool, on_step=records.append), args.timeout)
+            asyncio.wait_for(
+                train_standalone(job, pool, registry=registry, on_step=records.append),
+                args.timeout,
+            )
         )
         apart = asyncio.run(replicas_apart(job, pool))
         rss = [peak_rss(s.proc.pid) for s in servers]
@@ -201,6 +224,9 @@ def main() -> int:
     if args.precision == "fp32" and param_err > PARAM_TOLERANCE:
         failures.append(f"a trained tensor is {param_err:.2e} off the reference's > 1e-5")
     failures += [f"replicas apart: {line}" for line in apart[:10]]
+    audited, audit_difference = audits(registry)
+    if audited.get("caught") or audited.get("undecided"):
+        failures.append(f"an audit found honest replicas apart past its tolerance: {audited}")
     result: dict[str, Any] = {
         "device": args.device,
         "precision": args.precision,
@@ -211,6 +237,8 @@ def main() -> int:
         "param_rel_err": param_err,
         "param_worst": worst,
         "replicas_bitwise_equal": not apart,
+        "audits": audited,
+        "audit_max_difference": audit_difference,
         "tokens_per_s": tokens_s,
         "reference_s": reference_s,
         "device_peak_bytes": peaks,
@@ -231,6 +259,8 @@ def main() -> int:
         f"{len(losses)} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}; largest relative "
         f"error against the CPU reference: loss {loss_err:.2e}, parameters {param_err:.2e} "
         f"({worst}); replicas of each stage bitwise equal: {'yes' if not apart else 'NO'}; "
+        f"audits {audited.get('agreed', 0)} agreed (largest difference {audit_difference:.1e}), "
+        f"{audited.get('undecided', 0) + audited.get('caught', 0)} apart; "
         f"{tokens_s:.0f} tokens/s; device memory per server (max_memory_allocated): {memory}"
     )
     for failure in failures:

@@ -5,11 +5,15 @@ hostile replica per pool within 2% of the honest run at equal steps").
     .venv/bin/python bench/poison_norm.py [--steps 12] [--scale 1e4]
 
 A float64 job of 4 stages x 3 replicas (real stage servers on real ports, in this process, so
-one replica of every stage can be made hostile: it multiplies the gradient sums it contributes
-to its pool's averaging by `--scale`, every step; finite, so no check of form refuses it). Three
-runs at equal steps: honest; hostile with `[trust] clip = "off"`; hostile with the default
-`"norm_bound"`. Printed: each run's validation loss of its final model, against the honest
-run's (a ratio measured in the same run), and how many replicas the bound left out.
+one replica of every stage can be made hostile), audits off (`audit_fraction = 0`, the tests'
+default). Runs at equal steps: honest; a hostile replica per stage that multiplies the gradient
+sums it contributes to its pool's averaging by `--scale`, every step (finite, so no check of
+form refuses it), with `[trust] clip = "off"` and with the default `"norm_bound"`; and, with the
+bound, the lies it lets through by design: sums bent within it (element i times 1 + cos i, as
+`poison-bent`) and wrong activations and input gradients (`poison-outputs` and
+`poison-grad-inputs`, `swarm.ops.poison`), which only the audits catch. Printed: each run's
+validation loss of its final model, against the honest run's (a ratio measured in the same
+run), and how many replicas the bound left out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import logging
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,25 +38,47 @@ from swarm.job.fingerprint import fingerprint  # noqa: E402
 from swarm.model.data import make_val_data  # noqa: E402
 from swarm.model.reference import evaluate  # noqa: E402
 from swarm.model.transformer import build_model  # noqa: E402
+from swarm.ops.faults import parse_faults  # noqa: E402
+from swarm.ops.poison import Poison  # noqa: E402
 from tests.support.inprocess import Swarm  # noqa: E402
 from tests.support.jobs import make_job  # noqa: E402
 
-
-def _hostile(swarm: Swarm, scale: float) -> None:
-    """The last replica of every stage scales what it contributes to its pool's rounds."""
-    for stage in swarm.servers:
-        committer = stage[-1].servicer._commits
-        honest = committer._average
-
-        async def scaled(c: Any, sums: list[torch.Tensor], *a: Any, _h: Any = honest) -> Any:
-            for t in sums:
-                t.mul_(scale)
-            return await _h(c, sums, *a)
-
-        setattr(committer, "_average", scaled)  # noqa: B010 (a bench's hostile replica)
+Hostile = Callable[[Swarm], None]
 
 
-async def _run(job: JobConfig, hostile: float | None) -> tuple[float, int]:
+def _contributing(change: Callable[[torch.Tensor], None]) -> Hostile:
+    """The last replica of every stage changes what it contributes to its pool's rounds."""
+
+    def hostile(swarm: Swarm) -> None:
+        for stage in swarm.servers:
+            committer = stage[-1].servicer._commits
+            honest = committer._average
+
+            async def changed(c: Any, sums: list[torch.Tensor], *a: Any, _h: Any = honest) -> Any:
+                for t in sums:
+                    change(t)
+                return await _h(c, sums, *a)
+
+            setattr(committer, "_average", changed)  # noqa: B010 (a bench's hostile replica)
+
+    return hostile
+
+
+def _bent(t: torch.Tensor) -> None:
+    t.mul_(torch.arange(t.numel(), dtype=torch.float64).cos_().add_(1).to(t.dtype).reshape(t.shape))
+
+
+def _computing(lies: str) -> Hostile:
+    """The last replica of every stage answers its stage compute wrong (`swarm.ops.poison`)."""
+
+    def hostile(swarm: Swarm) -> None:
+        for stage in swarm.servers:
+            stage[-1].servicer.poison = Poison.of(parse_faults(lies))
+
+    return hostile
+
+
+async def _run(job: JobConfig, hostile: Hostile | None) -> tuple[float, int]:
     """The final model's validation loss, and the replicas left out, of one run of `job`."""
     swarm = Swarm(job)
     left: list[str] = []
@@ -66,7 +93,7 @@ async def _run(job: JobConfig, hostile: float | None) -> tuple[float, int]:
     try:
         await swarm.add_replicas(3)
         if hostile is not None:
-            _hostile(swarm, hostile)
+            hostile(swarm)
         coordinator = LocalCoordinator(job, fingerprint(job), swarm.members)
         await swarm.train(coordinator, trainers=2)
         model = build_model(job, "cpu")
@@ -81,17 +108,24 @@ async def _run(job: JobConfig, hostile: float | None) -> tuple[float, int]:
 async def main(steps: int, scale: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         training = {"steps": steps, "target_batch_size": 32, "checkpoint_every": 0}
-        runs = {
+        scaled = _contributing(lambda t: t.mul_(scale))
+        bound = make_job(Path(tmp), "bound", training=training)
+        runs: dict[str, tuple[JobConfig, Hostile | None]] = {
             "honest": (make_job(Path(tmp), "honest", training=training), None),
-            "hostile, clip off": (
+            f"x{scale:g}, clip off": (
                 make_job(Path(tmp), "off", training=training, trust={"clip": "off"}),
-                scale,
+                scaled,
             ),
-            "hostile, norm_bound": (make_job(Path(tmp), "bound", training=training), scale),
+            f"x{scale:g}, norm_bound": (bound, scaled),
+            "bent, norm_bound": (bound, _contributing(_bent)),
+            "wrong compute, bound": (
+                bound,
+                _computing("poison-outputs@0,poison-grad-inputs@0"),
+            ),
         }
         results = {name: await _run(job, hostile) for name, (job, hostile) in runs.items()}
     base = results["honest"][0]
-    print(f"\n4 stages x 3 replicas, float64, {steps} steps; 1 hostile replica a stage, x{scale:g}")
+    print(f"\n4 stages x 3 replicas, float64, {steps} steps, audits off; 1 hostile replica a stage")
     print(f"{'run':<22} {'val loss':>12} {'vs honest':>10} {'left out':>9}")
     for name, (loss, left) in results.items():
         print(f"{name:<22} {loss:>12.6f} {loss / base:>10.4f} {left:>9}")

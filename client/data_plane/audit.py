@@ -22,6 +22,9 @@ the coordinator per step and stage; docs/decisions.md, "The parameter-gradient a
 microbatch whose stage it accumulated is re-executed on two others of the stage, which digest
 its parameter gradient with a seed the audited replica never learns; the two digests, equal bit
 for bit, go to the coordinator (`GradientDigest`), which holds their sum to the contribution.
+The second auditor's answers are held to the two others' there too, whoever agreed first. Two
+digests that differ vouch for nothing and convict nobody: an auditor that lies in its digest
+alone is not caught (the round's q·x could tell which digest is the contribution's; not done).
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ import torch
 
 from client.metrics import TrainerMetrics
 from swarm.errors import SwarmError
+from swarm.job.config import JobConfig
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
 from swarm.rpc.stage_client import TensorLike
 
-__all__ = ["TOLERANCE", "Audits", "Redone", "Reexecutor", "Work", "differs"]
+__all__ = ["TOLERANCE", "Audits", "Redone", "Reexecutor", "Work", "differs", "tolerance_of"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,24 @@ log = logging.getLogger(__name__)
 # (a GPU's, a CPU with other vector units), far below any error worth making. A liar whose error
 # stays under it moves the model less than the dtype's own rounding across machines does.
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}
+LOSSY = 2e-2  # at least, with a lossy activation codec: one may round an ulp apart
+
+
+def tolerance_of(job: JobConfig) -> float:
+    """The relative gap an audit of `job` accepts between two honest answers: that of the
+    arithmetic its stages compute in, not only of its parameters' dtype. Under
+    `training.precision = "bf16-mixed"` they compute in bfloat16 whatever the wire; with
+    `training.tf32` a GPU's float32 matmuls keep 10 bits of mantissa, as float16's (a CPU's
+    keep 23): held to float32's 1e-4, an honest replica on another device, or on a CPU beside
+    GPUs, would be convicted by two that share its neighbour's kernels."""
+    tolerance = TOLERANCE[job.training.dtype]
+    if job.training.precision == "bf16-mixed":
+        tolerance = max(tolerance, TOLERANCE["bfloat16"])
+    if job.training.tf32 and job.training.dtype == "float32":
+        tolerance = max(tolerance, TOLERANCE["float16"])
+    if (job.compression.forward, job.compression.backward) != ("none", "none"):
+        tolerance = max(tolerance, LOSSY)
+    return tolerance
 
 
 @dataclass(frozen=True)
@@ -220,12 +242,16 @@ class Audits:
         redone_a = {"outputs": a.outputs, "input gradients": a.grad_inputs}
         gaps = {item: differs(claimed[item], redone_a[item]) for item in _ITEMS}
         wrong = [item for item in _ITEMS if gaps[item] > self.tolerance]
+        where = f"microbatch ({step}, {index}) at stage {work.stage}"
         if not wrong:
+            if second is not None and b is not None:  # asked for the digest: its answers too
+                lied = self._outvoted(work, where, first, redone_a, second, b)
+                if lied is not None:
+                    return [lied], digest
             self.metrics.agreed(max(gaps.values()))
             return [], digest
         if b is None and second is not None:
             b = await self._redo(second, step, index, work)
-        where = f"microbatch ({step}, {index}) at stage {work.stage}"
         if second is None or b is None:
             self.metrics.audited("undecided")
             log.warning(
@@ -266,6 +292,33 @@ class Audits:
             log.warning("audit: %s caught lying: %s", liar, evidence)
             verdicts.append(Verdict(liar, work.stage, evidence))
         return verdicts, digest
+
+    def _outvoted(
+        self,
+        work: Work,
+        where: str,
+        first: str,
+        redone_a: dict[str, torch.Tensor | None],
+        second: str,
+        b: Redone,
+    ) -> Verdict | None:
+        """The second auditor, asked at once for a contribution's digest while the first agreed
+        with the answers: convicted where its own answers differ from those two, which agree
+        (otherwise a lying second auditor would go unseen: nobody compared what it said)."""
+        claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
+        producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
+        redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
+        for item in _ITEMS:
+            by = differs(redone_b[item], claimed[item])
+            if by > self.tolerance and not self._close(redone_b[item], redone_a[item]):
+                evidence = (
+                    f"auditing {where}, it re-executed {item} that differ by {by:.3g} "
+                    f"(relative) from those of {producer[item]} and of {first}, which agree"
+                )
+                self.metrics.audited("caught")
+                log.warning("audit: %s caught lying: %s", second, evidence)
+                return Verdict(second, work.stage, evidence)
+        return None
 
 
 def _digest(

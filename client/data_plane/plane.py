@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from client.data_plane.audit import TOLERANCE, Audits
+from client.data_plane.audit import Audits, tolerance_of
 from client.data_plane.boundary import BoundaryCache
 from client.data_plane.carry import CarryPlane
 from client.data_plane.hops import StageHops
@@ -59,8 +59,5 @@ def audits_of(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> Audit
     replicas hold different parameters between rounds, so no other can redo their work."""
     if not job.trust.audit_fraction or rule_of(job).rounds:
         return None
-    tolerance = TOLERANCE[job.training.dtype]
-    if (job.compression.forward, job.compression.backward) != ("none", "none"):
-        tolerance = max(tolerance, 2e-2)  # a lossy codec may round one ulp apart
     reexecutor = StageReexecutor(job, hops.routes)
-    return Audits(job.trust.audit_fraction, tolerance, reexecutor, metrics)
+    return Audits(job.trust.audit_fraction, tolerance_of(job), reexecutor, metrics)

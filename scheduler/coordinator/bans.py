@@ -5,7 +5,9 @@ job for good, and its influence is replayed away.
 - **Banned**: it is no member from then on, whatever the peer registry or the command line says
   (`members` filters it out of every view the coordinator takes: trainers, rounds, rollbacks,
   checkpoints), and the ban is said in the log and to the job's history with the evidence.
-  Under TLS a peer's certificate names its peer id, so the id is its credential too.
+  The id is its credential only where the broker binds ids to credentials (a certificate named
+  as the id under `--use-identity-as-username`, a Mosquitto password of its own): with the
+  shared token alone, TLS or not, a liar can come back under another id, to be audited again.
 - **Replayed away**: any of its answers may have been wrong, not only the one caught, and every
   microbatch it touched moved every stage's gradient. So the job rolls back to the last
   checkpoint at or before the first step it could have worked on (`first_seen`: the first

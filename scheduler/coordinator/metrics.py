@@ -43,7 +43,8 @@ class CoordinatorFamilies:
         )
         self.stage_runs = counter(
             "swarm_coordinator_stage_runs_total",
-            "Stage computations of the microbatches trainers reported (carry plane)",
+            "Stage computations of the microbatches trainers reported (either plane; on the push "
+            "plane while it audits)",
         )
         self.audit_runs = counter(
             "swarm_coordinator_audit_runs_total",

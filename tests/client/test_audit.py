@@ -4,14 +4,22 @@ behind its `Reexecutor` seam: who is drawn, and who a disagreement convicts."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from client.data_plane.audit import Audits, Redone, Work, differs
+from client.data_plane.audit import TOLERANCE, Audits, Redone, Work, differs
+from client.data_plane.hops import StageHops
+from client.data_plane.plane import audits_of
 from client.metrics import TrainerMetrics
+from swarm.clock import MonotonicClock
 from swarm.errors import PeerUnavailable
+from swarm.job.config import JobConfig
+from swarm.policy.wiring import Wiring
 from swarm.rpc.lease import ContributionAudit, GradientDigest
+from swarm.rpc.routes import Routes
+from tests.support.jobs import make_job
 
 TRUE_OUT, TRUE_GRAD = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3)
 WRONG = torch.full((2, 3), 0.01)
@@ -145,7 +153,56 @@ async def test_an_audited_contribution_is_digested_by_two_auditors_whatever_the_
     assert await audits.audited(0, 3, [_work()], others) == ([], 0, [])
 
 
+async def test_a_lying_second_auditor_of_a_contribution_is_convicted() -> None:
+    """A contribution's audit asks both others at once (its digest needs two). Where the liar is
+    asked second, the first agreed with the answers: its own answers must still be held to
+    those two, which agree, or an auditor that lies goes unseen (it did: nobody compared them)."""
+    asked_second = 0
+    for seed in range(10):
+        replicas = Replicas(liars={"c"})
+        audits = _audits(replicas, fraction=0.0, seed=seed)
+        audit = ContributionAudit(1, "a", 99)
+        verdicts, runs, digests = await audits.audited(0, 3, [_work()], [audit])
+        (verdict,) = verdicts
+        assert verdict.peer == "c" and verdict.stage == 1 and "re-executed" in verdict.evidence
+        assert runs == 2 and digests == []  # its digest disagreed too: nothing vouched for
+        asked_second += replicas.asked == ["b", "c"]
+    assert 0 < asked_second < 10  # both orders were met
+
+
 async def test_two_auditors_that_disagree_on_a_gradient_vouch_for_nothing() -> None:
     audits = _audits(Replicas(liars={"c"}), fraction=0.0)
     _, runs, digests = await audits.audited(0, 3, [_work()], [ContributionAudit(1, "a", 99)])
     assert runs == 2 and digests == []  # the coordinator skips that contribution's audit
+
+
+@pytest.mark.parametrize(
+    ("training", "least"),
+    [
+        ({"tf32": True}, TOLERANCE["float16"]),  # a GPU's float32 matmuls: 10 mantissa bits
+        ({"precision": "bf16-mixed"}, TOLERANCE["bfloat16"]),  # bfloat16 compute, exact wire
+    ],
+    ids=["tf32", "bf16-mixed"],
+)
+def test_the_tolerance_is_the_arithmetics_not_only_the_parameters_dtype(
+    tmp_path: Path, training: dict[str, object], least: float
+) -> None:
+    """A float32 job that computes in less than float32 rounds, between two honest devices (or a
+    CPU beside GPUs), to what its compute keeps: held to float32's 1e-4 instead, the honest
+    replica whose kernels differ from the two others' would be convicted by them and banned."""
+    trust = {"audit_fraction": 0.5}
+    plain = make_job(tmp_path, "plain", training={"dtype": "float32"}, trust=trust)
+    job = make_job(tmp_path, "low", training={"dtype": "float32", **training}, trust=trust)
+    assert job.compression.forward == job.compression.backward == "none"  # no codec's allowance
+
+    def tolerance(job: JobConfig) -> float:
+        wiring = Wiring(job.training.stages, clock=MonotonicClock(), rng=random.Random(0))
+        metrics = TrainerMetrics("job")
+        audits = audits_of(job, StageHops(Routes(job, "job", None, wiring), 1, metrics), metrics)
+        assert audits is not None
+        return audits.tolerance
+
+    assert tolerance(plain) == TOLERANCE["float32"]  # IEEE float32 everywhere: as before
+    assert tolerance(job) >= least
+    # a lie past the compute's rounding is still one: no wider than the coarsest arithmetic
+    assert tolerance(job) <= 2e-2
