@@ -68,6 +68,8 @@ class Rollback:
         # than the last, and from the wall clock (milliseconds) so that a scheduler restarted,
         # its count of rollbacks at 0 again, still leases work newer than a replica last saw.
         self.leasing = time.time_ns() // 1_000_000
+        # A replica that joins after a rollback got no LoadState of it: its Join says the epoch.
+        membership.epoch = lambda: self.leasing
 
     @property
     def epoch(self) -> str:
