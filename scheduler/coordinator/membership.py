@@ -64,6 +64,9 @@ class Membership:
         # The rollback epoch the coordinator leases in now, said to each joiner (`Rollback`
         # sets it: its `leasing`).
         self.epoch: Callable[[], int] = lambda: 0
+        # The epoch of the last rollback's LoadStates (0: none yet): a replica at an older one
+        # missed it, and holds the state from before it (`readmit` leaves it out).
+        self.rolled_back = 0
         self._sources: dict[str, str] = {}  # joiner -> the peer of the member it copies
         self._joining: dict[str, asyncio.Task[None]] = {}  # peer -> its join in the background
         # peer -> (stage, the joiner, the member it copies), once asked to copy it
@@ -162,6 +165,9 @@ class Membership:
         a stage's only replica and, beside it, one of another stage's; both come back holding
         the state at the step the job stalled at, and the second must not be shown joining and
         made to download it (it would be, at the boundary, once the first let a step commit).
+        One whose rollback epoch is older than the last rollback's missed its LoadState (it did
+        not answer then): what it holds at `step` is of the training before that rollback, and it
+        would take work leased before it; it is not re-admitted (the rollback loads it instead).
         Returns whether every stage has a member now."""
         members, current = self.members(), self.replicas()
         candidates = [
@@ -179,6 +185,14 @@ class Membership:
                 continue
             if (info.job, info.stage, info.step) != (self.job_id, stage, step):
                 continue  # restarted empty, or serving something else: it does not hold it
+            if info.epoch < self.rolled_back:
+                log.warning(
+                    "stage %d: %s answers at step %d but missed the last rollback: not re-admitted",
+                    stage,
+                    r.peer,
+                    step,
+                )
+                continue
             ledgers = [ledger for ledger in self.ledgers() if ledger.step >= step]
             for ledger in ledgers:
                 self.metrics.replays.inc(len(ledger.lose(r.peer, stage)))

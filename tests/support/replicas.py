@@ -144,6 +144,7 @@ class FakeReplica:
             applied_scale=self.applied[1],
             round_synced=self.round_synced,
             round_samples=self.round_samples,
+            epoch=self.epoch,
         )
 
     async def prepare(
