@@ -308,8 +308,8 @@ class Membership:
             self._copied.add(joiner.peer)  # a copy: it waits for a moment it may join at
         else:
             self._copied.discard(joiner.peer)
-        told = epoch == self.epoch()
-        if at != step or not told or not self.can_admit(step) or joiner.peer in self.synced:
+        current = epoch == self.epoch()  # the epoch its Join said is the coordinator's still
+        if at != step or not current or not self.can_admit(step) or joiner.peer in self.synced:
             return joiner.peer in self.synced
         self._copied.discard(joiner.peer)
         self._joins.succeeded(joiner.peer)

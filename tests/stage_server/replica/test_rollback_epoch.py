@@ -25,7 +25,7 @@ from scheduler.coordinator.replicas import grpc_replicas
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.step_sums import Sums
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm.errors import FailedPrecondition, Unauthenticated
+from swarm.errors import FailedPrecondition, RemoteError
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net.commit_auth import SchedulerKey
@@ -178,7 +178,7 @@ async def test_only_the_schedulers_join_moves_a_replicas_epoch(
     client = StageClient(server.address, job, job_id, 1)
     x = torch.randn(4, 16, 32, dtype=torch.float64)
     try:
-        with pytest.raises(Unauthenticated):
+        with pytest.raises(RemoteError, match="UNAUTHENTICATED"):
             await client.join("127.0.0.1:1", 0, rollback_epoch=2**62)
         assert server.runtime.sums.epoch == 0
         epoch.leased_in(BEFORE)  # the job's own, no rollback since
