@@ -14,24 +14,34 @@ from pathlib import Path
 
 from swarm.errors import PeerUnavailable
 from swarm.job.fingerprint import fingerprint
-from tests.support.coordinator import MakeHarness, job_of, until
-from tests.support.replicas import FakeSwarm
+from tests.support.coordinator import Harness, MakeHarness, job_of, until
+from tests.support.replicas import FakeReplica, FakeSwarm
+
+_MISSED = PeerUnavailable("UNAVAILABLE: deadline exceeded")  # a LoadState it did not answer
+
+
+async def _started(
+    tmp_path: Path, make_harness: MakeHarness, *stage1: str
+) -> tuple[Harness, list[FakeReplica]]:
+    """A job at step 0: stage 0 has replica a, stage 1 those named `stage1` (returned)."""
+    job = job_of(tmp_path, steps=5)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    swarm.add(0, "a")
+    replicas = [swarm.add(1, peer) for peer in stage1]
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    return h, replicas
 
 
 async def test_a_join_answered_across_a_rollback_admits_only_with_the_rollbacks_epoch(
     tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    job = job_of(tmp_path, steps=5)
-    swarm = FakeSwarm(fingerprint(job), 2)
-    swarm.add(0, "a")
-    swarm.add(1, "c")
-    h = make_harness(job, swarm)
-    await h.coordinator.start()
+    h, _ = await _started(tmp_path, make_harness, "c")
     membership = h.coordinator.membership
     (stale, *_) = await h.lease()  # leased before the rollback
-    m = swarm.add(1, "m")  # appears during step 0
+    m = h.swarm.add(1, "m")  # appears during step 0
     held = m.hold("join")
-    m.fail("load_state", PeerUnavailable("UNAVAILABLE: fake:m: deadline exceeded"))
+    m.fail("load_state", _MISSED)
     await membership.sync(0)  # the boundary: m is asked to Join, its answer held
     await held.entered.wait()
     h.coordinator.bans.roll_back_to(0)  # a ban's: every member loads step 0's state
@@ -50,14 +60,9 @@ async def test_a_join_answered_across_a_rollback_admits_only_with_the_rollbacks_
 async def test_a_replica_that_missed_a_rollbacks_state_is_loaded_not_re_admitted(
     tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    job = job_of(tmp_path, steps=5)
-    swarm = FakeSwarm(fingerprint(job), 2)
-    swarm.add(0, "a")
-    c, x = swarm.add(1, "c"), swarm.add(1, "x")
-    h = make_harness(job, swarm)
-    await h.coordinator.start()
+    h, (c, x) = await _started(tmp_path, make_harness, "c", "x")
     membership = h.coordinator.membership
-    x.fail("load_state", PeerUnavailable("UNAVAILABLE: fake:x: deadline exceeded"))
+    x.fail("load_state", _MISSED)
     h.coordinator.bans.roll_back_to(0)  # x does not answer its LoadState: left out
     assert await h.rollbacks.get() == 0
     assert "x" not in membership.synced and x.epoch == 0
