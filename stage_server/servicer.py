@@ -391,7 +391,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         async def body() -> pb.StageJoinResponse:
             self._route(request.job, request.stage)
             at = await self._transfer.join(
-                self.job_id, request.source, request.step, request.ticket
+                self.job_id, request.source, request.step, request.ticket, request.epoch
             )
             return pb.StageJoinResponse(step=at, copying=True)
 

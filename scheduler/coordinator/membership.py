@@ -2,7 +2,12 @@
 only members; a replica that is new, restarted or moved copies a member of its stage in the
 background (`sync` starts it at a step boundary, training goes on) and becomes one when it is a
 copy at the open step; one that stops answering is dropped until then. Until it is a member a
-replica does not count (status shows it joining, with what it waits for: `waits`)."""
+replica does not count (status shows it joining, with what it waits for: `waits`).
+
+A joiner is told the coordinator's rollback epoch with each Join (`swarm.rpc.epoch`): one that
+joins after a rollback got none of its LoadStates, and would take work leased before it. It is
+admitted only on the answer to a Join that said the epoch current then: one answered across a
+rollback is asked again, with the new one."""
 
 from __future__ import annotations
 
@@ -56,6 +61,12 @@ class Membership:
         self.grad_clip = grad_clip
         self.can_admit, self.on_admit = can_admit, on_admit
         self.on_joined = on_joined  # (step, stage, peer, the member it copied): the route record
+        # The rollback epoch the coordinator leases in now, said to each joiner (`Rollback`
+        # sets it: its `leasing`).
+        self.epoch: Callable[[], int] = lambda: 0
+        # The epoch of the last rollback's LoadStates (0: none yet): a replica at an older one
+        # missed it, and holds the state from before it (`readmit` leaves it out).
+        self.rolled_back = 0
         self._sources: dict[str, str] = {}  # joiner -> the peer of the member it copies
         self._joining: dict[str, asyncio.Task[None]] = {}  # peer -> its join in the background
         # peer -> (stage, the joiner, the member it copies), once asked to copy it
@@ -154,6 +165,9 @@ class Membership:
         a stage's only replica and, beside it, one of another stage's; both come back holding
         the state at the step the job stalled at, and the second must not be shown joining and
         made to download it (it would be, at the boundary, once the first let a step commit).
+        One whose rollback epoch is older than the last rollback's missed its LoadState (it did
+        not answer then): what it holds at `step` is of the training before that rollback, and it
+        would take work leased before it; it is not re-admitted (the rollback loads it instead).
         Returns whether every stage has a member now."""
         members, current = self.members(), self.replicas()
         candidates = [
@@ -171,6 +185,14 @@ class Membership:
                 continue
             if (info.job, info.stage, info.step) != (self.job_id, stage, step):
                 continue  # restarted empty, or serving something else: it does not hold it
+            if info.epoch < self.rolled_back:
+                log.warning(
+                    "stage %d: %s answers at step %d but missed the last rollback: not re-admitted",
+                    stage,
+                    r.peer,
+                    step,
+                )
+                continue
             ledgers = [ledger for ledger in self.ledgers() if ledger.step >= step]
             for ledger in ledgers:
                 self.metrics.replays.inc(len(ledger.lose(r.peer, stage)))
@@ -236,11 +258,11 @@ class Membership:
                 if source is None or ledger is None or ledger.step < first_step:
                     await ask.sleep()
                     continue
-                step, first_step = ledger.step, -1
+                step, first_step, epoch = ledger.step, -1, self.epoch()
                 try:
                     # `source` is named by its peer id in the follow ticket the Join brings
                     at = await self.clients.get(stage, joiner).join(
-                        source.address, step, source.peer
+                        source.address, step, source.peer, epoch
                     )
                 except GONE as e:  # the joiner itself is absent: try it less often
                     self.clients.drop(stage, joiner)  # and then over a new connection
@@ -269,7 +291,7 @@ class Membership:
                 self._failed.pop(joiner.peer, None)
                 self._copying[joiner.peer] = (stage, joiner, source)
                 self._sources[joiner.peer] = source.peer
-                if self._admit(stage, joiner, step, at):
+                if self._admit(stage, joiner, step, at, epoch):
                     return
                 await ask.sleep()
         finally:
@@ -278,13 +300,16 @@ class Membership:
                 self._copying.pop(joiner.peer, None)
                 self._copied.discard(joiner.peer)
 
-    def _admit(self, stage: int, joiner: Replica, step: int, at: int) -> bool:
-        """Make `joiner` a member if it is a copy at `step` and may become one now."""
+    def _admit(self, stage: int, joiner: Replica, step: int, at: int, epoch: int) -> bool:
+        """Make `joiner` a member if it is a copy at `step` and may become one now: its Join
+        said `epoch`, which must still be the coordinator's (a rollback since: it refuses no
+        work leased before that rollback yet, and is asked again)."""
         if at == step and joiner.peer not in self.synced:
             self._copied.add(joiner.peer)  # a copy: it waits for a moment it may join at
         else:
             self._copied.discard(joiner.peer)
-        if at != step or not self.can_admit(step) or joiner.peer in self.synced:
+        current = epoch == self.epoch()  # the epoch its Join said is the coordinator's still
+        if at != step or not current or not self.can_admit(step) or joiner.peer in self.synced:
             return joiner.peer in self.synced
         self._copied.discard(joiner.peer)
         self._joins.succeeded(joiner.peer)
@@ -330,16 +355,17 @@ class Membership:
                 self._copying[peer] = (stage, joiner, source)
                 self._sources[peer] = source.peer
             copying.append((stage, joiner, source))
+        epoch = self.epoch()
         answers = await asyncio.gather(
             *(
-                self.clients.get(k, joiner).join(source.address, step, source.peer)
+                self.clients.get(k, joiner).join(source.address, step, source.peer, epoch)
                 for k, joiner, source in copying
             ),
             return_exceptions=True,
         )
         for (stage, joiner, _), at in zip(copying, answers, strict=True):
             if isinstance(at, int):
-                self._admit(stage, joiner, step, at)
+                self._admit(stage, joiner, step, at, epoch)
 
     async def close(self) -> None:
         tasks = list(self._joining.values())

@@ -115,10 +115,14 @@ class StageReplica(Protocol):
         """Drop its gradients of `step` (they are replayed elsewhere); returns how many."""
         ...
 
-    async def join(self, source: str, step: int, source_peer: str = "") -> int:
+    async def join(
+        self, source: str, step: int, source_peer: str = "", rollback_epoch: int = 0
+    ) -> int:
         """Copy the replica at `source` (peer `source_peer`) in the background until at `step`
         (the open step); returns the step it is at now: `step` once it is a copy to admit, else
-        keep asking."""
+        keep asking. Work leased before `rollback_epoch` (the coordinator's) is refused from
+        then on (`swarm.rpc.epoch`): a replica that joins after a rollback loaded no state of
+        it."""
         ...
 
     async def load_state(
@@ -288,9 +292,11 @@ class GrpcReplica:
     async def discard(self, step: int) -> int:
         return await self.client.discard(step)
 
-    async def join(self, source: str, step: int, source_peer: str = "") -> int:
+    async def join(
+        self, source: str, step: int, source_peer: str = "", rollback_epoch: int = 0
+    ) -> int:
         ticket = self.tickets(source_peer) if self.tickets is not None and source_peer else b""
-        return await self.client.join(source, step, ticket)
+        return await self.client.join(source, step, ticket, rollback_epoch)
 
     async def load_state(
         self, step: int, state: dict[str, torch.Tensor], rollback_epoch: int = 0

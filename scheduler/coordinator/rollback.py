@@ -68,6 +68,8 @@ class Rollback:
         # than the last, and from the wall clock (milliseconds) so that a scheduler restarted,
         # its count of rollbacks at 0 again, still leases work newer than a replica last saw.
         self.leasing = time.time_ns() // 1_000_000
+        # A replica that joins after a rollback got no LoadState of it: its Join says the epoch.
+        membership.epoch = lambda: self.leasing
 
     @property
     def epoch(self) -> str:
@@ -140,7 +142,7 @@ class Rollback:
             # (not work leased while it loads, of the step as it was before).
             rolled = max(self.leasing + 1, time.time_ns() // 1_000_000)
             self.membership.synced = await self.recovery.restore(step, self.members(), rolled)
-            self.leasing = rolled
+            self.leasing = self.membership.rolled_back = rolled
             if any(not stage for stage in self.membership.replicas()):
                 return  # not every stage could load it: the next lease tries again
             self.metrics.rollbacks.inc()

@@ -354,6 +354,7 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
         applied_scale=rt.applied[1],
         round_synced=rt.round.synced,  # -1, 0 without a round (`stage_server.replica.no_round`)
         round_samples=rt.round.samples,
+        epoch=rt.sums.epoch,  # the rollback epoch it refuses older work of (`swarm.rpc.epoch`)
     )
 
 

@@ -126,12 +126,17 @@ class StateTransfer:
             self.copy.task.cancel()
             self.copy = None
 
-    async def join(self, job_id: str, source: str, step: int, ticket: bytes = b"") -> int:
+    async def join(
+        self, job_id: str, source: str, step: int, ticket: bytes = b"", epoch: int = 0
+    ) -> int:
         """The coordinator asks this replica to join at `step` from the member at `source`: the
         step this replica is at as a copy of `source` (-1: nothing copied yet). Starts a copy
         when none of `source` is running, presenting `ticket` (the scheduler's, naming this
-        replica a follower of `source`) to it."""
+        replica a follower of `source`) to it. `epoch`: the coordinator's rollback epoch."""
         rt, copy = self._runtime(), self.copy
+        # Before the answer that makes this replica a member: one that joins after a rollback
+        # got no LoadState of it, and refuses work leased before it as those that loaded it do.
+        rt.sums.joined(epoch)
         if copy is not None and copy.address == source and copy.running:
             if copy.loaded and rt.following and rt.copy_step < step:
                 # The update it lacks was just applied at the source: fetch it now.
@@ -274,7 +279,7 @@ class StateTransfer:
         (work leased before the rollback is refused from now on: `swarm.rpc.epoch`)."""
         rt = self._runtime()
         rt.load_state(step, state)
-        rt.sums.epoch = epoch
+        rt.sums.rolled_back(epoch)
 
     async def _receive(
         self, requests: AsyncIterator[Any], route: Route, limits: Limits

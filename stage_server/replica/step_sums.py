@@ -8,11 +8,13 @@ duplicate, which the ledger counts elsewhere) must not reach what this replica a
 applies: it adds into a copy of the sums as they were, made when such a Backward comes rather
 than at every commit.
 
-Pure torch, no networking: read and written on the replica's worker thread only.
+Pure torch, no networking: read and written on the replica's worker thread only (but for the
+rollback epoch, which a Join raises from the event loop: under its lock).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,9 +100,23 @@ class Sums:
         self._spill_file = SpillFile()
         # (step, the pool's summed gradient, the step's samples) between prepare and apply
         self._prepared: tuple[int, list[torch.Tensor], int] | None = None
-        # The epoch of the last rollback's LoadState (`swarm.rpc.epoch`): work leased before it
-        # would add into a replayed step a gradient taken on the state before.
+        # The epoch of the last rollback's LoadState, or of the coordinator's Join if newer
+        # (`swarm.rpc.epoch`): work leased before it would add into a replayed step a gradient
+        # taken on the state before.
         self.epoch = 0
+        self._epoch_lock = threading.Lock()  # a LoadState sets it on the worker, a Join raises it
+
+    def rolled_back(self, epoch: int) -> None:
+        """A rollback's LoadState loaded this replica's state: work leased before `epoch` is
+        stale from now on."""
+        with self._epoch_lock:
+            self.epoch = epoch
+
+    def joined(self, epoch: int) -> None:
+        """The coordinator's Join said its epoch: a replica that joins after a rollback got no
+        LoadState of it. Only raised: a Join sent before a rollback may come after its LoadState."""
+        with self._epoch_lock:
+            self.epoch = max(self.epoch, epoch)
 
     def __getitem__(self, step: int) -> StepSums:
         return self._steps[step]
@@ -123,9 +139,10 @@ class Sums:
 
     def admit(self, epoch: int, step: int, index: int) -> None:
         """Refuse the work of microbatch `(step, index)` leased in `epoch` if a rollback since has
-        loaded this replica's state. Only a rollback's LoadState (the scheduler's) moves the
-        epoch: a call's is not taken, since on the push plane a peer names the epoch of the push
-        it sends on, and a liar's far-off one would have this replica refuse all honest work."""
+        loaded this replica's state (or had happened when it joined). Only the scheduler's calls
+        move the epoch, a rollback's LoadState and a Join (both signed): a call's is not taken,
+        since on the push plane a peer names the epoch of the push it sends on, and a liar's
+        far-off one would have this replica refuse all honest work."""
         if epoch < self.epoch:
             raise FailedPrecondition(
                 f"microbatch ({step}, {index}) was leased before a rollback (epoch {epoch}; this "

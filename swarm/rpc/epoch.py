@@ -6,8 +6,9 @@ may still run a task leased before it. Were that task's calls to land after the 
 would be work of the same `(step, index)` as the replayed step's own: added to its sums (and
 the replay's own copy answered as a duplicate), they would put into the step a gradient taken
 on the state before the rollback, perhaps through the peer whose ban caused it. So each
-microbatch's id carries the epoch (`MicrobatchId.epoch`), a rollback's LoadState the new one,
-and a replica refuses work of an older epoch than it has seen (`StageRuntime.check_epoch`).
+microbatch's id carries the epoch (`MicrobatchId.epoch`), a rollback's LoadState the new one
+(and the coordinator's Join too: a replica that joins after a rollback loaded none of its
+state), and a replica refuses work of an older epoch than it has seen (`Sums.admit`).
 
 The trainer sets it once per task (`leased_in`); the stage client reads it for each call,
 rather than every hop, audit and replay passing it along. Each task runs in its own asyncio

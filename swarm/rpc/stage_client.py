@@ -428,11 +428,17 @@ class StageClient:
         return response.dropped
 
     @_swarm_errors
-    async def join(self, source: str, step: int, ticket: bytes = b"") -> int:
+    async def join(
+        self, source: str, step: int, ticket: bytes = b"", rollback_epoch: int = 0
+    ) -> int:
         """Have this replica copy the replica at `source` in the background, until it is at
         `step`; returns the step it is at now (`step` once it is a copy to admit). `ticket`: the
-        scheduler's, naming this replica a follower of `source` (`swarm.net.follow_tickets`)."""
-        request = pb.StageJoinRequest(job=self.job_id, stage=self.stage, source=source, step=step)
+        scheduler's, naming this replica a follower of `source` (`swarm.net.follow_tickets`).
+        `rollback_epoch`: the coordinator's, from which on the replica refuses work leased
+        before it (`swarm.rpc.epoch`): one that joins after a rollback got no LoadState."""
+        request = pb.StageJoinRequest(
+            job=self.job_id, stage=self.stage, source=source, step=step, epoch=rollback_epoch
+        )
         request.ticket = ticket
         response: pb.StageJoinResponse = await self.stub.Join(request, timeout=self._timeout)
         return response.step

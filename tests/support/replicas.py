@@ -73,6 +73,9 @@ class FakeReplica:
         self.parts: list[tuple[str, tuple[float, ...], int]] = []
         self.copying = 0  # Joins that find its copy still downloading (answered -1), first
         self.dead = False  # SIGKILLed: every call fails unreachable, and no copy of it ends
+        # The rollback epoch it refuses older work of, as a real replica's (`swarm.rpc.epoch`):
+        # its last LoadState's, or a Join's if newer.
+        self.epoch = 0
 
     @property
     def replica(self) -> Replica:
@@ -141,6 +144,7 @@ class FakeReplica:
             applied_scale=self.applied[1],
             round_synced=self.round_synced,
             round_samples=self.round_samples,
+            epoch=self.epoch,
         )
 
     async def prepare(
@@ -236,12 +240,15 @@ class FakeReplica:
             self.prepared = None
         return dropped
 
-    async def join(self, source: str, step: int, source_peer: str = "") -> int:
+    async def join(
+        self, source: str, step: int, source_peer: str = "", rollback_epoch: int = 0
+    ) -> int:
         """A copy that completes at once: it answers `step` when `source` is at it (a real
         replica gets there by following the source's updates). -1 while its copy downloads
         (`copying`), and for a dead source (its copy failed: a Join naming a live one starts
         another)."""
         await self._enter("join", source)
+        self.epoch = max(self.epoch, rollback_epoch)
         other = self.swarm.by_address[source]
         if other.dead:
             return -1
@@ -258,6 +265,7 @@ class FakeReplica:
     ) -> int:
         await self._enter("load_state", step)
         self.step, self.state = step, {k: v.clone() for k, v in state.items()}
+        self.epoch = rollback_epoch
         self.receipts.clear()
         self.applied = (-1, 1.0)
         return step

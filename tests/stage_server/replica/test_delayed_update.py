@@ -271,7 +271,9 @@ async def test_a_joiner_admitted_between_commits_is_never_asked_to_join_again() 
     asked: list[int] = []
 
     class Client:
-        async def join(self, address: str, step: int, source_peer: str = "") -> int:
+        async def join(
+            self, address: str, step: int, source_peer: str = "", rollback_epoch: int = 0
+        ) -> int:
             asked.append(step)
             return step  # a copy at the open step
 

@@ -6,25 +6,36 @@ banned. Its Backward lands at a replica after the second rollback loaded step 0'
 Accumulated, it was a gradient off the banned peer's path in the replayed step, and the replay's
 own copy of the microbatch was answered as a duplicate: the model left `swarm local`'s (0.17 to
 0.21 in the poison bench). A real stage server on a real port, driven as the trainer and the
-coordinator drive it, in that order: no timing luck."""
+coordinator drive it, in that order: no timing luck.
+
+A replica that joins after the rollback loaded none of its state: the coordinator's Join tells it
+the epoch, and it refuses the same stale work (before, it took it)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from scheduler.coordinator import LocalCoordinator
+from scheduler.coordinator.replicas import grpc_replicas
 from stage_server.replica.runtime import StageRuntime
+from stage_server.replica.step_sums import Sums
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm.errors import FailedPrecondition
+from swarm.errors import FailedPrecondition, RemoteError
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
+from swarm.net.commit_auth import SchedulerKey
+from swarm.proto import control_pb2 as cpb
 from swarm.rpc import epoch
 from swarm.rpc.lease import Lease, Task, lease_from_proto, lease_to_proto
 from swarm.rpc.stage_client import StageClient
+from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,3 +108,93 @@ def test_a_tasks_epoch_travels_with_its_lease() -> None:
     task = Task(3, 1, frozenset({0, 1}), epoch=AFTER)
     (back,) = lease_from_proto(lease_to_proto(Lease(3, [task], []))).tasks
     assert back == task and back.epoch == AFTER
+
+
+def _placed(server: RunningStageServer, job_id: str, key: SchedulerKey) -> None:
+    """`server` as the scheduler placed it: it takes only the Joins the scheduler signed."""
+    server.servicer.trust(cpb.JobAnnouncement(job=job_id, scheduler_key=key.public))
+
+
+async def test_a_replica_that_joins_after_a_rollback_refuses_work_leased_before_it(
+    job: JobConfig, make_swarm: list[Swarm]
+) -> None:
+    """The rollback loads its state on every member; a replica that comes after it copies a
+    member, with no LoadState. A task leased before the rollback, still running, may pick the
+    joiner (a trainer's retry, a push-plane replica's next hop): its Backward must be refused
+    there as at the members."""
+    job_id, key = fingerprint(job), SchedulerKey.generate()
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(1)
+    for (server,) in swarm.servers:
+        _placed(server, job_id, key)
+    rolled: asyncio.Queue[int] = asyncio.Queue()
+    coordinator = LocalCoordinator(
+        job,
+        job_id,
+        swarm.members,
+        on_rollback=rolled.put_nowait,
+        connect=grpc_replicas(job, job_id, signing=key),  # the Join is signed, its epoch too
+    )
+    client: StageClient | None = None
+    try:
+        await coordinator.start()
+        (stale,) = (await coordinator.lease("t", 1)).tasks  # leased before the rollback
+        coordinator.bans.roll_back_to(0)  # a ban's: every member loads step 0's state again
+        assert await asyncio.wait_for(rolled.get(), 30) == 0
+        joiner = await swarm.add(1)
+        _placed(joiner, job_id, key)
+        await coordinator.membership.sync(0)  # the boundary: it copies the member of stage 1
+        await wait_until(
+            lambda: joiner.address in coordinator.membership.synced, "the joiner is a member"
+        )
+        (fresh,) = (await coordinator.lease("t", 1)).tasks  # the replay of the same microbatch
+        assert (fresh.step, fresh.index) == (stale.step, stale.index)
+        assert stale.epoch < fresh.epoch
+
+        client = StageClient(joiner.address, job, job_id, 1)
+        x = torch.randn(4, 16, 32, dtype=torch.float64)
+        epoch.leased_in(stale.epoch)
+        with pytest.raises(FailedPrecondition, match="leased before a rollback"):
+            await client.backward(stale.step, stale.index, x, torch.ones_like(x))
+        assert joiner.runtime.receipts(0) == {}  # before: {0: 4}, the stale work in the step
+        epoch.leased_in(fresh.epoch)
+        await client.backward(fresh.step, fresh.index, x, torch.ones_like(x))
+        assert joiner.runtime.receipts(0) == {fresh.index: 4}
+    finally:
+        if client is not None:
+            await client.close()
+        await coordinator.close()
+
+
+@pytest.mark.attack("M9")
+async def test_only_the_schedulers_join_moves_a_replicas_epoch(
+    job: JobConfig, server: RunningStageServer
+) -> None:
+    """A token holder's Join naming a far-off epoch (it would have the replica refuse all honest
+    work) is refused before anything is done: only the scheduler signs Joins."""
+    job_id = fingerprint(job)
+    _placed(server, job_id, SchedulerKey.generate())
+    client = StageClient(server.address, job, job_id, 1)
+    x = torch.randn(4, 16, 32, dtype=torch.float64)
+    try:
+        with pytest.raises(RemoteError, match="UNAUTHENTICATED"):
+            await client.join("127.0.0.1:1", 0, rollback_epoch=2**62)
+        assert server.runtime.sums.epoch == 0
+        epoch.leased_in(BEFORE)  # the job's own, no rollback since
+        await client.backward(0, 1, x, torch.ones_like(x))
+        assert server.runtime.receipts(0) == {1: 4}
+    finally:
+        await client.close()
+
+
+def test_a_join_sent_before_a_rollback_does_not_take_its_epoch_back() -> None:
+    """A Join sent before a rollback may be handled after the rollback's LoadState: it raises
+    the epoch, never lowers it."""
+    sums = Sums([])
+    sums.rolled_back(AFTER)
+    sums.joined(BEFORE)
+    with pytest.raises(FailedPrecondition, match="leased before a rollback"):
+        sums.admit(BEFORE, 0, 1)
+    sums.joined(AFTER + 1)  # a later Join's, after another rollback
+    assert sums.epoch == AFTER + 1

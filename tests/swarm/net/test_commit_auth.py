@@ -74,6 +74,9 @@ def test_every_field_and_the_replica_and_the_method_are_bound() -> None:
     signed = KEY.signer("a").metadata("Join", join)
     evil = pb.StageJoinRequest(job="j", stage=1, source="6.6.6.6:5", step=7)  # Join.source
     assert _code(verifier, "Join", evil, signed) == "PERMISSION_DENIED"
+    # Join.epoch: a far-off one would have the joiner refuse all honest work (`swarm.rpc.epoch`)
+    far = pb.StageJoinRequest(job="j", stage=1, source="10.0.0.1:5", step=7, epoch=2**62)
+    assert _code(verifier, "Join", far, signed) == "PERMISSION_DENIED"
     discard = pb.StageDiscardRequest(job="j", stage=1, step=7)
     assert _code(verifier, "Discard", discard, signed) == "PERMISSION_DENIED"  # another method
     for_b = KEY.signer("b").metadata("Join", join)  # signed for another replica
