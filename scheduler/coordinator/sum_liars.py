@@ -18,12 +18,14 @@ is made of the owner's own word alone, each sender's squared norm as the owner s
   most one liar in the pool (the audits' own premise: two auditors that agree are believed) one
   of them is honest, and an honest contributor's sum came from the owner.
 Anything less (one accuser, the ceiling made of the members' own norms because the owner did not
-report what it summed, a part an aggregator owns) convicts no one. What this cannot convict: a
-forgery that keeps the sum's norm within the ceiling (docs/decisions.md, "Sum liars banned").
+report what it summed, a part an aggregator owns, a NaN or infinite norm) convicts no one. What
+this cannot convict: a forgery that keeps the sum's norm within the ceiling (docs/decisions.md,
+"Sum liars banned").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from scheduler.coordinator.groups import RoundGroup
@@ -60,7 +62,11 @@ def _evidence(owner: int, reports: Mapping[int, list[pb.SumCheck]], m: int) -> s
     if len(of) < m or mine is None or len(mine.received) != m:
         return None  # the ceiling would rest on the members' own norms: a liar could lower it
     ceiling = norm_ceiling(owner, of, m)
-    past = [j for j, c in sorted(of.items()) if not c.sum_norm <= ceiling]  # NaN is past
+    if not math.isfinite(ceiling) or not all(math.isfinite(c.norm) for c in of.values()):
+        return None  # a NaN or infinite contribution: the commit's to refuse (`NonFiniteStep`)
+    # A sum that is NaN or infinite is no evidence either: finite contributions may overflow
+    # the part's dtype as they are added, or as a lossy codec encodes the sum.
+    past = [j for j, c in sorted(of.items()) if math.isfinite(c.sum_norm) and c.sum_norm > ceiling]
     others = [j for j in past if j != owner]
     if owner in past:
         witness, by = owner, "by its own report"

@@ -4,6 +4,8 @@ tests/stage_server/averaging/test_hostile_owner.py's and tests/system/test_poiso
 
 from __future__ import annotations
 
+import math
+
 from scheduler.coordinator.groups import Aggregator, Link, RoundGroup
 from scheduler.coordinator.sum_checks import Checksums, replicas_to_leave_out, verify
 from scheduler.coordinator.sum_liars import convicted
@@ -87,3 +89,12 @@ def test_an_aggregator_s_part_convicts_no_replica() -> None:
     for c in checks.values():
         c.reports.append(pb.SumCheck(part=3, dot=1.0, norm=1.0, sum_dot=3.0, sum_norm=1e4))
     assert convicted({0: with_aggregator}, {0: checks}) == {}
+
+
+def test_a_non_finite_sum_or_contribution_convicts_no_one() -> None:
+    """Finite contributions may overflow as they are added (a float16 part), and a NaN or
+    infinite gradient is the commit's to refuse: neither is evidence of a lie."""
+    assert convicted({0: GROUP}, {0: _checks(sums={0: math.inf, 1: math.inf, 2: math.nan})}) == {}
+    checks = _checks(sums={0: 1e4})
+    checks[1].reports[0].norm = math.inf
+    assert convicted({0: GROUP}, {0: checks}) == {}

@@ -4,9 +4,10 @@ pool stays bitwise identical and no comparison among its members can see it; the
 "succeeded" 0.06 away from `swarm local`. Every part's sum is now checked (the linear checksum of
 `scheduler.coordinator.sum_checks`, a replica's part as an aggregator's): the round fails naming
 the owner, which is banned (its sum's norm convicts it: `scheduler.coordinator.sum_liars`) and
-its work replayed away, so the job equals `swarm local`. Another contributes its gradient times 1e4 (every sum checks out): the norm bound
-refuses it, and its microbatches are replayed. Real stage servers on real ports, in this process
-(so one's averager or commit can lie)."""
+its work replayed away, so the job equals `swarm local`. Another contributes its gradient times
+1e4 (every sum checks out): the norm bound refuses it, it is left out (never banned: an honest
+gradient may pass the bound) and its microbatches are replayed. Real stage servers on real
+ports, in this process (so one's averager or commit can lie)."""
 
 from __future__ import annotations
 
