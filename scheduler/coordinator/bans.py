@@ -22,6 +22,10 @@ job for good, and its influence is replayed away.
 - **Contributions**: the audit of what a replica adds into its sums (`contributions`) is drawn
   with the step's tasks (`audited`), fed the trainers' digests with their reports (`screen`),
   and judged at the round, which bans the same way (`ban`).
+- **Sums**: a replica owner whose round's sum checks convict it (`sum_liars`) is banned the
+  same way (`ban`). The sum caught was refused before anything applied it, but a peer proven
+  hostile may have lied where no check looks (an answer not sampled, a forgery within the
+  norms), so its work is replayed away all the same.
 """
 
 from __future__ import annotations
@@ -112,12 +116,17 @@ class Bans:
                 await self.void(ledger, stage, peer)
         return True
 
-    async def ban(self, peer: str, stage: int, evidence: str, step: int) -> None:
-        """Ban `peer`, caught at `step` (a contribution's audit), unless it is already."""
+    async def ban(
+        self, peer: str, stage: int, evidence: str, step: int, by: str = "an audit"
+    ) -> None:
+        """Ban `peer`, caught at `step` (by a contribution's audit, or `by` its round's sum
+        checks: `sum_liars`), unless it is already."""
         if peer not in self.banned:
-            await self._ban(peer, stage, evidence, step)
+            await self._ban(peer, stage, evidence, step, by)
 
-    async def _ban(self, peer: str, stage: int, evidence: str, step: int) -> None:
+    async def _ban(
+        self, peer: str, stage: int, evidence: str, step: int, by: str = "an audit"
+    ) -> None:
         self.banned[peer], self.caught_at[peer] = evidence, step
         since = min(self.first_seen.get(peer, step), step)
         # A peer admitted after its step's leases went out and caught as an auditor was seen by
@@ -125,7 +134,7 @@ class Bans:
         self.first_seen.setdefault(peer, since)
         self.metrics.bans.inc()
         text = (
-            f"banned {peer} (stage {stage}): an audit caught it lying: {evidence}; rolling back "
+            f"banned {peer} (stage {stage}): {by} caught it lying: {evidence}; rolling back "
             f"to the last checkpoint at or before step {since}, its first, and training again "
             "without it"
         )

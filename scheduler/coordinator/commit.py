@@ -8,9 +8,9 @@
    name most is left out until it rejoins at a step boundary (of two that name each other, one
    is kept), so a replica its pool cannot reach does not abort every round of the step. The
    pool's parts are sized by its members' links, and its group may end with aggregators
-   (`groups`); an aggregator named sits out the next rounds. So does one whose sum fails its
-   checksum (`sum_checks`: every contributor's sum of an aggregator's part against the
-   contributions, by a random projection only the replicas know), which fails the round;
+   (`groups`); an aggregator named sits out the next rounds. What the round answered is then
+   checked (`round_checks`: every part's sums, the norm bound, audited contributions): a
+   failure fails the round, and whom it names sits out, is left out or is banned;
 3. APPLY everywhere: one optimizer step. No stage leaves step t before every pool has averaged,
    so a replay can still run through the whole pipeline. Each PREPARE answers with the squared
    norm of its pool's averaged gradient; with `training.grad_clip` the coordinator sums them in
@@ -35,18 +35,12 @@ from scheduler.coordinator.bans import Bans
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.norm_bound import outliers
 from scheduler.coordinator.replicas import GONE
+from scheduler.coordinator.round_checks import RoundChecks
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import AVERAGE, LeftOut, RoundFailure, shorten
 from scheduler.coordinator.round_strategy import Rounds
-from scheduler.coordinator.sum_checks import (
-    Checksums,
-    checked,
-    new_seed,
-    replicas_to_leave_out,
-    verify,
-)
+from scheduler.coordinator.sum_checks import Checksums, checked, new_seed
 from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.model.optim import clip_scale
 from swarm.rpc.lease import Replica
@@ -66,10 +60,7 @@ class TwoPhaseCommit:
         self.metrics, self.groups, self.rounds = context.metrics, context.groups, rounds
         self.grad_clip = context.job.training.grad_clip  # 0: no clipping
         self.bans = bans
-        self.job = context.job
-        # Per stage, the median contribution per microbatch of its last round that passed: the
-        # norm bound's yardstick for a replica that took every microbatch of a step.
-        self._medians: dict[int, float] = {}
+        self.checks = RoundChecks(context, bans, self._leave_out)  # of each PREPARE's answers
         self._tried: StepLedger | None = None  # the ledger of the last attempt
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
@@ -290,11 +281,8 @@ class TwoPhaseCommit:
             for (stage, r), e in zip(where, results, strict=True)
             if isinstance(e, BaseException)
         ]
-        if (
-            not failed
-            and await self._sums_check(ledger, round_id, members, groups, checks)
-            and await self._norms_check(ledger, round_id, members, groups, checks, taken)
-            and await self._contributions_check(ledger, members, checks)
+        if not failed and await self.checks.passed(
+            ledger, round_id, members, groups, checks, taken
         ):
             # None: the member had applied the step already (a retried commit): nothing of that
             # stage is applied again, and the others' norms are what is left to clip by.
@@ -303,8 +291,9 @@ class TwoPhaseCommit:
                 for (stage, r), result in zip(where, results, strict=True)
                 if isinstance(result, float)
             ]
-        if not failed:
-            return None  # a part's sum failed its checksum: the retry goes without its owner
+        if not failed:  # a check failed: the retry goes without whom it named
+            self.failure = self.checks.failure
+            return None
         self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
         judged = judge(f"step {ledger.step}: round {round_id}", failed, members)
         self.groups.blame(groups, judged.accusations)
@@ -324,105 +313,6 @@ class TwoPhaseCommit:
             await self._leave_out(ledger, stage, culprit, by)
             failure.left_out.append(LeftOut(stage, culprit.peer, by, AVERAGE))
         return None
-
-    async def _contributions_check(
-        self,
-        ledger: StepLedger,
-        members: list[list[Replica]],
-        checks: dict[int, dict[int, Checksums]],
-    ) -> bool:
-        """Whether each audited contribution is what its microbatches re-executed add up to
-        (`contributions`). Else its replica is banned (the rollback replays its work away, the
-        evidence in the log and the job's history) and the round fails."""
-        if self.bans is None:
-            return True
-        for stage, of in sorted(checks.items()):
-            peers, held = [r.peer for r in members[stage]], ledger.holdings(stage)
-            found = self.bans.contributions.judge(ledger.step, stage, peers, of, held)
-            for peer, evidence in found:
-                await self.bans.ban(peer, stage, evidence, ledger.step)
-            if found:
-                self.metrics.aborted_rounds.inc()
-                return False
-        return True
-
-    async def _sums_check(
-        self,
-        ledger: StepLedger,
-        round_id: str,
-        members: list[list[Replica]],
-        groups: dict[int, RoundGroup],
-        checks: dict[int, dict[int, Checksums]],
-    ) -> bool:
-        """Whether every part's sums pass their checksums (`sum_checks`). Else the round fails
-        (nothing of it is applied: the retry's PREPARE replaces what each replica prepared),
-        naming the owners: an aggregator sits out the next rounds; a replica is left out (its
-        microbatches replayed by the others, so the step stays exact: issue 55), with the
-        evidence in the log and the job's history."""
-        accusations, lines = verify(groups, checks)
-        if not lines:
-            return True
-        self.metrics.aborted_rounds.inc(len(accusations))
-        named = self.groups.blame(groups, accusations)
-        reason = f"step {ledger.step}: round {round_id}: " + "; ".join(lines)
-        log.warning("%s: the round fails, and %s sit(s) out the next rounds", reason, named)
-        self.failure = failure = RoundFailure(shorten(reason))
-        contributors = {k: len(g.members) - len(g.aggregators) for k, g in groups.items()}
-        for stage, out in replicas_to_leave_out(accusations, contributors).items():
-            group, failed = groups[stage].members, set().union(*accusations[stage].values())
-            for index, by in sorted(out.items()):
-                culprit, accusers = members[stage][index], [group[j] for j in sorted(by)]
-                why = (
-                    "its part's sum fails its checksum"
-                    if index in failed
-                    else "it failed an owner's sum that too few others failed"
-                )
-                await self._leave_out(ledger, stage, culprit, accusers, why)
-                failure.left_out.append(LeftOut(stage, culprit.peer, accusers, why))
-        return False
-
-    async def _norms_check(
-        self,
-        ledger: StepLedger,
-        round_id: str,
-        members: list[list[Replica]],
-        groups: dict[int, RoundGroup],
-        checks: dict[int, dict[int, Checksums]],
-        taken: dict[int, dict[int, int]],
-    ) -> bool:
-        """Whether every contribution is within the job's norm bound (`norm_bound`; `[trust]`).
-        Else the round fails and each replica past it is left out, its microbatches replayed by
-        the others (exact: nothing is scaled), with the evidence in the log and the history."""
-        trust = self.job.trust
-        if trust.clip != "norm_bound":
-            return True
-        found: dict[int, dict[int, str]] = {}
-        medians: dict[int, float] = {}
-        for stage, of in checks.items():
-            before = self._medians.get(stage)
-            found[stage], now = outliers(
-                groups[stage], of, taken.get(stage, {}), trust.norm_bound, before
-            )
-            if now is not None:
-                medians[stage] = now
-        if not any(found.values()):
-            self._medians |= medians  # a round that passed: the next ones' yardstick
-            return True
-        self.metrics.aborted_rounds.inc(sum(1 for f in found.values() if f))
-        lines = [
-            f"stage {stage}: {members[stage][j].peer}: {why}"
-            for stage, refused in sorted(found.items())
-            for j, why in sorted(refused.items())
-        ]
-        reason = f"step {ledger.step}: round {round_id}: " + "; ".join(lines)
-        log.warning("%s: the round fails", reason)
-        self.failure = failure = RoundFailure(shorten(reason))
-        for stage, refused in sorted(found.items()):
-            for j, why in sorted(refused.items()):
-                culprit = members[stage][j]
-                await self._leave_out(ledger, stage, culprit, ["the norm bound"], why)
-                failure.left_out.append(LeftOut(stage, culprit.peer, ["the norm bound"], why))
-        return False
 
     async def _leave_out(
         self,

@@ -32,7 +32,8 @@ aggregator's part (docs/decisions.md, "Poison-proofing, the averaging side").
 
 A mismatch fails the round before any APPLY (the replicas' prepared sums are replaced by the
 retry's PREPARE), naming the owner: an aggregator sits out (`Groups.blame`), a replica is left
-out and replayed (`replicas_to_leave_out`). Lossy rounds are checked too, on the decoded values
+out and replayed (`replicas_to_leave_out`), or banned where its sum's norm convicts it
+(`sum_liars`). Lossy rounds are checked too, on the decoded values
 every member uses, the sum's one encoding allowed for by the bound each contributor reports of
 it (`encoding`: `stage_server.averaging.checksum`). A part some contributor did not report is not
 judged (a contributor is trusted as any member is: it could as well send a wrong gradient).

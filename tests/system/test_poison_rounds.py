@@ -1,10 +1,14 @@
 """Issue 55's poisoners as real stage-server processes (`SWARM_FAULTS`'s hostile points,
 `stage_server.averaging.hostile`): one replica of a pool of three lies in every round from step
 1 on, and the job still ends with `swarm local`'s parameters (float64, within 1e-9): its round
-fails, it is left out, and its microbatches are replayed by the honest two."""
+fails and its microbatches are replayed by the honest two. The sum liar's own sums convict it
+(`scheduler.coordinator.sum_liars`): it is banned, with the evidence, and never rejoins a round;
+the contribution liar is only left out (the norm bound is a yardstick an honest gradient may
+pass: docs/decisions.md, "Sum liars banned")."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -24,16 +28,34 @@ pytestmark = pytest.mark.timeout(400)
         pytest.param(Point.POISON_GRAD, marks=pytest.mark.attack("55-norm")),
     ],
 )
-def test_a_hostile_replica_process_cannot_poison_its_pool(tmp_path: Path, point: Point) -> None:
-    """`poison-sum`: it answers its own part's sums plus 1e4 (the checksum names it);
-    `poison-grad`: it contributes its gradient times 1e4 (the norm bound refuses it)."""
+def test_a_hostile_replica_process_cannot_poison_its_pool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, point: Point
+) -> None:
+    """`poison-sum`: it answers its own part's sums plus 1e4 (the checksum names it, its sum's
+    norm convicts it: banned); `poison-grad`: it contributes its gradient times 1e4 (the norm
+    bound refuses it: left out)."""
     job = write_job(tmp_path, training={"steps": 4, "target_batch_size": 16})
     servers = Servers(job, [3, 1, 1, 1], [Fault("s0r2", point, 1)], tmp_path)
     try:
-        state, registry = train_on(servers)
+        with caplog.at_level(logging.WARNING):
+            state, registry = train_on(servers)
     finally:
         servers.stop()
+    said = [r.getMessage() for r in caplog.records]
     assert_equal_to_local(job, state, tol=1e-9)
     assert counted(registry, "swarm_coordinator_aborted_rounds_total") >= 1
     log = next(tmp_path.glob("s0r2-*.log"), None)
     assert log is not None and f"fault injected: {point}" in log.read_text()
+    banned = [m for m in said if "banned s0r2" in m]
+    if point == Point.POISON_SUM:
+        assert counted(registry, "swarm_coordinator_bans_total") == 1, said
+        assert len(banned) == 1 and "banned s0r2 (stage 0): its round's sum checks" in banned[0]
+        assert "‖S‖" in banned[0], banned  # the evidence
+        # It never rejoins: no later round has it to fail (before: one failed round each time
+        # it rejoined), and the job is replayed from before its first step.
+        failed = [m for m in said if "fails its checksum" in m]
+        assert len(failed) == 1, failed
+        assert any("rolled every stage back to step 0: before a banned peer" in m for m in said)
+    else:  # refused by a bound an honest gradient may pass: left out, never banned
+        assert counted(registry, "swarm_coordinator_bans_total") == 0, banned
+        assert any("leaving s0r2 out" in m and "norm bound" in m for m in said), said

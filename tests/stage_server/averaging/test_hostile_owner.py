@@ -3,10 +3,11 @@ sums plus 1e4 (finite, the same to every member). Every replica takes the same w
 pool stays bitwise identical and no comparison among its members can see it; the job
 "succeeded" 0.06 away from `swarm local`. Every part's sum is now checked (the linear checksum of
 `scheduler.coordinator.sum_checks`, a replica's part as an aggregator's): the round fails naming
-the owner, which is left out with its microbatches replayed by the others, so the job equals
-`swarm local`. Another contributes its gradient times 1e4 (every sum checks out): the norm bound
-refuses it, and its microbatches are replayed. Real stage servers on real ports, in this process
-(so one's averager or commit can lie)."""
+the owner, which is banned (its sum's norm convicts it: `scheduler.coordinator.sum_liars`) and
+its work replayed away, so the job equals `swarm local`. Another contributes its gradient times
+1e4 (every sum checks out): the norm bound refuses it, it is left out (never banned: an honest
+gradient may pass the bound) and its microbatches are replayed. Real stage servers on real
+ports, in this process (so one's averager or commit can lie)."""
 
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ async def test_a_replica_owner_s_wrong_sum_fails_its_round_and_the_job_stays_exa
     tmp_path: Path, make_swarm: list[Swarm], caplog: pytest.LogCaptureFixture, mode: str
 ) -> None:
     """Three replicas a stage (float64); the last replica of stage 0 adds 1e4 to its part's
-    sums. The round it owns a part of fails naming it, it is left out (a step's microbatches
-    replayed by the others; a local-steps round goes on without it), and the job equals
-    `swarm local` within 1e-9 (`--routes` for the rounds)."""
+    sums. The round it owns a part of fails naming it; in a step's round its sum's norm, past
+    what it says it summed, convicts it: banned, the job replayed without it (a local-steps
+    round only goes on without it), and the job equals `swarm local` within 1e-9 (`--routes`
+    for the rounds)."""
     pool = {} if mode == "step" else {"mode": "local", "sync_every": 2}
     job, swarm = await _pool(tmp_path, make_swarm, 4 if pool else 3, pool)
     liar = swarm.servers[0][2]
@@ -80,9 +82,10 @@ async def test_a_replica_owner_s_wrong_sum_fails_its_round_and_the_job_stays_exa
     assert coordinator.metrics.aborted_rounds._value.get() >= 1
     named = [r.getMessage() for r in caplog.records if "fails its checksum" in r.getMessage()]
     assert any(liar.address in m for m in named), named
-    if mode == "step":  # a step's replica is left out by name (a round's member is dropped)
-        left = [r.getMessage() for r in caplog.records if "leaving" in r.getMessage()]
-        assert any(liar.address in m for m in left), left
+    if mode == "step":  # its sum's norm convicts it: banned, replayed away, never back
+        assert list(coordinator.bans.banned) == [liar.address]
+        assert "by its own report" in coordinator.bans.banned[liar.address]
+        assert len(named) == 1, named  # no later round had it to fail
     await coordinator.close()
 
 
