@@ -11,7 +11,6 @@ tests/system/test_nat_serving.py."""
 
 from __future__ import annotations
 
-import json
 import re
 import urllib.request
 from pathlib import Path
@@ -24,6 +23,7 @@ from swarm.local.procs import LocalSwarm, SwarmProcess, start_local_swarm, start
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
+from tests.support.status import job_status
 from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -37,8 +37,7 @@ def _metrics(process: SwarmProcess) -> str:
 
 
 def _status(sw: LocalSwarm, job_id: str) -> dict[str, Any]:
-    out = swarm("status", job_id, "--json", "--scheduler", sw.address, check=False)
-    return json.loads(out.stdout) if out.returncode == 0 else {}
+    return job_status(sw.address, job_id, unanswered=True)
 
 
 def _replica(status: dict[str, Any], peer: str) -> dict[str, Any] | None:
