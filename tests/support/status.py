@@ -2,7 +2,7 @@
 message, turned into the same document): a `swarm status` process per look started an
 interpreter each time, 0.4 s of CPU (1-3 s of wall on a busy machine), which the swarm under test
 waited for on a 2-core machine while a test polled every 0.2-0.3 s. The tests that read what the
-CLI itself prints still run it."""
+CLI itself prints run it once the state they wait for has come."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from client.live import status_lines
 from client.sdk import ClientError, SchedulerClient
 from swarm.proto import scheduler_pb2
+from tests.support.cli import swarm
+from tests.support.waiting import wait_until_blocking
 
-__all__ = ["job_status", "job_status_message"]
+__all__ = ["job_status", "job_status_message", "job_status_text", "shown_once"]
 
 
 def job_status_message(
@@ -44,3 +47,19 @@ def job_status(
         status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     return doc
+
+
+def job_status_text(address: str, job_id: str) -> str:
+    """What `swarm status JOB` prints (`client.live.status_lines`, as the command prints it)."""
+    return "\n".join(status_lines(job_status_message(address, job_id)))
+
+
+def shown_once(address: str, job_id: str, what: str, timeout_s: float = 120.0) -> str:
+    """What `swarm status JOB` prints once it says `what`, which is awaited in this process."""
+    wait_until_blocking(
+        lambda: what in job_status_text(address, job_id),
+        f"swarm status saying {what!r}",
+        timeout_s=timeout_s,
+        every_s=0.3,
+    )
+    return swarm("status", job_id, "--scheduler", address).stdout

@@ -23,7 +23,7 @@ from swarm.local.procs import LocalSwarm, SwarmProcess, start_local_swarm, start
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
-from tests.support.status import job_status
+from tests.support.status import job_status, shown_once
 from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -167,14 +167,7 @@ def test_a_peer_behind_nat_with_no_relay_says_so_waits_unassigned_and_serves_onc
     try:
         nat = sw.add_peer(extra=["--announce-host", "127.0.0.2", "--behind-nat"])
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
-        shown = wait_until_blocking(
-            lambda: (
-                s
-                if "UNREACHABLE" in (s := swarm("status", job_id, "--scheduler", sw.address).stdout)
-                else None
-            ),
-            "swarm status shows peer0 unreachable",
-        )
+        shown = shown_once(sw.address, job_id, "UNREACHABLE")
         assert "peer0" in shown and "--relay" in shown and "swarm relay" in shown, shown
         said = wait_until_blocking(
             lambda: (
