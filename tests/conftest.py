@@ -27,12 +27,13 @@ from tests.support.tls import pki  # noqa: F401
 
 @pytest.fixture(scope="session", autouse=True)
 def _fork_swarm_processes() -> Iterator[None]:
-    """Start the suite's swarm processes from a fork server that imported torch once."""
-    from swarm.local import procs
+    """Start the suite's swarm processes from a fork server that imported torch once (those in
+    the namespace lab's hosts too)."""
+    from swarm.local import netns, procs
 
-    procs.launcher = forked.launch
+    procs.launcher, netns.launcher = forked.launch, forked.launch_in
     yield
-    procs.launcher = procs.spawn
+    procs.launcher, netns.launcher = procs.spawn, netns.ip_netns_exec
 
 
 @pytest.fixture(scope="session", autouse=True)
