@@ -218,16 +218,23 @@ def dial(
 
 # The looker: one `JobStatus` a line asked on stdin (a job id), answered on stdout as the document
 # `swarm status --json` prints, on one line; the process's own token (SWARM_TOKEN) and identity
-# (SWARM_TLS_*), as the CLI takes them.
+# (SWARM_TLS_*), as the CLI takes them. Unanswered, asked 3 times (`tests.support.status.ASKS`).
 _LOOK = """
 import asyncio, json, os, sys
 from google.protobuf import json_format
-from client.sdk import SchedulerClient
+from client.sdk import ClientError, SchedulerClient
 async def main():
     token = os.environ.get("SWARM_TOKEN") or None
     async with SchedulerClient(sys.argv[1], token=token) as client:
         for line in sys.stdin:
-            status = await client.get(line.strip())
+            for ask in range(3):
+                try:
+                    status = await client.get(line.strip())
+                    break
+                except ClientError as e:
+                    if not e.unanswered or ask == 2:
+                        raise
+                    await asyncio.sleep(0.2)
             doc = json_format.MessageToDict(
                 status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
             )

@@ -7,6 +7,7 @@ CLI itself prints run it once the state they wait for has come."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from google.protobuf import json_format
@@ -17,19 +18,32 @@ from swarm.proto import scheduler_pb2
 from tests.support.cli import swarm
 from tests.support.waiting import wait_until_blocking
 
+ASKS = 3  # a look the scheduler did not answer is asked again, this many times in all
+
 __all__ = ["job_status", "job_status_message", "job_status_text", "shown_once"]
 
 
 def job_status_message(
     address: str, job_id: str, *, token: str | None = None
 ) -> scheduler_pb2.JobStatus:
-    """The scheduler's `JobStatus` of `job_id` (a `ClientError` when it did not answer)."""
+    """The scheduler's `JobStatus` of `job_id` (a `ClientError` when it did not answer, asked
+    `ASKS` times). A look opens a channel, whose handshake must come within the swarm's quarter
+    of a second (`swarm.net.dial`'s reconnect backoff): on a machine 5x oversubscribed a look of
+    a scheduler that is there now and then misses it, as a `swarm status` did, more rarely only
+    because it looked 5 times less often."""
 
     async def get() -> scheduler_pb2.JobStatus:
         async with SchedulerClient(address, token=token, timeout_s=30) as client:
             return await client.get(job_id)
 
-    return asyncio.run(get())
+    for ask in range(1, ASKS + 1):
+        try:
+            return asyncio.run(get())
+        except ClientError as e:
+            if not e.unanswered or ask == ASKS:
+                raise
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
 
 
 def job_status(
