@@ -9,8 +9,9 @@ started and nothing else, and its scheduler and stage servers, orphaned, went to
 out of the test process's tree, and ran on after the suite. So the test process is made a child
 subreaper (Linux's `PR_SET_CHILD_SUBREAPER`): an orphan among its descendants is re-parented to
 it instead, stays in its tree, and is killed and reaped here. Sessions (`start_new_session`) and
-namespaces (`ip netns exec`) do not leave the tree; only a container's processes do, and the
-container tests remove their containers themselves."""
+namespaces (`ip netns exec`) never left the tree; a container's monitor (podman's conmon, which
+daemonizes) is adopted now too, and the container tests remove their containers before this
+runs (an autouse fixture is torn down last)."""
 
 from __future__ import annotations
 
