@@ -12,11 +12,13 @@ child enters it first, in a session of its own, as `ip netns exec` put a fresh o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import BinaryIO
@@ -26,6 +28,7 @@ from swarm.local.procs import Child
 
 PRELOAD = ["torch", "torch._dynamo"]
 CLONE_NEWNET = 0x40000000  # <sched.h>
+SESSION_S = 30.0  # a forked child is in its own session within this (a busy machine)
 _context: ForkServerContext | None = None
 
 
@@ -141,6 +144,18 @@ def launch(args: list[str], out: BinaryIO, env: dict[str, str]) -> Forked:
 def launch_in(ns: str, argv: list[str], out: BinaryIO, env: dict[str, str], cwd: Path) -> Child:
     """A `swarm.local.netns.Launcher`: `python -m swarm.cli ARGS` (this interpreter's) forked
     into namespace `ns`; any other command as `ip netns exec` runs it."""
-    if argv[:3] == [sys.executable, "-m", "swarm.cli"]:
-        return Forked(argv[3:], out, env, ns, str(cwd))
-    return netns.ip_netns_exec(ns, argv, out, env, cwd)
+    if argv[:3] != [sys.executable, "-m", "swarm.cli"]:
+        return netns.ip_netns_exec(ns, argv, out, env, cwd)
+    child = Forked(argv[3:], out, env, ns, str(cwd))
+    # Returned once in its own session, as `Popen(start_new_session=True)` returns (a caller
+    # signals its group at once: `os.killpg`).
+    deadline = time.monotonic() + SESSION_S
+    while child.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(child.pid) == child.pid:
+                break
+        if time.monotonic() > deadline:
+            child.kill()
+            raise TimeoutError(f"swarm {' '.join(argv[3:])} in {ns}: no session of its own")
+        time.sleep(0.002)
+    return child

@@ -270,4 +270,4 @@ class Looker:
 
     def close(self) -> None:
         self._proc.kill()
-        self._proc.wait()
+        self._proc.communicate()  # reaped, its pipes closed
