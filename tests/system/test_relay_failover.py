@@ -11,6 +11,7 @@ tests/system/test_nat_serving.py."""
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 from pathlib import Path
@@ -23,7 +24,6 @@ from swarm.local.procs import LocalSwarm, SwarmProcess, start_local_swarm, start
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
-from tests.support.status import job_status, shown_once
 from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -37,7 +37,8 @@ def _metrics(process: SwarmProcess) -> str:
 
 
 def _status(sw: LocalSwarm, job_id: str) -> dict[str, Any]:
-    return job_status(sw.address, job_id, unanswered=True)
+    out = swarm("status", job_id, "--json", "--scheduler", sw.address, check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
 def _replica(status: dict[str, Any], peer: str) -> dict[str, Any] | None:
@@ -167,7 +168,14 @@ def test_a_peer_behind_nat_with_no_relay_says_so_waits_unassigned_and_serves_onc
     try:
         nat = sw.add_peer(extra=["--announce-host", "127.0.0.2", "--behind-nat"])
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
-        shown = shown_once(sw.address, job_id, "UNREACHABLE")
+        shown = wait_until_blocking(
+            lambda: (
+                s
+                if "UNREACHABLE" in (s := swarm("status", job_id, "--scheduler", sw.address).stdout)
+                else None
+            ),
+            "swarm status shows peer0 unreachable",
+        )
         assert "peer0" in shown and "--relay" in shown and "swarm relay" in shown, shown
         said = wait_until_blocking(
             lambda: (
