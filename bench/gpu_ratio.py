@@ -25,7 +25,8 @@ every step's loss against (a)'s (within 1% in bf16-mixed, 1e-4 in fp32). A one-p
 device has no memory for is reported (OOM), not failed. The last line is `RESULT {json}`; exit
 status 1 when a run failed or a loss disagreed.
 
-`--cpu-tiny`: a few layers of width 64 on the CPU, in fp32 (CI runs it: tests/system).
+`--cpu-tiny`: a few layers of width 64 on the CPU, in fp32 (CI runs it as the device check's part:
+tests/system/test_gpu_check.py).
 `--mps`: (c) once more with NVIDIA's MPS daemon running (bench/mps.py), its tokens/s against (c)'s
 in the same run; where the host cannot run it, "MPS A/B: not available" and why.
 """

@@ -1,16 +1,14 @@
-"""Shared fixtures: leftover child processes are killed after every test; `make_swarm` makes
-in-process swarms (`tests.support.inprocess`) and closes them after the test; `make_harness`
-makes step coordinators over in-memory replicas (`tests.support.coordinator`); `api` is the job
-API over a real store (`tests.support.api`); `pki` the swarm's CA and a stranger's
-(`tests.support.tls`). The fixtures themselves live in `tests/support/`, one home per concept."""
+"""Shared fixtures: leftover child processes are killed after every test, orphans included
+(`tests.support.reaper`); `make_swarm` makes in-process swarms (`tests.support.inprocess`) and
+closes them after the test; `make_harness` makes step coordinators over in-memory replicas
+(`tests.support.coordinator`); `api` is the job API over a real store (`tests.support.api`);
+`pki` the swarm's CA and a stranger's (`tests.support.tls`). The fixtures themselves live in
+`tests/support/`, one home per concept."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -23,48 +21,19 @@ os.environ.setdefault("SWARM_DIAL_PRIVATE", "1")
 from tests.support.api import api  # noqa: F401
 from tests.support.coordinator import make_harness  # noqa: F401
 from tests.support.inprocess import make_swarm  # noqa: F401
+from tests.support.reaper import kill_leftovers  # noqa: F401
 from tests.support.tls import pki  # noqa: F401
-
-
-def _children(pid: int) -> set[int]:
-    """Every live descendant of `pid` (from /proc: no extra dependency)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # The command name may contain spaces and parentheses: split after the last ')'.
-            fields = stat.rsplit(")", 1)[1].split()
-            if fields[0] != "Z":
-                parents[int(entry.name)] = int(fields[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {c for c, p in parents.items() if p in frontier} - found
-        found |= frontier
-    return found
-
-
-@pytest.fixture(autouse=True)
-def _kill_leftover_children() -> Iterator[None]:
-    before = _children(os.getpid())
-    yield
-    servers = forked.server_pids()  # serve every test; their children are covered here
-    for pid in _children(os.getpid()) - before - servers:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _fork_swarm_processes() -> Iterator[None]:
-    """Start the suite's swarm processes from a fork server that imported torch once."""
-    from swarm.local import procs
+    """Start the suite's swarm processes from a fork server that imported torch once (those in
+    the namespace lab's hosts too)."""
+    from swarm.local import netns, procs
 
-    procs.launcher = forked.launch
+    procs.launcher, netns.launcher = forked.launch, forked.launch_in
     yield
-    procs.launcher = procs.spawn
+    procs.launcher, netns.launcher = procs.spawn, netns.ip_netns_exec
 
 
 @pytest.fixture(scope="session", autouse=True)

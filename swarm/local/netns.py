@@ -20,11 +20,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
 from swarm.local import nat
 from swarm.local.nat import Lan
+from swarm.local.procs import Child
 
-__all__ = ["Lan", "Network", "Proc", "available", "remove_leftovers", "sh"]
+__all__ = [
+    "Lan",
+    "Launcher",
+    "Network",
+    "Proc",
+    "available",
+    "ip_netns_exec",
+    "launcher",
+    "remove_leftovers",
+    "sh",
+]
 
 CMD_TIMEOUT_S = 30.0  # one `ip` or `tc` call
 
@@ -39,6 +51,33 @@ def sh(*cmd: str, check: bool = True, stdin: str | None = None) -> str:
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()}")
     return done.stdout
+
+
+class Launcher(Protocol):
+    """Runs `argv` in namespace `ns` (its name) in a session of its own, from `cwd` with `env`,
+    its stdout and stderr into `out`."""
+
+    def __call__(
+        self, ns: str, argv: list[str], out: BinaryIO, env: dict[str, str], cwd: Path
+    ) -> Child: ...
+
+
+def ip_netns_exec(ns: str, argv: list[str], out: BinaryIO, env: dict[str, str], cwd: Path) -> Child:
+    """`ip netns exec NS ARGV`: a fresh process."""
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *argv],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+launcher: Launcher = ip_netns_exec
+"""How `Network.start` starts processes. The test suite forks its `swarm` processes from a server
+that imported torch once (`tests.support.forked`), as `swarm.local.procs.launcher` does."""
 
 
 def available(routers: bool = False) -> str | None:
@@ -210,15 +249,7 @@ class Network:
         """`argv` run inside `host`'s namespace in a session of its own; output in a log."""
         log_path = log_dir / f"{name}.log"
         with open(log_path, "wb") as out:
-            popen = subprocess.Popen(
-                ["ip", "netns", "exec", self.ns[host], *argv],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=cwd,
-                start_new_session=True,
-            )
+            popen = launcher(self.ns[host], argv, out, env, cwd)
         return Proc(name, popen, log_path)
 
     def destroy(self) -> None:
@@ -236,7 +267,7 @@ class Proc:
     """A child in its own session (process group) inside a namespace; output in `log_path`."""
 
     name: str
-    popen: subprocess.Popen[bytes]
+    popen: Child
     log_path: Path
 
     def log(self) -> str:

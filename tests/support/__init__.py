@@ -10,6 +10,7 @@
 - `tls`: the swarm's CA and a stranger's (`pki`), identities loaded from them.
 - `cli`: `swarm ...` as its own process; the repository root.
 - `forked`: swarm processes forked from a server that imported torch once.
+- `reaper`: every process a test started killed after it, orphans of a killed parent too.
 - `jobs`: the tiny synthetic job with any key overridden; the keys of each training rule; a
   wide vocabulary (`WIDE`).
 - `pretrained`: a pretrained checkpoint and a job fine-tuning from it.

@@ -6,19 +6,29 @@ schedulers and trainers on 2 cores, so that import was most of its time. A `mult
 fork server imports both once; each process forks from it and runs `swarm <args>` as
 `python -m swarm.cli` would: its own pid, environment, log file and exit status (a SIGKILL reads
 -9), killed and stopped as any process is. grpc is not imported before the fork (its core does not
-survive one); every role starts its own.
+survive one); every role starts its own. In a namespace of the lab (`swarm.local.netns`) the
+child enters it first, in a session of its own, as `ip netns exec` put a fresh one there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from multiprocessing.context import ForkServerContext
+from pathlib import Path
 from typing import BinaryIO
 
+from swarm.local import netns
+from swarm.local.procs import Child
+
 PRELOAD = ["torch", "torch._dynamo"]
+CLONE_NEWNET = 0x40000000  # <sched.h>
+SESSION_S = 30.0  # a forked child is in its own session within this (a busy machine)
 _context: ForkServerContext | None = None
 
 
@@ -41,8 +51,27 @@ def server_pids() -> set[int]:
     return {pid for pid in pids if pid is not None}
 
 
-def _run(args: list[str], log_path: str, env: dict[str, str]) -> None:
-    """In the forked child: become `python -m swarm.cli ARGS`, writing to `log_path`."""
+def _enter(ns: str, cwd: str) -> None:
+    """In the forked child, before anything starts a thread: into network namespace `ns` (its
+    threads, grpc's included, are made in it) and a session of its own, as `ip netns exec` in
+    `start_new_session` put it; in `cwd`. (`ip netns exec` also mounts the namespace's /sys and
+    /etc/netns files: swarm reads neither.)"""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {ns}")
+    finally:
+        os.close(fd)
+    os.setsid()
+    os.chdir(cwd)
+
+
+def _run(args: list[str], log_path: str, env: dict[str, str], ns: str = "", cwd: str = "") -> None:
+    """In the forked child: become `python -m swarm.cli ARGS`, writing to `log_path`; with `ns`,
+    in that network namespace and in `cwd`."""
+    if ns:
+        _enter(ns, cwd)
     out_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
@@ -72,9 +101,13 @@ def _run(args: list[str], log_path: str, env: dict[str, str]) -> None:
 class Forked:
     """A forked process with `subprocess.Popen`'s face (`swarm.local.procs.Child`)."""
 
-    def __init__(self, args: list[str], out: BinaryIO, env: dict[str, str]) -> None:
+    def __init__(
+        self, args: list[str], out: BinaryIO, env: dict[str, str], ns: str = "", cwd: str = ""
+    ) -> None:
         self.args = args
-        self._process = _forkserver().Process(target=_run, args=(args, out.name, env), daemon=True)
+        self._process = _forkserver().Process(
+            target=_run, args=(args, out.name, env, ns, cwd), daemon=True
+        )
         self._process.start()
 
     @property
@@ -106,3 +139,23 @@ class Forked:
 def launch(args: list[str], out: BinaryIO, env: dict[str, str]) -> Forked:
     """A `swarm.local.procs.Launcher`."""
     return Forked(args, out, env)
+
+
+def launch_in(ns: str, argv: list[str], out: BinaryIO, env: dict[str, str], cwd: Path) -> Child:
+    """A `swarm.local.netns.Launcher`: `python -m swarm.cli ARGS` (this interpreter's) forked
+    into namespace `ns`; any other command as `ip netns exec` runs it."""
+    if argv[:3] != [sys.executable, "-m", "swarm.cli"]:
+        return netns.ip_netns_exec(ns, argv, out, env, cwd)
+    child = Forked(argv[3:], out, env, ns, str(cwd))
+    # Returned once in its own session, as `Popen(start_new_session=True)` returns (a caller
+    # signals its group at once: `os.killpg`).
+    deadline = time.monotonic() + SESSION_S
+    while child.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(child.pid) == child.pid:
+                break
+        if time.monotonic() > deadline:
+            child.kill()
+            raise TimeoutError(f"swarm {' '.join(argv[3:])} in {ns}: no session of its own")
+        time.sleep(0.002)
+    return child

@@ -2,7 +2,8 @@
 removed after it, with what a run killed before it cleaned up left behind removed first; with
 `lans`, private LANs behind NAT routers (`swarm.local.nat`). And a TCP probe to run between
 them: `listen` on one host, `dial` from another (does the connection open, whom does the
-listener see, how long do N bytes take each way)."""
+listener see, how long do N bytes take each way). And a `Looker`: one process on a host that
+tells a job's status each time it is asked."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +26,7 @@ __all__ = [
     "PROXIES",
     "ROOT",
     "Dialed",
+    "Looker",
     "dial",
     "host_env",
     "listen",
@@ -211,3 +214,60 @@ def dial(
         raise RuntimeError(f"the probe from {host} failed: {done.stderr[-2000:]}")
     out = json.loads(done.stdout)
     return Dialed(out["ok"], out.get("seconds", 0.0), out.get("error", ""))
+
+
+# The looker: one `JobStatus` a line asked on stdin (a job id), answered on stdout as the document
+# `swarm status --json` prints, on one line; the process's own token (SWARM_TOKEN) and identity
+# (SWARM_TLS_*), as the CLI takes them. Unanswered, asked 3 times (`tests.support.status.ASKS`).
+_LOOK = """
+import asyncio, json, os, sys
+from google.protobuf import json_format
+from client.sdk import ClientError, SchedulerClient
+async def main():
+    token = os.environ.get("SWARM_TOKEN") or None
+    async with SchedulerClient(sys.argv[1], token=token) as client:
+        for line in sys.stdin:
+            for ask in range(3):
+                try:
+                    status = await client.get(line.strip())
+                    break
+                except ClientError as e:
+                    if not e.unanswered or ask == 2:
+                        raise
+                    await asyncio.sleep(0.2)
+            doc = json_format.MessageToDict(
+                status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
+            print(json.dumps(doc), flush=True)
+asyncio.run(main())
+"""
+
+
+class Looker:
+    """A job's status asked from `host` as `swarm status --json` would, by one process that
+    stays: a `swarm status` per look started an interpreter each time (1-3 s on a busy machine,
+    CPU the swarm under test waited for; a test holding its job still while it looked held it
+    that long). `look` fails when the scheduler did not answer, as the command would."""
+
+    def __init__(self, net: netns.Network, host: str, scheduler: str, env: dict[str, str]) -> None:
+        self._proc = subprocess.Popen(
+            ["ip", "netns", "exec", net.ns[host], sys.executable, "-c", _LOOK, scheduler],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=ROOT,
+            text=True,
+        )
+
+    def look(self, job_id: str) -> dict[str, Any]:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(job_id + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        assert line, f"the looker exited with {self._proc.wait()}"
+        doc: dict[str, Any] = json.loads(line)
+        return doc
+
+    def close(self) -> None:
+        self._proc.kill()
+        self._proc.communicate()  # reaped, its pipes closed

@@ -17,13 +17,11 @@ ones reuse podman's layers."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,12 +29,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm.local.procs import start_process
 from swarm.ops.lifecycle import parse_ready
 from tests.support import image
-from tests.support.cli import ROOT, swarm
+from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
 from tests.support.ports import free_port
+from tests.support.status import job_status
 from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -158,23 +158,19 @@ def test_a_swarm_of_containers_trains_exactly_through_a_sigkill(
     assert health.stdout.strip() == f"{scheduler}: SERVING"
 
     job_id = swarm("submit", str(job), "--scheduler", scheduler).stdout.split()[0]
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "swarm.cli", "trainer", "--scheduler", scheduler, "--job", job_id],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    # (forked, as the suite starts its swarm processes: `tests.support.forked`)
+    trainer = start_process(
+        ["trainer", "--scheduler", scheduler, "--job", job_id], log_dir=tmp_path, name="trainer"
     )
     killed, status = None, {}
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             held = killed is None
-            if held:  # the job holds still while the test looks
-                os.killpg(trainer.pid, signal.SIGSTOP)
+            if held:  # the job holds still while the test looks (asked in this process)
+                trainer.proc.send_signal(signal.SIGSTOP)
             try:
-                out = swarm("status", job_id, "--json", "--scheduler", scheduler).stdout
-                status = json.loads(out)
+                status = job_status(scheduler, job_id)
                 stages = status.get("stages", [])
                 pools = [s["replicas"] for s in stages if len(s.get("replicas", [])) > 1]
                 if held and int(status.get("step", 0)) >= 3 and pools:
@@ -182,17 +178,16 @@ def test_a_swarm_of_containers_trains_exactly_through_a_sigkill(
                     image.podman("kill", "--signal", "KILL", containers.prefix + killed)
             finally:
                 if held:
-                    os.killpg(trainer.pid, signal.SIGCONT)
+                    trainer.proc.send_signal(signal.SIGCONT)
             if status.get("state") in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED"):
                 break
-            time.sleep(RUN_S if killed is None else 1)
+            time.sleep(RUN_S)
         assert status.get("state") == "JOB_STATE_SUCCEEDED", status
         assert killed is not None, "no stage had two replicas to kill one of"
         assert containers.exit_code(killed) == 137  # SIGKILLed
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", scheduler)
     finally:
-        os.killpg(trainer.pid, signal.SIGKILL)
-        trainer.wait(30)
+        trainer.kill()
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
     # SIGTERM stops a role cleanly: a stage server leaves its pool (it announces itself
     # offline, and the scheduler hears it stopped rather than lost), the scheduler its store.

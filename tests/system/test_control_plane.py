@@ -3,7 +3,6 @@ the embedded broker and over Mosquitto."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -18,13 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.sdk import ClientError, SchedulerClient
+from client.sdk import ClientError
 from swarm.job.config import load_job
 from swarm.local.procs import LocalSwarm, start_local_swarm, start_process
 from tests.support.brokers import Mosquitto
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
+from tests.support.status import job_status, job_status_message
 from tests.support.waiting import wait_until_blocking
 
 pytestmark = pytest.mark.slow
@@ -77,16 +77,10 @@ def test_submit_wait_export_equals_local(
 
 
 def _wait_step(sw: LocalSwarm, job_id: str, at_least: int, timeout: float = 120) -> int:
-    # Asked in this process: a `swarm status` process each look (every 0.3 s) started an
-    # interpreter each time, CPU the peers' training waited for on a small machine. The CLI's
-    # `status` is still run by the tests that read what it prints.
-    async def get() -> int:
-        async with SchedulerClient(sw.address, timeout_s=30) as client:
-            return int((await client.get(job_id)).step)
-
+    # Asked in this process (`tests.support.status`), not by a `swarm status` process a look.
     def step() -> int | None:
         try:
-            step = asyncio.run(get())
+            step = int(job_status_message(sw.address, job_id).step)
         except ClientError:  # not answered now (a scheduler restarting, say)
             return None
         return step if step >= at_least else None
@@ -281,7 +275,7 @@ def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -
     try:
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         _wait_step(sw, job_id, 3)
-        status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        status = job_status(sw.address, job_id)
         pooled = next(s for s in status["stages"] if len(s.get("replicas", [])) >= 2)
         victim = pooled["replicas"][0]["peer"]
         stopped = next(p for p in sw.peers if p.ready["peer"] == victim)
@@ -297,12 +291,12 @@ def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -
 
 
 def _wait_rollback(sw: LocalSwarm, job_id: str, timeout: float = 120) -> str:
-    """What `swarm status` said of the rollback (its message, or its rollback event once the
-    message is back to "training")."""
+    """What the job's status said of the rollback (its message, or its rollback event once the
+    message is back to "training"), asked in this process as `_wait_step` asks."""
     said = [""]
 
     def rolled_back() -> str | None:
-        status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        status = job_status(sw.address, job_id)
         events = [e["text"] for e in status.get("events", []) if e["kind"] == "rollback"]
         said[0] = events[-1] if events else status.get("message", "")
         return said[0] if "rolled back" in said[0] else None
@@ -325,14 +319,14 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
     try:
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         assert _wait_step(sw, job_id, 6) < 16
-        status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        status = job_status(sw.address, job_id)
         victim = status["stages"][2]["replicas"][0]["peer"]
         next(p for p in sw.peers if p.ready["peer"] == victim).kill()
         # The stall is said: which stage, since when, what to do, what will follow.
         deadline, now = time.monotonic() + 30, status
         while time.monotonic() < deadline and not now["message"].startswith("stalled"):
             time.sleep(0.2)
-            now = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+            now = job_status(sw.address, job_id)
         assert re.match(r"stalled at step \d+: stage 2 has no replica since ", now["message"]), now
         assert "start a stage server" in now["message"] and now["waiting_since"] > 0, now
         assert "rolls back to step" in now["message"], now
@@ -358,7 +352,7 @@ def test_stage_lost_under_the_scheduler_rolls_back_and_says_so(tmp_path: Path) -
         # its newest 10 events, `--json` 50).
         told = swarm("status", job_id, "--scheduler", sw.address).stdout
         assert "succeeded: 20 steps" in told.split("events:\n")[1], told
-        doc = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        doc = job_status(sw.address, job_id)
         history = "\n".join(e["text"] for e in doc["events"])
         order = [
             f"{victim} left stage 2: its connection dropped",
@@ -402,7 +396,7 @@ def test_a_stage_lost_while_the_scheduler_was_down_rolls_back(
     try:
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         assert _wait_step(sw, job_id, 6) < 16
-        status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        status = job_status(sw.address, job_id)
         victim = status["stages"][2]["replicas"][0]["peer"]
         sw.scheduler.kill()
         next(p for p in sw.peers if p.ready["peer"] == victim).kill()
@@ -428,7 +422,7 @@ def test_peers_freed_by_one_job_join_the_next(tmp_path: Path) -> None:
         assert _wait_step(sw, first, 1) < 24
         second = swarm("submit", str(job), "--wait", "--scheduler", sw.address, timeout=240)
         assert "succeeded" in second.stdout
-        status = json.loads(swarm("status", first, "--json", "--scheduler", sw.address).stdout)
+        status = job_status(sw.address, first)
         assert status["state"] == "JOB_STATE_SUCCEEDED"
     finally:
         sw.stop()

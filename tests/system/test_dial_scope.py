@@ -15,6 +15,7 @@ import pytest
 from swarm.local.procs import start_local_swarm
 from tests.support.cli import swarm
 from tests.support.jobs import write_job
+from tests.support.status import shown_once
 from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.attack("M-scan")]
@@ -32,15 +33,7 @@ def test_a_scheduler_without_dial_private_dials_no_loopback_address(tmp_path: Pa
     try:
         peer = sw.add_peer()  # on 127.0.0.1, announced there
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
-        shown = wait_until_blocking(
-            lambda: (
-                s
-                if "UNREACHABLE" in (s := swarm("status", job_id, "--scheduler", sw.address).stdout)
-                else None
-            ),
-            "swarm status shows peer0 unreachable",
-            every_s=0.5,
-        )
+        shown = shown_once(sw.address, job_id, "UNREACHABLE")
         assert "a private address, not dialled" in shown and "--dial-private" in shown, shown
         told = wait_until_blocking(
             lambda: (

@@ -6,7 +6,6 @@ routers it put one home on each stage (a, c and b, d: the peers measure alike)."
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -82,6 +81,7 @@ def test_a_stages_replicas_sit_behind_two_routers(lab: netns.Network, tmp_path: 
 
     stages: list[list[str]] = []
     status: dict[str, Any] = {}
+    looker: namespaces.Looker | None = None
     try:
         (tmp_path / "data").mkdir()  # the job's data is synthetic: none there
         scheduler = start(
@@ -117,13 +117,16 @@ def test_a_stages_replicas_sit_behind_two_routers(lab: netns.Network, tmp_path: 
         ):
             time.sleep(0.2)
         job_id = _on_hub(lab, tmp_path, "submit", str(job)).split()[0]
+        looker = namespaces.Looker(lab, "hub", SCHEDULER, _env(tmp_path, "client"))
         while time.monotonic() < deadline:
-            status = json.loads(_on_hub(lab, tmp_path, "status", job_id, "--json"))
+            status = looker.look(job_id)
             stages = _serving(status)
             if [len(s) for s in stages] == [2, 2]:
                 break
             time.sleep(0.5)
     finally:
+        if looker is not None:
+            looker.close()
         for proc in reversed(procs):
             proc.kill()
     logs = {p.name: p.log()[-2000:] for p in procs}

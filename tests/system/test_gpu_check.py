@@ -1,6 +1,9 @@
 """The device check (bench/gpu_check.sh) on this machine's CPU, as CI runs it, so that the script
 a GPU host runs has not rotted: every part passes, with its figures, and the summary lands in
-$OUT."""
+$OUT. Its `gpu ratio` part is the side-by-side benchmark (bench/gpu_ratio.py) in its CPU mode:
+every run finishes, swarm's losses agree with the single-process torch run's at every step, and
+the table is printed with its ratios (read from that part's log; the benchmark ran a second time
+on its own before, with the same arguments, for the same claims)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,26 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
+@dataclass
+class Checked:
+    """One quick run of the device check on the CPU: its exit status, output and $OUT."""
+
+    code: int
+    output: str
+    out: Path
+
+    @property
+    def summary(self) -> str:
+        return (self.out / "gpu_check.txt").read_text()
+
+    def log(self, part: str) -> str:
+        return (self.out / "gpu_check_logs" / f"{part}.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory: pytest.TempPathFactory) -> Checked:
+    """The check, run once for the tests that read what it said."""
+    tmp_path = tmp_path_factory.mktemp("gpu-check")
     env = {
         **os.environ,
         "PYTHON": sys.executable,
@@ -35,9 +58,12 @@ def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
         text=True,
         timeout=380,
     )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
-    summary = (tmp_path / "out" / "gpu_check.txt").read_text()
+    return Checked(done.returncode, done.stdout + done.stderr, tmp_path / "out")
+
+
+def test_the_device_check_runs_green_on_a_cpu(checked: Checked) -> None:
+    assert checked.code == 0, checked.output
+    summary = checked.summary
     assert "8 of 8 parts passed" in summary, summary
     for part in (
         "environment",
@@ -59,12 +85,37 @@ def test_the_device_check_runs_green_on_a_cpu(tmp_path: Path) -> None:
     assert summary.count("agreed (largest difference 0.0e+00)") == 2, summary
     assert "swarm against torch on the same device" in summary and "| swarm | " in summary
     assert "MPS A/B: not available: cpu is not a CUDA device" in summary, summary
-    assert (tmp_path / "out" / "gpu_check_logs" / "train-fp32.log").exists()
+    assert (checked.out / "gpu_check_logs" / "train-fp32.log").exists()
     # the device-failure part's dry run: the injected failure (no allocator to cap on a CPU),
     # replayed, and float64 against the CPU reference: bitwise on a CPU
     assert "float64 on cpu against the CPU reference 0.00e+00" in summary, summary
     assert "out of memory mid-backward (injected (cpu)), replayed: 0.00e+00" in summary, summary
     assert "bitwise the run without it: yes" in summary, summary
+
+
+def test_the_ratio_bench_runs_on_a_cpu_and_swarm_agrees_with_torch(checked: Checked) -> None:
+    """bench/gpu_ratio.py --cpu-tiny --shapes short --warmup 1 --steps 2 (the part's command)."""
+    output = checked.log("gpu-ratio")
+    assert "| run | tokens/s | ratio | p50 s | p90 s |" in output
+    for run in ("microbatched-eager", "pass-eager", "swarm"):
+        assert f"| {run} | " in output, output
+    report = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
+    assert report["failures"] == [] and report["precision"] == "fp32"
+    shape = report["shapes"]["short"]
+    rows = shape["rows"]
+    torch_losses, swarm = rows["microbatched-eager"]["losses"], rows["swarm"]
+    assert len(swarm["losses"]) == len(torch_losses) == 3  # warm-up and timed steps
+    assert swarm["loss_diff"] <= 1e-4  # the same microbatches, the same model, in fp32
+    # the one-pass run trains on the same batch: its losses agree too
+    for a, b in zip(rows["pass-eager"]["losses"], torch_losses, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    assert shape["baseline"] == {"(a)": "microbatched-eager", "(b)": "pass-eager"}
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and 0 < row["p50_s"] <= row["p90_s"]
+        assert row["busy"] is None and row["mfu"] is None  # no NVML, no known peak on a CPU
+    assert 0 < swarm["commit_share"] < 1
+    assert swarm["evictions"] == [0] * 4  # every stage server logged its count as it stopped
+    assert shape["swarm_over_a"] > 0 and shape["swarm_over_b"] > 0
 
 
 def test_parts_are_chosen_by_name_and_a_cpu_run_is_the_fault_check_s_dry_run(

@@ -100,6 +100,7 @@ def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path
     _tally(lab, "a", lan["b"])
     _tally(lab, "b", lan["a"])
     procs: list[netns.Proc] = []
+    looker: namespaces.Looker | None = None
 
     def start(host: str, name: str, *args: str) -> netns.Proc:
         proc = lab.start(host, name, _swarm(*args), tmp_path, _env(tmp_path, name), ROOT)
@@ -121,18 +122,18 @@ def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path
             assert proc.wait_ready(deadline)["address"] == f"{lan[proc.name]}:{PORT}"
         job_id = _on_hub(lab, tmp_path, "submit", str(job), "--scheduler", SCHEDULER).split()[0]
         state, end = "", time.monotonic() + 300
+        looker = namespaces.Looker(lab, "hub", SCHEDULER, _env(tmp_path, "client"))
         while state not in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED") and time.monotonic() < end:
-            status = json.loads(
-                _on_hub(lab, tmp_path, "status", job_id, "--json", "--scheduler", SCHEDULER)
-            )
-            state = status["state"]
-            time.sleep(0.5)
+            state = looker.look(job_id)["state"]
+            time.sleep(0.2)
         story = "\n".join(f"{p.name}:\n{p.log()[-2000:]}" for p in procs)
         assert state == "JOB_STATE_SUCCEEDED", story
         out = tmp_path / "swarm.pt"
         _on_hub(lab, tmp_path, "export", job_id, "--out", str(out), "--scheduler", SCHEDULER)
         counted = {host: _tallied(lab, host) for host in lan}
     finally:
+        if looker is not None:
+            looker.close()
         for proc in reversed(procs):
             proc.kill()
     logs = {p.name: p.log() for p in procs}

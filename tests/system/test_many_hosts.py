@@ -6,7 +6,6 @@ on every connection. A peer is killed with SIGKILL mid-job; the job ends float64
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -35,11 +34,11 @@ ADDRESSES = {h: f"{SUBNET}.{10 + i}" for i, h in enumerate(HOSTS)}
 TOKEN = "many-hosts-token"
 STEPS = 40
 RUN_S = 0.3
-"""While the test looks (`swarm status` from the trainer's namespace: a fresh interpreter, 1-3 s
-on a busy machine) the job holds still: the scheduler runs no trainer of its own and the remote
-trainer is stopped (SIGSTOP), so what the test sees is where the job is, and the kill lands
-mid-job however fast the machine trains. Between two looks the trainer runs `RUN_S`, a few
-steps at most (a 30-step job once ended between two looks of a test that let it run)."""
+"""While the test looks (the job's status, asked from the trainer's namespace by a `Looker`) the
+job holds still: the scheduler runs no trainer of its own and the remote trainer is stopped
+(SIGSTOP), so what the test sees is where the job is, and the kill lands mid-job however fast
+the machine trains. Between two looks the trainer runs `RUN_S`, a few steps at most (a 30-step
+job once ended between two looks of a test that let it run)."""
 
 
 @pytest.fixture
@@ -73,6 +72,7 @@ def test_a_swarm_of_hosts_with_tls_trains_exactly_through_a_kill(
     data_root = tmp_path / "data"  # not tmp_path: it holds the store, checkpoints and keys
     data_root.mkdir()
     procs: list[netns.Proc] = []
+    looker: namespaces.Looker | None = None
 
     def start(host: str, *args: str) -> netns.Proc:
         env = _env(certs, host, tmp_path)
@@ -122,6 +122,7 @@ def test_a_swarm_of_hosts_with_tls_trains_exactly_through_a_kill(
         for peer in PEERS:
             assert ready[peer]["address"] == f"{ADDRESSES[peer]}:7000", ready[peer]
         job_id = client("submit", str(job), "--scheduler", scheduler).split()[0]
+        looker = namespaces.Looker(network, "trainer", scheduler, _env(certs, "trainer", tmp_path))
         trainer = start("trainer", "trainer", "--scheduler", scheduler, "--job", job_id)
         killed = None
         deadline = time.monotonic() + 420
@@ -130,7 +131,7 @@ def test_a_swarm_of_hosts_with_tls_trains_exactly_through_a_kill(
             if held:
                 os.killpg(trainer.popen.pid, signal.SIGSTOP)
             try:
-                status = json.loads(client("status", job_id, "--json", "--scheduler", scheduler))
+                status = looker.look(job_id)
                 step = int(status.get("step", 0))
                 if killed is None and step >= 3:
                     # a peer whose stage keeps another replica: its work is replayed there
@@ -144,13 +145,15 @@ def test_a_swarm_of_hosts_with_tls_trains_exactly_through_a_kill(
                     os.killpg(trainer.popen.pid, signal.SIGCONT)
             if status["state"] in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED"):
                 break
-            time.sleep(RUN_S if killed is None else 1)
+            time.sleep(RUN_S)
         assert status["state"] == "JOB_STATE_SUCCEEDED", status
         assert killed is not None, "no stage had two replicas to kill one of"
         client("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", scheduler)
         logs = {p.name: p.log() for p in procs}
         assert not [n for n, text in logs.items() if "Traceback" in text and n != killed]
     finally:
+        if looker is not None:
+            looker.close()
         for proc in procs:
             proc.kill()
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)

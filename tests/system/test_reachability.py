@@ -4,7 +4,6 @@ announces an address nobody listens on is dialled back, found UNREACHABLE, never
 
 from __future__ import annotations
 
-import json
 import urllib.request
 from pathlib import Path
 
@@ -13,13 +12,10 @@ import pytest
 from swarm.local.procs import LocalSwarm, start_local_swarm
 from tests.support.cli import swarm
 from tests.support.jobs import write_job
+from tests.support.status import job_status, job_status_text, shown_once
 from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-
-
-def _status(sw: LocalSwarm, job_id: str) -> str:
-    return swarm("status", job_id, "--scheduler", sw.address).stdout
 
 
 def _metrics(sw: LocalSwarm) -> str:
@@ -38,11 +34,7 @@ def test_a_peer_nobody_can_dial_is_unreachable_in_status_with_the_remedy_and_not
         # It listens on 127.0.0.1 and announces 127.0.0.2: nothing answers there.
         sw.add_peer(extra=["--announce-host", "127.0.0.2"])
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
-        shown = wait_until_blocking(
-            lambda: s if "UNREACHABLE" in (s := _status(sw, job_id)) else None,
-            "swarm status shows peer0 unreachable",
-            every_s=0.5,
-        )
+        shown = shown_once(sw.address, job_id, "UNREACHABLE")
         assert "peer0" in shown and "127.0.0.2:" in shown, shown
         for fix in ("--announce-host", "forward port", "swarm relay", "--relay"):
             assert fix in shown, (fix, shown)
@@ -53,11 +45,11 @@ def test_a_peer_nobody_can_dial_is_unreachable_in_status_with_the_remedy_and_not
         # A peer that answers is direct, and serves the job; peer0 is still placed nowhere.
         sw.add_peer()
         wait_until_blocking(
-            lambda: "direct" if "direct" in _status(sw, job_id) else None,
+            lambda: "direct" in job_status_text(sw.address, job_id),
             "peer1 serves, reached directly",
-            every_s=0.5,
+            every_s=0.3,
         )
-        status = json.loads(swarm("status", job_id, "--json", "--scheduler", sw.address).stdout)
+        status = job_status(sw.address, job_id)
         replicas = [r for stage in status["stages"] for r in stage.get("replicas", [])]
         assert [r["peer"] for r in replicas] == ["peer1"], replicas
         assert replicas[0]["reachability"] == "REACHABILITY_DIRECT"

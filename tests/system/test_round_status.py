@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 from swarm.local.procs import start_local_swarm
 from tests.support.cli import swarm
 from tests.support.jobs import write_job
+from tests.support.status import shown_once
 
 
 @pytest.mark.slow
@@ -30,11 +30,8 @@ def test_swarm_status_and_metrics_show_a_local_jobs_rounds(tmp_path: Path) -> No
     try:
         at = ("--scheduler", sw.address)
         job_id = swarm("submit", str(job), *at).stdout.split()[0]
-        deadline, line = time.monotonic() + 120, ""
-        while time.monotonic() < deadline and "last average took" not in line:
-            out = swarm("status", job_id, *at).stdout
-            line = next((x for x in out.splitlines() if x.startswith("rounds")), "")
-            time.sleep(0.2)
+        out = shown_once(sw.address, job_id, "last average took")
+        line = next((x for x in out.splitlines() if x.startswith("rounds")), "")
         shape = (
             r"rounds   local, round (\d+)/50000 \(2 steps each\), next average in [12] steps?; "
             r"last average took \d+(ms|\.\ds), \S+ ago, [\d.]+ (B|KiB|MiB) moved"

@@ -6,7 +6,6 @@ check), the scheduler says so, and the job is `stalled` until the stage is serve
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from swarm.local.procs import LocalSwarm, start_local_swarm
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
+from tests.support.status import job_status
 from tests.support.waiting import wait_until_blocking
 
 pytestmark = pytest.mark.slow
@@ -125,8 +125,7 @@ def _spare(status: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def _status(sw: LocalSwarm, job_id: str) -> dict[str, Any]:
-    out = swarm("status", job_id, "--json", "--scheduler", sw.address).stdout
-    doc: dict[str, Any] = json.loads(out)
+    doc = job_status(sw.address, job_id)
     doc["step"] = int(doc.get("step", 0))
     doc["state"] = doc["state"].removeprefix("JOB_STATE_").lower()
     return doc
