@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from scheduler.registry import PeerRegistry
 from scheduler.stalls import REMEDY, Health, stages_text
 from swarm.bus.connection import BusLike
+from swarm.deadline import within
 from swarm.job.config import JobConfig
 from swarm.policy.placement import path_speeds, place_new
 from swarm.proto import control_pb2 as cpb
@@ -281,7 +282,7 @@ class Assignments:
         when it wakes, not when it starts waiting: one that came while the caller read the
         registry or spoke is not lost (it returns at once, and the caller reads again)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.changed.wait(), timeout)
+            await within(self.changed.wait(), timeout)
         self.changed.clear()
 
 

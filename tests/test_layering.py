@@ -72,7 +72,14 @@ subpackages share lives in one of them."""
 
 FLOORS: tuple[tuple[str, ...], ...] = (
     # 0: leaves: errors, time, flags, the generated messages and their generator.
-    ("swarm.errors", "swarm.clock", "swarm.flags", "swarm.proto", "swarm.protogen"),
+    (
+        "swarm.errors",
+        "swarm.clock",
+        "swarm.deadline",
+        "swarm.flags",
+        "swarm.proto",
+        "swarm.protogen",
+    ),
     # 1: values and their encodings: addresses, token and TLS; job files; the wire's codecs.
     ("swarm.net", "swarm.job", "swarm.wire"),
     # 2: what decides and what watches: the pure policies; metrics, lifecycle, faults.

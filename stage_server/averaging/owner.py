@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from stage_server.averaging.summing import Reduced, Summer, squares, sum_in_order
+from swarm.deadline import within
 from swarm.errors import (
     Aborted,
     FailedPrecondition,
@@ -209,7 +210,7 @@ class Averager:
         )
         slot.waiting += 1
         try:
-            return await asyncio.wait_for(asyncio.shield(slot.done), max(timeout_s, 0.0))
+            return await self._awaited(slot, max(timeout_s, 0.0))
         except TimeoutError:
             missing = slot.missing()
             where = _where(part, slice)
@@ -240,6 +241,17 @@ class Averager:
         if not slot.done.done():
             slot.done.cancel()
         log.debug("%s %s: every contributor hung up; dropped", round_name(round), _where(*key))
+
+    @staticmethod
+    async def _awaited(slot: _Slot, timeout_s: float) -> Reduced:
+        """The part's sum, or `TimeoutError`. A slot's own timer (the same timeout, set by its
+        first contribution) may end it as this wait runs out: that outcome, not a timeout."""
+        try:
+            return await within(asyncio.shield(slot.done), timeout_s)
+        except TimeoutError:
+            if slot.done.done():
+                return slot.done.result()
+            raise
 
     def abort(self, round: RoundKey, reason: str, missing: Sequence[int] = ()) -> None:
         """Fail every open part of `round` (waiters raise AveragingAborted) and refuse it later."""

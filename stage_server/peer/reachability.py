@@ -36,6 +36,7 @@ from google.protobuf.message import Message
 from stage_server.peer.metrics import StageMetrics
 from swarm.bus.api import BusLike
 from swarm.bus.topics import ANY, BusError
+from swarm.deadline import within
 from swarm.net import tls
 from swarm.net.addresses import host_port, is_unspecified
 from swarm.ops.rated import RatedLog
@@ -80,7 +81,7 @@ async def answers(address: str, timeout_s: float = OUTSIDE_TIMEOUT_S) -> bool:
     """Whether a TCP connection to `address` ("host:port") opens within `timeout_s`."""
     try:
         host, port = split_host_port(address)
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        _, writer = await within(asyncio.open_connection(host, port), timeout_s)
     except (OSError, TimeoutError, ValueError):
         return False
     writer.close()

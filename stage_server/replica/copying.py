@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from stage_server.replica.runtime import StageRuntime
+from swarm.deadline import within
 from swarm.errors import SwarmError
 from swarm.policy.backoff import Backoff
 from swarm.rpc.stage_client import StageClient
@@ -74,7 +75,7 @@ class Copy:
             if left <= 0:
                 return
             try:
-                await asyncio.wait_for(moved.wait(), left)
+                await within(moved.wait(), left)
             except TimeoutError:
                 return
 
@@ -127,7 +128,7 @@ class Copy:
                 pause.reset()
             elif not self._ask.is_set():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._ask.wait(), pause.next())
+                    await within(self._ask.wait(), pause.next())
             self._ask.clear()
         # A member now: the source may forget this follower's updates (or later, by itself).
         with contextlib.suppress(SwarmError):

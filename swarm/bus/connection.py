@@ -40,6 +40,7 @@ from swarm.bus.topics import (
     check_topic,
     parse_broker_url,
 )
+from swarm.deadline import within
 from swarm.errors import ConfigError
 from swarm.policy.backoff import Backoff
 
@@ -245,7 +246,7 @@ class Bus:
             except aiomqtt.MqttError as exc:
                 conn.fail(exc)  # the link is broken; wait for the run loop to replace it
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(conn.closed.wait(), max(deadline - loop.time(), 0))
+                    await within(conn.closed.wait(), max(deadline - loop.time(), 0))
                 continue
             if retain and not payload and self._retained.get(topic) == b"":
                 del self._retained[topic]  # cleared on the broker: nothing to restore
@@ -344,7 +345,7 @@ class Bus:
                 if attempts:
                     self._log_attempt(attempts, delay)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), delay)
+                    await within(self._stop.wait(), delay)
         finally:
             self._ready.clear()
             self._done.set()

@@ -28,6 +28,7 @@ from swarm.bus.topics import (
     Topics,
     topic_matches,
 )
+from swarm.deadline import within
 
 __all__ = ["Subscription", "Subscriptions"]
 
@@ -91,7 +92,7 @@ class Subscription:
     async def wait_subscribed(self, timeout: float) -> None:
         """Wait until the broker acknowledged this subscription on the current connection."""
         try:
-            await asyncio.wait_for(self.subscribed.wait(), timeout)
+            await within(self.subscribed.wait(), timeout)
         except TimeoutError:
             raise BusNotConnected(
                 f"bus {self._owner}: {self.pattern} not subscribed within {timeout:.1f} s"

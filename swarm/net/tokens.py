@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from swarm.deadline import within
 from swarm.errors import ConfigError, SwarmError
 from swarm.net import tls
 from swarm.net.ports import Listener, bind_error, raise_if_taken
@@ -189,7 +190,7 @@ async def _drain(requests: AsyncIterable[Any]) -> None:
     while (left := deadline - loop.time()) > 0:
         try:
             # A client waiting for a reply mid-stream gets its answer after the idle time.
-            await asyncio.wait_for(it.__anext__(), min(_DRAIN_IDLE_S, left))
+            await within(it.__anext__(), min(_DRAIN_IDLE_S, left))
         except (StopAsyncIteration, TimeoutError):
             return
 

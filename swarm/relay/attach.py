@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from swarm.deadline import within
 from swarm.policy.backoff import Backoff
 from swarm.relay.auth import attach_proof, data_proof
 from swarm.relay.copier import splice
@@ -157,7 +158,7 @@ class Attachment:
                 again = None
                 tried.add(relay)
                 try:
-                    reader, writer = await asyncio.wait_for(self._attach(relay), self.timeout_s)
+                    reader, writer = await within(self._attach(relay), self.timeout_s)
                 except _Refused as e:  # the relay says why (a wrong key, a certificate
                     # not naming this peer, another key holding its id): the operator's to fix
                     log.warning("%s: relay %s refused it: %s", self.peer, relay, e)
@@ -223,12 +224,12 @@ class Attachment:
     ) -> None:
         """Answer the relay's pings and open a data connection per call, until it ends."""
         while True:
-            line = await asyncio.wait_for(reader.readline(), self.dead_after_s)
+            line = await within(reader.readline(), self.dead_after_s)
             verb, _, rest = line.decode("latin-1").strip().partition(" ")
             call, _, kind = rest.partition(" ")
             if verb == "PING":
                 writer.write(b"PONG\n")
-                await asyncio.wait_for(writer.drain(), self.dead_after_s)
+                await within(writer.drain(), self.dead_after_s)
             elif verb == "OPEN" and not self._targets.get(kind or GRPC):
                 # Only its own two servers, by name: an address, a port, or a kind this peer
                 # does not serve (a metrics call to a peer without /metrics) opens nothing.
@@ -244,16 +245,12 @@ class Attachment:
         """One call: this peer's server at `target` (its gRPC or its /metrics), spliced to a data
         connection to the relay."""
         try:
-            local = await asyncio.wait_for(
-                asyncio.open_connection(*split_host_port(target)), self.timeout_s
-            )
+            local = await within(asyncio.open_connection(*split_host_port(target)), self.timeout_s)
         except (OSError, TimeoutError) as e:
             log.warning("%s: own server %s did not answer a relayed call: %s", self.peer, target, e)
             return
         try:
-            remote = await asyncio.wait_for(
-                asyncio.open_connection(*split_host_port(relay)), self.timeout_s
-            )
+            remote = await within(asyncio.open_connection(*split_host_port(relay)), self.timeout_s)
         except (OSError, TimeoutError):
             await close(local[1])
             return

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge
 
+from swarm.deadline import within
 from swarm.relay.attach import GRPC, METRICS
 from swarm.relay.auth import attach_proof, same
 from swarm.relay.identity import Unproven, challenge, verify
@@ -54,7 +55,7 @@ class Attached:
 
     async def send(self, line: str, timeout_s: float) -> None:
         self.writer.write(line.encode() + b"\n")
-        await asyncio.wait_for(self.writer.drain(), timeout_s)
+        await within(self.writer.drain(), timeout_s)
 
 
 class Peers:
@@ -91,7 +92,7 @@ class Peers:
         nonce = secrets.token_hex(16)
         writer.write(f"NONCE {nonce}\n".encode())
         with self._head(source, False):  # until the proof is in: a stranger's silence holds it
-            line = await asyncio.wait_for(reader.readline(), self._limits().head_timeout_s)
+            line = await within(reader.readline(), self._limits().head_timeout_s)
         verb, _, rest = line.decode("latin-1").strip().partition(" ")
         proof, _, signature = rest.partition(" ")
         if verb != "PROOF" or (
@@ -139,7 +140,7 @@ class Peers:
         pinger = asyncio.create_task(self._ping(attached))
         try:
             while True:
-                line = await asyncio.wait_for(reader.readline(), self._limits().dead_after_s)
+                line = await within(reader.readline(), self._limits().dead_after_s)
                 if line.strip() != b"PONG":
                     break  # end of stream, or something no peer sends
                 attached.ponged.set()
@@ -185,7 +186,7 @@ class Peers:
         attached.ponged.clear()
         try:
             await attached.send("PING", self._limits().probe_s)
-            await asyncio.wait_for(attached.ponged.wait(), self._limits().probe_s)
+            await within(attached.ponged.wait(), self._limits().probe_s)
         except (ConnectionError, OSError, TimeoutError):
             return False
         return True

@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from swarm.deadline import within
+
 __all__ = ["ZERO_COPY", "splice"]
 
 ZERO_COPY = sys.platform == "linux" and hasattr(os, "splice")
@@ -95,7 +97,7 @@ async def _take(stream: Stream) -> tuple[socket.socket, bytes]:
         raise ConnectionResetError("closed before the splice began")
     transport.pause_reading()  # nothing more into the reader's buffer
     transport.set_write_buffer_limits(high=0)
-    await asyncio.wait_for(writer.drain(), _TAKE_S)  # drain() waits for an empty buffer now
+    await within(writer.drain(), _TAKE_S)  # drain() waits for an empty buffer now
     # The head was read through a StreamReader, which may hold bytes that followed it (only
     # its private buffer says so): they are passed on first.
     leftover = bytes(getattr(reader, "_buffer", b""))

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from swarm.deadline import within
 from swarm.net.addresses import host_port
 from swarm.net.paths import relay_credential
 from swarm.ops.rated import RatedLog
@@ -215,9 +216,7 @@ class RelayServer:
             return False
         try:
             with self._head(source, expected):
-                head = await asyncio.wait_for(
-                    read_head(reader, self.limits.max_head_bytes), timeout_s
-                )
+                head = await within(read_head(reader, self.limits.max_head_bytes), timeout_s)
         except HeadError as e:
             self._refuse("head", "refused a request from %s: %s", where, e.reason)
             await answer(writer, e.status, e.reason)
@@ -368,7 +367,7 @@ class RelayServer:
         self._expected[attached.source] += 1  # its data connection's head: the data pool
         try:
             await attached.send(f"OPEN {call} {kind}", self.limits.open_timeout_s)
-            return await asyncio.wait_for(future, self.limits.open_timeout_s)
+            return await within(future, self.limits.open_timeout_s)
         except (ConnectionError, OSError, TimeoutError):
             return None
         except asyncio.CancelledError:  # stop(): a data connection already handed over is closed

@@ -25,6 +25,8 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
+from swarm.deadline import within
+
 __all__ = [
     "PROTOCOL",
     "Head",
@@ -121,7 +123,7 @@ async def close(writer: asyncio.StreamWriter) -> None:
     """Close, not waiting long for a peer that stopped reading (its buffered bytes are dropped)."""
     writer.close()
     try:
-        await asyncio.wait_for(writer.wait_closed(), 1.0)
+        await within(writer.wait_closed(), 1.0)
     except TimeoutError:
         writer.transport.abort()
     except Exception:  # reset while closing: closed all the same
@@ -141,7 +143,7 @@ async def answer(writer: asyncio.StreamWriter, status: int, reason: str) -> None
         + body
     )
     with contextlib.suppress(ConnectionError, OSError, TimeoutError):
-        await asyncio.wait_for(writer.drain(), 1.0)
+        await within(writer.drain(), 1.0)
 
 
 async def linger(reader: asyncio.StreamReader) -> None:

@@ -15,6 +15,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar
 
 import torch
 
+from swarm.deadline import within
 from swarm.errors import InvalidArgument, PeerUnavailable, ResourceExhausted
 from swarm.job.rule import EagerOp
 from swarm.rpc.stream_order import OutOfOrder, StateOrder, UpdateHeader, UpdateOrder
@@ -260,23 +261,23 @@ def _aiter(call: Any) -> AsyncIterator[Any]:
 
 
 async def _progressing(
-    call: Any, idle_s: float, within: tuple[float, str] | None = None
+    call: Any, idle_s: float, whole: tuple[float, str] | None = None
 ) -> AsyncIterator[Any]:
     """The messages of a server stream with a deadline that follows progress: each must come
-    within `idle_s` of the one before; and, given `within` (seconds, the error's text), the whole
+    within `idle_s` of the one before; and, given `whole` (seconds, the error's text), the whole
     stream within those seconds however steadily it comes."""
     stream = _aiter(call)
     loop = asyncio.get_running_loop()
-    end = loop.time() + within[0] if within else None
+    end = loop.time() + whole[0] if whole else None
     while True:
         wait = idle_s if end is None else min(idle_s, end - loop.time())
         try:
-            message = await asyncio.wait_for(anext(stream), max(wait, 0))
+            message = await within(anext(stream), max(wait, 0))
         except StopAsyncIteration:
             return
         except TimeoutError:
             call.cancel()
-            if within and wait < idle_s:
-                raise PeerUnavailable(within[1]) from None
+            if whole and wait < idle_s:
+                raise PeerUnavailable(whole[1]) from None
             raise PeerUnavailable(f"no bytes for {idle_s:g}s: the transfer stalled") from None
         yield message

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from google.protobuf.message import Message
 
+from swarm.deadline import within
 from swarm.errors import ConfigError, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from swarm.proto import framing, tensor_pb2
 from swarm.proto.framing import MAX_TENSORS_PER_MESSAGE  # counted before a header is parsed
@@ -379,7 +380,7 @@ async def within_deadline(
     deadline = loop.time() + timeout_s
     while True:
         try:
-            message = await asyncio.wait_for(it.__anext__(), max(deadline - loop.time(), 0.0))
+            message = await within(it.__anext__(), max(deadline - loop.time(), 0.0))
         except StopAsyncIteration:
             return
         except TimeoutError:

@@ -250,6 +250,27 @@ async def test_peers_joining_a_running_job_are_placed_fastest_first() -> None:
     assert reg.available("j", 2) == {}
 
 
+async def test_grow_ends_when_cancelled_as_an_announcement_wakes_it() -> None:
+    """A job's end cancels `grow` (its trainer's task group waits for it). Python 3.11's
+    `asyncio.wait_for` returned the wait's result instead of raising when the cancellation came
+    after the announcement had woken the wait but before `wait_for` saw it, so `grow` looped on
+    and the job never ended (a test's teardown hung one run in 20)."""
+    reg = registry(FakeClock())
+    said: list[str] = []
+
+    async def say(job_id: str, message: str) -> None:
+        said.append(message)
+
+    assignments = _assignments(reg, _RecordingBus(), say)
+    grow = asyncio.create_task(assignments.grow("j", 2, []))
+    await asyncio.sleep(0)  # it waits for a change now
+    assignments.changed.set()  # an announcement wakes the wait ...
+    await asyncio.sleep(0)  # ... which finishes, its waker not yet run ...
+    grow.cancel()  # ... when the job ends
+    done, _ = await asyncio.wait([grow], timeout=1.0)
+    assert grow in done and grow.cancelled()
+
+
 async def test_placement_says_how_many_peers_a_job_needs_and_since_when_it_waits() -> None:
     reg = registry(FakeClock())
     reg.announce(joining("a", speeds=(1.0, 1.0, 1.0, 1.0)))

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from swarm.bus.connection import Bus, BusAuthError, BusSettings, Subscription
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics
+from swarm.deadline import within
 from swarm.proto import control_pb2 as pb
 
 __all__ = ["FAST", "WAIT_S", "bus", "check_logins", "login", "receive", "receive_until"]
@@ -36,7 +37,7 @@ def login(url: str, user: str, password: str, client_id: str | None = None) -> B
 
 
 async def receive(sub: Subscription, timeout: float = WAIT_S) -> tuple[str, Message]:
-    return await asyncio.wait_for(anext(sub), timeout)
+    return await within(anext(sub), timeout)
 
 
 async def receive_until(

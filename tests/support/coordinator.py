@@ -13,6 +13,7 @@ import pytest
 
 from scheduler.coordinator import LocalCoordinator
 from swarm.clock import FakeClock
+from swarm.deadline import within
 from swarm.job.config import JobConfig
 from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import MicrobatchResult, Task
@@ -92,8 +93,8 @@ class Harness:
         in the background) sealed or skipped."""
         for task in await self.lease():
             await self.run(task, at)
-        record = await asyncio.wait_for(self.steps.get(), 10)
-        await asyncio.wait_for(self.coordinator.flush(), 10)
+        record = await within(self.steps.get(), 10)
+        await within(self.coordinator.flush(), 10)
         return record
 
 

@@ -13,6 +13,7 @@ import torch
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
+from swarm.deadline import within
 from swarm.job.config import JobConfig
 from swarm.rpc.lease import Lease, Replica, Working
 
@@ -94,9 +95,7 @@ class Swarm:
         ]
         try:
             await coordinator.start()
-            await asyncio.wait_for(
-                asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait()), 120
-            )
+            await within(asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait()), 120)
             assert coordinator.error is None
         finally:
             for t in runs:

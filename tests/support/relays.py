@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from swarm.deadline import within
 from swarm.net import dial, paths, tokens
 from swarm.ops.rated import RatedLog
 from swarm.relay.attach import Attachment
@@ -150,7 +151,7 @@ async def listener() -> AsyncIterator[tuple[int, list[bytes]]]:
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         first = b""
         with contextlib.suppress(ConnectionError, TimeoutError):
-            first = await asyncio.wait_for(reader.read(1024), 5)
+            first = await within(reader.read(1024), 5)
         got.append(first)
         writer.close()
 

@@ -27,6 +27,7 @@ from stage_server.server import RunningStageServer, StageServerOptions, start_gr
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus, BusSettings, Subscription
 from swarm.bus.topics import SCHEDULER_USER, Topics
+from swarm.deadline import within
 from swarm.job.config import RuntimeConfig
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
@@ -149,7 +150,7 @@ class ScheduledSwarm:
             peer = self.peers.pop(name)
             peer.stop.set()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(peer.task, 10)
+                await within(peer.task, 10)
             await peer.running.stop()
             with contextlib.suppress(Exception):
                 await peer.bus.__aexit__(None, None, None)

@@ -12,6 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from client.standalone import train_standalone
+from swarm.deadline import within
 from swarm.job.config import load_job
 from swarm.local.procs import SwarmProcess, start_process, stop_all
 from swarm.ops.faults import ENV, Fault, FaultPlan
@@ -102,7 +103,7 @@ def train_on(
         checkpoint_dir=checkpoint_dir,
         routes=routes,
     )
-    return asyncio.run(asyncio.wait_for(training, 300)), registry
+    return asyncio.run(within(training, 300)), registry
 
 
 def counted(registry: CollectorRegistry, name: str) -> float:

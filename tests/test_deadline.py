@@ -1,0 +1,66 @@
+"""`swarm.deadline.within` keeps a cancellation that Python 3.11's `asyncio.wait_for` loses, and
+the service's code waits with it, never with `wait_for`."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+from swarm.deadline import within
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICE = ("swarm", "stage_server", "scheduler", "client", "tests/support")
+WAIT_FOR = re.compile(r"\basyncio\.wait_for\(|\bfrom asyncio import .*\bwait_for\b")
+
+
+async def _cancelled_as_woken(wait: object) -> asyncio.Task[None]:
+    """A loop waiting on an event through `wait` (`wait(event.wait(), timeout)`), cancelled
+    after a set() woke its wait but before the waiter resumed: the window 3.11's `wait_for`
+    loses the cancellation in."""
+    woken = asyncio.Event()
+
+    async def loop() -> None:
+        while True:
+            await wait(woken.wait(), 5.0)  # type: ignore[operator]
+            woken.clear()
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0)  # it waits now
+    woken.set()
+    await asyncio.sleep(0)  # the wait finished; its waker has not run yet
+    task.cancel()
+    await asyncio.wait([task], timeout=1.0)
+    return task
+
+
+async def test_within_keeps_a_cancellation_that_comes_as_the_wait_ends() -> None:
+    task = await _cancelled_as_woken(within)
+    assert task.done() and task.cancelled()
+
+
+async def test_within_bounds_the_wait() -> None:
+    never = asyncio.Event()
+    try:
+        await within(never.wait(), 0.01)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("within returned without the event")
+    done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    done.set_result("done")  # no bound at all is needed for what is already there
+    assert await within(done, 0.0) == "done"
+
+
+def test_the_service_never_waits_with_wait_for() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for top in SERVICE
+        for path in sorted((ROOT / top).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if WAIT_FOR.search(line)
+    ]
+    assert not found, (
+        "asyncio.wait_for loses a cancellation on Python 3.11 (swarm/deadline.py); use "
+        "swarm.deadline.within:\n" + "\n".join(found)
+    )
