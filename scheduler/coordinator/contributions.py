@@ -119,13 +119,13 @@ class Contributions:
     def record(self, result: MicrobatchResult) -> None:
         """Keep `result`'s digests of the contributions its step audits."""
         for d in result.digests:
-            if d.disputed and any(
+            if not any(
                 (a.peer, a.seed) == (d.peer, d.seed) for a in self._audits(result.step, d.stage)
             ):
+                continue
+            if d.disputed:  # one of two auditors' that differ: judged between at the round
                 self.disputes.record(result.step, result.index, d)
-            elif any(
-                (a.peer, a.seed) == (d.peer, d.seed) for a in self._audits(result.step, d.stage)
-            ):
+            else:
                 self._digests.setdefault((result.step, d.stage, d.peer), {})[result.index] = d
 
     def seeds_for(self, step: int, stage: int, peer: str) -> tuple[int, ...]:

@@ -24,6 +24,10 @@ its digest alone, its answers honest, and block every audit of others it took pa
   the vector by about t‖g‖). Convicted only where one total is within that of q·x_j and the
   two are more than twice it apart: two honest digests a GPU put apart are never that far from
   each other.
+- **As sound as q·x_j.** The liar is a member of the round too, and q·x_j rests on the other
+  members' word of what they sent: one that lies there to match its digests would have the
+  honest auditor convicted instead (as it could have the audited one, before: docs/decisions.md,
+  "What it does not cover").
 - **Otherwise nothing is judged**, as before, and the log says why: both totals match (the
   digests differ within the rounding, or in ‖g‖ or Σ|q_i·g_i| alone: q·x_j cannot tell those),
   neither does (two liars), or they are too close to tell.
