@@ -23,8 +23,9 @@ microbatch whose stage it accumulated is re-executed on two others of the stage,
 its parameter gradient with a seed the audited replica never learns; the two digests, equal bit
 for bit, go to the coordinator (`GradientDigest`), which holds their sum to the contribution.
 The second auditor's answers are held to the two others' there too, whoever agreed first. Two
-digests that differ vouch for nothing and convict nobody: an auditor that lies in its digest
-alone is not caught (the round's q·x could tell which digest is the contribution's; not done).
+digests that differ are both reported (`GradientDigest.disputed`): the coordinator tells which
+is the gradient's from the round's q·x (`scheduler.coordinator.digest_disputes`), so an auditor
+that lies in its digest alone is convicted there.
 """
 
 from __future__ import annotations
@@ -39,36 +40,13 @@ import torch
 
 from client.metrics import TrainerMetrics
 from swarm.errors import SwarmError
-from swarm.job.config import JobConfig
+from swarm.job.tolerance import TOLERANCE, tolerance_of
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
 from swarm.rpc.stage_client import TensorLike
 
 __all__ = ["TOLERANCE", "Audits", "Redone", "Reexecutor", "Work", "differs", "tolerance_of"]
 
 log = logging.getLogger(__name__)
-
-# Relative to the largest element of the honest answer: the rounding of another device's kernels
-# (a GPU's, a CPU with other vector units), far below any error worth making. A liar whose error
-# stays under it moves the model less than the dtype's own rounding across machines does.
-TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}
-LOSSY = 2e-2  # at least, with a lossy activation codec: one may round an ulp apart
-
-
-def tolerance_of(job: JobConfig) -> float:
-    """The relative gap an audit of `job` accepts between two honest answers: that of the
-    arithmetic its stages compute in, not only of its parameters' dtype. Under
-    `training.precision = "bf16-mixed"` they compute in bfloat16 whatever the wire; with
-    `training.tf32` a GPU's float32 matmuls keep 10 bits of mantissa, as float16's (a CPU's
-    keep 23): held to float32's 1e-4, an honest replica on another device, or on a CPU beside
-    GPUs, would be convicted by two that share its neighbour's kernels."""
-    tolerance = TOLERANCE[job.training.dtype]
-    if job.training.precision == "bf16-mixed":
-        tolerance = max(tolerance, TOLERANCE["bfloat16"])
-    if job.training.tf32 and job.training.dtype == "float32":
-        tolerance = max(tolerance, TOLERANCE["float16"])
-    if (job.compression.forward, job.compression.backward) != ("none", "none"):
-        tolerance = max(tolerance, LOSSY)
-    return tolerance
 
 
 @dataclass(frozen=True)
@@ -191,11 +169,10 @@ class Audits:
             )
             if k not in drawn and not seed:
                 continue
-            found, digest = await self._audit(step, index, work, seed)
+            found, digested = await self._audit(step, index, work, seed)
             for v in found:
                 verdicts.setdefault(v.peer, v)
-            if digest is not None:
-                digests.append(digest)
+            digests.extend(digested)
         return list(verdicts.values()), self.runs() - runs, digests
 
     def runs(self) -> int:
@@ -223,8 +200,9 @@ class Audits:
 
     async def _audit(
         self, step: int, index: int, work: Work, seed: int = 0
-    ) -> tuple[list[Verdict], GradientDigest | None]:
-        """The liars found in `work`; with `seed`, its gradient's digest by two auditors."""
+    ) -> tuple[list[Verdict], list[GradientDigest]]:
+        """The liars found in `work`; with `seed`, its gradient's digest by two auditors (or
+        each one's, where they differ)."""
         claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
         producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
         others = self.auditors(work.stage, producer.values())
@@ -232,7 +210,7 @@ class Audits:
         a = None if first is None else await self._redo(first, step, index, work, seed)
         if first is None or a is None:
             self.metrics.audited("skipped")
-            return [], None
+            return [], []
         seconds = [p for p in others if p != first]
         second = self.rng.choice(seconds) if seconds else None
         b = None  # the second auditor's, asked at once where a digest needs two
@@ -323,14 +301,16 @@ class Audits:
 
 def _digest(
     work: Work, seed: int, first: str, a: Redone, second: str | None, b: Redone | None
-) -> GradientDigest | None:
-    """The gradient's digest of `work` where two auditors agree on it bit for bit (None: not
-    asked, or no two agreeing: the coordinator skips that contribution's audit)."""
+) -> list[GradientDigest]:
+    """The gradient's digest of `work` where two auditors agree on it bit for bit; where both
+    answered one and they differ, each one's, `disputed` (the coordinator judges between them);
+    none where not asked or a second is missing (the coordinator skips that contribution's
+    audit)."""
     if not seed:
-        return None
-    if second is None or b is None or a.digest is None or a.digest != b.digest:
+        return []
+    if second is None or b is None or a.digest is None or b.digest is None:
         log.warning(
-            "audit of the contribution of %s at stage %d: no two re-executions agree on its "
+            "audit of the contribution of %s at stage %d: no two re-executions digested its "
             "gradient (%s: %s, %s: %s)",
             work.backward_peer,
             work.stage,
@@ -339,6 +319,22 @@ def _digest(
             second,
             None if b is None else b.digest,
         )
-        return None
-    auditors = f"{first} and {second}"
-    return GradientDigest(work.stage, work.backward_peer, *a.digest, auditors, seed)
+        return []
+    if a.digest == b.digest:
+        return [
+            GradientDigest(work.stage, work.backward_peer, *a.digest, f"{first} and {second}", seed)
+        ]
+    log.warning(
+        "audit of the contribution of %s at stage %d: its auditors' digests of its gradient "
+        "differ (%s: %s, %s: %s): the coordinator judges between them",
+        work.backward_peer,
+        work.stage,
+        first,
+        a.digest,
+        second,
+        b.digest,
+    )
+    return [
+        GradientDigest(work.stage, work.backward_peer, *d, peer, seed, disputed=True)
+        for peer, d in ((first, a.digest), (second, b.digest))
+    ]

@@ -19,8 +19,8 @@ no trainer sees, held to its microbatches re-executed by others of its stage.
   rounding of its own accumulation.
 - **Judged**: a gap past the rounding bans it (`Bans`: the evidence in the log and the job's
   history, the rollback and the replay that make the job `swarm local`'s again). A microbatch
-  without a digest (an auditor gone, two that disagreed, a replay from the cache) skips the
-  audit: no evidence either way.
+  without a digest (an auditor gone, a replay from the cache) skips the audit: no evidence
+  either way. Two auditors that disagreed are judged between by q·x_j (`digest_disputes`).
 
 The carry plane and step rounds only (the trainer holds each stage's bytes; a local-steps or
 eager round is not audited).
@@ -33,11 +33,14 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 
+from scheduler.coordinator.digest_disputes import DigestDisputes
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.sum_checks import DOT_BLOCK, SIGMAS, Checksums, new_seed
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
+from swarm.job.tolerance import tolerance_of
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import ContributionAudit, GradientDigest, MicrobatchResult, Replica, Task
 
@@ -59,14 +62,18 @@ def drawn_share(fraction: float) -> float:
 
 
 class Contributions:
-    def __init__(self, fraction: float, rng: random.Random | None = None) -> None:
-        """`fraction`: the probability each replica is audited at a step (`drawn_share`)."""
+    def __init__(
+        self, fraction: float, rng: random.Random | None = None, tolerance: float = 0.0
+    ) -> None:
+        """`fraction`: the probability each replica is audited at a step (`drawn_share`);
+        `tolerance`: two honest devices' relative gap (`DigestDisputes`)."""
         self.fraction = fraction
         self.rng = rng or random.SystemRandom()  # unpredictable to every replica
         # step -> (the ledger it was drawn for, its audits)
         self._drawn: dict[int, tuple[StepLedger, tuple[ContributionAudit, ...]]] = {}
         # (step, stage, audited peer) -> microbatch index -> its digest
         self._digests: dict[tuple[int, int, str], dict[int, GradientDigest]] = {}
+        self.disputes = DigestDisputes(tolerance)  # two auditors' digests that differ
 
     @classmethod
     def of(cls, job: JobConfig | None) -> Contributions:
@@ -74,7 +81,7 @@ class Contributions:
         steps' (`[trust] audit_fraction`); off otherwise."""
         if job is None or job.runtime.data_plane != "relay" or rule_of(job).rounds:
             return cls(0.0)
-        return cls(drawn_share(job.trust.audit_fraction))
+        return cls(drawn_share(job.trust.audit_fraction), tolerance=tolerance_of(job))
 
     def tasks(
         self, ledger: StepLedger, tasks: list[Task], members: Sequence[Sequence[Replica]]
@@ -102,6 +109,7 @@ class Contributions:
             del self._drawn[step]
             for key in [key for key in self._digests if key[0] == step]:
                 del self._digests[key]
+        self.disputes.forget(lambda step: step == ledger.step or step < ledger.step - 8)
         return audits
 
     def _audits(self, step: int, stage: int) -> list[ContributionAudit]:
@@ -111,9 +119,13 @@ class Contributions:
     def record(self, result: MicrobatchResult) -> None:
         """Keep `result`'s digests of the contributions its step audits."""
         for d in result.digests:
-            if any(
+            if not any(
                 (a.peer, a.seed) == (d.peer, d.seed) for a in self._audits(result.step, d.stage)
             ):
+                continue
+            if d.disputed:  # one of two auditors' that differ: judged between at the round
+                self.disputes.record(result.step, result.index, d)
+            else:
                 self._digests.setdefault((result.step, d.stage, d.peer), {})[result.index] = d
 
     def seeds_for(self, step: int, stage: int, peer: str) -> tuple[int, ...]:
@@ -141,15 +153,10 @@ class Contributions:
             digests = self._digests.get((step, stage, audit.peer), {})
             if len(others) != len(peers) - 1 or not all(others):
                 continue
-            if not mine or any(index not in digests for index in mine):
-                log.info(
-                    "step %d stage %d: the audit of %s's contribution is skipped: %d of its %d "
-                    "microbatches digested",
-                    step,
-                    stage,
-                    audit.peer,
-                    sum(index in digests for index in mine),
-                    len(mine),
+            if not mine or any(index not in digests for index in mine):  # disputed, or missing
+                compare = partial(_compare, others, members=len(peers))
+                found += self.disputes.judge(
+                    step, audit, mine, digests, compare, partial(_agreed, others)
                 )
                 continue
             got, expected, tol = _compare(others, [digests[i] for i in mine], len(peers))

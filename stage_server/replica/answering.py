@@ -106,12 +106,13 @@ class Answering:
             digest_seed=digest_seed,  # an audit of a contribution (`stage_server.replica.digest`)
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
+        digest = self._poison().digest(step, done.digest)  # an audit's (`swarm.ops.poison`)
         return Answered(
             grad=grad,
             receipt=self._receipt(done) if receipt else None,
             loss=loss[0] if loss else 0.0,
             queued=queued,
             digest=None
-            if done.digest is None
-            else pb.SumCheck(dot=done.digest[0], magnitude=done.digest[1], norm=done.digest[2]),
+            if digest is None
+            else pb.SumCheck(dot=digest[0], magnitude=digest[1], norm=digest[2]),
         )

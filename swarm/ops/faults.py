@@ -8,10 +8,11 @@ out-of-memory error inside that computation instead (`due`, once each), and the 
 a device failure in a real process, for tests and benchmarks. The hostile points make the process
 lie from that step on (`poisoning`), or one step in PERIOD from it (`point@step/PERIOD`): in its
 pool's averaging (`poison-sum`, `poison-grad`, `poison-bent`; `stage_server.averaging.hostile`)
-or in its stage compute (`poison-outputs`, `poison-grad-inputs`: finite wrong numbers sent on,
-`swarm.ops.poison`), and the process serves on: what the audits and the pool's checks must
-catch (issue 55). A stage server reads its SWARM_FAULTS when it starts (`arm`): a malformed one
-stops it there, not at the first fault point it reaches. `idle` faults (between calls) and the
+or in its stage compute (`poison-outputs`, `poison-grad-inputs`: finite wrong numbers sent on;
+`poison-digest`: an audit's gradient digest; `swarm.ops.poison`), and the process serves on:
+what the audits and the pool's checks must catch (issue 55). A stage server reads its
+SWARM_FAULTS when it starts (`arm`): a malformed one stops it there, not at the first fault
+point it reaches. `idle` faults (between calls) and the
 roles `scheduler`, `trainer` and `broker` are killed from outside by `FaultPlan.due`'s caller
 (the test harness, `swarm demo`) when the job reaches the step; the target `*` (`ANY_REPLICA`)
 leaves the choice of replica to it.
@@ -70,6 +71,8 @@ class Point(enum.StrEnum):
     POISON_GRAD_INPUTS = "poison-grad-inputs"  # a Backward's input gradient sent wrong
     # the push plane's outputs sent on wrong, while it commits to the honest ones' digest
     POISON_SENT_OUTPUTS = "poison-sent-outputs"
+    # an auditor's digest of a contribution's gradient answered wrong, its re-execution honest
+    POISON_DIGEST = "poison-digest"
 
 
 RAISING = frozenset({Point.FORWARD_OOM, Point.BACKWARD_OOM, Point.AVERAGING_OOM})
@@ -81,6 +84,7 @@ HOSTILE = frozenset(
         Point.POISON_OUTPUTS,
         Point.POISON_GRAD_INPUTS,
         Point.POISON_SENT_OUTPUTS,
+        Point.POISON_DIGEST,
     }
 )
 

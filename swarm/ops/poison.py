@@ -6,9 +6,11 @@ step in PERIOD with `@S/PERIOD`) answers finite wrong numbers, as a volunteer wh
 `poison-outputs` lies about a Forward's outputs, `poison-grad-inputs` about the input gradient a
 Backward or ForwardBackward answers, `poison-sent-outputs` (the push plane) about the outputs sent
 on to the next stage while it commits to the honest ones' digest: a liar that says one thing and
-sends another. What is sent is the honest tensor plus up to `ERROR` in every
-element, varying along it (`_wrong`): finite, small, far above any rounding, and neither a
-constant shift nor a scaling, which the LayerNorm after a stage would undo."""
+sends another, `poison-digest` about the digest of a contribution's gradient it answers as an
+auditor (`stage_server.replica.digest`; its re-execution and its answers honest): a liar that
+blocks the audit of others' contributions. What is sent is the honest tensor plus up to
+`ERROR` in every element, varying along it (`_wrong`): finite, small, far above any rounding,
+and neither a constant shift nor a scaling, which the LayerNorm after a stage would undo."""
 
 from __future__ import annotations
 
@@ -21,11 +23,17 @@ import torch
 from swarm.ops import faults
 from swarm.ops.faults import Fault, Point
 
-__all__ = ["ERROR", "Poison"]
+__all__ = ["ERROR", "Digest", "Poison"]
 
 log = logging.getLogger(__name__)
+Digest = tuple[float, float, float]  # a gradient's, as an audit answers it
 ERROR = 1e-2  # added to every element of a poisoned tensor
-_COMPUTE = (Point.POISON_OUTPUTS, Point.POISON_GRAD_INPUTS, Point.POISON_SENT_OUTPUTS)
+_COMPUTE = (
+    Point.POISON_OUTPUTS,
+    Point.POISON_GRAD_INPUTS,
+    Point.POISON_SENT_OUTPUTS,
+    Point.POISON_DIGEST,
+)
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,14 @@ class Poison:
         if tensor is None or not self._due(Point.POISON_GRAD_INPUTS, step):
             return tensor
         return _wrong(tensor)
+
+    def digest(self, step: int, digest: Digest | None) -> Digest | None:
+        """A gradient's digest (r·g, Σ|r_i·g_i|, ‖g‖) as this replica answers it: r·g moved by
+        `ERROR` of Σ|r_i·g_i|, far above any rounding of it."""
+        if digest is None or not self._due(Point.POISON_DIGEST, step):
+            return digest
+        dot, magnitude, norm = digest
+        return dot + ERROR * magnitude, magnitude, norm
 
 
 def _wrong(tensor: torch.Tensor) -> torch.Tensor:

@@ -263,7 +263,7 @@ class ContributionAudit(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GradientDigest(_message.Message):
-    __slots__ = ("stage", "peer", "dot", "magnitude", "norm", "auditors", "seed")
+    __slots__ = ("stage", "peer", "dot", "magnitude", "norm", "auditors", "seed", "disputed")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     DOT_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,7 @@ class GradientDigest(_message.Message):
     NORM_FIELD_NUMBER: _ClassVar[int]
     AUDITORS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    DISPUTED_FIELD_NUMBER: _ClassVar[int]
     stage: int
     peer: str
     dot: float
@@ -278,7 +279,8 @@ class GradientDigest(_message.Message):
     norm: float
     auditors: str
     seed: int
-    def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., norm: _Optional[float] = ..., auditors: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    disputed: bool
+    def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., norm: _Optional[float] = ..., auditors: _Optional[str] = ..., seed: _Optional[int] = ..., disputed: _Optional[bool] = ...) -> None: ...
 
 class MicrobatchRef(_message.Message):
     __slots__ = ("step", "index")

@@ -63,7 +63,8 @@ class ContributionAudit:
 @dataclass(frozen=True)
 class GradientDigest:
     """A microbatch's parameter gradient at `stage`, accumulated there by `peer`, as two other
-    replicas (`auditors`) re-executed it and agreed on bit for bit: r·g, Σ|r_i·g_i|, ‖g‖."""
+    replicas (`auditors`) re-executed it and agreed on bit for bit: r·g, Σ|r_i·g_i|, ‖g‖ (or,
+    `disputed`, one of two that differ)."""
 
     stage: int
     peer: str
@@ -72,6 +73,9 @@ class GradientDigest:
     norm: float
     auditors: str
     seed: int = 0  # the audit's: a straggler's digest of a step since replayed has another
+    # One auditor's alone (`auditors` names it), the other's differing and reported beside it:
+    # the coordinator judges which is the gradient's (`scheduler.coordinator.digest_disputes`).
+    disputed: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,7 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
                 norm=d.norm,
                 auditors=d.auditors,
                 seed=d.seed,
+                disputed=d.disputed,
             )
             for d in result.digests
         ],
@@ -282,7 +287,9 @@ def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
         msg.stage_runs,
         msg.audit_runs,
         tuple(
-            GradientDigest(d.stage, d.peer, d.dot, d.magnitude, d.norm, d.auditors, d.seed)
+            GradientDigest(
+                d.stage, d.peer, d.dot, d.magnitude, d.norm, d.auditors, d.seed, d.disputed
+            )
             for d in msg.digests
         ),
     )

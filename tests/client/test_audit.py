@@ -165,15 +165,25 @@ async def test_a_lying_second_auditor_of_a_contribution_is_convicted() -> None:
         verdicts, runs, digests = await audits.audited(0, 3, [_work()], [audit])
         (verdict,) = verdicts
         assert verdict.peer == "c" and verdict.stage == 1 and "re-executed" in verdict.evidence
-        assert runs == 2 and digests == []  # its digest disagreed too: nothing vouched for
+        assert runs == 2 and [d.auditors for d in digests] == replicas.asked  # each one's
+        assert all(d.disputed for d in digests)  # its digest disagreed too: judged above
         asked_second += replicas.asked == ["b", "c"]
     assert 0 < asked_second < 10  # both orders were met
 
 
-async def test_two_auditors_that_disagree_on_a_gradient_vouch_for_nothing() -> None:
+async def test_two_auditors_that_disagree_on_a_gradient_are_both_reported_disputed() -> None:
+    """Neither digest vouches for the contribution alone: each comes with its auditor named,
+    `disputed`, for the coordinator to judge between them with the round's q·x
+    (`scheduler.coordinator.digest_disputes`). One auditor gone: nothing to judge."""
     audits = _audits(Replicas(liars={"c"}), fraction=0.0)
     _, runs, digests = await audits.audited(0, 3, [_work()], [ContributionAudit(1, "a", 99)])
-    assert runs == 2 and digests == []  # the coordinator skips that contribution's audit
+    assert runs == 2 and sorted(digests, key=lambda d: d.auditors) == [
+        GradientDigest(1, "a", *DIGEST, "b", 99, disputed=True),
+        GradientDigest(1, "a", DIGEST[0] + 1, *DIGEST[1:], "c", 99, disputed=True),
+    ]
+    gone = _audits(Replicas(gone={"c"}), fraction=0.0)
+    _, runs, digests = await gone.audited(0, 3, [_work()], [ContributionAudit(1, "a", 99)])
+    assert digests == []  # the coordinator skips that contribution's audit
 
 
 @pytest.mark.parametrize(

@@ -57,3 +57,18 @@ def test_a_replica_that_bends_its_contribution_is_caught_banned_and_replayed_awa
     assert_equal_to_local(job, state, tol=1e-9)
     assert counted(registry, "swarm_coordinator_bans_total") == 1
     assert any("banned" in m and f"banned {HOSTILE} (stage 1)" in m for m in said), said
+
+
+@pytest.mark.attack("P-digest")
+def test_an_auditor_that_lies_in_its_digest_alone_is_caught_banned_and_replayed_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its answers and its re-executions are honest; what it answers as an auditor of the
+    others' contributions is a wrong digest of their gradient (q·g moved by 1e-2 of Σ|q_i·g_i|).
+    The two auditors' digests differ: before, the contribution was not judged and nobody was
+    banned, every step. Now the audited replica's q·x, told by the round, sides with the honest
+    auditor: the liar is banned, and its work replayed away."""
+    poison = Fault(HOSTILE, Point.POISON_DIGEST, 1)
+    assert_caught_and_replayed_away(
+        tmp_path, caplog, "relay", poison, "answered digests of microbatches"
+    )

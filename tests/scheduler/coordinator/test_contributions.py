@@ -13,17 +13,12 @@ import torch
 
 from scheduler.coordinator.contributions import Contributions, drawn_share
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.sum_checks import Checksums
-from stage_server.averaging.checksum import AuditedChecks, dots, weights
-from swarm.policy.parts import EQUAL_PARTS
+from stage_server.averaging.checksum import dots, weights
 from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task
-
-PEERS = ["a", "b", "c"]
-N = 10_000
-
-
-class _Ledger:
-    step = 5
+from tests.support.audited_round import PEERS, N
+from tests.support.audited_round import Ledger as _Ledger
+from tests.support.audited_round import grads as _grads
+from tests.support.audited_round import round_of as _round
 
 
 def _drawn(fraction: float = 1.0) -> tuple[Contributions, Any]:
@@ -31,22 +26,6 @@ def _drawn(fraction: float = 1.0) -> tuple[Contributions, Any]:
     members = [[Replica(p, p) for p in PEERS]]
     contributions.tasks(cast(StepLedger, ledger), [Task(5, 0, frozenset({0}))], members)
     return contributions, ledger
-
-
-def _round(contributions: Contributions, xs: list[torch.Tensor]) -> dict[int, Checksums]:
-    """A round of the three over `xs` (their contributions), each member's checksums as its
-    averaging takes them: every part contributed, and its sum taken back."""
-    total = xs[0] + xs[1] + xs[2]
-    parts = EQUAL_PARTS.bounds(N, len(PEERS))
-    out = {}
-    for i, peer in enumerate(PEERS):
-        seeds = contributions.seeds_for(5, 0, peer)
-        checks = AuditedChecks(7, seeds)
-        for k, part in enumerate(parts):
-            checks.contributed(k, part.start, xs[i][part])
-            checks.summed(k, part.start, total[part])
-        out[i] = Checksums(7, list(checks.report()), seeds, checks.audit_report())
-    return out
 
 
 def _digests(
@@ -58,11 +37,6 @@ def _digests(
         digest = GradientDigest(0, peer, dot, magnitude, squares**0.5, auditors, audit.seed)
         result = MicrobatchResult(5, index, {0: peer}, None, 4, digests=(digest,))
         contributions.record(result)
-
-
-def _grads(seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(N, generator=g, dtype=torch.float64) for _ in range(3)]
 
 
 def test_an_honest_contribution_passes_and_a_bent_one_is_caught() -> None:

@@ -29,6 +29,18 @@ def test_a_poison_lies_at_its_steps_only_and_about_its_kind_only() -> None:
     assert Poison().outputs(0, t) is t and Poison().grads(0, None) is None
 
 
+def test_a_digest_poison_moves_only_the_dot_of_an_audit_digest_at_its_steps() -> None:
+    """`poison-digest`: the gradient digest an auditor answers, q·g moved by ERROR of
+    Σ|q_i·g_i| (far above its rounding), its ‖g‖ and Σ|q_i·g_i| as they are; nothing else."""
+    poison = Poison.of(parse_faults("poison-digest@2"))
+    honest = (0.25, 8.0, 3.0)
+    assert poison.digest(1, honest) == honest and poison.digest(2, None) is None
+    assert poison.digest(2, honest) == (0.25 + ERROR * 8.0, 8.0, 3.0)
+    t = torch.ones(3, dtype=torch.float64)
+    assert poison.outputs(2, t) is t and poison.grads(2, t) is t
+    assert Poison.of(parse_faults("poison-outputs@0")).digest(5, honest) == honest
+
+
 def test_a_process_poison_is_its_swarm_faults() -> None:
     try:
         arm("poison-outputs@1/3,averaging-oom@4")
