@@ -88,6 +88,8 @@ ATTACKS: dict[str, str] = {
     "P-push-sent": "on the push plane, a replica commits to the honest outputs and sends others",
     "P-bent": "a replica answers honestly but contributes its gradient sums bent within the "
     "norm bound",
+    "P-push-bent": "on the push plane, a replica pushes honestly but contributes its gradient "
+    "sums bent within the norm bound",
 }
 
 
