@@ -17,6 +17,10 @@ drawn, the trainer asks every replica of the path for its commitment, each over 
   replica, caught at once; one that is goes to `Audits.judge`, which re-executes it on another
   replica of the stage, a second arbitrating, as on the carry plane.
 
+- **Contributions**: the stages whose replica's contribution the coordinator drew
+  (`Task.audits`) are redone from their neighbours' records with its seed
+  (`client.data_plane.push_contributions`), whatever the draw above.
+
 A replica that answers nothing (gone, its record dropped) is no evidence either way.
 """
 

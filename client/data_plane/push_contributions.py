@@ -86,6 +86,8 @@ class PushContributions:
         async def record(k: int) -> Tensors | None:
             if k not in records:
                 got, lied = await fetched_record(self.routes, step, index, run, said[k])
+                if lied:
+                    self.audits.metrics.audited("caught")
                 verdicts.extend(lied)
                 records[k] = got
             return records[k]
@@ -95,10 +97,11 @@ class PushContributions:
             after = await record(k + 1) if k < len(said) - 1 else None
             work = self._work(k, said, before, after, ids, labels, loss)
             if work is None:
+                c = said[k]
                 log.warning(
                     "push audit: the contribution of %s at stage %d: the tensors of microbatch "
                     "(%d, %d) around it are not all what it committed to: not digested",
-                    said[k].peer if said[k] is not None else "?",
+                    c.peer if c is not None else "?",
                     k,
                     step,
                     index,

@@ -66,7 +66,9 @@ def _push_audits(
     routes = Routes(job, "job", None, wiring, client_factory=factory)
     for stage, peers in enumerate(pools):
         routes.follow(stage, [Replica(p, p) for p in peers])
-    audits = Audits(fraction, 0.0, StageReexecutor(job, routes), TrainerMetrics("job"), random.Random(0))
+    audits = Audits(
+        fraction, 0.0, StageReexecutor(job, routes), TrainerMetrics("job"), random.Random(0)
+    )
     return PushAudits(job, audits, routes), made
 
 

@@ -114,3 +114,4 @@ def test_a_push_replica_that_bends_its_contribution_is_caught_banned_and_replaye
     assert counted(registry, "swarm_coordinator_bans_total") == 1, said
     banned = [m for m in said if f"banned {HOSTILE} (stage 1)" in m]
     assert any("its contribution to step" in m for m in banned), said
+    assert not [m for m in said if "not digested" in m], said  # every one it drew was judged
