@@ -89,14 +89,20 @@ class PushAudits:
         found: dict[str, Verdict] = {}
         for v in self._boundaries(step, index, said, ids, labels):
             found.setdefault(v.peer, v)
+        works: dict[int, Work] = {}
         for k in self.audits.drawn(range(len(chain))):  # drawn now, after every commitment
-            # fetched whichever the contributions' draw (its replica must not tell it from the
-            # asking), re-executed once: by the contribution's audit where it is drawn for both
-            for v in await self._audited(step, index, run, said[k], k not in contributions):
+            # fetched whichever the contributions' draw: its replica must not tell it from this
+            lied, work = await self._fetched(step, index, run, said[k])
+            for v in lied:
                 found.setdefault(v.peer, v)
-        lied, digests = await self.contributions.audit(
+            if work is not None:
+                works[k] = work
+        lied, digests, redone = await self.contributions.audit(
             step, index, run, said, contributions, ids, labels, loss
         )
+        for k, work in works.items():
+            if k not in redone:  # redone once: by the contribution's audit, which compares too
+                lied.extend(await self.audits.judge(step, index, work))
         for v in lied:
             found.setdefault(v.peer, v)
         return tuple(found.values()), self.audits.runs() - runs, digests
@@ -158,29 +164,25 @@ class PushAudits:
             return None
         return digest(wire_tokens(ids, self.job.model.vocab_size))
 
-    async def _audited(
-        self, step: int, index: int, run: int, c: pb.Commitment | None, judge: bool = True
-    ) -> list[Verdict]:
-        """Stage `c.stage`'s record fetched, checked against `c`, and (`judge`) re-executed
-        elsewhere; not where its contribution's audit re-executes it (`PushContributions`)."""
+    async def _fetched(
+        self, step: int, index: int, run: int, c: pb.Commitment | None
+    ) -> tuple[list[Verdict], Work | None]:
+        """Stage `c.stage`'s record fetched and checked against `c`: the liar it shows, or the
+        work to re-execute elsewhere (None: nothing to redo, or nobody to redo it)."""
         # Nobody to redo it (a pool of one): its record, the stage's tensors of the microbatch,
         # is not fetched. Its bytes would cross the trainer's link for nothing: on a home link
         # they were most of what it carried (issue 52's shaped bench).
         if c is None or not self.audits.auditors(c.stage, [c.peer]):
             self.audits.metrics.audited("skipped")
-            return []
+            return [], None
         tensors, lied = await fetched_record(self.routes, step, index, run, c)
         if lied:
             self.audits.metrics.audited("caught")
-            return lied
-        if tensors is None or not judge:
-            if tensors is None:
-                self.audits.metrics.audited("skipped")
-            return []
-        if not {"inputs", "outputs", "grad_outputs"} <= tensors.keys():
-            self.audits.metrics.audited("skipped")  # no backward ran there: nothing to redo
-            return []
-        work = Work(
+            return lied, None
+        if tensors is None or not {"inputs", "outputs", "grad_outputs"} <= tensors.keys():
+            self.audits.metrics.audited("skipped")  # gone, or no backward ran there: no redo
+            return [], None
+        return [], Work(
             c.stage,
             tensors["inputs"],  # sent on as they came (the client relabels them)
             tensors["grad_outputs"],
@@ -190,4 +192,3 @@ class PushAudits:
             c.peer,
             tensors.get("tokens"),
         )
-        return await self.audits.judge(step, index, work)

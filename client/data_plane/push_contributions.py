@@ -20,8 +20,9 @@ drawn). So its own record is never asked for on its account: its **neighbours'**
   committed to having received and sent. A gap anywhere: no digest, and the coordinator skips
   that contribution's audit (no evidence either way; the boundary checks name whom they can).
 - **Re-executed as the carry plane does** (`Audits.digested`): its answers are compared too, so
-  a stage drawn for both audits is redone once, from this; its own record is still fetched for
-  the answers' audit (`PushAudits`), so what it sees does not depend on this draw.
+  a stage drawn for both audits is redone once, from this (from its own record where this could
+  not be); its own record is still fetched for the answers' audit (`PushAudits`), so what it
+  sees does not depend on this draw.
 """
 
 from __future__ import annotations
@@ -76,11 +77,13 @@ class PushContributions:
         ids: torch.Tensor,
         labels: torch.Tensor,
         loss: float,
-    ) -> tuple[list[Verdict], list[GradientDigest]]:
+    ) -> tuple[list[Verdict], list[GradientDigest], set[int]]:
         """The stages `seeds` names of run `run` of microbatch `(step, index)` (`said`: the
-        path's commitments), re-executed with their seeds: the liars found, and the digests."""
+        path's commitments), re-executed with their seeds: the liars found, the digests, and
+        the stages redone (their answers compared too)."""
         verdicts: list[Verdict] = []
         digests: list[GradientDigest] = []
+        redone: set[int] = set()
         records: dict[int, Tensors | None] = {}
 
         async def record(k: int) -> Tensors | None:
@@ -108,10 +111,11 @@ class PushContributions:
                 )
                 continue
             found, d = await self.audits.digested(step, index, work, seed)
+            redone.add(k)
             verdicts.extend(found)
             if d is not None:
                 digests.append(d)
-        return verdicts, digests
+        return verdicts, digests, redone
 
     def _work(
         self,
