@@ -90,6 +90,8 @@ ATTACKS: dict[str, str] = {
     "norm bound",
     "P-digest": "an auditor re-executes honestly but answers a wrong digest of the gradient of "
     "a contribution it audits",
+    "P-push-bent": "on the push plane, a replica pushes honestly but contributes its gradient "
+    "sums bent within the norm bound",
 }
 
 

@@ -4,7 +4,7 @@ without audits measured in the same run.
 
     .venv/bin/python bench/poison.py [--quick] [--trials N] [--fraction F] [--honest-steps N]
                                      [--microbatches M] [--planes relay,push]
-                                     [--only attacks|honest] [--attacks every,sparse,sent]
+                                     [--only attacks|honest] [--attacks every,sparse,sent,digest]
                                      [--steps N]
 
 A float64 job of 4 stages x 3 replicas on the carry plane (real gRPC servers in this process),
@@ -25,7 +25,9 @@ wall-time ratio; a false accusation (a ban in the honest job) fails the run (exi
 `--only honest` runs the honest job alone (issue 55's 1,000 steps on the CPU), `--only attacks`
 the attacks alone. Each of `--planes` gets its table: the carry plane (`relay`) and the push plane
 (`push`, with one more attack: `poison-sent-outputs`, a replica that commits to its honest
-outputs and sends others).
+outputs and sends others); the carry plane's has `poison-digest`, an auditor whose
+re-executions are honest and whose gradient digests lie (it lies only when another replica of
+its stage is drawn for the contributions' audit, so its poisoned steps are few).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from swarm.job.fingerprint import fingerprint  # noqa: E402
 from swarm.job.schema import TrustConfig  # noqa: E402
 from swarm.model.reference import train_local  # noqa: E402
 from swarm.ops.faults import parse_faults  # noqa: E402
-from swarm.ops.poison import Poison  # noqa: E402
+from swarm.ops.poison import Digest, Poison  # noqa: E402
 from swarm.ops.progress import StepRecord  # noqa: E402
 from swarm.rpc.lease import Replica  # noqa: E402
 
@@ -67,7 +69,7 @@ HEADER = (
     f"{'attack (SWARM_FAULTS)':<26} {'trials':>6} {'liars':>6} {'caught<=10':>11} "
     f"{'analytic':>9} {'never':>6} {'mean to catch':>14} {'max':>5} {'vs local':>10}"
 )
-T = TypeVar("T", torch.Tensor, torch.Tensor | None)
+T = TypeVar("T", torch.Tensor, torch.Tensor | None, Digest | None)
 WITHIN = 10  # issue 55's target: each liar caught within 10 of its poisoned steps
 
 
@@ -127,6 +129,9 @@ class Told(Poison):
 
     def grads(self, step: int, tensor: torch.Tensor | None) -> torch.Tensor | None:
         return self._told(step, super().grads(step, tensor), tensor)
+
+    def digest(self, step: int, digest: Digest | None) -> Digest | None:
+        return self._told(step, super().digest(step, digest), digest)
 
     def _told(self, step: int, said: T, honest: T) -> T:
         if said is not honest:
@@ -309,6 +314,8 @@ async def main(args: argparse.Namespace) -> None:
                         f"poison-outputs@1/{args.period}",
                         f"poison-grad-inputs@1/{args.period}",
                     ]
+                if plane == "relay" and "digest" in kinds:  # an auditor's digests alone
+                    poisons += ["poison-digest@0"]
                 if plane == "push" and "sent" in kinds:  # says one thing, sends another
                     poisons += ["poison-sent-outputs@0", f"poison-sent-outputs@1/{args.period}"]
                 for poison in poisons:
@@ -340,7 +347,9 @@ if __name__ == "__main__":
     parser.add_argument("--planes", default="relay,push", help="the data planes, in order")
     parser.add_argument("--only", choices=("attacks", "honest"), help="one half of the bench")
     parser.add_argument(
-        "--attacks", default="every,sparse,sent", help="every step, one in --period, sent"
+        "--attacks",
+        default="every,sparse,sent,digest",
+        help="every step, one in --period, sent (push), digest (an auditor's, relay)",
     )
     parser.add_argument("--steps", type=int, help="a trial job's steps (default: 12 periods)")
     args = parser.parse_args()

@@ -220,8 +220,8 @@ def rounds_lines(s: scheduler_pb2.JobStatus, now: float) -> list[str]:
 
 def trust_lines(s: scheduler_pb2.JobStatus) -> list[str]:
     """What the job's audits cost (docs/jobs.md "Trust": `[trust] audit_fraction` of the stage
-    compute for the answers' audit, on either plane, and as much again on the carry plane for
-    the contributions') and the peers banned for lying (its `ban` events); [] when it audits
+    compute for the answers' audit and as much again for the contributions', on either plane)
+    and the peers banned for lying (its `ban` events); [] when it audits
     nothing and banned nobody. The measured cost is the metrics'
     (`swarm_coordinator_audit_runs_total` over `swarm_coordinator_stage_runs_total`)."""
     try:
@@ -229,12 +229,11 @@ def trust_lines(s: scheduler_pb2.JobStatus) -> list[str]:
     except tomllib.TOMLDecodeError:
         spec = {}
     fraction = float(spec.get("trust", {}).get("audit_fraction", TrustConfig().audit_fraction))
-    carry = spec.get("runtime", {}).get("data_plane", "push") == "relay"
     banned = [e.text.split(" ", 2)[1] for e in s.events if e.kind == "ban" and " " in e.text]
     if not fraction and not banned:
         return []
-    # the contributions' audit (carry plane, stages of three or more) spends as much again
-    cost, also = (min(2 * fraction, 2.0), " and contributions") if carry else (fraction, "")
+    # the contributions' audit (either plane, stages of three or more) spends as much again
+    cost, also = min(2 * fraction, 2.0), " and contributions"
     line = (
         f"audits   {fraction * 100:.3g}% of each stage's microbatches re-executed{also}: about "
         f"+{cost * 100:.3g}% stage compute"

@@ -1,7 +1,7 @@
 """Issue 55, with real gRPC servers in this process (every replica's state at hand; the
 process-per-server attacks are in tests/system/test_poison_audits.py): audits accuse no
 honest replica (a
-float64 job on the carry plane, every stage of every microbatch audited, three replicas a stage:
+float64 job on either plane, every stage of every microbatch audited, three replicas a stage:
 every audit agrees, bitwise on the CPU, nobody is banned, the model equals `swarm local`'s); and
 a liar that joins late costs only the steps since the checkpoint before it."""
 
@@ -27,13 +27,16 @@ from tests.support.jobs import make_job
 pytestmark = pytest.mark.timeout(180)
 
 
+# on the push plane the stages are redone from the replicas' records, a contribution's from its
+# neighbours' (`client.data_plane.push_contributions`)
+@pytest.mark.parametrize("plane", ["relay", "push"])
 async def test_an_honest_audited_job_accuses_nobody(
-    tmp_path: Path, make_swarm: list[Swarm]
+    tmp_path: Path, make_swarm: list[Swarm], plane: str
 ) -> None:
     job = make_job(
         tmp_path,
         training={"stages": 3, "steps": 4, "target_batch_size": 16},
-        runtime={"data_plane": "relay"},
+        runtime={"data_plane": plane},
         trust={"audit_fraction": 1.0},
     )
     swarm = Swarm(job)

@@ -198,6 +198,13 @@ class Audits:
         second): the liars found, with the evidence."""
         return (await self._audit(step, index, work))[0]
 
+    async def digested(
+        self, step: int, index: int, work: Work, seed: int
+    ) -> tuple[list[Verdict], GradientDigest | None]:
+        """`judge`, and `work`'s gradient digested with `seed` by two auditors (the push plane's
+        contributions' audit: `client.data_plane.push_contributions`)."""
+        return await self._audit(step, index, work, seed)
+
     async def _audit(
         self, step: int, index: int, work: Work, seed: int = 0
     ) -> tuple[list[Verdict], list[GradientDigest]]:

@@ -120,10 +120,19 @@ class PushPlane:
         whole = len(chain) == last + 1 and all(chain)
         if self.audits is not None and whole:
             # Audited before it is reported: a liar caught is banned before its work commits.
-            verdicts, runs = await self.audits.audit(step, index, run, chain, ids, labels)
+            drawn = self.audits.contributions.drawn(chain, holders, task.audits)
+            verdicts, runs, digests = await self.audits.audit(
+                step, index, run, chain, ids, labels, drawn, result.loss_sum
+            )
             done = MicrobatchResult(step, index, holders, loss, samples, verdicts=verdicts)
             touched, stage_runs = tuple(sorted(set(chain))), len(chain)
-            return replace(done, touched=touched, stage_runs=stage_runs, audit_runs=runs)
+            return replace(
+                done,
+                touched=touched,
+                stage_runs=stage_runs,
+                audit_runs=runs,
+                digests=tuple(digests),
+            )
         if not rule_of(self.job).rounds or not whole:
             # pool.mode = "local" needs the whole path: without it, nothing of the run counts
             holders = {} if rule_of(self.job).rounds else holders

@@ -17,6 +17,10 @@ drawn, the trainer asks every replica of the path for its commitment, each over 
   replica, caught at once; one that is goes to `Audits.judge`, which re-executes it on another
   replica of the stage, a second arbitrating, as on the carry plane.
 
+- **Contributions**: the stages whose replica's contribution the coordinator drew
+  (`Task.audits`) are redone from their neighbours' records with its seed
+  (`client.data_plane.push_contributions`), whatever the draw above.
+
 A replica that answers nothing (gone, its record dropped) is no evidence either way.
 """
 
@@ -30,11 +34,13 @@ import torch
 
 from client.data_plane.audit import Audits, Work
 from client.data_plane.disputes import Dispute, Disputes
+from client.data_plane.push_contributions import PushContributions
+from client.data_plane.push_fetch import fetched_record
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
 from swarm.model.subspace import wire_tokens
 from swarm.proto import stage_pb2 as pb
-from swarm.rpc.lease import Verdict
+from swarm.rpc.lease import GradientDigest, Verdict
 from swarm.rpc.routes import Routes
 from swarm.wire import codec
 from swarm.wire.digest import digest
@@ -49,7 +55,6 @@ _CROSSING = (
     ("grad_outputs", "grad_inputs", "input gradient"),
     ("targets", "targets", "targets"),
 )
-_RECORDED = ("inputs", "outputs", "grad_outputs", "grad_inputs", "tokens", "targets")
 
 
 class PushAudits:
@@ -58,6 +63,7 @@ class PushAudits:
     def __init__(self, job: JobConfig, audits: Audits, routes: Routes) -> None:
         self.job, self.audits, self.routes = job, audits, routes
         self.disputes = Disputes()
+        self.contributions = PushContributions(job, audits, routes)
 
     async def audit(
         self,
@@ -67,10 +73,14 @@ class PushAudits:
         chain: Sequence[str],
         ids: torch.Tensor,
         labels: torch.Tensor,
-    ) -> tuple[tuple[Verdict, ...], int]:
+        contributions: dict[int, int] | None = None,
+        loss: float = 0.0,
+    ) -> tuple[tuple[Verdict, ...], int, list[GradientDigest]]:
         """Audit run `run` of microbatch `(step, index)`, pushed through `chain` (the replica of
-        each stage, in order; its `ids` and `labels`): the liars found, and the re-executions it
-        took."""
+        each stage, in order; its `ids` and `labels`, the `loss` it answered), and the
+        contributions of the stages `contributions` names (stage -> seed: `PushContributions`):
+        the liars found, the re-executions it took, and the gradients' digests."""
+        contributions = contributions or {}
         runs = self.audits.runs()
         self.audits.metrics.stage_runs.inc(len(chain))
         said = await asyncio.gather(
@@ -79,10 +89,23 @@ class PushAudits:
         found: dict[str, Verdict] = {}
         for v in self._boundaries(step, index, said, ids, labels):
             found.setdefault(v.peer, v)
+        works: dict[int, Work] = {}
         for k in self.audits.drawn(range(len(chain))):  # drawn now, after every commitment
-            for v in await self._audited(step, index, run, said[k]):
+            # fetched whichever the contributions' draw: its replica must not tell it from this
+            lied, work = await self._fetched(step, index, run, said[k])
+            for v in lied:
                 found.setdefault(v.peer, v)
-        return tuple(found.values()), self.audits.runs() - runs
+            if work is not None:
+                works[k] = work
+        lied, digests, redone = await self.contributions.audit(
+            step, index, run, said, contributions, ids, labels, loss
+        )
+        for k, work in works.items():
+            if k not in redone:  # redone once: by the contribution's audit, which compares too
+                lied.extend(await self.audits.judge(step, index, work))
+        for v in lied:
+            found.setdefault(v.peer, v)
+        return tuple(found.values()), self.audits.runs() - runs, digests
 
     async def _commitment(
         self, step: int, index: int, run: int, stage: int, peer: str
@@ -141,42 +164,31 @@ class PushAudits:
             return None
         return digest(wire_tokens(ids, self.job.model.vocab_size))
 
-    async def _audited(
+    async def _fetched(
         self, step: int, index: int, run: int, c: pb.Commitment | None
-    ) -> list[Verdict]:
-        """Stage `c.stage`'s record fetched, checked against `c`, and re-executed elsewhere."""
-        client = None if c is None else self.routes.clients.get(c.peer)
+    ) -> tuple[list[Verdict], Work | None]:
+        """Stage `c.stage`'s record fetched and checked against `c`: the liar it shows, or the
+        work to re-execute elsewhere (None: nothing to redo, or nobody to redo it)."""
         # Nobody to redo it (a pool of one): its record, the stage's tensors of the microbatch,
         # is not fetched. Its bytes would cross the trainer's link for nothing: on a home link
         # they were most of what it carried (issue 52's shaped bench).
-        if c is None or client is None or not self.audits.auditors(c.stage, [c.peer]):
+        if c is None or not self.audits.auditors(c.stage, [c.peer]):
             self.audits.metrics.audited("skipped")
-            return []
-        try:
-            again, tensors = await client.record(step, index, run, tensors=True)
-            again.peer = c.peer
-        except SwarmError:
-            self.audits.metrics.audited("skipped")
-            return []
-        where = f"microbatch ({step}, {index}) at stage {c.stage}"
-        decoded = {n: codec.decode(t) for n, t in tensors.items() if n in _RECORDED}
-        wrong = [n for n in _RECORDED if getattr(c, n) != digest(decoded.get(n))]
-        if again != c or wrong:
+            return [], None
+        tensors, lied = await fetched_record(self.routes, step, index, run, c)
+        if lied:
             self.audits.metrics.audited("caught")
-            what = ", ".join(wrong) or "its commitment"
-            evidence = f"its record of {where} is not what it committed to ({what})"
-            return [Verdict(c.peer, c.stage, evidence)]
-        if not {"inputs", "outputs", "grad_outputs"} <= tensors.keys():
-            self.audits.metrics.audited("skipped")  # no backward ran there: nothing to redo
-            return []
-        work = Work(
+            return lied, None
+        if tensors is None or not {"inputs", "outputs", "grad_outputs"} <= tensors.keys():
+            self.audits.metrics.audited("skipped")  # gone, or no backward ran there: no redo
+            return [], None
+        return [], Work(
             c.stage,
             tensors["inputs"],  # sent on as they came (the client relabels them)
             tensors["grad_outputs"],
-            decoded["outputs"],
-            decoded.get("grad_inputs"),
+            codec.decode(tensors["outputs"]),
+            codec.decode(tensors["grad_inputs"]) if "grad_inputs" in tensors else None,
             c.peer,
             c.peer,
             tensors.get("tokens"),
         )
-        return await self.audits.judge(step, index, work)

@@ -22,8 +22,7 @@ no trainer sees, held to its microbatches re-executed by others of its stage.
   without a digest (an auditor gone, a replay from the cache) skips the audit: no evidence
   either way. Two auditors that disagreed are judged between by q·x_j (`digest_disputes`).
 
-The carry plane and step rounds only (the trainer holds each stage's bytes; a local-steps or
-eager round is not audited).
+Step rounds only, on either plane (a local-steps or eager round is not audited).
 """
 
 from __future__ import annotations
@@ -77,9 +76,10 @@ class Contributions:
 
     @classmethod
     def of(cls, job: JobConfig | None) -> Contributions:
-        """A job's: on where its microbatches are audited (the carry plane) and rounds are
-        steps' (`[trust] audit_fraction`); off otherwise."""
-        if job is None or job.runtime.data_plane != "relay" or rule_of(job).rounds:
+        """A job's: on where rounds are steps' (`[trust] audit_fraction`), on either plane
+        (the push plane's trainer redoes a stage from its neighbours' records:
+        `client.data_plane.push_contributions`); off otherwise."""
+        if job is None or rule_of(job).rounds:
             return cls(0.0)
         return cls(drawn_share(job.trust.audit_fraction), tolerance=tolerance_of(job))
 

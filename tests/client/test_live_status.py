@@ -249,9 +249,10 @@ def test_status_says_what_audits_cost_and_whom_they_banned() -> None:
     ]
     s.events.append(spb.JobEvent(kind="ban", text="banned s1r0 (stage 1): an audit caught it"))
     assert trust_lines(s)[0].endswith("; banned for lying: s1r0")
-    # the push plane (the default) audits answers, not contributions
+    # the push plane (the default) audits contributions too
     assert trust_lines(spb.JobStatus(job="j", spec="")) == [
-        "audits   4.5% of each stage's microbatches re-executed: about +4.5% stage compute"
+        "audits   4.5% of each stage's microbatches re-executed and contributions: about +9% "
+        "stage compute"
     ]
     off = spb.JobStatus(job="j", spec="[trust]\naudit_fraction = 0\n")
     assert trust_lines(off) == []

@@ -22,6 +22,7 @@ from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
 from swarm.rpc.routes import Routes
+from swarm.wire import codec
 from swarm.wire.digest import digest
 from tests.support.jobs import make_job
 
@@ -45,10 +46,14 @@ class Recorded:
             microbatch=pb.MicrobatchId(step=step, index=index),
             run=run,
         )
-        return commitment, {}
+        held = {"inputs": IDS} if self.stage == 0 else {}
+        held["targets"] = IDS
+        return commitment, {n: codec.encode(t, n) for n, t in held.items()} if tensors else {}
 
 
-def _push_audits(job: JobConfig, pools: list[list[str]]) -> tuple[PushAudits, dict[str, Recorded]]:
+def _push_audits(
+    job: JobConfig, pools: list[list[str]], fraction: float = 1.0
+) -> tuple[PushAudits, dict[str, Recorded]]:
     made: dict[str, Recorded] = {}
 
     def factory(
@@ -61,7 +66,9 @@ def _push_audits(job: JobConfig, pools: list[list[str]]) -> tuple[PushAudits, di
     routes = Routes(job, "job", None, wiring, client_factory=factory)
     for stage, peers in enumerate(pools):
         routes.follow(stage, [Replica(p, p) for p in peers])
-    audits = Audits(1.0, 0.0, StageReexecutor(job, routes), TrainerMetrics("job"), random.Random(0))
+    audits = Audits(
+        fraction, 0.0, StageReexecutor(job, routes), TrainerMetrics("job"), random.Random(0)
+    )
     return PushAudits(job, audits, routes), made
 
 
@@ -72,8 +79,8 @@ def _skipped(p: PushAudits) -> float:
 async def test_a_stage_no_one_could_redo_is_not_fetched(tmp_path: Path) -> None:
     job = make_job(tmp_path, training={"stages": 2}, runtime={"data_plane": "push"})
     push, made = _push_audits(job, [["s0"], ["s1"]])  # every stage drawn (fraction 1)
-    verdicts, runs = await push.audit(3, 1, 7, ["s0", "s1"], IDS, IDS)
-    assert (verdicts, runs) == ((), 0)
+    verdicts, runs, digests = await push.audit(3, 1, 7, ["s0", "s1"], IDS, IDS)
+    assert (verdicts, runs, digests) == ((), 0, [])
     assert made["s0"].asked == [False] and made["s1"].asked == [False]  # commitments only
     assert _skipped(push) == 2
 
@@ -84,3 +91,33 @@ async def test_a_stage_another_replica_could_redo_is_fetched(tmp_path: Path) -> 
     await push.audit(3, 1, 7, ["s0", "s1"], IDS, IDS)
     assert made["s0"].asked == [False, True]  # its record asked for: t0 could redo it
     assert made["s1"].asked == [False]
+
+
+POOLS = [["s0", "t0"], ["s1", "t1", "u1"], ["s2", "t2"]]
+CHAIN = ["s0", "s1", "s2"]
+
+
+async def test_an_audited_contribution_is_redone_from_its_neighbours_records(
+    tmp_path: Path,
+) -> None:
+    """Its replica is not asked for its record on the contribution's account: it would learn
+    it is drawn before the round, and send an honest contribution exactly then. Its neighbours
+    are (here their records hold nothing to redo: no digest, the coordinator skips it)."""
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    push, made = _push_audits(job, POOLS, fraction=0.0)  # no stage drawn for its answers
+    verdicts, runs, digests = await push.audit(3, 1, 7, CHAIN, IDS, IDS, {1: 12345})
+    assert (verdicts, runs, digests) == ((), 0, [])
+    assert made["s1"].asked == [False]  # its commitment only
+    assert made["s0"].asked == [False, True] and made["s2"].asked == [False, True]
+
+
+async def test_a_stage_drawn_for_its_answers_is_asked_alike_whether_its_contribution_is(
+    tmp_path: Path,
+) -> None:
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    asked = []
+    for contributions in ({}, {1: 12345}):
+        push, made = _push_audits(job, POOLS)  # every stage drawn for its answers
+        await push.audit(3, 1, 7, CHAIN, IDS, IDS, contributions)
+        asked.append(made["s1"].asked)
+    assert asked[0] == asked[1] == [False, True]

@@ -19,7 +19,7 @@ import pytest
 from swarm.ops.faults import Fault, Point
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
-from tests.support.liars import HOSTILE, assert_caught_and_replayed_away
+from tests.support.liars import HOSTILE, assert_caught_and_replayed_away, train_with_a_liar
 from tests.support.servers import Servers, counted, train_on
 
 pytestmark = pytest.mark.slow
@@ -97,3 +97,21 @@ def test_an_honest_push_run_with_every_stage_audited_accuses_nobody(
         if s.name == "swarm_trainer_audits_total"
     }
     assert audits.get("agreed", 0) > 0 and "caught" not in audits, audits
+
+
+@pytest.mark.attack("P-push-bent")
+def test_a_push_replica_that_bends_its_contribution_is_caught_banned_and_replayed_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its pushes are honest (what it sends and commits to, forward and back); what it adds to
+    its pool's averaging is its gradient sums bent within the norm bound, which no boundary
+    check sees. Its microbatches, re-executed by the two others of its stage from the tensors
+    its neighbours committed to, must tell (`client.data_plane.push_contributions`)."""
+    poison = Fault(HOSTILE, Point.POISON_BENT, 1)
+    job, state, registry, liar_log, said = train_with_a_liar(tmp_path, caplog, "push", poison)
+    assert "fault injected: poison-bent@1" in liar_log  # it did lie
+    assert_equal_to_local(job, state, tol=1e-9)
+    assert counted(registry, "swarm_coordinator_bans_total") == 1, said
+    banned = [m for m in said if f"banned {HOSTILE} (stage 1)" in m]
+    assert any("its contribution to step" in m for m in banned), said
+    assert not [m for m in said if "not digested" in m], said  # every one it drew was judged
