@@ -200,9 +200,10 @@ class Audits:
 
     async def digested(
         self, step: int, index: int, work: Work, seed: int
-    ) -> tuple[list[Verdict], GradientDigest | None]:
-        """`judge`, and `work`'s gradient digested with `seed` by two auditors (the push plane's
-        contributions' audit: `client.data_plane.push_contributions`)."""
+    ) -> tuple[list[Verdict], list[GradientDigest]]:
+        """`judge`, and `work`'s gradient digested with `seed` by two auditors, or each one's
+        where they differ (the push plane's contributions' audit:
+        `client.data_plane.push_contributions`)."""
         return await self._audit(step, index, work, seed)
 
     async def _audit(

@@ -113,8 +113,7 @@ class PushContributions:
             found, d = await self.audits.digested(step, index, work, seed)
             redone.add(k)
             verdicts.extend(found)
-            if d is not None:
-                digests.append(d)
+            digests.extend(d)
         return verdicts, digests, redone
 
     def _work(
