@@ -30,10 +30,11 @@ that lies in its digest alone is convicted there.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -44,7 +45,16 @@ from swarm.job.tolerance import TOLERANCE, tolerance_of
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
 from swarm.rpc.stage_client import TensorLike
 
-__all__ = ["TOLERANCE", "Audits", "Redone", "Reexecutor", "Work", "differs", "tolerance_of"]
+__all__ = [
+    "TOLERANCE",
+    "Audited",
+    "Audits",
+    "Redone",
+    "Reexecutor",
+    "Work",
+    "differs",
+    "tolerance_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +81,17 @@ class Redone:
     outputs: torch.Tensor
     grad_inputs: torch.Tensor | None
     digest: tuple[float, float, float] | None = None  # where asked: r·g, Σ|r_i·g_i|, ‖g‖
+
+
+@dataclass(frozen=True)
+class Audited:
+    """One stage's audit of one microbatch: the liars found, the gradient digests (two
+    auditors', or each one's where they differ) and the re-executions it took (counted here,
+    not read off the trainer's counter, which concurrent audits share)."""
+
+    verdicts: list[Verdict] = field(default_factory=list)
+    digests: list[GradientDigest] = field(default_factory=list)
+    runs: int = 0
 
 
 class Reexecutor(Protocol):
@@ -154,10 +175,8 @@ class Audits:
         """`audit`, and the stages whose accumulating replica's contribution is audited
         (`contributions`) audited whatever the draw, their gradients digested."""
         self.metrics.stage_runs.inc(len(works))
-        runs = self.runs()
-        verdicts: dict[str, Verdict] = {}
-        digests: list[GradientDigest] = []
         drawn = set(self.drawn(range(len(works))))
+        chosen = []
         for k, work in enumerate(works):
             seed = next(
                 (
@@ -167,17 +186,16 @@ class Audits:
                 ),
                 0,
             )
-            if k not in drawn and not seed:
-                continue
-            found, digested = await self._audit(step, index, work, seed)
-            for v in found:
+            if k in drawn or seed:
+                chosen.append((work, seed))
+        # The stages at once, each on its own auditors: the microbatch's report waits for them.
+        done = await asyncio.gather(*(self._audit(step, index, w, seed) for w, seed in chosen))
+        verdicts: dict[str, Verdict] = {}
+        for found in done:
+            for v in found.verdicts:
                 verdicts.setdefault(v.peer, v)
-            digests.extend(digested)
-        return list(verdicts.values()), self.runs() - runs, digests
-
-    def runs(self) -> int:
-        """The re-executions this trainer's audits took so far."""
-        return int(self.metrics.audit_runs._value.get())
+        digests = [d for found in done for d in found.digests]
+        return list(verdicts.values()), sum(found.runs for found in done), digests
 
     def _close(self, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return differs(a, b) <= self.tolerance
@@ -193,37 +211,38 @@ class Audits:
         self.metrics.audit_runs.inc()
         return done
 
-    async def judge(self, step: int, index: int, work: Work) -> list[Verdict]:
+    async def judge(self, step: int, index: int, work: Work, seed: int = 0) -> Audited:
         """Re-execute `work` on another replica of its stage (and, if they disagree, on a
-        second): the liars found, with the evidence."""
-        return (await self._audit(step, index, work))[0]
-
-    async def digested(
-        self, step: int, index: int, work: Work, seed: int
-    ) -> tuple[list[Verdict], list[GradientDigest]]:
-        """`judge`, and `work`'s gradient digested with `seed` by two auditors, or each one's
-        where they differ (the push plane's contributions' audit:
-        `client.data_plane.push_contributions`)."""
+        second): the liars found, with the evidence; with `seed`, its gradient digested by two
+        auditors at once, or each one's digest where they differ (the push plane's
+        contributions' audit: `client.data_plane.push_contributions`)."""
         return await self._audit(step, index, work, seed)
 
-    async def _audit(
-        self, step: int, index: int, work: Work, seed: int = 0
-    ) -> tuple[list[Verdict], list[GradientDigest]]:
+    async def _audit(self, step: int, index: int, work: Work, seed: int = 0) -> Audited:
         """The liars found in `work`; with `seed`, its gradient's digest by two auditors (or
         each one's, where they differ)."""
         claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
         producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
         others = self.auditors(work.stage, producer.values())
         first = self.rng.choice(others) if others else None
-        a = None if first is None else await self._redo(first, step, index, work, seed)
-        if first is None or a is None:
+        if first is None:
             self.metrics.audited("skipped")
-            return [], []
-        seconds = [p for p in others if p != first]
-        second = self.rng.choice(seconds) if seconds else None
-        b = None  # the second auditor's, asked at once where a digest needs two
-        if seed and second is not None:
-            b = await self._redo(second, step, index, work, seed)
+            return Audited()
+        second = None
+        if seed:  # a digest needs two: both asked at once, neither waits for the other
+            second = self._second(others, first)
+            a, b = await asyncio.gather(
+                self._redo(first, step, index, work, seed),
+                self._redo(second, step, index, work, seed) if second else _nothing(),
+            )
+        else:
+            a, b = await self._redo(first, step, index, work), None
+        runs = (a is not None) + (b is not None)
+        if a is None:
+            self.metrics.audited("skipped")
+            return Audited(runs=runs)
+        if not seed:
+            second = self._second(others, first)
         digest = _digest(work, seed, first, a, second, b)
         redone_a = {"outputs": a.outputs, "input gradients": a.grad_inputs}
         gaps = {item: differs(claimed[item], redone_a[item]) for item in _ITEMS}
@@ -233,11 +252,12 @@ class Audits:
             if second is not None and b is not None:  # asked for the digest: its answers too
                 lied = self._outvoted(work, where, first, redone_a, second, b)
                 if lied is not None:
-                    return [lied], digest
+                    return Audited([lied], digest, runs)
             self.metrics.agreed(max(gaps.values()))
-            return [], digest
+            return Audited([], digest, runs)
         if b is None and second is not None:
             b = await self._redo(second, step, index, work)
+            runs += b is not None
         if second is None or b is None:
             self.metrics.audited("undecided")
             log.warning(
@@ -249,7 +269,7 @@ class Audits:
                 first,
                 gaps[wrong[0]],
             )
-            return [], digest
+            return Audited([], digest, runs)
         redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
         verdicts = []
         for item in wrong:
@@ -277,7 +297,12 @@ class Audits:
             self.metrics.audited("caught")
             log.warning("audit: %s caught lying: %s", liar, evidence)
             verdicts.append(Verdict(liar, work.stage, evidence))
-        return verdicts, digest
+        return Audited(verdicts, digest, runs)
+
+    def _second(self, others: Sequence[str], first: str) -> str | None:
+        """The auditor that arbitrates, or digests beside `first` (None: no other replica)."""
+        seconds = [p for p in others if p != first]
+        return self.rng.choice(seconds) if seconds else None
 
     def _outvoted(
         self,
@@ -346,3 +371,7 @@ def _digest(
         GradientDigest(work.stage, work.backward_peer, *d, peer, seed, disputed=True)
         for peer, d in ((first, a.digest), (second, b.digest))
     ]
+
+
+async def _nothing() -> None:
+    return None

@@ -81,7 +81,6 @@ class PushAudits:
         contributions of the stages `contributions` names (stage -> seed: `PushContributions`):
         the liars found, the re-executions it took, and the gradients' digests."""
         contributions = contributions or {}
-        runs = self.audits.runs()
         self.audits.metrics.stage_runs.inc(len(chain))
         said = await asyncio.gather(
             *(self._commitment(step, index, run, k, p) for k, p in enumerate(chain))
@@ -97,15 +96,19 @@ class PushAudits:
                 found.setdefault(v.peer, v)
             if work is not None:
                 works[k] = work
-        lied, digests, redone = await self.contributions.audit(
+        lied, digests, redone, runs = await self.contributions.audit(
             step, index, run, said, contributions, ids, labels, loss
         )
-        for k, work in works.items():
-            if k not in redone:  # redone once: by the contribution's audit, which compares too
-                lied.extend(await self.audits.judge(step, index, work))
+        # redone once: by the contribution's audit, which compares too
+        judged = await asyncio.gather(
+            *(self.audits.judge(step, index, w) for k, w in works.items() if k not in redone)
+        )
+        for audited in judged:
+            lied.extend(audited.verdicts)
+            runs += audited.runs
         for v in lied:
             found.setdefault(v.peer, v)
-        return tuple(found.values()), self.audits.runs() - runs, digests
+        return tuple(found.values()), runs, digests
 
     async def _commitment(
         self, step: int, index: int, run: int, stage: int, peer: str

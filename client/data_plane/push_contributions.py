@@ -77,13 +77,14 @@ class PushContributions:
         ids: torch.Tensor,
         labels: torch.Tensor,
         loss: float,
-    ) -> tuple[list[Verdict], list[GradientDigest], set[int]]:
+    ) -> tuple[list[Verdict], list[GradientDigest], set[int], int]:
         """The stages `seeds` names of run `run` of microbatch `(step, index)` (`said`: the
-        path's commitments), re-executed with their seeds: the liars found, the digests, and
-        the stages redone (their answers compared too)."""
+        path's commitments), re-executed with their seeds: the liars found, the digests, the
+        stages redone (their answers compared too) and the re-executions it took."""
         verdicts: list[Verdict] = []
         digests: list[GradientDigest] = []
         redone: set[int] = set()
+        runs = 0
         records: dict[int, Tensors | None] = {}
 
         async def record(k: int) -> Tensors | None:
@@ -110,11 +111,12 @@ class PushContributions:
                     index,
                 )
                 continue
-            found, d = await self.audits.digested(step, index, work, seed)
+            found = await self.audits.judge(step, index, work, seed)
             redone.add(k)
-            verdicts.extend(found)
-            digests.extend(d)
-        return verdicts, digests, redone
+            verdicts.extend(found.verdicts)
+            digests.extend(found.digests)
+            runs += found.runs
+        return verdicts, digests, redone, runs
 
     def _work(
         self,

@@ -3,6 +3,7 @@ behind its `Reexecutor` seam: who is drawn, and who a disagreement convicts."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from swarm.policy.wiring import Wiring
 from swarm.rpc.lease import ContributionAudit, GradientDigest
 from swarm.rpc.routes import Routes
 from tests.support.jobs import make_job
+from tests.support.waiting import wait_until
 
 TRUE_OUT, TRUE_GRAD = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3)
 WRONG = torch.full((2, 3), 0.01)
@@ -151,6 +153,39 @@ async def test_an_audited_contribution_is_digested_by_two_auditors_whatever_the_
     assert digest.auditors in ("b and c", "c and b")
     others = [ContributionAudit(2, "a", 99), ContributionAudit(1, "b", 99)]
     assert await audits.audited(0, 3, [_work()], others) == ([], 0, [])
+
+
+class HeldReplicas(Replicas):
+    """`Replicas` whose re-executions all wait until `release` is set: what is asked while
+    they wait is asked at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def redo(
+        self, peer: str, step: int, index: int, work: Work, digest_seed: int = 0
+    ) -> Redone:
+        self.asked.append(peer)
+        await self.release.wait()
+        self.asked.remove(peer)
+        return await super().redo(peer, step, index, work, digest_seed)
+
+
+async def test_audits_at_once_count_their_own_runs_and_a_digests_auditors_run_together() -> None:
+    """A microbatch's result carries the re-executions its audit took; the trainer audits many
+    microbatches at once, so each counts its own (reading the shared counter's rise counted the
+    others' too). A contribution's two auditors are asked together, not one after the other:
+    the microbatch's report waits for them."""
+    replicas = HeldReplicas()
+    audits = _audits(replicas)
+    audit = ContributionAudit(1, "a", 99)
+    both = asyncio.gather(audits.audited(0, 0, [_work()], [audit]), audits.audited(0, 1, [_work()]))
+    await wait_until(lambda: len(replicas.asked) == 3, "three re-executions asked at once")
+    replicas.release.set()
+    (_, digesting, _), (_, answers, _) = await both
+    assert (digesting, answers) == (2, 1)
+    assert audits.metrics.audit_runs._value.get() == 3
 
 
 async def test_a_lying_second_auditor_of_a_contribution_is_convicted() -> None:
