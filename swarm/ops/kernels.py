@@ -4,7 +4,7 @@ deterministic kernels (issue 55, item 1: re-executions compared "within a stated
 deterministic kernels on a GPU").
 
 Why: an audit has another replica redo a microbatch and compares the two answers within the job's
-tolerance (`client.data_plane.audit.tolerance_of`). A CPU's compute repeats bitwise; a GPU's does
+tolerance (docs/jobs.md, "Trust"). A CPU's compute repeats bitwise; a GPU's does
 not always (atomics in some backward kernels; cuBLAS sharing its workspaces between streams), so
 two honest answers differ by a rounding the tolerance must absorb. `torch.use_deterministic_
 algorithms` narrows that gap to what differs between devices; the tolerance stays what a verdict
