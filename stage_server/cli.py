@@ -196,8 +196,11 @@ def _run(args: argparse.Namespace) -> None:
     from stage_server.doctor import preflight
     from stage_server.server import StageServerOptions, run_stage_server
     from swarm.job.config import load_job
+    from swarm.ops.kernels import deterministic_cublas
 
     show_lifecycle()
+    # Before CUDA is touched: cuBLAS repeatable, for the audits of the jobs to come.
+    deterministic_cublas(args.device)
     # `swarm doctor`'s device checks, before anything is built: a device this machine lacks, or
     # a torch without kernels for it, is named with its fix; and it becomes the current device.
     preflight(args.device)

@@ -118,6 +118,8 @@ class RunningStageServer:
         if self.relay is not None:  # first: the peers it carries re-attach elsewhere at once
             await self.relay.stop()
         await self.server.stop(self.grace_s)
+        # Its handlers may outlive gRPC's stop: what reaches the worker now is refused cleanly.
+        self.servicer.worker.close()
         await self.servicer.channels.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
 

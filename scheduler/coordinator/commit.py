@@ -36,7 +36,7 @@ from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.replicas import GONE
-from scheduler.coordinator.round_checks import RoundChecks
+from scheduler.coordinator.round_checks import RoundAnswers, RoundChecks
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import AVERAGE, LeftOut, RoundFailure, shorten
 from scheduler.coordinator.round_strategy import Rounds
@@ -281,9 +281,8 @@ class TwoPhaseCommit:
             for (stage, r), e in zip(where, results, strict=True)
             if isinstance(e, BaseException)
         ]
-        if not failed and await self.checks.passed(
-            ledger, round_id, members, groups, checks, taken
-        ):
+        answers = RoundAnswers(ledger, round_id, members, groups, checks, taken)
+        if not failed and await self.checks.passed(answers):
             # None: the member had applied the step already (a retried commit): nothing of that
             # stage is applied again, and the others' norms are what is left to clip by.
             return [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from scheduler.coordinator.bans import Bans
 from scheduler.coordinator.groups import RoundGroup
@@ -27,12 +28,24 @@ from scheduler.coordinator.sum_checks import Checksums, replicas_to_leave_out, v
 from scheduler.coordinator.sum_liars import convicted
 from swarm.rpc.lease import Replica
 
-__all__ = ["LeaveOut", "RoundChecks"]
+__all__ = ["LeaveOut", "RoundAnswers", "RoundChecks"]
 
 log = logging.getLogger(__name__)
 
 # (ledger, stage, culprit, named by, why): leave `culprit` out of its stage, its work replayed
 LeaveOut = Callable[[StepLedger, int, Replica, list[str], str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class RoundAnswers:
+    """One PREPARE round's answers, as every check reads them."""
+
+    ledger: StepLedger
+    round_id: str
+    members: list[list[Replica]]  # per stage, its replicas in the round
+    groups: dict[int, RoundGroup]  # per stage, the round's group (its parts, aggregators)
+    checks: dict[int, dict[int, Checksums]]  # stage -> contributor -> its checksums
+    taken: dict[int, dict[int, int]]  # stage -> contributor -> microbatches it held
 
 
 class RoundChecks:
@@ -46,37 +59,24 @@ class RoundChecks:
         self._medians: dict[int, float] = {}
         self.failure: RoundFailure | None = None  # the last round's, when it failed
 
-    async def passed(
-        self,
-        ledger: StepLedger,
-        round_id: str,
-        members: list[list[Replica]],
-        groups: dict[int, RoundGroup],
-        checks: dict[int, dict[int, Checksums]],
-        taken: dict[int, dict[int, int]],
-    ) -> bool:
-        """Whether the round's answers (`checks`: stage -> contributor -> its checksums, with
-        `taken`: its microbatches held) pass; else whom they named is banned or left out, and
+    async def passed(self, answers: RoundAnswers) -> bool:
+        """Whether the round's answers pass; else whom they named is banned or left out, and
         `failure` says why when it was the sums or the norms."""
         self.failure = None
         return (
-            await self._sums(ledger, round_id, members, groups, checks)
-            and await self._norms(ledger, round_id, members, groups, checks, taken)
-            and await self._contributions(ledger, members, checks)
+            await self._sums(answers)
+            and await self._norms(answers)
+            and await self._contributions(answers)
         )
 
-    async def _contributions(
-        self,
-        ledger: StepLedger,
-        members: list[list[Replica]],
-        checks: dict[int, dict[int, Checksums]],
-    ) -> bool:
+    async def _contributions(self, answers: RoundAnswers) -> bool:
         """Whether each audited contribution is what its microbatches re-executed add up to
         (`contributions`). Else its replica is banned (the rollback replays its work away, the
         evidence in the log and the job's history) and the round fails."""
         if self.bans is None:
             return True
-        for stage, of in sorted(checks.items()):
+        ledger, members = answers.ledger, answers.members
+        for stage, of in sorted(answers.checks.items()):
             peers, held = [r.peer for r in members[stage]], ledger.holdings(stage)
             found = self.bans.contributions.judge(ledger.step, stage, peers, of, held)
             for peer, evidence in found:
@@ -86,19 +86,14 @@ class RoundChecks:
                 return False
         return True
 
-    async def _sums(
-        self,
-        ledger: StepLedger,
-        round_id: str,
-        members: list[list[Replica]],
-        groups: dict[int, RoundGroup],
-        checks: dict[int, dict[int, Checksums]],
-    ) -> bool:
+    async def _sums(self, answers: RoundAnswers) -> bool:
         """Whether every part's sums pass their checksums (`sum_checks`). Else the round fails
         naming the owners: an aggregator sits out the next rounds; a replica the evidence
         convicts is banned (`sum_liars`); one only named is left out (its microbatches replayed
         by the others, so the step stays exact), with the evidence in the log and the job's
         history."""
+        ledger, round_id, members = answers.ledger, answers.round_id, answers.members
+        groups, checks = answers.groups, answers.checks
         accusations, lines = verify(groups, checks)
         if not lines:
             return True
@@ -131,21 +126,15 @@ class RoundChecks:
                 failure.left_out.append(LeftOut(stage, culprit.peer, accusers, why))
         return False
 
-    async def _norms(
-        self,
-        ledger: StepLedger,
-        round_id: str,
-        members: list[list[Replica]],
-        groups: dict[int, RoundGroup],
-        checks: dict[int, dict[int, Checksums]],
-        taken: dict[int, dict[int, int]],
-    ) -> bool:
+    async def _norms(self, answers: RoundAnswers) -> bool:
         """Whether every contribution is within the job's norm bound (`norm_bound`; `[trust]`).
         Else the round fails and each replica past it is left out, its microbatches replayed by
         the others (exact: nothing is scaled), with the evidence in the log and the history."""
         trust = self.job.trust
         if trust.clip != "norm_bound":
             return True
+        ledger, round_id, members = answers.ledger, answers.round_id, answers.members
+        groups, checks, taken = answers.groups, answers.checks, answers.taken
         found: dict[int, dict[int, str]] = {}
         medians: dict[int, float] = {}
         for stage, of in checks.items():

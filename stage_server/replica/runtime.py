@@ -46,8 +46,8 @@ from swarm.model.transformer import (
     partition,
 )
 from swarm.ops.device_oom import inject, named
-from swarm.ops.devices import apply_matmul_precision
 from swarm.ops.faults import Point, due
+from swarm.ops.kernels import apply_kernels
 from swarm.rpc.state_streams import Update
 
 __all__ = ["Receipt", "Served", "StageRuntime"]
@@ -60,7 +60,7 @@ class StageRuntime:
         self.layers = list(partition(layer_costs(job.model), job.training.stages)[stage])
         self.is_first = stage == 0
         self.is_last = stage == job.training.stages - 1
-        apply_matmul_precision(job.training.tf32, self.device)
+        apply_kernels(job, self.device)  # TF32 as the job says; deterministic where it audits
         self.module = build_stage(job, stage, self.device)
         self.checks = TensorChecks(job, stage, self.module, self.device)  # what it accepts
         self.params = list(self.module.parameters())

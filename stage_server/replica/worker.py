@@ -18,6 +18,12 @@ settled, outside its timing, so the loop never waits on the device.
 
 `throttle` > 1 stands in for a slower device: the worker is held that much longer after each call,
 as a slower device would hold it, and the EMA sees the held time.
+
+A stopping stage server `close`s its worker before it shuts the executor down: gRPC's stop returns
+once its core holds no live call, not once every handler has ended, so a Push whose request was
+read just before may reach the worker only then. It is refused (`PeerUnavailable`: UNAVAILABLE,
+what a stopping server answers; its call is over anyway), not submitted to an executor shut down,
+which raised a RuntimeError that was logged as an ERROR.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from stage_server.replica.compute_clock import HOST_CLOCK, ComputeClock
+from swarm.errors import PeerUnavailable
 
 __all__ = ["LOAD_EMA", "Worker"]
 
@@ -54,6 +61,11 @@ class Worker:
         self.throttle = throttle  # >1: each call holds the worker that many times as long
         self.waiting = 0  # calls queued or running: the load this peer reports
         self.ema_seconds: float | None = None  # moving average of one call (seconds)
+        self.closed = False  # the server is stopping: new calls are refused (`close`)
+
+    def close(self) -> None:
+        """Refuse every call from now on (the server stops; its executor is shut down next)."""
+        self.closed = True
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the worker thread."""
@@ -70,6 +82,8 @@ class Worker:
         """`run_queued`, then `after(result)` on the worker thread before the loop gets it:
         what must wait on the device (its results' copy to the host) waits there. `after` is not
         part of the call's service time (`ema_seconds`), which is the compute's."""
+        if self.closed:
+            raise PeerUnavailable("the stage server is stopping: the call was not run")
         self._on_queue(1)
         self.waiting += 1
         clock = self.clock  # one clock for both ends of the wait
