@@ -65,6 +65,11 @@ class TorchKernels:
 
     def use_deterministic_algorithms(self, mode: bool, *, warn_only: bool) -> None:
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        # Deterministic mode also fills every new uninitialized tensor (torch.empty, a cache's
+        # buffers) with NaN, to expose reads of garbage: a full write of each allocation on
+        # the device for nothing a re-execution compares, since no kernel here reads memory it
+        # did not write. Off, so the audits' switch costs the kernels' choice only.
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
 
 def audits(job: JobConfig) -> bool:
