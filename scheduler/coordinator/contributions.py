@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.sum_checks import DOT_BLOCK, SIGMAS, Checksums, new_seed
+from scheduler.coordinator.sum_checks import DOT_BLOCK, SIGMAS, Checksums, new_seed, owner_words
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.proto import stage_pb2 as pb
@@ -136,7 +136,8 @@ class Contributions:
             if audit.peer not in peers:
                 continue
             j = peers.index(audit.peer)
-            others = [checks[i].audit_checks(audit.seed) for i in checks if i != j]
+            by = {i: checks[i].audit_checks(audit.seed) for i in checks if i != j}
+            others = list(by.values())
             mine = held.get(audit.peer, [])
             digests = self._digests.get((step, stage, audit.peer), {})
             if len(others) != len(peers) - 1 or not all(others):
@@ -152,7 +153,7 @@ class Contributions:
                     len(mine),
                 )
                 continue
-            got, expected, tol = _compare(others, [digests[i] for i in mine], len(peers))
+            got, expected, tol = _compare(by, j, [digests[i] for i in mine], len(peers))
             if abs(got - expected) <= tol or not _agreed(others, tol):
                 continue
             auditors = sorted({digests[i].auditors for i in mine})
@@ -178,16 +179,32 @@ def _agreed(others: Sequence[Sequence[pb.SumCheck]], tol: float) -> bool:
 
 
 def _compare(
-    others: Sequence[Sequence[pb.SumCheck]], digests: Sequence[GradientDigest], members: int
+    others: Mapping[int, Sequence[pb.SumCheck]],
+    j: int,
+    digests: Sequence[GradientDigest],
+    members: int,
 ) -> tuple[float, float, float]:
-    """(q·x_j from the others' reports, Σ of its microbatches' digests, the rounding allowed)."""
+    """(q·x_j, Σ of its microbatches' digests, the rounding allowed). `others`: each other
+    member's reports under q, by its place. Of another replica's part, j's share is what its
+    owner says it received from j (`sent_words`): no member's word about what it sent moves it.
+    Of a part whose owner said no such words (j's own, whose owner must not learn q; an
+    aggregator's), the sum less what the others say they sent."""
     sums: dict[int, float] = {}
-    sent: list[float] = []
-    reports = [c for o in others for c in o]
+    sent: dict[int, list[float]] = {}
+    reports = [c for o in others.values() for c in o]
     for c in reports:
         sums.setdefault(c.part, c.sum_dot)  # every member took the same sum back
-        sent.append(c.dot)
-    got = math.fsum(sums.values()) - math.fsum(sent)
+        sent.setdefault(c.part, []).append(c.dot)
+    shares = []
+    for part, total in sums.items():
+        words = owner_words(
+            {part: c for c in others.get(part, ()) if c.part == part}, part, members
+        )
+        if words is not None:
+            shares.append(words[j][0])
+        else:
+            shares.append(total - math.fsum(sent[part]))
+    got = math.fsum(shares)
     expected = math.fsum(d.dot for d in digests)
     unit = max((c.unit for c in reports), default=0.0)
     n = len(digests)

@@ -3,10 +3,12 @@ sums against their checksums (`sum_checks`), every contribution against the norm
 (`norm_bound`), and each audited contribution against its microbatches re-executed
 (`contributions`). A round that fails any of them fails whole (nothing of it is applied: the
 retry's PREPARE replaces what each replica prepared) and says whom it named:
-- a replica owner whose sums convict it (`sum_liars`: its sum's norm past what it says it
-  summed, by its own report or two others') is banned (`Bans`: for good, the evidence in the log
-  and the job's history, and the job rolled back past its first step); one that is only named
-  is left out, its microbatches replayed by the others (`replicas_to_leave_out`);
+- a replica the round's checksums convict (`sum_liars`: an owner whose sum fails against what
+  it says it summed, by its own report or two others'; a member or an owner whose words about
+  what was sent disagree with two others', `sent_words`) is banned (`Bans`: for good, the
+  evidence in the log and the job's history, and the job rolled back past its first step); one
+  that is only named (one disagreement, one accuser) is left out, its microbatches replayed by
+  the others (`replicas_to_leave_out`);
 - a replica past the norm bound is left out (the bound is a yardstick an honest gradient may
   pass: docs/decisions.md, "Sum liars banned");
 - a contribution that is not its microbatches' is banned.
@@ -23,7 +25,8 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.norm_bound import outliers
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import LeftOut, RoundFailure, shorten
-from scheduler.coordinator.sum_checks import Checksums, replicas_to_leave_out, verify
+from scheduler.coordinator.sent_words import judged
+from scheduler.coordinator.sum_checks import Checksums, replicas_to_leave_out
 from scheduler.coordinator.sum_liars import convicted
 from swarm.rpc.lease import Replica
 
@@ -99,7 +102,7 @@ class RoundChecks:
         convicts is banned (`sum_liars`); one only named is left out (its microbatches replayed
         by the others, so the step stays exact), with the evidence in the log and the job's
         history."""
-        accusations, lines = verify(groups, checks)
+        accusations, lines = judged(groups, checks)
         if not lines:
             return True
         self.metrics.aborted_rounds.inc(len(accusations))
@@ -123,9 +126,9 @@ class RoundChecks:
             for index, by in sorted(out.items()):
                 culprit, accusers = members[stage][index], [group[j] for j in sorted(by)]
                 why = (
-                    "its part's sum fails its checksum"
+                    "its part's sum fails its checksum, or its word about what it was sent"
                     if index in failed
-                    else "it failed an owner's sum that too few others failed"
+                    else "it failed an owner's sum (or word) that too few others failed"
                 )
                 await self.leave_out(ledger, stage, culprit, accusers, why)
                 failure.left_out.append(LeftOut(stage, culprit.peer, accusers, why))

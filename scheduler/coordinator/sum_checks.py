@@ -58,6 +58,7 @@ __all__ = [
     "mismatches",
     "new_seed",
     "norm_ceiling",
+    "owner_words",
     "replicas_to_leave_out",
     "tolerance",
     "verify",
@@ -127,6 +128,22 @@ def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
     return summing + dotting + encoding
 
 
+def owner_words(
+    of: Mapping[int, pb.SumCheck], part: int, m: int
+) -> list[tuple[float, float]] | None:
+    """Replica `part`'s words about what each of the `m` contributors sent its part, in sender
+    order: (r·x, Σ|r·x|) each; None where it said none, or some not finite."""
+    own = of.get(part)
+    if own is None or part >= m:
+        return None
+    dots, magnitudes = list(own.received_dots), list(own.received_magnitudes)
+    if len(dots) != m or len(magnitudes) != m:
+        return None
+    if not all(math.isfinite(v) for v in dots + magnitudes):
+        return None
+    return list(zip(dots, magnitudes, strict=True))
+
+
 def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) -> list[Mismatch]:
     """The sums that fail their checksum, given each contributor's reports (contributor index ->
     its `SumCheck`s) of one round of `contributors`. A part is judged only when every contributor
@@ -145,7 +162,16 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
         checks = list(of.values())
         if not all(math.isfinite(c.dot + c.magnitude + c.norm) for c in checks):
             continue
-        expected = math.fsum(c.dot for c in checks)
+        # The owner's words about what each sent it, where it said them: a member's word
+        # about its own contribution is held to them (`sent_words`), never summed here.
+        words = owner_words(of, part, contributors)
+        if words is None:
+            expected = math.fsum(c.dot for c in checks)
+        else:
+            expected = math.fsum(w[0] for w in words)
+            squares = list(of[part].received)
+            norms = [math.sqrt(max(q, 0.0)) for q in squares] if len(squares) == len(words) else []
+            checks = [_scaled(c, words[j], norms[j] if norms else 0.0) for j, c in of.items()]
         allowed = tolerance(checks, contributors)
         most = norm_ceiling(part, of, contributors)
         for j, c in sorted(of.items()):
@@ -154,6 +180,16 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
             elif not c.sum_norm <= most:  # a sum larger than its contributions allow
                 found.append(Mismatch(part, j, c.sum_norm, most, 0.0, "‖S‖"))
     return found
+
+
+def _scaled(check: pb.SumCheck, word: tuple[float, float], norm: float) -> pb.SumCheck:
+    """`check` with the larger of its own Σ|r·x| and ‖x‖ and its owner's words of them (`word`,
+    `norm`): the tolerance may be shrunk by neither."""
+    out = pb.SumCheck()
+    out.CopyFrom(check)
+    out.magnitude = max(check.magnitude, word[1])
+    out.norm = max(check.norm, norm)
+    return out
 
 
 def norm_ceiling(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> float:

@@ -89,7 +89,7 @@ def test_a_word_held_to_its_owners_convicts_the_liar_and_no_honest_replica(
     assert_equal_to_local(job, state, tol=1e-9)
     log = next(tmp_path.glob("s0r2-*.log"), None)
     assert log is not None and f"fault injected: {point}" in log.read_text()
-    banned = [m for m in said if "banned " in m]
+    banned = [m for m in said if ": banned s0r" in m]
     assert counted(registry, "swarm_coordinator_bans_total") == 1, banned
     assert len(banned) == 1 and "banned s0r2 (stage 0)" in banned[0], banned
     evidence = "what it sent" if point == Point.LIE_REPORT else "r·S"
