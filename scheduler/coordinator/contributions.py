@@ -10,9 +10,14 @@ no trainer sees, held to its microbatches re-executed by others of its stage.
   (`Task.audits`); an audited replica never learns its own.
 - **Its contribution, without a word from it**: every other member of its round is sent q with
   its PREPARE and reports, for every part k, q·x_ik of what it sent and q·S_k of the sum it took
-  back (`Checksums.audit_reports`). Each sum is the sum of the contributions, so
-  q·x_j = Σ_k (q·S_k - Σ_{i≠j} q·x_ik), up to the owners' rounding: the audited replica knew r
-  (the round's seed) and could have hidden an error from it, not from q.
+  back, and of its own part q·x of what each sender sent it (`Checksums.audit_reports`,
+  `SumCheck.received_dots`). Of another replica's part k, j's share is owner k's word about
+  what it received from j (`sent_words`: no member's word moves it); of j's own part (and an
+  aggregator's), each sum being the sum of the contributions, q·S_k - Σ_{i≠j} q·x_ik, up to the
+  owners' rounding. The audited replica knew r (the round's seed) and could have hidden an error
+  from it, not from q. The members' words about what they sent j's own part stand alone: no
+  one but j sees those values, and j must not learn q (docs/decisions.md, "What it does not
+  cover").
 - **Its microbatches, re-executed**: for each microbatch it accumulated at the stage, the
   trainer had two other replicas redo it and digest the parameter gradient with q; their two
   digests, equal bit for bit, are reported (`GradientDigest`) and add up to q·x_j up to the
@@ -197,9 +202,8 @@ def _compare(
         sent.setdefault(c.part, []).append(c.dot)
     shares = []
     for part, total in sums.items():
-        words = owner_words(
-            {part: c for c in others.get(part, ()) if c.part == part}, part, members
-        )
+        own = next((c for c in others.get(part, ()) if c.part == part), None)
+        words = None if own is None else owner_words({part: own}, part, members)
         if words is not None:
             shares.append(words[j][0])
         else:

@@ -7,8 +7,11 @@ the stage (`Checksums`; a replica of one stage, colluding with an aggregator, le
 another stage's), sent to that stage's replicas only: an aggregator never sees it (it takes
 `PoolService.Reduce` calls and nothing else). From it each contributor j draws one random vector
 r and reports, for every part, c_j = r·x_j over what it contributed, a_j = Σ_i |r_i·x_ji|,
-q_j = ‖x_j‖, s_j = r·S_j over the sum S_j it took back, and ‖S_j‖. Summation is linear, so an
-honest S gives s_j = Σ_j c_j up to rounding (`tolerance`):
+q_j = ‖x_j‖, s_j = r·S_j over the sum S_j it took back, and ‖S_j‖; a replica owner also reports
+c_j and a_j of each sender's values as it summed them (`owner_words`), and the expected Σ_j c_j
+is then its words, to which each member's c_j is held (`sent_words`): a member's lie about its
+own contribution no longer fails the owner's sum. Summation is linear, so an honest S gives
+s_j = Σ_j c_j up to rounding (`tolerance`):
 - the owner's additions in the part's dtype leave S off the exact sum by a vector δ with
   |δ_i| ≤ (m - 1)·u·Σ_j |x_ji| (m contributors, u the dtype's unit roundoff), so
   ‖δ‖ ≤ (m - 1)·u·Σ_j q_j. δ does not depend on r (the owner never sees it), and the r_i are
@@ -32,8 +35,8 @@ aggregator's part (docs/decisions.md, "Poison-proofing, the averaging side").
 
 A mismatch fails the round before any APPLY (the replicas' prepared sums are replaced by the
 retry's PREPARE), naming the owner: an aggregator sits out (`Groups.blame`), a replica is left
-out and replayed (`replicas_to_leave_out`), or banned where its sum's norm convicts it
-(`sum_liars`). Lossy rounds are checked too, on the decoded values
+out and replayed (`replicas_to_leave_out`), or banned where its own words, or two others',
+convict it (`sum_liars`). Lossy rounds are checked too, on the decoded values
 every member uses, the sum's one encoding allowed for by the bound each contributor reports of
 it (`encoding`: `stage_server.averaging.checksum`). A part some contributor did not report is not
 judged (a contributor is trusted as any member is: it could as well send a wrong gradient).

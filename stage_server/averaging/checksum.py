@@ -7,9 +7,10 @@ replicas (never the aggregators) a secret seed with each PREPARE; each contribut
 it and reports, for every part, r·x_j over what it contributed, Σ_i |r_i·x_ji| and ‖x_j‖ (the
 scales its roundings are bounded by), r·S and ‖S‖ over the sum it got back, and, of the part it
 owns, each sender's squared norm as its averager summed it (`received`: the norm bound's
-evidence) and its r·x and Σ|r·x| (`received_dots`, `received_magnitudes`: each contributor's word
-about what it sent is held to them, `scheduler.coordinator.sent_words`). An owner that answers a sum S' ≠ S cannot make r·S' agree with the others' r·x
-without knowing r: r·(S' - S) is spread over about ‖S' - S‖.
+evidence) and its r·x and Σ|r·x| (`received_dots`, `received_magnitudes`: each contributor's
+word about what it sent is held to them, `scheduler.coordinator.sent_words`). An owner that
+answers a sum S' ≠ S cannot make r·S' agree with the others' r·x without knowing r:
+r·(S' - S) is spread over about ‖S' - S‖.
 
 r_i is uniform in [-1, 1), a hash of the seed and i (an element's place in the flat vector:
 splitmix64, in integers, then exact float64 steps), so every contributor draws the same bits of
@@ -54,8 +55,8 @@ __all__ = [
     "Draws",
     "PartChecks",
     "dots",
-    "received_dots",
     "encoding_error",
+    "received_dots",
     "sum_dots",
     "weights",
 ]

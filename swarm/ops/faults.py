@@ -8,8 +8,9 @@ out-of-memory error inside that computation instead (`due`, once each), and the 
 a device failure in a real process, for tests and benchmarks. The hostile points make the process
 lie from that step on (`poisoning`), or one step in PERIOD from it (`point@step/PERIOD`): in its
 pool's averaging (`poison-sum`, `poison-forge`, `poison-grad`, `poison-bent`, `lie-report`;
-`stage_server.averaging.hostile`) or in its stage compute (`poison-outputs`, `poison-grad-inputs`: finite wrong numbers sent on,
-`swarm.ops.poison`), and the process serves on: what the audits and the pool's checks must
+`stage_server.averaging.hostile`) or in its stage compute (`poison-outputs`,
+`poison-grad-inputs`: finite wrong numbers sent on, `swarm.ops.poison`), and the process serves
+on: what the audits and the pool's checks must
 catch (issue 55). A stage server reads its SWARM_FAULTS when it starts (`arm`): a malformed one
 stops it there, not at the first fault point it reaches. `idle` faults (between calls) and the
 roles `scheduler`, `trainer` and `broker` are killed from outside by `FaultPlan.due`'s caller
