@@ -146,15 +146,15 @@ def received_dots(
     start: int, values: Sequence[torch.Tensor], draws: Draws
 ) -> list[tuple[float, float]]:
     """(r·x, Σ|r_i·x_i|) of each of `values` (each sender's contribution to elements `start`..
-    of the flat vector, as its owner sums them), a block of r at a time: the owner's one more
-    dot per element and sender, r as its own contribution kept it (`Draws.peek`)."""
+    of the flat vector, as its owner sums them), a block of r at a time and one block of one
+    sender's values in float64 at a time: the owner's one more dot per element and sender, with
+    r as its own contribution kept it (`Draws.peek`)."""
     dot: list[list[float]] = [[] for _ in values]
     magnitude: list[list[float]] = [[] for _ in values]
-    blocks = [list(_blocks(start, v, own=True)) for v in values]
-    for b, (pos, stop, _) in enumerate(blocks[0] if blocks else []):
-        r = draws.peek(pos, stop)
-        for i, of in enumerate(blocks):
-            product = of[b][2].mul_(r)
+    for blocks in zip(*(_blocks(start, v, own=True) for v in values), strict=True):
+        r = draws.peek(blocks[0][0], blocks[0][1])
+        for i, (_, _, x) in enumerate(blocks):
+            product = x.mul_(r)  # x is a copy of its own: r stays intact
             dot[i].append(float(product.sum()))
             magnitude[i].append(float(product.abs_().sum()))
     return [(math.fsum(d), math.fsum(a)) for d, a in zip(dot, magnitude, strict=True)]
