@@ -110,7 +110,7 @@ class RoundChecks:
         reason = f"step {ledger.step}: round {round_id}: " + "; ".join(lines)
         log.warning("%s: the round fails, and %s sit(s) out the next rounds", reason, named)
         self.failure = failure = RoundFailure(shorten(reason))
-        liars = convicted(groups, checks) if self.bans is not None else {}
+        liars = convicted(groups, checks)
         if self.bans is not None and liars:
             # Banned, and the job rolled back past its first step: every replica loads that
             # state again, and the others named here are judged again in the replayed rounds.
@@ -121,12 +121,16 @@ class RoundChecks:
                     await self.bans.ban(peer, stage, why, ledger.step, "its round's sum checks")
             return False
         contributors = {k: len(g.members) - len(g.aggregators) for k, g in groups.items()}
-        for stage, out in replicas_to_leave_out(accusations, contributors).items():
-            group, failed = groups[stage].members, set().union(*accusations[stage].values())
+        # With no bans, those the evidence convicts are left out alone.
+        out_of = {k: {j: set[int]() for j in found} for k, found in liars.items()}
+        for stage, out in (out_of or replicas_to_leave_out(accusations, contributors)).items():
+            group, failed = groups[stage].members, set().union(*accusations.get(stage, {}).values())
             for index, by in sorted(out.items()):
                 culprit, accusers = members[stage][index], [group[j] for j in sorted(by)]
                 why = (
-                    "its part's sum fails its checksum, or its word about what it was sent"
+                    liars[stage][index]
+                    if index in liars.get(stage, {})
+                    else "its part's sum fails its checksum, or its word about what it was sent"
                     if index in failed
                     else "it failed an owner's sum (or word) that too few others failed"
                 )
