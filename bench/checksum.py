@@ -1,6 +1,7 @@
 """What the averaging round's checksum costs a contributor (issue 55, item 4), against an unchecked
 round's reduce measured in the same run, before and after r is kept from a slice's contribution
-to its sum (`stage_server.averaging.checksum.Draws`) and drawn in place.
+to its sum (`stage_server.averaging.checksum.Draws`) and drawn in place; and with the owner's
+words about what each sender sent its part (`PartChecks.summing`, issue 55).
 
     .venv/bin/python bench/checksum.py [--numel 4194304] [--members 3] [--repeats 5]
 
@@ -90,6 +91,20 @@ def after(seed: int, x: torch.Tensor, s: torch.Tensor, cuts: list[tuple[int, sli
     return [(c.dot, c.magnitude, c.norm, c.sum_dot, c.sum_norm) for c in checks.report()]
 
 
+def owning(
+    seed: int, xs: list[torch.Tensor], s: torch.Tensor, cuts: list[tuple[int, slice]]
+) -> list:
+    """`after`, as the owner of part 0 also says what each sender sent it (issue 55:
+    `PartChecks.summing`, one more dot per element and sender of its own part)."""
+    checks = PartChecks(seed)
+    for k, w in cuts:
+        checks.contributed(k, w.start, xs[0][w])
+        if k == 0:
+            checks.summing(k, w.start, [x[w] for x in xs])
+        checks.summed(k, w.start, s[w])
+    return checks.report()
+
+
 def best(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -117,7 +132,9 @@ def main(args: argparse.Namespace) -> None:
         assert abs(dot - was[0]) <= 2 * BLOCK * 2.0**-53 * magnitude, (k, dot, was)
         assert abs(sum_dot - was[1]) <= 2 * BLOCK * 2.0**-53 * math.sqrt(n) * sum_norm, k
         assert norm == math.sqrt(math.fsum(old[2 * i][2] for i in mine)), k
-    timings: dict[str, list[float]] = {"reduce": [], "before": [], "after": []}
+    said = next(c for c in owning(seed, xs, total.tensor, cuts) if c.part == 0)
+    assert said.received_dots[0] == new[0][0]  # its word about its own is its own
+    timings: dict[str, list[float]] = {"reduce": [], "before": [], "after": [], "owning": []}
     for _ in range(args.repeats):  # interleaved: the machine's load moves all three alike
         timings["reduce"].append(
             best(
@@ -129,7 +146,8 @@ def main(args: argparse.Namespace) -> None:
         )
         timings["before"].append(best(lambda: before(seed, xs[0], total.tensor, cuts), 1))
         timings["after"].append(best(lambda: after(seed, xs[0], total.tensor, cuts), 1))
-    reduce, old_s, new_s = (min(timings[k]) for k in ("reduce", "before", "after"))
+        timings["owning"].append(best(lambda: owning(seed, xs, total.tensor, cuts), 1))
+    reduce, old_s, new_s, own_s = (min(timings[k]) for k in ("reduce", "before", "after", "owning"))
     print(
         f"{args.numel} float32 values, {args.members} members, slices of {SLICE_BYTES >> 20} MiB, "
         f"best of {args.repeats}, one thread"
@@ -138,7 +156,8 @@ def main(args: argparse.Namespace) -> None:
     print(f"{'unchecked reduce (the pool sum)':<34} {reduce:>9.4f} {1.0:>9.2f}")
     print(f"{'checksum, before':<34} {old_s:>9.4f} {old_s / reduce:>9.2f}")
     print(f"{'checksum, after':<34} {new_s:>9.4f} {new_s / reduce:>9.2f}")
-    print(f"after / before: {new_s / old_s:.2f}")
+    print(f"{'checksum, and the owner words':<34} {own_s:>9.4f} {own_s / reduce:>9.2f}")
+    print(f"after / before: {new_s / old_s:.2f}; and the owner words / after: {own_s / new_s:.2f}")
 
 
 if __name__ == "__main__":

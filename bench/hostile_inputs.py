@@ -76,6 +76,9 @@ ATTACKS: dict[str, str] = {
     # Issue 55 (poison-proofing): the averaging side
     "55-owner": "a replica answers its averaging part's sums plus 1e4, applied by every replica",
     "55-norm": "a replica's finite wrong gradient (x1e4) applied by its pool (the norm bound)",
+    "55-report": "a replica reports a wrong checksum of what it sent: honest owners left out",
+    "55-forge": "a replica owner forges its part's sums within the norms: only left out",
+    "55-frame": "a member lies about what it sent to frame an audited honest replica (banned)",
     "runner": "this script passes attacks without a test, or with skipped tests",
     # Issue 53 (a GPU does the work): the capacities replicas announce size trainers' windows
     "53-window": "replicas announcing 2^32-1 or the most a cache keeps size a trainer's window "

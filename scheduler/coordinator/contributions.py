@@ -10,9 +10,14 @@ no trainer sees, held to its microbatches re-executed by others of its stage.
   (`Task.audits`); an audited replica never learns its own.
 - **Its contribution, without a word from it**: every other member of its round is sent q with
   its PREPARE and reports, for every part k, q·x_ik of what it sent and q·S_k of the sum it took
-  back (`Checksums.audit_reports`). Each sum is the sum of the contributions, so
-  q·x_j = Σ_k (q·S_k - Σ_{i≠j} q·x_ik), up to the owners' rounding: the audited replica knew r
-  (the round's seed) and could have hidden an error from it, not from q.
+  back, and of its own part q·x of what each sender sent it (`Checksums.audit_reports`,
+  `SumCheck.received_dots`). Of another replica's part k, j's share is owner k's word about
+  what it received from j (`sent_words`: no member's word moves it); of j's own part (and an
+  aggregator's), each sum being the sum of the contributions, q·S_k - Σ_{i≠j} q·x_ik, up to the
+  owners' rounding. The audited replica knew r (the round's seed) and could have hidden an error
+  from it, not from q. The members' words about what they sent j's own part stand alone: no
+  one but j sees those values, and j must not learn q (docs/decisions.md, "What it does not
+  cover").
 - **Its microbatches, re-executed**: for each microbatch it accumulated at the stage, the
   trainer had two other replicas redo it and digest the parameter gradient with q; their two
   digests, equal bit for bit, are reported (`GradientDigest`) and add up to q·x_j up to the
@@ -36,7 +41,7 @@ from functools import partial
 
 from scheduler.coordinator.digest_disputes import DigestDisputes
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.sum_checks import DOT_BLOCK, SIGMAS, Checksums, new_seed
+from scheduler.coordinator.sum_checks import DOT_BLOCK, SIGMAS, Checksums, new_seed, owner_words
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.job.tolerance import tolerance_of
@@ -148,18 +153,19 @@ class Contributions:
             if audit.peer not in peers:
                 continue
             j = peers.index(audit.peer)
-            others = [checks[i].audit_checks(audit.seed) for i in checks if i != j]
+            by = {i: checks[i].audit_checks(audit.seed) for i in checks if i != j}
+            others = list(by.values())
             mine = held.get(audit.peer, [])
             digests = self._digests.get((step, stage, audit.peer), {})
             if len(others) != len(peers) - 1 or not all(others):
                 continue
             if not mine or any(index not in digests for index in mine):  # disputed, or missing
-                compare = partial(_compare, others, members=len(peers))
+                compare = partial(_compare, by, j, members=len(peers))
                 found += self.disputes.judge(
                     step, audit, mine, digests, compare, partial(_agreed, others)
                 )
                 continue
-            got, expected, tol = _compare(others, [digests[i] for i in mine], len(peers))
+            got, expected, tol = _compare(by, j, [digests[i] for i in mine], len(peers))
             if abs(got - expected) <= tol or not _agreed(others, tol):
                 continue
             auditors = sorted({digests[i].auditors for i in mine})
@@ -185,16 +191,31 @@ def _agreed(others: Sequence[Sequence[pb.SumCheck]], tol: float) -> bool:
 
 
 def _compare(
-    others: Sequence[Sequence[pb.SumCheck]], digests: Sequence[GradientDigest], members: int
+    others: Mapping[int, Sequence[pb.SumCheck]],
+    j: int,
+    digests: Sequence[GradientDigest],
+    members: int,
 ) -> tuple[float, float, float]:
-    """(q·x_j from the others' reports, Σ of its microbatches' digests, the rounding allowed)."""
+    """(q·x_j, Σ of its microbatches' digests, the rounding allowed). `others`: each other
+    member's reports under q, by its place. Of another replica's part, j's share is what its
+    owner says it received from j (`sent_words`): no member's word about what it sent moves it.
+    Of a part whose owner said no such words (j's own, whose owner must not learn q; an
+    aggregator's), the sum less what the others say they sent."""
     sums: dict[int, float] = {}
-    sent: list[float] = []
-    reports = [c for o in others for c in o]
+    sent: dict[int, list[float]] = {}
+    reports = [c for o in others.values() for c in o]
     for c in reports:
         sums.setdefault(c.part, c.sum_dot)  # every member took the same sum back
-        sent.append(c.dot)
-    got = math.fsum(sums.values()) - math.fsum(sent)
+        sent.setdefault(c.part, []).append(c.dot)
+    shares = []
+    for part, total in sums.items():
+        own = next((c for c in others.get(part, ()) if c.part == part), None)
+        words = None if own is None else owner_words({part: own}, part, members)
+        if words is not None:
+            shares.append(words[j][0])
+        else:
+            shares.append(total - math.fsum(sent[part]))
+    got = math.fsum(shares)
     expected = math.fsum(d.dot for d in digests)
     unit = max((c.unit for c in reports), default=0.0)
     n = len(digests)

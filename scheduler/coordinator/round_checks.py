@@ -3,10 +3,12 @@ sums against their checksums (`sum_checks`), every contribution against the norm
 (`norm_bound`), and each audited contribution against its microbatches re-executed
 (`contributions`). A round that fails any of them fails whole (nothing of it is applied: the
 retry's PREPARE replaces what each replica prepared) and says whom it named:
-- a replica owner whose sums convict it (`sum_liars`: its sum's norm past what it says it
-  summed, by its own report or two others') is banned (`Bans`: for good, the evidence in the log
-  and the job's history, and the job rolled back past its first step); one that is only named
-  is left out, its microbatches replayed by the others (`replicas_to_leave_out`);
+- a replica the round's checksums convict (`sum_liars`: an owner whose sum fails against what
+  it says it summed, by its own report or two others'; a member or an owner whose words about
+  what was sent disagree with two others', `sent_words`) is banned (`Bans`: for good, the
+  evidence in the log and the job's history, and the job rolled back past its first step); one
+  that is only named (one disagreement, one accuser) is left out, its microbatches replayed by
+  the others (`replicas_to_leave_out`);
 - a replica past the norm bound is left out (the bound is a yardstick an honest gradient may
   pass: docs/decisions.md, "Sum liars banned");
 - a contribution that is not its microbatches' is banned.
@@ -24,7 +26,8 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.norm_bound import outliers
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import LeftOut, RoundFailure, shorten
-from scheduler.coordinator.sum_checks import Checksums, replicas_to_leave_out, verify
+from scheduler.coordinator.sent_words import judged
+from scheduler.coordinator.sum_checks import Checksums, replicas_to_leave_out
 from scheduler.coordinator.sum_liars import convicted
 from swarm.rpc.lease import Replica
 
@@ -94,7 +97,7 @@ class RoundChecks:
         history."""
         ledger, round_id, members = answers.ledger, answers.round_id, answers.members
         groups, checks = answers.groups, answers.checks
-        accusations, lines = verify(groups, checks)
+        accusations, lines = judged(groups, checks)
         if not lines:
             return True
         self.metrics.aborted_rounds.inc(len(accusations))
@@ -102,7 +105,7 @@ class RoundChecks:
         reason = f"step {ledger.step}: round {round_id}: " + "; ".join(lines)
         log.warning("%s: the round fails, and %s sit(s) out the next rounds", reason, named)
         self.failure = failure = RoundFailure(shorten(reason))
-        liars = convicted(groups, checks) if self.bans is not None else {}
+        liars = convicted(groups, checks)
         if self.bans is not None and liars:
             # Banned, and the job rolled back past its first step: every replica loads that
             # state again, and the others named here are judged again in the replayed rounds.
@@ -113,14 +116,18 @@ class RoundChecks:
                     await self.bans.ban(peer, stage, why, ledger.step, "its round's sum checks")
             return False
         contributors = {k: len(g.members) - len(g.aggregators) for k, g in groups.items()}
-        for stage, out in replicas_to_leave_out(accusations, contributors).items():
-            group, failed = groups[stage].members, set().union(*accusations[stage].values())
+        # With no bans, those the evidence convicts are left out alone.
+        out_of = {k: {j: set[int]() for j in found} for k, found in liars.items()}
+        for stage, out in (out_of or replicas_to_leave_out(accusations, contributors)).items():
+            group, failed = groups[stage].members, set().union(*accusations.get(stage, {}).values())
             for index, by in sorted(out.items()):
                 culprit, accusers = members[stage][index], [group[j] for j in sorted(by)]
                 why = (
-                    "its part's sum fails its checksum"
+                    liars[stage][index]
+                    if index in liars.get(stage, {})
+                    else "its part's sum fails its checksum, or its word about what it was sent"
                     if index in failed
-                    else "it failed an owner's sum that too few others failed"
+                    else "it failed an owner's sum (or word) that too few others failed"
                 )
                 await self.leave_out(ledger, stage, culprit, accusers, why)
                 failure.left_out.append(LeftOut(stage, culprit.peer, accusers, why))

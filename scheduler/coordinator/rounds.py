@@ -35,13 +35,9 @@ from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.replicas import StageReplica
 from scheduler.coordinator.round_context import RoundContext
-from scheduler.coordinator.sum_checks import (
-    Checksums,
-    checked,
-    new_seed,
-    replicas_to_leave_out,
-    verify,
-)
+from scheduler.coordinator.sent_words import judged as sums_judged
+from scheduler.coordinator.sum_checks import Checksums, checked, new_seed, replicas_to_leave_out
+from scheduler.coordinator.sum_liars import convicted
 from swarm.errors import NonFiniteGradient
 from swarm.model.routes import Join, StepRuns, Sync
 from swarm.model.transformer import stage_layout
@@ -412,11 +408,15 @@ class PoolRounds:
             if isinstance(e, BaseException)
         ]
         if not failed:  # every part's sum passes its checksum, or its owner sits out
-            accusations, lines = verify(groups, checks)
+            accusations, lines = sums_judged(groups, checks)
             if lines:
                 named = self.groups.blame(groups, accusations)
                 contributors = {k: len(g.members) - len(g.aggregators) for k, g in groups.items()}
-                for stage, out in replicas_to_leave_out(accusations, contributors).items():
+                # Those the evidence convicts leave alone (`sum_liars`: not banned here yet);
+                # else whom the checks named (`replicas_to_leave_out`).
+                liars = convicted(groups, checks)
+                leaving = liars or replicas_to_leave_out(accusations, contributors)
+                for stage, out in leaving.items():
                     for index in out:  # a replica owner's wrong sum: it leaves (issue 55)
                         named.append(members[stage][index].peer)
                         self.membership.drop(members[stage][index].peer)

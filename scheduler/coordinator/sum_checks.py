@@ -7,8 +7,11 @@ the stage (`Checksums`; a replica of one stage, colluding with an aggregator, le
 another stage's), sent to that stage's replicas only: an aggregator never sees it (it takes
 `PoolService.Reduce` calls and nothing else). From it each contributor j draws one random vector
 r and reports, for every part, c_j = r·x_j over what it contributed, a_j = Σ_i |r_i·x_ji|,
-q_j = ‖x_j‖, s_j = r·S_j over the sum S_j it took back, and ‖S_j‖. Summation is linear, so an
-honest S gives s_j = Σ_j c_j up to rounding (`tolerance`):
+q_j = ‖x_j‖, s_j = r·S_j over the sum S_j it took back, and ‖S_j‖; a replica owner also reports
+c_j and a_j of each sender's values as it summed them (`owner_words`), and the expected Σ_j c_j
+is then its words, to which each member's c_j is held (`sent_words`): a member's lie about its
+own contribution no longer fails the owner's sum. Summation is linear, so an honest S gives
+s_j = Σ_j c_j up to rounding (`tolerance`):
 - the owner's additions in the part's dtype leave S off the exact sum by a vector δ with
   |δ_i| ≤ (m - 1)·u·Σ_j |x_ji| (m contributors, u the dtype's unit roundoff), so
   ‖δ‖ ≤ (m - 1)·u·Σ_j q_j. δ does not depend on r (the owner never sees it), and the r_i are
@@ -32,8 +35,8 @@ aggregator's part (docs/decisions.md, "Poison-proofing, the averaging side").
 
 A mismatch fails the round before any APPLY (the replicas' prepared sums are replaced by the
 retry's PREPARE), naming the owner: an aggregator sits out (`Groups.blame`), a replica is left
-out and replayed (`replicas_to_leave_out`), or banned where its sum's norm convicts it
-(`sum_liars`). Lossy rounds are checked too, on the decoded values
+out and replayed (`replicas_to_leave_out`), or banned where its own words, or two others',
+convict it (`sum_liars`). Lossy rounds are checked too, on the decoded values
 every member uses, the sum's one encoding allowed for by the bound each contributor reports of
 it (`encoding`: `stage_server.averaging.checksum`). A part some contributor did not report is not
 judged (a contributor is trusted as any member is: it could as well send a wrong gradient).
@@ -58,6 +61,7 @@ __all__ = [
     "mismatches",
     "new_seed",
     "norm_ceiling",
+    "owner_words",
     "replicas_to_leave_out",
     "tolerance",
     "verify",
@@ -127,6 +131,22 @@ def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
     return summing + dotting + encoding
 
 
+def owner_words(
+    of: Mapping[int, pb.SumCheck], part: int, m: int
+) -> list[tuple[float, float]] | None:
+    """Replica `part`'s words about what each of the `m` contributors sent its part, in sender
+    order: (r·x, Σ|r·x|) each; None where it said none, or some not finite."""
+    own = of.get(part)
+    if own is None or part >= m:
+        return None
+    dots, magnitudes = list(own.received_dots), list(own.received_magnitudes)
+    if len(dots) != m or len(magnitudes) != m:
+        return None
+    if not all(math.isfinite(v) for v in dots + magnitudes):
+        return None
+    return list(zip(dots, magnitudes, strict=True))
+
+
 def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) -> list[Mismatch]:
     """The sums that fail their checksum, given each contributor's reports (contributor index ->
     its `SumCheck`s) of one round of `contributors`. A part is judged only when every contributor
@@ -145,7 +165,16 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
         checks = list(of.values())
         if not all(math.isfinite(c.dot + c.magnitude + c.norm) for c in checks):
             continue
-        expected = math.fsum(c.dot for c in checks)
+        # The owner's words about what each sent it, where it said them: a member's word
+        # about its own contribution is held to them (`sent_words`), never summed here.
+        words = owner_words(of, part, contributors)
+        if words is None:
+            expected = math.fsum(c.dot for c in checks)
+        else:
+            expected = math.fsum(w[0] for w in words)
+            squares = list(of[part].received)
+            norms = [math.sqrt(max(q, 0.0)) for q in squares] if len(squares) == len(words) else []
+            checks = [_scaled(c, words[j], norms[j] if norms else 0.0) for j, c in of.items()]
         allowed = tolerance(checks, contributors)
         most = norm_ceiling(part, of, contributors)
         for j, c in sorted(of.items()):
@@ -154,6 +183,16 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
             elif not c.sum_norm <= most:  # a sum larger than its contributions allow
                 found.append(Mismatch(part, j, c.sum_norm, most, 0.0, "‖S‖"))
     return found
+
+
+def _scaled(check: pb.SumCheck, word: tuple[float, float], norm: float) -> pb.SumCheck:
+    """`check` with the larger of its own Σ|r·x| and ‖x‖ and its owner's words of them (`word`,
+    `norm`): the tolerance may be shrunk by neither."""
+    out = pb.SumCheck()
+    out.CopyFrom(check)
+    out.magnitude = max(check.magnitude, word[1])
+    out.norm = max(check.norm, norm)
+    return out
 
 
 def norm_ceiling(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> float:

@@ -1,35 +1,38 @@
-"""Which replica owners a round's sum checks convict of lying (issue 55, item 2): banned
-(`Bans`), not only left out (`sum_checks.replicas_to_leave_out`).
+"""Which replicas a round's sum checks convict of lying (issue 55, item 2): banned (`Bans`),
+not only left out (`sum_checks.replicas_to_leave_out`).
 
-A failed `r·S` names the owner but does not prove it lied: the expected value Σ_j r·x_j is made
-of every contributor's own word, and a member that reports a wrong r·x_j (its own contribution's
-checksum, which nobody else sees) moves it, so every contributor's `r·S`, the owner's own
-included, fails alike; an owner that answered every member the same wrong sum looks the same.
-The coordinator cannot tell the two apart, so a failed `r·S` only ever leaves out (a false
-accusation costs a replay, never exactness).
-
-A sum's norm is different: ‖S‖ ≤ Σ_j ‖x_j‖, and for a replica's part the ceiling (`norm_ceiling`)
-is made of the owner's own word alone, each sender's squared norm as the owner says it summed it
-(`SumCheck.received`). What no member can move, two kinds of evidence convict:
-- **its own word**: the owner's own report of the sum it answered has a norm past the ceiling
-  its own report of what it summed sets. Nobody else's word is in it;
-- **two others' words**: two other contributors or more each took back a sum whose norm is past
-  that ceiling. A lying member can report one such norm (its own), never another's, so with at
-  most one liar in the pool (the audits' own premise: two auditors that agree are believed) one
-  of them is honest, and an honest contributor's sum came from the owner.
-Anything less (one accuser, the ceiling made of the members' own norms because the owner did not
-report what it summed, a part an aggregator owns, a NaN or infinite norm) convicts no one. What
-this cannot convict: a forgery that keeps the sum's norm within the ceiling (docs/decisions.md,
-"Sum liars banned").
+A failed `r·S` against the members' own words proves nothing: a member that reports a wrong
+r·x_j of its own contribution moves Σ_j r·x_j, and every contributor's `r·S` fails alike. Each
+replica owner now says what each sender sent it, as it summed it (`SumCheck.received_dots`),
+and the expected Σ r·x is its words (`sent_words`). What no single other can make, three kinds
+of evidence convict:
+- **its own word**: the owner's own report of the sum it answered fails against its own words
+  about what it summed, under the round's seed r or an audit's q: its r·S (or q·S), or the
+  sum's norm past the ceiling its own report of each sender's squared norm sets
+  (`norm_ceiling`, `SumCheck.received`). Nobody else's word is in it. This convicts a forgery
+  within the norms, which before was only left out;
+- **two others' words**: two other contributors or more each took back a sum that fails the
+  same way. A lying member can report one such sum (its own), never another's, so with at most
+  one liar in the pool (the audits' own premise: two auditors that agree are believed) one of
+  them is honest, and an honest contributor's sum came from the owner;
+- **two disagreements**: a member whose words about what it sent disagree with two owners'
+  about what they received, or an owner whose words disagree with two members'
+  (`sent_words.liars`: framing an honest one takes two liars).
+Anything less (one accuser, one disagreement, an owner that said no words of what it summed, a
+part an aggregator owns, a NaN or infinite norm or sum) convicts no one. What this cannot
+convict: an owner that forges its sum and its word about its own contribution alike, with r·e
+= 0 (it knows r) and within the norms: the contributions' audit's, when it is audited
+(docs/decisions.md, "Sum liars banned").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from scheduler.coordinator.groups import RoundGroup
-from scheduler.coordinator.sum_checks import Checksums, norm_ceiling
+from scheduler.coordinator.sent_words import by_seed, disagreements, liars, owner_tolerance
+from scheduler.coordinator.sum_checks import Checksums, norm_ceiling, owner_words
 from swarm.proto import stage_pb2 as pb
 
 __all__ = ["convicted"]
@@ -40,19 +43,55 @@ ACCUSERS = 2  # the fewest others whose sums convict an owner (one of them may l
 def convicted(
     groups: Mapping[int, RoundGroup], checks: Mapping[int, Mapping[int, Checksums]]
 ) -> dict[int, dict[int, str]]:
-    """The replica owners a round's checksums (`checks`: stage -> contributor -> what it
-    answered) convict of answering a wrong sum: stage -> group index -> the evidence, in one
-    line."""
+    """The replicas a round's checksums (`checks`: stage -> contributor -> what it answered)
+    convict: owners of answering a wrong sum, members or owners of lying about what they sent
+    or received; stage -> group index -> the evidence, in one line."""
     found: dict[int, dict[int, str]] = {}
     for stage, of in checks.items():
         m = len(groups[stage].members) - len(groups[stage].aggregators)
         if m < 2 or sorted(of) != list(range(m)):
             continue  # not every contributor answered: nothing is judged (`mismatches`)
+        seeds = by_seed(of)
         for owner in range(m):
-            evidence = _evidence(owner, {j: c.reports for j, c in of.items()}, m)
+            evidence = _evidence(owner, seeds["r"], m) or _forged(owner, seeds, m)
             if evidence is not None:
                 found.setdefault(stage, {})[owner] = evidence
+        for j, evidence in liars(disagreements(seeds, m)).items():
+            found.setdefault(stage, {}).setdefault(j, evidence)
     return found
+
+
+def _forged(
+    owner: int, seeds: Mapping[str, Mapping[int, Sequence[pb.SumCheck]]], m: int
+) -> str | None:
+    """Why replica `owner`'s sum of its own part fails against its own words about what it
+    summed, under some seed (its own report of the sum, or two others'), or None."""
+    for seed, reports in seeds.items():
+        of = {j: c for j, checks in reports.items() for c in checks if c.part == owner}
+        words, mine = owner_words(of, owner, m), of.get(owner)
+        if words is None or mine is None:
+            continue
+        expected = math.fsum(w[0] for w in words)
+        allowed = owner_tolerance(of, owner, words, m)
+        # A NaN or infinite sum is no evidence (`_evidence`): finite values may overflow.
+        past = [
+            j
+            for j, c in sorted(of.items())
+            if math.isfinite(c.sum_dot) and abs(c.sum_dot - expected) > allowed
+        ]
+        others = [j for j in past if j != owner]
+        if owner in past:
+            witness, by = owner, "by its own report"
+        elif len(others) >= ACCUSERS:
+            witness, by = others[0], f"as {len(others)} other contributors took it back"
+        else:
+            continue
+        return (
+            f"the sum it answered for its part has {seed}·S = {of[witness].sum_dot!r}, {by}, "
+            f"where what it says it summed gives Σ {seed}·x = {expected!r} (a forgery within "
+            "the norms)"
+        )
+    return None
 
 
 def _evidence(owner: int, reports: Mapping[int, list[pb.SumCheck]], m: int) -> str | None:

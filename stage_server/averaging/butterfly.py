@@ -398,13 +398,17 @@ class ButterflyRound:
         nothing sent), each summed as the others' slices arrive. A device's: `window` slices at
         a time, in order (as the others send theirs), so that only those are on the host."""
         gate = asyncio.Semaphore(self.settings.window) if self.staging is not None else None
-        tasks = [
-            asyncio.ensure_future(self._own_slice(j, w, gate))
-            for j, w in enumerate(self._slices(self.settings.index))
-        ]
+        slices = self._slices(self.settings.index)
+        checks = self.checks
+        if checks is not None:  # its words about what each sender sent (`PartChecks.summing`)
+            self.averager.on_summing(
+                self.key, lambda k, j, values: checks.summing(k, slices[j].start, values)
+            )
+        tasks = [asyncio.ensure_future(self._own_slice(j, w, gate)) for j, w in enumerate(slices)]
         try:
             await asyncio.gather(*tasks)
         finally:
+            self.averager.on_summing(self.key, None)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

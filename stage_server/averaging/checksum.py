@@ -7,8 +7,10 @@ replicas (never the aggregators) a secret seed with each PREPARE; each contribut
 it and reports, for every part, r·x_j over what it contributed, Σ_i |r_i·x_ji| and ‖x_j‖ (the
 scales its roundings are bounded by), r·S and ‖S‖ over the sum it got back, and, of the part it
 owns, each sender's squared norm as its averager summed it (`received`: the norm bound's
-evidence). An owner that answers a sum S' ≠ S cannot make r·S' agree with the others' r·x
-without knowing r: r·(S' - S) is spread over about ‖S' - S‖.
+evidence) and its r·x and Σ|r·x| (`received_dots`, `received_magnitudes`: each contributor's
+word about what it sent is held to them, `scheduler.coordinator.sent_words`). An owner that
+answers a sum S' ≠ S cannot make r·S' agree with the others' r·x without knowing r:
+r·(S' - S) is spread over about ‖S' - S‖.
 
 r_i is uniform in [-1, 1), a hash of the seed and i (an element's place in the flat vector:
 splitmix64, in integers, then exact float64 steps), so every contributor draws the same bits of
@@ -54,6 +56,7 @@ __all__ = [
     "PartChecks",
     "dots",
     "encoding_error",
+    "received_dots",
     "sum_dots",
     "weights",
 ]
@@ -139,6 +142,24 @@ def sum_dots(start: int, values: torch.Tensor, draws: Draws) -> tuple[float, flo
     return math.fsum(dot), math.fsum(squares)
 
 
+def received_dots(
+    start: int, values: Sequence[torch.Tensor], draws: Draws
+) -> list[tuple[float, float]]:
+    """(r·x, Σ|r_i·x_i|) of each of `values` (each sender's contribution to elements `start`..
+    of the flat vector, as its owner sums them), a block of r at a time and one block of one
+    sender's values in float64 at a time: the owner's one more dot per element and sender, with
+    r as its own contribution kept it (`Draws.peek`)."""
+    dot: list[list[float]] = [[] for _ in values]
+    magnitude: list[list[float]] = [[] for _ in values]
+    for blocks in zip(*(_blocks(start, v, own=True) for v in values), strict=True):
+        r = draws.peek(blocks[0][0], blocks[0][1])
+        for i, (_, _, x) in enumerate(blocks):
+            product = x.mul_(r)  # x is a copy of its own: r stays intact
+            dot[i].append(float(product.sum()))
+            magnitude[i].append(float(product.abs_().sum()))
+    return [(math.fsum(d), math.fsum(a)) for d, a in zip(dot, magnitude, strict=True)]
+
+
 class Draws:
     """One round's r, each block kept from its slice's contribution to its sum (bounded by
     `limit_bytes`; past it a block is drawn again when the sum comes): r is then drawn once an
@@ -157,6 +178,12 @@ class Draws:
                 self._kept[(pos, stop)] = r
                 self.nbytes += r.nbytes
         return r
+
+    def peek(self, pos: int, stop: int) -> torch.Tensor:
+        """r over [pos, stop), as kept (and kept on, for `take`), or drawn again."""
+        with self._lock:
+            r = self._kept.get((pos, stop))
+        return weights(self.seed, pos, stop) if r is None else r
 
     def take(self, pos: int, stop: int) -> torch.Tensor:
         """r over [pos, stop), as kept (and let go of), or drawn again."""
@@ -215,6 +242,8 @@ class PartChecks:
         self._parts: dict[int, _Part] = {}
         # of the part it owns: each sender's squared norm it summed (`SumCheck.received`)
         self.received: dict[int, list[float]] = {}
+        # ... and each sender's (r·x, Σ|r·x|), a slice at a time (`received_dots`)
+        self._words: dict[int, list[list[tuple[float, float]]]] = {}
 
     def lossy(self, codec: int, block_size: int) -> None:
         """The round's parts travel encoded: the values checked are the decoded ones, and the
@@ -229,6 +258,11 @@ class PartChecks:
         p.dot.append(dot)
         p.magnitude.append(magnitude)
         p.squares.append(squares)
+
+    def summing(self, part: int, start: int, values: Sequence[torch.Tensor]) -> None:
+        """Its own part's slice at `start` is about to be summed from `values` (each sender's,
+        in sender order): its words about what each sent (`SumCheck.received_dots`)."""
+        self._words.setdefault(part, []).append(received_dots(start, values, self.draws))
 
     def summed(self, part: int, start: int, values: torch.Tensor) -> None:
         p = self._parts.setdefault(part, _Part())
@@ -249,9 +283,19 @@ class PartChecks:
                 encoding=math.sqrt(math.fsum(p.encoding)),
                 received=self.received.get(k, []),
                 sum_norm=math.sqrt(math.fsum(p.sum_squares)),
+                received_dots=[math.fsum(d) for d, _ in self._said(k)],
+                received_magnitudes=[math.fsum(a) for _, a in self._said(k)],
             )
             for k, p in sorted(self._parts.items())
         ]
+
+    def _said(self, part: int) -> list[tuple[list[float], list[float]]]:
+        """Per sender, the r·x and Σ|r·x| of each slice of `part` it summed from that sender."""
+        slices = self._words.get(part, [])
+        senders = len(slices[0]) if slices else 0
+        if any(len(words) != senders for words in slices):
+            return []  # slices of rounds of another size: none said
+        return [([w[i][0] for w in slices], [w[i][1] for w in slices]) for i in range(senders)]
 
 
 class AuditedChecks(PartChecks):
@@ -272,6 +316,11 @@ class AuditedChecks(PartChecks):
         super().contributed(part, start, values)
         for a in self.audits:
             a.contributed(part, start, values)
+
+    def summing(self, part: int, start: int, values: Sequence[torch.Tensor]) -> None:
+        super().summing(part, start, values)
+        for a in self.audits:
+            a.summing(part, start, values)
 
     def summed(self, part: int, start: int, values: torch.Tensor) -> None:
         super().summed(part, start, values)

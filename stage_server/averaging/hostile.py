@@ -5,37 +5,47 @@ checks refuse, in processes of their own. Nothing here runs unless such a fault 
 - `poison-sum@S`: from step S on (or one step in PERIOD, `@S/PERIOD`), this replica's averager
   answers every part it owns with its sum plus `ERROR` (finite, the same to every member: the
   pool stays identical);
+- `poison-forge@S`: likewise, but its sums times 1 - `FORGE`: smaller than the honest sum, so
+  within every norm check, what only its checksum (r·S against the words of what was summed)
+  can tell;
 - `poison-grad@S`: likewise, this replica contributes its gradient sums times `SCALE` (finite,
   every part of it: each sum is the honest sum of what was sent);
 - `poison-bent@S`: likewise, its gradient sums with element i times 1 + cos i: honest forward
   and backward answers, a contribution at most twice its honest norm (within the norm bound,
-  and neither a scaling nor a shift), what only re-executing its microbatches can tell.
+  and neither a scaling nor a shift), what only re-executing its microbatches can tell;
+- `lie-report@S`: likewise, it sends honest values but reports r·x (and q·x, an audit's) of
+  what it sent to every other owner's part off by `LIE` of its magnitude: its word about what
+  it sent against its owners' about what they received.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
 from stage_server.averaging.owner import Averager
 from stage_server.averaging.summing import Reduced, Summer
 from swarm.ops.faults import Point, poisoning
+from swarm.proto import stage_pb2 as pb
 
-__all__ = ["ERROR", "SCALE", "poison"]
+__all__ = ["ERROR", "FORGE", "LIE", "SCALE", "misreport", "poison"]
 
 log = logging.getLogger(__name__)
 
 ERROR = 1e4  # what a poisoned sum adds to each element
 SCALE = 1e4  # what a poisoned contribution is multiplied by
+FORGE = 1e-3  # how much smaller a forged sum is
+LIE = 1e-3  # how far off a lying report's r·x is, in units of its Σ|r_i·x_i| (plus 1)
 
 
-def _lying(honest: Summer) -> Summer:
+def _lying(honest: Summer, forge: bool) -> Summer:
     def summer(
         values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
     ) -> Reduced:
         reduced = honest(values, owned, codec, block_size)
-        wrong = reduced.tensor + ERROR
+        wrong = reduced.tensor * (1 - FORGE) if forge else reduced.tensor + ERROR
         return Reduced(wrong, None, wrong)
 
     summer.honest = honest  # type: ignore[attr-defined]
@@ -54,8 +64,26 @@ def poison(flat: torch.Tensor, averager: Averager, step: int) -> None:
         bend = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).cos_().add_(1)
         flat.mul_(bend.to(flat.dtype))
     honest = getattr(averager.summer, "honest", None)
-    if poisoning(Point.POISON_SUM, step) and honest is None:
-        log.warning("fault injected: %s@%d; every sum owned + %g", Point.POISON_SUM, step, ERROR)
-        averager.summer = _lying(averager.summer)
-    elif honest is not None and not poisoning(Point.POISON_SUM, step):
+    lying = [p for p in (Point.POISON_SUM, Point.POISON_FORGE) if poisoning(p, step)]
+    if lying and honest is None:
+        log.warning("fault injected: %s@%d; every sum owned forged", lying[0], step)
+        averager.summer = _lying(averager.summer, lying[0] == Point.POISON_FORGE)
+    elif honest is not None and not lying:
         averager.summer = honest
+
+
+def misreport(checks: Sequence[pb.SumCheck], own: int, step: int) -> tuple[pb.SumCheck, ...]:
+    """`checks` (this replica's reports of step `step`'s round, `own` its place in the group) as
+    a `lie-report` fault has it say them: r·x of each part it sent to another owner moved by
+    `LIE` of its magnitude (the values it sent were honest)."""
+    if not poisoning(Point.LIE_REPORT, step):
+        return tuple(checks)
+    log.warning("fault injected: %s@%d; reporting what it sent wrong", Point.LIE_REPORT, step)
+    out = []
+    for check in checks:
+        lied = pb.SumCheck()
+        lied.CopyFrom(check)
+        if check.part != own:
+            lied.dot += LIE * (check.magnitude + 1.0)
+        out.append(lied)
+    return tuple(out)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,12 +35,15 @@ __all__ = [
     "Averager",
     "AveragingAborted",
     "RoundKey",
+    "Summing",
     "round_name",
 ]
 
 log = logging.getLogger(__name__)
 
 RoundKey = tuple[str, int, str]  # (job, stage, round id): rounds of two stages never mix
+# (part, slice, each sender's values in sender order): seen before they are summed
+Summing = Callable[[int, int, list[torch.Tensor]], None]
 _COMPLETED = "completed"
 
 
@@ -120,11 +123,22 @@ class Averager:
         self.summer: Summer = sum_in_order  # this averager's own (see `Summer`)
         # round -> part -> each sender's squared norm summed into it so far (`received`)
         self._norms: OrderedDict[RoundKey, dict[int, list[float]]] = OrderedDict()
+        # round -> what sees each slice's contributions before they are summed (`on_summing`)
+        self._summing: dict[RoundKey, Summing] = {}
 
     def received(self, round: RoundKey, part: int) -> list[float]:
         """The squared norm of each sender's values summed into `part` of `round` (the norm
         bound's evidence: `scheduler.coordinator.norm_bound`), forgotten once read."""
         return self._norms.get(round, {}).pop(part, [])
+
+    def on_summing(self, round: RoundKey, summing: Summing | None) -> None:
+        """Have `summing(part, slice, values)` see each slice of `round` summed here from now
+        on (None: no longer), off the event loop, before anything is summed into `values`: the
+        owner's words about what each sender sent (`checksum.PartChecks.summing`)."""
+        if summing is None:
+            self._summing.pop(round, None)
+        else:
+            self._summing[round] = summing
 
     def _measured(self, round: RoundKey, part: int, squares: list[float]) -> None:
         """Count each contribution's squared norm (on the loop: slices finish concurrently)."""
@@ -377,20 +391,30 @@ class Averager:
             self._summed.move_to_end(round)
             while len(self._summed) > self._history:
                 self._summed.popitem(last=False)
-            task = loop.create_task(self._finish(round, name, slot, codec, block_size, part))
+            task = loop.create_task(self._finish(round, name, slot, codec, block_size, key))
             self._tasks.add(task)  # a reference, so the task is not collected mid-way
             task.add_done_callback(self._tasks.discard)
         return slot
 
     async def _finish(
-        self, round: RoundKey, name: str, slot: _Slot, codec: int, block_size: int, part: int
+        self,
+        round: RoundKey,
+        name: str,
+        slot: _Slot,
+        codec: int,
+        block_size: int,
+        key: tuple[int, int],
     ) -> None:
+        part = key[0]
         values = [slot.values[i] for i in range(slot.contributors)]  # in sender order
         owned = [slot.owned[i] for i in range(slot.contributors)]
         slot.values, slot.owned = {}, {}
         try:
             # Off the event loop: a large part's sum would hold up every other call.
             self._measured(round, part, await asyncio.to_thread(squares, values))
+            summing = self._summing.get(round)
+            if summing is not None:
+                await asyncio.to_thread(summing, part, key[1], values)
             reduced = await asyncio.to_thread(self.summer, values, owned, codec, block_size)
         except Exception as e:
             log.exception("%s: the sum failed", name)

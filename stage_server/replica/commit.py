@@ -39,7 +39,7 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.checksum import AuditedChecks, PartChecks
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.flat import flatten, unflatten
-from stage_server.averaging.hostile import poison
+from stage_server.averaging.hostile import misreport, poison
 from stage_server.averaging.owner import Averager, AveragingAborted
 from stage_server.averaging.spill import Spill
 from stage_server.peer.metrics import StageMetrics
@@ -196,7 +196,7 @@ class Committer:
             if not already:
                 log.debug("%s: stage %d committed step %d", self.peer, c.stage, step)
             self.metrics.committed(rt.step, applied=not already)
-        return Committed(rt.step, already, sq_norm, *_report(checks))
+        return Committed(rt.step, already, sq_norm, *_report(checks, c))
 
     async def _round_end(self, c: Commit) -> Committed:
         """pool.mode = "local": PREPARE averages the pool's pseudo-gradients, weighted by each
@@ -219,7 +219,7 @@ class Committer:
             self.feedback.applied(c.job, c.stage, boundary)
             if not already:
                 log.debug("%s: stage %d ended a round at step %d", self.peer, c.stage, boundary)
-        return Committed(rt.step, already, 0.0, *_report(checks))
+        return Committed(rt.step, already, 0.0, *_report(checks, c))
 
     async def _eager(self, c: Commit, checks: PartChecks | None) -> Committed:
         """pool.overlap = "eager" (`stage_server.replica.eager_round`): the operation `c.eager`
@@ -262,7 +262,7 @@ class Committer:
                 EagerOp(c.eager).name,
                 boundary,
             )
-        return Committed(rt.step, already, 0.0, *_report(checks))
+        return Committed(rt.step, already, 0.0, *_report(checks, c))
 
     def _finite(self, c: Commit, what: str, sums: list[torch.Tensor]) -> None:
         """On the worker: refuse a round's pool sum that holds NaN or infinity, before anything
@@ -428,10 +428,12 @@ def _checks(c: Commit) -> PartChecks | None:
 
 
 def _report(
-    checks: PartChecks | None,
+    checks: PartChecks | None, c: Commit
 ) -> tuple[tuple[pb.SumCheck, ...], tuple[pb.SumCheck, ...]]:
-    """The checksums asked for, and those of the audits' seeds."""
+    """The checksums asked for, and those of the audits' seeds (as a hostile fault armed in
+    tests would have them said: `misreport`)."""
     if checks is None:
         return (), ()
     audit = checks.audit_report() if isinstance(checks, AuditedChecks) else []
-    return tuple(checks.report()), tuple(audit)
+    own = c.group_index
+    return misreport(checks.report(), own, c.step), misreport(audit, own, c.step)

@@ -7,12 +7,12 @@ where the fault says. The raising points (`forward-oom`, `backward-oom`, `averag
 out-of-memory error inside that computation instead (`due`, once each), and the process lives on:
 a device failure in a real process, for tests and benchmarks. The hostile points make the process
 lie from that step on (`poisoning`), or one step in PERIOD from it (`point@step/PERIOD`): in its
-pool's averaging (`poison-sum`, `poison-grad`, `poison-bent`; `stage_server.averaging.hostile`)
-or in its stage compute (`poison-outputs`, `poison-grad-inputs`: finite wrong numbers sent on;
-`poison-digest`: an audit's gradient digest; `swarm.ops.poison`), and the process serves on:
-what the audits and the pool's checks must catch (issue 55). A stage server reads its
-SWARM_FAULTS when it starts (`arm`): a malformed one stops it there, not at the first fault
-point it reaches. `idle` faults (between calls) and the
+pool's averaging (`poison-sum`, `poison-forge`, `poison-grad`, `poison-bent`, `lie-report`;
+`stage_server.averaging.hostile`) or in its stage compute (`poison-outputs`,
+`poison-grad-inputs`: finite wrong numbers sent on; `poison-digest`: an audit's gradient digest;
+`swarm.ops.poison`), and the process serves on: what the audits and the pool's checks must catch
+(issue 55). A stage server reads its SWARM_FAULTS when it starts (`arm`): a malformed one stops
+it there, not at the first fault point it reaches. `idle` faults (between calls) and the
 roles `scheduler`, `trainer` and `broker` are killed from outside by `FaultPlan.due`'s caller
 (the test harness, `swarm demo`) when the job reaches the step; the target `*` (`ANY_REPLICA`)
 leaves the choice of replica to it.
@@ -64,6 +64,7 @@ class Point(enum.StrEnum):
     # Hostile, from the step on (`poisoning`; `stage_server.averaging.hostile`): issue 55's
     # poisoners as real processes, for tests and benchmarks.
     POISON_SUM = "poison-sum"  # an owner answers its part's sums plus 1e4
+    POISON_FORGE = "poison-forge"  # ... its sums times 1 - 1e-3: within every norm check
     POISON_GRAD = "poison-grad"  # a replica contributes its gradient sums times 1e4
     # ... its gradient sums bent within the norm bound (element i times 1 + cos i)
     POISON_BENT = "poison-bent"
@@ -73,18 +74,23 @@ class Point(enum.StrEnum):
     POISON_SENT_OUTPUTS = "poison-sent-outputs"
     # an auditor's digest of a contribution's gradient answered wrong, its re-execution honest
     POISON_DIGEST = "poison-digest"
+    # a replica sends honest values but reports a wrong r·x (and q·x) of what it sent to the
+    # other owners' parts: its word against theirs (`SumCheck.received_dots`)
+    LIE_REPORT = "lie-report"
 
 
 RAISING = frozenset({Point.FORWARD_OOM, Point.BACKWARD_OOM, Point.AVERAGING_OOM})
 HOSTILE = frozenset(
     {
         Point.POISON_SUM,
+        Point.POISON_FORGE,
         Point.POISON_GRAD,
         Point.POISON_BENT,
         Point.POISON_OUTPUTS,
         Point.POISON_GRAD_INPUTS,
         Point.POISON_SENT_OUTPUTS,
         Point.POISON_DIGEST,
+        Point.LIE_REPORT,
     }
 )
 

@@ -59,3 +59,41 @@ def test_a_hostile_replica_process_cannot_poison_its_pool(
     else:  # refused by a bound an honest gradient may pass: left out, never banned
         assert counted(registry, "swarm_coordinator_bans_total") == 0, banned
         assert any("leaving s0r2 out" in m and "norm bound" in m for m in said), said
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        pytest.param(Point.LIE_REPORT, marks=pytest.mark.attack("55-report")),
+        pytest.param(Point.POISON_FORGE, marks=pytest.mark.attack("55-forge")),
+    ],
+)
+def test_a_word_held_to_its_owners_convicts_the_liar_and_no_honest_replica(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, point: Point
+) -> None:
+    """`lie-report`: it sends honest values but reports a wrong r·x of what it sent to each
+    other owner (before: every owner's r·S failed, the honest owners were left out at each
+    round and the liar stayed); its word is held to the two owners' about what they received:
+    banned, and no honest replica is left out. `poison-forge`: it answers its part's sums times
+    1 - 1e-3, within every norm check (before: left out, back at the next boundary); its r·S is
+    held to its own word about what it summed: banned. Either way the job is replayed without
+    it and ends at `swarm local`'s parameters."""
+    job = write_job(tmp_path, training={"steps": 3, "target_batch_size": 16})
+    servers = Servers(job, [3, 1, 1, 1], [Fault("s0r2", point, 1)], tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING):
+            state, registry = train_on(servers)
+    finally:
+        servers.stop()
+    said = [r.getMessage() for r in caplog.records]
+    assert_equal_to_local(job, state, tol=1e-9)
+    log = next(tmp_path.glob("s0r2-*.log"), None)
+    assert log is not None and f"fault injected: {point}" in log.read_text()
+    banned = [m for m in said if ": banned s0r" in m]
+    assert counted(registry, "swarm_coordinator_bans_total") == 1, banned
+    assert len(banned) == 1 and "banned s0r2 (stage 0)" in banned[0], banned
+    evidence = "what it sent" if point == Point.LIE_REPORT else "r·S"
+    assert evidence in banned[0], banned
+    for honest in ("s0r0", "s0r1"):
+        assert not any(f"leaving {honest} out" in m for m in said), said
+    assert any("rolled every stage back to step 0: before a banned peer" in m for m in said)

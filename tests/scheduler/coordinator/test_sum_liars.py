@@ -67,9 +67,11 @@ def test_one_member_lying_about_the_sum_it_took_back_convicts_no_one() -> None:
 
 
 def test_a_member_lying_about_its_own_contribution_frames_no_one() -> None:
-    """A member that reports a wrong r·x for part 0 makes every contributor's r·S fail, the
-    owner's own included: the owner is named by all and left out, as an owner that answered
-    everyone one wrong sum would be, which nobody can tell apart. It is never convicted."""
+    """Where the owner says nothing of what each sender sent it (no `received_dots`; its words
+    are test_sent_words.py's), a member that reports a wrong r·x for part 0 makes every
+    contributor's r·S fail, the owner's own included: the owner is named by all and left out,
+    as an owner that answered everyone one wrong sum would be, which nobody can tell apart. It
+    is never convicted."""
     framed = _checks(dots={2: 1.0 + 1e3})
     accusations, lines = verify({0: GROUP}, {0: framed})
     assert accusations == {0: {0: {0}, 1: {0}, 2: {0}}} and len(lines) == 3

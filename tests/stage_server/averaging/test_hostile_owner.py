@@ -125,3 +125,52 @@ async def test_a_replica_s_finite_wrong_gradient_is_refused_by_the_norm_bound(
     assert not any(liar.address not in m for m in left), left  # no honest replica named
     assert job.trust.clip == "norm_bound"  # the default
     await coordinator.close()
+
+
+@pytest.mark.attack("55-report")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["step", "local"])
+async def test_a_member_lying_about_what_it_sent_leaves_alone_and_the_job_stays_exact(
+    tmp_path: Path,
+    make_swarm: list[Swarm],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+) -> None:
+    """A replica of stage 0 sends honest values but reports r·x of what it sent each other
+    owner off by 1e-3 of its magnitude. Its words disagree with both owners' about what they
+    received (`scheduler.coordinator.sent_words`): in a step's round it is banned, in a
+    local-steps round dropped, alone either way (before: every owner's r·S failed, and the
+    honest owners were the ones left out), and the job equals `swarm local` within 1e-9."""
+    pool = {} if mode == "step" else {"mode": "local", "sync_every": 2}
+    job, swarm = await _pool(tmp_path, make_swarm, 4 if pool else 3, pool)
+    liar = swarm.servers[0][2]
+    committer = liar.servicer._commits
+    honest, lied = committer.commit, []
+
+    async def lying(c: Any) -> Any:
+        done = await honest(c)
+        for check in done.sum_checks:
+            if check.part != c.group_index:
+                check.dot += 1e-3 * (check.magnitude + 1.0)
+                lied.append(c.step)
+        return done
+
+    monkeypatch.setattr(committer, "commit", lying)
+    routes: list[Record] = []
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_route=routes.append)
+    with caplog.at_level(logging.WARNING):
+        await swarm.train(coordinator, trainers=2)
+    assert lied, "the liar reported on a round"
+    assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
+    said = [r.getMessage() for r in caplog.records]
+    honest_ones = [r.address for r in swarm.servers[0][:2]]
+    out = [m for m in said if "leaving" in m]  # left out of a step's rounds, or dropped
+    out += [m.rsplit(": ", 1)[-1] for m in said if m.endswith("sit(s) out")]  # whom a round named
+    assert not any(a in m for m in out for a in honest_ones), out
+    if mode == "step":
+        assert list(coordinator.bans.banned) == [liar.address]
+        assert "what it sent" in coordinator.bans.banned[liar.address]
+    else:
+        assert f"['{liar.address}'] sit(s) out" in out, out
+    await coordinator.close()
