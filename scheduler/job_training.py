@@ -42,6 +42,7 @@ from scheduler.registry import PeerRegistry
 from scheduler.speed import RecentSpeed
 from scheduler.stalls import Health, StallWatch
 from scheduler.store import JobState, JobStore, StoreError
+from scheduler.stored_bans import StoredBans
 from swarm.bus.connection import BusLike
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -213,6 +214,7 @@ class JobTraining:
             on_rollback=rolled_back,
             on_status=status,
             on_ban=banned,
+            bans=StoredBans(self.store, job_id),  # a restarted scheduler's bans too
             metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
             checkpoint_every_s=self.checkpoint_every_s,
