@@ -133,6 +133,12 @@ class Bans:
         if self._origin is None:
             self._origin = step
             for since in self._unreplayed:  # kept bans whose rollback never ran: now
+                log.warning(
+                    "job %s: a kept ban's rollback never ran (the scheduler stopped first): "
+                    "rolling back to the last checkpoint at or before step %d",
+                    self.job_id,
+                    since,
+                )
                 self.roll_back_to(since)
             self._unreplayed.clear()
         for stage in members:
