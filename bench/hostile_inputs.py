@@ -90,6 +90,8 @@ ATTACKS: dict[str, str] = {
     "norm bound",
     "P-digest": "an auditor re-executes honestly but answers a wrong digest of the gradient of "
     "a contribution it audits",
+    "P-return": "a replica banned for lying is a member again, under its id, once the scheduler "
+    "restarts",
 }
 
 

@@ -10,6 +10,8 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from scheduler.job_training import JobTraining
 from scheduler.store import JobStore
 from tests.support.inprocess import Swarm
@@ -25,6 +27,7 @@ async def _stop(run: asyncio.Task[None]) -> None:
         await run
 
 
+@pytest.mark.attack("P-return")
 async def test_a_banned_peer_stays_banned_when_the_scheduler_restarts(
     tmp_path: Path, make_swarm: list[Swarm]
 ) -> None:
