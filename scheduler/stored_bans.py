@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 
 from scheduler.coordinator.bans import Ban
-from scheduler.store import MAX_BANS, BanRow, JobStore, StoreError
+from scheduler.store import BanRow, JobStore, StoreError
+from scheduler.store_bans import MAX_BANNED_ID, MAX_BANS
 
 __all__ = ["StoredBans"]
 
@@ -33,9 +34,10 @@ class StoredBans:
             return
         if not kept:
             log.warning(
-                "job %s: the ban of %s is not kept in the job store (the job keeps %d bans at "
-                "most, and ids of up to 1024 characters): it holds until the scheduler restarts",
+                "job %s: the ban of %.64s is not kept in the job store (a job keeps %d bans at "
+                "most, and ids of up to %d characters): it holds until the scheduler restarts",
                 self.job_id,
                 ban.peer,
                 MAX_BANS,
+                MAX_BANNED_ID,
             )

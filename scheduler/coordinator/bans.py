@@ -26,13 +26,14 @@ job for good, and its influence is replayed away.
   same way (`ban`). The sum caught was refused before anything applied it, but a peer proven
   hostile may have lied where no check looks (an answer not sampled, a forgery within the
   norms), so its work is replayed away all the same.
-- **Kept**: each ban goes to the job's `BanBook` (the scheduler's job store) before its
-  rollback starts, and a coordinator built for the job again (a restarted scheduler, another
-  attempt) starts with the bans kept: the peer is no member from its start, and the rollback is
-  not run again, once it has run (`Ban.replayed`: the store marks it when the job's state goes
-  back to a step at or before the ban's `since`). One that had not (the scheduler stopped
-  between the ban and its rollback) runs at the new coordinator's first lease. Without a book
-  (`swarm trainer --stage-servers`, tests) a ban lasts as long as its coordinator.
+- **Kept**: each ban goes to the job's `BanBook` (the scheduler's job store, bounded per job:
+  `scheduler.store_bans`) before its rollback starts, and a coordinator built for the job again
+  (a restarted scheduler, another attempt) starts with the bans kept: the peer is no member
+  from its start, and the rollback is not run again, once it has run (`Ban.replayed`: the store
+  marks it when the job's state goes back to a step at or before the ban's `since`). One that
+  had not (the scheduler stopped between the ban and its rollback) runs at the new
+  coordinator's first lease. Without a book (`swarm trainer --stage-servers`, tests) a ban
+  lasts as long as its coordinator.
 """
 
 from __future__ import annotations
