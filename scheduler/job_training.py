@@ -172,7 +172,9 @@ class JobTraining:
         said: list[str] = []  # what a rollback told `swarm status`, kept past the start
         news = _News()  # any other message said while steps commit
         rolled: list[int] = []  # the steps rolled back to
-        bans: list[str] = []  # peers banned since the last rollback (its cause then)
+        # peers banned since the last rollback (its cause then); those kept whose rollback
+        # never ran (the scheduler stopped first) roll back at this attempt's first lease
+        bans = [ban.peer for ban in self.store.bans(job_id) if not ban.replayed]
 
         async def rolled_back(step: int) -> None:
             self.store.rewind(job_id, step)
