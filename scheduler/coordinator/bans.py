@@ -111,11 +111,8 @@ class Bans:
             if not ban.replayed:
                 self._unreplayed.append(ban.since)
         if self.banned:
-            log.warning(
-                "job %s: banned before: %s (still banned: no member of the job)",
-                job_id,
-                ", ".join(self.banned),
-            )
+            shown = ", ".join(list(self.banned)[:10]) + (", ..." if len(self.banned) > 10 else "")
+            log.warning("job %s: %d banned before, still: %s", job_id, len(self.banned), shown)
 
     def audited(
         self, ledger: StepLedger, tasks: list[Task], members: Sequence[Sequence[Replica]]
