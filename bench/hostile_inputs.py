@@ -95,6 +95,8 @@ ATTACKS: dict[str, str] = {
     "a contribution it audits",
     "P-push-bent": "on the push plane, a replica pushes honestly but contributes its gradient "
     "sums bent within the norm bound",
+    "P-return": "a replica banned for lying is a member again, under its id, once the scheduler "
+    "restarts",
 }
 
 

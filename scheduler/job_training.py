@@ -42,6 +42,7 @@ from scheduler.registry import PeerRegistry
 from scheduler.speed import RecentSpeed
 from scheduler.stalls import Health, StallWatch
 from scheduler.store import JobState, JobStore, StoreError
+from scheduler.stored_bans import StoredBans
 from swarm.bus.connection import BusLike
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -171,7 +172,9 @@ class JobTraining:
         said: list[str] = []  # what a rollback told `swarm status`, kept past the start
         news = _News()  # any other message said while steps commit
         rolled: list[int] = []  # the steps rolled back to
-        bans: list[str] = []  # peers banned since the last rollback (its cause then)
+        # peers banned since the last rollback (its cause then); those kept whose rollback
+        # never ran (the scheduler stopped first) roll back at this attempt's first lease
+        bans = [ban.peer for ban in self.store.bans(job_id) if not ban.replayed]
 
         async def rolled_back(step: int) -> None:
             self.store.rewind(job_id, step)
@@ -213,6 +216,7 @@ class JobTraining:
             on_rollback=rolled_back,
             on_status=status,
             on_ban=banned,
+            bans=StoredBans(self.store, job_id),  # a restarted scheduler's bans too
             metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
             checkpoint_every_s=self.checkpoint_every_s,

@@ -1,6 +1,6 @@
 """The scheduler's durable job store: SQLite, one connection, used from one thread; the queries
-of jobs, their steps, evaluations and events (the file, its schema and transactions:
-`scheduler.store_file`).
+of jobs, their steps, evaluations, events and bans (`scheduler.store_bans`; the file, its schema
+and transactions: `scheduler.store_file`).
 
 Every write is its own committed transaction (WAL, synchronous=FULL), so what a call reported as
 stored survives a killed process. A step record that cannot be written (a full disk) raises
@@ -24,15 +24,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, cast
 
+from scheduler.store_bans import MAX_BANS, BanRow, bans_of, insert_ban, replayed
 from scheduler.store_file import SCHEMA_VERSION, StoreError, open_store, transaction  # re-exported
 from scheduler.store_pages import page_of, position
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound
 from swarm.job.states import JOB_STATES, TERMINAL, UNFINISHED, JobState  # re-exported
 
 __all__ = [
+    "MAX_BANS",
     "SCHEMA_VERSION",
     "TERMINAL",
     "UNFINISHED",
+    "BanRow",
     "EventRow",
     "JobRecord",
     "JobState",
@@ -121,6 +124,7 @@ Ids = list[str]
 Steps = list[StepRow]
 Evals = list[tuple[int, float]]
 Events = list[EventRow]
+BanRows = list[BanRow]
 
 
 def _loss(value: float | None) -> float:
@@ -234,6 +238,7 @@ class JobStore:
             raise FailedPrecondition(f"job {job_id!r} is {job.state}; cancel it first")
         with transaction(self._db):
             for table, key in (
+                ("bans", "job"),
                 ("events", "job"),
                 ("evals", "job"),
                 ("steps", "job"),
@@ -382,6 +387,7 @@ class JobStore:
             del kept[later]
         with transaction(self._db):
             self._db.execute("DELETE FROM steps WHERE job = ? AND step >= ?", (job_id, step))
+            replayed(self._db, job_id, step)  # the bans whose work starts here have none in it
             # The parameters after `step` updates are the checkpoint's: their evaluation holds.
             self._db.execute("DELETE FROM evals WHERE job = ? AND step > ?", (job_id, step))
             self._db.execute(
@@ -406,6 +412,17 @@ class JobStore:
             StepRow(r["job"], r["step"], _loss(r["loss"]), r["samples"], r["seconds"], r["time"])
             for r in rows
         ]
+
+    # -- bans -----------------------------------------------------------------------------------
+    def record_ban(self, job_id: str, ban: BanRow) -> bool:
+        """Keep `ban` of the job (`scheduler.store_bans`); False when it is not (kept already,
+        or the job keeps `MAX_BANS`). StoreError when the write fails (a full disk)."""
+        self._require(job_id)
+        return insert_ban(self._db, job_id, ban, self._clock())
+
+    def bans(self, job_id: str) -> BanRows:
+        """The job's bans, the oldest first: those its next coordinator starts with."""
+        return bans_of(self._db, job_id)
 
     # -- helpers --------------------------------------------------------------------------------
     def _require(self, job_id: str) -> JobRecord:

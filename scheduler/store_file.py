@@ -55,6 +55,13 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE jobs ADD COLUMN submitter TEXT NOT NULL DEFAULT ''",
         "CREATE INDEX jobs_submitter ON jobs (submitter, state)",
     ),
+    (  # the peers banned from each job (`scheduler.store_bans`): a restarted scheduler keeps them
+        """CREATE TABLE bans (
+            job TEXT NOT NULL REFERENCES jobs (id), peer TEXT NOT NULL, stage INTEGER NOT NULL,
+            step INTEGER NOT NULL, since INTEGER NOT NULL, reason TEXT NOT NULL,
+            replayed INTEGER NOT NULL, time REAL NOT NULL, PRIMARY KEY (job, peer)
+        )""",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 

@@ -26,13 +26,22 @@ job for good, and its influence is replayed away.
   same way (`ban`). The sum caught was refused before anything applied it, but a peer proven
   hostile may have lied where no check looks (an answer not sampled, a forgery within the
   norms), so its work is replayed away all the same.
+- **Kept**: each ban goes to the job's `BanBook` (the scheduler's job store, bounded per job:
+  `scheduler.store_bans`) before its rollback starts, and a coordinator built for the job again
+  (a restarted scheduler, another attempt) starts with the bans kept: the peer is no member
+  from its start, and the rollback is not run again, once it has run (`Ban.replayed`: the store
+  marks it when the job's state goes back to a step at or before the ban's `since`). One that
+  had not (the scheduler stopped between the ban and its rollback) runs at the new
+  coordinator's first lease. Without a book (`swarm trainer --stage-servers`, tests) a ban
+  lasts as long as its coordinator.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Never
+from dataclasses import dataclass
+from typing import Never, Protocol
 
 from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.ledger import StepLedger
@@ -40,11 +49,36 @@ from scheduler.coordinator.metrics import CoordinatorMetrics
 from swarm.job.config import JobConfig
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
 
-__all__ = ["Bans"]
+__all__ = ["Ban", "BanBook", "Bans"]
 
 log = logging.getLogger(__name__)
 
 Members = Callable[[], list[list[Replica]]]
+
+
+@dataclass(frozen=True)
+class Ban:
+    """A ban as kept beyond its coordinator."""
+
+    peer: str
+    stage: int
+    step: int  # the step it was caught at
+    since: int  # the first step its work may be in: its rollback goes to a checkpoint at or before
+    evidence: str
+    replayed: bool = False  # its rollback has run: the job's state holds none of its work
+
+
+class BanBook(Protocol):
+    """Where a job's bans outlive its coordinator (the scheduler's job store)."""
+
+    def kept(self) -> list[Ban]:
+        """The job's bans made by the coordinators before this one."""
+        ...
+
+    def keep(self, ban: Ban) -> None:
+        """Keep `ban` (durably, before its rollback starts); a write that fails is logged,
+        and the ban holds as long as this coordinator."""
+        ...
 
 
 class Bans:
@@ -54,9 +88,11 @@ class Bans:
         metrics: CoordinatorMetrics,
         on_ban: Callable[[str], Awaitable[None] | None] | None = None,
         job: JobConfig | None = None,
+        book: BanBook | None = None,
     ) -> None:
         """`on_ban(text)`: tell the job's history and `swarm status`; `job`: its contributions
-        audited as it says (`Contributions.of`; None: not). Its owner binds
+        audited as it says (`Contributions.of`; None: not); `book`: the bans kept, which this
+        one starts with, and where it keeps its own (None: none kept). Its owner binds
         `roll_back_to(step)` (roll every stage back to the last checkpoint at or before `step`)
         and `void(ledger, stage, peer)` (void `peer`'s gradients of `ledger`'s step at `stage`)
         once it has made them."""
@@ -68,6 +104,15 @@ class Bans:
         self.caught_at: dict[str, int] = {}  # peer -> the step of the microbatch it was caught at
         self._origin: int | None = None  # the first step this coordinator leased work of
         self.contributions = Contributions.of(job)
+        self.book = book
+        self._unreplayed: list[int] = []  # kept bans' `since`, their rollbacks not run yet
+        for ban in book.kept() if book is not None else []:
+            self.banned[ban.peer], self.caught_at[ban.peer] = ban.evidence, ban.step
+            if not ban.replayed:
+                self._unreplayed.append(ban.since)
+        if self.banned:
+            shown = ", ".join(list(self.banned)[:10]) + (", ..." if len(self.banned) > 10 else "")
+            log.warning("job %s: %d banned before, still: %s", job_id, len(self.banned), shown)
 
     def audited(
         self, ledger: StepLedger, tasks: list[Task], members: Sequence[Sequence[Replica]]
@@ -85,6 +130,15 @@ class Bans:
         its start came: from step 0, for all it knows."""
         if self._origin is None:
             self._origin = step
+            for since in self._unreplayed:  # kept bans whose rollback never ran: now
+                log.warning(
+                    "job %s: a kept ban's rollback never ran (the scheduler stopped first): "
+                    "rolling back to the last checkpoint at or before step %d",
+                    self.job_id,
+                    since,
+                )
+                self.roll_back_to(since)
+            self._unreplayed.clear()
         for stage in members:
             for r in stage:
                 if r.peer not in self.first_seen:
@@ -139,6 +193,8 @@ class Bans:
             "without it"
         )
         log.warning("job %s: %s", self.job_id, text)
+        if self.book is not None:  # kept before its rollback: a restart meanwhile runs it
+            self.book.keep(Ban(peer, stage, step, since, evidence))
         self.roll_back_to(since)
         if self.on_ban is not None:
             said = self.on_ban(text)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.bans import Bans
+from scheduler.coordinator.bans import BanBook, Bans
 from scheduler.coordinator.commit import NonFiniteStep, TwoPhaseCommit
 from scheduler.coordinator.failures import CommitStalled
 from scheduler.coordinator.groups import Groups
@@ -85,6 +85,7 @@ class LocalCoordinator:
         checkpoint_every_s: float | None = None,
         groups: Groups | None = None,
         on_ban: Callable[[str], Awaitable[None] | None] | None = None,
+        bans: BanBook | None = None,
     ) -> None:
         """`members()`: per stage, the replicas serving it now (from the peer registry).
         `on_status(text)`: something `swarm status` should say (a replica left out of its pool).
@@ -93,9 +94,9 @@ class LocalCoordinator:
         `checkpoint_every_s`: checkpoint at least this often besides every `checkpoint_every`
         steps (with `checkpoint_dir`). `groups`: how each round's group is made: the parts by
         the members' links, the aggregators after the replicas (default: equal parts, none).
-        `on_ban(text)`: a peer was banned (`bans`), and why; from then on no view holds it."""
+        `on_ban(text)`: a peer was banned, and why; `bans`: the job's bans kept (`bans`)."""
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
-        self.bans = Bans(job_id, self.metrics, on_ban, job)  # its rollback and voids: bound below
+        self.bans = Bans(job_id, self.metrics, on_ban, job, bans)  # rollback, voids: bound below
         members = self.bans.members(members)
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps

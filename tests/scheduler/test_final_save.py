@@ -10,19 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry, Counter
 
-from scheduler.coordinator.metrics import CoordinatorFamilies
-from scheduler.history import History
-from scheduler.job_training import JobTraining, final_path, save_final
-from scheduler.stalls import Health
+from scheduler.job_training import final_path, save_final
 from scheduler.store import JobStore
-from swarm.job.config import JobConfig
 from swarm.model import checkpoint
-from swarm.rpc.lease import Replica
 from tests.support.disks import fill, tiny_disk
-from tests.support.fakes import SilentBus
 from tests.support.inprocess import Swarm
+from tests.support.job_training import job_training
 from tests.support.jobs import make_job
 
 STATE = {"w": torch.arange(64 * 1024, dtype=torch.float64)}  # 512 KiB: more than the disk has
@@ -40,32 +34,6 @@ def test_a_final_save_on_a_full_disk_fails_as_oserror_and_leaves_no_partial_file
         assert sorted(p.name for p in disk.rglob("*") if p.is_file()) == ["filler"]
 
 
-class _Peers:
-    """What JobTraining asks of the peer registry: the stage servers, per stage, and the peers'
-    announcements (none here: equal parts, no aggregators)."""
-
-    def __init__(self, swarm: Swarm) -> None:
-        self.swarm = swarm
-        self.peers: dict[str, object] = {}
-
-    def members(self, job_id: str, stages: int) -> list[list[Replica]]:
-        return self.swarm.members()
-
-    def domains(self) -> dict[str, object]:
-        return {}  # no failure domains known: no warning of them
-
-    def lost_relays(self, job_id: str, stages: object) -> dict[int, str]:
-        return {}  # no relay lost
-
-
-class _Assignments:
-    def floor(self, job: JobConfig) -> int:
-        return 1
-
-    async def grow(self, job_id: str, stages: int, assigned: list[str], floor: int) -> None:
-        await asyncio.Event().wait()  # every stage is served already
-
-
 async def test_a_failed_final_save_keeps_the_job_and_its_peers_and_is_retried(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -78,31 +46,11 @@ async def test_a_failed_final_save_keeps_the_job_and_its_peers_and_is_retried(
         assert state in (None, "running"), f"the job was set {state}: {text}"
         said.append(text)
 
-    async def announce(job_id: str) -> None:
-        pass
-
     with JobStore(tmp_path / "jobs.sqlite") as store:
         job_id = store.create(job.name, "", str(tmp_path), job.training.steps).id
         final = final_path(tmp_path / "ckpt", job_id)
         final.mkdir(parents=True)  # the final name is taken: every save fails (EISDIR)
-        training = JobTraining(
-            store,
-            SilentBus(),
-            _Peers(swarm),  # type: ignore[arg-type]
-            _Assignments(),  # type: ignore[arg-type]
-            tmp_path / "ckpt",
-            None,
-            True,
-            None,
-            announce,
-            set_status,
-            CoordinatorFamilies(CollectorRegistry()),
-            Counter("moves", "moves", ["job"], registry=CollectorRegistry()),
-            {},
-            {},
-            History(store),
-            lambda _: Health(),
-        )
+        training = job_training(store, swarm, tmp_path / "ckpt", set_status)
         training.final_save_retry_s = (0.01, 0.05)
         try:
             for stage in range(job.training.stages):

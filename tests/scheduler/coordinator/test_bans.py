@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.bans import Bans
+from scheduler.coordinator.bans import Ban, Bans
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from swarm.rpc.lease import MicrobatchResult, Replica, Verdict
@@ -87,3 +87,39 @@ async def test_a_straggler_of_another_step_is_dropped_without_voids() -> None:
     assert await bans.screen("t", _result(2, 0, touched=("liar",)), ledger)
     assert await bans.screen("t", _result(3, 0, touched=("liar",)), None)
     assert voided == []
+
+
+class _Book:
+    """A `BanBook` in memory; `order` says when each ban was kept, among the rollbacks."""
+
+    def __init__(self, kept: list[Ban], order: list[object]) -> None:
+        self.bans, self.order = kept, order
+
+    def kept(self) -> list[Ban]:
+        return list(self.bans)
+
+    def keep(self, ban: Ban) -> None:
+        self.bans.append(ban)
+        self.order.append(ban)
+
+
+async def test_kept_bans_hold_from_the_start_and_a_new_one_is_kept_before_its_rollback() -> None:
+    order: list[object] = []
+    kept = [
+        Ban("old", 0, 3, 1, "its outputs differ", replayed=True),
+        Ban("cut-short", 1, 6, 4, "its sums differ"),  # the scheduler stopped before its rollback
+    ]
+    book = _Book(kept, order)
+    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), None, None, book)
+    bans.roll_back_to = order.append
+    assert bans.banned == {"old": "its outputs differ", "cut-short": "its sums differ"}
+    members = bans.members(lambda: [[Replica("old", "o:1"), Replica("a", "a:1")], []])
+    assert members() == [[Replica("a", "a:1")], []]
+    assert order == []  # nothing until this coordinator leases
+    bans.saw([[Replica("a", "a:1")]], 8)
+    assert order == [4]  # the rollback it never had; the replayed one's is not run again
+    bans.saw([[Replica("a", "a:1")]], 9)
+    assert order == [4]
+    await bans.ban("a", 0, "it lied", 9)
+    assert order == [4, Ban("a", 0, 9, 0, "it lied"), 0]  # kept, then rolled back
+    assert bans.metrics.bans._value.get() == 1  # the kept ones are not banned anew

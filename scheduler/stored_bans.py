@@ -1,0 +1,43 @@
+"""A job's `BanBook` in the scheduler's job store (`scheduler.store_bans`): the bans its
+coordinator makes are kept there, and each coordinator built for the job afterwards (another
+attempt, a restarted scheduler) starts with them (`scheduler.coordinator.bans`)."""
+
+from __future__ import annotations
+
+import logging
+
+from scheduler.coordinator.bans import Ban
+from scheduler.store import BanRow, JobStore, StoreError
+from scheduler.store_bans import MAX_BANNED_ID, MAX_BANS
+
+__all__ = ["StoredBans"]
+
+log = logging.getLogger(__name__)
+
+
+class StoredBans:
+    def __init__(self, store: JobStore, job_id: str) -> None:
+        self.store, self.job_id = store, job_id
+
+    def kept(self) -> list[Ban]:
+        return [
+            Ban(r.peer, r.stage, r.step, r.since, r.reason, r.replayed)
+            for r in self.store.bans(self.job_id)
+        ]
+
+    def keep(self, ban: Ban) -> None:
+        row = BanRow(ban.peer, ban.stage, ban.step, ban.since, ban.evidence, ban.replayed)
+        try:
+            kept = self.store.record_ban(self.job_id, row)
+        except StoreError as e:  # a full disk: the ban holds while this coordinator does
+            log.error("job %s: %s; it holds until the scheduler restarts", self.job_id, e)
+            return
+        if not kept:
+            log.warning(
+                "job %s: the ban of %.64s is not kept in the job store (a job keeps %d bans at "
+                "most, and ids of up to %d characters): it holds until the scheduler restarts",
+                self.job_id,
+                ban.peer,
+                MAX_BANS,
+                MAX_BANNED_ID,
+            )
