@@ -79,13 +79,10 @@ def _forged(
             for j, c in sorted(of.items())
             if math.isfinite(c.sum_dot) and abs(c.sum_dot - expected) > allowed
         ]
-        others = [j for j in past if j != owner]
-        if owner in past:
-            witness, by = owner, "by its own report"
-        elif len(others) >= ACCUSERS:
-            witness, by = others[0], f"as {len(others)} other contributors took it back"
-        else:
+        found = _witness(owner, past)
+        if found is None:
             continue
+        witness, by = found
         return (
             f"the sum it answered for its part has {seed}·S = {of[witness].sum_dot!r}, {by}, "
             f"where what it says it summed gives Σ {seed}·x = {expected!r} (a forgery within "
@@ -106,14 +103,23 @@ def _evidence(owner: int, reports: Mapping[int, list[pb.SumCheck]], m: int) -> s
     # A sum that is NaN or infinite is no evidence either: finite contributions may overflow
     # the part's dtype as they are added, or as a lossy codec encodes the sum.
     past = [j for j, c in sorted(of.items()) if math.isfinite(c.sum_norm) and c.sum_norm > ceiling]
-    others = [j for j in past if j != owner]
-    if owner in past:
-        witness, by = owner, "by its own report"
-    elif len(others) >= ACCUSERS:
-        witness, by = others[0], f"as {len(others)} other contributors took it back"
-    else:
+    found = _witness(owner, past)
+    if found is None:
         return None
+    witness, by = found
     return (
         f"the sum it answered for its part has ‖S‖ = {of[witness].sum_norm!r}, {by}, past "
         f"{ceiling!r}, the most the norms it says it summed allow (Σ ‖x‖)"
     )
+
+
+def _witness(owner: int, past: Sequence[int]) -> tuple[int, str] | None:
+    """Whose report of the sum convicts `owner`, and how it is said, given the contributors
+    whose report of it is `past` what the owner says it summed: its own (its word against its
+    word), or `ACCUSERS` others' (one of them honest); None: no conviction."""
+    others = [j for j in past if j != owner]
+    if owner in past:
+        return owner, "by its own report"
+    if len(others) >= ACCUSERS:
+        return others[0], f"as {len(others)} other contributors took it back"
+    return None

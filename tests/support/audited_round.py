@@ -5,11 +5,13 @@ random microbatch gradients to digest."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.sum_checks import Checksums
-from stage_server.averaging.checksum import AuditedChecks
+from stage_server.averaging.checksum import AuditedChecks, dots
 from swarm.policy.parts import EQUAL_PARTS
 
 __all__ = ["PEERS", "Ledger", "N", "grads", "round_of"]
@@ -24,9 +26,16 @@ class Ledger:
     step = 5
 
 
-def round_of(contributions: Contributions, xs: list[torch.Tensor]) -> dict[int, Checksums]:
+def round_of(
+    contributions: Contributions,
+    xs: list[torch.Tensor],
+    lie: Mapping[int, float] | None = None,
+) -> dict[int, Checksums]:
     """A round of the three over `xs` (their contributions), each member's checksums as its
-    averaging takes them: every part contributed, and its sum taken back."""
+    averaging takes them: every part contributed, and its sum taken back; each owner's words
+    about what every sender sent its part, as its averaging sums them. `lie`: member 2's q-words
+    about what it sent to part k moved by `lie[k]` (a liar about its own contribution)."""
+    lie = lie or {}
     total = xs[0] + xs[1] + xs[2]
     parts = EQUAL_PARTS.bounds(N, len(PEERS))
     out = {}
@@ -36,7 +45,16 @@ def round_of(contributions: Contributions, xs: list[torch.Tensor]) -> dict[int, 
         for k, part in enumerate(parts):
             checks.contributed(k, part.start, xs[i][part])
             checks.summed(k, part.start, total[part])
-        out[i] = Checksums(7, list(checks.report()), seeds, checks.audit_report())
+        audit = checks.audit_report()
+        for c in audit:
+            seed = seeds[c.seed_index]
+            if c.part == i:  # its own part: its words about what each sender sent
+                words = [dots(seed, parts[i].start, xs[s][parts[i]]) for s in range(3)]
+                c.received_dots.extend(w[0] for w in words)
+                c.received_magnitudes.extend(w[1] for w in words)
+            elif i == 2:
+                c.dot += lie.get(c.part, 0.0)
+        out[i] = Checksums(7, list(checks.report()), seeds, audit)
     return out
 
 

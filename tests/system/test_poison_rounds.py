@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from swarm.ops.faults import Fault, Point
 from tests.support.equality import assert_equal_to_local
@@ -19,6 +20,25 @@ from tests.support.jobs import write_job
 from tests.support.servers import Servers, counted, train_on
 
 pytestmark = pytest.mark.timeout(400)
+
+
+def _poisoned_pool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, point: Point, steps: int
+) -> tuple[CollectorRegistry, list[str]]:
+    """A job whose stage 0 is a pool of three, replica s0r2 lying as `point` says from step 1:
+    trained on real processes, ended at `swarm local`'s parameters (float64, within 1e-9), the
+    fault seen in the liar's log. Its metrics, and what the log said."""
+    job = write_job(tmp_path, training={"steps": steps, "target_batch_size": 16})
+    servers = Servers(job, [3, 1, 1, 1], [Fault("s0r2", point, 1)], tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING):
+            state, registry = train_on(servers)
+    finally:
+        servers.stop()
+    assert_equal_to_local(job, state, tol=1e-9)
+    log = next(tmp_path.glob("s0r2-*.log"), None)
+    assert log is not None and f"fault injected: {point}" in log.read_text()
+    return registry, [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.parametrize(
@@ -34,18 +54,8 @@ def test_a_hostile_replica_process_cannot_poison_its_pool(
     """`poison-sum`: it answers its own part's sums plus 1e4 (the checksum names it, its sum's
     norm convicts it: banned); `poison-grad`: it contributes its gradient times 1e4 (the norm
     bound refuses it: left out)."""
-    job = write_job(tmp_path, training={"steps": 4, "target_batch_size": 16})
-    servers = Servers(job, [3, 1, 1, 1], [Fault("s0r2", point, 1)], tmp_path)
-    try:
-        with caplog.at_level(logging.WARNING):
-            state, registry = train_on(servers)
-    finally:
-        servers.stop()
-    said = [r.getMessage() for r in caplog.records]
-    assert_equal_to_local(job, state, tol=1e-9)
+    registry, said = _poisoned_pool(tmp_path, caplog, point, steps=4)
     assert counted(registry, "swarm_coordinator_aborted_rounds_total") >= 1
-    log = next(tmp_path.glob("s0r2-*.log"), None)
-    assert log is not None and f"fault injected: {point}" in log.read_text()
     banned = [m for m in said if "banned s0r2" in m]
     if point == Point.POISON_SUM:
         assert counted(registry, "swarm_coordinator_bans_total") == 1, said
@@ -78,17 +88,7 @@ def test_a_word_held_to_its_owners_convicts_the_liar_and_no_honest_replica(
     1 - 1e-3, within every norm check (before: left out, back at the next boundary); its r·S is
     held to its own word about what it summed: banned. Either way the job is replayed without
     it and ends at `swarm local`'s parameters."""
-    job = write_job(tmp_path, training={"steps": 3, "target_batch_size": 16})
-    servers = Servers(job, [3, 1, 1, 1], [Fault("s0r2", point, 1)], tmp_path)
-    try:
-        with caplog.at_level(logging.WARNING):
-            state, registry = train_on(servers)
-    finally:
-        servers.stop()
-    said = [r.getMessage() for r in caplog.records]
-    assert_equal_to_local(job, state, tol=1e-9)
-    log = next(tmp_path.glob("s0r2-*.log"), None)
-    assert log is not None and f"fault injected: {point}" in log.read_text()
+    registry, said = _poisoned_pool(tmp_path, caplog, point, steps=3)
     banned = [m for m in said if ": banned s0r" in m]
     assert counted(registry, "swarm_coordinator_bans_total") == 1, banned
     assert len(banned) == 1 and "banned s0r2 (stage 0)" in banned[0], banned

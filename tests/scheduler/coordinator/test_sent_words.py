@@ -20,10 +20,10 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.sent_words import judged
 from scheduler.coordinator.sum_checks import Checksums, mismatches, replicas_to_leave_out
 from scheduler.coordinator.sum_liars import convicted
-from stage_server.averaging.checksum import AuditedChecks, dots
-from swarm.policy.parts import EQUAL_PARTS
+from stage_server.averaging.checksum import dots
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task
+from tests.support.audited_round import PEERS, Ledger, N, round_of
 
 GROUP = RoundGroup(("a", "b", "c"))
 LIE = 1e3
@@ -108,51 +108,18 @@ def test_honest_words_convict_and_accuse_no_one() -> None:
     assert judged({0: GROUP}, {0: _checks()}) == ({}, [])
 
 
-# The contributions' audit, with real values: three replicas of N parameters.
-PEERS = ["a", "b", "c"]
-N = 9_000
-
-
-class _Ledger:
-    step = 5
+# The contributions' audit, with real values: three replicas of N parameters
+# (tests/support/audited_round.py).
 
 
 def _audited(peer: str) -> Contributions:
     """Contributions of a step that audits `peer` alone."""
     contributions = Contributions(1.0, random.Random(1))
     members = [[Replica(p, p) for p in PEERS]]
-    contributions.tasks(cast(StepLedger, _Ledger()), [Task(5, 0, frozenset({0}))], members)
+    contributions.tasks(cast(StepLedger, Ledger()), [Task(5, 0, frozenset({0}))], members)
     ledger, audits = contributions._drawn[5]
     contributions._drawn[5] = (ledger, tuple(a for a in audits if a.peer == peer))
     return contributions
-
-
-def _round(
-    contributions: Contributions, xs: list[torch.Tensor], lie: dict[int, float]
-) -> dict[int, Checksums]:
-    """Each member's checksums of a round over `xs`, every owner's words about what each
-    sender sent it included (as its averaging sums them); member i's q-words about what it
-    sent to part k moved by `lie[k]` (i = 2, the liar)."""
-    total = xs[0] + xs[1] + xs[2]
-    parts = EQUAL_PARTS.bounds(N, len(PEERS))
-    out = {}
-    for i, peer in enumerate(PEERS):
-        seeds = contributions.seeds_for(5, 0, peer)
-        checks = AuditedChecks(7, seeds)
-        for k, part in enumerate(parts):
-            checks.contributed(k, part.start, xs[i][part])
-            checks.summed(k, part.start, total[part])
-        audit = checks.audit_report()
-        for c in audit:
-            seed = seeds[c.seed_index]
-            if c.part == i:  # its own part: its words about what each sender sent
-                words = [dots(seed, parts[i].start, xs[s][parts[i]]) for s in range(3)]
-                c.received_dots.extend(w[0] for w in words)
-                c.received_magnitudes.extend(w[1] for w in words)
-            elif i == 2:
-                c.dot += lie.get(c.part, 0.0)
-        out[i] = Checksums(7, list(checks.report()), seeds, audit)
-    return out
 
 
 @pytest.mark.attack("55-frame")
@@ -172,13 +139,13 @@ def test_a_member_lying_about_what_it_sent_to_another_owner_frames_no_audited_re
     xs = [torch.randn(N, generator=g, dtype=torch.float64) for _ in range(3)]
     xs[1] = grads[1] + grads[0]
     held: dict[str, Any] = {"b": [0, 1]}
-    assert contributions.judge(5, 0, PEERS, _round(contributions, xs, {}), held) == []
-    framing = _round(contributions, xs, {0: 1e-2 * float(xs[2].abs().sum())})
+    assert contributions.judge(5, 0, PEERS, round_of(contributions, xs), held) == []
+    framing = round_of(contributions, xs, {0: 1e-2 * float(xs[2].abs().sum())})
     assert contributions.judge(5, 0, PEERS, framing, held) == []
     # the lie is one word against a's: both are left out of the round, no one is convicted
     accusations, lines = judged({0: GROUP}, {0: framing})
     assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}, lines
     # ... and bent, b is still caught by a's and c's words about what it sent them
     bent = [xs[0], xs[1] * (1 + torch.arange(N, dtype=torch.float64).cos()), xs[2]]
-    found = contributions.judge(5, 0, PEERS, _round(contributions, bent, {}), held)
+    found = contributions.judge(5, 0, PEERS, round_of(contributions, bent), held)
     assert [peer for peer, _ in found] == ["b"]
