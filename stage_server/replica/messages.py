@@ -188,9 +188,10 @@ class Messages:
         admit: Callable[[], None] | None = None,
         handed: bool = False,
     ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Arrived]]:
-        """A data-plane request's header, its tensors decoded and as they came (`Arrived`,
-        what a push record keeps: `stage_server.replica.push_records`) (`handed`: some may be handed over by
-        a co-located replica, `Handing.take`; else such a request is refused). From the
+        """A data-plane request's header, its tensors decoded, and the same as they came
+        (`Arrived`: what a push record keeps, `stage_server.replica.push_records`). `handed`:
+        some may be handed over by a co-located replica (`Handing.take`); else such a request
+        is refused. From the
         header, before a byte of the body is allocated: routed by `route`, then `admit()` (a
         full replica raises Busy), its size at most `max_request_bytes` (one microbatch's
         tensors) and the tensor limit, and its size within what is free of `held`'s budget; its

@@ -11,6 +11,14 @@ before it draws which stages to audit, and the replicas on either side of each b
 agree about the bytes that crossed it; a stage drawn is then asked for the record itself, whose
 tensors must match what it committed to, and another replica re-executes from them.
 
+Each tensor is kept as it crossed the boundary, and `Record` answers it so: a received one as it
+came (`Arrived`, its payload as received, never widened: a `hadamard3` boundary's 3 bits a value,
+not float32's 32), a sent one as it was sent. A record then costs the trainer's link what the
+boundary cost, and the payload decodes bitwise to the tensor computed on and committed to
+(decoding is deterministic), so the trainer's digest checks and its re-executions stay exact. It
+is kept instead of the decoded tensor, which the compute path lets go of when the push is done
+(an uncompressed one shares the payload's memory: no more than before either way).
+
 How long: the last `activation_cache` microbatches (the job's, within this peer's limit), the
 oldest dropped first; the trainer asks right after the microbatch's push returns. Each run of a
 microbatch (the trainer's random id of it, passed on along the path) has a record of its own, so

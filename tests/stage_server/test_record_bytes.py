@@ -25,12 +25,17 @@ from tests.support.jobs import make_job
 RUN = 7  # the trainer's id of the microbatch's run
 
 
-@pytest.fixture
-async def servers(tmp_path: Path) -> AsyncIterator[tuple[JobConfig, list[RunningStageServer]]]:
+@pytest.fixture(params=[4 << 20, 256], ids=["whole", "chunked"])
+async def servers(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[tuple[JobConfig, list[RunningStageServer]]]:
+    """Three stage servers of a `hadamard3` job that audits every microbatch; the trainer's
+    messages whole, or in chunks (`runtime.chunk_bytes`: the inputs come in several, kept in
+    the buffer they were assembled in)."""
     job = make_job(
         tmp_path,
         training={"stages": 3, "dtype": "float32"},
-        runtime={"data_plane": "push"},
+        runtime={"data_plane": "push", "chunk_bytes": request.param},
         compression={"wire": "hadamard3"},
         trust={"audit_fraction": 1.0},
     )
