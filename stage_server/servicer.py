@@ -35,6 +35,7 @@ from stage_server.replica.compute_clock import clock_for
 from stage_server.replica.host_copies import DeviceCopies
 from stage_server.replica.messages import Limits, Messages, info_reply
 from stage_server.replica.push import PushPlane
+from stage_server.replica.push_records import Arrived
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.state_transfer import StateTransfer
 from stage_server.replica.worker import Worker
@@ -215,7 +216,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         held: Held,
         admit: Callable[[], None] | None = None,
         handed: bool = False,  # a Push: its tensors may be handed over (`replica.handing`)
-    ) -> tuple[Any, dict[str, torch.Tensor]]:
+    ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Arrived]]:
         # A caller with no deadline must not hold its body's share of the budget forever.
         timeout = self.runtime.job.runtime.rpc_timeout_s
         body = within_deadline(requests, timeout, "the job's runtime.rpc_timeout_s")
@@ -246,7 +247,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     # -- the data plane -------------------------------------------------------------------------
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body(held: Held) -> pb.StageForwardResponse:
-            h, tensors = await self._receive(request_iterator, held)
+            h, tensors, _ = await self._receive(request_iterator, held)
             (inputs,) = self._messages.need(tensors, "inputs")
             reply = self._messages.reply_codec(h.reply_codec)
             step, index = h.microbatch.step, h.microbatch.index
@@ -270,7 +271,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Backward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body(held: Held) -> pb.StageBackwardResponse:
-            h, tensors = await self._receive(request_iterator, held)
+            h, tensors, _ = await self._receive(request_iterator, held)
             (grad_outputs,) = self._messages.need(tensors, "grad_outputs")
             inputs = tensors.get("inputs")  # absent: use the activations cached by Forward
             reply = self._messages.reply_codec(h.reply_codec)
@@ -293,7 +294,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
         async def body(held: Held) -> pb.StageForwardBackwardResponse:
-            h, tensors = await self._receive(request_iterator, held)
+            h, tensors, _ = await self._receive(request_iterator, held)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
             rt, reply = self.runtime, self._messages.reply_codec(h.reply_codec)
             tokens = tensors.get("tokens")  # a subspace boundary's (`model.boundary_rank`)
@@ -320,10 +321,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body(held: Held) -> pb.StagePushResponse:
-            h, tensors = await self._receive(request_iterator, held, self._push.room, True)
+            h, tensors, came = await self._receive(request_iterator, held, self._push.room, True)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
             tokens = tensors.get("tokens")  # a subspace boundary's (`model.boundary_rank`)
-            return await self._push.push(h, inputs, targets, tokens, context.time_remaining)
+            return await self._push.push(h, inputs, targets, tokens, context.time_remaining, came)
 
         for msg in self._messages.split(await self._run_held("Push", context, body)):
             yield msg
@@ -332,7 +333,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         """A push record (`stage_server.replica.push_records`), its tensors if asked."""
 
         async def body(held: Held) -> pb.StageRecordResponse:
-            h, _ = await self._receive(request_iterator, held)
+            h, _, _ = await self._receive(request_iterator, held)
             return self._push.records.answer(h)
 
         for msg in self._messages.split(await self._run_held("Record", context, body)):

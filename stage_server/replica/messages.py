@@ -32,6 +32,7 @@ from stage_server.peer.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing, Outgoing
 from stage_server.replica.host_copies import DeviceCopies, TorchCopies
+from stage_server.replica.push_records import Arrived
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.snapshot import Snapshot
 from swarm.errors import InvalidArgument
@@ -186,9 +187,11 @@ class Messages:
         held: Held,
         admit: Callable[[], None] | None = None,
         handed: bool = False,
-    ) -> tuple[Any, dict[str, torch.Tensor]]:
-        """A data-plane request's header and tensors (`handed`: some may be handed over by
-        a co-located replica, `Handing.take`; else such a request is refused). From the
+    ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Arrived]]:
+        """A data-plane request's header, its tensors decoded, and the same as they came
+        (`Arrived`: what a push record keeps, `stage_server.replica.push_records`). `handed`:
+        some may be handed over by a co-located replica (`Handing.take`); else such a request
+        is refused. From the
         header, before a byte of the body is allocated: routed by `route`, then `admit()` (a
         full replica raises Busy), its size at most `max_request_bytes` (one microbatch's
         tensors) and the tensor limit, and its size within what is free of `held`'s budget; its
@@ -226,7 +229,8 @@ class Messages:
             wire_bytes,
             sum(t.numel() * t.element_size() for t in tensors.values()),
         )
-        return received.header, tensors
+        came = zip(received.header.tensors, received.payloads, strict=True)
+        return received.header, tensors, {t.name: Arrived.of(t, p) for t, p in came}
 
     @staticmethod
     def need(tensors: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from stage_server.replica.answering import Answering
 from stage_server.replica.handing import Outgoing, reply_header
 from stage_server.replica.messages import Messages
 from stage_server.replica.next_hop import NextHop, Pushed
-from stage_server.replica.push_records import PushRecord, PushRecords, sent_digest
+from stage_server.replica.push_records import Arrived, PushRecord, PushRecords, sent_digest
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.worker import Worker
 from swarm.errors import Busy
@@ -96,9 +96,12 @@ class PushPlane:
         targets: torch.Tensor,
         tokens: torch.Tensor | None,
         time_remaining: Callable[[], float | None],
+        came: dict[str, Arrived] | None = None,
     ) -> pb.StagePushResponse:
         """The answer to `h` (its `inputs`, `targets` and, under a subspace boundary, `tokens`
-        received); `time_remaining` is the caller's deadline, as the call's context tells it."""
+        received, each as it `came`); `time_remaining` is the caller's deadline, as the call's
+        context tells it."""
+        came = came or {}
         rt = self._runtime()
         epoch.leased_in(h.microbatch.epoch)  # its push on carries the task's (`swarm.rpc.epoch`)
         if rt.job.model.boundary_rank and rt.is_first:  # the token ids go on beside the outputs
@@ -111,7 +114,7 @@ class PushPlane:
             evaluated = await self._evaluation(h, inputs, targets, tokens, time_remaining)
             evaluated.site = site
             return evaluated
-        record = self._record(h, inputs, targets, None if rt.is_first else tokens)
+        record = self._record(h, came, inputs, targets, None if rt.is_first else tokens)
         # A co-located caller's slot for the gradient; not where this replica keeps a record: it
         # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
         into = h.reply if h.HasField("reply") and record is None else None
@@ -128,7 +131,7 @@ class PushPlane:
                 into=into,
             )
             if record is not None:
-                record.received("grad_outputs", targets)
+                record.received("grad_outputs", targets, came.get("targets"))
                 loss = torch.tensor(done.loss, dtype=torch.float64)
                 record.sent("outputs", loss, digest(loss))
                 _sent_back(record, done.grad)
@@ -153,7 +156,7 @@ class PushPlane:
         receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
         if need_grad:
             assert pushed.grad is not None
-            grad_outputs = pushed.grad
+            grad_outputs, msg = pushed.grad, None
             if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
                 dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
                 header = reply_header(dtype, shape, reply, self.limits.block_size)
@@ -163,7 +166,7 @@ class PushPlane:
                 grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
                 self.messages.took(msg, grad_outputs)
             if record is not None:
-                record.received("grad_outputs", grad_outputs)
+                record.received("grad_outputs", grad_outputs, msg)  # kept as it came
             done = await self.answering.backward_here(
                 rt.backward,
                 h,
@@ -287,19 +290,21 @@ class PushPlane:
     def _record(
         self,
         h: pb.StagePushRequest,
+        came: dict[str, Arrived],
         inputs: torch.Tensor,
         targets: torch.Tensor,
         tokens: torch.Tensor | None,
     ) -> PushRecord | None:
         """A new record of `h`'s microbatch, with what came in; None where the job audits
-        nothing (no fraction, or local steps: replicas differ, nobody can redo their work)."""
+        nothing (no fraction, or local steps: replicas differ, nobody can redo their work).
+        It keeps each as it `came` (the first stage's token ids, made here: decoded)."""
         rt = self._runtime()
         if not rt.job.trust.audit_fraction or rule_of(rt.job).rounds:
             return None
         record = self.records.begin(rt.stage, h.microbatch.step, h.microbatch.index, h.run)
-        record.received("inputs", inputs)
-        record.received("tokens", tokens)
-        record.received("targets", targets)
+        record.received("inputs", inputs, came.get("inputs"))
+        record.received("tokens", tokens, came.get("tokens"))
+        record.received("targets", targets, came.get("targets"))
         return record
 
 

@@ -11,6 +11,14 @@ before it draws which stages to audit, and the replicas on either side of each b
 agree about the bytes that crossed it; a stage drawn is then asked for the record itself, whose
 tensors must match what it committed to, and another replica re-executes from them.
 
+Each tensor is kept as it crossed the boundary, and `Record` answers it so: a received one as it
+came (`Arrived`, its payload as received, never widened: a `hadamard3` boundary's 3 bits a value,
+not float32's 32), a sent one as it was sent. A record then costs the trainer's link what the
+boundary cost, and the payload decodes bitwise to the tensor computed on and committed to
+(decoding is deterministic), so the trainer's digest checks and its re-executions stay exact. It
+is kept instead of the decoded tensor, which the compute path lets go of when the push is done
+(an uncompressed one shares the payload's memory: no more than before either way).
+
 How long: the last `activation_cache` microbatches (the job's, within this peer's limit), the
 oldest dropped first; the trainer asks right after the microbatch's push returns. Each run of a
 microbatch (the trainer's random id of it, passed on along the path) has a record of its own, so
@@ -31,21 +39,64 @@ from swarm.proto import tensor_pb2
 from swarm.wire import codec
 from swarm.wire.digest import digest
 
-__all__ = ["PushRecord", "PushRecords"]
+__all__ = ["Arrived", "PushRecord", "PushRecords"]
+
+
+Payload = bytes | memoryview | torch.Tensor  # as `swarm.wire.chunking.Received` holds one
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """A tensor as it came in: its message's header without the bytes (`meta`) and the bytes as
+    received (`payload`: a message's own, a chunked stream's buffer, or a handed-over tensor's
+    `swarm.wire.handover` copy), in the encoding that crossed the boundary. Decoding is
+    deterministic: they decode to the very tensor the replica computed on and committed to."""
+
+    meta: tensor_pb2.Tensor
+    payload: Payload
+
+    @classmethod
+    def of(cls, t: tensor_pb2.Tensor, payload: Payload) -> Arrived:
+        """`t` (a request's header entry) received with `payload`."""
+        meta = tensor_pb2.Tensor(
+            name=t.name, dtype=t.dtype, shape=t.shape, codec=t.codec, block_size=t.block_size
+        )
+        return cls(meta, payload)
+
+    def message(self) -> tensor_pb2.Tensor:
+        """The message as it came (on the wire; a handed-over one's bytes put in it)."""
+        msg = tensor_pb2.Tensor()
+        msg.CopyFrom(self.meta)
+        p = self.payload
+        msg.data = (
+            p.reshape(-1).cpu().numpy().tobytes() if isinstance(p, torch.Tensor) else bytes(p)
+        )
+        msg.nbytes = len(msg.data)
+        return msg
+
+
+Kept = torch.Tensor | tensor_pb2.Tensor | Arrived
 
 
 @dataclass
 class PushRecord:
-    """One microbatch at this replica: the tensors (decoded, or the messages sent) and the
-    commitment made of their digests."""
+    """One microbatch at this replica: the tensors (as they came in, or the messages sent) and
+    the commitment made of their digests."""
 
     commitment: pb.Commitment
-    tensors: dict[str, torch.Tensor | tensor_pb2.Tensor] = field(default_factory=dict)
+    tensors: dict[str, Kept] = field(default_factory=dict)
 
-    def received(self, name: str, tensor: torch.Tensor | None) -> None:
-        """`tensor` came in as `name` ("inputs", "grad_outputs", "tokens")."""
+    def received(
+        self,
+        name: str,
+        tensor: torch.Tensor | None,
+        came: Arrived | tensor_pb2.Tensor | None = None,
+    ) -> None:
+        """`tensor` came in as `name` ("inputs", "grad_outputs", "tokens", "targets"), decoded
+        from `came` (kept instead of `tensor`: what crossed the boundary, as it crossed; None:
+        it came into a slot, decoded already, or it came from nowhere, the first stage's)."""
         if tensor is not None:
-            self.tensors[name] = tensor
+            self.tensors[name] = tensor if came is None else came
             setattr(self.commitment, name, digest(tensor))
 
     def sent(self, name: str, msg: tensor_pb2.Tensor | torch.Tensor | None, said: bytes) -> None:
@@ -56,14 +107,19 @@ class PushRecord:
             setattr(self.commitment, name, said)
 
     def messages(self, asked: bool = True) -> list[tensor_pb2.Tensor]:
-        """The record's tensors (none unless `asked`), as `Record` answers them: a decoded one
-        encoded without loss, a message sent as it was sent."""
+        """The record's tensors (none unless `asked`), as `Record` answers them: each message as
+        it came or went, so a record costs the trainer's link what the boundary cost; a tensor
+        held decoded (a loss, one that came into a slot) encoded without loss."""
         out = []
         for name, t in self.tensors.items() if asked else ():
-            msg = codec.encode(t, name) if isinstance(t, torch.Tensor) else tensor_pb2.Tensor()
-            if not isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor):
+                msg = codec.encode(t, name)
+            elif isinstance(t, Arrived):
+                msg = t.message()
+            else:
+                msg = tensor_pb2.Tensor()
                 msg.CopyFrom(t)
-                msg.name = name
+            msg.name = name
             out.append(msg)
         return out
 

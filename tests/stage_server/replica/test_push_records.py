@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_server.replica.push_records import PushRecords, sent_digest
+from stage_server.replica.push_records import Arrived, PushRecords, sent_digest
 from swarm.errors import ActivationsNotCached
 from swarm.proto import stage_pb2 as pb
 from swarm.wire import codec
@@ -45,3 +45,23 @@ def test_each_run_has_its_own_record_and_the_oldest_go_first() -> None:
     records.begin(1, 0, 1, run=3)
     with pytest.raises(ActivationsNotCached):
         records.get(0, 0, 1)  # dropped: the limit is 2
+
+
+@pytest.mark.parametrize("form", ["inline", "chunked", "handed"])
+def test_a_tensor_is_kept_as_it_came_and_answered_as_it_crossed(form: str) -> None:
+    """What came in lossy is kept in its payload, whichever way it came (in the message, in a
+    chunked stream's buffer, handed over as a uint8 tensor), never widened: the answer is the
+    wire's bytes, which decode bitwise to the tensor committed to."""
+    sent = codec.encode(torch.randn(4, 64), "inputs", codec.codec_from_name("hadamard3"))
+    payload: bytes | memoryview | torch.Tensor = sent.data
+    if form == "chunked":
+        payload = memoryview(bytearray(sent.data))
+    elif form == "handed":
+        payload = torch.frombuffer(bytearray(sent.data), dtype=torch.uint8)
+    decoded = codec.decode(sent, payload)
+    record = PushRecords("s1r0", lambda: 4).begin(1, 0, 0, run=1)
+    record.received("inputs", decoded, Arrived.of(sent, payload))
+    (msg,) = record.messages()
+    assert msg.data == sent.data and msg.nbytes == len(sent.data) < decoded.numel()
+    assert (msg.codec, msg.block_size, msg.shape) == (sent.codec, sent.block_size, sent.shape)
+    assert digest(codec.decode(msg)) == record.commitment.inputs == digest(decoded)
