@@ -17,6 +17,7 @@ ones reuse podman's layers."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
@@ -32,7 +33,7 @@ import torch
 from swarm.local.procs import start_process
 from swarm.ops.lifecycle import parse_ready
 from tests.support import image
-from tests.support.cli import swarm
+from tests.support.cli import ROOT, swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
 from tests.support.ports import free_port
@@ -271,6 +272,32 @@ def test_a_secret_the_image_user_cannot_read_is_said_in_one_line(
     assert containers.exit_code("scheduler") == 2
     said = [line for line in containers.logs("scheduler").splitlines() if line.strip()]
     assert said == ["swarm: error: --token-file /tls/token: cannot read it (Permission denied)"]
+
+
+def test_the_image_holds_this_trees_code(built: str) -> None:
+    """Every module of the tree's packages is in the image, and each reads as in the tree: a
+    build after a change installs the change. (The install's RUN mounts the wheel, and a RUN's
+    cache is keyed by its text and parent layer, not by what it mounts: an image built after
+    `swarm/deadline.py` was added kept a cached older swarm without it, until the wheel's
+    checksum became a layer of its own.)"""
+    packages = ("swarm", "stage_server", "scheduler", "client")
+    ours = {
+        str(path.relative_to(ROOT)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for top in packages
+        for path in sorted((ROOT / top).rglob("*.py"))
+    }
+    listing = (
+        "import hashlib, pathlib, sys\n"
+        "site = pathlib.Path(__import__('swarm').__file__).parent.parent\n"
+        f"for top in {packages!r}:\n"
+        "    for p in sorted((site / top).rglob('*.py')):\n"
+        "        print(p.relative_to(site), hashlib.sha256(p.read_bytes()).hexdigest())\n"
+    )
+    done = image.podman("run", "--rm", "--entrypoint", "python", built, "-c", listing)
+    theirs = dict(line.split(" ") for line in done.stdout.splitlines() if line.strip())
+    assert sorted(ours.keys() - theirs.keys()) == [], "missing from the image"
+    stale = sorted(name for name in ours if theirs.get(name) != ours[name])
+    assert stale == [], "differ in the image"
 
 
 def test_the_fast_tests_pass_inside_the_image(built: str) -> None:
