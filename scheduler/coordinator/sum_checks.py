@@ -139,9 +139,9 @@ def owner_words(
     own = of.get(part)
     if own is None or part >= m:
         return None
+    if len(own.received_dots) != m or len(own.received_magnitudes) != m:
+        return None  # checked before copying: a report's lists are sized by its sender
     dots, magnitudes = list(own.received_dots), list(own.received_magnitudes)
-    if len(dots) != m or len(magnitudes) != m:
-        return None
     if not all(math.isfinite(v) for v in dots + magnitudes):
         return None
     return list(zip(dots, magnitudes, strict=True))

@@ -5,7 +5,6 @@ back, the final model equal to `swarm local`'s within 1e-9."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,11 +12,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from swarm.job.config import JobConfig
 from swarm.ops.faults import Fault
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
-from tests.support.servers import Servers, counted, train_on
+from tests.support.servers import Servers, counted, train_logged
 
 HOSTILE = "s1r0"  # the middle stage's first replica: its outputs and input gradients both count
 
@@ -26,7 +24,7 @@ class Trained(NamedTuple):
     """A job trained with a liar among its servers: its final state and trainer metrics, the
     liar's own log, and what was logged meanwhile."""
 
-    job: JobConfig
+    job: Path  # its job file
     state: dict[str, torch.Tensor]
     registry: CollectorRegistry
     liar_log: str
@@ -45,12 +43,7 @@ def train_with_a_liar(
         trust={"audit_fraction": 1.0},
     )
     servers = Servers(job, [3, 3, 3], [poison], tmp_path)
-    try:
-        with caplog.at_level(logging.WARNING):
-            state, registry = train_on(servers)
-    finally:
-        servers.stop()
-    said = [r.getMessage() for r in caplog.records]
+    state, registry, said = train_logged(servers, caplog)
     return Trained(job, state, registry, servers.procs[HOSTILE].log(), said)
 
 

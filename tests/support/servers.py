@@ -5,9 +5,11 @@ with its faults, killable and restartable on its port), the job trained on them 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -104,6 +106,19 @@ def train_on(
         routes=routes,
     )
     return asyncio.run(within(training, 300)), registry
+
+
+def train_logged(
+    servers: Servers, caplog: pytest.LogCaptureFixture
+) -> tuple[dict[str, torch.Tensor], CollectorRegistry, list[str]]:
+    """`train_on(servers)` with this process's warnings captured, the servers stopped after
+    however it ended: its parameters, its registry, and what the log said."""
+    try:
+        with caplog.at_level(logging.WARNING):
+            state, registry = train_on(servers)
+    finally:
+        servers.stop()
+    return state, registry, [r.getMessage() for r in caplog.records]
 
 
 def counted(registry: CollectorRegistry, name: str) -> float:

@@ -11,7 +11,6 @@ the job rolls back to before its first step and replays without it: the final mo
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from swarm.ops.faults import Fault, Point
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
 from tests.support.liars import HOSTILE, assert_caught_and_replayed_away, train_with_a_liar
-from tests.support.servers import Servers, counted, train_on
+from tests.support.servers import Servers, counted, train_logged
 
 pytestmark = pytest.mark.slow
 
@@ -81,14 +80,9 @@ def test_an_honest_push_run_with_every_stage_audited_accuses_nobody(
         trust={"audit_fraction": 1.0},
     )
     servers = Servers(job, [2, 2, 2], [], tmp_path)
-    try:
-        with caplog.at_level(logging.WARNING):
-            state, registry = train_on(servers)
-    finally:
-        servers.stop()
+    state, registry, said = train_logged(servers, caplog)
     assert_equal_to_local(job, state, tol=1e-9)
     assert counted(registry, "swarm_coordinator_bans_total") == 0
-    said = [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "disagree" in m or "caught" in m], said
     audits = {
         s.labels["outcome"]: s.value

@@ -8,7 +8,6 @@ pass: docs/decisions.md, "Sum liars banned")."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from swarm.ops.faults import Fault, Point
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
-from tests.support.servers import Servers, counted, train_on
+from tests.support.servers import Servers, counted, train_logged
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -30,15 +29,11 @@ def _poisoned_pool(
     fault seen in the liar's log. Its metrics, and what the log said."""
     job = write_job(tmp_path, training={"steps": steps, "target_batch_size": 16})
     servers = Servers(job, [3, 1, 1, 1], [Fault("s0r2", point, 1)], tmp_path)
-    try:
-        with caplog.at_level(logging.WARNING):
-            state, registry = train_on(servers)
-    finally:
-        servers.stop()
+    state, registry, said = train_logged(servers, caplog)
     assert_equal_to_local(job, state, tol=1e-9)
     log = next(tmp_path.glob("s0r2-*.log"), None)
     assert log is not None and f"fault injected: {point}" in log.read_text()
-    return registry, [r.getMessage() for r in caplog.records]
+    return registry, said
 
 
 @pytest.mark.parametrize(

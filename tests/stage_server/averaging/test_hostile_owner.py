@@ -56,6 +56,18 @@ async def _pool(
     return job, swarm
 
 
+async def _trained(
+    job: JobConfig, swarm: Swarm, caplog: pytest.LogCaptureFixture
+) -> tuple[LocalCoordinator, list[Record]]:
+    """`job` trained on `swarm` by two trainers, warnings captured: its coordinator (to close)
+    and the routes its rounds took (for `swarm local` to replay)."""
+    routes: list[Record] = []
+    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_route=routes.append)
+    with caplog.at_level(logging.WARNING):
+        await swarm.train(coordinator, trainers=2)
+    return coordinator, routes
+
+
 @pytest.mark.attack("55-owner")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["step", "local"])
@@ -73,10 +85,7 @@ async def test_a_replica_owner_s_wrong_sum_fails_its_round_and_the_job_stays_exa
     forged: list[int] = []
     averager = liar.servicer.averager
     averager.summer = _lying(averager.summer, forged)
-    routes: list[Record] = []
-    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_route=routes.append)
-    with caplog.at_level(logging.WARNING):
-        await swarm.train(coordinator, trainers=2)
+    coordinator, routes = await _trained(job, swarm, caplog)
     assert forged, "the liar owned a part of a round"
     assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
     assert coordinator.metrics.aborted_rounds._value.get() >= 1
@@ -114,10 +123,7 @@ async def test_a_replica_s_finite_wrong_gradient_is_refused_by_the_norm_bound(
         return await honest(c, sums, *args, **kwargs)
 
     monkeypatch.setattr(committer, "_average", scaled)
-    routes: list[Record] = []
-    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_route=routes.append)
-    with caplog.at_level(logging.WARNING):
-        await swarm.train(coordinator, trainers=2)
+    coordinator, routes = await _trained(job, swarm, caplog)
     assert poisoned, "the liar contributed to a round"
     assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
     left = [r.getMessage() for r in caplog.records if "leaving" in r.getMessage()]
@@ -157,10 +163,7 @@ async def test_a_member_lying_about_what_it_sent_leaves_alone_and_the_job_stays_
         return done
 
     monkeypatch.setattr(committer, "commit", lying)
-    routes: list[Record] = []
-    coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_route=routes.append)
-    with caplog.at_level(logging.WARNING):
-        await swarm.train(coordinator, trainers=2)
+    coordinator, routes = await _trained(job, swarm, caplog)
     assert lied, "the liar reported on a round"
     assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
     said = [r.getMessage() for r in caplog.records]
