@@ -38,11 +38,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from stage_server.replica.runtime import StageRuntime  # noqa: E402
+from swarm.device.oom import OutOfDeviceMemory, out_of_memory  # noqa: E402
 from swarm.job.config import load_job  # noqa: E402
 from swarm.job.schema import JobConfig  # noqa: E402
 from swarm.model.data import make_data  # noqa: E402
 from swarm.model.reference import train_local  # noqa: E402
-from swarm.ops.device_oom import OutOfDeviceMemory, out_of_memory  # noqa: E402
 
 STAGES = 3
 TOLERANCE = 1e-10  # relative, every trained tensor, float64 on the device against the CPU's

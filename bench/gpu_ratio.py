@@ -127,12 +127,12 @@ def run_torch(args: argparse.Namespace, job_path: Path, compiled: bool, one_pass
     """(a) or (b): the job trained in this process; each step's loss and seconds."""
     import torch
 
+    from swarm.device.facts import apply_matmul_precision
     from swarm.job.config import load_job
     from swarm.model.data import make_data
     from swarm.model.low_copies import LowCopies
     from swarm.model.optim import build_optimizer, update
     from swarm.model.transformer import build_model, loss_sum, precision
-    from swarm.ops.devices import apply_matmul_precision
 
     job, device = load_job(job_path), torch.device(args.device)
     if args.cpu_tiny:
@@ -182,9 +182,9 @@ def run_torch(args: argparse.Namespace, job_path: Path, compiled: bool, one_pass
 def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bool) -> dict:
     """(c): one stage server per stage on the device, the standalone trainer in this process."""
     from client.standalone import train_standalone
+    from swarm.device.facts import read_evictions
     from swarm.job.config import load_job
     from swarm.local.procs import SwarmProcess, start_process, stop_all
-    from swarm.ops.devices import read_evictions
     from swarm.ops.progress import StepRecord
     from swarm.rpc.lease import Replica
 

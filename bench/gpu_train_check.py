@@ -39,13 +39,13 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from bench import forked_servers  # noqa: E402
 from bench.bulk import peak_rss  # noqa: E402
 from client.standalone import train_standalone  # noqa: E402
+from swarm.device.facts import read_peak  # noqa: E402
 from swarm.job.config import load_job  # noqa: E402
 from swarm.job.fingerprint import fingerprint  # noqa: E402
 from swarm.job.schema import JobConfig  # noqa: E402
 from swarm.local.procs import SwarmProcess, start_process, stop_all  # noqa: E402
 from swarm.model.reference import train_local  # noqa: E402
 from swarm.model.state_checks import StateChecks  # noqa: E402
-from swarm.ops.devices import read_peak  # noqa: E402
 from swarm.ops.progress import StepRecord  # noqa: E402
 from swarm.rpc.lease import Replica  # noqa: E402
 from swarm.rpc.stage_client import StageClient  # noqa: E402

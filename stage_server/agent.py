@@ -43,13 +43,13 @@ from stage_server.server import (
 from swarm.bus.connection import Bus, BusLike, refusal_said
 from swarm.bus.topics import TopicKind, Topics, parse_broker_url
 from swarm.clock import Clock, MonotonicClock
+from swarm.device.facts import DeviceFacts, TorchFacts
+from swarm.device.oom import OutOfDeviceMemory, is_out_of_memory, oom_message
 from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, RuntimeConfig, parse_job
 from swarm.job.states import TERMINAL_PROTO
 from swarm.net import tls
 from swarm.net.addresses import announced_host, host_port
-from swarm.ops.device_oom import OutOfDeviceMemory, is_out_of_memory, oom_message
-from swarm.ops.devices import DeviceFacts, TorchFacts
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.proto import control_pb2 as cpb
 

@@ -195,8 +195,8 @@ def _run(args: argparse.Namespace) -> None:
     from stage_server.agent import run_peer
     from stage_server.doctor import preflight
     from stage_server.server import StageServerOptions, run_stage_server
+    from swarm.device.kernels import deterministic_cublas
     from swarm.job.config import load_job
-    from swarm.ops.kernels import deterministic_cublas
 
     show_lifecycle()
     # Before CUDA is touched: cuBLAS repeatable, for the audits of the jobs to come.

@@ -6,7 +6,7 @@ this machine (direct, or behind NAT through a relay) (`--broker`, `--scheduler`,
 invite: `--join FILE`; `stage_server.peer.network_checks`). A stage server runs the device
 checks at its start (`preflight`), so a machine that cannot serve says so before it joins.
 
-The device facts come through `swarm.ops.devices.DeviceFacts`, so the checks run on a CPU-only
+The device facts come through `swarm.device.facts.DeviceFacts`, so the checks run on a CPU-only
 machine in the tests with fakes; the network checks log in and call for real (a test starts what
 they dial).
 """
@@ -28,11 +28,7 @@ from stage_server.peer.network_checks import (
     path_check,
     scheduler_call,
 )
-from swarm.errors import SwarmError
-from swarm.flags import add_flag, add_token, token
-from swarm.net.invite import add_join_flag
-from swarm.net.tls import add_tls_flags
-from swarm.ops.devices import (
+from swarm.device.facts import (
     INSTALL_FIX,
     DeviceFacts,
     TorchFacts,
@@ -41,6 +37,10 @@ from swarm.ops.devices import (
     resolve_device,
     use_device,
 )
+from swarm.errors import SwarmError
+from swarm.flags import add_flag, add_token, token
+from swarm.net.invite import add_join_flag
+from swarm.net.tls import add_tls_flags
 
 __all__ = ["Check", "add_arguments", "diagnose", "preflight", "run", "stage_bytes"]
 

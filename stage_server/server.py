@@ -18,9 +18,10 @@ from stage_server.averaging.service import PoolServicer
 from stage_server.averaging.spill import spill_directory
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.metrics import StageMetrics
-from stage_server.replica.compiled import CompiledRuns, compiles
 from stage_server.replica.runtime import StageRuntime
 from stage_server.servicer import StageServicer
+from swarm.device.compiled import CompiledRuns, compiles
+from swarm.device.facts import evictions_line, peak_memory
 from swarm.errors import NotFound, SwarmError
 from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.job.fingerprint import fingerprint
@@ -28,7 +29,6 @@ from swarm.net import tls
 from swarm.net.addresses import announced_host, host_port
 from swarm.net.ports import PortInUse
 from swarm.net.tokens import add_port
-from swarm.ops.devices import evictions_line, peak_memory
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
 from swarm.ops.rated import RatedLog

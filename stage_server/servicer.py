@@ -31,14 +31,14 @@ from stage_server.peer.limits import PeerLimits
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.answering import Answering
 from stage_server.replica.commit import Commit, Committer
-from stage_server.replica.compute_clock import clock_for
-from stage_server.replica.host_copies import DeviceCopies
 from stage_server.replica.messages import Limits, Messages, info_reply
 from stage_server.replica.push import PushPlane
 from stage_server.replica.push_records import Arrived
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.state_transfer import StateTransfer
 from stage_server.replica.worker import Worker
+from swarm.device.compute_clock import clock_for
+from swarm.device.host_copies import DeviceCopies
 from swarm.errors import Busy, NotFound
 from swarm.net.commit_auth import STATE_DIGEST_KEY, CommitRefused, CommitVerifier
 from swarm.ops.faults import Point, maybe_die
@@ -146,7 +146,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     @property
     def copies(self) -> DeviceCopies:
-        """How replies reach the host (`stage_server.replica.host_copies`)."""
+        """How replies reach the host (`swarm.device.host_copies`)."""
         return self._messages.copies
 
     @copies.setter

@@ -182,10 +182,10 @@ def _generate(args: argparse.Namespace) -> int:
 def _local(args: argparse.Namespace) -> int:
     import torch
 
+    from swarm.device.facts import TorchFacts, resolve_device, use_device
     from swarm.job.config import load_job
     from swarm.model.local_steps import simulates_replicas
     from swarm.model.reference import train_local
-    from swarm.ops.devices import TorchFacts, resolve_device, use_device
     from swarm.ops.progress import StepLog
 
     facts = TorchFacts()  # the device checked first, as a stage server's: a clear error, no cuda:0

@@ -18,7 +18,7 @@ from tests.support import forked
 # documentation ranges: it runs with `--dial-private` (as `swarm.local.procs` and
 # `tests.support.namespaces` also say); `tests/system/test_dial_scope.py` starts one without.
 os.environ.setdefault("SWARM_DIAL_PRIVATE", "1")
-# As a stage server on a GPU starts (`swarm.ops.kernels`): cuBLAS repeatable before CUDA is
+# As a stage server on a GPU starts (`swarm.device.kernels`): cuBLAS repeatable before CUDA is
 # touched, for the tests that build stages of an audited job (the default) on CUDA.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 from tests.support.api import api  # noqa: F401

@@ -84,15 +84,18 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("swarm.net", "swarm.job", "swarm.wire"),
     # 2: what decides and what watches: the pure policies; metrics, lifecycle, faults.
     ("swarm.policy", "swarm.ops"),
-    # 3: the machinery: the model, MQTT, RPC, processes on one machine; the NAT relay (above the
+    # 3: the device a process computes on (its facts, kernels, copies, clocks, memory), above
+    # the job (its kernel switches) and the faults it raises; the model computes on it.
+    ("swarm.device",),
+    # 4: the machinery: the model, MQTT, RPC, processes on one machine; the NAT relay (above the
     # addresses and tokens it carries, the backoff it pauses with and the rated log it refuses on).
     ("swarm.model", "swarm.bus", "swarm.rpc", "swarm.local", "swarm.relay"),
-    # 4: the entry points.
+    # 5: the entry points.
     ("swarm.cli", "swarm.commands"),
 )
 """`swarm`'s packages, low to high. Each imports only itself and lower floors, never a package on
 its own floor, so each can be read and tested with only what lies below it. The roles sit above
-floor 4; the package `swarm` itself (its version) sits below floor 0."""
+floor 5; the package `swarm` itself (its version) sits below floor 0."""
 
 IMPURE = ("torch", "numpy", "grpc", "grpc_health", "aiomqtt", "amqtt", "paho", "prometheus_client")
 """What the policies and the simulator never load: I/O, the wire, metrics, tensors. The simulator
@@ -1108,7 +1111,7 @@ def test_the_subpackage_checker() -> None:
     packages |= {"client.data_plane"}
     source = (
         "import torch\n"
-        "from swarm.ops.device_oom import named\n"
+        "from swarm.device.oom import named\n"
         "from stage_server.peer.limits import PeerLimits\n"  # a sibling
         "from . import step_sums\n"  # itself
         "from stage_server.servicer import StageServicer\n"
@@ -1148,13 +1151,13 @@ def test_the_subpackage_checker() -> None:
     assert reaches_up(found, packages, {})
     assert subpackage_of("stage_server.replica.runtime", packages) == "stage_server.replica"
     assert subpackage_of("stage_server.cli", packages) is None
-    assert subpackage_of("swarm.ops.device_oom", packages | {"swarm.ops"}) is None
+    assert subpackage_of("swarm.device.oom", packages | {"swarm.ops"}) is None
 
 
 def test_the_floor_checker() -> None:
     up = _edges_of("swarm.net.fake", "from swarm.rpc.status import to_status\n")
     assert floor_violations(up) == [
-        "x.py:1: swarm.net.fake (floor 1) imports swarm.rpc.status (floor 3): a swarm module "
+        "x.py:1: swarm.net.fake (floor 1) imports swarm.rpc.status (floor 4): a swarm module "
         "imports only its own package and lower floors"
     ]
     assert floor_violations(_edges_of("swarm.bus.fake", "from swarm.rpc import lease\n"))

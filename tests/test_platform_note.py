@@ -12,8 +12,8 @@ import tomllib
 import pytest
 import torch
 
+from swarm.device.facts import find_device
 from swarm.errors import SwarmError
-from swarm.ops.devices import find_device
 from tests.support.cli import ROOT, swarm
 from tests.support.devices import FakeFacts, Gpu
 

@@ -51,8 +51,8 @@ from stage_server.averaging.checksum import PartChecks
 from stage_server.averaging.error_feedback import Residuals
 from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, round_name
 from stage_server.averaging.staging import DeviceCopies, OffLoop, TorchCopies, staging
+from swarm.device.oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
-from swarm.ops.device_oom import is_out_of_memory
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import pool_pb2
 from swarm.rpc.status import from_rpc_error

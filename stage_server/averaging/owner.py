@@ -21,13 +21,13 @@ import torch
 
 from stage_server.averaging.summing import Reduced, Summer, squares, sum_in_order
 from swarm.deadline import within
+from swarm.device.oom import is_out_of_memory
 from swarm.errors import (
     Aborted,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
 )
-from swarm.ops.device_oom import is_out_of_memory
 from swarm.wire.codec import CODEC_INT8_BLOCKWISE, CODEC_NONE
 
 __all__ = [

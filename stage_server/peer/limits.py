@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from swarm.device.sharing import DEFAULT_CACHE_BYTES
 from swarm.errors import ConfigError
 
 __all__ = ["MESSAGE_HEADROOM", "PeerLimits", "flag_name"]
@@ -60,7 +61,7 @@ class PeerLimits:
         1024, "most microbatches whose activations are kept, whatever the job's activation_cache"
     )
     max_activation_cache_bytes: int = _limit(
-        4 << 30,
+        DEFAULT_CACHE_BYTES,
         "most bytes of activations kept for Backwards (each microbatch's saved tensors; past it "
         "the oldest are dropped and their Backwards recompute); on CUDA, left at its default: "
         "half the device memory free when the job is served",

@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 
 from stage_server.peer.limits import PeerLimits
-from stage_server.replica.compute_clock import ComputeClock, clock_for
 from stage_server.replica.runtime import StageRuntime
+from swarm.device.compute_clock import ComputeClock, clock_for
+from swarm.device.facts import DeviceFacts, TorchFacts, free_memory
 from swarm.errors import ResourceExhausted
 from swarm.job.config import JobConfig
 from swarm.model.footprint import StageFootprint, stage_footprints
 from swarm.model.sizes import format_bytes, layer_parameters
 from swarm.model.transformer import boundary_width, layer_costs, partition
-from swarm.ops.devices import DeviceFacts, TorchFacts, free_memory
 
 __all__ = [
     "cache_path",
@@ -152,7 +152,7 @@ def check_fits(
 ) -> None:
     """ResourceExhausted when a stage of `job` at its footprint (state, activations at the
     cache's bound, averaging buffers: `footprints`) cannot fit `memory_bytes`, by default the
-    device's free memory now (`swarm.ops.devices.free_memory`, within its total: what other
+    device's free memory now (`swarm.device.facts.free_memory`, within its total: what other
     processes and this one hold is not there to take), counted on the meta device, before
     anything is allocated. A layer is first built in float64 on the CPU
     (`swarm.model.transformer`): its largest must fit the machine too."""

@@ -4,7 +4,7 @@ A move (a serving peer assigned another stage) builds the new stage while the ol
 holds its memory, then swaps them, so the old stage serves until the new one is ready. On a
 device that cannot hold both, that build runs out of memory (on a GPU), or the kernel's OOM
 killer ends the peer (on the CPU). So before a move the peer counts both stages' footprints
-(`swarm.model.footprint`) against its free memory (`swarm.ops.devices.free_memory`): when the
+(`swarm.model.footprint`) against its free memory (`swarm.device.facts.free_memory`): when the
 new stage does not fit beside the old one, the old one is released first (its calls are then
 NOT_FOUND, and the trainers replay them on its other replicas, as for any peer that leaves),
 its memory given back, and then the new one is built.
@@ -27,10 +27,10 @@ import torch
 
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.measure import footprints
+from swarm.device.facts import DeviceFacts, free_memory
 from swarm.job.config import JobConfig
 from swarm.model.sizes import format_bytes
 from swarm.model.transformer import layer_costs, partition
-from swarm.ops.devices import DeviceFacts, free_memory
 
 __all__ = [
     "STAGE_THROTTLE_ENV",

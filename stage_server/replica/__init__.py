@@ -4,5 +4,5 @@ receipts (`step_sums`, `accumulate`), the parameters a step computes on (`delaye
 round, one strategy per rule (`no_round`, `local_round`, `eager_round`); its part of the commit
 (`commit`); its state served and taken (`snapshot`, `state_transfer`, `copying`, `following`,
 `update_log`); what it accepts and answers (`tensor_checks`, `messages`); the push plane at it
-(`push`, `next_hop`); where its torch work runs and how it is timed (`worker`, `compute_clock`,
-`host_copies`)."""
+(`push`, `next_hop`); where its torch work runs (`worker`; timed and copied through
+`swarm.device`)."""

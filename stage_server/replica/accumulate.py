@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from stage_server.replica.step_sums import StepSums
+from swarm.device.oom import out_of_memory
 from swarm.model.low_copies import LowCopies
-from swarm.ops.device_oom import out_of_memory
 
 __all__ = ["backprop_into"]
 

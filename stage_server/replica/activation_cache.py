@@ -11,12 +11,7 @@ output; the stage's parameters are not counted (they are held anyway), their bf1
 autocast are: made once per step (`swarm.model.cast_once`), the hooks count them in every
 microbatch that saved them (an upper bound), the allocator in the one that made them.
 
-On CUDA no Python runs per saved tensor (a stage call saves hundreds; a hook each is host time
-the GPU waits for): the footprint is what the forward left allocated on the device, the CUDA
-allocator's count after it less before it (saved tensors, casts and output, each storage once,
-as the hooks count them), plus its input. Another thread allocating on the device meanwhile (a
-delayed update's averaging) moves the figure by what it holds at the end: the bound is then
-approximate, never a correctness matter (an eviction costs a recomputation).
+On CUDA the allocator counts it instead (`swarm.device.activation_bytes`).
 """
 
 from __future__ import annotations
@@ -28,9 +23,10 @@ from collections.abc import Iterator
 
 import torch
 
+from swarm.device.activation_bytes import DeviceFootprint, Footprint, measured_on_device
 from swarm.ops.rated import RatedLog
 
-__all__ = ["ActivationCache", "DeviceFootprint", "Footprint", "measured_on_device"]
+__all__ = ["ActivationCache"]
 
 log = logging.getLogger(__name__)
 _rated = RatedLog(log, every_s=60.0)
@@ -38,58 +34,6 @@ _rated = RatedLog(log, every_s=60.0)
 Key = tuple[int, int]  # (step, index)
 Entry = tuple[torch.Tensor, torch.Tensor]  # (leaf input, output with its graph)
 Saved = tuple[torch.Tensor, int]  # a tensor the graph saved, detached, and its version then
-
-
-class Footprint:
-    """The bytes of the distinct storages a forward saved for its backward (`counting`)."""
-
-    def __init__(self) -> None:
-        self._storages: dict[int, int] = {}  # data pointer -> bytes
-
-    def add_input(self, t: torch.Tensor) -> None:
-        self.add(t)
-
-    def add_output(self, t: torch.Tensor) -> None:
-        self.add(t)
-
-    def add(self, t: torch.Tensor) -> None:
-        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
-            return  # the stage's own (or a view of it: `w.t()`), held whether or not cached
-        storage = t.untyped_storage()
-        self._storages[storage.data_ptr()] = storage.nbytes()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._storages.values())
-
-
-class DeviceFootprint:
-    """The bytes a forward on a CUDA device left allocated (`counting`), with its input's."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._start = torch.cuda.memory_allocated(device)
-        self._left = 0
-        self._input = 0
-
-    def close(self) -> None:
-        self._left = max(0, torch.cuda.memory_allocated(self.device) - self._start)
-
-    def add_input(self, t: torch.Tensor) -> None:
-        self._input = t.untyped_storage().nbytes()  # allocated before: not in the difference
-
-    def add_output(self, t: torch.Tensor) -> None:
-        """Allocated by the forward: counted already."""
-
-    @property
-    def nbytes(self) -> int:
-        return self._left + self._input
-
-
-def measured_on_device(device: torch.device) -> bool:
-    """Whether a forward on `device` is counted by its allocator (CUDA) rather than by hooks
-    on each saved tensor (elsewhere: no allocator statistics to read)."""
-    return device.type == "cuda"
 
 
 class ActivationCache:

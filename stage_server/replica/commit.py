@@ -46,10 +46,10 @@ from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.messages import Limits
 from stage_server.replica.runtime import Served, StageRuntime
 from stage_server.replica.worker import Worker
+from swarm.device.oom import OutOfDeviceMemory, inject, is_out_of_memory, oom_message
 from swarm.errors import FailedPrecondition, InvalidArgument, NonFiniteGradient, WireError
 from swarm.job.rule import EagerOp
 from swarm.ops import allocator
-from swarm.ops.device_oom import OutOfDeviceMemory, inject, is_out_of_memory, oom_message
 from swarm.ops.faults import Point, maybe_die
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb

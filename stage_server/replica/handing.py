@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stage_server.peer.metrics import StageMetrics
-from stage_server.replica.host_copies import DeviceCopies
+from swarm.device.host_copies import DeviceCopies
 from swarm.errors import InvalidArgument
 from swarm.proto import tensor_pb2
 from swarm.wire import codec, hadamard

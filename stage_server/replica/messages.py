@@ -27,14 +27,14 @@ import torch
 from google.protobuf.message import Message
 
 from stage_server.peer.boundary_traffic import tokens_of
-from stage_server.peer.device_share import cache_bytes, microbatches_held, sized
 from stage_server.peer.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing, Outgoing
-from stage_server.replica.host_copies import DeviceCopies, TorchCopies
 from stage_server.replica.push_records import Arrived
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.snapshot import Snapshot
+from swarm.device.host_copies import DeviceCopies, TorchCopies
+from swarm.device.sharing import cache_bytes, microbatches_held, sized
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.ops.boundary_bytes import Way
@@ -113,7 +113,7 @@ class Limits:
     def bound(self, runtime: StageRuntime) -> None:
         """Bound what `runtime` keeps by the served job's limits: the updates kept for peers
         copying it, and the activations kept for Backwards, by count and by bytes (on CUDA sized
-        by the device when the peer left its flag alone: `stage_server.peer.device_share`)."""
+        by the device when the peer left its flag alone: `swarm.device.sharing`)."""
         peer = self.peer
         runtime.updates.bound(self.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
         runtime.activation_cache = self.activation_cache

@@ -21,7 +21,6 @@ import torch
 from stage_server.peer.limits import PeerLimits
 from stage_server.replica.accumulate import backprop_into
 from stage_server.replica.activation_cache import ActivationCache
-from stage_server.replica.compiled import CompiledRuns
 from stage_server.replica.delayed_copies import copies_for
 from stage_server.replica.digest import backprop_apart
 from stage_server.replica.following import Following
@@ -30,6 +29,9 @@ from stage_server.replica.snapshot import Snapshot, Snapshots
 from stage_server.replica.step_sums import Receipt, Sums
 from stage_server.replica.tensor_checks import TensorChecks
 from stage_server.replica.update_log import UpdateLog
+from swarm.device.compiled import CompiledRuns
+from swarm.device.kernels import apply_kernels
+from swarm.device.oom import inject, named
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -45,9 +47,7 @@ from swarm.model.transformer import (
     num_layers,
     partition,
 )
-from swarm.ops.device_oom import inject, named
 from swarm.ops.faults import Point, due
-from swarm.ops.kernels import apply_kernels
 from swarm.rpc.state_streams import Update
 
 __all__ = ["Receipt", "Served", "StageRuntime"]
@@ -108,7 +108,7 @@ class StageRuntime:
         module = self.copies.module_at(step, self.step)  # the parameters step `step` computes on
         tokens = self.checks.tokens(tokens, x)
         if self.compiled is not None and tokens is None:  # CUDA, --compile-stage
-            return self.compiled.run(module, x)  # (`stage_server.replica.compiled`)
+            return self.compiled.run(module, x)  # (`swarm.device.compiled`)
         if self.low is not None:
             return self.low.call(module, (x, tokens))  # type: ignore[no-any-return]
         return module(x, tokens)  # type: ignore[no-any-return]
@@ -119,7 +119,7 @@ class StageRuntime:
 
     def _named(self, what: str, tensor: torch.Tensor) -> AbstractContextManager[None]:
         """Out of device memory in `what` (of a microbatch like `tensor`): a clear error
-        (`swarm.ops.device_oom`) naming the job, this stage and the free memory."""
+        (`swarm.device.oom`) naming the job, this stage and the free memory."""
         samples = int(tensor.shape[0]) if tensor.dim() else 1
         return named(self.job.name, self.stage, what, self.device, samples=samples)
 

@@ -39,7 +39,7 @@ class TensorChecks:
         # A state of the stage: the same checks wherever one arrives (a copy, the scheduler).
         self.state = StateChecks(job, stage, module)
         # How an accepted tensor reaches the device: the server's copies (pinned buffers, their
-        # own stream: `stage_server.replica.host_copies`) once it serves; a plain copy before.
+        # own stream: `swarm.device.host_copies`) once it serves; a plain copy before.
         self.to_device: Callable[[torch.Tensor, torch.device], torch.Tensor] = torch.Tensor.to
 
     def inputs(self, inputs: torch.Tensor) -> torch.Tensor:

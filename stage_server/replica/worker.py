@@ -8,12 +8,12 @@ the peer reports (`waiting`); `ema_seconds` is the service time its load reports
 time a call holds the worker and never its wait in the queue (`run_queued` returns that wait
 separately, so a trainer's estimate of this replica is its speed, not its backlog).
 
-Every time here is the device's (`stage_server.replica.compute_clock`): a call holds the worker
+Every time here is the device's (`swarm.device.compute_clock`): a call holds the worker
 until the device has finished its work, not until its launch returned, so on CUDA the service time,
 the queue's waits and the queue depth are the compute's, whichever stage reads its results back.
 
 A call's results reach the event loop on the host: `run_then`'s `after` (the copy of the reply to
-the host, `stage_server.replica.host_copies`) runs on the worker thread once the compute has
+the host, `swarm.device.host_copies`) runs on the worker thread once the compute has
 settled, outside its timing, so the loop never waits on the device.
 
 `throttle` > 1 stands in for a slower device: the worker is held that much longer after each call,
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
-from stage_server.replica.compute_clock import HOST_CLOCK, ComputeClock
+from swarm.device.compute_clock import HOST_CLOCK, ComputeClock
 from swarm.errors import PeerUnavailable
 
 __all__ = ["LOAD_EMA", "Worker"]

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import torch
 
+from swarm.device.facts import apply_matmul_precision
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import VAL_STEP, DataSource, make_data, make_val_data
@@ -32,7 +33,6 @@ from swarm.model.transformer import (
     partition,
     precision,
 )
-from swarm.ops.devices import apply_matmul_precision
 from swarm.ops.progress import StepRecord
 
 __all__ = ["evaluate", "train_local"]

@@ -75,7 +75,7 @@ Buffer = bytes | bytearray | memoryview
 # A payload handed over (`swarm.wire.handover`) comes as a 1-D uint8 tensor, on its device.
 Payload = Buffer | torch.Tensor
 # A tensor's bytes on the host for as long as the context is open
-# (`stage_server.replica.host_copies`: through a reusable pinned buffer on CUDA). The default copies
+# (`swarm.device.host_copies`: through a reusable pinned buffer on CUDA). The default copies
 # with `.cpu()`.
 HostCopy = Callable[[torch.Tensor], AbstractContextManager[torch.Tensor]]
 

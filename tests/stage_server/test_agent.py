@@ -13,7 +13,7 @@ import pytest
 from stage_server.agent import REFUSED_RETRY_S, PeerAgent
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
-from swarm.ops.device_oom import out_of_memory
+from swarm.device.oom import out_of_memory
 from swarm.proto import control_pb2 as cpb
 from tests.support.jobs import BASE, render
 

@@ -1,5 +1,5 @@
 """A stand-in for an asynchronous device (CUDA), behind
-`stage_server.replica.compute_clock.ComputeClock`: a computation's call returns at once and its work
+`swarm.device.compute_clock.ComputeClock`: a computation's call returns at once and its work
 finishes `seconds` later, as a CUDA kernel launch returns before the GPU has run it."""
 
 from __future__ import annotations

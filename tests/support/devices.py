@@ -1,4 +1,4 @@
-"""A machine's devices as `swarm.ops.devices.DeviceFacts` says them, made up: GPUs of any model,
+"""A machine's devices as `swarm.device.facts.DeviceFacts` says them, made up: GPUs of any model,
 architecture and free memory, a torch build with any kernels, for the device checks' unit tests
 on a CPU-only machine."""
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stage_server.averaging.owner import AveragingAborted
-from swarm.ops.device_oom import is_out_of_memory, out_of_memory
+from swarm.device.oom import is_out_of_memory, out_of_memory
 from tests.support.pools import fail_in_round, reduce_all, replicas
 
 TIMEOUT_S = 30.0  # far above the round's work: a member waiting it out fails the test

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_server.replica.activation_cache import ActivationCache, Footprint, measured_on_device
+from stage_server.replica.activation_cache import ActivationCache
 from stage_server.replica.runtime import StageRuntime
+from swarm.device.activation_bytes import Footprint, measured_on_device
 from swarm.model.footprint import layer_activation_bytes
 from swarm.model.transformer import precision
 from tests.support.jobs import make_job

@@ -1,5 +1,5 @@
 """`--compile-stage`: a stage compiled on CUDA only; eager stays the CPU path and the reference
-(`stage_server.replica.compiled`)."""
+(`swarm.device.compiled`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_server.replica.compiled import CompiledRuns, compiles
 from stage_server.replica.runtime import StageRuntime
 from stage_server.server import StageServerOptions, start_stage_server
+from swarm.device.compiled import CompiledRuns, compiles
 from tests.support.jobs import make_job
 
 

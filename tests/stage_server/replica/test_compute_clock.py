@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from stage_server.peer.measure import measure_stage
-from stage_server.replica.compute_clock import HOST_CLOCK, CudaClock, clock_for
 from stage_server.replica.worker import Worker
+from swarm.device.compute_clock import HOST_CLOCK, CudaClock, clock_for
 from tests.support.async_device import FakeAsyncDevice
 from tests.support.jobs import make_job
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from stage_server.replica.runtime import StageRuntime
+from swarm.device.oom import OutOfDeviceMemory
 from swarm.job.config import JobConfig
 from swarm.model.data import make_data
 from swarm.ops import faults
-from swarm.ops.device_oom import OutOfDeviceMemory
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import make_job
 

@@ -16,9 +16,9 @@ import torch
 
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing, Outgoing
-from stage_server.replica.host_copies import TorchCopies
 from stage_server.replica.messages import Limits, Messages
 from stage_server.replica.next_hop import NextHop
+from swarm.device.host_copies import TorchCopies
 from swarm.errors import InvalidArgument
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2

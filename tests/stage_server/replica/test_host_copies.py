@@ -1,4 +1,4 @@
-"""Copies between a replica's device and the host (`stage_server.replica.host_copies`): the pinned
+"""Copies between a replica's device and the host (`swarm.device.host_copies`): the pinned
 pool is reused and bounded, the copies are exact, `codec.encode` copies through the seam, and the
 worker makes the copy on its own thread, outside the compute's timing (`Worker.run_then`)."""
 
@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from stage_server.replica.host_copies import PinnedPool, TorchCopies
 from stage_server.replica.worker import Worker
+from swarm.device.host_copies import PinnedPool, TorchCopies
 from swarm.wire import codec
 from tests.support.slow_copies import SlowCopies
 

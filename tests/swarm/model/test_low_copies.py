@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from stage_server.replica.runtime import StageRuntime
+from swarm.device.oom import OutOfDeviceMemory
 from swarm.model.flat import flat_copy
 from swarm.model.low_copies import LowCopies, castable
 from swarm.model.transformer import build_model, loss_sum, precision
 from swarm.ops import faults
-from swarm.ops.device_oom import OutOfDeviceMemory
 from tests.support.cuda_param import CPU_AND_CUDA
 from tests.support.jobs import make_job
 

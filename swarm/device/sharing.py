@@ -22,14 +22,14 @@ measure of its host, and its trainers keep the window of old.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-
-from stage_server.peer.limits import PeerLimits
+if TYPE_CHECKING:  # torch is imported where a device is asked: the peer's limits import this
+    import torch
 
 __all__ = [
     "CACHE_SHARE",
+    "DEFAULT_CACHE_BYTES",
     "DeviceMemory",
     "TorchDeviceMemory",
     "cache_bytes",
@@ -38,7 +38,8 @@ __all__ = [
 ]
 
 CACHE_SHARE = 0.5  # of the free device memory: the rest for the compute's own temporaries
-_DEFAULT = PeerLimits().max_activation_cache_bytes
+DEFAULT_CACHE_BYTES = 4 << 30  # `--max-activation-cache-bytes`'s default (`PeerLimits`)
+_DEFAULT = DEFAULT_CACHE_BYTES
 
 
 class DeviceMemory(Protocol):
@@ -52,6 +53,8 @@ class TorchDeviceMemory:
     def free_and_total(self, device: torch.device) -> tuple[int, int] | None:
         if device.type != "cuda":
             return None
+        import torch
+
         free, total = torch.cuda.mem_get_info(device)
         return int(free), int(total)
 

@@ -1,5 +1,5 @@
 """An allocation that fails in host memory (torch's CPU allocator, Python's MemoryError) is out of
-memory like a device's (`swarm.ops.device_oom.is_out_of_memory`): a CPU peer's Forward or
+memory like a device's (`swarm.device.oom.is_out_of_memory`): a CPU peer's Forward or
 Backward answers OutOfDeviceMemory (replayed elsewhere), not INTERNAL; and a round's member whose
 sum cannot be allocated is named by the others, so the coordinator retries without it."""
 
@@ -14,7 +14,7 @@ import torch
 
 from stage_server.averaging.owner import AveragingAborted
 from stage_server.replica.runtime import StageRuntime
-from swarm.ops.device_oom import OutOfDeviceMemory, is_out_of_memory, out_of_memory
+from swarm.device.oom import OutOfDeviceMemory, is_out_of_memory, out_of_memory
 from tests.support.jobs import make_job
 from tests.support.pools import fail_in_round, reduce_all, replicas
 

@@ -1,4 +1,4 @@
-"""A job's kernel switches on its device (`swarm.ops.kernels`), decided on this CPU-only machine
+"""A job's kernel switches on its device (`swarm.device.kernels`), decided on this CPU-only machine
 behind the `Kernels` seam: deterministic kernels exactly where a job that audits computes on CUDA
 (warning, never raising, for an op that has none), and cuBLAS's repeatable workspace set at a CUDA
 process's start unless the operator set one. Nothing here runs CUDA."""
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from swarm.device.kernels import CUBLAS_WORKSPACE, apply_kernels, audits, deterministic_cublas
 from swarm.job.config import JobConfig
-from swarm.ops.kernels import CUBLAS_WORKSPACE, apply_kernels, audits, deterministic_cublas
 from tests.support.jobs import make_job
 
 NAME, VALUE = CUBLAS_WORKSPACE

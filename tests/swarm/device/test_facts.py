@@ -1,4 +1,4 @@
-"""`--device` checked against the machine (`swarm.ops.devices`), on made-up machines: a clear
+"""`--device` checked against the machine (`swarm.device.facts`), on made-up machines: a clear
 error that lists the devices there are and says what to do, the torch build's kernels against the
 GPU's architecture (the RTX 50-series "no kernel image" case), the chosen GPU made the current
 one; and for real on this machine, a stage server asked for a GPU it does not have."""
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from stage_server.doctor import preflight
-from swarm.errors import SwarmError
-from swarm.ops.devices import (
+from swarm.device.facts import (
     apply_matmul_precision,
     missing_kernels,
     peak_line,
@@ -22,6 +21,7 @@ from swarm.ops.devices import (
     read_peak,
     resolve_device,
 )
+from swarm.errors import SwarmError
 from tests.support.devices import FakeFacts, Gpu
 from tests.support.jobs import write_job
 

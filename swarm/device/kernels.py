@@ -1,5 +1,5 @@
 """The process-wide kernel switches a job sets on the device it computes on: its float32 matmuls
-(`training.tf32`: `swarm.ops.devices.apply_matmul_precision`) and, on a GPU where the job audits,
+(`training.tf32`: `swarm.device.facts.apply_matmul_precision`) and, on a GPU where the job audits,
 deterministic kernels (issue 55, item 1: re-executions compared "within a stated tolerance with
 deterministic kernels on a GPU").
 
@@ -36,9 +36,9 @@ from typing import Protocol
 
 import torch
 
+from swarm.device.facts import apply_matmul_precision
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
-from swarm.ops.devices import apply_matmul_precision
 
 __all__ = [
     "CUBLAS_WORKSPACE",

@@ -1,4 +1,4 @@
-"""The activation cache's byte bound sized by the device (`stage_server.peer.device_share`):
+"""The activation cache's byte bound sized by the device (`swarm.device.sharing`):
 a share of the free device memory on CUDA, the flag's as ever on a CPU and wherever the
 operator set it; and the microbatches it holds, said where the bound was sized for the peer."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_server.peer.device_share import (
+from stage_server.peer.limits import PeerLimits
+from swarm.device.sharing import (
     CACHE_SHARE,
     TorchDeviceMemory,
     cache_bytes,
     microbatches_held,
     sized,
 )
-from stage_server.peer.limits import PeerLimits
 
 DEFAULT = PeerLimits().max_activation_cache_bytes
 GIB = 1 << 30
