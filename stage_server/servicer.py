@@ -192,6 +192,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def release(self) -> None:
         """Stop serving: later calls are NOT_FOUND until the next `serve`."""
         self._runtime, self.job_id = None, ""
+        self.limits.release()  # its activation window's part of the device, for the others
         self._transfer.stop_copy()
         self._push.release()
 

@@ -1,13 +1,14 @@
 """The activations a replica keeps between a microbatch's Forward and its Backward: its leaf input
 and its output with the graph, which holds every tensor the backward will need.
 
-Bounded two ways, both by dropping the oldest (whose Backward then recomputes from its inputs,
-as one that reached another replica does): by count, the job's `activation_cache` within the
-peer's `--max-activation-cache`; and by bytes, the peer's `--max-activation-cache-bytes`, since
-a count says nothing of a graph's size (64 microbatches of a large stage fill a GPU). A
-microbatch's bytes are those its graph saved, counted as the forward saves them (a
-`saved_tensors_hooks` that sees each saved tensor, storages counted once), plus its input and
-output; the stage's parameters are not counted (they are held anyway), their bf16 casts under
+Bounded two ways, both by dropping the oldest (whose Backward then recomputes from its inputs, as
+one that reached another replica does): by count, the job's `activation_cache` within the peer's
+`--max-activation-cache`; and by bytes, the peer's `--max-activation-cache-bytes` (on a device,
+this server's part of it, within its free memory read again as each entry is kept:
+`swarm.device.sharing`), since a count says nothing of a graph's size (64 microbatches of a large
+stage fill a GPU). A microbatch's bytes are those its graph saved, counted as the forward saves
+them (a `saved_tensors_hooks` that sees each saved tensor, storages counted once), plus its input
+and output; the stage's parameters are not counted (they are held anyway), their bf16 casts under
 autocast are: made once per step (`swarm.model.cast_once`), the hooks count them in every
 microbatch that saved them (an upper bound), the allocator in the one that made them.
 
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from swarm.device.activation_bytes import DeviceFootprint, Footprint, measured_on_device
+from swarm.device.sharing import DeviceMemory, Window
 from swarm.ops.rated import RatedLog
 
 __all__ = ["ActivationCache"]
@@ -46,10 +48,13 @@ class ActivationCache:
         self._seen = (0, 0)  # (bytes, microbatches) of every footprint measured: their mean
 
     @contextlib.contextmanager
-    def counting(self, device: torch.device | None = None) -> Iterator[Footprint | DeviceFootprint]:
-        """Count what the forward run inside (on `device`) saves for its backward."""
-        if device is not None and measured_on_device(device):
-            measured = DeviceFootprint(device)
+    def counting(
+        self, device: torch.device | None = None, memory: DeviceMemory | None = None
+    ) -> Iterator[Footprint | DeviceFootprint]:
+        """Count what the forward run inside (on `device`, whose allocator `memory` asks)
+        saves for its backward."""
+        if device is not None and measured_on_device(device, memory):
+            measured = DeviceFootprint(device, memory)
             try:
                 yield measured
             finally:
@@ -85,9 +90,10 @@ class ActivationCache:
         out: torch.Tensor,
         footprint: Footprint | DeviceFootprint,
         count: int,
-        max_bytes: int,
+        window: Window,
     ) -> None:
-        """Keep `key`'s activations, then drop the oldest past `count` or `max_bytes`."""
+        """Keep `key`'s activations, then drop the oldest past `count` or the bytes `window`
+        allows now (on a device: its part of the device, within the free memory read again)."""
         footprint.add_input(x)
         footprint.add_output(out)
         nbytes = footprint.nbytes
@@ -95,17 +101,20 @@ class ActivationCache:
         self.pop(key)
         self._entries[key] = ((x, out), nbytes)
         self.bytes += nbytes
+        max_bytes = window.limit(self.bytes, nbytes)
         while self._entries and (len(self._entries) > count or self.bytes > max_bytes):
             self.pop(next(iter(self._entries)))  # the oldest; its Backward will recompute
             self.evictions += 1
+        window.publish(self.bytes)
         if nbytes > max_bytes:
             _rated.warning(
                 "one-above-bound",
-                "one microbatch's activations take %d bytes, above --max-activation-cache-bytes "
-                "%d: none is kept, and every Backward recomputes its forward (raise the flag to "
-                "keep them)",
+                "one microbatch's activations take %d bytes, above the %d its window allows "
+                "(--max-activation-cache-bytes %d, or this server's part of its device's free "
+                "memory): none is kept, and every Backward recomputes its forward",
                 nbytes,
                 max_bytes,
+                window.bytes,
             )
 
     @property

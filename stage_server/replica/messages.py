@@ -33,8 +33,9 @@ from stage_server.replica.handing import Handing, Outgoing
 from stage_server.replica.push_records import Arrived
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.snapshot import Snapshot
+from swarm.device.claims import Claims
 from swarm.device.host_copies import DeviceCopies, TorchCopies
-from swarm.device.sharing import cache_bytes, microbatches_held, sized
+from swarm.device.sharing import Window, microbatches_held, window_for
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.ops.boundary_bytes import Way
@@ -81,6 +82,9 @@ class Limits:
     # whether the activation cache's byte bound was sized for this peer (`bound`): by its
     # device's free memory, or by its operator; what it holds is said only then (`capacity`)
     cache_sized: bool = False
+    # the host's registry of who computes on each device (`swarm.device.claims`)
+    claims: Claims = field(default_factory=Claims)
+    _window: Window | None = field(default=None, repr=False)  # the served replica's, to close
     _logged: set[tuple[Any, ...]] = field(default_factory=set, repr=False)  # clamps said once
 
     def __post_init__(self) -> None:
@@ -112,14 +116,23 @@ class Limits:
 
     def bound(self, runtime: StageRuntime) -> None:
         """Bound what `runtime` keeps by the served job's limits: the updates kept for peers
-        copying it, and the activations kept for Backwards, by count and by bytes (on CUDA sized
-        by the device when the peer left its flag alone: `swarm.device.sharing`)."""
+        copying it, and the activations kept for Backwards, by count and by bytes (on CUDA
+        this server's part of the device when the peer left its flag alone, within the device's
+        free memory: `swarm.device.sharing`). The window served before gives its part back."""
         peer = self.peer
         runtime.updates.bound(self.update_log_bytes, peer.max_followers, peer.follower_ttl_s)
         runtime.activation_cache = self.activation_cache
+        self.release()
         flag = peer.max_activation_cache_bytes
-        runtime.activation_cache_bytes = cache_bytes(flag, runtime.device)
-        self.cache_sized = sized(flag, runtime.device)
+        runtime.window = window_for(flag, runtime.device, runtime.memory, self.claims)
+        self._window = runtime.window
+        self.cache_sized = runtime.window.sized
+
+    def release(self) -> None:
+        """The served replica's window gives its part of the device back (nothing served)."""
+        if self._window is not None:
+            self._window.close()
+            self._window = None
 
     def capacity(self, runtime: StageRuntime) -> int:
         """Microbatches whose activations `runtime` keeps for their Backward, as its load reports
@@ -129,7 +142,7 @@ class Limits:
         if runtime.is_last or not self.cache_sized:
             return 0
         return microbatches_held(
-            runtime.activation_cache, runtime.activation_cache_bytes, runtime.cached_footprint
+            runtime.activation_cache, runtime.window.bytes, runtime.cached_footprint
         )
 
     def clamp(self, job: JobConfig) -> JobConfig:

@@ -18,7 +18,6 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from stage_server.peer.limits import PeerLimits
 from stage_server.replica.accumulate import backprop_into
 from stage_server.replica.activation_cache import ActivationCache
 from stage_server.replica.delayed_copies import copies_for
@@ -32,6 +31,7 @@ from stage_server.replica.update_log import UpdateLog
 from swarm.device.compiled import CompiledRuns
 from swarm.device.kernels import apply_kernels
 from swarm.device.oom import inject, named
+from swarm.device.sharing import DeviceMemory, FixedWindow, TorchDeviceMemory, Window
 from swarm.errors import ActivationsNotCached, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -75,9 +75,11 @@ class StageRuntime:
         self.compiled: CompiledRuns | None = None  # eager unless the server compiles (CUDA)
         self.low = LowCopies.of(job)  # bf16-mixed: the Linears' bf16 copies (`low_copies`)
         # How many it keeps (the job's `activation_cache` within the peer's limit) and how many
-        # bytes (the peer's `--max-activation-cache-bytes`): the servicer sets both (`Limits`).
+        # bytes (`window`: the peer's `--max-activation-cache-bytes`, or its part of its device):
+        # the servicer sets both (`Limits.bound`), the window through the device's `memory`.
         self.activation_cache = job.runtime.activation_cache
-        self.activation_cache_bytes = PeerLimits().max_activation_cache_bytes
+        self.memory: DeviceMemory = TorchDeviceMemory()
+        self.window: Window = FixedWindow()
         self.updates = UpdateLog(job.runtime.update_log_bytes)  # for replicas copying this one
         self.snapshots = Snapshots()  # states being sent, sharing this replica's tensors
         # (step, clipping coefficient) of the last update applied here (step -1: none since the
@@ -150,13 +152,11 @@ class StageRuntime:
             torch.enable_grad(),
             self._precision(step),
             self._named("Forward", x),
-            self._cache.counting(self.device) as held,
+            self._cache.counting(self.device, self.memory) as held,
         ):
             inject(Point.FORWARD_OOM, step)
             out = self._run(step, x, tokens)
-        self._cache.keep(
-            (step, index), x, out, held, self.activation_cache, self.activation_cache_bytes
-        )
+        self._cache.keep((step, index), x, out, held, self.activation_cache, self.window)
         return out.detach()
 
     @property

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from swarm.device.sharing import DeviceMemory, TorchDeviceMemory
+
 __all__ = ["DeviceFootprint", "Footprint", "measured_on_device"]
 
 
@@ -41,16 +43,21 @@ class Footprint:
 
 
 class DeviceFootprint:
-    """The bytes a forward on a CUDA device left allocated (`counting`), with its input's."""
+    """The bytes a forward on a device left allocated there (`counting`), with its input's: the
+    allocator's count (`memory.allocated`) after the forward less before it."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, memory: DeviceMemory | None = None) -> None:
         self.device = device
-        self._start = torch.cuda.memory_allocated(device)
+        self._memory = memory or TorchDeviceMemory()
+        self._start = self._allocated()
         self._left = 0
         self._input = 0
 
+    def _allocated(self) -> int:
+        return self._memory.allocated(self.device) or 0
+
     def close(self) -> None:
-        self._left = max(0, torch.cuda.memory_allocated(self.device) - self._start)
+        self._left = max(0, self._allocated() - self._start)
 
     def add_input(self, t: torch.Tensor) -> None:
         self._input = t.untyped_storage().nbytes()  # allocated before: not in the difference
@@ -63,7 +70,7 @@ class DeviceFootprint:
         return self._left + self._input
 
 
-def measured_on_device(device: torch.device) -> bool:
-    """Whether a forward on `device` is counted by its allocator (CUDA) rather than by hooks
-    on each saved tensor (elsewhere: no allocator statistics to read)."""
-    return device.type == "cuda"
+def measured_on_device(device: torch.device, memory: DeviceMemory | None = None) -> bool:
+    """Whether a forward on `device` is counted by its allocator (CUDA's, or a stand-in's) rather
+    than by hooks on each saved tensor (elsewhere: no allocator statistics to read)."""
+    return (memory or TorchDeviceMemory()).allocated(device) is not None

@@ -22,6 +22,7 @@ from stage_server.peer.limits import PeerLimits
 from stage_server.replica.messages import Limits
 from stage_server.replica.runtime import StageRuntime
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
+from swarm.device.sharing import FixedWindow
 from swarm.errors import Busy, ConfigError
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
@@ -563,7 +564,7 @@ def test_a_microbatch_above_the_whole_byte_bound_is_not_kept_and_said(
     # recomputes from its inputs), and the operator is told which flag to raise.
     job = make_job(tmp_path, training={"stages": 3})
     runtime = StageRuntime(job, 1)
-    runtime.activation_cache_bytes = 1024
+    runtime.window = FixedWindow(1024, sized=True)
     with caplog.at_level(logging.WARNING, logger="stage_server.replica.activation_cache"):
         runtime.forward(0, 0, torch.randn(1, 16, 32, dtype=torch.float64))
     assert len(runtime._cache) == 0

@@ -13,6 +13,8 @@ import torch
 from stage_server.peer.limits import PeerLimits
 from stage_server.replica.messages import Limits
 from stage_server.replica.runtime import StageRuntime
+from swarm.device.claims import Claims
+from swarm.device.standin import StandInMemory
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,3 +57,40 @@ def test_the_cpu_default_and_the_last_stage_say_nothing(tmp_path: Path) -> None:
     limits = Limits(PeerLimits(max_activation_cache_bytes=1 << 30))
     last = _served(tmp_path, 1, limits)
     assert last.is_last and limits.capacity(last) == 0
+
+
+def test_replicas_on_one_device_say_their_part_of_it_and_keep_within_its_free_memory(
+    tmp_path: Path,
+) -> None:
+    # Issue 63: each server sized its window alone, by the free memory read once. Two replicas
+    # served on one (stand-in) device now say half of what one alone holds, and one keeps
+    # within the device's free memory read again as each microbatch is kept.
+    inputs = torch.randint(0, 64, (4, 16))
+    claims = Claims(tmp_path / "claims")
+    memory = StandInMemory(1 << 30, counts=False)  # its forwards counted by hooks, as a CPU's
+
+    def on_the_device() -> tuple[Limits, StageRuntime]:
+        limits = Limits(claims=claims)
+        job = make_job(tmp_path, training={"stages": 2}, runtime={"activation_cache": 1024})
+        rt = StageRuntime(job, 0)
+        rt.memory = memory
+        limits.serve(job)
+        limits.bound(rt)
+        return limits, rt
+
+    alone, rt = on_the_device()
+    rt.forward(0, 0, inputs)
+    one = rt.cached_footprint
+    memory.used_elsewhere = memory.total - 40 * one  # room for 20 in one window (half of it)
+    assert alone.capacity(rt) == 20
+    other, rt2 = on_the_device()
+    rt2.forward(0, 0, inputs)
+    assert alone.capacity(rt) == other.capacity(rt2) == 10
+    for index in range(1, 6):
+        rt.forward(0, index, inputs)
+    assert len(rt._cache) == 6 and rt.cache_evictions == 0
+    memory.used_elsewhere = memory.total - 2 * one  # the device filled up meanwhile
+    rt.forward(0, 6, inputs)
+    assert 0 < len(rt._cache) < 6 and list(rt._cache)[-1] == (0, 6)
+    other.release()  # the other server stops serving: its part comes back
+    assert alone.capacity(rt) > 0 and len(list((tmp_path / "claims").rglob("*.claim"))) == 1
