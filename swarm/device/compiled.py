@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["CompiledRuns", "compiles"]
+__all__ = ["CompiledRuns", "Run", "compiles", "inductor"]
 
 
 def compiles(asked: bool, device: torch.device) -> bool:
@@ -23,16 +23,25 @@ def compiles(asked: bool, device: torch.device) -> bool:
     return asked and device.type == "cuda"
 
 
-class CompiledRuns:
-    """Each module (a replica's own, or a delayed update's copy) compiled once, on first use."""
+Run = Callable[[torch.Tensor], torch.Tensor]
 
-    def __init__(self) -> None:
-        self._runs: weakref.WeakKeyDictionary[nn.Module, Callable[[torch.Tensor], torch.Tensor]]
-        self._runs = weakref.WeakKeyDictionary()
+
+def inductor(module: nn.Module) -> Run:
+    """`module` compiled for the device: fused kernels (torch's default backend, inductor)."""
+    return torch.compile(module, dynamic=False)  # type: ignore[return-value]
+
+
+class CompiledRuns:
+    """Each module (a replica's own, or a delayed update's copy) compiled once, on first use, by
+    `compile` (`inductor`; on a CPU the stand-in `swarm.device.standin.traced`)."""
+
+    def __init__(self, compile: Callable[[nn.Module], Run] = inductor) -> None:
+        self._compile = compile
+        self._runs: weakref.WeakKeyDictionary[nn.Module, Run] = weakref.WeakKeyDictionary()
 
     def run(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         fn = self._runs.get(module)
         if fn is None:
-            fn = torch.compile(module, dynamic=False)
+            fn = self._compile(module)
             self._runs[module] = fn
         return fn(x)

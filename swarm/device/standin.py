@@ -1,7 +1,12 @@
-"""A CPU stand-in for a GPU's memory: the same `DeviceMemory` a CUDA device answers through, over
-numbers the caller sets, so the logic a GPU runs (a window sized with the other servers on the
-card and checked against free memory before each entry; a forward's footprint counted by the
-allocator, not by hooks) runs on a CPU, in tests and in CPU passes that stand for a device.
+"""CPU stand-ins for a GPU's parts, so the logic a GPU runs runs on a CPU, in tests and in CPU
+passes that stand for a device.
+
+Its memory (`StandInMemory`): the same `DeviceMemory` a CUDA device answers through, over numbers
+the caller sets: a window sized with the other servers on the card and checked against free
+memory before each entry, a forward's footprint counted by the allocator, not by hooks. Its
+compiler (`traced`): a stage's forward captured into a graph by torch's own tracer, guards and
+recompilation on a new shape included, run by eager kernels in place of inductor's generated ones
+(which need a C++ toolchain on a CPU and would only be slower to build).
 
 `StandInMemory` is one device: `total` bytes, of which tensors hold `allocated` (the allocator's
 count, which a forward's `DeviceFootprint` reads before and after) and something else on the
@@ -12,12 +17,17 @@ off it keeps no allocator count, as a device whose forwards the hooks count.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    import torch
+from swarm.device.compiled import Run
 
-__all__ = ["StandInMemory"]
+__all__ = ["StandInMemory", "traced"]
+
+
+def traced(module: nn.Module) -> Run:
+    """`module` compiled as `swarm.device.compiled.inductor` does it, its graph run eagerly."""
+    return torch.compile(module, backend="eager", dynamic=False)  # type: ignore[return-value]
 
 
 class StandInMemory:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -32,18 +33,26 @@ _CLIP_EPS = 1e-6
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
+    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig, *, fused: bool | None = None
 ) -> torch.optim.Optimizer:
     """The job's optimizer over `params`. On a CPU the per-tensor path (foreach=False): the
     multi-tensor kernels group parameters differently, and one code path keeps CPU replicas and
     the reference bitwise in agreement. On CUDA, AdamW runs fused (one kernel for all of a
     stage's parameters, not a dozen launches per tensor): every CUDA replica of a stage runs the
     same kernel, so they agree bitwise with each other, and with the CPU reference to float32
-    rounding (the device check compares them: bench/gpu_check.sh)."""
+    rounding (the device check compares them: bench/gpu_check.sh). `fused` None: as the device
+    says; True: fused wherever torch has the kernel (a CPU too: the stand-in of a CUDA stage's
+    update, which a CPU test runs).
+
+    The fused kernel writes the parameters through their pointers, and autograd's version
+    counters do not move: what is keyed on them (bf16 copies, `swarm.model.low_copies`; casts
+    made once a step, `swarm.model.cast_once`) would keep the weights of before the update. So
+    each step of a fused AdamW moves them itself (`_moved`), wherever it is called from."""
     params = list(params)
-    fused = cfg.kind == "adamw" and _all_cuda(params)
+    if fused is None:
+        fused = _all_cuda(params)
     if cfg.kind == "adamw":
-        return torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             params,
             lr=cfg.lr,
             betas=(cfg.betas[0], cfg.betas[1]),
@@ -52,8 +61,18 @@ def build_optimizer(
             foreach=False,
             fused=fused or None,
         )
+        if fused:
+            optimizer.register_step_post_hook(_moved)
+        return optimizer
     return torch.optim.SGD(
         params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False
+    )
+
+
+def _moved(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After a fused step: each parameter's version moves, as an in-place op's would."""
+    torch.autograd.graph.increment_version(
+        [p for group in optimizer.param_groups for p in group["params"]]
     )
 
 

@@ -12,7 +12,8 @@ import torch
 
 from stage_server.replica.activation_cache import ActivationCache
 from stage_server.replica.runtime import StageRuntime
-from swarm.device.activation_bytes import Footprint, measured_on_device
+from swarm.device.activation_bytes import DeviceFootprint, Footprint, measured_on_device
+from swarm.device.standin import StandInMemory
 from swarm.model.footprint import layer_activation_bytes
 from swarm.model.transformer import precision
 from tests.support.jobs import make_job
@@ -107,6 +108,40 @@ def test_a_forward_on_cuda_is_counted_by_its_allocator_and_elsewhere_by_hooks() 
         y = x.tanh()
     assert isinstance(footprint, Footprint) and footprint.nbytes == 64  # y, saved by tanh
     del y
+
+
+def test_the_allocator_s_count_is_what_the_forward_left_plus_its_input() -> None:
+    # CUDA's arithmetic on a CPU, through the stand-in's count: no hook runs per saved tensor;
+    # the footprint is the count after the forward less before it, plus the input (allocated
+    # before), the output counted once already; a forward during which more was freed (another
+    # thread's release) counts nothing, never less.
+    device, memory = torch.device("cpu"), StandInMemory(1 << 30)
+    memory.allocate(5000)  # the stage's weights and what came before
+    assert measured_on_device(device, memory)
+    assert not measured_on_device(device, StandInMemory(1 << 30, counts=False))
+    x = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    packed = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal packed
+        packed += 1
+        return t
+
+    cache = ActivationCache()
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        cache.counting(device, memory) as counted,
+    ):
+        y = x.tanh()
+        memory.allocate(1234)  # what the forward left allocated: saved tensors, output
+    assert isinstance(counted, DeviceFootprint) and packed == 1  # the cache set no hooks
+    counted.add_input(x)
+    counted.add_output(y)  # counted already
+    assert counted.nbytes == 1234 + 64
+    with cache.counting(device, memory) as freed:
+        memory.allocate(-3000)
+    freed.add_input(x)
+    assert freed.nbytes == 64
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,6 +10,7 @@ import torch
 
 from stage_server.replica.runtime import StageRuntime
 from swarm.job.config import JobConfig
+from swarm.model.optim import build_optimizer
 from swarm.model.reference import train_local
 from swarm.model.transformer import precision
 from tests.support.cuda_param import CPU_AND_CUDA
@@ -52,7 +53,21 @@ def _apply(rt: StageRuntime, step: int, indices: list[int], samples: int) -> Non
 def test_a_step_casts_each_weight_once_and_an_update_casts_anew(
     tmp_path: Path, device: str
 ) -> None:
-    rt = StageRuntime(make_job(tmp_path, training=MIXED), 1, device=device)
+    _casts_once_and_anew(StageRuntime(make_job(tmp_path, training=MIXED), 1, device=device))
+
+
+def test_under_fused_adamw_an_update_casts_anew_too(tmp_path: Path) -> None:
+    # Issue 63: a CUDA stage's AdamW is fused, whose kernel writes the weights without moving
+    # their versions: the casts keyed on those were reused after the update, so the stage kept
+    # computing on the weights of before. On a CPU, torch's fused AdamW is the same kernel.
+    rt = StageRuntime(make_job(tmp_path, training=MIXED), 1)
+    rt.optimizer = build_optimizer(rt.params, rt.job.optimizer, fused=True)  # as on CUDA
+    assert rt.optimizer.defaults["fused"] is True
+    _casts_once_and_anew(rt)
+
+
+def _casts_once_and_anew(rt: StageRuntime) -> None:
+    device = rt.device
     x = torch.randn(4, 16, 32, device=device)
     first, second = _casts(rt, 0, 0, x), _casts(rt, 0, 1, x)
     assert first.keys() == second.keys()

@@ -10,7 +10,8 @@ import torch
 
 from stage_server.replica.runtime import StageRuntime
 from stage_server.server import StageServerOptions, start_stage_server
-from swarm.device.compiled import CompiledRuns, compiles
+from swarm.device.compiled import CompiledRuns, Run, compiles
+from swarm.device.standin import traced
 from tests.support.jobs import make_job
 
 
@@ -19,6 +20,35 @@ def test_only_a_cuda_stage_that_asks_is_compiled() -> None:
     assert not compiles(False, torch.device("cuda", 0))
     assert not compiles(True, torch.device("cpu"))  # eager: the CPU path and the reference
     assert not compiles(True, torch.device("mps"))
+
+
+def test_a_stage_compiled_through_the_cpu_stand_in_computes_what_the_eager_one_does(
+    tmp_path: Path,
+) -> None:
+    # The logic a CUDA stage runs compiled (each module compiled once, on first use; its
+    # forward and backward through the compiled graph), on a CPU: torch's tracer, eager kernels.
+    job = make_job(tmp_path)
+    eager, compiled = StageRuntime(job, 1), StageRuntime(job, 1)
+    made: list[torch.nn.Module] = []
+
+    def compile(module: torch.nn.Module) -> Run:
+        made.append(module)
+        return traced(module)
+
+    compiled.compiled = CompiledRuns(compile)
+    gen = torch.Generator().manual_seed(0)
+    for index in range(3):  # the first compiles; the others reuse it
+        x = torch.randn(4, 16, 32, generator=gen, dtype=torch.float64)
+        g = torch.randn(4, 16, 32, generator=gen, dtype=torch.float64)
+        torch.testing.assert_close(compiled.forward(0, index, x), eager.forward(0, index, x))
+        ga, _ = eager.backward(0, index, None, g)
+        gb, _ = compiled.backward(0, index, None, g)
+        assert ga is not None and gb is not None
+        torch.testing.assert_close(gb, ga)
+    assert made == [compiled.module]
+    sums_a, sums_b = eager.prepare(0, [0, 1, 2], 12), compiled.prepare(0, [0, 1, 2], 12)
+    for a, b in zip(sums_a, sums_b, strict=True):
+        torch.testing.assert_close(b, a)
 
 
 async def test_a_cpu_server_asked_to_compile_stays_eager(tmp_path: Path) -> None:

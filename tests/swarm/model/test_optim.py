@@ -12,6 +12,7 @@ import torch
 from swarm.errors import NonFiniteGradient
 from swarm.job.config import OptimizerConfig
 from swarm.model.flat import flat_view
+from swarm.model.low_copies import LowCopies
 from swarm.model.optim import (
     NORM_PIECE,
     NORM_ROWS,
@@ -207,6 +208,28 @@ def test_on_a_cpu_adamw_takes_the_per_tensor_path() -> None:
     optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(3))], _opt(lr=1e-3))
     assert optimizer.defaults["foreach"] is False
     assert not optimizer.defaults["fused"]
+
+
+def test_fused_adamw_moves_the_versions_of_the_weights_it_writes() -> None:
+    # Issue 63: the fused kernel (a CUDA stage's AdamW; on a CPU the same kernel, run here as
+    # its stand-in) writes the weights through their pointers and autograd's versions stayed:
+    # the bf16 copies and casts keyed on them kept the weights of before the update.
+    cfg = _opt(lr=1e-2, weight_decay=0.1)
+    fused = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(2)]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in fused]
+    on_fused, on_plain = build_optimizer(fused, cfg, fused=True), build_optimizer(plain, cfg)
+    assert on_fused.defaults["fused"] is True and not on_plain.defaults["fused"]
+    low = LowCopies()
+    before = [low.low(p).clone() for p in fused]
+    versions = [p._version for p in fused]
+    for params, optimizer in ((fused, on_fused), (plain, on_plain)):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+    assert all(p._version > v for p, v in zip(fused, versions, strict=True))
+    for p, old, q in zip(fused, before, plain, strict=True):
+        assert not torch.equal(low.low(p), old)  # copied anew from the updated weight
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)  # the per-tensor path's update
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
