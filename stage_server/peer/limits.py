@@ -64,7 +64,9 @@ class PeerLimits:
         DEFAULT_CACHE_BYTES,
         "most bytes of activations kept for Backwards (each microbatch's saved tensors; past it "
         "the oldest are dropped and their Backwards recompute); on CUDA, left at its default: "
-        "half the device memory free when the job is served",
+        "an even part, between the servers on the card, of half the memory their windows may "
+        "use; set by hand, kept (the servers on one card should add up to what it has free "
+        "beside their stages' state), within the free memory read as each entry is kept",
     )
     max_queue: int = _limit(1024, "most pushed microbatches queued, whatever the job's max_queue")
     receive_budget_bytes: int = _limit(

@@ -36,13 +36,13 @@ def torch_switch() -> Iterator[None]:
         torch.are_deterministic_algorithms_enabled(),
         (torch.is_deterministic_algorithms_warn_only_enabled()),
     )
-    fill = utils.fill_uninitialized_memory
+    fill = utils.fill_uninitialized_memory  # type: ignore[attr-defined]
     torch.use_deterministic_algorithms(False)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
-        utils.fill_uninitialized_memory = fill
+        utils.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
 
 
 def _switch() -> tuple[bool, bool, bool]:
