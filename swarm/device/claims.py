@@ -28,6 +28,7 @@ import re
 import secrets
 import struct
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -77,11 +78,19 @@ class Claim:
                 _unlink(staged)
                 raise
         self._fd: int | None = fd
+        # The worker thread publishes as it keeps an entry while the event loop may close the
+        # claim: a write after the close would land in whatever file took the descriptor's number.
+        self._lock = threading.Lock()
 
     def publish(self, held: int) -> None:
         """Say that this claimant's window holds `held` bytes now (one 8-byte write, in place)."""
-        if self._fd is not None:
-            os.pwrite(self._fd, _HELD.pack(max(0, held)), 0)
+        with self._lock:
+            if self._fd is None:
+                return
+            try:
+                os.pwrite(self._fd, _HELD.pack(max(0, held)), 0)
+            except OSError as e:  # the others then count what it said last: sizing, not safety
+                log.warning("device claim %s: cannot say what it holds (%s)", self.path.name, e)
 
     def others(self) -> list[int]:
         """The bytes each other live claimant on this device holds; the dead ones' files removed."""
@@ -100,11 +109,12 @@ class Claim:
 
     def close(self) -> None:
         """Withdraw the claim (the lock goes with the descriptor; the file with the unlink)."""
-        if self._fd is None:
-            return
-        _unlink(self.path)
-        os.close(self._fd)
-        self._fd = None
+        with self._lock:
+            if self._fd is None:
+                return
+            _unlink(self.path)
+            os.close(self._fd)
+            self._fd = None
 
     def _claims(self) -> Iterator[Path]:
         for name in _names(self.folder):

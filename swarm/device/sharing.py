@@ -116,7 +116,8 @@ class Window(Protocol):
 
     @property
     def bytes(self) -> int:
-        """The bound as last sized: what the load reports' capacity is counted from."""
+        """The bound now (on a device, sized again as asked): what the load reports'
+        capacity is counted from."""
         ...
 
     def limit(self, held: int, reserve: int) -> int:
