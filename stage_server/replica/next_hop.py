@@ -5,7 +5,10 @@ stage (`Push`), chosen as a trainer chooses, and collects what comes back along 
 Who to send to: the least-loaded healthy replica among those the request's route names, by the
 smallest expected finish time (`swarm.policy.wiring`, fed by this replica's own in-flight calls
 and measured service times). A replica that answers busy gets the next try elsewhere and is not
-banned; one that fails is banned with backoff and the hop is tried on another.
+banned; one that fails is banned with backoff and the hop is tried on another. One that refuses
+what was handed over to it (`HandoverRefused`: it took nothing) is not at fault either: within
+the same try the same push goes to it again on the wire, and its site is forgotten
+(`stage_server.replica.handing`).
 
 Exactness: a failed call may have accumulated downstream all the same (it died after the
 backward, say). Its stages are never asked to accumulate again from here: the later tries only
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 
 from stage_server.replica.handing import Handing, Outgoing
 from swarm.clock import MonotonicClock
-from swarm.errors import PeerUnavailable
+from swarm.errors import HandoverRefused, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
@@ -96,20 +99,15 @@ class NextHop:
 
         reply = codec.codec_from_name(self.job.compression.backward)  # the gradient's codec
 
-        async def call(client: StageClient, accumulating: bool) -> PushResult:
-            peer = next((p for p, c in self.routes.clients.items() if c is client), "")
-            handing, near = self.handing, False
-            sent: TensorLike
-            if not isinstance(outputs, Outgoing):
-                sent = outputs
-            else:  # per hop: handed over to a co-located replica, else on the wire
-                near = handing is not None and handing.near(peer)
-                sent = outputs.handed() if near else outputs.wire()
+        async def push(client: StageClient, sent: TensorLike, accumulating: bool) -> PushResult:
+            """One push of `sent` to `client`; with a slot for the gradient (this try's own)
+            when `sent` is handed over."""
             slot = None
-            if near and need_grad and isinstance(sent, tensor_pb2.Tensor) and handing:
-                slot = handing.slot(sent, reply, self.job.compression.block_size)
+            if need_grad and self.handing is not None and _handed_over(sent):
+                assert isinstance(sent, tensor_pb2.Tensor)
+                slot = self.handing.slot(sent, reply, self.job.compression.block_size)
             try:
-                result = await client.push(
+                return await client.push(
                     step,
                     index,
                     sent,
@@ -125,7 +123,28 @@ class NextHop:
                 )
             finally:
                 if slot is not None:
-                    slot.release()  # this try's own: a later try gets another
+                    slot.release()  # a later try gets another
+
+        async def call(client: StageClient, accumulating: bool) -> PushResult:
+            peer = next((p for p, c in self.routes.clients.items() if c is client), "")
+            handing = self.handing
+            sent: TensorLike | None = None
+            if not isinstance(outputs, Outgoing):
+                sent = outputs
+            elif handing is not None and handing.near(peer):  # per hop: to a co-located one
+                sent = outputs.handed()  # None: this replica could not offer them
+            if sent is None:
+                assert isinstance(outputs, Outgoing)
+                sent = outputs.wire()
+            try:
+                result = await push(client, sent, accumulating)
+            except HandoverRefused as e:
+                if handing is None or not isinstance(outputs, Outgoing) or not _handed_over(sent):
+                    raise  # bytes on the wire refused so: a failure as any other
+                # It took nothing (it refused while it read the request): the same push to the
+                # same replica on the wire, within this try; nothing counts against it.
+                handing.refused(peer, e)
+                result = await push(client, outputs.wire(), accumulating)
             if handing is not None:
                 handing.learned(peer, result.site)
             return result
@@ -159,3 +178,8 @@ class NextHop:
 
     async def close(self) -> None:
         await self.routes.close()
+
+
+def _handed_over(sent: TensorLike) -> bool:
+    """Whether `sent` names a handover rather than carrying its bytes."""
+    return isinstance(sent, tensor_pb2.Tensor) and sent.HasField("handover")

@@ -18,8 +18,8 @@ from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing, Outgoing
 from stage_server.replica.host_copies import TorchCopies
 from stage_server.replica.messages import Limits, Messages
-from stage_server.replica.next_hop import NextHop
-from swarm.errors import InvalidArgument
+from stage_server.replica.next_hop import NextHop, Pushed
+from swarm.errors import HandoverRefused, InvalidArgument, PeerUnavailable
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import codec
@@ -146,7 +146,7 @@ def test_a_replica_without_a_site_hands_nothing_over() -> None:
     assert h.handover is None and not h.near("b") and h.forms(["b"]) == (False, True)
     header = codec.encode(torch.zeros(2), "inputs")
     assert h.slot(header, codec.CODEC_NONE, 2048) is None
-    with pytest.raises(InvalidArgument, match="no site"):
+    with pytest.raises(HandoverRefused, match="no handover site"):  # the caller: the wire
         h.take(0, header)
 
 
@@ -164,3 +164,82 @@ def test_a_gradient_goes_into_the_callers_slot_when_it_opens(fills: bool) -> Non
         assert torch.equal(codec.decode(msg, slot.read()), grad)
     else:  # the slot did not open from here: the bytes go on the wire
         assert not msg.HasField("handover") and torch.equal(codec.decode(msg), grad)
+
+
+def handed_forms(calls: FakeCalls) -> list[tuple[str, bool, bool]]:
+    """Each push's (replica, handed over, with a slot)."""
+    forms = []
+    for peer, msg, reply in calls.pushed:
+        assert isinstance(msg, tensor_pb2.Tensor)
+        forms.append((peer, msg.HasField("handover"), reply is not None))
+    return forms
+
+
+async def test_a_refused_handover_is_sent_again_on_the_wire_in_the_same_try(
+    tmp_path: Path,
+) -> None:
+    # b answered our site, so the second push is handed over; b refuses it (it could not take
+    # the handle: HandoverRefused, it took nothing). Within that try the same push goes to b on
+    # the wire, b is not banned, and every later push to b goes on the wire though b still
+    # answers our site.
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    calls, fake = FakeCalls(sites={"b": SITE}), FakeHandover()
+    h = handing(fake)
+    hop = NextHop(job, "job", 0, None, client_factory=calls.factory(), handing=h)
+    t = torch.randn(2, 4, dtype=torch.float64)
+    try:
+        await push(hop, outgoing(h, t), "b")
+        calls.fail_next("b", HandoverRefused("handover refused: tensor 'inputs': a bad handle"))
+        refused = outgoing(h, t)
+        done = await push(hop, refused, "b")
+        later = outgoing(h, t)
+        await push(hop, later, "b")
+        assert hop.routes.wiring[1].banned_until("b") is None, "b is not at fault"
+    finally:
+        await hop.close()
+    assert isinstance(done, Pushed) and done.path == ["b"]
+    assert handed_forms(calls) == [
+        ("b", False, False),
+        ("b", True, True),
+        ("b", False, False),
+        ("b", False, False),
+    ]
+    assert not h.near("b")
+    refused.release()
+    later.release()
+    assert fake.store == {}, "the refused offer and its slot are released"
+
+
+async def test_a_refusal_of_bytes_on_the_wire_is_a_failure_as_any(tmp_path: Path) -> None:
+    # Only a handed-over push is sent again: "refused" on the wire is a failure (b is banned).
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    calls = FakeCalls()
+    h = handing(FakeHandover())
+    hop = NextHop(job, "job", 0, None, client_factory=calls.factory(), handing=h)
+    calls.fail_next("b", HandoverRefused("handover refused: nothing was handed over"))
+    try:
+        with pytest.raises(PeerUnavailable, match="no replica took the microbatch"):
+            await push(hop, outgoing(h, torch.ones(2, dtype=torch.float64)), "b")
+        assert hop.routes.wiring[1].banned_until("b") is not None
+    finally:
+        await hop.close()
+
+
+class FailingOffers(FakeHandover):
+    def offer(self, payload: torch.Tensor) -> Offer:
+        raise RuntimeError("cannot share this storage")
+
+
+async def test_a_replica_that_cannot_offer_sends_on_the_wire(tmp_path: Path) -> None:
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    calls, fake = FakeCalls(sites={"b": SITE}), FailingOffers()
+    h = handing(fake)
+    hop = NextHop(job, "job", 0, None, client_factory=calls.factory(), handing=h)
+    t = torch.randn(2, 4, dtype=torch.float64)
+    try:
+        await push(hop, outgoing(h, t), "b")
+        await push(hop, outgoing(h, t), "b")  # near, but the offer fails: the wire
+    finally:
+        await hop.close()
+    assert handed_forms(calls) == [("b", False, False), ("b", False, False)]
+    assert h.forms(["b"]) == (False, True), "nothing handed over from then on"
