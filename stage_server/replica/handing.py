@@ -20,6 +20,7 @@ decodes the same either way, so a replay on another path is exact."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from swarm.wire import codec, hadamard
 from swarm.wire.handover import Handover, Offer, handover_for
 from swarm.wire.site import site
 
-__all__ = ["Handing", "Outgoing", "reply_header"]
+__all__ = ["Handing", "Outgoing", "Outgoings", "reply_header"]
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ class Outgoing:
     _wire: tensor_pb2.Tensor | None = None
     _handed: tuple[tensor_pb2.Tensor, Offer] | None = None
     _released: bool = field(default=False)
+    _taken: bool = field(default=False)  # a receiver may have mapped the bytes handed over
 
     def wire(self) -> tensor_pb2.Tensor:
         """The message with its bytes (their copy to the host waits on the device)."""
@@ -192,7 +194,43 @@ class Outgoing:
             self.handing.metrics.handed("offered")
         return self._handed[0]
 
+    def taken(self) -> None:
+        """A try handed them over to a replica that took them, or may have (its call failed
+        after it read them); tries it never reached, or that were refused or turned away busy,
+        do not count."""
+        self._taken = True
+
     def release(self) -> None:
+        if self._handed is not None and not self._released:
+            offer = self._handed[1]
+            if not self._taken:  # offered, mapped by nobody: its count back (`Offer.unused`)
+                offer.unused()
+            offer.release()
         self._released = True
-        if self._handed is not None:
-            self._handed[1].release()
+
+
+class Outgoings:
+    """The outgoing tensors one push makes, released together when it ends (`release`), and one
+    made after that, at once: the worker thread makes them, and runs on after a call its caller
+    gave up on (cancelled while the forward ran), whose result nobody reads. Without this, such
+    a push left its outputs offered for good (a segment in /dev/shm, an allocation on a GPU)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the worker thread keeps, the event loop releases
+        self._made: list[Outgoing] = []
+        self._ended = False
+
+    def keep(self, out: Outgoing) -> Outgoing:
+        """`out`, made for this push: released with it, or now if it has ended."""
+        with self._lock:
+            if not self._ended:
+                self._made.append(out)
+                return out
+        out.release()
+        return out
+
+    def release(self) -> None:
+        with self._lock:
+            self._ended, made, self._made = True, self._made, []
+        for out in made:
+            out.release()

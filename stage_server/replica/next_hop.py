@@ -23,9 +23,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from stage_server.replica.handing import Handing, Outgoing
 from swarm.clock import MonotonicClock
-from swarm.errors import HandoverRefused, PeerUnavailable
+from swarm.errors import Busy, HandoverRefused, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
@@ -107,7 +109,7 @@ class NextHop:
                 assert isinstance(sent, tensor_pb2.Tensor)
                 slot = self.handing.slot(sent, reply, self.job.compression.block_size)
             try:
-                return await client.push(
+                result = await client.push(
                     step,
                     index,
                     sent,
@@ -121,9 +123,16 @@ class NextHop:
                     reply=slot,
                     run=run,
                 )
+            except (Busy, HandoverRefused):
+                if slot is not None:  # turned away before it was answered: nobody mapped it
+                    slot.unused()
+                raise
             finally:
                 if slot is not None:
                     slot.release()  # a later try gets another
+            if slot is not None and not isinstance(result.grad_inputs, torch.Tensor):
+                slot.unused()  # answered with the bytes: its slot was never mapped
+            return result
 
         async def call(client: StageClient, accumulating: bool) -> PushResult:
             peer = next((p for p, c in self.routes.clients.items() if c is client), "")
@@ -136,15 +145,27 @@ class NextHop:
             if sent is None:
                 assert isinstance(outputs, Outgoing)
                 sent = outputs.wire()
+            handed = isinstance(outputs, Outgoing) and _handed_over(sent)
             try:
                 result = await push(client, sent, accumulating)
             except HandoverRefused as e:
-                if handing is None or not isinstance(outputs, Outgoing) or not _handed_over(sent):
+                if handing is None or not isinstance(outputs, Outgoing) or not handed:
                     raise  # bytes on the wire refused so: a failure as any other
                 # It took nothing (it refused while it read the request): the same push to the
                 # same replica on the wire, within this try; nothing counts against it.
                 handing.refused(peer, e)
                 result = await push(client, outputs.wire(), accumulating)
+            except Busy:
+                raise  # turned away before it read the handle
+            except BaseException:
+                if handed:  # it may have taken them before the call failed
+                    assert isinstance(outputs, Outgoing)
+                    outputs.taken()
+                raise
+            else:
+                if handed:
+                    assert isinstance(outputs, Outgoing)
+                    outputs.taken()
             if handing is not None:
                 handing.learned(peer, result.site)
             return result

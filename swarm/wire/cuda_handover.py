@@ -72,17 +72,26 @@ class CudaHandover:
         key = _own_key(handle.cuda)
         self.ipc.offered(key, payload)
         held: list[torch.Tensor] = [payload]  # alive until released
+        counted = [True]  # the one receiver torch counts on, until it is given back
+
+        def unused() -> None:
+            if counted and held:
+                counted.clear()
+                self.ipc.returned(s.ref_counter, s.ref_counter_offset)
 
         def release() -> None:
             held.clear()  # the payload's last reference here: torch may free it now
             self.ipc.withdrawn(key)
 
-        return Offer(handle, payload.numel(), read=lambda: held[0], release=release)
+        return Offer(handle, payload.numel(), read=lambda: held[0], release=release, unused=unused)
 
     def take(self, handle: tensor_pb2.Handover, nbytes: int) -> torch.Tensor:
         args = rebuild_args(handle, nbytes, self.ipc.index)  # checked before any device call
         own = self._own(handle.cuda, nbytes)
-        return self.ipc.copy_out(lambda: own if own is not None else self.ipc.rebuild(args))
+        out = self.ipc.copy_out(lambda: own if own is not None else self.ipc.rebuild(args))
+        if own is not None:  # taken without a mapping, whose end would give the count back
+            self.ipc.returned(handle.cuda.ref_counter, handle.cuda.ref_counter_offset)
+        return out
 
     def slot(self, nbytes: int) -> Offer:
         return self.offer(self.ipc.empty(nbytes))
@@ -97,6 +106,8 @@ class CudaHandover:
             return False
         self.ipc.copy_in(mapped, payload)
         del mapped
+        if own is not None:  # filled without a mapping, whose end would give the count back
+            self.ipc.returned(handle.cuda.ref_counter, handle.cuda.ref_counter_offset)
         return True
 
     def _own(self, c: tensor_pb2.CudaIpc, nbytes: int) -> torch.Tensor | None:

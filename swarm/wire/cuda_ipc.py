@@ -87,6 +87,13 @@ class CudaIpc(Protocol):
         """The offer under `key` released."""
         ...
 
+    def returned(self, ref_counter: bytes, ref_counter_offset: int) -> None:
+        """One receiver's count of a share given back without a mapping: torch keeps a shared
+        allocation its maker freed until the receiver each share counts on let go of its
+        mapping. For a share no receiver maps (its maker knows) and one this process took from
+        its own tensor."""
+        ...
+
 
 # This process's offers (the own-offer lookup), weakly: a released offer's payload is freed
 # with its last reference, whatever this map says.
@@ -142,6 +149,12 @@ class TorchIpc:
     def withdrawn(self, key: OwnKey) -> None:
         _OFFERED.pop(key, None)
 
+    def returned(self, ref_counter: bytes, ref_counter_offset: int) -> None:
+        # what `rebuild_cuda_tensor` does for a storage it maps already
+        torch.UntypedStorage._release_ipc_counter(  # type: ignore[attr-defined]
+            ref_counter, ref_counter_offset, device=self.device
+        )
+
 
 def torch_handle() -> bytes:
     """A handle in torch 2.11's format for a `cudaMalloc` block: version 2, type `c`, then the
@@ -151,32 +164,43 @@ def torch_handle() -> bytes:
 
 @dataclass
 class HostDevice:
-    """The stand-in's device: the allocations its processes (`HostIpc`s) shared, by handle,
-    each held weakly as torch's limbo holds a shared CUDA block (freed with its last user), and
-    handles made by `handle` (torch 2.11's format unless a test asks another)."""
+    """The stand-in's device: the allocations its processes (`HostIpc`s) shared, by handle, and
+    handles made by `handle` (torch 2.11's format unless a test asks another). As torch's,
+    each share counts on one receiver, which gives its count back when its mapping goes; an
+    allocation lives while its maker holds it or a share of it still counts on a receiver
+    (torch's "limbo")."""
 
     handle: Callable[[], bytes] = torch_handle
-    _shared: dict[bytes, StorageWeakRef] = field(default_factory=dict)
+    _storages: dict[bytes, StorageWeakRef] = field(default_factory=dict)
     _handles: dict[int, bytes] = field(default_factory=dict)  # a storage's address -> handle
+    _counts: dict[int, int] = field(default_factory=dict)  # a share -> receivers counted on
+    _limbo: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # held for them
 
-    def share(self, storage: torch.UntypedStorage) -> bytes:
+    def share(self, storage: torch.UntypedStorage) -> tuple[bytes, int]:
+        """`storage`'s allocation's handle, and the new share's counter."""
         ptr = storage.data_ptr()
-        known = self._handles.get(ptr)
-        if known is not None and not self._shared[known].expired():
-            return known
-        handle = self.handle()
-        self._handles[ptr], self._shared[handle] = handle, StorageWeakRef(storage)
-        return handle
+        handle = self._handles.get(ptr)
+        if handle is None or self._storages[handle].expired():
+            handle = self.handle()
+            self._handles[ptr], self._storages[handle] = handle, StorageWeakRef(storage)
+        counter = len(self._counts)
+        self._counts[counter], self._limbo[counter] = 1, storage
+        return handle, counter
+
+    def returned(self, counter: int) -> None:
+        self._counts[counter] -= 1
+        if self._counts[counter] <= 0:
+            self._limbo.pop(counter, None)
 
     def opened(self, handle: bytes) -> torch.UntypedStorage:
-        ref = self._shared.get(handle)
+        ref = self._storages.get(handle)
         if ref is None or ref.expired():
             raise RuntimeError("CUDA error: invalid resource handle")  # as the driver says
         return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)  # type: ignore[attr-defined, no-any-return]
 
     def live(self) -> int:
-        """How many shared allocations are still alive (some process holds them)."""
-        return sum(not ref.expired() for ref in self._shared.values())
+        """How many shared allocations are still alive (held by a process, or in limbo)."""
+        return sum(not ref.expired() for ref in self._storages.values())
 
 
 _REBUILD = inspect.signature(rebuild_cuda_tensor)
@@ -195,15 +219,16 @@ class HostIpc:
         self.rebuilt: list[dict[str, Any]] = []
         self._mine: set[bytes] = set()  # handles this process shared
         self._offered: dict[OwnKey, torch.Tensor] = {}
+        self._mapped: int | None = None  # the counter of the mapping `rebuild` made last
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def share(self, payload: torch.Tensor) -> Shared:
         storage = payload.untyped_storage()
-        handle = self.host.share(storage)
+        handle, counter = self.host.share(storage)
         self._mine.add(handle)
-        return Shared(self.index, handle, storage.nbytes(), 0, b"/standin", 0, bytes(64), True)
+        return Shared(self.index, handle, storage.nbytes(), 0, b"/host", counter, bytes(64), True)
 
     def rebuild(self, args: tuple[Any, ...]) -> torch.Tensor:
         a = _REBUILD.bind(*args).arguments
@@ -214,13 +239,27 @@ class HostIpc:
         if storage.nbytes() != a["storage_size_bytes"] or a["storage_offset_bytes"]:
             raise RuntimeError("CUDA error: invalid argument")
         whole = torch.empty(0, dtype=a["dtype"]).set_(storage)  # type: ignore[call-overload]
+        self._mapped = a["ref_counter_offset"]
         return whole.as_strided(a["tensor_size"], a["tensor_stride"], a["tensor_offset"])
 
     def copy_out(self, mapped: Callable[[], torch.Tensor]) -> torch.Tensor:
-        return mapped().clone()
+        self._mapped = None
+        out = mapped().clone()
+        self._unmapped()
+        return out
 
     def copy_in(self, mapped: torch.Tensor, payload: torch.Tensor) -> None:
         mapped.copy_(payload)
+        self._unmapped()
+
+    def returned(self, ref_counter: bytes, ref_counter_offset: int) -> None:
+        self.host.returned(ref_counter_offset)
+
+    def _unmapped(self) -> None:
+        """The mapping `rebuild` made goes, giving its count back (none for an own tensor)."""
+        if self._mapped is not None:
+            self.host.returned(self._mapped)
+        self._mapped = None
 
     def offered(self, key: OwnKey, payload: torch.Tensor) -> None:
         self._offered[key] = payload

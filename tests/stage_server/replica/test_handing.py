@@ -19,7 +19,7 @@ from stage_server.replica.handing import Handing, Outgoing
 from stage_server.replica.host_copies import TorchCopies
 from stage_server.replica.messages import Limits, Messages
 from stage_server.replica.next_hop import NextHop, Pushed
-from swarm.errors import HandoverRefused, InvalidArgument, PeerUnavailable
+from swarm.errors import Busy, HandoverRefused, InvalidArgument, PeerUnavailable
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import codec
@@ -39,6 +39,7 @@ class FakeHandover:
 
     def __init__(self, fills: bool = True) -> None:
         self.store: dict[str, torch.Tensor] = {}
+        self.unused: list[str] = []  # offers and slots whose owner said nobody mapped them
         self.fills, self._names = fills, itertools.count()
 
     def offer(self, payload: torch.Tensor) -> Offer:
@@ -59,6 +60,7 @@ class FakeHandover:
             nbytes,
             read=lambda: self.store[name].clone(),
             release=lambda: self.store.pop(name, None),  # type: ignore[arg-type, return-value]
+            unused=lambda: self.unused.append(name),
         )
 
     def fill(self, handle: tensor_pb2.Handover, payload: torch.Tensor) -> bool:
@@ -166,6 +168,13 @@ def test_a_gradient_goes_into_the_callers_slot_when_it_opens(fills: bool) -> Non
         assert not msg.HasField("handover") and torch.equal(codec.decode(msg), grad)
 
 
+def next_hop(tmp_path: Path, calls: FakeCalls, fake: FakeHandover) -> tuple[Handing, NextHop]:
+    """A replica of stage 0 (of 3) handing over through `fake`, pushing to `calls`' replicas."""
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    h = handing(fake)
+    return h, NextHop(job, "job", 0, None, client_factory=calls.factory(), handing=h)
+
+
 def handed_forms(calls: FakeCalls) -> list[tuple[str, bool, bool]]:
     """Each push's (replica, handed over, with a slot)."""
     forms = []
@@ -182,10 +191,8 @@ async def test_a_refused_handover_is_sent_again_on_the_wire_in_the_same_try(
     # the handle: HandoverRefused, it took nothing). Within that try the same push goes to b on
     # the wire, b is not banned, and every later push to b goes on the wire though b still
     # answers our site.
-    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
     calls, fake = FakeCalls(sites={"b": SITE}), FakeHandover()
-    h = handing(fake)
-    hop = NextHop(job, "job", 0, None, client_factory=calls.factory(), handing=h)
+    h, hop = next_hop(tmp_path, calls, fake)
     t = torch.randn(2, 4, dtype=torch.float64)
     try:
         await push(hop, outgoing(h, t), "b")
@@ -208,14 +215,16 @@ async def test_a_refused_handover_is_sent_again_on_the_wire_in_the_same_try(
     refused.release()
     later.release()
     assert fake.store == {}, "the refused offer and its slot are released"
+    # neither the refused outputs nor that try's slot were mapped: their counts given back
+    [(_, handed, slot)] = [p for p in calls.pushed if p[1].HasField("handover")]  # type: ignore[union-attr]
+    assert isinstance(handed, tensor_pb2.Tensor) and slot is not None
+    assert sorted(fake.unused) == sorted([handed.handover.shm, slot.handle.shm])
 
 
 async def test_a_refusal_of_bytes_on_the_wire_is_a_failure_as_any(tmp_path: Path) -> None:
     # Only a handed-over push is sent again: "refused" on the wire is a failure (b is banned).
-    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
     calls = FakeCalls()
-    h = handing(FakeHandover())
-    hop = NextHop(job, "job", 0, None, client_factory=calls.factory(), handing=h)
+    h, hop = next_hop(tmp_path, calls, FakeHandover())
     calls.fail_next("b", HandoverRefused("handover refused: nothing was handed over"))
     try:
         with pytest.raises(PeerUnavailable, match="no replica took the microbatch"):
@@ -225,21 +234,56 @@ async def test_a_refusal_of_bytes_on_the_wire_is_a_failure_as_any(tmp_path: Path
         await hop.close()
 
 
+async def pushed_twice(
+    tmp_path: Path, fake: FakeHandover, error: Exception | None = None
+) -> tuple[Handing, FakeCalls]:
+    """Two pushes to b, which answers our site (so the second is handed over), `error` (if
+    any) b's answer to the second's first try; its outputs released when it ended."""
+    calls = FakeCalls(sites={"b": SITE})
+    h, hop = next_hop(tmp_path, calls, fake)
+    t = torch.randn(2, 4, dtype=torch.float64)
+    try:
+        await push(hop, outgoing(h, t), "b")
+        if error is not None:
+            calls.fail_next("b", error)
+        out = outgoing(h, t)
+        await push(hop, out, "b")
+        out.release()
+    finally:
+        await hop.close()
+    return h, calls
+
+
 class FailingOffers(FakeHandover):
     def offer(self, payload: torch.Tensor) -> Offer:
         raise RuntimeError("cannot share this storage")
 
 
 async def test_a_replica_that_cannot_offer_sends_on_the_wire(tmp_path: Path) -> None:
-    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
-    calls, fake = FakeCalls(sites={"b": SITE}), FailingOffers()
-    h = handing(fake)
-    hop = NextHop(job, "job", 0, None, client_factory=calls.factory(), handing=h)
-    t = torch.randn(2, 4, dtype=torch.float64)
-    try:
-        await push(hop, outgoing(h, t), "b")
-        await push(hop, outgoing(h, t), "b")  # near, but the offer fails: the wire
-    finally:
-        await hop.close()
+    h, calls = await pushed_twice(tmp_path, FailingOffers())  # near, but the offer fails
     assert handed_forms(calls) == [("b", False, False), ("b", False, False)]
     assert h.forms(["b"]) == (False, True), "nothing handed over from then on"
+
+
+async def test_what_a_replica_took_is_not_given_back_and_an_unfilled_slot_is(
+    tmp_path: Path,
+) -> None:
+    # b takes the handed-over outputs (mapped: torch counts on it to give them back) and
+    # answers its gradient with bytes (its slot never mapped: the owner gives its count back).
+    fake = FakeHandover()
+    _, calls = await pushed_twice(tmp_path, fake)
+    [slot] = [slot for _, _, slot in calls.pushed if slot is not None]
+    assert handed_forms(calls)[1] == ("b", True, True)
+    assert fake.unused == [slot.handle.shm]
+    assert fake.store == {}
+
+
+async def test_a_busy_replicas_slot_is_given_back_and_the_next_try_hands_over_again(
+    tmp_path: Path,
+) -> None:
+    fake = FakeHandover()
+    _, calls = await pushed_twice(tmp_path, fake, Busy("b: 4 microbatches queued"))
+    slots = [slot for _, _, slot in calls.pushed if slot is not None]
+    assert handed_forms(calls)[1:] == [("b", True, True), ("b", True, True)]
+    assert fake.unused == [s.handle.shm for s in slots], "busy, then answered with bytes"
+    assert fake.store == {}

@@ -141,21 +141,42 @@ def test_a_process_takes_its_own_offer_from_its_own_tensor() -> None:
     slot.release()
 
 
-def test_a_released_offer_frees_its_memory() -> None:
+def test_a_released_share_is_freed_once_no_receiver_is_counted_on() -> None:
+    # As torch does: each share counts on one receiver, which gives its count back when its
+    # mapping goes; an allocation its maker let go lives on ("limbo") while one is counted on.
     host = HostDevice()
     sender, receiver = (CudaHandover(torch.device("cpu"), HostIpc(host)) for _ in range(2))
     offer = sender.offer(sender.ipc.empty(N).fill_(9))
-    slot = receiver.slot(N)
-    taken = receiver.take(offer.handle, N)
-    assert host.live() == 2
+    taken = receiver.take(offer.handle, N)  # mapped, copied, the mapping gone: count given back
     offer.release()
-    slot.release()
     gc.collect()
-    assert host.live() == 0, "nothing holds a released share: torch frees it"
+    assert host.live() == 0, "taken and released: freed"
     assert torch.equal(taken, torch.full((N,), 9, dtype=torch.uint8)), "the copy is the taker's"
     with pytest.raises(RuntimeError, match="invalid resource handle"):
         receiver.take(offer.handle, N)
-    assert not sender.fill(slot.handle, taken), "a released slot: the answer goes on the wire"
+    slot = receiver.slot(N)  # a slot nobody fills (the answer came on the wire)
+    slot.release()
+    gc.collect()
+    assert host.live() == 1, "in limbo: it still counts on a receiver"
+    unused = receiver.slot(N)
+    unused.unused()  # its owner knows no receiver mapped it
+    unused.unused()  # once only
+    unused.release()
+    gc.collect()
+    assert host.live() == 1, "given back: freed (the first slot stays in limbo)"
+    assert not sender.fill(unused.handle, taken), "a released slot: the answer goes on the wire"
+
+
+def test_a_process_gives_back_the_count_of_what_it_took_from_itself() -> None:
+    host = HostDevice()
+    h = CudaHandover(torch.device("cpu"), HostIpc(host))
+    offer, slot = h.offer(h.ipc.empty(N).fill_(3)), h.slot(N)
+    h.take(offer.handle, N)
+    assert h.fill(slot.handle, torch.ones(N, dtype=torch.uint8))
+    offer.release()
+    slot.release()
+    gc.collect()
+    assert host.live() == 0
 
 
 def test_a_slot_of_another_size_or_device_is_answered_on_the_wire() -> None:
