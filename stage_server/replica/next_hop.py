@@ -108,6 +108,7 @@ class NextHop:
             if need_grad and self.handing is not None and _handed_over(sent):
                 assert isinstance(sent, tensor_pb2.Tensor)
                 slot = self.handing.slot(sent, reply, self.job.compression.block_size)
+            mapped = False  # whether the replica wrote into the slot, or may have
             try:
                 result = await client.push(
                     step,
@@ -123,16 +124,19 @@ class NextHop:
                     reply=slot,
                     run=run,
                 )
+                # a gradient that came into the slot is a tensor; one with its bytes, a message
+                mapped = isinstance(result.grad_inputs, torch.Tensor)
+                return result
             except (Busy, HandoverRefused):
-                if slot is not None:  # turned away before it was answered: nobody mapped it
-                    slot.unused()
+                raise  # turned away before it was answered: nobody mapped the slot
+            except BaseException:
+                mapped = True  # failed after it may have written it
                 raise
             finally:
-                if slot is not None:
-                    slot.release()  # a later try gets another
-            if slot is not None and not isinstance(result.grad_inputs, torch.Tensor):
-                slot.unused()  # answered with the bytes: its slot was never mapped
-            return result
+                if slot is not None:  # this try's own: a later try gets another
+                    if not mapped:
+                        slot.unused()
+                    slot.release()
 
         async def call(client: StageClient, accumulating: bool) -> PushResult:
             peer = next((p for p, c in self.routes.clients.items() if c is client), "")

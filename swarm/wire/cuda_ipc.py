@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import secrets
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -176,21 +177,25 @@ class HostDevice:
     _counts: dict[int, int] = field(default_factory=dict)  # a share -> receivers counted on
     _limbo: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # held for them
 
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # servers' threads share it
+
     def share(self, storage: torch.UntypedStorage) -> tuple[bytes, int]:
         """`storage`'s allocation's handle, and the new share's counter."""
         ptr = storage.data_ptr()
-        handle = self._handles.get(ptr)
-        if handle is None or self._storages[handle].expired():
-            handle = self.handle()
-            self._handles[ptr], self._storages[handle] = handle, StorageWeakRef(storage)
-        counter = len(self._counts)
-        self._counts[counter], self._limbo[counter] = 1, storage
+        with self._lock:
+            handle = self._handles.get(ptr)
+            if handle is None or self._storages[handle].expired():
+                handle = self.handle()
+                self._handles[ptr], self._storages[handle] = handle, StorageWeakRef(storage)
+            counter = len(self._counts)
+            self._counts[counter], self._limbo[counter] = 1, storage
         return handle, counter
 
     def returned(self, counter: int) -> None:
-        self._counts[counter] -= 1
-        if self._counts[counter] <= 0:
-            self._limbo.pop(counter, None)
+        with self._lock:
+            self._counts[counter] -= 1
+            if self._counts[counter] <= 0:
+                self._limbo.pop(counter, None)
 
     def opened(self, handle: bytes) -> torch.UntypedStorage:
         ref = self._storages.get(handle)
@@ -219,7 +224,6 @@ class HostIpc:
         self.rebuilt: list[dict[str, Any]] = []
         self._mine: set[bytes] = set()  # handles this process shared
         self._offered: dict[OwnKey, torch.Tensor] = {}
-        self._mapped: int | None = None  # the counter of the mapping `rebuild` made last
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -239,27 +243,19 @@ class HostIpc:
         if storage.nbytes() != a["storage_size_bytes"] or a["storage_offset_bytes"]:
             raise RuntimeError("CUDA error: invalid argument")
         whole = torch.empty(0, dtype=a["dtype"]).set_(storage)  # type: ignore[call-overload]
-        self._mapped = a["ref_counter_offset"]
-        return whole.as_strided(a["tensor_size"], a["tensor_stride"], a["tensor_offset"])
+        mapping = whole.as_strided(a["tensor_size"], a["tensor_stride"], a["tensor_offset"])
+        # as torch's mapping does when it goes: its receiver's count given back
+        weakref.finalize(mapping, self.host.returned, a["ref_counter_offset"])
+        return mapping
 
     def copy_out(self, mapped: Callable[[], torch.Tensor]) -> torch.Tensor:
-        self._mapped = None
-        out = mapped().clone()
-        self._unmapped()
-        return out
+        return mapped().clone()
 
     def copy_in(self, mapped: torch.Tensor, payload: torch.Tensor) -> None:
         mapped.copy_(payload)
-        self._unmapped()
 
     def returned(self, ref_counter: bytes, ref_counter_offset: int) -> None:
         self.host.returned(ref_counter_offset)
-
-    def _unmapped(self) -> None:
-        """The mapping `rebuild` made goes, giving its count back (none for an own tensor)."""
-        if self._mapped is not None:
-            self.host.returned(self._mapped)
-        self._mapped = None
 
     def offered(self, key: OwnKey, payload: torch.Tensor) -> None:
         self._offered[key] = payload

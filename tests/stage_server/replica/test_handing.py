@@ -60,7 +60,7 @@ class FakeHandover:
             nbytes,
             read=lambda: self.store[name].clone(),
             release=lambda: self.store.pop(name, None),  # type: ignore[arg-type, return-value]
-            unused=lambda: self.unused.append(name),
+            unused=lambda: self.unused.append(name) if name in self.store else None,
         )
 
     def fill(self, handle: tensor_pb2.Handover, payload: torch.Tensor) -> bool:
