@@ -11,10 +11,12 @@ logic runs on a CPU too (`HostIpc`).
 Lifetimes: the sender's `Offer` holds the payload tensor until the call ended, then releases it
 (drops it and withdraws it from this process's own offers), so torch frees the allocation once
 no receiver maps it: torch's shared reference counter keeps it from being reused while one
-does, and the receiver lets go right after its copy (it waits for the copy first). A share that
-no receiver ever maps (the hop went elsewhere, was refused or busy) stays in torch's "limbo"
-until the sender's release drops it. A dead sender's memory is the driver's to free; a receiver
-copies before it answers, so it never reads it afterwards.
+does, and the receiver lets go right after its copy (it waits for the copy first), giving back
+the count torch keeps the allocation for. A share that no receiver ever maps (the hop went
+elsewhere, was refused or busy; a slot answered with bytes) would keep it in torch's "limbo" for
+good: its sender gives that count back (`Offer.unused`) before it releases it, and a process
+that takes its own offer does as a mapping would. A dead sender's memory is the driver's to
+free; a receiver copies before it answers, so it never reads it afterwards.
 
 CUDA IPC cannot open an allocation in the process that made it: a handle this process offered
 is taken from its own tensor (servers in one process, as tests run them).
