@@ -138,40 +138,39 @@ class NextHop:
                         slot.unused()
                     slot.release()
 
-        async def call(client: StageClient, accumulating: bool) -> PushResult:
-            peer = next((p for p, c in self.routes.clients.items() if c is client), "")
+        async def hand(
+            client: StageClient, peer: str, out: Outgoing, accumulating: bool
+        ) -> PushResult:
+            """A push of `out` to `peer`: handed over where it shares this replica's site, and
+            on the wire, within the same try, where it refuses what was handed over."""
             handing = self.handing
-            sent: TensorLike | None = None
-            if not isinstance(outputs, Outgoing):
-                sent = outputs
-            elif handing is not None and handing.near(peer):  # per hop: to a co-located one
-                sent = outputs.handed()  # None: this replica could not offer them
-            if sent is None:
-                assert isinstance(outputs, Outgoing)
-                sent = outputs.wire()
-            handed = isinstance(outputs, Outgoing) and _handed_over(sent)
+            handed = out.handed() if handing is not None and handing.near(peer) else None
+            if handed is None:  # another site, or this replica could not offer them
+                return await push(client, out.wire(), accumulating)
             try:
-                result = await push(client, sent, accumulating)
+                result = await push(client, handed, accumulating)
             except HandoverRefused as e:
-                if handing is None or not isinstance(outputs, Outgoing) or not handed:
-                    raise  # bytes on the wire refused so: a failure as any other
                 # It took nothing (it refused while it read the request): the same push to the
-                # same replica on the wire, within this try; nothing counts against it.
+                # same replica on the wire; nothing counts against it, as the hop sees success.
+                assert handing is not None
                 handing.refused(peer, e)
-                result = await push(client, outputs.wire(), accumulating)
+                return await push(client, out.wire(), accumulating)
             except Busy:
                 raise  # turned away before it read the handle
             except BaseException:
-                if handed:  # it may have taken them before the call failed
-                    assert isinstance(outputs, Outgoing)
-                    outputs.taken()
+                out.taken()  # it may have taken them before the call failed
                 raise
+            out.taken()
+            return result
+
+        async def call(client: StageClient, accumulating: bool) -> PushResult:
+            peer = next((p for p, c in self.routes.clients.items() if c is client), "")
+            if isinstance(outputs, Outgoing):  # per hop: to a co-located replica, or the wire
+                result = await hand(client, peer, outputs, accumulating)
             else:
-                if handed:
-                    assert isinstance(outputs, Outgoing)
-                    outputs.taken()
-            if handing is not None:
-                handing.learned(peer, result.site)
+                result = await push(client, outputs, accumulating)
+            if self.handing is not None:
+                self.handing.learned(peer, result.site)
             return result
 
         try:
