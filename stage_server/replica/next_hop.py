@@ -152,6 +152,7 @@ class NextHop:
             except HandoverRefused as e:
                 # It took nothing (it refused while it read the request): the same push to the
                 # same replica on the wire; nothing counts against it, as the hop sees success.
+                # (Their copy to the host is made here, on the loop: once a refusing replica.)
                 assert handing is not None
                 handing.refused(peer, e)
                 return await push(client, out.wire(), accumulating)
