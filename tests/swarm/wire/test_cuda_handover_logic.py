@@ -45,20 +45,21 @@ def ipc(h: CudaHandover) -> HostIpc:
     return h.ipc
 
 
-FORMATS = {
-    "torch 2.11 (version, c, cudaIpcMemHandle_t)": torch_handle,
-    "64 bytes (older torch)": lambda: secrets.token_bytes(64),
-    "70 bytes": lambda: b"\x03e" + secrets.token_bytes(68),
+FORMATS: dict[str, tuple[Callable[[], bytes], int]] = {  # a handle's maker, its length
+    "torch 2.11 (version, c, cudaIpcMemHandle_t)": (torch_handle, 66),
+    "64 bytes (older torch)": (lambda: secrets.token_bytes(64), 64),
+    "70 bytes": (lambda: b"\x03e" + secrets.token_bytes(68), 70),
 }
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_torchs_handle_reaches_its_rebuild_as_it_came(fmt: str) -> None:
-    sender, receiver = pair(FORMATS[fmt])
+    make, length = FORMATS[fmt]
+    sender, receiver = pair(make)
     memory = block()
     offer = sender.offer(memory[AT : AT + N])
     handle = offer.handle.cuda.storage
-    assert len(handle) == {0: 66, 1: 64, 2: 70}[list(FORMATS).index(fmt)]
+    assert len(handle) == length
     wire = tensor_pb2.Handover.FromString(offer.handle.SerializeToString())  # as it travels
     taken = receiver.take(wire, N)
     memory.zero_()  # what was taken is the receiver's own copy
