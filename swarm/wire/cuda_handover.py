@@ -90,9 +90,11 @@ class CudaHandover:
     def take(self, handle: tensor_pb2.Handover, nbytes: int) -> torch.Tensor:
         args = rebuild_args(handle, nbytes, self.ipc.index)  # checked before any device call
         own = self._own(handle.cuda, nbytes)
-        out = self.ipc.copy_out(lambda: own if own is not None else self.ipc.rebuild(args))
-        if own is not None:  # taken without a mapping, whose end would give the count back
-            self.ipc.returned(handle.cuda.ref_counter, handle.cuda.ref_counter_offset)
+        if own is None:
+            return self.ipc.copy_out(lambda: self.ipc.rebuild(args))
+        out = self.ipc.copy_out(lambda: own, own=True)
+        # taken without a mapping, whose end would have given the count back
+        self.ipc.returned(handle.cuda.ref_counter, handle.cuda.ref_counter_offset)
         return out
 
     def slot(self, nbytes: int) -> Offer:

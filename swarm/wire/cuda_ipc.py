@@ -66,9 +66,10 @@ class CudaIpc(Protocol):
         """The tensor `rebuild_cuda_tensor(*args)` maps from another process's allocation."""
         ...
 
-    def copy_out(self, mapped: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def copy_out(self, mapped: Callable[[], torch.Tensor], own: bool = False) -> torch.Tensor:
         """A copy of this process's own of what `mapped()` maps, done when this returns (the
-        mapping may go then), usable on the device's default stream."""
+        mapping may go then), usable on the device's default stream. `own`: `mapped()` is a
+        tensor of this process's, written on its default stream (no event to wait for)."""
         ...
 
     def copy_in(self, mapped: torch.Tensor, payload: torch.Tensor) -> None:
@@ -120,12 +121,14 @@ class TorchIpc:
         with torch.cuda.device(self.device):
             return rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call, no-any-return]
 
-    def copy_out(self, mapped: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def copy_out(self, mapped: Callable[[], torch.Tensor], own: bool = False) -> torch.Tensor:
         # On a stream of its own: a receiver takes on its event loop, and waits for this copy
         # (and the sender's event, which the mapping queues on this stream), not for the
-        # compute queued on the default stream.
+        # compute queued on the default stream; but for a tensor of its own, which has no event.
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
+        if own:
+            self._stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             source = mapped()
             out = source.clone()
@@ -248,7 +251,7 @@ class HostIpc:
         weakref.finalize(mapping, self.host.returned, a["ref_counter_offset"])
         return mapping
 
-    def copy_out(self, mapped: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def copy_out(self, mapped: Callable[[], torch.Tensor], own: bool = False) -> torch.Tensor:
         return mapped().clone()
 
     def copy_in(self, mapped: torch.Tensor, payload: torch.Tensor) -> None:
