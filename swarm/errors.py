@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "DeadlineExceeded",
     "FailedPrecondition",
+    "HandoverRefused",
     "InvalidArgument",
     "NonFiniteGradient",
     "NotFound",
@@ -66,6 +67,15 @@ class ActivationsNotCached(FailedPrecondition):
     activations: send it again with the inputs (the replica then recomputes)."""
 
     PREFIX = "activations not cached"
+
+
+class HandoverRefused(FailedPrecondition):
+    """A co-located replica could not take the tensor handed over to it (`swarm.wire.handover`):
+    a handle it cannot open, one of another device, memory gone. It took nothing: the caller
+    sends the same call again with the bytes on the wire, to the same replica, which is not at
+    fault (`stage_server.replica.next_hop`)."""
+
+    PREFIX = "handover refused"
 
 
 class NonFiniteGradient(FailedPrecondition):

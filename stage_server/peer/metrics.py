@@ -75,7 +75,8 @@ class StageMetrics:
             "swarm_stage_handovers_total",
             "Boundary tensors between co-located stage servers handed over through memory "
             "(stage_server/replica/handing.py), by way: offered (an activation sent), filled (a "
-            "gradient answered), taken (one received); each one's bytes went on no wire",
+            "gradient answered), taken (one received); each one's bytes went on no wire; and "
+            "refused (a replica pushed to could not take one: that push went on the wire)",
             "way",
         )
         # The same since `bind`, for the load reports (`stage_server.peer.boundary_traffic`).
@@ -148,7 +149,8 @@ class StageMetrics:
         self._raw_in.labels(**self.values).inc(raw_bytes)
 
     def handed(self, way: str) -> None:
-        """A tensor handed over (`stage_server.replica.handing`): "offered", "filled", "taken"."""
+        """A tensor handed over (`stage_server.replica.handing`): "offered", "filled", "taken";
+        "refused": a replica pushed to could not take it, and got the bytes instead."""
         self._handovers.labels(**self.values, way=way).inc()
 
     def sent(self, wire_bytes: int, raw_bytes: int, direction: Way, tokens: int) -> None:

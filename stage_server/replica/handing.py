@@ -5,16 +5,22 @@ on one host (and one device) pass activations and gradients through memory, not 
 Chosen per hop, on the push plane only: a replica announces its site in every Push answer
 (`StagePushResponse.site`), and the caller hands the next push to that replica over (its
 "inputs" offered, a slot for its "grad_inputs") once they are known to share it; the first push
-to each goes on the wire. A replica that cannot open what it is given refuses the call
-(InvalidArgument, tried elsewhere), and one that cannot open a slot answers on the wire; so a
-wrong guess costs a try, never a wrong tensor. Nothing else (the trainer's calls, the carry
-plane, commits, state transfers) is handed over: those take no handle (`chunking.receive`).
+to each goes on the wire. A replica that cannot open what it is given refuses the call with
+`HandoverRefused` (its cause in the text) before it does anything with it; its caller forgets
+that replica's site for good and sends the same call on the wire to it at once
+(`stage_server.replica.next_hop`), and a replica that cannot open a slot answers on the wire: a
+wrong guess costs one try, never a wrong tensor, and never a ban. A replica that cannot offer
+(its own handover fails) hands nothing over from then on. Nothing else (the trainer's calls, the
+carry plane, commits, state transfers) is handed over: those take no handle
+(`chunking.receive`).
 
 The bytes handed over are the wire's, after the codec (`codec.encode_payload`): a tensor
 decodes the same either way, so a replay on another path is exact."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,13 +28,15 @@ import torch
 
 from stage_server.peer.metrics import StageMetrics
 from swarm.device.host_copies import DeviceCopies
-from swarm.errors import InvalidArgument
+from swarm.errors import HandoverRefused
 from swarm.proto import tensor_pb2
 from swarm.wire import codec, hadamard
 from swarm.wire.handover import Handover, Offer, handover_for
 from swarm.wire.site import site
 
-__all__ = ["Handing", "Outgoing", "reply_header"]
+__all__ = ["Handing", "Outgoing", "Outgoings", "reply_header"]
+
+log = logging.getLogger(__name__)
 
 
 class Handing:
@@ -46,6 +54,8 @@ class Handing:
         self.handover: Handover | None = None
         self._device: torch.device | None = None
         self._sites: dict[str, str] = {}  # a replica pushed to -> the site its answer named
+        self._refused: set[str] = set()  # replicas that refused a handover: the wire for good
+        self._offers = True  # False once an offer failed here: nothing handed over then
 
     def serve(self, device: torch.device) -> None:
         if device == self._device:
@@ -59,7 +69,31 @@ class Handing:
 
     def near(self, peer: str) -> bool:
         """Whether a push to `peer` is handed over."""
-        return self.handover is not None and self._sites.get(peer) == self.site
+        return (
+            self.handover is not None
+            and self._offers
+            and peer not in self._refused
+            and self._sites.get(peer) == self.site
+        )
+
+    def refused(self, peer: str, error: HandoverRefused) -> None:
+        """`peer` could not take what was handed over to it: its site is forgotten, and every
+        later push to it goes on the wire (its answers naming our site again change nothing:
+        a wrong guess costs one try, not one try every other push)."""
+        first = peer not in self._refused  # others in flight then may be refused too
+        self._refused.add(peer)
+        self._sites.pop(peer, None)
+        self.metrics.handed("refused")
+        level = logging.WARNING if first else logging.INFO
+        log.log(level, "%s: %s; sending to it on the wire from now on", peer, error)
+
+    def offer_failed(self, error: Exception) -> None:
+        """This replica's own handover could not offer: nothing is handed over from now on."""
+        if self._offers:
+            log.warning(
+                "the %s handover cannot offer (%r): every push goes on the wire", self.site, error
+            )
+        self._offers = False
 
     def forms(self, peers: list[str]) -> tuple[bool, bool]:
         """(hand over, send bytes): the forms a push to one of `peers` may take."""
@@ -67,10 +101,17 @@ class Handing:
         return any(near), not all(near)
 
     def take(self, _index: int, meta: tensor_pb2.Tensor) -> torch.Tensor:
-        """A handed-over tensor's payload (`chunking.Handed`), refused without a handover."""
+        """A handed-over tensor's payload (`chunking.Handed`). Whatever keeps it from being
+        taken (no handover here, a handle this process cannot open, memory gone) is one
+        refusal, `HandoverRefused`, with its cause: the caller then sends the bytes."""
+        why = f"{HandoverRefused.PREFIX}: tensor {meta.name!r}"
         if self.handover is None:
-            raise InvalidArgument(f"tensor {meta.name!r} was handed over; this replica has no site")
-        payload = self.handover.take(meta.handover, meta.nbytes)
+            raise HandoverRefused(f"{why}: this replica has no handover site")
+        try:
+            payload = self.handover.take(meta.handover, meta.nbytes)
+        except Exception as e:  # any way it fails, the wire is the answer: named, not hidden
+            log.info("%s: %r", why, e)
+            raise HandoverRefused(f"{why}: {e}") from e
         self.metrics.handed("taken")
         return payload
 
@@ -124,6 +165,7 @@ class Outgoing:
     _wire: tensor_pb2.Tensor | None = None
     _handed: tuple[tensor_pb2.Tensor, Offer] | None = None
     _released: bool = field(default=False)
+    _taken: bool = field(default=False)  # a receiver may have mapped the bytes handed over
 
     def wire(self) -> tensor_pb2.Tensor:
         """The message with its bytes (their copy to the host waits on the device)."""
@@ -135,11 +177,16 @@ class Outgoing:
             self._wire = msg
         return self._wire
 
-    def handed(self) -> tensor_pb2.Tensor:
-        """The message naming the bytes handed over (offered once, for every try)."""
+    def handed(self) -> tensor_pb2.Tensor | None:
+        """The message naming the bytes handed over (offered once, for every try); None when
+        this replica's handover could not offer them (they go on the wire then)."""
         if self._handed is None:
             assert self.handing.handover is not None and not self._released
-            offer = self.handing.handover.offer(self.payload)
+            try:
+                offer = self.handing.handover.offer(self.payload)
+            except Exception as e:  # its own handover failing: the wire, named once
+                self.handing.offer_failed(e)
+                return None
             msg = tensor_pb2.Tensor()
             msg.CopyFrom(self.header)
             msg.handover.CopyFrom(offer.handle)
@@ -147,7 +194,43 @@ class Outgoing:
             self.handing.metrics.handed("offered")
         return self._handed[0]
 
+    def taken(self) -> None:
+        """A try handed them over to a replica that took them, or may have (its call failed
+        after it read them); tries it never reached, or that were refused or turned away busy,
+        do not count."""
+        self._taken = True
+
     def release(self) -> None:
+        if self._handed is not None and not self._released:
+            offer = self._handed[1]
+            if not self._taken:  # offered, mapped by nobody: its count back (`Offer.unused`)
+                offer.unused()
+            offer.release()
         self._released = True
-        if self._handed is not None:
-            self._handed[1].release()
+
+
+class Outgoings:
+    """The outgoing tensors one push makes, released together when it ends (`release`), and one
+    made after that, at once: the worker thread makes them, and runs on after a call its caller
+    gave up on (cancelled while the forward ran), whose result nobody reads. Without this, such
+    a push left its outputs offered for good (a segment in /dev/shm, an allocation on a GPU)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the worker thread keeps, the event loop releases
+        self._made: list[Outgoing] = []
+        self._ended = False
+
+    def keep(self, out: Outgoing) -> Outgoing:
+        """`out`, made for this push: released with it, or now if it has ended."""
+        with self._lock:
+            if not self._ended:
+                self._made.append(out)
+                return out
+        out.release()
+        return out
+
+    def release(self) -> None:
+        with self._lock:
+            self._ended, made, self._made = True, self._made, []
+        for out in made:
+            out.release()

@@ -297,10 +297,14 @@ class Messages:
         made later if a try needs it. On the worker thread, as `encode`."""
         msg, payload = codec.encode_payload(tensor, name, with_codec, self.limits.block_size)
         out = Outgoing(msg, payload, self.copies, self.handing)
-        if near and self.handing.handover is not None:
-            out.handed()
-        if far or self.handing.handover is None:
-            out.wire()
+        try:
+            if near and self.handing.handover is not None:
+                out.handed()
+            if far or self.handing.handover is None:
+                out.wire()
+        except BaseException:
+            out.release()  # offered already: nobody else would let it go
+            raise
         self._sent(msg, tensor, direction)
         return out
 

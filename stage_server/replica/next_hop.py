@@ -5,7 +5,10 @@ stage (`Push`), chosen as a trainer chooses, and collects what comes back along 
 Who to send to: the least-loaded healthy replica among those the request's route names, by the
 smallest expected finish time (`swarm.policy.wiring`, fed by this replica's own in-flight calls
 and measured service times). A replica that answers busy gets the next try elsewhere and is not
-banned; one that fails is banned with backoff and the hop is tried on another.
+banned; one that fails is banned with backoff and the hop is tried on another. One that refuses
+what was handed over to it (`HandoverRefused`: it took nothing) is not at fault either: within
+the same try the same push goes to it again on the wire, and its site is forgotten
+(`stage_server.replica.handing`).
 
 Exactness: a failed call may have accumulated downstream all the same (it died after the
 backward, say). Its stages are never asked to accumulate again from here: the later tries only
@@ -20,9 +23,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from stage_server.replica.handing import Handing, Outgoing
 from swarm.clock import MonotonicClock
-from swarm.errors import PeerUnavailable
+from swarm.errors import Busy, HandoverRefused, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
@@ -96,18 +101,14 @@ class NextHop:
 
         reply = codec.codec_from_name(self.job.compression.backward)  # the gradient's codec
 
-        async def call(client: StageClient, accumulating: bool) -> PushResult:
-            peer = next((p for p, c in self.routes.clients.items() if c is client), "")
-            handing, near = self.handing, False
-            sent: TensorLike
-            if not isinstance(outputs, Outgoing):
-                sent = outputs
-            else:  # per hop: handed over to a co-located replica, else on the wire
-                near = handing is not None and handing.near(peer)
-                sent = outputs.handed() if near else outputs.wire()
+        async def push(client: StageClient, sent: TensorLike, accumulating: bool) -> PushResult:
+            """One push of `sent` to `client`; with a slot for the gradient (this try's own)
+            when `sent` is handed over."""
             slot = None
-            if near and need_grad and isinstance(sent, tensor_pb2.Tensor) and handing:
-                slot = handing.slot(sent, reply, self.job.compression.block_size)
+            if need_grad and self.handing is not None and _handed_over(sent):
+                assert isinstance(sent, tensor_pb2.Tensor)
+                slot = self.handing.slot(sent, reply, self.job.compression.block_size)
+            mapped = False  # whether the replica wrote into the slot, or may have
             try:
                 result = await client.push(
                     step,
@@ -123,11 +124,54 @@ class NextHop:
                     reply=slot,
                     run=run,
                 )
+                # a gradient that came into the slot is a tensor; one with its bytes, a message
+                mapped = isinstance(result.grad_inputs, torch.Tensor)
+                return result
+            except (Busy, HandoverRefused):
+                raise  # turned away before it was answered: nobody mapped the slot
+            except BaseException:
+                mapped = True  # failed after it may have written it
+                raise
             finally:
-                if slot is not None:
-                    slot.release()  # this try's own: a later try gets another
-            if handing is not None:
-                handing.learned(peer, result.site)
+                if slot is not None:  # this try's own: a later try gets another
+                    if not mapped:
+                        slot.unused()
+                    slot.release()
+
+        async def hand(
+            client: StageClient, peer: str, out: Outgoing, accumulating: bool
+        ) -> PushResult:
+            """A push of `out` to `peer`: handed over where it shares this replica's site, and
+            on the wire, within the same try, where it refuses what was handed over."""
+            handing = self.handing
+            handed = out.handed() if handing is not None and handing.near(peer) else None
+            if handed is None:  # another site, or this replica could not offer them
+                return await push(client, out.wire(), accumulating)
+            try:
+                result = await push(client, handed, accumulating)
+            except HandoverRefused as e:
+                # It took nothing (it refused while it read the request): the same push to the
+                # same replica on the wire; nothing counts against it, as the hop sees success.
+                # (Their copy to the host is made here, on the loop: once a refusing replica.)
+                assert handing is not None
+                handing.refused(peer, e)
+                return await push(client, out.wire(), accumulating)
+            except Busy:
+                raise  # turned away before it read the handle
+            except BaseException:
+                out.taken()  # it may have taken them before the call failed
+                raise
+            out.taken()
+            return result
+
+        async def call(client: StageClient, accumulating: bool) -> PushResult:
+            peer = next((p for p, c in self.routes.clients.items() if c is client), "")
+            if isinstance(outputs, Outgoing):  # per hop: to a co-located replica, or the wire
+                result = await hand(client, peer, outputs, accumulating)
+            else:
+                result = await push(client, outputs, accumulating)
+            if self.handing is not None:
+                self.handing.learned(peer, result.site)
             return result
 
         try:
@@ -159,3 +203,8 @@ class NextHop:
 
     async def close(self) -> None:
         await self.routes.close()
+
+
+def _handed_over(sent: TensorLike) -> bool:
+    """Whether `sent` names a handover rather than carrying its bytes."""
+    return isinstance(sent, tensor_pb2.Tensor) and sent.HasField("handover")

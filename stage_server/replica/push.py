@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from stage_server.replica.answering import Answering
-from stage_server.replica.handing import Outgoing, reply_header
+from stage_server.replica.handing import Outgoing, Outgoings, reply_header
 from stage_server.replica.messages import Messages
 from stage_server.replica.next_hop import NextHop, Pushed
 from stage_server.replica.push_records import Arrived, PushRecord, PushRecords, sent_digest
@@ -241,6 +241,7 @@ class PushPlane:
         # handed over to a co-located replica, on the wire to another: ready for both it may be
         near, far = self.messages.handing.forms(list(h.route[0].peers) if h.route else [])
         block_size = self.messages.limits.block_size
+        made = Outgoings()  # released when this push ends, however it ends
 
         def on_host(out: torch.Tensor) -> tuple[Outgoing, tensor_pb2.Tensor | None, bytes]:
             # On the worker thread: what it sends, and (where it keeps a record) what it commits
@@ -248,7 +249,9 @@ class PushPlane:
             said = poison.outputs(step, out)
             forged = poison.sent(step, out) if not evaluate else None
             sent = forged if forged is not None else said
-            outgoing = self.messages.hand_on(sent, "inputs", sent_as, "forward", near, far)
+            outgoing = made.keep(
+                self.messages.hand_on(sent, "inputs", sent_as, "forward", near, far)
+            )
             if record is None:
                 return outgoing, None, b""
             if forged is None:
@@ -257,19 +260,19 @@ class PushPlane:
                 committed = codec.encode(said, "inputs", sent_as, block_size)
             return outgoing, committed, sent_digest(committed)
 
-        (outputs, said, said_digest), queued = await self.worker.run_then(
-            rt.forward,
-            on_host,
-            step,
-            index,
-            inputs,
-            evaluate=evaluate,
-            tokens=tokens,
-        )
-        if record is not None and said is not None:
-            record.sent("outputs", said, said_digest)
-        beside = self.messages.beside  # what goes on with the outputs: counted as sent too
         try:
+            (outputs, said, said_digest), queued = await self.worker.run_then(
+                rt.forward,
+                on_host,
+                step,
+                index,
+                inputs,
+                evaluate=evaluate,
+                tokens=tokens,
+            )
+            if record is not None and said is not None:
+                record.sent("outputs", said, said_digest)
+            beside = self.messages.beside  # what goes on with the outputs: counted as sent too
             pushed = await self._next_hop.send(
                 step,
                 index,
@@ -284,7 +287,7 @@ class PushPlane:
                 run=h.run,
             )
         finally:
-            outputs.release()  # every try ended: no replica reads them now
+            made.release()  # every try ended (or the call did): no replica reads them now
         return pushed, queued
 
     def _record(

@@ -9,6 +9,10 @@ Lifetimes are explicit, and belong to the side that knows when a call ends, the 
   own at once, so nothing it keeps depends on the sender living on.
 - `slot` is the caller's room for the answer's bytes ("grad_inputs"); the receiver `fill`s it
   before it answers, and the caller reads it (`Offer.read`) and releases it.
+- An offer or slot its caller knows no receiver mapped (refused, busy, answered with bytes) is
+  said `unused` before it is released: CUDA IPC keeps it otherwise (`swarm.wire.offer`).
+- A receiver that cannot take a handle raises; its replica refuses the call as
+  `HandoverRefused`, and the caller sends the bytes (`stage_server.replica.handing`).
 A SIGKILLed caller cannot release: shared memory is swept on the next start of any process on
 the host (`swarm.wire.shm_handover.sweep`); CUDA memory is the driver's, freed with its process.
 

@@ -22,3 +22,8 @@ class Offer:
     nbytes: int
     read: Callable[[], torch.Tensor]  # the bytes as they are now: a uint8 tensor of this side's
     release: Callable[[], None]  # idempotent
+    # Before `release`, when its owner knows no receiver mapped it (the call went elsewhere, was
+    # refused, or was turned away busy): CUDA IPC keeps a shared allocation, once its maker
+    # frees it, until the one receiver each share counts on let go; this gives that count back,
+    # so the allocation is freed, not kept in torch's "limbo" for ever. Nothing elsewhere.
+    unused: Callable[[], None] = lambda: None

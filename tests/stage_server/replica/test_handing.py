@@ -17,9 +17,9 @@ import torch
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing, Outgoing
 from stage_server.replica.messages import Limits, Messages
-from stage_server.replica.next_hop import NextHop
+from stage_server.replica.next_hop import NextHop, Pushed
 from swarm.device.host_copies import TorchCopies
-from swarm.errors import InvalidArgument
+from swarm.errors import Busy, HandoverRefused, InvalidArgument, PeerUnavailable
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import codec
@@ -39,6 +39,7 @@ class FakeHandover:
 
     def __init__(self, fills: bool = True) -> None:
         self.store: dict[str, torch.Tensor] = {}
+        self.unused: list[str] = []  # offers and slots whose owner said nobody mapped them
         self.fills, self._names = fills, itertools.count()
 
     def offer(self, payload: torch.Tensor) -> Offer:
@@ -59,6 +60,7 @@ class FakeHandover:
             nbytes,
             read=lambda: self.store[name].clone(),
             release=lambda: self.store.pop(name, None),  # type: ignore[arg-type, return-value]
+            unused=lambda: self.unused.append(name) if name in self.store else None,
         )
 
     def fill(self, handle: tensor_pb2.Handover, payload: torch.Tensor) -> bool:
@@ -146,7 +148,7 @@ def test_a_replica_without_a_site_hands_nothing_over() -> None:
     assert h.handover is None and not h.near("b") and h.forms(["b"]) == (False, True)
     header = codec.encode(torch.zeros(2), "inputs")
     assert h.slot(header, codec.CODEC_NONE, 2048) is None
-    with pytest.raises(InvalidArgument, match="no site"):
+    with pytest.raises(HandoverRefused, match="no handover site"):  # the caller: the wire
         h.take(0, header)
 
 
@@ -164,3 +166,124 @@ def test_a_gradient_goes_into_the_callers_slot_when_it_opens(fills: bool) -> Non
         assert torch.equal(codec.decode(msg, slot.read()), grad)
     else:  # the slot did not open from here: the bytes go on the wire
         assert not msg.HasField("handover") and torch.equal(codec.decode(msg), grad)
+
+
+def next_hop(tmp_path: Path, calls: FakeCalls, fake: FakeHandover) -> tuple[Handing, NextHop]:
+    """A replica of stage 0 (of 3) handing over through `fake`, pushing to `calls`' replicas."""
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    h = handing(fake)
+    return h, NextHop(job, "job", 0, None, client_factory=calls.factory(), handing=h)
+
+
+def handed_forms(calls: FakeCalls) -> list[tuple[str, bool, bool]]:
+    """Each push's (replica, handed over, with a slot)."""
+    forms = []
+    for peer, msg, reply in calls.pushed:
+        assert isinstance(msg, tensor_pb2.Tensor)
+        forms.append((peer, msg.HasField("handover"), reply is not None))
+    return forms
+
+
+async def test_a_refused_handover_is_sent_again_on_the_wire_in_the_same_try(
+    tmp_path: Path,
+) -> None:
+    # b answered our site, so the second push is handed over; b refuses it (it could not take
+    # the handle: HandoverRefused, it took nothing). Within that try the same push goes to b on
+    # the wire, b is not banned, and every later push to b goes on the wire though b still
+    # answers our site.
+    calls, fake = FakeCalls(sites={"b": SITE}), FakeHandover()
+    h, hop = next_hop(tmp_path, calls, fake)
+    t = torch.randn(2, 4, dtype=torch.float64)
+    try:
+        await push(hop, outgoing(h, t), "b")
+        calls.fail_next("b", HandoverRefused("handover refused: tensor 'inputs': a bad handle"))
+        refused = outgoing(h, t)
+        done = await push(hop, refused, "b")
+        later = outgoing(h, t)
+        await push(hop, later, "b")
+        assert hop.routes.wiring[1].banned_until("b") is None, "b is not at fault"
+    finally:
+        await hop.close()
+    assert isinstance(done, Pushed) and done.path == ["b"]
+    assert handed_forms(calls) == [
+        ("b", False, False),
+        ("b", True, True),
+        ("b", False, False),
+        ("b", False, False),
+    ]
+    assert not h.near("b")
+    refused.release()
+    later.release()
+    assert fake.store == {}, "the refused offer and its slot are released"
+    # neither the refused outputs nor that try's slot were mapped: their counts given back
+    [(_, handed, slot)] = [p for p in calls.pushed if p[1].HasField("handover")]  # type: ignore[union-attr]
+    assert isinstance(handed, tensor_pb2.Tensor) and slot is not None
+    assert sorted(fake.unused) == sorted([handed.handover.shm, slot.handle.shm])
+
+
+async def test_a_refusal_of_bytes_on_the_wire_is_a_failure_as_any(tmp_path: Path) -> None:
+    # Only a handed-over push is sent again: "refused" on the wire is a failure (b is banned).
+    calls = FakeCalls()
+    h, hop = next_hop(tmp_path, calls, FakeHandover())
+    calls.fail_next("b", HandoverRefused("handover refused: nothing was handed over"))
+    try:
+        with pytest.raises(PeerUnavailable, match="no replica took the microbatch"):
+            await push(hop, outgoing(h, torch.ones(2, dtype=torch.float64)), "b")
+        assert hop.routes.wiring[1].banned_until("b") is not None
+    finally:
+        await hop.close()
+
+
+async def pushed_twice(
+    tmp_path: Path, fake: FakeHandover, error: Exception | None = None
+) -> tuple[Handing, FakeCalls]:
+    """Two pushes to b, which answers our site (so the second is handed over), `error` (if
+    any) b's answer to the second's first try; its outputs released when it ended."""
+    calls = FakeCalls(sites={"b": SITE})
+    h, hop = next_hop(tmp_path, calls, fake)
+    t = torch.randn(2, 4, dtype=torch.float64)
+    try:
+        await push(hop, outgoing(h, t), "b")
+        if error is not None:
+            calls.fail_next("b", error)
+        out = outgoing(h, t)
+        await push(hop, out, "b")
+        out.release()
+    finally:
+        await hop.close()
+    return h, calls
+
+
+class FailingOffers(FakeHandover):
+    def offer(self, payload: torch.Tensor) -> Offer:
+        raise RuntimeError("cannot share this storage")
+
+
+async def test_a_replica_that_cannot_offer_sends_on_the_wire(tmp_path: Path) -> None:
+    h, calls = await pushed_twice(tmp_path, FailingOffers())  # near, but the offer fails
+    assert handed_forms(calls) == [("b", False, False), ("b", False, False)]
+    assert h.forms(["b"]) == (False, True), "nothing handed over from then on"
+
+
+async def test_what_a_replica_took_is_not_given_back_and_an_unfilled_slot_is(
+    tmp_path: Path,
+) -> None:
+    # b takes the handed-over outputs (mapped: torch counts on it to give them back) and
+    # answers its gradient with bytes (its slot never mapped: the owner gives its count back).
+    fake = FakeHandover()
+    _, calls = await pushed_twice(tmp_path, fake)
+    [slot] = [slot for _, _, slot in calls.pushed if slot is not None]
+    assert handed_forms(calls)[1] == ("b", True, True)
+    assert fake.unused == [slot.handle.shm]
+    assert fake.store == {}
+
+
+async def test_a_busy_replicas_slot_is_given_back_and_the_next_try_hands_over_again(
+    tmp_path: Path,
+) -> None:
+    fake = FakeHandover()
+    _, calls = await pushed_twice(tmp_path, fake, Busy("b: 4 microbatches queued"))
+    slots = [slot for _, _, slot in calls.pushed if slot is not None]
+    assert handed_forms(calls)[1:] == [("b", True, True), ("b", True, True)]
+    assert fake.unused == [s.handle.shm for s in slots], "busy, then answered with bytes"
+    assert fake.store == {}

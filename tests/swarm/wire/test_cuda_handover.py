@@ -1,7 +1,9 @@
 """The CUDA handover (`swarm.wire.cuda_handover`) between two real processes on one device (CUDA
 IPC does not open a process's own allocation): a payload offered from inside a larger allocation
 is taken as the receiver's own copy, which outlives the sender; a slot of the receiver's is
-filled by the other process. Runs where CUDA is (the device check's tests part)."""
+filled by the other process; a share nobody mapped stays allocated (torch's limbo) unless its
+maker gives its receiver count back (`Offer.unused`). Runs where CUDA is (the device check's
+tests part); the same logic on a CPU: tests/swarm/wire/test_cuda_handover_logic.py."""
 
 from __future__ import annotations
 
@@ -81,3 +83,26 @@ def test_cuda_handover_within_one_process_takes_its_own_tensor() -> None:
     assert torch.equal(slot.read().cpu(), expected(AT))
     offer.release()
     slot.release()
+
+
+@pytest.mark.parametrize("unused", [True, False])
+def test_a_share_nobody_mapped_is_freed_once_its_count_is_given_back(unused: bool) -> None:
+    # torch keeps a shared block its maker freed while a share still counts on a receiver
+    # ("limbo"): for good when nobody maps it, unless its maker gives the count back.
+    import gc
+
+    from swarm.wire.cuda_handover import CudaHandover
+
+    h = CudaHandover(torch.device("cuda", 0))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(0)
+    slot = h.slot(8 << 20)  # a slot nobody fills
+    assert torch.cuda.memory_allocated(0) >= before + (8 << 20)
+    if unused:
+        slot.unused()
+    slot.release()
+    del slot
+    gc.collect()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated(0) - before
+    assert (kept < 8 << 20) if unused else (kept >= 8 << 20), kept
