@@ -70,7 +70,7 @@ class ActivationsNotCached(FailedPrecondition):
 
 
 class HandoverRefused(FailedPrecondition):
-    """A co-located replica could not take the tensor handed over to it (`swarm.wire.handover`):
+    """A co-located replica could not take the tensor handed over to it (`swarm.device.handover`):
     a handle it cannot open, one of another device, memory gone. It took nothing: the caller
     sends the same call again with the bytes on the wire, to the same replica, which is not at
     fault (`stage_server.replica.next_hop`)."""

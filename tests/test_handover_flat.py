@@ -19,12 +19,12 @@ import pytest
 from scheduler.coordinator import LocalCoordinator, gather_state
 from stage_server.replica import messages
 from stage_server.replica.handing import Handing
+from swarm.device.cuda_handover import CudaHandover
+from swarm.device.cuda_ipc import HostDevice, HostIpc
+from swarm.device.shm_handover import PREFIX
+from swarm.device.site import SHM_DIR
 from swarm.job.fingerprint import fingerprint
 from swarm.ops.progress import StepRecord
-from swarm.wire.cuda_handover import CudaHandover
-from swarm.wire.cuda_ipc import HostDevice, HostIpc
-from swarm.wire.shm_handover import PREFIX
-from swarm.wire.site import SHM_DIR
 from tests.support.equality import assert_equal_to_local
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job

@@ -23,10 +23,10 @@ from stage_server.peer.metrics import StageMetrics
 from stage_server.replica import messages
 from stage_server.replica.handing import Handing
 from swarm.deadline import within
+from swarm.device.shm_handover import SharedMemoryHandover
 from swarm.errors import InvalidArgument
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import tensor_pb2
-from swarm.wire.shm_handover import SharedMemoryHandover
 from tests.support.equality import assert_equal_to_local
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job

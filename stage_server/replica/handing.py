@@ -1,4 +1,4 @@
-"""A replica's side of the handover (`swarm.wire.handover`): its site, the sites of the replicas
+"""A replica's side of the handover (`swarm.device.handover`): its site, the sites of the replicas
 it pushes to, and the outgoing tensors it hands over or sends. The issue 53 path: stage servers
 on one host (and one device) pass activations and gradients through memory, not gRPC bytes.
 
@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from stage_server.peer.metrics import StageMetrics
+from swarm.device.handover import Handover, Offer, handover_for
 from swarm.device.host_copies import DeviceCopies
+from swarm.device.site import site
 from swarm.errors import HandoverRefused
 from swarm.proto import tensor_pb2
 from swarm.wire import codec, hadamard
-from swarm.wire.handover import Handover, Offer, handover_for
-from swarm.wire.site import site
 
 __all__ = ["Handing", "Outgoing", "Outgoings", "reply_header"]
 

@@ -49,7 +49,7 @@ Payload = bytes | memoryview | torch.Tensor  # as `swarm.wire.chunking.Received`
 class Arrived:
     """A tensor as it came in: its message's header without the bytes (`meta`) and the bytes as
     received (`payload`: a message's own, a chunked stream's buffer, or a handed-over tensor's
-    `swarm.wire.handover` copy), in the encoding that crossed the boundary. Decoding is
+    `swarm.device.handover` copy), in the encoding that crossed the boundary. Decoding is
     deterministic: they decode to the very tensor the replica computed on and committed to."""
 
     meta: tensor_pb2.Tensor

@@ -13,6 +13,7 @@ from typing import Any, ParamSpec, TypeVar
 import grpc
 import torch
 
+from swarm.device.handover import Offer
 from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp, rule_of
@@ -28,7 +29,6 @@ from swarm.wire import chunking as wire
 from swarm.wire import codec
 from swarm.wire.chunking import grpc_options
 from swarm.wire.codec import CODEC_NONE
-from swarm.wire.handover import Offer
 
 __all__ = [
     "BackwardResult",
@@ -103,7 +103,7 @@ class PushResult:
     loss_sum: float
     queued_seconds: float
     path: list[str] = field(default_factory=list)  # the replicas of the later stages
-    site: str = ""  # the replica's handover site (`swarm.wire.site`; "": none)
+    site: str = ""  # the replica's handover site (`swarm.device.site`; "": none)
 
 
 def as_tensor(value: TensorLike) -> torch.Tensor:
@@ -158,7 +158,7 @@ class StageClient:
         self, method: Any, request: Any, timeout: float | None = None, slot: Offer | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """The answer's header and tensors (messages; one written into `slot`, the caller's
-        room for a co-located replica's answer, decoded already: `swarm.wire.handover`)."""
+        room for a co-located replica's answer, decoded already: `swarm.device.handover`)."""
         call = method(timeout=self._timeout if timeout is None else timeout)
         for msg in wire.split(request, self._chunk):
             await _write(call, msg)

@@ -76,7 +76,7 @@ writable byte buffer of exactly `meta.nbytes`, or None for a new one."""
 
 Handed = Callable[[int, Any], torch.Tensor]
 """`handed(i, meta)`: the payload of tensor `i`, handed over on this host (`meta.handover`),
-`meta.nbytes` bytes as a uint8 tensor this process owns (`swarm.wire.handover`)."""
+`meta.nbytes` bytes as a uint8 tensor this process owns (`swarm.device.handover`)."""
 
 
 def buffer(nbytes: int) -> memoryview:
@@ -269,7 +269,7 @@ async def receive(
     stream or a chunk that does not fit the header. A chunked tensor's bytes are written where
     `into` says (the caller's own tensor: a reply lands where it is used), else in a new
     `buffer`; each chunk is copied once, into place. A tensor handed over on this host
-    (`swarm.wire.handover`) is taken by `handed`, after those checks; without it, refused.
+    (`swarm.device.handover`) is taken by `handed`, after those checks; without it, refused.
     """
     it = stream.__aiter__()
     try:

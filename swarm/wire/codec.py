@@ -72,7 +72,7 @@ _BUFFER_WARNING = "The given buffer is not writable"
 _MAX_BLOCK_SIZE = 2**31 - 1  # Tensor.block_size is an int32
 
 Buffer = bytes | bytearray | memoryview
-# A payload handed over (`swarm.wire.handover`) comes as a 1-D uint8 tensor, on its device.
+# A payload handed over (`swarm.device.handover`) comes as a 1-D uint8 tensor, on its device.
 Payload = Buffer | torch.Tensor
 # A tensor's bytes on the host for as long as the context is open
 # (`swarm.device.host_copies`: through a reusable pinned buffer on CUDA). The default copies
@@ -129,7 +129,7 @@ def encode_payload(
     t: torch.Tensor, name: str, codec: int = CODEC_NONE, block_size: int = 2048
 ) -> tuple[tensor_pb2.Tensor, torch.Tensor]:
     """`encode`'s message without its `data`, and the encoded bytes (1-D uint8, on `t`'s
-    device) that go there, or are handed over instead (`swarm.wire.handover`)."""
+    device) that go there, or are handed over instead (`swarm.device.handover`)."""
     name_of_dtype = dtype_name(t.dtype)
     if codec not in _CODEC_NAMES:
         raise InvalidArgument(f"unknown codec {codec}; allowed: {sorted(_CODEC_NAMES)}")

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarm.device.handover import Offer
 from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc.stage_client import BackwardResult, PushResult, TensorLike
 from swarm.wire import codec
-from swarm.wire.handover import Offer
 
 __all__ = ["LOSS", "Call", "FakeCalls", "FakeStage"]
 

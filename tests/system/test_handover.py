@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm.device.shm_handover import PREFIX, sweep
+from swarm.device.site import SHM_DIR
 from swarm.ops.faults import Fault, Point
-from swarm.wire.shm_handover import PREFIX, sweep
-from swarm.wire.site import SHM_DIR
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
 from tests.support.servers import Servers, train_on

@@ -2,8 +2,9 @@
 the Protocol seam: a push goes on the wire until the replica pushed to answered the same site,
 then its inputs are handed over with a slot for the gradient, each try's slot released when it
 ends; the outputs are offered once for every try and released once; a gradient is written into
-the caller's slot when it opens, and sent as bytes when it does not. The real handovers are
-tested in tests/swarm/wire/test_handover.py and, across processes, tests/system/test_handover.py."""
+the caller's slot when it opens, and sent as bytes when it does not. The real handovers
+are tested in tests/swarm/device/test_handover.py and, across processes,
+tests/system/test_handover.py."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing, Outgoing
 from stage_server.replica.messages import Limits, Messages
 from stage_server.replica.next_hop import NextHop, Pushed
+from swarm.device.handover import Offer
 from swarm.device.host_copies import TorchCopies
 from swarm.errors import Busy, HandoverRefused, InvalidArgument, PeerUnavailable
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import codec
-from swarm.wire.handover import Offer
 from tests.support.jobs import make_job
 from tests.support.stages import FakeCalls
 

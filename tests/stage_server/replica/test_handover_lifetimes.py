@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
+from swarm.device.shm_handover import PREFIX
+from swarm.device.site import SHM_DIR
 from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient
 from swarm.wire import codec
-from swarm.wire.shm_handover import PREFIX
-from swarm.wire.site import SHM_DIR
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(120)

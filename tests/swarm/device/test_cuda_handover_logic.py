@@ -1,11 +1,11 @@
-"""The CUDA handover's logic (`swarm.wire.cuda_handover`) on a CPU, through its device seam's
-stand-in (`swarm.wire.cuda_ipc.HostIpc`: two "processes" of one stand-in device): the handle
+"""The CUDA handover's logic (`swarm.device.cuda_handover`) on a CPU, through its device seam's
+stand-in (`swarm.device.cuda_ipc.HostIpc`: two "processes" of one stand-in device): the handle
 torch gives goes to torch's `rebuild_cuda_tensor` as it came, whatever its length (torch 2.11's
 66 bytes, the 64 of older torch, 70); a malformed one (past its storage, negative, of another
 device, oversized) is refused with a clear error before any device call; a process takes its
 own offers from its own tensors; a released offer frees its memory (and cannot be taken any
 more); a slot that does not open is answered on the wire; and a replica turns a handle it cannot
-take into a named refusal. The real device calls: tests/swarm/wire/test_cuda_handover.py."""
+take into a named refusal. The real device calls: tests/swarm/device/test_cuda_handover.py."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import torch
 
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing
+from swarm.device.cuda_handover import MAX_HANDLE_BYTES, CudaHandover
+from swarm.device.cuda_ipc import HostDevice, HostIpc, torch_handle
 from swarm.errors import HandoverRefused, InvalidArgument
 from swarm.proto import tensor_pb2
-from swarm.wire.cuda_handover import MAX_HANDLE_BYTES, CudaHandover
-from swarm.wire.cuda_ipc import HostDevice, HostIpc, torch_handle
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""The device calls of the CUDA handover (`swarm.wire.cuda_handover`), behind one seam: share an
+"""The device calls of the CUDA handover (`swarm.device.cuda_handover`), behind one seam: share an
 allocation, rebuild (map) one another process shared, copy out of and into a mapping with the
 streams and waits that takes, and the process's own offers. `TorchIpc` makes them with torch
 on a CUDA device; `HostIpc` is a CPU stand-in that keeps the same contracts, so the handover's

@@ -1,11 +1,11 @@
-"""The handover of CUDA tensors (`swarm.wire.handover`) by CUDA IPC, device to device: the
+"""The handover of CUDA tensors (`swarm.device.handover`) by CUDA IPC, device to device: the
 sender shares the allocation that holds the payload (torch's `_share_cuda_`, what
 `torch.multiprocessing` sends between processes), the receiver maps it through torch's own path
 (`torch.multiprocessing.reductions.rebuild_cuda_tensor`) and copies it into a tensor of its own
 on the same device. The handle travels as fields (`CudaIpc`), never as a pickle, and as torch
 made it: its handles are opaque bytes whose length and layout are torch's (torch 2.11's is 66
 bytes, older ones 64, an expandable segment's more), bounded here only so that a hostile
-message stays small. The device calls are behind `swarm.wire.cuda_ipc`'s seam, so all of this
+message stays small. The device calls are behind `swarm.device.cuda_ipc`'s seam, so all of this
 logic runs on a CPU too (`HostIpc`).
 
 Lifetimes: the sender's `Offer` holds the payload tensor until the call ended, then releases it
@@ -21,7 +21,7 @@ free; a receiver copies before it answers, so it never reads it afterwards.
 CUDA IPC cannot open an allocation in the process that made it: a handle this process offered
 is taken from its own tensor (servers in one process, as tests run them).
 
-Only between processes on the same device (`swarm.wire.site` names the device's UUID): a
+Only between processes on the same device (`swarm.device.site` names the device's UUID): a
 receiver maps the allocation on the device that made it. Whatever cannot be taken is refused
 (`InvalidArgument` from here, a CUDA error from torch); the replica refuses the call and its
 caller sends the bytes on the wire instead (`stage_server.replica.handing`)."""
@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from swarm.device.cuda_ipc import CudaIpc, OwnKey, TorchIpc
+from swarm.device.offer import Offer
 from swarm.errors import InvalidArgument
 from swarm.proto import tensor_pb2
-from swarm.wire.cuda_ipc import CudaIpc, OwnKey, TorchIpc
-from swarm.wire.offer import Offer
 
 __all__ = ["MAX_HANDLE_BYTES", "CudaHandover", "rebuild_args"]
 

@@ -1,9 +1,9 @@
-"""The CUDA handover (`swarm.wire.cuda_handover`) between two real processes on one device (CUDA
+"""The CUDA handover (`swarm.device.cuda_handover`) between two real processes on one device (CUDA
 IPC does not open a process's own allocation): a payload offered from inside a larger allocation
 is taken as the receiver's own copy, which outlives the sender; a slot of the receiver's is
 filled by the other process; a share nobody mapped stays allocated (torch's limbo) unless its
 maker gives its receiver count back (`Offer.unused`). Runs where CUDA is (the device check's
-tests part); the same logic on a CPU: tests/swarm/wire/test_cuda_handover_logic.py."""
+tests part); the same logic on a CPU: tests/swarm/device/test_cuda_handover_logic.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ N, AT = 1000, 7  # the payload: N bytes at AT within a larger allocation
 SENDER = f"""
 import sys, torch
 from swarm.proto import tensor_pb2
-from swarm.wire.cuda_handover import CudaHandover
+from swarm.device.cuda_handover import CudaHandover
 h = CudaHandover(torch.device("cuda", 0))
 block = (torch.arange(1 << 20, device="cuda:0") % 251).to(torch.uint8)
 offer = h.offer(block[{AT}:{AT} + {N}])
@@ -41,7 +41,7 @@ def expected(at: int) -> torch.Tensor:
 
 
 def test_cuda_handover_between_two_processes_on_one_device() -> None:
-    from swarm.wire.cuda_handover import CudaHandover
+    from swarm.device.cuda_handover import CudaHandover
 
     h = CudaHandover(torch.device("cuda", 0))
     sender = subprocess.Popen(
@@ -70,7 +70,7 @@ def test_cuda_handover_between_two_processes_on_one_device() -> None:
 
 
 def test_cuda_handover_within_one_process_takes_its_own_tensor() -> None:
-    from swarm.wire.cuda_handover import CudaHandover
+    from swarm.device.cuda_handover import CudaHandover
 
     h = CudaHandover(torch.device("cuda", 0))
     block = (torch.arange(1 << 20, device="cuda:0") % 251).to(torch.uint8)
@@ -91,7 +91,7 @@ def test_a_share_nobody_mapped_is_freed_once_its_count_is_given_back(unused: boo
     # ("limbo"): for good when nobody maps it, unless its maker gives the count back.
     import gc
 
-    from swarm.wire.cuda_handover import CudaHandover
+    from swarm.device.cuda_handover import CudaHandover
 
     h = CudaHandover(torch.device("cuda", 0))
     torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""The handover of CPU tensors (`swarm.wire.handover`) through POSIX shared memory: a file of
+"""The handover of CPU tensors (`swarm.device.handover`) through POSIX shared memory: a file of
 `/dev/shm` per payload, written and read with one `pwritev`/`preadv` each (no mapping to tear
 down, nothing the other side can touch after its call: the reader copies into a tensor of its
 own). Named `swarm-ho-PIDNS-PID-RANDOM`: 128 random bits, so no one guesses another's, and its
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from swarm.device.offer import Offer
+from swarm.device.site import SHM_DIR
 from swarm.errors import InvalidArgument
 from swarm.proto import tensor_pb2
 from swarm.wire.chunking import tensor_bytes
-from swarm.wire.offer import Offer
-from swarm.wire.site import SHM_DIR
 
 __all__ = ["PREFIX", "SharedMemoryHandover", "sweep"]
 

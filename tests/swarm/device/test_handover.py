@@ -1,4 +1,4 @@
-"""The shared-memory handover (`swarm.wire.shm_handover`) for real, in a directory of its own:
+"""The shared-memory handover (`swarm.device.shm_handover`) for real, in a directory of its own:
 bytes offered are taken as a copy the receiver owns, a slot is filled and read, names that are
 not handover segments are refused, a SIGKILLed creator's segments are swept on the next start;
 the codec decodes a handed-over payload as it decodes the wire's bytes; a message that names a
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm.device.shm_handover import PREFIX, SharedMemoryHandover, sweep
+from swarm.device.site import site
 from swarm.errors import InvalidArgument
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import codec
 from swarm.wire.chunking import receive
-from swarm.wire.shm_handover import PREFIX, SharedMemoryHandover, sweep
-from swarm.wire.site import site
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +77,7 @@ def test_a_sigkilled_creators_segments_are_swept_on_the_next_start(tmp_path: Pat
     child = (
         "import os, signal, sys, torch\n"
         "from pathlib import Path\n"
-        "from swarm.wire.shm_handover import SharedMemoryHandover\n"
+        "from swarm.device.shm_handover import SharedMemoryHandover\n"
         "o = SharedMemoryHandover(Path(sys.argv[1])).offer(torch.zeros(8, dtype=torch.uint8))\n"
         "print(o.handle.shm, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"

@@ -10,14 +10,14 @@ Lifetimes are explicit, and belong to the side that knows when a call ends, the 
 - `slot` is the caller's room for the answer's bytes ("grad_inputs"); the receiver `fill`s it
   before it answers, and the caller reads it (`Offer.read`) and releases it.
 - An offer or slot its caller knows no receiver mapped (refused, busy, answered with bytes) is
-  said `unused` before it is released: CUDA IPC keeps it otherwise (`swarm.wire.offer`).
+  said `unused` before it is released: CUDA IPC keeps it otherwise (`swarm.device.offer`).
 - A receiver that cannot take a handle raises; its replica refuses the call as
   `HandoverRefused`, and the caller sends the bytes (`stage_server.replica.handing`).
 A SIGKILLed caller cannot release: shared memory is swept on the next start of any process on
-the host (`swarm.wire.shm_handover.sweep`); CUDA memory is the driver's, freed with its process.
+the host (`swarm.device.shm_handover.sweep`); CUDA memory is the driver's, freed with its process.
 
-Implementations: `swarm.wire.shm_handover` (CPU tensors, POSIX shared memory) and
-`swarm.wire.cuda_handover` (CUDA IPC, on the device). Which one a process uses: `handover_for`."""
+Implementations: `swarm.device.shm_handover` (CPU tensors, POSIX shared memory) and
+`swarm.device.cuda_handover` (CUDA IPC, on the device). Which one a process uses: `handover_for`."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from typing import Protocol
 
 import torch
 
+from swarm.device.offer import Offer
 from swarm.proto import tensor_pb2
-from swarm.wire.offer import Offer
 
 __all__ = ["Handover", "Offer", "handover_for"]
 
@@ -56,9 +56,9 @@ class Handover(Protocol):
 def handover_for(device: torch.device) -> Handover:
     """The handover of tensors on `device`."""
     if device.type == "cuda":
-        from swarm.wire.cuda_handover import CudaHandover  # only where CUDA is
+        from swarm.device.cuda_handover import CudaHandover  # only where CUDA is
 
         return CudaHandover(device)
-    from swarm.wire.shm_handover import SharedMemoryHandover
+    from swarm.device.shm_handover import SharedMemoryHandover
 
     return SharedMemoryHandover()

@@ -1,4 +1,4 @@
-"""What a handover (`swarm.wire.handover`) gives the process that made it: bytes offered to a
+"""What a handover (`swarm.device.handover`) gives the process that made it: bytes offered to a
 co-located process, or a slot for its answer."""
 
 from __future__ import annotations

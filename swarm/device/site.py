@@ -1,4 +1,4 @@
-"""The handover site of this process (`swarm.wire.handover`): two processes with the same site can
+"""The handover site of this process (`swarm.device.handover`): two processes with the same site can
 hand tensors over through memory instead of sending their bytes. Not an address (two homes'
 192.168.1.10 are two machines) nor the host id a stage server announces (containers cloned from
 one image share a machine id, and `SWARM_HOST_ID` may name several machines one domain): the
