@@ -97,6 +97,9 @@ ATTACKS: dict[str, str] = {
     "sums bent within the norm bound",
     "P-return": "a replica banned for lying is a member again, under its id, once the scheduler "
     "restarts",
+    # Issue 64 item 8 (with issue 68 item 1): the names an invite certifies
+    "64.8": "an invite issued for an authority's name (scheduler, admin, anything under "
+    "peer.swarm) or naming a host; an invite's holder attaching as another's peer",
 }
 
 
