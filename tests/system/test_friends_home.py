@@ -20,7 +20,6 @@ Needs root and nftables (CI has both)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -45,7 +44,6 @@ PEERS = {"a": "alice", "b": "gpu1.alice"}  # one invite, two machines
 SCHEDULER = f"{HUB}:7700"
 RELAY_PORT = 7100
 TOKEN = "friends-home-token"
-TALLY = "swarm_tally"  # the counting table in each LAN host's namespace
 _swarm = namespaces.swarm_argv
 
 
@@ -144,31 +142,14 @@ def test_a_second_machine_on_one_invite_is_carried_by_a_tls_relay(
 
 
 def _tally(lab: netns.Network, host: str, neighbour: str) -> None:
-    """Count, in `host`'s namespace, what arrives at its gRPC port from `neighbour` (the LAN,
-    directly) and what arrives from the relay (every tunnel's data connection, which `host`
-    opened to the relay's port)."""
-    rules = f"""table ip {TALLY} {{
-  chain input {{
-    type filter hook input priority filter; policy accept;
-    ip saddr {neighbour} tcp dport != {RELAY_PORT} counter comment "lan"
-    ip saddr {HUB} tcp sport {RELAY_PORT} counter comment "relay"
-  }}
-}}
-"""
-    netns.sh("ip", "netns", "exec", lab.ns[host], "nft", "-f", "-", stdin=rules)
-
-
-def _tallied(lab: netns.Network, host: str) -> dict[str, int]:
-    listing = netns.sh(
-        "ip", "netns", "exec", lab.ns[host], "nft", "-j", "list", "table", "ip", TALLY
+    """Count, in `host`'s namespace, what arrives from `neighbour` (the LAN, directly; its gRPC
+    port is any free one) and what arrives from the relay (every tunnel's data connection, which
+    `host` opened to the relay's port)."""
+    namespaces.tally(
+        lab,
+        host,
+        {"lan": f"ip saddr {neighbour}", "relay": f"ip saddr {HUB} tcp sport {RELAY_PORT}"},
     )
-    counted: dict[str, int] = {}
-    for item in json.loads(listing)["nftables"]:
-        rule = item.get("rule", {})
-        for expr in rule.get("expr", []):
-            if "counter" in expr:
-                counted[rule["comment"]] = int(expr["counter"]["bytes"])
-    return counted
 
 
 def test_two_machines_on_one_invite_hop_over_their_lan(lab: netns.Network, tmp_path: Path) -> None:
@@ -195,7 +176,7 @@ def test_two_machines_on_one_invite_hop_over_their_lan(lab: netns.Network, tmp_p
             assert state == "JOB_STATE_SUCCEEDED", home.story()
             out = tmp_path / "swarm.pt"
             home.on_hub("export", job_id, "--out", str(out), "--scheduler", SCHEDULER)
-            counted = {host: _tallied(lab, host) for host in lan}
+            counted = {host: namespaces.tallied(lab, host) for host in lan}
         finally:
             if looker is not None:
                 looker.close()
