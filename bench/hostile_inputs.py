@@ -100,6 +100,8 @@ ATTACKS: dict[str, str] = {
     # Issue 64 item 8 (with issue 68 item 1): the names an invite certifies
     "64.8": "an invite issued for an authority's name (scheduler, admin, anything under "
     "peer.swarm) or naming a host; an invite's holder attaching as another's peer",
+    "64.6-lan": "every caller (the scheduler's trainer included) probes the LAN address a "
+    "relayed peer announced, with the swarm's token",
 }
 
 

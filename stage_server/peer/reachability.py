@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 MAX_RELAYS = 64
 """Relays remembered from the peers' announcements (the latest announced): every other peer's
 announcement arrives here too, and only relays' addresses are kept, so this bounds the memory."""
+MAX_PUBLIC = 4096
+"""Peers whose public address is remembered (for `PeerPath.neighbour`), the latest announced."""
 
 REACHABILITY = {
     cpb.REACHABILITY_UNKNOWN: "unknown",
@@ -177,6 +179,8 @@ class PeerPath:
         self.report = cpb.ReachabilityReport()  # UNKNOWN until the scheduler's first
         self.relay = ""  # the relay this peer is attached to now, announced as `relay`
         self._relays: OrderedDict[str, str] = OrderedDict()  # relay peer -> its relay_address
+        # peer -> the public address its relay saw (its announcement's), for `neighbour`
+        self._public: OrderedDict[str, str] = OrderedDict()
         self._key = None  # what every attachment of this peer signs with, made at the first
         self._attachment: Attaching | None = None
         self._generation = 0  # which attachment's changes count: a stopped one's do not
@@ -192,6 +196,13 @@ class PeerPath:
         announced as a failure domain); "" while not attached, or when the relay did not say."""
         attachment = self._attachment
         return attachment.seen_from if attachment is not None and self.relay else ""
+
+    def neighbour(self, peer: str) -> bool:
+        """Whether `peer` is behind this peer's router: both relayed, their relays having seen
+        them come from one public address (`swarm.rpc.lan`'s scope: only a neighbour's LAN
+        address is probed)."""
+        own = self.public_address
+        return bool(own) and self._public.get(peer) == own
 
     def relays(self) -> list[str]:
         """The relays announced now: the one the scheduler's report says this peer answered
@@ -268,6 +279,11 @@ class PeerPath:
         peer = announcement.peer
         if peer == self.peer:
             return
+        self._public.pop(peer, None)
+        if announcement.public_address and announcement.state != cpb.PEER_STATE_OFFLINE:
+            self._public[peer] = announcement.public_address
+            while len(self._public) > MAX_PUBLIC:  # a flood of made-up peers: the oldest go
+                self._public.popitem(last=False)
         known = self._relays.pop(peer, None)
         usable = announcement.state != cpb.PEER_STATE_OFFLINE and not announcement.relay
         if announcement.relay_address and usable:
