@@ -102,6 +102,7 @@ ATTACKS: dict[str, str] = {
     "peer.swarm) or naming a host; an invite's holder attaching as another's peer",
     "64.6-lan": "every caller (the scheduler's trainer included) probes the LAN address a "
     "relayed peer announced, with the swarm's token",
+    "64.10": "a relay's announced id or address writes terminal escapes into `swarm doctor`",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from scheduler.dial_scope import NOT_DIALLED, DialScope
 from scheduler.reachability import DialFailed, ReachabilityChecker, path_text
 from swarm.net import paths
 from swarm.proto import control_pb2 as cpb
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -349,3 +351,26 @@ async def test_an_unreachable_peer_is_retried_ever_less_often() -> None:
         c.checker.announced(announce("a", "h:2"))  # a new address: checked at once
         await c.report()
         assert dialer.calls[-1] == "h:2"
+
+
+async def test_a_peers_first_check_without_a_relay_is_no_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 68 item 4: every normal start behind NAT logged `WARNING peer X is unreachable (a
+    private address, not dialled): give it --announce-host ...`, seconds before the peer was
+    relayed. Its first check, with no relay announced, is said at INFO; a check that fails
+    again, or one through its relay, at WARNING."""
+    caplog.set_level(logging.INFO, logger="scheduler.reachability")
+    async with checking(FakeDialer(), retry_s=0.05) as c:
+        c.checker.announced(announce("a", "192.168.1.20:5000"))
+        await c.report()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert "peer a is not reachable directly" in caplog.text
+        # checked again, still nothing (the same report, not published again): now trouble
+        await wait_until(lambda: _warned(caplog), "the second failed check warned")
+        assert _warned(caplog)[0].startswith("peer a is unreachable"), _warned(caplog)
+        assert len(c.published) == 1
+
+
+def _warned(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
