@@ -102,6 +102,8 @@ ATTACKS: dict[str, str] = {
     "peer.swarm) or naming a host; an invite's holder attaching as another's peer",
     "64.6-lan": "every caller (the scheduler's trainer included) probes the LAN address a "
     "relayed peer announced, with the swarm's token",
+    "64.6-scope": "an announced ipv4:127.0.0.1:P, dns:///NAME:P or unix:/path passes the "
+    "dial scope and is dialled with the token",
     "64.10": "a relay's announced id or address writes terminal escapes into `swarm doctor`",
 }
 
