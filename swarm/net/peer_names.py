@@ -11,16 +11,17 @@ NAME itself is one label (no '.'), so no two invites' names overlap (an invite f
 otherwise certify `alice.home`'s peer), and it is none of the names that mean something to the
 swarm (`RESERVED`): `admin` (the submitters' admin), `scheduler` (under `--tls-mutual` a
 certificate so named is a job-API admin; under `--use-identity-as-username` the broker's
-scheduler user), a relay's id (`relay…`) or an MQTT client id's form (`peer-…`). Anything under
-`peer.swarm` has a dot, so it is refused with every other dotted name: `swarm invite peer.swarm`
-would have carried `*.peer.swarm`, which passed TLS as every relayed peer.
+scheduler user), a relay's id (`relay`, `relay-…`) or an MQTT client id's form (`peer-…`).
+Anything under `peer.swarm` has a dot, so it is refused with every other dotted name: `swarm
+invite peer.swarm` would have carried `*.peer.swarm`, which passed TLS as every relayed peer.
 
 A certificate certifies peer P (`certifies`) when it names `P.peer.swarm`, or when it names
 `*.PARENT.peer.swarm` and P is one label under PARENT: TLS's own wildcard rule, which callers
 through a relay verify a peer by (`swarm.net.dial`), except that a wildcard directly under
 `peer.swarm` certifies nobody. The relay's attach check (`swarm.relay.identity`), a stage
-server's check of its own certificate at start (`stage_server.peer.certificate`) and `--join`'s
-choice of a second process's id (`swarm.net.invite`) all ask `certifies` or `own_id`. Pure.
+server's check of its own certificate at start (`stage_server.peer.certificate`), `--join`'s
+choice of a second process's id (`swarm.net.invite`) and the embedded broker's users under
+`--use-identity-as-username` (`swarm.bus.gate`) all ask `certifies` or `own_id`. Pure.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from swarm.net.paths import PEER_DOMAIN, peer_name
 
 __all__ = ["RESERVED", "certified_ids", "certifies", "check_invite_name", "invite_names", "own_id"]
 
-RESERVED = ("admin", "scheduler")
+RESERVED = ("admin", "scheduler", "relay")
 """Names an invite is never issued for: each is an authority somewhere in the swarm."""
-_RESERVED_PREFIXES = ("relay", "peer-")  # a relay's id (`relay-HOST-PORT`); an MQTT client id
+_RESERVED_PREFIXES = ("relay-", "peer-")  # a relay's id (`relay-HOST-PORT`); an MQTT client id
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _SUFFIX = "." + PEER_DOMAIN
 
@@ -51,8 +52,8 @@ def check_invite_name(name: str) -> str:
     lowered = name.lower()
     if lowered in RESERVED or lowered.startswith(_RESERVED_PREFIXES):
         raise ConfigError(
-            f"invite name {name!r} is reserved (admin, scheduler, relay…, peer-…: each names an "
-            "authority or another role in the swarm): choose the friend's own name"
+            f"invite name {name!r} is reserved (admin, scheduler, relay, relay-…, peer-…: each "
+            "names an authority or another role in the swarm): choose the friend's own name"
         )
     return name
 
