@@ -97,6 +97,14 @@ ATTACKS: dict[str, str] = {
     "sums bent within the norm bound",
     "P-return": "a replica banned for lying is a member again, under its id, once the scheduler "
     "restarts",
+    # Issue 64 item 8 (with issue 68 item 1): the names an invite certifies
+    "64.8": "an invite issued for an authority's name (scheduler, admin, anything under "
+    "peer.swarm) or naming a host; an invite's holder attaching as another's peer",
+    "64.6-lan": "every caller (the scheduler's trainer included) probes the LAN address a "
+    "relayed peer announced, with the swarm's token",
+    "64.6-scope": "an announced ipv4:127.0.0.1:P, dns:///NAME:P or unix:/path passes the "
+    "dial scope and is dialled with the token",
+    "64.10": "a relay's announced id or address writes terminal escapes into `swarm doctor`",
 }
 
 

@@ -34,6 +34,7 @@ from swarm.job.config import parse_job
 from swarm.job.schema import TrustConfig
 from swarm.job.states import TERMINAL_PROTO, peer_state_name
 from swarm.job.states import job_state_name as state_name
+from swarm.ops.printable import shown
 from swarm.ops.progress import duration_text
 from swarm.policy.window import window
 from swarm.proto import scheduler_pb2
@@ -63,16 +64,6 @@ __all__ = [
 
 HOME, CLEAR_LINE, CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
-
-
-def shown(text: str) -> str:
-    """`text` as a terminal may print it: what peers name themselves and what messages quote
-    reaches the operator's screen, so a control character (an escape sequence that clears the
-    screen or retitles the terminal, a newline that draws a line of its own) is written out as
-    its escape instead."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def loss_text(value: float) -> str:

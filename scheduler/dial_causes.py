@@ -99,7 +99,7 @@ def relayed_name_remedy(peer: str) -> str:
     return (
         f"its TLS certificate does not name its peer id ({paths.peer_name(peer)}), which callers "
         f"through a relay verify it by: issue it one that does (`swarm certs issue NAME --peer "
-        f"{peer}`)"
+        f"{peer}`), or, joined by an invite for NAME, start it with --peer NAME or LABEL.NAME"
     )
 
 

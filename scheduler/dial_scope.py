@@ -9,6 +9,10 @@ a swarm and allows them by itself: `private_swarm`). The relay a peer names is d
 under the same rule; the peer's own address behind it is the relay's to reach, among the peers
 attached to it.
 
+Only `host:port` is dialled at all, `--dial-private` or not (issue 64 item 6): gRPC takes other
+targets too (`ipv4:127.0.0.1:P`, `dns:///NAME:P`, `unix:/path`), which named no public host to
+the check above and reached this machine's loopback or a Unix socket, with the swarm's token.
+
 `DialPace` spaces one peer's checks: a peer changing its announced address or relay at every
 announcement is checked at most once per `min_interval_s`, so it cannot make the scheduler dial
 faster than that.
@@ -18,11 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 
 __all__ = ["NOT_DIALLED", "DialPace", "DialScope", "private_swarm"]
 
 NOT_DIALLED = "not dialled"  # how a refusal's text begins (`scheduler.dial_causes`)
+# A DNS name or an IPv4 address, or an IPv6 address in brackets; then a port. Nothing else:
+# no scheme (`ipv4:`, `dns:`, `unix:`), no path.
+_HOST_PORT = re.compile(r"(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}")
 
 
 class DialScope:
@@ -36,6 +44,11 @@ class DialScope:
         """None when `address` ("host:port") may be dialled; else why not, in words beginning
         with `NOT_DIALLED`. A name is resolved here (a name that resolves nowhere is dialled:
         the dial says it fails)."""
+        if not _HOST_PORT.fullmatch(address):
+            return (
+                f"{NOT_DIALLED}: {address[:80]!r} is not HOST:PORT (a gRPC target of another "
+                "form, a scheme or a socket path, names no host to judge)"
+            )
         if self.allow_private:
             return None
         host = address.rpartition(":")[0].strip("[]") or address

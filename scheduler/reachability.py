@@ -177,6 +177,7 @@ class ReachabilityChecker:
         self._targets: dict[str, _Target] = {}
         self._due: dict[str, float] = {}  # peer -> when it is checked next (`now`'s clock)
         self._misses: dict[str, int] = {}  # failed re-checks in a row of a reachable peer
+        self._unwarned: set[str] = set()  # first found unreachable, said at INFO only
         self.reports: dict[str, cpb.ReachabilityReport] = {}
         self._checking: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -211,6 +212,7 @@ class ReachabilityChecker:
         self._due.pop(peer, None)
         self._misses.pop(peer, None)
         self._failed.pop(peer, None)
+        self._unwarned.discard(peer)
         self._pace.forget(peer)
         self.reports.pop(peer, None)
         self._spawn(self._clear(peer))
@@ -293,9 +295,12 @@ class ReachabilityChecker:
         self._misses.pop(peer, None)
         self._due[peer] = self._now() + self._next_in(peer, report)
         if old is not None and _same(old, report):
+            if peer in self._unwarned:  # said at INFO as a start behind NAT; still so: trouble
+                self._unwarned.discard(peer)
+                self._warn(report)
             return  # nothing new to say
         self.reports[peer] = report
-        self._said(report)  # the whole, in the scheduler's own log
+        self._said(report, first=old is None)  # the whole, in the scheduler's own log
         told_report = _told(report)
         self.on_report(told_report)  # status shows it to every token holder
         await self.publish(peer, told_report)
@@ -332,6 +337,9 @@ class ReachabilityChecker:
             detail,
             fix,
         )
+        # The relay it was dialled through too: the peer tells a verdict on its relay path from
+        # one on the address it announced before it attached (issue 68 item 4).
+        report.relay = relay
         return report
 
     async def _dial(self, peer: str, address: str) -> str | None:
@@ -352,13 +360,28 @@ class ReachabilityChecker:
     async def _clear(self, peer: str) -> None:
         await self.publish(peer, None)
 
-    def _said(self, report: cpb.ReachabilityReport) -> None:
-        if report.reachability == cpb.REACHABILITY_UNREACHABLE:
-            log.warning(
-                "peer %s is unreachable (%s): %s", report.peer, report.detail, report.remedy
+    def _said(self, report: cpb.ReachabilityReport, first: bool) -> None:
+        if report.reachability == cpb.REACHABILITY_UNREACHABLE and first and not report.relay:
+            # A peer's first check, no relay announced yet: the usual start behind NAT (it
+            # attaches to a relay next, and is checked there). Trouble only if it stays so: the
+            # next check that fails says so at WARNING (issue 68 item 4).
+            log.info(
+                "peer %s is not reachable directly (%s): checked again in %.0f s, or at once "
+                "when it announces a relay",
+                report.peer,
+                report.detail,
+                self._due.get(report.peer, self._now()) - self._now(),
             )
+            self._unwarned.add(report.peer)
+        elif report.reachability == cpb.REACHABILITY_UNREACHABLE:
+            self._warn(report)
         else:
+            self._unwarned.discard(report.peer)
             log.info("peer %s at %s: %s", report.peer, report.address, path_text(report))
+
+    def _warn(self, report: cpb.ReachabilityReport) -> None:
+        self._unwarned.discard(report.peer)
+        log.warning("peer %s is unreachable (%s): %s", report.peer, report.detail, report.remedy)
 
     def _spawn(self, work: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(_logged(work))

@@ -40,6 +40,7 @@ __all__ = [
     "Health",
     "StallWatch",
     "crowded_text",
+    "home_down_text",
     "lost_stage_text",
     "relay_down_text",
     "single_replica_text",
@@ -72,6 +73,21 @@ def relay_down_text(relay: str) -> str:
     )
 
 
+def home_down_text(
+    router: str, peers: list[str], since: float, step: int, then: str, stages: int = 1
+) -> str:
+    """What is known of `stages` stage(s) whose replicas (`peers`) all sat behind `router`
+    (their public address) and went at `since`: one home's outage, not a missing server (issue
+    68 item 3)."""
+    at = time.strftime("%H:%M:%S", time.localtime(since))
+    whose, it = ("its", "the stage") if stages == 1 else ("their", "them")
+    return (
+        f"{whose} replicas ({', '.join(peers)}) all sit behind router {router}, unreachable "
+        f"since {at}: if they come back, training goes on from step {step} and nothing is lost; "
+        f"if other stage servers take {it} instead, {then}"
+    )
+
+
 def lost_stage_text(
     missing: list[int],
     step: int,
@@ -79,10 +95,12 @@ def lost_stage_text(
     since: float,
     plans: dict[int, str] | None = None,
     relays: dict[int, str] | None = None,
+    homes: dict[int, tuple[str, list[str]]] | None = None,
 ) -> str:
     """The message of a job stalled because `missing` stages have no replica; `plans`: what the
     scheduler does about some of them (`Mover.refill`); `relays`: the relay gone that cut others
-    off (`relay_down_text`); the others' remedy is `REMEDY`."""
+    off (`relay_down_text`); `homes`: the router every replica of others sat behind (and those
+    replicas), one home's outage (`home_down_text`); the others' remedy is `REMEDY`."""
     at = time.strftime("%H:%M:%S", time.localtime(since))
     verb = "has" if len(missing) == 1 else "have"
     if checkpoint > 0:
@@ -93,17 +111,33 @@ def lost_stage_text(
         then = f"training starts again from step 0 (no checkpoint yet: {step} step(s) lost)"
     plans = {k: what for k, what in (plans or {}).items() if k in missing}
     relays = {k: relay for k, relay in (relays or {}).items() if k in missing and k not in plans}
+    homes = {k: h for k, h in (homes or {}).items() if k in missing and k not in plans}
+    behind: dict[str, list[int]] = {}  # router -> the stages whose replicas all sat behind it
+    for k, (router, _) in homes.items():
+        behind.setdefault(router, []).append(k)
+    outages = {  # one sentence per router, for all the stages behind it
+        router: home_down_text(
+            router, [p for k in ks for p in homes[k][1]], since, step, then, len(ks)
+        )
+        for router, ks in behind.items()
+    }
 
     def fix(k: int) -> str:
         if k in plans:
             return f"the scheduler is {plans[k]}"
-        return relay_down_text(relays[k]) if k in relays else REMEDY
+        if k in relays:
+            return relay_down_text(relays[k])
+        return outages[homes[k][0]] if k in homes else REMEDY
 
     fixes: dict[str, list[int]] = {}  # one remedy, said once for all the stages it applies to
     for k in missing:
         fixes.setdefault(fix(k), []).append(k)
     if list(fixes) == [REMEDY]:
         remedy = f"{REMEDY}: it takes the stage, and {then}"
+    elif len(fixes) == 1 and missing[0] in homes:
+        remedy = fix(missing[0])  # says both ends itself
+    elif homes:  # an outage's sentence says both ends itself
+        remedy = "; ".join(f"{stages_text(ks)}: {what}" for what, ks in fixes.items())
     elif len(fixes) == 1:
         once = "it serves" if plans else "they are reached again"
         remedy = f"{fix(missing[0])}: once {once}, {then}"
@@ -225,6 +259,7 @@ class StallWatch:
         self._single: set[int] = set()  # stages warned about
         self.domains = domains
         self._crowded: set[str] = set()  # crowded-domain warnings said as events
+        self._routers: dict[int, list[tuple[str, str]]] = {}  # stage -> (peer, router) served
         self._said = ""
 
     async def look(self) -> None:
@@ -240,9 +275,14 @@ class StallWatch:
             with logged(log, f"job {self.job_id}: refill failed"):
                 plans = await self.refill(missing)
         relays = self.lost(missing) if missing else {}
+        homes = self._homes(members, missing, relays)
         for k in missing:
             what = plans.get(k)
             down = relay_down_text(relays[k]) if k in relays and not what else None
+            if k in homes and not what and not down:
+                down = (
+                    f"its replicas ({', '.join(homes[k][1])}) all sat behind router {homes[k][0]}"
+                )
             if k not in self._lost:
                 self._lost[k] = now
                 self.history.record(
@@ -275,7 +315,7 @@ class StallWatch:
         elif missing:
             since = min(self._lost.values())
             self.health.waiting_since = since
-            text = lost_stage_text(missing, step, checkpoint, since, plans, relays)
+            text = lost_stage_text(missing, step, checkpoint, since, plans, relays, homes)
             if text != self._said or not self._stalled:
                 self._said = text
                 await self.say(text, None if self._stalled else "stalled")
@@ -288,6 +328,29 @@ class StallWatch:
                 await self.say(self.said(), back)
             self._said = ""
         self._stalled = bool(missing)
+
+    def _homes(
+        self, members: list[list[Replica]], missing: list[int], relays: dict[int, str]
+    ) -> dict[int, tuple[str, list[str]]]:
+        """Of `missing` (not cut off by a relay's loss), the stages whose replicas all sat behind
+        one router when last served: that router, and those replicas. Remembered while served:
+        a peer gone is no longer in the registry's domains."""
+        if self.domains is None:
+            return {}
+        if len(missing) < len(members):
+            known = self.domains()
+            for k, replicas in enumerate(members):
+                if replicas:
+                    self._routers[k] = [
+                        (r.peer, d.router if (d := known.get(r.peer)) else "") for r in replicas
+                    ]
+        homes = {}
+        for k in missing:
+            served = self._routers.get(k, [])
+            routers = {router for _, router in served}
+            if k not in relays and len(routers) == 1 and "" not in routers:
+                homes[k] = (routers.pop(), [peer for peer, _ in served])
+        return homes
 
     def _warn(self, members: list[list[Replica]], checkpoint: int) -> None:
         """Keep the warnings current: stages short of `min_replicas` (with 1: a single replica),

@@ -52,6 +52,7 @@ from swarm.net import tls
 from swarm.net.addresses import announced_host, host_port
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.proto import control_pb2 as cpb
+from swarm.rpc import lan
 
 # PeerIdentity and persistent_peer_id live in stage_server.peer.identity; named here for importers.
 __all__ = ["PeerAgent", "PeerIdentity", "persistent_peer_id", "run_peer"]
@@ -494,6 +495,7 @@ async def run_peer(
                 metrics_address=metrics,
                 outside=host_port(at.host, at.port),  # its own outage told from the relay's
             )
+            lan.SHORTCUTS.scope = path.neighbour  # only its neighbours' LAN addresses probed
             agent = PeerAgent(
                 running,
                 bus,

@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from stage_server.peer.flags import add_peer_flags
+from stage_server.peer.lan_host import serving_host
 from stage_server.peer.limits import PeerLimits, flag_name
 from swarm.errors import SwarmError
 from swarm.flags import (
@@ -35,6 +36,7 @@ LIFECYCLE_LOGGERS = (
     "stage_server.server",
     "stage_server.peer.reachability",
     "swarm.rpc.lan",
+    "stage_server.peer.lan_host",
 )
 """Whose INFO lines say what the server becomes, once each (measured, or its machine's figures
 read, assigned stage K of job J, serving, moving, released and why, stopped; reachable directly
@@ -181,6 +183,16 @@ def run(command: str, args: argparse.Namespace) -> int:
 
     warn_if_url_password(args, "broker")
     faults.arm()  # a malformed SWARM_FAULTS stops the server now, not at its first fault point
+    show_lifecycle()
+    # Behind NAT with no --host: its LAN address, for its neighbours' shortcut (before the
+    # checks below, which judge the host it will listen on).
+    args.host = serving_host(
+        args.host,
+        args.announce_host,
+        behind_nat=args.behind_nat and not args.job,
+        broker=args.broker or "",
+        token=token(args),
+    )
     refuse_open_host(
         "the stage server", args.host, token=token(args), insecure=args.insecure_no_token
     )

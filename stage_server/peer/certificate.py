@@ -13,7 +13,8 @@ import ipaddress
 import logging
 
 from swarm.errors import ConfigError
-from swarm.net.paths import PEER_DOMAIN, peer_name
+from swarm.net.paths import peer_name
+from swarm.net.peer_names import certified_ids, certifies
 from swarm.net.tls import Tls
 
 __all__ = ["check_own_certificate"]
@@ -28,13 +29,14 @@ def check_own_certificate(identity: Tls | None, host: str, peer: str, behind_nat
     if identity is None or identity.cert is None:
         return
     name = peer_name(peer)
-    direct, relayed = identity.names(host), identity.names(name)
-    if direct is None or relayed is None:
+    direct, sans = identity.names(host), identity.subject_names()
+    if direct is None or sans is None:
         return
+    # The one rule the relay and callers hold it to (`swarm.net.peer_names`): `*.peer.swarm`
+    # certifies no peer, `*.alice.peer.swarm` certifies `gpu1.alice`.
+    relayed = certifies(sans[0], peer)
     host = host.strip("[]")
-    dns, _ = identity.subject_names() or ([], [])
-    suffix = "." + PEER_DOMAIN
-    theirs = [n.removesuffix(suffix) for n in dns if n.endswith(suffix)]
+    theirs = [i for i in certified_ids(sans[0]) if not i.startswith("LABEL.")]
     if theirs and not relayed:  # issued for a peer id: most likely --peer was left out
         fix = f"start it with --peer {theirs[0]}, the peer id its certificate names"
     else:

@@ -36,6 +36,7 @@ from swarm.bus.connection import (
 from swarm.bus.topics import parse_broker_url
 from swarm.net.dial import channel
 from swarm.net.tls_mismatch import explain_grpc
+from swarm.ops.printable import shown
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
 
@@ -179,5 +180,6 @@ def path_check(local: str, seen: str, relays: dict[str, str]) -> Check:
             "--relay): docs/deployment.md, 'Peers behind NAT'; or forward a port and give "
             "--announce-host",
         )
-    named = ", ".join(f"{peer} ({addr})" for peer, addr in sorted(relays.items()))
+    # Announced by whoever holds the token: escaped, as `swarm status` shows them (issue 64.10)
+    named = ", ".join(f"{shown(peer)} ({shown(addr)})" for peer, addr in sorted(relays.items()))
     return Check("path", True, f"{nat} → relayed via {named}")

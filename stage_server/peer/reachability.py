@@ -34,6 +34,8 @@ from typing import Protocol
 from google.protobuf.message import Message
 
 from stage_server.peer.metrics import StageMetrics
+from stage_server.peer.neighbours import Neighbours
+from stage_server.peer.path_words import relay_gone, say_report
 from swarm.bus.api import BusLike
 from swarm.bus.topics import ANY, BusError
 from swarm.deadline import within
@@ -177,6 +179,7 @@ class PeerPath:
         self.report = cpb.ReachabilityReport()  # UNKNOWN until the scheduler's first
         self.relay = ""  # the relay this peer is attached to now, announced as `relay`
         self._relays: OrderedDict[str, str] = OrderedDict()  # relay peer -> its relay_address
+        self._neighbours = Neighbours()  # the public address each peer's relay saw
         self._key = None  # what every attachment of this peer signs with, made at the first
         self._attachment: Attaching | None = None
         self._generation = 0  # which attachment's changes count: a stopped one's do not
@@ -192,6 +195,12 @@ class PeerPath:
         announced as a failure domain); "" while not attached, or when the relay did not say."""
         attachment = self._attachment
         return attachment.seen_from if attachment is not None and self.relay else ""
+
+    def neighbour(self, peer: str) -> bool:
+        """Whether `peer` is behind this peer's router: both relayed, their relays having seen
+        them come from one public address (`swarm.rpc.lan`'s scope: only a neighbour's LAN
+        address is probed)."""
+        return self._neighbours.share(self.public_address, peer)
 
     def relays(self) -> list[str]:
         """The relays announced now: the one the scheduler's report says this peer answered
@@ -268,6 +277,7 @@ class PeerPath:
         peer = announcement.peer
         if peer == self.peer:
             return
+        self._neighbours.heard(announcement)
         known = self._relays.pop(peer, None)
         usable = announcement.state != cpb.PEER_STATE_OFFLINE and not announcement.relay
         if announcement.relay_address and usable:
@@ -371,14 +381,14 @@ class PeerPath:
             self._checks.add(check)  # held: the loop keeps only a weak reference
             check.add_done_callback(self._checks.discard)
         else:
-            self._relay_gone(old)
+            relay_gone(self.peer, old)
         self._show()
         self._changed.set()
 
     async def _lost(self, relay: str) -> None:
         """`relay` was lost and no other answers: say whether this peer's own link is down."""
         if await answers(self.outside):
-            self._relay_gone(relay)
+            relay_gone(self.peer, relay)
             return
         self._outage = True
         log.warning(
@@ -390,58 +400,13 @@ class PeerPath:
             self.outside,
         )
 
-    def _relay_gone(self, relay: str) -> None:
-        log.warning(
-            "%s: relay %s is gone and no other relay answers: announced without a relay, so "
-            "nobody can call this peer until a relay (a reachable stage server started with "
-            "--relay, or `swarm relay`) is announced",
-            self.peer,
-            relay or "(none)",
-        )
-
     def _say(self, report: cpb.ReachabilityReport) -> None:
         """Log `report` once per change of what it says (its reachability, address, relay, and
         the remedy of its cause: a relayed dial that fails for another cause is news)."""
         said = (report.reachability, report.address, report.relay, report.remedy)
-        if said == self._said:
-            return
-        self._said = said
-        address = report.address or self.address
-        if report.reachability == cpb.REACHABILITY_DIRECT:
-            log.info("%s: reachable at %s (direct)", self.peer, address)
-        elif report.reachability == cpb.REACHABILITY_RELAYED:
-            log.info(
-                "%s: relayed through %s (%s does not answer directly)",
-                self.peer,
-                report.relay or self.relay,
-                address,
-            )
-        elif report.reachability == cpb.REACHABILITY_UNREACHABLE:
-            detail = report.detail.rstrip(". ") or "the scheduler's dial-back got no answer"
-            relays = self.relays()
-            if not self.relay and relays:
-                # The usual start behind NAT: nobody dials it directly, and a relay is there to
-                # attach to (`steer`, next): nothing for the operator to do, so no to-do list.
-                log.info(
-                    "%s: not reachable directly at %s (%s): attaching to relay %s",
-                    self.peer,
-                    address,
-                    detail,
-                    relays[0],
-                )
-                return
-            remedy = report.remedy or self.remedy()
-            log.warning("%s: not reachable at %s: %s. %s", self.peer, address, detail, remedy)
-
-    def remedy(self) -> str:
-        """What makes this peer reachable, with its flags, when the report names none."""
-        port = self.address.rsplit(":", 1)[-1]
-        return (
-            f"Forward TCP port {port} of your router to this machine and give --announce-host "
-            "with the router's public address (--host 0.0.0.0 to listen on every interface), or "
-            "let it be reached through a relay: a reachable stage server started with --relay "
-            "(this peer attaches to one by itself; --behind-nat attaches at its start)"
-        )
+        if said != self._said:
+            self._said = said
+            say_report(self.peer, report, self.address, self.relay, self.relays())
 
     def _show(self) -> None:
         if self.metrics is not None:

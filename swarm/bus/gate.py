@@ -19,6 +19,7 @@ from amqtt.mqtt.connack import BAD_USERNAME_PASSWORD, IDENTIFIER_REJECTED, NOT_A
 from amqtt.session import Session
 
 from swarm.bus.topics import SCHEDULER_USER, TopicError, TopicKind, Topics
+from swarm.net.peer_names import own_id
 
 __all__ = ["PEER_ID_PREFIX", "Gate", "Refusal", "certificate_name", "reserved_for"]
 
@@ -120,7 +121,8 @@ class Gate:
                 NOT_AUTHORIZED, f"its last-will is on {session.will_topic!r}, not its own topic"
             )
         reserved = reserved_for(session.client_id or "")
-        if self.closed and reserved is not None and reserved != session.username:
+        theirs = certified and own_id(reserved or "", session.username or "")  # gpu1.alice's
+        if self.closed and reserved is not None and reserved != session.username and not theirs:
             # reserved even while its user is away: another holding it would lock that user out
             # (refused on every retry). Not authorised, not "identifier rejected": the client
             # should stop, not retry.
@@ -162,6 +164,19 @@ class Gate:
         if client_id is not None and self._owners.get(client_id, (None, None))[1] is holder:
             del self._owners[client_id]
 
+    def _as(self, user: str | None, topic: str) -> str | None:
+        """Who `user` acts as on `topic`: under `use_identity_as_username`, the peer the topic
+        is for when `user`'s certificate certifies it (an invite for alice certifies gpu1.alice,
+        `swarm.net.peer_names`: its second process publishes as gpu1.alice, as it attaches to a
+        relay as gpu1.alice); else `user`."""
+        if not self._from_certificate or not user or user == SCHEDULER_USER:
+            return user
+        try:
+            peer = self.topics.parse(topic).peer
+        except TopicError:
+            return user
+        return peer if peer and own_id(peer, user) else user
+
     def may_retain(self, user: str | None, topic: str) -> bool:
         """Whether `user` may leave a retained message on `topic` (which it may publish): the
         scheduler anywhere; a peer only its announcement (`peers/{peer}`, its last-will's topic),
@@ -174,18 +189,18 @@ class Gate:
             info = self.topics.parse(topic)
         except TopicError:
             return False
-        return info.kind == TopicKind.PEER and info.peer == user
+        return info.kind == TopicKind.PEER and info.peer == self._as(user, topic)
 
     def may_read(self, user: str | None, topic: str) -> bool:
         """The read ACL (`Topics.may_read`): a peer reads every topic but other peers'
         reachability reports; on an open broker a client without a username reads everything."""
         if not user and not self.closed:
             return True
-        return self.topics.may_read(user, topic)
+        return self.topics.may_read(self._as(user, topic), topic)
 
     def may_publish(self, user: str | None, topic: str) -> bool:
         """The ACL (`Topics.may_publish`); a client without a username on a broker without a token
         is trusted with everything (an open broker: there is no identity to check)."""
         if not user and not self.closed:
             return True
-        return self.topics.may_publish(user, topic)
+        return self.topics.may_publish(self._as(user, topic), topic)

@@ -9,10 +9,11 @@ brackets wherever a port follows (`[::1]:7700`), as gRPC targets and URLs want t
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 from swarm.errors import ConfigError
 
-__all__ = ["announced_host", "host_port", "is_unspecified", "peer_host"]
+__all__ = ["announced_host", "host_port", "is_unspecified", "lan_address", "peer_host"]
 
 
 def _bare(host: str) -> str:
@@ -58,3 +59,24 @@ def announced_host(host: str, announce_host: str = "", what: str = "this process
             "it at, and keep --host 0.0.0.0 (or ::) to listen on every interface"
         )
     return _bare(chosen)
+
+
+def lan_address(toward: str) -> str:
+    """This machine's own address on its LAN: the source address of its route to `toward` (a
+    host: the broker's), when that is a private one (RFC 1918, IPv6 unique-local); "" otherwise
+    (a public address is the operator's to announce, with --announce-host; loopback and
+    link-local name no LAN). A UDP socket's connect picks the route and sends nothing, so no
+    firewall sees it; a name is resolved by the system resolver, once, at start."""
+    host = _bare(toward.strip())
+    if not host:
+        return ""
+    try:
+        family, _, _, _, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            own = ipaddress.ip_address(probe.getsockname()[0].split("%")[0])
+    except (OSError, ValueError, IndexError):
+        return ""
+    if own.is_loopback or own.is_link_local or own.is_unspecified or not own.is_private:
+        return ""
+    return str(own)

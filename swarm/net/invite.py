@@ -7,9 +7,10 @@ name an address that, behind NAT, nobody dials. The invite holds them all, in on
 (versioned, written 0600: it holds the swarm token and a private key):
 - `broker`, `scheduler`: where the friend's processes dial;
 - `ca`: the swarm CA's certificate (PEM), when the swarm runs TLS;
-- `cert`, `key`: a certificate for the peer id NAME, issued by the swarm CA with NAME and
-  `*.NAME` as DNS names (a relayed peer is verified by its peer id; a second process on the same
-  invite, a second GPU, takes `--peer gpu1.NAME`) and any `--host` given, and its key;
+- `cert`, `key`: a certificate for the peer ids NAME and `LABEL.NAME` (`swarm.net.peer_names`,
+  the one rule of what an invite certifies: a relayed peer is verified by its peer id; a second
+  process on the same invite, a second machine or GPU, takes `--peer gpu1.NAME`) and any
+  `--host` given, issued by the swarm CA, and its key;
 - `token`, `metrics_token`: the swarm's secrets (the metrics token if the swarm has one);
 - `submitter_token`: NAME's submitter token when the scheduler has an admin token
   (`swarm.net.submitters`), so the friend may export the jobs they submit;
@@ -38,7 +39,7 @@ from swarm.errors import ConfigError
 from swarm.flags import add_flag, add_metrics_token, add_secret, add_token, metrics_token, secret
 from swarm.flags import token as swarm_token
 from swarm.net.certs import issue_pem, private_file
-from swarm.net.paths import peer_name
+from swarm.net.peer_names import check_invite_name, invite_names, own_id
 from swarm.net.submitters import check_submitter_name, submitter_token
 
 __all__ = ["VERSION", "Invite", "add_join_flag", "apply_join", "make", "read", "unpack", "write"]
@@ -80,6 +81,7 @@ def make(
 ) -> Invite:
     """The invite for peer `name`: with `ca_dir` (the swarm CA's directory) a certificate issued
     for `name` and `hosts`; with `admin_token` the submitter token that names `name`."""
+    check_invite_name(name)  # one label, no authority's (a ConfigError that says why)
     check_submitter_name(name)  # the one alphabet peer ids, file names and submitters share
     if not broker:
         raise ConfigError("give --broker: the broker URL the friend's peer dials (mqtts://...)")
@@ -87,11 +89,10 @@ def make(
         raise ConfigError("give --scheduler: the scheduler's HOST:PORT the friend dials")
     ca = cert = key = ""
     if ca_dir is not None:
-        # `*.NAME` too: a second process on the same invite takes `--peer gpu1.NAME`; and the
-        # names a peer is verified by through a relay (`swarm.net.paths.peer_name`), its own
-        # and a second process's.
-        names = [name, f"*.{name}", f"*.{peer_name(name)}", *hosts]
-        cert_pem, key_pem, _ = issue_pem(ca_dir, name, names, days, peers=[name])
+        # The peer ids NAME and LABEL.NAME (a second process takes `--peer gpu1.NAME`), never
+        # a host name of NAME's own: only the --host the admin gives.
+        names = [*invite_names(name), *hosts]
+        cert_pem, key_pem, _ = issue_pem(ca_dir, name, names, days)
         ca = (ca_dir / "ca.pem").read_text()
         cert, key = cert_pem.decode(), key_pem.decode()
     elif broker.startswith("mqtts://"):
@@ -241,7 +242,7 @@ def apply_join(args: argparse.Namespace) -> Invite | None:
         if not hasattr(args, dest) or value is None:
             continue
         given = getattr(args, dest)
-        if dest == "peer" and (_own_id(given, invite.name) or args.command == "relay"):
+        if dest == "peer" and (own_id(given or "", invite.name) or args.command == "relay"):
             continue  # a second process's id under the invite's name; a relay's id is its own
         flag = _SECRETS.get(dest, dest.replace("_", "-"))
         secret_given = dest in _SECRETS and getattr(args, _SECRETS[dest].replace("-", "_"), None)
@@ -254,12 +255,6 @@ def apply_join(args: argparse.Namespace) -> Invite | None:
     if invite.reached == RELAY and hasattr(args, "behind_nat"):
         args.behind_nat = True  # a stage server: attached to a relay from its start
     return invite
-
-
-def _own_id(given: str, name: str) -> bool:
-    """`given` is a peer id the invite's certificate names besides NAME itself (`gpu1.NAME`)."""
-    head, dot, tail = (given or "").partition(".")
-    return bool(head and dot and tail == name)
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:

@@ -6,8 +6,10 @@ own, and the relay binds the attachment to that key: another key attaching under
 cannot unseat a live attachment (`swarm.relay.server`).
 
 - With TLS, the key is the peer's certificate's (`AttachKey.of`): a relay that holds the swarm's
-  CA takes an attach as PEER only from a certificate the CA issued that names `PEER.peer.swarm`
-  (`swarm certs issue NAME --peer PEER`), the name its callers verify it by end to end.
+  CA takes an attach as PEER only from a certificate the CA issued that certifies PEER
+  (`swarm.net.peer_names.certifies`: it names `PEER.peer.swarm`, or `*.NAME.peer.swarm` for
+  PEER `LABEL.NAME`, a second machine on an invite for NAME), the name its callers verify it by
+  end to end (`swarm certs issue NAME --peer PEER`, `swarm invite NAME`).
 - Without TLS, a key the peer made at its start (Ed25519, `AttachKey.fresh`): the first live
   attachment under an id holds it; a restarted peer (a new key) takes it over once the old
   attachment no longer answers.
@@ -30,6 +32,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from swarm.net.paths import peer_name
+from swarm.net.peer_names import certified_ids, certifies
 from swarm.net.tls import Tls
 
 __all__ = ["CERT_HEADER", "KEY_HEADER", "AttachKey", "Unproven", "challenge", "verify"]
@@ -141,8 +144,15 @@ def _certified(cert: x509.Certificate, peer: str, ca: bytes) -> None:
     except x509.ExtensionNotFound:
         sans = None
     names = [] if sans is None else sans.get_values_for_type(x509.DNSName)
-    if peer_name(peer) not in (n.lower().rstrip(".") for n in names):
+    if certifies(names, peer):
+        return
+    ids = certified_ids(names)
+    if ids:  # an invite's, most likely: the fix is the friend's own flag, not a CA they lack
         raise Unproven(
-            f"its certificate does not name {peer_name(peer)}: issue one with "
-            f"`swarm certs issue NAME --peer {peer}`"
+            f"its certificate certifies {', '.join(ids)}, not {peer} ({peer_name(peer)}): "
+            f"start it with --peer {ids[0]}" + (f" or --peer {ids[1]}" if len(ids) > 1 else "")
         )
+    raise Unproven(
+        f"its certificate does not name {peer_name(peer)}: ask the swarm's admin for an invite "
+        f"(`swarm invite NAME`) or a certificate (`swarm certs issue NAME --peer {peer}`)"
+    )

@@ -12,6 +12,14 @@ relay: the one dialer names it for both, `swarm.net.dial`). An address that answ
 is dialled directly until a call over it fails (`lost`); one that did not, or failed, is probed
 again after `RETRY_S`. The relay path is never touched: a caller that cannot reach the address
 keeps calling through the relay as before.
+
+Only a neighbour is probed (issue 64 item 6): a process probes a relayed peer's address only when
+its `scope` says the two share an observed public address (the one each one's relay saw its
+attachment come from: one router). Anywhere else the announced address is a stranger's word,
+and a probe of it would carry the swarm's token to whatever answers there (this host's loopback,
+a service on the caller's own LAN). The process's own `SHORTCUTS` probes nobody until a stage
+server behind NAT gives it its scope (`stage_server.peer.reachability.PeerPath.neighbour`): a
+scheduler's trainer, or any caller not itself relayed, never probes.
 """
 
 from __future__ import annotations
@@ -27,7 +35,17 @@ from swarm.net import dial, paths
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 
-__all__ = ["PROBE_S", "RETRY_S", "SHORTCUTS", "Prober", "Shortcuts", "answers_as_peer"]
+__all__ = [
+    "PROBE_S",
+    "RETRY_S",
+    "SHORTCUTS",
+    "Prober",
+    "Scope",
+    "Shortcuts",
+    "answers_as_peer",
+    "everyone",
+    "nobody",
+]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +56,19 @@ RETRY_S = 60.0
 
 Prober = Callable[[str, str | None], Awaitable[bool]]
 """Whether a relayed address's announced address answers as its peer (address, token)."""
+Scope = Callable[[str], bool]
+"""Whether the peer of this id shares this process's observed public address (one router)."""
+
+
+def everyone(peer: str) -> bool:
+    """A scope that probes every relayed peer (a test's, or `--relay-only`'s opposite)."""
+    return True
+
+
+def nobody(peer: str) -> bool:
+    """A scope that probes no relayed peer: a process with no observed public address of its
+    own, which can share none."""
+    return False
 
 
 async def answers_as_peer(address: str, token: str | None) -> bool:
@@ -57,7 +88,8 @@ async def answers_as_peer(address: str, token: str | None) -> bool:
 
 class Shortcuts:
     """Which relayed addresses this process dials directly. `enabled` False: none (every call to
-    a relayed peer through its relay, as before: `--relay-only`)."""
+    a relayed peer through its relay, as before: `--relay-only`); `scope`: which peers' addresses
+    are probed at all (its neighbours'; settable once the process knows them)."""
 
     def __init__(
         self,
@@ -66,8 +98,9 @@ class Shortcuts:
         retry_s: float = RETRY_S,
         clock: Callable[[], float] = time.monotonic,
         enabled: bool = True,
+        scope: Scope = everyone,
     ) -> None:
-        self.enabled = enabled
+        self.enabled, self.scope = enabled, scope
         self._prober, self._retry_s, self._clock = prober, retry_s, clock
         self._direct: set[str] = set()
         self._retry_at: dict[str, float] = {}
@@ -79,6 +112,12 @@ class Shortcuts:
         probed); until it answers as its peer it is dialled through its relay."""
         if not self.enabled or not address.startswith(paths.SCHEME):
             return False
+        try:
+            peer = paths.parse(address).peer or ""
+        except ValueError:
+            return False
+        if not self.scope(peer):
+            return False  # not a neighbour: its announced address is neither probed nor dialled
         if address in self._direct:
             return True
         if self._clock() < self._retry_at.get(address, 0.0):
@@ -126,5 +165,6 @@ class Shortcuts:
         await asyncio.gather(*probing.values(), return_exceptions=True)
 
 
-SHORTCUTS = Shortcuts()
-"""The process's own: every stage client of the process follows one verdict per address."""
+SHORTCUTS = Shortcuts(scope=nobody)
+"""The process's own: every stage client of the process follows one verdict per address. It
+probes nobody until given a scope (a stage server behind NAT: its neighbours)."""

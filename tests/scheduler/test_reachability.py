@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from scheduler.dial_scope import NOT_DIALLED, DialScope
 from scheduler.reachability import DialFailed, ReachabilityChecker, path_text
 from swarm.net import paths
 from swarm.proto import control_pb2 as cpb
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -303,21 +305,21 @@ async def test_the_peer_is_told_the_cause_not_the_error_and_its_checks_are_paced
 
 async def test_newcomers_are_checked_before_known_peers() -> None:
     clock = [1000.0]
-    dialer = FakeDialer({"h:old": "old", "h:new": "new", "h:b": "b"})
+    dialer = FakeDialer({"h:1": "old", "h:2": "new", "h:3": "b"})
     async with checking(dialer, concurrency=1, recheck_s=10.0, now=lambda: clock[0]) as c:
-        c.checker.announced(announce("old", "h:old"))
+        c.checker.announced(announce("old", "h:1"))
         await c.report()
         dialer.hold = asyncio.Event()
-        c.checker.announced(announce("b", "h:b"))  # holds the one slot
+        c.checker.announced(announce("b", "h:3"))  # holds the one slot
         while not dialer.in_flight:
             await asyncio.sleep(0.01)
         clock[0] += 20.0  # old's re-check is due ...
-        c.checker.announced(announce("new", "h:new"))  # ... as a newcomer comes
+        c.checker.announced(announce("new", "h:2"))  # ... as a newcomer comes
         await asyncio.sleep(0.05)
         dialer.hold.set()
         while len(dialer.calls) < 4:
             await asyncio.sleep(0.01)
-        assert dialer.calls == ["h:old", "h:b", "h:new", "h:old"], dialer.calls
+        assert dialer.calls == ["h:1", "h:3", "h:2", "h:1"], dialer.calls
 
 
 async def _calls(c: Checked, n: int) -> None:
@@ -349,3 +351,45 @@ async def test_an_unreachable_peer_is_retried_ever_less_often() -> None:
         c.checker.announced(announce("a", "h:2"))  # a new address: checked at once
         await c.report()
         assert dialer.calls[-1] == "h:2"
+
+
+async def test_a_peers_first_check_without_a_relay_is_no_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 68 item 4: every normal start behind NAT logged `WARNING peer X is unreachable (a
+    private address, not dialled): give it --announce-host ...`, seconds before the peer was
+    relayed. Its first check, with no relay announced, is said at INFO; a check that fails
+    again, or one through its relay, at WARNING."""
+    caplog.set_level(logging.INFO, logger="scheduler.reachability")
+    async with checking(FakeDialer(), retry_s=0.05) as c:
+        c.checker.announced(announce("a", "192.168.1.20:5000"))
+        await c.report()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert "peer a is not reachable directly" in caplog.text
+        # checked again, still nothing (the same report, not published again): now trouble
+        await wait_until(lambda: _warned(caplog), "the second failed check warned")
+        assert _warned(caplog)[0].startswith("peer a is unreachable"), _warned(caplog)
+        assert len(c.published) == 1
+
+
+def _warned(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.attack("64.6-scope")
+@pytest.mark.parametrize(
+    "address",
+    ["ipv4:127.0.0.1:22", "dns:///localhost:22", "unix:/run/docker.sock", "ipv6:[::1]:22"],
+)
+async def test_only_host_port_is_dialled(address: str) -> None:
+    """Issue 64 item 6: gRPC's other target forms passed the scope (their "host" resolved
+    nowhere, so they were dialled) and reached loopback or a Unix socket with the token;
+    refused now, --dial-private or not, and never dialled."""
+    for scope in (DialScope(), DialScope(allow_private=True)):
+        refused = await scope.refuses(address)
+        assert refused is not None and refused.startswith(NOT_DIALLED), refused
+    dialer = FakeDialer({address: "a"})
+    async with checking(dialer, scope=DialScope(allow_private=True)) as c:
+        c.checker.announced(announce("a", address))
+        report = await c.report()
+        assert dialer.calls == [] and report.reachability == cpb.REACHABILITY_UNREACHABLE

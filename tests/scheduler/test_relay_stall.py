@@ -19,7 +19,9 @@ RELAY, OTHER = "203.0.113.5:7100", "198.51.100.9:7100"
 STAGES = 2
 
 
-def _serving(name: str, stage: int, job: str, relay: str = "") -> cpb.PeerAnnouncement:
+def _serving(
+    name: str, stage: int, job: str, relay: str = "", public: str = ""
+) -> cpb.PeerAnnouncement:
     message = cpb.PeerAnnouncement(
         peer=name,
         address=f"192.168.1.{10 + stage}:7700",
@@ -27,6 +29,7 @@ def _serving(name: str, stage: int, job: str, relay: str = "") -> cpb.PeerAnnoun
         state=cpb.PEER_STATE_SERVING,
         relay=relay,
         samples_per_second={stage: 1.0},
+        public_address=public,
     )
     message.stage = stage
     return message
@@ -64,6 +67,7 @@ def _watched(tmp_path: Path, store: JobStore) -> tuple[str, PeerRegistry, StallW
         History(store),
         Health(),
         lost=lambda missing: registry.lost_relays(job, missing),
+        domains=registry.domains,
     )
     return job, registry, watch, message
 
@@ -117,3 +121,37 @@ def test_a_stage_with_a_peer_not_cut_off_by_a_relay_still_wants_a_stage_server(
             in said
         )
         assert f"stage 1: {REMEDY}" in said, said
+
+
+def test_a_home_outage_is_named_as_such_not_a_missing_server(tmp_path: Path) -> None:
+    """Issue 68 item 3: both of a friend's peers sat behind one router, which was pulled; the
+    relay lived. Status said "start a stage server for this job ...: every stage rolls back to
+    step 30", though the failure-domain warning had named the router and nothing rolled back
+    once they returned. Now it says what is known: behind which router, since when, and both
+    ends (they come back: nothing lost; another server takes the stage: the rollback)."""
+    home = "198.51.100.7"
+    with JobStore(tmp_path / "jobs.db") as store:
+        job, registry, watch, message = _watched(tmp_path, store)
+        registry.announce(_relay("vps-relay", RELAY))  # the relay lives throughout
+        for stage in range(STAGES):
+            name = f"home{stage}"
+            registry.announce(_serving(name, stage, job, relay=RELAY, public=home))
+            registry.reached(_report(name, cpb.REACHABILITY_RELAYED, RELAY))
+        asyncio.run(watch.look())
+        assert message == ["training"]
+        for stage in range(STAGES):  # the router is pulled: their last-wills
+            registry.announce(
+                cpb.PeerAnnouncement(peer=f"home{stage}", state=cpb.PEER_STATE_OFFLINE)
+            )
+        asyncio.run(watch.look())
+        said = message[0]
+        assert REMEDY not in said, said
+        assert said.startswith("stalled at step 40: stages 0, 1 have no replica since "), said
+        assert (
+            f"; their replicas (home0, home1) all sit behind router {home}, unreachable since "
+        ) in said, said
+        assert "if they come back, training goes on from step 40 and nothing is lost" in said
+        instead = "if other stage servers take them instead, every stage rolls back to"
+        assert said.endswith(f"{instead} step 30, the last checkpoint (10 step(s) trained again)")
+        events = [e.text for e in store.events(job) if e.kind == "stall"]
+        assert events and all(f"behind router {home}" in e for e in events), events

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from stage_server.doctor import diagnose, stage_bytes
+from stage_server.peer.network_checks import path_check
 from tests.support.devices import FakeFacts, Gpu
 from tests.support.jobs import write_job
 from tests.support.ports import free_port
@@ -119,3 +120,13 @@ def test_swarm_doctor_on_this_machine(tmp_path: Path) -> None:
     assert "ok   device: cpu" in done.stdout
     assert "FAIL scheduler:" in done.stdout and "     fix: start the scheduler" in done.stdout
     assert "failed: scheduler" in done.stdout
+
+
+@pytest.mark.attack("64.10")
+def test_the_doctor_escapes_what_relays_announce() -> None:
+    """Issue 64 item 10: a relay announced by a token holder wrote its own terminal escapes into
+    a newcomer's first command (`swarm doctor --join`); now written out as `swarm status` does."""
+    hostile = {"relay-\x1b]0;pwned\x07": "203.0.113.5:7100\x1b[2J\nok   all good"}
+    found = path_check("192.168.1.10", "198.51.100.2", hostile).found
+    assert "\x1b" not in found and "\n" not in found and "\x07" not in found, found
+    assert "relay-\\x1b]0;pwned\\x07 (203.0.113.5:7100\\x1b[2J\\nok   all good)" in found

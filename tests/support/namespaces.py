@@ -3,7 +3,8 @@ removed after it, with what a run killed before it cleaned up left behind remove
 `lans`, private LANs behind NAT routers (`swarm.local.nat`). And a TCP probe to run between
 them: `listen` on one host, `dial` from another (does the connection open, whom does the
 listener see, how long do N bytes take each way). And a `Looker`: one process on a host that
-tells a job's status each time it is asked."""
+tells a job's status each time it is asked. And `tally`: nftables counters of the bytes arriving
+at a host, by source (`tallied` reads them)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ __all__ = [
     "seen_peers",
     "swarm_argv",
     "swarm_env",
+    "tallied",
+    "tally",
 ]
 
 PROXIES = {"http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy"}
@@ -271,3 +274,32 @@ class Looker:
     def close(self) -> None:
         self._proc.kill()
         self._proc.communicate()  # reaped, its pipes closed
+
+
+TALLY = "swarm_tally"  # the counting table `tally` makes in a host's namespace
+
+
+def tally(net: netns.Network, host: str, rules: Mapping[str, str]) -> None:
+    """Count, in `host`'s namespace, the bytes arriving that match each of `rules` (a name: an
+    nftables match, e.g. `ip saddr 192.168.1.11 tcp dport 7000`); read by `tallied`."""
+    lines = "".join(f'    {match} counter comment "{name}"\n' for name, match in rules.items())
+    table = (
+        f"table ip {TALLY} {{\n  chain input {{\n"
+        "    type filter hook input priority filter; policy accept;\n"
+        f"{lines}  }}\n}}\n"
+    )
+    netns.sh("ip", "netns", "exec", net.ns[host], "nft", "-f", "-", stdin=table)
+
+
+def tallied(net: netns.Network, host: str) -> dict[str, int]:
+    """The bytes counted so far by `tally`'s rules in `host`'s namespace, by rule name."""
+    listing = netns.sh(
+        "ip", "netns", "exec", net.ns[host], "nft", "-j", "list", "table", "ip", TALLY
+    )
+    counted: dict[str, int] = {}
+    for item in json.loads(listing)["nftables"]:
+        rule = item.get("rule", {})
+        for expr in rule.get("expr", []):
+            if "counter" in expr:
+                counted[rule["comment"]] = int(expr["counter"]["bytes"])
+    return counted

@@ -9,9 +9,9 @@ import contextlib
 import struct
 from dataclasses import dataclass
 
-__all__ = ["RawClient", "Will", "connect_packet", "packet", "publish_packet"]
+__all__ = ["RawClient", "Will", "connect_packet", "packet", "publish_packet", "subscribe_packet"]
 
-CONNECT, CONNACK, PUBLISH = 0x10, 0x20, 0x30
+CONNECT, CONNACK, PUBLISH, SUBSCRIBE = 0x10, 0x20, 0x30, 0x82
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,18 @@ def connect_packet(
     return packet(CONNECT, header + payload)
 
 
-def publish_packet(topic: str, payload: bytes, *, retain: bool = False) -> bytes:
-    """A QoS 0 PUBLISH."""
-    return packet(PUBLISH | (0x01 if retain else 0), _str(topic) + payload)
+def publish_packet(
+    topic: str, payload: bytes, *, retain: bool = False, qos: int = 0, packet_id: int = 0
+) -> bytes:
+    """A PUBLISH (QoS 0 unless `qos`; a packet id with QoS 1 or 2)."""
+    first = PUBLISH | (qos << 1) | (0x01 if retain else 0)
+    ident = struct.pack("!H", packet_id) if qos else b""
+    return packet(first, _str(topic) + ident + payload)
+
+
+def subscribe_packet(packet_id: int, topic: str, *, qos: int = 0) -> bytes:
+    """A SUBSCRIBE to one topic filter at `qos`."""
+    return packet(SUBSCRIBE, struct.pack("!H", packet_id) + _str(topic) + bytes([qos]))
 
 
 class RawClient:

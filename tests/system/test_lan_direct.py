@@ -13,7 +13,6 @@ included: nothing arrived from the neighbour at all. The job still ends float64-
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -38,7 +37,6 @@ BROKER = f"mqtt://{HUB}:1883"
 RELAY_PORT, PORT = 7100, 7000
 TOKEN = "lan-direct-token"
 STEPS = 6
-TALLY = "swarm_tally"  # the counting table in each LAN host's namespace
 
 
 @pytest.fixture
@@ -63,29 +61,14 @@ def _tally(lab: netns.Network, host: str, neighbour: str) -> None:
     """Count, in `host`'s namespace, what arrives at its gRPC port from `neighbour` (the LAN,
     directly) and what arrives from the relay (every tunnel's data connection, which `host`
     opened to the relay's port)."""
-    rules = f"""table ip {TALLY} {{
-  chain input {{
-    type filter hook input priority filter; policy accept;
-    ip saddr {neighbour} tcp dport {PORT} counter comment "lan"
-    ip saddr {HUB} tcp sport {RELAY_PORT} counter comment "relay"
-  }}
-}}
-"""
-    netns.sh("ip", "netns", "exec", lab.ns[host], "nft", "-f", "-", stdin=rules)
-
-
-def _tallied(lab: netns.Network, host: str) -> dict[str, int]:
-    """Bytes counted so far by `_tally`'s rules in `host`'s namespace, by rule."""
-    listing = netns.sh(
-        "ip", "netns", "exec", lab.ns[host], "nft", "-j", "list", "table", "ip", TALLY
+    namespaces.tally(
+        lab,
+        host,
+        {
+            "lan": f"ip saddr {neighbour} tcp dport {PORT}",
+            "relay": f"ip saddr {HUB} tcp sport {RELAY_PORT}",
+        },
     )
-    counted: dict[str, int] = {}
-    for item in json.loads(listing)["nftables"]:
-        rule = item.get("rule", {})
-        for expr in rule.get("expr", []):
-            if "counter" in expr:
-                counted[rule["comment"]] = int(expr["counter"]["bytes"])
-    return counted
 
 
 def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path: Path) -> None:
@@ -130,7 +113,7 @@ def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path
         assert state == "JOB_STATE_SUCCEEDED", story
         out = tmp_path / "swarm.pt"
         _on_hub(lab, tmp_path, "export", job_id, "--out", str(out), "--scheduler", SCHEDULER)
-        counted = {host: _tallied(lab, host) for host in lan}
+        counted = {host: namespaces.tallied(lab, host) for host in lan}
     finally:
         if looker is not None:
             looker.close()

@@ -3,7 +3,7 @@
 lines for every machine, then its scheduler's block and the recipe's relay block on the public
 host; the recipe's home block on two machines, each on a LAN of its own behind a real nftables
 router that masquerades it and drops every inbound connection (`swarm.local.nat`), both at
-192.168.1.10 and announcing 127.0.0.1 (their addresses collide, their peer ids do not); section
+192.168.1.10 and announcing it (their addresses collide, their peer ids do not); section
 3's submitting block on a fourth machine. Each machine runs bash in its own namespace, in a
 directory holding what section 2 says to give it. Only hosts, paths, the device and the second
 home's peer id are replaced, each asserted to be there (`tests.support.guide`); the guide's job
@@ -105,8 +105,9 @@ def test_the_nat_recipe_works_as_written_with_tls(lab: netns.Network, tmp_path: 
         assert start("sched", "sched").wait_ready(deadline)["address"] == f"{SCHED}:7700"
         assert start("relay", "sched").wait_ready(deadline)["address"] == f"{SCHED}:7000"
         for host in ("home1", "home2"):
-            # loopback, as in every home: only its peer id tells them apart
-            assert start(host, host).wait_ready(deadline)["address"].startswith("127.0.0.1:")
+            # its LAN address, found by itself (issue 68 item 2), the same in both homes: only
+            # its peer id tells them apart
+            assert start(host, host).wait_ready(deadline)["address"].startswith("192.168.1.10:")
         submit = start("alice", "alice")
         with contextlib.suppress(subprocess.TimeoutExpired):  # judged below, with every log
             submit.popen.wait(150)

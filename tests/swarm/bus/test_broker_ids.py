@@ -113,3 +113,45 @@ async def test_the_schedulers_client_id_without_its_credential_is_refused(
         await a.publish(TOPICS.peer("a"), _serving("a"))
         assert (await receive(peers))[0] == TOPICS.peer("a")
         assert sched.connected
+
+
+@pytest.fixture
+def invited(tmp_path: Path) -> Iterator[Path]:
+    """A swarm CA with the broker's certificate and an invite's for alice (CN alice, the peer
+    ids alice and LABEL.alice); no identity is left behind."""
+    from swarm.net import invite
+
+    pki = named_ca(tmp_path, "broker")
+    made = invite.make("alice", "mqtts://127.0.0.1:8883", "x:1", ca_dir=pki, hosts=[], token=TOKEN)
+    files = invite.unpack(made, tmp_path / "alice")
+    assert files.cert and files.key
+    (pki / "alice.pem").write_bytes(files.cert.read_bytes())
+    (pki / "alice.key").write_bytes(files.key.read_bytes())
+    yield pki
+    tls.configure(None)
+
+
+@pytest.mark.attack("64.8")
+async def test_under_certificate_users_an_invites_second_id_is_its_own(invited: Path) -> None:
+    """One rule, every check (issue 68 item 1): under --use-identity-as-username the user is the
+    certificate's name, `alice`; before, a second machine on alice's invite (`--peer gpu1.alice`)
+    was refused its client id (`peer-gpu1.alice` is user gpu1.alice's) and its topics. Now what
+    the invite certifies is hers, at the broker as at the relay; another's id is not."""
+    become(invited, "broker")
+    async with EmbeddedBroker(token=TOKEN, use_identity_as_username=True) as broker:
+        become(invited, "alice")
+        async with (
+            bus(broker.url, "peer-alice", token=TOKEN, username="alice") as first,
+            bus(broker.url, "peer-gpu1.alice", token=TOKEN, username="gpu1.alice") as second,
+        ):
+            await first.wait_connected(WAIT_S)
+            await second.wait_connected(WAIT_S)
+            peers = first.subscribe(TOPICS.peer(ANY))
+            await peers.wait_subscribed(WAIT_S)
+            await second.publish(TOPICS.peer("bob"), _serving("bob"))  # not hers: dropped
+            await second.publish(TOPICS.peer("gpu1.alice"), _serving("gpu1.alice"))
+            assert (await receive(peers))[0] == TOPICS.peer("gpu1.alice")
+        thief = bus(broker.url, "peer-bob", token=TOKEN, username="bob")
+        with pytest.raises(BusAuthError):
+            async with thief:
+                await thief.wait_connected(WAIT_S)

@@ -13,7 +13,7 @@ from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.limits import BrokerLimits
 from swarm.bus.topics import Topics
 from tests.support.buses import WAIT_S
-from tests.support.raw_mqtt import RawClient, connect_packet, publish_packet
+from tests.support.raw_mqtt import RawClient, connect_packet, publish_packet, subscribe_packet
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,3 +126,35 @@ async def test_amqtts_own_warnings_are_rated(caplog: pytest.LogCaptureFixture) -
     lines = _broker_warnings(caplog)
     assert len(lines) <= 2, "\n".join(lines[:10])
     assert any("MQTT-3.1.0-2" in line for line in lines), lines
+
+
+async def test_an_unacknowledged_message_is_said_once_in_our_words(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 68 item 6: each outage put amqtt's internals in the scheduler's log at ERROR (`Task
+    failed and will be skipped: ... TimeoutError('Timeout waiting for PUBACK ...')`), one per
+    message. A subscriber at QoS 1 that never acknowledges (its router is off) and 3 messages
+    to it: one WARNING in the swarm's words, nothing at ERROR."""
+    caplog.set_level(logging.INFO)
+    topic = TOPICS.peer("a")
+    async with (
+        EmbeddedBroker() as broker,
+        await RawClient.open("127.0.0.1", broker.port) as mute,
+        await RawClient.open("127.0.0.1", broker.port) as sender,
+    ):
+        await mute.send(connect_packet("mute"))
+        assert await mute.connack(WAIT_S) == 0
+        await mute.send(subscribe_packet(1, topic, qos=1))
+        await sender.send(connect_packet("sender"))
+        assert await sender.connack(WAIT_S) == 0
+        await asyncio.sleep(0.5)  # the subscription in place
+        for i in range(3):
+            await sender.send(publish_packet(topic, b"%d" % i, qos=1, packet_id=i + 1))
+        async with asyncio.timeout(30):  # amqtt waits 5 s for each PUBACK
+            while not any("did not acknowledge" in r.getMessage() for r in caplog.records):
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(6)  # the other messages' timeouts too
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors
+    said = [line for line in _broker_warnings(caplog) if "PUBACK" in line or "acknowledge" in line]
+    assert len(said) == 1 and "PUBACK" not in said[0], said

@@ -166,3 +166,42 @@ async def test_routes_switch_a_peer_to_its_lan_address_and_back(tmp_path: Path) 
         finally:
             await routes.close()
             await asyncio.sleep(0)
+
+
+class _Asked(_Named):
+    """A replica that answers Info as `peer` and counts who asked."""
+
+    def __init__(self, peer: str) -> None:
+        super().__init__(peer)
+        self.asked = 0
+
+    async def Info(  # type: ignore[override]
+        self, request: stage_pb2.StageInfoRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.StageInfoResponse:
+        self.asked += 1
+        return await super().Info(request, context)
+
+
+@pytest.mark.attack("64.6-lan")
+async def test_only_a_neighbours_lan_address_is_probed() -> None:
+    """Issue 64 item 6: every caller (the scheduler's trainer included) probed whatever address
+    a relayed peer announced, its loopback for one, with the swarm's token. The process's own
+    shortcuts probe nobody until a stage server behind NAT scopes them to its neighbours (peers
+    its relay saw come from its own public address)."""
+    from swarm.rpc.lan import SHORTCUTS
+
+    listener = _Asked(PEER)
+    async with serving(listener) as served:
+        address = _relayed(PEER, served)  # "my LAN address is your loopback"
+        assert not SHORTCUTS.direct(address, "the-swarm-token")
+        await SHORTCUTS.probed()
+        assert not SHORTCUTS.direct(address, "the-swarm-token") and listener.asked == 0
+        neighbours = {"home-2"}
+        scoped = Shortcuts(scope=neighbours.__contains__)
+        scoped.direct(address, None)
+        await scoped.probed()
+        assert listener.asked == 0 and not scoped.direct(address, None)
+        neighbours.add(PEER)  # its relay saw it come from this one's router
+        scoped.direct(address, None)
+        await scoped.probed()
+        assert listener.asked == 1 and scoped.direct(address, None)
