@@ -86,6 +86,9 @@ class PipelineTrainer:
         self._departed: dict[str, float] = {}  # peer -> when it left, until its series go
         self._leased_step = -1  # the step of the last lease
         self._failing = Backoff(first_s=0.05, cap_s=2.0)  # the pause before a `_give_back`
+        # Why the last microbatch failed, until one goes through again: what a job that stops
+        # progressing names as its cause (`client.patience`, the scheduler's stall watch).
+        self.failure: str | None = None
         self.completed = 0  # microbatches this trainer computed and reported
         # Results not reported yet, each with its slot waiting for its next task; the one
         # report call in flight (`_report`)
@@ -224,6 +227,7 @@ class PipelineTrainer:
             log.warning(
                 "%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e
             )
+            self.failure = str(e)
             result = None
         finally:
             self.metrics.in_flight.dec()
@@ -231,6 +235,7 @@ class PipelineTrainer:
             await self._give_back(task)
             return None
         self._failing.reset()
+        self.failure = None
         waiter: asyncio.Future[Task | None] = asyncio.get_running_loop().create_future()
         self._unreported.append((result, waiter, asyncio.current_task()))
         if self._reporter is None or self._reporter.done():
@@ -239,7 +244,7 @@ class PipelineTrainer:
 
     async def _give_back(self, task: Task) -> None:
         """Release a microbatch that failed, after a pause: one that fails at once (a stage's
-        every replica banned for a while) would come back within milliseconds. It stays leased
+        every replica in backoff for a while) would come back within milliseconds. It stays leased
         to this slot meanwhile, not in flight."""
         await asyncio.sleep(self._failing.next())
         # A release names indices only: one of an older step (a straggler) would give away

@@ -170,7 +170,7 @@ class StagePool:
         top = self._top()
         if top is None:
             raise NoReplicaError(
-                f"no eligible replica among {len(self._replicas)}: all banned, draining or gone"
+                f"no eligible replica among {len(self._replicas)}: all in backoff, draining or gone"
             )
         if self._probes and self._probes[0][0] <= self._clock.now():
             self._expire_probes()
