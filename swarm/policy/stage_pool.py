@@ -35,7 +35,7 @@ __all__ = ["NoReplicaError", "StagePool"]
 
 
 class NoReplicaError(SwarmError):
-    """Every replica of the stage is banned, draining or gone: the caller must wait or roll back."""
+    """Every replica of the stage is in backoff, draining or gone: the caller must wait or roll back."""
 
 
 @dataclass(slots=True)

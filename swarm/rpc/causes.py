@@ -25,7 +25,7 @@ from swarm.errors import RemoteError
 from swarm.ops.rated import RatedLog
 from swarm.rpc.status import status_code
 
-__all__ = ["CAUSE_CHARS", "FAILURE_LOG_S", "Cause", "Causes", "described"]
+__all__ = ["CAUSE_CHARS", "FAILURE_LOG_S", "Cause", "Causes", "described", "kind"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,12 @@ def described(error: BaseException) -> str:
         status = status_code(error)
         code = status.name if status is not None else type(error).__name__
     return bounded(f"{code}: {text}")
+
+
+def kind(text: str) -> str:
+    """What makes two causes the same for the rate of their log lines: their text, numbers aside
+    (a step, a microbatch, seconds ago)."""
+    return _NUMBERS.sub("N", text)
 
 
 def bounded(text: str) -> str:
@@ -86,7 +92,7 @@ class Causes:
         cause = Cause(stage, peer, described(error), self._clock())
         self._last[stage] = cause
         if backoff_s > 0:
-            key = (stage, peer, _NUMBERS.sub("N", cause.text))
+            key = (stage, peer, kind(cause.text))
             self._rated.warning(
                 key,
                 "stage %d: %s failed: %s; backoff %.1f s, trying another replica",
