@@ -101,9 +101,10 @@ async def hop(
     `HopFailed` when none answered and an answer was needed."""
     pool, samples = routes.wiring[stage], routes.job.training.microbatch_size
     last: BaseException | None = None
-    tried = 0
+    tried, why = 0, f"{attempts} attempt(s) failed"
     for _ in range(attempts):
         if deadline is not None and deadline <= time.monotonic():
+            why = f"its deadline passed after {tried} attempt(s)"
             break
         try:
             # `eligible` sorts the pool: asked only when there is a preferred replica.
@@ -153,11 +154,9 @@ async def hop(
             if observer is not None:
                 observer.routed(stage, peer, pool.throughput(peer))
         return Hopped(peer, result, accumulate)
-    if tried == 0:
-        raise _failed(routes, stage, "its deadline passed") from last
     if isinstance(last, Busy):  # the last try found a full queue: say so, not an older failure
-        raise HopFailed(f"stage {stage}: {tried} attempt(s) failed, the last {described(last)}")
-    raise _failed(routes, stage, f"{tried} attempt(s) failed") from last
+        raise HopFailed(f"stage {stage}: {why}, the last {described(last)}") from last
+    raise _failed(routes, stage, why) from last
 
 
 def _failed(routes: Routes, stage: int, why: str) -> HopFailed:

@@ -294,7 +294,8 @@ def test_a_job_that_cannot_progress_is_stalled_naming_the_cause_after_its_patien
     # No step ever committed and its trainer's microbatches fail: after the job's patience
     # (here shorter than the minute of a slow step), `stalled`, naming the failure; running
     # once a step commits.
-    now, message, states = [1000.0], ["training"], []
+    now, message = [1000.0], ["training"]
+    states: list[str] = []
     speed = RecentSpeed(lambda: now[0])
     cause: list[str | None] = [None]
     with JobStore(tmp_path / "jobs.db") as store:
