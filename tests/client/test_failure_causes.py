@@ -1,9 +1,10 @@
 """Every failure names its cause, and nothing retries forever (issue 63, items 3 and 4; DESIGN.md,
-"Failures say why"). Real gRPC stage servers in this process; the last stage refuses every push
+"Failures say why"). Real gRPC stage servers in this process; the last stage refuses every call
 with one status, as a replica that cannot take a handover did on a GPU: the refusal's code and
-text reach the trainer through stage 0's next hop, the first failure behind each backoff is a
-WARNING (once per peer and cause in the rate window), and a standalone trainer whose steps stop
-committing stops after the job's `runtime.patience_s`, exiting non-zero with the cause."""
+text reach the trainer (on the push plane through stage 0's next hop, one cause nested in the
+next), the first failure behind each backoff is a WARNING (once per peer and cause in the rate
+window), and a standalone trainer whose steps stop committing stops after the job's
+`runtime.patience_s`, exiting non-zero with the cause."""
 
 from __future__ import annotations
 
@@ -36,11 +37,12 @@ def _warnings(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     ]
 
 
-async def test_a_refusal_two_hops_away_reaches_the_trainer_with_its_code_and_text(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("plane", ["push", "relay"])
+async def test_a_refusal_reaches_the_trainer_with_its_code_and_text(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, plane: str
 ) -> None:
     caplog.set_level(logging.WARNING)
-    job = make_job(tmp_path, training=TRAINING, runtime=RUNTIME)
+    job = make_job(tmp_path, training=TRAINING, runtime={**RUNTIME, "data_plane": plane})
     swarm = Swarm(job)
     try:
         first, last = await swarm.add(0), await swarm.add(1)
@@ -50,16 +52,21 @@ async def test_a_refusal_two_hops_away_reaches_the_trainer_with_its_code_and_tex
     finally:
         await swarm.close()
     said = str(stopped.value)
-    assert refusing.refused >= 2, "stage 0's next hop tried the last stage again after backoff"
+    assert refusing.refused >= 2, "the last stage was tried again after its backoff"
     assert "no step committed for 3 s (runtime.patience_s)" in said, said
-    # stage 0's failure, as the trainer saw it, carries stage 1's: peer, code and text
-    assert f"peer {first.address}: UNAVAILABLE: no replica took the microbatch: stage 1" in said
     assert f"peer {last.address}: FAILED_PRECONDITION: {REFUSAL}" in said, said
     # the first failure behind a backoff is a WARNING, once per peer and cause in its window
     at_stage_1 = _warnings(caplog, f"stage 1: {last.address} failed: FAILED_PRECONDITION")
     assert len(at_stage_1) == 1 and REFUSAL in at_stage_1[0] and "backoff" in at_stage_1[0]
     at_stage_0 = _warnings(caplog, f"stage 0: {first.address} failed: UNAVAILABLE")
-    assert len(at_stage_0) == 1 and REFUSAL in at_stage_0[0], at_stage_0
+    if plane == "push":  # stage 0's failure, as the trainer saw it, carries stage 1's
+        assert f"peer {first.address}: UNAVAILABLE: no replica took the microbatch: stage 1" in (
+            said
+        )
+        assert len(at_stage_0) == 1 and REFUSAL in at_stage_0[0], at_stage_0
+    else:  # the trainer called stage 1 itself
+        assert said.startswith("no step committed") and "the last failure: stage 1: " in said
+        assert at_stage_0 == []
     failed = [r for r in caplog.records if r.name == "client.trainer" and "failed" in r.msg]
     assert len(failed) == 1, "the trainer's failed microbatches: once a window for each cause"
     assert not any("banned" in r.getMessage() for r in caplog.records), "backoff is no ban"
