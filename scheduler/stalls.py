@@ -17,6 +17,12 @@ where a spare would have taken over without loss. So is a stage whose replicas a
 machine, or sit behind one router (their failure domains, `swarm.policy.domains.crowded`): placement
 spreads them where it can, and this says where it could not. Each change is an event in the job's
 history.
+
+Steps that stop committing while every stage is served stall the job too (`stalled`, issue 63):
+after 20 usual step times (at least a minute), or the job's `runtime.patience_s` if that is
+shorter. Its message names the last failure its trainer saw (a stage that refuses every call,
+with the refusal's code and text, `swarm.rpc.causes`), and the job goes back to `running` by
+itself once a step commits: nothing retries silently forever.
 """
 
 from __future__ import annotations
