@@ -54,7 +54,7 @@ def described(error: BaseException) -> str:
 
 def kind(text: str) -> str:
     """What makes two causes the same for the rate of their log lines: their text, numbers aside
-    (a step, a microbatch, seconds ago)."""
+    (a step, a microbatch, a time)."""
     return _NUMBERS.sub("N", text)
 
 
@@ -70,7 +70,14 @@ class Cause:
     stage: int
     peer: str
     text: str  # `described`
-    at: float  # monotonic seconds
+    at: float  # the `Causes` clock's seconds (monotonic)
+    wall: float  # unix seconds: when, as a message says it
+
+    @property
+    def clock_time(self) -> str:
+        """When, as "HH:MM:SS" local time: a message that is kept (a job's status) must not
+        say how long ago, which is only true the moment it is written."""
+        return time.strftime("%H:%M:%S", time.localtime(self.wall))
 
     def __str__(self) -> str:
         return f"peer {self.peer}: {self.text}"
@@ -89,7 +96,7 @@ class Causes:
     def failed(self, stage: int, peer: str, error: BaseException, backoff_s: float) -> Cause:
         """`peer` of `stage` failed a call with `error`; `backoff_s`: the backoff that failure
         started (0: it was in backoff already, or it left the stage meanwhile)."""
-        cause = Cause(stage, peer, described(error), self._clock())
+        cause = Cause(stage, peer, described(error), self._clock(), time.time())
         self._last[stage] = cause
         if backoff_s > 0:
             key = (stage, peer, kind(cause.text))
@@ -108,10 +115,6 @@ class Causes:
     def last(self, stage: int) -> Cause | None:
         """The last failed call to a replica of `stage`, if any."""
         return self._last.get(stage)
-
-    def ago(self, cause: Cause) -> float:
-        """Seconds since `cause`."""
-        return max(0.0, self._clock() - cause.at)
 
     def latest(self) -> Cause | None:
         """The last failed call to any stage, if any."""

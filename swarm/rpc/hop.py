@@ -161,9 +161,8 @@ async def hop(
 
 def _failed(routes: Routes, stage: int, why: str) -> HopFailed:
     """The hop's failure: `why`, and the last failed call to `stage` behind it (the one that put
-    its replicas in backoff, when none was eligible), with how long ago."""
+    its replicas in backoff, when none was eligible), with when."""
     cause = routes.causes.last(stage)
     if cause is None:
         return HopFailed(f"stage {stage}: {why}")
-    ago = routes.causes.ago(cause)
-    return HopFailed(f"stage {stage}: {why}; last failure {ago:.0f} s ago: {cause}", cause)
+    return HopFailed(f"stage {stage}: {why}; last failure at {cause.clock_time}: {cause}", cause)
