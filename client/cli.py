@@ -34,7 +34,8 @@ STATUS_VIEW = """\
 what the view shows (docs/deployment.md, "Watch it", says more):
   job       the job's id (its name)
   state     queued, placing (waiting for peers), running, stalled (a stage has no replica, or
-            no step commits), succeeded, failed or cancelled; an ended job's: how long it took
+            no step commits: its message names the last failure, and it carries on by itself
+            once that clears), succeeded, failed or cancelled; an ended job's: how long it took
   step      steps committed / steps the job trains
   loss      the last committed step's training loss (-: none yet)
   val loss  the last validation loss, after how many steps (jobs with a validation split)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from client.metrics import TrainerMetrics
+from client.patience import Patience
 from client.trainer import PipelineTrainer, load_followed
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -81,26 +82,40 @@ async def _train(
 ) -> dict[str, torch.Tensor]:
     registry = registry or CollectorRegistry()
     members = replicas if callable(replicas) else (lambda: replicas)  # type: ignore[misc]
+    runs: list[PipelineTrainer] = []
+    patience = Patience(
+        job.runtime.patience_s,
+        lambda: next((t.failure for t in runs if t.failure), None),
+        lambda: coordinator.progress(),
+    )
+
+    def committed(record: StepRecord) -> object:
+        patience.committed()
+        return on_step(record) if on_step is not None else None
+
     coordinator = LocalCoordinator(
         job,
         fingerprint(job),
         members,
         token=token,
-        on_step=on_step,  # type: ignore[arg-type]
+        on_step=committed,  # type: ignore[arg-type]
         metrics=CoordinatorMetrics(fingerprint(job), registry),
         checkpoint_dir=checkpoint_dir,
         on_route=on_route,
     )
     metrics = TrainerMetrics(fingerprint(job), registry)
-    runs = [
+    runs += [
         PipelineTrainer(job, coordinator, metrics=metrics, token=token, seed=i)
         for i in range(trainers)
     ]
     try:
         await coordinator.start()
+        patience.committed()  # the patience counts from the start of training
         job_id = fingerprint(job)
         async with load_followed(broker, job_id, runs, token=token, registry=registry):
-            await asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait())
+            await _bounded(
+                asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait()), patience
+            )
         if coordinator.error:
             raise coordinator.error
         return await gather_state(coordinator)
@@ -108,6 +123,21 @@ async def _train(
         for t in runs:
             await t.close()
         await coordinator.close()
+
+
+async def _bounded(work: Awaitable[object], patience: Patience) -> None:
+    """`work`, unless `patience` runs out first: then it is cancelled and `NoProgress` raised,
+    naming the last failure (`client.patience`)."""
+    done, watch = asyncio.ensure_future(work), asyncio.ensure_future(patience.watch())
+    try:
+        await asyncio.wait([done, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:  # cancelled too, or one of them ended: the other goes
+        for task in (done, watch):
+            task.cancel()
+        await asyncio.gather(done, watch, return_exceptions=True)
+    if watch.done() and not watch.cancelled():
+        watch.result()  # NoProgress: the work was cancelled for it
+    done.result()
 
 
 async def run_trainer(

@@ -28,11 +28,13 @@ from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.job.rule import rule_of
 from swarm.model.data import VAL_STEP, DataSource, make_data, make_val_data
+from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff
 from swarm.policy.window import window
 from swarm.policy.wiring import Wiring
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc import epoch
+from swarm.rpc.causes import FAILURE_LOG_S, kind
 from swarm.rpc.lease import Lease, LeaseSource, MicrobatchResult, Replica, Task
 from swarm.rpc.routes import ClientFactory, Retiring, Routes
 from swarm.rpc.stage_client import StageClient
@@ -86,6 +88,12 @@ class PipelineTrainer:
         self._departed: dict[str, float] = {}  # peer -> when it left, until its series go
         self._leased_step = -1  # the step of the last lease
         self._failing = Backoff(first_s=0.05, cap_s=2.0)  # the pause before a `_give_back`
+        # Why the last microbatch failed, until one goes through again: what a job that stops
+        # progressing names as its cause (`client.patience`, the scheduler's stall watch).
+        self.failure: str | None = None
+        # Once a rate window for each cause: a stage that refuses everything fails every slot's
+        # microbatch every few seconds, each line naming the same cause.
+        self._failed_log = RatedLog(log, FAILURE_LOG_S)
         self.completed = 0  # microbatches this trainer computed and reported
         # Results not reported yet, each with its slot waiting for its next task; the one
         # report call in flight (`_report`)
@@ -221,8 +229,14 @@ class PipelineTrainer:
         try:
             result: MicrobatchResult | None = await self._microbatch(task)
         except TrainerError as e:  # the hop loop handled every failed stage call itself
-            log.warning(
-                "%s: microbatch %d/%d failed: %s", self.trainer_id, task.step, task.index, e
+            self.failure = str(e)
+            self._failed_log.warning(
+                kind(self.failure),
+                "%s: microbatch %d/%d failed: %s",
+                self.trainer_id,
+                task.step,
+                task.index,
+                e,
             )
             result = None
         finally:
@@ -231,6 +245,7 @@ class PipelineTrainer:
             await self._give_back(task)
             return None
         self._failing.reset()
+        self.failure = None
         waiter: asyncio.Future[Task | None] = asyncio.get_running_loop().create_future()
         self._unreported.append((result, waiter, asyncio.current_task()))
         if self._reporter is None or self._reporter.done():
@@ -239,7 +254,7 @@ class PipelineTrainer:
 
     async def _give_back(self, task: Task) -> None:
         """Release a microbatch that failed, after a pause: one that fails at once (a stage's
-        every replica banned for a while) would come back within milliseconds. It stays leased
+        every replica in backoff for a while) would come back within milliseconds. It stays leased
         to this slot meanwhile, not in flight."""
         await asyncio.sleep(self._failing.next())
         # A release names indices only: one of an older step (a straggler) would give away

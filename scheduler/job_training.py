@@ -260,6 +260,8 @@ class JobTraining:
                 counted=coordinator.replicas,
                 lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
                 domains=self.peer_registry.domains,
+                cause=lambda: trainer.failure,  # the embedded trainer's (issue 63)
+                patience_s=job.runtime.patience_s,
             )
             try:
                 async with asyncio.TaskGroup() as group:

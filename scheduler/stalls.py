@@ -17,6 +17,12 @@ where a spare would have taken over without loss. So is a stage whose replicas a
 machine, or sit behind one router (their failure domains, `swarm.policy.domains.crowded`): placement
 spreads them where it can, and this says where it could not. Each change is an event in the job's
 history.
+
+Steps that stop committing while every stage is served stall the job too (`stalled`, issue 63):
+after 20 usual step times (at least a minute), or the job's `runtime.patience_s` if that is
+shorter. Its message names the last failure its trainer saw (a stage that refuses every call,
+with the refusal's code and text, `swarm.rpc.causes`), and the job goes back to `running` by
+itself once a step commits: nothing retries silently forever.
 """
 
 from __future__ import annotations
@@ -229,6 +235,8 @@ class StallWatch:
         counted: Callable[[], list[list[Replica]]] | None = None,
         lost: Callable[[list[int]], dict[int, str]] | None = None,
         domains: Callable[[], Mapping[str, Domains]] | None = None,
+        cause: Callable[[], str | None] = lambda: None,
+        patience_s: float = math.inf,
     ) -> None:
         """`members()`: who serves each stage now; `step()`: the job's committed steps;
         `checkpoint()`: the step the last sealed checkpoint holds (0: none); `say(text, state)`:
@@ -240,7 +248,10 @@ class StallWatch:
         that count for the warnings, those whose join succeeded (default: `members()`);
         `lost(stages)`: of `stages`, those cut off by a relay that is gone, with that relay
         (`PeerRegistry.lost_relays`).
-        `domains()`: the peers' failure domains (None: not known, no warning of them)."""
+        `domains()`: the peers' failure domains (None: not known, no warning of them).
+        `cause()`: why the job's last microbatch failed, if none went through since (its
+        trainer's `failure`); `patience_s`: the job's `runtime.patience_s`, the longest a job
+        whose steps stopped waits before its state is `stalled` (named with that cause)."""
         self.job_id, self.members, self.step, self.checkpoint = job_id, members, step, checkpoint
         self.say, self.said, self.history = say, said, history
         self.health, self.clock = health, clock
@@ -261,6 +272,8 @@ class StallWatch:
         self._crowded: set[str] = set()  # crowded-domain warnings said as events
         self._routers: dict[int, list[tuple[str, str]]] = {}  # stage -> (peer, router) served
         self._said = ""
+        self.cause, self.patience_s = cause, patience_s
+        self._started = clock()  # the baseline of a job that never committed a step
 
     async def look(self) -> None:
         """Take in who serves each stage now; say what changed."""
@@ -304,14 +317,15 @@ class StallWatch:
             served_again = f"stage {k} is served again ({who}) after {held:.0f} s without a replica"
             self.history.record(self.job_id, "resume", served_again)
         self._warn(self.counted(), checkpoint)  # a replica still joining is no spare yet
-        # Served again: running (said with whatever is said next, or with what it says now).
+        # Served again (or steps commit again): running, said with whatever is said next, or
+        # with what it says now. Steps that stopped are `stalled` too, with their cause.
         back: JobState | None = "running" if self._stalled and not missing else None
         slow = self._slow(now, step) if not missing else None
         if slow is not None:
             self.health.waiting_since = self._slow_since or now
-            if slow != self._said or back:
+            if slow != self._said or not self._stalled:
                 self._said = slow
-                await self.say(slow, back)
+                await self.say(slow, None if self._stalled else "stalled")
         elif missing:
             since = min(self._lost.values())
             self.health.waiting_since = since
@@ -327,7 +341,7 @@ class StallWatch:
             elif back:
                 await self.say(self.said(), back)
             self._said = ""
-        self._stalled = bool(missing)
+        self._stalled = bool(missing) or slow is not None
 
     def _homes(
         self, members: list[list[Replica]], missing: list[int], relays: dict[int, str]
@@ -405,9 +419,10 @@ class StallWatch:
         its start and end are events."""
         last = self.speed.last_at if self.speed is not None else None
         typical = self.speed.step_s if self.speed is not None else None
-        if last is None:
+        cause = self.cause()
+        if last is None and cause is None:  # not one step yet, and nothing failed: starting
             return None
-        last = max(last, self._served_at)
+        last = max(last if last is not None else self._started, self._served_at)
         if self._slow_since is not None and last > self._slow_since:  # a step committed
             self.history.record(
                 self.job_id,
@@ -416,18 +431,24 @@ class StallWatch:
             )
             self._slow_since = None
         threshold = max(SLOW_STALL_MIN_S, SLOW_STALL_STEPS * (typical or 0.0))
-        if now - last < threshold:
+        if now - last < min(threshold, self.patience_s):
             return None
         where = self.progress()
+        why = f"the last failure: {cause}; " if cause else ""
         if self._slow_since is None:
             self._slow_since = last
             self.history.record(
                 self.job_id,
                 "stall",
-                f"no step committed for {now - last:.0f} s at step {step}: {where}",
+                f"no step committed for {now - last:.0f} s at step {step}: {why}{where}",
             )
         at = time.strftime("%H:%M:%S", time.localtime(last))
         usual = f" (a step took about {typical:.1f} s)" if typical else ""
+        if cause:
+            return (
+                f"stalled at step {step}: cannot progress, no step committed since {at}{usual}; "
+                f"{why}{where}. Training carries on by itself once the cause clears"
+            )
         return (
             f"stalled at step {step}: no step committed since {at}{usual}; {where}. A hung "
             "replica is left out once its load reports stop (--load-silence-s) and its work "

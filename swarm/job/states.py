@@ -21,7 +21,8 @@ __all__ = [
 ]
 
 # "stalled": running, but a stage has no replica (no microbatch crosses it) until it is served
-# again; not an end.
+# again, or no step committed for the job's patience (its message names the last failure) until
+# one does; not an end.
 JobState = Literal["queued", "placing", "running", "stalled", "succeeded", "failed", "cancelled"]
 JOB_STATES: tuple[JobState, ...] = get_args(JobState)
 TERMINAL: frozenset[JobState] = frozenset({"succeeded", "failed", "cancelled"})

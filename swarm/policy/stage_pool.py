@@ -35,7 +35,8 @@ __all__ = ["NoReplicaError", "StagePool"]
 
 
 class NoReplicaError(SwarmError):
-    """Every replica of the stage is banned, draining or gone: the caller must wait or roll back."""
+    """Every replica of the stage is in backoff, draining or gone: the caller must wait or roll
+    back."""
 
 
 @dataclass(slots=True)
@@ -170,7 +171,7 @@ class StagePool:
         top = self._top()
         if top is None:
             raise NoReplicaError(
-                f"no eligible replica among {len(self._replicas)}: all banned, draining or gone"
+                f"no eligible replica among {len(self._replicas)}: all in backoff, draining or gone"
             )
         if self._probes and self._probes[0][0] <= self._clock.now():
             self._expire_probes()

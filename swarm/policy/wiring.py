@@ -89,5 +89,5 @@ class Wiring:
         return self._pools[stage].choose(task_samples)
 
     def stages_without_eligible(self) -> list[int]:
-        """Stages whose every replica is banned, draining or gone (O(total replicas))."""
+        """Stages whose every replica is in backoff, draining or gone (O(total replicas))."""
         return [k for k, pool in enumerate(self._pools) if not pool.eligible()]

@@ -5,9 +5,12 @@ here and nowhere else, so every sender feeds the wiring the same way.
 
 Each try: choose the replica with the smallest expected finish time (or `prefer`, while it is
 eligible), mark it started, call. A replica that answers busy is not at fault: the next try goes
-elsewhere and it is not banned. One that fails is banned with backoff and the next try goes
-elsewhere. One that answers has its service time recorded: the call's time less what it waited
-in the replica's queue, since the wiring adds queued work itself.
+elsewhere and it gets no backoff. One that fails is put in backoff (the wiring's pause, not an
+audit's ban) and the next try goes elsewhere; why it failed is kept (`Routes.causes`, logged at
+WARNING for the first failure behind each backoff) and named by `HopFailed`, so a failure deep in
+the pipeline reaches the trainer with its code and text. One that answers has its service time
+recorded: the call's time less what it waited in the replica's queue, since the wiring adds
+queued work itself.
 
 Exactness: a failed accumulating call may have accumulated all the same (`landed` says which
 errors leave that possible). Its stage is then never accumulated again from this hop: a second
@@ -26,6 +29,7 @@ from typing import Generic, Protocol, TypeVar
 
 from swarm.errors import Busy, PeerUnavailable, RemoteError, SwarmError
 from swarm.policy.wiring import NoReplicaError
+from swarm.rpc.causes import Cause, bounded, described
 from swarm.rpc.routes import Routes
 from swarm.rpc.stage_client import StageClient
 
@@ -37,7 +41,12 @@ T = TypeVar("T")
 
 class HopFailed(SwarmError):
     """No replica of the stage gave an answer: none was eligible, the tries ran out, or the
-    deadline passed."""
+    deadline passed. Its text names the last failed call behind it (`cause`): the peer, and the
+    code and text it failed with."""
+
+    def __init__(self, message: str, cause: Cause | None = None) -> None:
+        super().__init__(bounded(message))
+        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -92,15 +101,18 @@ async def hop(
     `HopFailed` when none answered and an answer was needed."""
     pool, samples = routes.wiring[stage], routes.job.training.microbatch_size
     last: BaseException | None = None
+    tried, why = 0, f"{attempts} attempt(s) failed"
     for _ in range(attempts):
         if deadline is not None and deadline <= time.monotonic():
+            why = f"its deadline passed after {tried} attempt(s)"
             break
         try:
             # `eligible` sorts the pool: asked only when there is a preferred replica.
             preferred = prefer is not None and prefer in pool.eligible()
             peer = prefer if preferred else pool.choose(samples)
         except NoReplicaError as e:
-            raise HopFailed(f"stage {stage}: {e}") from last
+            raise _failed(routes, stage, str(e)) from last
+        tried += 1
         assert peer is not None
         prefer = None
         pool.started(peer, samples)
@@ -115,26 +127,24 @@ async def hop(
         except SwarmError as e:  # a stage client raises nothing else for a failed call
             if isinstance(e, PeerUnavailable):  # dialled past its relay: through it again
                 routes.lost(peer)
+            backoff_s = 0.0
             if peer in pool:  # it may have left (or moved stage) while the call ran
-                pool.failed(peer, samples)
+                backoff_s = pool.failed(peer, samples)
                 if observer is not None:  # not for a departed peer: no new series
                     observer.failed(stage, peer)
+            routes.causes.failed(stage, peer, e, backoff_s)
             last = e
             if accumulate and landed(e):
                 accumulate = False
                 if observer is not None:
                     observer.unreported(stage, peer)
                 log.info(
-                    "stage %d: %s failed (%r) and may have accumulated all the same; "
-                    "left to the coordinator",
+                    "stage %d: %s may have accumulated all the same: left to the coordinator",
                     stage,
                     peer,
-                    e,
                 )
                 if not need_result:
                     return Hopped(None, None, False)
-                continue
-            log.info("stage %d: %s failed (%r); trying another replica", stage, peer, e)
             continue
         queued = getattr(result, "queued_seconds", None)
         if queued is None:  # a call whose answer does not say: the client kept it
@@ -144,4 +154,15 @@ async def hop(
             if observer is not None:
                 observer.routed(stage, peer, pool.throughput(peer))
         return Hopped(peer, result, accumulate)
-    raise HopFailed(f"stage {stage}: {attempts} attempts failed: {last}")
+    if isinstance(last, Busy):  # the last try found a full queue: say so, not an older failure
+        raise HopFailed(f"stage {stage}: {why}, the last {described(last)}") from last
+    raise _failed(routes, stage, why) from last
+
+
+def _failed(routes: Routes, stage: int, why: str) -> HopFailed:
+    """The hop's failure: `why`, and the last failed call to `stage` behind it (the one that put
+    its replicas in backoff, when none was eligible), with when."""
+    cause = routes.causes.last(stage)
+    if cause is None:
+        return HopFailed(f"stage {stage}: {why}")
+    return HopFailed(f"stage {stage}: {why}; last failure at {cause.clock_time}: {cause}", cause)

@@ -17,6 +17,7 @@ from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc import lan
+from swarm.rpc.causes import Causes
 from swarm.rpc.lease import Replica
 from swarm.rpc.stage_client import StageClient
 
@@ -82,7 +83,8 @@ def members_of(route: pb.Route) -> list[Replica]:
 
 
 class Routes:
-    """A pool per stage (`wiring`) and a client per replica (`clients`), kept to the members."""
+    """A pool per stage (`wiring`) and a client per replica (`clients`), kept to the members;
+    why their calls last failed (`causes`)."""
 
     def __init__(
         self,
@@ -95,6 +97,7 @@ class Routes:
     ) -> None:
         self.job, self.job_id, self.token, self.wiring = job, job_id, token, wiring
         self.clients: dict[str, StageClient] = {}
+        self.causes = Causes()
         self.retiring = Retiring(job.runtime.rpc_timeout_s)
         self.shortcuts = shortcuts
         self._client_factory = client_factory

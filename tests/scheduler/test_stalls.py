@@ -286,3 +286,53 @@ def test_a_refill_that_fails_leaves_the_stall_said_and_the_watch_running(
     assert message[0].startswith("stalled at step 9: stage 1 has no replica since ")
     assert "start a stage server" in message[0]
     assert "refill failed" in caplog.text and "the broker went away" in caplog.text
+
+
+def test_a_job_that_cannot_progress_is_stalled_naming_the_cause_after_its_patience(
+    tmp_path: Path,
+) -> None:
+    # No step ever committed and its trainer's microbatches fail: after the job's patience
+    # (here shorter than the minute of a slow step), `stalled`, naming the failure; running
+    # once a step commits.
+    now, message = [1000.0], ["training"]
+    states: list[str] = []
+    speed = RecentSpeed(lambda: now[0])
+    cause: list[str | None] = [None]
+    with JobStore(tmp_path / "jobs.db") as store:
+        job, health, watch = _watch(
+            store,
+            [[Replica("a", "h:1")], [Replica("b", "h:2")]],
+            lambda: 0,
+            lambda: 0,
+            message,
+            now,
+            states,
+            speed=speed,
+            progress=lambda: "step 0 waits for 4 of its 4 microbatches",
+            cause=lambda: cause[0],
+            patience_s=5.0,
+        )
+        speed.start()
+        now[0] += 3.0  # within its patience
+        asyncio.run(watch.look())
+        assert message == ["training"] and states == []
+        cause[0] = "stage 1: peer b: FAILED_PRECONDITION: handover refused"
+        now[0] += 3.0
+        asyncio.run(watch.look())
+        assert states == ["stalled"] and health.waiting_since == 1000.0  # since training began
+        assert message[0].startswith("stalled at step 0: cannot progress, no step committed")
+        assert (
+            "the last failure: stage 1: peer b: FAILED_PRECONDITION: handover refused; "
+            in (message[0])
+        )
+        assert message[0].endswith("carries on by itself once the cause clears")
+        asyncio.run(watch.look())
+        assert states == ["stalled"]  # said once
+        cause[0] = None  # the cause clears: a step commits
+        now[0] += 1.0
+        speed.committed(8)
+        asyncio.run(watch.look())
+        assert states == ["stalled", "running"] and message == ["training"]
+        kinds = [(e.kind, e.text.split(":")[0]) for e in store.events(job)]
+        assert ("stall", "no step committed for 6 s at step 0") in kinds
+        assert kinds[-1] == ("resume", "steps commit again (step 0) after 7 s")

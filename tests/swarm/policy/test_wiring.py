@@ -176,7 +176,7 @@ def test_no_replica_error() -> None:
         pool.choose(1.0)
     pool.add("a", 1.0)
     pool.set_draining("a", True)
-    with pytest.raises(NoReplicaError, match="banned, draining or gone"):
+    with pytest.raises(NoReplicaError, match="in backoff, draining or gone"):
         pool.choose(1.0)
     pool.set_draining("a", False)
     pool.failed("a")

@@ -1,0 +1,97 @@
+"""A scheduled job that cannot progress says so, and why (issue 63, item 4): its stage refuses
+every push (real gRPC stage servers in this process, under the scheduler's `JobTraining` and its
+embedded trainer), so no step commits; after the job's `runtime.patience_s` its state is
+`stalled` and its message, as `swarm status` prints it, names the refusal's code and text. Once
+the stage serves again the job carries on by itself: `running`, and its steps commit."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+
+from client.live import status_lines
+from scheduler.store import JobRecord, JobState, JobStore
+from swarm.errors import FailedPrecondition
+from swarm.job.states import job_state_proto
+from swarm.proto import scheduler_pb2 as spb
+from tests.support.inprocess import Swarm
+from tests.support.job_training import job_training
+from tests.support.jobs import make_job
+from tests.support.refusing import Refusing
+
+pytestmark = pytest.mark.timeout(120)
+
+REFUSAL = "handover refused: a malformed CUDA handover (66 bytes)"
+
+
+async def test_a_job_whose_stage_always_fails_is_stalled_with_the_cause_then_carries_on(
+    tmp_path: Path,
+) -> None:
+    # one microbatch a step, and steps enough to outlast the test (it is cancelled at the end)
+    training = {"stages": 2, "steps": 100_000, "target_batch_size": 4}
+    runtime = {"data_plane": "push", "patience_s": 2.0}
+    job = make_job(tmp_path, training=training, runtime=runtime, rebalance={"enabled": False})
+    swarm = Swarm(job)
+    said: list[tuple[JobState | None, str]] = []
+
+    async def set_status(job_id: str, state: JobState | None, text: str) -> None:
+        said.append((state, text))
+        if state is None:  # as the scheduler keeps it, for `swarm status`
+            store.set_message(job_id, text)
+        else:
+            store.set_state(job_id, state, message=text)
+
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job_id = store.create(job.name, "", str(tmp_path), job.training.steps).id
+        store.set_state(job_id, "placing")
+        training_run = job_training(store, swarm, tmp_path / "ckpt", set_status)
+        run: asyncio.Task[None] | None = None
+        try:
+            for stage in range(job.training.stages):
+                server = await swarm.add(stage)
+                server.servicer.serve(server.runtime, job_id)  # as the scheduler assigned it
+            refusing = Refusing(swarm.servers[1][0], FailedPrecondition(REFUSAL))
+            run = asyncio.create_task(training_run.run(job_id, job, []))
+            async with asyncio.timeout(60):
+                while not any(state == "stalled" for state, _ in said):
+                    assert not run.done(), f"the run ended: {run.exception()!r}"
+                    await asyncio.sleep(0.05)
+            text = next(text for state, text in said if state == "stalled")
+            assert text.startswith("stalled at step 0: cannot progress"), text
+            assert f"FAILED_PRECONDITION: {REFUSAL}" in text, text
+            assert "carries on by itself once the cause clears" in text, text
+            shown = status_lines(_status(store.get(job_id)))  # what `swarm status` prints
+            assert "state    stalled" in shown and f"message  {text}" in shown, shown
+            refusing.on = False  # the cause clears
+            stalled = next(i for i, (state, _) in enumerate(said) if state == "stalled")
+            async with asyncio.timeout(60):
+                while not any(state == "running" for state, _ in said[stalled:]):
+                    assert not run.done(), f"the run ended: {run.exception()!r}"
+                    await asyncio.sleep(0.05)
+            assert not run.done(), f"the run ended: {run.exception()!r}"
+        finally:
+            if run is not None:
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+            await swarm.close()
+    states = [state for state, _ in said[stalled:] if state is not None]
+    assert states[:2] == ["stalled", "running"], said
+    assert swarm.servers[0][0].runtime.step > 0, "it trains again"
+
+
+def _status(record: JobRecord | None) -> spb.JobStatus:
+    assert record is not None
+    return spb.JobStatus(
+        job=record.id,
+        name=record.name,
+        state=job_state_proto(record.state),
+        step=record.step,
+        steps=record.steps,
+        loss=math.nan,
+        message=record.message,
+        created=record.created,
+        updated=record.updated,
+    )
