@@ -20,7 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from scheduler.registry import PeerRegistry
-from scheduler.stalls import REMEDY, Health, stages_text
+from scheduler.stall_words import REMEDY, stages_text
+from scheduler.stalls import Health
 from swarm.bus.connection import BusLike
 from swarm.deadline import within
 from swarm.job.config import JobConfig

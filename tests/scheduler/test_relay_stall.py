@@ -10,7 +10,8 @@ from pathlib import Path
 
 from scheduler.history import History
 from scheduler.registry import PeerRegistry
-from scheduler.stalls import REMEDY, Health, StallWatch
+from scheduler.stall_words import REMEDY
+from scheduler.stalls import Health, StallWatch
 from scheduler.store import JobState, JobStore
 from swarm.clock import FakeClock
 from swarm.proto import control_pb2 as cpb
