@@ -23,6 +23,7 @@ import torch
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.host_copies import DeviceCopies
 from swarm.errors import InvalidArgument
+from swarm.ops import faults
 from swarm.proto import tensor_pb2
 from swarm.wire import codec, hadamard
 from swarm.wire.handover import Handover, Offer, handover_for
@@ -70,6 +71,8 @@ class Handing:
         """A handed-over tensor's payload (`chunking.Handed`), refused without a handover."""
         if self.handover is None:
             raise InvalidArgument(f"tensor {meta.name!r} was handed over; this replica has no site")
+        if faults.refuses_handover():  # SWARM_FAULTS=handover-refuse@0 (issue 63's refusal)
+            raise InvalidArgument(f"tensor {meta.name!r}: handover refused (injected fault)")
         payload = self.handover.take(meta.handover, meta.nbytes)
         self.metrics.handed("taken")
         return payload
