@@ -17,7 +17,7 @@ __all__ = ["READY_LINE", "STEP_LINE", "Stall", "last_errors"]
 
 READY_LINE = "SERVERS READY"  # the phase's line once every stage server serves
 STEP_LINE = "STEP "  # ... and its line per committed step: "STEP <n> loss <x> <s> s"
-_ERROR = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback|Error\b|\bfailed\b")
+_ERROR = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback|[Ee]rror\b|\bfailed\b")
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ")  # logging's asctime
 
 
