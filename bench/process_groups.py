@@ -110,13 +110,16 @@ def _signal_all(pids: Sequence[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def _reap_mine() -> None:
-    """Reap this process's exited children that no `Popen` waits for (orphans reparented here;
-    a Popen's own child is reaped by its `wait`, which the caller made first)."""
-    me = str(os.getpid())
+def _reap_orphans(leader: int, kind: Kind) -> None:
+    """Reap the exited members of `leader`'s group that were reparented to this process: only
+    theirs, and never the leader, whose `Popen` reaps it (a part beside this one, in a thread of
+    the check, waits for its own leader: reaping it here would lose its exit status)."""
+    me = os.getpid()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         stat = _stat(pid)
-        if stat is not None and stat[0] == "Z" and str(stat[1]) == me:
+        if stat is None or stat[0] != "Z" or stat[1] != me or int(pid) == leader:
+            continue
+        if (stat[3] if kind is Kind.SESSION else stat[2]) == leader:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(int(pid), os.WNOHANG)
 
@@ -129,16 +132,16 @@ def end(proc: subprocess.Popen[bytes], kind: Kind, grace: float = GRACE_S) -> tu
     _signal_all(members(leader, kind), signal.SIGTERM)
     deadline = time.monotonic() + grace
     while members(leader, kind) and time.monotonic() < deadline:
-        _reap_mine()
+        _reap_orphans(leader, kind)
         time.sleep(POLL_S)
     _signal_all(members(leader, kind), signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(REAP_S)
     deadline = time.monotonic() + REAP_S
     while members(leader, kind) and time.monotonic() < deadline:
-        _reap_mine()
+        _reap_orphans(leader, kind)
         time.sleep(POLL_S)
-    _reap_mine()
+    _reap_orphans(leader, kind)
     return tuple(members(leader, kind))
 
 
