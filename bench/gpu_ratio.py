@@ -479,6 +479,9 @@ def compare(args: argparse.Namespace) -> int:
             except MpsUnavailable as e:  # the host would not run the daemon: no A/B, no failure
                 mps, phases = f"not available: {e}", [x for x in phases if x != p]
                 continue
+            cut = left < PHASE_TIMEOUT_S and r.get("why", "").startswith("timed out")
+            if cut and not args.smoke:  # a run the budget ended is not a failure (the smoke's is)
+                r = {"skipped": f"--budget-s spent while it ran ({r['why']})"}
             rows[p] = summarize(r, args, job_path, peak)
             if args.smoke:
                 show_server_logs(work, shape, p)
@@ -513,6 +516,8 @@ def check_losses(
     for name in (p for p in phases if p.startswith("swarm")):
         run = rows.get(name, {})
         losses = run.get("losses")
+        if args.smoke and "skipped" in run:  # the smoke is both shapes, or it failed
+            failures.append(f"{shape} {name}: not run: {run['skipped']}")
         whole = losses is not None and len(losses) == args.warmup + args.steps
         if args.smoke and losses is not None and not (whole and all(map(math.isfinite, losses))):
             failures.append(f"{shape} {name}: losses {losses}: steps missing or not finite")
