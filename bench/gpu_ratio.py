@@ -1,11 +1,12 @@
 """Swarm against single-process torch on the same device, in one run (issue 53): part of
 bench/gpu_check.sh.
 
-    python bench/gpu_ratio.py [--device cuda:0] [--shapes short,long] [--warmup 2] [--steps 5]
+    python bench/gpu_ratio.py [--device cuda:0] [--shapes long,short] [--warmup 2] [--steps 5]
         [--precision bf16-mixed] [--compile auto|on|off] [--peak-tflops T] [--cpu-tiny] [--mps]
+        [--smoke] [--stall-s S] [--budget-s S] [--server-faults [stageK:]point@step,...]
 
 The model is examples/llama-1b.toml's. Each run is its own process, one after the other on the
-one device, warm-up steps and then timed steps:
+one device, swarm's first, warm-up steps and then timed steps:
   (a) torch, microbatched: one process, the same model, batch, microbatches, data and precision
       as swarm (`loss.backward()` per microbatch, one optimizer step), eager and (CUDA) compiled;
       eager bf16-mixed with swarm's own weight copies and sums (`swarm.model.low_copies`);
@@ -25,8 +26,17 @@ every step's loss against (a)'s (within 1% in bf16-mixed, 1e-4 in fp32). A one-p
 device has no memory for is reported (OOM), not failed. The last line is `RESULT {json}`; exit
 status 1 when a run failed or a loss disagreed.
 
-`--cpu-tiny`: a few layers of width 64 on the CPU, in fp32 (CI runs it as the device check's part:
-tests/system/test_gpu_check.py).
+Each run is a process group ended whole, its stage servers with it (`bench.process_groups`), at
+its timeout, or once swarm's commits no step for `--stall-s` (`bench.stall`): a stall prints the
+trainer's last errors and each server's, and no run after it starts. Before the next run the
+device's memory is back where it was, said in a line. `--budget-s`: no run starts past it (a run
+it ends is "not run", not failed). `--smoke`: swarm alone, 2 steps, each server's INFO log
+printed (the device check's first part). `--server-faults`: the servers' SWARM_FAULTS, a stall
+on purpose (`handover-refuse@0`: every handover refused, as b8f54b2's CUDA handover did).
+
+`--cpu-tiny`: a few layers of width 64 on the CPU, as on a device: bf16-mixed, real `swarm
+stage-server` processes 4 x 1, the co-located handover between them (shared memory here); CI
+runs it (tests/system/test_gpu_ratio.py; the device check's quick part in fp32).
 `--mps`: (c) once more with NVIDIA's MPS daemon running (bench/mps.py), its tokens/s against (c)'s
 in the same run; where the host cannot run it, "MPS A/B: not available" and why.
 """
