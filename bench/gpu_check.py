@@ -105,11 +105,11 @@ BUDGETS = {
     "environment": (20, 60),
     "smoke": (90, 200),
     "doctor": (90, 90),
-    "CUDA tests": (75, 150),
+    "CUDA tests": (90, 150),
     "train fp32": (240, 240),
     "train bf16-mixed": (240, 240),
     "llama-1b": (300, 300),
-    "gpu ratio": (200, 300),
+    "gpu ratio": (185, 300),
     "device faults": (50, 180),
 }
 DEVICE_PARTS = ("environment", "smoke", "gpu ratio", "CUDA tests", "device faults")
@@ -439,8 +439,8 @@ class Check:
             passed, part.figures = part.judge(ended.code, output)
         except Exception as e:  # a judge that cannot read the output fails its part only
             passed, part.figures = False, f"{type(e).__name__}: {e}"
-        if ended.stopped:
-            passed, part.figures = False, f"{ended.why}\n{tail(output)}"
+        if ended.stopped:  # what it found before, where its judge can read it
+            passed, part.figures = False, f"{ended.why}; {part.figures}\n{tail(output)}"
         part.figures += f"\n    {line}"
         part.seconds = ended.seconds
         part.status = "PASS" if passed and settled else "FAIL"

@@ -58,6 +58,7 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
     # A module that did not import here (a package the host lacks): named by the check.
     if report.failed:
         _outcomes[report.nodeid] = "uncollected"
+        _write()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -65,10 +66,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     counts = report.when == "call" or report.outcome != "passed"
     if counts and _outcomes.get(report.nodeid) != "failed":
         _outcomes[report.nodeid] = report.outcome
+        _write()  # after each test: a run its part's timeout ends still says what it found
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: Any) -> None:
+    _write()
+
+
+def _write() -> None:
     path = os.environ.get("GPU_CHECK_TESTS_JSON")
     if path:
-        with open(path, "w", encoding="utf-8") as f:
+        with open(path + ".part", "w", encoding="utf-8") as f:
             json.dump(_outcomes, f)
+        os.replace(path + ".part", path)
