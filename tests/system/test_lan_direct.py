@@ -15,9 +15,9 @@ float64-equal to `swarm local`. Needs root and nftables (CI has both).
 One microbatch in flight (`max_in_flight = 1`): the probe of stage 1's LAN address starts with
 the first push and goes on beside it (`swarm.rpc.lan`), one Info call straight over the LAN that
 answers long before that push has gone through the relay, both stages and back; every push
-already in flight when it answers goes through the relay too: with the default window that was the whole first step's (4
-of 24 pushes, 69 KB of the 77 KB relayed, measured), which a bound of one push cannot tell from
-a LAN path lost for a step."""
+already in flight when it answers goes through the relay too: with the default window that was
+the whole first step's (4 of 24 pushes, 69 KB of the 77 KB relayed, measured), which a bound of
+one push cannot tell from a LAN path lost for a step."""
 
 from __future__ import annotations
 
