@@ -2,10 +2,11 @@
 but a module of `ONE_WORKER` whole, in one worker; and those modules first, then the rest in
 the order collected (the slow tests first: `tests/conftest.py`).
 
-xdist's own `loadgroup` reads `xdist_group` marks from a test's id, where its workers append the
-group; under pytest 9 that append no longer changes the id (it is `Node._id` now), so every test
-was its own group and the container module ran in both workers, each building the image. Here
-the groups are named by module instead, read from the ids the workers send."""
+Before, `-n 2` handed tests out one by one (xdist's `load`), so the container module's could run
+in both workers, each building the image in its module fixture. xdist's own `loadgroup` would
+keep an `xdist_group` together, but its workers append the group to `Node._nodeid`, which pytest
+9's ids no longer read (`Node._id`): each test stays a group of its own. Here the groups are
+named by module instead, read from the ids the workers send."""
 
 from __future__ import annotations
 
