@@ -60,10 +60,10 @@ demo: install
 	$(BIN)/swarm demo
 
 # Two workers (pytest-xdist): most of the suite's time is spent waiting on the processes a test
-# starts, so two workers on 2 cores take ~12 minutes where one took ~21-25. `loadgroup`: the tests
-# of one `xdist_group` run in one worker (the container module's, so the image is built once a
-# run, where its in-container tests run), the rest one by one, the slow ones first
-# (tests/conftest.py); every run prints its 15 slowest.
+# starts, so two workers on 2 cores take ~12 minutes where one took ~21-25. `loadgroup`: the
+# scheduler of tests/support/schedule.py, which runs the container module whole in one worker (the
+# image is built once a run, where its in-container tests run) and hands out the rest one by one,
+# the slow tests first (tests/conftest.py); every run prints its 15 slowest.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
