@@ -97,6 +97,9 @@ ATTACKS: dict[str, str] = {
     "sums bent within the norm bound",
     "P-return": "a replica banned for lying is a member again, under its id, once the scheduler "
     "restarts",
+    # Issue 64's review ("let no one in, round four")
+    "64-lossy": "a hadamard3 owner answers a sign-flipped sum, 1e6 times it or a direction of its "
+    "choosing (its own answer raised the encoding's allowance)",
 }
 
 

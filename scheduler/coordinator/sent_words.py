@@ -37,6 +37,7 @@ from scheduler.coordinator.sum_checks import (
     SIGMAS,
     Accusations,
     Checksums,
+    encoding_allowed,
     owner_words,
     verify,
 )
@@ -78,7 +79,7 @@ def owner_tolerance(
     unit = max(c.unit for c in of.values())
     summing = SIGMAS * (m - 1) * unit * norms
     dotting = 2 * (m + 1) * DOT_BLOCK * _EPS64 * math.fsum(w[1] for w in words)
-    return summing + dotting + SIGMAS * max(c.encoding for c in of.values())
+    return summing + dotting + SIGMAS * encoding_allowed(of.values(), norms)
 
 
 @dataclass(frozen=True)
