@@ -100,6 +100,8 @@ ATTACKS: dict[str, str] = {
     # Issue 64's review ("let no one in, round four")
     "64-lossy": "a hadamard3 owner answers a sign-flipped sum, 1e6 times it or a direction of its "
     "choosing (its own answer raised the encoding's allowance)",
+    "64-speeds": "two peers announcing ~1e308 samples/s make placement divide by zero: the job "
+    "FAILED",
 }
 
 

@@ -223,19 +223,23 @@ class Assignments:
                     there[stage].append(peer)
         rest = {peer: speeds for peer, speeds in available.items() if peer not in kept}
         domains = self.registry.domains()
-        placed = (
-            place_new(
-                rest,
-                stages,
-                totals,
-                min_replicas=min_replicas,
-                sizes=sizes,
-                domains=domains,
-                members=there,
+        try:
+            placed = (
+                place_new(
+                    rest,
+                    stages,
+                    totals,
+                    min_replicas=min_replicas,
+                    sizes=sizes,
+                    domains=domains,
+                    members=there,
+                )
+                if rest
+                else {}
             )
-            if rest
-            else {}
-        )
+        except (ArithmeticError, ValueError) as e:  # no announced number fails a job (issue 64)
+            log.warning("job %s: no placement of %s (%r): they wait", job_id, sorted(rest), e)
+            placed = {}
         placement = dict(sorted((kept | placed).items()))
         generation = time.time_ns() // 1000  # one for the whole placement
         for peer, stage in sorted(placement.items()):
