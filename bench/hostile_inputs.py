@@ -102,6 +102,8 @@ ATTACKS: dict[str, str] = {
     "choosing (its own answer raised the encoding's allowance)",
     "64-speeds": "two peers announcing ~1e308 samples/s make placement divide by zero: the job "
     "FAILED",
+    "64-depth": "a peer honest K steps that lies once rolls the job back K steps (all of it after "
+    "a scheduler restart)",
 }
 
 

@@ -4,17 +4,24 @@ lease goes out again; every result's audit price is counted."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.bans import Ban, Bans
+from scheduler.coordinator.bans import Ban, Bans, doubt_window
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
+from swarm.job.config import JobConfig
 from swarm.rpc.lease import MicrobatchResult, Replica, Verdict
+from tests.support.jobs import make_job
 
 
-def _bans() -> tuple[Bans, list[int], list[tuple[int, int, str]], list[str]]:
+def _bans(
+    job: JobConfig | None = None,
+) -> tuple[Bans, list[int], list[tuple[int, int, str]], list[str]]:
     said: list[str] = []
-    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), said.append)
+    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), said.append, job)
     rolled: list[int] = []
     voided: list[tuple[int, int, str]] = []
 
@@ -123,3 +130,43 @@ async def test_kept_bans_hold_from_the_start_and_a_new_one_is_kept_before_its_ro
     await bans.ban("a", 0, "it lied", 9)
     assert order == [4, Ban("a", 0, 9, 0, "it lied"), 0]  # kept, then rolled back
     assert bans.metrics.bans._value.get() == 1  # the kept ones are not banned anew
+
+
+def _audited(tmp_path: Path, fraction: float) -> JobConfig:
+    """A job of 2 stages, 8 microbatches a step, its answers audited at `fraction`."""
+    training = {"stages": 2, "target_batch_size": 8, "microbatch_size": 1}
+    return make_job(tmp_path, training=training, trust={"audit_fraction": fraction})
+
+
+@pytest.mark.attack("64-depth")
+@pytest.mark.parametrize("restarted", [False, True])
+async def test_a_liar_honest_for_k_steps_rolls_back_only_its_doubt_window(
+    tmp_path: Path, restarted: bool
+) -> None:
+    """Issue 64, item 3: a ban rolled the job back to the liar's `first_seen`, 0 for a peer
+    present when a coordinator started: a peer honest for 40 steps that lied once erased 40
+    steps (after a scheduler restart, the whole job), and came back under a new id to do it
+    again. The rollback goes no deeper than the steps the audits leave a steady liar unseen:
+    one step when every answer is audited."""
+    job = _audited(tmp_path, 1.0)
+    assert job.training.microbatches_per_step == 8
+    bans, rolled, _, said = _bans(job)
+    stage = [Replica("a", "a:1"), Replica("liar", "l:1")]
+    origin = 30 if restarted else 0  # a coordinator started mid-job: its members from step 0
+    for step in range(origin, 41):
+        bans.saw([[Replica("b", "b:1")], stage], step)
+    assert bans.first_seen["liar"] == 0
+    verdict = Verdict("liar", 1, "its outputs differ")
+    ledger = StepLedger(step=40, microbatches=8, stages=2, microbatch_size=1)
+    assert await bans.screen("t", _result(40, 0, touched=("liar",), verdicts=(verdict,)), ledger)
+    assert rolled == [39] and "at or before step 39" in said[0]
+
+
+def test_the_doubt_window_is_where_a_steady_liar_escapes_the_audits(tmp_path: Path) -> None:
+    """At the default 4.5 %, a replica of two answering 4 of 8 microbatches a step lies in
+    every one unseen for 75 steps with a chance of 1e-6 (0.955^300); every answer audited: 1."""
+    assert doubt_window(_audited(tmp_path, 1.0), 2) == 1
+    window = doubt_window(_audited(tmp_path, 0.045), 2)
+    assert window is not None and 0.955 ** (4 * window) < 1e-6 < 0.955 ** (4 * (window - 1))
+    assert doubt_window(_audited(tmp_path, 0.0), 2) is None  # no audits: from its start
+    assert doubt_window(None, 2) is None
