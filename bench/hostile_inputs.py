@@ -104,6 +104,8 @@ ATTACKS: dict[str, str] = {
     "FAILED",
     "64-depth": "a peer honest K steps that lies once rolls the job back K steps (all of it after "
     "a scheduler restart)",
+    "64-devices": "an honest replica on another kind of device (TF32) is convicted by the "
+    "contributions' audit",
 }
 
 
