@@ -106,6 +106,8 @@ ATTACKS: dict[str, str] = {
     "a scheduler restart)",
     "64-devices": "an honest replica on another kind of device (TF32) is convicted by the "
     "contributions' audit",
+    "64-seats": "two ids of one token holder in a stage frame its honest third replica with "
+    "matching wrong re-executions",
 }
 
 

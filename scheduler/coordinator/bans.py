@@ -21,6 +21,11 @@ job for good, and its influence is replayed away.
   again from there without it: the result is the honest run's, float64-equal to `swarm local`
   (a lie older than the window, by a liar that lies rarely, stays, as one by a liar never
   caught does: docs/decisions.md, "A ban's depth").
+- **Seats of one host**: a verdict of two re-executions convicts only where its auditors are
+  seats of two hosts or more (`seat`: the host a member is dialled at; loopback's by port, as a
+  test's swarm on one machine is), issue 64: two ids of one token holder, placed in one stage,
+  framed its honest third replica with matching wrong re-executions. The ids are free with the
+  shared token; the machines they are dialled at are not. Logged, once per accused peer.
 - **Stragglers**: a microbatch in flight when the ban came may have gone through the banned
   peer and still be reported, even after the rollback (its step comes again). A result that
   rests on a banned peer's answer (`MicrobatchResult.touched`) is not counted, and the replicas
@@ -45,6 +50,7 @@ job for good, and its influence is replayed away.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -55,7 +61,7 @@ from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from swarm.job.config import JobConfig
-from swarm.rpc.lease import MicrobatchResult, Replica, Task
+from swarm.rpc.lease import MicrobatchResult, Replica, Task, Verdict
 
 __all__ = ["Ban", "BanBook", "Bans", "doubt_window"]
 
@@ -121,6 +127,8 @@ class Bans:
         once it has made them."""
         self.job_id, self.metrics, self.on_ban, self.job = job_id, metrics, on_ban, job
         self._replicas: dict[int, int] = {}  # stage -> its replicas, as last seen (`saw`)
+        self._addresses: dict[str, str] = {}  # peer -> where it is dialled, as last seen
+        self._unconvicted: set[str] = set()  # peers a verdict of one host's seats accused
         self.roll_back_to: Callable[[int], None] = _unbound
         self.void: Callable[[StepLedger, int, str], Awaitable[None]] = _unbound
         self.banned: dict[str, str] = {}  # peer -> the evidence
@@ -166,6 +174,7 @@ class Bans:
         for k, stage in enumerate(members):
             self._replicas[k] = len(stage)
             for r in stage:
+                self._addresses[r.peer] = r.address
                 if r.peer not in self.first_seen:
                     self.first_seen[r.peer] = 0 if step == self._origin else step
 
@@ -185,7 +194,7 @@ class Bans:
             if result.step < self.first_seen.get(peer, result.step + 1):
                 self.first_seen[peer] = result.step
         for verdict in result.verdicts:
-            if verdict.peer not in self.banned:
+            if verdict.peer not in self.banned and self._convicts(verdict):
                 await self._ban(verdict.peer, verdict.stage, verdict.evidence, result.step)
         if not self.banned.keys() & set(result.touched):
             return False
@@ -194,6 +203,37 @@ class Bans:
             for stage, peer in sorted(result.holders.items()):
                 await self.void(ledger, stage, peer)
         return True
+
+    def _convicts(self, verdict: Verdict) -> bool:
+        """Whether `verdict` convicts: its auditors (where it names two or more) are seats of
+        more than one host (the module's docstring)."""
+        if len({self._seat(a) for a in verdict.auditors}) != 1 or len(verdict.auditors) < 2:
+            return True
+        if verdict.peer not in self._unconvicted:
+            self._unconvicted.add(verdict.peer)
+            log.warning(
+                "job %s: %s is not banned: the re-executions against it (%s) are all by seats "
+                "of one host, %s, whose word alone convicts no one: %s",
+                self.job_id,
+                verdict.peer,
+                " and ".join(verdict.auditors),
+                self._seat(verdict.auditors[0]),
+                verdict.evidence,
+            )
+        return False
+
+    def _seat(self, peer: str) -> str:
+        """The host `peer` is dialled at (loopback's with its port: one machine's test swarm;
+        a peer not seen: its id), which two ids of one token holder share."""
+        address = self._addresses.get(peer, "")
+        host, colon, _ = address.rpartition(":")
+        if not colon:
+            return f"peer {peer}"
+        try:
+            loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        return address if loopback else host.strip("[]")
 
     async def ban(
         self, peer: str, stage: int, evidence: str, step: int, by: str = "an audit"

@@ -170,3 +170,33 @@ def test_the_doubt_window_is_where_a_steady_liar_escapes_the_audits(tmp_path: Pa
     assert window is not None and 0.955 ** (4 * window) < 1e-6 < 0.955 ** (4 * (window - 1))
     assert doubt_window(_audited(tmp_path, 0.0), 2) is None  # no audits: from its start
     assert doubt_window(None, 2) is None
+
+
+@pytest.mark.attack("64-seats")
+async def test_two_seats_of_one_host_convict_no_one_and_two_hosts_do() -> None:
+    """Issue 64, item 4: two ids of one token holder, placed in one stage (placement spreads by
+    failure domains they declare themselves), audited the honest third replica and agreed on a
+    wrong re-execution: it was banned, and the job rolled back. A verdict's auditors must be
+    seats of two hosts (where they are dialled); a verdict by two hosts' still convicts."""
+    bans, rolled, _, _ = _bans()
+    stage = [
+        Replica("honest", "198.51.100.7:7000"),
+        Replica("sybil1", "203.0.113.9:7000"),
+        Replica("sybil2", "203.0.113.9:7001"),
+        Replica("other", "192.0.2.4:7000"),
+    ]
+    bans.saw([[Replica("b", "b:1")], stage], 3)
+    ledger = StepLedger(step=3, microbatches=4, stages=2, microbatch_size=4)
+    framed = Verdict("honest", 1, "its outputs differ", ("sybil1", "sybil2"))
+    result = _result(3, 0, touched=("honest",), verdicts=(framed,))
+    assert not await bans.screen("t", result, ledger)  # counts: nobody it rests on is banned
+    assert bans.banned == {} and rolled == []
+    caught = Verdict("sybil1", 1, "its outputs differ", ("honest", "other"))
+    assert await bans.screen("t", _result(3, 1, touched=("sybil1",), verdicts=(caught,)), ledger)
+    assert list(bans.banned) == ["sybil1"]
+    # one machine's test swarm (loopback): its seats are told apart by port
+    local, _, _, _ = _bans()
+    local.saw([[Replica(p, f"127.0.0.1:{7000 + i}") for i, p in enumerate("xyz")]], 0)
+    verdict = Verdict("x", 0, "its outputs differ", ("y", "z"))
+    await local.screen("t", _result(0, 0, touched=("x",), verdicts=(verdict,)), None)
+    assert list(local.banned) == ["x"]
