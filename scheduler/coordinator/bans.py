@@ -22,10 +22,10 @@ job for good, and its influence is replayed away.
   (a lie older than the window, by a liar that lies rarely, stays, as one by a liar never
   caught does: docs/decisions.md, "A ban's depth").
 - **Seats of one host**: a verdict of two re-executions convicts only where its auditors are
-  seats of two hosts or more (`seat`: the host a member is dialled at; loopback's by port, as a
-  test's swarm on one machine is), issue 64: two ids of one token holder, placed in one stage,
-  framed its honest third replica with matching wrong re-executions. The ids are free with the
-  shared token; the machines they are dialled at are not. Logged, once per accused peer.
+  seats of two hosts or more (`swarm.net.seats`: the host a member is dialled at), issue 64:
+  two ids of one token holder, placed in one stage, framed its honest third replica with
+  matching wrong re-executions. The ids are free with the shared token; the machines they are
+  dialled at are not. Logged, once per accused peer.
 - **Stragglers**: a microbatch in flight when the ban came may have gone through the banned
   peer and still be reported, even after the rollback (its step comes again). A result that
   rests on a banned peer's answer (`MicrobatchResult.touched`) is not counted, and the replicas
@@ -50,7 +50,6 @@ job for good, and its influence is replayed away.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -61,6 +60,7 @@ from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from swarm.job.config import JobConfig
+from swarm.net.seats import seat
 from swarm.rpc.lease import MicrobatchResult, Replica, Task, Verdict
 
 __all__ = ["Ban", "BanBook", "Bans", "doubt_window"]
@@ -223,17 +223,8 @@ class Bans:
         return False
 
     def _seat(self, peer: str) -> str:
-        """The host `peer` is dialled at (loopback's with its port: one machine's test swarm;
-        a peer not seen: its id), which two ids of one token holder share."""
-        address = self._addresses.get(peer, "")
-        host, colon, _ = address.rpartition(":")
-        if not colon:
-            return f"peer {peer}"
-        try:
-            loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
-        except ValueError:
-            loopback = host == "localhost"
-        return address if loopback else host.strip("[]")
+        """The host `peer` is dialled at (`swarm.net.seats`)."""
+        return seat(self._addresses.get(peer, ""), peer)
 
     async def ban(
         self, peer: str, stage: int, evidence: str, step: int, by: str = "an audit"

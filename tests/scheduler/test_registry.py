@@ -463,3 +463,36 @@ async def test_two_peers_at_1e308_do_not_fail_the_job() -> None:
         place.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await place
+
+
+@pytest.mark.attack("64-seats")
+async def test_a_host_holds_one_seat_of_a_stage() -> None:
+    """Issue 64, item 4: two ids of one token holder announcing speed for stage 1 alone both
+    landed there (the failure domains that spread them are their own word), to outvote its
+    third replica in the audits. A host (where the dial-back reaches it) holds one seat of a
+    stage: the second id waits."""
+    reg = registry(FakeClock())
+    reg.announce(serving("s0", 0, speeds=(5.0, 5.0)))
+    reg.announce(serving("s1", 1, speeds=(5.0, 5.0)))
+    for name, port in (("sybil1", 7000), ("sybil2", 7001)):
+        message = joining(name, speeds=(0.0, 9.0))
+        message.address = f"5.6.7.8:{port}"
+        reg.announce(message)
+    bus = _RecordingBus()
+
+    async def say(job_id: str, message: str) -> None:
+        pass
+
+    assignments = _assignments(reg, bus, say)
+    grow = asyncio.create_task(assignments.grow("j", 2, []))
+    await asyncio.sleep(0)
+    assignments.changed.set()
+    try:
+        async with asyncio.timeout(10.0):
+            while not bus.published:
+                await asyncio.sleep(0.01)
+    finally:
+        grow.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await grow
+    assert [(m.peer, m.stage) for m in bus.published.values()] == [("sybil1", 1)]

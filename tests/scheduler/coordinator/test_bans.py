@@ -180,10 +180,10 @@ async def test_two_seats_of_one_host_convict_no_one_and_two_hosts_do() -> None:
     seats of two hosts (where they are dialled); a verdict by two hosts' still convicts."""
     bans, rolled, _, _ = _bans()
     stage = [
-        Replica("honest", "198.51.100.7:7000"),
-        Replica("sybil1", "203.0.113.9:7000"),
-        Replica("sybil2", "203.0.113.9:7001"),
-        Replica("other", "192.0.2.4:7000"),
+        Replica("honest", "1.2.3.4:7000"),
+        Replica("sybil1", "5.6.7.8:7000"),
+        Replica("sybil2", "5.6.7.8:7001"),
+        Replica("other", "9.10.11.12:7000"),
     ]
     bans.saw([[Replica("b", "b:1")], stage], 3)
     ledger = StepLedger(step=3, microbatches=4, stages=2, microbatch_size=4)
