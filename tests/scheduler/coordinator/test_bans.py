@@ -164,7 +164,7 @@ async def test_a_liar_honest_for_k_steps_rolls_back_only_its_doubt_window(
 
 def test_the_doubt_window_is_where_a_steady_liar_escapes_the_audits(tmp_path: Path) -> None:
     """At the default 4.5 %, a replica of two answering 4 of 8 microbatches a step lies in
-    every one unseen for 75 steps with a chance of 1e-6 (0.955^300); every answer audited: 1."""
+    every one unseen for 76 steps with a chance under 1e-6 (0.955^304); every answer audited: 1."""
     assert doubt_window(_audited(tmp_path, 1.0), 2) == 1
     window = doubt_window(_audited(tmp_path, 0.045), 2)
     assert window is not None and 0.955 ** (4 * window) < 1e-6 < 0.955 ** (4 * (window - 1))
