@@ -108,6 +108,8 @@ ATTACKS: dict[str, str] = {
     "contributions' audit",
     "64-seats": "two ids of one token holder in a stage frame its honest third replica with "
     "matching wrong re-executions",
+    "64-dial": "the dial-back dials ipv4:/dns:/unix: targets (loopback, a Unix socket), and its "
+    "report's timing tells closed ports from silent ones",
 }
 
 

@@ -50,8 +50,14 @@ class Checked:
         self.reported: asyncio.Queue[cpb.ReachabilityReport] = asyncio.Queue()
         self.dialer = dialer
         self.dials_at: list[int] = []  # the dials made when each report came
-        # The fake's addresses are private ones, re-checked at once (`test_dial_scope`: not so).
-        kwargs = {"scope": DialScope(allow_private=True), "min_interval_s": 0.0} | kwargs
+        # The fake's addresses are private ones, re-checked at once (`test_dial_scope`: not so),
+        # and a failure reported as it comes (`test_a_failed_dial_is_said_as_late_as_a_silent_one`:
+        # not so).
+        kwargs = {
+            "scope": DialScope(allow_private=True),
+            "min_interval_s": 0.0,
+            "pace_failures": False,
+        } | kwargs
         self.checker = ReachabilityChecker(dialer, self._publish, self._reported, **kwargs)
 
     def _reported(self, report: cpb.ReachabilityReport) -> None:
@@ -303,21 +309,21 @@ async def test_the_peer_is_told_the_cause_not_the_error_and_its_checks_are_paced
 
 async def test_newcomers_are_checked_before_known_peers() -> None:
     clock = [1000.0]
-    dialer = FakeDialer({"h:old": "old", "h:new": "new", "h:b": "b"})
+    dialer = FakeDialer({"h:1": "old", "h:3": "new", "h:2": "b"})
     async with checking(dialer, concurrency=1, recheck_s=10.0, now=lambda: clock[0]) as c:
-        c.checker.announced(announce("old", "h:old"))
+        c.checker.announced(announce("old", "h:1"))
         await c.report()
         dialer.hold = asyncio.Event()
-        c.checker.announced(announce("b", "h:b"))  # holds the one slot
+        c.checker.announced(announce("b", "h:2"))  # holds the one slot
         while not dialer.in_flight:
             await asyncio.sleep(0.01)
         clock[0] += 20.0  # old's re-check is due ...
-        c.checker.announced(announce("new", "h:new"))  # ... as a newcomer comes
+        c.checker.announced(announce("new", "h:3"))  # ... as a newcomer comes
         await asyncio.sleep(0.05)
         dialer.hold.set()
         while len(dialer.calls) < 4:
             await asyncio.sleep(0.01)
-        assert dialer.calls == ["h:old", "h:b", "h:new", "h:old"], dialer.calls
+        assert dialer.calls == ["h:1", "h:2", "h:3", "h:1"], dialer.calls
 
 
 async def _calls(c: Checked, n: int) -> None:
@@ -349,3 +355,35 @@ async def test_an_unreachable_peer_is_retried_ever_less_often() -> None:
         c.checker.announced(announce("a", "h:2"))  # a new address: checked at once
         await c.report()
         assert dialer.calls[-1] == "h:2"
+
+
+@pytest.mark.attack("64-dial")
+@pytest.mark.parametrize(
+    "address", ["ipv4:127.0.0.1:22", "ipv6:[::1]:22", "dns:///localhost:22", "unix:/run/x.sock"]
+)
+async def test_only_a_plain_host_port_is_dialled(address: str) -> None:
+    """Issue 64, item 6: gRPC targets other than host:port passed the scope as names resolving
+    nowhere, and were dialled to the scheduler's own loopback or a Unix socket, its token
+    included. Refused whatever the scope, before any dial."""
+    for scope in (DialScope(), DialScope(allow_private=True)):
+        refused = await scope.refuses(address)
+        assert refused is not None and refused.startswith(NOT_DIALLED), refused
+    dialer = FakeDialer({address: "a"})
+    async with checking(dialer, scope=DialScope(allow_private=True)) as c:
+        c.checker.announced(announce("a", address))
+        report = await c.report()
+        assert dialer.calls == [] and report.reachability == cpb.REACHABILITY_UNREACHABLE
+
+
+@pytest.mark.attack("64-dial")
+async def test_a_failed_dial_is_said_as_late_as_a_silent_one() -> None:
+    """Issue 64, item 6: a closed port's report came 0.01 s after its check began, a silent
+    one's 2 s after, so the peer told the scheduler's network's open ports apart. A failure is
+    now said no sooner than the dial's timeout after it began, whatever failed."""
+    loop = asyncio.get_running_loop()
+    async with checking(FakeDialer(), timeout_s=0.3, pace_failures=True) as c:
+        began = loop.time()
+        c.checker.announced(announce("a", "h:1"))  # refused at once
+        report = await c.report()
+        assert report.reachability == cpb.REACHABILITY_UNREACHABLE
+        assert loop.time() - began >= 0.3
