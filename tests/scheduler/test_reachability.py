@@ -53,11 +53,12 @@ class Checked:
         # The fake's addresses are private ones, re-checked at once (`test_dial_scope`: not so),
         # and a failure reported as it comes (`test_a_failed_dial_is_said_as_late_as_a_silent_one`:
         # not so).
-        kwargs = {
+        defaults: dict[str, Any] = {
             "scope": DialScope(allow_private=True),
             "min_interval_s": 0.0,
             "pace_failures": False,
-        } | kwargs
+        }
+        kwargs = defaults | kwargs
         self.checker = ReachabilityChecker(dialer, self._publish, self._reported, **kwargs)
 
     def _reported(self, report: cpb.ReachabilityReport) -> None:
