@@ -110,6 +110,8 @@ ATTACKS: dict[str, str] = {
     "matching wrong re-executions",
     "64-dial": "the dial-back dials ipv4:/dns:/unix: targets (loopback, a Unix socket), and its "
     "report's timing tells closed ports from silent ones",
+    "64-relay": "one source holds all of a NAT'd peer's relay tunnels; a home's /56 counts as 256 "
+    "sources",
 }
 
 
