@@ -136,6 +136,7 @@ class Bans:
         self.caught_at: dict[str, int] = {}  # peer -> the step of the microbatch it was caught at
         self._origin: int | None = None  # the first step this coordinator leased work of
         self.contributions = Contributions.of(job)
+        self.contributions.seat = self._seat  # its digests' auditors, as verdicts' (`_convicts`)
         self.book = book
         self._unreplayed: list[int] = []  # kept bans' `since`, their rollbacks not run yet
         for ban in book.kept() if book is not None else []:

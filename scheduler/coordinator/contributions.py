@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
@@ -78,6 +78,9 @@ class Contributions:
         # (step, stage, audited peer) -> microbatch index -> its digest
         self._digests: dict[tuple[int, int, str], dict[int, GradientDigest]] = {}
         self.disputes = DigestDisputes(tolerance)  # two auditors' digests that differ
+        # the host a peer's seat is on (`Bans` binds `swarm.net.seats`'): two auditors of one
+        # host convict no one; unbound, each peer is a host of its own
+        self.seat: Callable[[str], str] = str
 
     @classmethod
     def of(cls, job: JobConfig | None) -> Contributions:
@@ -171,6 +174,16 @@ class Contributions:
             if abs(got - expected) <= tol or not _agreed(others, tol):
                 continue
             auditors = sorted({digests[i].auditors for i in mine})
+            if not any(len({self.seat(a) for a in pair.split(" and ")}) > 1 for pair in auditors):
+                log.warning(
+                    "step %d stage %d: %s's contribution is not judged: its re-executions are all "
+                    "by seats of one host (%s), whose word alone convicts no one (issue 64)",
+                    step,
+                    stage,
+                    audit.peer,
+                    ", ".join(auditors),
+                )
+                continue
             found.append(
                 (
                     audit.peer,

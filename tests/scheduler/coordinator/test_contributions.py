@@ -136,3 +136,21 @@ def test_a_replica_on_another_kind_of_device_is_never_accused(tmp_path: Path) ->
     bent = [xs[0], 2 * xs[1], xs[2]]
     found = contributions.judge(5, 0, PEERS, _round(contributions, bent), held)
     assert [peer for peer, _ in found] == ["b"]
+
+
+@pytest.mark.attack("64-seats")
+def test_digests_of_one_hosts_seats_convict_no_one() -> None:
+    """Issue 64, item 4: two seats of one host in a stage, auditing its third replica's
+    contribution, could agree on wrong digests and ban it. Digests whose auditors are all seats
+    of one host (`Contributions.seat`, bound by `Bans`) convict no one; two hosts' do."""
+    grads = {p: _grads(i) for i, p in enumerate(PEERS)}
+    held = {p: [0, 1, 2] for p in PEERS}
+    xs = [(grads[p][2] + grads[p][0]) + grads[p][1] for p in PEERS]
+    framed = [xs[0], 2 * xs[1], xs[2]]  # what two liars' digests make of b's honest one
+    for auditors, convicted in (("x and y", []), ("x and z", ["b"])):
+        contributions, _ = _drawn()
+        contributions.seat = lambda peer: "5.6.7.8" if peer in ("x", "y") else peer
+        for p in PEERS:
+            _digests(contributions, p, grads[p], auditors)
+        found = contributions.judge(5, 0, PEERS, _round(contributions, framed), held)
+        assert [peer for peer, _ in found] == convicted, auditors
