@@ -135,9 +135,11 @@ def disagreements(
     return found
 
 
-def liars(found: Sequence[Disagreement]) -> dict[int, str]:
+def liars(found: Sequence[Disagreement], hosts: Sequence[str] = ()) -> dict[int, str]:
     """The contributors whose words disagree with `LIARS_AT` others or more (a member with its
-    owners, an owner with its members): each with the evidence, in one line."""
+    owners, an owner with its members), those others seats of two hosts or more where `hosts`
+    (by member: `swarm.net.seats`) says (issue 64: two seats of one host are one token holder's
+    word): each with the evidence, in one line."""
     others: dict[int, set[int]] = {}
     for d in found:
         others.setdefault(d.member, set()).add(d.owner)
@@ -146,6 +148,8 @@ def liars(found: Sequence[Disagreement]) -> dict[int, str]:
     for party, against in sorted(others.items()):
         if len(against) < LIARS_AT:
             continue
+        if len(hosts) > max(against) and len({hosts[j] for j in against}) < 2:
+            continue  # its accusers are one host's seats
         mine = [d for d in found if party in (d.member, d.owner)]
         as_member = [d for d in mine if d.member == party]
         if len(as_member) * 2 >= len(mine):

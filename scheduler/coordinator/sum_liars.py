@@ -59,7 +59,7 @@ def convicted(
             evidence = _evidence(owner, seeds["r"], m, hosts) or _forged(owner, seeds, m, hosts)
             if evidence is not None:
                 found.setdefault(stage, {})[owner] = evidence
-        for j, evidence in liars(disagreements(seeds, m)).items():
+        for j, evidence in liars(disagreements(seeds, m), hosts).items():
             found.setdefault(stage, {}).setdefault(j, evidence)
     return found
 
