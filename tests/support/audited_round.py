@@ -6,7 +6,7 @@ random microbatch gradients to digest."""
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import cast
 
 import torch
@@ -25,6 +25,7 @@ __all__ = [
     "device_audits",
     "device_step",
     "digests",
+    "emulated_tf32",
     "grads",
     "round_of",
     "tf32",
@@ -84,13 +85,21 @@ def tf32(t: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def emulated_tf32(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """x^T·dy as a GPU's TF32 matmul computes it, on the CPU: inputs of 10 bits of mantissa."""
+    return tf32(x).T @ tf32(dy)
+
+
 def device_step(
-    seed: int, emulated: int
+    seed: int, emulated: int, matmul: Matmul = emulated_tf32
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """One step of a linear stage (100 x 100 = `N` parameters) over three microbatches per
     replica: each replica's microbatch gradients (x^T·dy, float32) as its own device computes
-    them (replica `emulated`'s with TF32 matmuls, the others' in full float32), and as an
-    auditor re-executes them (full float32): (by device, by auditors)."""
+    them (replica `emulated`'s with `matmul`: TF32 by default, the others' in full float32), and
+    as an auditor re-executes them (full float32): (by device, by auditors)."""
     g = torch.Generator().manual_seed(seed)
     mine, audited = [], []
     for i in range(len(PEERS)):
@@ -98,7 +107,7 @@ def device_step(
             (torch.randn(8, 100, generator=g), torch.randn(8, 100, generator=g)) for _ in range(3)
         ]
         exact = [(x.T @ dy).reshape(-1) for x, dy in inputs]
-        own = [(tf32(x).T @ tf32(dy)).reshape(-1) for x, dy in inputs] if i == emulated else exact
+        own = [matmul(x, dy).reshape(-1) for x, dy in inputs] if i == emulated else exact
         mine.append(own)
         audited.append(exact)
     return mine, audited
@@ -116,17 +125,19 @@ def digests(
         contributions.record(result)
 
 
-def device_audits(steps: int, tolerance: float) -> list[tuple[int, str, str]]:
+def device_audits(
+    steps: int, tolerance: float, matmul: Matmul = emulated_tf32
+) -> list[tuple[int, str, str]]:
     """`steps` audited rounds of the three, each step's replica `step % 3` on another kind of
-    device (`device_step`), every contribution audited with the job's `tolerance`: whom each
-    accused, (step, peer, the evidence)."""
+    device (`device_step` with `matmul`), every contribution audited with the job's
+    `tolerance`: whom each accused, (step, peer, the evidence)."""
     held = {p: [0, 1, 2] for p in PEERS}
     found = []
     for step in range(steps):
         contributions = Contributions(1.0, random.Random(step), tolerance)
         members = [[Replica(p, p) for p in PEERS]]
         contributions.tasks(cast(StepLedger, Ledger()), [Task(5, 0, frozenset({0}))], members)
-        mine, audited = device_step(step, emulated=step % len(PEERS))
+        mine, audited = device_step(step, step % len(PEERS), matmul)
         for i, p in enumerate(PEERS):
             digests(contributions, p, audited[i])
         xs = [(g[0] + g[1]) + g[2] for g in mine]
