@@ -163,6 +163,14 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         choices=("auto", "public", "any"),
     )
     add_switch(p, "dial-private", "the same as --dial-scope any")
+    add_switch(
+        p,
+        "trusted-peers",
+        "every peer of this swarm holds the operator's own credentials (one admin, no invites "
+        "to others): a job that does not set [trust] audit_fraction runs without audits, and "
+        "`swarm status` says so ('audits off: the scheduler trusts its peers'); one that sets "
+        "it is kept as it said. Off: audits on by default (a swarm open to other peers)",
+    )
     add_token(p)
     add_insecure_no_token(p)
     add_login_flags(p)
@@ -231,6 +239,7 @@ def _run(args: argparse.Namespace) -> None:
         embedded_trainer=not args.no_embedded_trainer,
         dial_private=_dial_private(args),
         min_replicas=args.min_replicas,
+        trusted_peers=args.trusted_peers,
     )
     asyncio.run(run_scheduler(opts))
 

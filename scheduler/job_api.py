@@ -21,7 +21,9 @@ import torch
 from scheduler.admission import Admission
 from scheduler.callers import Callers
 from scheduler.data_root import data_file, under_data_root
-from scheduler.store import Events, JobRecord, JobStore
+from scheduler.job_status import job_status
+from scheduler.store import JobRecord, JobStore
+from scheduler.trusted_peers import TrustMode
 from swarm.errors import (
     ConfigError,
     FailedPrecondition,
@@ -36,7 +38,6 @@ from swarm.job.config import (
     verify_init,
 )
 from swarm.job.pinning import pin, pin_data
-from swarm.job.states import job_state_proto
 from swarm.net.addresses import peer_host
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
 from swarm.rpc.lease import (
@@ -141,45 +142,6 @@ def _unknown(job_id: str) -> NotFound:
     return NotFound(f"unknown job {job_id!r}; `swarm jobs` lists them")
 
 
-def job_status(
-    record: JobRecord,
-    control: JobControl,
-    events: Events | None = None,
-    mean_speed: float = 0.0,
-) -> scheduler_pb2.JobStatus:
-    """The wire form of a job: the stored record plus, while it runs, the live stages, speed,
-    waiting and warnings; `events`: its newest events (GetJob's); `mean_speed`: an ended job's
-    samples/s over its steps."""
-    live = not record.finished
-    waiting_since, warnings = control.health(record.id) if live else (0.0, [])
-    return scheduler_pb2.JobStatus(
-        job=record.id,
-        name=record.name,
-        state=job_state_proto(record.state),
-        step=record.step,
-        steps=record.steps,
-        loss=record.loss,  # NaN before the first step
-        first_loss=record.first_loss,
-        val_loss=record.val_loss if record.val_step >= 0 else None,
-        val_step=max(record.val_step, 0),
-        error=record.error,
-        message=record.message,
-        stages=control.stages(record.id) if live else [],
-        samples_per_second=control.samples_per_second(record.id) if live else mean_speed,
-        waiting_since=waiting_since,
-        warnings=warnings,
-        rounds=control.rounds(record.id, record.step) if live else None,
-        events=[
-            scheduler_pb2.JobEvent(time=e.time, kind=e.kind, text=e.text) for e in events or []
-        ],
-        created=record.created,
-        updated=record.updated,
-        spec=record.spec,
-        base_dir=record.base_dir,
-        submitter=record.submitter,
-    )
-
-
 class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(
         self,
@@ -190,6 +152,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         data_root: str | Path,
         callers: Callers | None = None,
         admission: Admission | None = None,
+        trusted_peers: bool = False,  # --trusted-peers: `scheduler.trusted_peers`
     ) -> None:
         """`data_root`: the only directory (with its subdirectories) whose files SubmitJob reads
         as job data; no default (`scheduler.data_root` says why). `callers`: who calls (default:
@@ -202,6 +165,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.data_root = Path(os.path.realpath(data_root))
         self._serving = Servicing("scheduler")
         self._jobs_seen: set[str] = set()  # ids the store has (DeleteJob forgets its own)
+        self.trust = TrustMode(trusted_peers)
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _run(self, method: str, context: Any, body: Callable[[], T]) -> T:
@@ -231,7 +195,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         """`events`: how many of the job's newest events to include."""
         mean = self.store.mean_speed(record.id) if record.finished else 0.0
         shown = self.store.events(record.id, events) if events else []
-        return job_status(record, self.control, shown, mean)
+        return self.trust.shown(job_status(record, self.control, shown, mean))
 
     # -- the service ----------------------------------------------------------------------------
     async def SubmitJob(
@@ -279,6 +243,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 pinned = await asyncio.to_thread(verify_init, replace(job, model=model))
                 assert pinned.model.init_sha256 is not None
                 spec = pin(spec, "model", "init_sha256", pinned.model.init_sha256)
+            spec = self.trust.stored(spec)  # audits off under --trusted-peers, unless it asks
             check_spec_size(spec, "the job file with the hashes pinned")  # as trainers parse it
             # Again after the awaits, and with no await before the store has it: two calls of
             # one submitter at once cannot both take its last place.

@@ -65,6 +65,9 @@ class SchedulerProcessOptions:
     embedded_trainer: bool = True  # train each job in this process too (False: remote only)
     dial_private: bool = False  # the dial-back may dial non-public addresses (--dial-private)
     min_replicas: int = 1  # for jobs without runtime.min_replicas: replicas every stage gets first
+    # every peer holds the operator's own credentials: jobs' audits off unless they set them
+    # (--trusted-peers, `scheduler.trusted_peers`)
+    trusted_peers: bool = False
 
 
 async def run_scheduler(opts: SchedulerProcessOptions) -> None:
@@ -94,6 +97,11 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
         broker = embedded.local_url
     elif opts.token and not opts.scheduler_token:
         log.warning("scheduler: MQTT login with the swarm token; give it --scheduler-token")
+    if opts.trusted_peers:  # said once, at start, and by every such job's status
+        log.warning(
+            "scheduler: --trusted-peers: jobs that do not set [trust] audit_fraction run "
+            "without audits (every peer holds this operator's credentials)"
+        )
     password = embedded.scheduler_token if embedded else opts.scheduler_token or opts.token
     store = JobStore(opts.store)
     registry = CollectorRegistry()
@@ -136,6 +144,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                         scheduler.peer_registry.largest_memory,
                         opts.max_submits_per_minute,
                     ),
+                    trusted_peers=opts.trusted_peers,
                 ),
                 server,
             )

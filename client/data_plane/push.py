@@ -6,7 +6,6 @@ adopts their late receipts or replays them."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -89,7 +88,8 @@ class PushPlane:
         labels = self._narrow(labels)  # as sent: what stage 0 commits to (`PushAudits`)
         inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
         route, last, timeout = self._route(), self.job.training.stages - 1, self._timeout()
-        run = secrets.randbits(63)  # this run's records at each replica (`PushAudits`)
+        # this run's records at each replica; 0: none kept, nothing to audit (`PushAudits`)
+        run = self.audits.run_id(task.audits) if self.audits is not None else 0
         peer, result = await self.hops.accumulating(
             0,
             lambda c, a: c.push(
@@ -118,7 +118,7 @@ class PushPlane:
         samples = int(ids.shape[0])
         chain = (peer or "", *result.path)
         whole = len(chain) == last + 1 and all(chain)
-        if self.audits is not None and whole:
+        if self.audits is not None and run and whole:
             # Audited before it is reported: a liar caught is banned before its work commits.
             drawn = self.audits.contributions.drawn(chain, holders, task.audits)
             verdicts, runs, digests = await self.audits.audit(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -40,7 +41,7 @@ from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
 from swarm.model.subspace import wire_tokens
 from swarm.proto import stage_pb2 as pb
-from swarm.rpc.lease import GradientDigest, Verdict
+from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
 from swarm.rpc.routes import Routes
 from swarm.wire import codec
 from swarm.wire.digest import digest
@@ -64,6 +65,20 @@ class PushAudits:
         self.job, self.audits, self.routes = job, audits, routes
         self.disputes = Disputes()
         self.contributions = PushContributions(job, audits, routes)
+
+    def run_id(self, drawn: Sequence[ContributionAudit]) -> int:
+        """The id of a microbatch's run at every replica of its path (`StagePushRequest.run`),
+        chosen once per run from the membership: a random one where some stage has a second
+        replica to redo its work (or the coordinator `drawn` a contribution to audit), so every
+        replica keeps a record; else 0, and none keeps one, nothing is asked for, fetched or
+        digested: nothing is paid for an audit that cannot run (issue 69; the price comes back
+        with a second replica, and goes with it). The whole path records where any stage can
+        be audited: a stage's neighbours' records redo its contribution, and its neighbours'
+        commitments settle a boundary's dispute."""
+        redo = self.audits.reexecutor
+        if drawn or any(len(redo.peers(k)) > 1 for k in range(self.job.training.stages)):
+            return secrets.randbits(63) | 1  # never 0
+        return 0
 
     async def audit(
         self,

@@ -47,6 +47,10 @@ class StageMetrics:
             registry=reg,
         )
         self._samples = counter("swarm_stage_samples_total", "Samples accumulated by Backward")
+        self._records = counter(
+            "swarm_stage_push_records_total",
+            "Push-plane records kept for audits (none where no audit can run: issue 69)",
+        )
         self._wire_in = counter(
             "swarm_stage_wire_bytes_received_total", "Tensor bytes received, as encoded on the wire"
         )
@@ -167,6 +171,14 @@ class StageMetrics:
         passes on): its bytes, and no boundary's; the boundary's figure stays its tensor's."""
         self._wire_out.labels(**self.values).inc(wire_bytes)
         self._raw_out.labels(**self.values).inc(raw_bytes)
+
+    def recorded(self) -> None:
+        """A push record kept (`stage_server.replica.push_records`)."""
+        self._records.labels(**self.values).inc()
+
+    def records_kept(self) -> float:
+        """The push records kept since the last `bind`'s labels: the tests read it."""
+        return float(self._records.labels(**self.values)._value.get())
 
     def accumulated(self, samples: int, pending: int) -> None:
         self._samples.labels(**self.values).inc(samples)

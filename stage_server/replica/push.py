@@ -12,7 +12,9 @@ sends their bytes.
 
 Where the job audits (`[trust] audit_fraction`), each microbatch leaves a record here
 (`stage_server.replica.push_records`): the digests of what this replica received and sent, its
-commitment, which the trainer asks for before it draws what to audit."""
+commitment, which the trainer asks for before it draws what to audit. Where the trainer can audit
+nothing of a run (no stage of its path has a second replica) it sends it with `run` 0, and no
+record is kept, no digest computed: nothing is paid for an audit that cannot run (issue 69)."""
 
 from __future__ import annotations
 
@@ -299,12 +301,15 @@ class PushPlane:
         tokens: torch.Tensor | None,
     ) -> PushRecord | None:
         """A new record of `h`'s microbatch, with what came in; None where the job audits
-        nothing (no fraction, or local steps: replicas differ, nobody can redo their work).
+        nothing (no fraction, or local steps: replicas differ, nobody can redo their work) or
+        the trainer audits nothing of this run (`run` 0: no stage of its path has another
+        replica to redo its work, `client.data_plane.push_audit.PushAudits.run_id`; issue 69).
         It keeps each as it `came` (the first stage's token ids, made here: decoded)."""
         rt = self._runtime()
-        if not rt.job.trust.audit_fraction or rule_of(rt.job).rounds:
+        if not h.run or not rt.job.trust.audit_fraction or rule_of(rt.job).rounds:
             return None
         record = self.records.begin(rt.stage, h.microbatch.step, h.microbatch.index, h.run)
+        self.messages.metrics.recorded()
         record.received("inputs", inputs, came.get("inputs"))
         record.received("tokens", tokens, came.get("tokens"))
         record.received("targets", targets, came.get("targets"))

@@ -23,11 +23,12 @@ def pin_data(text: str, sha256: str) -> str:
     return pin(text, "data", "sha256", sha256)
 
 
-def pin(text: str, section: str, key: str, sha256: str) -> str:
+def pin(text: str, section: str, key: str, sha256: str | float) -> str:
     """Job TOML `text` with `section.key = sha256` set (a file's hash: the data's, or the initial
-    checkpoint's `model.init_sha256`). The text is kept as written (comments too) with one line
-    added where TOML allows it; else it is written anew (e.g. the section as an inline table).
-    Raises ConfigError if `text` pins another hash."""
+    checkpoint's `model.init_sha256`; or a number a scheduler sets, `scheduler.trusted_peers`).
+    The text is kept as written (comments too) with one line added where TOML allows it; else
+    it is written anew (e.g. the section as an inline table). Raises ConfigError if `text` pins
+    another hash."""
     doc = tomllib.loads(text)
     table = doc.get(section, {})
     if not isinstance(table, dict):
@@ -37,7 +38,7 @@ def pin(text: str, section: str, key: str, sha256: str) -> str:
     if key in table:
         raise not_allowed(f"{section}.{key}", table[key], f'the file\'s sha256 "{sha256}"')
     want = {**doc, section: {**table, key: sha256}}
-    line = f'{key} = "{sha256}"\n'
+    line = f"{key} = {_toml_value(sha256)}\n"
     lines = text.splitlines(keepends=True)
     header = re.compile(rf"\s*\[\s*{section}\s*\]\s*(#.*)?")
     candidates = []

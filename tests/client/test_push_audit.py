@@ -20,7 +20,7 @@ from swarm.clock import MonotonicClock
 from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
-from swarm.rpc.lease import Replica
+from swarm.rpc.lease import ContributionAudit, Replica
 from swarm.rpc.routes import Routes
 from swarm.wire import codec
 from swarm.wire.digest import digest
@@ -121,3 +121,14 @@ async def test_a_stage_drawn_for_its_answers_is_asked_alike_whether_its_contribu
         await push.audit(3, 1, 7, CHAIN, IDS, IDS, contributions)
         asked.append(made["s1"].asked)
     assert asked[0] == asked[1] == [False, True]
+
+
+async def test_a_run_no_audit_can_reach_keeps_no_record(tmp_path: Path) -> None:
+    """Its id is 0 (no replica keeps a record of it) while no stage has a second replica; a
+    second replica of any stage, or a contribution the coordinator drew, gives it one."""
+    job = make_job(tmp_path, training={"stages": 2}, runtime={"data_plane": "push"})
+    alone, _ = _push_audits(job, [["s0"], ["s1"]])
+    assert alone.run_id([]) == 0
+    assert alone.run_id([ContributionAudit(1, "s1", 12345)]) != 0
+    paired, _ = _push_audits(job, [["s0"], ["s1", "t1"]])
+    assert {paired.run_id([]) == 0 for _ in range(8)} == {False}

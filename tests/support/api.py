@@ -127,9 +127,11 @@ async def start_api(
     address: str = "127.0.0.1:0",
     callers: Callers | None = None,
     admission: Admission | None = None,
+    trusted_peers: bool = False,
 ) -> RunningApi:
     """The job API (and health) on a free port; `more` adds services before the start;
-    `callers` and `admission`: who calls, what a job must fit (the servicer's defaults)."""
+    `callers` and `admission`: who calls, what a job must fit (the servicer's defaults);
+    `trusted_peers`: `swarm scheduler --trusted-peers`."""
     store = JobStore(tmp_path / "jobs.db")
     control = FakeControl(store)
     registry = CollectorRegistry()
@@ -141,6 +143,7 @@ async def start_api(
         data_root=tmp_path / "data",
         callers=callers,
         admission=admission,
+        trusted_peers=trusted_peers,
     )
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

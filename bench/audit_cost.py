@@ -1,0 +1,139 @@
+"""Audit cost (issue 69, item 4): seconds a step of the peer workload (byte GPT d256, 8 blocks,
+seq 128, 4 stages, microbatch 8, 8 microbatches a step, AdamW, push plane) on REPLICAS stage
+servers a stage and one trainer, one thread each, with audits on (`[trust] audit_fraction`, the
+default 0.045) against off (0), run alternately in one sitting. The score is the median of the
+pairs' on/off ratios; the target is at most 1.03 (a step with audits on costs at most 3% more),
+and the bench exits 1 when it is missed.
+
+    .venv/bin/python bench/audit_cost.py [--pairs N] [--steps N] [--replicas N] [--fraction F]
+
+The runs alternate (on, off, off, on, on, off, ...) so a machine that drifts slower or faster
+weighs on both alike; the first step of each run is warm-up and not counted. At least
+`MIN_PAIRS` pairs. Speed belongs on a quiet machine: a figure from one shared with other work
+says nothing about the target (the ratios' spread shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from small_stages import JOB as PEER_WORKLOAD  # noqa: E402  (bench/ is the script's own path)
+
+LIMIT = 1.03  # on/off, the median of the pairs: at most 3% more a step with audits on
+MIN_PAIRS = 5
+
+# The peer workload as bench/small_stages.py runs it, on the push plane, audits at `fraction`
+# (its [runtime] table is its last: the plane joins it)
+JOB = PEER_WORKLOAD + 'data_plane = "push"\n[trust]\naudit_fraction = {fraction}\n'
+
+
+@dataclass(frozen=True)
+class Score:
+    """The pairs' on/off ratios, their median, and whether it keeps to `limit`."""
+
+    ratios: list[float]
+    median: float
+    limit: float
+
+    @property
+    def passed(self) -> bool:
+        return self.median <= self.limit
+
+
+def score(pairs: Sequence[tuple[float, float]], limit: float = LIMIT) -> Score:
+    """`pairs`: (seconds a step with audits on, off), one per alternated pair of runs. Refused
+    (ValueError) with fewer than `MIN_PAIRS`, or a time that is not positive."""
+    if len(pairs) < MIN_PAIRS:
+        raise ValueError(f"{len(pairs)} pairs; the score takes the median of {MIN_PAIRS} or more")
+    if any(not (on > 0 and off > 0) for on, off in pairs):
+        raise ValueError(f"a step's seconds must be positive: {list(pairs)}")
+    ratios = [on / off for on, off in pairs]
+    return Score(ratios, statistics.median(ratios), limit)
+
+
+def child(steps: int, work: Path, fraction: float, replicas: int) -> None:
+    """One run: `replicas` stage servers a stage and a trainer; prints seconds a step."""
+    from swarm.local.procs import start_stage_servers, stop_all
+
+    job = work / "job.toml"
+    job.write_text(JOB.format(steps=steps, fraction=fraction))
+    log = work / "trainer.jsonl"
+    servers = [
+        server
+        for copy in range(replicas)
+        for server in start_stage_servers(job, 4, log_dir=work / str(copy), threads=1)
+    ]
+    try:
+        stages = ",".join("|".join(s.address for s in servers[k::4]) for k in range(4))
+        trainer = ["trainer", "--job", str(job), "--threads", "1", "--log", str(log)]
+        subprocess.run(
+            [sys.executable, "-m", "swarm.cli", *trainer, "--stage-servers", stages],
+            check=True,
+            stderr=subprocess.DEVNULL,
+            timeout=3600,
+        )
+    finally:
+        stop_all(servers)
+    records = [json.loads(line) for line in log.read_text().splitlines()][1:]  # skip warm-up
+    print(sum(r["seconds"] for r in records) / len(records))
+
+
+class Runner(Protocol):
+    """One run's seconds a step (`run`; the tests give canned ones)."""
+
+    def __call__(self, steps: int, fraction: float, replicas: int) -> float: ...
+
+
+def run(steps: int, fraction: float, replicas: int) -> float:
+    """Seconds a step of one run in a process of its own."""
+    with tempfile.TemporaryDirectory(prefix="swarm-audit-cost-") as tmp:
+        for copy in range(replicas):
+            (Path(tmp) / str(copy)).mkdir()
+        args = [sys.executable, __file__, "--child", tmp, "--steps", str(steps)]
+        args += ["--fraction", str(fraction), "--replicas", str(replicas)]
+        out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=3600)
+    return float(out.stdout.split()[-1])
+
+
+def main(argv: Sequence[str] | None = None, runner: Runner = run) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help="alternated pairs of runs")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run (first is warm-up)")
+    parser.add_argument("--replicas", type=int, default=3, help="stage servers a stage")
+    parser.add_argument("--fraction", type=float, default=0.045, help="audit_fraction when on")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.steps, args.child, args.fraction, args.replicas)
+        return 0
+    if args.pairs < MIN_PAIRS:
+        parser.error(f"--pairs {args.pairs}: the score takes {MIN_PAIRS} or more")
+    print(f"{args.replicas} replicas a stage, push plane, audit_fraction {args.fraction} vs 0")
+    print(f"{'pair':<5} {'on s/step':>10} {'off s/step':>11} {'on/off':>7}", flush=True)
+    pairs = []
+    for i in range(args.pairs):
+        order = [args.fraction, 0.0] if i % 2 == 0 else [0.0, args.fraction]
+        got = {f: runner(args.steps, f, args.replicas) for f in order}
+        pairs.append((got[args.fraction], got[0.0]))
+        on, off = pairs[-1]
+        print(f"{i:<5} {on:>10.3f} {off:>11.3f} {on / off:>7.3f}", flush=True)
+    scored = score(pairs)
+    verdict = "met" if scored.passed else "MISSED"
+    print(f"median on/off {scored.median:.3f} (target <= {scored.limit}): {verdict}")
+    return 0 if scored.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
