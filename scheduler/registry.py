@@ -45,6 +45,9 @@ from swarm.rpc.lease import Replica
 __all__ = ["PeerRegistry", "Shown"]
 
 log = logging.getLogger(__name__)
+# A serving peer reports its load every second: this long without one, status says so
+# (`silent_for`) rather than show it `serving` until the coordinator drops it (issue 68 item 3).
+REPORT_GAP_S = 3.0
 
 
 @dataclass(slots=True)
@@ -422,6 +425,13 @@ class PeerRegistry:
                 return 0.0
             at = since[1]  # no report for the job yet
         return self.clock.now() - at
+
+    def silent_for(self, job_id: str, peer: str) -> float:
+        """Seconds `peer` has sent `job_id` no load report, once that is over `REPORT_GAP_S`
+        (several of its one-a-second reports missed: a pulled router, long before it is left
+        out at `load_silence_s`); 0: it reports."""
+        quiet = self._quiet(job_id, peer)
+        return quiet if quiet > REPORT_GAP_S else 0.0
 
     def _silent(self, job_id: str, peer: str) -> bool:
         """Whether `peer` has been quiet for longer than `load_silence_s` (`_quiet`)."""
