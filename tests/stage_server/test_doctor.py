@@ -4,6 +4,7 @@ command on this machine."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -130,3 +131,45 @@ def test_the_doctor_escapes_what_relays_announce() -> None:
     found = path_check("192.168.1.10", "198.51.100.2", hostile).found
     assert "\x1b" not in found and "\n" not in found and "\x07" not in found, found
     assert "relay-\\x1b]0;pwned\\x07 (203.0.113.5:7100\\x1b[2J\\nok   all good)" in found
+
+
+class _Resolver:
+    """Looks names up as told: `hangs` never answers (a resolver that times out), others fail
+    as a name nobody knows."""
+
+    def __init__(self, hangs: str) -> None:
+        self.hangs, self.asked = hangs, list[str]()
+
+    async def resolve(self, host: str, port: int) -> list[str]:
+        self.asked.append(host)
+        if host == self.hangs:
+            await asyncio.Event().wait()
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+
+def test_a_slow_name_lookup_is_its_own_check_not_a_scheduler_that_does_not_answer() -> None:
+    """Issue 68 item 7: with a slow resolver the doctor said the scheduler `does not answer …
+    fix: start the scheduler`. The name is looked up first, once per host, and is the finding,
+    with the resolver's fix; the calls its failure would spoil are not made."""
+    resolver = _Resolver(hangs="swarm.home.example")
+    checks = diagnose(
+        "cpu",
+        FakeFacts(),
+        broker="mqtts://swarm.home.example:8883",
+        scheduler="swarm.home.example:50050",
+        timeout=0.2,
+        resolver=resolver,
+    )
+    assert resolver.asked == ["swarm.home.example"]  # one host, one lookup
+    found = {c.name: c for c in checks}
+    assert [c.name for c in checks] == ["torch", "device", "name", "broker", "scheduler"]
+    assert "swarm.home.example did not resolve within 0.2 s" in found["name"].found
+    assert "resolver" in found["name"].fix
+    for call in ("broker", "scheduler"):
+        assert found[call].found.startswith("not asked: its host's name did not resolve")
+        assert "start the" not in found[call].fix, found[call]
+    unknown = diagnose(
+        "cpu", FakeFacts(), scheduler="shed.example:50050", timeout=0.2, resolver=resolver
+    )
+    (name,) = [c for c in unknown if c.name == "name"]
+    assert "shed.example does not resolve" in name.found and "check the host name" in name.fix
