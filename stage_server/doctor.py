@@ -37,6 +37,7 @@ from swarm.device.facts import (
     TorchFacts,
     find_device,
     missing_kernels,
+    pick_device,
     resolve_device,
     use_device,
 )
@@ -48,6 +49,7 @@ from swarm.net.tls import add_tls_flags
 __all__ = ["Check", "add_arguments", "diagnose", "preflight", "run", "stage_bytes"]
 
 GiB = 1 << 30
+AUTO = "auto"  # `--device auto`: the doctor picks (`pick_device`) and says which
 
 
 def preflight(spec: str, facts: DeviceFacts | None = None) -> torch.device:
@@ -80,6 +82,8 @@ def stage_bytes(job_path: Path) -> tuple[int, int, int]:
 
 
 def _device_checks(spec: str, facts: DeviceFacts) -> tuple[list[Check], torch.device | None]:
+    picked = spec == AUTO
+    spec = pick_device(facts) if picked else spec
     build = facts.cuda_build()
     torch_found = f"torch {facts.torch_version()}, " + (
         f"built for CUDA {build}" if build else "a CPU-only build"
@@ -95,11 +99,13 @@ def _device_checks(spec: str, facts: DeviceFacts) -> tuple[list[Check], torch.de
             else "pass a --device this machine has (listed above)"
         )
         return [*checks, Check("device", False, str(e), fix)], None
+    how = f" (picked: serve with --device {spec})" if picked else ""
     if device.type != "cuda":
-        return [*checks, Check("device", True, f"{device}")], device
+        return [*checks, Check("device", True, f"{device}{how}")], device
     index = device.index or 0
     major, minor = facts.capability(index)
-    checks.append(Check("device", True, f"{device}: {facts.name(index)} (sm_{major}{minor})"))
+    name = f"{device}: {facts.name(index)} (sm_{major}{minor}){how}"
+    checks.append(Check("device", True, name))
     problem = missing_kernels(facts, index)
     if problem:
         head, _, fix = problem.partition(". Install")
@@ -193,7 +199,13 @@ async def _network_checks(
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
-    add_flag(p, "device", "cpu", "the device a stage server would compute on: cpu, cuda:N, mps")
+    add_flag(
+        p,
+        "device",
+        AUTO,
+        "the device a stage server would compute on: cpu, cuda:N, mps, or auto (the GPU with "
+        "the most free memory that this torch runs on, else mps, else cpu; said in its check)",
+    )
     p.add_argument("--job", type=Path, help="a job file: does its largest stage fit here?")
     add_flag(p, "broker", None, "the swarm's MQTT broker URL: does it take this peer's login?")
     add_flag(p, "scheduler", None, "the scheduler's host:port: does it take the swarm token?")

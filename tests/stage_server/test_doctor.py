@@ -4,6 +4,7 @@ command on this machine."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from stage_server.doctor import diagnose, stage_bytes
 from stage_server.peer.network_checks import path_check
+from swarm.net import invite
 from tests.support.devices import FakeFacts, Gpu
 from tests.support.jobs import write_job
 from tests.support.ports import free_port
@@ -173,3 +175,29 @@ def test_a_slow_name_lookup_is_its_own_check_not_a_scheduler_that_does_not_answe
     )
     (name,) = [c for c in unknown if c.name == "name"]
     assert "shed.example does not resolve" in name.found and "check the host name" in name.fix
+
+
+def test_the_doctor_picks_the_device_and_an_invite_names_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 68 item 8: the invite's next step said `--device cuda:0`, even to a CPU-only
+    friend. It names no device; the doctor's `--device auto` (its default) picks one and says
+    which: the GPU this torch runs on with the most free memory, else the CPU."""
+    busy, free, old = Gpu(free=10 * GiB), Gpu(free=70 * GiB), Gpu(name="old", capability=(3, 5))
+    for facts, picked in [
+        (FakeFacts(cuda=None), "cpu"),
+        (FakeFacts(gpus=[busy, free]), "cuda:1"),
+        (FakeFacts(gpus=[old]), "cpu"),  # no kernels for it: not picked
+    ]:
+        (device,) = [c for c in diagnose("auto", facts) if c.name == "device"]
+        assert device.ok and f"(picked: serve with --device {picked})" in device.found
+        assert device.found.startswith(picked)
+    parser = argparse.ArgumentParser()
+    invite.add_arguments("invite", parser)
+    out = tmp_path / "bob.invite.json"
+    (tmp_path / "token").write_text("t")
+    flags = ["--broker", "mqtt://h:1883", "--scheduler", "h:1", "--token-file", str(tmp_path / "token")]
+    args = parser.parse_args(["bob", "--out", str(out), *flags])
+    assert invite.run("invite", args) == 0
+    said = capsys.readouterr().out
+    assert f"swarm doctor --join {out.name}" in said and "cuda" not in said
