@@ -196,7 +196,14 @@ def test_the_doctor_picks_the_device_and_an_invite_names_none(
     invite.add_arguments("invite", parser)
     out = tmp_path / "bob.invite.json"
     (tmp_path / "token").write_text("t")
-    flags = ["--broker", "mqtt://h:1883", "--scheduler", "h:1", "--token-file", str(tmp_path / "token")]
+    flags = [
+        "--broker",
+        "mqtt://h:1883",
+        "--scheduler",
+        "h:1",
+        "--token-file",
+        str(tmp_path / "token"),
+    ]
     args = parser.parse_args(["bob", "--out", str(out), *flags])
     assert invite.run("invite", args) == 0
     said = capsys.readouterr().out
