@@ -60,14 +60,18 @@ demo: install
 	$(BIN)/swarm demo
 
 # Two workers (pytest-xdist): most of the suite's time is spent waiting on the processes a test
-# starts, so two workers on 2 cores take ~12 minutes where one took ~21-25.
+# starts, so two workers on 2 cores take ~12 minutes where one took ~21-25. `loadgroup`: the
+# scheduler of tests/support/schedule.py, which runs the container module whole in one worker (the
+# image is built once a run, where its in-container tests run) and hands out the rest one by one,
+# the slow tests first (tests/conftest.py); every run prints its 15 slowest.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 test: install mosquitto nftables prometheus podman
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q $(XDIST) --durations=15
 
 test-fast: install mosquitto nftables prometheus podman
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
+	$(BIN)/python -m pytest -q $(XDIST) --durations=15 -m "not slow"
 
 check: install
 	$(BIN)/ruff check .

@@ -3,7 +3,9 @@ imported torch once (`tests.support.forked`, as the test suite starts its own), 
 fresh interpreter each: a stage server's start is mostly torch's import, and the quick run's
 parts start 16 of them side by side on a 2-core machine. bench/gpu_check.py asks for it with
 GPU_CHECK_FORKED=1 in --quick runs on a CPU only: a GPU host's run starts each one as a user
-does."""
+does. bench/gpu_ratio.py (the smoke and ratio parts) never forks its servers: its CPU pass is
+the device's (issue 63), and a forked server is its fork server's child, outside the run's
+process group that ends it (bench/process_groups.py)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,31 @@
 """The device check's parts, each its own process (bench/gpu_check.sh installs the carried wheels
 and runs this): one that fails or hangs is reported and the next still runs.
 
-    python bench/gpu_check.py [--device cuda:0|cpu] [--quick] [--budget-s 330]
+    python bench/gpu_check.py [--device cuda:0|cpu] [--quick] [--budget-s S] [--parts P,Q]
+        [--ratio-shapes long,short] [--plan]
 
+The device check (`DEVICE_PARTS`, one call of a lent machine: 8 minutes with the wheels, at most
+8 files under $OUT), in this order:
 1. environment: the versions this runs with, and nvidia-smi's line for the GPU;
-2. doctor: `swarm doctor --device D --job examples/llama-1b.toml` (the 1B example's largest stage
-   against free device and host memory);
-3. CUDA tests: the tests that need CUDA (bench/gpu_cuda_tests.py picks them), on the device;
-4. train fp32 / 5. train bf16-mixed: 2 stages x 2 replicas against the CPU reference
-   (bench/gpu_train_check.py), each stage's replicas bitwise equal, no audit finding two honest
-   replicas apart past its tolerance (issue 55), tokens/s and device memory per process;
-6. llama-1b: the 1B example (bench/llama_1b.py) in bf16-mixed: tokens/s, MFU, device memory;
-7. gpu ratio: swarm against single-process torch on the device (bench/gpu_ratio.py), the
-   short shape (`--ratio-shapes short,long` for both);
-8. device faults: a real allocation failure mid-backward, replayed, and a float64 run, each on
+2. smoke: 2 steps of swarm alone, 4 stage servers x 1 on the device, both shapes, the servers'
+   INFO logs kept (bench/gpu_ratio.py --smoke): if it fails the check stops here, with the
+   trainer's last errors, since every part after it would fail the same way, slower;
+3. gpu ratio: swarm against single-process torch on the device (bench/gpu_ratio.py), the long
+   shape first, as many runs as its budget holds;
+4. CUDA tests: the tests that need CUDA (bench/gpu_cuda_tests.py picks them), on the device;
+5. device faults: a real allocation failure mid-backward, replayed, and a float64 run, each on
    the device against the CPU reference (bench/gpu_fault_check.py; on a CPU the failure is
    injected, the dry run of its logic).
+Where `--parts` names them (and in --quick, CI's run on a CPU, which runs every part):
+doctor (`swarm doctor --device D --job examples/llama-1b.toml`), train fp32 / train bf16-mixed
+(2 stages x 2 replicas against the CPU reference, bench/gpu_train_check.py: replicas bitwise
+equal, audits agreeing, tokens/s and device memory per process), llama-1b (the 1B example,
+bench/llama_1b.py, in bf16-mixed: tokens/s, MFU, device memory).
 
-`--parts "environment,gpu ratio"` runs only the parts named (the environment part names the
-GPU, whose peak the MFU figures need).
+Each part has its seconds (`BUDGETS`) and runs in a session of its own, ended whole at its
+timeout; the next starts once nothing of it is left and the device's memory is back where it
+was (`bench.process_groups`), each part's figures say so. `--plan` prints the parts, their
+seconds and commands and the files under $OUT, and runs nothing.
 
 Every part prints PASS or FAIL with its figures; the summary goes to $OUT/gpu_check.txt when OUT
 is set (rewritten after each part, so a run cut short still leaves what it found), with each
@@ -44,6 +51,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import process_groups  # noqa: E402
+
 PY = sys.executable
 LOG_BYTES = 200_000  # of each part's log kept under $OUT
 PYTEST_ARGS = ("-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin", "-p")
@@ -87,6 +98,28 @@ print("RESULT " + json.dumps(out))
 """
 
 
+# Each part's seconds (on a device; on a CPU), a timeout that ends its whole session
+# (`bench.process_groups`). The device check (DEVICE_PARTS) fits one call of a lent machine,
+# wheels included: `WHEELS_S` + theirs <= `TOTAL_S` (tests/system/test_gpu_check.py).
+BUDGETS = {
+    "environment": (20, 60),
+    "smoke": (90, 200),
+    "doctor": (90, 90),
+    "CUDA tests": (90, 150),
+    "train fp32": (240, 240),
+    "train bf16-mixed": (240, 240),
+    "llama-1b": (300, 300),
+    "gpu ratio": (185, 300),
+    "device faults": (50, 180),
+}
+DEVICE_PARTS = ("environment", "smoke", "gpu ratio", "CUDA tests", "device faults")
+GATE = "smoke"  # a failed smoke part stops the check: nothing after it could pass
+TOTAL_S = 480.0  # the device check, from bench/gpu_check.sh's start (GPU_CHECK_STARTED)
+WHEELS_S = 45  # bench/gpu_check.sh's install of the carried wheels, at most
+QUICK_TOTAL_S = 420.0  # CI, on 2 shared cores: the smoke alone, then the rest side by side
+MAX_OUT_FILES = 8  # what a lent machine's call brings back
+
+
 @dataclass
 class Part:
     name: str
@@ -97,6 +130,11 @@ class Part:
     status: str = "not run"
     figures: str = ""
     seconds: float = 0.0
+
+
+def slug(name: str) -> str:
+    """A part's name as its log's: "CUDA tests" -> "CUDA-tests"."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", name)
 
 
 def result(output: str) -> dict[str, Any] | None:
@@ -118,7 +156,9 @@ class Check:
         self.out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
         self.env: dict[str, Any] = {}
         self.header = ""
-        self.parts = [p for p in self._parts() if not args.parts or p.name in args.parts]
+        everything = self._parts()
+        chosen = args.parts or (set() if args.quick else set(DEVICE_PARTS))
+        self.parts = [p for p in everything if not chosen or p.name in chosen]
 
     # --- the parts ---------------------------------------------------------------------------
 
@@ -126,29 +166,35 @@ class Check:
         quick, dev = self.args.quick, self.device
         steps = ["--quick", "--steps", "3"] if quick else ["--steps", "20"]
         train = [PY, str(ROOT / "bench" / "gpu_train_check.py"), "--device", dev, *steps]
-        return [
-            Part("environment", 60, lambda: [PY, "-c", ENVIRONMENT, self.index], self._judge_env),
-            Part("doctor", 90, self._doctor, self._judge_doctor),
-            Part(
-                "CUDA tests",
-                150,
-                self._tests,
-                self._judge_tests,
-                env={
-                    "GPU_CHECK_TESTS_JSON": str(self.work / "tests.json"),
-                    **({"CUDA_VISIBLE_DEVICES": self.index} if self.cuda else {}),
-                },
-            ),
-            Part("train fp32", 240, lambda: [*train, "--precision", "fp32"], self._judge_train),
+        tests_env = {
+            "GPU_CHECK_TESTS_JSON": str(self.work / "tests.json"),
+            **({"CUDA_VISIBLE_DEVICES": self.index} if self.cuda else {}),
+        }
+        parts = [
+            Part("environment", 0, lambda: [PY, "-c", ENVIRONMENT, self.index], self._judge_env),
+            Part("smoke", 0, self._smoke, self._judge_smoke),
+            Part("doctor", 0, self._doctor, self._judge_doctor),
+            Part("CUDA tests", 0, self._tests, self._judge_tests, env=tests_env),
+            Part("train fp32", 0, lambda: [*train, "--precision", "fp32"], self._judge_train),
             Part(
                 "train bf16-mixed",
-                240,
+                0,
                 lambda: [*train, "--precision", "bf16-mixed"],
                 self._judge_train,
             ),
-            Part("llama-1b", 300, self._llama, self._judge_llama),
-            Part("gpu ratio", 300, self._ratio, self._judge_ratio),
-            Part("device faults", 180, self._faults, self._judge_faults),
+            Part("llama-1b", 0, self._llama, self._judge_llama),
+            Part("gpu ratio", 0, self._ratio, self._judge_ratio),
+            Part("device faults", 0, self._faults, self._judge_faults),
+        ]
+        for part in parts:
+            part.timeout_s = self._timeout(part.name)
+        if quick:  # CI: every part, the smoke first
+            return parts
+        by_name = {p.name: p for p in parts}
+        return [by_name[name] for name in DEVICE_PARTS] + [
+            p
+            for p in parts
+            if p.name not in DEVICE_PARTS  # only where --parts names them
         ]
 
     def _judge_env(self, code: int, output: str) -> tuple[bool, str]:
@@ -184,14 +230,12 @@ class Check:
         return code == 0, "\n".join("    " + x for x in output.strip().splitlines())
 
     def _tests(self) -> list[str]:
-        files = sorted(
-            str(p.relative_to(ROOT))
-            for p in (ROOT / "tests").rglob("test_*.py")
-            if "cuda" in p.read_text(encoding="utf-8", errors="replace").lower()
-        )
+        # The whole suite is collected: bench/gpu_cuda_tests.py keeps the tests that say they
+        # need CUDA, wherever they are. A module that does not import here (a package the host
+        # lacks) is named, not fatal (--continue-on-collection-errors).
         # A GPU image's own pytest plugins (benchmark, xdist, cov, ...) may not agree with the
         # carried pytest: autoloading is off (gpu_check.sh) and the suite's two are named here.
-        return [PY, "-m", "pytest", *PYTEST_ARGS, *files]
+        return [PY, "-m", "pytest", *PYTEST_ARGS, "--continue-on-collection-errors", "tests"]
 
     def _judge_tests(self, code: int, output: str) -> tuple[bool, str]:
         path = self.work / "tests.json"
@@ -200,7 +244,11 @@ class Check:
         text = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests ran"
         failed = [n for n, v in outcomes.items() if v == "failed"]
         skipped = [n for n, v in outcomes.items() if v == "skipped"]
-        if failed or not outcomes or code not in (0, 5):
+        unimported = [n for n, v in outcomes.items() if v == "uncollected"]
+        if unimported:
+            text += f" ({len(unimported)} modules did not import here: {unimported})"
+        ran = len(outcomes) - len(unimported)
+        if failed or not ran or code not in (0, 1, 5) or (code == 1 and not unimported):
             return False, f"{text}; failed: {failed}\n{tail(output, 40)}"
         if self.cuda and skipped:
             return False, f"{text}: skipped on a GPU host: {skipped}\n{tail(output)}"
@@ -294,13 +342,41 @@ class Check:
             return False, f"{text}\n{tail(output)}"
         return True, text
 
+    def _smoke(self) -> list[str]:
+        """2 steps of swarm alone, 4 stage servers x 1 on the device, both shapes, the servers'
+        INFO logs kept: whatever stops the runs after it shows here first, in seconds."""
+        cmd = [PY, str(ROOT / "bench" / "gpu_ratio.py"), "--device", self.device, "--smoke"]
+        cmd += ["--shapes", "short,long"] + ([] if self.cuda else ["--cpu-tiny"])
+        return [*cmd, "--budget-s", str(self._timeout("smoke") - 10)]
+
+    def _judge_smoke(self, code: int, output: str) -> tuple[bool, str]:
+        r = result(output)
+        if r is None:
+            return False, f"no result (exit {code}):\n{tail(output, 30)}"
+        shapes = []
+        for shape, found in r["shapes"].items():
+            row = found["rows"].get("swarm", {})
+            losses = [round(x, 4) for x in row.get("losses", [])]
+            shapes.append(f"{shape}: losses {losses}, {row.get('handed', 0)} tensors handed over")
+        text = f"swarm alone, 4 stage servers on {r['device']}, {r['precision']}: " + "; ".join(
+            shapes
+        )
+        if code or r["failures"]:
+            return False, text + "\n    " + "\n    ".join(r["failures"] or [f"exit {code}"])
+        return True, text
+
+    def _timeout(self, name: str) -> float:
+        """A part's seconds: a device's, or CI's on a CPU (tiny sizes, 2 shared cores)."""
+        return BUDGETS[name][1 if self.args.quick or not self.cuda else 0]
+
     def _ratio(self) -> list[str]:
         cmd = [PY, str(ROOT / "bench" / "gpu_ratio.py"), "--device", self.device]
-        if self.args.quick:
+        if self.args.quick:  # fp32 on a CPU: swarm's losses equal torch's within 1e-4
             tiny = ["--cpu-tiny", "--shapes", "short", "--warmup", "1", "--steps", "2"]
-            return [*cmd, *tiny, "--mps"]  # on a CPU: says MPS is not available, and why
+            return [*cmd, *tiny, "--precision", "fp32", "--mps"]  # says MPS is not available
         peak = self._peak_tflops()
         cmd += ["--shapes", self.args.ratio_shapes, "--warmup", "2", "--steps", "4"]
+        cmd += ["--budget-s", str(self._timeout("gpu ratio") - 15)]  # it ends its own runs
         return cmd + (["--peak-tflops", str(peak)] if peak else [])
 
     def _judge_ratio(self, code: int, output: str) -> tuple[bool, str]:
@@ -333,48 +409,51 @@ class Check:
     # --- running -----------------------------------------------------------------------------
 
     def run_part(self, part: Part, deadline: float) -> None:
+        """`part` in a session of its own, ended whole at its timeout; then, before the next
+        part may start, checked to have left no process and the device's memory where it was
+        (`bench.process_groups`), said in its figures."""
         left = deadline - time.monotonic()
         if left < 5:
             part.status, part.figures = "FAIL", "not run: the check's time budget is spent"
             return
-        log = self.work / f"{re.sub(r'[^A-Za-z0-9]+', '-', part.name)}.log"
+        log = self.work / f"{slug(part.name)}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **part.env}
         if self.args.quick and not self.cuda:  # CI: stage servers forked (bench/forked_servers.py)
             env["GPU_CHECK_FORKED"] = "1"
-        started = time.monotonic()
-        with open(log, "w+", encoding="utf-8", errors="replace") as f:
-            try:
-                proc = subprocess.Popen(
-                    part.command(),
-                    cwd=ROOT,
-                    env=env,
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # a timeout ends the part and all it started
-                )
-                try:
-                    code = proc.wait(min(part.timeout_s, left))
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, 9)  # the part and the servers it started
-                    proc.wait()
-                    code = -9
-                f.seek(0)
-                output = f.read()
-                passed, part.figures = part.judge(code, output)
-                if code == -9:
-                    passed = False
-                    part.figures = (
-                        f"timed out after {min(part.timeout_s, left):.0f} s\n{tail(output)}"
-                    )
-            except Exception as e:  # a judge that cannot read the output fails its part only
-                passed, part.figures = False, f"{type(e).__name__}: {e}"
-        part.seconds = time.monotonic() - started
-        part.status = "PASS" if passed else "FAIL"
+        before = process_groups.device_memory_mib(self.device)
+        timeout = min(part.timeout_s, left)
+        with open(log, "w", encoding="utf-8", errors="replace") as f:
+            ended = process_groups.run(
+                part.command(),
+                out=f,
+                timeout=timeout,
+                kind=process_groups.Kind.SESSION,  # the part, its phases and their servers
+                env=env,
+                cwd=ROOT,
+            )
+        settled, line = process_groups.settle(
+            ended, before, lambda: process_groups.device_memory_mib(self.device)
+        )
+        output = log.read_text(encoding="utf-8", errors="replace")
+        try:
+            passed, part.figures = part.judge(ended.code, output)
+        except Exception as e:  # a judge that cannot read the output fails its part only
+            passed, part.figures = False, f"{type(e).__name__}: {e}"
+        if ended.stopped:  # what it found before, where its judge can read it
+            passed, part.figures = False, f"{ended.why}; {part.figures}\n{tail(output)}"
+        part.figures += f"\n    {line}"
+        part.seconds = ended.seconds
+        part.status = "PASS" if passed and settled else "FAIL"
+        print(f"  {part.name}: {line}", flush=True)
         if self.out:
             logs = self.out / "gpu_check_logs"
             logs.mkdir(parents=True, exist_ok=True)
             data = log.read_bytes()
             (logs / log.name).write_bytes(data[-LOG_BYTES:])
+
+    def out_files(self) -> list[str]:
+        """The files a run leaves under $OUT: the summary and each part's log."""
+        return ["gpu_check.txt"] + [f"gpu_check_logs/{slug(p.name)}.log" for p in self.parts]
 
     def report(self) -> str:
         lines = [self.header]
@@ -393,6 +472,7 @@ class Check:
             (self.out / "gpu_check.txt").write_text(self.report())
 
     def run(self) -> int:
+        process_groups.become_subreaper()  # a part's orphans come here, to be reaped
         started = time.monotonic()
         deadline = started + self.args.budget_s
         self.header = (
@@ -402,12 +482,17 @@ class Check:
         )
         print(self.header, flush=True)
         self.save()
-        # The first part runs alone: its GPU name picks the MFU peak of the parts after it.
-        # --quick figures no MFU (tiny sizes): every part starts at once, the first too.
-        first = [] if self.args.quick else self.parts[:1]
+        # The parts up to the smoke run one at a time (the first's GPU name picks the MFU peak
+        # of the parts after it); a failed smoke stops the check with its first error.
+        names = [p.name for p in self.parts]
+        first = self.parts[: names.index(GATE) + 1] if GATE in names else self.parts[:1]
         for part in first:
             self.run_part(part, deadline)
             self._show(part)
+            if part.name == GATE and part.status != "PASS":
+                for skipped in self.parts[len(first) :]:
+                    skipped.figures = f"not run: the {GATE} part failed"
+                return self._finish(started)
         rest = self.parts[len(first) :]
         # On a CPU (CI) the parts share the machine and run side by side; on a GPU one at a time,
         # so that each one's tokens/s and memory are its own.
@@ -415,9 +500,25 @@ class Check:
             for part, _ in [(p, pool.submit(self.run_part, p, deadline)) for p in rest]:
                 _.result()
                 self._show(part)
+        return self._finish(started)
+
+    def _finish(self, started: float) -> int:
+        self.save()
         print(self.report().splitlines()[-1])
         print(f"total {time.monotonic() - started:.0f} s; logs in {self.work}", flush=True)
         return 0 if all(p.status == "PASS" for p in self.parts) else 1
+
+    def plan(self) -> dict[str, Any]:
+        """What a run would do, without running it (--plan): the parts in order with their
+        seconds and commands, the check's budget, the files under $OUT."""
+        return {
+            "parts": [
+                {"name": p.name, "timeout_s": p.timeout_s, "command": p.command()}
+                for p in self.parts
+            ],
+            "budget_s": self.args.budget_s,
+            "out_files": self.out_files(),
+        }
 
     def _show(self, part: Part) -> None:
         print(f"{part.status:<7} {part.name} ({part.seconds:.0f} s): {part.figures}", flush=True)
@@ -429,21 +530,32 @@ def main() -> int:
     parser.add_argument("--device", default="cuda:0", help="cuda:N or cpu")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, parts side by side (CI)")
     parser.add_argument(
-        "--budget-s", type=float, default=None, help="seconds for all parts (560; quick: 200)"
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"seconds for all parts ({TOTAL_S:.0f} from gpu_check.sh's start; quick: "
+        f"{QUICK_TOTAL_S:.0f})",
     )
     parser.add_argument(
-        "--parts", default="", help="comma-separated part names to run (default: all of them)"
+        "--parts", default="", help="comma-separated part names to run (default: DEVICE_PARTS)"
     )
     parser.add_argument(
-        "--ratio-shapes", default="short", help="bench/gpu_ratio.py's shapes (short,long)"
+        "--ratio-shapes", default="long,short", help="bench/gpu_ratio.py's shapes, in order"
     )
+    parser.add_argument("--plan", action="store_true", help="print what would run, run nothing")
     args = parser.parse_args()
     args.parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     if args.budget_s is None:
-        args.budget_s = 200.0 if args.quick else 560.0
+        # The device check's minutes count from the script's start: the wheels' install too.
+        began = float(os.environ.get("GPU_CHECK_STARTED") or time.time())
+        args.budget_s = QUICK_TOTAL_S if args.quick else TOTAL_S - (time.time() - began)
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         parser.error(f"--device {args.device!r}: cpu or cuda:N")
-    return Check(args).run()
+    check = Check(args)
+    if args.plan:
+        print("PLAN " + json.dumps(check.plan()))
+        return 0
+    return check.run()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Swarm against single-process torch on the same device, in one run (issue 53): part of
 bench/gpu_check.sh.
 
-    python bench/gpu_ratio.py [--device cuda:0] [--shapes short,long] [--warmup 2] [--steps 5]
+    python bench/gpu_ratio.py [--device cuda:0] [--shapes long,short] [--warmup 2] [--steps 5]
         [--precision bf16-mixed] [--compile auto|on|off] [--peak-tflops T] [--cpu-tiny] [--mps]
+        [--smoke] [--stall-s S] [--budget-s S] [--server-faults [stageK:]point@step,...]
 
 The model is examples/llama-1b.toml's. Each run is its own process, one after the other on the
-one device, warm-up steps and then timed steps:
+one device, swarm's first, warm-up steps and then timed steps:
   (a) torch, microbatched: one process, the same model, batch, microbatches, data and precision
       as swarm (`loss.backward()` per microbatch, one optimizer step), eager and (CUDA) compiled;
       eager bf16-mixed with swarm's own weight copies and sums (`swarm.model.low_copies`);
@@ -25,8 +26,17 @@ every step's loss against (a)'s (within 1% in bf16-mixed, 1e-4 in fp32). A one-p
 device has no memory for is reported (OOM), not failed. The last line is `RESULT {json}`; exit
 status 1 when a run failed or a loss disagreed.
 
-`--cpu-tiny`: a few layers of width 64 on the CPU, in fp32 (CI runs it as the device check's part:
-tests/system/test_gpu_check.py).
+Each run is a process group ended whole, its stage servers with it (`bench.process_groups`), at
+its timeout, or once swarm's commits no step for `--stall-s` (`bench.stall`): a stall prints the
+trainer's last errors and each server's, and no run after it starts. Before the next run the
+device's memory is back where it was, said in a line. `--budget-s`: no run starts past it (a run
+it ends is "not run", not failed). `--smoke`: swarm alone, 2 steps, each server's INFO log
+printed (the device check's first part). `--server-faults`: the servers' SWARM_FAULTS, a stall
+on purpose (`handover-refuse@0`: every handover refused, as b8f54b2's CUDA handover did).
+
+`--cpu-tiny`: a few layers of width 64 on the CPU, as on a device: bf16-mixed, real `swarm
+stage-server` processes 4 x 1, the co-located handover between them (shared memory here); CI
+runs it (tests/system/test_gpu_ratio.py; the device check's quick part in fp32).
 `--mps`: (c) once more with NVIDIA's MPS daemon running (bench/mps.py), its tokens/s against (c)'s
 in the same run; where the host cannot run it, "MPS A/B: not available" and why.
 """
@@ -37,6 +47,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
+import math
 import os
 import statistics
 import subprocess
@@ -50,10 +62,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import forked_servers  # noqa: E402
+from bench import process_groups  # noqa: E402
 from bench.gpu_check import BF16_PEAK_TFLOPS  # noqa: E402
 from bench.llama_1b import JOB, TINY, set_keys  # noqa: E402
 from bench.mps import MpsUnavailable, mps_daemon, mps_unavailable  # noqa: E402
+from bench.stall import READY_LINE, STEP_LINE, Stall, last_errors  # noqa: E402
 
 SHAPES: dict[str, dict[str, int]] = {  # seq_len, microbatch_size, target_batch_size
     "short": {"seq_len": 128, "microbatch_size": 4, "target_batch_size": 16},
@@ -65,6 +78,9 @@ TINY_SHAPES: dict[str, dict[str, int]] = {
 }
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16-mixed": 1e-2}  # relative, every step, swarm against (a)
 PHASE_TIMEOUT_S = 600.0
+STALL_S = {"smoke": 40.0, "eager": 120.0, "compiled": 240.0}  # no committed step: stop (item 7)
+MIN_PHASE_S = 20.0  # a phase is not started with less of --budget-s left
+SERVER_LOG_LINES = 60  # of each stage server's INFO log, printed by --smoke and on a failure
 
 
 def job_text(args: argparse.Namespace, shape: str) -> str:
@@ -179,15 +195,36 @@ def run_torch(args: argparse.Namespace, job_path: Path, compiled: bool, one_pass
     return {"losses": losses, "seconds": seconds, "busy": busy.stop()}
 
 
+def server_logs(work: Path, shape: str, phase: str) -> list[Path]:
+    """The stage servers' logs of one swarm phase (`run_swarm` names them so)."""
+    return sorted(work.glob(f"{shape}-{phase}-stage-*.log"))
+
+
+def server_env(faults: str, stage: int) -> dict[str, str]:
+    """SWARM_FAULTS for stage server `stage` from `--server-faults` (`stageK:point@step` for
+    that server alone, `point@step` for every one): the run's stalls, on purpose."""
+    from swarm.ops.faults import ENV, Fault, parse_faults
+
+    chosen = (f for f in parse_faults(faults) if f.target in ("", f"stage{stage}"))
+    mine = [str(Fault("", f.point, f.step, f.period)) for f in chosen]
+    return {ENV: ",".join(mine)} if mine else {}
+
+
 def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bool) -> dict:
-    """(c): one stage server per stage on the device, the standalone trainer in this process."""
+    """(c): one stage server per stage on the device, each a `swarm stage-server` process of
+    its own as a user starts it (on a CPU too: the handover between them is the co-located
+    one, shared memory there, CUDA IPC on a GPU), the standalone trainer in this process. Its
+    output says when the servers serve and each step it commits (`bench.stall`)."""
+    from bench.handover import handed
     from client.standalone import train_standalone
     from swarm.device.facts import read_evictions
     from swarm.job.config import load_job
-    from swarm.local.procs import SwarmProcess, start_process, stop_all
+    from swarm.local import procs
+    from swarm.local.procs import SwarmProcess, spawn, start_process, stop_all
     from swarm.ops.progress import StepRecord
     from swarm.rpc.lease import Replica
 
+    procs.launcher = spawn  # never forked from a server of the tests (bench/forked_servers.py)
     job = load_job(job_path)
     servers: list[SwarmProcess] = []
     records: list[StepRecord] = []
@@ -195,20 +232,28 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
 
     def on_step(record: StepRecord) -> None:
         records.append(record)
+        print(f"{STEP_LINE}{record.step} loss {record.loss:.6f} {record.seconds:.3f} s", flush=True)
         if len(records) == args.warmup:
             busy.start()
 
     try:
         for k in range(job.training.stages):
-            cmd = ["stage-server", "--job", str(job_path), "--stage", str(k), "--port", "0"]
+            cmd = ["--log-level", "INFO", "stage-server", "--job", str(job_path)]
+            cmd += ["--stage", str(k), "--port", "0", "--metrics-port", "0"]
             cmd += ["--device", args.device] + (["--threads", "1"] if args.cpu_tiny else [])
             cmd += ["--compile-stage"] if compiled else []
-            servers.append(start_process(cmd, log_dir=work, name=f"stage-{k}"))
+            name = f"{args.shape}-{args.phase}-stage-{k}"
+            env = server_env(args.server_faults, k)
+            servers.append(start_process(cmd, log_dir=work, name=name, env=env))
         for s in servers:
             s.wait_ready(PHASE_TIMEOUT_S)
+        print(f"{READY_LINE}: {len(servers)} stage servers on {args.device}", flush=True)
         pool = [[Replica(s.address, s.address)] for s in servers]
+        if args.warmup == 0:
+            busy.start()
         asyncio.run(train_standalone(job, pool, on_step=on_step))
         used = busy.stop()
+        taken = handed(servers)  # the co-located handover's tensors, through memory
     finally:
         stop_all(servers)  # SIGTERM to each before waiting for any: their shutdowns overlap
     evictions = [read_evictions(s.log()) for s in servers]
@@ -218,10 +263,16 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
         "blocked": [r.blocked_seconds for r in records],
         "busy": used,
         "evictions": evictions,
+        "handed": taken,
     }
 
 
 def phase_main(args: argparse.Namespace) -> None:
+    # The trainer's warnings (each failed microbatch) with their level and time: what a stall
+    # prints (`bench.stall.last_errors`).
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     work = Path(args.work)
     job_path = work / f"{args.shape}.toml"
     phase = args.phase
@@ -264,7 +315,7 @@ def summarize(r: dict, args: argparse.Namespace, job_path: Path, peak: float) ->
     """A run's figures over its timed steps (those after the warm-up)."""
     from swarm.job.config import load_job
 
-    if "oom" in r or "error" in r:
+    if "oom" in r or "error" in r or "skipped" in r:
         return r
     job = load_job(job_path)
     timed = r["seconds"][args.warmup :]
@@ -284,32 +335,67 @@ def summarize(r: dict, args: argparse.Namespace, job_path: Path, peak: float) ->
     return out
 
 
-def run_phase(args: argparse.Namespace, phase: str, shape: str, work: Path) -> dict:
+def run_phase(
+    args: argparse.Namespace, phase: str, shape: str, work: Path, timeout: float | None = None
+) -> dict:
+    """One run in a process group of its own (`bench.process_groups`), ended whole, the stage
+    servers it started with it, at `timeout`, or once a swarm run commits no step for its
+    stall bound (`bench.stall`); then checked to have left nothing behind. A failed run's
+    error carries the trainer's last warnings and errors, and each server's last."""
     cmd = [sys.executable, __file__, "--phase", phase, "--shape", shape, "--work", str(work)]
     cmd += ["--device", args.device, "--precision", args.precision]
     cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
     cmd += ["--cpu-tiny"] if args.cpu_tiny else []
+    cmd += ["--server-faults", args.server_faults] if args.server_faults else []
     log = work / f"{shape}-{phase}.log"
+    swarm = phase.startswith("swarm")
+    watch = Stall(log, stall_bound(args, phase)) if swarm else None
+    before = process_groups.device_memory_mib(args.device)
     mps = mps_daemon(work) if phase == "swarm-mps" else contextlib.nullcontext({})
-    with open(log, "w+", encoding="utf-8", errors="replace") as f, mps as extra:
-        try:
-            code = subprocess.run(
-                cmd,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                timeout=PHASE_TIMEOUT_S,
-                check=False,
-                env={**os.environ, **extra},  # MPS's clients: this phase and its servers
-            ).returncode
-        except subprocess.TimeoutExpired:
-            code = -9
-        f.seek(0)
-        output = f.read()
+    with open(log, "w", encoding="utf-8", errors="replace") as f, mps as extra:
+        ended = process_groups.run(
+            cmd,
+            out=f,
+            timeout=timeout or PHASE_TIMEOUT_S,
+            kind=process_groups.Kind.GROUP,  # in this process's session: a check's part's
+            env={**os.environ, **extra},  # MPS's clients: this phase and its servers
+            watch=watch,
+        )
+    settled, line = process_groups.settle(
+        ended, before, lambda: process_groups.device_memory_mib(args.device)
+    )
+    how = ended.why or f"exit {ended.code}"
+    print(f"  {shape} {phase}: {how} ({ended.seconds:.0f} s in all); {line}", flush=True)
+    output = log.read_text(errors="replace")
     found = [x for x in output.splitlines() if x.startswith("RESULT ")]
-    if code or not found:
-        tail = "\n".join(output.strip().splitlines()[-8:])
-        return {"error": f"exit {code}; log {log}:\n{tail}"}
+    if ended.code or not found or not settled:
+        return {"error": failure(how, output, log, server_logs(work, shape, phase)), "why": how}
     return dict(json.loads(found[-1][len("RESULT ") :]))
+
+
+def stall_bound(args: argparse.Namespace, phase: str) -> float:
+    if args.stall_s:
+        return float(args.stall_s)
+    return STALL_S["smoke" if args.smoke else "compiled" if "compiled" in phase else "eager"]
+
+
+def failure(how: str, output: str, log: Path, servers: list[Path]) -> str:
+    """Why a run failed: how it ended, the trainer's last warnings and errors (or its output's
+    tail), and each stage server's last."""
+    lines = last_errors(output) or output.strip().splitlines()[-8:]
+    text = f"{how}; log {log}; the trainer's last errors:\n" + "\n".join(lines)
+    for path in servers:
+        last = last_errors(path.read_text(errors="replace"), 1)
+        text += f"\n{path.name}: {last[0] if last else 'no warning or error'}"
+    return text
+
+
+def show_server_logs(work: Path, shape: str, phase: str) -> None:
+    """The stage servers' INFO logs (the tail of each), as the device check keeps them."""
+    for path in server_logs(work, shape, phase):
+        lines = path.read_text(errors="replace").splitlines()[-SERVER_LOG_LINES:]
+        print(f"--- {path.name} (its last {len(lines)} lines) ---", flush=True)
+        print("\n".join(lines), flush=True)
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -325,7 +411,8 @@ def table(shape: str, rows: dict[str, dict], baseline: dict[str, str | None]) ->
     ]
     for name, r in rows.items():
         if "tokens_per_s" not in r:
-            lines.append(f"| {name} | {'OOM' if 'oom' in r else 'FAILED'} |" + " |" * 9)
+            what = "OOM" if "oom" in r else "not run" if "skipped" in r else "FAILED"
+            lines.append(f"| {name} | {what} |" + " |" * 9)
             continue
         ratios = []
         for kind, base in baseline.items():
@@ -359,12 +446,22 @@ def mps_ab(rows: dict[str, dict]) -> str:
     return f"swarm {a:.0f} tokens/s without, {b:.0f} with MPS ({b / a:.2f}x)"
 
 
-def compare(args: argparse.Namespace) -> int:
-    work = Path(tempfile.mkdtemp(prefix="swarm-gpu-ratio-"))
+def plan(args: argparse.Namespace) -> list[str]:
+    """The runs of a shape, in order: swarm first (what is under test, and what a stall stops
+    at once), then the torch runs; the compiled ones last, the dearest to start."""
+    if args.smoke:
+        return ["swarm"]
     compiled = args.compile == "on" or (args.compile == "auto" and args.device.startswith("cuda"))
-    kinds = ["eager", "compiled"] if compiled else ["eager"]
-    phases = [f"{how}-{k}" for how in ("microbatched", "pass") for k in kinds] + ["swarm"]
-    phases += ["swarm-compiled"] if compiled else []  # the stage servers' --compile-stage
+    phases = ["swarm", "microbatched-eager", "pass-eager"]
+    phases += ["microbatched-compiled", "pass-compiled", "swarm-compiled"] if compiled else []
+    return phases
+
+
+def compare(args: argparse.Namespace) -> int:
+    process_groups.become_subreaper()  # a run's orphaned servers come here, to be reaped
+    work = Path(tempfile.mkdtemp(prefix="swarm-gpu-ratio-"))
+    started = time.monotonic()
+    phases = plan(args)
     mps = mps_unavailable(args.device) if args.mps else None
     phases += ["swarm-mps"] if args.mps and mps is None else []  # (c) under MPS, for the A/B
     peak = peak_tflops(args)
@@ -375,43 +472,42 @@ def compare(args: argparse.Namespace) -> int:
         f"{args.steps} timed steps; peak {peak or 'unknown'} TFLOP/s; logs in {work}",
         flush=True,
     )
+    stalled = ""
     for shape in args.shapes.split(","):
         job_path = work / f"{shape}.toml"
         job_path.write_text(job_text(args, shape))
-        rows = {}
+        rows: dict[str, dict] = {}
         for p in phases:
+            left = args.budget_s - (time.monotonic() - started) if args.budget_s else 1e9
+            if stalled or left < MIN_PHASE_S:
+                why = f"an earlier run {stalled}" if stalled else "--budget-s spent"
+                rows[p] = {"skipped": why}
+                print(f"  {shape} {p}: not run: {why}", flush=True)
+                continue
             try:
-                rows[p] = summarize(run_phase(args, p, shape, work), args, job_path, peak)
+                r = run_phase(args, p, shape, work, min(PHASE_TIMEOUT_S, left))
             except MpsUnavailable as e:  # the host would not run the daemon: no A/B, no failure
                 mps, phases = f"not available: {e}", [x for x in phases if x != p]
+                continue
+            cut = left < PHASE_TIMEOUT_S and r.get("why", "").startswith("timed out")
+            if cut and not args.smoke:  # a run the budget ended is not a failure (the smoke's is)
+                r = {"skipped": f"--budget-s spent while it ran ({r['why']})"}
+            rows[p] = summarize(r, args, job_path, peak)
+            if args.smoke:
+                show_server_logs(work, shape, p)
+            if r.get("why", "").startswith("stalled"):
+                stalled = r["why"]  # the same servers would stall again: stop here
         failures += [f"{shape} {p}: {r['error']}" for p, r in rows.items() if "error" in r]
-        reference = rows["microbatched-eager"].get("losses")
-        tolerance = LOSS_TOLERANCE[args.precision]
-        for name in (p for p in phases if p.startswith("swarm")):
-            run = rows[name]
-            if reference and run.get("losses"):
-                pairs = list(zip(run["losses"], reference, strict=False))
-                run["loss_diff"] = max(abs(s - t) / abs(t) for s, t in pairs)
-                if len(pairs) != len(reference) or run["loss_diff"] > tolerance:
-                    failures.append(
-                        f"{shape} {name}: losses {run['losses']} against (a)'s {reference}: "
-                        f"{run['loss_diff']:.2e} > {tolerance} (relative) or steps missing"
-                    )
-        swarm = max(
-            (rows[p] for p in phases if p.startswith("swarm")),
-            key=lambda r: r.get("tokens_per_s", 0.0),
-        )  # the faster swarm run: the ratios the targets name
-
-        baseline = {"(a)": faster(rows, "microbatched"), "(b)": faster(rows, "pass")}
-        print(table(shape, rows, baseline), flush=True)
+        failures += check_losses(args, shape, rows, phases)
+        shape_report: dict[str, Any] = {"rows": rows, "baseline": {}}
+        if not args.smoke:
+            baseline = {"(a)": faster(rows, "microbatched"), "(b)": faster(rows, "pass")}
+            print(table(shape, rows, baseline), flush=True)
+            shape_report = {"rows": rows, "baseline": baseline, **ratios(rows, phases, baseline)}
         if args.mps:
             print(f"MPS A/B: {mps or mps_ab(rows)}", flush=True)
             report["mps"] = mps or mps_ab(rows)
-        report["shapes"][shape] = {"rows": rows, "baseline": baseline}
-        for kind, base in baseline.items():
-            if base and "tokens_per_s" in swarm:
-                ratio = swarm["tokens_per_s"] / rows[base]["tokens_per_s"]
-                report["shapes"][shape][f"swarm_over_{kind[1]}"] = ratio
+        report["shapes"][shape] = shape_report
     report["failures"] = failures
     for f in failures:
         print(f"FAIL {f}", flush=True)
@@ -419,25 +515,82 @@ def compare(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def check_losses(
+    args: argparse.Namespace, shape: str, rows: dict[str, dict], phases: list[str]
+) -> list[str]:
+    """Each swarm run's losses against (a)'s, step by step; in --smoke (no torch run) every
+    step committed with a finite loss."""
+    failures = []
+    reference = rows.get("microbatched-eager", {}).get("losses")
+    tolerance = LOSS_TOLERANCE[args.precision]
+    for name in (p for p in phases if p.startswith("swarm")):
+        run = rows.get(name, {})
+        losses = run.get("losses")
+        if args.smoke and "skipped" in run:  # the smoke is both shapes, or it failed
+            failures.append(f"{shape} {name}: not run: {run['skipped']}")
+        whole = losses is not None and len(losses) == args.warmup + args.steps
+        if args.smoke and losses is not None and not (whole and all(map(math.isfinite, losses))):
+            failures.append(f"{shape} {name}: losses {losses}: steps missing or not finite")
+        if reference and losses:
+            pairs = list(zip(losses, reference, strict=False))
+            run["loss_diff"] = max(abs(s - t) / abs(t) for s, t in pairs)
+            if len(pairs) != len(reference) or run["loss_diff"] > tolerance:
+                failures.append(
+                    f"{shape} {name}: losses {losses} against (a)'s {reference}: "
+                    f"{run['loss_diff']:.2e} > {tolerance} (relative) or steps missing"
+                )
+    return failures
+
+
+def ratios(rows: dict[str, dict], phases: list[str], baseline: dict[str, str | None]) -> dict:
+    """The faster swarm run's tokens/s over each baseline's: the ratios the targets name."""
+    swarm = max(
+        (rows[p] for p in phases if p.startswith("swarm") and p in rows),
+        key=lambda r: r.get("tokens_per_s", 0.0),
+        default={},
+    )
+    out = {}
+    for kind, base in baseline.items():
+        if base and "tokens_per_s" in swarm:
+            out[f"swarm_over_{kind[1]}"] = swarm["tokens_per_s"] / rows[base]["tokens_per_s"]
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0)")
-    parser.add_argument("--shapes", default="short,long", help="of: short, long")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+    parser.add_argument("--shapes", default="long,short", help="of: short, long, in this order")
+    parser.add_argument("--warmup", type=int, default=None, help="default 2 (--smoke: 0)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (5; --smoke: 2)")
     parser.add_argument("--precision", choices=tuple(LOSS_TOLERANCE), default=None)
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the device's dense peak")
     parser.add_argument("--cpu-tiny", action="store_true", help="a tiny model on the CPU (CI)")
     parser.add_argument("--mps", action="store_true", help="(c) again under CUDA MPS: an A/B")
+    parser.add_argument(
+        "--smoke", action="store_true", help="swarm alone, its servers' INFO logs shown"
+    )
+    parser.add_argument(
+        "--stall-s", type=float, default=0.0, help="no committed step for this long: stop"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=0.0, help="start no run past this (0: no limit)"
+    )
+    parser.add_argument(
+        "--server-faults", default="", help="SWARM_FAULTS of the stage servers: [stageK:]p@s,..."
+    )
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # one run, in its own process
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    forked_servers.use_if_asked()
     args.device = args.device or ("cpu" if args.cpu_tiny else "cuda:0")
-    if args.precision is None:
-        args.precision = "bf16-mixed" if args.device.startswith("cuda") else "fp32"
+    if args.precision is None:  # what a GPU trains in, on a CPU too (--cpu-tiny)
+        cuda = args.device.startswith("cuda")
+        args.precision = "bf16-mixed" if cuda or args.cpu_tiny else "fp32"
+    if args.warmup is None:
+        args.warmup = 0 if args.smoke else 2
+    if args.steps is None:
+        args.steps = 2 if args.smoke else 5
     if args.phase:
         phase_main(args)
         return 0

@@ -102,9 +102,22 @@ ATTACKS: dict[str, str] = {
     "peer.swarm) or naming a host; an invite's holder attaching as another's peer",
     "64.6-lan": "every caller (the scheduler's trainer included) probes the LAN address a "
     "relayed peer announced, with the swarm's token",
-    "64.6-scope": "an announced ipv4:127.0.0.1:P, dns:///NAME:P or unix:/path passes the "
-    "dial scope and is dialled with the token",
     "64.10": "a relay's announced id or address writes terminal escapes into `swarm doctor`",
+    # Issue 64's review ("let no one in, round four")
+    "64-lossy": "a hadamard3 owner answers a sign-flipped sum, 1e6 times it or a direction of its "
+    "choosing (its own answer raised the encoding's allowance)",
+    "64-speeds": "two peers announcing ~1e308 samples/s make placement divide by zero: the job "
+    "FAILED",
+    "64-depth": "a peer honest K steps that lies once rolls the job back K steps (all of it after "
+    "a scheduler restart)",
+    "64-devices": "an honest replica on another kind of device (TF32) is convicted by the "
+    "contributions' audit",
+    "64-seats": "two ids of one token holder in a stage frame its honest third replica with "
+    "matching wrong re-executions",
+    "64-dial": "the dial-back dials ipv4:/dns:/unix: targets (loopback, a Unix socket), and its "
+    "report's timing tells closed ports from silent ones",
+    "64-relay": "one source holds all of a NAT'd peer's relay tunnels; a home's /56 counts as 256 "
+    "sources",
 }
 
 

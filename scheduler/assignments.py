@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from scheduler.registry import PeerRegistry
@@ -25,8 +26,10 @@ from scheduler.stalls import Health
 from swarm.bus.connection import BusLike
 from swarm.deadline import within
 from swarm.job.config import JobConfig
+from swarm.net.seats import MAX_SEATS, seat
 from swarm.policy.placement import path_speeds, place_new
 from swarm.proto import control_pb2 as cpb
+from swarm.rpc.lease import Replica
 
 __all__ = ["Assignments"]
 
@@ -62,6 +65,7 @@ class Assignments:
         self.min_replicas = min_replicas
         # peer -> (job, stage, clock time) of its last assignment, until it serves there
         self._sent: dict[str, tuple[str, int, float]] = {}
+        self._held_back: set[str] = set()  # peers not placed for their host's seats, said
         self.changed = asyncio.Event()  # set by whoever feeds the registry announcements
 
     def reached(self, report: cpb.ReachabilityReport) -> None:
@@ -224,20 +228,24 @@ class Assignments:
                     there[stage].append(peer)
         rest = {peer: speeds for peer, speeds in available.items() if peer not in kept}
         domains = self.registry.domains()
-        placed = (
-            place_new(
-                rest,
-                stages,
-                totals,
-                min_replicas=min_replicas,
-                sizes=sizes,
-                domains=domains,
-                members=there,
+        try:
+            placed = (
+                place_new(
+                    rest,
+                    stages,
+                    totals,
+                    min_replicas=min_replicas,
+                    sizes=sizes,
+                    domains=domains,
+                    members=there,
+                )
+                if rest
+                else {}
             )
-            if rest
-            else {}
-        )
-        placement = dict(sorted((kept | placed).items()))
+        except (ArithmeticError, ValueError) as e:  # no announced number fails a job (issue 64)
+            log.warning("job %s: no placement of %s (%r): they wait", job_id, sorted(rest), e)
+            placed = {}
+        placement = self._capped(dict(sorted((kept | placed).items())), members, coming)
         generation = time.time_ns() // 1000  # one for the whole placement
         for peer, stage in sorted(placement.items()):
             log.info(
@@ -251,6 +259,40 @@ class Assignments:
             assigned.append(peer)
         where = ", ".join(f"{peer} on stage {stage}" for peer, stage in sorted(placement.items()))
         await self.say(job_id, f"starting {len(placement)} stage server(s): {where}")
+
+    def _capped(
+        self, placement: dict[str, int], members: list[list[Replica]], coming: list[list[str]]
+    ) -> dict[str, int]:
+        """`placement` less the peers whose host holds `MAX_SEATS` seats of the stage given them
+        already (`swarm.net.seats`; issue 64: two ids of one token holder in one stage outvote
+        its third replica in the audits). They wait, logged; another host's peer takes it."""
+
+        def host(peer: str) -> str:
+            p = self.registry.peers.get(peer)
+            return seat(self.registry.dial_address(p) if p is not None else "", peer)
+
+        there = [
+            [r.peer for r in stage] + more for stage, more in zip(members, coming, strict=True)
+        ]
+        held = Counter(
+            (k, host(p)) for k, peers in enumerate(there) for p in peers if p not in placement
+        )
+        out = {}
+        for peer, stage in placement.items():
+            if held[(stage, host(peer))] >= MAX_SEATS:
+                if peer in self._held_back:
+                    continue
+                self._held_back.add(peer)  # said once: it is offered each placement again
+                log.warning(
+                    "peer %s is not placed on stage %d: its host %s holds a seat there already",
+                    peer,
+                    stage,
+                    host(peer),
+                )
+                continue
+            held[(stage, host(peer))] += 1
+            out[peer] = stage
+        return out
 
     def _unreachable(self, job_id: str) -> str:
         """The job's peers nobody can dial, with why and the remedy ("" when none): they wait

@@ -9,9 +9,11 @@ a swarm and allows them by itself: `private_swarm`). The relay a peer names is d
 under the same rule; the peer's own address behind it is the relay's to reach, among the peers
 attached to it.
 
-Only `host:port` is dialled at all, `--dial-private` or not (issue 64 item 6): gRPC takes other
-targets too (`ipv4:127.0.0.1:P`, `dns:///NAME:P`, `unix:/path`), which named no public host to
-the check above and reached this machine's loopback or a Unix socket, with the swarm's token.
+Only a plain `host:port` is dialled (issue 64, item 6): gRPC takes `ipv4:127.0.0.1:P`,
+`dns:///…` and `unix:/path` as targets too, which the host check read as names resolving nowhere
+and let through, to the scheduler's own loopback or a Unix socket, its token included. And a
+failed dial's report is paced (`scheduler.reachability`): it comes no sooner than a silent
+host's would, so its timing does not tell a closed port from a filtered one.
 
 `DialPace` spaces one peer's checks: a peer changing its announced address or relay at every
 announcement is checked at most once per `min_interval_s`, so it cannot make the scheduler dial
@@ -25,12 +27,13 @@ import ipaddress
 import re
 import socket
 
-__all__ = ["NOT_DIALLED", "DialPace", "DialScope", "private_swarm"]
+__all__ = ["NOT_DIALLED", "DialPace", "DialScope", "plain", "private_swarm"]
 
 NOT_DIALLED = "not dialled"  # how a refusal's text begins (`scheduler.dial_causes`)
-# A DNS name or an IPv4 address, or an IPv6 address in brackets; then a port. Nothing else:
-# no scheme (`ipv4:`, `dns:`, `unix:`), no path.
-_HOST_PORT = re.compile(r"(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}")
+# host:port and nothing else: a bracketed IPv6 address, or a name or IPv4 address of letters,
+# digits, dots and hyphens; a port number; no scheme, path or second colon (and no service name:
+# `dns:localhost` would be one, to gRPC a target of its own)
+_PLAIN = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):([0-9]{1,5})")
 
 
 class DialScope:
@@ -42,16 +45,14 @@ class DialScope:
 
     async def refuses(self, address: str) -> str | None:
         """None when `address` ("host:port") may be dialled; else why not, in words beginning
-        with `NOT_DIALLED`. A name is resolved here (a name that resolves nowhere is dialled:
-        the dial says it fails)."""
-        if not _HOST_PORT.fullmatch(address):
-            return (
-                f"{NOT_DIALLED}: {address[:80]!r} is not HOST:PORT (a gRPC target of another "
-                "form, a scheme or a socket path, names no host to judge)"
-            )
+        with `NOT_DIALLED`. Only a plain `host:port` (`plain`), whatever the scope. A name is
+        resolved here (a name that resolves nowhere is dialled: the dial says it fails)."""
+        if not plain(address):
+            shown = address.encode("unicode_escape").decode()[:80]
+            return f"{NOT_DIALLED}: {shown!r} is not host:port (a name or an address, and a port)"
         if self.allow_private:
             return None
-        host = address.rpartition(":")[0].strip("[]") or address
+        host = address.rpartition(":")[0].strip("[]")
         try:
             found = [ipaddress.ip_address(host)]
         except ValueError:
@@ -69,6 +70,12 @@ class DialScope:
             f"{NOT_DIALLED}: {host} is a private address ({private[0]}), and this scheduler "
             "dials only public ones (--dial-private allows private ranges)"
         )
+
+
+def plain(address: str) -> bool:
+    """Whether `address` is a plain `host:port` (a port 1-65535), which gRPC dials as such."""
+    match = _PLAIN.fullmatch(address)
+    return match is not None and 0 < int(match.group(2)) < 65536
 
 
 def private_swarm(announced_host: str) -> bool:

@@ -38,6 +38,7 @@ from swarm.net import paths
 from swarm.net.bandwidth import MAX_LINK_BYTES_PER_SECOND, format_rate, plausible_rate
 from swarm.policy.domains import Domains
 from swarm.policy.placement import path_speeds
+from swarm.policy.speeds import MAX_SAMPLES_PER_SECOND, plausible_speeds
 from swarm.policy.window import plausible_capacity
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
@@ -96,6 +97,7 @@ class PeerRegistry:
         self._assigned_at: dict[str, tuple[str, float]] = {}
         self._unplaceable: set[str] = set()  # peers already warned about
         self._implausible: set[str] = set()  # peers already warned about their link rates
+        self._implausible_speeds: set[str] = set()  # ... about their compute speeds
         # peer -> (job, when) it was first seen serving that job: a member's silence is timed
         # from there until its first load report for the job.
         self._serving_since: dict[str, tuple[str, float]] = {}
@@ -130,6 +132,7 @@ class PeerRegistry:
         """The announcement as the registry keeps it: its link rates validated here, where they
         enter, since every pool's parts are sized by them (`plausible_rate`: one not finite,
         negative or past the ceiling is not known); logged once per peer."""
+        message = plausible_speeds(message, self._implausible_speeds)  # placement divides by them
         up, down = message.upload_bytes_per_second, message.download_bytes_per_second
         if (plausible_rate(up), plausible_rate(down)) == (max(up, 0.0), max(down, 0.0)):
             return message
@@ -154,7 +157,7 @@ class PeerRegistry:
             return
         seconds = message.ema_seconds_per_sample
         old = self._loads.get(message.peer)
-        speed = 1.0 / seconds if seconds > 0 else None
+        speed = min(1.0 / seconds, MAX_SAMPLES_PER_SECOND) if seconds > 0 else None
         same = old is not None and (old.job, old.stage) == (message.job, message.stage)
         if speed is None and old is not None and same:
             speed = old.speed  # a report without a figure keeps the last one
@@ -255,6 +258,7 @@ class PeerRegistry:
         self._assigned_at.pop(peer, None)
         self._unplaceable.discard(peer)
         self._implausible.discard(peer)
+        self._implausible_speeds.discard(peer)
         self._serving_since.pop(peer, None)
         self._silent_logged.discard(peer)
         self._reach.pop(peer, None)
@@ -359,6 +363,9 @@ class PeerRegistry:
             if not self._placeable(p.peer):
                 continue  # no work down a path nobody can dial (`unreachable` says why)
             speeds = [p.samples_per_second[k] for k in range(stages)]
+            for k in range(stages):  # where the swarm measured it, that, not its word
+                load = self._load_at(p.peer, job_id, k)
+                speeds[k] = load.speed if load is not None and load.speed else speeds[k]
             if all(math.isfinite(v) and v >= 0.0 for v in speeds) and max(speeds) > 0.0:
                 available[p.peer] = speeds
             elif p.peer not in self._unplaceable:

@@ -275,16 +275,18 @@ class Audits:
         for item in wrong:
             by = differs(claimed[item], redone_b[item])
             if self._close(redone_a[item], redone_b[item]) and by > self.tolerance:
-                liar, evidence = (
+                liar, accusers, evidence = (
                     producer[item],
+                    (first, second),
                     (
                         f"its {item} of {where} differ by {by:.3g} (relative) from those "
                         f"re-executed by {first} and {second}, which agree"
                     ),
                 )
             elif by <= self.tolerance:
-                liar, evidence = (
+                liar, accusers, evidence = (
                     first,
+                    (producer[item], second),
                     (
                         f"auditing {where}, it re-executed {item} that differ by {gaps[item]:.3g} "
                         f"(relative) from those of {producer[item]} and of {second}, which agree"
@@ -296,7 +298,7 @@ class Audits:
                 continue
             self.metrics.audited("caught")
             log.warning("audit: %s caught lying: %s", liar, evidence)
-            verdicts.append(Verdict(liar, work.stage, evidence))
+            verdicts.append(Verdict(liar, work.stage, evidence, accusers))
         return Audited(verdicts, digest, runs)
 
     def _second(self, others: Sequence[str], first: str) -> str | None:
@@ -328,7 +330,7 @@ class Audits:
                 )
                 self.metrics.audited("caught")
                 log.warning("audit: %s caught lying: %s", second, evidence)
-                return Verdict(second, work.stage, evidence)
+                return Verdict(second, work.stage, evidence, (producer[item], first))
         return None
 
 

@@ -105,4 +105,5 @@ class Disputes:
             f"two replicas of stage {d.other_stage}, {first} and {second}, received from it or "
             f"sent it other bytes than it committed to: the {a.what} of microbatch "
             f"({a.step}, {a.index}) and the {b.what} of ({b.step}, {b.index})",
+            (first, second),
         )

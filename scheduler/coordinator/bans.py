@@ -10,10 +10,22 @@ job for good, and its influence is replayed away.
   shared token alone, TLS or not, a liar can come back under another id, to be audited again.
 - **Replayed away**: any of its answers may have been wrong, not only the one caught, and every
   microbatch it touched moved every stage's gradient. So the job rolls back to the last
-  checkpoint at or before the first step it could have worked on (`first_seen`: the first
-  lease given while it was a member; 0 for those present when a coordinator started mid-job,
-  which cannot know), the checkpoints after that deleted, and trains again from there without
-  it: the result is the honest run's, float64-equal to `swarm local`.
+  checkpoint at or before the first step it could have worked on unaudited (`since`): its
+  `first_seen` (the first lease given while it was a member; 0 for those present when a
+  coordinator started mid-job, which cannot know), but no further back than its doubt window
+  (`doubt_window`, issue 64: the depth was the liar's to choose, a peer honest for K steps
+  that lied once erased K steps, and after a scheduler restart the whole job). The window is
+  the steps within which the audits, at the job's `audit_fraction`, would have caught a peer
+  lying in every answer it gave with probability 1 - 1e-6: one step when every answer is
+  audited. The checkpoints after its start are deleted, the older kept, and the job trains
+  again from there without it: the result is the honest run's, float64-equal to `swarm local`
+  (a lie older than the window, by a liar that lies rarely, stays, as one by a liar never
+  caught does: docs/decisions.md, "A ban's depth").
+- **Seats of one host**: a verdict of two re-executions convicts only where its auditors are
+  seats of two hosts or more (`swarm.net.seats`: the host a member is dialled at), issue 64:
+  two ids of one token holder, placed in one stage, framed its honest third replica with
+  matching wrong re-executions. The ids are free with the shared token; the machines they are
+  dialled at are not. Logged, once per accused peer.
 - **Stragglers**: a microbatch in flight when the ban came may have gone through the banned
   peer and still be reported, even after the rollback (its step comes again). A result that
   rests on a banned peer's answer (`MicrobatchResult.touched`) is not counted, and the replicas
@@ -39,6 +51,7 @@ job for good, and its influence is replayed away.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Never, Protocol
@@ -47,13 +60,29 @@ from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from swarm.job.config import JobConfig
-from swarm.rpc.lease import MicrobatchResult, Replica, Task
+from swarm.net.seats import seat
+from swarm.rpc.lease import MicrobatchResult, Replica, Task, Verdict
 
-__all__ = ["Ban", "BanBook", "Bans"]
+__all__ = ["Ban", "BanBook", "Bans", "doubt_window"]
 
 log = logging.getLogger(__name__)
 
 Members = Callable[[], list[list[Replica]]]
+MISSED = 1e-6  # the chance a liar lying in every answer escapes the audits of its doubt window
+
+
+def doubt_window(job: JobConfig | None, replicas: int) -> int | None:
+    """The steps before a ban's whose work it rolls back at most (the module's docstring), for a
+    stage of `replicas`: a liar among them answers about `microbatches_per_step / replicas` of
+    a step's microbatches, each audited with probability `audit_fraction`. None (as far back
+    as it was a member): no job (an audit-free trainer's), or no audits."""
+    if job is None or job.trust.audit_fraction <= 0.0:
+        return None
+    fraction = job.trust.audit_fraction
+    if fraction >= 1.0:
+        return 1  # every answer audited: only the steps still in flight may hold a lie
+    answers = max(job.training.microbatches_per_step / max(replicas, 1), 1.0)
+    return max(1, math.ceil(math.log(MISSED) / (answers * math.log1p(-fraction))))
 
 
 @dataclass(frozen=True)
@@ -96,7 +125,10 @@ class Bans:
         `roll_back_to(step)` (roll every stage back to the last checkpoint at or before `step`)
         and `void(ledger, stage, peer)` (void `peer`'s gradients of `ledger`'s step at `stage`)
         once it has made them."""
-        self.job_id, self.metrics, self.on_ban = job_id, metrics, on_ban
+        self.job_id, self.metrics, self.on_ban, self.job = job_id, metrics, on_ban, job
+        self._replicas: dict[int, int] = {}  # stage -> its replicas, as last seen (`saw`)
+        self._addresses: dict[str, str] = {}  # peer -> where it is dialled, as last seen
+        self._unconvicted: set[str] = set()  # peers a verdict of one host's seats accused
         self.roll_back_to: Callable[[int], None] = _unbound
         self.void: Callable[[StepLedger, int, str], Awaitable[None]] = _unbound
         self.banned: dict[str, str] = {}  # peer -> the evidence
@@ -104,6 +136,7 @@ class Bans:
         self.caught_at: dict[str, int] = {}  # peer -> the step of the microbatch it was caught at
         self._origin: int | None = None  # the first step this coordinator leased work of
         self.contributions = Contributions.of(job)
+        self.contributions.seat = self._seat  # its digests' auditors, as verdicts' (`_convicts`)
         self.book = book
         self._unreplayed: list[int] = []  # kept bans' `since`, their rollbacks not run yet
         for ban in book.kept() if book is not None else []:
@@ -139,8 +172,10 @@ class Bans:
                 )
                 self.roll_back_to(since)
             self._unreplayed.clear()
-        for stage in members:
+        for k, stage in enumerate(members):
+            self._replicas[k] = len(stage)
             for r in stage:
+                self._addresses[r.peer] = r.address
                 if r.peer not in self.first_seen:
                     self.first_seen[r.peer] = 0 if step == self._origin else step
 
@@ -160,7 +195,7 @@ class Bans:
             if result.step < self.first_seen.get(peer, result.step + 1):
                 self.first_seen[peer] = result.step
         for verdict in result.verdicts:
-            if verdict.peer not in self.banned:
+            if verdict.peer not in self.banned and self._convicts(verdict):
                 await self._ban(verdict.peer, verdict.stage, verdict.evidence, result.step)
         if not self.banned.keys() & set(result.touched):
             return False
@@ -169,6 +204,28 @@ class Bans:
             for stage, peer in sorted(result.holders.items()):
                 await self.void(ledger, stage, peer)
         return True
+
+    def _convicts(self, verdict: Verdict) -> bool:
+        """Whether `verdict` convicts: its auditors (where it names two or more) are seats of
+        more than one host (the module's docstring)."""
+        if len({self._seat(a) for a in verdict.auditors}) != 1 or len(verdict.auditors) < 2:
+            return True
+        if verdict.peer not in self._unconvicted:
+            self._unconvicted.add(verdict.peer)
+            log.warning(
+                "job %s: %s is not banned: the re-executions against it (%s) are all by seats "
+                "of one host, %s, whose word alone convicts no one: %s",
+                self.job_id,
+                verdict.peer,
+                " and ".join(verdict.auditors),
+                self._seat(verdict.auditors[0]),
+                verdict.evidence,
+            )
+        return False
+
+    def _seat(self, peer: str) -> str:
+        """The host `peer` is dialled at (`swarm.net.seats`)."""
+        return seat(self._addresses.get(peer, ""), peer)
 
     async def ban(
         self, peer: str, stage: int, evidence: str, step: int, by: str = "an audit"
@@ -186,11 +243,14 @@ class Bans:
         # A peer admitted after its step's leases went out and caught as an auditor was seen by
         # neither `saw` nor a result's path: its first step is the one it was caught at.
         self.first_seen.setdefault(peer, since)
+        window = doubt_window(self.job, self._replicas.get(stage, 1))
+        if window is not None:  # no deeper than the audits leave a steady liar unseen
+            since = max(since, step - window)
         self.metrics.bans.inc()
         text = (
             f"banned {peer} (stage {stage}): {by} caught it lying: {evidence}; rolling back "
-            f"to the last checkpoint at or before step {since}, its first, and training again "
-            "without it"
+            f"to the last checkpoint at or before step {since}, the first it could have lied "
+            "at unseen, and training again without it"
         )
         log.warning("job %s: %s", self.job_id, text)
         if self.book is not None:  # kept before its rollback: a restart meanwhile runs it

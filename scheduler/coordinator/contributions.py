@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
@@ -78,6 +78,9 @@ class Contributions:
         # (step, stage, audited peer) -> microbatch index -> its digest
         self._digests: dict[tuple[int, int, str], dict[int, GradientDigest]] = {}
         self.disputes = DigestDisputes(tolerance)  # two auditors' digests that differ
+        # the host a peer's seat is on (`Bans` binds `swarm.net.seats`'): two auditors of one
+        # host convict no one; unbound, each peer is a host of its own
+        self.seat: Callable[[str], str] = str
 
     @classmethod
     def of(cls, job: JobConfig | None) -> Contributions:
@@ -160,15 +163,27 @@ class Contributions:
             if len(others) != len(peers) - 1 or not all(others):
                 continue
             if not mine or any(index not in digests for index in mine):  # disputed, or missing
+                # (two auditors' devices apart: the dispute allows for them, `_apart`)
                 compare = partial(_compare, by, j, members=len(peers))
                 found += self.disputes.judge(
                     step, audit, mine, digests, compare, partial(_agreed, others)
                 )
                 continue
-            got, expected, tol = _compare(by, j, [digests[i] for i in mine], len(peers))
+            agreed = [digests[i] for i in mine]
+            got, expected, tol = _compare(by, j, agreed, len(peers), self.disputes.tolerance)
             if abs(got - expected) <= tol or not _agreed(others, tol):
                 continue
             auditors = sorted({digests[i].auditors for i in mine})
+            if not any(len({self.seat(a) for a in pair.split(" and ")}) > 1 for pair in auditors):
+                log.warning(
+                    "step %d stage %d: %s's contribution is not judged: its re-executions are all "
+                    "by seats of one host (%s), whose word alone convicts no one (issue 64)",
+                    step,
+                    stage,
+                    audit.peer,
+                    ", ".join(auditors),
+                )
+                continue
             found.append(
                 (
                     audit.peer,
@@ -195,12 +210,17 @@ def _compare(
     j: int,
     digests: Sequence[GradientDigest],
     members: int,
+    tolerance: float = 0.0,
 ) -> tuple[float, float, float]:
     """(q·x_j, Σ of its microbatches' digests, the rounding allowed). `others`: each other
-    member's reports under q, by its place. Of another replica's part, j's share is what its
-    owner says it received from j (`sent_words`): no member's word about what it sent moves it.
-    Of a part whose owner said no such words (j's own, whose owner must not learn q; an
-    aggregator's), the sum less what the others say they sent."""
+    member's reports under q, by its place; `tolerance`: the job's relative gap between two
+    honest devices' answers (`swarm.job.tolerance.tolerance_of`), held to each microbatch's
+    gradient as a digest dispute is (`DigestDisputes`; issue 64: under tf32 or bf16-mixed an
+    honest replica on another kind of device was convicted by its own gradients' rounding).
+    Of another replica's part, j's share is what its owner says it received from j
+    (`sent_words`): no member's word about what it sent moves it. Of a part whose owner said
+    no such words (j's own, whose owner must not learn q; an aggregator's), the sum less what
+    the others say they sent."""
     sums: dict[int, float] = {}
     sent: dict[int, list[float]] = {}
     reports = [c for o in others.values() for c in o]
@@ -225,4 +245,9 @@ def _compare(
     # to either: `sum_checks`' argument), then the float64 dots of every report and digest.
     summing = SIGMAS * (n + members) * unit * norms
     dotting = 2 * (n + members + 1) * DOT_BLOCK * _EPS64 * magnitudes
-    return got, expected, summing + dotting
+    # Its device computed its microbatches' gradients g, the auditors' theirs: apart by some
+    # Δg of at most the job's tolerance of ‖g‖, which does not depend on q (secret to both), so
+    # |q·Δg| ≤ SIGMAS·‖Δg‖ as the owners' rounding is held (`sum_checks`). Not the worst case,
+    # tolerance·Σ|q·g|: that would let a contribution scaled 2x pass.
+    devices = SIGMAS * tolerance * math.fsum(d.norm for d in digests)
+    return got, expected, summing + dotting + devices

@@ -37,6 +37,7 @@ from scheduler.coordinator.sum_checks import (
     SIGMAS,
     Accusations,
     Checksums,
+    encoding_allowed,
     owner_words,
     verify,
 )
@@ -78,7 +79,7 @@ def owner_tolerance(
     unit = max(c.unit for c in of.values())
     summing = SIGMAS * (m - 1) * unit * norms
     dotting = 2 * (m + 1) * DOT_BLOCK * _EPS64 * math.fsum(w[1] for w in words)
-    return summing + dotting + SIGMAS * max(c.encoding for c in of.values())
+    return summing + dotting + SIGMAS * encoding_allowed(of.values(), norms)
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,11 @@ def disagreements(
     return found
 
 
-def liars(found: Sequence[Disagreement]) -> dict[int, str]:
+def liars(found: Sequence[Disagreement], hosts: Sequence[str] = ()) -> dict[int, str]:
     """The contributors whose words disagree with `LIARS_AT` others or more (a member with its
-    owners, an owner with its members): each with the evidence, in one line."""
+    owners, an owner with its members), those others seats of two hosts or more where `hosts`
+    (by member: `swarm.net.seats`) says (issue 64: two seats of one host are one token holder's
+    word): each with the evidence, in one line."""
     others: dict[int, set[int]] = {}
     for d in found:
         others.setdefault(d.member, set()).add(d.owner)
@@ -145,6 +148,8 @@ def liars(found: Sequence[Disagreement]) -> dict[int, str]:
     for party, against in sorted(others.items()):
         if len(against) < LIARS_AT:
             continue
+        if len(hosts) > max(against) and len({hosts[j] for j in against}) < 2:
+            continue  # its accusers are one host's seats
         mine = [d for d in found if party in (d.member, d.owner)]
         as_member = [d for d in mine if d.member == party]
         if len(as_member) * 2 >= len(mine):

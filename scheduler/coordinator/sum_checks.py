@@ -38,19 +38,29 @@ retry's PREPARE), naming the owner: an aggregator sits out (`Groups.blame`), a r
 out and replayed (`replicas_to_leave_out`), or banned where its own words, or two others',
 convict it (`sum_liars`). Lossy rounds are checked too, on the decoded values
 every member uses, the sum's one encoding allowed for by the bound each contributor reports of
-it (`encoding`: `stage_server.averaging.checksum`). A part some contributor did not report is not
-judged (a contributor is trusted as any member is: it could as well send a wrong gradient).
+it (`encoding`: `stage_server.averaging.checksum`), never more than the worst codec's share of
+the contributions' norms (`encoding_allowed`; issue 64: the bound is taken from the sum answered,
+so a sum a million times too large once raised its own). A lossy round is also held to x·S
+(`crossed`): with S' the sum taken back and Σ x the exact one,
+‖S'‖² - 2·Σ_j x_j·S' = ‖S' - Σ x‖² - ‖Σ x‖², at most (k² - 1)·‖Σ x‖² for a codec that moves a
+vector by k of its norm (k < 1: nothing but rounding). A sign-flipped sum gives 3·‖Σ x‖², a
+scaled one about its scale squared, whatever r: caught where the r·S check's allowance for a
+3-bit codec (ten times its error, as large as the sum) lets them pass. A part some contributor
+did not report is not judged (a contributor is trusted as any member is: it could as well send a
+wrong gradient; and its x·S, a word of its own, is held to no one's: a member that lies about it
+has an honest owner of a lossy part left out, never banned: `sum_liars` does not read it).
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.coordinator.groups import RoundGroup
 from swarm.proto import stage_pb2 as pb
+from swarm.wire.hadamard import ERROR_SHARE
 
 __all__ = [
     "DOT_BLOCK",
@@ -58,6 +68,8 @@ __all__ = [
     "Checksums",
     "Mismatch",
     "checked",
+    "crossed",
+    "encoding_allowed",
     "mismatches",
     "new_seed",
     "norm_ceiling",
@@ -126,9 +138,20 @@ def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
     # products' own rounding and what the bound leaves out.
     dotting = 2 * (m + 1) * DOT_BLOCK * _EPS64 * math.fsum(r.magnitude for r in reports)
     # A lossy codec's one encoding of the sum, δ' (bounded by each contributor from the decoded
-    # sum, `encoding`): independent of r as δ is, so held to SIGMAS of its norm as well.
-    encoding = SIGMAS * max((r.encoding for r in reports), default=0.0)
-    return summing + dotting + encoding
+    # sum, `encoding`, and by the contributions' norms): independent of r as δ is, so held to
+    # SIGMAS of its norm as well.
+    norms = math.fsum(r.norm for r in reports)
+    return summing + dotting + SIGMAS * encoding_allowed(reports, norms)
+
+
+def encoding_allowed(reports: Iterable[pb.SumCheck], norms: float) -> float:
+    """The most a lossy sum's one encoding is allowed to have moved it: the largest bound a
+    contributor reports (`encoding`, taken from the decoded sum: an owner's answer), never past
+    the worst codec's share of `norms`, the contributions' Σ ‖x‖ (‖Σ x‖ ≤ Σ ‖x‖; issue 64)."""
+    reported = max((r.encoding for r in reports), default=0.0)
+    if not reported > 0:  # NaN asks none either
+        return 0.0
+    return min(reported, 1.01 * ERROR_SHARE * norms)
 
 
 def owner_words(
@@ -182,7 +205,48 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
                 found.append(Mismatch(part, j, c.sum_dot, expected, allowed))
             elif not c.sum_norm <= most:  # a sum larger than its contributions allow
                 found.append(Mismatch(part, j, c.sum_norm, most, 0.0, "‖S‖"))
+        found += crossed(part, of, contributors)
     return found
+
+
+def crossed(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> list[Mismatch]:
+    """A lossy part's sums past what x·S allows (the module's docstring): each contributor's
+    ‖S'‖² - 2·Σ_j x_j·S' against (k² - 1)·N² and the roundings, N the contributions' Σ ‖x‖,
+    k the share of its norm the codec moves a sum by (as the contributors report it, never past
+    `ERROR_SHARE`). Judged only where every contributor reported a lossy sum (`encoding`) and a
+    finite x·S; a mismatch names the owner, as a failed r·S does."""
+    checks = list(of.values())
+    if not all(c.encoding > 0 and math.isfinite(c.sum_cross + c.sum_norm) for c in checks):
+        return []  # lossless, or a contribution not seen whole: nothing to judge
+    norms = _norms(part, of, contributors)
+    total = math.fsum(norms)
+    shares = [min(c.encoding / c.sum_norm, ERROR_SHARE) if c.sum_norm > 0 else 0.0 for c in checks]
+    k = 1.01 * max(shares)
+    unit = max(c.unit for c in checks)
+    # The owner's additions move the exact sum by at most (m - 1)·u·N, before and after its
+    # encoding: d. Then ‖S' - Σ x‖ ≤ k·‖Σ x‖ + d, so the statistic ≤ (k² - 1)·N² + 2k·N·d + d².
+    d = (1 + k) * (contributors - 1) * unit * total
+    allowed = max(k * k - 1, 0.0) * total * total + 2 * k * total * d + d * d
+    found = []
+    crosses = math.fsum(c.sum_cross for c in checks)
+    for j, c in sorted(of.items()):
+        # Each float64 dot, a block at a time: x_j·S' and ‖S'‖² round by BLOCK·2^-53 of
+        # ‖x_j‖·‖S'‖ and ‖S'‖², twice over for what the bound leaves out.
+        dotting = 4 * DOT_BLOCK * _EPS64 * (2 * total * c.sum_norm + c.sum_norm**2)
+        statistic = c.sum_norm**2 - 2 * crosses
+        if not statistic <= allowed + dotting:
+            found.append(Mismatch(part, j, statistic, allowed, dotting, "x·S"))
+    return found
+
+
+def _norms(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> list[float]:
+    """The contributions' norms of `part`, as its owner reports it summed them
+    (`SumCheck.received`, a replica owner's), else as each contributor reports its own."""
+    owner = of.get(part)
+    received = list(owner.received) if owner is not None else []
+    if len(received) == contributors:
+        return [math.sqrt(max(q, 0.0)) for q in received]
+    return [c.norm for c in of.values()]
 
 
 def _scaled(check: pb.SumCheck, word: tuple[float, float], norm: float) -> pb.SumCheck:
@@ -202,16 +266,10 @@ def norm_ceiling(part: int, of: Mapping[int, pb.SumCheck], contributors: int) ->
     holds an owner who knows r: a forgery e with r·e = 0 passes the linear checksum, but not
     this, unless it is smaller than what the contributions' norms leave (whose owner's own
     share the norm bound holds to the others': `norm_bound`)."""
-    owner = of.get(part)
-    received = list(owner.received) if owner is not None else []
-    if len(received) == contributors:
-        norms = [math.sqrt(max(q, 0.0)) for q in received]
-    else:
-        norms = [c.norm for c in of.values()]
     unit = max((c.unit for c in of.values()), default=0.0)
-    total = math.fsum(norms)
+    total = math.fsum(_norms(part, of, contributors))
     rounding = (2 * contributors * (unit + _EPS64) + 1e-12) * total
-    return total + rounding + 1.01 * max((c.encoding for c in of.values()), default=0.0)
+    return total + rounding + 1.01 * encoding_allowed(of.values(), total)
 
 
 Accusations = dict[int, dict[int, set[int]]]  # stage -> contributor -> the parts it names

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.sent_words import by_seed, disagreements, liars, owner_tolerance
 from scheduler.coordinator.sum_checks import Checksums, norm_ceiling, owner_words
+from swarm.net.seats import seat
 from swarm.proto import stage_pb2 as pb
 
 __all__ = ["convicted"]
@@ -52,17 +53,22 @@ def convicted(
         if m < 2 or sorted(of) != list(range(m)):
             continue  # not every contributor answered: nothing is judged (`mismatches`)
         seeds = by_seed(of)
+        # the host each member's seat is on: two accusers of one host are one word (issue 64)
+        hosts = [seat(a, a) for a in groups[stage].members]
         for owner in range(m):
-            evidence = _evidence(owner, seeds["r"], m) or _forged(owner, seeds, m)
+            evidence = _evidence(owner, seeds["r"], m, hosts) or _forged(owner, seeds, m, hosts)
             if evidence is not None:
                 found.setdefault(stage, {})[owner] = evidence
-        for j, evidence in liars(disagreements(seeds, m)).items():
+        for j, evidence in liars(disagreements(seeds, m), hosts).items():
             found.setdefault(stage, {}).setdefault(j, evidence)
     return found
 
 
 def _forged(
-    owner: int, seeds: Mapping[str, Mapping[int, Sequence[pb.SumCheck]]], m: int
+    owner: int,
+    seeds: Mapping[str, Mapping[int, Sequence[pb.SumCheck]]],
+    m: int,
+    hosts: Sequence[str],
 ) -> str | None:
     """Why replica `owner`'s sum of its own part fails against its own words about what it
     summed, under some seed (its own report of the sum, or two others'), or None."""
@@ -79,7 +85,7 @@ def _forged(
             for j, c in sorted(of.items())
             if math.isfinite(c.sum_dot) and abs(c.sum_dot - expected) > allowed
         ]
-        found = _witness(owner, past)
+        found = _witness(owner, past, hosts)
         if found is None:
             continue
         witness, by = found
@@ -91,7 +97,9 @@ def _forged(
     return None
 
 
-def _evidence(owner: int, reports: Mapping[int, list[pb.SumCheck]], m: int) -> str | None:
+def _evidence(
+    owner: int, reports: Mapping[int, list[pb.SumCheck]], m: int, hosts: Sequence[str]
+) -> str | None:
     """Why replica `owner`'s sums of its own part convict it, or None."""
     of = {j: c for j, checks in reports.items() for c in checks if c.part == owner}
     mine = of.get(owner)
@@ -103,7 +111,7 @@ def _evidence(owner: int, reports: Mapping[int, list[pb.SumCheck]], m: int) -> s
     # A sum that is NaN or infinite is no evidence either: finite contributions may overflow
     # the part's dtype as they are added, or as a lossy codec encodes the sum.
     past = [j for j, c in sorted(of.items()) if math.isfinite(c.sum_norm) and c.sum_norm > ceiling]
-    found = _witness(owner, past)
+    found = _witness(owner, past, hosts)
     if found is None:
         return None
     witness, by = found
@@ -113,13 +121,14 @@ def _evidence(owner: int, reports: Mapping[int, list[pb.SumCheck]], m: int) -> s
     )
 
 
-def _witness(owner: int, past: Sequence[int]) -> tuple[int, str] | None:
+def _witness(owner: int, past: Sequence[int], hosts: Sequence[str]) -> tuple[int, str] | None:
     """Whose report of the sum convicts `owner`, and how it is said, given the contributors
     whose report of it is `past` what the owner says it summed: its own (its word against its
-    word), or `ACCUSERS` others' (one of them honest); None: no conviction."""
+    word), or `ACCUSERS` others' of two hosts or more (one of them honest: two seats of one
+    host, `hosts` by member, are one token holder's word, issue 64); None: no conviction."""
     others = [j for j in past if j != owner]
     if owner in past:
         return owner, "by its own report"
-    if len(others) >= ACCUSERS:
+    if len(others) >= ACCUSERS and len({hosts[j] for j in others if j < len(hosts)}) > 1:
         return others[0], f"as {len(others)} other contributors took it back"
     return None

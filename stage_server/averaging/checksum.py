@@ -27,7 +27,12 @@ Lossy codecs are checked too (issue 54): x_j is then what the contributor sent, 
 owner sums), and S the sum as every member decodes it. The owner's one encoding of the sum moves
 it by a vector whose norm the contributor bounds from the decoded sum (`encoding_error`, reported
 as `encoding`), which the coordinator's tolerance adds (`scheduler.coordinator.sum_checks`): a
-codec's rounding passes, an error past it does not.
+codec's rounding passes, an error past it does not. The bound reported is never what the
+coordinator allows as such: it allows no more than the worst codec's share of the contributions'
+norms (`swarm.wire.hadamard.ERROR_SHARE`), whatever sum the owner answers (issue 64). And since
+that share is loose (a 3-bit codec may move a sum by its own norm), each contributor also reports
+x·S, what it sent with the sum it took back (`sum_cross`): Σ_j x_j·S with ‖S‖ bound ‖S - Σ x‖,
+which an owner's sign-flipped or scaled sum fails however r falls (`sum_checks`).
 """
 
 from __future__ import annotations
@@ -48,12 +53,14 @@ from swarm.wire.codec import (
     CODEC_INT8_BLOCKWISE,
     CODEC_NONE,
 )
+from swarm.wire.hadamard import ERROR_SHARE
 
 __all__ = [
     "BLOCK",
     "AuditedChecks",
     "Draws",
     "PartChecks",
+    "cross",
     "dots",
     "encoding_error",
     "received_dots",
@@ -194,12 +201,22 @@ class Draws:
         return weights(self.seed, pos, stop) if r is None else r
 
 
+def cross(sent: torch.Tensor, summed: torch.Tensor) -> float:
+    """x·S of a slice (1-D, as long): float64 products, `BLOCK` at a time (a block's dot rounds
+    by at most BLOCK·2^-53 of Σ|x_i·S_i|, which `sum_checks` allows)."""
+    out: list[float] = []
+    pairs = zip(_blocks(0, sent, own=False), _blocks(0, summed, own=False), strict=True)
+    for (_, _, x), (_, _, s) in pairs:
+        out.append(float(torch.dot(x, s)))
+    return math.fsum(out)
+
+
 def encoding_error(codec: int, block_size: int, decoded: torch.Tensor) -> float:
     """A bound on ‖decoded - S‖₂, the error of one encoding of a sum S whose decoding is
     `decoded` (a whole part, 1-D): fp16 and bf16 round each element by at most half their unit
     of it; int8_blockwise by half a step, absmax/254, in each block of `block_size`; hadamard3's
-    8 levels (clipped past 2.15 of a block's rms; its rotation keeps norms) are held to twice the
-    norm. A margin of 1 % covers the decoded values standing for the exact ones."""
+    8 levels (clipped past 2.15 of a block's rms; its rotation keeps norms) to `ERROR_SHARE` of
+    the norm. A margin of 1 % covers the decoded values standing for the exact ones."""
     x = decoded.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
     norm = float(torch.linalg.vector_norm(x))
     if codec == CODEC_NONE:
@@ -215,7 +232,7 @@ def encoding_error(codec: int, block_size: int, decoded: torch.Tensor) -> float:
             squares += block.numel() * (float(block.abs().max()) / 254) ** 2
         return 1.01 * math.sqrt(squares)
     if codec == CODEC_HADAMARD3:
-        return 2.0 * norm
+        return ERROR_SHARE * norm
     raise ValueError(f"no error bound for codec {codec}")
 
 
@@ -227,6 +244,7 @@ class _Part:
     sum_dot: list[float] = field(default_factory=list)
     sum_squares: list[float] = field(default_factory=list)
     encoding: list[float] = field(default_factory=list)  # squared bounds, a slice each
+    cross: list[float] = field(default_factory=list)  # x·S, a slice each (lossy rounds)
 
 
 class PartChecks:
@@ -239,20 +257,27 @@ class PartChecks:
         self.seed, self.unit = seed, 0.0
         self.draws = Draws(seed)  # r drawn once an element: kept from contributed to summed
         self.codec, self.block_size = CODEC_NONE, 0  # a lossy round's codec, once `lossy`
+        self.crossing = False  # whether x·S is taken (`lossy`)
+        # (part, start) -> a lossy slice's contribution, a copy on the host, until its sum
+        # comes (`cross`: the sum lands over the values sent)
+        self._sent: dict[tuple[int, int], torch.Tensor] = {}
         self._parts: dict[int, _Part] = {}
         # of the part it owns: each sender's squared norm it summed (`SumCheck.received`)
         self.received: dict[int, list[float]] = {}
         # ... and each sender's (r·x, Σ|r·x|), a slice at a time (`received_dots`)
         self._words: dict[int, list[list[tuple[float, float]]]] = {}
 
-    def lossy(self, codec: int, block_size: int) -> None:
+    def lossy(self, codec: int, block_size: int, *, crossing: bool = True) -> None:
         """The round's parts travel encoded: the values checked are the decoded ones, and the
-        sum's one encoding is allowed for (`encoding_error`; a lossy part is one slice)."""
-        self.codec, self.block_size = codec, block_size
+        sum's one encoding is allowed for (`encoding_error`; a lossy part is one slice), and
+        held to x·S (`crossing`: an audit seed's checks leave it to the round's)."""
+        self.codec, self.block_size, self.crossing = codec, block_size, crossing
 
     def contributed(self, part: int, start: int, values: torch.Tensor) -> None:
         if values.dtype.is_floating_point:
             self.unit = max(self.unit, torch.finfo(values.dtype).eps / 2)
+        if self.crossing:  # a copy: the sum lands over `values`, or the averager sums into it
+            self._sent[(part, start)] = values.detach().to(device="cpu", copy=True).reshape(-1)
         dot, magnitude, squares = dots(self.seed, start, values, self.draws)
         p = self._parts.setdefault(part, _Part())
         p.dot.append(dot)
@@ -270,6 +295,9 @@ class PartChecks:
         p.sum_dot.append(dot)
         p.sum_squares.append(squares)
         p.encoding.append(encoding_error(self.codec, self.block_size, values) ** 2)
+        sent = self._sent.pop((part, start), None)
+        if self.crossing:  # a slice whose contribution was not seen: no x·S to report
+            p.cross.append(math.nan if sent is None else cross(sent, values))
 
     def report(self) -> list[pb.SumCheck]:
         return [
@@ -281,6 +309,7 @@ class PartChecks:
                 unit=self.unit,
                 norm=math.sqrt(math.fsum(p.squares)),
                 encoding=math.sqrt(math.fsum(p.encoding)),
+                sum_cross=math.fsum(p.cross),
                 received=self.received.get(k, []),
                 sum_norm=math.sqrt(math.fsum(p.sum_squares)),
                 received_dots=[math.fsum(d) for d, _ in self._said(k)],
@@ -307,10 +336,10 @@ class AuditedChecks(PartChecks):
         super().__init__(seed)
         self.audits = [PartChecks(s) for s in audit_seeds]
 
-    def lossy(self, codec: int, block_size: int) -> None:
-        super().lossy(codec, block_size)
+    def lossy(self, codec: int, block_size: int, *, crossing: bool = True) -> None:
+        super().lossy(codec, block_size, crossing=crossing)
         for a in self.audits:
-            a.lossy(codec, block_size)
+            a.lossy(codec, block_size, crossing=False)  # x·S is the same under every seed
 
     def contributed(self, part: int, start: int, values: torch.Tensor) -> None:
         super().contributed(part, start, values)

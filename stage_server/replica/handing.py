@@ -31,6 +31,7 @@ from swarm.device.handover import Handover, Offer, handover_for
 from swarm.device.host_copies import DeviceCopies
 from swarm.device.site import site
 from swarm.errors import HandoverRefused
+from swarm.ops import faults
 from swarm.proto import tensor_pb2
 from swarm.wire import codec, hadamard
 
@@ -107,6 +108,8 @@ class Handing:
         why = f"{HandoverRefused.PREFIX}: tensor {meta.name!r}"
         if self.handover is None:
             raise HandoverRefused(f"{why}: this replica has no handover site")
+        if faults.refuses_handover():  # SWARM_FAULTS=handover-refuse@0: b8f54b2's refusal
+            raise HandoverRefused(f"{why}: injected fault (handover-refuse)")
         try:
             payload = self.handover.take(meta.handover, meta.nbytes)
         except Exception as e:  # any way it fails, the wire is the answer: named, not hidden

@@ -43,6 +43,7 @@ __all__ = [
     "maybe_die",
     "parse_faults",
     "poisoning",
+    "refuses_handover",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class Point(enum.StrEnum):
     # a replica sends honest values but reports a wrong r·x (and q·x) of what it sent to the
     # other owners' parts: its word against theirs (`SumCheck.received_dots`)
     LIE_REPORT = "lie-report"
+    # Refusing: this process refuses every tensor handed over to it, as a handle it cannot open
+    # (b8f54b2's CUDA handover did, for torch 2.11's; issue 63): what the sender and the
+    # trainer must survive, or at least name (`refuses_handover`). Its step is not read (a
+    # take knows none): `handover-refuse@0`; the first push to each replica is on the wire.
+    HANDOVER_REFUSE = "handover-refuse"
 
 
 RAISING = frozenset({Point.FORWARD_OOM, Point.BACKWARD_OOM, Point.AVERAGING_OOM})
@@ -173,6 +179,11 @@ def poisoning(point: Point, step: int) -> bool:
     """Whether this process acts hostile at `point` (one of `HOSTILE`) in `step`: from the
     fault's step on, every step or one in its period (a hostile peer does not stop at one)."""
     return any(f.hostile_at(point, step) for f in _faults())
+
+
+def refuses_handover() -> bool:
+    """Whether this process refuses the tensors handed over to it (`HANDOVER_REFUSE`)."""
+    return any(f.point == Point.HANDOVER_REFUSE for f in _faults())
 
 
 def due(point: Point, step: int, peer: str = "") -> bool:

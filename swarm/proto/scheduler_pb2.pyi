@@ -361,14 +361,16 @@ class MicrobatchReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., touched: _Optional[_Iterable[str]] = ..., stage_runs: _Optional[int] = ..., audit_runs: _Optional[int] = ..., digests: _Optional[_Iterable[_Union[GradientDigest, _Mapping]]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("peer", "stage", "evidence")
+    __slots__ = ("peer", "stage", "evidence", "auditors")
     PEER_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    AUDITORS_FIELD_NUMBER: _ClassVar[int]
     peer: str
     stage: int
     evidence: str
-    def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., evidence: _Optional[str] = ...) -> None: ...
+    auditors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., evidence: _Optional[str] = ..., auditors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SchedulerReportMicrobatchesRequest(_message.Message):
     __slots__ = ("job", "trainer", "results", "released", "next")

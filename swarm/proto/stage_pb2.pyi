@@ -317,7 +317,7 @@ class StageCommitResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., already_committed: _Optional[bool] = ..., grad_sq_norm: _Optional[float] = ..., sum_checks: _Optional[_Iterable[_Union[SumCheck, _Mapping]]] = ..., audit_checks: _Optional[_Iterable[_Union[SumCheck, _Mapping]]] = ...) -> None: ...
 
 class SumCheck(_message.Message):
-    __slots__ = ("part", "dot", "magnitude", "sum_dot", "unit", "norm", "encoding", "received", "sum_norm", "seed_index", "received_dots", "received_magnitudes")
+    __slots__ = ("part", "dot", "magnitude", "sum_dot", "unit", "norm", "encoding", "received", "sum_norm", "seed_index", "received_dots", "received_magnitudes", "sum_cross")
     PART_FIELD_NUMBER: _ClassVar[int]
     DOT_FIELD_NUMBER: _ClassVar[int]
     MAGNITUDE_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,7 @@ class SumCheck(_message.Message):
     SEED_INDEX_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_DOTS_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_MAGNITUDES_FIELD_NUMBER: _ClassVar[int]
+    SUM_CROSS_FIELD_NUMBER: _ClassVar[int]
     part: int
     dot: float
     magnitude: float
@@ -342,7 +343,8 @@ class SumCheck(_message.Message):
     seed_index: int
     received_dots: _containers.RepeatedScalarFieldContainer[float]
     received_magnitudes: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, part: _Optional[int] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., sum_dot: _Optional[float] = ..., unit: _Optional[float] = ..., norm: _Optional[float] = ..., encoding: _Optional[float] = ..., received: _Optional[_Iterable[float]] = ..., sum_norm: _Optional[float] = ..., seed_index: _Optional[int] = ..., received_dots: _Optional[_Iterable[float]] = ..., received_magnitudes: _Optional[_Iterable[float]] = ...) -> None: ...
+    sum_cross: float
+    def __init__(self, part: _Optional[int] = ..., dot: _Optional[float] = ..., magnitude: _Optional[float] = ..., sum_dot: _Optional[float] = ..., unit: _Optional[float] = ..., norm: _Optional[float] = ..., encoding: _Optional[float] = ..., received: _Optional[_Iterable[float]] = ..., sum_norm: _Optional[float] = ..., seed_index: _Optional[int] = ..., received_dots: _Optional[_Iterable[float]] = ..., received_magnitudes: _Optional[_Iterable[float]] = ..., sum_cross: _Optional[float] = ...) -> None: ...
 
 class StageDiscardRequest(_message.Message):
     __slots__ = ("job", "stage", "step")

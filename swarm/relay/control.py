@@ -51,6 +51,7 @@ class Attached:
         self.identity, self.source = identity, source_of(writer.get_extra_info("peername"))
         self.keys = {GRPC: address_key(address), METRICS: address_key(metrics)}
         self.tunnels = 0
+        self.callers: Tally[str] = Tally()  # its tunnels by caller's source (`source_of`)
         self.ponged = asyncio.Event()  # a PONG came (`Peers.answers` waits for one)
 
     async def send(self, line: str, timeout_s: float) -> None:

@@ -8,11 +8,19 @@ limits add up to more than its process's `RLIMIT_NOFILE` can be made to run out 
 process out of descriptors accepts nothing, a stage server's own calls included under `--relay`.
 So the soft limit is raised to the hard one at start, and the limits are lowered to fit it.
 
-Per source (an IPv4 address, an IPv6 /64: what one machine or one home holds), so that no one
-machine's connections take what every other's need: heads, attached peers, and tunnels as the
-caller. Heads the relay expects (a peer's data connection for a call it asked for) are counted
-apart, and given the longer time: a flood of strangers' connections does not delay a call's
-data connection, and a stranger's silent connection is dropped sooner.
+Per source, so that no one network's connections take what every other's need: heads,
+attached peers, and tunnels as the caller, in all and to each peer. A source is a public IPv4
+address's /24 or a public IPv6 address's /56 (what one home or one hosting subnet holds; issue
+64: a home's /56 held 256 sources of a /64 each, and eight or nine addresses of one subnet
+filled a relay's heads and places); a loopback or private address (one operator's machines, a
+test's) is one of its own, an IPv6 one by its /64. And a source opens at most
+`max_tunnels_per_peer_per_source` of one peer's tunnels (issue 64: one token holder's 64
+channels calling `Info` held all of a NAT'd peer's, and the scheduler's dial-back got 503 five
+times in five).
+
+Heads the relay expects (a peer's data connection for a call it asked for) are counted apart,
+and given the longer time: a flood of strangers' connections does not delay a call's data
+connection, and a stranger's silent connection is dropped sooner.
 """
 
 from __future__ import annotations
@@ -22,7 +30,16 @@ import resource
 from collections import Counter
 from dataclasses import dataclass, replace
 
-__all__ = ["TUNNEL_DESCRIPTORS", "RelayLimits", "nofile", "raise_nofile", "release", "source_of"]
+__all__ = [
+    "TUNNEL_DESCRIPTORS",
+    "V4_PREFIX",
+    "V6_PREFIX",
+    "RelayLimits",
+    "nofile",
+    "raise_nofile",
+    "release",
+    "source_of",
+]
 
 TUNNEL_DESCRIPTORS = 6
 """What one tunnel holds open: its two connections and its two copy threads' pipes (two ends
@@ -36,6 +53,7 @@ class RelayLimits:
     max_tunnels_per_peer: int = 64  # a peer's concurrent tunnels (a gRPC channel uses one)
     max_tunnels: int = 1024  # tunnels in all (six descriptors and two threads each)
     max_tunnels_per_source: int = 256  # opened by one caller's source
+    max_tunnels_per_peer_per_source: int = 16  # of one peer's, opened by one caller's source
     max_heads: int = 128  # connections still sending their request head
     max_heads_per_source: int = 16
     head_timeout_s: float = 4.0  # to send a request head (and an attach's proof)
@@ -91,20 +109,28 @@ def nofile() -> int:
     return 1 << 20 if soft == resource.RLIM_INFINITY else soft
 
 
+V4_PREFIX = 24  # a public IPv4 source: its /24 (one subnet, where one operator's addresses sit)
+V6_PREFIX = 56  # a public IPv6 source: its /56 (one home's delegation; a machine holds a /64)
+
+
 def source_of(peername: object) -> str:
-    """The source a connection is counted under: its IPv4 address, or its IPv6 address's /64
-    (one machine commonly holds a whole /64); "" when unknown."""
+    """The source a connection is counted under: a public IPv4 address's /24, a public IPv6
+    address's /56 (`V4_PREFIX`, `V6_PREFIX`); any other (loopback, a LAN's: one operator's
+    machines, told apart) its IPv4 address or its IPv6 address's /64; "" when unknown."""
     if not isinstance(peername, tuple) or not peername:
         return ""
     try:
         address = ipaddress.ip_address(str(peername[0]).split("%")[0])
     except ValueError:
         return ""
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{address}/64", strict=False))
-    return str(address)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    v6 = isinstance(address, ipaddress.IPv6Address)
+    if address.is_global:
+        return str(
+            ipaddress.ip_network(f"{address}/{V6_PREFIX if v6 else V4_PREFIX}", strict=False)
+        )
+    return str(ipaddress.ip_network(f"{address}/64", strict=False)) if v6 else str(address)
 
 
 def release(tally: Counter[str], key: str) -> None:

@@ -292,11 +292,19 @@ class RelayServer:
             await answer(writer, 503, f"this relay has {self._tunnels} tunnels open")
             return
         source = source_of(where)
+        share = min(self.limits.max_tunnels_per_peer_per_source, self.limits.max_tunnels_per_peer)
+        if attached.callers[source] >= share:  # the others' share of its tunnels kept for them
+            self._refuse(
+                "peer-source-full", "refused a tunnel from %s to %s: its share is open", where, peer
+            )
+            await answer(writer, 503, f"{share} tunnels to peer {peer} from your address")
+            return
         if self._source_tunnels[source] >= self.limits.max_tunnels_per_source:
             self._refuse("source-full", "refused a tunnel from %s: its source's are open", where)
             await answer(writer, 503, f"{self._source_tunnels[source]} tunnels from your address")
             return
         attached.tunnels += 1
+        attached.callers[source] += 1
         self._tunnels += 1
         self._source_tunnels[source] += 1
         self.tunnels_gauge.set(self._tunnels)
@@ -314,6 +322,7 @@ class RelayServer:
             await splice((reader, writer), data, self.limits.chunk_bytes, self.carried.inc)
         finally:
             attached.tunnels -= 1
+            release(attached.callers, source)
             self._tunnels -= 1
             release(self._source_tunnels, source)
             self.tunnels_gauge.set(self._tunnels)

@@ -104,6 +104,9 @@ class Verdict:
     peer: str
     stage: int
     evidence: str
+    # the replicas whose agreeing re-executions contradict it (none: its own commitment does):
+    # the coordinator convicts on no single host's word (`scheduler.coordinator.bans`)
+    auditors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,8 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
         chain=result.chain,
         back=dict(result.back),
         verdicts=[
-            spb.Verdict(peer=v.peer, stage=v.stage, evidence=v.evidence) for v in result.verdicts
+            spb.Verdict(peer=v.peer, stage=v.stage, evidence=v.evidence, auditors=v.auditors)
+            for v in result.verdicts
         ],
         touched=result.touched,
         stage_runs=result.stage_runs,
@@ -273,7 +277,7 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
 def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
     loss = msg.loss_sum if msg.HasField("loss_sum") else None
     back = tuple(sorted(msg.back.items()))
-    verdicts = tuple(Verdict(v.peer, v.stage, v.evidence) for v in msg.verdicts)
+    verdicts = tuple(Verdict(v.peer, v.stage, v.evidence, tuple(v.auditors)) for v in msg.verdicts)
     return MicrobatchResult(
         msg.step,
         msg.index,

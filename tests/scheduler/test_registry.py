@@ -9,6 +9,8 @@ import contextlib
 import math
 import time
 
+import pytest
+
 from client.live import status_lines
 from scheduler.assignments import Assignments, Say
 from scheduler.registry import PeerRegistry
@@ -16,6 +18,8 @@ from scheduler.replica_status import replica_status
 from scheduler.stalls import Health
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
+from swarm.policy.placement import place_new
+from swarm.policy.speeds import MAX_SAMPLES_PER_SECOND
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Replica
@@ -429,3 +433,94 @@ def test_status_says_since_when_a_serving_replica_has_been_silent() -> None:
     assert f"serving, silent since {at} (5 s)" in "\n".join(status_lines(status, now=1_000_005.0))
     reg.report_load(load("a", 1, seconds=0.1))
     assert replica().silent_since == 0.0  # back
+
+
+@pytest.mark.attack("64-speeds")
+@pytest.mark.parametrize("bad", [1e308, math.inf, math.nan, -1.0, 2e6])
+def test_announced_speeds_are_taken_within_a_ceiling(bad: float) -> None:
+    """Issue 64, item 2: two peers announcing ~1e308 samples/s made placement's prices divide by
+    zero outside the job loop's retry (the job FAILED within 2 s). Each speed is taken within
+    `MAX_SAMPLES_PER_SECOND` where it enters; one not finite or negative leaves its peer out."""
+    reg = registry(FakeClock())
+    for peer in ("liar1", "liar2"):
+        reg.announce(joining(peer, speeds=(bad, bad)))
+    reg.announce(joining("honest", speeds=(5.0, 5.0)))
+    available = reg.available("j", 2)
+    assert all(0.0 <= v <= MAX_SAMPLES_PER_SECOND for row in available.values() for v in row)
+    assert available["honest"] == [5.0, 5.0]
+    if math.isfinite(bad) and bad > 0:  # taken at the ceiling
+        assert available["liar1"] == [MAX_SAMPLES_PER_SECOND] * 2
+    else:  # it can serve no stage: not placed
+        assert set(available) == {"honest"}
+    placed = place_new(available, 2)  # it raised ZeroDivisionError at 1e308
+    assert set(placed.values()) == ({0, 1} if len(available) > 1 else {0})
+
+
+@pytest.mark.attack("64-speeds")
+def test_where_the_swarm_measured_a_peer_its_measure_stands() -> None:
+    """A peer that served stage 0 at 4 samples/s (its load reports) and announces 1e6 there is
+    placed at 4."""
+    reg = registry(FakeClock())
+    reg.announce(joining("a", speeds=(1e6, 3.0)))
+    reg.report_load(load("a", 0, seconds=0.25))
+    assert reg.available("j", 2)["a"] == [4.0, 3.0]
+
+
+@pytest.mark.attack("64-speeds")
+async def test_two_peers_at_1e308_do_not_fail_the_job() -> None:
+    """The placement loop itself (`Assignments.place`) with two liars and one honest peer: the
+    stages are given (before: the loop raised, and the job was FAILED)."""
+    reg = registry(FakeClock())
+    for peer in ("liar1", "liar2"):
+        reg.announce(joining(peer, speeds=(1e308, 1e308)))
+    reg.announce(joining("honest", speeds=(5.0, 5.0)))
+    bus = _RecordingBus()
+
+    async def say(job_id: str, message: str) -> None:
+        pass
+
+    assignments = _assignments(reg, bus, say)
+    place = asyncio.create_task(assignments.place("j", 2, lambda: 0, []))
+    try:
+        async with asyncio.timeout(10.0):
+            while len(bus.published) < 2 and not place.done():
+                await asyncio.sleep(0.01)
+        assert not place.done(), place.exception()  # it waits for them to serve
+        assert {m.stage for m in bus.published.values()} == {0, 1}
+    finally:
+        place.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await place
+
+
+@pytest.mark.attack("64-seats")
+async def test_a_host_holds_one_seat_of_a_stage() -> None:
+    """Issue 64, item 4: two ids of one token holder announcing speed for stage 1 alone both
+    landed there (the failure domains that spread them are their own word), to outvote its
+    third replica in the audits. A host (where the dial-back reaches it) holds one seat of a
+    stage: the second id waits."""
+    reg = registry(FakeClock())
+    reg.announce(serving("s0", 0, speeds=(5.0, 5.0)))
+    reg.announce(serving("s1", 1, speeds=(5.0, 5.0)))
+    for name, port in (("sybil1", 7000), ("sybil2", 7001)):
+        message = joining(name, speeds=(0.0, 9.0))
+        message.address = f"5.6.7.8:{port}"
+        reg.announce(message)
+    bus = _RecordingBus()
+
+    async def say(job_id: str, message: str) -> None:
+        pass
+
+    assignments = _assignments(reg, bus, say)
+    grow = asyncio.create_task(assignments.grow("j", 2, []))
+    await asyncio.sleep(0)
+    assignments.changed.set()
+    try:
+        async with asyncio.timeout(10.0):
+            while not bus.published:
+                await asyncio.sleep(0.01)
+    finally:
+        grow.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await grow
+    assert [(m.peer, m.stage) for m in bus.published.values()] == [("sybil1", 1)]

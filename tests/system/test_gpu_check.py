@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(520)]
 
 
 @dataclass
@@ -56,17 +56,42 @@ def checked(tmp_path_factory: pytest.TempPathFactory) -> Checked:
         env=env,
         capture_output=True,
         text=True,
-        timeout=380,
+        timeout=500,  # the check's own budget (QUICK_TOTAL_S) and its smoke part's, beyond it
     )
     return Checked(done.returncode, done.stdout + done.stderr, tmp_path / "out")
+
+
+def check(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Checked:
+    """bench/gpu_check.sh with `args`, no wheels, $OUT under `tmp_path`."""
+    done = subprocess.run(
+        [str(ROOT / "bench" / "gpu_check.sh"), *args],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "PYTHON": sys.executable,
+            "OUT": str(tmp_path / "out"),
+            "GPU_CHECK_WHEELS": "",
+            "TMPDIR": str(tmp_path),
+            **(env or {}),
+        },
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    return Checked(done.returncode, done.stdout + done.stderr, tmp_path / "out")
+
+
+def files_under(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
 
 def test_the_device_check_runs_green_on_a_cpu(checked: Checked) -> None:
     assert checked.code == 0, checked.output
     summary = checked.summary
-    assert "8 of 8 parts passed" in summary, summary
+    assert "9 of 9 parts passed" in summary, summary
     for part in (
         "environment",
+        "smoke",
         "doctor",
         "CUDA tests",
         "train fp32",
@@ -91,6 +116,25 @@ def test_the_device_check_runs_green_on_a_cpu(checked: Checked) -> None:
     assert "float64 on cpu against the CPU reference 0.00e+00" in summary, summary
     assert "out of memory mid-backward (injected (cpu)), replayed: 0.00e+00" in summary, summary
     assert "bitwise the run without it: yes" in summary, summary
+    # every part ended whole and was checked before the next: said in its figures
+    assert summary.count("left behind: ") == 9, summary
+    # $OUT: the summary and each part's log, as the plan says (a device run's is <= 8)
+    assert files_under(checked.out) == sorted(
+        ["gpu_check.txt"] + [f"gpu_check_logs/{p}.log" for p in QUICK_LOGS]
+    ), files_under(checked.out)
+
+
+QUICK_LOGS = (
+    "environment",
+    "smoke",
+    "doctor",
+    "CUDA-tests",
+    "train-fp32",
+    "train-bf16-mixed",
+    "llama-1b",
+    "gpu-ratio",
+    "device-faults",
+)
 
 
 def test_the_ratio_bench_runs_on_a_cpu_and_swarm_agrees_with_torch(checked: Checked) -> None:
@@ -156,3 +200,75 @@ def test_a_device_that_is_not_one_is_refused_at_once(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "--device 'tpu:0': cpu or cuda:N" in done.stderr
+
+
+def test_the_device_check_fits_one_call_of_a_lent_machine(tmp_path: Path) -> None:
+    """The plan a GPU host runs (`--plan`, nothing run): the smoke first after the versions,
+    then the ratio at the long shape first, the CUDA tests, the device faults; each part's
+    seconds within 8 minutes with the wheels' install; at most 8 files under $OUT."""
+    sys.path.insert(0, str(ROOT))
+    from bench import gpu_check
+
+    done = check(tmp_path, "--device", "cuda:0", "--plan")
+    assert done.code == 0, done.output
+    plan = json.loads(done.output.split("PLAN ", 1)[1].splitlines()[0])
+    parts = plan["parts"]
+    names = [p["name"] for p in parts]
+    assert names == ["environment", "smoke", "gpu ratio", "CUDA tests", "device faults"]
+    seconds = {p["name"]: p["timeout_s"] for p in parts}
+    assert seconds["smoke"] <= 90
+    # the install's bound is the script's own: the same seconds on both sides
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    assert f"WHEELS_S={gpu_check.WHEELS_S}\n" in script
+    assert gpu_check.WHEELS_S + sum(seconds.values()) <= gpu_check.TOTAL_S <= 8 * 60
+    assert plan["budget_s"] <= gpu_check.TOTAL_S  # counted from the script's start
+    assert len(plan["out_files"]) <= 8 and "gpu_check.txt" in plan["out_files"]
+    smoke = parts[1]["command"]
+    assert smoke[1].endswith("bench/gpu_ratio.py") and "--smoke" in smoke
+    assert smoke[smoke.index("--shapes") + 1] == "short,long"
+    assert float(smoke[smoke.index("--budget-s") + 1]) < seconds["smoke"]
+    ratio = parts[2]["command"]
+    assert ratio[ratio.index("--shapes") + 1] == "long,short"
+    assert float(ratio[ratio.index("--budget-s") + 1]) < seconds["gpu ratio"]
+    tests = parts[3]["command"]  # the whole suite, bench/gpu_cuda_tests.py picks
+    assert tests[-1] == "tests" and "bench.gpu_cuda_tests" in tests
+    assert "installing" not in done.output  # a plan installs no wheels either
+
+
+def test_the_smoke_part_passes_on_a_cpu(tmp_path: Path) -> None:
+    """The device check's first part, as on a GPU, with the tiny model on the CPU: 2 steps on
+    4 real stage servers x 1, both shapes, through the handover; their INFO logs kept."""
+    done = check(tmp_path, "--device", "cpu", "--parts", "smoke")
+    assert done.code == 0, done.output
+    summary = done.summary
+    assert "PASS    smoke (" in summary and "1 of 1 parts passed" in summary, summary
+    for shape in ("short", "long"):
+        handed = re.search(rf"{shape}: losses \[[^\]]+\], (\d+) tensors handed over", summary)
+        assert handed and int(handed.group(1)) > 0, summary
+    assert "left behind: no process" in summary, summary
+    log = done.log("smoke")
+    for shape in ("short", "long"):
+        for k in range(4):  # each server's INFO log, its stop included
+            assert f"--- {shape}-swarm-stage-{k}.log" in log, log
+            assert f"INFO stage_server.server: stage {k}: stopped" in log, log
+    assert files_under(done.out) == ["gpu_check.txt", "gpu_check_logs/smoke.log"]
+
+
+def test_a_failed_smoke_part_stops_the_check_with_its_error(tmp_path: Path) -> None:
+    """Every stage server dies in step 1's backward (SWARM_FAULTS): the smoke part stalls, is
+    stopped at its bound with the trainer's last errors, and no part after it runs."""
+    done = check(
+        tmp_path,
+        "--device",
+        "cpu",
+        "--parts",
+        "smoke,device faults",
+        env={"SWARM_FAULTS": "backward@1"},
+    )
+    assert done.code == 1, done.output
+    summary = done.summary
+    assert "FAIL    smoke (" in summary, summary
+    assert "the trainer's last errors:" in summary and "backward@1" in summary, summary
+    assert "device faults (0 s): not run: the smoke part failed" in summary, summary
+    assert "0 of 2 parts passed" in summary, summary
+    assert files_under(done.out) == ["gpu_check.txt", "gpu_check_logs/smoke.log"]

@@ -5,14 +5,25 @@ an operator at home would, so both are relayed; a 2-stage job on the push data p
 0's replica sends to stage 1's itself.
 
 The trainer reaches stage 0 through the relay (nothing else can reach it), but the hop from
-stage 0 to stage 1 goes straight over the LAN: stage 1's host takes more bytes from stage 0's
-LAN address, on its gRPC port, than from the relay (nftables counters in its namespace count
-both). Before, every call to a relayed peer went through the relay, its LAN neighbour's
-included: nothing arrived from the neighbour at all. The job still ends float64-equal to
-`swarm local`. Needs root and nftables (CI has both)."""
+stage 0 to stage 1 goes straight over the LAN, every push but the first: what stage 1's host
+takes from the relay during the job is bounded by the control calls plus one push, and what it
+takes from stage 0's LAN address, on its gRPC port, is at least every other push (nftables
+counters in its namespace count both; the relay's bytes by connection, the job's alone: the
+relay's pings on the host's attachment, made before, grow with the minutes). Before, every call
+to a relayed peer went through the relay, its LAN neighbour's included: nothing arrived from the
+neighbour at all. The job still ends float64-equal to `swarm local`. Needs root and nftables (CI
+has both).
+
+One microbatch in flight (`max_in_flight = 1`): the probe of stage 1's LAN address starts with
+the first push and goes on beside it (`swarm.rpc.lan`), one Info call straight over the LAN that
+answers long before that push has gone through the relay, both stages and back; every push
+already in flight when it answers goes through the relay too: with the default window that was
+the whole first step's (4 of 24 pushes, 69 KB of the 77 KB relayed, measured), which a bound of
+one push cannot tell from a LAN path lost for a step."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -25,6 +36,7 @@ from swarm.local import netns
 from tests.support import namespaces
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
+from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -37,6 +49,16 @@ BROKER = f"mqtt://{HUB}:1883"
 RELAY_PORT, PORT = 7100, 7000
 TOKEN = "lan-direct-token"
 STEPS = 6
+MICROBATCHES = 4  # a step's (target_batch_size / microbatch_size)
+PUSHES = STEPS * MICROBATCHES  # stage 0 pushes each microbatch to stage 1 once
+PUSH_BYTES = 4 * 16 * 32 * 8  # a push's activations alone (microbatch x seq_len x d_model, float64)
+CONTROL_BYTES = 16 * 1024
+"""What stage 1's host may take from the relay during the job besides pushes: the coordinator's
+calls and any later dial-back, 6.0-6.1 KB in a job of 10-15 s and 9.1 KB in one of 124 s (peers
+throttled 1000x; measured, about 26 B/s more as the job lasts: 14 KB at the 300 s the test
+waits for it); a push takes 17.6 KB on the wire (its activations, their framing), more than this
+by itself, so two pushes never fit."""
+TALLY = "swarm_tally"  # the counting table in each LAN host's namespace
 
 
 @pytest.fixture
@@ -60,22 +82,59 @@ def _on_hub(lab: netns.Network, work: Path, *args: str) -> str:
 def _tally(lab: netns.Network, host: str, neighbour: str) -> None:
     """Count, in `host`'s namespace, what arrives at its gRPC port from `neighbour` (the LAN,
     directly) and what arrives from the relay (every tunnel's data connection, which `host`
-    opened to the relay's port)."""
-    namespaces.tally(
-        lab,
-        host,
-        {
-            "lan": f"ip saddr {neighbour} tcp dport {PORT}",
-            "relay": f"ip saddr {HUB} tcp sport {RELAY_PORT}",
-        },
+    opened to the relay's port), in all and by connection (`host`'s end of it)."""
+    rules = f"""table ip {TALLY} {{
+  set relayed {{ type inet_service; flags dynamic; counter; }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    ip saddr {neighbour} tcp dport {PORT} counter comment "lan"
+    ip saddr {HUB} tcp sport {RELAY_PORT} counter comment "relay"
+    ip saddr {HUB} tcp sport {RELAY_PORT} add @relayed {{ tcp dport }}
+  }}
+}}
+"""
+    netns.sh("ip", "netns", "exec", lab.ns[host], "nft", "-f", "-", stdin=rules)
+
+
+def _tallied(lab: netns.Network, host: str) -> dict[str, int]:
+    """Bytes counted so far by `_tally`'s rules in `host`'s namespace, by rule."""
+    listing = netns.sh(
+        "ip", "netns", "exec", lab.ns[host], "nft", "-j", "list", "table", "ip", TALLY
     )
+    counted: dict[str, int] = {}
+    for item in json.loads(listing)["nftables"]:
+        rule = item.get("rule", {})
+        for expr in rule.get("expr", []):
+            if "counter" in expr:
+                counted[rule["comment"]] = int(expr["counter"]["bytes"])
+    return counted
+
+
+def _relayed(lab: netns.Network, host: str) -> dict[int, int]:
+    """Bytes counted so far from the relay by `_tally`'s set in `host`'s namespace, by
+    connection (the port of `host`'s end)."""
+    listing = netns.sh(
+        "ip", "netns", "exec", lab.ns[host], "nft", "-j", "list", "set", "ip", TALLY, "relayed"
+    )
+    found = [item["set"] for item in json.loads(listing)["nftables"] if "set" in item]
+    return {
+        int(element["elem"]["val"]): int(element["elem"]["counter"]["bytes"])
+        for element in found[0].get("elem", [])
+    }
 
 
 def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path: Path) -> None:
     job = write_job(
         tmp_path,
-        training={"stages": 2, "steps": STEPS, "checkpoint_every": 0},
-        runtime={"data_plane": "push"},
+        training={
+            "stages": 2,
+            "steps": STEPS,
+            "checkpoint_every": 0,
+            "microbatch_size": 4,
+            "target_batch_size": 4 * MICROBATCHES,
+        },
+        model={"seq_len": 16, "d_model": 32},
+        runtime={"data_plane": "push", "max_in_flight": 1},
     )
     data_root = tmp_path / "data"
     data_root.mkdir()
@@ -103,6 +162,12 @@ def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path
             start(host, host, "stage-server", *serving, "--announce-host", address, "--peer", host)
         for proc in procs[2:]:
             assert proc.wait_ready(deadline)["address"] == f"{lan[proc.name]}:{PORT}"
+        # both behind NAT: each reached through the relay by whoever is elsewhere; the
+        # connections open now (each host's attachment) carry nothing of the job
+        for proc in procs[2:]:
+            said = f"{proc.name} says it is relayed"
+            wait_until_blocking(lambda p=proc: "relayed through" in p.log(), said, timeout_s=120)
+        opened = {host: _relayed(lab, host) for host in lan}
         job_id = _on_hub(lab, tmp_path, "submit", str(job), "--scheduler", SCHEDULER).split()[0]
         state, end = "", time.monotonic() + 300
         looker = namespaces.Looker(lab, "hub", SCHEDULER, _env(tmp_path, "client"))
@@ -113,19 +178,23 @@ def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path
         assert state == "JOB_STATE_SUCCEEDED", story
         out = tmp_path / "swarm.pt"
         _on_hub(lab, tmp_path, "export", job_id, "--out", str(out), "--scheduler", SCHEDULER)
-        counted = {host: namespaces.tallied(lab, host) for host in lan}
+        counted = {host: _tallied(lab, host) for host in lan}
+        relayed = {host: _relayed(lab, host) for host in lan}
     finally:
         if looker is not None:
             looker.close()
         for proc in reversed(procs):
             proc.kill()
     logs = {p.name: p.log() for p in procs}
-    for host in lan:  # both behind NAT: each reached through the relay by whoever is elsewhere
-        assert re.search(r"relayed through", logs[host]), logs[host][-3000:]
     placed = {h: int(m[1]) for h in lan if (m := re.search(r"serving stage (\d+)", logs[h]))}
     assert sorted(placed.values()) == [0, 1], placed  # one replica per stage, one on each host
     last = next(h for h, k in placed.items() if k == 1)
-    # stage 1's replica took the hops from stage 0's over the LAN: more than all it took from
-    # the relay (the coordinator's calls, the dial-backs, and the first push before the probe)
-    assert counted[last]["lan"] > counted[last]["relay"], counted
+    # stage 1's replica took the hops from stage 0's over the LAN: there, at least every push
+    # but one (each at least its activations); through the relay, the control calls and the
+    # first push (before the probe answered) at most, a push as the LAN counted them (their
+    # bytes over those pushes: less than a push's own where more than one was relayed)
+    tally = counted[last]
+    in_job = sum(n for port, n in relayed[last].items() if port not in opened[last])
+    assert tally["lan"] >= (PUSHES - 1) * PUSH_BYTES, counted
+    assert in_job <= CONTROL_BYTES + tally["lan"] / (PUSHES - 1), (in_job, relayed, counted)
     assert_equal_to_local(job, torch.load(out), tol=1e-9)

@@ -4,17 +4,24 @@ lease goes out again; every result's audit price is counted."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.bans import Ban, Bans
+from scheduler.coordinator.bans import Ban, Bans, doubt_window
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
+from swarm.job.config import JobConfig
 from swarm.rpc.lease import MicrobatchResult, Replica, Verdict
+from tests.support.jobs import make_job
 
 
-def _bans() -> tuple[Bans, list[int], list[tuple[int, int, str]], list[str]]:
+def _bans(
+    job: JobConfig | None = None,
+) -> tuple[Bans, list[int], list[tuple[int, int, str]], list[str]]:
     said: list[str] = []
-    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), said.append)
+    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), said.append, job)
     rolled: list[int] = []
     voided: list[tuple[int, int, str]] = []
 
@@ -123,3 +130,73 @@ async def test_kept_bans_hold_from_the_start_and_a_new_one_is_kept_before_its_ro
     await bans.ban("a", 0, "it lied", 9)
     assert order == [4, Ban("a", 0, 9, 0, "it lied"), 0]  # kept, then rolled back
     assert bans.metrics.bans._value.get() == 1  # the kept ones are not banned anew
+
+
+def _audited(tmp_path: Path, fraction: float) -> JobConfig:
+    """A job of 2 stages, 8 microbatches a step, its answers audited at `fraction`."""
+    training = {"stages": 2, "target_batch_size": 8, "microbatch_size": 1}
+    return make_job(tmp_path, training=training, trust={"audit_fraction": fraction})
+
+
+@pytest.mark.attack("64-depth")
+@pytest.mark.parametrize("restarted", [False, True])
+async def test_a_liar_honest_for_k_steps_rolls_back_only_its_doubt_window(
+    tmp_path: Path, restarted: bool
+) -> None:
+    """Issue 64, item 3: a ban rolled the job back to the liar's `first_seen`, 0 for a peer
+    present when a coordinator started: a peer honest for 40 steps that lied once erased 40
+    steps (after a scheduler restart, the whole job), and came back under a new id to do it
+    again. The rollback goes no deeper than the steps the audits leave a steady liar unseen:
+    one step when every answer is audited."""
+    job = _audited(tmp_path, 1.0)
+    assert job.training.microbatches_per_step == 8
+    bans, rolled, _, said = _bans(job)
+    stage = [Replica("a", "a:1"), Replica("liar", "l:1")]
+    origin = 30 if restarted else 0  # a coordinator started mid-job: its members from step 0
+    for step in range(origin, 41):
+        bans.saw([[Replica("b", "b:1")], stage], step)
+    assert bans.first_seen["liar"] == 0
+    verdict = Verdict("liar", 1, "its outputs differ")
+    ledger = StepLedger(step=40, microbatches=8, stages=2, microbatch_size=1)
+    assert await bans.screen("t", _result(40, 0, touched=("liar",), verdicts=(verdict,)), ledger)
+    assert rolled == [39] and "at or before step 39" in said[0]
+
+
+def test_the_doubt_window_is_where_a_steady_liar_escapes_the_audits(tmp_path: Path) -> None:
+    """At the default 4.5 %, a replica of two answering 4 of 8 microbatches a step lies in
+    every one unseen for 76 steps with a chance under 1e-6 (0.955^304); every answer audited: 1."""
+    assert doubt_window(_audited(tmp_path, 1.0), 2) == 1
+    window = doubt_window(_audited(tmp_path, 0.045), 2)
+    assert window is not None and 0.955 ** (4 * window) < 1e-6 < 0.955 ** (4 * (window - 1))
+    assert doubt_window(_audited(tmp_path, 0.0), 2) is None  # no audits: from its start
+    assert doubt_window(None, 2) is None
+
+
+@pytest.mark.attack("64-seats")
+async def test_two_seats_of_one_host_convict_no_one_and_two_hosts_do() -> None:
+    """Issue 64, item 4: two ids of one token holder, placed in one stage (placement spreads by
+    failure domains they declare themselves), audited the honest third replica and agreed on a
+    wrong re-execution: it was banned, and the job rolled back. A verdict's auditors must be
+    seats of two hosts (where they are dialled); a verdict by two hosts' still convicts."""
+    bans, rolled, _, _ = _bans()
+    stage = [
+        Replica("honest", "1.2.3.4:7000"),
+        Replica("sybil1", "5.6.7.8:7000"),
+        Replica("sybil2", "5.6.7.8:7001"),
+        Replica("other", "9.10.11.12:7000"),
+    ]
+    bans.saw([[Replica("b", "b:1")], stage], 3)
+    ledger = StepLedger(step=3, microbatches=4, stages=2, microbatch_size=4)
+    framed = Verdict("honest", 1, "its outputs differ", ("sybil1", "sybil2"))
+    result = _result(3, 0, touched=("honest",), verdicts=(framed,))
+    assert not await bans.screen("t", result, ledger)  # counts: nobody it rests on is banned
+    assert bans.banned == {} and rolled == []
+    caught = Verdict("sybil1", 1, "its outputs differ", ("honest", "other"))
+    assert await bans.screen("t", _result(3, 1, touched=("sybil1",), verdicts=(caught,)), ledger)
+    assert list(bans.banned) == ["sybil1"]
+    # one machine's test swarm (loopback): its seats are told apart by port
+    local, _, _, _ = _bans()
+    local.saw([[Replica(p, f"127.0.0.1:{7000 + i}") for i, p in enumerate("xyz")]], 0)
+    verdict = Verdict("x", 0, "its outputs differ", ("y", "z"))
+    await local.screen("t", _result(0, 0, touched=("x",), verdicts=(verdict,)), None)
+    assert list(local.banned) == ["x"]

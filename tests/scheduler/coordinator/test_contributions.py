@@ -7,36 +7,33 @@ its microbatches' digests; a contribution bent within any norm bound is caught, 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any, cast
 
+import pytest
 import torch
 
 from scheduler.coordinator.contributions import Contributions, drawn_share
 from scheduler.coordinator.ledger import StepLedger
 from stage_server.averaging.checksum import dots, weights
+from swarm.job.tolerance import tolerance_of
 from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task
-from tests.support.audited_round import PEERS, N
+from tests.support.audited_round import PEERS, N, device_audits, device_step
 from tests.support.audited_round import Ledger as _Ledger
+from tests.support.audited_round import digests as _digests
 from tests.support.audited_round import grads as _grads
 from tests.support.audited_round import round_of as _round
+from tests.support.jobs import make_job
 
 
-def _drawn(fraction: float = 1.0) -> tuple[Contributions, Any]:
-    contributions, ledger = Contributions(fraction, random.Random(1)), _Ledger()
+def _drawn(
+    fraction: float = 1.0, seed: int = 1, tolerance: float = 0.0
+) -> tuple[Contributions, Any]:
+    contributions = Contributions(fraction, random.Random(seed), tolerance)
+    ledger = _Ledger()
     members = [[Replica(p, p) for p in PEERS]]
     contributions.tasks(cast(StepLedger, ledger), [Task(5, 0, frozenset({0}))], members)
     return contributions, ledger
-
-
-def _digests(
-    contributions: Contributions, peer: str, grads: list[torch.Tensor], auditors: str = "x and y"
-) -> None:
-    (audit,) = [a for a in contributions._audits(5, 0) if a.peer == peer]
-    for index, g in enumerate(grads):
-        dot, magnitude, squares = dots(audit.seed, 0, g)
-        digest = GradientDigest(0, peer, dot, magnitude, squares**0.5, auditors, audit.seed)
-        result = MicrobatchResult(5, index, {0: peer}, None, 4, digests=(digest,))
-        contributions.record(result)
 
 
 def test_an_honest_contribution_passes_and_a_bent_one_is_caught() -> None:
@@ -113,3 +110,47 @@ def test_the_contributions_audit_spends_what_the_answers_audit_does() -> None:
         drawn += len(contributions._audits(step, 0))
     # 12,000 draws at 0.0256: 308 expected, sd 17
     assert 230 < drawn < 390, drawn
+
+
+STEPS = 60  # bench/device_rounding.py runs 1,000
+
+
+@pytest.mark.attack("64-devices")
+def test_a_replica_on_another_kind_of_device_is_never_accused(tmp_path: Path) -> None:
+    """Issue 64, item 5: the contributions' audit allowed only the accumulation's rounding,
+    never the job's arithmetic tolerance, so under tf32 an honest replica on another kind of
+    device (a GPU's TF32 matmuls, emulated exactly: 10 bits of mantissa) was convicted by the
+    auditors' float32 re-execution of its own microbatches. Judged with the job's tolerance
+    (`tolerance_of`), as digest disputes are: never accused over `STEPS` steps, each replica in
+    turn the one on another device; and a contribution scaled 2x is still caught."""
+    job = make_job(tmp_path, training={"tf32": True, "dtype": "float32"})
+    tolerance = tolerance_of(job)
+    assert tolerance == 1e-2
+    assert device_audits(STEPS, tolerance) == []
+    contributions, _ = _drawn(tolerance=tolerance)
+    mine, audited = device_step(0, emulated=1)
+    for i, p in enumerate(PEERS):
+        _digests(contributions, p, audited[i])
+    held = {p: [0, 1, 2] for p in PEERS}
+    xs = [(g[0] + g[1]) + g[2] for g in mine]
+    bent = [xs[0], 2 * xs[1], xs[2]]
+    found = contributions.judge(5, 0, PEERS, _round(contributions, bent), held)
+    assert [peer for peer, _ in found] == ["b"]
+
+
+@pytest.mark.attack("64-seats")
+def test_digests_of_one_hosts_seats_convict_no_one() -> None:
+    """Issue 64, item 4: two seats of one host in a stage, auditing its third replica's
+    contribution, could agree on wrong digests and ban it. Digests whose auditors are all seats
+    of one host (`Contributions.seat`, bound by `Bans`) convict no one; two hosts' do."""
+    grads = {p: _grads(i) for i, p in enumerate(PEERS)}
+    held = {p: [0, 1, 2] for p in PEERS}
+    xs = [(grads[p][2] + grads[p][0]) + grads[p][1] for p in PEERS]
+    framed = [xs[0], 2 * xs[1], xs[2]]  # what two liars' digests make of b's honest one
+    for auditors, convicted in (("x and y", []), ("x and z", ["b"])):
+        contributions, _ = _drawn()
+        contributions.seat = lambda peer: "5.6.7.8" if peer in ("x", "y") else peer
+        for p in PEERS:
+            _digests(contributions, p, grads[p], auditors)
+        found = contributions.judge(5, 0, PEERS, _round(contributions, framed), held)
+        assert [peer for peer, _ in found] == convicted, auditors

@@ -149,3 +149,16 @@ def test_a_member_lying_about_what_it_sent_to_another_owner_frames_no_audited_re
     bent = [xs[0], xs[1] * (1 + torch.arange(N, dtype=torch.float64).cos()), xs[2]]
     found = contributions.judge(5, 0, PEERS, round_of(contributions, bent), held)
     assert [peer for peer, _ in found] == ["b"]
+
+
+@pytest.mark.attack("64-seats")
+def test_two_owners_of_one_host_frame_no_member() -> None:
+    """Issue 64, item 4: two ids of one token holder owning two parts each say the honest third
+    sent them something else: two owners' words convicted it. Seats of one public host are one
+    word; two hosts' still convict."""
+    framed = _checks(received={(0, 2): 1.0 + LIE, (1, 2): 1.0 + LIE})
+    sybils = RoundGroup(("5.6.7.8:7000", "5.6.7.8:7001", "1.2.3.4:7000"))
+    found = convicted({0: sybils}, {0: framed})[0]
+    assert sorted(found) == [0, 1]  # each by its own words, which its own sum contradicts
+    two_hosts = RoundGroup(("5.6.7.8:7000", "9.10.11.12:7000", "1.2.3.4:7000"))
+    assert sorted(convicted({0: two_hosts}, {0: framed})[0]) == [0, 1, 2]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,10 +19,10 @@ from scheduler.coordinator.sum_checks import DOT_BLOCK, Mismatch, mismatches, to
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.checksum import BLOCK, Draws, PartChecks, dots, sum_dots, weights
 from stage_server.averaging.owner import Averager
-from stage_server.averaging.summing import Reduced, Summer
+from stage_server.averaging.summing import Reduced, Summer, sum_in_order
 from swarm.policy.parts import Parts
 from swarm.proto import stage_pb2 as pb
-from swarm.wire.codec import CODEC_NONE, codec_from_name
+from swarm.wire.codec import CODEC_NONE, codec_from_name, decode, encode
 from tests.support.pools import JOB, MiB, replicas
 
 CONTRIBUTORS = 3
@@ -140,15 +141,36 @@ def _off_by(honest: Summer, add: float) -> Summer:
     return summer
 
 
+def _answering(lie: Callable[[torch.Tensor], torch.Tensor]) -> Summer:
+    """An owner that sums honestly and answers `lie` of the sum, encoded as an honest one is."""
+
+    def summer(
+        values: list[torch.Tensor], owned: list[bool], codec: int, block_size: int
+    ) -> Reduced:
+        total = lie(sum_in_order(values, owned, CODEC_NONE, block_size).tensor)
+        if codec == CODEC_NONE:
+            return Reduced(total, None, total)
+        msg = encode(total, "sum", codec, block_size)
+        return Reduced(decode(msg), msg, total)
+
+    return summer
+
+
 async def _round(
-    xs: list[torch.Tensor], seed: int, *, codec: int = CODEC_NONE, add: float = 0.0
+    xs: list[torch.Tensor],
+    seed: int,
+    *,
+    codec: int = CODEC_NONE,
+    add: float = 0.0,
+    lie: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[list[pb.SumCheck]]:
     """A real round of 3 replicas and 2 aggregators (PoolService servers) in uneven parts, slices
     of 40 kB (cutting r's blocks), every contributor's checksums; the aggregators' sums off by
-    `add` an element."""
+    `add` an element, or `lie` of the sum."""
     async with replicas(5) as pool:
         for aggregator in pool[CONTRIBUTORS:]:
-            aggregator.averager.summer = _off_by(aggregator.averager.summer, add)
+            honest = aggregator.averager.summer
+            aggregator.averager.summer = _off_by(honest, add) if lie is None else _answering(lie)
         checks = [PartChecks(seed) for _ in range(CONTRIBUTORS)]
         results = await _all_reduce(
             pool,
@@ -224,6 +246,43 @@ async def test_a_lossy_round_is_checked_on_what_every_member_decodes(name: str, 
     unit = [torch.randn(20_000, generator=g) for _ in range(CONTRIBUTORS)]
     wrong = await _round(unit, 3, add=add, codec=codec_from_name(name))
     assert len(mismatches(dict(enumerate(wrong)), CONTRIBUTORS)) == 2 * CONTRIBUTORS
+
+
+def _direction(total: torch.Tensor) -> torch.Tensor:
+    """A sum of the owner's choosing: a fixed direction of norm 1e4."""
+    d = torch.randn(total.numel(), generator=torch.Generator().manual_seed(64))
+    return (d * (1e4 / float(d.norm()))).to(total.dtype)
+
+
+LIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sign-flipped": lambda total: -total,
+    "1e6 times": lambda total: total * 1e6,
+    "a chosen direction": _direction,
+}
+
+
+@pytest.mark.attack("64-lossy")
+@pytest.mark.parametrize("name", ["hadamard3", "fp16"])
+async def test_a_lossy_sum_is_bounded_by_what_was_sent_not_by_itself(name: str) -> None:
+    """Issue 64, item 1: the encoding's allowance was taken from the sum answered (hadamard3's:
+    2‖S'‖, so any sum raised its own), and a sign-flipped sum, 1e6 times the sum or a direction
+    of norm 1e4 passed every check with 0 mismatches. The allowance is now held to the
+    contributions' norms, and x·S bounds ‖S' - Σ x‖ whatever r: each lie is caught at every
+    contributor, for both aggregators' parts; an honest round of either codec still passes."""
+    codec = codec_from_name(name)
+    g = torch.Generator().manual_seed(5)
+    unit = [torch.randn(20_000, generator=g) for _ in range(CONTRIBUTORS)]
+    honest = await _round(unit, 5, codec=codec)
+    assert mismatches(dict(enumerate(honest)), CONTRIBUTORS) == []
+    assert (
+        mismatches(dict(enumerate(await _round(_contributions(3, 20_000), 3, codec=codec))), 3)
+        == []
+    )
+    for what, lie in LIES.items():
+        reports = await _round(unit, 5, codec=codec, lie=lie)
+        found = mismatches(dict(enumerate(reports)), CONTRIBUTORS)
+        named = {(m.part, m.contributor) for m in found}
+        assert named == {(k, j) for k in (3, 4) for j in range(CONTRIBUTORS)}, (what, found)
 
 
 @pytest.mark.attack("H-checks")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from scheduler.coordinator.groups import Aggregator, Link, RoundGroup
 from scheduler.coordinator.sum_checks import Checksums, replicas_to_leave_out, verify
 from scheduler.coordinator.sum_liars import convicted
@@ -100,3 +102,15 @@ def test_a_non_finite_sum_or_contribution_convicts_no_one() -> None:
     checks = _checks(sums={0: 1e4})
     checks[1].reports[0].norm = math.inf
     assert convicted({0: GROUP}, {0: checks}) == {}
+
+
+@pytest.mark.attack("64-seats")
+def test_two_accusers_of_one_host_convict_no_one() -> None:
+    """Issue 64, item 4: two ids of one token holder in a pool of three each report a sum of
+    the honest third's part past its norms: two others' words convicted it. Seats of one public
+    host are one word; two hosts' still convict."""
+    sybils = RoundGroup(("1.2.3.4:7000", "5.6.7.8:7000", "5.6.7.8:7001"))
+    framed = _checks(sums={1: 1e4, 2: 1e4})
+    assert convicted({0: sybils}, {0: framed}) == {}
+    two_hosts = RoundGroup(("1.2.3.4:7000", "5.6.7.8:7000", "9.10.11.12:7000"))
+    assert list(convicted({0: two_hosts}, {0: framed})[0]) == [0]

@@ -20,6 +20,7 @@ from swarm.net.paths import relay_credential
 from swarm.relay.attach import Attachment
 from swarm.relay.auth import attach_proof, metrics_credential
 from swarm.relay.identity import AttachKey, challenge
+from swarm.relay.limits import source_of
 from swarm.relay.server import RelayLimits, RelayServer
 from tests.support.relays import ECHO, NAT_HOST, echo_bytes, echo_server, listener, relayed
 from tests.support.tls import no_identity
@@ -33,14 +34,20 @@ pytestmark = pytest.mark.timeout(120)
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-async def _dial(address: str) -> Stream:
+async def _dial(address: str, local: str | None = None) -> Stream:
+    """A connection to `address`, from the local address `local` (None: any)."""
     host, port = address.rsplit(":", 1)
-    return await asyncio.open_connection(host, int(port))
+    return await asyncio.open_connection(
+        host, int(port), local_addr=None if local is None else (local, 0)
+    )
 
 
-async def _connect(address: str, target: str, login: str | None) -> tuple[str, Stream]:
-    """A raw CONNECT (`login`: "user:password" for Proxy-Authorization); the status line."""
-    stream = await _dial(address)
+async def _connect(
+    address: str, target: str, login: str | None, local: str | None = None
+) -> tuple[str, Stream]:
+    """A raw CONNECT (`login`: "user:password" for Proxy-Authorization; from `local`); the
+    status line."""
+    stream = await _dial(address, local)
     auth = ""
     if login is not None:
         auth = f"Proxy-Authorization: Basic {base64.b64encode(login.encode()).decode()}\r\n"
@@ -482,3 +489,51 @@ async def test_a_relay_cannot_make_a_peer_dial_anything_but_its_own_two_servers(
             await attachment.stop()
             server.close()
             await server.wait_closed()
+
+
+@pytest.mark.attack("64-relay")
+async def test_one_source_holds_only_a_share_of_a_peers_tunnels() -> None:
+    """Issue 64, item 7: the relay capped each peer at 64 tunnels but let one source hold 256,
+    so one token holder's 64 channels held all of a NAT'd peer's, and the scheduler's dial-back
+    got 503 five times in five. A source holds at most `max_tunnels_per_peer_per_source` of a
+    peer's; another source (here 127.0.0.3, another loopback address) still gets through."""
+    limits = RelayLimits(max_tunnels_per_peer=4, max_tunnels_per_peer_per_source=2)
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port, peer="a", limits=limits) as r:
+        await wait_until(lambda: set(r.relay.peers) == {"a"})
+        target, login = f"{NAT_HOST}:{port}", f"a:{relay_credential(TOKEN, 'a')}"
+        ok = "HTTP/1.1 200 Connection established"
+        opened: list[Stream] = []
+        try:
+            for _ in range(2):
+                status, stream = await _connect(r.relay_address, target, login)
+                opened.append(stream)
+                assert status == ok
+            status, stream = await _connect(r.relay_address, target, login)
+            opened.append(stream)
+            assert status.startswith("HTTP/1.1 503 2 tunnels to peer a from your address")
+            status, stream = await _connect(r.relay_address, target, login, local="127.0.0.3")
+            opened.append(stream)
+            assert status == ok  # another network's caller: the peer's other share
+            assert r.registry.get_sample_value(
+                "swarm_relay_refused_total", {"reason": "peer-source-full"}
+            )
+        finally:
+            for stream in opened:
+                await _closed(stream)
+
+
+@pytest.mark.attack("64-relay")
+def test_sources_are_counted_by_prefix() -> None:
+    """Issue 64, item 7: a home's IPv6 /56 held 256 sources of /64 each, and eight or nine
+    addresses of one subnet filled a relay's heads and places: a public IPv4 source is its /24,
+    a public IPv6 one its /56."""
+    assert source_of(("1.2.3.7", 1)) == source_of(("1.2.3.200", 2)) == "1.2.3.0/24"
+    assert source_of(("1.2.4.7", 1)) != source_of(("1.2.3.7", 1))
+    home = [f"2a00:1:1:{k:x}::1" for k in (0x00, 0x12, 0xFF)]  # /64s of one /56
+    assert {source_of((a, 1, 0, 0)) for a in home} == {"2a00:1:1::/56"}
+    assert source_of(("2a00:1:1:100::1", 1, 0, 0)) == "2a00:1:1:100::/56"
+    assert source_of(("::ffff:5.6.7.8", 1, 0, 0)) == "5.6.7.0/24"
+    # a LAN's or loopback's: one operator's machines, each its own (one machine's tests too)
+    assert source_of(("192.168.1.20", 1)) == "192.168.1.20"
+    assert source_of(("127.0.0.2", 1)) != source_of(("127.0.0.1", 1))
+    assert source_of(None) == ""

@@ -1,0 +1,118 @@
+"""The CPU ratio pass does what the device does (issue 63, item 7): `bench/gpu_ratio.py
+--cpu-tiny` trains in bf16-mixed on 4 real `swarm stage-server` processes x 1 on one device,
+handing tensors over between them as co-located servers do (shared memory here, CUDA IPC on a
+GPU), and a run that stops committing steps is stopped at its stall bound with the trainer's
+last errors, not at its timeout, leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_ratio.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(500)]
+
+
+def ratio(tmp_path: Path, *args: str, timeout: float) -> tuple[int, str]:
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("GPU_CHECK_FORKED", None)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-tiny", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def report(output: str) -> dict:
+    return dict(json.loads(output.split("\nRESULT ", 1)[1].splitlines()[0]))
+
+
+def left_running(work: str) -> list[str]:
+    """Processes whose command line names the run's directory (its stage servers' --job)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if work in cmdline and state not in ("Z", "X"):
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def work_dir(output: str) -> str:
+    return output.split("logs in ", 1)[1].split()[0]
+
+
+def test_the_cpu_pass_trains_bf16_mixed_on_real_stage_servers_through_the_handover(
+    tmp_path: Path,
+) -> None:
+    code, output = ratio(
+        tmp_path, "--shapes", "short", "--warmup", "1", "--steps", "2", timeout=450
+    )
+    assert code == 0, output
+    r = report(output)
+    assert r["failures"] == [] and r["precision"] == "bf16-mixed", output
+    rows = r["shapes"]["short"]["rows"]
+    assert list(rows) == ["swarm", "microbatched-eager", "pass-eager"]  # swarm first
+    swarm = rows["swarm"]
+    assert len(swarm["losses"]) == 3 and swarm["loss_diff"] <= 1e-2  # bf16-mixed's tolerance
+    assert swarm["handed"] > 0  # co-located servers handed tensors over, not on the wire
+    assert swarm["evictions"] == [0] * 4  # 4 stage servers, each logged its count at INFO
+    # each run's process group ended and checked before the next started
+    for phase in rows:
+        assert f"  short {phase}: exit 0 " in output and "left behind: no process" in output
+    work = work_dir(output)
+    logs = sorted(p.name for p in Path(work).glob("short-swarm-stage-*.log"))
+    assert logs == [f"short-swarm-stage-{k}.log" for k in range(4)]
+    # real `swarm stage-server` processes, at INFO: each printed its ready line and its stop
+    for name in logs:
+        text = (Path(work) / name).read_text()
+        assert "swarm stage-server ready:" in text and " INFO " in text
+    assert not left_running(work)
+
+
+def test_a_pass_that_stops_committing_steps_stops_at_its_stall_bound_naming_why(
+    tmp_path: Path,
+) -> None:
+    """Stage 1's server dies in step 1's backward (SWARM_FAULTS): the trainer then retries
+    without end (or gives up, naming why). The pass stops within its stall bound, far inside
+    the phase's 600 s timeout (this test's own timeout is shorter), prints the stall and the
+    trainer's last errors, and runs nothing after it; no process is left."""
+    code, output = ratio(
+        tmp_path,
+        "--shapes",
+        "short,long",
+        "--smoke",
+        "--stall-s",
+        "20",
+        "--server-faults",
+        "stage1:backward@1",
+        timeout=300,
+    )
+    assert code == 1, output
+    r = report(output)
+    short = r["shapes"]["short"]["rows"]["swarm"]
+    error = short["error"]
+    # the trainer stalled after step 0 or gave up by itself: either way it is said, with why
+    assert "stalled: no committed step in 20 s after step 0" in error or "exit " in error, error
+    assert "the trainer's last errors:" in error and "failed" in error, error
+    assert "short-swarm-stage-1.log: " in error and "backward@1" in error, error
+    assert (
+        r["shapes"]["long"]["rows"]["swarm"]
+        == {"skipped": "an earlier run stalled: no committed step in 20 s after step 0"}
+        or "exit " in error
+    )
+    assert not left_running(work_dir(output))
