@@ -46,9 +46,6 @@ from swarm.rpc.lease import Replica
 __all__ = ["PeerRegistry", "Shown"]
 
 log = logging.getLogger(__name__)
-# A serving peer reports its load every second: this long without one, status says so
-# (`silent_for`) rather than show it `serving` until the coordinator drops it (issue 68 item 3).
-REPORT_GAP_S = 3.0
 
 
 @dataclass(slots=True)
@@ -314,7 +311,7 @@ class PeerRegistry:
                     state = cpb.PEER_STATE_JOINING
                     joining = waits.get(p.peer) or (
                         "its load reports stopped"
-                        if self._quiet(job_id, p.peer) > self.load_silence_s
+                        if self.quiet(job_id, p.peer) > self.load_silence_s
                         else "waiting for a step's end to download state from a member"
                     )
             elif p.state == cpb.PEER_STATE_JOINING:
@@ -420,7 +417,7 @@ class PeerRegistry:
         p = self.peers.get(peer)
         return p.samples_per_second.get(stage, 0.0) if p is not None else 0.0
 
-    def _quiet(self, job_id: str, peer: str) -> float:
+    def quiet(self, job_id: str, peer: str) -> float:
         """Seconds since `peer`'s last load report for this job, or, before its first, since it
         was first seen serving the job (0: neither)."""
         load = self._loads.get(peer)
@@ -433,16 +430,9 @@ class PeerRegistry:
             at = since[1]  # no report for the job yet
         return self.clock.now() - at
 
-    def silent_for(self, job_id: str, peer: str) -> float:
-        """Seconds `peer` has sent `job_id` no load report, once that is over `REPORT_GAP_S`
-        (several of its one-a-second reports missed: a pulled router, long before it is left
-        out at `load_silence_s`); 0: it reports."""
-        quiet = self._quiet(job_id, peer)
-        return quiet if quiet > REPORT_GAP_S else 0.0
-
     def _silent(self, job_id: str, peer: str) -> bool:
-        """Whether `peer` has been quiet for longer than `load_silence_s` (`_quiet`)."""
-        quiet = self._quiet(job_id, peer)
+        """Whether `peer` has been quiet for longer than `load_silence_s` (`quiet`)."""
+        quiet = self.quiet(job_id, peer)
         if quiet <= self.load_silence_s:
             self._silent_logged.discard(peer)
             return False

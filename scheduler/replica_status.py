@@ -15,7 +15,12 @@ from scheduler.registry import PeerRegistry, Shown
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 
-__all__ = ["replica_status", "unreachable_warnings"]
+__all__ = ["REPORT_GAP_S", "replica_status", "unreachable_warnings"]
+
+# A serving peer reports its load every second: this long without one (several missed: a pulled
+# router), status says since when, rather than show it `serving` until the coordinator drops it
+# at `load_silence_s` (issue 68 item 3).
+REPORT_GAP_S = 3.0
 
 
 def replica_status(
@@ -23,7 +28,8 @@ def replica_status(
 ) -> spb.Replica:
     """`wall`: the time of day, to say since when a serving replica has been silent."""
     p = shown.announcement
-    silent = registry.silent_for(p.job, p.peer) if shown.state == cpb.PEER_STATE_SERVING else 0.0
+    quiet = registry.quiet(p.job, p.peer) if shown.state == cpb.PEER_STATE_SERVING else 0.0
+    silent = quiet if quiet > REPORT_GAP_S else 0.0
     report = registry.reachability(p.peer)
     reachability = report.reachability if report is not None else cpb.REACHABILITY_UNKNOWN
     detail = ""
