@@ -142,7 +142,7 @@ def status_lines(
                 path_text(r),
                 rates_text(r.upload_bytes_per_second, r.download_bytes_per_second),
                 str(r.activation_capacity) if r.activation_capacity else "-",
-                peer_state_name(r.state) + (f": {shown(r.joining)}" if r.joining else ""),
+                _state_text(r, now),
             ]
             for r in st.replicas
         ]
@@ -157,6 +157,15 @@ def status_lines(
     if events and s.events:
         lines += ["", "events:", *(f"  {e}" for e in event_lines(s, events))]
     return lines
+
+
+def _state_text(r: scheduler_pb2.Replica, now: float) -> str:
+    """A replica's state as known: what a joining one waits for, and since when a serving one
+    has sent no load report (issue 68 item 3: not `serving` through a pulled router)."""
+    text = peer_state_name(r.state) + (f": {shown(r.joining)}" if r.joining else "")
+    if r.silent_since:
+        text += f", silent since {_clock_time(r.silent_since)} ({now - r.silent_since:.0f} s)"
+    return text
 
 
 def path_text(r: scheduler_pb2.Replica) -> str:

@@ -39,21 +39,30 @@ class Outage:
     retry_for_s: float
     clock: Callable[[], float] = time.time  # wall time: "since" is a time of day
     backoff: Backoff = field(default_factory=_pauses)
-    since: float | None = None  # when the first unanswered ask of this outage failed
+    # When the scheduler went silent: its last answer (issue 68 item 5: a home's outage is
+    # stamped from there, not from the moment an ask's deadline ran out, 30 s later).
+    since: float | None = None
+    last_answer: float | None = None  # when it last answered this view (None: never yet)
+
+    def overdue(self) -> float:
+        """An ask is still unanswered after the view's notice (`SchedulerClient.get_through`):
+        the outage has begun, since the last answer (returned); the ask may still come back."""
+        if self.since is None:
+            self.since = self.last_answer if self.last_answer is not None else self.clock()
+        return self.since
 
     def failed(self) -> float | None:
         """An ask went unanswered just now: the pause before the next one, or None when the
         outage has lasted `retry_for_s` (give up)."""
         now = self.clock()
-        if self.since is None:
-            self.since = now
-        if now - self.since >= self.retry_for_s:
+        if now - self.overdue() >= self.retry_for_s:
             return None
         return self.backoff.next()
 
     def answered(self) -> float | None:
         """The scheduler answered: how long the outage it ends lasted (None: there was none)."""
         since, self.since = self.since, None
+        self.last_answer = self.clock()
         self.backoff.reset()
         return None if since is None else self.clock() - since
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 import tomllib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 __all__ = ["TERMINAL_STATES", "ClientError", "SchedulerClient", "state_name"]
 
 MiB = 1 << 20
+# How long an ask of a view (`get_through`) may go unanswered before the view says the
+# scheduler is silent: with `status --watch`'s 1 s interval, an outage shows within 10 s
+# (issue 68 item 5), while the ask itself keeps its whole deadline.
+NOTICE_S = 5.0
 JobStatus = scheduler_pb2.JobStatus
 _Statuses = list[JobStatus]  # inside SchedulerClient, `list` names its method
 
@@ -148,14 +152,20 @@ class SchedulerClient:
         await self._unary(self._stub.DeleteJob, scheduler_pb2.SchedulerDeleteJobRequest(job=job))
 
     async def get_through(
-        self, job: str, outage: Outage, on_unreachable: Callable[[Outage], None]
+        self,
+        job: str,
+        outage: Outage,
+        on_unreachable: Callable[[Outage], None],
+        notice_s: float = NOTICE_S,
     ) -> JobStatus:
         """`get`, asked again (backing off) while the scheduler does not answer: `on_unreachable`
-        sees the `outage` after each unanswered ask. Raises the last error once the outage has
-        lasted `outage.retry_for_s`, and at once for one that asking again cannot mend."""
+        sees the `outage` after each unanswered ask, and every `notice_s` an ask goes on
+        unanswered (a pulled router leaves a call hanging until its deadline, `timeout_s`: the
+        view says so long before). Raises the last error once the outage has lasted
+        `outage.retry_for_s`, and at once for one that asking again cannot mend."""
         while True:
             try:
-                status = await self.get(job)
+                status = await self._noticed(self.get(job), outage, on_unreachable, notice_s)
             except ClientError as e:
                 pause = outage.failed() if e.unanswered else None
                 if pause is None:
@@ -169,6 +179,25 @@ class SchedulerClient:
                 continue
             outage.answered()
             return status
+
+    @staticmethod
+    async def _noticed(
+        ask: Awaitable[JobStatus],
+        outage: Outage,
+        on_unreachable: Callable[[Outage], None],
+        notice_s: float,
+    ) -> JobStatus:
+        """`ask`'s answer; while it is unanswered, `on_unreachable(outage)` every `notice_s`,
+        the outage timed from the last answer (`Outage.overdue`). The ask is not cut short: a
+        slow scheduler that answers late is still heard."""
+        task = asyncio.ensure_future(ask)
+        try:
+            while not (await asyncio.wait({task}, timeout=notice_s))[0]:
+                outage.overdue()
+                on_unreachable(outage)
+            return task.result()
+        finally:
+            task.cancel()  # a no-op once it is done; Ctrl-C must not leave the ask behind
 
     async def wait(
         self,

@@ -311,7 +311,7 @@ class PeerRegistry:
                     state = cpb.PEER_STATE_JOINING
                     joining = waits.get(p.peer) or (
                         "its load reports stopped"
-                        if self._quiet(job_id, p.peer) > self.load_silence_s
+                        if self.quiet(job_id, p.peer) > self.load_silence_s
                         else "waiting for a step's end to download state from a member"
                     )
             elif p.state == cpb.PEER_STATE_JOINING:
@@ -417,7 +417,7 @@ class PeerRegistry:
         p = self.peers.get(peer)
         return p.samples_per_second.get(stage, 0.0) if p is not None else 0.0
 
-    def _quiet(self, job_id: str, peer: str) -> float:
+    def quiet(self, job_id: str, peer: str) -> float:
         """Seconds since `peer`'s last load report for this job, or, before its first, since it
         was first seen serving the job (0: neither)."""
         load = self._loads.get(peer)
@@ -431,8 +431,8 @@ class PeerRegistry:
         return self.clock.now() - at
 
     def _silent(self, job_id: str, peer: str) -> bool:
-        """Whether `peer` has been quiet for longer than `load_silence_s` (`_quiet`)."""
-        quiet = self._quiet(job_id, peer)
+        """Whether `peer` has been quiet for longer than `load_silence_s` (`quiet`)."""
+        quiet = self.quiet(job_id, peer)
         if quiet <= self.load_silence_s:
             self._silent_logged.discard(peer)
             return False

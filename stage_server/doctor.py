@@ -2,9 +2,11 @@
 found, and a failed one says what to do: torch sees the device; the torch build has kernels for
 this GPU's architecture; free device and host memory hold the largest stage of a job (`--job`);
 the broker takes this peer's login, the scheduler the swarm token, and the path others take to
-this machine (direct, or behind NAT through a relay) (`--broker`, `--scheduler`, or all from an
-invite: `--join FILE`; `stage_server.peer.network_checks`). A stage server runs the device
-checks at its start (`preflight`), so a machine that cannot serve says so before it joins.
+this machine (direct, or behind NAT through a relay), each host's name looked up first, as
+its own check with its own fix (`stage_server.peer.name_check`) (`--broker`, `--scheduler`,
+or all from an invite: `--join FILE`; `stage_server.peer.network_checks`). A stage server runs
+the device checks at its start (`preflight`), so a machine that cannot serve says so before it
+joins.
 
 The device facts come through `swarm.device.facts.DeviceFacts`, so the checks run on a CPU-only
 machine in the tests with fakes; the network checks log in and call for real (a test starts what
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from stage_server.peer.name_check import Resolver, SystemResolver, host_of, name_check
 from stage_server.peer.network_checks import (
     Check,
     broker_login,
@@ -34,6 +37,7 @@ from swarm.device.facts import (
     TorchFacts,
     find_device,
     missing_kernels,
+    pick_device,
     resolve_device,
     use_device,
 )
@@ -45,6 +49,7 @@ from swarm.net.tls import add_tls_flags
 __all__ = ["Check", "add_arguments", "diagnose", "preflight", "run", "stage_bytes"]
 
 GiB = 1 << 30
+AUTO = "auto"  # `--device auto`: the doctor picks (`pick_device`) and says which
 
 
 def preflight(spec: str, facts: DeviceFacts | None = None) -> torch.device:
@@ -77,6 +82,8 @@ def stage_bytes(job_path: Path) -> tuple[int, int, int]:
 
 
 def _device_checks(spec: str, facts: DeviceFacts) -> tuple[list[Check], torch.device | None]:
+    picked = spec == AUTO
+    spec = pick_device(facts) if picked else spec
     build = facts.cuda_build()
     torch_found = f"torch {facts.torch_version()}, " + (
         f"built for CUDA {build}" if build else "a CPU-only build"
@@ -92,11 +99,13 @@ def _device_checks(spec: str, facts: DeviceFacts) -> tuple[list[Check], torch.de
             else "pass a --device this machine has (listed above)"
         )
         return [*checks, Check("device", False, str(e), fix)], None
+    how = f" (picked: serve with --device {spec})" if picked else ""
     if device.type != "cuda":
-        return [*checks, Check("device", True, f"{device}")], device
+        return [*checks, Check("device", True, f"{device}{how}")], device
     index = device.index or 0
     major, minor = facts.capability(index)
-    checks.append(Check("device", True, f"{device}: {facts.name(index)} (sm_{major}{minor})"))
+    name = f"{device}: {facts.name(index)} (sm_{major}{minor}){how}"
+    checks.append(Check("device", True, name))
     problem = missing_kernels(facts, index)
     if problem:
         head, _, fix = problem.partition(". Install")
@@ -136,24 +145,53 @@ def diagnose(
     *,
     token: str | None = None,
     peer: str = "",
+    resolver: Resolver | None = None,
 ) -> list[Check]:
     """Every check `swarm doctor` makes, in order: the device's, then the network's, each made
-    as the peer makes it (the broker's login, the scheduler's authenticated call, the path)."""
+    as the peer makes it (the hosts' names looked up through `resolver`, the system's by
+    default; the broker's login, the scheduler's authenticated call, the path)."""
     checks, device = _device_checks(spec, facts)
     if job is not None and device is not None:
         checks += _memory_checks(job, device, facts)
-    return checks + asyncio.run(_network_checks(broker, scheduler, timeout, token, peer))
+    resolver = resolver or SystemResolver()
+    network = _network_checks(broker, scheduler, timeout, token, peer, resolver)
+    return checks + asyncio.run(network)
 
 
 async def _network_checks(
-    broker: str | None, scheduler: str | None, timeout: float, token: str | None, peer: str
+    broker: str | None,
+    scheduler: str | None,
+    timeout: float,
+    token: str | None,
+    peer: str,
+    resolver: Resolver,
 ) -> list[Check]:
-    checks, relays, seen = [], None, ""
+    # Each host's name first: a call whose lookup ran out its deadline would blame its server.
+    names: dict[str, Check] = {}
+    for address in filter(None, (broker, scheduler)):
+        target = host_of(address)
+        if target is not None and target[0] not in names:
+            names[target[0]] = await name_check(*target, resolver, timeout)
+    checks, relays, seen = list(names.values()), None, ""
+
+    def unnamed(address: str, what: str) -> Check | None:
+        """`what`'s check when its host's name did not resolve: not asked, said so."""
+        target = host_of(address)
+        name = names.get(target[0]) if target is not None else None
+        if name is None or name.ok:
+            return None
+        found = "not asked: its host's name did not resolve (see the name check)"
+        return Check(what, False, found, name.fix)
+
     if broker:
-        login, relays = await broker_login(broker, peer, token, timeout)
+        login = unnamed(broker, "broker")
+        if login is None:
+            login, relays = await broker_login(broker, peer, token, timeout)
         checks.append(login)
     if scheduler:
-        call, seen = await scheduler_call(scheduler, token, timeout)
+        call = unnamed(scheduler, "scheduler")
+        if call is None:
+            call, seen = await scheduler_call(scheduler, token, timeout)
         checks.append(call)
     if checks and all(c.ok for c in checks) and relays is not None and scheduler:
         checks.append(path_check(local_host(scheduler), seen, relays))
@@ -161,7 +199,13 @@ async def _network_checks(
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
-    add_flag(p, "device", "cpu", "the device a stage server would compute on: cpu, cuda:N, mps")
+    add_flag(
+        p,
+        "device",
+        AUTO,
+        "the device a stage server would compute on: cpu, cuda:N, mps, or auto (the GPU with "
+        "the most free memory that this torch runs on, else mps, else cpu; said in its check)",
+    )
     p.add_argument("--job", type=Path, help="a job file: does its largest stage fit here?")
     add_flag(p, "broker", None, "the swarm's MQTT broker URL: does it take this peer's login?")
     add_flag(p, "scheduler", None, "the scheduler's host:port: does it take the swarm token?")

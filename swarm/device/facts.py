@@ -109,6 +109,17 @@ def describe_devices(facts: DeviceFacts) -> str:
     return ", ".join(names)
 
 
+def pick_device(facts: DeviceFacts) -> str:
+    """The `--device` this machine serves best on (`--device auto`, the doctor's default): the
+    GPU with the most free memory that the torch build runs on, else an Apple GPU, else the
+    CPU. An invite's next step then fits whoever runs it, a CPU-only friend too (issue 68)."""
+    if facts.cuda_available():
+        usable = [i for i in range(facts.device_count()) if missing_kernels(facts, i) is None]
+        if usable:
+            return f"cuda:{max(usable, key=lambda i: (facts.free_total(i)[0], -i))}"
+    return "mps" if facts.mps_available() else "cpu"
+
+
 def resolve_device(spec: str, facts: DeviceFacts) -> torch.device:
     """The device `--device spec` names, with its index (`cuda` is `cuda:0`), once this machine
     has it (`find_device`) and the torch build has kernels for it (`missing_kernels`); else a

@@ -314,7 +314,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     print(
         f"wrote {out} (0600: it holds the swarm token{' and a private key' if invite.key else ''})"
         f"; send it to {args.name} privately. They run:\n"
-        f"  swarm doctor --join {out.name}\n"
-        f"  swarm stage-server --join {out.name} --device cuda:0{nat}"
+        f"  swarm doctor --join {out.name}   # its device check names their --device\n"
+        f"  swarm stage-server --join {out.name} --device DEVICE   # the device doctor picked{nat}"
     )
     return 0

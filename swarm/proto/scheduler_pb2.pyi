@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Replica(_message.Message):
-    __slots__ = ("peer", "address", "metrics_address", "device", "state", "samples_per_second", "joining", "reachability", "relay", "reachability_detail", "upload_bytes_per_second", "download_bytes_per_second", "boundary", "activation_capacity")
+    __slots__ = ("peer", "address", "metrics_address", "device", "state", "samples_per_second", "joining", "reachability", "relay", "reachability_detail", "upload_bytes_per_second", "download_bytes_per_second", "boundary", "activation_capacity", "silent_since")
     PEER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class Replica(_message.Message):
     DOWNLOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SILENT_SINCE_FIELD_NUMBER: _ClassVar[int]
     peer: str
     address: str
     metrics_address: str
@@ -38,7 +39,8 @@ class Replica(_message.Message):
     download_bytes_per_second: float
     boundary: _control_pb2.BoundaryTraffic
     activation_capacity: int
-    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.PeerState, str]] = ..., samples_per_second: _Optional[float] = ..., joining: _Optional[str] = ..., reachability: _Optional[_Union[_control_pb2.Reachability, str]] = ..., relay: _Optional[str] = ..., reachability_detail: _Optional[str] = ..., upload_bytes_per_second: _Optional[float] = ..., download_bytes_per_second: _Optional[float] = ..., boundary: _Optional[_Union[_control_pb2.BoundaryTraffic, _Mapping]] = ..., activation_capacity: _Optional[int] = ...) -> None: ...
+    silent_since: float
+    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.PeerState, str]] = ..., samples_per_second: _Optional[float] = ..., joining: _Optional[str] = ..., reachability: _Optional[_Union[_control_pb2.Reachability, str]] = ..., relay: _Optional[str] = ..., reachability_detail: _Optional[str] = ..., upload_bytes_per_second: _Optional[float] = ..., download_bytes_per_second: _Optional[float] = ..., boundary: _Optional[_Union[_control_pb2.BoundaryTraffic, _Mapping]] = ..., activation_capacity: _Optional[int] = ..., silent_since: _Optional[float] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("stage", "layers", "replicas")

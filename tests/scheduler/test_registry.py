@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 
 import pytest
 
+from client.live import status_lines
 from scheduler.assignments import Assignments, Say
 from scheduler.registry import PeerRegistry
 from scheduler.replica_status import replica_status
@@ -19,6 +21,7 @@ from swarm.clock import FakeClock
 from swarm.policy.placement import place_new
 from swarm.policy.speeds import MAX_SAMPLES_PER_SECOND
 from swarm.proto import control_pb2 as cpb
+from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Replica
 
 SILENCE_S = 10.0
@@ -405,6 +408,31 @@ def test_status_shows_what_a_replica_sent_across_its_boundaries() -> None:
     other.boundary.CopyFrom(traffic)
     reg.report_load(other)  # about another stage: not this one's traffic
     assert boundary() == cpb.BoundaryTraffic()
+
+
+def test_status_says_since_when_a_serving_replica_has_been_silent() -> None:
+    """Issue 68 item 3: for 17 s after a home's router was pulled, status showed its peers as
+    `serving`. Three missed load reports on, it says since when each has been silent."""
+    clock = FakeClock()
+    reg = registry(clock)
+    reg.announce(serving("a", 1))
+    reg.report_load(load("a", 1, seconds=0.1))
+
+    def replica() -> spb.Replica:
+        (shown,) = reg.shown("j", {"a"})
+        return replica_status(shown, reg, wall=lambda: 1_000_000.0 + clock.now())
+
+    assert replica().silent_since == 0.0  # it reports
+    clock.advance(2.0)
+    assert replica().silent_since == 0.0  # a report or two late: not yet said
+    clock.advance(3.0)
+    r = replica()
+    assert r.silent_since == 1_000_000.0  # its last report's time of day
+    status = spb.JobStatus(job="j", stages=[spb.StageStatus(stage=1, replicas=[r])])
+    at = time.strftime("%H:%M:%S", time.localtime(r.silent_since))
+    assert f"serving, silent since {at} (5 s)" in "\n".join(status_lines(status, now=1_000_005.0))
+    reg.report_load(load("a", 1, seconds=0.1))
+    assert replica().silent_since == 0.0  # back
 
 
 @pytest.mark.attack("64-speeds")

@@ -4,6 +4,8 @@ command on this machine."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import socket
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import pytest
 
 from stage_server.doctor import diagnose, stage_bytes
 from stage_server.peer.network_checks import path_check
+from swarm.net import invite
 from tests.support.devices import FakeFacts, Gpu
 from tests.support.jobs import write_job
 from tests.support.ports import free_port
@@ -130,3 +133,78 @@ def test_the_doctor_escapes_what_relays_announce() -> None:
     found = path_check("192.168.1.10", "198.51.100.2", hostile).found
     assert "\x1b" not in found and "\n" not in found and "\x07" not in found, found
     assert "relay-\\x1b]0;pwned\\x07 (203.0.113.5:7100\\x1b[2J\\nok   all good)" in found
+
+
+class _Resolver:
+    """Looks names up as told: `hangs` never answers (a resolver that times out), others fail
+    as a name nobody knows."""
+
+    def __init__(self, hangs: str) -> None:
+        self.hangs, self.asked = hangs, list[str]()
+
+    async def resolve(self, host: str, port: int) -> list[str]:
+        self.asked.append(host)
+        if host == self.hangs:
+            await asyncio.Event().wait()
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+
+def test_a_slow_name_lookup_is_its_own_check_not_a_scheduler_that_does_not_answer() -> None:
+    """Issue 68 item 7: with a slow resolver the doctor said the scheduler `does not answer …
+    fix: start the scheduler`. The name is looked up first, once per host, and is the finding,
+    with the resolver's fix; the calls its failure would spoil are not made."""
+    resolver = _Resolver(hangs="swarm.home.example")
+    checks = diagnose(
+        "cpu",
+        FakeFacts(),
+        broker="mqtts://swarm.home.example:8883",
+        scheduler="swarm.home.example:50050",
+        timeout=0.2,
+        resolver=resolver,
+    )
+    assert resolver.asked == ["swarm.home.example"]  # one host, one lookup
+    found = {c.name: c for c in checks}
+    assert [c.name for c in checks] == ["torch", "device", "name", "broker", "scheduler"]
+    assert "swarm.home.example did not resolve within 0.2 s" in found["name"].found
+    assert "resolver" in found["name"].fix
+    for call in ("broker", "scheduler"):
+        assert found[call].found.startswith("not asked: its host's name did not resolve")
+        assert "start the" not in found[call].fix, found[call]
+    unknown = diagnose(
+        "cpu", FakeFacts(), scheduler="shed.example:50050", timeout=0.2, resolver=resolver
+    )
+    (name,) = [c for c in unknown if c.name == "name"]
+    assert "shed.example does not resolve" in name.found and "check the host name" in name.fix
+
+
+def test_the_doctor_picks_the_device_and_an_invite_names_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 68 item 8: the invite's next step said `--device cuda:0`, even to a CPU-only
+    friend. It names no device; the doctor's `--device auto` (its default) picks one and says
+    which: the GPU this torch runs on with the most free memory, else the CPU."""
+    busy, free, old = Gpu(free=10 * GiB), Gpu(free=70 * GiB), Gpu(name="old", capability=(3, 5))
+    for facts, picked in [
+        (FakeFacts(cuda=None), "cpu"),
+        (FakeFacts(gpus=[busy, free]), "cuda:1"),
+        (FakeFacts(gpus=[old]), "cpu"),  # no kernels for it: not picked
+    ]:
+        (device,) = [c for c in diagnose("auto", facts) if c.name == "device"]
+        assert device.ok and f"(picked: serve with --device {picked})" in device.found
+        assert device.found.startswith(picked)
+    parser = argparse.ArgumentParser()
+    invite.add_arguments("invite", parser)
+    out = tmp_path / "bob.invite.json"
+    (tmp_path / "token").write_text("t")
+    flags = [
+        "--broker",
+        "mqtt://h:1883",
+        "--scheduler",
+        "h:1",
+        "--token-file",
+        str(tmp_path / "token"),
+    ]
+    args = parser.parse_args(["bob", "--out", str(out), *flags])
+    assert invite.run("invite", args) == 0
+    said = capsys.readouterr().out
+    assert f"swarm doctor --join {out.name}" in said and "cuda" not in said
