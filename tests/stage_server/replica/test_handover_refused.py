@@ -14,7 +14,7 @@ import torch
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing
 from swarm.device.shm_handover import SharedMemoryHandover
-from swarm.errors import InvalidArgument
+from swarm.errors import HandoverRefused
 from swarm.ops import faults
 from swarm.proto import tensor_pb2
 
@@ -37,7 +37,7 @@ def test_an_armed_server_refuses_every_handover_and_a_disarmed_one_takes_it(
     try:
         assert faults.arm("handover-refuse@0")[0].point == faults.Point.HANDOVER_REFUSE
         assert faults.refuses_handover()
-        with pytest.raises(InvalidArgument, match="'inputs': handover refused"):
+        with pytest.raises(HandoverRefused, match="tensor 'inputs': injected fault"):
             handing.take(0, meta)
         faults.arm("")
         assert not faults.refuses_handover()
