@@ -118,6 +118,8 @@ ATTACKS: dict[str, str] = {
     "report's timing tells closed ports from silent ones",
     "64-relay": "one source holds all of a NAT'd peer's relay tunnels; a home's /56 counts as 256 "
     "sources",
+    "64-compose": "compose.yaml publishes the job API, the broker and /metrics, in clear text, on "
+    "every interface (Docker's published ports bypass ufw)",
 }
 
 
