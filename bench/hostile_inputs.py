@@ -120,6 +120,8 @@ ATTACKS: dict[str, str] = {
     "sources",
     "64-compose": "compose.yaml publishes the job API, the broker and /metrics, in clear text, on "
     "every interface (Docker's published ports bypass ufw)",
+    "64-first-seen": "after a scheduler restart, a ban rolls back as if every member present at "
+    "its start came at step 0 (who came when is not kept)",
 }
 
 

@@ -11,8 +11,9 @@ job for good, and its influence is replayed away.
 - **Replayed away**: any of its answers may have been wrong, not only the one caught, and every
   microbatch it touched moved every stage's gradient. So the job rolls back to the last
   checkpoint at or before the first step it could have worked on unaudited (`since`): its
-  `first_seen` (the first lease given while it was a member; 0 for those present when a
-  coordinator started mid-job, which cannot know), but no further back than its doubt window
+  `first_seen` (the first lease given while it was a member, kept in the job's `BanBook` so
+  that a restarted scheduler knows it; 0 for those present when a coordinator started mid-job
+  and kept nowhere, which it cannot know), but no further back than its doubt window
   (`doubt_window`, issue 64: the depth was the liar's to choose, a peer honest for K steps
   that lied once erased K steps, and after a scheduler restart the whole job). The window is
   the steps within which the audits, at the job's `audit_fraction`, would have caught a peer
@@ -109,6 +110,15 @@ class BanBook(Protocol):
         and the ban holds as long as this coordinator."""
         ...
 
+    def seen(self) -> dict[str, int]:
+        """The first step each peer was a member of the job at, as `see` kept it."""
+        ...
+
+    def see(self, peer: str, step: int) -> None:
+        """Keep `step` as the first `peer` was a member at (unless an earlier one is kept); a
+        write that fails is logged, and a restart takes the peer as present from step 0."""
+        ...
+
 
 class Bans:
     def __init__(
@@ -132,7 +142,8 @@ class Bans:
         self.roll_back_to: Callable[[int], None] = _unbound
         self.void: Callable[[StepLedger, int, str], Awaitable[None]] = _unbound
         self.banned: dict[str, str] = {}  # peer -> the evidence
-        self.first_seen: dict[str, int] = {}  # peer -> the first step it was a member at
+        # peer -> the first step it was a member at, kept in `book` across coordinators
+        self.first_seen: dict[str, int] = dict(book.seen()) if book is not None else {}
         self.caught_at: dict[str, int] = {}  # peer -> the step of the microbatch it was caught at
         self._origin: int | None = None  # the first step this coordinator leased work of
         self.contributions = Contributions.of(job)
@@ -176,8 +187,17 @@ class Bans:
             self._replicas[k] = len(stage)
             for r in stage:
                 self._addresses[r.peer] = r.address
-                if r.peer not in self.first_seen:
-                    self.first_seen[r.peer] = 0 if step == self._origin else step
+                known = self.first_seen.get(r.peer)  # kept ones stand: a restart keeps them
+                if known is None:
+                    self._first(r.peer, 0 if step == self._origin else step)
+                elif step < known:  # a step replayed after a rollback: it worked there again
+                    self._first(r.peer, step)
+
+    def _first(self, peer: str, step: int) -> None:
+        """`peer` was a member at `step`, before any step known so far: kept in the book too."""
+        self.first_seen[peer] = step
+        if self.book is not None:
+            self.book.see(peer, step)
 
     async def screen(
         self, trainer: str, result: MicrobatchResult, ledger: StepLedger | None
@@ -193,7 +213,7 @@ class Bans:
         # `saw` missed it there) may still have been routed to by a trainer following it.
         for peer in result.touched:
             if result.step < self.first_seen.get(peer, result.step + 1):
-                self.first_seen[peer] = result.step
+                self._first(peer, result.step)
         for verdict in result.verdicts:
             if verdict.peer not in self.banned and self._convicts(verdict):
                 await self._ban(verdict.peer, verdict.stage, verdict.evidence, result.step)
@@ -242,7 +262,8 @@ class Bans:
         since = min(self.first_seen.get(peer, step), step)
         # A peer admitted after its step's leases went out and caught as an auditor was seen by
         # neither `saw` nor a result's path: its first step is the one it was caught at.
-        self.first_seen.setdefault(peer, since)
+        if peer not in self.first_seen:
+            self._first(peer, since)
         window = doubt_window(self.job, self._replicas.get(stage, 1))
         if window is not None:  # no deeper than the audits leave a steady liar unseen
             since = max(since, step - window)

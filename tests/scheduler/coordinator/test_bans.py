@@ -9,19 +9,21 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.bans import Ban, Bans, doubt_window
+from scheduler.coordinator.bans import Ban, BanBook, Bans, doubt_window
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
+from scheduler.store import JobStore
+from scheduler.stored_bans import StoredBans
 from swarm.job.config import JobConfig
 from swarm.rpc.lease import MicrobatchResult, Replica, Verdict
 from tests.support.jobs import make_job
 
 
 def _bans(
-    job: JobConfig | None = None,
+    job: JobConfig | None = None, book: BanBook | None = None
 ) -> tuple[Bans, list[int], list[tuple[int, int, str]], list[str]]:
     said: list[str] = []
-    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), said.append, job)
+    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), said.append, job, book)
     rolled: list[int] = []
     voided: list[tuple[int, int, str]] = []
 
@@ -109,6 +111,12 @@ class _Book:
         self.bans.append(ban)
         self.order.append(ban)
 
+    def seen(self) -> dict[str, int]:
+        return {}
+
+    def see(self, peer: str, step: int) -> None:
+        pass
+
 
 async def test_kept_bans_hold_from_the_start_and_a_new_one_is_kept_before_its_rollback() -> None:
     order: list[object] = []
@@ -160,6 +168,33 @@ async def test_a_liar_honest_for_k_steps_rolls_back_only_its_doubt_window(
     ledger = StepLedger(step=40, microbatches=8, stages=2, microbatch_size=1)
     assert await bans.screen("t", _result(40, 0, touched=("liar",), verdicts=(verdict,)), ledger)
     assert rolled == [39] and "at or before step 39" in said[0]
+
+
+@pytest.mark.attack("64-first-seen")
+async def test_a_restarted_scheduler_keeps_when_each_member_came(tmp_path: Path) -> None:
+    """Issue 64, item 3: a coordinator started mid-job took every peer present at its start as
+    a member from step 0, so after a scheduler restart a liar that came at step 20 and lied at
+    35 rolled the job back to step 0 (or as far as its doubt window, 76 steps here). When each
+    member came is kept in the job store: the rollback goes to step 20, after a restart too."""
+    job = _audited(tmp_path, 0.045)
+    with JobStore(tmp_path / "jobs.db") as store:
+        job_id = store.create("j", "spec", "/data", 100).id
+        first, rolled, _, _ = _bans(job, StoredBans(store, job_id))
+        for step in range(0, 30):
+            liar = [Replica("liar", "l:1")] if step >= 20 else []
+            first.saw([[Replica("b", "b:1")], [Replica("a", "a:1"), *liar]], step)
+        restarted, rolled, _, said = _bans(job, StoredBans(store, job_id))
+        for step in range(30, 36):  # its first lease: step 30, the liar a member at its start
+            restarted.saw(
+                [[Replica("b", "b:1")], [Replica("a", "a:1"), Replica("liar", "l:1")]], step
+            )
+        await restarted.ban("liar", 1, "its outputs differ", 35)
+        assert rolled == [20] and "at or before step 20" in said[0]
+        assert store.seen(job_id) == {"a": 0, "b": 0, "liar": 20}
+        # a later step never moves it on, an earlier one (a replay after a rollback) back
+        restarted.saw([[Replica("c", "c:1")]], 40)
+        restarted.saw([[Replica("c", "c:1")]], 37)
+        assert store.seen(job_id)["c"] == 37
 
 
 def test_the_doubt_window_is_where_a_steady_liar_escapes_the_audits(tmp_path: Path) -> None:
