@@ -122,6 +122,8 @@ ATTACKS: dict[str, str] = {
     "every interface (Docker's published ports bypass ufw)",
     "64-first-seen": "after a scheduler restart, a ban rolls back as if every member present at "
     "its start came at step 0 (who came when is not kept)",
+    "64-entry": "a banned liar returns under fresh ids as often as it likes: twenty new ids join a "
+    "stage at one step boundary",
 }
 
 
