@@ -124,6 +124,8 @@ ATTACKS: dict[str, str] = {
     "its start came at step 0 (who came when is not kept)",
     "64-entry": "a banned liar returns under fresh ids as often as it likes: twenty new ids join a "
     "stage at one step boundary",
+    "64-credential": "an invite's holder banned under one peer id comes back under another id "
+    "its certificate certifies (ids bound to certificates)",
 }
 
 

@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 
 
 class StoredBans:
-    def __init__(self, store: JobStore, job_id: str) -> None:
-        self.store, self.job_id = store, job_id
+    def __init__(self, store: JobStore, job_id: str, binds_credentials: bool = False) -> None:
+        """`binds_credentials`: peer ids are bound to certificates (`BanBook`)."""
+        self.store, self.job_id, self.binds_credentials = store, job_id, binds_credentials
         self._unkept_said = False  # members past what the store keeps: said once
 
     def kept(self) -> list[Ban]:

@@ -101,6 +101,8 @@ async def test_a_straggler_of_another_step_is_dropped_without_voids() -> None:
 class _Book:
     """A `BanBook` in memory; `order` says when each ban was kept, among the rollbacks."""
 
+    binds_credentials = False
+
     def __init__(self, kept: list[Ban], order: list[object]) -> None:
         self.bans, self.order = kept, order
 
@@ -195,6 +197,46 @@ async def test_a_restarted_scheduler_keeps_when_each_member_came(tmp_path: Path)
         restarted.saw([[Replica("c", "c:1")]], 40)
         restarted.saw([[Replica("c", "c:1")]], 37)
         assert store.seen(job_id)["c"] == 37
+
+
+class _Binding(_Book):
+    binds_credentials = True
+
+
+@pytest.mark.attack("64-credential")
+async def test_a_ban_binds_the_liars_certificate_where_ids_are_bound_to_certificates(
+    tmp_path: Path,
+) -> None:
+    """Issue 64, "Bans bind a credential wherever one exists": a peer banned under
+    `gpu1.alice` came back as `gpu2.alice`, which the same invite certifies, and was a member
+    again (and `alice`, and `x.gpu1.alice` under a certificate named `gpu1.alice`). Where peer
+    ids are bound to certificates, a ban bars every id of the liar's credential; its other ids
+    already members are left out with it and their work rolled back too. Without that binding
+    (the shared token) a ban stays by id: a token holder announcing `x.alice` must not get
+    alice banned."""
+    stage = [Replica(p, f"{p}:1") for p in ("gpu1.alice", "gpu2.alice", "bob", "alicex")]
+    book = _Binding([], [])
+    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), None, None, book)
+    rolled: list[int] = []
+    bans.roll_back_to = rolled.append
+    bans.saw([stage[2:]], 0)
+    bans.saw([stage[1:]], 3)  # its second id joined at step 3, the one caught at 5
+    bans.saw([stage], 5)
+    await bans.ban("gpu1.alice", 0, "its outputs differ", 9)
+    back = [Replica(p, f"{p}:2") for p in ("alice", "gpu3.alice", "x.gpu1.alice")]
+    members = bans.members(lambda: [[*stage, *back]])
+    assert [r.peer for r in members()[0]] == ["bob", "alicex"]
+    assert rolled == [3]  # the work of its other id too
+    # kept: a restarted scheduler's coordinator bars them from its start
+    again = Bans(
+        "job", CoordinatorMetrics("job", CollectorRegistry()), None, None, _Binding(book.bans, [])
+    )
+    assert [r.peer for r in again.members(lambda: [[*stage, *back]])()[0]] == ["bob", "alicex"]
+    # the shared token alone binds no id to a certificate: by id only
+    by_id = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), None, None, _Book([], []))
+    by_id.roll_back_to = rolled.append
+    await by_id.ban("gpu1.alice", 0, "its outputs differ", 9)
+    assert [r.peer for r in by_id.members(lambda: [stage])()[0]] == ["gpu2.alice", "bob", "alicex"]
 
 
 def test_the_doubt_window_is_where_a_steady_liar_escapes_the_audits(tmp_path: Path) -> None:
