@@ -118,6 +118,14 @@ ATTACKS: dict[str, str] = {
     "report's timing tells closed ports from silent ones",
     "64-relay": "one source holds all of a NAT'd peer's relay tunnels; a home's /56 counts as 256 "
     "sources",
+    "64-compose": "compose.yaml publishes the job API, the broker and /metrics, in clear text, on "
+    "every interface (Docker's published ports bypass ufw)",
+    "64-first-seen": "after a scheduler restart, a ban rolls back as if every member present at "
+    "its start came at step 0 (who came when is not kept)",
+    "64-entry": "a banned liar returns under fresh ids as often as it likes: twenty new ids join a "
+    "stage at one step boundary",
+    "64-credential": "an invite's holder banned under one peer id comes back under another id "
+    "its certificate certifies (ids bound to certificates)",
 }
 
 

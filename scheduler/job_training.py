@@ -108,6 +108,9 @@ class JobTraining:
     final_save_retry_s: tuple[float, float] = (1.0, 60.0)
     # signs the commit protocol's calls (`swarm.net.commit_auth`); None: they go unsigned
     signing: SchedulerKey | None = None
+    # peer ids are bound to certificates (the embedded broker under --use-identity-as-username):
+    # a ban bars every id of the banned peer's certificate (`scheduler.coordinator.bans`)
+    bans_bind_credentials: bool = False
 
     def vouched(self, job_id: str, peer: str) -> bool:
         """Whether the scheduler gave `peer` a stage of `job_id`, or the job's coordinator
@@ -216,7 +219,7 @@ class JobTraining:
             on_rollback=rolled_back,
             on_status=status,
             on_ban=banned,
-            bans=StoredBans(self.store, job_id),  # a restarted scheduler's bans too
+            bans=StoredBans(self.store, job_id, self.bans_bind_credentials),  # kept across restarts
             metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
             checkpoint_every_s=self.checkpoint_every_s,

@@ -127,6 +127,7 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
                 embedded_trainer=opts.embedded_trainer,
                 min_replicas=opts.min_replicas,
                 dial_private=opts.dial_private,
+                bans_bind_credentials=embedded is not None and opts.use_identity_as_username,
             )
             scheduler = Scheduler(store, bus, options, registry)
             registry.register(collector(scheduler))

@@ -28,6 +28,9 @@ class SchedulerOptions:
     # stage whose only replica dies costs minutes of training, not the job. None: by steps.
     checkpoint_every_s: float | None = 300.0
     token: str | None = None  # swarm token for calls to stage servers
+    # Peer ids are bound to certificates (the embedded broker under --use-identity-as-username
+    # takes a peer's user from its certificate): a ban bars every id its certificate certifies.
+    bans_bind_credentials: bool = False
     # Replicas per stage placement gives every stage before any gets more, and rebalancing
     # leaves, for jobs whose `runtime.min_replicas` is 0 (unset).
     min_replicas: int = 1

@@ -54,8 +54,7 @@ from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Lease, MicrobatchResult, Working
 
-# `collector` and `SchedulerOptions` live in scheduler.collector and scheduler.options; named here
-# too for the scheduler's entry point.
+# `collector` (scheduler.collector), `SchedulerOptions` (scheduler.options): for the entry point
 __all__ = ["Scheduler", "SchedulerOptions", "collector"]
 
 log = logging.getLogger(__name__)
@@ -120,6 +119,7 @@ class Scheduler:
             signing=self.signing,
             embedded_trainer=opts.embedded_trainer,
             checkpoint_every_s=opts.checkpoint_every_s,
+            bans_bind_credentials=opts.bans_bind_credentials,
             announce=self._announce,
             set_status=self._set,
             coordinator_metrics=self._coordinator_metrics,

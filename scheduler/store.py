@@ -1,6 +1,6 @@
 """The scheduler's durable job store: SQLite, one connection, used from one thread; the queries
-of jobs, their steps, evaluations, events and bans (`scheduler.store_bans`; the file, its schema
-and transactions: `scheduler.store_file`).
+of jobs, their steps, evaluations, events, bans and members (`scheduler.store_bans`; the file,
+its schema and transactions: `scheduler.store_file`).
 
 Every write is its own committed transaction (WAL, synchronous=FULL), so what a call reported as
 stored survives a killed process. A step record that cannot be written (a full disk) raises
@@ -24,7 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, cast
 
-from scheduler.store_bans import MAX_BANS, BanRow, bans_of, insert_ban, replayed
+from scheduler.store_bans import MAX_BANS, BanRow, bans_of, insert_ban, replayed, see, seen_of
 from scheduler.store_file import SCHEMA_VERSION, StoreError, open_store, transaction  # re-exported
 from scheduler.store_pages import page_of, position
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -237,14 +237,9 @@ class JobStore:
         if not job.finished:
             raise FailedPrecondition(f"job {job_id!r} is {job.state}; cancel it first")
         with transaction(self._db):
-            for table, key in (
-                ("bans", "job"),
-                ("events", "job"),
-                ("evals", "job"),
-                ("steps", "job"),
-                ("jobs", "id"),
-            ):
-                self._db.execute(f"DELETE FROM {table} WHERE {key} = ?", (job_id,))
+            for table in ("members", "bans", "events", "evals", "steps"):
+                self._db.execute(f"DELETE FROM {table} WHERE job = ?", (job_id,))
+            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
         self._kept.pop(job_id, None)
 
     def finished_beyond(self, keep: int) -> Ids:
@@ -423,6 +418,14 @@ class JobStore:
     def bans(self, job_id: str) -> BanRows:
         """The job's bans, the oldest first: those its next coordinator starts with."""
         return bans_of(self._db, job_id)
+
+    def record_seen(self, job_id: str, peer: str, step: int) -> bool:
+        """Keep when `peer` was first a member of the job (`scheduler.store_bans.see`)."""
+        return see(self._db, job_id, peer, step)
+
+    def seen(self, job_id: str) -> dict[str, int]:
+        """Each peer kept by `record_seen`, with the first step it was a member at."""
+        return seen_of(self._db, job_id)
 
     # -- helpers --------------------------------------------------------------------------------
     def _require(self, job_id: str) -> JobRecord:

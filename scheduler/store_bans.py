@@ -5,7 +5,14 @@ convicted, kept so that a restarted scheduler's coordinator starts with it banne
 Bounded: a job keeps at most `MAX_BANS` (a ban costs the job a rollback, so an honest job has
 few; past that, a ban holds only as long as its coordinator and is said in the log), each reason
 cut to `MAX_BAN_REASON` characters, and an id longer than `MAX_BANNED_ID` is not kept (no
-honest peer's id is that long)."""
+honest peer's id is that long).
+
+Beside them, when each peer was first a member of the job (`see`, `seen_of`): the step a ban of
+it rolls back to at most, which a restarted scheduler would otherwise take as 0 for every peer
+present at its start (issue 64). Bounded the same way: `MAX_MEMBERS` a job (new members enter a
+pool at a bounded rate: `scheduler.coordinator.entry`), ids of up to `MAX_BANNED_ID`
+characters; a peer not kept is taken as present from step 0 after a restart, as before, its
+rollback still no deeper than its doubt window."""
 
 from __future__ import annotations
 
@@ -18,15 +25,19 @@ __all__ = [
     "MAX_BANNED_ID",
     "MAX_BANS",
     "MAX_BAN_REASON",
+    "MAX_MEMBERS",
     "BanRow",
     "bans_of",
     "insert_ban",
     "replayed",
+    "see",
+    "seen_of",
 ]
 
 MAX_BANS = 100
 MAX_BAN_REASON = 500
 MAX_BANNED_ID = 1024
+MAX_MEMBERS = 4096
 
 
 @dataclass(frozen=True)
@@ -84,3 +95,36 @@ def replayed(db: sqlite3.Connection, job_id: str, step: int) -> None:
     replicas hold that step): every ban whose work starts at `step` or later has none in it.
     Within the caller's transaction."""
     db.execute("UPDATE bans SET replayed = 1 WHERE job = ? AND since >= ?", (job_id, step))
+
+
+def see(db: sqlite3.Connection, job_id: str, peer: str, step: int) -> bool:
+    """Keep `step` as the first `peer` was a member of `job_id` at, unless an earlier one is
+    kept; False when it is not kept (its id is too long, or the job keeps `MAX_MEMBERS`).
+    StoreError when the write fails."""
+    if len(peer) > MAX_BANNED_ID:
+        return False
+    try:
+        with transaction(db):
+            if (
+                db.execute(
+                    "UPDATE members SET since = ? WHERE job = ? AND peer = ? AND since > ?",
+                    (step, job_id, peer, step),
+                ).rowcount
+                or db.execute(
+                    "SELECT 1 FROM members WHERE job = ? AND peer = ?", (job_id, peer)
+                ).fetchone()
+            ):
+                return True
+            held = db.execute("SELECT COUNT(*) FROM members WHERE job = ?", (job_id,)).fetchone()
+            if held[0] >= MAX_MEMBERS:
+                return False
+            db.execute("INSERT INTO members VALUES (?, ?, ?)", (job_id, peer, step))
+            return True
+    except sqlite3.Error as e:
+        raise StoreError(f"when {peer} joined job {job_id!r} not recorded ({e})") from e
+
+
+def seen_of(db: sqlite3.Connection, job_id: str) -> dict[str, int]:
+    """Each peer kept by `see` for `job_id`, with the first step it was a member at."""
+    rows = db.execute("SELECT peer, since FROM members WHERE job = ?", (job_id,))
+    return {r[0]: r[1] for r in rows}

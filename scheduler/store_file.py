@@ -62,6 +62,12 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             replayed INTEGER NOT NULL, time REAL NOT NULL, PRIMARY KEY (job, peer)
         )""",
     ),
+    (  # the first step each peer was a member of a job at (`scheduler.store_bans`): a ban's depth
+        """CREATE TABLE members (
+            job TEXT NOT NULL REFERENCES jobs (id), peer TEXT NOT NULL, since INTEGER NOT NULL,
+            PRIMARY KEY (job, peer)
+        )""",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 

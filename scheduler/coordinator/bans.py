@@ -8,11 +8,16 @@ job for good, and its influence is replayed away.
   The id is its credential only where the broker binds ids to credentials (a certificate named
   as the id under `--use-identity-as-username`, a Mosquitto password of its own): with the
   shared token alone, TLS or not, a liar can come back under another id, to be audited again.
+  Where the book says ids bind certificates (`BanBook.binds_credentials`: the scheduler's
+  embedded broker under `--use-identity-as-username`), a ban bars every id the banned one's
+  certificate may certify (`swarm.net.peer_names.barred`): an invite's holder banned under
+  `gpu1.alice` comes back under no id of `alice`'s (issue 64).
 - **Replayed away**: any of its answers may have been wrong, not only the one caught, and every
   microbatch it touched moved every stage's gradient. So the job rolls back to the last
   checkpoint at or before the first step it could have worked on unaudited (`since`): its
-  `first_seen` (the first lease given while it was a member; 0 for those present when a
-  coordinator started mid-job, which cannot know), but no further back than its doubt window
+  `first_seen` (the first lease given while it was a member, kept in the job's `BanBook` so
+  that a restarted scheduler knows it; 0 for those present when a coordinator started mid-job
+  and kept nowhere, which it cannot know), but no further back than its doubt window
   (`doubt_window`, issue 64: the depth was the liar's to choose, a peer honest for K steps
   that lied once erased K steps, and after a scheduler restart the whole job). The window is
   the steps within which the audits, at the job's `audit_fraction`, would have caught a peer
@@ -60,6 +65,7 @@ from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from swarm.job.config import JobConfig
+from swarm.net.peer_names import barred, credentials_of
 from swarm.net.seats import seat
 from swarm.rpc.lease import MicrobatchResult, Replica, Task, Verdict
 
@@ -100,6 +106,10 @@ class Ban:
 class BanBook(Protocol):
     """Where a job's bans outlive its coordinator (the scheduler's job store)."""
 
+    #: peer ids are bound to certificates (the broker's users are their certificates' names):
+    #: a ban bars every id its credential certifies (`swarm.net.peer_names.barred`)
+    binds_credentials: bool
+
     def kept(self) -> list[Ban]:
         """The job's bans made by the coordinators before this one."""
         ...
@@ -107,6 +117,15 @@ class BanBook(Protocol):
     def keep(self, ban: Ban) -> None:
         """Keep `ban` (durably, before its rollback starts); a write that fails is logged,
         and the ban holds as long as this coordinator."""
+        ...
+
+    def seen(self) -> dict[str, int]:
+        """The first step each peer was a member of the job at, as `see` kept it."""
+        ...
+
+    def see(self, peer: str, step: int) -> None:
+        """Keep `step` as the first `peer` was a member at (unless an earlier one is kept); a
+        write that fails is logged, and a restart takes the peer as present from step 0."""
         ...
 
 
@@ -132,15 +151,19 @@ class Bans:
         self.roll_back_to: Callable[[int], None] = _unbound
         self.void: Callable[[StepLedger, int, str], Awaitable[None]] = _unbound
         self.banned: dict[str, str] = {}  # peer -> the evidence
-        self.first_seen: dict[str, int] = {}  # peer -> the first step it was a member at
+        # peer -> the first step it was a member at, kept in `book` across coordinators
+        self.first_seen: dict[str, int] = dict(book.seen()) if book is not None else {}
         self.caught_at: dict[str, int] = {}  # peer -> the step of the microbatch it was caught at
         self._origin: int | None = None  # the first step this coordinator leased work of
         self.contributions = Contributions.of(job)
         self.contributions.seat = self._seat  # its digests' auditors, as verdicts' (`_convicts`)
         self.book = book
         self._unreplayed: list[int] = []  # kept bans' `since`, their rollbacks not run yet
+        self._binds = book is not None and book.binds_credentials
+        self._credentials: set[str] = set()  # those of the banned peers, where ids bind them
         for ban in book.kept() if book is not None else []:
             self.banned[ban.peer], self.caught_at[ban.peer] = ban.evidence, ban.step
+            self._bar(ban.peer)
             if not ban.replayed:
                 self._unreplayed.append(ban.since)
         if self.banned:
@@ -154,8 +177,17 @@ class Bans:
         return self.contributions.tasks(ledger, tasks, members)
 
     def members(self, members: Members) -> Members:
-        """`members` without the banned peers."""
-        return lambda: [[r for r in stage if r.peer not in self.banned] for stage in members()]
+        """`members` without the banned peers (and, where ids bind credentials, without every
+        id of a banned peer's credential)."""
+        return lambda: [[r for r in stage if not self.bars(r.peer)] for stage in members()]
+
+    def bars(self, peer: str) -> bool:
+        """Whether `peer` is no member: banned, or certified by a banned one's credential."""
+        return peer in self.banned or (self._binds and barred(peer, self._credentials))
+
+    def _bar(self, peer: str) -> None:
+        if self._binds:
+            self._credentials |= credentials_of(peer)
 
     def saw(self, members: Sequence[Sequence[Replica]], step: int) -> None:
         """Work of `step` was leased while these were members: their work may start there. A
@@ -176,8 +208,17 @@ class Bans:
             self._replicas[k] = len(stage)
             for r in stage:
                 self._addresses[r.peer] = r.address
-                if r.peer not in self.first_seen:
-                    self.first_seen[r.peer] = 0 if step == self._origin else step
+                known = self.first_seen.get(r.peer)  # kept ones stand: a restart keeps them
+                if known is None:
+                    self._first(r.peer, 0 if step == self._origin else step)
+                elif step < known:  # a step replayed after a rollback: it worked there again
+                    self._first(r.peer, step)
+
+    def _first(self, peer: str, step: int) -> None:
+        """`peer` was a member at `step`, before any step known so far: kept in the book too."""
+        self.first_seen[peer] = step
+        if self.book is not None:
+            self.book.see(peer, step)
 
     async def screen(
         self, trainer: str, result: MicrobatchResult, ledger: StepLedger | None
@@ -193,11 +234,11 @@ class Bans:
         # `saw` missed it there) may still have been routed to by a trainer following it.
         for peer in result.touched:
             if result.step < self.first_seen.get(peer, result.step + 1):
-                self.first_seen[peer] = result.step
+                self._first(peer, result.step)
         for verdict in result.verdicts:
             if verdict.peer not in self.banned and self._convicts(verdict):
                 await self._ban(verdict.peer, verdict.stage, verdict.evidence, result.step)
-        if not self.banned.keys() & set(result.touched):
+        if not any(self.bars(peer) for peer in result.touched):
             return False
         if ledger is not None and ledger.step == result.step:
             ledger.release(trainer, [result.index])
@@ -239,10 +280,15 @@ class Bans:
         self, peer: str, stage: int, evidence: str, step: int, by: str = "an audit"
     ) -> None:
         self.banned[peer], self.caught_at[peer] = evidence, step
+        self._bar(peer)
         since = min(self.first_seen.get(peer, step), step)
+        # where a credential is barred, its other ids' work is the liar's too
+        others = [f for p, f in self.first_seen.items() if self._binds and self.bars(p)]
+        since = min([since, *others])
         # A peer admitted after its step's leases went out and caught as an auditor was seen by
         # neither `saw` nor a result's path: its first step is the one it was caught at.
-        self.first_seen.setdefault(peer, since)
+        if peer not in self.first_seen:
+            self._first(peer, since)
         window = doubt_window(self.job, self._replicas.get(stage, 1))
         if window is not None:  # no deeper than the audits leave a steady liar unseen
             since = max(since, step - window)

@@ -125,6 +125,7 @@ class LocalCoordinator:
             on_admit=self._wake,
             grad_clip=job.training.grad_clip,
             on_joined=self._joined,
+            known=self.bans.first_seen.__contains__,  # the job's members before (kept)
         )
         self.groups = groups or Groups(clock=self.clock)
         context = RoundContext(
@@ -304,13 +305,12 @@ class LocalCoordinator:
             result.chain,
             result.back,
         )
-        # Waiting leases look again only when there is something new for them: work given back
-        # (a stage left out, to adopt or replay) or a complete step. Waking every long poll on
-        # every report would cost each report a lease computation per waiting trainer.
+        # Waiting leases look again only for something new: work given back (a stage left out,
+        # to adopt or replay) or a complete step; waking them on every report would cost each
+        # report a lease computation per waiting trainer.
         if ledger.complete or ledger.leasable() > free:
             self._wake()
-        # Before the voids below await: a caller whose deadline cancels this call must not
-        # leave a complete ledger with no commit.
+        # Before the voids below await: a call cancelled there leaves no complete ledger uncommitted
         self._maybe_commit(ledger)
         for extra in extras:  # another trainer's gradient was accepted first: void this one
             await self.two_phase.void_duplicate(ledger, extra.stage, extra.peer)

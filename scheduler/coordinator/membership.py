@@ -7,7 +7,8 @@ replica does not count (status shows it joining, with what it waits for: `waits`
 A joiner is told the coordinator's rollback epoch with each Join (`swarm.rpc.epoch`): one that
 joins after a rollback got none of its LoadStates, and would take work leased before it. It is
 admitted only on the answer to a Join that said the epoch current then: one answered across a
-rollback is asked again, with the new one."""
+rollback is asked again, with the new one. A peer new to the job starts joining within its
+stage's entry rate (`entry`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Hashable
 
+from scheduler.coordinator.entry import Entry
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import GONE, ReplicaClients
@@ -51,16 +53,20 @@ class Membership:
         on_admit: Callable[[], None] = lambda: None,
         grad_clip: float = 0.0,
         on_joined: Callable[[int, int, str, str], None] = lambda step, stage, peer, source: None,
+        known: Callable[[str], bool] | None = None,
     ) -> None:
         """`can_admit(step)`: whether a replica at `step` may become a member now (the step is
         open and no commit or rollback is under way); `on_admit()`: one did. `grad_clip`: the
         job's (a half-applied step is finished with the coefficient it was applied with).
         `ledgers()`: those of the steps not yet applied, oldest first (two with
-        delayed_update); members are at the oldest one's step."""
+        delayed_update); members are at the oldest one's step. `known(peer)`: the job had `peer`
+        as a member; the others, new to it, start joining within their stage's entry rate
+        (`entry`; None: every peer is known)."""
         self.job_id, self.members, self.clients = job_id, members, clients
         self.grad_clip = grad_clip
         self.can_admit, self.on_admit = can_admit, on_admit
         self.on_joined = on_joined  # (step, stage, peer, the member it copied): the route record
+        self.entry = Entry(clock, known or (lambda peer: True))
         # The rollback epoch the coordinator leases in now, said to each joiner (`Rollback`
         # sets it: its `leasing`).
         self.epoch: Callable[[], int] = lambda: 0
@@ -100,7 +106,11 @@ class Membership:
                 if r.peer in self.synced:
                     continue
                 failed = self._failed.get(r.peer)
-                if r.peer in self._copied:
+                if r.peer in self.entry.held:
+                    said[r.peer] = (
+                        f"waiting its turn to enter stage {stage}: {self.entry.why(stage)}"
+                    )
+                elif r.peer in self._copied:
                     said[r.peer] = (
                         "state copied; waiting for the step's commit (or the round's end) to "
                         "be admitted"
@@ -223,6 +233,7 @@ class Membership:
         self._failed = {p: f for p, f in self._failed.items() if p in current}
         for peer in [p for p in self._joining if p not in current]:
             self._joining.pop(peer).cancel()
+        self.entry.forget(current)
         await self.clients.keep(members)
         for stage, replicas in enumerate(members):
             for r in replicas:
@@ -238,6 +249,8 @@ class Membership:
                         step,
                         r.peer,
                     )
+                    continue
+                if not self.entry.admits(stage, r.peer):  # a new peer over the rate: it waits
                     continue
                 joining = self._join(stage, r, step)
                 self._joining[r.peer] = asyncio.get_running_loop().create_task(joining)

@@ -21,7 +21,13 @@ through a relay verify a peer by (`swarm.net.dial`), except that a wildcard dire
 `peer.swarm` certifies nobody. The relay's attach check (`swarm.relay.identity`), a stage
 server's check of its own certificate at start (`stage_server.peer.certificate`), `--join`'s
 choice of a second process's id (`swarm.net.invite`) and the embedded broker's users under
-`--use-identity-as-username` (`swarm.bus.gate`) all ask `certifies` or `own_id`. Pure.
+`--use-identity-as-username` (`swarm.bus.gate`) all ask `certifies` or `own_id`.
+
+Where the broker binds peer ids to certificates that way, a ban binds the credential, not only
+the id (`credentials_of`, `barred`): peer P may have been announced by a certificate named P or
+named P's parent (`gpu1.alice`: `alice`'s invite), and each of those certifies its own name
+and every id one label under it. So a ban of `gpu1.alice` bars `alice`, `LABEL.alice` and
+`LABEL.gpu1.alice`: the liar's invite cannot come back under a new id (issue 64). Pure.
 """
 
 from __future__ import annotations
@@ -32,7 +38,16 @@ from collections.abc import Iterable
 from swarm.errors import ConfigError
 from swarm.net.paths import PEER_DOMAIN, peer_name
 
-__all__ = ["RESERVED", "certified_ids", "certifies", "check_invite_name", "invite_names", "own_id"]
+__all__ = [
+    "RESERVED",
+    "barred",
+    "certified_ids",
+    "certifies",
+    "check_invite_name",
+    "credentials_of",
+    "invite_names",
+    "own_id",
+]
 
 RESERVED = ("admin", "scheduler", "relay")
 """Names an invite is never issued for: each is an authority somewhere in the swarm."""
@@ -101,3 +116,19 @@ def own_id(peer: str, name: str) -> bool:
     """Whether peer id `peer` is one an invite for `name` certifies: `name` or `LABEL.name`
     (an invite read, not issued: its name is not checked again here)."""
     return certifies(_names(name), peer)
+
+
+def credentials_of(peer: str) -> frozenset[str]:
+    """The certificate names that may have announced peer id `peer` where ids are bound to
+    certificates (`own_id`): its own, and its parent's (`alice` for `gpu1.alice`)."""
+    name = peer.lower()
+    _, dot, parent = name.partition(".")
+    return frozenset({name, parent}) if dot and parent else frozenset({name})
+
+
+def barred(peer: str, credentials: Iterable[str]) -> bool:
+    """Whether peer id `peer` is one a certificate named in `credentials` certifies (the ids
+    of a banned credential: `credentials_of`)."""
+    name = peer.lower()
+    held = set(credentials)
+    return name in held or name.partition(".")[2] in held - {""}

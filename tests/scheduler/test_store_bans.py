@@ -12,6 +12,7 @@ import pytest
 
 import scheduler.store_bans as store_bans
 from scheduler.store import BanRow, JobStore, StoreError
+from scheduler.store_bans import MAX_BANNED_ID
 
 
 @pytest.fixture
@@ -72,6 +73,7 @@ def test_a_store_of_the_schema_before_gains_the_bans(tmp_path: Path) -> None:
     with JobStore(path) as store:
         job = store.create("j", "spec", "/data", 9).id
     db = sqlite3.connect(path)  # as a swarm before kept bans left it
+    db.execute("DROP TABLE members")  # kept since (issue 64)
     db.execute("DROP TABLE bans")
     db.execute("PRAGMA user_version = 4")
     db.commit()
@@ -87,3 +89,20 @@ def test_a_ban_that_cannot_be_written_raises_store_error(tmp_path: Path) -> None
         store._db.execute("DROP TABLE bans")  # a write that fails, as on a broken file
         with pytest.raises(StoreError, match="the ban of liar"):
             store.record_ban(job, BanRow("liar", 0, 1, 0, "its outputs differ"))
+
+
+def test_when_members_came_is_kept_bounded_and_deleted_with_its_job(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 64: the first step each peer was a member at (a ban's rollback goes no deeper)."""
+    job, other = (store.create(name, "spec", "/data", 9).id for name in ("j", "k"))
+    assert store.record_seen(job, "a", 5) and store.record_seen(job, "a", 7)
+    assert store.record_seen(job, "b", 3) and store.record_seen(job, "a", 2)
+    assert store.seen(job) == {"a": 2, "b": 3}  # the earliest step kept
+    assert not store.record_seen(job, "x" * (MAX_BANNED_ID + 1), 1)
+    monkeypatch.setattr(store_bans, "MAX_MEMBERS", 2)
+    assert not store.record_seen(job, "c", 4) and store.record_seen(job, "b", 1)
+    store.record_seen(other, "a", 0)
+    store.set_state(job, "cancelled")
+    store.delete(job)
+    assert store.seen(job) == {} and store.seen(other) == {"a": 0}

@@ -9,19 +9,21 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.bans import Ban, Bans, doubt_window
+from scheduler.coordinator.bans import Ban, BanBook, Bans, doubt_window
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
+from scheduler.store import JobStore
+from scheduler.stored_bans import StoredBans
 from swarm.job.config import JobConfig
 from swarm.rpc.lease import MicrobatchResult, Replica, Verdict
 from tests.support.jobs import make_job
 
 
 def _bans(
-    job: JobConfig | None = None,
+    job: JobConfig | None = None, book: BanBook | None = None
 ) -> tuple[Bans, list[int], list[tuple[int, int, str]], list[str]]:
     said: list[str] = []
-    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), said.append, job)
+    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), said.append, job, book)
     rolled: list[int] = []
     voided: list[tuple[int, int, str]] = []
 
@@ -99,6 +101,8 @@ async def test_a_straggler_of_another_step_is_dropped_without_voids() -> None:
 class _Book:
     """A `BanBook` in memory; `order` says when each ban was kept, among the rollbacks."""
 
+    binds_credentials = False
+
     def __init__(self, kept: list[Ban], order: list[object]) -> None:
         self.bans, self.order = kept, order
 
@@ -108,6 +112,12 @@ class _Book:
     def keep(self, ban: Ban) -> None:
         self.bans.append(ban)
         self.order.append(ban)
+
+    def seen(self) -> dict[str, int]:
+        return {}
+
+    def see(self, peer: str, step: int) -> None:
+        pass
 
 
 async def test_kept_bans_hold_from_the_start_and_a_new_one_is_kept_before_its_rollback() -> None:
@@ -160,6 +170,73 @@ async def test_a_liar_honest_for_k_steps_rolls_back_only_its_doubt_window(
     ledger = StepLedger(step=40, microbatches=8, stages=2, microbatch_size=1)
     assert await bans.screen("t", _result(40, 0, touched=("liar",), verdicts=(verdict,)), ledger)
     assert rolled == [39] and "at or before step 39" in said[0]
+
+
+@pytest.mark.attack("64-first-seen")
+async def test_a_restarted_scheduler_keeps_when_each_member_came(tmp_path: Path) -> None:
+    """Issue 64, item 3: a coordinator started mid-job took every peer present at its start as
+    a member from step 0, so after a scheduler restart a liar that came at step 20 and lied at
+    35 rolled the job back to step 0 (or as far as its doubt window, 76 steps here). When each
+    member came is kept in the job store: the rollback goes to step 20, after a restart too."""
+    job = _audited(tmp_path, 0.045)
+    with JobStore(tmp_path / "jobs.db") as store:
+        job_id = store.create("j", "spec", "/data", 100).id
+        first, rolled, _, _ = _bans(job, StoredBans(store, job_id))
+        for step in range(0, 30):
+            liar = [Replica("liar", "l:1")] if step >= 20 else []
+            first.saw([[Replica("b", "b:1")], [Replica("a", "a:1"), *liar]], step)
+        restarted, rolled, _, said = _bans(job, StoredBans(store, job_id))
+        for step in range(30, 36):  # its first lease: step 30, the liar a member at its start
+            restarted.saw(
+                [[Replica("b", "b:1")], [Replica("a", "a:1"), Replica("liar", "l:1")]], step
+            )
+        await restarted.ban("liar", 1, "its outputs differ", 35)
+        assert rolled == [20] and "at or before step 20" in said[0]
+        assert store.seen(job_id) == {"a": 0, "b": 0, "liar": 20}
+        # a later step never moves it on, an earlier one (a replay after a rollback) back
+        restarted.saw([[Replica("c", "c:1")]], 40)
+        restarted.saw([[Replica("c", "c:1")]], 37)
+        assert store.seen(job_id)["c"] == 37
+
+
+class _Binding(_Book):
+    binds_credentials = True
+
+
+@pytest.mark.attack("64-credential")
+async def test_a_ban_binds_the_liars_certificate_where_ids_are_bound_to_certificates(
+    tmp_path: Path,
+) -> None:
+    """Issue 64, "Bans bind a credential wherever one exists": a peer banned under
+    `gpu1.alice` came back as `gpu2.alice`, which the same invite certifies, and was a member
+    again (and `alice`, and `x.gpu1.alice` under a certificate named `gpu1.alice`). Where peer
+    ids are bound to certificates, a ban bars every id of the liar's credential; its other ids
+    already members are left out with it and their work rolled back too. Without that binding
+    (the shared token) a ban stays by id: a token holder announcing `x.alice` must not get
+    alice banned."""
+    stage = [Replica(p, f"{p}:1") for p in ("gpu1.alice", "gpu2.alice", "bob", "alicex")]
+    book = _Binding([], [])
+    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), None, None, book)
+    rolled: list[int] = []
+    bans.roll_back_to = rolled.append
+    bans.saw([stage[2:]], 0)
+    bans.saw([stage[1:]], 3)  # its second id joined at step 3, the one caught at 5
+    bans.saw([stage], 5)
+    await bans.ban("gpu1.alice", 0, "its outputs differ", 9)
+    back = [Replica(p, f"{p}:2") for p in ("alice", "gpu3.alice", "x.gpu1.alice")]
+    members = bans.members(lambda: [[*stage, *back]])
+    assert [r.peer for r in members()[0]] == ["bob", "alicex"]
+    assert rolled == [3]  # the work of its other id too
+    # kept: a restarted scheduler's coordinator bars them from its start
+    again = Bans(
+        "job", CoordinatorMetrics("job", CollectorRegistry()), None, None, _Binding(book.bans, [])
+    )
+    assert [r.peer for r in again.members(lambda: [[*stage, *back]])()[0]] == ["bob", "alicex"]
+    # the shared token alone binds no id to a certificate: by id only
+    by_id = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), None, None, _Book([], []))
+    by_id.roll_back_to = rolled.append
+    await by_id.ban("gpu1.alice", 0, "its outputs differ", 9)
+    assert [r.peer for r in by_id.members(lambda: [stage])()[0]] == ["gpu2.alice", "bob", "alicex"]
 
 
 def test_the_doubt_window_is_where_a_steady_liar_escapes_the_audits(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from stage_server.peer.certificate import check_own_certificate
 from swarm.errors import ConfigError
 from swarm.net import invite, tls
 from swarm.net.certs import init_ca, issue
-from swarm.net.peer_names import certifies, check_invite_name, own_id
+from swarm.net.peer_names import barred, certifies, check_invite_name, credentials_of, own_id
 from swarm.relay.attach import Attachment
 from swarm.relay.identity import AttachKey
 from swarm.relay.server import RelayServer
@@ -137,3 +137,16 @@ async def test_a_tls_relay_carries_an_invites_second_id_and_no_one_elses(
         for poser in posers:
             await poser.stop()
         await relay.stop()
+
+
+def test_a_banned_ids_credential_bars_every_id_its_certificate_may_certify() -> None:
+    """Issue 64: where ids bind certificates, `gpu1.alice` was announced by a certificate named
+    `alice` (the invite) or `gpu1.alice`; each certifies its name and one label under it."""
+    creds = credentials_of("gpu1.Alice")
+    assert creds == {"gpu1.alice", "alice"} and credentials_of("bob") == {"bob"}
+    for peer in ("alice", "gpu2.alice", "gpu1.alice", "x.gpu1.alice", "ALICE"):
+        assert barred(peer, creds), peer
+    assert all(barred(p, {"alice"}) for p in ("alice", "gpu9.alice") if own_id(p, "alice"))
+    for peer in ("bob", "alicex", "x.bob", "gpu1", "a.b.alice", ""):
+        assert not barred(peer, creds), peer
+    assert not barred("x", credentials_of("x.")), "an empty parent certifies nobody"
