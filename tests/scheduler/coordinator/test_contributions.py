@@ -13,6 +13,7 @@ from typing import Any, cast
 import pytest
 import torch
 
+from scheduler.coordinator import contributions as contributions_module
 from scheduler.coordinator.contributions import Contributions, drawn_share
 from scheduler.coordinator.ledger import StepLedger
 from stage_server.averaging.checksum import dots, weights
@@ -113,29 +114,46 @@ def test_the_contributions_audit_spends_what_the_answers_audit_does() -> None:
 
 
 STEPS = 60  # bench/device_rounding.py runs 1,000
+BENT_AUDITS = 20
 
 
 @pytest.mark.attack("64-devices")
-def test_a_replica_on_another_kind_of_device_is_never_accused(tmp_path: Path) -> None:
+def test_a_replica_on_another_kind_of_device_is_never_accused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 64, item 5: the contributions' audit allowed only the accumulation's rounding,
     never the job's arithmetic tolerance, so under tf32 an honest replica on another kind of
     device (a GPU's TF32 matmuls, emulated exactly: 10 bits of mantissa) was convicted by the
     auditors' float32 re-execution of its own microbatches. Judged with the job's tolerance
     (`tolerance_of`), as digest disputes are: never accused over `STEPS` steps, each replica in
-    turn the one on another device; and a contribution scaled 2x is still caught."""
+    turn the one on another device.
+
+    A contribution scaled 2x is still caught, but not at every audit: the allowance is SIGMAS
+    times the tolerance of its microbatches' norms, and q·x (q the audit's secret random
+    direction) lands inside it about a quarter of the time with three microbatches (measured:
+    48 of 200 audits). So the claim is per audit, over `BENT_AUDITS` audits with seeds fixed
+    here (the coordinator draws them from `secrets`; an unseeded single audit failed one run in
+    four): most catch it, and a liar who bends every step is caught within a few."""
     job = make_job(tmp_path, training={"tf32": True, "dtype": "float32"})
     tolerance = tolerance_of(job)
     assert tolerance == 1e-2
     assert device_audits(STEPS, tolerance) == []
-    contributions, _ = _drawn(tolerance=tolerance)
-    mine, audited = device_step(0, emulated=1)
-    for i, p in enumerate(PEERS):
-        _digests(contributions, p, audited[i])
+    seeds = random.Random(64)
+    monkeypatch.setattr(contributions_module, "new_seed", lambda: seeds.getrandbits(63) or 1)
     held = {p: [0, 1, 2] for p in PEERS}
-    xs = [(g[0] + g[1]) + g[2] for g in mine]
-    bent = [xs[0], 2 * xs[1], xs[2]]
-    found = contributions.judge(5, 0, PEERS, _round(contributions, bent), held)
-    assert [peer for peer, _ in found] == ["b"]
+    caught = []
+    for audit in range(BENT_AUDITS):
+        contributions, _ = _drawn(tolerance=tolerance, seed=audit)
+        mine, audited = device_step(audit, emulated=1)
+        for i, p in enumerate(PEERS):
+            _digests(contributions, p, audited[i])
+        xs = [(g[0] + g[1]) + g[2] for g in mine]
+        bent = [xs[0], 2 * xs[1], xs[2]]
+        found = contributions.judge(5, 0, PEERS, _round(contributions, bent), held)
+        assert [peer for peer, _ in found] in ([], ["b"]), found  # b alone, if anyone
+        caught.append(bool(found))
+    assert sum(caught) >= BENT_AUDITS // 2, caught
+    assert not any(all(not c for c in caught[i : i + 4]) for i in range(BENT_AUDITS - 3)), caught
 
 
 @pytest.mark.attack("64-seats")
