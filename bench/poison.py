@@ -3,25 +3,38 @@ lies, whether the replay leaves the honest run's model, and what the audits cost
 without audits measured in the same run.
 
     .venv/bin/python bench/poison.py [--quick] [--trials N] [--fraction F] [--honest-steps N]
-                                     [--microbatches M] [--planes relay,push]
+                                     [--microbatches M] [--pairs P] [--planes relay,push]
                                      [--only attacks|honest] [--attacks every,sparse,sent,digest]
                                      [--steps N]
 
 A float64 job of 4 stages x 3 replicas on the carry plane (real gRPC servers in this process),
 one hostile replica per stage (a `SWARM_FAULTS` hostile point, `swarm.ops.poison`: finite wrong
 activations or input gradients, every step or one step in `--period`), M microbatches a step
-(default 4). Each trial trains until every liar is banned (or the job's end) with `[trust]
-audit_fraction = F` (default: the job default); the first trial of each attack trains to the end
-and is compared with `swarm local` (the largest difference, float64). Each liar counts (a
-hostile replica that told a lie: stage 0 answers no input gradient, the last stage no outputs):
-caught within 10 of its poisoned steps or not (the steps it lied at that committed while it was
-a member, and the one it was caught at), and how many it took. Beside it, the analytic
+(default 32: the count docs/jobs.md states the catch for). Each trial trains with `[trust]
+audit_fraction = F` (default: the job default) until every hostile replica that can lie is banned
+(stage 0 answers no input gradient, the last stage no outputs; an auditor's digest may lie at
+any stage), or the trial's job ends (its step limit); the first trial of each attack trains to
+the end and is compared with `swarm local` (the largest difference, float64). Each liar counts (a
+hostile replica that told a lie): caught within 10 of its poisoned steps or not, and how many it
+took: the steps it lied at that committed while it was a member, and the step its ban records
+it was caught at (`Bans.caught_at`) if it lied there. Every ban of a replica that is not
+hostile is counted and printed (trial, peer, stage, the ban's step and evidence): the replay
+would hide it from the "vs local" column. Beside it, the analytic
 probability for a liar that answers its audits of others honestly (the bench's liars lie there
 too, and are caught as auditors as well): 1 - ((1 - c)(1 - F)^m)^10, m = M / 3 the microbatches
 it serves a step, c = F / (2 - F) the chance its contribution is audited (docs/jobs.md, "Trust").
-Then an honest job trains `--honest-steps` steps with audits and without: false accusations,
-the audits' extra compute (re-executed stage computations over the training's own) and the
-wall-time ratio; a false accusation (a ban in the honest job) fails the run (exit status 1).
+Then an honest job trains `--honest-steps` steps with audits and without, in `--pairs` pairs
+(default 5) run interleaved (the order flips each pair: off-on, on-off, ...): false accusations
+(bans in any audited run), the audits' extra compute (re-executed stage computations over the
+training's own, over every audited run) and the wall-time ratio, the median of the pairs' (not
+printed for fewer than 5 pairs: one pair on a shared machine is noise, not a cost).
+
+The exit status is 1 when a target is missed: an attack with a liar not caught within 10 of its
+poisoned steps (or none that lied), its whole trial more than 1e-9 from `swarm local` (or not
+finished), a ban of a replica that is not hostile, or a false accusation in the honest job; 0
+when every one is met. A run at fewer microbatches than the target's stated 32 is judged the
+same way, and says so.
+
 `--only honest` runs the honest job alone (issue 55's 1,000 steps on the CPU), `--only attacks`
 the attacks alone. Each of `--planes` gets its table: the carry plane (`relay`) and the push plane
 (`push`, with one more attack: `poison-sent-outputs`, a replica that commits to its honest
@@ -35,7 +48,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -67,10 +82,14 @@ from swarm.rpc.lease import Replica  # noqa: E402
 STAGES, REPLICAS = 4, 3
 HEADER = (
     f"{'attack (SWARM_FAULTS)':<26} {'trials':>6} {'liars':>6} {'caught<=10':>11} "
-    f"{'analytic':>9} {'never':>6} {'mean to catch':>14} {'max':>5} {'vs local':>10}"
+    f"{'analytic':>9} {'never':>6} {'mean to catch':>14} {'max':>5} {'vs local':>10} "
+    f"{'honest bans':>12}"
 )
 T = TypeVar("T", torch.Tensor, torch.Tensor | None, Digest | None)
 WITHIN = 10  # issue 55's target: each liar caught within 10 of its poisoned steps
+STATED_MICROBATCHES = 32  # the count docs/jobs.md states that catch for (0.99 at >= 29)
+EXACT = 1e-9  # the replay's result against `swarm local`, float64
+MIN_PAIRS = 5  # interleaved pairs below which the audits' wall-time ratio is not printed
 
 
 def job_file(
@@ -119,7 +138,8 @@ class Told(Poison):
     nothing to lie about, as `poison-grad-inputs` at stage 0 which answers no input gradient,
     tells none: it is no liar)."""
 
-    steps: set[int] = field(default_factory=set)
+    steps: set[int] = field(default_factory=set)  # lies not yet committed (or replayed away)
+    ever: set[int] = field(default_factory=set)  # every step it told a lie at
 
     def outputs(self, step: int, tensor: torch.Tensor) -> torch.Tensor:
         return self._told(step, super().outputs(step, tensor), tensor)
@@ -136,6 +156,7 @@ class Told(Poison):
     def _told(self, step: int, said: T, honest: T) -> T:
         if said is not honest:
             self.steps.add(step)
+            self.ever.add(step)
         return said
 
 
@@ -147,7 +168,8 @@ class Run:
         self.servers: list[list[RunningStageServer]] = []
         self.metrics = TrainerMetrics(fingerprint(job), CollectorRegistry())
         self.hostile: dict[str, Told] = {}  # the hostile replicas (one per stage): their lies
-        self.lied: dict[str, int] = {}  # liar -> poisoned steps committed while a member
+        self.stage_of: dict[str, int] = {}  # every replica's stage
+        self.lied: dict[str, list[int]] = {}  # liar -> its poisoned steps committed as a member
         self.coordinator: LocalCoordinator | None = None
 
     def members(self) -> list[list[Replica]]:
@@ -159,7 +181,7 @@ class Run:
         assert self.coordinator is not None
         for peer, told in self.hostile.items():
             if record.step in told.steps and peer not in self.coordinator.bans.banned:
-                self.lied[peer] = self.lied.get(peer, 0) + 1
+                self.lied.setdefault(peer, []).append(record.step)
             told.steps.discard(record.step)
 
     @property
@@ -180,6 +202,7 @@ class Run:
                 told = Told(Poison.of(parse_faults(poison)).faults)
                 made[0].servicer.poison = told
                 self.hostile[made[0].address] = told
+            self.stage_of |= {s.address: k for s in made}
             self.servers.append(made)
         coordinator = LocalCoordinator(
             self.job, fingerprint(self.job), self.members, on_step=self._committed
@@ -193,11 +216,12 @@ class Run:
         runs = [asyncio.create_task(t.run()) for t in trainers]
         done = asyncio.create_task(coordinator.finished.wait())
 
+        able = {p for p in self.hostile if can_lie(poison, self.stage_of[p])}
+
         def all_banned() -> bool:
-            # every hostile replica but the one with nothing to lie about (stage 0's input
-            # gradient, the last stage's outputs)
-            banned = coordinator.bans.banned.keys() & self.hostile.keys()
-            return until_banned and bool(self.hostile) and len(banned) >= STAGES - 1
+            # every hostile replica that has something to lie about, not a count of bans: a
+            # fourth liar (an auditor's digests, at any stage) is waited for too
+            return until_banned and bool(able) and able <= coordinator.bans.banned.keys()
 
         try:
             while not done.done() and not all_banned():
@@ -212,11 +236,24 @@ class Run:
         return coordinator, seconds
 
     def to_catch(self) -> dict[str, int | None]:
-        """Each liar's poisoned steps until its ban (the one it was caught at included); None:
-        never caught."""
+        """Each liar's poisoned steps until its ban (`steps_to_catch`); None: never caught."""
         assert self.coordinator is not None
         caught = self.coordinator.bans.caught_at
-        return {liar: self.lied.get(liar, 0) + 1 if liar in caught else None for liar in self.liars}
+        return {
+            liar: steps_to_catch(self.lied.get(liar, []), self.hostile[liar].ever, caught.get(liar))
+            for liar in self.liars
+        }
+
+    def honest_bans(self) -> list[str]:
+        """Each ban of a replica that is not hostile: peer, stage, the ban's step, evidence."""
+        assert self.coordinator is not None
+        bans = self.coordinator.bans
+        return [
+            f"{peer} (stage {self.stage_of.get(peer, '?')}) at step {bans.caught_at.get(peer)}: "
+            f"{evidence}"
+            for peer, evidence in bans.banned.items()
+            if peer not in self.hostile
+        ]
 
     async def close(self, coordinator: LocalCoordinator) -> None:
         await coordinator.close()
@@ -233,6 +270,69 @@ def analytic(fraction: float, microbatches: int, within: int = WITHIN) -> float:
     return 1 - ((1 - c) * (1 - fraction) ** m) ** within
 
 
+def can_lie(poison: str, stage: int) -> bool:
+    """Whether `poison`'s hostile replica at `stage` has anything to lie about: stage 0 answers
+    no input gradient, the last stage sends no outputs; an auditor's digest lies anywhere."""
+    if "grad-inputs" in poison:
+        return stage > 0
+    if "outputs" in poison:  # poison-outputs, poison-sent-outputs
+        return stage < STAGES - 1
+    return bool(poison)
+
+
+def steps_to_catch(committed: list[int], told: set[int], caught_at: int | None) -> int | None:
+    """A liar's poisoned steps until its ban, read from the ban's record: the steps it lied at
+    that committed while it was a member (`committed`, in order: a step replayed after a
+    rollback counts again if it lied there again), and the step the ban records it was caught
+    at (`caught_at`) if it told a lie there (`told`: every step it lied at). A catch is judged
+    before its step commits, so that step is not among `committed`. None: never caught."""
+    if caught_at is None:
+        return None
+    return len(committed) + (caught_at in told)
+
+
+@dataclass
+class Attack:
+    """One attack's trials: what each liar took to catch, the whole trial's distance from
+    `swarm local`, and the bans of replicas that were not hostile."""
+
+    poison: str
+    trials: int
+    microbatches: int
+    fraction: float
+    counts: list[int | None] = field(default_factory=list)  # per liar; None: never caught
+    vs_local: float = math.nan  # NaN: the whole trial did not finish
+    honest_bans: list[str] = field(default_factory=list)  # "trial N: peer (stage) ...: evidence"
+
+    def line(self) -> str:
+        caught = [n for n in self.counts if n is not None]
+        mean = sum(caught) / len(caught) if caught else float("nan")
+        within = sum(n <= WITHIN for n in caught) / max(1, len(self.counts))
+        return (
+            f"{self.poison:<26} {self.trials:>6} {len(self.counts):>6} {within:>11.2f} "
+            f"{analytic(self.fraction, self.microbatches):>9.2f} "
+            f"{len(self.counts) - len(caught):>6} {mean:>14.1f} {max(caught, default=0):>5} "
+            f"{self.vs_local:>10.1e} {len(self.honest_bans):>12}"
+        )
+
+    def missed(self) -> list[str]:
+        """The targets this attack missed (empty: every one met)."""
+        out = []
+        late = [n for n in self.counts if n is None or n > WITHIN]
+        if not self.counts:
+            out.append("no hostile replica told a lie: nothing was measured")
+        elif late:
+            out.append(
+                f"{len(late)} of {len(self.counts)} liars not caught within {WITHIN} poisoned "
+                f"steps at {self.microbatches} microbatches a step"
+            )
+        if not self.vs_local <= EXACT:  # NaN (not finished) fails too
+            out.append(f"the replayed result is {self.vs_local:.1e} from `swarm local` (> {EXACT})")
+        if self.honest_bans:
+            out.append(f"{len(self.honest_bans)} ban(s) of a replica that was not hostile")
+        return [f"{self.poison}: {m}" for m in out]
+
+
 async def attack(
     directory: Path,
     poison: str,
@@ -241,85 +341,113 @@ async def attack(
     fraction: float,
     plane: str = "relay",
     microbatches: int = 4,
-) -> str:
-    counts: list[int | None] = []
-    max_diff = float("nan")
+) -> Attack:
+    result = Attack(poison, trials, microbatches, fraction)
     for trial in range(trials):
         job = job_file(directory, steps, fraction, f"poison{trial}", plane, microbatches)
         run = Run(job)
         whole = trial == 0  # trained to the end and compared with `swarm local`
         coordinator, _ = await run.train(poison, until_banned=not whole)
         try:
-            counts += run.to_catch().values()
+            result.counts += run.to_catch().values()
+            result.honest_bans += [f"trial {trial}: {ban}" for ban in run.honest_bans()]
             if whole and coordinator.error is None and coordinator.finished.is_set():
                 state, reference = await gather_state(coordinator), train_local(job).state_dict()
-                max_diff = max(float((state[k] - reference[k]).abs().max()) for k in reference)
+                result.vs_local = max(
+                    float((state[k] - reference[k]).abs().max()) for k in reference
+                )
         finally:
             await run.close(coordinator)
-    caught = [n for n in counts if n is not None]
-    mean = sum(caught) / len(caught) if caught else float("nan")
-    within = sum(n <= WITHIN for n in caught) / max(1, len(counts))
-    return (
-        f"{poison:<26} {trials:>6} {len(counts):>6} {within:>11.2f} "
-        f"{analytic(fraction, microbatches):>9.2f} {len(counts) - len(caught):>6} {mean:>14.1f} "
-        f"{max(caught, default=0):>5} {max_diff:>10.1e}"
-    )
+    return result
+
+
+@dataclass
+class Honest:
+    """The honest job's pairs: each pair's wall times without audits and with, the audited
+    runs' bans, their extra compute and the largest honest difference an audit saw."""
+
+    steps: int
+    seconds: list[tuple[float, float]] = field(default_factory=list)  # (off, on) per pair
+    accused: list[str] = field(default_factory=list)
+    stage_runs: float = 0.0
+    audit_runs: float = 0.0
+    difference: float = 0.0
+
+    def ratio(self) -> float | None:
+        """The audits' wall-time cost: the median of the pairs' on/off, None under MIN_PAIRS."""
+        if len(self.seconds) < MIN_PAIRS:
+            return None
+        return statistics.median(on / off for off, on in self.seconds)
+
+    def line(self) -> str:
+        ratio = self.ratio()
+        wall = (
+            f"wall time {ratio:.2f}x the run without audits (median of {len(self.seconds)} "
+            "interleaved pairs)"
+            if ratio is not None
+            else f"wall time not measured ({len(self.seconds)} pair(s), fewer than {MIN_PAIRS})"
+        )
+        share = self.audit_runs / max(1.0, self.stage_runs)
+        return (
+            f"honest, {self.steps} steps: false accusations {len(self.accused)}, extra compute "
+            f"{share:.1%} of the stage computations, {wall}, largest honest difference "
+            f"{self.difference:.1e}"
+        )
+
+    def missed(self) -> list[str]:
+        return [f"honest, {self.steps} steps: false accusation: {a}" for a in self.accused]
 
 
 async def honest(
-    directory: Path, steps: int, fraction: float, plane: str = "relay", microbatches: int = 4
-) -> str:
-    timings, share, accused, difference = {}, 0.0, 0, 0.0
-    for f in (0.0, fraction):  # the same job, without audits and with
-        run = Run(job_file(directory, steps, f, f"honest{int(f * 100)}", plane, microbatches))
-        coordinator, seconds = await run.train()
-        try:
-            assert coordinator.error is None and coordinator.finished.is_set(), coordinator.error
-            timings[f] = seconds
-            if f:
-                m = run.metrics
-                share = m.audit_runs._value.get() / max(1.0, m.stage_runs._value.get())
-                accused = len(coordinator.bans.banned)
-                difference = m.audit_difference._value.get()
-        finally:
-            await run.close(coordinator)
-    ratio = timings[fraction] / timings[0.0]
-    if accused:
-        raise SystemExit(f"honest, {steps} steps: {accused} false accusation(s)")
-    return (
-        f"honest, {steps} steps: false accusations {accused}, extra compute {share:.1%} of the "
-        f"stage computations, wall time {ratio:.2f}x the run without audits, largest honest "
-        f"difference {difference:.1e}"
-    )
+    directory: Path,
+    steps: int,
+    fraction: float,
+    plane: str = "relay",
+    microbatches: int = 4,
+    pairs: int = MIN_PAIRS,
+) -> Honest:
+    result = Honest(steps)
+    for pair in range(pairs):
+        timings: dict[float, float] = {}
+        # interleaved: off-on, on-off, ... so neither side always runs first
+        for f in (0.0, fraction) if pair % 2 == 0 else (fraction, 0.0):
+            name = f"honest{pair}-{int(f * 1000)}"
+            run = Run(job_file(directory, steps, f, name, plane, microbatches))
+            coordinator, seconds = await run.train()
+            try:
+                if coordinator.error is not None or not coordinator.finished.is_set():
+                    raise RuntimeError(
+                        f"honest, {steps} steps: the job failed: {coordinator.error}"
+                    )
+                timings[f] = seconds
+                if f:
+                    m = run.metrics
+                    result.stage_runs += m.stage_runs._value.get()
+                    result.audit_runs += m.audit_runs._value.get()
+                    result.accused += [f"pair {pair}: {ban}" for ban in run.honest_bans()]
+                    result.difference = max(result.difference, m.audit_difference._value.get())
+            finally:
+                await run.close(coordinator)
+        result.seconds.append((timings[0.0], timings[fraction]))
+    return result
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace) -> list[str]:
+    """Run the bench and print its tables; the targets it missed (empty: every one met)."""
     logging.basicConfig(level=logging.ERROR)
+    missed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         for plane in args.planes.split(","):
             print(
                 f"{plane} plane: 4 stages x 3 replicas, {args.microbatches} microbatches a step, "
-                f"audit_fraction {args.fraction}"
+                f"audit_fraction {args.fraction}, trials of at most {args.steps} steps"
             )
             if args.only != "honest":
                 print("one hostile replica per stage")
                 print(HEADER)
-                kinds = args.attacks.split(",")
-                poisons = []
-                if "every" in kinds:
-                    poisons += ["poison-outputs@0", "poison-grad-inputs@0"]
-                if "sparse" in kinds:
-                    poisons += [
-                        f"poison-outputs@1/{args.period}",
-                        f"poison-grad-inputs@1/{args.period}",
-                    ]
-                if plane == "relay" and "digest" in kinds:  # an auditor's digests alone
-                    poisons += ["poison-digest@0"]
-                if plane == "push" and "sent" in kinds:  # says one thing, sends another
-                    poisons += ["poison-sent-outputs@0", f"poison-sent-outputs@1/{args.period}"]
-                for poison in poisons:
-                    line = await attack(
+                for poison in attacks(args.attacks.split(","), plane, args.period):
+                    result = await attack(
                         directory,
                         poison,
                         args.trials,
@@ -328,12 +456,51 @@ async def main(args: argparse.Namespace) -> None:
                         plane,
                         args.microbatches,
                     )
-                    print(line, flush=True)
+                    print(result.line(), flush=True)
+                    for ban in result.honest_bans:
+                        print(f"  banned, not hostile: {ban}", flush=True)
+                    missed += [f"{plane}: {m}" for m in result.missed()]
             if args.only != "attacks":
-                line = await honest(
-                    directory, args.honest_steps, args.fraction, plane, args.microbatches
+                kept = await honest(
+                    directory,
+                    args.honest_steps,
+                    args.fraction,
+                    plane,
+                    args.microbatches,
+                    args.pairs,
                 )
-                print(line, flush=True)
+                print(kept.line(), flush=True)
+                for ban in kept.accused:
+                    print(f"  false accusation: {ban}", flush=True)
+                missed += [f"{plane}: {m}" for m in kept.missed()]
+    return missed
+
+
+def attacks(kinds: list[str], plane: str, period: int) -> list[str]:
+    """The `SWARM_FAULTS` of `--attacks` on `plane`."""
+    poisons = []
+    if "every" in kinds:
+        poisons += ["poison-outputs@0", "poison-grad-inputs@0"]
+    if "sparse" in kinds:
+        poisons += [f"poison-outputs@1/{period}", f"poison-grad-inputs@1/{period}"]
+    if plane == "relay" and "digest" in kinds:  # an auditor's digests alone
+        poisons += ["poison-digest@0"]
+    if plane == "push" and "sent" in kinds:  # says one thing, sends another
+        poisons += ["poison-sent-outputs@0", f"poison-sent-outputs@1/{period}"]
+    return poisons
+
+
+def report(missed: list[str], microbatches: int) -> int:
+    """The exit status: 1 when a target was missed (each said), 0 when all were met."""
+    if microbatches < STATED_MICROBATCHES:
+        print(
+            f"note: {microbatches} microbatches a step, under the {STATED_MICROBATCHES} the "
+            "catch target is stated for: a liar serving few is caught later (docs/jobs.md)"
+        )
+    for m in missed:
+        print(f"FAIL {m}")
+    print("PASS every target" if not missed else f"{len(missed)} target(s) missed")
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
@@ -343,7 +510,12 @@ if __name__ == "__main__":
     parser.add_argument("--fraction", type=float, default=TrustConfig().audit_fraction)
     parser.add_argument("--period", type=int, default=20, help="the sparse attack's period")
     parser.add_argument("--honest-steps", type=int, default=1000)
-    parser.add_argument("--microbatches", type=int, default=4, help="microbatches a step")
+    parser.add_argument(
+        "--microbatches", type=int, default=STATED_MICROBATCHES, help="microbatches a step"
+    )
+    parser.add_argument(
+        "--pairs", type=int, default=MIN_PAIRS, help="honest runs without and with audits"
+    )
     parser.add_argument("--planes", default="relay,push", help="the data planes, in order")
     parser.add_argument("--only", choices=("attacks", "honest"), help="one half of the bench")
     parser.add_argument(
@@ -354,7 +526,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, help="a trial job's steps (default: 12 periods)")
     args = parser.parse_args()
     if args.quick:
-        args.trials, args.period, args.honest_steps = 3, 3, 20
+        args.trials, args.period, args.honest_steps, args.pairs = 3, 3, 20, 1
     # a trial's job is long enough for each liar's 10 poisoned steps, and a margin
     args.steps = args.steps or args.period * 12 + 2
-    asyncio.run(main(args))
+    sys.exit(report(asyncio.run(main(args)), args.microbatches))

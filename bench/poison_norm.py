@@ -2,7 +2,7 @@
 (issue 55, item 4: "with auditing off, the norm bound alone keeps the loss of a run with one
 hostile replica per pool within 2% of the honest run at equal steps").
 
-    .venv/bin/python bench/poison_norm.py [--steps 12] [--scale 1e4]
+    .venv/bin/python bench/poison_norm.py [--steps 100] [--scale 1e4] [--quick]
 
 A float64 job of 4 stages x 3 replicas (real stage servers on real ports, in this process, so
 one replica of every stage can be made hostile), audits off (`audit_fraction = 0`, the tests'
@@ -13,14 +13,20 @@ bound, the lies it lets through by design: sums bent within it (element i times 
 `poison-bent`) and wrong activations and input gradients (`poison-outputs` and
 `poison-grad-inputs`, `swarm.ops.poison`), which only the audits catch. Printed: each run's
 validation loss of its final model, against the honest run's (a ratio measured in the same
-run), and how many replicas the bound left out.
+run), and how many times the bound left a replica out: the coordinator's own counter
+(`swarm_coordinator_dropped_replicas_total`; nothing else leaves a replica out here).
+
+The target (issue 55): the x`--scale` run with the bound within 2% of the honest run's loss,
+the bound having left a replica out (a run it never judged backs nothing); at least 100 steps
+(`--quick`: fewer, a smoke run that is judged the same way and says so). The exit status is 1
+when it is missed, 0 when met. The other rows are what the bound lets through by design (the
+audits' to catch, docs/jobs.md): printed, not judged.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 import tempfile
 from collections.abc import Callable
@@ -44,9 +50,11 @@ from tests.support.inprocess import Swarm  # noqa: E402
 from tests.support.jobs import make_job  # noqa: E402
 
 Hostile = Callable[[Swarm], None]
+TARGET = 0.02  # issue 55: within 2% of the honest run's loss with the norm bound alone
+MIN_STEPS = 100  # issue 65: fewer steps are not a run the target can be read off
 
 
-def _contributing(change: Callable[[torch.Tensor], None]) -> Hostile:
+def _contributing(change: Callable[[torch.Tensor], object]) -> Hostile:
     """The last replica of every stage changes what it contributes to its pool's rounds."""
 
     def hostile(swarm: Swarm) -> None:
@@ -79,17 +87,9 @@ def _computing(lies: str) -> Hostile:
 
 
 async def _run(job: JobConfig, hostile: Hostile | None) -> tuple[float, int]:
-    """The final model's validation loss, and the replicas left out, of one run of `job`."""
+    """The final model's validation loss, and the times a replica was left out (the
+    coordinator's counter), of one run of `job`."""
     swarm = Swarm(job)
-    left: list[str] = []
-
-    class Count(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "leaving" in record.getMessage():
-                left.append(record.getMessage())
-
-    handler = Count(logging.WARNING)
-    logging.getLogger().addHandler(handler)
     try:
         await swarm.add_replicas(3)
         if hostile is not None:
@@ -98,14 +98,35 @@ async def _run(job: JobConfig, hostile: Hostile | None) -> tuple[float, int]:
         await swarm.train(coordinator, trainers=2)
         model = build_model(job, "cpu")
         model.load_state_dict(await gather_state(coordinator))
+        left = int(coordinator.metrics.dropped._value.get())
         await coordinator.close()
-        return evaluate(job, model, make_val_data(job), "cpu"), len(left)
+        return evaluate(job, model, make_val_data(job), "cpu"), left
     finally:
-        logging.getLogger().removeHandler(handler)
         await swarm.close()
 
 
-async def main(steps: int, scale: float) -> None:
+def bounded(scale: float) -> str:
+    """The judged row's name: the x`scale` contribution with the norm bound."""
+    return f"x{scale:g}, norm_bound"
+
+
+def judge(results: dict[str, tuple[float, int]], scale: float, steps: int) -> list[str]:
+    """The targets `results` (row -> (validation loss, times left out)) missed: the x`scale`
+    row with the bound more than 2% above the honest run's loss, or never left out (the bound
+    judged nothing), or a run under 100 steps. Empty: every one met."""
+    loss, left = results[bounded(scale)]
+    base = results["honest"][0]
+    missed = []
+    if not loss / base - 1 <= TARGET:  # NaN fails too
+        missed.append(f"{bounded(scale)}: {loss / base:.4f}x the honest loss, past {1 + TARGET}x")
+    if left < 1:
+        missed.append(f"{bounded(scale)}: the bound left nobody out (it judged nothing)")
+    if steps < MIN_STEPS:
+        missed.append(f"{steps} steps: under the {MIN_STEPS} the target is read at (a smoke run)")
+    return missed
+
+
+async def main(steps: int, scale: float) -> dict[str, tuple[float, int]]:
     with tempfile.TemporaryDirectory() as tmp:
         training = {"steps": steps, "target_batch_size": 32, "checkpoint_every": 0}
         scaled = _contributing(lambda t: t.mul_(scale))
@@ -116,7 +137,7 @@ async def main(steps: int, scale: float) -> None:
                 make_job(Path(tmp), "off", training=training, trust={"clip": "off"}),
                 scaled,
             ),
-            f"x{scale:g}, norm_bound": (bound, scaled),
+            bounded(scale): (bound, scaled),
             "bent, norm_bound": (bound, _contributing(_bent)),
             "wrong compute, bound": (
                 bound,
@@ -129,15 +150,25 @@ async def main(steps: int, scale: float) -> None:
     print(f"{'run':<22} {'val loss':>12} {'vs honest':>10} {'left out':>9}")
     for name, (loss, left) in results.items():
         print(f"{name:<22} {loss:>12.6f} {loss / base:>10.4f} {left:>9}")
+    return results
+
+
+def report(missed: list[str]) -> int:
+    """The exit status: 1 when a target was missed (each said), 0 when all were met."""
+    for m in missed:
+        print(f"FAIL {m}")
+    print("PASS within 2% with the norm bound alone" if not missed else "target missed")
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
+    import logging
+
     logging.basicConfig(level=logging.ERROR)  # printed: errors only
-    logging.getLogger().setLevel(logging.WARNING)  # made: the warnings `_run` counts too
-    for printed in logging.getLogger().handlers:
-        printed.setLevel(logging.ERROR)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=MIN_STEPS)
     parser.add_argument("--scale", type=float, default=1e4)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 12 steps")
     args = parser.parse_args()
-    asyncio.run(main(args.steps, args.scale))
+    steps = 12 if args.quick else args.steps
+    sys.exit(report(judge(asyncio.run(main(steps, args.scale)), args.scale, steps)))
