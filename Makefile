@@ -60,12 +60,10 @@ demo: install
 	$(BIN)/swarm demo
 
 # Two workers (pytest-xdist): most of the suite's time is spent waiting on the processes a test
-# starts, so two workers on 2 cores take ~12 minutes where one took ~21-25. `loadgroup`: the
-# scheduler of tests/support/schedule.py, which runs the container module whole in one worker (the
-# image is built once a run, where its in-container tests run) and hands out the rest one by one,
-# the slow tests first (tests/conftest.py); every run prints its 15 slowest.
+# starts, so two workers on 2 cores take ~12 minutes where one took ~21-25. Every run prints its
+# 15 slowest tests.
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadgroup
+XDIST := -n $(TEST_WORKERS)
 
 test: install mosquitto nftables prometheus podman
 	$(BIN)/python -m pytest -q $(XDIST) --durations=15

@@ -374,10 +374,17 @@ class ReachabilityChecker:
         await self.publish(peer, None)
 
     def _said(self, report: cpb.ReachabilityReport, first: bool) -> None:
-        if report.reachability == cpb.REACHABILITY_UNREACHABLE and first and not report.relay:
-            # A peer's first check, no relay announced yet: the usual start behind NAT (it
-            # attaches to a relay next, and is checked there). Trouble only if it stays so: the
-            # next check that fails says so at WARNING (issue 68 item 4).
+        starting = report.detail.startswith(dial_causes.Cause.NOT_DIALLED.value)
+        if (
+            report.reachability == cpb.REACHABILITY_UNREACHABLE
+            and first
+            and starting
+            and not report.relay
+        ):
+            # A peer's first check, at a private address not dialled and no relay announced
+            # yet: the usual start behind NAT (it attaches to a relay next, and is checked
+            # there). Trouble only if it stays so: the next check that fails says so at WARNING
+            # (issue 68 item 4). An address that was dialled and did not answer is trouble now.
             log.info(
                 "peer %s is not reachable directly (%s): checked again in %.0f s, or at once "
                 "when it announces a relay",

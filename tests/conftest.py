@@ -3,13 +3,12 @@
 closes them after the test; `make_harness` makes step coordinators over in-memory replicas
 (`tests.support.coordinator`); `api` is the job API over a real store (`tests.support.api`);
 `pki` the swarm's CA and a stranger's (`tests.support.tls`). The fixtures themselves live in
-`tests/support/`, one home per concept. The slow tests run first."""
+`tests/support/`, one home per concept."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import pytest
 
@@ -27,30 +26,6 @@ from tests.support.coordinator import make_harness  # noqa: F401
 from tests.support.inprocess import make_swarm  # noqa: F401
 from tests.support.reaper import kill_leftovers  # noqa: F401
 from tests.support.tls import pki  # noqa: F401
-
-if TYPE_CHECKING:
-    from xdist.remote import Producer
-    from xdist.scheduler.protocol import Scheduling
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests first, each kind in the order collected (trylast: after
-    tests/system/conftest.py has marked its own slow). In two workers (`make test`, `--dist
-    loadgroup`) the longest tests start early, and the short ones fill in at the end, rather
-    than one worker running a long one alone while the other has finished."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> Scheduling | None:
-    """`--dist loadgroup` (`make test`): `tests.support.schedule`'s, which keeps the container
-    module in one worker. (Imported here: pytest-xdist may be missing, as in the image.)"""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from tests.support.schedule import ModulesWhole
-
-    return ModulesWhole(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)

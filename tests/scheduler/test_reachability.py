@@ -368,7 +368,9 @@ async def test_a_peers_first_check_without_a_relay_is_no_warning(
     relayed. Its first check, with no relay announced, is said at INFO; a check that fails
     again, or one through its relay, at WARNING."""
     caplog.set_level(logging.INFO, logger="scheduler.reachability")
-    async with checking(FakeDialer(), retry_s=0.05) as c:
+    # A scheduler on a public host dials no private address: the peer's LAN address is not
+    # dialled (an address that was dialled and did not answer warns at once: the test below).
+    async with checking(FakeDialer(), retry_s=0.05, scope=DialScope()) as c:
         c.checker.announced(announce("a", "192.168.1.20:5000"))
         await c.report()
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -377,6 +379,18 @@ async def test_a_peers_first_check_without_a_relay_is_no_warning(
         await wait_until(lambda: _warned(caplog), "the second failed check warned")
         assert _warned(caplog)[0].startswith("peer a is unreachable"), _warned(caplog)
         assert len(c.published) == 1
+
+
+async def test_a_first_check_that_dialled_and_got_no_answer_warns_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer at an address the scheduler did dial, and which did not answer, is no start
+    behind NAT on its way to a relay: said at WARNING from the first check."""
+    caplog.set_level(logging.INFO, logger="scheduler.reachability")
+    async with checking(FakeDialer(), scope=DialScope(allow_private=True)) as c:
+        c.checker.announced(announce("a", "127.0.0.2:5000"))
+        await c.report()
+        assert _warned(caplog) and _warned(caplog)[0].startswith("peer a is unreachable")
 
 
 def _warned(caplog: pytest.LogCaptureFixture) -> list[str]:

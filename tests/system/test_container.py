@@ -40,8 +40,6 @@ from tests.support.ports import free_port
 from tests.support.status import job_status
 from tests.support.waiting import wait_until_blocking
 
-# One worker runs the whole module (`make test`: `tests.support.schedule`): the image is built
-# once a run (the module's fixture), and its in-container tests run where it was built.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 TAG = "localhost/swarm:test"

@@ -106,6 +106,6 @@ def test_every_test_the_check_picks_from_the_suite_skips_without_a_gpu(tmp_path:
     deterministic switch's "CUDA:1") are not."""
     outcomes = picked(tmp_path, "tests", cwd=ROOT)
     assert outcomes and set(outcomes.values()) == {"skipped"}, outcomes
-    handover = "tests/swarm/wire/test_cuda_handover.py::"
+    handover = "tests/swarm/device/test_cuda_handover.py::"
     assert sum(name.startswith(handover) for name in outcomes) >= 2, sorted(outcomes)
     assert not [name for name in outcomes if "test_kernels.py" in name], sorted(outcomes)
