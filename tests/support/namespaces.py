@@ -279,16 +279,44 @@ class Looker:
 TALLY = "swarm_tally"  # the counting table `tally` makes in a host's namespace
 
 
-def tally(net: netns.Network, host: str, rules: Mapping[str, str]) -> None:
+def tally(
+    net: netns.Network,
+    host: str,
+    rules: Mapping[str, str],
+    by_connection: Mapping[str, str] | None = None,
+) -> None:
     """Count, in `host`'s namespace, the bytes arriving that match each of `rules` (a name: an
-    nftables match, e.g. `ip saddr 192.168.1.11 tcp dport 7000`); read by `tallied`."""
+    nftables match, e.g. `ip saddr 192.168.1.11 tcp dport 7000`), read by `tallied`; and those
+    matching each of `by_connection`, by connection (the port of `host`'s end), read by
+    `tallied_by_connection`."""
+    sets = "".join(
+        f"  set {name} {{ type inet_service; flags dynamic; counter; }}\n"
+        for name in by_connection or {}
+    )
     lines = "".join(f'    {match} counter comment "{name}"\n' for name, match in rules.items())
+    lines += "".join(
+        f"    {match} add @{name} {{ tcp dport }}\n"
+        for name, match in (by_connection or {}).items()
+    )
     table = (
-        f"table ip {TALLY} {{\n  chain input {{\n"
+        f"table ip {TALLY} {{\n{sets}  chain input {{\n"
         "    type filter hook input priority filter; policy accept;\n"
         f"{lines}  }}\n}}\n"
     )
     netns.sh("ip", "netns", "exec", net.ns[host], "nft", "-f", "-", stdin=table)
+
+
+def tallied_by_connection(net: netns.Network, host: str, name: str) -> dict[int, int]:
+    """The bytes counted so far by `tally`'s `by_connection` match `name` in `host`'s
+    namespace, by connection (the port of `host`'s end)."""
+    listing = netns.sh(
+        "ip", "netns", "exec", net.ns[host], "nft", "-j", "list", "set", "ip", TALLY, name
+    )
+    found = [item["set"] for item in json.loads(listing)["nftables"] if "set" in item]
+    return {
+        int(element["elem"]["val"]): int(element["elem"]["counter"]["bytes"])
+        for element in found[0].get("elem", [])
+    }
 
 
 def tallied(net: netns.Network, host: str) -> dict[str, int]:

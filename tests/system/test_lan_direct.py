@@ -23,7 +23,6 @@ one push cannot tell from a LAN path lost for a step."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -58,7 +57,6 @@ calls and any later dial-back, 6.0-6.1 KB in a job of 10-15 s and 9.1 KB in one 
 throttled 1000x; measured, about 26 B/s more as the job lasts: 14 KB at the 300 s the test
 waits for it); a push takes 17.6 KB on the wire (its activations, their framing), more than this
 by itself, so two pushes never fit."""
-TALLY = "swarm_tally"  # the counting table in each LAN host's namespace
 
 
 @pytest.fixture
@@ -83,44 +81,13 @@ def _tally(lab: netns.Network, host: str, neighbour: str) -> None:
     """Count, in `host`'s namespace, what arrives at its gRPC port from `neighbour` (the LAN,
     directly) and what arrives from the relay (every tunnel's data connection, which `host`
     opened to the relay's port), in all and by connection (`host`'s end of it)."""
-    rules = f"""table ip {TALLY} {{
-  set relayed {{ type inet_service; flags dynamic; counter; }}
-  chain input {{
-    type filter hook input priority filter; policy accept;
-    ip saddr {neighbour} tcp dport {PORT} counter comment "lan"
-    ip saddr {HUB} tcp sport {RELAY_PORT} counter comment "relay"
-    ip saddr {HUB} tcp sport {RELAY_PORT} add @relayed {{ tcp dport }}
-  }}
-}}
-"""
-    netns.sh("ip", "netns", "exec", lab.ns[host], "nft", "-f", "-", stdin=rules)
-
-
-def _tallied(lab: netns.Network, host: str) -> dict[str, int]:
-    """Bytes counted so far by `_tally`'s rules in `host`'s namespace, by rule."""
-    listing = netns.sh(
-        "ip", "netns", "exec", lab.ns[host], "nft", "-j", "list", "table", "ip", TALLY
+    relay = f"ip saddr {HUB} tcp sport {RELAY_PORT}"
+    namespaces.tally(
+        lab,
+        host,
+        {"lan": f"ip saddr {neighbour} tcp dport {PORT}", "relay": relay},
+        by_connection={"relayed": relay},
     )
-    counted: dict[str, int] = {}
-    for item in json.loads(listing)["nftables"]:
-        rule = item.get("rule", {})
-        for expr in rule.get("expr", []):
-            if "counter" in expr:
-                counted[rule["comment"]] = int(expr["counter"]["bytes"])
-    return counted
-
-
-def _relayed(lab: netns.Network, host: str) -> dict[int, int]:
-    """Bytes counted so far from the relay by `_tally`'s set in `host`'s namespace, by
-    connection (the port of `host`'s end)."""
-    listing = netns.sh(
-        "ip", "netns", "exec", lab.ns[host], "nft", "-j", "list", "set", "ip", TALLY, "relayed"
-    )
-    found = [item["set"] for item in json.loads(listing)["nftables"] if "set" in item]
-    return {
-        int(element["elem"]["val"]): int(element["elem"]["counter"]["bytes"])
-        for element in found[0].get("elem", [])
-    }
 
 
 def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path: Path) -> None:
@@ -167,7 +134,7 @@ def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path
         for proc in procs[2:]:
             said = f"{proc.name} says it is relayed"
             wait_until_blocking(lambda p=proc: "relayed through" in p.log(), said, timeout_s=120)
-        opened = {host: _relayed(lab, host) for host in lan}
+        opened = {host: namespaces.tallied_by_connection(lab, host, "relayed") for host in lan}
         job_id = _on_hub(lab, tmp_path, "submit", str(job), "--scheduler", SCHEDULER).split()[0]
         state, end = "", time.monotonic() + 300
         looker = namespaces.Looker(lab, "hub", SCHEDULER, _env(tmp_path, "client"))
@@ -178,8 +145,8 @@ def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path
         assert state == "JOB_STATE_SUCCEEDED", story
         out = tmp_path / "swarm.pt"
         _on_hub(lab, tmp_path, "export", job_id, "--out", str(out), "--scheduler", SCHEDULER)
-        counted = {host: _tallied(lab, host) for host in lan}
-        relayed = {host: _relayed(lab, host) for host in lan}
+        counted = {host: namespaces.tallied(lab, host) for host in lan}
+        relayed = {host: namespaces.tallied_by_connection(lab, host, "relayed") for host in lan}
     finally:
         if looker is not None:
             looker.close()
