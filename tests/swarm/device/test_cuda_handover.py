@@ -64,6 +64,7 @@ def test_cuda_handover_between_two_processes_on_one_device() -> None:
     finally:
         if sender.poll() is None:
             sender.kill()
+        sender.communicate()  # reaped, its pipes closed
     # the sender is gone: what was taken is the receiver's own
     assert torch.equal(taken.cpu(), expected(AT))
     slot.release()
