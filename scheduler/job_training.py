@@ -184,6 +184,9 @@ class JobTraining:
             rolled.append(step)
             speed.start()  # training starts again now: the stall is not its speed
             cause = f"{', '.join(bans)} banned" if bans else "a stage lost every replica"
+            missed = coordinator.membership.standbys.missed
+            if missed and not bans:  # why no standby took the stage: the rollback names it
+                cause = f"{cause}: {missed}"
             bans.clear()
             said.append(
                 f"rolled back to step {step}: {cause}; training from the last checkpoint"
@@ -232,6 +235,7 @@ class JobTraining:
             ),
         )
         coordinator.membership.admitted.append(functools.partial(self.history.admitted, job_id))
+        self._stand_by(job_id, job, coordinator)
         trainer = PipelineTrainer(
             job,
             coordinator,
@@ -294,6 +298,31 @@ class JobTraining:
             await coordinator.close()
             if routes is not None:
                 routes.close()
+
+    def _stand_by(self, job_id: str, job: JobConfig, coordinator: LocalCoordinator) -> None:
+        """The job's standbys (`scheduler.coordinator.standbys`), each on a host none of its
+        stage's replicas is on; a promotion is in the job's history. Only where a stage's state
+        is whole at every member (the plain rules): under rounds a replica holds its own."""
+        standbys, wanted = coordinator.membership.standbys, job.runtime.standby
+        if wanted and not coordinator.rounds.readmits:
+            log.warning("job %s: runtime.standby = %d: none under pool rounds", job_id, wanted)
+            wanted = 0
+        standbys.wanted = wanted
+
+        def host(peer: str) -> str:
+            domains = self.peer_registry.domains().get(peer)
+            return domains.host if domains is not None and domains.host else f"peer:{peer}"
+
+        def promoted(step: int, stage: int, peer: str) -> None:
+            self.history.record(
+                job_id,
+                "promotion",
+                f"{peer} promoted from standby to replica of stage {stage} at step {step}: it "
+                "held the stage's state at the job's step, so nothing rolls back",
+            )
+
+        standbys.host = host
+        standbys.promoted.append(promoted)
 
     def _step(self, job_id: str) -> int:
         record = self.store.get(job_id)
