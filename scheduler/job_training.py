@@ -250,7 +250,15 @@ class JobTraining:
             speed.start()
             await self.set_status(job_id, "running", said[-1] if said else "training")
             floor = self.assignments.floor(job)
-            mover = Mover(job_id, stages, job.rebalance, self.assignments, self.moves, floor)
+            mover = Mover(
+                job_id,
+                stages,
+                job.rebalance,
+                self.assignments,
+                self.moves,
+                floor,
+                coordinator.membership.standbys.peers,
+            )
             watch = StallWatch(
                 job_id,
                 lambda: self.peer_registry.members(job_id, stages),

@@ -46,6 +46,10 @@ class Standbys:
         # Why the last stage lost whole had no standby to promote ("" none): the rollback's words.
         self.missed = ""
 
+    def peers(self) -> set[str]:
+        """The standbys now, of every stage."""
+        return set(self._stage)
+
     def of(self, peer: str) -> int | None:
         """The stage `peer` stands by for (None: it is no standby)."""
         return self._stage.get(peer)
