@@ -383,20 +383,18 @@ class Membership:
                 self._copying[peer] = (stage, joiner, source)
                 self._sources[peer] = source.peer
             copying.append((stage, joiner, source))
-        epoch = self.epoch()
-        answers = await asyncio.gather(
-            *(
-                self.clients.get(k, joiner).join(source.address, step, source.peer, epoch)
-                for k, joiner, source in copying
-            ),
-            return_exceptions=True,
-        )
-        for (stage, joiner, _), at in zip(copying, answers, strict=True):
+        epoch, asked = self.epoch(), []
+        for k, joiner, source in copying:
+            call = self.clients.get(k, joiner).join(source.address, step, source.peer, epoch)
+            if not self.standbys.nudge(joiner, call):  # a standby's: the pool never waits for it
+                asked.append((k, joiner, call))
+        answers = await asyncio.gather(*(call for _, _, call in asked), return_exceptions=True)
+        for (stage, joiner, _), at in zip(asked, answers, strict=True):
             if isinstance(at, int):
                 self._admit(stage, joiner, step, at, epoch)
 
     async def close(self) -> None:
-        tasks = list(self._joining.values())
+        tasks = [*self._joining.values(), *self.standbys.asking()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

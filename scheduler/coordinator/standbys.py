@@ -22,9 +22,12 @@ out.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
 
+from swarm.errors import SwarmError
 from swarm.rpc.lease import Replica
 
 __all__ = ["Standbys"]
@@ -45,6 +48,7 @@ class Standbys:
         self.promoted: list[Promoted] = []
         # Why the last stage lost whole had no standby to promote ("" none): the rollback's words.
         self.missed = ""
+        self._asks: dict[str, asyncio.Task[None]] = {}  # standby -> its Join asked as a step opened
 
     def peers(self) -> set[str]:
         """The standbys now, of every stage."""
@@ -96,6 +100,31 @@ class Standbys:
         # A joiner first, a host no standby of the stage is on first, the slowest replica first.
         fits.sort(key=lambda c: (c.peer in synced, self.host(c.peer) in held, c.throughput, c.peer))
         return fits[0] if fits else None
+
+    def nudge(self, peer: Replica, join: Coroutine[Any, Any, int]) -> bool:
+        """As a step opens: ask the standby `peer` (its Join, `join`, which fetches the step's
+        update at once) in the background, one ask at a time; the pool never waits for a standby,
+        however slow its link. False (`join` left to the caller) for a peer that is no standby."""
+        if peer.peer not in self._stage:
+            return False
+        asking = self._asks.get(peer.peer)
+        if asking is not None and not asking.done():
+            join.close()  # the one before is still on its way: this one is not sent
+            return True
+        self._asks[peer.peer] = asyncio.ensure_future(self._ask(peer.peer, join))
+        return True
+
+    async def _ask(self, peer: str, join: Coroutine[Any, Any, int]) -> None:
+        try:
+            self.answered(peer, await join)
+        except SwarmError as e:  # its own loop asks again; a standby gone is forgotten
+            log.info("standby %s did not answer its Join: %s", peer, e)
+
+    def asking(self) -> list[asyncio.Task[None]]:
+        """The asks in flight, cancelled (the coordinator closes)."""
+        for task in self._asks.values():
+            task.cancel()
+        return list(self._asks.values())
 
     def answered(self, peer: str, at: int) -> None:
         """`peer`'s Join said it is a copy at `at` (-1: still copying)."""

@@ -3,6 +3,8 @@ rollback that found none to promote (`scheduler.coordinator.standbys`)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from scheduler.coordinator.standbys import Standbys
 from swarm.rpc.lease import Replica
 
@@ -90,3 +92,33 @@ def test_a_standby_a_rollback_made_a_member_stands_by_again() -> None:
     assert standbys.choose(members, {"a", "b"}) == ["a"]
     # The rollback loaded its checkpoint on every listed peer: both are members again.
     assert standbys.choose(members, {"a", "b"}) == ["a"]
+
+
+def test_a_standby_is_asked_in_the_background_one_ask_at_a_time() -> None:
+    # The pool never waits for a standby: its Join, asked as a step opens, runs by itself, and
+    # one still on its way (a slow link) is not joined by another.
+    async def run() -> None:
+        standbys = _standbys()
+        a, b = Replica("a", "x:1"), Replica("b", "x:2")
+        standbys.choose([[a, b]], {"a", "b"})
+        slow, sent = asyncio.Event(), []
+
+        async def join(at: int) -> int:
+            sent.append(at)
+            await slow.wait()
+            return at
+
+        assert standbys.nudge(a, join(7))
+        await asyncio.sleep(0)
+        second = join(8)
+        assert standbys.nudge(a, second)  # taken, and closed unsent: the first is on its way
+        third = join(9)
+        assert not standbys.nudge(b, third)  # no standby: the caller's to await
+        third.close()
+        slow.set()
+        await asyncio.sleep(0.01)
+        assert sent == [7]
+        assert standbys.lag("a", 7) == 0
+        assert standbys.asking()  # cancelled as the coordinator closes
+
+    asyncio.run(run())
