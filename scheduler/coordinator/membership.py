@@ -217,11 +217,12 @@ class Membership:
             except SwarmError as e:
                 log.warning("stage %d: %s not re-admitted (discard failed): %s", stage, r.peer, e)
                 continue
-            log.warning("stage %d: %s answers at step %d: re-admitted", stage, r.peer, step)
+            promoted = self.standbys.promote(step, stage, r.peer)  # a standby: its replica now
+            how = "promoted from standby" if promoted else "re-admitted"
+            log.warning("stage %d: %s answers at step %d: %s", stage, r.peer, step, how)
             self.synced.add(r.peer)
             self._left.discard(r.peer)
             self._failed.pop(r.peer, None)
-            self.standbys.promote(step, stage, r.peer)  # a standby: the stage's replica now
             for told in self.admitted:
                 told(step, stage, r.peer, "")
         lost = [k for k, replicas in enumerate(self.replicas()) if not replicas]

@@ -52,10 +52,18 @@ def _wait_step(sw: LocalSwarm, job_id: str, at_least: int, timeout: float = 240)
 
 
 def _standby_at_the_step(sw: LocalSwarm, job_id: str) -> tuple[int, str, list[str]]:
-    """(stage, standby, the stage's replicas) once some stage's standby is 0 steps behind."""
+    """(stage, standby, the stage's replicas) once some stage's standby is 0 steps behind, seen
+    in the first look after a step opened: the kill that follows comes early in the step, not
+    between its commit and the standby's fetch of it (it would be a step behind then)."""
+    last = [-1]
 
     def found() -> tuple[int, str, list[str]] | None:
         status: dict[str, Any] = job_status(sw.address, job_id)
+        step = int(status.get("step", 0))
+        opened = last[0] not in (-1, step)
+        last[0] = step
+        if not opened:
+            return None
         for k, stage in enumerate(status["stages"]):
             replicas = stage.get("replicas", [])
             for r in replicas:
@@ -66,7 +74,8 @@ def _standby_at_the_step(sw: LocalSwarm, job_id: str) -> tuple[int, str, list[st
                         return k, r["peer"], others
         return None
 
-    return wait_until_blocking(found, "a standby 0 steps behind", timeout_s=180, every_s=0.2)
+    what = "a standby 0 steps behind as a step opened"
+    return wait_until_blocking(found, what, timeout_s=180, every_s=0.1)
 
 
 def _process(sw: LocalSwarm, peer: str) -> SwarmProcess:
