@@ -36,6 +36,7 @@ from scheduler.coordinator.groups import Aggregator, Groups, Link, link_of
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
 from scheduler.coordinator.replicas import grpc_replicas
+from scheduler.failure_domains import domains_of
 from scheduler.history import History
 from scheduler.rebalance_loop import Mover
 from scheduler.registry import PeerRegistry
@@ -317,8 +318,9 @@ class JobTraining:
             wanted = 0
         standbys.wanted = wanted
 
-        def host(peer: str) -> str:
-            domains = self.peer_registry.domains().get(peer)
+        def host(peer: str) -> str:  # one peer's, not every peer's domains: asked per pair
+            announced, registry = self.peer_registry.peers.get(peer), self.peer_registry
+            domains = domains_of(announced, registry.relayed(peer)) if announced else None
             return domains.host if domains is not None and domains.host else f"peer:{peer}"
 
         def promoted(step: int, stage: int, peer: str) -> None:
