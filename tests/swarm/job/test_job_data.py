@@ -22,6 +22,7 @@ from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
 from swarm.bus.topics import Topics
 from swarm.errors import ConfigError
+from swarm.job import manifest
 from swarm.job.config import load_job
 from swarm.model.hf import write_hf
 from swarm.model.transformer import build_model
@@ -196,7 +197,7 @@ async def test_submit_pins_the_initial_checkpoint_under_the_data_root(
     spec = render({**BASE, "model": {**model, "init_from": "ckpt"}}, "finetune")
     stored = api.store.get((await api.submit(spec, root)).job)
     assert stored is not None
-    digest = hashlib.sha256((root / "ckpt" / "model.safetensors").read_bytes()).hexdigest()
+    digest = manifest.digest(manifest.manifest_of(root / "ckpt"))  # every file, config too
     assert tomllib.loads(stored.spec)["model"]["init_sha256"] == digest
     outside = spec.replace('"ckpt"', f'"{tmp_path}"')
     assert "model.init_from" in (await api.refused(outside, root)).details()
