@@ -223,6 +223,30 @@ async def test_a_remote_trainer_starts_on_unchanged_data(api: _Api, root: Path) 
     assert await run_remote_trainer(api.address, status.job) == 0
 
 
+async def test_the_data_file_is_served_from_an_offset(api: _Api, root: Path) -> None:
+    # A fetch broken off goes on from its partial file's size (swarm.rpc.fetch_file).
+    status = await api.submit(_spec("data/corpus.txt"), root)
+    async with grpc.aio.insecure_channel(api.address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        request = scheduler_pb2.SchedulerFetchDataRequest(job=status.job, offset=100)
+        got = b"".join([part.data async for part in stub.FetchData(request, timeout=10)])
+    assert got == TEXT[100:]
+
+
+async def test_a_remote_trainer_needs_no_starting_checkpoint_on_its_machine(
+    api: _Api, root: Path, tmp_path: Path
+) -> None:
+    # A trainer loads no weights: a friend's, where the checkpoint's directory is not, keeps the
+    # pin (issue 68 item 9). Before, it hashed the directory at start and stopped: not there.
+    model = {**BASE["model"], "kind": "llama", "n_heads": 4}
+    job = load_job(write_job(tmp_path, "base", model=model))
+    write_hf(root / "ckpt", build_model(job).state_dict(), job.model, None)
+    spec = render({**BASE, "model": {**model, "init_from": "ckpt"}}, "finetune")
+    status = await api.submit(spec, root)
+    (root / "ckpt").rename(tmp_path / "elsewhere")  # the trainer's machine has no such path
+    assert await run_remote_trainer(api.address, status.job) == 0
+
+
 async def _resume(tmp_path: Path, job_id: str) -> tuple[JobStore, asyncio.Task[None]]:
     store = JobStore(tmp_path / "jobs.sqlite")
     scheduler = Scheduler(store, _Bus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
