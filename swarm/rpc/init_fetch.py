@@ -30,6 +30,7 @@ from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
 from swarm.rpc.fetch_file import Source, cache_lock, fetch_file
 from swarm.rpc.status import from_rpc_error
+from swarm.wire.chunking import grpc_options
 
 __all__ = ["InitFetch", "InitSource", "is_local", "local_init", "scheduler_init"]
 
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 InitFetch = Callable[[str, int], AsyncIterator[bytes]]
 #: `source(job_id, job)`: `job` with its checkpoint on this machine (`scheduler_init`).
 InitSource = Callable[[str, JobConfig], Awaitable[JobConfig]]
+#: The largest message the fetch takes: the scheduler's chunk (4 MiB of data by default, a few
+#: bytes over gRPC's own 4 MiB limit) with room, as a remote trainer's channel to it has.
+MAX_MESSAGE_BYTES = 64 << 20
 #: Seconds one stream may take in all (a home link: 1 GB at 20 Mbit/s is 400 s).
 STREAM_TIMEOUT_S = 3600.0
 
@@ -120,7 +124,7 @@ def scheduler_init(address: str, token: str | None) -> InitSource:
     async def local(job_id: str, job: JobConfig) -> JobConfig:
         if is_local(job):
             return job
-        channel = dial.channel(address, token=token)
+        channel = dial.channel(address, token=token, options=grpc_options(MAX_MESSAGE_BYTES))
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
         async def fetch(path: str, offset: int) -> AsyncIterator[bytes]:

@@ -5,6 +5,7 @@ out of the data root, and a checkpoint changed since the submit are refused."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from scheduler.job_api import JobApiServicer
 from swarm.job.config import JobConfig, load_job, parse_job
 from swarm.job.manifest import digest, manifest_of
 from swarm.model.hf import write_hf
@@ -127,3 +129,22 @@ async def test_a_checkpoint_changed_since_the_submit_is_not_served(
         await _call(api, "FetchInit", request)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "changed on the scheduler's machine" in (refused.value.details() or "")
+
+
+async def test_files_over_a_message_are_fetched_in_the_schedulers_own_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scheduler's default chunk is 4 MiB of data, a message over gRPC's default 4 MiB limit.
+    chunk = inspect.signature(JobApiServicer).parameters["chunk_bytes"].default
+    monkeypatch.setattr("tests.support.api.CHUNK", chunk)
+    (tmp_path / "data").mkdir()
+    running = await start_api(tmp_path, token=TOKEN)
+    try:
+        ckpt = _checkpoint(tmp_path)
+        (ckpt / "big.bin").write_bytes(os.urandom(9 << 20))  # three chunks, two of them whole
+        job_id, job = await _submit(running, tmp_path)
+        monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "friend"))
+        kept = (await scheduler_init(running.address, TOKEN)(job_id, job)).model.init_from
+        assert kept is not None and manifest_of(kept) == manifest_of(ckpt)
+    finally:
+        await running.stop()

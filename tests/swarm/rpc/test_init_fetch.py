@@ -5,6 +5,7 @@ manifest's, refused with nothing left under the final name."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -109,3 +110,13 @@ async def test_a_manifest_that_is_not_the_pinned_one_is_refused(tmp_path: Path) 
     with pytest.raises(ConfigError, match=r"not the .* pinned at submit"):
         await local_init(_job(tmp_path, "2" * 64), scheduler.fetch, tmp_path / "cache")
     assert scheduler.asked == [("", 0)]
+
+
+async def test_two_fetchers_of_one_machine_fetch_it_once(tmp_path: Path) -> None:
+    served = _checkpoint(tmp_path / "served")
+    job, scheduler = _job(tmp_path, digest(manifest_of(served))), _Scheduler(served)
+    cache = tmp_path / "cache"
+    first, second = await asyncio.gather(
+        local_init(job, scheduler.fetch, cache), local_init(job, scheduler.fetch, cache)
+    )
+    assert first == second and scheduler.asked.count(("", 0)) == 1  # the second waited
