@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 # on the push plane the stages are redone from the replicas' records, a contribution's from its
-# neighbours' (`client.data_plane.push_contributions`)
+# neighbours' (`client.audit.push_contributions`)
 @pytest.mark.parametrize("plane", ["relay", "push"])
 async def test_an_honest_audited_job_accuses_nobody(
     tmp_path: Path, make_swarm: list[Swarm], plane: str

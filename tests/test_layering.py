@@ -63,6 +63,9 @@ KNOWN_SUBPACKAGE_IMPORTS: dict[tuple[str, str], str] = {
         "the data plane counts its hops and bytes in the trainer's series (`TrainerMetrics`), "
         "which the trainer serves and the scheduler's embedded trainer too (an ALLOWED edge)"
     ),
+    ("client.audit", "client.metrics"): (
+        "the audits count their re-executions and outcomes in the trainer's series too"
+    ),
 }
 """A role's subpackages (`stage_server.replica`, `stage_server.peer`, `scheduler.coordinator`,
 `client.data_plane`, ...) hold its concepts; its top-level modules are its processes and their

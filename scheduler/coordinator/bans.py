@@ -1,5 +1,5 @@
 """Peers banned from a job (issue 55): a replica that an audit by re-execution caught lying
-(`client.data_plane.audit`: its answer contradicted by two others of its stage) is out of the
+(`client.audit.audits`: its answer contradicted by two others of its stage) is out of the
 job for good, and its influence is replayed away.
 
 - **Banned**: it is no member from then on, whatever the peer registry or the command line says

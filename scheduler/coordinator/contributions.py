@@ -86,7 +86,7 @@ class Contributions:
     def of(cls, job: JobConfig | None) -> Contributions:
         """A job's: on where rounds are steps' (`[trust] audit_fraction`), on either plane
         (the push plane's trainer redoes a stage from its neighbours' records:
-        `client.data_plane.push_contributions`); off otherwise."""
+        `client.audit.push_contributions`); off otherwise."""
         if job is None or rule_of(job).rounds:
             return cls(0.0)
         return cls(drawn_share(job.trust.audit_fraction), tolerance=tolerance_of(job))

@@ -303,7 +303,7 @@ class PushPlane:
         """A new record of `h`'s microbatch, with what came in; None where the job audits
         nothing (no fraction, or local steps: replicas differ, nobody can redo their work) or
         the trainer audits nothing of this run (`run` 0: no stage of its path has another
-        replica to redo its work, `client.data_plane.push_audit.PushAudits.run_id`; issue 69).
+        replica to redo its work, `client.audit.push_audit.PushAudits.run_id`; issue 69).
         It keeps each as it `came` (the first stage's token ids, made here: decoded)."""
         rt = self._runtime()
         if not h.run or not rt.job.trust.audit_fraction or rule_of(rt.job).rounds:

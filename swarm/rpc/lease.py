@@ -99,7 +99,7 @@ class Lease:
 @dataclass(frozen=True)
 class Verdict:
     """A replica caught lying by an audit: its work contradicted by two re-executions on other
-    replicas of its stage (`client.data_plane.audit`); `evidence` says what differed."""
+    replicas of its stage (`client.audit.audits`); `evidence` says what differed."""
 
     peer: str
     stage: int

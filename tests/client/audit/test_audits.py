@@ -1,4 +1,4 @@
-"""The audit's sampler and its arbitration (`client.data_plane.audit`), with replicas faked
+"""The audit's sampler and its arbitration (`client.audit.audits`), with replicas faked
 behind its `Reexecutor` seam: who is drawn, and who a disagreement convicts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.data_plane.audit import TOLERANCE, Audits, Redone, Work, differs
+from client.audit.audits import TOLERANCE, Audits, Redone, Work, differs
 from client.data_plane.hops import StageHops
 from client.data_plane.plane import audits_of
 from client.metrics import TrainerMetrics

@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 import torch
 
-from client.data_plane.audit import Audits, Work
-from client.data_plane.push_fetch import fetched_record
+from client.audit.audits import Audits, Work
+from client.audit.push_fetch import fetched_record
 from swarm.job.config import JobConfig
 from swarm.model.subspace import wire_tokens
 from swarm.proto import stage_pb2 as pb
