@@ -24,8 +24,8 @@ its parameter gradient with a seed the audited replica never learns; the two dig
 for bit, go to the coordinator (`GradientDigest`), which holds their sum to the contribution.
 The second auditor's answers are held to the two others' there too, whoever agreed first. Two
 digests that differ are both reported (`GradientDigest.disputed`): the coordinator tells which
-is the gradient's from the round's q·x (`scheduler.coordinator.digest_disputes`), so an auditor
-that lies in its digest alone is convicted there.
+is the gradient's from the round's q·x (`scheduler.coordinator.trust.digest_disputes`), so an
+auditor that lies in its digest alone is convicted there.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ recomputes from the same bytes, so the gradient is the same. Bounded by `limit_b
 oldest microbatch forgotten first; a replay that finds nothing re-runs the pipeline instead.
 Each entry keeps who produced its bytes (the replicas that answered the stage before's outputs
 and the stage after's input gradient): a replay from them rests on those replicas' answers, and
-one banned since (issue 55, `scheduler.coordinator.bans`) makes them worthless. So does a
+one banned since (issue 55, `scheduler.coordinator.trust.bans`) makes them worthless. So does a
 rollback since (`swarm.rpc.epoch`): bytes of the same `(step, index)` taken before it may rest on
 the banned peer's answers further up the pipeline than the producers kept name.
 

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.coordinator.groups import RoundGroup
-from scheduler.coordinator.sum_checks import (
+from scheduler.coordinator.trust.sum_checks import (
     DOT_BLOCK,
     SIGMAS,
     Accusations,

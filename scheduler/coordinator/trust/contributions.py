@@ -39,9 +39,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
-from scheduler.coordinator.digest_disputes import DigestDisputes
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.sum_checks import DOT_BLOCK, SIGMAS, Checksums, new_seed, owner_words
+from scheduler.coordinator.trust.digest_disputes import DigestDisputes
+from scheduler.coordinator.trust.sum_checks import (
+    DOT_BLOCK,
+    SIGMAS,
+    Checksums,
+    new_seed,
+    owner_words,
+)
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.job.tolerance import tolerance_of
