@@ -3,8 +3,9 @@
 job for good, and its influence is replayed away.
 
 - **Banned**: it is no member from then on, whatever the peer registry or the command line says
-  (`members` filters it out of every view the coordinator takes: trainers, rounds, rollbacks,
-  checkpoints), and the ban is said in the log and to the job's history with the evidence.
+  (its `standing`'s `members` filters it out of every view the coordinator takes: trainers,
+  rounds, rollbacks, checkpoints), and the ban is said in the log and to the job's history
+  with the evidence (`on_ban` is given the `Ban`: its peer, its `text`).
   The id is its credential only where the broker binds ids to credentials (a certificate named
   as the id under `--use-identity-as-username`, a Mosquitto password of its own): with the
   shared token alone, TLS or not, a liar can come back under another id, to be audited again.
