@@ -12,8 +12,9 @@ module's source, so that a seeded violation can prove it bites:
 - only the CLI dispatcher loads modules by name;
 - only `swarm.job` reads the keys that choose the training rule (`KNOWN_RULE_READS` aside);
 - trust has its rooms (`TRUST_ROOMS`: the trainer's audits, the coordinator's judges): a module
-  named for trust lives in one, a room imports none of the planes it sits beside, and a module
-  outside the rooms imports one only at a door (`TRUST_DOORS`, each still used);
+  named for trust lives in one, and the concept map names it; a room imports none of the planes
+  it sits beside, and a module outside the rooms imports one only at a door (`TRUST_DOORS`, each
+  still used);
 - no import circle between project modules (`KNOWN_CIRCLES` aside, each still a circle);
 - tests take shared helpers only from `tests/support/` (`HELPER_SOURCES` aside, each still used);
 - a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it), and no Python file
@@ -818,6 +819,18 @@ def trust_violations(
     ]
 
 
+def unmapped_trust(modules: Iterable[tuple[str, str]], named: Iterable[str]) -> list[str]:
+    """Modules (name, path) of a trust room that the concept map does not name: trust's
+    modules are where the map says, whatever their size."""
+    named = set(named)
+    return [
+        f"{path}:1: {name} is a trust module: name it in {DOC_TABLES[0][0]}'s map "
+        f"('{DOC_TABLES[0][1]}')"
+        for name, path in sorted(modules)
+        if room_of(name) is not None and not path.endswith("__init__.py") and path not in named
+    ]
+
+
 # Import circles.
 
 
@@ -1097,8 +1110,11 @@ def test_only_the_job_reads_the_rule_keys() -> None:
 
 
 def test_trust_has_its_rooms() -> None:
-    modules = ((n, str(p.relative_to(ROOT))) for n, p in project_modules().items())
-    bad = trust_violations(edges(), modules)
+    modules = [(n, str(p.relative_to(ROOT))) for n, p in project_modules().items()]
+    doc, heading, _ = DOC_TABLES[0]
+    rows = table((ROOT / doc).read_text(), heading)
+    named = [path for _, _, path, _ in map_paths(rows, lambda p: (ROOT / p).exists())]
+    bad = trust_violations(edges(), modules) + unmapped_trust(modules, named)
     if bad:
         pytest.fail("trust threaded through the planes:\n" + "\n".join(bad))
 
@@ -1445,6 +1461,12 @@ def test_the_trust_room_checker() -> None:
         "TRUST_DOORS client.trainer: imports no trust room; remove it",
     ]
     assert not trust_violations(fine, modules[2:], {"client.data_plane.plane": "composes"})
+    rooms = [*modules, ("client.audit", "client/audit/__init__.py")]
+    assert unmapped_trust(rooms, ["scheduler/coordinator/bans.py"]) == [
+        "scheduler/coordinator/trust/bans.py:1: scheduler.coordinator.trust.bans is a trust "
+        "module: name it in docs/architecture.md's map ('Where each concept lives')"
+    ]
+    assert not unmapped_trust(rooms, ["scheduler/coordinator/trust/bans.py"])
 
 
 def test_the_circle_checker() -> None:
