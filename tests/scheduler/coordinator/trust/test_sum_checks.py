@@ -1,4 +1,4 @@
-"""The checksum of aggregators' sums (`scheduler.coordinator.sum_checks`, the contributors'
+"""The checksum of aggregators' sums (`scheduler.coordinator.trust.sum_checks`, the contributors'
 side `stage_server.averaging.checksum`): no false alarm on honest float32 rounds (uneven parts,
 slices that cut r's blocks, cancelling contributions, a wide range of magnitudes), a wrong sum
 caught, and what is not judged (a lossy round, a part some contributor did not report, NaN
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from scheduler.coordinator.sum_checks import DOT_BLOCK, Mismatch, mismatches, tolerance
+from scheduler.coordinator.trust.sum_checks import DOT_BLOCK, Mismatch, mismatches, tolerance
 from stage_server.averaging.butterfly import RoundSettings, all_reduce
 from stage_server.averaging.checksum import BLOCK, Draws, PartChecks, dots, sum_dots, weights
 from stage_server.averaging.owner import Averager

@@ -1,10 +1,10 @@
-"""Boundary disputes on the push plane (`client.data_plane.disputes`): one disagreement names
+"""Boundary disputes on the push plane (`client.audit.disputes`): one disagreement names
 nobody; a replica in dispute with two replicas of the same neighbouring stage is the liar, and an
 honest replica framed from both sides (two liars of two stages) is not."""
 
 from __future__ import annotations
 
-from client.data_plane.disputes import HOLD, Dispute, Disputes
+from client.audit.disputes import HOLD, Dispute, Disputes
 
 
 def _d(peer: str, stage: int, other: str, other_stage: int, index: int = 0) -> Dispute:

@@ -1,4 +1,4 @@
-"""The audit's sampler and its arbitration (`client.data_plane.audit`), with replicas faked
+"""The audit's sampler and its arbitration (`client.audit.audits`), with replicas faked
 behind its `Reexecutor` seam: who is drawn, and who a disagreement convicts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.data_plane.audit import TOLERANCE, Audits, Redone, Work, differs
+from client.audit.audits import TOLERANCE, Audits, Redone, Work, differs
 from client.data_plane.hops import StageHops
 from client.data_plane.plane import audits_of
 from client.metrics import TrainerMetrics
@@ -209,7 +209,7 @@ async def test_a_lying_second_auditor_of_a_contribution_is_convicted() -> None:
 async def test_two_auditors_that_disagree_on_a_gradient_are_both_reported_disputed() -> None:
     """Neither digest vouches for the contribution alone: each comes with its auditor named,
     `disputed`, for the coordinator to judge between them with the round's q·x
-    (`scheduler.coordinator.digest_disputes`). One auditor gone: nothing to judge."""
+    (`scheduler.coordinator.trust.digest_disputes`). One auditor gone: nothing to judge."""
     audits = _audits(Replicas(liars={"c"}), fraction=0.0)
     _, runs, digests = await audits.audited(0, 3, [_work()], [ContributionAudit(1, "a", 99)])
     assert runs == 2 and sorted(digests, key=lambda d: d.auditors) == [

@@ -1,4 +1,4 @@
-"""The push plane's audits (`client.data_plane.push_audit`) with replicas faked behind the
+"""The push plane's audits (`client.audit.push_audit`) with replicas faked behind the
 routes' `ClientFactory` seam: a stage drawn whose pool has nobody else to re-execute its work
 (a pool of one) has its record's tensors left where they are. Fetching them crossed the
 trainer's link for nothing: on issue 52's shaped bench (one replica a stage, home-link rates)
@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from client.data_plane.audit import Audits
-from client.data_plane.push_audit import PushAudits
-from client.data_plane.reexecute import StageReexecutor
+from client.audit.audits import Audits
+from client.audit.push_audit import PushAudits
+from client.audit.reexecute import StageReexecutor
 from client.metrics import TrainerMetrics
 from swarm.clock import MonotonicClock
 from swarm.job.config import JobConfig

@@ -20,15 +20,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from scheduler.coordinator.bans import Bans
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.norm_bound import outliers
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import LeftOut, RoundFailure, shorten
-from scheduler.coordinator.sent_words import judged
-from scheduler.coordinator.sum_checks import Checksums, replicas_to_leave_out
-from scheduler.coordinator.sum_liars import convicted
+from scheduler.coordinator.trust.bans import Bans
+from scheduler.coordinator.trust.norm_bound import outliers
+from scheduler.coordinator.trust.sent_words import judged
+from scheduler.coordinator.trust.sum_checks import Checksums, replicas_to_leave_out
+from scheduler.coordinator.trust.sum_liars import convicted
 from swarm.rpc.lease import Replica
 
 __all__ = ["LeaveOut", "RoundAnswers", "RoundChecks"]

@@ -1,10 +1,11 @@
 """Peers banned from a job (issue 55): a replica that an audit by re-execution caught lying
-(`client.data_plane.audit`: its answer contradicted by two others of its stage) is out of the
+(`client.audit.audits`: its answer contradicted by two others of its stage) is out of the
 job for good, and its influence is replayed away.
 
 - **Banned**: it is no member from then on, whatever the peer registry or the command line says
-  (`members` filters it out of every view the coordinator takes: trainers, rounds, rollbacks,
-  checkpoints), and the ban is said in the log and to the job's history with the evidence.
+  (its `standing`'s `members` filters it out of every view the coordinator takes: trainers,
+  rounds, rollbacks, checkpoints), and the ban is said in the log and to the job's history
+  with the evidence (`on_ban` is given the `Ban`: its peer, its `text`).
   The id is its credential only where the broker binds ids to credentials (a certificate named
   as the id under `--use-identity-as-username`, a Mosquitto password of its own): with the
   shared token alone, TLS or not, a liar can come back under another id, to be audited again.
@@ -58,22 +59,25 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Never, Protocol
 
-from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
+from scheduler.coordinator.trust.contributions import Contributions
+from scheduler.coordinator.trust.standing import Ban, Standing
 from swarm.job.config import JobConfig
-from swarm.net.peer_names import barred, credentials_of
 from swarm.net.seats import seat
 from swarm.rpc.lease import MicrobatchResult, Replica, Task, Verdict
 
-__all__ = ["Ban", "BanBook", "Bans", "doubt_window"]
+__all__ = ["Bans", "OnBan", "RollBack", "Void", "doubt_window"]
 
 log = logging.getLogger(__name__)
 
-Members = Callable[[], list[list[Replica]]]
+RollBack = Callable[[int], None]
+"""Roll every stage back to the last checkpoint at or before a step (`Rollback.to`)."""
+Void = Callable[[StepLedger, int, str], Awaitable[None]]
+"""Void a peer's gradients of a ledger's step at a stage (`Voids.void_duplicate`)."""
+OnBan = Callable[[Ban], Awaitable[None] | None]
+"""Tell the job's history and `swarm status` of a ban (`Ban.text` says it)."""
 MISSED = 1e-6  # the chance a liar lying in every answer escapes the audits of its doubt window
 
 
@@ -91,103 +95,57 @@ def doubt_window(job: JobConfig | None, replicas: int) -> int | None:
     return max(1, math.ceil(math.log(MISSED) / (answers * math.log1p(-fraction))))
 
 
-@dataclass(frozen=True)
-class Ban:
-    """A ban as kept beyond its coordinator."""
-
-    peer: str
-    stage: int
-    step: int  # the step it was caught at
-    since: int  # the first step its work may be in: its rollback goes to a checkpoint at or before
-    evidence: str
-    replayed: bool = False  # its rollback has run: the job's state holds none of its work
-
-
-class BanBook(Protocol):
-    """Where a job's bans outlive its coordinator (the scheduler's job store)."""
-
-    #: peer ids are bound to certificates (the broker's users are their certificates' names):
-    #: a ban bars every id its credential certifies (`swarm.net.peer_names.barred`)
-    binds_credentials: bool
-
-    def kept(self) -> list[Ban]:
-        """The job's bans made by the coordinators before this one."""
-        ...
-
-    def keep(self, ban: Ban) -> None:
-        """Keep `ban` (durably, before its rollback starts); a write that fails is logged,
-        and the ban holds as long as this coordinator."""
-        ...
-
-    def seen(self) -> dict[str, int]:
-        """The first step each peer was a member of the job at, as `see` kept it."""
-        ...
-
-    def see(self, peer: str, step: int) -> None:
-        """Keep `step` as the first `peer` was a member at (unless an earlier one is kept); a
-        write that fails is logged, and a restart takes the peer as present from step 0."""
-        ...
-
-
 class Bans:
+    """The bans of a job: verdicts judged and acted on through its `standing` (the one
+    members filter) and one rollback."""
+
     def __init__(
         self,
-        job_id: str,
+        standing: Standing,
         metrics: CoordinatorMetrics,
-        on_ban: Callable[[str], Awaitable[None] | None] | None = None,
+        *,
+        roll_back_to: RollBack,
+        void: Void,
+        on_ban: OnBan | None = None,
         job: JobConfig | None = None,
-        book: BanBook | None = None,
     ) -> None:
-        """`on_ban(text)`: tell the job's history and `swarm status`; `job`: its contributions
-        audited as it says (`Contributions.of`; None: not); `book`: the bans kept, which this
-        one starts with, and where it keeps its own (None: none kept). Its owner binds
-        `roll_back_to(step)` (roll every stage back to the last checkpoint at or before `step`)
-        and `void(ledger, stage, peer)` (void `peer`'s gradients of `ledger`'s step at `stage`)
-        once it has made them."""
-        self.job_id, self.metrics, self.on_ban, self.job = job_id, metrics, on_ban, job
+        """`standing`: who is banned and when each came (started from the bans kept);
+        `roll_back_to(step)`: roll every stage back to the last checkpoint at or before `step`;
+        `void(ledger, stage, peer)`: void `peer`'s gradients of `ledger`'s step at `stage`;
+        `on_ban(ban)`: tell the job's history and `swarm status`; `job`: its contributions
+        audited as it says (`Contributions.of`; None: not)."""
+        self.standing, self.job_id, self.metrics = standing, standing.job_id, metrics
+        self.roll_back_to, self.void, self.on_ban, self.job = roll_back_to, void, on_ban, job
         self._replicas: dict[int, int] = {}  # stage -> its replicas, as last seen (`saw`)
         self._addresses: dict[str, str] = {}  # peer -> where it is dialled, as last seen
         self._unconvicted: set[str] = set()  # peers a verdict of one host's seats accused
-        self.roll_back_to: Callable[[int], None] = _unbound
-        self.void: Callable[[StepLedger, int, str], Awaitable[None]] = _unbound
-        self.banned: dict[str, str] = {}  # peer -> the evidence
-        # peer -> the first step it was a member at, kept in `book` across coordinators
-        self.first_seen: dict[str, int] = dict(book.seen()) if book is not None else {}
-        self.caught_at: dict[str, int] = {}  # peer -> the step of the microbatch it was caught at
         self._origin: int | None = None  # the first step this coordinator leased work of
         self.contributions = Contributions.of(job)
         self.contributions.seat = self._seat  # its digests' auditors, as verdicts' (`_convicts`)
-        self.book = book
-        self._unreplayed: list[int] = []  # kept bans' `since`, their rollbacks not run yet
-        self._binds = book is not None and book.binds_credentials
-        self._credentials: set[str] = set()  # those of the banned peers, where ids bind them
-        for ban in book.kept() if book is not None else []:
-            self.banned[ban.peer], self.caught_at[ban.peer] = ban.evidence, ban.step
-            self._bar(ban.peer)
-            if not ban.replayed:
-                self._unreplayed.append(ban.since)
-        if self.banned:
-            shown = ", ".join(list(self.banned)[:10]) + (", ..." if len(self.banned) > 10 else "")
-            log.warning("job %s: %d banned before, still: %s", job_id, len(self.banned), shown)
+        # kept bans' `since`, their rollbacks not run yet
+        self._unreplayed = [ban.since for ban in standing.kept if not ban.replayed]
+
+    # What the standing says, for the job's readers (status, tests, the poison bench).
+    @property
+    def banned(self) -> dict[str, str]:
+        """Peer -> the evidence it was banned on."""
+        return self.standing.banned
+
+    @property
+    def caught_at(self) -> dict[str, int]:
+        """Peer -> the step of the microbatch it was caught at."""
+        return self.standing.caught_at
+
+    @property
+    def first_seen(self) -> dict[str, int]:
+        """Peer -> the first step it was a member at."""
+        return self.standing.first_seen
 
     def audited(
         self, ledger: StepLedger, tasks: list[Task], members: Sequence[Sequence[Replica]]
     ) -> list[Task]:
         """`tasks`, leased of `ledger`'s step, with the step's audits of contributions."""
         return self.contributions.tasks(ledger, tasks, members)
-
-    def members(self, members: Members) -> Members:
-        """`members` without the banned peers (and, where ids bind credentials, without every
-        id of a banned peer's credential)."""
-        return lambda: [[r for r in stage if not self.bars(r.peer)] for stage in members()]
-
-    def bars(self, peer: str) -> bool:
-        """Whether `peer` is no member: banned, or certified by a banned one's credential."""
-        return peer in self.banned or (self._binds and barred(peer, self._credentials))
-
-    def _bar(self, peer: str) -> None:
-        if self._binds:
-            self._credentials |= credentials_of(peer)
 
     def saw(self, members: Sequence[Sequence[Replica]], step: int) -> None:
         """Work of `step` was leased while these were members: their work may start there. A
@@ -210,15 +168,9 @@ class Bans:
                 self._addresses[r.peer] = r.address
                 known = self.first_seen.get(r.peer)  # kept ones stand: a restart keeps them
                 if known is None:
-                    self._first(r.peer, 0 if step == self._origin else step)
+                    self.standing.came(r.peer, 0 if step == self._origin else step)
                 elif step < known:  # a step replayed after a rollback: it worked there again
-                    self._first(r.peer, step)
-
-    def _first(self, peer: str, step: int) -> None:
-        """`peer` was a member at `step`, before any step known so far: kept in the book too."""
-        self.first_seen[peer] = step
-        if self.book is not None:
-            self.book.see(peer, step)
+                    self.standing.came(r.peer, step)
 
     async def screen(
         self, trainer: str, result: MicrobatchResult, ledger: StepLedger | None
@@ -234,11 +186,11 @@ class Bans:
         # `saw` missed it there) may still have been routed to by a trainer following it.
         for peer in result.touched:
             if result.step < self.first_seen.get(peer, result.step + 1):
-                self._first(peer, result.step)
+                self.standing.came(peer, result.step)
         for verdict in result.verdicts:
             if verdict.peer not in self.banned and self._convicts(verdict):
                 await self._ban(verdict.peer, verdict.stage, verdict.evidence, result.step)
-        if not any(self.bars(peer) for peer in result.touched):
+        if not any(self.standing.bars(peer) for peer in result.touched):
             return False
         if ledger is not None and ledger.step == result.step:
             ledger.release(trainer, [result.index])
@@ -279,34 +231,26 @@ class Bans:
     async def _ban(
         self, peer: str, stage: int, evidence: str, step: int, by: str = "an audit"
     ) -> None:
-        self.banned[peer], self.caught_at[peer] = evidence, step
-        self._bar(peer)
+        self.standing.bar(peer, evidence, step)
         since = min(self.first_seen.get(peer, step), step)
         # where a credential is barred, its other ids' work is the liar's too
-        others = [f for p, f in self.first_seen.items() if self._binds and self.bars(p)]
+        others = [
+            f for p, f in self.first_seen.items() if self.standing.binds and self.standing.bars(p)
+        ]
         since = min([since, *others])
         # A peer admitted after its step's leases went out and caught as an auditor was seen by
         # neither `saw` nor a result's path: its first step is the one it was caught at.
         if peer not in self.first_seen:
-            self._first(peer, since)
+            self.standing.came(peer, since)
         window = doubt_window(self.job, self._replicas.get(stage, 1))
         if window is not None:  # no deeper than the audits leave a steady liar unseen
             since = max(since, step - window)
         self.metrics.bans.inc()
-        text = (
-            f"banned {peer} (stage {stage}): {by} caught it lying: {evidence}; rolling back "
-            f"to the last checkpoint at or before step {since}, the first it could have lied "
-            "at unseen, and training again without it"
-        )
-        log.warning("job %s: %s", self.job_id, text)
-        if self.book is not None:  # kept before its rollback: a restart meanwhile runs it
-            self.book.keep(Ban(peer, stage, step, since, evidence))
+        ban = Ban(peer, stage, step, since, evidence, by=by)
+        log.warning("job %s: %s", self.job_id, ban.text)
+        self.standing.keep(ban)  # kept before its rollback: a restart meanwhile runs it
         self.roll_back_to(since)
         if self.on_ban is not None:
-            said = self.on_ban(text)
+            said = self.on_ban(ban)
             if said is not None:
                 await said
-
-
-def _unbound(*_: object) -> Never:
-    raise AssertionError("Bans used before its owner bound its rollback and voids")

@@ -13,7 +13,7 @@ honest pair agrees up to the dots' own rounding (`agree`). So:
   its own report, or by two other contributors').
 - **A disagreement is one word against another** (`disagreements`): nothing signed the values
   on the wire, so it cannot tell the member that lies about what it sent from the owner that
-  lies about what it received. As on the push plane (`client.data_plane.disputes`), a liar
+  lies about what it received. As on the push plane (`client.audit.disputes`), a liar
   disagrees with every honest party it deals with and an honest one only with liars: the party
   in disagreement with two others or more is the liar (`liars`), and with at most one liar in a
   pool, framing an honest one takes two. A single disagreement convicts no one: the round
@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.coordinator.groups import RoundGroup
-from scheduler.coordinator.sum_checks import (
+from scheduler.coordinator.trust.sum_checks import (
     DOT_BLOCK,
     SIGMAS,
     Accusations,

@@ -1,5 +1,5 @@
-"""A push-plane replica's record fetched for an audit (`client.data_plane.push_audit`,
-`client.data_plane.push_contributions`): its tensors of one run of a microbatch, which must be
+"""A push-plane replica's record fetched for an audit (`client.audit.push_audit`,
+`client.audit.push_contributions`): its tensors of one run of a microbatch, which must be
 what it committed to before anything was drawn (`stage_server.replica.push_records`)."""
 
 from __future__ import annotations

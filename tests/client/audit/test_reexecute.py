@@ -1,4 +1,4 @@
-"""The carry plane's re-executor (`client.data_plane.reexecute`) asked to re-execute on a replica
+"""The carry plane's re-executor (`client.audit.reexecute`) asked to re-execute on a replica
 its routes no longer follow: another trainer's audit banned it while this one's was between its
 first and second auditor (two trainers, one liar, `tests/test_audits.py` found it). It must answer
 as for any peer gone, which the audit counts as no evidence either way, not raise KeyError out of
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.data_plane.audit import Work
-from client.data_plane.reexecute import StageReexecutor
+from client.audit.audits import Work
+from client.audit.reexecute import StageReexecutor
 from swarm.clock import MonotonicClock
 from swarm.errors import PeerUnavailable
 from swarm.policy.wiring import Wiring

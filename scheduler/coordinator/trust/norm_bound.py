@@ -32,7 +32,7 @@ import statistics
 from collections.abc import Mapping
 
 from scheduler.coordinator.groups import RoundGroup
-from scheduler.coordinator.sum_checks import Checksums
+from scheduler.coordinator.trust.sum_checks import Checksums
 
 __all__ = ["outliers"]
 

@@ -1,6 +1,6 @@
 """A member's word about what it sent, held to its owner's about what it received
-(`scheduler.coordinator.sent_words`, judged by `sum_checks` and `sum_liars`; issue 55): a member
-that lies about its own contribution is convicted by two owners and frames no one; one
+(`scheduler.coordinator.trust.sent_words`, judged by `sum_checks` and `sum_liars`; issue 55): a
+member that lies about its own contribution is convicted by two owners and frames no one; one
 disagreement leaves both out; an owner that forges its sum within the norms is convicted by its
 own words; and in the contributions' audit, a member's lie about what it sent to another owner
 moves nothing (the owner's word pins it). Reports made by hand, as in test_sum_liars.py; the
@@ -14,12 +14,12 @@ from typing import Any, cast
 import pytest
 import torch
 
-from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.sent_words import judged
-from scheduler.coordinator.sum_checks import Checksums, mismatches, replicas_to_leave_out
-from scheduler.coordinator.sum_liars import convicted
+from scheduler.coordinator.trust.contributions import Contributions
+from scheduler.coordinator.trust.sent_words import judged
+from scheduler.coordinator.trust.sum_checks import Checksums, mismatches, replicas_to_leave_out
+from scheduler.coordinator.trust.sum_liars import convicted
 from stage_server.averaging.checksum import dots
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task

@@ -1,6 +1,7 @@
-"""Which replica owners a round's sum checks convict (`scheduler.coordinator.sum_liars`): banned
-only on evidence no single other member can make, on reports made by hand; the real rounds are
-tests/stage_server/averaging/test_hostile_owner.py's and tests/system/test_poison_rounds.py's."""
+"""Which replica owners a round's sum checks convict (`scheduler.coordinator.trust.sum_liars`):
+banned only on evidence no single other member can make, on reports made by hand; the real rounds
+are tests/stage_server/averaging/test_hostile_owner.py's and
+tests/system/test_poison_rounds.py's."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import math
 import pytest
 
 from scheduler.coordinator.groups import Aggregator, Link, RoundGroup
-from scheduler.coordinator.sum_checks import Checksums, replicas_to_leave_out, verify
-from scheduler.coordinator.sum_liars import convicted
+from scheduler.coordinator.trust.sum_checks import Checksums, replicas_to_leave_out, verify
+from scheduler.coordinator.trust.sum_liars import convicted
 from swarm.proto import stage_pb2 as pb
 
 GROUP = RoundGroup(("a", "b", "c"))

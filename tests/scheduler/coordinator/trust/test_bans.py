@@ -1,4 +1,4 @@
-"""`scheduler.coordinator.bans`: a verdict bans once and rolls back to the banned peer's first
+"""`scheduler.coordinator.trust.bans`: a verdict bans once and rolls back to the banned peer's first
 step; a result resting on a banned peer's answer is not counted, its holders are voided and its
 lease goes out again; every result's audit price is counted."""
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.bans import Ban, BanBook, Bans, doubt_window
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
+from scheduler.coordinator.trust.bans import Bans, RollBack, doubt_window
+from scheduler.coordinator.trust.standing import Ban, BanBook, Standing
 from scheduler.store import JobStore
 from scheduler.stored_bans import StoredBans
 from swarm.job.config import JobConfig
@@ -23,15 +24,31 @@ def _bans(
     job: JobConfig | None = None, book: BanBook | None = None
 ) -> tuple[Bans, list[int], list[tuple[int, int, str]], list[str]]:
     said: list[str] = []
-    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), said.append, job, book)
     rolled: list[int] = []
     voided: list[tuple[int, int, str]] = []
 
     async def void(ledger: StepLedger, stage: int, peer: str) -> None:
         voided.append((ledger.step, stage, peer))
 
-    bans.roll_back_to, bans.void = rolled.append, void
+    bans = Bans(
+        Standing("job", book),
+        CoordinatorMetrics("job", CollectorRegistry()),
+        roll_back_to=rolled.append,
+        void=void,
+        on_ban=lambda ban: said.append(ban.text),
+        job=job,
+    )
     return bans, rolled, voided, said
+
+
+async def _no_void(ledger: StepLedger, stage: int, peer: str) -> None:
+    raise AssertionError("nothing is voided here")
+
+
+def _kept(book: BanBook, rolled: RollBack) -> Bans:
+    """Bans started from `book`, rolling back into `rolled`, with no job and nobody told."""
+    metrics = CoordinatorMetrics("job", CollectorRegistry())
+    return Bans(Standing("job", book), metrics, roll_back_to=rolled, void=_no_void)
 
 
 def _result(step: int, index: int, *, touched: tuple[str, ...], **kw: object) -> MicrobatchResult:
@@ -43,7 +60,7 @@ async def test_a_verdict_bans_once_and_rolls_back_to_the_liars_first_step() -> N
     bans.saw([[Replica("a", "a:1")], [Replica("b", "b:1")]], 2)  # a coordinator started at 2
     bans.saw([[Replica("a", "a:1")], [Replica("b", "b:1"), Replica("liar", "l:1")]], 5)
     assert bans.first_seen == {"a": 0, "b": 0, "liar": 5}  # those at its start: from step 0
-    members = bans.members(lambda: [[Replica("a", "a:1")], [Replica("liar", "l:1")]])
+    members = bans.standing.members(lambda: [[Replica("a", "a:1")], [Replica("liar", "l:1")]])
     verdict = Verdict("liar", 1, "its outputs differ")
     ledger = StepLedger(step=7, microbatches=4, stages=2, microbatch_size=4)
     result = _result(7, 0, touched=("a", "liar"), verdicts=(verdict,), stage_runs=2, audit_runs=2)
@@ -127,10 +144,9 @@ async def test_kept_bans_hold_from_the_start_and_a_new_one_is_kept_before_its_ro
         Ban("cut-short", 1, 6, 4, "its sums differ"),  # the scheduler stopped before its rollback
     ]
     book = _Book(kept, order)
-    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), None, None, book)
-    bans.roll_back_to = order.append
+    bans = _kept(book, order.append)
     assert bans.banned == {"old": "its outputs differ", "cut-short": "its sums differ"}
-    members = bans.members(lambda: [[Replica("old", "o:1"), Replica("a", "a:1")], []])
+    members = bans.standing.members(lambda: [[Replica("old", "o:1"), Replica("a", "a:1")], []])
     assert members() == [[Replica("a", "a:1")], []]
     assert order == []  # nothing until this coordinator leases
     bans.saw([[Replica("a", "a:1")]], 8)
@@ -216,27 +232,30 @@ async def test_a_ban_binds_the_liars_certificate_where_ids_are_bound_to_certific
     alice banned."""
     stage = [Replica(p, f"{p}:1") for p in ("gpu1.alice", "gpu2.alice", "bob", "alicex")]
     book = _Binding([], [])
-    bans = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), None, None, book)
     rolled: list[int] = []
-    bans.roll_back_to = rolled.append
+    bans = _kept(book, rolled.append)
     bans.saw([stage[2:]], 0)
     bans.saw([stage[1:]], 3)  # its second id joined at step 3, the one caught at 5
     bans.saw([stage], 5)
     await bans.ban("gpu1.alice", 0, "its outputs differ", 9)
     back = [Replica(p, f"{p}:2") for p in ("alice", "gpu3.alice", "x.gpu1.alice")]
-    members = bans.members(lambda: [[*stage, *back]])
+    members = bans.standing.members(lambda: [[*stage, *back]])
     assert [r.peer for r in members()[0]] == ["bob", "alicex"]
     assert rolled == [3]  # the work of its other id too
     # kept: a restarted scheduler's coordinator bars them from its start
-    again = Bans(
-        "job", CoordinatorMetrics("job", CollectorRegistry()), None, None, _Binding(book.bans, [])
-    )
-    assert [r.peer for r in again.members(lambda: [[*stage, *back]])()[0]] == ["bob", "alicex"]
+    again = _kept(_Binding(book.bans, []), rolled.append)
+    assert [r.peer for r in again.standing.members(lambda: [[*stage, *back]])()[0]] == [
+        "bob",
+        "alicex",
+    ]
     # the shared token alone binds no id to a certificate: by id only
-    by_id = Bans("job", CoordinatorMetrics("job", CollectorRegistry()), None, None, _Book([], []))
-    by_id.roll_back_to = rolled.append
+    by_id = _kept(_Book([], []), rolled.append)
     await by_id.ban("gpu1.alice", 0, "its outputs differ", 9)
-    assert [r.peer for r in by_id.members(lambda: [stage])()[0]] == ["gpu2.alice", "bob", "alicex"]
+    assert [r.peer for r in by_id.standing.members(lambda: [stage])()[0]] == [
+        "gpu2.alice",
+        "bob",
+        "alicex",
+    ]
 
 
 def test_the_doubt_window_is_where_a_steady_liar_escapes_the_audits(tmp_path: Path) -> None:

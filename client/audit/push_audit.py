@@ -8,7 +8,7 @@ drawn, the trainer asks every replica of the path for its commitment, each over 
 - **Every boundary, every microbatch**: the two sides must agree about what crossed it (the
   activations and their gradient, the targets, the token ids), and stage 0 about what the trainer
   itself sent it. Stage 0 contradicting the trainer is caught at once; two replicas disagreeing
-  is a dispute (`client.data_plane.disputes`), which names the liar once two replicas of one
+  is a dispute (`client.audit.disputes`), which names the liar once two replicas of one
   stage say the same of it. That is what catches a replica that commits to one tensor and sends
   another.
 - **A sample of stages, re-executed**: `[trust] audit_fraction` of the stages, drawn from the
@@ -19,7 +19,7 @@ drawn, the trainer asks every replica of the path for its commitment, each over 
 
 - **Contributions**: the stages whose replica's contribution the coordinator drew
   (`Task.audits`) are redone from their neighbours' records with its seed
-  (`client.data_plane.push_contributions`), whatever the draw above.
+  (`client.audit.push_contributions`), whatever the draw above.
 
 A replica that answers nothing (gone, its record dropped) is no evidence either way.
 """
@@ -33,15 +33,15 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from client.data_plane.audit import Audits, Work
-from client.data_plane.disputes import Dispute, Disputes
-from client.data_plane.push_contributions import PushContributions
-from client.data_plane.push_fetch import fetched_record
+from client.audit.audits import Audits, Work
+from client.audit.disputes import Dispute, Disputes
+from client.audit.push_contributions import PushContributions
+from client.audit.push_fetch import fetched_record
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
 from swarm.model.subspace import wire_tokens
 from swarm.proto import stage_pb2 as pb
-from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
+from swarm.rpc.lease import ContributionAudit, GradientDigest, Task, Verdict
 from swarm.rpc.routes import Routes
 from swarm.wire import codec
 from swarm.wire.digest import digest
@@ -79,6 +79,28 @@ class PushAudits:
         if drawn or any(len(redo.peers(k)) > 1 for k in range(self.job.training.stages)):
             return secrets.randbits(63) | 1  # never 0
         return 0
+
+    def set_aside(self) -> set[str]:
+        return self.disputes.set_aside()
+
+    def challenged(self) -> set[str]:
+        return self.disputes.challenged()
+
+    async def audited(
+        self,
+        task: Task,
+        run: int,
+        chain: Sequence[str],
+        holders: dict[int, str],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss: float,
+    ) -> tuple[tuple[Verdict, ...], int, list[GradientDigest]]:
+        """The push plane's audit of run `run` of `task` (`client.data_plane.push.PushTrust`):
+        the contributions `task` names drawn from the stages `holders` accumulated, then
+        `audit`."""
+        drawn = self.contributions.drawn(chain, holders, task.audits)
+        return await self.audit(task.step, task.index, run, chain, ids, labels, drawn, loss)
 
     async def audit(
         self,

@@ -1,4 +1,4 @@
-"""A stage's work run again on a chosen replica, for an audit (`client.data_plane.audit`): the
+"""A stage's work run again on a chosen replica, for an audit (`client.audit.audits`): the
 same calls the carry plane makes, from the same bytes, with nothing accumulated. Not a hop (no
 retry elsewhere, nothing fed to the wiring): the audit wants this replica's answer, or none."""
 
@@ -8,7 +8,7 @@ from collections.abc import Awaitable
 
 import torch
 
-from client.data_plane.audit import Redone, Work
+from client.audit.audits import Redone, Work
 from swarm.errors import ActivationsNotCached, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.rpc.routes import Routes

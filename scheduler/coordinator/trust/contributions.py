@@ -39,9 +39,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
-from scheduler.coordinator.digest_disputes import DigestDisputes
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.sum_checks import DOT_BLOCK, SIGMAS, Checksums, new_seed, owner_words
+from scheduler.coordinator.trust.digest_disputes import DigestDisputes
+from scheduler.coordinator.trust.sum_checks import (
+    DOT_BLOCK,
+    SIGMAS,
+    Checksums,
+    new_seed,
+    owner_words,
+)
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.job.tolerance import tolerance_of
@@ -86,7 +92,7 @@ class Contributions:
     def of(cls, job: JobConfig | None) -> Contributions:
         """A job's: on where rounds are steps' (`[trust] audit_fraction`), on either plane
         (the push plane's trainer redoes a stage from its neighbours' records:
-        `client.data_plane.push_contributions`); off otherwise."""
+        `client.audit.push_contributions`); off otherwise."""
         if job is None or rule_of(job).rounds:
             return cls(0.0)
         return cls(drawn_share(job.trust.audit_fraction), tolerance=tolerance_of(job))

@@ -31,8 +31,8 @@ import math
 from collections.abc import Mapping, Sequence
 
 from scheduler.coordinator.groups import RoundGroup
-from scheduler.coordinator.sent_words import by_seed, disagreements, liars, owner_tolerance
-from scheduler.coordinator.sum_checks import Checksums, norm_ceiling, owner_words
+from scheduler.coordinator.trust.sent_words import by_seed, disagreements, liars, owner_tolerance
+from scheduler.coordinator.trust.sum_checks import Checksums, norm_ceiling, owner_words
 from swarm.net.seats import seat
 from swarm.proto import stage_pb2 as pb
 

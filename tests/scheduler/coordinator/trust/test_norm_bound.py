@@ -1,12 +1,12 @@
-"""The norm bound's judgement (`scheduler.coordinator.norm_bound`) and who a failed checksum of a
-replica's part leaves out (`sum_checks.replicas_to_leave_out`), on reports made by hand; the
+"""The norm bound's judgement (`scheduler.coordinator.trust.norm_bound`) and who a failed checksum
+of a replica's part leaves out (`sum_checks.replicas_to_leave_out`), on reports made by hand; the
 real rounds are tests/stage_server/averaging/test_hostile_owner.py's."""
 
 from __future__ import annotations
 
 from scheduler.coordinator.groups import RoundGroup
-from scheduler.coordinator.norm_bound import outliers
-from scheduler.coordinator.sum_checks import Checksums, replicas_to_leave_out
+from scheduler.coordinator.trust.norm_bound import outliers
+from scheduler.coordinator.trust.sum_checks import Checksums, replicas_to_leave_out
 from swarm.proto import stage_pb2 as pb
 
 GROUP = RoundGroup(("a", "b", "c"))

@@ -1,6 +1,6 @@
 """Two auditors of a contribution that disagree on a gradient's digest, the coordinator's side
-(`scheduler.coordinator.digest_disputes`, through `Contributions.judge`): the round's q·x of the
-audited replica is the third word, so an auditor that lies in its digest alone is convicted;
+(`scheduler.coordinator.trust.digest_disputes`, through `Contributions.judge`): the round's q·x of
+the audited replica is the third word, so an auditor that lies in its digest alone is convicted;
 a disagreement within two honest devices' rounding convicts no one, and neither does one that
 q·x cannot settle."""
 
@@ -14,9 +14,9 @@ from typing import cast
 import pytest
 import torch
 
-from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.sum_checks import SIGMAS, Checksums
+from scheduler.coordinator.trust.contributions import Contributions
+from scheduler.coordinator.trust.sum_checks import SIGMAS, Checksums
 from stage_server.averaging.checksum import dots
 from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task
 from tests.support.audited_round import PEERS, Ledger, grads, round_of

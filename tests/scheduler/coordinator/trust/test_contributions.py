@@ -1,7 +1,7 @@
 """The audit of a replica's contribution, the coordinator's side
-(`scheduler.coordinator.contributions`): the audited replica's q·x told from the others' reports
-alone (`PartChecks` with the audit's seed, as each member's averaging takes them) and held to
-its microbatches' digests; a contribution bent within any norm bound is caught, an honest one
+(`scheduler.coordinator.trust.contributions`): the audited replica's q·x told from the others'
+reports alone (`PartChecks` with the audit's seed, as each member's averaging takes them) and held
+to its microbatches' digests; a contribution bent within any norm bound is caught, an honest one
 (summed in another order) never; and what is drawn, and for whom."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any, cast
 import pytest
 import torch
 
-from scheduler.coordinator import contributions as contributions_module
-from scheduler.coordinator.contributions import Contributions, drawn_share
 from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.trust import contributions as contributions_module
+from scheduler.coordinator.trust.contributions import Contributions, drawn_share
 from stage_server.averaging.checksum import dots, weights
 from swarm.job.tolerance import tolerance_of
 from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task

@@ -3,8 +3,8 @@ parameter-gradient audit"): what a replica adds into its gradient sums, held to 
 re-executed by two others of its stage, as on the carry plane.
 
 The coordinator draws the audited replicas and their seeds per step (`Task.audits`,
-`scheduler.coordinator.contributions`) and judges at the round; the trainer's part is, for each
-microbatch an audited replica accumulated, a `GradientDigest` agreed bit for bit by two others
+`scheduler.coordinator.trust.contributions`) and judges at the round; the trainer's part is, for
+each microbatch an audited replica accumulated, a `GradientDigest` agreed bit for bit by two others
 of its stage that redid it with `digest_seed` = q. On the carry plane the trainer holds the
 stage's bytes; here they passed between replicas, and the audited one must not learn it is drawn
 before the round, where it sends its contribution (it would send an honest one exactly when
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 import torch
 
-from client.data_plane.audit import Audits, Work
-from client.data_plane.push_fetch import fetched_record
+from client.audit.audits import Audits, Work
+from client.audit.push_fetch import fetched_record
 from swarm.job.config import JobConfig
 from swarm.model.subspace import wire_tokens
 from swarm.proto import stage_pb2 as pb

@@ -24,8 +24,8 @@ its parameter gradient with a seed the audited replica never learns; the two dig
 for bit, go to the coordinator (`GradientDigest`), which holds their sum to the contribution.
 The second auditor's answers are held to the two others' there too, whoever agreed first. Two
 digests that differ are both reported (`GradientDigest.disputed`): the coordinator tells which
-is the gradient's from the round's q·x (`scheduler.coordinator.digest_disputes`), so an auditor
-that lies in its digest alone is convicted there.
+is the gradient's from the round's q·x (`scheduler.coordinator.trust.digest_disputes`), so an
+auditor that lies in its digest alone is convicted there.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from swarm.rpc.stage_client import TensorLike
 
 __all__ = [
     "TOLERANCE",
-    "Audited",
     "Audits",
     "Redone",
     "Reexecutor",
+    "StageAudit",
     "Work",
     "differs",
     "tolerance_of",
@@ -84,7 +84,7 @@ class Redone:
 
 
 @dataclass(frozen=True)
-class Audited:
+class StageAudit:
     """One stage's audit of one microbatch: the liars found, the gradient digests (two
     auditors', or each one's where they differ) and the re-executions it took (counted here,
     not read off the trainer's counter, which concurrent audits share)."""
@@ -96,7 +96,7 @@ class Audited:
 
 class Reexecutor(Protocol):
     """Runs a stage's work again on a chosen replica, accumulating nothing (the seam: gRPC in
-    `client.data_plane.reexecute`, fakes in unit tests)."""
+    `client.audit.reexecute`, fakes in unit tests)."""
 
     def peers(self, stage: int) -> list[str]:
         """The replicas of `stage` that can audit now."""
@@ -211,14 +211,14 @@ class Audits:
         self.metrics.audit_runs.inc()
         return done
 
-    async def judge(self, step: int, index: int, work: Work, seed: int = 0) -> Audited:
+    async def judge(self, step: int, index: int, work: Work, seed: int = 0) -> StageAudit:
         """Re-execute `work` on another replica of its stage (and, if they disagree, on a
         second): the liars found, with the evidence; with `seed`, its gradient digested by two
         auditors at once, or each one's digest where they differ (the push plane's
-        contributions' audit: `client.data_plane.push_contributions`)."""
+        contributions' audit: `client.audit.push_contributions`)."""
         return await self._audit(step, index, work, seed)
 
-    async def _audit(self, step: int, index: int, work: Work, seed: int = 0) -> Audited:
+    async def _audit(self, step: int, index: int, work: Work, seed: int = 0) -> StageAudit:
         """The liars found in `work`; with `seed`, its gradient's digest by two auditors (or
         each one's, where they differ)."""
         claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
@@ -227,7 +227,7 @@ class Audits:
         first = self.rng.choice(others) if others else None
         if first is None:
             self.metrics.audited("skipped")
-            return Audited()
+            return StageAudit()
         second = None
         if seed:  # a digest needs two: both asked at once, neither waits for the other
             second = self._second(others, first)
@@ -240,7 +240,7 @@ class Audits:
         runs = (a is not None) + (b is not None)
         if a is None:
             self.metrics.audited("skipped")
-            return Audited(runs=runs)
+            return StageAudit(runs=runs)
         if not seed:
             second = self._second(others, first)
         digest = _digest(work, seed, first, a, second, b)
@@ -252,9 +252,9 @@ class Audits:
             if second is not None and b is not None:  # asked for the digest: its answers too
                 lied = self._outvoted(work, where, first, redone_a, second, b)
                 if lied is not None:
-                    return Audited([lied], digest, runs)
+                    return StageAudit([lied], digest, runs)
             self.metrics.agreed(max(gaps.values()))
-            return Audited([], digest, runs)
+            return StageAudit([], digest, runs)
         if b is None and second is not None:
             b = await self._redo(second, step, index, work)
             runs += b is not None
@@ -269,7 +269,7 @@ class Audits:
                 first,
                 gaps[wrong[0]],
             )
-            return Audited([], digest, runs)
+            return StageAudit([], digest, runs)
         redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
         verdicts = []
         for item in wrong:
@@ -299,7 +299,7 @@ class Audits:
             self.metrics.audited("caught")
             log.warning("audit: %s caught lying: %s", liar, evidence)
             verdicts.append(Verdict(liar, work.stage, evidence, accusers))
-        return Audited(verdicts, digest, runs)
+        return StageAudit(verdicts, digest, runs)
 
     def _second(self, others: Sequence[str], first: str) -> str | None:
         """The auditor that arbitrates, or digests beside `first` (None: no other replica)."""

@@ -40,7 +40,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from scheduler.coordinator.sum_checks import SIGMAS
+from scheduler.coordinator.trust.sum_checks import SIGMAS
 from swarm.rpc.lease import ContributionAudit, GradientDigest
 
 __all__ = ["Compare", "DigestDisputes"]
